@@ -1,0 +1,30 @@
+#!/bin/sh
+# Runs every Criterion test binary under BUILD/tests (or those named after
+# it), prints each one's result, and ends with one line
+# "tests: N passed, N failed" that sums them. Exits non-zero on any failure.
+build=${1:-build}; shift
+if [ $# -gt 0 ]; then bins=""; for n in "$@"; do bins="$bins $build/tests/$n"; done
+else bins=$(ls "$build"/tests/test_* 2>/dev/null | grep -v '\.[od]$'); fi
+pass=0; fail=0; bad=""
+for b in $bins; do
+  name=$(basename "$b")
+  start=$(date +%s)
+  out=$("$b" --jobs 2 2>&1); rc=$?
+  secs=$(( $(date +%s) - start ))
+  line=$(printf '%s\n' "$out" | grep 'Synthesis:' | tail -1)
+  t=$(printf '%s' "$line" | sed -n 's/.*Tested: \([0-9]*\).*/\1/p')
+  p=$(printf '%s' "$line" | sed -n 's/.*Passing: \([0-9]*\).*/\1/p')
+  t=${t:-0}; p=${p:-0}
+  if [ $rc -ne 0 ] || [ "$t" != "$p" ] || [ "$t" = 0 ]; then
+    printf '%s\n' "$out" | grep -v '^\[----\]' | tail -40
+    f=$(( t - p )); [ $f -le 0 ] && f=1
+    fail=$(( fail + f )); pass=$(( pass + p )); bad="$bad $name"
+    printf 'FAIL %-28s %s (%ss, exit %s)\n' "$name" "$line" "$secs" "$rc"
+  else
+    pass=$(( pass + p ))
+    printf 'ok   %-28s %3s tests (%ss)\n' "$name" "$t" "$secs"
+  fi
+done
+[ -n "$bad" ] && echo "failing:$bad"
+echo "tests: $pass passed, $fail failed"
+[ $fail -eq 0 ]

@@ -1,0 +1,54 @@
+/* tools/tandem.c: the tandem command, dispatching to subcommands.
+ * Subcommands are linked weakly so that the list printed by --help is
+ * exactly the set that was built into this binary. */
+#include <stdio.h>
+#include <string.h>
+
+#include "tools/tools.h"
+
+#pragma weak tdm_tool_train_main
+#pragma weak tdm_tool_info_main
+#pragma weak tdm_tool_bench_main
+#pragma weak tdm_tool_launch_main
+#pragma weak tdm_tool_compare_main
+
+typedef int (*tdm_tool_main_fn)(int, char **);
+
+static const struct {
+    const char *name;
+    tdm_tool_main_fn fn;
+    const char *help;
+} tdm_tool_cmds[] = {
+    {"train", tdm_tool_train_main, "train a model (single device, DP or DDP)"},
+    {"compare", tdm_tool_compare_main, "one device, DP and DDP side by side"},
+    {"launch", tdm_tool_launch_main, "run N ranks of your own program (like torchrun)"},
+    {"bench", tdm_tool_bench_main, "collective benchmark (nccl-tests columns)"},
+    {"info", tdm_tool_info_main, "build configuration and visible devices"},
+};
+#define TDM_TOOL_NCMDS (sizeof tdm_tool_cmds / sizeof tdm_tool_cmds[0])
+
+static void tdm_tool_usage(FILE *f)
+{
+    fprintf(f, "usage: tandem <command> [options]   (tandem <command> --help for details)\n\n"
+               "tandem trains neural networks on several devices of one machine, with\n"
+               "DataParallel (threads) and DistributedDataParallel (processes) side by side.\n\n"
+               "commands:\n");
+    for (size_t i = 0; i < TDM_TOOL_NCMDS; i++)
+        if (tdm_tool_cmds[i].fn) fprintf(f, "  %-9s %s\n", tdm_tool_cmds[i].name, tdm_tool_cmds[i].help);
+    fprintf(f, "\nenvironment: TANDEM_DEBUG=WARN|INFO|TRACE, TANDEM_DEBUG_SUBSYS=SHM,DP,DDP,...\n");
+}
+
+int main(int argc, char **argv)
+{
+    if (argc < 2 || !strcmp(argv[1], "--help") || !strcmp(argv[1], "-h") ||
+        !strcmp(argv[1], "help")) {
+        tdm_tool_usage(argc < 2 ? stderr : stdout);
+        return argc < 2 ? 2 : 0;
+    }
+    for (size_t i = 0; i < TDM_TOOL_NCMDS; i++)
+        if (tdm_tool_cmds[i].fn && !strcmp(argv[1], tdm_tool_cmds[i].name))
+            return tdm_tool_cmds[i].fn(argc - 1, argv + 1);
+    fprintf(stderr, "tandem: unknown command '%s'\n", argv[1]);
+    tdm_tool_usage(stderr);
+    return 2;
+}

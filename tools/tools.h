@@ -1,0 +1,14 @@
+/* tools/tools.h: the subcommands of the tandem CLI, one *_main per
+ * subcommand, each in its own file under tools/. tools/tandem.c
+ * dispatches on argv[1]. Only tools/ prints to the user or calls exit(). */
+#ifndef TDM_TOOLS_H
+#define TDM_TOOLS_H
+
+/* Each returns the process exit code: 0 ok, 1 runtime failure, 2 usage. */
+int tdm_tool_train_main(int argc, char **argv);   /* tools/train.c */
+int tdm_tool_info_main(int argc, char **argv);    /* tools/info.c */
+int tdm_tool_bench_main(int argc, char **argv);   /* tools/bench_coll.c */
+int tdm_tool_launch_main(int argc, char **argv);  /* tools/launch.c */
+int tdm_tool_compare_main(int argc, char **argv); /* tools/compare.c */
+
+#endif
