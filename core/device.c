@@ -1,0 +1,209 @@
+/* core/device.c: opening devices, parsing device lists, and the
+ * dispatchers that validate arguments before calling a backend (gemm's
+ * leading dimensions, cross-device copies). Backends live elsewhere:
+ * core/device_host.c and cuda/. */
+#include "core/device.h"
+
+#include <ctype.h>
+#include <errno.h>
+#include <sched.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "core/log.h"
+
+tdm_status tdm_device_host_open(tdm_device **out, int index, int threads);
+
+/* Set by the CUDA backend's constructor when it is linked in. */
+const tdm_device_cuda_hooks *tdm_device_cuda = NULL;
+
+int tdm_device_host_cores(void)
+{
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof set, &set) == 0) {
+        int n = CPU_COUNT(&set);
+        if (n > 0) return n;
+    }
+    long n = sysconf(_SC_NPROCESSORS_ONLN);
+    return n > 0 ? (int)n : 1;
+}
+
+static tdm_status tdm_device_cuda_missing(void)
+{
+    return tdm_error_set(TDM_STATUS_NO_DEVICE,
+                         "no CUDA device: this build of tandem has no CUDA backend "
+                         "(nvcc was not found when it was built); use --device cpu:N");
+}
+
+tdm_status tdm_device_open(tdm_device **out, const char *kind, int index, int threads)
+{
+    *out = NULL;
+    TDM_REQUIRE(index >= 0, TDM_STATUS_INVALID_ARG, "device index %d is negative", index);
+    if (!strcmp(kind, "cpu") || !strcmp(kind, "host")) {
+        TDM_CHECK(tdm_device_host_open(out, index, threads));
+    } else if (!strcmp(kind, "cuda")) {
+        if (!tdm_device_cuda) return tdm_device_cuda_missing();
+        TDM_CHECK(tdm_device_cuda->open(out, index));
+    } else {
+        return tdm_error_set(TDM_STATUS_INVALID_ARG,
+                             "unknown device kind '%s' (expected cpu or cuda)", kind);
+    }
+    TDM_INFO(DEVICE, "opened %s (threads %d)", (*out)->name, (*out)->threads);
+    return TDM_STATUS_OK;
+}
+
+void tdm_device_free(tdm_device *d)
+{
+    if (!d) return;
+    if (d->ops && d->ops->close) d->ops->close(d);
+    free(d);
+}
+
+static int tdm_device_parse_int(const char **p, int *v)
+{
+    const char *s = *p;
+    if (!isdigit((unsigned char)*s)) return 0;
+    long x = 0;
+    while (isdigit((unsigned char)*s)) {
+        x = x * 10 + (*s - '0');
+        if (x > 1000000) return 0;
+        s++;
+    }
+    *v = (int)x;
+    *p = s;
+    return 1;
+}
+
+tdm_status tdm_device_list_parse(tdm_device_list *out, const char *spec)
+{
+    memset(out, 0, sizeof *out);
+    TDM_REQUIRE(spec && *spec, TDM_STATUS_INVALID_ARG, "empty device spec (expected cpu, cpu:N, cpu:0,1 or cuda[:0,1])");
+    const char *p = spec;
+    int cuda = 0;
+    if (!strncmp(p, "cpu", 3)) p += 3;
+    else if (!strncmp(p, "cuda", 4)) { p += 4; cuda = 1; }
+    else
+        return tdm_error_set(TDM_STATUS_INVALID_ARG,
+                             "device spec '%s': expected cpu, cpu:N, cpu:I,J,... or cuda[:I,J,...]", spec);
+    out->kind = cuda ? TDM_DEVICE_CUDA : TDM_DEVICE_HOST;
+    int available = -1;
+    if (cuda) {
+        if (!tdm_device_cuda) return tdm_device_cuda_missing();
+        TDM_CHECK(tdm_device_cuda->count(&available));
+        if (available <= 0)
+            return tdm_error_set(TDM_STATUS_NO_DEVICE, "no CUDA device visible; use --device cpu:N");
+    }
+    if (*p == '\0') {
+        /* "cpu": one host device; "cuda": every visible GPU. */
+        out->count = cuda ? available : 1;
+        if (out->count > TDM_DEVICE_LIST_MAX) out->count = TDM_DEVICE_LIST_MAX;
+        for (int i = 0; i < out->count; i++) out->index[i] = i;
+        return TDM_STATUS_OK;
+    }
+    if (*p != ':')
+        return tdm_error_set(TDM_STATUS_INVALID_ARG, "device spec '%s': expected ':' after '%s'",
+                             spec, cuda ? "cuda" : "cpu");
+    p++;
+    int first;
+    if (!tdm_device_parse_int(&p, &first))
+        return tdm_error_set(TDM_STATUS_INVALID_ARG,
+                             "device spec '%s': expected a number after ':'", spec);
+    if (*p == '\0' && !cuda) {
+        /* cpu:N means N host devices cpu:0..N-1 */
+        TDM_REQUIRE(first >= 1, TDM_STATUS_INVALID_ARG,
+                    "device spec '%s': need at least one device", spec);
+        TDM_REQUIRE(first <= TDM_DEVICE_LIST_MAX, TDM_STATUS_INVALID_ARG,
+                    "device spec '%s': at most %d host devices", spec, TDM_DEVICE_LIST_MAX);
+        out->count = first;
+        for (int i = 0; i < first; i++) out->index[i] = i;
+        return TDM_STATUS_OK;
+    }
+    /* an explicit list: I,J,K */
+    out->index[out->count++] = first;
+    while (*p == ',') {
+        p++;
+        int v;
+        if (!tdm_device_parse_int(&p, &v))
+            return tdm_error_set(TDM_STATUS_INVALID_ARG,
+                                 "device spec '%s': expected a number after ','", spec);
+        TDM_REQUIRE(out->count < TDM_DEVICE_LIST_MAX, TDM_STATUS_INVALID_ARG,
+                    "device spec '%s': too many devices (max %d)", spec, TDM_DEVICE_LIST_MAX);
+        out->index[out->count++] = v;
+    }
+    if (*p != '\0')
+        return tdm_error_set(TDM_STATUS_INVALID_ARG,
+                             "device spec '%s': unexpected '%s'", spec, p);
+    for (int i = 0; i < out->count; i++) {
+        for (int j = 0; j < i; j++)
+            TDM_REQUIRE(out->index[i] != out->index[j], TDM_STATUS_INVALID_ARG,
+                        "device spec '%s': device %d listed twice", spec, out->index[i]);
+        if (cuda && out->index[i] >= available)
+            return tdm_error_set(TDM_STATUS_NO_DEVICE,
+                                 "device spec '%s': cuda:%d does not exist (%d visible)", spec,
+                                 out->index[i], available);
+    }
+    return TDM_STATUS_OK;
+}
+
+tdm_status tdm_dev_alloc_zero(tdm_device *d, size_t nbytes, void **out)
+{
+    TDM_CHECK(d->ops->alloc(d, nbytes, out));
+    tdm_status st = d->ops->memset_zero(d, *out, nbytes);
+    if (st != TDM_STATUS_OK) {
+        d->ops->free(d, *out);
+        *out = NULL;
+    }
+    return st;
+}
+
+tdm_status tdm_dev_copy_between(tdm_device *dst_dev, void *dst, tdm_device *src_dev,
+                                const void *src, size_t nbytes)
+{
+    if (nbytes == 0) return TDM_STATUS_OK;
+    if (dst_dev->kind == TDM_DEVICE_HOST && src_dev->kind == TDM_DEVICE_HOST)
+        return dst_dev->ops->copy(dst_dev, dst, src, nbytes);
+    if (dst_dev == src_dev) return dst_dev->ops->copy(dst_dev, dst, src, nbytes);
+    if (dst_dev->kind == TDM_DEVICE_HOST)
+        return src_dev->ops->copy_to_host(src_dev, dst, src, nbytes);
+    if (src_dev->kind == TDM_DEVICE_HOST)
+        return dst_dev->ops->copy_from_host(dst_dev, dst, src, nbytes);
+    /* device to device of two accelerators: stage through the host. */
+    void *tmp = malloc(nbytes);
+    if (!tmp) return tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "cannot stage %zu bytes", nbytes);
+    tdm_status st = src_dev->ops->copy_to_host(src_dev, tmp, src, nbytes);
+    if (st == TDM_STATUS_OK) st = dst_dev->ops->copy_from_host(dst_dev, dst, tmp, nbytes);
+    free(tmp);
+    return st;
+}
+
+tdm_status tdm_dev_gemm(tdm_device *d, tdm_trans ta, tdm_trans tb, int m, int n, int k,
+                        float alpha, const float *a, int lda, const float *b, int ldb,
+                        float beta, float *c, int ldc)
+{
+    /* cuBLAS's rules: the stored A is lda x (ta==N ? k : m), B is
+     * ldb x (tb==N ? n : k), C is ldc x n, all column-major. */
+    int arows = ta == TDM_TRANS_N ? m : k;
+    int brows = tb == TDM_TRANS_N ? k : n;
+    TDM_REQUIRE(m >= 0 && n >= 0 && k >= 0, TDM_STATUS_INVALID_ARG,
+                "gemm: negative size m=%d n=%d k=%d", m, n, k);
+    TDM_REQUIRE(lda >= (arows > 1 ? arows : 1), TDM_STATUS_INVALID_ARG,
+                "gemm: lda=%d < %d", lda, arows);
+    TDM_REQUIRE(ldb >= (brows > 1 ? brows : 1), TDM_STATUS_INVALID_ARG,
+                "gemm: ldb=%d < %d", ldb, brows);
+    TDM_REQUIRE(ldc >= (m > 1 ? m : 1), TDM_STATUS_INVALID_ARG, "gemm: ldc=%d < %d", ldc, m);
+    if (m == 0 || n == 0) return TDM_STATUS_OK;
+    return d->ops->gemm(d, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
+
+tdm_status tdm_dev_gemm_rm(tdm_device *d, tdm_trans ta, tdm_trans tb, int m, int n, int k,
+                           float alpha, const float *a, const float *b, float beta, float *c)
+{
+    /* Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T, and a
+     * row-major buffer read column-major is its transpose; so pass B first
+     * with its own flag and leading dimensions of the stored row length. */
+    int lda_rm = ta == TDM_TRANS_N ? k : m; /* stored A is (m,k) or (k,m) */
+    int ldb_rm = tb == TDM_TRANS_N ? n : k; /* stored B is (k,n) or (n,k) */
+    return tdm_dev_gemm(d, tb, ta, n, m, k, alpha, b, ldb_rm > 0 ? ldb_rm : 1, a,
+                        lda_rm > 0 ? lda_rm : 1, beta, c, n > 0 ? n : 1);
+}

@@ -1,0 +1,174 @@
+/* core/device.h: the device interface. A device is a struct of function
+ * pointers (memory, synchronisation, compute) filled with designated
+ * initializers by a backend: the host backend here (core/device_host.c)
+ * and the CUDA backend (cuda/). Layers call the tdm_dev_* dispatchers,
+ * never a backend directly.
+ *
+ * gemm takes exactly cublasSgemm's column-major arguments; the host backend
+ * maps them to CBLAS, so the mapping the CUDA backend relies on is tested
+ * on every machine. Elementwise and row-wise kernels are per-element /
+ * per-row functions in core/kernels.h, looped here and grid-strided there.
+ *
+ * A host device computes on one thread with single-threaded BLAS (unless
+ * opened with threads > 1): it is the unit that DP and DDP multiply.
+ * Pointers passed to compute entries are device pointers of that device. */
+#ifndef TDM_CORE_DEVICE_H
+#define TDM_CORE_DEVICE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "core/status.h"
+
+typedef enum tdm_device_kind {
+    TDM_DEVICE_HOST = 0,
+    TDM_DEVICE_CUDA,
+} tdm_device_kind;
+
+typedef enum tdm_trans {
+    TDM_TRANS_N = 0,  /* as cuBLAS CUBLAS_OP_N */
+    TDM_TRANS_T = 1,  /* as cuBLAS CUBLAS_OP_T */
+} tdm_trans;
+
+typedef enum tdm_act {
+    TDM_ACT_NONE = 0,
+    TDM_ACT_RELU,
+} tdm_act;
+
+/* Geometry of a 2-D convolution or pooling over a CNHW tensor. */
+typedef struct tdm_conv_geom {
+    int n, c, h, w;         /* input: (C, N, H, W) */
+    int kh, kw, stride, pad;
+    int oh, ow;             /* output spatial size */
+} tdm_conv_geom;
+
+typedef struct tdm_device tdm_device;
+
+typedef struct tdm_device_ops {
+    /* --- memory --- */
+    tdm_status (*alloc)(tdm_device *d, size_t nbytes, void **out);
+    void (*free)(tdm_device *d, void *p);
+    tdm_status (*copy)(tdm_device *d, void *dst, const void *src, size_t nbytes);
+    tdm_status (*copy_to_host)(tdm_device *d, void *host_dst, const void *src, size_t nbytes);
+    tdm_status (*copy_from_host)(tdm_device *d, void *dst, const void *host_src, size_t nbytes);
+    tdm_status (*memset_zero)(tdm_device *d, void *p, size_t nbytes);
+    tdm_status (*sync)(tdm_device *d);
+    void (*close)(tdm_device *d);
+
+    /* --- compute --- */
+    /* C = alpha op(A) op(B) + beta C, column-major, cublasSgemm's arguments. */
+    tdm_status (*gemm)(tdm_device *d, tdm_trans ta, tdm_trans tb, int m, int n, int k,
+                       float alpha, const float *a, int lda, const float *b, int ldb,
+                       float beta, float *c, int ldc);
+    /* y[r][c] = act(y[r][c] + bias[c]) over (rows, cols); bias may be NULL. */
+    tdm_status (*bias_act)(tdm_device *d, float *y, const float *bias, int64_t rows, int cols,
+                           tdm_act act);
+    /* dy[i] *= (y[i] > 0): backward of relu, in place on dy, y = relu output. */
+    tdm_status (*relu_bwd)(tdm_device *d, float *dy, const float *y, int64_t n_elem);
+    /* Per row of logits (rows, cols): loss_row[r] = logsumexp - logit[label];
+     * dlogits = (softmax - onehot) * scale (dlogits may be NULL). */
+    tdm_status (*softmax_xent)(tdm_device *d, const float *logits, const int32_t *labels,
+                               int rows, int cols, float scale, float *loss_row,
+                               float *dlogits);
+    /* y += alpha x */
+    tdm_status (*axpy)(tdm_device *d, int64_t n_elem, float alpha, const float *x, float *y);
+    /* x *= alpha */
+    tdm_status (*scale)(tdm_device *d, int64_t n_elem, float alpha, float *x);
+    /* CNHW im2col: col (C*KH*KW, N*OH*OW); col2im writes (not adds) dx. */
+    tdm_status (*im2col)(tdm_device *d, const tdm_conv_geom *g, const float *x, float *col);
+    tdm_status (*col2im)(tdm_device *d, const tdm_conv_geom *g, const float *col, float *dx);
+    /* Max pooling over CNHW, window = stride (non-overlapping), no padding.
+     * argmax holds the winning input offset of each output. */
+    tdm_status (*maxpool_fwd)(tdm_device *d, const tdm_conv_geom *g, const float *x, float *y,
+                              int32_t *argmax);
+    /* dx written (not added) from dy through argmax. */
+    tdm_status (*maxpool_bwd)(tdm_device *d, const tdm_conv_geom *g, const float *dy,
+                              const int32_t *argmax, float *dx);
+    /* Batchnorm over CNHW rows: channel ch owns row ch of length len = N*H*W. */
+    tdm_status (*bn_stats)(tdm_device *d, const float *x, int channels, int64_t len,
+                           float *mean, float *var /* biased */);
+    tdm_status (*bn_fwd)(tdm_device *d, const float *x, int channels, int64_t len,
+                         const float *mean, const float *invstd, const float *gamma,
+                         const float *beta, float *y);
+    /* dgamma += sum dy*xhat, dbeta += sum dy; dx = training-mode backward. */
+    tdm_status (*bn_bwd)(tdm_device *d, const float *x, const float *dy, int channels,
+                         int64_t len, const float *mean, const float *invstd,
+                         const float *gamma, float *dx, float *dgamma, float *dbeta,
+                         int train);
+    /* (C, N, F) <-> (N, C, F) layout transposes; F = H*W. */
+    tdm_status (*cnhw_to_nchw)(tdm_device *d, const float *x, float *y, int c, int n, int64_t f);
+    tdm_status (*nchw_to_cnhw)(tdm_device *d, const float *x, float *y, int c, int n, int64_t f);
+    /* Fused optimizer loops over flat buffers (see core/kernels.h). */
+    tdm_status (*sgd_step)(tdm_device *d, int64_t n_elem, float *param, const float *grad,
+                           float *mom, float lr, float momentum, float dampening,
+                           float weight_decay, int nesterov, int first_step);
+    tdm_status (*adamw_step)(tdm_device *d, int64_t n_elem, float *param, const float *grad,
+                             float *m, float *v, float lr, float beta1, float beta2, float eps,
+                             float weight_decay, float bias_corr1, float bias_corr2);
+} tdm_device_ops;
+
+struct tdm_device {
+    const tdm_device_ops *ops; /* borrowed: static table of the backend */
+    tdm_device_kind kind;
+    int index;                  /* cpu:<index> or cuda:<index> */
+    int threads;                /* host: BLAS threads used by this device */
+    char name[32];              /* "cpu:0", "cuda:1" */
+    void *impl;                 /* backend state */
+};
+
+/* Opens a device by kind name ("cpu", "cuda") and index. Host devices are
+ * logical: any index >= 0 is valid. threads: BLAS threads for host gemm
+ * (1 = the single-core unit; 0 means 1). */
+tdm_status tdm_device_open(tdm_device **out, const char *kind, int index, int threads);
+void tdm_device_free(tdm_device *d);
+
+/* A parsed device list: "cpu", "cpu:4" (4 devices cpu:0..3), "cpu:0,2",
+ * "cuda", "cuda:0,1". Validated against what exists. */
+#define TDM_DEVICE_LIST_MAX 64
+typedef struct tdm_device_list {
+    tdm_device_kind kind;
+    int count;
+    int index[TDM_DEVICE_LIST_MAX];
+} tdm_device_list;
+tdm_status tdm_device_list_parse(tdm_device_list *out, const char *spec);
+/* Host devices the machine can run at full speed at once (cores). */
+int tdm_device_host_cores(void);
+
+/* BLAS threads for the calling process (OpenBLAS is process-global). */
+void tdm_device_host_set_blas_threads(int threads);
+const char *tdm_device_host_blas_info(void);
+
+/* CUDA backend hooks: set by cuda/ when compiled in, NULL otherwise. */
+typedef struct tdm_device_cuda_hooks {
+    tdm_status (*open)(tdm_device **out, int index);
+    tdm_status (*count)(int *n);
+} tdm_device_cuda_hooks;
+extern const tdm_device_cuda_hooks *tdm_device_cuda;
+
+/* --- dispatchers: validate arguments, then call the backend --- */
+static inline tdm_status tdm_dev_alloc(tdm_device *d, size_t nbytes, void **out)
+{
+    return d->ops->alloc(d, nbytes, out);
+}
+static inline void tdm_dev_free(tdm_device *d, void *p)
+{
+    if (p) d->ops->free(d, p);
+}
+static inline tdm_status tdm_dev_sync(tdm_device *d) { return d->ops->sync(d); }
+
+/* Allocates and zeroes n_elem floats. */
+tdm_status tdm_dev_alloc_zero(tdm_device *d, size_t nbytes, void **out);
+/* Copies between two devices (host<->host is memcpy; otherwise staged or peer). */
+tdm_status tdm_dev_copy_between(tdm_device *dst_dev, void *dst, tdm_device *src_dev,
+                                const void *src, size_t nbytes);
+tdm_status tdm_dev_gemm(tdm_device *d, tdm_trans ta, tdm_trans tb, int m, int n, int k,
+                        float alpha, const float *a, int lda, const float *b, int ldb,
+                        float beta, float *c, int ldc);
+
+/* Row-major helpers over gemm (what the layers use).
+ * C(m,n) = alpha * op(A) op(B) + beta C, all row-major, where op(A) is
+ * (m,k) and op(B) is (k,n). Mapped to column-major by computing C^T. */
+tdm_status tdm_dev_gemm_rm(tdm_device *d, tdm_trans ta, tdm_trans tb, int m, int n, int k,
+                           float alpha, const float *a, const float *b, float beta, float *c);
+
+#endif

@@ -1,0 +1,303 @@
+/* core/device_host.c: the host backend of the device interface.
+ * Memory is 64-byte aligned malloc'd memory; gemm maps cublasSgemm's
+ * column-major arguments one to one onto cblas_sgemm(CblasColMajor, ...);
+ * every other kernel is a loop over the shared per-element / per-row
+ * functions of core/kernels.h. Work runs on the calling thread, so a host
+ * device is as parallel as the thread that drives it (plus BLAS threads
+ * when opened with threads > 1). Not thread-safe per device: one thread
+ * drives one device at a time, as in DP and DDP. */
+#include "core/device.h"
+
+#include <cblas.h>
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/kernels.h"
+#include "core/log.h"
+
+/* OpenBLAS extensions (declared in its cblas.h, repeated for clarity). */
+void openblas_set_num_threads(int num_threads);
+char *openblas_get_config(void);
+int openblas_get_num_threads(void);
+
+static tdm_status host_alloc(tdm_device *d, size_t nbytes, void **out)
+{
+    size_t sz = (nbytes + 63) & ~(size_t)63;
+    void *p = NULL;
+    if (sz == 0) sz = 64;
+    p = aligned_alloc(64, sz);
+    if (!p)
+        return tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "%s: cannot allocate %zu bytes", d->name,
+                             nbytes);
+    *out = p;
+    return TDM_STATUS_OK;
+}
+
+static void host_free(tdm_device *d, void *p)
+{
+    (void)d;
+    free(p);
+}
+
+static tdm_status host_copy(tdm_device *d, void *dst, const void *src, size_t nbytes)
+{
+    (void)d;
+    if (nbytes && dst != src) memmove(dst, src, nbytes);
+    return TDM_STATUS_OK;
+}
+
+static tdm_status host_memset_zero(tdm_device *d, void *p, size_t nbytes)
+{
+    (void)d;
+    if (nbytes) memset(p, 0, nbytes);
+    return TDM_STATUS_OK;
+}
+
+static tdm_status host_sync(tdm_device *d)
+{
+    (void)d;
+    return TDM_STATUS_OK;
+}
+
+static void host_close(tdm_device *d) { (void)d; }
+
+static tdm_status host_gemm(tdm_device *d, tdm_trans ta, tdm_trans tb, int m, int n, int k,
+                            float alpha, const float *a, int lda, const float *b, int ldb,
+                            float beta, float *c, int ldc)
+{
+    (void)d;
+    /* The same argument list as cublasSgemm(handle, ta, tb, m, n, k, &alpha,
+     * A, lda, B, ldb, &beta, C, ldc): column-major, op() per flag. */
+    cblas_sgemm(CblasColMajor, ta == TDM_TRANS_T ? CblasTrans : CblasNoTrans,
+                tb == TDM_TRANS_T ? CblasTrans : CblasNoTrans, m, n, k, alpha, a, lda, b, ldb,
+                beta, c, ldc);
+    return TDM_STATUS_OK;
+}
+
+static tdm_status host_bias_act(tdm_device *d, float *y, const float *bias, int64_t rows,
+                                int cols, tdm_act act)
+{
+    (void)d;
+    int relu = act == TDM_ACT_RELU;
+    for (int64_t r = 0; r < rows; r++)
+        for (int c = 0; c < cols; c++) tdm_k_bias_act(r * cols + c, c, y, bias, relu);
+    return TDM_STATUS_OK;
+}
+
+static tdm_status host_relu_bwd(tdm_device *d, float *dy, const float *y, int64_t n_elem)
+{
+    (void)d;
+    for (int64_t i = 0; i < n_elem; i++) tdm_k_relu_bwd(i, dy, y);
+    return TDM_STATUS_OK;
+}
+
+static tdm_status host_softmax_xent(tdm_device *d, const float *logits, const int32_t *labels,
+                                    int rows, int cols, float scale, float *loss_row,
+                                    float *dlogits)
+{
+    for (int r = 0; r < rows; r++)
+        if (labels[r] < 0 || labels[r] >= cols)
+            return tdm_error_set(TDM_STATUS_INVALID_ARG,
+                                 "%s: label %d of sample %d is outside [0, %d)", d->name,
+                                 labels[r], r, cols);
+    for (int r = 0; r < rows; r++)
+        tdm_k_softmax_xent_row(r, logits, labels, cols, scale, loss_row, dlogits);
+    return TDM_STATUS_OK;
+}
+
+static tdm_status host_axpy(tdm_device *d, int64_t n_elem, float alpha, const float *x, float *y)
+{
+    (void)d;
+    for (int64_t i = 0; i < n_elem; i++) tdm_k_axpy(i, alpha, x, y);
+    return TDM_STATUS_OK;
+}
+
+static tdm_status host_scale(tdm_device *d, int64_t n_elem, float alpha, float *x)
+{
+    (void)d;
+    for (int64_t i = 0; i < n_elem; i++) tdm_k_scale(i, alpha, x);
+    return TDM_STATUS_OK;
+}
+
+static tdm_k_geom host_geom(const tdm_conv_geom *g)
+{
+    return (tdm_k_geom){.n = g->n, .c = g->c, .h = g->h, .w = g->w, .kh = g->kh, .kw = g->kw,
+                        .stride = g->stride, .pad = g->pad, .oh = g->oh, .ow = g->ow};
+}
+
+static tdm_status host_im2col(tdm_device *d, const tdm_conv_geom *gp, const float *x, float *col)
+{
+    (void)d;
+    const tdm_k_geom g = host_geom(gp);
+    int64_t i = 0;
+    for (int ci = 0; ci < g.c; ci++)
+        for (int ki = 0; ki < g.kh; ki++)
+            for (int kj = 0; kj < g.kw; kj++)
+                for (int n = 0; n < g.n; n++)
+                    for (int oy = 0; oy < g.oh; oy++)
+                        for (int ox = 0; ox < g.ow; ox++, i++)
+                            tdm_k_im2col(i, ci, ki, kj, n, oy, ox, g, x, col);
+    return TDM_STATUS_OK;
+}
+
+static tdm_status host_col2im(tdm_device *d, const tdm_conv_geom *gp, const float *col, float *dx)
+{
+    (void)d;
+    const tdm_k_geom g = host_geom(gp);
+    int64_t i = 0;
+    for (int ci = 0; ci < g.c; ci++)
+        for (int n = 0; n < g.n; n++)
+            for (int iy = 0; iy < g.h; iy++)
+                for (int ix = 0; ix < g.w; ix++, i++) tdm_k_col2im(i, ci, n, iy, ix, g, col, dx);
+    return TDM_STATUS_OK;
+}
+
+static tdm_status host_maxpool_fwd(tdm_device *d, const tdm_conv_geom *gp, const float *x,
+                                   float *y, int32_t *argmax)
+{
+    (void)d;
+    const tdm_k_geom g = host_geom(gp);
+    int64_t planes = (int64_t)g.c * g.n, i = 0;
+    for (int64_t p = 0; p < planes; p++)
+        for (int oy = 0; oy < g.oh; oy++)
+            for (int ox = 0; ox < g.ow; ox++, i++) tdm_k_maxpool_fwd(i, p, oy, ox, g, x, y, argmax);
+    return TDM_STATUS_OK;
+}
+
+static tdm_status host_maxpool_bwd(tdm_device *d, const tdm_conv_geom *gp, const float *dy,
+                                   const int32_t *argmax, float *dx)
+{
+    (void)d;
+    const tdm_k_geom g = host_geom(gp);
+    int64_t planes = (int64_t)g.c * g.n, i = 0;
+    for (int64_t p = 0; p < planes; p++)
+        for (int iy = 0; iy < g.h; iy++)
+            for (int ix = 0; ix < g.w; ix++, i++) tdm_k_maxpool_bwd(i, p, iy, ix, g, dy, argmax, dx);
+    return TDM_STATUS_OK;
+}
+
+static tdm_status host_bn_stats(tdm_device *d, const float *x, int channels, int64_t len,
+                                float *mean, float *var)
+{
+    (void)d;
+    for (int ch = 0; ch < channels; ch++) tdm_k_bn_stats_ch(ch, x, len, mean, var);
+    return TDM_STATUS_OK;
+}
+
+static tdm_status host_bn_fwd(tdm_device *d, const float *x, int channels, int64_t len,
+                              const float *mean, const float *invstd, const float *gamma,
+                              const float *beta, float *y)
+{
+    (void)d;
+    for (int ch = 0; ch < channels; ch++)
+        for (int64_t j = 0; j < len; j++)
+            tdm_k_bn_fwd((int64_t)ch * len + j, ch, x, mean, invstd, gamma, beta, y);
+    return TDM_STATUS_OK;
+}
+
+static tdm_status host_bn_bwd(tdm_device *d, const float *x, const float *dy, int channels,
+                              int64_t len, const float *mean, const float *invstd,
+                              const float *gamma, float *dx, float *dgamma, float *dbeta,
+                              int train)
+{
+    (void)d;
+    for (int ch = 0; ch < channels; ch++)
+        tdm_k_bn_bwd_ch(ch, x, dy, len, mean, invstd, gamma, dx, dgamma, dbeta, train);
+    return TDM_STATUS_OK;
+}
+
+static tdm_status host_cnhw_to_nchw(tdm_device *d, const float *x, float *y, int c, int n,
+                                    int64_t f)
+{
+    (void)d;
+    for (int ni = 0; ni < n; ni++)
+        for (int ci = 0; ci < c; ci++)
+            for (int64_t fi = 0; fi < f; fi++) tdm_k_cnhw_to_nchw(ni, ci, fi, x, y, c, n, f);
+    return TDM_STATUS_OK;
+}
+
+static tdm_status host_nchw_to_cnhw(tdm_device *d, const float *x, float *y, int c, int n,
+                                    int64_t f)
+{
+    (void)d;
+    for (int ci = 0; ci < c; ci++)
+        for (int ni = 0; ni < n; ni++)
+            for (int64_t fi = 0; fi < f; fi++) tdm_k_nchw_to_cnhw(ni, ci, fi, x, y, c, n, f);
+    return TDM_STATUS_OK;
+}
+
+static tdm_status host_sgd_step(tdm_device *d, int64_t n_elem, float *param, const float *grad,
+                                float *mom, float lr, float momentum, float dampening,
+                                float weight_decay, int nesterov, int first_step)
+{
+    (void)d;
+    for (int64_t i = 0; i < n_elem; i++)
+        tdm_k_sgd(i, param, grad, mom, lr, momentum, dampening, weight_decay, nesterov,
+                  first_step);
+    return TDM_STATUS_OK;
+}
+
+static tdm_status host_adamw_step(tdm_device *d, int64_t n_elem, float *param, const float *grad,
+                                  float *m, float *v, float lr, float beta1, float beta2,
+                                  float eps, float weight_decay, float bc1, float bc2)
+{
+    (void)d;
+    for (int64_t i = 0; i < n_elem; i++)
+        tdm_k_adamw(i, param, grad, m, v, lr, beta1, beta2, eps, weight_decay, bc1, bc2);
+    return TDM_STATUS_OK;
+}
+
+static const tdm_device_ops tdm_device_host_ops = {
+    .alloc = host_alloc,
+    .free = host_free,
+    .copy = host_copy,
+    .copy_to_host = host_copy,
+    .copy_from_host = host_copy,
+    .memset_zero = host_memset_zero,
+    .sync = host_sync,
+    .close = host_close,
+    .gemm = host_gemm,
+    .bias_act = host_bias_act,
+    .relu_bwd = host_relu_bwd,
+    .softmax_xent = host_softmax_xent,
+    .axpy = host_axpy,
+    .scale = host_scale,
+    .im2col = host_im2col,
+    .col2im = host_col2im,
+    .maxpool_fwd = host_maxpool_fwd,
+    .maxpool_bwd = host_maxpool_bwd,
+    .bn_stats = host_bn_stats,
+    .bn_fwd = host_bn_fwd,
+    .bn_bwd = host_bn_bwd,
+    .cnhw_to_nchw = host_cnhw_to_nchw,
+    .nchw_to_cnhw = host_nchw_to_cnhw,
+    .sgd_step = host_sgd_step,
+    .adamw_step = host_adamw_step,
+};
+
+tdm_status tdm_device_host_open(tdm_device **out, int index, int threads);
+tdm_status tdm_device_host_open(tdm_device **out, int index, int threads)
+{
+    tdm_device *d = calloc(1, sizeof *d);
+    if (!d) return tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "cannot allocate a host device");
+    d->ops = &tdm_device_host_ops;
+    d->kind = TDM_DEVICE_HOST;
+    d->index = index;
+    d->threads = threads > 0 ? threads : 1;
+    snprintf(d->name, sizeof d->name, "cpu:%d", index);
+    tdm_device_host_set_blas_threads(d->threads);
+    *out = d;
+    return TDM_STATUS_OK;
+}
+
+void tdm_device_host_set_blas_threads(int threads)
+{
+    /* OpenBLAS's thread count is process-wide; with 1 thread each call
+     * runs on its caller, which is what concurrent DP workers need. */
+    if (threads < 1) threads = 1;
+    if (openblas_get_num_threads() != threads) openblas_set_num_threads(threads);
+}
+
+const char *tdm_device_host_blas_info(void) { return openblas_get_config(); }

@@ -1,0 +1,256 @@
+/* core/kernels.h: the elementwise and row-wise kernels, written once.
+ *
+ * Each kernel is a per-element (index i) or per-row/per-channel function,
+ * static inline and marked TDM_HD, so the host backend calls it from a
+ * plain loop and a CUDA grid-stride kernel calls the same source unchanged
+ * (nvcc defines __CUDACC__ and TDM_HD becomes __host__ __device__).
+ * Nothing here allocates, synchronises or knows about devices.
+ *
+ * Layout conventions: dense row-major; convolution activations are CNHW
+ * (channel-major) so that a whole batch is one gemm and batchnorm's
+ * per-channel reductions run over contiguous rows. */
+#ifndef TDM_CORE_KERNELS_H
+#define TDM_CORE_KERNELS_H
+
+#include <stdint.h>
+#include <math.h>
+
+#ifdef __CUDACC__
+#define TDM_HD __host__ __device__ __forceinline__
+#else
+#define TDM_HD __attribute__((always_inline))
+#endif
+
+/* ---- dense ---- */
+
+/* Element i = (row, c): y[i] = act(y[i] + bias[c]). Callers pass both
+ * the flat index and the column so the host loop needs no division. */
+static inline TDM_HD void tdm_k_bias_act(int64_t i, int c, float *y, const float *bias, int relu)
+{
+    float v = y[i] + (bias ? bias[c] : 0.0f);
+    y[i] = (relu && v < 0.0f) ? 0.0f : v;
+}
+
+static inline TDM_HD void tdm_k_relu_bwd(int64_t i, float *dy, const float *y)
+{
+    if (!(y[i] > 0.0f)) dy[i] = 0.0f;
+}
+
+/* Row r of logits (rows, cols): softmax cross-entropy, numerically stable
+ * (subtract the row max before exp). loss_row[r] = log sum exp(z) - z[y];
+ * d/dz = softmax(z) - onehot(y), times scale (1/B for a batch mean). */
+static inline TDM_HD void tdm_k_softmax_xent_row(int r, const float *logits,
+                                                 const int32_t *labels, int cols, float scale,
+                                                 float *loss_row, float *dlogits)
+{
+    const float *z = logits + (int64_t)r * cols;
+    float mx = z[0];
+    for (int j = 1; j < cols; j++) mx = z[j] > mx ? z[j] : mx;
+    float sum = 0.0f;
+    for (int j = 0; j < cols; j++) sum += expf(z[j] - mx);
+    float lse = mx + logf(sum);
+    int y = labels[r];
+    loss_row[r] = lse - z[y];
+    if (dlogits) {
+        float *dz = dlogits + (int64_t)r * cols;
+        float inv = 1.0f / sum;
+        for (int j = 0; j < cols; j++)
+            dz[j] = (expf(z[j] - mx) * inv - (j == y ? 1.0f : 0.0f)) * scale;
+    }
+}
+
+static inline TDM_HD void tdm_k_axpy(int64_t i, float alpha, const float *x, float *y)
+{
+    y[i] += alpha * x[i];
+}
+
+static inline TDM_HD void tdm_k_scale(int64_t i, float alpha, float *x) { x[i] *= alpha; }
+
+/* ---- convolution (CNHW) ---- */
+
+typedef struct tdm_k_geom {
+    int n, c, h, w, kh, kw, stride, pad, oh, ow;
+} tdm_k_geom;
+
+/* col has rows (ci, ki, kj) and columns (n, oy, ox). Element i of col with
+ * its coordinates already split (the host loop nests, CUDA divides). */
+static inline TDM_HD void tdm_k_im2col(int64_t i, int ci, int ki, int kj, int n, int oy, int ox,
+                                       const tdm_k_geom g, const float *x, float *col)
+{
+    int iy = oy * g.stride - g.pad + ki, ix = ox * g.stride - g.pad + kj;
+    float v = 0.0f;
+    if (iy >= 0 && iy < g.h && ix >= 0 && ix < g.w)
+        v = x[(((int64_t)ci * g.n + n) * g.h + iy) * g.w + ix];
+    col[i] = v;
+}
+
+/* Element i of dx (C, N, H, W): the sum of every col entry it fed. Written
+ * as a gather so no two threads write the same element (no atomics). */
+static inline TDM_HD void tdm_k_col2im(int64_t i, int ci, int n, int iy, int ix,
+                                       const tdm_k_geom g, const float *col, float *dx)
+{
+    int64_t ncols = (int64_t)g.n * g.oh * g.ow;
+    float s = 0.0f;
+    for (int ki = 0; ki < g.kh; ki++) {
+        int ty = iy + g.pad - ki;
+        if (ty < 0 || ty % g.stride) continue;
+        int oy = ty / g.stride;
+        if (oy >= g.oh) continue;
+        for (int kj = 0; kj < g.kw; kj++) {
+            int tx = ix + g.pad - kj;
+            if (tx < 0 || tx % g.stride) continue;
+            int ox = tx / g.stride;
+            if (ox >= g.ow) continue;
+            int64_t row = ((int64_t)ci * g.kh + ki) * g.kw + kj;
+            int64_t cx = ((int64_t)n * g.oh + oy) * g.ow + ox;
+            s += col[row * ncols + cx];
+        }
+    }
+    dx[i] = s;
+}
+
+/* Output element i of (C, N, OH, OW); window kh x kw at stride, no pad. */
+static inline TDM_HD void tdm_k_maxpool_fwd(int64_t i, int64_t plane, int oy, int ox,
+                                            const tdm_k_geom g, const float *x, float *y,
+                                            int32_t *argmax)
+{
+    /* plane = ci * N + n */
+    const float *xp = x + plane * g.h * g.w;
+    int best = (oy * g.stride) * g.w + ox * g.stride;
+    float bv = xp[best];
+    for (int ki = 0; ki < g.kh; ki++)
+        for (int kj = 0; kj < g.kw; kj++) {
+            int off = (oy * g.stride + ki) * g.w + ox * g.stride + kj;
+            /* NaN propagates as in PyTorch: a NaN wins. */
+            if (xp[off] > bv || xp[off] != xp[off]) {
+                bv = xp[off];
+                best = off;
+            }
+        }
+    y[i] = bv;
+    argmax[i] = best;
+}
+
+/* Input element i: non-overlapping windows, so each input belongs to at
+ * most one window and the backward is a conflict-free gather. */
+static inline TDM_HD void tdm_k_maxpool_bwd(int64_t i, int64_t plane, int iy, int ix,
+                                            const tdm_k_geom g, const float *dy,
+                                            const int32_t *argmax, float *dx)
+{
+    int oy = iy / g.stride, ox = ix / g.stride;
+    float v = 0.0f;
+    if (oy < g.oh && ox < g.ow && iy - oy * g.stride < g.kh && ix - ox * g.stride < g.kw) {
+        int64_t o = (plane * g.oh + oy) * g.ow + ox;
+        if (argmax[o] == iy * g.w + ix) v = dy[o];
+    }
+    dx[i] = v;
+}
+
+/* ---- batchnorm over CNHW rows ---- */
+
+/* Channel ch: mean and biased variance of row x[ch*len .. +len), two-pass
+ * in double so large batches do not lose precision. */
+static inline TDM_HD void tdm_k_bn_stats_ch(int ch, const float *x, int64_t len, float *mean,
+                                            float *var)
+{
+    const float *r = x + (int64_t)ch * len;
+    double s = 0.0;
+    for (int64_t j = 0; j < len; j++) s += r[j];
+    double m = s / (double)len;
+    double q = 0.0;
+    for (int64_t j = 0; j < len; j++) {
+        double dlt = r[j] - m;
+        q += dlt * dlt;
+    }
+    mean[ch] = (float)m;
+    var[ch] = (float)(q / (double)len);
+}
+
+static inline TDM_HD void tdm_k_bn_fwd(int64_t i, int ch, const float *x, const float *mean,
+                                       const float *invstd, const float *gamma,
+                                       const float *beta, float *y)
+{
+    y[i] = (x[i] - mean[ch]) * invstd[ch] * gamma[ch] + beta[ch];
+}
+
+/* Channel ch of the batchnorm backward. In training mode the statistics
+ * depend on x, which gives dx = g*istd/L * (L dy - sum dy - xhat sum dy*xhat);
+ * in eval mode they are constants and dx = g*istd*dy. */
+static inline TDM_HD void tdm_k_bn_bwd_ch(int ch, const float *x, const float *dy, int64_t len,
+                                          const float *mean, const float *invstd,
+                                          const float *gamma, float *dx, float *dgamma,
+                                          float *dbeta, int train)
+{
+    const float *xr = x + (int64_t)ch * len;
+    const float *dyr = dy + (int64_t)ch * len;
+    float *dxr = dx + (int64_t)ch * len;
+    float m = mean[ch], is = invstd[ch], g = gamma[ch];
+    double sdy = 0.0, sdyx = 0.0;
+    for (int64_t j = 0; j < len; j++) {
+        double xh = (double)(xr[j] - m) * is;
+        sdy += dyr[j];
+        sdyx += dyr[j] * xh;
+    }
+    dgamma[ch] += (float)sdyx;
+    dbeta[ch] += (float)sdy;
+    if (!dx) return;
+    if (train) {
+        float k = g * is / (float)len;
+        float a = (float)sdy, b = (float)sdyx;
+        for (int64_t j = 0; j < len; j++) {
+            float xh = (xr[j] - m) * is;
+            dxr[j] = k * ((float)len * dyr[j] - a - xh * b);
+        }
+    } else {
+        for (int64_t j = 0; j < len; j++) dxr[j] = g * is * dyr[j];
+    }
+}
+
+/* Element (ni, ci, fi) of y (N, C, F) from x (C, N, F), and back. */
+static inline TDM_HD void tdm_k_cnhw_to_nchw(int ni, int ci, int64_t fi, const float *x, float *y,
+                                             int c, int n, int64_t f)
+{
+    y[((int64_t)ni * c + ci) * f + fi] = x[((int64_t)ci * n + ni) * f + fi];
+}
+
+static inline TDM_HD void tdm_k_nchw_to_cnhw(int ni, int ci, int64_t fi, const float *x, float *y,
+                                             int c, int n, int64_t f)
+{
+    y[((int64_t)ci * n + ni) * f + fi] = x[((int64_t)ni * c + ci) * f + fi];
+}
+
+/* ---- optimizers (one fused loop each) ---- */
+
+/* PyTorch's SGD: g += wd p; buf = first ? g : momentum buf + (1-dampening) g;
+ * g = nesterov ? g + momentum buf : buf; p -= lr g. */
+static inline TDM_HD void tdm_k_sgd(int64_t i, float *p, const float *grad, float *mom, float lr,
+                                    float momentum, float dampening, float wd, int nesterov,
+                                    int first)
+{
+    float g = grad[i] + wd * p[i];
+    if (momentum != 0.0f) {
+        float b = first ? g : momentum * mom[i] + (1.0f - dampening) * g;
+        mom[i] = b;
+        g = nesterov ? g + momentum * b : b;
+    }
+    p[i] -= lr * g;
+}
+
+/* AdamW (Loshchilov & Hutter): decoupled decay p *= 1 - lr wd, then Adam
+ * with bias corrections bc1 = 1 - beta1^t, bc2 = 1 - beta2^t. */
+static inline TDM_HD void tdm_k_adamw(int64_t i, float *p, const float *grad, float *m, float *v,
+                                      float lr, float b1, float b2, float eps, float wd,
+                                      float bc1, float bc2)
+{
+    float g = grad[i];
+    float pi = p[i] * (1.0f - lr * wd);
+    float mi = b1 * m[i] + (1.0f - b1) * g;
+    float vi = b2 * v[i] + (1.0f - b2) * g * g;
+    m[i] = mi;
+    v[i] = vi;
+    float mhat = mi / bc1;
+    float denom = sqrtf(vi / bc2) + eps;
+    p[i] = pi - lr * mhat / denom;
+}
+
+#endif

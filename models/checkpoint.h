@@ -1,0 +1,31 @@
+/* models/checkpoint.h: checkpoints of a model (and optimizer) in the
+ * safetensors format: parameters under their names, buffers under theirs,
+ * optimizer state as "optim.<state>.<param name>", and __metadata__ with
+ * the model spec, optimizer kind and hyper-parameters, step, epoch, seed.
+ * Written atomically (core/safetensors.h). Loading checks that every
+ * expected tensor is present with the right dtype and shape and names the
+ * first that is not. Knows nothing of DP or DDP: a checkpoint written by
+ * any mode loads in any other. */
+#ifndef TDM_MODELS_CHECKPOINT_H
+#define TDM_MODELS_CHECKPOINT_H
+
+#include <stdint.h>
+
+#include "models/model.h"
+#include "models/optim.h"
+
+typedef struct tdm_ckpt_info {
+    int64_t step;      /* optimizer steps taken */
+    int64_t epoch;     /* epochs completed */
+    uint64_t seed;
+} tdm_ckpt_info;
+
+/* opt may be NULL (parameters and buffers only). */
+tdm_status tdm_checkpoint_save(const char *path, tdm_model *m, tdm_optim *opt,
+                               const tdm_ckpt_info *info);
+/* Loads into an existing model built with the same spec (and optimizer of
+ * the same kind, if opt is non-NULL: its state and step are restored). */
+tdm_status tdm_checkpoint_load(const char *path, tdm_model *m, tdm_optim *opt,
+                               tdm_ckpt_info *info);
+
+#endif

@@ -1,0 +1,151 @@
+/* models/model.h: models built from layers with explicit forward and
+ * backward, over flat buffers.
+ *
+ * A model owns, on its device, one flat parameter buffer, one flat
+ * gradient buffer with the same offsets, and one flat buffer of
+ * non-trainable buffers (batchnorm running statistics); a table of
+ * {name, shape, offset} describes each. Parameters are laid out in layer
+ * order, so backward (last layer first) finishes them from the end of the
+ * buffer towards the start: a DDP bucket is then a contiguous view.
+ *
+ * Models know nothing of parallelism. They expose a grad-ready hook, called
+ * after each layer's parameter gradients are final in a backward pass, and
+ * the flat buffers; DP (dp/) and DDP (ddp/) build on those.
+ *
+ * Conventions: forward writes its output; backward *adds* into gradients
+ * (tdm_model_zero_grad is an explicit step). Inputs are row-major
+ * (batch, in_features); images are (batch, C, H, W) flattened. Pointers
+ * passed to forward/backward/loss are device pointers of the model's device. */
+#ifndef TDM_MODELS_MODEL_H
+#define TDM_MODELS_MODEL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "core/device.h"
+#include "core/status.h"
+
+#define TDM_MODEL_MAX_DIMS 16
+#define TDM_MODEL_NAME_MAX 48
+/* Each tensor starts on a 64-byte boundary of its flat buffer; the
+ * padding elements are zero in parameters and gradients. */
+#define TDM_MODEL_ALIGN_ELEMS 16
+
+typedef enum tdm_model_kind {
+    TDM_MODEL_MLP = 0,
+    TDM_MODEL_CNN,
+} tdm_model_kind;
+
+typedef struct tdm_model_spec {
+    tdm_model_kind kind;
+    int ndims;                      /* MLP: widths, input first, classes last */
+    int dims[TDM_MODEL_MAX_DIMS];
+    int in_c, in_h, in_w;           /* CNN input image (default 1x28x28) */
+    int n_classes;                  /* CNN (MLP: dims[ndims-1]) */
+    int ch1, ch2;                   /* CNN channels (default 32, 64) */
+} tdm_model_spec;
+
+/* Defaults: MLP 784-1024-1024-10; CNN 1x28x28 -> 32 -> 64 -> 10. */
+void tdm_model_spec_mlp(tdm_model_spec *s, const int *dims, int ndims);
+void tdm_model_spec_cnn(tdm_model_spec *s);
+/* Parses "mlp", "mlp:784-128-10", "cnn". */
+tdm_status tdm_model_spec_parse(tdm_model_spec *s, const char *text);
+/* "mlp 784-1024-1024-10" */
+void tdm_model_spec_describe(const tdm_model_spec *s, char *buf, size_t len);
+
+typedef struct tdm_tensor_info {
+    char name[TDM_MODEL_NAME_MAX];  /* "fc1.weight", "bn1.running_mean" */
+    int ndim;
+    int64_t shape[4];
+    int64_t n_elem;
+    int64_t offset;                 /* elements from the start of its flat buffer */
+    int layer;                      /* index of the layer that owns it */
+} tdm_tensor_info;
+
+typedef struct tdm_model tdm_model;
+
+/* Called after a layer's parameter gradients are final during backward:
+ * parameters first..last (inclusive, indices into the parameter table)
+ * are ready. Backward calls it for the last layer first. */
+typedef void (*tdm_grad_ready_fn)(void *ctx, tdm_model *m, int first_param, int last_param);
+
+/* Builds a model on dev with parameters drawn from (seed, parameter
+ * index) streams: the same seed gives the same parameters on any device
+ * and in any process. Weights: He normal (std sqrt(2/fan_in)); biases 0;
+ * batchnorm gamma 1, beta 0, running mean 0, running var 1. */
+tdm_status tdm_model_init(tdm_model **out, tdm_device *dev, const tdm_model_spec *spec,
+                          uint64_t seed);
+tdm_status tdm_mlp_init(tdm_model **out, tdm_device *dev, const int *dims, int ndims,
+                        uint64_t seed);
+tdm_status tdm_cnn_init(tdm_model **out, tdm_device *dev, uint64_t seed);
+/* A model with src's spec on dev, parameters and buffers copied from src
+ * (a replica). Gradients zero. */
+tdm_status tdm_model_clone(tdm_model **out, const tdm_model *src, tdm_device *dev);
+void tdm_model_free(tdm_model *m);
+
+const tdm_model_spec *tdm_model_get_spec(const tdm_model *m);
+tdm_device *tdm_model_device(const tdm_model *m);
+int tdm_model_in_features(const tdm_model *m);
+int tdm_model_n_classes(const tdm_model *m);
+
+/* The parameter and buffer tables. */
+int tdm_model_n_params(const tdm_model *m);
+const tdm_tensor_info *tdm_model_param_info(const tdm_model *m, int i);
+int tdm_model_n_buffers(const tdm_model *m);
+const tdm_tensor_info *tdm_model_buffer_info(const tdm_model *m, int i);
+/* Number of layers and the parameter range [first, last] of layer l
+ * (first > last when the layer has none). */
+int tdm_model_n_layers(const tdm_model *m);
+void tdm_model_layer_params(const tdm_model *m, int layer, int *first, int *last);
+
+/* The flat buffers (device pointers) and their lengths in elements
+ * (including alignment padding). */
+float *tdm_model_params(tdm_model *m);
+float *tdm_model_grads(tdm_model *m);
+float *tdm_model_buffers(tdm_model *m);
+int64_t tdm_model_param_elems(const tdm_model *m);
+int64_t tdm_model_buffer_elems(const tdm_model *m);
+
+/* Replaces the gradient storage with caller-owned device memory of
+ * tdm_model_param_elems() floats (e.g. a shared-memory segment so DDP can
+ * all-reduce buckets in place). The current gradients are copied over.
+ * The model does not free it; pass NULL to go back to owned storage. */
+tdm_status tdm_model_set_grad_storage(tdm_model *m, float *grads /* borrowed */);
+
+void tdm_model_set_train(tdm_model *m, int train);
+int tdm_model_is_train(const tdm_model *m);
+void tdm_model_set_grad_hook(tdm_model *m, tdm_grad_ready_fn fn, void *ctx);
+
+tdm_status tdm_model_zero_grad(tdm_model *m);
+
+/* Forward over a batch: x (batch, in_features) -> *logits (batch,
+ * n_classes), owned by the model and valid until the next forward. In
+ * training mode batchnorm uses this batch's statistics and updates the
+ * running buffers. Activations grow to the largest batch seen. */
+tdm_status tdm_model_forward(tdm_model *m, const float *x, int batch, const float **logits);
+/* Backward of the last forward: dlogits (batch, n_classes). Adds into the
+ * gradient buffer and calls the grad-ready hook per layer. */
+tdm_status tdm_model_backward(tdm_model *m, const float *dlogits);
+
+/* Softmax cross-entropy on dev: over logits (batch, classes) with labels
+ * (device int32), returns in *loss_sum the sum of per-sample losses
+ * (host float, accumulated in double) and, when dlogits is non-NULL,
+ * writes (softmax - onehot) * scale. A mean over the batch is scale=1/B. */
+tdm_status tdm_loss_softmax_xent(tdm_device *dev, const float *logits, const int32_t *labels,
+                                 int batch, int classes, float scale, double *loss_sum,
+                                 float *dlogits);
+
+/* One forward + mean loss + backward over (x, y) on the model's device:
+ * the single-device training step's gradient part. */
+tdm_status tdm_model_forward_backward(tdm_model *m, const float *x, const int32_t *y, int batch,
+                                      double *loss_mean);
+/* Number of correct argmax predictions of the last forward's logits. */
+tdm_status tdm_model_count_correct(tdm_model *m, const int32_t *y_host, int batch, int64_t *correct);
+
+/* Bytes held per kind (for memory reports). */
+typedef struct tdm_model_memory {
+    size_t params, grads, buffers, activations;
+} tdm_model_memory;
+void tdm_model_get_memory(const tdm_model *m, tdm_model_memory *out);
+
+#endif

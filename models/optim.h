@@ -1,0 +1,51 @@
+/* models/optim.h: optimizers over a model's flat buffers: SGD (momentum,
+ * dampening, nesterov, weight decay; PyTorch's semantics) and AdamW
+ * (decoupled weight decay). Each step is one fused loop over the whole
+ * parameter buffer; optimizer state is flat too, with the parameters'
+ * offsets. Nothing here knows of parallelism. */
+#ifndef TDM_MODELS_OPTIM_H
+#define TDM_MODELS_OPTIM_H
+
+#include <stdint.h>
+
+#include "models/model.h"
+
+typedef enum tdm_optim_kind {
+    TDM_OPTIM_SGD = 0,
+    TDM_OPTIM_ADAMW,
+} tdm_optim_kind;
+
+typedef struct tdm_optim_opts {
+    tdm_optim_kind kind;
+    float lr;
+    float momentum;      /* SGD */
+    float dampening;     /* SGD */
+    int nesterov;        /* SGD */
+    float weight_decay;  /* SGD: L2 added to the gradient; AdamW: decoupled */
+    float beta1, beta2, eps; /* AdamW (defaults 0.9, 0.999, 1e-8) */
+} tdm_optim_opts;
+
+typedef struct tdm_optim tdm_optim;
+
+/* Defaults: SGD lr 0.01; AdamW lr 1e-3, betas (0.9, 0.999), eps 1e-8, wd 0.01. */
+void tdm_optim_opts_default(tdm_optim_opts *o, tdm_optim_kind kind);
+tdm_status tdm_optim_init(tdm_optim **out, tdm_model *m /* borrowed */,
+                          const tdm_optim_opts *opts);
+tdm_status tdm_sgd_init(tdm_optim **out, tdm_model *m, float lr, float momentum);
+void tdm_optim_free(tdm_optim *o);
+
+/* p <- update(p, grad); increments the step count. */
+tdm_status tdm_optim_step(tdm_optim *o);
+int64_t tdm_optim_steps(const tdm_optim *o);
+void tdm_optim_set_steps(tdm_optim *o, int64_t steps);
+void tdm_optim_set_lr(tdm_optim *o, float lr);
+const tdm_optim_opts *tdm_optim_get_opts(const tdm_optim *o);
+
+/* State buffers ("momentum" for SGD; "exp_avg", "exp_avg_sq" for AdamW),
+ * each tdm_model_param_elems() floats on the model's device. */
+int tdm_optim_n_state(const tdm_optim *o);
+const char *tdm_optim_state_name(const tdm_optim *o, int i);
+float *tdm_optim_state(tdm_optim *o, int i);
+size_t tdm_optim_state_bytes(const tdm_optim *o);
+
+#endif
