@@ -87,6 +87,11 @@ typedef struct tdm_device_ops {
     /* Batchnorm over CNHW rows: channel ch owns row ch of length len = N*H*W. */
     tdm_status (*bn_stats)(tdm_device *d, const float *x, int channels, int64_t len,
                            float *mean, float *var /* biased */);
+    /* Per channel: training -> invstd from var, running stats updated;
+     * eval -> mean = running mean, invstd from running var. */
+    tdm_status (*bn_prep)(tdm_device *d, int channels, float *mean, const float *var,
+                          float *invstd, float *run_mean, float *run_var, float eps,
+                          float momentum, int64_t len, int train);
     tdm_status (*bn_fwd)(tdm_device *d, const float *x, int channels, int64_t len,
                          const float *mean, const float *invstd, const float *gamma,
                          const float *beta, float *y);

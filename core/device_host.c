@@ -186,6 +186,16 @@ static tdm_status host_bn_stats(tdm_device *d, const float *x, int channels, int
     return TDM_STATUS_OK;
 }
 
+static tdm_status host_bn_prep(tdm_device *d, int channels, float *mean, const float *var,
+                               float *invstd, float *run_mean, float *run_var, float eps,
+                               float momentum, int64_t len, int train)
+{
+    (void)d;
+    for (int ch = 0; ch < channels; ch++)
+        tdm_k_bn_prep_ch(ch, mean, var, invstd, run_mean, run_var, eps, momentum, len, train);
+    return TDM_STATUS_OK;
+}
+
 static tdm_status host_bn_fwd(tdm_device *d, const float *x, int channels, int64_t len,
                               const float *mean, const float *invstd, const float *gamma,
                               const float *beta, float *y)
@@ -269,6 +279,7 @@ static const tdm_device_ops tdm_device_host_ops = {
     .maxpool_fwd = host_maxpool_fwd,
     .maxpool_bwd = host_maxpool_bwd,
     .bn_stats = host_bn_stats,
+    .bn_prep = host_bn_prep,
     .bn_fwd = host_bn_fwd,
     .bn_bwd = host_bn_bwd,
     .cnhw_to_nchw = host_cnhw_to_nchw,

@@ -166,6 +166,25 @@ static inline TDM_HD void tdm_k_bn_stats_ch(int ch, const float *x, int64_t len,
     var[ch] = (float)(q / (double)len);
 }
 
+/* Channel ch, before the normalisation. Training: invstd from the batch's
+ * biased variance, and the running statistics updated as PyTorch does
+ * (momentum-weighted, running_var with the unbiased variance len/(len-1)).
+ * Evaluation: mean and invstd come from the running statistics. */
+static inline TDM_HD void tdm_k_bn_prep_ch(int ch, float *mean, const float *var, float *invstd,
+                                           float *run_mean, float *run_var, float eps,
+                                           float momentum, int64_t len, int train)
+{
+    if (train) {
+        invstd[ch] = 1.0f / sqrtf(var[ch] + eps);
+        float unbiased = len > 1 ? var[ch] * (float)len / (float)(len - 1) : var[ch];
+        run_mean[ch] = (1.0f - momentum) * run_mean[ch] + momentum * mean[ch];
+        run_var[ch] = (1.0f - momentum) * run_var[ch] + momentum * unbiased;
+    } else {
+        mean[ch] = run_mean[ch];
+        invstd[ch] = 1.0f / sqrtf(run_var[ch] + eps);
+    }
+}
+
 static inline TDM_HD void tdm_k_bn_fwd(int64_t i, int ch, const float *x, const float *mean,
                                        const float *invstd, const float *gamma,
                                        const float *beta, float *y)

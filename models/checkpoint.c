@@ -1,0 +1,210 @@
+/* models/checkpoint.c: a model's parameters, buffers and optimizer state
+ * to and from a safetensors file (core/safetensors.c does the format and
+ * the atomic write). Device memory is staged through one host copy of each
+ * flat buffer. Not here: who writes (DDP's rank 0) and when. */
+#include "models/checkpoint.h"
+
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/safetensors.h"
+
+#define TDM_CKPT_FORMAT "tandem-checkpoint-1"
+#define TDM_CKPT_MAX_TENSORS 256
+
+static const char *tdm_ckpt_optim_name(tdm_optim_kind k)
+{
+    return k == TDM_OPTIM_ADAMW ? "adamw" : "sgd";
+}
+
+static tdm_status tdm_ckpt_stage(tdm_device *d, float **host, const float *dev, int64_t n)
+{
+    size_t nb = (size_t)(n > 0 ? n : 1) * sizeof(float);
+    *host = calloc(1, nb);
+    if (!*host) return tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "cannot allocate %zu bytes", nb);
+    if (n > 0) return d->ops->copy_to_host(d, *host, dev, (size_t)n * sizeof(float));
+    return TDM_STATUS_OK;
+}
+
+tdm_status tdm_checkpoint_save(const char *path, tdm_model *m, tdm_optim *opt,
+                               const tdm_ckpt_info *info)
+{
+    tdm_status st = TDM_STATUS_OK;
+    tdm_device *d = tdm_model_device(m);
+    int np = tdm_model_n_params(m), nbuf = tdm_model_n_buffers(m);
+    int nstate = opt ? tdm_optim_n_state(opt) : 0;
+    float *hp = NULL, *hb = NULL, *hs[2] = {NULL, NULL};
+    tdm_st_tensor *t = NULL;
+    char (*names)[96] = NULL;
+    int nt = 0;
+    TDM_REQUIRE(path && *path, TDM_STATUS_INVALID_ARG, "checkpoint: empty path");
+    TDM_TRY(tdm_ckpt_stage(d, &hp, tdm_model_params(m), tdm_model_param_elems(m)));
+    TDM_TRY(tdm_ckpt_stage(d, &hb, tdm_model_buffers(m), tdm_model_buffer_elems(m)));
+    for (int s = 0; s < nstate; s++)
+        TDM_TRY(tdm_ckpt_stage(d, &hs[s], tdm_optim_state(opt, s), tdm_model_param_elems(m)));
+    int total = np + nbuf + nstate * np;
+    t = calloc((size_t)total, sizeof *t);
+    names = calloc((size_t)total, sizeof *names);
+    if (!t || !names) {
+        st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "cannot allocate a checkpoint table");
+        goto fail;
+    }
+    for (int group = 0; group < 2 + nstate; group++) {
+        int n = group == 1 ? nbuf : np;
+        for (int i = 0; i < n; i++) {
+            const tdm_tensor_info *ti = group == 1 ? tdm_model_buffer_info(m, i)
+                                                   : tdm_model_param_info(m, i);
+            const float *base = group == 0 ? hp : group == 1 ? hb : hs[group - 2];
+            if (group >= 2)
+                snprintf(names[nt], sizeof names[nt], "optim.%s.%s",
+                         tdm_optim_state_name(opt, group - 2), ti->name);
+            else
+                snprintf(names[nt], sizeof names[nt], "%s", ti->name);
+            t[nt].name = names[nt];
+            t[nt].dtype = TDM_ST_F32;
+            t[nt].ndim = ti->ndim;
+            for (int k = 0; k < ti->ndim; k++) t[nt].shape[k] = ti->shape[k];
+            t[nt].data = base + ti->offset;
+            t[nt].nbytes = (size_t)ti->n_elem * sizeof(float);
+            nt++;
+        }
+    }
+    char model_desc[160], step[32], epoch[32], seed[32], lr[32], hyper[160];
+    tdm_model_spec_describe(tdm_model_get_spec(m), model_desc, sizeof model_desc);
+    snprintf(step, sizeof step, "%" PRId64, info ? info->step : (opt ? tdm_optim_steps(opt) : 0));
+    snprintf(epoch, sizeof epoch, "%" PRId64, info ? info->epoch : 0);
+    snprintf(seed, sizeof seed, "%" PRIu64, info ? info->seed : 0);
+    tdm_st_meta meta[8] = {
+        {"format", TDM_CKPT_FORMAT},
+        {"model", model_desc},
+        {"step", step},
+        {"epoch", epoch},
+        {"seed", seed},
+    };
+    int nmeta = 5;
+    if (opt) {
+        const tdm_optim_opts *o = tdm_optim_get_opts(opt);
+        snprintf(lr, sizeof lr, "%.9g", (double)o->lr);
+        snprintf(hyper, sizeof hyper,
+                 "momentum=%.9g dampening=%.9g nesterov=%d weight_decay=%.9g beta1=%.9g "
+                 "beta2=%.9g eps=%.9g",
+                 (double)o->momentum, (double)o->dampening, o->nesterov,
+                 (double)o->weight_decay, (double)o->beta1, (double)o->beta2, (double)o->eps);
+        meta[nmeta++] = (tdm_st_meta){"optimizer", tdm_ckpt_optim_name(o->kind)};
+        meta[nmeta++] = (tdm_st_meta){"lr", lr};
+        meta[nmeta++] = (tdm_st_meta){"optimizer_options", hyper};
+    }
+    TDM_TRY(tdm_st_save(path, t, nt, meta, nmeta));
+fail:
+    free(hp);
+    free(hb);
+    free(hs[0]);
+    free(hs[1]);
+    free(t);
+    free(names);
+    return st;
+}
+
+static tdm_status tdm_ckpt_parse_i64(const tdm_st_file *f, const char *key, int64_t *out)
+{
+    const char *v = tdm_st_meta_get(f, key);
+    char *end;
+    TDM_REQUIRE(v, TDM_STATUS_FORMAT, "%s: metadata has no '%s'", tdm_st_path(f), key);
+    long long x = strtoll(v, &end, 10);
+    TDM_REQUIRE(end != v && *end == '\0' && x >= 0, TDM_STATUS_FORMAT,
+                "%s: metadata '%s' = '%s' is not a non-negative integer", tdm_st_path(f), key, v);
+    *out = x;
+    return TDM_STATUS_OK;
+}
+
+tdm_status tdm_checkpoint_load(const char *path, tdm_model *m, tdm_optim *opt,
+                               tdm_ckpt_info *info)
+{
+    tdm_status st = TDM_STATUS_OK;
+    tdm_st_file *f = NULL;
+    tdm_device *d = tdm_model_device(m);
+    int64_t pe = tdm_model_param_elems(m), be = tdm_model_buffer_elems(m);
+    float *hp = calloc((size_t)pe, sizeof(float));
+    float *hb = calloc((size_t)(be > 0 ? be : 1), sizeof(float));
+    float *hs[2] = {NULL, NULL};
+    if (!hp || !hb) {
+        st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "cannot allocate checkpoint staging");
+        goto fail;
+    }
+    TDM_TRY(tdm_st_load(&f, path));
+    const char *fmt = tdm_st_meta_get(f, "format");
+    if (!fmt || strcmp(fmt, TDM_CKPT_FORMAT)) {
+        st = tdm_error_set(TDM_STATUS_FORMAT,
+                           "%s: not a tandem checkpoint (metadata format '%s', expected '%s')",
+                           path, fmt ? fmt : "(none)", TDM_CKPT_FORMAT);
+        goto fail;
+    }
+    char want[160];
+    tdm_model_spec_describe(tdm_model_get_spec(m), want, sizeof want);
+    const char *have = tdm_st_meta_get(f, "model");
+    if (!have || strcmp(have, want)) {
+        st = tdm_error_set(TDM_STATUS_MISMATCH,
+                           "%s: checkpoint is of model '%s' but this run builds '%s'", path,
+                           have ? have : "(none)", want);
+        goto fail;
+    }
+    for (int i = 0; i < tdm_model_n_params(m); i++) {
+        const tdm_tensor_info *ti = tdm_model_param_info(m, i);
+        TDM_TRY(tdm_st_read(f, ti->name, TDM_ST_F32, ti->ndim, ti->shape, hp + ti->offset));
+    }
+    for (int i = 0; i < tdm_model_n_buffers(m); i++) {
+        const tdm_tensor_info *ti = tdm_model_buffer_info(m, i);
+        TDM_TRY(tdm_st_read(f, ti->name, TDM_ST_F32, ti->ndim, ti->shape, hb + ti->offset));
+    }
+    int64_t step = 0, epoch = 0, seed = 0;
+    TDM_TRY(tdm_ckpt_parse_i64(f, "step", &step));
+    TDM_TRY(tdm_ckpt_parse_i64(f, "epoch", &epoch));
+    TDM_TRY(tdm_ckpt_parse_i64(f, "seed", &seed));
+    if (opt) {
+        const char *ok = tdm_st_meta_get(f, "optimizer");
+        const char *wantk = tdm_ckpt_optim_name(tdm_optim_get_opts(opt)->kind);
+        if (!ok || strcmp(ok, wantk)) {
+            st = tdm_error_set(TDM_STATUS_MISMATCH,
+                               "%s: checkpoint holds %s optimizer state but this run uses %s",
+                               path, ok ? ok : "no", wantk);
+            goto fail;
+        }
+        for (int s = 0; s < tdm_optim_n_state(opt); s++) {
+            hs[s] = calloc((size_t)pe, sizeof(float));
+            if (!hs[s]) {
+                st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "cannot allocate optimizer staging");
+                goto fail;
+            }
+            for (int i = 0; i < tdm_model_n_params(m); i++) {
+                const tdm_tensor_info *ti = tdm_model_param_info(m, i);
+                char name[96];
+                snprintf(name, sizeof name, "optim.%s.%s", tdm_optim_state_name(opt, s), ti->name);
+                TDM_TRY(tdm_st_read(f, name, TDM_ST_F32, ti->ndim, ti->shape, hs[s] + ti->offset));
+            }
+        }
+    }
+    /* Everything validated: only now overwrite the live model. */
+    TDM_TRY(d->ops->copy_from_host(d, tdm_model_params(m), hp, (size_t)pe * sizeof(float)));
+    if (be > 0)
+        TDM_TRY(d->ops->copy_from_host(d, tdm_model_buffers(m), hb, (size_t)be * sizeof(float)));
+    if (opt) {
+        for (int s = 0; s < tdm_optim_n_state(opt); s++)
+            TDM_TRY(d->ops->copy_from_host(d, tdm_optim_state(opt, s), hs[s],
+                                           (size_t)pe * sizeof(float)));
+        tdm_optim_set_steps(opt, step);
+    }
+    if (info) {
+        info->step = step;
+        info->epoch = epoch;
+        info->seed = (uint64_t)seed;
+    }
+fail:
+    tdm_st_free(f);
+    free(hp);
+    free(hb);
+    free(hs[0]);
+    free(hs[1]);
+    return st;
+}

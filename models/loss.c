@@ -1,0 +1,38 @@
+/* models/loss.c: softmax cross-entropy over a batch on any device: the
+ * per-row kernel runs on the device, the per-sample losses are summed on
+ * the host in double so the reported loss does not depend on how a batch
+ * was split. Not a layer: DP computes it on the output device over the
+ * gathered logits, DDP and single-device on their own batch. */
+#include <stdlib.h>
+
+#include "models/model.h"
+
+tdm_status tdm_loss_softmax_xent(tdm_device *dev, const float *logits, const int32_t *labels,
+                                 int batch, int classes, float scale, double *loss_sum,
+                                 float *dlogits)
+{
+    TDM_REQUIRE(batch > 0 && classes > 0, TDM_STATUS_INVALID_ARG,
+                "loss: batch %d and classes %d must be positive", batch, classes);
+    tdm_status st = TDM_STATUS_OK;
+    float *rows = NULL, *host = NULL;
+    size_t nb = (size_t)batch * sizeof(float);
+    TDM_TRY(tdm_dev_alloc(dev, nb, (void **)&rows));
+    TDM_TRY(dev->ops->softmax_xent(dev, logits, labels, batch, classes, scale, rows, dlogits));
+    if (dev->kind == TDM_DEVICE_HOST) {
+        host = rows;
+    } else {
+        host = malloc(nb);
+        if (!host) {
+            st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "cannot allocate %zu bytes", nb);
+            goto fail;
+        }
+        TDM_TRY(dev->ops->copy_to_host(dev, host, rows, nb));
+    }
+    double s = 0.0;
+    for (int i = 0; i < batch; i++) s += host[i];
+    if (loss_sum) *loss_sum = s;
+fail:
+    if (host != rows) free(host);
+    tdm_dev_free(dev, rows);
+    return st;
+}

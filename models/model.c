@@ -1,0 +1,772 @@
+/* models/model.c: layer graph, flat buffers, forward and backward of the
+ * MLP and CNN models. Layers: linear (optionally with a fused relu),
+ * conv2d (im2col + one gemm per batch, no bias: batchnorm follows),
+ * batchnorm2d (optionally with a fused relu), maxpool2d, flatten. The
+ * softmax cross-entropy lives in models/loss.c. Not here: optimizers
+ * (models/optim.c), checkpoints (models/checkpoint.c), any parallelism. */
+#include "models/model.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/log.h"
+#include "core/rng.h"
+
+#define TDM_MODEL_MAX_LAYERS 32
+#define TDM_MODEL_MAX_TENSORS 64
+#define TDM_BN_EPS 1e-5f
+#define TDM_BN_MOMENTUM 0.1f
+
+typedef enum tdm_layer_kind {
+    TDM_LAYER_LINEAR = 0,
+    TDM_LAYER_CONV,
+    TDM_LAYER_BN,
+    TDM_LAYER_MAXPOOL,
+    TDM_LAYER_FLATTEN,   /* CNHW -> (N, C*H*W) */
+    TDM_LAYER_TO_CNHW,   /* (N, C, H, W) input -> CNHW */
+} tdm_layer_kind;
+
+typedef struct tdm_layer {
+    tdm_layer_kind kind;
+    int p0, np;             /* parameter tensors [p0, p0+np) */
+    int b0, nb;             /* buffer tensors */
+    int relu;               /* fused relu on the output */
+    int c, h, w;            /* input shape per sample (linear: c = in features) */
+    int oc, oh, ow;         /* output shape per sample (linear: oc = out features) */
+    int k, stride, pad;     /* conv / pool */
+    int64_t in_elems, out_elems; /* per sample */
+    /* activations (capacity m->cap samples) */
+    float *out;
+    float *col;             /* conv: im2col matrix, reused as dcol in backward */
+    int32_t *argmax;        /* maxpool */
+    float *mean, *var, *invstd; /* bn, per channel */
+    const float *in;        /* input of the last forward (borrowed) */
+} tdm_layer;
+
+struct tdm_model {
+    tdm_model_spec spec;
+    tdm_device *dev;        /* borrowed */
+    int n_layers;
+    tdm_layer layers[TDM_MODEL_MAX_LAYERS];
+    int n_params, n_buffers;
+    tdm_tensor_info params_info[TDM_MODEL_MAX_TENSORS];
+    tdm_tensor_info buffers_info[TDM_MODEL_MAX_TENSORS];
+    int64_t param_elems, buffer_elems;
+    float *params, *grads, *buffers;
+    float *grads_owned;     /* NULL while grads are borrowed */
+    int train;
+    tdm_grad_ready_fn hook;
+    void *hook_ctx;
+    /* activations */
+    int cap;                /* samples the activations hold */
+    int batch;              /* batch of the last forward */
+    float *dbuf[2];         /* backward ping-pong, max activation size */
+    float *ones;            /* cap ones, for bias gradients via gemm */
+    float *dlogits;         /* forward_backward scratch */
+    int32_t *labels_dev;
+    int64_t max_elems;      /* largest per-sample activation */
+    size_t act_bytes;
+};
+
+/* ---- specs ---- */
+
+void tdm_model_spec_mlp(tdm_model_spec *s, const int *dims, int ndims)
+{
+    static const int def[] = {784, 1024, 1024, 10};
+    memset(s, 0, sizeof *s);
+    s->kind = TDM_MODEL_MLP;
+    if (!dims || ndims < 2 || ndims > TDM_MODEL_MAX_DIMS) {
+        dims = def;
+        ndims = 4;
+    }
+    s->ndims = ndims;
+    for (int i = 0; i < ndims; i++) s->dims[i] = dims[i];
+    s->n_classes = dims[ndims - 1];
+    s->in_c = 1;
+    s->in_h = 1;
+    s->in_w = dims[0];
+}
+
+void tdm_model_spec_cnn(tdm_model_spec *s)
+{
+    memset(s, 0, sizeof *s);
+    s->kind = TDM_MODEL_CNN;
+    s->in_c = 1;
+    s->in_h = 28;
+    s->in_w = 28;
+    s->n_classes = 10;
+    s->ch1 = 32;
+    s->ch2 = 64;
+}
+
+tdm_status tdm_model_spec_parse(tdm_model_spec *s, const char *text)
+{
+    TDM_REQUIRE(text && *text, TDM_STATUS_INVALID_ARG, "empty model name (expected mlp or cnn)");
+    if (!strcmp(text, "cnn")) {
+        tdm_model_spec_cnn(s);
+        return TDM_STATUS_OK;
+    }
+    if (!strcmp(text, "mlp")) {
+        tdm_model_spec_mlp(s, NULL, 0);
+        return TDM_STATUS_OK;
+    }
+    if (!strncmp(text, "mlp:", 4)) {
+        int dims[TDM_MODEL_MAX_DIMS], n = 0;
+        const char *p = text + 4;
+        while (*p) {
+            char *end;
+            long v = strtol(p, &end, 10);
+            if (end == p || v < 1 || v > 1 << 20)
+                return tdm_error_set(TDM_STATUS_INVALID_ARG,
+                                     "model '%s': widths must be integers in [1, %d], "
+                                     "e.g. mlp:784-1024-1024-10", text, 1 << 20);
+            TDM_REQUIRE(n < TDM_MODEL_MAX_DIMS, TDM_STATUS_INVALID_ARG,
+                        "model '%s': at most %d widths", text, TDM_MODEL_MAX_DIMS);
+            dims[n++] = (int)v;
+            p = end;
+            if (*p == '-') p++;
+            else if (*p)
+                return tdm_error_set(TDM_STATUS_INVALID_ARG,
+                                     "model '%s': unexpected '%c' (widths are separated by '-')",
+                                     text, *p);
+        }
+        TDM_REQUIRE(n >= 2, TDM_STATUS_INVALID_ARG,
+                    "model '%s': need at least an input and an output width", text);
+        tdm_model_spec_mlp(s, dims, n);
+        return TDM_STATUS_OK;
+    }
+    return tdm_error_set(TDM_STATUS_INVALID_ARG,
+                         "unknown model '%s' (expected mlp, mlp:W0-W1-...-Wn or cnn)", text);
+}
+
+void tdm_model_spec_describe(const tdm_model_spec *s, char *buf, size_t len)
+{
+    if (s->kind == TDM_MODEL_CNN) {
+        snprintf(buf, len, "cnn %dx%dx%d-[conv%d-bn-relu-pool]-[conv%d-bn-relu-pool]-fc%d",
+                 s->in_c, s->in_h, s->in_w, s->ch1, s->ch2, s->n_classes);
+        return;
+    }
+    size_t o = (size_t)snprintf(buf, len, "mlp ");
+    for (int i = 0; i < s->ndims && o < len; i++)
+        o += (size_t)snprintf(buf + o, len - o, "%s%d", i ? "-" : "", s->dims[i]);
+}
+
+/* ---- building ---- */
+
+static int64_t tdm_align_up(int64_t n)
+{
+    return (n + TDM_MODEL_ALIGN_ELEMS - 1) / TDM_MODEL_ALIGN_ELEMS * TDM_MODEL_ALIGN_ELEMS;
+}
+
+static tdm_status tdm_model_add_tensor(tdm_model *m, int buffer, int layer, const char *name,
+                                       int ndim, const int64_t *shape)
+{
+    int *count = buffer ? &m->n_buffers : &m->n_params;
+    int64_t *elems = buffer ? &m->buffer_elems : &m->param_elems;
+    tdm_tensor_info *t = (buffer ? m->buffers_info : m->params_info) + *count;
+    TDM_REQUIRE(*count < TDM_MODEL_MAX_TENSORS, TDM_STATUS_INVALID_ARG,
+                "model has more than %d tensors", TDM_MODEL_MAX_TENSORS);
+    memset(t, 0, sizeof *t);
+    snprintf(t->name, sizeof t->name, "%s", name);
+    t->ndim = ndim;
+    t->n_elem = 1;
+    for (int i = 0; i < ndim; i++) {
+        t->shape[i] = shape[i];
+        t->n_elem *= shape[i];
+    }
+    t->offset = *elems;
+    t->layer = layer;
+    *elems = tdm_align_up(*elems + t->n_elem);
+    (*count)++;
+    return TDM_STATUS_OK;
+}
+
+static tdm_layer *tdm_model_add_layer(tdm_model *m, tdm_layer_kind kind)
+{
+    tdm_layer *l = &m->layers[m->n_layers++];
+    memset(l, 0, sizeof *l);
+    l->kind = kind;
+    l->p0 = m->n_params;
+    l->b0 = m->n_buffers;
+    return l;
+}
+
+static tdm_status tdm_model_linear(tdm_model *m, const char *name, int in, int out, int relu)
+{
+    char buf[TDM_MODEL_NAME_MAX];
+    tdm_layer *l = tdm_model_add_layer(m, TDM_LAYER_LINEAR);
+    int li = m->n_layers - 1;
+    l->c = in;
+    l->oc = out;
+    l->relu = relu;
+    l->in_elems = in;
+    l->out_elems = out;
+    snprintf(buf, sizeof buf, "%s.weight", name);
+    TDM_CHECK(tdm_model_add_tensor(m, 0, li, buf, 2, (int64_t[]){out, in}));
+    snprintf(buf, sizeof buf, "%s.bias", name);
+    TDM_CHECK(tdm_model_add_tensor(m, 0, li, buf, 1, (int64_t[]){out}));
+    l->np = 2;
+    return TDM_STATUS_OK;
+}
+
+static tdm_status tdm_model_build(tdm_model *m)
+{
+    const tdm_model_spec *s = &m->spec;
+    char name[TDM_MODEL_NAME_MAX];
+    if (s->kind == TDM_MODEL_MLP) {
+        TDM_REQUIRE(s->ndims >= 2, TDM_STATUS_INVALID_ARG, "an MLP needs at least 2 widths");
+        for (int i = 0; i + 1 < s->ndims; i++) {
+            TDM_REQUIRE(s->dims[i] > 0 && s->dims[i + 1] > 0, TDM_STATUS_INVALID_ARG,
+                        "MLP width %d is not positive", i);
+            snprintf(name, sizeof name, "fc%d", i + 1);
+            TDM_CHECK(tdm_model_linear(m, name, s->dims[i], s->dims[i + 1], i + 2 < s->ndims));
+        }
+        return TDM_STATUS_OK;
+    }
+    TDM_REQUIRE(s->kind == TDM_MODEL_CNN, TDM_STATUS_INVALID_ARG, "unknown model kind %d",
+                (int)s->kind);
+    TDM_REQUIRE(s->in_c > 0 && s->in_h >= 4 && s->in_w >= 4 && s->ch1 > 0 && s->ch2 > 0 &&
+                    s->n_classes > 0,
+                TDM_STATUS_INVALID_ARG, "CNN shape %dx%dx%d too small", s->in_c, s->in_h,
+                s->in_w);
+    int c = s->in_c, h = s->in_h, w = s->in_w;
+    if (c > 1) {
+        tdm_layer *l = tdm_model_add_layer(m, TDM_LAYER_TO_CNHW);
+        l->c = l->oc = c;
+        l->h = l->oh = h;
+        l->w = l->ow = w;
+        l->in_elems = l->out_elems = (int64_t)c * h * w;
+    }
+    const int chans[2] = {s->ch1, s->ch2};
+    for (int b = 0; b < 2; b++) {
+        int li = m->n_layers;
+        tdm_layer *l = tdm_model_add_layer(m, TDM_LAYER_CONV);
+        l->c = c; l->h = h; l->w = w;
+        l->k = 3; l->stride = 1; l->pad = 1;
+        l->oc = chans[b]; l->oh = h; l->ow = w;
+        l->in_elems = (int64_t)c * h * w;
+        l->out_elems = (int64_t)l->oc * h * w;
+        snprintf(name, sizeof name, "conv%d.weight", b + 1);
+        TDM_CHECK(tdm_model_add_tensor(m, 0, li, name, 4, (int64_t[]){chans[b], c, 3, 3}));
+        l->np = 1;
+        c = chans[b];
+
+        li = m->n_layers;
+        l = tdm_model_add_layer(m, TDM_LAYER_BN);
+        l->c = l->oc = c; l->h = l->oh = h; l->w = l->ow = w;
+        l->relu = 1;
+        l->in_elems = l->out_elems = (int64_t)c * h * w;
+        snprintf(name, sizeof name, "bn%d.weight", b + 1);
+        TDM_CHECK(tdm_model_add_tensor(m, 0, li, name, 1, (int64_t[]){c}));
+        snprintf(name, sizeof name, "bn%d.bias", b + 1);
+        TDM_CHECK(tdm_model_add_tensor(m, 0, li, name, 1, (int64_t[]){c}));
+        l->np = 2;
+        snprintf(name, sizeof name, "bn%d.running_mean", b + 1);
+        TDM_CHECK(tdm_model_add_tensor(m, 1, li, name, 1, (int64_t[]){c}));
+        snprintf(name, sizeof name, "bn%d.running_var", b + 1);
+        TDM_CHECK(tdm_model_add_tensor(m, 1, li, name, 1, (int64_t[]){c}));
+        l->nb = 2;
+
+        l = tdm_model_add_layer(m, TDM_LAYER_MAXPOOL);
+        l->c = l->oc = c; l->h = h; l->w = w;
+        l->k = 2; l->stride = 2; l->pad = 0;
+        l->oh = h / 2; l->ow = w / 2;
+        l->in_elems = (int64_t)c * h * w;
+        l->out_elems = (int64_t)c * l->oh * l->ow;
+        h /= 2;
+        w /= 2;
+    }
+    tdm_layer *l = tdm_model_add_layer(m, TDM_LAYER_FLATTEN);
+    l->c = l->oc = c; l->h = l->oh = h; l->w = l->ow = w;
+    l->in_elems = l->out_elems = (int64_t)c * h * w;
+    return tdm_model_linear(m, "fc", c * h * w, s->n_classes, 0);
+}
+
+static tdm_status tdm_model_alloc_state(tdm_model *m)
+{
+    tdm_status st = TDM_STATUS_OK;
+    TDM_TRY(tdm_dev_alloc_zero(m->dev, (size_t)m->param_elems * sizeof(float), (void **)&m->params));
+    TDM_TRY(tdm_dev_alloc_zero(m->dev, (size_t)m->param_elems * sizeof(float), (void **)&m->grads_owned));
+    m->grads = m->grads_owned;
+    if (m->buffer_elems)
+        TDM_TRY(tdm_dev_alloc_zero(m->dev, (size_t)m->buffer_elems * sizeof(float),
+                                   (void **)&m->buffers));
+    for (int i = 0; i < m->n_layers; i++)
+        if (m->layers[i].kind == TDM_LAYER_BN) {
+            tdm_layer *l = &m->layers[i];
+            size_t nb = (size_t)l->c * sizeof(float);
+            TDM_TRY(tdm_dev_alloc_zero(m->dev, nb, (void **)&l->mean));
+            TDM_TRY(tdm_dev_alloc_zero(m->dev, nb, (void **)&l->var));
+            TDM_TRY(tdm_dev_alloc_zero(m->dev, nb, (void **)&l->invstd));
+        }
+    return TDM_STATUS_OK;
+fail:
+    return st;
+}
+
+static tdm_status tdm_model_new(tdm_model **out, tdm_device *dev, const tdm_model_spec *spec)
+{
+    tdm_status st = TDM_STATUS_OK;
+    *out = NULL;
+    TDM_REQUIRE(dev && spec, TDM_STATUS_INVALID_ARG, "model: NULL device or spec");
+    tdm_model *m = calloc(1, sizeof *m);
+    if (!m) return tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "cannot allocate a model");
+    m->spec = *spec;
+    m->dev = dev;
+    m->train = 1;
+    TDM_TRY(tdm_model_build(m));
+    TDM_TRY(tdm_model_alloc_state(m));
+    for (int i = 0; i < m->n_layers; i++) {
+        tdm_layer *l = &m->layers[i];
+        if (l->in_elems > m->max_elems) m->max_elems = l->in_elems;
+        if (l->out_elems > m->max_elems) m->max_elems = l->out_elems;
+    }
+    *out = m;
+    return TDM_STATUS_OK;
+fail:
+    tdm_model_free(m);
+    return st;
+}
+
+static tdm_status tdm_model_fill_host(tdm_model *m, uint64_t seed)
+{
+    tdm_status st = TDM_STATUS_OK;
+    float *hp = calloc((size_t)m->param_elems, sizeof(float));
+    float *hb = calloc((size_t)(m->buffer_elems ? m->buffer_elems : 1), sizeof(float));
+    if (!hp || !hb) {
+        st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "cannot allocate initial parameters");
+        goto fail;
+    }
+    for (int i = 0; i < m->n_params; i++) {
+        const tdm_tensor_info *t = &m->params_info[i];
+        const tdm_layer *l = &m->layers[t->layer];
+        float *p = hp + t->offset;
+        int is_weight = strstr(t->name, ".weight") != NULL;
+        if (l->kind == TDM_LAYER_BN) {
+            float v = is_weight ? 1.0f : 0.0f;
+            for (int64_t j = 0; j < t->n_elem; j++) p[j] = v;
+        } else if (is_weight) {
+            /* He et al. 2015: std sqrt(2/fan_in) keeps relu activations'
+             * variance constant; the output layer (no relu) uses 1/fan_in. */
+            int64_t fan_in = t->n_elem / t->shape[0];
+            int followed_by_relu = l->relu || l->kind == TDM_LAYER_CONV;
+            float std = sqrtf((followed_by_relu ? 2.0f : 1.0f) / (float)fan_in);
+            tdm_rng r;
+            tdm_rng_init(&r, seed, TDM_RNG_STREAM_INIT + (uint64_t)i);
+            for (int64_t j = 0; j < t->n_elem; j++) p[j] = std * tdm_rng_normal(&r);
+        }
+        /* biases stay 0 */
+    }
+    for (int i = 0; i < m->n_buffers; i++) {
+        const tdm_tensor_info *t = &m->buffers_info[i];
+        float v = strstr(t->name, "running_var") ? 1.0f : 0.0f;
+        for (int64_t j = 0; j < t->n_elem; j++) hb[t->offset + j] = v;
+    }
+    TDM_TRY(m->dev->ops->copy_from_host(m->dev, m->params, hp,
+                                        (size_t)m->param_elems * sizeof(float)));
+    if (m->buffer_elems)
+        TDM_TRY(m->dev->ops->copy_from_host(m->dev, m->buffers, hb,
+                                            (size_t)m->buffer_elems * sizeof(float)));
+fail:
+    free(hp);
+    free(hb);
+    return st;
+}
+
+tdm_status tdm_model_init(tdm_model **out, tdm_device *dev, const tdm_model_spec *spec,
+                          uint64_t seed)
+{
+    tdm_model *m = NULL;
+    TDM_CHECK(tdm_model_new(&m, dev, spec));
+    tdm_status st = tdm_model_fill_host(m, seed);
+    if (st != TDM_STATUS_OK) {
+        tdm_model_free(m);
+        return st;
+    }
+    char desc[128];
+    tdm_model_spec_describe(spec, desc, sizeof desc);
+    TDM_INFO(MODEL, "%s on %s: %d parameter tensors, %lld floats; %d buffers", desc, dev->name,
+             m->n_params, (long long)m->param_elems, m->n_buffers);
+    *out = m;
+    return TDM_STATUS_OK;
+}
+
+tdm_status tdm_mlp_init(tdm_model **out, tdm_device *dev, const int *dims, int ndims,
+                        uint64_t seed)
+{
+    tdm_model_spec s;
+    tdm_model_spec_mlp(&s, dims, ndims);
+    return tdm_model_init(out, dev, &s, seed);
+}
+
+tdm_status tdm_cnn_init(tdm_model **out, tdm_device *dev, uint64_t seed)
+{
+    tdm_model_spec s;
+    tdm_model_spec_cnn(&s);
+    return tdm_model_init(out, dev, &s, seed);
+}
+
+tdm_status tdm_model_clone(tdm_model **out, const tdm_model *src, tdm_device *dev)
+{
+    tdm_model *m = NULL;
+    TDM_CHECK(tdm_model_new(&m, dev, &src->spec));
+    tdm_status st = tdm_dev_copy_between(dev, m->params, src->dev, src->params,
+                                         (size_t)m->param_elems * sizeof(float));
+    if (st == TDM_STATUS_OK && m->buffer_elems)
+        st = tdm_dev_copy_between(dev, m->buffers, src->dev, src->buffers,
+                                  (size_t)m->buffer_elems * sizeof(float));
+    if (st != TDM_STATUS_OK) {
+        tdm_model_free(m);
+        return st;
+    }
+    m->train = src->train;
+    *out = m;
+    return TDM_STATUS_OK;
+}
+
+static void tdm_model_free_activations(tdm_model *m)
+{
+    tdm_device *d = m->dev;
+    for (int i = 0; i < m->n_layers; i++) {
+        tdm_layer *l = &m->layers[i];
+        tdm_dev_free(d, l->out);
+        tdm_dev_free(d, l->col);
+        tdm_dev_free(d, l->argmax);
+        l->out = l->col = NULL;
+        l->argmax = NULL;
+    }
+    tdm_dev_free(d, m->dbuf[0]);
+    tdm_dev_free(d, m->dbuf[1]);
+    tdm_dev_free(d, m->ones);
+    tdm_dev_free(d, m->dlogits);
+    tdm_dev_free(d, m->labels_dev);
+    m->dbuf[0] = m->dbuf[1] = m->ones = m->dlogits = NULL;
+    m->labels_dev = NULL;
+    m->cap = 0;
+    m->act_bytes = 0;
+}
+
+void tdm_model_free(tdm_model *m)
+{
+    if (!m) return;
+    tdm_model_free_activations(m);
+    for (int i = 0; i < m->n_layers; i++) {
+        tdm_layer *l = &m->layers[i];
+        tdm_dev_free(m->dev, l->mean);
+        tdm_dev_free(m->dev, l->var);
+        tdm_dev_free(m->dev, l->invstd);
+    }
+    tdm_dev_free(m->dev, m->params);
+    tdm_dev_free(m->dev, m->grads_owned);
+    tdm_dev_free(m->dev, m->buffers);
+    free(m);
+}
+
+/* Grows activations to hold `batch` samples. */
+static tdm_status tdm_model_reserve(tdm_model *m, int batch)
+{
+    if (batch <= m->cap) return TDM_STATUS_OK;
+    tdm_status st = TDM_STATUS_OK;
+    tdm_device *d = m->dev;
+    tdm_model_free_activations(m);
+    size_t bytes = 0, nb;
+    for (int i = 0; i < m->n_layers; i++) {
+        tdm_layer *l = &m->layers[i];
+        nb = (size_t)batch * (size_t)l->out_elems * sizeof(float);
+        TDM_TRY(tdm_dev_alloc(d, nb, (void **)&l->out));
+        bytes += nb;
+        if (l->kind == TDM_LAYER_CONV) {
+            nb = (size_t)l->c * l->k * l->k * (size_t)batch * l->oh * l->ow * sizeof(float);
+            TDM_TRY(tdm_dev_alloc(d, nb, (void **)&l->col));
+            bytes += nb;
+        } else if (l->kind == TDM_LAYER_MAXPOOL) {
+            nb = (size_t)batch * (size_t)l->out_elems * sizeof(int32_t);
+            TDM_TRY(tdm_dev_alloc(d, nb, (void **)&l->argmax));
+            bytes += nb;
+        }
+    }
+    nb = (size_t)batch * (size_t)m->max_elems * sizeof(float);
+    TDM_TRY(tdm_dev_alloc(d, nb, (void **)&m->dbuf[0]));
+    TDM_TRY(tdm_dev_alloc(d, nb, (void **)&m->dbuf[1]));
+    bytes += 2 * nb;
+    nb = (size_t)batch * sizeof(float);
+    TDM_TRY(tdm_dev_alloc(d, nb, (void **)&m->ones));
+    {
+        float *h = malloc(nb);
+        if (!h) {
+            st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "cannot allocate %zu bytes", nb);
+            goto fail;
+        }
+        for (int i = 0; i < batch; i++) h[i] = 1.0f;
+        st = d->ops->copy_from_host(d, m->ones, h, nb);
+        free(h);
+        TDM_TRY(st);
+    }
+    nb = (size_t)batch * (size_t)tdm_model_n_classes(m) * sizeof(float);
+    TDM_TRY(tdm_dev_alloc(d, nb, (void **)&m->dlogits));
+    TDM_TRY(tdm_dev_alloc(d, (size_t)batch * sizeof(int32_t), (void **)&m->labels_dev));
+    bytes += nb + (size_t)batch * sizeof(float) * 2;
+    m->cap = batch;
+    m->act_bytes = bytes;
+    return TDM_STATUS_OK;
+fail:
+    tdm_model_free_activations(m);
+    return st;
+}
+
+/* ---- accessors ---- */
+
+const tdm_model_spec *tdm_model_get_spec(const tdm_model *m) { return &m->spec; }
+tdm_device *tdm_model_device(const tdm_model *m) { return m->dev; }
+int tdm_model_in_features(const tdm_model *m)
+{
+    return m->spec.kind == TDM_MODEL_MLP ? m->spec.dims[0]
+                                         : m->spec.in_c * m->spec.in_h * m->spec.in_w;
+}
+int tdm_model_n_classes(const tdm_model *m)
+{
+    return m->spec.kind == TDM_MODEL_MLP ? m->spec.dims[m->spec.ndims - 1] : m->spec.n_classes;
+}
+int tdm_model_n_params(const tdm_model *m) { return m->n_params; }
+const tdm_tensor_info *tdm_model_param_info(const tdm_model *m, int i)
+{
+    return i >= 0 && i < m->n_params ? &m->params_info[i] : NULL;
+}
+int tdm_model_n_buffers(const tdm_model *m) { return m->n_buffers; }
+const tdm_tensor_info *tdm_model_buffer_info(const tdm_model *m, int i)
+{
+    return i >= 0 && i < m->n_buffers ? &m->buffers_info[i] : NULL;
+}
+int tdm_model_n_layers(const tdm_model *m) { return m->n_layers; }
+void tdm_model_layer_params(const tdm_model *m, int layer, int *first, int *last)
+{
+    const tdm_layer *l = &m->layers[layer];
+    *first = l->p0;
+    *last = l->p0 + l->np - 1;
+}
+float *tdm_model_params(tdm_model *m) { return m->params; }
+float *tdm_model_grads(tdm_model *m) { return m->grads; }
+float *tdm_model_buffers(tdm_model *m) { return m->buffers; }
+int64_t tdm_model_param_elems(const tdm_model *m) { return m->param_elems; }
+int64_t tdm_model_buffer_elems(const tdm_model *m) { return m->buffer_elems; }
+void tdm_model_set_train(tdm_model *m, int train) { m->train = train != 0; }
+int tdm_model_is_train(const tdm_model *m) { return m->train; }
+void tdm_model_set_grad_hook(tdm_model *m, tdm_grad_ready_fn fn, void *ctx)
+{
+    m->hook = fn;
+    m->hook_ctx = ctx;
+}
+
+tdm_status tdm_model_set_grad_storage(tdm_model *m, float *grads)
+{
+    size_t nb = (size_t)m->param_elems * sizeof(float);
+    if (!grads) {
+        if (m->grads != m->grads_owned)
+            TDM_CHECK(m->dev->ops->copy(m->dev, m->grads_owned, m->grads, nb));
+        m->grads = m->grads_owned;
+        return TDM_STATUS_OK;
+    }
+    TDM_CHECK(m->dev->ops->copy(m->dev, grads, m->grads, nb));
+    m->grads = grads;
+    return TDM_STATUS_OK;
+}
+
+tdm_status tdm_model_zero_grad(tdm_model *m)
+{
+    return m->dev->ops->memset_zero(m->dev, m->grads, (size_t)m->param_elems * sizeof(float));
+}
+
+void tdm_model_get_memory(const tdm_model *m, tdm_model_memory *out)
+{
+    out->params = (size_t)m->param_elems * sizeof(float);
+    out->grads = out->params;
+    out->buffers = (size_t)m->buffer_elems * sizeof(float);
+    out->activations = m->act_bytes;
+}
+
+/* ---- forward ---- */
+
+static tdm_conv_geom tdm_layer_geom(const tdm_layer *l, int batch)
+{
+    return (tdm_conv_geom){.n = batch, .c = l->c, .h = l->h, .w = l->w, .kh = l->k, .kw = l->k,
+                           .stride = l->stride, .pad = l->pad, .oh = l->oh, .ow = l->ow};
+}
+
+static float *tdm_param(tdm_model *m, int i) { return m->params + m->params_info[i].offset; }
+static float *tdm_grad(tdm_model *m, int i) { return m->grads + m->params_info[i].offset; }
+static float *tdm_buffer(tdm_model *m, int i) { return m->buffers + m->buffers_info[i].offset; }
+
+static tdm_status tdm_layer_forward(tdm_model *m, tdm_layer *l, const float *x, int B)
+{
+    tdm_device *d = m->dev;
+    const tdm_device_ops *o = d->ops;
+    l->in = x;
+    switch (l->kind) {
+    case TDM_LAYER_LINEAR:
+        /* out (B, oc) = x (B, c) W^T, W (oc, c) */
+        TDM_CHECK(tdm_dev_gemm_rm(d, TDM_TRANS_N, TDM_TRANS_T, B, l->oc, l->c, 1.0f, x,
+                                  tdm_param(m, l->p0), 0.0f, l->out));
+        return o->bias_act(d, l->out, tdm_param(m, l->p0 + 1), B, l->oc,
+                           l->relu ? TDM_ACT_RELU : TDM_ACT_NONE);
+    case TDM_LAYER_CONV: {
+        tdm_conv_geom g = tdm_layer_geom(l, B);
+        TDM_CHECK(o->im2col(d, &g, x, l->col));
+        /* out (oc, B*oh*ow) = W (oc, c*k*k) col (c*k*k, B*oh*ow) */
+        return tdm_dev_gemm_rm(d, TDM_TRANS_N, TDM_TRANS_N, l->oc, B * l->oh * l->ow,
+                               l->c * l->k * l->k, 1.0f, tdm_param(m, l->p0), l->col, 0.0f,
+                               l->out);
+    }
+    case TDM_LAYER_BN: {
+        int64_t len = (int64_t)B * l->h * l->w;
+        if (m->train) {
+            TDM_REQUIRE(len > 1, TDM_STATUS_INVALID_ARG,
+                        "batchnorm in training mode needs more than 1 value per channel "
+                        "(batch %d of %dx%d images)", B, l->h, l->w);
+            TDM_CHECK(o->bn_stats(d, x, l->c, len, l->mean, l->var));
+        }
+        TDM_CHECK(o->bn_prep(d, l->c, l->mean, l->var, l->invstd, tdm_buffer(m, l->b0),
+                             tdm_buffer(m, l->b0 + 1), TDM_BN_EPS, TDM_BN_MOMENTUM, len,
+                             m->train));
+        TDM_CHECK(o->bn_fwd(d, x, l->c, len, l->mean, l->invstd, tdm_param(m, l->p0),
+                            tdm_param(m, l->p0 + 1), l->out));
+        if (l->relu) TDM_CHECK(o->bias_act(d, l->out, NULL, l->c, (int)len, TDM_ACT_RELU));
+        return TDM_STATUS_OK;
+    }
+    case TDM_LAYER_MAXPOOL: {
+        tdm_conv_geom g = tdm_layer_geom(l, B);
+        return o->maxpool_fwd(d, &g, x, l->out, l->argmax);
+    }
+    case TDM_LAYER_FLATTEN:
+        return o->cnhw_to_nchw(d, x, l->out, l->c, B, (int64_t)l->h * l->w);
+    case TDM_LAYER_TO_CNHW:
+        return o->nchw_to_cnhw(d, x, l->out, l->c, B, (int64_t)l->h * l->w);
+    }
+    return tdm_error_set(TDM_STATUS_INTERNAL, "unknown layer kind %d", (int)l->kind);
+}
+
+tdm_status tdm_model_forward(tdm_model *m, const float *x, int batch, const float **logits)
+{
+    TDM_REQUIRE(batch > 0, TDM_STATUS_INVALID_ARG, "forward: batch %d must be positive", batch);
+    TDM_REQUIRE(x, TDM_STATUS_INVALID_ARG, "forward: NULL input");
+    TDM_CHECK(tdm_model_reserve(m, batch));
+    const float *cur = x;
+    for (int i = 0; i < m->n_layers; i++) {
+        TDM_CHECK(tdm_layer_forward(m, &m->layers[i], cur, batch));
+        cur = m->layers[i].out;
+    }
+    m->batch = batch;
+    if (logits) *logits = cur;
+    return TDM_STATUS_OK;
+}
+
+/* ---- backward ---- */
+
+/* dout (B, out) may be modified in place (fused relu). din may be NULL for
+ * the first layer, whose input gradient nobody needs. */
+static tdm_status tdm_layer_backward(tdm_model *m, tdm_layer *l, float *dout, float *din, int B)
+{
+    tdm_device *d = m->dev;
+    const tdm_device_ops *o = d->ops;
+    switch (l->kind) {
+    case TDM_LAYER_LINEAR:
+        if (l->relu) TDM_CHECK(o->relu_bwd(d, dout, l->out, (int64_t)B * l->oc));
+        /* dW (oc, c) += dout^T (oc, B) x (B, c) */
+        TDM_CHECK(tdm_dev_gemm_rm(d, TDM_TRANS_T, TDM_TRANS_N, l->oc, l->c, B, 1.0f, dout, l->in,
+                                  1.0f, tdm_grad(m, l->p0)));
+        /* db (1, oc) += ones (1, B) dout (B, oc) */
+        TDM_CHECK(tdm_dev_gemm_rm(d, TDM_TRANS_N, TDM_TRANS_N, 1, l->oc, B, 1.0f, m->ones, dout,
+                                  1.0f, tdm_grad(m, l->p0 + 1)));
+        /* din (B, c) = dout (B, oc) W (oc, c) */
+        if (din)
+            TDM_CHECK(tdm_dev_gemm_rm(d, TDM_TRANS_N, TDM_TRANS_N, B, l->c, l->oc, 1.0f, dout,
+                                      tdm_param(m, l->p0), 0.0f, din));
+        return TDM_STATUS_OK;
+    case TDM_LAYER_CONV: {
+        int kk = l->c * l->k * l->k, np = B * l->oh * l->ow;
+        /* dW (oc, kk) += dout (oc, np) col^T (np, kk) */
+        TDM_CHECK(tdm_dev_gemm_rm(d, TDM_TRANS_N, TDM_TRANS_T, l->oc, kk, np, 1.0f, dout, l->col,
+                                  1.0f, tdm_grad(m, l->p0)));
+        if (!din) return TDM_STATUS_OK;
+        /* dcol (kk, np) = W^T (kk, oc) dout (oc, np), into col: it is spent */
+        TDM_CHECK(tdm_dev_gemm_rm(d, TDM_TRANS_T, TDM_TRANS_N, kk, np, l->oc, 1.0f,
+                                  tdm_param(m, l->p0), dout, 0.0f, l->col));
+        tdm_conv_geom g = tdm_layer_geom(l, B);
+        return o->col2im(d, &g, l->col, din);
+    }
+    case TDM_LAYER_BN: {
+        int64_t len = (int64_t)B * l->h * l->w;
+        if (l->relu) TDM_CHECK(o->relu_bwd(d, dout, l->out, len * l->c));
+        return o->bn_bwd(d, l->in, dout, l->c, len, l->mean, l->invstd, tdm_param(m, l->p0), din,
+                         tdm_grad(m, l->p0), tdm_grad(m, l->p0 + 1), m->train);
+    }
+    case TDM_LAYER_MAXPOOL: {
+        if (!din) return TDM_STATUS_OK;
+        tdm_conv_geom g = tdm_layer_geom(l, B);
+        return o->maxpool_bwd(d, &g, dout, l->argmax, din);
+    }
+    case TDM_LAYER_FLATTEN:
+        if (!din) return TDM_STATUS_OK;
+        return o->nchw_to_cnhw(d, dout, din, l->c, B, (int64_t)l->h * l->w);
+    case TDM_LAYER_TO_CNHW:
+        if (!din) return TDM_STATUS_OK;
+        return o->cnhw_to_nchw(d, dout, din, l->c, B, (int64_t)l->h * l->w);
+    }
+    return tdm_error_set(TDM_STATUS_INTERNAL, "unknown layer kind %d", (int)l->kind);
+}
+
+tdm_status tdm_model_backward(tdm_model *m, const float *dlogits)
+{
+    TDM_REQUIRE(m->batch > 0, TDM_STATUS_INVALID_ARG, "backward called before forward");
+    TDM_REQUIRE(dlogits, TDM_STATUS_INVALID_ARG, "backward: NULL dlogits");
+    int B = m->batch;
+    tdm_device *d = m->dev;
+    int cur = 0;
+    TDM_CHECK(d->ops->copy(d, m->dbuf[0], dlogits,
+                           (size_t)B * (size_t)tdm_model_n_classes(m) * sizeof(float)));
+    for (int i = m->n_layers - 1; i >= 0; i--) {
+        tdm_layer *l = &m->layers[i];
+        float *din = i > 0 ? m->dbuf[1 - cur] : NULL;
+        TDM_CHECK(tdm_layer_backward(m, l, m->dbuf[cur], din, B));
+        if (l->np > 0 && m->hook) m->hook(m->hook_ctx, m, l->p0, l->p0 + l->np - 1);
+        cur = 1 - cur;
+    }
+    return TDM_STATUS_OK;
+}
+
+tdm_status tdm_model_forward_backward(tdm_model *m, const float *x, const int32_t *y, int batch,
+                                      double *loss_mean)
+{
+    const float *logits;
+    double loss_sum = 0.0;
+    TDM_CHECK(tdm_model_forward(m, x, batch, &logits));
+    TDM_CHECK(tdm_loss_softmax_xent(m->dev, logits, y, batch, tdm_model_n_classes(m),
+                                    1.0f / (float)batch, &loss_sum, m->dlogits));
+    TDM_CHECK(tdm_model_backward(m, m->dlogits));
+    if (loss_mean) *loss_mean = loss_sum / batch;
+    return TDM_STATUS_OK;
+}
+
+tdm_status tdm_model_count_correct(tdm_model *m, const int32_t *y_host, int batch,
+                                   int64_t *correct)
+{
+    TDM_REQUIRE(batch > 0 && batch <= m->batch, TDM_STATUS_INVALID_ARG,
+                "count_correct: batch %d but the last forward had %d", batch, m->batch);
+    int C = tdm_model_n_classes(m);
+    size_t nb = (size_t)batch * C * sizeof(float);
+    float *h = malloc(nb);
+    if (!h) return tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "cannot allocate %zu bytes", nb);
+    const float *logits = m->layers[m->n_layers - 1].out;
+    tdm_status st = m->dev->ops->copy_to_host(m->dev, h, logits, nb);
+    int64_t n = 0;
+    for (int r = 0; st == TDM_STATUS_OK && r < batch; r++) {
+        int best = 0;
+        for (int c = 1; c < C; c++)
+            if (h[(size_t)r * C + c] > h[(size_t)r * C + best]) best = c;
+        n += best == y_host[r];
+    }
+    free(h);
+    *correct = n;
+    return st;
+}

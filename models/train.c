@@ -1,0 +1,172 @@
+/* models/train.c: epoch loop, single-device step, evaluation. */
+#include "models/train.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/rng.h"
+#include "core/timer.h"
+
+void tdm_train_epoch_order(int64_t *perm, int64_t n, uint64_t seed, int64_t epoch)
+{
+    tdm_rng r;
+    tdm_rng_init(&r, seed, TDM_RNG_STREAM_SHUFFLE + (uint64_t)epoch);
+    tdm_rng_permutation(&r, perm, n);
+}
+
+tdm_status tdm_train_epoch(const tdm_dataset *d, int batch, uint64_t seed, int64_t epoch,
+                           int drop_last, int64_t max_steps, tdm_train_step_fn step,
+                           void *step_ctx, tdm_train_progress_fn progress, void *progress_ctx,
+                           tdm_epoch_stats *out)
+{
+    tdm_status st = TDM_STATUS_OK;
+    TDM_REQUIRE(batch > 0, TDM_STATUS_INVALID_ARG, "batch size %d must be positive", batch);
+    TDM_REQUIRE(d && d->n > 0, TDM_STATUS_INVALID_ARG, "empty dataset");
+    int64_t feat = (int64_t)d->c * d->h * d->w;
+    int64_t *perm = malloc((size_t)d->n * sizeof *perm);
+    float *x = malloc((size_t)batch * (size_t)feat * sizeof(float));
+    int32_t *y = malloc((size_t)batch * sizeof(int32_t));
+    memset(out, 0, sizeof *out);
+    if (!perm || !x || !y) {
+        st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "cannot allocate a batch of %d", batch);
+        goto fail;
+    }
+    tdm_train_epoch_order(perm, d->n, seed, epoch);
+    int64_t steps = drop_last ? d->n / batch : (d->n + batch - 1) / batch;
+    if (max_steps > 0 && max_steps < steps) steps = max_steps;
+    double loss_total = 0.0;
+    uint64_t t0 = tdm_time_ns();
+    for (int64_t s = 0; s < steps; s++) {
+        int64_t start = s * batch;
+        int b = (int)(d->n - start < batch ? d->n - start : batch);
+        tdm_data_gather(d, perm + start, b, x, y);
+        double loss = 0.0;
+        TDM_TRY(step(step_ctx, x, y, b, &loss));
+        loss_total += loss * b;
+        out->steps++;
+        out->samples += b;
+        double secs = (double)(tdm_time_ns() - t0) * 1e-9;
+        if (progress)
+            progress(progress_ctx, s + 1, steps, loss, secs > 0 ? (double)out->samples / secs : 0);
+    }
+    out->seconds = (double)(tdm_time_ns() - t0) * 1e-9;
+    out->loss_mean = out->samples ? loss_total / (double)out->samples : 0.0;
+    out->samples_per_s = out->seconds > 0 ? (double)out->samples / out->seconds : 0.0;
+fail:
+    free(perm);
+    free(x);
+    free(y);
+    return st;
+}
+
+static tdm_status tdm_single_stage(tdm_single *s, tdm_device *dev, const float *x,
+                                   const int32_t *y, int batch, int feat, const float **xd,
+                                   const int32_t **yd)
+{
+    if (dev->kind == TDM_DEVICE_HOST) {
+        *xd = x;
+        *yd = y;
+        return TDM_STATUS_OK;
+    }
+    if (batch > s->cap) {
+        tdm_dev_free(dev, s->x_dev);
+        tdm_dev_free(dev, s->y_dev);
+        s->x_dev = NULL;
+        s->y_dev = NULL;
+        s->cap = 0;
+        TDM_CHECK(tdm_dev_alloc(dev, (size_t)batch * feat * sizeof(float), (void **)&s->x_dev));
+        TDM_CHECK(tdm_dev_alloc(dev, (size_t)batch * sizeof(int32_t), (void **)&s->y_dev));
+        s->cap = batch;
+    }
+    TDM_CHECK(dev->ops->copy_from_host(dev, s->x_dev, x, (size_t)batch * feat * sizeof(float)));
+    TDM_CHECK(dev->ops->copy_from_host(dev, s->y_dev, y, (size_t)batch * sizeof(int32_t)));
+    *xd = s->x_dev;
+    *yd = s->y_dev;
+    return TDM_STATUS_OK;
+}
+
+tdm_status tdm_single_step(void *ctx, const float *x, const int32_t *y, int batch,
+                           double *loss_mean)
+{
+    tdm_single *s = ctx;
+    tdm_model *m = s->model;
+    tdm_device *dev = tdm_model_device(m);
+    const float *xd, *logits;
+    const int32_t *yd;
+    double loss_sum = 0.0;
+    uint64_t t0 = tdm_time_ns(), t1, t2, t3;
+    TDM_CHECK(tdm_single_stage(s, dev, x, y, batch, tdm_model_in_features(m), &xd, &yd));
+    TDM_CHECK(tdm_model_zero_grad(m));
+    TDM_CHECK(tdm_model_forward(m, xd, batch, &logits));
+    t1 = tdm_time_ns();
+    /* the model's own dlogits scratch is private; use a device buffer */
+    float *dlogits = NULL;
+    size_t nb = (size_t)batch * tdm_model_n_classes(m) * sizeof(float);
+    TDM_CHECK(tdm_dev_alloc(dev, nb, (void **)&dlogits));
+    tdm_status st = tdm_loss_softmax_xent(dev, logits, yd, batch, tdm_model_n_classes(m),
+                                          1.0f / (float)batch, &loss_sum, dlogits);
+    t2 = tdm_time_ns();
+    if (st == TDM_STATUS_OK) st = tdm_model_backward(m, dlogits);
+    tdm_dev_free(dev, dlogits);
+    TDM_CHECK(st);
+    t3 = tdm_time_ns();
+    TDM_CHECK(tdm_optim_step(s->opt));
+    TDM_CHECK(tdm_dev_sync(dev));
+    uint64_t t4 = tdm_time_ns();
+    memset(s->ms, 0, sizeof s->ms);
+    s->ms[TDM_PHASE_FORWARD] = (double)(t1 - t0) * 1e-6;
+    s->ms[TDM_PHASE_LOSS] = (double)(t2 - t1) * 1e-6;
+    s->ms[TDM_PHASE_BACKWARD] = (double)(t3 - t2) * 1e-6;
+    if (TDM_PHASE_STEP < 8) s->ms[TDM_PHASE_STEP] = (double)(t4 - t3) * 1e-6;
+    if (loss_mean) *loss_mean = loss_sum / batch;
+    return TDM_STATUS_OK;
+}
+
+void tdm_single_free(tdm_single *s)
+{
+    if (!s || !s->model) return;
+    tdm_device *dev = tdm_model_device(s->model);
+    tdm_dev_free(dev, s->x_dev);
+    tdm_dev_free(dev, s->y_dev);
+    s->x_dev = NULL;
+    s->y_dev = NULL;
+    s->cap = 0;
+}
+
+tdm_status tdm_evaluate(tdm_model *m, const tdm_dataset *d, int batch, double *loss_mean,
+                        double *accuracy)
+{
+    tdm_status st = TDM_STATUS_OK;
+    tdm_single stage = {.model = m};
+    int64_t feat = (int64_t)d->c * d->h * d->w;
+    int was_train = tdm_model_is_train(m);
+    tdm_device *dev = tdm_model_device(m);
+    TDM_REQUIRE(batch > 0, TDM_STATUS_INVALID_ARG, "batch size %d must be positive", batch);
+    TDM_REQUIRE(feat == tdm_model_in_features(m), TDM_STATUS_INVALID_ARG,
+                "dataset has %lld features per sample but the model expects %d",
+                (long long)feat, tdm_model_in_features(m));
+    tdm_model_set_train(m, 0);
+    double loss = 0.0;
+    int64_t correct = 0;
+    for (int64_t start = 0; start < d->n; start += batch) {
+        int b = (int)(d->n - start < batch ? d->n - start : batch);
+        const float *xd, *logits;
+        const int32_t *yd;
+        double ls = 0.0;
+        int64_t c = 0;
+        TDM_TRY(tdm_single_stage(&stage, dev, d->x + start * feat, d->y + start, b, (int)feat,
+                                 &xd, &yd));
+        TDM_TRY(tdm_model_forward(m, xd, b, &logits));
+        TDM_TRY(tdm_loss_softmax_xent(dev, logits, yd, b, tdm_model_n_classes(m), 1.0f, &ls,
+                                      NULL));
+        TDM_TRY(tdm_model_count_correct(m, d->y + start, b, &c));
+        loss += ls;
+        correct += c;
+    }
+    if (loss_mean) *loss_mean = loss / (double)d->n;
+    if (accuracy) *accuracy = (double)correct / (double)d->n;
+fail:
+    tdm_model_set_train(m, was_train);
+    tdm_single_free(&stage);
+    return st;
+}

@@ -1,0 +1,62 @@
+/* models/train.h: the epoch loop shared by every mode, the single-device
+ * training step, and evaluation.
+ *
+ * An epoch visits the dataset in the order tdm_train_epoch_order() gives
+ * for (seed, epoch) - the same permutation single-device, DP and DDP use -
+ * in global batches of `batch` samples, and hands each batch (host memory)
+ * to a step function: single-device here, DP in dp/, DDP ranks in ddp/.
+ * Nothing here knows of parallelism. */
+#ifndef TDM_MODELS_TRAIN_H
+#define TDM_MODELS_TRAIN_H
+
+#include <stdint.h>
+
+#include "core/data.h"
+#include "models/model.h"
+#include "models/optim.h"
+
+/* The permutation of 0..n-1 for an epoch: a pure function of (seed, epoch). */
+void tdm_train_epoch_order(int64_t *perm, int64_t n, uint64_t seed, int64_t epoch);
+
+/* One training step over a global batch in host memory; returns the mean loss. */
+typedef tdm_status (*tdm_train_step_fn)(void *ctx, const float *x, const int32_t *y, int batch,
+                                        double *loss_mean);
+/* Progress after each step (step counts from 1). */
+typedef void (*tdm_train_progress_fn)(void *ctx, int64_t step, int64_t steps, double loss_mean,
+                                      double samples_per_s);
+
+typedef struct tdm_epoch_stats {
+    int64_t steps;
+    int64_t samples;
+    double loss_mean;        /* mean over samples of the epoch */
+    double seconds;
+    double samples_per_s;
+} tdm_epoch_stats;
+
+/* Runs one epoch. drop_last: skip a final short batch. max_steps > 0 stops
+ * early (benchmarks, tests). */
+tdm_status tdm_train_epoch(const tdm_dataset *d, int batch, uint64_t seed, int64_t epoch,
+                           int drop_last, int64_t max_steps, tdm_train_step_fn step,
+                           void *step_ctx, tdm_train_progress_fn progress, void *progress_ctx,
+                           tdm_epoch_stats *out);
+
+/* The single-device step: zero_grad, forward, mean loss, backward,
+ * optimizer step. Inputs are staged to the device when it is not the host.
+ * Per-phase times of the last step are kept (forward, loss, backward, step). */
+typedef struct tdm_single {
+    tdm_model *model;   /* borrowed */
+    tdm_optim *opt;     /* borrowed */
+    float *x_dev;       /* staging for non-host devices */
+    int32_t *y_dev;
+    int cap;
+    double ms[8];       /* indexed by tdm_phase (core/timer.h) */
+} tdm_single;
+tdm_status tdm_single_step(void *single /* tdm_single */, const float *x, const int32_t *y,
+                           int batch, double *loss_mean);
+void tdm_single_free(tdm_single *s);   /* frees staging only */
+
+/* Mean loss and accuracy over a dataset, in eval mode (restores the mode). */
+tdm_status tdm_evaluate(tdm_model *m, const tdm_dataset *d, int batch, double *loss_mean,
+                        double *accuracy);
+
+#endif

@@ -1,0 +1,349 @@
+/* tools/train.c: `tandem train`, training one model on Fashion-MNIST or
+ * synthetic data with one device (--mode single), DataParallel (--mode dp)
+ * or DistributedDataParallel (--mode ddp). Prints a progress bar on a
+ * terminal (plain lines otherwise), the loss, samples/s and test accuracy
+ * after each epoch; saves and resumes checkpoints. */
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "core/data.h"
+#include "core/device.h"
+#include "core/log.h"
+#include "core/timer.h"
+#include "models/checkpoint.h"
+#include "models/model.h"
+#include "models/optim.h"
+#include "models/train.h"
+#include "tools/args.h"
+#include "tools/tools.h"
+#include "tools/train_modes.h"
+
+static void tdm_train_usage(FILE *f)
+{
+    fprintf(f,
+        "usage: tandem train [options]\n"
+        "\n"
+        "  --mode single|dp|ddp   one device, DataParallel (threads) or\n"
+        "                         DistributedDataParallel (processes)    [single]\n"
+        "  --model NAME           mlp (784-1024-1024-10), mlp:W0-W1-..-Wn, cnn  [mlp]\n"
+        "  --device SPEC          cpu (single) or cpu:N / cpu:I,J,.. (dp, ddp)  [cpu]\n"
+        "  --threads T            BLAS threads of a single host device       [1]\n"
+        "  --epochs E             epochs to train (in all, when resuming)     [2]\n"
+        "  --batch B              global batch size                           [256]\n"
+        "  --optim sgd|adamw      optimizer                                   [sgd]\n"
+        "  --lr LR                learning rate          [sgd: 0.05, adamw: 0.001]\n"
+        "  --momentum M           SGD momentum                                [0.9]\n"
+        "  --nesterov             SGD with Nesterov momentum\n"
+        "  --weight-decay WD      L2 (sgd) / decoupled (adamw)  [sgd: 0, adamw: 0.01]\n"
+        "  --seed S               parameters and data order                   [1]\n"
+        "  --data DIR|synthetic   IDX files (train-images-idx3-ubyte[.gz], ...)\n"
+        "                         [/usr/share/datasets/fashion-mnist, or $TANDEM_DATA_DIR]\n"
+        "  --synthetic-size N     training samples of the synthetic set      [12000]\n"
+        "  --max-steps N          stop each epoch after N steps (benchmarks)  [all]\n"
+        "  --save PATH            write a checkpoint (safetensors) after each epoch\n"
+        "  --resume PATH          continue from a checkpoint\n"
+        "  --no-eval              skip the test-set evaluation\n"
+        "  --quiet                only the per-epoch lines\n"
+        "\n"
+        "Exit codes: 0 ok, 1 runtime failure, 2 bad usage.\n");
+}
+
+static void tdm_train_fail(const char *what, tdm_status st)
+{
+    fprintf(stderr, "tandem train: %s: %s\n", what,
+            tdm_error_message()[0] ? tdm_error_message() : tdm_status_name(st));
+}
+
+typedef struct tdm_progress {
+    int tty, quiet;
+    int64_t epoch, epochs;
+    int64_t last_tenth;
+} tdm_progress;
+
+static void tdm_train_progress(void *ctx, int64_t step, int64_t steps, double loss, double sps)
+{
+    tdm_progress *p = ctx;
+    if (p->quiet) return;
+    if (p->tty) {
+        int width = 30, filled = (int)(width * step / steps);
+        fprintf(stderr, "\r  epoch %lld/%lld [", (long long)p->epoch + 1, (long long)p->epochs);
+        for (int i = 0; i < width; i++) fputc(i < filled ? '=' : (i == filled ? '>' : ' '), stderr);
+        fprintf(stderr, "] %lld/%lld loss %.4f  %.0f samples/s   ", (long long)step,
+                (long long)steps, loss, sps);
+        if (step == steps) fputs("\r\033[K", stderr);
+        fflush(stderr);
+    } else {
+        int64_t tenth = step * 10 / steps;
+        if (tenth != p->last_tenth && (tenth < 10)) {
+            printf("  epoch %lld/%lld step %lld/%lld loss %.4f %.0f samples/s\n",
+                   (long long)p->epoch + 1, (long long)p->epochs, (long long)step,
+                   (long long)steps, loss, sps);
+            fflush(stdout);
+        }
+        p->last_tenth = tenth;
+    }
+}
+
+int tdm_tool_train_main(int argc, char **argv)
+{
+    tdm_train_args a = {
+        .mode = "single", .model = "mlp", .device = "cpu", .threads = 1, .epochs = 2,
+        .batch = 256, .optim = "sgd", .lr = -1, .momentum = 0.9, .weight_decay = -1, .seed = 1,
+        .data = NULL, .synthetic_size = 12000, .max_steps = 0,
+    };
+    for (int i = 1; i < argc; i++) {
+        const char *v;
+        long long iv;
+        double fv;
+        const char *arg = argv[i];
+        if (!strcmp(arg, "--help") || !strcmp(arg, "-h")) {
+            tdm_train_usage(stdout);
+            return 0;
+        }
+#define TDM_INT_FLAG(name, lo, hi, field)                                     \
+        if ((v = tdm_args_value(argc, argv, &i, name))) {                     \
+            if (!tdm_args_int(name, v, lo, hi, &iv)) return 2;                \
+            a.field = iv;                                                     \
+            continue;                                                         \
+        }
+#define TDM_FLOAT_FLAG(name, lo, hi, field)                                   \
+        if ((v = tdm_args_value(argc, argv, &i, name))) {                     \
+            if (!tdm_args_float(name, v, lo, hi, &fv)) return 2;              \
+            a.field = fv;                                                     \
+            continue;                                                         \
+        }
+#define TDM_STR_FLAG(name, field)                                             \
+        if ((v = tdm_args_value(argc, argv, &i, name))) {                     \
+            if (!*v) return 2;                                                \
+            a.field = v;                                                      \
+            continue;                                                         \
+        }
+        TDM_STR_FLAG("--mode", mode)
+        TDM_STR_FLAG("--model", model)
+        TDM_STR_FLAG("--device", device)
+        TDM_INT_FLAG("--threads", 1, 256, threads)
+        TDM_INT_FLAG("--epochs", 1, 100000, epochs)
+        TDM_INT_FLAG("--batch", 1, 1 << 20, batch)
+        TDM_STR_FLAG("--optim", optim)
+        TDM_FLOAT_FLAG("--lr", 0.0, 1e3, lr)
+        TDM_FLOAT_FLAG("--momentum", 0.0, 0.999999, momentum)
+        TDM_FLOAT_FLAG("--weight-decay", 0.0, 1e3, weight_decay)
+        TDM_INT_FLAG("--seed", 0, INT64_MAX, seed)
+        TDM_STR_FLAG("--data", data)
+        TDM_INT_FLAG("--synthetic-size", 1, 1 << 26, synthetic_size)
+        TDM_INT_FLAG("--max-steps", 0, INT64_MAX, max_steps)
+        TDM_STR_FLAG("--save", save)
+        TDM_STR_FLAG("--resume", resume)
+        TDM_INT_FLAG("--bucket-cap-mb", 0, 1 << 20, bucket_cap_mb)
+        if (!strcmp(arg, "--nesterov")) { a.nesterov = 1; continue; }
+        if (!strcmp(arg, "--no-eval")) { a.no_eval = 1; continue; }
+        if (!strcmp(arg, "--quiet")) { a.quiet = 1; continue; }
+        if (!strcmp(arg, "--no-overlap")) { a.no_overlap = 1; continue; }
+        fprintf(stderr, "tandem train: unknown option '%s' (see tandem train --help)\n", arg);
+        return 2;
+    }
+    if (strcmp(a.optim, "sgd") && strcmp(a.optim, "adamw")) {
+        fprintf(stderr, "tandem train: --optim '%s': expected sgd or adamw\n", a.optim);
+        return 2;
+    }
+    if (a.lr < 0) a.lr = strcmp(a.optim, "sgd") ? 1e-3 : 0.05;
+    if (a.weight_decay < 0) a.weight_decay = strcmp(a.optim, "sgd") ? 0.01 : 0.0;
+    if (!strcmp(a.mode, "single")) return tdm_train_run_single(&a);
+    if (!strcmp(a.mode, "dp")) return tdm_train_run_dp ? tdm_train_run_dp(&a) : tdm_train_mode_absent("dp");
+    if (!strcmp(a.mode, "ddp")) return tdm_train_run_ddp ? tdm_train_run_ddp(&a) : tdm_train_mode_absent("ddp");
+    fprintf(stderr, "tandem train: --mode '%s': expected single, dp or ddp\n", a.mode);
+    return 2;
+}
+
+int tdm_train_mode_absent(const char *mode)
+{
+    fprintf(stderr, "tandem train: --mode %s is not built into this tandem yet\n", mode);
+    return 2;
+}
+
+/* ---- shared set-up ---- */
+
+int tdm_train_load_data(const tdm_train_args *a, const tdm_model_spec *spec, tdm_dataset *train,
+                        tdm_dataset *test)
+{
+    tdm_status st;
+    int synthetic = a->data && !strcmp(a->data, "synthetic");
+    memset(train, 0, sizeof *train);
+    memset(test, 0, sizeof *test);
+    if (synthetic) {
+        int c = spec->in_c, h = spec->in_h, w = spec->in_w;
+        int classes = spec->kind == TDM_MODEL_MLP ? spec->dims[spec->ndims - 1] : spec->n_classes;
+        if (spec->kind == TDM_MODEL_MLP && spec->dims[0] == 784) { c = 1; h = 28; w = 28; }
+        st = tdm_data_synthetic(train, a->synthetic_size, c, h, w, classes, 1234, 0);
+        if (st == TDM_STATUS_OK)
+            st = tdm_data_synthetic(test, a->synthetic_size / 6 > 0 ? a->synthetic_size / 6 : 1,
+                                    c, h, w, classes, 1234, 1);
+    } else {
+        st = tdm_data_load_fashion_mnist(train, a->data, 1);
+        if (st == TDM_STATUS_OK) st = tdm_data_load_fashion_mnist(test, a->data, 0);
+    }
+    if (st != TDM_STATUS_OK) {
+        tdm_train_fail("loading data", st);
+        tdm_data_free(train);
+        tdm_data_free(test);
+        return 0;
+    }
+    return 1;
+}
+
+int tdm_train_make_optim(const tdm_train_args *a, tdm_model *m, tdm_optim **opt)
+{
+    tdm_optim_opts o;
+    tdm_optim_opts_default(&o, strcmp(a->optim, "sgd") ? TDM_OPTIM_ADAMW : TDM_OPTIM_SGD);
+    o.lr = (float)a->lr;
+    o.weight_decay = (float)a->weight_decay;
+    if (o.kind == TDM_OPTIM_SGD) {
+        o.momentum = (float)a->momentum;
+        o.nesterov = a->nesterov;
+    }
+    tdm_status st = tdm_optim_init(opt, m, &o);
+    if (st != TDM_STATUS_OK) {
+        tdm_train_fail("optimizer", st);
+        return 0;
+    }
+    return 1;
+}
+
+void tdm_train_print_header(const tdm_train_args *a, const tdm_model_spec *spec,
+                            const tdm_dataset *train, const tdm_dataset *test, int64_t params,
+                            const char *devices)
+{
+    char desc[160];
+    tdm_model_spec_describe(spec, desc, sizeof desc);
+    printf("tandem train: mode %s, model %s (%lld parameters), %s\n", a->mode, desc,
+           (long long)params, devices);
+    printf("  data: %s (%lld train, %lld test), batch %lld, %s lr %g", 
+           a->data && !strcmp(a->data, "synthetic") ? "synthetic" : "Fashion-MNIST",
+           (long long)train->n, (long long)test->n, (long long)a->batch, a->optim, a->lr);
+    if (!strcmp(a->optim, "sgd")) printf(" momentum %g%s", a->momentum, a->nesterov ? " nesterov" : "");
+    printf(" weight decay %g, seed %lld\n", a->weight_decay, (long long)a->seed);
+    fflush(stdout);
+}
+
+int tdm_train_epochs(const tdm_train_args *a, tdm_model *m, tdm_optim *opt,
+                     const tdm_dataset *train, const tdm_dataset *test, tdm_train_step_fn step,
+                     void *step_ctx, int64_t start_epoch, tdm_train_after_epoch_fn after,
+                     void *after_ctx)
+{
+    tdm_progress p = {.tty = isatty(STDERR_FILENO), .quiet = a->quiet, .epochs = a->epochs,
+                      .last_tenth = -1};
+    for (int64_t e = start_epoch; e < a->epochs; e++) {
+        tdm_epoch_stats es;
+        p.epoch = e;
+        p.last_tenth = -1;
+        tdm_model_set_train(m, 1);
+        tdm_status st = tdm_train_epoch(train, (int)a->batch, (uint64_t)a->seed, e, 0,
+                                        a->max_steps, step, step_ctx, tdm_train_progress, &p, &es);
+        if (st != TDM_STATUS_OK) {
+            if (p.tty && !p.quiet) fputs("\n", stderr);
+            tdm_train_fail("training", st);
+            return 0;
+        }
+        double tl = NAN, acc = NAN;
+        if (!a->no_eval) {
+            st = tdm_evaluate(m, test, 1000, &tl, &acc);
+            if (st != TDM_STATUS_OK) {
+                tdm_train_fail("evaluation", st);
+                return 0;
+            }
+        }
+        printf("epoch %lld/%lld: train loss %.4f, %.0f samples/s (%.1f s)", (long long)e + 1,
+               (long long)a->epochs, es.loss_mean, es.samples_per_s, es.seconds);
+        if (!a->no_eval) printf(", test loss %.4f, test accuracy %.4f", tl, acc);
+        printf("\n");
+        fflush(stdout);
+        if (a->save) {
+            tdm_ckpt_info info = {.step = tdm_optim_steps(opt), .epoch = e + 1,
+                                  .seed = (uint64_t)a->seed};
+            st = tdm_checkpoint_save(a->save, m, opt, &info);
+            if (st != TDM_STATUS_OK) {
+                tdm_train_fail("saving checkpoint", st);
+                return 0;
+            }
+            if (!a->quiet) printf("  saved %s (epoch %lld, step %lld)\n", a->save,
+                                  (long long)e + 1, (long long)info.step);
+        }
+        if (after && !after(after_ctx, e)) return 0;
+    }
+    return 1;
+}
+
+int tdm_train_run_single(const tdm_train_args *a)
+{
+    int rc = 1;
+    tdm_model_spec spec;
+    tdm_device_list dl;
+    tdm_device *dev = NULL;
+    tdm_model *m = NULL;
+    tdm_optim *opt = NULL;
+    tdm_dataset train = {0}, test = {0};
+    tdm_single single = {0};
+    tdm_status st;
+    if ((st = tdm_model_spec_parse(&spec, a->model)) != TDM_STATUS_OK) {
+        tdm_train_fail("--model", st);
+        return 2;
+    }
+    if ((st = tdm_device_list_parse(&dl, a->device)) != TDM_STATUS_OK) {
+        tdm_train_fail("--device", st);
+        return st == TDM_STATUS_NO_DEVICE ? 1 : 2;
+    }
+    if (dl.count != 1) {
+        fprintf(stderr, "tandem train: --mode single uses one device, but '%s' names %d "
+                        "(use --mode dp or --mode ddp for several)\n", a->device, dl.count);
+        return 2;
+    }
+    if ((st = tdm_device_open(&dev, dl.kind == TDM_DEVICE_CUDA ? "cuda" : "cpu", dl.index[0],
+                              (int)a->threads)) != TDM_STATUS_OK) {
+        tdm_train_fail("opening device", st);
+        return 1;
+    }
+    if (!tdm_train_load_data(a, &spec, &train, &test)) goto done;
+    if ((st = tdm_model_init(&m, dev, &spec, (uint64_t)a->seed)) != TDM_STATUS_OK) {
+        tdm_train_fail("building model", st);
+        goto done;
+    }
+    if ((int64_t)train.c * train.h * train.w != tdm_model_in_features(m)) {
+        fprintf(stderr, "tandem train: the data has %d features per sample but the model "
+                        "expects %d\n", train.c * train.h * train.w, tdm_model_in_features(m));
+        rc = 2;
+        goto done;
+    }
+    if (!tdm_train_make_optim(a, m, &opt)) goto done;
+    int64_t start_epoch = 0;
+    if (a->resume) {
+        tdm_ckpt_info info;
+        if ((st = tdm_checkpoint_load(a->resume, m, opt, &info)) != TDM_STATUS_OK) {
+            tdm_train_fail("resuming", st);
+            goto done;
+        }
+        start_epoch = info.epoch;
+        printf("resumed %s: epoch %lld, step %lld\n", a->resume, (long long)info.epoch,
+               (long long)info.step);
+    }
+    char devdesc[64];
+    snprintf(devdesc, sizeof devdesc, "device %s, %lld BLAS thread%s", dev->name,
+             (long long)a->threads, a->threads > 1 ? "s" : "");
+    tdm_train_print_header(a, &spec, &train, &test, tdm_model_param_elems(m), devdesc);
+    single.model = m;
+    single.opt = opt;
+    if (tdm_train_epochs(a, m, opt, &train, &test, tdm_single_step, &single, start_epoch, NULL,
+                         NULL))
+        rc = 0;
+done:
+    tdm_single_free(&single);
+    tdm_optim_free(opt);
+    tdm_model_free(m);
+    tdm_device_free(dev);
+    tdm_data_free(&train);
+    tdm_data_free(&test);
+    return rc;
+}

@@ -1,0 +1,41 @@
+/* tools/train_modes.h: what `tandem train` shares between its modes: the
+ * parsed arguments, data and optimizer set-up, the epoch driver, and one
+ * entry per mode. DP and DDP modes live in their own files (linked weakly
+ * so a build without them still runs single-device training). */
+#ifndef TDM_TOOLS_TRAIN_MODES_H
+#define TDM_TOOLS_TRAIN_MODES_H
+
+#include <stdint.h>
+
+#include "core/data.h"
+#include "models/model.h"
+#include "models/optim.h"
+#include "models/train.h"
+
+typedef struct tdm_train_args {
+    const char *mode, *model, *device, *optim, *data, *save, *resume;
+    long long threads, epochs, batch, seed, synthetic_size, max_steps, bucket_cap_mb;
+    double lr, momentum, weight_decay;
+    int nesterov, no_eval, quiet, no_overlap;
+} tdm_train_args;
+
+/* Called after each epoch (e.g. DDP's barrier); return 0 to stop. */
+typedef int (*tdm_train_after_epoch_fn)(void *ctx, int64_t epoch);
+
+int tdm_train_mode_absent(const char *mode);
+int tdm_train_load_data(const tdm_train_args *a, const tdm_model_spec *spec, tdm_dataset *train,
+                        tdm_dataset *test);
+int tdm_train_make_optim(const tdm_train_args *a, tdm_model *m, tdm_optim **opt);
+void tdm_train_print_header(const tdm_train_args *a, const tdm_model_spec *spec,
+                            const tdm_dataset *train, const tdm_dataset *test, int64_t params,
+                            const char *devices);
+int tdm_train_epochs(const tdm_train_args *a, tdm_model *m, tdm_optim *opt,
+                     const tdm_dataset *train, const tdm_dataset *test, tdm_train_step_fn step,
+                     void *step_ctx, int64_t start_epoch, tdm_train_after_epoch_fn after,
+                     void *after_ctx);
+
+int tdm_train_run_single(const tdm_train_args *a);
+int tdm_train_run_dp(const tdm_train_args *a) __attribute__((weak));
+int tdm_train_run_ddp(const tdm_train_args *a) __attribute__((weak));
+
+#endif
