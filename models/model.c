@@ -39,7 +39,7 @@ typedef struct tdm_layer {
     int64_t in_elems, out_elems; /* per sample */
     /* activations (capacity m->cap samples) */
     float *out;
-    float *col;             /* conv: im2col matrix, reused as dcol in backward */
+    float *col;             /* conv: im2col matrix of the last forward */
     int32_t *argmax;        /* maxpool */
     float *mean, *var, *invstd; /* bn, per channel */
     const float *in;        /* input of the last forward (borrowed) */
@@ -63,6 +63,8 @@ struct tdm_model {
     int cap;                /* samples the activations hold */
     int batch;              /* batch of the last forward */
     float *dbuf[2];         /* backward ping-pong, max activation size */
+    float *dcol;            /* conv backward scratch, largest col; a separate buffer so
+                               that col survives and backward can run twice */
     float *ones;            /* cap ones, for bias gradients via gemm */
     float *dlogits;         /* forward_backward scratch */
     int32_t *labels_dev;
@@ -439,10 +441,11 @@ static void tdm_model_free_activations(tdm_model *m)
     }
     tdm_dev_free(d, m->dbuf[0]);
     tdm_dev_free(d, m->dbuf[1]);
+    tdm_dev_free(d, m->dcol);
     tdm_dev_free(d, m->ones);
     tdm_dev_free(d, m->dlogits);
     tdm_dev_free(d, m->labels_dev);
-    m->dbuf[0] = m->dbuf[1] = m->ones = m->dlogits = NULL;
+    m->dbuf[0] = m->dbuf[1] = m->dcol = m->ones = m->dlogits = NULL;
     m->labels_dev = NULL;
     m->cap = 0;
     m->act_bytes = 0;
@@ -471,7 +474,7 @@ static tdm_status tdm_model_reserve(tdm_model *m, int batch)
     tdm_status st = TDM_STATUS_OK;
     tdm_device *d = m->dev;
     tdm_model_free_activations(m);
-    size_t bytes = 0, nb;
+    size_t bytes = 0, nb, col_max = 0;
     for (int i = 0; i < m->n_layers; i++) {
         tdm_layer *l = &m->layers[i];
         nb = (size_t)batch * (size_t)l->out_elems * sizeof(float);
@@ -481,6 +484,7 @@ static tdm_status tdm_model_reserve(tdm_model *m, int batch)
             nb = (size_t)l->c * l->k * l->k * (size_t)batch * l->oh * l->ow * sizeof(float);
             TDM_TRY(tdm_dev_alloc(d, nb, (void **)&l->col));
             bytes += nb;
+            if (nb > col_max) col_max = nb;
         } else if (l->kind == TDM_LAYER_MAXPOOL) {
             nb = (size_t)batch * (size_t)l->out_elems * sizeof(int32_t);
             TDM_TRY(tdm_dev_alloc(d, nb, (void **)&l->argmax));
@@ -491,6 +495,10 @@ static tdm_status tdm_model_reserve(tdm_model *m, int batch)
     TDM_TRY(tdm_dev_alloc(d, nb, (void **)&m->dbuf[0]));
     TDM_TRY(tdm_dev_alloc(d, nb, (void **)&m->dbuf[1]));
     bytes += 2 * nb;
+    if (col_max) {
+        TDM_TRY(tdm_dev_alloc(d, col_max, (void **)&m->dcol));
+        bytes += col_max;
+    }
     nb = (size_t)batch * sizeof(float);
     TDM_TRY(tdm_dev_alloc(d, nb, (void **)&m->ones));
     {
@@ -584,6 +592,24 @@ void tdm_model_get_memory(const tdm_model *m, tdm_model_memory *out)
     out->grads = out->params;
     out->buffers = (size_t)m->buffer_elems * sizeof(float);
     out->activations = m->act_bytes;
+}
+
+void tdm_model_gemm_flops(const tdm_model *m, double *fwd, double *bwd)
+{
+    double f = 0.0, b = 0.0;
+    int first = 1;
+    for (int i = 0; i < m->n_layers; i++) {
+        const tdm_layer *l = &m->layers[i];
+        double macs;
+        if (l->kind == TDM_LAYER_LINEAR) macs = (double)l->c * l->oc;
+        else if (l->kind == TDM_LAYER_CONV) macs = (double)l->oc * l->c * l->k * l->k * l->oh * l->ow;
+        else continue;
+        f += 2.0 * macs;
+        b += 2.0 * macs * (first ? 1.0 : 2.0);
+        first = 0;
+    }
+    *fwd = f;
+    *bwd = b;
 }
 
 /* ---- forward ---- */
@@ -689,11 +715,11 @@ static tdm_status tdm_layer_backward(tdm_model *m, tdm_layer *l, float *dout, fl
         TDM_CHECK(tdm_dev_gemm_rm(d, TDM_TRANS_N, TDM_TRANS_T, l->oc, kk, np, 1.0f, dout, l->col,
                                   1.0f, tdm_grad(m, l->p0)));
         if (!din) return TDM_STATUS_OK;
-        /* dcol (kk, np) = W^T (kk, oc) dout (oc, np), into col: it is spent */
+        /* dcol (kk, np) = W^T (kk, oc) dout (oc, np) */
         TDM_CHECK(tdm_dev_gemm_rm(d, TDM_TRANS_T, TDM_TRANS_N, kk, np, l->oc, 1.0f,
-                                  tdm_param(m, l->p0), dout, 0.0f, l->col));
+                                  tdm_param(m, l->p0), dout, 0.0f, m->dcol));
         tdm_conv_geom g = tdm_layer_geom(l, B);
-        return o->col2im(d, &g, l->col, din);
+        return o->col2im(d, &g, m->dcol, din);
     }
     case TDM_LAYER_BN: {
         int64_t len = (int64_t)B * l->h * l->w;

@@ -142,6 +142,11 @@ tdm_status tdm_model_forward_backward(tdm_model *m, const float *x, const int32_
 /* Number of correct argmax predictions of the last forward's logits. */
 tdm_status tdm_model_count_correct(tdm_model *m, const int32_t *y_host, int batch, int64_t *correct);
 
+/* Floating-point operations of the gemms (im2col convolutions included)
+ * per sample: forward, and backward (weight and input gradients; the first
+ * layer's input gradient is not computed). Elementwise work is not counted. */
+void tdm_model_gemm_flops(const tdm_model *m, double *fwd_per_sample, double *bwd_per_sample);
+
 /* Bytes held per kind (for memory reports). */
 typedef struct tdm_model_memory {
     size_t params, grads, buffers, activations;

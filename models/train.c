@@ -117,7 +117,7 @@ tdm_status tdm_single_step(void *ctx, const float *x, const int32_t *y, int batc
     s->ms[TDM_PHASE_FORWARD] = (double)(t1 - t0) * 1e-6;
     s->ms[TDM_PHASE_LOSS] = (double)(t2 - t1) * 1e-6;
     s->ms[TDM_PHASE_BACKWARD] = (double)(t3 - t2) * 1e-6;
-    if (TDM_PHASE_STEP < 8) s->ms[TDM_PHASE_STEP] = (double)(t4 - t3) * 1e-6;
+    s->ms[TDM_PHASE_STEP] = (double)(t4 - t3) * 1e-6;
     if (loss_mean) *loss_mean = loss_sum / batch;
     return TDM_STATUS_OK;
 }

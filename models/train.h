@@ -12,6 +12,7 @@
 #include <stdint.h>
 
 #include "core/data.h"
+#include "core/timer.h"
 #include "models/model.h"
 #include "models/optim.h"
 
@@ -49,7 +50,7 @@ typedef struct tdm_single {
     float *x_dev;       /* staging for non-host devices */
     int32_t *y_dev;
     int cap;
-    double ms[8];       /* indexed by tdm_phase (core/timer.h) */
+    double ms[TDM_PHASE_COUNT_]; /* by tdm_phase: forward, loss, backward, step */
 } tdm_single;
 tdm_status tdm_single_step(void *single /* tdm_single */, const float *x, const int32_t *y,
                            int batch, double *loss_mean);

@@ -5,6 +5,8 @@
 build=${1:-build}; shift
 if [ $# -gt 0 ]; then bins=""; for n in "$@"; do bins="$bins $build/tests/$n"; done
 else bins=$(ls "$build"/tests/test_* 2>/dev/null | grep -v '\.[od]$'); fi
+# CLI tests find the binary of the same build here.
+TANDEM_BIN=$(cd "$build" && pwd)/tandem; export TANDEM_BIN
 pass=0; fail=0; bad=""
 for b in $bins; do
   name=$(basename "$b")

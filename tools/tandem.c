@@ -22,7 +22,8 @@ static const struct {
     {"train", tdm_tool_train_main, "train a model (single device, DP or DDP)"},
     {"compare", tdm_tool_compare_main, "one device, DP and DDP side by side"},
     {"launch", tdm_tool_launch_main, "run N ranks of your own program (like torchrun)"},
-    {"bench", tdm_tool_bench_main, "collective benchmark (nccl-tests columns)"},
+    {"bench", tdm_tool_bench_main, "benchmarks: bench <collective> (nccl-tests columns), "
+                                   "bench gemm, bench train"},
     {"info", tdm_tool_info_main, "build configuration and visible devices"},
 };
 #define TDM_TOOL_NCMDS (sizeof tdm_tool_cmds / sizeof tdm_tool_cmds[0])
@@ -45,6 +46,11 @@ int main(int argc, char **argv)
         tdm_tool_usage(argc < 2 ? stderr : stdout);
         return argc < 2 ? 2 : 0;
     }
+    /* `bench gemm` / `bench train` are model benchmarks; every other
+     * `bench <collective>` is the collective benchmark. */
+    if (!strcmp(argv[1], "bench") && argc > 2 &&
+        (!strcmp(argv[2], "gemm") || !strcmp(argv[2], "train")))
+        return tdm_tool_bench_models_main(argc - 2, argv + 2);
     for (size_t i = 0; i < TDM_TOOL_NCMDS; i++)
         if (tdm_tool_cmds[i].fn && !strcmp(argv[1], tdm_tool_cmds[i].name))
             return tdm_tool_cmds[i].fn(argc - 1, argv + 1);

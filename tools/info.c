@@ -1,0 +1,46 @@
+/* tools/info.c: `tandem info`: what this build contains (backends, BLAS,
+ * compiler, versions) and the devices it sees. */
+#include <stdio.h>
+#include <string.h>
+#include <zlib.h>
+
+#include "core/device.h"
+#include "tools/tools.h"
+
+#ifndef TDM_VERSION
+#define TDM_VERSION "0.1.0"
+#endif
+#ifndef TDM_NVCC
+#define TDM_NVCC ""
+#endif
+
+int tdm_tool_info_main(int argc, char **argv)
+{
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
+            printf("usage: tandem info\n\nPrints the build configuration (backends, BLAS, "
+                   "compiler, library versions)\nand the devices this machine offers.\n");
+            return 0;
+        }
+        fprintf(stderr, "tandem info: unknown option '%s'\n", argv[i]);
+        return 2;
+    }
+    printf("tandem %s\n", TDM_VERSION);
+    printf("build:\n");
+    printf("  compiler       gcc %s\n", __VERSION__);
+    printf("  host backend   yes (OpenBLAS: %s)\n", tdm_device_host_blas_info());
+    printf("  zlib           %s\n", zlibVersion());
+    printf("  CUDA backend   %s\n", tdm_device_cuda ? "yes" : "no (cuda/ not linked into this binary)");
+    if (TDM_NVCC[0]) printf("  nvcc           %s\n", TDM_NVCC);
+    else printf("  nvcc           not found at build time\n");
+    printf("devices:\n");
+    printf("  cpu            %d cores usable (host devices cpu:0..N-1 are logical: one "
+           "thread each)\n", tdm_device_host_cores());
+    if (tdm_device_cuda) {
+        int n = 0;
+        tdm_status st = tdm_device_cuda->count(&n);
+        if (st != TDM_STATUS_OK) printf("  cuda           %s\n", tdm_error_message());
+        else printf("  cuda           %d device%s\n", n, n == 1 ? "" : "s");
+    }
+    return 0;
+}
