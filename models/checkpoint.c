@@ -4,6 +4,7 @@
  * flat buffer. Not here: who writes (DDP's rank 0) and when. */
 #include "models/checkpoint.h"
 
+#include <errno.h>
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -119,6 +120,21 @@ static tdm_status tdm_ckpt_parse_i64(const tdm_st_file *f, const char *key, int6
     return TDM_STATUS_OK;
 }
 
+/* The seed is a u64 written with PRIu64: strtoll would clamp seeds >= 2^63. */
+static tdm_status tdm_ckpt_parse_u64(const tdm_st_file *f, const char *key, uint64_t *out)
+{
+    const char *v = tdm_st_meta_get(f, key);
+    char *end;
+    TDM_REQUIRE(v, TDM_STATUS_FORMAT, "%s: metadata has no '%s'", tdm_st_path(f), key);
+    errno = 0;
+    unsigned long long x = strtoull(v, &end, 10);
+    TDM_REQUIRE(end != v && *end == '\0' && v[0] >= '0' && v[0] <= '9' && errno != ERANGE,
+                TDM_STATUS_FORMAT, "%s: metadata '%s' = '%s' is not an unsigned 64-bit integer",
+                tdm_st_path(f), key, v);
+    *out = x;
+    return TDM_STATUS_OK;
+}
+
 tdm_status tdm_checkpoint_load(const char *path, tdm_model *m, tdm_optim *opt,
                                tdm_ckpt_info *info)
 {
@@ -158,10 +174,11 @@ tdm_status tdm_checkpoint_load(const char *path, tdm_model *m, tdm_optim *opt,
         const tdm_tensor_info *ti = tdm_model_buffer_info(m, i);
         TDM_TRY(tdm_st_read(f, ti->name, TDM_ST_F32, ti->ndim, ti->shape, hb + ti->offset));
     }
-    int64_t step = 0, epoch = 0, seed = 0;
+    int64_t step = 0, epoch = 0;
+    uint64_t seed = 0;
     TDM_TRY(tdm_ckpt_parse_i64(f, "step", &step));
     TDM_TRY(tdm_ckpt_parse_i64(f, "epoch", &epoch));
-    TDM_TRY(tdm_ckpt_parse_i64(f, "seed", &seed));
+    TDM_TRY(tdm_ckpt_parse_u64(f, "seed", &seed));
     if (opt) {
         const char *ok = tdm_st_meta_get(f, "optimizer");
         const char *wantk = tdm_ckpt_optim_name(tdm_optim_get_opts(opt)->kind);
@@ -198,7 +215,7 @@ tdm_status tdm_checkpoint_load(const char *path, tdm_model *m, tdm_optim *opt,
     if (info) {
         info->step = step;
         info->epoch = epoch;
-        info->seed = (uint64_t)seed;
+        info->seed = seed;
     }
 fail:
     tdm_st_free(f);

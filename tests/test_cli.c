@@ -134,7 +134,8 @@ Test(cli, missing_and_bad_data)
     FILE *f = fopen(path, "wb");
     unsigned char hdr[16] = {0, 0, 8, 3, 0, 0, 0, 10, 0, 0, 0, 28, 0, 0, 0, 28};
     fwrite(hdr, 1, sizeof hdr, f);
-    fwrite(hdr, 1, 100, f); /* 100 of 7840 payload bytes */
+    static const unsigned char some[100];
+    fwrite(some, 1, sizeof some, f); /* 100 of 7840 payload bytes */
     fclose(f);
     snprintf(path, sizeof path, "%s/train-labels-idx1-ubyte", dir);
     f = fopen(path, "wb");

@@ -1,0 +1,311 @@
+/* tests/test_kernels.c: the host backend's elementwise and row-wise kernels
+ * (core/kernels.h through core/device_host.c) against naive references:
+ * softmax cross-entropy (double reference, huge logits, bad labels),
+ * im2col / col2im (direct and adjointness), max pooling forward/backward,
+ * batchnorm statistics, layout transposes, axpy, scale, bias+relu and its
+ * backward. gemm is in test_gemm.c; whole layers in test_layers.c. */
+#include <criterion/criterion.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/device.h"
+#include "models/model.h"
+#include "tests/test_util.h"
+
+static tdm_device *g_dev;
+static void setup(void) { g_dev = tu_host(); }
+static void teardown(void) { tdm_device_free(g_dev); }
+TestSuite(kernels, .init = setup, .fini = teardown);
+
+/* ---- softmax cross-entropy ---- */
+
+static void ref_xent_row(const float *z, int cols, int y, double scale, double *loss, double *dz)
+{
+    double mx = z[0];
+    for (int j = 1; j < cols; j++) mx = z[j] > mx ? z[j] : mx;
+    double s = 0.0;
+    for (int j = 0; j < cols; j++) s += exp((double)z[j] - mx);
+    *loss = mx + log(s) - z[y];
+    for (int j = 0; j < cols; j++) dz[j] = (exp((double)z[j] - mx) / s - (j == y)) * scale;
+}
+
+Test(kernels, softmax_xent_matches_double_reference)
+{
+    static const int shapes[][2] = {{1, 1}, {1, 2}, {3, 10}, {17, 7}, {5, 1000}};
+    static const float scales[] = {1.0f, 0.25f, 1.0f / 17.0f};
+    double worst_l = 0.0, worst_g = 0.0;
+    for (size_t si = 0; si < 5; si++) {
+        int rows = shapes[si][0], cols = shapes[si][1];
+        tdm_rng r = tu_rng(40 + si);
+        float *z = tu_malloc((size_t)rows * cols * sizeof(float));
+        float *dz = tu_malloc((size_t)rows * cols * sizeof(float));
+        float *loss = tu_malloc((size_t)rows * sizeof(float));
+        int32_t *y = tu_malloc((size_t)rows * sizeof(int32_t));
+        double *rdz = tu_malloc((size_t)cols * sizeof(double));
+        for (int rr = 0; rr < rows; rr++) {
+            /* some rows at huge magnitude: exp without the max shift would overflow */
+            float off = rr % 3 == 1 ? 1000.0f : rr % 3 == 2 ? -1000.0f : 0.0f;
+            for (int j = 0; j < cols; j++) z[(size_t)rr * cols + j] = off + tu_unif(&r, -8, 8);
+            y[rr] = (int32_t)tdm_rng_below(&r, (uint64_t)cols);
+        }
+        for (size_t ci = 0; ci < 3; ci++) {
+            TU_OK(g_dev->ops->softmax_xent(g_dev, z, y, rows, cols, scales[ci], loss, dz));
+            double sum = 0.0;
+            for (int rr = 0; rr < rows; rr++) {
+                double rl;
+                ref_xent_row(z + (size_t)rr * cols, cols, y[rr], scales[ci], &rl, rdz);
+                sum += rl;
+                cr_assert(isfinite(loss[rr]), "rows %d cols %d: loss[%d] not finite", rows, cols, rr);
+                double el = fabs(loss[rr] - rl) / (1e-5 + 1e-5 * fabs(rl));
+                worst_l = el > worst_l ? el : worst_l;
+                cr_assert(el <= 1.0, "rows %d cols %d: loss[%d] = %.9g, reference %.9g", rows, cols,
+                          rr, (double)loss[rr], rl);
+                double gs = 0.0;
+                for (int j = 0; j < cols; j++) {
+                    double g = dz[(size_t)rr * cols + j];
+                    gs += g;
+                    double eg = fabs(g - rdz[j]) / (1e-6 + 1e-5 * fabs(rdz[j]));
+                    worst_g = eg > worst_g ? eg : worst_g;
+                    cr_assert(eg <= 1.0, "rows %d cols %d scale %g: dz[%d][%d] = %.9g, ref %.9g",
+                              rows, cols, (double)scales[ci], rr, j, g, rdz[j]);
+                }
+                /* softmax - onehot sums to zero */
+                cr_assert(fabs(gs) < 1e-5, "row %d: gradient sums to %g", rr, gs);
+            }
+            /* the loss wrapper: sum of the rows, dlogits optional */
+            double s2 = -1.0;
+            TU_OK(tdm_loss_softmax_xent(g_dev, z, y, rows, cols, 1.0f, &s2, NULL));
+            cr_assert(tu_close(s2, sum, 1e-5 * rows, 1e-6), "loss sum %.9g, reference %.9g", s2, sum);
+        }
+        free(z);
+        free(dz);
+        free(loss);
+        free(y);
+        free(rdz);
+    }
+    fprintf(stderr, "softmax_xent: worst loss err/tol %.3f, grad err/tol %.3f\n", worst_l, worst_g);
+}
+
+Test(kernels, softmax_xent_refuses_bad_labels)
+{
+    float z[6] = {0, 1, 2, 3, 4, 5}, loss[2], dz[6];
+    const int32_t bad[][2] = {{0, 3}, {-1, 0}, {2, 100}};
+    for (int i = 0; i < 3; i++) {
+        tdm_status st = g_dev->ops->softmax_xent(g_dev, z, bad[i], 2, 3, 1.0f, loss, dz);
+        cr_assert_eq(st, TDM_STATUS_INVALID_ARG, "labels {%d, %d} of 3 classes accepted", bad[i][0],
+                     bad[i][1]);
+        cr_assert(strstr(tdm_error_message(), "label"), "message: %s", tdm_error_message());
+        double s;
+        st = tdm_loss_softmax_xent(g_dev, z, bad[i], 2, 3, 1.0f, &s, dz);
+        cr_assert_eq(st, TDM_STATUS_INVALID_ARG);
+    }
+    double s;
+    cr_assert_eq(tdm_loss_softmax_xent(g_dev, z, bad[0], 0, 3, 1.0f, &s, NULL), TDM_STATUS_INVALID_ARG);
+}
+
+/* ---- im2col / col2im ---- */
+
+static tdm_conv_geom geom(int n, int c, int h, int w, int k, int stride, int pad)
+{
+    tdm_conv_geom g = {.n = n, .c = c, .h = h, .w = w, .kh = k, .kw = k, .stride = stride, .pad = pad};
+    g.oh = (h + 2 * pad - k) / stride + 1;
+    g.ow = (w + 2 * pad - k) / stride + 1;
+    return g;
+}
+
+static const int g_geoms[][7] = {
+    /* n, c, h, w, k, stride, pad */
+    {1, 1, 3, 3, 3, 1, 1}, {2, 3, 5, 7, 3, 1, 1}, {3, 2, 6, 6, 3, 2, 1}, {2, 2, 7, 5, 2, 2, 0},
+    {1, 4, 4, 4, 3, 1, 0}, {2, 1, 9, 4, 3, 2, 0}, {4, 3, 1, 1, 3, 1, 1}, {2, 2, 8, 6, 5, 1, 2},
+};
+
+Test(kernels, im2col_matches_reference_and_col2im_is_its_adjoint)
+{
+    for (size_t gi = 0; gi < sizeof g_geoms / sizeof g_geoms[0]; gi++) {
+        const int *q = g_geoms[gi];
+        tdm_conv_geom g = geom(q[0], q[1], q[2], q[3], q[4], q[5], q[6]);
+        int64_t nx = (int64_t)g.c * g.n * g.h * g.w;
+        int64_t rows = (int64_t)g.c * g.kh * g.kw, cols = (int64_t)g.n * g.oh * g.ow;
+        float *x = tu_malloc((size_t)nx * sizeof(float)), *dx = tu_malloc((size_t)nx * sizeof(float));
+        float *col = tu_malloc((size_t)(rows * cols) * sizeof(float));
+        float *c2 = tu_malloc((size_t)(rows * cols) * sizeof(float));
+        tdm_rng r = tu_rng(60 + gi);
+        tu_fill(&r, x, nx, -1, 1);
+        tu_fill(&r, c2, rows * cols, -1, 1);
+        TU_OK(g_dev->ops->im2col(g_dev, &g, x, col));
+        /* direct: row (ci, ki, kj), column (n, oy, ox); x is (C, N, H, W) */
+        for (int ci = 0; ci < g.c; ci++)
+            for (int ki = 0; ki < g.kh; ki++)
+                for (int kj = 0; kj < g.kw; kj++)
+                    for (int n = 0; n < g.n; n++)
+                        for (int oy = 0; oy < g.oh; oy++)
+                            for (int ox = 0; ox < g.ow; ox++) {
+                                int iy = oy * g.stride - g.pad + ki, ix = ox * g.stride - g.pad + kj;
+                                float want = (iy < 0 || iy >= g.h || ix < 0 || ix >= g.w)
+                                                 ? 0.0f
+                                                 : x[(((size_t)ci * g.n + n) * g.h + iy) * g.w + ix];
+                                int64_t row = (ci * g.kh + ki) * g.kw + kj;
+                                int64_t cc = ((int64_t)n * g.oh + oy) * g.ow + ox;
+                                cr_assert(col[row * cols + cc] == want,
+                                          "geom %zu: col[%lld][%lld] = %g, expected %g", gi,
+                                          (long long)row, (long long)cc, (double)col[row * cols + cc],
+                                          (double)want);
+                            }
+        /* adjointness: <im2col(x), c> == <x, col2im(c)> */
+        for (int64_t i = 0; i < nx; i++) dx[i] = 12345.0f; /* col2im writes, never adds */
+        TU_OK(g_dev->ops->col2im(g_dev, &g, c2, dx));
+        double lhs = 0.0, rhs = 0.0, mag = 0.0;
+        for (int64_t i = 0; i < rows * cols; i++) {
+            lhs += (double)col[i] * c2[i];
+            mag += fabs((double)col[i] * c2[i]);
+        }
+        for (int64_t i = 0; i < nx; i++) rhs += (double)x[i] * dx[i];
+        cr_assert(fabs(lhs - rhs) <= 1e-6 * (1.0 + mag),
+                  "geom %zu (n%d c%d %dx%d k%d s%d p%d): <im2col x, c> = %.10g but <x, col2im c> = %.10g",
+                  gi, g.n, g.c, g.h, g.w, g.kh, g.stride, g.pad, lhs, rhs);
+        free(x);
+        free(dx);
+        free(col);
+        free(c2);
+    }
+}
+
+/* ---- max pooling ---- */
+
+Test(kernels, maxpool_forward_backward)
+{
+    static const int pg[][5] = {{2, 3, 4, 4, 2}, {1, 2, 5, 7, 2}, {3, 1, 6, 6, 3}, {2, 2, 2, 2, 2}, {1, 1, 3, 3, 2}};
+    for (size_t gi = 0; gi < 5; gi++) {
+        tdm_conv_geom g = {.n = pg[gi][0], .c = pg[gi][1], .h = pg[gi][2], .w = pg[gi][3],
+                           .kh = pg[gi][4], .kw = pg[gi][4], .stride = pg[gi][4], .pad = 0};
+        g.oh = g.h / g.kh;
+        g.ow = g.w / g.kw;
+        int64_t planes = (int64_t)g.c * g.n, nx = planes * g.h * g.w, ny = planes * g.oh * g.ow;
+        float *x = tu_malloc((size_t)nx * sizeof(float)), *y = tu_malloc((size_t)ny * sizeof(float));
+        float *dy = tu_malloc((size_t)ny * sizeof(float)), *dx = tu_malloc((size_t)nx * sizeof(float));
+        int32_t *am = tu_malloc((size_t)ny * sizeof(int32_t));
+        tdm_rng r = tu_rng(70 + gi);
+        tu_fill(&r, x, nx, -1, 1);
+        tu_fill(&r, dy, ny, -1, 1);
+        TU_OK(g_dev->ops->maxpool_fwd(g_dev, &g, x, y, am));
+        float *rdx = tu_malloc((size_t)nx * sizeof(float));
+        for (int64_t p = 0; p < planes; p++)
+            for (int oy = 0; oy < g.oh; oy++)
+                for (int ox = 0; ox < g.ow; ox++) {
+                    const float *xp = x + p * g.h * g.w;
+                    int best = -1;
+                    for (int ki = 0; ki < g.kh; ki++)
+                        for (int kj = 0; kj < g.kw; kj++) {
+                            int off = (oy * g.stride + ki) * g.w + ox * g.stride + kj;
+                            if (best < 0 || xp[off] > xp[best]) best = off;
+                        }
+                    int64_t o = (p * g.oh + oy) * g.ow + ox;
+                    cr_assert(y[o] == xp[best] && am[o] == best,
+                              "pool %zu: y[%lld] = %g (argmax %d), expected %g (argmax %d)", gi,
+                              (long long)o, (double)y[o], am[o], (double)xp[best], best);
+                    rdx[p * g.h * g.w + best] += dy[o];
+                }
+        for (int64_t i = 0; i < nx; i++) dx[i] = 999.0f;
+        TU_OK(g_dev->ops->maxpool_bwd(g_dev, &g, dy, am, dx));
+        for (int64_t i = 0; i < nx; i++)
+            cr_assert(dx[i] == rdx[i], "pool %zu: dx[%lld] = %g, expected %g", gi, (long long)i,
+                      (double)dx[i], (double)rdx[i]);
+        free(x);
+        free(y);
+        free(dy);
+        free(dx);
+        free(am);
+        free(rdx);
+    }
+}
+
+/* ---- batchnorm statistics ---- */
+
+Test(kernels, bn_stats_two_pass_precision)
+{
+    static const float offs[] = {0.0f, 1000.0f, -3e4f};
+    for (int oi = 0; oi < 3; oi++) {
+        int ch = 3;
+        int64_t len = 4099;
+        float *x = tu_malloc((size_t)(ch * len) * sizeof(float));
+        float mean[3], var[3];
+        tdm_rng r = tu_rng(80 + oi);
+        for (int c = 0; c < ch; c++)
+            for (int64_t j = 0; j < len; j++)
+                x[c * len + j] = offs[oi] + (float)(c + 1) * tu_unif(&r, -1, 1);
+        TU_OK(g_dev->ops->bn_stats(g_dev, x, ch, len, mean, var));
+        for (int c = 0; c < ch; c++) {
+            double s = 0, q = 0;
+            for (int64_t j = 0; j < len; j++) s += x[c * len + j];
+            double m = s / len;
+            for (int64_t j = 0; j < len; j++) q += (x[c * len + j] - m) * (x[c * len + j] - m);
+            q /= len;
+            cr_assert(tu_close(mean[c], m, 1e-6, 1e-6), "offset %g ch %d: mean %.9g, ref %.9g",
+                      (double)offs[oi], c, (double)mean[c], m);
+            cr_assert(tu_close(var[c], q, 1e-6, 1e-5), "offset %g ch %d: biased var %.9g, ref %.9g",
+                      (double)offs[oi], c, (double)var[c], q);
+        }
+        free(x);
+    }
+}
+
+/* ---- layouts, axpy, scale, bias_act, relu_bwd ---- */
+
+Test(kernels, cnhw_nchw_round_trip)
+{
+    static const int sh[][3] = {{1, 1, 1}, {3, 2, 5}, {4, 7, 9}, {2, 1, 16}};
+    for (int si = 0; si < 4; si++) {
+        int c = sh[si][0], n = sh[si][1];
+        int64_t f = sh[si][2], tot = c * n * f;
+        float *x = tu_malloc((size_t)tot * sizeof(float)), *y = tu_malloc((size_t)tot * sizeof(float));
+        float *z = tu_malloc((size_t)tot * sizeof(float));
+        for (int64_t i = 0; i < tot; i++) x[i] = (float)i;
+        TU_OK(g_dev->ops->cnhw_to_nchw(g_dev, x, y, c, n, f));
+        for (int ni = 0; ni < n; ni++)
+            for (int ci = 0; ci < c; ci++)
+                for (int64_t fi = 0; fi < f; fi++)
+                    cr_assert(y[((int64_t)ni * c + ci) * f + fi] == x[((int64_t)ci * n + ni) * f + fi]);
+        TU_OK(g_dev->ops->nchw_to_cnhw(g_dev, y, z, c, n, f));
+        cr_assert(memcmp(x, z, (size_t)tot * sizeof(float)) == 0, "round trip c%d n%d f%lld differs",
+                  c, n, (long long)f);
+        free(x);
+        free(y);
+        free(z);
+    }
+}
+
+Test(kernels, axpy_scale_bias_act_relu_bwd)
+{
+    int64_t n = 37;
+    float x[37], y[37], y0[37];
+    tdm_rng r = tu_rng(90);
+    tu_fill(&r, x, n, -2, 2);
+    tu_fill(&r, y0, n, -2, 2);
+    memcpy(y, y0, sizeof y);
+    TU_OK(g_dev->ops->axpy(g_dev, n, -0.75f, x, y));
+    for (int i = 0; i < n; i++)
+        cr_assert(y[i] == y0[i] + -0.75f * x[i], "axpy[%d] = %g, expected %g", i, (double)y[i],
+                  (double)(y0[i] + -0.75f * x[i]));
+    memcpy(y, y0, sizeof y);
+    TU_OK(g_dev->ops->scale(g_dev, n, 3.5f, y));
+    for (int i = 0; i < n; i++) cr_assert(y[i] == y0[i] * 3.5f, "scale[%d]", i);
+    /* bias_act over (rows=5? no: 37 = 37 x 1) use (rows 4, cols 9) on the first 36 */
+    float bias[9];
+    tu_fill(&r, bias, 9, -1, 1);
+    for (int act = 0; act < 2; act++) {
+        memcpy(y, y0, sizeof y);
+        TU_OK(g_dev->ops->bias_act(g_dev, y, act ? bias : NULL, 4, 9, act ? TDM_ACT_RELU : TDM_ACT_NONE));
+        for (int i = 0; i < 36; i++) {
+            float v = y0[i] + (act ? bias[i % 9] : 0.0f);
+            if (act && v < 0) v = 0;
+            cr_assert(y[i] == v, "bias_act act=%d [%d] = %g, expected %g", act, i, (double)y[i], (double)v);
+        }
+        cr_assert(y[36] == y0[36], "bias_act wrote past rows*cols");
+    }
+    float dy[37];
+    memcpy(dy, x, sizeof dy);
+    TU_OK(g_dev->ops->relu_bwd(g_dev, dy, y, n));
+    for (int i = 0; i < n; i++)
+        cr_assert(dy[i] == (y[i] > 0 ? x[i] : 0.0f), "relu_bwd[%d]", i);
+}

@@ -1,0 +1,87 @@
+/* tests/test_util.h: small header-only helpers shared by the numeric tests
+ * (host device, a deterministic test RNG, tolerance checks, temporary
+ * directories). Static functions only: this header is not a library and
+ * is included by test_*.c files, never compiled on its own. */
+#ifndef TDM_TESTS_TEST_UTIL_H
+#define TDM_TESTS_TEST_UTIL_H
+
+#include <criterion/criterion.h>
+#include <errno.h>
+#include <ftw.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "core/device.h"
+#include "core/rng.h"
+#include "core/status.h"
+
+/* Asserts a tdm_status call succeeded, printing the library's message. */
+#define TU_OK(expr)                                                                   \
+    do {                                                                              \
+        tdm_status tu_s_ = (expr);                                                    \
+        cr_assert_eq(tu_s_, TDM_STATUS_OK, "%s failed: %s: %s", #expr,                \
+                     tdm_status_name(tu_s_), tdm_error_message());                    \
+    } while (0)
+
+static inline tdm_device *tu_host(void)
+{
+    tdm_device *d = NULL;
+    TU_OK(tdm_device_open(&d, "cpu", 0, 1));
+    return d;
+}
+
+static inline tdm_rng tu_rng(uint64_t seed)
+{
+    tdm_rng r;
+    tdm_rng_init(&r, seed, TDM_RNG_STREAM_TEST);
+    return r;
+}
+
+/* Uniform in [lo, hi). */
+static inline float tu_unif(tdm_rng *r, float lo, float hi)
+{
+    return lo + (hi - lo) * tdm_rng_uniform(r);
+}
+
+static inline void tu_fill(tdm_rng *r, float *x, int64_t n, float lo, float hi)
+{
+    for (int64_t i = 0; i < n; i++) x[i] = tu_unif(r, lo, hi);
+}
+
+/* |a - ref| <= atol + rtol |ref| */
+static inline int tu_close(double a, double ref, double atol, double rtol)
+{
+    return fabs(a - ref) <= atol + rtol * fabs(ref);
+}
+
+static inline void *tu_malloc(size_t nbytes)
+{
+    void *p = calloc(1, nbytes ? nbytes : 1);
+    cr_assert_not_null(p, "cannot allocate %zu bytes", nbytes);
+    return p;
+}
+
+/* ---- temporary directories ---- */
+
+static inline int tu_rm_entry(const char *p, const struct stat *sb, int flag, struct FTW *ftw)
+{
+    (void)sb; (void)flag; (void)ftw;
+    return remove(p);
+}
+
+static inline void tu_mkdtemp(char *dir, size_t len, const char *tag)
+{
+    snprintf(dir, len, "/tmp/tdm_test_%s_XXXXXX", tag);
+    cr_assert_not_null(mkdtemp(dir), "mkdtemp: %s", strerror(errno));
+}
+
+static inline void tu_rmtree(const char *dir)
+{
+    if (dir && dir[0]) nftw(dir, tu_rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+}
+
+#endif
