@@ -37,6 +37,7 @@ static void tdm_train_usage(FILE *f)
         "  --optim sgd|adamw      optimizer                                   [sgd]\n"
         "  --lr LR                learning rate          [sgd: 0.05, adamw: 0.001]\n"
         "  --momentum M           SGD momentum                                [0.9]\n"
+        "  --lr-schedule S        const, or cosine: lr decays to 0 over the run [const]\n"
         "  --nesterov             SGD with Nesterov momentum\n"
         "  --weight-decay WD      L2 (sgd) / decoupled (adamw)  [sgd: 0, adamw: 0.01]\n"
         "  --seed S               parameters and data order                   [1]\n"
@@ -93,7 +94,7 @@ int tdm_tool_train_main(int argc, char **argv)
     tdm_train_args a = {
         .mode = "single", .model = "mlp", .device = "cpu", .threads = 1, .epochs = 2,
         .batch = 256, .optim = "sgd", .lr = -1, .momentum = 0.9, .weight_decay = -1, .seed = 1,
-        .data = NULL, .synthetic_size = 12000, .max_steps = 0,
+        .data = NULL, .synthetic_size = 12000, .max_steps = 0, .lr_schedule = "const",
     };
     for (int i = 1; i < argc; i++) {
         const char *v;
@@ -138,6 +139,7 @@ int tdm_tool_train_main(int argc, char **argv)
         TDM_INT_FLAG("--max-steps", 0, INT64_MAX, max_steps)
         TDM_STR_FLAG("--save", save)
         TDM_STR_FLAG("--resume", resume)
+        TDM_STR_FLAG("--lr-schedule", lr_schedule)
         TDM_INT_FLAG("--bucket-cap-mb", 0, 1 << 20, bucket_cap_mb)
         if (!strcmp(arg, "--nesterov")) { a.nesterov = 1; continue; }
         if (!strcmp(arg, "--no-eval")) { a.no_eval = 1; continue; }
@@ -148,6 +150,11 @@ int tdm_tool_train_main(int argc, char **argv)
     }
     if (strcmp(a.optim, "sgd") && strcmp(a.optim, "adamw")) {
         fprintf(stderr, "tandem train: --optim '%s': expected sgd or adamw\n", a.optim);
+        return 2;
+    }
+    if (strcmp(a.lr_schedule, "const") && strcmp(a.lr_schedule, "cosine")) {
+        fprintf(stderr, "tandem train: --lr-schedule '%s': expected const or cosine\n",
+                a.lr_schedule);
         return 2;
     }
     if (a.lr < 0) a.lr = strcmp(a.optim, "sgd") ? 1e-3 : 0.05;
@@ -225,8 +232,33 @@ void tdm_train_print_header(const tdm_train_args *a, const tdm_model_spec *spec,
            a->data && !strcmp(a->data, "synthetic") ? "synthetic" : "Fashion-MNIST",
            (long long)train->n, (long long)test->n, (long long)a->batch, a->optim, a->lr);
     if (!strcmp(a->optim, "sgd")) printf(" momentum %g%s", a->momentum, a->nesterov ? " nesterov" : "");
-    printf(" weight decay %g, seed %lld\n", a->weight_decay, (long long)a->seed);
+    printf(" weight decay %g%s, seed %lld\n", a->weight_decay,
+           strcmp(a->lr_schedule, "cosine") ? "" : ", cosine schedule", (long long)a->seed);
     fflush(stdout);
+}
+
+/* The learning-rate schedule wraps the mode's step: cosine annealing
+ * (Loshchilov & Hutter, SGDR) from the base rate to 0 over all the run's
+ * steps, a function of the optimizer's step count so resuming continues it. */
+typedef struct tdm_train_sched {
+    tdm_train_step_fn step;
+    void *ctx;
+    tdm_optim *opt;
+    double base_lr;
+    int64_t total_steps;
+    int cosine;
+} tdm_train_sched;
+
+static tdm_status tdm_train_sched_step(void *p, const float *x, const int32_t *y, int batch,
+                                       double *loss)
+{
+    tdm_train_sched *s = p;
+    if (s->cosine) {
+        double t = (double)tdm_optim_steps(s->opt) / (double)s->total_steps;
+        if (t > 1.0) t = 1.0;
+        tdm_optim_set_lr(s->opt, (float)(s->base_lr * 0.5 * (1.0 + cos(M_PI * t))));
+    }
+    return s->step(s->ctx, x, y, batch, loss);
 }
 
 int tdm_train_epochs(const tdm_train_args *a, tdm_model *m, tdm_optim *opt,
@@ -234,6 +266,13 @@ int tdm_train_epochs(const tdm_train_args *a, tdm_model *m, tdm_optim *opt,
                      void *step_ctx, int64_t start_epoch, tdm_train_after_epoch_fn after,
                      void *after_ctx)
 {
+    int64_t per_epoch = (train->n + a->batch - 1) / a->batch;
+    if (a->max_steps > 0 && a->max_steps < per_epoch) per_epoch = a->max_steps;
+    tdm_train_sched sched = {.step = step, .ctx = step_ctx, .opt = opt, .base_lr = a->lr,
+                             .total_steps = per_epoch * a->epochs,
+                             .cosine = !strcmp(a->lr_schedule, "cosine")};
+    step = tdm_train_sched_step;
+    step_ctx = &sched;
     tdm_progress p = {.tty = isatty(STDERR_FILENO), .quiet = a->quiet, .epochs = a->epochs,
                       .last_tenth = -1};
     for (int64_t e = start_epoch; e < a->epochs; e++) {

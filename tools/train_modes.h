@@ -16,6 +16,7 @@ typedef struct tdm_train_args {
     const char *mode, *model, *device, *optim, *data, *save, *resume;
     long long threads, epochs, batch, seed, synthetic_size, max_steps, bucket_cap_mb;
     double lr, momentum, weight_decay;
+    const char *lr_schedule;  /* "const" or "cosine" */
     int nesterov, no_eval, quiet, no_overlap;
 } tdm_train_args;
 
