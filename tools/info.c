@@ -7,6 +7,9 @@
 #include "core/device.h"
 #include "tools/tools.h"
 
+/* cuda/cuda.h, linked only when the CUDA backend is built. */
+__attribute__((weak)) tdm_status tdm_cuda_describe(char *buf, size_t len);
+
 #ifndef TDM_VERSION
 #define TDM_VERSION "0.1.0"
 #endif
@@ -39,8 +42,16 @@ int tdm_tool_info_main(int argc, char **argv)
     if (tdm_device_cuda) {
         int n = 0;
         tdm_status st = tdm_device_cuda->count(&n);
-        if (st != TDM_STATUS_OK) printf("  cuda           %s\n", tdm_error_message());
-        else printf("  cuda           %d device%s\n", n, n == 1 ? "" : "s");
+        if (st != TDM_STATUS_OK) {
+            printf("  cuda           %s\n", tdm_error_message());
+        } else {
+            printf("  cuda           %d device%s\n", n, n == 1 ? "" : "s");
+            if (tdm_cuda_describe) {
+                static char buf[16384];
+                if (tdm_cuda_describe(buf, sizeof buf) == TDM_STATUS_OK) fputs(buf, stdout);
+                else printf("  cuda           %s\n", tdm_error_message());
+            }
+        }
     }
     return 0;
 }

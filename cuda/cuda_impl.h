@@ -1,0 +1,94 @@
+/* cuda/cuda_impl.h: internals shared by the CUDA backend's files: the
+ * kernel launchers of cuda/kernels_cuda.cu (C linkage, callable from C;
+ * they run on the GPU or, for host tests, on the calling thread) and the
+ * per-process table of open CUDA devices that the NCCL
+ * communicator uses to order its stream after the compute stream.
+ * Not a public header: it names CUDA types, and only cuda/ includes it. */
+#ifndef TDM_CUDA_CUDA_IMPL_H
+#define TDM_CUDA_CUDA_IMPL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include <cuda_runtime_api.h>
+
+#include "core/kernels.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Where a launcher runs its kernel: enqueued on `stream` (the GPU), or,
+ * when `host` is set, as a plain loop on the calling thread over the
+ * very same per-index functor (the emulator of cuda/device_cuda.c, which
+ * lets host tests check the index arithmetic of every kernel). */
+typedef struct tdm_cuda_exec {
+    cudaStream_t stream;
+    int host;
+} tdm_cuda_exec;
+
+/* Every launcher runs one grid-stride kernel and returns
+ * cudaGetLastError() of the launch (cudaSuccess when there is nothing to
+ * do, and always on the host). The argument lists follow core/device.h;
+ * shapes are in elements. */
+cudaError_t tdm_cuda_launch_bias_act(const tdm_cuda_exec *x, float *y, const float *bias,
+                                     int64_t rows, int cols, int relu);
+cudaError_t tdm_cuda_launch_relu_bwd(const tdm_cuda_exec *x, float *dy, const float *y,
+                                     int64_t n_elem);
+/* bad_row: an int (device memory; host memory for x->host) preset to
+ * TDM_CUDA_NO_BAD_ROW; receives the smallest row whose label is outside
+ * [0, cols) (that row is skipped). */
+#define TDM_CUDA_NO_BAD_ROW 0x7f7f7f7f
+cudaError_t tdm_cuda_launch_softmax_xent(const tdm_cuda_exec *x, const float *logits,
+                                         const int32_t *labels, int rows, int cols, float scale,
+                                         float *loss_row, float *dlogits, int *bad_row);
+cudaError_t tdm_cuda_launch_axpy(const tdm_cuda_exec *x, int64_t n_elem, float alpha,
+                                 const float *xs, float *y);
+cudaError_t tdm_cuda_launch_scale(const tdm_cuda_exec *x, int64_t n_elem, float alpha, float *v);
+cudaError_t tdm_cuda_launch_im2col(const tdm_cuda_exec *x, tdm_k_geom g, const float *in,
+                                   float *col);
+cudaError_t tdm_cuda_launch_col2im(const tdm_cuda_exec *x, tdm_k_geom g, const float *col,
+                                   float *dx);
+cudaError_t tdm_cuda_launch_maxpool_fwd(const tdm_cuda_exec *x, tdm_k_geom g, const float *in,
+                                        float *y, int32_t *argmax);
+cudaError_t tdm_cuda_launch_maxpool_bwd(const tdm_cuda_exec *x, tdm_k_geom g, const float *dy,
+                                        const int32_t *argmax, float *dx);
+cudaError_t tdm_cuda_launch_bn_stats(const tdm_cuda_exec *x, const float *in, int channels,
+                                     int64_t len, float *mean, float *var);
+cudaError_t tdm_cuda_launch_bn_prep(const tdm_cuda_exec *x, int channels, float *mean,
+                                    const float *var, float *invstd, float *run_mean,
+                                    float *run_var, float eps, float momentum, int64_t len,
+                                    int train);
+cudaError_t tdm_cuda_launch_bn_fwd(const tdm_cuda_exec *x, const float *in, int channels,
+                                   int64_t len, const float *mean, const float *invstd,
+                                   const float *gamma, const float *beta, float *y);
+cudaError_t tdm_cuda_launch_bn_bwd(const tdm_cuda_exec *x, const float *in, const float *dy,
+                                   int channels, int64_t len, const float *mean,
+                                   const float *invstd, const float *gamma, float *dx,
+                                   float *dgamma, float *dbeta, int train);
+cudaError_t tdm_cuda_launch_cnhw_to_nchw(const tdm_cuda_exec *x, const float *in, float *y,
+                                         int c, int n, int64_t f);
+cudaError_t tdm_cuda_launch_nchw_to_cnhw(const tdm_cuda_exec *x, const float *in, float *y,
+                                         int c, int n, int64_t f);
+cudaError_t tdm_cuda_launch_sgd(const tdm_cuda_exec *x, int64_t n_elem, float *param,
+                                const float *grad, float *mom, float lr, float momentum,
+                                float dampening, float weight_decay, int nesterov,
+                                int first_step);
+cudaError_t tdm_cuda_launch_adamw(const tdm_cuda_exec *x, int64_t n_elem, float *param,
+                                  const float *grad, float *m, float *v, float lr, float beta1,
+                                  float beta2, float eps, float weight_decay, float bc1,
+                                  float bc2);
+
+/* --- open devices (cuda/device_cuda.c) ------------------------------------
+ * The NCCL communicator runs on its own stream; before a collective it
+ * makes that stream wait for everything already enqueued on the compute
+ * stream of the tdm_device open on the same GPU in this process.
+ * Returns cudaSuccess and sets *found = 0 when no such device is open
+ * (the caller then synchronises the whole GPU instead). */
+cudaError_t tdm_cuda_order_after_compute(int device_index, cudaStream_t s, int *found);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

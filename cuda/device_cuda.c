@@ -1,0 +1,766 @@
+/* cuda/device_cuda.c: the CUDA backend of the device interface
+ * (core/device.h). One tdm_device is one GPU driven through one
+ * non-blocking stream and one cuBLAS handle bound to it: every compute
+ * entry enqueues work on that stream and returns, copies to and from the
+ * host wait for it, and sync waits for everything. gemm maps
+ * cublasSgemm's column-major arguments one to one (the host backend maps
+ * the same list onto cblas_sgemm). Elementwise and row-wise kernels are
+ * launched from cuda/kernels_cuda.cu, which runs core/kernels.h's shared
+ * functions.
+ *
+ * Also here: registration with core/device.c (a constructor that only
+ * stores a pointer, never calls CUDA, so loading never fails), the
+ * device count with CUDA's own error when there is no driver or device,
+ * tdm_cuda_describe for `tandem info`, and the table of open devices the
+ * NCCL communicator orders its stream after. Not here: collectives
+ * (cuda/nccl_comm.c). */
+#include "cuda/cuda.h"
+
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cublas_v2.h>
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include "core/device.h"
+#include "core/log.h"
+#include "cuda/cuda_impl.h"
+
+typedef struct tdm_cuda_dev {
+    cudaStream_t stream;  /* all work of this device, in issue order */
+    cublasHandle_t blas;  /* bound to stream */
+    int *bad_row;         /* device int: softmax_xent's label check */
+    tdm_cuda_exec exec;   /* {stream, 0}; the emulator: {NULL, 1} */
+    tdm_device *host;     /* the emulator's gemm (a host device) */
+} tdm_cuda_dev;
+
+static tdm_cuda_dev *tdm_cuda_impl(tdm_device *d) { return (tdm_cuda_dev *)d->impl; }
+
+/* --- errors --------------------------------------------------------------- */
+
+static tdm_status tdm_cuda_status_of(cudaError_t e)
+{
+    switch (e) {
+    case cudaErrorMemoryAllocation: return TDM_STATUS_OUT_OF_MEMORY;
+    case cudaErrorNoDevice:
+    case cudaErrorInsufficientDriver:
+    case cudaErrorInvalidDevice:
+    case cudaErrorDevicesUnavailable: return TDM_STATUS_NO_DEVICE;
+    case cudaErrorInvalidValue: return TDM_STATUS_INVALID_ARG;
+    default: return TDM_STATUS_SYSTEM;
+    }
+}
+
+/* "<dev>: <what>: <CUDA's string> (<CUDA's error name>)" */
+static tdm_status tdm_cuda_fail(const char *dev, const char *what, cudaError_t e)
+{
+    return tdm_error_set(tdm_cuda_status_of(e), "%s: %s: %s (%s)", dev, what,
+                         cudaGetErrorString(e), cudaGetErrorName(e));
+}
+
+#define TDM_CUDA_CHECK(d, what, call)                                     \
+    do {                                                                  \
+        cudaError_t tdm_cu_e_ = (call);                                   \
+        if (tdm_cu_e_ != cudaSuccess) return tdm_cuda_fail((d)->name, (what), tdm_cu_e_); \
+    } while (0)
+
+static tdm_status tdm_cublas_fail(const tdm_device *d, const char *what, cublasStatus_t s)
+{
+    tdm_status st = s == CUBLAS_STATUS_ALLOC_FAILED    ? TDM_STATUS_OUT_OF_MEMORY
+                    : s == CUBLAS_STATUS_INVALID_VALUE ? TDM_STATUS_INVALID_ARG
+                                                       : TDM_STATUS_SYSTEM;
+    return tdm_error_set(st, "%s: %s: %s (cuBLAS status %d)", d->name, what,
+                         cublasGetStatusString(s), (int)s);
+}
+
+/* Every entry makes the device current first: DP drives several GPUs from
+ * several threads, and the current device is per thread. */
+static tdm_status tdm_cuda_enter(tdm_device *d)
+{
+    if (tdm_cuda_impl(d)->exec.host) return TDM_STATUS_OK; /* the emulator */
+    TDM_CUDA_CHECK(d, "cudaSetDevice", cudaSetDevice(d->index));
+    return TDM_STATUS_OK;
+}
+
+/* --- the table of open devices (for the NCCL communicator) ----------------- */
+
+#define TDM_CUDA_MAX_OPEN 256
+static pthread_mutex_t tdm_cuda_open_mu = PTHREAD_MUTEX_INITIALIZER;
+static struct {
+    int index;
+    cudaStream_t stream;
+} tdm_cuda_open_tab[TDM_CUDA_MAX_OPEN];
+static int tdm_cuda_open_n;
+
+static void tdm_cuda_open_add(int index, cudaStream_t s)
+{
+    pthread_mutex_lock(&tdm_cuda_open_mu);
+    if (tdm_cuda_open_n < TDM_CUDA_MAX_OPEN) {
+        tdm_cuda_open_tab[tdm_cuda_open_n].index = index;
+        tdm_cuda_open_tab[tdm_cuda_open_n].stream = s;
+        tdm_cuda_open_n++;
+    } else {
+        TDM_WARN(CUDA, "more than %d CUDA devices open: NCCL falls back to device-wide "
+                 "synchronisation for cuda:%d", TDM_CUDA_MAX_OPEN, index);
+    }
+    pthread_mutex_unlock(&tdm_cuda_open_mu);
+}
+
+static void tdm_cuda_open_remove(cudaStream_t s)
+{
+    pthread_mutex_lock(&tdm_cuda_open_mu);
+    for (int i = 0; i < tdm_cuda_open_n; i++)
+        if (tdm_cuda_open_tab[i].stream == s) {
+            tdm_cuda_open_tab[i] = tdm_cuda_open_tab[--tdm_cuda_open_n];
+            break;
+        }
+    pthread_mutex_unlock(&tdm_cuda_open_mu);
+}
+
+cudaError_t tdm_cuda_order_after_compute(int device_index, cudaStream_t s, int *found)
+{
+    cudaError_t e = cudaSuccess;
+    *found = 0;
+    pthread_mutex_lock(&tdm_cuda_open_mu);
+    for (int i = 0; i < tdm_cuda_open_n && e == cudaSuccess; i++) {
+        if (tdm_cuda_open_tab[i].index != device_index) continue;
+        /* An event recorded on the compute stream and waited on by s: s
+         * runs after everything enqueued so far, without blocking the host.
+         * Destroying the event at once is allowed; its resources go when
+         * the wait has been satisfied. */
+        cudaEvent_t ev;
+        e = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming);
+        if (e != cudaSuccess) break;
+        e = cudaEventRecord(ev, tdm_cuda_open_tab[i].stream);
+        if (e == cudaSuccess) e = cudaStreamWaitEvent(s, ev, 0);
+        cudaError_t e2 = cudaEventDestroy(ev);
+        if (e == cudaSuccess) e = e2;
+        *found = 1;
+    }
+    pthread_mutex_unlock(&tdm_cuda_open_mu);
+    return e;
+}
+
+/* --- memory ---------------------------------------------------------------- */
+
+static tdm_status cuda_alloc(tdm_device *d, size_t nbytes, void **out)
+{
+    TDM_CHECK(tdm_cuda_enter(d));
+    /* cudaMalloc(0) may give NULL; callers treat a buffer as a buffer. */
+    cudaError_t e = cudaMalloc(out, nbytes ? nbytes : 256);
+    if (e != cudaSuccess) {
+        *out = NULL;
+        size_t free_b = 0, total_b = 0;
+        (void)cudaGetLastError(); /* clear the (non-sticky) allocation error */
+        if (cudaMemGetInfo(&free_b, &total_b) != cudaSuccess) free_b = total_b = 0;
+        return tdm_error_set(tdm_cuda_status_of(e),
+                             "%s: cannot allocate %zu bytes: %s (%s); %zu of %zu bytes free",
+                             d->name, nbytes, cudaGetErrorString(e), cudaGetErrorName(e), free_b,
+                             total_b);
+    }
+    return TDM_STATUS_OK;
+}
+
+static void cuda_free(tdm_device *d, void *p)
+{
+    if (!p) return;
+    /* cudaFree waits for the device, so pending kernels using p finish. */
+    cudaError_t e = cudaSetDevice(d->index);
+    if (e == cudaSuccess) e = cudaFree(p);
+    if (e != cudaSuccess)
+        TDM_WARN(CUDA, "%s: cudaFree(%p): %s (%s)", d->name, p, cudaGetErrorString(e),
+                 cudaGetErrorName(e));
+}
+
+static tdm_status cuda_copy(tdm_device *d, void *dst, const void *src, size_t nbytes)
+{
+    if (!nbytes || dst == src) return TDM_STATUS_OK;
+    TDM_CHECK(tdm_cuda_enter(d));
+    TDM_CUDA_CHECK(d, "cudaMemcpyAsync (device to device)",
+                   cudaMemcpyAsync(dst, src, nbytes, cudaMemcpyDeviceToDevice,
+                                   tdm_cuda_impl(d)->stream));
+    return TDM_STATUS_OK;
+}
+
+/* Host copies are synchronous for the caller: the host buffer may be read
+ * or reused as soon as they return (it may be pageable or pinned; the
+ * stream synchronisation makes both safe). */
+static tdm_status cuda_copy_to_host(tdm_device *d, void *host_dst, const void *src, size_t nbytes)
+{
+    if (!nbytes) return TDM_STATUS_OK;
+    TDM_CHECK(tdm_cuda_enter(d));
+    cudaStream_t s = tdm_cuda_impl(d)->stream;
+    TDM_CUDA_CHECK(d, "cudaMemcpyAsync (device to host)",
+                   cudaMemcpyAsync(host_dst, src, nbytes, cudaMemcpyDeviceToHost, s));
+    TDM_CUDA_CHECK(d, "cudaStreamSynchronize after a copy to the host", cudaStreamSynchronize(s));
+    return TDM_STATUS_OK;
+}
+
+static tdm_status cuda_copy_from_host(tdm_device *d, void *dst, const void *host_src,
+                                      size_t nbytes)
+{
+    if (!nbytes) return TDM_STATUS_OK;
+    TDM_CHECK(tdm_cuda_enter(d));
+    cudaStream_t s = tdm_cuda_impl(d)->stream;
+    TDM_CUDA_CHECK(d, "cudaMemcpyAsync (host to device)",
+                   cudaMemcpyAsync(dst, host_src, nbytes, cudaMemcpyHostToDevice, s));
+    TDM_CUDA_CHECK(d, "cudaStreamSynchronize after a copy from the host",
+                   cudaStreamSynchronize(s));
+    return TDM_STATUS_OK;
+}
+
+static tdm_status cuda_memset_zero(tdm_device *d, void *p, size_t nbytes)
+{
+    if (!nbytes) return TDM_STATUS_OK;
+    TDM_CHECK(tdm_cuda_enter(d));
+    TDM_CUDA_CHECK(d, "cudaMemsetAsync", cudaMemsetAsync(p, 0, nbytes, tdm_cuda_impl(d)->stream));
+    return TDM_STATUS_OK;
+}
+
+static tdm_status cuda_sync(tdm_device *d)
+{
+    TDM_CHECK(tdm_cuda_enter(d));
+    /* Errors of earlier kernels (illegal address, ...) surface here. */
+    TDM_CUDA_CHECK(d, "cudaStreamSynchronize", cudaStreamSynchronize(tdm_cuda_impl(d)->stream));
+    return TDM_STATUS_OK;
+}
+
+static void cuda_close(tdm_device *d)
+{
+    tdm_cuda_dev *c = tdm_cuda_impl(d);
+    if (!c) return;
+    cudaError_t e = cudaSetDevice(d->index);
+    if (e == cudaSuccess && c->stream) e = cudaStreamSynchronize(c->stream);
+    if (e != cudaSuccess)
+        TDM_WARN(CUDA, "%s: closing: %s (%s)", d->name, cudaGetErrorString(e),
+                 cudaGetErrorName(e));
+    if (c->stream) tdm_cuda_open_remove(c->stream);
+    if (c->blas) cublasDestroy(c->blas);
+    if (c->bad_row) cudaFree(c->bad_row);
+    if (c->stream) cudaStreamDestroy(c->stream);
+    free(c);
+    d->impl = NULL;
+}
+
+/* --- compute --------------------------------------------------------------- */
+
+static tdm_status cuda_gemm(tdm_device *d, tdm_trans ta, tdm_trans tb, int m, int n, int k,
+                            float alpha, const float *a, int lda, const float *b, int ldb,
+                            float beta, float *c, int ldc)
+{
+    tdm_device *h = tdm_cuda_impl(d)->host;
+    if (h) return h->ops->gemm(h, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    TDM_CHECK(tdm_cuda_enter(d));
+    /* core/device.h's argument list is cublasSgemm's, one to one. */
+    cublasStatus_t s = cublasSgemm(tdm_cuda_impl(d)->blas,
+                                   ta == TDM_TRANS_T ? CUBLAS_OP_T : CUBLAS_OP_N,
+                                   tb == TDM_TRANS_T ? CUBLAS_OP_T : CUBLAS_OP_N, m, n, k, &alpha,
+                                   a, lda, b, ldb, &beta, c, ldc);
+    if (s != CUBLAS_STATUS_SUCCESS) return tdm_cublas_fail(d, "cublasSgemm", s);
+    return TDM_STATUS_OK;
+}
+
+/* Every kernel entry: make the device current, launch on its stream,
+ * check the launch (cudaGetLastError, returned by the launcher). */
+#define TDM_CUDA_RUN(d, what, launch)                                     \
+    do {                                                                  \
+        TDM_CHECK(tdm_cuda_enter(d));                                     \
+        const tdm_cuda_exec *s_ = &tdm_cuda_impl(d)->exec;                \
+        TDM_CUDA_CHECK(d, what " kernel launch", launch);                 \
+        return TDM_STATUS_OK;                                             \
+    } while (0)
+
+static tdm_status cuda_bias_act(tdm_device *d, float *y, const float *bias, int64_t rows,
+                                int cols, tdm_act act)
+{
+    TDM_CUDA_RUN(d, "bias_act",
+                 tdm_cuda_launch_bias_act(s_, y, bias, rows, cols, act == TDM_ACT_RELU));
+}
+
+static tdm_status cuda_relu_bwd(tdm_device *d, float *dy, const float *y, int64_t n_elem)
+{
+    TDM_CUDA_RUN(d, "relu_bwd", tdm_cuda_launch_relu_bwd(s_, dy, y, n_elem));
+}
+
+static tdm_status cuda_softmax_xent(tdm_device *d, const float *logits, const int32_t *labels,
+                                    int rows, int cols, float scale, float *loss_row,
+                                    float *dlogits)
+{
+    if (rows <= 0) return TDM_STATUS_OK;
+    TDM_CHECK(tdm_cuda_enter(d));
+    tdm_cuda_dev *c = tdm_cuda_impl(d);
+    int bad = TDM_CUDA_NO_BAD_ROW;
+    if (c->exec.host) {
+        TDM_CUDA_CHECK(d, "softmax_xent", tdm_cuda_launch_softmax_xent(&c->exec, logits, labels,
+                                                                       rows, cols, scale,
+                                                                       loss_row, dlogits, &bad));
+        if (bad != TDM_CUDA_NO_BAD_ROW)
+            return tdm_error_set(TDM_STATUS_INVALID_ARG,
+                                 "%s: label %d of sample %d is outside [0, %d)", d->name,
+                                 labels[bad], bad, cols);
+        return TDM_STATUS_OK;
+    }
+    /* Labels live on the device; the kernel reports the first row whose
+     * label is out of range, and we read that back (the caller reads the
+     * losses right after, so this costs one synchronisation, not two). */
+    TDM_CUDA_CHECK(d, "cudaMemsetAsync (label check)",
+                   cudaMemsetAsync(c->bad_row, 0x7f, sizeof(int), c->stream));
+    TDM_CUDA_CHECK(d, "softmax_xent kernel launch",
+                   tdm_cuda_launch_softmax_xent(&c->exec, logits, labels, rows, cols, scale,
+                                                loss_row, dlogits, c->bad_row));
+    TDM_CUDA_CHECK(d, "cudaMemcpyAsync (label check)",
+                   cudaMemcpyAsync(&bad, c->bad_row, sizeof bad, cudaMemcpyDeviceToHost,
+                                   c->stream));
+    TDM_CUDA_CHECK(d, "cudaStreamSynchronize after softmax_xent",
+                   cudaStreamSynchronize(c->stream));
+    if (bad != TDM_CUDA_NO_BAD_ROW) {
+        int32_t label = 0;
+        TDM_CUDA_CHECK(d, "cudaMemcpy (bad label)",
+                       cudaMemcpy(&label, labels + bad, sizeof label, cudaMemcpyDeviceToHost));
+        return tdm_error_set(TDM_STATUS_INVALID_ARG,
+                             "%s: label %d of sample %d is outside [0, %d)", d->name, label, bad,
+                             cols);
+    }
+    return TDM_STATUS_OK;
+}
+
+static tdm_status cuda_axpy(tdm_device *d, int64_t n_elem, float alpha, const float *x, float *y)
+{
+    TDM_CUDA_RUN(d, "axpy", tdm_cuda_launch_axpy(s_, n_elem, alpha, x, y));
+}
+
+static tdm_status cuda_scale(tdm_device *d, int64_t n_elem, float alpha, float *x)
+{
+    TDM_CUDA_RUN(d, "scale", tdm_cuda_launch_scale(s_, n_elem, alpha, x));
+}
+
+static tdm_k_geom tdm_cuda_geom(const tdm_conv_geom *g)
+{
+    return (tdm_k_geom){.n = g->n, .c = g->c, .h = g->h, .w = g->w, .kh = g->kh, .kw = g->kw,
+                        .stride = g->stride, .pad = g->pad, .oh = g->oh, .ow = g->ow};
+}
+
+static tdm_status cuda_im2col(tdm_device *d, const tdm_conv_geom *g, const float *x, float *col)
+{
+    TDM_CUDA_RUN(d, "im2col", tdm_cuda_launch_im2col(s_, tdm_cuda_geom(g), x, col));
+}
+
+static tdm_status cuda_col2im(tdm_device *d, const tdm_conv_geom *g, const float *col, float *dx)
+{
+    TDM_CUDA_RUN(d, "col2im", tdm_cuda_launch_col2im(s_, tdm_cuda_geom(g), col, dx));
+}
+
+static tdm_status cuda_maxpool_fwd(tdm_device *d, const tdm_conv_geom *g, const float *x,
+                                   float *y, int32_t *argmax)
+{
+    TDM_CUDA_RUN(d, "maxpool_fwd",
+                 tdm_cuda_launch_maxpool_fwd(s_, tdm_cuda_geom(g), x, y, argmax));
+}
+
+static tdm_status cuda_maxpool_bwd(tdm_device *d, const tdm_conv_geom *g, const float *dy,
+                                   const int32_t *argmax, float *dx)
+{
+    TDM_CUDA_RUN(d, "maxpool_bwd",
+                 tdm_cuda_launch_maxpool_bwd(s_, tdm_cuda_geom(g), dy, argmax, dx));
+}
+
+static tdm_status cuda_bn_stats(tdm_device *d, const float *x, int channels, int64_t len,
+                                float *mean, float *var)
+{
+    TDM_CUDA_RUN(d, "bn_stats", tdm_cuda_launch_bn_stats(s_, x, channels, len, mean, var));
+}
+
+static tdm_status cuda_bn_prep(tdm_device *d, int channels, float *mean, const float *var,
+                               float *invstd, float *run_mean, float *run_var, float eps,
+                               float momentum, int64_t len, int train)
+{
+    TDM_CUDA_RUN(d, "bn_prep",
+                 tdm_cuda_launch_bn_prep(s_, channels, mean, var, invstd, run_mean, run_var, eps,
+                                         momentum, len, train));
+}
+
+static tdm_status cuda_bn_fwd(tdm_device *d, const float *x, int channels, int64_t len,
+                              const float *mean, const float *invstd, const float *gamma,
+                              const float *beta, float *y)
+{
+    TDM_CUDA_RUN(d, "bn_fwd",
+                 tdm_cuda_launch_bn_fwd(s_, x, channels, len, mean, invstd, gamma, beta, y));
+}
+
+static tdm_status cuda_bn_bwd(tdm_device *d, const float *x, const float *dy, int channels,
+                              int64_t len, const float *mean, const float *invstd,
+                              const float *gamma, float *dx, float *dgamma, float *dbeta,
+                              int train)
+{
+    TDM_CUDA_RUN(d, "bn_bwd",
+                 tdm_cuda_launch_bn_bwd(s_, x, dy, channels, len, mean, invstd, gamma, dx,
+                                        dgamma, dbeta, train));
+}
+
+static tdm_status cuda_cnhw_to_nchw(tdm_device *d, const float *x, float *y, int c, int n,
+                                    int64_t f)
+{
+    TDM_CUDA_RUN(d, "cnhw_to_nchw", tdm_cuda_launch_cnhw_to_nchw(s_, x, y, c, n, f));
+}
+
+static tdm_status cuda_nchw_to_cnhw(tdm_device *d, const float *x, float *y, int c, int n,
+                                    int64_t f)
+{
+    TDM_CUDA_RUN(d, "nchw_to_cnhw", tdm_cuda_launch_nchw_to_cnhw(s_, x, y, c, n, f));
+}
+
+static tdm_status cuda_sgd_step(tdm_device *d, int64_t n_elem, float *param, const float *grad,
+                                float *mom, float lr, float momentum, float dampening,
+                                float weight_decay, int nesterov, int first_step)
+{
+    TDM_CUDA_RUN(d, "sgd_step",
+                 tdm_cuda_launch_sgd(s_, n_elem, param, grad, mom, lr, momentum, dampening,
+                                     weight_decay, nesterov, first_step));
+}
+
+static tdm_status cuda_adamw_step(tdm_device *d, int64_t n_elem, float *param, const float *grad,
+                                  float *m, float *v, float lr, float beta1, float beta2,
+                                  float eps, float weight_decay, float bc1, float bc2)
+{
+    TDM_CUDA_RUN(d, "adamw_step",
+                 tdm_cuda_launch_adamw(s_, n_elem, param, grad, m, v, lr, beta1, beta2, eps,
+                                       weight_decay, bc1, bc2));
+}
+
+static const tdm_device_ops tdm_cuda_ops = {
+    .alloc = cuda_alloc,
+    .free = cuda_free,
+    .copy = cuda_copy,
+    .copy_to_host = cuda_copy_to_host,
+    .copy_from_host = cuda_copy_from_host,
+    .memset_zero = cuda_memset_zero,
+    .sync = cuda_sync,
+    .close = cuda_close,
+    .gemm = cuda_gemm,
+    .bias_act = cuda_bias_act,
+    .relu_bwd = cuda_relu_bwd,
+    .softmax_xent = cuda_softmax_xent,
+    .axpy = cuda_axpy,
+    .scale = cuda_scale,
+    .im2col = cuda_im2col,
+    .col2im = cuda_col2im,
+    .maxpool_fwd = cuda_maxpool_fwd,
+    .maxpool_bwd = cuda_maxpool_bwd,
+    .bn_stats = cuda_bn_stats,
+    .bn_prep = cuda_bn_prep,
+    .bn_fwd = cuda_bn_fwd,
+    .bn_bwd = cuda_bn_bwd,
+    .cnhw_to_nchw = cuda_cnhw_to_nchw,
+    .nchw_to_cnhw = cuda_nchw_to_cnhw,
+    .sgd_step = cuda_sgd_step,
+    .adamw_step = cuda_adamw_step,
+};
+
+/* --- count, open, registration --------------------------------------------- */
+
+tdm_status tdm_cuda_device_count(int *n)
+{
+    *n = 0;
+    int count = 0;
+    cudaError_t e = cudaGetDeviceCount(&count);
+    if (e != cudaSuccess)
+        return tdm_error_set(TDM_STATUS_NO_DEVICE,
+                             "no CUDA device: %s (%s from cudaGetDeviceCount); use --device cpu:N",
+                             cudaGetErrorString(e), cudaGetErrorName(e));
+    *n = count;
+    return TDM_STATUS_OK;
+}
+
+tdm_status tdm_cuda_device_check(int index)
+{
+    int n = 0;
+    TDM_CHECK(tdm_cuda_device_count(&n));
+    if (n == 0)
+        return tdm_error_set(TDM_STATUS_NO_DEVICE,
+                             "no CUDA device: cudaGetDeviceCount found none; use --device cpu:N");
+    if (index < 0 || index >= n)
+        return tdm_error_set(TDM_STATUS_NO_DEVICE,
+                             "no CUDA device: cuda:%d does not exist (%d visible: cuda:0..%d); "
+                             "use --device cuda:0..%d or cpu:N", index, n, n - 1, n - 1);
+    return TDM_STATUS_OK;
+}
+
+static tdm_status tdm_cuda_open(tdm_device **out, int index)
+{
+    tdm_status st = TDM_STATUS_OK;
+    tdm_device *d = NULL;
+    tdm_cuda_dev *c = NULL;
+    *out = NULL;
+    TDM_CHECK(tdm_cuda_device_check(index));
+    d = calloc(1, sizeof *d);
+    c = calloc(1, sizeof *c);
+    if (!d || !c) {
+        st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "cannot allocate a CUDA device");
+        goto fail;
+    }
+    d->ops = &tdm_cuda_ops;
+    d->kind = TDM_DEVICE_CUDA;
+    d->index = index;
+    d->threads = 1;
+    d->impl = c;
+    snprintf(d->name, sizeof d->name, "cuda:%d", index);
+    c->exec.host = 0;
+
+    cudaError_t e = cudaSetDevice(index);
+    if (e != cudaSuccess) { st = tdm_cuda_fail(d->name, "cudaSetDevice", e); goto fail; }
+    /* Non-blocking: no implicit synchronisation with the legacy default
+     * stream, which other libraries in the process may use. */
+    e = cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking);
+    if (e != cudaSuccess) {
+        c->stream = NULL;
+        st = tdm_cuda_fail(d->name, "cudaStreamCreateWithFlags", e);
+        goto fail;
+    }
+    e = cudaMalloc((void **)&c->bad_row, sizeof(int));
+    if (e != cudaSuccess) {
+        c->bad_row = NULL;
+        st = tdm_cuda_fail(d->name, "cudaMalloc (4 bytes)", e);
+        goto fail;
+    }
+    cublasStatus_t bs = cublasCreate(&c->blas);
+    if (bs != CUBLAS_STATUS_SUCCESS) {
+        c->blas = NULL;
+        st = tdm_cublas_fail(d, "cublasCreate", bs);
+        goto fail;
+    }
+    c->exec.stream = c->stream;
+    bs = cublasSetStream(c->blas, c->stream);
+    if (bs != CUBLAS_STATUS_SUCCESS) { st = tdm_cublas_fail(d, "cublasSetStream", bs); goto fail; }
+    /* FP32 gemm in full FP32 (the host backend's precision) unless the
+     * user opts into TF32 tensor cores. */
+    const char *tf32 = getenv("TANDEM_CUDA_TF32");
+    cublasMath_t math = tf32 && tf32[0] == '1' ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH;
+    bs = cublasSetMathMode(c->blas, math);
+    if (bs != CUBLAS_STATUS_SUCCESS) { st = tdm_cublas_fail(d, "cublasSetMathMode", bs); goto fail; }
+    tdm_cuda_open_add(index, c->stream);
+    TDM_INFO(CUDA, "opened %s (%s math)", d->name, math == CUBLAS_DEFAULT_MATH ? "fp32" : "tf32");
+    *out = d;
+    return TDM_STATUS_OK;
+fail:
+    if (d && c) {
+        cuda_close(d); /* releases what was created; c is freed there */
+        c = NULL;
+    }
+    free(c);
+    free(d);
+    return st;
+}
+
+static tdm_status tdm_cuda_hook_count(int *n) { return tdm_cuda_device_count(n); }
+
+static const tdm_device_cuda_hooks tdm_cuda_hooks = {
+    .open = tdm_cuda_open,
+    .count = tdm_cuda_hook_count,
+};
+
+/* Runs at load time: stores a pointer and nothing else (no CUDA call), so
+ * a binary with the backend linked in starts on machines without a GPU or
+ * driver; CUDA is first touched when a CUDA device is counted or opened. */
+__attribute__((constructor)) static void tdm_cuda_register(void)
+{
+    tdm_device_cuda = &tdm_cuda_hooks;
+}
+
+/* --- the emulator: CUDA kernels on the host ---------------------------------- */
+
+/* Host memory, and the compute entries above with exec.host set: every
+ * kernel's functor (index decomposition included) runs as a loop on the
+ * calling thread; gemm is the host backend's (its argument mapping is the
+ * same list). Lets host tests run the GPU equivalence suite without a GPU. */
+static tdm_status emu_alloc(tdm_device *d, size_t nbytes, void **out)
+{
+    size_t sz = (nbytes + 63) & ~(size_t)63;
+    *out = aligned_alloc(64, sz ? sz : 64);
+    if (!*out)
+        return tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "%s: cannot allocate %zu bytes", d->name,
+                             nbytes);
+    return TDM_STATUS_OK;
+}
+
+static void emu_free(tdm_device *d, void *p)
+{
+    (void)d;
+    free(p);
+}
+
+static tdm_status emu_copy(tdm_device *d, void *dst, const void *src, size_t nbytes)
+{
+    (void)d;
+    if (nbytes && dst != src) memmove(dst, src, nbytes);
+    return TDM_STATUS_OK;
+}
+
+static tdm_status emu_memset_zero(tdm_device *d, void *p, size_t nbytes)
+{
+    (void)d;
+    if (nbytes) memset(p, 0, nbytes);
+    return TDM_STATUS_OK;
+}
+
+static tdm_status emu_sync(tdm_device *d)
+{
+    (void)d;
+    return TDM_STATUS_OK;
+}
+
+static void emu_close(tdm_device *d)
+{
+    tdm_cuda_dev *c = tdm_cuda_impl(d);
+    if (!c) return;
+    tdm_device_free(c->host);
+    free(c);
+    d->impl = NULL;
+}
+
+static const tdm_device_ops tdm_cuda_emu_ops = {
+    .alloc = emu_alloc,
+    .free = emu_free,
+    .copy = emu_copy,
+    .copy_to_host = emu_copy,
+    .copy_from_host = emu_copy,
+    .memset_zero = emu_memset_zero,
+    .sync = emu_sync,
+    .close = emu_close,
+    .gemm = cuda_gemm,
+    .bias_act = cuda_bias_act,
+    .relu_bwd = cuda_relu_bwd,
+    .softmax_xent = cuda_softmax_xent,
+    .axpy = cuda_axpy,
+    .scale = cuda_scale,
+    .im2col = cuda_im2col,
+    .col2im = cuda_col2im,
+    .maxpool_fwd = cuda_maxpool_fwd,
+    .maxpool_bwd = cuda_maxpool_bwd,
+    .bn_stats = cuda_bn_stats,
+    .bn_prep = cuda_bn_prep,
+    .bn_fwd = cuda_bn_fwd,
+    .bn_bwd = cuda_bn_bwd,
+    .cnhw_to_nchw = cuda_cnhw_to_nchw,
+    .nchw_to_cnhw = cuda_nchw_to_cnhw,
+    .sgd_step = cuda_sgd_step,
+    .adamw_step = cuda_adamw_step,
+};
+
+tdm_status tdm_cuda_emulator_open(tdm_device **out)
+{
+    tdm_status st = TDM_STATUS_OK;
+    *out = NULL;
+    tdm_device *d = calloc(1, sizeof *d);
+    tdm_cuda_dev *c = calloc(1, sizeof *c);
+    if (!d || !c) {
+        st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "cannot allocate the CUDA emulator");
+        goto fail;
+    }
+    TDM_TRY(tdm_device_open(&c->host, "cpu", 0, 1));
+    c->exec.host = 1;
+    d->ops = &tdm_cuda_emu_ops;
+    d->kind = TDM_DEVICE_HOST; /* its memory is host memory */
+    d->index = 0;
+    d->threads = 1;
+    d->impl = c;
+    snprintf(d->name, sizeof d->name, "cuda-emu");
+    *out = d;
+    return TDM_STATUS_OK;
+fail:
+    free(c);
+    free(d);
+    return st;
+}
+
+/* --- description ----------------------------------------------------------- */
+
+typedef struct tdm_cuda_buf {
+    char *p;
+    size_t len, used;
+} tdm_cuda_buf;
+
+__attribute__((format(printf, 2, 3))) static void tdm_cuda_put(tdm_cuda_buf *b, const char *fmt,
+                                                               ...)
+{
+    if (!b->len || b->used >= b->len - 1) return;
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(b->p + b->used, b->len - b->used, fmt, ap);
+    va_end(ap);
+    if (n > 0) b->used += (size_t)n < b->len - b->used ? (size_t)n : b->len - b->used - 1;
+}
+
+static void tdm_cuda_put_version(tdm_cuda_buf *b, const char *label, int v)
+{
+    /* CUDA encodes 1000*major + 10*minor. */
+    if (v > 0) tdm_cuda_put(b, "  %-15s%d.%d\n", label, v / 1000, (v % 1000) / 10);
+    else tdm_cuda_put(b, "  %-15snone\n", label);
+}
+
+tdm_status tdm_cuda_describe(char *buf, size_t len)
+{
+    tdm_cuda_buf b = {.p = buf, .len = len, .used = 0};
+    if (len) buf[0] = '\0';
+    int rt = 0, drv = 0, nccl = 0, maj = 0, min = 0, patch = 0;
+    if (cudaRuntimeGetVersion(&rt) != cudaSuccess) rt = 0;
+    if (cudaDriverGetVersion(&drv) != cudaSuccess) drv = 0;
+    tdm_cuda_put_version(&b, "CUDA runtime", rt);
+    tdm_cuda_put_version(&b, "CUDA driver", drv);
+    if (ncclGetVersion(&nccl) == ncclSuccess)
+        /* NCCL >= 2.9 encodes 10000*major + 100*minor + patch. */
+        tdm_cuda_put(&b, "  %-15s%d.%d.%d\n", "NCCL", nccl / 10000, (nccl % 10000) / 100,
+                     nccl % 100);
+    if (cublasGetProperty(MAJOR_VERSION, &maj) == CUBLAS_STATUS_SUCCESS &&
+        cublasGetProperty(MINOR_VERSION, &min) == CUBLAS_STATUS_SUCCESS &&
+        cublasGetProperty(PATCH_LEVEL, &patch) == CUBLAS_STATUS_SUCCESS)
+        tdm_cuda_put(&b, "  %-15s%d.%d.%d\n", "cuBLAS", maj, min, patch);
+
+    int n = 0;
+    tdm_status st = tdm_cuda_device_count(&n);
+    if (st != TDM_STATUS_OK) {
+        tdm_cuda_put(&b, "  %-15s%s\n", "cuda", tdm_error_message());
+        return st;
+    }
+    if (n == 0) {
+        tdm_cuda_put(&b, "  %-15snone visible\n", "cuda");
+        return TDM_STATUS_OK;
+    }
+    for (int i = 0; i < n; i++) {
+        struct cudaDeviceProp p;
+        char name[16];
+        snprintf(name, sizeof name, "cuda:%d", i);
+        cudaError_t e = cudaGetDeviceProperties(&p, i);
+        if (e != cudaSuccess) {
+            tdm_cuda_put(&b, "  %-15scudaGetDeviceProperties: %s (%s)\n", name,
+                         cudaGetErrorString(e), cudaGetErrorName(e));
+            continue;
+        }
+        tdm_cuda_put(&b, "  %-15s%s, %.1f GiB, compute capability %d.%d, %d SMs, "
+                     "PCI %04x:%02x:%02x.0\n", name, p.name,
+                     (double)p.totalGlobalMem / (1024.0 * 1024.0 * 1024.0), p.major, p.minor,
+                     p.multiProcessorCount, p.pciDomainID, p.pciBusID, p.pciDeviceID);
+    }
+    if (n > 1) {
+        /* Row i, column j: can cuda:i read and write cuda:j's memory
+         * directly (NVLink or PCIe P2P)? */
+        tdm_cuda_put(&b, "  %-15s", "peer access");
+        for (int j = 0; j < n; j++) tdm_cuda_put(&b, " %3d", j);
+        tdm_cuda_put(&b, "\n");
+        for (int i = 0; i < n; i++) {
+            char row[24];
+            snprintf(row, sizeof row, "from cuda:%d", i);
+            tdm_cuda_put(&b, "  %-15s", row);
+            for (int j = 0; j < n; j++) {
+                int can = 0;
+                if (i != j && cudaDeviceCanAccessPeer(&can, i, j) != cudaSuccess) can = -1;
+                tdm_cuda_put(&b, " %3s", i == j ? "-" : can > 0 ? "yes" : can == 0 ? "no" : "?");
+            }
+            tdm_cuda_put(&b, "\n");
+        }
+    }
+    return TDM_STATUS_OK;
+}

@@ -1,0 +1,384 @@
+/* cuda/kernels_cuda.cu: the CUDA side of the device interface's
+ * elementwise and row-wise kernels.
+ *
+ * Each kernel is a small functor whose operator()(i) takes one flat index,
+ * splits it into the coordinates that core/kernels.h's per-element or
+ * per-row function takes (in the same nesting order as the host loops of
+ * core/device_host.c) and calls that function *unchanged* (TDM_HD is
+ * __host__ __device__ under nvcc). One grid-stride kernel template runs
+ * any functor on the GPU. The same functor can also run as a plain loop
+ * on the host (tdm_cuda_exec.host): that is how the host tests check the
+ * index arithmetic of every kernel without a GPU (cuda/device_cuda.c's
+ * emulator device).
+ *
+ * This file is only kernels and their launchers (C linkage, declared in
+ * cuda/cuda_impl.h); memory, streams, cuBLAS and error messages live in
+ * cuda/device_cuda.c. Per-row and per-channel functions (softmax
+ * cross-entropy, batchnorm statistics and backward) run one thread per
+ * row: correct and shared with the host, not the fastest possible. */
+#include "cuda/cuda_impl.h"
+
+namespace {
+
+constexpr int kThreads = 256;
+/* Per-row kernels: few rows, long loops; small blocks spread them over SMs. */
+constexpr int kRowThreads = 64;
+constexpr int64_t kMaxBlocks = 65536;
+
+template <class F>
+__global__ void k_grid(int64_t n, F f)
+{
+    int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) f(i);
+}
+
+/* n work items: on the host a loop; on the GPU enough blocks to cover n
+ * once (capped; the loop strides over the rest), then the launch's own
+ * error (bad configuration, no kernel image for this GPU). */
+template <class F>
+cudaError_t run(const tdm_cuda_exec *x, int64_t n, int threads, F f)
+{
+    if (n <= 0) return cudaSuccess;
+    if (x->host) {
+        for (int64_t i = 0; i < n; i++) f(i);
+        return cudaSuccess;
+    }
+    int64_t b = (n + threads - 1) / threads;
+    if (b > kMaxBlocks) b = kMaxBlocks;
+    k_grid<<<(unsigned)b, threads, 0, x->stream>>>(n, f);
+    return cudaGetLastError();
+}
+
+struct BiasAct {
+    float *y;
+    const float *bias;
+    int cols, relu;
+    __host__ __device__ void operator()(int64_t i) const
+    {
+        tdm_k_bias_act(i, (int)(i % cols), y, bias, relu);
+    }
+};
+
+struct ReluBwd {
+    float *dy;
+    const float *y;
+    __host__ __device__ void operator()(int64_t i) const { tdm_k_relu_bwd(i, dy, y); }
+};
+
+struct SoftmaxXent {
+    const float *logits;
+    const int32_t *labels;
+    int cols;
+    float scale;
+    float *loss_row, *dlogits;
+    int *bad_row;
+    __host__ __device__ void operator()(int64_t r) const
+    {
+        int y = labels[r];
+        if (y < 0 || y >= cols) {
+#ifdef __CUDA_ARCH__
+            atomicMin(bad_row, (int)r);
+#else
+            if ((int)r < *bad_row) *bad_row = (int)r;
+#endif
+            return;
+        }
+        tdm_k_softmax_xent_row((int)r, logits, labels, cols, scale, loss_row, dlogits);
+    }
+};
+
+struct Axpy {
+    float alpha;
+    const float *x;
+    float *y;
+    __host__ __device__ void operator()(int64_t i) const { tdm_k_axpy(i, alpha, x, y); }
+};
+
+struct Scale {
+    float alpha;
+    float *x;
+    __host__ __device__ void operator()(int64_t i) const { tdm_k_scale(i, alpha, x); }
+};
+
+/* col (C*KH*KW, N*OH*OW): host nesting ci, ki, kj, n, oy, ox. */
+struct Im2col {
+    tdm_k_geom g;
+    const float *x;
+    float *col;
+    __host__ __device__ void operator()(int64_t i) const
+    {
+        int64_t t = i;
+        int ox = (int)(t % g.ow); t /= g.ow;
+        int oy = (int)(t % g.oh); t /= g.oh;
+        int n = (int)(t % g.n); t /= g.n;
+        int kj = (int)(t % g.kw); t /= g.kw;
+        int ki = (int)(t % g.kh); t /= g.kh;
+        tdm_k_im2col(i, (int)t, ki, kj, n, oy, ox, g, x, col);
+    }
+};
+
+/* dx (C, N, H, W): host nesting ci, n, iy, ix. */
+struct Col2im {
+    tdm_k_geom g;
+    const float *col;
+    float *dx;
+    __host__ __device__ void operator()(int64_t i) const
+    {
+        int64_t t = i;
+        int ix = (int)(t % g.w); t /= g.w;
+        int iy = (int)(t % g.h); t /= g.h;
+        int n = (int)(t % g.n); t /= g.n;
+        tdm_k_col2im(i, (int)t, n, iy, ix, g, col, dx);
+    }
+};
+
+/* y (C*N planes, OH, OW): host nesting plane, oy, ox. */
+struct MaxpoolFwd {
+    tdm_k_geom g;
+    const float *x;
+    float *y;
+    int32_t *argmax;
+    __host__ __device__ void operator()(int64_t i) const
+    {
+        int64_t t = i;
+        int ox = (int)(t % g.ow); t /= g.ow;
+        int oy = (int)(t % g.oh); t /= g.oh;
+        tdm_k_maxpool_fwd(i, t, oy, ox, g, x, y, argmax);
+    }
+};
+
+/* dx (C*N planes, H, W): host nesting plane, iy, ix. */
+struct MaxpoolBwd {
+    tdm_k_geom g;
+    const float *dy;
+    const int32_t *argmax;
+    float *dx;
+    __host__ __device__ void operator()(int64_t i) const
+    {
+        int64_t t = i;
+        int ix = (int)(t % g.w); t /= g.w;
+        int iy = (int)(t % g.h); t /= g.h;
+        tdm_k_maxpool_bwd(i, t, iy, ix, g, dy, argmax, dx);
+    }
+};
+
+struct BnStats {
+    const float *x;
+    int64_t len;
+    float *mean, *var;
+    __host__ __device__ void operator()(int64_t ch) const
+    {
+        tdm_k_bn_stats_ch((int)ch, x, len, mean, var);
+    }
+};
+
+struct BnPrep {
+    float *mean;
+    const float *var;
+    float *invstd, *run_mean, *run_var;
+    float eps, momentum;
+    int64_t len;
+    int train;
+    __host__ __device__ void operator()(int64_t ch) const
+    {
+        tdm_k_bn_prep_ch((int)ch, mean, var, invstd, run_mean, run_var, eps, momentum, len,
+                         train);
+    }
+};
+
+/* y (channels, len): host nesting ch, j. */
+struct BnFwd {
+    const float *x;
+    int64_t len;
+    const float *mean, *invstd, *gamma, *beta;
+    float *y;
+    __host__ __device__ void operator()(int64_t i) const
+    {
+        tdm_k_bn_fwd(i, (int)(i / len), x, mean, invstd, gamma, beta, y);
+    }
+};
+
+struct BnBwd {
+    const float *x, *dy;
+    int64_t len;
+    const float *mean, *invstd, *gamma;
+    float *dx, *dgamma, *dbeta;
+    int train;
+    __host__ __device__ void operator()(int64_t ch) const
+    {
+        tdm_k_bn_bwd_ch((int)ch, x, dy, len, mean, invstd, gamma, dx, dgamma, dbeta, train);
+    }
+};
+
+/* Indexed by the output so that writes coalesce: y (N, C, F). */
+struct CnhwToNchw {
+    const float *x;
+    float *y;
+    int c, n;
+    int64_t f;
+    __host__ __device__ void operator()(int64_t i) const
+    {
+        int64_t fi = i % f, t = i / f;
+        tdm_k_cnhw_to_nchw((int)(t / c), (int)(t % c), fi, x, y, c, n, f);
+    }
+};
+
+/* y (C, N, F). */
+struct NchwToCnhw {
+    const float *x;
+    float *y;
+    int c, n;
+    int64_t f;
+    __host__ __device__ void operator()(int64_t i) const
+    {
+        int64_t fi = i % f, t = i / f;
+        tdm_k_nchw_to_cnhw((int)(t % n), (int)(t / n), fi, x, y, c, n, f);
+    }
+};
+
+struct Sgd {
+    float *p;
+    const float *grad;
+    float *mom;
+    float lr, momentum, dampening, wd;
+    int nesterov, first;
+    __host__ __device__ void operator()(int64_t i) const
+    {
+        tdm_k_sgd(i, p, grad, mom, lr, momentum, dampening, wd, nesterov, first);
+    }
+};
+
+struct Adamw {
+    float *p;
+    const float *grad;
+    float *m, *v;
+    float lr, b1, b2, eps, wd, bc1, bc2;
+    __host__ __device__ void operator()(int64_t i) const
+    {
+        tdm_k_adamw(i, p, grad, m, v, lr, b1, b2, eps, wd, bc1, bc2);
+    }
+};
+
+} // namespace
+
+extern "C" {
+
+cudaError_t tdm_cuda_launch_bias_act(const tdm_cuda_exec *x, float *y, const float *bias,
+                                     int64_t rows, int cols, int relu)
+{
+    return run(x, rows * cols, kThreads, BiasAct{y, bias, cols, relu});
+}
+
+cudaError_t tdm_cuda_launch_relu_bwd(const tdm_cuda_exec *x, float *dy, const float *y,
+                                     int64_t n_elem)
+{
+    return run(x, n_elem, kThreads, ReluBwd{dy, y});
+}
+
+cudaError_t tdm_cuda_launch_softmax_xent(const tdm_cuda_exec *x, const float *logits,
+                                         const int32_t *labels, int rows, int cols, float scale,
+                                         float *loss_row, float *dlogits, int *bad_row)
+{
+    return run(x, (int64_t)rows, kRowThreads,
+               SoftmaxXent{logits, labels, cols, scale, loss_row, dlogits, bad_row});
+}
+
+cudaError_t tdm_cuda_launch_axpy(const tdm_cuda_exec *x, int64_t n_elem, float alpha,
+                                 const float *xs, float *y)
+{
+    return run(x, n_elem, kThreads, Axpy{alpha, xs, y});
+}
+
+cudaError_t tdm_cuda_launch_scale(const tdm_cuda_exec *x, int64_t n_elem, float alpha, float *v)
+{
+    return run(x, n_elem, kThreads, Scale{alpha, v});
+}
+
+cudaError_t tdm_cuda_launch_im2col(const tdm_cuda_exec *x, tdm_k_geom g, const float *in,
+                                   float *col)
+{
+    return run(x, (int64_t)g.c * g.kh * g.kw * g.n * g.oh * g.ow, kThreads, Im2col{g, in, col});
+}
+
+cudaError_t tdm_cuda_launch_col2im(const tdm_cuda_exec *x, tdm_k_geom g, const float *col,
+                                   float *dx)
+{
+    return run(x, (int64_t)g.c * g.n * g.h * g.w, kThreads, Col2im{g, col, dx});
+}
+
+cudaError_t tdm_cuda_launch_maxpool_fwd(const tdm_cuda_exec *x, tdm_k_geom g, const float *in,
+                                        float *y, int32_t *argmax)
+{
+    return run(x, (int64_t)g.c * g.n * g.oh * g.ow, kThreads, MaxpoolFwd{g, in, y, argmax});
+}
+
+cudaError_t tdm_cuda_launch_maxpool_bwd(const tdm_cuda_exec *x, tdm_k_geom g, const float *dy,
+                                        const int32_t *argmax, float *dx)
+{
+    return run(x, (int64_t)g.c * g.n * g.h * g.w, kThreads, MaxpoolBwd{g, dy, argmax, dx});
+}
+
+cudaError_t tdm_cuda_launch_bn_stats(const tdm_cuda_exec *x, const float *in, int channels,
+                                     int64_t len, float *mean, float *var)
+{
+    return run(x, (int64_t)channels, kRowThreads, BnStats{in, len, mean, var});
+}
+
+cudaError_t tdm_cuda_launch_bn_prep(const tdm_cuda_exec *x, int channels, float *mean,
+                                    const float *var, float *invstd, float *run_mean,
+                                    float *run_var, float eps, float momentum, int64_t len,
+                                    int train)
+{
+    return run(x, (int64_t)channels, kRowThreads,
+               BnPrep{mean, var, invstd, run_mean, run_var, eps, momentum, len, train});
+}
+
+cudaError_t tdm_cuda_launch_bn_fwd(const tdm_cuda_exec *x, const float *in, int channels,
+                                   int64_t len, const float *mean, const float *invstd,
+                                   const float *gamma, const float *beta, float *y)
+{
+    return run(x, (int64_t)channels * len, kThreads,
+               BnFwd{in, len, mean, invstd, gamma, beta, y});
+}
+
+cudaError_t tdm_cuda_launch_bn_bwd(const tdm_cuda_exec *x, const float *in, const float *dy,
+                                   int channels, int64_t len, const float *mean,
+                                   const float *invstd, const float *gamma, float *dx,
+                                   float *dgamma, float *dbeta, int train)
+{
+    return run(x, (int64_t)channels, kRowThreads,
+               BnBwd{in, dy, len, mean, invstd, gamma, dx, dgamma, dbeta, train});
+}
+
+cudaError_t tdm_cuda_launch_cnhw_to_nchw(const tdm_cuda_exec *x, const float *in, float *y,
+                                         int c, int n, int64_t f)
+{
+    return run(x, (int64_t)c * n * f, kThreads, CnhwToNchw{in, y, c, n, f});
+}
+
+cudaError_t tdm_cuda_launch_nchw_to_cnhw(const tdm_cuda_exec *x, const float *in, float *y,
+                                         int c, int n, int64_t f)
+{
+    return run(x, (int64_t)c * n * f, kThreads, NchwToCnhw{in, y, c, n, f});
+}
+
+cudaError_t tdm_cuda_launch_sgd(const tdm_cuda_exec *x, int64_t n_elem, float *param,
+                                const float *grad, float *mom, float lr, float momentum,
+                                float dampening, float weight_decay, int nesterov,
+                                int first_step)
+{
+    return run(x, n_elem, kThreads,
+               Sgd{param, grad, mom, lr, momentum, dampening, weight_decay, nesterov,
+                   first_step});
+}
+
+cudaError_t tdm_cuda_launch_adamw(const tdm_cuda_exec *x, int64_t n_elem, float *param,
+                                  const float *grad, float *m, float *v, float lr, float beta1,
+                                  float beta2, float eps, float weight_decay, float bc1,
+                                  float bc2)
+{
+    return run(x, n_elem, kThreads,
+               Adamw{param, grad, m, v, lr, beta1, beta2, eps, weight_decay, bc1, bc2});
+}
+
+} // extern "C"
