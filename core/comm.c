@@ -1,0 +1,482 @@
+/* core/comm.c: the communicator dispatcher: names of dtypes, ops and
+ * collectives, argument checks, and the per-communicator progress thread
+ * that runs asynchronous calls in issue order.
+ * It knows nothing of shared memory or NCCL: backends plug in through
+ * tdm_comm_ops (core/comm.h). */
+#include "core/comm.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <time.h>
+
+#include "core/log.h"
+
+struct tdm_comm_work {
+    tdm_comm_call call;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int done;                 /* under mu */
+    tdm_status status;        /* valid once done */
+    char msg[1024];
+    atomic_int refs;          /* the caller's handle + the queue's */
+    tdm_comm_work *next;      /* queue link, under comm->mu */
+};
+
+struct tdm_comm {
+    const tdm_comm_ops *ops;  /* borrowed: static in the backend */
+    void *impl;
+    int rank, size;
+    /* Progress thread. `pending` counts submitted works not yet completed;
+     * it is written under mu but read without it by the submitting thread
+     * (the only thread that makes it grow), so the fast synchronous path
+     * takes no lock when nothing is queued. Release on completion pairs
+     * with the acquire load in tdm_comm_run. */
+    pthread_mutex_t mu;
+    pthread_cond_t cv;        /* queue became non-empty, or stop */
+    tdm_comm_work *head, *tail;
+    atomic_int pending;
+    int thread_started, stop;
+    pthread_t thread;
+};
+
+static const char *const tdm_dtype_names[TDM_DTYPE_COUNT_] = {
+    [TDM_DTYPE_FLOAT32] = "float32", [TDM_DTYPE_FLOAT64] = "float64",
+    [TDM_DTYPE_INT32] = "int32", [TDM_DTYPE_INT64] = "int64",
+};
+static const size_t tdm_dtype_sizes[TDM_DTYPE_COUNT_] = {
+    [TDM_DTYPE_FLOAT32] = 4, [TDM_DTYPE_FLOAT64] = 8,
+    [TDM_DTYPE_INT32] = 4, [TDM_DTYPE_INT64] = 8,
+};
+static const char *const tdm_redop_names[TDM_REDOP_COUNT_] = {
+    [TDM_REDOP_SUM] = "sum", [TDM_REDOP_PROD] = "prod", [TDM_REDOP_MIN] = "min",
+    [TDM_REDOP_MAX] = "max", [TDM_REDOP_AVG] = "avg",
+};
+static const char *const tdm_coll_names[TDM_COLL_COUNT_] = {
+    [TDM_COLL_BROADCAST] = "broadcast", [TDM_COLL_REDUCE] = "reduce",
+    [TDM_COLL_ALL_REDUCE] = "all_reduce", [TDM_COLL_REDUCE_SCATTER] = "reduce_scatter",
+    [TDM_COLL_ALL_GATHER] = "all_gather", [TDM_COLL_GATHER] = "gather",
+    [TDM_COLL_SCATTER] = "scatter", [TDM_COLL_BARRIER] = "barrier",
+    [TDM_COLL_SEND] = "send", [TDM_COLL_RECV] = "recv",
+};
+
+size_t tdm_dtype_size(tdm_dtype dt)
+{
+    return (unsigned)dt < TDM_DTYPE_COUNT_ ? tdm_dtype_sizes[dt] : 0;
+}
+const char *tdm_dtype_name(tdm_dtype dt)
+{
+    return (unsigned)dt < TDM_DTYPE_COUNT_ ? tdm_dtype_names[dt] : "?";
+}
+const char *tdm_redop_name(tdm_redop op)
+{
+    return (unsigned)op < TDM_REDOP_COUNT_ ? tdm_redop_names[op] : "?";
+}
+const char *tdm_coll_name(tdm_coll c)
+{
+    return (unsigned)c < TDM_COLL_COUNT_ ? tdm_coll_names[c] : "?";
+}
+
+tdm_status tdm_dtype_parse(const char *s, tdm_dtype *out)
+{
+    if (s && !strcasecmp(s, "float")) s = "float32";
+    if (s && !strcasecmp(s, "double")) s = "float64";
+    for (int i = 0; s && i < TDM_DTYPE_COUNT_; i++)
+        if (!strcasecmp(s, tdm_dtype_names[i])) { *out = (tdm_dtype)i; return TDM_STATUS_OK; }
+    return tdm_error_set(TDM_STATUS_INVALID_ARG,
+                         "unknown dtype '%s' (expected float|float32|double|float64|int32|int64)",
+                         s ? s : "(null)");
+}
+tdm_status tdm_redop_parse(const char *s, tdm_redop *out)
+{
+    for (int i = 0; s && i < TDM_REDOP_COUNT_; i++)
+        if (!strcasecmp(s, tdm_redop_names[i])) { *out = (tdm_redop)i; return TDM_STATUS_OK; }
+    return tdm_error_set(TDM_STATUS_INVALID_ARG,
+                         "unknown reduction op '%s' (expected sum|prod|min|max|avg)",
+                         s ? s : "(null)");
+}
+tdm_status tdm_coll_parse(const char *s, tdm_coll *out)
+{
+    for (int i = 0; s && i < TDM_COLL_COUNT_; i++)
+        if (!strcasecmp(s, tdm_coll_names[i])) { *out = (tdm_coll)i; return TDM_STATUS_OK; }
+    return tdm_error_set(TDM_STATUS_INVALID_ARG,
+                         "unknown collective '%s' (expected all_reduce|broadcast|reduce|"
+                         "reduce_scatter|all_gather|gather|scatter|barrier)", s ? s : "(null)");
+}
+
+/* --- lifecycle ---------------------------------------------------------- */
+
+tdm_status tdm_comm_create(tdm_comm **out, const tdm_comm_ops *ops, void *impl,
+                           int rank, int size)
+{
+    tdm_status st = TDM_STATUS_OK;
+    tdm_comm *c = NULL;
+    if (!out || !ops || !ops->run || !ops->abort || !ops->destroy) {
+        st = tdm_error_set(TDM_STATUS_INVALID_ARG,
+                           "tdm_comm_create: out, ops, ops->run/abort/destroy are required");
+        goto fail;
+    }
+    if (size < 1 || rank < 0 || rank >= size) {
+        st = tdm_error_set(TDM_STATUS_INVALID_ARG, "tdm_comm_create: rank %d of size %d",
+                           rank, size);
+        goto fail;
+    }
+    c = calloc(1, sizeof *c);
+    if (!c) { st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "tdm_comm_create: calloc"); goto fail; }
+    c->ops = ops;
+    c->impl = impl;
+    c->rank = rank;
+    c->size = size;
+    pthread_mutex_init(&c->mu, NULL);
+    pthread_cond_init(&c->cv, NULL);
+    atomic_init(&c->pending, 0);
+    *out = c;
+    return TDM_STATUS_OK;
+fail:
+    if (ops && ops->destroy && impl) ops->destroy(impl);
+    return st;
+}
+
+void *tdm_comm_impl(const tdm_comm *comm) { return comm ? comm->impl : NULL; }
+int tdm_comm_rank(const tdm_comm *comm) { return comm->rank; }
+int tdm_comm_size(const tdm_comm *comm) { return comm->size; }
+const char *tdm_comm_backend_name(const tdm_comm *comm) { return comm->ops->name; }
+
+const char *tdm_comm_last_algo(const tdm_comm *comm)
+{
+    const char *a = comm->ops->last_algo ? comm->ops->last_algo(comm->impl) : NULL;
+    return a ? a : "default";
+}
+
+static void tdm_comm_work_unref(tdm_comm_work *w)
+{
+    /* acq_rel: the last owner must see every write of the other. */
+    if (atomic_fetch_sub_explicit(&w->refs, 1, memory_order_acq_rel) == 1) {
+        pthread_mutex_destroy(&w->mu);
+        pthread_cond_destroy(&w->cv);
+        free(w);
+    }
+}
+
+void tdm_comm_free(tdm_comm *comm)
+{
+    if (!comm) return;
+    if (comm->thread_started) {
+        pthread_mutex_lock(&comm->mu);
+        comm->stop = 1;
+        pthread_cond_signal(&comm->cv);
+        pthread_mutex_unlock(&comm->mu);
+        pthread_join(comm->thread, NULL);
+    }
+    comm->ops->destroy(comm->impl);
+    pthread_mutex_destroy(&comm->mu);
+    pthread_cond_destroy(&comm->cv);
+    free(comm);
+}
+
+/* --- argument checks and dispatch -------------------------------------- */
+
+static int tdm_comm_coll_reduces(tdm_coll c)
+{
+    return c == TDM_COLL_REDUCE || c == TDM_COLL_ALL_REDUCE || c == TDM_COLL_REDUCE_SCATTER;
+}
+
+static int tdm_comm_coll_rooted(tdm_coll c)
+{
+    return c == TDM_COLL_BROADCAST || c == TDM_COLL_REDUCE || c == TDM_COLL_GATHER ||
+           c == TDM_COLL_SCATTER || c == TDM_COLL_SEND || c == TDM_COLL_RECV;
+}
+
+tdm_status tdm_comm_call_check(const tdm_comm *comm, const tdm_comm_call *k)
+{
+    TDM_REQUIRE(comm, TDM_STATUS_INVALID_ARG, "communicator is NULL");
+    TDM_REQUIRE(k && (unsigned)k->coll < TDM_COLL_COUNT_, TDM_STATUS_INVALID_ARG,
+                "invalid collective %d", k ? (int)k->coll : -1);
+    const char *name = tdm_coll_name(k->coll);
+    if (k->coll == TDM_COLL_BARRIER) return TDM_STATUS_OK;
+    TDM_REQUIRE((unsigned)k->dtype < TDM_DTYPE_COUNT_, TDM_STATUS_INVALID_ARG,
+                "%s: invalid dtype %d (expected a tdm_dtype)", name, (int)k->dtype);
+    if (tdm_comm_coll_reduces(k->coll))
+        TDM_REQUIRE((unsigned)k->op < TDM_REDOP_COUNT_, TDM_STATUS_INVALID_ARG,
+                    "%s: invalid reduction op %d (expected a tdm_redop)", name, (int)k->op);
+    int root = k->root;
+    if (tdm_comm_coll_rooted(k->coll)) {
+        const char *what = (k->coll == TDM_COLL_SEND || k->coll == TDM_COLL_RECV) ? "peer" : "root";
+        TDM_REQUIRE(root >= 0 && root < comm->size, TDM_STATUS_INVALID_ARG,
+                    "%s: %s %d out of range (communicator has %d ranks)", name, what, root,
+                    comm->size);
+        if (k->coll == TDM_COLL_SEND || k->coll == TDM_COLL_RECV)
+            TDM_REQUIRE(root != comm->rank, TDM_STATUS_INVALID_ARG,
+                        "%s: peer %d is this rank", name, root);
+    }
+    size_t es = tdm_dtype_size(k->dtype);
+    TDM_REQUIRE(k->count <= SIZE_MAX / es / (size_t)comm->size, TDM_STATUS_INVALID_ARG,
+                "%s: count %zu too large", name, k->count);
+    if (k->count == 0) return TDM_STATUS_OK;
+    int me_root = root == comm->rank;
+    int need_send = 1, need_recv = 1;
+    switch (k->coll) {
+    case TDM_COLL_BROADCAST: need_send = me_root; break;
+    case TDM_COLL_REDUCE: case TDM_COLL_GATHER: need_recv = me_root; break;
+    case TDM_COLL_SCATTER: need_send = me_root; break;
+    case TDM_COLL_SEND: need_recv = 0; break;
+    case TDM_COLL_RECV: need_send = 0; break;
+    default: break;
+    }
+    TDM_REQUIRE(!need_send || k->sendbuf, TDM_STATUS_INVALID_ARG,
+                "%s: sendbuf is NULL with count %zu", name, k->count);
+    TDM_REQUIRE(!need_recv || k->recvbuf, TDM_STATUS_INVALID_ARG,
+                "%s: recvbuf is NULL with count %zu", name, k->count);
+    return TDM_STATUS_OK;
+}
+
+static tdm_status tdm_comm_exec(tdm_comm *comm, const tdm_comm_call *k)
+{
+    tdm_status st = comm->ops->run(comm->impl, k);
+    TDM_TRACE(SHM, "%s %s(%s, count=%zu) -> %s", comm->ops->name, tdm_coll_name(k->coll),
+              tdm_dtype_name(k->dtype), k->count, tdm_status_name(st));
+    return st;
+}
+
+tdm_status tdm_comm_run(tdm_comm *comm, const tdm_comm_call *call)
+{
+    TDM_CHECK(tdm_comm_call_check(comm, call));
+    /* Acquire pairs with the release decrement in tdm_comm_progress: when
+     * no work is pending, the progress thread has finished touching the
+     * backend and this thread may call it directly. */
+    if (atomic_load_explicit(&comm->pending, memory_order_acquire) == 0)
+        return tdm_comm_exec(comm, call);
+    /* Earlier asynchronous calls are queued: go behind them. */
+    tdm_comm_work *w = NULL;
+    TDM_CHECK(tdm_comm_submit(comm, call, &w));
+    tdm_status st = tdm_comm_work_wait(w, -1);
+    tdm_comm_work_free(w);
+    return st;
+}
+
+/* --- progress thread ---------------------------------------------------- */
+
+static void *tdm_comm_progress(void *arg)
+{
+    tdm_comm *comm = arg;
+    pthread_mutex_lock(&comm->mu);
+    for (;;) {
+        while (!comm->head && !comm->stop) pthread_cond_wait(&comm->cv, &comm->mu);
+        if (!comm->head) break;     /* stop requested and queue drained */
+        tdm_comm_work *w = comm->head;
+        comm->head = w->next;
+        if (!comm->head) comm->tail = NULL;
+        pthread_mutex_unlock(&comm->mu);
+
+        tdm_error_clear();
+        tdm_status st = tdm_comm_exec(comm, &w->call);
+        pthread_mutex_lock(&w->mu);
+        w->status = st;
+        snprintf(w->msg, sizeof w->msg, "%s", st ? tdm_error_message() : "");
+        w->done = 1;
+        pthread_cond_broadcast(&w->cv);
+        pthread_mutex_unlock(&w->mu);
+        /* Release pairs with the acquire load in tdm_comm_run. */
+        atomic_fetch_sub_explicit(&comm->pending, 1, memory_order_release);
+        tdm_comm_work_unref(w);
+
+        pthread_mutex_lock(&comm->mu);
+    }
+    pthread_mutex_unlock(&comm->mu);
+    return NULL;
+}
+
+tdm_status tdm_comm_submit(tdm_comm *comm, const tdm_comm_call *call, tdm_comm_work **out)
+{
+    TDM_REQUIRE(out, TDM_STATUS_INVALID_ARG, "%s_async: out is NULL",
+                call ? tdm_coll_name(call->coll) : "?");
+    *out = NULL;
+    TDM_CHECK(tdm_comm_call_check(comm, call));
+    tdm_comm_work *w = calloc(1, sizeof *w);
+    TDM_REQUIRE(w, TDM_STATUS_OUT_OF_MEMORY, "%s_async: calloc", tdm_coll_name(call->coll));
+    w->call = *call;
+    pthread_mutex_init(&w->mu, NULL);
+    pthread_cond_init(&w->cv, NULL);
+    atomic_init(&w->refs, 2);
+
+    pthread_mutex_lock(&comm->mu);
+    if (!comm->thread_started) {
+        int rc = pthread_create(&comm->thread, NULL, tdm_comm_progress, comm);
+        if (rc) {
+            pthread_mutex_unlock(&comm->mu);
+            pthread_mutex_destroy(&w->mu);
+            pthread_cond_destroy(&w->cv);
+            free(w);
+            return tdm_error_set(TDM_STATUS_SYSTEM, "communicator progress thread: "
+                                 "pthread_create: %s", strerror(rc));
+        }
+        comm->thread_started = 1;
+    }
+    atomic_fetch_add_explicit(&comm->pending, 1, memory_order_relaxed);
+    if (comm->tail) comm->tail->next = w; else comm->head = w;
+    comm->tail = w;
+    pthread_cond_signal(&comm->cv);
+    pthread_mutex_unlock(&comm->mu);
+    *out = w;
+    return TDM_STATUS_OK;
+}
+
+tdm_status tdm_comm_work_wait(tdm_comm_work *w, int64_t timeout_ms)
+{
+    TDM_REQUIRE(w, TDM_STATUS_INVALID_ARG, "tdm_comm_work_wait: work is NULL");
+    struct timespec dl;
+    if (timeout_ms >= 0) {
+        clock_gettime(CLOCK_REALTIME, &dl);
+        dl.tv_sec += timeout_ms / 1000;
+        dl.tv_nsec += (timeout_ms % 1000) * 1000000;
+        if (dl.tv_nsec >= 1000000000) { dl.tv_sec++; dl.tv_nsec -= 1000000000; }
+    }
+    pthread_mutex_lock(&w->mu);
+    while (!w->done) {
+        if (timeout_ms < 0) {
+            pthread_cond_wait(&w->cv, &w->mu);
+        } else if (pthread_cond_timedwait(&w->cv, &w->mu, &dl) == ETIMEDOUT && !w->done) {
+            pthread_mutex_unlock(&w->mu);
+            return tdm_error_set(TDM_STATUS_TIMEOUT,
+                                 "%s(%s, count=%zu): still running after %lld ms",
+                                 tdm_coll_name(w->call.coll), tdm_dtype_name(w->call.dtype),
+                                 w->call.count, (long long)timeout_ms);
+        }
+    }
+    tdm_status st = w->status;
+    if (st) tdm_error_copy_from(w->msg);
+    pthread_mutex_unlock(&w->mu);
+    return st;
+}
+
+tdm_status tdm_comm_work_test(tdm_comm_work *w, int *done)
+{
+    TDM_REQUIRE(w && done, TDM_STATUS_INVALID_ARG, "tdm_comm_work_test: NULL argument");
+    pthread_mutex_lock(&w->mu);
+    *done = w->done;
+    pthread_mutex_unlock(&w->mu);
+    return TDM_STATUS_OK;
+}
+
+void tdm_comm_work_free(tdm_comm_work *w)
+{
+    if (w) tdm_comm_work_unref(w);
+}
+
+/* --- entry points ---------------------------------------------------------- */
+
+#define TDM_CALL(c, sb, rb, n, dt, o, r)                                      \
+    (tdm_comm_call){.coll = (c), .sendbuf = (sb), .recvbuf = (rb), .count = (n), \
+                    .dtype = (dt), .op = (o), .root = (r)}
+
+tdm_status tdm_comm_broadcast(tdm_comm *comm, const void *sendbuf, void *recvbuf,
+                              size_t count, tdm_dtype dtype, int root)
+{
+    tdm_comm_call k = TDM_CALL(TDM_COLL_BROADCAST, sendbuf, recvbuf, count, dtype, 0, root);
+    return tdm_comm_run(comm, &k);
+}
+tdm_status tdm_comm_reduce(tdm_comm *comm, const void *sendbuf, void *recvbuf,
+                           size_t count, tdm_dtype dtype, tdm_redop op, int root)
+{
+    tdm_comm_call k = TDM_CALL(TDM_COLL_REDUCE, sendbuf, recvbuf, count, dtype, op, root);
+    return tdm_comm_run(comm, &k);
+}
+tdm_status tdm_comm_all_reduce(tdm_comm *comm, const void *sendbuf, void *recvbuf,
+                               size_t count, tdm_dtype dtype, tdm_redop op)
+{
+    tdm_comm_call k = TDM_CALL(TDM_COLL_ALL_REDUCE, sendbuf, recvbuf, count, dtype, op, -1);
+    return tdm_comm_run(comm, &k);
+}
+tdm_status tdm_comm_reduce_scatter(tdm_comm *comm, const void *sendbuf, void *recvbuf,
+                                   size_t recv_count, tdm_dtype dtype, tdm_redop op)
+{
+    tdm_comm_call k = TDM_CALL(TDM_COLL_REDUCE_SCATTER, sendbuf, recvbuf, recv_count, dtype,
+                               op, -1);
+    return tdm_comm_run(comm, &k);
+}
+tdm_status tdm_comm_all_gather(tdm_comm *comm, const void *sendbuf, void *recvbuf,
+                               size_t send_count, tdm_dtype dtype)
+{
+    tdm_comm_call k = TDM_CALL(TDM_COLL_ALL_GATHER, sendbuf, recvbuf, send_count, dtype, 0, -1);
+    return tdm_comm_run(comm, &k);
+}
+tdm_status tdm_comm_gather(tdm_comm *comm, const void *sendbuf, void *recvbuf,
+                           size_t send_count, tdm_dtype dtype, int root)
+{
+    tdm_comm_call k = TDM_CALL(TDM_COLL_GATHER, sendbuf, recvbuf, send_count, dtype, 0, root);
+    return tdm_comm_run(comm, &k);
+}
+tdm_status tdm_comm_scatter(tdm_comm *comm, const void *sendbuf, void *recvbuf,
+                            size_t recv_count, tdm_dtype dtype, int root)
+{
+    tdm_comm_call k = TDM_CALL(TDM_COLL_SCATTER, sendbuf, recvbuf, recv_count, dtype, 0, root);
+    return tdm_comm_run(comm, &k);
+}
+tdm_status tdm_comm_barrier(tdm_comm *comm)
+{
+    tdm_comm_call k = TDM_CALL(TDM_COLL_BARRIER, NULL, NULL, 0, TDM_DTYPE_FLOAT32, 0, -1);
+    return tdm_comm_run(comm, &k);
+}
+tdm_status tdm_comm_send(tdm_comm *comm, const void *buf, size_t count, tdm_dtype dtype,
+                         int peer)
+{
+    tdm_comm_call k = TDM_CALL(TDM_COLL_SEND, buf, NULL, count, dtype, 0, peer);
+    return tdm_comm_run(comm, &k);
+}
+tdm_status tdm_comm_recv(tdm_comm *comm, void *buf, size_t count, tdm_dtype dtype, int peer)
+{
+    tdm_comm_call k = TDM_CALL(TDM_COLL_RECV, NULL, buf, count, dtype, 0, peer);
+    return tdm_comm_run(comm, &k);
+}
+
+tdm_status tdm_comm_abort(tdm_comm *comm, const char *reason)
+{
+    TDM_REQUIRE(comm, TDM_STATUS_INVALID_ARG, "tdm_comm_abort: communicator is NULL");
+    return comm->ops->abort(comm->impl, reason ? reason : "aborted by the application");
+}
+
+tdm_status tdm_comm_alloc(tdm_comm *comm, size_t nbytes, void **ptr)
+{
+    TDM_REQUIRE(comm && ptr, TDM_STATUS_INVALID_ARG, "tdm_comm_alloc: NULL argument");
+    TDM_REQUIRE(comm->ops->alloc, TDM_STATUS_UNSUPPORTED,
+                "tdm_comm_alloc: the %s backend has no zero-copy memory", comm->ops->name);
+    return comm->ops->alloc(comm->impl, nbytes, ptr);
+}
+
+tdm_status tdm_comm_all_reduce_async(tdm_comm *comm, const void *sendbuf, void *recvbuf,
+                                     size_t count, tdm_dtype dtype, tdm_redop op,
+                                     tdm_comm_work **out)
+{
+    tdm_comm_call k = TDM_CALL(TDM_COLL_ALL_REDUCE, sendbuf, recvbuf, count, dtype, op, -1);
+    return tdm_comm_submit(comm, &k, out);
+}
+tdm_status tdm_comm_broadcast_async(tdm_comm *comm, const void *sendbuf, void *recvbuf,
+                                    size_t count, tdm_dtype dtype, int root,
+                                    tdm_comm_work **out)
+{
+    tdm_comm_call k = TDM_CALL(TDM_COLL_BROADCAST, sendbuf, recvbuf, count, dtype, 0, root);
+    return tdm_comm_submit(comm, &k, out);
+}
+tdm_status tdm_comm_reduce_scatter_async(tdm_comm *comm, const void *sendbuf, void *recvbuf,
+                                         size_t recv_count, tdm_dtype dtype, tdm_redop op,
+                                         tdm_comm_work **out)
+{
+    tdm_comm_call k = TDM_CALL(TDM_COLL_REDUCE_SCATTER, sendbuf, recvbuf, recv_count, dtype,
+                               op, -1);
+    return tdm_comm_submit(comm, &k, out);
+}
+tdm_status tdm_comm_all_gather_async(tdm_comm *comm, const void *sendbuf, void *recvbuf,
+                                     size_t send_count, tdm_dtype dtype, tdm_comm_work **out)
+{
+    tdm_comm_call k = TDM_CALL(TDM_COLL_ALL_GATHER, sendbuf, recvbuf, send_count, dtype, 0, -1);
+    return tdm_comm_submit(comm, &k, out);
+}
+tdm_status tdm_comm_barrier_async(tdm_comm *comm, tdm_comm_work **out)
+{
+    tdm_comm_call k = TDM_CALL(TDM_COLL_BARRIER, NULL, NULL, 0, TDM_DTYPE_FLOAT32, 0, -1);
+    return tdm_comm_submit(comm, &k, out);
+}

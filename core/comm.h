@@ -1,0 +1,208 @@
+/* core/comm.h: the communicator interface. A communicator joins `size`
+ * ranks (processes, one per device) and runs collectives between them:
+ * broadcast, reduce, all_reduce, reduce_scatter, all_gather, gather,
+ * scatter, barrier and point-to-point send/recv, with SUM/PROD/MIN/MAX/AVG
+ * over float32/float64/int32/int64, synchronously or asynchronously.
+ *
+ * Semantics follow NCCL / torch.distributed (c10d):
+ * - every rank issues the same sequence of collectives with the same
+ *   dtype, count, op and root; calls from one rank complete in the order
+ *   they were issued (synchronous and asynchronous ones alike);
+ * - counts are elements: reduce_scatter's count is the per-rank output
+ *   (sendbuf holds size*count), all_gather's and gather's count is the
+ *   per-rank input (recvbuf holds size*count), scatter's count is the
+ *   per-rank output (root's sendbuf holds size*count);
+ * - in place: sendbuf == recvbuf (all_reduce, reduce, broadcast);
+ *   sendbuf == recvbuf + rank*count for all_gather and gather;
+ *   recvbuf == sendbuf + rank*count for reduce_scatter and scatter;
+ * - reductions combine ranks in rank order 0, 1, ..., size-1, so every
+ *   rank gets bitwise the same result. AVG is SUM divided by size (integer
+ *   division, truncating, for integer types).
+ *
+ * - one thread of a rank issues its calls (like a CUDA stream or an NCCL
+ *   communicator); tdm_comm_abort and the work functions may be called
+ *   from any thread.
+ *
+ * This file is the interface and its argument checks; it is not a
+ * backend. Backends (shm/ for host processes, cuda/ for NCCL) fill a
+ * tdm_comm_ops with designated initializers and call tdm_comm_create().
+ * Asynchronous calls run on one progress thread per communicator, created
+ * on the first asynchronous call, in issue order. */
+#ifndef TDM_CORE_COMM_H
+#define TDM_CORE_COMM_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "core/status.h"
+
+typedef enum tdm_dtype {
+    TDM_DTYPE_FLOAT32 = 0,
+    TDM_DTYPE_FLOAT64,
+    TDM_DTYPE_INT32,
+    TDM_DTYPE_INT64,
+    TDM_DTYPE_COUNT_
+} tdm_dtype;
+
+/* Reduction operators. (Named TDM_REDOP_* so as not to collide with the
+ * device interface's gemm transpose flags.) */
+typedef enum tdm_redop {
+    TDM_REDOP_SUM = 0,
+    TDM_REDOP_PROD,
+    TDM_REDOP_MIN,
+    TDM_REDOP_MAX,
+    TDM_REDOP_AVG,
+    TDM_REDOP_COUNT_
+} tdm_redop;
+
+typedef enum tdm_coll {
+    TDM_COLL_BROADCAST = 0,
+    TDM_COLL_REDUCE,
+    TDM_COLL_ALL_REDUCE,
+    TDM_COLL_REDUCE_SCATTER,
+    TDM_COLL_ALL_GATHER,
+    TDM_COLL_GATHER,
+    TDM_COLL_SCATTER,
+    TDM_COLL_BARRIER,
+    TDM_COLL_SEND,
+    TDM_COLL_RECV,
+    TDM_COLL_COUNT_
+} tdm_coll;
+
+/* Bytes per element; 0 for an invalid dtype. */
+size_t tdm_dtype_size(tdm_dtype dt);
+/* "float32", "float64", "int32", "int64"; "?" when invalid. */
+const char *tdm_dtype_name(tdm_dtype dt);
+/* "sum", "prod", "min", "max", "avg"; "?" when invalid. */
+const char *tdm_redop_name(tdm_redop op);
+/* "all_reduce", "broadcast", ...; "?" when invalid. */
+const char *tdm_coll_name(tdm_coll c);
+/* Parse the names above (also "float"/"double" for the float types).
+ * Return TDM_STATUS_INVALID_ARG with a message listing the valid names. */
+tdm_status tdm_dtype_parse(const char *s, tdm_dtype *out);
+tdm_status tdm_redop_parse(const char *s, tdm_redop *out);
+tdm_status tdm_coll_parse(const char *s, tdm_coll *out);
+
+typedef struct tdm_comm tdm_comm;
+typedef struct tdm_comm_work tdm_comm_work;
+
+/* One call, as the dispatcher hands it to a backend. `root` is the root of
+ * rooted collectives and the peer of send/recv (-1 otherwise). `count`
+ * follows the conventions at the top of this file. */
+typedef struct tdm_comm_call {
+    tdm_coll coll;
+    const void *sendbuf;
+    void *recvbuf;
+    size_t count;
+    tdm_dtype dtype;
+    tdm_redop op;
+    int root;
+} tdm_comm_call;
+
+/* What a backend implements. `run` executes one validated call
+ * synchronously on the calling thread; the dispatcher guarantees that at
+ * most one thread calls `run` on a communicator at a time. */
+typedef struct tdm_comm_ops {
+    const char *name;                                   /* "shm", "nccl" */
+    tdm_status (*run)(void *impl, const tdm_comm_call *call);
+    /* Raise the group abort flag: this rank's pending and later calls,
+     * and every other rank's, fail. Must be safe from any thread, while
+     * `run` is blocked in a wait. */
+    tdm_status (*abort)(void *impl, const char *reason);
+    /* Optional: name of the algorithm the last call used ("one-shot",
+     * "rs-ag", "rs-ag-zero-copy", "ring", ...). NULL: "default". */
+    const char *(*last_algo)(void *impl);
+    /* Optional: memory the backend can reduce in without copying (shm:
+     * symmetric buffers inside the segment; NCCL: device memory). NULL:
+     * TDM_STATUS_UNSUPPORTED. */
+    tdm_status (*alloc)(void *impl, size_t nbytes, void **ptr);
+    /* Releases impl. Called once, after the progress thread has drained. */
+    void (*destroy)(void *impl);
+} tdm_comm_ops;
+
+/* For backends: wrap impl (owned from now on: destroyed by
+ * tdm_comm_free, or here on failure) into a communicator. */
+tdm_status tdm_comm_create(tdm_comm **out, const tdm_comm_ops *ops,
+                           void *impl, int rank, int size);
+void *tdm_comm_impl(const tdm_comm *comm);
+
+/* Waits for pending asynchronous calls (each bounded by the backend's
+ * timeout), stops the progress thread and releases the backend.
+ * NULL is a no-op. */
+void tdm_comm_free(tdm_comm *comm);
+
+int tdm_comm_rank(const tdm_comm *comm);
+int tdm_comm_size(const tdm_comm *comm);
+const char *tdm_comm_backend_name(const tdm_comm *comm);
+/* Algorithm of the last completed call (bench output, debug). */
+const char *tdm_comm_last_algo(const tdm_comm *comm);
+
+/* --- synchronous collectives ------------------------------------------ */
+tdm_status tdm_comm_broadcast(tdm_comm *comm, const void *sendbuf, void *recvbuf,
+                              size_t count, tdm_dtype dtype, int root);
+tdm_status tdm_comm_reduce(tdm_comm *comm, const void *sendbuf, void *recvbuf,
+                           size_t count, tdm_dtype dtype, tdm_redop op, int root);
+tdm_status tdm_comm_all_reduce(tdm_comm *comm, const void *sendbuf, void *recvbuf,
+                               size_t count, tdm_dtype dtype, tdm_redop op);
+tdm_status tdm_comm_reduce_scatter(tdm_comm *comm, const void *sendbuf, void *recvbuf,
+                                   size_t recv_count, tdm_dtype dtype, tdm_redop op);
+tdm_status tdm_comm_all_gather(tdm_comm *comm, const void *sendbuf, void *recvbuf,
+                               size_t send_count, tdm_dtype dtype);
+tdm_status tdm_comm_gather(tdm_comm *comm, const void *sendbuf, void *recvbuf,
+                           size_t send_count, tdm_dtype dtype, int root);
+tdm_status tdm_comm_scatter(tdm_comm *comm, const void *sendbuf, void *recvbuf,
+                            size_t recv_count, tdm_dtype dtype, int root);
+tdm_status tdm_comm_barrier(tdm_comm *comm);
+/* Point to point: only the two ranks involved take part, and a send must
+ * be matched by a recv of the same count and dtype on the peer. */
+tdm_status tdm_comm_send(tdm_comm *comm, const void *buf, size_t count,
+                         tdm_dtype dtype, int peer);
+tdm_status tdm_comm_recv(tdm_comm *comm, void *buf, size_t count,
+                         tdm_dtype dtype, int peer);
+
+/* Any call, validated then run (synchronously). */
+tdm_status tdm_comm_run(tdm_comm *comm, const tdm_comm_call *call);
+/* Argument checks shared by every entry point (INVALID_ARG + message). */
+tdm_status tdm_comm_call_check(const tdm_comm *comm, const tdm_comm_call *call);
+
+/* Raise the group abort flag with a reason (any thread). */
+tdm_status tdm_comm_abort(tdm_comm *comm, const char *reason);
+
+/* Backend memory for zero-copy collectives (see tdm_comm_ops.alloc). */
+tdm_status tdm_comm_alloc(tdm_comm *comm, size_t nbytes, void **ptr);
+
+/* --- asynchronous collectives ------------------------------------------
+ * Each returns at once with a handle; the call runs on the progress
+ * thread after every earlier call of this rank. Buffers must stay valid
+ * and untouched until the work has completed. Argument errors are
+ * returned at once and no handle is made. */
+tdm_status tdm_comm_submit(tdm_comm *comm, const tdm_comm_call *call,
+                           tdm_comm_work **out);
+tdm_status tdm_comm_all_reduce_async(tdm_comm *comm, const void *sendbuf, void *recvbuf,
+                                     size_t count, tdm_dtype dtype, tdm_redop op,
+                                     tdm_comm_work **out);
+tdm_status tdm_comm_broadcast_async(tdm_comm *comm, const void *sendbuf, void *recvbuf,
+                                    size_t count, tdm_dtype dtype, int root,
+                                    tdm_comm_work **out);
+tdm_status tdm_comm_reduce_scatter_async(tdm_comm *comm, const void *sendbuf,
+                                         void *recvbuf, size_t recv_count,
+                                         tdm_dtype dtype, tdm_redop op,
+                                         tdm_comm_work **out);
+tdm_status tdm_comm_all_gather_async(tdm_comm *comm, const void *sendbuf, void *recvbuf,
+                                     size_t send_count, tdm_dtype dtype,
+                                     tdm_comm_work **out);
+tdm_status tdm_comm_barrier_async(tdm_comm *comm, tdm_comm_work **out);
+
+/* Waits up to timeout_ms (< 0: without limit) for the work. Returns the
+ * call's own status (and its message) once it has completed, or
+ * TDM_STATUS_TIMEOUT if it is still running (the work stays valid and may
+ * be waited on again). */
+tdm_status tdm_comm_work_wait(tdm_comm_work *work, int64_t timeout_ms);
+/* *done = 1 when the work has completed (its status is then what
+ * tdm_comm_work_wait returns). Never blocks. */
+tdm_status tdm_comm_work_test(tdm_comm_work *work, int *done);
+/* Releases the handle; a work still running completes in the background.
+ * NULL is a no-op. */
+void tdm_comm_work_free(tdm_comm_work *work);
+
+#endif

@@ -1,0 +1,532 @@
+/* shm/coll.c: the collectives of the shm backend, built from rounds.
+ *
+ * Every collective is a sequence of rounds, and every rank runs the same
+ * rounds (their number depends only on what was called, which all ranks
+ * check they agree on). A rank's progress is one counter, its epoch:
+ * 3*round + phase, published when it has
+ *   phase 1: written its input for the round into its staging slot,
+ *   phase 2: written its reduced portion (reducing algorithms),
+ *   phase 3: finished reading every peer's slot for the round.
+ * Round g writes staging buffer g % NBUF, so before writing it a rank
+ * waits for every peer to have finished round g - NBUF (phase 3). There
+ * are no full barriers: ranks pipeline on these per-round flags.
+ *
+ * In the first round of each collective, every rank records what it
+ * called (descriptor) before phase 1 and checks every peer's descriptor
+ * after seeing its phase 1: a mismatch is an error, not a hang.
+ * (Descriptors are double buffered by sequence number: a peer cannot
+ * start collective s+2 before this rank has arrived at s+1, that is,
+ * before it has finished checking s.)
+ *
+ * all_reduce algorithms:
+ *   one-shot   every rank copies its input to its slot and reduces all
+ *              slots into its output (small messages: one round, one
+ *              wait per peer);
+ *   rs-ag      per round of slot_bytes: copy in, each rank reduces its
+ *              1/N portion of all slots (into its slot and its output),
+ *              then copies every other rank's reduced portion out;
+ *   rs-ag-zc   the buffer lives in the zero-copy arena at the same offset
+ *              on every rank: reduce reads the peers' buffers directly,
+ *              no copy in; a final wait keeps peers' buffers untouched
+ *              until everyone has read them.
+ * Point-to-point send/recv use a separate two-slot channel per ordered
+ * pair of ranks, so they never disturb the collective rounds.
+ *
+ * Not the waits (shm/wait.c) nor the arithmetic (shm/kernels.c). */
+#include "shm/shm_impl.h"
+
+#include <stdio.h>
+#include <string.h>
+
+#include "core/log.h"
+
+#define TDM_SHM_ZC_PORTION (128u * 1024)   /* bytes per rank per zero-copy round */
+
+static inline tdm_shm_flag *tdm_shm_flag_of(tdm_shm_impl *c, int r)
+{
+    return &tdm_shm_ctrl_of(c, r)->flag;
+}
+
+static inline void tdm_shm_publish(tdm_shm_impl *c, int phase)
+{
+    tdm_shm_flag_publish(tdm_shm_flag_of(c, c->rank), 3 * c->round + (uint64_t)phase);
+}
+
+static inline tdm_status tdm_shm_wait_phase(tdm_shm_impl *c, int peer, int phase)
+{
+    return tdm_shm_flag_wait(c, tdm_shm_flag_of(c, peer), 3 * c->round + (uint64_t)phase, peer);
+}
+
+static tdm_status tdm_shm_wait_all(tdm_shm_impl *c, uint64_t target)
+{
+    for (int p = 0; p < c->world; p++)
+        if (p != c->rank) TDM_CHECK(tdm_shm_flag_wait(c, tdm_shm_flag_of(c, p), target, p));
+    return TDM_STATUS_OK;
+}
+
+/* Before writing this round's staging buffer: every peer has finished the
+ * round that last used it. */
+static tdm_status tdm_shm_round_begin(tdm_shm_impl *c)
+{
+    if (c->round < TDM_SHM_NBUF) return TDM_STATUS_OK;
+    return tdm_shm_wait_all(c, 3 * (c->round - TDM_SHM_NBUF) + 3);
+}
+
+static void tdm_shm_round_end(tdm_shm_impl *c)
+{
+    tdm_shm_publish(c, 3);
+    c->round++;
+}
+
+static int tdm_shm_coll_reduces(int coll)
+{
+    return coll == TDM_COLL_REDUCE || coll == TDM_COLL_ALL_REDUCE ||
+           coll == TDM_COLL_REDUCE_SCATTER;
+}
+
+static int tdm_shm_coll_rooted(int coll)
+{
+    return coll == TDM_COLL_BROADCAST || coll == TDM_COLL_REDUCE || coll == TDM_COLL_GATHER ||
+           coll == TDM_COLL_SCATTER;
+}
+
+static void tdm_shm_desc_str(const tdm_shm_desc *d, char *out, size_t n)
+{
+    int len = snprintf(out, n, "%s(", tdm_coll_name((tdm_coll)d->coll));
+    if (d->coll != TDM_COLL_BARRIER)
+        len += snprintf(out + len, n - (size_t)len, "%s, count=%llu",
+                        tdm_dtype_name((tdm_dtype)d->dtype), (unsigned long long)d->count);
+    if (tdm_shm_coll_reduces(d->coll))
+        len += snprintf(out + len, n - (size_t)len, ", op=%s", tdm_redop_name((tdm_redop)d->op));
+    if (tdm_shm_coll_rooted(d->coll))
+        len += snprintf(out + len, n - (size_t)len, ", root=%d", d->root);
+    if (d->zero_copy)
+        len += snprintf(out + len, n - (size_t)len, ", zero-copy buffer at arena element %lu",
+                        (unsigned long)(d->zero_copy - 1));
+    snprintf(out + len, n - (size_t)len, ")");
+}
+
+static int tdm_shm_desc_equal(const tdm_shm_desc *a, const tdm_shm_desc *b)
+{
+    if (a->seq != b->seq || a->coll != b->coll) return 0;
+    if (a->coll == TDM_COLL_BARRIER) return 1;
+    if (a->dtype != b->dtype || a->count != b->count || a->zero_copy != b->zero_copy) return 0;
+    if (tdm_shm_coll_reduces(a->coll) && a->op != b->op) return 0;
+    if (tdm_shm_coll_rooted(a->coll) && a->root != b->root) return 0;
+    return 1;
+}
+
+/* First round of a collective, part 1: record what this rank called. */
+static void tdm_shm_describe(tdm_shm_impl *c, const tdm_comm_call *k, uint32_t zero_copy)
+{
+    tdm_shm_desc *d = &tdm_shm_ctrl_of(c, c->rank)->desc[c->seq & 1];
+    d->seq = c->seq;
+    d->count = k->count;
+    d->coll = (int8_t)k->coll;
+    d->dtype = (int8_t)k->dtype;
+    d->op = (int8_t)k->op;
+    d->root = (int8_t)k->root;
+    d->zero_copy = zero_copy;
+}
+
+/* First round, part 2 (after publishing phase 1): wait for every peer's
+ * phase 1 and compare descriptors. The acquire in the wait pairs with the
+ * peer's publication, which follows its descriptor write. */
+static tdm_status tdm_shm_arrive_check(tdm_shm_impl *c)
+{
+    const tdm_shm_desc *mine = &tdm_shm_ctrl_of(c, c->rank)->desc[c->seq & 1];
+    for (int p = 0; p < c->world; p++) {
+        if (p == c->rank) continue;
+        TDM_CHECK(tdm_shm_wait_phase(c, p, 1));
+        const tdm_shm_desc *d = &tdm_shm_ctrl_of(c, p)->desc[c->seq & 1];
+        if (tdm_shm_desc_equal(mine, d)) continue;
+        char a[160], b[160];
+        tdm_shm_desc_str(mine, a, sizeof a);
+        tdm_shm_desc_str(d, b, sizeof b);
+        if (d->seq != mine->seq)
+            snprintf(b + strlen(b), sizeof b - strlen(b), " as its collective #%llu",
+                     (unsigned long long)d->seq);
+        tdm_shm_raise(c->hdr, c->base, TDM_STATUS_MISMATCH,
+                      "collective #%llu: rank %d called %s but rank %d called %s",
+                      (unsigned long long)c->seq, c->rank, a, p, b);
+        c->failed = TDM_STATUS_MISMATCH;
+        return tdm_error_set(TDM_STATUS_MISMATCH,
+                             "collective #%llu: rank %d called %s but rank %d called %s",
+                             (unsigned long long)c->seq, c->rank, a, p, b);
+    }
+    return TDM_STATUS_OK;
+}
+
+/* A round's opening: wait for the staging buffer, describe (first round),
+ * run fill() on the own slot, publish phase 1, check (first round). */
+#define TDM_SHM_ROUND_OPEN(c, k, first, zc, ...)                             \
+    do {                                                                      \
+        TDM_CHECK(tdm_shm_round_begin(c));                                    \
+        if (first) tdm_shm_describe((c), (k), (zc));                          \
+        __VA_ARGS__;                                                          \
+        tdm_shm_publish((c), 1);                                              \
+        if (first) TDM_CHECK(tdm_shm_arrive_check(c));                        \
+    } while (0)
+
+static void tdm_shm_set_algo(tdm_shm_impl *c, const char *algo, const tdm_comm_call *k)
+{
+    if (c->logged_algo[k->coll] != algo) {
+        c->logged_algo[k->coll] = algo;
+        TDM_INFO(SHM, "rank %d: %s #%llu (%zu x %s): algorithm %s", c->rank,
+                 tdm_coll_name(k->coll), (unsigned long long)c->seq, k->count,
+                 tdm_dtype_name(k->dtype), algo);
+    }
+    c->algo = algo;
+}
+
+/* Elements per rank-portion of a round, a multiple of 64 bytes. */
+static size_t tdm_shm_portion_elems(size_t bytes, int world, size_t es)
+{
+    size_t per = bytes / (size_t)world / TDM_SHM_LINE * TDM_SHM_LINE;
+    return per / es;
+}
+
+/* --- all_reduce and reduce ------------------------------------------------- */
+
+static tdm_status tdm_shm_one_shot(tdm_shm_impl *c, const tdm_comm_call *k, int all)
+{
+    size_t es = tdm_dtype_size(k->dtype), nbytes = k->count * es;
+    uint8_t *mine = tdm_shm_slot_of(c, c->rank, c->round);
+    TDM_SHM_ROUND_OPEN(c, k, 1, 0, memcpy(mine, k->sendbuf, nbytes));
+    if (all || c->rank == k->root) {
+        const void *srcs[TDM_SHM_MAX_RANKS];
+        for (int p = 0; p < c->world; p++) srcs[p] = tdm_shm_slot_of(c, p, c->round);
+        tdm_shm_reduce(k->recvbuf, NULL, srcs, c->world, k->count, k->dtype, k->op);
+    }
+    tdm_shm_round_end(c);
+    return TDM_STATUS_OK;
+}
+
+/* Reduce-scatter + all-gather (all = 1) or + gather to root (all = 0),
+ * through the staging slots, one slot_bytes round at a time. */
+static tdm_status tdm_shm_rs_ag(tdm_shm_impl *c, const tdm_comm_call *k, int all)
+{
+    size_t es = tdm_dtype_size(k->dtype);
+    size_t per_max = tdm_shm_portion_elems(c->hdr->slot_bytes, c->world, es);
+    size_t round_elems = per_max * (size_t)c->world;
+    size_t line = TDM_SHM_LINE / es;
+    const uint8_t *send = k->sendbuf;
+    uint8_t *recv = (all || c->rank == k->root) ? k->recvbuf : NULL;
+    int big = k->count * es >= tdm_shm_nt_threshold;
+    for (size_t off = 0, first = 1; first || off < k->count; off += round_elems, first = 0) {
+        size_t n = k->count - off < round_elems ? k->count - off : round_elems;
+        size_t per = ((n + (size_t)c->world - 1) / (size_t)c->world + line - 1) / line * line;
+        uint8_t *mine = tdm_shm_slot_of(c, c->rank, c->round);
+        TDM_SHM_ROUND_OPEN(c, k, first, 0, memcpy(mine, send + off * es, n * es));
+        if (!first) TDM_CHECK(tdm_shm_wait_all(c, 3 * c->round + 1));
+        size_t lo = (size_t)c->rank * per < n ? (size_t)c->rank * per : n;
+        size_t hi = lo + per < n ? lo + per : n;
+        const void *srcs[TDM_SHM_MAX_RANKS];
+        for (int p = 0; p < c->world; p++) srcs[p] = tdm_shm_slot_of(c, p, c->round) + lo * es;
+        if (hi > lo)
+            tdm_shm_reduce(mine + lo * es, recv ? recv + (off + lo) * es : NULL, srcs, c->world,
+                           hi - lo, k->dtype, k->op);
+        tdm_shm_publish(c, 2);
+        if (recv) {
+            for (int q = 0; q < c->world; q++) {
+                if (q == c->rank) continue;
+                size_t qlo = (size_t)q * per < n ? (size_t)q * per : n;
+                size_t qhi = qlo + per < n ? qlo + per : n;
+                if (qhi == qlo) continue;
+                TDM_CHECK(tdm_shm_wait_phase(c, q, 2));
+                const uint8_t *src = tdm_shm_slot_of(c, q, c->round) + qlo * es;
+                if (big) tdm_shm_copy_nt(recv + (off + qlo) * es, src, (qhi - qlo) * es);
+                else memcpy(recv + (off + qlo) * es, src, (qhi - qlo) * es);
+            }
+        }
+        tdm_shm_round_end(c);
+    }
+    return TDM_STATUS_OK;
+}
+
+static tdm_status tdm_shm_rs_ag_zc(tdm_shm_impl *c, const tdm_comm_call *k, size_t arena_off)
+{
+    size_t es = tdm_dtype_size(k->dtype);
+    size_t per_max = TDM_SHM_ZC_PORTION / es;
+    size_t round_elems = per_max * (size_t)c->world;
+    size_t line = TDM_SHM_LINE / es;
+    uint8_t *buf = k->recvbuf;
+    uint8_t *peer[TDM_SHM_MAX_RANKS];
+    for (int p = 0; p < c->world; p++) peer[p] = tdm_shm_arena_of(c, p) + arena_off;
+    for (size_t off = 0, first = 1; first || off < k->count; off += round_elems, first = 0) {
+        size_t n = k->count - off < round_elems ? k->count - off : round_elems;
+        size_t per = ((n + (size_t)c->world - 1) / (size_t)c->world + line - 1) / line * line;
+        /* Inputs are in place from the start: only the first round waits
+         * for every peer's arrival. */
+        TDM_SHM_ROUND_OPEN(c, k, first, (uint32_t)(arena_off / es + 1), (void)0);
+        size_t lo = (size_t)c->rank * per < n ? (size_t)c->rank * per : n;
+        size_t hi = lo + per < n ? lo + per : n;
+        const void *srcs[TDM_SHM_MAX_RANKS];
+        for (int p = 0; p < c->world; p++) srcs[p] = peer[p] + (off + lo) * es;
+        if (hi > lo)
+            tdm_shm_reduce(buf + (off + lo) * es, NULL, srcs, c->world, hi - lo, k->dtype, k->op);
+        tdm_shm_publish(c, 2);
+        for (int q = 0; q < c->world; q++) {
+            if (q == c->rank) continue;
+            size_t qlo = (size_t)q * per < n ? (size_t)q * per : n;
+            size_t qhi = qlo + per < n ? qlo + per : n;
+            if (qhi == qlo) continue;
+            /* q's portion of my buffer was q's input until q's phase 2. */
+            TDM_CHECK(tdm_shm_wait_phase(c, q, 2));
+            memcpy(buf + (off + qlo) * es, peer[q] + (off + qlo) * es, (qhi - qlo) * es);
+        }
+        tdm_shm_round_end(c);
+    }
+    /* Peers read my buffer until their last phase 3: the caller may not
+     * write it before then. */
+    return tdm_shm_wait_all(c, 3 * c->round);
+}
+
+/* Offset of [p, p+nbytes) in this rank's arena, or SIZE_MAX if outside
+ * (or not describable in a descriptor: element-aligned, < 2^32 - 1). */
+static size_t tdm_shm_arena_offset(tdm_shm_impl *c, const void *p, size_t nbytes, size_t es)
+{
+    const uint8_t *a = tdm_shm_arena_of(c, c->rank), *b = p;
+    if (!c->hdr->arena_bytes || b < a || b + nbytes > a + c->arena_used) return SIZE_MAX;
+    size_t off = (size_t)(b - a);
+    if (off % es || off / es >= UINT32_MAX - 1) return SIZE_MAX;
+    return off;
+}
+
+static tdm_status tdm_shm_all_reduce(tdm_shm_impl *c, const tdm_comm_call *k, int all)
+{
+    size_t nbytes = k->count * tdm_dtype_size(k->dtype);
+    if (nbytes <= c->hdr->one_shot_max && nbytes <= c->hdr->slot_bytes) {
+        tdm_shm_set_algo(c, "one-shot", k);
+        return tdm_shm_one_shot(c, k, all);
+    }
+    size_t zoff = SIZE_MAX;
+    if (all && k->sendbuf == k->recvbuf)
+        zoff = tdm_shm_arena_offset(c, k->recvbuf, nbytes, tdm_dtype_size(k->dtype));
+    if (zoff != SIZE_MAX) {
+        tdm_shm_set_algo(c, "rs-ag-zc", k);
+        return tdm_shm_rs_ag_zc(c, k, zoff);
+    }
+    tdm_shm_set_algo(c, "rs-ag", k);
+    return tdm_shm_rs_ag(c, k, all);
+}
+
+/* --- data movement ---------------------------------------------------------- */
+
+static tdm_status tdm_shm_reduce_scatter(tdm_shm_impl *c, const tdm_comm_call *k)
+{
+    size_t es = tdm_dtype_size(k->dtype);
+    size_t sec = tdm_shm_portion_elems(c->hdr->slot_bytes, c->world, es);
+    const uint8_t *send = k->sendbuf;
+    uint8_t *recv = k->recvbuf;
+    tdm_shm_set_algo(c, "direct", k);
+    for (size_t off = 0, first = 1; first || off < k->count; off += sec, first = 0) {
+        size_t n = k->count - off < sec ? k->count - off : sec;
+        uint8_t *mine = tdm_shm_slot_of(c, c->rank, c->round);
+        TDM_SHM_ROUND_OPEN(c, k, first, 0,
+            for (int q = 0; q < c->world; q++)
+                memcpy(mine + (size_t)q * sec * es, send + ((size_t)q * k->count + off) * es,
+                       n * es));
+        if (!first) TDM_CHECK(tdm_shm_wait_all(c, 3 * c->round + 1));
+        const void *srcs[TDM_SHM_MAX_RANKS];
+        for (int p = 0; p < c->world; p++)
+            srcs[p] = tdm_shm_slot_of(c, p, c->round) + (size_t)c->rank * sec * es;
+        if (n) tdm_shm_reduce(recv + off * es, NULL, srcs, c->world, n, k->dtype, k->op);
+        tdm_shm_round_end(c);
+    }
+    return TDM_STATUS_OK;
+}
+
+/* all_gather (root < 0) and gather (only root receives). */
+static tdm_status tdm_shm_gather(tdm_shm_impl *c, const tdm_comm_call *k, int root)
+{
+    size_t es = tdm_dtype_size(k->dtype);
+    size_t chunk = c->hdr->slot_bytes / es;
+    const uint8_t *send = k->sendbuf;
+    uint8_t *recv = (root < 0 || root == c->rank) ? k->recvbuf : NULL;
+    tdm_shm_set_algo(c, "direct", k);
+    for (size_t off = 0, first = 1; first || off < k->count; off += chunk, first = 0) {
+        size_t n = k->count - off < chunk ? k->count - off : chunk;
+        uint8_t *mine = tdm_shm_slot_of(c, c->rank, c->round);
+        TDM_SHM_ROUND_OPEN(c, k, first, 0, memcpy(mine, send + off * es, n * es));
+        if (recv) {
+            uint8_t *own = recv + ((size_t)c->rank * k->count + off) * es;
+            if (own != send + off * es) memmove(own, send + off * es, n * es);
+            for (int q = 0; q < c->world; q++) {
+                if (q == c->rank) continue;
+                TDM_CHECK(tdm_shm_wait_phase(c, q, 1));
+                memcpy(recv + ((size_t)q * k->count + off) * es, tdm_shm_slot_of(c, q, c->round),
+                       n * es);
+            }
+        }
+        tdm_shm_round_end(c);
+    }
+    return TDM_STATUS_OK;
+}
+
+static tdm_status tdm_shm_broadcast(tdm_shm_impl *c, const tdm_comm_call *k)
+{
+    size_t es = tdm_dtype_size(k->dtype);
+    size_t chunk = c->hdr->slot_bytes / es;
+    int root = k->root, me_root = c->rank == root;
+    const uint8_t *send = k->sendbuf;
+    uint8_t *recv = k->recvbuf;
+    tdm_shm_set_algo(c, "direct", k);
+    for (size_t off = 0, first = 1; first || off < k->count; off += chunk, first = 0) {
+        size_t n = k->count - off < chunk ? k->count - off : chunk;
+        uint8_t *mine = tdm_shm_slot_of(c, c->rank, c->round);
+        TDM_SHM_ROUND_OPEN(c, k, first, 0,
+            if (me_root) {
+                memcpy(mine, send + off * es, n * es);
+                if (recv && recv != send) memcpy(recv + off * es, send + off * es, n * es);
+            });
+        if (!me_root) {
+            TDM_CHECK(tdm_shm_wait_phase(c, root, 1));
+            memcpy(recv + off * es, tdm_shm_slot_of(c, root, c->round), n * es);
+        }
+        tdm_shm_round_end(c);
+    }
+    return TDM_STATUS_OK;
+}
+
+static tdm_status tdm_shm_scatter(tdm_shm_impl *c, const tdm_comm_call *k)
+{
+    size_t es = tdm_dtype_size(k->dtype);
+    size_t sec = tdm_shm_portion_elems(c->hdr->slot_bytes, c->world, es);
+    int root = k->root, me_root = c->rank == root;
+    const uint8_t *send = k->sendbuf;
+    uint8_t *recv = k->recvbuf;
+    tdm_shm_set_algo(c, "direct", k);
+    for (size_t off = 0, first = 1; first || off < k->count; off += sec, first = 0) {
+        size_t n = k->count - off < sec ? k->count - off : sec;
+        uint8_t *mine = tdm_shm_slot_of(c, c->rank, c->round);
+        TDM_SHM_ROUND_OPEN(c, k, first, 0,
+            if (me_root) {
+                for (int q = 0; q < c->world; q++) {
+                    const uint8_t *src = send + ((size_t)q * k->count + off) * es;
+                    if (q != root) memcpy(mine + (size_t)q * sec * es, src, n * es);
+                    else if (recv + off * es != src) memmove(recv + off * es, src, n * es);
+                }
+            });
+        if (!me_root) {
+            TDM_CHECK(tdm_shm_wait_phase(c, root, 1));
+            memcpy(recv + off * es, tdm_shm_slot_of(c, root, c->round) + (size_t)c->rank * sec * es,
+                   n * es);
+        }
+        tdm_shm_round_end(c);
+    }
+    return TDM_STATUS_OK;
+}
+
+static tdm_status tdm_shm_barrier(tdm_shm_impl *c, const tdm_comm_call *k)
+{
+    tdm_shm_set_algo(c, "flags", k);
+    TDM_SHM_ROUND_OPEN(c, k, 1, 0, (void)0);
+    tdm_shm_round_end(c);
+    return TDM_STATUS_OK;
+}
+
+/* --- point to point -------------------------------------------------------- */
+
+static tdm_status tdm_shm_send(tdm_shm_impl *c, const tdm_comm_call *k)
+{
+    int peer = k->root;
+    size_t nbytes = k->count * tdm_dtype_size(k->dtype);
+    uint8_t *blk = tdm_shm_p2p_of(c, c->rank, peer);
+    tdm_shm_flag *sent = (tdm_shm_flag *)blk, *ack = (tdm_shm_flag *)(blk + TDM_SHM_LINE);
+    const uint8_t *src = k->sendbuf;
+    size_t off = 0;
+    do {
+        size_t m = nbytes - off < TDM_SHM_P2P_BYTES ? nbytes - off : TDM_SHM_P2P_BYTES;
+        uint64_t t = c->p2p_sent[peer];
+        /* Half t % 2 is free once the receiver has consumed chunk t - 2. */
+        if (t >= 2) TDM_CHECK(tdm_shm_flag_wait(c, ack, t - 1, peer));
+        uint8_t *half = blk + 2 * TDM_SHM_LINE + (t % 2) * (TDM_SHM_P2P_HDR + TDM_SHM_P2P_BYTES);
+        *(uint64_t *)half = nbytes;
+        memcpy(half + TDM_SHM_P2P_HDR, src + off, m);
+        tdm_shm_flag_publish(sent, t + 1);   /* pairs with the recv's wait */
+        c->p2p_sent[peer] = t + 1;
+        off += m;
+    } while (off < nbytes);
+    c->algo = "p2p";
+    return TDM_STATUS_OK;
+}
+
+static tdm_status tdm_shm_recv(tdm_shm_impl *c, const tdm_comm_call *k)
+{
+    int peer = k->root;
+    size_t nbytes = k->count * tdm_dtype_size(k->dtype);
+    uint8_t *blk = tdm_shm_p2p_of(c, peer, c->rank);
+    tdm_shm_flag *sent = (tdm_shm_flag *)blk, *ack = (tdm_shm_flag *)(blk + TDM_SHM_LINE);
+    uint8_t *dst = k->recvbuf;
+    size_t off = 0;
+    do {
+        size_t m = nbytes - off < TDM_SHM_P2P_BYTES ? nbytes - off : TDM_SHM_P2P_BYTES;
+        uint64_t t = c->p2p_recvd[peer];
+        TDM_CHECK(tdm_shm_flag_wait(c, sent, t + 1, peer));
+        const uint8_t *half =
+            blk + 2 * TDM_SHM_LINE + (t % 2) * (TDM_SHM_P2P_HDR + TDM_SHM_P2P_BYTES);
+        uint64_t theirs = *(const uint64_t *)half;
+        if (theirs != nbytes) {
+            tdm_shm_raise(c->hdr, c->base, TDM_STATUS_MISMATCH,
+                          "recv #%llu on rank %d from rank %d: expected %zu bytes, rank %d "
+                          "sent %llu", (unsigned long long)c->cur_seq, c->rank, peer, nbytes,
+                          peer, (unsigned long long)theirs);
+            return tdm_error_set(TDM_STATUS_MISMATCH,
+                                 "recv #%llu from rank %d: expected %zu bytes (%s, count=%zu) "
+                                 "but rank %d sent %llu bytes", (unsigned long long)c->cur_seq,
+                                 peer, nbytes, tdm_dtype_name(k->dtype), k->count, peer,
+                                 (unsigned long long)theirs);
+        }
+        memcpy(dst + off, half + TDM_SHM_P2P_HDR, m);
+        tdm_shm_flag_publish(ack, t + 1);    /* pairs with the send's wait */
+        c->p2p_recvd[peer] = t + 1;
+        off += m;
+    } while (off < nbytes);
+    c->algo = "p2p";
+    return TDM_STATUS_OK;
+}
+
+/* --- one rank ------------------------------------------------------------- */
+
+static tdm_status tdm_shm_local(tdm_shm_impl *c, const tdm_comm_call *k)
+{
+    size_t nbytes = k->count * tdm_dtype_size(k->dtype);
+    c->algo = "local";
+    if (k->coll == TDM_COLL_BARRIER || !nbytes) return TDM_STATUS_OK;
+    if (k->coll == TDM_COLL_SEND || k->coll == TDM_COLL_RECV)
+        return tdm_error_set(TDM_STATUS_INVALID_ARG, "%s: no peer in a group of one",
+                             tdm_coll_name(k->coll));
+    if (k->recvbuf && k->recvbuf != k->sendbuf) memmove(k->recvbuf, k->sendbuf, nbytes);
+    return TDM_STATUS_OK;
+}
+
+tdm_status tdm_shm_run(void *impl, const tdm_comm_call *k)
+{
+    tdm_shm_impl *c = impl;
+    tdm_status st = TDM_STATUS_OK;
+    int p2p = k->coll == TDM_COLL_SEND || k->coll == TDM_COLL_RECV;
+    c->cur_name = tdm_coll_name(k->coll);
+    c->cur_seq = p2p ? c->p2p_msgs[k->root]++ : c->seq;
+    TDM_CHECK(tdm_shm_check_abort(c));
+    if (c->world == 1) {
+        st = tdm_shm_local(c, k);
+    } else {
+        switch (k->coll) {
+        case TDM_COLL_ALL_REDUCE: st = tdm_shm_all_reduce(c, k, 1); break;
+        case TDM_COLL_REDUCE: st = tdm_shm_all_reduce(c, k, 0); break;
+        case TDM_COLL_REDUCE_SCATTER: st = tdm_shm_reduce_scatter(c, k); break;
+        case TDM_COLL_ALL_GATHER: st = tdm_shm_gather(c, k, -1); break;
+        case TDM_COLL_GATHER: st = tdm_shm_gather(c, k, k->root); break;
+        case TDM_COLL_BROADCAST: st = tdm_shm_broadcast(c, k); break;
+        case TDM_COLL_SCATTER: st = tdm_shm_scatter(c, k); break;
+        case TDM_COLL_BARRIER: st = tdm_shm_barrier(c, k); break;
+        case TDM_COLL_SEND: st = tdm_shm_send(c, k); break;
+        case TDM_COLL_RECV: st = tdm_shm_recv(c, k); break;
+        default:
+            st = tdm_error_set(TDM_STATUS_INVALID_ARG, "shm: collective %d", (int)k->coll);
+        }
+    }
+    if (!p2p) c->seq++;
+    return st;
+}

@@ -1,0 +1,139 @@
+/* shm/kernels.c: the arithmetic of the shm collectives: element-wise
+ * reduction of N sources in rank order (so every rank and every algorithm
+ * gets bitwise the same result), and a copy with non-temporal stores for
+ * large one-pass copies.
+ * Not the algorithms that decide what to reduce where (shm/coll.c).
+ *
+ * Integer SUM and PROD wrap (computed in the unsigned type: no undefined
+ * overflow). Float MIN/MAX are `a < b ? a : b` / `a > b ? a : b`, which
+ * compile to minps/maxps. */
+#include "shm/shm_impl.h"
+
+#include <string.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <emmintrin.h>
+#define TDM_SHM_HAVE_SSE2 1
+#endif
+
+/* Sources are combined block by block into a scratch buffer that stays in
+ * L1, then stored to the destinations, so a destination may alias any
+ * source and two destinations cost one pass. */
+#define TDM_SHM_BLOCK_BYTES 8192
+
+typedef void (*tdm_shm_binop_fn)(void *out, const void *a, const void *b, size_t n);
+
+#define TDM_SHM_BINOP(NAME, T, EXPR)                                          \
+    static void NAME(void *out_, const void *a_, const void *b_, size_t n)   \
+    {                                                                         \
+        T *out = out_;                                                        \
+        const T *pa = a_, *pb = b_;                                           \
+        for (size_t i = 0; i < n; i++) {                                      \
+            T a = pa[i], b = pb[i];                                           \
+            out[i] = (EXPR);                                                  \
+        }                                                                     \
+    }
+
+#define TDM_SHM_FLOAT_OPS(S, T)                                               \
+    TDM_SHM_BINOP(tdm_shm_sum_##S, T, a + b)                                  \
+    TDM_SHM_BINOP(tdm_shm_prod_##S, T, a * b)                                 \
+    TDM_SHM_BINOP(tdm_shm_min_##S, T, a < b ? a : b)                          \
+    TDM_SHM_BINOP(tdm_shm_max_##S, T, a > b ? a : b)
+
+#define TDM_SHM_INT_OPS(S, T, U)                                              \
+    TDM_SHM_BINOP(tdm_shm_sum_##S, T, (T)((U)a + (U)b))                       \
+    TDM_SHM_BINOP(tdm_shm_prod_##S, T, (T)((U)a * (U)b))                      \
+    TDM_SHM_BINOP(tdm_shm_min_##S, T, a < b ? a : b)                          \
+    TDM_SHM_BINOP(tdm_shm_max_##S, T, a > b ? a : b)
+
+TDM_SHM_FLOAT_OPS(f32, float)
+TDM_SHM_FLOAT_OPS(f64, double)
+TDM_SHM_INT_OPS(i32, int32_t, uint32_t)
+TDM_SHM_INT_OPS(i64, int64_t, uint64_t)
+
+#define TDM_SHM_ROW(S)                                                        \
+    {[TDM_REDOP_SUM] = tdm_shm_sum_##S, [TDM_REDOP_PROD] = tdm_shm_prod_##S,  \
+     [TDM_REDOP_MIN] = tdm_shm_min_##S, [TDM_REDOP_MAX] = tdm_shm_max_##S,    \
+     [TDM_REDOP_AVG] = tdm_shm_sum_##S}
+
+static const tdm_shm_binop_fn tdm_shm_binops[TDM_DTYPE_COUNT_][TDM_REDOP_COUNT_] = {
+    [TDM_DTYPE_FLOAT32] = TDM_SHM_ROW(f32),
+    [TDM_DTYPE_FLOAT64] = TDM_SHM_ROW(f64),
+    [TDM_DTYPE_INT32] = TDM_SHM_ROW(i32),
+    [TDM_DTYPE_INT64] = TDM_SHM_ROW(i64),
+};
+
+#define TDM_SHM_DIVIDE(T, D)                                                  \
+    do {                                                                      \
+        T *p_ = x;                                                            \
+        for (size_t i = 0; i < n; i++) p_[i] = p_[i] / (D);                   \
+    } while (0)
+
+static void tdm_shm_divide(void *x, size_t n, tdm_dtype dt, int d)
+{
+    switch (dt) {
+    case TDM_DTYPE_FLOAT32: TDM_SHM_DIVIDE(float, (float)d); break;
+    case TDM_DTYPE_FLOAT64: TDM_SHM_DIVIDE(double, (double)d); break;
+    case TDM_DTYPE_INT32: TDM_SHM_DIVIDE(int32_t, d); break;
+    case TDM_DTYPE_INT64: TDM_SHM_DIVIDE(int64_t, d); break;
+    default: break;
+    }
+}
+
+void tdm_shm_reduce(void *dst0, void *dst1, const void *const *srcs, int nsrc, size_t n,
+                    tdm_dtype dt, tdm_redop op)
+{
+    size_t es = tdm_dtype_size(dt);
+    size_t blk = TDM_SHM_BLOCK_BYTES / es;
+    tdm_shm_binop_fn f = tdm_shm_binops[dt][op];
+    _Alignas(64) unsigned char scratch[TDM_SHM_BLOCK_BYTES];
+    for (size_t off = 0; off < n; off += blk) {
+        size_t m = n - off < blk ? n - off : blk;
+        size_t boff = off * es;
+        if (nsrc == 1) {
+            memcpy(scratch, (const unsigned char *)srcs[0] + boff, m * es);
+        } else {
+            f(scratch, (const unsigned char *)srcs[0] + boff,
+              (const unsigned char *)srcs[1] + boff, m);
+            for (int j = 2; j < nsrc; j++)
+                f(scratch, scratch, (const unsigned char *)srcs[j] + boff, m);
+        }
+        if (op == TDM_REDOP_AVG && nsrc > 1) tdm_shm_divide(scratch, m, dt, nsrc);
+        memcpy((unsigned char *)dst0 + boff, scratch, m * es);
+        if (dst1) memcpy((unsigned char *)dst1 + boff, scratch, m * es);
+    }
+}
+
+size_t tdm_shm_nt_threshold = (size_t)8 << 20;
+
+void tdm_shm_copy_nt(void *dst, const void *src, size_t nbytes)
+{
+#ifdef TDM_SHM_HAVE_SSE2
+    if (nbytes < tdm_shm_nt_threshold) {
+        memcpy(dst, src, nbytes);
+        return;
+    }
+    unsigned char *d = dst;
+    const unsigned char *s = src;
+    size_t head = (16 - ((uintptr_t)d & 15)) & 15;
+    memcpy(d, s, head);
+    d += head; s += head; nbytes -= head;
+    size_t body = nbytes & ~(size_t)63;
+    for (size_t i = 0; i < body; i += 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)(s + i));
+        __m128i b = _mm_loadu_si128((const __m128i *)(s + i + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(s + i + 32));
+        __m128i e = _mm_loadu_si128((const __m128i *)(s + i + 48));
+        _mm_stream_si128((__m128i *)(d + i), a);
+        _mm_stream_si128((__m128i *)(d + i + 16), b);
+        _mm_stream_si128((__m128i *)(d + i + 32), c);
+        _mm_stream_si128((__m128i *)(d + i + 48), e);
+    }
+    /* Non-temporal stores are weakly ordered: fence before any flag
+     * publication that must cover them. */
+    _mm_sfence();
+    memcpy(d + body, s + body, nbytes - body);
+#else
+    memcpy(dst, src, nbytes);
+#endif
+}

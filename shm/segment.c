@@ -1,0 +1,383 @@
+/* shm/segment.c: the shared segment's life: layout, creation (memfd or an
+ * unlinked O_TMPFILE, space reserved with posix_fallocate), header
+ * validation on attach, the group (parent side), joining (child side,
+ * inherited fd, environment), the zero-copy arena, and the tdm_comm_ops
+ * table of the shm backend.
+ * Not the collectives (shm/coll.c) nor the waits (shm/wait.c). */
+#include "shm/shm_impl.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "core/log.h"
+#include "core/timer.h"
+
+#define TDM_SHM_DEFAULT_SLOT (1u << 20)
+#define TDM_SHM_DEFAULT_TIMEOUT_MS 300000
+#define TDM_SHM_DEFAULT_ONE_SHOT (32u * 1024)
+#define TDM_SHM_SPIN_NS (50u * 1000)
+
+static size_t tdm_shm_round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
+
+tdm_status tdm_shm_layout(int world, const tdm_shm_opts *opts, tdm_shm_header *h)
+{
+    TDM_REQUIRE(world >= 1 && world <= TDM_SHM_MAX_RANKS, TDM_STATUS_INVALID_ARG,
+                "shm: world size %d out of range 1..%d", world, TDM_SHM_MAX_RANKS);
+    size_t slot = opts && opts->slot_bytes ? opts->slot_bytes : TDM_SHM_DEFAULT_SLOT;
+    TDM_REQUIRE(slot >= 4096 && slot <= (1u << 30), TDM_STATUS_INVALID_ARG,
+                "shm: slot_bytes %zu out of range 4096..1 GiB", slot);
+    slot = tdm_shm_round_up(slot, TDM_SHM_PAGE);
+    size_t arena = opts ? tdm_shm_round_up(opts->arena_bytes, TDM_SHM_PAGE) : 0;
+    memset(h, 0, sizeof *h);
+    h->magic = TDM_SHM_MAGIC;
+    h->version = TDM_SHM_VERSION;
+    h->header_bytes = TDM_SHM_PAGE;
+    h->world = world;
+    h->nbuf = TDM_SHM_NBUF;
+    h->ctrl_off = TDM_SHM_PAGE;
+    h->ctrl_bytes = sizeof(tdm_shm_ctrl);
+    h->slot_off = h->ctrl_off + tdm_shm_round_up((size_t)world * h->ctrl_bytes, TDM_SHM_PAGE);
+    h->slot_bytes = slot;
+    h->p2p_off = h->slot_off + (size_t)world * TDM_SHM_NBUF * slot;
+    h->p2p_bytes = world > 1 ? tdm_shm_round_up(2 * TDM_SHM_LINE + 2 * (TDM_SHM_P2P_HDR +
+                                                TDM_SHM_P2P_BYTES), TDM_SHM_PAGE) : 0;
+    h->arena_off = h->p2p_off + (size_t)world * world * h->p2p_bytes;
+    h->arena_bytes = arena;
+    h->total_bytes = h->arena_off + (size_t)world * arena;
+    h->one_shot_max = opts && opts->one_shot_max_bytes ? opts->one_shot_max_bytes
+                                                        : TDM_SHM_DEFAULT_ONE_SHOT;
+    return TDM_STATUS_OK;
+}
+
+/* --- group (parent side) ------------------------------------------------- */
+
+static tdm_status tdm_shm_open_backing(const tdm_shm_opts *opts, int *fd_out)
+{
+    int fd;
+    if (opts && opts->shm_dir) {
+        do fd = open(opts->shm_dir, O_TMPFILE | O_RDWR | O_EXCL | O_CLOEXEC, 0600);
+        while (fd < 0 && errno == EINTR);
+        if (fd < 0 && (errno == EOPNOTSUPP || errno == EISDIR || errno == EINVAL)) {
+            /* No O_TMPFILE here: a named 0600 file, unlinked at once. */
+            char path[4096];
+            snprintf(path, sizeof path, "%s/tandem-%u-XXXXXX", opts->shm_dir, (unsigned)getuid());
+            fd = mkostemp(path, O_CLOEXEC);
+            if (fd >= 0) unlink(path);
+        }
+        if (fd < 0)
+            return tdm_error_set(TDM_STATUS_SYSTEM, "shm: cannot create a segment in %s: %s",
+                                 opts->shm_dir, strerror(errno));
+    } else {
+        fd = memfd_create("tandem-shm", MFD_CLOEXEC);
+        if (fd < 0)
+            return tdm_error_set(TDM_STATUS_SYSTEM, "shm: memfd_create: %s", strerror(errno));
+    }
+    *fd_out = fd;
+    return TDM_STATUS_OK;
+}
+
+tdm_status tdm_shm_group_create(tdm_shm_group **out, int world, const tdm_shm_opts *opts)
+{
+    tdm_status st = TDM_STATUS_OK;
+    tdm_shm_group *g = NULL;
+    tdm_shm_header h;
+    TDM_REQUIRE(out, TDM_STATUS_INVALID_ARG, "tdm_shm_group_create: out is NULL");
+    *out = NULL;
+    TDM_CHECK(tdm_shm_layout(world, opts, &h));
+    g = calloc(1, sizeof *g);
+    TDM_REQUIRE(g, TDM_STATUS_OUT_OF_MEMORY, "shm: calloc");
+    g->fd = -1;
+    g->base = MAP_FAILED;
+    g->world = world;
+    if (opts) g->opts = *opts;
+    g->opts.shm_dir = NULL; /* borrowed string: not kept */
+    g->total = h.total_bytes;
+    TDM_TRY(tdm_shm_open_backing(opts, &g->fd));
+    int rc;
+    do rc = posix_fallocate(g->fd, 0, (off_t)g->total);
+    while (rc == EINTR);
+    if (rc) {
+        st = tdm_error_set(rc == ENOSPC ? TDM_STATUS_OUT_OF_MEMORY : TDM_STATUS_SYSTEM,
+                           "shm: cannot reserve %zu bytes (%.1f MiB) for %d ranks in %s: %s; "
+                           "free space there or lower slot_bytes/arena_bytes",
+                           g->total, (double)g->total / (1 << 20), world,
+                           opts && opts->shm_dir ? opts->shm_dir : "memfd (shared memory)",
+                           strerror(rc));
+        goto fail;
+    }
+    g->base = mmap(NULL, g->total, PROT_READ | PROT_WRITE, MAP_SHARED, g->fd, 0);
+    if (g->base == MAP_FAILED) {
+        st = tdm_error_set(TDM_STATUS_SYSTEM, "shm: mmap of %zu bytes: %s", g->total,
+                           strerror(errno));
+        goto fail;
+    }
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    h.job_id = ((uint64_t)getpid() << 32) ^ (uint64_t)ts.tv_nsec ^ tdm_time_ns();
+    /* fallocate zeroed everything: flags, states, abort word start at 0. */
+    memcpy(g->base, &h, offsetof(tdm_shm_header, abort_claim));
+    TDM_INFO(SHM, "segment: %zu bytes for %d ranks (slots %d x %zu, arena %zu per rank), %s",
+             g->total, world, TDM_SHM_NBUF, (size_t)h.slot_bytes, (size_t)h.arena_bytes,
+             opts && opts->shm_dir ? opts->shm_dir : "memfd");
+    *out = g;
+    return TDM_STATUS_OK;
+fail:
+    tdm_shm_group_free(g);
+    return st;
+}
+
+void tdm_shm_group_free(tdm_shm_group *g)
+{
+    if (!g) return;
+    if (g->base != MAP_FAILED) munmap(g->base, g->total);
+    if (g->fd >= 0) close(g->fd);
+    free(g);
+}
+
+int tdm_shm_group_fd(const tdm_shm_group *g) { return g->fd; }
+size_t tdm_shm_group_bytes(const tdm_shm_group *g) { return g->total; }
+
+static tdm_shm_ctrl *tdm_shm_group_ctrl(tdm_shm_group *g, int rank)
+{
+    tdm_shm_header *h = g->base;
+    return (tdm_shm_ctrl *)((uint8_t *)g->base + h->ctrl_off + (size_t)rank * h->ctrl_bytes);
+}
+
+void tdm_shm_group_set_pid(tdm_shm_group *g, int rank, pid_t pid)
+{
+    if (!g || rank < 0 || rank >= g->world) return;
+    atomic_store(&tdm_shm_group_ctrl(g, rank)->pid, (int32_t)pid);
+}
+
+void tdm_shm_group_mark_dead(tdm_shm_group *g, int rank, int wstatus)
+{
+    if (!g || rank < 0 || rank >= g->world) return;
+    tdm_shm_ctrl *k = tdm_shm_group_ctrl(g, rank);
+    if (atomic_load(&k->state) == TDM_SHM_STATE_LEFT) return; /* it finished cleanly */
+    atomic_store(&k->wstatus, wstatus);
+    /* Release pairs with the acquire load of state in tdm_shm_check_peers. */
+    atomic_store_explicit(&k->state, TDM_SHM_STATE_DEAD, memory_order_release);
+    char why[128];
+    if (WIFSIGNALED(wstatus))
+        snprintf(why, sizeof why, "was killed by signal %d (%s)", WTERMSIG(wstatus),
+                 strsignal(WTERMSIG(wstatus)));
+    else
+        snprintf(why, sizeof why, "exited with code %d", WEXITSTATUS(wstatus));
+    tdm_shm_raise(g->base, g->base, TDM_STATUS_PEER_FAILED, "rank %d (pid %d) %s", rank,
+                  (int)atomic_load(&k->pid), why);
+}
+
+tdm_status tdm_shm_group_export_env(tdm_shm_group *g)
+{
+    TDM_REQUIRE(g, TDM_STATUS_INVALID_ARG, "tdm_shm_group_export_env: group is NULL");
+    int flags = fcntl(g->fd, F_GETFD);
+    if (flags < 0 || fcntl(g->fd, F_SETFD, flags & ~FD_CLOEXEC) < 0)
+        return tdm_error_set(TDM_STATUS_SYSTEM, "shm: fcntl(F_SETFD) on fd %d: %s", g->fd,
+                             strerror(errno));
+    char buf[32];
+    snprintf(buf, sizeof buf, "%d", g->fd);
+    if (setenv(TDM_SHM_ENV_FD, buf, 1) != 0)
+        return tdm_error_set(TDM_STATUS_SYSTEM, "shm: setenv: %s", strerror(errno));
+    return TDM_STATUS_OK;
+}
+
+/* --- the backend ---------------------------------------------------------- */
+
+static tdm_status tdm_shm_abort_op(void *impl, const char *reason)
+{
+    tdm_shm_impl *c = impl;
+    tdm_shm_raise(c->hdr, c->base, TDM_STATUS_ABORTED, "aborted by rank %d: %s", c->rank, reason);
+    return TDM_STATUS_OK;
+}
+
+static const char *tdm_shm_last_algo(void *impl) { return ((tdm_shm_impl *)impl)->algo; }
+
+static tdm_status tdm_shm_alloc_op(void *impl, size_t nbytes, void **ptr)
+{
+    tdm_shm_impl *c = impl;
+    size_t n = tdm_shm_round_up(nbytes ? nbytes : 1, TDM_SHM_LINE);
+    TDM_REQUIRE(n <= c->hdr->arena_bytes - c->arena_used, TDM_STATUS_OUT_OF_MEMORY,
+                "shm: zero-copy arena exhausted: %zu bytes requested, %zu of %zu left "
+                "(raise opts.arena_bytes)", nbytes, (size_t)(c->hdr->arena_bytes - c->arena_used),
+                (size_t)c->hdr->arena_bytes);
+    *ptr = tdm_shm_arena_of(c, c->rank) + c->arena_used;
+    c->arena_used += n;
+    return TDM_STATUS_OK;
+}
+
+static void tdm_shm_destroy(void *impl)
+{
+    tdm_shm_impl *c = impl;
+    if (!c) return;
+    tdm_shm_ctrl *k = tdm_shm_ctrl_of(c, c->rank);
+    int32_t alive = TDM_SHM_STATE_ALIVE;
+    atomic_compare_exchange_strong(&k->state, &alive, TDM_SHM_STATE_LEFT);
+    /* A peer waiting on us learns we left at its next liveness check;
+     * wake it now rather than in 100 ms. */
+    tdm_shm_flag_publish(&k->flag, atomic_load(&k->flag.value));
+    if (c->unmap) munmap(c->base, c->total);
+    free(c);
+}
+
+static const tdm_comm_ops tdm_shm_ops = {
+    .name = "shm",
+    .run = tdm_shm_run,
+    .abort = tdm_shm_abort_op,
+    .last_algo = tdm_shm_last_algo,
+    .alloc = tdm_shm_alloc_op,
+    .destroy = tdm_shm_destroy,
+};
+
+tdm_status tdm_shm_comm_alloc(tdm_comm *comm, size_t nbytes, void **ptr)
+{
+    return tdm_comm_alloc(comm, nbytes, ptr);
+}
+
+/* Checks the header of a mapping of `size` bytes before any offset in it
+ * is used. */
+static tdm_status tdm_shm_validate(const tdm_shm_header *h, size_t size, int world)
+{
+    TDM_REQUIRE(size >= TDM_SHM_PAGE, TDM_STATUS_FORMAT,
+                "shm: segment of %zu bytes is smaller than its header (%d bytes)", size,
+                TDM_SHM_PAGE);
+    TDM_REQUIRE(h->magic == TDM_SHM_MAGIC, TDM_STATUS_FORMAT,
+                "shm: bad magic 0x%016llx (expected 0x%016llx): not a tandem segment",
+                (unsigned long long)h->magic, (unsigned long long)TDM_SHM_MAGIC);
+    TDM_REQUIRE(h->version == TDM_SHM_VERSION, TDM_STATUS_FORMAT,
+                "shm: segment version %u, this build speaks version %u", h->version,
+                TDM_SHM_VERSION);
+    TDM_REQUIRE(h->world == world, TDM_STATUS_MISMATCH,
+                "shm: segment was made for %d ranks, but WORLD_SIZE is %d", h->world, world);
+    TDM_REQUIRE(h->total_bytes == size, TDM_STATUS_FORMAT,
+                "shm: header says %llu bytes but the segment has %zu",
+                (unsigned long long)h->total_bytes, size);
+    /* Recompute the layout from the header's own parameters: any offset
+     * that does not match is refused. */
+    tdm_shm_opts o = {.slot_bytes = h->slot_bytes, .arena_bytes = h->arena_bytes,
+                      .one_shot_max_bytes = h->one_shot_max};
+    tdm_shm_header want;
+    TDM_REQUIRE(tdm_shm_layout(world, &o, &want) == TDM_STATUS_OK, TDM_STATUS_FORMAT,
+                "shm: header has impossible sizes (slot %llu bytes)",
+                (unsigned long long)h->slot_bytes);
+    TDM_REQUIRE(h->header_bytes == want.header_bytes && h->nbuf == want.nbuf &&
+                    h->ctrl_off == want.ctrl_off && h->ctrl_bytes == want.ctrl_bytes &&
+                    h->slot_off == want.slot_off && h->p2p_off == want.p2p_off &&
+                    h->p2p_bytes == want.p2p_bytes && h->arena_off == want.arena_off &&
+                    h->total_bytes == want.total_bytes,
+                TDM_STATUS_FORMAT,
+                "shm: header layout does not match its sizes (built by another version?)");
+    return TDM_STATUS_OK;
+}
+
+static tdm_status tdm_shm_join(tdm_comm **out, void *base, size_t total, int unmap, int rank,
+                               int world, const tdm_shm_opts *opts)
+{
+    tdm_status st = TDM_STATUS_OK;
+    tdm_shm_impl *c = NULL;
+    TDM_TRY(tdm_shm_validate(base, total, world));
+    if (rank < 0 || rank >= world) {
+        st = tdm_error_set(TDM_STATUS_INVALID_ARG, "shm: rank %d out of range 0..%d", rank,
+                           world - 1);
+        goto fail;
+    }
+    c = calloc(1, sizeof *c);
+    if (!c) { st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "shm: calloc"); goto fail; }
+    c->hdr = base;
+    c->base = base;
+    c->total = total;
+    c->unmap = unmap;
+    c->rank = rank;
+    c->world = world;
+    c->timeout_ms = opts && opts->timeout_ms > 0 ? opts->timeout_ms : TDM_SHM_DEFAULT_TIMEOUT_MS;
+    c->spin = !(opts && opts->no_spin) && world <= tdm_shm_cpu_count();
+    c->spin_ns = TDM_SHM_SPIN_NS;
+    c->algo = "none";
+    /* Tuning knob for measurements (docs/perf/shm.md), not an interface. */
+    const char *nt = getenv("TANDEM_SHM_NT_BYTES");
+    if (nt && *nt) tdm_shm_nt_threshold = (size_t)strtoull(nt, NULL, 10);
+    const char *spin = getenv("TANDEM_SHM_SPIN_US");
+    if (spin && *spin) c->spin_ns = (uint64_t)strtoull(spin, NULL, 10) * 1000;
+    c->cur_name = "init";
+    tdm_shm_ctrl *k = tdm_shm_ctrl_of(c, rank);
+    int32_t state = atomic_load(&k->state);
+    if (state != TDM_SHM_STATE_EMPTY) {
+        st = tdm_error_set(TDM_STATUS_MISMATCH, "shm: rank %d already joined this segment "
+                           "(pid %d)", rank, (int)atomic_load(&k->pid));
+        goto fail;
+    }
+    atomic_store(&k->pid, (int32_t)getpid());
+    atomic_store(&k->state, TDM_SHM_STATE_ALIVE);
+    TDM_INFO(SHM, "rank %d of %d joined (job %016llx, %s waits)", rank, world,
+             (unsigned long long)c->hdr->job_id, c->spin ? "spinning" : "sleeping");
+    return tdm_comm_create(out, &tdm_shm_ops, c, rank, world);
+fail:
+    if (c) free(c);
+    if (unmap) munmap(base, total);
+    return st;
+}
+
+tdm_status tdm_shm_comm_init(tdm_comm **out, tdm_shm_group *g, int rank,
+                             const tdm_shm_opts *opts)
+{
+    TDM_REQUIRE(out && g, TDM_STATUS_INVALID_ARG, "tdm_shm_comm_init: NULL argument");
+    *out = NULL;
+    tdm_shm_opts o = g->opts;
+    if (opts) {
+        if (opts->timeout_ms) o.timeout_ms = opts->timeout_ms;
+        o.no_spin = opts->no_spin;
+    }
+    return tdm_shm_join(out, g->base, g->total, 0, rank, g->world, &o);
+}
+
+tdm_status tdm_shm_comm_attach_fd(tdm_comm **out, int fd, int rank, int world,
+                                  const tdm_shm_opts *opts)
+{
+    TDM_REQUIRE(out, TDM_STATUS_INVALID_ARG, "tdm_shm_comm_attach_fd: out is NULL");
+    *out = NULL;
+    struct stat sb;
+    if (fstat(fd, &sb) != 0)
+        return tdm_error_set(TDM_STATUS_SYSTEM, "shm: fstat of fd %d: %s", fd, strerror(errno));
+    size_t size = (size_t)sb.st_size;
+    TDM_REQUIRE(size >= TDM_SHM_PAGE, TDM_STATUS_FORMAT,
+                "shm: fd %d holds %zu bytes, less than a segment header (%d bytes)", fd, size,
+                TDM_SHM_PAGE);
+    void *base = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (base == MAP_FAILED)
+        return tdm_error_set(TDM_STATUS_SYSTEM, "shm: mmap of fd %d (%zu bytes): %s", fd, size,
+                             strerror(errno));
+    return tdm_shm_join(out, base, size, 1, rank, world, opts);
+}
+
+static tdm_status tdm_shm_env_int(const char *name, int lo, int hi, int *out)
+{
+    const char *s = getenv(name);
+    TDM_REQUIRE(s && *s, TDM_STATUS_INVALID_ARG,
+                "shm: %s is not set (start ranks with `tandem launch`)", name);
+    char *end;
+    errno = 0;
+    long v = strtol(s, &end, 10);
+    TDM_REQUIRE(!errno && !*end && v >= lo && v <= hi, TDM_STATUS_INVALID_ARG,
+                "shm: %s='%s' is not an integer in %d..%d", name, s, lo, hi);
+    *out = (int)v;
+    return TDM_STATUS_OK;
+}
+
+tdm_status tdm_shm_comm_init_from_env(tdm_comm **out, const tdm_shm_opts *opts)
+{
+    int world = 0, rank = 0, fd = -1;
+    TDM_CHECK(tdm_shm_env_int("WORLD_SIZE", 1, TDM_SHM_MAX_RANKS, &world));
+    TDM_CHECK(tdm_shm_env_int("RANK", 0, world - 1, &rank));
+    TDM_CHECK(tdm_shm_env_int(TDM_SHM_ENV_FD, 0, 1 << 20, &fd));
+    TDM_REQUIRE(fcntl(fd, F_GETFD) >= 0, TDM_STATUS_INVALID_ARG,
+                "shm: %s=%d is not an open file descriptor in this process (was it "
+                "closed on exec?)", TDM_SHM_ENV_FD, fd);
+    return tdm_shm_comm_attach_fd(out, fd, rank, world, opts);
+}

@@ -1,0 +1,94 @@
+/* shm/shm_comm.h: the shared-memory communicator: N processes of one
+ * machine run the collectives of core/comm.h through one shared segment.
+ *
+ * Two ways in:
+ * - forked ranks: the parent calls tdm_shm_group_create() (creates the
+ *   segment, reserves its space, writes its header), forks, and each child
+ *   calls tdm_shm_comm_init(). The parent reports children that die with
+ *   tdm_shm_group_mark_dead() and releases the group with
+ *   tdm_shm_group_free() (shm/spawn.h does all of this for you);
+ * - exec'd ranks (a launcher): the launcher creates the group, calls
+ *   tdm_shm_group_export_env() before exec, and each rank calls
+ *   tdm_shm_comm_init_from_env(), which reads RANK, WORLD_SIZE and
+ *   TANDEM_SHM_FD.
+ *
+ * The segment is a memfd (no name anywhere) or, when opts.shm_dir is set,
+ * an unlinked O_TMPFILE in that directory: nothing is ever left behind.
+ * See docs/SHM.md for the layout, algorithms, waits and failure handling.
+ * This header is not the collective API itself: use core/comm.h on the
+ * tdm_comm this returns. */
+#ifndef TDM_SHM_SHM_COMM_H
+#define TDM_SHM_SHM_COMM_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#include "core/comm.h"
+#include "core/status.h"
+
+#define TDM_SHM_ENV_FD "TANDEM_SHM_FD"
+#define TDM_SHM_MAX_RANKS 64
+
+typedef struct tdm_shm_opts {
+    /* Directory for the segment (an unlinked O_TMPFILE there, e.g. a
+     * tmpfs); NULL: an anonymous memfd. */
+    const char *shm_dir;
+    /* Bytes of each rank's staging area (two of them per rank, double
+     * buffered); 0: 1 MiB. Rounded to 4 KiB. */
+    size_t slot_bytes;
+    /* Bytes of each rank's zero-copy arena (tdm_shm_comm_alloc); 0: none. */
+    size_t arena_bytes;
+    /* Deadline of every wait in ms; 0: 300000 (5 minutes). */
+    int64_t timeout_ms;
+    /* Messages up to this many bytes use the one-shot all_reduce; 0: the
+     * default (32 KiB); SIZE_MAX: always one-shot (as far as it fits). */
+    size_t one_shot_max_bytes;
+    /* 1: never spin, always sleep (tests of the futex path). */
+    int no_spin;
+} tdm_shm_opts;
+
+typedef struct tdm_shm_group tdm_shm_group;
+
+/* Parent side: creates and reserves the segment for `world` ranks. Fails
+ * at once, naming the bytes needed, if the backing store is too small. */
+tdm_status tdm_shm_group_create(tdm_shm_group **out, int world, const tdm_shm_opts *opts);
+/* Unmaps and closes. NULL is a no-op. */
+void tdm_shm_group_free(tdm_shm_group *g);
+/* Parent side: rank's process ended with waitpid status `wstatus` (as
+ * from waitpid). Marks it dead (if it had not left cleanly) and raises
+ * the group abort flag so that the other ranks stop at once. */
+void tdm_shm_group_mark_dead(tdm_shm_group *g, int rank, int wstatus);
+/* Records rank's pid before the child has attached, so that liveness
+ * checks cover a rank that dies before tdm_shm_comm_init. */
+void tdm_shm_group_set_pid(tdm_shm_group *g, int rank, pid_t pid);
+/* For launchers: clears close-on-exec on the segment fd and sets
+ * TANDEM_SHM_FD in this process's environment (RANK and WORLD_SIZE are
+ * the launcher's to set per child). */
+tdm_status tdm_shm_group_export_env(tdm_shm_group *g);
+int tdm_shm_group_fd(const tdm_shm_group *g);
+size_t tdm_shm_group_bytes(const tdm_shm_group *g);
+
+/* Child side, after fork: joins the group as `rank`. opts may be NULL
+ * (the group's options are used; timeout_ms and no_spin may differ per
+ * rank). */
+tdm_status tdm_shm_comm_init(tdm_comm **out, tdm_shm_group *g, int rank,
+                             const tdm_shm_opts *opts);
+/* Joins through an inherited fd: maps it and validates the header
+ * (magic, version, sizes, world) before trusting any offset. */
+tdm_status tdm_shm_comm_attach_fd(tdm_comm **out, int fd, int rank, int world,
+                                  const tdm_shm_opts *opts);
+/* Exec'd ranks: RANK, WORLD_SIZE, TANDEM_SHM_FD from the environment. */
+tdm_status tdm_shm_comm_init_from_env(tdm_comm **out, const tdm_shm_opts *opts);
+
+/* Zero-copy memory: nbytes (rounded up to 64) from this rank's arena, at
+ * the same offset on every rank, so all ranks must allocate the same
+ * sizes in the same order. all_reduce on such a buffer (in place) reads
+ * the peers' buffers directly. Freed with the communicator. */
+tdm_status tdm_shm_comm_alloc(tdm_comm *comm, size_t nbytes, void **ptr);
+
+/* Cores this process may run on (sched_getaffinity): ranks spin while
+ * waiting only when there are no more of them than this. */
+int tdm_shm_cpu_count(void);
+
+#endif

@@ -1,0 +1,179 @@
+/* shm/shm_impl.h: internals shared by shm/segment.c, shm/wait.c,
+ * shm/coll.c and shm/kernels.c: the segment layout, the flags that ranks
+ * wait on, and the per-process communicator state.
+ * Not a public header: users include shm/shm_comm.h.
+ *
+ * Segment layout (offsets in the header, every region 4 KiB aligned):
+ *
+ *   header     one page: magic, version, sizes of every region, world,
+ *              job id, group abort flag and reason
+ *   ctrl       per rank, two 64-byte lines: [progress flag + call
+ *              descriptors] [pid + state], so that the hot flag never
+ *              shares a line with anything another process writes often
+ *   slots      per rank, NBUF staging buffers of slot_bytes
+ *   p2p        per ordered pair (src, dst): a sent flag line, an ack flag
+ *              line, two halves of P2P bytes
+ *   arena      per rank, arena_bytes of zero-copy buffers
+ */
+#ifndef TDM_SHM_SHM_IMPL_H
+#define TDM_SHM_SHM_IMPL_H
+
+#include <stdalign.h>
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#include "core/comm.h"
+#include "shm/shm_comm.h"
+
+#define TDM_SHM_MAGIC 0x314d48534d444e54ull /* "TNDMSHM1" little endian */
+#define TDM_SHM_VERSION 1u
+#define TDM_SHM_LINE 64
+#define TDM_SHM_PAGE 4096
+#define TDM_SHM_NBUF 2            /* staging buffers per rank */
+#define TDM_SHM_P2P_BYTES (64 * 1024) /* each of the two halves */
+#define TDM_SHM_P2P_HDR 64        /* per half: message size, chunk index */
+
+/* A word ranks wait on: a free-running 64-bit counter, written only by
+ * its owner. Sleepers futex-wait on its low 32 bits (little endian: the
+ * first four bytes) and count themselves in `waiters`, so that the owner
+ * makes a wake syscall only when someone sleeps. */
+typedef struct tdm_shm_flag {
+    _Atomic uint64_t value;
+    _Atomic uint32_t waiters;
+    uint32_t pad_;
+} tdm_shm_flag;
+
+/* What a rank called, recorded before it arrives at a collective. */
+typedef struct tdm_shm_desc {
+    uint64_t seq;
+    uint64_t count;
+    int8_t coll, dtype, op, root;
+    /* 0: private buffers; else 1 + the buffer's offset in the arena, in
+     * elements (zero-copy reads peers at this rank's offset: all must match) */
+    uint32_t zero_copy;
+} tdm_shm_desc;
+
+enum {
+    TDM_SHM_STATE_EMPTY = 0,   /* not attached yet */
+    TDM_SHM_STATE_ALIVE = 1,
+    TDM_SHM_STATE_LEFT = 2,    /* freed its communicator */
+    TDM_SHM_STATE_DEAD = 3,    /* reported dead by the parent (wstatus) */
+};
+
+typedef struct tdm_shm_ctrl {
+    /* line 0: written by the owner only (waiters by sleepers) */
+    alignas(TDM_SHM_LINE) tdm_shm_flag flag;  /* epoch: 3*round + phase */
+    tdm_shm_desc desc[2];                      /* by seq & 1 */
+    /* line 1: liveness */
+    alignas(TDM_SHM_LINE) _Atomic int32_t pid;
+    _Atomic int32_t state;
+    _Atomic int32_t wstatus;
+} tdm_shm_ctrl;
+
+_Static_assert(sizeof(tdm_shm_ctrl) == 2 * TDM_SHM_LINE, "ctrl is two lines");
+
+typedef struct tdm_shm_header {
+    uint64_t magic;
+    uint32_t version;
+    uint32_t header_bytes;
+    uint64_t total_bytes;
+    uint64_t ctrl_off, ctrl_bytes;    /* per rank */
+    uint64_t slot_off, slot_bytes;    /* per buffer; NBUF per rank */
+    uint64_t p2p_off, p2p_bytes;      /* per ordered pair */
+    uint64_t arena_off, arena_bytes;  /* per rank */
+    uint64_t one_shot_max;
+    int32_t world;
+    int32_t nbuf;
+    uint64_t job_id;
+    /* Group abort: the first raiser wins abort_claim (CAS 0 -> 1), writes
+     * reason, then publishes abort_status with release; readers load
+     * abort_status with acquire before reading reason. */
+    alignas(TDM_SHM_LINE) _Atomic int32_t abort_claim;
+    _Atomic int32_t abort_status;
+    char abort_reason[512];
+} tdm_shm_header;
+
+_Static_assert(sizeof(tdm_shm_header) <= TDM_SHM_PAGE, "header fits a page");
+
+struct tdm_shm_group {
+    int fd;
+    int world;
+    void *base;
+    size_t total;
+    tdm_shm_opts opts;
+};
+
+typedef struct tdm_shm_impl {
+    tdm_shm_header *hdr;
+    uint8_t *base;
+    size_t total;
+    int unmap;                 /* 1: this communicator mapped it (attach) */
+    int rank, world;
+    int64_t timeout_ms;
+    int spin;                  /* spin before sleeping (world <= cores) */
+    uint64_t spin_ns;
+    uint64_t round;            /* rounds completed (all collectives) */
+    uint64_t seq;              /* collectives issued */
+    uint64_t p2p_sent[TDM_SHM_MAX_RANKS];  /* chunks sent to each peer */
+    uint64_t p2p_recvd[TDM_SHM_MAX_RANKS]; /* chunks received from each */
+    uint64_t p2p_msgs[TDM_SHM_MAX_RANKS];  /* messages, for error text */
+    size_t arena_used;
+    const char *algo;          /* last algorithm, for tdm_comm_last_algo */
+    const char *logged_algo[TDM_COLL_COUNT_]; /* last one logged, per collective */
+    /* the call in progress, for error messages */
+    const char *cur_name;
+    uint64_t cur_seq;
+    uint64_t next_live_ns;
+    tdm_status failed;         /* sticky: once a call failed, all fail */
+} tdm_shm_impl;
+
+static inline tdm_shm_ctrl *tdm_shm_ctrl_of(const tdm_shm_impl *c, int r)
+{
+    return (tdm_shm_ctrl *)(c->base + c->hdr->ctrl_off + (size_t)r * c->hdr->ctrl_bytes);
+}
+static inline uint8_t *tdm_shm_slot_of(const tdm_shm_impl *c, int r, uint64_t round)
+{
+    return c->base + c->hdr->slot_off +
+           ((size_t)r * TDM_SHM_NBUF + (size_t)(round % TDM_SHM_NBUF)) * c->hdr->slot_bytes;
+}
+static inline uint8_t *tdm_shm_p2p_of(const tdm_shm_impl *c, int src, int dst)
+{
+    return c->base + c->hdr->p2p_off + ((size_t)src * c->world + (size_t)dst) * c->hdr->p2p_bytes;
+}
+static inline uint8_t *tdm_shm_arena_of(const tdm_shm_impl *c, int r)
+{
+    return c->base + c->hdr->arena_off + (size_t)r * c->hdr->arena_bytes;
+}
+
+/* segment.c */
+tdm_status tdm_shm_layout(int world, const tdm_shm_opts *opts, tdm_shm_header *out);
+
+/* wait.c */
+/* Publish v on f (owner only): release store, wake sleepers if any. */
+void tdm_shm_flag_publish(tdm_shm_flag *f, uint64_t v);
+/* Wait until f >= target, where f belongs to rank `peer` (named in
+ * errors). Fails on group abort, a dead or departed peer, or deadline. */
+tdm_status tdm_shm_flag_wait(tdm_shm_impl *c, tdm_shm_flag *f, uint64_t target, int peer);
+/* Raise the group abort flag (first reason wins) and wake everyone. */
+void tdm_shm_raise(tdm_shm_header *h, uint8_t *base, tdm_status st, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+/* TDM_STATUS_OK, or the group's abort status with this call's message. */
+tdm_status tdm_shm_check_abort(tdm_shm_impl *c);
+
+/* coll.c */
+tdm_status tdm_shm_run(void *impl, const tdm_comm_call *call);
+
+/* kernels.c */
+/* dst0 (and dst1 when not NULL) = srcs[0] op srcs[1] op ... in order;
+ * AVG divides the sum by nsrc. Any dst may alias any src. */
+void tdm_shm_reduce(void *dst0, void *dst1, const void *const *srcs, int nsrc, size_t n,
+                    tdm_dtype dt, tdm_redop op);
+/* memcpy, with non-temporal stores for large copies whose destination is
+ * not read again soon. */
+void tdm_shm_copy_nt(void *dst, const void *src, size_t nbytes);
+/* Copies larger than this use non-temporal stores in tdm_shm_copy_nt. */
+extern size_t tdm_shm_nt_threshold;
+
+#endif

@@ -1,0 +1,232 @@
+/* shm/wait.c: how ranks wait for each other: publish a counter, wait for
+ * a peer's counter to reach a target (spin briefly, then yield, then sleep
+ * on a shared futex), and the failure paths of every wait: group abort
+ * flag, dead or departed peer, deadline.
+ * Not the collectives (shm/coll.c) and not the segment (shm/segment.c).
+ *
+ * Memory ordering, Dekker style between a publisher and a sleeper:
+ *   publisher: store value (seq_cst)      ; load waiters (seq_cst)
+ *   sleeper:   fetch_add waiters (seq_cst); load value (seq_cst); futex_wait
+ * In the single total order of seq_cst operations, either the publisher's
+ * waiters load sees the sleeper (and wakes it) or the sleeper's value load
+ * sees the new value (and does not sleep). futex_wait also re-checks the
+ * low 32 bits in the kernel, so a wake between the load and the sleep is
+ * not lost. The value store is also the release that publishes the data
+ * written before it; the waiter's loads are (at least) acquire. */
+#include "shm/shm_impl.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <linux/futex.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "core/log.h"
+#include "core/timer.h"
+
+#define TDM_SHM_SLEEP_NS (100ull * 1000 * 1000)   /* liveness check period */
+#define TDM_SHM_YIELDS 16
+#define TDM_SHM_PURE_SPIN_NS (5u * 1000)
+
+static inline void tdm_shm_cpu_relax(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+int tdm_shm_cpu_count(void)
+{
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof set, &set) == 0) return CPU_COUNT(&set);
+    long n = sysconf(_SC_NPROCESSORS_ONLN);
+    return n > 0 ? (int)n : 1;
+}
+
+static void tdm_shm_futex_wake(tdm_shm_flag *f)
+{
+    /* Shared futex (no FUTEX_PRIVATE_FLAG): sleepers are other processes. */
+    syscall(SYS_futex, (uint32_t *)&f->value, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+}
+
+void tdm_shm_flag_publish(tdm_shm_flag *f, uint64_t v)
+{
+    /* Pairs with the acquire/seq_cst loads in tdm_shm_flag_wait: every
+     * write to the slots before this store is visible to a waiter that
+     * sees v. */
+    atomic_store_explicit(&f->value, v, memory_order_seq_cst);
+    if (atomic_load_explicit(&f->waiters, memory_order_seq_cst) != 0) tdm_shm_futex_wake(f);
+}
+
+void tdm_shm_raise(tdm_shm_header *h, uint8_t *base, tdm_status st, const char *fmt, ...)
+{
+    int expected = 0;
+    if (!atomic_compare_exchange_strong(&h->abort_claim, &expected, 1)) {
+        /* Another rank won and is writing its reason: wait (briefly) until
+         * it publishes, so that our caller's tdm_shm_check_abort sees a
+         * status and does not mistake the race for success. */
+        uint64_t t0 = tdm_time_ns();
+        while (!atomic_load_explicit(&h->abort_status, memory_order_acquire) &&
+               tdm_time_ns() - t0 < 1000000000ull)
+            sched_yield();
+        return;
+    }
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(h->abort_reason, sizeof h->abort_reason, fmt, ap);
+    va_end(ap);
+    /* Release pairs with the acquire load in tdm_shm_check_abort: the
+     * reason is written before the status becomes visible. */
+    atomic_store_explicit(&h->abort_status, (int32_t)st, memory_order_release);
+    for (int r = 0; r < h->world; r++) {
+        tdm_shm_ctrl *c = (tdm_shm_ctrl *)(base + h->ctrl_off + (size_t)r * h->ctrl_bytes);
+        tdm_shm_futex_wake(&c->flag);
+    }
+    TDM_INFO(SHM, "group abort raised: %s", h->abort_reason);
+}
+
+tdm_status tdm_shm_check_abort(tdm_shm_impl *c)
+{
+    /* Acquire pairs with the release store in tdm_shm_raise. */
+    int32_t st = atomic_load_explicit(&c->hdr->abort_status, memory_order_acquire);
+    if (!st) return TDM_STATUS_OK;
+    c->failed = (tdm_status)st;
+    return tdm_error_set((tdm_status)st, "%s #%llu: %s; stopping", c->cur_name,
+                         (unsigned long long)c->cur_seq, c->hdr->abort_reason);
+}
+
+static int tdm_shm_pid_gone(pid_t pid)
+{
+    if (pid <= 0) return 0;
+    if (kill(pid, 0) == -1 && errno == ESRCH) return 1;
+    /* A dead child that its parent has not reaped yet still answers
+     * kill(pid, 0): look for the zombie state in /proc. */
+    char path[64], buf[256];
+    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return errno == ENOENT;
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0) return 0;
+    buf[n] = '\0';
+    const char *p = strrchr(buf, ')');
+    return p && p[1] == ' ' && (p[2] == 'Z' || p[2] == 'X');
+}
+
+static void tdm_shm_describe_death(int32_t wstatus, char *out, size_t n)
+{
+    if (WIFSIGNALED(wstatus))
+        snprintf(out, n, "was killed by signal %d (%s)", WTERMSIG(wstatus),
+                 strsignal(WTERMSIG(wstatus)));
+    else if (WIFEXITED(wstatus))
+        snprintf(out, n, "exited with code %d", WEXITSTATUS(wstatus));
+    else
+        snprintf(out, n, "died");
+}
+
+/* Fails (and raises the group flag) if some peer is gone. `peer` is the
+ * rank being waited for: only for it is having left the group an error. */
+static tdm_status tdm_shm_check_peers(tdm_shm_impl *c, int peer)
+{
+    for (int r = 0; r < c->world; r++) {
+        if (r == c->rank) continue;
+        tdm_shm_ctrl *k = tdm_shm_ctrl_of(c, r);
+        int32_t state = atomic_load_explicit(&k->state, memory_order_acquire);
+        pid_t pid = atomic_load_explicit(&k->pid, memory_order_relaxed);
+        char why[128];
+        if (state == TDM_SHM_STATE_DEAD) {
+            tdm_shm_describe_death(atomic_load(&k->wstatus), why, sizeof why);
+        } else if (state == TDM_SHM_STATE_LEFT) {
+            if (r != peer) continue;
+            snprintf(why, sizeof why, "left the group (freed its communicator) before #%llu",
+                     (unsigned long long)c->cur_seq);
+        } else if (tdm_shm_pid_gone(pid)) {
+            snprintf(why, sizeof why, "died");
+        } else {
+            continue;
+        }
+        tdm_shm_raise(c->hdr, c->base, TDM_STATUS_PEER_FAILED, "rank %d (pid %d) %s", r,
+                      (int)pid, why);
+        tdm_status st = tdm_shm_check_abort(c);
+        return st ? st : tdm_error_set(TDM_STATUS_PEER_FAILED, "%s #%llu: rank %d (pid %d) %s; "
+                                       "stopping", c->cur_name, (unsigned long long)c->cur_seq,
+                                       r, (int)pid, why);
+    }
+    return TDM_STATUS_OK;
+}
+
+tdm_status tdm_shm_flag_wait(tdm_shm_impl *c, tdm_shm_flag *f, uint64_t target, int peer)
+{
+    /* Acquire pairs with the seq_cst (release) store in tdm_shm_flag_publish. */
+    if (atomic_load_explicit(&f->value, memory_order_acquire) >= target) return TDM_STATUS_OK;
+
+    uint64_t t0 = tdm_time_ns();
+    if (c->spin) {
+        /* Pure spinning while a peer on another core is about to answer;
+         * then spinning with sched_yield, which costs little when the core
+         * is ours alone and lets the peer run when it shares our core
+         * (other jobs on the machine, load balancing). */
+        for (unsigned i = 1;; i++) {
+            if (atomic_load_explicit(&f->value, memory_order_acquire) >= target)
+                return TDM_STATUS_OK;
+            if ((i & 63) == 0) {
+                uint64_t dt = tdm_time_ns() - t0;
+                if (dt > c->spin_ns) break;
+                if (dt > TDM_SHM_PURE_SPIN_NS) sched_yield();
+            } else {
+                tdm_shm_cpu_relax();
+            }
+        }
+    } else {
+        for (int i = 0; i < TDM_SHM_YIELDS; i++) {
+            sched_yield();
+            if (atomic_load_explicit(&f->value, memory_order_acquire) >= target)
+                return TDM_STATUS_OK;
+        }
+    }
+    TDM_CHECK(tdm_shm_check_abort(c));
+
+    uint64_t deadline = t0 + (uint64_t)c->timeout_ms * 1000000ull;
+    for (;;) {
+        uint64_t now = tdm_time_ns();
+        if (now >= c->next_live_ns) {
+            TDM_CHECK(tdm_shm_check_peers(c, peer));
+            c->next_live_ns = now + TDM_SHM_SLEEP_NS;
+        }
+        if (now >= deadline) {
+            tdm_shm_ctrl *k = tdm_shm_ctrl_of(c, peer);
+            tdm_shm_raise(c->hdr, c->base, TDM_STATUS_TIMEOUT,
+                          "rank %d timed out after %lld ms in %s #%llu waiting for rank %d "
+                          "(pid %d)", c->rank, (long long)c->timeout_ms, c->cur_name,
+                          (unsigned long long)c->cur_seq, peer, (int)atomic_load(&k->pid));
+            tdm_status st = tdm_shm_check_abort(c);
+            return st ? st : tdm_error_set(TDM_STATUS_TIMEOUT, "%s #%llu: timed out waiting "
+                                           "for rank %d", c->cur_name,
+                                           (unsigned long long)c->cur_seq, peer);
+        }
+        atomic_fetch_add_explicit(&f->waiters, 1, memory_order_seq_cst);
+        uint64_t v = atomic_load_explicit(&f->value, memory_order_seq_cst);
+        if (v >= target) {
+            atomic_fetch_sub_explicit(&f->waiters, 1, memory_order_relaxed);
+            return TDM_STATUS_OK;
+        }
+        uint64_t left = deadline - now;
+        uint64_t nap = left < TDM_SHM_SLEEP_NS ? left : TDM_SHM_SLEEP_NS;
+        struct timespec ts = {.tv_sec = (time_t)(nap / 1000000000ull),
+                              .tv_nsec = (long)(nap % 1000000000ull)};
+        syscall(SYS_futex, (uint32_t *)&f->value, FUTEX_WAIT, (uint32_t)v, &ts, NULL, 0);
+        atomic_fetch_sub_explicit(&f->waiters, 1, memory_order_relaxed);
+        if (atomic_load_explicit(&f->value, memory_order_acquire) >= target) return TDM_STATUS_OK;
+        TDM_CHECK(tdm_shm_check_abort(c));
+    }
+}

@@ -1,0 +1,186 @@
+/* tests/shm_test_util.h: helpers for the shm communicator tests (header
+ * only: a tests/ file that is not a test_* file would be linked into every
+ * test binary). Input values are small integers, so that every reduction
+ * is exact in every dtype and results can be compared with ==; the
+ * reference is computed here, independently of shm/kernels.c.
+ * Runs inside forked ranks: reports with fprintf, never cr_assert. */
+#ifndef TDM_TESTS_SHM_TEST_UTIL_H
+#define TDM_TESTS_SHM_TEST_UTIL_H
+
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/comm.h"
+
+/* Value of element j on rank r for op (exact sums/products in float32). */
+static inline int64_t shm_t_val(size_t j, int r, tdm_redop op, unsigned salt)
+{
+    switch (op) {
+    case TDM_REDOP_PROD:
+        return ((j + (size_t)r + salt) % 3 == 0 ? 2 : 1) * (((j * 7 + (size_t)r) % 5 == 0) ? -1 : 1);
+    case TDM_REDOP_MIN:
+    case TDM_REDOP_MAX:
+        return (int64_t)((j * 31 + (size_t)r * 17 + salt) % 101) - 50;
+    default:
+        return (int64_t)((j * 7 + (size_t)r * 3 + salt) % 17) - 8;
+    }
+}
+
+static inline void shm_t_store(void *buf, size_t i, tdm_dtype dt, int64_t v)
+{
+    switch (dt) {
+    case TDM_DTYPE_FLOAT32: ((float *)buf)[i] = (float)v; break;
+    case TDM_DTYPE_FLOAT64: ((double *)buf)[i] = (double)v; break;
+    case TDM_DTYPE_INT32: ((int32_t *)buf)[i] = (int32_t)v; break;
+    case TDM_DTYPE_INT64: ((int64_t *)buf)[i] = v; break;
+    default: break;
+    }
+}
+
+/* 1 when buf[i] equals the value v would have after reduction op over
+ * world ranks (v is the exact integer SUM/PROD/MIN/MAX result). */
+static inline int shm_t_equal(const void *buf, size_t i, tdm_dtype dt, tdm_redop op, int64_t v,
+                              int world)
+{
+    switch (dt) {
+    case TDM_DTYPE_FLOAT32: {
+        float want = op == TDM_REDOP_AVG ? (float)v / (float)world : (float)v;
+        return ((const float *)buf)[i] == want;
+    }
+    case TDM_DTYPE_FLOAT64: {
+        double want = op == TDM_REDOP_AVG ? (double)v / (double)world : (double)v;
+        return ((const double *)buf)[i] == want;
+    }
+    case TDM_DTYPE_INT32:
+        return ((const int32_t *)buf)[i] == (int32_t)(op == TDM_REDOP_AVG ? v / world : v);
+    case TDM_DTYPE_INT64:
+        return ((const int64_t *)buf)[i] == (op == TDM_REDOP_AVG ? v / world : v);
+    default: return 0;
+    }
+}
+
+/* Exact reduction of shm_t_val(j, 0..world-1) (AVG: the sum). */
+static inline int64_t shm_t_ref(size_t j, int world, tdm_redop op, unsigned salt)
+{
+    int64_t acc = shm_t_val(j, 0, op, salt);
+    for (int r = 1; r < world; r++) {
+        int64_t x = shm_t_val(j, r, op, salt);
+        switch (op) {
+        case TDM_REDOP_PROD: acc *= x; break;
+        case TDM_REDOP_MIN: acc = x < acc ? x : acc; break;
+        case TDM_REDOP_MAX: acc = x > acc ? x : acc; break;
+        default: acc += x; break;
+        }
+    }
+    return acc;
+}
+
+typedef struct shm_t_case {
+    tdm_coll coll;
+    tdm_dtype dtype;
+    tdm_redop op;
+    size_t count;
+    int root;
+    int inplace;
+    unsigned salt;
+} shm_t_case;
+
+static inline void shm_t_case_str(const shm_t_case *k, char *out, size_t n)
+{
+    snprintf(out, n, "%s(%s, op=%s, count=%zu, root=%d, %s)", tdm_coll_name(k->coll),
+             tdm_dtype_name(k->dtype), tdm_redop_name(k->op), k->count, k->root,
+             k->inplace ? "in-place" : "out-of-place");
+}
+
+/* Runs one collective on this rank and checks its result against the
+ * reference. Returns 0 when right; prints the first wrong element. */
+static inline int shm_t_run_case(tdm_comm *comm, const shm_t_case *k)
+{
+    int r = tdm_comm_rank(comm), w = tdm_comm_size(comm);
+    size_t es = tdm_dtype_size(k->dtype), n = k->count, W = (size_t)w;
+    size_t send_n = n, recv_n = n;
+    switch (k->coll) {
+    case TDM_COLL_REDUCE_SCATTER: send_n = W * n; break;
+    case TDM_COLL_ALL_GATHER: case TDM_COLL_GATHER: recv_n = W * n; break;
+    case TDM_COLL_SCATTER: send_n = W * n; break;
+    default: break;
+    }
+    size_t big = (send_n > recv_n ? send_n : recv_n) + 1;
+    unsigned char *a = malloc(big * es), *b = malloc(big * es);
+    if (!a || !b) { free(a); free(b); return 2; }
+    memset(b, 0xA5, big * es);
+    void *send = a, *recv = b;
+    /* fill the send buffer with this rank's values */
+    switch (k->coll) {
+    case TDM_COLL_ALL_GATHER: case TDM_COLL_GATHER:
+        if (k->inplace) send = b + (size_t)r * n * es;
+        for (size_t i = 0; i < n; i++) shm_t_store(send, i, k->dtype, shm_t_val(i, r, k->op, k->salt));
+        break;
+    case TDM_COLL_BROADCAST:
+        for (size_t i = 0; i < n; i++) shm_t_store(a, i, k->dtype, shm_t_val(i, r, k->op, k->salt));
+        if (k->inplace) recv = a;
+        break;
+    default:
+        for (size_t i = 0; i < send_n; i++) shm_t_store(a, i, k->dtype, shm_t_val(i, r, k->op, k->salt));
+        if (k->inplace) {
+            if (k->coll == TDM_COLL_REDUCE_SCATTER || k->coll == TDM_COLL_SCATTER)
+                recv = a + (size_t)r * n * es;
+            else
+                recv = a;
+        }
+    }
+    tdm_status st = TDM_STATUS_OK;
+    switch (k->coll) {
+    case TDM_COLL_ALL_REDUCE: st = tdm_comm_all_reduce(comm, send, recv, n, k->dtype, k->op); break;
+    case TDM_COLL_REDUCE: st = tdm_comm_reduce(comm, send, recv, n, k->dtype, k->op, k->root); break;
+    case TDM_COLL_REDUCE_SCATTER: st = tdm_comm_reduce_scatter(comm, send, recv, n, k->dtype, k->op); break;
+    case TDM_COLL_ALL_GATHER: st = tdm_comm_all_gather(comm, send, recv, n, k->dtype); break;
+    case TDM_COLL_GATHER: st = tdm_comm_gather(comm, send, recv, n, k->dtype, k->root); break;
+    case TDM_COLL_BROADCAST: st = tdm_comm_broadcast(comm, send, recv, n, k->dtype, k->root); break;
+    case TDM_COLL_SCATTER: st = tdm_comm_scatter(comm, send, recv, n, k->dtype, k->root); break;
+    default: st = TDM_STATUS_INTERNAL;
+    }
+    char desc[160];
+    shm_t_case_str(k, desc, sizeof desc);
+    int bad = 0;
+    if (st) {
+        fprintf(stderr, "rank %d/%d: %s failed: %s: %s\n", r, w, desc, tdm_status_name(st),
+                tdm_error_message());
+        bad = 1;
+    }
+    for (size_t i = 0; !bad && i < recv_n; i++) {
+        int ok = 1;
+        switch (k->coll) {
+        case TDM_COLL_ALL_REDUCE:
+            ok = shm_t_equal(recv, i, k->dtype, k->op, shm_t_ref(i, w, k->op, k->salt), w); break;
+        case TDM_COLL_REDUCE:
+            if (r != k->root) { i = recv_n; break; }
+            ok = shm_t_equal(recv, i, k->dtype, k->op, shm_t_ref(i, w, k->op, k->salt), w); break;
+        case TDM_COLL_REDUCE_SCATTER:
+            ok = shm_t_equal(recv, i, k->dtype, k->op,
+                             shm_t_ref((size_t)r * n + i, w, k->op, k->salt), w); break;
+        case TDM_COLL_ALL_GATHER:
+            ok = shm_t_equal(recv, i, k->dtype, TDM_REDOP_SUM, shm_t_val(i % (n ? n : 1), (int)(i / n), k->op, k->salt), 1); break;
+        case TDM_COLL_GATHER:
+            if (r != k->root) { i = recv_n; break; }
+            ok = shm_t_equal(recv, i, k->dtype, TDM_REDOP_SUM, shm_t_val(i % (n ? n : 1), (int)(i / n), k->op, k->salt), 1); break;
+        case TDM_COLL_BROADCAST:
+            ok = shm_t_equal(recv, i, k->dtype, TDM_REDOP_SUM, shm_t_val(i, k->root, k->op, k->salt), 1); break;
+        case TDM_COLL_SCATTER:
+            ok = shm_t_equal(recv, i, k->dtype, TDM_REDOP_SUM, shm_t_val((size_t)r * n + i, k->root, k->op, k->salt), 1); break;
+        default: break;
+        }
+        if (!ok) {
+            fprintf(stderr, "rank %d/%d: %s: wrong element %zu (algo %s)\n", r, w, desc, i,
+                    tdm_comm_last_algo(comm));
+            bad = 1;
+        }
+    }
+    free(a);
+    free(b);
+    return bad;
+}
+
+#endif

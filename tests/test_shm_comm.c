@@ -1,0 +1,330 @@
+/* tests/test_shm_comm.c: results of the shm collectives against a
+ * reference: every collective x op x dtype, 1..8 ranks (8 ranks on 2
+ * cores), sizes 0, 1, primes and around every chunk and algorithm
+ * boundary, in place and out of place; zero-copy buffers; send/recv; many
+ * collectives back to back; asynchronous handles in order; argument
+ * checks. Failure handling is in test_shm_fail.c. */
+#include <criterion/criterion.h>
+#include <dirent.h>
+#include <string.h>
+
+#include "core/comm.h"
+#include "shm/shm_comm.h"
+#include "shm/spawn.h"
+#include "tests/shm_test_util.h"
+
+#define SMALL_SLOT (16 * 1024)
+#define SMALL_ONE_SHOT 2048
+
+typedef struct matrix_arg {
+    tdm_coll coll;
+    int all_ops;        /* reductions: every op; otherwise SUM values only */
+    size_t slot_bytes, one_shot;
+    const size_t *extra;  /* extra sizes (elements), 0-terminated */
+} matrix_arg;
+
+static size_t sizes_for(const matrix_arg *m, int world, size_t es, size_t *out)
+{
+    size_t n = 0;
+    static const size_t fixed[] = {0, 1, 2, 3, 13, 61, 127, 1021};
+    for (size_t i = 0; i < sizeof fixed / sizeof fixed[0]; i++) out[n++] = fixed[i];
+    size_t slot = m->slot_bytes / es;
+    size_t per = m->slot_bytes / (size_t)world / 64 * 64 / es;
+    size_t os = m->one_shot / es;
+    size_t marks[] = {os, slot, per, per * (size_t)world, 2 * slot};
+    for (size_t i = 0; i < sizeof marks / sizeof marks[0]; i++) {
+        if (marks[i] > 1) out[n++] = marks[i] - 1;
+        out[n++] = marks[i];
+        out[n++] = marks[i] + 1;
+    }
+    out[n++] = 3 * slot + 17;
+    for (const size_t *e = m->extra; e && *e; e++) out[n++] = *e;
+    return n;
+}
+
+static int matrix_rank(tdm_comm *comm, void *arg)
+{
+    const matrix_arg *m = arg;
+    int w = tdm_comm_size(comm);
+    int bad = 0;
+    int nops = m->all_ops ? TDM_REDOP_COUNT_ : 1;
+    for (int dt = 0; dt < TDM_DTYPE_COUNT_; dt++) {
+        size_t sizes[64];
+        size_t ns = sizes_for(m, w, tdm_dtype_size((tdm_dtype)dt), sizes);
+        for (int op = 0; op < nops; op++)
+            for (size_t s = 0; s < ns; s++)
+                for (int inplace = 0; inplace < 2; inplace++)
+                    for (int root = 0; root < w; root += (w > 1 ? w - 1 : 1)) {
+                        shm_t_case k = {.coll = m->coll, .dtype = (tdm_dtype)dt,
+                                        .op = (tdm_redop)op, .count = sizes[s], .root = root,
+                                        .inplace = inplace, .salt = (unsigned)(s * 3 + op)};
+                        bad |= shm_t_run_case(comm, &k);
+                        if (bad) return 1;
+                        if (m->coll == TDM_COLL_ALL_REDUCE || m->coll == TDM_COLL_ALL_GATHER ||
+                            m->coll == TDM_COLL_REDUCE_SCATTER)
+                            break; /* no root */
+                    }
+    }
+    return bad;
+}
+
+static void run_matrix(tdm_coll coll, int all_ops, int max_world)
+{
+    matrix_arg m = {.coll = coll, .all_ops = all_ops, .slot_bytes = SMALL_SLOT,
+                    .one_shot = SMALL_ONE_SHOT};
+    for (int w = 1; w <= max_world; w++) {
+        tdm_shm_spawn_opts o = {.shm = {.slot_bytes = SMALL_SLOT,
+                                        .one_shot_max_bytes = SMALL_ONE_SHOT,
+                                        .timeout_ms = 20000},
+                                .timeout_ms = 40000};
+        tdm_status st = tdm_shm_spawn(w, matrix_rank, &m, &o, NULL);
+        cr_assert_eq(st, TDM_STATUS_OK, "%s with %d ranks: %s", tdm_coll_name(coll), w,
+                     tdm_error_message());
+    }
+}
+
+Test(shm_comm, all_reduce_matrix, .timeout = 60) { run_matrix(TDM_COLL_ALL_REDUCE, 1, 8); }
+Test(shm_comm, reduce_matrix, .timeout = 60) { run_matrix(TDM_COLL_REDUCE, 1, 8); }
+Test(shm_comm, reduce_scatter_matrix, .timeout = 60) { run_matrix(TDM_COLL_REDUCE_SCATTER, 1, 8); }
+Test(shm_comm, all_gather_matrix, .timeout = 60) { run_matrix(TDM_COLL_ALL_GATHER, 0, 8); }
+Test(shm_comm, gather_matrix, .timeout = 60) { run_matrix(TDM_COLL_GATHER, 0, 8); }
+Test(shm_comm, scatter_matrix, .timeout = 60) { run_matrix(TDM_COLL_SCATTER, 0, 8); }
+Test(shm_comm, broadcast_matrix, .timeout = 60) { run_matrix(TDM_COLL_BROADCAST, 0, 8); }
+
+/* Default layout (1 MiB slots, 32 KiB one-shot) and large messages. */
+static int large_rank(tdm_comm *comm, void *arg)
+{
+    (void)arg;
+    static const size_t counts[] = {8191, 8192, 8193, 262143, 262144 + 7, 16u << 20};
+    for (size_t i = 0; i < sizeof counts / sizeof counts[0]; i++)
+        for (int inplace = 0; inplace < 2; inplace++) {
+            shm_t_case k = {.coll = TDM_COLL_ALL_REDUCE, .dtype = TDM_DTYPE_FLOAT32,
+                            .op = TDM_REDOP_SUM, .count = counts[i], .inplace = inplace,
+                            .salt = (unsigned)i};
+            if (shm_t_run_case(comm, &k)) return 1;
+        }
+    shm_t_case k = {.coll = TDM_COLL_ALL_GATHER, .dtype = TDM_DTYPE_INT32, .count = 1u << 20};
+    if (shm_t_run_case(comm, &k)) return 1;
+    k = (shm_t_case){.coll = TDM_COLL_REDUCE_SCATTER, .dtype = TDM_DTYPE_INT64,
+                     .op = TDM_REDOP_MAX, .count = 300001};
+    if (shm_t_run_case(comm, &k)) return 1;
+    return 0;
+}
+
+Test(shm_comm, large_messages, .timeout = 60)
+{
+    for (int w = 2; w <= 3; w++) {
+        tdm_shm_spawn_opts o = {.timeout_ms = 50000};
+        tdm_status st = tdm_shm_spawn(w, large_rank, NULL, &o, NULL);
+        cr_assert_eq(st, TDM_STATUS_OK, "%d ranks: %s", w, tdm_error_message());
+    }
+}
+
+/* Zero-copy: buffers from the arena, all_reduce in place reads peers. */
+static int zero_copy_rank(tdm_comm *comm, void *arg)
+{
+    (void)arg;
+    int r = tdm_comm_rank(comm), w = tdm_comm_size(comm);
+    float *buf;
+    size_t cap = (size_t)3 << 20;
+    if (tdm_shm_comm_alloc(comm, cap * sizeof(float), (void **)&buf)) return 3;
+    static const size_t counts[] = {1, 100, 8191, 8192, 8193, 65536 * 3 + 5, (size_t)3 << 20};
+    for (int op = 0; op < TDM_REDOP_COUNT_; op++)
+        for (size_t c = 0; c < sizeof counts / sizeof counts[0]; c++) {
+            size_t n = counts[c];
+            for (size_t i = 0; i < n; i++) buf[i] = (float)shm_t_val(i, r, (tdm_redop)op, (unsigned)c);
+            tdm_status st = tdm_comm_all_reduce(comm, buf, buf, n, TDM_DTYPE_FLOAT32, (tdm_redop)op);
+            if (st) { fprintf(stderr, "zc: %s\n", tdm_error_message()); return 1; }
+            if (n * 4 > 32768 && strcmp(tdm_comm_last_algo(comm), "rs-ag-zc") != 0) {
+                fprintf(stderr, "zc: count %zu used %s\n", n, tdm_comm_last_algo(comm));
+                return 1;
+            }
+            for (size_t i = 0; i < n; i++)
+                if (!shm_t_equal(buf, i, TDM_DTYPE_FLOAT32, (tdm_redop)op,
+                                 shm_t_ref(i, w, (tdm_redop)op, (unsigned)c), w)) {
+                    fprintf(stderr, "zc rank %d: op %d count %zu: wrong at %zu\n", r, op, n, i);
+                    return 1;
+                }
+        }
+    return 0;
+}
+
+Test(shm_comm, zero_copy_all_reduce, .timeout = 60)
+{
+    for (int w = 2; w <= 4; w += 2) {
+        tdm_shm_spawn_opts o = {.shm = {.arena_bytes = (size_t)13 << 20}, .timeout_ms = 50000};
+        tdm_status st = tdm_shm_spawn(w, zero_copy_rank, NULL, &o, NULL);
+        cr_assert_eq(st, TDM_STATUS_OK, "%d ranks: %s", w, tdm_error_message());
+    }
+}
+
+/* Thousands of small collectives back to back, each checked, mixed sizes. */
+static int back_to_back_rank(tdm_comm *comm, void *arg)
+{
+    (void)arg;
+    int r = tdm_comm_rank(comm), w = tdm_comm_size(comm);
+    int64_t buf[700];
+    for (int it = 0; it < 3000; it++) {
+        size_t n = (it % 7 == 0) ? 700 : 1 + (size_t)(it % 5);
+        for (size_t i = 0; i < n; i++) buf[i] = it * 1000 + r * 10 + (int64_t)i;
+        if (tdm_comm_all_reduce(comm, buf, buf, n, TDM_DTYPE_INT64, TDM_REDOP_SUM)) {
+            fprintf(stderr, "b2b: %s\n", tdm_error_message());
+            return 1;
+        }
+        for (size_t i = 0; i < n; i++) {
+            int64_t want = (int64_t)w * (it * 1000 + (int64_t)i) + 10 * (int64_t)w * (w - 1) / 2;
+            if (buf[i] != want) {
+                fprintf(stderr, "b2b rank %d it %d: [%zu] = %lld want %lld\n", r, it, i,
+                        (long long)buf[i], (long long)want);
+                return 1;
+            }
+        }
+        if (it % 500 == 0 && tdm_comm_barrier(comm)) return 1;
+    }
+    return 0;
+}
+
+Test(shm_comm, back_to_back, .timeout = 60)
+{
+    static const int worlds[] = {2, 4, 8};
+    for (int i = 0; i < 3; i++) {
+        tdm_shm_spawn_opts o = {.shm = {.timeout_ms = 20000}, .timeout_ms = 40000};
+        tdm_status st = tdm_shm_spawn(worlds[i], back_to_back_rank, NULL, &o, NULL);
+        cr_assert_eq(st, TDM_STATUS_OK, "%d ranks: %s", worlds[i], tdm_error_message());
+    }
+}
+
+/* Futex path only (no spinning), 4 ranks. */
+Test(shm_comm, back_to_back_sleeping, .timeout = 60)
+{
+    tdm_shm_spawn_opts o = {.shm = {.timeout_ms = 20000, .no_spin = 1}, .timeout_ms = 40000};
+    tdm_status st = tdm_shm_spawn(4, back_to_back_rank, NULL, &o, NULL);
+    cr_assert_eq(st, TDM_STATUS_OK, "%s", tdm_error_message());
+}
+
+/* Asynchronous all_reduces complete in order, with a synchronous call
+ * issued behind them. */
+static int async_rank(tdm_comm *comm, void *arg)
+{
+    (void)arg;
+    enum { NW = 64, N = 5000 };
+    int w = tdm_comm_size(comm), r = tdm_comm_rank(comm);
+    static int32_t bufs[NW][N];
+    tdm_comm_work *works[NW];
+    for (int j = 0; j < NW; j++) {
+        for (int i = 0; i < N; i++) bufs[j][i] = j + r + i;
+        if (tdm_comm_all_reduce_async(comm, bufs[j], bufs[j], (size_t)(j % 3 ? N : 3),
+                                      TDM_DTYPE_INT32, TDM_REDOP_SUM, &works[j]))
+            return 1;
+    }
+    int32_t one = r;
+    if (tdm_comm_all_reduce(comm, &one, &one, 1, TDM_DTYPE_INT32, TDM_REDOP_MAX)) return 1;
+    if (one != w - 1) return 2;
+    int done = 0;
+    if (tdm_comm_work_test(works[NW - 1], &done) || !done) return 3; /* completed in order */
+    for (int j = 0; j < NW; j++) {
+        if (tdm_comm_work_wait(works[j], 10000)) {
+            fprintf(stderr, "async %d: %s\n", j, tdm_error_message());
+            return 4;
+        }
+        tdm_comm_work_free(works[j]);
+        int n = j % 3 ? N : 3;
+        for (int i = 0; i < n; i++)
+            if (bufs[j][i] != w * (j + i) + w * (w - 1) / 2) return 5;
+    }
+    return 0;
+}
+
+Test(shm_comm, async_in_order, .timeout = 60)
+{
+    for (int w = 1; w <= 4; w++) {
+        tdm_shm_spawn_opts o = {.shm = {.timeout_ms = 20000}, .timeout_ms = 30000};
+        tdm_status st = tdm_shm_spawn(w, async_rank, NULL, &o, NULL);
+        cr_assert_eq(st, TDM_STATUS_OK, "%d ranks: %s", w, tdm_error_message());
+    }
+}
+
+/* send/recv between pairs, sizes across the channel's chunking. */
+static int p2p_rank(tdm_comm *comm, void *arg)
+{
+    (void)arg;
+    int r = tdm_comm_rank(comm), w = tdm_comm_size(comm);
+    int peer = r ^ 1;
+    if (peer >= w) return 0;
+    static const size_t counts[] = {0, 1, 16383, 16384, 16385, 100000};
+    static int32_t buf[100000];
+    for (size_t c = 0; c < sizeof counts / sizeof counts[0]; c++)
+        for (int dir = 0; dir < 2; dir++) {
+            size_t n = counts[c];
+            int sender = (r & 1) == dir;
+            if (sender) {
+                for (size_t i = 0; i < n; i++) buf[i] = (int32_t)(i * 3 + (size_t)r + c);
+                if (tdm_comm_send(comm, buf, n, TDM_DTYPE_INT32, peer)) return 1;
+            } else {
+                memset(buf, 0, sizeof buf);
+                if (tdm_comm_recv(comm, buf, n, TDM_DTYPE_INT32, peer)) return 2;
+                for (size_t i = 0; i < n; i++)
+                    if (buf[i] != (int32_t)(i * 3 + (size_t)peer + c)) return 3;
+            }
+        }
+    /* collectives still work after point-to-point traffic */
+    if (w % 2 == 0) {
+        int32_t x = 1;
+        if (tdm_comm_all_reduce(comm, &x, &x, 1, TDM_DTYPE_INT32, TDM_REDOP_SUM) || x != w) return 4;
+    }
+    return 0;
+}
+
+Test(shm_comm, send_recv, .timeout = 30)
+{
+    for (int w = 2; w <= 4; w += 2) {
+        tdm_shm_spawn_opts o = {.shm = {.timeout_ms = 10000}, .timeout_ms = 20000};
+        tdm_status st = tdm_shm_spawn(w, p2p_rank, NULL, &o, NULL);
+        cr_assert_eq(st, TDM_STATUS_OK, "%d ranks: %s", w, tdm_error_message());
+    }
+}
+
+/* Argument checks of the dispatcher, on a one-rank communicator. */
+Test(shm_comm, argument_checks, .timeout = 10)
+{
+    tdm_shm_group *g = NULL;
+    tdm_comm *comm = NULL;
+    cr_assert_eq(tdm_shm_group_create(&g, 1, NULL), TDM_STATUS_OK, "%s", tdm_error_message());
+    cr_assert_eq(tdm_shm_comm_init(&comm, g, 0, NULL), TDM_STATUS_OK, "%s", tdm_error_message());
+    float x[4] = {1, 2, 3, 4}, y[4];
+    cr_expect_eq(tdm_comm_all_reduce(comm, NULL, y, 4, TDM_DTYPE_FLOAT32, TDM_REDOP_SUM),
+                 TDM_STATUS_INVALID_ARG);
+    cr_expect(strstr(tdm_error_message(), "sendbuf is NULL"), "%s", tdm_error_message());
+    cr_expect_eq(tdm_comm_all_reduce(comm, x, NULL, 4, TDM_DTYPE_FLOAT32, TDM_REDOP_SUM),
+                 TDM_STATUS_INVALID_ARG);
+    cr_expect_eq(tdm_comm_all_reduce(comm, NULL, NULL, 0, TDM_DTYPE_FLOAT32, TDM_REDOP_SUM),
+                 TDM_STATUS_OK);
+    cr_expect_eq(tdm_comm_broadcast(comm, x, y, 4, TDM_DTYPE_FLOAT32, 1), TDM_STATUS_INVALID_ARG);
+    cr_expect(strstr(tdm_error_message(), "root 1 out of range"), "%s", tdm_error_message());
+    cr_expect_eq(tdm_comm_all_reduce(comm, x, y, 4, (tdm_dtype)99, TDM_REDOP_SUM),
+                 TDM_STATUS_INVALID_ARG);
+    cr_expect(strstr(tdm_error_message(), "invalid dtype 99"), "%s", tdm_error_message());
+    cr_expect_eq(tdm_comm_all_reduce(comm, x, y, 4, TDM_DTYPE_FLOAT32, (tdm_redop)-1),
+                 TDM_STATUS_INVALID_ARG);
+    cr_expect_eq(tdm_comm_send(comm, x, 4, TDM_DTYPE_FLOAT32, 0), TDM_STATUS_INVALID_ARG);
+    cr_expect_eq(tdm_comm_all_reduce(comm, x, y, 4, TDM_DTYPE_FLOAT32, TDM_REDOP_AVG),
+                 TDM_STATUS_OK);
+    cr_expect(y[3] == 4.0f);
+    tdm_comm_work *wk = NULL;
+    cr_expect_eq(tdm_comm_all_reduce_async(comm, NULL, y, 4, TDM_DTYPE_FLOAT32, TDM_REDOP_SUM, &wk),
+                 TDM_STATUS_INVALID_ARG);
+    cr_expect_null(wk);
+    void *p = NULL;
+    cr_expect_eq(tdm_comm_alloc(comm, 64, &p), TDM_STATUS_OUT_OF_MEMORY); /* no arena */
+    tdm_dtype dt;
+    tdm_redop op;
+    cr_expect_eq(tdm_dtype_parse("double", &dt), TDM_STATUS_OK);
+    cr_expect_eq(dt, TDM_DTYPE_FLOAT64);
+    cr_expect_eq(tdm_redop_parse("avg", &op), TDM_STATUS_OK);
+    cr_expect_eq(op, TDM_REDOP_AVG);
+    cr_expect_eq(tdm_redop_parse("mean", &op), TDM_STATUS_INVALID_ARG);
+    tdm_comm_free(comm);
+    tdm_comm_free(NULL);
+    tdm_shm_group_free(g);
+    tdm_shm_group_free(NULL);
+}

@@ -1,0 +1,395 @@
+/* tests/test_shm_fail.c: failure handling of the shm communicator: a rank
+ * killed mid-run, a late rank (deadline), mismatched collectives, abort,
+ * a corrupted or foreign segment header, a full tmpfs, a malformed
+ * environment. Each test bounds its time and leaves no process and no
+ * /dev/shm entry behind. Results are in test_shm_comm.c. */
+#include <criterion/criterion.h>
+#include <dirent.h>
+#include <errno.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/mount.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "core/comm.h"
+#include "core/timer.h"
+#include "shm/shm_comm.h"
+#include "shm/shm_impl.h"
+#include "shm/spawn.h"
+
+static int count_dev_shm(void)
+{
+    DIR *d = opendir("/dev/shm");
+    if (!d) return 0;
+    int n = 0;
+    struct dirent *e;
+    while ((e = readdir(d)))
+        if (strstr(e->d_name, "tandem")) n++;
+    closedir(d);
+    return n;
+}
+
+/* --- a rank dies ------------------------------------------------------- */
+
+#define VICTIM 2
+
+static int kill_rank(tdm_comm *comm, void *arg)
+{
+    (void)arg;
+    int r = tdm_comm_rank(comm);
+    float buf[4096];
+    for (int it = 0;; it++) {
+        for (int i = 0; i < 4096; i++) buf[i] = (float)r;
+        if (r == VICTIM && it == 57) raise(SIGKILL);
+        uint64_t t0 = tdm_time_ns();
+        size_t n = it % 2 ? 4096 : 3;   /* one-shot and multi-round */
+        tdm_status st = tdm_comm_all_reduce(comm, buf, buf, n, TDM_DTYPE_FLOAT32, TDM_REDOP_SUM);
+        if (st == TDM_STATUS_OK) continue;
+        double ms = tdm_time_ms_since(t0);
+        const char *m = tdm_error_message();
+        fprintf(stderr, "rank %d got (after %.0f ms): %s\n", r, ms, m);
+        if (st != TDM_STATUS_PEER_FAILED) return 10;
+        if (!strstr(m, "rank 2 (pid ")) return 11;
+        if (!strstr(m, "all_reduce #57")) return 12;
+        if (ms > 2000) return 13;
+        /* later calls fail at once too */
+        st = tdm_comm_barrier(comm);
+        if (st != TDM_STATUS_PEER_FAILED) return 14;
+        return 0;
+    }
+}
+
+static void check_killed(int world, tdm_shm_opts shm)
+{
+    int before = count_dev_shm();
+    tdm_shm_spawn_opts o = {.shm = shm, .timeout_ms = 20000, .grace_ms = 5000};
+    o.shm.timeout_ms = 30000;
+    tdm_shm_spawn_result res;
+    tdm_status st = tdm_shm_spawn(world, kill_rank, NULL, &o, &res);
+    cr_assert_eq(st, TDM_STATUS_PEER_FAILED, "%s", tdm_error_message());
+    cr_expect(strstr(tdm_error_message(), "rank 2 (pid"), "%s", tdm_error_message());
+    cr_expect(strstr(tdm_error_message(), "signal 9"), "%s", tdm_error_message());
+    for (int r = 0; r < world; r++) {
+        if (r == VICTIM) {
+            cr_expect(WIFSIGNALED(res.wstatus[r]) && WTERMSIG(res.wstatus[r]) == SIGKILL);
+        } else {
+            cr_expect(WIFEXITED(res.wstatus[r]) && WEXITSTATUS(res.wstatus[r]) == 0,
+                      "rank %d: status 0x%x", r, res.wstatus[r]);
+        }
+        cr_expect(kill(res.pid[r], 0) == -1 && errno == ESRCH, "rank %d still exists", r);
+    }
+    cr_expect(res.elapsed_ms < 4000, "took %.0f ms", res.elapsed_ms);
+    cr_expect_eq(count_dev_shm(), before);
+}
+
+Test(shm_fail, rank_killed, .timeout = 30) { check_killed(4, (tdm_shm_opts){0}); }
+Test(shm_fail, rank_killed_sleeping, .timeout = 30)
+{
+    check_killed(8, (tdm_shm_opts){.no_spin = 1});
+}
+
+/* --- detection without the parent's help: liveness from inside waits -- */
+
+static int orphan_rank(tdm_comm *comm, void *arg)
+{
+    (void)arg;
+    int r = tdm_comm_rank(comm);
+    if (r == 1) _exit(7);  /* gone: the spawning parent reports it */
+    int32_t x = 1;
+    uint64_t t0 = tdm_time_ns();
+    tdm_status st = tdm_comm_all_reduce(comm, &x, &x, 1, TDM_DTYPE_INT32, TDM_REDOP_SUM);
+    fprintf(stderr, "rank %d: %.0f ms: %s\n", r, tdm_time_ms_since(t0), tdm_error_message());
+    return st == TDM_STATUS_PEER_FAILED && strstr(tdm_error_message(), "rank 1") &&
+                   tdm_time_ms_since(t0) < 2000
+               ? 0 : 1;
+}
+
+Test(shm_fail, rank_exits_early, .timeout = 30)
+{
+    tdm_shm_spawn_opts o = {.shm = {.timeout_ms = 30000}, .timeout_ms = 20000};
+    tdm_shm_spawn_result res;
+    tdm_status st = tdm_shm_spawn(3, orphan_rank, NULL, &o, &res);
+    cr_assert_eq(st, TDM_STATUS_PEER_FAILED, "%s", tdm_error_message());
+    cr_expect(strstr(tdm_error_message(), "rank 1 (pid"), "%s", tdm_error_message());
+    cr_expect(strstr(tdm_error_message(), "exited with code 7"), "%s", tdm_error_message());
+    cr_expect(WIFEXITED(res.wstatus[0]) && WEXITSTATUS(res.wstatus[0]) == 0);
+    cr_expect(WIFEXITED(res.wstatus[2]) && WEXITSTATUS(res.wstatus[2]) == 0);
+}
+
+/* Without a parent that reports deaths: rank 1 exits without freeing its
+ * communicator and stays a zombie; rank 0's waits find it via /proc. */
+Test(shm_fail, zombie_found_by_liveness_check, .timeout = 20)
+{
+    tdm_shm_group *g = NULL;
+    cr_assert_eq(tdm_shm_group_create(&g, 2, NULL), TDM_STATUS_OK);
+    pid_t kids[2];
+    for (int r = 0; r < 2; r++) {
+        kids[r] = fork();
+        cr_assert_geq(kids[r], 0);
+        if (kids[r] == 0) {
+            tdm_comm *comm = NULL;
+            tdm_shm_opts o = {.timeout_ms = 10000};
+            if (tdm_shm_comm_init(&comm, g, r, &o)) _exit(50);
+            if (r == 1) _exit(0);
+            int32_t x = 1;
+            uint64_t t0 = tdm_time_ns();
+            tdm_status st = tdm_comm_all_reduce(comm, &x, &x, 1, TDM_DTYPE_INT32, TDM_REDOP_SUM);
+            fprintf(stderr, "rank 0: %.0f ms: %s\n", tdm_time_ms_since(t0), tdm_error_message());
+            _exit(st == TDM_STATUS_PEER_FAILED && strstr(tdm_error_message(), "rank 1 (pid") &&
+                          strstr(tdm_error_message(), "died") && tdm_time_ms_since(t0) < 2000
+                      ? 0 : 51);
+        }
+    }
+    int ws = 0;
+    cr_assert_eq(waitpid(kids[0], &ws, 0), kids[0]);
+    waitpid(kids[1], NULL, 0);
+    cr_expect(WIFEXITED(ws) && WEXITSTATUS(ws) == 0, "rank 0 status 0x%x", ws);
+    tdm_shm_group_free(g);
+}
+
+/* --- a late rank: the deadline names it --------------------------------- */
+
+static int late_rank(tdm_comm *comm, void *arg)
+{
+    (void)arg;
+    int r = tdm_comm_rank(comm);
+    int32_t x = 1;
+    if (tdm_comm_all_reduce(comm, &x, &x, 1, TDM_DTYPE_INT32, TDM_REDOP_SUM)) return 20;
+    if (r == 1) usleep(1500 * 1000);
+    uint64_t t0 = tdm_time_ns();
+    tdm_status st = tdm_comm_all_reduce(comm, &x, &x, 1, TDM_DTYPE_INT32, TDM_REDOP_SUM);
+    fprintf(stderr, "rank %d: %.0f ms: %s\n", r, tdm_time_ms_since(t0), tdm_error_message());
+    if (st != TDM_STATUS_TIMEOUT) return 21;
+    if (r != 1 && !strstr(tdm_error_message(), "waiting for rank 1")) return 22;
+    if (!strstr(tdm_error_message(), "all_reduce #1")) return 23;
+    return 0;
+}
+
+Test(shm_fail, deadline_names_late_rank, .timeout = 30)
+{
+    tdm_shm_spawn_opts o = {.shm = {.timeout_ms = 300}, .timeout_ms = 20000};
+    tdm_status st = tdm_shm_spawn(3, late_rank, NULL, &o, NULL);
+    cr_assert_eq(st, TDM_STATUS_OK, "%s", tdm_error_message());
+}
+
+/* --- mismatched collectives --------------------------------------------- */
+
+static int mismatch_rank(tdm_comm *comm, void *arg)
+{
+    (void)arg;
+    int r = tdm_comm_rank(comm);
+    float buf[1000] = {0};
+    for (int i = 0; i < 12; i++)
+        if (tdm_comm_all_reduce(comm, buf, buf, 1000, TDM_DTYPE_FLOAT32, TDM_REDOP_SUM)) return 30;
+    tdm_status st = r == 1 ? tdm_comm_broadcast(comm, buf, buf, 1000, TDM_DTYPE_FLOAT32, 0)
+                           : tdm_comm_all_reduce(comm, buf, buf, 1000, TDM_DTYPE_FLOAT32,
+                                                 TDM_REDOP_SUM);
+    const char *m = tdm_error_message();
+    fprintf(stderr, "rank %d: %s\n", r, m);
+    if (st != TDM_STATUS_MISMATCH) return 31;
+    if (!strstr(m, "collective #12")) return 32;
+    if (!strstr(m, "all_reduce(float32, count=1000, op=sum)")) return 33;
+    if (!strstr(m, "broadcast(float32, count=1000, root=0)")) return 34;
+    if (!strstr(m, "rank 1 called")) return 35;
+    return 0;
+}
+
+Test(shm_fail, mismatch_names_both_ranks, .timeout = 30)
+{
+    tdm_shm_spawn_opts o = {.shm = {.timeout_ms = 5000}, .timeout_ms = 20000};
+    tdm_status st = tdm_shm_spawn(2, mismatch_rank, NULL, &o, NULL);
+    cr_assert_eq(st, TDM_STATUS_OK, "%s", tdm_error_message());
+}
+
+/* Zero-copy buffers must be at the same arena offset on every rank. */
+static int zc_mismatch_rank(tdm_comm *comm, void *arg)
+{
+    (void)arg;
+    int r = tdm_comm_rank(comm);
+    float *a, *b;
+    if (tdm_shm_comm_alloc(comm, 1 << 20, (void **)&a)) return 60;
+    if (tdm_shm_comm_alloc(comm, 1 << 20, (void **)&b)) return 61;
+    float *mine = r == 0 ? a : b;    /* different offsets */
+    tdm_status st = tdm_comm_all_reduce(comm, mine, mine, 100000, TDM_DTYPE_FLOAT32,
+                                        TDM_REDOP_SUM);
+    fprintf(stderr, "rank %d: %s\n", r, tdm_error_message());
+    if (st != TDM_STATUS_MISMATCH) return 62;
+    if (!strstr(tdm_error_message(), "zero-copy buffer at arena element")) return 63;
+    return 0;
+}
+
+Test(shm_fail, zero_copy_offsets_must_match, .timeout = 30)
+{
+    tdm_shm_spawn_opts o = {.shm = {.timeout_ms = 5000, .arena_bytes = 2 << 20},
+                            .timeout_ms = 20000};
+    tdm_status st = tdm_shm_spawn(2, zc_mismatch_rank, NULL, &o, NULL);
+    cr_assert_eq(st, TDM_STATUS_OK, "%s", tdm_error_message());
+}
+
+/* --- abort ------------------------------------------------------------- */
+
+static int abort_rank(tdm_comm *comm, void *arg)
+{
+    (void)arg;
+    int r = tdm_comm_rank(comm);
+    if (r == 0) {
+        usleep(100 * 1000);
+        tdm_comm_abort(comm, "loss is NaN");
+    }
+    int32_t x = 1;
+    tdm_status st = tdm_comm_all_reduce(comm, &x, &x, 1, TDM_DTYPE_INT32, TDM_REDOP_SUM);
+    if (r == 0 && st == TDM_STATUS_OK) return 40;
+    if (st == TDM_STATUS_OK)   /* the others may have finished #0 first */
+        st = tdm_comm_all_reduce(comm, &x, &x, 1, TDM_DTYPE_INT32, TDM_REDOP_SUM);
+    if (st != TDM_STATUS_ABORTED) return 41;
+    if (!strstr(tdm_error_message(), "aborted by rank 0: loss is NaN")) return 42;
+    return 0;
+}
+
+Test(shm_fail, abort_reaches_everyone, .timeout = 30)
+{
+    tdm_shm_spawn_opts o = {.shm = {.timeout_ms = 5000}, .timeout_ms = 20000};
+    tdm_status st = tdm_shm_spawn(3, abort_rank, NULL, &o, NULL);
+    cr_assert_eq(st, TDM_STATUS_OK, "%s", tdm_error_message());
+}
+
+/* --- header validation ---------------------------------------------------- */
+
+Test(shm_fail, bad_header_refused, .timeout = 10)
+{
+    tdm_shm_group *g = NULL;
+    cr_assert_eq(tdm_shm_group_create(&g, 2, NULL), TDM_STATUS_OK, "%s", tdm_error_message());
+    int fd = tdm_shm_group_fd(g);
+    size_t total = tdm_shm_group_bytes(g);
+    tdm_shm_header *h = mmap(NULL, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    cr_assert_neq(h, MAP_FAILED);
+    tdm_comm *comm = NULL;
+
+    uint64_t magic = h->magic;
+    h->magic = 0x1234;
+    cr_expect_eq(tdm_shm_comm_attach_fd(&comm, fd, 0, 2, NULL), TDM_STATUS_FORMAT);
+    cr_expect(strstr(tdm_error_message(), "bad magic"), "%s", tdm_error_message());
+    h->magic = magic;
+
+    h->version = 99;
+    cr_expect_eq(tdm_shm_comm_attach_fd(&comm, fd, 0, 2, NULL), TDM_STATUS_FORMAT);
+    cr_expect(strstr(tdm_error_message(), "version 99"), "%s", tdm_error_message());
+    h->version = TDM_SHM_VERSION;
+
+    cr_expect_eq(tdm_shm_comm_attach_fd(&comm, fd, 0, 3, NULL), TDM_STATUS_MISMATCH);
+    cr_expect(strstr(tdm_error_message(), "made for 2 ranks"), "%s", tdm_error_message());
+
+    cr_assert_eq(ftruncate(fd, (off_t)total + 4096), 0);
+    cr_expect_eq(tdm_shm_comm_attach_fd(&comm, fd, 0, 2, NULL), TDM_STATUS_FORMAT);
+    cr_expect(strstr(tdm_error_message(), "header says"), "%s", tdm_error_message());
+    cr_assert_eq(ftruncate(fd, (off_t)total), 0);
+
+    uint64_t off = h->slot_off;
+    h->slot_off = total * 2;   /* an offset that must not be trusted */
+    cr_expect_eq(tdm_shm_comm_attach_fd(&comm, fd, 0, 2, NULL), TDM_STATUS_FORMAT);
+    cr_expect(strstr(tdm_error_message(), "layout"), "%s", tdm_error_message());
+    h->slot_off = off;
+
+    cr_expect_eq(tdm_shm_comm_attach_fd(&comm, fd, 5, 2, NULL), TDM_STATUS_INVALID_ARG);
+    /* intact: attaches */
+    cr_expect_eq(tdm_shm_comm_attach_fd(&comm, fd, 1, 2, NULL), TDM_STATUS_OK, "%s",
+                 tdm_error_message());
+    tdm_comm_free(comm);
+    munmap(h, 4096);
+
+    /* a file that is not a segment at all */
+    char path[] = "/tmp/tdm-foreign-XXXXXX";
+    int ffd = mkstemp(path);
+    cr_assert_geq(ffd, 0);
+    unlink(path);
+    cr_expect_eq(tdm_shm_comm_attach_fd(&comm, ffd, 0, 2, NULL), TDM_STATUS_FORMAT);
+    cr_expect(strstr(tdm_error_message(), "less than a segment header"), "%s",
+              tdm_error_message());
+    close(ffd);
+    tdm_shm_group_free(g);
+}
+
+/* --- full tmpfs ----------------------------------------------------------- */
+
+static int tiny_rank(tdm_comm *comm, void *arg)
+{
+    (void)arg;
+    int32_t x = tdm_comm_rank(comm);
+    if (tdm_comm_all_reduce(comm, &x, &x, 1, TDM_DTYPE_INT32, TDM_REDOP_SUM)) return 1;
+    return x == 1 ? 0 : 2;
+}
+
+Test(shm_fail, full_tmpfs_fails_at_start, .timeout = 20)
+{
+    char dir[] = "/tmp/tdm-tmpfs-XXXXXX";
+    cr_assert_not_null(mkdtemp(dir));
+    if (mount("tmpfs", dir, "tmpfs", 0, "size=1M") != 0) {
+        int e = errno;
+        rmdir(dir);
+        cr_skip_test("cannot mount a 1 MiB tmpfs on %s (%s): needs root / CAP_SYS_ADMIN",
+                     dir, strerror(e));
+    }
+    tdm_shm_opts big = {.shm_dir = dir, .slot_bytes = 1 << 20};
+    tdm_shm_header want;
+    cr_assert_eq(tdm_shm_layout(8, &big, &want), TDM_STATUS_OK);
+    char needed[64];
+    snprintf(needed, sizeof needed, "reserve %llu bytes", (unsigned long long)want.total_bytes);
+    tdm_shm_group *g = NULL;
+    tdm_status st = tdm_shm_group_create(&g, 8, &big);
+    cr_expect_eq(st, TDM_STATUS_OUT_OF_MEMORY, "%s", tdm_error_message());
+    cr_expect(strstr(tdm_error_message(), needed), "'%s' lacks '%s'", tdm_error_message(), needed);
+    cr_expect(strstr(tdm_error_message(), dir), "%s", tdm_error_message());
+    cr_expect_null(g);
+
+    /* a segment that fits works there, and leaves nothing in the dir */
+    tdm_shm_spawn_opts o = {.shm = {.shm_dir = dir, .slot_bytes = 4096, .timeout_ms = 5000},
+                            .timeout_ms = 10000};
+    st = tdm_shm_spawn(2, tiny_rank, NULL, &o, NULL);
+    cr_expect_eq(st, TDM_STATUS_OK, "%s", tdm_error_message());
+    DIR *d = opendir(dir);
+    int entries = 0;
+    struct dirent *e;
+    while (d && (e = readdir(d)))
+        if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..")) entries++;
+    if (d) closedir(d);
+    cr_expect_eq(entries, 0, "segment files left in %s", dir);
+    umount2(dir, MNT_DETACH);
+    rmdir(dir);
+}
+
+/* --- environment ----------------------------------------------------------- */
+
+Test(shm_fail, env_errors_are_clear, .timeout = 10)
+{
+    tdm_comm *comm = NULL;
+    unsetenv("RANK");
+    unsetenv("WORLD_SIZE");
+    unsetenv(TDM_SHM_ENV_FD);
+    cr_expect_eq(tdm_shm_comm_init_from_env(&comm, NULL), TDM_STATUS_INVALID_ARG);
+    cr_expect(strstr(tdm_error_message(), "WORLD_SIZE is not set"), "%s", tdm_error_message());
+    setenv("WORLD_SIZE", "2", 1);
+    setenv("RANK", "2x", 1);
+    cr_expect_eq(tdm_shm_comm_init_from_env(&comm, NULL), TDM_STATUS_INVALID_ARG);
+    cr_expect(strstr(tdm_error_message(), "RANK='2x'"), "%s", tdm_error_message());
+    setenv("RANK", "1", 1);
+    setenv(TDM_SHM_ENV_FD, "987", 1);
+    cr_expect_eq(tdm_shm_comm_init_from_env(&comm, NULL), TDM_STATUS_INVALID_ARG);
+    cr_expect(strstr(tdm_error_message(), "not an open file descriptor"), "%s",
+              tdm_error_message());
+
+    /* the real thing: a group exported through the environment */
+    tdm_shm_group *g = NULL;
+    cr_assert_eq(tdm_shm_group_create(&g, 2, NULL), TDM_STATUS_OK);
+    cr_assert_eq(tdm_shm_group_export_env(g), TDM_STATUS_OK);
+    cr_expect_eq(tdm_shm_comm_init_from_env(&comm, NULL), TDM_STATUS_OK, "%s",
+                 tdm_error_message());
+    cr_expect_eq(tdm_comm_rank(comm), 1);
+    cr_expect_eq(tdm_comm_size(comm), 2);
+    tdm_comm_free(comm);
+    tdm_shm_group_free(g);
+}
