@@ -101,6 +101,7 @@ void tdm_model_spec_cnn(tdm_model_spec *s)
     s->n_classes = 10;
     s->ch1 = 32;
     s->ch2 = 64;
+    s->fc_hidden = 128;
 }
 
 tdm_status tdm_model_spec_parse(tdm_model_spec *s, const char *text)
@@ -146,8 +147,13 @@ tdm_status tdm_model_spec_parse(tdm_model_spec *s, const char *text)
 void tdm_model_spec_describe(const tdm_model_spec *s, char *buf, size_t len)
 {
     if (s->kind == TDM_MODEL_CNN) {
-        snprintf(buf, len, "cnn %dx%dx%d-[conv%d-bn-relu-pool]-[conv%d-bn-relu-pool]-fc%d",
-                 s->in_c, s->in_h, s->in_w, s->ch1, s->ch2, s->n_classes);
+        if (s->fc_hidden > 0)
+            snprintf(buf, len,
+                     "cnn %dx%dx%d-[conv%d-bn-relu-pool]-[conv%d-bn-relu-pool]-fc%d-fc%d",
+                     s->in_c, s->in_h, s->in_w, s->ch1, s->ch2, s->fc_hidden, s->n_classes);
+        else
+            snprintf(buf, len, "cnn %dx%dx%d-[conv%d-bn-relu-pool]-[conv%d-bn-relu-pool]-fc%d",
+                     s->in_c, s->in_h, s->in_w, s->ch1, s->ch2, s->n_classes);
         return;
     }
     size_t o = (size_t)snprintf(buf, len, "mlp ");
@@ -230,7 +236,7 @@ static tdm_status tdm_model_build(tdm_model *m)
     TDM_REQUIRE(s->kind == TDM_MODEL_CNN, TDM_STATUS_INVALID_ARG, "unknown model kind %d",
                 (int)s->kind);
     TDM_REQUIRE(s->in_c > 0 && s->in_h >= 4 && s->in_w >= 4 && s->ch1 > 0 && s->ch2 > 0 &&
-                    s->n_classes > 0,
+                    s->n_classes > 0 && s->fc_hidden >= 0,
                 TDM_STATUS_INVALID_ARG, "CNN shape %dx%dx%d too small", s->in_c, s->in_h,
                 s->in_w);
     int c = s->in_c, h = s->in_h, w = s->in_w;
@@ -283,6 +289,10 @@ static tdm_status tdm_model_build(tdm_model *m)
     tdm_layer *l = tdm_model_add_layer(m, TDM_LAYER_FLATTEN);
     l->c = l->oc = c; l->h = l->oh = h; l->w = l->ow = w;
     l->in_elems = l->out_elems = (int64_t)c * h * w;
+    if (s->fc_hidden > 0) {
+        TDM_CHECK(tdm_model_linear(m, "fc1", c * h * w, s->fc_hidden, 1));
+        return tdm_model_linear(m, "fc2", s->fc_hidden, s->n_classes, 0);
+    }
     return tdm_model_linear(m, "fc", c * h * w, s->n_classes, 0);
 }
 

@@ -43,9 +43,13 @@ typedef struct tdm_model_spec {
     int in_c, in_h, in_w;           /* CNN input image (default 1x28x28) */
     int n_classes;                  /* CNN (MLP: dims[ndims-1]) */
     int ch1, ch2;                   /* CNN channels (default 32, 64) */
+    int fc_hidden;                  /* CNN hidden linear+relu width before the
+                                       classifier (default 128; 0: none) */
 } tdm_model_spec;
 
-/* Defaults: MLP 784-1024-1024-10; CNN 1x28x28 -> 32 -> 64 -> 10. */
+/* Defaults: MLP 784-1024-1024-10; CNN 1x28x28 -> [conv3x3 32, bn, relu,
+ * pool2] -> [conv3x3 64, bn, relu, pool2] -> fc 128 relu -> fc 10 (the
+ * shape of Fashion-MNIST's "2 Conv+pooling" baseline). */
 void tdm_model_spec_mlp(tdm_model_spec *s, const int *dims, int ndims);
 void tdm_model_spec_cnn(tdm_model_spec *s);
 /* Parses "mlp", "mlp:784-128-10", "cnn". */

@@ -190,7 +190,23 @@ static double ref_cnn(ref_ctx *c)
     H /= 2;
     W /= 2;
     int F = s->ch2 * H * W, K = s->n_classes;
-    const double *fw = ref_p(c, "fc.weight"), *fb = ref_p(c, "fc.bias");
+    if (s->fc_hidden > 0) {
+        /* hidden linear + relu, then the classifier on its output */
+        int Hd = s->fc_hidden;
+        const double *hw = ref_p(c, "fc1.weight"), *hb = ref_p(c, "fc1.bias");
+        double *hid = tu_malloc((size_t)N * Hd * sizeof(double));
+        for (int n = 0; n < N; n++)
+            for (int k = 0; k < Hd; k++) {
+                double a = hb[k];
+                for (int f = 0; f < F; f++) a += hw[(size_t)k * F + f] * h2[(size_t)n * F + f];
+                hid[(size_t)n * Hd + k] = a > 0.0 ? a : 0.0;
+            }
+        free(h2);
+        h2 = hid;
+        F = Hd;
+    }
+    const double *fw = ref_p(c, s->fc_hidden > 0 ? "fc2.weight" : "fc.weight");
+    const double *fb = ref_p(c, s->fc_hidden > 0 ? "fc2.bias" : "fc.bias");
     double *z = tu_malloc((size_t)N * K * sizeof(double));
     for (int n = 0; n < N; n++)
         for (int k = 0; k < K; k++) {
@@ -361,15 +377,15 @@ Test(layers, mlp_gradients_match_finite_differences)
 /* ---- CNN ------------------------------------------------------------------ */
 
 typedef struct cnn_cfg {
-    int c, h, w, ch1, ch2, classes;
+    int c, h, w, ch1, ch2, classes, fc_hidden;
 } cnn_cfg;
 
 static const cnn_cfg g_cnn_cfgs[] = {
-    {2, 6, 6, 3, 4, 5},
-    {1, 8, 10, 2, 3, 3},
-    {3, 4, 4, 2, 2, 4},
-    {1, 7, 5, 3, 2, 2},   /* odd sizes: pooling drops the last row/column */
-    {1, 12, 12, 8, 16, 10}, /* conv2 and fc have > 300 weights: random subsets */
+    {2, 6, 6, 3, 4, 5, 0},
+    {1, 8, 10, 2, 3, 3, 7},
+    {3, 4, 4, 2, 2, 4, 5},
+    {1, 7, 5, 3, 2, 2, 0},   /* odd sizes: pooling drops the last row/column */
+    {1, 12, 12, 8, 16, 10, 16}, /* conv2 and fc have > 300 weights: random subsets */
 };
 
 static void cnn_spec(tdm_model_spec *s, const cnn_cfg *c)
@@ -381,6 +397,7 @@ static void cnn_spec(tdm_model_spec *s, const cnn_cfg *c)
     s->ch1 = c->ch1;
     s->ch2 = c->ch2;
     s->n_classes = c->classes;
+    s->fc_hidden = c->fc_hidden;
 }
 
 static void cnn_fd(int train)
