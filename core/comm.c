@@ -47,10 +47,12 @@ struct tdm_comm {
 static const char *const tdm_dtype_names[TDM_DTYPE_COUNT_] = {
     [TDM_DTYPE_FLOAT32] = "float32", [TDM_DTYPE_FLOAT64] = "float64",
     [TDM_DTYPE_INT32] = "int32", [TDM_DTYPE_INT64] = "int64",
+    [TDM_DTYPE_BFLOAT16] = "bfloat16", [TDM_DTYPE_FLOAT16] = "float16",
 };
 static const size_t tdm_dtype_sizes[TDM_DTYPE_COUNT_] = {
     [TDM_DTYPE_FLOAT32] = 4, [TDM_DTYPE_FLOAT64] = 8,
     [TDM_DTYPE_INT32] = 4, [TDM_DTYPE_INT64] = 8,
+    [TDM_DTYPE_BFLOAT16] = 2, [TDM_DTYPE_FLOAT16] = 2,
 };
 static const char *const tdm_redop_names[TDM_REDOP_COUNT_] = {
     [TDM_REDOP_SUM] = "sum", [TDM_REDOP_PROD] = "prod", [TDM_REDOP_MIN] = "min",
@@ -81,14 +83,76 @@ const char *tdm_coll_name(tdm_coll c)
     return (unsigned)c < TDM_COLL_COUNT_ ? tdm_coll_names[c] : "?";
 }
 
+/* --- 16-bit floats --------------------------------------------------------- */
+
+static uint32_t tdm_f32_bits(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+
+static float tdm_bits_f32(uint32_t u)
+{
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+float tdm_bf16_to_f32(uint16_t h) { return tdm_bits_f32((uint32_t)h << 16); }
+
+uint16_t tdm_f32_to_bf16(float f)
+{
+    uint32_t u = tdm_f32_bits(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
+    u += 0x7fffu + ((u >> 16) & 1);   /* round to nearest, ties to even */
+    return (uint16_t)(u >> 16);
+}
+
+float tdm_f16_to_f32(uint16_t h)
+{
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff;
+    if (e == 0x1f) return tdm_bits_f32(sign | 0x7f800000u | (m << 13));
+    if (e == 0) {   /* zero or subnormal: m * 2^-24 */
+        float v = (float)m * 0x1p-24f;
+        return sign ? -v : v;
+    }
+    return tdm_bits_f32(sign | ((e + 112) << 23) | (m << 13));
+}
+
+uint16_t tdm_f32_to_f16(float f)
+{
+    uint32_t u = tdm_f32_bits(f);
+    uint16_t sign = (uint16_t)((u >> 16) & 0x8000);
+    uint32_t a = u & 0x7fffffffu;
+    if (a > 0x7f800000u) return sign | 0x7e00;               /* NaN */
+    if (a >= 0x477ff000u) return sign | 0x7c00;               /* rounds to inf */
+    if (a < 0x38800000u) {                                    /* subnormal or 0 */
+        /* value * 2^24, rounded to nearest even by the float unit */
+        float v = tdm_bits_f32(a) * 0x1p24f;   /* exact: a power-of-two scale */
+        uint32_t m = (uint32_t)v;
+        float frac = v - (float)m;               /* exact: v < 2^10 */
+        if (frac > 0.5f || (frac == 0.5f && (m & 1))) m++;
+        return sign | (uint16_t)m;
+    }
+    uint32_t e = (a >> 23) - 112, m = a & 0x7fffffu;
+    uint32_t h = (e << 10) | (m >> 13);
+    uint32_t rest = m & 0x1fffu;
+    if (rest > 0x1000u || (rest == 0x1000u && (h & 1))) h++;   /* ties to even; may carry */
+    return sign | (uint16_t)h;
+}
+
 tdm_status tdm_dtype_parse(const char *s, tdm_dtype *out)
 {
     if (s && !strcasecmp(s, "float")) s = "float32";
     if (s && !strcasecmp(s, "double")) s = "float64";
+    if (s && !strcasecmp(s, "bf16")) s = "bfloat16";
+    if (s && (!strcasecmp(s, "fp16") || !strcasecmp(s, "half"))) s = "float16";
     for (int i = 0; s && i < TDM_DTYPE_COUNT_; i++)
         if (!strcasecmp(s, tdm_dtype_names[i])) { *out = (tdm_dtype)i; return TDM_STATUS_OK; }
     return tdm_error_set(TDM_STATUS_INVALID_ARG,
-                         "unknown dtype '%s' (expected float|float32|double|float64|int32|int64)",
+                         "unknown dtype '%s' (expected float|float32|double|float64|int32|int64|"
+                         "bfloat16|bf16|float16|fp16)",
                          s ? s : "(null)");
 }
 tdm_status tdm_redop_parse(const char *s, tdm_redop *out)
@@ -200,6 +264,10 @@ tdm_status tdm_comm_call_check(const tdm_comm *comm, const tdm_comm_call *k)
     if (k->coll == TDM_COLL_BARRIER) return TDM_STATUS_OK;
     TDM_REQUIRE((unsigned)k->dtype < TDM_DTYPE_COUNT_, TDM_STATUS_INVALID_ARG,
                 "%s: invalid dtype %d (expected a tdm_dtype)", name, (int)k->dtype);
+    TDM_REQUIRE(comm->ops->half_types ||
+                    (k->dtype != TDM_DTYPE_BFLOAT16 && k->dtype != TDM_DTYPE_FLOAT16),
+                TDM_STATUS_UNSUPPORTED, "%s: the %s backend does not support %s", name,
+                comm->ops->name, tdm_dtype_name(k->dtype));
     if (tdm_comm_coll_reduces(k->coll))
         TDM_REQUIRE((unsigned)k->op < TDM_REDOP_COUNT_, TDM_STATUS_INVALID_ARG,
                     "%s: invalid reduction op %d (expected a tdm_redop)", name, (int)k->op);
@@ -245,6 +313,9 @@ static tdm_status tdm_comm_exec(tdm_comm *comm, const tdm_comm_call *k)
 tdm_status tdm_comm_run(tdm_comm *comm, const tdm_comm_call *call)
 {
     TDM_CHECK(tdm_comm_call_check(comm, call));
+    tdm_comm_call k = *call;
+    k.async = 0;
+    call = &k;
     /* Acquire pairs with the release decrement in tdm_comm_progress: when
      * no work is pending, the progress thread has finished touching the
      * backend and this thread may call it directly. */
@@ -299,6 +370,7 @@ tdm_status tdm_comm_submit(tdm_comm *comm, const tdm_comm_call *call, tdm_comm_w
     tdm_comm_work *w = calloc(1, sizeof *w);
     TDM_REQUIRE(w, TDM_STATUS_OUT_OF_MEMORY, "%s_async: calloc", tdm_coll_name(call->coll));
     w->call = *call;
+    w->call.async = 1;
     pthread_mutex_init(&w->mu, NULL);
     pthread_cond_init(&w->cv, NULL);
     atomic_init(&w->refs, 2);

@@ -41,6 +41,8 @@ typedef enum tdm_dtype {
     TDM_DTYPE_FLOAT64,
     TDM_DTYPE_INT32,
     TDM_DTYPE_INT64,
+    TDM_DTYPE_BFLOAT16,   /* reduced in float32, rounded once (to nearest even) */
+    TDM_DTYPE_FLOAT16,    /* IEEE binary16, idem */
     TDM_DTYPE_COUNT_
 } tdm_dtype;
 
@@ -71,13 +73,19 @@ typedef enum tdm_coll {
 
 /* Bytes per element; 0 for an invalid dtype. */
 size_t tdm_dtype_size(tdm_dtype dt);
-/* "float32", "float64", "int32", "int64"; "?" when invalid. */
+/* "float32", "float64", "int32", "int64", "bfloat16", "float16"; "?" when
+ * invalid. */
 const char *tdm_dtype_name(tdm_dtype dt);
+/* Conversions of the 16-bit types (round to nearest even; NaN stays NaN). */
+float tdm_bf16_to_f32(uint16_t h);
+uint16_t tdm_f32_to_bf16(float f);
+float tdm_f16_to_f32(uint16_t h);
+uint16_t tdm_f32_to_f16(float f);
 /* "sum", "prod", "min", "max", "avg"; "?" when invalid. */
 const char *tdm_redop_name(tdm_redop op);
 /* "all_reduce", "broadcast", ...; "?" when invalid. */
 const char *tdm_coll_name(tdm_coll c);
-/* Parse the names above (also "float"/"double" for the float types).
+/* Parse the names above (also "float"/"double", "bf16", "fp16"/"half").
  * Return TDM_STATUS_INVALID_ARG with a message listing the valid names. */
 tdm_status tdm_dtype_parse(const char *s, tdm_dtype *out);
 tdm_status tdm_redop_parse(const char *s, tdm_redop *out);
@@ -97,6 +105,10 @@ typedef struct tdm_comm_call {
     tdm_dtype dtype;
     tdm_redop op;
     int root;
+    /* Set by the dispatcher: 1 when the call runs on the progress thread
+     * while the issuing thread goes on computing (backends may then prefer
+     * sleeping to spinning). Ignored on input. */
+    int async;
 } tdm_comm_call;
 
 /* What a backend implements. `run` executes one validated call
@@ -118,6 +130,9 @@ typedef struct tdm_comm_ops {
     tdm_status (*alloc)(void *impl, size_t nbytes, void **ptr);
     /* Releases impl. Called once, after the progress thread has drained. */
     void (*destroy)(void *impl);
+    /* 1 when `run` handles TDM_DTYPE_BFLOAT16 and TDM_DTYPE_FLOAT16; left 0,
+     * the dispatcher refuses them (TDM_STATUS_UNSUPPORTED) before `run`. */
+    int half_types;
 } tdm_comm_ops;
 
 /* For backends: wrap impl (owned from now on: destroyed by

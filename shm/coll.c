@@ -78,6 +78,17 @@ static void tdm_shm_round_end(tdm_shm_impl *c)
     c->round++;
 }
 
+/* Ends a collective made of a single round without publishing phase 3 (one
+ * cache-line transfer less per small all_reduce or barrier). Safe because
+ * the next round is the first of the next collective, where every rank
+ * waits for every peer's phase 1 before going on, and a rank publishes
+ * phase 1 of round g+1 only after finishing round g: any wait for
+ * "phase 3 of round g" (>= 3g+3) is met by that later value (3g+4). */
+static void tdm_shm_round_skip_end(tdm_shm_impl *c)
+{
+    c->round++;
+}
+
 static int tdm_shm_coll_reduces(int coll)
 {
     return coll == TDM_COLL_REDUCE || coll == TDM_COLL_ALL_REDUCE ||
@@ -198,7 +209,7 @@ static tdm_status tdm_shm_one_shot(tdm_shm_impl *c, const tdm_comm_call *k, int 
         for (int p = 0; p < c->world; p++) srcs[p] = tdm_shm_slot_of(c, p, c->round);
         tdm_shm_reduce(k->recvbuf, NULL, srcs, c->world, k->count, k->dtype, k->op);
     }
-    tdm_shm_round_end(c);
+    tdm_shm_round_skip_end(c);
     return TDM_STATUS_OK;
 }
 
@@ -217,12 +228,17 @@ static tdm_status tdm_shm_rs_ag(tdm_shm_impl *c, const tdm_comm_call *k, int all
         size_t n = k->count - off < round_elems ? k->count - off : round_elems;
         size_t per = ((n + (size_t)c->world - 1) / (size_t)c->world + line - 1) / line * line;
         uint8_t *mine = tdm_shm_slot_of(c, c->rank, c->round);
-        TDM_SHM_ROUND_OPEN(c, k, first, 0, memcpy(mine, send + off * es, n * es));
-        if (!first) TDM_CHECK(tdm_shm_wait_all(c, 3 * c->round + 1));
         size_t lo = (size_t)c->rank * per < n ? (size_t)c->rank * per : n;
         size_t hi = lo + per < n ? lo + per : n;
+        /* Peers read every portion of my input but mine, which I reduce
+         * straight from the caller's buffer: copy in all but [lo, hi). */
+        TDM_SHM_ROUND_OPEN(c, k, first, 0,
+            memcpy(mine, send + off * es, lo * es);
+            memcpy(mine + hi * es, send + (off + hi) * es, (n - hi) * es));
+        if (!first) TDM_CHECK(tdm_shm_wait_all(c, 3 * c->round + 1));
         const void *srcs[TDM_SHM_MAX_RANKS];
         for (int p = 0; p < c->world; p++) srcs[p] = tdm_shm_slot_of(c, p, c->round) + lo * es;
+        srcs[c->rank] = send + (off + lo) * es;
         if (hi > lo)
             tdm_shm_reduce(mine + lo * es, recv ? recv + (off + lo) * es : NULL, srcs, c->world,
                            hi - lo, k->dtype, k->op);
@@ -251,6 +267,7 @@ static tdm_status tdm_shm_rs_ag_zc(tdm_shm_impl *c, const tdm_comm_call *k, size
     size_t round_elems = per_max * (size_t)c->world;
     size_t line = TDM_SHM_LINE / es;
     uint8_t *buf = k->recvbuf;
+    int big = k->count * es >= tdm_shm_nt_threshold;
     uint8_t *peer[TDM_SHM_MAX_RANKS];
     for (int p = 0; p < c->world; p++) peer[p] = tdm_shm_arena_of(c, p) + arena_off;
     for (size_t off = 0, first = 1; first || off < k->count; off += round_elems, first = 0) {
@@ -273,7 +290,8 @@ static tdm_status tdm_shm_rs_ag_zc(tdm_shm_impl *c, const tdm_comm_call *k, size
             if (qhi == qlo) continue;
             /* q's portion of my buffer was q's input until q's phase 2. */
             TDM_CHECK(tdm_shm_wait_phase(c, q, 2));
-            memcpy(buf + (off + qlo) * es, peer[q] + (off + qlo) * es, (qhi - qlo) * es);
+            if (big) tdm_shm_copy_nt(buf + (off + qlo) * es, peer[q] + (off + qlo) * es, (qhi - qlo) * es);
+            else memcpy(buf + (off + qlo) * es, peer[q] + (off + qlo) * es, (qhi - qlo) * es);
         }
         tdm_shm_round_end(c);
     }
@@ -422,7 +440,7 @@ static tdm_status tdm_shm_barrier(tdm_shm_impl *c, const tdm_comm_call *k)
 {
     tdm_shm_set_algo(c, "flags", k);
     TDM_SHM_ROUND_OPEN(c, k, 1, 0, (void)0);
-    tdm_shm_round_end(c);
+    tdm_shm_round_skip_end(c);
     return TDM_STATUS_OK;
 }
 
@@ -508,6 +526,7 @@ tdm_status tdm_shm_run(void *impl, const tdm_comm_call *k)
     int p2p = k->coll == TDM_COLL_SEND || k->coll == TDM_COLL_RECV;
     c->cur_name = tdm_coll_name(k->coll);
     c->cur_seq = p2p ? c->p2p_msgs[k->root]++ : c->seq;
+    c->spin_now = k->async ? c->spin_async : c->spin;
     TDM_CHECK(tdm_shm_check_abort(c));
     if (c->world == 1) {
         st = tdm_shm_local(c, k);

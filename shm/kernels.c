@@ -80,9 +80,51 @@ static void tdm_shm_divide(void *x, size_t n, tdm_dtype dt, int d)
     }
 }
 
+static void tdm_shm_load16(float *out, const uint16_t *in, size_t n, int bf16)
+{
+    if (bf16)
+        for (size_t i = 0; i < n; i++) out[i] = tdm_bf16_to_f32(in[i]);
+    else
+        for (size_t i = 0; i < n; i++) out[i] = tdm_f16_to_f32(in[i]);
+}
+
+static void tdm_shm_store16(uint16_t *out, const float *in, size_t n, int bf16)
+{
+    if (bf16)
+        for (size_t i = 0; i < n; i++) out[i] = tdm_f32_to_bf16(in[i]);
+    else
+        for (size_t i = 0; i < n; i++) out[i] = tdm_f32_to_f16(in[i]);
+}
+
+/* bfloat16 / float16: sources are widened to float32, combined in rank
+ * order in float32, and rounded once. */
+static void tdm_shm_reduce16(void *dst0, void *dst1, const void *const *srcs, int nsrc,
+                             size_t n, tdm_dtype dt, tdm_redop op)
+{
+    enum { BLK = TDM_SHM_BLOCK_BYTES / sizeof(float) };
+    int bf16 = dt == TDM_DTYPE_BFLOAT16;
+    tdm_shm_binop_fn f = tdm_shm_binops[TDM_DTYPE_FLOAT32][op];
+    _Alignas(64) float acc[BLK], tmp[BLK];
+    for (size_t off = 0; off < n; off += BLK) {
+        size_t m = n - off < BLK ? n - off : BLK;
+        tdm_shm_load16(acc, (const uint16_t *)srcs[0] + off, m, bf16);
+        for (int j = 1; j < nsrc; j++) {
+            tdm_shm_load16(tmp, (const uint16_t *)srcs[j] + off, m, bf16);
+            f(acc, acc, tmp, m);
+        }
+        if (op == TDM_REDOP_AVG && nsrc > 1) tdm_shm_divide(acc, m, TDM_DTYPE_FLOAT32, nsrc);
+        tdm_shm_store16((uint16_t *)dst0 + off, acc, m, bf16);
+        if (dst1) memcpy((uint16_t *)dst1 + off, (uint16_t *)dst0 + off, m * 2);
+    }
+}
+
 void tdm_shm_reduce(void *dst0, void *dst1, const void *const *srcs, int nsrc, size_t n,
                     tdm_dtype dt, tdm_redop op)
 {
+    if (dt == TDM_DTYPE_BFLOAT16 || dt == TDM_DTYPE_FLOAT16) {
+        tdm_shm_reduce16(dst0, dst1, srcs, nsrc, n, dt, op);
+        return;
+    }
     size_t es = tdm_dtype_size(dt);
     size_t blk = TDM_SHM_BLOCK_BYTES / es;
     tdm_shm_binop_fn f = tdm_shm_binops[dt][op];

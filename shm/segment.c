@@ -22,7 +22,7 @@
 
 #define TDM_SHM_DEFAULT_SLOT (1u << 20)
 #define TDM_SHM_DEFAULT_TIMEOUT_MS 300000
-#define TDM_SHM_DEFAULT_ONE_SHOT (32u * 1024)
+#define TDM_SHM_DEFAULT_ONE_SHOT (4u * 1024)
 #define TDM_SHM_SPIN_NS (50u * 1000)
 
 static size_t tdm_shm_round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
@@ -234,6 +234,7 @@ static const tdm_comm_ops tdm_shm_ops = {
     .last_algo = tdm_shm_last_algo,
     .alloc = tdm_shm_alloc_op,
     .destroy = tdm_shm_destroy,
+    .half_types = 1,
 };
 
 tdm_status tdm_shm_comm_alloc(tdm_comm *comm, size_t nbytes, void **ptr)
@@ -298,6 +299,10 @@ static tdm_status tdm_shm_join(tdm_comm **out, void *base, size_t total, int unm
     c->world = world;
     c->timeout_ms = opts && opts->timeout_ms > 0 ? opts->timeout_ms : TDM_SHM_DEFAULT_TIMEOUT_MS;
     c->spin = !(opts && opts->no_spin) && world <= tdm_shm_cpu_count();
+    /* An asynchronous call waits on the progress thread while the rank's
+     * own thread computes: two busy threads per rank. */
+    c->spin_async = c->spin && 2 * world <= tdm_shm_cpu_count();
+    c->spin_now = c->spin;
     c->spin_ns = TDM_SHM_SPIN_NS;
     c->algo = "none";
     /* Tuning knob for measurements (docs/perf/shm.md), not an interface. */

@@ -113,6 +113,8 @@ typedef struct tdm_shm_impl {
     int rank, world;
     int64_t timeout_ms;
     int spin;                  /* spin before sleeping (world <= cores) */
+    int spin_async;            /* ... also on the progress thread (2 x world <= cores) */
+    int spin_now;              /* the policy of the call in progress */
     uint64_t spin_ns;
     uint64_t round;            /* rounds completed (all collectives) */
     uint64_t seq;              /* collectives issued */

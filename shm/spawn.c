@@ -100,11 +100,13 @@ tdm_status tdm_shm_spawn(int world, tdm_shm_spawn_fn fn, void *arg,
                 tdm_shm_group_mark_dead(g, r, ws);
                 if (first_bad < 0) {
                     first_bad = r;
-                    char why[128];
-                    tdm_shm_spawn_why(ws, why, sizeof why);
-                    st = tdm_error_set(TDM_STATUS_PEER_FAILED, "rank %d (pid %d) %s", r,
-                                       (int)pid[r], why);
                     grace_end = tdm_time_ns() + (uint64_t)grace_ms * 1000000ull;
+                    if (!st) {  /* a timeout already named the culprits */
+                        char why[128];
+                        tdm_shm_spawn_why(ws, why, sizeof why);
+                        st = tdm_error_set(TDM_STATUS_PEER_FAILED, "rank %d (pid %d) %s", r,
+                                           (int)pid[r], why);
+                    }
                 }
             }
             pid[r] = -pid[r];   /* reaped; keep the value for res */

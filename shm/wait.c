@@ -171,7 +171,7 @@ tdm_status tdm_shm_flag_wait(tdm_shm_impl *c, tdm_shm_flag *f, uint64_t target, 
     if (atomic_load_explicit(&f->value, memory_order_acquire) >= target) return TDM_STATUS_OK;
 
     uint64_t t0 = tdm_time_ns();
-    if (c->spin) {
+    if (c->spin_now) {
         /* Pure spinning while a peer on another core is about to answer;
          * then spinning with sched_yield, which costs little when the core
          * is ours alone and lets the peer run when it shares our core

@@ -35,6 +35,8 @@ static inline void shm_t_store(void *buf, size_t i, tdm_dtype dt, int64_t v)
     case TDM_DTYPE_FLOAT64: ((double *)buf)[i] = (double)v; break;
     case TDM_DTYPE_INT32: ((int32_t *)buf)[i] = (int32_t)v; break;
     case TDM_DTYPE_INT64: ((int64_t *)buf)[i] = v; break;
+    case TDM_DTYPE_BFLOAT16: ((uint16_t *)buf)[i] = tdm_f32_to_bf16((float)v); break;
+    case TDM_DTYPE_FLOAT16: ((uint16_t *)buf)[i] = tdm_f32_to_f16((float)v); break;
     default: break;
     }
 }
@@ -57,6 +59,12 @@ static inline int shm_t_equal(const void *buf, size_t i, tdm_dtype dt, tdm_redop
         return ((const int32_t *)buf)[i] == (int32_t)(op == TDM_REDOP_AVG ? v / world : v);
     case TDM_DTYPE_INT64:
         return ((const int64_t *)buf)[i] == (op == TDM_REDOP_AVG ? v / world : v);
+    case TDM_DTYPE_BFLOAT16: case TDM_DTYPE_FLOAT16: {
+        /* float32 accumulation, one rounding at the end */
+        float want = op == TDM_REDOP_AVG ? (float)v / (float)world : (float)v;
+        uint16_t w16 = dt == TDM_DTYPE_BFLOAT16 ? tdm_f32_to_bf16(want) : tdm_f32_to_f16(want);
+        return ((const uint16_t *)buf)[i] == w16;
+    }
     default: return 0;
     }
 }

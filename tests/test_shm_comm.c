@@ -7,6 +7,7 @@
 #include <criterion/criterion.h>
 #include <dirent.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "core/comm.h"
 #include "shm/shm_comm.h"
@@ -135,7 +136,7 @@ static int zero_copy_rank(tdm_comm *comm, void *arg)
             for (size_t i = 0; i < n; i++) buf[i] = (float)shm_t_val(i, r, (tdm_redop)op, (unsigned)c);
             tdm_status st = tdm_comm_all_reduce(comm, buf, buf, n, TDM_DTYPE_FLOAT32, (tdm_redop)op);
             if (st) { fprintf(stderr, "zc: %s\n", tdm_error_message()); return 1; }
-            if (n * 4 > 32768 && strcmp(tdm_comm_last_algo(comm), "rs-ag-zc") != 0) {
+            if (n * 4 > 4096 && strcmp(tdm_comm_last_algo(comm), "rs-ag-zc") != 0) {
                 fprintf(stderr, "zc: count %zu used %s\n", n, tdm_comm_last_algo(comm));
                 return 1;
             }
@@ -244,6 +245,36 @@ Test(shm_comm, async_in_order, .timeout = 60)
     }
 }
 
+/* A work that is still running: wait(timeout) says TIMEOUT and the work
+ * stays valid; test() says not done; later it completes. */
+static int async_slow_peer_rank(tdm_comm *comm, void *arg)
+{
+    (void)arg;
+    int r = tdm_comm_rank(comm);
+    int32_t x = r + 1;
+    if (r == 1) {
+        usleep(400 * 1000);
+        return tdm_comm_all_reduce(comm, &x, &x, 1, TDM_DTYPE_INT32, TDM_REDOP_SUM) || x != 3;
+    }
+    tdm_comm_work *w = NULL;
+    if (tdm_comm_all_reduce_async(comm, &x, &x, 1, TDM_DTYPE_INT32, TDM_REDOP_SUM, &w)) return 1;
+    int done = 1;
+    if (tdm_comm_work_test(w, &done) || done) return 2;
+    if (tdm_comm_work_wait(w, 50) != TDM_STATUS_TIMEOUT) return 3;
+    if (!strstr(tdm_error_message(), "still running")) return 4;
+    if (tdm_comm_work_wait(w, 10000) != TDM_STATUS_OK) return 5;
+    if (tdm_comm_work_test(w, &done) || !done) return 6;
+    tdm_comm_work_free(w);
+    return x == 3 ? 0 : 7;
+}
+
+Test(shm_comm, async_wait_timeout, .timeout = 30)
+{
+    tdm_shm_spawn_opts o = {.shm = {.timeout_ms = 10000}, .timeout_ms = 20000};
+    tdm_status st = tdm_shm_spawn(2, async_slow_peer_rank, NULL, &o, NULL);
+    cr_assert_eq(st, TDM_STATUS_OK, "%s", tdm_error_message());
+}
+
 /* send/recv between pairs, sizes across the channel's chunking. */
 static int p2p_rank(tdm_comm *comm, void *arg)
 {
@@ -282,6 +313,37 @@ Test(shm_comm, send_recv, .timeout = 30)
         tdm_status st = tdm_shm_spawn(w, p2p_rank, NULL, &o, NULL);
         cr_assert_eq(st, TDM_STATUS_OK, "%d ranks: %s", w, tdm_error_message());
     }
+}
+
+/* A backend that does not declare the 16-bit types never sees them. */
+static int fake_runs;
+static tdm_status fake_run(void *impl, const tdm_comm_call *k)
+{
+    (void)impl; (void)k;
+    fake_runs++;
+    return TDM_STATUS_OK;
+}
+static tdm_status fake_abort(void *impl, const char *reason) { (void)impl; (void)reason; return TDM_STATUS_OK; }
+static void fake_destroy(void *impl) { (void)impl; }
+
+Test(shm_comm, half_types_need_backend_support, .timeout = 10)
+{
+    static const tdm_comm_ops fake = {.name = "fake", .run = fake_run, .abort = fake_abort,
+                                      .destroy = fake_destroy};
+    tdm_comm *comm = NULL;
+    static int dummy;
+    cr_assert_eq(tdm_comm_create(&comm, &fake, &dummy, 0, 2), TDM_STATUS_OK);
+    uint16_t x[4] = {0};
+    cr_expect_eq(tdm_comm_all_reduce(comm, x, x, 4, TDM_DTYPE_BFLOAT16, TDM_REDOP_SUM),
+                 TDM_STATUS_UNSUPPORTED);
+    cr_expect(strstr(tdm_error_message(), "the fake backend does not support bfloat16"), "%s",
+              tdm_error_message());
+    cr_expect_eq(tdm_comm_broadcast(comm, x, x, 4, TDM_DTYPE_FLOAT16, 0), TDM_STATUS_UNSUPPORTED);
+    cr_expect_eq(fake_runs, 0);
+    cr_expect_eq(tdm_comm_all_reduce(comm, x, x, 2, TDM_DTYPE_INT32, TDM_REDOP_SUM), TDM_STATUS_OK);
+    cr_expect_eq(fake_runs, 1);
+    cr_expect_str_eq(tdm_comm_last_algo(comm), "default");
+    tdm_comm_free(comm);
 }
 
 /* Argument checks of the dispatcher, on a one-rank communicator. */
@@ -323,6 +385,33 @@ Test(shm_comm, argument_checks, .timeout = 10)
     cr_expect_eq(tdm_redop_parse("avg", &op), TDM_STATUS_OK);
     cr_expect_eq(op, TDM_REDOP_AVG);
     cr_expect_eq(tdm_redop_parse("mean", &op), TDM_STATUS_INVALID_ARG);
+    /* 16-bit conversions: known bit patterns, rounding to nearest even */
+    cr_expect_eq(tdm_f32_to_bf16(1.0f), 0x3f80);
+    cr_expect_eq(tdm_f32_to_bf16(-2.0f), 0xc000);
+    cr_expect_eq(tdm_f32_to_bf16(1.00390625f), 0x3f80);       /* tie, to even */
+    cr_expect_eq(tdm_f32_to_bf16(1.01171875f), 0x3f82);       /* tie, to even (up) */
+    cr_expect(tdm_bf16_to_f32(0x3fc0) == 1.5f);
+    cr_expect_eq(tdm_f32_to_f16(1.0f), 0x3c00);
+    cr_expect_eq(tdm_f32_to_f16(65504.0f), 0x7bff);
+    cr_expect_eq(tdm_f32_to_f16(65520.0f), 0x7c00);           /* rounds to inf */
+    cr_expect_eq(tdm_f32_to_f16(0x1p-24f), 0x0001);           /* smallest subnormal */
+    cr_expect_eq(tdm_f32_to_f16(1.5f * 0x1p-24f), 0x0002);    /* subnormal ties to even */
+    cr_expect_eq(tdm_f32_to_f16(2.5f * 0x1p-24f), 0x0002);
+    cr_expect_eq(tdm_f32_to_f16(0x1p-26f), 0x0000);
+    cr_expect_eq(tdm_f32_to_f16(-0.0f), 0x8000);
+    cr_expect_eq(tdm_f32_to_f16(1.0f + 0x1p-11f), 0x3c00);    /* tie, to even */
+    cr_expect_eq(tdm_f32_to_f16(1.0f + 3 * 0x1p-11f), 0x3c02);
+    cr_expect(tdm_f16_to_f32(0x0001) == 0x1p-24f);
+    cr_expect(tdm_f16_to_f32(0xc000) == -2.0f);
+    cr_expect(tdm_f16_to_f32(0x3555) == tdm_f16_to_f32(tdm_f32_to_f16(tdm_f16_to_f32(0x3555))));
+    for (uint32_t h = 0; h < 0x7c00; h++)   /* every finite half round-trips */
+        if (tdm_f32_to_f16(tdm_f16_to_f32((uint16_t)h)) != h) {
+            cr_expect(0, "half 0x%04x does not round-trip", h);
+            break;
+        }
+    cr_expect_eq(tdm_dtype_parse("bf16", &dt), TDM_STATUS_OK);
+    cr_expect_eq(dt, TDM_DTYPE_BFLOAT16);
+    cr_expect_eq(tdm_dtype_size(TDM_DTYPE_FLOAT16), 2);
     tdm_comm_free(comm);
     tdm_comm_free(NULL);
     tdm_shm_group_free(g);

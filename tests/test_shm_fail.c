@@ -152,6 +152,69 @@ Test(shm_fail, zombie_found_by_liveness_check, .timeout = 20)
     tdm_shm_group_free(g);
 }
 
+/* An asynchronous call pending when a peer dies fails with the peer named. */
+static int async_death_rank(tdm_comm *comm, void *arg)
+{
+    (void)arg;
+    int r = tdm_comm_rank(comm);
+    int32_t x = 1;
+    if (tdm_comm_barrier(comm)) return 70;
+    if (r == 1) { usleep(100 * 1000); raise(SIGKILL); }
+    tdm_comm_work *w = NULL;
+    if (tdm_comm_all_reduce_async(comm, &x, &x, 1, TDM_DTYPE_INT32, TDM_REDOP_SUM, &w)) return 71;
+    uint64_t t0 = tdm_time_ns();
+    tdm_status st = tdm_comm_work_wait(w, 5000);
+    double ms = tdm_time_ms_since(t0);
+    fprintf(stderr, "rank %d async: %.0f ms: %s\n", r, ms, tdm_error_message());
+    tdm_comm_work_free(w);
+    if (st != TDM_STATUS_PEER_FAILED) return 72;
+    if (!strstr(tdm_error_message(), "all_reduce #1: rank 1 (pid")) return 73;
+    return ms < 2000 ? 0 : 74;
+}
+
+Test(shm_fail, async_call_sees_death, .timeout = 30)
+{
+    tdm_shm_spawn_opts o = {.shm = {.timeout_ms = 30000}, .timeout_ms = 20000};
+    tdm_shm_spawn_result res;
+    tdm_status st = tdm_shm_spawn(3, async_death_rank, NULL, &o, &res);
+    cr_assert_eq(st, TDM_STATUS_PEER_FAILED, "%s", tdm_error_message());
+    cr_expect(WIFEXITED(res.wstatus[0]) && WEXITSTATUS(res.wstatus[0]) == 0, "0x%x", res.wstatus[0]);
+    cr_expect(WIFEXITED(res.wstatus[2]) && WEXITSTATUS(res.wstatus[2]) == 0, "0x%x", res.wstatus[2]);
+}
+
+/* --- the spawn helper stops what is left ------------------------------- */
+
+static int hang_rank(tdm_comm *comm, void *arg)
+{
+    int mode = *(int *)arg;
+    if (mode == 0 && tdm_comm_rank(comm) == 0) return 3;
+    sleep(60);   /* ignores the group: only signals end it */
+    return 0;
+}
+
+Test(shm_fail, spawn_stops_the_rest, .timeout = 30)
+{
+    int mode = 0;
+    tdm_shm_spawn_opts o = {.timeout_ms = 20000, .grace_ms = 300};
+    tdm_shm_spawn_result res;
+    tdm_status st = tdm_shm_spawn(2, hang_rank, &mode, &o, &res);
+    cr_expect_eq(st, TDM_STATUS_PEER_FAILED, "%s", tdm_error_message());
+    cr_expect(strstr(tdm_error_message(), "rank 0 (pid"), "%s", tdm_error_message());
+    cr_expect(strstr(tdm_error_message(), "exited with code 3"), "%s", tdm_error_message());
+    cr_expect(WIFSIGNALED(res.wstatus[1]) && WTERMSIG(res.wstatus[1]) == SIGTERM);
+    cr_expect(res.elapsed_ms < 3000, "%.0f ms", res.elapsed_ms);
+
+    mode = 1;   /* nobody fails, nobody ends: the time bound */
+    o.timeout_ms = 400;
+    st = tdm_shm_spawn(2, hang_rank, &mode, &o, &res);
+    cr_expect_eq(st, TDM_STATUS_TIMEOUT, "%s", tdm_error_message());
+    cr_expect(strstr(tdm_error_message(), "rank(s) 0,1 still running after 400 ms"), "%s",
+              tdm_error_message());
+    cr_expect(res.elapsed_ms < 3000, "%.0f ms", res.elapsed_ms);
+    for (int r = 0; r < 2; r++)
+        cr_expect(kill(res.pid[r], 0) == -1 && errno == ESRCH, "rank %d still exists", r);
+}
+
 /* --- a late rank: the deadline names it --------------------------------- */
 
 static int late_rank(tdm_comm *comm, void *arg)
@@ -391,5 +454,17 @@ Test(shm_fail, env_errors_are_clear, .timeout = 10)
     cr_expect_eq(tdm_comm_rank(comm), 1);
     cr_expect_eq(tdm_comm_size(comm), 2);
     tdm_comm_free(comm);
+
+    /* the fd survives exec (what `tandem launch` relies on) */
+    pid_t pid = fork();
+    cr_assert_geq(pid, 0);
+    if (pid == 0) {
+        execl("/bin/sh", "sh", "-c", "test -e /proc/self/fd/$" TDM_SHM_ENV_FD, (char *)NULL);
+        _exit(127);
+    }
+    int ws = 0;
+    cr_assert_eq(waitpid(pid, &ws, 0), pid);
+    cr_expect(WIFEXITED(ws) && WEXITSTATUS(ws) == 0, "fd %s not inherited over exec (0x%x)",
+              getenv(TDM_SHM_ENV_FD), ws);
     tdm_shm_group_free(g);
 }
