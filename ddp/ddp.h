@@ -1,0 +1,139 @@
+/* ddp/ddp.h: DistributedDataParallel over one model replica per process.
+ *
+ * tdm_ddp_init checks that every rank has the same parameter layout and
+ * bucket plan (naming the rank and tensor that differ), broadcasts
+ * parameters and buffers from rank 0, moves the gradient buffer into
+ * communicator memory (tdm_comm_alloc: zero-copy all-reduce) and plans
+ * buckets: contiguous views of the flat gradient buffer in reverse
+ * parameter order, bucket 0 (the last parameters, whose gradients backward
+ * produces first) capped at first_bucket_bytes, the others at the bucket
+ * cap; a parameter is never split. The Reducer (the model's grad-ready
+ * hook) launches each bucket's asynchronous all-reduce as soon as it is
+ * complete, strictly in bucket order, while backward continues.
+ *
+ * Gradient semantics: tdm_ddp_forward scales the loss gradient so that a
+ * SUM all-reduce gives the gradient of the global batch's mean loss:
+ * forward_global with grad_scale 1/B_global is exact for any split of the
+ * global batch (uneven shares included); tdm_ddp_forward uses
+ * 1/(B_local * world), which is PyTorch's mean-loss-then-AVG (exact when
+ * every rank has the same B_local). Summation is in rank order, so every
+ * rank gets bitwise the same gradient, with or without overlap.
+ *
+ * Uses only core/comm.h: it does not create communicators (ddp/pg.h does)
+ * and knows nothing of processes (ddp/spawn.h, tools/launch.c). */
+#ifndef TDM_DDP_DDP_H
+#define TDM_DDP_DDP_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "core/comm.h"
+#include "core/status.h"
+#include "core/timer.h"
+#include "models/checkpoint.h"
+#include "models/model.h"
+#include "models/optim.h"
+
+/* Zero-initialised options are the defaults. */
+typedef struct tdm_ddp_opts {
+    double bucket_cap_mb;        /* bucket cap in MiB; 0: 25 */
+    size_t bucket_cap_bytes;     /* when non-zero, overrides bucket_cap_mb (tests) */
+    size_t first_bucket_bytes;   /* cap of bucket 0; 0: 1 MiB (never above the cap) */
+    int no_overlap;              /* 1: all-reduce every bucket after backward */
+    int no_broadcast_buffers;    /* 1: do not broadcast buffers at each forward */
+    int find_unused_parameters;  /* reduce parameters without gradient as zeros */
+    int64_t timeout_ms;          /* bound on each bucket wait; 0: the communicator's */
+} tdm_ddp_opts;
+
+typedef struct tdm_ddp tdm_ddp;
+
+/* Per-bucket times of the last synchronised backward, in ms from the
+ * start of backward. end_ms is when the Reducer first saw the work done. */
+typedef struct tdm_ddp_bucket_times {
+    double ready_ms, start_ms, end_ms;
+} tdm_ddp_bucket_times;
+
+/* Times of the last step, and sums over all steps since init. Bucket
+ * completion is only observed at the next grad-ready hook, so comm_ms
+ * over-estimates; the exposed wait (ALLREDUCE_WAIT) is exact, and
+ * overlapped_bytes / reduced_bytes is the share of the gradients whose
+ * all-reduce was launched while backward was still computing. */
+typedef struct tdm_ddp_times {
+    tdm_phase_times last;        /* FORWARD, LOSS, BACKWARD (compute), ALLREDUCE_WAIT, STEP */
+    tdm_phase_times total;
+    int64_t steps;               /* synchronised backwards counted in total */
+    double comm_ms_last;         /* first bucket start to last bucket end */
+    double comm_ms_total;
+    double exposed_ms_total;     /* = total.ms[ALLREDUCE_WAIT] */
+    double reduced_bytes_total;  /* gradient bytes all-reduced */
+    double overlapped_bytes_total; /* of which launched while backward still ran */
+    int n_buckets;
+    const tdm_ddp_bucket_times *buckets;   /* borrowed; last backward */
+} tdm_ddp_times;
+
+/* Builds the Reducer around m (borrowed; its gradient storage and hook
+ * are taken over until tdm_ddp_free). Collective: every rank calls it. */
+tdm_status tdm_ddp_init(tdm_ddp **out, tdm_model *m, tdm_comm *comm, const tdm_ddp_opts *opts);
+/* Gives the model back its own gradient storage (copying the gradients)
+ * and hook. Call before freeing the communicator. NULL is a no-op. */
+void tdm_ddp_free(tdm_ddp *d);
+
+tdm_model *tdm_ddp_model(tdm_ddp *d);
+tdm_comm *tdm_ddp_comm(tdm_ddp *d);
+
+/* Bucket b holds parameters first..last (first <= last; bucket 0 holds
+ * the last parameters, the ones backward finishes first) as the view
+ * [offset, offset + n_elem) of the flat gradient buffer (alignment padding
+ * included; bucket 0 also carries the Reducer's 192-float check tail). */
+int tdm_ddp_n_buckets(const tdm_ddp *d);
+void tdm_ddp_bucket_info(const tdm_ddp *d, int b, int *first_param, int *last_param,
+                         int64_t *offset, int64_t *n_elem);
+/* 1 when the gradients live in communicator memory (zero-copy). */
+int tdm_ddp_zero_copy(const tdm_ddp *d);
+
+tdm_status tdm_ddp_zero_grad(tdm_ddp *d);
+
+/* Local forward and loss over this rank's samples (host x (batch, in),
+ * y (batch)); broadcasts buffers from rank 0 first (training mode, unless
+ * disabled). Gradient of the loss scaled by 1/(batch*world); *loss_mean
+ * is this rank's mean loss. batch may be 0 (the rank still takes part). */
+tdm_status tdm_ddp_forward(tdm_ddp *d, const float *x, const int32_t *y, int batch,
+                           double *loss_mean);
+/* Same with an explicit loss-gradient scale (1/B_global for a split
+ * global batch); *loss_sum is the sum of this rank's per-sample losses. */
+tdm_status tdm_ddp_forward_scaled(tdm_ddp *d, const float *x, const int32_t *y, int batch,
+                                  float grad_scale, double *loss_sum);
+/* Backward of the last forward; in sync mode, all-reduces the gradients
+ * (bucket by bucket, overlapped) and returns once all are reduced. On a
+ * communication error the communicator is aborted (the other ranks stop)
+ * and the error names the failing rank. */
+tdm_status tdm_ddp_backward(tdm_ddp *d);
+/* Sum over all ranks of the per-sample losses of the forwards reduced by
+ * the last synchronised backward (no_sync micro-batches included), carried
+ * by that backward's all-reduce: no extra collective. Divide by the
+ * global batch for the mean. */
+double tdm_ddp_loss_sum(const tdm_ddp *d);
+
+/* Optimizer step, timed. */
+tdm_status tdm_ddp_step(tdm_ddp *d, tdm_optim *opt);
+
+/* no_sync: while enabled, backward only accumulates local gradients; the
+ * next synchronised backward reduces the accumulated sum. */
+void tdm_ddp_no_sync(tdm_ddp *d, int enable);
+
+/* Test hook: in the next backward, parameter i takes no part (its
+ * grad-ready call is dropped and its local gradient zeroed). With
+ * find_unused_parameters it is reduced as zeros; without, that backward
+ * fails with an error naming it (and aborts the communicator). */
+tdm_status tdm_ddp_mark_unused(tdm_ddp *d, int param);
+
+void tdm_ddp_get_times(const tdm_ddp *d, tdm_ddp_times *out);
+
+/* Rank 0 writes (atomically); every rank learns whether it succeeded. */
+tdm_status tdm_ddp_checkpoint_save(tdm_ddp *d, const char *path, tdm_optim *opt,
+                                   const tdm_ckpt_info *info);
+/* Every rank loads the file, after a barrier. */
+tdm_status tdm_ddp_checkpoint_load(tdm_ddp *d, const char *path, tdm_optim *opt,
+                                   tdm_ckpt_info *info);
+
+#endif

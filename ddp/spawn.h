@@ -1,0 +1,34 @@
+/* ddp/spawn.h: run a function in N forked ranks joined by a shm
+ * communicator (torch.multiprocessing.spawn for C): tests and
+ * `tandem train --mode ddp`. Each rank gets RANK, LOCAL_RANK, WORLD_SIZE
+ * and LOCAL_WORLD_SIZE in its environment and log lines tagged with its
+ * rank. Wraps shm/spawn.h (fork, watch, fail fast, name the first rank
+ * that failed, stop the rest, leave nothing behind). For exec'd user
+ * programs use `tandem launch` (tools/launch.c). */
+#ifndef TDM_DDP_SPAWN_H
+#define TDM_DDP_SPAWN_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "core/comm.h"
+#include "shm/spawn.h"
+
+typedef int (*tdm_ddp_spawn_fn)(tdm_comm *comm, void *arg);
+
+typedef struct tdm_ddp_spawn_opts {
+    int64_t timeout_ms;       /* bound on the whole run; 0: 60000 */
+    int64_t grace_ms;         /* after a failure, before SIGTERM; 0: 3000 */
+    int64_t comm_timeout_ms;  /* deadline of every collective wait; 0: shm default */
+    size_t arena_bytes;       /* zero-copy arena per rank (DDP gradients); 0: none */
+} tdm_ddp_spawn_opts;
+
+/* Returns OK when every rank exited 0, else the first failure ("rank 2
+ * (pid 4121) was killed by signal 9 (Killed)"). opts, res may be NULL. */
+tdm_status tdm_ddp_spawn(int world, tdm_ddp_spawn_fn fn, void *arg,
+                         const tdm_ddp_spawn_opts *opts, tdm_shm_spawn_result *res);
+
+/* Arena bytes DDP needs for a model of param_elems elements. */
+size_t tdm_ddp_arena_bytes(int64_t param_elems);
+
+#endif

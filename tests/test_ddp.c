@@ -1,0 +1,296 @@
+/* tests/test_ddp.c: DDP against single-device training: equivalence with
+ * 1..4 ranks (MLP, uneven batches, CNN with per-rank batchnorm), overlap on
+ * and off bit for bit, bucket caps, no_sync, find_unused_parameters,
+ * collective-sequence and layout mismatches. Each test forks its ranks
+ * through tdm_ddp_spawn (bounded run time, nothing left behind). */
+#include <criterion/criterion.h>
+
+#include "tests/test_ddp_util.h"
+
+static tdm_dataset g_data;
+static int g_cnn;
+
+static void setup_mlp(void) { g_cnn = 0; cr_assert_eq(tddp_data(&g_data, 0, 4096), TDM_STATUS_OK); }
+static void setup_cnn(void) { g_cnn = 1; cr_assert_eq(tddp_data(&g_data, 1, 1024), TDM_STATUS_OK); }
+static void teardown(void) { tdm_data_free(&g_data); }
+
+static int g_seed_by_rank;
+
+static void check_equiv(int world, int batch, int steps, double gtol, double ptol)
+{
+    tddp_cfg c = tddp_cfg_default();
+    c.seed_by_rank = g_seed_by_rank;
+    c.cnn = g_cnn;
+    c.batch = batch;
+    c.steps = steps;
+    tddp_shared *sh = tddp_shared_new();
+    cr_assert(sh);
+    double ref_loss[TDDP_MAX_STEPS];
+    static float ref_g[TDDP_MAX_ELEMS], ref_p[TDDP_MAX_ELEMS];
+    int64_t n = 0;
+    cr_assert_eq(tddp_reference(&c, &g_data, ref_loss, ref_g, ref_p, &n), TDM_STATUS_OK, "%s",
+                 tdm_error_message());
+    tdm_status st = tddp_spawn(world, &c, &g_data, sh, 60000);
+    cr_assert_eq(st, TDM_STATUS_OK, "world %d batch %d: %s / %s", world, batch,
+                 tdm_error_message(), sh->err[0]);
+    cr_assert_eq(sh->n_elem, n);
+    for (int s = 0; s < steps; s++)
+        cr_assert(fabs(sh->loss[s] - ref_loss[s]) <= 1e-5 + 1e-4 * fabs(ref_loss[s]),
+                  "world %d batch %d step %d: loss %.8f vs single %.8f", world, batch, s,
+                  sh->loss[s], ref_loss[s]);
+    int64_t at = 0;
+    double e = tddp_excess(sh->grads0, ref_g, n, gtol, 1e-4, &at);
+    cr_assert(e <= 0, "world %d batch %d: grad[%lld] %g vs %g", world, batch, (long long)at,
+              sh->grads0[at], ref_g[at]);
+    e = tddp_excess(sh->params, ref_p, n, ptol, 1e-3, &at);
+    cr_assert(e <= 0, "world %d batch %d: param[%lld] %g vs %g", world, batch, (long long)at,
+              sh->params[at], ref_p[at]);
+    /* every rank holds bitwise the same gradients and parameters */
+    cr_assert(!memcmp(sh->grads0, sh->grads0_r1, (size_t)n * 4) || world == 1);
+    cr_assert(!memcmp(sh->params, sh->params_r1, (size_t)n * 4) || world == 1);
+    tddp_shared_free(sh);
+}
+
+TestSuite(ddp_mlp, .init = setup_mlp, .fini = teardown, .timeout = 120);
+
+Test(ddp_mlp, one_step_equals_single_device_1_to_4_ranks)
+{
+    for (int w = 1; w <= 4; w++) check_equiv(w, 24, 1, 1e-6, 1e-6);
+}
+
+Test(ddp_mlp, construction_broadcasts_rank0_parameters)
+{
+    g_seed_by_rank = 1;   /* every other rank starts from different parameters */
+    check_equiv(3, 24, 2, 1e-6, 1e-6);
+    g_seed_by_rank = 0;
+}
+
+Test(ddp_mlp, uneven_global_batch)
+{
+    for (int w = 2; w <= 4; w++) check_equiv(w, 23, 2, 1e-6, 1e-6);
+    check_equiv(3, 2, 1, 1e-6, 1e-6);   /* fewer samples than ranks: one rank has none */
+}
+
+Test(ddp_mlp, loss_curve_50_steps)
+{
+    check_equiv(2, 32, 50, 1e-5, 1e-4);
+    check_equiv(4, 32, 50, 1e-5, 1e-4);
+}
+
+static void run_to(tddp_cfg *c, int world, tddp_shared *sh)
+{
+    memset(sh, 0, sizeof *sh);
+    tdm_status st = tddp_spawn(world, c, &g_data, sh, 60000);
+    cr_assert_eq(st, TDM_STATUS_OK, "%s / %s", tdm_error_message(), sh->err[0]);
+}
+
+Test(ddp_mlp, overlap_on_and_off_bit_identical)
+{
+    tddp_shared *a = tddp_shared_new(), *b = tddp_shared_new();
+    for (int w = 2; w <= 4; w++) {
+        tddp_cfg c = tddp_cfg_default();
+        c.steps = 5;
+        c.cap_bytes = 800;    /* several buckets */
+        run_to(&c, w, a);
+        c.no_overlap = 1;
+        run_to(&c, w, b);
+        cr_assert_gt(a->n_buckets, 2);
+        cr_assert_eq(a->timed_steps, 5);
+        cr_assert(a->launch_order_ok, "buckets not launched in order after becoming ready");
+        cr_assert(b->launch_order_ok);
+        cr_assert(!memcmp(a->params, b->params, (size_t)a->n_elem * 4), "world %d", w);
+        cr_assert(!memcmp(a->grads0, b->grads0, (size_t)a->n_elem * 4), "world %d", w);
+        cr_assert(!memcmp(a->loss, b->loss, sizeof a->loss), "world %d", w);
+    }
+    tddp_shared_free(a);
+    tddp_shared_free(b);
+}
+
+Test(ddp_mlp, bucket_caps)
+{
+    /* MLP 20-16-12-5: params fc1.weight(320) fc1.bias(16) fc2.weight(192)
+     * fc2.bias(12) fc3.weight(60) fc3.bias(5): 6 tensors */
+    struct { size_t cap, first; int nb; } cases[] = {
+        {4, 0, 6},               /* smaller than any parameter: one per bucket */
+        {20, 0, 6},              /* exactly fc3.bias: still one each */
+        {60 * 4 + 5 * 4, 0, 5},  /* exactly fc3: bucket 0 = fc3.{weight,bias} */
+        {1 << 30, 0, 1},         /* larger than the model: a single bucket */
+        {1 << 30, 20, 2},        /* small first bucket: fc3.bias alone, then the rest */
+    };
+    tddp_shared *sh = tddp_shared_new();
+    double ref_loss[TDDP_MAX_STEPS];
+    static float ref_g[TDDP_MAX_ELEMS], ref_p[TDDP_MAX_ELEMS];
+    int64_t n = 0;
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        tddp_cfg c = tddp_cfg_default();
+        c.steps = 2;
+        c.cap_bytes = cases[i].cap;
+        c.first_bytes = cases[i].first;
+        cr_assert_eq(tddp_reference(&c, &g_data, ref_loss, ref_g, ref_p, &n), TDM_STATUS_OK);
+        run_to(&c, 3, sh);
+        cr_assert_eq(sh->n_buckets, cases[i].nb, "cap %zu first %zu: %d buckets, expected %d",
+                     cases[i].cap, cases[i].first, sh->n_buckets, cases[i].nb);
+        cr_assert(sh->zero_copy);
+        cr_assert(tddp_excess(sh->params, ref_p, n, 1e-6, 1e-4, NULL) <= 0, "cap %zu",
+                  cases[i].cap);
+    }
+    tddp_shared_free(sh);
+}
+
+Test(ddp_mlp, no_sync_accumulation_equals_large_batch)
+{
+    tddp_shared *a = tddp_shared_new(), *b = tddp_shared_new();
+    tddp_cfg c = tddp_cfg_default();
+    c.batch = 32;
+    c.steps = 3;
+    run_to(&c, 2, a);
+    c.micro = 4;           /* 3 no_sync micro-batches + 1 synchronised */
+    run_to(&c, 2, b);
+    cr_assert(tddp_excess(b->grads0, a->grads0, a->n_elem, 1e-6, 1e-4, NULL) <= 0);
+    cr_assert(tddp_excess(b->params, a->params, a->n_elem, 1e-6, 1e-4, NULL) <= 0);
+    for (int s = 0; s < 3; s++) cr_assert(fabs(a->loss[s] - b->loss[s]) < 1e-5);
+    tddp_shared_free(a);
+    tddp_shared_free(b);
+}
+
+Test(ddp_mlp, find_unused_parameters)
+{
+    tddp_shared *sh = tddp_shared_new(), *ref = tddp_shared_new();
+    tddp_cfg c = tddp_cfg_default();
+    c.cap_bytes = 100;
+    run_to(&c, 2, ref);
+    /* fc2.weight (parameter 2) takes no part on rank 1: with the option
+     * its reduced gradient is rank 0's contribution only */
+    c.unused_param = 2;
+    c.unused_ranks = 2;
+    c.find_unused = 1;
+    run_to(&c, 2, sh);
+    /* all ranks unused: reduced as zeros */
+    tddp_shared *z = tddp_shared_new();
+    c.unused_ranks = 3;
+    run_to(&c, 2, z);
+    tdm_model_spec spec;
+    tddp_spec(&spec, 0);
+    /* offsets: fc1.weight 320 @0, fc1.bias 16 @320, fc2.weight 192 @336 */
+    for (int i = 336; i < 336 + 192; i++) cr_assert_eq(z->grads0[i], 0.0f);
+    int differs = 0;
+    for (int i = 336; i < 336 + 192; i++) differs |= sh->grads0[i] != ref->grads0[i];
+    cr_assert(differs);
+    for (int i = 0; i < 336; i++) cr_assert_eq(z->grads0[i], ref->grads0[i]);
+    /* without the option: that backward fails on every rank, naming it */
+    c.find_unused = 0;
+    c.unused_ranks = 2;
+    memset(sh, 0, sizeof *sh);
+    tdm_status st = tddp_spawn(2, &c, &g_data, sh, 30000);
+    cr_assert_neq(st, TDM_STATUS_OK);
+    cr_assert(strstr(sh->err[1], "fc2.weight"), "rank 1: %s", sh->err[1]);
+    cr_assert(strstr(sh->err[1], "find_unused_parameters"), "rank 1: %s", sh->err[1]);
+    cr_assert_neq(sh->status[0], TDM_STATUS_OK, "rank 0 should fail too");
+    tddp_shared_free(sh);
+    tddp_shared_free(ref);
+    tddp_shared_free(z);
+}
+
+Test(ddp_mlp, skipped_backward_is_a_mismatch_not_a_hang)
+{
+    tddp_shared *sh = tddp_shared_new();
+    tddp_cfg c = tddp_cfg_default();
+    c.steps = 4;
+    c.skip_backward_rank = 1;
+    tdm_status st = tddp_spawn(3, &c, &g_data, sh, 30000);
+    cr_assert_neq(st, TDM_STATUS_OK);
+    for (int r = 0; r < 3; r++) {
+        cr_assert_neq(sh->status[r], TDM_STATUS_OK, "rank %d did not fail", r);
+        cr_assert(strstr(sh->err[r], "mismatch") || strstr(sh->err[r], "rank 1"), "rank %d: %s",
+                  r, sh->err[r]);
+    }
+    cr_assert(strstr(sh->err[0], "rank 1"), "%s", sh->err[0]);
+    tddp_shared_free(sh);
+}
+
+Test(ddp_mlp, different_layout_fails_at_construction)
+{
+    tddp_shared *sh = tddp_shared_new();
+    tddp_cfg c = tddp_cfg_default();
+    c.bad_layout_rank = 2;
+    tdm_status st = tddp_spawn(3, &c, &g_data, sh, 30000);
+    cr_assert_neq(st, TDM_STATUS_OK);
+    for (int r = 0; r < 3; r++) {
+        cr_assert_eq(sh->status[r], TDM_STATUS_MISMATCH, "rank %d: %s", r, sh->err[r]);
+        cr_assert(strstr(sh->err[r], "rank 2"), "rank %d: %s", r, sh->err[r]);
+    }
+    cr_assert(strstr(sh->err[2], "fc2"), "%s", sh->err[2]);
+    tddp_shared_free(sh);
+}
+
+/* ---- CNN: batchnorm normalises with each rank's own statistics ---- */
+
+TestSuite(ddp_cnn, .init = setup_cnn, .fini = teardown, .timeout = 120);
+
+/* DDP's gradient is sum_r (B_r / B) g_r, where g_r is the single-device
+ * gradient (mean loss) of rank r's shard alone: per-rank batchnorm. */
+Test(ddp_cnn, gradient_is_weighted_mean_of_per_shard_gradients)
+{
+    tdm_model_spec spec;
+    tddp_spec(&spec, 1);
+    int64_t feat = tdm_data_features(&g_data);
+    for (int w = 1; w <= 4; w++) {
+        for (int batch = 16; batch <= 17; batch++) {
+            tddp_cfg c = tddp_cfg_default();
+            c.cnn = 1;
+            c.batch = batch;
+            tddp_shared *sh = tddp_shared_new();
+            tdm_status st = tddp_spawn(w, &c, &g_data, sh, 60000);
+            cr_assert_eq(st, TDM_STATUS_OK, "%s / %s", tdm_error_message(), sh->err[0]);
+            int64_t *perm = malloc((size_t)g_data.n * sizeof *perm);
+            float *x = malloc((size_t)batch * feat * 4);
+            int32_t *y = malloc((size_t)batch * 4);
+            tdm_train_epoch_order(perm, g_data.n, 1, 0);
+            tdm_device *dev;
+            cr_assert_eq(tdm_device_open(&dev, "cpu", 0, 1), TDM_STATUS_OK);
+            int64_t n = sh->n_elem;
+            double *expect = calloc((size_t)n, sizeof *expect);
+            for (int r = 0; r < w; r++) {
+                int lo = r * batch / w, hi = (r + 1) * batch / w;
+                if (hi == lo) continue;
+                tdm_model *m;
+                cr_assert_eq(tdm_model_init(&m, dev, &spec, 5), TDM_STATUS_OK);
+                tdm_model_set_train(m, 1);
+                tdm_data_gather(&g_data, perm + lo, hi - lo, x, y);
+                double l;
+                cr_assert_eq(tdm_model_forward_backward(m, x, y, hi - lo, &l), TDM_STATUS_OK);
+                const float *g = tdm_model_grads(m);
+                for (int64_t i = 0; i < n; i++) expect[i] += (double)(hi - lo) / batch * g[i];
+                tdm_model_free(m);
+            }
+            for (int64_t i = 0; i < n; i++)
+                cr_assert(fabs(sh->grads0[i] - expect[i]) <= 1e-5 + 1e-4 * fabs(expect[i]),
+                          "world %d batch %d grad[%lld]: %g vs %g", w, batch, (long long)i,
+                          sh->grads0[i], expect[i]);
+            if (w > 1) cr_assert(!memcmp(sh->params, sh->params_r1, (size_t)n * 4));
+            free(expect);
+            free(perm);
+            free(x);
+            free(y);
+            tdm_device_free(dev);
+            tddp_shared_free(sh);
+        }
+    }
+}
+
+Test(ddp_cnn, one_rank_equals_single_device_and_overlap_bitwise)
+{
+    check_equiv(1, 16, 3, 1e-6, 1e-6);
+    tddp_shared *a = tddp_shared_new(), *b = tddp_shared_new();
+    tddp_cfg c = tddp_cfg_default();
+    c.cnn = 1;
+    c.batch = 16;
+    c.steps = 3;
+    c.cap_bytes = 200;
+    run_to(&c, 3, a);
+    c.no_overlap = 1;
+    run_to(&c, 3, b);
+    cr_assert(!memcmp(a->params, b->params, (size_t)a->n_elem * 4));
+    tddp_shared_free(a);
+    tddp_shared_free(b);
+}

@@ -1,0 +1,251 @@
+/* tests/test_ddp_util.h: shared helpers of the DDP tests: a result area
+ * shared with forked ranks (an anonymous MAP_SHARED mapping: no /dev/shm
+ * name), small models and data, a DDP training run per rank, and the
+ * single-device reference. Header-only (static) so that each test binary
+ * stays one file. */
+#ifndef TDM_TESTS_TEST_DDP_UTIL_H
+#define TDM_TESTS_TEST_DDP_UTIL_H
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+
+#include "core/data.h"
+#include "core/device.h"
+#include "ddp/ddp.h"
+#include "ddp/spawn.h"
+#include "models/model.h"
+#include "models/optim.h"
+#include "models/train.h"
+
+#define TDDP_MAX_ELEMS (1 << 16)
+#define TDDP_MAX_STEPS 64
+
+typedef struct tddp_cfg {
+    int cnn;
+    int batch;               /* global batch */
+    int steps;
+    int no_overlap;
+    size_t cap_bytes;        /* 0: default caps */
+    size_t first_bytes;
+    int micro;               /* > 1: no_sync over this many micro-batches, then sync */
+    int unused_param;        /* >= 0: mark this parameter unused on unused_ranks */
+    unsigned unused_ranks;   /* bit mask */
+    int find_unused;
+    int skip_backward_rank;  /* >= 0: this rank skips the backward of step 1 */
+    int bad_layout_rank;     /* >= 0: this rank builds a different model */
+    int seed_by_rank;        /* rank r initialises with seed 5 + r (DDP broadcasts rank 0's) */
+} tddp_cfg;
+
+typedef struct tddp_shared {
+    double loss[TDDP_MAX_STEPS];
+    float grads0[TDDP_MAX_ELEMS];      /* rank 0's reduced gradients after step 0 */
+    float grads0_r1[TDDP_MAX_ELEMS];   /* rank world-1's */
+    float params[TDDP_MAX_ELEMS];      /* rank 0's parameters at the end */
+    float params_r1[TDDP_MAX_ELEMS];   /* rank world-1's */
+    int64_t n_elem;
+    int n_buckets;
+    int zero_copy;
+    int64_t timed_steps;       /* rank 0's tdm_ddp_times.steps */
+    int launch_order_ok;       /* rank 0: buckets launched in bucket order, after ready */
+    int status[8];
+    char err[8][512];
+} tddp_shared;
+
+static inline tddp_shared *tddp_shared_new(void)
+{
+    void *p = mmap(NULL, sizeof(tddp_shared), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS,
+                   -1, 0);
+    if (p == MAP_FAILED) return NULL;
+    memset(p, 0, sizeof(tddp_shared));
+    return p;
+}
+static inline void tddp_shared_free(tddp_shared *s) { if (s) munmap(s, sizeof *s); }
+
+static inline void tddp_spec(tdm_model_spec *s, int cnn)
+{
+    if (cnn) {
+        tdm_model_spec_cnn(s);
+        s->in_c = 1; s->in_h = 8; s->in_w = 8;
+        s->ch1 = 3; s->ch2 = 4; s->n_classes = 5;
+    } else {
+        int dims[] = {20, 16, 12, 5};
+        tdm_model_spec_mlp(s, dims, 4);
+    }
+}
+
+static inline tdm_status tddp_data(tdm_dataset *d, int cnn, int64_t n)
+{
+    return cnn ? tdm_data_synthetic(d, n, 1, 8, 8, 5, 77, 0)
+               : tdm_data_synthetic(d, n, 1, 4, 5, 5, 77, 0);
+}
+
+typedef struct tddp_run {
+    const tddp_cfg *cfg;
+    const tdm_dataset *data;
+    tddp_shared *sh;
+} tddp_run;
+
+/* One rank's training run; records into sh; returns 0 on success. */
+static inline int tddp_rank_main(tdm_comm *comm, void *arg)
+{
+    tddp_run *run = arg;
+    const tddp_cfg *c = run->cfg;
+    tddp_shared *sh = run->sh;
+    int rank = tdm_comm_rank(comm), world = tdm_comm_size(comm);
+    tdm_device *dev = NULL;
+    tdm_model *m = NULL;
+    tdm_optim *opt = NULL;
+    tdm_ddp *ddp = NULL;
+    tdm_model_spec spec;
+    int64_t *perm = NULL;
+    float *x = NULL;
+    int32_t *y = NULL;
+    tdm_status st = TDM_STATUS_OK;
+    int64_t feat = tdm_data_features(run->data);
+    tddp_spec(&spec, c->cnn);
+    if (c->bad_layout_rank == rank) spec.dims[2] = 13;
+    TDM_TRY(tdm_device_open(&dev, "cpu", rank, 1));
+    TDM_TRY(tdm_model_init(&m, dev, &spec, 5 + (c->seed_by_rank ? (uint64_t)rank : 0)));
+    tdm_ddp_opts o = {.no_overlap = c->no_overlap, .bucket_cap_bytes = c->cap_bytes,
+                      .first_bucket_bytes = c->first_bytes,
+                      .find_unused_parameters = c->find_unused, .timeout_ms = 20000};
+    TDM_TRY(tdm_ddp_init(&ddp, m, comm, &o));
+    TDM_TRY(tdm_sgd_init(&opt, m, 0.05f, 0.9f));
+    sh->n_buckets = tdm_ddp_n_buckets(ddp);
+    sh->zero_copy = tdm_ddp_zero_copy(ddp);
+    perm = malloc((size_t)run->data->n * sizeof *perm);
+    x = malloc((size_t)c->batch * (size_t)feat * sizeof *x);
+    y = malloc((size_t)c->batch * sizeof *y);
+    if (!perm || !x || !y) { st = TDM_STATUS_OUT_OF_MEMORY; goto fail; }
+    tdm_train_epoch_order(perm, run->data->n, 1, 0);
+    int micro = c->micro > 1 ? c->micro : 1;
+    for (int s = 0; s < c->steps; s++) {
+        /* global batch s, split in `micro` micro-batches, each split by rank */
+        const int64_t *gidx = perm + (int64_t)s * c->batch;
+        double loss_sum = 0.0;
+        TDM_TRY(tdm_ddp_zero_grad(ddp));
+        for (int k = 0; k < micro; k++) {
+            int mb0 = (int)((int64_t)k * c->batch / micro), mb1 = (int)((int64_t)(k + 1) * c->batch / micro);
+            int mb = mb1 - mb0;
+            int lo = (int)((int64_t)rank * mb / world), hi = (int)((int64_t)(rank + 1) * mb / world);
+            tdm_data_gather(run->data, gidx + mb0 + lo, hi - lo, x, y);
+            double ls = 0.0;
+            tdm_ddp_no_sync(ddp, k + 1 < micro);
+            TDM_TRY(tdm_ddp_forward_scaled(ddp, x, y, hi - lo, 1.0f / (float)c->batch, &ls));
+            loss_sum += ls;
+            if (c->unused_param >= 0 && ((c->unused_ranks >> rank) & 1) && s == 0)
+                TDM_TRY(tdm_ddp_mark_unused(ddp, c->unused_param));
+            if (c->skip_backward_rank == rank && s == 1) continue;
+            TDM_TRY(tdm_ddp_backward(ddp));
+        }
+        (void)loss_sum;
+        loss_sum = tdm_ddp_loss_sum(ddp);   /* all ranks' losses, with the gradients */
+        if (rank == 0) sh->loss[s] = loss_sum / c->batch;
+        if (s == 0 && tdm_model_param_elems(m) <= TDDP_MAX_ELEMS) {
+            float *dst = rank == 0 ? sh->grads0 : rank == world - 1 ? sh->grads0_r1 : NULL;
+            if (dst) memcpy(dst, tdm_model_grads(m), (size_t)tdm_model_param_elems(m) * 4);
+        }
+        TDM_TRY(tdm_ddp_step(ddp, opt));
+    }
+    if (rank == 0) {
+        tdm_ddp_times t;
+        tdm_ddp_get_times(ddp, &t);
+        sh->timed_steps = t.steps;
+        sh->launch_order_ok = t.n_buckets == tdm_ddp_n_buckets(ddp);
+        for (int i = 0; i < t.n_buckets; i++) {
+            const tdm_ddp_bucket_times *b = &t.buckets[i];
+            if (b->start_ms < b->ready_ms || b->end_ms < b->start_ms) sh->launch_order_ok = 0;
+            if (i > 0 && b->start_ms < t.buckets[i - 1].start_ms) sh->launch_order_ok = 0;
+        }
+    }
+    if (tdm_model_param_elems(m) <= TDDP_MAX_ELEMS) {
+        sh->n_elem = tdm_model_param_elems(m);
+        float *dst = rank == 0 ? sh->params : rank == world - 1 ? sh->params_r1 : NULL;
+        if (dst) memcpy(dst, tdm_model_params(m), (size_t)sh->n_elem * 4);
+    }
+fail:
+    if (rank < 8) {
+        sh->status[rank] = st;
+        snprintf(sh->err[rank], sizeof sh->err[rank], "%s", st ? tdm_error_message() : "");
+    }
+    if (st) fprintf(stderr, "rank %d: %s\n", rank, tdm_error_message());
+    free(perm);
+    free(x);
+    free(y);
+    tdm_ddp_free(ddp);
+    tdm_optim_free(opt);
+    tdm_model_free(m);
+    tdm_device_free(dev);
+    return st ? 1 : 0;
+}
+
+static inline tdm_status tddp_spawn(int world, const tddp_cfg *cfg, const tdm_dataset *data,
+                             tddp_shared *sh, int64_t timeout_ms)
+{
+    tddp_run run = {.cfg = cfg, .data = data, .sh = sh};
+    tdm_ddp_spawn_opts o = {.timeout_ms = timeout_ms, .arena_bytes = 1 << 20,
+                            .comm_timeout_ms = 20000};
+    return tdm_ddp_spawn(world, tddp_rank_main, &run, &o, NULL);
+}
+
+/* Single-device reference: losses, gradients after step 0, final params. */
+static inline tdm_status tddp_reference(const tddp_cfg *c, const tdm_dataset *data, double *loss,
+                                 float *grads0, float *params, int64_t *n_elem)
+{
+    tdm_status st = TDM_STATUS_OK;
+    tdm_device *dev = NULL;
+    tdm_model *m = NULL;
+    tdm_optim *opt = NULL;
+    tdm_model_spec spec;
+    tdm_single single = {0};
+    int64_t feat = tdm_data_features(data);
+    int64_t *perm = malloc((size_t)data->n * sizeof *perm);
+    float *x = malloc((size_t)c->batch * (size_t)feat * sizeof *x);
+    int32_t *y = malloc((size_t)c->batch * sizeof *y);
+    tddp_spec(&spec, c->cnn);
+    TDM_TRY(tdm_device_open(&dev, "cpu", 0, 1));
+    TDM_TRY(tdm_model_init(&m, dev, &spec, 5));
+    TDM_TRY(tdm_sgd_init(&opt, m, 0.05f, 0.9f));
+    single.model = m;
+    single.opt = opt;
+    tdm_train_epoch_order(perm, data->n, 1, 0);
+    for (int s = 0; s < c->steps; s++) {
+        tdm_data_gather(data, perm + (int64_t)s * c->batch, c->batch, x, y);
+        TDM_TRY(tdm_single_step(&single, x, y, c->batch, &loss[s]));
+        if (s == 0 && grads0)
+            memcpy(grads0, tdm_model_grads(m), (size_t)tdm_model_param_elems(m) * 4);
+    }
+    *n_elem = tdm_model_param_elems(m);
+    if (params) memcpy(params, tdm_model_params(m), (size_t)*n_elem * 4);
+fail:
+    free(perm);
+    free(x);
+    free(y);
+    tdm_optim_free(opt);
+    tdm_model_free(m);
+    tdm_device_free(dev);
+    return st;
+}
+
+/* Largest |a-b| - (atol + rtol|b|) over n; <= 0 means all within. */
+static inline double tddp_excess(const float *a, const float *b, int64_t n, double atol, double rtol,
+                          int64_t *where)
+{
+    double worst = -1e30;
+    for (int64_t i = 0; i < n; i++) {
+        double e = fabs((double)a[i] - (double)b[i]) - (atol + rtol * fabs((double)b[i]));
+        if (e > worst) { worst = e; if (where) *where = i; }
+    }
+    return worst;
+}
+
+static inline tddp_cfg tddp_cfg_default(void)
+{
+    return (tddp_cfg){.batch = 24, .steps = 1, .unused_param = -1, .skip_backward_rank = -1,
+                      .bad_layout_rank = -1};
+}
+
+#endif

@@ -1,0 +1,338 @@
+/* tools/launch.c: `tandem launch -n N [--log-dir DIR] -- PROGRAM ARGS...`,
+ * a torchrun-like launcher for DDP programs on one machine. It creates the
+ * shared-memory group, exports what the ranks need to join it
+ * (TANDEM_SHM_FD; each rank calls tdm_ddp_pg_init_from_env), sets RANK,
+ * LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, execs N copies of PROGRAM,
+ * prefixes every output line with "[rank N] " (or writes DIR/rank_N.log),
+ * forwards SIGINT/SIGTERM/SIGHUP, and when a rank fails tells the group
+ * (the other ranks' collectives fail at once), stops the rest (SIGTERM,
+ * then SIGKILL after a grace period) and exits 1 with a summary naming
+ * the first failure. Not an elastic agent: no restarts, one machine. */
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "core/timer.h"
+#include "shm/shm_comm.h"
+#include "tools/args.h"
+#include "tools/tools.h"
+
+#define TDM_LAUNCH_LINE_MAX 4096
+
+static volatile sig_atomic_t tdm_launch_sig;
+
+static void tdm_launch_on_signal(int sig) { tdm_launch_sig = sig; }
+
+static void tdm_launch_usage(FILE *f)
+{
+    fprintf(f,
+        "usage: tandem launch -n N [options] -- PROGRAM [ARGS...]\n"
+        "\n"
+        "Runs N copies of PROGRAM as the ranks of one DDP job on this machine.\n"
+        "Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE and\n"
+        "TANDEM_SHM_FD (join with tdm_ddp_pg_init_from_env).\n"
+        "\n"
+        "  -n, --nproc N        number of ranks (1..%d)\n"
+        "  --log-dir DIR        write each rank's output to DIR/rank_N.log\n"
+        "                       (default: prefix lines with \"[rank N] \")\n"
+        "  --arena-mb M         zero-copy memory per rank for DDP gradients [32]\n"
+        "  --grace-ms MS        after a failure, time before SIGKILL       [3000]\n"
+        "\n"
+        "Exit codes: 0 every rank succeeded, 1 a rank failed (summary on\n"
+        "stderr), 2 bad usage, 128+S stopped by signal S.\n", TDM_SHM_MAX_RANKS);
+}
+
+typedef struct tdm_launch_out {
+    int fd;              /* read end, -1 when closed */
+    int rank, dest;      /* dest: 1 stdout, 2 stderr */
+    size_t len;
+    char buf[TDM_LAUNCH_LINE_MAX];
+} tdm_launch_out;
+
+static void tdm_launch_write_all(int fd, const char *p, size_t n)
+{
+    while (n > 0) {
+        ssize_t w = write(fd, p, n);
+        if (w < 0 && errno == EINTR) continue;
+        if (w <= 0) return;
+        p += w;
+        n -= (size_t)w;
+    }
+}
+
+static void tdm_launch_emit(tdm_launch_out *o, const char *line, size_t n)
+{
+    char pre[32];
+    int pl = snprintf(pre, sizeof pre, "[rank %d] ", o->rank);
+    char tmp[TDM_LAUNCH_LINE_MAX + 40];
+    memcpy(tmp, pre, (size_t)pl);
+    memcpy(tmp + pl, line, n);
+    tmp[pl + n] = '\n';
+    tdm_launch_write_all(o->dest, tmp, (size_t)pl + n + 1);
+}
+
+/* Reads what is there; emits complete lines (and over-long ones). */
+static void tdm_launch_pump(tdm_launch_out *o)
+{
+    char chunk[4096];
+    ssize_t n = read(o->fd, chunk, sizeof chunk);
+    if (n < 0 && (errno == EINTR || errno == EAGAIN)) return;
+    if (n <= 0) {
+        if (o->len) tdm_launch_emit(o, o->buf, o->len);
+        o->len = 0;
+        close(o->fd);
+        o->fd = -1;
+        return;
+    }
+    for (ssize_t i = 0; i < n; i++) {
+        if (chunk[i] == '\n' || o->len == sizeof o->buf) {
+            tdm_launch_emit(o, o->buf, o->len);
+            o->len = 0;
+            if (chunk[i] == '\n') continue;
+        }
+        o->buf[o->len++] = chunk[i];
+    }
+}
+
+static void tdm_launch_why(int ws, char *out, size_t n)
+{
+    if (WIFSIGNALED(ws))
+        snprintf(out, n, "was killed by signal %d (%s)", WTERMSIG(ws), strsignal(WTERMSIG(ws)));
+    else
+        snprintf(out, n, "exited with code %d", WEXITSTATUS(ws));
+}
+
+static void tdm_launch_sleep_ms(int ms)
+{
+    struct timespec ts = {.tv_sec = ms / 1000, .tv_nsec = (long)(ms % 1000) * 1000000L};
+    while (nanosleep(&ts, &ts) == -1 && errno == EINTR) {}
+}
+
+int tdm_tool_launch_main(int argc, char **argv)
+{
+    long long world = 0, arena_mb = 32, grace_ms = 3000;
+    const char *log_dir = NULL;
+    int prog = -1;
+    for (int i = 1; i < argc; i++) {
+        const char *v;
+        if (!strcmp(argv[i], "--")) { prog = i + 1; break; }
+        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
+            tdm_launch_usage(stdout);
+            return 0;
+        }
+        if ((v = tdm_args_value(argc, argv, &i, "-n")) ||
+            (v = tdm_args_value(argc, argv, &i, "--nproc"))) {
+            if (!tdm_args_int("-n", v, 1, TDM_SHM_MAX_RANKS, &world)) return 2;
+            continue;
+        }
+        if ((v = tdm_args_value(argc, argv, &i, "--log-dir"))) { log_dir = v; continue; }
+        if ((v = tdm_args_value(argc, argv, &i, "--arena-mb"))) {
+            if (!tdm_args_int("--arena-mb", v, 0, 1 << 16, &arena_mb)) return 2;
+            continue;
+        }
+        if ((v = tdm_args_value(argc, argv, &i, "--grace-ms"))) {
+            if (!tdm_args_int("--grace-ms", v, 0, 600000, &grace_ms)) return 2;
+            continue;
+        }
+        if (argv[i][0] != '-') { prog = i; break; }
+        fprintf(stderr, "tandem launch: unknown option '%s' (see tandem launch --help)\n", argv[i]);
+        return 2;
+    }
+    if (world < 1 || prog < 0 || prog >= argc) {
+        fprintf(stderr, "tandem launch: need -n N and a program after '--' (see --help)\n");
+        return 2;
+    }
+    int W = (int)world, rc = 1;
+    tdm_shm_group *g = NULL;
+    tdm_shm_opts so = {.arena_bytes = (size_t)arena_mb << 20};
+    pid_t pid[TDM_SHM_MAX_RANKS] = {0};
+    int wst[TDM_SHM_MAX_RANKS] = {0};
+    tdm_launch_out *outs = calloc((size_t)W * 2, sizeof *outs);
+    int n_outs = 0;
+    if (!outs) {
+        fprintf(stderr, "tandem launch: out of memory\n");
+        return 1;
+    }
+    if (log_dir && mkdir(log_dir, 0755) != 0 && errno != EEXIST) {
+        fprintf(stderr, "tandem launch: --log-dir %s: %s\n", log_dir, strerror(errno));
+        free(outs);
+        return 1;
+    }
+    if (tdm_shm_group_create(&g, W, &so) || tdm_shm_group_export_env(g)) {
+        fprintf(stderr, "tandem launch: shared memory: %s\n", tdm_error_message());
+        goto done;
+    }
+    struct sigaction sa = {.sa_handler = tdm_launch_on_signal};
+    sigemptyset(&sa.sa_mask);
+    struct sigaction old_int, old_term, old_hup;
+    sigaction(SIGINT, &sa, &old_int);
+    sigaction(SIGTERM, &sa, &old_term);
+    sigaction(SIGHUP, &sa, &old_hup);
+    fflush(stdout);
+    fflush(stderr);
+    pid_t self = getpid();
+    int running = 0;
+    for (int r = 0; r < W; r++) {
+        int fds[2][2] = {{-1, -1}, {-1, -1}}, logfd = -1;
+        if (log_dir) {
+            char path[4096];
+            snprintf(path, sizeof path, "%s/rank_%d.log", log_dir, r);
+            logfd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+            if (logfd < 0) {
+                fprintf(stderr, "tandem launch: %s: %s\n", path, strerror(errno));
+                break;
+            }
+        } else if (pipe2(fds[0], O_CLOEXEC) || pipe2(fds[1], O_CLOEXEC)) {
+            fprintf(stderr, "tandem launch: pipe: %s\n", strerror(errno));
+            break;
+        }
+        pid_t p = fork();
+        if (p == 0) {
+            struct sigaction dfl = {.sa_handler = SIG_DFL};
+            sigaction(SIGINT, &dfl, NULL);
+            sigaction(SIGTERM, &dfl, NULL);
+            sigaction(SIGHUP, &dfl, NULL);
+            prctl(PR_SET_PDEATHSIG, SIGKILL);   /* never outlive the launcher */
+            if (getppid() != self) _exit(125);
+            char b[16];
+            snprintf(b, sizeof b, "%d", r);
+            setenv("RANK", b, 1);
+            setenv("LOCAL_RANK", b, 1);
+            snprintf(b, sizeof b, "%d", W);
+            setenv("WORLD_SIZE", b, 1);
+            setenv("LOCAL_WORLD_SIZE", b, 1);
+            if (log_dir) {
+                dup2(logfd, STDOUT_FILENO);
+                dup2(logfd, STDERR_FILENO);
+            } else {
+                dup2(fds[0][1], STDOUT_FILENO);
+                dup2(fds[1][1], STDERR_FILENO);
+            }
+            execvp(argv[prog], argv + prog);
+            fprintf(stderr, "tandem launch: rank %d: cannot run %s: %s\n", r, argv[prog],
+                    strerror(errno));
+            _exit(127);
+        }
+        if (logfd >= 0) close(logfd);
+        if (!log_dir) {
+            close(fds[0][1]);
+            close(fds[1][1]);
+        }
+        if (p < 0) {
+            fprintf(stderr, "tandem launch: fork of rank %d: %s\n", r, strerror(errno));
+            if (!log_dir) { close(fds[0][0]); close(fds[1][0]); }
+            break;
+        }
+        pid[r] = p;
+        running++;
+        tdm_shm_group_set_pid(g, r, p);
+        if (!log_dir) {
+            outs[n_outs++] = (tdm_launch_out){.fd = fds[0][0], .rank = r, .dest = STDOUT_FILENO};
+            outs[n_outs++] = (tdm_launch_out){.fd = fds[1][0], .rank = r, .dest = STDERR_FILENO};
+        }
+    }
+    int first_bad = -1, stopping = running < W, signalled = 0, fwd_sig = 0;
+    uint64_t kill_at = stopping ? tdm_time_ns() + (uint64_t)grace_ms * 1000000ull : UINT64_MAX;
+    if (stopping)
+        for (int r = 0; r < W; r++) if (pid[r] > 0) kill(pid[r], SIGTERM);
+    uint64_t drain_until = UINT64_MAX, term_at = UINT64_MAX;
+    for (;;) {
+        struct pollfd pf[2 * TDM_SHM_MAX_RANKS];
+        int np = 0, idx[2 * TDM_SHM_MAX_RANKS];
+        for (int i = 0; i < n_outs; i++)
+            if (outs[i].fd >= 0) {
+                pf[np] = (struct pollfd){.fd = outs[i].fd, .events = POLLIN};
+                idx[np++] = i;
+            }
+        if (running == 0 && (np == 0 || tdm_time_ns() > drain_until)) break;
+        if (np > 0) {
+            int k = poll(pf, (nfds_t)np, 20);
+            for (int j = 0; k > 0 && j < np; j++)
+                if (pf[j].revents) tdm_launch_pump(&outs[idx[j]]);
+        } else {
+            tdm_launch_sleep_ms(20);
+        }
+        if (tdm_launch_sig && !fwd_sig) {
+            fwd_sig = tdm_launch_sig;
+            for (int r = 0; r < W; r++) if (pid[r] > 0) kill(pid[r], fwd_sig);
+            if (!stopping) {
+                stopping = 1;
+                kill_at = tdm_time_ns() + (uint64_t)grace_ms * 1000000ull;
+            }
+        }
+        int ws, pass_bad = -1;
+        pid_t w;
+        while (running > 0 && (w = waitpid(-1, &ws, WNOHANG)) > 0) {
+            int r = 0;
+            while (r < W && pid[r] != w) r++;
+            if (r == W) continue;
+            pid[r] = -w;
+            wst[r] = ws;
+            running--;
+            if (WIFEXITED(ws) && WEXITSTATUS(ws) == 0) continue;
+            tdm_shm_group_mark_dead(g, r, ws);
+            /* Survivors of a killed rank may be reaped in the same pass
+             * as it: the root cause is the one killed by a signal. */
+            if (first_bad < 0 && !fwd_sig &&
+                (pass_bad < 0 || (WIFSIGNALED(ws) && !WIFSIGNALED(wst[pass_bad]))))
+                pass_bad = r;
+            if (!stopping) {
+                /* The group abort lets ranks inside a collective fail on
+                 * their own (and say so) first; SIGTERM comes a moment
+                 * later, SIGKILL after the grace period. */
+                stopping = 1;
+                uint64_t t = tdm_time_ns();
+                term_at = t + (uint64_t)(grace_ms < 1000 ? grace_ms : 1000) * 1000000ull;
+                kill_at = term_at + (uint64_t)grace_ms * 1000000ull;
+            }
+        }
+        if (stopping && running > 0 && tdm_time_ns() >= term_at) {
+            for (int q = 0; q < W; q++) if (pid[q] > 0) kill(pid[q], SIGTERM);
+            term_at = UINT64_MAX;
+        }
+        if (pass_bad >= 0) first_bad = pass_bad;
+        if (running == 0 && drain_until == UINT64_MAX)
+            drain_until = tdm_time_ns() + 500ull * 1000000ull;  /* grandchildren may hold pipes */
+        if (stopping && running > 0 && tdm_time_ns() >= kill_at && signalled < 1) {
+            for (int r = 0; r < W; r++) if (pid[r] > 0) kill(pid[r], SIGKILL);
+            signalled = 1;
+        }
+    }
+    for (int i = 0; i < n_outs; i++) if (outs[i].fd >= 0) { close(outs[i].fd); outs[i].fd = -1; }
+    sigaction(SIGINT, &old_int, NULL);
+    sigaction(SIGTERM, &old_term, NULL);
+    sigaction(SIGHUP, &old_hup, NULL);
+    int failed = 0;
+    for (int r = 0; r < W; r++)
+        if (pid[r] == 0 || !(WIFEXITED(wst[r]) && WEXITSTATUS(wst[r]) == 0)) failed++;
+    if (first_bad >= 0) {
+        char why[128];
+        tdm_launch_why(wst[first_bad], why, sizeof why);
+        fprintf(stderr, "tandem launch: rank %d (pid %d) %s; stopped the other ranks "
+                        "(%d of %d failed or were stopped)\n",
+                first_bad, (int)-pid[first_bad], why, failed, W);
+        rc = 1;
+    } else if (fwd_sig) {
+        fprintf(stderr, "tandem launch: received %s; forwarded it to %d rank(s)\n",
+                strsignal(fwd_sig), W);
+        rc = 128 + fwd_sig;
+    } else if (failed) {
+        fprintf(stderr, "tandem launch: %d of %d ranks could not be started\n", failed, W);
+        rc = 1;
+    } else {
+        rc = 0;
+    }
+done:
+    tdm_shm_group_free(g);
+    free(outs);
+    return rc;
+}

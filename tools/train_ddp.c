@@ -1,0 +1,272 @@
+/* tools/train_ddp.c: `tandem train --mode ddp --device cpu:N`: forks N
+ * ranks (tdm_ddp_spawn), each training its own replica through ddp/ on
+ * its contiguous share of every global batch (the same global batches as
+ * --mode single: tdm_train_epoch_order). Rank 0 prints progress, results
+ * and the DDP timing summary, evaluates and writes checkpoints; every rank
+ * that fails says which rank it is, and the parent names the first rank
+ * that failed and exits 1.
+ *
+ * Under `tandem launch -n N -- tandem train --mode ddp ...` (TANDEM_SHM_FD
+ * and WORLD_SIZE set) it does not fork: this process is one rank of the
+ * launched job and joins it with tdm_ddp_pg_init_from_env.
+ *
+ * Test hook: TANDEM_DDP_TEST_KILL=R:S makes rank R SIGKILL itself before
+ * its global step S (counted from 1 over the whole run), to test
+ * fail-fast and checkpoint recovery end to end.
+ *
+ * Batch split: rank r gets samples [r*B/N, (r+1)*B/N) of each global batch
+ * of B. Its loss gradient is scaled by 1/B (not 1/B_r) and gradients are
+ * SUM-reduced, so the reduced gradient is exactly the global batch's
+ * mean-loss gradient even when N does not divide B. */
+#include <fcntl.h>
+#include <signal.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "core/comm.h"
+#include "core/device.h"
+#include "core/log.h"
+#include "ddp/ddp.h"
+#include "ddp/pg.h"
+#include "ddp/spawn.h"
+#include "models/checkpoint.h"
+#include "tools/train_modes.h"
+
+typedef struct tdm_train_ddp_ctx {
+    const tdm_train_args *a;
+    tdm_model_spec spec;
+    tdm_device_list dl;
+    const tdm_dataset *train, *test;
+} tdm_train_ddp_ctx;
+
+typedef struct tdm_train_ddp_rank {
+    tdm_ddp *ddp;
+    tdm_optim *opt;
+    tdm_comm *comm;
+    int rank, world;
+    int64_t feat;
+    int64_t steps, kill_step;    /* test hook: SIGKILL before step kill_step */
+} tdm_train_ddp_rank;
+
+static void tdm_train_ddp_fail(int rank, const char *what, tdm_status st)
+{
+    fprintf(stderr, "tandem train: rank %d: %s: %s\n", rank, what,
+            tdm_error_message()[0] ? tdm_error_message() : tdm_status_name(st));
+}
+
+static tdm_status tdm_train_ddp_step(void *ctx, const float *x, const int32_t *y, int batch,
+                                     double *loss_mean)
+{
+    tdm_train_ddp_rank *r = ctx;
+    tdm_status st = TDM_STATUS_OK;
+    int lo = (int)((int64_t)r->rank * batch / r->world);
+    int hi = (int)((int64_t)(r->rank + 1) * batch / r->world);
+    double ls = 0.0;
+    if (++r->steps == r->kill_step) {
+        fflush(stdout);
+        raise(SIGKILL);
+    }
+    TDM_TRY(tdm_ddp_zero_grad(r->ddp));
+    TDM_TRY(tdm_ddp_forward_scaled(r->ddp, x + (int64_t)lo * r->feat, y + lo, hi - lo,
+                                   1.0f / (float)batch, &ls));
+    TDM_TRY(tdm_ddp_backward(r->ddp));
+    TDM_TRY(tdm_ddp_step(r->ddp, r->opt));
+    *loss_mean = tdm_ddp_loss_sum(r->ddp) / batch;   /* carried by the gradient all-reduce */
+    return TDM_STATUS_OK;
+fail:
+    tdm_error_prefix(st, "rank %d", r->rank);
+    tdm_comm_abort(r->comm, tdm_error_message());
+    return st;
+}
+
+static int tdm_train_ddp_after(void *ctx, int64_t epoch)
+{
+    tdm_train_ddp_rank *r = ctx;
+    (void)epoch;
+    /* rank 0 has saved its checkpoint (and evaluated) when it gets here */
+    tdm_status st = tdm_comm_barrier(r->comm);
+    if (st) tdm_train_ddp_fail(r->rank, "end-of-epoch barrier", st);
+    return st == TDM_STATUS_OK;
+}
+
+static void tdm_train_ddp_report(tdm_ddp *ddp, int world)
+{
+    tdm_ddp_times t;
+    tdm_ddp_get_times(ddp, &t);
+    if (t.steps == 0) return;
+    double n = (double)t.steps, step_ms = 0;
+    for (int i = 0; i < TDM_PHASE_COUNT_; i++) step_ms += t.total.ms[i];
+    double exposed = t.total.ms[TDM_PHASE_ALLREDUCE_WAIT];
+    double share = t.reduced_bytes_total > 0
+                       ? 100.0 * t.overlapped_bytes_total / t.reduced_bytes_total : 0.0;
+    printf("ddp (rank 0 of %d, %d bucket%s, per step): forward %.3f ms, loss %.3f ms, backward "
+           "%.3f ms, all-reduce exposed %.3f ms, optimizer %.3f ms\n",
+           world, t.n_buckets, t.n_buckets == 1 ? "" : "s", t.total.ms[TDM_PHASE_FORWARD] / n,
+           t.total.ms[TDM_PHASE_LOSS] / n, t.total.ms[TDM_PHASE_BACKWARD] / n, exposed / n,
+           t.total.ms[TDM_PHASE_STEP] / n);
+    printf("ddp communication: exposed (not overlapped) %.3f ms per step = %.1f%% of the step; "
+           "overlap: %.1f%% of the gradient bytes were all-reduced while backward ran\n",
+           exposed / n, step_ms > 0 ? 100.0 * exposed / step_ms : 0.0, share);
+}
+
+static int tdm_train_ddp_rank_main(tdm_comm *comm, void *arg)
+{
+    const tdm_train_ddp_ctx *c = arg;
+    tdm_train_args a = *c->a;
+    int rank = tdm_comm_rank(comm), world = tdm_comm_size(comm);
+    tdm_device *dev = NULL;
+    tdm_model *m = NULL;
+    tdm_optim *opt = NULL;
+    tdm_ddp *ddp = NULL;
+    tdm_status st;
+    int rc = 1;
+    if (rank != 0) {
+        int fd = open("/dev/null", O_WRONLY | O_CLOEXEC);
+        if (fd >= 0) {
+            dup2(fd, STDOUT_FILENO);
+            close(fd);
+        }
+        a.no_eval = 1;
+        a.save = NULL;
+        a.quiet = 1;
+    }
+    if ((st = tdm_device_open(&dev, c->dl.kind == TDM_DEVICE_CUDA ? "cuda" : "cpu",
+                              c->dl.index[c->dl.count == 1 ? 0 : rank], 1))) {
+        tdm_train_ddp_fail(rank, "opening device", st);
+        goto done;
+    }
+    if ((st = tdm_model_init(&m, dev, &c->spec, (uint64_t)a.seed))) {
+        tdm_train_ddp_fail(rank, "building model", st);
+        goto done;
+    }
+    tdm_ddp_opts o = {.bucket_cap_mb = a.bucket_cap_mb > 0 ? (double)a.bucket_cap_mb : 0,
+                      .no_overlap = a.no_overlap};
+    if ((st = tdm_ddp_init(&ddp, m, comm, &o))) {
+        tdm_train_ddp_fail(rank, "ddp init", st);
+        goto done;
+    }
+    if (!tdm_train_make_optim(&a, m, &opt)) goto done;
+    int64_t start_epoch = 0;
+    if (a.resume) {
+        tdm_ckpt_info info;
+        if ((st = tdm_ddp_checkpoint_load(ddp, a.resume, opt, &info))) {
+            tdm_train_ddp_fail(rank, "resuming", st);
+            goto done;
+        }
+        start_epoch = info.epoch;
+        printf("resumed %s: epoch %lld, step %lld\n", a.resume, (long long)info.epoch,
+               (long long)info.step);
+    }
+    char devdesc[96];
+    snprintf(devdesc, sizeof devdesc, "%d processes on %s (%s communicator%s)", world,
+             c->a->device, tdm_comm_backend_name(comm),
+             tdm_ddp_zero_copy(ddp) ? ", zero-copy buckets" : "");
+    if (rank == 0)
+        tdm_train_print_header(&a, &c->spec, c->train, c->test, tdm_model_param_elems(m), devdesc);
+    tdm_train_ddp_rank r = {.ddp = ddp, .opt = opt, .comm = comm, .rank = rank, .world = world,
+                            .feat = tdm_data_features(c->train)};
+    const char *kill_env = getenv("TANDEM_DDP_TEST_KILL");
+    int kr = -1;
+    long long ks = 0;
+    if (kill_env && sscanf(kill_env, "%d:%lld", &kr, &ks) == 2 && kr == rank) r.kill_step = ks;
+    if (!tdm_train_epochs(&a, m, opt, c->train, c->test, tdm_train_ddp_step, &r, start_epoch,
+                          tdm_train_ddp_after, &r))
+        goto done;
+    if (rank == 0) tdm_train_ddp_report(ddp, world);
+    rc = 0;
+done:
+    if (rc) tdm_comm_abort(comm, "rank failed");
+    fflush(stdout);
+    tdm_ddp_free(ddp);
+    tdm_optim_free(opt);
+    tdm_model_free(m);
+    tdm_device_free(dev);
+    return rc;
+}
+
+int tdm_train_run_ddp(const tdm_train_args *a)
+{
+    tdm_train_ddp_ctx c = {.a = a};
+    tdm_dataset train = {0}, test = {0};
+    tdm_device *dev = NULL;
+    tdm_model *probe = NULL;
+    tdm_status st;
+    int rc = 1;
+    if ((st = tdm_model_spec_parse(&c.spec, a->model))) {
+        fprintf(stderr, "tandem train: --model: %s\n", tdm_error_message());
+        return 2;
+    }
+    if ((st = tdm_device_list_parse(&c.dl, a->device))) {
+        fprintf(stderr, "tandem train: --device: %s\n", tdm_error_message());
+        return st == TDM_STATUS_NO_DEVICE ? 1 : 2;
+    }
+    if (c.dl.kind != TDM_DEVICE_HOST) {
+        fprintf(stderr, "tandem train: --mode ddp runs on host devices (cpu:N) in this build\n");
+        return 2;
+    }
+    if (getenv("TANDEM_SHM_FD") && getenv("WORLD_SIZE")) {
+        /* one rank of a launched job */
+        tdm_comm *comm = NULL;
+        tdm_ddp_env env;
+        if ((st = tdm_ddp_pg_init_from_env(&comm, &env))) {
+            fprintf(stderr, "tandem train: joining the launched job: %s\n", tdm_error_message());
+            return 1;
+        }
+        if (c.dl.count != 1 && c.dl.count != env.world_size) {
+            fprintf(stderr, "tandem train: rank %d: --device '%s' names %d devices but the job "
+                            "has %d ranks\n", env.rank, a->device, c.dl.count, env.world_size);
+            tdm_comm_abort(comm, "bad --device");
+            tdm_comm_free(comm);
+            return 2;
+        }
+        if (c.dl.count == 1) c.dl.index[0] = env.local_rank;
+        if (!tdm_train_load_data(a, &c.spec, &train, &test)) {
+            tdm_comm_abort(comm, "loading data failed");
+            tdm_comm_free(comm);
+            return 1;
+        }
+        c.train = &train;
+        c.test = &test;
+        rc = tdm_train_ddp_rank_main(comm, &c);
+        tdm_comm_free(comm);
+        tdm_data_free(&train);
+        tdm_data_free(&test);
+        return rc;
+    }
+    if (!tdm_train_load_data(a, &c.spec, &train, &test)) return 1;
+    /* a probe replica: feature check and the size of the zero-copy arena */
+    if ((st = tdm_device_open(&dev, "cpu", 0, 1)) ||
+        (st = tdm_model_init(&probe, dev, &c.spec, (uint64_t)a->seed))) {
+        fprintf(stderr, "tandem train: building model: %s\n", tdm_error_message());
+        goto done;
+    }
+    if (tdm_data_features(&train) != tdm_model_in_features(probe)) {
+        fprintf(stderr, "tandem train: the data has %lld features per sample but the model "
+                        "expects %d\n", (long long)tdm_data_features(&train),
+                tdm_model_in_features(probe));
+        rc = 2;
+        goto done;
+    }
+    tdm_ddp_spawn_opts so = {.timeout_ms = INT64_MAX / 2000000, .comm_timeout_ms = 60000,
+                             .arena_bytes = tdm_ddp_arena_bytes(tdm_model_param_elems(probe))};
+    tdm_model_free(probe);
+    probe = NULL;
+    c.train = &train;
+    c.test = &test;
+    fflush(stdout);
+    st = tdm_ddp_spawn(c.dl.count, tdm_train_ddp_rank_main, &c, &so, NULL);
+    if (st) {
+        fprintf(stderr, "tandem train: ddp: %s\n", tdm_error_message());
+        goto done;
+    }
+    rc = 0;
+done:
+    tdm_model_free(probe);
+    tdm_device_free(dev);
+    tdm_data_free(&train);
+    tdm_data_free(&test);
+    return rc;
+}
