@@ -11,6 +11,8 @@
 #pragma weak tdm_tool_bench_main
 #pragma weak tdm_tool_launch_main
 #pragma weak tdm_tool_compare_main
+#pragma weak tdm_tool_bench_dp_main
+#pragma weak tdm_tool_bench_models_main
 
 typedef int (*tdm_tool_main_fn)(int, char **);
 
@@ -23,7 +25,7 @@ static const struct {
     {"compare", tdm_tool_compare_main, "one device, DP and DDP side by side"},
     {"launch", tdm_tool_launch_main, "run N ranks of your own program (like torchrun)"},
     {"bench", tdm_tool_bench_main, "benchmarks: bench <collective> (nccl-tests columns), "
-                                   "bench gemm, bench train"},
+                                   "bench gemm, bench train, bench dp"},
     {"info", tdm_tool_info_main, "build configuration and visible devices"},
 };
 #define TDM_TOOL_NCMDS (sizeof tdm_tool_cmds / sizeof tdm_tool_cmds[0])
@@ -48,9 +50,11 @@ int main(int argc, char **argv)
     }
     /* `bench gemm` / `bench train` are model benchmarks; every other
      * `bench <collective>` is the collective benchmark. */
-    if (!strcmp(argv[1], "bench") && argc > 2 &&
+    if (!strcmp(argv[1], "bench") && argc > 2 && tdm_tool_bench_models_main &&
         (!strcmp(argv[2], "gemm") || !strcmp(argv[2], "train")))
         return tdm_tool_bench_models_main(argc - 2, argv + 2);
+    if (!strcmp(argv[1], "bench") && argc > 2 && tdm_tool_bench_dp_main && !strcmp(argv[2], "dp"))
+        return tdm_tool_bench_dp_main(argc - 2, argv + 2);
     for (size_t i = 0; i < TDM_TOOL_NCMDS; i++)
         if (tdm_tool_cmds[i].fn && !strcmp(argv[1], tdm_tool_cmds[i].name))
             return tdm_tool_cmds[i].fn(argc - 1, argv + 1);

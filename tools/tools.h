@@ -11,6 +11,8 @@ int tdm_tool_bench_main(int argc, char **argv);   /* tools/bench_coll.c */
 int tdm_tool_launch_main(int argc, char **argv);  /* tools/launch.c */
 /* `bench gemm` and `bench train` (tools/bench_models.c); argv[0] is the kind. */
 int tdm_tool_bench_models_main(int argc, char **argv);
+/* `bench dp` (tools/bench_dp.c); argv[0] is "dp". */
+int tdm_tool_bench_dp_main(int argc, char **argv);
 int tdm_tool_compare_main(int argc, char **argv); /* tools/compare.c */
 
 #endif

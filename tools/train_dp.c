@@ -1,0 +1,119 @@
+/* tools/train_dp.c: `tandem train --mode dp`: one process, one thread per
+ * device (dp/), the master model on the first device of the list. Prints
+ * the usual per-epoch lines and, at the end, where a DP step spends its
+ * time (wall-clock per phase, averaged over the run's steps). */
+#include <stdio.h>
+#include <string.h>
+
+#include "core/timer.h"
+#include "dp/dp.h"
+#include "models/checkpoint.h"
+#include "tools/train_modes.h"
+
+typedef struct tdm_train_dp_ctx {
+    tdm_dp *dp;
+    tdm_optim *opt;
+    tdm_phase_times sum;
+    double step_ms;
+    int64_t steps;
+} tdm_train_dp_ctx;
+
+static tdm_status tdm_train_dp_step(void *ctx, const float *x, const int32_t *y, int batch,
+                                    double *loss)
+{
+    tdm_train_dp_ctx *c = ctx;
+    TDM_CHECK(tdm_dp_step(c->dp, c->opt, x, y, batch, loss));
+    const tdm_dp_timings *t = tdm_dp_last_timings(c->dp);
+    for (int p = 0; p < TDM_PHASE_COUNT_; p++) c->sum.ms[p] += t->wall.ms[p];
+    c->step_ms += t->step_ms;
+    c->steps++;
+    return TDM_STATUS_OK;
+}
+
+static void tdm_train_dp_fail(const char *what)
+{
+    fprintf(stderr, "tandem train: %s: %s\n", what, tdm_error_message());
+}
+
+int tdm_train_run_dp(const tdm_train_args *a)
+{
+    int rc = 1, n = 0;
+    tdm_device *devs[TDM_DP_MAX_DEVICES] = {0};
+    tdm_model_spec spec;
+    tdm_model *m = NULL;
+    tdm_optim *opt = NULL;
+    tdm_dp *dp = NULL;
+    tdm_dataset train = {0}, test = {0};
+    tdm_train_dp_ctx ctx = {0};
+    tdm_status st;
+    if (tdm_model_spec_parse(&spec, a->model) != TDM_STATUS_OK) {
+        tdm_train_dp_fail("--model");
+        return 2;
+    }
+    if (a->threads != 1)
+        fprintf(stderr, "tandem train: note: --threads applies to --mode single; each DP "
+                        "device computes on one thread\n");
+    if ((st = tdm_dp_devices_open(a->device, devs, &n)) != TDM_STATUS_OK) {
+        tdm_train_dp_fail("--device");
+        return st == TDM_STATUS_INVALID_ARG ? 2 : 1;
+    }
+    if (!tdm_train_load_data(a, &spec, &train, &test)) goto done;
+    if (tdm_model_init(&m, devs[0], &spec, (uint64_t)a->seed) != TDM_STATUS_OK) {
+        tdm_train_dp_fail("building model");
+        goto done;
+    }
+    if ((int64_t)train.c * train.h * train.w != tdm_model_in_features(m)) {
+        fprintf(stderr, "tandem train: the data has %d features per sample but the model "
+                        "expects %d\n", train.c * train.h * train.w, tdm_model_in_features(m));
+        rc = 2;
+        goto done;
+    }
+    if (!tdm_train_make_optim(a, m, &opt)) goto done;
+    int64_t start_epoch = 0;
+    if (a->resume) {
+        tdm_ckpt_info info;
+        if (tdm_checkpoint_load(a->resume, m, opt, &info) != TDM_STATUS_OK) {
+            tdm_train_dp_fail("resuming");
+            goto done;
+        }
+        start_epoch = info.epoch;
+        printf("resumed %s: epoch %lld, step %lld\n", a->resume, (long long)info.epoch,
+               (long long)info.step);
+    }
+    if (tdm_dp_init(&dp, m, devs, n, NULL) != TDM_STATUS_OK) {
+        tdm_train_dp_fail("DataParallel");
+        goto done;
+    }
+    if (a->batch < n)
+        fprintf(stderr, "tandem train: note: batch %lld is smaller than %d devices: DP splits "
+                        "it into %lld chunks of 1 and leaves the other devices idle, as "
+                        "torch.nn.DataParallel does\n", a->batch, n, a->batch);
+    char desc[96];
+    snprintf(desc, sizeof desc, "DataParallel over %d device%s (%s), output device %s", n,
+             n > 1 ? "s" : "", a->device, devs[0]->name);
+    tdm_train_print_header(a, &spec, &train, &test, tdm_model_param_elems(m), desc);
+    ctx.dp = dp;
+    ctx.opt = opt;
+    if (!tdm_train_epochs(a, m, opt, &train, &test, tdm_train_dp_step, &ctx, start_epoch, NULL,
+                          NULL))
+        goto done;
+    if (ctx.steps > 0) {
+        double total = ctx.step_ms / (double)ctx.steps;
+        printf("DP step, mean over %lld steps: %.2f ms\n", (long long)ctx.steps, total);
+        for (int p = 0; p < TDM_PHASE_COUNT_; p++) {
+            double ms = ctx.sum.ms[p] / (double)ctx.steps;
+            if (p == TDM_PHASE_ALLREDUCE_WAIT) continue;
+            printf("  %-12s %8.2f ms  %5.1f%%\n", tdm_phase_name((tdm_phase)p), ms,
+                   total > 0 ? 100.0 * ms / total : 0.0);
+        }
+    }
+    rc = 0;
+done:
+    tdm_dp_free(dp);
+    tdm_optim_free(opt);
+    tdm_model_free(m);
+    tdm_dp_devices_close(devs, n);
+    tdm_data_free(&train);
+    tdm_data_free(&test);
+    return rc;
+}
