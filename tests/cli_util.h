@@ -1,0 +1,67 @@
+/* tests/cli_util.h: running the tandem binary from a test, with its
+ * output captured: $TANDEM_BIN (set by tests/run_all.sh), else
+ * build/tandem. Header-only (a .c file in tests/ not named test_... is linked
+ * into every test binary). */
+#ifndef TDM_TESTS_CLI_UTIL_H
+#define TDM_TESTS_CLI_UTIL_H
+
+#include <criterion/criterion.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+typedef struct cli_result {
+    int code;     /* exit code, or 128 + signal */
+    char out[262144];
+} cli_result;
+
+static const char *cli_bin(void)
+{
+    const char *b = getenv("TANDEM_BIN");
+    return b && *b ? b : "build/tandem";
+}
+
+/* Runs tandem with args (NULL-terminated), stdout+stderr captured. */
+static void cli_run(cli_result *r, const char *const *args)
+{
+    int fds[2];
+    cr_assert(pipe(fds) == 0);
+    pid_t pid = fork();
+    cr_assert(pid >= 0);
+    if (pid == 0) {
+        const char *argv[64];
+        int n = 0;
+        argv[n++] = cli_bin();
+        for (int i = 0; args[i] && n < 63; i++) argv[n++] = args[i];
+        argv[n] = NULL;
+        dup2(fds[1], 1);
+        dup2(fds[1], 2);
+        close(fds[0]);
+        alarm(120);
+        execv(argv[0], (char *const *)argv);
+        _exit(127);
+    }
+    close(fds[1]);
+    size_t len = 0;
+    ssize_t k;
+    while ((k = read(fds[0], r->out + len, sizeof r->out - 1 - len)) > 0) len += (size_t)k;
+    r->out[len] = '\0';
+    close(fds[0]);
+    int ws;
+    cr_assert(waitpid(pid, &ws, 0) == pid);
+    r->code = WIFEXITED(ws) ? WEXITSTATUS(ws) : 128 + WTERMSIG(ws);
+}
+
+#define CLI(r, ...) cli_run((r), (const char *const[]){__VA_ARGS__, NULL})
+
+static void expect(const cli_result *r, int code, const char *phrase)
+{
+    cr_assert_eq(r->code, code, "exit %d (expected %d); output:\n%s", r->code, code, r->out);
+    if (phrase)
+        cr_assert(strstr(r->out, phrase), "output lacks '%s':\n%s", phrase, r->out);
+}
+
+
+#endif

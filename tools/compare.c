@@ -1,0 +1,532 @@
+/* tools/compare.c: `tandem compare`: the same training run three ways -
+ * one device, DataParallel on N devices, DistributedDataParallel on N
+ * ranks - from the same initial parameters over the same global batches,
+ * and what differs: throughput, where each step's time goes, whether the
+ * three computed the same parameters, memory per device, and a reading of
+ * those figures in words. Options --trace, --csv, --plot write the raw
+ * material; --sweep repeats DP and DDP over device counts. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/device.h"
+#include "models/train.h"
+#include "tools/args.h"
+#include "tools/compare.h"
+#include "tools/tools.h"
+
+/* Float tolerances of the equivalence verdict, |a - b| <= atol + rtol |b|.
+ * After one step the modes differ only by the reassociation of sums over
+ * the batch (gemm blocking, per-chunk partial sums): measured max |diff|
+ * ~1e-7 on parameters of size ~1e-2. Later steps amplify those
+ * differences through the optimizer, so the final check is looser. */
+#define TDM_CMP_ATOL_FIRST 1e-5
+#define TDM_CMP_RTOL_FIRST 1e-4
+#define TDM_CMP_ATOL_LAST 1e-4
+#define TDM_CMP_RTOL_LAST 1e-3
+#define TDM_CMP_LOSS_RTOL 1e-4
+
+static void tdm_cmp_usage(FILE *f)
+{
+    fprintf(f,
+        "usage: tandem compare [options]\n"
+        "\n"
+        "Runs the same training three ways - one device, DataParallel on N devices and\n"
+        "DistributedDataParallel on N ranks - from the same initial parameters over the\n"
+        "same global batches, and prints throughput, a per-phase breakdown, an\n"
+        "equivalence verdict, memory per device and a reading of the figures.\n"
+        "\n"
+        "  --model NAME         mlp, mlp:W0-..-Wn, cnn                      [mlp]\n"
+        "  --device cpu:N       devices for DP and DDP (N >= 1)              [cpu:2]\n"
+        "  --steps S            training steps per mode                      [30]\n"
+        "  --warmup W           steps left out of the timing figures         [3]\n"
+        "  --batch B            global batch size (B >= N)                   [256]\n"
+        "  --data DIR|synthetic Fashion-MNIST directory or synthetic data  [Fashion-MNIST]\n"
+        "  --optim sgd|adamw    [sgd]   --lr LR [sgd 0.05, adamw 0.001]   --momentum M [0.9]\n"
+        "  --seed S             initial parameters and data order            [1]\n"
+        "  --bucket-cap-mb MB   DDP bucket cap                               [25]\n"
+        "  --no-overlap         DDP all-reduces after backward (to see what overlap buys)\n"
+        "  --trace FILE         Chrome trace-event JSON (Perfetto, chrome://tracing)\n"
+        "  --csv FILE           raw per-step figures\n"
+        "  --plot DIR           loss, throughput, phase (and scaling) charts, with gnuplot\n"
+        "  --sweep 1,2,4        also run DP and DDP at these device counts\n"
+        "  --perturb-rank R     testing aid: DDP rank R adds 1%% to its gradient share,\n"
+        "                       which the equivalence verdict must catch\n"
+        "\n"
+        "Exit codes: 0 ok and equivalent, 1 a run failed, 2 bad usage, 3 the\n"
+        "equivalence verdict failed.\n");
+}
+
+typedef struct tdm_cmp_diff {
+    double max_abs, max_rel;
+    int worst;          /* tensor index with the largest violation ratio */
+    double worst_ratio; /* max over elements of |a-b| / (atol + rtol |b|) */
+    int ok;
+} tdm_cmp_diff;
+
+static void tdm_cmp_compare(const tdm_model *m, const float *a, const float *b, double atol,
+                            double rtol, tdm_cmp_diff *d)
+{
+    memset(d, 0, sizeof *d);
+    d->worst = -1;
+    for (int t = 0; t < tdm_model_n_params(m); t++) {
+        const tdm_tensor_info *ti = tdm_model_param_info(m, t);
+        for (int64_t j = 0; j < ti->n_elem; j++) {
+            double x = a[ti->offset + j], y = b[ti->offset + j];
+            double diff = fabs(x - y);
+            double rel = diff / (fabs(y) > 1e-12 ? fabs(y) : 1e-12);
+            double ratio = diff / (atol + rtol * fabs(y));
+            if (!(diff <= d->max_abs)) d->max_abs = diff; /* NaN wins */
+            if (rel > d->max_rel && fabs(y) > 1e-6) d->max_rel = rel;
+            if (!(ratio <= d->worst_ratio)) {
+                d->worst_ratio = ratio;
+                d->worst = t;
+            }
+        }
+    }
+    d->ok = d->worst_ratio <= 1.0;
+}
+
+static int tdm_cmp_parse_sweep(const char *s, int *out, int max)
+{
+    int n = 0;
+    const char *p = s;
+    while (*p) {
+        char *end;
+        long v = strtol(p, &end, 10);
+        if (end == p || v < 1 || v > TDM_CMP_MAX_DEV || n >= max) return -1;
+        out[n++] = (int)v;
+        p = end;
+        if (*p == ',') p++;
+        else if (*p) return -1;
+    }
+    return n;
+}
+
+static void tdm_cmp_print_phase_table(const tdm_cmp_opts *o, tdm_cmp_result *const *res, int n)
+{
+    static const tdm_phase rows[] = {
+        TDM_PHASE_REPLICATE, TDM_PHASE_SCATTER, TDM_PHASE_FORWARD, TDM_PHASE_GATHER,
+        TDM_PHASE_LOSS, TDM_PHASE_BACKWARD, TDM_PHASE_REDUCE, TDM_PHASE_ALLREDUCE_WAIT,
+        TDM_PHASE_STEP};
+    tdm_phase_times pm[TDM_CMP_NMODES];
+    double med[TDM_CMP_NMODES], mn, mx;
+    printf("\nWhere the time goes (ms per step and share of the step, means after warm-up)\n");
+    printf("  %-22s", "phase");
+    for (int k = 0; k < n; k++) {
+        char h[32];
+        snprintf(h, sizeof h, "%s(%d)", tdm_cmp_mode_name(res[k]->mode), res[k]->n_dev);
+        printf(" %18s", h);
+        tdm_cmp_phase_mean(o, res[k], &pm[k]);
+        tdm_cmp_step_stats(o, res[k], &med[k], &mn, &mx);
+        /* shares are of the mean step, the same statistic as the phases */
+        int w = o->warmup < res[k]->steps ? o->warmup : 0;
+        med[k] = 0.0;
+        for (int i = w; i < res[k]->steps; i++) med[k] += res[k]->step_ms[i];
+        med[k] /= (res[k]->steps - w);
+    }
+    printf("\n");
+    for (size_t q = 0; q < sizeof rows / sizeof rows[0]; q++) {
+        tdm_phase p = rows[q];
+        printf("  %-22s", p == TDM_PHASE_ALLREDUCE_WAIT ? "all-reduce (exposed)" : tdm_phase_name(p));
+        for (int k = 0; k < n; k++) {
+            double v = pm[k].ms[p];
+            if (v <= 0.0) printf(" %18s", "-");
+            else printf(" %9.2f  %5.1f%%  ", v, 100.0 * v / med[k]);
+        }
+        printf("\n");
+    }
+    printf("  %-22s", "other (outside phases)");
+    for (int k = 0; k < n; k++) {
+        double s = 0.0;
+        for (int p = 0; p < TDM_PHASE_COUNT_; p++) s += pm[k].ms[p];
+        double other = med[k] - s;
+        printf(" %9.2f  %5.1f%%  ", other > 0 ? other : 0.0, other > 0 ? 100.0 * other / med[k] : 0.0);
+    }
+    printf("\n  %-22s", "step (mean)");
+    for (int k = 0; k < n; k++) printf(" %9.2f  100.0%%  ", med[k]);
+    printf("\n");
+    for (int k = 0; k < n; k++) {
+        const tdm_cmp_result *r = res[k];
+        if (r->mode != TDM_CMP_DDP) continue;
+        int w = o->warmup < r->steps ? o->warmup : 0;
+        double comm = 0.0, exposed = 0.0;
+        for (int i = w; i < r->steps; i++) {
+            comm += r->comm_ms[i];
+            exposed += r->exposed_ms[i];
+        }
+        comm /= (r->steps - w);
+        exposed /= (r->steps - w);
+        printf("  DDP all-reduce: %.2f ms per step in %d bucket%s, %.2f ms exposed after "
+               "backward, %.2f ms (%.0f%%) overlapped with it\n", comm, r->n_buckets,
+               r->n_buckets == 1 ? "" : "s", exposed, comm - exposed > 0 ? comm - exposed : 0.0,
+               comm > 0 ? 100.0 * (comm - exposed > 0 ? comm - exposed : 0.0) / comm : 0.0);
+    }
+}
+
+static void tdm_cmp_print_memory(tdm_cmp_result *const *res, int n)
+{
+    printf("\nMemory per device (MiB)\n");
+    printf("  %-14s %9s %9s %9s %9s %11s %9s %9s\n", "mode/device", "params", "grads",
+           "optimizer", "buffers", "activations", "comm", "total");
+    for (int k = 0; k < n; k++) {
+        const tdm_cmp_result *r = res[k];
+        int shown = r->n_dev < 2 ? r->n_dev : 2;
+        for (int d = 0; d < shown; d++) {
+            const tdm_cmp_memory *m = &r->mem[d];
+            char name[48];
+            if (r->mode == TDM_CMP_SINGLE) snprintf(name, sizeof name, "single cpu:0");
+            else if (d == 0) snprintf(name, sizeof name, "%s %s0", tdm_cmp_mode_name(r->mode),
+                                      r->mode == TDM_CMP_DDP ? "rank " : "cpu:");
+            else snprintf(name, sizeof name, "%s %s%s", tdm_cmp_mode_name(r->mode),
+                          r->mode == TDM_CMP_DDP ? "rank " : "cpu:", r->n_dev > 2 ? "1.." : "1");
+            double mib = 1.0 / (1024.0 * 1024.0);
+            double total = m->params + m->grads + m->optim + m->buffers + m->activations + m->comm;
+            printf("  %-14s %9.3f %9.3f %9.3f %9.3f %11.3f %9.3f %9.3f\n", name, m->params * mib,
+                   m->grads * mib, m->optim * mib, m->buffers * mib, m->activations * mib,
+                   m->comm * mib, total * mib);
+        }
+    }
+    printf("  DP's output device holds the master (with optimizer state) and the gathered\n"
+           "  logits and their gradient (comm); DDP's gradients live in the shared segment\n"
+           "  and comm is the rest of that segment's arena.\n");
+}
+
+int tdm_tool_compare_main(int argc, char **argv)
+{
+    tdm_cmp_opts o = {.model = "mlp", .device = "cpu:2", .data = NULL, .optim = "sgd",
+                      .steps = 30, .warmup = 3, .batch = 256, .lr = -1, .momentum = 0.9,
+                      .weight_decay = 0.0, .seed = 1, .bucket_cap_mb = 25, .perturb_rank = -1};
+    for (int i = 1; i < argc; i++) {
+        const char *v;
+        long long iv;
+        double fv;
+        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
+            tdm_cmp_usage(stdout);
+            return 0;
+        }
+#define TDM_S(flag, field) if ((v = tdm_args_value(argc, argv, &i, flag))) { if (!*v) return 2; o.field = v; continue; }
+#define TDM_I(flag, lo, hi, field) if ((v = tdm_args_value(argc, argv, &i, flag))) { if (!tdm_args_int(flag, v, lo, hi, &iv)) return 2; o.field = (int)iv; continue; }
+#define TDM_F(flag, lo, hi, field) if ((v = tdm_args_value(argc, argv, &i, flag))) { if (!tdm_args_float(flag, v, lo, hi, &fv)) return 2; o.field = fv; continue; }
+        TDM_S("--model", model)
+        TDM_S("--device", device)
+        TDM_S("--data", data)
+        TDM_S("--optim", optim)
+        TDM_S("--trace", trace)
+        TDM_S("--csv", csv)
+        TDM_S("--plot", plot)
+        TDM_S("--sweep", sweep)
+        TDM_I("--steps", 1, 1000000, steps)
+        TDM_I("--warmup", 0, 1000000, warmup)
+        TDM_I("--batch", 1, 1 << 20, batch)
+        TDM_I("--perturb-rank", 0, TDM_CMP_MAX_DEV - 1, perturb_rank)
+        TDM_F("--lr", 0.0, 1e3, lr)
+        TDM_F("--momentum", 0.0, 0.999999, momentum)
+        TDM_F("--bucket-cap-mb", 1e-6, 1e6, bucket_cap_mb)
+        if ((v = tdm_args_value(argc, argv, &i, "--seed"))) {
+            if (!tdm_args_int("--seed", v, 0, INT64_MAX, &iv)) return 2;
+            o.seed = (uint64_t)iv;
+            continue;
+        }
+        if (!strcmp(argv[i], "--no-overlap")) { o.no_overlap = 1; continue; }
+        fprintf(stderr, "tandem compare: unknown option '%s' (see tandem compare --help)\n", argv[i]);
+        return 2;
+    }
+    if (strcmp(o.optim, "sgd") && strcmp(o.optim, "adamw")) {
+        fprintf(stderr, "tandem compare: --optim '%s': expected sgd or adamw\n", o.optim);
+        return 2;
+    }
+    if (o.lr < 0) o.lr = strcmp(o.optim, "sgd") ? 1e-3 : 0.05;
+    if (!strcmp(o.optim, "adamw")) o.weight_decay = 0.01;
+    tdm_model_spec spec;
+    if (tdm_model_spec_parse(&spec, o.model) != TDM_STATUS_OK) {
+        fprintf(stderr, "tandem compare: --model: %s\n", tdm_error_message());
+        return 2;
+    }
+    tdm_device_list dl;
+    if (tdm_device_list_parse(&dl, o.device) != TDM_STATUS_OK) {
+        fprintf(stderr, "tandem compare: --device: %s\n", tdm_error_message());
+        return 2;
+    }
+    if (dl.kind != TDM_DEVICE_HOST) {
+        fprintf(stderr, "tandem compare: --device %s: compare runs on host devices (cpu:N) in "
+                        "this build\n", o.device);
+        return 2;
+    }
+    for (int i = 0; i < dl.count; i++)
+        if (dl.index[i] != i) {
+            fprintf(stderr, "tandem compare: --device %s: use cpu:N (devices cpu:0..N-1)\n",
+                    o.device);
+            return 2;
+        }
+    o.n_dev = dl.count;
+    if (o.batch < o.n_dev) {
+        fprintf(stderr,
+                "tandem compare: --batch %d is smaller than the %d devices: DP would split it "
+                "into %d chunks of one sample and leave %d device%s idle (as "
+                "torch.nn.DataParallel does), and DDP ranks would have nothing to train on; "
+                "use --batch >= %d\n", o.batch, o.n_dev, o.batch, o.n_dev - o.batch,
+                o.n_dev - o.batch > 1 ? "s" : "", o.n_dev);
+        return 2;
+    }
+    if (o.perturb_rank >= o.n_dev) {
+        fprintf(stderr, "tandem compare: --perturb-rank %d: only ranks 0..%d exist\n",
+                o.perturb_rank, o.n_dev - 1);
+        return 2;
+    }
+    if (o.warmup >= o.steps) o.warmup = o.steps > 1 ? o.steps / 2 : 0;
+    int sweep_dev[16], n_sweep = 0;
+    if (o.sweep && (n_sweep = tdm_cmp_parse_sweep(o.sweep, sweep_dev, 16)) <= 0) {
+        fprintf(stderr, "tandem compare: --sweep '%s': expected device counts like 1,2,4 "
+                        "(each 1..%d, at most 16)\n", o.sweep, TDM_CMP_MAX_DEV);
+        return 2;
+    }
+    /* check output paths before the long part */
+    const char *outs[] = {o.trace, o.csv};
+    for (int i = 0; i < 2; i++)
+        if (outs[i]) {
+            FILE *f = fopen(outs[i], "a");
+            if (!f) {
+                fprintf(stderr, "tandem compare: cannot write %s: ", outs[i]);
+                perror(NULL);
+                return 2;
+            }
+            fclose(f);
+        }
+
+    /* data and the global batches */
+    tdm_cmp_data data = {0};
+    tdm_status st;
+    if (o.data && !strcmp(o.data, "synthetic")) {
+        int c = spec.kind == TDM_MODEL_CNN ? spec.in_c : 1;
+        int h = spec.kind == TDM_MODEL_CNN ? spec.in_h : 1;
+        int w = spec.kind == TDM_MODEL_CNN ? spec.in_w : spec.dims[0];
+        if (spec.kind == TDM_MODEL_MLP && spec.dims[0] == 784) { h = 28; w = 28; }
+        int classes = spec.kind == TDM_MODEL_CNN ? spec.n_classes : spec.dims[spec.ndims - 1];
+        int64_t n = (int64_t)o.batch * (o.steps < 50 ? o.steps : 50);
+        st = tdm_data_synthetic(&data.train, n, c, h, w, classes, 1234, 0);
+    } else {
+        st = tdm_data_load_fashion_mnist(&data.train, o.data, 1);
+    }
+    if (st != TDM_STATUS_OK) {
+        fprintf(stderr, "tandem compare: loading data: %s\n", tdm_error_message());
+        return 1;
+    }
+    if (tdm_data_features(&data.train) != (spec.kind == TDM_MODEL_CNN
+                                               ? (int64_t)spec.in_c * spec.in_h * spec.in_w
+                                               : spec.dims[0])) {
+        fprintf(stderr, "tandem compare: the data has %lld features per sample but model %s "
+                        "expects another input size\n",
+                (long long)tdm_data_features(&data.train), o.model);
+        tdm_data_free(&data.train);
+        return 2;
+    }
+    if (data.train.n < o.batch) {
+        fprintf(stderr, "tandem compare: --batch %d is larger than the %lld training samples\n",
+                o.batch, (long long)data.train.n);
+        tdm_data_free(&data.train);
+        return 2;
+    }
+    int64_t per_epoch = data.train.n / o.batch;
+    int64_t epochs = (o.steps + per_epoch - 1) / per_epoch;
+    data.n_order = epochs * per_epoch * o.batch;
+    data.order = malloc((size_t)(epochs * data.train.n) * sizeof(int64_t));
+    if (!data.order) {
+        fprintf(stderr, "tandem compare: out of memory\n");
+        tdm_data_free(&data.train);
+        return 1;
+    }
+    /* epoch e's full batches, epochs back to back (drop_last) */
+    for (int64_t e = 0; e < epochs; e++) {
+        tdm_train_epoch_order(data.order + e * per_epoch * o.batch, data.train.n, o.seed, e);
+    }
+
+    char desc[160];
+    tdm_model_spec_describe(&spec, desc, sizeof desc);
+    printf("tandem compare: %s, global batch %d, %d steps (%d warm-up), %s lr %g%s\n", desc,
+           o.batch, o.steps, o.warmup, o.optim, o.lr,
+           o.data && !strcmp(o.data, "synthetic") ? ", synthetic data" : ", Fashion-MNIST");
+    printf("  one device (cpu:0) vs DP and DDP on %d host devices; this machine has %d core%s\n",
+           o.n_dev, tdm_device_host_cores(), tdm_device_host_cores() > 1 ? "s" : "");
+    fflush(stdout);
+
+    tdm_cmp_result res[TDM_CMP_NMODES];
+    tdm_cmp_result *rp[TDM_CMP_NMODES];
+    int rc = 0, nres = 0;
+    memset(res, 0, sizeof res);
+    for (int k = 0; k < TDM_CMP_NMODES; k++) {
+        printf("  running %s...\n", tdm_cmp_mode_name((tdm_cmp_mode)k));
+        fflush(stdout);
+        if (!tdm_cmp_run(&o, &data, (tdm_cmp_mode)k, k == TDM_CMP_SINGLE ? 1 : o.n_dev, &res[k])) {
+            rc = 1;
+            goto done;
+        }
+        rp[nres++] = &res[k];
+    }
+
+    /* 1. throughput */
+    double med[TDM_CMP_NMODES], mn[TDM_CMP_NMODES], mx[TDM_CMP_NMODES], sps[TDM_CMP_NMODES];
+    printf("\nThroughput (steps %d..%d)\n", o.warmup + 1, o.steps);
+    printf("  %-10s %12s %9s %22s\n", "mode", "samples/s", "speed-up", "step ms median (min-max)");
+    for (int k = 0; k < nres; k++) {
+        tdm_cmp_step_stats(&o, rp[k], &med[k], &mn[k], &mx[k]);
+        sps[k] = o.batch / med[k] * 1e3;
+        char name[32];
+        snprintf(name, sizeof name, "%s(%d)", tdm_cmp_mode_name(rp[k]->mode), rp[k]->n_dev);
+        printf("  %-10s %12.0f %8.2fx %10.2f (%.2f-%.2f)\n", name, sps[k], sps[k] / sps[0], med[k],
+               mn[k], mx[k]);
+    }
+
+    /* 2. phases */
+    tdm_cmp_print_phase_table(&o, rp, nres);
+
+    /* 3. equivalence */
+    tdm_model *ref = NULL;
+    tdm_device *dev0 = NULL;
+    if (tdm_device_open(&dev0, "cpu", 0, 1) != TDM_STATUS_OK ||
+        tdm_model_init(&ref, dev0, &spec, o.seed) != TDM_STATUS_OK) {
+        fprintf(stderr, "tandem compare: %s\n", tdm_error_message());
+        rc = 1;
+        goto done;
+    }
+    int bn = spec.kind == TDM_MODEL_CNN;
+    int verdict = 1;
+    printf("\nEquivalence (|a-b| <= atol + rtol*|b|: after step 1 atol %.0e rtol %.0e; after "
+           "step %d atol %.0e rtol %.0e)\n", TDM_CMP_ATOL_FIRST, TDM_CMP_RTOL_FIRST, o.steps,
+           TDM_CMP_ATOL_LAST, TDM_CMP_RTOL_LAST);
+    static const int pairs[3][2] = {{TDM_CMP_DP, TDM_CMP_SINGLE}, {TDM_CMP_DDP, TDM_CMP_SINGLE},
+                                    {TDM_CMP_DDP, TDM_CMP_DP}};
+    for (int q = 0; q < 3; q++) {
+        tdm_cmp_result *a = &res[pairs[q][0]], *b = &res[pairs[q][1]];
+        char label[40];
+        snprintf(label, sizeof label, "%s vs %s", tdm_cmp_mode_name(a->mode),
+                 tdm_cmp_mode_name(b->mode));
+        if (bn && b->mode == TDM_CMP_SINGLE) {
+            printf("  %-14s not expected to match: batchnorm normalises each device's chunk "
+                   "with that chunk's statistics\n", label);
+            continue;
+        }
+        if (bn && o.batch % o.n_dev) {
+            printf("  %-14s not expected to match: DP's chunks (torch.chunk) and DDP's shares "
+                   "differ when %d does not divide by %d, so batchnorm sees different groups\n",
+                   label, o.batch, o.n_dev);
+            continue;
+        }
+        tdm_cmp_diff d1, d2;
+        tdm_cmp_compare(ref, a->params_first, b->params_first, TDM_CMP_ATOL_FIRST,
+                        TDM_CMP_RTOL_FIRST, &d1);
+        tdm_cmp_compare(ref, a->params_last, b->params_last, TDM_CMP_ATOL_LAST,
+                        TDM_CMP_RTOL_LAST, &d2);
+        double l1 = fabs(a->loss[0] - b->loss[0]) / fabs(b->loss[0]);
+        double l2 = fabs(a->loss[o.steps - 1] - b->loss[o.steps - 1]) / fabs(b->loss[o.steps - 1]);
+        int ok = d1.ok && d2.ok && l1 <= TDM_CMP_LOSS_RTOL && l2 <= 10 * TDM_CMP_LOSS_RTOL;
+        verdict &= ok;
+        printf("  %-14s step 1: params max |diff| %.2e (rel %.2e), loss rel %.1e;  step %d: "
+               "params max |diff| %.2e (rel %.2e), loss rel %.1e  -> %s\n", label, d1.max_abs,
+               d1.max_rel, l1, o.steps, d2.max_abs, d2.max_rel, l2, ok ? "PASS" : "FAIL");
+        tdm_cmp_diff *w = !d2.ok || d2.worst_ratio >= d1.worst_ratio ? &d2 : &d1;
+        if (w->worst >= 0)
+            printf("  %-14s tensor that differs most (relative to its tolerance): %s (%.2f of "
+                   "the allowed difference)\n", "", tdm_model_param_info(ref, w->worst)->name,
+                   w->worst_ratio);
+    }
+    if (!res[TDM_CMP_DDP].ranks_agree) {
+        printf("  DDP ranks ended with different parameters -> FAIL\n");
+        verdict = 0;
+    } else {
+        printf("  DDP: every rank ended with bitwise the same parameters as rank 0\n");
+    }
+    printf("  verdict: %s\n", verdict ? "PASS - the modes computed the same training"
+                                      : "FAIL - the modes disagree beyond float tolerance");
+    tdm_model_free(ref);
+    tdm_device_free(dev0);
+
+    /* 4. memory */
+    tdm_cmp_print_memory(rp, nres);
+
+    /* 5. reading */
+    {
+        tdm_phase_times dp, ddp;
+        tdm_cmp_phase_mean(&o, &res[TDM_CMP_DP], &dp);
+        tdm_cmp_phase_mean(&o, &res[TDM_CMP_DDP], &ddp);
+        double dpm = med[TDM_CMP_DP], ddpm = med[TDM_CMP_DDP];
+        double rep = 100.0 * dp.ms[TDM_PHASE_REPLICATE] / dpm;
+        double red = 100.0 * dp.ms[TDM_PHASE_REDUCE] / dpm;
+        double outdev = 100.0 * (dp.ms[TDM_PHASE_GATHER] + dp.ms[TDM_PHASE_LOSS] +
+                                 dp.ms[TDM_PHASE_SCATTER]) / dpm;
+        const tdm_cmp_result *r = &res[TDM_CMP_DDP];
+        int w = o.warmup < r->steps ? o.warmup : 0;
+        double comm = 0.0, exposed = 0.0;
+        for (int i = w; i < r->steps; i++) {
+            comm += r->comm_ms[i];
+            exposed += r->exposed_ms[i];
+        }
+        double hidden = comm > 0 ? 100.0 * (comm - exposed) / comm : 0.0;
+        if (hidden < 0) hidden = 0;
+        printf("\nReading\n");
+        printf("  On %d devices DDP runs %.2fx and DP %.2fx as fast as one device; DDP is %.2fx "
+               "as fast as DP.\n", o.n_dev, sps[TDM_CMP_DDP] / sps[0], sps[TDM_CMP_DP] / sps[0],
+               sps[TDM_CMP_DDP] / sps[TDM_CMP_DP]);
+        printf("  DP spends %.1f%% of each step copying the parameters to the replicas and "
+               "%.1f%% adding their gradients back onto the master; scatter, gather and the "
+               "whole-batch loss on the output device take another %.1f%%.\n", rep, red, outdev);
+        printf("  DDP spends %.1f%% of each step waiting for the all-reduce after backward: it "
+               "hides %.0f%% of its %.2f ms of communication per step behind the backward "
+               "pass.\n", 100.0 * ddp.ms[TDM_PHASE_ALLREDUCE_WAIT] / ddpm, hidden,
+               comm / (r->steps - w));
+        double ideal = sps[0] * o.n_dev;
+        int cores = tdm_device_host_cores();
+        printf("  Perfect scaling would be %.0f samples/s; DDP reaches %.0f%% of it%s.\n", ideal,
+               100.0 * sps[TDM_CMP_DDP] / ideal,
+               o.n_dev > cores ? " (more devices than cores: they share the cores)" : "");
+    }
+
+    /* sweep */
+    double sweep_dp[16] = {0}, sweep_ddp[16] = {0};
+    if (n_sweep > 0) {
+        printf("\nScaling (samples/s, median step; speed-up over one device at %.0f)\n", sps[0]);
+        printf("  %-8s %12s %9s %12s %9s\n", "devices", "DP", "speed-up", "DDP", "speed-up");
+        for (int i = 0; i < n_sweep; i++) {
+            if (sweep_dev[i] > o.batch) {
+                printf("  %-8d skipped: more devices than samples in a batch\n", sweep_dev[i]);
+                continue;
+            }
+            tdm_cmp_result a, b;
+            double m1, m2, x1, x2;
+            if (!tdm_cmp_run(&o, &data, TDM_CMP_DP, sweep_dev[i], &a) ||
+                !tdm_cmp_run(&o, &data, TDM_CMP_DDP, sweep_dev[i], &b)) {
+                rc = 1;
+                goto done;
+            }
+            tdm_cmp_step_stats(&o, &a, &m1, &x1, &x2);
+            tdm_cmp_step_stats(&o, &b, &m2, &x1, &x2);
+            sweep_dp[i] = o.batch / m1 * 1e3;
+            sweep_ddp[i] = o.batch / m2 * 1e3;
+            printf("  %-8d %12.0f %8.2fx %12.0f %8.2fx\n", sweep_dev[i], sweep_dp[i],
+                   sweep_dp[i] / sps[0], sweep_ddp[i], sweep_ddp[i] / sps[0]);
+            fflush(stdout);
+            tdm_cmp_result_free(&a);
+            tdm_cmp_result_free(&b);
+        }
+    }
+
+    printf("\n");
+    if (o.trace) {
+        if (!tdm_cmp_write_trace(o.trace, &o, rp, nres)) rc = 1;
+        else printf("trace: %s (open in https://ui.perfetto.dev or chrome://tracing)\n", o.trace);
+    }
+    if (o.csv) {
+        if (!tdm_cmp_write_csv(o.csv, &o, rp, nres)) rc = 1;
+        else printf("csv: %s\n", o.csv);
+    }
+    if (o.plot && !tdm_cmp_write_plots(o.plot, &o, rp, nres, sweep_dev, sweep_dp, sweep_ddp,
+                                       n_sweep, sps[0]))
+        rc = 1;
+    if (rc == 0 && !verdict) rc = 3;
+done:
+    for (int k = 0; k < TDM_CMP_NMODES; k++) tdm_cmp_result_free(&res[k]);
+    free(data.order);
+    tdm_data_free(&data.train);
+    return rc;
+}

@@ -1,0 +1,98 @@
+/* tools/compare.h: `tandem compare`'s internals shared between its files:
+ * the options, the measured results of one mode, and the runners and
+ * writers. compare.c drives and prints, compare_run.c runs the modes,
+ * compare_out.c writes the trace, CSV and plots. */
+#ifndef TDM_TOOLS_COMPARE_H
+#define TDM_TOOLS_COMPARE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "core/data.h"
+#include "core/timer.h"
+#include "models/model.h"
+
+#define TDM_CMP_MAX_DEV 64
+#define TDM_CMP_MAX_BUCKETS 256
+
+typedef enum tdm_cmp_mode {
+    TDM_CMP_SINGLE = 0,
+    TDM_CMP_DP,
+    TDM_CMP_DDP,
+    TDM_CMP_NMODES
+} tdm_cmp_mode;
+
+typedef struct tdm_cmp_opts {
+    const char *model, *device, *data, *optim, *trace, *plot, *csv, *sweep;
+    int n_dev;                 /* devices in --device */
+    int steps, warmup, batch;
+    double lr, momentum, weight_decay;
+    uint64_t seed;
+    double bucket_cap_mb;
+    int no_overlap;
+    int perturb_rank;          /* test hook: -1 off */
+    int quiet;
+} tdm_cmp_opts;
+
+/* Bytes per device (or rank) by kind. */
+typedef struct tdm_cmp_memory {
+    double params, grads, optim, buffers, activations, comm;
+} tdm_cmp_memory;
+
+typedef struct tdm_cmp_result {
+    tdm_cmp_mode mode;
+    int n_dev;
+    int steps;
+    int ok;                            /* the run finished */
+    double *loss;                      /* [steps] global-batch mean loss */
+    double *step_ms;                   /* [steps] wall per step */
+    double *step_t0_ms;                /* [steps] start, ms since the run's start */
+    tdm_phase_times *phase;            /* [steps * n_dev] per device/rank */
+    tdm_phase_times *wall;             /* [steps] step's wall per phase (critical path) */
+    double *comm_ms;                   /* [steps] DDP: first bucket start .. last end */
+    double *exposed_ms;                /* [steps] DDP: all-reduce wait after backward */
+    double *bwd_t0_ms;                 /* [steps] DDP rank 0: backward start */
+    int n_buckets;
+    double *bucket;                    /* [steps * n_buckets * 3] ready, start, end (rank 0,
+                                          ms from backward start) */
+    int64_t param_elems;
+    float *params_first, *params_last; /* after step 1 and after the last step */
+    int ranks_agree;                   /* DDP: every rank ended with rank 0's params */
+    tdm_cmp_memory mem[TDM_CMP_MAX_DEV];
+    char note[256];
+} tdm_cmp_result;
+
+const char *tdm_cmp_mode_name(tdm_cmp_mode m);
+
+/* The global batches: rows of the dataset for step s are
+ * order[s * batch .. +batch). */
+typedef struct tdm_cmp_data {
+    tdm_dataset train;
+    int64_t *order;
+    int64_t n_order;
+} tdm_cmp_data;
+
+/* Runs one mode over opts->steps global batches. n_dev: device count
+ * (1 for single). Fills r (allocated by the callee; free with
+ * tdm_cmp_result_free). Returns 0 on failure, with a message printed. */
+int tdm_cmp_run(const tdm_cmp_opts *o, const tdm_cmp_data *data, tdm_cmp_mode mode, int n_dev,
+                tdm_cmp_result *r);
+void tdm_cmp_result_free(tdm_cmp_result *r);
+
+/* Median, min and max of the post-warm-up step times. */
+void tdm_cmp_step_stats(const tdm_cmp_opts *o, const tdm_cmp_result *r, double *med,
+                        double *min, double *max);
+/* Mean per-phase wall over post-warm-up steps. */
+void tdm_cmp_phase_mean(const tdm_cmp_opts *o, const tdm_cmp_result *r, tdm_phase_times *out);
+
+/* Writers: 0 on failure with a message printed. */
+int tdm_cmp_write_trace(const char *path, const tdm_cmp_opts *o, tdm_cmp_result *const *res,
+                        int n);
+int tdm_cmp_write_csv(const char *path, const tdm_cmp_opts *o, tdm_cmp_result *const *res,
+                      int n);
+/* sweep: n_sweep entries of (devices, dp samples/s, ddp samples/s); may be 0. */
+int tdm_cmp_write_plots(const char *dir, const tdm_cmp_opts *o, tdm_cmp_result *const *res,
+                        int n, const int *sweep_dev, const double *sweep_dp,
+                        const double *sweep_ddp, int n_sweep, double single_sps);
+
+#endif

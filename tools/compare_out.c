@@ -1,0 +1,248 @@
+/* tools/compare_out.c: what `tandem compare` writes besides its tables:
+ * a Chrome trace-event JSON (Perfetto, chrome://tracing), a CSV of the raw
+ * per-step figures, and gnuplot charts (loss curves, throughput, per-phase
+ * stacked bars, scaling). Spans of a step are laid out from the measured
+ * phase durations in the order the phases run (each phase of DP is a
+ * fork/join round, so its devices start it together); DDP's bucket spans
+ * use the Reducer's own timestamps. */
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "tools/compare.h"
+
+static const tdm_phase tdm_cmp_order[] = {
+    TDM_PHASE_REPLICATE, TDM_PHASE_SCATTER, TDM_PHASE_FORWARD, TDM_PHASE_GATHER,
+    TDM_PHASE_LOSS,      TDM_PHASE_BACKWARD, TDM_PHASE_REDUCE, TDM_PHASE_ALLREDUCE_WAIT,
+    TDM_PHASE_STEP,
+};
+#define TDM_CMP_NORDER (int)(sizeof tdm_cmp_order / sizeof tdm_cmp_order[0])
+
+static FILE *tdm_cmp_open(const char *path)
+{
+    FILE *f = fopen(path, "w");
+    if (!f) fprintf(stderr, "tandem compare: cannot write %s: %s\n", path, strerror(errno));
+    return f;
+}
+
+static int tdm_cmp_close(FILE *f, const char *path)
+{
+    int bad = ferror(f);
+    if (fclose(f) != 0 || bad) {
+        fprintf(stderr, "tandem compare: writing %s failed: %s\n", path, strerror(errno));
+        return 0;
+    }
+    return 1;
+}
+
+/* Trace timestamps are whole microseconds (the format's unit); a span
+ * shorter than that is shown as 1 us rather than vanishing. */
+static long long tdm_cmp_us(double ms) { return llround(ms * 1e3); }
+static long long tdm_cmp_us_dur(double ms)
+{
+    long long us = llround(ms * 1e3);
+    return us > 0 ? us : 1;
+}
+
+int tdm_cmp_write_trace(const char *path, const tdm_cmp_opts *o, tdm_cmp_result *const *res,
+                        int n)
+{
+    (void)o;
+    FILE *f = tdm_cmp_open(path);
+    if (!f) return 0;
+    int first = 1;
+#define TDM_EV(...) do { fprintf(f, "%s\n  ", first ? "" : ","); first = 0; fprintf(f, __VA_ARGS__); } while (0)
+    fprintf(f, "{\"displayTimeUnit\": \"ms\", \"traceEvents\": [");
+    for (int k = 0; k < n; k++) {
+        const tdm_cmp_result *r = res[k];
+        int pid = k + 1;
+        TDM_EV("{\"ph\": \"M\", \"pid\": %d, \"name\": \"process_name\", \"args\": {\"name\": "
+               "\"%s (%d device%s)\"}}", pid, tdm_cmp_mode_name(r->mode), r->n_dev,
+               r->n_dev > 1 ? "s" : "");
+        TDM_EV("{\"ph\": \"M\", \"pid\": %d, \"name\": \"process_sort_index\", \"args\": "
+               "{\"sort_index\": %d}}", pid, pid);
+        for (int d = 0; d < r->n_dev; d++)
+            TDM_EV("{\"ph\": \"M\", \"pid\": %d, \"tid\": %d, \"name\": \"thread_name\", "
+                   "\"args\": {\"name\": \"%s %d\"}}", pid, d,
+                   r->mode == TDM_CMP_DDP ? "rank" : "device cpu:", d);
+        if (r->mode == TDM_CMP_DDP)
+            TDM_EV("{\"ph\": \"M\", \"pid\": %d, \"tid\": 1000, \"name\": \"thread_name\", "
+                   "\"args\": {\"name\": \"rank 0 all-reduce (buckets)\"}}", pid);
+        for (int i = 0; i < r->steps; i++) {
+            for (int d = 0; d < r->n_dev; d++) {
+                const tdm_phase_times *pt = &r->phase[(size_t)i * r->n_dev + d];
+                double t = r->step_t0_ms[i];
+                for (int q = 0; q < TDM_CMP_NORDER; q++) {
+                    tdm_phase p = tdm_cmp_order[q];
+                    double dur = pt->ms[p];
+                    /* DP phases are fork/join rounds: the next starts when
+                     * the slowest device (the step's wall time) is done */
+                    double adv = r->mode == TDM_CMP_DP ? r->wall[i].ms[p] : dur;
+                    if (dur > 0.0)
+                        TDM_EV("{\"ph\": \"X\", \"pid\": %d, \"tid\": %d, \"name\": \"%s\", "
+                               "\"cat\": \"phase\", \"ts\": %lld, \"dur\": %lld, \"args\": "
+                               "{\"step\": %d}}", pid, d, tdm_phase_name(p), tdm_cmp_us(t),
+                               tdm_cmp_us_dur(dur), i + 1);
+                    t += adv;
+                }
+            }
+            if (r->mode == TDM_CMP_DDP)
+                for (int b = 0; b < r->n_buckets; b++) {
+                    const double *e = r->bucket + ((size_t)i * r->n_buckets + b) * 3;
+                    double t0 = r->bwd_t0_ms[i];
+                    TDM_EV("{\"ph\": \"i\", \"s\": \"t\", \"pid\": %d, \"tid\": 1000, \"name\": "
+                           "\"bucket %d ready\", \"ts\": %lld, \"args\": {\"step\": %d}}", pid, b,
+                           tdm_cmp_us(t0 + e[0]), i + 1);
+                    if (e[2] > e[1])
+                        TDM_EV("{\"ph\": \"X\", \"pid\": %d, \"tid\": 1000, \"name\": "
+                               "\"all-reduce bucket %d\", \"cat\": \"comm\", \"ts\": %lld, "
+                               "\"dur\": %lld, \"args\": {\"step\": %d, \"ready_us\": %lld}}",
+                               pid, b, tdm_cmp_us(t0 + e[1]), tdm_cmp_us_dur(e[2] - e[1]), i + 1,
+                               tdm_cmp_us(e[0]));
+                }
+        }
+    }
+    fprintf(f, "\n]}\n");
+#undef TDM_EV
+    return tdm_cmp_close(f, path);
+}
+
+int tdm_cmp_write_csv(const char *path, const tdm_cmp_opts *o, tdm_cmp_result *const *res, int n)
+{
+    (void)o;
+    FILE *f = tdm_cmp_open(path);
+    if (!f) return 0;
+    fprintf(f, "mode,devices,step,loss,step_ms");
+    for (int p = 0; p < TDM_PHASE_COUNT_; p++) {
+        fputc(',', f);
+        for (const char *c = tdm_phase_name((tdm_phase)p); *c; c++)
+            fputc(*c == ' ' || *c == '-' ? '_' : *c, f);
+        fputs("_ms", f);
+    }
+    fprintf(f, ",allreduce_ms\n");
+    for (int k = 0; k < n; k++) {
+        const tdm_cmp_result *r = res[k];
+        for (int i = 0; i < r->steps; i++) {
+            fprintf(f, "%s,%d,%d,%.9g,%.4f", tdm_cmp_mode_name(r->mode), r->n_dev, i + 1,
+                    r->loss[i], r->step_ms[i]);
+            for (int p = 0; p < TDM_PHASE_COUNT_; p++) fprintf(f, ",%.4f", r->wall[i].ms[p]);
+            fprintf(f, ",%.4f\n", r->comm_ms[i]);
+        }
+    }
+    return tdm_cmp_close(f, path);
+}
+
+static int tdm_cmp_have_gnuplot(void)
+{
+    return system("command -v gnuplot >/dev/null 2>&1") == 0;
+}
+
+int tdm_cmp_write_plots(const char *dir, const tdm_cmp_opts *o, tdm_cmp_result *const *res,
+                        int n, const int *sweep_dev, const double *sweep_dp,
+                        const double *sweep_ddp, int n_sweep, double single_sps)
+{
+    char path[4096];
+    if (mkdir(dir, 0755) != 0 && errno != EEXIST) {
+        fprintf(stderr, "tandem compare: cannot create %s: %s\n", dir, strerror(errno));
+        return 0;
+    }
+    /* data files */
+    snprintf(path, sizeof path, "%s/loss.dat", dir);
+    FILE *f = tdm_cmp_open(path);
+    if (!f) return 0;
+    fprintf(f, "step");
+    for (int k = 0; k < n; k++) fprintf(f, " %s(%d)", tdm_cmp_mode_name(res[k]->mode), res[k]->n_dev);
+    fputc('\n', f);
+    for (int i = 0; i < o->steps; i++) {
+        fprintf(f, "%d", i + 1);
+        for (int k = 0; k < n; k++) fprintf(f, " %.9g", res[k]->loss[i]);
+        fputc('\n', f);
+    }
+    if (!tdm_cmp_close(f, path)) return 0;
+    snprintf(path, sizeof path, "%s/phases.dat", dir);
+    if (!(f = tdm_cmp_open(path))) return 0;
+    fprintf(f, "mode samples_per_s");
+    static const tdm_phase shown[] = {TDM_PHASE_REPLICATE, TDM_PHASE_SCATTER, TDM_PHASE_FORWARD,
+                                      TDM_PHASE_GATHER, TDM_PHASE_LOSS, TDM_PHASE_BACKWARD,
+                                      TDM_PHASE_REDUCE, TDM_PHASE_ALLREDUCE_WAIT, TDM_PHASE_STEP};
+    int nshown = (int)(sizeof shown / sizeof shown[0]);
+    for (int q = 0; q < nshown; q++) {
+        fputc(' ', f);
+        for (const char *c = tdm_phase_name(shown[q]); *c; c++) fputc(*c == ' ' ? '-' : *c, f);
+    }
+    fputc('\n', f);
+    for (int k = 0; k < n; k++) {
+        double med, mn, mx;
+        tdm_phase_times pm;
+        tdm_cmp_step_stats(o, res[k], &med, &mn, &mx);
+        tdm_cmp_phase_mean(o, res[k], &pm);
+        fprintf(f, "\"%s(%d)\" %.2f", tdm_cmp_mode_name(res[k]->mode), res[k]->n_dev,
+                o->batch / med * 1e3);
+        for (int q = 0; q < nshown; q++) fprintf(f, " %.4f", pm.ms[shown[q]]);
+        fputc('\n', f);
+    }
+    if (!tdm_cmp_close(f, path)) return 0;
+    if (n_sweep > 0) {
+        snprintf(path, sizeof path, "%s/scaling.dat", dir);
+        if (!(f = tdm_cmp_open(path))) return 0;
+        fprintf(f, "# devices dp_samples_per_s ddp_samples_per_s single\n");
+        for (int i = 0; i < n_sweep; i++)
+            fprintf(f, "%d %.2f %.2f %.2f\n", sweep_dev[i], sweep_dp[i], sweep_ddp[i], single_sps);
+        if (!tdm_cmp_close(f, path)) return 0;
+    }
+    /* the script */
+    snprintf(path, sizeof path, "%s/plots.gp", dir);
+    if (!(f = tdm_cmp_open(path))) return 0;
+    fprintf(f,
+            "# gnuplot script written by tandem compare; run: gnuplot plots.gp\n"
+            "set terminal pngcairo size 900,540 font ',11'\n"
+            "set grid ytics\n"
+            "set key top right\n"
+            "set output 'loss.png'\n"
+            "set title 'Training loss, same initial parameters and batches (%s, batch %d)'\n"
+            "set xlabel 'step'; set ylabel 'loss (global batch mean)'\n"
+            "# the curves coincide when the modes agree: widest first, dashed on top\n"
+            "plot for [c=2:%d] 'loss.dat' using 1:c with lines lw (10-2*c) dashtype c-1 title columnhead(c)\n"
+            "set output 'throughput.png'\n"
+            "set title 'Throughput (median step after warm-up)'\n"
+            "set xlabel ''; set ylabel 'samples/s'; unset key\n"
+            "set style data histograms; set style fill solid 0.8 border -1; set boxwidth 0.6\n"
+            "set yrange [0:*]\n"
+            "plot 'phases.dat' using 2:xtic(1) lc rgb '#4477aa' notitle\n"
+            "set output 'phases.png'\n"
+            "set title 'Where a step goes (ms per step, by phase)'\n"
+            "set ylabel 'ms per step'; set key outside right\n"
+            "set style histogram rowstacked\n"
+            "plot for [c=3:%d] 'phases.dat' using c:xtic(1) title columnhead(c)\n",
+            o->model, o->batch, n + 1, 2 + nshown);
+    if (n_sweep > 0)
+        fprintf(f,
+                "set output 'scaling.png'\n"
+                "set style data linespoints; unset style histogram; set key top left\n"
+                "set title 'Scaling with device count'\n"
+                "set xlabel 'devices'; set ylabel 'samples/s'; set xrange [0.5:*]\n"
+                "plot 'scaling.dat' using 1:2 lw 2 title 'DP', '' using 1:3 lw 2 title 'DDP', "
+                "'' using 1:4 with lines dt 2 title 'one device'\n");
+    if (!tdm_cmp_close(f, path)) return 0;
+    if (!tdm_cmp_have_gnuplot()) {
+        printf("plots: gnuplot is not installed (apt-get install gnuplot-nox, or make deps); "
+               "data and script written to %s/ (run: cd %s && gnuplot plots.gp)\n", dir, dir);
+        return 1;
+    }
+    char cmd[4200];
+    snprintf(cmd, sizeof cmd, "cd '%s' && gnuplot plots.gp", dir);
+    int rc = system(cmd);
+    if (rc != 0) {
+        fprintf(stderr, "tandem compare: gnuplot failed (exit %d) on %s/plots.gp\n",
+                WIFEXITED(rc) ? WEXITSTATUS(rc) : -1, dir);
+        return 0;
+    }
+    printf("plots: %s/loss.png, throughput.png, phases.png%s\n", dir,
+           n_sweep > 0 ? ", scaling.png" : "");
+    return 1;
+}

@@ -1,0 +1,460 @@
+/* tools/compare_run.c: runs one training mode of `tandem compare` - one
+ * device, DP (dp/) or DDP (ddp/, forked ranks) - over the same global
+ * batches from the same initial parameters, and records what it measured:
+ * losses, step times, per-phase times per device or rank, DDP bucket
+ * timings, parameters after the first and last step, memory. DDP ranks
+ * write their records into a shared anonymous mapping the parent reads
+ * after they exit. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+
+#include "core/device.h"
+#include "ddp/ddp.h"
+#include "ddp/spawn.h"
+#include "dp/dp.h"
+#include "models/optim.h"
+#include "models/train.h"
+#include "tools/compare.h"
+
+const char *tdm_cmp_mode_name(tdm_cmp_mode m)
+{
+    static const char *const n[] = {"single", "DP", "DDP"};
+    return (unsigned)m < TDM_CMP_NMODES ? n[m] : "?";
+}
+
+static int tdm_cmp_alloc(tdm_cmp_result *r, tdm_cmp_mode mode, int n_dev, int steps,
+                         int64_t param_elems)
+{
+    memset(r, 0, sizeof *r);
+    r->mode = mode;
+    r->n_dev = n_dev;
+    r->steps = steps;
+    r->param_elems = param_elems;
+    r->ranks_agree = 1;
+    r->loss = calloc((size_t)steps, sizeof(double));
+    r->step_ms = calloc((size_t)steps, sizeof(double));
+    r->step_t0_ms = calloc((size_t)steps, sizeof(double));
+    r->phase = calloc((size_t)steps * n_dev, sizeof(tdm_phase_times));
+    r->wall = calloc((size_t)steps, sizeof(tdm_phase_times));
+    r->comm_ms = calloc((size_t)steps, sizeof(double));
+    r->exposed_ms = calloc((size_t)steps, sizeof(double));
+    r->bwd_t0_ms = calloc((size_t)steps, sizeof(double));
+    r->params_first = calloc((size_t)param_elems, sizeof(float));
+    r->params_last = calloc((size_t)param_elems, sizeof(float));
+    if (!r->loss || !r->step_ms || !r->step_t0_ms || !r->phase || !r->wall || !r->comm_ms ||
+        !r->exposed_ms || !r->bwd_t0_ms || !r->params_first || !r->params_last) {
+        fprintf(stderr, "tandem compare: out of memory\n");
+        return 0;
+    }
+    return 1;
+}
+
+void tdm_cmp_result_free(tdm_cmp_result *r)
+{
+    free(r->loss);
+    free(r->step_ms);
+    free(r->step_t0_ms);
+    free(r->phase);
+    free(r->wall);
+    free(r->comm_ms);
+    free(r->exposed_ms);
+    free(r->bwd_t0_ms);
+    free(r->bucket);
+    free(r->params_first);
+    free(r->params_last);
+    memset(r, 0, sizeof *r);
+}
+
+static int tdm_cmp_fail(const char *what)
+{
+    fprintf(stderr, "tandem compare: %s: %s\n", what, tdm_error_message());
+    return 0;
+}
+
+static tdm_status tdm_cmp_make(const tdm_cmp_opts *o, tdm_device *dev, tdm_model **m,
+                               tdm_optim **opt)
+{
+    tdm_model_spec spec;
+    tdm_optim_opts oo;
+    TDM_CHECK(tdm_model_spec_parse(&spec, o->model));
+    TDM_CHECK(tdm_model_init(m, dev, &spec, o->seed));
+    tdm_optim_opts_default(&oo, strcmp(o->optim, "adamw") ? TDM_OPTIM_SGD : TDM_OPTIM_ADAMW);
+    oo.lr = (float)o->lr;
+    oo.weight_decay = (float)o->weight_decay;
+    if (oo.kind == TDM_OPTIM_SGD) oo.momentum = (float)o->momentum;
+    return tdm_optim_init(opt, *m, &oo);
+}
+
+static void tdm_cmp_batch(const tdm_cmp_data *d, int step, int batch, float *x, int32_t *y)
+{
+    tdm_data_gather(&d->train, d->order + (int64_t)step * batch, batch, x, y);
+}
+
+static tdm_status tdm_cmp_params_out(tdm_model *m, float *dst)
+{
+    tdm_device *d = tdm_model_device(m);
+    return d->ops->copy_to_host(d, dst, tdm_model_params(m),
+                                (size_t)tdm_model_param_elems(m) * sizeof(float));
+}
+
+static void tdm_cmp_mem_model(tdm_cmp_memory *mem, tdm_model *m, size_t optim_bytes)
+{
+    tdm_model_memory mm;
+    tdm_model_get_memory(m, &mm);
+    mem->params = (double)mm.params;
+    mem->grads = (double)mm.grads;
+    mem->buffers = (double)mm.buffers;
+    mem->activations = (double)mm.activations;
+    mem->optim = (double)optim_bytes;
+}
+
+/* ---- one device ---- */
+
+static int tdm_cmp_run_single(const tdm_cmp_opts *o, const tdm_cmp_data *data, tdm_cmp_result *r)
+{
+    int ok = 0;
+    tdm_device *dev = NULL;
+    tdm_model *m = NULL;
+    tdm_optim *opt = NULL;
+    tdm_single s = {0};
+    int64_t feat = tdm_data_features(&data->train);
+    float *x = malloc((size_t)o->batch * feat * sizeof(float));
+    int32_t *y = malloc((size_t)o->batch * sizeof(int32_t));
+    if (!x || !y) goto done;
+    if (tdm_device_open(&dev, "cpu", 0, 1) != TDM_STATUS_OK ||
+        tdm_cmp_make(o, dev, &m, &opt) != TDM_STATUS_OK) {
+        tdm_cmp_fail("one device");
+        goto done;
+    }
+    if (!tdm_cmp_alloc(r, TDM_CMP_SINGLE, 1, o->steps, tdm_model_param_elems(m))) goto done;
+    s.model = m;
+    s.opt = opt;
+    uint64_t t_start = tdm_time_ns();
+    for (int i = 0; i < o->steps; i++) {
+        tdm_cmp_batch(data, i, o->batch, x, y);
+        uint64_t t0 = tdm_time_ns();
+        if (tdm_single_step(&s, x, y, o->batch, &r->loss[i]) != TDM_STATUS_OK) {
+            tdm_cmp_fail("one device step");
+            goto done;
+        }
+        r->step_ms[i] = (double)(tdm_time_ns() - t0) * 1e-6;
+        r->step_t0_ms[i] = (double)(t0 - t_start) * 1e-6;
+        memcpy(r->phase[i].ms, s.ms, sizeof s.ms);
+        r->wall[i] = r->phase[i];
+        if (i == 0 && tdm_cmp_params_out(m, r->params_first) != TDM_STATUS_OK) goto done;
+    }
+    if (tdm_cmp_params_out(m, r->params_last) != TDM_STATUS_OK) goto done;
+    tdm_cmp_mem_model(&r->mem[0], m, tdm_optim_state_bytes(opt));
+    r->ok = ok = 1;
+done:
+    tdm_single_free(&s);
+    tdm_optim_free(opt);
+    tdm_model_free(m);
+    tdm_device_free(dev);
+    free(x);
+    free(y);
+    return ok;
+}
+
+/* ---- DataParallel ---- */
+
+static int tdm_cmp_run_dp(const tdm_cmp_opts *o, const tdm_cmp_data *data, int n_dev,
+                          tdm_cmp_result *r)
+{
+    int ok = 0, n = 0;
+    char spec[32];
+    tdm_device *devs[TDM_DP_MAX_DEVICES] = {0};
+    tdm_model *m = NULL;
+    tdm_optim *opt = NULL;
+    tdm_dp *dp = NULL;
+    int64_t feat = tdm_data_features(&data->train);
+    float *x = malloc((size_t)o->batch * feat * sizeof(float));
+    int32_t *y = malloc((size_t)o->batch * sizeof(int32_t));
+    snprintf(spec, sizeof spec, "cpu:%d", n_dev);
+    if (!x || !y) goto done;
+    if (tdm_dp_devices_open(spec, devs, &n) != TDM_STATUS_OK ||
+        tdm_cmp_make(o, devs[0], &m, &opt) != TDM_STATUS_OK ||
+        tdm_dp_init(&dp, m, devs, n, NULL) != TDM_STATUS_OK) {
+        tdm_cmp_fail("DP");
+        goto done;
+    }
+    if (!tdm_cmp_alloc(r, TDM_CMP_DP, n, o->steps, tdm_model_param_elems(m))) goto done;
+    uint64_t t_start = tdm_time_ns();
+    for (int i = 0; i < o->steps; i++) {
+        tdm_cmp_batch(data, i, o->batch, x, y);
+        uint64_t t0 = tdm_time_ns();
+        if (tdm_dp_step(dp, opt, x, y, o->batch, &r->loss[i]) != TDM_STATUS_OK) {
+            tdm_cmp_fail("DP step");
+            goto done;
+        }
+        r->step_ms[i] = (double)(tdm_time_ns() - t0) * 1e-6;
+        r->step_t0_ms[i] = (double)(t0 - t_start) * 1e-6;
+        const tdm_dp_timings *t = tdm_dp_last_timings(dp);
+        for (int d = 0; d < n; d++) r->phase[(size_t)i * n + d] = t->device[d];
+        r->wall[i] = t->wall;
+        if (i == 0 && tdm_cmp_params_out(m, r->params_first) != TDM_STATUS_OK) goto done;
+    }
+    if (tdm_cmp_params_out(m, r->params_last) != TDM_STATUS_OK) goto done;
+    for (int d = 0; d < n; d++)
+        tdm_cmp_mem_model(&r->mem[d], tdm_dp_replica(dp, d), d == 0 ? tdm_optim_state_bytes(opt) : 0);
+    /* the output device also holds the gathered logits and their gradient */
+    r->mem[0].comm = 2.0 * o->batch * tdm_model_n_classes(m) * sizeof(float);
+    r->ok = ok = 1;
+done:
+    tdm_dp_free(dp);
+    tdm_optim_free(opt);
+    tdm_model_free(m);
+    tdm_dp_devices_close(devs, n);
+    free(x);
+    free(y);
+    return ok;
+}
+
+/* ---- DistributedDataParallel ---- */
+
+/* What the ranks write, in one shared anonymous mapping. */
+typedef struct tdm_cmp_shared {
+    int world, steps, n_buckets;
+    int64_t param_elems;
+    int agree[TDM_CMP_MAX_DEV];
+    tdm_cmp_memory mem[TDM_CMP_MAX_DEV];
+    size_t off_loss, off_step, off_t0, off_phase, off_comm, off_exposed, off_bwd, off_bucket,
+        off_first, off_last, total;
+} tdm_cmp_shared;
+
+#define TDM_CMP_AT(sh, off, type) ((type *)((char *)(sh) + (sh)->off))
+
+typedef struct tdm_cmp_ddp_arg {
+    const tdm_cmp_opts *o;
+    const tdm_cmp_data *data;
+    tdm_cmp_shared *sh;
+    uint64_t t_start;
+} tdm_cmp_ddp_arg;
+
+static int tdm_cmp_ddp_rank(tdm_comm *comm, void *argp)
+{
+    tdm_cmp_ddp_arg *a = argp;
+    const tdm_cmp_opts *o = a->o;
+    tdm_cmp_shared *sh = a->sh;
+    int rank = tdm_comm_rank(comm), world = tdm_comm_size(comm), rc = 1;
+    tdm_device *dev = NULL;
+    tdm_model *m = NULL;
+    tdm_optim *opt = NULL;
+    tdm_ddp *ddp = NULL;
+    int64_t feat = tdm_data_features(&a->data->train);
+    int lo = (int)((int64_t)rank * o->batch / world), hi = (int)((int64_t)(rank + 1) * o->batch / world);
+    int b = hi - lo;
+    float *x = malloc((size_t)(b > 0 ? b : 1) * feat * sizeof(float));
+    int32_t *y = malloc((size_t)(b > 0 ? b : 1) * sizeof(int32_t));
+    float *mine = NULL;
+    tdm_ddp_opts dopts = {.bucket_cap_mb = o->bucket_cap_mb, .no_overlap = o->no_overlap};
+    if (!x || !y) goto done;
+    if (tdm_device_open(&dev, "cpu", rank, 1) != TDM_STATUS_OK ||
+        tdm_cmp_make(o, dev, &m, &opt) != TDM_STATUS_OK ||
+        tdm_ddp_init(&ddp, m, comm, &dopts) != TDM_STATUS_OK) {
+        fprintf(stderr, "tandem compare: DDP rank %d: %s\n", rank, tdm_error_message());
+        goto done;
+    }
+    /* A deliberately wrong rank, to prove the verdict can fail: its share
+     * of the loss gradient is 1% too large, so every rank's all-reduced
+     * gradient is off. */
+    float scale = 1.0f / (float)o->batch * (rank == o->perturb_rank ? 1.01f : 1.0f);
+    double *loss = TDM_CMP_AT(sh, off_loss, double);
+    double *step = TDM_CMP_AT(sh, off_step, double);
+    double *t0s = TDM_CMP_AT(sh, off_t0, double);
+    tdm_phase_times *phase = TDM_CMP_AT(sh, off_phase, tdm_phase_times);
+    double *comm_ms = TDM_CMP_AT(sh, off_comm, double);
+    double *exposed = TDM_CMP_AT(sh, off_exposed, double);
+    double *bwd = TDM_CMP_AT(sh, off_bwd, double);
+    double *bucket = TDM_CMP_AT(sh, off_bucket, double);
+    for (int i = 0; i < o->steps; i++) {
+        const int64_t *rows = a->data->order + (int64_t)i * o->batch + lo;
+        if (b > 0) tdm_data_gather(&a->data->train, rows, b, x, y);
+        double loss_sum = 0.0;
+        uint64_t t0 = tdm_time_ns();
+        tdm_status st = tdm_ddp_zero_grad(ddp);
+        if (st == TDM_STATUS_OK) st = tdm_ddp_forward_scaled(ddp, x, y, b, scale, &loss_sum);
+        uint64_t tb = tdm_time_ns();
+        if (st == TDM_STATUS_OK) st = tdm_ddp_backward(ddp);
+        if (st == TDM_STATUS_OK) st = tdm_ddp_step(ddp, opt);
+        if (st != TDM_STATUS_OK) {
+            fprintf(stderr, "tandem compare: DDP rank %d, step %d: %s\n", rank, i + 1,
+                        tdm_error_message());
+            goto done;
+        }
+        uint64_t t1 = tdm_time_ns();
+        size_t k = (size_t)i * world + rank;
+        loss[k] = loss_sum;
+        step[k] = (double)(t1 - t0) * 1e-6;
+        t0s[k] = (double)(t0 - a->t_start) * 1e-6;
+        tdm_ddp_times t;
+        tdm_ddp_get_times(ddp, &t);
+        phase[k] = t.last;
+        comm_ms[k] = t.comm_ms_last;
+        exposed[k] = t.last.ms[TDM_PHASE_ALLREDUCE_WAIT];
+        bwd[k] = (double)(tb - a->t_start) * 1e-6;
+        if (rank == 0) {
+            int nb = t.n_buckets < TDM_CMP_MAX_BUCKETS ? t.n_buckets : TDM_CMP_MAX_BUCKETS;
+            sh->n_buckets = nb;
+            for (int j = 0; j < nb; j++) {
+                double *e = bucket + ((size_t)i * TDM_CMP_MAX_BUCKETS + j) * 3;
+                e[0] = t.buckets[j].ready_ms;
+                e[1] = t.buckets[j].start_ms;
+                e[2] = t.buckets[j].end_ms;
+            }
+            if (i == 0 &&
+                tdm_cmp_params_out(m, TDM_CMP_AT(sh, off_first, float)) != TDM_STATUS_OK)
+                goto done;
+        }
+    }
+    /* rank 0 publishes its final parameters; the others check theirs
+     * against them after a barrier */
+    if (rank == 0 && tdm_cmp_params_out(m, TDM_CMP_AT(sh, off_last, float)) != TDM_STATUS_OK)
+        goto done;
+    if (tdm_comm_barrier(comm) != TDM_STATUS_OK) goto done;
+    mine = malloc((size_t)sh->param_elems * sizeof(float));
+    if (!mine || tdm_cmp_params_out(m, mine) != TDM_STATUS_OK) goto done;
+    sh->agree[rank] = !memcmp(mine, TDM_CMP_AT(sh, off_last, float),
+                              (size_t)sh->param_elems * sizeof(float));
+    tdm_cmp_mem_model(&sh->mem[rank], m, tdm_optim_state_bytes(opt));
+    sh->mem[rank].comm = (double)tdm_ddp_arena_bytes(sh->param_elems) - sh->mem[rank].grads;
+    if (sh->mem[rank].comm < 0) sh->mem[rank].comm = 0;
+    rc = 0;
+done:
+    tdm_ddp_free(ddp);
+    tdm_optim_free(opt);
+    tdm_model_free(m);
+    tdm_device_free(dev);
+    free(x);
+    free(y);
+    free(mine);
+    return rc;
+}
+
+static int tdm_cmp_run_ddp(const tdm_cmp_opts *o, const tdm_cmp_data *data, int world,
+                           tdm_cmp_result *r)
+{
+    tdm_model_spec spec;
+    tdm_model *probe = NULL;
+    tdm_device *dev = NULL;
+    if (tdm_model_spec_parse(&spec, o->model) != TDM_STATUS_OK ||
+        tdm_device_open(&dev, "cpu", 0, 1) != TDM_STATUS_OK ||
+        tdm_model_init(&probe, dev, &spec, o->seed) != TDM_STATUS_OK)
+        return tdm_cmp_fail("DDP");
+    int64_t pe = tdm_model_param_elems(probe);
+    tdm_model_free(probe);
+    tdm_device_free(dev);
+    size_t S = (size_t)o->steps, W = (size_t)world;
+    tdm_cmp_shared lay = {.world = world, .steps = o->steps, .param_elems = pe};
+    size_t off = (sizeof lay + 63) & ~(size_t)63;
+#define TDM_CMP_PLACE(field, bytes) (lay.field = off, off = (off + (bytes) + 63) & ~(size_t)63)
+    TDM_CMP_PLACE(off_loss, S * W * sizeof(double));
+    TDM_CMP_PLACE(off_step, S * W * sizeof(double));
+    TDM_CMP_PLACE(off_t0, S * W * sizeof(double));
+    TDM_CMP_PLACE(off_phase, S * W * sizeof(tdm_phase_times));
+    TDM_CMP_PLACE(off_comm, S * W * sizeof(double));
+    TDM_CMP_PLACE(off_exposed, S * W * sizeof(double));
+    TDM_CMP_PLACE(off_bwd, S * W * sizeof(double));
+    TDM_CMP_PLACE(off_bucket, S * TDM_CMP_MAX_BUCKETS * 3 * sizeof(double));
+    TDM_CMP_PLACE(off_first, (size_t)pe * sizeof(float));
+    TDM_CMP_PLACE(off_last, (size_t)pe * sizeof(float));
+    lay.total = off;
+    tdm_cmp_shared *sh = mmap(NULL, lay.total, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS,
+                              -1, 0);
+    if (sh == MAP_FAILED) {
+        perror("tandem compare: mmap");
+        return 0;
+    }
+    *sh = lay;
+    tdm_cmp_ddp_arg arg = {.o = o, .data = data, .sh = sh, .t_start = tdm_time_ns()};
+    tdm_ddp_spawn_opts so = {.timeout_ms = 3600000, .arena_bytes = tdm_ddp_arena_bytes(pe)};
+    int ok = 0;
+    fflush(stdout);
+    if (tdm_ddp_spawn(world, tdm_cmp_ddp_rank, &arg, &so, NULL) != TDM_STATUS_OK) {
+        tdm_cmp_fail("DDP");
+        goto done;
+    }
+    if (!tdm_cmp_alloc(r, TDM_CMP_DDP, world, o->steps, pe)) goto done;
+    const double *loss = TDM_CMP_AT(sh, off_loss, double);
+    const double *step = TDM_CMP_AT(sh, off_step, double);
+    const double *t0s = TDM_CMP_AT(sh, off_t0, double);
+    const tdm_phase_times *phase = TDM_CMP_AT(sh, off_phase, tdm_phase_times);
+    for (size_t i = 0; i < S; i++) {
+        double l = 0.0;
+        for (size_t k = 0; k < W; k++) l += loss[i * W + k];
+        r->loss[i] = l / o->batch;
+        r->step_ms[i] = step[i * W];          /* rank 0's view of the step */
+        r->step_t0_ms[i] = t0s[i * W];
+        for (size_t k = 0; k < W; k++) r->phase[i * W + k] = phase[i * W + k];
+        r->wall[i] = phase[i * W];
+        r->comm_ms[i] = TDM_CMP_AT(sh, off_comm, double)[i * W];
+        r->exposed_ms[i] = TDM_CMP_AT(sh, off_exposed, double)[i * W];
+        r->bwd_t0_ms[i] = TDM_CMP_AT(sh, off_bwd, double)[i * W];
+    }
+    r->n_buckets = sh->n_buckets;
+    r->bucket = calloc(S * (size_t)(r->n_buckets > 0 ? r->n_buckets : 1) * 3, sizeof(double));
+    if (!r->bucket) goto done;
+    for (size_t i = 0; i < S; i++)
+        memcpy(r->bucket + i * (size_t)r->n_buckets * 3,
+               TDM_CMP_AT(sh, off_bucket, double) + i * TDM_CMP_MAX_BUCKETS * 3,
+               (size_t)r->n_buckets * 3 * sizeof(double));
+    memcpy(r->params_first, TDM_CMP_AT(sh, off_first, float), (size_t)pe * sizeof(float));
+    memcpy(r->params_last, TDM_CMP_AT(sh, off_last, float), (size_t)pe * sizeof(float));
+    for (int k = 0; k < world; k++) {
+        r->ranks_agree &= sh->agree[k];
+        r->mem[k] = sh->mem[k];
+    }
+    r->ok = ok = 1;
+done:
+    munmap(sh, lay.total);
+    return ok;
+}
+
+int tdm_cmp_run(const tdm_cmp_opts *o, const tdm_cmp_data *data, tdm_cmp_mode mode, int n_dev,
+                tdm_cmp_result *r)
+{
+    memset(r, 0, sizeof *r);
+    switch (mode) {
+    case TDM_CMP_SINGLE: return tdm_cmp_run_single(o, data, r);
+    case TDM_CMP_DP: return tdm_cmp_run_dp(o, data, n_dev, r);
+    case TDM_CMP_DDP: return tdm_cmp_run_ddp(o, data, n_dev, r);
+    default: return 0;
+    }
+}
+
+static int tdm_cmp_cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+void tdm_cmp_step_stats(const tdm_cmp_opts *o, const tdm_cmp_result *r, double *med, double *min,
+                        double *max)
+{
+    int w = o->warmup < r->steps ? o->warmup : 0;
+    int n = r->steps - w;
+    double *t = malloc((size_t)n * sizeof(double));
+    if (!t || n <= 0) {
+        *med = *min = *max = NAN;
+        free(t);
+        return;
+    }
+    memcpy(t, r->step_ms + w, (size_t)n * sizeof(double));
+    qsort(t, (size_t)n, sizeof(double), tdm_cmp_cmp_double);
+    *med = n % 2 ? t[n / 2] : 0.5 * (t[n / 2 - 1] + t[n / 2]);
+    *min = t[0];
+    *max = t[n - 1];
+    free(t);
+}
+
+void tdm_cmp_phase_mean(const tdm_cmp_opts *o, const tdm_cmp_result *r, tdm_phase_times *out)
+{
+    int w = o->warmup < r->steps ? o->warmup : 0;
+    memset(out, 0, sizeof *out);
+    for (int i = w; i < r->steps; i++)
+        for (int p = 0; p < TDM_PHASE_COUNT_; p++) out->ms[p] += r->wall[i].ms[p];
+    for (int p = 0; p < TDM_PHASE_COUNT_; p++) out->ms[p] /= (r->steps - w);
+}
