@@ -19,13 +19,17 @@
 /* Float tolerances of the equivalence verdict, |a - b| <= atol + rtol |b|.
  * After one step the modes differ only by the reassociation of sums over
  * the batch (gemm blocking, per-chunk partial sums): measured max |diff|
- * ~1e-7 on parameters of size ~1e-2. Later steps amplify those
- * differences through the optimizer, so the final check is looser. */
+ * ~1.5e-8 on parameters of size ~1e-2, far inside the bound. Over many
+ * steps SGD amplifies any difference, however small, so the final check
+ * also accepts a difference up to TDM_CMP_FLOOR_FACTOR times what a
+ * one-ulp change of the initial parameters produces on one device over
+ * the same run (measured in the same run: the float-noise floor). */
 #define TDM_CMP_ATOL_FIRST 1e-5
 #define TDM_CMP_RTOL_FIRST 1e-4
 #define TDM_CMP_ATOL_LAST 1e-4
 #define TDM_CMP_RTOL_LAST 1e-3
 #define TDM_CMP_LOSS_RTOL 1e-4
+#define TDM_CMP_FLOOR_FACTOR 10.0
 
 static void tdm_cmp_usage(FILE *f)
 {
@@ -353,8 +357,10 @@ int tdm_tool_compare_main(int argc, char **argv)
 
     tdm_cmp_result res[TDM_CMP_NMODES];
     tdm_cmp_result *rp[TDM_CMP_NMODES];
+    tdm_cmp_result floor_r;
     int rc = 0, nres = 0;
     memset(res, 0, sizeof res);
+    memset(&floor_r, 0, sizeof floor_r);
     for (int k = 0; k < TDM_CMP_NMODES; k++) {
         printf("  running %s...\n", tdm_cmp_mode_name((tdm_cmp_mode)k));
         fflush(stdout);
@@ -363,6 +369,18 @@ int tdm_tool_compare_main(int argc, char **argv)
             goto done;
         }
         rp[nres++] = &res[k];
+    }
+
+    /* the float-noise floor: one device again, from parameters one ulp off */
+    {
+        tdm_cmp_opts on = o;
+        on.nudge = 1;
+        printf("  running single again from parameters one ulp off (the float-noise floor)...\n");
+        fflush(stdout);
+        if (!tdm_cmp_run(&on, &data, TDM_CMP_SINGLE, 1, &floor_r)) {
+            rc = 1;
+            goto done;
+        }
     }
 
     /* 1. throughput */
@@ -392,9 +410,16 @@ int tdm_tool_compare_main(int argc, char **argv)
     }
     int bn = spec.kind == TDM_MODEL_CNN;
     int verdict = 1;
+    tdm_cmp_diff fl;
+    tdm_cmp_compare(ref, floor_r.params_last, res[TDM_CMP_SINGLE].params_last, TDM_CMP_ATOL_LAST,
+                    TDM_CMP_RTOL_LAST, &fl);
+    double fl_loss = fabs(floor_r.loss[o.steps - 1] - res[TDM_CMP_SINGLE].loss[o.steps - 1]) /
+                     fabs(res[TDM_CMP_SINGLE].loss[o.steps - 1]);
     printf("\nEquivalence (|a-b| <= atol + rtol*|b|: after step 1 atol %.0e rtol %.0e; after "
-           "step %d atol %.0e rtol %.0e)\n", TDM_CMP_ATOL_FIRST, TDM_CMP_RTOL_FIRST, o.steps,
-           TDM_CMP_ATOL_LAST, TDM_CMP_RTOL_LAST);
+           "step %d atol %.0e rtol %.0e,\n  or within %.0fx the float-noise floor: one device "
+           "started one ulp off ends %.2e away (loss rel %.1e))\n", TDM_CMP_ATOL_FIRST,
+           TDM_CMP_RTOL_FIRST, o.steps, TDM_CMP_ATOL_LAST, TDM_CMP_RTOL_LAST,
+           TDM_CMP_FLOOR_FACTOR, fl.max_abs, fl_loss);
     static const int pairs[3][2] = {{TDM_CMP_DP, TDM_CMP_SINGLE}, {TDM_CMP_DDP, TDM_CMP_SINGLE},
                                     {TDM_CMP_DDP, TDM_CMP_DP}};
     for (int q = 0; q < 3; q++) {
@@ -420,12 +445,19 @@ int tdm_tool_compare_main(int argc, char **argv)
                         TDM_CMP_RTOL_LAST, &d2);
         double l1 = fabs(a->loss[0] - b->loss[0]) / fabs(b->loss[0]);
         double l2 = fabs(a->loss[o.steps - 1] - b->loss[o.steps - 1]) / fabs(b->loss[o.steps - 1]);
-        int ok = d1.ok && d2.ok && l1 <= TDM_CMP_LOSS_RTOL && l2 <= 10 * TDM_CMP_LOSS_RTOL;
+        /* the last step passes within the fixed bound, or within the floor */
+        int last_ok = (d2.ok && l2 <= 10 * TDM_CMP_LOSS_RTOL) ||
+                      (d2.max_abs <= TDM_CMP_FLOOR_FACTOR * fl.max_abs &&
+                       l2 <= TDM_CMP_FLOOR_FACTOR * fl_loss + 10 * TDM_CMP_LOSS_RTOL);
+        int ok = d1.ok && l1 <= TDM_CMP_LOSS_RTOL && last_ok;
         verdict &= ok;
         printf("  %-14s step 1: params max |diff| %.2e (rel %.2e), loss rel %.1e;  step %d: "
                "params max |diff| %.2e (rel %.2e), loss rel %.1e  -> %s\n", label, d1.max_abs,
                d1.max_rel, l1, o.steps, d2.max_abs, d2.max_rel, l2, ok ? "PASS" : "FAIL");
-        tdm_cmp_diff *w = !d2.ok || d2.worst_ratio >= d1.worst_ratio ? &d2 : &d1;
+        if (!d2.ok && last_ok)
+            printf("  %-14s step %d is past the fixed bound but within %.1fx the float-noise "
+                   "floor\n", "", o.steps, fl.max_abs > 0 ? d2.max_abs / fl.max_abs : 0.0);
+        tdm_cmp_diff *w = !d1.ok ? &d1 : &d2;
         if (w->worst >= 0)
             printf("  %-14s tensor that differs most (relative to its tolerance): %s (%.2f of "
                    "the allowed difference)\n", "", tdm_model_param_info(ref, w->worst)->name,
@@ -525,6 +557,7 @@ int tdm_tool_compare_main(int argc, char **argv)
         rc = 1;
     if (rc == 0 && !verdict) rc = 3;
 done:
+    tdm_cmp_result_free(&floor_r);
     for (int k = 0; k < TDM_CMP_NMODES; k++) tdm_cmp_result_free(&res[k]);
     free(data.order);
     tdm_data_free(&data.train);

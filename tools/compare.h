@@ -31,6 +31,8 @@ typedef struct tdm_cmp_opts {
     double bucket_cap_mb;
     int no_overlap;
     int perturb_rank;          /* test hook: -1 off */
+    int nudge;                 /* single mode only: start from parameters one ulp
+                                  off (the float-noise floor run) */
     int quiet;
 } tdm_cmp_opts;
 

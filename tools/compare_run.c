@@ -130,6 +130,16 @@ static int tdm_cmp_run_single(const tdm_cmp_opts *o, const tdm_cmp_data *data, t
         goto done;
     }
     if (!tdm_cmp_alloc(r, TDM_CMP_SINGLE, 1, o->steps, tdm_model_param_elems(m))) goto done;
+    if (o->nudge) {
+        /* every other parameter one ulp up: the smallest change float can
+         * make, to measure how far such a change carries over the run */
+        float *p = r->params_last;
+        if (tdm_cmp_params_out(m, p) != TDM_STATUS_OK) goto done;
+        for (int64_t j = 0; j < r->param_elems; j += 2) p[j] = nextafterf(p[j], INFINITY);
+        if (dev->ops->copy_from_host(dev, tdm_model_params(m), p,
+                                     (size_t)r->param_elems * sizeof(float)) != TDM_STATUS_OK)
+            goto done;
+    }
     s.model = m;
     s.opt = opt;
     uint64_t t_start = tdm_time_ns();
