@@ -213,7 +213,7 @@ int tdm_cmp_write_plots(const char *dir, const tdm_cmp_opts *o, tdm_cmp_result *
             "set xlabel ''; set ylabel 'samples/s'; unset key\n"
             "set style data histograms; set style fill solid 0.8 border -1; set boxwidth 0.6\n"
             "set yrange [0:*]\n"
-            "plot 'phases.dat' using 2:xtic(1) lc rgb '#4477aa' notitle\n"
+            "plot 'phases.dat' every ::1 using 2:xtic(1) lc rgb '#4477aa' notitle\n"
             "set output 'phases.png'\n"
             "set title 'Where a step goes (ms per step, by phase)'\n"
             "set ylabel 'ms per step'; set key outside right\n"
@@ -225,7 +225,7 @@ int tdm_cmp_write_plots(const char *dir, const tdm_cmp_opts *o, tdm_cmp_result *
                 "set output 'scaling.png'\n"
                 "set style data linespoints; unset style histogram; set key top left\n"
                 "set title 'Scaling with device count'\n"
-                "set xlabel 'devices'; set ylabel 'samples/s'; set xrange [0.5:*]\n"
+                "set xlabel 'devices'; set ylabel 'samples/s'; set xrange [0.5:*]; set xtics 1\n"
                 "plot 'scaling.dat' using 1:2 lw 2 title 'DP', '' using 1:3 lw 2 title 'DDP', "
                 "'' using 1:4 with lines dt 2 title 'one device'\n");
     if (!tdm_cmp_close(f, path)) return 0;
