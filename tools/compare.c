@@ -162,10 +162,10 @@ static void tdm_cmp_print_phase_table(const tdm_cmp_opts *o, tdm_cmp_result *con
         }
         comm /= (r->steps - w);
         exposed /= (r->steps - w);
-        printf("  DDP all-reduce: %.2f ms per step in %d bucket%s, %.2f ms exposed after "
-               "backward, %.2f ms (%.0f%%) overlapped with it\n", comm, r->n_buckets,
-               r->n_buckets == 1 ? "" : "s", exposed, comm - exposed > 0 ? comm - exposed : 0.0,
-               comm > 0 ? 100.0 * (comm - exposed > 0 ? comm - exposed : 0.0) / comm : 0.0);
+        printf("  DDP all-reduce: %.2f ms per step from the first bucket's start to the last's "
+               "end, in %d bucket%s;\n  %.2f ms of it exposed after backward; %.0f%% of the "
+               "gradient bytes were launched while backward still ran\n", comm, r->n_buckets,
+               r->n_buckets == 1 ? "" : "s", exposed, 100.0 * r->overlap_bytes_frac);
     }
 }
 
@@ -503,10 +503,15 @@ int tdm_tool_compare_main(int argc, char **argv)
         printf("  DP spends %.1f%% of each step copying the parameters to the replicas and "
                "%.1f%% adding their gradients back onto the master; scatter, gather and the "
                "whole-batch loss on the output device take another %.1f%%.\n", rep, red, outdev);
-        printf("  DDP spends %.1f%% of each step waiting for the all-reduce after backward: it "
-               "hides %.0f%% of its %.2f ms of communication per step behind the backward "
-               "pass.\n", 100.0 * ddp.ms[TDM_PHASE_ALLREDUCE_WAIT] / ddpm, hidden,
-               comm / (r->steps - w));
+        printf("  DDP spends %.1f%% of each step waiting for the all-reduce after backward; "
+               "%.0f%% of its all-reduce time (%.2f ms per step) ran while backward was still "
+               "computing, and %.0f%% of the gradient bytes were launched then%s.\n",
+               100.0 * ddp.ms[TDM_PHASE_ALLREDUCE_WAIT] / ddpm, hidden, comm / (r->steps - w),
+               100.0 * r->overlap_bytes_frac,
+               r->overlap_bytes_frac < 0.25 && r->n_buckets > 1
+                   ? " (the big bucket only fills at the end of backward: a smaller "
+                     "--bucket-cap-mb launches more of it early)"
+                   : "");
         double ideal = sps[0] * o.n_dev;
         int cores = tdm_device_host_cores();
         printf("  Perfect scaling would be %.0f samples/s; DDP reaches %.0f%% of it%s.\n", ideal,

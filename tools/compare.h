@@ -60,6 +60,8 @@ typedef struct tdm_cmp_result {
     int64_t param_elems;
     float *params_first, *params_last; /* after step 1 and after the last step */
     int ranks_agree;                   /* DDP: every rank ended with rank 0's params */
+    double overlap_bytes_frac;         /* DDP rank 0: share of gradient bytes whose
+                                          all-reduce was launched during backward */
     tdm_cmp_memory mem[TDM_CMP_MAX_DEV];
     char note[256];
 } tdm_cmp_result;

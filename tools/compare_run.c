@@ -229,6 +229,7 @@ done:
 typedef struct tdm_cmp_shared {
     int world, steps, n_buckets;
     int64_t param_elems;
+    double overlap_bytes_frac;
     int agree[TDM_CMP_MAX_DEV];
     tdm_cmp_memory mem[TDM_CMP_MAX_DEV];
     size_t off_loss, off_step, off_t0, off_phase, off_comm, off_exposed, off_bwd, off_bucket,
@@ -322,8 +323,13 @@ static int tdm_cmp_ddp_rank(tdm_comm *comm, void *argp)
     }
     /* rank 0 publishes its final parameters; the others check theirs
      * against them after a barrier */
-    if (rank == 0 && tdm_cmp_params_out(m, TDM_CMP_AT(sh, off_last, float)) != TDM_STATUS_OK)
-        goto done;
+    if (rank == 0) {
+        tdm_ddp_times t;
+        tdm_ddp_get_times(ddp, &t);
+        sh->overlap_bytes_frac =
+            t.reduced_bytes_total > 0 ? t.overlapped_bytes_total / t.reduced_bytes_total : 0.0;
+        if (tdm_cmp_params_out(m, TDM_CMP_AT(sh, off_last, float)) != TDM_STATUS_OK) goto done;
+    }
     if (tdm_comm_barrier(comm) != TDM_STATUS_OK) goto done;
     mine = malloc((size_t)sh->param_elems * sizeof(float));
     if (!mine || tdm_cmp_params_out(m, mine) != TDM_STATUS_OK) goto done;
@@ -405,6 +411,7 @@ static int tdm_cmp_run_ddp(const tdm_cmp_opts *o, const tdm_cmp_data *data, int 
         r->bwd_t0_ms[i] = TDM_CMP_AT(sh, off_bwd, double)[i * W];
     }
     r->n_buckets = sh->n_buckets;
+    r->overlap_bytes_frac = sh->overlap_bytes_frac;
     r->bucket = calloc(S * (size_t)(r->n_buckets > 0 ? r->n_buckets : 1) * 3, sizeof(double));
     if (!r->bucket) goto done;
     for (size_t i = 0; i < S; i++)
