@@ -27,9 +27,11 @@ $t compare --data synthetic --model mlp:784-128-10 --batch 64 --steps 200 --warm
 section "baseline a user would otherwise run: one device, 2 BLAS threads"
 $t bench train --model mlp --threads 2 --steps 40
 $t bench train --model mlp:784-128-10 --batch 64 --threads 2 --steps 200
-section "shared-memory all-reduce, 2 ranks (tandem bench all_reduce)"
-$t bench all_reduce -n 2 -b 8 -e 64M -f 4
-section "shared-memory all-reduce, 2 ranks, zero-copy"
-$t bench all_reduce -n 2 -b 8 -e 64M -f 4 --zero-copy
+section "shared-memory all-reduce, 2 ranks: latency (tandem bench all_reduce)"
+$t bench all_reduce -n 2 -b 8 -e 4K -f 512 -w 100 -i 2000
+section "shared-memory all-reduce, 2 ranks: 1, 4, 16, 64 MiB, copy in/out"
+$t bench all_reduce -n 2 -b 1M -e 64M -f 4
+section "shared-memory all-reduce, 2 ranks: 1, 4, 16, 64 MiB, zero-copy"
+$t bench all_reduce -n 2 -b 1M -e 64M -f 4 --zero-copy
 section "shared-memory all-reduce, 4 ranks on 2 cores"
 $t bench all_reduce -n 4 -b 8 -e 16M -f 8
