@@ -135,8 +135,13 @@ static void tdm_shm_describe_death(int32_t wstatus, char *out, size_t n)
 }
 
 /* Fails (and raises the group flag) if some peer is gone. `peer` is the
- * rank being waited for: only for it is having left the group an error. */
-static tdm_status tdm_shm_check_peers(tdm_shm_impl *c, int peer)
+ * rank being waited for: only for it is having left the group an error.
+ * A peer that published what we wait for and then left or died has done
+ * its part of this collective: the flag is read again after its state, so
+ * that a publish-then-leave between our last look at the flag and this
+ * check is not mistaken for a failure (the next wait will notice). */
+static tdm_status tdm_shm_check_peers(tdm_shm_impl *c, int peer, tdm_shm_flag *f,
+                                      uint64_t target)
 {
     for (int r = 0; r < c->world; r++) {
         if (r == c->rank) continue;
@@ -144,6 +149,11 @@ static tdm_status tdm_shm_check_peers(tdm_shm_impl *c, int peer)
         int32_t state = atomic_load_explicit(&k->state, memory_order_acquire);
         pid_t pid = atomic_load_explicit(&k->pid, memory_order_relaxed);
         char why[128];
+        /* Acquire on state above pairs with the release store of LEFT in
+         * segment.c, which follows the peer's last publish: seeing LEFT
+         * means seeing that publish too. */
+        if (r == peer && atomic_load_explicit(&f->value, memory_order_acquire) >= target)
+            continue;
         if (state == TDM_SHM_STATE_DEAD) {
             tdm_shm_describe_death(atomic_load(&k->wstatus), why, sizeof why);
         } else if (state == TDM_SHM_STATE_LEFT) {
@@ -200,7 +210,7 @@ tdm_status tdm_shm_flag_wait(tdm_shm_impl *c, tdm_shm_flag *f, uint64_t target, 
     for (;;) {
         uint64_t now = tdm_time_ns();
         if (now >= c->next_live_ns) {
-            TDM_CHECK(tdm_shm_check_peers(c, peer));
+            TDM_CHECK(tdm_shm_check_peers(c, peer, f, target));
             c->next_live_ns = now + TDM_SHM_SLEEP_NS;
         }
         if (now >= deadline) {

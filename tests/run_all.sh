@@ -18,7 +18,7 @@ for b in $bins; do
   p=$(printf '%s' "$line" | sed -n 's/.*Passing: \([0-9]*\).*/\1/p')
   t=${t:-0}; p=${p:-0}
   if [ $rc -ne 0 ] || [ "$t" != "$p" ] || [ "$t" = 0 ]; then
-    printf '%s\n' "$out" | grep -v '^\[----\]' | tail -40
+    printf '%s\n' "$out" | tail -60
     f=$(( t - p )); [ $f -le 0 ] && f=1
     fail=$(( fail + f )); pass=$(( pass + p )); bad="$bad $name"
     printf 'FAIL %-28s %s (%ss, exit %s)\n' "$name" "$line" "$secs" "$rc"
