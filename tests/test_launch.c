@@ -128,14 +128,18 @@ Test(launch, log_dir_gets_one_file_per_rank)
 Test(launch, failing_rank_stops_the_others)
 {
     double el;
+    /* the sleep's argument carries our pid, so that leftovers() finds only
+     * this run's processes, not those of another run of the suite */
+    char tag[32];
+    snprintf(tag, sizeof tag, "sleep 31.7%d", (int)getpid());
     int rc = run(60, &el, "%s launch -n 3 --grace-ms 1000 -- sh -c \"if [ \\$RANK = 1 ]; then "
-                 "sleep 0.3; exit 3; fi; exec sleep 31.7\"", g_tandem);
+                 "sleep 0.3; exit 3; fi; exec %s\"", g_tandem, tag);
     cr_assert_eq(rc, 1, "rc %d: %s", rc, slurp("err"));
     cr_assert_lt(el, 10.0, "took %.1f s", el);
     char *err = slurp("err");
     cr_assert(strstr(err, "rank 1 (pid "), "%s", err);
     cr_assert(strstr(err, "exited with code 3"), "%s", err);
-    cr_assert(!leftovers("sleep 31.7"));
+    cr_assert(!leftovers(tag));
     cr_assert(!shm_entries());
 }
 
@@ -143,15 +147,17 @@ Test(launch, killed_rank_and_term_ignoring_ranks)
 {
     double el;
     /* ranks ignore SIGTERM: the launcher must SIGKILL them after the grace */
+    char tag[32];
+    snprintf(tag, sizeof tag, "sleep 32.7%d", (int)getpid());
     int rc = run(60, &el, "%s launch -n 3 --grace-ms 500 -- sh -c \"trap \\\"\\\" TERM; "
-                 "if [ \\$RANK = 2 ]; then sleep 0.3; kill -9 \\$\\$; fi; exec sleep 32.7\"",
-                 g_tandem);
+                 "if [ \\$RANK = 2 ]; then sleep 0.3; kill -9 \\$\\$; fi; exec %s\"",
+                 g_tandem, tag);
     cr_assert_eq(rc, 1, "rc %d: %s", rc, slurp("err"));
     cr_assert_lt(el, 10.0, "took %.1f s", el);
     char *err = slurp("err");
     cr_assert(strstr(err, "rank 2 (pid "), "%s", err);
     cr_assert(strstr(err, "killed by signal 9"), "%s", err);
-    cr_assert(!leftovers("sleep 32.7"));
+    cr_assert(!leftovers(tag));
 }
 
 Test(launch, sigterm_is_forwarded)
@@ -210,7 +216,10 @@ Test(launch, launched_ddp_training_matches_forked_and_single)
 /* 2048 samples / 64 = 32 steps per epoch; rank 2 dies at step 40 (epoch 2) */
 static void check_kill_and_resume(int launched)
 {
-    const char *ck = launched ? "ck_launched.safetensors" : "ck_forked.safetensors";
+    /* pid in the name: leftovers() must see only this run's processes */
+    char ck[64];
+    snprintf(ck, sizeof ck, "ck_%s_%d.safetensors", launched ? "launched" : "forked",
+             (int)getpid());
     double el;
     int rc;
     if (launched)
