@@ -14,7 +14,8 @@
  *   with one GPU each and an NCCL communicator bootstrapped over shm.
  * - cuda_nodev (no GPU): `tandem train --mode dp|ddp --device cuda...`
  *   exits 1 with one "no CUDA device: ...; use --device cpu:N" line and
- *   leaves no process or /dev/shm entry behind.
+ *   leaves no process or /dev/shm entry behind; so do `tandem compare`
+ *   and `tandem bench` with --device cuda.
  *
  * Compiled in every build: cuda/ functions are weak references. */
 #include <criterion/criterion.h>
@@ -360,7 +361,7 @@ static void expect_no_device_cli(const char *mode, const char *device)
                  device);
 }
 
-Test(cuda_nodev, cli_train_dp_and_ddp_on_cuda_fail_with_one_message, .timeout = 60)
+Test(cuda_nodev, cli_dp_ddp_compare_bench_on_cuda_fail_with_one_message, .timeout = 60)
 {
     char why[512];
     if (gpu_count(why, sizeof why) > 0) cr_skip_test("a CUDA device exists");
@@ -368,4 +369,14 @@ Test(cuda_nodev, cli_train_dp_and_ddp_on_cuda_fail_with_one_message, .timeout = 
     expect_no_device_cli("dp", "cuda");
     expect_no_device_cli("ddp", "cuda");
     expect_no_device_cli("ddp", "cuda:0,1");
+    /* compare and bench refuse CUDA devices the same way */
+    static cli_result r;
+    CLI(&r, "compare", "--device", "cuda:0", "--steps", "2");
+    expect(&r, 1, "no CUDA device: ");
+    cr_assert(strchr(r.out, '\n') == strrchr(r.out, '\n'), "compare: more than one line:\n%s",
+              r.out);
+    CLI(&r, "bench", "all_reduce", "--device", "cuda");
+    expect(&r, 1, "no CUDA device: ");
+    cr_assert(strchr(r.out, '\n') == strrchr(r.out, '\n'), "bench: more than one line:\n%s",
+              r.out);
 }
