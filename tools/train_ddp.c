@@ -25,12 +25,14 @@
  * of B. Its loss gradient is scaled by 1/B (not 1/B_r) and gradients are
  * SUM-reduced, so the reduced gradient is exactly the global batch's
  * mean-loss gradient even when N does not divide B. */
+#include <errno.h>
 #include <fcntl.h>
 #include <signal.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "core/comm.h"
@@ -228,6 +230,54 @@ done:
     return rc;
 }
 
+/* Parses and validates --device. Counting GPUs initialises CUDA, and a
+ * process that has initialised CUDA cannot hand it to forked children
+ * (the ranks' CUDA calls would fail), so when this process is going to
+ * fork the ranks, a CUDA spec is checked in a short-lived child and only
+ * the result comes back (the same status, message and list). */
+static tdm_status tdm_train_ddp_parse_devices(tdm_device_list *dl, const char *spec, int forks)
+{
+    if (!forks || strncmp(spec, "cuda", 4) != 0) return tdm_device_list_parse(dl, spec);
+    struct {
+        tdm_status st;
+        tdm_device_list dl;
+        char msg[1024];
+    } res;
+    int fds[2];
+    if (pipe(fds) != 0) return tdm_device_list_parse(dl, spec);
+    fflush(NULL);
+    pid_t pid = fork();
+    if (pid < 0) {
+        close(fds[0]);
+        close(fds[1]);
+        return tdm_device_list_parse(dl, spec);
+    }
+    if (pid == 0) {
+        close(fds[0]);
+        memset(&res, 0, sizeof res);
+        res.st = tdm_device_list_parse(&res.dl, spec);
+        snprintf(res.msg, sizeof res.msg, "%s", res.st ? tdm_error_message() : "");
+        ssize_t w = write(fds[1], &res, sizeof res);
+        _exit(w == (ssize_t)sizeof res ? 0 : 1);
+    }
+    close(fds[1]);
+    size_t got = 0;
+    ssize_t k;
+    while (got < sizeof res && (k = read(fds[0], (char *)&res + got, sizeof res - got)) != 0) {
+        if (k < 0) break;
+        got += (size_t)k;
+    }
+    close(fds[0]);
+    int ws = 0;
+    while (waitpid(pid, &ws, 0) < 0 && errno == EINTR) {}
+    if (got != sizeof res)
+        return tdm_error_set(TDM_STATUS_SYSTEM, "checking --device '%s' in a child process "
+                             "failed (wait status 0x%x)", spec, ws);
+    *dl = res.dl;
+    if (res.st) return tdm_error_set(res.st, "%s", res.msg);
+    return TDM_STATUS_OK;
+}
+
 int tdm_train_run_ddp(const tdm_train_args *a)
 {
     tdm_train_ddp_ctx c = {.a = a};
@@ -240,11 +290,12 @@ int tdm_train_run_ddp(const tdm_train_args *a)
         fprintf(stderr, "tandem train: --model: %s\n", tdm_error_message());
         return 2;
     }
-    if ((st = tdm_device_list_parse(&c.dl, a->device))) {
+    int launched = getenv("TANDEM_SHM_FD") && getenv("WORLD_SIZE");
+    if ((st = tdm_train_ddp_parse_devices(&c.dl, a->device, !launched))) {
         fprintf(stderr, "tandem train: --device: %s\n", tdm_error_message());
         return st == TDM_STATUS_NO_DEVICE ? 1 : 2;
     }
-    if (getenv("TANDEM_SHM_FD") && getenv("WORLD_SIZE")) {
+    if (launched) {
         /* one rank of a launched job */
         tdm_comm *comm = NULL;
         tdm_ddp_env env;
