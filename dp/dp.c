@@ -614,7 +614,7 @@ static tdm_status tdm_dp_reduce_mask(tdm_dp *dp, uint64_t mask)
         for (int j = 0; j < dp->n; j++) send[j] = tdm_model_grads(dp->rep[j]);
         TDM_TRY(tdm_dev_group_reduce_sum(dp->group, send, acc, (size_t)dp->param_elems,
                                          dp->out));
-        goto fail;   /* done: time it */
+        replicas = 0;   /* all reduced */
     }
     for (int j = 0; j < dp->n; j++) {
         if (!(replicas >> j & 1)) continue;
