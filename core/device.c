@@ -177,6 +177,57 @@ tdm_status tdm_dev_copy_between(tdm_device *dst_dev, void *dst, tdm_device *src_
     return st;
 }
 
+struct tdm_dev_group {
+    void *impl;   /* the backend's */
+    int n;
+};
+
+tdm_status tdm_dev_group_init(tdm_dev_group **out, tdm_device *const *devs, int n)
+{
+    *out = NULL;
+    TDM_REQUIRE(devs && n >= 1, TDM_STATUS_INVALID_ARG, "device group: %d devices", n);
+    for (int i = 0; i < n; i++)
+        if (!devs[i] || devs[i]->kind != TDM_DEVICE_CUDA) return TDM_STATUS_UNSUPPORTED;
+    if (!tdm_device_cuda || !tdm_device_cuda->group_init || !tdm_device_cuda->group_free ||
+        !tdm_device_cuda->group_broadcast || !tdm_device_cuda->group_reduce_sum)
+        return TDM_STATUS_UNSUPPORTED;
+    tdm_dev_group *g = calloc(1, sizeof *g);
+    TDM_REQUIRE(g, TDM_STATUS_OUT_OF_MEMORY, "device group: out of memory");
+    tdm_status st = tdm_device_cuda->group_init(&g->impl, devs, n);
+    if (st != TDM_STATUS_OK) {
+        free(g);
+        return st;
+    }
+    g->n = n;
+    *out = g;
+    return TDM_STATUS_OK;
+}
+
+void tdm_dev_group_free(tdm_dev_group *g)
+{
+    if (!g) return;
+    tdm_device_cuda->group_free(g->impl);
+    free(g);
+}
+
+tdm_status tdm_dev_group_broadcast(tdm_dev_group *g, float *const *bufs, size_t n_elem,
+                                   int root)
+{
+    TDM_REQUIRE(bufs && root >= 0 && root < g->n, TDM_STATUS_INVALID_ARG,
+                "device group broadcast: root %d of %d", root, g->n);
+    if (n_elem == 0) return TDM_STATUS_OK;
+    return tdm_device_cuda->group_broadcast(g->impl, bufs, n_elem, root);
+}
+
+tdm_status tdm_dev_group_reduce_sum(tdm_dev_group *g, const float *const *sendbufs,
+                                    float *recvbuf, size_t n_elem, int root)
+{
+    TDM_REQUIRE(sendbufs && recvbuf && root >= 0 && root < g->n, TDM_STATUS_INVALID_ARG,
+                "device group reduce: root %d of %d", root, g->n);
+    if (n_elem == 0) return TDM_STATUS_OK;
+    return tdm_device_cuda->group_reduce_sum(g->impl, sendbufs, recvbuf, n_elem, root);
+}
+
 tdm_status tdm_dev_gemm(tdm_device *d, tdm_trans ta, tdm_trans tb, int m, int n, int k,
                         float alpha, const float *a, int lda, const float *b, int ldb,
                         float beta, float *c, int ldc)

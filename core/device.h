@@ -147,8 +147,33 @@ const char *tdm_device_host_blas_info(void);
 typedef struct tdm_device_cuda_hooks {
     tdm_status (*open)(tdm_device **out, int index);
     tdm_status (*count)(int *n);
+    /* Optional (NULL: absent): a collective group over several GPUs of
+     * this process (NCCL), for DataParallel's replicate and reduce.
+     * group_init returns TDM_STATUS_UNSUPPORTED when the devices are not
+     * all GPUs of this backend (the caller then stages copies). Counts
+     * are float32 elements; buffers are device pointers of devs[i]. */
+    tdm_status (*group_init)(void **out, tdm_device *const *devs, int n);
+    void (*group_free)(void *g);
+    tdm_status (*group_broadcast)(void *g, float *const *bufs, size_t n_elem, int root);
+    tdm_status (*group_reduce_sum)(void *g, const float *const *sendbufs, float *recvbuf,
+                                   size_t n_elem, int root);
 } tdm_device_cuda_hooks;
 extern const tdm_device_cuda_hooks *tdm_device_cuda;
+
+/* A collective group over devices of this process (DataParallel): rank i
+ * is devs[i]. Only the CUDA backend has one (NCCL); elsewhere
+ * tdm_dev_group_init returns TDM_STATUS_UNSUPPORTED (no message kept) and
+ * callers fall back to tdm_dev_copy_between. Calls come from one thread. */
+typedef struct tdm_dev_group tdm_dev_group;
+tdm_status tdm_dev_group_init(tdm_dev_group **out, tdm_device *const *devs, int n);
+void tdm_dev_group_free(tdm_dev_group *g);   /* NULL ok */
+/* bufs[i] (n_elem floats on devs[i]) = bufs[root] for every i. */
+tdm_status tdm_dev_group_broadcast(tdm_dev_group *g, float *const *bufs, size_t n_elem,
+                                   int root);
+/* recvbuf (on devs[root]) = sum over i of sendbufs[i]; recvbuf may be
+ * sendbufs[root] (in place). */
+tdm_status tdm_dev_group_reduce_sum(tdm_dev_group *g, const float *const *sendbufs,
+                                    float *recvbuf, size_t n_elem, int root);
 
 /* --- dispatchers: validate arguments, then call the backend --- */
 static inline tdm_status tdm_dev_alloc(tdm_device *d, size_t nbytes, void **out)

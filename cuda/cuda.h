@@ -42,6 +42,13 @@ tdm_status tdm_cuda_device_check(int index);
  * CUDA kernels' index arithmetic and the backend's entry points on any
  * machine. Needs no driver. Free with tdm_device_free. */
 tdm_status tdm_cuda_emulator_open(tdm_device **out);
+/* The same emulator, but of kind TDM_DEVICE_CUDA and named
+ * "cuda-emu:<index>": the layers above take their accelerator paths with
+ * it (DP's per-device replicate and staged reduce, DDP's input staging,
+ * copy_to_host of losses, core's staged cross-device copies), while its
+ * memory stays host memory, so a shm communicator can reduce in it. Never
+ * part of an NCCL group (tdm_dev_group_init refuses it). For tests. */
+tdm_status tdm_cuda_emulator_open_accel(tdm_device **out, int index);
 
 /* Writes lines for `tandem info` into buf ("  <label padded to 15><value>\n"):
  * CUDA runtime and driver versions, NCCL and cuBLAS versions, then each

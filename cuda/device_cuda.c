@@ -557,9 +557,47 @@ fail:
 
 static tdm_status tdm_cuda_hook_count(int *n) { return tdm_cuda_device_count(n); }
 
+/* DataParallel's group (core/device.h): the NCCL group of cuda/nccl_comm.c
+ * over real GPUs only. Emulator devices (host memory) are refused with
+ * UNSUPPORTED, so DP stages their copies as for any accelerator. */
+static tdm_status tdm_cuda_hook_group_init(void **out, tdm_device *const *devs, int n)
+{
+    int idx[TDM_DEVICE_LIST_MAX];
+    *out = NULL;
+    if (n > TDM_DEVICE_LIST_MAX) return TDM_STATUS_UNSUPPORTED;
+    for (int i = 0; i < n; i++) {
+        if (devs[i]->ops != &tdm_cuda_ops) return TDM_STATUS_UNSUPPORTED;
+        idx[i] = devs[i]->index;
+    }
+    tdm_cuda_nccl_group *g = NULL;
+    TDM_CHECK(tdm_cuda_nccl_group_init(&g, idx, n, NULL));
+    *out = g;
+    return TDM_STATUS_OK;
+}
+
+static void tdm_cuda_hook_group_free(void *g) { tdm_cuda_nccl_group_free(g); }
+
+static tdm_status tdm_cuda_hook_group_broadcast(void *g, float *const *bufs, size_t n_elem,
+                                                int root)
+{
+    return tdm_cuda_nccl_group_broadcast(g, (void *const *)bufs, n_elem, TDM_DTYPE_FLOAT32,
+                                         root);
+}
+
+static tdm_status tdm_cuda_hook_group_reduce_sum(void *g, const float *const *sendbufs,
+                                                 float *recvbuf, size_t n_elem, int root)
+{
+    return tdm_cuda_nccl_group_reduce(g, (const void *const *)sendbufs, recvbuf, n_elem,
+                                      TDM_DTYPE_FLOAT32, TDM_REDOP_SUM, root);
+}
+
 static const tdm_device_cuda_hooks tdm_cuda_hooks = {
     .open = tdm_cuda_open,
     .count = tdm_cuda_hook_count,
+    .group_init = tdm_cuda_hook_group_init,
+    .group_free = tdm_cuda_hook_group_free,
+    .group_broadcast = tdm_cuda_hook_group_broadcast,
+    .group_reduce_sum = tdm_cuda_hook_group_reduce_sum,
 };
 
 /* Runs at load time: stores a pointer and nothing else (no CUDA call), so
@@ -650,7 +688,20 @@ static const tdm_device_ops tdm_cuda_emu_ops = {
     .adamw_step = cuda_adamw_step,
 };
 
+static tdm_status tdm_cuda_emulator_make(tdm_device **out, int index, tdm_device_kind kind);
+
 tdm_status tdm_cuda_emulator_open(tdm_device **out)
+{
+    return tdm_cuda_emulator_make(out, 0, TDM_DEVICE_HOST);
+}
+
+tdm_status tdm_cuda_emulator_open_accel(tdm_device **out, int index)
+{
+    TDM_REQUIRE(index >= 0, TDM_STATUS_INVALID_ARG, "emulator index %d is negative", index);
+    return tdm_cuda_emulator_make(out, index, TDM_DEVICE_CUDA);
+}
+
+static tdm_status tdm_cuda_emulator_make(tdm_device **out, int index, tdm_device_kind kind)
 {
     tdm_status st = TDM_STATUS_OK;
     *out = NULL;
@@ -663,11 +714,12 @@ tdm_status tdm_cuda_emulator_open(tdm_device **out)
     TDM_TRY(tdm_device_open(&c->host, "cpu", 0, 1));
     c->exec.host = 1;
     d->ops = &tdm_cuda_emu_ops;
-    d->kind = TDM_DEVICE_HOST; /* its memory is host memory */
-    d->index = 0;
+    d->kind = kind; /* its memory is host memory either way */
+    d->index = index;
     d->threads = 1;
     d->impl = c;
-    snprintf(d->name, sizeof d->name, "cuda-emu");
+    if (kind == TDM_DEVICE_HOST) snprintf(d->name, sizeof d->name, "cuda-emu");
+    else snprintf(d->name, sizeof d->name, "cuda-emu:%d", index);
     *out = d;
     return TDM_STATUS_OK;
 fail:

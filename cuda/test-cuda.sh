@@ -1,33 +1,41 @@
 #!/bin/sh
-# cuda/test-cuda.sh: runs the CUDA test binary (tests/test_cuda.c) of a
-# build and says plainly whether the GPU half ran or was skipped.
+# cuda/test-cuda.sh: runs the CUDA test binaries of a build
+# (tests/test_cuda.c: backend, kernels, NCCL; tests/test_cuda_train.c: DP
+# and DDP on CUDA devices) and says plainly whether the GPU half ran or was
+# skipped.
 #   sh cuda/test-cuda.sh [BUILD]        (make test-cuda runs this)
 # Exit status: non-zero on any failure; 0 when every test that could run
-# passed (on a machine without a GPU only the fail-fast half runs).
+# passed (on a machine without a GPU only the host-side half runs).
 build=${1:-build}
-bin="$build/tests/test_cuda"
-if [ ! -x "$bin" ]; then
-  echo "test-cuda: $bin not found; run make first" >&2
-  exit 1
-fi
 TANDEM_BIN=$(cd "$build" && pwd)/tandem; export TANDEM_BIN
-out=$("$bin" --verbose --jobs 1 2>&1); rc=$?
-printf '%s\n' "$out" | grep -E '^\[(PASS|FAIL|ERR )|Synthesis|Assertion|failed' | grep -v '^\[----\]'
-skipped=$(printf '%s\n' "$out" | grep -c '^\[SKIP\]')
-line=$(printf '%s\n' "$out" | grep 'Synthesis:' | tail -1)
-t=$(printf '%s' "$line" | sed -n 's/.*Tested: \([0-9]*\).*/\1/p'); t=${t:-0}
-p=$(printf '%s' "$line" | sed -n 's/.*Passing: \([0-9]*\).*/\1/p'); p=${p:-0}
-reason=$(printf '%s\n' "$out" | sed -n 's/^\[SKIP\] cuda_gpu::[a-z_0-9]*: //p' | sort -u | head -1)
-if [ $rc -ne 0 ] || [ "$t" != "$p" ]; then
-  echo "test-cuda: FAILED ($line)"
-  exit 1
-fi
-if printf '%s\n' "$out" | grep -q '^\[PASS\] cuda_gpu::'; then
-  echo "test-cuda: GPU tests ran: $p passed, $skipped skipped"
+all=""
+for name in test_cuda test_cuda_train; do
+  bin="$build/tests/$name"
+  if [ ! -x "$bin" ]; then
+    echo "test-cuda: $bin not found; run make first" >&2
+    exit 1
+  fi
+  out=$("$bin" --verbose --jobs 1 2>&1); rc=$?
+  printf '%s\n' "$out" | grep -E '^\[(PASS|FAIL|ERR )|Synthesis|Assertion|failed' | grep -v '^\[----\]'
+  line=$(printf '%s\n' "$out" | grep 'Synthesis:' | tail -1)
+  t=$(printf '%s' "$line" | sed -n 's/.*Tested: \([0-9]*\).*/\1/p'); t=${t:-0}
+  p=$(printf '%s' "$line" | sed -n 's/.*Passing: \([0-9]*\).*/\1/p'); p=${p:-0}
+  if [ $rc -ne 0 ] || [ "$t" != "$p" ]; then
+    echo "test-cuda: $name FAILED ($line)"
+    exit 1
+  fi
+  all="$all
+$out"
+done
+skipped=$(printf '%s\n' "$all" | grep -c '^\[SKIP\]')
+passed=$(printf '%s\n' "$all" | grep -c '^\[PASS\]')
+reason=$(printf '%s\n' "$all" | sed -n 's/^\[SKIP\] cuda_gpu::[a-z_0-9]*: //p' | sort -u | head -1)
+if printf '%s\n' "$all" | grep -q '^\[PASS\] cuda_gpu::'; then
+  echo "test-cuda: GPU tests ran: $passed passed, $skipped skipped"
 else
   echo "test-cuda: SKIPPED $skipped GPU tests: ${reason:-no CUDA device}"
-  nodev=$(printf '%s\n' "$out" | grep -c '^\[PASS\] cuda_nodev::')
-  emu=$(printf '%s\n' "$out" | grep -c '^\[PASS\] cuda_emu::')
+  nodev=$(printf '%s\n' "$all" | grep -c '^\[PASS\] cuda_nodev::')
+  emu=$(printf '%s\n' "$all" | grep -c '^\[PASS\] cuda_emu::')
   echo "test-cuda: host-side tests passed: $nodev fail-fast, $emu on the kernel emulator"
   echo "test-cuda: the CUDA backend is built, not run on a GPU"
 fi

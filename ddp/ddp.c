@@ -42,6 +42,7 @@ typedef struct tdm_ddp_bucket {
 struct tdm_ddp {
     tdm_model *m;                /* borrowed */
     tdm_comm *comm;              /* borrowed */
+    tdm_comm *hcomm;             /* borrowed: host-memory collectives (o.host_comm or comm) */
     tdm_device *dev;             /* borrowed: the model's */
     tdm_ddp_opts o;
     int rank, world, n_params;
@@ -168,7 +169,7 @@ static tdm_status tdm_ddp_verify(tdm_ddp *d)
     int64_t *tens = NULL;
     TDM_REQUIRE(all, TDM_STATUS_OUT_OF_MEMORY, "ddp: calloc");
     memcpy(all + (size_t)d->rank * TDM_DDP_SUM_N, mine, sizeof mine);
-    TDM_TRY(tdm_comm_all_gather(d->comm, all + (size_t)d->rank * TDM_DDP_SUM_N, all,
+    TDM_TRY(tdm_comm_all_gather(d->hcomm, all + (size_t)d->rank * TDM_DDP_SUM_N, all,
                                 TDM_DDP_SUM_N, TDM_DTYPE_INT64));
     for (int r = 1; r < W; r++) {
         const int64_t *a = all, *b = all + (size_t)r * TDM_DDP_SUM_N;
@@ -200,7 +201,7 @@ static tdm_status tdm_ddp_verify(tdm_ddp *d)
         own[2 * i] = (int64_t)tdm_ddp_tensor_hash(t);
         own[2 * i + 1] = t->n_elem;
     }
-    TDM_TRY(tdm_comm_all_gather(d->comm, own, tens, (size_t)nt * 2, TDM_DTYPE_INT64));
+    TDM_TRY(tdm_comm_all_gather(d->hcomm, own, tens, (size_t)nt * 2, TDM_DTYPE_INT64));
     for (int r = 1; r < W; r++) {
         for (int i = 0; i < nt; i++) {
             const int64_t *a = tens + 2 * i, *b = tens + ((size_t)r * nt + i) * 2;
@@ -364,6 +365,17 @@ tdm_status tdm_ddp_init(tdm_ddp **out, tdm_model *m, tdm_comm *comm, const tdm_d
     d->comm = comm;
     d->dev = tdm_model_device(m);
     if (opts) d->o = *opts;
+    d->hcomm = d->o.host_comm ? d->o.host_comm : comm;
+    if (d->hcomm != comm &&
+        (tdm_comm_rank(d->hcomm) != tdm_comm_rank(comm) ||
+         tdm_comm_size(d->hcomm) != tdm_comm_size(comm))) {
+        st = tdm_error_set(TDM_STATUS_INVALID_ARG,
+                           "ddp: host communicator is rank %d of %d but the communicator is "
+                           "rank %d of %d", tdm_comm_rank(d->hcomm), tdm_comm_size(d->hcomm),
+                           tdm_comm_rank(comm), tdm_comm_size(comm));
+        free(d);
+        return st;
+    }
     d->rank = tdm_comm_rank(comm);
     d->world = tdm_comm_size(comm);
     d->n_params = tdm_model_n_params(m);
@@ -735,7 +747,7 @@ tdm_status tdm_ddp_checkpoint_save(tdm_ddp *d, const char *path, tdm_optim *opt,
         }
     }
     /* Doubles as the barrier: nobody goes on before the file is in place. */
-    TDM_CHECK(tdm_comm_broadcast(d->comm, &ok, &ok, 1, TDM_DTYPE_INT32, 0));
+    TDM_CHECK(tdm_comm_broadcast(d->hcomm, &ok, &ok, 1, TDM_DTYPE_INT32, 0));
     if (mine) return tdm_error_set(mine, "%s", msg);
     TDM_REQUIRE(ok, TDM_STATUS_IO, "ddp: rank 0 failed to save the checkpoint %s", path);
     return TDM_STATUS_OK;
@@ -744,14 +756,14 @@ tdm_status tdm_ddp_checkpoint_save(tdm_ddp *d, const char *path, tdm_optim *opt,
 tdm_status tdm_ddp_checkpoint_load(tdm_ddp *d, const char *path, tdm_optim *opt,
                                    tdm_ckpt_info *info)
 {
-    TDM_CHECK(tdm_comm_barrier(d->comm));
+    TDM_CHECK(tdm_comm_barrier(d->hcomm));
     tdm_status mine = tdm_checkpoint_load(path, d->m, opt, info);
     char msg[512];
     snprintf(msg, sizeof msg, "%s", mine ? tdm_error_message() : "");
     int32_t *all = calloc((size_t)d->world, sizeof *all);
     TDM_REQUIRE(all, TDM_STATUS_OUT_OF_MEMORY, "ddp: calloc");
     all[d->rank] = (int32_t)mine;
-    tdm_status st = tdm_comm_all_gather(d->comm, all + d->rank, all, 1, TDM_DTYPE_INT32);
+    tdm_status st = tdm_comm_all_gather(d->hcomm, all + d->rank, all, 1, TDM_DTYPE_INT32);
     int bad = -1;
     for (int r = 0; st == TDM_STATUS_OK && r < d->world; r++)
         if (all[r] && bad < 0) bad = r;

@@ -43,6 +43,11 @@ typedef struct tdm_ddp_opts {
     int no_broadcast_buffers;    /* 1: do not broadcast buffers at each forward */
     int find_unused_parameters;  /* reduce parameters without gradient as zeros */
     int64_t timeout_ms;          /* bound on each bucket wait; 0: the communicator's */
+    /* Borrowed, optional: the communicator for the few collectives on host
+     * memory (the layout check at init, checkpoint flags), with the same
+     * ranks as comm. Needed when comm only takes device memory (NCCL: pass
+     * the shm communicator it was bootstrapped over); NULL: comm. */
+    tdm_comm *host_comm;
 } tdm_ddp_opts;
 
 typedef struct tdm_ddp tdm_ddp;

@@ -36,6 +36,11 @@ struct tdm_dp {
     float *logits_all, *dlogits_all;
     int32_t *labels;
     float *stage;                            /* non-host reduce: param_elems on out */
+    /* Accelerators with a collective group (CUDA: NCCL, through the hook
+     * in core/device.h): replicate is a broadcast from the master and the
+     * reduce a reduce-sum onto it when every device takes part; NULL (host
+     * devices, emulators, builds without CUDA): staged copies. */
+    tdm_dev_group *group;
     const float *logits[TDM_DP_MAX_DEVICES]; /* each replica's last forward output */
     tdm_dp_timings t;                        /* being filled */
     tdm_dp_timings last;                     /* of the last complete step */
@@ -201,8 +206,21 @@ tdm_status tdm_dp_init(tdm_dp **out, tdm_model *master, tdm_device **devices, in
             goto fail;
         }
     }
-    if (!dp->all_host)
+    if (!dp->all_host) {
         TDM_TRY(tdm_dev_alloc(od, (size_t)dp->param_elems * sizeof(float), (void **)&dp->stage));
+        if (n_devices > 1) {
+            st = tdm_dev_group_init(&dp->group, devices, n_devices);
+            if (st != TDM_STATUS_OK) {
+                /* still correct, only slower: every copy is staged */
+                if (st != TDM_STATUS_UNSUPPORTED)
+                    TDM_WARN(DP, "DataParallel: no device group (%s); replicate and reduce "
+                             "stage their copies through the host", tdm_error_message());
+                tdm_error_clear();
+                dp->group = NULL;
+                st = TDM_STATUS_OK;
+            }
+        }
+    }
     TDM_TRY(tdm_dp_pool_init(&dp->pool, n_devices, dp->out, o.spin_us));
     dp->t.n_devices = dp->last.n_devices = n_devices;
     TDM_INFO(DP, "DataParallel over %d devices, output %s, %lld parameters, pool spin %d us",
@@ -219,6 +237,7 @@ void tdm_dp_free(tdm_dp *dp)
     if (!dp) return;
     tdm_dp_pool_free(dp->pool);  /* first: no thread touches what follows */
     tdm_dp_free_buffers(dp);
+    tdm_dev_group_free(dp->group);
     if (dp->stage) tdm_dev_free(dp->dev[dp->out], dp->stage);
     for (int i = 0; i < dp->n; i++)
         if (i != dp->out) tdm_model_free(dp->rep[i]);
@@ -291,6 +310,38 @@ fail:
     return tdm_error_prefix(st, "replicate");
 }
 
+/* With a device group: the broadcast has refreshed the replicas; each
+ * device's thread zeroes its own replica's gradients on its own stream. */
+static tdm_status tdm_dp_zero_replica_task(void *ctx, int i)
+{
+    tdm_dp *dp = ctx;
+    if (i == dp->out) return TDM_STATUS_OK;
+    tdm_status st = tdm_model_zero_grad(dp->rep[i]);
+    return st == TDM_STATUS_OK ? st : tdm_error_prefix(st, "replicate: zero_grad");
+}
+
+/* Group broadcast of the master's flat parameter and buffer buffers to
+ * every replica, from the calling thread (the group is driven by one
+ * thread), timed as replicate on the output device. */
+static tdm_status tdm_dp_replicate_group(tdm_dp *dp)
+{
+    tdm_status st = TDM_STATUS_OK;
+    float *bufs[TDM_DP_MAX_DEVICES];
+    uint64_t t0 = tdm_time_ns();
+    for (int i = 0; i < dp->n; i++) bufs[i] = tdm_model_params(dp->rep[i]);
+    TDM_TRY(tdm_dev_group_broadcast(dp->group, bufs, (size_t)dp->param_elems, dp->out));
+    if (dp->buffer_elems > 0) {
+        for (int i = 0; i < dp->n; i++) bufs[i] = tdm_model_buffers(dp->rep[i]);
+        TDM_TRY(tdm_dev_group_broadcast(dp->group, bufs, (size_t)dp->buffer_elems, dp->out));
+    }
+fail:
+    dp->t.wall.ms[TDM_PHASE_REPLICATE] += tdm_time_ms_since(t0);
+    dp->t.device[dp->out].ms[TDM_PHASE_REPLICATE] += tdm_time_ms_since(t0);
+    if (st != TDM_STATUS_OK) return tdm_error_prefix(st, "replicate: broadcast from %s",
+                                                     dp->dev[dp->out]->name);
+    return st;
+}
+
 /* Host devices share one address space: thread t copies slice t of the
  * master's parameters and buffers onto every replica and zeroes slice t of
  * their gradients. Same bytes as one copy per replica, spread over all the
@@ -337,6 +388,11 @@ static tdm_status tdm_dp_replicate_mask(tdm_dp *dp, uint64_t mask, int zero_mast
             tdm_model_set_train(dp->rep[j], tdm_model_is_train(master));
     if (!dp->all_host) {
         if (zero_master) TDM_CHECK(tdm_model_zero_grad(master));
+        /* A collective needs every rank: the group only when all take part. */
+        if (dp->group && mask == tdm_dp_prefix_mask(dp->n)) {
+            TDM_CHECK(tdm_dp_replicate_group(dp));
+            return tdm_dp_round(dp, TDM_PHASE_REPLICATE, mask, tdm_dp_zero_replica_task, dp);
+        }
         return tdm_dp_round(dp, TDM_PHASE_REPLICATE, mask, tdm_dp_replicate_task, dp);
     }
     tdm_dp_slice_ctx c;
@@ -552,6 +608,14 @@ static tdm_status tdm_dp_reduce_mask(tdm_dp *dp, uint64_t mask)
     uint64_t t0 = tdm_time_ns();
     tdm_device *od = dp->dev[dp->out];
     float *acc = tdm_model_grads(dp->rep[dp->out]);
+    if (dp->group && mask == tdm_dp_prefix_mask(dp->n)) {
+        /* in place on the master: master += every replica's gradients */
+        const float *send[TDM_DP_MAX_DEVICES];
+        for (int j = 0; j < dp->n; j++) send[j] = tdm_model_grads(dp->rep[j]);
+        TDM_TRY(tdm_dev_group_reduce_sum(dp->group, send, acc, (size_t)dp->param_elems,
+                                         dp->out));
+        replicas = 0;   /* all reduced */
+    }
     for (int j = 0; j < dp->n; j++) {
         if (!(replicas >> j & 1)) continue;
         TDM_TRY(tdm_dev_copy_between(od, dp->stage, dp->dev[j], tdm_model_grads(dp->rep[j]),

@@ -93,8 +93,11 @@ tdm_model *tdm_dp_replica(const tdm_dp *dp, int i);
  * replicas 0..n_active-1 and zeroes those replicas' gradients (fresh
  * replicas, as PyTorch's have none); the master's gradients are left
  * alone. On host devices every thread copies one slice of the flat
- * buffers onto all replicas; otherwise each device's thread copies onto
- * its own replica. n_active in 1..n_devices. */
+ * buffers onto all replicas; on accelerators with a device group (CUDA:
+ * NCCL) and every device active, one broadcast per flat buffer from the
+ * output device; otherwise each device's thread copies onto its own
+ * replica (staged through the host between GPUs). n_active in
+ * 1..n_devices. */
 tdm_status tdm_dp_replicate(tdm_dp *dp, int n_active);
 
 /* torch.chunk's split of batch rows over n_devices: chunk = ceil(batch /
@@ -134,8 +137,9 @@ tdm_status tdm_dp_gather(tdm_dp *dp, const float *const *chunks, const int *size
  * master onto the master's (master += sum of the others, in device
  * order). On host devices each of the n_active threads sums one slice of
  * the flat gradient buffer over all replicas (a parallel reduce onto the
- * master); otherwise the caller stages each replica's gradients on the
- * output device and adds them there. */
+ * master); on accelerators with a device group and every device active,
+ * one reduce-sum onto the master (NCCL); otherwise the caller stages each
+ * replica's gradients on the output device and adds them there. */
 tdm_status tdm_dp_reduce_grads(tdm_dp *dp, int n_active);
 
 /* --- whole steps --- */

@@ -87,6 +87,13 @@ tdm_status tdm_shm_comm_init_from_env(tdm_comm **out, const tdm_shm_opts *opts);
  * the peers' buffers directly. Freed with the communicator. */
 tdm_status tdm_shm_comm_alloc(tdm_comm *comm, size_t nbytes, void **ptr);
 
+/* The group's abort reason once any rank (or the parent) has raised the
+ * abort flag, NULL until then; also NULL for a communicator that is not
+ * shm. One atomic load: cheap enough for a watchdog to poll (the NCCL
+ * communicator's abort_check, so that a rank blocked in NCCL stops as soon
+ * as the shm group is aborted). */
+const char *tdm_shm_comm_abort_reason(const tdm_comm *comm);
+
 /* Cores this process may run on (sched_getaffinity): ranks spin while
  * waiting only when there are no more of them than this. */
 int tdm_shm_cpu_count(void);

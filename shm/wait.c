@@ -105,6 +105,16 @@ tdm_status tdm_shm_check_abort(tdm_shm_impl *c)
                          (unsigned long long)c->cur_seq, c->hdr->abort_reason);
 }
 
+const char *tdm_shm_comm_abort_reason(const tdm_comm *comm)
+{
+    if (!comm || strcmp(tdm_comm_backend_name(comm), "shm") != 0) return NULL;
+    const tdm_shm_impl *c = tdm_comm_impl(comm);
+    /* Acquire pairs with the release store in tdm_shm_raise: the reason
+     * is written before abort_status is published. */
+    if (!atomic_load_explicit(&c->hdr->abort_status, memory_order_acquire)) return NULL;
+    return c->hdr->abort_reason;
+}
+
 static int tdm_shm_pid_gone(pid_t pid)
 {
     if (pid <= 0) return 0;

@@ -37,6 +37,11 @@ typedef struct tddp_cfg {
     int skip_backward_rank;  /* >= 0: this rank skips the backward of step 1 */
     int bad_layout_rank;     /* >= 0: this rank builds a different model */
     int seed_by_rank;        /* rank r initialises with seed 5 + r (DDP broadcasts rank 0's) */
+    /* Optional: rank's device (NULL: cpu:<rank>), e.g. a CUDA emulator or
+     * a GPU; and a gradient communicator built over the shm one (NULL: the
+     * shm one), e.g. NCCL; the shm one is then DDP's host_comm. */
+    tdm_status (*open_dev)(tdm_device **out, int rank);
+    tdm_status (*make_comm)(tdm_comm **out, tdm_comm *boot, tdm_device *dev);
 } tddp_cfg;
 
 typedef struct tddp_shared {
@@ -99,6 +104,7 @@ static inline int tddp_rank_main(tdm_comm *comm, void *arg)
     tdm_model *m = NULL;
     tdm_optim *opt = NULL;
     tdm_ddp *ddp = NULL;
+    tdm_comm *gcomm = NULL;   /* cfg->make_comm's, owned */
     tdm_model_spec spec;
     int64_t *perm = NULL;
     float *x = NULL;
@@ -107,12 +113,15 @@ static inline int tddp_rank_main(tdm_comm *comm, void *arg)
     int64_t feat = tdm_data_features(run->data);
     tddp_spec(&spec, c->cnn);
     if (c->bad_layout_rank == rank) spec.dims[2] = 13;
-    TDM_TRY(tdm_device_open(&dev, "cpu", rank, 1));
+    if (c->open_dev) TDM_TRY(c->open_dev(&dev, rank));
+    else TDM_TRY(tdm_device_open(&dev, "cpu", rank, 1));
     TDM_TRY(tdm_model_init(&m, dev, &spec, 5 + (c->seed_by_rank ? (uint64_t)rank : 0)));
+    if (c->make_comm) TDM_TRY(c->make_comm(&gcomm, comm, dev));
     tdm_ddp_opts o = {.no_overlap = c->no_overlap, .bucket_cap_bytes = c->cap_bytes,
                       .first_bucket_bytes = c->first_bytes,
-                      .find_unused_parameters = c->find_unused, .timeout_ms = 20000};
-    TDM_TRY(tdm_ddp_init(&ddp, m, comm, &o));
+                      .find_unused_parameters = c->find_unused, .timeout_ms = 20000,
+                      .host_comm = gcomm ? comm : NULL};
+    TDM_TRY(tdm_ddp_init(&ddp, m, gcomm ? gcomm : comm, &o));
     TDM_TRY(tdm_sgd_init(&opt, m, 0.05f, 0.9f));
     sh->n_buckets = tdm_ddp_n_buckets(ddp);
     sh->zero_copy = tdm_ddp_zero_copy(ddp);
@@ -146,7 +155,9 @@ static inline int tddp_rank_main(tdm_comm *comm, void *arg)
         if (rank == 0) sh->loss[s] = loss_sum / c->batch;
         if (s == 0 && tdm_model_param_elems(m) <= TDDP_MAX_ELEMS) {
             float *dst = rank == 0 ? sh->grads0 : rank == world - 1 ? sh->grads0_r1 : NULL;
-            if (dst) memcpy(dst, tdm_model_grads(m), (size_t)tdm_model_param_elems(m) * 4);
+            if (dst)
+                TDM_TRY(dev->ops->copy_to_host(dev, dst, tdm_model_grads(m),
+                                               (size_t)tdm_model_param_elems(m) * 4));
         }
         TDM_TRY(tdm_ddp_step(ddp, opt));
     }
@@ -164,7 +175,8 @@ static inline int tddp_rank_main(tdm_comm *comm, void *arg)
     if (tdm_model_param_elems(m) <= TDDP_MAX_ELEMS) {
         sh->n_elem = tdm_model_param_elems(m);
         float *dst = rank == 0 ? sh->params : rank == world - 1 ? sh->params_r1 : NULL;
-        if (dst) memcpy(dst, tdm_model_params(m), (size_t)sh->n_elem * 4);
+        if (dst)
+            TDM_TRY(dev->ops->copy_to_host(dev, dst, tdm_model_params(m), (size_t)sh->n_elem * 4));
     }
 fail:
     if (rank < 8) {
@@ -176,6 +188,7 @@ fail:
     free(x);
     free(y);
     tdm_ddp_free(ddp);
+    tdm_comm_free(gcomm);
     tdm_optim_free(opt);
     tdm_model_free(m);
     tdm_device_free(dev);

@@ -14,6 +14,7 @@
 #include <strings.h>
 
 #include "core/comm.h"
+#include "core/device.h"
 #include "core/timer.h"
 #include "shm/shm_comm.h"
 #include "shm/spawn.h"
@@ -61,6 +62,9 @@ static void bench_usage(FILE *f)
         "  -r, --root R         root of broadcast/reduce (default 0)\n"
         "  -w, --warmup N       untimed iterations per size (default 5)\n"
         "  -i, --iters N        timed iterations per size (default 20)\n"
+        "  --device cpu         the shm communicator between host processes (the only\n"
+        "                       one benchmarked here; --device cuda is refused: use\n"
+        "                       nccl-tests' all_reduce_perf for NCCL)\n"
         "  --zero-copy          buffers live in the shared segment (tdm_shm_comm_alloc);\n"
         "                       in-place all_reduce then reads peers' buffers directly\n"
         "  --no-bind            do not pin rank r to the r-th allowed core (pinning, as\n"
@@ -445,6 +449,21 @@ int tdm_tool_bench_main(int argc, char **argv)
             if (!bench_parse_size("--slot-bytes", v, &cfg.slot_bytes)) return 2;
         } else if (BENCH_FLAG("--one-shot-bytes", "--one-shot-bytes")) {
             if (!bench_parse_size("--one-shot-bytes", v, &cfg.one_shot_bytes)) return 2;
+        } else if (BENCH_FLAG("--device", "--device")) {
+            /* Only the shm communicator is benchmarked: refuse CUDA with
+             * the device's own error where there is none, else plainly. */
+            tdm_device_list dl;
+            tdm_status dst = tdm_device_list_parse(&dl, v);
+            if (dst != TDM_STATUS_OK) {
+                fprintf(stderr, "tandem bench: --device: %s\n", tdm_error_message());
+                return dst == TDM_STATUS_NO_DEVICE ? 1 : 2;
+            }
+            if (dl.kind != TDM_DEVICE_HOST) {
+                fprintf(stderr, "tandem bench: --device %s: the NCCL communicator is not "
+                        "benchmarked by tandem yet; use nccl-tests (all_reduce_perf) for NCCL, "
+                        "or --device cpu for the shm communicator\n", v);
+                return 2;
+            }
         } else if (!strcmp(a, "--no-bind")) {
             cfg.bind = 0;
         } else if (!strcmp(a, "--zero-copy")) {

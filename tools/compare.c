@@ -249,13 +249,16 @@ int tdm_tool_compare_main(int argc, char **argv)
         return 2;
     }
     tdm_device_list dl;
-    if (tdm_device_list_parse(&dl, o.device) != TDM_STATUS_OK) {
+    tdm_status dst = tdm_device_list_parse(&dl, o.device);
+    if (dst != TDM_STATUS_OK) {
+        /* no device is a runtime condition (exit 1, as train), not usage */
         fprintf(stderr, "tandem compare: --device: %s\n", tdm_error_message());
-        return 2;
+        return dst == TDM_STATUS_NO_DEVICE ? 1 : 2;
     }
     if (dl.kind != TDM_DEVICE_HOST) {
-        fprintf(stderr, "tandem compare: --device %s: compare runs on host devices (cpu:N) in "
-                        "this build\n", o.device);
+        fprintf(stderr, "tandem compare: --device %s: compare runs on host devices (cpu:N) "
+                        "only; train on GPUs with tandem train --mode dp|ddp --device %s\n",
+                o.device, o.device);
         return 2;
     }
     for (int i = 0; i < dl.count; i++)

@@ -6,6 +6,13 @@
  * that fails says which rank it is, and the parent names the first rank
  * that failed and exits 1.
  *
+ * With --device cuda[:I,J,..] each rank opens its GPU, builds an NCCL
+ * communicator bootstrapped over the shm one (the unique id travels over
+ * shm) and DDP reduces its buckets over NCCL in device memory; the shm
+ * communicator stays for the host-memory collectives (layout check,
+ * checkpoint flags, epoch barriers) and aborts. cuda/ is reached through
+ * weak symbols, so builds without it link and refuse --device cuda.
+ *
  * Under `tandem launch -n N -- tandem train --mode ddp ...` (TANDEM_SHM_FD
  * and WORLD_SIZE set) it does not fork: this process is one rank of the
  * launched job and joins it with tdm_ddp_pg_init_from_env.
@@ -18,22 +25,32 @@
  * of B. Its loss gradient is scaled by 1/B (not 1/B_r) and gradients are
  * SUM-reduced, so the reduced gradient is exactly the global batch's
  * mean-loss gradient even when N does not divide B. */
+#include <errno.h>
 #include <fcntl.h>
 #include <signal.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "core/comm.h"
 #include "core/device.h"
 #include "core/log.h"
+#include "cuda/cuda.h"
 #include "ddp/ddp.h"
 #include "ddp/pg.h"
 #include "ddp/spawn.h"
 #include "models/checkpoint.h"
+#include "shm/shm_comm.h"
 #include "tools/train_modes.h"
+
+/* cuda/cuda.h declares plain C types only; its functions are weak here:
+ * NULL in builds without the CUDA backend. */
+__attribute__((weak)) tdm_status tdm_comm_init_nccl_opts(tdm_comm **out, tdm_comm *bootstrap,
+                                                         int device_index,
+                                                         const tdm_nccl_opts *opts);
 
 typedef struct tdm_train_ddp_ctx {
     const tdm_train_args *a;
@@ -112,6 +129,14 @@ static void tdm_train_ddp_report(tdm_ddp *ddp, int world)
            exposed / n, step_ms > 0 ? 100.0 * exposed / step_ms : 0.0, share);
 }
 
+/* NCCL's watchdog polls this: the shm group's abort (a rank that failed
+ * or died, or the parent stopping the job) stops a rank blocked in NCCL at
+ * once instead of at the deadline. */
+static const char *tdm_train_ddp_shm_aborted(void *ctx)
+{
+    return tdm_shm_comm_abort_reason(ctx);
+}
+
 static int tdm_train_ddp_rank_main(tdm_comm *comm, void *arg)
 {
     const tdm_train_ddp_ctx *c = arg;
@@ -121,6 +146,7 @@ static int tdm_train_ddp_rank_main(tdm_comm *comm, void *arg)
     tdm_model *m = NULL;
     tdm_optim *opt = NULL;
     tdm_ddp *ddp = NULL;
+    tdm_comm *nccl = NULL;       /* CUDA: the gradient communicator; comm bootstraps it */
     tdm_status st;
     int rc = 1;
     if (rank != 0) {
@@ -142,9 +168,24 @@ static int tdm_train_ddp_rank_main(tdm_comm *comm, void *arg)
         tdm_train_ddp_fail(rank, "building model", st);
         goto done;
     }
+    if (dev->kind == TDM_DEVICE_CUDA) {
+        /* Collective over comm; a rank that failed before it has aborted
+         * comm (at done:), so the others' bootstrap fails at once. */
+        tdm_nccl_opts no = {.abort_check = tdm_train_ddp_shm_aborted, .abort_ctx = comm};
+        if (!tdm_comm_init_nccl_opts) {
+            st = tdm_error_set(TDM_STATUS_NO_DEVICE, "no CUDA device: this build of tandem has "
+                               "no CUDA backend; use --device cpu:N");
+        } else {
+            st = tdm_comm_init_nccl_opts(&nccl, comm, dev->index, &no);
+        }
+        if (st) {
+            tdm_train_ddp_fail(rank, "NCCL communicator", st);
+            goto done;
+        }
+    }
     tdm_ddp_opts o = {.bucket_cap_mb = a.bucket_cap_mb > 0 ? (double)a.bucket_cap_mb : 0,
-                      .no_overlap = a.no_overlap};
-    if ((st = tdm_ddp_init(&ddp, m, comm, &o))) {
+                      .no_overlap = a.no_overlap, .host_comm = nccl ? comm : NULL};
+    if ((st = tdm_ddp_init(&ddp, m, nccl ? nccl : comm, &o))) {
         tdm_train_ddp_fail(rank, "ddp init", st);
         goto done;
     }
@@ -162,10 +203,11 @@ static int tdm_train_ddp_rank_main(tdm_comm *comm, void *arg)
     }
     char devdesc[96];
     snprintf(devdesc, sizeof devdesc, "%d processes on %s (%s communicator%s)", world,
-             c->a->device, tdm_comm_backend_name(comm),
+             c->a->device, tdm_comm_backend_name(nccl ? nccl : comm),
              tdm_ddp_zero_copy(ddp) ? ", zero-copy buckets" : "");
     if (rank == 0)
         tdm_train_print_header(&a, &c->spec, c->train, c->test, tdm_model_param_elems(m), devdesc);
+    /* r.comm: aborts and epoch barriers (shm; an NCCL abort reaches it too) */
     tdm_train_ddp_rank r = {.ddp = ddp, .opt = opt, .comm = comm, .rank = rank, .world = world,
                             .feat = tdm_data_features(c->train)};
     const char *kill_env = getenv("TANDEM_DDP_TEST_KILL");
@@ -181,10 +223,59 @@ done:
     if (rc) tdm_comm_abort(comm, "rank failed");
     fflush(stdout);
     tdm_ddp_free(ddp);
+    tdm_comm_free(nccl);   /* before comm, which bootstrapped it */
     tdm_optim_free(opt);
     tdm_model_free(m);
     tdm_device_free(dev);
     return rc;
+}
+
+/* Parses and validates --device. Counting GPUs initialises CUDA, and a
+ * process that has initialised CUDA cannot hand it to forked children
+ * (the ranks' CUDA calls would fail), so when this process is going to
+ * fork the ranks, a CUDA spec is checked in a short-lived child and only
+ * the result comes back (the same status, message and list). */
+static tdm_status tdm_train_ddp_parse_devices(tdm_device_list *dl, const char *spec, int forks)
+{
+    if (!forks || strncmp(spec, "cuda", 4) != 0) return tdm_device_list_parse(dl, spec);
+    struct {
+        tdm_status st;
+        tdm_device_list dl;
+        char msg[1024];
+    } res;
+    int fds[2];
+    if (pipe(fds) != 0) return tdm_device_list_parse(dl, spec);
+    fflush(NULL);
+    pid_t pid = fork();
+    if (pid < 0) {
+        close(fds[0]);
+        close(fds[1]);
+        return tdm_device_list_parse(dl, spec);
+    }
+    if (pid == 0) {
+        close(fds[0]);
+        memset(&res, 0, sizeof res);
+        res.st = tdm_device_list_parse(&res.dl, spec);
+        snprintf(res.msg, sizeof res.msg, "%s", res.st ? tdm_error_message() : "");
+        ssize_t w = write(fds[1], &res, sizeof res);
+        _exit(w == (ssize_t)sizeof res ? 0 : 1);
+    }
+    close(fds[1]);
+    size_t got = 0;
+    ssize_t k;
+    while (got < sizeof res && (k = read(fds[0], (char *)&res + got, sizeof res - got)) != 0) {
+        if (k < 0) break;
+        got += (size_t)k;
+    }
+    close(fds[0]);
+    int ws = 0;
+    while (waitpid(pid, &ws, 0) < 0 && errno == EINTR) {}
+    if (got != sizeof res)
+        return tdm_error_set(TDM_STATUS_SYSTEM, "checking --device '%s' in a child process "
+                             "failed (wait status 0x%x)", spec, ws);
+    *dl = res.dl;
+    if (res.st) return tdm_error_set(res.st, "%s", res.msg);
+    return TDM_STATUS_OK;
 }
 
 int tdm_train_run_ddp(const tdm_train_args *a)
@@ -199,15 +290,12 @@ int tdm_train_run_ddp(const tdm_train_args *a)
         fprintf(stderr, "tandem train: --model: %s\n", tdm_error_message());
         return 2;
     }
-    if ((st = tdm_device_list_parse(&c.dl, a->device))) {
+    int launched = getenv("TANDEM_SHM_FD") && getenv("WORLD_SIZE");
+    if ((st = tdm_train_ddp_parse_devices(&c.dl, a->device, !launched))) {
         fprintf(stderr, "tandem train: --device: %s\n", tdm_error_message());
         return st == TDM_STATUS_NO_DEVICE ? 1 : 2;
     }
-    if (c.dl.kind != TDM_DEVICE_HOST) {
-        fprintf(stderr, "tandem train: --mode ddp runs on host devices (cpu:N) in this build\n");
-        return 2;
-    }
-    if (getenv("TANDEM_SHM_FD") && getenv("WORLD_SIZE")) {
+    if (launched) {
         /* one rank of a launched job */
         tdm_comm *comm = NULL;
         tdm_ddp_env env;
@@ -250,8 +338,10 @@ int tdm_train_run_ddp(const tdm_train_args *a)
         rc = 2;
         goto done;
     }
+    /* CUDA ranks keep their gradients in NCCL's device memory: no arena */
     tdm_ddp_spawn_opts so = {.timeout_ms = INT64_MAX / 2000000, .comm_timeout_ms = 60000,
-                             .arena_bytes = tdm_ddp_arena_bytes(tdm_model_param_elems(probe))};
+                             .arena_bytes = c.dl.kind == TDM_DEVICE_CUDA ? 0 :
+                                 tdm_ddp_arena_bytes(tdm_model_param_elems(probe))};
     tdm_model_free(probe);
     probe = NULL;
     c.train = &train;

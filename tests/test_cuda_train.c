@@ -1,0 +1,382 @@
+/* tests/test_cuda_train.c: DataParallel and DDP on CUDA devices, against
+ * one host device on the same global batches.
+ *
+ * - cuda_emu (cuda/ built, no GPU needed): the same runs on the CUDA
+ *   emulator opened as an accelerator (tdm_cuda_emulator_open_accel: kind
+ *   TDM_DEVICE_CUDA, host memory). DP then takes its accelerator paths
+ *   (per-device replicate through tdm_dev_copy_between's host staging, the
+ *   staged reduce on the output device, copy_to_host of the loss) and DDP
+ *   its input staging and device-side check tail, over the shm
+ *   communicator (which can reduce in the emulator's host memory). What
+ *   this does not test: CUDA itself, NCCL, the DP device group.
+ * - cuda_gpu (skipped without a GPU, "no CUDA device: ..."): DP over real
+ *   GPUs (NCCL group broadcast/reduce when 2+), DDP over 2 forked ranks
+ *   with one GPU each and an NCCL communicator bootstrapped over shm.
+ * - cuda_nodev (no GPU): `tandem train --mode dp|ddp --device cuda...`
+ *   exits 1 with one "no CUDA device: ...; use --device cpu:N" line and
+ *   leaves no process or /dev/shm entry behind; so do `tandem compare`
+ *   and `tandem bench` with --device cuda.
+ *
+ * Compiled in every build: cuda/ functions are weak references. */
+#include <criterion/criterion.h>
+#include <dirent.h>
+#include <signal.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "core/comm.h"
+#include "cuda/cuda.h"
+#include "dp/dp.h"
+#include "tests/cli_util.h"
+#include "tests/test_ddp_util.h"
+
+__attribute__((weak)) tdm_status tdm_cuda_emulator_open_accel(tdm_device **out, int index);
+__attribute__((weak)) tdm_status tdm_comm_init_nccl_opts(tdm_comm **out, tdm_comm *bootstrap,
+                                                         int device_index,
+                                                         const tdm_nccl_opts *opts);
+
+#define NEED_BACKEND()                                                                    \
+    do {                                                                                  \
+        if (!tdm_device_cuda || !tdm_cuda_emulator_open_accel)                            \
+            cr_skip_test("CUDA backend not built (no nvcc)");                             \
+    } while (0)
+
+/* Visible GPUs, counted in a child: CUDA must not be initialised in this
+ * process before it forks ranks that use CUDA. why: the error when 0. */
+static int gpu_count(char *why, size_t len)
+{
+    int fds[2];
+    cr_assert(pipe(fds) == 0);
+    pid_t pid = fork();
+    cr_assert(pid >= 0);
+    if (pid == 0) {
+        char buf[512] = "no CUDA device: CUDA backend not built (no nvcc)";
+        int n = 0;
+        if (tdm_device_cuda) {
+            tdm_status st = tdm_device_cuda->count(&n);
+            snprintf(buf, sizeof buf, "%s", st ? tdm_error_message()
+                                               : "no CUDA device: none visible");
+            if (st) n = 0;
+        }
+        ssize_t w = write(fds[1], &n, sizeof n);
+        w += write(fds[1], buf, sizeof buf);
+        _exit(w == (ssize_t)(sizeof n + sizeof buf) ? 0 : 1);
+    }
+    close(fds[1]);
+    int n = 0;
+    char buf[512] = "";
+    cr_assert(read(fds[0], &n, sizeof n) == (ssize_t)sizeof n);
+    size_t got = 0;
+    ssize_t k;
+    while (got < sizeof buf && (k = read(fds[0], buf + got, sizeof buf - got)) > 0)
+        got += (size_t)k;
+    close(fds[0]);
+    int ws;
+    cr_assert(waitpid(pid, &ws, 0) == pid && WIFEXITED(ws) && WEXITSTATUS(ws) == 0);
+    buf[sizeof buf - 1] = '\0';
+    snprintf(why, len, "%s", buf);
+    return n;
+}
+
+#define NEED_GPUS(k)                                                                      \
+    do {                                                                                  \
+        char why_[512];                                                                   \
+        int n_ = gpu_count(why_, sizeof why_);                                            \
+        if (n_ == 0) cr_skip_test("%s", why_);                                            \
+        if (n_ < (k)) cr_skip_test("needs %d CUDA devices, %d visible", (k), n_);         \
+    } while (0)
+
+static tdm_status open_emu(tdm_device **out, int i) { return tdm_cuda_emulator_open_accel(out, i); }
+static tdm_status open_gpu(tdm_device **out, int i) { return tdm_device_open(out, "cuda", i, 1); }
+
+/* ============================== DataParallel ============================== */
+
+/* max over i of |a-b| / (atol + rtol |ref|): <= 1 passes */
+static double tol_ratio(const float *a, const float *ref, int64_t n, double atol, double rtol,
+                        int64_t *at)
+{
+    double worst = 0.0;
+    for (int64_t i = 0; i < n; i++) {
+        double q = fabs((double)a[i] - (double)ref[i]) / (atol + rtol * fabs((double)ref[i]));
+        if (q > worst) {
+            worst = q;
+            if (at) *at = i;
+        }
+    }
+    return worst;
+}
+
+/* `steps` SGD (momentum) steps under DP over n devices from `open` and on
+ * one host device, same seed, same batches: loss of every step, then the
+ * master's gradients and parameters, within (atol, rtol). */
+static void dp_vs_host(tdm_status (*open)(tdm_device **, int), int n, int cnn, int batch,
+                       int steps, double atol, double rtol)
+{
+    tdm_device *devs[TDM_DP_MAX_DEVICES] = {0}, *hd = NULL;
+    tdm_model *m = NULL, *ref = NULL;
+    tdm_optim *o = NULL, *oref = NULL;
+    tdm_dp *dp = NULL;
+    tdm_model_spec spec;
+    tdm_dataset data;
+    tddp_spec(&spec, cnn);
+    cr_assert_eq(tddp_data(&data, cnn, (int64_t)batch * steps), TDM_STATUS_OK);
+    for (int i = 0; i < n; i++) {
+        cr_assert_eq(open(&devs[i], i), TDM_STATUS_OK, "%s", tdm_error_message());
+        cr_assert_eq(devs[i]->kind, TDM_DEVICE_CUDA, "%s", devs[i]->name);
+    }
+    cr_assert_eq(tdm_device_open(&hd, "cpu", 0, 1), TDM_STATUS_OK);
+    cr_assert_eq(tdm_model_init(&ref, hd, &spec, 42), TDM_STATUS_OK);
+    cr_assert_eq(tdm_model_init(&m, devs[0], &spec, 42), TDM_STATUS_OK, "%s", tdm_error_message());
+    cr_assert_eq(tdm_sgd_init(&oref, ref, 0.05f, 0.9f), TDM_STATUS_OK);
+    cr_assert_eq(tdm_sgd_init(&o, m, 0.05f, 0.9f), TDM_STATUS_OK);
+    cr_assert_eq(tdm_dp_init(&dp, m, devs, n, NULL), TDM_STATUS_OK, "%s", tdm_error_message());
+    int64_t feat = tdm_data_features(&data), np = tdm_model_param_elems(m);
+    float *x = malloc((size_t)batch * (size_t)feat * sizeof *x);
+    int32_t *y = malloc((size_t)batch * sizeof *y);
+    int64_t *idx = malloc((size_t)batch * sizeof *idx);
+    float *g = malloc((size_t)np * sizeof *g), *p = malloc((size_t)np * sizeof *p);
+    cr_assert(x && y && idx && g && p);
+    for (int s = 0; s < steps; s++) {
+        for (int i = 0; i < batch; i++) idx[i] = (int64_t)s * batch + i;
+        tdm_data_gather(&data, idx, batch, x, y);
+        double lref = 0, ldp = 0;
+        cr_assert_eq(tdm_model_zero_grad(ref), TDM_STATUS_OK);
+        cr_assert_eq(tdm_model_forward_backward(ref, x, y, batch, &lref), TDM_STATUS_OK);
+        cr_assert_eq(tdm_optim_step(oref), TDM_STATUS_OK);
+        cr_assert_eq(tdm_dp_step(dp, o, x, y, batch, &ldp), TDM_STATUS_OK, "%s",
+                     tdm_error_message());
+        cr_assert(fabs(ldp - lref) <= atol + rtol * fabs(lref),
+                  "n=%d batch=%d step %d: loss %.8f vs host %.8f", n, batch, s, ldp, lref);
+    }
+    cr_assert_eq(devs[0]->ops->copy_to_host(devs[0], g, tdm_model_grads(m), (size_t)np * 4),
+                 TDM_STATUS_OK);
+    cr_assert_eq(devs[0]->ops->copy_to_host(devs[0], p, tdm_model_params(m), (size_t)np * 4),
+                 TDM_STATUS_OK);
+    int64_t at = 0;
+    double r = tol_ratio(g, tdm_model_grads(ref), np, atol, rtol, &at);
+    cr_assert_leq(r, 1.0, "n=%d batch=%d: grad[%lld] %g vs host %g", n, batch, (long long)at,
+                  g[at], tdm_model_grads(ref)[at]);
+    r = tol_ratio(p, tdm_model_params(ref), np, atol, rtol, &at);
+    cr_assert_leq(r, 1.0, "n=%d batch=%d: param[%lld] %g vs host %g", n, batch, (long long)at,
+                  p[at], tdm_model_params(ref)[at]);
+    free(x);
+    free(y);
+    free(idx);
+    free(g);
+    free(p);
+    tdm_dp_free(dp);
+    tdm_optim_free(o);
+    tdm_optim_free(oref);
+    tdm_model_free(m);
+    tdm_model_free(ref);
+    tdm_device_free(hd);
+    tdm_dp_devices_close(devs, n);
+    tdm_data_free(&data);
+}
+
+Test(cuda_emu, dp_accelerator_paths_match_one_host_device, .timeout = 120)
+{
+    NEED_BACKEND();
+    const int batches[] = {1, 3, 8, 13};
+    for (int n = 1; n <= 4; n++)
+        for (size_t b = 0; b < sizeof batches / sizeof batches[0]; b++)
+            dp_vs_host(open_emu, n, 0, batches[b], 2, 1e-5, 1e-4);
+    /* a CNN (batchnorm buffers, conv kernels) on one emulated device */
+    dp_vs_host(open_emu, 1, 1, 8, 2, 1e-5, 1e-4);
+}
+
+Test(cuda_emu, dp_accelerator_replicate_copies_buffers)
+{
+    NEED_BACKEND();
+    tdm_device *devs[2] = {0};
+    tdm_model *m = NULL;
+    tdm_dp *dp = NULL;
+    tdm_model_spec spec;
+    tddp_spec(&spec, 1);
+    for (int i = 0; i < 2; i++) cr_assert_eq(open_emu(&devs[i], i), TDM_STATUS_OK);
+    cr_assert_eq(tdm_model_init(&m, devs[0], &spec, 7), TDM_STATUS_OK);
+    cr_assert_eq(tdm_dp_init(&dp, m, devs, 2, NULL), TDM_STATUS_OK, "%s", tdm_error_message());
+    int64_t np = tdm_model_param_elems(m), nb = tdm_model_buffer_elems(m);
+    cr_assert_gt(nb, 0);
+    for (int64_t i = 0; i < np; i++) tdm_model_params(m)[i] = (float)i * 0.25f;
+    for (int64_t i = 0; i < nb; i++) tdm_model_buffers(m)[i] = 1.0f + (float)i;
+    tdm_model *r = tdm_dp_replica(dp, 1);
+    for (int64_t i = 0; i < np; i++) tdm_model_grads(r)[i] = 3.0f;
+    cr_assert_eq(tdm_dp_replicate(dp, 2), TDM_STATUS_OK, "%s", tdm_error_message());
+    cr_assert(!memcmp(tdm_model_params(r), tdm_model_params(m), (size_t)np * 4));
+    cr_assert(!memcmp(tdm_model_buffers(r), tdm_model_buffers(m), (size_t)nb * 4));
+    for (int64_t i = 0; i < np; i++) cr_assert_eq(tdm_model_grads(r)[i], 0.0f);
+    /* reduce: master += replica */
+    for (int64_t i = 0; i < np; i++) {
+        tdm_model_grads(m)[i] = 1.0f;
+        tdm_model_grads(r)[i] = (float)(i % 7);
+    }
+    cr_assert_eq(tdm_dp_reduce_grads(dp, 2), TDM_STATUS_OK, "%s", tdm_error_message());
+    for (int64_t i = 0; i < np; i++) cr_assert_eq(tdm_model_grads(m)[i], 1.0f + (float)(i % 7));
+    tdm_dp_free(dp);
+    tdm_model_free(m);
+    tdm_dp_devices_close(devs, 2);
+}
+
+/* ================================== DDP =================================== */
+
+static tdm_status ddp_open_emu(tdm_device **out, int rank) { return open_emu(out, rank); }
+static tdm_status ddp_open_gpu(tdm_device **out, int rank) { return open_gpu(out, rank); }
+static tdm_status ddp_make_nccl(tdm_comm **out, tdm_comm *boot, tdm_device *dev)
+{
+    tdm_nccl_opts o = {.timeout_ms = 60000};
+    return tdm_comm_init_nccl_opts(out, boot, dev->index, &o);
+}
+
+static void ddp_vs_host(int world, int cnn, int batch, int steps,
+                        tdm_status (*open)(tdm_device **, int),
+                        tdm_status (*make_comm)(tdm_comm **, tdm_comm *, tdm_device *),
+                        double atol, double rtol)
+{
+    tdm_dataset data;
+    cr_assert_eq(tddp_data(&data, cnn, cnn ? 1024 : 4096), TDM_STATUS_OK);
+    tddp_cfg c = tddp_cfg_default();
+    c.cnn = cnn;
+    c.batch = batch;
+    c.steps = steps;
+    c.open_dev = open;
+    c.make_comm = make_comm;
+    tddp_shared *sh = tddp_shared_new();
+    cr_assert(sh);
+    double ref_loss[TDDP_MAX_STEPS];
+    static float ref_g[TDDP_MAX_ELEMS], ref_p[TDDP_MAX_ELEMS];
+    int64_t n = 0;
+    cr_assert_eq(tddp_reference(&c, &data, ref_loss, ref_g, ref_p, &n), TDM_STATUS_OK, "%s",
+                 tdm_error_message());
+    tdm_status st = tddp_spawn(world, &c, &data, sh, 90000);
+    cr_assert_eq(st, TDM_STATUS_OK, "world %d: %s / rank 0: %s / rank 1: %s", world,
+                 tdm_error_message(), sh->err[0], sh->err[1]);
+    cr_assert_eq(sh->n_elem, n);
+    for (int s = 0; s < steps; s++)
+        cr_assert(fabs(sh->loss[s] - ref_loss[s]) <= atol + rtol * fabs(ref_loss[s]),
+                  "world %d step %d: loss %.8f vs host %.8f", world, s, sh->loss[s], ref_loss[s]);
+    int64_t at = 0;
+    cr_assert(tddp_excess(sh->grads0, ref_g, n, atol, rtol, &at) <= 0,
+              "world %d: grad[%lld] %g vs host %g", world, (long long)at, sh->grads0[at], ref_g[at]);
+    cr_assert(tddp_excess(sh->params, ref_p, n, atol, 10 * rtol, &at) <= 0,
+              "world %d: param[%lld] %g vs host %g", world, (long long)at, sh->params[at],
+              ref_p[at]);
+    /* every rank ends with the same gradients and parameters */
+    cr_assert(world == 1 || !memcmp(sh->grads0, sh->grads0_r1, (size_t)n * 4));
+    cr_assert(world == 1 || !memcmp(sh->params, sh->params_r1, (size_t)n * 4));
+    tddp_shared_free(sh);
+    tdm_data_free(&data);
+}
+
+Test(cuda_emu, ddp_accelerator_staging_matches_single_device, .timeout = 120)
+{
+    NEED_BACKEND();
+    for (int w = 1; w <= 3; w++) ddp_vs_host(w, 0, 23, 2, ddp_open_emu, NULL, 1e-6, 1e-4);
+    ddp_vs_host(1, 1, 16, 2, ddp_open_emu, NULL, 1e-6, 1e-4);
+}
+
+/* ============================ where GPUs exist ============================ */
+
+Test(cuda_gpu, dp_one_gpu_matches_host, .timeout = 300)
+{
+    NEED_GPUS(1);
+    dp_vs_host(open_gpu, 1, 0, 13, 3, 1e-4, 1e-3);
+    dp_vs_host(open_gpu, 1, 1, 16, 3, 1e-4, 1e-3);
+}
+
+Test(cuda_gpu, dp_gpus_nccl_group_match_host, .timeout = 300)
+{
+    NEED_GPUS(2);
+    char why[512];
+    int ngpu = gpu_count(why, sizeof why);
+    const int batches[] = {1, 7, 32};
+    for (int n = 2; n <= (ngpu < 4 ? ngpu : 4); n++)
+        for (size_t b = 0; b < sizeof batches / sizeof batches[0]; b++)
+            dp_vs_host(open_gpu, n, 0, batches[b], 3, 1e-4, 1e-3);
+}
+
+Test(cuda_gpu, ddp_nccl_two_ranks_match_single_device, .timeout = 300)
+{
+    NEED_GPUS(2);
+    ddp_vs_host(2, 0, 24, 3, ddp_open_gpu, ddp_make_nccl, 1e-4, 1e-3);
+    ddp_vs_host(2, 0, 23, 2, ddp_open_gpu, ddp_make_nccl, 1e-4, 1e-3);
+}
+
+Test(cuda_gpu, ddp_nccl_one_rank_cnn_matches_single_device, .timeout = 300)
+{
+    NEED_GPUS(1);
+    ddp_vs_host(1, 1, 16, 3, ddp_open_gpu, ddp_make_nccl, 1e-4, 1e-3);
+}
+
+/* ========================= CLI, without a GPU ============================= */
+
+static int count_shm_entries(void)
+{
+    int n = 0;
+    DIR *d = opendir("/dev/shm");
+    if (!d) return 0;
+    struct dirent *e;
+    while ((e = readdir(d)))
+        if (!strncmp(e->d_name, "tandem-", 7)) n++;
+    closedir(d);
+    return n;
+}
+
+/* Processes still running `tandem ... <marker> ...`. */
+static int count_procs_with(const char *marker)
+{
+    int n = 0;
+    DIR *d = opendir("/proc");
+    if (!d) return 0;
+    struct dirent *e;
+    while ((e = readdir(d))) {
+        char path[300], buf[4096];
+        if (e->d_name[0] < '0' || e->d_name[0] > '9') continue;
+        snprintf(path, sizeof path, "/proc/%s/cmdline", e->d_name);
+        FILE *f = fopen(path, "r");
+        if (!f) continue;
+        size_t len = fread(buf, 1, sizeof buf - 1, f);
+        fclose(f);
+        for (size_t i = 0; i < len; i++)
+            if (!buf[i]) buf[i] = ' ';
+        buf[len] = '\0';
+        if (strstr(buf, cli_bin()) && strstr(buf, marker)) n++;
+    }
+    closedir(d);
+    return n;
+}
+
+static void expect_no_device_cli(const char *mode, const char *device)
+{
+    static cli_result r;
+    int shm0 = count_shm_entries();
+    CLI(&r, "train", "--mode", mode, "--device", device, "--data", "synthetic", "--epochs", "1");
+    expect(&r, 1, "no CUDA device: ");
+    cr_assert(strstr(r.out, "use --device cpu:N"), "--mode %s: no hint:\n%s", mode, r.out);
+    cr_assert(strchr(r.out, '\n') == strrchr(r.out, '\n'), "--mode %s: more than one line:\n%s",
+              mode, r.out);
+    cr_assert_eq(count_shm_entries(), shm0, "--mode %s left a /dev/shm entry", mode);
+    cr_assert_eq(count_procs_with(device), 0, "--mode %s --device %s left processes", mode,
+                 device);
+}
+
+Test(cuda_nodev, cli_dp_ddp_compare_bench_on_cuda_fail_with_one_message, .timeout = 60)
+{
+    char why[512];
+    if (gpu_count(why, sizeof why) > 0) cr_skip_test("a CUDA device exists");
+    expect_no_device_cli("dp", "cuda:0,1");
+    expect_no_device_cli("dp", "cuda");
+    expect_no_device_cli("ddp", "cuda");
+    expect_no_device_cli("ddp", "cuda:0,1");
+    /* compare and bench refuse CUDA devices the same way */
+    static cli_result r;
+    CLI(&r, "compare", "--device", "cuda:0", "--steps", "2");
+    expect(&r, 1, "no CUDA device: ");
+    cr_assert(strchr(r.out, '\n') == strrchr(r.out, '\n'), "compare: more than one line:\n%s",
+              r.out);
+    CLI(&r, "bench", "all_reduce", "--device", "cuda");
+    expect(&r, 1, "no CUDA device: ");
+    cr_assert(strchr(r.out, '\n') == strrchr(r.out, '\n'), "bench: more than one line:\n%s",
+              r.out);
+}
