@@ -57,8 +57,17 @@ tdm_status tdm_error_prefix(tdm_status s, const char *fmt, ...)
     vsnprintf(prefix, sizeof prefix, fmt, ap);
     va_end(ap);
     memcpy(old, tdm_error_buf, sizeof old);
-    snprintf(tdm_error_buf, sizeof tdm_error_buf, "%s: %s", prefix,
-             old[0] ? old : tdm_status_name(s));
+    const char *rest = old[0] ? old : tdm_status_name(s);
+    /* "<prefix>: <old message>", cut at the buffer's end (intended). */
+    size_t n = strlen(prefix);
+    if (n > TDM_ERROR_MSG_MAX - 3) n = TDM_ERROR_MSG_MAX - 3;
+    memcpy(tdm_error_buf, prefix, n);
+    tdm_error_buf[n++] = ':';
+    tdm_error_buf[n++] = ' ';
+    size_t m = strlen(rest);
+    if (m > TDM_ERROR_MSG_MAX - 1 - n) m = TDM_ERROR_MSG_MAX - 1 - n;
+    memcpy(tdm_error_buf + n, rest, m);
+    tdm_error_buf[n + m] = '\0';
     return s;
 }
 
