@@ -35,7 +35,8 @@ static inline TDM_HD void tdm_k_bias_act(int64_t i, int c, float *y, const float
 
 static inline TDM_HD void tdm_k_relu_bwd(int64_t i, float *dy, const float *y)
 {
-    if (!(y[i] > 0.0f)) dy[i] = 0.0f;
+    /* a select, not a conditional store, so loops over it vectorise */
+    dy[i] = y[i] > 0.0f ? dy[i] : 0.0f;
 }
 
 /* Row r of logits (rows, cols): softmax cross-entropy, numerically stable
@@ -72,6 +73,13 @@ static inline TDM_HD void tdm_k_scale(int64_t i, float alpha, float *x) { x[i] *
 
 /* ---- convolution (CNHW) ---- */
 
+/* a / s for a >= 0, without a hardware divide for the strides that occur
+ * (1 and 2); the branch is uniform across a whole kernel. */
+static inline TDM_HD int tdm_k_div(int a, int s)
+{
+    return s == 1 ? a : s == 2 ? a >> 1 : a / s;
+}
+
 typedef struct tdm_k_geom {
     int n, c, h, w, kh, kw, stride, pad, oh, ow;
 } tdm_k_geom;
@@ -97,13 +105,15 @@ static inline TDM_HD void tdm_k_col2im(int64_t i, int ci, int n, int iy, int ix,
     float s = 0.0f;
     for (int ki = 0; ki < g.kh; ki++) {
         int ty = iy + g.pad - ki;
-        if (ty < 0 || ty % g.stride) continue;
-        int oy = ty / g.stride;
+        if (ty < 0) continue;
+        int oy = tdm_k_div(ty, g.stride);
+        if (oy * g.stride != ty) continue;
         if (oy >= g.oh) continue;
         for (int kj = 0; kj < g.kw; kj++) {
             int tx = ix + g.pad - kj;
-            if (tx < 0 || tx % g.stride) continue;
-            int ox = tx / g.stride;
+            if (tx < 0) continue;
+            int ox = tdm_k_div(tx, g.stride);
+            if (ox * g.stride != tx) continue;
             if (ox >= g.ow) continue;
             int64_t row = ((int64_t)ci * g.kh + ki) * g.kw + kj;
             int64_t cx = ((int64_t)n * g.oh + oy) * g.ow + ox;
@@ -141,7 +151,7 @@ static inline TDM_HD void tdm_k_maxpool_bwd(int64_t i, int64_t plane, int iy, in
                                             const tdm_k_geom g, const float *dy,
                                             const int32_t *argmax, float *dx)
 {
-    int oy = iy / g.stride, ox = ix / g.stride;
+    int oy = tdm_k_div(iy, g.stride), ox = tdm_k_div(ix, g.stride);
     float v = 0.0f;
     if (oy < g.oh && ox < g.ow && iy - oy * g.stride < g.kh && ix - ox * g.stride < g.kw) {
         int64_t o = (plane * g.oh + oy) * g.ow + ox;
