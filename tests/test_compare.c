@@ -165,6 +165,8 @@ Test(compare, bad_usage, .timeout = 60)
     expect(&r, 2, "--batch 3 is smaller than the 4 devices");
     CLI(&r, "compare", "--trace", "/nonexistent-dir/t.json", "--data", "synthetic");
     expect(&r, 2, "cannot write /nonexistent-dir/t.json");
+    CLI(&r, "compare", "--plot", "/nonexistent-dir/plots", "--data", "synthetic");
+    expect(&r, 2, "--plot /nonexistent-dir/plots: cannot create");
     CLI(&r, "compare", "--sweep", "1,x");
     expect(&r, 2, "--sweep '1,x'");
     CLI(&r, "compare", "--steps", "0");

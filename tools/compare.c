@@ -5,10 +5,13 @@
  * three computed the same parameters, memory per device, and a reading of
  * those figures in words. Options --trace, --csv, --plot write the raw
  * material; --sweep repeats DP and DDP over device counts. */
+#include <errno.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "core/device.h"
 #include "models/train.h"
@@ -301,6 +304,20 @@ int tdm_tool_compare_main(int argc, char **argv)
             }
             fclose(f);
         }
+    if (o.plot) {
+        struct stat sb;
+        if (mkdir(o.plot, 0755) != 0 && !(errno == EEXIST && stat(o.plot, &sb) == 0 &&
+                                          S_ISDIR(sb.st_mode))) {
+            fprintf(stderr, "tandem compare: --plot %s: cannot create the directory: %s\n",
+                    o.plot, strerror(errno));
+            return 2;
+        }
+        if (access(o.plot, W_OK) != 0) {
+            fprintf(stderr, "tandem compare: --plot %s: not writable: %s\n", o.plot,
+                    strerror(errno));
+            return 2;
+        }
+    }
 
     /* data and the global batches */
     tdm_cmp_data data = {0};
