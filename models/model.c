@@ -144,6 +144,19 @@ tdm_status tdm_model_spec_parse(tdm_model_spec *s, const char *text)
                          "unknown model '%s' (expected mlp, mlp:W0-W1-...-Wn or cnn)", text);
 }
 
+void tdm_model_spec_sample_shape(const tdm_model_spec *s, int *c, int *h, int *w, int *classes)
+{
+    *c = s->in_c;
+    *h = s->in_h;
+    *w = s->in_w;
+    if (s->kind == TDM_MODEL_MLP && s->dims[0] == 784) {
+        *c = 1;
+        *h = 28;
+        *w = 28;
+    }
+    *classes = s->n_classes;
+}
+
 void tdm_model_spec_describe(const tdm_model_spec *s, char *buf, size_t len)
 {
     if (s->kind == TDM_MODEL_CNN) {

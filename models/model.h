@@ -54,6 +54,10 @@ void tdm_model_spec_mlp(tdm_model_spec *s, const int *dims, int ndims);
 void tdm_model_spec_cnn(tdm_model_spec *s);
 /* Parses "mlp", "mlp:784-128-10", "cnn". */
 tdm_status tdm_model_spec_parse(tdm_model_spec *s, const char *text);
+/* The sample shape a model reads and its class count, for building
+ * matching (e.g. synthetic) data: the CNN's image; an MLP with 784 inputs
+ * reads 1x28x28 images (Fashion-MNIST), any other MLP 1x1xN. */
+void tdm_model_spec_sample_shape(const tdm_model_spec *s, int *c, int *h, int *w, int *classes);
 /* "mlp 784-1024-1024-10" */
 void tdm_model_spec_describe(const tdm_model_spec *s, char *buf, size_t len);
 

@@ -184,10 +184,10 @@ int tdm_tool_bench_dp_main(int argc, char **argv)
     /* a few distinct batches, cycled */
     tdm_bench_dp_data d = {.batch = (int)batch, .n_batches = 4,
                            .features = tdm_model_in_features(master)};
-    int c = ms.in_c, h = ms.in_h, w = ms.in_w;
-    if (ms.kind == TDM_MODEL_MLP && d.features == 784) c = 1, h = 28, w = 28;
-    if ((st = tdm_data_synthetic(&ds, (int64_t)d.batch * d.n_batches, c, h, w,
-                                 tdm_model_n_classes(master), (uint64_t)seed, 0)) != TDM_STATUS_OK) {
+    int c, h, w, classes;
+    tdm_model_spec_sample_shape(&ms, &c, &h, &w, &classes);
+    if ((st = tdm_data_synthetic(&ds, (int64_t)d.batch * d.n_batches, c, h, w, classes,
+                                 (uint64_t)seed, 0)) != TDM_STATUS_OK) {
         tdm_bench_dp_fail("synthetic data", st);
         goto done;
     }

@@ -152,10 +152,8 @@ static int tdm_bench_train(int argc, char **argv)
     tdm_optim *opt = NULL;
     tdm_dataset data = {0};
     int rc = 1;
-    int c = spec.kind == TDM_MODEL_CNN ? spec.in_c : 1;
-    int h = spec.kind == TDM_MODEL_CNN ? spec.in_h : 1;
-    int w = spec.kind == TDM_MODEL_CNN ? spec.in_w : spec.dims[0];
-    int classes = spec.kind == TDM_MODEL_CNN ? spec.n_classes : spec.dims[spec.ndims - 1];
+    int c, h, w, classes;
+    tdm_model_spec_sample_shape(&spec, &c, &h, &w, &classes);
     tdm_bench_step_ctx ctx = {0};
     tdm_epoch_stats es;
     if (tdm_device_open(&d, "cpu", 0, (int)threads) != TDM_STATUS_OK ||

@@ -323,11 +323,8 @@ int tdm_tool_compare_main(int argc, char **argv)
     tdm_cmp_data data = {0};
     tdm_status st;
     if (o.data && !strcmp(o.data, "synthetic")) {
-        int c = spec.kind == TDM_MODEL_CNN ? spec.in_c : 1;
-        int h = spec.kind == TDM_MODEL_CNN ? spec.in_h : 1;
-        int w = spec.kind == TDM_MODEL_CNN ? spec.in_w : spec.dims[0];
-        if (spec.kind == TDM_MODEL_MLP && spec.dims[0] == 784) { h = 28; w = 28; }
-        int classes = spec.kind == TDM_MODEL_CNN ? spec.n_classes : spec.dims[spec.ndims - 1];
+        int c, h, w, classes;
+        tdm_model_spec_sample_shape(&spec, &c, &h, &w, &classes);
         int64_t n = (int64_t)o.batch * (o.steps < 50 ? o.steps : 50);
         st = tdm_data_synthetic(&data.train, n, c, h, w, classes, 1234, 0);
     } else {
@@ -337,12 +334,11 @@ int tdm_tool_compare_main(int argc, char **argv)
         fprintf(stderr, "tandem compare: loading data: %s\n", tdm_error_message());
         return 1;
     }
-    if (tdm_data_features(&data.train) != (spec.kind == TDM_MODEL_CNN
-                                               ? (int64_t)spec.in_c * spec.in_h * spec.in_w
-                                               : spec.dims[0])) {
+    int64_t want = (int64_t)spec.in_c * spec.in_h * spec.in_w; /* the MLP's in_w is dims[0] */
+    if (tdm_data_features(&data.train) != want) {
         fprintf(stderr, "tandem compare: the data has %lld features per sample but model %s "
-                        "expects another input size\n",
-                (long long)tdm_data_features(&data.train), o.model);
+                        "expects %lld\n", (long long)tdm_data_features(&data.train), o.model,
+                (long long)want);
         tdm_data_free(&data.train);
         return 2;
     }

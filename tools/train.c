@@ -182,9 +182,8 @@ int tdm_train_load_data(const tdm_train_args *a, const tdm_model_spec *spec, tdm
     memset(train, 0, sizeof *train);
     memset(test, 0, sizeof *test);
     if (synthetic) {
-        int c = spec->in_c, h = spec->in_h, w = spec->in_w;
-        int classes = spec->kind == TDM_MODEL_MLP ? spec->dims[spec->ndims - 1] : spec->n_classes;
-        if (spec->kind == TDM_MODEL_MLP && spec->dims[0] == 784) { c = 1; h = 28; w = 28; }
+        int c, h, w, classes;
+        tdm_model_spec_sample_shape(spec, &c, &h, &w, &classes);
         st = tdm_data_synthetic(train, a->synthetic_size, c, h, w, classes, 1234, 0);
         if (st == TDM_STATUS_OK)
             st = tdm_data_synthetic(test, a->synthetic_size / 6 > 0 ? a->synthetic_size / 6 : 1,
@@ -200,6 +199,37 @@ int tdm_train_load_data(const tdm_train_args *a, const tdm_model_spec *spec, tdm
         return 0;
     }
     return 1;
+}
+
+int tdm_train_check_features(const tdm_dataset *train, const tdm_model *m)
+{
+    if (tdm_data_features(train) == tdm_model_in_features(m)) return 1;
+    fprintf(stderr, "tandem train: the data has %lld features per sample but the model "
+                    "expects %d\n", (long long)tdm_data_features(train),
+            tdm_model_in_features(m));
+    return 0;
+}
+
+int tdm_train_resume(const tdm_train_args *a, tdm_model *m, tdm_optim *opt,
+                     int64_t *start_epoch)
+{
+    tdm_ckpt_info info;
+    *start_epoch = 0;
+    if (!a->resume) return 1;
+    tdm_status st = tdm_checkpoint_load(a->resume, m, opt, &info);
+    if (st != TDM_STATUS_OK) {
+        tdm_train_fail("resuming", st);
+        return 0;
+    }
+    *start_epoch = info.epoch;
+    tdm_train_print_resumed(a->resume, &info);
+    return 1;
+}
+
+void tdm_train_print_resumed(const char *path, const tdm_ckpt_info *info)
+{
+    printf("resumed %s: epoch %lld, step %lld\n", path, (long long)info->epoch,
+           (long long)info->step);
 }
 
 int tdm_train_make_optim(const tdm_train_args *a, tdm_model *m, tdm_optim **opt)
@@ -350,24 +380,13 @@ int tdm_train_run_single(const tdm_train_args *a)
         tdm_train_fail("building model", st);
         goto done;
     }
-    if ((int64_t)train.c * train.h * train.w != tdm_model_in_features(m)) {
-        fprintf(stderr, "tandem train: the data has %d features per sample but the model "
-                        "expects %d\n", train.c * train.h * train.w, tdm_model_in_features(m));
+    if (!tdm_train_check_features(&train, m)) {
         rc = 2;
         goto done;
     }
     if (!tdm_train_make_optim(a, m, &opt)) goto done;
     int64_t start_epoch = 0;
-    if (a->resume) {
-        tdm_ckpt_info info;
-        if ((st = tdm_checkpoint_load(a->resume, m, opt, &info)) != TDM_STATUS_OK) {
-            tdm_train_fail("resuming", st);
-            goto done;
-        }
-        start_epoch = info.epoch;
-        printf("resumed %s: epoch %lld, step %lld\n", a->resume, (long long)info.epoch,
-               (long long)info.step);
-    }
+    if (!tdm_train_resume(a, m, opt, &start_epoch)) goto done;
     char devdesc[64];
     snprintf(devdesc, sizeof devdesc, "device %s, %lld BLAS thread%s", dev->name,
              (long long)a->threads, a->threads > 1 ? "s" : "");

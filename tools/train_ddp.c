@@ -198,8 +198,7 @@ static int tdm_train_ddp_rank_main(tdm_comm *comm, void *arg)
             goto done;
         }
         start_epoch = info.epoch;
-        printf("resumed %s: epoch %lld, step %lld\n", a.resume, (long long)info.epoch,
-               (long long)info.step);
+        tdm_train_print_resumed(a.resume, &info);
     }
     char devdesc[96];
     snprintf(devdesc, sizeof devdesc, "%d processes on %s (%s communicator%s)", world,
@@ -331,10 +330,7 @@ int tdm_train_run_ddp(const tdm_train_args *a)
         fprintf(stderr, "tandem train: building model: %s\n", tdm_error_message());
         goto done;
     }
-    if (tdm_data_features(&train) != tdm_model_in_features(probe)) {
-        fprintf(stderr, "tandem train: the data has %lld features per sample but the model "
-                        "expects %d\n", (long long)tdm_data_features(&train),
-                tdm_model_in_features(probe));
+    if (!tdm_train_check_features(&train, probe)) {
         rc = 2;
         goto done;
     }

@@ -62,24 +62,13 @@ int tdm_train_run_dp(const tdm_train_args *a)
         tdm_train_dp_fail("building model");
         goto done;
     }
-    if ((int64_t)train.c * train.h * train.w != tdm_model_in_features(m)) {
-        fprintf(stderr, "tandem train: the data has %d features per sample but the model "
-                        "expects %d\n", train.c * train.h * train.w, tdm_model_in_features(m));
+    if (!tdm_train_check_features(&train, m)) {
         rc = 2;
         goto done;
     }
     if (!tdm_train_make_optim(a, m, &opt)) goto done;
     int64_t start_epoch = 0;
-    if (a->resume) {
-        tdm_ckpt_info info;
-        if (tdm_checkpoint_load(a->resume, m, opt, &info) != TDM_STATUS_OK) {
-            tdm_train_dp_fail("resuming");
-            goto done;
-        }
-        start_epoch = info.epoch;
-        printf("resumed %s: epoch %lld, step %lld\n", a->resume, (long long)info.epoch,
-               (long long)info.step);
-    }
+    if (!tdm_train_resume(a, m, opt, &start_epoch)) goto done;
     if (tdm_dp_init(&dp, m, devs, n, NULL) != TDM_STATUS_OK) {
         tdm_train_dp_fail("DataParallel");
         goto done;

@@ -8,6 +8,7 @@
 #include <stdint.h>
 
 #include "core/data.h"
+#include "models/checkpoint.h"
 #include "models/model.h"
 #include "models/optim.h"
 #include "models/train.h"
@@ -26,6 +27,13 @@ typedef int (*tdm_train_after_epoch_fn)(void *ctx, int64_t epoch);
 int tdm_train_mode_absent(const char *mode);
 int tdm_train_load_data(const tdm_train_args *a, const tdm_model_spec *spec, tdm_dataset *train,
                         tdm_dataset *test);
+/* 1 when the data's features per sample fit the model; else 0, said on stderr. */
+int tdm_train_check_features(const tdm_dataset *train, const tdm_model *m);
+/* With --resume, loads the checkpoint into m and opt and sets *start_epoch
+ * (0 without); 0 on failure, said on stderr. */
+int tdm_train_resume(const tdm_train_args *a, tdm_model *m, tdm_optim *opt,
+                     int64_t *start_epoch);
+void tdm_train_print_resumed(const char *path, const tdm_ckpt_info *info);
 int tdm_train_make_optim(const tdm_train_args *a, tdm_model *m, tdm_optim **opt);
 void tdm_train_print_header(const tdm_train_args *a, const tdm_model_spec *spec,
                             const tdm_dataset *train, const tdm_dataset *test, int64_t params,
