@@ -17,14 +17,14 @@ typedef struct cli_result {
     char out[262144];
 } cli_result;
 
-static const char *cli_bin(void)
+static inline const char *cli_bin(void)
 {
     const char *b = getenv("TANDEM_BIN");
     return b && *b ? b : "build/tandem";
 }
 
 /* Runs tandem with args (NULL-terminated), stdout+stderr captured. */
-static void cli_run(cli_result *r, const char *const *args)
+static inline void cli_run(cli_result *r, const char *const *args)
 {
     int fds[2];
     cr_assert(pipe(fds) == 0);
@@ -39,7 +39,7 @@ static void cli_run(cli_result *r, const char *const *args)
         dup2(fds[1], 1);
         dup2(fds[1], 2);
         close(fds[0]);
-        alarm(120);
+        alarm(300); /* bounds a hung child; tests set their own, shorter .timeout */
         execv(argv[0], (char *const *)argv);
         _exit(127);
     }
@@ -56,7 +56,7 @@ static void cli_run(cli_result *r, const char *const *args)
 
 #define CLI(r, ...) cli_run((r), (const char *const[]){__VA_ARGS__, NULL})
 
-static void expect(const cli_result *r, int code, const char *phrase)
+static inline void expect(const cli_result *r, int code, const char *phrase)
 {
     cr_assert_eq(r->code, code, "exit %d (expected %d); output:\n%s", r->code, code, r->out);
     if (phrase)

@@ -30,6 +30,7 @@
 #include "shm/shm_comm.h"
 #include "shm/spawn.h"
 #include "tests/test_util.h"
+#include "tests/cli_util.h"
 
 /* Weak: NULL in a build without cuda/. */
 __attribute__((weak)) tdm_status tdm_cuda_device_count(int *n);
@@ -285,50 +286,13 @@ Test(cuda_nodev, nccl_group_init_fails)
 
 /* ---- the CLI ---- */
 
-typedef struct cu_cli {
-    int code;
-    char out[65536];
-} cu_cli;
-
-static void cu_cli_run(cu_cli *r, const char *const *args)
-{
-    const char *bin = getenv("TANDEM_BIN");
-    if (!bin || !*bin) bin = "build/tandem";
-    int fds[2];
-    cr_assert(pipe(fds) == 0);
-    pid_t pid = fork();
-    cr_assert(pid >= 0);
-    if (pid == 0) {
-        const char *argv[32];
-        int n = 0;
-        argv[n++] = bin;
-        for (int i = 0; args[i] && n < 31; i++) argv[n++] = args[i];
-        argv[n] = NULL;
-        dup2(fds[1], 1);
-        dup2(fds[1], 2);
-        close(fds[0]);
-        alarm(300);
-        execv(bin, (char *const *)argv);
-        _exit(127);
-    }
-    close(fds[1]);
-    size_t len = 0;
-    ssize_t k;
-    while ((k = read(fds[0], r->out + len, sizeof r->out - 1 - len)) > 0) len += (size_t)k;
-    r->out[len] = '\0';
-    close(fds[0]);
-    int ws;
-    cr_assert(waitpid(pid, &ws, 0) == pid);
-    r->code = WIFEXITED(ws) ? WEXITSTATUS(ws) : 128 + WTERMSIG(ws);
-}
-
 Test(cuda_nodev, cli_train_on_cuda_fails_with_one_message)
 {
     cu_probe p;
     cu_probe_run(&p);
     if (p.ngpu > 0) cr_skip_test("a CUDA device exists: see cuda_gpu.cli_train");
-    static cu_cli r;
-    cu_cli_run(&r, (const char *const[]){"train", "--device", "cuda", "--data", "synthetic",
+    static cli_result r;
+    cli_run(&r, (const char *const[]){"train", "--device", "cuda", "--data", "synthetic",
                                          NULL});
     cr_assert_eq(r.code, 1, "exit %d (expected 1):\n%s", r.code, r.out);
     cr_assert(strstr(r.out, "no CUDA device: "), "no message:\n%s", r.out);
@@ -337,7 +301,7 @@ Test(cuda_nodev, cli_train_on_cuda_fails_with_one_message)
     /* One message: a single line of output. */
     cr_assert(strchr(r.out, '\n') == strrchr(r.out, '\n'), "more than one line:\n%s", r.out);
 
-    cu_cli_run(&r, (const char *const[]){"info", NULL});
+    cli_run(&r, (const char *const[]){"info", NULL});
     cr_assert_eq(r.code, 0, "info: exit %d:\n%s", r.code, r.out);
     if (p.backend) {
         cr_assert(strstr(r.out, "CUDA backend   yes"), "%s", r.out);
@@ -1183,8 +1147,8 @@ Test(cuda_gpu, cli_train)
 {
     cu_probe pr;
     CU_NEED_GPUS(1, &pr);
-    static cu_cli r;
-    cu_cli_run(&r, (const char *const[]){"train", "--device", "cuda", "--data", "synthetic",
+    static cli_result r;
+    cli_run(&r, (const char *const[]){"train", "--device", "cuda", "--data", "synthetic",
                                          "--epochs", "1", NULL});
     cr_assert_eq(r.code, 0, "exit %d:\n%s", r.code, r.out);
 }
