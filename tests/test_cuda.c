@@ -244,7 +244,7 @@ static int cu_nodev_rank(tdm_comm *boot, void *arg)
 {
     const cu_probe *p = arg;
     tdm_comm *c = NULL;
-    tdm_nccl_opts o = {.timeout_ms = 5000};
+    tdm_nccl_opts o = {.timeout_ms = 60000};
     tdm_status st = tdm_comm_init_nccl_opts(&c, boot, tdm_comm_rank(boot), &o);
     const char *msg = tdm_error_message();
     int ok = st == TDM_STATUS_NO_DEVICE && c == NULL && !strncmp(msg, "no CUDA device", 14) &&
@@ -264,8 +264,8 @@ Test(cuda_nodev, nccl_init_fails_on_every_rank_at_once)
         tdm_shm_spawn_result res;
         tdm_status st = tdm_shm_spawn(world, cu_nodev_rank, &p, &so, &res);
         cr_assert_eq(st, TDM_STATUS_OK, "world %d: %s", world, tdm_error_message());
-        /* Fail fast: no rank waits for a timeout (5 s here). */
-        cr_assert_lt(res.elapsed_ms, 4000.0, "world %d took %.0f ms", world, res.elapsed_ms);
+        /* Fail fast: no rank waits for the timeout (60 s here). */
+        cr_assert_lt(res.elapsed_ms, 10000.0, "world %d took %.0f ms", world, res.elapsed_ms);
     }
 }
 
@@ -428,11 +428,8 @@ Test(cuda_gpu, gemm_matches_host_all_transposes)
     CU_NEED_GPUS(1, &pr);
     cu_t_gemm_matches_host_all_transposes(0);
 }
-Test(cuda_emu, gemm_matches_host_all_transposes)
-{
-    CU_NEED_BACKEND();
-    cu_t_gemm_matches_host_all_transposes(1);
-}
+/* No emulator variant: the emulator's gemm is the host's own, so it would
+ * compare host sgemm with itself. The host mapping is tested in test_gemm. */
 
 static void cu_t_memory_ops(int emu)
 {
@@ -975,10 +972,18 @@ Test(cuda_gpu, nccl_one_rank)
     TU_OK(tdm_comm_all_reduce_async(c, buf, buf, 1000, TDM_DTYPE_FLOAT32, TDM_REDOP_AVG, &w));
     TU_OK(tdm_comm_work_wait(w, 20000));
     tdm_comm_work_free(w);
-    /* comm-allocated memory */
+    float *avg = cu_down(d, buf, sizeof h); /* AVG over one rank is the identity */
+    for (int i = 0; i < 1000; i++) cr_assert_eq(avg[i], 2.0f * (float)i, "avg [%d] %g", i, avg[i]);
+    free(avg);
+    /* comm-allocated memory, filled and read back around a broadcast */
     void *cm = NULL;
     TU_OK(tdm_comm_alloc(c, 4096, &cm));
+    int32_t ci[1024], co[1024];
+    for (int i = 0; i < 1024; i++) ci[i] = i * 3 - 7;
+    TU_OK(d->ops->copy_from_host(d, cm, ci, sizeof ci));
     TU_OK(tdm_comm_broadcast(c, cm, cm, 1024, TDM_DTYPE_INT32, 0));
+    TU_OK(d->ops->copy_to_host(d, co, cm, sizeof co));
+    cr_assert(!memcmp(ci, co, sizeof ci), "broadcast over comm memory changed it");
     /* After abort every call fails at once with the reason. */
     TU_OK(tdm_comm_abort(c, "test abort"));
     tdm_status st = tdm_comm_all_reduce(c, buf, buf, 10, TDM_DTYPE_FLOAT32, TDM_REDOP_SUM);
@@ -1129,11 +1134,26 @@ Test(cuda_gpu, nccl_group_broadcast_reduce)
         cr_assert(!memcmp(b, hr, n * 4), "broadcast to cuda:%d differs", i);
         free(b);
     }
+    /* all_reduce MAX on fresh, different data per GPU (after the broadcast
+     * every buffer is equal, which a no-op would pass) */
+    for (int i = 0; i < ndev; i++) {
+        for (size_t j = 0; j < n; j++) h[j] = (float)((j * 5 + (size_t)i * 3) % 17);
+        TU_OK(d[i]->ops->copy_from_host(d[i], buf[i], h, n * 4));
+    }
     TU_OK(tdm_cuda_nccl_group_all_reduce(g, (void *const *)buf, n, TDM_DTYPE_FLOAT32,
                                          TDM_REDOP_MAX));
-    float *b = cu_down(d[ndev - 1], buf[ndev - 1], n * 4);
-    cr_assert(!memcmp(b, hr, n * 4), "all_reduce max differs");
-    free(b);
+    for (int i = 0; i < ndev; i++) {
+        float *b = cu_down(d[i], buf[i], n * 4);
+        for (size_t j = 0; j < n; j++) {
+            float want = 0;
+            for (int k = 0; k < ndev; k++) {
+                float v = (float)((j * 5 + (size_t)k * 3) % 17);
+                want = v > want ? v : want;
+            }
+            cr_assert_eq(b[j], want, "all_reduce max on cuda:%d [%zu]", i, j);
+        }
+        free(b);
+    }
     tdm_cuda_nccl_group_free(g);
     for (int i = 0; i < ndev; i++) {
         tdm_dev_free(d[i], buf[i]);
