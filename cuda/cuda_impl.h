@@ -13,10 +13,18 @@
 #include <cuda_runtime_api.h>
 
 #include "core/kernels.h"
+#include "core/status.h"
 
 #ifdef __cplusplus
 extern "C" {
 #endif
+
+/* The tdm_status a CUDA error stands for (no device, out of memory, ...);
+ * one mapping for the device backend and the NCCL communicator. */
+tdm_status tdm_cuda_status_of(cudaError_t e);
+/* Teardown calls have no caller to fail to: a failing one is logged at
+ * WARN ("<where>: <what>: <CUDA's string> (<name>)") and otherwise ignored. */
+void tdm_cuda_warn(const char *where, const char *what, cudaError_t e);
 
 /* Where a launcher runs its kernel: enqueued on `stream` (the GPU), or,
  * when `host` is set, as a plain loop on the calling thread over the

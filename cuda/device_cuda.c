@@ -42,7 +42,7 @@ static tdm_cuda_dev *tdm_cuda_impl(tdm_device *d) { return (tdm_cuda_dev *)d->im
 
 /* --- errors --------------------------------------------------------------- */
 
-static tdm_status tdm_cuda_status_of(cudaError_t e)
+tdm_status tdm_cuda_status_of(cudaError_t e)
 {
     switch (e) {
     case cudaErrorMemoryAllocation: return TDM_STATUS_OUT_OF_MEMORY;
@@ -55,11 +55,30 @@ static tdm_status tdm_cuda_status_of(cudaError_t e)
     }
 }
 
+void tdm_cuda_warn(const char *where, const char *what, cudaError_t e)
+{
+    if (e != cudaSuccess)
+        TDM_WARN(CUDA, "%s: %s: %s (%s)", where, what, cudaGetErrorString(e),
+                 cudaGetErrorName(e));
+}
+
+/* Errors a kernel leaves behind for later calls to report: the call that
+ * reports one may not be the one that caused it. */
+static int tdm_cuda_sticky(cudaError_t e)
+{
+    return e == cudaErrorIllegalAddress || e == cudaErrorLaunchFailure ||
+           e == cudaErrorMisalignedAddress || e == cudaErrorIllegalInstruction ||
+           e == cudaErrorHardwareStackError || e == cudaErrorAssert;
+}
+
 /* "<dev>: <what>: <CUDA's string> (<CUDA's error name>)" */
 static tdm_status tdm_cuda_fail(const char *dev, const char *what, cudaError_t e)
 {
-    return tdm_error_set(tdm_cuda_status_of(e), "%s: %s: %s (%s)", dev, what,
-                         cudaGetErrorString(e), cudaGetErrorName(e));
+    return tdm_error_set(tdm_cuda_status_of(e), "%s: %s: %s (%s)%s", dev, what,
+                         cudaGetErrorString(e), cudaGetErrorName(e),
+                         tdm_cuda_sticky(e) ? "; it may come from an earlier kernel on this "
+                                              "device (rerun with CUDA_LAUNCH_BLOCKING=1)"
+                                            : "");
 }
 
 #define TDM_CUDA_CHECK(d, what, call)                                     \
@@ -239,9 +258,13 @@ static void cuda_close(tdm_device *d)
         TDM_WARN(CUDA, "%s: closing: %s (%s)", d->name, cudaGetErrorString(e),
                  cudaGetErrorName(e));
     if (c->stream) tdm_cuda_open_remove(c->stream);
-    if (c->blas) cublasDestroy(c->blas);
-    if (c->bad_row) cudaFree(c->bad_row);
-    if (c->stream) cudaStreamDestroy(c->stream);
+    if (c->blas) {
+        cublasStatus_t b = cublasDestroy(c->blas);
+        if (b != CUBLAS_STATUS_SUCCESS)
+            TDM_WARN(CUDA, "%s: closing: cublasDestroy: %s", d->name, cublasGetStatusString(b));
+    }
+    if (c->bad_row) tdm_cuda_warn(d->name, "closing: cudaFree", cudaFree(c->bad_row));
+    if (c->stream) tdm_cuda_warn(d->name, "closing: cudaStreamDestroy", cudaStreamDestroy(c->stream));
     free(c);
     d->impl = NULL;
 }
@@ -431,6 +454,18 @@ static tdm_status cuda_adamw_step(tdm_device *d, int64_t n_elem, float *param, c
                                        weight_decay, bc1, bc2));
 }
 
+/* The compute entries, shared by the GPU and the emulator tables (only
+ * memory, sync and close differ), so the two cannot drift apart. */
+#define TDM_CUDA_COMPUTE_OPS                                                  \
+    .gemm = cuda_gemm, .bias_act = cuda_bias_act, .relu_bwd = cuda_relu_bwd,  \
+    .softmax_xent = cuda_softmax_xent, .axpy = cuda_axpy, .scale = cuda_scale, \
+    .im2col = cuda_im2col, .col2im = cuda_col2im,                             \
+    .maxpool_fwd = cuda_maxpool_fwd, .maxpool_bwd = cuda_maxpool_bwd,         \
+    .bn_stats = cuda_bn_stats, .bn_prep = cuda_bn_prep, .bn_fwd = cuda_bn_fwd, \
+    .bn_bwd = cuda_bn_bwd, .cnhw_to_nchw = cuda_cnhw_to_nchw,                 \
+    .nchw_to_cnhw = cuda_nchw_to_cnhw, .sgd_step = cuda_sgd_step,             \
+    .adamw_step = cuda_adamw_step
+
 static const tdm_device_ops tdm_cuda_ops = {
     .alloc = cuda_alloc,
     .free = cuda_free,
@@ -440,24 +475,7 @@ static const tdm_device_ops tdm_cuda_ops = {
     .memset_zero = cuda_memset_zero,
     .sync = cuda_sync,
     .close = cuda_close,
-    .gemm = cuda_gemm,
-    .bias_act = cuda_bias_act,
-    .relu_bwd = cuda_relu_bwd,
-    .softmax_xent = cuda_softmax_xent,
-    .axpy = cuda_axpy,
-    .scale = cuda_scale,
-    .im2col = cuda_im2col,
-    .col2im = cuda_col2im,
-    .maxpool_fwd = cuda_maxpool_fwd,
-    .maxpool_bwd = cuda_maxpool_bwd,
-    .bn_stats = cuda_bn_stats,
-    .bn_prep = cuda_bn_prep,
-    .bn_fwd = cuda_bn_fwd,
-    .bn_bwd = cuda_bn_bwd,
-    .cnhw_to_nchw = cuda_cnhw_to_nchw,
-    .nchw_to_cnhw = cuda_nchw_to_cnhw,
-    .sgd_step = cuda_sgd_step,
-    .adamw_step = cuda_adamw_step,
+    TDM_CUDA_COMPUTE_OPS,
 };
 
 /* --- count, open, registration --------------------------------------------- */
@@ -668,24 +686,7 @@ static const tdm_device_ops tdm_cuda_emu_ops = {
     .memset_zero = emu_memset_zero,
     .sync = emu_sync,
     .close = emu_close,
-    .gemm = cuda_gemm,
-    .bias_act = cuda_bias_act,
-    .relu_bwd = cuda_relu_bwd,
-    .softmax_xent = cuda_softmax_xent,
-    .axpy = cuda_axpy,
-    .scale = cuda_scale,
-    .im2col = cuda_im2col,
-    .col2im = cuda_col2im,
-    .maxpool_fwd = cuda_maxpool_fwd,
-    .maxpool_bwd = cuda_maxpool_bwd,
-    .bn_stats = cuda_bn_stats,
-    .bn_prep = cuda_bn_prep,
-    .bn_fwd = cuda_bn_fwd,
-    .bn_bwd = cuda_bn_bwd,
-    .cnhw_to_nchw = cuda_cnhw_to_nchw,
-    .nchw_to_cnhw = cuda_nchw_to_cnhw,
-    .sgd_step = cuda_sgd_step,
-    .adamw_step = cuda_adamw_step,
+    TDM_CUDA_COMPUTE_OPS,
 };
 
 static tdm_status tdm_cuda_emulator_make(tdm_device **out, int index, tdm_device_kind kind);

@@ -206,12 +206,8 @@ static tdm_status tdm_nccl_enq(tdm_nccl_watch *w, ncclResult_t r, const char *wh
 
 static tdm_status tdm_nccl_cuda_fail(const char *what, int dev, cudaError_t e)
 {
-    tdm_status st = e == cudaErrorNoDevice || e == cudaErrorInsufficientDriver ||
-                            e == cudaErrorInvalidDevice
-                        ? TDM_STATUS_NO_DEVICE
-                        : TDM_STATUS_SYSTEM;
-    return tdm_error_set(st, "nccl: %s on cuda:%d: %s (%s)", what, dev, cudaGetErrorString(e),
-                         cudaGetErrorName(e));
+    return tdm_error_set(tdm_cuda_status_of(e), "nccl: %s on cuda:%d: %s (%s)", what, dev,
+                         cudaGetErrorString(e), cudaGetErrorName(e));
 }
 
 /* Orders stream s after the compute stream of the tdm_device open on dev
@@ -432,13 +428,18 @@ static void tdm_nccl_destroy(void *impl)
                 TDM_WARN(CUDA, "ncclCommDestroy on cuda:%d: %s", c->device, ncclGetErrorString(r));
         }
     } else if (c->comm) {
-        (void)ncclCommAbort(c->comm);
+        ncclResult_t r = ncclCommAbort(c->comm);
+        if (r != ncclSuccess)
+            TDM_WARN(CUDA, "ncclCommAbort on cuda:%d: %s", c->device, ncclGetErrorString(r));
     }
-    for (size_t i = 0; i < c->n_allocs; i++) cudaFree(c->allocs[i]);
+    char where[32];
+    snprintf(where, sizeof where, "nccl on cuda:%d", c->device);
+    for (size_t i = 0; i < c->n_allocs; i++)
+        tdm_cuda_warn(where, "cudaFree", cudaFree(c->allocs[i]));
     free(c->allocs);
-    if (c->scratch) cudaFree(c->scratch);
-    if (c->done) cudaEventDestroy(c->done);
-    if (c->stream) cudaStreamDestroy(c->stream);
+    if (c->scratch) tdm_cuda_warn(where, "cudaFree", cudaFree(c->scratch));
+    if (c->done) tdm_cuda_warn(where, "cudaEventDestroy", cudaEventDestroy(c->done));
+    if (c->stream) tdm_cuda_warn(where, "cudaStreamDestroy", cudaStreamDestroy(c->stream));
     free(c);
 }
 
@@ -483,7 +484,14 @@ tdm_status tdm_comm_init_nccl_opts(tdm_comm **out, tdm_comm *bootstrap, int devi
     }
     if (local != TDM_STATUS_OK) snprintf(local_msg, sizeof local_msg, "%s", tdm_error_message());
     oks = calloc((size_t)size, sizeof *oks);
-    if (!oks) return tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "tdm_comm_init_nccl: calloc");
+    if (!oks) {
+        /* The others are about to wait for us in the all_gather: abort the
+         * bootstrap group so they fail now, not at its deadline. */
+        tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "tdm_comm_init_nccl: rank %d cannot allocate "
+                      "%d ints", rank, size);
+        (void)tdm_comm_abort(bootstrap, tdm_error_message());
+        return TDM_STATUS_OUT_OF_MEMORY;
+    }
     int32_t mine = local == TDM_STATUS_OK ? 1 : -(int32_t)local;
     TDM_TRY(tdm_comm_all_gather(bootstrap, &mine, oks, 1, TDM_DTYPE_INT32));
     if (local != TDM_STATUS_OK) {
@@ -616,17 +624,27 @@ void tdm_cuda_nccl_group_free(tdm_cuda_nccl_group *g)
             for (int i = 0; i < g->n; i++)
                 if (g->comms[i]) {
                     if (cudaSetDevice(g->devices[i]) != cudaSuccess) (void)cudaGetLastError();
-                    (void)ncclCommDestroy(g->comms[i]);
+                    ncclResult_t r = ncclCommDestroy(g->comms[i]);
+                    if (r != ncclSuccess)
+                        TDM_WARN(CUDA, "ncclCommDestroy on cuda:%d: %s", g->devices[i],
+                                 ncclGetErrorString(r));
                 }
         } else {
             for (int i = 0; i < g->n; i++)
-                if (g->comms[i]) (void)ncclCommAbort(g->comms[i]);
+                if (g->comms[i]) {
+                    ncclResult_t r = ncclCommAbort(g->comms[i]);
+                    if (r != ncclSuccess)
+                        TDM_WARN(CUDA, "ncclCommAbort on cuda:%d: %s", g->devices[i],
+                                 ncclGetErrorString(r));
+                }
         }
     }
     for (int i = 0; i < g->n; i++) {
         if (g->devices && cudaSetDevice(g->devices[i]) != cudaSuccess) (void)cudaGetLastError();
-        if (g->events && g->events[i]) cudaEventDestroy(g->events[i]);
-        if (g->streams && g->streams[i]) cudaStreamDestroy(g->streams[i]);
+        if (g->events && g->events[i])
+            tdm_cuda_warn("nccl group", "cudaEventDestroy", cudaEventDestroy(g->events[i]));
+        if (g->streams && g->streams[i])
+            tdm_cuda_warn("nccl group", "cudaStreamDestroy", cudaStreamDestroy(g->streams[i]));
     }
     free(g->devices);
     free(g->comms);
