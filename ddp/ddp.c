@@ -332,7 +332,8 @@ static tdm_status tdm_ddp_drain(tdm_ddp *d)
                      (long long)bk->n_elem, bk->first, bk->last, tdm_error_message());
             tdm_comm_abort(d->comm, msg);
         }
-        if (s == TDM_STATUS_TIMEOUT) continue;   /* still running: leak rather than free */
+        /* freeing a still-running work is allowed: it completes in the
+         * background (core/comm.h), and the communicator is aborted */
         tdm_comm_work_free(bk->work);
         bk->work = NULL;
     }
@@ -409,13 +410,9 @@ tdm_status tdm_ddp_init(tdm_ddp **out, tdm_model *m, tdm_comm *comm, const tdm_d
     *out = d;
     return TDM_STATUS_OK;
 fail:
-    if (d->grads && !d->zero_copy) tdm_dev_free(d->dev, d->grads);
-    free(d->b);
-    free(d->bt);
-    free(d->param_bucket);
-    free(d->ready);
-    free(d->unused);
-    free(d);
+    /* tdm_ddp_free undoes any prefix of the above: no work is in flight,
+     * and giving back grad storage the model still owns is a no-op. */
+    tdm_ddp_free(d);
     return st;
 }
 

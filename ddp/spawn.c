@@ -38,7 +38,7 @@ tdm_status tdm_ddp_spawn(int world, tdm_ddp_spawn_fn fn, void *arg,
     so.shm.arena_bytes = o.arena_bytes;
     so.shm.timeout_ms = o.comm_timeout_ms;
     tdm_ddp_spawn_ctx c = {.fn = fn, .arg = arg};
-    tdm_shm_spawn_result own;
+    tdm_shm_spawn_result own = {0};
     tdm_shm_spawn_result *rr = res ? res : &own;
     tdm_status st = tdm_shm_spawn(world, tdm_ddp_spawn_child, &c, &so, rr);
     if (st != TDM_STATUS_PEER_FAILED) return st;

@@ -263,3 +263,17 @@ Test(launch, sigkill_mid_training_forked)
 {
     check_kill_and_resume(0);
 }
+
+/* A launched DDP rank checks that the data fits the model, as the forked
+ * path does (it used to train on rows read at the wrong stride). */
+Test(launch, launched_ddp_refuses_data_that_does_not_fit)
+{
+    if (access("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz", R_OK))
+        cr_skip_test("Fashion-MNIST not installed (dataset-fashion-mnist)");
+    int rc = run(60, NULL, "%s launch -n 2 -- %s train --mode ddp --model mlp:100-10 "
+                 "--epochs 1 --max-steps 2 --no-eval", g_tandem, g_tandem);
+    char *err = slurp("err");
+    cr_assert_eq(rc, 1, "rc %d: %s", rc, err);
+    cr_assert(strstr(err, "the data has 784 features per sample but the model expects 100"),
+              "%s", err);
+}

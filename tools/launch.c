@@ -191,8 +191,13 @@ int tdm_tool_launch_main(int argc, char **argv)
                 fprintf(stderr, "tandem launch: %s: %s\n", path, strerror(errno));
                 break;
             }
-        } else if (pipe2(fds[0], O_CLOEXEC) || pipe2(fds[1], O_CLOEXEC)) {
+        } else if (pipe2(fds[0], O_CLOEXEC)) {
             fprintf(stderr, "tandem launch: pipe: %s\n", strerror(errno));
+            break;
+        } else if (pipe2(fds[1], O_CLOEXEC)) {
+            fprintf(stderr, "tandem launch: pipe: %s\n", strerror(errno));
+            close(fds[0][0]);
+            close(fds[0][1]);
             break;
         }
         pid_t p = fork();

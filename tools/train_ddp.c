@@ -168,6 +168,11 @@ static int tdm_train_ddp_rank_main(tdm_comm *comm, void *arg)
         tdm_train_ddp_fail(rank, "building model", st);
         goto done;
     }
+    /* the forked path checked on a probe; a launched rank checks here */
+    if (!tdm_train_check_features(c->train, m)) {
+        rc = 2;
+        goto done;
+    }
     if (dev->kind == TDM_DEVICE_CUDA) {
         /* Collective over comm; a rank that failed before it has aborted
          * comm (at done:), so the others' bootstrap fails at once. */
