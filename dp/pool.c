@@ -91,13 +91,25 @@ static inline void tdm_dp_cpu_relax(void)
 #endif
 }
 
-static void tdm_dp_futex_wait(_Atomic uint32_t *word, uint32_t expected, uint64_t timeout_ns)
+/* Sleeps that ended by timeout and then found the word changed: a publish
+ * whose wake-up never came. The sleep slice bounds the cost of one, so
+ * only this count (checked by the tests) makes a lost wake-up visible. */
+static _Atomic uint64_t tdm_dp_lost_wakeups;
+
+uint64_t tdm_dp_pool_lost_wakeups(void)
+{
+    return atomic_load_explicit(&tdm_dp_lost_wakeups, memory_order_relaxed);
+}
+
+/* Returns 1 when the sleep timed out. */
+static int tdm_dp_futex_wait(_Atomic uint32_t *word, uint32_t expected, uint64_t timeout_ns)
 {
     struct timespec ts = {.tv_sec = (time_t)(timeout_ns / 1000000000ull),
                           .tv_nsec = (long)(timeout_ns % 1000000000ull)};
     /* EINTR, EAGAIN (word already changed) and ETIMEDOUT all mean: look
      * again; the callers loop. */
-    (void)syscall(SYS_futex, (uint32_t *)word, FUTEX_WAIT_PRIVATE, expected, &ts, NULL, 0);
+    long r = syscall(SYS_futex, (uint32_t *)word, FUTEX_WAIT_PRIVATE, expected, &ts, NULL, 0);
+    return r == -1 && errno == ETIMEDOUT;
 }
 
 static void tdm_dp_futex_wake(_Atomic uint32_t *word)
@@ -144,10 +156,13 @@ static uint32_t tdm_dp_wait(_Atomic uint32_t *word, _Atomic uint32_t *sleeping, 
         v = atomic_load_explicit(word, memory_order_seq_cst);
         if ((v == value) == want_equal) break;
         if (stop && atomic_load_explicit(stop, memory_order_acquire)) break;
-        tdm_dp_futex_wait(word, v, TDM_DP_POOL_SLEEP_NS);
+        int timed_out = tdm_dp_futex_wait(word, v, TDM_DP_POOL_SLEEP_NS);
         atomic_store_explicit(sleeping, 0, memory_order_relaxed);
         v = atomic_load_explicit(word, memory_order_acquire);
-        if ((v == value) == want_equal) return v;
+        if ((v == value) == want_equal) {
+            if (timed_out) atomic_fetch_add_explicit(&tdm_dp_lost_wakeups, 1, memory_order_relaxed);
+            return v;
+        }
         if (who_slot >= 0 && tdm_time_ns() >= next_warn) {
             /* No deadline on compute: a replica cannot die on its own
              * (a crash ends the process), so a long wait is a slow or

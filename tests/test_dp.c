@@ -32,6 +32,7 @@
 
 #include "core/rng.h"
 #include "dp/dp.h"
+#include "dp/pool.h"
 #include "models/model.h"
 #include "models/optim.h"
 
@@ -552,10 +553,12 @@ static void many_applies(int n, int calls)
     tdm_dp *dp;
     cr_assert_eq(tdm_dp_init(&dp, m, v.d, v.n, NULL), TDM_STATUS_OK);
     apply_ctx a = {.fail = -1};
+    uint64_t lost0 = tdm_dp_pool_lost_wakeups();
     for (int k = 0; k < calls; k++)
         cr_assert_eq(tdm_dp_parallel_apply(dp, n, apply_fn, &a), TDM_STATUS_OK);
     for (int i = 0; i < n; i++)
         cr_assert_eq(a.calls[i], calls, "replica %d ran %ld of %d calls", i, a.calls[i], calls);
+    cr_assert_eq(tdm_dp_pool_lost_wakeups(), lost0, "lost wake-ups over %d calls", calls);
     tdm_dp_free(dp);
     tdm_model_free(m);
     close_devs(&v);

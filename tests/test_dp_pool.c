@@ -42,6 +42,7 @@ static tdm_status count_fn(void *ctx, int slot)
 static void run_many(int n_slots, int caller_slot, int spin_us, int rounds, int random_masks)
 {
     tdm_dp_pool *p;
+    uint64_t lost0 = tdm_dp_pool_lost_wakeups();
     cr_assert_eq(tdm_dp_pool_init(&p, n_slots, caller_slot, spin_us), TDM_STATUS_OK, "%s",
                  tdm_error_message());
     count_ctx c = {.fail_slot = -1, .fail_slot2 = -1};
@@ -62,6 +63,9 @@ static void run_many(int n_slots, int caller_slot, int spin_us, int rounds, int 
         cr_assert_eq(c.calls[s], expect[s], "slot %d ran %ld times, expected %ld (n=%d spin=%d)",
                      s, c.calls[s], expect[s], n_slots, spin_us);
     tdm_dp_pool_free(p);
+    /* a lost wake-up only costs a sleep slice, so count them */
+    cr_assert_eq(tdm_dp_pool_lost_wakeups(), lost0, "%llu lost wake-ups (n=%d spin=%d)",
+                 (unsigned long long)(tdm_dp_pool_lost_wakeups() - lost0), n_slots, spin_us);
 }
 
 Test(dp_pool, many_rounds_spinning)
