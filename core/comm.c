@@ -305,7 +305,7 @@ tdm_status tdm_comm_call_check(const tdm_comm *comm, const tdm_comm_call *k)
 static tdm_status tdm_comm_exec(tdm_comm *comm, const tdm_comm_call *k)
 {
     tdm_status st = comm->ops->run(comm->impl, k);
-    TDM_TRACE(SHM, "%s %s(%s, count=%zu) -> %s", comm->ops->name, tdm_coll_name(k->coll),
+    TDM_TRACE(CORE, "%s %s(%s, count=%zu) -> %s", comm->ops->name, tdm_coll_name(k->coll),
               tdm_dtype_name(k->dtype), k->count, tdm_status_name(st));
     return st;
 }

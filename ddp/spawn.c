@@ -50,8 +50,10 @@ tdm_status tdm_ddp_spawn(int world, tdm_ddp_spawn_fn fn, void *arg,
     for (int r = 0; r < world; r++) {
         int ws = rr->wstatus[r];
         if (!WIFSIGNALED(ws) || WTERMSIG(ws) == SIGTERM) continue;
-        return tdm_error_set(TDM_STATUS_PEER_FAILED, "rank %d (pid %d) was killed by signal %d "
-                             "(%s)", r, (int)rr->pid[r], WTERMSIG(ws), strsignal(WTERMSIG(ws)));
+        char why[128];
+        tdm_shm_wait_status_str(ws, why, sizeof why);
+        return tdm_error_set(TDM_STATUS_PEER_FAILED, "rank %d (pid %d) %s", r,
+                             (int)rr->pid[r], why);
     }
     return st;
 }

@@ -151,13 +151,16 @@ size_t tdm_shm_nt_threshold = (size_t)8 << 20;
 void tdm_shm_copy_nt(void *dst, const void *src, size_t nbytes)
 {
 #ifdef TDM_SHM_HAVE_SSE2
-    if (nbytes < tdm_shm_nt_threshold) {
-        memcpy(dst, src, nbytes);
-        return;
-    }
     unsigned char *d = dst;
     const unsigned char *s = src;
     size_t head = (16 - ((uintptr_t)d & 15)) & 15;
+    /* The caller decides by message size (tdm_shm_nt_threshold); here only
+     * copies too short for the aligned loop fall back (head > nbytes would
+     * wrap nbytes - head). */
+    if (nbytes < head + 64) {
+        memcpy(dst, src, nbytes);
+        return;
+    }
     memcpy(d, s, head);
     d += head; s += head; nbytes -= head;
     size_t body = nbytes & ~(size_t)63;

@@ -5,6 +5,7 @@
  * table of the shm backend.
  * Not the collectives (shm/coll.c) nor the waits (shm/wait.c). */
 #include "shm/shm_impl.h"
+#include "shm/spawn.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -35,6 +36,11 @@ tdm_status tdm_shm_layout(int world, const tdm_shm_opts *opts, tdm_shm_header *h
     TDM_REQUIRE(slot >= 4096 && slot <= (1u << 30), TDM_STATUS_INVALID_ARG,
                 "shm: slot_bytes %zu out of range 4096..1 GiB", slot);
     slot = tdm_shm_round_up(slot, TDM_SHM_PAGE);
+    /* bounded so that no size below can overflow (world * arena included) */
+    size_t arena_max = ((size_t)1 << 40) / (size_t)world;
+    TDM_REQUIRE(!opts || opts->arena_bytes <= arena_max, TDM_STATUS_INVALID_ARG,
+                "shm: arena_bytes %zu too large for %d ranks (at most %zu)",
+                opts ? opts->arena_bytes : (size_t)0, world, arena_max);
     size_t arena = opts ? tdm_shm_round_up(opts->arena_bytes, TDM_SHM_PAGE) : 0;
     memset(h, 0, sizeof *h);
     h->magic = TDM_SHM_MAGIC;
@@ -166,11 +172,7 @@ void tdm_shm_group_mark_dead(tdm_shm_group *g, int rank, int wstatus)
     /* Release pairs with the acquire load of state in tdm_shm_check_peers. */
     atomic_store_explicit(&k->state, TDM_SHM_STATE_DEAD, memory_order_release);
     char why[128];
-    if (WIFSIGNALED(wstatus))
-        snprintf(why, sizeof why, "was killed by signal %d (%s)", WTERMSIG(wstatus),
-                 strsignal(WTERMSIG(wstatus)));
-    else
-        snprintf(why, sizeof why, "exited with code %d", WEXITSTATUS(wstatus));
+    tdm_shm_wait_status_str(wstatus, why, sizeof why);
     tdm_shm_raise(g->base, g->base, TDM_STATUS_PEER_FAILED, "rank %d (pid %d) %s", rank,
                   (int)atomic_load(&k->pid), why);
 }
@@ -312,14 +314,15 @@ static tdm_status tdm_shm_join(tdm_comm **out, void *base, size_t total, int unm
     if (spin && *spin) c->spin_ns = (uint64_t)strtoull(spin, NULL, 10) * 1000;
     c->cur_name = "init";
     tdm_shm_ctrl *k = tdm_shm_ctrl_of(c, rank);
-    int32_t state = atomic_load(&k->state);
-    if (state != TDM_SHM_STATE_EMPTY) {
+    /* claim the rank atomically: two processes joining as the same rank
+     * must not both succeed */
+    int32_t state = TDM_SHM_STATE_EMPTY;
+    if (!atomic_compare_exchange_strong(&k->state, &state, TDM_SHM_STATE_ALIVE)) {
         st = tdm_error_set(TDM_STATUS_MISMATCH, "shm: rank %d already joined this segment "
                            "(pid %d)", rank, (int)atomic_load(&k->pid));
         goto fail;
     }
     atomic_store(&k->pid, (int32_t)getpid());
-    atomic_store(&k->state, TDM_SHM_STATE_ALIVE);
     TDM_INFO(SHM, "rank %d of %d joined (job %016llx, %s waits)", rank, world,
              (unsigned long long)c->hdr->job_id, c->spin ? "spinning" : "sleeping");
     return tdm_comm_create(out, &tdm_shm_ops, c, rank, world);

@@ -175,7 +175,8 @@ void tdm_shm_reduce(void *dst0, void *dst1, const void *const *srcs, int nsrc, s
 /* memcpy, with non-temporal stores for large copies whose destination is
  * not read again soon. */
 void tdm_shm_copy_nt(void *dst, const void *src, size_t nbytes);
-/* Copies larger than this use non-temporal stores in tdm_shm_copy_nt. */
+/* Messages of at least this many bytes copy their portions out with
+ * non-temporal stores (tdm_shm_copy_nt); TANDEM_SHM_NT_BYTES sets it. */
 extern size_t tdm_shm_nt_threshold;
 
 #endif

@@ -32,7 +32,8 @@ static void tdm_shm_spawn_child(tdm_shm_group *g, int rank, pid_t parent,
     tdm_comm_free(comm);
     fflush(stdout);
     fflush(stderr);
-    _exit(rc & 0xff);
+    /* exit codes are 8 bits: a non-zero rc must not wrap to success */
+    _exit(rc == 0 ? 0 : (rc & 0xff) ? (rc & 0xff) : 1);
 }
 
 static void tdm_shm_spawn_sleep_ms(double ms)
@@ -41,13 +42,15 @@ static void tdm_shm_spawn_sleep_ms(double ms)
     while (nanosleep(&ts, &ts) == -1 && errno == EINTR) {}
 }
 
-static void tdm_shm_spawn_why(int wstatus, char *out, size_t n)
+void tdm_shm_wait_status_str(int wstatus, char *out, size_t n)
 {
     if (WIFSIGNALED(wstatus))
         snprintf(out, n, "was killed by signal %d (%s)", WTERMSIG(wstatus),
                  strsignal(WTERMSIG(wstatus)));
-    else
+    else if (WIFEXITED(wstatus))
         snprintf(out, n, "exited with code %d", WEXITSTATUS(wstatus));
+    else
+        snprintf(out, n, "died (wait status 0x%x)", (unsigned)wstatus);
 }
 
 tdm_status tdm_shm_spawn(int world, tdm_shm_spawn_fn fn, void *arg,
@@ -94,7 +97,14 @@ tdm_status tdm_shm_spawn(int world, tdm_shm_spawn_fn fn, void *arg,
             if (w == 0 || (w < 0 && errno == EINTR)) continue;
             reaped = 1;
             running--;
-            wst[r] = w < 0 ? (255 << 8) : ws;
+            if (w < 0) {
+                /* ECHILD: the caller ignores SIGCHLD, so exit statuses are
+                 * gone; count the rank as failed, and say so */
+                TDM_WARN(SHM, "rank %d (pid %d): waitpid: %s (is SIGCHLD ignored?)", r,
+                         (int)pid[r], strerror(errno));
+                ws = 255 << 8;
+            }
+            wst[r] = ws;
             if (res) res->wstatus[r] = wst[r];
             if (!(WIFEXITED(ws) && WEXITSTATUS(ws) == 0)) {
                 tdm_shm_group_mark_dead(g, r, ws);
@@ -103,7 +113,7 @@ tdm_status tdm_shm_spawn(int world, tdm_shm_spawn_fn fn, void *arg,
                     grace_end = tdm_time_ns() + (uint64_t)grace_ms * 1000000ull;
                     if (!st) {  /* a timeout already named the culprits */
                         char why[128];
-                        tdm_shm_spawn_why(ws, why, sizeof why);
+                        tdm_shm_wait_status_str(wst[r], why, sizeof why);
                         st = tdm_error_set(TDM_STATUS_PEER_FAILED, "rank %d (pid %d) %s", r,
                                            (int)pid[r], why);
                     }

@@ -39,4 +39,8 @@ typedef struct tdm_shm_spawn_result {
 tdm_status tdm_shm_spawn(int world, tdm_shm_spawn_fn fn, void *arg,
                          const tdm_shm_spawn_opts *opts, tdm_shm_spawn_result *res);
 
+/* "was killed by signal 9 (Killed)", "exited with code 3": how a rank
+ * ended, as every failure summary words it. */
+void tdm_shm_wait_status_str(int wstatus, char *out, size_t n);
+
 #endif

@@ -14,6 +14,7 @@
  * not lost. The value store is also the release that publishes the data
  * written before it; the waiter's loads are (at least) acquire. */
 #include "shm/shm_impl.h"
+#include "shm/spawn.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -133,16 +134,6 @@ static int tdm_shm_pid_gone(pid_t pid)
     return p && p[1] == ' ' && (p[2] == 'Z' || p[2] == 'X');
 }
 
-static void tdm_shm_describe_death(int32_t wstatus, char *out, size_t n)
-{
-    if (WIFSIGNALED(wstatus))
-        snprintf(out, n, "was killed by signal %d (%s)", WTERMSIG(wstatus),
-                 strsignal(WTERMSIG(wstatus)));
-    else if (WIFEXITED(wstatus))
-        snprintf(out, n, "exited with code %d", WEXITSTATUS(wstatus));
-    else
-        snprintf(out, n, "died");
-}
 
 /* Fails (and raises the group flag) if some peer is gone. `peer` is the
  * rank being waited for: only for it is having left the group an error.
@@ -165,7 +156,7 @@ static tdm_status tdm_shm_check_peers(tdm_shm_impl *c, int peer, tdm_shm_flag *f
         if (r == peer && atomic_load_explicit(&f->value, memory_order_acquire) >= target)
             continue;
         if (state == TDM_SHM_STATE_DEAD) {
-            tdm_shm_describe_death(atomic_load(&k->wstatus), why, sizeof why);
+            tdm_shm_wait_status_str(atomic_load(&k->wstatus), why, sizeof why);
         } else if (state == TDM_SHM_STATE_LEFT) {
             if (r != peer) continue;
             snprintf(why, sizeof why, "left the group (freed its communicator) before #%llu",

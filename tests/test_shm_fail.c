@@ -468,3 +468,32 @@ Test(shm_fail, env_errors_are_clear, .timeout = 10)
               getenv(TDM_SHM_ENV_FD), ws);
     tdm_shm_group_free(g);
 }
+
+/* --- sizes that must be refused or copied exactly ---------------------- */
+
+Test(shm_fail, absurd_arena_is_refused_not_wrapped)
+{
+    tdm_shm_group *g = NULL;
+    tdm_shm_opts o = {.arena_bytes = (size_t)1 << 60};
+    tdm_status st = tdm_shm_group_create(&g, 16, &o);
+    cr_assert_eq(st, TDM_STATUS_INVALID_ARG, "%s", tdm_status_name(st));
+    cr_assert_null(g);
+    cr_assert(strstr(tdm_error_message(), "arena_bytes"), "%s", tdm_error_message());
+}
+
+/* tdm_shm_copy_nt at every length and misalignment around its aligned
+ * loop (a head longer than the copy used to wrap the length). */
+Test(shm_fail, copy_nt_exact_at_every_length_and_offset)
+{
+    unsigned char src[512], dst[600];
+    for (int i = 0; i < (int)sizeof src; i++) src[i] = (unsigned char)(i * 7 + 1);
+    for (int off = 0; off < 16; off++)
+        for (size_t n = 0; n <= 300; n++) {
+            memset(dst, 0xEE, sizeof dst);
+            tdm_shm_copy_nt(dst + off, src + 3, n);
+            cr_assert(!memcmp(dst + off, src + 3, n), "n=%zu off=%d", n, off);
+            for (int i = 0; i < off; i++) cr_assert_eq(dst[i], 0xEE, "n=%zu off=%d", n, off);
+            for (size_t i = off + n; i < sizeof dst; i++)
+                cr_assert_eq(dst[i], 0xEE, "wrote past the end: n=%zu off=%d", n, off);
+        }
+}

@@ -23,6 +23,7 @@
 
 #include "core/timer.h"
 #include "shm/shm_comm.h"
+#include "shm/spawn.h"
 #include "tools/args.h"
 #include "tools/tools.h"
 
@@ -103,13 +104,6 @@ static void tdm_launch_pump(tdm_launch_out *o)
     }
 }
 
-static void tdm_launch_why(int ws, char *out, size_t n)
-{
-    if (WIFSIGNALED(ws))
-        snprintf(out, n, "was killed by signal %d (%s)", WTERMSIG(ws), strsignal(WTERMSIG(ws)));
-    else
-        snprintf(out, n, "exited with code %d", WEXITSTATUS(ws));
-}
 
 static void tdm_launch_sleep_ms(int ms)
 {
@@ -321,7 +315,7 @@ int tdm_tool_launch_main(int argc, char **argv)
         if (pid[r] == 0 || !(WIFEXITED(wst[r]) && WEXITSTATUS(wst[r]) == 0)) failed++;
     if (first_bad >= 0) {
         char why[128];
-        tdm_launch_why(wst[first_bad], why, sizeof why);
+        tdm_shm_wait_status_str(wst[first_bad], why, sizeof why);
         fprintf(stderr, "tandem launch: rank %d (pid %d) %s; stopped the other ranks "
                         "(%d of %d failed or were stopped)\n",
                 first_bad, (int)-pid[first_bad], why, failed, W);
