@@ -118,6 +118,8 @@ static inline int shm_t_run_case(tdm_comm *comm, const shm_t_case *k)
     size_t big = (send_n > recv_n ? send_n : recv_n) + 1;
     unsigned char *a = malloc(big * es), *b = malloc(big * es);
     if (!a || !b) { free(a); free(b); return 2; }
+    /* one guard element past the largest buffer, in both */
+    memset(a, 0xA5, big * es);
     memset(b, 0xA5, big * es);
     void *send = a, *recv = b;
     /* fill the send buffer with this rank's values */
@@ -158,6 +160,20 @@ static inline int shm_t_run_case(tdm_comm *comm, const shm_t_case *k)
                 tdm_error_message());
         bad = 1;
     }
+    /* nothing written past the result: the guard bytes are intact (in b
+     * from the end of the result when it lives there, and a's guard) */
+    size_t b_from = recv == (void *)b ? recv_n * es : (big - 1) * es;
+    for (size_t i = b_from; !bad && i < big * es; i++)
+        if (b[i] != 0xA5) {
+            fprintf(stderr, "rank %d/%d: %s wrote byte %zu past its result\n", r, w, desc,
+                    i - recv_n * es);
+            bad = 1;
+        }
+    for (size_t i = (big - 1) * es; !bad && i < big * es; i++)
+        if (a[i] != 0xA5) {
+            fprintf(stderr, "rank %d/%d: %s wrote into the send buffer's guard\n", r, w, desc);
+            bad = 1;
+        }
     for (size_t i = 0; !bad && i < recv_n; i++) {
         int ok = 1;
         switch (k->coll) {

@@ -92,11 +92,13 @@ Test(shm_comm, gather_matrix, .timeout = 60) { run_matrix(TDM_COLL_GATHER, 0, 8)
 Test(shm_comm, scatter_matrix, .timeout = 60) { run_matrix(TDM_COLL_SCATTER, 0, 8); }
 Test(shm_comm, broadcast_matrix, .timeout = 60) { run_matrix(TDM_COLL_BROADCAST, 0, 8); }
 
-/* Default layout (1 MiB slots, 32 KiB one-shot) and large messages. */
+/* Default layout (1 MiB slots, 4 KiB one-shot: 1024 floats) and large
+ * messages. */
 static int large_rank(tdm_comm *comm, void *arg)
 {
     (void)arg;
-    static const size_t counts[] = {8191, 8192, 8193, 262143, 262144 + 7, 16u << 20};
+    static const size_t counts[] = {1023, 1024, 1025, 8191, 8192, 8193,
+                                    262143, 262144 + 7, 16u << 20};
     for (size_t i = 0; i < sizeof counts / sizeof counts[0]; i++)
         for (int inplace = 0; inplace < 2; inplace++) {
             shm_t_case k = {.coll = TDM_COLL_ALL_REDUCE, .dtype = TDM_DTYPE_FLOAT32,
