@@ -35,14 +35,7 @@ static void teardown(void)
 
 TestSuite(ckpt, .init = setup, .fini = teardown);
 
-static const char *tpath(const char *name)
-{
-    static char buf[8][256];
-    static int k;
-    char *b = buf[k++ % 8];
-    snprintf(b, 256, "%s/%s", g_dir, name);
-    return b;
-}
+static const char *tpath(const char *name) { return tu_tpath(g_dir, name); }
 
 static void spec_small_cnn(tdm_model_spec *s)
 {

@@ -17,37 +17,17 @@
 
 #include "core/json.h"
 #include "core/safetensors.h"
+#include "tests/test_util.h"
 
 static char g_dir[64];
 
-static int rm_entry(const char *p, const struct stat *sb, int flag, struct FTW *ftw)
-{
-    (void)sb; (void)flag; (void)ftw;
-    return remove(p);
-}
-
-static void setup(void)
-{
-    strcpy(g_dir, "/tmp/tdm_test_st_XXXXXX");
-    cr_assert_not_null(mkdtemp(g_dir), "mkdtemp: %s", strerror(errno));
-}
-
-static void teardown(void)
-{
-    if (g_dir[0]) nftw(g_dir, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
-}
+static void setup(void) { tu_mkdtemp(g_dir, sizeof g_dir, "st"); }
+static void teardown(void) { tu_rmtree(g_dir); }
 
 TestSuite(st, .init = setup, .fini = teardown);
 TestSuite(json);
 
-static const char *tpath(const char *name)
-{
-    static char buf[8][256];
-    static int k;
-    char *b = buf[k++ % 8];
-    snprintf(b, 256, "%s/%s", g_dir, name);
-    return b;
-}
+static const char *tpath(const char *name) { return tu_tpath(g_dir, name); }
 
 static unsigned char *slurp(const char *path, size_t *n)
 {

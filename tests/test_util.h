@@ -84,4 +84,14 @@ static inline void tu_rmtree(const char *dir)
     if (dir && dir[0]) nftw(dir, tu_rm_entry, 16, FTW_DEPTH | FTW_PHYS);
 }
 
+/* "<dir>/<name>" in one of 8 rotating buffers (several live at once). */
+static inline const char *tu_tpath(const char *dir, const char *name)
+{
+    static char buf[8][256];
+    static int k;
+    char *b = buf[k++ % 8];
+    snprintf(b, 256, "%s/%s", dir, name);
+    return b;
+}
+
 #endif
