@@ -177,6 +177,19 @@ Test(ddp_mlp, find_unused_parameters)
     for (int i = 336; i < 336 + 192; i++) differs |= sh->grads0[i] != ref->grads0[i];
     cr_assert(differs);
     for (int i = 0; i < 336; i++) cr_assert_eq(z->grads0[i], ref->grads0[i]);
+    /* and the reduced gradient is exactly the other rank's share: rank 0's
+     * share (rank 1 unused) plus rank 1's share (rank 0 unused) is the
+     * full gradient, so a wrong scale, a doubled or a garbage share fails */
+    tddp_shared *other = tddp_shared_new();
+    c.unused_ranks = 1;
+    run_to(&c, 2, other);
+    for (int i = 336; i < 336 + 192; i++) {
+        double sum = (double)sh->grads0[i] + other->grads0[i], want = ref->grads0[i];
+        cr_assert(fabs(sum - want) <= 1e-6 + 1e-4 * fabs(want),
+                  "fc2.weight grad [%d]: shares %g + %g != %g", i - 336, sh->grads0[i],
+                  other->grads0[i], ref->grads0[i]);
+    }
+    tddp_shared_free(other);
     /* without the option: that backward fails on every rank, naming it */
     c.find_unused = 0;
     c.unused_ranks = 2;
