@@ -2,6 +2,7 @@
 #include "ddp/pg.h"
 
 #include <errno.h>
+#include <stdio.h>
 #include <stdlib.h>
 
 #include "core/log.h"
@@ -23,6 +24,17 @@ static tdm_status tdm_ddp_env_int(const char *name, int lo, int hi, int dflt, in
                 "%s='%s': expected an integer in %d..%d", name, v, lo, hi);
     *out = (int)x;
     return TDM_STATUS_OK;
+}
+
+void tdm_ddp_env_export(int rank, int world)
+{
+    char buf[16];
+    snprintf(buf, sizeof buf, "%d", rank);
+    setenv("RANK", buf, 1);
+    setenv("LOCAL_RANK", buf, 1);
+    snprintf(buf, sizeof buf, "%d", world);
+    setenv("WORLD_SIZE", buf, 1);
+    setenv("LOCAL_WORLD_SIZE", buf, 1);
 }
 
 tdm_status tdm_ddp_env_from_environ(tdm_ddp_env *env)

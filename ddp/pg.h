@@ -12,6 +12,10 @@ typedef struct tdm_ddp_env {
     int rank, local_rank, world_size, local_world_size;
 } tdm_ddp_env;
 
+/* Sets the variables for a rank of a one-machine job of `world` ranks
+ * (what tandem launch and tdm_ddp_spawn give every rank). */
+void tdm_ddp_env_export(int rank, int world);
+
 /* Reads the variables; LOCAL_RANK defaults to RANK and LOCAL_WORLD_SIZE to
  * WORLD_SIZE. Fails (INVALID_ARG, naming the variable) when RANK or
  * WORLD_SIZE is missing or not an integer in range. */

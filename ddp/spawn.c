@@ -8,6 +8,7 @@
 #include <sys/wait.h>
 
 #include "core/log.h"
+#include "ddp/pg.h"
 
 typedef struct tdm_ddp_spawn_ctx {
     tdm_ddp_spawn_fn fn;
@@ -17,14 +18,8 @@ typedef struct tdm_ddp_spawn_ctx {
 static int tdm_ddp_spawn_child(tdm_comm *comm, void *arg)
 {
     const tdm_ddp_spawn_ctx *c = arg;
-    char buf[16];
-    int rank = tdm_comm_rank(comm), world = tdm_comm_size(comm);
-    snprintf(buf, sizeof buf, "%d", rank);
-    setenv("RANK", buf, 1);
-    setenv("LOCAL_RANK", buf, 1);
-    snprintf(buf, sizeof buf, "%d", world);
-    setenv("WORLD_SIZE", buf, 1);
-    setenv("LOCAL_WORLD_SIZE", buf, 1);
+    int rank = tdm_comm_rank(comm);
+    tdm_ddp_env_export(rank, tdm_comm_size(comm));
     tdm_log_set_rank(rank);
     return c->fn(comm, c->arg);
 }

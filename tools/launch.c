@@ -22,6 +22,7 @@
 #include <unistd.h>
 
 #include "core/timer.h"
+#include "ddp/pg.h"
 #include "shm/shm_comm.h"
 #include "shm/spawn.h"
 #include "tools/args.h"
@@ -202,13 +203,7 @@ int tdm_tool_launch_main(int argc, char **argv)
             sigaction(SIGHUP, &dfl, NULL);
             prctl(PR_SET_PDEATHSIG, SIGKILL);   /* never outlive the launcher */
             if (getppid() != self) _exit(125);
-            char b[16];
-            snprintf(b, sizeof b, "%d", r);
-            setenv("RANK", b, 1);
-            setenv("LOCAL_RANK", b, 1);
-            snprintf(b, sizeof b, "%d", W);
-            setenv("WORLD_SIZE", b, 1);
-            setenv("LOCAL_WORLD_SIZE", b, 1);
+            tdm_ddp_env_export(r, W);
             if (log_dir) {
                 dup2(logfd, STDOUT_FILENO);
                 dup2(logfd, STDERR_FILENO);
