@@ -17,6 +17,7 @@
 #include "shm/spawn.h"
 
 #include <errno.h>
+#include <stdlib.h>
 #include <fcntl.h>
 #include <limits.h>
 #include <linux/futex.h>
@@ -116,13 +117,17 @@ const char *tdm_shm_comm_abort_reason(const tdm_comm *comm)
     return c->hdr->abort_reason;
 }
 
-static int tdm_shm_pid_gone(pid_t pid)
+/* 1 when pid is gone. *wstatus gets how it ended when that can still be
+ * read (a zombie's exit_code, field 52 of /proc/pid/stat, in waitpid's
+ * format), else -1. */
+static int tdm_shm_pid_gone(pid_t pid, int *wstatus)
 {
+    *wstatus = -1;
     if (pid <= 0) return 0;
     if (kill(pid, 0) == -1 && errno == ESRCH) return 1;
     /* A dead child that its parent has not reaped yet still answers
      * kill(pid, 0): look for the zombie state in /proc. */
-    char path[64], buf[256];
+    char path[64], buf[1024];
     snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
     int fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0) return errno == ENOENT;
@@ -131,7 +136,15 @@ static int tdm_shm_pid_gone(pid_t pid)
     if (n <= 0) return 0;
     buf[n] = '\0';
     const char *p = strrchr(buf, ')');
-    return p && p[1] == ' ' && (p[2] == 'Z' || p[2] == 'X');
+    if (!(p && p[1] == ' ' && (p[2] == 'Z' || p[2] == 'X'))) return 0;
+    /* fields after ')': state is field 3, exit_code field 52 */
+    const char *q = p + 2;
+    for (int field = 3; field < 52 && q; field++) {
+        q = strchr(q, ' ');
+        if (q) q++;
+    }
+    if (q && *q >= '0' && *q <= '9') *wstatus = atoi(q);
+    return 1;
 }
 
 
@@ -150,6 +163,7 @@ static tdm_status tdm_shm_check_peers(tdm_shm_impl *c, int peer, tdm_shm_flag *f
         int32_t state = atomic_load_explicit(&k->state, memory_order_acquire);
         pid_t pid = atomic_load_explicit(&k->pid, memory_order_relaxed);
         char why[128];
+        int gone_ws;
         /* Acquire on state above pairs with the release store of LEFT in
          * segment.c, which follows the peer's last publish: seeing LEFT
          * means seeing that publish too. */
@@ -161,8 +175,9 @@ static tdm_status tdm_shm_check_peers(tdm_shm_impl *c, int peer, tdm_shm_flag *f
             if (r != peer) continue;
             snprintf(why, sizeof why, "left the group (freed its communicator) before #%llu",
                      (unsigned long long)c->cur_seq);
-        } else if (tdm_shm_pid_gone(pid)) {
-            snprintf(why, sizeof why, "died");
+        } else if (tdm_shm_pid_gone(pid, &gone_ws)) {
+            if (gone_ws >= 0) tdm_shm_wait_status_str(gone_ws, why, sizeof why);
+            else snprintf(why, sizeof why, "died");
         } else {
             continue;
         }
