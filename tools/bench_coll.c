@@ -8,6 +8,7 @@
  * tests are in tests/test_shm_*.c. */
 #include <sched.h>
 #include <stdint.h>
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -82,6 +83,7 @@ static int bench_parse_size(const char *flag, const char *s, size_t *out)
 {
     if (!s || !*s) { fprintf(stderr, "tandem bench: %s needs a value\n", flag); return 0; }
     char *end;
+    errno = 0;
     unsigned long long v = strtoull(s, &end, 10);
     unsigned long long mul = 1;
     if (end == s) goto bad;
@@ -90,6 +92,10 @@ static int bench_parse_size(const char *flag, const char *s, size_t *out)
     else if (*end == 'G' || *end == 'g') { mul = 1ull << 30; end++; }
     if (*end == 'B' || *end == 'b') end++;
     if (*end) goto bad;
+    if (errno == ERANGE || v > (1ull << 40) / mul) {
+        fprintf(stderr, "tandem bench: %s: '%s' is larger than 1 TiB\n", flag, s);
+        return 0;
+    }
     *out = (size_t)(v * mul);
     return 1;
 bad:
