@@ -168,7 +168,9 @@ tdm_status tdm_dev_copy_between(tdm_device *dst_dev, void *dst, tdm_device *src_
         return src_dev->ops->copy_to_host(src_dev, dst, src, nbytes);
     if (src_dev->kind == TDM_DEVICE_HOST)
         return dst_dev->ops->copy_from_host(dst_dev, dst, src, nbytes);
-    /* device to device of two accelerators: stage through the host. */
+    if (dst_dev->ops == src_dev->ops && dst_dev->ops->copy_peer)
+        return dst_dev->ops->copy_peer(dst_dev, dst, src_dev, src, nbytes);
+    /* two accelerators without a peer copy: stage through the host. */
     void *tmp = malloc(nbytes);
     if (!tmp) return tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "cannot stage %zu bytes", nbytes);
     tdm_status st = src_dev->ops->copy_to_host(src_dev, tmp, src, nbytes);

@@ -54,6 +54,14 @@ typedef struct tdm_device_ops {
     tdm_status (*memset_zero)(tdm_device *d, void *p, size_t nbytes);
     tdm_status (*sync)(tdm_device *d);
     void (*close)(tdm_device *d);
+    /* Optional (NULL: absent): dst on dst_dev = src on src_dev, two devices
+     * of this backend (dst_dev->ops == src_dev->ops == this table). Ordered
+     * after the work already issued on both devices and before work issued
+     * on either afterwards, like a same-device copy. CUDA: a peer copy
+     * (cudaMemcpyPeerAsync, direct when peer access is possible), no host
+     * staging. tdm_dev_copy_between uses it when present. */
+    tdm_status (*copy_peer)(tdm_device *dst_dev, void *dst, tdm_device *src_dev,
+                            const void *src, size_t nbytes);
 
     /* --- compute --- */
     /* C = alpha op(A) op(B) + beta C, column-major, cublasSgemm's arguments. */
@@ -188,7 +196,9 @@ static inline tdm_status tdm_dev_sync(tdm_device *d) { return d->ops->sync(d); }
 
 /* Allocates and zeroes n_elem floats. */
 tdm_status tdm_dev_alloc_zero(tdm_device *d, size_t nbytes, void **out);
-/* Copies between two devices (host<->host is memcpy; otherwise staged or peer). */
+/* Copies between two devices: host<->host is memcpy; host<->accelerator the
+ * device's host copy; two devices of one accelerator backend its copy_peer;
+ * otherwise staged through host memory. */
 tdm_status tdm_dev_copy_between(tdm_device *dst_dev, void *dst, tdm_device *src_dev,
                                 const void *src, size_t nbytes);
 tdm_status tdm_dev_gemm(tdm_device *d, tdm_trans ta, tdm_trans tb, int m, int n, int k,

@@ -47,8 +47,24 @@ tdm_status tdm_cuda_emulator_open(tdm_device **out);
  * it (DP's per-device replicate and staged reduce, DDP's input staging,
  * copy_to_host of losses, core's staged cross-device copies), while its
  * memory stays host memory, so a shm communicator can reduce in it. Never
- * part of an NCCL group (tdm_dev_group_init refuses it). For tests. */
+ * part of an NCCL group: tdm_dev_group_init over emulator devices gives an
+ * emulated group (broadcast and rank-order sum as host loops) so that DP's
+ * group path runs; two emulator devices copy through the backend's
+ * copy_peer entry (a memmove). For tests. */
 tdm_status tdm_cuda_emulator_open_accel(tdm_device **out, int index);
+/* 1 when d is an emulator device (either kind): its memory is host memory
+ * and no NCCL communicator can use it. */
+int tdm_cuda_device_is_emulator(const tdm_device *d);
+
+/* The emulator for whole programs: with TANDEM_CUDA_EMULATOR=N (1..64) in
+ * the environment, the backend reports N "GPUs" and opening "cuda", i
+ * gives tdm_cuda_emulator_open_accel(i) (named cuda-emu:<i>) without
+ * touching CUDA, so `tandem train|compare|bench --device cuda...` run
+ * their CUDA code paths on the host (DDP then reduces over shm, as NCCL
+ * cannot use host memory). A test and teaching aid, never a GPU result:
+ * every device name says cuda-emu. Returns N, or 0 when unset; an invalid
+ * value is reported once on stderr and treated as unset. */
+int tdm_cuda_emulator_env(void);
 
 /* Writes lines for `tandem info` into buf ("  <label padded to 15><value>\n"):
  * CUDA runtime and driver versions, NCCL and cuBLAS versions, then each

@@ -36,6 +36,8 @@ typedef struct tdm_cuda_dev {
     int *bad_row;         /* device int: softmax_xent's label check */
     tdm_cuda_exec exec;   /* {stream, 0}; the emulator: {NULL, 1} */
     tdm_device *host;     /* the emulator's gemm (a host device) */
+    uint64_t peer_tried;  /* bit i: peer access to cuda:i's memory was set up
+                             (or found impossible); atomic */
 } tdm_cuda_dev;
 
 static tdm_cuda_dev *tdm_cuda_impl(tdm_device *d) { return (tdm_cuda_dev *)d->impl; }
@@ -246,6 +248,93 @@ static tdm_status cuda_sync(tdm_device *d)
     /* Errors of earlier kernels (illegal address, ...) surface here. */
     TDM_CUDA_CHECK(d, "cudaStreamSynchronize", cudaStreamSynchronize(tdm_cuda_impl(d)->stream));
     return TDM_STATUS_OK;
+}
+
+/* Lets dst (current device) read and write src's memory directly, once
+ * per pair; where that is impossible cudaMemcpyPeerAsync still works (the
+ * driver stages it). Errors here are not failures: they are cleared so that
+ * the next launch check does not report them. */
+static void tdm_cuda_peer_enable(tdm_device *dst_dev, int src_index)
+{
+    tdm_cuda_dev *c = tdm_cuda_impl(dst_dev);
+    if (src_index < 0 || src_index >= 64 || src_index == dst_dev->index) return;
+    uint64_t bit = (uint64_t)1 << src_index;
+    if (__atomic_fetch_or(&c->peer_tried, bit, __ATOMIC_ACQ_REL) & bit) return;
+    int can = 0;
+    cudaError_t e = cudaDeviceCanAccessPeer(&can, dst_dev->index, src_index);
+    if (e == cudaSuccess && can) {
+        e = cudaDeviceEnablePeerAccess(src_index, 0);
+        if (e == cudaErrorPeerAccessAlreadyEnabled) e = cudaSuccess;
+    }
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        TDM_WARN(CUDA, "%s: peer access to cuda:%d: %s (%s); peer copies are staged by the "
+                 "driver", dst_dev->name, src_index, cudaGetErrorString(e), cudaGetErrorName(e));
+    } else {
+        TDM_INFO(CUDA, "%s: peer access to cuda:%d %s", dst_dev->name, src_index,
+                 can ? "enabled" : "not possible (copies staged by the driver)");
+    }
+}
+
+/* A copy between two GPUs on dst's stream, ordered both ways with events:
+ * it starts after the work already issued on src's stream (which may be
+ * producing src) and src's later work waits for it (which may overwrite
+ * src), so neither host thread blocks. Events are made per call: several
+ * DP threads may copy from the same master at once. */
+static tdm_status cuda_copy_peer(tdm_device *dst_dev, void *dst, tdm_device *src_dev,
+                                 const void *src, size_t nbytes)
+{
+    if (!nbytes) return TDM_STATUS_OK;
+    if (dst_dev == src_dev) return cuda_copy(dst_dev, dst, src, nbytes);
+    tdm_status st = TDM_STATUS_OK;
+    cudaEvent_t produced = NULL, copied = NULL;
+    cudaError_t e;
+    const char *what;
+    TDM_CHECK(tdm_cuda_enter(src_dev));
+    what = "cudaEventCreateWithFlags";
+    if ((e = cudaEventCreateWithFlags(&produced, cudaEventDisableTiming)) != cudaSuccess) {
+        produced = NULL;
+        goto fail_src;
+    }
+    what = "cudaEventRecord";
+    if ((e = cudaEventRecord(produced, tdm_cuda_impl(src_dev)->stream)) != cudaSuccess)
+        goto fail_src;
+    TDM_TRY(tdm_cuda_enter(dst_dev));
+    tdm_cuda_peer_enable(dst_dev, src_dev->index);
+    cudaStream_t s = tdm_cuda_impl(dst_dev)->stream;
+    what = "cudaStreamWaitEvent";
+    if ((e = cudaStreamWaitEvent(s, produced, 0)) != cudaSuccess) goto fail_dst;
+    what = "cudaMemcpyPeerAsync";
+    if ((e = cudaMemcpyPeerAsync(dst, dst_dev->index, src, src_dev->index, nbytes, s)) !=
+        cudaSuccess)
+        goto fail_dst;
+    what = "cudaEventCreateWithFlags";
+    if ((e = cudaEventCreateWithFlags(&copied, cudaEventDisableTiming)) != cudaSuccess) {
+        copied = NULL;
+        goto fail_dst;
+    }
+    what = "cudaEventRecord";
+    if ((e = cudaEventRecord(copied, s)) != cudaSuccess) goto fail_dst;
+    TDM_TRY(tdm_cuda_enter(src_dev));
+    what = "cudaStreamWaitEvent (source after the copy)";
+    if ((e = cudaStreamWaitEvent(tdm_cuda_impl(src_dev)->stream, copied, 0)) != cudaSuccess)
+        goto fail_src;
+    goto fail; /* done: release the events */
+fail_src:
+    st = tdm_error_set(tdm_cuda_status_of(e), "%s -> %s: %s (on %s): %s (%s)", src_dev->name,
+                       dst_dev->name, what, src_dev->name, cudaGetErrorString(e),
+                       cudaGetErrorName(e));
+    goto fail;
+fail_dst:
+    st = tdm_error_set(tdm_cuda_status_of(e), "%s -> %s: %s (on %s): %s (%s)", src_dev->name,
+                       dst_dev->name, what, dst_dev->name, cudaGetErrorString(e),
+                       cudaGetErrorName(e));
+fail:
+    /* destroying an event with pending waits is allowed: it goes once they
+     * are satisfied */
+    if (produced) tdm_cuda_warn(src_dev->name, "cudaEventDestroy", cudaEventDestroy(produced));
+    if (copied) tdm_cuda_warn(dst_dev->name, "cudaEventDestroy", cudaEventDestroy(copied));
+    return st;
 }
 
 static void cuda_close(tdm_device *d)
@@ -475,6 +564,7 @@ static const tdm_device_ops tdm_cuda_ops = {
     .memset_zero = cuda_memset_zero,
     .sync = cuda_sync,
     .close = cuda_close,
+    .copy_peer = cuda_copy_peer,
     TDM_CUDA_COMPUTE_OPS,
 };
 
@@ -573,44 +663,130 @@ fail:
     return st;
 }
 
-static tdm_status tdm_cuda_hook_count(int *n) { return tdm_cuda_device_count(n); }
+int tdm_cuda_emulator_env(void)
+{
+    static int cached = -1;
+    int n = __atomic_load_n(&cached, __ATOMIC_ACQUIRE);
+    if (n >= 0) return n;
+    const char *v = getenv("TANDEM_CUDA_EMULATOR");
+    n = 0;
+    if (v && *v) {
+        char *end;
+        long x = strtol(v, &end, 10);
+        if (*end || x < 1 || x > 64)
+            fprintf(stderr, "tandem: TANDEM_CUDA_EMULATOR='%s' ignored: expected a device count "
+                    "1..64\n", v);
+        else
+            n = (int)x;
+    }
+    __atomic_store_n(&cached, n, __ATOMIC_RELEASE);
+    return n;
+}
+
+static tdm_status tdm_cuda_hook_count(int *n)
+{
+    int emu = tdm_cuda_emulator_env();
+    if (emu) {
+        *n = emu;
+        return TDM_STATUS_OK;
+    }
+    return tdm_cuda_device_count(n);
+}
+
+static tdm_status tdm_cuda_hook_open(tdm_device **out, int index)
+{
+    int emu = tdm_cuda_emulator_env();
+    if (!emu) return tdm_cuda_open(out, index);
+    *out = NULL;
+    if (index < 0 || index >= emu)
+        return tdm_error_set(TDM_STATUS_NO_DEVICE,
+                             "no CUDA device: cuda:%d does not exist (TANDEM_CUDA_EMULATOR=%d "
+                             "emulates cuda:0..%d); use --device cuda:0..%d or cpu:N", index, emu,
+                             emu - 1, emu - 1);
+    return tdm_cuda_emulator_open_accel(out, index);
+}
 
 /* DataParallel's group (core/device.h): the NCCL group of cuda/nccl_comm.c
- * over real GPUs only. Emulator devices (host memory) are refused with
- * UNSUPPORTED, so DP stages their copies as for any accelerator. */
+ * over real GPUs, or, over emulator devices (host memory), an emulated
+ * group whose broadcast and sum are host loops, so that DP's group path
+ * (which buffers, which root, in place) is tested without a GPU. A mix of
+ * the two, or other devices, is UNSUPPORTED: DP then stages copies. */
+typedef struct tdm_cuda_group {
+    tdm_cuda_nccl_group *nccl; /* NULL: emulated */
+    int n;
+} tdm_cuda_group;
+
+static const tdm_device_ops tdm_cuda_emu_ops;
+
 static tdm_status tdm_cuda_hook_group_init(void **out, tdm_device *const *devs, int n)
 {
-    int idx[TDM_DEVICE_LIST_MAX];
+    int idx[TDM_DEVICE_LIST_MAX], emu = 0;
     *out = NULL;
     if (n > TDM_DEVICE_LIST_MAX) return TDM_STATUS_UNSUPPORTED;
     for (int i = 0; i < n; i++) {
-        if (devs[i]->ops != &tdm_cuda_ops) return TDM_STATUS_UNSUPPORTED;
+        if (devs[i]->ops == &tdm_cuda_emu_ops) emu++;
+        else if (devs[i]->ops != &tdm_cuda_ops) return TDM_STATUS_UNSUPPORTED;
         idx[i] = devs[i]->index;
     }
-    tdm_cuda_nccl_group *g = NULL;
-    TDM_CHECK(tdm_cuda_nccl_group_init(&g, idx, n, NULL));
+    if (emu && emu != n) return TDM_STATUS_UNSUPPORTED;
+    tdm_cuda_group *g = calloc(1, sizeof *g);
+    TDM_REQUIRE(g, TDM_STATUS_OUT_OF_MEMORY, "device group: out of memory");
+    g->n = n;
+    if (!emu) {
+        tdm_status st = tdm_cuda_nccl_group_init(&g->nccl, idx, n, NULL);
+        if (st) {
+            free(g);
+            return st;
+        }
+    }
     *out = g;
     return TDM_STATUS_OK;
 }
 
-static void tdm_cuda_hook_group_free(void *g) { tdm_cuda_nccl_group_free(g); }
-
-static tdm_status tdm_cuda_hook_group_broadcast(void *g, float *const *bufs, size_t n_elem,
-                                                int root)
+static void tdm_cuda_hook_group_free(void *gp)
 {
-    return tdm_cuda_nccl_group_broadcast(g, (void *const *)bufs, n_elem, TDM_DTYPE_FLOAT32,
-                                         root);
+    tdm_cuda_group *g = gp;
+    if (!g) return;
+    tdm_cuda_nccl_group_free(g->nccl);
+    free(g);
 }
 
-static tdm_status tdm_cuda_hook_group_reduce_sum(void *g, const float *const *sendbufs,
+static tdm_status tdm_cuda_hook_group_broadcast(void *gp, float *const *bufs, size_t n_elem,
+                                                int root)
+{
+    tdm_cuda_group *g = gp;
+    TDM_REQUIRE(root >= 0 && root < g->n, TDM_STATUS_INVALID_ARG,
+                "device group broadcast: root %d of %d", root, g->n);
+    if (g->nccl)
+        return tdm_cuda_nccl_group_broadcast(g->nccl, (void *const *)bufs, n_elem,
+                                             TDM_DTYPE_FLOAT32, root);
+    for (int i = 0; i < g->n; i++)
+        if (i != root && n_elem && bufs[i] != bufs[root])
+            memcpy(bufs[i], bufs[root], n_elem * sizeof(float));
+    return TDM_STATUS_OK;
+}
+
+static tdm_status tdm_cuda_hook_group_reduce_sum(void *gp, const float *const *sendbufs,
                                                  float *recvbuf, size_t n_elem, int root)
 {
-    return tdm_cuda_nccl_group_reduce(g, (const void *const *)sendbufs, recvbuf, n_elem,
-                                      TDM_DTYPE_FLOAT32, TDM_REDOP_SUM, root);
+    tdm_cuda_group *g = gp;
+    TDM_REQUIRE(root >= 0 && root < g->n, TDM_STATUS_INVALID_ARG,
+                "device group reduce: root %d of %d", root, g->n);
+    if (g->nccl)
+        return tdm_cuda_nccl_group_reduce(g->nccl, (const void *const *)sendbufs, recvbuf,
+                                          n_elem, TDM_DTYPE_FLOAT32, TDM_REDOP_SUM, root);
+    /* rank order per element, every input read before the output is
+     * written: in place (recvbuf == sendbufs[root]) is safe */
+    for (size_t j = 0; j < n_elem; j++) {
+        float acc = sendbufs[0][j];
+        for (int i = 1; i < g->n; i++) acc += sendbufs[i][j];
+        recvbuf[j] = acc;
+    }
+    return TDM_STATUS_OK;
 }
 
 static const tdm_device_cuda_hooks tdm_cuda_hooks = {
-    .open = tdm_cuda_open,
+    .open = tdm_cuda_hook_open,
     .count = tdm_cuda_hook_count,
     .group_init = tdm_cuda_hook_group_init,
     .group_free = tdm_cuda_hook_group_free,
@@ -668,6 +844,18 @@ static tdm_status emu_sync(tdm_device *d)
     return TDM_STATUS_OK;
 }
 
+static tdm_status emu_copy_peer(tdm_device *dst_dev, void *dst, tdm_device *src_dev,
+                                const void *src, size_t nbytes)
+{
+    (void)src_dev;
+    return emu_copy(dst_dev, dst, src, nbytes);
+}
+
+int tdm_cuda_device_is_emulator(const tdm_device *d)
+{
+    return d && d->ops == &tdm_cuda_emu_ops;
+}
+
 static void emu_close(tdm_device *d)
 {
     tdm_cuda_dev *c = tdm_cuda_impl(d);
@@ -686,6 +874,7 @@ static const tdm_device_ops tdm_cuda_emu_ops = {
     .memset_zero = emu_memset_zero,
     .sync = emu_sync,
     .close = emu_close,
+    .copy_peer = emu_copy_peer,
     TDM_CUDA_COMPUTE_OPS,
 };
 

@@ -250,6 +250,8 @@ tdm_device *tdm_dp_device(const tdm_dp *dp, int i)
 {
     return i >= 0 && i < dp->n ? dp->dev[i] : NULL;
 }
+int tdm_dp_uses_device_group(const tdm_dp *dp) { return dp->group != NULL; }
+
 tdm_model *tdm_dp_replica(const tdm_dp *dp, int i)
 {
     return i >= 0 && i < dp->n ? dp->rep[i] : NULL;

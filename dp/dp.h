@@ -86,6 +86,10 @@ int tdm_dp_output_device(const tdm_dp *dp);
 tdm_device *tdm_dp_device(const tdm_dp *dp, int i);
 /* Replica i (the master for i == output device). */
 tdm_model *tdm_dp_replica(const tdm_dp *dp, int i);
+/* 1 when replicate and reduce use a device group (CUDA: NCCL broadcast and
+ * reduce) whenever every device takes part in a step; 0 when every copy is
+ * staged (host devices need neither). */
+int tdm_dp_uses_device_group(const tdm_dp *dp);
 
 /* --- the four operations (and the reduce) --- */
 

@@ -3,12 +3,14 @@
  *
  * - cuda_emu (cuda/ built, no GPU needed): the same runs on the CUDA
  *   emulator opened as an accelerator (tdm_cuda_emulator_open_accel: kind
- *   TDM_DEVICE_CUDA, host memory). DP then takes its accelerator paths
- *   (per-device replicate through tdm_dev_copy_between's host staging, the
- *   staged reduce on the output device, copy_to_host of the loss) and DDP
- *   its input staging and device-side check tail, over the shm
- *   communicator (which can reduce in the emulator's host memory). What
- *   this does not test: CUDA itself, NCCL, the DP device group.
+ *   TDM_DEVICE_CUDA, host memory). DP then takes its accelerator paths:
+ *   with every device active, replicate and reduce through the device
+ *   group (emulated: host loops where GPUs use NCCL), with fewer, the
+ *   per-device replicate through tdm_dev_copy_between (the backend's
+ *   copy_peer) and the staged reduce on the output device; copy_to_host of
+ *   the loss. DDP takes its input staging and device-side check tail, over
+ *   the shm communicator (which can reduce in the emulator's host memory).
+ *   What this does not test: CUDA itself, NCCL.
  * - cuda_gpu (skipped without a GPU, "no CUDA device: ..."): DP over real
  *   GPUs (NCCL group broadcast/reduce when 2+), DDP over 2 forked ranks
  *   with one GPU each and an NCCL communicator bootstrapped over shm.
@@ -131,6 +133,8 @@ static void dp_vs_host(tdm_status (*open)(tdm_device **, int), int n, int cnn, i
     cr_assert_eq(tdm_sgd_init(&oref, ref, 0.05f, 0.9f), TDM_STATUS_OK);
     cr_assert_eq(tdm_sgd_init(&o, m, 0.05f, 0.9f), TDM_STATUS_OK);
     cr_assert_eq(tdm_dp_init(&dp, m, devs, n, NULL), TDM_STATUS_OK, "%s", tdm_error_message());
+    cr_assert_eq(tdm_dp_uses_device_group(dp), n > 1, "n=%d: device group %s", n,
+                 tdm_dp_uses_device_group(dp) ? "used" : "not used");
     int64_t feat = tdm_data_features(&data), np = tdm_model_param_elems(m);
     float *x = malloc((size_t)batch * (size_t)feat * sizeof *x);
     int32_t *y = malloc((size_t)batch * sizeof *y);
@@ -186,37 +190,85 @@ Test(cuda_emu, dp_accelerator_paths_match_one_host_device, .timeout = 120)
     dp_vs_host(open_emu, 1, 1, 8, 2, 1e-5, 1e-4);
 }
 
-Test(cuda_emu, dp_accelerator_replicate_copies_buffers)
+Test(cuda_emu, copy_between_two_emulated_gpus_uses_the_backend)
 {
     NEED_BACKEND();
-    tdm_device *devs[2] = {0};
+    tdm_device *a = NULL, *b = NULL, *h = NULL;
+    cr_assert_eq(open_emu(&a, 0), TDM_STATUS_OK);
+    cr_assert_eq(open_emu(&b, 1), TDM_STATUS_OK);
+    cr_assert_eq(tdm_device_open(&h, "cpu", 0, 1), TDM_STATUS_OK);
+    cr_assert_not_null(a->ops->copy_peer, "the CUDA backend has a peer copy");
+    cr_assert_eq(a->ops, b->ops);
+    float *pa = NULL, *pb = NULL;
+    cr_assert_eq(tdm_dev_alloc(a, 1000 * sizeof(float), (void **)&pa), TDM_STATUS_OK);
+    cr_assert_eq(tdm_dev_alloc(b, 1000 * sizeof(float), (void **)&pb), TDM_STATUS_OK);
+    float src[1000], back[1000];
+    for (int i = 0; i < 1000; i++) src[i] = (float)i - 0.5f;
+    cr_assert_eq(tdm_dev_copy_between(a, pa, h, src, sizeof src), TDM_STATUS_OK);
+    memset(pb, 0, 1000 * sizeof(float));
+    /* an odd size and offset */
+    cr_assert_eq(tdm_dev_copy_between(b, pb + 3, a, pa + 1, 997 * sizeof(float)), TDM_STATUS_OK);
+    cr_assert_eq(tdm_dev_copy_between(h, back, b, pb, sizeof back), TDM_STATUS_OK);
+    for (int i = 0; i < 3; i++) cr_assert_eq(back[i], 0.0f);
+    for (int i = 3; i < 1000; i++) cr_assert_eq(back[i], src[i - 2], "element %d", i);
+    tdm_dev_free(a, pa);
+    tdm_dev_free(b, pb);
+    tdm_device_free(a);
+    tdm_device_free(b);
+    tdm_device_free(h);
+}
+
+/* replicate and reduce over n emulated devices with `active` of them in
+ * the step: all active goes through the device group, fewer through the
+ * per-device copies and the staged reduce */
+static void dp_emu_replicate_reduce(int n, int active)
+{
+    tdm_device *devs[4] = {0};
     tdm_model *m = NULL;
     tdm_dp *dp = NULL;
     tdm_model_spec spec;
     tddp_spec(&spec, 1);
-    for (int i = 0; i < 2; i++) cr_assert_eq(open_emu(&devs[i], i), TDM_STATUS_OK);
+    for (int i = 0; i < n; i++) cr_assert_eq(open_emu(&devs[i], i), TDM_STATUS_OK);
     cr_assert_eq(tdm_model_init(&m, devs[0], &spec, 7), TDM_STATUS_OK);
-    cr_assert_eq(tdm_dp_init(&dp, m, devs, 2, NULL), TDM_STATUS_OK, "%s", tdm_error_message());
+    cr_assert_eq(tdm_dp_init(&dp, m, devs, n, NULL), TDM_STATUS_OK, "%s", tdm_error_message());
+    cr_assert(tdm_dp_uses_device_group(dp));
     int64_t np = tdm_model_param_elems(m), nb = tdm_model_buffer_elems(m);
     cr_assert_gt(nb, 0);
     for (int64_t i = 0; i < np; i++) tdm_model_params(m)[i] = (float)i * 0.25f;
     for (int64_t i = 0; i < nb; i++) tdm_model_buffers(m)[i] = 1.0f + (float)i;
-    tdm_model *r = tdm_dp_replica(dp, 1);
-    for (int64_t i = 0; i < np; i++) tdm_model_grads(r)[i] = 3.0f;
-    cr_assert_eq(tdm_dp_replicate(dp, 2), TDM_STATUS_OK, "%s", tdm_error_message());
-    cr_assert(!memcmp(tdm_model_params(r), tdm_model_params(m), (size_t)np * 4));
-    cr_assert(!memcmp(tdm_model_buffers(r), tdm_model_buffers(m), (size_t)nb * 4));
-    for (int64_t i = 0; i < np; i++) cr_assert_eq(tdm_model_grads(r)[i], 0.0f);
-    /* reduce: master += replica */
-    for (int64_t i = 0; i < np; i++) {
-        tdm_model_grads(m)[i] = 1.0f;
-        tdm_model_grads(r)[i] = (float)(i % 7);
+    for (int j = 1; j < n; j++)
+        for (int64_t i = 0; i < np; i++) tdm_model_grads(tdm_dp_replica(dp, j))[i] = 3.0f;
+    cr_assert_eq(tdm_dp_replicate(dp, active), TDM_STATUS_OK, "%s", tdm_error_message());
+    for (int j = 1; j < active; j++) {
+        tdm_model *r = tdm_dp_replica(dp, j);
+        cr_assert(!memcmp(tdm_model_params(r), tdm_model_params(m), (size_t)np * 4), "replica %d", j);
+        cr_assert(!memcmp(tdm_model_buffers(r), tdm_model_buffers(m), (size_t)nb * 4), "replica %d", j);
+        for (int64_t i = 0; i < np; i++) cr_assert_eq(tdm_model_grads(r)[i], 0.0f);
     }
-    cr_assert_eq(tdm_dp_reduce_grads(dp, 2), TDM_STATUS_OK, "%s", tdm_error_message());
-    for (int64_t i = 0; i < np; i++) cr_assert_eq(tdm_model_grads(m)[i], 1.0f + (float)(i % 7));
+    /* reduce: master += each active replica, the idle ones left out */
+    for (int64_t i = 0; i < np; i++) tdm_model_grads(m)[i] = 1.0f;
+    for (int j = 1; j < n; j++)
+        for (int64_t i = 0; i < np; i++)
+            tdm_model_grads(tdm_dp_replica(dp, j))[i] = (float)((i + j) % 7);
+    cr_assert_eq(tdm_dp_reduce_grads(dp, active), TDM_STATUS_OK, "%s", tdm_error_message());
+    for (int64_t i = 0; i < np; i++) {
+        float want = 1.0f;
+        for (int j = 1; j < active; j++) want += (float)((i + j) % 7);
+        cr_assert_eq(tdm_model_grads(m)[i], want, "n=%d active=%d grad[%lld]", n, active,
+                     (long long)i);
+    }
     tdm_dp_free(dp);
     tdm_model_free(m);
-    tdm_dp_devices_close(devs, 2);
+    tdm_dp_devices_close(devs, n);
+}
+
+Test(cuda_emu, dp_accelerator_replicate_copies_buffers)
+{
+    NEED_BACKEND();
+    dp_emu_replicate_reduce(2, 2);   /* the device group */
+    dp_emu_replicate_reduce(3, 3);
+    dp_emu_replicate_reduce(3, 2);   /* copy_peer and the staged reduce */
+    dp_emu_replicate_reduce(4, 1);
 }
 
 /* ================================== DDP =================================== */
