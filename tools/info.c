@@ -5,6 +5,7 @@
 #include <zlib.h>
 
 #include "core/device.h"
+#include "tools/devices.h"
 #include "tools/tools.h"
 
 /* cuda/cuda.h, linked only when the CUDA backend is built. */
@@ -44,6 +45,10 @@ int tdm_tool_info_main(int argc, char **argv)
         tdm_status st = tdm_device_cuda->count(&n);
         if (st != TDM_STATUS_OK) {
             printf("  cuda           %s\n", tdm_error_message());
+        } else if (tdm_tool_cuda_emulated()) {
+            printf("  cuda           %d emulated device%s (cuda-emu:0..%d), no GPU used\n", n,
+                   n == 1 ? "" : "s", n - 1);
+            tdm_tool_print_emulated(stdout, "cuda");
         } else {
             printf("  cuda           %d device%s\n", n, n == 1 ? "" : "s");
             if (tdm_cuda_describe) {

@@ -20,6 +20,7 @@
 #include "models/train.h"
 #include "tools/args.h"
 #include "tools/tools.h"
+#include "tools/devices.h"
 #include "tools/train_modes.h"
 
 static void tdm_train_usage(FILE *f)
@@ -264,6 +265,7 @@ void tdm_train_print_header(const tdm_train_args *a, const tdm_model_spec *spec,
     if (!strcmp(a->optim, "sgd")) printf(" momentum %g%s", a->momentum, a->nesterov ? " nesterov" : "");
     printf(" weight decay %g%s, seed %lld\n", a->weight_decay,
            strcmp(a->lr_schedule, "cosine") ? "" : ", cosine schedule", (long long)a->seed);
+    tdm_tool_print_emulated(stdout, a->device);
     fflush(stdout);
 }
 

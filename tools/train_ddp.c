@@ -38,19 +38,13 @@
 #include "core/comm.h"
 #include "core/device.h"
 #include "core/log.h"
-#include "cuda/cuda.h"
 #include "ddp/ddp.h"
 #include "ddp/pg.h"
 #include "ddp/spawn.h"
 #include "models/checkpoint.h"
 #include "shm/shm_comm.h"
+#include "tools/devices.h"
 #include "tools/train_modes.h"
-
-/* cuda/cuda.h declares plain C types only; its functions are weak here:
- * NULL in builds without the CUDA backend. */
-__attribute__((weak)) tdm_status tdm_comm_init_nccl_opts(tdm_comm **out, tdm_comm *bootstrap,
-                                                         int device_index,
-                                                         const tdm_nccl_opts *opts);
 
 typedef struct tdm_train_ddp_ctx {
     const tdm_train_args *a;
@@ -132,11 +126,6 @@ static void tdm_train_ddp_report(tdm_ddp *ddp, int world)
 /* NCCL's watchdog polls this: the shm group's abort (a rank that failed
  * or died, or the parent stopping the job) stops a rank blocked in NCCL at
  * once instead of at the deadline. */
-static const char *tdm_train_ddp_shm_aborted(void *ctx)
-{
-    return tdm_shm_comm_abort_reason(ctx);
-}
-
 static int tdm_train_ddp_rank_main(tdm_comm *comm, void *arg)
 {
     const tdm_train_ddp_ctx *c = arg;
@@ -173,20 +162,9 @@ static int tdm_train_ddp_rank_main(tdm_comm *comm, void *arg)
         rc = 2;
         goto done;
     }
-    if (dev->kind == TDM_DEVICE_CUDA) {
-        /* Collective over comm; a rank that failed before it has aborted
-         * comm (at done:), so the others' bootstrap fails at once. */
-        tdm_nccl_opts no = {.abort_check = tdm_train_ddp_shm_aborted, .abort_ctx = comm};
-        if (!tdm_comm_init_nccl_opts) {
-            st = tdm_error_set(TDM_STATUS_NO_DEVICE, "no CUDA device: this build of tandem has "
-                               "no CUDA backend; use --device cpu:N");
-        } else {
-            st = tdm_comm_init_nccl_opts(&nccl, comm, dev->index, &no);
-        }
-        if (st) {
-            tdm_train_ddp_fail(rank, "NCCL communicator", st);
-            goto done;
-        }
+    if ((st = tdm_tool_rank_nccl(comm, dev, &nccl))) {
+        tdm_train_ddp_fail(rank, "NCCL communicator", st);
+        goto done;
     }
     tdm_ddp_opts o = {.bucket_cap_mb = a.bucket_cap_mb > 0 ? (double)a.bucket_cap_mb : 0,
                       .no_overlap = a.no_overlap, .host_comm = nccl ? comm : NULL};
@@ -234,54 +212,6 @@ done:
     return rc;
 }
 
-/* Parses and validates --device. Counting GPUs initialises CUDA, and a
- * process that has initialised CUDA cannot hand it to forked children
- * (the ranks' CUDA calls would fail), so when this process is going to
- * fork the ranks, a CUDA spec is checked in a short-lived child and only
- * the result comes back (the same status, message and list). */
-static tdm_status tdm_train_ddp_parse_devices(tdm_device_list *dl, const char *spec, int forks)
-{
-    if (!forks || strncmp(spec, "cuda", 4) != 0) return tdm_device_list_parse(dl, spec);
-    struct {
-        tdm_status st;
-        tdm_device_list dl;
-        char msg[1024];
-    } res;
-    int fds[2];
-    if (pipe(fds) != 0) return tdm_device_list_parse(dl, spec);
-    fflush(NULL);
-    pid_t pid = fork();
-    if (pid < 0) {
-        close(fds[0]);
-        close(fds[1]);
-        return tdm_device_list_parse(dl, spec);
-    }
-    if (pid == 0) {
-        close(fds[0]);
-        memset(&res, 0, sizeof res);
-        res.st = tdm_device_list_parse(&res.dl, spec);
-        snprintf(res.msg, sizeof res.msg, "%s", res.st ? tdm_error_message() : "");
-        ssize_t w = write(fds[1], &res, sizeof res);
-        _exit(w == (ssize_t)sizeof res ? 0 : 1);
-    }
-    close(fds[1]);
-    size_t got = 0;
-    ssize_t k;
-    while (got < sizeof res && (k = read(fds[0], (char *)&res + got, sizeof res - got)) != 0) {
-        if (k < 0) break;
-        got += (size_t)k;
-    }
-    close(fds[0]);
-    int ws = 0;
-    while (waitpid(pid, &ws, 0) < 0 && errno == EINTR) {}
-    if (got != sizeof res)
-        return tdm_error_set(TDM_STATUS_SYSTEM, "checking --device '%s' in a child process "
-                             "failed (wait status 0x%x)", spec, ws);
-    *dl = res.dl;
-    if (res.st) return tdm_error_set(res.st, "%s", res.msg);
-    return TDM_STATUS_OK;
-}
-
 int tdm_train_run_ddp(const tdm_train_args *a)
 {
     tdm_train_ddp_ctx c = {.a = a};
@@ -295,7 +225,7 @@ int tdm_train_run_ddp(const tdm_train_args *a)
         return 2;
     }
     int launched = getenv("TANDEM_SHM_FD") && getenv("WORLD_SIZE");
-    if ((st = tdm_train_ddp_parse_devices(&c.dl, a->device, !launched))) {
+    if ((st = tdm_tool_parse_devices(&c.dl, a->device, !launched))) {
         fprintf(stderr, "tandem train: --device: %s\n", tdm_error_message());
         return st == TDM_STATUS_NO_DEVICE ? 1 : 2;
     }
@@ -339,10 +269,9 @@ int tdm_train_run_ddp(const tdm_train_args *a)
         rc = 2;
         goto done;
     }
-    /* CUDA ranks keep their gradients in NCCL's device memory: no arena */
     tdm_ddp_spawn_opts so = {.timeout_ms = INT64_MAX / 2000000, .comm_timeout_ms = 60000,
-                             .arena_bytes = c.dl.kind == TDM_DEVICE_CUDA ? 0 :
-                                 tdm_ddp_arena_bytes(tdm_model_param_elems(probe))};
+                             .arena_bytes = tdm_tool_ddp_arena_bytes(
+                                 &c.dl, tdm_model_param_elems(probe))};
     tdm_model_free(probe);
     probe = NULL;
     c.train = &train;

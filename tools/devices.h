@@ -1,0 +1,42 @@
+/* tools/devices.h: device handling the subcommands share: parsing
+ * --device without initialising CUDA in a process that will fork ranks,
+ * the NCCL communicator of a DDP rank on a GPU, and the CUDA emulator
+ * (TANDEM_CUDA_EMULATOR, see cuda/cuda.h). cuda/ is reached through weak
+ * symbols, so builds without the CUDA backend link and refuse CUDA. */
+#ifndef TDM_TOOLS_DEVICES_H
+#define TDM_TOOLS_DEVICES_H
+
+#include <stddef.h>
+#include <stdio.h>
+#include <stdint.h>
+
+#include "core/comm.h"
+#include "core/device.h"
+
+/* tdm_device_list_parse, but when forks is set and spec names CUDA, in a
+ * short-lived child: counting GPUs initialises CUDA, and a process that
+ * has initialised CUDA cannot hand it to forked children. The result (the
+ * status, message and list) comes back unchanged. */
+tdm_status tdm_tool_parse_devices(tdm_device_list *dl, const char *spec, int forks);
+
+/* N when TANDEM_CUDA_EMULATOR=N makes "cuda" devices emulated, else 0. */
+int tdm_tool_cuda_emulated(void);
+
+/* With the emulator in effect and spec naming CUDA devices, prints to f
+ * the line saying that they are emulated on the host, not GPUs. */
+void tdm_tool_print_emulated(FILE *f, const char *spec);
+
+/* 1 when d is a GPU (a CUDA device that is not emulated). */
+int tdm_tool_device_is_gpu(const tdm_device *d);
+
+/* A DDP rank's gradient communicator: on a GPU, an NCCL communicator
+ * bootstrapped over shm (collective: every rank calls this) whose watchdog
+ * also stops when the shm group aborts; *nccl = NULL on host and emulated
+ * devices (they reduce over shm). */
+tdm_status tdm_tool_rank_nccl(tdm_comm *shm, tdm_device *dev, tdm_comm **nccl);
+
+/* The shm arena a DDP job over dl needs for zero-copy gradients of
+ * param_elems floats: none on GPUs (their buckets live in NCCL memory). */
+size_t tdm_tool_ddp_arena_bytes(const tdm_device_list *dl, int64_t param_elems);
+
+#endif
