@@ -7,6 +7,9 @@ if [ $# -gt 0 ]; then bins=""; for n in "$@"; do bins="$bins $build/tests/$n"; d
 else bins=$(ls "$build"/tests/test_* 2>/dev/null | grep -v '\.[od]$'); fi
 # CLI tests find the binary of the same build here.
 TANDEM_BIN=$(cd "$build" && pwd)/tandem; export TANDEM_BIN
+# The CUDA emulator only where a test asks for it (it would turn "cuda" into
+# emulated devices for every test).
+unset TANDEM_CUDA_EMULATOR
 pass=0; fail=0; bad=""
 for b in $bins; do
   name=$(basename "$b")

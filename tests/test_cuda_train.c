@@ -432,3 +432,54 @@ Test(cuda_nodev, cli_dp_ddp_compare_bench_on_cuda_fail_with_one_message, .timeou
     cr_assert(strchr(r.out, '\n') == strrchr(r.out, '\n'), "bench: more than one line:\n%s",
               r.out);
 }
+
+/* ================== CLI on emulated GPUs (TANDEM_CUDA_EMULATOR) ============ */
+
+/* The CLI's CUDA code paths (device lists, compare's child processes, DP's
+ * device group, DDP's device staging) on emulated devices: host memory,
+ * CUDA kernels' code as host loops, DDP over shm where GPUs use NCCL. */
+#define NEED_EMULATOR(n)                                                                  \
+    do {                                                                                  \
+        NEED_BACKEND();                                                                   \
+        cr_assert_eq(setenv("TANDEM_CUDA_EMULATOR", #n, 1), 0);                          \
+    } while (0)
+
+Test(cuda_emu_cli, train_every_mode_on_emulated_gpus, .timeout = 120)
+{
+    NEED_EMULATOR(2);
+    static cli_result r;
+    const char *modes[][2] = {{"single", "cuda:1"}, {"dp", "cuda"}, {"ddp", "cuda:0,1"}};
+    for (int i = 0; i < 3; i++) {
+        CLI(&r, "train", "--mode", modes[i][0], "--device", modes[i][1], "--data", "synthetic",
+            "--model", "mlp:784-64-10", "--epochs", "1", "--quiet");
+        expect(&r, 0, "CUDA EMULATOR (TANDEM_CUDA_EMULATOR=2)");
+        cr_assert(strstr(r.out, "test accuracy"), "%s:\n%s", modes[i][0], r.out);
+    }
+    CLI(&r, "train", "--mode", "single", "--device", "cuda:1", "--data", "synthetic", "--model",
+        "mlp:784-64-10", "--epochs", "1", "--quiet");
+    cr_assert(strstr(r.out, "device cuda-emu:1"), "%s", r.out);
+    /* a GPU the emulator does not have */
+    CLI(&r, "train", "--mode", "dp", "--device", "cuda:0,2", "--data", "synthetic");
+    cr_assert_neq(r.code, 0, "%s", r.out);
+    cr_assert(strstr(r.out, "cuda:2"), "%s", r.out);
+}
+
+Test(cuda_emu_cli, compare_on_emulated_gpus_passes_and_catches_a_bad_rank, .timeout = 180)
+{
+    NEED_EMULATOR(3);
+    static cli_result r;
+    CLI(&r, "compare", "--device", "cuda:0,2", "--data", "synthetic", "--model", "mlp:784-64-10",
+        "--steps", "6", "--warmup", "1", "--batch", "64", "--sweep", "1,2");
+    expect(&r, 0, "verdict: PASS");
+    cr_assert(strstr(r.out, "CUDA EMULATOR (TANDEM_CUDA_EMULATOR=3)"), "%s", r.out);
+    cr_assert(strstr(r.out, "one device (cuda-emu:0) vs DP and DDP on 2 GPUs (cuda:0,2"), "%s",
+              r.out);
+    cr_assert(strstr(r.out, "DP cuda-emu:2"), "memory table names the second GPU:\n%s", r.out);
+    cr_assert(strstr(r.out, "Scaling"), "%s", r.out);
+    CLI(&r, "compare", "--device", "cuda:0,1", "--data", "synthetic", "--model", "mlp:784-64-10",
+        "--steps", "4", "--warmup", "1", "--batch", "64", "--perturb-rank", "1");
+    expect(&r, 3, "verdict: FAIL");
+    /* a sweep wider than the GPUs listed */
+    CLI(&r, "compare", "--device", "cuda:0,1", "--data", "synthetic", "--sweep", "1,3");
+    expect(&r, 2, "--sweep 3: --device cuda:0,1 names only 2 GPUs");
+}

@@ -17,6 +17,7 @@
 #include "models/train.h"
 #include "tools/args.h"
 #include "tools/compare.h"
+#include "tools/devices.h"
 #include "tools/tools.h"
 
 /* Float tolerances of the equivalence verdict, |a - b| <= atol + rtol |b|.
@@ -45,7 +46,8 @@ static void tdm_cmp_usage(FILE *f)
         "equivalence verdict, memory per device and a reading of the figures.\n"
         "\n"
         "  --model NAME         mlp, mlp:W0-..-Wn, cnn                      [mlp]\n"
-        "  --device cpu:N       devices for DP and DDP (N >= 1)              [cpu:2]\n"
+        "  --device SPEC        devices for DP and DDP: cpu:N (N >= 1), or GPUs\n"
+        "                       cuda (all) / cuda:I,J,.. (single runs on the first) [cpu:2]\n"
         "  --steps S            training steps per mode                      [30]\n"
         "  --warmup W           steps left out of the timing figures         [3]\n"
         "  --batch B            global batch size (B >= N)                   [256]\n"
@@ -172,32 +174,38 @@ static void tdm_cmp_print_phase_table(const tdm_cmp_opts *o, tdm_cmp_result *con
     }
 }
 
-static void tdm_cmp_print_memory(tdm_cmp_result *const *res, int n)
+static void tdm_cmp_print_memory(const tdm_cmp_opts *o, tdm_cmp_result *const *res, int n)
 {
     printf("\nMemory per device (MiB)\n");
-    printf("  %-14s %9s %9s %9s %9s %11s %9s %9s\n", "mode/device", "params", "grads",
+    printf("  %-18s %9s %9s %9s %9s %11s %9s %9s\n", "mode/device", "params", "grads",
            "optimizer", "buffers", "activations", "comm", "total");
     for (int k = 0; k < n; k++) {
         const tdm_cmp_result *r = res[k];
         int shown = r->n_dev < 2 ? r->n_dev : 2;
         for (int d = 0; d < shown; d++) {
             const tdm_cmp_memory *m = &r->mem[d];
-            char name[48];
-            if (r->mode == TDM_CMP_SINGLE) snprintf(name, sizeof name, "single cpu:0");
-            else if (d == 0) snprintf(name, sizeof name, "%s %s0", tdm_cmp_mode_name(r->mode),
-                                      r->mode == TDM_CMP_DDP ? "rank " : "cpu:");
-            else snprintf(name, sizeof name, "%s %s%s", tdm_cmp_mode_name(r->mode),
-                          r->mode == TDM_CMP_DDP ? "rank " : "cpu:", r->n_dev > 2 ? "1.." : "1");
+            char name[64], dev[32];
+            tdm_cmp_dev_name(o, d, dev, sizeof dev);
+            if (r->mode == TDM_CMP_DDP)
+                snprintf(name, sizeof name, "DDP rank %s", d == 0 ? "0" : r->n_dev > 2 ? "1.." : "1");
+            else
+                snprintf(name, sizeof name, "%s %s%s", tdm_cmp_mode_name(r->mode), dev,
+                         d == 1 && r->n_dev > 2 ? ".." : "");
             double mib = 1.0 / (1024.0 * 1024.0);
             double total = m->params + m->grads + m->optim + m->buffers + m->activations + m->comm;
-            printf("  %-14s %9.3f %9.3f %9.3f %9.3f %11.3f %9.3f %9.3f\n", name, m->params * mib,
+            printf("  %-18s %9.3f %9.3f %9.3f %9.3f %11.3f %9.3f %9.3f\n", name, m->params * mib,
                    m->grads * mib, m->optim * mib, m->buffers * mib, m->activations * mib,
                    m->comm * mib, total * mib);
         }
     }
-    printf("  DP's output device holds the master (with optimizer state) and the gathered\n"
-           "  logits and their gradient (comm); DDP's gradients live in the shared segment\n"
-           "  and comm is the rest of that segment's arena.\n");
+    if (o->dl.kind == TDM_DEVICE_CUDA && !tdm_tool_cuda_emulated())
+        printf("  DP's output device holds the master (with optimizer state) and the gathered\n"
+               "  logits and their gradient (comm); DDP's gradients are NCCL-allocated device\n"
+               "  memory, reduced in place (comm 0; NCCL's own buffers are not counted).\n");
+    else
+        printf("  DP's output device holds the master (with optimizer state) and the gathered\n"
+               "  logits and their gradient (comm); DDP's gradients live in the shared segment\n"
+               "  and comm is the rest of that segment's arena.\n");
 }
 
 int tdm_tool_compare_main(int argc, char **argv)
@@ -251,25 +259,27 @@ int tdm_tool_compare_main(int argc, char **argv)
         fprintf(stderr, "tandem compare: --model: %s\n", tdm_error_message());
         return 2;
     }
+    /* checked in a child when it names CUDA: this process forks DDP's ranks */
     tdm_device_list dl;
-    tdm_status dst = tdm_device_list_parse(&dl, o.device);
+    tdm_status dst = tdm_tool_parse_devices(&dl, o.device, 1);
     if (dst != TDM_STATUS_OK) {
         /* no device is a runtime condition (exit 1, as train), not usage */
         fprintf(stderr, "tandem compare: --device: %s\n", tdm_error_message());
         return dst == TDM_STATUS_NO_DEVICE ? 1 : 2;
     }
-    if (dl.kind != TDM_DEVICE_HOST) {
-        fprintf(stderr, "tandem compare: --device %s: compare runs on host devices (cpu:N) "
-                        "only; train on GPUs with tandem train --mode dp|ddp --device %s\n",
-                o.device, o.device);
+    if (dl.kind == TDM_DEVICE_HOST)
+        for (int i = 0; i < dl.count; i++)
+            if (dl.index[i] != i) {
+                fprintf(stderr, "tandem compare: --device %s: use cpu:N (devices cpu:0..N-1)\n",
+                        o.device);
+                return 2;
+            }
+    if (dl.count > TDM_CMP_MAX_DEV) {
+        fprintf(stderr, "tandem compare: --device %s: at most %d devices\n", o.device,
+                TDM_CMP_MAX_DEV);
         return 2;
     }
-    for (int i = 0; i < dl.count; i++)
-        if (dl.index[i] != i) {
-            fprintf(stderr, "tandem compare: --device %s: use cpu:N (devices cpu:0..N-1)\n",
-                    o.device);
-            return 2;
-        }
+    o.dl = dl;
     o.n_dev = dl.count;
     if (o.batch < o.n_dev) {
         fprintf(stderr,
@@ -292,6 +302,14 @@ int tdm_tool_compare_main(int argc, char **argv)
                         "(each 1..%d, at most 16)\n", o.sweep, TDM_CMP_MAX_DEV);
         return 2;
     }
+    /* host devices are logical (any count); GPUs are the ones listed */
+    for (int i = 0; i < n_sweep && dl.kind == TDM_DEVICE_CUDA; i++)
+        if (sweep_dev[i] > dl.count) {
+            fprintf(stderr, "tandem compare: --sweep %d: --device %s names only %d GPU%s (a "
+                    "sweep uses the first k of them)\n", sweep_dev[i], o.device, dl.count,
+                    dl.count == 1 ? "" : "s");
+            return 2;
+        }
     /* check output paths before the long part */
     const char *outs[] = {o.trace, o.csv};
     for (int i = 0; i < 2; i++)
@@ -367,8 +385,21 @@ int tdm_tool_compare_main(int argc, char **argv)
     printf("tandem compare: %s, global batch %d, %d steps (%d warm-up), %s lr %g%s\n", desc,
            o.batch, o.steps, o.warmup, o.optim, o.lr,
            o.data && !strcmp(o.data, "synthetic") ? ", synthetic data" : ", Fashion-MNIST");
-    printf("  one device (cpu:0) vs DP and DDP on %d host devices; this machine has %d core%s\n",
-           o.n_dev, tdm_device_host_cores(), tdm_device_host_cores() > 1 ? "s" : "");
+    char dev0name[32], devspec[TDM_DEVICE_LIST_MAX * 4 + 8];
+    tdm_cmp_dev_name(&o, 0, dev0name, sizeof dev0name);
+    tdm_cmp_dev_spec(&o, o.n_dev, devspec, sizeof devspec);
+    if (dl.kind == TDM_DEVICE_CUDA) {
+        printf("  one device (%s) vs DP and DDP on %d GPU%s (%s; DDP's gradients over %s)\n",
+               dev0name, o.n_dev, o.n_dev > 1 ? "s" : "", devspec,
+               tdm_tool_cuda_emulated() ? "shm" : "NCCL");
+        printf("  on GPUs kernels run asynchronously: a phase's time is host time until its "
+               "next wait,\n  so phases that wait for the GPU absorb the time of earlier ones; "
+               "step times are exact\n");
+        tdm_tool_print_emulated(stdout, o.device);
+    } else {
+        printf("  one device (cpu:0) vs DP and DDP on %d host devices; this machine has %d "
+               "core%s\n", o.n_dev, tdm_device_host_cores(), tdm_device_host_cores() > 1 ? "s" : "");
+    }
     fflush(stdout);
 
     tdm_cmp_result res[TDM_CMP_NMODES];
@@ -491,7 +522,7 @@ int tdm_tool_compare_main(int argc, char **argv)
     tdm_device_free(dev0);
 
     /* 4. memory */
-    tdm_cmp_print_memory(rp, nres);
+    tdm_cmp_print_memory(&o, rp, nres);
 
     /* 5. reading */
     {
@@ -532,7 +563,8 @@ int tdm_tool_compare_main(int argc, char **argv)
         int cores = tdm_device_host_cores();
         printf("  Perfect scaling would be %.0f samples/s; DDP reaches %.0f%% of it%s.\n", ideal,
                100.0 * sps[TDM_CMP_DDP] / ideal,
-               o.n_dev > cores ? " (more devices than cores: they share the cores)" : "");
+               o.n_dev > cores && (o.dl.kind == TDM_DEVICE_HOST || tdm_tool_cuda_emulated())
+                   ? " (more devices than cores: they share the cores)" : "");
     }
 
     /* sweep */

@@ -9,6 +9,7 @@
 #include <stdint.h>
 
 #include "core/data.h"
+#include "core/device.h"
 #include "core/timer.h"
 #include "models/model.h"
 
@@ -25,6 +26,7 @@ typedef enum tdm_cmp_mode {
 typedef struct tdm_cmp_opts {
     const char *model, *device, *data, *optim, *trace, *plot, *csv, *sweep;
     int n_dev;                 /* devices in --device */
+    tdm_device_list dl;        /* --device parsed: host (cpu:0..N-1) or CUDA GPUs */
     int steps, warmup, batch;
     double lr, momentum, weight_decay;
     uint64_t seed;
@@ -68,6 +70,12 @@ typedef struct tdm_cmp_result {
 
 const char *tdm_cmp_mode_name(tdm_cmp_mode m);
 
+/* The i-th device of --device: "cpu:3", "cuda:1" ("cuda-emu:1" under the
+ * CUDA emulator). */
+void tdm_cmp_dev_name(const tdm_cmp_opts *o, int i, char *buf, size_t len);
+/* The first n devices of --device as a device spec: "cpu:2", "cuda:0,1". */
+void tdm_cmp_dev_spec(const tdm_cmp_opts *o, int n, char *buf, size_t len);
+
 /* The global batches: rows of the dataset for step s are
  * order[s * batch .. +batch). */
 typedef struct tdm_cmp_data {
@@ -76,9 +84,12 @@ typedef struct tdm_cmp_data {
     int64_t n_order;
 } tdm_cmp_data;
 
-/* Runs one mode over opts->steps global batches. n_dev: device count
- * (1 for single). Fills r (allocated by the callee; free with
- * tdm_cmp_result_free). Returns 0 on failure, with a message printed. */
+/* Runs one mode over opts->steps global batches on the first n_dev
+ * devices of --device (single: the first). Fills r (allocated by the
+ * callee; free with tdm_cmp_result_free). Returns 0 on failure, with a
+ * message printed. On CUDA devices single and DP run in a child process,
+ * so that this process never initialises CUDA and can still fork DDP's
+ * ranks (a process that has used CUDA cannot hand it to forked children). */
 int tdm_cmp_run(const tdm_cmp_opts *o, const tdm_cmp_data *data, tdm_cmp_mode mode, int n_dev,
                 tdm_cmp_result *r);
 void tdm_cmp_result_free(tdm_cmp_result *r);

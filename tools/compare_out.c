@@ -66,10 +66,18 @@ int tdm_cmp_write_trace(const char *path, const tdm_cmp_opts *o, tdm_cmp_result 
                r->n_dev > 1 ? "s" : "");
         TDM_EV("{\"ph\": \"M\", \"pid\": %d, \"name\": \"process_sort_index\", \"args\": "
                "{\"sort_index\": %d}}", pid, pid);
-        for (int d = 0; d < r->n_dev; d++)
+        for (int d = 0; d < r->n_dev; d++) {
+            char name[48];
+            if (r->mode == TDM_CMP_DDP) {
+                snprintf(name, sizeof name, "rank %d", d);
+            } else {
+                char dev[32];
+                tdm_cmp_dev_name(o, d, dev, sizeof dev);
+                snprintf(name, sizeof name, "device %s", dev);
+            }
             TDM_EV("{\"ph\": \"M\", \"pid\": %d, \"tid\": %d, \"name\": \"thread_name\", "
-                   "\"args\": {\"name\": \"%s %d\"}}", pid, d,
-                   r->mode == TDM_CMP_DDP ? "rank" : "device cpu:", d);
+                   "\"args\": {\"name\": \"%s\"}}", pid, d, name);
+        }
         if (r->mode == TDM_CMP_DDP)
             TDM_EV("{\"ph\": \"M\", \"pid\": %d, \"tid\": 1000, \"name\": \"thread_name\", "
                    "\"args\": {\"name\": \"rank 0 all-reduce (buckets)\"}}", pid);

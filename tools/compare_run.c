@@ -18,11 +18,37 @@
 #include "models/optim.h"
 #include "models/train.h"
 #include "tools/compare.h"
+#include "tools/devices.h"
 
 const char *tdm_cmp_mode_name(tdm_cmp_mode m)
 {
     static const char *const n[] = {"single", "DP", "DDP"};
     return (unsigned)m < TDM_CMP_NMODES ? n[m] : "?";
+}
+
+void tdm_cmp_dev_name(const tdm_cmp_opts *o, int i, char *buf, size_t len)
+{
+    if (o->dl.kind == TDM_DEVICE_CUDA)
+        snprintf(buf, len, "%s:%d", tdm_tool_cuda_emulated() ? "cuda-emu" : "cuda",
+                 o->dl.index[i]);
+    else
+        snprintf(buf, len, "cpu:%d", i);
+}
+
+void tdm_cmp_dev_spec(const tdm_cmp_opts *o, int n, char *buf, size_t len)
+{
+    if (o->dl.kind != TDM_DEVICE_CUDA) {
+        snprintf(buf, len, "cpu:%d", n);
+        return;
+    }
+    size_t used = (size_t)snprintf(buf, len, "cuda:");
+    for (int i = 0; i < n && used < len; i++)
+        used += (size_t)snprintf(buf + used, len - used, "%s%d", i ? "," : "", o->dl.index[i]);
+}
+
+static const char *tdm_cmp_kind(const tdm_cmp_opts *o)
+{
+    return o->dl.kind == TDM_DEVICE_CUDA ? "cuda" : "cpu";
 }
 
 static int tdm_cmp_alloc(tdm_cmp_result *r, tdm_cmp_mode mode, int n_dev, int steps,
@@ -124,7 +150,7 @@ static int tdm_cmp_run_single(const tdm_cmp_opts *o, const tdm_cmp_data *data, t
     float *x = malloc((size_t)o->batch * feat * sizeof(float));
     int32_t *y = malloc((size_t)o->batch * sizeof(int32_t));
     if (!x || !y) goto done;
-    if (tdm_device_open(&dev, "cpu", 0, 1) != TDM_STATUS_OK ||
+    if (tdm_device_open(&dev, tdm_cmp_kind(o), o->dl.index[0], 1) != TDM_STATUS_OK ||
         tdm_cmp_make(o, dev, &m, &opt) != TDM_STATUS_OK) {
         tdm_cmp_fail("one device");
         goto done;
@@ -175,7 +201,7 @@ static int tdm_cmp_run_dp(const tdm_cmp_opts *o, const tdm_cmp_data *data, int n
                           tdm_cmp_result *r)
 {
     int ok = 0, n = 0;
-    char spec[32];
+    char spec[TDM_DEVICE_LIST_MAX * 4 + 8];
     tdm_device *devs[TDM_DP_MAX_DEVICES] = {0};
     tdm_model *m = NULL;
     tdm_optim *opt = NULL;
@@ -183,7 +209,7 @@ static int tdm_cmp_run_dp(const tdm_cmp_opts *o, const tdm_cmp_data *data, int n
     int64_t feat = tdm_data_features(&data->train);
     float *x = malloc((size_t)o->batch * feat * sizeof(float));
     int32_t *y = malloc((size_t)o->batch * sizeof(int32_t));
-    snprintf(spec, sizeof spec, "cpu:%d", n_dev);
+    tdm_cmp_dev_spec(o, n_dev, spec, sizeof spec);
     if (!x || !y) goto done;
     if (tdm_dp_devices_open(spec, devs, &n) != TDM_STATUS_OK ||
         tdm_cmp_make(o, devs[0], &m, &opt) != TDM_STATUS_OK ||
@@ -255,6 +281,7 @@ static int tdm_cmp_ddp_rank(tdm_comm *comm, void *argp)
     tdm_model *m = NULL;
     tdm_optim *opt = NULL;
     tdm_ddp *ddp = NULL;
+    tdm_comm *nccl = NULL;   /* GPUs: the gradient communicator, bootstrapped over comm */
     int64_t feat = tdm_data_features(&a->data->train);
     int lo = (int)((int64_t)rank * o->batch / world), hi = (int)((int64_t)(rank + 1) * o->batch / world);
     int b = hi - lo;
@@ -263,9 +290,12 @@ static int tdm_cmp_ddp_rank(tdm_comm *comm, void *argp)
     float *mine = NULL;
     tdm_ddp_opts dopts = {.bucket_cap_mb = o->bucket_cap_mb, .no_overlap = o->no_overlap};
     if (!x || !y) goto done;
-    if (tdm_device_open(&dev, "cpu", rank, 1) != TDM_STATUS_OK ||
+    if (tdm_device_open(&dev, tdm_cmp_kind(o), o->dl.kind == TDM_DEVICE_CUDA ? o->dl.index[rank]
+                                                                           : rank, 1) ||
         tdm_cmp_make(o, dev, &m, &opt) != TDM_STATUS_OK ||
-        tdm_ddp_init(&ddp, m, comm, &dopts) != TDM_STATUS_OK) {
+        tdm_tool_rank_nccl(comm, dev, &nccl) != TDM_STATUS_OK ||
+        (dopts.host_comm = nccl ? comm : NULL,
+         tdm_ddp_init(&ddp, m, nccl ? nccl : comm, &dopts) != TDM_STATUS_OK)) {
         fprintf(stderr, "tandem compare: DDP rank %d: %s\n", rank, tdm_error_message());
         goto done;
     }
@@ -336,11 +366,14 @@ static int tdm_cmp_ddp_rank(tdm_comm *comm, void *argp)
     sh->agree[rank] = !memcmp(mine, TDM_CMP_AT(sh, off_last, float),
                               (size_t)sh->param_elems * sizeof(float));
     tdm_cmp_mem_model(&sh->mem[rank], m, tdm_optim_state_bytes(opt));
-    sh->mem[rank].comm = (double)tdm_ddp_arena_bytes(sh->param_elems) - sh->mem[rank].grads;
+    /* shm: the rest of the arena; NCCL: its buckets are the gradients */
+    sh->mem[rank].comm = nccl ? 0.0 : (double)tdm_ddp_arena_bytes(sh->param_elems) -
+                                          sh->mem[rank].grads;
     if (sh->mem[rank].comm < 0) sh->mem[rank].comm = 0;
     rc = 0;
 done:
     tdm_ddp_free(ddp);
+    tdm_comm_free(nccl);   /* before comm, which bootstrapped it */
     tdm_optim_free(opt);
     tdm_model_free(m);
     tdm_device_free(dev);
@@ -350,19 +383,28 @@ done:
     return rc;
 }
 
-static int tdm_cmp_run_ddp(const tdm_cmp_opts *o, const tdm_cmp_data *data, int world,
-                           tdm_cmp_result *r)
+/* The model's parameter count, from a probe on a host device (this
+ * process must not touch CUDA); 0 on failure (message kept). */
+static int64_t tdm_cmp_param_elems(const tdm_cmp_opts *o)
 {
     tdm_model_spec spec;
     tdm_model *probe = NULL;
     tdm_device *dev = NULL;
-    if (tdm_model_spec_parse(&spec, o->model) != TDM_STATUS_OK ||
-        tdm_device_open(&dev, "cpu", 0, 1) != TDM_STATUS_OK ||
-        tdm_model_init(&probe, dev, &spec, o->seed) != TDM_STATUS_OK)
-        return tdm_cmp_fail("DDP");
-    int64_t pe = tdm_model_param_elems(probe);
+    int64_t pe = 0;
+    if (tdm_model_spec_parse(&spec, o->model) == TDM_STATUS_OK &&
+        tdm_device_open(&dev, "cpu", 0, 1) == TDM_STATUS_OK &&
+        tdm_model_init(&probe, dev, &spec, o->seed) == TDM_STATUS_OK)
+        pe = tdm_model_param_elems(probe);
     tdm_model_free(probe);
     tdm_device_free(dev);
+    return pe;
+}
+
+static int tdm_cmp_run_ddp(const tdm_cmp_opts *o, const tdm_cmp_data *data, int world,
+                           tdm_cmp_result *r)
+{
+    int64_t pe = tdm_cmp_param_elems(o);
+    if (pe <= 0) return tdm_cmp_fail("DDP");
     size_t S = (size_t)o->steps, W = (size_t)world;
     tdm_cmp_shared lay = {.world = world, .steps = o->steps, .param_elems = pe};
     size_t off = (sizeof lay + 63) & ~(size_t)63;
@@ -386,7 +428,8 @@ static int tdm_cmp_run_ddp(const tdm_cmp_opts *o, const tdm_cmp_data *data, int 
     }
     *sh = lay;
     tdm_cmp_ddp_arg arg = {.o = o, .data = data, .sh = sh, .t_start = tdm_time_ns()};
-    tdm_ddp_spawn_opts so = {.timeout_ms = 3600000, .arena_bytes = tdm_ddp_arena_bytes(pe)};
+    tdm_ddp_spawn_opts so = {.timeout_ms = 3600000,
+                             .arena_bytes = tdm_tool_ddp_arena_bytes(&o->dl, pe)};
     int ok = 0;
     fflush(stdout);
     if (tdm_ddp_spawn(world, tdm_cmp_ddp_rank, &arg, &so, NULL) != TDM_STATUS_OK) {
@@ -430,8 +473,8 @@ done:
     return ok;
 }
 
-int tdm_cmp_run(const tdm_cmp_opts *o, const tdm_cmp_data *data, tdm_cmp_mode mode, int n_dev,
-                tdm_cmp_result *r)
+static int tdm_cmp_run_here(const tdm_cmp_opts *o, const tdm_cmp_data *data, tdm_cmp_mode mode,
+                            int n_dev, tdm_cmp_result *r)
 {
     memset(r, 0, sizeof *r);
     switch (mode) {
@@ -440,6 +483,127 @@ int tdm_cmp_run(const tdm_cmp_opts *o, const tdm_cmp_data *data, tdm_cmp_mode mo
     case TDM_CMP_DDP: return tdm_cmp_run_ddp(o, data, n_dev, r);
     default: return 0;
     }
+}
+
+/* ---- single or DP in a child process (CUDA devices) ---- */
+
+/* The child's result, packed into one shared anonymous mapping: the
+ * struct (its pointers meaningless there), then the per-step arrays and
+ * the parameters. Single and DP have no buckets. */
+typedef struct tdm_cmp_iso {
+    const tdm_cmp_opts *o;
+    const tdm_cmp_data *data;
+    tdm_cmp_mode mode;
+    int n_dev;
+    size_t steps, param_elems;
+    unsigned char *sh;
+} tdm_cmp_iso;
+
+/* What each array of a result holds, in packing order: pointer and bytes. */
+static int tdm_cmp_iso_arrays(tdm_cmp_result *r, size_t steps, int n_dev, size_t pe,
+                              void **ptr[10], size_t bytes[10])
+{
+    int k = 0;
+#define TDM_CMP_ARR(field, nbytes) (ptr[k] = (void **)&r->field, bytes[k] = (nbytes), k++)
+    TDM_CMP_ARR(loss, steps * sizeof(double));
+    TDM_CMP_ARR(step_ms, steps * sizeof(double));
+    TDM_CMP_ARR(step_t0_ms, steps * sizeof(double));
+    TDM_CMP_ARR(phase, steps * (size_t)n_dev * sizeof(tdm_phase_times));
+    TDM_CMP_ARR(wall, steps * sizeof(tdm_phase_times));
+    TDM_CMP_ARR(comm_ms, steps * sizeof(double));
+    TDM_CMP_ARR(exposed_ms, steps * sizeof(double));
+    TDM_CMP_ARR(bwd_t0_ms, steps * sizeof(double));
+    TDM_CMP_ARR(params_first, pe * sizeof(float));
+    TDM_CMP_ARR(params_last, pe * sizeof(float));
+#undef TDM_CMP_ARR
+    return k;
+}
+
+static size_t tdm_cmp_iso_bytes(size_t steps, int n_dev, size_t pe)
+{
+    tdm_cmp_result r;
+    void **ptr[10];
+    size_t bytes[10], total = (sizeof r + 63) & ~(size_t)63;
+    int k = tdm_cmp_iso_arrays(&r, steps, n_dev, pe, ptr, bytes);
+    for (int i = 0; i < k; i++) total += (bytes[i] + 63) & ~(size_t)63;
+    return total;
+}
+
+/* copy_in: mapping -> r's arrays (parent); else r's arrays -> mapping. */
+static void tdm_cmp_iso_copy(tdm_cmp_result *r, unsigned char *sh, size_t steps, int n_dev,
+                             size_t pe, int copy_in)
+{
+    void **ptr[10];
+    size_t bytes[10], off = (sizeof *r + 63) & ~(size_t)63;
+    int k = tdm_cmp_iso_arrays(r, steps, n_dev, pe, ptr, bytes);
+    for (int i = 0; i < k; i++) {
+        if (copy_in) memcpy(*ptr[i], sh + off, bytes[i]);
+        else memcpy(sh + off, *ptr[i], bytes[i]);
+        off += (bytes[i] + 63) & ~(size_t)63;
+    }
+}
+
+static int tdm_cmp_iso_child(tdm_comm *comm, void *argp)
+{
+    (void)comm;
+    tdm_cmp_iso *a = argp;
+    tdm_cmp_result r;
+    if (!tdm_cmp_run_here(a->o, a->data, a->mode, a->n_dev, &r)) return 1;
+    if (r.n_dev != a->n_dev || (size_t)r.steps != a->steps ||
+        (size_t)r.param_elems != a->param_elems || r.n_buckets != 0) {
+        fprintf(stderr, "tandem compare: %s result of an unexpected shape\n",
+                tdm_cmp_mode_name(a->mode));
+        tdm_cmp_result_free(&r);
+        return 1;
+    }
+    memcpy(a->sh, &r, sizeof r);
+    tdm_cmp_iso_copy(&r, a->sh, a->steps, a->n_dev, a->param_elems, 0);
+    tdm_cmp_result_free(&r);
+    return 0;
+}
+
+static int tdm_cmp_run_isolated(const tdm_cmp_opts *o, const tdm_cmp_data *data,
+                                tdm_cmp_mode mode, int n_dev, tdm_cmp_result *r)
+{
+    int64_t pe = tdm_cmp_param_elems(o);
+    if (pe <= 0) return tdm_cmp_fail(tdm_cmp_mode_name(mode));
+    if (mode == TDM_CMP_SINGLE) n_dev = 1;
+    tdm_cmp_iso a = {.o = o, .data = data, .mode = mode, .n_dev = n_dev,
+                     .steps = (size_t)o->steps, .param_elems = (size_t)pe};
+    size_t total = tdm_cmp_iso_bytes(a.steps, n_dev, a.param_elems);
+    a.sh = mmap(NULL, total, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    if (a.sh == MAP_FAILED) {
+        perror("tandem compare: mmap");
+        return 0;
+    }
+    int ok = 0;
+    tdm_ddp_spawn_opts so = {.timeout_ms = 3600000};
+    fflush(stdout);
+    if (tdm_ddp_spawn(1, tdm_cmp_iso_child, &a, &so, NULL) != TDM_STATUS_OK) {
+        tdm_cmp_fail(tdm_cmp_mode_name(mode));
+        goto done;
+    }
+    tdm_cmp_result hdr;
+    memcpy(&hdr, a.sh, sizeof hdr);
+    if (!tdm_cmp_alloc(r, mode, n_dev, o->steps, pe)) goto done;
+    tdm_cmp_iso_copy(r, a.sh, a.steps, n_dev, a.param_elems, 1);
+    memcpy(r->mem, hdr.mem, sizeof r->mem);
+    memcpy(r->note, hdr.note, sizeof r->note);
+    r->ranks_agree = hdr.ranks_agree;
+    r->overlap_bytes_frac = hdr.overlap_bytes_frac;
+    r->ok = ok = hdr.ok;
+done:
+    munmap(a.sh, total);
+    return ok;
+}
+
+int tdm_cmp_run(const tdm_cmp_opts *o, const tdm_cmp_data *data, tdm_cmp_mode mode, int n_dev,
+                tdm_cmp_result *r)
+{
+    memset(r, 0, sizeof *r);
+    if (o->dl.kind == TDM_DEVICE_CUDA && mode != TDM_CMP_DDP)
+        return tdm_cmp_run_isolated(o, data, mode, n_dev, r);
+    return tdm_cmp_run_here(o, data, mode, n_dev, r);
 }
 
 static int tdm_cmp_cmp_double(const void *a, const void *b)
