@@ -361,6 +361,57 @@ Test(cuda_gpu, ddp_nccl_one_rank_cnn_matches_single_device, .timeout = 300)
     ddp_vs_host(1, 1, 16, 3, ddp_open_gpu, ddp_make_nccl, 1e-4, 1e-3);
 }
 
+/* copy_peer: after work already issued on the source, before work issued
+ * on either device afterwards (events both ways, no host wait). Large
+ * buffers so that a missing order would show. */
+Test(cuda_gpu, peer_copy_between_gpus_is_ordered_both_ways, .timeout = 120)
+{
+    NEED_GPUS(2);
+    tdm_device *a = NULL, *b = NULL;
+    cr_assert_eq(open_gpu(&a, 0), TDM_STATUS_OK, "%s", tdm_error_message());
+    cr_assert_eq(open_gpu(&b, 1), TDM_STATUS_OK, "%s", tdm_error_message());
+    const int64_t n = (int64_t)16 << 20;
+    float *pa = NULL, *pb = NULL, *h = malloc((size_t)n * sizeof *h);
+    cr_assert_not_null(h);
+    cr_assert_eq(tdm_dev_alloc(a, (size_t)n * 4, (void **)&pa), TDM_STATUS_OK);
+    cr_assert_eq(tdm_dev_alloc(b, (size_t)n * 4, (void **)&pb), TDM_STATUS_OK);
+    for (int64_t i = 0; i < n; i++) h[i] = (float)(i % 1000);
+    cr_assert_eq(a->ops->copy_from_host(a, pa, h, (size_t)n * 4), TDM_STATUS_OK);
+    for (int rep = 0; rep < 3; rep++) {
+        cr_assert_eq(a->ops->scale(a, n, 2.0f, pa), TDM_STATUS_OK);       /* before: seen */
+        cr_assert_eq(b->ops->memset_zero(b, pb, (size_t)n * 4), TDM_STATUS_OK);
+        cr_assert_eq(tdm_dev_copy_between(b, pb, a, pa, (size_t)n * 4), TDM_STATUS_OK, "%s",
+                     tdm_error_message());
+        cr_assert_eq(a->ops->scale(a, n, 0.5f, pa), TDM_STATUS_OK);       /* after: not seen */
+        cr_assert_eq(b->ops->copy_to_host(b, h, pb, (size_t)n * 4), TDM_STATUS_OK);
+        for (int64_t i = 0; i < n; i++)
+            cr_assert_eq(h[i], 2.0f * (float)(i % 1000), "rep %d: [%lld] = %g", rep, (long long)i,
+                         h[i]);
+        cr_assert_eq(a->ops->copy_to_host(a, h, pa, (size_t)n * 4), TDM_STATUS_OK);
+        for (int64_t i = 0; i < n; i += 4099) cr_assert_eq(h[i], (float)(i % 1000));
+    }
+    tdm_dev_free(a, pa);
+    tdm_dev_free(b, pb);
+    tdm_device_free(a);
+    tdm_device_free(b);
+    free(h);
+}
+
+Test(cuda_gpu, cli_compare_on_gpus_passes, .timeout = 600)
+{
+    NEED_GPUS(1);
+    char why[512];
+    int ngpu = gpu_count(why, sizeof why);
+    static cli_result r;
+    CLI(&r, "compare", "--device", ngpu >= 2 ? "cuda:0,1" : "cuda:0", "--data", "synthetic",
+        "--model", "mlp:784-256-10", "--steps", "8", "--warmup", "2", "--batch", "128");
+    expect(&r, 0, "verdict: PASS");
+    cr_assert(strstr(r.out, "DDP's gradients over NCCL"), "%s", r.out);
+    CLI(&r, "compare", "--device", "cuda:0", "--data", "synthetic", "--model", "cnn",
+        "--steps", "4", "--warmup", "1", "--batch", "32");
+    expect(&r, 0, "verdict: PASS");
+}
+
 /* ========================= CLI, without a GPU ============================= */
 
 static int count_shm_entries(void)
