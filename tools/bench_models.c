@@ -220,15 +220,15 @@ static int tdm_bench_train(int argc, char **argv)
             if (!tdm_args_int("--threads", v, 1, 256, &threads)) return 2;
             threads_set = 1;
         } else if (!strcmp(argv[i], "--help")) {
-            printf("usage: tandem bench train [--model mlp|cnn|mlp:...] [--batch B] [--steps S] "
-                   "[--device cpu|cuda:I] [--threads T]\n\nSingle-device training throughput "
-                   "on synthetic data (median step after 5 warm-up steps),\nand the achieved "
-                   "gemm rate as a fraction of the same device's sgemm ceiling\n(tandem bench "
-                   "gemm). The device is a host device with T BLAS threads (default\ncpu, T = 1) "
-                   "or cuda:I (inputs staged to the GPU each step, every step timed\nuntil the "
-                   "GPU has finished it; --threads is host only). With\nTANDEM_CUDA_EMULATOR=N, "
-                   "cuda:I is emulated on the host, not a GPU.\nDefaults: batch 256 (mlp), 128 "
-                   "(cnn); 60 steps.\n");
+            printf("usage: tandem bench train [--model mlp|cnn|mlp:...] [--batch B] [--steps S]\n"
+                   "                         [--device cpu|cuda:I] [--threads T]\n\n"
+                   "Single-device training throughput on synthetic data (median step after\n"
+                   "5 warm-up steps), and the achieved gemm rate as a fraction of the same\n"
+                   "device's sgemm ceiling (tandem bench gemm). The device is a host device\n"
+                   "with T BLAS threads (default cpu, T = 1) or cuda:I (inputs staged to the\n"
+                   "GPU each step, every step timed until the GPU has finished it; --threads\n"
+                   "is host only). With TANDEM_CUDA_EMULATOR=N, cuda:I is emulated on the\n"
+                   "host, not a GPU.\nDefaults: batch 256 (mlp), 128 (cnn); 60 steps.\n");
             return 0;
         } else {
             fprintf(stderr, "tandem bench train: unknown option '%s'\n", argv[i]);
