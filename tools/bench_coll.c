@@ -1,11 +1,15 @@
 /* tools/bench_coll.c: `tandem bench <collective>`, the collective
- * benchmark of the shm communicator, with the columns of nccl-tests
- * (size, count, type, redop, root, time, algbw, busbw, #wrong, out of
- * place and in place) plus the algorithm each row used and its bus
- * bandwidth as a fraction of the machine's memcpy bandwidth with the same
- * number of processes copying at once (measured in the same run).
+ * benchmark, with the columns of nccl-tests (size, count, type, redop,
+ * root, time, algbw, busbw, #wrong, out of place and in place) plus the
+ * algorithm each row used and its bus bandwidth as a fraction of a copy
+ * bandwidth measured in the same run: on host devices the shm
+ * communicator against memcpy with the same number of processes copying
+ * at once; with --device cuda one rank per GPU, the NCCL communicator
+ * (bootstrapped over shm) on device buffers against a device-to-device
+ * copy on every GPU at once. Under TANDEM_CUDA_EMULATOR the CUDA path
+ * runs on emulated devices and reduces over shm.
  * Not a test: correctness is checked once per size (#wrong), but the
- * tests are in tests/test_shm_*.c. */
+ * tests are in tests/test_shm_*.c and tests/test_cuda.c. */
 #include <sched.h>
 #include <stdint.h>
 #include <errno.h>
@@ -20,6 +24,7 @@
 #include "shm/shm_comm.h"
 #include "shm/spawn.h"
 #include "tools/args.h"
+#include "tools/devices.h"
 #include "tools/tools.h"
 
 typedef struct bench_cfg {
@@ -36,6 +41,9 @@ typedef struct bench_cfg {
     size_t slot_bytes;
     size_t one_shot_bytes;
     int bind;
+    const char *device;      /* --device as given (NULL: not given) */
+    tdm_device_list dl;      /* CUDA: rank r runs on cuda:<dl.index[r]> */
+    int cuda;                /* ranks on CUDA devices (or emulated ones) */
 } bench_cfg;
 
 static void bench_usage(FILE *f)
@@ -52,29 +60,41 @@ static void bench_usage(FILE *f)
         "from the exact reference, summed over ranks), the algorithm used, and busbw as a\n"
         "fraction of the memcpy bandwidth of one process while RANKS processes copy at once\n"
         "(measured first, in the same run). Ends with the average busbw (out of place).\n"
+        "With --device cuda[:I,J,..] there is one rank per listed GPU, each on its own\n"
+        "GPU, and the communicator is NCCL (bootstrapped over shm) on device buffers\n"
+        "(tdm_dev_alloc); the reference column is then busbw/d2d: the device-to-device\n"
+        "copy bandwidth of one GPU while every rank's GPU copies at once. Inputs are\n"
+        "staged from the host for the #wrong check, outside the timed loop; times are\n"
+        "host times of calls that return once the GPU has finished.\n"
         "options:\n"
-        "  -n, --nranks N       ranks (processes), 1..%d (default 2)\n"
+        "  -n, --nranks N       ranks (processes), 1..%d (default 2; with --device cuda\n"
+        "                       the number of listed devices, and -n must equal it)\n"
         "  -b, --minbytes SIZE  smallest size, e.g. 8, 4K, 1M (default 8)\n"
         "  -e, --maxbytes SIZE  largest size (default 64M)\n"
         "  -f, --stepfactor F   size multiplier per row, > 1 (default 2)\n"
         "  -d, --datatype T     float|float32|double|float64|int32|int64|bf16|fp16\n"
-        "                       (default float; bf16/fp16 are reduced in float32)\n"
+        "                       (default float; bf16/fp16 are reduced in float32; not\n"
+        "                       with --device cuda, whose NCCL communicator has no bf16/fp16)\n"
         "  -o, --op OP          sum|prod|min|max|avg (default sum)\n"
         "  -r, --root R         root of broadcast/reduce (default 0)\n"
         "  -w, --warmup N       untimed iterations per size (default 5)\n"
         "  -i, --iters N        timed iterations per size (default 20)\n"
-        "  --device cpu         the shm communicator between host processes (the only\n"
-        "                       one benchmarked here; --device cuda is refused: use\n"
-        "                       nccl-tests' all_reduce_perf for NCCL)\n"
+        "  --device SPEC        cpu (default): the shm communicator between host processes;\n"
+        "                       cuda, cuda:I or cuda:I,J,..: one rank per GPU, NCCL. With\n"
+        "                       TANDEM_CUDA_EMULATOR=N the cuda devices are emulated on the\n"
+        "                       host and the ranks reduce over shm (a test, not a GPU result)\n"
+        "  --memcpy-bytes SIZE  bytes each process copies for the memcpy reference, or each\n"
+        "                       GPU for the d2d one (default: max(MAX, 64M))\n"
+        "  --no-bind            do not pin rank r to the r-th allowed core (pinning, as\n"
+        "                       mpirun does, is the default when ranks <= cores; CUDA ranks\n"
+        "                       are never pinned, and --no-bind is accepted there)\n"
+        "shm communicator only (refused with --device cuda):\n"
         "  --zero-copy          buffers live in the shared segment (tdm_shm_comm_alloc);\n"
         "                       in-place all_reduce then reads peers' buffers directly\n"
-        "  --no-bind            do not pin rank r to the r-th allowed core (pinning, as\n"
-        "                       mpirun does, is the default when ranks <= cores)\n"
         "  --slot-bytes SIZE    staging buffer per rank (default 1M; two per rank)\n"
         "  --one-shot-bytes SIZE  all_reduce/reduce up to SIZE use one-shot (default 4K)\n"
-        "  --memcpy-bytes SIZE  bytes each process copies for the memcpy reference\n"
-        "                       (default: max(MAX, 64M))\n"
-        "exit status: 0 ok, 1 runtime failure or #wrong > 0, 2 usage error.\n"
+        "exit status: 0 ok, 1 runtime failure (no CUDA device included) or #wrong > 0,\n"
+        "2 usage error.\n"
         "environment: TANDEM_DEBUG=INFO TANDEM_DEBUG_SUBSYS=SHM logs algorithm choices.\n",
         TDM_SHM_MAX_RANKS);
 }
@@ -167,9 +187,11 @@ static int bench_equal(const void *b, size_t i, tdm_dtype dt, int64_t v, int avg
 }
 
 typedef struct bench_bufs {
-    unsigned char *send, *recv;
+    unsigned char *send, *recv;    /* host memory, or device memory of dev */
     size_t send_count, recv_count; /* elements */
     size_t count;                  /* the collective's count argument */
+    tdm_device *dev;               /* borrowed; NULL: host buffers */
+    unsigned char *stage;          /* with dev: host copy of the checked data */
 } bench_bufs;
 
 /* Element counts for a row of `bytes` (the largest buffer). */
@@ -209,21 +231,33 @@ static tdm_status bench_call(tdm_comm *comm, const bench_cfg *cfg, const bench_b
     return tdm_comm_run(comm, &k);
 }
 
-/* Runs once with reference inputs; returns the number of wrong elements. */
+/* Runs once with reference inputs; returns the number of wrong elements.
+ * Device buffers are filled and read back through b->stage. */
 static int64_t bench_check(tdm_comm *comm, const bench_cfg *cfg, const bench_bufs *b,
                            int inplace, tdm_status *st)
 {
     int r = tdm_comm_rank(comm), n = tdm_comm_size(comm);
     size_t es = tdm_dtype_size(cfg->dtype);
-    void *send = b->send;
+    unsigned char *send = b->send;
     if (inplace && cfg->coll == TDM_COLL_ALL_GATHER) send = b->recv + (size_t)r * b->count * es;
-    bench_fill(cfg, b, send, r);
+    if (b->dev) {
+        bench_fill(cfg, b, b->stage, r);
+        if ((*st = b->dev->ops->copy_from_host(b->dev, send, b->stage, b->send_count * es)))
+            return 0;
+    } else {
+        bench_fill(cfg, b, send, r);
+    }
     *st = bench_call(comm, cfg, b, inplace);
     if (*st) return 0;
     const unsigned char *out = b->recv;
     if (inplace) {
         if (cfg->coll == TDM_COLL_REDUCE_SCATTER) out = b->send + (size_t)r * b->count * es;
         else if (cfg->coll != TDM_COLL_ALL_GATHER) out = b->send;
+    }
+    if (b->dev && !(cfg->coll == TDM_COLL_REDUCE && r != cfg->root)) {
+        size_t out_count = cfg->coll == TDM_COLL_ALL_GATHER ? b->recv_count : b->count;
+        if ((*st = b->dev->ops->copy_to_host(b->dev, b->stage, out, out_count * es))) return 0;
+        out = b->stage;
     }
     int64_t wrong = 0;
     int avg_n = cfg->op == TDM_REDOP_AVG ? n : 0;
@@ -256,16 +290,23 @@ static int64_t bench_check(tdm_comm *comm, const bench_cfg *cfg, const bench_buf
     return wrong;
 }
 
-/* Mean microseconds per call on this rank, then the slowest rank's. */
-static tdm_status bench_time(tdm_comm *comm, const bench_cfg *cfg, const bench_bufs *b,
-                             int inplace, double *us)
+/* Mean microseconds per call of coll on this rank, then the slowest
+ * rank's. ctl (shm) carries the barrier and the host-memory reduction of
+ * the times: coll may be NCCL, which takes device memory only. An NCCL
+ * call returns once its work has completed on the GPU (cuda/nccl_comm.c's
+ * watchdog waits for it), so host time is GPU time here; the syncs only
+ * keep the device's own earlier work (the staging copies) out of the clock. */
+static tdm_status bench_time(tdm_comm *coll, tdm_comm *ctl, const bench_cfg *cfg,
+                             const bench_bufs *b, int inplace, double *us)
 {
-    for (int i = 0; i < cfg->warmup; i++) TDM_CHECK(bench_call(comm, cfg, b, inplace));
-    TDM_CHECK(tdm_comm_barrier(comm));
+    for (int i = 0; i < cfg->warmup; i++) TDM_CHECK(bench_call(coll, cfg, b, inplace));
+    if (b->dev) TDM_CHECK(tdm_dev_sync(b->dev));
+    TDM_CHECK(tdm_comm_barrier(ctl));
     uint64_t t0 = tdm_time_ns();
-    for (int i = 0; i < cfg->iters; i++) TDM_CHECK(bench_call(comm, cfg, b, inplace));
+    for (int i = 0; i < cfg->iters; i++) TDM_CHECK(bench_call(coll, cfg, b, inplace));
+    if (b->dev) TDM_CHECK(tdm_dev_sync(b->dev));
     double mine = (double)(tdm_time_ns() - t0) / 1e3 / cfg->iters;
-    return tdm_comm_all_reduce(comm, &mine, us, 1, TDM_DTYPE_FLOAT64, TDM_REDOP_MAX);
+    return tdm_comm_all_reduce(ctl, &mine, us, 1, TDM_DTYPE_FLOAT64, TDM_REDOP_MAX);
 }
 
 /* GB/s one process copies while every rank copies at once. */
@@ -296,6 +337,33 @@ fail:
     return st;
 }
 
+/* GB/s one device copies device-to-device (dev->ops->copy, the bytes
+ * copied per second, as for memcpy) while every rank's device copies at
+ * once: the CUDA counterpart of bench_memcpy. */
+static tdm_status bench_d2d(tdm_comm *ctl, tdm_device *dev, size_t bytes, double *gbs)
+{
+    tdm_status st = TDM_STATUS_OK;
+    void *src = NULL, *dst = NULL;
+    TDM_TRY(tdm_dev_alloc(dev, bytes, &src));
+    TDM_TRY(tdm_dev_alloc(dev, bytes, &dst));
+    TDM_TRY(dev->ops->memset_zero(dev, src, bytes));
+    TDM_TRY(dev->ops->copy(dev, dst, src, bytes));
+    /* about 1 GiB in all: a GPU copies 64 MiB in tens of microseconds */
+    int reps = bytes >= (1u << 30) ? 3 : (int)(((size_t)1 << 30) / (bytes ? bytes : 1)) + 1;
+    TDM_TRY(tdm_dev_sync(dev));
+    TDM_TRY(tdm_comm_barrier(ctl));
+    uint64_t t0 = tdm_time_ns();
+    for (int i = 0; i < reps; i++) TDM_TRY(dev->ops->copy(dev, dst, src, bytes));
+    TDM_TRY(tdm_dev_sync(dev));
+    double mine = (double)bytes * reps / (double)(tdm_time_ns() - t0);  /* bytes/ns = GB/s */
+    TDM_TRY(tdm_comm_barrier(ctl));
+    TDM_TRY(tdm_comm_all_reduce(ctl, &mine, gbs, 1, TDM_DTYPE_FLOAT64, TDM_REDOP_AVG));
+fail:
+    tdm_dev_free(dev, src);
+    tdm_dev_free(dev, dst);
+    return st;
+}
+
 /* Pins this process to the r-th core it may run on; 1 when pinned. */
 static int bench_bind(int r, int n)
 {
@@ -311,46 +379,103 @@ static int bench_bind(int r, int n)
     return 0;
 }
 
+/* "cuda:0,cuda:1" (or "cuda-emu:0,..."): the devices of the ranks, named
+ * as rank 0's device is (each rank opens the one at its own position). */
+static void bench_device_names(const bench_cfg *cfg, const tdm_device *dev0, char *out,
+                               size_t len)
+{
+    const char *colon = strchr(dev0->name, ':');
+    int kind_len = colon ? (int)(colon - dev0->name) : (int)strlen(dev0->name);
+    size_t used = 0;
+    out[0] = '\0';
+    for (int i = 0; i < cfg->nranks && used < len; i++) {
+        int k = snprintf(out + used, len - used, "%s%.*s:%d", i ? "," : "", kind_len,
+                         dev0->name, cfg->dl.index[i]);
+        if (k < 0) break;
+        used += (size_t)k;
+    }
+}
+
 static int bench_rank(tdm_comm *comm, void *arg)
 {
     const bench_cfg *cfg = arg;
     int r = tdm_comm_rank(comm), n = tdm_comm_size(comm);
     int ncores = tdm_shm_cpu_count();
-    int bound = cfg->bind ? bench_bind(r, n) : 0;
+    int bound = cfg->bind && !cfg->cuda ? bench_bind(r, n) : 0;
     size_t es = tdm_dtype_size(cfg->dtype);
     int rc = 0;
     bench_bufs b = {0};
+    tdm_device *dev = NULL;
+    tdm_comm *nccl = NULL;
+    tdm_comm *coll = comm;   /* the communicator benchmarked; comm (shm) carries the rest */
     bench_counts(cfg, cfg->max_bytes, &b);
     size_t send_bytes = (b.send_count + 16) * es, recv_bytes = (b.recv_count + 16) * es;
     double mcpy = 0;
-    tdm_status st = bench_memcpy(comm, cfg->memcpy_bytes, &mcpy);
-    if (st) goto fail;
-    if (cfg->zero_copy) {
-        if ((st = tdm_shm_comm_alloc(comm, send_bytes, (void **)&b.send))) goto fail;
-        if ((st = tdm_shm_comm_alloc(comm, recv_bytes, (void **)&b.recv))) goto fail;
-    } else {
-        b.send = malloc(send_bytes);
-        b.recv = malloc(recv_bytes);
-        if (!b.send || !b.recv) {
-            st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "buffers of %zu bytes", send_bytes);
+    tdm_status st = TDM_STATUS_OK;
+    if (cfg->cuda) {
+        /* NCCL's bootstrap is collective over comm: a rank failing before
+         * it aborts comm (below), so the others fail at once too. */
+        if ((st = tdm_device_open(&dev, "cuda", cfg->dl.index[r], 1))) goto fail;
+        if ((st = tdm_tool_rank_nccl(comm, dev, &nccl))) goto fail;
+        if (nccl) coll = nccl;
+        b.dev = dev;
+        if ((st = tdm_dev_alloc(dev, send_bytes, (void **)&b.send)) ||
+            (st = tdm_dev_alloc(dev, recv_bytes, (void **)&b.recv)) ||
+            (st = dev->ops->memset_zero(dev, b.send, send_bytes)) ||
+            (st = dev->ops->memset_zero(dev, b.recv, recv_bytes)))
+            goto fail;
+        b.stage = malloc(send_bytes > recv_bytes ? send_bytes : recv_bytes);
+        if (!b.stage) {
+            st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "host staging buffer of %zu bytes",
+                               send_bytes > recv_bytes ? send_bytes : recv_bytes);
             goto fail;
         }
+        if ((st = bench_d2d(comm, dev, cfg->memcpy_bytes, &mcpy))) goto fail;
+    } else {
+        if ((st = bench_memcpy(comm, cfg->memcpy_bytes, &mcpy))) goto fail;
+        if (cfg->zero_copy) {
+            if ((st = tdm_shm_comm_alloc(comm, send_bytes, (void **)&b.send))) goto fail;
+            if ((st = tdm_shm_comm_alloc(comm, recv_bytes, (void **)&b.recv))) goto fail;
+        } else {
+            b.send = malloc(send_bytes);
+            b.recv = malloc(recv_bytes);
+            if (!b.send || !b.recv) {
+                st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "buffers of %zu bytes", send_bytes);
+                goto fail;
+            }
+        }
+        memset(b.send, 0, send_bytes);
+        memset(b.recv, 0, recv_bytes);
     }
-    memset(b.send, 0, send_bytes);
-    memset(b.recv, 0, recv_bytes);
     double factor = bench_bus_factor(cfg->coll, n);
+    const char *ref = cfg->cuda ? "d2d" : "memcpy";
     if (r == 0) {
-        printf("# tandem bench %s: %d ranks (shm, %d cores%s), %s, %s, root %d, warmup %d, "
-               "iters %d, %s buffers\n", tdm_coll_name(cfg->coll), n, ncores,
-               bound ? ", rank r pinned to core r" : ", not pinned",
-               tdm_dtype_name(cfg->dtype), tdm_redop_name(cfg->op), cfg->root, cfg->warmup,
-               cfg->iters, cfg->zero_copy ? "zero-copy (in the segment)" : "private (malloc)");
-        printf("# memcpy reference: %d processes each copying %zu bytes at once: %.2f GB/s per "
-               "process (%.2f GB/s total)\n", n, cfg->memcpy_bytes, mcpy, mcpy * n);
+        if (cfg->cuda) {
+            char names[512];
+            bench_device_names(cfg, dev, names, sizeof names);
+            printf("# tandem bench %s: %d ranks, one per device of --device %s (%s), %s "
+                   "communicator, %s, %s, root %d, warmup %d, iters %d, device buffers "
+                   "(tdm_dev_alloc)\n", tdm_coll_name(cfg->coll), n, cfg->device, names,
+                   tdm_comm_backend_name(coll), tdm_dtype_name(cfg->dtype),
+                   tdm_redop_name(cfg->op), cfg->root, cfg->warmup, cfg->iters);
+            tdm_tool_print_emulated(stdout, cfg->device);
+            printf("# d2d reference: %d device%s each copying %zu bytes device-to-device at "
+                   "once: %.2f GB/s per device (%.2f GB/s total)\n", n, n == 1 ? "" : "s",
+                   cfg->memcpy_bytes, mcpy, mcpy * n);
+        } else {
+            printf("# tandem bench %s: %d ranks (shm, %d cores%s), %s, %s, root %d, warmup %d, "
+                   "iters %d, %s buffers\n", tdm_coll_name(cfg->coll), n, ncores,
+                   bound ? ", rank r pinned to core r" : ", not pinned",
+                   tdm_dtype_name(cfg->dtype), tdm_redop_name(cfg->op), cfg->root, cfg->warmup,
+                   cfg->iters, cfg->zero_copy ? "zero-copy (in the segment)" : "private (malloc)");
+            printf("# memcpy reference: %d processes each copying %zu bytes at once: %.2f GB/s "
+                   "per process (%.2f GB/s total)\n", n, cfg->memcpy_bytes, mcpy, mcpy * n);
+        }
+        char refcol[32];
+        snprintf(refcol, sizeof refcol, "busbw/%s(oop,ip)", ref);
         printf("#\n# %10s %11s %8s %5s %4s | %9s %7s %7s %6s | %9s %7s %7s %6s | %-18s %s\n",
                "size(B)", "count", "type", "redop", "root", "oop us", "algbw", "busbw",
-               "#wrong", "ip us", "algbw", "busbw", "#wrong", "algorithm(oop/ip)",
-               "busbw/memcpy(oop,ip)");
+               "#wrong", "ip us", "algbw", "busbw", "#wrong", "algorithm(oop/ip)", refcol);
         fflush(stdout);
     }
     double sum_busbw = 0;
@@ -363,9 +488,9 @@ static int bench_rank(tdm_comm *comm, void *arg)
         const char *algo[2];
         size_t size = (cfg->coll == TDM_COLL_REDUCE_SCATTER ? b.send_count : b.recv_count) * es;
         for (int ip = 0; ip < 2; ip++) {
-            if ((st = bench_time(comm, cfg, &b, ip, &us[ip]))) goto fail;
-            int64_t w = bench_check(comm, cfg, &b, ip, &st);
-            algo[ip] = tdm_comm_last_algo(comm);
+            if ((st = bench_time(coll, comm, cfg, &b, ip, &us[ip]))) goto fail;
+            int64_t w = bench_check(coll, cfg, &b, ip, &st);
+            algo[ip] = tdm_comm_last_algo(coll);
             if (st) goto fail;
             if ((st = tdm_comm_all_reduce(comm, &w, &wrong[ip], 1, TDM_DTYPE_INT64,
                                           TDM_REDOP_SUM)))
@@ -394,20 +519,29 @@ static int bench_rank(tdm_comm *comm, void *arg)
     if (r == 0) {
         printf("# Out of bounds values : %lld %s\n", (long long)total_wrong,
                total_wrong ? "FAILED" : "OK");
-        printf("# Avg bus bandwidth    : %.4f GB/s (out of place; memcpy reference %.2f GB/s)\n",
-               rows ? sum_busbw / rows : 0.0, mcpy);
+        printf("# Avg bus bandwidth    : %.4f GB/s (out of place; %s reference %.2f GB/s)\n",
+               rows ? sum_busbw / rows : 0.0, ref, mcpy);
         fflush(stdout);
     }
     rc = total_wrong ? 1 : 0;
     goto out;
 fail:
     fprintf(stderr, "tandem bench: rank %d: %s\n", r, tdm_error_message());
+    char why[64];
+    snprintf(why, sizeof why, "rank %d failed", r);
+    tdm_comm_abort(comm, why);
     rc = 1;
 out:
-    if (!cfg->zero_copy) {
+    if (dev) {
+        tdm_dev_free(dev, b.send);
+        tdm_dev_free(dev, b.recv);
+        free(b.stage);
+    } else if (!cfg->zero_copy) {
         free(b.send);
         free(b.recv);
     }
+    tdm_comm_free(nccl);   /* before comm, which bootstrapped it, and dev */
+    tdm_device_free(dev);
     return rc;
 }
 
@@ -415,7 +549,8 @@ int tdm_tool_bench_main(int argc, char **argv)
 {
     bench_cfg cfg = {.nranks = 2, .min_bytes = 8, .max_bytes = (size_t)64 << 20, .factor = 2,
                      .dtype = TDM_DTYPE_FLOAT32, .op = TDM_REDOP_SUM, .warmup = 5, .iters = 20, .bind = 1};
-    int have_coll = 0;
+    int have_coll = 0, nranks_set = 0, shm_only = 0;
+    const char *shm_flag = NULL;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v;
         long long x;
@@ -424,6 +559,7 @@ int tdm_tool_bench_main(int argc, char **argv)
         if (BENCH_FLAG("-n", "--nranks")) {
             if (!tdm_args_int("-n", v, 1, TDM_SHM_MAX_RANKS, &x)) return 2;
             cfg.nranks = (int)x;
+            nranks_set = 1;
         } else if (BENCH_FLAG("-b", "--minbytes")) {
             if (!bench_parse_size("-b", v, &cfg.min_bytes)) return 2;
         } else if (BENCH_FLAG("-e", "--maxbytes")) {
@@ -453,27 +589,20 @@ int tdm_tool_bench_main(int argc, char **argv)
             if (!bench_parse_size("--memcpy-bytes", v, &cfg.memcpy_bytes)) return 2;
         } else if (BENCH_FLAG("--slot-bytes", "--slot-bytes")) {
             if (!bench_parse_size("--slot-bytes", v, &cfg.slot_bytes)) return 2;
+            shm_only = 1;
+            shm_flag = "--slot-bytes";
         } else if (BENCH_FLAG("--one-shot-bytes", "--one-shot-bytes")) {
             if (!bench_parse_size("--one-shot-bytes", v, &cfg.one_shot_bytes)) return 2;
+            shm_only = 1;
+            shm_flag = "--one-shot-bytes";
         } else if (BENCH_FLAG("--device", "--device")) {
-            /* Only the shm communicator is benchmarked: refuse CUDA with
-             * the device's own error where there is none, else plainly. */
-            tdm_device_list dl;
-            tdm_status dst = tdm_device_list_parse(&dl, v);
-            if (dst != TDM_STATUS_OK) {
-                fprintf(stderr, "tandem bench: --device: %s\n", tdm_error_message());
-                return dst == TDM_STATUS_NO_DEVICE ? 1 : 2;
-            }
-            if (dl.kind != TDM_DEVICE_HOST) {
-                fprintf(stderr, "tandem bench: --device %s: the NCCL communicator is not "
-                        "benchmarked by tandem yet; use nccl-tests (all_reduce_perf) for NCCL, "
-                        "or --device cpu for the shm communicator\n", v);
-                return 2;
-            }
+            cfg.device = v;
         } else if (!strcmp(a, "--no-bind")) {
             cfg.bind = 0;
         } else if (!strcmp(a, "--zero-copy")) {
             cfg.zero_copy = 1;
+            shm_only = 1;
+            shm_flag = "--zero-copy";
         } else if (a[0] == '-') {
             fprintf(stderr, "tandem bench: unknown option '%s' (see tandem bench --help)\n", a);
             return 2;
@@ -497,6 +626,42 @@ int tdm_tool_bench_main(int argc, char **argv)
         fprintf(stderr, "tandem bench: which collective? (see tandem bench --help)\n");
         bench_usage(stderr);
         return 2;
+    }
+    if (cfg.device && *cfg.device) {
+        /* Checked in a child when it names CUDA: this process forks the
+         * ranks, and a process that has initialised CUDA cannot give it
+         * to its children. */
+        tdm_status dst = tdm_tool_parse_devices(&cfg.dl, cfg.device, 1);
+        if (dst != TDM_STATUS_OK) {
+            fprintf(stderr, "tandem bench: --device: %s\n", tdm_error_message());
+            return dst == TDM_STATUS_NO_DEVICE ? 1 : 2;
+        }
+        cfg.cuda = cfg.dl.kind == TDM_DEVICE_CUDA;
+    }
+    if (cfg.cuda) {
+        if (nranks_set && cfg.nranks != cfg.dl.count) {
+            fprintf(stderr, "tandem bench: -n %d: --device %s names %d device%s, and there is "
+                    "one rank per device (omit -n, or list %d devices)\n", cfg.nranks,
+                    cfg.device, cfg.dl.count, cfg.dl.count == 1 ? "" : "s", cfg.nranks);
+            return 2;
+        }
+        if (cfg.dl.count > TDM_SHM_MAX_RANKS) {
+            fprintf(stderr, "tandem bench: --device %s names %d devices; at most %d ranks\n",
+                    cfg.device, cfg.dl.count, TDM_SHM_MAX_RANKS);
+            return 2;
+        }
+        cfg.nranks = cfg.dl.count;
+        if (shm_only) {
+            fprintf(stderr, "tandem bench: %s applies to the shm communicator only, not to "
+                    "--device %s (NCCL on device buffers)\n", shm_flag, cfg.device);
+            return 2;
+        }
+        if (cfg.dtype == TDM_DTYPE_BFLOAT16 || cfg.dtype == TDM_DTYPE_FLOAT16) {
+            fprintf(stderr, "tandem bench: -d %s: the NCCL communicator of --device %s takes "
+                    "float32, float64, int32 and int64 only\n", tdm_dtype_name(cfg.dtype),
+                    cfg.device);
+            return 2;
+        }
     }
     if (cfg.min_bytes == 0 || cfg.min_bytes > cfg.max_bytes) {
         fprintf(stderr, "tandem bench: need 0 < -b (%zu) <= -e (%zu)\n", cfg.min_bytes,

@@ -1,7 +1,9 @@
-/* tools/bench_dp.c: `tandem bench dp`: training throughput of one host
- * device against DataParallel over several (samples/s after warm-up,
- * median step), their ratio, and where a DP step's time goes (each
- * phase's share of the step's wall-clock, and per device). Synthetic data.
+/* tools/bench_dp.c: `tandem bench dp`: training throughput of one device
+ * against DataParallel over several (samples/s after warm-up, median
+ * step), their ratio, and where a DP step's time goes (each phase's share
+ * of the step's wall-clock, and per device). Synthetic data. On host
+ * devices the single device is cpu:0; on CUDA devices it is the first
+ * listed GPU, and every step is timed to the GPUs' completion.
  * Figures for docs/perf/dp.md; nothing here is a test. */
 #include <stdio.h>
 #include <stdlib.h>
@@ -15,7 +17,9 @@
 #include "dp/dp.h"
 #include "models/model.h"
 #include "models/optim.h"
+#include "models/train.h"
 #include "tools/args.h"
+#include "tools/devices.h"
 
 int tdm_tool_bench_dp_main(int argc, char **argv);
 
@@ -24,18 +28,22 @@ static void tdm_bench_dp_usage(FILE *f)
     fprintf(f,
         "usage: tandem bench dp [options]\n"
         "\n"
-        "One host device against DataParallel: samples/s of the median training\n"
-        "step (SGD, momentum 0.9) after warm-up, and the DP step's phases.\n"
+        "One device against DataParallel: samples/s of the median training step\n"
+        "(SGD, momentum 0.9) after warm-up, and the DP step's phases. The single\n"
+        "device is cpu:0 for host devices, the first listed GPU for CUDA devices;\n"
+        "on GPUs each step is timed until the GPUs have finished it (the 'sync'\n"
+        "phase: the work still queued when tdm_dp_step returned).\n"
         "\n"
         "  --model NAME     mlp (784-1024-1024-10), mlp:W0-..-Wn, cnn        [mlp]\n"
         "  --batch B        global batch                    [mlp: 256, cnn: 128]\n"
-        "  --device SPEC    DP devices: cpu:N or cpu:I,J,..                [cpu:2]\n"
+        "  --device SPEC    DP devices: cpu:N, cpu:I,J,.., cuda or cuda:I,J,..\n"
+        "                   (TANDEM_CUDA_EMULATOR=N: emulated, not a GPU)  [cpu:2]\n"
         "  --steps S        measured steps per mode and round                 [10]\n"
         "  --warmup W       warm-up steps per mode                             [3]\n"
         "  --rounds R       alternate single/DP measurements R times           [2]\n"
         "  --spin-us U      DP pool spin before sleeping (-1: auto)           [-1]\n"
         "  --blas-threads T also time one device with T BLAS threads (intra-op\n"
-        "                   parallelism instead of DP; 0: skip)               [0]\n"
+        "                   parallelism instead of DP; 0: skip; host only)    [0]\n"
         "  --seed S                                                           [1]\n");
 }
 
@@ -94,6 +102,20 @@ typedef struct tdm_bench_dp_data {
     int32_t *y;
 } tdm_bench_dp_data;
 
+/* The single device's step. On a host device the calls the DP devices
+ * make; elsewhere tdm_single_step, which stages x and y onto the device
+ * and returns after tdm_dev_sync, so the time is the device's. */
+static tdm_status tdm_bench_dp_single_step(tdm_single *s, const float *x, const int32_t *y,
+                                           int batch)
+{
+    double loss;
+    if (tdm_model_device(s->model)->kind != TDM_DEVICE_HOST)
+        return tdm_single_step(s, x, y, batch, &loss);
+    TDM_CHECK(tdm_model_zero_grad(s->model));
+    TDM_CHECK(tdm_model_forward_backward(s->model, x, y, batch, &loss));
+    return tdm_optim_step(s->opt);
+}
+
 static int tdm_bench_dp_fail(const char *what, tdm_status st)
 {
     fprintf(stderr, "tandem bench dp: %s: %s\n", what,
@@ -138,12 +160,13 @@ int tdm_tool_bench_dp_main(int argc, char **argv)
     tdm_status st = TDM_STATUS_OK;
     int rc = 1, n_dev = 0;
     tdm_model_spec ms;
-    tdm_device *single_dev = NULL, *devs[TDM_DP_MAX_DEVICES];
+    tdm_device *single_dev = NULL, *own_single = NULL, *devs[TDM_DP_MAX_DEVICES];
     tdm_model *single = NULL, *master = NULL;
     tdm_optim *single_opt = NULL, *dp_opt = NULL;
     tdm_dp *dp = NULL;
     tdm_dataset ds = {0};
-    double *t_single = NULL, *t_dp = NULL;
+    double *t_single = NULL, *t_dp = NULL, sync_ms = 0.0;
+    tdm_single single_step = {0};
     tdm_dp_timings sum;
     memset(&sum, 0, sizeof sum);
 
@@ -154,12 +177,25 @@ int tdm_tool_bench_dp_main(int argc, char **argv)
     if (!batch) batch = ms.kind == TDM_MODEL_CNN ? 128 : 256;
     if ((st = tdm_dp_devices_open(spec, devs, &n_dev)) != TDM_STATUS_OK) {
         tdm_bench_dp_fail("--device", st);
-        return 2;
+        return st == TDM_STATUS_INVALID_ARG ? 2 : 1;
     }
-    /* the baseline: one host device, single-threaded BLAS like each DP device */
-    if ((st = tdm_device_open(&single_dev, "cpu", 0, 1)) != TDM_STATUS_OK) {
-        tdm_bench_dp_fail("opening cpu:0", st);
+    int accel = devs[0]->kind != TDM_DEVICE_HOST;
+    if (accel && blas > 0) {
+        fprintf(stderr, "tandem bench dp: --blas-threads applies to host devices only, not to "
+                "--device %s\n", spec);
+        rc = 2;
         goto done;
+    }
+    if (accel) {
+        /* the baseline: the first listed GPU, shared with the DP master */
+        single_dev = devs[0];
+    } else {
+        /* the baseline: one host device, single-threaded BLAS like each DP device */
+        if ((st = tdm_device_open(&own_single, "cpu", 0, 1)) != TDM_STATUS_OK) {
+            tdm_bench_dp_fail("opening cpu:0", st);
+            goto done;
+        }
+        single_dev = own_single;
     }
     if ((st = tdm_model_init(&single, single_dev, &ms, (uint64_t)seed)) != TDM_STATUS_OK ||
         (st = tdm_model_init(&master, devs[0], &ms, (uint64_t)seed)) != TDM_STATUS_OK) {
@@ -173,6 +209,8 @@ int tdm_tool_bench_dp_main(int argc, char **argv)
         tdm_bench_dp_fail("optimizer", st);
         goto done;
     }
+    single_step.model = single;
+    single_step.opt = single_opt;
     tdm_dp_opts o;
     tdm_dp_opts_default(&o);
     o.spin_us = (int)spin;
@@ -203,8 +241,25 @@ int tdm_tool_bench_dp_main(int argc, char **argv)
     }
     char desc[128];
     tdm_model_spec_describe(&ms, desc, sizeof desc);
-    printf("bench dp: %s, batch %d, single cpu:0 vs DP on %s (%d devices), %d host cores, %s\n",
-           desc, d.batch, spec, n_dev, tdm_device_host_cores(), tdm_device_host_blas_info());
+    if (accel) {
+        char names[256] = "";
+        for (int i = 0, used = 0; i < n_dev && used < (int)sizeof names; i++) {
+            int k = snprintf(names + used, sizeof names - (size_t)used, "%s%s", i ? "," : "",
+                             devs[i]->name);
+            if (k < 0) break;
+            used += k;
+        }
+        printf("bench dp: %s, batch %d, single %s vs DP on %s (%d device%s: %s), replicate and "
+               "reduce %s\n", desc, d.batch, single_dev->name, spec, n_dev, n_dev > 1 ? "s" : "",
+               names, !tdm_dp_uses_device_group(dp) ? "staged through the host"
+                      : tdm_tool_cuda_emulated() ? "through the emulated device group"
+                                                 : "through the device group (NCCL)");
+        tdm_tool_print_emulated(stdout, spec);
+    } else {
+        printf("bench dp: %s, batch %d, single cpu:0 vs DP on %s (%d devices), %d host cores, "
+               "%s\n", desc, d.batch, spec, n_dev, tdm_device_host_cores(),
+               tdm_device_host_blas_info());
+    }
     printf("bench dp: %d warm-up + %d measured steps per mode, alternated over %d rounds\n",
            (int)warmup, (int)steps, (int)rounds);
 
@@ -216,10 +271,7 @@ int tdm_tool_bench_dp_main(int argc, char **argv)
             const float *x = d.x + (size_t)(k % d.n_batches) * d.batch * d.features;
             const int32_t *y = d.y + (size_t)(k % d.n_batches) * d.batch;
             uint64_t t0 = tdm_time_ns();
-            double loss;
-            if ((st = tdm_model_zero_grad(single)) != TDM_STATUS_OK ||
-                (st = tdm_model_forward_backward(single, x, y, d.batch, &loss)) != TDM_STATUS_OK ||
-                (st = tdm_optim_step(single_opt)) != TDM_STATUS_OK) {
+            if ((st = tdm_bench_dp_single_step(&single_step, x, y, d.batch)) != TDM_STATUS_OK) {
                 tdm_bench_dp_fail("single-device step", st);
                 goto done;
             }
@@ -233,14 +285,25 @@ int tdm_tool_bench_dp_main(int argc, char **argv)
                 tdm_bench_dp_fail("DP step", st);
                 goto done;
             }
+            /* tdm_dp_step returns with the optimizer's kernels (at least)
+             * still queued on an accelerator: the step ends when every
+             * device has finished. */
+            uint64_t t_sync = tdm_time_ns();
+            for (int i = 0; accel && i < n_dev; i++)
+                if ((st = tdm_dev_sync(devs[i])) != TDM_STATUS_OK) {
+                    tdm_bench_dp_fail("DP step", st);
+                    goto done;
+                }
+            double synced = accel ? tdm_time_ms_since(t_sync) : 0.0;
             if (r > 0 || s >= warmup) {
                 const tdm_dp_timings *t = tdm_dp_last_timings(dp);
-                t_dp[kd++] = t->step_ms;
+                t_dp[kd++] = t->step_ms + synced;
+                sync_ms += synced;
                 for (int p = 0; p < TDM_PHASE_COUNT_; p++) {
                     sum.wall.ms[p] += t->wall.ms[p];
                     for (int i = 0; i < n_dev; i++) sum.device[i].ms[p] += t->device[i].ms[p];
                 }
-                sum.step_ms += t->step_ms;
+                sum.step_ms += t->step_ms + synced;
             }
         }
     }
@@ -272,17 +335,21 @@ int tdm_tool_bench_dp_main(int argc, char **argv)
     double other = tdm_bench_dp_other_cores(&cpu0, &cpu1);
     double ms_dp = tdm_bench_dp_median(t_dp, kd);
     double sps_single = d.batch / (ms_single * 1e-3), sps_dp = d.batch / (ms_dp * 1e-3);
-    printf("\n%-22s %10s %12s\n", "mode", "step ms", "samples/s");
-    printf("%-22s %10.2f %12.0f\n", "single cpu:0", ms_single, sps_single);
     char label[64];
+    printf("\n%-22s %10s %12s\n", "mode", "step ms", "samples/s");
+    snprintf(label, sizeof label, "single %s", single_dev->name);
+    printf("%-22s %10.2f %12.0f\n", label, ms_single, sps_single);
     snprintf(label, sizeof label, "DP %s", spec);
     printf("%-22s %10.2f %12.0f\n", label, ms_dp, sps_dp);
     if (ms_blas > 0) {
         snprintf(label, sizeof label, "single, %d BLAS thr", (int)blas);
         printf("%-22s %10.2f %12.0f\n", label, ms_blas, d.batch / (ms_blas * 1e-3));
     }
-    printf("speed-up DP/single: %.2fx on %d devices (%d cores)\n", sps_dp / sps_single, n_dev,
-           tdm_device_host_cores());
+    if (accel)
+        printf("speed-up DP/single: %.2fx on %d devices\n", sps_dp / sps_single, n_dev);
+    else
+        printf("speed-up DP/single: %.2fx on %d devices (%d cores)\n", sps_dp / sps_single,
+               n_dev, tdm_device_host_cores());
     printf("other processes used %.2f cores during the run%s\n", other,
            other > 0.2 ? ": the machine was not quiet, DP figures are pessimistic" : "");
 
@@ -301,6 +368,10 @@ int tdm_tool_bench_dp_main(int argc, char **argv)
         for (int i = 0; i < n_dev; i++) printf(" %8.3f", sum.device[i].ms[p] / kd);
         printf("\n");
     }
+    if (accel) {
+        accounted += sync_ms / kd;
+        printf("%-10s %8.3f %5.1f%%\n", "sync", sync_ms / kd, 100.0 * sync_ms / sum.step_ms);
+    }
     printf("%-10s %8.3f %5.1f%%\n", "other", sum.step_ms / kd - accounted,
            100.0 * (sum.step_ms / kd - accounted) / (sum.step_ms / kd));
     printf("%-10s %8.3f\n", "step", sum.step_ms / kd);
@@ -313,11 +384,12 @@ done:
     free(t_dp);
     tdm_data_free(&ds);
     tdm_dp_free(dp);
+    tdm_single_free(&single_step);   /* its staging, on the model's device */
     tdm_optim_free(single_opt);
     tdm_optim_free(dp_opt);
     tdm_model_free(single);
     tdm_model_free(master);
-    tdm_device_free(single_dev);
+    tdm_device_free(own_single);
     tdm_dp_devices_close(devs, n_dev);
     return rc;
 }

@@ -1,7 +1,8 @@
-/* tools/bench_models.c: `tandem bench gemm` (the single-core sgemm
- * ceiling at the shapes the models use) and `tandem bench train` (single
- * host device training throughput, as samples/s and as a fraction of that
- * ceiling). Figures for docs/PERFORMANCE.md; nothing here is a test. */
+/* tools/bench_models.c: `tandem bench gemm` (the sgemm ceiling of one
+ * device at the shapes the models use: one core's BLAS on the host,
+ * cuBLAS with --device cuda:I) and `tandem bench train` (single-device
+ * training throughput, as samples/s and as a fraction of that ceiling).
+ * Figures for docs/PERFORMANCE.md; nothing here is a test. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -14,6 +15,7 @@
 #include "models/optim.h"
 #include "models/train.h"
 #include "tools/args.h"
+#include "tools/devices.h"
 #include "tools/tools.h"
 
 static int tdm_cmp_double(const void *a, const void *b)
@@ -22,30 +24,53 @@ static int tdm_cmp_double(const void *a, const void *b)
     return x < y ? -1 : x > y;
 }
 
-/* Median seconds of `reps` calls of C(m,n) = A(m,k) B(k,n) (row-major, the
- * layers' own call) on one host device. */
-static double tdm_bench_gemm_one(tdm_device *d, tdm_trans ta, tdm_trans tb, int m, int n, int k,
-                                 int reps)
+/* Median seconds per call of C(m,n) = A(m,k) B(k,n) (row-major, the
+ * layers' own call) on device d, over `reps` samples. Operands live on
+ * the device; each sample ends with tdm_dev_sync, so on a GPU it is the
+ * GPU's time. A GPU sample is 10 back-to-back calls (a call at these
+ * shapes is tens of microseconds, close to the launch and sync latency);
+ * elsewhere one call. */
+static tdm_status tdm_bench_gemm_one(tdm_device *d, tdm_trans ta, tdm_trans tb, int m, int n,
+                                     int k, int reps, double *sec)
 {
-    float *a = malloc((size_t)m * k * sizeof(float)), *b = malloc((size_t)k * n * sizeof(float));
-    float *c = calloc((size_t)m * n, sizeof(float));
+    tdm_status st = TDM_STATUS_OK;
+    size_t a_bytes = (size_t)m * k * sizeof(float), b_bytes = (size_t)k * n * sizeof(float);
+    size_t c_bytes = (size_t)m * n * sizeof(float);
+    int per = tdm_tool_device_is_gpu(d) ? 10 : 1;
+    float *ha = malloc(a_bytes), *hb = malloc(b_bytes), *a = NULL, *b = NULL, *c = NULL;
     double *t = malloc((size_t)reps * sizeof(double));
-    for (size_t i = 0; i < (size_t)m * k; i++) a[i] = (float)(i % 7) * 0.1f;
-    for (size_t i = 0; i < (size_t)k * n; i++) b[i] = (float)(i % 5) * 0.1f;
-    tdm_dev_gemm_rm(d, ta, tb, m, n, k, 1.0f, a, b, 0.0f, c); /* warm-up */
+    if (!ha || !hb || !t) {
+        st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "gemm %dx%dx%d: host buffers", m, n, k);
+        goto fail;
+    }
+    for (size_t i = 0; i < (size_t)m * k; i++) ha[i] = (float)(i % 7) * 0.1f;
+    for (size_t i = 0; i < (size_t)k * n; i++) hb[i] = (float)(i % 5) * 0.1f;
+    TDM_TRY(tdm_dev_alloc(d, a_bytes, (void **)&a));
+    TDM_TRY(tdm_dev_alloc(d, b_bytes, (void **)&b));
+    TDM_TRY(tdm_dev_alloc_zero(d, c_bytes, (void **)&c));
+    TDM_TRY(d->ops->copy_from_host(d, a, ha, a_bytes));
+    TDM_TRY(d->ops->copy_from_host(d, b, hb, b_bytes));
+    TDM_TRY(tdm_dev_gemm_rm(d, ta, tb, m, n, k, 1.0f, a, b, 0.0f, c)); /* warm-up */
+    TDM_TRY(tdm_dev_sync(d));
     for (int r = 0; r < reps; r++) {
         uint64_t t0 = tdm_time_ns();
-        tdm_dev_gemm_rm(d, ta, tb, m, n, k, 1.0f, a, b, 0.0f, c);
-        t[r] = (double)(tdm_time_ns() - t0) * 1e-9;
+        for (int j = 0; j < per; j++)
+            TDM_TRY(tdm_dev_gemm_rm(d, ta, tb, m, n, k, 1.0f, a, b, 0.0f, c));
+        TDM_TRY(tdm_dev_sync(d));
+        t[r] = (double)(tdm_time_ns() - t0) * 1e-9 / per;
     }
     qsort(t, (size_t)reps, sizeof *t, tdm_cmp_double);
-    double med = t[reps / 2];
-    free(a); free(b); free(c); free(t);
-    return med;
+    *sec = t[reps / 2];
+fail:
+    tdm_dev_free(d, a);
+    tdm_dev_free(d, b);
+    tdm_dev_free(d, c);
+    free(ha); free(hb); free(t);
+    return st;
 }
 
-/* The single-core ceiling: the best of the MLP's own gemm shapes. */
-static double tdm_bench_gemm_ceiling(tdm_device *d, int verbose)
+/* The device's ceiling: the best of the MLP's own gemm shapes. */
+static tdm_status tdm_bench_gemm_ceiling(tdm_device *d, int verbose, double *best)
 {
     static const struct { tdm_trans ta, tb; int m, n, k; const char *what; } shapes[] = {
         {TDM_TRANS_N, TDM_TRANS_T, 256, 1024, 784, "fc1 forward   (256x784)x(784x1024)"},
@@ -54,27 +79,79 @@ static double tdm_bench_gemm_ceiling(tdm_device *d, int verbose)
         {TDM_TRANS_N, TDM_TRANS_N, 256, 1024, 1024, "fc2 dX        (256x1024)x(1024x1024)"},
         {TDM_TRANS_N, TDM_TRANS_N, 1024, 1024, 1024, "square 1024"},
     };
-    double best = 0.0;
+    *best = 0.0;
     for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++) {
-        double s = tdm_bench_gemm_one(d, shapes[i].ta, shapes[i].tb, shapes[i].m, shapes[i].n,
-                                      shapes[i].k, 15);
+        double s = 0.0;
+        TDM_CHECK(tdm_bench_gemm_one(d, shapes[i].ta, shapes[i].tb, shapes[i].m, shapes[i].n,
+                                     shapes[i].k, 15, &s));
         double gf = 2.0 * shapes[i].m * shapes[i].n * shapes[i].k / s * 1e-9;
         if (verbose) printf("  %-40s %8.3f ms  %6.1f GFLOP/s\n", shapes[i].what, s * 1e3, gf);
-        if (gf > best) best = gf;
+        if (gf > *best) *best = gf;
     }
-    return best;
+    return TDM_STATUS_OK;
+}
+
+/* --device of bench gemm and bench train: one device, host devices with
+ * `threads` BLAS threads (--threads, refused elsewhere: cuBLAS has no
+ * such knob). Returns an exit code; 0 when *out is open. */
+static int tdm_bench_open_device(const char *tool, const char *spec, long long threads,
+                                 int threads_set, tdm_device **out)
+{
+    tdm_device_list dl;
+    tdm_status st = tdm_device_list_parse(&dl, spec);
+    if (st) {
+        fprintf(stderr, "tandem bench %s: --device: %s\n", tool, tdm_error_message());
+        return st == TDM_STATUS_NO_DEVICE ? 1 : 2;
+    }
+    int cuda = dl.kind == TDM_DEVICE_CUDA;
+    if (dl.count != 1) {
+        fprintf(stderr, "tandem bench %s: --device %s names %d devices; it runs on one (e.g. "
+                "--device %s)\n", tool, spec, dl.count, cuda ? "cuda:0" : "cpu");
+        return 2;
+    }
+    if (cuda && threads_set) {
+        fprintf(stderr, "tandem bench %s: --threads sets host BLAS threads; not with --device "
+                "%s\n", tool, spec);
+        return 2;
+    }
+    if (tdm_device_open(out, cuda ? "cuda" : "cpu", dl.index[0], (int)threads)) {
+        fprintf(stderr, "tandem bench %s: --device %s: %s\n", tool, spec, tdm_error_message());
+        return 1;
+    }
+    return 0;
+}
+
+/* "cuda:0 (cuBLAS, FP32)": what computes the gemm on a CUDA device. */
+static void tdm_bench_cuda_what(const tdm_device *d, char *buf, size_t len)
+{
+    const char *tf32 = getenv("TANDEM_CUDA_TF32");
+    if (!tdm_tool_device_is_gpu(d))
+        snprintf(buf, len, "%s (emulated: the host's gemm, not cuBLAS)", d->name);
+    else if (tf32 && tf32[0] == '1')
+        snprintf(buf, len, "%s (cuBLAS, TF32 tensor cores: TANDEM_CUDA_TF32=1)", d->name);
+    else
+        snprintf(buf, len, "%s (cuBLAS, full FP32)", d->name);
 }
 
 static int tdm_bench_gemm(int argc, char **argv)
 {
     long long threads = 1;
+    int threads_set = 0;
+    const char *spec = "cpu";
     for (int i = 1; i < argc; i++) {
         const char *v;
         if ((v = tdm_args_value(argc, argv, &i, "--threads"))) {
             if (!tdm_args_int("--threads", v, 1, 256, &threads)) return 2;
+            threads_set = 1;
+        } else if ((v = tdm_args_value(argc, argv, &i, "--device"))) {
+            spec = v;
         } else if (!strcmp(argv[i], "--help")) {
-            printf("usage: tandem bench gemm [--threads T]\n\nsgemm rate of one host device "
-                   "at the MLP's shapes (median of 15 calls each).\n");
+            printf("usage: tandem bench gemm [--device cpu|cuda:I] [--threads T]\n\nsgemm "
+                   "rate of one device at the MLP's shapes (median of 15 samples each):\n"
+                   "a host device with T BLAS threads (default cpu, T = 1), or cuda:I through\n"
+                   "cuBLAS (operands in device memory; each sample is 10 calls ended by a\n"
+                   "sync, so the time is the GPU's; --threads is host only). With\n"
+                   "TANDEM_CUDA_EMULATOR=N, cuda:I is emulated: the host's gemm, not a GPU.\n");
             return 0;
         } else {
             fprintf(stderr, "tandem bench gemm: unknown option '%s'\n", argv[i]);
@@ -82,13 +159,23 @@ static int tdm_bench_gemm(int argc, char **argv)
         }
     }
     tdm_device *d;
-    if (tdm_device_open(&d, "cpu", 0, (int)threads) != TDM_STATUS_OK) {
+    int rc = tdm_bench_open_device("gemm", spec, threads, threads_set, &d);
+    if (rc) return rc;
+    if (d->kind == TDM_DEVICE_HOST) {
+        printf("sgemm on one host device, %lld BLAS thread%s (OpenBLAS %s)\n", threads,
+               threads > 1 ? "s" : "", tdm_device_host_blas_info());
+    } else {
+        char what[160];
+        tdm_bench_cuda_what(d, what, sizeof what);
+        printf("sgemm on %s\n", what);
+        tdm_tool_print_emulated(stdout, spec);
+    }
+    double best;
+    if (tdm_bench_gemm_ceiling(d, 1, &best)) {
         fprintf(stderr, "tandem bench gemm: %s\n", tdm_error_message());
+        tdm_device_free(d);
         return 1;
     }
-    printf("sgemm on one host device, %lld BLAS thread%s (OpenBLAS %s)\n", threads,
-           threads > 1 ? "s" : "", tdm_device_host_blas_info());
-    double best = tdm_bench_gemm_ceiling(d, 1);
     printf("ceiling: %.1f GFLOP/s\n", best);
     tdm_device_free(d);
     return 0;
@@ -118,23 +205,30 @@ static tdm_status tdm_bench_step(void *ctx, const float *x, const int32_t *y, in
 
 static int tdm_bench_train(int argc, char **argv)
 {
-    const char *model = "mlp";
+    const char *model = "mlp", *dev_spec = "cpu";
     long long batch = 0, steps = 60, threads = 1;
+    int threads_set = 0;
     for (int i = 1; i < argc; i++) {
         const char *v;
         if ((v = tdm_args_value(argc, argv, &i, "--model"))) model = v;
+        else if ((v = tdm_args_value(argc, argv, &i, "--device"))) dev_spec = v;
         else if ((v = tdm_args_value(argc, argv, &i, "--batch"))) {
             if (!tdm_args_int("--batch", v, 1, 1 << 16, &batch)) return 2;
         } else if ((v = tdm_args_value(argc, argv, &i, "--steps"))) {
             if (!tdm_args_int("--steps", v, 5, 100000, &steps)) return 2;
         } else if ((v = tdm_args_value(argc, argv, &i, "--threads"))) {
             if (!tdm_args_int("--threads", v, 1, 256, &threads)) return 2;
+            threads_set = 1;
         } else if (!strcmp(argv[i], "--help")) {
-            printf("usage: tandem bench train [--model mlp|cnn|mlp:...] [--batch B] [--steps S] "
-                   "[--threads T]\n\nSingle host device training throughput on synthetic "
-                   "data (median step after 5 warm-up steps),\nand the achieved gemm rate as a "
-                   "fraction of the same device's sgemm ceiling.\nDefaults: batch 256 (mlp), 128 "
-                   "(cnn); 60 steps.\n");
+            printf("usage: tandem bench train [--model mlp|cnn|mlp:...] [--batch B] [--steps S]\n"
+                   "                         [--device cpu|cuda:I] [--threads T]\n\n"
+                   "Single-device training throughput on synthetic data (median step after\n"
+                   "5 warm-up steps), and the achieved gemm rate as a fraction of the same\n"
+                   "device's sgemm ceiling (tandem bench gemm). The device is a host device\n"
+                   "with T BLAS threads (default cpu, T = 1) or cuda:I (inputs staged to the\n"
+                   "GPU each step, every step timed until the GPU has finished it; --threads\n"
+                   "is host only). With TANDEM_CUDA_EMULATOR=N, cuda:I is emulated on the\n"
+                   "host, not a GPU.\nDefaults: batch 256 (mlp), 128 (cnn); 60 steps.\n");
             return 0;
         } else {
             fprintf(stderr, "tandem bench train: unknown option '%s'\n", argv[i]);
@@ -156,8 +250,9 @@ static int tdm_bench_train(int argc, char **argv)
     tdm_model_spec_sample_shape(&spec, &c, &h, &w, &classes);
     tdm_bench_step_ctx ctx = {0};
     tdm_epoch_stats es;
-    if (tdm_device_open(&d, "cpu", 0, (int)threads) != TDM_STATUS_OK ||
-        tdm_data_synthetic(&data, (batch * (steps + 5)), c, h, w, classes, 7, 0) != TDM_STATUS_OK ||
+    if ((rc = tdm_bench_open_device("train", dev_spec, threads, threads_set, &d))) return rc;
+    rc = 1;
+    if (tdm_data_synthetic(&data, (batch * (steps + 5)), c, h, w, classes, 7, 0) != TDM_STATUS_OK ||
         tdm_model_init(&m, d, &spec, 1) != TDM_STATUS_OK ||
         tdm_sgd_init(&opt, m, 0.01f, 0.9f) != TDM_STATUS_OK) {
         fprintf(stderr, "tandem bench train: %s\n", tdm_error_message());
@@ -166,6 +261,10 @@ static int tdm_bench_train(int argc, char **argv)
     ctx.single.model = m;
     ctx.single.opt = opt;
     ctx.times = calloc((size_t)steps + 5, sizeof(double));
+    if (!ctx.times) {
+        fprintf(stderr, "tandem bench train: out of memory\n");
+        goto done;
+    }
     if (tdm_train_epoch(&data, (int)batch, 1, 0, 1, steps + 5, tdm_bench_step, &ctx,
                         tdm_bench_nop_progress, NULL, &es) != TDM_STATUS_OK) {
         fprintf(stderr, "tandem bench train: %s\n", tdm_error_message());
@@ -177,11 +276,22 @@ static int tdm_bench_train(int argc, char **argv)
     double fwd, bwd;
     tdm_model_gemm_flops(m, &fwd, &bwd);
     double gflops = (fwd + bwd) * (double)batch / med * 1e-9;
-    double ceiling = tdm_bench_gemm_ceiling(d, 0);
+    double ceiling;
+    if (tdm_bench_gemm_ceiling(d, 0, &ceiling) != TDM_STATUS_OK) {
+        fprintf(stderr, "tandem bench train: %s\n", tdm_error_message());
+        goto done;
+    }
     char desc[160];
     tdm_model_spec_describe(&spec, desc, sizeof desc);
-    printf("model %s, batch %lld, one host device, %lld BLAS thread%s\n", desc, batch, threads,
-           threads > 1 ? "s" : "");
+    if (d->kind == TDM_DEVICE_HOST) {
+        printf("model %s, batch %lld, one host device, %lld BLAS thread%s\n", desc, batch,
+               threads, threads > 1 ? "s" : "");
+    } else {
+        char what[160];
+        tdm_bench_cuda_what(d, what, sizeof what);
+        printf("model %s, batch %lld, one device: %s\n", desc, batch, what);
+        tdm_tool_print_emulated(stdout, dev_spec);
+    }
     printf("  step: median %.2f ms (min %.2f, max %.2f) over %lld steps\n", med * 1e3, t[0] * 1e3,
            t[steps - 1] * 1e3, steps);
     printf("  throughput: %.0f samples/s\n", (double)batch / med);
@@ -193,6 +303,7 @@ static int tdm_bench_train(int argc, char **argv)
     rc = 0;
 done:
     free(ctx.times);
+    tdm_single_free(&ctx.single);   /* its staging, on the model's device */
     tdm_optim_free(opt);
     tdm_model_free(m);
     tdm_data_free(&data);
