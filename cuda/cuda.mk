@@ -49,7 +49,8 @@ $(BUILD)/cuda/%.cu.o: cuda/%.cu
 	$(Q)$(NVCC) $(CPPFLAGS) $(CUDA_NVCC_ALL) -MMD -MP -c $< -o $@
 
 .PHONY: test-cuda
-test-cuda: $(BUILD)/tests/test_cuda $(BUILD)/tests/test_cuda_train $(BUILD)/tandem
+test-cuda: $(BUILD)/tests/test_cuda $(BUILD)/tests/test_cuda_train $(BUILD)/tests/test_bench_cuda \
+           $(BUILD)/tandem
 	$(Q)sh cuda/test-cuda.sh $(BUILD)
 
 -include $(CUDA_OBJ:.o=.d)

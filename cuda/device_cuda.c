@@ -36,8 +36,6 @@ typedef struct tdm_cuda_dev {
     int *bad_row;         /* device int: softmax_xent's label check */
     tdm_cuda_exec exec;   /* {stream, 0}; the emulator: {NULL, 1} */
     tdm_device *host;     /* the emulator's gemm (a host device) */
-    uint64_t peer_tried;  /* bit i: peer access to cuda:i's memory was set up
-                             (or found impossible); atomic */
 } tdm_cuda_dev;
 
 static tdm_cuda_dev *tdm_cuda_impl(tdm_device *d) { return (tdm_cuda_dev *)d->impl; }
@@ -254,26 +252,32 @@ static tdm_status cuda_sync(tdm_device *d)
  * per pair; where that is impossible cudaMemcpyPeerAsync still works (the
  * driver stages it). Errors here are not failures: they are cleared so that
  * the next launch check does not report them. */
+static uint64_t tdm_cuda_peer_tried[64]; /* [dst] bit src: set up (or found impossible)
+                                           once per process: peer access belongs to the
+                                           GPU's context, not to a tdm_device */
+
 static void tdm_cuda_peer_enable(tdm_device *dst_dev, int src_index)
 {
-    tdm_cuda_dev *c = tdm_cuda_impl(dst_dev);
-    if (src_index < 0 || src_index >= 64 || src_index == dst_dev->index) return;
+    int dst = dst_dev->index;
+    if (src_index < 0 || src_index >= 64 || dst < 0 || dst >= 64 || src_index == dst) return;
     uint64_t bit = (uint64_t)1 << src_index;
-    if (__atomic_fetch_or(&c->peer_tried, bit, __ATOMIC_ACQ_REL) & bit) return;
+    if (__atomic_fetch_or(&tdm_cuda_peer_tried[dst], bit, __ATOMIC_ACQ_REL) & bit) return;
     int can = 0;
-    cudaError_t e = cudaDeviceCanAccessPeer(&can, dst_dev->index, src_index);
+    cudaError_t e = cudaDeviceCanAccessPeer(&can, dst, src_index);
     if (e == cudaSuccess && can) {
         e = cudaDeviceEnablePeerAccess(src_index, 0);
+        /* NCCL or an earlier device object may have enabled it already */
         if (e == cudaErrorPeerAccessAlreadyEnabled) e = cudaSuccess;
     }
-    if (e != cudaSuccess) {
-        (void)cudaGetLastError();
+    /* a failed runtime call stays the thread's last error until read: clear
+     * it, or the next launch check would report it against a kernel */
+    (void)cudaGetLastError();
+    if (e != cudaSuccess)
         TDM_WARN(CUDA, "%s: peer access to cuda:%d: %s (%s); peer copies are staged by the "
                  "driver", dst_dev->name, src_index, cudaGetErrorString(e), cudaGetErrorName(e));
-    } else {
+    else
         TDM_INFO(CUDA, "%s: peer access to cuda:%d %s", dst_dev->name, src_index,
                  can ? "enabled" : "not possible (copies staged by the driver)");
-    }
 }
 
 /* A copy between two GPUs on dst's stream, ordered both ways with events:

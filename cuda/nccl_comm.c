@@ -75,12 +75,18 @@ static tdm_status tdm_nccl_status_of(ncclResult_t r)
     }
 }
 
+/* Every tdm_dtype has its NCCL type (callers validate dt < COUNT_). The
+ * communicator does not take the 16-bit types (half_types 0: shm reduces
+ * them in float32, NCCL in their own precision, so results would differ
+ * by backend); the DP group helpers take them as NCCL does. */
 static ncclDataType_t tdm_nccl_dtype(tdm_dtype dt)
 {
     switch (dt) {
     case TDM_DTYPE_FLOAT64: return ncclFloat64;
     case TDM_DTYPE_INT32: return ncclInt32;
     case TDM_DTYPE_INT64: return ncclInt64;
+    case TDM_DTYPE_BFLOAT16: return ncclBfloat16;
+    case TDM_DTYPE_FLOAT16: return ncclFloat16;
     case TDM_DTYPE_FLOAT32:
     default: return ncclFloat32;
     }

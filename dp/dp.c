@@ -214,7 +214,7 @@ tdm_status tdm_dp_init(tdm_dp **out, tdm_model *master, tdm_device **devices, in
                 /* still correct, only slower: every copy is staged */
                 if (st != TDM_STATUS_UNSUPPORTED)
                     TDM_WARN(DP, "DataParallel: no device group (%s); replicate and reduce "
-                             "stage their copies through the host", tdm_error_message());
+                             "copy device by device", tdm_error_message());
                 tdm_error_clear();
                 dp->group = NULL;
                 st = TDM_STATUS_OK;
@@ -757,6 +757,10 @@ tdm_status tdm_dp_step(tdm_dp *dp, tdm_optim *opt, const float *x, const int32_t
     TDM_CHECK(tdm_dp_fb(dp, x, y, batch, NULL, 1, loss_mean));
     uint64_t t1 = tdm_time_ns();
     TDM_CHECK(tdm_optim_step(opt));
+    /* an accelerator's optimizer kernels are only queued: wait, so that
+     * the step (and its timing) ends when the master is updated, as the
+     * single-device step and DDP's do */
+    if (!dp->all_host) TDM_CHECK(tdm_dev_sync(dp->dev[dp->out]));
     double step_ms = tdm_time_ms_since(t1);
     dp->last.wall.ms[TDM_PHASE_STEP] += step_ms;
     dp->last.device[dp->out].ms[TDM_PHASE_STEP] += step_ms;

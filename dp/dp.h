@@ -161,7 +161,8 @@ tdm_status tdm_dp_forward_backward(tdm_dp *dp, const float *x, const int32_t *y,
 
 /* One training step: zero the master's gradients (inside the replicate
  * round, sliced over the threads), tdm_dp_forward_backward with the
- * default split, then tdm_optim_step(opt) (opt built on the master). */
+ * default split, then tdm_optim_step(opt) (opt built on the master). On
+ * accelerators it returns once the master's update has completed. */
 tdm_status tdm_dp_step(tdm_dp *dp, tdm_optim *opt, const float *x, const int32_t *y, int batch,
                        double *loss_mean);
 

@@ -24,6 +24,15 @@
 #include "core/device.h"
 #include "tests/cli_util.h"
 
+/* The GPU tests need real GPUs and the no-device tests no GPU: an exported
+ * TANDEM_CUDA_EMULATOR would turn "cuda" into emulated devices for both.
+ * Cleared before any test forks; tests that want the emulator set it. */
+__attribute__((constructor)) static void no_emulator_by_default(void)
+{
+    unsetenv("TANDEM_CUDA_EMULATOR");
+}
+
+
 __attribute__((weak)) int tdm_cuda_emulator_env(void);
 
 #define NEED_BACKEND()                                                                    \

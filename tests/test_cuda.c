@@ -32,6 +32,15 @@
 #include "tests/test_util.h"
 #include "tests/cli_util.h"
 
+/* The GPU tests need real GPUs and the no-device tests no GPU: an exported
+ * TANDEM_CUDA_EMULATOR would turn "cuda" into emulated devices for both.
+ * Cleared before any test forks; tests that want the emulator set it. */
+__attribute__((constructor)) static void no_emulator_by_default(void)
+{
+    unsetenv("TANDEM_CUDA_EMULATOR");
+}
+
+
 /* Weak: NULL in a build without cuda/. */
 __attribute__((weak)) tdm_status tdm_cuda_device_count(int *n);
 __attribute__((weak)) tdm_status tdm_cuda_describe(char *buf, size_t len);

@@ -33,6 +33,15 @@
 #include "tests/cli_util.h"
 #include "tests/test_ddp_util.h"
 
+/* The GPU tests need real GPUs and the no-device tests no GPU: an exported
+ * TANDEM_CUDA_EMULATOR would turn "cuda" into emulated devices for both.
+ * Cleared before any test forks; tests that want the emulator set it. */
+__attribute__((constructor)) static void no_emulator_by_default(void)
+{
+    unsetenv("TANDEM_CUDA_EMULATOR");
+}
+
+
 __attribute__((weak)) tdm_status tdm_cuda_emulator_open_accel(tdm_device **out, int index);
 __attribute__((weak)) tdm_status tdm_comm_init_nccl_opts(tdm_comm **out, tdm_comm *bootstrap,
                                                          int device_index,
@@ -190,7 +199,7 @@ Test(cuda_emu, dp_accelerator_paths_match_one_host_device, .timeout = 120)
     dp_vs_host(open_emu, 1, 1, 8, 2, 1e-5, 1e-4);
 }
 
-Test(cuda_emu, copy_between_two_emulated_gpus_uses_the_backend)
+Test(cuda_emu, copy_between_two_emulated_gpus_moves_the_bytes)
 {
     NEED_BACKEND();
     tdm_device *a = NULL, *b = NULL, *h = NULL;

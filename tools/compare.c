@@ -577,10 +577,12 @@ int tdm_tool_compare_main(int argc, char **argv)
                 printf("  %-8d skipped: more devices than samples in a batch\n", sweep_dev[i]);
                 continue;
             }
-            tdm_cmp_result a, b;
+            tdm_cmp_result a = {0}, b = {0};
             double m1, m2, x1, x2;
             if (!tdm_cmp_run(&o, &data, TDM_CMP_DP, sweep_dev[i], &a) ||
                 !tdm_cmp_run(&o, &data, TDM_CMP_DDP, sweep_dev[i], &b)) {
+                tdm_cmp_result_free(&a);
+                tdm_cmp_result_free(&b);
                 rc = 1;
                 goto done;
             }

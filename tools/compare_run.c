@@ -372,6 +372,9 @@ static int tdm_cmp_ddp_rank(tdm_comm *comm, void *argp)
     if (sh->mem[rank].comm < 0) sh->mem[rank].comm = 0;
     rc = 0;
 done:
+    /* stop the other ranks at once (one blocked in NCCL polls this flag)
+     * instead of at the parent's grace period */
+    if (rc) tdm_comm_abort(comm, "compare: a DDP rank failed");
     tdm_ddp_free(ddp);
     tdm_comm_free(nccl);   /* before comm, which bootstrapped it */
     tdm_optim_free(opt);
