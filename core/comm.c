@@ -315,6 +315,7 @@ tdm_status tdm_comm_run(tdm_comm *comm, const tdm_comm_call *call)
     TDM_CHECK(tdm_comm_call_check(comm, call));
     tdm_comm_call k = *call;
     k.async = 0;
+    k.token = NULL;
     call = &k;
     /* Acquire pairs with the release decrement in tdm_comm_progress: when
      * no work is pending, the progress thread has finished touching the
@@ -371,6 +372,7 @@ tdm_status tdm_comm_submit(tdm_comm *comm, const tdm_comm_call *call, tdm_comm_w
     TDM_REQUIRE(w, TDM_STATUS_OUT_OF_MEMORY, "%s_async: calloc", tdm_coll_name(call->coll));
     w->call = *call;
     w->call.async = 1;
+    w->call.token = NULL;
     pthread_mutex_init(&w->mu, NULL);
     pthread_cond_init(&w->cv, NULL);
     atomic_init(&w->refs, 2);
@@ -387,6 +389,18 @@ tdm_status tdm_comm_submit(tdm_comm *comm, const tdm_comm_call *call, tdm_comm_w
                                  "pthread_create: %s", strerror(rc));
         }
         comm->thread_started = 1;
+    }
+    /* Last before queuing (nothing can fail after it, so a token always
+     * reaches run); under comm->mu, so calls are prepared in queue order. */
+    if (comm->ops->prepare) {
+        tdm_status pst = comm->ops->prepare(comm->impl, &w->call);
+        if (pst != TDM_STATUS_OK) {
+            pthread_mutex_unlock(&comm->mu);
+            pthread_mutex_destroy(&w->mu);
+            pthread_cond_destroy(&w->cv);
+            free(w);
+            return pst;
+        }
     }
     atomic_fetch_add_explicit(&comm->pending, 1, memory_order_relaxed);
     if (comm->tail) comm->tail->next = w; else comm->head = w;

@@ -109,6 +109,10 @@ typedef struct tdm_comm_call {
      * while the issuing thread goes on computing (backends may then prefer
      * sleeping to spinning). Ignored on input. */
     int async;
+    /* Set by the backend's `prepare` for a queued call (NULL otherwise):
+     * what it captured on the issuing thread; `run` consumes and releases
+     * it. Ignored on input. */
+    void *token;
 } tdm_comm_call;
 
 /* What a backend implements. `run` executes one validated call
@@ -130,6 +134,14 @@ typedef struct tdm_comm_ops {
     tdm_status (*alloc)(void *impl, size_t nbytes, void **ptr);
     /* Releases impl. Called once, after the progress thread has drained. */
     void (*destroy)(void *impl);
+    /* Optional: called on the issuing thread when a call is queued for the
+     * progress thread, before the issuer goes on, so the backend can note
+     * where the issuer is now (NCCL: an event on the compute stream, so
+     * that the collective waits for the work issued before it and not for
+     * what the issuer enqueues after). May set call->token; every queued
+     * call then reaches `run`, which must release it. An error fails the
+     * submission. */
+    tdm_status (*prepare)(void *impl, tdm_comm_call *call);
     /* 1 when `run` handles TDM_DTYPE_BFLOAT16 and TDM_DTYPE_FLOAT16; left 0,
      * the dispatcher refuses them (TDM_STATUS_UNSUPPORTED) before `run`. */
     int half_types;

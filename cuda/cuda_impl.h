@@ -94,6 +94,12 @@ cudaError_t tdm_cuda_launch_adamw(const tdm_cuda_exec *x, int64_t n_elem, float 
  * Returns cudaSuccess and sets *found = 0 when no such device is open
  * (the caller then synchronises the whole GPU instead). */
 cudaError_t tdm_cuda_order_after_compute(int device_index, cudaStream_t s, int *found);
+/* The same, split in two for asynchronous collectives: records (now, on
+ * the issuing thread) a new event on the compute stream of the one
+ * tdm_device open on device_index, for the collective to wait on later.
+ * *ev = NULL when none or several are open (order_after_compute at run
+ * time is then the fallback). The caller destroys the event. */
+cudaError_t tdm_cuda_mark_compute(int device_index, cudaEvent_t *ev);
 
 #ifdef __cplusplus
 }

@@ -142,8 +142,10 @@ static void tdm_cuda_open_remove(cudaStream_t s)
 
 cudaError_t tdm_cuda_order_after_compute(int device_index, cudaStream_t s, int *found)
 {
-    cudaError_t e = cudaSuccess;
+    /* the event is recorded on a stream of this device: make it current */
+    cudaError_t e = cudaSetDevice(device_index);
     *found = 0;
+    if (e != cudaSuccess) return e;
     pthread_mutex_lock(&tdm_cuda_open_mu);
     for (int i = 0; i < tdm_cuda_open_n && e == cudaSuccess; i++) {
         if (tdm_cuda_open_tab[i].index != device_index) continue;
@@ -159,6 +161,32 @@ cudaError_t tdm_cuda_order_after_compute(int device_index, cudaStream_t s, int *
         cudaError_t e2 = cudaEventDestroy(ev);
         if (e == cudaSuccess) e = e2;
         *found = 1;
+    }
+    pthread_mutex_unlock(&tdm_cuda_open_mu);
+    return e;
+}
+
+cudaError_t tdm_cuda_mark_compute(int device_index, cudaEvent_t *ev)
+{
+    *ev = NULL;
+    cudaError_t e = cudaSetDevice(device_index);
+    if (e != cudaSuccess) return e;
+    cudaStream_t s = NULL;
+    int matches = 0;
+    pthread_mutex_lock(&tdm_cuda_open_mu);
+    for (int i = 0; i < tdm_cuda_open_n; i++)
+        if (tdm_cuda_open_tab[i].index == device_index) {
+            s = tdm_cuda_open_tab[i].stream;
+            matches++;
+        }
+    if (matches == 1) {
+        cudaEvent_t x;
+        e = cudaEventCreateWithFlags(&x, cudaEventDisableTiming);
+        if (e == cudaSuccess) {
+            e = cudaEventRecord(x, s);
+            if (e == cudaSuccess) *ev = x;
+            else (void)cudaEventDestroy(x);
+        }
     }
     pthread_mutex_unlock(&tdm_cuda_open_mu);
     return e;

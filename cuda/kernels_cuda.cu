@@ -45,6 +45,10 @@ cudaError_t run(const tdm_cuda_exec *x, int64_t n, int threads, F f)
     }
     int64_t b = (n + threads - 1) / threads;
     if (b > kMaxBlocks) b = kMaxBlocks;
+    /* the check below must see this launch's error only: drop a stale
+     * non-sticky one (every call's own result is checked where it is
+     * made; sticky errors are returned again by the launch anyway) */
+    (void)cudaGetLastError();
     k_grid<<<(unsigned)b, threads, 0, x->stream>>>(n, f);
     return cudaGetLastError();
 }

@@ -117,10 +117,22 @@ typedef struct tdm_nccl_watch {
     const char *(*ext_check)(void *ctx); /* tdm_nccl_opts.abort_check */
     void *ext_ctx;
     int *dead;                 /* set once the comms are aborted */
+    tdm_comm *bootstrap;       /* told of every abort; NULL: nobody */
 } tdm_nccl_watch;
 
+/* Aborts the comms (kernels waiting for peers exit) and first tells the
+ * bootstrap group, whose other ranks may be blocked in NCCL waiting for
+ * this one: their watchdogs poll its flag (abort_check). The reason is the
+ * current error message. */
 static void tdm_nccl_abort_all(tdm_nccl_watch *w)
 {
+    if (w->bootstrap) {
+        char reason[512];
+        snprintf(reason, sizeof reason, "%s", tdm_error_message()[0] ? tdm_error_message()
+                                                                   : "NCCL communicator aborted");
+        (void)tdm_comm_abort(w->bootstrap, reason);
+        tdm_error_set(TDM_STATUS_ABORTED, "%s", reason); /* keep the message */
+    }
     for (int i = 0; i < w->n; i++) {
         if (!w->comms[i]) continue;
         if (cudaSetDevice(w->devices[i]) != cudaSuccess) (void)cudaGetLastError();
@@ -145,9 +157,10 @@ static tdm_status tdm_nccl_wait(tdm_nccl_watch *w, int wait_events, const char *
         if (w->abort_flag && atomic_load_explicit(w->abort_flag, memory_order_acquire)) {
             /* Acquire pairs with the release store of 2 in tdm_nccl_abort_op. */
             int have = atomic_load_explicit(w->abort_flag, memory_order_acquire) == 2;
+            tdm_error_set(TDM_STATUS_ABORTED, "nccl: %s aborted: %s", what,
+                          have ? w->abort_reason : "abort requested");
             tdm_nccl_abort_all(w);
-            return tdm_error_set(TDM_STATUS_ABORTED, "nccl: %s aborted: %s", what,
-                                 have ? w->abort_reason : "abort requested");
+            return TDM_STATUS_ABORTED;
         }
         const char *why = w->ext_check ? w->ext_check(w->ext_ctx) : NULL;
         if (why) {
@@ -176,6 +189,9 @@ static tdm_status tdm_nccl_wait(tdm_nccl_watch *w, int wait_events, const char *
             if (wait_events && w->events && w->events[i]) {
                 cudaError_t e = cudaEventQuery(w->events[i]);
                 if (e == cudaErrorNotReady) {
+                    /* not an error, but recorded as the thread's last one:
+                     * clear it, or the next kernel launch check reports it */
+                    (void)cudaGetLastError();
                     pending = 1;
                 } else if (e != cudaSuccess) {
                     tdm_status st = tdm_error_set(TDM_STATUS_SYSTEM,
@@ -189,11 +205,12 @@ static tdm_status tdm_nccl_wait(tdm_nccl_watch *w, int wait_events, const char *
         }
         if (!pending) return TDM_STATUS_OK;
         if (tdm_nccl_now_ms() > deadline) {
+            tdm_error_set(TDM_STATUS_TIMEOUT,
+                          "nccl: %s did not complete within %lld ms (a peer died, stalled or "
+                          "issued a different collective); communicator aborted",
+                          what, (long long)w->timeout_ms);
             tdm_nccl_abort_all(w);
-            return tdm_error_set(TDM_STATUS_TIMEOUT,
-                                 "nccl: %s did not complete within %lld ms (a peer died, stalled "
-                                 "or issued a different collective); communicator aborted",
-                                 what, (long long)w->timeout_ms);
+            return TDM_STATUS_TIMEOUT;
         }
         tdm_nccl_backoff(&polls);
     }
@@ -252,7 +269,8 @@ static tdm_nccl_watch tdm_nccl_watch_of(tdm_nccl_impl *c)
     return (tdm_nccl_watch){.n = 1, .comms = &c->comm, .devices = &c->device,
                             .events = &c->done, .timeout_ms = c->timeout_ms,
                             .abort_flag = &c->aborted, .abort_reason = c->reason,
-                            .ext_check = c->ext_check, .ext_ctx = c->ext_ctx, .dead = &c->dead};
+                            .ext_check = c->ext_check, .ext_ctx = c->ext_ctx, .dead = &c->dead,
+                            .bootstrap = c->bootstrap};
 }
 
 static tdm_status tdm_nccl_local_copy(tdm_nccl_impl *c, void *dst, const void *src, size_t nbytes)
@@ -338,9 +356,8 @@ static tdm_status tdm_nccl_enqueue(tdm_nccl_impl *c, const tdm_comm_call *k, tdm
     return tdm_nccl_enq(w, r, name, c->device);
 }
 
-static tdm_status tdm_nccl_run(void *impl, const tdm_comm_call *k)
+static tdm_status tdm_nccl_run_call(tdm_nccl_impl *c, const tdm_comm_call *k)
 {
-    tdm_nccl_impl *c = impl;
     const char *name = tdm_coll_name(k->coll);
     tdm_nccl_watch w = tdm_nccl_watch_of(c);
     if (c->dead)
@@ -349,27 +366,70 @@ static tdm_status tdm_nccl_run(void *impl, const tdm_comm_call *k)
                              c->reason[0] ? ": " : "", c->reason);
     if (atomic_load_explicit(&c->aborted, memory_order_acquire)) {
         /* Nothing of ours is on the GPU: aborting now only frees it. */
+        tdm_error_set(TDM_STATUS_ABORTED, "nccl: %s: aborted: %s", name,
+                      c->reason[0] ? c->reason : "abort requested");
         tdm_nccl_abort_all(&w);
-        return tdm_error_set(TDM_STATUS_ABORTED, "nccl: %s: aborted: %s", name,
-                             c->reason[0] ? c->reason : "abort requested");
+        return TDM_STATUS_ABORTED;
     }
     if (k->coll != TDM_COLL_BARRIER && k->count == 0) return TDM_STATUS_OK;
     cudaError_t e = cudaSetDevice(c->device);
     if (e != cudaSuccess) return tdm_nccl_cuda_fail("cudaSetDevice", c->device, e);
-    TDM_CHECK(tdm_nccl_order(c->device, c->stream));
+    if (k->token) {
+        /* queued: after the compute work issued before the call was made
+         * (tdm_nccl_prepare), not after what was issued since, which is
+         * what lets DDP's bucket all-reduces overlap the rest of backward */
+        e = cudaStreamWaitEvent(c->stream, (cudaEvent_t)k->token, 0);
+        if (e != cudaSuccess)
+            return tdm_nccl_cuda_fail("cudaStreamWaitEvent (compute work before the call)",
+                                      c->device, e);
+    } else {
+        TDM_CHECK(tdm_nccl_order(c->device, c->stream));
+    }
     TDM_CHECK(tdm_nccl_enqueue(c, k, &w));
     /* Enqueued (NCCL may still be launching in the background): then the
      * completion event, then wait for both. */
     TDM_CHECK(tdm_nccl_wait(&w, 0, name));
     e = cudaEventRecord(c->done, c->stream);
     if (e != cudaSuccess) {
+        tdm_status st = tdm_nccl_cuda_fail("cudaEventRecord", c->device, e);
         tdm_nccl_abort_all(&w);
-        return tdm_nccl_cuda_fail("cudaEventRecord", c->device, e);
+        return st;
     }
     char what[96];
     snprintf(what, sizeof what, "%s(%s, count=%zu) on rank %d of %d", name,
              tdm_dtype_name(k->dtype), k->count, c->rank, c->size);
     return tdm_nccl_wait(&w, 1, what);
+}
+
+static tdm_status tdm_nccl_run(void *impl, const tdm_comm_call *k)
+{
+    tdm_nccl_impl *c = impl;
+    tdm_status st = tdm_nccl_run_call(c, k);
+    if (k->token) {
+        /* waits on it are already enqueued: destroying it now is allowed */
+        if (cudaSetDevice(c->device) != cudaSuccess) (void)cudaGetLastError();
+        char where[32];
+        snprintf(where, sizeof where, "nccl on cuda:%d", c->device);
+        tdm_cuda_warn(where, "cudaEventDestroy", cudaEventDestroy((cudaEvent_t)k->token));
+    }
+    return st;
+}
+
+/* On the issuing thread of a queued call: an event on the compute stream
+ * now. Without it the collective would be ordered when the progress
+ * thread runs it, after all the backward kernels the issuer has enqueued
+ * meanwhile, and DDP's buckets would never overlap backward on a GPU. */
+static tdm_status tdm_nccl_prepare(void *impl, tdm_comm_call *k)
+{
+    tdm_nccl_impl *c = impl;
+    if (c->dead || atomic_load_explicit(&c->aborted, memory_order_acquire)) return TDM_STATUS_OK;
+    cudaEvent_t ev = NULL;
+    cudaError_t e = tdm_cuda_mark_compute(c->device, &ev);
+    if (e != cudaSuccess)
+        return tdm_nccl_cuda_fail("recording the compute stream for a queued collective",
+                                  c->device, e);
+    k->token = ev;
+    return TDM_STATUS_OK;
 }
 
 static tdm_status tdm_nccl_abort_op(void *impl, const char *reason)
@@ -419,7 +479,10 @@ static void tdm_nccl_destroy(void *impl)
     tdm_nccl_impl *c = impl;
     if (!c) return;
     if (cudaSetDevice(c->device) != cudaSuccess) (void)cudaGetLastError();
-    if (c->comm && !c->dead) {
+    /* An abort requested while no call ran has not reached NCCL yet:
+     * finalizing would wait for peers that may be gone. */
+    int abort_pending = atomic_load_explicit(&c->aborted, memory_order_acquire) != 0;
+    if (c->comm && !c->dead && !abort_pending) {
         /* Finalize flushes outstanding work (none: run waits) and may be
          * in progress for a while; bounded like everything else. */
         tdm_nccl_watch w = tdm_nccl_watch_of(c);
@@ -456,6 +519,7 @@ static const tdm_comm_ops tdm_nccl_ops = {
     .last_algo = tdm_nccl_last_algo,
     .alloc = tdm_nccl_alloc_op,
     .destroy = tdm_nccl_destroy,
+    .prepare = tdm_nccl_prepare,
 };
 
 /* The id block broadcast from rank 0: ok flag, padding, the id. */
@@ -533,9 +597,16 @@ tdm_status tdm_comm_init_nccl_opts(tdm_comm **out, tdm_comm *bootstrap, int devi
         goto fail;
     }
 
-    /* 3. The non-blocking communicator, waited for with a deadline. */
+    /* 3. The non-blocking communicator, waited for with a deadline. The
+     *    device is made current again: the bootstrap's collectives may
+     *    have run CUDA-free code on other threads, but this thread's
+     *    resources and ncclCommInitRankConfig (cudaGetDevice) need it. */
     c = calloc(1, sizeof *c);
-    if (!c) { st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "nccl: calloc"); goto fail; }
+    if (!c) {
+        st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "nccl: calloc");
+        if (!(opts && opts->no_bootstrap_abort)) (void)tdm_comm_abort(bootstrap, tdm_error_message());
+        goto fail;
+    }
     c->device = device_index;
     c->rank = rank;
     c->size = size;
@@ -545,7 +616,9 @@ tdm_status tdm_comm_init_nccl_opts(tdm_comm **out, tdm_comm *bootstrap, int devi
     c->ext_ctx = opts ? opts->abort_ctx : NULL;
     c->algo = "nccl";
     atomic_init(&c->aborted, 0);
-    cudaError_t e = cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking);
+    cudaError_t e = cudaSetDevice(device_index);
+    if (e != cudaSuccess) { st = tdm_nccl_cuda_fail("cudaSetDevice", device_index, e); goto fail; }
+    e = cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking);
     if (e != cudaSuccess) {
         c->stream = NULL;
         st = tdm_nccl_cuda_fail("cudaStreamCreateWithFlags", device_index, e);
@@ -558,7 +631,7 @@ tdm_status tdm_comm_init_nccl_opts(tdm_comm **out, tdm_comm *bootstrap, int devi
         goto fail;
     }
     e = cudaMalloc((void **)&c->scratch, sizeof(int32_t));
-    if (e == cudaSuccess) e = cudaMemset(c->scratch, 0, sizeof(int32_t));
+    if (e == cudaSuccess) e = cudaMemsetAsync(c->scratch, 0, sizeof(int32_t), c->stream);
     if (e != cudaSuccess) { st = tdm_nccl_cuda_fail("cudaMalloc (barrier)", device_index, e); goto fail; }
 
     ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
@@ -579,7 +652,17 @@ tdm_status tdm_comm_init_nccl_opts(tdm_comm **out, tdm_comm *bootstrap, int devi
     return tdm_comm_create(out, &tdm_nccl_ops, c, rank, size);
 fail:
     free(oks);
-    if (c) tdm_nccl_destroy(c);
+    if (c) {
+        /* past the id exchange the others may be waiting in NCCL's init for
+         * this rank: stop them now rather than at their deadline */
+        if (c->bootstrap && st != TDM_STATUS_OK) {
+            char why[512];
+            snprintf(why, sizeof why, "%s", tdm_error_message());
+            (void)tdm_comm_abort(c->bootstrap, why);
+            tdm_error_set(st, "%s", why);
+        }
+        tdm_nccl_destroy(c);
+    }
     return st;
 }
 

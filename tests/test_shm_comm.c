@@ -5,6 +5,7 @@
  * collectives back to back; asynchronous handles in order; argument
  * checks. Failure handling is in test_shm_fail.c. */
 #include <criterion/criterion.h>
+#include <pthread.h>
 #include <dirent.h>
 #include <string.h>
 #include <unistd.h>
@@ -345,6 +346,62 @@ Test(shm_comm, half_types_need_backend_support, .timeout = 10)
     cr_expect_eq(tdm_comm_all_reduce(comm, x, x, 2, TDM_DTYPE_INT32, TDM_REDOP_SUM), TDM_STATUS_OK);
     cr_expect_eq(fake_runs, 1);
     cr_expect_str_eq(tdm_comm_last_algo(comm), "default");
+    tdm_comm_free(comm);
+}
+
+/* The optional prepare hook runs on the issuing thread before a queued
+ * call's submission returns, and its token reaches run; direct calls
+ * carry none. (NCCL records the compute stream there.) */
+static pthread_t prep_thread;
+static int prep_calls, prep_fail, tok_runs, direct_runs;
+static tdm_status tok_prepare(void *impl, tdm_comm_call *k)
+{
+    (void)impl;
+    if (prep_fail) return tdm_error_set(TDM_STATUS_SYSTEM, "prepare refused");
+    prep_thread = pthread_self();
+    k->token = &prep_calls;
+    prep_calls++;
+    return TDM_STATUS_OK;
+}
+static tdm_status tok_run(void *impl, const tdm_comm_call *k)
+{
+    (void)impl;
+    if (k->token == &prep_calls) tok_runs++;
+    else if (!k->token) direct_runs++;
+    else return tdm_error_set(TDM_STATUS_SYSTEM, "unexpected token");
+    return TDM_STATUS_OK;
+}
+
+Test(shm_comm, prepare_hook_runs_on_the_issuing_thread, .timeout = 10)
+{
+    static const tdm_comm_ops ops = {.name = "tok", .run = tok_run, .abort = fake_abort,
+                                     .destroy = fake_destroy, .prepare = tok_prepare};
+    tdm_comm *comm = NULL;
+    static int dummy;
+    cr_assert_eq(tdm_comm_create(&comm, &ops, &dummy, 0, 2), TDM_STATUS_OK);
+    int32_t x[4] = {0};
+    cr_assert_eq(tdm_comm_all_reduce(comm, x, x, 4, TDM_DTYPE_INT32, TDM_REDOP_SUM), TDM_STATUS_OK);
+    cr_expect_eq(prep_calls, 0, "a direct call is not prepared");
+    cr_expect_eq(direct_runs, 1);
+    tdm_comm_work *w[3];
+    for (int i = 0; i < 3; i++) {
+        cr_assert_eq(tdm_comm_all_reduce_async(comm, x, x, 4, TDM_DTYPE_INT32, TDM_REDOP_SUM,
+                                               &w[i]), TDM_STATUS_OK);
+        cr_expect_eq(prep_calls, i + 1, "prepared before the submission returned");
+        cr_expect(pthread_equal(prep_thread, pthread_self()), "prepared on the issuing thread");
+    }
+    for (int i = 0; i < 3; i++) {
+        cr_assert_eq(tdm_comm_work_wait(w[i], 5000), TDM_STATUS_OK, "%s", tdm_error_message());
+        tdm_comm_work_free(w[i]);
+    }
+    cr_expect_eq(tok_runs, 3, "every token reached run");
+    prep_fail = 1;
+    tdm_comm_work *bad = NULL;
+    cr_expect_eq(tdm_comm_all_reduce_async(comm, x, x, 4, TDM_DTYPE_INT32, TDM_REDOP_SUM, &bad),
+                 TDM_STATUS_SYSTEM);
+    cr_expect(strstr(tdm_error_message(), "prepare refused"), "%s", tdm_error_message());
+    cr_expect_null(bad);
+    cr_expect_eq(tok_runs + direct_runs, 4, "a refused call never runs");
     tdm_comm_free(comm);
 }
 
