@@ -20,6 +20,7 @@
 #include <string.h>
 
 #include "core/log.h"
+#include "models/train.h"
 
 #define TDM_DDP_MAX_RANKS 64
 /* After the parameters: per-rank slots of the forward count, then of the
@@ -453,6 +454,43 @@ void tdm_ddp_bucket_info(const tdm_ddp *d, int b, int *first_param, int *last_pa
 }
 
 tdm_status tdm_ddp_zero_grad(tdm_ddp *d) { return tdm_model_zero_grad(d->m); }
+
+tdm_status tdm_ddp_evaluate(tdm_ddp *d, const tdm_dataset *test, int batch, double *loss_mean,
+                            double *accuracy)
+{
+    tdm_model *m = d->m;
+    TDM_REQUIRE(test && batch > 0 && loss_mean && accuracy, TDM_STATUS_INVALID_ARG,
+                "ddp evaluate: test, batch > 0 and outputs are required");
+    if (d->world > 1 && tdm_model_buffer_elems(m) > 0) {
+        tdm_status st = tdm_comm_broadcast(d->comm, tdm_model_buffers(m), tdm_model_buffers(m),
+                                           (size_t)tdm_model_buffer_elems(m), TDM_DTYPE_FLOAT32, 0);
+        if (st) return tdm_error_prefix(st, "ddp evaluate: broadcast of buffers from rank 0");
+    }
+    int64_t lo = test->n * d->rank / d->world, hi = test->n * (d->rank + 1) / d->world;
+    double sums[3] = {0.0, 0.0, (double)(hi - lo)}; /* loss sum, correct, samples */
+    if (hi > lo) {
+        tdm_dataset part = *test;
+        part.n = hi - lo;
+        part.x = test->x + lo * tdm_data_features(test);
+        part.y = test->y + lo;
+        double l = 0.0, a = 0.0;
+        tdm_status st = tdm_evaluate(m, &part, batch, &l, &a);
+        if (st) {
+            /* the others are about to wait for this rank's sums */
+            tdm_error_prefix(st, "ddp evaluate: rank %d (rows %lld..%lld)", d->rank,
+                             (long long)lo, (long long)hi - 1);
+            (void)tdm_comm_abort(d->hcomm, tdm_error_message());
+            return st;
+        }
+        sums[0] = l * (double)part.n;
+        sums[1] = a * (double)part.n;
+    }
+    TDM_CHECK(tdm_comm_all_reduce(d->hcomm, sums, sums, 3, TDM_DTYPE_FLOAT64, TDM_REDOP_SUM));
+    TDM_REQUIRE(sums[2] > 0, TDM_STATUS_INVALID_ARG, "ddp evaluate: the test set is empty");
+    *loss_mean = sums[0] / sums[2];
+    *accuracy = sums[1] / sums[2];
+    return TDM_STATUS_OK;
+}
 
 void tdm_ddp_no_sync(tdm_ddp *d, int enable) { d->sync = !enable; }
 

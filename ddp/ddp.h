@@ -28,6 +28,7 @@
 #include <stdint.h>
 
 #include "core/comm.h"
+#include "core/data.h"
 #include "core/status.h"
 #include "core/timer.h"
 #include "models/checkpoint.h"
@@ -97,6 +98,15 @@ void tdm_ddp_bucket_info(const tdm_ddp *d, int b, int *first_param, int *last_pa
 int tdm_ddp_zero_copy(const tdm_ddp *d);
 
 tdm_status tdm_ddp_zero_grad(tdm_ddp *d);
+
+/* Evaluation spread over the ranks (collective): rank r evaluates rows
+ * [r*n/W, (r+1)*n/W) of test in eval mode, with rank 0's buffers
+ * (broadcast first, so that batchnorm's running statistics are the same
+ * on every rank), and the loss and correct counts are all-reduced: every
+ * rank gets the whole set's mean loss and accuracy, in about 1/W of the
+ * time one rank would take, and no rank waits for another's evaluation. */
+tdm_status tdm_ddp_evaluate(tdm_ddp *d, const tdm_dataset *test, int batch, double *loss_mean,
+                            double *accuracy);
 
 /* Local forward and loss over this rank's samples (host x (batch, in),
  * y (batch)); broadcasts buffers from rank 0 first (training mode, unless

@@ -307,3 +307,78 @@ Test(ddp_cnn, one_rank_equals_single_device_and_overlap_bitwise)
     tddp_shared_free(a);
     tddp_shared_free(b);
 }
+
+/* ---- evaluation spread over the ranks ---- */
+
+typedef struct eval_out {
+    double loss[4], acc[4];        /* tdm_ddp_evaluate on each rank (float per-row
+                                      losses summed in other groups: 1e-6 relative) */
+    double loss2[4], acc2[4];      /* on a 2-sample set (fewer rows than ranks) */
+    double ref_loss, ref_acc;      /* rank 0 alone, tdm_evaluate on the whole set */
+    double ref_loss2, ref_acc2;
+    int ok[4];
+} eval_out;
+
+static int eval_rank(tdm_comm *comm, void *arg)
+{
+    eval_out *out = arg;
+    int rank = tdm_comm_rank(comm), world = tdm_comm_size(comm);
+    tdm_device *dev = NULL;
+    tdm_model *m = NULL;
+    tdm_optim *opt = NULL;
+    tdm_ddp *ddp = NULL;
+    tdm_model_spec spec;
+    tddp_spec(&spec, 1);
+    if (tdm_device_open(&dev, "cpu", rank, 1) || tdm_model_init(&m, dev, &spec, 5) ||
+        tdm_sgd_init(&opt, m, 0.05f, 0.9f) || tdm_ddp_init(&ddp, m, comm, NULL))
+        return 1;
+    /* two steps on this rank's own rows: the running statistics differ */
+    int64_t feat = tdm_data_features(&g_data);
+    for (int s = 0; s < 2; s++) {
+        const float *x = g_data.x + (int64_t)(rank * 64 + s * 16) * feat;
+        const int32_t *y = g_data.y + rank * 64 + s * 16;
+        double l;
+        if (tdm_ddp_zero_grad(ddp) || tdm_ddp_forward(ddp, x, y, 16, &l) ||
+            tdm_ddp_backward(ddp) || tdm_ddp_step(ddp, opt))
+            return 2;
+    }
+    /* and off on the other ranks: evaluation must use rank 0's */
+    if (rank != 0)
+        for (int64_t i = 0; i < tdm_model_buffer_elems(m); i++) tdm_model_buffers(m)[i] = 7.0f;
+    if (tdm_ddp_evaluate(ddp, &g_data, 100, &out->loss[rank], &out->acc[rank])) return 3;
+    tdm_dataset two = g_data;
+    two.n = 2;
+    if (tdm_ddp_evaluate(ddp, &two, 100, &out->loss2[rank], &out->acc2[rank])) return 4;
+    if (rank == 0 && (tdm_evaluate(m, &g_data, 1000, &out->ref_loss, &out->ref_acc) ||
+                      tdm_evaluate(m, &two, 1000, &out->ref_loss2, &out->ref_acc2)))
+        return 5;
+    out->ok[rank] = world;
+    tdm_ddp_free(ddp);
+    tdm_optim_free(opt);
+    tdm_model_free(m);
+    tdm_device_free(dev);
+    return 0;
+}
+
+Test(ddp_cnn, evaluate_spread_over_ranks_equals_rank0_alone)
+{
+    eval_out *out = mmap(NULL, sizeof *out, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS,
+                         -1, 0);
+    cr_assert_neq(out, MAP_FAILED);
+    memset(out, 0, sizeof *out);
+    tdm_ddp_spawn_opts so = {.timeout_ms = 60000};
+    cr_assert_eq(tdm_ddp_spawn(3, eval_rank, out, &so, NULL), TDM_STATUS_OK, "%s",
+                 tdm_error_message());
+    cr_assert(out->ref_acc > 0.0 && out->ref_loss > 0.0);
+    for (int r = 0; r < 3; r++) {
+        cr_assert_eq(out->ok[r], 3);
+        cr_assert(fabs(out->loss[r] - out->ref_loss) <= 1e-6 * out->ref_loss,
+                  "rank %d: loss %.12f vs rank 0 alone %.12f", r, out->loss[r], out->ref_loss);
+        cr_assert(fabs(out->acc[r] - out->ref_acc) <= 1e-12, "rank %d: accuracy %.12f vs %.12f",
+                  r, out->acc[r], out->ref_acc);
+        cr_assert(fabs(out->loss2[r] - out->ref_loss2) <= 1e-6 * out->ref_loss2,
+                  "rank %d, 2 rows: loss %.12f vs %.12f", r, out->loss2[r], out->ref_loss2);
+        cr_assert(fabs(out->acc2[r] - out->ref_acc2) <= 1e-12);
+    }
+    munmap(out, sizeof *out);
+}

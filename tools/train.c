@@ -295,8 +295,8 @@ static tdm_status tdm_train_sched_step(void *p, const float *x, const int32_t *y
 
 int tdm_train_epochs(const tdm_train_args *a, tdm_model *m, tdm_optim *opt,
                      const tdm_dataset *train, const tdm_dataset *test, tdm_train_step_fn step,
-                     void *step_ctx, int64_t start_epoch, tdm_train_after_epoch_fn after,
-                     void *after_ctx)
+                     void *step_ctx, int64_t start_epoch, tdm_train_eval_fn eval,
+                     void *eval_ctx, tdm_train_after_epoch_fn after, void *after_ctx)
 {
     int64_t per_epoch = (train->n + a->batch - 1) / a->batch;
     if (a->max_steps > 0 && a->max_steps < per_epoch) per_epoch = a->max_steps;
@@ -321,7 +321,7 @@ int tdm_train_epochs(const tdm_train_args *a, tdm_model *m, tdm_optim *opt,
         }
         double tl = NAN, acc = NAN;
         if (!a->no_eval) {
-            st = tdm_evaluate(m, test, 1000, &tl, &acc);
+            st = eval ? eval(eval_ctx, m, test, &tl, &acc) : tdm_evaluate(m, test, 1000, &tl, &acc);
             if (st != TDM_STATUS_OK) {
                 tdm_train_fail("evaluation", st);
                 return 0;
@@ -396,7 +396,7 @@ int tdm_train_run_single(const tdm_train_args *a)
     single.model = m;
     single.opt = opt;
     if (tdm_train_epochs(a, m, opt, &train, &test, tdm_single_step, &single, start_epoch, NULL,
-                         NULL))
+                         NULL, NULL, NULL))
         rc = 0;
 done:
     tdm_single_free(&single);

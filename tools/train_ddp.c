@@ -1,9 +1,9 @@
 /* tools/train_ddp.c: `tandem train --mode ddp --device cpu:N`: forks N
  * ranks (tdm_ddp_spawn), each training its own replica through ddp/ on
  * its contiguous share of every global batch (the same global batches as
- * --mode single: tdm_train_epoch_order). Rank 0 prints progress, results
- * and the DDP timing summary, evaluates and writes checkpoints; every rank
- * that fails says which rank it is, and the parent names the first rank
+ * --mode single: tdm_train_epoch_order). Every rank evaluates its share
+ * of the test set (tdm_ddp_evaluate); rank 0 prints progress, results and
+ * the DDP timing summary and writes checkpoints; every rank that fails says which rank it is, and the parent names the first rank
  * that failed and exits 1.
  *
  * With --device cuda[:I,J,..] each rank opens its GPU, builds an NCCL
@@ -93,11 +93,22 @@ fail:
     return st;
 }
 
+/* Every rank evaluates its share of the test set (tdm_ddp_evaluate): the
+ * others never wait for rank 0 to evaluate alone, which on a large test
+ * set could outlast the collective timeout of the barrier below. */
+static tdm_status tdm_train_ddp_eval(void *ctx, tdm_model *m, const tdm_dataset *test,
+                                     double *loss_mean, double *accuracy)
+{
+    tdm_train_ddp_rank *r = ctx;
+    (void)m;
+    return tdm_ddp_evaluate(r->ddp, test, 1000, loss_mean, accuracy);
+}
+
 static int tdm_train_ddp_after(void *ctx, int64_t epoch)
 {
     tdm_train_ddp_rank *r = ctx;
     (void)epoch;
-    /* rank 0 has saved its checkpoint (and evaluated) when it gets here */
+    /* rank 0 has saved its checkpoint when it gets here */
     tdm_status st = tdm_comm_barrier(r->comm);
     if (st) tdm_train_ddp_fail(r->rank, "end-of-epoch barrier", st);
     return st == TDM_STATUS_OK;
@@ -144,7 +155,6 @@ static int tdm_train_ddp_rank_main(tdm_comm *comm, void *arg)
             dup2(fd, STDOUT_FILENO);
             close(fd);
         }
-        a.no_eval = 1;
         a.save = NULL;
         a.quiet = 1;
     }
@@ -197,7 +207,7 @@ static int tdm_train_ddp_rank_main(tdm_comm *comm, void *arg)
     long long ks = 0;
     if (kill_env && sscanf(kill_env, "%d:%lld", &kr, &ks) == 2 && kr == rank) r.kill_step = ks;
     if (!tdm_train_epochs(&a, m, opt, c->train, c->test, tdm_train_ddp_step, &r, start_epoch,
-                          tdm_train_ddp_after, &r))
+                          tdm_train_ddp_eval, &r, tdm_train_ddp_after, &r))
         goto done;
     if (rank == 0) tdm_train_ddp_report(ddp, world);
     rc = 0;

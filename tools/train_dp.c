@@ -84,7 +84,7 @@ int tdm_train_run_dp(const tdm_train_args *a)
     ctx.dp = dp;
     ctx.opt = opt;
     if (!tdm_train_epochs(a, m, opt, &train, &test, tdm_train_dp_step, &ctx, start_epoch, NULL,
-                          NULL))
+                          NULL, NULL, NULL))
         goto done;
     if (ctx.steps > 0) {
         double total = ctx.step_ms / (double)ctx.steps;

@@ -21,6 +21,11 @@ typedef struct tdm_train_args {
     int nesterov, no_eval, quiet, no_overlap;
 } tdm_train_args;
 
+/* Evaluates m on test after an epoch (NULL: tdm_evaluate on this process
+ * alone; DDP spreads it over the ranks). */
+typedef tdm_status (*tdm_train_eval_fn)(void *ctx, tdm_model *m, const tdm_dataset *test,
+                                        double *loss_mean, double *accuracy);
+
 /* Called after each epoch (e.g. DDP's barrier); return 0 to stop. */
 typedef int (*tdm_train_after_epoch_fn)(void *ctx, int64_t epoch);
 
@@ -40,8 +45,8 @@ void tdm_train_print_header(const tdm_train_args *a, const tdm_model_spec *spec,
                             const char *devices);
 int tdm_train_epochs(const tdm_train_args *a, tdm_model *m, tdm_optim *opt,
                      const tdm_dataset *train, const tdm_dataset *test, tdm_train_step_fn step,
-                     void *step_ctx, int64_t start_epoch, tdm_train_after_epoch_fn after,
-                     void *after_ctx);
+                     void *step_ctx, int64_t start_epoch, tdm_train_eval_fn eval,
+                     void *eval_ctx, tdm_train_after_epoch_fn after, void *after_ctx);
 
 int tdm_train_run_single(const tdm_train_args *a);
 int tdm_train_run_dp(const tdm_train_args *a) __attribute__((weak));
