@@ -171,10 +171,10 @@ static tdm_status host_maxpool_bwd(tdm_device *d, const tdm_conv_geom *gp, const
 {
     (void)d;
     const tdm_k_geom g = host_geom(gp);
-    int64_t planes = (int64_t)g.c * g.n, i = 0;
+    int64_t planes = (int64_t)g.c * g.n, per = (int64_t)g.oh * g.ow, i = 0;
+    memset(dx, 0, (size_t)(planes * g.h * g.w) * sizeof(float));
     for (int64_t p = 0; p < planes; p++)
-        for (int iy = 0; iy < g.h; iy++)
-            for (int ix = 0; ix < g.w; ix++, i++) tdm_k_maxpool_bwd(i, p, iy, ix, g, dy, argmax, dx);
+        for (int64_t j = 0; j < per; j++, i++) tdm_k_maxpool_bwd(i, p, g, dy, argmax, dx);
     return TDM_STATUS_OK;
 }
 

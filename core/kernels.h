@@ -124,40 +124,48 @@ static inline TDM_HD void tdm_k_col2im(int64_t i, int ci, int n, int iy, int ix,
 }
 
 /* Output element i of (C, N, OH, OW); window kh x kw at stride, no pad. */
+/* The window's running winner: NaN propagates as in PyTorch (a NaN wins,
+ * the last one in window order). */
+static inline TDM_HD void tdm_k_maxpool_take(float v, int off, float *bv, int *best)
+{
+    if (v > *bv || v != v) {
+        *bv = v;
+        *best = off;
+    }
+}
+
 static inline TDM_HD void tdm_k_maxpool_fwd(int64_t i, int64_t plane, int oy, int ox,
                                             const tdm_k_geom g, const float *x, float *y,
                                             int32_t *argmax)
 {
     /* plane = ci * N + n */
     const float *xp = x + plane * g.h * g.w;
-    int best = (oy * g.stride) * g.w + ox * g.stride;
+    int row = (oy * g.stride) * g.w + ox * g.stride;
+    int best = row;
     float bv = xp[best];
-    for (int ki = 0; ki < g.kh; ki++)
-        for (int kj = 0; kj < g.kw; kj++) {
-            int off = (oy * g.stride + ki) * g.w + ox * g.stride + kj;
-            /* NaN propagates as in PyTorch: a NaN wins. */
-            if (xp[off] > bv || xp[off] != xp[off]) {
-                bv = xp[off];
-                best = off;
-            }
-        }
+    if (g.kh == 2 && g.kw == 2) {
+        /* the usual 2x2 window, unrolled: same order, same rule */
+        tdm_k_maxpool_take(xp[row], row, &bv, &best);
+        tdm_k_maxpool_take(xp[row + 1], row + 1, &bv, &best);
+        tdm_k_maxpool_take(xp[row + g.w], row + g.w, &bv, &best);
+        tdm_k_maxpool_take(xp[row + g.w + 1], row + g.w + 1, &bv, &best);
+    } else {
+        for (int ki = 0; ki < g.kh; ki++, row += g.w)
+            for (int kj = 0; kj < g.kw; kj++) tdm_k_maxpool_take(xp[row + kj], row + kj, &bv, &best);
+    }
     y[i] = bv;
     argmax[i] = best;
 }
 
-/* Input element i: non-overlapping windows, so each input belongs to at
- * most one window and the backward is a conflict-free gather. */
-static inline TDM_HD void tdm_k_maxpool_bwd(int64_t i, int64_t plane, int iy, int ix,
-                                            const tdm_k_geom g, const float *dy,
-                                            const int32_t *argmax, float *dx)
+/* Output element i of plane `plane`: its gradient goes to the input that
+ * won its window. Windows do not overlap, so no two outputs write the same
+ * input (no atomics, deterministic); dx must be zeroed first, which gives
+ * the inputs that won nothing (and rows or columns past the last window)
+ * their zero. One write per output instead of a search per input. */
+static inline TDM_HD void tdm_k_maxpool_bwd(int64_t i, int64_t plane, const tdm_k_geom g,
+                                            const float *dy, const int32_t *argmax, float *dx)
 {
-    int oy = tdm_k_div(iy, g.stride), ox = tdm_k_div(ix, g.stride);
-    float v = 0.0f;
-    if (oy < g.oh && ox < g.ow && iy - oy * g.stride < g.kh && ix - ox * g.stride < g.kw) {
-        int64_t o = (plane * g.oh + oy) * g.ow + ox;
-        if (argmax[o] == iy * g.w + ix) v = dy[o];
-    }
-    dx[i] = v;
+    dx[plane * g.h * g.w + argmax[i]] = dy[i];
 }
 
 /* ---- batchnorm over CNHW rows ---- */

@@ -16,6 +16,8 @@
  * cuda/device_cuda.c. Per-row and per-channel functions (softmax
  * cross-entropy, batchnorm statistics and backward) run one thread per
  * row: correct and shared with the host, not the fastest possible. */
+#include <cstring>
+
 #include "cuda/cuda_impl.h"
 
 namespace {
@@ -159,10 +161,7 @@ struct MaxpoolBwd {
     float *dx;
     __host__ __device__ void operator()(int64_t i) const
     {
-        int64_t t = i;
-        int ix = (int)(t % g.w); t /= g.w;
-        int iy = (int)(t % g.h); t /= g.h;
-        tdm_k_maxpool_bwd(i, t, iy, ix, g, dy, argmax, dx);
+        tdm_k_maxpool_bwd(i, i / ((int64_t)g.oh * g.ow), g, dy, argmax, dx);
     }
 };
 
@@ -319,7 +318,15 @@ cudaError_t tdm_cuda_launch_maxpool_fwd(const tdm_cuda_exec *x, tdm_k_geom g, co
 cudaError_t tdm_cuda_launch_maxpool_bwd(const tdm_cuda_exec *x, tdm_k_geom g, const float *dy,
                                         const int32_t *argmax, float *dx)
 {
-    return run(x, (int64_t)g.c * g.n * g.h * g.w, kThreads, MaxpoolBwd{g, dy, argmax, dx});
+    /* zero dx, then one write per output (the shared function's contract) */
+    size_t bytes = (size_t)g.c * g.n * g.h * g.w * sizeof(float);
+    if (x->host) {
+        memset(dx, 0, bytes);
+    } else {
+        cudaError_t e = cudaMemsetAsync(dx, 0, bytes, x->stream);
+        if (e != cudaSuccess) return e;
+    }
+    return run(x, (int64_t)g.c * g.n * g.oh * g.ow, kThreads, MaxpoolBwd{g, dy, argmax, dx});
 }
 
 cudaError_t tdm_cuda_launch_bn_stats(const tdm_cuda_exec *x, const float *in, int channels,

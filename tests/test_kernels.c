@@ -220,6 +220,28 @@ Test(kernels, maxpool_forward_backward)
     }
 }
 
+/* NaN wins a window, as in PyTorch (here the last NaN in window order),
+ * for the unrolled 2x2 window and the general loop (3x3). */
+Test(kernels, maxpool_nan_wins)
+{
+    for (int k = 2; k <= 3; k++) {
+        tdm_conv_geom g = {.n = 1, .c = 1, .h = k, .w = k, .kh = k, .kw = k, .stride = k,
+                           .pad = 0, .oh = 1, .ow = 1};
+        float x[9], y = 0;
+        int32_t am = -1;
+        for (int i = 0; i < k * k; i++) x[i] = (float)i;
+        x[1] = NAN;
+        x[k] = NAN;                       /* two NaNs: the later one wins */
+        TU_OK(g_dev->ops->maxpool_fwd(g_dev, &g, x, &y, &am));
+        cr_assert(y != y, "%dx%d: max %g, expected NaN", k, k, (double)y);
+        cr_assert_eq(am, k, "%dx%d: argmax %d", k, k, am);
+        x[1] = x[k] = 0.0f;
+        TU_OK(g_dev->ops->maxpool_fwd(g_dev, &g, x, &y, &am));
+        cr_assert_eq(y, (float)(k * k - 1));
+        cr_assert_eq(am, k * k - 1);
+    }
+}
+
 /* ---- batchnorm statistics ---- */
 
 Test(kernels, bn_stats_two_pass_precision)
