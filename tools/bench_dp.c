@@ -31,8 +31,9 @@ static void tdm_bench_dp_usage(FILE *f)
         "One device against DataParallel: samples/s of the median training step\n"
         "(SGD, momentum 0.9) after warm-up, and the DP step's phases. The single\n"
         "device is cpu:0 for host devices, the first listed GPU for CUDA devices;\n"
-        "on GPUs each step is timed until the GPUs have finished it (the 'sync'\n"
-        "phase: the work still queued when tdm_dp_step returned).\n"
+        "on GPUs each step is timed until every GPU has finished it (the 'sync'\n"
+        "phase: work still queued on any GPU when tdm_dp_step returned, which\n"
+        "waits for the master's update only).\n"
         "\n"
         "  --model NAME     mlp (784-1024-1024-10), mlp:W0-..-Wn, cnn        [mlp]\n"
         "  --batch B        global batch                    [mlp: 256, cnn: 128]\n"
@@ -285,9 +286,9 @@ int tdm_tool_bench_dp_main(int argc, char **argv)
                 tdm_bench_dp_fail("DP step", st);
                 goto done;
             }
-            /* tdm_dp_step returns with the optimizer's kernels (at least)
-             * still queued on an accelerator: the step ends when every
-             * device has finished. */
+            /* tdm_dp_step waits for the master's update on an accelerator;
+             * anything still queued on another GPU is counted here, so
+             * the step ends when every device has finished. */
             uint64_t t_sync = tdm_time_ns();
             for (int i = 0; accel && i < n_dev; i++)
                 if ((st = tdm_dev_sync(devs[i])) != TDM_STATUS_OK) {
