@@ -18,6 +18,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "core/geom.h"
 #include "core/status.h"
 
 typedef enum tdm_device_kind {
@@ -35,12 +36,6 @@ typedef enum tdm_act {
     TDM_ACT_RELU,
 } tdm_act;
 
-/* Geometry of a 2-D convolution or pooling over a CNHW tensor. */
-typedef struct tdm_conv_geom {
-    int n, c, h, w;         /* input: (C, N, H, W) */
-    int kh, kw, stride, pad;
-    int oh, ow;             /* output spatial size */
-} tdm_conv_geom;
 
 typedef struct tdm_device tdm_device;
 

@@ -121,16 +121,10 @@ static tdm_status host_scale(tdm_device *d, int64_t n_elem, float alpha, float *
     return TDM_STATUS_OK;
 }
 
-static tdm_k_geom host_geom(const tdm_conv_geom *g)
-{
-    return (tdm_k_geom){.n = g->n, .c = g->c, .h = g->h, .w = g->w, .kh = g->kh, .kw = g->kw,
-                        .stride = g->stride, .pad = g->pad, .oh = g->oh, .ow = g->ow};
-}
-
 static tdm_status host_im2col(tdm_device *d, const tdm_conv_geom *gp, const float *x, float *col)
 {
     (void)d;
-    const tdm_k_geom g = host_geom(gp);
+    const tdm_conv_geom g = *gp;
     int64_t i = 0;
     for (int ci = 0; ci < g.c; ci++)
         for (int ki = 0; ki < g.kh; ki++)
@@ -145,7 +139,7 @@ static tdm_status host_im2col(tdm_device *d, const tdm_conv_geom *gp, const floa
 static tdm_status host_col2im(tdm_device *d, const tdm_conv_geom *gp, const float *col, float *dx)
 {
     (void)d;
-    const tdm_k_geom g = host_geom(gp);
+    const tdm_conv_geom g = *gp;
     int64_t i = 0;
     for (int ci = 0; ci < g.c; ci++)
         for (int n = 0; n < g.n; n++)
@@ -158,7 +152,7 @@ static tdm_status host_maxpool_fwd(tdm_device *d, const tdm_conv_geom *gp, const
                                    float *y, int32_t *argmax)
 {
     (void)d;
-    const tdm_k_geom g = host_geom(gp);
+    const tdm_conv_geom g = *gp;
     int64_t planes = (int64_t)g.c * g.n, i = 0;
     for (int64_t p = 0; p < planes; p++)
         for (int oy = 0; oy < g.oh; oy++)
@@ -170,7 +164,7 @@ static tdm_status host_maxpool_bwd(tdm_device *d, const tdm_conv_geom *gp, const
                                    const int32_t *argmax, float *dx)
 {
     (void)d;
-    const tdm_k_geom g = host_geom(gp);
+    const tdm_conv_geom g = *gp;
     int64_t planes = (int64_t)g.c * g.n, per = (int64_t)g.oh * g.ow, i = 0;
     memset(dx, 0, (size_t)(planes * g.h * g.w) * sizeof(float));
     for (int64_t p = 0; p < planes; p++)

@@ -15,6 +15,8 @@
 #include <stdint.h>
 #include <math.h>
 
+#include "core/geom.h"
+
 #ifdef __CUDACC__
 /* Not __forceinline__: it expands to `__inline__ __attribute__((always_inline))`,
  * and with the `static inline` below nvcc rejects the repeated inline. */
@@ -80,14 +82,11 @@ static inline TDM_HD int tdm_k_div(int a, int s)
     return s == 1 ? a : s == 2 ? a >> 1 : a / s;
 }
 
-typedef struct tdm_k_geom {
-    int n, c, h, w, kh, kw, stride, pad, oh, ow;
-} tdm_k_geom;
 
 /* col has rows (ci, ki, kj) and columns (n, oy, ox). Element i of col with
  * its coordinates already split (the host loop nests, CUDA divides). */
 static inline TDM_HD void tdm_k_im2col(int64_t i, int ci, int ki, int kj, int n, int oy, int ox,
-                                       const tdm_k_geom g, const float *x, float *col)
+                                       const tdm_conv_geom g, const float *x, float *col)
 {
     int iy = oy * g.stride - g.pad + ki, ix = ox * g.stride - g.pad + kj;
     float v = 0.0f;
@@ -99,7 +98,7 @@ static inline TDM_HD void tdm_k_im2col(int64_t i, int ci, int ki, int kj, int n,
 /* Element i of dx (C, N, H, W): the sum of every col entry it fed. Written
  * as a gather so no two threads write the same element (no atomics). */
 static inline TDM_HD void tdm_k_col2im(int64_t i, int ci, int n, int iy, int ix,
-                                       const tdm_k_geom g, const float *col, float *dx)
+                                       const tdm_conv_geom g, const float *col, float *dx)
 {
     int64_t ncols = (int64_t)g.n * g.oh * g.ow;
     float s = 0.0f;
@@ -135,7 +134,7 @@ static inline TDM_HD void tdm_k_maxpool_take(float v, int off, float *bv, int *b
 }
 
 static inline TDM_HD void tdm_k_maxpool_fwd(int64_t i, int64_t plane, int oy, int ox,
-                                            const tdm_k_geom g, const float *x, float *y,
+                                            const tdm_conv_geom g, const float *x, float *y,
                                             int32_t *argmax)
 {
     /* plane = ci * N + n */
@@ -162,7 +161,7 @@ static inline TDM_HD void tdm_k_maxpool_fwd(int64_t i, int64_t plane, int oy, in
  * input (no atomics, deterministic); dx must be zeroed first, which gives
  * the inputs that won nothing (and rows or columns past the last window)
  * their zero. One write per output instead of a search per input. */
-static inline TDM_HD void tdm_k_maxpool_bwd(int64_t i, int64_t plane, const tdm_k_geom g,
+static inline TDM_HD void tdm_k_maxpool_bwd(int64_t i, int64_t plane, const tdm_conv_geom g,
                                             const float *dy, const int32_t *argmax, float *dx)
 {
     dx[plane * g.h * g.w + argmax[i]] = dy[i];

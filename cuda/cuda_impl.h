@@ -53,13 +53,13 @@ cudaError_t tdm_cuda_launch_softmax_xent(const tdm_cuda_exec *x, const float *lo
 cudaError_t tdm_cuda_launch_axpy(const tdm_cuda_exec *x, int64_t n_elem, float alpha,
                                  const float *xs, float *y);
 cudaError_t tdm_cuda_launch_scale(const tdm_cuda_exec *x, int64_t n_elem, float alpha, float *v);
-cudaError_t tdm_cuda_launch_im2col(const tdm_cuda_exec *x, tdm_k_geom g, const float *in,
+cudaError_t tdm_cuda_launch_im2col(const tdm_cuda_exec *x, tdm_conv_geom g, const float *in,
                                    float *col);
-cudaError_t tdm_cuda_launch_col2im(const tdm_cuda_exec *x, tdm_k_geom g, const float *col,
+cudaError_t tdm_cuda_launch_col2im(const tdm_cuda_exec *x, tdm_conv_geom g, const float *col,
                                    float *dx);
-cudaError_t tdm_cuda_launch_maxpool_fwd(const tdm_cuda_exec *x, tdm_k_geom g, const float *in,
+cudaError_t tdm_cuda_launch_maxpool_fwd(const tdm_cuda_exec *x, tdm_conv_geom g, const float *in,
                                         float *y, int32_t *argmax);
-cudaError_t tdm_cuda_launch_maxpool_bwd(const tdm_cuda_exec *x, tdm_k_geom g, const float *dy,
+cudaError_t tdm_cuda_launch_maxpool_bwd(const tdm_cuda_exec *x, tdm_conv_geom g, const float *dy,
                                         const int32_t *argmax, float *dx);
 cudaError_t tdm_cuda_launch_bn_stats(const tdm_cuda_exec *x, const float *in, int channels,
                                      int64_t len, float *mean, float *var);

@@ -482,34 +482,28 @@ static tdm_status cuda_scale(tdm_device *d, int64_t n_elem, float alpha, float *
     TDM_CUDA_RUN(d, "scale", tdm_cuda_launch_scale(s_, n_elem, alpha, x));
 }
 
-static tdm_k_geom tdm_cuda_geom(const tdm_conv_geom *g)
-{
-    return (tdm_k_geom){.n = g->n, .c = g->c, .h = g->h, .w = g->w, .kh = g->kh, .kw = g->kw,
-                        .stride = g->stride, .pad = g->pad, .oh = g->oh, .ow = g->ow};
-}
-
 static tdm_status cuda_im2col(tdm_device *d, const tdm_conv_geom *g, const float *x, float *col)
 {
-    TDM_CUDA_RUN(d, "im2col", tdm_cuda_launch_im2col(s_, tdm_cuda_geom(g), x, col));
+    TDM_CUDA_RUN(d, "im2col", tdm_cuda_launch_im2col(s_, *g, x, col));
 }
 
 static tdm_status cuda_col2im(tdm_device *d, const tdm_conv_geom *g, const float *col, float *dx)
 {
-    TDM_CUDA_RUN(d, "col2im", tdm_cuda_launch_col2im(s_, tdm_cuda_geom(g), col, dx));
+    TDM_CUDA_RUN(d, "col2im", tdm_cuda_launch_col2im(s_, *g, col, dx));
 }
 
 static tdm_status cuda_maxpool_fwd(tdm_device *d, const tdm_conv_geom *g, const float *x,
                                    float *y, int32_t *argmax)
 {
     TDM_CUDA_RUN(d, "maxpool_fwd",
-                 tdm_cuda_launch_maxpool_fwd(s_, tdm_cuda_geom(g), x, y, argmax));
+                 tdm_cuda_launch_maxpool_fwd(s_, *g, x, y, argmax));
 }
 
 static tdm_status cuda_maxpool_bwd(tdm_device *d, const tdm_conv_geom *g, const float *dy,
                                    const int32_t *argmax, float *dx)
 {
     TDM_CUDA_RUN(d, "maxpool_bwd",
-                 tdm_cuda_launch_maxpool_bwd(s_, tdm_cuda_geom(g), dy, argmax, dx));
+                 tdm_cuda_launch_maxpool_bwd(s_, *g, dy, argmax, dx));
 }
 
 static tdm_status cuda_bn_stats(tdm_device *d, const float *x, int channels, int64_t len,

@@ -108,7 +108,7 @@ struct Scale {
 
 /* col (C*KH*KW, N*OH*OW): host nesting ci, ki, kj, n, oy, ox. */
 struct Im2col {
-    tdm_k_geom g;
+    tdm_conv_geom g;
     const float *x;
     float *col;
     __host__ __device__ void operator()(int64_t i) const
@@ -125,7 +125,7 @@ struct Im2col {
 
 /* dx (C, N, H, W): host nesting ci, n, iy, ix. */
 struct Col2im {
-    tdm_k_geom g;
+    tdm_conv_geom g;
     const float *col;
     float *dx;
     __host__ __device__ void operator()(int64_t i) const
@@ -140,7 +140,7 @@ struct Col2im {
 
 /* y (C*N planes, OH, OW): host nesting plane, oy, ox. */
 struct MaxpoolFwd {
-    tdm_k_geom g;
+    tdm_conv_geom g;
     const float *x;
     float *y;
     int32_t *argmax;
@@ -155,7 +155,7 @@ struct MaxpoolFwd {
 
 /* dx (C*N planes, H, W): host nesting plane, iy, ix. */
 struct MaxpoolBwd {
-    tdm_k_geom g;
+    tdm_conv_geom g;
     const float *dy;
     const int32_t *argmax;
     float *dx;
@@ -297,25 +297,25 @@ cudaError_t tdm_cuda_launch_scale(const tdm_cuda_exec *x, int64_t n_elem, float 
     return run(x, n_elem, kThreads, Scale{alpha, v});
 }
 
-cudaError_t tdm_cuda_launch_im2col(const tdm_cuda_exec *x, tdm_k_geom g, const float *in,
+cudaError_t tdm_cuda_launch_im2col(const tdm_cuda_exec *x, tdm_conv_geom g, const float *in,
                                    float *col)
 {
     return run(x, (int64_t)g.c * g.kh * g.kw * g.n * g.oh * g.ow, kThreads, Im2col{g, in, col});
 }
 
-cudaError_t tdm_cuda_launch_col2im(const tdm_cuda_exec *x, tdm_k_geom g, const float *col,
+cudaError_t tdm_cuda_launch_col2im(const tdm_cuda_exec *x, tdm_conv_geom g, const float *col,
                                    float *dx)
 {
     return run(x, (int64_t)g.c * g.n * g.h * g.w, kThreads, Col2im{g, col, dx});
 }
 
-cudaError_t tdm_cuda_launch_maxpool_fwd(const tdm_cuda_exec *x, tdm_k_geom g, const float *in,
+cudaError_t tdm_cuda_launch_maxpool_fwd(const tdm_cuda_exec *x, tdm_conv_geom g, const float *in,
                                         float *y, int32_t *argmax)
 {
     return run(x, (int64_t)g.c * g.n * g.oh * g.ow, kThreads, MaxpoolFwd{g, in, y, argmax});
 }
 
-cudaError_t tdm_cuda_launch_maxpool_bwd(const tdm_cuda_exec *x, tdm_k_geom g, const float *dy,
+cudaError_t tdm_cuda_launch_maxpool_bwd(const tdm_cuda_exec *x, tdm_conv_geom g, const float *dy,
                                         const int32_t *argmax, float *dx)
 {
     /* zero dx, then one write per output (the shared function's contract) */

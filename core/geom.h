@@ -1,0 +1,14 @@
+/* core/geom.h: the geometry of a 2-D convolution or pooling over a CNHW
+ * tensor, shared by the device interface (core/device.h) and the kernels
+ * both backends run (core/kernels.h), so that it is one struct passed as
+ * is from a layer to a kernel. Plain C, also compiled by nvcc. */
+#ifndef TDM_CORE_GEOM_H
+#define TDM_CORE_GEOM_H
+
+typedef struct tdm_conv_geom {
+    int n, c, h, w;         /* input: (C, N, H, W) */
+    int kh, kw, stride, pad;
+    int oh, ow;             /* output spatial size */
+} tdm_conv_geom;
+
+#endif
