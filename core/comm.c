@@ -22,7 +22,7 @@ struct tdm_comm_work {
     pthread_cond_t cv;
     int done;                 /* under mu */
     tdm_status status;        /* valid once done */
-    char msg[1024];
+    char msg[TDM_ERROR_MSG_MAX];
     atomic_int refs;          /* the caller's handle + the queue's */
     tdm_comm_work *next;      /* queue link, under comm->mu */
 };
@@ -169,7 +169,7 @@ tdm_status tdm_coll_parse(const char *s, tdm_coll *out)
         if (!strcasecmp(s, tdm_coll_names[i])) { *out = (tdm_coll)i; return TDM_STATUS_OK; }
     return tdm_error_set(TDM_STATUS_INVALID_ARG,
                          "unknown collective '%s' (expected all_reduce|broadcast|reduce|"
-                         "reduce_scatter|all_gather|gather|scatter|barrier)", s ? s : "(null)");
+                         "reduce_scatter|all_gather|gather|scatter|barrier|send|recv)", s ? s : "(null)");
 }
 
 /* --- lifecycle ---------------------------------------------------------- */

@@ -1,8 +1,10 @@
 /* core/device.h: the device interface. A device is a struct of function
  * pointers (memory, synchronisation, compute) filled with designated
  * initializers by a backend: the host backend here (core/device_host.c)
- * and the CUDA backend (cuda/). Layers call the tdm_dev_* dispatchers,
- * never a backend directly.
+ * and the CUDA backend (cuda/). Layers call the entries through the
+ * table (d->ops->...), or the tdm_dev_* helpers below where there is
+ * something to add (argument checks, the row-major gemm, cross-device
+ * copies); never a backend's functions by name.
  *
  * gemm takes exactly cublasSgemm's column-major arguments; the host backend
  * maps them to CBLAS, so the mapping the CUDA backend relies on is tested
@@ -178,7 +180,7 @@ tdm_status tdm_dev_group_broadcast(tdm_dev_group *g, float *const *bufs, size_t 
 tdm_status tdm_dev_group_reduce_sum(tdm_dev_group *g, const float *const *sendbufs,
                                     float *recvbuf, size_t n_elem, int root);
 
-/* --- dispatchers: validate arguments, then call the backend --- */
+/* --- helpers over the table --- */
 static inline tdm_status tdm_dev_alloc(tdm_device *d, size_t nbytes, void **out)
 {
     return d->ops->alloc(d, nbytes, out);
@@ -189,7 +191,7 @@ static inline void tdm_dev_free(tdm_device *d, void *p)
 }
 static inline tdm_status tdm_dev_sync(tdm_device *d) { return d->ops->sync(d); }
 
-/* Allocates and zeroes n_elem floats. */
+/* Allocates nbytes and zeroes them. */
 tdm_status tdm_dev_alloc_zero(tdm_device *d, size_t nbytes, void **out);
 /* Copies between two devices: host<->host is memcpy; host<->accelerator the
  * device's host copy; two devices of one accelerator backend its copy_peer;

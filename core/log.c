@@ -1,5 +1,6 @@
-/* core/log.c: TANDEM_DEBUG logging. The configuration is parsed once
- * (pthread_once); each line is formatted into one buffer and written
+/* core/log.c: TANDEM_DEBUG logging. The configuration is parsed on first
+ * use (once, under a mutex; tdm_log_reset makes the next use parse it
+ * again); each line is formatted into one buffer and written
  * with a single write(2) so lines from threads and ranks do not mix. */
 #include "core/log.h"
 
@@ -71,17 +72,24 @@ static void tdm_log_parse(void)
         }
         path[o] = '\0';
         int fd = open(path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
-        if (fd >= 0) atomic_store_explicit(&tdm_log_fd, fd, memory_order_relaxed);
+        if (fd >= 0) {
+            int old = atomic_exchange(&tdm_log_fd, fd);
+            if (old > 2) close(old);
+        }
     }
     atomic_store_explicit(&tdm_log_subsys_mask, mask, memory_order_relaxed);
-    atomic_store_explicit(&tdm_log_level_cur, level, memory_order_relaxed);
+    atomic_store_explicit(&tdm_log_level_cur, level, memory_order_release);
 }
 
 int tdm_log_enabled(tdm_log_level level, tdm_log_subsys subsys)
 {
     int cur = atomic_load_explicit(&tdm_log_level_cur, memory_order_relaxed);
     if (cur < 0) {
-        tdm_log_parse();
+        /* first use: one thread parses (and opens the log file) */
+        static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+        pthread_mutex_lock(&mu);
+        if (atomic_load_explicit(&tdm_log_level_cur, memory_order_acquire) < 0) tdm_log_parse();
+        pthread_mutex_unlock(&mu);
         cur = atomic_load_explicit(&tdm_log_level_cur, memory_order_relaxed);
     }
     if ((int)level > cur) return 0;

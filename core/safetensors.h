@@ -66,8 +66,10 @@ typedef struct tdm_st_meta {
 
 /* Writes the tensors (in this order) and metadata to path atomically:
  * everything goes to "<path>.tmp.<pid>" in the same directory, which is
- * fsynced, renamed over path, and the directory fsynced. On any failure
- * the temporary file is removed and a previous file at path is intact.
+ * fsynced, renamed over path, and the directory fsynced. On a failure
+ * before the rename the temporary file is removed and a previous file at
+ * path is intact; if only the final directory fsync fails, path already
+ * holds the new, complete file (its rename may not yet be durable).
  * Refuses (TDM_STATUS_INVALID_ARG) empty or duplicate names, the name
  * "__metadata__", duplicate metadata keys, ndim outside 0..8, negative
  * dimensions, and nbytes that does not match the shape and dtype.

@@ -6,7 +6,6 @@
 #include <stdio.h>
 #include <string.h>
 
-#define TDM_ERROR_MSG_MAX 1024
 
 static _Thread_local char tdm_error_buf[TDM_ERROR_MSG_MAX];
 

@@ -27,6 +27,9 @@ typedef enum tdm_status {
 /* "ok", "invalid argument", ... never NULL. */
 const char *tdm_status_name(tdm_status s);
 
+/* Longest message kept (with its NUL); longer ones are truncated. */
+#define TDM_ERROR_MSG_MAX 1024
+
 /* Records a formatted message for the calling thread and returns s, so
  * that `return tdm_error_set(TDM_STATUS_IO, "%s: %s", path, strerror(e));`
  * reads naturally. */

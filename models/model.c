@@ -79,9 +79,13 @@ void tdm_model_spec_mlp(tdm_model_spec *s, const int *dims, int ndims)
     static const int def[] = {784, 1024, 1024, 10};
     memset(s, 0, sizeof *s);
     s->kind = TDM_MODEL_MLP;
-    if (!dims || ndims < 2 || ndims > TDM_MODEL_MAX_DIMS) {
+    if (!dims) {
         dims = def;
         ndims = 4;
+    }
+    if (ndims < 2 || ndims > TDM_MODEL_MAX_DIMS) {
+        s->ndims = ndims; /* invalid: tdm_model_init refuses it, naming the count */
+        return;
     }
     s->ndims = ndims;
     for (int i = 0; i < ndims; i++) s->dims[i] = dims[i];
@@ -129,7 +133,7 @@ tdm_status tdm_model_spec_parse(tdm_model_spec *s, const char *text)
                         "model '%s': at most %d widths", text, TDM_MODEL_MAX_DIMS);
             dims[n++] = (int)v;
             p = end;
-            if (*p == '-') p++;
+            if (*p == '-' && p[1]) p++;
             else if (*p)
                 return tdm_error_set(TDM_STATUS_INVALID_ARG,
                                      "model '%s': unexpected '%c' (widths are separated by '-')",
@@ -237,7 +241,9 @@ static tdm_status tdm_model_build(tdm_model *m)
     const tdm_model_spec *s = &m->spec;
     char name[TDM_MODEL_NAME_MAX];
     if (s->kind == TDM_MODEL_MLP) {
-        TDM_REQUIRE(s->ndims >= 2, TDM_STATUS_INVALID_ARG, "an MLP needs at least 2 widths");
+        TDM_REQUIRE(s->ndims >= 2 && s->ndims <= TDM_MODEL_MAX_DIMS, TDM_STATUS_INVALID_ARG,
+                    "an MLP needs 2 to %d widths (input ... output), got %d", TDM_MODEL_MAX_DIMS,
+                    s->ndims);
         for (int i = 0; i + 1 < s->ndims; i++) {
             TDM_REQUIRE(s->dims[i] > 0 && s->dims[i + 1] > 0, TDM_STATUS_INVALID_ARG,
                         "MLP width %d is not positive", i);
@@ -699,6 +705,9 @@ tdm_status tdm_model_forward(tdm_model *m, const float *x, int batch, const floa
 {
     TDM_REQUIRE(batch > 0, TDM_STATUS_INVALID_ARG, "forward: batch %d must be positive", batch);
     TDM_REQUIRE(x, TDM_STATUS_INVALID_ARG, "forward: NULL input");
+    /* until this forward succeeds there are no activations to go back
+     * through (a failed reserve frees them) */
+    m->batch = 0;
     TDM_CHECK(tdm_model_reserve(m, batch));
     const float *cur = x;
     for (int i = 0; i < m->n_layers; i++) {
@@ -713,7 +722,8 @@ tdm_status tdm_model_forward(tdm_model *m, const float *x, int batch, const floa
 /* ---- backward ---- */
 
 /* dout (B, out) may be modified in place (fused relu). din may be NULL for
- * the first layer, whose input gradient nobody needs. */
+ * the layers up to the first with parameters: nobody needs their input
+ * gradient. */
 static tdm_status tdm_layer_backward(tdm_model *m, tdm_layer *l, float *dout, float *din, int B)
 {
     tdm_device *d = m->dev;
@@ -774,9 +784,13 @@ tdm_status tdm_model_backward(tdm_model *m, const float *dlogits)
     int cur = 0;
     TDM_CHECK(d->ops->copy(d, m->dbuf[0], dlogits,
                            (size_t)B * (size_t)tdm_model_n_classes(m) * sizeof(float)));
+    /* the input gradient of the first layer with parameters and of the
+     * layers before it (input reshuffles) is never needed */
+    int first = 0;
+    while (first < m->n_layers - 1 && m->layers[first].np == 0) first++;
     for (int i = m->n_layers - 1; i >= 0; i--) {
         tdm_layer *l = &m->layers[i];
-        float *din = i > 0 ? m->dbuf[1 - cur] : NULL;
+        float *din = i > first ? m->dbuf[1 - cur] : NULL;
         TDM_CHECK(tdm_layer_backward(m, l, m->dbuf[cur], din, B));
         if (l->np > 0 && m->hook) m->hook(m->hook_ctx, m, l->p0, l->p0 + l->np - 1);
         cur = 1 - cur;

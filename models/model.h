@@ -47,7 +47,9 @@ typedef struct tdm_model_spec {
                                        classifier (default 128; 0: none) */
 } tdm_model_spec;
 
-/* Defaults: MLP 784-1024-1024-10; CNN 1x28x28 -> [conv3x3 32, bn, relu,
+/* tdm_model_spec_mlp(s, NULL, 0) is the default MLP; other dims must hold
+ * 2..TDM_MODEL_MAX_DIMS widths, else tdm_model_init refuses the spec.
+ * Defaults: MLP 784-1024-1024-10; CNN 1x28x28 -> [conv3x3 32, bn, relu,
  * pool2] -> [conv3x3 64, bn, relu, pool2] -> fc 128 relu -> fc 10 (the
  * shape of Fashion-MNIST's "2 Conv+pooling" baseline). */
 void tdm_model_spec_mlp(tdm_model_spec *s, const int *dims, int ndims);
@@ -79,7 +81,8 @@ typedef void (*tdm_grad_ready_fn)(void *ctx, tdm_model *m, int first_param, int 
 
 /* Builds a model on dev with parameters drawn from (seed, parameter
  * index) streams: the same seed gives the same parameters on any device
- * and in any process. Weights: He normal (std sqrt(2/fan_in)); biases 0;
+ * and in any process. Weights: He normal (std sqrt(2/fan_in); the output
+ * layer, no relu after it, sqrt(1/fan_in)); biases 0;
  * batchnorm gamma 1, beta 0, running mean 0, running var 1. */
 tdm_status tdm_model_init(tdm_model **out, tdm_device *dev, const tdm_model_spec *spec,
                           uint64_t seed);

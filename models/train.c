@@ -22,7 +22,7 @@ tdm_status tdm_train_epoch(const tdm_dataset *d, int batch, uint64_t seed, int64
     tdm_status st = TDM_STATUS_OK;
     TDM_REQUIRE(batch > 0, TDM_STATUS_INVALID_ARG, "batch size %d must be positive", batch);
     TDM_REQUIRE(d && d->n > 0, TDM_STATUS_INVALID_ARG, "empty dataset");
-    int64_t feat = (int64_t)d->c * d->h * d->w;
+    int64_t feat = tdm_data_features(d);
     int64_t *perm = malloc((size_t)d->n * sizeof *perm);
     float *x = malloc((size_t)batch * (size_t)feat * sizeof(float));
     int32_t *y = malloc((size_t)batch * sizeof(int32_t));
@@ -145,10 +145,11 @@ tdm_status tdm_evaluate(tdm_model *m, const tdm_dataset *d, int batch, double *l
 {
     tdm_status st = TDM_STATUS_OK;
     tdm_single stage = {.model = m};
-    int64_t feat = (int64_t)d->c * d->h * d->w;
+    TDM_REQUIRE(batch > 0, TDM_STATUS_INVALID_ARG, "batch size %d must be positive", batch);
+    TDM_REQUIRE(d && d->n > 0, TDM_STATUS_INVALID_ARG, "evaluate: empty dataset");
+    int64_t feat = tdm_data_features(d);
     int was_train = tdm_model_is_train(m);
     tdm_device *dev = tdm_model_device(m);
-    TDM_REQUIRE(batch > 0, TDM_STATUS_INVALID_ARG, "batch size %d must be positive", batch);
     TDM_REQUIRE(feat == tdm_model_in_features(m), TDM_STATUS_INVALID_ARG,
                 "dataset has %lld features per sample but the model expects %d",
                 (long long)feat, tdm_model_in_features(m));

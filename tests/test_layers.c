@@ -695,3 +695,51 @@ Test(layers, clone_is_an_independent_replica)
     }
     tdm_device_free(d);
 }
+
+/* A forward that fails (here: activations for 2^30 samples cannot be
+ * allocated) leaves nothing to go back through: backward and
+ * count_correct refuse instead of reading freed activations. */
+Test(layers, backward_after_a_failed_forward_is_refused)
+{
+    tdm_device *d = tu_host();
+    tdm_model *m = make_model(d, 0, 3);
+    int F = tdm_model_in_features(m);
+    float *x = tu_malloc((size_t)4 * F * sizeof(float));
+    int32_t y[4] = {0, 1, 2, 0};
+    const float *logits;
+    TU_OK(tdm_model_forward(m, x, 4, &logits));
+    cr_assert_eq(tdm_model_forward(m, x, 1 << 30, &logits), TDM_STATUS_OUT_OF_MEMORY, "%s",
+                 tdm_error_message());
+    float *dl = tu_malloc((size_t)4 * tdm_model_n_classes(m) * sizeof(float));
+    cr_assert_eq(tdm_model_backward(m, dl), TDM_STATUS_INVALID_ARG);
+    cr_assert(strstr(tdm_error_message(), "backward called before forward"), "%s",
+              tdm_error_message());
+    int64_t c = 0;
+    cr_assert_eq(tdm_model_count_correct(m, y, 4, &c), TDM_STATUS_INVALID_ARG);
+    /* and the model still works */
+    TU_OK(tdm_model_forward_backward(m, x, y, 4, NULL));
+    free(x);
+    free(dl);
+    tdm_model_free(m);
+    tdm_device_free(d);
+}
+
+/* Bad MLP widths are refused, not replaced by the default model. */
+Test(layers, bad_mlp_widths_are_refused)
+{
+    tdm_device *d = tu_host();
+    tdm_model *m = NULL;
+    int dims[17];
+    for (int i = 0; i < 17; i++) dims[i] = 4;
+    cr_assert_eq(tdm_mlp_init(&m, d, dims, 1, 1), TDM_STATUS_INVALID_ARG);
+    cr_assert(strstr(tdm_error_message(), "2 to 16 widths"), "%s", tdm_error_message());
+    cr_assert_eq(tdm_mlp_init(&m, d, dims, 17, 1), TDM_STATUS_INVALID_ARG);
+    cr_assert_null(m);
+    TU_OK(tdm_mlp_init(&m, d, dims, 16, 1));
+    cr_assert_eq(tdm_model_in_features(m), 4);
+    tdm_model_free(m);
+    tdm_model_spec s;
+    cr_assert_eq(tdm_model_spec_parse(&s, "mlp:784-10-"), TDM_STATUS_INVALID_ARG);
+    TU_OK(tdm_model_spec_parse(&s, "mlp:784-10"));
+    tdm_device_free(d);
+}

@@ -77,6 +77,10 @@ Test(train, mlp_learns_synthetic_data)
     cr_assert(last < 0.3, "after %lld steps the training loss is %.3f (>= 0.3)", (long long)l->n, last);
     cr_assert(l1 < 0.5 && a1 > 0.85, "held-out loss %.3f accuracy %.3f", l1, a1);
     cr_assert(tdm_model_is_train(m), "tdm_evaluate did not restore training mode");
+    /* an empty set has no mean: refused, not NaN */
+    tdm_dataset none = te;
+    none.n = 0;
+    cr_assert_eq(tdm_evaluate(m, &none, 256, &l1, &a1), TDM_STATUS_INVALID_ARG);
     free(l);
     tdm_optim_free(o);
     tdm_model_free(m);

@@ -46,7 +46,7 @@ tdm_status tdm_tool_parse_devices(tdm_device_list *dl, const char *spec, int for
     struct {
         tdm_status st;
         tdm_device_list dl;
-        char msg[1024];
+        char msg[TDM_ERROR_MSG_MAX];
     } res;
     int fds[2];
     if (pipe(fds) != 0) return tdm_device_list_parse(dl, spec);
