@@ -63,5 +63,21 @@ static inline void expect(const cli_result *r, int code, const char *phrase)
         cr_assert(strstr(r->out, phrase), "output lacks '%s':\n%s", phrase, r->out);
 }
 
+/* The deterministic part of `tandem train`'s "epoch E/N: ..." line in out:
+ * its train loss and, if printed, test loss and accuracy (not the
+ * throughput). Fails the test when the line is missing. */
+static inline void epoch_result(const char *out, const char *epoch, char *buf, size_t len)
+{
+    char key[64];
+    snprintf(key, sizeof key, "%s: train loss ", epoch);
+    const char *p = strstr(out, key);
+    cr_assert_not_null(p, "no '%s' line in:\n%s", key, out);
+    p += strlen(key);
+    size_t n = strcspn(p, ",\n");
+    const char *t = strstr(p, "test loss");
+    const char *eol = strchr(p, '\n');
+    size_t m = t && (!eol || t < eol) ? strcspn(t, "\n") : 0;
+    snprintf(buf, len, "%.*s | %.*s", (int)n, p, (int)m, m ? t : "");
+}
 
 #endif

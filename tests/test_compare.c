@@ -130,16 +130,34 @@ Test(compare, three_modes_agree_and_outputs_are_well_formed, .timeout = 240)
     cr_assert(system(cmd) == 0);
 }
 
+/* The verdict of the equivalence line that starts with `label`: 1 when it
+ * ends "-> PASS", 0 for "-> FAIL"; fails the test when the line or its
+ * verdict is missing. */
+static int pair_passes(const char *out, const char *label)
+{
+    char key[64];
+    snprintf(key, sizeof key, "  %s ", label);
+    const char *line = strstr(out, key);
+    cr_assert_not_null(line, "no '%s' line:\n%s", label, out);
+    const char *end = strchr(line, '\n');
+    size_t len = end ? (size_t)(end - line) : strlen(line);
+    char buf[512];
+    snprintf(buf, sizeof buf, "%.*s", (int)(len < sizeof buf ? len : sizeof buf - 1), line);
+    if (strstr(buf, "-> PASS")) return 1;
+    cr_assert(strstr(buf, "-> FAIL"), "'%s' line has no verdict: %s", label, buf);
+    return 0;
+}
+
 Test(compare, a_wrong_rank_fails_the_verdict, .timeout = 240)
 {
     static cli_result r;
     CLI(&r, "compare", "--data", "synthetic", "--model", "mlp:784-32-10", "--device", "cpu:2",
         "--batch", "32", "--steps", "4", "--perturb-rank", "1");
     expect(&r, 3, "verdict: FAIL");
-    cr_assert(strstr(r.out, "DDP vs single") && strstr(r.out, "FAIL"), "%s", r.out);
+    cr_assert(!pair_passes(r.out, "DDP vs single"), "%s", r.out);
+    cr_assert(!pair_passes(r.out, "DDP vs DP"), "%s", r.out);
     /* DP is untouched and still agrees with one device */
-    const char *dp = strstr(r.out, "DP vs single");
-    cr_assert(dp && strstr(dp, "PASS") < strstr(dp, "DDP vs single"), "%s", r.out);
+    cr_assert(pair_passes(r.out, "DP vs single"), "%s", r.out);
 }
 
 Test(compare, cnn_batchnorm_semantics, .timeout = 240)
@@ -150,8 +168,7 @@ Test(compare, cnn_batchnorm_semantics, .timeout = 240)
     expect(&r, 0, "verdict: PASS");
     /* single vs DP/DDP differ by design; DP and DDP normalise the same chunks */
     cr_assert(strstr(r.out, "not expected to match: batchnorm"), "%s", r.out);
-    const char *line = strstr(r.out, "DDP vs DP");
-    cr_assert(line && strstr(line, "PASS"), "%s", r.out);
+    cr_assert(pair_passes(r.out, "DDP vs DP"), "%s", r.out);
 }
 
 Test(compare, bad_usage, .timeout = 60)

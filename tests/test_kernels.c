@@ -312,16 +312,20 @@ Test(kernels, axpy_scale_bias_act_relu_bwd)
     memcpy(y, y0, sizeof y);
     TU_OK(g_dev->ops->scale(g_dev, n, 3.5f, y));
     for (int i = 0; i < n; i++) cr_assert(y[i] == y0[i] * 3.5f, "scale[%d]", i);
-    /* bias_act over (rows=5? no: 37 = 37 x 1) use (rows 4, cols 9) on the first 36 */
+    /* bias_act on (rows 4, cols 9), the first 36 of 37: every combination
+     * of bias (or none) and relu (or none) */
     float bias[9];
     tu_fill(&r, bias, 9, -1, 1);
-    for (int act = 0; act < 2; act++) {
+    for (int k = 0; k < 4; k++) {
+        int has_bias = k & 1, relu = k >> 1;
         memcpy(y, y0, sizeof y);
-        TU_OK(g_dev->ops->bias_act(g_dev, y, act ? bias : NULL, 4, 9, act ? TDM_ACT_RELU : TDM_ACT_NONE));
+        TU_OK(g_dev->ops->bias_act(g_dev, y, has_bias ? bias : NULL, 4, 9,
+                                   relu ? TDM_ACT_RELU : TDM_ACT_NONE));
         for (int i = 0; i < 36; i++) {
-            float v = y0[i] + (act ? bias[i % 9] : 0.0f);
-            if (act && v < 0) v = 0;
-            cr_assert(y[i] == v, "bias_act act=%d [%d] = %g, expected %g", act, i, (double)y[i], (double)v);
+            float v = y0[i] + (has_bias ? bias[i % 9] : 0.0f);
+            if (relu && v < 0) v = 0;
+            cr_assert(y[i] == v, "bias_act bias=%d relu=%d [%d] = %g, expected %g", has_bias,
+                      relu, i, (double)y[i], (double)v);
         }
         cr_assert(y[36] == y0[36], "bias_act wrote past rows*cols");
     }

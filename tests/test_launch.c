@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include "core/timer.h"
+#include "tests/cli_util.h"
 
 static char g_tandem[PATH_MAX];
 static char g_dir[PATH_MAX];
@@ -191,24 +192,16 @@ Test(launch, launched_ddp_training_matches_forked_and_single)
 {
     int rc = run(60, NULL, "%s launch -n 2 -- %s " TRAIN_ARGS " --epochs 1", g_tandem, g_tandem);
     cr_assert_eq(rc, 0, "%s", slurp("err"));
-    char launched[256] = "";
-    char *l = strstr(slurp("out"), "[rank 0] epoch 1/1: train loss ");
-    cr_assert(l, "%s", slurp("out"));
-    sscanf(l, "[rank 0] epoch 1/1: train loss %255[0-9.]", launched);
+    char launched[256], forked[256], single[256];
+    epoch_result(slurp("out"), "[rank 0] epoch 1/1", launched, sizeof launched);
     rc = run(60, NULL, "%s " TRAIN_ARGS " --device cpu:2 --epochs 1", g_tandem);
     cr_assert_eq(rc, 0, "%s", slurp("err"));
-    char forked[256] = "";
-    l = strstr(slurp("out"), "epoch 1/1: train loss ");
-    cr_assert(l);
-    sscanf(l, "epoch 1/1: train loss %255[0-9.]", forked);
+    epoch_result(slurp("out"), "epoch 1/1", forked, sizeof forked);
     cr_assert(strstr(slurp("out"), "overlap"), "%s", slurp("out"));
     rc = run(60, NULL, "%s train --mode single --data synthetic --synthetic-size 2048 --batch 64 "
              "--model mlp:784-64-10 --no-eval --quiet --epochs 1", g_tandem);
     cr_assert_eq(rc, 0, "%s", slurp("err"));
-    char single[256] = "";
-    l = strstr(slurp("out"), "epoch 1/1: train loss ");
-    cr_assert(l);
-    sscanf(l, "epoch 1/1: train loss %255[0-9.]", single);
+    epoch_result(slurp("out"), "epoch 1/1", single, sizeof single);
     cr_assert_str_eq(launched, forked);
     cr_assert_str_eq(forked, single);
 }
@@ -247,7 +240,14 @@ static void check_kill_and_resume(int launched)
     char *out = slurp("out"), want[128];
     snprintf(want, sizeof want, "resumed %s: epoch 1, step 32", ck);
     cr_assert(strstr(out, want), "%s", out);
-    cr_assert(strstr(out, "epoch 2/2: train loss"), "%s", out);
+    char resumed[256], straight[256];
+    epoch_result(out, "epoch 2/2", resumed, sizeof resumed);
+    /* the same two epochs without the kill end the same way */
+    rc = run(90, NULL, "%s " TRAIN_ARGS " --device cpu:3 --epochs 2", g_tandem);
+    cr_assert_eq(rc, 0, "%s", slurp("err"));
+    epoch_result(slurp("out"), "epoch 2/2", straight, sizeof straight);
+    cr_assert_str_eq(resumed, straight, "resumed run ends %s, uninterrupted %s", resumed,
+                     straight);
     /* and in single-device mode too */
     rc = run(90, NULL, "%s train --mode single --data synthetic --synthetic-size 2048 --batch 64 "
              "--model mlp:784-64-10 --no-eval --quiet --epochs 2 --resume %s", g_tandem, ck);
