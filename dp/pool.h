@@ -61,7 +61,9 @@ tdm_status tdm_dp_pool_run(tdm_dp_pool *p, uint64_t mask, tdm_dp_pool_fn fn, voi
 /* Milliseconds slot i spent inside fn during the last round it ran in. */
 double tdm_dp_pool_slot_ms(const tdm_dp_pool *p, int slot);
 /* Process-wide count of waits whose wake-up never came (they ended at the
- * sleep slice instead): 0 unless the publish/sleep pairing is broken. */
+ * 200 ms sleep slice instead): 0 unless the publish/sleep pairing is
+ * broken, or, rarely, a publish lands in the instant a full slice ends
+ * (only possible in a wait already 200 ms long). */
 uint64_t tdm_dp_pool_lost_wakeups(void);
 
 #endif

@@ -527,7 +527,14 @@ tdm_status tdm_shm_run(void *impl, const tdm_comm_call *k)
     c->cur_name = tdm_coll_name(k->coll);
     c->cur_seq = p2p ? c->p2p_msgs[k->root]++ : c->seq;
     c->spin_now = k->async ? c->spin_async : c->spin;
-    TDM_CHECK(tdm_shm_check_abort(c));
+    /* A call that failed may have left this rank part-way through a
+     * collective's rounds: nothing after it can be trusted, even when no
+     * group abort was raised (its raiser may have died before publishing). */
+    if (c->failed)
+        return tdm_error_set(c->failed, "shm: %s: this communicator failed earlier (%s); "
+                             "create a new one", c->cur_name, c->failed_msg);
+    st = tdm_shm_check_abort(c);
+    if (st != TDM_STATUS_OK) goto done; /* before any round: the sequence stays */
     if (c->world == 1) {
         st = tdm_shm_local(c, k);
     } else {
@@ -547,5 +554,11 @@ tdm_status tdm_shm_run(void *impl, const tdm_comm_call *k)
         }
     }
     if (!p2p) c->seq++;
+done:
+    if (st != TDM_STATUS_OK) {
+        if (!c->failed) c->failed = st;
+        if (!c->failed_msg[0])
+            snprintf(c->failed_msg, sizeof c->failed_msg, "%s", tdm_error_message());
+    }
     return st;
 }

@@ -129,6 +129,7 @@ typedef struct tdm_shm_impl {
     uint64_t cur_seq;
     uint64_t next_live_ns;
     tdm_status failed;         /* sticky: once a call failed, all fail */
+    char failed_msg[256];      /* its message */
 } tdm_shm_impl;
 
 static inline tdm_shm_ctrl *tdm_shm_ctrl_of(const tdm_shm_impl *c, int r)
