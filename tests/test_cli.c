@@ -46,6 +46,17 @@ Test(cli, usage_errors)
     expect(&r, 2, "--mode single uses one device");
     CLI(&r, "train", "--epochs");
     expect(&r, 2, "--epochs needs a value");
+    /* an empty value is missing too, said once, in every subcommand */
+    const char *empty[][3] = {{"train", "--mode=", "--mode needs a value"},
+                              {"compare", "--device=", "--device needs a value"},
+                              {"bench", "gemm", "--threads"},
+                              {"launch", "--log-dir=", "--log-dir needs a value"}};
+    for (int k = 0; k < 4; k++) {
+        if (k == 2) CLI(&r, empty[k][0], empty[k][1], empty[k][2]);
+        else CLI(&r, empty[k][0], empty[k][1]);
+        expect(&r, 2, k == 2 ? "--threads needs a value" : empty[k][2]);
+        cr_assert(strchr(r.out, '\n') == strrchr(r.out, '\n'), "more than one line:\n%s", r.out);
+    }
 }
 
 Test(cli, help_and_info)

@@ -1,4 +1,4 @@
-/* tools/args.c: numeric flag values, strictly parsed. */
+/* tools/args.c: flag values, strictly parsed. */
 #include "tools/args.h"
 
 #include <errno.h>
@@ -54,11 +54,14 @@ const char *tdm_args_value(int argc, char **argv, int *i, const char *flag)
     const char *a = argv[*i];
     size_t n = strlen(flag);
     if (strncmp(a, flag, n)) return NULL;
-    if (a[n] == '=') return a + n + 1;
-    if (a[n] != '\0') return NULL;
-    if (*i + 1 >= argc) {
+    const char *v = NULL;
+    if (a[n] == '=') v = a + n + 1;
+    else if (a[n] != '\0') return NULL;
+    else if (*i + 1 < argc) v = argv[++*i];
+    if (!v || !*v) {
+        /* one line and the usage exit code, before anything is allocated */
         fprintf(stderr, "tandem: %s needs a value\n", flag);
-        return "";
+        exit(2);
     }
-    return argv[++*i];
+    return v;
 }

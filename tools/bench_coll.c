@@ -620,7 +620,6 @@ int tdm_tool_bench_main(int argc, char **argv)
             return 2;
         }
 #undef BENCH_FLAG
-        if (v && !*v) return 2;   /* flag at the end without its value */
     }
     if (!have_coll) {
         fprintf(stderr, "tandem bench: which collective? (see tandem bench --help)\n");

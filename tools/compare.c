@@ -221,24 +221,21 @@ int tdm_tool_compare_main(int argc, char **argv)
             tdm_cmp_usage(stdout);
             return 0;
         }
-#define TDM_S(flag, field) if ((v = tdm_args_value(argc, argv, &i, flag))) { if (!*v) return 2; o.field = v; continue; }
-#define TDM_I(flag, lo, hi, field) if ((v = tdm_args_value(argc, argv, &i, flag))) { if (!tdm_args_int(flag, v, lo, hi, &iv)) return 2; o.field = (int)iv; continue; }
-#define TDM_F(flag, lo, hi, field) if ((v = tdm_args_value(argc, argv, &i, flag))) { if (!tdm_args_float(flag, v, lo, hi, &fv)) return 2; o.field = fv; continue; }
-        TDM_S("--model", model)
-        TDM_S("--device", device)
-        TDM_S("--data", data)
-        TDM_S("--optim", optim)
-        TDM_S("--trace", trace)
-        TDM_S("--csv", csv)
-        TDM_S("--plot", plot)
-        TDM_S("--sweep", sweep)
-        TDM_I("--steps", 1, 1000000, steps)
-        TDM_I("--warmup", 0, 1000000, warmup)
-        TDM_I("--batch", 1, 1 << 20, batch)
-        TDM_I("--perturb-rank", 0, TDM_CMP_MAX_DEV - 1, perturb_rank)
-        TDM_F("--lr", 0.0, 1e3, lr)
-        TDM_F("--momentum", 0.0, 0.999999, momentum)
-        TDM_F("--bucket-cap-mb", 1e-6, 1e6, bucket_cap_mb)
+        TDM_ARGS_STR("--model", o.model)
+        TDM_ARGS_STR("--device", o.device)
+        TDM_ARGS_STR("--data", o.data)
+        TDM_ARGS_STR("--optim", o.optim)
+        TDM_ARGS_STR("--trace", o.trace)
+        TDM_ARGS_STR("--csv", o.csv)
+        TDM_ARGS_STR("--plot", o.plot)
+        TDM_ARGS_STR("--sweep", o.sweep)
+        TDM_ARGS_INT("--steps", 1, 1000000, o.steps)
+        TDM_ARGS_INT("--warmup", 0, 1000000, o.warmup)
+        TDM_ARGS_INT("--batch", 1, 1 << 20, o.batch)
+        TDM_ARGS_INT("--perturb-rank", 0, TDM_CMP_MAX_DEV - 1, o.perturb_rank)
+        TDM_ARGS_FLOAT("--lr", 0.0, 1e3, o.lr)
+        TDM_ARGS_FLOAT("--momentum", 0.0, 0.999999, o.momentum)
+        TDM_ARGS_FLOAT("--bucket-cap-mb", 1e-6, 1e6, o.bucket_cap_mb)
         if ((v = tdm_args_value(argc, argv, &i, "--seed"))) {
             if (!tdm_args_int("--seed", v, 0, INT64_MAX, &iv)) return 2;
             o.seed = (uint64_t)iv;

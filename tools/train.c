@@ -31,7 +31,8 @@ static void tdm_train_usage(FILE *f)
         "  --mode single|dp|ddp   one device, DataParallel (threads) or\n"
         "                         DistributedDataParallel (processes)    [single]\n"
         "  --model NAME           mlp (784-1024-1024-10), mlp:W0-W1-..-Wn, cnn  [mlp]\n"
-        "  --device SPEC          cpu (single) or cpu:N / cpu:I,J,.. (dp, ddp)  [cpu]\n"
+        "  --device SPEC          single: cpu or cuda:I; dp, ddp: cpu:N, cpu:I,J,..,\n"
+        "                         cuda (every GPU) or cuda:I,J,..             [cpu]\n"
         "  --threads T            BLAS threads of a single host device       [1]\n"
         "  --epochs E             epochs to train (in all, when resuming)     [2]\n"
         "  --batch B              global batch size                           [256]\n"
@@ -48,7 +49,10 @@ static void tdm_train_usage(FILE *f)
         "  --max-steps N          stop each epoch after N steps (benchmarks)  [all]\n"
         "  --save PATH            write a checkpoint (safetensors) after each epoch\n"
         "  --resume PATH          continue from a checkpoint\n"
-        "  --no-eval              skip the test-set evaluation\n"
+        "  --bucket-cap-mb MB     ddp: gradient bucket size cap              [25]\n"
+        "  --no-overlap           ddp: all-reduce after backward, not during it\n"
+        "  --no-eval              skip the test-set evaluation after each epoch\n"
+        "                         (ddp spreads it over the ranks)\n"
         "  --quiet                only the per-epoch lines\n"
         "\n"
         "Exit codes: 0 ok, 1 runtime failure, 2 bad usage.\n");
@@ -106,42 +110,24 @@ int tdm_tool_train_main(int argc, char **argv)
             tdm_train_usage(stdout);
             return 0;
         }
-#define TDM_INT_FLAG(name, lo, hi, field)                                     \
-        if ((v = tdm_args_value(argc, argv, &i, name))) {                     \
-            if (!tdm_args_int(name, v, lo, hi, &iv)) return 2;                \
-            a.field = iv;                                                     \
-            continue;                                                         \
-        }
-#define TDM_FLOAT_FLAG(name, lo, hi, field)                                   \
-        if ((v = tdm_args_value(argc, argv, &i, name))) {                     \
-            if (!tdm_args_float(name, v, lo, hi, &fv)) return 2;              \
-            a.field = fv;                                                     \
-            continue;                                                         \
-        }
-#define TDM_STR_FLAG(name, field)                                             \
-        if ((v = tdm_args_value(argc, argv, &i, name))) {                     \
-            if (!*v) return 2;                                                \
-            a.field = v;                                                      \
-            continue;                                                         \
-        }
-        TDM_STR_FLAG("--mode", mode)
-        TDM_STR_FLAG("--model", model)
-        TDM_STR_FLAG("--device", device)
-        TDM_INT_FLAG("--threads", 1, 256, threads)
-        TDM_INT_FLAG("--epochs", 1, 100000, epochs)
-        TDM_INT_FLAG("--batch", 1, 1 << 20, batch)
-        TDM_STR_FLAG("--optim", optim)
-        TDM_FLOAT_FLAG("--lr", 0.0, 1e3, lr)
-        TDM_FLOAT_FLAG("--momentum", 0.0, 0.999999, momentum)
-        TDM_FLOAT_FLAG("--weight-decay", 0.0, 1e3, weight_decay)
-        TDM_INT_FLAG("--seed", 0, INT64_MAX, seed)
-        TDM_STR_FLAG("--data", data)
-        TDM_INT_FLAG("--synthetic-size", 1, 1 << 26, synthetic_size)
-        TDM_INT_FLAG("--max-steps", 0, INT64_MAX, max_steps)
-        TDM_STR_FLAG("--save", save)
-        TDM_STR_FLAG("--resume", resume)
-        TDM_STR_FLAG("--lr-schedule", lr_schedule)
-        TDM_INT_FLAG("--bucket-cap-mb", 0, 1 << 20, bucket_cap_mb)
+        TDM_ARGS_STR("--mode", a.mode)
+        TDM_ARGS_STR("--model", a.model)
+        TDM_ARGS_STR("--device", a.device)
+        TDM_ARGS_INT("--threads", 1, 256, a.threads)
+        TDM_ARGS_INT("--epochs", 1, 100000, a.epochs)
+        TDM_ARGS_INT("--batch", 1, 1 << 20, a.batch)
+        TDM_ARGS_STR("--optim", a.optim)
+        TDM_ARGS_FLOAT("--lr", 0.0, 1e3, a.lr)
+        TDM_ARGS_FLOAT("--momentum", 0.0, 0.999999, a.momentum)
+        TDM_ARGS_FLOAT("--weight-decay", 0.0, 1e3, a.weight_decay)
+        TDM_ARGS_INT("--seed", 0, INT64_MAX, a.seed)
+        TDM_ARGS_STR("--data", a.data)
+        TDM_ARGS_INT("--synthetic-size", 1, 1 << 26, a.synthetic_size)
+        TDM_ARGS_INT("--max-steps", 0, INT64_MAX, a.max_steps)
+        TDM_ARGS_STR("--save", a.save)
+        TDM_ARGS_STR("--resume", a.resume)
+        TDM_ARGS_STR("--lr-schedule", a.lr_schedule)
+        TDM_ARGS_INT("--bucket-cap-mb", 0, 1 << 20, a.bucket_cap_mb)
         if (!strcmp(arg, "--nesterov")) { a.nesterov = 1; continue; }
         if (!strcmp(arg, "--no-eval")) { a.no_eval = 1; continue; }
         if (!strcmp(arg, "--quiet")) { a.quiet = 1; continue; }
