@@ -12,6 +12,7 @@
  * a backward (or ran an extra step) is named at the end of that same
  * backward instead of silently averaging gradients of different steps. */
 #include "ddp/ddp.h"
+#include "ddp/spawn.h"
 
 #include <inttypes.h>
 #include <sched.h>
@@ -31,6 +32,14 @@
 #define TDM_DDP_TAIL_LOSS_LO (2 * TDM_DDP_MAX_RANKS)
 #define TDM_DDP_SEQ_ELEMS (3 * TDM_DDP_MAX_RANKS)
 #define TDM_DDP_SEQ_MOD (1u << 23)  /* counts stay exact in float32 */
+
+/* Declared in ddp/spawn.h (what a launcher needs); here, next to the
+ * layout it sizes. */
+size_t tdm_ddp_arena_bytes(int64_t param_elems)
+{
+    /* the gradients, the check tail after them, and slack */
+    return ((size_t)param_elems + TDM_DDP_SEQ_ELEMS) * sizeof(float) + 4096;
+}
 
 typedef struct tdm_ddp_bucket {
     int first, last;             /* parameter indices, first <= last */
@@ -634,8 +643,18 @@ static tdm_status tdm_ddp_finish(tdm_ddp *d)
         tdm_ddp_bucket *bk = &d->b[i];
         float *v = d->grads + bk->offset;
         d->bt[i].start_ms = tdm_ddp_rel_ms(d);
-        tdm_status st = tdm_comm_all_reduce(d->comm, v, v, (size_t)bk->n_elem, TDM_DTYPE_FLOAT32,
-                                            TDM_REDOP_SUM);
+        tdm_status st;
+        if (d->o.timeout_ms > 0) {
+            /* bounded by opts.timeout_ms like the asynchronous buckets */
+            tdm_comm_work *w = NULL;
+            st = tdm_comm_all_reduce_async(d->comm, v, v, (size_t)bk->n_elem, TDM_DTYPE_FLOAT32,
+                                           TDM_REDOP_SUM, &w);
+            if (st == TDM_STATUS_OK) st = tdm_comm_work_wait(w, d->o.timeout_ms);
+            tdm_comm_work_free(w);
+        } else {
+            st = tdm_comm_all_reduce(d->comm, v, v, (size_t)bk->n_elem, TDM_DTYPE_FLOAT32,
+                                     TDM_REDOP_SUM);
+        }
         d->bt[i].end_ms = tdm_ddp_rel_ms(d);
         if (st) {
             char msg[768];

@@ -53,8 +53,3 @@ tdm_status tdm_ddp_spawn(int world, tdm_ddp_spawn_fn fn, void *arg,
     return st;
 }
 
-size_t tdm_ddp_arena_bytes(int64_t param_elems)
-{
-    /* gradients + the Reducer's 192-float check tail, plus slack */
-    return ((size_t)param_elems + 192) * sizeof(float) + 4096;
-}

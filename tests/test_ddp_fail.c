@@ -36,6 +36,8 @@ typedef struct fail_cfg {
     int fail_step, steps, save_step;
     const char *ckpt;
     const char *resume;  /* load this first */
+    int no_overlap;      /* tdm_ddp_opts.no_overlap */
+    int64_t ddp_timeout_ms; /* tdm_ddp_opts.timeout_ms */
 } fail_cfg;
 
 typedef struct fail_shared {
@@ -81,7 +83,9 @@ static int fail_rank(tdm_comm *comm, void *arg)
     tddp_spec(&spec, 0);
     TDM_TRY(tdm_device_open(&dev, "cpu", rank, 1));
     TDM_TRY(tdm_model_init(&m, dev, &spec, 5));
-    TDM_TRY(tdm_ddp_init(&ddp, m, comm, &(tdm_ddp_opts){.bucket_cap_bytes = 600}));
+    TDM_TRY(tdm_ddp_init(&ddp, m, comm, &(tdm_ddp_opts){.bucket_cap_bytes = 600,
+                                                         .no_overlap = c->no_overlap,
+                                                         .timeout_ms = c->ddp_timeout_ms}));
     TDM_TRY(tdm_sgd_init(&opt, m, 0.05f, 0.9f));
     int64_t start = 0;
     if (c->resume) {
@@ -222,6 +226,25 @@ Test(ddp_fail, stalled_rank_is_named_after_the_deadline)
         cr_assert_lt(sh->fail_ms[r] - sh->kill_ms, 6000.0);
     }
     cr_assert_lt(el, 20000.0, "took %.0f ms", el);
+    munmap(sh, sizeof *sh);
+}
+
+/* tdm_ddp_opts.timeout_ms bounds the buckets reduced after backward too
+ * (--no-overlap reduces all of them there), not only the overlapped ones:
+ * with a 60 s communicator deadline the others still stop within seconds. */
+Test(ddp_fail, ddp_timeout_bounds_buckets_reduced_after_backward)
+{
+    fail_shared *sh = shared_new();
+    fail_cfg c = {.victim = 1, .stall = 1, .fail_step = 3, .steps = 10, .no_overlap = 1,
+                  .ddp_timeout_ms = 1000};
+    tdm_status st = fail_spawn(3, &c, sh, 60000);
+    cr_assert_neq(st, TDM_STATUS_OK);
+    for (int r = 0; r < 3; r += 2) {
+        cr_assert_neq(sh->status[r], TDM_STATUS_OK);
+        cr_assert(strstr(sh->err[r], "still running after 1000 ms"), "rank %d: %s", r,
+                  sh->err[r]);
+        cr_assert_lt(sh->fail_ms[r] - sh->kill_ms, 6000.0);
+    }
     munmap(sh, sizeof *sh);
 }
 

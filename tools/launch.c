@@ -47,7 +47,8 @@ static void tdm_launch_usage(FILE *f)
         "  --log-dir DIR        write each rank's output to DIR/rank_N.log\n"
         "                       (default: prefix lines with \"[rank N] \")\n"
         "  --arena-mb M         zero-copy memory per rank for DDP gradients [32]\n"
-        "  --grace-ms MS        after a failure, time before SIGKILL       [3000]\n"
+        "  --grace-ms MS        after a failure: SIGTERM to the others after\n"
+        "                       min(MS, 1000), SIGKILL MS after that      [3000]\n"
         "\n"
         "Exit codes: 0 every rank succeeded, 1 a rank failed (summary on\n"
         "stderr), 2 bad usage, 128+S stopped by signal S.\n", TDM_SHM_MAX_RANKS);

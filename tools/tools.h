@@ -4,7 +4,9 @@
 #ifndef TDM_TOOLS_H
 #define TDM_TOOLS_H
 
-/* Each returns the process exit code: 0 ok, 1 runtime failure, 2 usage. */
+/* Each returns the process exit code: 0 ok, 1 runtime failure, 2 usage;
+ * compare also 3 (equivalence verdict failed), launch 128+S when it was
+ * stopped by signal S (forwarded to the ranks). */
 int tdm_tool_train_main(int argc, char **argv);   /* tools/train.c */
 int tdm_tool_info_main(int argc, char **argv);    /* tools/info.c */
 int tdm_tool_bench_main(int argc, char **argv);   /* tools/bench_coll.c */
