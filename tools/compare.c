@@ -120,7 +120,7 @@ static void tdm_cmp_print_phase_table(const tdm_cmp_opts *o, tdm_cmp_result *con
         TDM_PHASE_LOSS, TDM_PHASE_BACKWARD, TDM_PHASE_REDUCE, TDM_PHASE_ALLREDUCE_WAIT,
         TDM_PHASE_STEP};
     tdm_phase_times pm[TDM_CMP_NMODES];
-    double med[TDM_CMP_NMODES], mn, mx;
+    double mean[TDM_CMP_NMODES];
     printf("\nWhere the time goes (ms per step and share of the step, means after warm-up)\n");
     printf("  %-22s", "phase");
     for (int k = 0; k < n; k++) {
@@ -128,12 +128,8 @@ static void tdm_cmp_print_phase_table(const tdm_cmp_opts *o, tdm_cmp_result *con
         snprintf(h, sizeof h, "%s(%d)", tdm_cmp_mode_name(res[k]->mode), res[k]->n_dev);
         printf(" %18s", h);
         tdm_cmp_phase_mean(o, res[k], &pm[k]);
-        tdm_cmp_step_stats(o, res[k], &med[k], &mn, &mx);
         /* shares are of the mean step, the same statistic as the phases */
-        int w = o->warmup < res[k]->steps ? o->warmup : 0;
-        med[k] = 0.0;
-        for (int i = w; i < res[k]->steps; i++) med[k] += res[k]->step_ms[i];
-        med[k] /= (res[k]->steps - w);
+        tdm_cmp_means(o, res[k], &mean[k], NULL, NULL);
     }
     printf("\n");
     for (size_t q = 0; q < sizeof rows / sizeof rows[0]; q++) {
@@ -142,7 +138,7 @@ static void tdm_cmp_print_phase_table(const tdm_cmp_opts *o, tdm_cmp_result *con
         for (int k = 0; k < n; k++) {
             double v = pm[k].ms[p];
             if (v <= 0.0) printf(" %18s", "-");
-            else printf(" %9.2f  %5.1f%%  ", v, 100.0 * v / med[k]);
+            else printf(" %9.2f  %5.1f%%  ", v, 100.0 * v / mean[k]);
         }
         printf("\n");
     }
@@ -150,23 +146,17 @@ static void tdm_cmp_print_phase_table(const tdm_cmp_opts *o, tdm_cmp_result *con
     for (int k = 0; k < n; k++) {
         double s = 0.0;
         for (int p = 0; p < TDM_PHASE_COUNT_; p++) s += pm[k].ms[p];
-        double other = med[k] - s;
-        printf(" %9.2f  %5.1f%%  ", other > 0 ? other : 0.0, other > 0 ? 100.0 * other / med[k] : 0.0);
+        double other = mean[k] - s;
+        printf(" %9.2f  %5.1f%%  ", other > 0 ? other : 0.0, other > 0 ? 100.0 * other / mean[k] : 0.0);
     }
     printf("\n  %-22s", "step (mean)");
-    for (int k = 0; k < n; k++) printf(" %9.2f  100.0%%  ", med[k]);
+    for (int k = 0; k < n; k++) printf(" %9.2f  100.0%%  ", mean[k]);
     printf("\n");
     for (int k = 0; k < n; k++) {
         const tdm_cmp_result *r = res[k];
         if (r->mode != TDM_CMP_DDP) continue;
-        int w = o->warmup < r->steps ? o->warmup : 0;
-        double comm = 0.0, exposed = 0.0;
-        for (int i = w; i < r->steps; i++) {
-            comm += r->comm_ms[i];
-            exposed += r->exposed_ms[i];
-        }
-        comm /= (r->steps - w);
-        exposed /= (r->steps - w);
+        double step, comm, exposed;
+        tdm_cmp_means(o, r, &step, &comm, &exposed);
         printf("  DDP all-reduce: %.2f ms per step from the first bucket's start to the last's "
                "end, in %d bucket%s;\n  %.2f ms of it exposed after backward; %.0f%% of the "
                "gradient bytes were launched while backward still ran\n", comm, r->n_buckets,
@@ -526,18 +516,15 @@ int tdm_tool_compare_main(int argc, char **argv)
         tdm_phase_times dp, ddp;
         tdm_cmp_phase_mean(&o, &res[TDM_CMP_DP], &dp);
         tdm_cmp_phase_mean(&o, &res[TDM_CMP_DDP], &ddp);
-        double dpm = med[TDM_CMP_DP], ddpm = med[TDM_CMP_DDP];
+        /* shares of the mean step, as in the phase table */
+        double dpm, ddpm, comm, exposed;
+        tdm_cmp_means(&o, &res[TDM_CMP_DP], &dpm, NULL, NULL);
+        tdm_cmp_means(&o, &res[TDM_CMP_DDP], &ddpm, &comm, &exposed);
         double rep = 100.0 * dp.ms[TDM_PHASE_REPLICATE] / dpm;
         double red = 100.0 * dp.ms[TDM_PHASE_REDUCE] / dpm;
         double outdev = 100.0 * (dp.ms[TDM_PHASE_GATHER] + dp.ms[TDM_PHASE_LOSS] +
                                  dp.ms[TDM_PHASE_SCATTER]) / dpm;
         const tdm_cmp_result *r = &res[TDM_CMP_DDP];
-        int w = o.warmup < r->steps ? o.warmup : 0;
-        double comm = 0.0, exposed = 0.0;
-        for (int i = w; i < r->steps; i++) {
-            comm += r->comm_ms[i];
-            exposed += r->exposed_ms[i];
-        }
         double hidden = comm > 0 ? 100.0 * (comm - exposed) / comm : 0.0;
         if (hidden < 0) hidden = 0;
         printf("\nReading\n");
@@ -550,7 +537,7 @@ int tdm_tool_compare_main(int argc, char **argv)
         printf("  DDP spends %.1f%% of each step waiting for the all-reduce after backward; "
                "%.0f%% of its all-reduce time (%.2f ms per step) ran while backward was still "
                "computing, and %.0f%% of the gradient bytes were launched then%s.\n",
-               100.0 * ddp.ms[TDM_PHASE_ALLREDUCE_WAIT] / ddpm, hidden, comm / (r->steps - w),
+               100.0 * ddp.ms[TDM_PHASE_ALLREDUCE_WAIT] / ddpm, hidden, comm,
                100.0 * r->overlap_bytes_frac,
                r->overlap_bytes_frac < 0.25 && r->n_buckets > 1
                    ? " (the big bucket only fills at the end of backward: a smaller "

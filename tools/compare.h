@@ -97,6 +97,10 @@ void tdm_cmp_result_free(tdm_cmp_result *r);
 /* Median, min and max of the post-warm-up step times. */
 void tdm_cmp_step_stats(const tdm_cmp_opts *o, const tdm_cmp_result *r, double *med,
                         double *min, double *max);
+/* Means over the post-warm-up steps of the step time, and (DDP; may be
+ * NULL) of the communication span and its exposed part. */
+void tdm_cmp_means(const tdm_cmp_opts *o, const tdm_cmp_result *r, double *step, double *comm,
+                   double *exposed);
 /* Mean per-phase wall over post-warm-up steps. */
 void tdm_cmp_phase_mean(const tdm_cmp_opts *o, const tdm_cmp_result *r, tdm_phase_times *out);
 

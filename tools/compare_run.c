@@ -615,10 +615,33 @@ static int tdm_cmp_cmp_double(const void *a, const void *b)
     return x < y ? -1 : x > y;
 }
 
+/* The first step counted in the figures (the warm-up left out, unless the
+ * run is no longer than it). */
+static int tdm_cmp_first_timed(const tdm_cmp_opts *o, const tdm_cmp_result *r)
+{
+    return o->warmup < r->steps ? o->warmup : 0;
+}
+
+void tdm_cmp_means(const tdm_cmp_opts *o, const tdm_cmp_result *r, double *step, double *comm,
+                   double *exposed)
+{
+    int w = tdm_cmp_first_timed(o, r);
+    double s = 0.0, c = 0.0, e = 0.0;
+    for (int i = w; i < r->steps; i++) {
+        s += r->step_ms[i];
+        c += r->comm_ms[i];
+        e += r->exposed_ms[i];
+    }
+    int n = r->steps - w;
+    *step = s / n;
+    if (comm) *comm = c / n;
+    if (exposed) *exposed = e / n;
+}
+
 void tdm_cmp_step_stats(const tdm_cmp_opts *o, const tdm_cmp_result *r, double *med, double *min,
                         double *max)
 {
-    int w = o->warmup < r->steps ? o->warmup : 0;
+    int w = tdm_cmp_first_timed(o, r);
     int n = r->steps - w;
     double *t = malloc((size_t)n * sizeof(double));
     if (!t || n <= 0) {
@@ -636,7 +659,7 @@ void tdm_cmp_step_stats(const tdm_cmp_opts *o, const tdm_cmp_result *r, double *
 
 void tdm_cmp_phase_mean(const tdm_cmp_opts *o, const tdm_cmp_result *r, tdm_phase_times *out)
 {
-    int w = o->warmup < r->steps ? o->warmup : 0;
+    int w = tdm_cmp_first_timed(o, r);
     memset(out, 0, sizeof *out);
     for (int i = w; i < r->steps; i++)
         for (int p = 0; p < TDM_PHASE_COUNT_; p++) out->ms[p] += r->wall[i].ms[p];

@@ -43,19 +43,21 @@ int tdm_tool_info_main(int argc, char **argv)
     if (tdm_device_cuda) {
         int n = 0;
         tdm_status st = tdm_device_cuda->count(&n);
-        if (st != TDM_STATUS_OK) {
-            printf("  cuda           %s\n", tdm_error_message());
-        } else if (tdm_tool_cuda_emulated()) {
+        if (st == TDM_STATUS_OK && tdm_tool_cuda_emulated()) {
             printf("  cuda           %d emulated device%s (cuda-emu:0..%d), no GPU used\n", n,
                    n == 1 ? "" : "s", n - 1);
             tdm_tool_print_emulated(stdout, "cuda");
+        } else if (tdm_cuda_describe) {
+            /* the versions first, whether or not a device answers (they
+             * matter most when the driver is too old), then each GPU or
+             * CUDA's error */
+            static char buf[16384];
+            if (st == TDM_STATUS_OK) printf("  cuda           %d device%s\n", n, n == 1 ? "" : "s");
+            (void)tdm_cuda_describe(buf, sizeof buf);
+            fputs(buf, stdout);
         } else {
-            printf("  cuda           %d device%s\n", n, n == 1 ? "" : "s");
-            if (tdm_cuda_describe) {
-                static char buf[16384];
-                if (tdm_cuda_describe(buf, sizeof buf) == TDM_STATUS_OK) fputs(buf, stdout);
-                else printf("  cuda           %s\n", tdm_error_message());
-            }
+            printf("  cuda           %s\n", st ? tdm_error_message() : "CUDA backend without "
+                   "tdm_cuda_describe");
         }
     }
     return 0;
