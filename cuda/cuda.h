@@ -55,6 +55,10 @@ tdm_status tdm_cuda_emulator_open_accel(tdm_device **out, int index);
 /* 1 when d is an emulator device (either kind): its memory is host memory
  * and no NCCL communicator can use it. */
 int tdm_cuda_device_is_emulator(const tdm_device *d);
+/* 1 when d is a GPU whose gemm runs in TF32 tensor-op math
+ * (TANDEM_CUDA_TF32=1 when it was opened), 0 for full FP32 or any other
+ * device. */
+int tdm_cuda_device_tf32(const tdm_device *d);
 
 /* The emulator for whole programs: with TANDEM_CUDA_EMULATOR=N (1..64) in
  * the environment, the backend reports N "GPUs" and opening "cuda", i

@@ -36,6 +36,7 @@ typedef struct tdm_cuda_dev {
     int *bad_row;         /* device int: softmax_xent's label check */
     tdm_cuda_exec exec;   /* {stream, 0}; the emulator: {NULL, 1} */
     tdm_device *host;     /* the emulator's gemm (a host device) */
+    int tf32;             /* cuBLAS in TF32 tensor-op math (TANDEM_CUDA_TF32=1) */
 } tdm_cuda_dev;
 
 static tdm_cuda_dev *tdm_cuda_impl(tdm_device *d) { return (tdm_cuda_dev *)d->impl; }
@@ -320,50 +321,43 @@ static tdm_status cuda_copy_peer(tdm_device *dst_dev, void *dst, tdm_device *src
     if (dst_dev == src_dev) return cuda_copy(dst_dev, dst, src, nbytes);
     tdm_status st = TDM_STATUS_OK;
     cudaEvent_t produced = NULL, copied = NULL;
-    cudaError_t e;
-    const char *what;
-    TDM_CHECK(tdm_cuda_enter(src_dev));
-    what = "cudaEventCreateWithFlags";
-    if ((e = cudaEventCreateWithFlags(&produced, cudaEventDisableTiming)) != cudaSuccess) {
-        produced = NULL;
-        goto fail_src;
-    }
-    what = "cudaEventRecord";
-    if ((e = cudaEventRecord(produced, tdm_cuda_impl(src_dev)->stream)) != cudaSuccess)
-        goto fail_src;
+    cudaError_t e = cudaSuccess;
+    const char *what = "", *on = src_dev->name;   /* the failing call, its device */
+#define TDM_PEER_STEP(call, name)          \
+    do {                                   \
+        what = (name);                     \
+        if ((e = (call)) != cudaSuccess) { \
+            st = TDM_STATUS_SYSTEM;        \
+            goto done;                     \
+        }                                  \
+    } while (0)
+    TDM_TRY(tdm_cuda_enter(src_dev));
+    TDM_PEER_STEP(cudaEventCreateWithFlags(&produced, cudaEventDisableTiming),
+                  "cudaEventCreateWithFlags");
+    TDM_PEER_STEP(cudaEventRecord(produced, tdm_cuda_impl(src_dev)->stream), "cudaEventRecord");
     TDM_TRY(tdm_cuda_enter(dst_dev));
+    on = dst_dev->name;
     tdm_cuda_peer_enable(dst_dev, src_dev->index);
     cudaStream_t s = tdm_cuda_impl(dst_dev)->stream;
-    what = "cudaStreamWaitEvent";
-    if ((e = cudaStreamWaitEvent(s, produced, 0)) != cudaSuccess) goto fail_dst;
-    what = "cudaMemcpyPeerAsync";
-    if ((e = cudaMemcpyPeerAsync(dst, dst_dev->index, src, src_dev->index, nbytes, s)) !=
-        cudaSuccess)
-        goto fail_dst;
-    what = "cudaEventCreateWithFlags";
-    if ((e = cudaEventCreateWithFlags(&copied, cudaEventDisableTiming)) != cudaSuccess) {
-        copied = NULL;
-        goto fail_dst;
-    }
-    what = "cudaEventRecord";
-    if ((e = cudaEventRecord(copied, s)) != cudaSuccess) goto fail_dst;
+    TDM_PEER_STEP(cudaStreamWaitEvent(s, produced, 0), "cudaStreamWaitEvent");
+    TDM_PEER_STEP(cudaMemcpyPeerAsync(dst, dst_dev->index, src, src_dev->index, nbytes, s),
+                  "cudaMemcpyPeerAsync");
+    TDM_PEER_STEP(cudaEventCreateWithFlags(&copied, cudaEventDisableTiming),
+                  "cudaEventCreateWithFlags");
+    TDM_PEER_STEP(cudaEventRecord(copied, s), "cudaEventRecord");
     TDM_TRY(tdm_cuda_enter(src_dev));
-    what = "cudaStreamWaitEvent (source after the copy)";
-    if ((e = cudaStreamWaitEvent(tdm_cuda_impl(src_dev)->stream, copied, 0)) != cudaSuccess)
-        goto fail_src;
-    goto fail; /* done: release the events */
-fail_src:
-    st = tdm_error_set(tdm_cuda_status_of(e), "%s -> %s: %s (on %s): %s (%s)", src_dev->name,
-                       dst_dev->name, what, src_dev->name, cudaGetErrorString(e),
-                       cudaGetErrorName(e));
-    goto fail;
-fail_dst:
-    st = tdm_error_set(tdm_cuda_status_of(e), "%s -> %s: %s (on %s): %s (%s)", src_dev->name,
-                       dst_dev->name, what, dst_dev->name, cudaGetErrorString(e),
-                       cudaGetErrorName(e));
-fail:
+    on = src_dev->name;
+    TDM_PEER_STEP(cudaStreamWaitEvent(tdm_cuda_impl(src_dev)->stream, copied, 0),
+                  "cudaStreamWaitEvent (source after the copy)");
+#undef TDM_PEER_STEP
+done:
+    if (e != cudaSuccess)
+        st = tdm_error_set(tdm_cuda_status_of(e), "%s -> %s: %s (on %s): %s (%s)",
+                           src_dev->name, dst_dev->name, what, on, cudaGetErrorString(e),
+                           cudaGetErrorName(e));
+fail: /* TDM_TRY's: the message is set */
     /* destroying an event with pending waits is allowed: it goes once they
-     * are satisfied */
+     * are satisfied (a failed create leaves the handle NULL) */
     if (produced) tdm_cuda_warn(src_dev->name, "cudaEventDestroy", cudaEventDestroy(produced));
     if (copied) tdm_cuda_warn(dst_dev->name, "cudaEventDestroy", cudaEventDestroy(copied));
     return st;
@@ -673,6 +667,7 @@ static tdm_status tdm_cuda_open(tdm_device **out, int index)
      * user opts into TF32 tensor cores. */
     const char *tf32 = getenv("TANDEM_CUDA_TF32");
     cublasMath_t math = tf32 && tf32[0] == '1' ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH;
+    c->tf32 = math != CUBLAS_DEFAULT_MATH;
     bs = cublasSetMathMode(c->blas, math);
     if (bs != CUBLAS_STATUS_SUCCESS) { st = tdm_cublas_fail(d, "cublasSetMathMode", bs); goto fail; }
     tdm_cuda_open_add(index, c->stream);
@@ -880,6 +875,11 @@ static tdm_status emu_copy_peer(tdm_device *dst_dev, void *dst, tdm_device *src_
 int tdm_cuda_device_is_emulator(const tdm_device *d)
 {
     return d && d->ops == &tdm_cuda_emu_ops;
+}
+
+int tdm_cuda_device_tf32(const tdm_device *d)
+{
+    return d && d->ops == &tdm_cuda_ops && tdm_cuda_impl((tdm_device *)d)->tf32;
 }
 
 static void emu_close(tdm_device *d)

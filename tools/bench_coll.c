@@ -51,6 +51,7 @@ static void bench_usage(FILE *f)
     fprintf(f,
         "usage: tandem bench <collective> [options]\n"
         "  collective: all_reduce | reduce_scatter | all_gather | broadcast | reduce\n"
+        "  (the other benchmarks: tandem bench gemm|train|dp --help)\n"
         "Forks RANKS processes joined by a shared-memory communicator and sweeps message\n"
         "sizes from MIN to MAX (multiplying by FACTOR), printing the nccl-tests columns:\n"
         "size (bytes of the largest buffer), count (its elements), type, redop, root,\n"
@@ -93,7 +94,7 @@ static void bench_usage(FILE *f)
         "                       in-place all_reduce then reads peers' buffers directly\n"
         "  --slot-bytes SIZE    staging buffer per rank (default 1M; two per rank)\n"
         "  --one-shot-bytes SIZE  all_reduce/reduce up to SIZE use one-shot (default 4K)\n"
-        "exit status: 0 ok, 1 runtime failure (no CUDA device included) or #wrong > 0,\n"
+        "exit status: 0 ok, 1 runtime failure (including no CUDA device) or #wrong > 0,\n"
         "2 usage error.\n"
         "environment: TANDEM_DEBUG=INFO TANDEM_DEBUG_SUBSYS=SHM logs algorithm choices.\n",
         TDM_SHM_MAX_RANKS);
@@ -215,17 +216,26 @@ static void bench_fill(const bench_cfg *cfg, const bench_bufs *b, void *send, in
         bench_store(send, i, cfg->dtype, bench_val(i, r, cfg->op));
 }
 
+/* The call's send and receive buffers: in place, reduce_scatter receives
+ * into this rank's block of the send buffer, all_gather sends from this
+ * rank's block of the receive buffer, the others work in the send buffer. */
+static void bench_buffers(const bench_cfg *cfg, const bench_bufs *b, int r, int inplace,
+                          unsigned char **send, unsigned char **recv)
+{
+    size_t blk = (size_t)r * b->count * tdm_dtype_size(cfg->dtype);
+    *send = b->send;
+    *recv = b->recv;
+    if (!inplace) return;
+    if (cfg->coll == TDM_COLL_REDUCE_SCATTER) *recv = b->send + blk;
+    else if (cfg->coll == TDM_COLL_ALL_GATHER) *send = b->recv + blk;
+    else *recv = b->send;
+}
+
 static tdm_status bench_call(tdm_comm *comm, const bench_cfg *cfg, const bench_bufs *b,
                              int inplace)
 {
-    int r = tdm_comm_rank(comm);
-    size_t es = tdm_dtype_size(cfg->dtype);
-    void *send = b->send, *recv = b->recv;
-    if (inplace) {
-        if (cfg->coll == TDM_COLL_REDUCE_SCATTER) recv = b->send + (size_t)r * b->count * es;
-        else if (cfg->coll == TDM_COLL_ALL_GATHER) send = b->recv + (size_t)r * b->count * es;
-        else recv = send;
-    }
+    unsigned char *send, *recv;
+    bench_buffers(cfg, b, tdm_comm_rank(comm), inplace, &send, &recv);
     tdm_comm_call k = {.coll = cfg->coll, .sendbuf = send, .recvbuf = recv, .count = b->count,
                        .dtype = cfg->dtype, .op = cfg->op, .root = cfg->root};
     return tdm_comm_run(comm, &k);
@@ -238,8 +248,8 @@ static int64_t bench_check(tdm_comm *comm, const bench_cfg *cfg, const bench_buf
 {
     int r = tdm_comm_rank(comm), n = tdm_comm_size(comm);
     size_t es = tdm_dtype_size(cfg->dtype);
-    unsigned char *send = b->send;
-    if (inplace && cfg->coll == TDM_COLL_ALL_GATHER) send = b->recv + (size_t)r * b->count * es;
+    unsigned char *send, *recv;
+    bench_buffers(cfg, b, r, inplace, &send, &recv);
     if (b->dev) {
         bench_fill(cfg, b, b->stage, r);
         if ((*st = b->dev->ops->copy_from_host(b->dev, send, b->stage, b->send_count * es)))
@@ -249,11 +259,7 @@ static int64_t bench_check(tdm_comm *comm, const bench_cfg *cfg, const bench_buf
     }
     *st = bench_call(comm, cfg, b, inplace);
     if (*st) return 0;
-    const unsigned char *out = b->recv;
-    if (inplace) {
-        if (cfg->coll == TDM_COLL_REDUCE_SCATTER) out = b->send + (size_t)r * b->count * es;
-        else if (cfg->coll != TDM_COLL_ALL_GATHER) out = b->send;
-    }
+    const unsigned char *out = recv;
     if (b->dev && !(cfg->coll == TDM_COLL_REDUCE && r != cfg->root)) {
         size_t out_count = cfg->coll == TDM_COLL_ALL_GATHER ? b->recv_count : b->count;
         if ((*st = b->dev->ops->copy_to_host(b->dev, b->stage, out, out_count * es))) return 0;
@@ -315,7 +321,8 @@ static tdm_status bench_memcpy(tdm_comm *comm, size_t bytes, double *gbs)
     tdm_status st = TDM_STATUS_OK;
     unsigned char *src = malloc(bytes), *dst = malloc(bytes);
     if (!src || !dst) {
-        st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "memcpy reference: %zu bytes", bytes);
+        st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "cannot allocate 2 x %zu bytes for the "
+                           "memcpy reference", bytes);
         goto fail;
     }
     memset(src, 1, bytes);
@@ -440,7 +447,8 @@ static int bench_rank(tdm_comm *comm, void *arg)
             b.send = malloc(send_bytes);
             b.recv = malloc(recv_bytes);
             if (!b.send || !b.recv) {
-                st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "buffers of %zu bytes", send_bytes);
+                st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "cannot allocate the send and receive "
+                                   "buffers (%zu + %zu bytes)", send_bytes, recv_bytes);
                 goto fail;
             }
         }

@@ -20,6 +20,7 @@
 #include "models/train.h"
 #include "tools/args.h"
 #include "tools/devices.h"
+#include "tools/stats.h"
 
 int tdm_tool_bench_dp_main(int argc, char **argv);
 
@@ -46,18 +47,6 @@ static void tdm_bench_dp_usage(FILE *f)
         "  --blas-threads T also time one device with T BLAS threads (intra-op\n"
         "                   parallelism instead of DP; 0: skip; host only)    [0]\n"
         "  --seed S                                                           [1]\n");
-}
-
-static int tdm_bench_dp_cmp(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
-
-static double tdm_bench_dp_median(double *v, int n)
-{
-    qsort(v, (size_t)n, sizeof *v, tdm_bench_dp_cmp);
-    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
 /* CPU time the whole machine spent busy (/proc/stat, clock ticks) and
@@ -115,6 +104,15 @@ static tdm_status tdm_bench_dp_single_step(tdm_single *s, const float *x, const 
     TDM_CHECK(tdm_model_zero_grad(s->model));
     TDM_CHECK(tdm_model_forward_backward(s->model, x, y, batch, &loss));
     return tdm_optim_step(s->opt);
+}
+
+/* The k-th batch of the synthetic set, cycling. */
+static void tdm_bench_dp_batch(const tdm_bench_dp_data *d, int k, const float **x,
+                               const int32_t **y)
+{
+    size_t b = (size_t)(k % d->n_batches);
+    *x = d->x + b * d->batch * d->features;
+    *y = d->y + b * d->batch;
 }
 
 static int tdm_bench_dp_fail(const char *what, tdm_status st)
@@ -269,8 +267,9 @@ int tdm_tool_bench_dp_main(int argc, char **argv)
     tdm_bench_dp_cpu_sample(&cpu0);
     for (int r = 0; r < rounds; r++) {
         for (int s = 0; s < (r == 0 ? warmup : 0) + steps; s++, k++) {
-            const float *x = d.x + (size_t)(k % d.n_batches) * d.batch * d.features;
-            const int32_t *y = d.y + (size_t)(k % d.n_batches) * d.batch;
+            const float *x;
+            const int32_t *y;
+            tdm_bench_dp_batch(&d, k, &x, &y);
             uint64_t t0 = tdm_time_ns();
             if ((st = tdm_bench_dp_single_step(&single_step, x, y, d.batch)) != TDM_STATUS_OK) {
                 tdm_bench_dp_fail("single-device step", st);
@@ -279,8 +278,9 @@ int tdm_tool_bench_dp_main(int argc, char **argv)
             if (r > 0 || s >= warmup) t_single[ks++] = tdm_time_ms_since(t0);
         }
         for (int s = 0; s < (r == 0 ? warmup : 0) + steps; s++, k++) {
-            const float *x = d.x + (size_t)(k % d.n_batches) * d.batch * d.features;
-            const int32_t *y = d.y + (size_t)(k % d.n_batches) * d.batch;
+            const float *x;
+            const int32_t *y;
+            tdm_bench_dp_batch(&d, k, &x, &y);
             double loss;
             if ((st = tdm_dp_step(dp, dp_opt, x, y, d.batch, &loss)) != TDM_STATUS_OK) {
                 tdm_bench_dp_fail("DP step", st);
@@ -308,7 +308,7 @@ int tdm_tool_bench_dp_main(int argc, char **argv)
             }
         }
     }
-    double ms_single = tdm_bench_dp_median(t_single, ks);   /* t_single is reused below */
+    double ms_single = tdm_tool_median(t_single, ks);   /* t_single is reused below */
     /* one device, T BLAS threads (OpenBLAS's count is process-wide: set it
      * for this run only, back to 1 for the DP devices afterwards) */
     double ms_blas = 0.0;
@@ -316,13 +316,11 @@ int tdm_tool_bench_dp_main(int argc, char **argv)
         tdm_device_host_set_blas_threads((int)blas);
         int kb = 0;
         for (int s = 0; s < warmup + steps; s++, k++) {
-            const float *x = d.x + (size_t)(k % d.n_batches) * d.batch * d.features;
-            const int32_t *y = d.y + (size_t)(k % d.n_batches) * d.batch;
+            const float *x;
+            const int32_t *y;
+            tdm_bench_dp_batch(&d, k, &x, &y);
             uint64_t t0 = tdm_time_ns();
-            double loss;
-            if ((st = tdm_model_zero_grad(single)) != TDM_STATUS_OK ||
-                (st = tdm_model_forward_backward(single, x, y, d.batch, &loss)) != TDM_STATUS_OK ||
-                (st = tdm_optim_step(single_opt)) != TDM_STATUS_OK) {
+            if ((st = tdm_bench_dp_single_step(&single_step, x, y, d.batch)) != TDM_STATUS_OK) {
                 tdm_device_host_set_blas_threads(1);
                 tdm_bench_dp_fail("single-device step", st);
                 goto done;
@@ -330,11 +328,11 @@ int tdm_tool_bench_dp_main(int argc, char **argv)
             if (s >= warmup) t_single[kb++] = tdm_time_ms_since(t0);
         }
         tdm_device_host_set_blas_threads(1);
-        ms_blas = tdm_bench_dp_median(t_single, kb);
+        ms_blas = tdm_tool_median(t_single, kb);
     }
     tdm_bench_dp_cpu_sample(&cpu1);
     double other = tdm_bench_dp_other_cores(&cpu0, &cpu1);
-    double ms_dp = tdm_bench_dp_median(t_dp, kd);
+    double ms_dp = tdm_tool_median(t_dp, kd);
     double sps_single = d.batch / (ms_single * 1e-3), sps_dp = d.batch / (ms_dp * 1e-3);
     char label[64];
     printf("\n%-22s %10s %12s\n", "mode", "step ms", "samples/s");

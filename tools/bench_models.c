@@ -16,13 +16,8 @@
 #include "models/train.h"
 #include "tools/args.h"
 #include "tools/devices.h"
+#include "tools/stats.h"
 #include "tools/tools.h"
-
-static int tdm_cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
 
 /* Median seconds per call of C(m,n) = A(m,k) B(k,n) (row-major, the
  * layers' own call) on device d, over `reps` samples. Operands live on
@@ -59,8 +54,7 @@ static tdm_status tdm_bench_gemm_one(tdm_device *d, tdm_trans ta, tdm_trans tb, 
         TDM_TRY(tdm_dev_sync(d));
         t[r] = (double)(tdm_time_ns() - t0) * 1e-9 / per;
     }
-    qsort(t, (size_t)reps, sizeof *t, tdm_cmp_double);
-    *sec = t[reps / 2];
+    *sec = tdm_tool_median(t, reps);
 fail:
     tdm_dev_free(d, a);
     tdm_dev_free(d, b);
@@ -124,10 +118,9 @@ static int tdm_bench_open_device(const char *tool, const char *spec, long long t
 /* "cuda:0 (cuBLAS, FP32)": what computes the gemm on a CUDA device. */
 static void tdm_bench_cuda_what(const tdm_device *d, char *buf, size_t len)
 {
-    const char *tf32 = getenv("TANDEM_CUDA_TF32");
     if (!tdm_tool_device_is_gpu(d))
         snprintf(buf, len, "%s (emulated: the host's gemm, not cuBLAS)", d->name);
-    else if (tf32 && tf32[0] == '1')
+    else if (tdm_tool_device_tf32(d))
         snprintf(buf, len, "%s (cuBLAS, TF32 tensor cores: TANDEM_CUDA_TF32=1)", d->name);
     else
         snprintf(buf, len, "%s (cuBLAS, full FP32)", d->name);
@@ -145,7 +138,7 @@ static int tdm_bench_gemm(int argc, char **argv)
             threads_set = 1;
         } else if ((v = tdm_args_value(argc, argv, &i, "--device"))) {
             spec = v;
-        } else if (!strcmp(argv[i], "--help")) {
+        } else if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
             printf("usage: tandem bench gemm [--device cpu|cuda:I] [--threads T]\n\nsgemm "
                    "rate of one device at the MLP's shapes (median of 15 samples each):\n"
                    "a host device with T BLAS threads (default cpu, T = 1), or cuda:I through\n"
@@ -219,7 +212,7 @@ static int tdm_bench_train(int argc, char **argv)
         } else if ((v = tdm_args_value(argc, argv, &i, "--threads"))) {
             if (!tdm_args_int("--threads", v, 1, 256, &threads)) return 2;
             threads_set = 1;
-        } else if (!strcmp(argv[i], "--help")) {
+        } else if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
             printf("usage: tandem bench train [--model mlp|cnn|mlp:...] [--batch B] [--steps S]\n"
                    "                         [--device cpu|cuda:I] [--threads T]\n\n"
                    "Single-device training throughput on synthetic data (median step after\n"
@@ -271,8 +264,7 @@ static int tdm_bench_train(int argc, char **argv)
         goto done;
     }
     double *t = ctx.times + 5;
-    qsort(t, (size_t)steps, sizeof *t, tdm_cmp_double);
-    double med = t[steps / 2];
+    double med = tdm_tool_median(t, (int)steps);
     double fwd, bwd;
     tdm_model_gemm_flops(m, &fwd, &bwd);
     double gflops = (fwd + bwd) * (double)batch / med * 1e-9;

@@ -309,6 +309,14 @@ int tdm_tool_compare_main(int argc, char **argv)
             }
             fclose(f);
         }
+    /* "out/" and "out" name the same directory: print "out/loss.png" */
+    static char plot_dir[4096];
+    if (o.plot) {
+        snprintf(plot_dir, sizeof plot_dir, "%s", o.plot);
+        for (size_t n = strlen(plot_dir); n > 1 && plot_dir[n - 1] == '/'; n--)
+            plot_dir[n - 1] = '\0';
+        o.plot = plot_dir;
+    }
     if (o.plot) {
         struct stat sb;
         if (mkdir(o.plot, 0755) != 0 && !(errno == EEXIST && stat(o.plot, &sb) == 0 &&

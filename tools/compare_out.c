@@ -242,10 +242,17 @@ int tdm_cmp_write_plots(const char *dir, const tdm_cmp_opts *o, tdm_cmp_result *
                "data and script written to %s/ (run: cd %s && gnuplot plots.gp)\n", dir, dir);
         return 1;
     }
-    char cmd[4200];
-    snprintf(cmd, sizeof cmd, "cd '%s' && gnuplot plots.gp", dir);
-    int rc = system(cmd);
-    if (rc != 0) {
+    /* gnuplot in dir, without a shell (any character may be in dir) */
+    fflush(NULL);
+    pid_t pid = fork();
+    if (pid == 0) {
+        if (chdir(dir) == 0) execlp("gnuplot", "gnuplot", "plots.gp", (char *)NULL);
+        _exit(127);
+    }
+    int rc = -1;
+    if (pid > 0)
+        while (waitpid(pid, &rc, 0) < 0 && errno == EINTR) {}
+    if (pid < 0 || rc != 0) {
         fprintf(stderr, "tandem compare: gnuplot failed (exit %d) on %s/plots.gp\n",
                 WIFEXITED(rc) ? WEXITSTATUS(rc) : -1, dir);
         return 0;

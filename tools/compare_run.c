@@ -19,6 +19,7 @@
 #include "models/train.h"
 #include "tools/compare.h"
 #include "tools/devices.h"
+#include "tools/stats.h"
 
 const char *tdm_cmp_mode_name(tdm_cmp_mode m)
 {
@@ -609,12 +610,6 @@ int tdm_cmp_run(const tdm_cmp_opts *o, const tdm_cmp_data *data, tdm_cmp_mode mo
     return tdm_cmp_run_here(o, data, mode, n_dev, r);
 }
 
-static int tdm_cmp_cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
-
 /* The first step counted in the figures (the warm-up left out, unless the
  * run is no longer than it). */
 static int tdm_cmp_first_timed(const tdm_cmp_opts *o, const tdm_cmp_result *r)
@@ -650,8 +645,7 @@ void tdm_cmp_step_stats(const tdm_cmp_opts *o, const tdm_cmp_result *r, double *
         return;
     }
     memcpy(t, r->step_ms + w, (size_t)n * sizeof(double));
-    qsort(t, (size_t)n, sizeof(double), tdm_cmp_cmp_double);
-    *med = n % 2 ? t[n / 2] : 0.5 * (t[n / 2 - 1] + t[n / 2]);
+    *med = tdm_tool_median(t, n);  /* sorts t */
     *min = t[0];
     *max = t[n - 1];
     free(t);

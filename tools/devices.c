@@ -18,6 +18,7 @@ __attribute__((weak)) tdm_status tdm_comm_init_nccl_opts(tdm_comm **out, tdm_com
                                                          const tdm_nccl_opts *opts);
 __attribute__((weak)) int tdm_cuda_emulator_env(void);
 __attribute__((weak)) int tdm_cuda_device_is_emulator(const tdm_device *d);
+__attribute__((weak)) int tdm_cuda_device_tf32(const tdm_device *d);
 
 int tdm_tool_cuda_emulated(void)
 {
@@ -37,6 +38,11 @@ int tdm_tool_device_is_gpu(const tdm_device *d)
 {
     return d && d->kind == TDM_DEVICE_CUDA &&
            !(tdm_cuda_device_is_emulator && tdm_cuda_device_is_emulator(d));
+}
+
+int tdm_tool_device_tf32(const tdm_device *d)
+{
+    return tdm_cuda_device_tf32 && tdm_cuda_device_tf32(d);
 }
 
 tdm_status tdm_tool_parse_devices(tdm_device_list *dl, const char *spec, int forks)

@@ -29,6 +29,9 @@ void tdm_tool_print_emulated(FILE *f, const char *spec);
 /* 1 when d is a GPU (a CUDA device that is not emulated). */
 int tdm_tool_device_is_gpu(const tdm_device *d);
 
+/* 1 when d is a GPU computing gemm in TF32 (TANDEM_CUDA_TF32=1). */
+int tdm_tool_device_tf32(const tdm_device *d);
+
 /* A DDP rank's gradient communicator: on a GPU, an NCCL communicator
  * bootstrapped over shm (collective: every rank calls this) whose watchdog
  * also stops when the shm group aborts; *nccl = NULL on host and emulated
