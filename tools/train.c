@@ -58,7 +58,7 @@ static void tdm_train_usage(FILE *f)
         "Exit codes: 0 ok, 1 runtime failure, 2 bad usage.\n");
 }
 
-static void tdm_train_fail(const char *what, tdm_status st)
+void tdm_train_fail(const char *what, tdm_status st)
 {
     fprintf(stderr, "tandem train: %s: %s\n", what,
             tdm_error_message()[0] ? tdm_error_message() : tdm_status_name(st));
@@ -334,6 +334,23 @@ int tdm_train_epochs(const tdm_train_args *a, tdm_model *m, tdm_optim *opt,
     return 1;
 }
 
+int tdm_train_setup(const tdm_train_args *a, const tdm_model_spec *spec, tdm_device *dev,
+                    tdm_dataset *train, tdm_dataset *test, tdm_model **m, tdm_optim **opt,
+                    int64_t *start_epoch)
+{
+    tdm_status st;
+    *start_epoch = 0;
+    if (!tdm_train_load_data(a, spec, train, test)) return 1;
+    if ((st = tdm_model_init(m, dev, spec, (uint64_t)a->seed)) != TDM_STATUS_OK) {
+        tdm_train_fail("building model", st);
+        return 1;
+    }
+    if (!tdm_train_check_features(train, *m)) return 2;
+    if (!tdm_train_make_optim(a, *m, opt)) return 1;
+    if (!tdm_train_resume(a, *m, *opt, start_epoch)) return 1;
+    return 0;
+}
+
 int tdm_train_run_single(const tdm_train_args *a)
 {
     int rc = 1;
@@ -363,18 +380,9 @@ int tdm_train_run_single(const tdm_train_args *a)
         tdm_train_fail("opening device", st);
         return 1;
     }
-    if (!tdm_train_load_data(a, &spec, &train, &test)) goto done;
-    if ((st = tdm_model_init(&m, dev, &spec, (uint64_t)a->seed)) != TDM_STATUS_OK) {
-        tdm_train_fail("building model", st);
-        goto done;
-    }
-    if (!tdm_train_check_features(&train, m)) {
-        rc = 2;
-        goto done;
-    }
-    if (!tdm_train_make_optim(a, m, &opt)) goto done;
     int64_t start_epoch = 0;
-    if (!tdm_train_resume(a, m, opt, &start_epoch)) goto done;
+    if ((rc = tdm_train_setup(a, &spec, dev, &train, &test, &m, &opt, &start_epoch))) goto done;
+    rc = 1;
     char devdesc[64];
     snprintf(devdesc, sizeof devdesc, "device %s, %lld BLAS thread%s", dev->name,
              (long long)a->threads, a->threads > 1 ? "s" : "");

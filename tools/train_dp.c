@@ -30,11 +30,6 @@ static tdm_status tdm_train_dp_step(void *ctx, const float *x, const int32_t *y,
     return TDM_STATUS_OK;
 }
 
-static void tdm_train_dp_fail(const char *what)
-{
-    fprintf(stderr, "tandem train: %s: %s\n", what, tdm_error_message());
-}
-
 int tdm_train_run_dp(const tdm_train_args *a)
 {
     int rc = 1, n = 0;
@@ -46,31 +41,23 @@ int tdm_train_run_dp(const tdm_train_args *a)
     tdm_dataset train = {0}, test = {0};
     tdm_train_dp_ctx ctx = {0};
     tdm_status st;
-    if (tdm_model_spec_parse(&spec, a->model) != TDM_STATUS_OK) {
-        tdm_train_dp_fail("--model");
+    if ((st = tdm_model_spec_parse(&spec, a->model)) != TDM_STATUS_OK) {
+        tdm_train_fail("--model", st);
         return 2;
     }
     if (a->threads != 1)
         fprintf(stderr, "tandem train: note: --threads applies to --mode single; each DP "
                         "device computes on one thread\n");
     if ((st = tdm_dp_devices_open(a->device, devs, &n)) != TDM_STATUS_OK) {
-        tdm_train_dp_fail("--device");
+        tdm_train_fail("--device", st);
         return st == TDM_STATUS_INVALID_ARG ? 2 : 1;
     }
-    if (!tdm_train_load_data(a, &spec, &train, &test)) goto done;
-    if (tdm_model_init(&m, devs[0], &spec, (uint64_t)a->seed) != TDM_STATUS_OK) {
-        tdm_train_dp_fail("building model");
-        goto done;
-    }
-    if (!tdm_train_check_features(&train, m)) {
-        rc = 2;
-        goto done;
-    }
-    if (!tdm_train_make_optim(a, m, &opt)) goto done;
     int64_t start_epoch = 0;
-    if (!tdm_train_resume(a, m, opt, &start_epoch)) goto done;
-    if (tdm_dp_init(&dp, m, devs, n, NULL) != TDM_STATUS_OK) {
-        tdm_train_dp_fail("DataParallel");
+    if ((rc = tdm_train_setup(a, &spec, devs[0], &train, &test, &m, &opt, &start_epoch)))
+        goto done;
+    rc = 1;
+    if ((st = tdm_dp_init(&dp, m, devs, n, NULL)) != TDM_STATUS_OK) {
+        tdm_train_fail("DataParallel", st);
         goto done;
     }
     if (a->batch < n)

@@ -30,6 +30,16 @@ typedef tdm_status (*tdm_train_eval_fn)(void *ctx, tdm_model *m, const tdm_datas
 typedef int (*tdm_train_after_epoch_fn)(void *ctx, int64_t epoch);
 
 int tdm_train_mode_absent(const char *mode);
+/* "tandem train: <what>: <the error message, or the status's name>" on stderr. */
+void tdm_train_fail(const char *what, tdm_status st);
+/* A process's training set-up on dev (single and DP): loads the data,
+ * builds the model, checks that the data fits it, makes the optimizer
+ * and applies --resume. Returns 0, or the exit code (1 runtime, 2 usage)
+ * after saying why; what it made is in *m / *opt / train / test either
+ * way, for the caller to free. */
+int tdm_train_setup(const tdm_train_args *a, const tdm_model_spec *spec, tdm_device *dev,
+                    tdm_dataset *train, tdm_dataset *test, tdm_model **m, tdm_optim **opt,
+                    int64_t *start_epoch);
 int tdm_train_load_data(const tdm_train_args *a, const tdm_model_spec *spec, tdm_dataset *train,
                         tdm_dataset *test);
 /* 1 when the data's features per sample fit the model; else 0, said on stderr. */
