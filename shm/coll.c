@@ -213,6 +213,27 @@ static tdm_status tdm_shm_one_shot(tdm_shm_impl *c, const tdm_comm_call *k, int 
     return TDM_STATUS_OK;
 }
 
+/* A round of n elements is split in portions of `per` (whole cache lines),
+ * one per rank: rank q owns [*lo, *hi), empty past the end. */
+static size_t tdm_shm_portion_len(size_t n, int world, size_t line)
+{
+    return ((n + (size_t)world - 1) / (size_t)world + line - 1) / line * line;
+}
+
+static void tdm_shm_portion(int q, size_t per, size_t n, size_t *lo, size_t *hi)
+{
+    *lo = (size_t)q * per < n ? (size_t)q * per : n;
+    *hi = *lo + per < n ? *lo + per : n;
+}
+
+/* Copies a reduced portion out: non-temporal stores for big messages
+ * (one pass, not read again soon), memcpy otherwise. */
+static void tdm_shm_copy_out(void *dst, const void *src, size_t nbytes, int big)
+{
+    if (big) tdm_shm_copy_nt(dst, src, nbytes);
+    else memcpy(dst, src, nbytes);
+}
+
 /* Reduce-scatter + all-gather (all = 1) or + gather to root (all = 0),
  * through the staging slots, one slot_bytes round at a time. */
 static tdm_status tdm_shm_rs_ag(tdm_shm_impl *c, const tdm_comm_call *k, int all)
@@ -226,10 +247,10 @@ static tdm_status tdm_shm_rs_ag(tdm_shm_impl *c, const tdm_comm_call *k, int all
     int big = k->count * es >= tdm_shm_nt_threshold;
     for (size_t off = 0, first = 1; first || off < k->count; off += round_elems, first = 0) {
         size_t n = k->count - off < round_elems ? k->count - off : round_elems;
-        size_t per = ((n + (size_t)c->world - 1) / (size_t)c->world + line - 1) / line * line;
+        size_t per = tdm_shm_portion_len(n, c->world, line);
         uint8_t *mine = tdm_shm_slot_of(c, c->rank, c->round);
-        size_t lo = (size_t)c->rank * per < n ? (size_t)c->rank * per : n;
-        size_t hi = lo + per < n ? lo + per : n;
+        size_t lo, hi;
+        tdm_shm_portion(c->rank, per, n, &lo, &hi);
         /* Peers read every portion of my input but mine, which I reduce
          * straight from the caller's buffer: copy in all but [lo, hi). */
         TDM_SHM_ROUND_OPEN(c, k, first, 0,
@@ -246,13 +267,12 @@ static tdm_status tdm_shm_rs_ag(tdm_shm_impl *c, const tdm_comm_call *k, int all
         if (recv) {
             for (int q = 0; q < c->world; q++) {
                 if (q == c->rank) continue;
-                size_t qlo = (size_t)q * per < n ? (size_t)q * per : n;
-                size_t qhi = qlo + per < n ? qlo + per : n;
+                size_t qlo, qhi;
+                tdm_shm_portion(q, per, n, &qlo, &qhi);
                 if (qhi == qlo) continue;
                 TDM_CHECK(tdm_shm_wait_phase(c, q, 2));
                 const uint8_t *src = tdm_shm_slot_of(c, q, c->round) + qlo * es;
-                if (big) tdm_shm_copy_nt(recv + (off + qlo) * es, src, (qhi - qlo) * es);
-                else memcpy(recv + (off + qlo) * es, src, (qhi - qlo) * es);
+                tdm_shm_copy_out(recv + (off + qlo) * es, src, (qhi - qlo) * es, big);
             }
         }
         tdm_shm_round_end(c);
@@ -272,12 +292,12 @@ static tdm_status tdm_shm_rs_ag_zc(tdm_shm_impl *c, const tdm_comm_call *k, size
     for (int p = 0; p < c->world; p++) peer[p] = tdm_shm_arena_of(c, p) + arena_off;
     for (size_t off = 0, first = 1; first || off < k->count; off += round_elems, first = 0) {
         size_t n = k->count - off < round_elems ? k->count - off : round_elems;
-        size_t per = ((n + (size_t)c->world - 1) / (size_t)c->world + line - 1) / line * line;
+        size_t per = tdm_shm_portion_len(n, c->world, line);
         /* Inputs are in place from the start: only the first round waits
          * for every peer's arrival. */
         TDM_SHM_ROUND_OPEN(c, k, first, (uint32_t)(arena_off / es + 1), (void)0);
-        size_t lo = (size_t)c->rank * per < n ? (size_t)c->rank * per : n;
-        size_t hi = lo + per < n ? lo + per : n;
+        size_t lo, hi;
+        tdm_shm_portion(c->rank, per, n, &lo, &hi);
         const void *srcs[TDM_SHM_MAX_RANKS];
         for (int p = 0; p < c->world; p++) srcs[p] = peer[p] + (off + lo) * es;
         if (hi > lo)
@@ -285,13 +305,13 @@ static tdm_status tdm_shm_rs_ag_zc(tdm_shm_impl *c, const tdm_comm_call *k, size
         tdm_shm_publish(c, 2);
         for (int q = 0; q < c->world; q++) {
             if (q == c->rank) continue;
-            size_t qlo = (size_t)q * per < n ? (size_t)q * per : n;
-            size_t qhi = qlo + per < n ? qlo + per : n;
+            size_t qlo, qhi;
+            tdm_shm_portion(q, per, n, &qlo, &qhi);
             if (qhi == qlo) continue;
             /* q's portion of my buffer was q's input until q's phase 2. */
             TDM_CHECK(tdm_shm_wait_phase(c, q, 2));
-            if (big) tdm_shm_copy_nt(buf + (off + qlo) * es, peer[q] + (off + qlo) * es, (qhi - qlo) * es);
-            else memcpy(buf + (off + qlo) * es, peer[q] + (off + qlo) * es, (qhi - qlo) * es);
+            tdm_shm_copy_out(buf + (off + qlo) * es, peer[q] + (off + qlo) * es, (qhi - qlo) * es,
+                             big);
         }
         tdm_shm_round_end(c);
     }
@@ -446,6 +466,13 @@ static tdm_status tdm_shm_barrier(tdm_shm_impl *c, const tdm_comm_call *k)
 
 /* --- point to point -------------------------------------------------------- */
 
+/* A channel (blk): the sent flag, the ack flag (a line each), then two
+ * halves of header + payload; chunk t uses half t % 2. */
+static uint8_t *tdm_shm_p2p_half(uint8_t *blk, uint64_t t)
+{
+    return blk + 2 * TDM_SHM_LINE + (t % 2) * (TDM_SHM_P2P_HDR + TDM_SHM_P2P_BYTES);
+}
+
 static tdm_status tdm_shm_send(tdm_shm_impl *c, const tdm_comm_call *k)
 {
     int peer = k->root;
@@ -459,7 +486,7 @@ static tdm_status tdm_shm_send(tdm_shm_impl *c, const tdm_comm_call *k)
         uint64_t t = c->p2p_sent[peer];
         /* Half t % 2 is free once the receiver has consumed chunk t - 2. */
         if (t >= 2) TDM_CHECK(tdm_shm_flag_wait(c, ack, t - 1, peer));
-        uint8_t *half = blk + 2 * TDM_SHM_LINE + (t % 2) * (TDM_SHM_P2P_HDR + TDM_SHM_P2P_BYTES);
+        uint8_t *half = tdm_shm_p2p_half(blk, t);
         *(uint64_t *)half = nbytes;
         memcpy(half + TDM_SHM_P2P_HDR, src + off, m);
         tdm_shm_flag_publish(sent, t + 1);   /* pairs with the recv's wait */
@@ -482,8 +509,7 @@ static tdm_status tdm_shm_recv(tdm_shm_impl *c, const tdm_comm_call *k)
         size_t m = nbytes - off < TDM_SHM_P2P_BYTES ? nbytes - off : TDM_SHM_P2P_BYTES;
         uint64_t t = c->p2p_recvd[peer];
         TDM_CHECK(tdm_shm_flag_wait(c, sent, t + 1, peer));
-        const uint8_t *half =
-            blk + 2 * TDM_SHM_LINE + (t % 2) * (TDM_SHM_P2P_HDR + TDM_SHM_P2P_BYTES);
+        const uint8_t *half = tdm_shm_p2p_half(blk, t);
         uint64_t theirs = *(const uint64_t *)half;
         if (theirs != nbytes) {
             tdm_shm_raise(c->hdr, c->base, TDM_STATUS_MISMATCH,

@@ -18,6 +18,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "core/device.h"
 #include "core/log.h"
 #include "core/timer.h"
 
@@ -300,10 +301,11 @@ static tdm_status tdm_shm_join(tdm_comm **out, void *base, size_t total, int unm
     c->rank = rank;
     c->world = world;
     c->timeout_ms = opts && opts->timeout_ms > 0 ? opts->timeout_ms : TDM_SHM_DEFAULT_TIMEOUT_MS;
-    c->spin = !(opts && opts->no_spin) && world <= tdm_shm_cpu_count();
+    /* spin only while the ranks fit the cores this process may run on */
+    c->spin = !(opts && opts->no_spin) && world <= tdm_device_host_cores();
     /* An asynchronous call waits on the progress thread while the rank's
      * own thread computes: two busy threads per rank. */
-    c->spin_async = c->spin && 2 * world <= tdm_shm_cpu_count();
+    c->spin_async = c->spin && 2 * world <= tdm_device_host_cores();
     c->spin_now = c->spin;
     c->spin_ns = TDM_SHM_SPIN_NS;
     c->algo = "none";

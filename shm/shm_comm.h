@@ -94,8 +94,4 @@ tdm_status tdm_shm_comm_alloc(tdm_comm *comm, size_t nbytes, void **ptr);
  * as the shm group is aborted). */
 const char *tdm_shm_comm_abort_reason(const tdm_comm *comm);
 
-/* Cores this process may run on (sched_getaffinity): ranks spin while
- * waiting only when there are no more of them than this. */
-int tdm_shm_cpu_count(void);
-
 #endif

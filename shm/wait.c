@@ -47,13 +47,6 @@ static inline void tdm_shm_cpu_relax(void)
 #endif
 }
 
-int tdm_shm_cpu_count(void)
-{
-    cpu_set_t set;
-    if (sched_getaffinity(0, sizeof set, &set) == 0) return CPU_COUNT(&set);
-    long n = sysconf(_SC_NPROCESSORS_ONLN);
-    return n > 0 ? (int)n : 1;
-}
 
 static void tdm_shm_futex_wake(tdm_shm_flag *f)
 {

@@ -407,7 +407,7 @@ static int bench_rank(tdm_comm *comm, void *arg)
 {
     const bench_cfg *cfg = arg;
     int r = tdm_comm_rank(comm), n = tdm_comm_size(comm);
-    int ncores = tdm_shm_cpu_count();
+    int ncores = tdm_device_host_cores();
     int bound = cfg->bind && !cfg->cuda ? bench_bind(r, n) : 0;
     size_t es = tdm_dtype_size(cfg->dtype);
     int rc = 0;
