@@ -461,17 +461,24 @@ typedef struct tdm_dp_copy_ctx {
     int64_t offset[TDM_DP_MAX_DEVICES];   /* first row of each chunk */
 } tdm_dp_copy_ctx;
 
-static uint64_t tdm_dp_chunks(tdm_dp_copy_ctx *c, int n, int *total)
+/* Checks the chunk sizes (>= 0, a buffer for each non-empty chunk),
+ * sets the row offsets, the mask of non-empty chunks and their total. */
+static tdm_status tdm_dp_chunks(tdm_dp_copy_ctx *c, int n, const char *op,
+                                const void *const *bufs, const char *buf_name, uint64_t *mask,
+                                int64_t *total)
 {
-    uint64_t mask = 0;
     int64_t off = 0;
+    *mask = 0;
     for (int i = 0; i < n; i++) {
+        TDM_REQUIRE(c->sizes[i] >= 0 && (c->sizes[i] == 0 || bufs[i]), TDM_STATUS_INVALID_ARG,
+                    "%s: chunk %d has size %d%s%s", op, i, c->sizes[i],
+                    c->sizes[i] > 0 ? " but no " : "", c->sizes[i] > 0 ? buf_name : "");
         c->offset[i] = off;
         off += c->sizes[i];
-        if (c->sizes[i] > 0) mask |= UINT64_C(1) << i;
+        if (c->sizes[i] > 0) *mask |= UINT64_C(1) << i;
     }
-    *total = (int)off;
-    return mask;
+    *total = off;
+    return TDM_STATUS_OK;
 }
 
 static tdm_status tdm_dp_scatter_task(void *ctx, int i)
@@ -499,14 +506,13 @@ tdm_status tdm_dp_scatter(tdm_dp *dp, tdm_device *src_dev, const float *x, int b
                 (long long)row_elems);
     tdm_dp_copy_ctx c = {.dp = dp, .other_dev = src_dev, .src = x, .chunk_dst = chunks,
                          .sizes = sizes, .row_elems = row_elems};
-    int total;
-    for (int i = 0; i < dp->n; i++)
-        TDM_REQUIRE(sizes[i] >= 0 && (sizes[i] == 0 || chunks[i]), TDM_STATUS_INVALID_ARG,
-                    "scatter: chunk %d has size %d%s", i, sizes[i],
-                    sizes[i] > 0 ? " but no destination" : "");
-    uint64_t mask = tdm_dp_chunks(&c, dp->n, &total);
+    uint64_t mask = 0;
+    int64_t total = 0;
+    TDM_CHECK(tdm_dp_chunks(&c, dp->n, "scatter", (const void *const *)chunks, "destination",
+                            &mask, &total));
     TDM_REQUIRE(total == batch, TDM_STATUS_INVALID_ARG,
-                "scatter: chunk sizes sum to %d but the batch has %d rows", total, batch);
+                "scatter: chunk sizes sum to %lld but the batch has %d rows", (long long)total,
+                batch);
     return tdm_dp_round(dp, TDM_PHASE_SCATTER, mask, tdm_dp_scatter_task, &c);
 }
 
@@ -534,12 +540,10 @@ tdm_status tdm_dp_gather(tdm_dp *dp, const float *const *chunks, const int *size
                 (long long)row_elems);
     tdm_dp_copy_ctx c = {.dp = dp, .dst = out, .chunk_src = chunks, .sizes = sizes,
                          .row_elems = row_elems};
-    int total;
-    for (int i = 0; i < dp->n; i++)
-        TDM_REQUIRE(sizes[i] >= 0 && (sizes[i] == 0 || chunks[i]), TDM_STATUS_INVALID_ARG,
-                    "gather: chunk %d has size %d%s", i, sizes[i],
-                    sizes[i] > 0 ? " but no source" : "");
-    uint64_t mask = tdm_dp_chunks(&c, dp->n, &total);
+    uint64_t mask = 0;
+    int64_t total = 0;
+    TDM_CHECK(tdm_dp_chunks(&c, dp->n, "gather", (const void *const *)chunks, "source", &mask,
+                            &total));
     TDM_REQUIRE(total >= 1, TDM_STATUS_INVALID_ARG, "gather: all chunks are empty");
     return tdm_dp_round(dp, TDM_PHASE_GATHER, mask, tdm_dp_gather_task, &c);
 }
