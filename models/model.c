@@ -67,7 +67,6 @@ struct tdm_model {
                                that col survives and backward can run twice */
     float *ones;            /* cap ones, for bias gradients via gemm */
     float *dlogits;         /* forward_backward scratch */
-    int32_t *labels_dev;
     int64_t max_elems;      /* largest per-sample activation */
     size_t act_bytes;
 };
@@ -473,9 +472,7 @@ static void tdm_model_free_activations(tdm_model *m)
     tdm_dev_free(d, m->dcol);
     tdm_dev_free(d, m->ones);
     tdm_dev_free(d, m->dlogits);
-    tdm_dev_free(d, m->labels_dev);
     m->dbuf[0] = m->dbuf[1] = m->dcol = m->ones = m->dlogits = NULL;
-    m->labels_dev = NULL;
     m->cap = 0;
     m->act_bytes = 0;
 }
@@ -543,8 +540,7 @@ static tdm_status tdm_model_reserve(tdm_model *m, int batch)
     }
     nb = (size_t)batch * (size_t)tdm_model_n_classes(m) * sizeof(float);
     TDM_TRY(tdm_dev_alloc(d, nb, (void **)&m->dlogits));
-    TDM_TRY(tdm_dev_alloc(d, (size_t)batch * sizeof(int32_t), (void **)&m->labels_dev));
-    bytes += nb + (size_t)batch * sizeof(float) * 2;
+    bytes += nb + (size_t)batch * sizeof(float); /* dlogits, ones */
     m->cap = batch;
     m->act_bytes = bytes;
     return TDM_STATUS_OK;
