@@ -6,6 +6,7 @@
 #define TDM_TESTS_CLI_UTIL_H
 
 #include <criterion/criterion.h>
+#include <dirent.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -61,6 +62,20 @@ static inline void expect(const cli_result *r, int code, const char *phrase)
     cr_assert_eq(r->code, code, "exit %d (expected %d); output:\n%s", r->code, code, r->out);
     if (phrase)
         cr_assert(strstr(r->out, phrase), "output lacks '%s':\n%s", phrase, r->out);
+}
+
+/* tandem's entries in /dev/shm (names with "tandem" or "tdm"): its
+ * segment is a memfd, so a run must never leave one; other programs'
+ * entries come and go and are not counted. */
+static inline int cli_shm_entries(void)
+{
+    int n = 0;
+    DIR *d = opendir("/dev/shm");
+    if (!d) return 0;
+    for (struct dirent *e; (e = readdir(d));)
+        n += strstr(e->d_name, "tandem") != NULL || strstr(e->d_name, "tdm") != NULL;
+    closedir(d);
+    return n;
 }
 
 /* The deterministic part of `tandem train`'s "epoch E/N: ..." line in out:

@@ -32,6 +32,7 @@
 #include "dp/dp.h"
 #include "tests/cli_util.h"
 #include "tests/test_ddp_util.h"
+#include "tests/test_util.h"
 
 /* The GPU tests need real GPUs and the no-device tests no GPU: an exported
  * TANDEM_CUDA_EMULATOR would turn "cuda" into emulated devices for both.
@@ -103,21 +104,6 @@ static tdm_status open_gpu(tdm_device **out, int i) { return tdm_device_open(out
 
 /* ============================== DataParallel ============================== */
 
-/* max over i of |a-b| / (atol + rtol |ref|): <= 1 passes */
-static double tol_ratio(const float *a, const float *ref, int64_t n, double atol, double rtol,
-                        int64_t *at)
-{
-    double worst = 0.0;
-    for (int64_t i = 0; i < n; i++) {
-        double q = fabs((double)a[i] - (double)ref[i]) / (atol + rtol * fabs((double)ref[i]));
-        if (q > worst) {
-            worst = q;
-            if (at) *at = i;
-        }
-    }
-    return worst;
-}
-
 /* `steps` SGD (momentum) steps under DP over n devices from `open` and on
  * one host device, same seed, same batches: loss of every step, then the
  * master's gradients and parameters, within (atol, rtol). */
@@ -167,10 +153,10 @@ static void dp_vs_host(tdm_status (*open)(tdm_device **, int), int n, int cnn, i
     cr_assert_eq(devs[0]->ops->copy_to_host(devs[0], p, tdm_model_params(m), (size_t)np * 4),
                  TDM_STATUS_OK);
     int64_t at = 0;
-    double r = tol_ratio(g, tdm_model_grads(ref), np, atol, rtol, &at);
+    double r = tu_tol_ratio(g, tdm_model_grads(ref), np, atol, rtol, &at, NULL);
     cr_assert_leq(r, 1.0, "n=%d batch=%d: grad[%lld] %g vs host %g", n, batch, (long long)at,
                   g[at], tdm_model_grads(ref)[at]);
-    r = tol_ratio(p, tdm_model_params(ref), np, atol, rtol, &at);
+    r = tu_tol_ratio(p, tdm_model_params(ref), np, atol, rtol, &at, NULL);
     cr_assert_leq(r, 1.0, "n=%d batch=%d: param[%lld] %g vs host %g", n, batch, (long long)at,
                   p[at], tdm_model_params(ref)[at]);
     free(x);
@@ -423,17 +409,6 @@ Test(cuda_gpu, cli_compare_on_gpus_passes, .timeout = 600)
 
 /* ========================= CLI, without a GPU ============================= */
 
-static int count_shm_entries(void)
-{
-    int n = 0;
-    DIR *d = opendir("/dev/shm");
-    if (!d) return 0;
-    struct dirent *e;
-    while ((e = readdir(d)))
-        if (!strncmp(e->d_name, "tandem-", 7)) n++;
-    closedir(d);
-    return n;
-}
 
 /* Processes still running `tandem ... <marker> ...`. */
 static int count_procs_with(const char *marker)
@@ -462,13 +437,13 @@ static int count_procs_with(const char *marker)
 static void expect_no_device_cli(const char *mode, const char *device)
 {
     static cli_result r;
-    int shm0 = count_shm_entries();
+    int shm0 = cli_shm_entries();
     CLI(&r, "train", "--mode", mode, "--device", device, "--data", "synthetic", "--epochs", "1");
     expect(&r, 1, "no CUDA device: ");
     cr_assert(strstr(r.out, "use --device cpu:N"), "--mode %s: no hint:\n%s", mode, r.out);
     cr_assert(strchr(r.out, '\n') == strrchr(r.out, '\n'), "--mode %s: more than one line:\n%s",
               mode, r.out);
-    cr_assert_eq(count_shm_entries(), shm0, "--mode %s left a /dev/shm entry", mode);
+    cr_assert_eq(cli_shm_entries(), shm0, "--mode %s left a /dev/shm entry", mode);
     cr_assert_eq(count_procs_with(device), 0, "--mode %s --device %s left processes", mode,
                  device);
 }

@@ -35,6 +35,7 @@
 #include "dp/pool.h"
 #include "models/model.h"
 #include "models/optim.h"
+#include "tests/test_util.h"
 
 #define ATOL 1e-5
 #define RTOL 1e-4
@@ -67,15 +68,7 @@ static void make_data(float *x, int32_t *y, int batch, int features, int classes
 /* max over i of |a-b| / (ATOL + RTOL |ref|): <= 1 passes; *max_abs the max |a-b| */
 static double tol_ratio(const float *a, const float *ref, int64_t n, double *max_abs)
 {
-    double worst = 0.0, ma = 0.0;
-    for (int64_t i = 0; i < n; i++) {
-        double d = fabs((double)a[i] - (double)ref[i]);
-        double q = d / (ATOL + RTOL * fabs((double)ref[i]));
-        if (q > worst) worst = q;
-        if (d > ma) ma = d;
-    }
-    if (max_abs) *max_abs = ma;
-    return worst;
+    return tu_tol_ratio(a, ref, n, ATOL, RTOL, NULL, max_abs);
 }
 
 static const int MLP_DIMS[] = {20, 16, 10};

@@ -3,7 +3,6 @@
  * launch`, as a user would run it; its checkpoint then loads in
  * single-device mode. */
 #include <criterion/criterion.h>
-#include <dirent.h>
 #include <libgen.h>
 #include <stdio.h>
 #include <string.h>
@@ -11,19 +10,6 @@
 #include "core/device.h"
 #include "models/checkpoint.h"
 #include "tests/cli_util.h"
-
-/* Entries of ours in /dev/shm (the segment is a memfd, so there should
- * never be one; other programs' entries come and go and are not counted). */
-static int shm_entries(void)
-{
-    int n = 0;
-    DIR *d = opendir("/dev/shm");
-    if (!d) return 0;
-    for (struct dirent *e; (e = readdir(d));)
-        n += strstr(e->d_name, "tandem") != NULL || strstr(e->d_name, "tdm") != NULL;
-    closedir(d);
-    return n;
-}
 
 Test(examples, ddp_train_under_launch, .timeout = 120)
 {
@@ -37,7 +23,7 @@ Test(examples, ddp_train_under_launch, .timeout = 120)
     CLI(&r, "launch", "-n", "2", "--", path, "1", "synthetic", out);
     expect(&r, 0, "[rank 0] epoch 1:");
     cr_assert(strstr(r.out, "test accuracy"), "%s", r.out);
-    cr_assert_eq(shm_entries(), 0, "left a tandem entry in /dev/shm");
+    cr_assert_eq(cli_shm_entries(), 0, "left a tandem entry in /dev/shm");
 
     /* the DDP checkpoint loads into a single-device model of the same shape */
     tdm_device *dev;

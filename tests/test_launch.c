@@ -84,12 +84,6 @@ static int leftovers(const char *pat)
     return system(cmd) == 0;
 }
 
-/* The shm segment is a memfd: no tandem entry may ever appear in /dev/shm. */
-static int shm_entries(void)
-{
-    return system("ls /dev/shm 2>/dev/null | grep -qi -e tdm -e tandem") == 0;
-}
-
 TestSuite(launch, .init = setup, .fini = teardown, .timeout = 120);
 
 Test(launch, sets_environment_and_prefixes_output)
@@ -141,7 +135,7 @@ Test(launch, failing_rank_stops_the_others)
     cr_assert(strstr(err, "rank 1 (pid "), "%s", err);
     cr_assert(strstr(err, "exited with code 3"), "%s", err);
     cr_assert(!leftovers(tag));
-    cr_assert(!shm_entries());
+    cr_assert(!cli_shm_entries());
 }
 
 Test(launch, killed_rank_and_term_ignoring_ranks)
@@ -233,7 +227,7 @@ static void check_kill_and_resume(int launched)
         cr_assert(strstr(p0, "rank 2 (pid ") && strstr(p1, "rank 2 (pid "), "%s", err);
     }
     cr_assert(!leftovers(ck));
-    cr_assert(!shm_entries());
+    cr_assert(!cli_shm_entries());
     /* epoch 1's checkpoint is intact and training resumes from it */
     rc = run(90, NULL, "%s " TRAIN_ARGS " --device cpu:3 --epochs 2 --resume %s", g_tandem, ck);
     cr_assert_eq(rc, 0, "%s", slurp("err"));

@@ -65,6 +65,26 @@ static inline void *tu_malloc(size_t nbytes)
     return p;
 }
 
+/* max over i of |a[i] - ref[i]| / (atol + rtol |ref[i]|): <= 1 means every
+ * element is within tolerance. *at (may be NULL): where the max is;
+ * *max_abs (may be NULL): the largest |a - ref|. */
+static inline double tu_tol_ratio(const float *a, const float *ref, int64_t n, double atol,
+                                  double rtol, int64_t *at, double *max_abs)
+{
+    double worst = 0.0, ma = 0.0;
+    for (int64_t i = 0; i < n; i++) {
+        double d = fabs((double)a[i] - (double)ref[i]);
+        double q = d / (atol + rtol * fabs((double)ref[i]));
+        if (q > worst) {
+            worst = q;
+            if (at) *at = i;
+        }
+        if (d > ma) ma = d;
+    }
+    if (max_abs) *max_abs = ma;
+    return worst;
+}
+
 /* ---- temporary directories ---- */
 
 static inline int tu_rm_entry(const char *p, const struct stat *sb, int flag, struct FTW *ftw)
