@@ -23,23 +23,7 @@
 
 #include "core/device.h"
 #include "tests/cli_util.h"
-
-/* The GPU tests need real GPUs and the no-device tests no GPU: an exported
- * TANDEM_CUDA_EMULATOR would turn "cuda" into emulated devices for both.
- * Cleared before any test forks; tests that want the emulator set it. */
-__attribute__((constructor)) static void no_emulator_by_default(void)
-{
-    unsetenv("TANDEM_CUDA_EMULATOR");
-}
-
-
-__attribute__((weak)) int tdm_cuda_emulator_env(void);
-
-#define NEED_BACKEND()                                                                    \
-    do {                                                                                  \
-        if (!tdm_device_cuda || !tdm_cuda_emulator_env)                                   \
-            cr_skip_test("CUDA backend not built (no nvcc)");                             \
-    } while (0)
+#include "tests/cuda_test_util.h"
 
 /* Criterion runs each test in its own process: the variable only reaches
  * the tandem processes this test starts. */
@@ -79,7 +63,7 @@ static int check_rows(const char *out, const char *dtype)
 Test(bench_emu, all_reduce_on_emulated_devices, .init = emu_init, .fini = emu_fini,
      .timeout = 60)
 {
-    NEED_BACKEND();
+    CU_NEED_BACKEND();
     static cli_result r;
     CLI(&r, "bench", "all_reduce", "--device", "cuda", "-b", "8", "-e", "1M");
     expect(&r, 0, "CUDA EMULATOR (TANDEM_CUDA_EMULATOR=2)");
@@ -97,7 +81,7 @@ Test(bench_emu, all_reduce_on_emulated_devices, .init = emu_init, .fini = emu_fi
 Test(bench_emu, every_collective_dtype_and_op, .init = emu_init, .fini = emu_fini,
      .timeout = 60)
 {
-    NEED_BACKEND();
+    CU_NEED_BACKEND();
     static const struct { const char *coll, *dtype, *op, *root; } runs[] = {
         {"reduce_scatter", "float32", "sum", "0"}, {"all_gather", "float32", "sum", "0"},
         {"broadcast", "float32", "sum", "1"},      {"reduce", "float32", "sum", "1"},
@@ -129,7 +113,7 @@ Test(bench_emu, every_collective_dtype_and_op, .init = emu_init, .fini = emu_fin
 Test(bench_emu, flags_that_do_not_apply_to_cuda_are_refused, .init = emu_init,
      .fini = emu_fini, .timeout = 30)
 {
-    NEED_BACKEND();
+    CU_NEED_BACKEND();
     static cli_result r;
     CLI(&r, "bench", "all_reduce", "--device", "cuda", "-n", "3");
     expect_one_line(&r, 2, "-n 3: --device cuda names 2 devices, and there is one rank per "
@@ -166,7 +150,7 @@ Test(bench_emu, flags_that_do_not_apply_to_cuda_are_refused, .init = emu_init,
 
 Test(bench_emu, dp_on_emulated_devices, .init = emu_init, .fini = emu_fini, .timeout = 60)
 {
-    NEED_BACKEND();
+    CU_NEED_BACKEND();
     static cli_result r;
     CLI(&r, "bench", "dp", "--device", "cuda:0,1", "--model", "mlp:784-64-10", "--batch", "32",
         "--steps", "2", "--warmup", "1", "--rounds", "1");
@@ -188,7 +172,7 @@ Test(bench_emu, dp_on_emulated_devices, .init = emu_init, .fini = emu_fini, .tim
 Test(bench_emu, gemm_and_train_on_an_emulated_device, .init = emu_init, .fini = emu_fini,
      .timeout = 60)
 {
-    NEED_BACKEND();
+    CU_NEED_BACKEND();
     static cli_result r;
     CLI(&r, "bench", "gemm", "--device", "cuda:1");
     expect(&r, 0, "sgemm on cuda-emu:1 (emulated: the host's gemm, not cuBLAS)");
@@ -205,26 +189,11 @@ Test(bench_emu, gemm_and_train_on_an_emulated_device, .init = emu_init, .fini = 
     cr_assert(c && sscanf(c, "throughput: %lf samples/s", &sps) == 1 && sps > 0, "%s", r.out);
 }
 
-/* 1 when a GPU is visible, counted in a child (CUDA stays uninitialised
- * here). */
-static int gpu_visible(void)
-{
-    if (!tdm_device_cuda) return 0;
-    pid_t pid = fork();
-    cr_assert(pid >= 0);
-    if (pid == 0) {
-        int n = 0;
-        _exit(tdm_device_cuda->count(&n) == TDM_STATUS_OK && n > 0);
-    }
-    int ws;
-    cr_assert(waitpid(pid, &ws, 0) == pid && WIFEXITED(ws));
-    return WEXITSTATUS(ws);
-}
-
 Test(bench_nodev, every_subcommand_fails_with_one_line, .timeout = 60)
 {
     unsetenv("TANDEM_CUDA_EMULATOR");
-    if (gpu_visible()) cr_skip_test("a CUDA device exists");
+    char why[512];
+    if (cu_gpu_count(why, sizeof why) > 0) cr_skip_test("a CUDA device exists");
     static cli_result r;
     CLI(&r, "bench", "gemm", "--device", "cuda:0");
     expect_one_line(&r, 1, "tandem bench gemm: --device: no CUDA device: ");

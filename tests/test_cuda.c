@@ -31,14 +31,8 @@
 #include "shm/spawn.h"
 #include "tests/test_util.h"
 #include "tests/cli_util.h"
+#include "tests/cuda_test_util.h"
 
-/* The GPU tests need real GPUs and the no-device tests no GPU: an exported
- * TANDEM_CUDA_EMULATOR would turn "cuda" into emulated devices for both.
- * Cleared before any test forks; tests that want the emulator set it. */
-__attribute__((constructor)) static void no_emulator_by_default(void)
-{
-    unsetenv("TANDEM_CUDA_EMULATOR");
-}
 
 
 /* Weak: NULL in a build without cuda/. */
@@ -134,12 +128,6 @@ static void cu_probe_run(cu_probe *p)
         }                                                                                 \
     } while (0)
 
-/* Skips the test when cuda/ is not linked in (no nvcc at build time). */
-#define CU_NEED_BACKEND()                                                                 \
-    do {                                                                                  \
-        if (!tdm_device_cuda || !tdm_cuda_emulator_open)                                  \
-            cr_skip_test("CUDA backend not built (no nvcc)");                             \
-    } while (0)
 
 /* Asserts st is NO_DEVICE with a message starting "no CUDA device" that
  * contains CUDA's own error string (when the probe has it). */

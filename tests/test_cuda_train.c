@@ -32,15 +32,9 @@
 #include "dp/dp.h"
 #include "tests/cli_util.h"
 #include "tests/test_ddp_util.h"
+#include "tests/cuda_test_util.h"
 #include "tests/test_util.h"
 
-/* The GPU tests need real GPUs and the no-device tests no GPU: an exported
- * TANDEM_CUDA_EMULATOR would turn "cuda" into emulated devices for both.
- * Cleared before any test forks; tests that want the emulator set it. */
-__attribute__((constructor)) static void no_emulator_by_default(void)
-{
-    unsetenv("TANDEM_CUDA_EMULATOR");
-}
 
 
 __attribute__((weak)) tdm_status tdm_cuda_emulator_open_accel(tdm_device **out, int index);
@@ -48,56 +42,6 @@ __attribute__((weak)) tdm_status tdm_comm_init_nccl_opts(tdm_comm **out, tdm_com
                                                          int device_index,
                                                          const tdm_nccl_opts *opts);
 
-#define NEED_BACKEND()                                                                    \
-    do {                                                                                  \
-        if (!tdm_device_cuda || !tdm_cuda_emulator_open_accel)                            \
-            cr_skip_test("CUDA backend not built (no nvcc)");                             \
-    } while (0)
-
-/* Visible GPUs, counted in a child: CUDA must not be initialised in this
- * process before it forks ranks that use CUDA. why: the error when 0. */
-static int gpu_count(char *why, size_t len)
-{
-    int fds[2];
-    cr_assert(pipe(fds) == 0);
-    pid_t pid = fork();
-    cr_assert(pid >= 0);
-    if (pid == 0) {
-        char buf[512] = "no CUDA device: CUDA backend not built (no nvcc)";
-        int n = 0;
-        if (tdm_device_cuda) {
-            tdm_status st = tdm_device_cuda->count(&n);
-            snprintf(buf, sizeof buf, "%s", st ? tdm_error_message()
-                                               : "no CUDA device: none visible");
-            if (st) n = 0;
-        }
-        ssize_t w = write(fds[1], &n, sizeof n);
-        w += write(fds[1], buf, sizeof buf);
-        _exit(w == (ssize_t)(sizeof n + sizeof buf) ? 0 : 1);
-    }
-    close(fds[1]);
-    int n = 0;
-    char buf[512] = "";
-    cr_assert(read(fds[0], &n, sizeof n) == (ssize_t)sizeof n);
-    size_t got = 0;
-    ssize_t k;
-    while (got < sizeof buf && (k = read(fds[0], buf + got, sizeof buf - got)) > 0)
-        got += (size_t)k;
-    close(fds[0]);
-    int ws;
-    cr_assert(waitpid(pid, &ws, 0) == pid && WIFEXITED(ws) && WEXITSTATUS(ws) == 0);
-    buf[sizeof buf - 1] = '\0';
-    snprintf(why, len, "%s", buf);
-    return n;
-}
-
-#define NEED_GPUS(k)                                                                      \
-    do {                                                                                  \
-        char why_[512];                                                                   \
-        int n_ = gpu_count(why_, sizeof why_);                                            \
-        if (n_ == 0) cr_skip_test("%s", why_);                                            \
-        if (n_ < (k)) cr_skip_test("needs %d CUDA devices, %d visible", (k), n_);         \
-    } while (0)
 
 static tdm_status open_emu(tdm_device **out, int i) { return tdm_cuda_emulator_open_accel(out, i); }
 static tdm_status open_gpu(tdm_device **out, int i) { return tdm_device_open(out, "cuda", i, 1); }
@@ -176,7 +120,7 @@ static void dp_vs_host(tdm_status (*open)(tdm_device **, int), int n, int cnn, i
 
 Test(cuda_emu, dp_accelerator_paths_match_one_host_device, .timeout = 120)
 {
-    NEED_BACKEND();
+    CU_NEED_BACKEND();
     const int batches[] = {1, 3, 8, 13};
     for (int n = 1; n <= 4; n++)
         for (size_t b = 0; b < sizeof batches / sizeof batches[0]; b++)
@@ -187,7 +131,7 @@ Test(cuda_emu, dp_accelerator_paths_match_one_host_device, .timeout = 120)
 
 Test(cuda_emu, copy_between_two_emulated_gpus_moves_the_bytes)
 {
-    NEED_BACKEND();
+    CU_NEED_BACKEND();
     tdm_device *a = NULL, *b = NULL, *h = NULL;
     cr_assert_eq(open_emu(&a, 0), TDM_STATUS_OK);
     cr_assert_eq(open_emu(&b, 1), TDM_STATUS_OK);
@@ -259,7 +203,7 @@ static void dp_emu_replicate_reduce(int n, int active)
 
 Test(cuda_emu, dp_accelerator_replicate_copies_buffers)
 {
-    NEED_BACKEND();
+    CU_NEED_BACKEND();
     dp_emu_replicate_reduce(2, 2);   /* the device group */
     dp_emu_replicate_reduce(3, 3);
     dp_emu_replicate_reduce(3, 2);   /* copy_peer and the staged reduce */
@@ -318,7 +262,7 @@ static void ddp_vs_host(int world, int cnn, int batch, int steps,
 
 Test(cuda_emu, ddp_accelerator_staging_matches_single_device, .timeout = 120)
 {
-    NEED_BACKEND();
+    CU_NEED_BACKEND();
     for (int w = 1; w <= 3; w++) ddp_vs_host(w, 0, 23, 2, ddp_open_emu, NULL, 1e-6, 1e-4);
     ddp_vs_host(1, 1, 16, 2, ddp_open_emu, NULL, 1e-6, 1e-4);
 }
@@ -336,7 +280,7 @@ Test(cuda_gpu, dp_gpus_nccl_group_match_host, .timeout = 300)
 {
     NEED_GPUS(2);
     char why[512];
-    int ngpu = gpu_count(why, sizeof why);
+    int ngpu = cu_gpu_count(why, sizeof why);
     const int batches[] = {1, 7, 32};
     for (int n = 2; n <= (ngpu < 4 ? ngpu : 4); n++)
         for (size_t b = 0; b < sizeof batches / sizeof batches[0]; b++)
@@ -396,7 +340,7 @@ Test(cuda_gpu, cli_compare_on_gpus_passes, .timeout = 600)
 {
     NEED_GPUS(1);
     char why[512];
-    int ngpu = gpu_count(why, sizeof why);
+    int ngpu = cu_gpu_count(why, sizeof why);
     static cli_result r;
     CLI(&r, "compare", "--device", ngpu >= 2 ? "cuda:0,1" : "cuda:0", "--data", "synthetic",
         "--model", "mlp:784-256-10", "--steps", "8", "--warmup", "2", "--batch", "128");
@@ -451,7 +395,7 @@ static void expect_no_device_cli(const char *mode, const char *device)
 Test(cuda_nodev, cli_dp_ddp_compare_bench_on_cuda_fail_with_one_message, .timeout = 60)
 {
     char why[512];
-    if (gpu_count(why, sizeof why) > 0) cr_skip_test("a CUDA device exists");
+    if (cu_gpu_count(why, sizeof why) > 0) cr_skip_test("a CUDA device exists");
     expect_no_device_cli("dp", "cuda:0,1");
     expect_no_device_cli("dp", "cuda");
     expect_no_device_cli("ddp", "cuda");
@@ -475,7 +419,7 @@ Test(cuda_nodev, cli_dp_ddp_compare_bench_on_cuda_fail_with_one_message, .timeou
  * CUDA kernels' code as host loops, DDP over shm where GPUs use NCCL. */
 #define NEED_EMULATOR(n)                                                                  \
     do {                                                                                  \
-        NEED_BACKEND();                                                                   \
+        CU_NEED_BACKEND();                                                                   \
         cr_assert_eq(setenv("TANDEM_CUDA_EMULATOR", #n, 1), 0);                          \
     } while (0)
 
