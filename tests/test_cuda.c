@@ -33,8 +33,6 @@
 #include "tests/cli_util.h"
 #include "tests/cuda_test_util.h"
 
-
-
 /* Weak: NULL in a build without cuda/. */
 __attribute__((weak)) tdm_status tdm_cuda_device_count(int *n);
 __attribute__((weak)) tdm_status tdm_cuda_describe(char *buf, size_t len);
@@ -127,7 +125,6 @@ static void cu_probe_run(cu_probe *p)
                 cr_skip_test("needs %d CUDA devices, %d visible", (need), (probe)->ngpu); \
         }                                                                                 \
     } while (0)
-
 
 /* Asserts st is NO_DEVICE with a message starting "no CUDA device" that
  * contains CUDA's own error string (when the probe has it). */

@@ -31,17 +31,14 @@
 #include "cuda/cuda.h"
 #include "dp/dp.h"
 #include "tests/cli_util.h"
-#include "tests/test_ddp_util.h"
 #include "tests/cuda_test_util.h"
+#include "tests/test_ddp_util.h"
 #include "tests/test_util.h"
-
-
 
 __attribute__((weak)) tdm_status tdm_cuda_emulator_open_accel(tdm_device **out, int index);
 __attribute__((weak)) tdm_status tdm_comm_init_nccl_opts(tdm_comm **out, tdm_comm *bootstrap,
                                                          int device_index,
                                                          const tdm_nccl_opts *opts);
-
 
 static tdm_status open_emu(tdm_device **out, int i) { return tdm_cuda_emulator_open_accel(out, i); }
 static tdm_status open_gpu(tdm_device **out, int i) { return tdm_device_open(out, "cuda", i, 1); }
@@ -352,7 +349,6 @@ Test(cuda_gpu, cli_compare_on_gpus_passes, .timeout = 600)
 }
 
 /* ========================= CLI, without a GPU ============================= */
-
 
 /* Processes still running `tandem ... <marker> ...`. */
 static int count_procs_with(const char *marker)
