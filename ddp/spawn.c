@@ -1,11 +1,9 @@
 /* ddp/spawn.c: forked ranks with the launcher's environment. */
 #include "ddp/spawn.h"
 
-#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/wait.h>
 
 #include "core/log.h"
 #include "ddp/pg.h"
@@ -33,23 +31,8 @@ tdm_status tdm_ddp_spawn(int world, tdm_ddp_spawn_fn fn, void *arg,
     so.shm.arena_bytes = o.arena_bytes;
     so.shm.timeout_ms = o.comm_timeout_ms;
     tdm_ddp_spawn_ctx c = {.fn = fn, .arg = arg};
-    tdm_shm_spawn_result own = {0};
-    tdm_shm_spawn_result *rr = res ? res : &own;
-    tdm_status st = tdm_shm_spawn(world, tdm_ddp_spawn_child, &c, &so, rr);
-    if (st != TDM_STATUS_PEER_FAILED) return st;
-    /* The survivors of a killed rank notice its death (its pid is gone)
-     * and exit with an error a moment later, sometimes before the parent
-     * has reaped the dead one, so "first reaped" can name a survivor.
-     * Name the root cause instead: a rank killed by a signal other than
-     * the SIGTERM the clean-up sends. */
-    for (int r = 0; r < world; r++) {
-        int ws = rr->wstatus[r];
-        if (!WIFSIGNALED(ws) || WTERMSIG(ws) == SIGTERM) continue;
-        char why[128];
-        tdm_shm_wait_status_str(ws, why, sizeof why);
-        return tdm_error_set(TDM_STATUS_PEER_FAILED, "rank %d (pid %d) %s", r,
-                             (int)rr->pid[r], why);
-    }
-    return st;
+    /* tdm_shm_spawn names the root cause of a failure (a rank killed by a
+     * signal before the survivors it took down) */
+    return tdm_shm_spawn(world, tdm_ddp_spawn_child, &c, &so, res);
 }
 

@@ -154,6 +154,21 @@ tdm_status tdm_shm_spawn(int world, tdm_shm_spawn_fn fn, void *arg,
         for (int r = 0; r < world; r++) res->pid[r] = pid[r] < 0 ? -pid[r] : pid[r];
         res->elapsed_ms = tdm_time_ms_since(t0);
     }
+    if (st == TDM_STATUS_PEER_FAILED) {
+        /* The survivors of a killed rank notice its death (its pid is gone)
+         * and exit with an error a moment later, sometimes before this loop
+         * has reaped the dead one, so "first reaped" can name a survivor.
+         * Name the root cause instead: a rank killed by a signal other than
+         * the SIGTERM of the clean-up. */
+        for (int r = 0; r < world; r++) {
+            if (!WIFSIGNALED(wst[r]) || WTERMSIG(wst[r]) == SIGTERM) continue;
+            char why[128];
+            tdm_shm_wait_status_str(wst[r], why, sizeof why);
+            st = tdm_error_set(TDM_STATUS_PEER_FAILED, "rank %d (pid %d) %s", r,
+                               (int)(pid[r] < 0 ? -pid[r] : pid[r]), why);
+            break;
+        }
+    }
     tdm_shm_group_free(g);
     return st;
 fail:

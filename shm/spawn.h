@@ -33,8 +33,9 @@ typedef struct tdm_shm_spawn_result {
 } tdm_shm_spawn_result;
 
 /* TDM_STATUS_OK when every rank exited 0; otherwise PEER_FAILED naming
- * the first rank that failed ("rank 2 (pid 4121) was killed by signal 9
- * (Killed)"), or TIMEOUT naming the ranks still running. opts and res
+ * the rank that caused it: one killed by a signal other than the clean-up's
+ * SIGTERM if any ("rank 2 (pid 4121) was killed by signal 9 (Killed)"),
+ * else the first that failed; or TIMEOUT naming the ranks still running. opts and res
  * may be NULL. */
 tdm_status tdm_shm_spawn(int world, tdm_shm_spawn_fn fn, void *arg,
                          const tdm_shm_spawn_opts *opts, tdm_shm_spawn_result *res);
