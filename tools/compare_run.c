@@ -47,11 +47,6 @@ void tdm_cmp_dev_spec(const tdm_cmp_opts *o, int n, char *buf, size_t len)
         used += (size_t)snprintf(buf + used, len - used, "%s%d", i ? "," : "", o->dl.index[i]);
 }
 
-static const char *tdm_cmp_kind(const tdm_cmp_opts *o)
-{
-    return o->dl.kind == TDM_DEVICE_CUDA ? "cuda" : "cpu";
-}
-
 static int tdm_cmp_alloc(tdm_cmp_result *r, tdm_cmp_mode mode, int n_dev, int steps,
                          int64_t param_elems)
 {
@@ -151,7 +146,7 @@ static int tdm_cmp_run_single(const tdm_cmp_opts *o, const tdm_cmp_data *data, t
     float *x = malloc((size_t)o->batch * feat * sizeof(float));
     int32_t *y = malloc((size_t)o->batch * sizeof(int32_t));
     if (!x || !y) goto done;
-    if (tdm_device_open(&dev, tdm_cmp_kind(o), o->dl.index[0], 1) != TDM_STATUS_OK ||
+    if (tdm_tool_rank_device(&o->dl, 0, &dev) != TDM_STATUS_OK ||
         tdm_cmp_make(o, dev, &m, &opt) != TDM_STATUS_OK) {
         tdm_cmp_fail("one device");
         goto done;
@@ -291,12 +286,9 @@ static int tdm_cmp_ddp_rank(tdm_comm *comm, void *argp)
     float *mine = NULL;
     tdm_ddp_opts dopts = {.bucket_cap_mb = o->bucket_cap_mb, .no_overlap = o->no_overlap};
     if (!x || !y) goto done;
-    if (tdm_device_open(&dev, tdm_cmp_kind(o), o->dl.kind == TDM_DEVICE_CUDA ? o->dl.index[rank]
-                                                                           : rank, 1) ||
+    if (tdm_tool_rank_device(&o->dl, rank, &dev) != TDM_STATUS_OK ||
         tdm_cmp_make(o, dev, &m, &opt) != TDM_STATUS_OK ||
-        tdm_tool_rank_nccl(comm, dev, &nccl) != TDM_STATUS_OK ||
-        (dopts.host_comm = nccl ? comm : NULL,
-         tdm_ddp_init(&ddp, m, nccl ? nccl : comm, &dopts) != TDM_STATUS_OK)) {
+        tdm_tool_rank_ddp(comm, dev, m, &dopts, &nccl, &ddp) != TDM_STATUS_OK) {
         fprintf(stderr, "tandem compare: DDP rank %d: %s\n", rank, tdm_error_message());
         goto done;
     }

@@ -107,6 +107,22 @@ tdm_status tdm_tool_rank_nccl(tdm_comm *shm, tdm_device *dev, tdm_comm **nccl)
     return tdm_comm_init_nccl_opts(nccl, shm, dev->index, &no);
 }
 
+tdm_status tdm_tool_rank_device(const tdm_device_list *dl, int rank, tdm_device **dev)
+{
+    return tdm_device_open(dev, dl->kind == TDM_DEVICE_CUDA ? "cuda" : "cpu",
+                           dl->index[dl->count == 1 ? 0 : rank], 1);
+}
+
+tdm_status tdm_tool_rank_ddp(tdm_comm *shm, tdm_device *dev, tdm_model *m,
+                             const tdm_ddp_opts *opts, tdm_comm **nccl, tdm_ddp **ddp)
+{
+    *ddp = NULL;
+    TDM_CHECK(tdm_tool_rank_nccl(shm, dev, nccl));
+    tdm_ddp_opts o = opts ? *opts : (tdm_ddp_opts){0};
+    o.host_comm = *nccl ? shm : NULL;
+    return tdm_ddp_init(ddp, m, *nccl ? *nccl : shm, &o);
+}
+
 size_t tdm_tool_ddp_arena_bytes(const tdm_device_list *dl, int64_t param_elems)
 {
     if (dl->kind == TDM_DEVICE_CUDA && !tdm_tool_cuda_emulated()) return 0;

@@ -12,6 +12,7 @@
 
 #include "core/comm.h"
 #include "core/device.h"
+#include "ddp/ddp.h"
 
 /* tdm_device_list_parse, but when forks is set and spec names CUDA, in a
  * short-lived child: counting GPUs initialises CUDA, and a process that
@@ -37,6 +38,16 @@ int tdm_tool_device_tf32(const tdm_device *d);
  * also stops when the shm group aborts; *nccl = NULL on host and emulated
  * devices (they reduce over shm). */
 tdm_status tdm_tool_rank_nccl(tdm_comm *shm, tdm_device *dev, tdm_comm **nccl);
+
+/* DDP rank `rank`'s device from dl: dl.index[rank] (or the one listed
+ * device for every rank), one BLAS thread. */
+tdm_status tdm_tool_rank_device(const tdm_device_list *dl, int rank, tdm_device **dev);
+
+/* A DDP rank's Reducer over m: tdm_tool_rank_nccl, then tdm_ddp_init with
+ * the gradients on NCCL (and host collectives on shm) on a GPU, on shm
+ * otherwise. Collective. The caller frees *ddp, then *nccl, then shm. */
+tdm_status tdm_tool_rank_ddp(tdm_comm *shm, tdm_device *dev, tdm_model *m,
+                             const tdm_ddp_opts *opts, tdm_comm **nccl, tdm_ddp **ddp);
 
 /* The shm arena a DDP job over dl needs for zero-copy gradients of
  * param_elems floats: none on GPUs (their buckets live in NCCL memory). */

@@ -158,8 +158,7 @@ static int tdm_train_ddp_rank_main(tdm_comm *comm, void *arg)
         a.save = NULL;
         a.quiet = 1;
     }
-    if ((st = tdm_device_open(&dev, c->dl.kind == TDM_DEVICE_CUDA ? "cuda" : "cpu",
-                              c->dl.index[c->dl.count == 1 ? 0 : rank], 1))) {
+    if ((st = tdm_tool_rank_device(&c->dl, rank, &dev))) {
         tdm_train_ddp_fail(rank, "opening device", st);
         goto done;
     }
@@ -172,14 +171,10 @@ static int tdm_train_ddp_rank_main(tdm_comm *comm, void *arg)
         rc = 2;
         goto done;
     }
-    if ((st = tdm_tool_rank_nccl(comm, dev, &nccl))) {
-        tdm_train_ddp_fail(rank, "NCCL communicator", st);
-        goto done;
-    }
     tdm_ddp_opts o = {.bucket_cap_mb = a.bucket_cap_mb > 0 ? (double)a.bucket_cap_mb : 0,
-                      .no_overlap = a.no_overlap, .host_comm = nccl ? comm : NULL};
-    if ((st = tdm_ddp_init(&ddp, m, nccl ? nccl : comm, &o))) {
-        tdm_train_ddp_fail(rank, "ddp init", st);
+                      .no_overlap = a.no_overlap};
+    if ((st = tdm_tool_rank_ddp(comm, dev, m, &o, &nccl, &ddp))) {
+        tdm_train_ddp_fail(rank, "ddp set-up", st);
         goto done;
     }
     if (!tdm_train_make_optim(&a, m, &opt)) goto done;
