@@ -794,6 +794,8 @@ tdm_status tdm_model_backward(tdm_model *m, const float *dlogits)
     return TDM_STATUS_OK;
 }
 
+float *tdm_model_loss_grad(tdm_model *m) { return m->dlogits; }
+
 tdm_status tdm_model_forward_backward(tdm_model *m, const float *x, const int32_t *y, int batch,
                                       double *loss_mean)
 {

@@ -146,6 +146,11 @@ tdm_status tdm_loss_softmax_xent(tdm_device *dev, const float *logits, const int
                                  int batch, int classes, float scale, double *loss_sum,
                                  float *dlogits);
 
+/* After a forward of B rows: the model's (B, classes) scratch on its
+ * device for the loss gradient, which tdm_model_backward may take (it is
+ * what tdm_model_forward_backward uses). */
+float *tdm_model_loss_grad(tdm_model *m);
+
 /* One forward + mean loss + backward over (x, y) on the model's device:
  * the single-device training step's gradient part. */
 tdm_status tdm_model_forward_backward(tdm_model *m, const float *x, const int32_t *y, int batch,

@@ -99,20 +99,11 @@ tdm_status tdm_single_step(void *ctx, const float *x, const int32_t *y, int batc
     TDM_CHECK(tdm_model_zero_grad(m));
     TDM_CHECK(tdm_model_forward(m, xd, batch, &logits));
     t1 = tdm_time_ns();
-    /* the model's own dlogits scratch is private; keep a device buffer
-     * (allocating per step would synchronise a GPU: cudaFree waits) */
-    size_t nb = (size_t)batch * tdm_model_n_classes(m) * sizeof(float);
-    if (nb > s->dlogits_bytes) {
-        tdm_dev_free(dev, s->dlogits);
-        s->dlogits = NULL;
-        s->dlogits_bytes = 0;
-        TDM_CHECK(tdm_dev_alloc(dev, nb, (void **)&s->dlogits));
-        s->dlogits_bytes = nb;
-    }
+    float *dlogits = tdm_model_loss_grad(m);
     TDM_CHECK(tdm_loss_softmax_xent(dev, logits, yd, batch, tdm_model_n_classes(m),
-                                    1.0f / (float)batch, &loss_sum, s->dlogits));
+                                    1.0f / (float)batch, &loss_sum, dlogits));
     t2 = tdm_time_ns();
-    TDM_CHECK(tdm_model_backward(m, s->dlogits));
+    TDM_CHECK(tdm_model_backward(m, dlogits));
     t3 = tdm_time_ns();
     TDM_CHECK(tdm_optim_step(s->opt));
     TDM_CHECK(tdm_dev_sync(dev));
@@ -132,12 +123,9 @@ void tdm_single_free(tdm_single *s)
     tdm_device *dev = tdm_model_device(s->model);
     tdm_dev_free(dev, s->x_dev);
     tdm_dev_free(dev, s->y_dev);
-    tdm_dev_free(dev, s->dlogits);
     s->x_dev = NULL;
     s->y_dev = NULL;
-    s->dlogits = NULL;
     s->cap = 0;
-    s->dlogits_bytes = 0;
 }
 
 tdm_status tdm_evaluate(tdm_model *m, const tdm_dataset *d, int batch, double *loss_mean,

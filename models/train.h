@@ -50,8 +50,6 @@ typedef struct tdm_single {
     float *x_dev;       /* staging for non-host devices */
     int32_t *y_dev;
     int cap;
-    float *dlogits;     /* the loss gradient, kept between steps */
-    size_t dlogits_bytes;
     double ms[TDM_PHASE_COUNT_]; /* by tdm_phase: forward, loss, backward, step */
 } tdm_single;
 tdm_status tdm_single_step(void *single /* tdm_single */, const float *x, const int32_t *y,
