@@ -230,30 +230,9 @@ static void ddp_vs_host(int world, int cnn, int batch, int steps,
     c.steps = steps;
     c.open_dev = open;
     c.make_comm = make_comm;
-    tddp_shared *sh = tddp_shared_new();
-    cr_assert(sh);
-    double ref_loss[TDDP_MAX_STEPS];
-    static float ref_g[TDDP_MAX_ELEMS], ref_p[TDDP_MAX_ELEMS];
-    int64_t n = 0;
-    cr_assert_eq(tddp_reference(&c, &data, ref_loss, ref_g, ref_p, &n), TDM_STATUS_OK, "%s",
-                 tdm_error_message());
-    tdm_status st = tddp_spawn(world, &c, &data, sh, 90000);
-    cr_assert_eq(st, TDM_STATUS_OK, "world %d: %s / rank 0: %s / rank 1: %s", world,
-                 tdm_error_message(), sh->err[0], sh->err[1]);
-    cr_assert_eq(sh->n_elem, n);
-    for (int s = 0; s < steps; s++)
-        cr_assert(fabs(sh->loss[s] - ref_loss[s]) <= atol + rtol * fabs(ref_loss[s]),
-                  "world %d step %d: loss %.8f vs host %.8f", world, s, sh->loss[s], ref_loss[s]);
-    int64_t at = 0;
-    cr_assert(tddp_excess(sh->grads0, ref_g, n, atol, rtol, &at) <= 0,
-              "world %d: grad[%lld] %g vs host %g", world, (long long)at, sh->grads0[at], ref_g[at]);
-    cr_assert(tddp_excess(sh->params, ref_p, n, atol, 10 * rtol, &at) <= 0,
-              "world %d: param[%lld] %g vs host %g", world, (long long)at, sh->params[at],
-              ref_p[at]);
-    /* every rank ends with the same gradients and parameters */
-    cr_assert(world == 1 || !memcmp(sh->grads0, sh->grads0_r1, (size_t)n * 4));
-    cr_assert(world == 1 || !memcmp(sh->params, sh->params_r1, (size_t)n * 4));
-    tddp_shared_free(sh);
+    tddp_check_equiv(&c, &data, world, 90000,
+                     (tddp_tol){.loss_atol = atol, .loss_rtol = rtol, .grad_atol = atol,
+                                .grad_rtol = rtol, .param_atol = atol, .param_rtol = 10 * rtol});
     tdm_data_free(&data);
 }
 

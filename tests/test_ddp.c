@@ -23,32 +23,9 @@ static void check_equiv(int world, int batch, int steps, double gtol, double pto
     c.cnn = g_cnn;
     c.batch = batch;
     c.steps = steps;
-    tddp_shared *sh = tddp_shared_new();
-    cr_assert(sh);
-    double ref_loss[TDDP_MAX_STEPS];
-    static float ref_g[TDDP_MAX_ELEMS], ref_p[TDDP_MAX_ELEMS];
-    int64_t n = 0;
-    cr_assert_eq(tddp_reference(&c, &g_data, ref_loss, ref_g, ref_p, &n), TDM_STATUS_OK, "%s",
-                 tdm_error_message());
-    tdm_status st = tddp_spawn(world, &c, &g_data, sh, 60000);
-    cr_assert_eq(st, TDM_STATUS_OK, "world %d batch %d: %s / %s", world, batch,
-                 tdm_error_message(), sh->err[0]);
-    cr_assert_eq(sh->n_elem, n);
-    for (int s = 0; s < steps; s++)
-        cr_assert(fabs(sh->loss[s] - ref_loss[s]) <= 1e-5 + 1e-4 * fabs(ref_loss[s]),
-                  "world %d batch %d step %d: loss %.8f vs single %.8f", world, batch, s,
-                  sh->loss[s], ref_loss[s]);
-    int64_t at = 0;
-    double e = tddp_excess(sh->grads0, ref_g, n, gtol, 1e-4, &at);
-    cr_assert(e <= 0, "world %d batch %d: grad[%lld] %g vs %g", world, batch, (long long)at,
-              sh->grads0[at], ref_g[at]);
-    e = tddp_excess(sh->params, ref_p, n, ptol, 1e-3, &at);
-    cr_assert(e <= 0, "world %d batch %d: param[%lld] %g vs %g", world, batch, (long long)at,
-              sh->params[at], ref_p[at]);
-    /* every rank holds bitwise the same gradients and parameters */
-    cr_assert(!memcmp(sh->grads0, sh->grads0_r1, (size_t)n * 4) || world == 1);
-    cr_assert(!memcmp(sh->params, sh->params_r1, (size_t)n * 4) || world == 1);
-    tddp_shared_free(sh);
+    tddp_check_equiv(&c, &g_data, world, 60000,
+                     (tddp_tol){.loss_atol = 1e-5, .loss_rtol = 1e-4, .grad_atol = gtol,
+                                .grad_rtol = 1e-4, .param_atol = ptol, .param_rtol = 1e-3});
 }
 
 TestSuite(ddp_mlp, .init = setup_mlp, .fini = teardown, .timeout = 120);
