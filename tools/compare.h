@@ -35,7 +35,6 @@ typedef struct tdm_cmp_opts {
     int perturb_rank;          /* test hook: -1 off */
     int nudge;                 /* single mode only: start from parameters one ulp
                                   off (the float-noise floor run) */
-    int quiet;
 } tdm_cmp_opts;
 
 /* Bytes per device (or rank) by kind. */
@@ -65,7 +64,6 @@ typedef struct tdm_cmp_result {
     double overlap_bytes_frac;         /* DDP rank 0: share of gradient bytes whose
                                           all-reduce was launched during backward */
     tdm_cmp_memory mem[TDM_CMP_MAX_DEV];
-    char note[256];
 } tdm_cmp_result;
 
 const char *tdm_cmp_mode_name(tdm_cmp_mode m);

@@ -584,7 +584,6 @@ static int tdm_cmp_run_isolated(const tdm_cmp_opts *o, const tdm_cmp_data *data,
     if (!tdm_cmp_alloc(r, mode, n_dev, o->steps, pe)) goto done;
     tdm_cmp_iso_copy(r, a.sh, a.steps, n_dev, a.param_elems, 1);
     memcpy(r->mem, hdr.mem, sizeof r->mem);
-    memcpy(r->note, hdr.note, sizeof r->note);
     r->ranks_agree = hdr.ranks_agree;
     r->overlap_bytes_frac = hdr.overlap_bytes_frac;
     r->ok = ok = hdr.ok;

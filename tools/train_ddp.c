@@ -229,6 +229,9 @@ int tdm_train_run_ddp(const tdm_train_args *a)
         fprintf(stderr, "tandem train: --model: %s\n", tdm_error_message());
         return 2;
     }
+    if (a->threads != 1)
+        fprintf(stderr, "tandem train: note: --threads applies to --mode single; each DDP "
+                        "rank computes on one thread\n");
     int launched = getenv("TANDEM_SHM_FD") && getenv("WORLD_SIZE");
     if ((st = tdm_tool_parse_devices(&c.dl, a->device, !launched))) {
         fprintf(stderr, "tandem train: --device: %s\n", tdm_error_message());
