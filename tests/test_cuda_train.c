@@ -418,6 +418,24 @@ Test(cuda_emu_cli, train_every_mode_on_emulated_gpus, .timeout = 120)
     cr_assert(strstr(r.out, "cuda:2"), "%s", r.out);
 }
 
+/* One device from "cuda" means GPU 0, as PyTorch's "cuda" does, also when
+ * there are several (the command docs/CUDA.md gives a GPU machine); a
+ * list of several GPUs is still refused where one device runs. */
+Test(cuda_emu_cli, single_device_cuda_means_gpu_0_on_a_machine_with_two, .timeout = 120)
+{
+    NEED_EMULATOR(2);
+    static cli_result r;
+    CLI(&r, "train", "--device", "cuda", "--data", "synthetic", "--model", "mlp:784-32-10",
+        "--epochs", "1", "--max-steps", "3", "--no-eval", "--quiet");
+    expect(&r, 0, "device cuda-emu:0,");
+    CLI(&r, "train", "--mode", "single", "--device", "cuda:0,1", "--data", "synthetic");
+    expect(&r, 2, "--mode single uses one device, but 'cuda:0,1' names 2");
+    /* bench gemm and bench train share the one-device rule */
+    CLI(&r, "bench", "train", "--device", "cuda", "--model", "mlp:784-64-10", "--batch", "32",
+        "--steps", "5");
+    expect(&r, 0, "one device: cuda-emu:0 (emulated");
+}
+
 Test(cuda_emu_cli, compare_on_emulated_gpus_passes_and_catches_a_bad_rank, .timeout = 180)
 {
     NEED_EMULATOR(3);

@@ -92,7 +92,7 @@ static int tdm_bench_open_device(const char *tool, const char *spec, long long t
                                  int threads_set, tdm_device **out)
 {
     tdm_device_list dl;
-    tdm_status st = tdm_device_list_parse(&dl, spec);
+    tdm_status st = tdm_tool_parse_one_device(&dl, spec);
     if (st) {
         fprintf(stderr, "tandem bench %s: --device: %s\n", tool, tdm_error_message());
         return st == TDM_STATUS_NO_DEVICE ? 1 : 2;
@@ -139,11 +139,11 @@ static int tdm_bench_gemm(int argc, char **argv)
         } else if ((v = tdm_args_value(argc, argv, &i, "--device"))) {
             spec = v;
         } else if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
-            printf("usage: tandem bench gemm [--device cpu|cuda:I] [--threads T]\n\nsgemm "
-                   "rate of one device at the MLP's shapes (median of 15 samples each):\n"
+            printf("usage: tandem bench gemm [--device cpu|cuda|cuda:I] [--threads T]\n\n"
+                   "sgemm rate of one device at the MLP's shapes (median of 15 samples each):\n"
                    "a host device with T BLAS threads (default cpu, T = 1), or cuda:I through\n"
-                   "cuBLAS (operands in device memory; each sample is 10 calls ended by a\n"
-                   "sync, so the time is the GPU's; --threads is host only). With\n"
+                   "cuBLAS (cuda: GPU 0; operands in device memory; each sample is 10 calls\n"
+                   "ended by a sync, so the time is the GPU's; --threads is host only). With\n"
                    "TANDEM_CUDA_EMULATOR=N, cuda:I is emulated: the host's gemm, not a GPU.\n");
             return 0;
         } else {
@@ -214,14 +214,14 @@ static int tdm_bench_train(int argc, char **argv)
             threads_set = 1;
         } else if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
             printf("usage: tandem bench train [--model mlp|cnn|mlp:...] [--batch B] [--steps S]\n"
-                   "                         [--device cpu|cuda:I] [--threads T]\n\n"
+                   "                         [--device cpu|cuda|cuda:I] [--threads T]\n\n"
                    "Single-device training throughput on synthetic data (median step after\n"
                    "5 warm-up steps), and the achieved gemm rate as a fraction of the same\n"
                    "device's sgemm ceiling (tandem bench gemm). The device is a host device\n"
-                   "with T BLAS threads (default cpu, T = 1) or cuda:I (inputs staged to the\n"
-                   "GPU each step, every step timed until the GPU has finished it; --threads\n"
-                   "is host only). With TANDEM_CUDA_EMULATOR=N, cuda:I is emulated on the\n"
-                   "host, not a GPU.\nDefaults: batch 256 (mlp), 128 (cnn); 60 steps.\n");
+                   "with T BLAS threads (default cpu, T = 1) or cuda:I (cuda: GPU 0; inputs\n"
+                   "staged to the GPU each step, every step timed until the GPU has finished\n"
+                   "it; --threads is host only). With TANDEM_CUDA_EMULATOR=N, cuda:I is\n"
+                   "emulated on the host, not a GPU.\nDefaults: batch 256 (mlp), 128 (cnn); 60 steps.\n");
             return 0;
         } else {
             fprintf(stderr, "tandem bench train: unknown option '%s'\n", argv[i]);

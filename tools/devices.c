@@ -92,6 +92,16 @@ tdm_status tdm_tool_parse_devices(tdm_device_list *dl, const char *spec, int for
     return TDM_STATUS_OK;
 }
 
+tdm_status tdm_tool_parse_one_device(tdm_device_list *dl, const char *spec)
+{
+    TDM_CHECK(tdm_device_list_parse(dl, spec));
+    if (dl->kind == TDM_DEVICE_CUDA && !strcmp(spec, "cuda")) {
+        dl->count = 1;
+        dl->index[0] = 0;
+    }
+    return TDM_STATUS_OK;
+}
+
 static const char *tdm_tool_shm_aborted(void *ctx) { return tdm_shm_comm_abort_reason(ctx); }
 
 tdm_status tdm_tool_rank_nccl(tdm_comm *shm, tdm_device *dev, tdm_comm **nccl)

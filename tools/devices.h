@@ -20,6 +20,12 @@
  * status, message and list) comes back unchanged. */
 tdm_status tdm_tool_parse_devices(tdm_device_list *dl, const char *spec, int forks);
 
+/* --device where one device runs (train --mode single, bench gemm|train):
+ * tdm_device_list_parse, except that a bare "cuda" means GPU 0, as
+ * PyTorch's "cuda" device does, rather than every GPU (a list of several
+ * is left for the caller to refuse). */
+tdm_status tdm_tool_parse_one_device(tdm_device_list *dl, const char *spec);
+
 /* N when TANDEM_CUDA_EMULATOR=N makes "cuda" devices emulated, else 0. */
 int tdm_tool_cuda_emulated(void);
 

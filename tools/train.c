@@ -31,8 +31,8 @@ static void tdm_train_usage(FILE *f)
         "  --mode single|dp|ddp   one device, DataParallel (threads) or\n"
         "                         DistributedDataParallel (processes)    [single]\n"
         "  --model NAME           mlp (784-1024-1024-10), mlp:W0-W1-..-Wn, cnn  [mlp]\n"
-        "  --device SPEC          single: cpu or cuda:I; dp, ddp: cpu:N, cpu:I,J,..,\n"
-        "                         cuda (every GPU) or cuda:I,J,..             [cpu]\n"
+        "  --device SPEC          single: cpu, cuda (GPU 0) or cuda:I; dp, ddp: cpu:N,\n"
+        "                         cpu:I,J,.., cuda (every GPU) or cuda:I,J,.. [cpu]\n"
         "  --threads T            BLAS threads of a single host device       [1]\n"
         "  --epochs E             epochs to train (in all, when resuming)     [2]\n"
         "  --batch B              global batch size                           [256]\n"
@@ -366,7 +366,7 @@ int tdm_train_run_single(const tdm_train_args *a)
         tdm_train_fail("--model", st);
         return 2;
     }
-    if ((st = tdm_device_list_parse(&dl, a->device)) != TDM_STATUS_OK) {
+    if ((st = tdm_tool_parse_one_device(&dl, a->device)) != TDM_STATUS_OK) {
         tdm_train_fail("--device", st);
         return st == TDM_STATUS_NO_DEVICE ? 1 : 2;
     }
