@@ -24,6 +24,7 @@
 #include "shm/shm_comm.h"
 #include "shm/spawn.h"
 #include "tools/args.h"
+#include "tools/bench_check.h"
 #include "tools/devices.h"
 #include "tools/tools.h"
 
@@ -133,29 +134,6 @@ static double bench_bus_factor(tdm_coll c, int n)
     }
 }
 
-/* Reference values: small integers, exact in every dtype (as in tests). */
-static int64_t bench_val(size_t j, int r, tdm_redop op)
-{
-    switch (op) {
-    case TDM_REDOP_PROD: return (j + (size_t)r) % 3 == 0 ? 2 : 1;
-    case TDM_REDOP_MIN: case TDM_REDOP_MAX: return (int64_t)((j * 31 + (size_t)r * 17) % 101) - 50;
-    default: return (int64_t)((j * 7 + (size_t)r * 3) % 17) - 8;
-    }
-}
-
-static int64_t bench_ref(size_t j, int n, tdm_redop op)
-{
-    int64_t acc = bench_val(j, 0, op);
-    for (int r = 1; r < n; r++) {
-        int64_t x = bench_val(j, r, op);
-        if (op == TDM_REDOP_PROD) acc *= x;
-        else if (op == TDM_REDOP_MIN) acc = x < acc ? x : acc;
-        else if (op == TDM_REDOP_MAX) acc = x > acc ? x : acc;
-        else acc += x;
-    }
-    return acc;
-}
-
 static void bench_store(void *b, size_t i, tdm_dtype dt, int64_t v)
 {
     switch (dt) {
@@ -165,25 +143,6 @@ static void bench_store(void *b, size_t i, tdm_dtype dt, int64_t v)
     case TDM_DTYPE_BFLOAT16: ((uint16_t *)b)[i] = tdm_f32_to_bf16((float)v); break;
     case TDM_DTYPE_FLOAT16: ((uint16_t *)b)[i] = tdm_f32_to_f16((float)v); break;
     default: ((int64_t *)b)[i] = v; break;
-    }
-}
-
-static int bench_equal(const void *b, size_t i, tdm_dtype dt, int64_t v, int avg_n)
-{
-    switch (dt) {
-    case TDM_DTYPE_FLOAT32:
-        return ((const float *)b)[i] == (avg_n ? (float)v / (float)avg_n : (float)v);
-    case TDM_DTYPE_FLOAT64:
-        return ((const double *)b)[i] == (avg_n ? (double)v / (double)avg_n : (double)v);
-    case TDM_DTYPE_INT32:
-        return ((const int32_t *)b)[i] == (int32_t)(avg_n ? v / avg_n : v);
-    case TDM_DTYPE_BFLOAT16: case TDM_DTYPE_FLOAT16: {
-        float want = avg_n ? (float)v / (float)avg_n : (float)v;
-        return ((const uint16_t *)b)[i] == (dt == TDM_DTYPE_BFLOAT16 ? tdm_f32_to_bf16(want)
-                                                                     : tdm_f32_to_f16(want));
-    }
-    default:
-        return ((const int64_t *)b)[i] == (avg_n ? v / avg_n : v);
     }
 }
 
@@ -213,7 +172,7 @@ static void bench_counts(const bench_cfg *cfg, size_t bytes, bench_bufs *b)
 static void bench_fill(const bench_cfg *cfg, const bench_bufs *b, void *send, int r)
 {
     for (size_t i = 0; i < b->send_count; i++)
-        bench_store(send, i, cfg->dtype, bench_val(i, r, cfg->op));
+        bench_store(send, i, cfg->dtype, tdm_bench_ref_val(i, r, cfg->op));
 }
 
 /* The call's send and receive buffers: in place, reduce_scatter receives
@@ -270,26 +229,26 @@ static int64_t bench_check(tdm_comm *comm, const bench_cfg *cfg, const bench_buf
     switch (cfg->coll) {
     case TDM_COLL_ALL_REDUCE:
         for (size_t i = 0; i < b->count; i++)
-            wrong += !bench_equal(out, i, cfg->dtype, bench_ref(i, n, cfg->op), avg_n);
+            wrong += !tdm_bench_check_equal(out, i, cfg->dtype, tdm_bench_ref(i, n, cfg->op), avg_n);
         break;
     case TDM_COLL_REDUCE:
         if (r == cfg->root)
             for (size_t i = 0; i < b->count; i++)
-                wrong += !bench_equal(out, i, cfg->dtype, bench_ref(i, n, cfg->op), avg_n);
+                wrong += !tdm_bench_check_equal(out, i, cfg->dtype, tdm_bench_ref(i, n, cfg->op), avg_n);
         break;
     case TDM_COLL_REDUCE_SCATTER:
         for (size_t i = 0; i < b->count; i++)
-            wrong += !bench_equal(out, i, cfg->dtype,
-                                  bench_ref((size_t)r * b->count + i, n, cfg->op), avg_n);
+            wrong += !tdm_bench_check_equal(out, i, cfg->dtype,
+                                  tdm_bench_ref((size_t)r * b->count + i, n, cfg->op), avg_n);
         break;
     case TDM_COLL_ALL_GATHER:
         for (size_t i = 0; i < b->recv_count; i++)
-            wrong += !bench_equal(out, i, cfg->dtype,
-                                  bench_val(i % b->count, (int)(i / b->count), cfg->op), 0);
+            wrong += !tdm_bench_check_equal(out, i, cfg->dtype,
+                                  tdm_bench_ref_val(i % b->count, (int)(i / b->count), cfg->op), 0);
         break;
     case TDM_COLL_BROADCAST:
         for (size_t i = 0; i < b->count; i++)
-            wrong += !bench_equal(out, i, cfg->dtype, bench_val(i, cfg->root, cfg->op), 0);
+            wrong += !tdm_bench_check_equal(out, i, cfg->dtype, tdm_bench_ref_val(i, cfg->root, cfg->op), 0);
         break;
     default: break;
     }
