@@ -11,6 +11,9 @@
  *   apply to CUDA refused with exit 2 and one line.
  * - bench_nodev: without the emulator and without a GPU, each subcommand
  *   with --device cuda exits 1 with one "no CUDA device" line.
+ * - bench_check: the #wrong check itself (tools/bench_check.h) against
+ *   NCCL's definition of AVG, which the emulator cannot produce (it
+ *   reduces over shm, which averages as sum / n).
  *
  * What this does not test: CUDA itself, NCCL, GPU timings. Skipped when
  * the CUDA backend is not built (no nvcc). */
@@ -24,6 +27,7 @@
 #include "core/device.h"
 #include "tests/cli_util.h"
 #include "tests/cuda_test_util.h"
+#include "tools/bench_check.h"
 
 /* Criterion runs each test in its own process: the variable only reaches
  * the tandem processes this test starts. */
@@ -206,4 +210,85 @@ Test(bench_nodev, every_subcommand_fails_with_one_line, .timeout = 60)
     CLI(&r, "bench", "all_reduce", "--device", "cuda:0,1", "-e", "1K");
     expect_one_line(&r, 1, "tandem bench: --device: no CUDA device: ");
     cr_assert(!strncmp(r.out, "tandem bench: --device: no CUDA device:", 39), "%s", r.out);
+}
+
+/* ============================ the #wrong check ============================ */
+
+/* NCCL's AVG of floating-point data is PreMulSum (src/enqueue.cc,
+ * hostToDevRedOp): every rank's input times the scalar 1/n rounded to the
+ * type, then a sum in the algorithm's order. order 0: rank order; 1:
+ * reverse (a ring that ends elsewhere); 2: pairwise (a tree). */
+#define NCCL_AVG(T, NAME)                                                              \
+    static T NAME(size_t j, int n, int order)                                          \
+    {                                                                                   \
+        T s = (T)(1.0 / n), v[64];                                                      \
+        for (int r = 0; r < n; r++) v[r] = (T)tdm_bench_ref_val(j, r, TDM_REDOP_AVG) * s; \
+        if (order == 2) {                                                               \
+            for (int w = 1; w < n; w *= 2)                                              \
+                for (int r = 0; r + w < n; r += 2 * w) v[r] = v[r] + v[r + w];          \
+            return v[0];                                                                \
+        }                                                                               \
+        T acc = order ? v[n - 1] : v[0];                                                \
+        for (int r = 1; r < n; r++) acc = acc + (order ? v[n - 1 - r] : v[r]);          \
+        return acc;                                                                     \
+    }
+NCCL_AVG(float, nccl_avg_f32)
+NCCL_AVG(double, nccl_avg_f64)
+
+Test(bench_check, avg_accepts_nccls_premultiplied_mean)
+{
+    int differs[9] = {0};
+    for (int n = 1; n <= 8; n++)
+        for (size_t j = 0; j < 2000; j++) {
+            int64_t sum = tdm_bench_ref(j, n, TDM_REDOP_AVG);
+            for (int order = 0; order < 3; order++) {
+                float f = nccl_avg_f32(j, n, order);
+                double d = nccl_avg_f64(j, n, order);
+                differs[n] += f != (float)sum / (float)n;
+                cr_assert(tdm_bench_check_equal(&f, 0, TDM_DTYPE_FLOAT32, sum, n),
+                          "n=%d j=%zu order %d: NCCL's float32 average %.9g counted wrong "
+                          "(sum/n = %.9g)", n, j, order, f, (double)((float)sum / (float)n));
+                cr_assert(tdm_bench_check_equal(&d, 0, TDM_DTYPE_FLOAT64, sum, n),
+                          "n=%d j=%zu order %d: NCCL's float64 average %.17g counted wrong", n,
+                          j, order, d);
+            }
+            /* integers: SumPostDiv, the truncated quotient */
+            int32_t i32 = (int32_t)(sum / n);
+            int64_t i64 = sum / n;
+            cr_assert(tdm_bench_check_equal(&i32, 0, TDM_DTYPE_INT32, sum, n));
+            cr_assert(tdm_bench_check_equal(&i64, 0, TDM_DTYPE_INT64, sum, n));
+        }
+    /* what the issue saw: with 3, 5, 6 or 7 ranks the premultiplied mean
+     * is not (float)sum / n for some elements */
+    for (int n = 3; n <= 7; n++)
+        if (n != 4) cr_assert_gt(differs[n], 0, "n=%d: NCCL's mean never differs here", n);
+}
+
+Test(bench_check, avg_still_counts_wrong_values)
+{
+    for (int n = 2; n <= 8; n++)
+        for (size_t j = 0; j < 2000; j++) {
+            int64_t sum = tdm_bench_ref(j, n, TDM_REDOP_AVG);
+            int64_t last = tdm_bench_ref_val(j, n - 1, TDM_REDOP_AVG);
+            /* the sum instead of the mean; one rank's input left out */
+            float f = (float)sum;
+            double d = (double)sum;
+            if (sum != 0) {
+                cr_assert(!tdm_bench_check_equal(&f, 0, TDM_DTYPE_FLOAT32, sum, n), "n=%d", n);
+                cr_assert(!tdm_bench_check_equal(&d, 0, TDM_DTYPE_FLOAT64, sum, n), "n=%d", n);
+            }
+            if (last != 0) {
+                f = (float)(sum - last) / (float)n;
+                d = (double)(sum - last) / n;
+                cr_assert(!tdm_bench_check_equal(&f, 0, TDM_DTYPE_FLOAT32, sum, n),
+                          "n=%d j=%zu: a missing rank went unnoticed", n, j);
+                cr_assert(!tdm_bench_check_equal(&d, 0, TDM_DTYPE_FLOAT64, sum, n),
+                          "n=%d j=%zu: a missing rank went unnoticed", n, j);
+            }
+        }
+    /* other ops stay exact */
+    float f = 7.0f + 1e-6f;
+    cr_assert(!tdm_bench_check_equal(&f, 0, TDM_DTYPE_FLOAT32, 7, 0));
+    f = 7.0f;
+    cr_assert(tdm_bench_check_equal(&f, 0, TDM_DTYPE_FLOAT32, 7, 0));
 }
