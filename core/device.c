@@ -56,6 +56,7 @@ tdm_status tdm_device_open(tdm_device **out, const char *kind, int index, int th
 void tdm_device_free(tdm_device *d)
 {
     if (!d) return;
+    if (d->scratch) d->ops->free(d, d->scratch);
     if (d->ops && d->ops->close) d->ops->close(d);
     free(d);
 }
@@ -143,6 +144,24 @@ tdm_status tdm_device_list_parse(tdm_device_list *out, const char *spec)
                                  "device spec '%s': cuda:%d does not exist (%d visible)", spec,
                                  out->index[i], available);
     }
+    return TDM_STATUS_OK;
+}
+
+tdm_status tdm_dev_scratch(tdm_device *d, size_t nbytes, void **out)
+{
+    if (nbytes > d->scratch_nbytes || !d->scratch) {
+        /* at least double: a batch that grows a little at a time (the
+         * last, smaller batch of an epoch never shrinks it) reallocates
+         * O(log) times, not every step */
+        size_t want = nbytes > 2 * d->scratch_nbytes ? nbytes : 2 * d->scratch_nbytes;
+        if (want < 256) want = 256;
+        void *p = NULL;
+        TDM_CHECK(d->ops->alloc(d, want, &p));
+        if (d->scratch) d->ops->free(d, d->scratch);
+        d->scratch = p;
+        d->scratch_nbytes = want;
+    }
+    *out = d->scratch;
     return TDM_STATUS_OK;
 }
 

@@ -124,6 +124,8 @@ struct tdm_device {
     int threads;                /* host: BLAS threads used by this device */
     char name[32];              /* "cpu:0", "cuda:1" */
     void *impl;                 /* backend state */
+    void *scratch;              /* tdm_dev_scratch's buffer (this device's memory), or NULL */
+    size_t scratch_nbytes;
 };
 
 /* Opens a device by kind name ("cpu", "cuda") and index. Host devices are
@@ -191,6 +193,13 @@ static inline void tdm_dev_free(tdm_device *d, void *p)
 }
 static inline tdm_status tdm_dev_sync(tdm_device *d) { return d->ops->sync(d); }
 
+/* A scratch buffer of at least nbytes in d's memory, owned by the device:
+ * grown when a call asks for more, kept otherwise, freed with the device.
+ * For temporaries on the training step's path (the loss's per-row values),
+ * where an allocation per call would be a cudaMalloc, and its free a
+ * cudaFree that synchronises the whole GPU, every step. The contents last
+ * until the next call; one caller at a time (the thread driving d). */
+tdm_status tdm_dev_scratch(tdm_device *d, size_t nbytes, void **out);
 /* Allocates nbytes and zeroes them. */
 tdm_status tdm_dev_alloc_zero(tdm_device *d, size_t nbytes, void **out);
 /* Copies between two devices: host<->host is memcpy; host<->accelerator the

@@ -55,6 +55,11 @@ tdm_status tdm_cuda_emulator_open_accel(tdm_device **out, int index);
 /* 1 when d is an emulator device (either kind): its memory is host memory
  * and no NCCL communicator can use it. */
 int tdm_cuda_device_is_emulator(const tdm_device *d);
+/* Calls of an emulator device's alloc entry so far (its allocation
+ * accounting); -1 for any other device. For tests that a training step
+ * allocates nothing: on a GPU each cudaMalloc costs and each cudaFree
+ * synchronises the whole device. */
+int64_t tdm_cuda_emulator_allocs(const tdm_device *d);
 /* 1 when d is a GPU whose gemm runs in TF32 tensor-op math
  * (TANDEM_CUDA_TF32=1 when it was opened), 0 for full FP32 or any other
  * device. */

@@ -37,6 +37,7 @@ typedef struct tdm_cuda_dev {
     tdm_cuda_exec exec;   /* {stream, 0}; the emulator: {NULL, 1} */
     tdm_device *host;     /* the emulator's gemm (a host device) */
     int tf32;             /* cuBLAS in TF32 tensor-op math (TANDEM_CUDA_TF32=1) */
+    int64_t emu_allocs;   /* the emulator: alloc calls so far (atomic) */
 } tdm_cuda_dev;
 
 static tdm_cuda_dev *tdm_cuda_impl(tdm_device *d) { return (tdm_cuda_dev *)d->impl; }
@@ -831,6 +832,7 @@ __attribute__((constructor)) static void tdm_cuda_register(void)
  * same list). Lets host tests run the GPU equivalence suite without a GPU. */
 static tdm_status emu_alloc(tdm_device *d, size_t nbytes, void **out)
 {
+    __atomic_fetch_add(&tdm_cuda_impl(d)->emu_allocs, 1, __ATOMIC_RELAXED);
     size_t sz = (nbytes + 63) & ~(size_t)63;
     *out = aligned_alloc(64, sz ? sz : 64);
     if (!*out)
@@ -875,6 +877,12 @@ static tdm_status emu_copy_peer(tdm_device *dst_dev, void *dst, tdm_device *src_
 int tdm_cuda_device_is_emulator(const tdm_device *d)
 {
     return d && d->ops == &tdm_cuda_emu_ops;
+}
+
+int64_t tdm_cuda_emulator_allocs(const tdm_device *d)
+{
+    if (!tdm_cuda_device_is_emulator(d)) return -1;
+    return __atomic_load_n(&tdm_cuda_impl((tdm_device *)d)->emu_allocs, __ATOMIC_RELAXED);
 }
 
 int tdm_cuda_device_tf32(const tdm_device *d)

@@ -16,7 +16,9 @@ tdm_status tdm_loss_softmax_xent(tdm_device *dev, const float *logits, const int
     tdm_status st = TDM_STATUS_OK;
     float *rows = NULL, *host = NULL;
     size_t nb = (size_t)batch * sizeof(float);
-    TDM_TRY(tdm_dev_alloc(dev, nb, (void **)&rows));
+    /* the device's scratch, not an allocation per call: on a GPU that was
+     * a cudaMalloc and a device-wide synchronising cudaFree every step */
+    TDM_TRY(tdm_dev_scratch(dev, nb, (void **)&rows));
     TDM_TRY(dev->ops->softmax_xent(dev, logits, labels, batch, classes, scale, rows, dlogits));
     if (dev->kind == TDM_DEVICE_HOST) {
         host = rows;
@@ -33,6 +35,5 @@ tdm_status tdm_loss_softmax_xent(tdm_device *dev, const float *logits, const int
     if (loss_sum) *loss_sum = s;
 fail:
     if (host != rows) free(host);
-    tdm_dev_free(dev, rows);
     return st;
 }

@@ -30,6 +30,7 @@
 #include "core/comm.h"
 #include "cuda/cuda.h"
 #include "dp/dp.h"
+#include "models/train.h"
 #include "tests/cli_util.h"
 #include "tests/cuda_test_util.h"
 #include "tests/test_ddp_util.h"
@@ -39,6 +40,8 @@ __attribute__((weak)) tdm_status tdm_cuda_emulator_open_accel(tdm_device **out, 
 __attribute__((weak)) tdm_status tdm_comm_init_nccl_opts(tdm_comm **out, tdm_comm *bootstrap,
                                                          int device_index,
                                                          const tdm_nccl_opts *opts);
+
+__attribute__((weak)) int64_t tdm_cuda_emulator_allocs(const tdm_device *d);
 
 static tdm_status open_emu(tdm_device **out, int i) { return tdm_cuda_emulator_open_accel(out, i); }
 static tdm_status open_gpu(tdm_device **out, int i) { return tdm_device_open(out, "cuda", i, 1); }
@@ -205,6 +208,72 @@ Test(cuda_emu, dp_accelerator_replicate_copies_buffers)
     dp_emu_replicate_reduce(3, 3);
     dp_emu_replicate_reduce(3, 2);   /* copy_peer and the staged reduce */
     dp_emu_replicate_reduce(4, 1);
+}
+
+/* Device allocations per training step, through the emulator's
+ * accounting: once the first steps have sized every buffer, a step must
+ * allocate nothing, on one device or under DP (on a GPU each allocation is
+ * a cudaMalloc, and each free a cudaFree that synchronises the device). */
+static int64_t allocs_of(tdm_device *const *d, int n)
+{
+    int64_t a = 0;
+    for (int i = 0; i < n; i++) a += tdm_cuda_emulator_allocs(d[i]);
+    return a;
+}
+
+static void steady_step_allocates_nothing(int ndev, int cnn, int batch)
+{
+    tdm_device *devs[4] = {0};
+    tdm_model *m = NULL;
+    tdm_optim *o = NULL;
+    tdm_dp *dp = NULL;
+    tdm_single single = {0};
+    tdm_model_spec spec;
+    tdm_dataset data;
+    tddp_spec(&spec, cnn);
+    const int steps = 5, warm = 2;
+    cr_assert_eq(tddp_data(&data, cnn, (int64_t)batch * steps), TDM_STATUS_OK);
+    for (int i = 0; i < ndev; i++) cr_assert_eq(open_emu(&devs[i], i), TDM_STATUS_OK);
+    cr_assert_eq(tdm_model_init(&m, devs[0], &spec, 3), TDM_STATUS_OK, "%s", tdm_error_message());
+    cr_assert_eq(tdm_sgd_init(&o, m, 0.05f, 0.9f), TDM_STATUS_OK);
+    if (ndev > 1) cr_assert_eq(tdm_dp_init(&dp, m, devs, ndev, NULL), TDM_STATUS_OK);
+    single.model = m;
+    single.opt = o;
+    int64_t feat = tdm_data_features(&data), idx[64], before = 0;
+    float *x = malloc((size_t)batch * (size_t)feat * sizeof *x);
+    int32_t *y = malloc((size_t)batch * sizeof *y);
+    cr_assert(x && y && batch <= 64);
+    for (int s = 0; s < steps; s++) {
+        if (s == warm) before = allocs_of(devs, ndev);
+        for (int i = 0; i < batch; i++) idx[i] = (int64_t)s * batch + i;
+        tdm_data_gather(&data, idx, batch, x, y);
+        double loss = 0;
+        tdm_status st = dp ? tdm_dp_step(dp, o, x, y, batch, &loss)
+                           : tdm_single_step(&single, x, y, batch, &loss);
+        cr_assert_eq(st, TDM_STATUS_OK, "%s", tdm_error_message());
+    }
+    int64_t after = allocs_of(devs, ndev);
+    cr_assert_eq(after, before, "%s on %d emulated device(s), batch %d: %lld device allocations "
+                 "in %d steady steps (expected none)", cnn ? "cnn" : "mlp", ndev, batch,
+                 (long long)(after - before), steps - warm);
+    free(x);
+    free(y);
+    tdm_single_free(&single);
+    tdm_dp_free(dp);
+    tdm_optim_free(o);
+    tdm_model_free(m);
+    tdm_dp_devices_close(devs, ndev);
+    tdm_data_free(&data);
+}
+
+Test(cuda_emu, a_steady_training_step_allocates_no_device_memory, .timeout = 60)
+{
+    CU_NEED_BACKEND();
+    cr_assert_not_null(tdm_cuda_emulator_allocs);
+    steady_step_allocates_nothing(1, 0, 16);
+    steady_step_allocates_nothing(1, 1, 8);
+    steady_step_allocates_nothing(2, 0, 16);   /* DP, the device group */
+    steady_step_allocates_nothing(3, 0, 2);    /* DP, one device idle */
 }
 
 /* ================================== DDP =================================== */
