@@ -167,24 +167,50 @@ static inline TDM_HD void tdm_k_maxpool_bwd(int64_t i, int64_t plane, const tdm_
     dx[plane * g.h * g.w + argmax[i]] = dy[i];
 }
 
-/* ---- batchnorm over CNHW rows ---- */
+/* ---- batchnorm over CNHW rows ----
+ * Channel ch owns row x[ch*len .. +len). The per-channel reductions are
+ * written as partial sums over a strided slice of the row (j = first,
+ * first + step, ... < len) plus a finishing step, so that the host (one
+ * slice: first 0, step 1, exactly the plain loop) and a CUDA block (one
+ * slice per thread, then a tree over the partials) share the arithmetic
+ * of every element; only the order in which partials are added differs. */
 
-/* Channel ch: mean and biased variance of row x[ch*len .. +len), two-pass
- * in double so large batches do not lose precision. */
+/* sum of r[j] over the slice, in double so large batches keep precision */
+static inline TDM_HD double tdm_k_bn_sum_part(const float *r, int64_t len, int64_t first,
+                                              int64_t step)
+{
+    double s = 0.0;
+    for (int64_t j = first; j < len; j += step) s += r[j];
+    return s;
+}
+
+/* sum of (r[j] - m)^2 over the slice (the second of two passes) */
+static inline TDM_HD double tdm_k_bn_sqdev_part(const float *r, int64_t len, double m,
+                                                int64_t first, int64_t step)
+{
+    double q = 0.0;
+    for (int64_t j = first; j < len; j += step) {
+        double dlt = r[j] - m;
+        q += dlt * dlt;
+    }
+    return q;
+}
+
+/* mean m and biased variance q / len of channel ch */
+static inline TDM_HD void tdm_k_bn_stats_store(int ch, double m, double q, int64_t len,
+                                               float *mean, float *var)
+{
+    mean[ch] = (float)m;
+    var[ch] = (float)(q / (double)len);
+}
+
+/* Channel ch: mean and biased variance of its row, two-pass in double. */
 static inline TDM_HD void tdm_k_bn_stats_ch(int ch, const float *x, int64_t len, float *mean,
                                             float *var)
 {
     const float *r = x + (int64_t)ch * len;
-    double s = 0.0;
-    for (int64_t j = 0; j < len; j++) s += r[j];
-    double m = s / (double)len;
-    double q = 0.0;
-    for (int64_t j = 0; j < len; j++) {
-        double dlt = r[j] - m;
-        q += dlt * dlt;
-    }
-    mean[ch] = (float)m;
-    var[ch] = (float)(q / (double)len);
+    double m = tdm_k_bn_sum_part(r, len, 0, 1) / (double)len;
+    tdm_k_bn_stats_store(ch, m, tdm_k_bn_sqdev_part(r, len, m, 0, 1), len, mean, var);
 }
 
 /* Channel ch, before the normalisation. Training: invstd from the batch's
@@ -213,9 +239,46 @@ static inline TDM_HD void tdm_k_bn_fwd(int64_t i, int ch, const float *x, const 
     y[i] = (x[i] - mean[ch]) * invstd[ch] * gamma[ch] + beta[ch];
 }
 
-/* Channel ch of the batchnorm backward. In training mode the statistics
+/* The batchnorm backward of channel ch. In training mode the statistics
  * depend on x, which gives dx = g*istd/L * (L dy - sum dy - xhat sum dy*xhat);
- * in eval mode they are constants and dx = g*istd*dy. */
+ * in eval mode they are constants and dx = g*istd*dy. The two sums are
+ * partials over a slice of the row (see above), then every element's dx. */
+static inline TDM_HD void tdm_k_bn_bwd_part(const float *xr, const float *dyr, int64_t len,
+                                            float m, float is, int64_t first, int64_t step,
+                                            double *sdy, double *sdyx)
+{
+    double a = 0.0, b = 0.0;
+    for (int64_t j = first; j < len; j += step) {
+        double xh = (double)(xr[j] - m) * is;
+        a += dyr[j];
+        b += dyr[j] * xh;
+    }
+    *sdy = a;
+    *sdyx = b;
+}
+
+/* dgamma += sum dy*xhat, dbeta += sum dy (the row's totals) */
+static inline TDM_HD void tdm_k_bn_bwd_params(int ch, double sdy, double sdyx, float *dgamma,
+                                              float *dbeta)
+{
+    dgamma[ch] += (float)sdyx;
+    dbeta[ch] += (float)sdy;
+}
+
+/* Element j of the row's dx, from the row's totals. */
+static inline TDM_HD void tdm_k_bn_bwd_dx(int64_t j, const float *xr, const float *dyr,
+                                          float *dxr, float m, float is, float g, int64_t len,
+                                          double sdy, double sdyx, int train)
+{
+    if (train) {
+        float k = g * is / (float)len;
+        float xh = (xr[j] - m) * is;
+        dxr[j] = k * ((float)len * dyr[j] - (float)sdy - xh * (float)sdyx);
+    } else {
+        dxr[j] = g * is * dyr[j];
+    }
+}
+
 static inline TDM_HD void tdm_k_bn_bwd_ch(int ch, const float *x, const float *dy, int64_t len,
                                           const float *mean, const float *invstd,
                                           const float *gamma, float *dx, float *dgamma,
@@ -223,27 +286,14 @@ static inline TDM_HD void tdm_k_bn_bwd_ch(int ch, const float *x, const float *d
 {
     const float *xr = x + (int64_t)ch * len;
     const float *dyr = dy + (int64_t)ch * len;
-    float *dxr = dx + (int64_t)ch * len;
     float m = mean[ch], is = invstd[ch], g = gamma[ch];
-    double sdy = 0.0, sdyx = 0.0;
-    for (int64_t j = 0; j < len; j++) {
-        double xh = (double)(xr[j] - m) * is;
-        sdy += dyr[j];
-        sdyx += dyr[j] * xh;
-    }
-    dgamma[ch] += (float)sdyx;
-    dbeta[ch] += (float)sdy;
+    double sdy, sdyx;
+    tdm_k_bn_bwd_part(xr, dyr, len, m, is, 0, 1, &sdy, &sdyx);
+    tdm_k_bn_bwd_params(ch, sdy, sdyx, dgamma, dbeta);
     if (!dx) return;
-    if (train) {
-        float k = g * is / (float)len;
-        float a = (float)sdy, b = (float)sdyx;
-        for (int64_t j = 0; j < len; j++) {
-            float xh = (xr[j] - m) * is;
-            dxr[j] = k * ((float)len * dyr[j] - a - xh * b);
-        }
-    } else {
-        for (int64_t j = 0; j < len; j++) dxr[j] = g * is * dyr[j];
-    }
+    float *dxr = dx + (int64_t)ch * len;
+    for (int64_t j = 0; j < len; j++)
+        tdm_k_bn_bwd_dx(j, xr, dyr, dxr, m, is, g, len, sdy, sdyx, train);
 }
 
 /* Element (ni, ci, fi) of y (N, C, F) from x (C, N, F), and back. */

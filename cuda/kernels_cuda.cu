@@ -13,9 +13,9 @@
  *
  * This file is only kernels and their launchers (C linkage, declared in
  * cuda/cuda_impl.h); memory, streams, cuBLAS and error messages live in
- * cuda/device_cuda.c. Per-row and per-channel functions (softmax
- * cross-entropy, batchnorm statistics and backward) run one thread per
- * row: correct and shared with the host, not the fastest possible. */
+ * cuda/device_cuda.c. Softmax cross-entropy runs one thread per row (a
+ * row is a sample's few logits); batchnorm's per-channel reductions run a
+ * block per channel over the same shared per-element code (below). */
 #include <cstring>
 
 #include "cuda/cuda_impl.h"
@@ -165,16 +165,6 @@ struct MaxpoolBwd {
     }
 };
 
-struct BnStats {
-    const float *x;
-    int64_t len;
-    float *mean, *var;
-    __host__ __device__ void operator()(int64_t ch) const
-    {
-        tdm_k_bn_stats_ch((int)ch, x, len, mean, var);
-    }
-};
-
 struct BnPrep {
     float *mean;
     const float *var;
@@ -198,18 +188,6 @@ struct BnFwd {
     __host__ __device__ void operator()(int64_t i) const
     {
         tdm_k_bn_fwd(i, (int)(i / len), x, mean, invstd, gamma, beta, y);
-    }
-};
-
-struct BnBwd {
-    const float *x, *dy;
-    int64_t len;
-    const float *mean, *invstd, *gamma;
-    float *dx, *dgamma, *dbeta;
-    int train;
-    __host__ __device__ void operator()(int64_t ch) const
-    {
-        tdm_k_bn_bwd_ch((int)ch, x, dy, len, mean, invstd, gamma, dx, dgamma, dbeta, train);
     }
 };
 
@@ -261,6 +239,115 @@ struct Adamw {
         tdm_k_adamw(i, p, grad, m, v, lr, b1, b2, eps, wd, bc1, bc2);
     }
 };
+
+/* Batchnorm's per-channel reductions (statistics, backward): a block per
+ * channel, not a thread. Thread t of the block takes the strided slice
+ * j = t, t + T, ... of the channel's row through core/kernels.h's partial
+ * functions (coalesced loads), a tree in shared memory adds the T
+ * partials, and every thread then writes its slice of dx. On the host
+ * (the emulator) the same T slices and the same tree run as loops, so the
+ * host tests check this decomposition too. One block per channel is
+ * enough parallelism for the few, long rows of a CNN (a row is N*H*W). */
+constexpr int kBnThreads = 256;
+
+__device__ double bn_block_sum(double v, double *sh)
+{
+    int t = threadIdx.x;
+    sh[t] = v;
+    __syncthreads();
+    for (int s = kBnThreads / 2; s > 0; s >>= 1) {
+        if (t < s) sh[t] += sh[t + s];
+        __syncthreads();
+    }
+    double r = sh[0];
+    __syncthreads(); /* sh is reused by the caller's next reduction */
+    return r;
+}
+
+/* bn_block_sum's tree on the host, in the same order */
+double bn_host_tree(double *p)
+{
+    for (int s = kBnThreads / 2; s > 0; s >>= 1)
+        for (int t = 0; t < s; t++) p[t] += p[t + s];
+    return p[0];
+}
+
+__global__ void k_bn_stats(const float *x, int channels, int64_t len, float *mean, float *var)
+{
+    __shared__ double sh[kBnThreads];
+    for (int ch = blockIdx.x; ch < channels; ch += gridDim.x) {
+        const float *r = x + (int64_t)ch * len;
+        double m = bn_block_sum(tdm_k_bn_sum_part(r, len, threadIdx.x, kBnThreads), sh) /
+                   (double)len;
+        double q = bn_block_sum(tdm_k_bn_sqdev_part(r, len, m, threadIdx.x, kBnThreads), sh);
+        if (threadIdx.x == 0) tdm_k_bn_stats_store(ch, m, q, len, mean, var);
+    }
+}
+
+void bn_stats_host(const float *x, int channels, int64_t len, float *mean, float *var)
+{
+    double p[kBnThreads];
+    for (int ch = 0; ch < channels; ch++) {
+        const float *r = x + (int64_t)ch * len;
+        for (int t = 0; t < kBnThreads; t++) p[t] = tdm_k_bn_sum_part(r, len, t, kBnThreads);
+        double m = bn_host_tree(p) / (double)len;
+        for (int t = 0; t < kBnThreads; t++) p[t] = tdm_k_bn_sqdev_part(r, len, m, t, kBnThreads);
+        tdm_k_bn_stats_store(ch, m, bn_host_tree(p), len, mean, var);
+    }
+}
+
+struct BnBwdArgs {
+    const float *x, *dy;
+    int channels;
+    int64_t len;
+    const float *mean, *invstd, *gamma;
+    float *dx, *dgamma, *dbeta;
+    int train;
+};
+
+__global__ void k_bn_bwd(BnBwdArgs a)
+{
+    __shared__ double sh[kBnThreads];
+    for (int ch = blockIdx.x; ch < a.channels; ch += gridDim.x) {
+        const float *xr = a.x + (int64_t)ch * a.len, *dyr = a.dy + (int64_t)ch * a.len;
+        float m = a.mean[ch], is = a.invstd[ch], g = a.gamma[ch];
+        double sdy, sdyx;
+        tdm_k_bn_bwd_part(xr, dyr, a.len, m, is, threadIdx.x, kBnThreads, &sdy, &sdyx);
+        sdy = bn_block_sum(sdy, sh);
+        sdyx = bn_block_sum(sdyx, sh);
+        if (threadIdx.x == 0) tdm_k_bn_bwd_params(ch, sdy, sdyx, a.dgamma, a.dbeta);
+        if (!a.dx) continue;
+        float *dxr = a.dx + (int64_t)ch * a.len;
+        for (int64_t j = threadIdx.x; j < a.len; j += kBnThreads)
+            tdm_k_bn_bwd_dx(j, xr, dyr, dxr, m, is, g, a.len, sdy, sdyx, a.train);
+    }
+}
+
+void bn_bwd_host(const BnBwdArgs &a)
+{
+    double p[kBnThreads], q[kBnThreads];
+    for (int ch = 0; ch < a.channels; ch++) {
+        const float *xr = a.x + (int64_t)ch * a.len, *dyr = a.dy + (int64_t)ch * a.len;
+        float m = a.mean[ch], is = a.invstd[ch], g = a.gamma[ch];
+        for (int t = 0; t < kBnThreads; t++)
+            tdm_k_bn_bwd_part(xr, dyr, a.len, m, is, t, kBnThreads, &p[t], &q[t]);
+        double sdy = bn_host_tree(p), sdyx = bn_host_tree(q);
+        tdm_k_bn_bwd_params(ch, sdy, sdyx, a.dgamma, a.dbeta);
+        if (!a.dx) continue;
+        float *dxr = a.dx + (int64_t)ch * a.len;
+        for (int t = 0; t < kBnThreads; t++)
+            for (int64_t j = t; j < a.len; j += kBnThreads)
+                tdm_k_bn_bwd_dx(j, xr, dyr, dxr, m, is, g, a.len, sdy, sdyx, a.train);
+    }
+}
+
+/* A block per channel, at most kMaxBlocks (the kernels stride over the
+ * rest); drops a stale non-sticky error first, as run() does. */
+unsigned bn_blocks(int channels)
+{
+    (void)cudaGetLastError();
+    return (unsigned)(channels < kMaxBlocks ? channels : kMaxBlocks);
+}
 
 } // namespace
 
@@ -332,7 +419,13 @@ cudaError_t tdm_cuda_launch_maxpool_bwd(const tdm_cuda_exec *x, tdm_conv_geom g,
 cudaError_t tdm_cuda_launch_bn_stats(const tdm_cuda_exec *x, const float *in, int channels,
                                      int64_t len, float *mean, float *var)
 {
-    return run(x, (int64_t)channels, kRowThreads, BnStats{in, len, mean, var});
+    if (channels <= 0 || len <= 0) return cudaSuccess;
+    if (x->host) {
+        bn_stats_host(in, channels, len, mean, var);
+        return cudaSuccess;
+    }
+    k_bn_stats<<<bn_blocks(channels), kBnThreads, 0, x->stream>>>(in, channels, len, mean, var);
+    return cudaGetLastError();
 }
 
 cudaError_t tdm_cuda_launch_bn_prep(const tdm_cuda_exec *x, int channels, float *mean,
@@ -357,8 +450,14 @@ cudaError_t tdm_cuda_launch_bn_bwd(const tdm_cuda_exec *x, const float *in, cons
                                    const float *invstd, const float *gamma, float *dx,
                                    float *dgamma, float *dbeta, int train)
 {
-    return run(x, (int64_t)channels, kRowThreads,
-               BnBwd{in, dy, len, mean, invstd, gamma, dx, dgamma, dbeta, train});
+    if (channels <= 0 || len <= 0) return cudaSuccess;
+    BnBwdArgs a{in, dy, channels, len, mean, invstd, gamma, dx, dgamma, dbeta, train};
+    if (x->host) {
+        bn_bwd_host(a);
+        return cudaSuccess;
+    }
+    k_bn_bwd<<<bn_blocks(channels), kBnThreads, 0, x->stream>>>(a);
+    return cudaGetLastError();
 }
 
 cudaError_t tdm_cuda_launch_cnhw_to_nchw(const tdm_cuda_exec *x, const float *in, float *y,
