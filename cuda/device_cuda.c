@@ -751,6 +751,13 @@ static tdm_status tdm_cuda_hook_group_init(void **out, tdm_device *const *devs, 
         idx[i] = devs[i]->index;
     }
     if (emu && emu != n) return TDM_STATUS_UNSUPPORTED;
+    /* Two handles on one GPU (a test of DP's copies on a one-GPU machine):
+     * NCCL refuses two ranks of one process on one GPU ("Duplicate GPU
+     * detected"), so DP stages through the per-device copies instead; the
+     * emulated group refuses them too, so the emulator takes that path. */
+    for (int i = 0; i < n; i++)
+        for (int j = 0; j < i; j++)
+            if (idx[i] == idx[j]) return TDM_STATUS_UNSUPPORTED;
     tdm_cuda_group *g = calloc(1, sizeof *g);
     TDM_REQUIRE(g, TDM_STATUS_OUT_OF_MEMORY, "device group: out of memory");
     g->n = n;

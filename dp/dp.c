@@ -167,8 +167,10 @@ tdm_status tdm_dp_init(tdm_dp **out, tdm_model *master, tdm_device **devices, in
     for (int i = 0; i < n_devices; i++) {
         TDM_REQUIRE(devices[i], TDM_STATUS_INVALID_ARG, "DataParallel: device %d is NULL", i);
         for (int j = 0; j < i; j++)
-            TDM_REQUIRE(devices[j] != devices[i] && (devices[j]->kind != devices[i]->kind ||
-                                                     devices[j]->index != devices[i]->index),
+            TDM_REQUIRE(devices[j] != devices[i] &&
+                            (devices[j]->kind != devices[i]->kind ||
+                             devices[j]->index != devices[i]->index ||
+                             (o.allow_same_device && devices[i]->kind != TDM_DEVICE_HOST)),
                         TDM_STATUS_INVALID_ARG,
                         "DataParallel: device %s is listed twice (positions %d and %d)",
                         devices[i]->name, j, i);

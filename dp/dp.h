@@ -41,6 +41,11 @@ typedef struct tdm_dp_opts {
     int output_device;  /* position in the device list; the master must live there (default 0) */
     int spin_us;        /* pool waits spin this long before sleeping; < 0: auto (default -1:
                            50 us when devices <= cores, else 0) */
+    int allow_same_device; /* 1: accept two handles (tdm_device objects) on one accelerator,
+                              e.g. cuda:0 opened twice: replicas on separate streams and
+                              threads, copies and reduce through the per-device path (a
+                              one-GPU machine's test of DP; never faster than one handle).
+                              Default 0: a device listed twice is refused. */
 } tdm_dp_opts;
 
 /* output_device 0, spin_us -1. */

@@ -64,6 +64,26 @@ static inline int cu_gpu_count(char *why, size_t len)
     return n;
 }
 
+/* The GPU of rank `rank` of `world` when only ngpu GPUs exist: rank %
+ * ngpu, so that the multi-rank tests run on a one-GPU machine. Call it in
+ * the rank, before its first NCCL call: ranks that share a GPU must look
+ * like different hosts to NCCL, which refuses two ranks of a
+ * communicator on one GPU of one host ("Duplicate GPU detected"), so each
+ * gets its own NCCL_HOSTID and they talk over loopback sockets
+ * (NCCL_SOCKET_IFNAME=lo, NCCL_IB_DISABLE=1). */
+static inline int cu_rank_gpu(int rank, int world, int ngpu)
+{
+    if (ngpu < 1) ngpu = 1;
+    if (world > ngpu) {
+        char id[64];
+        snprintf(id, sizeof id, "tandem-test-rank-%d", rank);
+        setenv("NCCL_HOSTID", id, 1);
+        setenv("NCCL_SOCKET_IFNAME", "lo", 1);
+        setenv("NCCL_IB_DISABLE", "1", 1);
+    }
+    return rank % ngpu;
+}
+
 #define NEED_GPUS(k)                                                                      \
     do {                                                                                  \
         char why_[512];                                                                   \

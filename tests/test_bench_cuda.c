@@ -11,6 +11,8 @@
  *   apply to CUDA refused with exit 2 and one line.
  * - bench_nodev: without the emulator and without a GPU, each subcommand
  *   with --device cuda exits 1 with one "no CUDA device" line.
+ * - cuda_gpu (a GPU only): every collective on one NCCL rank, bench train
+ *   and dp on GPU 0.
  * - bench_check: the #wrong check itself (tools/bench_check.h) against
  *   NCCL's definition of AVG, which the emulator cannot produce (it
  *   reduces over shm, which averages as sum / n).
@@ -191,6 +193,29 @@ Test(bench_emu, gemm_and_train_on_an_emulated_device, .init = emu_init, .fini = 
     double sps = 0;
     c = strstr(r.out, "throughput: ");
     cr_assert(c && sscanf(c, "throughput: %lf samples/s", &sps) == 1 && sps > 0, "%s", r.out);
+}
+
+/* On one real GPU: every collective with one NCCL rank (#wrong 0, avg
+ * included), and bench train and dp on the first GPU. Skipped without a
+ * GPU ("no CUDA device: ..."). */
+Test(cuda_gpu, cli_bench_on_one_gpu, .timeout = 240)
+{
+    NEED_GPUS(1);
+    static cli_result r;
+    const char *colls[] = {"all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter"};
+    for (size_t i = 0; i < sizeof colls / sizeof *colls; i++) {
+        CLI(&r, "bench", colls[i], "--device", "cuda:0", "-b", "8", "-e", "4M", "-o",
+            i == 0 ? "avg" : "sum");
+        expect(&r, 0, "# Out of bounds values : 0 OK");
+        cr_assert_gt(check_rows(r.out, "float32"), 0, "%s: no rows:\n%s", colls[i], r.out);
+        cr_assert(!strstr(r.out, "CUDA EMULATOR"), "%s", r.out);
+    }
+    CLI(&r, "bench", "train", "--device", "cuda", "--model", "cnn", "--batch", "64", "--steps",
+        "10");
+    expect(&r, 0, "one device: cuda:0");
+    CLI(&r, "bench", "dp", "--device", "cuda:0", "--model", "mlp:784-256-10", "--batch", "64",
+        "--steps", "3", "--warmup", "1", "--rounds", "1");
+    expect(&r, 0, "RESULT model=mlp:784-256-10");
 }
 
 Test(bench_nodev, every_subcommand_fails_with_one_line, .timeout = 60)

@@ -19,6 +19,7 @@
 #include <criterion/criterion.h>
 #include <signal.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -37,6 +38,7 @@
 __attribute__((weak)) tdm_status tdm_cuda_device_count(int *n);
 __attribute__((weak)) tdm_status tdm_cuda_describe(char *buf, size_t len);
 __attribute__((weak)) tdm_status tdm_cuda_emulator_open(tdm_device **out);
+__attribute__((weak)) tdm_status tdm_cuda_emulator_open_accel(tdm_device **out, int index);
 __attribute__((weak)) tdm_status tdm_comm_init_nccl(tdm_comm **out, tdm_comm *bootstrap,
                                                     int device_index);
 __attribute__((weak)) tdm_status tdm_comm_init_nccl_opts(tdm_comm **out, tdm_comm *bootstrap,
@@ -993,15 +995,24 @@ Test(cuda_gpu, nccl_one_rank)
     tdm_shm_group_free(sg);
 }
 
-/* Two ranks, one GPU each: every collective against values computed here. */
-static int cu_nccl_rank(tdm_comm *boot, void *arg)
-{
-    (void)arg;
-    int rank = tdm_comm_rank(boot), world = tdm_comm_size(boot);
-    tdm_device *d = NULL;
-    tdm_comm *c = NULL;
-    tdm_nccl_opts o = {.timeout_ms = 30000};
-    int bad = 0;
+/* Multi-rank runs, on as many GPUs as there are (rank r on GPU r % ngpu:
+ * two or three ranks share one GPU on a one-GPU machine, NCCL told they
+ * are different hosts, see cu_rank_gpu), or with ngpu 0 on emulated
+ * devices whose collectives go over shm (NCCL cannot use host memory):
+ * the same test code, run on every machine. */
+typedef struct cu_ranks_arg {
+    int ngpu;                 /* 0: the emulator */
+    int victim;               /* the killed-rank test: the rank that dies */
+    struct cu_ranks_shared *sh;
+} cu_ranks_arg;
+
+typedef struct cu_ranks_shared {
+    int status[8];            /* the survivors' failed call */
+    char msg[8][512];
+} cu_ranks_shared;
+
+static const char *cu_shm_aborted(void *ctx) { return tdm_shm_comm_abort_reason(ctx); }
+
 #define RK_OK(expr)                                                                      \
     do {                                                                                \
         tdm_status s_ = (expr);                                                         \
@@ -1010,8 +1021,42 @@ static int cu_nccl_rank(tdm_comm *boot, void *arg)
             return 1;                                                                   \
         }                                                                               \
     } while (0)
-    RK_OK(tdm_device_open(&d, "cuda", rank, 0));
-    RK_OK(tdm_comm_init_nccl_opts(&c, boot, rank, &o));
+
+/* The rank's device and its collectives' communicator: NCCL on a GPU
+ * (stopping when the shm group aborts, as DDP's ranks do), the bootstrap
+ * (shm) itself on the emulator. */
+static tdm_status cu_rank_setup(tdm_comm *boot, const cu_ranks_arg *a, int64_t timeout_ms,
+                                tdm_device **d, tdm_comm **c)
+{
+    int rank = tdm_comm_rank(boot), world = tdm_comm_size(boot);
+    *d = NULL;
+    *c = NULL;
+    if (a->ngpu == 0) {
+        *c = boot;
+        return tdm_cuda_emulator_open_accel(d, 0);
+    }
+    int gpu = cu_rank_gpu(rank, world, a->ngpu);
+    TDM_CHECK(tdm_device_open(d, "cuda", gpu, 0));
+    tdm_nccl_opts o = {.timeout_ms = timeout_ms, .abort_check = cu_shm_aborted,
+                       .abort_ctx = boot};
+    return tdm_comm_init_nccl_opts(c, boot, gpu, &o);
+}
+
+static void cu_rank_teardown(tdm_comm *boot, tdm_device *d, tdm_comm *c)
+{
+    if (c != boot) tdm_comm_free(c);
+    tdm_device_free(d);
+}
+
+/* Every collective against values computed here. */
+static int cu_nccl_rank(tdm_comm *boot, void *arg)
+{
+    const cu_ranks_arg *a = arg;
+    int rank = tdm_comm_rank(boot), world = tdm_comm_size(boot);
+    tdm_device *d = NULL;
+    tdm_comm *c = NULL;
+    int bad = 0;
+    RK_OK(cu_rank_setup(boot, a, 30000, &d, &c));
     const size_t n = 4099;
     size_t nb = n * (size_t)world * sizeof(float);
     float *h = malloc(nb), *hr = malloc(nb);
@@ -1080,21 +1125,102 @@ static int cu_nccl_rank(tdm_comm *boot, void *arg)
     free(hr);
     tdm_dev_free(d, buf);
     tdm_dev_free(d, out);
-    tdm_comm_free(c);
-    tdm_device_free(d);
-#undef RK_OK
+    cu_rank_teardown(boot, d, c);
     return bad ? 1 : 0;
 }
 
-Test(cuda_gpu, nccl_two_ranks, .timeout = 120)
+/* Two and three ranks on the GPUs there are (on one GPU: all of them). */
+Test(cuda_gpu, nccl_ranks_every_collective, .timeout = 240)
 {
     cu_probe pr;
-    CU_NEED_GPUS(2, &pr);
-    tdm_shm_spawn_opts so = {.timeout_ms = 90000};
-    TU_OK(tdm_shm_spawn(2, cu_nccl_rank, NULL, &so, NULL));
+    CU_NEED_GPUS(1, &pr);
+    cu_ranks_arg a = {.ngpu = pr.ngpu, .victim = -1};
+    tdm_shm_spawn_opts so = {.timeout_ms = 100000};
+    for (int world = 2; world <= 3; world++)
+        cr_assert_eq(tdm_shm_spawn(world, cu_nccl_rank, &a, &so, NULL), TDM_STATUS_OK,
+                     "%d ranks on %d GPU(s): %s", world, pr.ngpu, tdm_error_message());
 }
 
-Test(cuda_gpu, nccl_group_broadcast_reduce)
+Test(cuda_emu, ranks_every_collective_on_one_emulated_device, .timeout = 60)
+{
+    CU_NEED_BACKEND();
+    cu_ranks_arg a = {.ngpu = 0, .victim = -1};
+    for (int world = 2; world <= 3; world++)
+        TU_OK(tdm_shm_spawn(world, cu_nccl_rank, &a, NULL, NULL));
+}
+
+/* A rank SIGKILLed between two collectives: the others, blocked in the
+ * second (in NCCL kernels waiting for it on a GPU), must be stopped by
+ * their watchdog (the shm group's liveness, polled through abort_check,
+ * or NCCL's own error) and fail on their own, well before the NCCL
+ * deadline, with a reason; the spawn names the dead rank. */
+static int cu_kill_rank(tdm_comm *boot, void *arg)
+{
+    const cu_ranks_arg *a = arg;
+    int rank = tdm_comm_rank(boot);
+    tdm_device *d = NULL;
+    tdm_comm *c = NULL;
+    float *buf = NULL;
+    RK_OK(cu_rank_setup(boot, a, 120000, &d, &c));
+    RK_OK(tdm_dev_alloc_zero(d, 4096 * sizeof(float), (void **)&buf));
+    RK_OK(tdm_comm_all_reduce(c, buf, buf, 4096, TDM_DTYPE_FLOAT32, TDM_REDOP_SUM));
+    if (rank == a->victim) raise(SIGKILL);
+    tdm_status st = TDM_STATUS_OK;
+    for (int i = 0; i < 100 && st == TDM_STATUS_OK; i++)
+        st = tdm_comm_all_reduce(c, buf, buf, 4096, TDM_DTYPE_FLOAT32, TDM_REDOP_SUM);
+    a->sh->status[rank] = (int)st;
+    snprintf(a->sh->msg[rank], sizeof a->sh->msg[rank], "%s", tdm_error_message());
+    tdm_dev_free(d, buf);
+    cu_rank_teardown(boot, d, c);
+    return st == TDM_STATUS_OK ? 2 : 0;
+}
+
+static void cu_killed_rank_is_caught(int ngpu, int world)
+{
+    cu_ranks_shared *sh = mmap(NULL, sizeof *sh, PROT_READ | PROT_WRITE,
+                               MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    cr_assert_neq(sh, MAP_FAILED);
+    memset(sh, 0, sizeof *sh);
+    cu_ranks_arg a = {.ngpu = ngpu, .victim = 1, .sh = sh};
+    /* grace: the survivors must stop by themselves, long before SIGTERM */
+    tdm_shm_spawn_opts so = {.timeout_ms = 150000, .grace_ms = 60000};
+    tdm_shm_spawn_result res;
+    tdm_status st = tdm_shm_spawn(world, cu_kill_rank, &a, &so, &res);
+    cr_assert_eq(st, TDM_STATUS_PEER_FAILED, "%d ranks: %s: %s", world, tdm_status_name(st),
+                 tdm_error_message());
+    cr_assert(strstr(tdm_error_message(), "rank 1") && strstr(tdm_error_message(), "signal 9"),
+              "the dead rank is not named: %s", tdm_error_message());
+    for (int r = 0; r < world; r++) {
+        if (r == a.victim) continue;
+        cr_assert(WIFEXITED(res.wstatus[r]) && WEXITSTATUS(res.wstatus[r]) == 0,
+                  "%d ranks: survivor %d did not stop on its own (wait status 0x%x)", world, r,
+                  res.wstatus[r]);
+        cr_assert(sh->status[r] != TDM_STATUS_OK && sh->status[r] != TDM_STATUS_TIMEOUT,
+                  "%d ranks: survivor %d: %s: %s", world, r,
+                  tdm_status_name((tdm_status)sh->status[r]), sh->msg[r]);
+        cr_log_info("%d ranks, survivor %d: %s", world, r, sh->msg[r]);
+    }
+    munmap(sh, sizeof *sh);
+}
+
+Test(cuda_gpu, nccl_killed_rank_is_caught_by_the_watchdog, .timeout = 300)
+{
+    cu_probe pr;
+    CU_NEED_GPUS(1, &pr);
+    cu_killed_rank_is_caught(pr.ngpu, 2);
+    cu_killed_rank_is_caught(pr.ngpu, 3);
+}
+
+Test(cuda_emu, killed_rank_is_caught_on_one_emulated_device, .timeout = 60)
+{
+    CU_NEED_BACKEND();
+    cu_killed_rank_is_caught(0, 3);
+}
+
+#undef RK_OK
+
+/* Needs two GPUs: NCCL refuses two ranks of one process on one GPU. */
+Test(cuda_multi, nccl_group_broadcast_reduce)
 {
     cu_probe pr;
     CU_NEED_GPUS(2, &pr);

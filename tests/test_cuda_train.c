@@ -45,15 +45,31 @@ __attribute__((weak)) int64_t tdm_cuda_emulator_allocs(const tdm_device *d);
 
 static tdm_status open_emu(tdm_device **out, int i) { return tdm_cuda_emulator_open_accel(out, i); }
 static tdm_status open_gpu(tdm_device **out, int i) { return tdm_device_open(out, "cuda", i, 1); }
+/* every handle on the one GPU (or emulated device) 0: DP's copies and
+ * reduce across streams and threads, testable on a one-GPU machine */
+static tdm_status open_emu_same(tdm_device **out, int i)
+{
+    (void)i;
+    return tdm_cuda_emulator_open_accel(out, 0);
+}
+static tdm_status open_gpu_same(tdm_device **out, int i)
+{
+    (void)i;
+    return tdm_device_open(out, "cuda", 0, 1);
+}
 
 /* ============================== DataParallel ============================== */
 
 /* `steps` SGD (momentum) steps under DP over n devices from `open` and on
  * one host device, same seed, same batches: loss of every step, then the
  * master's gradients and parameters, within (atol, rtol). */
-static void dp_vs_host(tdm_status (*open)(tdm_device **, int), int n, int cnn, int batch,
-                       int steps, double atol, double rtol)
+static void dp_vs_host_group(tdm_status (*open)(tdm_device **, int), int n, int cnn, int batch,
+                             int steps, double atol, double rtol, int same)
 {
+    tdm_dp_opts dpo;
+    tdm_dp_opts_default(&dpo);
+    dpo.allow_same_device = same;
+    int group = n > 1 && !same;
     tdm_device *devs[TDM_DP_MAX_DEVICES] = {0}, *hd = NULL;
     tdm_model *m = NULL, *ref = NULL;
     tdm_optim *o = NULL, *oref = NULL;
@@ -71,8 +87,8 @@ static void dp_vs_host(tdm_status (*open)(tdm_device **, int), int n, int cnn, i
     cr_assert_eq(tdm_model_init(&m, devs[0], &spec, 42), TDM_STATUS_OK, "%s", tdm_error_message());
     cr_assert_eq(tdm_sgd_init(&oref, ref, 0.05f, 0.9f), TDM_STATUS_OK);
     cr_assert_eq(tdm_sgd_init(&o, m, 0.05f, 0.9f), TDM_STATUS_OK);
-    cr_assert_eq(tdm_dp_init(&dp, m, devs, n, NULL), TDM_STATUS_OK, "%s", tdm_error_message());
-    cr_assert_eq(tdm_dp_uses_device_group(dp), n > 1, "n=%d: device group %s", n,
+    cr_assert_eq(tdm_dp_init(&dp, m, devs, n, &dpo), TDM_STATUS_OK, "%s", tdm_error_message());
+    cr_assert_eq(tdm_dp_uses_device_group(dp), group, "n=%d: device group %s", n,
                  tdm_dp_uses_device_group(dp) ? "used" : "not used");
     int64_t feat = tdm_data_features(&data), np = tdm_model_param_elems(m);
     float *x = malloc((size_t)batch * (size_t)feat * sizeof *x);
@@ -118,6 +134,13 @@ static void dp_vs_host(tdm_status (*open)(tdm_device **, int), int n, int cnn, i
     tdm_data_free(&data);
 }
 
+/* DP over n distinct devices uses the device group when n > 1. */
+static void dp_vs_host(tdm_status (*open)(tdm_device **, int), int n, int cnn, int batch,
+                       int steps, double atol, double rtol)
+{
+    dp_vs_host_group(open, n, cnn, batch, steps, atol, rtol, 0);
+}
+
 Test(cuda_emu, dp_accelerator_paths_match_one_host_device, .timeout = 120)
 {
     CU_NEED_BACKEND();
@@ -127,6 +150,25 @@ Test(cuda_emu, dp_accelerator_paths_match_one_host_device, .timeout = 120)
             dp_vs_host(open_emu, n, 0, batches[b], 2, 1e-5, 1e-4);
     /* a CNN (batchnorm buffers, conv kernels) on one emulated device */
     dp_vs_host(open_emu, 1, 1, 8, 2, 1e-5, 1e-4);
+}
+
+/* Two and three handles on one device (tdm_dp_opts.allow_same_device):
+ * no device group (NCCL refuses two ranks of a process on one GPU), so
+ * the per-device replicate, scatter, gather and staged reduce, each
+ * replica's thread on its own handle (its own stream on a GPU). */
+static void dp_handles_on_one_device(tdm_status (*open)(tdm_device **, int), double atol,
+                                     double rtol)
+{
+    const int batches[] = {1, 7, 32};
+    for (int n = 2; n <= 3; n++)
+        for (size_t b = 0; b < sizeof batches / sizeof batches[0]; b++)
+            dp_vs_host_group(open, n, 0, batches[b], 3, atol, rtol, 1);
+}
+
+Test(cuda_emu, dp_handles_on_one_emulated_device_match_one_host_device, .timeout = 120)
+{
+    CU_NEED_BACKEND();
+    dp_handles_on_one_device(open_emu_same, 1e-5, 1e-4);
 }
 
 Test(cuda_emu, copy_between_two_emulated_gpus_moves_the_bytes)
@@ -279,7 +321,16 @@ Test(cuda_emu, a_steady_training_step_allocates_no_device_memory, .timeout = 60)
 /* ================================== DDP =================================== */
 
 static tdm_status ddp_open_emu(tdm_device **out, int rank) { return open_emu(out, rank); }
-static tdm_status ddp_open_gpu(tdm_device **out, int rank) { return open_gpu(out, rank); }
+/* Ranks spread over the GPUs there are (ddp_world ranks over ddp_ngpu
+ * GPUs, set before the ranks fork): on one GPU every rank shares it, NCCL
+ * told they are different hosts (cu_rank_gpu). ddp_ngpu 0: the emulator,
+ * every rank on cuda-emu:0. */
+static int ddp_world, ddp_ngpu;
+static tdm_status ddp_open_shared(tdm_device **out, int rank)
+{
+    int dev = cu_rank_gpu(rank, ddp_world, ddp_ngpu);
+    return ddp_ngpu ? open_gpu(out, dev) : open_emu(out, dev);
+}
 static tdm_status ddp_make_nccl(tdm_comm **out, tdm_comm *boot, tdm_device *dev)
 {
     tdm_nccl_opts o = {.timeout_ms = 60000};
@@ -310,6 +361,10 @@ Test(cuda_emu, ddp_accelerator_staging_matches_single_device, .timeout = 120)
     CU_NEED_BACKEND();
     for (int w = 1; w <= 3; w++) ddp_vs_host(w, 0, 23, 2, ddp_open_emu, NULL, 1e-6, 1e-4);
     ddp_vs_host(1, 1, 16, 2, ddp_open_emu, NULL, 1e-6, 1e-4);
+    /* the one-GPU kit's placement: every rank on device 0 */
+    ddp_ngpu = 0;
+    for (ddp_world = 2; ddp_world <= 3; ddp_world++)
+        ddp_vs_host(ddp_world, 0, 24, 2, ddp_open_shared, NULL, 1e-6, 1e-4);
 }
 
 /* ============================ where GPUs exist ============================ */
@@ -321,7 +376,13 @@ Test(cuda_gpu, dp_one_gpu_matches_host, .timeout = 300)
     dp_vs_host(open_gpu, 1, 1, 16, 3, 1e-4, 1e-3);
 }
 
-Test(cuda_gpu, dp_gpus_nccl_group_match_host, .timeout = 300)
+Test(cuda_gpu, dp_handles_on_one_gpu_match_host, .timeout = 300)
+{
+    NEED_GPUS(1);
+    dp_handles_on_one_device(open_gpu_same, 1e-4, 1e-3);
+}
+
+Test(cuda_multi, dp_gpus_nccl_group_match_host, .timeout = 300)
 {
     NEED_GPUS(2);
     char why[512];
@@ -332,28 +393,33 @@ Test(cuda_gpu, dp_gpus_nccl_group_match_host, .timeout = 300)
             dp_vs_host(open_gpu, n, 0, batches[b], 3, 1e-4, 1e-3);
 }
 
-Test(cuda_gpu, ddp_nccl_two_ranks_match_single_device, .timeout = 300)
-{
-    NEED_GPUS(2);
-    ddp_vs_host(2, 0, 24, 3, ddp_open_gpu, ddp_make_nccl, 1e-4, 1e-3);
-    ddp_vs_host(2, 0, 23, 2, ddp_open_gpu, ddp_make_nccl, 1e-4, 1e-3);
-}
-
-Test(cuda_gpu, ddp_nccl_one_rank_cnn_matches_single_device, .timeout = 300)
+/* Two and three ranks over NCCL, on the GPUs there are (on one GPU, all
+ * sharing it); a CNN on one rank. */
+Test(cuda_gpu, ddp_nccl_ranks_match_single_device, .timeout = 300)
 {
     NEED_GPUS(1);
-    ddp_vs_host(1, 1, 16, 3, ddp_open_gpu, ddp_make_nccl, 1e-4, 1e-3);
+    char why[512];
+    ddp_ngpu = cu_gpu_count(why, sizeof why);
+    for (ddp_world = 2; ddp_world <= 3; ddp_world++) {
+        ddp_vs_host(ddp_world, 0, 24, 3, ddp_open_shared, ddp_make_nccl, 1e-4, 1e-3);
+        ddp_vs_host(ddp_world, 0, 23, 2, ddp_open_shared, ddp_make_nccl, 1e-4, 1e-3);
+    }
+    ddp_world = 1;
+    ddp_vs_host(1, 1, 16, 3, ddp_open_shared, ddp_make_nccl, 1e-4, 1e-3);
 }
 
 /* copy_peer: after work already issued on the source, before work issued
  * on either device afterwards (events both ways, no host wait). Large
- * buffers so that a missing order would show. */
-Test(cuda_gpu, peer_copy_between_gpus_is_ordered_both_ways, .timeout = 120)
+ * buffers so that a missing order would show. Between two GPUs, or two
+ * handles (streams) on one. */
+Test(cuda_gpu, peer_copy_is_ordered_both_ways, .timeout = 120)
 {
-    NEED_GPUS(2);
+    NEED_GPUS(1);
+    char why[512];
+    int ngpu = cu_gpu_count(why, sizeof why);
     tdm_device *a = NULL, *b = NULL;
     cr_assert_eq(open_gpu(&a, 0), TDM_STATUS_OK, "%s", tdm_error_message());
-    cr_assert_eq(open_gpu(&b, 1), TDM_STATUS_OK, "%s", tdm_error_message());
+    cr_assert_eq(open_gpu(&b, ngpu > 1 ? 1 : 0), TDM_STATUS_OK, "%s", tdm_error_message());
     const int64_t n = (int64_t)16 << 20;
     float *pa = NULL, *pb = NULL, *h = malloc((size_t)n * sizeof *h);
     cr_assert_not_null(h);
