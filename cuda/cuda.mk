@@ -48,9 +48,15 @@ $(BUILD)/cuda/%.cu.o: cuda/%.cu
 	@$(if $(Q),echo "  NVCC    $<")
 	$(Q)$(NVCC) $(CPPFLAGS) $(CUDA_NVCC_ALL) -MMD -MP -c $< -o $@
 
-.PHONY: test-cuda
-test-cuda: $(BUILD)/tests/test_cuda $(BUILD)/tests/test_cuda_train $(BUILD)/tests/test_bench_cuda \
-           $(BUILD)/tandem
+CUDA_TEST_BINS := $(BUILD)/tests/test_cuda $(BUILD)/tests/test_cuda_train \
+                  $(BUILD)/tests/test_bench_cuda $(BUILD)/tandem
+
+.PHONY: test-cuda test-gpu
+test-cuda: $(CUDA_TEST_BINS)
 	$(Q)sh cuda/test-cuda.sh $(BUILD)
+
+# The one-GPU validation kit (docs/CUDA.md): exit 77 without a GPU.
+test-gpu: $(CUDA_TEST_BINS)
+	$(Q)sh cuda/test-gpu.sh $(BUILD)
 
 -include $(CUDA_OBJ:.o=.d)

@@ -145,8 +145,9 @@ Test(bench_emu, flags_that_do_not_apply_to_cuda_are_refused, .init = emu_init,
     expect_one_line(&r, 2, "--threads sets host BLAS threads; not with --device cuda:0");
     CLI(&r, "bench", "train", "--device", "cuda:0", "--threads", "2");
     expect_one_line(&r, 2, "--threads sets host BLAS threads");
-    CLI(&r, "bench", "gemm", "--device", "cuda");
-    expect_one_line(&r, 2, "--device cuda names 2 devices; it runs on one");
+    /* one device: "cuda" is GPU 0 (cuda_emu_cli tests it), a list is refused */
+    CLI(&r, "bench", "gemm", "--device", "cuda:0,1");
+    expect_one_line(&r, 2, "--device cuda:0,1 names 2 devices; it runs on one");
     /* the shm-only flags stay accepted on host devices */
     CLI(&r, "bench", "all_reduce", "--device", "cpu", "--zero-copy", "-e", "1K", "-w", "1", "-i",
         "2", "--memcpy-bytes", "64K");

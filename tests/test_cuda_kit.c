@@ -233,3 +233,97 @@ Test(cuda_kit, test_cuda_passes_when_gpu_tests_ran_and_fails_on_a_failure, .time
     kit_expect(&k, "test_cuda FAILED");
     kit_fake_free(&k);
 }
+
+/* ------------------------------ test-gpu ---------------------------------- */
+
+static void kit_read_file(const kit_fake *k, const char *rel, char *buf, size_t len)
+{
+    char p[512];
+    snprintf(p, sizeof p, "%s/%s", k->dir, rel);
+    FILE *f = fopen(p, "r");
+    cr_assert_not_null(f, "%s was not written", p);
+    size_t n = fread(buf, 1, len - 1, f);
+    buf[n] = '\0';
+    fclose(f);
+}
+
+Test(cuda_kit, test_gpu_without_a_gpu_says_nothing_ran_and_exits_77, .timeout = 60)
+{
+    kit_need_scripts();
+    static kit_fake k;
+    kit_fake_setup(&k, "SKIP", "SKIP", -1, 0);
+    kit_fake_run(&k, "test-gpu.sh", NULL);
+    cr_assert_eq(k.code, 77, "%s", k.out);
+    kit_expect(&k, "no GPU: nothing ran on a GPU");
+    kit_expect(&k, "verdict          NO GPU");
+    kit_fake_free(&k);
+}
+
+Test(cuda_kit, test_gpu_passes_when_every_one_gpu_test_ran_and_records_a_summary, .timeout = 60)
+{
+    kit_need_scripts();
+    static kit_fake k;
+    static char summary[16384];
+    kit_fake_setup(&k, "PASS", "SKIP", 1, 0);
+    kit_fake_run(&k, "test-gpu.sh", "TANDEM_COMPUTE_SANITIZER=none");
+    cr_assert_eq(k.code, 0, "%s", k.out);
+    kit_expect(&k, "verdict          PASS: all 3 one-GPU tests ran and passed");
+    kit_expect(&k, "device           GPU 0: NVIDIA H100");
+    kit_expect(&k, "kernel 535.104.05");
+    kit_expect(&k, "compute-sanitizer not installed");
+    /* the two-GPU test skipped: reported, not required */
+    kit_expect(&k, "  cuda_multi            0      0       3");
+    kit_read_file(&k, "build/test-gpu.txt", summary, sizeof summary);
+    cr_assert(strstr(summary, "verdict          PASS"), "%s", summary);
+    kit_read_file(&k, "build/test-gpu.log", summary, sizeof summary);
+    cr_assert(strstr(summary, "[PASS] cuda_gpu::kernels_match_host"), "%s", summary);
+    kit_fake_free(&k);
+}
+
+Test(cuda_kit, test_gpu_fails_when_a_one_gpu_test_skipped_on_a_gpu_machine, .timeout = 60)
+{
+    kit_need_scripts();
+    static kit_fake k;
+    kit_fake_setup(&k, "PASS", "SKIP", 1, 0);
+    kit_fake_test(&k, "test_bench_cuda", "SKIP", "SKIP");
+    kit_fake_run(&k, "test-gpu.sh", "TANDEM_COMPUTE_SANITIZER=none");
+    cr_assert_eq(k.code, 1, "%s", k.out);
+    kit_expect(&k, "one-GPU tests did not run");
+    kit_expect(&k, "cuda_gpu::kernels_match_host: no CUDA device");
+    kit_fake_free(&k);
+    /* every GPU test skipped: the versions, as test-cuda */
+    kit_fake_setup(&k, "SKIP", "SKIP", 1, 0);
+    kit_fake_run(&k, "test-gpu.sh", "TANDEM_COMPUTE_SANITIZER=none");
+    cr_assert_eq(k.code, 1, "%s", k.out);
+    kit_expect(&k, "no GPU test ran");
+    kit_expect(&k, "R580");
+    kit_expect(&k, "make NVCC=/usr/local/cuda-12.x/bin/nvcc test-gpu");
+    kit_fake_free(&k);
+}
+
+Test(cuda_kit, test_gpu_fails_on_a_memcheck_error, .timeout = 60)
+{
+    kit_need_scripts();
+    static kit_fake k;
+    char p[512], env[600];
+    kit_fake_setup(&k, "PASS", "SKIP", 1, 0);
+    /* a fake compute-sanitizer: runs the binary after its 8 option words,
+     * then reports what the real one would */
+    snprintf(p, sizeof p, "%s/compute-sanitizer", k.dir);
+    kit_write(p, "#!/bin/sh\nshift 8\n\"$@\"\necho '========= ERROR SUMMARY: 2 errors'\nexit 86\n", 1);
+    snprintf(env, sizeof env, "TANDEM_COMPUTE_SANITIZER='%s'", p);
+    kit_fake_run(&k, "test-gpu.sh", env);
+    cr_assert_eq(k.code, 1, "%s", k.out);
+    kit_expect(&k, "verdict          FAILED: memcheck");
+    kit_expect(&k, "test_cuda: FAILED (exit 86, 2 error(s)");
+    kit_fake_free(&k);
+    /* and a clean one passes */
+    kit_fake_setup(&k, "PASS", "SKIP", 1, 0);
+    snprintf(p, sizeof p, "%s/compute-sanitizer", k.dir);
+    kit_write(p, "#!/bin/sh\nshift 8\n\"$@\"\necho '========= ERROR SUMMARY: 0 errors'\n", 1);
+    snprintf(env, sizeof env, "TANDEM_COMPUTE_SANITIZER='%s'", p);
+    kit_fake_run(&k, "test-gpu.sh", env);
+    cr_assert_eq(k.code, 0, "%s", k.out);
+    kit_expect(&k, "memcheck         test_cuda: 2 tests, 0 errors; test_cuda_train: 2 tests, 0 errors;");
+    kit_fake_free(&k);
+}
