@@ -10,8 +10,11 @@
  *   random inputs (|a-b| <= atol + rtol |ref|), cuBLAS gemm against host
  *   gemm for the four transpose combinations with padded leading
  *   dimensions, an MLP and a CNN forward+backward+SGD step on cuda:0 against
- *   cpu:0, and NCCL collectives (two ranks when two GPUs exist). Without
- *   one these skip with "no CUDA device: ...".
+ *   cpu:0, and NCCL collectives with 1, 2 and 3 ranks on the GPUs there
+ *   are (sharing one GPU on a one-GPU machine) and a killed rank caught by
+ *   the watchdog (suite cuda_gpu); the DP group on 2+ GPUs (cuda_multi).
+ *   Without a GPU these skip with "no CUDA device: ..."; the multi-rank
+ *   tests' code also runs on the emulator, collectives over shm.
  *
  * Compiled in every build: the cuda/ functions are weak references, so
  * the file links when cuda/ is left out (no nvcc), and no CUDA header is

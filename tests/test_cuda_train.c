@@ -11,9 +11,11 @@
  *   the loss. DDP takes its input staging and device-side check tail, over
  *   the shm communicator (which can reduce in the emulator's host memory).
  *   What this does not test: CUDA itself, NCCL.
- * - cuda_gpu (skipped without a GPU, "no CUDA device: ..."): DP over real
- *   GPUs (NCCL group broadcast/reduce when 2+), DDP over 2 forked ranks
- *   with one GPU each and an NCCL communicator bootstrapped over shm.
+ * - cuda_gpu (one GPU is enough; skipped without, "no CUDA device: ..."):
+ *   DP on a GPU and with 2-3 handles on one, DDP over 1-3 forked ranks on
+ *   the GPUs there are (sharing one if need be) with an NCCL communicator
+ *   bootstrapped over shm, peer copies, compare on the CLI;
+ * - cuda_multi (2+ GPUs): DP through the NCCL group.
  * - cuda_nodev (no GPU): `tandem train --mode dp|ddp --device cuda...`
  *   exits 1 with one "no CUDA device: ...; use --device cpu:N" line and
  *   leaves no process or /dev/shm entry behind; so do `tandem compare`
