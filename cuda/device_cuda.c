@@ -1014,7 +1014,7 @@ tdm_status tdm_cuda_describe(char *buf, size_t len)
     }
     for (int i = 0; i < n; i++) {
         struct cudaDeviceProp p;
-        char name[16];
+        char name[24]; /* "cuda:" and any int */
         snprintf(name, sizeof name, "cuda:%d", i);
         cudaError_t e = cudaGetDeviceProperties(&p, i);
         if (e != cudaSuccess) {
