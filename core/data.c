@@ -17,6 +17,7 @@
 #include <zlib.h>
 
 #include "core/log.h"
+#include "core/safefile.h"
 #include "core/rng.h"
 
 #define IDX_MAGIC_IMAGES 0x00000803u
@@ -49,6 +50,7 @@ typedef struct idx_file {
     int ndim;
     size_t header_nbytes;
     size_t payload_nbytes;  /* product of dims */
+    size_t file_nbytes;     /* on disk (compressed or not) */
 } idx_file;
 
 static tdm_status idx_open(idx_file *f, const char *path)
@@ -56,8 +58,7 @@ static tdm_status idx_open(idx_file *f, const char *path)
     int fd;
     memset(f, 0, sizeof *f);
     f->path = path;
-    do fd = open(path, O_RDONLY | O_CLOEXEC); while (fd < 0 && errno == EINTR);
-    if (fd < 0) return tdm_error_set(TDM_STATUS_IO, "%s: %s", path, strerror(errno));
+    TDM_CHECK(tdm_file_open_read(path, &fd, &f->file_nbytes));
     f->gz = gzdopen(fd, "rb");
     if (!f->gz) {
         close(fd);
