@@ -304,6 +304,7 @@ tdm_status tdm_file_replace_open(tdm_file_out *o, int dirfd, const char *path)
     o->fd = -1;
     o->dirfd = -1;
     TDM_REQUIRE(path && *path, TDM_STATUS_INVALID_ARG, "empty file name");
+    /* from here on tdm_file_replace_abort cleans up */
     if (!(o->path = strdup(path)))
         return tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "%s: out of memory", path);
     TDM_TRY(sf_split(o, dirfd, path));
@@ -342,7 +343,9 @@ fail:
 
 void tdm_file_replace_abort(tdm_file_out *o)
 {
-    if (!o) return;
+    /* path is set first by tdm_file_replace_open and cleared last here: a
+     * zeroed struct (fd 0) is not mistaken for an open one */
+    if (!o || !o->path) return;
     if (o->fd >= 0) close(o->fd);
     if (o->tmp[0] && o->dirfd >= 0) unlinkat(o->dirfd, o->tmp, 0);
     if (o->dirfd >= 0) close(o->dirfd);
@@ -372,7 +375,7 @@ static int sf_link_anon(tdm_file_out *o)
 tdm_status tdm_file_replace_commit(tdm_file_out *o)
 {
     tdm_status st = TDM_STATUS_OK;
-    TDM_REQUIRE(o && o->fd >= 0 && o->dirfd >= 0, TDM_STATUS_INVALID_ARG,
+    TDM_REQUIRE(o && o->path && o->fd >= 0 && o->dirfd >= 0, TDM_STATUS_INVALID_ARG,
                 "tdm_file_replace_commit: nothing open");
     int r;
     do r = fsync(o->fd); while (r != 0 && errno == EINTR);

@@ -82,7 +82,7 @@ tdm_status tdm_file_replace_open(tdm_file_out *o, int dirfd, const char *path);
  * the new contents (their rename may not be durable yet). */
 tdm_status tdm_file_replace_commit(tdm_file_out *o);
 /* Drops the temporary file; the target is untouched. Idempotent; a
- * zeroed or already committed o is fine. */
+ * zeroed, failed-to-open or already committed o is fine. */
 void tdm_file_replace_abort(tdm_file_out *o);
 /* What tdm_file_replace_open checks, and a temporary file made and
  * dropped, so that a bad path fails before hours of work (train --save,
