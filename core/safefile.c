@@ -288,12 +288,19 @@ static tdm_status sf_split(tdm_file_out *o, int dirfd, const char *path)
                 "%s: the file name is %zu bytes, longer than the %ld this file system allows: "
                 "choose a shorter name", path, blen, name_max);
     memcpy(o->name, base, blen + 1);
-    struct stat sb;
-    if (fstatat(o->dirfd, o->name, &sb, AT_SYMLINK_NOFOLLOW) == 0 && !S_ISREG(sb.st_mode) &&
-        !S_ISLNK(sb.st_mode))
-        return tdm_error_set(TDM_STATUS_IO, "%s: exists and is %s, not a regular file: refusing "
-                             "to replace it; give the path of a file", path,
-                             sf_kind(sb.st_mode));
+    struct stat sb, db;
+    if (fstatat(o->dirfd, o->name, &sb, AT_SYMLINK_NOFOLLOW) != 0) return TDM_STATUS_OK;
+    TDM_REQUIRE(S_ISREG(sb.st_mode) || S_ISLNK(sb.st_mode), TDM_STATUS_IO,
+                "%s: exists and is %s, not a regular file: refusing to replace it; give the "
+                "path of a file", path, sf_kind(sb.st_mode));
+    /* In a sticky directory (/tmp) only the file's or the directory's owner
+     * may replace it: say so now rather than when the rename fails. */
+    uid_t me = geteuid();
+    TDM_REQUIRE(me == 0 || sb.st_uid == me || fstat(o->dirfd, &db) != 0 ||
+                    !(db.st_mode & S_ISVTX) || db.st_uid == me, TDM_STATUS_IO,
+                "%s: exists, belongs to uid %u and is in a sticky directory: you (uid %u) "
+                "cannot replace it; choose another name", path, (unsigned)sb.st_uid,
+                (unsigned)me);
     return TDM_STATUS_OK;
 }
 

@@ -150,6 +150,27 @@ Test(sf, planted_symlink_at_the_target_is_replaced_not_followed)
     assert_holds(p.at, 10, 3.0f);
 }
 
+/* A non-root user cannot replace another user's file in a sticky
+ * directory: the check says so before the work (it passed, and the save
+ * failed only at the rename). */
+static int sticky_refused(void *arg)
+{
+    tdm_status st = tdm_file_replace_check(AT_FDCWD, arg);
+    return st == TDM_STATUS_IO && strstr(tdm_error_message(), "sticky directory") ? 0 : 1;
+}
+
+Test(sf, another_users_file_in_a_sticky_directory_is_refused_up_front)
+{
+    SU_NEED_ROOT();
+    char shared[128], path[160];
+    snprintf(shared, sizeof shared, "%s/shared", g_dir);
+    snprintf(path, sizeof path, "%s/ckpt", shared);
+    mkdir_mode(shared, 01777);
+    TU_OK(save_floats(path, 4, 1.0f));   /* root's */
+    cr_assert_eq(su_as_nobody(sticky_refused, path), 0, "nobody was not told up front");
+    assert_holds(path, 4, 1.0f);
+}
+
 /* ---- a writer killed mid-save ------------------------------------------- */
 
 /* A child saves a 4 MiB checkpoint over and over and is SIGKILLed at
