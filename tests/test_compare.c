@@ -181,7 +181,7 @@ Test(compare, bad_usage, .timeout = 60)
     CLI(&r, "compare", "--device", "cpu:4", "--batch", "3", "--data", "synthetic");
     expect(&r, 2, "--batch 3 is smaller than the 4 devices");
     CLI(&r, "compare", "--trace", "/nonexistent-dir/t.json", "--data", "synthetic");
-    expect(&r, 2, "cannot write /nonexistent-dir/t.json");
+    expect(&r, 2, "--trace: /nonexistent-dir/t.json: cannot open its directory");
     CLI(&r, "compare", "--plot", "/nonexistent-dir/plots", "--data", "synthetic");
     expect(&r, 2, "--plot /nonexistent-dir/plots: cannot create");
     CLI(&r, "compare", "--sweep", "1,x");

@@ -6,6 +6,7 @@
  * those figures in words. Options --trace, --csv, --plot write the raw
  * material; --sweep repeats DP and DDP over device counts. */
 #include <errno.h>
+#include <fcntl.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -14,6 +15,7 @@
 #include <unistd.h>
 
 #include "core/device.h"
+#include "core/safefile.h"
 #include "models/train.h"
 #include "tools/args.h"
 #include "tools/compare.h"
@@ -58,7 +60,8 @@ static void tdm_cmp_usage(FILE *f)
         "  --no-overlap         DDP all-reduces after backward (to see what overlap buys)\n"
         "  --trace FILE         Chrome trace-event JSON (Perfetto, chrome://tracing)\n"
         "  --csv FILE           raw per-step figures\n"
-        "  --plot DIR           loss, throughput, phase (and scaling) charts, with gnuplot\n"
+        "  --plot DIR           loss, throughput, phase (and scaling) charts, with gnuplot;\n"
+        "                       DIR must be yours and not writable by others\n"
         "  --sweep 1,2,4        also run DP and DDP at these device counts\n"
         "  --perturb-rank R     testing aid: DDP rank R adds 1%% to its gradient share,\n"
         "                       which the equivalence verdict must catch\n"
@@ -297,17 +300,14 @@ int tdm_tool_compare_main(int argc, char **argv)
                     dl.count == 1 ? "" : "s");
             return 2;
         }
-    /* check output paths before the long part */
+    /* check output paths before the long part (core/safefile.h: what the
+     * writes will check again, and nothing left behind) */
     const char *outs[] = {o.trace, o.csv};
+    const char *flags[] = {"--trace", "--csv"};
     for (int i = 0; i < 2; i++)
-        if (outs[i]) {
-            FILE *f = fopen(outs[i], "a");
-            if (!f) {
-                fprintf(stderr, "tandem compare: cannot write %s: ", outs[i]);
-                perror(NULL);
-                return 2;
-            }
-            fclose(f);
+        if (outs[i] && tdm_file_replace_check(AT_FDCWD, outs[i]) != TDM_STATUS_OK) {
+            fprintf(stderr, "tandem compare: %s: %s\n", flags[i], tdm_error_message());
+            return 2;
         }
     /* "out/" and "out" name the same directory: print "out/loss.png" */
     static char plot_dir[4096];
@@ -316,20 +316,12 @@ int tdm_tool_compare_main(int argc, char **argv)
         for (size_t n = strlen(plot_dir); n > 1 && plot_dir[n - 1] == '/'; n--)
             plot_dir[n - 1] = '\0';
         o.plot = plot_dir;
-    }
-    if (o.plot) {
-        struct stat sb;
-        if (mkdir(o.plot, 0755) != 0 && !(errno == EEXIST && stat(o.plot, &sb) == 0 &&
-                                          S_ISDIR(sb.st_mode))) {
-            fprintf(stderr, "tandem compare: --plot %s: cannot create the directory: %s\n",
-                    o.plot, strerror(errno));
+        int dfd = -1;
+        if (tdm_dir_open_safe(o.plot, "--plot", 1, &dfd) != TDM_STATUS_OK) {
+            fprintf(stderr, "tandem compare: %s\n", tdm_error_message());
             return 2;
         }
-        if (access(o.plot, W_OK) != 0) {
-            fprintf(stderr, "tandem compare: --plot %s: not writable: %s\n", o.plot,
-                    strerror(errno));
-            return 2;
-        }
+        close(dfd);
     }
 
     /* data and the global batches */

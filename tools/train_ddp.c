@@ -83,6 +83,21 @@ static tdm_status tdm_train_ddp_step(void *ctx, const float *x, const int32_t *y
     TDM_TRY(tdm_ddp_zero_grad(r->ddp));
     TDM_TRY(tdm_ddp_forward_scaled(r->ddp, x + (int64_t)lo * r->feat, y + lo, hi - lo,
                                    1.0f / (float)batch, &ls));
+    if (!isfinite(ls)) {
+        /* This rank's share went bad: it stops before the gradient
+         * all-reduce and aborts the group with its reason, so every other
+         * rank leaves that all-reduce at once, naming it ("all_reduce #N:
+         * aborted by rank R: loss is NaN at step S ..."): all stop at the
+         * same step without a collective of their own. */
+        char why[256];
+        snprintf(why, sizeof why, "loss is %s at step %lld (rank %d's %d sample%s of the batch "
+                 "of %d): training diverged (a lower learning rate may help)",
+                 isnan(ls) ? "NaN" : ls > 0 ? "+inf" : "-inf",
+                 (long long)tdm_optim_steps(r->opt) + 1, r->rank, hi - lo,
+                 hi - lo == 1 ? "" : "s", batch);
+        tdm_comm_abort(r->comm, why);
+        return tdm_error_set(TDM_STATUS_NONFINITE, "rank %d: %s", r->rank, why);
+    }
     TDM_TRY(tdm_ddp_backward(r->ddp));
     TDM_TRY(tdm_ddp_step(r->ddp, r->opt));
     *loss_mean = tdm_ddp_loss_sum(r->ddp) / batch;   /* carried by the gradient all-reduce */
@@ -207,7 +222,9 @@ static int tdm_train_ddp_rank_main(tdm_comm *comm, void *arg)
     if (rank == 0) tdm_train_ddp_report(ddp, world);
     rc = 0;
 done:
-    if (rc) tdm_comm_abort(comm, "rank failed");
+    /* the reason travels to the ranks still waiting (a no-op when the
+     * group was aborted already) */
+    if (rc) tdm_comm_abort(comm, tdm_error_message()[0] ? tdm_error_message() : "rank failed");
     fflush(stdout);
     tdm_ddp_free(ddp);
     tdm_comm_free(nccl);   /* before comm, which bootstrapped it */
