@@ -76,6 +76,8 @@ struct tdm_ddp {
     int32_t *y_dev;
     int stage_cap;
     int fwd_batch, have_fwd;
+    double fwd_loss;             /* the pending forward's loss sum, added at its backward */
+    const char *fwd_lost;        /* why there is no forward to go back through, or NULL */
     tdm_ddp_times times;
 };
 
@@ -470,6 +472,13 @@ tdm_status tdm_ddp_evaluate(tdm_ddp *d, const tdm_dataset *test, int batch, doub
     tdm_model *m = d->m;
     TDM_REQUIRE(test && batch > 0 && loss_mean && accuracy, TDM_STATUS_INVALID_ARG,
                 "ddp evaluate: test, batch > 0 and outputs are required");
+    /* Evaluation runs forwards on this same model: a pending training
+     * forward's activations are about to be overwritten. */
+    if (d->have_fwd) {
+        d->have_fwd = 0;
+        d->fwd_lost = "tdm_ddp_evaluate ran forwards on the model since the last "
+                      "tdm_ddp_forward and replaced its activations";
+    }
     if (d->world > 1 && tdm_model_buffer_elems(m) > 0) {
         tdm_status st = tdm_comm_broadcast(d->comm, tdm_model_buffers(m), tdm_model_buffers(m),
                                            (size_t)tdm_model_buffer_elems(m), TDM_DTYPE_FLOAT32, 0);
@@ -545,6 +554,7 @@ tdm_status tdm_ddp_forward_scaled(tdm_ddp *d, const float *x, const int32_t *y, 
     uint64_t t0 = tdm_time_ns();
     tdm_model *m = d->m;
     d->have_fwd = 0;
+    d->fwd_lost = NULL;
     if (tdm_model_is_train(m) && !d->o.no_broadcast_buffers && d->world > 1 &&
         tdm_model_buffer_elems(m) > 0) {
         tdm_status st = tdm_comm_broadcast(d->comm, tdm_model_buffers(m), tdm_model_buffers(m),
@@ -574,8 +584,8 @@ tdm_status tdm_ddp_forward_scaled(tdm_ddp *d, const float *x, const int32_t *y, 
     uint64_t t2 = tdm_time_ns();
     d->fwd_batch = batch;
     d->have_fwd = 1;
+    d->fwd_loss = ls;   /* counted once its backward runs: a replaced forward is not reduced */
     if (tdm_model_is_train(m)) d->fwd_count++;
-    d->loss_accum += ls;
     d->times.last.ms[TDM_PHASE_FORWARD] = (double)(t1 - t0) * 1e-6;
     d->times.last.ms[TDM_PHASE_LOSS] = (double)(t2 - t1) * 1e-6;
     d->times.total.ms[TDM_PHASE_FORWARD] += (double)(t1 - t0) * 1e-6;
@@ -672,8 +682,11 @@ static tdm_status tdm_ddp_finish(tdm_ddp *d)
 tdm_status tdm_ddp_backward(tdm_ddp *d)
 {
     tdm_status st = TDM_STATUS_OK;
+    TDM_REQUIRE(d->have_fwd || !d->fwd_lost, TDM_STATUS_INVALID_ARG,
+                "ddp backward: %s; call tdm_ddp_forward again before backward", d->fwd_lost);
     TDM_REQUIRE(d->have_fwd, TDM_STATUS_INVALID_ARG, "ddp backward: no forward before it");
     d->have_fwd = 0;
+    d->loss_accum += d->fwd_loss;
     tdm_model *m = d->m;
     int sync = d->sync;
     uint32_t seq = (uint32_t)(d->fwd_count % TDM_DDP_SEQ_MOD) + 1;

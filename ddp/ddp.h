@@ -104,7 +104,10 @@ tdm_status tdm_ddp_zero_grad(tdm_ddp *d);
  * (broadcast first, so that batchnorm's running statistics are the same
  * on every rank), and the loss and correct counts are all-reduced: every
  * rank gets the whole set's mean loss and accuracy, in about 1/W of the
- * time one rank would take, and no rank waits for another's evaluation. */
+ * time one rank would take, and no rank waits for another's evaluation.
+ * Its forwards overwrite the model's activations: a forward not yet gone
+ * back through is dropped (its loss is not counted), and a backward
+ * before the next tdm_ddp_forward is refused (INVALID_ARG). */
 tdm_status tdm_ddp_evaluate(tdm_ddp *d, const tdm_dataset *test, int batch, double *loss_mean,
                             double *accuracy);
 
@@ -118,7 +121,8 @@ tdm_status tdm_ddp_forward(tdm_ddp *d, const float *x, const int32_t *y, int bat
  * global batch); *loss_sum is the sum of this rank's per-sample losses. */
 tdm_status tdm_ddp_forward_scaled(tdm_ddp *d, const float *x, const int32_t *y, int batch,
                                   float grad_scale, double *loss_sum);
-/* Backward of the last forward; in sync mode, all-reduces the gradients
+/* Backward of the last forward (refused when there is none, or when
+ * tdm_ddp_evaluate ran since); in sync mode, all-reduces the gradients
  * (bucket by bucket, overlapped) and returns once all are reduced. On a
  * communication error the communicator is aborted (the other ranks stop)
  * and the error names the failing rank. */

@@ -359,3 +359,74 @@ Test(ddp_cnn, evaluate_spread_over_ranks_equals_rank0_alone)
     }
     munmap(out, sizeof *out);
 }
+
+/* forward -> evaluate -> backward: evaluation ran forwards on the same
+ * model, so the training forward's activations are gone; backward must
+ * be refused (it read the evaluation's activations: a heap-buffer-overflow
+ * under ASan when the last evaluation chunk outgrew the batch, silently
+ * wrong gradients otherwise), and a new forward must make it work again. */
+typedef struct eval_bwd_out {
+    int refused[4], recovered[4];
+    double loss_sum[4], last_loss[4];   /* tdm_ddp_loss_sum; the last forward's loss sum */
+    char err[4][512];
+} eval_bwd_out;
+
+static int eval_bwd_rank(tdm_comm *comm, void *arg)
+{
+    eval_bwd_out *out = arg;
+    int rank = tdm_comm_rank(comm);
+    tdm_device *dev = NULL;
+    tdm_model *m = NULL;
+    tdm_ddp *ddp = NULL;
+    tdm_model_spec spec;
+    tddp_spec(&spec, 0);
+    if (tdm_device_open(&dev, "cpu", rank, 1) || tdm_model_init(&m, dev, &spec, 5) ||
+        tdm_ddp_init(&ddp, m, comm, NULL))
+        return 1;
+    int64_t feat = tdm_data_features(&g_data);
+    const float *x = g_data.x + (int64_t)rank * 8 * feat;
+    const int32_t *y = g_data.y + rank * 8;
+    double l, el, ea;
+    /* 4096 rows over 2 ranks in chunks of 100: the last chunk has 48 rows,
+     * more than the 8 of the training forward */
+    for (int sync = 1; sync >= 0; sync--) {
+        tdm_ddp_no_sync(ddp, !sync);
+        if (tdm_ddp_zero_grad(ddp) || tdm_ddp_forward(ddp, x, y, 8, &l)) return 2;
+        if (tdm_ddp_evaluate(ddp, &g_data, 100, &el, &ea)) return 3;
+        tdm_status st = tdm_ddp_backward(ddp);
+        if (st == TDM_STATUS_INVALID_ARG) out->refused[rank]++;
+        snprintf(out->err[rank], sizeof out->err[rank], "%s", st ? tdm_error_message() : "");
+    }
+    tdm_ddp_no_sync(ddp, 0);
+    if (tdm_ddp_zero_grad(ddp) || tdm_ddp_forward(ddp, x, y, 8, &l)) return 4;
+    if (tdm_ddp_backward(ddp) == TDM_STATUS_OK) out->recovered[rank] = 1;
+    out->loss_sum[rank] = tdm_ddp_loss_sum(ddp);
+    out->last_loss[rank] = l * 8;
+    tdm_ddp_free(ddp);
+    tdm_model_free(m);
+    tdm_device_free(dev);
+    return 0;
+}
+
+Test(ddp_mlp, backward_after_evaluate_is_refused)
+{
+    eval_bwd_out *out = mmap(NULL, sizeof *out, PROT_READ | PROT_WRITE,
+                             MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    cr_assert_neq(out, MAP_FAILED);
+    memset(out, 0, sizeof *out);
+    tdm_ddp_spawn_opts so = {.timeout_ms = 60000, .arena_bytes = 1 << 20};
+    cr_assert_eq(tdm_ddp_spawn(2, eval_bwd_rank, out, &so, NULL), TDM_STATUS_OK, "%s",
+                 tdm_error_message());
+    for (int r = 0; r < 2; r++) {
+        cr_assert_eq(out->refused[r], 2, "rank %d: backward after evaluate accepted (%d of 2 "
+                     "refused; last: '%s')", r, out->refused[r], out->err[r]);
+        cr_assert(strstr(out->err[r], "tdm_ddp_evaluate") && strstr(out->err[r], "forward"),
+                  "rank %d: %s", r, out->err[r]);
+        cr_assert(out->recovered[r], "rank %d: a new forward did not make backward work", r);
+        /* the invalidated forwards' losses were never reduced: not counted */
+        double want = out->last_loss[0] + out->last_loss[1];
+        cr_assert(fabs(out->loss_sum[r] - want) <= 1e-5 * want, "rank %d: loss sum %.9g, the "
+                  "reduced forwards' %.9g", r, out->loss_sum[r], want);
+    }
+    munmap(out, sizeof *out);
+}
