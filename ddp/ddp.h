@@ -4,20 +4,33 @@
  * bucket plan (naming the rank and tensor that differ), broadcasts
  * parameters and buffers from rank 0, moves the gradient buffer into
  * communicator memory (tdm_comm_alloc: zero-copy all-reduce) and plans
- * buckets: contiguous views of the flat gradient buffer in reverse
- * parameter order, bucket 0 (the last parameters, whose gradients backward
- * produces first) capped at first_bucket_bytes, the others at the bucket
- * cap; a parameter is never split. The Reducer (the model's grad-ready
- * hook) launches each bucket's asynchronous all-reduce as soon as it is
- * complete, strictly in bucket order, while backward continues.
+ * buckets as PyTorch's DDP does (compute_bucket_assignment_by_size): each
+ * parameter joins the open bucket, which closes once it holds at least
+ * the limit (first_bucket_bytes for the first bucket closed, the bucket
+ * cap after it); a parameter is never split. Without
+ * find_unused_parameters the first synchronised backward reduces every
+ * gradient as one bucket and records the order in which they became
+ * ready; the next one re-plans the buckets in that order (PyTorch's
+ * rebuild; every rank must get the same plan, and a rank that does not is
+ * named) and that plan holds from then on. With find_unused_parameters the
+ * plan is made once, walking the parameters in definition order, and
+ * bucket 0 holds the last ones. A bucket is a contiguous view of the flat
+ * gradient buffer. The Reducer (the model's grad-ready hook) launches each
+ * bucket's asynchronous all-reduce as soon as it is complete, strictly in
+ * bucket order, while backward continues.
  *
  * Gradient semantics: tdm_ddp_forward scales the loss gradient so that a
  * SUM all-reduce gives the gradient of the global batch's mean loss:
- * forward_global with grad_scale 1/B_global is exact for any split of the
- * global batch (uneven shares included); tdm_ddp_forward uses
+ * tdm_ddp_forward_scaled with grad_scale 1/B_global is exact for any split
+ * of the global batch (uneven shares included); tdm_ddp_forward uses
  * 1/(B_local * world), which is PyTorch's mean-loss-then-AVG (exact when
- * every rank has the same B_local). Summation is in rank order, so every
- * rank gets bitwise the same gradient, with or without overlap.
+ * every rank has the same B_local). The order of the summation is the
+ * communicator's. The shm communicator adds in rank order in every
+ * algorithm, so every rank gets bitwise the same gradient, with or without
+ * overlap and whatever the bucket plan. NCCL adds in its own order (ring
+ * or tree, chosen by message size), so results equal shm's within
+ * rounding, not bitwise; its algorithms reduce each element once and pass
+ * the result on, so the ranks still receive the same values.
  *
  * Uses only core/comm.h: it does not create communicators (ddp/pg.h does)
  * and knows nothing of processes (ddp/spawn.h, tools/launch.c). */
@@ -39,7 +52,8 @@
 typedef struct tdm_ddp_opts {
     double bucket_cap_mb;        /* bucket cap in MiB; 0: 25 */
     size_t bucket_cap_bytes;     /* when non-zero, overrides bucket_cap_mb (tests) */
-    size_t first_bucket_bytes;   /* cap of bucket 0; 0: 1 MiB (never above the cap) */
+    size_t first_bucket_bytes;   /* limit of the first bucket closed; 0: 1 MiB (never above
+                                    the cap; PyTorch's _DEFAULT_FIRST_BUCKET_BYTES) */
     int no_overlap;              /* 1: all-reduce every bucket after backward */
     int no_broadcast_buffers;    /* 1: do not broadcast buffers at each forward */
     int find_unused_parameters;  /* reduce parameters without gradient as zeros */
@@ -87,10 +101,13 @@ void tdm_ddp_free(tdm_ddp *d);
 tdm_model *tdm_ddp_model(tdm_ddp *d);
 tdm_comm *tdm_ddp_comm(tdm_ddp *d);
 
-/* Bucket b holds parameters first..last (first <= last; bucket 0 holds
- * the last parameters, the ones backward finishes first) as the view
- * [offset, offset + n_elem) of the flat gradient buffer (alignment padding
- * included; bucket 0 also carries the Reducer's 192-float check tail). */
+/* The current plan: one bucket from init until the first synchronised
+ * backward has run (without find_unused_parameters), then the plan
+ * rebuilt at the start of the next one. Bucket b holds parameters
+ * first..last (first <= last; bucket 0 holds the last parameters, the
+ * ones backward finishes first) as the view [offset, offset + n_elem) of
+ * the flat gradient buffer (alignment padding included; the bucket of the
+ * last parameter also carries the Reducer's 192-float check tail). */
 int tdm_ddp_n_buckets(const tdm_ddp *d);
 void tdm_ddp_bucket_info(const tdm_ddp *d, int b, int *first_param, int *last_param,
                          int64_t *offset, int64_t *n_elem);
