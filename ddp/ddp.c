@@ -68,7 +68,7 @@ struct tdm_ddp {
     int *group;                  /* scratch of the planner */
     int record_order;            /* 1: record the ready order in the next synchronised backward */
     int rebuild_pending;         /* 1: re-plan from `order` at the next synchronised backward */
-    unsigned char *ready, *unused;
+    unsigned char *ready;
     int next_launch;
     int in_backward, sync;
     uint64_t t_bwd0, sync_count, fwd_count;
@@ -213,10 +213,9 @@ static tdm_status tdm_ddp_plan(tdm_ddp *d)
     d->bt = calloc((size_t)n, sizeof *d->bt);
     d->param_bucket = calloc((size_t)n, sizeof *d->param_bucket);
     d->ready = calloc((size_t)n, 1);
-    d->unused = calloc((size_t)n, 1);
     d->order = calloc((size_t)n, sizeof *d->order);
     d->group = calloc((size_t)n, sizeof *d->group);
-    if (!d->b || !d->bt || !d->param_bucket || !d->ready || !d->unused || !d->order || !d->group)
+    if (!d->b || !d->bt || !d->param_bucket || !d->ready || !d->order || !d->group)
         return tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "ddp: bucket plan for %d parameters", n);
     size_t first_cap, cap;
     tdm_ddp_caps(d, &first_cap, &cap);
@@ -436,8 +435,7 @@ static void tdm_ddp_hook(void *ctx, tdm_model *m, int first, int last)
     tdm_ddp *d = ctx;
     (void)m;
     if (!d->in_backward || !d->sync) return;
-    for (int p = last; p >= first; p--)
-        if (!d->unused[p]) tdm_ddp_mark_ready(d, p);
+    for (int p = last; p >= first; p--) tdm_ddp_mark_ready(d, p);
     if (!d->o.no_overlap) tdm_ddp_launch_ready(d);
     tdm_ddp_poll(d);
 }
@@ -570,7 +568,6 @@ void tdm_ddp_free(tdm_ddp *d)
     free(d->bt);
     free(d->param_bucket);
     free(d->ready);
-    free(d->unused);
     free(d->order);
     free(d->group);
     free(d);
@@ -638,14 +635,6 @@ tdm_status tdm_ddp_evaluate(tdm_ddp *d, const tdm_dataset *test, int batch, doub
 }
 
 void tdm_ddp_no_sync(tdm_ddp *d, int enable) { d->sync = !enable; }
-
-tdm_status tdm_ddp_mark_unused(tdm_ddp *d, int param)
-{
-    TDM_REQUIRE(param >= 0 && param < d->n_params, TDM_STATUS_INVALID_ARG,
-                "ddp: parameter %d out of range (0..%d)", param, d->n_params - 1);
-    d->unused[param] = 1;
-    return TDM_STATUS_OK;
-}
 
 static tdm_status tdm_ddp_stage(tdm_ddp *d, const float *x, const int32_t *y, int batch,
                                 const float **xd, const int32_t **yd)
@@ -845,22 +834,10 @@ tdm_status tdm_ddp_backward(tdm_ddp *d)
         d->in_backward = 1;
         st = tdm_model_backward(m, d->dlogits);
         d->in_backward = 0;
-        if (st) {
-            memset(d->unused, 0, (size_t)d->n_params);
-            return sync ? tdm_ddp_fail_abort(d, st) : st;
-        }
+        if (st) return sync ? tdm_ddp_fail_abort(d, st) : st;
     }
     uint64_t t1 = tdm_time_ns();
-    /* Parameters marked unused: the backward wrote into their gradient,
-     * but the contribution of a parameter that took no part is zero. */
-    for (int p = 0; p < d->n_params; p++) {
-        if (!d->unused[p]) continue;
-        const tdm_tensor_info *t = tdm_model_param_info(m, p);
-        TDM_CHECK(d->dev->ops->memset_zero(d->dev, d->grads + t->offset,
-                                          (size_t)t->n_elem * sizeof(float)));
-    }
     if (!sync) {
-        memset(d->unused, 0, (size_t)d->n_params);
         d->times.last.ms[TDM_PHASE_BACKWARD] = (double)(t1 - d->t_bwd0) * 1e-6;
         d->times.last.ms[TDM_PHASE_ALLREDUCE_WAIT] = 0;
         d->times.total.ms[TDM_PHASE_BACKWARD] += d->times.last.ms[TDM_PHASE_BACKWARD];
@@ -868,16 +845,18 @@ tdm_status tdm_ddp_backward(tdm_ddp *d)
     }
     if (d->hook_st) {
         tdm_error_set(d->hook_st, "%s", d->hook_msg);
-        memset(d->unused, 0, (size_t)d->n_params);
         return tdm_ddp_fail_abort(d, d->hook_st);
     }
-    for (int p = d->n_params - 1; p >= 0; p--) {
-        if (d->ready[p]) continue;
-        /* A rank without samples contributes its gradients as they are. */
-        if (d->fwd_batch == 0 || (d->unused[p] && d->o.find_unused_parameters))
+    /* A parameter whose grad-ready hook did not fire took no part in this
+     * step (its layer's backward did not run, or this rank had no
+     * samples): this backward added nothing to its gradient, which holds
+     * what zero_grad and any no_sync backwards left there (zeros, or the
+     * accumulated micro-batches). It is reduced as it stands, never
+     * zeroed. Without find_unused_parameters that is an error, unless the
+     * rank had no samples at all. */
+    for (int p = d->n_params - 1; p >= 0; p--)
+        if (!d->ready[p] && (d->fwd_batch == 0 || d->o.find_unused_parameters))
             tdm_ddp_mark_ready(d, p);
-    }
-    memset(d->unused, 0, (size_t)d->n_params);
     for (int i = 0; i < d->nb; i++) {
         if (d->b[i].pending == 0) continue;
         st = tdm_ddp_unready_error(d);

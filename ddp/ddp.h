@@ -56,7 +56,12 @@ typedef struct tdm_ddp_opts {
                                     the cap; PyTorch's _DEFAULT_FIRST_BUCKET_BYTES) */
     int no_overlap;              /* 1: all-reduce every bucket after backward */
     int no_broadcast_buffers;    /* 1: do not broadcast buffers at each forward */
-    int find_unused_parameters;  /* reduce parameters without gradient as zeros */
+    /* 1: a parameter whose grad-ready hook has not fired by the end of a
+     * synchronised backward took no part in the step, and its gradient is
+     * reduced as it stands (zeros, or what no_sync accumulated); 0: that
+     * backward fails naming it. Also selects PyTorch's plan for it (see
+     * above): made once, never rebuilt. */
+    int find_unused_parameters;
     int64_t timeout_ms;          /* bound on each bucket wait; 0: the communicator's */
     /* Borrowed, optional: the communicator for the few collectives on host
      * memory (the layout check at init, checkpoint flags), with the same
@@ -156,12 +161,6 @@ tdm_status tdm_ddp_step(tdm_ddp *d, tdm_optim *opt);
 /* no_sync: while enabled, backward only accumulates local gradients; the
  * next synchronised backward reduces the accumulated sum. */
 void tdm_ddp_no_sync(tdm_ddp *d, int enable);
-
-/* Test hook: in the next backward, parameter i takes no part (its
- * grad-ready call is dropped and its local gradient zeroed). With
- * find_unused_parameters it is reduced as zeros; without, that backward
- * fails with an error naming it (and aborts the communicator). */
-tdm_status tdm_ddp_mark_unused(tdm_ddp *d, int param);
 
 void tdm_ddp_get_times(const tdm_ddp *d, tdm_ddp_times *out);
 

@@ -1,8 +1,9 @@
 /* tests/test_ddp.c: DDP against single-device training: equivalence with
  * 1..4 ranks (MLP, uneven batches, CNN with per-rank batchnorm), overlap on
- * and off bit for bit, no_sync, find_unused_parameters,
- * collective-sequence and layout mismatches. Each test forks its ranks
- * through tdm_ddp_spawn (bounded run time, nothing left behind). */
+ * and off bit for bit, no_sync, collective-sequence and layout mismatches,
+ * evaluation spread over the ranks. Each test forks its ranks through
+ * tdm_ddp_spawn (bounded run time, nothing left behind). Bucket plans,
+ * overlap on large buckets and unused parameters: test_ddp_reducer.c. */
 #include <criterion/criterion.h>
 
 #include "tests/test_ddp_util.h"
@@ -97,57 +98,6 @@ Test(ddp_mlp, no_sync_accumulation_equals_large_batch)
     for (int s = 0; s < 3; s++) cr_assert(fabs(a->loss[s] - b->loss[s]) < 1e-5);
     tddp_shared_free(a);
     tddp_shared_free(b);
-}
-
-Test(ddp_mlp, find_unused_parameters)
-{
-    tddp_shared *sh = tddp_shared_new(), *ref = tddp_shared_new();
-    tddp_cfg c = tddp_cfg_default();
-    c.cap_bytes = 100;
-    run_to(&c, 2, ref);
-    /* fc2.weight (parameter 2) takes no part on rank 1: with the option
-     * its reduced gradient is rank 0's contribution only */
-    c.unused_param = 2;
-    c.unused_ranks = 2;
-    c.find_unused = 1;
-    run_to(&c, 2, sh);
-    /* all ranks unused: reduced as zeros */
-    tddp_shared *z = tddp_shared_new();
-    c.unused_ranks = 3;
-    run_to(&c, 2, z);
-    tdm_model_spec spec;
-    tddp_spec(&spec, 0);
-    /* offsets: fc1.weight 320 @0, fc1.bias 16 @320, fc2.weight 192 @336 */
-    for (int i = 336; i < 336 + 192; i++) cr_assert_eq(z->grads0[i], 0.0f);
-    int differs = 0;
-    for (int i = 336; i < 336 + 192; i++) differs |= sh->grads0[i] != ref->grads0[i];
-    cr_assert(differs);
-    for (int i = 0; i < 336; i++) cr_assert_eq(z->grads0[i], ref->grads0[i]);
-    /* and the reduced gradient is exactly the other rank's share: rank 0's
-     * share (rank 1 unused) plus rank 1's share (rank 0 unused) is the
-     * full gradient, so a wrong scale, a doubled or a garbage share fails */
-    tddp_shared *other = tddp_shared_new();
-    c.unused_ranks = 1;
-    run_to(&c, 2, other);
-    for (int i = 336; i < 336 + 192; i++) {
-        double sum = (double)sh->grads0[i] + other->grads0[i], want = ref->grads0[i];
-        cr_assert(fabs(sum - want) <= 1e-6 + 1e-4 * fabs(want),
-                  "fc2.weight grad [%d]: shares %g + %g != %g", i - 336, sh->grads0[i],
-                  other->grads0[i], ref->grads0[i]);
-    }
-    tddp_shared_free(other);
-    /* without the option: that backward fails on every rank, naming it */
-    c.find_unused = 0;
-    c.unused_ranks = 2;
-    memset(sh, 0, sizeof *sh);
-    tdm_status st = tddp_spawn(2, &c, &g_data, sh, 30000);
-    cr_assert_neq(st, TDM_STATUS_OK);
-    cr_assert(strstr(sh->err[1], "fc2.weight"), "rank 1: %s", sh->err[1]);
-    cr_assert(strstr(sh->err[1], "find_unused_parameters"), "rank 1: %s", sh->err[1]);
-    cr_assert_neq(sh->status[0], TDM_STATUS_OK, "rank 0 should fail too");
-    tddp_shared_free(sh);
-    tddp_shared_free(ref);
-    tddp_shared_free(z);
 }
 
 Test(ddp_mlp, skipped_backward_is_a_mismatch_not_a_hang)

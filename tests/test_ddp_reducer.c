@@ -6,8 +6,10 @@
  * a rank whose rebuilt plan differs is named. On a model large enough for
  * the pipelined and the zero-copy all-reduce (buckets > 4 KiB), bytes are
  * reduced while backward runs with overlap on, none with it off, and the
- * parameters are bit-identical either way. Each test forks its ranks
- * through tdm_ddp_spawn (bounded run time, nothing left behind). */
+ * parameters are bit-identical either way. find_unused_parameters finds
+ * a layer whose backward did not run and reduces its zeros, and never
+ * zeroes what no_sync accumulated. Each test forks its ranks through
+ * tdm_ddp_spawn (bounded run time, nothing left behind). */
 #include <criterion/criterion.h>
 
 #include "tests/test_ddp_util.h"
@@ -219,4 +221,138 @@ Test(ddp_reducer, overlap_reduces_during_backward_on_pipelined_and_zero_copy_pat
     }
     tddp_shared_free(on);
     tddp_shared_free(off);
+}
+
+/* ---- unused parameters ---- */
+
+/* MLP 20-16-12-5 as above; layer 0 is fc1 (parameters 0 and 1, elements
+ * 0..335 of the flat buffer with padding), fc2.weight starts at 336.
+ * Stopping backward at layer 1 leaves fc1 out of the step: its gradient
+ * is not touched and its grad-ready hook does not fire. */
+#define FC1_ELEMS 336
+
+Test(ddp_reducer, backward_stop_leaves_the_layers_below_out)
+{
+    tdm_device *dev;
+    tdm_model *m;
+    tdm_model_spec spec;
+    tddp_spec(&spec, 0);
+    cr_assert_eq(tdm_device_open(&dev, "cpu", 0, 1), TDM_STATUS_OK);
+    cr_assert_eq(tdm_model_init(&m, dev, &spec, 5), TDM_STATUS_OK);
+    int64_t n = tdm_model_param_elems(m);
+    float *full = malloc((size_t)n * 4);
+    double l;
+    cr_assert_eq(tdm_model_forward_backward(m, g_data.x, g_data.y, 24, &l), TDM_STATUS_OK);
+    memcpy(full, tdm_model_grads(m), (size_t)n * 4);
+    cr_assert_eq(tdm_model_zero_grad(m), TDM_STATUS_OK);
+    cr_assert_eq(tdm_model_set_backward_stop(m, 1), TDM_STATUS_OK);
+    cr_assert_eq(tdm_model_forward_backward(m, g_data.x, g_data.y, 24, &l), TDM_STATUS_OK);
+    const float *g = tdm_model_grads(m);
+    for (int64_t i = 0; i < FC1_ELEMS; i++) cr_assert_eq(g[i], 0.0f, "fc1 grad [%lld]", (long long)i);
+    cr_assert(!memcmp(g + FC1_ELEMS, full + FC1_ELEMS, (size_t)(n - FC1_ELEMS) * 4));
+    cr_assert_eq(tdm_model_set_backward_stop(m, 4), TDM_STATUS_INVALID_ARG);
+    free(full);
+    tdm_model_free(m);
+    tdm_device_free(dev);
+}
+
+/* find_unused_parameters finds fc1 unused from the step itself (its hook
+ * did not fire) and reduces that rank's gradient as it stands: zeros. */
+Test(ddp_reducer, find_unused_parameters_detects_a_layer_left_out)
+{
+    tddp_shared *sh = tddp_shared_new(), *ref = tddp_shared_new();
+    tddp_shared *other = tddp_shared_new(), *z = tddp_shared_new();
+    tddp_cfg c = tddp_cfg_default();
+    c.cap_bytes = 100;
+    c.find_unused = 1;
+    run_to(&c, 2, ref);
+    c.detach_layer = 1;
+    c.detach_ranks = 2;      /* fc1 takes no part on rank 1 */
+    run_to(&c, 2, sh);
+    c.detach_ranks = 1;      /* on rank 0 */
+    run_to(&c, 2, other);
+    c.detach_ranks = 3;      /* on both */
+    run_to(&c, 2, z);
+    int64_t n = ref->n_elem;
+    for (int64_t i = 0; i < FC1_ELEMS; i++) cr_assert_eq(z->grads0[i], 0.0f);
+    cr_assert(!memcmp(z->grads0 + FC1_ELEMS, ref->grads0 + FC1_ELEMS,
+                      (size_t)(n - FC1_ELEMS) * 4), "the used parameters' gradients changed");
+    /* each rank's share alone: rank 0's (rank 1 unused) plus rank 1's
+     * (rank 0 unused) is the full gradient, so a wrong scale, a doubled
+     * or a garbage share fails */
+    int differs = 0;
+    for (int64_t i = 0; i < FC1_ELEMS; i++) {
+        double sum = (double)sh->grads0[i] + other->grads0[i], want = ref->grads0[i];
+        differs |= sh->grads0[i] != ref->grads0[i];
+        cr_assert(fabs(sum - want) <= 1e-6 + 1e-4 * fabs(want),
+                  "fc1 grad [%lld]: shares %g + %g != %g", (long long)i, sh->grads0[i],
+                  other->grads0[i], ref->grads0[i]);
+    }
+    cr_assert(differs);
+    cr_assert(!memcmp(sh->grads0, sh->grads0_r1, (size_t)n * 4), "ranks disagree");
+    /* without the option: that backward fails on every rank, naming fc1 */
+    c.find_unused = 0;
+    c.detach_ranks = 2;
+    memset(sh, 0, sizeof *sh);
+    tdm_status st = tddp_spawn(2, &c, &g_data, sh, 30000);
+    cr_assert_neq(st, TDM_STATUS_OK);
+    cr_assert(strstr(sh->err[1], "fc1.weight"), "rank 1: %s", sh->err[1]);
+    cr_assert(strstr(sh->err[1], "find_unused_parameters"), "rank 1: %s", sh->err[1]);
+    cr_assert_neq(sh->status[0], TDM_STATUS_OK, "rank 0 should fail too");
+    tddp_shared_free(sh);
+    tddp_shared_free(ref);
+    tddp_shared_free(other);
+    tddp_shared_free(z);
+}
+
+/* A parameter used in a no_sync micro-batch and unused (on every rank) in
+ * the synchronised one: what no_sync accumulated is reduced, not zeroed.
+ * Global batch 24 in two micro-batches of 12, loss gradient scaled by
+ * 1/24: fc1's reduced gradient is half the mean-loss gradient of the
+ * first 12 rows; every other parameter's is the full batch's. */
+Test(ddp_reducer, find_unused_never_zeroes_what_no_sync_accumulated)
+{
+    tddp_shared *sh = tddp_shared_new();
+    tddp_cfg c = tddp_cfg_default();
+    c.micro = 2;
+    c.find_unused = 1;
+    c.detach_layer = 1;
+    c.detach_ranks = 3;
+    c.detach_micro = 1;      /* the synchronised micro-batch */
+    run_to(&c, 2, sh);
+    double ref_loss[TDDP_MAX_STEPS];
+    static float ref_g[TDDP_MAX_ELEMS];
+    int64_t n = 0;
+    cr_assert_eq(tddp_reference(&c, &g_data, ref_loss, ref_g, NULL, &n), TDM_STATUS_OK);
+    /* the first 12 rows of the first global batch, on one device */
+    tdm_device *dev;
+    tdm_model *m;
+    tdm_model_spec spec;
+    tddp_spec(&spec, 0);
+    int64_t feat = tdm_data_features(&g_data), *perm = malloc((size_t)g_data.n * 8);
+    float *x = malloc((size_t)12 * feat * 4);
+    int32_t *y = malloc(12 * 4);
+    tdm_train_epoch_order(perm, g_data.n, 1, 0);
+    tdm_data_gather(&g_data, perm, 12, x, y);
+    cr_assert_eq(tdm_device_open(&dev, "cpu", 0, 1), TDM_STATUS_OK);
+    cr_assert_eq(tdm_model_init(&m, dev, &spec, 5), TDM_STATUS_OK);
+    double l;
+    cr_assert_eq(tdm_model_forward_backward(m, x, y, 12, &l), TDM_STATUS_OK);
+    const float *g12 = tdm_model_grads(m);
+    int nonzero = 0;
+    for (int64_t i = 0; i < n; i++) {
+        double want = i < FC1_ELEMS ? 0.5 * g12[i] : ref_g[i];
+        nonzero |= i < FC1_ELEMS && sh->grads0[i] != 0.0f;
+        cr_assert(fabs(sh->grads0[i] - want) <= 1e-6 + 1e-4 * fabs(want),
+                  "grad [%lld] (%s): %g, expected %g", (long long)i,
+                  i < FC1_ELEMS ? "fc1, accumulated under no_sync" : "used", sh->grads0[i],
+                  want);
+    }
+    cr_assert(nonzero, "fc1's accumulated gradient was zeroed");
+    tdm_model_free(m);
+    tdm_device_free(dev);
+    free(perm);
+    free(x);
+    free(y);
+    tddp_shared_free(sh);
 }

@@ -37,8 +37,10 @@ typedef struct tddp_cfg {
     size_t rank_cap_bytes;
     int no_arena;            /* 1: no zero-copy arena: gradients are copied through the slots */
     int micro;               /* > 1: no_sync over this many micro-batches, then sync */
-    int unused_param;        /* >= 0: mark this parameter unused on unused_ranks */
-    unsigned unused_ranks;   /* bit mask */
+    int detach_layer;        /* > 0: in step 0, backward stops at this layer (the layers
+                                below take no part: their grad-ready hook never fires)... */
+    unsigned detach_ranks;   /* ...on these ranks (bit mask)... */
+    int detach_micro;        /* ...in this micro-batch (-1: in every one) */
     int find_unused;
     int skip_backward_rank;  /* >= 0: this rank skips the backward of step 1 */
     int bad_layout_rank;     /* >= 0: this rank builds a different model */
@@ -163,8 +165,9 @@ static inline int tddp_rank_main(tdm_comm *comm, void *arg)
             tdm_ddp_no_sync(ddp, k + 1 < micro);
             TDM_TRY(tdm_ddp_forward_scaled(ddp, x, y, hi - lo, 1.0f / (float)c->batch, &ls));
             loss_sum += ls;
-            if (c->unused_param >= 0 && ((c->unused_ranks >> rank) & 1) && s == 0)
-                TDM_TRY(tdm_ddp_mark_unused(ddp, c->unused_param));
+            int detach = c->detach_layer > 0 && ((c->detach_ranks >> rank) & 1) && s == 0 &&
+                         (c->detach_micro < 0 || c->detach_micro == k);
+            TDM_TRY(tdm_model_set_backward_stop(m, detach ? c->detach_layer : 0));
             if (c->skip_backward_rank == rank && s == 1) continue;
             TDM_TRY(tdm_ddp_backward(ddp));
         }
@@ -290,7 +293,7 @@ static inline double tddp_excess(const float *a, const float *b, int64_t n, doub
 
 static inline tddp_cfg tddp_cfg_default(void)
 {
-    return (tddp_cfg){.batch = 24, .steps = 1, .unused_param = -1, .skip_backward_rank = -1,
+    return (tddp_cfg){.batch = 24, .steps = 1, .detach_micro = -1, .skip_backward_rank = -1,
                       .bad_layout_rank = -1, .cap_rank = -1};
 }
 
