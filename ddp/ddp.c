@@ -387,8 +387,8 @@ static void tdm_ddp_hook_fail(tdm_ddp *d, tdm_status st)
 
 /* Launches every complete bucket from next_launch on, in bucket order,
  * asynchronously (the progress thread runs it while backward goes on).
- * The last bucket holds the first layer's parameters, which backward
- * finishes last: nothing is left to overlap it with, so it is never
+ * The last bucket holds the parameters backward finishes last (the first
+ * layer's): nothing is left to overlap it with, so it is never
  * launched here but run on this thread by tdm_ddp_finish (saving the two
  * thread wake-ups an asynchronous call costs). */
 static void tdm_ddp_launch_ready(tdm_ddp *d)
@@ -440,9 +440,10 @@ static void tdm_ddp_hook(void *ctx, tdm_model *m, int first, int last)
     tdm_ddp_poll(d);
 }
 
-/* Waits for every launched bucket in order; on the first failure aborts
- * the communicator (so the other ranks stop too) and still drains the
- * rest, each bounded by the communicator's deadline. */
+/* Waits for every launched bucket in order, each bounded by
+ * opts.timeout_ms when set and always by the communicator's deadline; on
+ * the first failure aborts the communicator (so the other ranks stop too)
+ * and still drains the rest, 10 s at most each. */
 static tdm_status tdm_ddp_drain(tdm_ddp *d)
 {
     tdm_status st = TDM_STATUS_OK;

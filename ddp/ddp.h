@@ -64,7 +64,8 @@ typedef struct tdm_ddp_opts {
     int find_unused_parameters;
     int64_t timeout_ms;          /* bound on each bucket wait; 0: the communicator's */
     /* Borrowed, optional: the communicator for the few collectives on host
-     * memory (the layout check at init, checkpoint flags), with the same
+     * memory (the layout and plan checks, evaluation's sums, checkpoint
+     * flags), with the same
      * ranks as comm. Needed when comm only takes device memory (NCCL: pass
      * the shm communicator it was bootstrapped over); NULL: comm. */
     tdm_comm *host_comm;
@@ -90,7 +91,7 @@ typedef struct tdm_ddp_times {
     double comm_ms_last;         /* first bucket start to last bucket end */
     double comm_ms_total;
     double exposed_ms_total;     /* = total.ms[ALLREDUCE_WAIT] */
-    double reduced_bytes_total;  /* gradient bytes all-reduced */
+    double reduced_bytes_total;  /* bytes all-reduced (padding and check tail included) */
     double overlapped_bytes_total; /* of which launched while backward still ran */
     int n_buckets;
     const tdm_ddp_bucket_times *buckets;   /* borrowed; last backward */
@@ -100,7 +101,8 @@ typedef struct tdm_ddp_times {
  * are taken over until tdm_ddp_free). Collective: every rank calls it. */
 tdm_status tdm_ddp_init(tdm_ddp **out, tdm_model *m, tdm_comm *comm, const tdm_ddp_opts *opts);
 /* Gives the model back its own gradient storage (copying the gradients)
- * and hook. Call before freeing the communicator. NULL is a no-op. */
+ * and removes the grad-ready hook. Call before freeing the communicator.
+ * NULL is a no-op. */
 void tdm_ddp_free(tdm_ddp *d);
 
 tdm_model *tdm_ddp_model(tdm_ddp *d);
@@ -126,7 +128,7 @@ tdm_status tdm_ddp_zero_grad(tdm_ddp *d);
  * (broadcast first, so that batchnorm's running statistics are the same
  * on every rank), and the loss and correct counts are all-reduced: every
  * rank gets the whole set's mean loss and accuracy, in about 1/W of the
- * time one rank would take, and no rank waits for another's evaluation.
+ * time one rank would take, and no rank idles while one evaluates alone.
  * Its forwards overwrite the model's activations: a forward not yet gone
  * back through is dropped (its loss is not counted), and a backward
  * before the next tdm_ddp_forward is refused (INVALID_ARG). */
