@@ -807,11 +807,12 @@ tdm_status tdm_ddp_backward(tdm_ddp *d)
     tdm_model *m = d->m;
     int sync = d->sync;
     uint32_t seq = (uint32_t)(d->fwd_count % TDM_DDP_SEQ_MOD) + 1;
-    d->t_bwd0 = tdm_time_ns();
     if (sync && d->rebuild_pending) {
+        /* once, before the step's clock starts: its check is a collective */
         st = tdm_ddp_rebuild(d);
         if (st) return tdm_ddp_fail_abort(d, st);
     }
+    d->t_bwd0 = tdm_time_ns();
     if (sync) {
         float s[TDM_DDP_SEQ_ELEMS] = {0};
         float hi = (float)d->loss_accum;
