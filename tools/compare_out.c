@@ -134,6 +134,7 @@ int tdm_cmp_write_trace(const char *path, const tdm_cmp_opts *o, tdm_cmp_result 
                 for (int b = 0; b < r->n_buckets; b++) {
                     const double *e = r->bucket + ((size_t)i * r->n_buckets + b) * 3;
                     double t0 = r->bwd_t0_ms[i];
+                    if (e[0] < 0.0) continue;   /* not in this step's plan */
                     TDM_EV("{\"ph\": \"i\", \"s\": \"t\", \"pid\": %d, \"tid\": 1000, \"name\": "
                            "\"bucket %d ready\", \"ts\": %lld, \"args\": {\"step\": %d}}", pid, b,
                            tdm_cmp_us(t0 + e[0]), i + 1);

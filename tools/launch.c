@@ -51,6 +51,10 @@ static void tdm_launch_usage(FILE *f)
         "  --arena-mb M         zero-copy memory per rank for DDP gradients [32]\n"
         "  --grace-ms MS        after a failure: SIGTERM to the others after\n"
         "                       min(MS, 1000), SIGKILL MS after that      [3000]\n"
+        "  --timeout SECONDS    process-group timeout: a rank that waits longer\n"
+        "                       for a peer in a collective fails, naming it;\n"
+        "                       exported to the ranks as TANDEM_TIMEOUT\n"
+        "                       [$TANDEM_TIMEOUT, else 300]\n"
         "\n"
         "Exit codes: 0 every rank succeeded, 1 a rank failed (summary on\n"
         "stderr), 2 bad usage, 128+S stopped by signal S.\n", TDM_SHM_MAX_RANKS);
@@ -118,7 +122,7 @@ static void tdm_launch_sleep_ms(int ms)
 int tdm_tool_launch_main(int argc, char **argv)
 {
     long long world = 0, arena_mb = 32, grace_ms = 3000;
-    const char *log_dir = NULL;
+    const char *log_dir = NULL, *timeout = NULL;
     int prog = -1;
     for (int i = 1; i < argc; i++) {
         const char *v;
@@ -141,6 +145,7 @@ int tdm_tool_launch_main(int argc, char **argv)
             if (!tdm_args_int("--grace-ms", v, 0, 600000, &grace_ms)) return 2;
             continue;
         }
+        if ((v = tdm_args_value(argc, argv, &i, "--timeout"))) { timeout = v; continue; }
         if (argv[i][0] != '-') { prog = i; break; }
         fprintf(stderr, "tandem launch: unknown option '%s' (see tandem launch --help)\n", argv[i]);
         return 2;
@@ -149,6 +154,15 @@ int tdm_tool_launch_main(int argc, char **argv)
         fprintf(stderr, "tandem launch: need -n N and a program after '--' (see --help)\n");
         return 2;
     }
+    /* the ranks read the timeout from TANDEM_TIMEOUT (tdm_ddp_pg_init):
+     * a bad value is refused here, once, rather than by every rank */
+    int64_t timeout_ms = 0;
+    if (timeout ? tdm_ddp_timeout_parse("--timeout", timeout, &timeout_ms)
+                : tdm_ddp_timeout_from_env(&timeout_ms)) {
+        fprintf(stderr, "tandem launch: %s\n", tdm_error_message());
+        return 2;
+    }
+    if (timeout) setenv(TDM_DDP_ENV_TIMEOUT, timeout, 1);
     int W = (int)world, rc = 1;
     tdm_shm_group *g = NULL;
     tdm_shm_opts so = {.arena_bytes = (size_t)arena_mb << 20};

@@ -54,6 +54,10 @@ static void tdm_train_usage(FILE *f)
         "  --resume PATH          continue from a checkpoint\n"
         "  --bucket-cap-mb MB     ddp: gradient bucket size cap              [25]\n"
         "  --no-overlap           ddp: all-reduce after backward, not during it\n"
+        "  --timeout SECONDS      ddp: process-group timeout: a rank that waits\n"
+        "                         longer for a peer in a collective fails, naming\n"
+        "                         it [$TANDEM_TIMEOUT, else 60 for forked ranks,\n"
+        "                         300 under tandem launch]\n"
         "  --no-eval              skip the test-set evaluation after each epoch\n"
         "                         (ddp spreads it over the ranks)\n"
         "  --quiet                only the per-epoch lines\n"
@@ -133,6 +137,7 @@ int tdm_tool_train_main(int argc, char **argv)
         TDM_ARGS_STR("--save", a.save)
         TDM_ARGS_STR("--resume", a.resume)
         TDM_ARGS_STR("--lr-schedule", a.lr_schedule)
+        TDM_ARGS_STR("--timeout", a.timeout)
         TDM_ARGS_INT("--bucket-cap-mb", 0, 1 << 20, a.bucket_cap_mb)
         if (!strcmp(arg, "--nesterov")) { a.nesterov = 1; continue; }
         if (!strcmp(arg, "--no-eval")) { a.no_eval = 1; continue; }
@@ -161,6 +166,9 @@ int tdm_tool_train_main(int argc, char **argv)
     }
     if (a.lr < 0) a.lr = strcmp(a.optim, "sgd") ? 1e-3 : 0.05;
     if (a.weight_decay < 0) a.weight_decay = strcmp(a.optim, "sgd") ? 0.01 : 0.0;
+    if (a.timeout && strcmp(a.mode, "ddp"))
+        fprintf(stderr, "tandem train: note: --timeout applies to --mode ddp (the process "
+                        "group's collectives); --mode %s has none\n", a.mode);
     if (!strcmp(a.mode, "single")) return tdm_train_run_single(&a);
     if (!strcmp(a.mode, "dp")) return tdm_train_run_dp ? tdm_train_run_dp(&a) : tdm_train_mode_absent("dp");
     if (!strcmp(a.mode, "ddp")) return tdm_train_run_ddp ? tdm_train_run_ddp(&a) : tdm_train_mode_absent("ddp");

@@ -48,6 +48,7 @@
 
 typedef struct tdm_train_ddp_ctx {
     const tdm_train_args *a;
+    int64_t timeout_ms;          /* the process group's, as used */
     tdm_model_spec spec;
     tdm_device_list dl;
     const tdm_dataset *train, *test;
@@ -203,10 +204,10 @@ static int tdm_train_ddp_rank_main(tdm_comm *comm, void *arg)
         start_epoch = info.epoch;
         tdm_train_print_resumed(a.resume, &info);
     }
-    char devdesc[96];
-    snprintf(devdesc, sizeof devdesc, "%d processes on %s (%s communicator%s)", world,
-             c->a->device, tdm_comm_backend_name(nccl ? nccl : comm),
-             tdm_ddp_zero_copy(ddp) ? ", zero-copy buckets" : "");
+    char devdesc[160];
+    snprintf(devdesc, sizeof devdesc, "%d processes on %s (%s communicator%s, timeout %g s)",
+             world, c->a->device, tdm_comm_backend_name(nccl ? nccl : comm),
+             tdm_ddp_zero_copy(ddp) ? ", zero-copy buckets" : "", (double)c->timeout_ms / 1000.0);
     if (rank == 0)
         tdm_train_print_header(&a, &c->spec, c->train, c->test, tdm_model_param_elems(m), devdesc);
     /* r.comm: aborts and epoch barriers (shm; an NCCL abort reaches it too) */
@@ -249,7 +250,19 @@ int tdm_train_run_ddp(const tdm_train_args *a)
     if (a->threads != 1)
         fprintf(stderr, "tandem train: note: --threads applies to --mode single; each DDP "
                         "rank computes on one thread\n");
+    /* The process group's timeout: --timeout, else TANDEM_TIMEOUT, else
+     * 60 s for forked ranks (300 s, pg.h's default, for launched ones).
+     * The flag is also exported as TANDEM_TIMEOUT, so that the ranks'
+     * NCCL communicators (tools/devices.c) get it too. */
+    int64_t timeout_ms = 0;
+    if (a->timeout ? tdm_ddp_timeout_parse("--timeout", a->timeout, &timeout_ms)
+                   : tdm_ddp_timeout_from_env(&timeout_ms)) {
+        fprintf(stderr, "tandem train: %s\n", tdm_error_message());
+        return 2;
+    }
+    if (a->timeout) setenv(TDM_DDP_ENV_TIMEOUT, a->timeout, 1);
     int launched = getenv("TANDEM_SHM_FD") && getenv("WORLD_SIZE");
+    c.timeout_ms = timeout_ms ? timeout_ms : launched ? TDM_DDP_TIMEOUT_DEFAULT_MS : 60000;
     if ((st = tdm_tool_parse_devices(&c.dl, a->device, !launched))) {
         fprintf(stderr, "tandem train: --device: %s\n", tdm_error_message());
         return st == TDM_STATUS_NO_DEVICE ? 1 : 2;
@@ -258,7 +271,8 @@ int tdm_train_run_ddp(const tdm_train_args *a)
         /* one rank of a launched job */
         tdm_comm *comm = NULL;
         tdm_ddp_env env;
-        if ((st = tdm_ddp_pg_init_from_env(&comm, &env))) {
+        tdm_ddp_pg_opts po = {.timeout_ms = c.timeout_ms};
+        if ((st = tdm_ddp_pg_init(&comm, &env, &po))) {
             fprintf(stderr, "tandem train: joining the launched job: %s\n", tdm_error_message());
             return 1;
         }
@@ -294,7 +308,7 @@ int tdm_train_run_ddp(const tdm_train_args *a)
         rc = 2;
         goto done;
     }
-    tdm_ddp_spawn_opts so = {.timeout_ms = INT64_MAX / 2000000, .comm_timeout_ms = 60000,
+    tdm_ddp_spawn_opts so = {.timeout_ms = INT64_MAX / 2000000, .comm_timeout_ms = c.timeout_ms,
                              .arena_bytes = tdm_tool_ddp_arena_bytes(
                                  &c.dl, tdm_model_param_elems(probe))};
     tdm_model_free(probe);
