@@ -186,7 +186,7 @@ typedef struct tdm_bench_step_ctx {
     uint64_t last;
 } tdm_bench_step_ctx;
 
-static tdm_status tdm_bench_step(void *ctx, const float *x, const int32_t *y, int batch,
+static tdm_status tdm_bench_step(void *ctx, const void *x, const int32_t *y, int batch,
                                  double *loss)
 {
     tdm_bench_step_ctx *c = ctx;

@@ -267,7 +267,7 @@ typedef struct tdm_train_sched {
     int cosine;
 } tdm_train_sched;
 
-static tdm_status tdm_train_sched_step(void *p, const float *x, const int32_t *y, int batch,
+static tdm_status tdm_train_sched_step(void *p, const void *x, const int32_t *y, int batch,
                                        double *loss)
 {
     tdm_train_sched *s = p;
