@@ -14,6 +14,7 @@
 
 #include <stdint.h>
 #include <math.h>
+#include <string.h>
 
 #include "core/geom.h"
 
@@ -351,13 +352,41 @@ static inline TDM_HD void tdm_k_layernorm_bwd_param(int64_t r, int c, const floa
 #define TDM_K_GELU_S 0.7978845608028654f
 #define TDM_K_GELU_C 0.044715f
 
+/* e^x as Cephes' expf computes it (S. Moshier): e^x = 2^n e^r with
+ * n = round(x / ln 2), r = x - n ln 2 (ln 2 split in two so r is exact)
+ * and e^r by its degree-6 minimax polynomial on |r| <= ln2/2: within 2
+ * ulp of expf on [-87.3, 88] (x is clamped to it: ~1e-38 below, 1.65e38
+ * above; NaN stays NaN). Branch-free and without a libm call, so the host
+ * loops over it vectorise (expf does not, and was a fifth of a GPT step). */
+static inline TDM_HD float tdm_k_expf(float x)
+{
+    float c = x < 88.0f ? x : 88.0f;   /* NaN too, so the integer part stays in range */
+    c = c > -87.3f ? c : -87.3f;
+    /* t + 128.5 > 0, so truncation rounds t to nearest: n in [-126, 127] */
+    int n = (int)(c * 1.44269504088896341f + 128.5f) - 128;
+    float fn = (float)n;
+    float r = c - fn * 0.693359375f;
+    r = r - fn * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    uint32_t bits = (uint32_t)(n + 127) << 23;   /* 2^n, n + 127 in [1, 254] */
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return x != x ? x : p * scale;
+}
+
 /* tanh through one exp: 1 - 2 / (exp(2u) + 1), exact at the limits
- * (exp overflows to inf -> 1, underflows to 0 -> -1). Its absolute error
- * is a few ulp of 1 (near u = 0 the relative error grows), which is all
- * GELU needs: it only ever uses 1 + tanh and 1 - tanh^2. */
+ * (e^2u clamps to 1.65e38 -> 1, to ~1e-38 -> -1). Its absolute error is a
+ * few ulp of 1 (near u = 0 the relative error grows), which is all GELU
+ * needs: it only ever uses 1 + tanh and 1 - tanh^2. */
 static inline TDM_HD float tdm_k_tanh(float u)
 {
-    return 1.0f - 2.0f / (expf(2.0f * u) + 1.0f);
+    return 1.0f - 2.0f / (tdm_k_expf(2.0f * u) + 1.0f);
 }
 
 static inline TDM_HD void tdm_k_gelu_fwd(int64_t i, const float *x, float *y)
@@ -402,12 +431,10 @@ static inline TDM_HD void tdm_k_attn_softmax_row(int64_t r, int t, float *att, i
     float *a = att + r * T;
     float mx = a[0];
     for (int j = 1; j <= t; j++) mx = a[j] > mx ? a[j] : mx;
+    /* exp in a loop of its own, which vectorises; the sum in order after */
+    for (int j = 0; j <= t; j++) a[j] = tdm_k_expf(a[j] - mx);
     float sum = 0.0f;
-    for (int j = 0; j <= t; j++) {
-        float e = expf(a[j] - mx);
-        a[j] = e;
-        sum += e;
-    }
+    for (int j = 0; j <= t; j++) sum += a[j];
     float inv = 1.0f / sum;
     for (int j = 0; j <= t; j++) a[j] *= inv;
     for (int j = t + 1; j < T; j++) a[j] = 0.0f;

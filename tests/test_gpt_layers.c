@@ -573,3 +573,30 @@ Test(gpt_layers, gemm_strided_batched_host_entry_and_dispatcher_loop)
     TU_OK(tdm_dev_gemm_strided_batched(g_dev, TDM_TRANS_N, TDM_TRANS_N, 1, 1, 1, 1.0f, NULL, 1,
                                        0, NULL, 1, 0, 0.0f, NULL, 1, 0, 0));
 }
+
+/* The exp under GELU and the attention softmax: within a few ulp of exp
+ * over its whole range, clamped outside it, NaN through. */
+Test(gpt_layers, fast_exp_accuracy_and_limits)
+{
+    double worst = 0.0, at = 0.0;
+    for (int i = 0; i <= 2000000; i++) {
+        float x = -87.3f + (88.0f + 87.3f) * (float)i / 2000000.0f;
+        double want = exp((double)x), got = tdm_k_expf(x);
+        double rel = fabs(got - want) / want;
+        if (rel > worst) {
+            worst = rel;
+            at = x;
+        }
+    }
+    cr_assert(worst < 3.0 * 0x1p-24, "worst relative error %.3g at x = %.9g", worst, at);
+    cr_assert_eq(tdm_k_expf(0.0f), 1.0f);
+    cr_assert(tdm_k_expf(1000.0f) > 1e38f && isfinite(tdm_k_expf(1000.0f)));
+    cr_assert(tdm_k_expf(INFINITY) > 1e38f && isfinite(tdm_k_expf(INFINITY)));
+    cr_assert(tdm_k_expf(-1000.0f) >= 0.0f && tdm_k_expf(-1000.0f) < 1e-37f);
+    cr_assert(tdm_k_expf(-INFINITY) < 1e-37f);
+    cr_assert(isnan(tdm_k_expf(NAN)));
+    /* and tanh at its limits, as GELU uses it */
+    cr_assert_eq(tdm_k_tanh(50.0f), 1.0f);
+    cr_assert_eq(tdm_k_tanh(-50.0f), -1.0f);
+    cr_assert(fabs(tdm_k_tanh(0.5f) - tanh(0.5)) < 1e-7);
+}
