@@ -153,3 +153,20 @@ Test(cli_gpt, bad_input_gets_one_clear_message)
     CLI(&r, "sample", "--help");
     expect(&r, 0, "--temperature");
 }
+
+Test(cli_gpt, compare_runs_the_three_modes_and_catches_a_bad_rank)
+{
+    static cli_result r;
+    const char *text = tu_tpath(g_dir, "text.txt");
+    CLI(&r, "compare", "--model", TINY, "--data", text, "--batch", "5", "--steps", "4",
+        "--device", "cpu:2");
+    expect(&r, 0, "verdict: PASS");
+    cr_assert(strstr(r.out, "global batch 5 windows"), "%s", r.out);
+    cr_assert(strstr(r.out, "a sample is a window of 24 bytes"), "%s", r.out);
+    cr_assert(strstr(r.out, "DDP: every rank ended with bitwise the same parameters"), "%s", r.out);
+    CLI(&r, "compare", "--model", TINY, "--data", text, "--batch", "5", "--steps", "3",
+        "--device", "cpu:2", "--perturb-rank", "1");
+    expect(&r, 3, "verdict: FAIL");
+    CLI(&r, "compare", "--model", TINY, "--data", "synthetic");
+    expect(&r, 2, "a gpt trains on text");
+}
