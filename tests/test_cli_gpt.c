@@ -170,3 +170,23 @@ Test(cli_gpt, compare_runs_the_three_modes_and_catches_a_bad_rank)
     CLI(&r, "compare", "--model", TINY, "--data", "synthetic");
     expect(&r, 2, "a gpt trains on text");
 }
+
+/* Under tandem launch each rank joins the job instead of forking its own,
+ * and trains on the same global batches. */
+Test(cli_gpt, launched_ddp_matches_one_device)
+{
+    static cli_result r;
+    const char *text = tu_tpath(g_dir, "text.txt");
+    double t1, v1, t2, v2;
+    CLI(&r, "train", "--model", TINY, "--data", text, "--epochs", "1", "--max-steps", "5",
+        "--batch", "4", "--lr", "0.01");
+    expect(&r, 0, NULL);
+    losses(r.out, "epoch 1/1", &t1, &v1);
+    CLI(&r, "launch", "-n", "2", "--", cli_bin(), "train", "--model", TINY, "--data", text,
+        "--mode", "ddp", "--device", "cpu", "--epochs", "1", "--max-steps", "5", "--batch", "4",
+        "--lr", "0.01");
+    expect(&r, 0, "2 processes");
+    losses(r.out, "epoch 1/1", &t2, &v2);
+    cr_assert(fabs(t2 - t1) <= 2e-4 * t1 && fabs(v2 - v1) <= 2e-4 * v1,
+              "launched %.4f / %.4f vs one device %.4f / %.4f", t2, v2, t1, v1);
+}
