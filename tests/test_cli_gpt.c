@@ -137,6 +137,8 @@ Test(cli_gpt, bad_input_gets_one_clear_message)
     CLI(&r, "train", "--model", TINY, "--data", tu_tpath(g_dir, "text.txt"), "--mode", "ddp",
         "--device", "cpu:3", "--batch", "2");
     expect(&r, 2, "--batch 2 is smaller than the 3 ranks");
+    CLI(&r, "train", "--model", TINY, "--data", "synthetic");
+    expect(&r, 2, "a gpt trains on text");
     CLI(&r, "sample");
     expect(&r, 2, "--resume CK is required");
     CLI(&r, "sample", "--resume", tu_tpath(g_dir, "none.safetensors"));

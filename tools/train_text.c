@@ -493,6 +493,12 @@ int tdm_train_text_main(const tdm_train_args *a)
         fprintf(stderr, "tandem train: --mode '%s': expected single, dp or ddp\n", a->mode);
         return 2;
     }
+    if (a->data && !strcmp(a->data, "synthetic")) {
+        fprintf(stderr, "tandem train: --data synthetic makes images; a gpt trains on text: "
+                        "--data FILE (any bytes) or a fortunes directory [default: Debian's "
+                        "fortunes in %s]\n", TDM_TEXT_FORTUNES_DEFAULT_DIR);
+        return 2;
+    }
     if ((st = tdm_text_load(&corpus, a->data)) != TDM_STATUS_OK) {
         tdm_train_fail("loading text", st);
         return 1;
