@@ -141,7 +141,7 @@ tdm_status tdm_evaluate(tdm_model *m, const tdm_dataset *d, int batch, double *l
     TDM_REQUIRE(tdm_model_out_rows(m) == 1 && tdm_model_input_dtype(m) == TDM_MODEL_INPUT_F32,
                 TDM_STATUS_INVALID_ARG,
                 "evaluate: an image dataset needs a classifier (one label per sample); a GPT "
-                "is evaluated on text (tdm_text_evaluate)");
+                "is evaluated on text (tdm_train_text_evaluate)");
     int64_t feat = tdm_data_features(d);
     int was_train = tdm_model_is_train(m);
     tdm_device *dev = tdm_model_device(m);

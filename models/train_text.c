@@ -6,13 +6,13 @@
 
 #include "core/timer.h"
 
-int64_t tdm_text_steps_per_epoch(const tdm_text *train, int T, int batch)
+int64_t tdm_train_text_steps_per_epoch(const tdm_text *train, int T, int batch)
 {
     int64_t per = (int64_t)T * batch;
     return per > 0 ? (train->n + per - 1) / per : 0;
 }
 
-tdm_status tdm_text_train_steps(const tdm_text *train, int T, int batch, uint64_t seed,
+tdm_status tdm_train_text_steps(const tdm_text *train, int T, int batch, uint64_t seed,
                                 int64_t first_step, int64_t steps, int lo, int hi,
                                 tdm_train_step_fn step, void *step_ctx,
                                 tdm_train_progress_fn progress, void *progress_ctx,
@@ -53,7 +53,7 @@ fail:
     return st;
 }
 
-tdm_status tdm_text_eval_sum(tdm_model *m, const tdm_text *text, int64_t count, int64_t lo,
+tdm_status tdm_train_text_eval_sum(tdm_model *m, const tdm_text *text, int64_t count, int64_t lo,
                              int64_t hi, int batch, double *loss_sum)
 {
     tdm_status st = TDM_STATUS_OK;
@@ -101,7 +101,7 @@ fail:
     return st;
 }
 
-tdm_status tdm_text_evaluate(tdm_model *m, const tdm_text *text, int64_t cap, int batch,
+tdm_status tdm_train_text_evaluate(tdm_model *m, const tdm_text *text, int64_t cap, int batch,
                              double *loss_mean)
 {
     int64_t count = tdm_text_eval_count(text, tdm_model_in_features(m), cap);
@@ -109,7 +109,7 @@ tdm_status tdm_text_evaluate(tdm_model *m, const tdm_text *text, int64_t cap, in
                 "text evaluation: %lld bytes hold no window of %d", (long long)text->n,
                 tdm_model_in_features(m));
     double s = 0.0;
-    TDM_CHECK(tdm_text_eval_sum(m, text, count, 0, count, batch, &s));
+    TDM_CHECK(tdm_train_text_eval_sum(m, text, count, 0, count, batch, &s));
     *loss_mean = s / (double)count;
     return TDM_STATUS_OK;
 }

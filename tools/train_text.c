@@ -82,7 +82,7 @@ static void tdm_text_header(const tdm_text_job *j, int64_t params, const char *d
            (long long)j->corpus->train.n, (long long)j->corpus->val.n);
     printf("  batch %lld windows of %d bytes (%lld tokens), %lld steps per epoch; %s lr %g",
            a->batch, T, a->batch * T,
-           (long long)tdm_text_steps_per_epoch(&j->corpus->train, T, (int)a->batch), a->optim,
+           (long long)tdm_train_text_steps_per_epoch(&j->corpus->train, T, (int)a->batch), a->optim,
            a->lr);
     if (!strcmp(a->optim, "sgd")) printf(" momentum %g%s", a->momentum, a->nesterov ? " nesterov" : "");
     printf(" weight decay %g%s, seed %lld\n", a->weight_decay,
@@ -99,7 +99,7 @@ static int tdm_text_epochs(const tdm_text_job *j, tdm_text_proc *p, int64_t star
 {
     const tdm_train_args *a = j->a;
     int T = j->spec.n_ctx, B = (int)a->batch;
-    int64_t full = tdm_text_steps_per_epoch(&j->corpus->train, T, B);
+    int64_t full = tdm_train_text_steps_per_epoch(&j->corpus->train, T, B);
     int64_t per_epoch = a->max_steps > 0 && a->max_steps < full ? a->max_steps : full;
     tdm_train_sched sched = {.step = p->step, .ctx = p->step_ctx, .opt = p->opt,
                              .base_lr = a->lr, .total_steps = per_epoch * a->epochs,
@@ -112,7 +112,7 @@ static int tdm_text_epochs(const tdm_text_job *j, tdm_text_proc *p, int64_t star
         tdm_model_set_train(p->m, 1);
         /* global steps count whole epochs, so --max-steps and resuming draw
          * the windows an uninterrupted run of the same epochs draws */
-        tdm_status st = tdm_text_train_steps(&j->corpus->train, T, B, (uint64_t)a->seed,
+        tdm_status st = tdm_train_text_steps(&j->corpus->train, T, B, (uint64_t)a->seed,
                                              e * full, per_epoch, p->lo, p->hi,
                                              tdm_train_sched_step, &sched, tdm_train_progress,
                                              &pr, &es);
@@ -161,7 +161,7 @@ typedef struct tdm_text_local {
 static tdm_status tdm_text_eval_here(tdm_text_proc *p, double *loss)
 {
     const tdm_text_job *j = ((tdm_text_local *)p)->j;
-    return tdm_text_evaluate(p->m, &j->corpus->val, TDM_TEXT_EVAL_CAP, TDM_TEXT_EVAL_BATCH, loss);
+    return tdm_train_text_evaluate(p->m, &j->corpus->val, TDM_TEXT_EVAL_CAP, TDM_TEXT_EVAL_BATCH, loss);
 }
 
 static tdm_status tdm_text_dp_step(void *ctx, const void *x, const int32_t *y, int batch,
@@ -306,7 +306,7 @@ static tdm_status tdm_text_eval_ddp(tdm_text_proc *p, double *loss)
     int64_t K = j->eval_count;
     int64_t lo = K * p->rank / p->world, hi = K * (p->rank + 1) / p->world;
     double s = 0.0;
-    tdm_status st = tdm_text_eval_sum(p->m, &j->corpus->val, K, lo, hi, TDM_TEXT_EVAL_BATCH, &s);
+    tdm_status st = tdm_train_text_eval_sum(p->m, &j->corpus->val, K, lo, hi, TDM_TEXT_EVAL_BATCH, &s);
     if (st != TDM_STATUS_OK) {
         /* the others are about to wait for this rank's sum */
         tdm_error_prefix(st, "rank %d evaluating windows %lld..%lld", p->rank, (long long)lo,
