@@ -276,7 +276,8 @@ void tdm_text_windows(const tdm_text *t, int T, uint64_t seed, int64_t step, int
     uint64_t range = (uint64_t)(t->n - T);   /* offsets 0 .. n - T - 1 */
     for (int j = 0; j < count; j++) {
         tdm_rng r;
-        tdm_rng_init(&r, seed, TDM_RNG_STREAM_TEXT + ((uint64_t)step << 32) + (uint64_t)(first + j));
+        uint64_t stream = TDM_RNG_STREAM_TEXT + ((uint64_t)step << 32) + (uint64_t)(first + j);
+        tdm_rng_init(&r, seed, stream);
         const uint8_t *p = t->bytes + tdm_rng_below(&r, range);
         for (int i = 0; i < T; i++) {
             x[(int64_t)j * T + i] = p[i];

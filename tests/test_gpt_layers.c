@@ -514,8 +514,10 @@ static void ref_gemm_batched(tdm_trans ta, tdm_trans tb, int m, int n, int k, fl
             for (int row = 0; row < m; row++) {
                 double s = 0.0;
                 for (int p = 0; p < k; p++) {
-                    double av = ta == TDM_TRANS_N ? a[i * sa + row + (int64_t)p * lda] : a[i * sa + p + (int64_t)row * lda];
-                    double bv = tb == TDM_TRANS_N ? b[i * sb + p + (int64_t)col * ldb] : b[i * sb + col + (int64_t)p * ldb];
+                    double av = ta == TDM_TRANS_N ? a[i * sa + row + (int64_t)p * lda]
+                                                  : a[i * sa + p + (int64_t)row * lda];
+                    double bv = tb == TDM_TRANS_N ? b[i * sb + p + (int64_t)col * ldb]
+                                                  : b[i * sb + col + (int64_t)p * ldb];
                     s += av * bv;
                 }
                 int64_t ci = i * sc + row + (int64_t)col * ldc;

@@ -84,7 +84,8 @@ static void tdm_text_header(const tdm_text_job *j, int64_t params, const char *d
            a->batch, T, a->batch * T,
            (long long)tdm_train_text_steps_per_epoch(&j->corpus->train, T, (int)a->batch), a->optim,
            a->lr);
-    if (!strcmp(a->optim, "sgd")) printf(" momentum %g%s", a->momentum, a->nesterov ? " nesterov" : "");
+    if (!strcmp(a->optim, "sgd"))
+        printf(" momentum %g%s", a->momentum, a->nesterov ? " nesterov" : "");
     printf(" weight decay %g%s, seed %lld\n", a->weight_decay,
            strcmp(a->lr_schedule, "cosine") ? "" : ", cosine schedule", (long long)a->seed);
     printf("  baseline: a bigram model gets %.4f nats per byte (%.3f bits) on the %lld "
@@ -161,7 +162,8 @@ typedef struct tdm_text_local {
 static tdm_status tdm_text_eval_here(tdm_text_proc *p, double *loss)
 {
     const tdm_text_job *j = ((tdm_text_local *)p)->j;
-    return tdm_train_text_evaluate(p->m, &j->corpus->val, TDM_TEXT_EVAL_CAP, TDM_TEXT_EVAL_BATCH, loss);
+    return tdm_train_text_evaluate(p->m, &j->corpus->val, TDM_TEXT_EVAL_CAP, TDM_TEXT_EVAL_BATCH,
+                                   loss);
 }
 
 static tdm_status tdm_text_dp_step(void *ctx, const void *x, const int32_t *y, int batch,
@@ -306,7 +308,8 @@ static tdm_status tdm_text_eval_ddp(tdm_text_proc *p, double *loss)
     int64_t K = j->eval_count;
     int64_t lo = K * p->rank / p->world, hi = K * (p->rank + 1) / p->world;
     double s = 0.0;
-    tdm_status st = tdm_train_text_eval_sum(p->m, &j->corpus->val, K, lo, hi, TDM_TEXT_EVAL_BATCH, &s);
+    tdm_status st =
+        tdm_train_text_eval_sum(p->m, &j->corpus->val, K, lo, hi, TDM_TEXT_EVAL_BATCH, &s);
     if (st != TDM_STATUS_OK) {
         /* the others are about to wait for this rank's sum */
         tdm_error_prefix(st, "rank %d evaluating windows %lld..%lld", p->rank, (long long)lo,
