@@ -295,15 +295,21 @@ static tdm_status host_layernorm_bwd(tdm_device *d, const float *x, const float 
     return TDM_STATUS_OK;
 }
 
-static tdm_status host_gelu_fwd(tdm_device *d, const float *x, float *y, int64_t n_elem)
+/* GELU and the attention softmax are the elementwise kernels a GPT step
+ * spends real time in (their exp): also built for AVX2, picked at load time
+ * where the CPU has it; no FMA, so both versions compute the same bits. */
+#define TDM_HOST_WIDE __attribute__((target_clones("avx2", "default")))
+
+TDM_HOST_WIDE static tdm_status host_gelu_fwd(tdm_device *d, const float *x, float *y,
+                                             int64_t n_elem)
 {
     (void)d;
     for (int64_t i = 0; i < n_elem; i++) tdm_k_gelu_fwd(i, x, y);
     return TDM_STATUS_OK;
 }
 
-static tdm_status host_gelu_bwd(tdm_device *d, const float *x, const float *dy, float *dx,
-                                int64_t n_elem)
+TDM_HOST_WIDE static tdm_status host_gelu_bwd(tdm_device *d, const float *x, const float *dy,
+                                             float *dx, int64_t n_elem)
 {
     (void)d;
     for (int64_t i = 0; i < n_elem; i++) tdm_k_gelu_bwd(i, x, dy, dx);
@@ -336,7 +342,8 @@ static tdm_status host_heads_merge(tdm_device *d, const float *src, float *dst, 
     return TDM_STATUS_OK;
 }
 
-static tdm_status host_attn_softmax_fwd(tdm_device *d, float *att, int64_t rows, int T)
+TDM_HOST_WIDE static tdm_status host_attn_softmax_fwd(tdm_device *d, float *att, int64_t rows,
+                                                     int T)
 {
     (void)d;
     for (int64_t r = 0; r < rows; r++) tdm_k_attn_softmax_row(r, (int)(r % T), att, T);
