@@ -298,7 +298,13 @@ static tdm_status host_layernorm_bwd(tdm_device *d, const float *x, const float 
 /* GELU and the attention softmax are the elementwise kernels a GPT step
  * spends real time in (their exp): also built for AVX2, picked at load time
  * where the CPU has it; no FMA, so both versions compute the same bits. */
+#ifdef __SANITIZE_THREAD__
+/* target_clones' ifunc resolver runs during relocation, before the
+ * ThreadSanitizer runtime is up, and crashes there: one version under TSan */
+#define TDM_HOST_WIDE
+#else
 #define TDM_HOST_WIDE __attribute__((target_clones("avx2", "default")))
+#endif
 
 TDM_HOST_WIDE static tdm_status host_gelu_fwd(tdm_device *d, const float *x, float *y,
                                              int64_t n_elem)
