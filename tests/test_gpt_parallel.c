@@ -38,7 +38,7 @@ Test(gpt_parallel, ddp_small_buckets_overlap_on_and_off)
         c.gpt = 1;
         c.batch = 6;
         c.steps = 2;
-        c.cap_bytes = 2048;     /* a bucket per group or two: ~20 buckets */
+        c.cap_bytes = 2048;     /* 7 buckets from step 2 on (PyTorch's rule) */
         c.first_bytes = 1024;
         c.no_overlap = no_overlap;
         tddp_check_equiv(&c, NULL, 2, 60000, g_tol);
@@ -49,10 +49,11 @@ Test(gpt_parallel, ddp_small_buckets_overlap_on_and_off)
     tddp_cfg c = tddp_cfg_default();
     c.gpt = 1;
     c.batch = 4;
+    c.steps = 2;            /* step 1 reduces one bucket; the plan is rebuilt for step 2 */
     c.cap_bytes = 2048;
     c.first_bytes = 1024;
     cr_assert_eq(tddp_spawn(2, &c, NULL, sh, 60000), TDM_STATUS_OK, "%s", tdm_error_message());
-    cr_assert_gt(sh->n_buckets, 10);
+    cr_assert_gt(sh->n_buckets, 5, "%d buckets", sh->n_buckets);
     cr_assert(sh->launch_order_ok);
     tddp_shared_free(sh);
 }
