@@ -54,6 +54,7 @@ static int run(int secs, double *elapsed_s, const char *fmt, ...)
     va_end(ap);
     snprintf(cmd, sizeof cmd, "cd '%s' && timeout -s KILL %d sh -c '%s' >out 2>err", g_dir, secs,
              inner);
+    shm_t_adopt_orphans();   /* a leaked rank stays ours: cli_shm_entries() sees it */
     uint64_t t0 = tdm_time_ns();
     int ws = system(cmd);
     if (elapsed_s) *elapsed_s = tdm_time_ms_since(t0) / 1000.0;

@@ -2,7 +2,7 @@
  * killed mid-run, a late rank (deadline), mismatched collectives, abort,
  * a corrupted or foreign segment header, a full tmpfs, a malformed
  * environment. Each test bounds its time and leaves no process and no
- * /dev/shm entry behind. Results are in test_shm_comm.c. */
+ * segment behind (shm_t_segments_held). Results are in test_shm_comm.c. */
 #include <criterion/criterion.h>
 #include <dirent.h>
 #include <errno.h>
@@ -21,17 +21,51 @@
 #include "shm/shm_comm.h"
 #include "shm/shm_impl.h"
 #include "shm/spawn.h"
+#include "tests/shm_test_util.h"
 
-static int count_dev_shm(void)
+/* --- the leak check itself ---------------------------------------------- */
+
+/* shm_t_segments_held() is what every "nothing left behind" check of the
+ * suite relies on: it must see a segment that is leaked on purpose, in
+ * this process, in a child, and in an orphaned grandchild. */
+Test(shm_fail, leak_check_sees_leaked_segments, .timeout = 20)
 {
-    DIR *d = opendir("/dev/shm");
-    if (!d) return 0;
-    int n = 0;
-    struct dirent *e;
-    while ((e = readdir(d)))
-        if (strstr(e->d_name, "tandem")) n++;
-    closedir(d);
-    return n;
+    shm_t_adopt_orphans();
+    int before = shm_t_segments_held();
+    tdm_shm_group *g = NULL;
+    cr_assert_eq(tdm_shm_group_create(&g, 2, NULL), TDM_STATUS_OK);
+    /* a group never freed: its fd and its mapping */
+    cr_expect_eq(shm_t_segments_held(), before + 2);
+    int go[2];
+    cr_assert_eq(pipe(go), 0);
+    pid_t kid = fork();
+    cr_assert_geq(kid, 0);
+    if (kid == 0) {
+        /* a child that leaves a grandchild holding the segment, and exits */
+        if (fork() == 0) {
+            char c;
+            close(go[1]);
+            (void)read(go[0], &c, 1);   /* until the test closes the pipe */
+            _exit(0);
+        }
+        _exit(0);
+    }
+    close(go[0]);
+    waitpid(kid, NULL, 0);
+    tdm_shm_group_free(g);
+    /* the orphan (re-parented to us) still holds the fd and the mapping */
+    cr_expect_eq(shm_t_segments_held(), before + 2);
+    close(go[1]);
+    for (int i = 0; i < 200 && shm_t_segments_held() != before; i++) usleep(10000);
+    cr_expect_eq(shm_t_segments_held(), before);
+    while (waitpid(-1, NULL, WNOHANG) > 0) {}
+
+    /* an O_TMPFILE segment (no memfd name) is recognised by its magic */
+    tdm_shm_opts o = {.shm_dir = "/tmp"};
+    cr_assert_eq(tdm_shm_group_create(&g, 2, &o), TDM_STATUS_OK, "%s", tdm_error_message());
+    cr_expect_geq(shm_t_segments_held(), before + 1);
+    tdm_shm_group_free(g);
+    cr_expect_eq(shm_t_segments_held(), before);
 }
 
 /* --- a rank dies ------------------------------------------------------- */
@@ -66,7 +100,8 @@ static int kill_rank(tdm_comm *comm, void *arg)
 
 static void check_killed(int world, tdm_shm_opts shm)
 {
-    int before = count_dev_shm();
+    shm_t_adopt_orphans();
+    int before = shm_t_segments_held();
     tdm_shm_spawn_opts o = {.shm = shm, .timeout_ms = 20000, .grace_ms = 5000};
     o.shm.timeout_ms = 30000;
     tdm_shm_spawn_result res;
@@ -84,7 +119,7 @@ static void check_killed(int world, tdm_shm_opts shm)
         cr_expect(kill(res.pid[r], 0) == -1 && errno == ESRCH, "rank %d still exists", r);
     }
     cr_expect(res.elapsed_ms < 4000, "took %.0f ms", res.elapsed_ms);
-    cr_expect_eq(count_dev_shm(), before);
+    cr_expect_eq(shm_t_segments_held(), before, "a segment is still held");
 }
 
 Test(shm_fail, rank_killed, .timeout = 30) { check_killed(4, (tdm_shm_opts){0}); }
