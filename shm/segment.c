@@ -64,6 +64,16 @@ tdm_status tdm_shm_layout(int world, const tdm_shm_opts *opts, tdm_shm_header *h
     return TDM_STATUS_OK;
 }
 
+void tdm_shm_geom_from(const tdm_shm_header *h, tdm_shm_geom *g)
+{
+    *g = (tdm_shm_geom){.world = h->world, .total = h->total_bytes,
+                        .ctrl_off = h->ctrl_off, .ctrl_bytes = h->ctrl_bytes,
+                        .slot_off = h->slot_off, .slot_bytes = h->slot_bytes,
+                        .p2p_off = h->p2p_off, .p2p_bytes = h->p2p_bytes,
+                        .arena_off = h->arena_off, .arena_bytes = h->arena_bytes,
+                        .one_shot_max = h->one_shot_max};
+}
+
 /* --- group (parent side) ------------------------------------------------- */
 
 static tdm_status tdm_shm_open_backing(const tdm_shm_opts *opts, int *fd_out)
@@ -107,6 +117,7 @@ tdm_status tdm_shm_group_create(tdm_shm_group **out, int world, const tdm_shm_op
     if (opts) g->opts = *opts;
     g->opts.shm_dir = NULL; /* borrowed string: not kept */
     g->total = h.total_bytes;
+    tdm_shm_geom_from(&h, &g->geom);
     TDM_TRY(tdm_shm_open_backing(opts, &g->fd));
     int rc;
     do rc = posix_fallocate(g->fd, 0, (off_t)g->total);
@@ -154,8 +165,7 @@ size_t tdm_shm_group_bytes(const tdm_shm_group *g) { return g->total; }
 
 static tdm_shm_ctrl *tdm_shm_group_ctrl(tdm_shm_group *g, int rank)
 {
-    tdm_shm_header *h = g->base;
-    return (tdm_shm_ctrl *)((uint8_t *)g->base + h->ctrl_off + (size_t)rank * h->ctrl_bytes);
+    return tdm_shm_geom_ctrl(&g->geom, g->base, rank);
 }
 
 void tdm_shm_group_set_pid(tdm_shm_group *g, int rank, pid_t pid)
@@ -174,7 +184,7 @@ void tdm_shm_group_mark_dead(tdm_shm_group *g, int rank, int wstatus)
     atomic_store_explicit(&k->state, TDM_SHM_STATE_DEAD, memory_order_release);
     char why[128];
     tdm_shm_wait_status_str(wstatus, why, sizeof why);
-    tdm_shm_raise(g->base, g->base, TDM_STATUS_PEER_FAILED, "rank %d (pid %d) %s", rank,
+    tdm_shm_raise(g->base, &g->geom, g->base, TDM_STATUS_PEER_FAILED, "rank %d (pid %d) %s", rank,
                   (int)atomic_load(&k->pid), why);
 }
 
@@ -197,7 +207,7 @@ tdm_status tdm_shm_group_export_env(tdm_shm_group *g)
 static tdm_status tdm_shm_abort_op(void *impl, const char *reason)
 {
     tdm_shm_impl *c = impl;
-    tdm_shm_raise(c->hdr, c->base, TDM_STATUS_ABORTED, "aborted by rank %d: %s", c->rank, reason);
+    tdm_shm_raise(c->hdr, &c->geom, c->base, TDM_STATUS_ABORTED, "aborted by rank %d: %s", c->rank, reason);
     return TDM_STATUS_OK;
 }
 
@@ -207,10 +217,10 @@ static tdm_status tdm_shm_alloc_op(void *impl, size_t nbytes, void **ptr)
 {
     tdm_shm_impl *c = impl;
     size_t n = tdm_shm_round_up(nbytes ? nbytes : 1, TDM_SHM_LINE);
-    TDM_REQUIRE(n <= c->hdr->arena_bytes - c->arena_used, TDM_STATUS_OUT_OF_MEMORY,
+    TDM_REQUIRE(n <= c->geom.arena_bytes - c->arena_used, TDM_STATUS_OUT_OF_MEMORY,
                 "shm: zero-copy arena exhausted: %zu bytes requested, %zu of %zu left "
-                "(raise opts.arena_bytes)", nbytes, (size_t)(c->hdr->arena_bytes - c->arena_used),
-                (size_t)c->hdr->arena_bytes);
+                "(raise opts.arena_bytes)", nbytes, (size_t)(c->geom.arena_bytes - c->arena_used),
+                (size_t)c->geom.arena_bytes);
     *ptr = tdm_shm_arena_of(c, c->rank) + c->arena_used;
     c->arena_used += n;
     return TDM_STATUS_OK;
@@ -286,7 +296,14 @@ static tdm_status tdm_shm_join(tdm_comm **out, void *base, size_t total, int unm
 {
     tdm_status st = TDM_STATUS_OK;
     tdm_shm_impl *c = NULL;
-    TDM_TRY(tdm_shm_validate(base, total, world));
+    /* Validate a private snapshot, then keep what was validated: the
+     * shared header may change under us (another process writes it), so
+     * neither the checks nor any later access reads its layout again. */
+    tdm_shm_header snap = {0};
+    tdm_shm_geom geom;
+    if (total >= TDM_SHM_PAGE) memcpy(&snap, base, offsetof(tdm_shm_header, abort_claim));
+    TDM_TRY(tdm_shm_validate(&snap, total, world));
+    tdm_shm_geom_from(&snap, &geom);
     if (rank < 0 || rank >= world) {
         st = tdm_error_set(TDM_STATUS_INVALID_ARG, "shm: rank %d out of range 0..%d", rank,
                            world - 1);
@@ -295,6 +312,7 @@ static tdm_status tdm_shm_join(tdm_comm **out, void *base, size_t total, int unm
     c = calloc(1, sizeof *c);
     if (!c) { st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "shm: calloc"); goto fail; }
     c->hdr = base;
+    c->geom = geom;
     c->base = base;
     c->total = total;
     c->unmap = unmap;
@@ -326,7 +344,7 @@ static tdm_status tdm_shm_join(tdm_comm **out, void *base, size_t total, int unm
     }
     atomic_store(&k->pid, (int32_t)getpid());
     TDM_INFO(SHM, "rank %d of %d joined (job %016llx, %s waits)", rank, world,
-             (unsigned long long)c->hdr->job_id, c->spin ? "spinning" : "sleeping");
+             (unsigned long long)snap.job_id, c->spin ? "spinning" : "sleeping");
     return tdm_comm_create(out, &tdm_shm_ops, c, rank, world);
 fail:
     if (c) free(c);
@@ -386,8 +404,16 @@ tdm_status tdm_shm_comm_init_from_env(tdm_comm **out, const tdm_shm_opts *opts)
     TDM_CHECK(tdm_shm_env_int("WORLD_SIZE", 1, TDM_SHM_MAX_RANKS, &world));
     TDM_CHECK(tdm_shm_env_int("RANK", 0, world - 1, &rank));
     TDM_CHECK(tdm_shm_env_int(TDM_SHM_ENV_FD, 0, 1 << 20, &fd));
-    TDM_REQUIRE(fcntl(fd, F_GETFD) >= 0, TDM_STATUS_INVALID_ARG,
+    int flags = fcntl(fd, F_GETFD);
+    TDM_REQUIRE(flags >= 0, TDM_STATUS_INVALID_ARG,
                 "shm: %s=%d is not an open file descriptor in this process (was it "
                 "closed on exec?)", TDM_SHM_ENV_FD, fd);
-    return tdm_shm_comm_attach_fd(out, fd, rank, world, opts);
+    TDM_CHECK(tdm_shm_comm_attach_fd(out, fd, rank, world, opts));
+    /* The launcher cleared close-on-exec so that this rank could inherit
+     * the segment; restore it, so that programs this rank runs in turn
+     * (a shell, a data loader) never get write access to the group. */
+    if (!(flags & FD_CLOEXEC) && fcntl(fd, F_SETFD, flags | FD_CLOEXEC) < 0)
+        TDM_WARN(SHM, "fcntl(F_SETFD, FD_CLOEXEC) on %s=%d: %s", TDM_SHM_ENV_FD, fd,
+                 strerror(errno));
+    return TDM_STATUS_OK;
 }

@@ -97,16 +97,33 @@ typedef struct tdm_shm_header {
 
 _Static_assert(sizeof(tdm_shm_header) <= TDM_SHM_PAGE, "header fits a page");
 
+/* The segment's geometry, in private memory: filled from a private
+ * snapshot of the header once it has been validated (attach) or from the
+ * layout just computed (create). Nothing after that reads offsets, sizes
+ * or world from the shared header, which any process holding the segment
+ * could rewrite. */
+typedef struct tdm_shm_geom {
+    int world;
+    size_t total;
+    size_t ctrl_off, ctrl_bytes;
+    size_t slot_off, slot_bytes;
+    size_t p2p_off, p2p_bytes;
+    size_t arena_off, arena_bytes;
+    size_t one_shot_max;
+} tdm_shm_geom;
+
 struct tdm_shm_group {
     int fd;
     int world;
     void *base;
     size_t total;
+    tdm_shm_geom geom;
     tdm_shm_opts opts;
 };
 
 typedef struct tdm_shm_impl {
-    tdm_shm_header *hdr;
+    tdm_shm_header *hdr;       /* shared: only the abort word and job id are read */
+    tdm_shm_geom geom;         /* private, validated: every offset comes from here */
     uint8_t *base;
     size_t total;
     int unmap;                 /* 1: this communicator mapped it (attach) */
@@ -132,26 +149,32 @@ typedef struct tdm_shm_impl {
     char failed_msg[256];      /* its message */
 } tdm_shm_impl;
 
+static inline tdm_shm_ctrl *tdm_shm_geom_ctrl(const tdm_shm_geom *g, uint8_t *base, int r)
+{
+    return (tdm_shm_ctrl *)(base + g->ctrl_off + (size_t)r * g->ctrl_bytes);
+}
 static inline tdm_shm_ctrl *tdm_shm_ctrl_of(const tdm_shm_impl *c, int r)
 {
-    return (tdm_shm_ctrl *)(c->base + c->hdr->ctrl_off + (size_t)r * c->hdr->ctrl_bytes);
+    return tdm_shm_geom_ctrl(&c->geom, c->base, r);
 }
 static inline uint8_t *tdm_shm_slot_of(const tdm_shm_impl *c, int r, uint64_t round)
 {
-    return c->base + c->hdr->slot_off +
-           ((size_t)r * TDM_SHM_NBUF + (size_t)(round % TDM_SHM_NBUF)) * c->hdr->slot_bytes;
+    return c->base + c->geom.slot_off +
+           ((size_t)r * TDM_SHM_NBUF + (size_t)(round % TDM_SHM_NBUF)) * c->geom.slot_bytes;
 }
 static inline uint8_t *tdm_shm_p2p_of(const tdm_shm_impl *c, int src, int dst)
 {
-    return c->base + c->hdr->p2p_off + ((size_t)src * c->world + (size_t)dst) * c->hdr->p2p_bytes;
+    return c->base + c->geom.p2p_off + ((size_t)src * c->world + (size_t)dst) * c->geom.p2p_bytes;
 }
 static inline uint8_t *tdm_shm_arena_of(const tdm_shm_impl *c, int r)
 {
-    return c->base + c->hdr->arena_off + (size_t)r * c->hdr->arena_bytes;
+    return c->base + c->geom.arena_off + (size_t)r * c->geom.arena_bytes;
 }
 
 /* segment.c */
 tdm_status tdm_shm_layout(int world, const tdm_shm_opts *opts, tdm_shm_header *out);
+/* The geometry of a header that tdm_shm_layout built or that was validated. */
+void tdm_shm_geom_from(const tdm_shm_header *h, tdm_shm_geom *out);
 
 /* wait.c */
 /* Publish v on f (owner only): release store, wake sleepers if any. */
@@ -160,8 +183,8 @@ void tdm_shm_flag_publish(tdm_shm_flag *f, uint64_t v);
  * errors). Fails on group abort, a dead or departed peer, or deadline. */
 tdm_status tdm_shm_flag_wait(tdm_shm_impl *c, tdm_shm_flag *f, uint64_t target, int peer);
 /* Raise the group abort flag (first reason wins) and wake everyone. */
-void tdm_shm_raise(tdm_shm_header *h, uint8_t *base, tdm_status st, const char *fmt, ...)
-    __attribute__((format(printf, 4, 5)));
+void tdm_shm_raise(tdm_shm_header *h, const tdm_shm_geom *g, uint8_t *base, tdm_status st,
+                   const char *fmt, ...) __attribute__((format(printf, 5, 6)));
 /* TDM_STATUS_OK, or the group's abort status with this call's message. */
 tdm_status tdm_shm_check_abort(tdm_shm_impl *c);
 

@@ -63,7 +63,8 @@ void tdm_shm_flag_publish(tdm_shm_flag *f, uint64_t v)
     if (atomic_load_explicit(&f->waiters, memory_order_seq_cst) != 0) tdm_shm_futex_wake(f);
 }
 
-void tdm_shm_raise(tdm_shm_header *h, uint8_t *base, tdm_status st, const char *fmt, ...)
+void tdm_shm_raise(tdm_shm_header *h, const tdm_shm_geom *g, uint8_t *base, tdm_status st,
+                   const char *fmt, ...)
 {
     int expected = 0;
     if (!atomic_compare_exchange_strong(&h->abort_claim, &expected, 1)) {
@@ -83,10 +84,7 @@ void tdm_shm_raise(tdm_shm_header *h, uint8_t *base, tdm_status st, const char *
     /* Release pairs with the acquire load in tdm_shm_check_abort: the
      * reason is written before the status becomes visible. */
     atomic_store_explicit(&h->abort_status, (int32_t)st, memory_order_release);
-    for (int r = 0; r < h->world; r++) {
-        tdm_shm_ctrl *c = (tdm_shm_ctrl *)(base + h->ctrl_off + (size_t)r * h->ctrl_bytes);
-        tdm_shm_futex_wake(&c->flag);
-    }
+    for (int r = 0; r < g->world; r++) tdm_shm_futex_wake(&tdm_shm_geom_ctrl(g, base, r)->flag);
     TDM_INFO(SHM, "group abort raised: %s", h->abort_reason);
 }
 
@@ -174,7 +172,7 @@ static tdm_status tdm_shm_check_peers(tdm_shm_impl *c, int peer, tdm_shm_flag *f
         } else {
             continue;
         }
-        tdm_shm_raise(c->hdr, c->base, TDM_STATUS_PEER_FAILED, "rank %d (pid %d) %s", r,
+        tdm_shm_raise(c->hdr, &c->geom, c->base, TDM_STATUS_PEER_FAILED, "rank %d (pid %d) %s", r,
                       (int)pid, why);
         tdm_status st = tdm_shm_check_abort(c);
         return st ? st : tdm_error_set(TDM_STATUS_PEER_FAILED, "%s #%llu: rank %d (pid %d) %s; "
@@ -224,7 +222,7 @@ tdm_status tdm_shm_flag_wait(tdm_shm_impl *c, tdm_shm_flag *f, uint64_t target, 
         }
         if (now >= deadline) {
             tdm_shm_ctrl *k = tdm_shm_ctrl_of(c, peer);
-            tdm_shm_raise(c->hdr, c->base, TDM_STATUS_TIMEOUT,
+            tdm_shm_raise(c->hdr, &c->geom, c->base, TDM_STATUS_TIMEOUT,
                           "rank %d timed out after %lld ms in %s #%llu waiting for rank %d "
                           "(pid %d)", c->rank, (long long)c->timeout_ms, c->cur_name,
                           (unsigned long long)c->cur_seq, peer, (int)atomic_load(&k->pid));

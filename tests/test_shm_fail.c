@@ -6,6 +6,7 @@
 #include <criterion/criterion.h>
 #include <dirent.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -414,6 +415,125 @@ Test(shm_fail, bad_header_refused, .timeout = 10)
     tdm_shm_group_free(g);
 }
 
+/* After attach the communicator works from the layout it validated, not
+ * from the shared header: a header rewritten later (by a buggy or hostile
+ * process with write access) cannot redirect its offsets or world. */
+static int corrupt_after_attach_rank(tdm_shm_group *g, int r)
+{
+    tdm_comm *comm = NULL;
+    tdm_shm_opts o = {.timeout_ms = 5000};
+    if (tdm_shm_comm_init(&comm, g, r, &o)) return 80;
+    if (tdm_comm_barrier(comm)) return 81;
+    if (r == 0) {
+        tdm_shm_header *h = mmap(NULL, 4096, PROT_READ | PROT_WRITE, MAP_SHARED,
+                                 tdm_shm_group_fd(g), 0);
+        if (h == MAP_FAILED) return 82;
+        uint64_t wild = (uint64_t)1 << 44;
+        h->ctrl_off = h->slot_off = h->p2p_off = h->arena_off = wild;
+        h->ctrl_bytes = h->slot_bytes = h->p2p_bytes = h->arena_bytes = wild;
+        h->one_shot_max = wild;
+        h->world = 64;
+        h->nbuf = 99;
+        munmap(h, 4096);
+    }
+    /* a peer's rewrite is visible to everyone past this barrier (its
+     * round is the first after the rewrite) */
+    if (tdm_comm_barrier(comm)) return 83;
+    int bad = 0;
+    static const size_t counts[] = {3, 5000, 300000};   /* one-shot, rs-ag, several rounds */
+    for (int i = 0; i < 3 && !bad; i++) {
+        shm_t_case k = {.coll = TDM_COLL_ALL_REDUCE, .dtype = TDM_DTYPE_FLOAT32,
+                        .op = TDM_REDOP_SUM, .count = counts[i]};
+        bad = shm_t_run_case(comm, &k) ? 84 : 0;
+    }
+    shm_t_case bc = {.coll = TDM_COLL_BROADCAST, .dtype = TDM_DTYPE_INT32, .count = 100000,
+                     .root = 1};
+    if (!bad && shm_t_run_case(comm, &bc)) bad = 85;
+    /* zero-copy buffers: arena offsets */
+    float *z = NULL;
+    if (!bad && tdm_shm_comm_alloc(comm, 65536 * sizeof(float), (void **)&z)) bad = 86;
+    for (int i = 0; !bad && i < 65536; i++) z[i] = (float)(i % 7 + r);
+    if (!bad && tdm_comm_all_reduce(comm, z, z, 65536, TDM_DTYPE_FLOAT32, TDM_REDOP_SUM)) bad = 87;
+    for (int i = 0; !bad && i < 65536; i++)
+        if (z[i] != (float)(2 * (i % 7) + 1)) bad = 88;
+    /* point to point */
+    int32_t msg = 41 + r;
+    if (!bad && r == 0 && tdm_comm_send(comm, &msg, 1, TDM_DTYPE_INT32, 1)) bad = 89;
+    if (!bad && r == 1 && (tdm_comm_recv(comm, &msg, 1, TDM_DTYPE_INT32, 0) || msg != 41)) bad = 90;
+    /* and the abort still reaches the peer (the waker walks every rank's flag) */
+    if (!bad && r == 1) tdm_comm_abort(comm, "done");
+    if (!bad) {
+        int32_t x = 1;
+        tdm_status st = tdm_comm_all_reduce(comm, &x, &x, 1, TDM_DTYPE_INT32, TDM_REDOP_SUM);
+        if (st == TDM_STATUS_OK)
+            st = tdm_comm_all_reduce(comm, &x, &x, 1, TDM_DTYPE_INT32, TDM_REDOP_SUM);
+        if (st != TDM_STATUS_ABORTED || !strstr(tdm_error_message(), "aborted by rank 1: done"))
+            bad = 91;
+    }
+    if (bad) fprintf(stderr, "rank %d: failed at %d: %s\n", r, bad, tdm_error_message());
+    tdm_comm_free(comm);
+    return bad;
+}
+
+Test(shm_fail, header_rewritten_after_attach_is_not_followed, .timeout = 30)
+{
+    tdm_shm_group *g = NULL;
+    tdm_shm_opts o = {.slot_bytes = 16384, .arena_bytes = 1 << 20};
+    cr_assert_eq(tdm_shm_group_create(&g, 2, &o), TDM_STATUS_OK, "%s", tdm_error_message());
+    pid_t kids[2];
+    for (int r = 0; r < 2; r++) {
+        kids[r] = fork();
+        cr_assert_geq(kids[r], 0);
+        if (kids[r] == 0) {
+            alarm(20);
+            _exit(corrupt_after_attach_rank(g, r));
+        }
+        tdm_shm_group_set_pid(g, r, kids[r]);
+    }
+    for (int r = 0; r < 2; r++) {
+        int ws = 0;
+        cr_assert_eq(waitpid(kids[r], &ws, 0), kids[r]);
+        cr_expect(WIFEXITED(ws) && WEXITSTATUS(ws) == 0, "rank %d: status 0x%x", r, ws);
+    }
+    tdm_shm_group_free(g);
+}
+
+/* An exec'd rank (it joined through TANDEM_SHM_FD, which the launcher
+ * passed without close-on-exec) must not hand the segment to the programs
+ * it runs in turn: joining restores close-on-exec. */
+Test(shm_fail, exec_rank_does_not_pass_the_segment_on, .timeout = 20)
+{
+    tdm_shm_group *g = NULL;
+    cr_assert_eq(tdm_shm_group_create(&g, 2, NULL), TDM_STATUS_OK);
+    cr_assert_eq(tdm_shm_group_export_env(g), TDM_STATUS_OK);
+    setenv("WORLD_SIZE", "2", 1);
+    setenv("RANK", "1", 1);
+    pid_t rank = fork();
+    cr_assert_geq(rank, 0);
+    if (rank == 0) {
+        /* the rank, as after exec: the fd is open and inheritable */
+        tdm_comm *comm = NULL;
+        if (tdm_shm_comm_init_from_env(&comm, NULL)) _exit(60);
+        pid_t child = fork();
+        if (child == 0) {
+            execl("/bin/sh", "sh", "-c", "test ! -e /proc/self/fd/$" TDM_SHM_ENV_FD, (char *)NULL);
+            _exit(127);
+        }
+        int ws = 0;
+        if (child < 0 || waitpid(child, &ws, 0) != child) _exit(61);
+        /* still open here, for this rank's own use */
+        int open_here = fcntl(atoi(getenv(TDM_SHM_ENV_FD)), F_GETFD) >= 0;
+        tdm_comm_free(comm);
+        _exit(!open_here ? 62 : WIFEXITED(ws) && WEXITSTATUS(ws) == 0 ? 0 : 63);
+    }
+    int ws = 0;
+    cr_assert_eq(waitpid(rank, &ws, 0), rank);
+    cr_expect(WIFEXITED(ws) && WEXITSTATUS(ws) == 0,
+              "status 0x%x (63: a program the rank ran inherited the segment fd)", ws);
+    unsetenv(TDM_SHM_ENV_FD);
+    tdm_shm_group_free(g);
+}
+
 /* --- full tmpfs ----------------------------------------------------------- */
 
 static int tiny_rank(tdm_comm *comm, void *arg)
@@ -486,13 +606,8 @@ Test(shm_fail, env_errors_are_clear, .timeout = 10)
     tdm_shm_group *g = NULL;
     cr_assert_eq(tdm_shm_group_create(&g, 2, NULL), TDM_STATUS_OK);
     cr_assert_eq(tdm_shm_group_export_env(g), TDM_STATUS_OK);
-    cr_expect_eq(tdm_shm_comm_init_from_env(&comm, NULL), TDM_STATUS_OK, "%s",
-                 tdm_error_message());
-    cr_expect_eq(tdm_comm_rank(comm), 1);
-    cr_expect_eq(tdm_comm_size(comm), 2);
-    tdm_comm_free(comm);
-
-    /* the fd survives exec (what `tandem launch` relies on) */
+    /* the fd survives exec (what `tandem launch` relies on; a rank that
+     * joins closes it on exec again: exec_rank_does_not_pass_the_segment_on) */
     pid_t pid = fork();
     cr_assert_geq(pid, 0);
     if (pid == 0) {
@@ -503,6 +618,12 @@ Test(shm_fail, env_errors_are_clear, .timeout = 10)
     cr_assert_eq(waitpid(pid, &ws, 0), pid);
     cr_expect(WIFEXITED(ws) && WEXITSTATUS(ws) == 0, "fd %s not inherited over exec (0x%x)",
               getenv(TDM_SHM_ENV_FD), ws);
+    cr_expect_eq(tdm_shm_comm_init_from_env(&comm, NULL), TDM_STATUS_OK, "%s",
+                 tdm_error_message());
+    cr_expect_eq(tdm_comm_rank(comm), 1);
+    cr_expect_eq(tdm_comm_size(comm), 2);
+    tdm_comm_free(comm);
+
     tdm_shm_group_free(g);
 }
 
