@@ -157,7 +157,7 @@ static tdm_status tdm_shm_arrive_check(tdm_shm_impl *c)
         if (d->seq != mine->seq)
             snprintf(b + strlen(b), sizeof b - strlen(b), " as its collective #%llu",
                      (unsigned long long)d->seq);
-        tdm_shm_raise(c->hdr, &c->geom, c->base, TDM_STATUS_MISMATCH,
+        tdm_shm_raise_rank(c, -1, TDM_STATUS_MISMATCH,
                       "collective #%llu: rank %d called %s but rank %d called %s",
                       (unsigned long long)c->seq, c->rank, a, p, b);
         c->failed = TDM_STATUS_MISMATCH;
@@ -512,7 +512,7 @@ static tdm_status tdm_shm_recv(tdm_shm_impl *c, const tdm_comm_call *k)
         const uint8_t *half = tdm_shm_p2p_half(blk, t);
         uint64_t theirs = *(const uint64_t *)half;
         if (theirs != nbytes) {
-            tdm_shm_raise(c->hdr, &c->geom, c->base, TDM_STATUS_MISMATCH,
+            tdm_shm_raise_rank(c, -1, TDM_STATUS_MISMATCH,
                           "recv #%llu on rank %d from rank %d: expected %zu bytes, rank %d "
                           "sent %llu", (unsigned long long)c->cur_seq, c->rank, peer, nbytes,
                           peer, (unsigned long long)theirs);

@@ -51,7 +51,9 @@ tdm_status tdm_shm_layout(int world, const tdm_shm_opts *opts, tdm_shm_header *h
     h->nbuf = TDM_SHM_NBUF;
     h->ctrl_off = TDM_SHM_PAGE;
     h->ctrl_bytes = sizeof(tdm_shm_ctrl);
-    h->slot_off = h->ctrl_off + tdm_shm_round_up((size_t)world * h->ctrl_bytes, TDM_SHM_PAGE);
+    h->reason_off = h->ctrl_off + tdm_shm_round_up((size_t)world * h->ctrl_bytes, TDM_SHM_PAGE);
+    h->slot_off = h->reason_off +
+                  tdm_shm_round_up((size_t)(world + 1) * TDM_SHM_REASON_BYTES, TDM_SHM_PAGE);
     h->slot_bytes = slot;
     h->p2p_off = h->slot_off + (size_t)world * TDM_SHM_NBUF * slot;
     h->p2p_bytes = world > 1 ? tdm_shm_round_up(2 * TDM_SHM_LINE + 2 * (TDM_SHM_P2P_HDR +
@@ -68,6 +70,7 @@ void tdm_shm_geom_from(const tdm_shm_header *h, tdm_shm_geom *g)
 {
     *g = (tdm_shm_geom){.world = h->world, .total = h->total_bytes,
                         .ctrl_off = h->ctrl_off, .ctrl_bytes = h->ctrl_bytes,
+                        .reason_off = h->reason_off,
                         .slot_off = h->slot_off, .slot_bytes = h->slot_bytes,
                         .p2p_off = h->p2p_off, .p2p_bytes = h->p2p_bytes,
                         .arena_off = h->arena_off, .arena_bytes = h->arena_bytes,
@@ -141,7 +144,7 @@ tdm_status tdm_shm_group_create(tdm_shm_group **out, int world, const tdm_shm_op
     clock_gettime(CLOCK_REALTIME, &ts);
     h.job_id = ((uint64_t)getpid() << 32) ^ (uint64_t)ts.tv_nsec ^ tdm_time_ns();
     /* fallocate zeroed everything: flags, states, abort word start at 0. */
-    memcpy(g->base, &h, offsetof(tdm_shm_header, abort_claim));
+    memcpy(g->base, &h, offsetof(tdm_shm_header, abort_word));
     TDM_INFO(SHM, "segment: %zu bytes for %d ranks (slots %d x %zu, arena %zu per rank), %s",
              g->total, world, TDM_SHM_NBUF, (size_t)h.slot_bytes, (size_t)h.arena_bytes,
              opts && opts->shm_dir ? opts->shm_dir : "memfd");
@@ -184,8 +187,9 @@ void tdm_shm_group_mark_dead(tdm_shm_group *g, int rank, int wstatus)
     atomic_store_explicit(&k->state, TDM_SHM_STATE_DEAD, memory_order_release);
     char why[128];
     tdm_shm_wait_status_str(wstatus, why, sizeof why);
-    tdm_shm_raise(g->base, &g->geom, g->base, TDM_STATUS_PEER_FAILED, "rank %d (pid %d) %s", rank,
-                  (int)atomic_load(&k->pid), why);
+    tdm_shm_raise(g->base, &g->geom, g->base, g->world, &g->raising, rank,
+                  TDM_STATUS_PEER_FAILED, "rank %d (pid %d) %s", rank, (int)atomic_load(&k->pid),
+                  why);
 }
 
 tdm_status tdm_shm_group_export_env(tdm_shm_group *g)
@@ -207,7 +211,7 @@ tdm_status tdm_shm_group_export_env(tdm_shm_group *g)
 static tdm_status tdm_shm_abort_op(void *impl, const char *reason)
 {
     tdm_shm_impl *c = impl;
-    tdm_shm_raise(c->hdr, &c->geom, c->base, TDM_STATUS_ABORTED, "aborted by rank %d: %s", c->rank, reason);
+    tdm_shm_raise_rank(c, c->rank, TDM_STATUS_ABORTED, "aborted by rank %d: %s", c->rank, reason);
     return TDM_STATUS_OK;
 }
 
@@ -283,6 +287,7 @@ static tdm_status tdm_shm_validate(const tdm_shm_header *h, size_t size, int wor
                 (unsigned long long)h->slot_bytes);
     TDM_REQUIRE(h->header_bytes == want.header_bytes && h->nbuf == want.nbuf &&
                     h->ctrl_off == want.ctrl_off && h->ctrl_bytes == want.ctrl_bytes &&
+                    h->reason_off == want.reason_off &&
                     h->slot_off == want.slot_off && h->p2p_off == want.p2p_off &&
                     h->p2p_bytes == want.p2p_bytes && h->arena_off == want.arena_off &&
                     h->total_bytes == want.total_bytes,
@@ -301,7 +306,7 @@ static tdm_status tdm_shm_join(tdm_comm **out, void *base, size_t total, int unm
      * neither the checks nor any later access reads its layout again. */
     tdm_shm_header snap = {0};
     tdm_shm_geom geom;
-    if (total >= TDM_SHM_PAGE) memcpy(&snap, base, offsetof(tdm_shm_header, abort_claim));
+    if (total >= TDM_SHM_PAGE) memcpy(&snap, base, offsetof(tdm_shm_header, abort_word));
     TDM_TRY(tdm_shm_validate(&snap, total, world));
     tdm_shm_geom_from(&snap, &geom);
     if (rank < 0 || rank >= world) {

@@ -6,10 +6,11 @@
  * Segment layout (offsets in the header, every region 4 KiB aligned):
  *
  *   header     one page: magic, version, sizes of every region, world,
- *              job id, group abort flag and reason
+ *              job id, the group abort word
  *   ctrl       per rank, two 64-byte lines: [progress flag + call
- *              descriptors] [pid + state], so that the hot flag never
- *              shares a line with anything another process writes often
+ *              descriptors] [pid + state + heartbeat], so that the hot flag
+ *              never shares a line with anything another process writes often
+ *   reasons    per rank and one for the parent, an abort reason each
  *   slots      per rank, NBUF staging buffers of slot_bytes
  *   p2p        per ordered pair (src, dst): a sent flag line, an ack flag
  *              line, two halves of P2P bytes
@@ -28,12 +29,13 @@
 #include "shm/shm_comm.h"
 
 #define TDM_SHM_MAGIC 0x314d48534d444e54ull /* "TNDMSHM1" little endian */
-#define TDM_SHM_VERSION 1u
+#define TDM_SHM_VERSION 2u
 #define TDM_SHM_LINE 64
 #define TDM_SHM_PAGE 4096
 #define TDM_SHM_NBUF 2            /* staging buffers per rank */
 #define TDM_SHM_P2P_BYTES (64 * 1024) /* each of the two halves */
 #define TDM_SHM_P2P_HDR 64        /* per half: message size, chunk index */
+#define TDM_SHM_REASON_BYTES 512  /* one abort reason */
 
 /* A word ranks wait on: a free-running 64-bit counter, written only by
  * its owner. Sleepers futex-wait on its low 32 bits (little endian: the
@@ -70,6 +72,8 @@ typedef struct tdm_shm_ctrl {
     alignas(TDM_SHM_LINE) _Atomic int32_t pid;
     _Atomic int32_t state;
     _Atomic int32_t wstatus;
+    int32_t pad_;
+    _Atomic uint64_t beat;     /* heartbeat: advanced by the rank's heartbeat thread */
 } tdm_shm_ctrl;
 
 _Static_assert(sizeof(tdm_shm_ctrl) == 2 * TDM_SHM_LINE, "ctrl is two lines");
@@ -80,6 +84,7 @@ typedef struct tdm_shm_header {
     uint32_t header_bytes;
     uint64_t total_bytes;
     uint64_t ctrl_off, ctrl_bytes;    /* per rank */
+    uint64_t reason_off;              /* world + 1 reasons of TDM_SHM_REASON_BYTES */
     uint64_t slot_off, slot_bytes;    /* per buffer; NBUF per rank */
     uint64_t p2p_off, p2p_bytes;      /* per ordered pair */
     uint64_t arena_off, arena_bytes;  /* per rank */
@@ -87,13 +92,21 @@ typedef struct tdm_shm_header {
     int32_t world;
     int32_t nbuf;
     uint64_t job_id;
-    /* Group abort: the first raiser wins abort_claim (CAS 0 -> 1), writes
-     * reason, then publishes abort_status with release; readers load
-     * abort_status with acquire before reading reason. */
-    alignas(TDM_SHM_LINE) _Atomic int32_t abort_claim;
-    _Atomic int32_t abort_status;
-    char abort_reason[512];
+    /* Group abort, published in one step: a raiser first writes its reason
+     * in its own reason slot (rank r: slot r; the parent: slot world),
+     * which nobody reads until it is published, then CASes abort_word from
+     * 0 to the encoding below (release; readers load it with acquire
+     * before reading the slot it names). A raiser that dies before its CAS
+     * has claimed nothing; once set, the word never changes and neither
+     * does the slot it names (its owner writes it only while the word is 0). */
+    alignas(TDM_SHM_LINE) _Atomic uint64_t abort_word;
 } tdm_shm_header;
+
+/* abort_word: bits 0-15 the status, 16-23 1 + the raiser's slot, 24-31
+ * 1 + the rank the raiser blames (0: none, e.g. a mismatch). */
+#define TDM_SHM_ABORT_WORD(st, slot, culprit)                                  \
+    ((uint64_t)(uint16_t)(st) | ((uint64_t)((slot) + 1) << 16) |                \
+     ((uint64_t)((culprit) + 1) << 24))
 
 _Static_assert(sizeof(tdm_shm_header) <= TDM_SHM_PAGE, "header fits a page");
 
@@ -106,6 +119,7 @@ typedef struct tdm_shm_geom {
     int world;
     size_t total;
     size_t ctrl_off, ctrl_bytes;
+    size_t reason_off;
     size_t slot_off, slot_bytes;
     size_t p2p_off, p2p_bytes;
     size_t arena_off, arena_bytes;
@@ -119,6 +133,7 @@ struct tdm_shm_group {
     size_t total;
     tdm_shm_geom geom;
     tdm_shm_opts opts;
+    _Atomic int raising;       /* this process is writing the parent's reason slot */
 };
 
 typedef struct tdm_shm_impl {
@@ -145,6 +160,7 @@ typedef struct tdm_shm_impl {
     const char *cur_name;
     uint64_t cur_seq;
     uint64_t next_live_ns;
+    _Atomic int raising;       /* a thread of this rank is writing its reason slot */
     tdm_status failed;         /* sticky: once a call failed, all fail */
     char failed_msg[256];      /* its message */
 } tdm_shm_impl;
@@ -182,9 +198,28 @@ void tdm_shm_flag_publish(tdm_shm_flag *f, uint64_t v);
 /* Wait until f >= target, where f belongs to rank `peer` (named in
  * errors). Fails on group abort, a dead or departed peer, or deadline. */
 tdm_status tdm_shm_flag_wait(tdm_shm_impl *c, tdm_shm_flag *f, uint64_t target, int peer);
-/* Raise the group abort flag (first reason wins) and wake everyone. */
-void tdm_shm_raise(tdm_shm_header *h, const tdm_shm_geom *g, uint8_t *base, tdm_status st,
-                   const char *fmt, ...) __attribute__((format(printf, 5, 6)));
+/* Raise the group abort (the first raiser wins) and wake everyone. slot:
+ * the raiser's reason slot (its rank, or world for the parent); raising:
+ * that slot's writer lock in this process; culprit: the rank the reason
+ * blames, or -1. */
+void tdm_shm_raise(tdm_shm_header *h, const tdm_shm_geom *g, uint8_t *base, int slot,
+                   _Atomic int *raising, int culprit, tdm_status st, const char *fmt, ...)
+    __attribute__((format(printf, 8, 9)));
+/* A rank's raise: its own slot. */
+#define tdm_shm_raise_rank(c, culprit, st, ...)                                \
+    tdm_shm_raise((c)->hdr, &(c)->geom, (c)->base, (c)->rank, &(c)->raising, (culprit), (st), \
+                  __VA_ARGS__)
+
+/* The group abort as published, decoded. */
+typedef struct tdm_shm_abort_info {
+    tdm_status status;         /* TDM_STATUS_OK: not raised */
+    int raiser;                /* the rank that raised it, -1: the parent */
+    int culprit;               /* the rank it blames, -1: none */
+    const char *reason;        /* in the segment; never changes once raised */
+} tdm_shm_abort_info;
+/* 1 and *out filled when the abort has been raised, else 0. */
+int tdm_shm_abort_get(const tdm_shm_header *h, const tdm_shm_geom *g, const uint8_t *base,
+                      tdm_shm_abort_info *out);
 /* TDM_STATUS_OK, or the group's abort status with this call's message. */
 tdm_status tdm_shm_check_abort(tdm_shm_impl *c);
 

@@ -77,7 +77,7 @@ tdm_status tdm_shm_spawn(int world, tdm_shm_spawn_fn fn, void *arg,
         if (p == 0) tdm_shm_spawn_child(g, r, parent, fn, arg, &o.shm);
         if (p < 0) {
             st = tdm_error_set(TDM_STATUS_SYSTEM, "spawn: fork of rank %d: %s", r, strerror(errno));
-            tdm_shm_raise(g->base, &g->geom, g->base, TDM_STATUS_ABORTED,
+            tdm_shm_raise(g->base, &g->geom, g->base, world, &g->raising, -1, TDM_STATUS_ABORTED,
                           "spawn: fork of rank %d failed", r);
             break;
         }

@@ -63,49 +63,84 @@ void tdm_shm_flag_publish(tdm_shm_flag *f, uint64_t v)
     if (atomic_load_explicit(&f->waiters, memory_order_seq_cst) != 0) tdm_shm_futex_wake(f);
 }
 
-void tdm_shm_raise(tdm_shm_header *h, const tdm_shm_geom *g, uint8_t *base, tdm_status st,
-                   const char *fmt, ...)
+static char *tdm_shm_reason_slot(const tdm_shm_geom *g, const uint8_t *base, int slot)
 {
-    int expected = 0;
-    if (!atomic_compare_exchange_strong(&h->abort_claim, &expected, 1)) {
-        /* Another rank won and is writing its reason: wait (briefly) until
-         * it publishes, so that our caller's tdm_shm_check_abort sees a
-         * status and does not mistake the race for success. */
+    return (char *)(base + g->reason_off + (size_t)slot * TDM_SHM_REASON_BYTES);
+}
+
+int tdm_shm_abort_get(const tdm_shm_header *h, const tdm_shm_geom *g, const uint8_t *base,
+                      tdm_shm_abort_info *out)
+{
+    /* Acquire pairs with the release CAS in tdm_shm_raise: the reason in
+     * the slot the word names was written before the word. */
+    uint64_t w = atomic_load_explicit(&((tdm_shm_header *)h)->abort_word, memory_order_acquire);
+    if (!w) return 0;
+    int slot = (int)((w >> 16) & 0xff) - 1, culprit = (int)((w >> 24) & 0xff) - 1;
+    tdm_status st = (tdm_status)(w & 0xffff);
+    /* The word is in shared memory: decode it defensively. */
+    if (st <= TDM_STATUS_OK || st >= TDM_STATUS_COUNT_) st = TDM_STATUS_ABORTED;
+    out->status = st;
+    out->raiser = slot >= 0 && slot < g->world ? slot : -1;
+    out->culprit = culprit >= 0 && culprit < g->world ? culprit : -1;
+    out->reason = slot >= 0 && slot <= g->world ? tdm_shm_reason_slot(g, base, slot)
+                                                : "(unreadable abort word)";
+    return 1;
+}
+
+void tdm_shm_raise(tdm_shm_header *h, const tdm_shm_geom *g, uint8_t *base, int slot,
+                   _Atomic int *raising, int culprit, tdm_status st, const char *fmt, ...)
+{
+    /* One writer of this process's slot at a time (a rank's own thread and
+     * its progress thread may both fail at once). The loser waits for the
+     * word, which the winner is about to publish, so that its caller's
+     * tdm_shm_check_abort sees a status. */
+    int idle = 0;
+    if (atomic_load(&h->abort_word) || !atomic_compare_exchange_strong(raising, &idle, 1)) {
         uint64_t t0 = tdm_time_ns();
-        while (!atomic_load_explicit(&h->abort_status, memory_order_acquire) &&
-               tdm_time_ns() - t0 < 1000000000ull)
-            sched_yield();
+        while (!atomic_load_explicit(&h->abort_word, memory_order_acquire) &&
+               tdm_time_ns() - t0 < 1000000000ull) {
+            struct timespec ts = {.tv_nsec = 1000000};
+            nanosleep(&ts, NULL);
+        }
         return;
     }
+    /* The slot is ours and unpublished while the word is 0: a published
+     * slot is never written again, because the word never returns to 0. */
+    char *reason = tdm_shm_reason_slot(g, base, slot);
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(h->abort_reason, sizeof h->abort_reason, fmt, ap);
+    vsnprintf(reason, TDM_SHM_REASON_BYTES, fmt, ap);
     va_end(ap);
-    /* Release pairs with the acquire load in tdm_shm_check_abort: the
-     * reason is written before the status becomes visible. */
-    atomic_store_explicit(&h->abort_status, (int32_t)st, memory_order_release);
+    /* Test hook (tests/test_shm_fail.c): die between writing the reason
+     * and publishing it, where a raiser killed at the worst moment would. */
+    const char *die = getenv("TANDEM_SHM_TEST_DIE_IN_RAISE");
+    if (die && *die == '1') raise(SIGKILL);
+    uint64_t none = 0;
+    /* Release pairs with the acquire load in tdm_shm_abort_get. */
+    int won = atomic_compare_exchange_strong_explicit(
+        &h->abort_word, &none, TDM_SHM_ABORT_WORD(st, slot, culprit), memory_order_acq_rel,
+        memory_order_acquire);
+    atomic_store(raising, 0);
+    if (!won) return;
     for (int r = 0; r < g->world; r++) tdm_shm_futex_wake(&tdm_shm_geom_ctrl(g, base, r)->flag);
-    TDM_INFO(SHM, "group abort raised: %s", h->abort_reason);
+    TDM_INFO(SHM, "group abort raised: %s", reason);
 }
 
 tdm_status tdm_shm_check_abort(tdm_shm_impl *c)
 {
-    /* Acquire pairs with the release store in tdm_shm_raise. */
-    int32_t st = atomic_load_explicit(&c->hdr->abort_status, memory_order_acquire);
-    if (!st) return TDM_STATUS_OK;
-    c->failed = (tdm_status)st;
-    return tdm_error_set((tdm_status)st, "%s #%llu: %s; stopping", c->cur_name,
-                         (unsigned long long)c->cur_seq, c->hdr->abort_reason);
+    tdm_shm_abort_info a;
+    if (!tdm_shm_abort_get(c->hdr, &c->geom, c->base, &a)) return TDM_STATUS_OK;
+    c->failed = a.status;
+    return tdm_error_set(a.status, "%s #%llu: %s; stopping", c->cur_name,
+                         (unsigned long long)c->cur_seq, a.reason);
 }
 
 const char *tdm_shm_comm_abort_reason(const tdm_comm *comm)
 {
     if (!comm || strcmp(tdm_comm_backend_name(comm), "shm") != 0) return NULL;
     const tdm_shm_impl *c = tdm_comm_impl(comm);
-    /* Acquire pairs with the release store in tdm_shm_raise: the reason
-     * is written before abort_status is published. */
-    if (!atomic_load_explicit(&c->hdr->abort_status, memory_order_acquire)) return NULL;
-    return c->hdr->abort_reason;
+    tdm_shm_abort_info a;
+    return tdm_shm_abort_get(c->hdr, &c->geom, c->base, &a) ? a.reason : NULL;
 }
 
 /* 1 when pid is gone. *wstatus gets how it ended when that can still be
@@ -172,8 +207,7 @@ static tdm_status tdm_shm_check_peers(tdm_shm_impl *c, int peer, tdm_shm_flag *f
         } else {
             continue;
         }
-        tdm_shm_raise(c->hdr, &c->geom, c->base, TDM_STATUS_PEER_FAILED, "rank %d (pid %d) %s", r,
-                      (int)pid, why);
+        tdm_shm_raise_rank(c, r, TDM_STATUS_PEER_FAILED, "rank %d (pid %d) %s", r, (int)pid, why);
         tdm_status st = tdm_shm_check_abort(c);
         return st ? st : tdm_error_set(TDM_STATUS_PEER_FAILED, "%s #%llu: rank %d (pid %d) %s; "
                                        "stopping", c->cur_name, (unsigned long long)c->cur_seq,
@@ -222,7 +256,7 @@ tdm_status tdm_shm_flag_wait(tdm_shm_impl *c, tdm_shm_flag *f, uint64_t target, 
         }
         if (now >= deadline) {
             tdm_shm_ctrl *k = tdm_shm_ctrl_of(c, peer);
-            tdm_shm_raise(c->hdr, &c->geom, c->base, TDM_STATUS_TIMEOUT,
+            tdm_shm_raise_rank(c, peer, TDM_STATUS_TIMEOUT,
                           "rank %d timed out after %lld ms in %s #%llu waiting for rank %d "
                           "(pid %d)", c->rank, (long long)c->timeout_ms, c->cur_name,
                           (unsigned long long)c->cur_seq, peer, (int)atomic_load(&k->pid));

@@ -359,6 +359,54 @@ Test(shm_fail, abort_reaches_everyone, .timeout = 30)
     cr_assert_eq(st, TDM_STATUS_OK, "%s", tdm_error_message());
 }
 
+/* A rank killed in the middle of raising the abort (after it would have
+ * claimed the word, before the reason was out) must not leave the group
+ * claimed and silent: a watchdog polling tdm_shm_comm_abort_reason (the
+ * NCCL communicator's) still sees a reason naming it. The hook makes
+ * rank 1 die at that point. */
+static int die_in_raise_rank(tdm_comm *comm, void *arg)
+{
+    (void)arg;
+    int r = tdm_comm_rank(comm);
+    if (tdm_comm_barrier(comm)) return 90;
+    if (r == 1) {
+        setenv("TANDEM_SHM_TEST_DIE_IN_RAISE", "1", 1);
+        tdm_comm_abort(comm, "never published");
+        return 91;   /* not reached: the hook killed us */
+    }
+    if (r == 0) {
+        int32_t x = 1;
+        tdm_status st = tdm_comm_all_reduce(comm, &x, &x, 1, TDM_DTYPE_INT32, TDM_REDOP_SUM);
+        fprintf(stderr, "rank 0: %s\n", tdm_error_message());
+        if (st == TDM_STATUS_OK || !strstr(tdm_error_message(), "rank 1")) return 92;
+    }
+    /* rank 2 only watches, as the NCCL watchdog does (rank 0 too, after) */
+    const char *why = NULL;
+    uint64_t t0 = tdm_time_ns();
+    while (!(why = tdm_shm_comm_abort_reason(comm)) && tdm_time_ms_since(t0) < 8000)
+        usleep(10 * 1000);
+    fprintf(stderr, "rank %d: abort reason after %.0f ms: %s\n", r, tdm_time_ms_since(t0),
+            why ? why : "(none)");
+    if (!why) return 93;
+    if (!strstr(why, "rank 1 (pid")) return 94;
+    return 0;
+}
+
+Test(shm_fail, raiser_dying_mid_abort_leaves_a_reason, .timeout = 30)
+{
+    tdm_shm_spawn_opts o = {.shm = {.timeout_ms = 20000}, .timeout_ms = 25000,
+                            .grace_ms = 12000};
+    tdm_shm_spawn_result res;
+    tdm_status st = tdm_shm_spawn(3, die_in_raise_rank, NULL, &o, &res);
+    cr_expect_eq(st, TDM_STATUS_PEER_FAILED, "%s", tdm_error_message());
+    cr_expect(strstr(tdm_error_message(), "rank 1 (pid"), "%s", tdm_error_message());
+    cr_expect(WIFSIGNALED(res.wstatus[1]) && WTERMSIG(res.wstatus[1]) == SIGKILL,
+              "rank 1: 0x%x", res.wstatus[1]);
+    for (int r = 0; r < 3; r += 2)
+        cr_expect(WIFEXITED(res.wstatus[r]) && WEXITSTATUS(res.wstatus[r]) == 0,
+                  "rank %d: status 0x%x", r, res.wstatus[r]);
+}
+
 /* --- header validation ---------------------------------------------------- */
 
 Test(shm_fail, bad_header_refused, .timeout = 10)
@@ -429,7 +477,7 @@ static int corrupt_after_attach_rank(tdm_shm_group *g, int r)
                                  tdm_shm_group_fd(g), 0);
         if (h == MAP_FAILED) return 82;
         uint64_t wild = (uint64_t)1 << 44;
-        h->ctrl_off = h->slot_off = h->p2p_off = h->arena_off = wild;
+        h->ctrl_off = h->reason_off = h->slot_off = h->p2p_off = h->arena_off = wild;
         h->ctrl_bytes = h->slot_bytes = h->p2p_bytes = h->arena_bytes = wild;
         h->one_shot_max = wild;
         h->world = 64;
