@@ -177,19 +177,34 @@ void tdm_shm_group_set_pid(tdm_shm_group *g, int rank, pid_t pid)
     atomic_store(&tdm_shm_group_ctrl(g, rank)->pid, (int32_t)pid);
 }
 
-void tdm_shm_group_mark_dead(tdm_shm_group *g, int rank, int wstatus)
+void tdm_shm_group_mark_ended(tdm_shm_group *g, int rank, int wstatus)
 {
     if (!g || rank < 0 || rank >= g->world) return;
     tdm_shm_ctrl *k = tdm_shm_group_ctrl(g, rank);
-    if (atomic_load(&k->state) == TDM_SHM_STATE_LEFT) return; /* it finished cleanly */
-    atomic_store(&k->wstatus, wstatus);
-    /* Release pairs with the acquire load of state in tdm_shm_check_peers. */
-    atomic_store_explicit(&k->state, TDM_SHM_STATE_DEAD, memory_order_release);
+    /* Release stores of state pair with the acquire load in
+     * tdm_shm_check_peers: wstatus is visible with the state. */
+    atomic_store_explicit(&k->wstatus, wstatus, memory_order_relaxed);
+    if (WIFEXITED(wstatus) && WEXITSTATUS(wstatus) == 0) {
+        /* A success: whoever waits for it later learns it is gone, and
+         * how; nobody else is disturbed. A rank that left stays LEFT. */
+        int32_t s = TDM_SHM_STATE_ALIVE;
+        if (!atomic_compare_exchange_strong_explicit(&k->state, &s, TDM_SHM_STATE_EXITED,
+                                                     memory_order_release, memory_order_relaxed)) {
+            s = TDM_SHM_STATE_EMPTY;
+            atomic_compare_exchange_strong_explicit(&k->state, &s, TDM_SHM_STATE_EXITED,
+                                                    memory_order_release, memory_order_relaxed);
+        }
+        return;
+    }
+    /* A failure, even after freeing its communicator: the group stops. */
+    int32_t before = atomic_exchange_explicit(&k->state, TDM_SHM_STATE_DEAD,
+                                              memory_order_release);
     char why[128];
     tdm_shm_wait_status_str(wstatus, why, sizeof why);
     tdm_shm_raise(g->base, &g->geom, g->base, g->world, &g->raising, rank,
-                  TDM_STATUS_PEER_FAILED, "rank %d (pid %d) %s", rank, (int)atomic_load(&k->pid),
-                  why);
+                  TDM_STATUS_PEER_FAILED, "rank %d (pid %d) %s%s", rank,
+                  (int)atomic_load(&k->pid), why,
+                  before == TDM_SHM_STATE_LEFT ? " after freeing its communicator" : "");
 }
 
 tdm_status tdm_shm_group_export_env(tdm_shm_group *g)

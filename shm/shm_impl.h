@@ -61,7 +61,9 @@ enum {
     TDM_SHM_STATE_EMPTY = 0,   /* not attached yet */
     TDM_SHM_STATE_ALIVE = 1,
     TDM_SHM_STATE_LEFT = 2,    /* freed its communicator */
-    TDM_SHM_STATE_DEAD = 3,    /* reported dead by the parent (wstatus) */
+    TDM_SHM_STATE_DEAD = 3,    /* failed, reported by the parent (wstatus) */
+    TDM_SHM_STATE_EXITED = 4,  /* exited 0 without freeing its communicator,
+                                  reported by the parent (wstatus) */
 };
 
 typedef struct tdm_shm_ctrl {
@@ -160,6 +162,7 @@ typedef struct tdm_shm_impl {
     const char *cur_name;
     uint64_t cur_seq;
     uint64_t next_live_ns;
+    uint64_t unsure_since_ns[TDM_SHM_MAX_RANKS]; /* peer gone or left, status awaited since */
     _Atomic int raising;       /* a thread of this rank is writing its reason slot */
     tdm_status failed;         /* sticky: once a call failed, all fail */
     char failed_msg[256];      /* its message */

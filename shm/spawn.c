@@ -106,8 +106,8 @@ tdm_status tdm_shm_spawn(int world, tdm_shm_spawn_fn fn, void *arg,
             }
             wst[r] = ws;
             if (res) res->wstatus[r] = wst[r];
+            tdm_shm_group_mark_ended(g, r, ws);
             if (!(WIFEXITED(ws) && WEXITSTATUS(ws) == 0)) {
-                tdm_shm_group_mark_dead(g, r, ws);
                 if (first_bad < 0) {
                     first_bad = r;
                     grace_end = tdm_time_ns() + (uint64_t)grace_ms * 1000000ull;

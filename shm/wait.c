@@ -143,12 +143,14 @@ const char *tdm_shm_comm_abort_reason(const tdm_comm *comm)
     return tdm_shm_abort_get(c->hdr, &c->geom, c->base, &a) ? a.reason : NULL;
 }
 
-/* 1 when pid is gone. *wstatus gets how it ended when that can still be
- * read (a zombie's exit_code, field 52 of /proc/pid/stat, in waitpid's
- * format), else -1. */
-static int tdm_shm_pid_gone(pid_t pid, int *wstatus)
+/* What /proc says about pid: 1 when it is gone (*wstatus: how it ended
+ * when that can still be read, a zombie's exit_code, field 52 of
+ * /proc/pid/stat, in waitpid's format; else -1); 0 while it runs (*state:
+ * its state letter, R, S, D, T (stopped), t (traced), or '?'). */
+static int tdm_shm_proc(pid_t pid, int *wstatus, char *state)
 {
     *wstatus = -1;
+    *state = '?';
     if (pid <= 0) return 0;
     if (kill(pid, 0) == -1 && errno == ESRCH) return 1;
     /* A dead child that its parent has not reaped yet still answers
@@ -162,7 +164,9 @@ static int tdm_shm_pid_gone(pid_t pid, int *wstatus)
     if (n <= 0) return 0;
     buf[n] = '\0';
     const char *p = strrchr(buf, ')');
-    if (!(p && p[1] == ' ' && (p[2] == 'Z' || p[2] == 'X'))) return 0;
+    if (!(p && p[1] == ' ' && p[2])) return 0;
+    *state = p[2];
+    if (p[2] != 'Z' && p[2] != 'X') return 0;
     /* fields after ')': state is field 3, exit_code field 52 */
     const char *q = p + 2;
     for (int field = 3; field < 52 && q; field++) {
@@ -173,39 +177,90 @@ static int tdm_shm_pid_gone(pid_t pid, int *wstatus)
     return 1;
 }
 
+/* How peer r ended, for a rank that needed it: wstatus as reported by the
+ * parent or read from the zombie (-1: unknown), state its last state. */
+static void tdm_shm_ended_str(const tdm_shm_impl *c, int32_t state, int wstatus, char *why,
+                              size_t n)
+{
+    char how[128];
+    if (wstatus < 0) {
+        snprintf(why, n, "%s before %s #%llu (exit status unknown: its parent did not report "
+                 "it)", state == TDM_SHM_STATE_LEFT ? "left the group (freed its communicator) "
+                 "and ended" : "ended", c->cur_name, (unsigned long long)c->cur_seq);
+        return;
+    }
+    tdm_shm_wait_status_str(wstatus, how, sizeof how);
+    if (!(WIFEXITED(wstatus) && WEXITSTATUS(wstatus) == 0))
+        snprintf(why, n, "%s%s", how, state == TDM_SHM_STATE_LEFT ? " after freeing its "
+                 "communicator" : "");
+    else if (state == TDM_SHM_STATE_LEFT)
+        snprintf(why, n, "left the group (freed its communicator and %s) before %s #%llu", how,
+                 c->cur_name, (unsigned long long)c->cur_seq);
+    else if (state == TDM_SHM_STATE_EMPTY)
+        snprintf(why, n, "%s before joining the group", how);
+    else
+        snprintf(why, n, "%s before %s #%llu without freeing its communicator", how,
+                 c->cur_name, (unsigned long long)c->cur_seq);
+}
 
-/* Fails (and raises the group flag) if some peer is gone. `peer` is the
- * rank being waited for: only for it is having left the group an error.
+#define TDM_SHM_STATUS_GRACE_NS (1000ull * 1000 * 1000)
+
+/* Fails (and raises the group flag) if a peer that matters is gone.
+ * `peer` is the rank being waited for: for it, being gone in any way is
+ * an error, reported with how it ended. For the others only a known
+ * failure is (the parent reported it dead, or its zombie shows a failing
+ * status): a rank that exited 0 or left concerns only whoever waits for
+ * it, and ranks that never do (point-to-point between others) go on.
+ * When a gone peer's status is not known yet (its parent reaped it and is
+ * about to report it; or it left and is still running, perhaps about to
+ * fail), the peer is given TDM_SHM_STATUS_GRACE_NS to tell, so that the
+ * message says how it ended rather than "gone".
  * A peer that published what we wait for and then left or died has done
  * its part of this collective: the flag is read again after its state, so
  * that a publish-then-leave between our last look at the flag and this
  * check is not mistaken for a failure (the next wait will notice). */
 static tdm_status tdm_shm_check_peers(tdm_shm_impl *c, int peer, tdm_shm_flag *f,
-                                      uint64_t target)
+                                      uint64_t target, uint64_t now)
 {
     for (int r = 0; r < c->world; r++) {
         if (r == c->rank) continue;
         tdm_shm_ctrl *k = tdm_shm_ctrl_of(c, r);
         int32_t state = atomic_load_explicit(&k->state, memory_order_acquire);
         pid_t pid = atomic_load_explicit(&k->pid, memory_order_relaxed);
-        char why[128];
-        int gone_ws;
-        /* Acquire on state above pairs with the release store of LEFT in
-         * segment.c, which follows the peer's last publish: seeing LEFT
-         * means seeing that publish too. */
+        char why[256];
+        int ws = -1, unsure = 0;
+        char pstate;
+        /* Acquire on state above pairs with the release stores of LEFT in
+         * segment.c, which follows the peer's last publish, and of DEAD
+         * and EXITED by the parent, which follow its wstatus: seeing the
+         * state means seeing those too. */
         if (r == peer && atomic_load_explicit(&f->value, memory_order_acquire) >= target)
             continue;
         if (state == TDM_SHM_STATE_DEAD) {
-            tdm_shm_wait_status_str(atomic_load(&k->wstatus), why, sizeof why);
+            tdm_shm_ended_str(c, state, atomic_load(&k->wstatus), why, sizeof why);
+        } else if (r != peer) {
+            /* only a failure shown by its zombie (no parent reports it) */
+            if (state == TDM_SHM_STATE_EXITED || state == TDM_SHM_STATE_LEFT ||
+                !tdm_shm_proc(pid, &ws, &pstate) || ws < 0 ||
+                (WIFEXITED(ws) && WEXITSTATUS(ws) == 0))
+                continue;
+            tdm_shm_ended_str(c, state, ws, why, sizeof why);
+        } else if (state == TDM_SHM_STATE_EXITED) {
+            tdm_shm_ended_str(c, state, atomic_load(&k->wstatus), why, sizeof why);
+        } else if (tdm_shm_proc(pid, &ws, &pstate)) {
+            unsure = ws < 0;   /* reaped: wait for the parent's report */
+            tdm_shm_ended_str(c, state, ws, why, sizeof why);
         } else if (state == TDM_SHM_STATE_LEFT) {
-            if (r != peer) continue;
-            snprintf(why, sizeof why, "left the group (freed its communicator) before #%llu",
-                     (unsigned long long)c->cur_seq);
-        } else if (tdm_shm_pid_gone(pid, &gone_ws)) {
-            if (gone_ws >= 0) tdm_shm_wait_status_str(gone_ws, why, sizeof why);
-            else snprintf(why, sizeof why, "died");
+            unsure = 1;        /* left, still running: ending (and how?) or staying */
+            snprintf(why, sizeof why, "left the group (freed its communicator) before %s #%llu",
+                     c->cur_name, (unsigned long long)c->cur_seq);
         } else {
+            c->unsure_since_ns[r] = 0;
             continue;
+        }
+        if (unsure) {
+            if (!c->unsure_since_ns[r]) c->unsure_since_ns[r] = now;
+            if (now - c->unsure_since_ns[r] < TDM_SHM_STATUS_GRACE_NS) continue;
         }
         tdm_shm_raise_rank(c, r, TDM_STATUS_PEER_FAILED, "rank %d (pid %d) %s", r, (int)pid, why);
         tdm_status st = tdm_shm_check_abort(c);
@@ -251,7 +306,7 @@ tdm_status tdm_shm_flag_wait(tdm_shm_impl *c, tdm_shm_flag *f, uint64_t target, 
     for (;;) {
         uint64_t now = tdm_time_ns();
         if (now >= c->next_live_ns) {
-            TDM_CHECK(tdm_shm_check_peers(c, peer, f, target));
+            TDM_CHECK(tdm_shm_check_peers(c, peer, f, target, now));
             c->next_live_ns = now + TDM_SHM_SLEEP_NS;
         }
         if (now >= deadline) {

@@ -157,6 +157,82 @@ Test(shm_fail, rank_exits_early, .timeout = 30)
     cr_expect(WIFEXITED(res.wstatus[2]) && WEXITSTATUS(res.wstatus[2]) == 0);
 }
 
+/* A rank that exits 0 without freeing its communicator has done nothing
+ * wrong to ranks that never wait for it: two others keep talking
+ * point-to-point (slowly, so that their waits sleep and check liveness).
+ * Only a call that needs it fails, naming it and how it ended. */
+static int exit0_rank(tdm_comm *comm, void *arg)
+{
+    (void)arg;
+    int r = tdm_comm_rank(comm);
+    if (tdm_comm_barrier(comm)) return 100;
+    if (r == 2) _exit(0);   /* no tdm_comm_free */
+    for (int i = 0; i < 8; i++) {
+        int32_t v = i;
+        tdm_status st;
+        if (r == 0) {
+            usleep(150 * 1000);
+            st = tdm_comm_send(comm, &v, 1, TDM_DTYPE_INT32, 1);
+        } else {
+            st = tdm_comm_recv(comm, &v, 1, TDM_DTYPE_INT32, 0);
+        }
+        if (st) {
+            fprintf(stderr, "rank %d: message %d: %s\n", r, i, tdm_error_message());
+            return 101;
+        }
+    }
+    int32_t x = 1;
+    tdm_status st = tdm_comm_all_reduce(comm, &x, &x, 1, TDM_DTYPE_INT32, TDM_REDOP_SUM);
+    fprintf(stderr, "rank %d: %s\n", r, tdm_error_message());
+    if (st != TDM_STATUS_PEER_FAILED) return 102;
+    if (!strstr(tdm_error_message(), "rank 2 (pid")) return 103;
+    if (!strstr(tdm_error_message(), "exited with code 0")) return 104;
+    return 0;
+}
+
+Test(shm_fail, rank_exiting_0_does_not_stop_unrelated_ranks, .timeout = 30)
+{
+    tdm_shm_spawn_opts o = {.shm = {.timeout_ms = 20000, .no_spin = 1}, .timeout_ms = 25000};
+    tdm_shm_spawn_result res;
+    tdm_status st = tdm_shm_spawn(3, exit0_rank, NULL, &o, &res);
+    cr_expect_eq(st, TDM_STATUS_OK, "%s", tdm_error_message());
+    for (int r = 0; r < 3; r++)
+        cr_expect(WIFEXITED(res.wstatus[r]) && WEXITSTATUS(res.wstatus[r]) == 0,
+                  "rank %d: status 0x%x", r, res.wstatus[r]);
+}
+
+/* A rank that frees its communicator and then fails (here: its function
+ * returns 7; tdm_shm_spawn frees the communicator, then exits 7) is
+ * reported to the rank waiting for it with its exit status. */
+static int free_then_fail_rank(tdm_comm *comm, void *arg)
+{
+    (void)arg;
+    int r = tdm_comm_rank(comm);
+    if (tdm_comm_barrier(comm)) return 110;
+    if (r == 1) return 7;
+    int32_t x = 1;
+    tdm_status st = tdm_comm_all_reduce(comm, &x, &x, 1, TDM_DTYPE_INT32, TDM_REDOP_SUM);
+    fprintf(stderr, "rank %d: %s\n", r, tdm_error_message());
+    if (st != TDM_STATUS_PEER_FAILED) return 111;
+    if (!strstr(tdm_error_message(), "rank 1 (pid")) return 112;
+    if (!strstr(tdm_error_message(), "exited with code 7")) return 113;
+    return 0;
+}
+
+Test(shm_fail, rank_failing_after_free_is_reported_with_its_status, .timeout = 30)
+{
+    tdm_shm_spawn_opts o = {.shm = {.timeout_ms = 20000}, .timeout_ms = 25000};
+    tdm_shm_spawn_result res;
+    for (int world = 2; world <= 3; world++) {
+        tdm_status st = tdm_shm_spawn(world, free_then_fail_rank, NULL, &o, &res);
+        cr_expect_eq(st, TDM_STATUS_PEER_FAILED, "%s", tdm_error_message());
+        cr_expect(strstr(tdm_error_message(), "exited with code 7"), "%s", tdm_error_message());
+        for (int r = 0; r < world; r += 2)
+            cr_expect(WIFEXITED(res.wstatus[r]) && WEXITSTATUS(res.wstatus[r]) == 0,
+                      "%d ranks: rank %d: status 0x%x", world, r, res.wstatus[r]);
+    }
+}
+
 /* Without a parent that reports deaths: rank 1 exits without freeing its
  * communicator and stays a zombie; rank 0's waits find it via /proc. */
 Test(shm_fail, zombie_found_by_liveness_check, .timeout = 20)

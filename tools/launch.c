@@ -273,8 +273,8 @@ int tdm_tool_launch_main(int argc, char **argv)
             pid[r] = -w;
             wst[r] = ws;
             running--;
+            tdm_shm_group_mark_ended(g, r, ws);
             if (WIFEXITED(ws) && WEXITSTATUS(ws) == 0) continue;
-            tdm_shm_group_mark_dead(g, r, ws);
             /* Survivors of a killed rank may be reaped in the same pass
              * as it: the root cause is the one killed by a signal. */
             if (first_bad < 0 && !fwd_sig &&
