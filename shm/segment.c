@@ -26,6 +26,8 @@
 #define TDM_SHM_DEFAULT_TIMEOUT_MS 300000
 #define TDM_SHM_DEFAULT_ONE_SHOT (4u * 1024)
 #define TDM_SHM_SPIN_NS (50u * 1000)
+#define TDM_SHM_DEFAULT_STALL_MS 3000
+#define TDM_SHM_MIN_STALL_MS 500
 
 static size_t tdm_shm_round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
@@ -249,6 +251,7 @@ static void tdm_shm_destroy(void *impl)
 {
     tdm_shm_impl *c = impl;
     if (!c) return;
+    tdm_shm_heartbeat_stop(c);
     tdm_shm_ctrl *k = tdm_shm_ctrl_of(c, c->rank);
     int32_t alive = TDM_SHM_STATE_ALIVE;
     atomic_compare_exchange_strong(&k->state, &alive, TDM_SHM_STATE_LEFT);
@@ -353,6 +356,22 @@ static tdm_status tdm_shm_join(tdm_comm **out, void *base, size_t total, int unm
     const char *spin = getenv("TANDEM_SHM_SPIN_US");
     if (spin && *spin) c->spin_ns = (uint64_t)strtoull(spin, NULL, 10) * 1000;
     c->cur_name = "init";
+    int64_t stall_ms = opts ? opts->stall_ms : 0;
+    const char *stall = getenv("TANDEM_SHM_STALL_MS");
+    if (!stall_ms && stall && *stall) {
+        char *end;
+        errno = 0;
+        long long v = strtoll(stall, &end, 10);
+        if (errno || *end) {
+            st = tdm_error_set(TDM_STATUS_INVALID_ARG, "shm: TANDEM_SHM_STALL_MS='%s' is not "
+                               "an integer (ms; 0 or negative: no stall detection)", stall);
+            goto fail;
+        }
+        stall_ms = v > 0 ? v : -1;
+    }
+    if (!stall_ms) stall_ms = TDM_SHM_DEFAULT_STALL_MS;
+    if (stall_ms > 0 && stall_ms < TDM_SHM_MIN_STALL_MS) stall_ms = TDM_SHM_MIN_STALL_MS;
+    c->stall_ns = stall_ms > 0 ? (uint64_t)stall_ms * 1000000ull : 0;
     tdm_shm_ctrl *k = tdm_shm_ctrl_of(c, rank);
     /* claim the rank atomically: two processes joining as the same rank
      * must not both succeed */
@@ -363,6 +382,11 @@ static tdm_status tdm_shm_join(tdm_comm **out, void *base, size_t total, int unm
         goto fail;
     }
     atomic_store(&k->pid, (int32_t)getpid());
+    /* Peers read a beat of 0 as "no heartbeat" and never call this rank
+     * stopped on its account; without the thread it stays 0. */
+    if (world > 1 && tdm_shm_heartbeat_start(c) != TDM_STATUS_OK)
+        TDM_WARN(SHM, "rank %d: %s; peers will not tell if this rank stops", rank,
+                 tdm_error_message());
     TDM_INFO(SHM, "rank %d of %d joined (job %016llx, %s waits)", rank, world,
              (unsigned long long)snap.job_id, c->spin ? "spinning" : "sleeping");
     return tdm_comm_create(out, &tdm_shm_ops, c, rank, world);
@@ -380,6 +404,7 @@ tdm_status tdm_shm_comm_init(tdm_comm **out, tdm_shm_group *g, int rank,
     tdm_shm_opts o = g->opts;
     if (opts) {
         if (opts->timeout_ms) o.timeout_ms = opts->timeout_ms;
+        if (opts->stall_ms) o.stall_ms = opts->stall_ms;
         o.no_spin = opts->no_spin;
     }
     return tdm_shm_join(out, g->base, g->total, 0, rank, g->world, &o);

@@ -46,6 +46,12 @@ typedef struct tdm_shm_opts {
     size_t one_shot_max_bytes;
     /* 1: never spin, always sleep (tests of the futex path). */
     int no_spin;
+    /* A peer being waited for whose heartbeat has not advanced for this
+     * many ms is reported stopped (SIGSTOP, a debugger) or frozen instead
+     * of being waited for until timeout_ms. 0: TANDEM_SHM_STALL_MS from
+     * the environment, else 3000; negative: never (waits run to the
+     * deadline). At least 500. */
+    int64_t stall_ms;
 } tdm_shm_opts;
 
 typedef struct tdm_shm_group tdm_shm_group;

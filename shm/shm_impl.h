@@ -19,6 +19,7 @@
 #ifndef TDM_SHM_SHM_IMPL_H
 #define TDM_SHM_SHM_IMPL_H
 
+#include <pthread.h>
 #include <stdalign.h>
 #include <stdatomic.h>
 #include <stddef.h>
@@ -163,6 +164,16 @@ typedef struct tdm_shm_impl {
     uint64_t cur_seq;
     uint64_t next_live_ns;
     uint64_t unsure_since_ns[TDM_SHM_MAX_RANKS]; /* peer gone or left, status awaited since */
+    /* Stall detection (tdm_shm_opts.stall_ms): what this rank last saw of
+     * each awaited peer's heartbeat, and when it last saw it advance. */
+    uint64_t stall_ns;         /* 0: off */
+    uint64_t beat_seen[TDM_SHM_MAX_RANKS];
+    uint64_t beat_seen_ns[TDM_SHM_MAX_RANKS];
+    /* This rank's heartbeat thread */
+    pthread_t hb_thread;
+    pthread_mutex_t hb_mu;
+    pthread_cond_t hb_cv;
+    int hb_running, hb_stop;
     _Atomic int raising;       /* a thread of this rank is writing its reason slot */
     tdm_status failed;         /* sticky: once a call failed, all fail */
     char failed_msg[256];      /* its message */
@@ -225,6 +236,12 @@ int tdm_shm_abort_get(const tdm_shm_header *h, const tdm_shm_geom *g, const uint
                       tdm_shm_abort_info *out);
 /* TDM_STATUS_OK, or the group's abort status with this call's message. */
 tdm_status tdm_shm_check_abort(tdm_shm_impl *c);
+/* This rank's heartbeat: a thread that advances ctrl.beat every
+ * TDM_SHM_BEAT_NS whatever the rank's own threads do, so that a stopped
+ * process (all its threads stopped) is told from a busy one. */
+#define TDM_SHM_BEAT_NS (100ull * 1000 * 1000)
+tdm_status tdm_shm_heartbeat_start(tdm_shm_impl *c);
+void tdm_shm_heartbeat_stop(tdm_shm_impl *c);
 
 /* coll.c */
 tdm_status tdm_shm_run(void *impl, const tdm_comm_call *call);

@@ -203,6 +203,109 @@ static void tdm_shm_ended_str(const tdm_shm_impl *c, int32_t state, int wstatus,
                  c->cur_name, (unsigned long long)c->cur_seq);
 }
 
+/* --- heartbeat ----------------------------------------------------------- */
+
+static void *tdm_shm_heartbeat_main(void *arg)
+{
+    tdm_shm_impl *c = arg;
+    tdm_shm_ctrl *k = tdm_shm_ctrl_of(c, c->rank);
+    pthread_mutex_lock(&c->hb_mu);
+    while (!c->hb_stop) {
+        /* Only this thread writes it; readers compare values, nothing is
+         * published through it: relaxed. */
+        atomic_fetch_add_explicit(&k->beat, 1, memory_order_relaxed);
+        struct timespec ts;
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        uint64_t t = (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec + TDM_SHM_BEAT_NS;
+        ts.tv_sec = (time_t)(t / 1000000000ull);
+        ts.tv_nsec = (long)(t % 1000000000ull);
+        pthread_cond_timedwait(&c->hb_cv, &c->hb_mu, &ts);
+    }
+    pthread_mutex_unlock(&c->hb_mu);
+    return NULL;
+}
+
+tdm_status tdm_shm_heartbeat_start(tdm_shm_impl *c)
+{
+    pthread_condattr_t ca;
+    int rc = pthread_condattr_init(&ca);
+    if (!rc) rc = pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    if (!rc) rc = pthread_cond_init(&c->hb_cv, &ca);
+    pthread_condattr_destroy(&ca);
+    if (rc) return tdm_error_set(TDM_STATUS_SYSTEM, "shm: heartbeat: pthread_cond_init: %s",
+                                 strerror(rc));
+    if ((rc = pthread_mutex_init(&c->hb_mu, NULL))) {
+        pthread_cond_destroy(&c->hb_cv);
+        return tdm_error_set(TDM_STATUS_SYSTEM, "shm: heartbeat: pthread_mutex_init: %s",
+                             strerror(rc));
+    }
+    /* The thread takes no signals: they stay with the program's threads. */
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    rc = pthread_create(&c->hb_thread, NULL, tdm_shm_heartbeat_main, c);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    if (rc) {
+        pthread_mutex_destroy(&c->hb_mu);
+        pthread_cond_destroy(&c->hb_cv);
+        return tdm_error_set(TDM_STATUS_SYSTEM, "shm: heartbeat: pthread_create: %s",
+                             strerror(rc));
+    }
+    c->hb_running = 1;
+    return TDM_STATUS_OK;
+}
+
+void tdm_shm_heartbeat_stop(tdm_shm_impl *c)
+{
+    if (!c->hb_running) return;
+    pthread_mutex_lock(&c->hb_mu);
+    c->hb_stop = 1;
+    pthread_cond_signal(&c->hb_cv);
+    pthread_mutex_unlock(&c->hb_mu);
+    pthread_join(c->hb_thread, NULL);
+    pthread_mutex_destroy(&c->hb_mu);
+    pthread_cond_destroy(&c->hb_cv);
+    c->hb_running = 0;
+}
+
+/* 1 when the awaited peer r, alive as a process (/proc state pstate), has
+ * made no sign of life for stall_ns: its heartbeat has not advanced (or,
+ * before it has one, /proc shows it stopped). why says which case. */
+static int tdm_shm_stalled(tdm_shm_impl *c, int r, const tdm_shm_ctrl *k, char pstate,
+                           uint64_t now, char *why, size_t n)
+{
+    uint64_t b = atomic_load_explicit(&((tdm_shm_ctrl *)k)->beat, memory_order_relaxed);
+    int stopped = pstate == 'T' || pstate == 't';
+    int progressing = b ? b != c->beat_seen[r] : !stopped;
+    if (progressing || !c->beat_seen_ns[r]) {
+        c->beat_seen[r] = b;
+        c->beat_seen_ns[r] = now;
+        return 0;
+    }
+    if (!c->stall_ns || now - c->beat_seen_ns[r] < c->stall_ns) return 0;
+    double s = (double)(now - c->beat_seen_ns[r]) * 1e-9;
+    const char *what = pstate == 'T' ? "is stopped (process state T: SIGSTOP or job control)"
+                       : pstate == 't' ? "is stopped by a debugger (process state t)"
+                                       : "is frozen";
+    int len = snprintf(why, n, "%s: no heartbeat for %.1f s in %s #%llu", what, s, c->cur_name,
+                       (unsigned long long)c->cur_seq);
+    if (!stopped && len > 0 && (size_t)len < n)
+        snprintf(why + len, n - (size_t)len, " (process state %c)", pstate);
+    return 1;
+}
+
+/* For the deadline's message: is the awaited peer alive? */
+static const char *tdm_shm_alive_str(const tdm_shm_impl *c, int peer, uint64_t now)
+{
+    const tdm_shm_ctrl *k = tdm_shm_ctrl_of(c, peer);
+    uint64_t b = atomic_load_explicit(&((tdm_shm_ctrl *)k)->beat, memory_order_relaxed);
+    if (!b) return "which has no heartbeat (has it joined?)";
+    if (c->beat_seen_ns[peer] && now - c->beat_seen_ns[peer] < 10 * TDM_SHM_BEAT_NS)
+        return "which is alive (its heartbeat is current) but has not arrived: it is busy, "
+               "slow or waiting elsewhere; raise the timeout if that is expected";
+    return "whose heartbeat has stopped";
+}
+
 #define TDM_SHM_STATUS_GRACE_NS (1000ull * 1000 * 1000)
 
 /* Fails (and raises the group flag) if a peer that matters is gone.
@@ -254,7 +357,7 @@ static tdm_status tdm_shm_check_peers(tdm_shm_impl *c, int peer, tdm_shm_flag *f
             unsure = 1;        /* left, still running: ending (and how?) or staying */
             snprintf(why, sizeof why, "left the group (freed its communicator) before %s #%llu",
                      c->cur_name, (unsigned long long)c->cur_seq);
-        } else {
+        } else if (!tdm_shm_stalled(c, r, k, pstate, now, why, sizeof why)) {
             c->unsure_since_ns[r] = 0;
             continue;
         }
@@ -313,8 +416,9 @@ tdm_status tdm_shm_flag_wait(tdm_shm_impl *c, tdm_shm_flag *f, uint64_t target, 
             tdm_shm_ctrl *k = tdm_shm_ctrl_of(c, peer);
             tdm_shm_raise_rank(c, peer, TDM_STATUS_TIMEOUT,
                           "rank %d timed out after %lld ms in %s #%llu waiting for rank %d "
-                          "(pid %d)", c->rank, (long long)c->timeout_ms, c->cur_name,
-                          (unsigned long long)c->cur_seq, peer, (int)atomic_load(&k->pid));
+                          "(pid %d), %s", c->rank, (long long)c->timeout_ms, c->cur_name,
+                          (unsigned long long)c->cur_seq, peer, (int)atomic_load(&k->pid),
+                          tdm_shm_alive_str(c, peer, now));
             tdm_status st = tdm_shm_check_abort(c);
             return st ? st : tdm_error_set(TDM_STATUS_TIMEOUT, "%s #%llu: timed out waiting "
                                            "for rank %d", c->cur_name,

@@ -6,6 +6,7 @@
 #include <criterion/criterion.h>
 #include <dirent.h>
 #include <errno.h>
+#include <pthread.h>
 #include <fcntl.h>
 #include <signal.h>
 #include <stdio.h>
@@ -352,6 +353,93 @@ Test(shm_fail, deadline_names_late_rank, .timeout = 30)
     tdm_shm_spawn_opts o = {.shm = {.timeout_ms = 300}, .timeout_ms = 20000};
     tdm_status st = tdm_shm_spawn(3, late_rank, NULL, &o, NULL);
     cr_assert_eq(st, TDM_STATUS_OK, "%s", tdm_error_message());
+}
+
+/* --- a stopped rank: the heartbeat names it -------------------------------
+ * Each rank's heartbeat thread advances a counter that does not depend on
+ * what the rank's own threads do: a process stopped by SIGSTOP (or a
+ * debugger) stops it, a busy one does not. Waits use it to tell the two
+ * apart long before the collective deadline. */
+
+static void *stop_self_later(void *arg)
+{
+    (void)arg;
+    usleep(200 * 1000);
+    kill(getpid(), SIGSTOP);   /* the whole process, mid-collective */
+    return NULL;
+}
+
+static int stopped_rank(tdm_comm *comm, void *arg)
+{
+    (void)arg;
+    int r = tdm_comm_rank(comm);
+    static float buf[1 << 18];   /* 1 MiB: several rounds per all_reduce */
+    pthread_t t;
+    if (r == 1 && pthread_create(&t, NULL, stop_self_later, NULL)) return 120;
+    uint64_t t0 = tdm_time_ns();
+    for (int it = 0;; it++) {
+        tdm_status st = tdm_comm_all_reduce(comm, buf, buf, 1 << 18, TDM_DTYPE_FLOAT32,
+                                            TDM_REDOP_SUM);
+        if (st == TDM_STATUS_OK) continue;
+        const char *m = tdm_error_message();
+        fprintf(stderr, "rank %d after %.0f ms: %s\n", r, tdm_time_ms_since(t0), m);
+        if (!strstr(m, "rank 1 (pid")) return 121;
+        if (!strstr(m, "is stopped")) return 122;      /* not "timed out" */
+        if (!strstr(m, "no heartbeat for")) return 123;
+        return 42;   /* right: fail as a rank would, so that the parent stops rank 1 */
+    }
+}
+
+Test(shm_fail, stopped_rank_is_named_by_its_heartbeat, .timeout = 60)
+{
+    /* a 40 s deadline: a "timed out" answer would come far too late for
+     * the test's bound, and says the wrong thing */
+    tdm_shm_spawn_opts o = {.shm = {.timeout_ms = 40000, .stall_ms = 2000},
+                            .timeout_ms = 45000, .grace_ms = 1000};
+    tdm_shm_spawn_result res;
+    tdm_status st = tdm_shm_spawn(3, stopped_rank, NULL, &o, &res);
+    cr_expect_eq(st, TDM_STATUS_PEER_FAILED, "%s", tdm_error_message());
+    for (int r = 0; r < 3; r += 2)
+        cr_expect(WIFEXITED(res.wstatus[r]) && WEXITSTATUS(res.wstatus[r]) == 42,
+                  "rank %d: status 0x%x", r, res.wstatus[r]);
+    cr_expect(res.elapsed_ms < 30000, "%.0f ms", res.elapsed_ms);
+}
+
+/* A rank busy outside any collective for longer than the heartbeat bound
+ * (but less than the deadline) is alive: it is waited for. One busy for
+ * longer than the deadline is reported as alive but late, not stopped. */
+static int busy_rank(tdm_comm *comm, void *arg)
+{
+    int busy_ms = *(const int *)arg;
+    int r = tdm_comm_rank(comm);
+    int32_t x = 1;
+    if (tdm_comm_barrier(comm)) return 130;
+    if (r == 1) {
+        volatile uint64_t sink = 0;
+        uint64_t t0 = tdm_time_ns();
+        while (tdm_time_ms_since(t0) < busy_ms) sink += 1;   /* computing, not waiting */
+    }
+    tdm_status st = tdm_comm_all_reduce(comm, &x, &x, 1, TDM_DTYPE_INT32, TDM_REDOP_SUM);
+    if (st == TDM_STATUS_OK) return x == 3 ? 0 : 131;
+    fprintf(stderr, "rank %d: %s\n", r, tdm_error_message());
+    if (r == 1) return 0;   /* it learns of the others' timeout */
+    if (st != TDM_STATUS_TIMEOUT) return 132;
+    if (!strstr(tdm_error_message(), "waiting for rank 1")) return 133;
+    if (!strstr(tdm_error_message(), "alive")) return 134;
+    return 0;
+}
+
+Test(shm_fail, busy_rank_is_waited_for_and_named_alive_at_the_deadline, .timeout = 60)
+{
+    int busy_ms = 3000;   /* > stall_ms, < timeout_ms: success */
+    tdm_shm_spawn_opts o = {.shm = {.timeout_ms = 20000, .stall_ms = 1000},
+                            .timeout_ms = 40000};
+    tdm_status st = tdm_shm_spawn(3, busy_rank, &busy_ms, &o, NULL);
+    cr_expect_eq(st, TDM_STATUS_OK, "%s", tdm_error_message());
+
+    o.shm.timeout_ms = 1500;   /* < busy_ms: the deadline, naming it alive */
+    st = tdm_shm_spawn(3, busy_rank, &busy_ms, &o, NULL);
+    cr_expect_eq(st, TDM_STATUS_OK, "%s", tdm_error_message());
 }
 
 /* --- mismatched collectives --------------------------------------------- */
