@@ -183,30 +183,26 @@ void tdm_shm_group_mark_ended(tdm_shm_group *g, int rank, int wstatus)
 {
     if (!g || rank < 0 || rank >= g->world) return;
     tdm_shm_ctrl *k = tdm_shm_group_ctrl(g, rank);
-    /* Release stores of state pair with the acquire load in
-     * tdm_shm_check_peers: wstatus is visible with the state. */
-    atomic_store_explicit(&k->wstatus, wstatus, memory_order_relaxed);
-    if (WIFEXITED(wstatus) && WEXITSTATUS(wstatus) == 0) {
-        /* A success: whoever waits for it later learns it is gone, and
-         * how; nobody else is disturbed. A rank that left stays LEFT. */
-        int32_t s = TDM_SHM_STATE_ALIVE;
-        if (!atomic_compare_exchange_strong_explicit(&k->state, &s, TDM_SHM_STATE_EXITED,
-                                                     memory_order_release, memory_order_relaxed)) {
-            s = TDM_SHM_STATE_EMPTY;
-            atomic_compare_exchange_strong_explicit(&k->state, &s, TDM_SHM_STATE_EXITED,
-                                                    memory_order_release, memory_order_relaxed);
-        }
-        return;
+    int32_t state = atomic_load(&k->state);
+    int failed = !(WIFEXITED(wstatus) && WEXITSTATUS(wstatus) == 0);
+    if (failed) {
+        /* A failure, even after freeing its communicator: the group stops.
+         * Raised before the state changes, so that a peer that sees DEAD
+         * finds this reason (with its detail) already published. */
+        char why[128];
+        tdm_shm_wait_status_str(wstatus, why, sizeof why);
+        tdm_shm_raise(g->base, &g->geom, g->base, g->world, &g->raising, rank,
+                      TDM_STATUS_PEER_FAILED, "rank %d (pid %d) %s%s", rank,
+                      (int)atomic_load(&k->pid), why,
+                      state == TDM_SHM_STATE_LEFT ? " after freeing its communicator" : "");
     }
-    /* A failure, even after freeing its communicator: the group stops. */
-    int32_t before = atomic_exchange_explicit(&k->state, TDM_SHM_STATE_DEAD,
-                                              memory_order_release);
-    char why[128];
-    tdm_shm_wait_status_str(wstatus, why, sizeof why);
-    tdm_shm_raise(g->base, &g->geom, g->base, g->world, &g->raising, rank,
-                  TDM_STATUS_PEER_FAILED, "rank %d (pid %d) %s%s", rank,
-                  (int)atomic_load(&k->pid), why,
-                  before == TDM_SHM_STATE_LEFT ? " after freeing its communicator" : "");
+    /* The release stores pair with the acquire loads in
+     * tdm_shm_check_peers: wstatus is visible with `ended` and the state.
+     * An exit 0 only records the end: whoever waits for the rank later
+     * learns it is gone, and how; nobody else is disturbed. */
+    atomic_store_explicit(&k->wstatus, wstatus, memory_order_relaxed);
+    atomic_store_explicit(&k->ended, 1, memory_order_release);
+    if (failed) atomic_store_explicit(&k->state, TDM_SHM_STATE_DEAD, memory_order_release);
 }
 
 tdm_status tdm_shm_group_export_env(tdm_shm_group *g)

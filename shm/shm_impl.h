@@ -63,8 +63,6 @@ enum {
     TDM_SHM_STATE_ALIVE = 1,
     TDM_SHM_STATE_LEFT = 2,    /* freed its communicator */
     TDM_SHM_STATE_DEAD = 3,    /* failed, reported by the parent (wstatus) */
-    TDM_SHM_STATE_EXITED = 4,  /* exited 0 without freeing its communicator,
-                                  reported by the parent (wstatus) */
 };
 
 typedef struct tdm_shm_ctrl {
@@ -75,7 +73,7 @@ typedef struct tdm_shm_ctrl {
     alignas(TDM_SHM_LINE) _Atomic int32_t pid;
     _Atomic int32_t state;
     _Atomic int32_t wstatus;
-    int32_t pad_;
+    _Atomic int32_t ended;     /* 1: the parent reported its end (wstatus) */
     _Atomic uint64_t beat;     /* heartbeat: advanced by the rank's heartbeat thread */
 } tdm_shm_ctrl;
 

@@ -333,22 +333,21 @@ static tdm_status tdm_shm_check_peers(tdm_shm_impl *c, int peer, tdm_shm_flag *f
         char why[256];
         int ws = -1, unsure = 0;
         char pstate;
-        /* Acquire on state above pairs with the release stores of LEFT in
-         * segment.c, which follows the peer's last publish, and of DEAD
-         * and EXITED by the parent, which follow its wstatus: seeing the
-         * state means seeing those too. */
+        /* Acquire on state above pairs with the release store of LEFT in
+         * segment.c, which follows the peer's last publish; those on
+         * `ended` and DEAD, with the parent's, which follow its wstatus. */
         if (r == peer && atomic_load_explicit(&f->value, memory_order_acquire) >= target)
             continue;
+        int ended = atomic_load_explicit(&k->ended, memory_order_acquire);
         if (state == TDM_SHM_STATE_DEAD) {
             tdm_shm_ended_str(c, state, atomic_load(&k->wstatus), why, sizeof why);
         } else if (r != peer) {
             /* only a failure shown by its zombie (no parent reports it) */
-            if (state == TDM_SHM_STATE_EXITED || state == TDM_SHM_STATE_LEFT ||
-                !tdm_shm_proc(pid, &ws, &pstate) || ws < 0 ||
-                (WIFEXITED(ws) && WEXITSTATUS(ws) == 0))
+            if (ended || state == TDM_SHM_STATE_LEFT || !tdm_shm_proc(pid, &ws, &pstate) ||
+                ws < 0 || (WIFEXITED(ws) && WEXITSTATUS(ws) == 0))
                 continue;
             tdm_shm_ended_str(c, state, ws, why, sizeof why);
-        } else if (state == TDM_SHM_STATE_EXITED) {
+        } else if (ended) {
             tdm_shm_ended_str(c, state, atomic_load(&k->wstatus), why, sizeof why);
         } else if (tdm_shm_proc(pid, &ws, &pstate)) {
             unsure = ws < 0;   /* reaped: wait for the parent's report */

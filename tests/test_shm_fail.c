@@ -202,6 +202,64 @@ Test(shm_fail, rank_exiting_0_does_not_stop_unrelated_ranks, .timeout = 30)
                   "rank %d: status 0x%x", r, res.wstatus[r]);
 }
 
+/* The failure summary when a rank exits 0 mid-job: the ranks that needed
+ * it fail (exit 1) naming it; the summary names it too, in their words,
+ * not the first survivor that exited 1. */
+static int exit0_midjob_rank(tdm_comm *comm, void *arg)
+{
+    (void)arg;
+    int r = tdm_comm_rank(comm);
+    int32_t x = 1;
+    if (tdm_comm_barrier(comm)) return 140;
+    if (r == 2) _exit(0);
+    tdm_status st = tdm_comm_all_reduce(comm, &x, &x, 1, TDM_DTYPE_INT32, TDM_REDOP_SUM);
+    return st == TDM_STATUS_OK ? 0 : 1;
+}
+
+Test(shm_fail, summary_names_a_rank_that_exited_0_mid_job, .timeout = 30)
+{
+    tdm_shm_spawn_opts o = {.shm = {.timeout_ms = 20000}, .timeout_ms = 25000};
+    tdm_shm_spawn_result res;
+    tdm_status st = tdm_shm_spawn(3, exit0_midjob_rank, NULL, &o, &res);
+    cr_expect_eq(st, TDM_STATUS_PEER_FAILED, "%s", tdm_error_message());
+    cr_expect(strstr(tdm_error_message(), "rank 2 (pid"), "%s", tdm_error_message());
+    cr_expect(strstr(tdm_error_message(), "exited with code 0 before all_reduce #1"), "%s",
+              tdm_error_message());
+}
+
+/* Rank 0 fails on its own and says why (as `tandem train` does when its
+ * checkpoint cannot be written); the others fail because of it, and may
+ * be reaped first. Every run names rank 0, in its own words. */
+static int says_why_rank(tdm_comm *comm, void *arg)
+{
+    (void)arg;
+    int r = tdm_comm_rank(comm);
+    int32_t x = 1;
+    if (tdm_comm_barrier(comm)) return 150;
+    if (r == 0) {
+        usleep(50 * 1000);
+        tdm_comm_abort(comm, "saving checkpoint: No space left on device");
+        usleep(100 * 1000);   /* the others exit first */
+        return 1;
+    }
+    tdm_status st = tdm_comm_all_reduce(comm, &x, &x, 1, TDM_DTYPE_INT32, TDM_REDOP_SUM);
+    return st == TDM_STATUS_OK ? 0 : 1;
+}
+
+Test(shm_fail, summary_names_the_rank_that_failed_first_in_its_words, .timeout = 60)
+{
+    tdm_shm_spawn_opts o = {.shm = {.timeout_ms = 20000}, .timeout_ms = 25000};
+    for (int i = 0; i < 3; i++) {
+        tdm_status st = tdm_shm_spawn(4, says_why_rank, NULL, &o, NULL);
+        cr_expect_eq(st, TDM_STATUS_PEER_FAILED, "%s", tdm_error_message());
+        cr_expect(strstr(tdm_error_message(), "rank 0 (pid"), "run %d: %s", i,
+                  tdm_error_message());
+        cr_expect(strstr(tdm_error_message(), "exited with code 1: aborted by rank 0: saving "
+                         "checkpoint: No space left on device"), "run %d: %s", i,
+                  tdm_error_message());
+    }
+}
+
 /* A rank that frees its communicator and then fails (here: its function
  * returns 7; tdm_shm_spawn frees the communicator, then exits 7) is
  * reported to the rank waiting for it with its exit status. */
@@ -302,7 +360,8 @@ Test(shm_fail, async_call_sees_death, .timeout = 30)
 static int hang_rank(tdm_comm *comm, void *arg)
 {
     int mode = *(int *)arg;
-    if (mode == 0 && tdm_comm_rank(comm) == 0) return 3;
+    if (mode != 1 && tdm_comm_rank(comm) == 0) return 3;
+    if (mode == 2) signal(SIGTERM, SIG_IGN);   /* only SIGKILL ends it */
     sleep(60);   /* ignores the group: only signals end it */
     return 0;
 }
@@ -318,6 +377,15 @@ Test(shm_fail, spawn_stops_the_rest, .timeout = 30)
     cr_expect(strstr(tdm_error_message(), "exited with code 3"), "%s", tdm_error_message());
     cr_expect(WIFSIGNALED(res.wstatus[1]) && WTERMSIG(res.wstatus[1]) == SIGTERM);
     cr_expect(res.elapsed_ms < 3000, "%.0f ms", res.elapsed_ms);
+
+    /* the root cause is rank 0's exit, not the SIGKILL that the clean-up
+     * needed for rank 1, which ignores SIGTERM */
+    mode = 2;
+    st = tdm_shm_spawn(2, hang_rank, &mode, &o, &res);
+    cr_expect_eq(st, TDM_STATUS_PEER_FAILED, "%s", tdm_error_message());
+    cr_expect(strstr(tdm_error_message(), "rank 0 (pid"), "%s", tdm_error_message());
+    cr_expect(strstr(tdm_error_message(), "exited with code 3"), "%s", tdm_error_message());
+    cr_expect(WIFSIGNALED(res.wstatus[1]) && WTERMSIG(res.wstatus[1]) == SIGKILL);
 
     mode = 1;   /* nobody fails, nobody ends: the time bound */
     o.timeout_ms = 400;
@@ -399,6 +467,12 @@ Test(shm_fail, stopped_rank_is_named_by_its_heartbeat, .timeout = 60)
     tdm_shm_spawn_result res;
     tdm_status st = tdm_shm_spawn(3, stopped_rank, NULL, &o, &res);
     cr_expect_eq(st, TDM_STATUS_PEER_FAILED, "%s", tdm_error_message());
+    /* the summary: rank 1, stopped; not the SIGKILL of the clean-up, and
+     * not the survivors' exits */
+    cr_expect(strstr(tdm_error_message(), "rank 1 (pid"), "%s", tdm_error_message());
+    cr_expect(strstr(tdm_error_message(), "is stopped"), "%s", tdm_error_message());
+    cr_expect(!strstr(tdm_error_message(), "signal 9"), "%s", tdm_error_message());
+    cr_expect(WIFSIGNALED(res.wstatus[1]) && WTERMSIG(res.wstatus[1]) == SIGKILL);
     for (int r = 0; r < 3; r += 2)
         cr_expect(WIFEXITED(res.wstatus[r]) && WEXITSTATUS(res.wstatus[r]) == 42,
                   "rank %d: status 0x%x", r, res.wstatus[r]);
