@@ -12,8 +12,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <linux/magic.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/vfs.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -106,6 +108,128 @@ static tdm_status tdm_shm_open_backing(const tdm_shm_opts *opts, int *fd_out)
     return TDM_STATUS_OK;
 }
 
+/* --- memory headroom ------------------------------------------------------ */
+
+/* A number from a one-line file ("max": no limit), 0 when unreadable. */
+static int tdm_shm_read_u64(const char *path, uint64_t *v)
+{
+    char buf[64];
+    FILE *f = fopen(path, "re");
+    if (!f) return 0;
+    int ok = fgets(buf, sizeof buf, f) != NULL;
+    fclose(f);
+    if (!ok) return 0;
+    if (!strncmp(buf, "max", 3)) { *v = UINT64_MAX; return 1; }
+    char *end;
+    errno = 0;
+    *v = strtoull(buf, &end, 10);
+    return !errno && end != buf;
+}
+
+/* Lowers *avail to the headroom (limit - usage) of cgroup directory dir
+ * and of every ancestor up to the hierarchy's root (a parent's limit
+ * holds for its children); src names the bound that applied. */
+static void tdm_shm_cgroup_headroom(const char *root, const char *rel, const char *max_name,
+                                    const char *cur_name, uint64_t *avail, char *src, size_t n)
+{
+    char dir[1024], path[1200];
+    snprintf(dir, sizeof dir, "%s%s", root, rel);
+    for (;;) {
+        uint64_t lim, cur;
+        snprintf(path, sizeof path, "%s/%s", dir, max_name);
+        int have_lim = tdm_shm_read_u64(path, &lim);
+        snprintf(path, sizeof path, "%s/%s", dir, cur_name);
+        /* v1 writes "no limit" as a page-rounded LONG_MAX */
+        if (have_lim && lim < ((uint64_t)1 << 62) && tdm_shm_read_u64(path, &cur)) {
+            uint64_t room = cur < lim ? lim - cur : 0;
+            if (room < *avail) {
+                *avail = room;
+                snprintf(src, n, "cgroup %s: %s %llu, %s %llu", dir, max_name,
+                         (unsigned long long)lim, cur_name, (unsigned long long)cur);
+            }
+        }
+        char *slash = strrchr(dir, '/');
+        if (strlen(dir) <= strlen(root) || !slash) break;
+        *slash = '\0';
+    }
+}
+
+/* Bytes of memory this process can still take: MemAvailable, lowered to
+ * the headroom of its memory cgroup (v2: memory.max - memory.current; v1:
+ * memory.limit_in_bytes - memory.usage_in_bytes) and its ancestors'.
+ * UINT64_MAX when nothing can be read. src says which bound it is. */
+static uint64_t tdm_shm_mem_available(char *src, size_t n)
+{
+    uint64_t avail = UINT64_MAX;
+    snprintf(src, n, "no limit found");
+    FILE *f = fopen("/proc/meminfo", "re");
+    char line[512];
+    while (f && fgets(line, sizeof line, f)) {
+        unsigned long long kb;
+        if (sscanf(line, "MemAvailable: %llu kB", &kb) == 1) {
+            avail = (uint64_t)kb * 1024;
+            snprintf(src, n, "MemAvailable in /proc/meminfo");
+            break;
+        }
+    }
+    if (f) fclose(f);
+    f = fopen("/proc/self/cgroup", "re");
+    while (f && fgets(line, sizeof line, f)) {
+        line[strcspn(line, "\n")] = '\0';
+        char *a = strchr(line, ':'), *b = a ? strchr(a + 1, ':') : NULL;
+        if (!b) continue;
+        *b++ = '\0';
+        struct stat sb;
+        char probe[1024];
+        if (!strcmp(line, "0") && !a[1]) {          /* v2: "0::/path" */
+            static const char *const roots[] = {"/sys/fs/cgroup", "/sys/fs/cgroup/unified"};
+            for (int i = 0; i < 2; i++) {
+                snprintf(probe, sizeof probe, "%s%s/memory.current", roots[i], b);
+                if (stat(probe, &sb) == 0) {
+                    tdm_shm_cgroup_headroom(roots[i], b, "memory.max", "memory.current", &avail,
+                                            src, n);
+                    break;
+                }
+            }
+        } else {                                      /* v1: "N:memory,...:/path" */
+            int mem = 0;
+            char *save = NULL;
+            for (char *t = strtok_r(a + 1, ",", &save); t; t = strtok_r(NULL, ",", &save))
+                mem |= !strcmp(t, "memory");
+            if (!mem) continue;
+            snprintf(probe, sizeof probe, "/sys/fs/cgroup/memory%s/memory.usage_in_bytes", b);
+            /* inside a cgroup namespace the hierarchy's root is our own */
+            const char *rel = stat(probe, &sb) == 0 ? b : "";
+            tdm_shm_cgroup_headroom("/sys/fs/cgroup/memory", rel, "memory.limit_in_bytes",
+                                    "memory.usage_in_bytes", &avail, src, n);
+        }
+    }
+    if (f) fclose(f);
+    return avail;
+}
+
+/* A segment on memfd or tmpfs takes memory: refuse one larger than what
+ * is available, naming both, rather than reserve it and be OOM-killed
+ * (a cgroup's limit is enforced by killing, not by failing fallocate). */
+static tdm_status tdm_shm_check_memory(size_t total, int world, const tdm_shm_opts *opts)
+{
+    if (opts && opts->shm_dir) {
+        struct statfs fs;
+        if (statfs(opts->shm_dir, &fs) != 0 ||
+            ((unsigned long)fs.f_type != TMPFS_MAGIC && (unsigned long)fs.f_type != RAMFS_MAGIC))
+            return TDM_STATUS_OK;   /* a disk: posix_fallocate checks its space */
+    }
+    char src[1200];
+    uint64_t avail = tdm_shm_mem_available(src, sizeof src);
+    if ((uint64_t)total <= avail) return TDM_STATUS_OK;
+    return tdm_error_set(TDM_STATUS_OUT_OF_MEMORY,
+                         "shm: cannot reserve %zu bytes (%.1f MiB) for %d ranks: only %llu bytes "
+                         "(%.1f MiB) of memory are available (%s); lower the zero-copy arena "
+                         "(--arena-mb, arena_bytes), slot_bytes or the number of ranks",
+                         total, (double)total / (1 << 20), world, (unsigned long long)avail,
+                         (double)avail / (1 << 20), src);
+}
+
 tdm_status tdm_shm_group_create(tdm_shm_group **out, int world, const tdm_shm_opts *opts)
 {
     tdm_status st = TDM_STATUS_OK;
@@ -123,6 +247,7 @@ tdm_status tdm_shm_group_create(tdm_shm_group **out, int world, const tdm_shm_op
     g->opts.shm_dir = NULL; /* borrowed string: not kept */
     g->total = h.total_bytes;
     tdm_shm_geom_from(&h, &g->geom);
+    TDM_TRY(tdm_shm_check_memory(g->total, world, opts));
     TDM_TRY(tdm_shm_open_backing(opts, &g->fd));
     int rc;
     do rc = posix_fallocate(g->fd, 0, (off_t)g->total);

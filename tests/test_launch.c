@@ -319,6 +319,20 @@ Test(launch, train_summary_names_a_stopped_rank)
     cr_assert(!cli_shm_entries());
 }
 
+/* An arena larger than the memory there is: refused at start with the
+ * bytes needed and available, not reserved and OOM-killed. (ulimit -f:
+ * should the check regress, fallocate fails instead of taking the
+ * machine's memory.) */
+Test(launch, arena_larger_than_memory_is_refused)
+{
+    int rc = run(30, NULL, "ulimit -f 4194304; %s launch -n 16 --arena-mb 65536 -- true",
+                 g_tandem);
+    char *err = slurp("err");
+    cr_assert_eq(rc, 1, "rc %d: %s", rc, err);
+    cr_assert(strstr(err, "cannot reserve") && strstr(err, "of memory are available"), "%s",
+              err);
+}
+
 /* A launched DDP rank checks that the data fits the model, as the forked
  * path does (it used to train on rows read at the wrong stride). */
 Test(launch, launched_ddp_refuses_data_that_does_not_fit)

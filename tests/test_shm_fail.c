@@ -14,6 +14,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/mount.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -866,6 +867,103 @@ Test(shm_fail, full_tmpfs_fails_at_start, .timeout = 20)
     cr_expect_eq(entries, 0, "segment files left in %s", dir);
     umount2(dir, MNT_DETACH);
     rmdir(dir);
+}
+
+/* --- memory: refuse what cannot be had, never be OOM-killed ------------- */
+
+/* The child's outcome of tdm_shm_group_create: 0 when refused with
+ * OUT_OF_MEMORY naming the bytes needed and available (message on
+ * stderr), 1 created, 2 another error, or it is killed (the OOM killer:
+ * what the check prevents). RLIMIT_FSIZE keeps a request that is not
+ * checked from eating the machine's memory (fallocate fails instead). */
+static int try_reserve_in_child(int world, size_t arena, const char *cgroup_procs)
+{
+    pid_t kid = fork();
+    if (kid == 0) {
+        if (cgroup_procs) {
+            FILE *f = fopen(cgroup_procs, "w");
+            if (!f || fprintf(f, "%d\n", (int)getpid()) < 0 || fclose(f)) _exit(3);
+        }
+        signal(SIGXFSZ, SIG_IGN);
+        struct rlimit rl = {.rlim_cur = (rlim_t)2 << 30, .rlim_max = (rlim_t)2 << 30};
+        setrlimit(RLIMIT_FSIZE, &rl);
+        tdm_shm_group *g = NULL;
+        tdm_shm_opts o = {.arena_bytes = arena};
+        tdm_status st = tdm_shm_group_create(&g, world, &o);
+        fprintf(stderr, "reserve %d x %zu: %s: %s\n", world, arena, tdm_status_name(st),
+                tdm_error_message());
+        tdm_shm_group_free(g);
+        if (st == TDM_STATUS_OK) _exit(1);
+        _exit(st == TDM_STATUS_OUT_OF_MEMORY && strstr(tdm_error_message(), "available") &&
+                      strstr(tdm_error_message(), "cannot reserve") ? 0 : 2);
+    }
+    int ws = 0;
+    waitpid(kid, &ws, 0);
+    return WIFEXITED(ws) ? WEXITSTATUS(ws) : 128 + WTERMSIG(ws);
+}
+
+Test(shm_fail, absurd_segment_is_refused_with_bytes_needed_and_available, .timeout = 30)
+{
+    /* 16 ranks x 64 GiB: 1 TiB, accepted by the layout's bounds */
+    int rc = try_reserve_in_child(16, (size_t)64 << 30, NULL);
+    cr_expect_eq(rc, 0, "child: %d (1: created, 2: another error, >128: killed)", rc);
+    /* and a size that fits is still reserved */
+    cr_expect_eq(try_reserve_in_child(2, 1 << 20, NULL), 1);
+}
+
+/* Our memory cgroup's directory (v2, else v1's memory hierarchy), for
+ * making a child cgroup under it; "" when there is none we can use. */
+static void my_memory_cgroup(char *dir, size_t n, int *v2)
+{
+    dir[0] = 0;
+    FILE *f = fopen("/proc/self/cgroup", "r");
+    char line[1024];
+    while (f && fgets(line, sizeof line, f)) {
+        line[strcspn(line, "\n")] = 0;
+        char *a = strchr(line, ':'), *b = a ? strchr(a + 1, ':') : NULL;
+        if (!a || !b) continue;
+        *b = 0;
+        if (!strcmp(line, "0") && !a[1]) {
+            snprintf(dir, n, "/sys/fs/cgroup%s", b + 1);
+            if (access(dir, W_OK) == 0) { *v2 = 1; break; }
+            snprintf(dir, n, "/sys/fs/cgroup/unified%s", b + 1);
+            char ctl[1200];
+            snprintf(ctl, sizeof ctl, "%s/cgroup.subtree_control", dir);
+            FILE *c = fopen(ctl, "r");
+            char got[256] = "";
+            if (c) { if (!fgets(got, sizeof got, c)) got[0] = 0; fclose(c); }
+            if (strstr(got, "memory")) { *v2 = 1; break; }
+            dir[0] = 0;
+        } else if (strstr(a + 1, "memory")) {
+            snprintf(dir, n, "/sys/fs/cgroup/memory%s", b + 1);
+            *v2 = 0;
+            if (access(dir, W_OK) == 0) break;
+            dir[0] = 0;
+        }
+    }
+    if (f) fclose(f);
+}
+
+Test(shm_fail, small_cgroup_refuses_instead_of_oom_kill, .timeout = 30)
+{
+    char base[1024], cg[1100], path[1200];
+    int v2 = 0;
+    my_memory_cgroup(base, sizeof base, &v2);
+    snprintf(cg, sizeof cg, "%s/tdm-test-%d", base, (int)getpid());
+    if (!base[0] || mkdir(cg, 0755) != 0)
+        cr_skip_test("cannot create a memory cgroup under '%s' (%s)", base, strerror(errno));
+    snprintf(path, sizeof path, "%s/%s", cg, v2 ? "memory.max" : "memory.limit_in_bytes");
+    FILE *f = fopen(path, "w");
+    int ok = f && fprintf(f, "%d\n", 256 << 20) > 0;
+    if (f) ok = fclose(f) == 0 && ok;
+    snprintf(path, sizeof path, "%s/cgroup.procs", cg);
+    /* 2 ranks x 512 MiB in 256 MiB: refused; 2 x 16 MiB: fits */
+    int big = ok ? try_reserve_in_child(2, (size_t)512 << 20, path) : -1;
+    int small = ok ? try_reserve_in_child(2, (size_t)16 << 20, path) : -1;
+    rmdir(cg);
+    cr_assert(ok, "cannot set the cgroup's limit");
+    cr_expect_eq(big, 0, "child: %d (1: created, 2: another error, 137: OOM-killed)", big);
+    cr_expect_eq(small, 1, "child: %d", small);
 }
 
 /* --- environment ----------------------------------------------------------- */
