@@ -1,7 +1,9 @@
 /* shm/wait.c: how ranks wait for each other: publish a counter, wait for
  * a peer's counter to reach a target (spin briefly, then yield, then sleep
- * on a shared futex), and the failure paths of every wait: group abort
- * flag, dead or departed peer, deadline.
+ * on a shared futex), and the failure paths of every wait: the group
+ * abort (raised in one step), a dead, departed or stopped peer (liveness
+ * from the parent's reports, /proc and each rank's heartbeat thread),
+ * deadline.
  * Not the collectives (shm/coll.c) and not the segment (shm/segment.c).
  *
  * Memory ordering, Dekker style between a publisher and a sleeper:
