@@ -302,7 +302,8 @@ static const char *tdm_shm_alive_str(const tdm_shm_impl *c, int peer, uint64_t n
     const tdm_shm_ctrl *k = tdm_shm_ctrl_of(c, peer);
     uint64_t b = atomic_load_explicit(&((tdm_shm_ctrl *)k)->beat, memory_order_relaxed);
     if (!b) return "which has no heartbeat (has it joined?)";
-    if (c->beat_seen_ns[peer] && now - c->beat_seen_ns[peer] < 10 * TDM_SHM_BEAT_NS)
+    uint64_t fresh = c->stall_ns > 10 * TDM_SHM_BEAT_NS ? c->stall_ns : 10 * TDM_SHM_BEAT_NS;
+    if (c->beat_seen_ns[peer] && now - c->beat_seen_ns[peer] < fresh)
         return "which is alive (its heartbeat is current) but has not arrived: it is busy, "
                "slow or waiting elsewhere; raise the timeout if that is expected";
     return "whose heartbeat has stopped";
