@@ -133,8 +133,9 @@ tdm_status tdm_shm_check_abort(tdm_shm_impl *c)
     tdm_shm_abort_info a;
     if (!tdm_shm_abort_get(c->hdr, &c->geom, c->base, &a)) return TDM_STATUS_OK;
     c->failed = a.status;
-    return tdm_error_set(a.status, "%s #%llu: %s; stopping", c->cur_name,
-                         (unsigned long long)c->cur_seq, a.reason);
+    /* bounded: the slot is shared memory, its terminator not guaranteed */
+    return tdm_error_set(a.status, "%s #%llu: %.*s; stopping", c->cur_name,
+                         (unsigned long long)c->cur_seq, TDM_SHM_REASON_BYTES - 1, a.reason);
 }
 
 const char *tdm_shm_comm_abort_reason(const tdm_comm *comm)
