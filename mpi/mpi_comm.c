@@ -22,9 +22,11 @@
 #include "mpi/mpi_impl.h"
 
 #include <limits.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "core/log.h"
@@ -95,9 +97,11 @@ static tdm_status tdm_mpi_scratch(tdm_mpi_impl *c, size_t nbytes, void **p)
     return TDM_STATUS_OK;
 }
 
-/* Posts (nb) or runs (!nb: MPI's blocking collective, the peer) one call
- * whose elements MPI can move and reduce as they are. */
-static int tdm_mpi_post(tdm_mpi_impl *c, const tdm_comm_call *k, int nb, MPI_Request *req)
+/* Posts (nb) or runs (!nb: MPI's blocking collective) one call whose
+ * elements MPI can move and reduce as they are. stat: the blocking
+ * recv's status. */
+static int tdm_mpi_post(tdm_mpi_impl *c, const tdm_comm_call *k, int nb, MPI_Request *req,
+                        MPI_Status *stat)
 {
     MPI_Datatype t = tdm_mpi_type(k->dtype);
     MPI_Op op = tdm_mpi_op(k->op);
@@ -167,7 +171,7 @@ static int tdm_mpi_post(tdm_mpi_impl *c, const tdm_comm_call *k, int nb, MPI_Req
     case TDM_COLL_RECV:
         c->algo = nb ? "MPI_Irecv" : "MPI_Recv";
         return nb ? MPI_Irecv(rb, n, t, root, TDM_MPI_TAG_P2P, comm, req)
-                  : MPI_Recv(rb, n, t, root, TDM_MPI_TAG_P2P, comm, MPI_STATUS_IGNORE);
+                  : MPI_Recv(rb, n, t, root, TDM_MPI_TAG_P2P, comm, stat);
     default:
         return MPI_ERR_OTHER;
     }
@@ -187,15 +191,21 @@ static void tdm_mpi_finish(tdm_mpi_impl *c, const tdm_comm_call *k)
         tdm_mpi_divide(rb, k->count, k->dtype, c->size);
 }
 
-static void tdm_mpi_describe(const tdm_mpi_impl *c, const tdm_comm_call *k, char *out, size_t n)
+static void tdm_mpi_describe_seq(const tdm_mpi_impl *c, uint64_t seq, const tdm_comm_call *k,
+                                 char *out, size_t n)
 {
     if (k->coll == TDM_COLL_BARRIER)
         snprintf(out, n, "%s: barrier #%llu on rank %d of %d", c->what,
-                 (unsigned long long)c->seq, c->rank, c->size);
+                 (unsigned long long)seq, c->rank, c->size);
     else
         snprintf(out, n, "%s: %s #%llu (%s, count=%zu) on rank %d of %d", c->what,
-                 tdm_coll_name(k->coll), (unsigned long long)c->seq, tdm_dtype_name(k->dtype),
+                 tdm_coll_name(k->coll), (unsigned long long)seq, tdm_dtype_name(k->dtype),
                  k->count, c->rank, c->size);
+}
+
+static void tdm_mpi_describe(const tdm_mpi_impl *c, const tdm_comm_call *k, char *out, size_t n)
+{
+    tdm_mpi_describe_seq(c, c->seq, k, out, n);
 }
 
 static void tdm_mpi_check_post(const tdm_mpi_impl *c, const tdm_comm_call *k, int rc)
@@ -217,6 +227,90 @@ static void tdm_mpi_wait_call(tdm_mpi_impl *c, const tdm_comm_call *k, MPI_Reque
     tdm_mpi_wait_all(&w, 1, req, stat, what);
 }
 
+/* --- the watchdog of blocking calls ------------------------------------------ */
+
+static void *tdm_mpi_watchdog(void *arg)
+{
+    tdm_mpi_impl *c = arg;
+    pthread_mutex_lock(&c->wd_mu);
+    while (!c->wd_stop) {
+        struct timespec dl;
+        clock_gettime(CLOCK_REALTIME, &dl);
+        dl.tv_nsec += 50 * 1000000;
+        if (dl.tv_nsec >= 1000000000) { dl.tv_sec++; dl.tv_nsec -= 1000000000; }
+        pthread_cond_timedwait(&c->wd_cv, &c->wd_mu, &dl);
+        if (c->wd_stop) break;
+        /* Acquire pairs with the release store in tdm_mpi_watch_begin:
+         * the call's fields are those of the call that began then. */
+        uint64_t since = atomic_load_explicit(&c->wd_since, memory_order_acquire);
+        if (!since) continue;
+        tdm_comm_call k = {.coll = (tdm_coll)atomic_load_explicit(&c->wd_coll, memory_order_relaxed),
+                           .dtype = (tdm_dtype)atomic_load_explicit(&c->wd_dtype,
+                                                                    memory_order_relaxed),
+                           .count = atomic_load_explicit(&c->wd_count, memory_order_relaxed)};
+        uint64_t seq = atomic_load_explicit(&c->wd_seq, memory_order_relaxed);
+        /* the same call still? (it may have ended and another begun) */
+        if (atomic_load_explicit(&c->wd_since, memory_order_acquire) != since) continue;
+        const char *why = c->wait.abort_check ? c->wait.abort_check(c->wait.abort_ctx) : NULL;
+        int late = tdm_time_ns() - since > (uint64_t)c->wait.timeout_ms * 1000000u;
+        if (!why && !late) continue;
+        char what[160];
+        tdm_mpi_describe_seq(c, seq, &k, what, sizeof what);
+        if (why) tdm_mpi_abort_job("%s stopped: %s", what, why);
+        tdm_mpi_abort_job("%s did not complete within %lld ms (a peer died, stalled or issued a "
+                          "different call; raise TANDEM_MPI_TIMEOUT_MS if it is only slow)",
+                          what, (long long)c->wait.timeout_ms);
+    }
+    pthread_mutex_unlock(&c->wd_mu);
+    return NULL;
+}
+
+/* Before a blocking call, on the calling thread: a few relaxed stores
+ * and one release, so that small calls stay cheap. 0 when there is no
+ * watchdog (the caller then takes the non-blocking path, bounded too). */
+static int tdm_mpi_watch_begin(tdm_mpi_impl *c, const tdm_comm_call *k)
+{
+    if (!c->wd_started) {
+        pthread_mutex_lock(&c->wd_mu);
+        int rc = pthread_create(&c->wd_thread, NULL, tdm_mpi_watchdog, c);
+        c->wd_started = rc == 0;
+        pthread_mutex_unlock(&c->wd_mu);
+        if (rc) {
+            TDM_WARN(MPI, "%s: watchdog: pthread_create: %s; synchronous calls go non-blocking",
+                     c->what, strerror(rc));
+            c->sync_nb = 1;
+            return 0;
+        }
+    }
+    atomic_store_explicit(&c->wd_coll, (int)k->coll, memory_order_relaxed);
+    atomic_store_explicit(&c->wd_dtype, (int)k->dtype, memory_order_relaxed);
+    atomic_store_explicit(&c->wd_count, k->count, memory_order_relaxed);
+    atomic_store_explicit(&c->wd_seq, c->seq, memory_order_relaxed);
+    atomic_store_explicit(&c->wd_since, tdm_time_ns(), memory_order_release);
+    return 1;
+}
+
+static void tdm_mpi_watch_end(tdm_mpi_impl *c)
+{
+    atomic_store_explicit(&c->wd_since, 0, memory_order_relaxed);
+}
+
+/* Runs k: posted and waited for with MPI_Test (nb), or MPI's blocking
+ * collective under the watchdog. desc names it in messages. */
+static void tdm_mpi_exec(tdm_mpi_impl *c, const tdm_comm_call *desc, const tdm_comm_call *k,
+                         int nb, MPI_Status *stat)
+{
+    if (!nb && !c->sync_nb && tdm_mpi_watch_begin(c, desc)) {
+        int rc = tdm_mpi_post(c, k, 0, NULL, stat);
+        tdm_mpi_watch_end(c);
+        tdm_mpi_check_post(c, desc, rc);
+        return;
+    }
+    MPI_Request req = MPI_REQUEST_NULL;
+    tdm_mpi_check_post(c, desc, tdm_mpi_post(c, k, 1, &req, NULL));
+    tdm_mpi_wait_call(c, desc, &req, stat);
+}
+
 /* The 16-bit floats in a reduction: widened into float32 scratch,
  * reduced there, rounded once into recvbuf. */
 static tdm_status tdm_mpi_run_half(tdm_mpi_impl *c, const tdm_comm_call *k)
@@ -233,9 +327,7 @@ static tdm_status tdm_mpi_run_half(tdm_mpi_impl *c, const tdm_comm_call *k)
     f.dtype = TDM_DTYPE_FLOAT32;
     f.sendbuf = a;
     f.recvbuf = out;       /* in place (all_reduce, reduce), out of place (rs) */
-    MPI_Request req = MPI_REQUEST_NULL;
-    tdm_mpi_check_post(c, k, tdm_mpi_post(c, &f, 1, &req));
-    tdm_mpi_wait_call(c, k, &req, NULL);
+    tdm_mpi_exec(c, k, &f, k->async, NULL);
     if (k->coll == TDM_COLL_REDUCE && c->rank != k->root) return TDM_STATUS_OK;
     if (k->op == TDM_REDOP_AVG) tdm_mpi_divide(out, out_n, TDM_DTYPE_FLOAT32, c->size);
     uint16_t *dst = k->recvbuf;
@@ -257,10 +349,8 @@ static tdm_status tdm_mpi_run(void *impl, const tdm_comm_call *k)
     int reduces = k->coll == TDM_COLL_ALL_REDUCE || k->coll == TDM_COLL_REDUCE ||
                   k->coll == TDM_COLL_REDUCE_SCATTER;
     if (reduces && tdm_mpi_half(k->dtype)) return tdm_mpi_run_half(c, k);
-    MPI_Request req = MPI_REQUEST_NULL;
     MPI_Status stat;
-    tdm_mpi_check_post(c, k, tdm_mpi_post(c, k, 1, &req));
-    tdm_mpi_wait_call(c, k, &req, &stat);
+    tdm_mpi_exec(c, k, k, k->async, &stat);
     if (k->coll == TDM_COLL_RECV) {
         int got = 0;
         MPI_Get_count(&stat, tdm_mpi_type(k->dtype), &got);
@@ -285,6 +375,14 @@ static void tdm_mpi_destroy(void *impl)
 {
     tdm_mpi_impl *c = impl;
     if (!c) return;
+    pthread_mutex_lock(&c->wd_mu);
+    c->wd_stop = 1;
+    pthread_cond_signal(&c->wd_cv);
+    int started = c->wd_started;
+    pthread_mutex_unlock(&c->wd_mu);
+    if (started) pthread_join(c->wd_thread, NULL);
+    pthread_mutex_destroy(&c->wd_mu);
+    pthread_cond_destroy(&c->wd_cv);
     int finalized = 0;
     MPI_Finalized(&finalized);
     /* after MPI_Finalize, MPI has released it already */
@@ -312,6 +410,14 @@ tdm_status tdm_mpi_comm_wrap(tdm_comm **out, MPI_Comm comm, int local_size,
         return tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "mpi: calloc");
     }
     c->comm = comm;
+    pthread_mutex_init(&c->wd_mu, NULL);
+    pthread_cond_init(&c->wd_cv, NULL);
+    /* Synchronous calls use MPI's blocking collectives (Open MPI's tuned
+     * ones, several times faster than its non-blocking ones on small
+     * messages), bounded by the watchdog; TANDEM_MPI_SYNC=nonblocking
+     * makes them non-blocking too (measurements). */
+    const char *sync = getenv("TANDEM_MPI_SYNC");
+    c->sync_nb = sync && !strcmp(sync, "nonblocking");
     /* errors come back to the wait, which names the call and aborts */
     MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN);
     MPI_Comm_rank(comm, &c->rank);
@@ -476,14 +582,12 @@ tdm_status tdm_mpi_peer_run(tdm_comm *comm, const tdm_comm_call *call)
                 "MPI counts stop at %d", INT_MAX);
     if (call->coll != TDM_COLL_BARRIER && call->count == 0) return TDM_STATUS_OK;
     /* the calling thread only: the communicator must be idle */
-    const char *algo = c->algo;
-    int rc = tdm_mpi_post(c, call, 0, NULL);
+    int rc = tdm_mpi_post(c, call, 0, NULL, MPI_STATUS_IGNORE);
     if (rc != MPI_SUCCESS) {
         char s[MPI_MAX_ERROR_STRING];
         tdm_mpi_error_string(rc, s, sizeof s);
         tdm_mpi_abort_job("mpi peer: %s failed: %s", c->algo, s);
     }
     tdm_mpi_finish(c, call);
-    c->algo = algo;
     return TDM_STATUS_OK;
 }

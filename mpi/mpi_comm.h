@@ -68,6 +68,11 @@ tdm_status tdm_mpi_init(void);
 /* MPI_Finalize, if tdm_mpi_init initialised MPI and it is not finalised
  * yet; every tandem communicator over MPI must have been freed. */
 void tdm_mpi_finalize(void);
+/* Ends the whole job: writes "tandem: rank R of N (host, pid P): MPI job
+ * aborted: <reason>" to stderr and calls MPI_Abort (or _exit(1) before
+ * MPI is up). For tools whose rank fails outside any communicator (in
+ * set-up): the other ranks may be waiting for it. Never returns. */
+_Noreturn void tdm_mpi_abort(const char *reason);
 /* "Open MPI v4.1.4, ..." (MPI_Get_library_version; callable before
  * init), truncated to len. */
 void tdm_mpi_library_version(char *buf, size_t len);

@@ -8,6 +8,7 @@
 
 #include <mpi.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdint.h>
 
 #include "core/comm.h"
@@ -34,6 +35,19 @@ typedef struct tdm_mpi_impl {
     int rank, size;           /* in comm */
     tdm_mpi_waiter wait;
     int spin, spin_async;     /* the policy for synchronous / queued calls */
+    int sync_nb;              /* 1: synchronous calls non-blocking too */
+    /* The watchdog of blocking calls: the caller publishes when its call
+     * began (release) after what it is; the watchdog thread, woken every
+     * 50 ms while started, aborts the job past the deadline or when
+     * abort_check fires. */
+    pthread_t wd_thread;
+    pthread_mutex_t wd_mu;
+    pthread_cond_t wd_cv;
+    int wd_started, wd_stop;  /* under wd_mu */
+    _Atomic uint64_t wd_since;            /* ns; 0: no blocking call */
+    _Atomic int wd_coll, wd_dtype;
+    _Atomic size_t wd_count;
+    _Atomic uint64_t wd_seq;
     uint64_t seq;             /* calls run, for messages */
     const char *algo;
     void *scratch;            /* float32 staging of the 16-bit types, in-place copies */

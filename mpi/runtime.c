@@ -201,6 +201,11 @@ _Noreturn void tdm_mpi_abort_job(const char *fmt, ...)
     _exit(1);
 }
 
+_Noreturn void tdm_mpi_abort(const char *reason)
+{
+    tdm_mpi_abort_job("%s", reason && *reason ? reason : "aborted by the application");
+}
+
 /* --- bounded waits -------------------------------------------------------------- */
 
 void tdm_mpi_wait_all(const tdm_mpi_waiter *w, int n, MPI_Request *reqs, MPI_Status *stats,
