@@ -84,7 +84,8 @@ static inline int mpi_t_have_mpirun(void)
     } while (0)
 
 typedef struct mpi_t_job {
-    int np;
+    int np;                    /* 0: run exe directly, not under mpirun */
+    const char *exe;           /* NULL: this test binary, running `worker` */
     const char *worker;
     const char *const *args;   /* NULL-terminated, may be NULL */
     const char *const *env;    /* "NAME=value", NULL-terminated, may be NULL */
@@ -158,10 +159,12 @@ static inline void mpi_t_run(cli_result *r, const mpi_t_job *j)
         argv[n++] = "--mca"; argv[n++] = "btl_tcp_disable_family"; argv[n++] = "6";
         argv[n++] = "--mca"; argv[n++] = "pml"; argv[n++] = "ob1";
     }
-    argv[n++] = self;
-    argv[n++] = j->worker;
+    if (j->np == 0) n = 0;     /* no launcher: the program itself */
+    argv[n++] = j->exe ? j->exe : self;
+    if (!j->exe) argv[n++] = j->worker;
     for (int i = 0; j->args && j->args[i] && n < 94; i++) argv[n++] = j->args[i];
     argv[n] = NULL;
+    const char *what = j->exe ? j->exe : j->worker;
     int fds[2];
     cr_assert(pipe(fds) == 0);
     pid_t pid = fork();
@@ -175,10 +178,10 @@ static inline void mpi_t_run(cli_result *r, const mpi_t_job *j)
         /* Open MPI refuses root without these; the tests run as root in CI */
         setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 1);
         setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);
-        setenv(MPI_T_ENV_WORKER, j->worker, 1);
+        if (!j->exe) setenv(MPI_T_ENV_WORKER, j->worker, 1);
         setenv(MPI_T_ENV_TAG, tag, 1);
         for (int i = 0; j->env && j->env[i]; i++) putenv((char *)j->env[i]);
-        execvp("mpirun", (char *const *)argv);
+        execvp(argv[0], (char *const *)argv);
         _exit(127);
     }
     close(fds[1]);
@@ -215,10 +218,10 @@ static inline void mpi_t_run(cli_result *r, const mpi_t_job *j)
     int left = 0;
     for (int i = 0; i < 50 && (left = mpi_t_tagged(tag, 0)) > 0; i++) usleep(100000);
     if (left) mpi_t_tagged(tag, 1);
-    cr_assert(!killed, "mpirun -np %d %s did not end within %d s; output:\n%s", j->np, j->worker,
+    cr_assert(!killed, "mpirun -np %d %s did not end within %d s; output:\n%s", j->np, what,
               timeout_s + 15, r->out);
     cr_assert_eq(left, 0, "%d process(es) of mpirun -np %d %s were left behind; output:\n%s",
-                 left, j->np, j->worker, r->out);
+                 left, j->np, what, r->out);
 }
 
 #endif
