@@ -266,28 +266,14 @@ static void *tdm_mpi_watchdog(void *arg)
 }
 
 /* Before a blocking call, on the calling thread: a few relaxed stores
- * and one release, so that small calls stay cheap. 0 when there is no
- * watchdog (the caller then takes the non-blocking path, bounded too). */
-static int tdm_mpi_watch_begin(tdm_mpi_impl *c, const tdm_comm_call *k)
+ * and one release, so that small calls stay cheap. */
+static void tdm_mpi_watch_begin(tdm_mpi_impl *c, const tdm_comm_call *k)
 {
-    if (!c->wd_started) {
-        pthread_mutex_lock(&c->wd_mu);
-        int rc = pthread_create(&c->wd_thread, NULL, tdm_mpi_watchdog, c);
-        c->wd_started = rc == 0;
-        pthread_mutex_unlock(&c->wd_mu);
-        if (rc) {
-            TDM_WARN(MPI, "%s: watchdog: pthread_create: %s; synchronous calls go non-blocking",
-                     c->what, strerror(rc));
-            c->sync_nb = 1;
-            return 0;
-        }
-    }
     atomic_store_explicit(&c->wd_coll, (int)k->coll, memory_order_relaxed);
     atomic_store_explicit(&c->wd_dtype, (int)k->dtype, memory_order_relaxed);
     atomic_store_explicit(&c->wd_count, k->count, memory_order_relaxed);
     atomic_store_explicit(&c->wd_seq, c->seq, memory_order_relaxed);
     atomic_store_explicit(&c->wd_since, tdm_time_ns(), memory_order_release);
-    return 1;
 }
 
 static void tdm_mpi_watch_end(tdm_mpi_impl *c)
@@ -295,12 +281,18 @@ static void tdm_mpi_watch_end(tdm_mpi_impl *c)
     atomic_store_explicit(&c->wd_since, 0, memory_order_relaxed);
 }
 
-/* Runs k: posted and waited for with MPI_Test (nb), or MPI's blocking
- * collective under the watchdog. desc names it in messages. */
+/* Runs k: MPI's blocking collective under the watchdog when it moves at
+ * most blocking_max bytes per rank, else posted non-blocking and waited
+ * for with MPI_Test. The choice depends only on what every rank agrees
+ * on (the call and its count): MPI never matches a blocking collective
+ * with a non-blocking one, so it must not depend on whether this rank
+ * happens to run the call queued. desc names it in messages. */
 static void tdm_mpi_exec(tdm_mpi_impl *c, const tdm_comm_call *desc, const tdm_comm_call *k,
-                         int nb, MPI_Status *stat)
+                         MPI_Status *stat)
 {
-    if (!nb && !c->sync_nb && tdm_mpi_watch_begin(c, desc)) {
+    size_t bytes = k->count * tdm_dtype_size(k->dtype);
+    if (c->blocking_max > 0 && bytes <= c->blocking_max) {
+        tdm_mpi_watch_begin(c, desc);
         int rc = tdm_mpi_post(c, k, 0, NULL, stat);
         tdm_mpi_watch_end(c);
         tdm_mpi_check_post(c, desc, rc);
@@ -327,7 +319,7 @@ static tdm_status tdm_mpi_run_half(tdm_mpi_impl *c, const tdm_comm_call *k)
     f.dtype = TDM_DTYPE_FLOAT32;
     f.sendbuf = a;
     f.recvbuf = out;       /* in place (all_reduce, reduce), out of place (rs) */
-    tdm_mpi_exec(c, k, &f, k->async, NULL);
+    tdm_mpi_exec(c, k, &f, NULL);
     if (k->coll == TDM_COLL_REDUCE && c->rank != k->root) return TDM_STATUS_OK;
     if (k->op == TDM_REDOP_AVG) tdm_mpi_divide(out, out_n, TDM_DTYPE_FLOAT32, c->size);
     uint16_t *dst = k->recvbuf;
@@ -350,7 +342,7 @@ static tdm_status tdm_mpi_run(void *impl, const tdm_comm_call *k)
                   k->coll == TDM_COLL_REDUCE_SCATTER;
     if (reduces && tdm_mpi_half(k->dtype)) return tdm_mpi_run_half(c, k);
     MPI_Status stat;
-    tdm_mpi_exec(c, k, k, k->async, &stat);
+    tdm_mpi_exec(c, k, k, &stat);
     if (k->coll == TDM_COLL_RECV) {
         int got = 0;
         MPI_Get_count(&stat, tdm_mpi_type(k->dtype), &got);
@@ -412,12 +404,15 @@ tdm_status tdm_mpi_comm_wrap(tdm_comm **out, MPI_Comm comm, int local_size,
     c->comm = comm;
     pthread_mutex_init(&c->wd_mu, NULL);
     pthread_cond_init(&c->wd_cv, NULL);
-    /* Synchronous calls use MPI's blocking collectives (Open MPI's tuned
-     * ones, several times faster than its non-blocking ones on small
-     * messages), bounded by the watchdog; TANDEM_MPI_SYNC=nonblocking
-     * makes them non-blocking too (measurements). */
-    const char *sync = getenv("TANDEM_MPI_SYNC");
-    c->sync_nb = sync && !strcmp(sync, "nonblocking");
+    /* Small calls use MPI's blocking collectives (Open MPI's tuned ones,
+     * several times faster than its non-blocking ones below a few KiB),
+     * bounded by the watchdog; large ones (DDP's buckets) its non-blocking
+     * ones, progressed by the thread that waits. TANDEM_MPI_BLOCKING_MAX
+     * (bytes per rank; 0: never blocking) moves the line (measurements). */
+    c->blocking_max = TDM_MPI_BLOCKING_MAX;
+    const char *bmax = getenv("TANDEM_MPI_BLOCKING_MAX");
+    if (bmax && *bmax) c->blocking_max = (size_t)strtoull(bmax, NULL, 10);
+
     /* errors come back to the wait, which names the call and aborts */
     MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN);
     MPI_Comm_rank(comm, &c->rank);
@@ -429,14 +424,28 @@ tdm_status tdm_mpi_comm_wrap(tdm_comm **out, MPI_Comm comm, int local_size,
     c->spin = !o.no_spin && local_size <= cores;
     c->spin_async = c->spin && 2 * local_size <= cores;
     c->wait = (tdm_mpi_waiter){.timeout_ms = o.timeout_ms, .spin_ns = TDM_MPI_SPIN_NS,
-                               .abort_check = o.abort_check, .abort_ctx = o.abort_ctx};
-    const char *spin_us = getenv("TANDEM_MPI_SPIN_US");
+                               .yield_ns = TDM_MPI_YIELD_NS, .abort_check = o.abort_check,
+                               .abort_ctx = o.abort_ctx};
+    /* tuning knobs for measurements, not an interface */
+    const char *spin_us = getenv("TANDEM_MPI_SPIN_US"), *yield_us = getenv("TANDEM_MPI_YIELD_US");
     if (spin_us && *spin_us) c->wait.spin_ns = (uint64_t)strtoull(spin_us, NULL, 10) * 1000;
+    if (yield_us && *yield_us) c->wait.yield_ns = (uint64_t)strtoull(yield_us, NULL, 10) * 1000;
     c->algo = "none";
     snprintf(c->what, sizeof c->what, "%s", what);
     TDM_INFO(MPI, "%s: rank %d of %d, %d ranks on this machine, %s waits, timeout %lld ms", what,
              c->rank, c->size, local_size, c->spin ? "spinning" : "sleeping",
              (long long)o.timeout_ms);
+    /* last, once every field it may read is written */
+    int wrc = pthread_create(&c->wd_thread, NULL, tdm_mpi_watchdog, c);
+    if (wrc) {
+        pthread_mutex_destroy(&c->wd_mu);
+        pthread_cond_destroy(&c->wd_cv);
+        MPI_Comm_free(&c->comm);
+        free(c);
+        return tdm_error_set(TDM_STATUS_SYSTEM, "%s: the watchdog of blocking calls: "
+                             "pthread_create: %s", what, strerror(wrc));
+    }
+    c->wd_started = 1;
     return tdm_comm_create(out, &tdm_mpi_ops, c, c->rank, c->size);
 }
 

@@ -241,10 +241,12 @@ void tdm_mpi_wait_all(const tdm_mpi_waiter *w, int n, MPI_Request *reqs, MPI_Sta
                               "issued a different call; raise TANDEM_MPI_TIMEOUT_MS if it is "
                               "only slow)", what, (long long)w->timeout_ms);
         if (w->spin && el < w->spin_ns) continue;
-        /* MPI progresses only inside MPI calls: sleep little. A few
-         * yields first (a peer on this core may need it), then sleeps
-         * growing to 100 us. */
-        if (++polls < 16) {
+        /* MPI progresses only inside MPI calls, so a wait that sleeps
+         * stalls the transfer: poll with sched_yield (which hands the core
+         * to whatever else is runnable on it, a peer rank or this rank's
+         * computing thread) for yield_ns, then sleep in steps growing to
+         * 100 us (a late peer: no need to burn a core). */
+        if (++polls < 16 || el < w->yield_ns) {
             sched_yield();
         } else {
             unsigned k = polls - 16 < 7 ? polls - 16 : 7;

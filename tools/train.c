@@ -50,11 +50,18 @@ static void tdm_train_usage(FILE *f)
         "  --save PATH            write a checkpoint (safetensors) after each epoch\n"
         "  --resume PATH          continue from a checkpoint\n"
         "  --bucket-cap-mb MB     ddp: gradient bucket size cap              [25]\n"
+        "  --backend B            ddp under mpirun/srun: shm (shared memory, one machine),\n"
+        "                         mpi (MPI), hier (shm inside each machine + MPI between\n"
+        "                         them) or auto (shm on one machine, hier otherwise)  [auto]\n"
         "  --no-overlap           ddp: all-reduce after backward, not during it\n"
         "  --no-eval              skip the test-set evaluation after each epoch\n"
         "                         (ddp spreads it over the ranks)\n"
         "  --quiet                only the per-epoch lines\n"
         "\n"
+        "\n"
+        "--mode ddp forks one rank per device, or, started by an MPI launcher\n"
+        "(mpirun -np N tandem train --mode ddp ..., srun), takes its ranks from it\n"
+        "(docs/MULTINODE.md).\n"
         "Exit codes: 0 ok, 1 runtime failure, 2 bad usage.\n");
 }
 
@@ -128,6 +135,7 @@ int tdm_tool_train_main(int argc, char **argv)
         TDM_ARGS_STR("--resume", a.resume)
         TDM_ARGS_STR("--lr-schedule", a.lr_schedule)
         TDM_ARGS_INT("--bucket-cap-mb", 0, 1 << 20, a.bucket_cap_mb)
+        TDM_ARGS_STR("--backend", a.backend)
         if (!strcmp(arg, "--nesterov")) { a.nesterov = 1; continue; }
         if (!strcmp(arg, "--no-eval")) { a.no_eval = 1; continue; }
         if (!strcmp(arg, "--quiet")) { a.quiet = 1; continue; }
@@ -146,6 +154,18 @@ int tdm_tool_train_main(int argc, char **argv)
     }
     if (a.lr < 0) a.lr = strcmp(a.optim, "sgd") ? 1e-3 : 0.05;
     if (a.weight_decay < 0) a.weight_decay = strcmp(a.optim, "sgd") ? 0.01 : 0.0;
+    if (a.backend && strcmp(a.mode, "ddp")) {
+        fprintf(stderr, "tandem train: --backend applies to --mode ddp\n");
+        return 2;
+    }
+    /* N copies of one model trained side by side are never what was meant */
+    const char *mpi_n = getenv("OMPI_COMM_WORLD_SIZE");
+    if (!mpi_n) mpi_n = getenv("PMI_SIZE");
+    if (strcmp(a.mode, "ddp") && mpi_n && atoi(mpi_n) > 1) {
+        fprintf(stderr, "tandem train: started by an MPI launcher with %s ranks, but --mode %s "
+                "would train %s independent copies: use --mode ddp\n", mpi_n, a.mode, mpi_n);
+        return 2;
+    }
     if (!strcmp(a.mode, "single")) return tdm_train_run_single(&a);
     if (!strcmp(a.mode, "dp")) return tdm_train_run_dp ? tdm_train_run_dp(&a) : tdm_train_mode_absent("dp");
     if (!strcmp(a.mode, "ddp")) return tdm_train_run_ddp ? tdm_train_run_ddp(&a) : tdm_train_mode_absent("ddp");

@@ -15,7 +15,10 @@
  *
  * Under `tandem launch -n N -- tandem train --mode ddp ...` (TANDEM_SHM_FD
  * and WORLD_SIZE set) it does not fork: this process is one rank of the
- * launched job and joins it with tdm_ddp_pg_init_from_env.
+ * launched job and joins it with tdm_ddp_pg_init_from_env. Under an MPI
+ * launcher (mpirun, srun; tools/mpi_job.h) likewise, over the communicator
+ * of --backend (shm, mpi or hier); a GPU rank's NCCL communicator then
+ * gets its unique id over that one, that is over MPI between machines.
  *
  * Test hook: TANDEM_DDP_TEST_KILL=R:S makes rank R SIGKILL itself before
  * its global step S (counted from 1 over the whole run), to test
@@ -44,6 +47,7 @@
 #include "models/checkpoint.h"
 #include "shm/shm_comm.h"
 #include "tools/devices.h"
+#include "tools/mpi_job.h"
 #include "tools/train_modes.h"
 
 typedef struct tdm_train_ddp_ctx {
@@ -51,6 +55,7 @@ typedef struct tdm_train_ddp_ctx {
     tdm_model_spec spec;
     tdm_device_list dl;
     const tdm_dataset *train, *test;
+    const char *job_desc;    /* an MPI job: its backend and machines; NULL otherwise */
 } tdm_train_ddp_ctx;
 
 typedef struct tdm_train_ddp_rank {
@@ -188,10 +193,15 @@ static int tdm_train_ddp_rank_main(tdm_comm *comm, void *arg)
         start_epoch = info.epoch;
         tdm_train_print_resumed(a.resume, &info);
     }
-    char devdesc[96];
-    snprintf(devdesc, sizeof devdesc, "%d processes on %s (%s communicator%s)", world,
-             c->a->device, tdm_comm_backend_name(nccl ? nccl : comm),
-             tdm_ddp_zero_copy(ddp) ? ", zero-copy buckets" : "");
+    char devdesc[256];
+    if (c->job_desc)
+        snprintf(devdesc, sizeof devdesc, "%d MPI ranks on %s (%s; gradients over %s%s)", world,
+                 c->a->device, c->job_desc, tdm_comm_backend_name(nccl ? nccl : comm),
+                 tdm_ddp_zero_copy(ddp) ? ", zero-copy buckets" : "");
+    else
+        snprintf(devdesc, sizeof devdesc, "%d processes on %s (%s communicator%s)", world,
+                 c->a->device, tdm_comm_backend_name(nccl ? nccl : comm),
+                 tdm_ddp_zero_copy(ddp) ? ", zero-copy buckets" : "");
     if (rank == 0)
         tdm_train_print_header(&a, &c->spec, c->train, c->test, tdm_model_param_elems(m), devdesc);
     /* r.comm: aborts and epoch barriers (shm; an NCCL abort reaches it too) */
@@ -233,35 +243,65 @@ int tdm_train_run_ddp(const tdm_train_args *a)
         fprintf(stderr, "tandem train: note: --threads applies to --mode single; each DDP "
                         "rank computes on one thread\n");
     int launched = getenv("TANDEM_SHM_FD") && getenv("WORLD_SIZE");
-    if ((st = tdm_tool_parse_devices(&c.dl, a->device, !launched))) {
+    int mpi = !launched && tdm_tool_mpi_launched();
+    tdm_mpi_backend backend = TDM_MPI_BACKEND_AUTO;
+    if (a->backend && !tdm_tool_backend_parse("train", a->backend, &backend)) return 2;
+    if (!mpi && backend != TDM_MPI_BACKEND_AUTO && backend != TDM_MPI_BACKEND_SHM) {
+        if (!tdm_tool_mpi_built()) {
+            tdm_tool_mpi_missing("--backend mpi|hier");
+            fprintf(stderr, "tandem train: %s\n", tdm_error_message());
+            return 1;
+        }
+        fprintf(stderr, "tandem train: --backend %s runs between the ranks of an MPI job: start "
+                "them with `mpirun -np N tandem train --mode ddp --backend %s ...` (or srun)\n",
+                a->backend, a->backend);
+        return 2;
+    }
+    if ((st = tdm_tool_parse_devices(&c.dl, a->device, !launched && !mpi))) {
         fprintf(stderr, "tandem train: --device: %s\n", tdm_error_message());
         return st == TDM_STATUS_NO_DEVICE ? 1 : 2;
     }
-    if (launched) {
+    if (launched || mpi) {
         /* one rank of a launched job */
         tdm_comm *comm = NULL;
         tdm_ddp_env env;
-        if ((st = tdm_ddp_pg_init_from_env(&comm, &env))) {
+        tdm_tool_mpi_rank mr = {0};
+        if (mpi) {
+            if ((st = tdm_tool_mpi_rank_init(&mr, backend, NULL))) {
+                fprintf(stderr, "tandem train: joining the MPI job: %s\n", tdm_error_message());
+                return 1;
+            }
+            comm = mr.comm;
+            env = mr.env;
+        } else if ((st = tdm_ddp_pg_init_from_env(&comm, &env))) {
             fprintf(stderr, "tandem train: joining the launched job: %s\n", tdm_error_message());
             return 1;
         }
-        if (c.dl.count != 1 && c.dl.count != env.world_size) {
+        /* devices are per machine: one for all, or one per rank on it */
+        int per_machine = mpi ? env.local_world_size : env.world_size;
+        if (c.dl.count != 1 && c.dl.count != per_machine && c.dl.count != env.world_size) {
             fprintf(stderr, "tandem train: rank %d: --device '%s' names %d devices but the job "
-                            "has %d ranks\n", env.rank, a->device, c.dl.count, env.world_size);
+                            "has %d ranks%s\n", env.rank, a->device, c.dl.count, per_machine,
+                    mpi ? " on this machine" : "");
             tdm_comm_abort(comm, "bad --device");
-            tdm_comm_free(comm);
-            return 2;
+            rc = 2;
+            goto launched_done;
         }
         if (c.dl.count == 1) c.dl.index[0] = env.local_rank;
+        else c.dl.index[0] = c.dl.index[env.local_rank % c.dl.count];
+        c.dl.count = 1;
         if (!tdm_train_load_data(a, &c.spec, &train, &test)) {
             tdm_comm_abort(comm, "loading data failed");
-            tdm_comm_free(comm);
-            return 1;
+            rc = 1;
+            goto launched_done;
         }
         c.train = &train;
         c.test = &test;
+        c.job_desc = mpi ? mr.desc : NULL;
         rc = tdm_train_ddp_rank_main(comm, &c);
-        tdm_comm_free(comm);
+launched_done:
+        if (mpi) tdm_tool_mpi_rank_free(&mr);
+        else tdm_comm_free(comm);
         tdm_data_free(&train);
         tdm_data_free(&test);
         return rc;
