@@ -63,7 +63,8 @@ const tdm_mpi_topo *tdm_mpi_job_topo(const tdm_mpi_job *job);
 /* The backend AUTO stands for in this job. */
 tdm_mpi_backend tdm_mpi_job_auto(const tdm_mpi_job *job);
 /* The job's own MPI communicator over every rank (control traffic, the
- * benchmark's reference); owned by the job. */
+ * benchmark's reference); owned by the job. Its calls are always MPI's
+ * non-blocking ones, so that a rank waiting long in one sleeps. */
 tdm_comm *tdm_mpi_job_world(tdm_mpi_job *job);
 
 /* A new communicator of backend b over every rank of the job (AUTO:

@@ -4,12 +4,18 @@
  * include this one (only the .c files of mpi/ include mpi.h, as only
  * cuda/ includes CUDA headers).
  *
- * Every collective of core/comm.h is an MPI non-blocking collective
- * (MPI_Iallreduce, MPI_Ibcast, ...; send/recv are MPI_Isend/MPI_Irecv)
- * driven to completion by MPI_Test from the thread that runs the call:
- * the caller's for a synchronous call, the communicator's progress thread
- * for an asynchronous one (core/comm.c), so DDP's bucket all-reduces
- * progress while backward computes.
+ * Every collective of core/comm.h maps onto MPI's. Calls moving more than
+ * 64 KiB per rank (DDP's buckets) are MPI non-blocking collectives
+ * (MPI_Iallreduce, MPI_Ibcast, ...; MPI_Isend/MPI_Irecv) driven to
+ * completion by MPI_Test from the thread that runs the call: the caller's
+ * for a synchronous call, the communicator's progress thread for an
+ * asynchronous one (core/comm.c), so bucket all-reduces progress while
+ * backward computes. Smaller ones use MPI's blocking collectives (Open
+ * MPI's tuned algorithms, several times faster than its non-blocking ones
+ * on small messages), bounded by a watchdog thread. The line depends only
+ * on the call, which every rank agrees on: MPI never matches a blocking
+ * collective with a non-blocking one (TANDEM_MPI_BLOCKING_MAX=bytes moves
+ * it, 0: always non-blocking).
  *
  * Thread level: MPI_THREAD_MULTIPLE. MPI is called from the issuing
  * thread, from each communicator's progress thread (several

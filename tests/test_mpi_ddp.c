@@ -247,3 +247,29 @@ Test(mpi_ddp, train_backend_flags, .timeout = 60)
         expect(&res, 1, "this tandem was built without MPI");
     }
 }
+
+/* compare's DDP column from an MPI job: rank 0 gathers the other ranks'
+ * records over the communicator, so a wrong rank must still fail it */
+Test(mpi_ddp, compare_under_mpirun, .timeout = 300)
+{
+    MPI_T_NEED();
+    const char *args[] = {"compare", "--data", "synthetic", "--model", "mlp:784-32-10",
+                          "--batch", "32", "--steps", "6", "--backend", "mpi", NULL};
+    mpi_t_job j = {.np = 3, .exe = cli_bin(), .args = args, .tcp = 1, .timeout_s = 150};
+    mpi_t_run(&res, &j);
+    expect(&res, 0, "DDP's ranks: the MPI job's (mpi, 3 ranks on 1 machine)");
+    expect(&res, 0, "DDP(3)");
+    expect(&res, 0, "DDP: every rank ended with bitwise the same parameters as rank 0");
+    expect(&res, 0, "verdict: PASS");
+    const char *bad[] = {"compare", "--data", "synthetic", "--model", "mlp:784-32-10",
+                         "--batch", "32", "--steps", "6", "--backend", "mpi", "--perturb-rank",
+                         "2", NULL};
+    j.args = bad;
+    mpi_t_run(&res, &j);
+    cr_assert_eq(res.code, 3, "exit %d:\n%s", res.code, res.out);
+    cr_assert(strstr(res.out, "DDP vs single") && strstr(res.out, "FAIL"), "%s", res.out);
+    const char *sweep[] = {"compare", "--data", "synthetic", "--sweep", "1,2", NULL};
+    j.args = sweep;
+    mpi_t_run(&res, &j);
+    cr_assert_eq(res.code, 2, "exit %d:\n%s", res.code, res.out);
+}

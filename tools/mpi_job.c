@@ -12,6 +12,7 @@ __attribute__((weak)) tdm_status tdm_mpi_job_init(tdm_mpi_job **out, const tdm_m
 __attribute__((weak)) void tdm_mpi_job_free(tdm_mpi_job *job);
 __attribute__((weak)) const tdm_mpi_topo *tdm_mpi_job_topo(const tdm_mpi_job *job);
 __attribute__((weak)) tdm_mpi_backend tdm_mpi_job_auto(const tdm_mpi_job *job);
+__attribute__((weak)) tdm_comm *tdm_mpi_job_world(tdm_mpi_job *job);
 __attribute__((weak)) tdm_status tdm_mpi_job_comm(tdm_mpi_job *job, tdm_mpi_backend b,
                                                   const struct tdm_shm_opts *shm_opts,
                                                   tdm_comm **out);
@@ -81,6 +82,7 @@ tdm_status tdm_tool_mpi_rank_init(tdm_tool_mpi_rank *r, tdm_mpi_backend b,
     tdm_log_set_rank(t->rank);
     r->backend = b == TDM_MPI_BACKEND_AUTO ? tdm_mpi_job_auto(r->job) : b;
     TDM_TRY(tdm_mpi_job_comm(r->job, r->backend, shm, &r->comm));
+    r->world = tdm_mpi_job_world(r->job);
     r->env = (tdm_ddp_env){.rank = t->rank, .world_size = t->size, .local_rank = t->local_rank,
                            .local_world_size = t->local_size};
     snprintf(r->desc, sizeof r->desc, "%s, %d rank%s on %d %smachine%s%s",
@@ -92,6 +94,16 @@ tdm_status tdm_tool_mpi_rank_init(tdm_tool_mpi_rank *r, tdm_mpi_backend b,
 fail:
     tdm_tool_mpi_rank_free(r);
     return st;
+}
+
+int tdm_tool_mpi_env_rank(void)
+{
+    static const char *const vars[] = {"OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK"};
+    for (size_t i = 0; i < sizeof vars / sizeof vars[0]; i++) {
+        const char *v = getenv(vars[i]);
+        if (v && *v) return atoi(v);
+    }
+    return 0;
 }
 
 void tdm_tool_mpi_rank_free(tdm_tool_mpi_rank *r)

@@ -35,6 +35,7 @@ int tdm_tool_backend_parse(const char *cmd, const char *s, tdm_mpi_backend *out)
 typedef struct tdm_tool_mpi_rank {
     tdm_mpi_job *job;
     tdm_comm *comm;             /* the backend's communicator over every rank */
+    tdm_comm *world;            /* the job's own (control: its waits sleep); borrowed */
     tdm_mpi_backend backend;    /* the one picked (never AUTO) */
     tdm_ddp_env env;            /* rank, world, and the rank on its machine */
     char desc[128];             /* "mpi, 4 ranks on 2 machines (pretend, TCP on lo)" */
@@ -44,6 +45,9 @@ typedef struct tdm_tool_mpi_rank {
  * lines are tagged with the rank). shm may be NULL. */
 tdm_status tdm_tool_mpi_rank_init(tdm_tool_mpi_rank *r, tdm_mpi_backend b,
                                   const tdm_shm_opts *shm);
+/* This rank in the job from the launcher's environment (before MPI
+ * starts), 0 when none says. */
+int tdm_tool_mpi_env_rank(void);
 /* Frees the communicator, then the job (MPI_Finalize). */
 void tdm_tool_mpi_rank_free(tdm_tool_mpi_rank *r);
 
