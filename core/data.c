@@ -17,6 +17,7 @@
 #include <zlib.h>
 
 #include "core/log.h"
+#include "core/safefile.h"
 #include "core/rng.h"
 
 #define IDX_MAGIC_IMAGES 0x00000803u
@@ -49,6 +50,7 @@ typedef struct idx_file {
     int ndim;
     size_t header_nbytes;
     size_t payload_nbytes;  /* product of dims */
+    size_t file_nbytes;     /* on disk (compressed or not) */
 } idx_file;
 
 static tdm_status idx_open(idx_file *f, const char *path)
@@ -56,8 +58,7 @@ static tdm_status idx_open(idx_file *f, const char *path)
     int fd;
     memset(f, 0, sizeof *f);
     f->path = path;
-    do fd = open(path, O_RDONLY | O_CLOEXEC); while (fd < 0 && errno == EINTR);
-    if (fd < 0) return tdm_error_set(TDM_STATUS_IO, "%s: %s", path, strerror(errno));
+    TDM_CHECK(tdm_file_open_read(path, &fd, &f->file_nbytes));
     f->gz = gzdopen(fd, "rb");
     if (!f->gz) {
         close(fd);
@@ -164,6 +165,27 @@ static tdm_status idx_truncated(const idx_file *f, const char *kind, size_t got)
                          f->header_nbytes, got, gzdirect(f->gz) ? "" : " (decompressed)");
 }
 
+/* Before allocating for what the header promises: a plain file must be
+ * exactly that long, and a gzip file cannot inflate to more than 1032
+ * times its size (deflate's limit), so a corrupt count is refused here
+ * instead of after gigabytes are reserved for it. */
+static tdm_status idx_check_size(const idx_file *f, const char *kind)
+{
+    size_t have = f->file_nbytes > f->header_nbytes ? f->file_nbytes - f->header_nbytes : 0;
+    if (gzdirect(f->gz)) {
+        if (have < f->payload_nbytes) return idx_truncated(f, kind, have);
+        TDM_REQUIRE(have == f->payload_nbytes, TDM_STATUS_FORMAT,
+                    "%s: trailing bytes after the expected %zu-byte header and %zu bytes of data",
+                    f->path, f->header_nbytes, f->payload_nbytes);
+        return TDM_STATUS_OK;
+    }
+    TDM_REQUIRE(f->payload_nbytes / 1032 <= f->file_nbytes, TDM_STATUS_FORMAT,
+                "%s: the header promises %zu bytes of %s data, more than a %zu-byte gzip file "
+                "can hold: truncated or corrupt", f->path, f->payload_nbytes, kind,
+                f->file_nbytes);
+    return TDM_STATUS_OK;
+}
+
 /* The payload must end exactly at end of file. */
 static tdm_status idx_check_end(idx_file *f)
 {
@@ -252,6 +274,8 @@ tdm_status tdm_data_load_idx(tdm_dataset *out, const char *images_path, const ch
                            labels_path, fl.dims[0]);
         goto fail;
     }
+    TDM_TRY(idx_check_size(&fi, "image"));
+    TDM_TRY(idx_check_size(&fl, "label"));
     d.n = fi.dims[0];
     d.c = 1;
     d.h = (int)fi.dims[1];

@@ -15,6 +15,8 @@
 #include <unistd.h>
 #include <fcntl.h>
 
+#include "core/safefile.h"
+
 static const char *const tdm_log_subsys_names[TDM_LOG_SUBSYS_COUNT_] = {
     [TDM_LOG_CORE] = "CORE", [TDM_LOG_DEVICE] = "DEVICE",
     [TDM_LOG_MODEL] = "MODEL", [TDM_LOG_DATA] = "DATA",
@@ -71,11 +73,26 @@ static void tdm_log_parse(void)
             }
         }
         path[o] = '\0';
-        int fd = open(path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
-        if (fd >= 0) {
+        /* core/safefile.h: no symlink followed, only a regular file of
+         * ours. Parsing may happen inside a caller's error path: its
+         * message is kept. */
+        char saved[TDM_ERROR_MSG_MAX];
+        snprintf(saved, sizeof saved, "%s", tdm_error_message());
+        int fd = -1;
+        if (tdm_file_open_write(AT_FDCWD, path, TDM_FILE_APPEND, &fd) == TDM_STATUS_OK) {
             int old = atomic_exchange(&tdm_log_fd, fd);
             if (old > 2) close(old);
+        } else {
+            char line[TDM_ERROR_MSG_MAX + 64];
+            int n = snprintf(line, sizeof line, "tandem: TANDEM_DEBUG_FILE: %s; logging to "
+                             "stderr\n", tdm_error_message());
+            if (n > 0) {
+                ssize_t w = write(STDERR_FILENO, line,
+                                  (size_t)n < sizeof line ? (size_t)n : sizeof line - 1);
+                (void)w;   /* nowhere left to report a failure */
+            }
         }
+        tdm_error_copy_from(saved);
     }
     atomic_store_explicit(&tdm_log_subsys_mask, mask, memory_order_relaxed);
     atomic_store_explicit(&tdm_log_level_cur, level, memory_order_release);

@@ -15,6 +15,7 @@
 
 #include "core/json.h"
 #include "core/log.h"
+#include "core/safefile.h"
 
 /* The format is little-endian and this code copies bytes as they are. */
 #if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
@@ -179,60 +180,12 @@ static tdm_status st_check_args(const char *path, const tdm_st_tensor *tensors, 
     return TDM_STATUS_OK;
 }
 
-static tdm_status st_write_all(int fd, const void *data, size_t nbytes, const char *path,
-                               const char *tmp)
-{
-    const char *p = data;
-    while (nbytes > 0) {
-        ssize_t w = write(fd, p, nbytes > (1u << 30) ? (1u << 30) : nbytes);
-        if (w < 0) {
-            if (errno == EINTR) continue;
-            return tdm_error_set(TDM_STATUS_IO, "%s: write to %s failed: %s", path, tmp,
-                                 strerror(errno));
-        }
-        p += w;
-        nbytes -= (size_t)w;
-    }
-    return TDM_STATUS_OK;
-}
-
-static tdm_status st_fsync_dir(const char *path)
-{
-    char *dir = strdup(path);
-    if (!dir) return tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "%s: out of memory", path);
-    char *slash = strrchr(dir, '/');
-    const char *d = ".";
-    if (slash == dir) { dir[1] = '\0'; d = dir; }
-    else if (slash) { *slash = '\0'; d = dir; }
-    int fd;
-    do fd = open(d, O_RDONLY | O_DIRECTORY | O_CLOEXEC); while (fd < 0 && errno == EINTR);
-    if (fd < 0) {
-        tdm_status st = tdm_error_set(TDM_STATUS_IO, "%s: cannot open directory %s to fsync: %s",
-                                      path, d, strerror(errno));
-        free(dir);
-        return st;
-    }
-    /* Some file systems refuse fsync on directories (EINVAL); the rename
-     * is then as durable as they make it. */
-    if (fsync(fd) != 0 && errno != EINVAL && errno != EROFS) {
-        tdm_status st = tdm_error_set(TDM_STATUS_IO, "%s: fsync of directory %s failed: %s",
-                                      path, d, strerror(errno));
-        close(fd);
-        free(dir);
-        return st;
-    }
-    close(fd);
-    free(dir);
-    return TDM_STATUS_OK;
-}
-
 tdm_status tdm_st_save(const char *path, const tdm_st_tensor *tensors, int n_tensors,
                        const tdm_st_meta *meta, int n_meta)
 {
     tdm_status st = TDM_STATUS_OK;
     st_buf hdr = { 0 };
-    char *tmp = NULL;
-    int fd = -1;
+    tdm_file_out out = { .fd = -1, .dirfd = -1 };
     size_t offset = 0;
 
     TDM_CHECK(st_check_args(path, tensors, n_tensors, meta, n_meta));
@@ -273,58 +226,20 @@ tdm_status tdm_st_save(const char *path, const tdm_st_tensor *tensors, int n_ten
         goto fail;
     }
 
-    size_t tmp_size = strlen(path) + 32;
-    tmp = malloc(tmp_size);
-    if (!tmp) {
-        st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "%s: out of memory", path);
-        goto fail;
-    }
-    snprintf(tmp, tmp_size, "%s.tmp.%ld", path, (long)getpid());
-    do fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    while (fd < 0 && errno == EINTR);
-    if (fd < 0) {
-        st = tdm_error_set(TDM_STATUS_IO, "%s: cannot create temporary file %s: %s", path, tmp,
-                           strerror(errno));
-        free(tmp);
-        tmp = NULL;   /* nothing to remove */
-        goto fail;
-    }
+    TDM_TRY(tdm_file_replace_open(&out, AT_FDCWD, path));
     unsigned char len8[8];
     for (int k = 0; k < 8; k++) len8[k] = (unsigned char)((uint64_t)hdr.len >> (8 * k));
-    TDM_TRY(st_write_all(fd, len8, sizeof len8, path, tmp));
-    TDM_TRY(st_write_all(fd, hdr.p, hdr.len, path, tmp));
+    TDM_TRY(tdm_file_write_all(out.fd, len8, sizeof len8, path));
+    TDM_TRY(tdm_file_write_all(out.fd, hdr.p, hdr.len, path));
     for (int k = 0; k < n_tensors; k++)
-        TDM_TRY(st_write_all(fd, tensors[k].data, tensors[k].nbytes, path, tmp));
-    if (fsync(fd) != 0) {
-        st = tdm_error_set(TDM_STATUS_IO, "%s: fsync of %s failed: %s", path, tmp,
-                           strerror(errno));
-        goto fail;
-    }
-    int rc = close(fd);
-    fd = -1;
-    if (rc != 0) {
-        st = tdm_error_set(TDM_STATUS_IO, "%s: close of %s failed: %s", path, tmp,
-                           strerror(errno));
-        goto fail;
-    }
-    if (rename(tmp, path) != 0) {
-        st = tdm_error_set(TDM_STATUS_IO, "%s: rename from %s failed: %s", path, tmp,
-                           strerror(errno));
-        goto fail;
-    }
-    free(tmp);
-    tmp = NULL;
-    TDM_TRY(st_fsync_dir(path));
+        TDM_TRY(tdm_file_write_all(out.fd, tensors[k].data, tensors[k].nbytes, path));
+    TDM_TRY(tdm_file_replace_commit(&out));
     TDM_INFO(DATA, "wrote %s: %d tensors, %zu data bytes, header %zu bytes", path, n_tensors,
              offset, hdr.len);
     free(hdr.p);
     return TDM_STATUS_OK;
 fail:
-    if (fd >= 0) close(fd);
-    if (tmp) {
-        unlink(tmp);
-        free(tmp);
-    }
+    tdm_file_replace_abort(&out);
     free(hdr.p);
     return st;
 }
@@ -356,20 +271,8 @@ void tdm_st_free(tdm_st_file *f)
 static tdm_status st_read_file(tdm_st_file *f)
 {
     tdm_status st = TDM_STATUS_OK;
-    struct stat sb;
     int fd;
-    do fd = open(f->path, O_RDONLY | O_CLOEXEC); while (fd < 0 && errno == EINTR);
-    if (fd < 0)
-        return tdm_error_set(TDM_STATUS_IO, "%s: %s", f->path, strerror(errno));
-    if (fstat(fd, &sb) != 0) {
-        st = tdm_error_set(TDM_STATUS_IO, "%s: fstat failed: %s", f->path, strerror(errno));
-        goto fail;
-    }
-    if (!S_ISREG(sb.st_mode)) {
-        st = tdm_error_set(TDM_STATUS_IO, "%s: not a regular file", f->path);
-        goto fail;
-    }
-    f->nbytes = (size_t)sb.st_size;
+    TDM_CHECK(tdm_file_open_read(f->path, &fd, &f->nbytes));
     f->buf = malloc(f->nbytes ? f->nbytes : 1);
     if (!f->buf) {
         st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "%s: cannot allocate %zu bytes",

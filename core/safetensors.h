@@ -64,12 +64,15 @@ typedef struct tdm_st_meta {
     const char *value;              /* borrowed */
 } tdm_st_meta;
 
-/* Writes the tensors (in this order) and metadata to path atomically:
- * everything goes to "<path>.tmp.<pid>" in the same directory, which is
- * fsynced, renamed over path, and the directory fsynced. On a failure
- * before the rename the temporary file is removed and a previous file at
- * path is intact; if only the final directory fsync fails, path already
- * holds the new, complete file (its rename may not yet be durable).
+/* Writes the tensors (in this order) and metadata to path atomically,
+ * through tdm_file_replace_open (core/safefile.h): a temporary file in
+ * the same directory that no other user can have planted, fsynced,
+ * renamed over path, and the directory fsynced. On a failure before the
+ * rename the temporary file is gone and a previous file at path is
+ * intact; if only the final directory fsync fails, path already holds
+ * the new, complete file (its rename may not yet be durable). A path that
+ * exists and is neither a regular file nor a symlink (a directory, a
+ * FIFO, a device) is refused; a symlink is replaced, not written through.
  * Refuses (TDM_STATUS_INVALID_ARG) empty or duplicate names, the name
  * "__metadata__", duplicate metadata keys, ndim outside 0..8, negative
  * dimensions, and nbytes that does not match the shape and dtype.
@@ -80,7 +83,8 @@ tdm_status tdm_st_save(const char *path, const tdm_st_tensor *tensors, int n_ten
 /* A loaded, fully validated file. */
 typedef struct tdm_st_file tdm_st_file;
 
-/* Reads and validates the whole file: header length bounds, strict JSON,
+/* Reads and validates the whole file (a regular file: a FIFO or a device
+ * is refused without blocking): header length bounds, strict JSON,
  * known dtypes, shapes, offsets consistent with shapes, tensors covering
  * the data section exactly with no overlap, gap or trailing byte, unique
  * names, string-valued metadata. Errors name the file and, where one is

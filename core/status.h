@@ -21,6 +21,7 @@ typedef enum tdm_status {
     TDM_STATUS_UNSUPPORTED,   /* valid request this build cannot do */
     TDM_STATUS_NO_DEVICE,     /* the requested device does not exist */
     TDM_STATUS_INTERNAL,      /* a bug: an invariant did not hold */
+    TDM_STATUS_NONFINITE,     /* a loss, gradient or parameter is NaN or infinite */
     TDM_STATUS_COUNT_
 } tdm_status;
 

@@ -1,12 +1,13 @@
 /* ddp/ddp.c: the DDP wrapper and its Reducer: construction checks,
- * bucket plan, grad-ready hook that launches bucket all-reduces in order,
- * end-of-backward wait, the reducer sequence check, no_sync,
- * find_unused_parameters, timings and rank-0 checkpoints.
- * Not a launcher and not a communicator: it only calls core/comm.h.
+ * bucket plan and its rebuild after the first step, grad-ready hook that
+ * launches bucket all-reduces in order, end-of-backward wait, the reducer
+ * sequence check, no_sync, find_unused_parameters, timings and rank-0
+ * checkpoints. Not a launcher and not a communicator: it only calls
+ * core/comm.h.
  *
  * Reducer sequence check: the gradient storage holds TDM_DDP_SEQ_ELEMS
- * floats after the parameters, inside bucket 0. At each synchronised
- * backward rank r writes the number of training forwards it has run
+ * floats after the parameters, inside the bucket of the last parameter.
+ * At each synchronised backward rank r writes the number of training forwards it has run
  * (that backward's forward included) into slot r and zero elsewhere;
  * after the SUM every slot holds its rank's count, so a rank that skipped
  * a backward (or ran an extra step) is named at the end of that same
@@ -63,7 +64,11 @@ struct tdm_ddp {
     tdm_ddp_bucket *b;
     tdm_ddp_bucket_times *bt;
     int *param_bucket;
-    unsigned char *ready, *unused;
+    int *order, n_order;         /* parameters in the order they became ready (recording) */
+    int *group;                  /* scratch of the planner */
+    int record_order;            /* 1: record the ready order in the next synchronised backward */
+    int rebuild_pending;         /* 1: re-plan from `order` at the next synchronised backward */
+    unsigned char *ready;
     int next_launch;
     int in_backward, sync;
     uint64_t t_bwd0, sync_count, fwd_count;
@@ -76,6 +81,8 @@ struct tdm_ddp {
     int32_t *y_dev;
     int stage_cap;
     int fwd_batch, have_fwd;
+    double fwd_loss;             /* the pending forward's loss sum, added at its backward */
+    const char *fwd_lost;        /* why there is no forward to go back through, or NULL */
     tdm_ddp_times times;
 };
 
@@ -97,56 +104,128 @@ static uint64_t tdm_ddp_tensor_hash(const tdm_tensor_info *t)
 
 /* ---- bucket plan ---- */
 
-/* Reverse parameter order; bucket 0 capped at first_cap, the rest at cap;
- * a parameter that alone exceeds the cap gets a bucket of its own. */
-static tdm_status tdm_ddp_plan(tdm_ddp *d)
+/* PyTorch's bucket_size_limits: first_cap for the first bucket closed,
+ * cap for every later one. */
+static void tdm_ddp_caps(const tdm_ddp *d, size_t *first_cap, size_t *cap)
+{
+    *cap = d->o.bucket_cap_bytes ? d->o.bucket_cap_bytes
+           : (size_t)((d->o.bucket_cap_mb > 0 ? d->o.bucket_cap_mb : 25.0) * 1048576.0);
+    *first_cap = d->o.first_bucket_bytes ? d->o.first_bucket_bytes : 1048576;
+    if (*first_cap > *cap) *first_cap = *cap;
+}
+
+/* PyTorch's compute_bucket_assignment_by_size (c10d/reducer.cpp), one
+ * dtype and device: walking the parameters in `order`, each one joins the
+ * open bucket, and the bucket closes once its bytes reach the limit
+ * (first_cap for the first bucket closed, cap after it); what is still
+ * open at the end is the last group. A parameter larger than the limit
+ * closes its bucket at once: never split. Writes each position's group;
+ * returns the number of groups. */
+static int tdm_ddp_assign(const tdm_model *m, const int *order, int n, size_t first_cap,
+                          size_t cap, int *group)
+{
+    int ng = 0, open = 0;
+    size_t bytes = 0, lim = first_cap;
+    for (int i = 0; i < n; i++) {
+        group[i] = ng;
+        open = 1;
+        bytes += (size_t)tdm_model_param_info(m, order[i])->n_elem * sizeof(float);
+        if (bytes >= lim) {
+            ng++;
+            open = 0;
+            bytes = 0;
+            lim = cap;
+        }
+    }
+    return ng + open;
+}
+
+/* Makes group g (of the positions of `order`) bucket g, or bucket ng-1-g
+ * when reversed. Returns 0, changing nothing, when a group's parameters
+ * are not one range of indices: a bucket is a view of the flat buffer. */
+static int tdm_ddp_set_plan(tdm_ddp *d, const int *order, const int *group, int ng, int reversed)
 {
     tdm_model *m = d->m;
-    size_t cap = d->o.bucket_cap_bytes ? d->o.bucket_cap_bytes
-                 : (size_t)((d->o.bucket_cap_mb > 0 ? d->o.bucket_cap_mb : 25.0) * 1048576.0);
-    size_t first_cap = d->o.first_bucket_bytes ? d->o.first_bucket_bytes : 1048576;
-    if (first_cap > cap) first_cap = cap;
+    int n = d->n_params;
+    for (int g = 0; g < ng; g++) {
+        int lo = n, hi = -1, cnt = 0;
+        for (int i = 0; i < n; i++) {
+            if (group[i] != g) continue;
+            if (order[i] < lo) lo = order[i];
+            if (order[i] > hi) hi = order[i];
+            cnt++;
+        }
+        if (hi - lo + 1 != cnt) return 0;
+    }
+    for (int i = 0; i < n; i++) {
+        int b = reversed ? ng - 1 - group[i] : group[i];
+        d->param_bucket[order[i]] = b;
+    }
+    for (int b = 0; b < ng; b++) {
+        d->b[b] = (tdm_ddp_bucket){.first = n, .last = -1};
+        d->bt[b] = (tdm_ddp_bucket_times){0};
+    }
+    for (int p = 0; p < n; p++) {
+        tdm_ddp_bucket *bk = &d->b[d->param_bucket[p]];
+        if (p < bk->first) bk->first = p;
+        if (p > bk->last) bk->last = p;
+    }
+    for (int b = 0; b < ng; b++) {
+        tdm_ddp_bucket *bk = &d->b[b];
+        bk->offset = tdm_model_param_info(m, bk->first)->offset;
+        /* the bucket holding the last parameter carries the check tail */
+        int64_t end = bk->last + 1 < n ? tdm_model_param_info(m, bk->last + 1)->offset
+                                       : d->param_elems + TDM_DDP_SEQ_ELEMS;
+        bk->n_elem = end - bk->offset;
+    }
+    d->nb = ng;
+    d->times.n_buckets = ng;
+    return 1;
+}
+
+static void tdm_ddp_log_plan(const tdm_ddp *d, const char *what)
+{
+    if (!tdm_log_enabled(TDM_LOG_LEVEL_INFO, TDM_LOG_DDP)) return;
+    size_t first_cap, cap;
+    tdm_ddp_caps(d, &first_cap, &cap);
+    TDM_INFO(DDP, "bucket plan (%s): %d bucket(s), cap %zu bytes, first bucket cap %zu bytes",
+             what, d->nb, cap, first_cap);
+    for (int i = 0; i < d->nb; i++) {
+        const tdm_ddp_bucket *bk = &d->b[i];
+        TDM_INFO(DDP, "  bucket %d: %lld elements at offset %lld, parameters %d..%d (%s .. %s)", i,
+                 (long long)bk->n_elem, (long long)bk->offset, bk->first, bk->last,
+                 tdm_model_param_info(d->m, bk->first)->name,
+                 tdm_model_param_info(d->m, bk->last)->name);
+    }
+}
+
+/* The construction plan, as PyTorch's DDP makes it. Without
+ * find_unused_parameters: one bucket for the first synchronised backward
+ * (PyTorch's [sys.maxsize] limit: the order gradients become ready is not
+ * known yet), which records that order; the next one rebuilds the plan
+ * from it (tdm_ddp_rebuild). With it: the limits walked in parameter
+ * (definition) order, the groups reversed so that bucket 0 holds the last
+ * parameters, never rebuilt (the used set may change from step to step). */
+static tdm_status tdm_ddp_plan(tdm_ddp *d)
+{
     int n = d->n_params;
     d->b = calloc((size_t)n, sizeof *d->b);
     d->bt = calloc((size_t)n, sizeof *d->bt);
     d->param_bucket = calloc((size_t)n, sizeof *d->param_bucket);
     d->ready = calloc((size_t)n, 1);
-    d->unused = calloc((size_t)n, 1);
-    if (!d->b || !d->bt || !d->param_bucket || !d->ready || !d->unused)
+    d->order = calloc((size_t)n, sizeof *d->order);
+    d->group = calloc((size_t)n, sizeof *d->group);
+    if (!d->b || !d->bt || !d->param_bucket || !d->ready || !d->order || !d->group)
         return tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "ddp: bucket plan for %d parameters", n);
-    int nb = 0;
-    size_t bytes = 0;
-    for (int p = n - 1; p >= 0; p--) {
-        size_t pb = (size_t)tdm_model_param_info(m, p)->n_elem * sizeof(float);
-        size_t lim = nb == 1 ? first_cap : cap;   /* bucket nb-1 is the open one */
-        if (nb == 0 || bytes + pb > lim) {
-            nb++;
-            d->b[nb - 1].last = p;
-            bytes = 0;
-        }
-        d->b[nb - 1].first = p;
-        bytes += pb;
-        d->param_bucket[p] = nb - 1;
-    }
-    d->nb = nb;
-    for (int i = 0; i < nb; i++) {
-        tdm_ddp_bucket *bk = &d->b[i];
-        bk->offset = tdm_model_param_info(m, bk->first)->offset;
-        int64_t end = bk->last + 1 < n ? tdm_model_param_info(m, bk->last + 1)->offset
-                                       : d->param_elems + TDM_DDP_SEQ_ELEMS;
-        bk->n_elem = end - bk->offset;
-    }
-    if (tdm_log_enabled(TDM_LOG_LEVEL_INFO, TDM_LOG_DDP)) {
-        TDM_INFO(DDP, "bucket plan: %d bucket(s), cap %zu bytes, first bucket cap %zu bytes", nb,
-                 cap, first_cap);
-        for (int i = 0; i < nb; i++) {
-            const tdm_ddp_bucket *bk = &d->b[i];
-            TDM_INFO(DDP, "  bucket %d: %lld elements at offset %lld, parameters %d..%d (%s .. %s)",
-                     i, (long long)bk->n_elem, (long long)bk->offset, bk->first, bk->last,
-                     tdm_model_param_info(m, bk->first)->name,
-                     tdm_model_param_info(m, bk->last)->name);
-        }
-    }
+    size_t first_cap, cap;
+    tdm_ddp_caps(d, &first_cap, &cap);
+    for (int p = 0; p < n; p++) d->order[p] = p;
+    int ng = d->o.find_unused_parameters
+                 ? tdm_ddp_assign(d->m, d->order, n, first_cap, cap, d->group)
+                 : tdm_ddp_assign(d->m, d->order, n, SIZE_MAX, SIZE_MAX, d->group);
+    (void)tdm_ddp_set_plan(d, d->order, d->group, ng, 1);  /* parameter order: always ranges */
+    d->record_order = !d->o.find_unused_parameters;
+    tdm_ddp_log_plan(d, d->record_order ? "first step" : "find_unused_parameters");
     return TDM_STATUS_OK;
 }
 
@@ -248,6 +327,53 @@ fail:
     return st;
 }
 
+/* PyTorch's rebuild_buckets: after the first synchronised backward, the
+ * plan is made again with the limits over the order its gradients became
+ * ready (tandem's models finish parameters from the last to the first, so
+ * this is the reverse parameter order unless a model says otherwise).
+ * Every rank must get the same plan: one all_gather of plan hashes (where
+ * PyTorch broadcasts rank 0's plan) names a rank that differs. */
+static tdm_status tdm_ddp_rebuild(tdm_ddp *d)
+{
+    int n = d->n_params, W = d->world;
+    size_t first_cap, cap;
+    d->rebuild_pending = 0;
+    tdm_ddp_caps(d, &first_cap, &cap);
+    int ng = tdm_ddp_assign(d->m, d->order, n, first_cap, cap, d->group);
+    if (!tdm_ddp_set_plan(d, d->order, d->group, ng, 0)) {
+        /* a bucket of parameters that are not neighbours in the flat
+         * buffer could not be a view of it */
+        TDM_WARN(DDP, "rank %d: gradients became ready out of parameter order (parameter %d "
+                 "first): buckets planned in reverse parameter order instead", d->rank,
+                 d->order[0]);
+        for (int i = 0; i < n; i++) d->order[i] = n - 1 - i;
+        ng = tdm_ddp_assign(d->m, d->order, n, first_cap, cap, d->group);
+        (void)tdm_ddp_set_plan(d, d->order, d->group, ng, 0);
+    }
+    tdm_ddp_log_plan(d, "rebuilt in the order gradients became ready");
+    int64_t *all = calloc((size_t)W * 2, sizeof *all);
+    TDM_REQUIRE(all, TDM_STATUS_OUT_OF_MEMORY, "ddp: calloc");
+    all[2 * d->rank] = (int64_t)tdm_ddp_plan_hash(d);
+    all[2 * d->rank + 1] = d->nb;
+    tdm_status st = tdm_comm_all_gather(d->hcomm, all + 2 * d->rank, all, 2, TDM_DTYPE_INT64);
+    if (st) {
+        tdm_error_prefix(st, "ddp: checking the rebuilt bucket plan");
+    } else {
+        for (int r = 1; r < W; r++) {
+            if (all[2 * r] == all[0]) continue;
+            st = tdm_error_set(TDM_STATUS_MISMATCH,
+                               "ddp: bucket plan rebuilt after the first step differs between "
+                               "ranks: rank 0 planned %lld bucket(s), rank %d planned %lld "
+                               "(here, on rank %d, %d); every rank must use the same bucket caps and a "
+                               "model whose backward produces gradients in the same order",
+                               (long long)all[1], r, (long long)all[2 * r + 1], d->rank, d->nb);
+            break;
+        }
+    }
+    free(all);
+    return st;
+}
+
 /* ---- hook and bucket launches ---- */
 
 static double tdm_ddp_rel_ms(const tdm_ddp *d) { return tdm_time_ms_since(d->t_bwd0); }
@@ -261,8 +387,8 @@ static void tdm_ddp_hook_fail(tdm_ddp *d, tdm_status st)
 
 /* Launches every complete bucket from next_launch on, in bucket order,
  * asynchronously (the progress thread runs it while backward goes on).
- * The last bucket holds the first layer's parameters, which backward
- * finishes last: nothing is left to overlap it with, so it is never
+ * The last bucket holds the parameters backward finishes last (the first
+ * layer's): nothing is left to overlap it with, so it is never
  * launched here but run on this thread by tdm_ddp_finish (saving the two
  * thread wake-ups an asynchronous call costs). */
 static void tdm_ddp_launch_ready(tdm_ddp *d)
@@ -299,6 +425,7 @@ static void tdm_ddp_mark_ready(tdm_ddp *d, int p)
 {
     if (d->ready[p]) return;
     d->ready[p] = 1;
+    if (d->record_order) d->order[d->n_order++] = p;
     int bi = d->param_bucket[p];
     if (--d->b[bi].pending == 0) d->bt[bi].ready_ms = tdm_ddp_rel_ms(d);
 }
@@ -308,15 +435,15 @@ static void tdm_ddp_hook(void *ctx, tdm_model *m, int first, int last)
     tdm_ddp *d = ctx;
     (void)m;
     if (!d->in_backward || !d->sync) return;
-    for (int p = last; p >= first; p--)
-        if (!d->unused[p]) tdm_ddp_mark_ready(d, p);
+    for (int p = last; p >= first; p--) tdm_ddp_mark_ready(d, p);
     if (!d->o.no_overlap) tdm_ddp_launch_ready(d);
     tdm_ddp_poll(d);
 }
 
-/* Waits for every launched bucket in order; on the first failure aborts
- * the communicator (so the other ranks stop too) and still drains the
- * rest, each bounded by the communicator's deadline. */
+/* Waits for every launched bucket in order, each bounded by
+ * opts.timeout_ms when set and always by the communicator's deadline; on
+ * the first failure aborts the communicator (so the other ranks stop too)
+ * and still drains the rest, 10 s at most each. */
 static tdm_status tdm_ddp_drain(tdm_ddp *d)
 {
     tdm_status st = TDM_STATUS_OK;
@@ -412,7 +539,6 @@ tdm_status tdm_ddp_init(tdm_ddp **out, tdm_model *m, tdm_comm *comm, const tdm_d
                                    (size_t)tdm_model_buffer_elems(m), TDM_DTYPE_FLOAT32, 0));
     TDM_TRY(tdm_model_set_grad_storage(m, d->grads));
     tdm_model_set_grad_hook(m, tdm_ddp_hook, d);
-    d->times.n_buckets = d->nb;
     d->times.buckets = d->bt;
     TDM_INFO(DDP, "rank %d of %d: %lld parameters in %d bucket(s), %s, overlap %s", d->rank,
              d->world, (long long)d->param_elems, d->nb, d->zero_copy ? "zero-copy" : "copying",
@@ -443,7 +569,8 @@ void tdm_ddp_free(tdm_ddp *d)
     free(d->bt);
     free(d->param_bucket);
     free(d->ready);
-    free(d->unused);
+    free(d->order);
+    free(d->group);
     free(d);
 }
 
@@ -470,6 +597,13 @@ tdm_status tdm_ddp_evaluate(tdm_ddp *d, const tdm_dataset *test, int batch, doub
     tdm_model *m = d->m;
     TDM_REQUIRE(test && batch > 0 && loss_mean && accuracy, TDM_STATUS_INVALID_ARG,
                 "ddp evaluate: test, batch > 0 and outputs are required");
+    /* Evaluation runs forwards on this same model: a pending training
+     * forward's activations are about to be overwritten. */
+    if (d->have_fwd) {
+        d->have_fwd = 0;
+        d->fwd_lost = "tdm_ddp_evaluate ran forwards on the model since the last "
+                      "tdm_ddp_forward and replaced its activations";
+    }
     if (d->world > 1 && tdm_model_buffer_elems(m) > 0) {
         tdm_status st = tdm_comm_broadcast(d->comm, tdm_model_buffers(m), tdm_model_buffers(m),
                                            (size_t)tdm_model_buffer_elems(m), TDM_DTYPE_FLOAT32, 0);
@@ -502,14 +636,6 @@ tdm_status tdm_ddp_evaluate(tdm_ddp *d, const tdm_dataset *test, int batch, doub
 }
 
 void tdm_ddp_no_sync(tdm_ddp *d, int enable) { d->sync = !enable; }
-
-tdm_status tdm_ddp_mark_unused(tdm_ddp *d, int param)
-{
-    TDM_REQUIRE(param >= 0 && param < d->n_params, TDM_STATUS_INVALID_ARG,
-                "ddp: parameter %d out of range (0..%d)", param, d->n_params - 1);
-    d->unused[param] = 1;
-    return TDM_STATUS_OK;
-}
 
 static tdm_status tdm_ddp_stage(tdm_ddp *d, const float *x, const int32_t *y, int batch,
                                 const float **xd, const int32_t **yd)
@@ -545,6 +671,7 @@ tdm_status tdm_ddp_forward_scaled(tdm_ddp *d, const float *x, const int32_t *y, 
     uint64_t t0 = tdm_time_ns();
     tdm_model *m = d->m;
     d->have_fwd = 0;
+    d->fwd_lost = NULL;
     if (tdm_model_is_train(m) && !d->o.no_broadcast_buffers && d->world > 1 &&
         tdm_model_buffer_elems(m) > 0) {
         tdm_status st = tdm_comm_broadcast(d->comm, tdm_model_buffers(m), tdm_model_buffers(m),
@@ -574,8 +701,8 @@ tdm_status tdm_ddp_forward_scaled(tdm_ddp *d, const float *x, const int32_t *y, 
     uint64_t t2 = tdm_time_ns();
     d->fwd_batch = batch;
     d->have_fwd = 1;
+    d->fwd_loss = ls;   /* counted once its backward runs: a replaced forward is not reduced */
     if (tdm_model_is_train(m)) d->fwd_count++;
-    d->loss_accum += ls;
     d->times.last.ms[TDM_PHASE_FORWARD] = (double)(t1 - t0) * 1e-6;
     d->times.last.ms[TDM_PHASE_LOSS] = (double)(t2 - t1) * 1e-6;
     d->times.total.ms[TDM_PHASE_FORWARD] += (double)(t1 - t0) * 1e-6;
@@ -672,11 +799,19 @@ static tdm_status tdm_ddp_finish(tdm_ddp *d)
 tdm_status tdm_ddp_backward(tdm_ddp *d)
 {
     tdm_status st = TDM_STATUS_OK;
+    TDM_REQUIRE(d->have_fwd || !d->fwd_lost, TDM_STATUS_INVALID_ARG,
+                "ddp backward: %s; call tdm_ddp_forward again before backward", d->fwd_lost);
     TDM_REQUIRE(d->have_fwd, TDM_STATUS_INVALID_ARG, "ddp backward: no forward before it");
     d->have_fwd = 0;
+    d->loss_accum += d->fwd_loss;
     tdm_model *m = d->m;
     int sync = d->sync;
     uint32_t seq = (uint32_t)(d->fwd_count % TDM_DDP_SEQ_MOD) + 1;
+    if (sync && d->rebuild_pending) {
+        /* once, before the step's clock starts: its check is a collective */
+        st = tdm_ddp_rebuild(d);
+        if (st) return tdm_ddp_fail_abort(d, st);
+    }
     d->t_bwd0 = tdm_time_ns();
     if (sync) {
         float s[TDM_DDP_SEQ_ELEMS] = {0};
@@ -693,6 +828,7 @@ tdm_status tdm_ddp_backward(tdm_ddp *d)
             d->bt[i] = (tdm_ddp_bucket_times){0};
         }
         memset(d->ready, 0, (size_t)d->n_params);
+        d->n_order = 0;
         d->next_launch = 0;
         d->hook_st = TDM_STATUS_OK;
     }
@@ -700,22 +836,10 @@ tdm_status tdm_ddp_backward(tdm_ddp *d)
         d->in_backward = 1;
         st = tdm_model_backward(m, d->dlogits);
         d->in_backward = 0;
-        if (st) {
-            memset(d->unused, 0, (size_t)d->n_params);
-            return sync ? tdm_ddp_fail_abort(d, st) : st;
-        }
+        if (st) return sync ? tdm_ddp_fail_abort(d, st) : st;
     }
     uint64_t t1 = tdm_time_ns();
-    /* Parameters marked unused: the backward wrote into their gradient,
-     * but the contribution of a parameter that took no part is zero. */
-    for (int p = 0; p < d->n_params; p++) {
-        if (!d->unused[p]) continue;
-        const tdm_tensor_info *t = tdm_model_param_info(m, p);
-        TDM_CHECK(d->dev->ops->memset_zero(d->dev, d->grads + t->offset,
-                                          (size_t)t->n_elem * sizeof(float)));
-    }
     if (!sync) {
-        memset(d->unused, 0, (size_t)d->n_params);
         d->times.last.ms[TDM_PHASE_BACKWARD] = (double)(t1 - d->t_bwd0) * 1e-6;
         d->times.last.ms[TDM_PHASE_ALLREDUCE_WAIT] = 0;
         d->times.total.ms[TDM_PHASE_BACKWARD] += d->times.last.ms[TDM_PHASE_BACKWARD];
@@ -723,16 +847,18 @@ tdm_status tdm_ddp_backward(tdm_ddp *d)
     }
     if (d->hook_st) {
         tdm_error_set(d->hook_st, "%s", d->hook_msg);
-        memset(d->unused, 0, (size_t)d->n_params);
         return tdm_ddp_fail_abort(d, d->hook_st);
     }
-    for (int p = d->n_params - 1; p >= 0; p--) {
-        if (d->ready[p]) continue;
-        /* A rank without samples contributes its gradients as they are. */
-        if (d->fwd_batch == 0 || (d->unused[p] && d->o.find_unused_parameters))
+    /* A parameter whose grad-ready hook did not fire took no part in this
+     * step (its layer's backward did not run, or this rank had no
+     * samples): this backward added nothing to its gradient, which holds
+     * what zero_grad and any no_sync backwards left there (zeros, or the
+     * accumulated micro-batches). It is reduced as it stands, never
+     * zeroed. Without find_unused_parameters that is an error, unless the
+     * rank had no samples at all. */
+    for (int p = d->n_params - 1; p >= 0; p--)
+        if (!d->ready[p] && (d->fwd_batch == 0 || d->o.find_unused_parameters))
             tdm_ddp_mark_ready(d, p);
-    }
-    memset(d->unused, 0, (size_t)d->n_params);
     for (int i = 0; i < d->nb; i++) {
         if (d->b[i].pending == 0) continue;
         st = tdm_ddp_unready_error(d);
@@ -750,6 +876,11 @@ tdm_status tdm_ddp_backward(tdm_ddp *d)
     if (st) return tdm_ddp_fail_abort(d, st);
     uint64_t t2 = tdm_time_ns();
     d->sync_count++;
+    if (d->record_order) {
+        /* the first synchronised backward: the next one rebuilds */
+        d->record_order = 0;
+        d->rebuild_pending = d->n_order == d->n_params;
+    }
     double comm_lo = 1e300, comm_hi = 0;
     for (int i = 0; i < d->nb; i++) {
         if (d->bt[i].start_ms < comm_lo) comm_lo = d->bt[i].start_ms;

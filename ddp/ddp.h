@@ -4,20 +4,33 @@
  * bucket plan (naming the rank and tensor that differ), broadcasts
  * parameters and buffers from rank 0, moves the gradient buffer into
  * communicator memory (tdm_comm_alloc: zero-copy all-reduce) and plans
- * buckets: contiguous views of the flat gradient buffer in reverse
- * parameter order, bucket 0 (the last parameters, whose gradients backward
- * produces first) capped at first_bucket_bytes, the others at the bucket
- * cap; a parameter is never split. The Reducer (the model's grad-ready
- * hook) launches each bucket's asynchronous all-reduce as soon as it is
- * complete, strictly in bucket order, while backward continues.
+ * buckets as PyTorch's DDP does (compute_bucket_assignment_by_size): each
+ * parameter joins the open bucket, which closes once it holds at least
+ * the limit (first_bucket_bytes for the first bucket closed, the bucket
+ * cap after it); a parameter is never split. Without
+ * find_unused_parameters the first synchronised backward reduces every
+ * gradient as one bucket and records the order in which they became
+ * ready; the next one re-plans the buckets in that order (PyTorch's
+ * rebuild; every rank must get the same plan, and a rank that does not is
+ * named) and that plan holds from then on. With find_unused_parameters the
+ * plan is made once, walking the parameters in definition order, and
+ * bucket 0 holds the last ones. A bucket is a contiguous view of the flat
+ * gradient buffer. The Reducer (the model's grad-ready hook) launches each
+ * bucket's asynchronous all-reduce as soon as it is complete, strictly in
+ * bucket order, while backward continues.
  *
  * Gradient semantics: tdm_ddp_forward scales the loss gradient so that a
  * SUM all-reduce gives the gradient of the global batch's mean loss:
- * forward_global with grad_scale 1/B_global is exact for any split of the
- * global batch (uneven shares included); tdm_ddp_forward uses
+ * tdm_ddp_forward_scaled with grad_scale 1/B_global is exact for any split
+ * of the global batch (uneven shares included); tdm_ddp_forward uses
  * 1/(B_local * world), which is PyTorch's mean-loss-then-AVG (exact when
- * every rank has the same B_local). Summation is in rank order, so every
- * rank gets bitwise the same gradient, with or without overlap.
+ * every rank has the same B_local). The order of the summation is the
+ * communicator's. The shm communicator adds in rank order in every
+ * algorithm, so every rank gets bitwise the same gradient, with or without
+ * overlap and whatever the bucket plan. NCCL adds in its own order (ring
+ * or tree, chosen by message size), so results equal shm's within
+ * rounding, not bitwise; its algorithms reduce each element once and pass
+ * the result on, so the ranks still receive the same values.
  *
  * Uses only core/comm.h: it does not create communicators (ddp/pg.h does)
  * and knows nothing of processes (ddp/spawn.h, tools/launch.c). */
@@ -39,13 +52,20 @@
 typedef struct tdm_ddp_opts {
     double bucket_cap_mb;        /* bucket cap in MiB; 0: 25 */
     size_t bucket_cap_bytes;     /* when non-zero, overrides bucket_cap_mb (tests) */
-    size_t first_bucket_bytes;   /* cap of bucket 0; 0: 1 MiB (never above the cap) */
+    size_t first_bucket_bytes;   /* limit of the first bucket closed; 0: 1 MiB (never above
+                                    the cap; PyTorch's _DEFAULT_FIRST_BUCKET_BYTES) */
     int no_overlap;              /* 1: all-reduce every bucket after backward */
     int no_broadcast_buffers;    /* 1: do not broadcast buffers at each forward */
-    int find_unused_parameters;  /* reduce parameters without gradient as zeros */
+    /* 1: a parameter whose grad-ready hook has not fired by the end of a
+     * synchronised backward took no part in the step, and its gradient is
+     * reduced as it stands (zeros, or what no_sync accumulated); 0: that
+     * backward fails naming it. Also selects PyTorch's plan for it (see
+     * above): made once, never rebuilt. */
+    int find_unused_parameters;
     int64_t timeout_ms;          /* bound on each bucket wait; 0: the communicator's */
     /* Borrowed, optional: the communicator for the few collectives on host
-     * memory (the layout check at init, checkpoint flags), with the same
+     * memory (the layout and plan checks, evaluation's sums, checkpoint
+     * flags), with the same
      * ranks as comm. Needed when comm only takes device memory (NCCL: pass
      * the shm communicator it was bootstrapped over); NULL: comm. */
     tdm_comm *host_comm;
@@ -71,7 +91,7 @@ typedef struct tdm_ddp_times {
     double comm_ms_last;         /* first bucket start to last bucket end */
     double comm_ms_total;
     double exposed_ms_total;     /* = total.ms[ALLREDUCE_WAIT] */
-    double reduced_bytes_total;  /* gradient bytes all-reduced */
+    double reduced_bytes_total;  /* bytes all-reduced (padding and check tail included) */
     double overlapped_bytes_total; /* of which launched while backward still ran */
     int n_buckets;
     const tdm_ddp_bucket_times *buckets;   /* borrowed; last backward */
@@ -81,16 +101,20 @@ typedef struct tdm_ddp_times {
  * are taken over until tdm_ddp_free). Collective: every rank calls it. */
 tdm_status tdm_ddp_init(tdm_ddp **out, tdm_model *m, tdm_comm *comm, const tdm_ddp_opts *opts);
 /* Gives the model back its own gradient storage (copying the gradients)
- * and hook. Call before freeing the communicator. NULL is a no-op. */
+ * and removes the grad-ready hook. Call before freeing the communicator.
+ * NULL is a no-op. */
 void tdm_ddp_free(tdm_ddp *d);
 
 tdm_model *tdm_ddp_model(tdm_ddp *d);
 tdm_comm *tdm_ddp_comm(tdm_ddp *d);
 
-/* Bucket b holds parameters first..last (first <= last; bucket 0 holds
- * the last parameters, the ones backward finishes first) as the view
- * [offset, offset + n_elem) of the flat gradient buffer (alignment padding
- * included; bucket 0 also carries the Reducer's 192-float check tail). */
+/* The current plan: one bucket from init until the first synchronised
+ * backward has run (without find_unused_parameters), then the plan
+ * rebuilt at the start of the next one. Bucket b holds parameters
+ * first..last (first <= last; bucket 0 holds the last parameters, the
+ * ones backward finishes first) as the view [offset, offset + n_elem) of
+ * the flat gradient buffer (alignment padding included; the bucket of the
+ * last parameter also carries the Reducer's 192-float check tail). */
 int tdm_ddp_n_buckets(const tdm_ddp *d);
 void tdm_ddp_bucket_info(const tdm_ddp *d, int b, int *first_param, int *last_param,
                          int64_t *offset, int64_t *n_elem);
@@ -104,7 +128,10 @@ tdm_status tdm_ddp_zero_grad(tdm_ddp *d);
  * (broadcast first, so that batchnorm's running statistics are the same
  * on every rank), and the loss and correct counts are all-reduced: every
  * rank gets the whole set's mean loss and accuracy, in about 1/W of the
- * time one rank would take, and no rank waits for another's evaluation. */
+ * time one rank would take, and no rank idles while one evaluates alone.
+ * Its forwards overwrite the model's activations: a forward not yet gone
+ * back through is dropped (its loss is not counted), and a backward
+ * before the next tdm_ddp_forward is refused (INVALID_ARG). */
 tdm_status tdm_ddp_evaluate(tdm_ddp *d, const tdm_dataset *test, int batch, double *loss_mean,
                             double *accuracy);
 
@@ -118,7 +145,8 @@ tdm_status tdm_ddp_forward(tdm_ddp *d, const float *x, const int32_t *y, int bat
  * global batch); *loss_sum is the sum of this rank's per-sample losses. */
 tdm_status tdm_ddp_forward_scaled(tdm_ddp *d, const float *x, const int32_t *y, int batch,
                                   float grad_scale, double *loss_sum);
-/* Backward of the last forward; in sync mode, all-reduces the gradients
+/* Backward of the last forward (refused when there is none, or when
+ * tdm_ddp_evaluate ran since); in sync mode, all-reduces the gradients
  * (bucket by bucket, overlapped) and returns once all are reduced. On a
  * communication error the communicator is aborted (the other ranks stop)
  * and the error names the failing rank. */
@@ -135,12 +163,6 @@ tdm_status tdm_ddp_step(tdm_ddp *d, tdm_optim *opt);
 /* no_sync: while enabled, backward only accumulates local gradients; the
  * next synchronised backward reduces the accumulated sum. */
 void tdm_ddp_no_sync(tdm_ddp *d, int enable);
-
-/* Test hook: in the next backward, parameter i takes no part (its
- * grad-ready call is dropped and its local gradient zeroed). With
- * find_unused_parameters it is reduced as zeros; without, that backward
- * fails with an error naming it (and aborts the communicator). */
-tdm_status tdm_ddp_mark_unused(tdm_ddp *d, int param);
 
 void tdm_ddp_get_times(const tdm_ddp *d, tdm_ddp_times *out);
 

@@ -1,7 +1,8 @@
-/* ddp/pg.c: launcher environment and process-group set-up. */
+/* ddp/pg.c: launcher environment, process-group timeout and set-up. */
 #include "ddp/pg.h"
 
 #include <errno.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 
@@ -49,12 +50,46 @@ tdm_status tdm_ddp_env_from_environ(tdm_ddp_env *env)
     return TDM_STATUS_OK;
 }
 
-tdm_status tdm_ddp_pg_init_from_env(tdm_comm **out, tdm_ddp_env *env)
+tdm_status tdm_ddp_timeout_parse(const char *what, const char *text, int64_t *ms)
+{
+    char *end = NULL;
+    errno = 0;
+    double s = text && *text ? strtod(text, &end) : NAN;
+    /* isfinite also refuses "nan" and "inf", which strtod accepts */
+    TDM_REQUIRE(end && !*end && !errno && isfinite(s) && s >= 0.001 &&
+                    s <= TDM_DDP_TIMEOUT_MAX_S,
+                TDM_STATUS_INVALID_ARG,
+                "%s%s'%s': expected a number of seconds from 0.001 to %d (one week), e.g. 600",
+                what, what[0] == '-' ? " " : "=", text ? text : "", TDM_DDP_TIMEOUT_MAX_S);
+    *ms = (int64_t)llround(s * 1000.0);
+    return TDM_STATUS_OK;
+}
+
+tdm_status tdm_ddp_timeout_from_env(int64_t *ms)
+{
+    const char *v = getenv(TDM_DDP_ENV_TIMEOUT);
+    *ms = 0;
+    if (!v || !*v) return TDM_STATUS_OK;
+    return tdm_ddp_timeout_parse(TDM_DDP_ENV_TIMEOUT, v, ms);
+}
+
+tdm_status tdm_ddp_pg_init(tdm_comm **out, tdm_ddp_env *env, const tdm_ddp_pg_opts *opts)
 {
     tdm_ddp_env e;
+    tdm_shm_opts so = {.timeout_ms = opts ? opts->timeout_ms : 0};
     TDM_CHECK(tdm_ddp_env_from_environ(&e));
+    if (so.timeout_ms < 0)
+        return tdm_error_set(TDM_STATUS_INVALID_ARG, "process group: timeout %lld ms is negative",
+                             (long long)so.timeout_ms);
+    if (so.timeout_ms == 0) TDM_CHECK(tdm_ddp_timeout_from_env(&so.timeout_ms));
+    if (so.timeout_ms == 0) so.timeout_ms = TDM_DDP_TIMEOUT_DEFAULT_MS;
     tdm_log_set_rank(e.rank);
-    TDM_CHECK(tdm_shm_comm_init_from_env(out, NULL));
+    TDM_CHECK(tdm_shm_comm_init_from_env(out, &so));
     if (env) *env = e;
     return TDM_STATUS_OK;
+}
+
+tdm_status tdm_ddp_pg_init_from_env(tdm_comm **out, tdm_ddp_env *env)
+{
+    return tdm_ddp_pg_init(out, env, NULL);
 }

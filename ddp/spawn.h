@@ -19,7 +19,8 @@ typedef int (*tdm_ddp_spawn_fn)(tdm_comm *comm, void *arg);
 typedef struct tdm_ddp_spawn_opts {
     int64_t timeout_ms;       /* bound on the whole run; 0: 60000 */
     int64_t grace_ms;         /* after a failure, before SIGTERM; 0: 3000 */
-    int64_t comm_timeout_ms;  /* deadline of every collective wait; 0: shm default */
+    int64_t comm_timeout_ms;  /* deadline of every collective wait (the process group's
+                                 timeout); 0: TANDEM_TIMEOUT, else the shm default (300 s) */
     size_t arena_bytes;       /* zero-copy arena per rank (DDP gradients); 0: none */
 } tdm_ddp_spawn_opts;
 

@@ -4,11 +4,14 @@
  *   make examples
  *   build/tandem launch -n 2 -- build/examples/ddp_train [epochs] [data-dir|synthetic] [ckpt]
  *
- * Each rank joins the process group the launcher created, trains its own
- * replica on its DistributedSampler share of the data, and rank 0 prints
- * the loss and the test accuracy and writes a checkpoint. It is the
- * DESIGN.md sketch made real; the CLI's `train --mode ddp` does the same
- * with more options. Not a test fixture: a program to copy from. */
+ * Each rank joins the process group the launcher created (its timeout:
+ * `tandem launch --timeout S`, or TANDEM_TIMEOUT), trains its own replica
+ * on its DistributedSampler share of the data, the ranks evaluate the
+ * test set together (each a share of it), and rank 0 prints the loss and
+ * the test accuracy and writes a checkpoint. It is the program sketched
+ * in docs/DDP.md ("A user program") made real; the CLI's `train --mode
+ * ddp` does the same with more options. Not a test fixture: a program to
+ * copy from. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -90,7 +93,7 @@ int main(int argc, char **argv)
             seen += batch;
         }
         double acc = 0.0, test_loss = 0.0;
-        CHECK(tdm_evaluate(m, &test, 500, &test_loss, &acc));
+        CHECK(tdm_ddp_evaluate(ddp, &test, 500, &test_loss, &acc)); /* collective */
         if (env.rank == 0)
             printf("epoch %d: rank 0 train loss %.4f, test loss %.4f, test accuracy %.4f\n",
                    e + 1, loss_sum / (double)seen, test_loss, acc);

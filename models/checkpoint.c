@@ -6,6 +6,7 @@
 
 #include <errno.h>
 #include <inttypes.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -18,6 +19,15 @@
 static const char *tdm_ckpt_optim_name(tdm_optim_kind k)
 {
     return k == TDM_OPTIM_ADAMW ? "adamw" : "sgd";
+}
+
+/* Non-finite values among n floats; *first: the index of the first. */
+static int64_t tdm_ckpt_count_nonfinite(const float *v, int64_t n, int64_t *first)
+{
+    int64_t bad = 0;
+    for (int64_t i = 0; i < n; i++)
+        if (!isfinite(v[i]) && bad++ == 0 && first) *first = i;
+    return bad;
 }
 
 static tdm_status tdm_ckpt_stage(tdm_device *d, float **host, const float *dev, int64_t n)
@@ -72,6 +82,23 @@ tdm_status tdm_checkpoint_save(const char *path, tdm_model *m, tdm_optim *opt,
             nt++;
         }
     }
+    /* A NaN or an infinity anywhere means the run went bad: the file
+     * already at path (the last good checkpoint) must survive it. The scan
+     * is one pass over the host copy the write needs anyway. */
+    for (int i = 0; i < nt; i++) {
+        int64_t n = (int64_t)(t[i].nbytes / sizeof(float)), first = 0;
+        int64_t bad = tdm_ckpt_count_nonfinite(t[i].data, n, &first);
+        if (bad) {
+            float v = ((const float *)t[i].data)[first];
+            st = tdm_error_set(TDM_STATUS_NONFINITE,
+                               "refusing to save %s: tensor '%s' holds %" PRId64 " non-finite "
+                               "value%s (NaN or infinite) of %" PRId64 ", the first at index %"
+                               PRId64 " (%s); the file at %s was left as it was", path,
+                               t[i].name, bad, bad == 1 ? "" : "s", n, first,
+                               isnan(v) ? "NaN" : v > 0 ? "+inf" : "-inf", path);
+            goto fail;
+        }
+    }
     char model_desc[160], step[32], epoch[32], seed[32], lr[32], hyper[160];
     tdm_model_spec_describe(tdm_model_get_spec(m), model_desc, sizeof model_desc);
     snprintf(step, sizeof step, "%" PRId64, info ? info->step : (opt ? tdm_optim_steps(opt) : 0));
@@ -108,15 +135,37 @@ fail:
     return st;
 }
 
-static tdm_status tdm_ckpt_parse_i64(const tdm_st_file *f, const char *key, int64_t *out)
+/* A count in [0, TDM_CKPT_MAX_COUNT]. strtoll alone clamped
+ * "99999999999999999999" to INT64_MAX and took it. */
+static tdm_status tdm_ckpt_parse_count(const tdm_st_file *f, const char *key, int64_t *out)
 {
     const char *v = tdm_st_meta_get(f, key);
     char *end;
     TDM_REQUIRE(v, TDM_STATUS_FORMAT, "%s: metadata has no '%s'", tdm_st_path(f), key);
+    errno = 0;
     long long x = strtoll(v, &end, 10);
-    TDM_REQUIRE(end != v && *end == '\0' && x >= 0, TDM_STATUS_FORMAT,
+    TDM_REQUIRE(end != v && *end == '\0' && v[0] >= '0' && v[0] <= '9', TDM_STATUS_FORMAT,
                 "%s: metadata '%s' = '%s' is not a non-negative integer", tdm_st_path(f), key, v);
+    TDM_REQUIRE(errno != ERANGE && x <= TDM_CKPT_MAX_COUNT, TDM_STATUS_FORMAT,
+                "%s: metadata '%s' = '%s' is out of range (at most %" PRId64 "): a corrupt "
+                "checkpoint?", tdm_st_path(f), key, v, (int64_t)TDM_CKPT_MAX_COUNT);
     *out = x;
+    return TDM_STATUS_OK;
+}
+
+/* Reads tensor ti into dst (staging) and refuses NaN or infinite values:
+ * resuming from them would only train on NaN. */
+static tdm_status tdm_ckpt_read_finite(const tdm_st_file *f, const char *name,
+                                       const tdm_tensor_info *ti, float *dst)
+{
+    int64_t first = 0;
+    TDM_CHECK(tdm_st_read(f, name, TDM_ST_F32, ti->ndim, ti->shape, dst));
+    int64_t bad = tdm_ckpt_count_nonfinite(dst, ti->n_elem, &first);
+    TDM_REQUIRE(bad == 0, TDM_STATUS_NONFINITE,
+                "%s: tensor '%s' holds %" PRId64 " non-finite value%s (NaN or infinite) of %"
+                PRId64 ", the first at index %" PRId64 ": the checkpoint was saved from a run "
+                "that had gone bad; resume from an earlier one", tdm_st_path(f), name, bad,
+                bad == 1 ? "" : "s", ti->n_elem, first);
     return TDM_STATUS_OK;
 }
 
@@ -168,16 +217,16 @@ tdm_status tdm_checkpoint_load(const char *path, tdm_model *m, tdm_optim *opt,
     }
     for (int i = 0; i < tdm_model_n_params(m); i++) {
         const tdm_tensor_info *ti = tdm_model_param_info(m, i);
-        TDM_TRY(tdm_st_read(f, ti->name, TDM_ST_F32, ti->ndim, ti->shape, hp + ti->offset));
+        TDM_TRY(tdm_ckpt_read_finite(f, ti->name, ti, hp + ti->offset));
     }
     for (int i = 0; i < tdm_model_n_buffers(m); i++) {
         const tdm_tensor_info *ti = tdm_model_buffer_info(m, i);
-        TDM_TRY(tdm_st_read(f, ti->name, TDM_ST_F32, ti->ndim, ti->shape, hb + ti->offset));
+        TDM_TRY(tdm_ckpt_read_finite(f, ti->name, ti, hb + ti->offset));
     }
     int64_t step = 0, epoch = 0;
     uint64_t seed = 0;
-    TDM_TRY(tdm_ckpt_parse_i64(f, "step", &step));
-    TDM_TRY(tdm_ckpt_parse_i64(f, "epoch", &epoch));
+    TDM_TRY(tdm_ckpt_parse_count(f, "step", &step));
+    TDM_TRY(tdm_ckpt_parse_count(f, "epoch", &epoch));
     TDM_TRY(tdm_ckpt_parse_u64(f, "seed", &seed));
     if (opt) {
         const char *ok = tdm_st_meta_get(f, "optimizer");
@@ -198,7 +247,7 @@ tdm_status tdm_checkpoint_load(const char *path, tdm_model *m, tdm_optim *opt,
                 const tdm_tensor_info *ti = tdm_model_param_info(m, i);
                 char name[96];
                 snprintf(name, sizeof name, "optim.%s.%s", tdm_optim_state_name(opt, s), ti->name);
-                TDM_TRY(tdm_st_read(f, name, TDM_ST_F32, ti->ndim, ti->shape, hs[s] + ti->offset));
+                TDM_TRY(tdm_ckpt_read_finite(f, name, ti, hs[s] + ti->offset));
             }
         }
     }

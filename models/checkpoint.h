@@ -4,7 +4,10 @@
  * the model spec, optimizer kind and hyper-parameters, step, epoch, seed.
  * Written atomically (core/safetensors.h). Loading checks that every
  * expected tensor is present with the right dtype and shape and names the
- * first that is not. Knows nothing of DP or DDP: a checkpoint written by
+ * first that is not. Non-finite values (NaN, infinities) are refused both
+ * ways (TDM_STATUS_NONFINITE, naming the tensor and the count): a run that
+ * went bad never replaces the last good checkpoint, and a ruined file is
+ * never resumed from. Knows nothing of DP or DDP: a checkpoint written by
  * any mode loads in any other. */
 #ifndef TDM_MODELS_CHECKPOINT_H
 #define TDM_MODELS_CHECKPOINT_H
@@ -13,6 +16,10 @@
 
 #include "models/model.h"
 #include "models/optim.h"
+
+/* Largest step and epoch a checkpoint may hold (the optimizer's limit,
+ * 2^53); anything beyond is refused as corrupt, not clamped. */
+#define TDM_CKPT_MAX_COUNT TDM_OPTIM_MAX_STEPS
 
 typedef struct tdm_ckpt_info {
     int64_t step;      /* optimizer steps taken */

@@ -57,6 +57,7 @@ struct tdm_model {
     float *params, *grads, *buffers;
     float *grads_owned;     /* NULL while grads are borrowed */
     int train;
+    int bwd_stop;           /* backward runs layers n_layers-1 .. bwd_stop */
     tdm_grad_ready_fn hook;
     void *hook_ctx;
     /* activations */
@@ -592,6 +593,14 @@ void tdm_model_set_grad_hook(tdm_model *m, tdm_grad_ready_fn fn, void *ctx)
     m->hook_ctx = ctx;
 }
 
+tdm_status tdm_model_set_backward_stop(tdm_model *m, int layer)
+{
+    TDM_REQUIRE(layer >= 0 && layer <= m->n_layers, TDM_STATUS_INVALID_ARG,
+                "backward stop: layer %d out of range 0..%d", layer, m->n_layers);
+    m->bwd_stop = layer;
+    return TDM_STATUS_OK;
+}
+
 tdm_status tdm_model_set_grad_storage(tdm_model *m, float *grads)
 {
     size_t nb = (size_t)m->param_elems * sizeof(float);
@@ -781,10 +790,12 @@ tdm_status tdm_model_backward(tdm_model *m, const float *dlogits)
     TDM_CHECK(d->ops->copy(d, m->dbuf[0], dlogits,
                            (size_t)B * (size_t)tdm_model_n_classes(m) * sizeof(float)));
     /* the input gradient of the first layer with parameters and of the
-     * layers before it (input reshuffles) is never needed */
+     * layers before it (input reshuffles) is never needed, nor that of
+     * the layer backward stops at */
     int first = 0;
     while (first < m->n_layers - 1 && m->layers[first].np == 0) first++;
-    for (int i = m->n_layers - 1; i >= 0; i--) {
+    if (first < m->bwd_stop) first = m->bwd_stop;
+    for (int i = m->n_layers - 1; i >= m->bwd_stop; i--) {
         tdm_layer *l = &m->layers[i];
         float *din = i > first ? m->dbuf[1 - cur] : NULL;
         TDM_CHECK(tdm_layer_backward(m, l, m->dbuf[cur], din, B));

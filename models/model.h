@@ -126,6 +126,12 @@ tdm_status tdm_model_set_grad_storage(tdm_model *m, float *grads /* borrowed */)
 void tdm_model_set_train(tdm_model *m, int train);
 int tdm_model_is_train(const tdm_model *m);
 void tdm_model_set_grad_hook(tdm_model *m, tdm_grad_ready_fn fn, void *ctx);
+/* Backward stops at layer `layer` (0..n_layers): layers 0..layer-1 get no
+ * gradient and no grad-ready call, as when the input of that layer is
+ * detached in PyTorch (a frozen prefix whose parameters take no part in
+ * the step: what DDP's find_unused_parameters is for). 0, the default:
+ * backward through every layer. Applies to the following backward passes. */
+tdm_status tdm_model_set_backward_stop(tdm_model *m, int layer);
 
 tdm_status tdm_model_zero_grad(tdm_model *m);
 

@@ -3,6 +3,7 @@
  * zero, so padding stays zero under SGD and AdamW alike). */
 #include "models/optim.h"
 
+#include <inttypes.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -96,12 +97,17 @@ tdm_status tdm_optim_step(tdm_optim *o)
     tdm_device *d = tdm_model_device(m);
     const tdm_optim_opts *p = &o->opts;
     int64_t n = tdm_model_param_elems(m);
+    /* steps + 1 must neither overflow int64 nor stop being exact as the
+     * double that AdamW's bias correction raises the betas to. */
+    TDM_REQUIRE(o->steps >= 0 && o->steps < TDM_OPTIM_MAX_STEPS, TDM_STATUS_INVALID_ARG,
+                "optimizer: step count %" PRId64 " is outside [0, 2^53): refusing to step (a "
+                "corrupt checkpoint?)", o->steps);
     if (p->kind == TDM_OPTIM_SGD) {
         TDM_CHECK(d->ops->sgd_step(d, n, tdm_model_params(m), tdm_model_grads(m), o->state[0],
                                    p->lr, p->momentum, p->dampening, p->weight_decay,
                                    p->nesterov, o->steps == 0));
     } else {
-        double t = (double)(o->steps + 1);
+        double t = (double)o->steps + 1.0;
         float bc1 = (float)(1.0 - pow(p->beta1, t));
         float bc2 = (float)(1.0 - pow(p->beta2, t));
         TDM_CHECK(d->ops->adamw_step(d, n, tdm_model_params(m), tdm_model_grads(m), o->state[0],

@@ -36,6 +36,10 @@ void tdm_optim_free(tdm_optim *o);
 
 /* p <- update(p, grad); increments the step count. */
 tdm_status tdm_optim_step(tdm_optim *o);
+/* The most steps an optimizer counts: 2^53, beyond which a step count is
+ * no longer exact as a double (AdamW's bias correction uses it) and which
+ * no real run reaches. tdm_optim_step refuses to go past it. */
+#define TDM_OPTIM_MAX_STEPS ((int64_t)1 << 53)
 int64_t tdm_optim_steps(const tdm_optim *o);
 void tdm_optim_set_steps(tdm_optim *o, int64_t steps);
 void tdm_optim_set_lr(tdm_optim *o, float lr);

@@ -1,6 +1,8 @@
 /* models/train.c: epoch loop, single-device step, evaluation. */
 #include "models/train.h"
 
+#include <inttypes.h>
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -42,6 +44,16 @@ tdm_status tdm_train_epoch(const tdm_dataset *d, int batch, uint64_t seed, int64
         tdm_data_gather(d, perm + start, b, x, y);
         double loss = 0.0;
         TDM_TRY(step(step_ctx, x, y, b, &loss));
+        /* The loss is on the host already: checking it costs nothing, and
+         * a NaN or infinity here means the parameters are ruined too. */
+        if (!isfinite(loss)) {
+            st = tdm_error_set(TDM_STATUS_NONFINITE,
+                               "loss is %s at step %" PRId64 " (epoch %" PRId64 ", batch %" PRId64
+                               " of %" PRId64 "): training diverged (a lower learning rate may "
+                               "help)", isnan(loss) ? "NaN" : loss > 0 ? "+inf" : "-inf",
+                               epoch * steps + s + 1, epoch + 1, s + 1, steps);
+            goto fail;
+        }
         loss_total += loss * b;
         out->steps++;
         out->samples += b;
@@ -56,6 +68,34 @@ fail:
     free(perm);
     free(x);
     free(y);
+    return st;
+}
+
+tdm_status tdm_train_grad_norm(tdm_model *m, double *norm)
+{
+    tdm_device *dev = tdm_model_device(m);
+    int64_t n = tdm_model_param_elems(m);
+    float *g = malloc((size_t)(n > 0 ? n : 1) * sizeof *g);
+    if (!g) return tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "cannot stage %" PRId64 " gradients", n);
+    tdm_status st = n > 0 ? dev->ops->copy_to_host(dev, g, tdm_model_grads(m),
+                                                   (size_t)n * sizeof *g)
+                          : TDM_STATUS_OK;
+    double sq = 0.0;
+    for (int p = 0; st == TDM_STATUS_OK && p < tdm_model_n_params(m); p++) {
+        const tdm_tensor_info *ti = tdm_model_param_info(m, p);
+        int64_t bad = 0;
+        for (int64_t i = 0; i < ti->n_elem; i++) {
+            float v = g[ti->offset + i];
+            if (!isfinite(v)) bad++;
+            else sq += (double)v * (double)v;
+        }
+        if (bad)
+            st = tdm_error_set(TDM_STATUS_NONFINITE, "the gradient of '%s' holds %" PRId64
+                               " non-finite value%s (NaN or infinite) of %" PRId64, ti->name,
+                               bad, bad == 1 ? "" : "s", ti->n_elem);
+    }
+    free(g);
+    if (st == TDM_STATUS_OK && norm) *norm = sqrt(sq);
     return st;
 }
 

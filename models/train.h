@@ -35,11 +35,21 @@ typedef struct tdm_epoch_stats {
 } tdm_epoch_stats;
 
 /* Runs one epoch. drop_last: skip a final short batch. max_steps > 0 stops
- * early (benchmarks, tests). */
+ * early (benchmarks, tests). A step whose loss is NaN or infinite stops
+ * the epoch with TDM_STATUS_NONFINITE: "loss is NaN at step S (epoch E,
+ * batch b of n)", S counting the steps of every epoch before this one as
+ * this one's (the optimizer's step count when all epochs have the same
+ * number of steps). */
 tdm_status tdm_train_epoch(const tdm_dataset *d, int batch, uint64_t seed, int64_t epoch,
                            int drop_last, int64_t max_steps, tdm_train_step_fn step,
                            void *step_ctx, tdm_train_progress_fn progress, void *progress_ctx,
                            tdm_epoch_stats *out);
+
+/* The L2 norm of m's gradients, in double on the host (one copy of the
+ * gradient buffer: meant for checkpoints, not every step).
+ * TDM_STATUS_NONFINITE names the first parameter whose gradient holds a
+ * NaN or an infinity. */
+tdm_status tdm_train_grad_norm(tdm_model *m, double *norm);
 
 /* The single-device step: zero_grad, forward, mean loss, backward,
  * optimizer step. Inputs are staged to the device when it is not the host.

@@ -168,10 +168,12 @@ Test(cli, train_save_resume_and_bad_checkpoints)
         "/nonexistent/x.safetensors");
     expect(&r, 1, "No such file");
 
-    /* an unwritable checkpoint path fails after the first epoch, clearly */
+    /* a checkpoint path that cannot work fails before training, clearly
+     * (it used to fail after the first epoch) */
     CLI(&r, "train", "--data", "synthetic", "--synthetic-size", "600", "--model",
         "mlp:784-16-10", "--epochs", "1", "--save", "/nonexistent-dir/x.safetensors");
-    expect(&r, 1, "saving checkpoint");
+    expect(&r, 2, "--save: /nonexistent-dir/x.safetensors: cannot open its directory");
+    cr_assert(!strstr(r.out, "epoch 1/1"), "trained before refusing:\n%s", r.out);
     snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
     cr_assert(system(cmd) == 0);
 }

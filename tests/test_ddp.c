@@ -1,8 +1,9 @@
 /* tests/test_ddp.c: DDP against single-device training: equivalence with
  * 1..4 ranks (MLP, uneven batches, CNN with per-rank batchnorm), overlap on
- * and off bit for bit, bucket caps, no_sync, find_unused_parameters,
- * collective-sequence and layout mismatches. Each test forks its ranks
- * through tdm_ddp_spawn (bounded run time, nothing left behind). */
+ * and off bit for bit, no_sync, collective-sequence and layout mismatches,
+ * evaluation spread over the ranks. Each test forks its ranks through
+ * tdm_ddp_spawn (bounded run time, nothing left behind). Bucket plans,
+ * overlap on large buckets and unused parameters: test_ddp_reducer.c. */
 #include <criterion/criterion.h>
 
 #include "tests/test_ddp_util.h"
@@ -67,7 +68,7 @@ Test(ddp_mlp, overlap_on_and_off_bit_identical)
     for (int w = 2; w <= 4; w++) {
         tddp_cfg c = tddp_cfg_default();
         c.steps = 5;
-        c.cap_bytes = 800;    /* several buckets */
+        c.cap_bytes = 300;    /* 3 buckets from the second step on (test_ddp_reducer.c) */
         run_to(&c, w, a);
         c.no_overlap = 1;
         run_to(&c, w, b);
@@ -81,37 +82,6 @@ Test(ddp_mlp, overlap_on_and_off_bit_identical)
     }
     tddp_shared_free(a);
     tddp_shared_free(b);
-}
-
-Test(ddp_mlp, bucket_caps)
-{
-    /* MLP 20-16-12-5: params fc1.weight(320) fc1.bias(16) fc2.weight(192)
-     * fc2.bias(12) fc3.weight(60) fc3.bias(5): 6 tensors */
-    struct { size_t cap, first; int nb; } cases[] = {
-        {4, 0, 6},               /* smaller than any parameter: one per bucket */
-        {20, 0, 6},              /* exactly fc3.bias: still one each */
-        {60 * 4 + 5 * 4, 0, 5},  /* exactly fc3: bucket 0 = fc3.{weight,bias} */
-        {1 << 30, 0, 1},         /* larger than the model: a single bucket */
-        {1 << 30, 20, 2},        /* small first bucket: fc3.bias alone, then the rest */
-    };
-    tddp_shared *sh = tddp_shared_new();
-    double ref_loss[TDDP_MAX_STEPS];
-    static float ref_g[TDDP_MAX_ELEMS], ref_p[TDDP_MAX_ELEMS];
-    int64_t n = 0;
-    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
-        tddp_cfg c = tddp_cfg_default();
-        c.steps = 2;
-        c.cap_bytes = cases[i].cap;
-        c.first_bytes = cases[i].first;
-        cr_assert_eq(tddp_reference(&c, &g_data, ref_loss, ref_g, ref_p, &n), TDM_STATUS_OK);
-        run_to(&c, 3, sh);
-        cr_assert_eq(sh->n_buckets, cases[i].nb, "cap %zu first %zu: %d buckets, expected %d",
-                     cases[i].cap, cases[i].first, sh->n_buckets, cases[i].nb);
-        cr_assert(sh->zero_copy);
-        cr_assert(tddp_excess(sh->params, ref_p, n, 1e-6, 1e-4, NULL) <= 0, "cap %zu",
-                  cases[i].cap);
-    }
-    tddp_shared_free(sh);
 }
 
 Test(ddp_mlp, no_sync_accumulation_equals_large_batch)
@@ -128,57 +98,6 @@ Test(ddp_mlp, no_sync_accumulation_equals_large_batch)
     for (int s = 0; s < 3; s++) cr_assert(fabs(a->loss[s] - b->loss[s]) < 1e-5);
     tddp_shared_free(a);
     tddp_shared_free(b);
-}
-
-Test(ddp_mlp, find_unused_parameters)
-{
-    tddp_shared *sh = tddp_shared_new(), *ref = tddp_shared_new();
-    tddp_cfg c = tddp_cfg_default();
-    c.cap_bytes = 100;
-    run_to(&c, 2, ref);
-    /* fc2.weight (parameter 2) takes no part on rank 1: with the option
-     * its reduced gradient is rank 0's contribution only */
-    c.unused_param = 2;
-    c.unused_ranks = 2;
-    c.find_unused = 1;
-    run_to(&c, 2, sh);
-    /* all ranks unused: reduced as zeros */
-    tddp_shared *z = tddp_shared_new();
-    c.unused_ranks = 3;
-    run_to(&c, 2, z);
-    tdm_model_spec spec;
-    tddp_spec(&spec, 0);
-    /* offsets: fc1.weight 320 @0, fc1.bias 16 @320, fc2.weight 192 @336 */
-    for (int i = 336; i < 336 + 192; i++) cr_assert_eq(z->grads0[i], 0.0f);
-    int differs = 0;
-    for (int i = 336; i < 336 + 192; i++) differs |= sh->grads0[i] != ref->grads0[i];
-    cr_assert(differs);
-    for (int i = 0; i < 336; i++) cr_assert_eq(z->grads0[i], ref->grads0[i]);
-    /* and the reduced gradient is exactly the other rank's share: rank 0's
-     * share (rank 1 unused) plus rank 1's share (rank 0 unused) is the
-     * full gradient, so a wrong scale, a doubled or a garbage share fails */
-    tddp_shared *other = tddp_shared_new();
-    c.unused_ranks = 1;
-    run_to(&c, 2, other);
-    for (int i = 336; i < 336 + 192; i++) {
-        double sum = (double)sh->grads0[i] + other->grads0[i], want = ref->grads0[i];
-        cr_assert(fabs(sum - want) <= 1e-6 + 1e-4 * fabs(want),
-                  "fc2.weight grad [%d]: shares %g + %g != %g", i - 336, sh->grads0[i],
-                  other->grads0[i], ref->grads0[i]);
-    }
-    tddp_shared_free(other);
-    /* without the option: that backward fails on every rank, naming it */
-    c.find_unused = 0;
-    c.unused_ranks = 2;
-    memset(sh, 0, sizeof *sh);
-    tdm_status st = tddp_spawn(2, &c, &g_data, sh, 30000);
-    cr_assert_neq(st, TDM_STATUS_OK);
-    cr_assert(strstr(sh->err[1], "fc2.weight"), "rank 1: %s", sh->err[1]);
-    cr_assert(strstr(sh->err[1], "find_unused_parameters"), "rank 1: %s", sh->err[1]);
-    cr_assert_neq(sh->status[0], TDM_STATUS_OK, "rank 0 should fail too");
-    tddp_shared_free(sh);
-    tddp_shared_free(ref);
-    tddp_shared_free(z);
 }
 
 Test(ddp_mlp, skipped_backward_is_a_mismatch_not_a_hang)
@@ -356,6 +275,77 @@ Test(ddp_cnn, evaluate_spread_over_ranks_equals_rank0_alone)
         cr_assert(fabs(out->loss2[r] - out->ref_loss2) <= 1e-6 * out->ref_loss2,
                   "rank %d, 2 rows: loss %.12f vs %.12f", r, out->loss2[r], out->ref_loss2);
         cr_assert(fabs(out->acc2[r] - out->ref_acc2) <= 1e-12);
+    }
+    munmap(out, sizeof *out);
+}
+
+/* forward -> evaluate -> backward: evaluation ran forwards on the same
+ * model, so the training forward's activations are gone; backward must
+ * be refused (it read the evaluation's activations: a heap-buffer-overflow
+ * under ASan when the last evaluation chunk outgrew the batch, silently
+ * wrong gradients otherwise), and a new forward must make it work again. */
+typedef struct eval_bwd_out {
+    int refused[4], recovered[4];
+    double loss_sum[4], last_loss[4];   /* tdm_ddp_loss_sum; the last forward's loss sum */
+    char err[4][512];
+} eval_bwd_out;
+
+static int eval_bwd_rank(tdm_comm *comm, void *arg)
+{
+    eval_bwd_out *out = arg;
+    int rank = tdm_comm_rank(comm);
+    tdm_device *dev = NULL;
+    tdm_model *m = NULL;
+    tdm_ddp *ddp = NULL;
+    tdm_model_spec spec;
+    tddp_spec(&spec, 0);
+    if (tdm_device_open(&dev, "cpu", rank, 1) || tdm_model_init(&m, dev, &spec, 5) ||
+        tdm_ddp_init(&ddp, m, comm, NULL))
+        return 1;
+    int64_t feat = tdm_data_features(&g_data);
+    const float *x = g_data.x + (int64_t)rank * 8 * feat;
+    const int32_t *y = g_data.y + rank * 8;
+    double l, el, ea;
+    /* 4096 rows over 2 ranks in chunks of 100: the last chunk has 48 rows,
+     * more than the 8 of the training forward */
+    for (int sync = 1; sync >= 0; sync--) {
+        tdm_ddp_no_sync(ddp, !sync);
+        if (tdm_ddp_zero_grad(ddp) || tdm_ddp_forward(ddp, x, y, 8, &l)) return 2;
+        if (tdm_ddp_evaluate(ddp, &g_data, 100, &el, &ea)) return 3;
+        tdm_status st = tdm_ddp_backward(ddp);
+        if (st == TDM_STATUS_INVALID_ARG) out->refused[rank]++;
+        snprintf(out->err[rank], sizeof out->err[rank], "%s", st ? tdm_error_message() : "");
+    }
+    tdm_ddp_no_sync(ddp, 0);
+    if (tdm_ddp_zero_grad(ddp) || tdm_ddp_forward(ddp, x, y, 8, &l)) return 4;
+    if (tdm_ddp_backward(ddp) == TDM_STATUS_OK) out->recovered[rank] = 1;
+    out->loss_sum[rank] = tdm_ddp_loss_sum(ddp);
+    out->last_loss[rank] = l * 8;
+    tdm_ddp_free(ddp);
+    tdm_model_free(m);
+    tdm_device_free(dev);
+    return 0;
+}
+
+Test(ddp_mlp, backward_after_evaluate_is_refused)
+{
+    eval_bwd_out *out = mmap(NULL, sizeof *out, PROT_READ | PROT_WRITE,
+                             MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    cr_assert_neq(out, MAP_FAILED);
+    memset(out, 0, sizeof *out);
+    tdm_ddp_spawn_opts so = {.timeout_ms = 60000, .arena_bytes = 1 << 20};
+    cr_assert_eq(tdm_ddp_spawn(2, eval_bwd_rank, out, &so, NULL), TDM_STATUS_OK, "%s",
+                 tdm_error_message());
+    for (int r = 0; r < 2; r++) {
+        cr_assert_eq(out->refused[r], 2, "rank %d: backward after evaluate accepted (%d of 2 "
+                     "refused; last: '%s')", r, out->refused[r], out->err[r]);
+        cr_assert(strstr(out->err[r], "tdm_ddp_evaluate") && strstr(out->err[r], "forward"),
+                  "rank %d: %s", r, out->err[r]);
+        cr_assert(out->recovered[r], "rank %d: a new forward did not make backward work", r);
+        /* the invalidated forwards' losses were never reduced: not counted */
+        double want = out->last_loss[0] + out->last_loss[1];
+        cr_assert(fabs(out->loss_sum[r] - want) <= 1e-5 * want, "rank %d: loss sum %.9g, the "
+                  "reduced forwards' %.9g", r, out->loss_sum[r], want);
     }
     munmap(out, sizeof *out);
 }

@@ -22,17 +22,25 @@
 
 #define TDDP_MAX_ELEMS (1 << 16)
 #define TDDP_MAX_STEPS 64
+#define TDDP_MAX_BUCKETS 16
 
 typedef struct tddp_cfg {
     int cnn;
+    const int *dims;         /* MLP widths (NULL: 20-16-12-5) */
+    int ndims;
     int batch;               /* global batch */
     int steps;
     int no_overlap;
     size_t cap_bytes;        /* 0: default caps */
     size_t first_bytes;
+    int cap_rank;            /* >= 0: this rank uses rank_cap_bytes instead */
+    size_t rank_cap_bytes;
+    int no_arena;            /* 1: no zero-copy arena: gradients are copied through the slots */
     int micro;               /* > 1: no_sync over this many micro-batches, then sync */
-    int unused_param;        /* >= 0: mark this parameter unused on unused_ranks */
-    unsigned unused_ranks;   /* bit mask */
+    int detach_layer;        /* > 0: in step 0, backward stops at this layer (the layers
+                                below take no part: their grad-ready hook never fires)... */
+    unsigned detach_ranks;   /* ...on these ranks (bit mask)... */
+    int detach_micro;        /* ...in this micro-batch (-1: in every one) */
     int find_unused;
     int skip_backward_rank;  /* >= 0: this rank skips the backward of step 1 */
     int bad_layout_rank;     /* >= 0: this rank builds a different model */
@@ -51,7 +59,13 @@ typedef struct tddp_shared {
     float params[TDDP_MAX_ELEMS];      /* rank 0's parameters at the end */
     float params_r1[TDDP_MAX_ELEMS];   /* rank world-1's */
     int64_t n_elem;
-    int n_buckets;
+    int n_buckets;             /* rank 0's plan at the end */
+    int plan[TDDP_MAX_BUCKETS][2];     /* its buckets' first and last parameters */
+    int plan_r1[TDDP_MAX_BUCKETS][2];  /* rank world-1's */
+    int64_t plan_elems[TDDP_MAX_BUCKETS]; /* rank 0's buckets' lengths */
+    int nb_step[TDDP_MAX_STEPS];       /* rank 0: buckets reduced by step s's backward */
+    double overlapped[TDDP_MAX_STEPS]; /* rank 0: overlapped bytes after step s (cumulative) */
+    double reduced[TDDP_MAX_STEPS];    /* rank 0: reduced bytes after step s (cumulative) */
     int zero_copy;
     int64_t timed_steps;       /* rank 0's tdm_ddp_times.steps */
     int launch_order_ok;       /* rank 0: buckets launched in bucket order, after ready */
@@ -69,17 +83,23 @@ static inline tddp_shared *tddp_shared_new(void)
 }
 static inline void tddp_shared_free(tddp_shared *s) { if (s) munmap(s, sizeof *s); }
 
-static inline void tddp_spec(tdm_model_spec *s, int cnn)
+static inline void tddp_spec_dims(tdm_model_spec *s, int cnn, const int *dims, int ndims)
 {
+    if (!cnn && dims) {
+        tdm_model_spec_mlp(s, dims, ndims);
+        return;
+    }
     if (cnn) {
         tdm_model_spec_cnn(s);
         s->in_c = 1; s->in_h = 8; s->in_w = 8;
         s->ch1 = 3; s->ch2 = 4; s->n_classes = 5;
     } else {
-        int dims[] = {20, 16, 12, 5};
-        tdm_model_spec_mlp(s, dims, 4);
+        int d[] = {20, 16, 12, 5};
+        tdm_model_spec_mlp(s, d, 4);
     }
 }
+
+static inline void tddp_spec(tdm_model_spec *s, int cnn) { tddp_spec_dims(s, cnn, NULL, 0); }
 
 static inline tdm_status tddp_data(tdm_dataset *d, int cnn, int64_t n)
 {
@@ -111,19 +131,19 @@ static inline int tddp_rank_main(tdm_comm *comm, void *arg)
     int32_t *y = NULL;
     tdm_status st = TDM_STATUS_OK;
     int64_t feat = tdm_data_features(run->data);
-    tddp_spec(&spec, c->cnn);
+    tddp_spec_dims(&spec, c->cnn, c->dims, c->ndims);
     if (c->bad_layout_rank == rank) spec.dims[2] = 13;
     if (c->open_dev) TDM_TRY(c->open_dev(&dev, rank));
     else TDM_TRY(tdm_device_open(&dev, "cpu", rank, 1));
     TDM_TRY(tdm_model_init(&m, dev, &spec, 5 + (c->seed_by_rank ? (uint64_t)rank : 0)));
     if (c->make_comm) TDM_TRY(c->make_comm(&gcomm, comm, dev));
-    tdm_ddp_opts o = {.no_overlap = c->no_overlap, .bucket_cap_bytes = c->cap_bytes,
+    tdm_ddp_opts o = {.no_overlap = c->no_overlap,
+                      .bucket_cap_bytes = c->cap_rank == rank ? c->rank_cap_bytes : c->cap_bytes,
                       .first_bucket_bytes = c->first_bytes,
                       .find_unused_parameters = c->find_unused, .timeout_ms = 20000,
                       .host_comm = gcomm ? comm : NULL};
     TDM_TRY(tdm_ddp_init(&ddp, m, gcomm ? gcomm : comm, &o));
     TDM_TRY(tdm_sgd_init(&opt, m, 0.05f, 0.9f));
-    sh->n_buckets = tdm_ddp_n_buckets(ddp);
     sh->zero_copy = tdm_ddp_zero_copy(ddp);
     perm = malloc((size_t)run->data->n * sizeof *perm);
     x = malloc((size_t)c->batch * (size_t)feat * sizeof *x);
@@ -145,8 +165,9 @@ static inline int tddp_rank_main(tdm_comm *comm, void *arg)
             tdm_ddp_no_sync(ddp, k + 1 < micro);
             TDM_TRY(tdm_ddp_forward_scaled(ddp, x, y, hi - lo, 1.0f / (float)c->batch, &ls));
             loss_sum += ls;
-            if (c->unused_param >= 0 && ((c->unused_ranks >> rank) & 1) && s == 0)
-                TDM_TRY(tdm_ddp_mark_unused(ddp, c->unused_param));
+            int detach = c->detach_layer > 0 && ((c->detach_ranks >> rank) & 1) && s == 0 &&
+                         (c->detach_micro < 0 || c->detach_micro == k);
+            TDM_TRY(tdm_model_set_backward_stop(m, detach ? c->detach_layer : 0));
             if (c->skip_backward_rank == rank && s == 1) continue;
             TDM_TRY(tdm_ddp_backward(ddp));
         }
@@ -160,6 +181,21 @@ static inline int tddp_rank_main(tdm_comm *comm, void *arg)
                                                (size_t)tdm_model_param_elems(m) * 4));
         }
         TDM_TRY(tdm_ddp_step(ddp, opt));
+        if (rank == 0 && s < TDDP_MAX_STEPS) {
+            tdm_ddp_times t;
+            tdm_ddp_get_times(ddp, &t);
+            sh->nb_step[s] = t.n_buckets;
+            sh->overlapped[s] = t.overlapped_bytes_total;
+            sh->reduced[s] = t.reduced_bytes_total;
+        }
+    }
+    if (rank == 0 || rank == world - 1) {
+        int (*plan)[2] = rank == 0 ? sh->plan : sh->plan_r1;
+        int nb = tdm_ddp_n_buckets(ddp);
+        if (rank == 0) sh->n_buckets = nb;
+        for (int b = 0; b < nb && b < TDDP_MAX_BUCKETS; b++)
+            tdm_ddp_bucket_info(ddp, b, &plan[b][0], &plan[b][1], NULL,
+                                rank == 0 ? &sh->plan_elems[b] : NULL);
     }
     if (rank == 0) {
         tdm_ddp_times t;
@@ -199,7 +235,7 @@ static inline tdm_status tddp_spawn(int world, const tddp_cfg *cfg, const tdm_da
                              tddp_shared *sh, int64_t timeout_ms)
 {
     tddp_run run = {.cfg = cfg, .data = data, .sh = sh};
-    tdm_ddp_spawn_opts o = {.timeout_ms = timeout_ms, .arena_bytes = 1 << 20,
+    tdm_ddp_spawn_opts o = {.timeout_ms = timeout_ms, .arena_bytes = cfg->no_arena ? 0 : 1 << 20,
                             .comm_timeout_ms = 20000};
     return tdm_ddp_spawn(world, tddp_rank_main, &run, &o, NULL);
 }
@@ -218,7 +254,7 @@ static inline tdm_status tddp_reference(const tddp_cfg *c, const tdm_dataset *da
     int64_t *perm = malloc((size_t)data->n * sizeof *perm);
     float *x = malloc((size_t)c->batch * (size_t)feat * sizeof *x);
     int32_t *y = malloc((size_t)c->batch * sizeof *y);
-    tddp_spec(&spec, c->cnn);
+    tddp_spec_dims(&spec, c->cnn, c->dims, c->ndims);
     TDM_TRY(tdm_device_open(&dev, "cpu", 0, 1));
     TDM_TRY(tdm_model_init(&m, dev, &spec, 5));
     TDM_TRY(tdm_sgd_init(&opt, m, 0.05f, 0.9f));
@@ -257,8 +293,8 @@ static inline double tddp_excess(const float *a, const float *b, int64_t n, doub
 
 static inline tddp_cfg tddp_cfg_default(void)
 {
-    return (tddp_cfg){.batch = 24, .steps = 1, .unused_param = -1, .skip_backward_rank = -1,
-                      .bad_layout_rank = -1};
+    return (tddp_cfg){.batch = 24, .steps = 1, .detach_micro = -1, .skip_backward_rank = -1,
+                      .bad_layout_rank = -1, .cap_rank = -1};
 }
 
 /* Tolerances |a-b| <= atol + rtol |ref| of an equivalence check. */

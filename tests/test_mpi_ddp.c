@@ -222,7 +222,7 @@ Test(mpi_ddp, train_under_mpirun_prints_what_the_forked_run_prints, .timeout = 2
                           "cpu:2", "--batch", "64", "--backend", "mpi", NULL};
     mpi_t_job j = {.np = 2, .exe = cli_bin(), .args = args, .timeout_s = 150};
     mpi_t_run(&res, &j);
-    expect(&res, 0, "2 MPI ranks on cpu:2 (mpi, 2 ranks on 1 machine; gradients over mpi)");
+    expect(&res, 0, "2 MPI ranks on cpu:2 (mpi, 2 ranks on 1 machine; gradients over mpi, timeout");
     char under_mpi[600], forked[600];
     epochs_of(res.out, under_mpi, sizeof under_mpi);
     /* two ranks: each element is a + b either way, so bit for bit */

@@ -558,15 +558,16 @@ Test(st, unwritable_paths_fail_cleanly)
     save_one("/proc/tdm-test.safetensors", "w", 4, 1.0f, TDM_STATUS_IO);
     cr_assert(strstr(tdm_error_message(), "/proc/tdm-test.safetensors"));
 
-    /* The temporary file can be made but the rename cannot: path is a
-     * non-empty directory. The temporary file must be gone. */
+    /* path is a directory: refused up front (it used to fail at the
+     * rename), and nothing is left behind. */
     snprintf(path, sizeof path, "%s/isdir", g_dir);
     cr_assert_eq(mkdir(path, 0755), 0);
     char inner[320];
     snprintf(inner, sizeof inner, "%s/keep", path);
     fclose(fopen(inner, "w"));
     save_one(path, "w", 4, 1.0f, TDM_STATUS_IO);
-    cr_assert(strstr(tdm_error_message(), "rename"), "%s", tdm_error_message());
+    cr_assert(strstr(tdm_error_message(), "is a directory, not a regular file"), "%s",
+              tdm_error_message());
     cr_assert_eq(count_entries(g_dir), 1, "temporary file left behind");
 }
 

@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include "core/device.h"
+#include "core/safefile.h"
 #include "ddp/spawn.h"
 #include "models/train.h"
 #include "tools/args.h"
@@ -61,7 +62,8 @@ static void tdm_cmp_usage(FILE *f)
         "  --no-overlap         DDP all-reduces after backward (to see what overlap buys)\n"
         "  --trace FILE         Chrome trace-event JSON (Perfetto, chrome://tracing)\n"
         "  --csv FILE           raw per-step figures\n"
-        "  --plot DIR           loss, throughput, phase (and scaling) charts, with gnuplot\n"
+        "  --plot DIR           loss, throughput, phase (and scaling) charts, with gnuplot;\n"
+        "                       DIR must be yours and not writable by others\n"
         "  --sweep 1,2,4        also run DP and DDP at these device counts\n"
         "  --perturb-rank R     testing aid: DDP rank R adds 1%% to its gradient share,\n"
         "                       which the equivalence verdict must catch\n"
@@ -243,7 +245,7 @@ static int tdm_cmp_mpi_join(tdm_cmp_opts *o, int device_given, int *err_fd)
         return 2;
     }
     tdm_shm_opts so = {.arena_bytes = tdm_ddp_arena_bytes(tdm_cmp_param_elems(o))};
-    if (tdm_tool_mpi_rank_init(&tdm_cmp_mr, b, &so) != TDM_STATUS_OK) {
+    if (tdm_tool_mpi_rank_init(&tdm_cmp_mr, b, 0, &so) != TDM_STATUS_OK) {
         fprintf(stderr, "tandem compare: joining the MPI job: %s\n", tdm_error_message());
         return 1;
     }
@@ -394,17 +396,14 @@ static int tdm_cmp_main(int argc, char **argv)
                     dl.count == 1 ? "" : "s");
             return 2;
         }
-    /* check output paths before the long part */
+    /* check output paths before the long part (core/safefile.h: what the
+     * writes will check again, and nothing left behind) */
     const char *outs[] = {o.trace, o.csv};
+    const char *flags[] = {"--trace", "--csv"};
     for (int i = 0; i < 2; i++)
-        if (outs[i]) {
-            FILE *f = fopen(outs[i], "a");
-            if (!f) {
-                fprintf(stderr, "tandem compare: cannot write %s: ", outs[i]);
-                perror(NULL);
-                return 2;
-            }
-            fclose(f);
+        if (outs[i] && tdm_file_replace_check(AT_FDCWD, outs[i]) != TDM_STATUS_OK) {
+            fprintf(stderr, "tandem compare: %s: %s\n", flags[i], tdm_error_message());
+            return 2;
         }
     /* "out/" and "out" name the same directory: print "out/loss.png" */
     static char plot_dir[4096];
@@ -413,20 +412,12 @@ static int tdm_cmp_main(int argc, char **argv)
         for (size_t n = strlen(plot_dir); n > 1 && plot_dir[n - 1] == '/'; n--)
             plot_dir[n - 1] = '\0';
         o.plot = plot_dir;
-    }
-    if (o.plot) {
-        struct stat sb;
-        if (mkdir(o.plot, 0755) != 0 && !(errno == EEXIST && stat(o.plot, &sb) == 0 &&
-                                          S_ISDIR(sb.st_mode))) {
-            fprintf(stderr, "tandem compare: --plot %s: cannot create the directory: %s\n",
-                    o.plot, strerror(errno));
+        int dfd = -1;
+        if (tdm_dir_open_safe(o.plot, "--plot", 1, &dfd) != TDM_STATUS_OK) {
+            fprintf(stderr, "tandem compare: %s\n", tdm_error_message());
             return 2;
         }
-        if (access(o.plot, W_OK) != 0) {
-            fprintf(stderr, "tandem compare: --plot %s: not writable: %s\n", o.plot,
-                    strerror(errno));
-            return 2;
-        }
+        close(dfd);
     }
 
     /* usage is checked: from here on every rank says what goes wrong */

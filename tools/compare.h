@@ -59,9 +59,10 @@ typedef struct tdm_cmp_result {
     double *comm_ms;                   /* [steps] DDP: first bucket start .. last end */
     double *exposed_ms;                /* [steps] DDP: all-reduce wait after backward */
     double *bwd_t0_ms;                 /* [steps] DDP rank 0: backward start */
-    int n_buckets;
+    int n_buckets;                     /* the most any step had */
     double *bucket;                    /* [steps * n_buckets * 3] ready, start, end (rank 0,
-                                          ms from backward start) */
+                                          ms from backward start; -1: not in that step's
+                                          plan, e.g. the first step's single bucket) */
     int64_t param_elems;
     float *params_first, *params_last; /* after step 1 and after the last step */
     int ranks_agree;                   /* DDP: every rank ended with rank 0's params */

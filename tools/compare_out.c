@@ -4,16 +4,21 @@
  * stacked bars, scaling). Spans of a step are laid out from the measured
  * phase durations in the order the phases run (each phase of DP is a
  * fork/join round, so its devices start it together); DDP's bucket spans
- * use the Reducer's own timestamps. */
+ * use the Reducer's own timestamps. Every file is replaced atomically
+ * through core/safefile.h, --plot only in a directory no one else can
+ * write, and gnuplot reads its script from a memfd, not from a path. */
 #include <errno.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "core/safefile.h"
 #include "tools/compare.h"
 
 static const tdm_phase tdm_cmp_order[] = {
@@ -23,18 +28,43 @@ static const tdm_phase tdm_cmp_order[] = {
 };
 #define TDM_CMP_NORDER (int)(sizeof tdm_cmp_order / sizeof tdm_cmp_order[0])
 
-static FILE *tdm_cmp_open(const char *path)
+/* An output file, replaced atomically (core/safefile.h): written through
+ * a FILE, committed on close. */
+typedef struct tdm_cmp_file {
+    FILE *f;
+    tdm_file_out out;
+    char shown[4200];   /* the path as messages name it */
+} tdm_cmp_file;
+
+static int tdm_cmp_open(tdm_cmp_file *cf, int dirfd, const char *dir, const char *name)
 {
-    FILE *f = fopen(path, "w");
-    if (!f) fprintf(stderr, "tandem compare: cannot write %s: %s\n", path, strerror(errno));
-    return f;
+    int fd = -1;
+    cf->f = NULL;
+    snprintf(cf->shown, sizeof cf->shown, "%s%s%s", dir ? dir : "", dir ? "/" : "", name);
+    if (tdm_file_replace_open(&cf->out, dirfd, name) != TDM_STATUS_OK) {
+        fprintf(stderr, "tandem compare: cannot write %s: %s\n", cf->shown, tdm_error_message());
+        return 0;
+    }
+    if ((fd = dup(cf->out.fd)) < 0 || !(cf->f = fdopen(fd, "w"))) {
+        fprintf(stderr, "tandem compare: cannot write %s: %s\n", cf->shown, strerror(errno));
+        if (fd >= 0) close(fd);
+        tdm_file_replace_abort(&cf->out);
+        return 0;
+    }
+    return 1;
 }
 
-static int tdm_cmp_close(FILE *f, const char *path)
+static int tdm_cmp_close(tdm_cmp_file *cf)
 {
-    int bad = ferror(f);
-    if (fclose(f) != 0 || bad) {
-        fprintf(stderr, "tandem compare: writing %s failed: %s\n", path, strerror(errno));
+    int bad = ferror(cf->f);
+    if (fclose(cf->f) != 0 || bad) {
+        fprintf(stderr, "tandem compare: writing %s failed: %s\n", cf->shown, strerror(errno));
+        tdm_file_replace_abort(&cf->out);
+        return 0;
+    }
+    if (tdm_file_replace_commit(&cf->out) != TDM_STATUS_OK) {
+        fprintf(stderr, "tandem compare: writing %s failed: %s\n", cf->shown,
+                tdm_error_message());
         return 0;
     }
     return 1;
@@ -53,8 +83,9 @@ int tdm_cmp_write_trace(const char *path, const tdm_cmp_opts *o, tdm_cmp_result 
                         int n)
 {
     (void)o;
-    FILE *f = tdm_cmp_open(path);
-    if (!f) return 0;
+    tdm_cmp_file cf;
+    if (!tdm_cmp_open(&cf, AT_FDCWD, NULL, path)) return 0;
+    FILE *f = cf.f;
     int first = 1;
 #define TDM_EV(...) do { fprintf(f, "%s\n  ", first ? "" : ","); first = 0; fprintf(f, __VA_ARGS__); } while (0)
     fprintf(f, "{\"displayTimeUnit\": \"ms\", \"traceEvents\": [");
@@ -103,6 +134,7 @@ int tdm_cmp_write_trace(const char *path, const tdm_cmp_opts *o, tdm_cmp_result 
                 for (int b = 0; b < r->n_buckets; b++) {
                     const double *e = r->bucket + ((size_t)i * r->n_buckets + b) * 3;
                     double t0 = r->bwd_t0_ms[i];
+                    if (e[0] < 0.0) continue;   /* not in this step's plan */
                     TDM_EV("{\"ph\": \"i\", \"s\": \"t\", \"pid\": %d, \"tid\": 1000, \"name\": "
                            "\"bucket %d ready\", \"ts\": %lld, \"args\": {\"step\": %d}}", pid, b,
                            tdm_cmp_us(t0 + e[0]), i + 1);
@@ -117,14 +149,15 @@ int tdm_cmp_write_trace(const char *path, const tdm_cmp_opts *o, tdm_cmp_result 
     }
     fprintf(f, "\n]}\n");
 #undef TDM_EV
-    return tdm_cmp_close(f, path);
+    return tdm_cmp_close(&cf);
 }
 
 int tdm_cmp_write_csv(const char *path, const tdm_cmp_opts *o, tdm_cmp_result *const *res, int n)
 {
     (void)o;
-    FILE *f = tdm_cmp_open(path);
-    if (!f) return 0;
+    tdm_cmp_file cf;
+    if (!tdm_cmp_open(&cf, AT_FDCWD, NULL, path)) return 0;
+    FILE *f = cf.f;
     fprintf(f, "mode,devices,step,loss,step_ms");
     for (int p = 0; p < TDM_PHASE_COUNT_; p++) {
         fputc(',', f);
@@ -142,7 +175,7 @@ int tdm_cmp_write_csv(const char *path, const tdm_cmp_opts *o, tdm_cmp_result *c
             fprintf(f, ",%.4f\n", r->comm_ms[i]);
         }
     }
-    return tdm_cmp_close(f, path);
+    return tdm_cmp_close(&cf);
 }
 
 static int tdm_cmp_have_gnuplot(void)
@@ -150,62 +183,20 @@ static int tdm_cmp_have_gnuplot(void)
     return system("command -v gnuplot >/dev/null 2>&1") == 0;
 }
 
-int tdm_cmp_write_plots(const char *dir, const tdm_cmp_opts *o, tdm_cmp_result *const *res,
-                        int n, const int *sweep_dev, const double *sweep_dp,
-                        const double *sweep_ddp, int n_sweep, double single_sps)
+static const tdm_phase tdm_cmp_shown[] = {
+    TDM_PHASE_REPLICATE, TDM_PHASE_SCATTER, TDM_PHASE_FORWARD, TDM_PHASE_GATHER,
+    TDM_PHASE_LOSS, TDM_PHASE_BACKWARD, TDM_PHASE_REDUCE, TDM_PHASE_ALLREDUCE_WAIT,
+    TDM_PHASE_STEP,
+};
+#define TDM_CMP_NSHOWN (int)(sizeof tdm_cmp_shown / sizeof tdm_cmp_shown[0])
+
+/* The gnuplot script (malloc'd), or NULL when out of memory. */
+static char *tdm_cmp_plot_script(const tdm_cmp_opts *o, int n, int n_sweep)
 {
-    char path[4096];
-    if (mkdir(dir, 0755) != 0 && errno != EEXIST) {
-        fprintf(stderr, "tandem compare: cannot create %s: %s\n", dir, strerror(errno));
-        return 0;
-    }
-    /* data files */
-    snprintf(path, sizeof path, "%s/loss.dat", dir);
-    FILE *f = tdm_cmp_open(path);
-    if (!f) return 0;
-    fprintf(f, "step");
-    for (int k = 0; k < n; k++) fprintf(f, " %s(%d)", tdm_cmp_mode_name(res[k]->mode), res[k]->n_dev);
-    fputc('\n', f);
-    for (int i = 0; i < o->steps; i++) {
-        fprintf(f, "%d", i + 1);
-        for (int k = 0; k < n; k++) fprintf(f, " %.9g", res[k]->loss[i]);
-        fputc('\n', f);
-    }
-    if (!tdm_cmp_close(f, path)) return 0;
-    snprintf(path, sizeof path, "%s/phases.dat", dir);
-    if (!(f = tdm_cmp_open(path))) return 0;
-    fprintf(f, "mode samples_per_s");
-    static const tdm_phase shown[] = {TDM_PHASE_REPLICATE, TDM_PHASE_SCATTER, TDM_PHASE_FORWARD,
-                                      TDM_PHASE_GATHER, TDM_PHASE_LOSS, TDM_PHASE_BACKWARD,
-                                      TDM_PHASE_REDUCE, TDM_PHASE_ALLREDUCE_WAIT, TDM_PHASE_STEP};
-    int nshown = (int)(sizeof shown / sizeof shown[0]);
-    for (int q = 0; q < nshown; q++) {
-        fputc(' ', f);
-        for (const char *c = tdm_phase_name(shown[q]); *c; c++) fputc(*c == ' ' ? '-' : *c, f);
-    }
-    fputc('\n', f);
-    for (int k = 0; k < n; k++) {
-        double med, mn, mx;
-        tdm_phase_times pm;
-        tdm_cmp_step_stats(o, res[k], &med, &mn, &mx);
-        tdm_cmp_phase_mean(o, res[k], &pm);
-        fprintf(f, "\"%s(%d)\" %.2f", tdm_cmp_mode_name(res[k]->mode), res[k]->n_dev,
-                o->batch / med * 1e3);
-        for (int q = 0; q < nshown; q++) fprintf(f, " %.4f", pm.ms[shown[q]]);
-        fputc('\n', f);
-    }
-    if (!tdm_cmp_close(f, path)) return 0;
-    if (n_sweep > 0) {
-        snprintf(path, sizeof path, "%s/scaling.dat", dir);
-        if (!(f = tdm_cmp_open(path))) return 0;
-        fprintf(f, "# devices dp_samples_per_s ddp_samples_per_s single\n");
-        for (int i = 0; i < n_sweep; i++)
-            fprintf(f, "%d %.2f %.2f %.2f\n", sweep_dev[i], sweep_dp[i], sweep_ddp[i], single_sps);
-        if (!tdm_cmp_close(f, path)) return 0;
-    }
-    /* the script */
-    snprintf(path, sizeof path, "%s/plots.gp", dir);
-    if (!(f = tdm_cmp_open(path))) return 0;
+    char *text = NULL;
+    size_t len = 0;
+    FILE *f = open_memstream(&text, &len);
+    if (!f) return NULL;
     fprintf(f,
             "# gnuplot script written by tandem compare; run: gnuplot plots.gp\n"
             "set terminal pngcairo size 900,540 font ',11'\n"
@@ -227,7 +218,7 @@ int tdm_cmp_write_plots(const char *dir, const tdm_cmp_opts *o, tdm_cmp_result *
             "set ylabel 'ms per step'; set key outside right\n"
             "set style histogram rowstacked\n"
             "plot for [c=3:%d] 'phases.dat' using c:xtic(1) title columnhead(c)\n",
-            o->model, o->batch, n + 1, 2 + nshown);
+            o->model, o->batch, n + 1, 2 + TDM_CMP_NSHOWN);
     if (n_sweep > 0)
         fprintf(f,
                 "set output 'scaling.png'\n"
@@ -236,28 +227,143 @@ int tdm_cmp_write_plots(const char *dir, const tdm_cmp_opts *o, tdm_cmp_result *
                 "set xlabel 'devices'; set ylabel 'samples/s'; set xrange [0.5:*]; set xtics 1\n"
                 "plot 'scaling.dat' using 1:2 lw 2 title 'DP', '' using 1:3 lw 2 title 'DDP', "
                 "'' using 1:4 with lines dt 2 title 'one device'\n");
-    if (!tdm_cmp_close(f, path)) return 0;
-    if (!tdm_cmp_have_gnuplot()) {
-        printf("plots: gnuplot is not installed (apt-get install gnuplot-nox, or make deps); "
-               "data and script written to %s/ (run: cd %s && gnuplot plots.gp)\n", dir, dir);
-        return 1;
+    if (fclose(f) != 0) {
+        free(text);
+        return NULL;
     }
-    /* gnuplot in dir, without a shell (any character may be in dir) */
+    return text;
+}
+
+static const char *const tdm_cmp_pngs[] = {"loss.png", "throughput.png", "phases.png",
+                                           "scaling.png"};
+
+/* Runs gnuplot in the directory (dirfd: checked safe, only we can write
+ * there) with the script on its stdin, from a memfd: never a path another
+ * user could swap between our write and gnuplot's read. Checks that every
+ * chart was written afresh. */
+static int tdm_cmp_run_gnuplot(int dirfd, const char *dir, const char *script, int n_png)
+{
+    int mfd = memfd_create("plots.gp", MFD_CLOEXEC);
+    if (mfd < 0 || tdm_file_write_all(mfd, script, strlen(script), "plots.gp (memfd)") ||
+        lseek(mfd, 0, SEEK_SET) != 0) {
+        fprintf(stderr, "tandem compare: cannot hand gnuplot its script: %s\n",
+                mfd < 0 ? strerror(errno) : tdm_error_message());
+        if (mfd >= 0) close(mfd);
+        return 0;
+    }
+    /* stale charts would hide a gnuplot that wrote nothing */
+    for (int i = 0; i < n_png; i++) unlinkat(dirfd, tdm_cmp_pngs[i], 0);
     fflush(NULL);
     pid_t pid = fork();
     if (pid == 0) {
-        if (chdir(dir) == 0) execlp("gnuplot", "gnuplot", "plots.gp", (char *)NULL);
+        /* no shell: any character may be in dir */
+        if (fchdir(dirfd) == 0 && dup2(mfd, STDIN_FILENO) == STDIN_FILENO)
+            execlp("gnuplot", "gnuplot", (char *)NULL);
         _exit(127);
     }
-    int rc = -1;
+    close(mfd);
+    int ws = -1;
     if (pid > 0)
-        while (waitpid(pid, &rc, 0) < 0 && errno == EINTR) {}
-    if (pid < 0 || rc != 0) {
-        fprintf(stderr, "tandem compare: gnuplot failed (exit %d) on %s/plots.gp\n",
-                WIFEXITED(rc) ? WEXITSTATUS(rc) : -1, dir);
+        while (waitpid(pid, &ws, 0) < 0 && errno == EINTR) {}
+    if (pid < 0 || !WIFEXITED(ws) || WEXITSTATUS(ws) != 0) {
+        if (pid < 0)
+            fprintf(stderr, "tandem compare: cannot start gnuplot: %s\n", strerror(errno));
+        else if (WIFSIGNALED(ws))
+            fprintf(stderr, "tandem compare: gnuplot was killed by signal %d (%s) drawing the "
+                    "charts in %s/ (its script: %s/plots.gp)\n", WTERMSIG(ws),
+                    strsignal(WTERMSIG(ws)), dir, dir);
+        else
+            fprintf(stderr, "tandem compare: gnuplot failed (exit %d) drawing the charts in %s/ "
+                    "(its script: %s/plots.gp; its message is above)\n", WEXITSTATUS(ws), dir,
+                    dir);
         return 0;
     }
+    for (int i = 0; i < n_png; i++) {
+        struct stat sb;
+        if (fstatat(dirfd, tdm_cmp_pngs[i], &sb, AT_SYMLINK_NOFOLLOW) != 0 ||
+            !S_ISREG(sb.st_mode) || sb.st_size == 0) {
+            fprintf(stderr, "tandem compare: gnuplot exited 0 but did not write %s in %s/ "
+                    "(is its pngcairo terminal installed? try: cd %s && gnuplot plots.gp)\n",
+                    tdm_cmp_pngs[i], dir, dir);
+            return 0;
+        }
+    }
+    return 1;
+}
+
+int tdm_cmp_write_plots(const char *dir, const tdm_cmp_opts *o, tdm_cmp_result *const *res,
+                        int n, const int *sweep_dev, const double *sweep_dp,
+                        const double *sweep_ddp, int n_sweep, double single_sps)
+{
+    int dirfd = -1, ok = 0;
+    char *script = NULL;
+    tdm_cmp_file cf;
+    /* checked again here, where it counts: everything below goes through
+     * this descriptor */
+    if (tdm_dir_open_safe(dir, "--plot", 1, &dirfd) != TDM_STATUS_OK) {
+        fprintf(stderr, "tandem compare: %s\n", tdm_error_message());
+        return 0;
+    }
+    /* data files */
+    if (!tdm_cmp_open(&cf, dirfd, dir, "loss.dat")) goto done;
+    FILE *f = cf.f;
+    fprintf(f, "step");
+    for (int k = 0; k < n; k++) fprintf(f, " %s(%d)", tdm_cmp_mode_name(res[k]->mode), res[k]->n_dev);
+    fputc('\n', f);
+    for (int i = 0; i < o->steps; i++) {
+        fprintf(f, "%d", i + 1);
+        for (int k = 0; k < n; k++) fprintf(f, " %.9g", res[k]->loss[i]);
+        fputc('\n', f);
+    }
+    if (!tdm_cmp_close(&cf)) goto done;
+    if (!tdm_cmp_open(&cf, dirfd, dir, "phases.dat")) goto done;
+    f = cf.f;
+    fprintf(f, "mode samples_per_s");
+    for (int q = 0; q < TDM_CMP_NSHOWN; q++) {
+        fputc(' ', f);
+        for (const char *c = tdm_phase_name(tdm_cmp_shown[q]); *c; c++)
+            fputc(*c == ' ' ? '-' : *c, f);
+    }
+    fputc('\n', f);
+    for (int k = 0; k < n; k++) {
+        double med, mn, mx;
+        tdm_phase_times pm;
+        tdm_cmp_step_stats(o, res[k], &med, &mn, &mx);
+        tdm_cmp_phase_mean(o, res[k], &pm);
+        fprintf(f, "\"%s(%d)\" %.2f", tdm_cmp_mode_name(res[k]->mode), res[k]->n_dev,
+                o->batch / med * 1e3);
+        for (int q = 0; q < TDM_CMP_NSHOWN; q++) fprintf(f, " %.4f", pm.ms[tdm_cmp_shown[q]]);
+        fputc('\n', f);
+    }
+    if (!tdm_cmp_close(&cf)) goto done;
+    if (n_sweep > 0) {
+        if (!tdm_cmp_open(&cf, dirfd, dir, "scaling.dat")) goto done;
+        fprintf(cf.f, "# devices dp_samples_per_s ddp_samples_per_s single\n");
+        for (int i = 0; i < n_sweep; i++)
+            fprintf(cf.f, "%d %.2f %.2f %.2f\n", sweep_dev[i], sweep_dp[i], sweep_ddp[i],
+                    single_sps);
+        if (!tdm_cmp_close(&cf)) goto done;
+    }
+    /* the script: kept for the user as plots.gp; gnuplot gets its own copy */
+    if (!(script = tdm_cmp_plot_script(o, n, n_sweep))) {
+        fprintf(stderr, "tandem compare: out of memory writing the gnuplot script\n");
+        goto done;
+    }
+    if (!tdm_cmp_open(&cf, dirfd, dir, "plots.gp")) goto done;
+    fputs(script, cf.f);
+    if (!tdm_cmp_close(&cf)) goto done;
+    if (!tdm_cmp_have_gnuplot()) {
+        printf("plots: gnuplot is not installed (apt-get install gnuplot-nox, or make deps); "
+               "data and script written to %s/ (run: cd %s && gnuplot plots.gp)\n", dir, dir);
+        ok = 1;
+        goto done;
+    }
+    if (!tdm_cmp_run_gnuplot(dirfd, dir, script, n_sweep > 0 ? 4 : 3)) goto done;
     printf("plots: %s/loss.png, throughput.png, phases.png%s\n", dir,
            n_sweep > 0 ? ", scaling.png" : "");
-    return 1;
+    ok = 1;
+done:
+    free(script);
+    close(dirfd);
+    return ok;
 }

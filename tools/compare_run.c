@@ -331,13 +331,15 @@ static int tdm_cmp_ddp_rank(tdm_comm *comm, void *argp)
         exposed[k] = t.last.ms[TDM_PHASE_ALLREDUCE_WAIT];
         bwd[k] = (double)(tb - a->t_start) * 1e-6;
         if (rank == 0) {
+            /* the plan changes after the first step (ddp.h: rebuilt in
+             * the order gradients became ready); -1: no such bucket */
             int nb = t.n_buckets < TDM_CMP_MAX_BUCKETS ? t.n_buckets : TDM_CMP_MAX_BUCKETS;
-            sh->n_buckets = nb;
-            for (int j = 0; j < nb; j++) {
+            if (nb > sh->n_buckets) sh->n_buckets = nb;
+            for (int j = 0; j < TDM_CMP_MAX_BUCKETS; j++) {
                 double *e = bucket + ((size_t)i * TDM_CMP_MAX_BUCKETS + j) * 3;
-                e[0] = t.buckets[j].ready_ms;
-                e[1] = t.buckets[j].start_ms;
-                e[2] = t.buckets[j].end_ms;
+                e[0] = j < nb ? t.buckets[j].ready_ms : -1.0;
+                e[1] = j < nb ? t.buckets[j].start_ms : -1.0;
+                e[2] = j < nb ? t.buckets[j].end_ms : -1.0;
             }
             if (i == 0 &&
                 tdm_cmp_params_out(m, TDM_CMP_AT(sh, off_first, float)) != TDM_STATUS_OK)

@@ -3,11 +3,13 @@
 
 #include <errno.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include "cuda/cuda.h"
+#include "ddp/pg.h"
 #include "ddp/spawn.h"
 #include "shm/shm_comm.h"
 
@@ -114,6 +116,10 @@ tdm_status tdm_tool_rank_nccl(tdm_comm *shm, tdm_device *dev, tdm_comm **nccl)
     /* Collective over shm; a rank that failed before it aborts shm, so
      * the others' bootstrap fails at once. */
     tdm_nccl_opts no = {.abort_check = tdm_tool_shm_aborted, .abort_ctx = shm};
+    /* the process group's timeout (TANDEM_TIMEOUT, which tandem launch and
+     * train --timeout set) bounds NCCL's waits too, unless the NCCL-only
+     * TANDEM_NCCL_TIMEOUT_MS says otherwise */
+    if (!getenv("TANDEM_NCCL_TIMEOUT_MS")) TDM_CHECK(tdm_ddp_timeout_from_env(&no.timeout_ms));
     return tdm_comm_init_nccl_opts(nccl, shm, dev->index, &no);
 }
 

@@ -10,6 +10,14 @@
 # object's symbols (-Wl,--undefined=tdm_cuda_device_count), which pulls it
 # (and what it needs) from the CUDA archive. Called by `make install`; the
 # headers come from the source tree this script is in.
+#
+# Other users (docs/SECURITY.md): every directory it writes into, and the
+# prefix itself, must belong to this user or root and not be writable by
+# group or others (a symlinked one: the link too must be ours or root's),
+# or it stops before writing; files are put in place with install(1), which
+# removes the destination first, so a symlink planted there is replaced,
+# never written through (tandem.pc too: it is made in BUILD with mktemp and
+# installed).
 set -eu
 build=${1:?usage: install.sh BUILD PREFIX [DESTDIR]}
 prefix=${2:?usage: install.sh BUILD PREFIX [DESTDIR]}
@@ -23,7 +31,30 @@ libs=$(sed -n 's/^LIBS=//p' "$build/link-libs")
 lib_dirs=$(sed -n 's/^LIB_DIRS=//p' "$build/link-libs")
 cuda_libs=$(sed -n 's/^CUDA_LIBS=//p' "$build/link-libs")
 root=$dest$prefix
+me=$(id -u)
+die() { echo "install.sh: $*" >&2; exit 1; }
+check_dir() {
+  if [ -L "$1" ]; then
+    lo=$(stat -c %u "$1")
+    [ "$lo" = "$me" ] || [ "$lo" = 0 ] || \
+      die "$1 is a symbolic link that belongs to uid $lo, not to you (uid $me) or root: refusing to install through it"
+  fi
+  owner=$(stat -L -c %u "$1"); mode=$(stat -L -c %a "$1")
+  [ "$owner" = "$me" ] || [ "$owner" = 0 ] || \
+    die "$1: the directory belongs to uid $owner, not to you (uid $me) or root: another user could swap what is installed there"
+  [ $(( 0$mode & 022 )) -eq 0 ] || \
+    die "$1: the directory is writable by others (mode $mode): another user could swap what is installed there; run 'chmod go-w $1' or choose another PREFIX"
+}
+# checked before install -d (which would chmod an existing one to 755,
+# hiding that others could write it until now) and after (new ones)
+check_existing() { for x; do if [ -e "$x" ] || [ -L "$x" ]; then check_dir "$x"; fi; done; }
+check_all() { # the directories of the prefix that files go into, and above
+  $1 "$root" "$root/bin" "$root/lib" "$root/lib/pkgconfig" "$root/include" "$root/include/tandem"
+}
+check_existing_or_new() { for x; do check_dir "$x"; done; }
+check_all check_existing
 install -d "$root/bin" "$root/lib/pkgconfig" "$root/include/tandem"
+check_all check_existing_or_new
 install -m 755 "$build/tandem" "$root/bin/tandem"
 install -m 644 "$build/libtandem.a" "$root/lib/libtandem.a"
 dirs=$lib_dirs
@@ -39,10 +70,13 @@ fi
 for d in $dirs; do
   set -- "$src/$d"/*.h
   [ -e "$1" ] || { echo "install.sh: no headers in $src/$d" >&2; exit 1; }
+  check_existing "$root/include/tandem/$d"
   install -d "$root/include/tandem/$d"
+  check_dir "$root/include/tandem/$d"
   install -m 644 "$@" "$root/include/tandem/$d/"
 done
-cat > "$root/lib/pkgconfig/tandem.pc" <<PC
+pc=$(mktemp "$build/tandem.pc.XXXXXX")   # O_EXCL, ours
+cat > "$pc" <<PC
 prefix=$prefix
 libdir=\${prefix}/lib
 includedir=\${prefix}/include
@@ -53,4 +87,6 @@ Version: 0.1.0
 Cflags: -I\${includedir}/tandem
 Libs: -L\${libdir} ${cuda_link}-ltandem ${cuda_libs:+$cuda_libs }$libs
 PC
+install -m 644 "$pc" "$root/lib/pkgconfig/tandem.pc"
+rm -f "$pc"
 echo "installed tandem in $root (bin, lib, include/tandem, lib/pkgconfig/tandem.pc${cuda_link:+; CUDA backend included})"

@@ -21,6 +21,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "core/safefile.h"
 #include "core/timer.h"
 #include "ddp/pg.h"
 #include "shm/shm_comm.h"
@@ -44,11 +45,16 @@ static void tdm_launch_usage(FILE *f)
         "TANDEM_SHM_FD (join with tdm_ddp_pg_init_from_env).\n"
         "\n"
         "  -n, --nproc N        number of ranks (1..%d)\n"
-        "  --log-dir DIR        write each rank's output to DIR/rank_N.log\n"
+        "  --log-dir DIR        write each rank's output to DIR/rank_N.log (DIR must\n"
+        "                       be yours and not writable by others)\n"
         "                       (default: prefix lines with \"[rank N] \")\n"
         "  --arena-mb M         zero-copy memory per rank for DDP gradients [32]\n"
         "  --grace-ms MS        after a failure: SIGTERM to the others after\n"
         "                       min(MS, 1000), SIGKILL MS after that      [3000]\n"
+        "  --timeout SECONDS    process-group timeout: a rank that waits longer\n"
+        "                       for a peer in a collective fails, naming it;\n"
+        "                       exported to the ranks as TANDEM_TIMEOUT\n"
+        "                       [$TANDEM_TIMEOUT, else 300]\n"
         "\n"
         "Exit codes: 0 every rank succeeded, 1 a rank failed (summary on\n"
         "stderr), 2 bad usage, 128+S stopped by signal S.\n", TDM_SHM_MAX_RANKS);
@@ -116,7 +122,7 @@ static void tdm_launch_sleep_ms(int ms)
 int tdm_tool_launch_main(int argc, char **argv)
 {
     long long world = 0, arena_mb = 32, grace_ms = 3000;
-    const char *log_dir = NULL;
+    const char *log_dir = NULL, *timeout = NULL;
     int prog = -1;
     for (int i = 1; i < argc; i++) {
         const char *v;
@@ -139,6 +145,7 @@ int tdm_tool_launch_main(int argc, char **argv)
             if (!tdm_args_int("--grace-ms", v, 0, 600000, &grace_ms)) return 2;
             continue;
         }
+        if ((v = tdm_args_value(argc, argv, &i, "--timeout"))) { timeout = v; continue; }
         if (argv[i][0] != '-') { prog = i; break; }
         fprintf(stderr, "tandem launch: unknown option '%s' (see tandem launch --help)\n", argv[i]);
         return 2;
@@ -147,6 +154,15 @@ int tdm_tool_launch_main(int argc, char **argv)
         fprintf(stderr, "tandem launch: need -n N and a program after '--' (see --help)\n");
         return 2;
     }
+    /* the ranks read the timeout from TANDEM_TIMEOUT (tdm_ddp_pg_init):
+     * a bad value is refused here, once, rather than by every rank */
+    int64_t timeout_ms = 0;
+    if (timeout ? tdm_ddp_timeout_parse("--timeout", timeout, &timeout_ms)
+                : tdm_ddp_timeout_from_env(&timeout_ms)) {
+        fprintf(stderr, "tandem launch: %s\n", tdm_error_message());
+        return 2;
+    }
+    if (timeout) setenv(TDM_DDP_ENV_TIMEOUT, timeout, 1);
     int W = (int)world, rc = 1;
     tdm_shm_group *g = NULL;
     tdm_shm_opts so = {.arena_bytes = (size_t)arena_mb << 20};
@@ -158,10 +174,32 @@ int tdm_tool_launch_main(int argc, char **argv)
         fprintf(stderr, "tandem launch: out of memory\n");
         return 1;
     }
-    if (log_dir && mkdir(log_dir, 0755) != 0 && errno != EEXIST) {
-        fprintf(stderr, "tandem launch: --log-dir %s: %s\n", log_dir, strerror(errno));
-        free(outs);
-        return 1;
+    /* Every log is opened before any rank starts: in a directory no one
+     * else can write (core/safefile.h), relative to its descriptor, and
+     * only as a regular file of ours (no symlink followed). */
+    int logfd[TDM_SHM_MAX_RANKS];
+    for (int r = 0; r < W; r++) logfd[r] = -1;
+    if (log_dir) {
+        int dirfd = -1;
+        tdm_status lst = tdm_dir_open_safe(log_dir, "--log-dir", 1, &dirfd);
+        for (int r = 0; lst == TDM_STATUS_OK && r < W; r++) {
+            char name[32];
+            snprintf(name, sizeof name, "rank_%d.log", r);
+            if ((lst = tdm_file_open_write(dirfd, name, 0, &logfd[r])))
+                tdm_error_prefix(lst, "--log-dir %s", log_dir);
+        }
+        /* emptied only once all are good: a refusal keeps the last logs */
+        for (int r = 0; lst == TDM_STATUS_OK && r < W; r++)
+            if (ftruncate(logfd[r], 0) != 0)
+                lst = tdm_error_set(TDM_STATUS_IO, "--log-dir %s: rank_%d.log: %s", log_dir, r,
+                                    strerror(errno));
+        if (dirfd >= 0) close(dirfd);
+        if (lst != TDM_STATUS_OK) {
+            fprintf(stderr, "tandem launch: %s\n", tdm_error_message());
+            for (int r = 0; r < W; r++) if (logfd[r] >= 0) close(logfd[r]);
+            free(outs);
+            return 2;
+        }
     }
     if (tdm_shm_group_create(&g, W, &so) || tdm_shm_group_export_env(g)) {
         fprintf(stderr, "tandem launch: shared memory: %s\n", tdm_error_message());
@@ -178,15 +216,9 @@ int tdm_tool_launch_main(int argc, char **argv)
     pid_t self = getpid();
     int running = 0;
     for (int r = 0; r < W; r++) {
-        int fds[2][2] = {{-1, -1}, {-1, -1}}, logfd = -1;
+        int fds[2][2] = {{-1, -1}, {-1, -1}};
         if (log_dir) {
-            char path[4096];
-            snprintf(path, sizeof path, "%s/rank_%d.log", log_dir, r);
-            logfd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-            if (logfd < 0) {
-                fprintf(stderr, "tandem launch: %s: %s\n", path, strerror(errno));
-                break;
-            }
+            /* opened above */
         } else if (pipe2(fds[0], O_CLOEXEC)) {
             fprintf(stderr, "tandem launch: pipe: %s\n", strerror(errno));
             break;
@@ -206,8 +238,8 @@ int tdm_tool_launch_main(int argc, char **argv)
             if (getppid() != self) _exit(125);
             tdm_ddp_env_export(r, W);
             if (log_dir) {
-                dup2(logfd, STDOUT_FILENO);
-                dup2(logfd, STDERR_FILENO);
+                dup2(logfd[r], STDOUT_FILENO);
+                dup2(logfd[r], STDERR_FILENO);
             } else {
                 dup2(fds[0][1], STDOUT_FILENO);
                 dup2(fds[1][1], STDERR_FILENO);
@@ -217,7 +249,8 @@ int tdm_tool_launch_main(int argc, char **argv)
                     strerror(errno));
             _exit(127);
         }
-        if (logfd >= 0) close(logfd);
+        if (logfd[r] >= 0) close(logfd[r]);
+        logfd[r] = -1;
         if (!log_dir) {
             close(fds[0][1]);
             close(fds[1][1]);
@@ -327,6 +360,7 @@ int tdm_tool_launch_main(int argc, char **argv)
         rc = 0;
     }
 done:
+    for (int r = 0; r < W; r++) if (logfd[r] >= 0) close(logfd[r]);
     tdm_shm_group_free(g);
     free(outs);
     return rc;

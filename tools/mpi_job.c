@@ -66,7 +66,7 @@ int tdm_tool_backend_parse(const char *cmd, const char *s, tdm_mpi_backend *out)
     return 0;
 }
 
-tdm_status tdm_tool_mpi_rank_init(tdm_tool_mpi_rank *r, tdm_mpi_backend b,
+tdm_status tdm_tool_mpi_rank_init(tdm_tool_mpi_rank *r, tdm_mpi_backend b, int64_t timeout_ms,
                                   const tdm_shm_opts *shm)
 {
     tdm_status st = TDM_STATUS_OK;
@@ -77,11 +77,14 @@ tdm_status tdm_tool_mpi_rank_init(tdm_tool_mpi_rank *r, tdm_mpi_backend b,
                  tdm_tool_mpi_launch_hint() ? tdm_tool_mpi_launch_hint() : "--backend mpi");
         return tdm_tool_mpi_missing(what);
     }
-    TDM_TRY(tdm_mpi_job_init(&r->job, NULL));
+    tdm_mpi_opts mo = {.timeout_ms = timeout_ms};
+    tdm_shm_opts so = shm ? *shm : (tdm_shm_opts){0};
+    if (timeout_ms > 0 && !so.timeout_ms) so.timeout_ms = timeout_ms;
+    TDM_TRY(tdm_mpi_job_init(&r->job, &mo));
     const tdm_mpi_topo *t = tdm_mpi_job_topo(r->job);
     tdm_log_set_rank(t->rank);
     r->backend = b == TDM_MPI_BACKEND_AUTO ? tdm_mpi_job_auto(r->job) : b;
-    TDM_TRY(tdm_mpi_job_comm(r->job, r->backend, shm, &r->comm));
+    TDM_TRY(tdm_mpi_job_comm(r->job, r->backend, &so, &r->comm));
     r->world = tdm_mpi_job_world(r->job);
     r->env = (tdm_ddp_env){.rank = t->rank, .world_size = t->size, .local_rank = t->local_rank,
                            .local_world_size = t->local_size};

@@ -42,8 +42,10 @@ typedef struct tdm_tool_mpi_rank {
 } tdm_tool_mpi_rank;
 
 /* Starts the job and builds backend b's communicator (collective; log
- * lines are tagged with the rank). shm may be NULL. */
-tdm_status tdm_tool_mpi_rank_init(tdm_tool_mpi_rank *r, tdm_mpi_backend b,
+ * lines are tagged with the rank). timeout_ms bounds every wait of the
+ * communicator (0: the defaults, TANDEM_MPI_TIMEOUT_MS or 300 s); shm may
+ * be NULL. */
+tdm_status tdm_tool_mpi_rank_init(tdm_tool_mpi_rank *r, tdm_mpi_backend b, int64_t timeout_ms,
                                   const tdm_shm_opts *shm);
 /* This rank in the job from the launcher's environment (before MPI
  * starts), 0 when none says. */

@@ -4,6 +4,7 @@
  * terminal (plain lines otherwise), the loss, samples/s and test accuracy
  * after each epoch; saves and resumes checkpoints. */
 #include <errno.h>
+#include <fcntl.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -13,6 +14,7 @@
 #include "core/data.h"
 #include "core/device.h"
 #include "core/log.h"
+#include "core/safefile.h"
 #include "core/timer.h"
 #include "models/checkpoint.h"
 #include "models/model.h"
@@ -47,17 +49,24 @@ static void tdm_train_usage(FILE *f)
         "                         [/usr/share/datasets/fashion-mnist, or $TANDEM_DATA_DIR]\n"
         "  --synthetic-size N     training samples of the synthetic set      [12000]\n"
         "  --max-steps N          stop each epoch after N steps (benchmarks)  [all]\n"
-        "  --save PATH            write a checkpoint (safetensors) after each epoch\n"
+        "  --save PATH            write a checkpoint (safetensors) after each epoch,\n"
+        "                         atomically; the path is checked before training\n"
         "  --resume PATH          continue from a checkpoint\n"
         "  --bucket-cap-mb MB     ddp: gradient bucket size cap              [25]\n"
         "  --backend B            ddp under mpirun/srun: shm (shared memory, one machine),\n"
         "                         mpi (MPI), hier (shm inside each machine + MPI between\n"
         "                         them) or auto (shm on one machine, hier otherwise)  [auto]\n"
         "  --no-overlap           ddp: all-reduce after backward, not during it\n"
+        "  --timeout SECONDS      ddp: process-group timeout: a rank that waits\n"
+        "                         longer for a peer in a collective fails, naming\n"
+        "                         it [$TANDEM_TIMEOUT, else 60 for forked ranks,\n"
+        "                         300 under tandem launch]\n"
         "  --no-eval              skip the test-set evaluation after each epoch\n"
         "                         (ddp spreads it over the ranks)\n"
         "  --quiet                only the per-epoch lines\n"
         "\n"
+        "A loss that turns NaN or infinite stops the run (exit 1) naming the step;\n"
+        "a checkpoint with NaN or infinite values is never written nor resumed from.\n"
         "\n"
         "--mode ddp forks one rank per device, or, started by an MPI launcher\n"
         "(mpirun -np N tandem train --mode ddp ..., srun), takes its ranks from it\n"
@@ -134,6 +143,7 @@ int tdm_tool_train_main(int argc, char **argv)
         TDM_ARGS_STR("--save", a.save)
         TDM_ARGS_STR("--resume", a.resume)
         TDM_ARGS_STR("--lr-schedule", a.lr_schedule)
+        TDM_ARGS_STR("--timeout", a.timeout)
         TDM_ARGS_INT("--bucket-cap-mb", 0, 1 << 20, a.bucket_cap_mb)
         TDM_ARGS_STR("--backend", a.backend)
         if (!strcmp(arg, "--nesterov")) { a.nesterov = 1; continue; }
@@ -152,8 +162,20 @@ int tdm_tool_train_main(int argc, char **argv)
                 a.lr_schedule);
         return 2;
     }
+    if (a.save) {
+        /* a path that cannot take a checkpoint fails now, not after the
+         * first epoch; nothing is left behind by the check */
+        tdm_status st = tdm_file_replace_check(AT_FDCWD, a.save);
+        if (st != TDM_STATUS_OK) {
+            fprintf(stderr, "tandem train: --save: %s\n", tdm_error_message());
+            return 2;
+        }
+    }
     if (a.lr < 0) a.lr = strcmp(a.optim, "sgd") ? 1e-3 : 0.05;
     if (a.weight_decay < 0) a.weight_decay = strcmp(a.optim, "sgd") ? 0.01 : 0.0;
+    if (a.timeout && strcmp(a.mode, "ddp"))
+        fprintf(stderr, "tandem train: note: --timeout applies to --mode ddp (the process "
+                        "group's collectives); --mode %s has none\n", a.mode);
     if (a.backend && strcmp(a.mode, "ddp")) {
         fprintf(stderr, "tandem train: --backend applies to --mode ddp\n");
         return 2;
@@ -299,6 +321,18 @@ static tdm_status tdm_train_sched_step(void *p, const float *x, const int32_t *y
     return s->step(s->ctx, x, y, batch, loss);
 }
 
+/* After a failure: what --save holds now, so nobody wonders whether the
+ * failed run replaced it. */
+static void tdm_train_note_kept(const tdm_train_args *a, int64_t saved_epoch)
+{
+    if (!a->save || access(a->save, F_OK) != 0) return;
+    if (saved_epoch > 0)
+        fprintf(stderr, "tandem train: %s was left as it was: it holds epoch %lld, the last "
+                        "good one\n", a->save, (long long)saved_epoch);
+    else
+        fprintf(stderr, "tandem train: %s was left as it was\n", a->save);
+}
+
 int tdm_train_epochs(const tdm_train_args *a, tdm_model *m, tdm_optim *opt,
                      const tdm_dataset *train, const tdm_dataset *test, tdm_train_step_fn step,
                      void *step_ctx, int64_t start_epoch, tdm_train_eval_fn eval,
@@ -313,6 +347,14 @@ int tdm_train_epochs(const tdm_train_args *a, tdm_model *m, tdm_optim *opt,
     step_ctx = &sched;
     tdm_progress p = {.tty = isatty(STDERR_FILENO), .quiet = a->quiet, .epochs = a->epochs,
                       .last_tenth = -1};
+    if (start_epoch >= a->epochs) {
+        printf("tandem train: the checkpoint has %lld epoch%s done and --epochs %lld asks for "
+               "no more: nothing to do (raise --epochs to train further)\n",
+               (long long)start_epoch, start_epoch == 1 ? "" : "s", a->epochs);
+        fflush(stdout);
+        return 1;
+    }
+    int64_t saved_epoch = -1;   /* the last epoch this run saved */
     for (int64_t e = start_epoch; e < a->epochs; e++) {
         tdm_epoch_stats es;
         p.epoch = e;
@@ -323,6 +365,7 @@ int tdm_train_epochs(const tdm_train_args *a, tdm_model *m, tdm_optim *opt,
         if (st != TDM_STATUS_OK) {
             if (p.tty && !p.quiet) fputs("\n", stderr);
             tdm_train_fail("training", st);
+            tdm_train_note_kept(a, saved_epoch);
             return 0;
         }
         double tl = NAN, acc = NAN;
@@ -341,11 +384,19 @@ int tdm_train_epochs(const tdm_train_args *a, tdm_model *m, tdm_optim *opt,
         if (a->save) {
             tdm_ckpt_info info = {.step = tdm_optim_steps(opt), .epoch = e + 1,
                                   .seed = (uint64_t)a->seed};
-            st = tdm_checkpoint_save(a->save, m, opt, &info);
+            /* the last step's gradients: finite, or the run went bad (the
+             * parameters are checked by the save itself) */
+            double gnorm = 0.0;
+            st = tdm_train_grad_norm(m, &gnorm);
+            if (st == TDM_STATUS_OK) st = tdm_checkpoint_save(a->save, m, opt, &info);
+            else tdm_error_prefix(st, "step %lld: refusing to save %s",
+                                  (long long)info.step, a->save);
             if (st != TDM_STATUS_OK) {
                 tdm_train_fail("saving checkpoint", st);
+                tdm_train_note_kept(a, saved_epoch);
                 return 0;
             }
+            saved_epoch = e + 1;
             if (!a->quiet) printf("  saved %s (epoch %lld, step %lld)\n", a->save,
                                   (long long)e + 1, (long long)info.step);
         }

@@ -52,6 +52,7 @@
 
 typedef struct tdm_train_ddp_ctx {
     const tdm_train_args *a;
+    int64_t timeout_ms;          /* the process group's, as used */
     tdm_model_spec spec;
     tdm_device_list dl;
     const tdm_dataset *train, *test;
@@ -88,6 +89,21 @@ static tdm_status tdm_train_ddp_step(void *ctx, const float *x, const int32_t *y
     TDM_TRY(tdm_ddp_zero_grad(r->ddp));
     TDM_TRY(tdm_ddp_forward_scaled(r->ddp, x + (int64_t)lo * r->feat, y + lo, hi - lo,
                                    1.0f / (float)batch, &ls));
+    if (!isfinite(ls)) {
+        /* This rank's share went bad: it stops before the gradient
+         * all-reduce and aborts the group with its reason, so every other
+         * rank leaves that all-reduce at once, naming it ("all_reduce #N:
+         * aborted by rank R: loss is NaN at step S ..."): all stop at the
+         * same step without a collective of their own. */
+        char why[256];
+        snprintf(why, sizeof why, "loss is %s at step %lld (rank %d's %d sample%s of the batch "
+                 "of %d): training diverged (a lower learning rate may help)",
+                 isnan(ls) ? "NaN" : ls > 0 ? "+inf" : "-inf",
+                 (long long)tdm_optim_steps(r->opt) + 1, r->rank, hi - lo,
+                 hi - lo == 1 ? "" : "s", batch);
+        tdm_comm_abort(r->comm, why);
+        return tdm_error_set(TDM_STATUS_NONFINITE, "rank %d: %s", r->rank, why);
+    }
     TDM_TRY(tdm_ddp_backward(r->ddp));
     TDM_TRY(tdm_ddp_step(r->ddp, r->opt));
     *loss_mean = tdm_ddp_loss_sum(r->ddp) / batch;   /* carried by the gradient all-reduce */
@@ -195,13 +211,16 @@ static int tdm_train_ddp_rank_main(tdm_comm *comm, void *arg)
     }
     char devdesc[256];
     if (c->job_desc)
-        snprintf(devdesc, sizeof devdesc, "%d MPI ranks on %s (%s; gradients over %s%s)", world,
-                 c->a->device, c->job_desc, tdm_comm_backend_name(nccl ? nccl : comm),
-                 tdm_ddp_zero_copy(ddp) ? ", zero-copy buckets" : "");
+        snprintf(devdesc, sizeof devdesc, "%d MPI ranks on %s (%s; gradients over %s%s, "
+                 "timeout %g s)", world, c->a->device, c->job_desc,
+                 tdm_comm_backend_name(nccl ? nccl : comm),
+                 tdm_ddp_zero_copy(ddp) ? ", zero-copy buckets" : "",
+                 (double)c->timeout_ms / 1000.0);
     else
-        snprintf(devdesc, sizeof devdesc, "%d processes on %s (%s communicator%s)", world,
-                 c->a->device, tdm_comm_backend_name(nccl ? nccl : comm),
-                 tdm_ddp_zero_copy(ddp) ? ", zero-copy buckets" : "");
+        snprintf(devdesc, sizeof devdesc, "%d processes on %s (%s communicator%s, timeout %g s)",
+                 world, c->a->device, tdm_comm_backend_name(nccl ? nccl : comm),
+                 tdm_ddp_zero_copy(ddp) ? ", zero-copy buckets" : "",
+                 (double)c->timeout_ms / 1000.0);
     if (rank == 0)
         tdm_train_print_header(&a, &c->spec, c->train, c->test, tdm_model_param_elems(m), devdesc);
     /* r.comm: aborts and epoch barriers (shm; an NCCL abort reaches it too) */
@@ -217,7 +236,9 @@ static int tdm_train_ddp_rank_main(tdm_comm *comm, void *arg)
     if (rank == 0) tdm_train_ddp_report(ddp, world);
     rc = 0;
 done:
-    if (rc) tdm_comm_abort(comm, "rank failed");
+    /* the reason travels to the ranks still waiting (a no-op when the
+     * group was aborted already) */
+    if (rc) tdm_comm_abort(comm, tdm_error_message()[0] ? tdm_error_message() : "rank failed");
     fflush(stdout);
     tdm_ddp_free(ddp);
     tdm_comm_free(nccl);   /* before comm, which bootstrapped it */
@@ -242,6 +263,17 @@ int tdm_train_run_ddp(const tdm_train_args *a)
     if (a->threads != 1)
         fprintf(stderr, "tandem train: note: --threads applies to --mode single; each DDP "
                         "rank computes on one thread\n");
+    /* The process group's timeout: --timeout, else TANDEM_TIMEOUT, else
+     * 60 s for forked ranks (300 s, pg.h's default, for launched ones).
+     * The flag is also exported as TANDEM_TIMEOUT, so that the ranks'
+     * NCCL communicators (tools/devices.c) get it too. */
+    int64_t timeout_ms = 0;
+    if (a->timeout ? tdm_ddp_timeout_parse("--timeout", a->timeout, &timeout_ms)
+                   : tdm_ddp_timeout_from_env(&timeout_ms)) {
+        fprintf(stderr, "tandem train: %s\n", tdm_error_message());
+        return 2;
+    }
+    if (a->timeout) setenv(TDM_DDP_ENV_TIMEOUT, a->timeout, 1);
     int launched = getenv("TANDEM_SHM_FD") && getenv("WORLD_SIZE");
     int mpi = !launched && tdm_tool_mpi_launched();
     tdm_mpi_backend backend = TDM_MPI_BACKEND_AUTO;
@@ -257,6 +289,7 @@ int tdm_train_run_ddp(const tdm_train_args *a)
                 a->backend, a->backend);
         return 2;
     }
+    c.timeout_ms = timeout_ms ? timeout_ms : launched || mpi ? TDM_DDP_TIMEOUT_DEFAULT_MS : 60000;
     if ((st = tdm_tool_parse_devices(&c.dl, a->device, !launched && !mpi))) {
         fprintf(stderr, "tandem train: --device: %s\n", tdm_error_message());
         return st == TDM_STATUS_NO_DEVICE ? 1 : 2;
@@ -266,14 +299,15 @@ int tdm_train_run_ddp(const tdm_train_args *a)
         tdm_comm *comm = NULL;
         tdm_ddp_env env;
         tdm_tool_mpi_rank mr = {0};
+        tdm_ddp_pg_opts po = {.timeout_ms = c.timeout_ms};
         if (mpi) {
-            if ((st = tdm_tool_mpi_rank_init(&mr, backend, NULL))) {
+            if ((st = tdm_tool_mpi_rank_init(&mr, backend, c.timeout_ms, NULL))) {
                 fprintf(stderr, "tandem train: joining the MPI job: %s\n", tdm_error_message());
                 return 1;
             }
             comm = mr.comm;
             env = mr.env;
-        } else if ((st = tdm_ddp_pg_init_from_env(&comm, &env))) {
+        } else if ((st = tdm_ddp_pg_init(&comm, &env, &po))) {
             fprintf(stderr, "tandem train: joining the launched job: %s\n", tdm_error_message());
             return 1;
         }
@@ -317,7 +351,7 @@ launched_done:
         rc = 2;
         goto done;
     }
-    tdm_ddp_spawn_opts so = {.timeout_ms = INT64_MAX / 2000000, .comm_timeout_ms = 60000,
+    tdm_ddp_spawn_opts so = {.timeout_ms = INT64_MAX / 2000000, .comm_timeout_ms = c.timeout_ms,
                              .arena_bytes = tdm_tool_ddp_arena_bytes(
                                  &c.dl, tdm_model_param_elems(probe))};
     tdm_model_free(probe);
