@@ -249,12 +249,11 @@ tdm_status tdm_dev_group_reduce_sum(tdm_dev_group *g, const float *const *sendbu
     return tdm_device_cuda->group_reduce_sum(g->impl, sendbufs, recvbuf, n_elem, root);
 }
 
-tdm_status tdm_dev_gemm(tdm_device *d, tdm_trans ta, tdm_trans tb, int m, int n, int k,
-                        float alpha, const float *a, int lda, const float *b, int ldb,
-                        float beta, float *c, int ldc)
+/* cuBLAS's rules: the stored A is lda x (ta==N ? k : m), B is
+ * ldb x (tb==N ? n : k), C is ldc x n, all column-major. */
+static tdm_status tdm_dev_gemm_check(tdm_trans ta, tdm_trans tb, int m, int n, int k, int lda,
+                                     int ldb, int ldc)
 {
-    /* cuBLAS's rules: the stored A is lda x (ta==N ? k : m), B is
-     * ldb x (tb==N ? n : k), C is ldc x n, all column-major. */
     int arows = ta == TDM_TRANS_N ? m : k;
     int brows = tb == TDM_TRANS_N ? k : n;
     TDM_REQUIRE(m >= 0 && n >= 0 && k >= 0, TDM_STATUS_INVALID_ARG,
@@ -264,8 +263,37 @@ tdm_status tdm_dev_gemm(tdm_device *d, tdm_trans ta, tdm_trans tb, int m, int n,
     TDM_REQUIRE(ldb >= (brows > 1 ? brows : 1), TDM_STATUS_INVALID_ARG,
                 "gemm: ldb=%d < %d", ldb, brows);
     TDM_REQUIRE(ldc >= (m > 1 ? m : 1), TDM_STATUS_INVALID_ARG, "gemm: ldc=%d < %d", ldc, m);
+    return TDM_STATUS_OK;
+}
+
+tdm_status tdm_dev_gemm(tdm_device *d, tdm_trans ta, tdm_trans tb, int m, int n, int k,
+                        float alpha, const float *a, int lda, const float *b, int ldb,
+                        float beta, float *c, int ldc)
+{
+    TDM_CHECK(tdm_dev_gemm_check(ta, tb, m, n, k, lda, ldb, ldc));
     if (m == 0 || n == 0) return TDM_STATUS_OK;
     return d->ops->gemm(d, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
+
+tdm_status tdm_dev_gemm_strided_batched(tdm_device *d, tdm_trans ta, tdm_trans tb, int m, int n,
+                                        int k, float alpha, const float *a, int lda,
+                                        long long stride_a, const float *b, int ldb,
+                                        long long stride_b, float beta, float *c, int ldc,
+                                        long long stride_c, int batch)
+{
+    TDM_CHECK(tdm_dev_gemm_check(ta, tb, m, n, k, lda, ldb, ldc));
+    TDM_REQUIRE(batch >= 0 && stride_a >= 0 && stride_b >= 0 && stride_c >= 0,
+                TDM_STATUS_INVALID_ARG,
+                "batched gemm: batch %d and strides %lld, %lld, %lld must not be negative", batch,
+                stride_a, stride_b, stride_c);
+    if (m == 0 || n == 0 || batch == 0) return TDM_STATUS_OK;
+    if (d->ops->gemm_strided_batched)
+        return d->ops->gemm_strided_batched(d, ta, tb, m, n, k, alpha, a, lda, stride_a, b, ldb,
+                                            stride_b, beta, c, ldc, stride_c, batch);
+    for (int i = 0; i < batch; i++)
+        TDM_CHECK(d->ops->gemm(d, ta, tb, m, n, k, alpha, a + i * stride_a, lda,
+                               b + i * stride_b, ldb, beta, c + i * stride_c, ldc));
+    return TDM_STATUS_OK;
 }
 
 tdm_status tdm_dev_gemm_rm(tdm_device *d, tdm_trans ta, tdm_trans tb, int m, int n, int k,
@@ -278,4 +306,18 @@ tdm_status tdm_dev_gemm_rm(tdm_device *d, tdm_trans ta, tdm_trans tb, int m, int
     int ldb_rm = tb == TDM_TRANS_N ? n : k; /* stored B is (k,n) or (n,k) */
     return tdm_dev_gemm(d, tb, ta, n, m, k, alpha, b, ldb_rm > 0 ? ldb_rm : 1, a,
                         lda_rm > 0 ? lda_rm : 1, beta, c, n > 0 ? n : 1);
+}
+
+tdm_status tdm_dev_gemm_rm_strided_batched(tdm_device *d, tdm_trans ta, tdm_trans tb, int m,
+                                           int n, int k, float alpha, const float *a,
+                                           long long stride_a, const float *b,
+                                           long long stride_b, float beta, float *c,
+                                           long long stride_c, int batch)
+{
+    /* as tdm_dev_gemm_rm, for every matrix of the batch */
+    int lda_rm = ta == TDM_TRANS_N ? k : m;
+    int ldb_rm = tb == TDM_TRANS_N ? n : k;
+    return tdm_dev_gemm_strided_batched(d, tb, ta, n, m, k, alpha, b, ldb_rm > 0 ? ldb_rm : 1,
+                                        stride_b, a, lda_rm > 0 ? lda_rm : 1, stride_a, beta, c,
+                                        n > 0 ? n : 1, stride_c, batch);
 }

@@ -108,6 +108,47 @@ typedef struct tdm_device_ops {
     /* (C, N, F) <-> (N, C, F) layout transposes; F = H*W. */
     tdm_status (*cnhw_to_nchw)(tdm_device *d, const float *x, float *y, int c, int n, int64_t f);
     tdm_status (*nchw_to_cnhw)(tdm_device *d, const float *x, float *y, int c, int n, int64_t f);
+    /* --- transformer kernels (core/kernels.h); activations are (N = B*T
+     * rows, C columns) row-major, tokens int32 in [0, vocab) --- */
+    /* out (N, C) = wte[tok] + wpe[position]. */
+    tdm_status (*embed_fwd)(tdm_device *d, const int32_t *tok, const float *wte,
+                            const float *wpe, float *out, int B, int T, int C);
+    /* dwte[tok[n]] += dout[n], dwpe[n % T] += dout[n] (deterministic order). */
+    tdm_status (*embed_bwd)(tdm_device *d, const int32_t *tok, const float *dout, float *dwte,
+                            float *dwpe, int B, int T, int C);
+    /* Per row: out = LayerNorm(x) * g + b; mean and rstd (rows) kept. */
+    tdm_status (*layernorm_fwd)(tdm_device *d, const float *x, const float *g, const float *b,
+                                float *out, float *mean, float *rstd, int64_t rows, int C,
+                                float eps);
+    /* Adds the input gradient into dx and the parameter gradients into dg, db. */
+    tdm_status (*layernorm_bwd)(tdm_device *d, const float *x, const float *dout,
+                                const float *g, const float *mean, const float *rstd, float *dx,
+                                float *dg, float *db, int64_t rows, int C);
+    /* y = gelu(x) (tanh form); dx = dy * gelu'(x), dx may be dy. */
+    tdm_status (*gelu_fwd)(tdm_device *d, const float *x, float *y, int64_t n_elem);
+    tdm_status (*gelu_bwd)(tdm_device *d, const float *x, const float *dy, float *dx,
+                           int64_t n_elem);
+    /* dst (B, H, T, hd) = columns [off, off + H*hd) of src (B*T, ld), by head;
+     * merge writes them back (the inverse). */
+    tdm_status (*heads_split)(tdm_device *d, const float *src, int ld, int off, float *dst,
+                              int B, int T, int H, int hd);
+    tdm_status (*heads_merge)(tdm_device *d, const float *src, float *dst, int ld, int off,
+                              int B, int T, int H, int hd);
+    /* In place over att (rows, T), rows = B*H*T, row r's query at r % T:
+     * causal softmax (the future is exactly 0); backward turns dp into the
+     * scores' gradient in place. */
+    tdm_status (*attn_softmax_fwd)(tdm_device *d, float *att, int64_t rows, int T);
+    tdm_status (*attn_softmax_bwd)(tdm_device *d, const float *p, float *dp, int64_t rows,
+                                   int T);
+    /* Optional (NULL: tdm_dev_gemm_strided_batched loops over gemm):
+     * cublasSgemmStridedBatched's arguments: for i in [0, batch),
+     * C + i*stride_c = alpha op(A + i*stride_a) op(B + i*stride_b) + beta C + i*stride_c,
+     * column-major as gemm. */
+    tdm_status (*gemm_strided_batched)(tdm_device *d, tdm_trans ta, tdm_trans tb, int m, int n,
+                                       int k, float alpha, const float *a, int lda,
+                                       long long stride_a, const float *b, int ldb,
+                                       long long stride_b, float beta, float *c, int ldc,
+                                       long long stride_c, int batch);
     /* Fused optimizer loops over flat buffers (see core/kernels.h). */
     tdm_status (*sgd_step)(tdm_device *d, int64_t n_elem, float *param, const float *grad,
                            float *mom, float lr, float momentum, float dampening,
@@ -211,10 +252,28 @@ tdm_status tdm_dev_gemm(tdm_device *d, tdm_trans ta, tdm_trans tb, int m, int n,
                         float alpha, const float *a, int lda, const float *b, int ldb,
                         float beta, float *c, int ldc);
 
+/* Checks the arguments as tdm_dev_gemm does (and strides >= 0, batch >= 0)
+ * and runs the device's gemm_strided_batched, or, when the device has
+ * none, a loop of its gemm. */
+tdm_status tdm_dev_gemm_strided_batched(tdm_device *d, tdm_trans ta, tdm_trans tb, int m, int n,
+                                        int k, float alpha, const float *a, int lda,
+                                        long long stride_a, const float *b, int ldb,
+                                        long long stride_b, float beta, float *c, int ldc,
+                                        long long stride_c, int batch);
+
 /* Row-major helpers over gemm (what the layers use).
  * C(m,n) = alpha * op(A) op(B) + beta C, all row-major, where op(A) is
  * (m,k) and op(B) is (k,n). Mapped to column-major by computing C^T. */
 tdm_status tdm_dev_gemm_rm(tdm_device *d, tdm_trans ta, tdm_trans tb, int m, int n, int k,
                            float alpha, const float *a, const float *b, float beta, float *c);
+
+/* The row-major batched form: batch products C_i = alpha op(A_i) op(B_i) +
+ * beta C_i, each matrix row-major and contiguous, A_i = a + i*stride_a
+ * (likewise b, c). */
+tdm_status tdm_dev_gemm_rm_strided_batched(tdm_device *d, tdm_trans ta, tdm_trans tb, int m,
+                                           int n, int k, float alpha, const float *a,
+                                           long long stride_a, const float *b,
+                                           long long stride_b, float beta, float *c,
+                                           long long stride_c, int batch);
 
 #endif

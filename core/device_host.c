@@ -232,6 +232,138 @@ static tdm_status host_nchw_to_cnhw(tdm_device *d, const float *x, float *y, int
     return TDM_STATUS_OK;
 }
 
+static tdm_status host_gemm_strided_batched(tdm_device *d, tdm_trans ta, tdm_trans tb, int m,
+                                            int n, int k, float alpha, const float *a, int lda,
+                                            long long stride_a, const float *b, int ldb,
+                                            long long stride_b, float beta, float *c, int ldc,
+                                            long long stride_c, int batch)
+{
+    (void)d;
+    /* cublasSgemmStridedBatched's arguments as a loop of cblas_sgemm: each
+     * product of attention is small (T x T x hd), and OpenBLAS's own batch
+     * interface is not in every build */
+    CBLAS_TRANSPOSE cta = ta == TDM_TRANS_T ? CblasTrans : CblasNoTrans;
+    CBLAS_TRANSPOSE ctb = tb == TDM_TRANS_T ? CblasTrans : CblasNoTrans;
+    for (int i = 0; i < batch; i++)
+        cblas_sgemm(CblasColMajor, cta, ctb, m, n, k, alpha, a + i * stride_a, lda,
+                    b + i * stride_b, ldb, beta, c + i * stride_c, ldc);
+    return TDM_STATUS_OK;
+}
+
+static tdm_status host_embed_fwd(tdm_device *d, const int32_t *tok, const float *wte,
+                                 const float *wpe, float *out, int B, int T, int C)
+{
+    (void)d;
+    for (int b = 0; b < B; b++)
+        for (int t = 0; t < T; t++) {
+            int64_t n = (int64_t)b * T + t;
+            for (int c = 0; c < C; c++) tdm_k_embed_fwd(n, t, c, tok, wte, wpe, C, out);
+        }
+    return TDM_STATUS_OK;
+}
+
+static tdm_status host_embed_bwd(tdm_device *d, const int32_t *tok, const float *dout,
+                                 float *dwte, float *dwpe, int B, int T, int C)
+{
+    (void)d;
+    for (int b = 0; b < B; b++)
+        for (int t = 0; t < T; t++) {
+            int64_t n = (int64_t)b * T + t;
+            for (int c = 0; c < C; c++) tdm_k_embed_bwd(n, t, c, tok, dout, C, dwte, dwpe);
+        }
+    return TDM_STATUS_OK;
+}
+
+static tdm_status host_layernorm_fwd(tdm_device *d, const float *x, const float *g,
+                                     const float *b, float *out, float *mean, float *rstd,
+                                     int64_t rows, int C, float eps)
+{
+    (void)d;
+    for (int64_t r = 0; r < rows; r++) tdm_k_layernorm_fwd_row(r, x, g, b, C, eps, out, mean, rstd);
+    return TDM_STATUS_OK;
+}
+
+static tdm_status host_layernorm_bwd(tdm_device *d, const float *x, const float *dout,
+                                     const float *g, const float *mean, const float *rstd,
+                                     float *dx, float *dg, float *db, int64_t rows, int C)
+{
+    (void)d;
+    for (int64_t r = 0; r < rows; r++) {
+        tdm_k_layernorm_bwd_row(r, x, dout, g, mean, rstd, C, dx);
+        for (int c = 0; c < C; c++) tdm_k_layernorm_bwd_param(r, c, x, dout, mean, rstd, C, dg, db);
+    }
+    return TDM_STATUS_OK;
+}
+
+/* GELU and the attention softmax are the elementwise kernels a GPT step
+ * spends real time in (their exp): also built for AVX2, picked at load time
+ * where the CPU has it; no FMA, so both versions compute the same bits. */
+#ifdef __SANITIZE_THREAD__
+/* target_clones' ifunc resolver runs during relocation, before the
+ * ThreadSanitizer runtime is up, and crashes there: one version under TSan */
+#define TDM_HOST_WIDE
+#else
+#define TDM_HOST_WIDE __attribute__((target_clones("avx2", "default")))
+#endif
+
+TDM_HOST_WIDE static tdm_status host_gelu_fwd(tdm_device *d, const float *x, float *y,
+                                             int64_t n_elem)
+{
+    (void)d;
+    for (int64_t i = 0; i < n_elem; i++) tdm_k_gelu_fwd(i, x, y);
+    return TDM_STATUS_OK;
+}
+
+TDM_HOST_WIDE static tdm_status host_gelu_bwd(tdm_device *d, const float *x, const float *dy,
+                                             float *dx, int64_t n_elem)
+{
+    (void)d;
+    for (int64_t i = 0; i < n_elem; i++) tdm_k_gelu_bwd(i, x, dy, dx);
+    return TDM_STATUS_OK;
+}
+
+static tdm_status host_heads_split(tdm_device *d, const float *src, int ld, int off, float *dst,
+                                   int B, int T, int H, int hd)
+{
+    (void)d;
+    int64_t i = 0;
+    for (int b = 0; b < B; b++)
+        for (int h = 0; h < H; h++)
+            for (int t = 0; t < T; t++)
+                for (int e = 0; e < hd; e++, i++)
+                    tdm_k_heads_split(i, b, h, t, e, T, hd, src, ld, off, dst);
+    return TDM_STATUS_OK;
+}
+
+static tdm_status host_heads_merge(tdm_device *d, const float *src, float *dst, int ld, int off,
+                                   int B, int T, int H, int hd)
+{
+    (void)d;
+    int64_t i = 0;
+    for (int b = 0; b < B; b++)
+        for (int h = 0; h < H; h++)
+            for (int t = 0; t < T; t++)
+                for (int e = 0; e < hd; e++, i++)
+                    tdm_k_heads_merge(i, b, h, t, e, T, hd, src, dst, ld, off);
+    return TDM_STATUS_OK;
+}
+
+TDM_HOST_WIDE static tdm_status host_attn_softmax_fwd(tdm_device *d, float *att, int64_t rows,
+                                                     int T)
+{
+    (void)d;
+    for (int64_t r = 0; r < rows; r++) tdm_k_attn_softmax_row(r, (int)(r % T), att, T);
+    return TDM_STATUS_OK;
+}
+
+static tdm_status host_attn_softmax_bwd(tdm_device *d, const float *p, float *dp, int64_t rows,
+                                        int T)
+{
+    (void)d;
+    for (int64_t r = 0; r < rows; r++) tdm_k_attn_softmax_bwd_row(r, (int)(r % T), p, dp, T);
+    return TDM_STATUS_OK;
+}
+
 static tdm_status host_sgd_step(tdm_device *d, int64_t n_elem, float *param, const float *grad,
                                 float *mom, float lr, float momentum, float dampening,
                                 float weight_decay, int nesterov, int first_step)
@@ -278,6 +410,17 @@ static const tdm_device_ops tdm_device_host_ops = {
     .bn_bwd = host_bn_bwd,
     .cnhw_to_nchw = host_cnhw_to_nchw,
     .nchw_to_cnhw = host_nchw_to_cnhw,
+    .embed_fwd = host_embed_fwd,
+    .embed_bwd = host_embed_bwd,
+    .layernorm_fwd = host_layernorm_fwd,
+    .layernorm_bwd = host_layernorm_bwd,
+    .gelu_fwd = host_gelu_fwd,
+    .gelu_bwd = host_gelu_bwd,
+    .heads_split = host_heads_split,
+    .heads_merge = host_heads_merge,
+    .attn_softmax_fwd = host_attn_softmax_fwd,
+    .attn_softmax_bwd = host_attn_softmax_bwd,
+    .gemm_strided_batched = host_gemm_strided_batched,
     .sgd_step = host_sgd_step,
     .adamw_step = host_adamw_step,
 };

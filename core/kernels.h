@@ -14,6 +14,7 @@
 
 #include <stdint.h>
 #include <math.h>
+#include <string.h>
 
 #include "core/geom.h"
 
@@ -307,6 +308,200 @@ static inline TDM_HD void tdm_k_nchw_to_cnhw(int ni, int ci, int64_t fi, const f
                                              int c, int n, int64_t f)
 {
     y[((int64_t)ci * n + ni) * f + fi] = x[((int64_t)ni * c + ci) * f + fi];
+}
+
+/* ---- transformer (GPT) ----
+ * Activations are row-major (N = B*T rows, C columns); attention scores
+ * are (B, H, T, T) and the per-head tensors (B, H, T, hd). Reductions over
+ * rows into a per-column result (embedding and LayerNorm parameter
+ * gradients) are written per element (n, c) and *accumulate*: the host
+ * loops n outer, c inner; a CUDA thread owns a column c and loops n in
+ * the same order, so the sums are deterministic, need no atomics and are
+ * the same on both. */
+
+/* Element (n, t, c) of out (N, C), t = n % T: token embedding plus
+ * position embedding. tok[n] must lie in [0, vocab) (the model checks). */
+static inline TDM_HD void tdm_k_embed_fwd(int64_t n, int t, int c, const int32_t *tok,
+                                          const float *wte, const float *wpe, int C, float *out)
+{
+    out[n * C + c] = wte[(int64_t)tok[n] * C + c] + wpe[(int64_t)t * C + c];
+}
+
+/* Element (n, t, c): dwte[tok[n]][c] += dout[n][c], dwpe[t][c] += dout[n][c]
+ * (a token may repeat: see the ordering rule above). */
+static inline TDM_HD void tdm_k_embed_bwd(int64_t n, int t, int c, const int32_t *tok,
+                                          const float *dout, int C, float *dwte, float *dwpe)
+{
+    float g = dout[n * C + c];
+    dwte[(int64_t)tok[n] * C + c] += g;
+    dwpe[(int64_t)t * C + c] += g;
+}
+
+/* Row r of x (rows, C): LayerNorm (Ba et al. 2016) with the biased
+ * variance, as torch.nn.LayerNorm: out = (x - mean) * rstd * g + b,
+ * rstd = 1 / sqrt(var + eps); mean and rstd are kept for backward. */
+static inline TDM_HD void tdm_k_layernorm_fwd_row(int64_t r, const float *x, const float *g,
+                                                  const float *b, int C, float eps, float *out,
+                                                  float *mean, float *rstd)
+{
+    const float *xr = x + r * C;
+    float *o = out + r * C;
+    float m = 0.0f;
+    for (int j = 0; j < C; j++) m += xr[j];
+    m /= (float)C;
+    float v = 0.0f;
+    for (int j = 0; j < C; j++) {
+        float d = xr[j] - m;
+        v += d * d;
+    }
+    v /= (float)C;
+    float s = 1.0f / sqrtf(v + eps);
+    for (int j = 0; j < C; j++) o[j] = (xr[j] - m) * s * g[j] + b[j];
+    mean[r] = m;
+    rstd[r] = s;
+}
+
+/* Row r: dx += rstd * (dn - mean(dn) - xhat * mean(dn * xhat)), dn = dout * g,
+ * xhat = (x - mean) * rstd: the input gradient of LayerNorm. Adds, so the
+ * residual stream's gradient accumulates in place. */
+static inline TDM_HD void tdm_k_layernorm_bwd_row(int64_t r, const float *x, const float *dout,
+                                                  const float *g, const float *mean,
+                                                  const float *rstd, int C, float *dx)
+{
+    const float *xr = x + r * C, *dr = dout + r * C;
+    float *o = dx + r * C;
+    float m = mean[r], s = rstd[r];
+    float sdn = 0.0f, sdnx = 0.0f;
+    for (int j = 0; j < C; j++) {
+        float dn = dr[j] * g[j];
+        sdn += dn;
+        sdnx += dn * (xr[j] - m) * s;
+    }
+    sdn /= (float)C;
+    sdnx /= (float)C;
+    for (int j = 0; j < C; j++) {
+        float xh = (xr[j] - m) * s;
+        o[j] += s * (dr[j] * g[j] - sdn - xh * sdnx);
+    }
+}
+
+/* Element (r, c): dg[c] += dout * xhat, db[c] += dout. */
+static inline TDM_HD void tdm_k_layernorm_bwd_param(int64_t r, int c, const float *x,
+                                                    const float *dout, const float *mean,
+                                                    const float *rstd, int C, float *dg,
+                                                    float *db)
+{
+    float d = dout[r * C + c];
+    dg[c] += d * ((x[r * C + c] - mean[r]) * rstd[r]);
+    db[c] += d;
+}
+
+/* GELU with GPT-2's tanh approximation (Hendrycks & Gimpel 2016;
+ * torch.nn.GELU(approximate='tanh')): 0.5 x (1 + tanh(u)),
+ * u = sqrt(2/pi) (x + 0.044715 x^3). */
+#define TDM_K_GELU_S 0.7978845608028654f
+#define TDM_K_GELU_C 0.044715f
+
+/* e^x as Cephes' expf computes it (S. Moshier): e^x = 2^n e^r with
+ * n = round(x / ln 2), r = x - n ln 2 (ln 2 split in two so r is exact)
+ * and e^r by its degree-6 minimax polynomial on |r| <= ln2/2: within 2
+ * ulp of expf on [-87.3, 88] (x is clamped to it: ~1e-38 below, 1.65e38
+ * above; NaN stays NaN). Branch-free and without a libm call, so the host
+ * loops over it vectorise (expf does not, and was a fifth of a GPT step). */
+static inline TDM_HD float tdm_k_expf(float x)
+{
+    float c = x < 88.0f ? x : 88.0f;   /* NaN too, so the integer part stays in range */
+    c = c > -87.3f ? c : -87.3f;
+    /* t + 128.5 > 0, so truncation rounds t to nearest: n in [-126, 127] */
+    int n = (int)(c * 1.44269504088896341f + 128.5f) - 128;
+    float fn = (float)n;
+    float r = c - fn * 0.693359375f;
+    r = r - fn * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    uint32_t bits = (uint32_t)(n + 127) << 23;   /* 2^n, n + 127 in [1, 254] */
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return x != x ? x : p * scale;
+}
+
+/* tanh through one exp: 1 - 2 / (exp(2u) + 1), exact at the limits
+ * (e^2u clamps to 1.65e38 -> 1, to ~1e-38 -> -1). Its absolute error is a
+ * few ulp of 1 (near u = 0 the relative error grows), which is all GELU
+ * needs: it only ever uses 1 + tanh and 1 - tanh^2. */
+static inline TDM_HD float tdm_k_tanh(float u)
+{
+    return 1.0f - 2.0f / (tdm_k_expf(2.0f * u) + 1.0f);
+}
+
+static inline TDM_HD void tdm_k_gelu_fwd(int64_t i, const float *x, float *y)
+{
+    float v = x[i];
+    float t = tdm_k_tanh(TDM_K_GELU_S * (v + TDM_K_GELU_C * v * v * v));
+    y[i] = 0.5f * v * (1.0f + t);
+}
+
+/* dx = dy * gelu'(x); dx may be dy (in place). */
+static inline TDM_HD void tdm_k_gelu_bwd(int64_t i, const float *x, const float *dy, float *dx)
+{
+    float v = x[i];
+    float t = tdm_k_tanh(TDM_K_GELU_S * (v + TDM_K_GELU_C * v * v * v));
+    float du = TDM_K_GELU_S * (1.0f + 3.0f * TDM_K_GELU_C * v * v);
+    dx[i] = dy[i] * (0.5f * (1.0f + t) + 0.5f * v * (1.0f - t * t) * du);
+}
+
+/* Element i = (b, h, t, e) of dst (B, H, T, hd) from the row-major src
+ * (B*T, ld) at columns off + h*hd + e: one head's slice of q, k or v out of
+ * the fused qkv projection (ld = 3C, off = 0, C, 2C), or of a gradient. */
+static inline TDM_HD void tdm_k_heads_split(int64_t i, int b, int h, int t, int e, int T,
+                                            int hd, const float *src, int ld, int off,
+                                            float *dst)
+{
+    dst[i] = src[((int64_t)b * T + t) * ld + off + h * hd + e];
+}
+
+/* The inverse: element i = (b, h, t, e) of src (B, H, T, hd) written to dst
+ * (B*T, ld) at columns off + h*hd + e (heads back side by side). */
+static inline TDM_HD void tdm_k_heads_merge(int64_t i, int b, int h, int t, int e, int T,
+                                            int hd, const float *src, float *dst, int ld, int off)
+{
+    dst[((int64_t)b * T + t) * ld + off + h * hd + e] = src[i];
+}
+
+/* Row r of the scores (rows, T) at query position t = r % T, in place:
+ * causal softmax: columns j <= t get softmax over j <= t (max-shifted),
+ * columns j > t (the future) get exactly 0. */
+static inline TDM_HD void tdm_k_attn_softmax_row(int64_t r, int t, float *att, int T)
+{
+    float *a = att + r * T;
+    float mx = a[0];
+    for (int j = 1; j <= t; j++) mx = a[j] > mx ? a[j] : mx;
+    /* exp in a loop of its own, which vectorises; the sum in order after */
+    for (int j = 0; j <= t; j++) a[j] = tdm_k_expf(a[j] - mx);
+    float sum = 0.0f;
+    for (int j = 0; j <= t; j++) sum += a[j];
+    float inv = 1.0f / sum;
+    for (int j = 0; j <= t; j++) a[j] *= inv;
+    for (int j = t + 1; j < T; j++) a[j] = 0.0f;
+}
+
+/* Row r, in place on dp: the gradient of the scores from the gradient
+ * of the probabilities p: ds_j = p_j (dp_j - sum_k p_k dp_k) for j <= t,
+ * 0 for the masked j > t. */
+static inline TDM_HD void tdm_k_attn_softmax_bwd_row(int64_t r, int t, const float *p,
+                                                     float *dp, int T)
+{
+    const float *pr = p + r * T;
+    float *d = dp + r * T;
+    float s = 0.0f;
+    for (int j = 0; j <= t; j++) s += pr[j] * d[j];
+    for (int j = 0; j <= t; j++) d[j] = pr[j] * (d[j] - s);
+    for (int j = t + 1; j < T; j++) d[j] = 0.0f;
 }
 
 /* ---- optimizers (one fused loop each) ---- */

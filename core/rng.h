@@ -37,6 +37,8 @@ enum {
     TDM_RNG_STREAM_SHUFFLE = 1u << 20,  /* + epoch */
     TDM_RNG_STREAM_DATA = 1u << 21,     /* synthetic dataset */
     TDM_RNG_STREAM_TEST = 1u << 22,
+    TDM_RNG_STREAM_SAMPLE = 1u << 23,   /* text generation */
+    TDM_RNG_STREAM_TEXT = 1u << 24,     /* + (step << 32) + window: text windows */
 };
 
 #endif

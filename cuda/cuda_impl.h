@@ -87,6 +87,37 @@ cudaError_t tdm_cuda_launch_adamw(const tdm_cuda_exec *x, int64_t n_elem, float 
                                   float beta2, float eps, float weight_decay, float bc1,
                                   float bc2);
 
+/* The transformer kernels (core/device.h's argument lists). The two
+ * column reductions (embedding and LayerNorm parameter gradients) run one
+ * thread per column over the rows in order: deterministic and the host's
+ * sums, not the fastest possible. */
+cudaError_t tdm_cuda_launch_embed_fwd(const tdm_cuda_exec *x, const int32_t *tok,
+                                      const float *wte, const float *wpe, float *out, int B,
+                                      int T, int C);
+cudaError_t tdm_cuda_launch_embed_bwd(const tdm_cuda_exec *x, const int32_t *tok,
+                                      const float *dout, float *dwte, float *dwpe, int B, int T,
+                                      int C);
+cudaError_t tdm_cuda_launch_layernorm_fwd(const tdm_cuda_exec *x, const float *in,
+                                          const float *g, const float *b, float *out,
+                                          float *mean, float *rstd, int64_t rows, int C,
+                                          float eps);
+cudaError_t tdm_cuda_launch_layernorm_bwd(const tdm_cuda_exec *x, const float *in,
+                                          const float *dout, const float *g, const float *mean,
+                                          const float *rstd, float *dx, float *dg, float *db,
+                                          int64_t rows, int C);
+cudaError_t tdm_cuda_launch_gelu_fwd(const tdm_cuda_exec *x, const float *in, float *y,
+                                     int64_t n_elem);
+cudaError_t tdm_cuda_launch_gelu_bwd(const tdm_cuda_exec *x, const float *in, const float *dy,
+                                     float *dx, int64_t n_elem);
+cudaError_t tdm_cuda_launch_heads_split(const tdm_cuda_exec *x, const float *src, int ld,
+                                        int off, float *dst, int B, int T, int H, int hd);
+cudaError_t tdm_cuda_launch_heads_merge(const tdm_cuda_exec *x, const float *src, float *dst,
+                                        int ld, int off, int B, int T, int H, int hd);
+cudaError_t tdm_cuda_launch_attn_softmax_fwd(const tdm_cuda_exec *x, float *att, int64_t rows,
+                                             int T);
+cudaError_t tdm_cuda_launch_attn_softmax_bwd(const tdm_cuda_exec *x, const float *p, float *dp,
+                                             int64_t rows, int T);
+
 /* --- open devices (cuda/device_cuda.c) ------------------------------------
  * The NCCL communicator runs on its own stream; before a collective it
  * makes that stream wait for everything already enqueued on the compute

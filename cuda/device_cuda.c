@@ -564,6 +564,90 @@ static tdm_status cuda_adamw_step(tdm_device *d, int64_t n_elem, float *param, c
                                        weight_decay, bc1, bc2));
 }
 
+static tdm_status cuda_gemm_strided_batched(tdm_device *d, tdm_trans ta, tdm_trans tb, int m,
+                                            int n, int k, float alpha, const float *a, int lda,
+                                            long long stride_a, const float *b, int ldb,
+                                            long long stride_b, float beta, float *c, int ldc,
+                                            long long stride_c, int batch)
+{
+    tdm_device *h = tdm_cuda_impl(d)->host;
+    if (h)
+        return h->ops->gemm_strided_batched(h, ta, tb, m, n, k, alpha, a, lda, stride_a, b, ldb,
+                                            stride_b, beta, c, ldc, stride_c, batch);
+    TDM_CHECK(tdm_cuda_enter(d));
+    /* core/device.h's argument list is cublasSgemmStridedBatched's, one to one */
+    cublasStatus_t s = cublasSgemmStridedBatched(
+        tdm_cuda_impl(d)->blas, ta == TDM_TRANS_T ? CUBLAS_OP_T : CUBLAS_OP_N,
+        tb == TDM_TRANS_T ? CUBLAS_OP_T : CUBLAS_OP_N, m, n, k, &alpha, a, lda, stride_a, b, ldb,
+        stride_b, &beta, c, ldc, stride_c, batch);
+    if (s != CUBLAS_STATUS_SUCCESS) return tdm_cublas_fail(d, "cublasSgemmStridedBatched", s);
+    return TDM_STATUS_OK;
+}
+
+static tdm_status cuda_embed_fwd(tdm_device *d, const int32_t *tok, const float *wte,
+                                 const float *wpe, float *out, int B, int T, int C)
+{
+    TDM_CUDA_RUN(d, "embed_fwd", tdm_cuda_launch_embed_fwd(s_, tok, wte, wpe, out, B, T, C));
+}
+
+static tdm_status cuda_embed_bwd(tdm_device *d, const int32_t *tok, const float *dout,
+                                 float *dwte, float *dwpe, int B, int T, int C)
+{
+    TDM_CUDA_RUN(d, "embed_bwd", tdm_cuda_launch_embed_bwd(s_, tok, dout, dwte, dwpe, B, T, C));
+}
+
+static tdm_status cuda_layernorm_fwd(tdm_device *d, const float *x, const float *g,
+                                     const float *b, float *out, float *mean, float *rstd,
+                                     int64_t rows, int C, float eps)
+{
+    TDM_CUDA_RUN(d, "layernorm_fwd",
+                 tdm_cuda_launch_layernorm_fwd(s_, x, g, b, out, mean, rstd, rows, C, eps));
+}
+
+static tdm_status cuda_layernorm_bwd(tdm_device *d, const float *x, const float *dout,
+                                     const float *g, const float *mean, const float *rstd,
+                                     float *dx, float *dg, float *db, int64_t rows, int C)
+{
+    TDM_CUDA_RUN(d, "layernorm_bwd",
+                 tdm_cuda_launch_layernorm_bwd(s_, x, dout, g, mean, rstd, dx, dg, db, rows, C));
+}
+
+static tdm_status cuda_gelu_fwd(tdm_device *d, const float *x, float *y, int64_t n_elem)
+{
+    TDM_CUDA_RUN(d, "gelu_fwd", tdm_cuda_launch_gelu_fwd(s_, x, y, n_elem));
+}
+
+static tdm_status cuda_gelu_bwd(tdm_device *d, const float *x, const float *dy, float *dx,
+                                int64_t n_elem)
+{
+    TDM_CUDA_RUN(d, "gelu_bwd", tdm_cuda_launch_gelu_bwd(s_, x, dy, dx, n_elem));
+}
+
+static tdm_status cuda_heads_split(tdm_device *d, const float *src, int ld, int off, float *dst,
+                                   int B, int T, int H, int hd)
+{
+    TDM_CUDA_RUN(d, "heads_split",
+                 tdm_cuda_launch_heads_split(s_, src, ld, off, dst, B, T, H, hd));
+}
+
+static tdm_status cuda_heads_merge(tdm_device *d, const float *src, float *dst, int ld, int off,
+                                   int B, int T, int H, int hd)
+{
+    TDM_CUDA_RUN(d, "heads_merge",
+                 tdm_cuda_launch_heads_merge(s_, src, dst, ld, off, B, T, H, hd));
+}
+
+static tdm_status cuda_attn_softmax_fwd(tdm_device *d, float *att, int64_t rows, int T)
+{
+    TDM_CUDA_RUN(d, "attn_softmax_fwd", tdm_cuda_launch_attn_softmax_fwd(s_, att, rows, T));
+}
+
+static tdm_status cuda_attn_softmax_bwd(tdm_device *d, const float *p, float *dp, int64_t rows,
+                                        int T)
+{
+    TDM_CUDA_RUN(d, "attn_softmax_bwd", tdm_cuda_launch_attn_softmax_bwd(s_, p, dp, rows, T));
+}
+
 /* The compute entries, shared by the GPU and the emulator tables (only
  * memory, sync and close differ), so the two cannot drift apart. */
 #define TDM_CUDA_COMPUTE_OPS                                                  \
@@ -574,7 +658,17 @@ static tdm_status cuda_adamw_step(tdm_device *d, int64_t n_elem, float *param, c
     .bn_stats = cuda_bn_stats, .bn_prep = cuda_bn_prep, .bn_fwd = cuda_bn_fwd, \
     .bn_bwd = cuda_bn_bwd, .cnhw_to_nchw = cuda_cnhw_to_nchw,                 \
     .nchw_to_cnhw = cuda_nchw_to_cnhw, .sgd_step = cuda_sgd_step,             \
-    .adamw_step = cuda_adamw_step
+    .adamw_step = cuda_adamw_step, TDM_CUDA_GPT_OPS
+
+/* The transformer's (core/device.h), in the same two tables. */
+#define TDM_CUDA_GPT_OPS                                                      \
+    .gemm_strided_batched = cuda_gemm_strided_batched,                        \
+    .embed_fwd = cuda_embed_fwd, .embed_bwd = cuda_embed_bwd,                 \
+    .layernorm_fwd = cuda_layernorm_fwd, .layernorm_bwd = cuda_layernorm_bwd, \
+    .gelu_fwd = cuda_gelu_fwd, .gelu_bwd = cuda_gelu_bwd,                     \
+    .heads_split = cuda_heads_split, .heads_merge = cuda_heads_merge,         \
+    .attn_softmax_fwd = cuda_attn_softmax_fwd,                                \
+    .attn_softmax_bwd = cuda_attn_softmax_bwd
 
 static const tdm_device_ops tdm_cuda_ops = {
     .alloc = cuda_alloc,

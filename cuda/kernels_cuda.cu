@@ -349,6 +349,127 @@ unsigned bn_blocks(int channels)
     return (unsigned)(channels < kMaxBlocks ? channels : kMaxBlocks);
 }
 
+/* ---- transformer (core/kernels.h's GPT kernels) ---- */
+
+/* out (N, C): host nesting n (t = n % T), c. */
+struct EmbedFwd {
+    const int32_t *tok;
+    const float *wte, *wpe;
+    int T, C;
+    float *out;
+    __host__ __device__ void operator()(int64_t i) const
+    {
+        int64_t n = i / C;
+        tdm_k_embed_fwd(n, (int)(n % T), (int)(i % C), tok, wte, wpe, C, out);
+    }
+};
+
+/* One thread per column c, rows in the host loop's order: a token that
+ * repeats adds into the same row with no race and the same sums. */
+struct EmbedBwdCol {
+    const int32_t *tok;
+    const float *dout;
+    int64_t N;
+    int T, C;
+    float *dwte, *dwpe;
+    __host__ __device__ void operator()(int64_t c) const
+    {
+        for (int64_t n = 0; n < N; n++) tdm_k_embed_bwd(n, (int)(n % T), (int)c, tok, dout, C, dwte, dwpe);
+    }
+};
+
+struct LayernormFwd {
+    const float *x, *g, *b;
+    int C;
+    float eps;
+    float *out, *mean, *rstd;
+    __host__ __device__ void operator()(int64_t r) const
+    {
+        tdm_k_layernorm_fwd_row(r, x, g, b, C, eps, out, mean, rstd);
+    }
+};
+
+struct LayernormBwdRow {
+    const float *x, *dout, *g, *mean, *rstd;
+    int C;
+    float *dx;
+    __host__ __device__ void operator()(int64_t r) const
+    {
+        tdm_k_layernorm_bwd_row(r, x, dout, g, mean, rstd, C, dx);
+    }
+};
+
+/* One thread per column, rows in order (as EmbedBwdCol). */
+struct LayernormBwdCol {
+    const float *x, *dout, *mean, *rstd;
+    int64_t rows;
+    int C;
+    float *dg, *db;
+    __host__ __device__ void operator()(int64_t c) const
+    {
+        for (int64_t r = 0; r < rows; r++)
+            tdm_k_layernorm_bwd_param(r, (int)c, x, dout, mean, rstd, C, dg, db);
+    }
+};
+
+struct GeluFwd {
+    const float *x;
+    float *y;
+    __host__ __device__ void operator()(int64_t i) const { tdm_k_gelu_fwd(i, x, y); }
+};
+
+struct GeluBwd {
+    const float *x, *dy;
+    float *dx;
+    __host__ __device__ void operator()(int64_t i) const { tdm_k_gelu_bwd(i, x, dy, dx); }
+};
+
+/* (B, H, T, hd): host nesting b, h, t, e. */
+struct HeadsSplit {
+    const float *src;
+    int ld, off, T, H, hd;
+    float *dst;
+    __host__ __device__ void operator()(int64_t i) const
+    {
+        int64_t q = i / hd;
+        int e = (int)(i % hd), t = (int)(q % T);
+        q /= T;
+        tdm_k_heads_split(i, (int)(q / H), (int)(q % H), t, e, T, hd, src, ld, off, dst);
+    }
+};
+
+struct HeadsMerge {
+    const float *src;
+    float *dst;
+    int ld, off, T, H, hd;
+    __host__ __device__ void operator()(int64_t i) const
+    {
+        int64_t q = i / hd;
+        int e = (int)(i % hd), t = (int)(q % T);
+        q /= T;
+        tdm_k_heads_merge(i, (int)(q / H), (int)(q % H), t, e, T, hd, src, dst, ld, off);
+    }
+};
+
+struct AttnSoftmaxFwd {
+    float *att;
+    int T;
+    __host__ __device__ void operator()(int64_t r) const
+    {
+        tdm_k_attn_softmax_row(r, (int)(r % T), att, T);
+    }
+};
+
+struct AttnSoftmaxBwd {
+    const float *p;
+    float *dp;
+    int T;
+    __host__ __device__ void operator()(int64_t r) const
+    {
+        tdm_k_attn_softmax_bwd_row(r, (int)(r % T), p, dp, T);
+    }
+};
+
 } // namespace
 
 extern "C" {
@@ -480,6 +601,74 @@ cudaError_t tdm_cuda_launch_sgd(const tdm_cuda_exec *x, int64_t n_elem, float *p
     return run(x, n_elem, kThreads,
                Sgd{param, grad, mom, lr, momentum, dampening, weight_decay, nesterov,
                    first_step});
+}
+
+cudaError_t tdm_cuda_launch_embed_fwd(const tdm_cuda_exec *x, const int32_t *tok,
+                                      const float *wte, const float *wpe, float *out, int B,
+                                      int T, int C)
+{
+    return run(x, (int64_t)B * T * C, kThreads, EmbedFwd{tok, wte, wpe, T, C, out});
+}
+
+cudaError_t tdm_cuda_launch_embed_bwd(const tdm_cuda_exec *x, const int32_t *tok,
+                                      const float *dout, float *dwte, float *dwpe, int B, int T,
+                                      int C)
+{
+    return run(x, (int64_t)C, kRowThreads, EmbedBwdCol{tok, dout, (int64_t)B * T, T, C, dwte, dwpe});
+}
+
+cudaError_t tdm_cuda_launch_layernorm_fwd(const tdm_cuda_exec *x, const float *in,
+                                          const float *g, const float *b, float *out,
+                                          float *mean, float *rstd, int64_t rows, int C,
+                                          float eps)
+{
+    return run(x, rows, kRowThreads, LayernormFwd{in, g, b, C, eps, out, mean, rstd});
+}
+
+cudaError_t tdm_cuda_launch_layernorm_bwd(const tdm_cuda_exec *x, const float *in,
+                                          const float *dout, const float *g, const float *mean,
+                                          const float *rstd, float *dx, float *dg, float *db,
+                                          int64_t rows, int C)
+{
+    cudaError_t e = run(x, rows, kRowThreads, LayernormBwdRow{in, dout, g, mean, rstd, C, dx});
+    if (e != cudaSuccess) return e;
+    return run(x, (int64_t)C, kRowThreads, LayernormBwdCol{in, dout, mean, rstd, rows, C, dg, db});
+}
+
+cudaError_t tdm_cuda_launch_gelu_fwd(const tdm_cuda_exec *x, const float *in, float *y,
+                                     int64_t n_elem)
+{
+    return run(x, n_elem, kThreads, GeluFwd{in, y});
+}
+
+cudaError_t tdm_cuda_launch_gelu_bwd(const tdm_cuda_exec *x, const float *in, const float *dy,
+                                     float *dx, int64_t n_elem)
+{
+    return run(x, n_elem, kThreads, GeluBwd{in, dy, dx});
+}
+
+cudaError_t tdm_cuda_launch_heads_split(const tdm_cuda_exec *x, const float *src, int ld,
+                                        int off, float *dst, int B, int T, int H, int hd)
+{
+    return run(x, (int64_t)B * H * T * hd, kThreads, HeadsSplit{src, ld, off, T, H, hd, dst});
+}
+
+cudaError_t tdm_cuda_launch_heads_merge(const tdm_cuda_exec *x, const float *src, float *dst,
+                                        int ld, int off, int B, int T, int H, int hd)
+{
+    return run(x, (int64_t)B * H * T * hd, kThreads, HeadsMerge{src, dst, ld, off, T, H, hd});
+}
+
+cudaError_t tdm_cuda_launch_attn_softmax_fwd(const tdm_cuda_exec *x, float *att, int64_t rows,
+                                             int T)
+{
+    return run(x, rows, kRowThreads, AttnSoftmaxFwd{att, T});
+}
+
+cudaError_t tdm_cuda_launch_attn_softmax_bwd(const tdm_cuda_exec *x, const float *p, float *dp,
+                                             int64_t rows, int T)
+{
+    return run(x, rows, kRowThreads, AttnSoftmaxBwd{p, dp, T});
 }
 
 cudaError_t tdm_cuda_launch_adamw(const tdm_cuda_exec *x, int64_t n_elem, float *param,

@@ -77,7 +77,7 @@ struct tdm_ddp {
     char hook_msg[512];
     float *dlogits;
     size_t dlogits_bytes;
-    float *x_dev;
+    void *x_dev;
     int32_t *y_dev;
     int stage_cap;
     int fwd_batch, have_fwd;
@@ -637,33 +637,35 @@ tdm_status tdm_ddp_evaluate(tdm_ddp *d, const tdm_dataset *test, int batch, doub
 
 void tdm_ddp_no_sync(tdm_ddp *d, int enable) { d->sync = !enable; }
 
-static tdm_status tdm_ddp_stage(tdm_ddp *d, const float *x, const int32_t *y, int batch,
-                                const float **xd, const int32_t **yd)
+static tdm_status tdm_ddp_stage(tdm_ddp *d, const void *x, const int32_t *y, int batch,
+                                const void **xd, const int32_t **yd)
 {
     if (d->dev->kind == TDM_DEVICE_HOST) {
         *xd = x;
         *yd = y;
         return TDM_STATUS_OK;
     }
+    /* 4-byte inputs of either dtype; out_rows targets per sample */
     size_t feat = (size_t)tdm_model_in_features(d->m);
+    size_t rows = (size_t)tdm_model_out_rows(d->m);
     if (batch > d->stage_cap) {
         tdm_dev_free(d->dev, d->x_dev);
         tdm_dev_free(d->dev, d->y_dev);
         d->x_dev = NULL;
         d->y_dev = NULL;
         d->stage_cap = 0;
-        TDM_CHECK(tdm_dev_alloc(d->dev, (size_t)batch * feat * sizeof(float), (void **)&d->x_dev));
-        TDM_CHECK(tdm_dev_alloc(d->dev, (size_t)batch * sizeof(int32_t), (void **)&d->y_dev));
+        TDM_CHECK(tdm_dev_alloc(d->dev, (size_t)batch * feat * sizeof(float), &d->x_dev));
+        TDM_CHECK(tdm_dev_alloc(d->dev, (size_t)batch * rows * sizeof(int32_t), (void **)&d->y_dev));
         d->stage_cap = batch;
     }
     TDM_CHECK(d->dev->ops->copy_from_host(d->dev, d->x_dev, x, (size_t)batch * feat * sizeof(float)));
-    TDM_CHECK(d->dev->ops->copy_from_host(d->dev, d->y_dev, y, (size_t)batch * sizeof(int32_t)));
+    TDM_CHECK(d->dev->ops->copy_from_host(d->dev, d->y_dev, y, (size_t)batch * rows * sizeof(int32_t)));
     *xd = d->x_dev;
     *yd = d->y_dev;
     return TDM_STATUS_OK;
 }
 
-tdm_status tdm_ddp_forward_scaled(tdm_ddp *d, const float *x, const int32_t *y, int batch,
+tdm_status tdm_ddp_forward_scaled(tdm_ddp *d, const void *x, const int32_t *y, int batch,
                                   float grad_scale, double *loss_sum)
 {
     TDM_REQUIRE(batch >= 0 && (batch == 0 || (x && y)), TDM_STATUS_INVALID_ARG,
@@ -681,9 +683,10 @@ tdm_status tdm_ddp_forward_scaled(tdm_ddp *d, const float *x, const int32_t *y, 
     double ls = 0.0;
     uint64_t t1 = t0;
     if (batch > 0) {
-        const float *xd, *logits;
+        const void *xd;
+        const float *logits;
         const int32_t *yd;
-        int C = tdm_model_n_classes(m);
+        int C = tdm_model_n_classes(m) * tdm_model_out_rows(m);   /* logits per sample */
         size_t nb = (size_t)batch * (size_t)C * sizeof(float);
         TDM_CHECK(tdm_ddp_stage(d, x, y, batch, &xd, &yd));
         TDM_CHECK(tdm_model_forward(m, xd, batch, &logits));
@@ -695,8 +698,7 @@ tdm_status tdm_ddp_forward_scaled(tdm_ddp *d, const float *x, const int32_t *y, 
             TDM_CHECK(tdm_dev_alloc(d->dev, nb, (void **)&d->dlogits));
             d->dlogits_bytes = nb;
         }
-        TDM_CHECK(tdm_loss_softmax_xent(d->dev, logits, yd, batch, C, grad_scale, &ls,
-                                        d->dlogits));
+        TDM_CHECK(tdm_model_loss(m, logits, yd, batch, grad_scale, &ls, d->dlogits));
     }
     uint64_t t2 = tdm_time_ns();
     d->fwd_batch = batch;
@@ -711,7 +713,7 @@ tdm_status tdm_ddp_forward_scaled(tdm_ddp *d, const float *x, const int32_t *y, 
     return TDM_STATUS_OK;
 }
 
-tdm_status tdm_ddp_forward(tdm_ddp *d, const float *x, const int32_t *y, int batch,
+tdm_status tdm_ddp_forward(tdm_ddp *d, const void *x, const int32_t *y, int batch,
                            double *loss_mean)
 {
     double ls = 0.0;

@@ -135,15 +135,15 @@ tdm_status tdm_ddp_zero_grad(tdm_ddp *d);
 tdm_status tdm_ddp_evaluate(tdm_ddp *d, const tdm_dataset *test, int batch, double *loss_mean,
                             double *accuracy);
 
-/* Local forward and loss over this rank's samples (host x (batch, in),
- * y (batch)); broadcasts buffers from rank 0 first (training mode, unless
+/* Local forward and loss over this rank's samples (host x (batch, in) of
+ * the model's input dtype, y (batch * out_rows)); broadcasts buffers from rank 0 first (training mode, unless
  * disabled). Gradient of the loss scaled by 1/(batch*world); *loss_mean
  * is this rank's mean loss. batch may be 0 (the rank still takes part). */
-tdm_status tdm_ddp_forward(tdm_ddp *d, const float *x, const int32_t *y, int batch,
+tdm_status tdm_ddp_forward(tdm_ddp *d, const void *x, const int32_t *y, int batch,
                            double *loss_mean);
 /* Same with an explicit loss-gradient scale (1/B_global for a split
  * global batch); *loss_sum is the sum of this rank's per-sample losses. */
-tdm_status tdm_ddp_forward_scaled(tdm_ddp *d, const float *x, const int32_t *y, int batch,
+tdm_status tdm_ddp_forward_scaled(tdm_ddp *d, const void *x, const int32_t *y, int batch,
                                   float grad_scale, double *loss_sum);
 /* Backward of the last forward (refused when there is none, or when
  * tdm_ddp_evaluate ran since); in sync mode, all-reduces the gradients

@@ -26,6 +26,8 @@ struct tdm_dp {
     tdm_model *rep[TDM_DP_MAX_DEVICES];      /* rep[out] = master (borrowed); others owned */
     tdm_dp_pool *pool;
     int in_features, n_classes;
+    int out_elems;                           /* logits per sample: out_rows * n_classes */
+    int out_rows;                            /* targets per sample (1; a GPT's T) */
     int64_t param_elems, buffer_elems;
     /* Step buffers, room for cap rows each: per device the input chunk and
      * (not on the output device) the logit-gradient chunk; on the output
@@ -131,7 +133,7 @@ static tdm_status tdm_dp_reserve(tdm_dp *dp, int batch)
     tdm_dp_free_buffers(dp);
     size_t rows = (size_t)batch;
     size_t x_nbytes = rows * (size_t)dp->in_features * sizeof(float);
-    size_t y_nbytes = rows * (size_t)dp->n_classes * sizeof(float);
+    size_t y_nbytes = rows * (size_t)dp->out_elems * sizeof(float);
     tdm_device *o = dp->dev[dp->out];
     for (int i = 0; i < dp->n; i++) {
         TDM_TRY(tdm_dev_alloc(dp->dev[i], x_nbytes, (void **)&dp->x_chunk[i]));
@@ -139,7 +141,7 @@ static tdm_status tdm_dp_reserve(tdm_dp *dp, int batch)
     }
     TDM_TRY(tdm_dev_alloc(o, y_nbytes, (void **)&dp->logits_all));
     TDM_TRY(tdm_dev_alloc(o, y_nbytes, (void **)&dp->dlogits_all));
-    TDM_TRY(tdm_dev_alloc(o, rows * sizeof(int32_t), (void **)&dp->labels));
+    TDM_TRY(tdm_dev_alloc(o, rows * (size_t)dp->out_rows * sizeof(int32_t), (void **)&dp->labels));
     dp->cap = batch;
     return TDM_STATUS_OK;
 fail:
@@ -197,6 +199,8 @@ tdm_status tdm_dp_init(tdm_dp **out, tdm_model *master, tdm_device **devices, in
     }
     dp->in_features = tdm_model_in_features(master);
     dp->n_classes = tdm_model_n_classes(master);
+    dp->out_rows = tdm_model_out_rows(master);
+    dp->out_elems = dp->out_rows * dp->n_classes;
     dp->param_elems = tdm_model_param_elems(master);
     dp->buffer_elems = tdm_model_buffer_elems(master);
     dp->rep[dp->out] = master;
@@ -666,7 +670,7 @@ static tdm_status tdm_dp_backward_task(void *ctx, int i)
     tdm_dp_step_ctx *s = ctx;
     tdm_dp *dp = s->dp;
     /* The output device reads its rows of the gradient in place. */
-    const float *dy = i == dp->out ? dp->dlogits_all + s->offset[i] * dp->n_classes
+    const float *dy = i == dp->out ? dp->dlogits_all + s->offset[i] * dp->out_elems
                                    : dp->dy_chunk[i];
     tdm_status st = tdm_model_backward(dp->rep[i], dy);
     if (st != TDM_STATUS_OK) return tdm_error_prefix(st, "backward of %d rows", s->sizes[i]);
@@ -684,7 +688,7 @@ static void tdm_dp_timings_reset(tdm_dp *dp, int batch, const int *sizes)
     }
 }
 
-static tdm_status tdm_dp_fb(tdm_dp *dp, const float *x, const int32_t *y, int batch,
+static tdm_status tdm_dp_fb(tdm_dp *dp, const void *x, const int32_t *y, int batch,
                             const int *chunk_sizes, int zero_master, double *loss_mean)
 {
     tdm_status st = TDM_STATUS_OK;
@@ -694,10 +698,10 @@ static tdm_status tdm_dp_fb(tdm_dp *dp, const float *x, const int32_t *y, int ba
     TDM_REQUIRE(batch >= 1, TDM_STATUS_INVALID_ARG,
                 "DataParallel step: batch %d (a batch needs at least one sample)", batch);
     TDM_REQUIRE(x && y, TDM_STATUS_INVALID_ARG, "DataParallel step: NULL inputs or labels");
-    for (int r = 0; r < batch; r++)
+    for (int64_t r = 0; r < (int64_t)batch * dp->out_rows; r++)
         TDM_REQUIRE(y[r] >= 0 && y[r] < dp->n_classes, TDM_STATUS_INVALID_ARG,
-                    "DataParallel step: label %d of sample %d is outside 0..%d", (int)y[r], r,
-                    dp->n_classes - 1);
+                    "DataParallel step: label %d of sample %lld is outside 0..%d", (int)y[r],
+                    (long long)(r / dp->out_rows), dp->n_classes - 1);
     TDM_CHECK(tdm_dp_scatter_sizes(batch, dp->n, chunk_sizes, sizes, &n_chunks));
     TDM_CHECK(tdm_dp_reserve(dp, batch));
     tdm_dp_timings_reset(dp, batch, sizes);
@@ -710,22 +714,25 @@ static tdm_status tdm_dp_fb(tdm_dp *dp, const float *x, const int32_t *y, int ba
         off += sizes[i];
         if (sizes[i] > 0) active |= UINT64_C(1) << i;
     }
-    const int C = dp->n_classes;
+    const int C = dp->out_elems;   /* logit elements per sample */
     tdm_device *od = dp->dev[dp->out];
 
     /* replicate: only the devices that get rows (PyTorch replicates onto
      * device_ids[:len(inputs)]). */
     TDM_TRY(tdm_dp_replicate_mask(dp, active, zero_master));
-    TDM_TRY(tdm_dp_scatter(dp, NULL, x, batch, dp->in_features, sizes, dp->x_chunk));
+    /* inputs of either dtype are 4-byte elements that scatter only copies */
+    TDM_TRY(tdm_dp_scatter(dp, NULL, (const float *)x, batch, dp->in_features, sizes,
+                           dp->x_chunk));
     TDM_TRY(tdm_dp_round(dp, TDM_PHASE_FORWARD, active, tdm_dp_forward_task, &s));
     TDM_TRY(tdm_dp_gather(dp, dp->logits, sizes, C, dp->logits_all));
 
     /* loss over the whole batch on the output device: mean, so scale 1/B */
     uint64_t t0 = tdm_time_ns();
     double loss_sum = 0.0;
-    TDM_TRY(od->ops->copy_from_host(od, dp->labels, y, (size_t)batch * sizeof(int32_t)));
-    TDM_TRY(tdm_loss_softmax_xent(od, dp->logits_all, dp->labels, batch, C, 1.0f / (float)batch,
-                                  &loss_sum, dp->dlogits_all));
+    TDM_TRY(od->ops->copy_from_host(od, dp->labels, y,
+                                    (size_t)batch * dp->out_rows * sizeof(int32_t)));
+    TDM_TRY(tdm_model_loss(dp->rep[dp->out], dp->logits_all, dp->labels, batch,
+                           1.0f / (float)batch, &loss_sum, dp->dlogits_all));
     double loss_ms = tdm_time_ms_since(t0);
     dp->t.wall.ms[TDM_PHASE_LOSS] += loss_ms;
     dp->t.device[dp->out].ms[TDM_PHASE_LOSS] += loss_ms;
@@ -747,13 +754,13 @@ fail:
     return st;
 }
 
-tdm_status tdm_dp_forward_backward(tdm_dp *dp, const float *x, const int32_t *y, int batch,
+tdm_status tdm_dp_forward_backward(tdm_dp *dp, const void *x, const int32_t *y, int batch,
                                    const int *chunk_sizes, double *loss_mean)
 {
     return tdm_dp_fb(dp, x, y, batch, chunk_sizes, 0, loss_mean);
 }
 
-tdm_status tdm_dp_step(tdm_dp *dp, tdm_optim *opt, const float *x, const int32_t *y, int batch,
+tdm_status tdm_dp_step(tdm_dp *dp, tdm_optim *opt, const void *x, const int32_t *y, int batch,
                        double *loss_mean)
 {
     TDM_REQUIRE(opt, TDM_STATUS_INVALID_ARG, "DataParallel step: NULL optimizer");

@@ -153,22 +153,22 @@ tdm_status tdm_dp_reduce_grads(tdm_dp *dp, int n_active);
 
 /* --- whole steps --- */
 
-/* DP forward + loss + backward over x (batch, in_features) and y (batch)
- * in host memory: replicate, scatter, forward, gather, loss (mean over the
+/* DP forward + loss + backward over x (batch, in_features; the model's
+ * input dtype) and y (batch * out_rows targets) in host memory: replicate, scatter, forward, gather, loss (mean over the
  * global batch), scatter of the logit gradients, backward, reduce. The
  * master's gradients are *added to* (as tdm_model_forward_backward and
  * PyTorch's backward do). chunk_sizes: NULL for torch.chunk's split, or
  * n_devices explicit sizes. *loss_mean (may be NULL): the batch's mean loss.
  * On failure the master's parameters are untouched, its gradients
  * unspecified. */
-tdm_status tdm_dp_forward_backward(tdm_dp *dp, const float *x, const int32_t *y, int batch,
+tdm_status tdm_dp_forward_backward(tdm_dp *dp, const void *x, const int32_t *y, int batch,
                                    const int *chunk_sizes, double *loss_mean);
 
 /* One training step: zero the master's gradients (inside the replicate
  * round, sliced over the threads), tdm_dp_forward_backward with the
  * default split, then tdm_optim_step(opt) (opt built on the master). On
  * accelerators it returns once the master's update has completed. */
-tdm_status tdm_dp_step(tdm_dp *dp, tdm_optim *opt, const float *x, const int32_t *y, int batch,
+tdm_status tdm_dp_step(tdm_dp *dp, tdm_optim *opt, const void *x, const int32_t *y, int batch,
                        double *loss_mean);
 
 /* Timings of the last tdm_dp_step / tdm_dp_forward_backward. */

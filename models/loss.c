@@ -3,9 +3,28 @@
  * the host in double so the reported loss does not depend on how a batch
  * was split. Not a layer: DP computes it on the output device over the
  * gathered logits, DDP and single-device on their own batch. */
+#include <stdint.h>
 #include <stdlib.h>
 
 #include "models/model.h"
+
+tdm_status tdm_model_loss(const tdm_model *m, const float *logits, const int32_t *labels,
+                          int batch, float scale, double *loss_sum, float *dlogits)
+{
+    int rows = tdm_model_out_rows(m);
+    TDM_REQUIRE(batch > 0 && (int64_t)batch * rows <= INT32_MAX, TDM_STATUS_INVALID_ARG,
+                "loss: batch %d of %d rows each", batch, rows);
+    if (rows == 1)
+        return tdm_loss_softmax_xent(tdm_model_device(m), logits, labels, batch,
+                                     tdm_model_n_classes(m), scale, loss_sum, dlogits);
+    /* A sample's loss is the mean over its rows, so each row weighs
+     * scale / rows and the sum over samples is the sum over rows / rows. */
+    double s = 0.0;
+    TDM_CHECK(tdm_loss_softmax_xent(tdm_model_device(m), logits, labels, batch * rows,
+                                    tdm_model_n_classes(m), scale / (float)rows, &s, dlogits));
+    if (loss_sum) *loss_sum = s / rows;
+    return TDM_STATUS_OK;
+}
 
 tdm_status tdm_loss_softmax_xent(tdm_device *dev, const float *logits, const int32_t *labels,
                                  int batch, int classes, float scale, double *loss_sum,

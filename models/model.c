@@ -2,9 +2,10 @@
  * MLP and CNN models. Layers: linear (optionally with a fused relu),
  * conv2d (im2col + one gemm per batch, no bias: batchnorm follows),
  * batchnorm2d (optionally with a fused relu), maxpool2d, flatten. The
- * softmax cross-entropy lives in models/loss.c. Not here: optimizers
- * (models/optim.c), checkpoints (models/checkpoint.c), any parallelism. */
-#include "models/model.h"
+ * softmax cross-entropy lives in models/loss.c; the GPT in models/gpt.c
+ * (through tdm_model_vt). Not here: optimizers (models/optim.c),
+ * checkpoints (models/checkpoint.c), any parallelism. */
+#include "models/model_impl.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -14,63 +15,8 @@
 #include "core/log.h"
 #include "core/rng.h"
 
-#define TDM_MODEL_MAX_LAYERS 32
-#define TDM_MODEL_MAX_TENSORS 64
 #define TDM_BN_EPS 1e-5f
 #define TDM_BN_MOMENTUM 0.1f
-
-typedef enum tdm_layer_kind {
-    TDM_LAYER_LINEAR = 0,
-    TDM_LAYER_CONV,
-    TDM_LAYER_BN,
-    TDM_LAYER_MAXPOOL,
-    TDM_LAYER_FLATTEN,   /* CNHW -> (N, C*H*W) */
-    TDM_LAYER_TO_CNHW,   /* (N, C, H, W) input -> CNHW */
-} tdm_layer_kind;
-
-typedef struct tdm_layer {
-    tdm_layer_kind kind;
-    int p0, np;             /* parameter tensors [p0, p0+np) */
-    int b0, nb;             /* buffer tensors */
-    int relu;               /* fused relu on the output */
-    int c, h, w;            /* input shape per sample (linear: c = in features) */
-    int oc, oh, ow;         /* output shape per sample (linear: oc = out features) */
-    int k, stride, pad;     /* conv / pool */
-    int64_t in_elems, out_elems; /* per sample */
-    /* activations (capacity m->cap samples) */
-    float *out;
-    float *col;             /* conv: im2col matrix of the last forward */
-    int32_t *argmax;        /* maxpool */
-    float *mean, *var, *invstd; /* bn, per channel */
-    const float *in;        /* input of the last forward (borrowed) */
-} tdm_layer;
-
-struct tdm_model {
-    tdm_model_spec spec;
-    tdm_device *dev;        /* borrowed */
-    int n_layers;
-    tdm_layer layers[TDM_MODEL_MAX_LAYERS];
-    int n_params, n_buffers;
-    tdm_tensor_info params_info[TDM_MODEL_MAX_TENSORS];
-    tdm_tensor_info buffers_info[TDM_MODEL_MAX_TENSORS];
-    int64_t param_elems, buffer_elems;
-    float *params, *grads, *buffers;
-    float *grads_owned;     /* NULL while grads are borrowed */
-    int train;
-    int bwd_stop;           /* backward runs layers n_layers-1 .. bwd_stop */
-    tdm_grad_ready_fn hook;
-    void *hook_ctx;
-    /* activations */
-    int cap;                /* samples the activations hold */
-    int batch;              /* batch of the last forward */
-    float *dbuf[2];         /* backward ping-pong, max activation size */
-    float *dcol;            /* conv backward scratch, largest col; a separate buffer so
-                               that col survives and backward can run twice */
-    float *ones;            /* cap ones, for bias gradients via gemm */
-    float *dlogits;         /* forward_backward scratch */
-    int64_t max_elems;      /* largest per-sample activation */
-    size_t act_bytes;
-};
 
 /* ---- specs ---- */
 
@@ -110,7 +56,9 @@ void tdm_model_spec_cnn(tdm_model_spec *s)
 
 tdm_status tdm_model_spec_parse(tdm_model_spec *s, const char *text)
 {
-    TDM_REQUIRE(text && *text, TDM_STATUS_INVALID_ARG, "empty model name (expected mlp or cnn)");
+    TDM_REQUIRE(text && *text, TDM_STATUS_INVALID_ARG,
+                "empty model name (expected mlp, cnn or gpt)");
+    if (!strncmp(text, "gpt", 3)) return tdm_gpt_spec_parse(s, text);
     if (!strcmp(text, "cnn")) {
         tdm_model_spec_cnn(s);
         return TDM_STATUS_OK;
@@ -145,7 +93,8 @@ tdm_status tdm_model_spec_parse(tdm_model_spec *s, const char *text)
         return TDM_STATUS_OK;
     }
     return tdm_error_set(TDM_STATUS_INVALID_ARG,
-                         "unknown model '%s' (expected mlp, mlp:W0-W1-...-Wn or cnn)", text);
+                         "unknown model '%s' (expected mlp, mlp:W0-W1-...-Wn, cnn, gpt or "
+                         "gpt:L-D-H-T)", text);
 }
 
 void tdm_model_spec_sample_shape(const tdm_model_spec *s, int *c, int *h, int *w, int *classes)
@@ -163,6 +112,10 @@ void tdm_model_spec_sample_shape(const tdm_model_spec *s, int *c, int *h, int *w
 
 void tdm_model_spec_describe(const tdm_model_spec *s, char *buf, size_t len)
 {
+    if (s->kind == TDM_MODEL_GPT) {
+        tdm_gpt_spec_describe(s, buf, len);
+        return;
+    }
     if (s->kind == TDM_MODEL_CNN) {
         if (s->fc_hidden > 0)
             snprintf(buf, len,
@@ -185,8 +138,8 @@ static int64_t tdm_align_up(int64_t n)
     return (n + TDM_MODEL_ALIGN_ELEMS - 1) / TDM_MODEL_ALIGN_ELEMS * TDM_MODEL_ALIGN_ELEMS;
 }
 
-static tdm_status tdm_model_add_tensor(tdm_model *m, int buffer, int layer, const char *name,
-                                       int ndim, const int64_t *shape)
+tdm_status tdm_model_add_tensor(tdm_model *m, int buffer, int layer, const char *name, int ndim,
+                                const int64_t *shape)
 {
     int *count = buffer ? &m->n_buffers : &m->n_params;
     int64_t *elems = buffer ? &m->buffer_elems : &m->param_elems;
@@ -208,7 +161,7 @@ static tdm_status tdm_model_add_tensor(tdm_model *m, int buffer, int layer, cons
     return TDM_STATUS_OK;
 }
 
-static tdm_layer *tdm_model_add_layer(tdm_model *m, tdm_layer_kind kind)
+tdm_layer *tdm_model_add_layer(tdm_model *m, tdm_layer_kind kind)
 {
     tdm_layer *l = &m->layers[m->n_layers++];
     memset(l, 0, sizeof *l);
@@ -240,6 +193,7 @@ static tdm_status tdm_model_build(tdm_model *m)
 {
     const tdm_model_spec *s = &m->spec;
     char name[TDM_MODEL_NAME_MAX];
+    if (s->kind == TDM_MODEL_GPT) return tdm_gpt_build(m);
     if (s->kind == TDM_MODEL_MLP) {
         TDM_REQUIRE(s->ndims >= 2 && s->ndims <= TDM_MODEL_MAX_DIMS, TDM_STATUS_INVALID_ARG,
                     "an MLP needs 2 to %d widths (input ... output), got %d", TDM_MODEL_MAX_DIMS,
@@ -370,7 +324,7 @@ static tdm_status tdm_model_fill_host(tdm_model *m, uint64_t seed)
         st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "cannot allocate initial parameters");
         goto fail;
     }
-    for (int i = 0; i < m->n_params; i++) {
+    for (int i = 0; !m->vt && i < m->n_params; i++) {
         const tdm_tensor_info *t = &m->params_info[i];
         const tdm_layer *l = &m->layers[t->layer];
         float *p = hp + t->offset;
@@ -390,6 +344,7 @@ static tdm_status tdm_model_fill_host(tdm_model *m, uint64_t seed)
         }
         /* biases stay 0 */
     }
+    if (m->vt) m->vt->init_params(m, seed, hp);
     for (int i = 0; i < m->n_buffers; i++) {
         const tdm_tensor_info *t = &m->buffers_info[i];
         float v = strstr(t->name, "running_var") ? 1.0f : 0.0f;
@@ -460,6 +415,10 @@ tdm_status tdm_model_clone(tdm_model **out, const tdm_model *src, tdm_device *de
 static void tdm_model_free_activations(tdm_model *m)
 {
     tdm_device *d = m->dev;
+    if (m->vt) {
+        m->vt->free_activations(m);
+        return;
+    }
     for (int i = 0; i < m->n_layers; i++) {
         tdm_layer *l = &m->layers[i];
         tdm_dev_free(d, l->out);
@@ -488,6 +447,7 @@ void tdm_model_free(tdm_model *m)
         tdm_dev_free(m->dev, l->var);
         tdm_dev_free(m->dev, l->invstd);
     }
+    if (m->vt) m->vt->free_ext(m);
     tdm_dev_free(m->dev, m->params);
     tdm_dev_free(m->dev, m->grads_owned);
     tdm_dev_free(m->dev, m->buffers);
@@ -556,12 +516,22 @@ const tdm_model_spec *tdm_model_get_spec(const tdm_model *m) { return &m->spec; 
 tdm_device *tdm_model_device(const tdm_model *m) { return m->dev; }
 int tdm_model_in_features(const tdm_model *m)
 {
+    if (m->spec.kind == TDM_MODEL_GPT) return m->spec.n_ctx;
     return m->spec.kind == TDM_MODEL_MLP ? m->spec.dims[0]
                                          : m->spec.in_c * m->spec.in_h * m->spec.in_w;
 }
+tdm_model_input tdm_model_input_dtype(const tdm_model *m)
+{
+    return m->spec.kind == TDM_MODEL_GPT ? TDM_MODEL_INPUT_TOKENS : TDM_MODEL_INPUT_F32;
+}
 int tdm_model_n_classes(const tdm_model *m)
 {
+    if (m->spec.kind == TDM_MODEL_GPT) return m->spec.vocab;
     return m->spec.kind == TDM_MODEL_MLP ? m->spec.dims[m->spec.ndims - 1] : m->spec.n_classes;
+}
+int tdm_model_out_rows(const tdm_model *m)
+{
+    return m->spec.kind == TDM_MODEL_GPT ? m->spec.n_ctx : 1;
 }
 int tdm_model_n_params(const tdm_model *m) { return m->n_params; }
 const tdm_tensor_info *tdm_model_param_info(const tdm_model *m, int i)
@@ -597,6 +567,9 @@ tdm_status tdm_model_set_backward_stop(tdm_model *m, int layer)
 {
     TDM_REQUIRE(layer >= 0 && layer <= m->n_layers, TDM_STATUS_INVALID_ARG,
                 "backward stop: layer %d out of range 0..%d", layer, m->n_layers);
+    TDM_REQUIRE(!m->vt || layer == 0, TDM_STATUS_INVALID_ARG,
+                "backward stop: not supported by this model (its backward is not a chain of "
+                "layers)");
     m->bwd_stop = layer;
     return TDM_STATUS_OK;
 }
@@ -630,6 +603,10 @@ void tdm_model_get_memory(const tdm_model *m, tdm_model_memory *out)
 
 void tdm_model_gemm_flops(const tdm_model *m, double *fwd, double *bwd)
 {
+    if (m->vt) {
+        m->vt->gemm_flops(m, fwd, bwd);
+        return;
+    }
     double f = 0.0, b = 0.0;
     int first = 1;
     for (int i = 0; i < m->n_layers; i++) {
@@ -702,17 +679,20 @@ static tdm_status tdm_layer_forward(tdm_model *m, tdm_layer *l, const float *x, 
         return o->cnhw_to_nchw(d, x, l->out, l->c, B, (int64_t)l->h * l->w);
     case TDM_LAYER_TO_CNHW:
         return o->nchw_to_cnhw(d, x, l->out, l->c, B, (int64_t)l->h * l->w);
+    case TDM_LAYER_GROUP:
+        break;   /* a vt model's: never run here */
     }
     return tdm_error_set(TDM_STATUS_INTERNAL, "unknown layer kind %d", (int)l->kind);
 }
 
-tdm_status tdm_model_forward(tdm_model *m, const float *x, int batch, const float **logits)
+tdm_status tdm_model_forward(tdm_model *m, const void *x, int batch, const float **logits)
 {
     TDM_REQUIRE(batch > 0, TDM_STATUS_INVALID_ARG, "forward: batch %d must be positive", batch);
     TDM_REQUIRE(x, TDM_STATUS_INVALID_ARG, "forward: NULL input");
     /* until this forward succeeds there are no activations to go back
      * through (a failed reserve frees them) */
     m->batch = 0;
+    if (m->vt) return m->vt->forward(m, x, batch, logits);
     TDM_CHECK(tdm_model_reserve(m, batch));
     const float *cur = x;
     for (int i = 0; i < m->n_layers; i++) {
@@ -776,6 +756,8 @@ static tdm_status tdm_layer_backward(tdm_model *m, tdm_layer *l, float *dout, fl
     case TDM_LAYER_TO_CNHW:
         if (!din) return TDM_STATUS_OK;
         return o->cnhw_to_nchw(d, dout, din, l->c, B, (int64_t)l->h * l->w);
+    case TDM_LAYER_GROUP:
+        break;
     }
     return tdm_error_set(TDM_STATUS_INTERNAL, "unknown layer kind %d", (int)l->kind);
 }
@@ -784,6 +766,7 @@ tdm_status tdm_model_backward(tdm_model *m, const float *dlogits)
 {
     TDM_REQUIRE(m->batch > 0, TDM_STATUS_INVALID_ARG, "backward called before forward");
     TDM_REQUIRE(dlogits, TDM_STATUS_INVALID_ARG, "backward: NULL dlogits");
+    if (m->vt) return m->vt->backward(m, dlogits);
     int B = m->batch;
     tdm_device *d = m->dev;
     int cur = 0;
@@ -807,14 +790,13 @@ tdm_status tdm_model_backward(tdm_model *m, const float *dlogits)
 
 float *tdm_model_loss_grad(tdm_model *m) { return m->dlogits; }
 
-tdm_status tdm_model_forward_backward(tdm_model *m, const float *x, const int32_t *y, int batch,
+tdm_status tdm_model_forward_backward(tdm_model *m, const void *x, const int32_t *y, int batch,
                                       double *loss_mean)
 {
     const float *logits;
     double loss_sum = 0.0;
     TDM_CHECK(tdm_model_forward(m, x, batch, &logits));
-    TDM_CHECK(tdm_loss_softmax_xent(m->dev, logits, y, batch, tdm_model_n_classes(m),
-                                    1.0f / (float)batch, &loss_sum, m->dlogits));
+    TDM_CHECK(tdm_model_loss(m, logits, y, batch, 1.0f / (float)batch, &loss_sum, m->dlogits));
     TDM_CHECK(tdm_model_backward(m, m->dlogits));
     if (loss_mean) *loss_mean = loss_sum / batch;
     return TDM_STATUS_OK;
@@ -826,13 +808,14 @@ tdm_status tdm_model_count_correct(tdm_model *m, const int32_t *y_host, int batc
     TDM_REQUIRE(batch > 0 && batch <= m->batch, TDM_STATUS_INVALID_ARG,
                 "count_correct: batch %d but the last forward had %d", batch, m->batch);
     int C = tdm_model_n_classes(m);
-    size_t nb = (size_t)batch * C * sizeof(float);
+    int64_t rows = (int64_t)batch * tdm_model_out_rows(m);
+    size_t nb = (size_t)rows * C * sizeof(float);
     float *h = malloc(nb);
     if (!h) return tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "cannot allocate %zu bytes", nb);
-    const float *logits = m->layers[m->n_layers - 1].out;
+    const float *logits = m->vt ? m->vt->last_logits(m) : m->layers[m->n_layers - 1].out;
     tdm_status st = m->dev->ops->copy_to_host(m->dev, h, logits, nb);
     int64_t n = 0;
-    for (int r = 0; st == TDM_STATUS_OK && r < batch; r++) {
+    for (int64_t r = 0; st == TDM_STATUS_OK && r < rows; r++) {
         int best = 0;
         for (int c = 1; c < C; c++)
             if (h[(size_t)r * C + c] > h[(size_t)r * C + best]) best = c;

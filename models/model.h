@@ -14,8 +14,15 @@
  *
  * Conventions: forward writes its output; backward *adds* into gradients
  * (tdm_model_zero_grad is an explicit step). Inputs are row-major
- * (batch, in_features); images are (batch, C, H, W) flattened. Pointers
- * passed to forward/backward/loss are device pointers of the model's device. */
+ * (batch, in_features) of the model's input dtype: float32 features for
+ * the MLP and CNN (images are (batch, C, H, W) flattened), int32 token ids
+ * (batch, T) for the GPT. Both are 4-byte elements, so code that only
+ * moves inputs (DP's scatter, DDP's staging) handles either as
+ * in_features 4-byte elements per sample. A sample has out_rows rows of
+ * logits and as many int32 targets: 1 for the classifiers, T (the next
+ * byte at every position) for the GPT, whose per-sample loss is the mean
+ * over its positions. Pointers passed to forward/backward/loss are device
+ * pointers of the model's device. */
 #ifndef TDM_MODELS_MODEL_H
 #define TDM_MODELS_MODEL_H
 
@@ -34,7 +41,14 @@
 typedef enum tdm_model_kind {
     TDM_MODEL_MLP = 0,
     TDM_MODEL_CNN,
+    TDM_MODEL_GPT,
 } tdm_model_kind;
+
+/* The element type of a model's inputs (4 bytes either way). */
+typedef enum tdm_model_input {
+    TDM_MODEL_INPUT_F32 = 0,     /* float32 features */
+    TDM_MODEL_INPUT_TOKENS,      /* int32 token ids in [0, n_classes) */
+} tdm_model_input;
 
 typedef struct tdm_model_spec {
     tdm_model_kind kind;
@@ -45,6 +59,9 @@ typedef struct tdm_model_spec {
     int ch1, ch2;                   /* CNN channels (default 32, 64) */
     int fc_hidden;                  /* CNN hidden linear+relu width before the
                                        classifier (default 128; 0: none) */
+    /* GPT (GPT-2's config names): blocks, width, heads, context, vocabulary
+     * (256: bytes). See models/gpt.h. */
+    int n_layer, n_embd, n_head, n_ctx, vocab;
 } tdm_model_spec;
 
 /* tdm_model_spec_mlp(s, NULL, 0) is the default MLP; other dims must hold
@@ -54,13 +71,13 @@ typedef struct tdm_model_spec {
  * shape of Fashion-MNIST's "2 Conv+pooling" baseline). */
 void tdm_model_spec_mlp(tdm_model_spec *s, const int *dims, int ndims);
 void tdm_model_spec_cnn(tdm_model_spec *s);
-/* Parses "mlp", "mlp:784-128-10", "cnn". */
+/* Parses "mlp", "mlp:784-128-10", "cnn", "gpt", "gpt:L-D-H-T". */
 tdm_status tdm_model_spec_parse(tdm_model_spec *s, const char *text);
 /* The sample shape a model reads and its class count, for building
  * matching (e.g. synthetic) data: the CNN's image; an MLP with 784 inputs
  * reads 1x28x28 images (Fashion-MNIST), any other MLP 1x1xN. */
 void tdm_model_spec_sample_shape(const tdm_model_spec *s, int *c, int *h, int *w, int *classes);
-/* "mlp 784-1024-1024-10" */
+/* "mlp 784-1024-1024-10", "gpt:4-128-4-128" */
 void tdm_model_spec_describe(const tdm_model_spec *s, char *buf, size_t len);
 
 typedef struct tdm_tensor_info {
@@ -76,7 +93,13 @@ typedef struct tdm_model tdm_model;
 
 /* Called after a layer's parameter gradients are final during backward:
  * parameters first..last (inclusive, indices into the parameter table)
- * are ready. Backward calls it for the last layer first. */
+ * are ready. Backward calls it for the last layer first, and exactly once
+ * per parameter per backward, when nothing later in that backward adds to
+ * its gradient: a tensor used twice (the GPT's token embedding, read again
+ * by the tied output head) is announced after its last use - the
+ * embedding's backward, at the very end - never at the head, whose
+ * contribution is only part of its gradient. Such a tensor comes first in
+ * the parameter table, so the order stays end-to-start. */
 typedef void (*tdm_grad_ready_fn)(void *ctx, tdm_model *m, int first_param, int last_param);
 
 /* Builds a model on dev with parameters drawn from (seed, parameter
@@ -96,8 +119,13 @@ void tdm_model_free(tdm_model *m);
 
 const tdm_model_spec *tdm_model_get_spec(const tdm_model *m);
 tdm_device *tdm_model_device(const tdm_model *m);
+/* Input elements per sample (GPT: its context T). */
 int tdm_model_in_features(const tdm_model *m);
+tdm_model_input tdm_model_input_dtype(const tdm_model *m);
+/* Classes per row of logits (GPT: the vocabulary). */
 int tdm_model_n_classes(const tdm_model *m);
+/* Rows of logits (and targets) per sample: 1, or the GPT's T. */
+int tdm_model_out_rows(const tdm_model *m);
 
 /* The parameter and buffer tables. */
 int tdm_model_n_params(const tdm_model *m);
@@ -135,13 +163,14 @@ tdm_status tdm_model_set_backward_stop(tdm_model *m, int layer);
 
 tdm_status tdm_model_zero_grad(tdm_model *m);
 
-/* Forward over a batch: x (batch, in_features) -> *logits (batch,
- * n_classes), owned by the model and valid until the next forward. In
- * training mode batchnorm uses this batch's statistics and updates the
- * running buffers. Activations grow to the largest batch seen. */
-tdm_status tdm_model_forward(tdm_model *m, const float *x, int batch, const float **logits);
-/* Backward of the last forward: dlogits (batch, n_classes). Adds into the
- * gradient buffer and calls the grad-ready hook per layer. */
+/* Forward over a batch: x (batch, in_features) of the input dtype ->
+ * *logits (batch * out_rows, n_classes), owned by the model and valid
+ * until the next forward. In training mode batchnorm uses this batch's
+ * statistics and updates the running buffers. Activations grow to the
+ * largest batch seen. */
+tdm_status tdm_model_forward(tdm_model *m, const void *x, int batch, const float **logits);
+/* Backward of the last forward: dlogits (batch * out_rows, n_classes).
+ * Adds into the gradient buffer and calls the grad-ready hook per layer. */
 tdm_status tdm_model_backward(tdm_model *m, const float *dlogits);
 
 /* Softmax cross-entropy on dev: over logits (batch, classes) with labels
@@ -152,21 +181,34 @@ tdm_status tdm_loss_softmax_xent(tdm_device *dev, const float *logits, const int
                                  int batch, int classes, float scale, double *loss_sum,
                                  float *dlogits);
 
-/* After a forward of B rows: the model's (B, classes) scratch on its
- * device for the loss gradient, which tdm_model_backward may take (it is
- * what tdm_model_forward_backward uses). */
+/* The model's loss over a batch of `batch` samples: softmax cross-entropy
+ * over its batch * out_rows rows of logits and targets, each sample's loss
+ * the mean over its rows. *loss_sum: the sum of the per-sample losses;
+ * dlogits (may be NULL): their gradient times scale (1/B for the batch
+ * mean), i.e. each row's (softmax - onehot) * scale / out_rows. With one
+ * row per sample this is exactly tdm_loss_softmax_xent. Runs on the
+ * model's device. */
+tdm_status tdm_model_loss(const tdm_model *m, const float *logits, const int32_t *labels,
+                          int batch, float scale, double *loss_sum, float *dlogits);
+
+/* After a forward of B samples: the model's (B * out_rows, classes)
+ * scratch on its device for the loss gradient, which tdm_model_backward
+ * may take (it is what tdm_model_forward_backward uses). */
 float *tdm_model_loss_grad(tdm_model *m);
 
 /* One forward + mean loss + backward over (x, y) on the model's device:
- * the single-device training step's gradient part. */
-tdm_status tdm_model_forward_backward(tdm_model *m, const float *x, const int32_t *y, int batch,
+ * the single-device training step's gradient part. y: batch * out_rows. */
+tdm_status tdm_model_forward_backward(tdm_model *m, const void *x, const int32_t *y, int batch,
                                       double *loss_mean);
-/* Number of correct argmax predictions of the last forward's logits. */
+/* Number of correct argmax predictions of the last forward's logits over
+ * batch * out_rows rows (y_host: as many targets, host memory). */
 tdm_status tdm_model_count_correct(tdm_model *m, const int32_t *y_host, int batch, int64_t *correct);
 
 /* Floating-point operations of the gemms (im2col convolutions included)
  * per sample: forward, and backward (weight and input gradients; the first
- * layer's input gradient is not computed). Elementwise work is not counted. */
+ * layer's input gradient is not computed). Elementwise work is not counted.
+ * GPT: every projection, the tied head and attention's two batched
+ * products (the full T x T score matrix, masked half included). */
 void tdm_model_gemm_flops(const tdm_model *m, double *fwd_per_sample, double *bwd_per_sample);
 
 /* Bytes held per kind (for memory reports). */

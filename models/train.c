@@ -99,9 +99,11 @@ tdm_status tdm_train_grad_norm(tdm_model *m, double *norm)
     return st;
 }
 
-static tdm_status tdm_single_stage(tdm_single *s, tdm_device *dev, const float *x,
-                                   const int32_t *y, int batch, int feat, const float **xd,
-                                   const int32_t **yd)
+/* Inputs are 4-byte elements of either dtype (models/model.h); y holds
+ * `rows` targets per sample. */
+static tdm_status tdm_single_stage(tdm_single *s, tdm_device *dev, const void *x,
+                                   const int32_t *y, int batch, int feat, int rows,
+                                   const void **xd, const int32_t **yd)
 {
     if (dev->kind == TDM_DEVICE_HOST) {
         *xd = x;
@@ -114,34 +116,35 @@ static tdm_status tdm_single_stage(tdm_single *s, tdm_device *dev, const float *
         s->x_dev = NULL;
         s->y_dev = NULL;
         s->cap = 0;
-        TDM_CHECK(tdm_dev_alloc(dev, (size_t)batch * feat * sizeof(float), (void **)&s->x_dev));
-        TDM_CHECK(tdm_dev_alloc(dev, (size_t)batch * sizeof(int32_t), (void **)&s->y_dev));
+        TDM_CHECK(tdm_dev_alloc(dev, (size_t)batch * feat * sizeof(float), &s->x_dev));
+        TDM_CHECK(tdm_dev_alloc(dev, (size_t)batch * rows * sizeof(int32_t), (void **)&s->y_dev));
         s->cap = batch;
     }
     TDM_CHECK(dev->ops->copy_from_host(dev, s->x_dev, x, (size_t)batch * feat * sizeof(float)));
-    TDM_CHECK(dev->ops->copy_from_host(dev, s->y_dev, y, (size_t)batch * sizeof(int32_t)));
+    TDM_CHECK(dev->ops->copy_from_host(dev, s->y_dev, y, (size_t)batch * rows * sizeof(int32_t)));
     *xd = s->x_dev;
     *yd = s->y_dev;
     return TDM_STATUS_OK;
 }
 
-tdm_status tdm_single_step(void *ctx, const float *x, const int32_t *y, int batch,
+tdm_status tdm_single_step(void *ctx, const void *x, const int32_t *y, int batch,
                            double *loss_mean)
 {
     tdm_single *s = ctx;
     tdm_model *m = s->model;
     tdm_device *dev = tdm_model_device(m);
-    const float *xd, *logits;
+    const void *xd;
+    const float *logits;
     const int32_t *yd;
     double loss_sum = 0.0;
     uint64_t t0 = tdm_time_ns(), t1, t2, t3;
-    TDM_CHECK(tdm_single_stage(s, dev, x, y, batch, tdm_model_in_features(m), &xd, &yd));
+    TDM_CHECK(tdm_single_stage(s, dev, x, y, batch, tdm_model_in_features(m),
+                               tdm_model_out_rows(m), &xd, &yd));
     TDM_CHECK(tdm_model_zero_grad(m));
     TDM_CHECK(tdm_model_forward(m, xd, batch, &logits));
     t1 = tdm_time_ns();
     float *dlogits = tdm_model_loss_grad(m);
-    TDM_CHECK(tdm_loss_softmax_xent(dev, logits, yd, batch, tdm_model_n_classes(m),
-                                    1.0f / (float)batch, &loss_sum, dlogits));
+    TDM_CHECK(tdm_model_loss(m, logits, yd, batch, 1.0f / (float)batch, &loss_sum, dlogits));
     t2 = tdm_time_ns();
     TDM_CHECK(tdm_model_backward(m, dlogits));
     t3 = tdm_time_ns();
@@ -175,6 +178,10 @@ tdm_status tdm_evaluate(tdm_model *m, const tdm_dataset *d, int batch, double *l
     tdm_single stage = {.model = m};
     TDM_REQUIRE(batch > 0, TDM_STATUS_INVALID_ARG, "batch size %d must be positive", batch);
     TDM_REQUIRE(d && d->n > 0, TDM_STATUS_INVALID_ARG, "evaluate: empty dataset");
+    TDM_REQUIRE(tdm_model_out_rows(m) == 1 && tdm_model_input_dtype(m) == TDM_MODEL_INPUT_F32,
+                TDM_STATUS_INVALID_ARG,
+                "evaluate: an image dataset needs a classifier (one label per sample); a GPT "
+                "is evaluated on text (tdm_train_text_evaluate)");
     int64_t feat = tdm_data_features(d);
     int was_train = tdm_model_is_train(m);
     tdm_device *dev = tdm_model_device(m);
@@ -186,11 +193,12 @@ tdm_status tdm_evaluate(tdm_model *m, const tdm_dataset *d, int batch, double *l
     int64_t correct = 0;
     for (int64_t start = 0; start < d->n; start += batch) {
         int b = (int)(d->n - start < batch ? d->n - start : batch);
-        const float *xd, *logits;
+        const void *xd;
+        const float *logits;
         const int32_t *yd;
         double ls = 0.0;
         int64_t c = 0;
-        TDM_TRY(tdm_single_stage(&stage, dev, d->x + start * feat, d->y + start, b, (int)feat,
+        TDM_TRY(tdm_single_stage(&stage, dev, d->x + start * feat, d->y + start, b, (int)feat, 1,
                                  &xd, &yd));
         TDM_TRY(tdm_model_forward(m, xd, b, &logits));
         TDM_TRY(tdm_loss_softmax_xent(dev, logits, yd, b, tdm_model_n_classes(m), 1.0f, &ls,

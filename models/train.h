@@ -19,8 +19,10 @@
 /* The permutation of 0..n-1 for an epoch: a pure function of (seed, epoch). */
 void tdm_train_epoch_order(int64_t *perm, int64_t n, uint64_t seed, int64_t epoch);
 
-/* One training step over a global batch in host memory; returns the mean loss. */
-typedef tdm_status (*tdm_train_step_fn)(void *ctx, const float *x, const int32_t *y, int batch,
+/* One training step over a global batch in host memory; returns the mean
+ * loss. x: batch samples of the model's input dtype (float32 features or
+ * int32 tokens, 4-byte elements either way); y: batch * out_rows targets. */
+typedef tdm_status (*tdm_train_step_fn)(void *ctx, const void *x, const int32_t *y, int batch,
                                         double *loss_mean);
 /* Progress after each step (step counts from 1). */
 typedef void (*tdm_train_progress_fn)(void *ctx, int64_t step, int64_t steps, double loss_mean,
@@ -57,12 +59,12 @@ tdm_status tdm_train_grad_norm(tdm_model *m, double *norm);
 typedef struct tdm_single {
     tdm_model *model;   /* borrowed */
     tdm_optim *opt;     /* borrowed */
-    float *x_dev;       /* staging for non-host devices */
+    void *x_dev;        /* staging for non-host devices */
     int32_t *y_dev;
     int cap;
     double ms[TDM_PHASE_COUNT_]; /* by tdm_phase: forward, loss, backward, step */
 } tdm_single;
-tdm_status tdm_single_step(void *single /* tdm_single */, const float *x, const int32_t *y,
+tdm_status tdm_single_step(void *single /* tdm_single */, const void *x, const int32_t *y,
                            int batch, double *loss_mean);
 void tdm_single_free(tdm_single *s);   /* frees staging only */
 

@@ -1,8 +1,8 @@
 /* tests/test_ddp_util.h: shared helpers of the DDP tests: a result area
  * shared with forked ranks (an anonymous MAP_SHARED mapping: no /dev/shm
- * name), small models and data, a DDP training run per rank, and the
- * single-device reference. Header-only (static) so that each test binary
- * stays one file. */
+ * name), small models and data (an MLP, a CNN, or a GPT on text windows),
+ * a DDP training run per rank, and the single-device reference.
+ * Header-only (static) so that each test binary stays one file. */
 #ifndef TDM_TESTS_TEST_DDP_UTIL_H
 #define TDM_TESTS_TEST_DDP_UTIL_H
 
@@ -14,8 +14,11 @@
 
 #include "core/data.h"
 #include "core/device.h"
+#include "core/rng.h"
+#include "core/text.h"
 #include "ddp/ddp.h"
 #include "ddp/spawn.h"
+#include "models/gpt.h"
 #include "models/model.h"
 #include "models/optim.h"
 #include "models/train.h"
@@ -28,6 +31,7 @@ typedef struct tddp_cfg {
     int cnn;
     const int *dims;         /* MLP widths (NULL: 20-16-12-5) */
     int ndims;
+    int gpt;                 /* a small GPT on text windows (tddp_text) instead */
     int batch;               /* global batch */
     int steps;
     int no_overlap;
@@ -101,6 +105,28 @@ static inline void tddp_spec_dims(tdm_model_spec *s, int cnn, const int *dims, i
 
 static inline void tddp_spec(tdm_model_spec *s, int cnn) { tddp_spec_dims(s, cnn, NULL, 0); }
 
+/* The GPT's model and text: step s's global batch is windows 0..batch-1 of
+ * tdm_text_windows(step s), a rank's share its slice of them. */
+#define TDDP_GPT_T 12
+static inline void tddp_spec_gpt(tdm_model_spec *s) { tdm_model_spec_gpt(s, 2, 16, 2, TDDP_GPT_T); }
+
+static inline const tdm_text *tddp_text(void)
+{
+    static uint8_t bytes[4000];
+    static tdm_text t = {.bytes = bytes, .n = sizeof bytes};
+    static const char *const w[] = {"one ", "two ", "three ", "four\n", "five, ", "six. "};
+    if (!bytes[0]) {
+        tdm_rng r;
+        tdm_rng_init(&r, 3, TDM_RNG_STREAM_TEST);
+        size_t n = 0;
+        while (n < sizeof bytes) {
+            const char *p = w[tdm_rng_below(&r, 6)];
+            while (*p && n < sizeof bytes) bytes[n++] = (uint8_t)*p++;
+        }
+    }
+    return &t;
+}
+
 static inline tdm_status tddp_data(tdm_dataset *d, int cnn, int64_t n)
 {
     return cnn ? tdm_data_synthetic(d, n, 1, 8, 8, 5, 77, 0)
@@ -130,8 +156,10 @@ static inline int tddp_rank_main(tdm_comm *comm, void *arg)
     float *x = NULL;
     int32_t *y = NULL;
     tdm_status st = TDM_STATUS_OK;
-    int64_t feat = tdm_data_features(run->data);
-    tddp_spec_dims(&spec, c->cnn, c->dims, c->ndims);
+    int64_t feat = c->gpt ? TDDP_GPT_T : tdm_data_features(run->data);
+    int64_t rows = c->gpt ? TDDP_GPT_T : 1;   /* targets per sample */
+    if (c->gpt) tddp_spec_gpt(&spec);
+    else tddp_spec_dims(&spec, c->cnn, c->dims, c->ndims);
     if (c->bad_layout_rank == rank) spec.dims[2] = 13;
     if (c->open_dev) TDM_TRY(c->open_dev(&dev, rank));
     else TDM_TRY(tdm_device_open(&dev, "cpu", rank, 1));
@@ -145,22 +173,25 @@ static inline int tddp_rank_main(tdm_comm *comm, void *arg)
     TDM_TRY(tdm_ddp_init(&ddp, m, gcomm ? gcomm : comm, &o));
     TDM_TRY(tdm_sgd_init(&opt, m, 0.05f, 0.9f));
     sh->zero_copy = tdm_ddp_zero_copy(ddp);
-    perm = malloc((size_t)run->data->n * sizeof *perm);
+    perm = malloc((size_t)(c->gpt ? 1 : run->data->n) * sizeof *perm);
     x = malloc((size_t)c->batch * (size_t)feat * sizeof *x);
-    y = malloc((size_t)c->batch * sizeof *y);
+    y = malloc((size_t)c->batch * (size_t)rows * sizeof *y);
     if (!perm || !x || !y) { st = TDM_STATUS_OUT_OF_MEMORY; goto fail; }
-    tdm_train_epoch_order(perm, run->data->n, 1, 0);
+    if (!c->gpt) tdm_train_epoch_order(perm, run->data->n, 1, 0);
     int micro = c->micro > 1 ? c->micro : 1;
     for (int s = 0; s < c->steps; s++) {
         /* global batch s, split in `micro` micro-batches, each split by rank */
-        const int64_t *gidx = perm + (int64_t)s * c->batch;
+        const int64_t *gidx = c->gpt ? perm : perm + (int64_t)s * c->batch;
         double loss_sum = 0.0;
         TDM_TRY(tdm_ddp_zero_grad(ddp));
         for (int k = 0; k < micro; k++) {
             int mb0 = (int)((int64_t)k * c->batch / micro), mb1 = (int)((int64_t)(k + 1) * c->batch / micro);
             int mb = mb1 - mb0;
             int lo = (int)((int64_t)rank * mb / world), hi = (int)((int64_t)(rank + 1) * mb / world);
-            tdm_data_gather(run->data, gidx + mb0 + lo, hi - lo, x, y);
+            if (c->gpt)
+                tdm_text_windows(tddp_text(), TDDP_GPT_T, 1, s, mb0 + lo, hi - lo, (int32_t *)x, y);
+            else
+                tdm_data_gather(run->data, gidx + mb0 + lo, hi - lo, x, y);
             double ls = 0.0;
             tdm_ddp_no_sync(ddp, k + 1 < micro);
             TDM_TRY(tdm_ddp_forward_scaled(ddp, x, y, hi - lo, 1.0f / (float)c->batch, &ls));
@@ -250,19 +281,24 @@ static inline tdm_status tddp_reference(const tddp_cfg *c, const tdm_dataset *da
     tdm_optim *opt = NULL;
     tdm_model_spec spec;
     tdm_single single = {0};
-    int64_t feat = tdm_data_features(data);
-    int64_t *perm = malloc((size_t)data->n * sizeof *perm);
+    int64_t feat = c->gpt ? TDDP_GPT_T : tdm_data_features(data);
+    int64_t rows = c->gpt ? TDDP_GPT_T : 1;
+    int64_t *perm = malloc((size_t)(c->gpt ? 1 : data->n) * sizeof *perm);
     float *x = malloc((size_t)c->batch * (size_t)feat * sizeof *x);
-    int32_t *y = malloc((size_t)c->batch * sizeof *y);
-    tddp_spec_dims(&spec, c->cnn, c->dims, c->ndims);
+    int32_t *y = malloc((size_t)c->batch * (size_t)rows * sizeof *y);
+    if (c->gpt) tddp_spec_gpt(&spec);
+    else tddp_spec_dims(&spec, c->cnn, c->dims, c->ndims);
     TDM_TRY(tdm_device_open(&dev, "cpu", 0, 1));
     TDM_TRY(tdm_model_init(&m, dev, &spec, 5));
     TDM_TRY(tdm_sgd_init(&opt, m, 0.05f, 0.9f));
     single.model = m;
     single.opt = opt;
-    tdm_train_epoch_order(perm, data->n, 1, 0);
+    if (!c->gpt) tdm_train_epoch_order(perm, data->n, 1, 0);
     for (int s = 0; s < c->steps; s++) {
-        tdm_data_gather(data, perm + (int64_t)s * c->batch, c->batch, x, y);
+        if (c->gpt)
+            tdm_text_windows(tddp_text(), TDDP_GPT_T, 1, s, 0, c->batch, (int32_t *)x, y);
+        else
+            tdm_data_gather(data, perm + (int64_t)s * c->batch, c->batch, x, y);
         TDM_TRY(tdm_single_step(&single, x, y, c->batch, &loss[s]));
         if (s == 0 && grads0)
             memcpy(grads0, tdm_model_grads(m), (size_t)tdm_model_param_elems(m) * 4);

@@ -62,7 +62,7 @@ static void assert_msg(const char *needle)
 
 /* ---- the epoch loop ---------------------------------------------------- */
 
-static tdm_status nan_at(void *ctx, const float *x, const int32_t *y, int batch, double *loss)
+static tdm_status nan_at(void *ctx, const void *x, const int32_t *y, int batch, double *loss)
 {
     (void)x;
     (void)y;

@@ -126,7 +126,7 @@ Test(train, small_cnn_learns_synthetic_data)
     tdm_data_free(&te);
 }
 
-static tdm_status step_counter(void *ctx, const float *x, const int32_t *y, int batch, double *loss)
+static tdm_status step_counter(void *ctx, const void *x, const int32_t *y, int batch, double *loss)
 {
     (void)x;
     (void)y;

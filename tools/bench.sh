@@ -15,6 +15,8 @@ section "one host device, MLP 784-1024-1024-10 batch 256 (tandem bench train)"
 $t bench train --model mlp --steps 40
 section "one host device, CNN batch 128"
 $t bench train --model cnn --steps 20
+section "one host device, GPT gpt:4-128-4-128 batch 32 windows (docs/GPT.md)"
+$t bench train --model gpt --steps 30
 section "DP vs one device (tandem bench dp)"
 $t bench dp --model mlp
 $t bench dp --model cnn
@@ -22,6 +24,8 @@ section "one device vs DP vs DDP, MLP batch 256 (tandem compare)"
 $t compare --data synthetic --model mlp --batch 256 --steps 30
 section "one device vs DP vs DDP, CNN batch 128"
 $t compare --data synthetic --model cnn --batch 128 --steps 12
+section "one device vs DP vs DDP, GPT batch 32 windows of 128 bytes (fortunes)"
+$t compare --model gpt --steps 20
 section "overhead-bound: MLP 784-128-10, batch 64"
 $t compare --data synthetic --model mlp:784-128-10 --batch 64 --steps 200 --warmup 20
 section "baseline a user would otherwise run: one device, 2 BLAS threads"

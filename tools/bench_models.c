@@ -10,6 +10,7 @@
 
 #include "core/data.h"
 #include "core/device.h"
+#include "core/rng.h"
 #include "core/timer.h"
 #include "models/model.h"
 #include "models/optim.h"
@@ -186,13 +187,40 @@ typedef struct tdm_bench_step_ctx {
     uint64_t last;
 } tdm_bench_step_ctx;
 
-static tdm_status tdm_bench_step(void *ctx, const float *x, const int32_t *y, int batch,
+static tdm_status tdm_bench_step(void *ctx, const void *x, const int32_t *y, int batch,
                                  double *loss)
 {
     tdm_bench_step_ctx *c = ctx;
     uint64_t t0 = tdm_time_ns();
     tdm_status st = tdm_single_step(&c->single, x, y, batch, loss);
     c->times[c->n++] = (double)(tdm_time_ns() - t0) * 1e-9;
+    return st;
+}
+
+/* steps single-device steps of a gpt on random bytes. */
+static tdm_status tdm_bench_text_steps(tdm_model *m, int batch, int steps,
+                                       tdm_bench_step_ctx *ctx)
+{
+    int64_t n = (int64_t)batch * tdm_model_in_features(m);
+    int32_t *x = malloc((size_t)n * sizeof(int32_t)), *y = malloc((size_t)n * sizeof(int32_t));
+    tdm_status st = TDM_STATUS_OK;
+    if (!x || !y) {
+        st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "a batch of %d windows", batch);
+        goto fail;
+    }
+    tdm_rng r;
+    tdm_rng_init(&r, 7, TDM_RNG_STREAM_DATA);
+    for (int s = 0; s < steps; s++) {
+        for (int64_t i = 0; i < n; i++) {
+            x[i] = (int32_t)(tdm_rng_u32(&r) & 255);
+            y[i] = (int32_t)(tdm_rng_u32(&r) & 255);
+        }
+        double loss;
+        TDM_TRY(tdm_bench_step(ctx, x, y, batch, &loss));
+    }
+fail:
+    free(x);
+    free(y);
     return st;
 }
 
@@ -213,15 +241,17 @@ static int tdm_bench_train(int argc, char **argv)
             if (!tdm_args_int("--threads", v, 1, 256, &threads)) return 2;
             threads_set = 1;
         } else if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
-            printf("usage: tandem bench train [--model mlp|cnn|mlp:...] [--batch B] [--steps S]\n"
-                   "                         [--device cpu|cuda|cuda:I] [--threads T]\n\n"
-                   "Single-device training throughput on synthetic data (median step after\n"
+            printf("usage: tandem bench train [--model mlp|cnn|gpt|mlp:...|gpt:L-D-H-T] [--batch B]\n"
+                   "                         [--steps S]"
+                   " [--device cpu|cuda|cuda:I] [--threads T]\n\n"
+                   "Single-device training throughput on synthetic data (a gpt: random bytes,\n"
+                   "AdamW; the others: synthetic images, SGD) (median step after\n"
                    "5 warm-up steps), and the achieved gemm rate as a fraction of the same\n"
                    "device's sgemm ceiling (tandem bench gemm). The device is a host device\n"
                    "with T BLAS threads (default cpu, T = 1) or cuda:I (cuda: GPU 0; inputs\n"
                    "staged to the GPU each step, every step timed until the GPU has finished\n"
                    "it; --threads is host only). With TANDEM_CUDA_EMULATOR=N, cuda:I is\n"
-                   "emulated on the host, not a GPU.\nDefaults: batch 256 (mlp), 128 (cnn); 60 steps.\n");
+                   "emulated on the host, not a GPU.\nDefaults: batch 256 (mlp), 128 (cnn), 32 windows (gpt); 60 steps.\n");
             return 0;
         } else {
             fprintf(stderr, "tandem bench train: unknown option '%s'\n", argv[i]);
@@ -233,7 +263,10 @@ static int tdm_bench_train(int argc, char **argv)
         fprintf(stderr, "tandem bench train: %s\n", tdm_error_message());
         return 2;
     }
-    if (!batch) batch = spec.kind == TDM_MODEL_CNN ? 128 : 256;
+    int gpt = spec.kind == TDM_MODEL_GPT;
+    tdm_optim_opts adamw;
+    tdm_optim_opts_default(&adamw, TDM_OPTIM_ADAMW);
+    if (!batch) batch = spec.kind == TDM_MODEL_CNN ? 128 : gpt ? 32 : 256;
     tdm_device *d = NULL;
     tdm_model *m = NULL;
     tdm_optim *opt = NULL;
@@ -245,9 +278,13 @@ static int tdm_bench_train(int argc, char **argv)
     tdm_epoch_stats es;
     if ((rc = tdm_bench_open_device("train", dev_spec, threads, threads_set, &d))) return rc;
     rc = 1;
-    if (tdm_data_synthetic(&data, (batch * (steps + 5)), c, h, w, classes, 7, 0) != TDM_STATUS_OK ||
+    /* a gpt trains with AdamW on random bytes (speed does not depend on
+     * the text); the image models with SGD on synthetic images */
+    if ((!gpt && tdm_data_synthetic(&data, (batch * (steps + 5)), c, h, w, classes, 7, 0) !=
+                     TDM_STATUS_OK) ||
         tdm_model_init(&m, d, &spec, 1) != TDM_STATUS_OK ||
-        tdm_sgd_init(&opt, m, 0.01f, 0.9f) != TDM_STATUS_OK) {
+        (gpt ? tdm_optim_init(&opt, m, &adamw) : tdm_sgd_init(&opt, m, 0.01f, 0.9f)) !=
+            TDM_STATUS_OK) {
         fprintf(stderr, "tandem bench train: %s\n", tdm_error_message());
         goto done;
     }
@@ -258,8 +295,9 @@ static int tdm_bench_train(int argc, char **argv)
         fprintf(stderr, "tandem bench train: out of memory\n");
         goto done;
     }
-    if (tdm_train_epoch(&data, (int)batch, 1, 0, 1, steps + 5, tdm_bench_step, &ctx,
-                        tdm_bench_nop_progress, NULL, &es) != TDM_STATUS_OK) {
+    if (gpt ? tdm_bench_text_steps(m, (int)batch, (int)steps + 5, &ctx) != TDM_STATUS_OK
+            : tdm_train_epoch(&data, (int)batch, 1, 0, 1, steps + 5, tdm_bench_step, &ctx,
+                              tdm_bench_nop_progress, NULL, &es) != TDM_STATUS_OK) {
         fprintf(stderr, "tandem bench train: %s\n", tdm_error_message());
         goto done;
     }
@@ -286,7 +324,11 @@ static int tdm_bench_train(int argc, char **argv)
     }
     printf("  step: median %.2f ms (min %.2f, max %.2f) over %lld steps\n", med * 1e3, t[0] * 1e3,
            t[steps - 1] * 1e3, steps);
-    printf("  throughput: %.0f samples/s\n", (double)batch / med);
+    if (gpt)
+        printf("  throughput: %.0f windows/s = %.0f tokens/s\n", (double)batch / med,
+               (double)batch * spec.n_ctx / med);
+    else
+        printf("  throughput: %.0f samples/s\n", (double)batch / med);
     printf("  gemm work: %.2f MFLOP/sample -> %.1f GFLOP/s = %.0f%% of the %.1f GFLOP/s sgemm "
            "ceiling\n", (fwd + bwd) * 1e-6, gflops, 100.0 * gflops / ceiling, ceiling);
     printf("  phases of the last step (ms): forward %.2f, loss %.2f, backward %.2f, "

@@ -49,13 +49,14 @@ static void tdm_cmp_usage(FILE *f)
         "same global batches, and prints throughput, a per-phase breakdown, an\n"
         "equivalence verdict, memory per device and a reading of the figures.\n"
         "\n"
-        "  --model NAME         mlp, mlp:W0-..-Wn, cnn                      [mlp]\n"
+        "  --model NAME         mlp, mlp:W0-..-Wn, cnn, gpt, gpt:L-D-H-T      [mlp]\n"
         "  --device SPEC        devices for DP and DDP: cpu:N (N >= 1), or GPUs\n"
         "                       cuda (all) / cuda:I,J,.. (single runs on the first) [cpu:2]\n"
         "  --steps S            training steps per mode                      [30]\n"
         "  --warmup W           steps left out of the timing figures         [3]\n"
-        "  --batch B            global batch size (B >= N)                   [256]\n"
+        "  --batch B            global batch size (B >= N)   [256; gpt: %d windows]\n"
         "  --data DIR|synthetic Fashion-MNIST directory or synthetic data  [Fashion-MNIST]\n"
+        "  --data FILE|DIR      gpt: any file, or a fortunes directory  [Debian's fortunes]\n"
         "  --optim sgd|adamw    [sgd]   --lr LR [sgd 0.05, adamw 0.001]   --momentum M [0.9]\n"
         "  --seed S             initial parameters and data order            [1]\n"
         "  --bucket-cap-mb MB   DDP bucket cap                               [25]\n"
@@ -75,7 +76,7 @@ static void tdm_cmp_usage(FILE *f)
         "and prints the report; --device defaults to cpu:N.\n"
         "\n"
         "Exit codes: 0 ok and equivalent, 1 a run failed, 2 bad usage, 3 the\n"
-        "equivalence verdict failed.\n");
+        "equivalence verdict failed.\n", TDM_CMP_GPT_BATCH);
 }
 
 typedef struct tdm_cmp_diff {
@@ -286,7 +287,7 @@ static int tdm_cmp_main(int argc, char **argv)
 {
     static const char default_device[] = "cpu:2";
     tdm_cmp_opts o = {.model = "mlp", .device = default_device, .data = NULL, .optim = "sgd",
-                      .steps = 30, .warmup = 3, .batch = 256, .lr = -1, .momentum = 0.9,
+                      .steps = 30, .warmup = 3, .batch = 0, .lr = -1, .momentum = 0.9,
                       .weight_decay = 0.0, .seed = 1, .bucket_cap_mb = 25, .perturb_rank = -1};
     for (int i = 1; i < argc; i++) {
         const char *v;
@@ -330,6 +331,13 @@ static int tdm_cmp_main(int argc, char **argv)
     tdm_model_spec spec;
     if (tdm_model_spec_parse(&spec, o.model) != TDM_STATUS_OK) {
         fprintf(stderr, "tandem compare: --model: %s\n", tdm_error_message());
+        return 2;
+    }
+    int gpt = spec.kind == TDM_MODEL_GPT;
+    if (!o.batch) o.batch = gpt ? TDM_CMP_GPT_BATCH : 256;
+    if (gpt && o.data && !strcmp(o.data, "synthetic")) {
+        fprintf(stderr, "tandem compare: a gpt trains on text: --data FILE (any bytes) or a "
+                        "fortunes directory [default: Debian's fortunes]\n");
         return 2;
     }
     int err_fd = -1, jrc = tdm_cmp_mpi_join(&o, o.device != default_device, &err_fd);
@@ -429,6 +437,21 @@ static int tdm_cmp_main(int argc, char **argv)
     /* data and the global batches */
     tdm_cmp_data data = {0};
     tdm_status st;
+    if (gpt) {
+        /* windows drawn per step (core/text.h): no dataset order */
+        data.T = spec.n_ctx;
+        data.seed = o.seed;
+        if ((st = tdm_text_load(&data.text, o.data)) != TDM_STATUS_OK) {
+            fprintf(stderr, "tandem compare: loading text: %s\n", tdm_error_message());
+            return 1;
+        }
+        if ((st = tdm_text_check_context(&data.text, data.T)) != TDM_STATUS_OK) {
+            fprintf(stderr, "tandem compare: --model: %s\n", tdm_error_message());
+            tdm_text_free(&data.text);
+            return 2;
+        }
+        goto data_ready;
+    }
     if (o.data && !strcmp(o.data, "synthetic")) {
         int c, h, w, classes;
         tdm_model_spec_sample_shape(&spec, &c, &h, &w, &classes);
@@ -469,11 +492,17 @@ static int tdm_cmp_main(int argc, char **argv)
         tdm_train_epoch_order(data.order + e * per_epoch * o.batch, data.train.n, o.seed, e);
     }
 
+data_ready:;
     char desc[160];
     tdm_model_spec_describe(&spec, desc, sizeof desc);
-    printf("tandem compare: %s, global batch %d, %d steps (%d warm-up), %s lr %g%s\n", desc,
-           o.batch, o.steps, o.warmup, o.optim, o.lr,
-           o.data && !strcmp(o.data, "synthetic") ? ", synthetic data" : ", Fashion-MNIST");
+    printf("tandem compare: %s, global batch %d%s, %d steps (%d warm-up), %s lr %g%s%s\n", desc,
+           o.batch, gpt ? " windows" : "", o.steps, o.warmup, o.optim, o.lr,
+           gpt ? ", text: " : o.data && !strcmp(o.data, "synthetic") ? ", synthetic data"
+                                                                 : ", Fashion-MNIST",
+           gpt ? data.text.source : "");
+    if (gpt)
+        printf("  a sample is a window of %d bytes (%d tokens), its loss the mean over them\n",
+               data.T, data.T);
     char dev0name[32], devspec[TDM_DEVICE_LIST_MAX * 4 + 8];
     tdm_cmp_dev_name(&o, 0, dev0name, sizeof dev0name);
     tdm_cmp_dev_spec(&o, o.n_dev, devspec, sizeof devspec);
@@ -723,5 +752,6 @@ done:
     for (int k = 0; k < TDM_CMP_NMODES; k++) tdm_cmp_result_free(&res[k]);
     free(data.order);
     tdm_data_free(&data.train);
+    tdm_text_free(&data.text);
     return rc;
 }

@@ -11,11 +11,14 @@
 #include "core/data.h"
 #include "core/comm.h"
 #include "core/device.h"
+#include "core/text.h"
 #include "core/timer.h"
 #include "models/model.h"
 
 #define TDM_CMP_MAX_DEV 64
 #define TDM_CMP_MAX_BUCKETS 256
+/* compare's default global batch for a gpt: windows of its context */
+#define TDM_CMP_GPT_BATCH 32
 
 typedef enum tdm_cmp_mode {
     TDM_CMP_SINGLE = 0,
@@ -80,12 +83,24 @@ void tdm_cmp_dev_name(const tdm_cmp_opts *o, int i, char *buf, size_t len);
 void tdm_cmp_dev_spec(const tdm_cmp_opts *o, int n, char *buf, size_t len);
 
 /* The global batches: rows of the dataset for step s are
- * order[s * batch .. +batch). */
+ * order[s * batch .. +batch); for a gpt (text set), windows 0..batch-1 of
+ * tdm_text_windows(text, T, seed, s), a DDP rank drawing its own. */
 typedef struct tdm_cmp_data {
     tdm_dataset train;
     int64_t *order;
     int64_t n_order;
+    tdm_text_corpus text;   /* a gpt's (text.train.bytes set) */
+    int T;
+    uint64_t seed;
 } tdm_cmp_data;
+
+/* Samples [lo, lo + n) of step s's global batch of `batch` into x (n
+ * samples of the model's input dtype) and y (their targets). */
+void tdm_cmp_rows(const tdm_cmp_data *d, int step, int batch, int lo, int n, void *x,
+                  int32_t *y);
+/* Input elements (4 bytes each) and targets per sample. */
+int64_t tdm_cmp_feat(const tdm_cmp_data *d);
+int64_t tdm_cmp_targets(const tdm_cmp_data *d);
 
 /* Runs one mode over opts->steps global batches on the first n_dev
  * devices of --device (single: the first). Fills r (allocated by the

@@ -110,9 +110,25 @@ static tdm_status tdm_cmp_make(const tdm_cmp_opts *o, tdm_device *dev, tdm_model
     return tdm_optim_init(opt, *m, &oo);
 }
 
-static void tdm_cmp_batch(const tdm_cmp_data *d, int step, int batch, float *x, int32_t *y)
+void tdm_cmp_rows(const tdm_cmp_data *d, int step, int batch, int lo, int n, void *x,
+                  int32_t *y)
 {
-    tdm_data_gather(&d->train, d->order + (int64_t)step * batch, batch, x, y);
+    if (d->text.train.bytes)
+        tdm_text_windows(&d->text.train, d->T, d->seed, step, lo, n, x, y);
+    else
+        tdm_data_gather(&d->train, d->order + (int64_t)step * batch + lo, n, x, y);
+}
+
+int64_t tdm_cmp_feat(const tdm_cmp_data *d)
+{
+    return d->text.train.bytes ? d->T : tdm_data_features(&d->train);
+}
+
+int64_t tdm_cmp_targets(const tdm_cmp_data *d) { return d->text.train.bytes ? d->T : 1; }
+
+static void tdm_cmp_batch(const tdm_cmp_data *d, int step, int batch, void *x, int32_t *y)
+{
+    tdm_cmp_rows(d, step, batch, 0, batch, x, y);
 }
 
 static tdm_status tdm_cmp_params_out(tdm_model *m, float *dst)
@@ -142,9 +158,9 @@ static int tdm_cmp_run_single(const tdm_cmp_opts *o, const tdm_cmp_data *data, t
     tdm_model *m = NULL;
     tdm_optim *opt = NULL;
     tdm_single s = {0};
-    int64_t feat = tdm_data_features(&data->train);
+    int64_t feat = tdm_cmp_feat(data);
     float *x = malloc((size_t)o->batch * feat * sizeof(float));
-    int32_t *y = malloc((size_t)o->batch * sizeof(int32_t));
+    int32_t *y = malloc((size_t)o->batch * tdm_cmp_targets(data) * sizeof(int32_t));
     if (!x || !y) goto done;
     if (tdm_tool_rank_device(&o->dl, 0, &dev) != TDM_STATUS_OK ||
         tdm_cmp_make(o, dev, &m, &opt) != TDM_STATUS_OK) {
@@ -202,9 +218,9 @@ static int tdm_cmp_run_dp(const tdm_cmp_opts *o, const tdm_cmp_data *data, int n
     tdm_model *m = NULL;
     tdm_optim *opt = NULL;
     tdm_dp *dp = NULL;
-    int64_t feat = tdm_data_features(&data->train);
+    int64_t feat = tdm_cmp_feat(data);
     float *x = malloc((size_t)o->batch * feat * sizeof(float));
-    int32_t *y = malloc((size_t)o->batch * sizeof(int32_t));
+    int32_t *y = malloc((size_t)o->batch * tdm_cmp_targets(data) * sizeof(int32_t));
     tdm_cmp_dev_spec(o, n_dev, spec, sizeof spec);
     if (!x || !y) goto done;
     if (tdm_dp_devices_open(spec, devs, &n) != TDM_STATUS_OK ||
@@ -233,7 +249,8 @@ static int tdm_cmp_run_dp(const tdm_cmp_opts *o, const tdm_cmp_data *data, int n
     for (int d = 0; d < n; d++)
         tdm_cmp_mem_model(&r->mem[d], tdm_dp_replica(dp, d), d == 0 ? tdm_optim_state_bytes(opt) : 0);
     /* the output device also holds the gathered logits and their gradient */
-    r->mem[0].comm = 2.0 * o->batch * tdm_model_n_classes(m) * sizeof(float);
+    r->mem[0].comm = 2.0 * o->batch * tdm_model_out_rows(m) * tdm_model_n_classes(m) *
+                     sizeof(float);
     r->ok = ok = 1;
 done:
     tdm_dp_free(dp);
@@ -278,11 +295,11 @@ static int tdm_cmp_ddp_rank(tdm_comm *comm, void *argp)
     tdm_optim *opt = NULL;
     tdm_ddp *ddp = NULL;
     tdm_comm *nccl = NULL;   /* GPUs: the gradient communicator, bootstrapped over comm */
-    int64_t feat = tdm_data_features(&a->data->train);
+    int64_t feat = tdm_cmp_feat(a->data);
     int lo = (int)((int64_t)rank * o->batch / world), hi = (int)((int64_t)(rank + 1) * o->batch / world);
     int b = hi - lo;
     float *x = malloc((size_t)(b > 0 ? b : 1) * feat * sizeof(float));
-    int32_t *y = malloc((size_t)(b > 0 ? b : 1) * sizeof(int32_t));
+    int32_t *y = malloc((size_t)(b > 0 ? b : 1) * tdm_cmp_targets(a->data) * sizeof(int32_t));
     float *mine = NULL;
     tdm_ddp_opts dopts = {.bucket_cap_mb = o->bucket_cap_mb, .no_overlap = o->no_overlap};
     if (!x || !y) goto done;
@@ -305,8 +322,8 @@ static int tdm_cmp_ddp_rank(tdm_comm *comm, void *argp)
     double *bwd = TDM_CMP_AT(sh, off_bwd, double);
     double *bucket = TDM_CMP_AT(sh, off_bucket, double);
     for (int i = 0; i < o->steps; i++) {
-        const int64_t *rows = a->data->order + (int64_t)i * o->batch + lo;
-        if (b > 0) tdm_data_gather(&a->data->train, rows, b, x, y);
+        /* this rank's share only (a gpt's rank draws its own windows) */
+        if (b > 0) tdm_cmp_rows(a->data, i, o->batch, lo, b, x, y);
         double loss_sum = 0.0;
         uint64_t t0 = tdm_time_ns();
         tdm_status st = tdm_ddp_zero_grad(ddp);

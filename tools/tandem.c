@@ -13,6 +13,7 @@
 #pragma weak tdm_tool_compare_main
 #pragma weak tdm_tool_bench_dp_main
 #pragma weak tdm_tool_bench_models_main
+#pragma weak tdm_tool_sample_main
 
 typedef int (*tdm_tool_main_fn)(int, char **);
 
@@ -22,6 +23,7 @@ static const struct {
     const char *help;
 } tdm_tool_cmds[] = {
     {"train", tdm_tool_train_main, "train a model (single device, DP or DDP)"},
+    {"sample", tdm_tool_sample_main, "generate text with a GPT checkpoint"},
     {"compare", tdm_tool_compare_main, "one device, DP and DDP side by side"},
     {"launch", tdm_tool_launch_main, "run N ranks of your own program (like torchrun)"},
     {"bench", tdm_tool_bench_main, "benchmarks: bench <collective> (nccl-tests columns), "

@@ -16,5 +16,6 @@ int tdm_tool_bench_models_main(int argc, char **argv);
 /* `bench dp` (tools/bench_dp.c); argv[0] is "dp". */
 int tdm_tool_bench_dp_main(int argc, char **argv);
 int tdm_tool_compare_main(int argc, char **argv); /* tools/compare.c */
+int tdm_tool_sample_main(int argc, char **argv);  /* tools/sample.c */
 
 #endif

@@ -74,7 +74,7 @@ static void tdm_train_ddp_fail(int rank, const char *what, tdm_status st)
             tdm_error_message()[0] ? tdm_error_message() : tdm_status_name(st));
 }
 
-static tdm_status tdm_train_ddp_step(void *ctx, const float *x, const int32_t *y, int batch,
+static tdm_status tdm_train_ddp_step(void *ctx, const void *x, const int32_t *y, int batch,
                                      double *loss_mean)
 {
     tdm_train_ddp_rank *r = ctx;
@@ -87,7 +87,7 @@ static tdm_status tdm_train_ddp_step(void *ctx, const float *x, const int32_t *y
         raise(SIGKILL);
     }
     TDM_TRY(tdm_ddp_zero_grad(r->ddp));
-    TDM_TRY(tdm_ddp_forward_scaled(r->ddp, x + (int64_t)lo * r->feat, y + lo, hi - lo,
+    TDM_TRY(tdm_ddp_forward_scaled(r->ddp, (const float *)x + (int64_t)lo * r->feat, y + lo, hi - lo,
                                    1.0f / (float)batch, &ls));
     if (!isfinite(ls)) {
         /* This rank's share went bad: it stops before the gradient

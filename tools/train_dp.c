@@ -18,7 +18,7 @@ typedef struct tdm_train_dp_ctx {
     int64_t steps;
 } tdm_train_dp_ctx;
 
-static tdm_status tdm_train_dp_step(void *ctx, const float *x, const int32_t *y, int batch,
+static tdm_status tdm_train_dp_step(void *ctx, const void *x, const int32_t *y, int batch,
                                     double *loss)
 {
     tdm_train_dp_ctx *c = ctx;

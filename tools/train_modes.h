@@ -13,6 +13,9 @@
 #include "models/optim.h"
 #include "models/train.h"
 
+/* The default global batch of a gpt: windows of its context. */
+#define TDM_TRAIN_GPT_BATCH 32
+
 typedef struct tdm_train_args {
     const char *mode, *model, *device, *optim, *data, *save, *resume;
     long long threads, epochs, batch, seed, synthetic_size, max_steps, bucket_cap_mb;
@@ -60,7 +63,33 @@ int tdm_train_epochs(const tdm_train_args *a, tdm_model *m, tdm_optim *opt,
                      void *step_ctx, int64_t start_epoch, tdm_train_eval_fn eval,
                      void *eval_ctx, tdm_train_after_epoch_fn after, void *after_ctx);
 
+/* The progress line (a bar on a terminal, every tenth of the epoch
+ * otherwise), a tdm_train_progress_fn over a tdm_progress. */
+typedef struct tdm_progress {
+    int tty, quiet;
+    int64_t epoch, epochs;
+    int64_t last_tenth;
+} tdm_progress;
+void tdm_train_progress(void *ctx, int64_t step, int64_t steps, double loss, double sps);
+
+/* The learning-rate schedule wraps the mode's step: cosine annealing
+ * (Loshchilov & Hutter, SGDR) from the base rate to 0 over all the run's
+ * steps, a function of the optimizer's step count so resuming continues it.
+ * tdm_train_sched_step is a tdm_train_step_fn over a tdm_train_sched. */
+typedef struct tdm_train_sched {
+    tdm_train_step_fn step;
+    void *ctx;
+    tdm_optim *opt;
+    double base_lr;
+    int64_t total_steps;
+    int cosine;
+} tdm_train_sched;
+tdm_status tdm_train_sched_step(void *p, const void *x, const int32_t *y, int batch,
+                                double *loss);
+
 int tdm_train_run_single(const tdm_train_args *a);
+/* --model gpt: a language model on text, in every mode (tools/train_text.c). */
+int tdm_train_text_main(const tdm_train_args *a);
 int tdm_train_run_dp(const tdm_train_args *a) __attribute__((weak));
 int tdm_train_run_ddp(const tdm_train_args *a) __attribute__((weak));
 

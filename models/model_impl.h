@@ -1,0 +1,102 @@
+/* models/model_impl.h: the inside of a tdm_model, shared by the files
+ * that build models: models/model.c (the layer graph of the MLP and CNN,
+ * the flat buffers, the public accessors) and models/gpt.c (the GPT,
+ * which brings its own forward and backward through tdm_model_vt).
+ * Not a public header: nothing outside models/ includes it. */
+#ifndef TDM_MODELS_MODEL_IMPL_H
+#define TDM_MODELS_MODEL_IMPL_H
+
+#include "models/model.h"
+
+/* A GPT with L blocks has 12 L + 4 parameter tensors and 6 L + 3 logical
+ * layers (one per group of parameters backward finishes together). */
+#define TDM_MODEL_MAX_LAYERS 288
+#define TDM_MODEL_MAX_TENSORS 512
+
+typedef enum tdm_layer_kind {
+    TDM_LAYER_LINEAR = 0,
+    TDM_LAYER_CONV,
+    TDM_LAYER_BN,
+    TDM_LAYER_MAXPOOL,
+    TDM_LAYER_FLATTEN,   /* CNHW -> (N, C*H*W) */
+    TDM_LAYER_TO_CNHW,   /* (N, C, H, W) input -> CNHW */
+    TDM_LAYER_GROUP,     /* a model with its own vt: only names a parameter range */
+} tdm_layer_kind;
+
+typedef struct tdm_layer {
+    tdm_layer_kind kind;
+    int p0, np;             /* parameter tensors [p0, p0+np) */
+    int b0, nb;             /* buffer tensors */
+    int relu;               /* fused relu on the output */
+    int c, h, w;            /* input shape per sample (linear: c = in features) */
+    int oc, oh, ow;         /* output shape per sample (linear: oc = out features) */
+    int k, stride, pad;     /* conv / pool */
+    int64_t in_elems, out_elems; /* per sample */
+    /* activations (capacity m->cap samples) */
+    float *out;
+    float *col;             /* conv: im2col matrix of the last forward */
+    int32_t *argmax;        /* maxpool */
+    float *mean, *var, *invstd; /* bn, per channel */
+    const float *in;        /* input of the last forward (borrowed) */
+} tdm_layer;
+
+/* What a model kind that is not a list of model.c's layers supplies
+ * (the GPT). model.c keeps the tables, flat buffers, gradient storage,
+ * hook and training flag, and calls these for the rest. */
+typedef struct tdm_model_vt {
+    /* Parameter values on the host (hp: param_elems floats, zeroed). */
+    void (*init_params)(tdm_model *m, uint64_t seed, float *hp);
+    /* After tdm_model_forward's argument checks, with m->batch = 0. */
+    tdm_status (*forward)(tdm_model *m, const void *x, int batch, const float **logits);
+    /* After tdm_model_backward's checks: adds into the gradients and calls
+     * the grad-ready hook itself. */
+    tdm_status (*backward)(tdm_model *m, const float *dlogits);
+    const float *(*last_logits)(const tdm_model *m);
+    void (*gemm_flops)(const tdm_model *m, double *fwd, double *bwd);
+    void (*free_activations)(tdm_model *m);   /* and zero m->cap, m->act_bytes */
+    void (*free_ext)(tdm_model *m);           /* m->ext itself */
+} tdm_model_vt;
+
+struct tdm_model {
+    tdm_model_spec spec;
+    tdm_device *dev;        /* borrowed */
+    const tdm_model_vt *vt; /* NULL: model.c's layers */
+    void *ext;              /* the vt's state */
+    int n_layers;
+    tdm_layer layers[TDM_MODEL_MAX_LAYERS];
+    int n_params, n_buffers;
+    tdm_tensor_info params_info[TDM_MODEL_MAX_TENSORS];
+    tdm_tensor_info buffers_info[TDM_MODEL_MAX_TENSORS];
+    int64_t param_elems, buffer_elems;
+    float *params, *grads, *buffers;
+    float *grads_owned;     /* NULL while grads are borrowed */
+    int train;
+    int bwd_stop;           /* backward runs layers n_layers-1 .. bwd_stop */
+    tdm_grad_ready_fn hook;
+    void *hook_ctx;
+    /* activations */
+    int cap;                /* samples the activations hold */
+    int batch;              /* batch of the last forward */
+    float *dbuf[2];         /* backward ping-pong, max activation size */
+    float *dcol;            /* conv backward scratch, largest col; a separate buffer so
+                               that col survives and backward can run twice */
+    float *ones;            /* cap ones, for bias gradients via gemm */
+    float *dlogits;         /* forward_backward scratch */
+    int64_t max_elems;      /* largest per-sample activation */
+    size_t act_bytes;
+};
+
+/* Appends a tensor to the parameter (buffer = 0) or buffer table, owned by
+ * layer `layer`, at the next 64-byte boundary of its flat buffer. */
+tdm_status tdm_model_add_tensor(tdm_model *m, int buffer, int layer, const char *name, int ndim,
+                                const int64_t *shape);
+/* Appends a layer of the given kind owning the tensors added after it. */
+tdm_layer *tdm_model_add_layer(tdm_model *m, tdm_layer_kind kind);
+
+/* models/gpt.c */
+tdm_status tdm_gpt_spec_parse(tdm_model_spec *s, const char *text);
+void tdm_gpt_spec_describe(const tdm_model_spec *s, char *buf, size_t len);
+/* Adds the GPT's tensors and layers and sets m->vt and m->ext. */
+tdm_status tdm_gpt_build(tdm_model *m);
+
+#endif
