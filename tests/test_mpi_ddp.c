@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "ddp/ddp.h"
 #include "mpi/job.h"
@@ -272,4 +273,45 @@ Test(mpi_ddp, compare_under_mpirun, .timeout = 300)
     j.args = sweep;
     mpi_t_run(&res, &j);
     cr_assert_eq(res.code, 2, "exit %d:\n%s", res.code, res.out);
+}
+
+/* "train loss X" and "val loss Y nats" of a gpt run's epoch line */
+static void gpt_losses(const char *out, char *buf, size_t len)
+{
+    const char *p = strstr(out, "epoch 1/1: train loss ");
+    cr_assert_not_null(p, "no epoch line in:\n%s", out);
+    const char *t = strchr(p + 22, ',');
+    const char *v = strstr(p, "val loss ");
+    cr_assert(t && v, "%s", out);
+    const char *ve = strstr(v, " nats");
+    cr_assert_not_null(ve);
+    snprintf(buf, len, "%.*s | %.*s", (int)(t - p), p, (int)(ve - v), v);
+}
+
+Test(mpi_ddp, gpt_under_mpirun_trains_as_the_forked_run, .timeout = 200)
+{
+    MPI_T_NEED();
+    char dir[] = "/tmp/tandem-test-gpt-XXXXXX", path[64];
+    cr_assert_not_null(mkdtemp(dir));
+    snprintf(path, sizeof path, "%s/text.txt", dir);
+    FILE *f = fopen(path, "w");
+    cr_assert_not_null(f);
+    for (int i = 0; i < 400; i++)
+        fprintf(f, "line %d: the quick brown fox jumps over the lazy dog %d times.\n", i, i % 7);
+    fclose(f);
+    const char *args[] = {"train", "--model", "gpt:1-16-2-16", "--mode", "ddp", "--data", path,
+                          "--epochs", "1", "--max-steps", "5", "--backend", "mpi", "--quiet",
+                          NULL};
+    mpi_t_job j = {.np = 2, .exe = cli_bin(), .args = args, .timeout_s = 150};
+    mpi_t_run(&res, &j);
+    expect(&res, 0, NULL);
+    char under_mpi[256], forked[256];
+    gpt_losses(res.out, under_mpi, sizeof under_mpi);
+    CLI(&res, "train", "--model", "gpt:1-16-2-16", "--mode", "ddp", "--device", "cpu:2",
+        "--data", path, "--epochs", "1", "--max-steps", "5", "--quiet");
+    expect(&res, 0, NULL);
+    gpt_losses(res.out, forked, sizeof forked);
+    cr_assert_str_eq(under_mpi, forked);
+    unlink(path);
+    rmdir(dir);
 }

@@ -84,7 +84,7 @@ static void tdm_train_usage(FILE *f)
         "\n"
         "--mode ddp forks one rank per device, or, started by an MPI launcher\n"
         "(mpirun -np N tandem train --mode ddp ..., srun), takes its ranks from it\n"
-        "(docs/MULTINODE.md; not yet for a gpt).\n"
+        "(docs/MULTINODE.md).\n"
         "\n"
         "Exit codes: 0 ok, 1 runtime failure, 2 bad usage.\n",
         TDM_GPT_DEFAULT_LAYERS, TDM_GPT_DEFAULT_WIDTH, TDM_GPT_DEFAULT_HEADS,
@@ -204,11 +204,6 @@ int tdm_tool_train_main(int argc, char **argv)
     if (strcmp(a.mode, "ddp") && mpi_n && atoi(mpi_n) > 1) {
         fprintf(stderr, "tandem train: started by an MPI launcher with %s ranks, but --mode %s "
                 "would train %s independent copies: use --mode ddp\n", mpi_n, a.mode, mpi_n);
-        return 2;
-    }
-    if (gpt && tdm_tool_mpi_launched()) {
-        fprintf(stderr, "tandem train: --model gpt does not run under an MPI launcher yet: "
-                "its ranks fork from one process (tandem train --mode ddp --device cpu:N)\n");
         return 2;
     }
     if (gpt) return tdm_train_text_main(&a);
