@@ -127,8 +127,8 @@ int tdm_tool_bench_check_ranks(const bench_cfg *cfg, int say)
 {
     if (cfg->root >= cfg->nranks) {
         if (say)
-            fprintf(stderr, "tandem bench: -r %d: root must be below the number of ranks, %d\n",
-                cfg->root, cfg->nranks);
+            fprintf(stderr, "tandem bench: -r %d: root must be below -n %d (the number of "
+                    "ranks)\n", cfg->root, cfg->nranks);
         return 0;
     }
     size_t es = tdm_dtype_size(cfg->dtype);
