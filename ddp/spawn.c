@@ -32,8 +32,7 @@ tdm_status tdm_ddp_spawn(int world, tdm_ddp_spawn_fn fn, void *arg,
     so.shm.arena_bytes = o.arena_bytes;
     so.shm.timeout_ms = o.comm_timeout_ms;
     tdm_ddp_spawn_ctx c = {.fn = fn, .arg = arg};
-    /* tdm_shm_spawn names the root cause of a failure (a rank killed by a
-     * signal before the survivors it took down) */
+    /* tdm_shm_spawn names the root cause of a failure (tdm_shm_watch_blame) */
     return tdm_shm_spawn(world, tdm_ddp_spawn_child, &c, &so, res);
 }
 

@@ -2,8 +2,8 @@
  * communicator (torch.multiprocessing.spawn for C): tests and
  * `tandem train --mode ddp`. Each rank gets RANK, LOCAL_RANK, WORLD_SIZE
  * and LOCAL_WORLD_SIZE in its environment and log lines tagged with its
- * rank. Wraps shm/spawn.h (fork, watch, fail fast, name the first rank
- * that failed, stop the rest, leave nothing behind). For exec'd user
+ * rank. Wraps shm/spawn.h (fork, watch, fail fast, name the root cause,
+ * stop the rest, leave nothing behind). For exec'd user
  * programs use `tandem launch` (tools/launch.c). */
 #ifndef TDM_DDP_SPAWN_H
 #define TDM_DDP_SPAWN_H
@@ -24,8 +24,10 @@ typedef struct tdm_ddp_spawn_opts {
     size_t arena_bytes;       /* zero-copy arena per rank (DDP gradients); 0: none */
 } tdm_ddp_spawn_opts;
 
-/* Returns OK when every rank exited 0, else the first failure ("rank 2
- * (pid 4121) was killed by signal 9 (Killed)"). opts, res may be NULL. */
+/* Returns OK when every rank exited 0, else the root cause by the rule of
+ * tdm_shm_watch_blame (shm/spawn.h): "rank 2 (pid 4121) was killed by
+ * signal 9 (Killed)", "rank 1 (pid 4120) is stopped ...". opts, res may be
+ * NULL. */
 tdm_status tdm_ddp_spawn(int world, tdm_ddp_spawn_fn fn, void *arg,
                          const tdm_ddp_spawn_opts *opts, tdm_shm_spawn_result *res);
 

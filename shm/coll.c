@@ -157,7 +157,7 @@ static tdm_status tdm_shm_arrive_check(tdm_shm_impl *c)
         if (d->seq != mine->seq)
             snprintf(b + strlen(b), sizeof b - strlen(b), " as its collective #%llu",
                      (unsigned long long)d->seq);
-        tdm_shm_raise(c->hdr, c->base, TDM_STATUS_MISMATCH,
+        tdm_shm_raise_rank(c, -1, TDM_STATUS_MISMATCH,
                       "collective #%llu: rank %d called %s but rank %d called %s",
                       (unsigned long long)c->seq, c->rank, a, p, b);
         c->failed = TDM_STATUS_MISMATCH;
@@ -239,7 +239,7 @@ static void tdm_shm_copy_out(void *dst, const void *src, size_t nbytes, int big)
 static tdm_status tdm_shm_rs_ag(tdm_shm_impl *c, const tdm_comm_call *k, int all)
 {
     size_t es = tdm_dtype_size(k->dtype);
-    size_t per_max = tdm_shm_portion_elems(c->hdr->slot_bytes, c->world, es);
+    size_t per_max = tdm_shm_portion_elems(c->geom.slot_bytes, c->world, es);
     size_t round_elems = per_max * (size_t)c->world;
     size_t line = TDM_SHM_LINE / es;
     const uint8_t *send = k->sendbuf;
@@ -325,7 +325,7 @@ static tdm_status tdm_shm_rs_ag_zc(tdm_shm_impl *c, const tdm_comm_call *k, size
 static size_t tdm_shm_arena_offset(tdm_shm_impl *c, const void *p, size_t nbytes, size_t es)
 {
     const uint8_t *a = tdm_shm_arena_of(c, c->rank), *b = p;
-    if (!c->hdr->arena_bytes || b < a || b + nbytes > a + c->arena_used) return SIZE_MAX;
+    if (!c->geom.arena_bytes || b < a || b + nbytes > a + c->arena_used) return SIZE_MAX;
     size_t off = (size_t)(b - a);
     if (off % es || off / es >= UINT32_MAX - 1) return SIZE_MAX;
     return off;
@@ -334,7 +334,7 @@ static size_t tdm_shm_arena_offset(tdm_shm_impl *c, const void *p, size_t nbytes
 static tdm_status tdm_shm_all_reduce(tdm_shm_impl *c, const tdm_comm_call *k, int all)
 {
     size_t nbytes = k->count * tdm_dtype_size(k->dtype);
-    if (nbytes <= c->hdr->one_shot_max && nbytes <= c->hdr->slot_bytes) {
+    if (nbytes <= c->geom.one_shot_max && nbytes <= c->geom.slot_bytes) {
         tdm_shm_set_algo(c, "one-shot", k);
         return tdm_shm_one_shot(c, k, all);
     }
@@ -354,7 +354,7 @@ static tdm_status tdm_shm_all_reduce(tdm_shm_impl *c, const tdm_comm_call *k, in
 static tdm_status tdm_shm_reduce_scatter(tdm_shm_impl *c, const tdm_comm_call *k)
 {
     size_t es = tdm_dtype_size(k->dtype);
-    size_t sec = tdm_shm_portion_elems(c->hdr->slot_bytes, c->world, es);
+    size_t sec = tdm_shm_portion_elems(c->geom.slot_bytes, c->world, es);
     const uint8_t *send = k->sendbuf;
     uint8_t *recv = k->recvbuf;
     tdm_shm_set_algo(c, "direct", k);
@@ -379,7 +379,7 @@ static tdm_status tdm_shm_reduce_scatter(tdm_shm_impl *c, const tdm_comm_call *k
 static tdm_status tdm_shm_gather(tdm_shm_impl *c, const tdm_comm_call *k, int root)
 {
     size_t es = tdm_dtype_size(k->dtype);
-    size_t chunk = c->hdr->slot_bytes / es;
+    size_t chunk = c->geom.slot_bytes / es;
     const uint8_t *send = k->sendbuf;
     uint8_t *recv = (root < 0 || root == c->rank) ? k->recvbuf : NULL;
     tdm_shm_set_algo(c, "direct", k);
@@ -405,7 +405,7 @@ static tdm_status tdm_shm_gather(tdm_shm_impl *c, const tdm_comm_call *k, int ro
 static tdm_status tdm_shm_broadcast(tdm_shm_impl *c, const tdm_comm_call *k)
 {
     size_t es = tdm_dtype_size(k->dtype);
-    size_t chunk = c->hdr->slot_bytes / es;
+    size_t chunk = c->geom.slot_bytes / es;
     int root = k->root, me_root = c->rank == root;
     const uint8_t *send = k->sendbuf;
     uint8_t *recv = k->recvbuf;
@@ -430,7 +430,7 @@ static tdm_status tdm_shm_broadcast(tdm_shm_impl *c, const tdm_comm_call *k)
 static tdm_status tdm_shm_scatter(tdm_shm_impl *c, const tdm_comm_call *k)
 {
     size_t es = tdm_dtype_size(k->dtype);
-    size_t sec = tdm_shm_portion_elems(c->hdr->slot_bytes, c->world, es);
+    size_t sec = tdm_shm_portion_elems(c->geom.slot_bytes, c->world, es);
     int root = k->root, me_root = c->rank == root;
     const uint8_t *send = k->sendbuf;
     uint8_t *recv = k->recvbuf;
@@ -512,7 +512,7 @@ static tdm_status tdm_shm_recv(tdm_shm_impl *c, const tdm_comm_call *k)
         const uint8_t *half = tdm_shm_p2p_half(blk, t);
         uint64_t theirs = *(const uint64_t *)half;
         if (theirs != nbytes) {
-            tdm_shm_raise(c->hdr, c->base, TDM_STATUS_MISMATCH,
+            tdm_shm_raise_rank(c, -1, TDM_STATUS_MISMATCH,
                           "recv #%llu on rank %d from rank %d: expected %zu bytes, rank %d "
                           "sent %llu", (unsigned long long)c->cur_seq, c->rank, peer, nbytes,
                           peer, (unsigned long long)theirs);

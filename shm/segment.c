@@ -12,8 +12,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <linux/magic.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/vfs.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -26,6 +28,8 @@
 #define TDM_SHM_DEFAULT_TIMEOUT_MS 300000
 #define TDM_SHM_DEFAULT_ONE_SHOT (4u * 1024)
 #define TDM_SHM_SPIN_NS (50u * 1000)
+#define TDM_SHM_DEFAULT_STALL_MS 3000
+#define TDM_SHM_MIN_STALL_MS 500
 
 static size_t tdm_shm_round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
@@ -51,7 +55,9 @@ tdm_status tdm_shm_layout(int world, const tdm_shm_opts *opts, tdm_shm_header *h
     h->nbuf = TDM_SHM_NBUF;
     h->ctrl_off = TDM_SHM_PAGE;
     h->ctrl_bytes = sizeof(tdm_shm_ctrl);
-    h->slot_off = h->ctrl_off + tdm_shm_round_up((size_t)world * h->ctrl_bytes, TDM_SHM_PAGE);
+    h->reason_off = h->ctrl_off + tdm_shm_round_up((size_t)world * h->ctrl_bytes, TDM_SHM_PAGE);
+    h->slot_off = h->reason_off +
+                  tdm_shm_round_up((size_t)(world + 1) * TDM_SHM_REASON_BYTES, TDM_SHM_PAGE);
     h->slot_bytes = slot;
     h->p2p_off = h->slot_off + (size_t)world * TDM_SHM_NBUF * slot;
     h->p2p_bytes = world > 1 ? tdm_shm_round_up(2 * TDM_SHM_LINE + 2 * (TDM_SHM_P2P_HDR +
@@ -62,6 +68,17 @@ tdm_status tdm_shm_layout(int world, const tdm_shm_opts *opts, tdm_shm_header *h
     h->one_shot_max = opts && opts->one_shot_max_bytes ? opts->one_shot_max_bytes
                                                         : TDM_SHM_DEFAULT_ONE_SHOT;
     return TDM_STATUS_OK;
+}
+
+void tdm_shm_geom_from(const tdm_shm_header *h, tdm_shm_geom *g)
+{
+    *g = (tdm_shm_geom){.world = h->world, .total = h->total_bytes,
+                        .ctrl_off = h->ctrl_off, .ctrl_bytes = h->ctrl_bytes,
+                        .reason_off = h->reason_off,
+                        .slot_off = h->slot_off, .slot_bytes = h->slot_bytes,
+                        .p2p_off = h->p2p_off, .p2p_bytes = h->p2p_bytes,
+                        .arena_off = h->arena_off, .arena_bytes = h->arena_bytes,
+                        .one_shot_max = h->one_shot_max};
 }
 
 /* --- group (parent side) ------------------------------------------------- */
@@ -91,6 +108,128 @@ static tdm_status tdm_shm_open_backing(const tdm_shm_opts *opts, int *fd_out)
     return TDM_STATUS_OK;
 }
 
+/* --- memory headroom ------------------------------------------------------ */
+
+/* A number from a one-line file ("max": no limit), 0 when unreadable. */
+static int tdm_shm_read_u64(const char *path, uint64_t *v)
+{
+    char buf[64];
+    FILE *f = fopen(path, "re");
+    if (!f) return 0;
+    int ok = fgets(buf, sizeof buf, f) != NULL;
+    fclose(f);
+    if (!ok) return 0;
+    if (!strncmp(buf, "max", 3)) { *v = UINT64_MAX; return 1; }
+    char *end;
+    errno = 0;
+    *v = strtoull(buf, &end, 10);
+    return !errno && end != buf;
+}
+
+/* Lowers *avail to the headroom (limit - usage) of cgroup directory dir
+ * and of every ancestor up to the hierarchy's root (a parent's limit
+ * holds for its children); src names the bound that applied. */
+static void tdm_shm_cgroup_headroom(const char *root, const char *rel, const char *max_name,
+                                    const char *cur_name, uint64_t *avail, char *src, size_t n)
+{
+    char dir[1024], path[1200];
+    snprintf(dir, sizeof dir, "%s%s", root, rel);
+    for (;;) {
+        uint64_t lim, cur;
+        snprintf(path, sizeof path, "%s/%s", dir, max_name);
+        int have_lim = tdm_shm_read_u64(path, &lim);
+        snprintf(path, sizeof path, "%s/%s", dir, cur_name);
+        /* v1 writes "no limit" as a page-rounded LONG_MAX */
+        if (have_lim && lim < ((uint64_t)1 << 62) && tdm_shm_read_u64(path, &cur)) {
+            uint64_t room = cur < lim ? lim - cur : 0;
+            if (room < *avail) {
+                *avail = room;
+                snprintf(src, n, "cgroup %s: %s %llu, %s %llu", dir, max_name,
+                         (unsigned long long)lim, cur_name, (unsigned long long)cur);
+            }
+        }
+        char *slash = strrchr(dir, '/');
+        if (strlen(dir) <= strlen(root) || !slash) break;
+        *slash = '\0';
+    }
+}
+
+/* Bytes of memory this process can still take: MemAvailable, lowered to
+ * the headroom of its memory cgroup (v2: memory.max - memory.current; v1:
+ * memory.limit_in_bytes - memory.usage_in_bytes) and its ancestors'.
+ * UINT64_MAX when nothing can be read. src says which bound it is. */
+static uint64_t tdm_shm_mem_available(char *src, size_t n)
+{
+    uint64_t avail = UINT64_MAX;
+    snprintf(src, n, "no limit found");
+    FILE *f = fopen("/proc/meminfo", "re");
+    char line[512];
+    while (f && fgets(line, sizeof line, f)) {
+        unsigned long long kb;
+        if (sscanf(line, "MemAvailable: %llu kB", &kb) == 1) {
+            avail = (uint64_t)kb * 1024;
+            snprintf(src, n, "MemAvailable in /proc/meminfo");
+            break;
+        }
+    }
+    if (f) fclose(f);
+    f = fopen("/proc/self/cgroup", "re");
+    while (f && fgets(line, sizeof line, f)) {
+        line[strcspn(line, "\n")] = '\0';
+        char *a = strchr(line, ':'), *b = a ? strchr(a + 1, ':') : NULL;
+        if (!b) continue;
+        *b++ = '\0';
+        struct stat sb;
+        char probe[1024];
+        if (!strcmp(line, "0") && !a[1]) {          /* v2: "0::/path" */
+            static const char *const roots[] = {"/sys/fs/cgroup", "/sys/fs/cgroup/unified"};
+            for (int i = 0; i < 2; i++) {
+                snprintf(probe, sizeof probe, "%s%s/memory.current", roots[i], b);
+                if (stat(probe, &sb) == 0) {
+                    tdm_shm_cgroup_headroom(roots[i], b, "memory.max", "memory.current", &avail,
+                                            src, n);
+                    break;
+                }
+            }
+        } else {                                      /* v1: "N:memory,...:/path" */
+            int mem = 0;
+            char *save = NULL;
+            for (char *t = strtok_r(a + 1, ",", &save); t; t = strtok_r(NULL, ",", &save))
+                mem |= !strcmp(t, "memory");
+            if (!mem) continue;
+            snprintf(probe, sizeof probe, "/sys/fs/cgroup/memory%s/memory.usage_in_bytes", b);
+            /* inside a cgroup namespace the hierarchy's root is our own */
+            const char *rel = stat(probe, &sb) == 0 ? b : "";
+            tdm_shm_cgroup_headroom("/sys/fs/cgroup/memory", rel, "memory.limit_in_bytes",
+                                    "memory.usage_in_bytes", &avail, src, n);
+        }
+    }
+    if (f) fclose(f);
+    return avail;
+}
+
+/* A segment on memfd or tmpfs takes memory: refuse one larger than what
+ * is available, naming both, rather than reserve it and be OOM-killed
+ * (a cgroup's limit is enforced by killing, not by failing fallocate). */
+static tdm_status tdm_shm_check_memory(size_t total, int world, const tdm_shm_opts *opts)
+{
+    if (opts && opts->shm_dir) {
+        struct statfs fs;
+        if (statfs(opts->shm_dir, &fs) != 0 ||
+            ((unsigned long)fs.f_type != TMPFS_MAGIC && (unsigned long)fs.f_type != RAMFS_MAGIC))
+            return TDM_STATUS_OK;   /* a disk: posix_fallocate checks its space */
+    }
+    char src[1200];
+    uint64_t avail = tdm_shm_mem_available(src, sizeof src);
+    if ((uint64_t)total <= avail) return TDM_STATUS_OK;
+    return tdm_error_set(TDM_STATUS_OUT_OF_MEMORY,
+                         "shm: cannot reserve %zu bytes (%.1f MiB) for %d ranks: only %llu bytes "
+                         "(%.1f MiB) of memory are available (%s); lower the zero-copy arena "
+                         "(--arena-mb, arena_bytes), slot_bytes or the number of ranks",
+                         total, (double)total / (1 << 20), world, (unsigned long long)avail,
+                         (double)avail / (1 << 20), src);
+}
+
 tdm_status tdm_shm_group_create(tdm_shm_group **out, int world, const tdm_shm_opts *opts)
 {
     tdm_status st = TDM_STATUS_OK;
@@ -107,6 +246,8 @@ tdm_status tdm_shm_group_create(tdm_shm_group **out, int world, const tdm_shm_op
     if (opts) g->opts = *opts;
     g->opts.shm_dir = NULL; /* borrowed string: not kept */
     g->total = h.total_bytes;
+    tdm_shm_geom_from(&h, &g->geom);
+    TDM_TRY(tdm_shm_check_memory(g->total, world, opts));
     TDM_TRY(tdm_shm_open_backing(opts, &g->fd));
     int rc;
     do rc = posix_fallocate(g->fd, 0, (off_t)g->total);
@@ -130,7 +271,7 @@ tdm_status tdm_shm_group_create(tdm_shm_group **out, int world, const tdm_shm_op
     clock_gettime(CLOCK_REALTIME, &ts);
     h.job_id = ((uint64_t)getpid() << 32) ^ (uint64_t)ts.tv_nsec ^ tdm_time_ns();
     /* fallocate zeroed everything: flags, states, abort word start at 0. */
-    memcpy(g->base, &h, offsetof(tdm_shm_header, abort_claim));
+    memcpy(g->base, &h, offsetof(tdm_shm_header, abort_word));
     TDM_INFO(SHM, "segment: %zu bytes for %d ranks (slots %d x %zu, arena %zu per rank), %s",
              g->total, world, TDM_SHM_NBUF, (size_t)h.slot_bytes, (size_t)h.arena_bytes,
              opts && opts->shm_dir ? opts->shm_dir : "memfd");
@@ -154,8 +295,7 @@ size_t tdm_shm_group_bytes(const tdm_shm_group *g) { return g->total; }
 
 static tdm_shm_ctrl *tdm_shm_group_ctrl(tdm_shm_group *g, int rank)
 {
-    tdm_shm_header *h = g->base;
-    return (tdm_shm_ctrl *)((uint8_t *)g->base + h->ctrl_off + (size_t)rank * h->ctrl_bytes);
+    return tdm_shm_geom_ctrl(&g->geom, g->base, rank);
 }
 
 void tdm_shm_group_set_pid(tdm_shm_group *g, int rank, pid_t pid)
@@ -164,18 +304,30 @@ void tdm_shm_group_set_pid(tdm_shm_group *g, int rank, pid_t pid)
     atomic_store(&tdm_shm_group_ctrl(g, rank)->pid, (int32_t)pid);
 }
 
-void tdm_shm_group_mark_dead(tdm_shm_group *g, int rank, int wstatus)
+void tdm_shm_group_mark_ended(tdm_shm_group *g, int rank, int wstatus)
 {
     if (!g || rank < 0 || rank >= g->world) return;
     tdm_shm_ctrl *k = tdm_shm_group_ctrl(g, rank);
-    if (atomic_load(&k->state) == TDM_SHM_STATE_LEFT) return; /* it finished cleanly */
-    atomic_store(&k->wstatus, wstatus);
-    /* Release pairs with the acquire load of state in tdm_shm_check_peers. */
-    atomic_store_explicit(&k->state, TDM_SHM_STATE_DEAD, memory_order_release);
-    char why[128];
-    tdm_shm_wait_status_str(wstatus, why, sizeof why);
-    tdm_shm_raise(g->base, g->base, TDM_STATUS_PEER_FAILED, "rank %d (pid %d) %s", rank,
-                  (int)atomic_load(&k->pid), why);
+    int32_t state = atomic_load(&k->state);
+    int failed = !(WIFEXITED(wstatus) && WEXITSTATUS(wstatus) == 0);
+    if (failed) {
+        /* A failure, even after freeing its communicator: the group stops.
+         * Raised before the state changes, so that a peer that sees DEAD
+         * finds this reason (with its detail) already published. */
+        char why[128];
+        tdm_shm_wait_status_str(wstatus, why, sizeof why);
+        tdm_shm_raise(g->base, &g->geom, g->base, g->world, &g->raising, rank,
+                      TDM_STATUS_PEER_FAILED, "rank %d (pid %d) %s%s", rank,
+                      (int)atomic_load(&k->pid), why,
+                      state == TDM_SHM_STATE_LEFT ? " after freeing its communicator" : "");
+    }
+    /* The release stores pair with the acquire loads in
+     * tdm_shm_check_peers: wstatus is visible with `ended` and the state.
+     * An exit 0 only records the end: whoever waits for the rank later
+     * learns it is gone, and how; nobody else is disturbed. */
+    atomic_store_explicit(&k->wstatus, wstatus, memory_order_relaxed);
+    atomic_store_explicit(&k->ended, 1, memory_order_release);
+    if (failed) atomic_store_explicit(&k->state, TDM_SHM_STATE_DEAD, memory_order_release);
 }
 
 tdm_status tdm_shm_group_export_env(tdm_shm_group *g)
@@ -197,7 +349,7 @@ tdm_status tdm_shm_group_export_env(tdm_shm_group *g)
 static tdm_status tdm_shm_abort_op(void *impl, const char *reason)
 {
     tdm_shm_impl *c = impl;
-    tdm_shm_raise(c->hdr, c->base, TDM_STATUS_ABORTED, "aborted by rank %d: %s", c->rank, reason);
+    tdm_shm_raise_rank(c, c->rank, TDM_STATUS_ABORTED, "aborted by rank %d: %s", c->rank, reason);
     return TDM_STATUS_OK;
 }
 
@@ -207,10 +359,10 @@ static tdm_status tdm_shm_alloc_op(void *impl, size_t nbytes, void **ptr)
 {
     tdm_shm_impl *c = impl;
     size_t n = tdm_shm_round_up(nbytes ? nbytes : 1, TDM_SHM_LINE);
-    TDM_REQUIRE(n <= c->hdr->arena_bytes - c->arena_used, TDM_STATUS_OUT_OF_MEMORY,
+    TDM_REQUIRE(n <= c->geom.arena_bytes - c->arena_used, TDM_STATUS_OUT_OF_MEMORY,
                 "shm: zero-copy arena exhausted: %zu bytes requested, %zu of %zu left "
-                "(raise opts.arena_bytes)", nbytes, (size_t)(c->hdr->arena_bytes - c->arena_used),
-                (size_t)c->hdr->arena_bytes);
+                "(raise opts.arena_bytes)", nbytes, (size_t)(c->geom.arena_bytes - c->arena_used),
+                (size_t)c->geom.arena_bytes);
     *ptr = tdm_shm_arena_of(c, c->rank) + c->arena_used;
     c->arena_used += n;
     return TDM_STATUS_OK;
@@ -220,6 +372,7 @@ static void tdm_shm_destroy(void *impl)
 {
     tdm_shm_impl *c = impl;
     if (!c) return;
+    tdm_shm_heartbeat_stop(c);
     tdm_shm_ctrl *k = tdm_shm_ctrl_of(c, c->rank);
     int32_t alive = TDM_SHM_STATE_ALIVE;
     atomic_compare_exchange_strong(&k->state, &alive, TDM_SHM_STATE_LEFT);
@@ -273,6 +426,7 @@ static tdm_status tdm_shm_validate(const tdm_shm_header *h, size_t size, int wor
                 (unsigned long long)h->slot_bytes);
     TDM_REQUIRE(h->header_bytes == want.header_bytes && h->nbuf == want.nbuf &&
                     h->ctrl_off == want.ctrl_off && h->ctrl_bytes == want.ctrl_bytes &&
+                    h->reason_off == want.reason_off &&
                     h->slot_off == want.slot_off && h->p2p_off == want.p2p_off &&
                     h->p2p_bytes == want.p2p_bytes && h->arena_off == want.arena_off &&
                     h->total_bytes == want.total_bytes,
@@ -286,7 +440,14 @@ static tdm_status tdm_shm_join(tdm_comm **out, void *base, size_t total, int unm
 {
     tdm_status st = TDM_STATUS_OK;
     tdm_shm_impl *c = NULL;
-    TDM_TRY(tdm_shm_validate(base, total, world));
+    /* Validate a private snapshot, then keep what was validated: the
+     * shared header may change under us (another process writes it), so
+     * neither the checks nor any later access reads its layout again. */
+    tdm_shm_header snap = {0};
+    tdm_shm_geom geom;
+    if (total >= TDM_SHM_PAGE) memcpy(&snap, base, offsetof(tdm_shm_header, abort_word));
+    TDM_TRY(tdm_shm_validate(&snap, total, world));
+    tdm_shm_geom_from(&snap, &geom);
     if (rank < 0 || rank >= world) {
         st = tdm_error_set(TDM_STATUS_INVALID_ARG, "shm: rank %d out of range 0..%d", rank,
                            world - 1);
@@ -295,6 +456,7 @@ static tdm_status tdm_shm_join(tdm_comm **out, void *base, size_t total, int unm
     c = calloc(1, sizeof *c);
     if (!c) { st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "shm: calloc"); goto fail; }
     c->hdr = base;
+    c->geom = geom;
     c->base = base;
     c->total = total;
     c->unmap = unmap;
@@ -315,6 +477,22 @@ static tdm_status tdm_shm_join(tdm_comm **out, void *base, size_t total, int unm
     const char *spin = getenv("TANDEM_SHM_SPIN_US");
     if (spin && *spin) c->spin_ns = (uint64_t)strtoull(spin, NULL, 10) * 1000;
     c->cur_name = "init";
+    int64_t stall_ms = opts ? opts->stall_ms : 0;
+    const char *stall = getenv("TANDEM_SHM_STALL_MS");
+    if (!stall_ms && stall && *stall) {
+        char *end;
+        errno = 0;
+        long long v = strtoll(stall, &end, 10);
+        if (errno || *end) {
+            st = tdm_error_set(TDM_STATUS_INVALID_ARG, "shm: TANDEM_SHM_STALL_MS='%s' is not "
+                               "an integer (ms; 0 or negative: no stall detection)", stall);
+            goto fail;
+        }
+        stall_ms = v > 0 ? v : -1;
+    }
+    if (!stall_ms) stall_ms = TDM_SHM_DEFAULT_STALL_MS;
+    if (stall_ms > 0 && stall_ms < TDM_SHM_MIN_STALL_MS) stall_ms = TDM_SHM_MIN_STALL_MS;
+    c->stall_ns = stall_ms > 0 ? (uint64_t)stall_ms * 1000000ull : 0;
     tdm_shm_ctrl *k = tdm_shm_ctrl_of(c, rank);
     /* claim the rank atomically: two processes joining as the same rank
      * must not both succeed */
@@ -325,8 +503,13 @@ static tdm_status tdm_shm_join(tdm_comm **out, void *base, size_t total, int unm
         goto fail;
     }
     atomic_store(&k->pid, (int32_t)getpid());
+    /* Peers read a beat of 0 as "no heartbeat" and never call this rank
+     * stopped on its account; without the thread it stays 0. */
+    if (world > 1 && tdm_shm_heartbeat_start(c) != TDM_STATUS_OK)
+        TDM_WARN(SHM, "rank %d: %s; peers will not tell if this rank stops", rank,
+                 tdm_error_message());
     TDM_INFO(SHM, "rank %d of %d joined (job %016llx, %s waits)", rank, world,
-             (unsigned long long)c->hdr->job_id, c->spin ? "spinning" : "sleeping");
+             (unsigned long long)snap.job_id, c->spin ? "spinning" : "sleeping");
     return tdm_comm_create(out, &tdm_shm_ops, c, rank, world);
 fail:
     if (c) free(c);
@@ -342,6 +525,7 @@ tdm_status tdm_shm_comm_init(tdm_comm **out, tdm_shm_group *g, int rank,
     tdm_shm_opts o = g->opts;
     if (opts) {
         if (opts->timeout_ms) o.timeout_ms = opts->timeout_ms;
+        if (opts->stall_ms) o.stall_ms = opts->stall_ms;
         o.no_spin = opts->no_spin;
     }
     return tdm_shm_join(out, g->base, g->total, 0, rank, g->world, &o);
@@ -386,8 +570,16 @@ tdm_status tdm_shm_comm_init_from_env(tdm_comm **out, const tdm_shm_opts *opts)
     TDM_CHECK(tdm_shm_env_int("WORLD_SIZE", 1, TDM_SHM_MAX_RANKS, &world));
     TDM_CHECK(tdm_shm_env_int("RANK", 0, world - 1, &rank));
     TDM_CHECK(tdm_shm_env_int(TDM_SHM_ENV_FD, 0, 1 << 20, &fd));
-    TDM_REQUIRE(fcntl(fd, F_GETFD) >= 0, TDM_STATUS_INVALID_ARG,
+    int flags = fcntl(fd, F_GETFD);
+    TDM_REQUIRE(flags >= 0, TDM_STATUS_INVALID_ARG,
                 "shm: %s=%d is not an open file descriptor in this process (was it "
                 "closed on exec?)", TDM_SHM_ENV_FD, fd);
-    return tdm_shm_comm_attach_fd(out, fd, rank, world, opts);
+    TDM_CHECK(tdm_shm_comm_attach_fd(out, fd, rank, world, opts));
+    /* The launcher cleared close-on-exec so that this rank could inherit
+     * the segment; restore it, so that programs this rank runs in turn
+     * (a shell, a data loader) never get write access to the group. */
+    if (!(flags & FD_CLOEXEC) && fcntl(fd, F_SETFD, flags | FD_CLOEXEC) < 0)
+        TDM_WARN(SHM, "fcntl(F_SETFD, FD_CLOEXEC) on %s=%d: %s", TDM_SHM_ENV_FD, fd,
+                 strerror(errno));
+    return TDM_STATUS_OK;
 }

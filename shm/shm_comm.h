@@ -4,8 +4,8 @@
  * Two ways in:
  * - forked ranks: the parent calls tdm_shm_group_create() (creates the
  *   segment, reserves its space, writes its header), forks, and each child
- *   calls tdm_shm_comm_init(). The parent reports children that die with
- *   tdm_shm_group_mark_dead() and releases the group with
+ *   calls tdm_shm_comm_init(). The parent reports how each child ended
+ *   with tdm_shm_group_mark_ended() and releases the group with
  *   tdm_shm_group_free() (shm/spawn.h does all of this for you);
  * - exec'd ranks (a launcher): the launcher creates the group, calls
  *   tdm_shm_group_export_env() before exec, and each rank calls
@@ -46,6 +46,12 @@ typedef struct tdm_shm_opts {
     size_t one_shot_max_bytes;
     /* 1: never spin, always sleep (tests of the futex path). */
     int no_spin;
+    /* A peer being waited for whose heartbeat has not advanced for this
+     * many ms is reported stopped (SIGSTOP, a debugger) or frozen instead
+     * of being waited for until timeout_ms. 0: TANDEM_SHM_STALL_MS from
+     * the environment, else 3000; negative: never (waits run to the
+     * deadline). At least 500. */
+    int64_t stall_ms;
 } tdm_shm_opts;
 
 typedef struct tdm_shm_group tdm_shm_group;
@@ -55,10 +61,13 @@ typedef struct tdm_shm_group tdm_shm_group;
 tdm_status tdm_shm_group_create(tdm_shm_group **out, int world, const tdm_shm_opts *opts);
 /* Unmaps and closes. NULL is a no-op. */
 void tdm_shm_group_free(tdm_shm_group *g);
-/* Parent side: rank's process ended with waitpid status `wstatus` (as
- * from waitpid). Marks it dead (if it had not left cleanly) and raises
- * the group abort flag so that the other ranks stop at once. */
-void tdm_shm_group_mark_dead(tdm_shm_group *g, int rank, int wstatus);
+/* Parent side: rank's process ended with waitpid status `wstatus`. A
+ * failure (a signal or a non-zero exit, freed communicator or not) marks
+ * it dead and raises the group abort so that the other ranks stop at
+ * once. An exit 0 only records it: a rank waiting for it later fails
+ * naming it ("exited with code 0 before all_reduce #5 without freeing its
+ * communicator"); ranks that do not need it go on. */
+void tdm_shm_group_mark_ended(tdm_shm_group *g, int rank, int wstatus);
 /* Records rank's pid before the child has attached, so that liveness
  * checks cover a rank that dies before tdm_shm_comm_init. */
 void tdm_shm_group_set_pid(tdm_shm_group *g, int rank, pid_t pid);

@@ -6,10 +6,11 @@
  * Segment layout (offsets in the header, every region 4 KiB aligned):
  *
  *   header     one page: magic, version, sizes of every region, world,
- *              job id, group abort flag and reason
+ *              job id, the group abort word
  *   ctrl       per rank, two 64-byte lines: [progress flag + call
- *              descriptors] [pid + state], so that the hot flag never
- *              shares a line with anything another process writes often
+ *              descriptors] [pid + state + heartbeat], so that the hot flag
+ *              never shares a line with anything another process writes often
+ *   reasons    per rank and one for the parent, an abort reason each
  *   slots      per rank, NBUF staging buffers of slot_bytes
  *   p2p        per ordered pair (src, dst): a sent flag line, an ack flag
  *              line, two halves of P2P bytes
@@ -18,6 +19,7 @@
 #ifndef TDM_SHM_SHM_IMPL_H
 #define TDM_SHM_SHM_IMPL_H
 
+#include <pthread.h>
 #include <stdalign.h>
 #include <stdatomic.h>
 #include <stddef.h>
@@ -28,12 +30,13 @@
 #include "shm/shm_comm.h"
 
 #define TDM_SHM_MAGIC 0x314d48534d444e54ull /* "TNDMSHM1" little endian */
-#define TDM_SHM_VERSION 1u
+#define TDM_SHM_VERSION 2u
 #define TDM_SHM_LINE 64
 #define TDM_SHM_PAGE 4096
 #define TDM_SHM_NBUF 2            /* staging buffers per rank */
 #define TDM_SHM_P2P_BYTES (64 * 1024) /* each of the two halves */
 #define TDM_SHM_P2P_HDR 64        /* per half: message size, chunk index */
+#define TDM_SHM_REASON_BYTES 512  /* one abort reason */
 
 /* A word ranks wait on: a free-running 64-bit counter, written only by
  * its owner. Sleepers futex-wait on its low 32 bits (little endian: the
@@ -59,7 +62,7 @@ enum {
     TDM_SHM_STATE_EMPTY = 0,   /* not attached yet */
     TDM_SHM_STATE_ALIVE = 1,
     TDM_SHM_STATE_LEFT = 2,    /* freed its communicator */
-    TDM_SHM_STATE_DEAD = 3,    /* reported dead by the parent (wstatus) */
+    TDM_SHM_STATE_DEAD = 3,    /* failed, reported by the parent (wstatus) */
 };
 
 typedef struct tdm_shm_ctrl {
@@ -70,6 +73,8 @@ typedef struct tdm_shm_ctrl {
     alignas(TDM_SHM_LINE) _Atomic int32_t pid;
     _Atomic int32_t state;
     _Atomic int32_t wstatus;
+    _Atomic int32_t ended;     /* 1: the parent reported its end (wstatus) */
+    _Atomic uint64_t beat;     /* heartbeat: advanced by the rank's heartbeat thread */
 } tdm_shm_ctrl;
 
 _Static_assert(sizeof(tdm_shm_ctrl) == 2 * TDM_SHM_LINE, "ctrl is two lines");
@@ -80,6 +85,7 @@ typedef struct tdm_shm_header {
     uint32_t header_bytes;
     uint64_t total_bytes;
     uint64_t ctrl_off, ctrl_bytes;    /* per rank */
+    uint64_t reason_off;              /* world + 1 reasons of TDM_SHM_REASON_BYTES */
     uint64_t slot_off, slot_bytes;    /* per buffer; NBUF per rank */
     uint64_t p2p_off, p2p_bytes;      /* per ordered pair */
     uint64_t arena_off, arena_bytes;  /* per rank */
@@ -87,26 +93,53 @@ typedef struct tdm_shm_header {
     int32_t world;
     int32_t nbuf;
     uint64_t job_id;
-    /* Group abort: the first raiser wins abort_claim (CAS 0 -> 1), writes
-     * reason, then publishes abort_status with release; readers load
-     * abort_status with acquire before reading reason. */
-    alignas(TDM_SHM_LINE) _Atomic int32_t abort_claim;
-    _Atomic int32_t abort_status;
-    char abort_reason[512];
+    /* Group abort, published in one step: a raiser first writes its reason
+     * in its own reason slot (rank r: slot r; the parent: slot world),
+     * which nobody reads until it is published, then CASes abort_word from
+     * 0 to the encoding below (release; readers load it with acquire
+     * before reading the slot it names). A raiser that dies before its CAS
+     * has claimed nothing; once set, the word never changes and neither
+     * does the slot it names (its owner writes it only while the word is 0). */
+    alignas(TDM_SHM_LINE) _Atomic uint64_t abort_word;
 } tdm_shm_header;
 
+/* abort_word: bits 0-15 the status, 16-23 1 + the raiser's slot, 24-31
+ * 1 + the rank the raiser blames (0: none, e.g. a mismatch). */
+#define TDM_SHM_ABORT_WORD(st, slot, culprit)                                  \
+    ((uint64_t)(uint16_t)(st) | ((uint64_t)((slot) + 1) << 16) |                \
+     ((uint64_t)((culprit) + 1) << 24))
+
 _Static_assert(sizeof(tdm_shm_header) <= TDM_SHM_PAGE, "header fits a page");
+
+/* The segment's geometry, in private memory: filled from a private
+ * snapshot of the header once it has been validated (attach) or from the
+ * layout just computed (create). Nothing after that reads offsets, sizes
+ * or world from the shared header, which any process holding the segment
+ * could rewrite. */
+typedef struct tdm_shm_geom {
+    int world;
+    size_t total;
+    size_t ctrl_off, ctrl_bytes;
+    size_t reason_off;
+    size_t slot_off, slot_bytes;
+    size_t p2p_off, p2p_bytes;
+    size_t arena_off, arena_bytes;
+    size_t one_shot_max;
+} tdm_shm_geom;
 
 struct tdm_shm_group {
     int fd;
     int world;
     void *base;
     size_t total;
+    tdm_shm_geom geom;
     tdm_shm_opts opts;
+    _Atomic int raising;       /* this process is writing the parent's reason slot */
 };
 
 typedef struct tdm_shm_impl {
-    tdm_shm_header *hdr;
+    tdm_shm_header *hdr;       /* shared: only the abort word and job id are read */
+    tdm_shm_geom geom;         /* private, validated: every offset comes from here */
     uint8_t *base;
     size_t total;
     int unmap;                 /* 1: this communicator mapped it (attach) */
@@ -128,30 +161,48 @@ typedef struct tdm_shm_impl {
     const char *cur_name;
     uint64_t cur_seq;
     uint64_t next_live_ns;
+    uint64_t unsure_since_ns[TDM_SHM_MAX_RANKS]; /* peer gone or left, status awaited since */
+    /* Stall detection (tdm_shm_opts.stall_ms): what this rank last saw of
+     * each awaited peer's heartbeat, and when it last saw it advance. */
+    uint64_t stall_ns;         /* 0: off */
+    uint64_t beat_seen[TDM_SHM_MAX_RANKS];
+    uint64_t beat_seen_ns[TDM_SHM_MAX_RANKS];
+    /* This rank's heartbeat thread */
+    pthread_t hb_thread;
+    pthread_mutex_t hb_mu;
+    pthread_cond_t hb_cv;
+    int hb_running, hb_stop;
+    _Atomic int raising;       /* a thread of this rank is writing its reason slot */
     tdm_status failed;         /* sticky: once a call failed, all fail */
     char failed_msg[256];      /* its message */
 } tdm_shm_impl;
 
+static inline tdm_shm_ctrl *tdm_shm_geom_ctrl(const tdm_shm_geom *g, uint8_t *base, int r)
+{
+    return (tdm_shm_ctrl *)(base + g->ctrl_off + (size_t)r * g->ctrl_bytes);
+}
 static inline tdm_shm_ctrl *tdm_shm_ctrl_of(const tdm_shm_impl *c, int r)
 {
-    return (tdm_shm_ctrl *)(c->base + c->hdr->ctrl_off + (size_t)r * c->hdr->ctrl_bytes);
+    return tdm_shm_geom_ctrl(&c->geom, c->base, r);
 }
 static inline uint8_t *tdm_shm_slot_of(const tdm_shm_impl *c, int r, uint64_t round)
 {
-    return c->base + c->hdr->slot_off +
-           ((size_t)r * TDM_SHM_NBUF + (size_t)(round % TDM_SHM_NBUF)) * c->hdr->slot_bytes;
+    return c->base + c->geom.slot_off +
+           ((size_t)r * TDM_SHM_NBUF + (size_t)(round % TDM_SHM_NBUF)) * c->geom.slot_bytes;
 }
 static inline uint8_t *tdm_shm_p2p_of(const tdm_shm_impl *c, int src, int dst)
 {
-    return c->base + c->hdr->p2p_off + ((size_t)src * c->world + (size_t)dst) * c->hdr->p2p_bytes;
+    return c->base + c->geom.p2p_off + ((size_t)src * c->world + (size_t)dst) * c->geom.p2p_bytes;
 }
 static inline uint8_t *tdm_shm_arena_of(const tdm_shm_impl *c, int r)
 {
-    return c->base + c->hdr->arena_off + (size_t)r * c->hdr->arena_bytes;
+    return c->base + c->geom.arena_off + (size_t)r * c->geom.arena_bytes;
 }
 
 /* segment.c */
 tdm_status tdm_shm_layout(int world, const tdm_shm_opts *opts, tdm_shm_header *out);
+/* The geometry of a header that tdm_shm_layout built or that was validated. */
+void tdm_shm_geom_from(const tdm_shm_header *h, tdm_shm_geom *out);
 
 /* wait.c */
 /* Publish v on f (owner only): release store, wake sleepers if any. */
@@ -159,11 +210,36 @@ void tdm_shm_flag_publish(tdm_shm_flag *f, uint64_t v);
 /* Wait until f >= target, where f belongs to rank `peer` (named in
  * errors). Fails on group abort, a dead or departed peer, or deadline. */
 tdm_status tdm_shm_flag_wait(tdm_shm_impl *c, tdm_shm_flag *f, uint64_t target, int peer);
-/* Raise the group abort flag (first reason wins) and wake everyone. */
-void tdm_shm_raise(tdm_shm_header *h, uint8_t *base, tdm_status st, const char *fmt, ...)
-    __attribute__((format(printf, 4, 5)));
+/* Raise the group abort (the first raiser wins) and wake everyone. slot:
+ * the raiser's reason slot (its rank, or world for the parent); raising:
+ * that slot's writer lock in this process; culprit: the rank the reason
+ * blames, or -1. */
+void tdm_shm_raise(tdm_shm_header *h, const tdm_shm_geom *g, uint8_t *base, int slot,
+                   _Atomic int *raising, int culprit, tdm_status st, const char *fmt, ...)
+    __attribute__((format(printf, 8, 9)));
+/* A rank's raise: its own slot. */
+#define tdm_shm_raise_rank(c, culprit, st, ...)                                \
+    tdm_shm_raise((c)->hdr, &(c)->geom, (c)->base, (c)->rank, &(c)->raising, (culprit), (st), \
+                  __VA_ARGS__)
+
+/* The group abort as published, decoded. */
+typedef struct tdm_shm_abort_info {
+    tdm_status status;         /* TDM_STATUS_OK: not raised */
+    int raiser;                /* the rank that raised it, -1: the parent */
+    int culprit;               /* the rank it blames, -1: none */
+    const char *reason;        /* in the segment; never changes once raised */
+} tdm_shm_abort_info;
+/* 1 and *out filled when the abort has been raised, else 0. */
+int tdm_shm_abort_get(const tdm_shm_header *h, const tdm_shm_geom *g, const uint8_t *base,
+                      tdm_shm_abort_info *out);
 /* TDM_STATUS_OK, or the group's abort status with this call's message. */
 tdm_status tdm_shm_check_abort(tdm_shm_impl *c);
+/* This rank's heartbeat: a thread that advances ctrl.beat every
+ * TDM_SHM_BEAT_NS whatever the rank's own threads do, so that a stopped
+ * process (all its threads stopped) is told from a busy one. */
+#define TDM_SHM_BEAT_NS (100ull * 1000 * 1000)
+tdm_status tdm_shm_heartbeat_start(tdm_shm_impl *c);
+void tdm_shm_heartbeat_stop(tdm_shm_impl *c);
 
 /* coll.c */
 tdm_status tdm_shm_run(void *impl, const tdm_comm_call *call);

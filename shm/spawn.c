@@ -53,6 +53,127 @@ void tdm_shm_wait_status_str(int wstatus, char *out, size_t n)
         snprintf(out, n, "died (wait status 0x%x)", (unsigned)wstatus);
 }
 
+/* --- the watch: one rule for naming the root cause ------------------------- */
+
+static int tdm_shm_failed(int wstatus) { return !(WIFEXITED(wstatus) && WEXITSTATUS(wstatus) == 0); }
+
+void tdm_shm_watch_init(tdm_shm_watch *w, tdm_shm_group *g, int world)
+{
+    memset(w, 0, sizeof *w);
+    w->group = g;
+    w->world = world;
+    w->abort_raiser = w->abort_culprit = -1;
+}
+
+void tdm_shm_watch_started(tdm_shm_watch *w, int rank, pid_t pid)
+{
+    if (rank < 0 || rank >= w->world) return;
+    w->pid[rank] = pid;
+    tdm_shm_group_set_pid(w->group, rank, pid);
+}
+
+int tdm_shm_watch_ended(tdm_shm_watch *w, int rank, int wstatus)
+{
+    if (rank < 0 || rank >= w->world || w->ended[rank]) return 0;
+    w->wstatus[rank] = wstatus;
+    w->ended[rank] = ++w->n_ended;
+    w->induced[rank] = w->stopping;
+    tdm_shm_group_mark_ended(w->group, rank, wstatus);
+    return tdm_shm_failed(wstatus);
+}
+
+/* The group abort as it stands, into the watch. */
+static int tdm_shm_watch_read_abort(const tdm_shm_watch *w, int *raiser, int *culprit,
+                                    char *reason, size_t n)
+{
+    tdm_shm_abort_info a;
+    if (!w->group || !tdm_shm_abort_get(w->group->base, &w->group->geom, w->group->base, &a))
+        return 0;
+    *raiser = a.raiser;
+    *culprit = a.culprit;
+    /* the reason lives in the segment, which any rank can write: bounded copy */
+    snprintf(reason, n, "%.*s", TDM_SHM_REASON_BYTES - 1, a.reason);
+    return 1;
+}
+
+void tdm_shm_watch_stopping(tdm_shm_watch *w, tdm_status st, const char *why)
+{
+    if (w->stopping) return;
+    w->stopping = 1;
+    w->stop_cause = why == NULL;
+    w->stop_status = st;
+    snprintf(w->stop_why, sizeof w->stop_why, "%s", why ? why : "");
+    w->aborted = tdm_shm_watch_read_abort(w, &w->abort_raiser, &w->abort_culprit,
+                                          w->abort_reason, sizeof w->abort_reason);
+}
+
+tdm_status tdm_shm_watch_blame(const tdm_shm_watch *w, tdm_shm_cause *cause)
+{
+    tdm_shm_cause dummy;
+    if (!cause) cause = &dummy;
+    *cause = TDM_SHM_CAUSE_NONE;
+    int failed = w->stopping;
+    for (int r = 0; r < w->world; r++)
+        if (w->ended[r] && tdm_shm_failed(w->wstatus[r])) failed = 1;
+    if (!failed) return TDM_STATUS_OK;
+    *cause = TDM_SHM_CAUSE_RANK;
+    char how[128];
+    /* 1. the first failure anyone saw, as of the first signal */
+    int aborted = w->aborted, raiser = w->abort_raiser, culprit = w->abort_culprit;
+    char live[512];
+    const char *reason = w->abort_reason;
+    if (!w->stopping) {
+        aborted = tdm_shm_watch_read_abort(w, &raiser, &culprit, live, sizeof live);
+        reason = live;
+    }
+    if (aborted) {
+        int c = culprit >= 0 ? culprit : raiser;
+        if (c >= 0 && w->ended[c] && !w->induced[c] && tdm_shm_failed(w->wstatus[c])) {
+            /* it ended by itself: how, exactly, in the parent's words;
+             * then its own, if it raised the abort */
+            tdm_shm_wait_status_str(w->wstatus[c], how, sizeof how);
+            if (raiser == c)
+                return tdm_error_set(TDM_STATUS_PEER_FAILED, "rank %d (pid %d) %s: %s", c,
+                                     (int)w->pid[c], how, reason);
+            if (raiser >= 0)
+                return tdm_error_set(TDM_STATUS_PEER_FAILED, "rank %d (pid %d) %s", c,
+                                     (int)w->pid[c], how);
+        }
+        /* its end (if any) was the teardown's, an exit 0, or not its own
+         * doing: the words of whoever saw it name it */
+        return tdm_error_set(TDM_STATUS_PEER_FAILED, "%s", reason);
+    }
+    /* 2. no abort: the first rank that failed by itself */
+    int first = -1;
+    for (int r = 0; r < w->world; r++)
+        if (w->ended[r] && !w->induced[r] && tdm_shm_failed(w->wstatus[r]) &&
+            (first < 0 || w->ended[r] < w->ended[first]))
+            first = r;
+    if (first >= 0) {
+        tdm_shm_wait_status_str(w->wstatus[first], how, sizeof how);
+        return tdm_error_set(TDM_STATUS_PEER_FAILED, "rank %d (pid %d) %s", first,
+                             (int)w->pid[first], how);
+    }
+    /* 3. the parent's own reason for stopping */
+    if (w->stopping && !w->stop_cause) {
+        *cause = TDM_SHM_CAUSE_PARENT;
+        return tdm_error_set(w->stop_status ? w->stop_status : TDM_STATUS_ABORTED, "%s",
+                             w->stop_why);
+    }
+    /* stopped for a rank's failure that left no trace (cannot happen: a
+     * failure is an abort); name the first failure anyway */
+    for (int r = 0; r < w->world; r++)
+        if (w->ended[r] && tdm_shm_failed(w->wstatus[r]) &&
+            (first < 0 || w->ended[r] < w->ended[first]))
+            first = r;
+    if (first < 0) return tdm_error_set(TDM_STATUS_PEER_FAILED, "ranks were stopped");
+    tdm_shm_wait_status_str(w->wstatus[first], how, sizeof how);
+    return tdm_error_set(TDM_STATUS_PEER_FAILED, "rank %d (pid %d) %s", first,
+                         (int)w->pid[first], how);
+}
+
+/* --- fork N ranks ----------------------------------------------------------- */
+
 tdm_status tdm_shm_spawn(int world, tdm_shm_spawn_fn fn, void *arg,
                          const tdm_shm_spawn_opts *opts, tdm_shm_spawn_result *res)
 {
@@ -61,13 +182,13 @@ tdm_status tdm_shm_spawn(int world, tdm_shm_spawn_fn fn, void *arg,
     tdm_shm_spawn_opts o = opts ? *opts : (tdm_shm_spawn_opts){0};
     int64_t timeout_ms = o.timeout_ms > 0 ? o.timeout_ms : 60000;
     int64_t grace_ms = o.grace_ms > 0 ? o.grace_ms : 3000;
-    pid_t pid[TDM_SHM_MAX_RANKS] = {0};
-    int wst[TDM_SHM_MAX_RANKS] = {0};
-    int running = 0, first_bad = -1;
+    tdm_shm_watch w;
+    int running = 0, start_failed = 0;
     TDM_REQUIRE(fn && world >= 1 && world <= TDM_SHM_MAX_RANKS, TDM_STATUS_INVALID_ARG,
                 "tdm_shm_spawn: need a function and 1..%d ranks (got %d)", TDM_SHM_MAX_RANKS,
                 world);
     TDM_TRY(tdm_shm_group_create(&g, world, &o.shm));
+    tdm_shm_watch_init(&w, g, world);
     uint64_t t0 = tdm_time_ns();
     pid_t parent = getpid();
     fflush(stdout);
@@ -77,12 +198,12 @@ tdm_status tdm_shm_spawn(int world, tdm_shm_spawn_fn fn, void *arg,
         if (p == 0) tdm_shm_spawn_child(g, r, parent, fn, arg, &o.shm);
         if (p < 0) {
             st = tdm_error_set(TDM_STATUS_SYSTEM, "spawn: fork of rank %d: %s", r, strerror(errno));
-            tdm_shm_raise(g->base, g->base, TDM_STATUS_ABORTED,
+            tdm_shm_raise(g->base, &g->geom, g->base, world, &g->raising, -1, TDM_STATUS_ABORTED,
                           "spawn: fork of rank %d failed", r);
+            start_failed = 1;
             break;
         }
-        pid[r] = p;
-        tdm_shm_group_set_pid(g, r, p);
+        tdm_shm_watch_started(&w, r, p);
         running++;
     }
     uint64_t deadline = t0 + (uint64_t)timeout_ms * 1000000ull, grace_end = UINT64_MAX;
@@ -91,54 +212,45 @@ tdm_status tdm_shm_spawn(int world, tdm_shm_spawn_fn fn, void *arg,
     while (running > 0) {
         int reaped = 0;
         for (int r = 0; r < world; r++) {
-            if (pid[r] <= 0) continue;
+            if (w.pid[r] <= 0 || w.ended[r]) continue;
             int ws;
-            pid_t w = waitpid(pid[r], &ws, WNOHANG);
-            if (w == 0 || (w < 0 && errno == EINTR)) continue;
+            pid_t pr = waitpid(w.pid[r], &ws, WNOHANG);
+            if (pr == 0 || (pr < 0 && errno == EINTR)) continue;
             reaped = 1;
             running--;
-            if (w < 0) {
+            if (pr < 0) {
                 /* ECHILD: the caller ignores SIGCHLD, so exit statuses are
                  * gone; count the rank as failed, and say so */
                 TDM_WARN(SHM, "rank %d (pid %d): waitpid: %s (is SIGCHLD ignored?)", r,
-                         (int)pid[r], strerror(errno));
+                         (int)w.pid[r], strerror(errno));
                 ws = 255 << 8;
             }
-            wst[r] = ws;
-            if (res) res->wstatus[r] = wst[r];
-            if (!(WIFEXITED(ws) && WEXITSTATUS(ws) == 0)) {
-                tdm_shm_group_mark_dead(g, r, ws);
-                if (first_bad < 0) {
-                    first_bad = r;
-                    grace_end = tdm_time_ns() + (uint64_t)grace_ms * 1000000ull;
-                    if (!st) {  /* a timeout already named the culprits */
-                        char why[128];
-                        tdm_shm_wait_status_str(wst[r], why, sizeof why);
-                        st = tdm_error_set(TDM_STATUS_PEER_FAILED, "rank %d (pid %d) %s", r,
-                                           (int)pid[r], why);
-                    }
-                }
-            }
-            pid[r] = -pid[r];   /* reaped; keep the value for res */
+            if (res) res->wstatus[r] = ws;
+            /* after a failure the others get grace_ms to stop on their own */
+            if (tdm_shm_watch_ended(&w, r, ws) && grace_end == UINT64_MAX)
+                grace_end = tdm_time_ns() + (uint64_t)grace_ms * 1000000ull;
         }
         if (running == 0) break;
         uint64_t now = tdm_time_ns();
         if (signalled == 2 && now >= deadline + 5000ull * 1000000ull) break; /* unkillable */
         if ((now >= deadline || now >= grace_end) && signalled < 2) {
-            if (now >= deadline && !st) {
-                char list[256] = "";
-                size_t len = 0;
-                for (int r = 0; r < world; r++)
-                    if (pid[r] > 0 && len < sizeof list - 8)
-                        len += (size_t)snprintf(list + len, sizeof list - len, "%s%d",
-                                                len ? "," : "", r);
-                st = tdm_error_set(TDM_STATUS_TIMEOUT,
-                                   "spawn: rank(s) %s still running after %lld ms; killed",
-                                   list, (long long)timeout_ms);
+            if (!signalled) {
+                char why[256] = "";
+                if (now >= deadline && grace_end == UINT64_MAX) {
+                    size_t len = 0;
+                    len += (size_t)snprintf(why, sizeof why, "spawn: rank(s) ");
+                    for (int r = 0, n = 0; r < world; r++)
+                        if (w.pid[r] > 0 && !w.ended[r] && len < sizeof why - 64)
+                            len += (size_t)snprintf(why + len, sizeof why - len, "%s%d",
+                                                    n++ ? "," : "", r);
+                    snprintf(why + len, sizeof why - len, " still running after %lld ms; killed",
+                             (long long)timeout_ms);
+                }
+                tdm_shm_watch_stopping(&w, TDM_STATUS_TIMEOUT, why[0] ? why : NULL);
             }
             int sig = signalled == 0 ? SIGTERM : SIGKILL;
             for (int r = 0; r < world; r++)
-                if (pid[r] > 0) kill(pid[r], sig);
+                if (w.pid[r] > 0 && !w.ended[r]) kill(w.pid[r], sig);
             signalled++;
             deadline = now + 500ull * 1000000ull;
             grace_end = deadline;
@@ -151,24 +263,10 @@ tdm_status tdm_shm_spawn(int world, tdm_shm_spawn_fn fn, void *arg,
         }
     }
     if (res) {
-        for (int r = 0; r < world; r++) res->pid[r] = pid[r] < 0 ? -pid[r] : pid[r];
+        for (int r = 0; r < world; r++) res->pid[r] = w.pid[r];
         res->elapsed_ms = tdm_time_ms_since(t0);
     }
-    if (st == TDM_STATUS_PEER_FAILED) {
-        /* The survivors of a killed rank notice its death (its pid is gone)
-         * and exit with an error a moment later, sometimes before this loop
-         * has reaped the dead one, so "first reaped" can name a survivor.
-         * Name the root cause instead: a rank killed by a signal other than
-         * the SIGTERM of the clean-up. */
-        for (int r = 0; r < world; r++) {
-            if (!WIFSIGNALED(wst[r]) || WTERMSIG(wst[r]) == SIGTERM) continue;
-            char why[128];
-            tdm_shm_wait_status_str(wst[r], why, sizeof why);
-            st = tdm_error_set(TDM_STATUS_PEER_FAILED, "rank %d (pid %d) %s", r,
-                               (int)(pid[r] < 0 ? -pid[r] : pid[r]), why);
-            break;
-        }
-    }
+    if (!start_failed) st = tdm_shm_watch_blame(&w, NULL);
     tdm_shm_group_free(g);
     return st;
 fail:

@@ -1,7 +1,9 @@
 /* shm/wait.c: how ranks wait for each other: publish a counter, wait for
  * a peer's counter to reach a target (spin briefly, then yield, then sleep
- * on a shared futex), and the failure paths of every wait: group abort
- * flag, dead or departed peer, deadline.
+ * on a shared futex), and the failure paths of every wait: the group
+ * abort (raised in one step), a dead, departed or stopped peer (liveness
+ * from the parent's reports, /proc and each rank's heartbeat thread),
+ * deadline.
  * Not the collectives (shm/coll.c) and not the segment (shm/segment.c).
  *
  * Memory ordering, Dekker style between a publisher and a sleeper:
@@ -63,59 +65,95 @@ void tdm_shm_flag_publish(tdm_shm_flag *f, uint64_t v)
     if (atomic_load_explicit(&f->waiters, memory_order_seq_cst) != 0) tdm_shm_futex_wake(f);
 }
 
-void tdm_shm_raise(tdm_shm_header *h, uint8_t *base, tdm_status st, const char *fmt, ...)
+static char *tdm_shm_reason_slot(const tdm_shm_geom *g, const uint8_t *base, int slot)
 {
-    int expected = 0;
-    if (!atomic_compare_exchange_strong(&h->abort_claim, &expected, 1)) {
-        /* Another rank won and is writing its reason: wait (briefly) until
-         * it publishes, so that our caller's tdm_shm_check_abort sees a
-         * status and does not mistake the race for success. */
+    return (char *)(base + g->reason_off + (size_t)slot * TDM_SHM_REASON_BYTES);
+}
+
+int tdm_shm_abort_get(const tdm_shm_header *h, const tdm_shm_geom *g, const uint8_t *base,
+                      tdm_shm_abort_info *out)
+{
+    /* Acquire pairs with the release CAS in tdm_shm_raise: the reason in
+     * the slot the word names was written before the word. */
+    uint64_t w = atomic_load_explicit(&((tdm_shm_header *)h)->abort_word, memory_order_acquire);
+    if (!w) return 0;
+    int slot = (int)((w >> 16) & 0xff) - 1, culprit = (int)((w >> 24) & 0xff) - 1;
+    tdm_status st = (tdm_status)(w & 0xffff);
+    /* The word is in shared memory: decode it defensively. */
+    if (st <= TDM_STATUS_OK || st >= TDM_STATUS_COUNT_) st = TDM_STATUS_ABORTED;
+    out->status = st;
+    out->raiser = slot >= 0 && slot < g->world ? slot : -1;
+    out->culprit = culprit >= 0 && culprit < g->world ? culprit : -1;
+    out->reason = slot >= 0 && slot <= g->world ? tdm_shm_reason_slot(g, base, slot)
+                                                : "(unreadable abort word)";
+    return 1;
+}
+
+void tdm_shm_raise(tdm_shm_header *h, const tdm_shm_geom *g, uint8_t *base, int slot,
+                   _Atomic int *raising, int culprit, tdm_status st, const char *fmt, ...)
+{
+    /* One writer of this process's slot at a time (a rank's own thread and
+     * its progress thread may both fail at once). The loser waits for the
+     * word, which the winner is about to publish, so that its caller's
+     * tdm_shm_check_abort sees a status. */
+    int idle = 0;
+    if (atomic_load(&h->abort_word) || !atomic_compare_exchange_strong(raising, &idle, 1)) {
         uint64_t t0 = tdm_time_ns();
-        while (!atomic_load_explicit(&h->abort_status, memory_order_acquire) &&
-               tdm_time_ns() - t0 < 1000000000ull)
-            sched_yield();
+        while (!atomic_load_explicit(&h->abort_word, memory_order_acquire) &&
+               tdm_time_ns() - t0 < 1000000000ull) {
+            struct timespec ts = {.tv_nsec = 1000000};
+            nanosleep(&ts, NULL);
+        }
         return;
     }
+    /* The slot is ours and unpublished while the word is 0: a published
+     * slot is never written again, because the word never returns to 0. */
+    char *reason = tdm_shm_reason_slot(g, base, slot);
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(h->abort_reason, sizeof h->abort_reason, fmt, ap);
+    vsnprintf(reason, TDM_SHM_REASON_BYTES, fmt, ap);
     va_end(ap);
-    /* Release pairs with the acquire load in tdm_shm_check_abort: the
-     * reason is written before the status becomes visible. */
-    atomic_store_explicit(&h->abort_status, (int32_t)st, memory_order_release);
-    for (int r = 0; r < h->world; r++) {
-        tdm_shm_ctrl *c = (tdm_shm_ctrl *)(base + h->ctrl_off + (size_t)r * h->ctrl_bytes);
-        tdm_shm_futex_wake(&c->flag);
-    }
-    TDM_INFO(SHM, "group abort raised: %s", h->abort_reason);
+    /* Test hook (tests/test_shm_fail.c): die between writing the reason
+     * and publishing it, where a raiser killed at the worst moment would. */
+    const char *die = getenv("TANDEM_SHM_TEST_DIE_IN_RAISE");
+    if (die && *die == '1') raise(SIGKILL);
+    uint64_t none = 0;
+    /* Release pairs with the acquire load in tdm_shm_abort_get. */
+    int won = atomic_compare_exchange_strong_explicit(
+        &h->abort_word, &none, TDM_SHM_ABORT_WORD(st, slot, culprit), memory_order_acq_rel,
+        memory_order_acquire);
+    atomic_store(raising, 0);
+    if (!won) return;
+    for (int r = 0; r < g->world; r++) tdm_shm_futex_wake(&tdm_shm_geom_ctrl(g, base, r)->flag);
+    TDM_INFO(SHM, "group abort raised: %s", reason);
 }
 
 tdm_status tdm_shm_check_abort(tdm_shm_impl *c)
 {
-    /* Acquire pairs with the release store in tdm_shm_raise. */
-    int32_t st = atomic_load_explicit(&c->hdr->abort_status, memory_order_acquire);
-    if (!st) return TDM_STATUS_OK;
-    c->failed = (tdm_status)st;
-    return tdm_error_set((tdm_status)st, "%s #%llu: %s; stopping", c->cur_name,
-                         (unsigned long long)c->cur_seq, c->hdr->abort_reason);
+    tdm_shm_abort_info a;
+    if (!tdm_shm_abort_get(c->hdr, &c->geom, c->base, &a)) return TDM_STATUS_OK;
+    c->failed = a.status;
+    /* bounded: the slot is shared memory, its terminator not guaranteed */
+    return tdm_error_set(a.status, "%s #%llu: %.*s; stopping", c->cur_name,
+                         (unsigned long long)c->cur_seq, TDM_SHM_REASON_BYTES - 1, a.reason);
 }
 
 const char *tdm_shm_comm_abort_reason(const tdm_comm *comm)
 {
     if (!comm || strcmp(tdm_comm_backend_name(comm), "shm") != 0) return NULL;
     const tdm_shm_impl *c = tdm_comm_impl(comm);
-    /* Acquire pairs with the release store in tdm_shm_raise: the reason
-     * is written before abort_status is published. */
-    if (!atomic_load_explicit(&c->hdr->abort_status, memory_order_acquire)) return NULL;
-    return c->hdr->abort_reason;
+    tdm_shm_abort_info a;
+    return tdm_shm_abort_get(c->hdr, &c->geom, c->base, &a) ? a.reason : NULL;
 }
 
-/* 1 when pid is gone. *wstatus gets how it ended when that can still be
- * read (a zombie's exit_code, field 52 of /proc/pid/stat, in waitpid's
- * format), else -1. */
-static int tdm_shm_pid_gone(pid_t pid, int *wstatus)
+/* What /proc says about pid: 1 when it is gone (*wstatus: how it ended
+ * when that can still be read, a zombie's exit_code, field 52 of
+ * /proc/pid/stat, in waitpid's format; else -1); 0 while it runs (*state:
+ * its state letter, R, S, D, T (stopped), t (traced), or '?'). */
+static int tdm_shm_proc(pid_t pid, int *wstatus, char *state)
 {
     *wstatus = -1;
+    *state = '?';
     if (pid <= 0) return 0;
     if (kill(pid, 0) == -1 && errno == ESRCH) return 1;
     /* A dead child that its parent has not reaped yet still answers
@@ -129,7 +167,9 @@ static int tdm_shm_pid_gone(pid_t pid, int *wstatus)
     if (n <= 0) return 0;
     buf[n] = '\0';
     const char *p = strrchr(buf, ')');
-    if (!(p && p[1] == ' ' && (p[2] == 'Z' || p[2] == 'X'))) return 0;
+    if (!(p && p[1] == ' ' && p[2])) return 0;
+    *state = p[2];
+    if (p[2] != 'Z' && p[2] != 'X') return 0;
     /* fields after ')': state is field 3, exit_code field 52 */
     const char *q = p + 2;
     for (int field = 3; field < 52 && q; field++) {
@@ -140,42 +180,195 @@ static int tdm_shm_pid_gone(pid_t pid, int *wstatus)
     return 1;
 }
 
+/* How peer r ended, for a rank that needed it: wstatus as reported by the
+ * parent or read from the zombie (-1: unknown), state its last state. */
+static void tdm_shm_ended_str(const tdm_shm_impl *c, int32_t state, int wstatus, char *why,
+                              size_t n)
+{
+    char how[128];
+    if (wstatus < 0) {
+        snprintf(why, n, "%s before %s #%llu (exit status unknown: its parent did not report "
+                 "it)", state == TDM_SHM_STATE_LEFT ? "left the group (freed its communicator) "
+                 "and ended" : "ended", c->cur_name, (unsigned long long)c->cur_seq);
+        return;
+    }
+    tdm_shm_wait_status_str(wstatus, how, sizeof how);
+    if (!(WIFEXITED(wstatus) && WEXITSTATUS(wstatus) == 0))
+        snprintf(why, n, "%s%s", how, state == TDM_SHM_STATE_LEFT ? " after freeing its "
+                 "communicator" : "");
+    else if (state == TDM_SHM_STATE_LEFT)
+        snprintf(why, n, "left the group (freed its communicator and %s) before %s #%llu", how,
+                 c->cur_name, (unsigned long long)c->cur_seq);
+    else if (state == TDM_SHM_STATE_EMPTY)
+        snprintf(why, n, "%s before joining the group", how);
+    else
+        snprintf(why, n, "%s before %s #%llu without freeing its communicator", how,
+                 c->cur_name, (unsigned long long)c->cur_seq);
+}
 
-/* Fails (and raises the group flag) if some peer is gone. `peer` is the
- * rank being waited for: only for it is having left the group an error.
+/* --- heartbeat ----------------------------------------------------------- */
+
+static void *tdm_shm_heartbeat_main(void *arg)
+{
+    tdm_shm_impl *c = arg;
+    tdm_shm_ctrl *k = tdm_shm_ctrl_of(c, c->rank);
+    pthread_mutex_lock(&c->hb_mu);
+    while (!c->hb_stop) {
+        /* Only this thread writes it; readers compare values, nothing is
+         * published through it: relaxed. */
+        atomic_fetch_add_explicit(&k->beat, 1, memory_order_relaxed);
+        struct timespec ts;
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        uint64_t t = (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec + TDM_SHM_BEAT_NS;
+        ts.tv_sec = (time_t)(t / 1000000000ull);
+        ts.tv_nsec = (long)(t % 1000000000ull);
+        pthread_cond_timedwait(&c->hb_cv, &c->hb_mu, &ts);
+    }
+    pthread_mutex_unlock(&c->hb_mu);
+    return NULL;
+}
+
+tdm_status tdm_shm_heartbeat_start(tdm_shm_impl *c)
+{
+    pthread_condattr_t ca;
+    int rc = pthread_condattr_init(&ca);
+    if (!rc) rc = pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    if (!rc) rc = pthread_cond_init(&c->hb_cv, &ca);
+    pthread_condattr_destroy(&ca);
+    if (rc) return tdm_error_set(TDM_STATUS_SYSTEM, "shm: heartbeat: pthread_cond_init: %s",
+                                 strerror(rc));
+    if ((rc = pthread_mutex_init(&c->hb_mu, NULL))) {
+        pthread_cond_destroy(&c->hb_cv);
+        return tdm_error_set(TDM_STATUS_SYSTEM, "shm: heartbeat: pthread_mutex_init: %s",
+                             strerror(rc));
+    }
+    /* The thread takes no signals: they stay with the program's threads. */
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    rc = pthread_create(&c->hb_thread, NULL, tdm_shm_heartbeat_main, c);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    if (rc) {
+        pthread_mutex_destroy(&c->hb_mu);
+        pthread_cond_destroy(&c->hb_cv);
+        return tdm_error_set(TDM_STATUS_SYSTEM, "shm: heartbeat: pthread_create: %s",
+                             strerror(rc));
+    }
+    c->hb_running = 1;
+    return TDM_STATUS_OK;
+}
+
+void tdm_shm_heartbeat_stop(tdm_shm_impl *c)
+{
+    if (!c->hb_running) return;
+    pthread_mutex_lock(&c->hb_mu);
+    c->hb_stop = 1;
+    pthread_cond_signal(&c->hb_cv);
+    pthread_mutex_unlock(&c->hb_mu);
+    pthread_join(c->hb_thread, NULL);
+    pthread_mutex_destroy(&c->hb_mu);
+    pthread_cond_destroy(&c->hb_cv);
+    c->hb_running = 0;
+}
+
+/* 1 when the awaited peer r, alive as a process (/proc state pstate), has
+ * made no sign of life for stall_ns: its heartbeat has not advanced (or,
+ * before it has one, /proc shows it stopped). why says which case. */
+static int tdm_shm_stalled(tdm_shm_impl *c, int r, const tdm_shm_ctrl *k, char pstate,
+                           uint64_t now, char *why, size_t n)
+{
+    uint64_t b = atomic_load_explicit(&((tdm_shm_ctrl *)k)->beat, memory_order_relaxed);
+    int stopped = pstate == 'T' || pstate == 't';
+    int progressing = b ? b != c->beat_seen[r] : !stopped;
+    if (progressing || !c->beat_seen_ns[r]) {
+        c->beat_seen[r] = b;
+        c->beat_seen_ns[r] = now;
+        return 0;
+    }
+    if (!c->stall_ns || now - c->beat_seen_ns[r] < c->stall_ns) return 0;
+    double s = (double)(now - c->beat_seen_ns[r]) * 1e-9;
+    const char *what = pstate == 'T' ? "is stopped (process state T: SIGSTOP or job control)"
+                       : pstate == 't' ? "is stopped by a debugger (process state t)"
+                                       : "is frozen";
+    int len = snprintf(why, n, "%s: no heartbeat for %.1f s in %s #%llu", what, s, c->cur_name,
+                       (unsigned long long)c->cur_seq);
+    if (!stopped && len > 0 && (size_t)len < n)
+        snprintf(why + len, n - (size_t)len, " (process state %c)", pstate);
+    return 1;
+}
+
+/* For the deadline's message: is the awaited peer alive? */
+static const char *tdm_shm_alive_str(const tdm_shm_impl *c, int peer, uint64_t now)
+{
+    const tdm_shm_ctrl *k = tdm_shm_ctrl_of(c, peer);
+    uint64_t b = atomic_load_explicit(&((tdm_shm_ctrl *)k)->beat, memory_order_relaxed);
+    if (!b) return "which has no heartbeat (has it joined?)";
+    uint64_t fresh = c->stall_ns > 10 * TDM_SHM_BEAT_NS ? c->stall_ns : 10 * TDM_SHM_BEAT_NS;
+    if (c->beat_seen_ns[peer] && now - c->beat_seen_ns[peer] < fresh)
+        return "which is alive (its heartbeat is current) but has not arrived: it is busy, "
+               "slow or waiting elsewhere; raise the timeout if that is expected";
+    return "whose heartbeat has stopped";
+}
+
+#define TDM_SHM_STATUS_GRACE_NS (1000ull * 1000 * 1000)
+
+/* Fails (and raises the group flag) if a peer that matters is gone.
+ * `peer` is the rank being waited for: for it, being gone in any way is
+ * an error, reported with how it ended. For the others only a known
+ * failure is (the parent reported it dead, or its zombie shows a failing
+ * status): a rank that exited 0 or left concerns only whoever waits for
+ * it, and ranks that never do (point-to-point between others) go on.
+ * When a gone peer's status is not known yet (its parent reaped it and is
+ * about to report it; or it left and is still running, perhaps about to
+ * fail), the peer is given TDM_SHM_STATUS_GRACE_NS to tell, so that the
+ * message says how it ended rather than "gone".
  * A peer that published what we wait for and then left or died has done
  * its part of this collective: the flag is read again after its state, so
  * that a publish-then-leave between our last look at the flag and this
  * check is not mistaken for a failure (the next wait will notice). */
 static tdm_status tdm_shm_check_peers(tdm_shm_impl *c, int peer, tdm_shm_flag *f,
-                                      uint64_t target)
+                                      uint64_t target, uint64_t now)
 {
     for (int r = 0; r < c->world; r++) {
         if (r == c->rank) continue;
         tdm_shm_ctrl *k = tdm_shm_ctrl_of(c, r);
         int32_t state = atomic_load_explicit(&k->state, memory_order_acquire);
         pid_t pid = atomic_load_explicit(&k->pid, memory_order_relaxed);
-        char why[128];
-        int gone_ws;
+        char why[256];
+        int ws = -1, unsure = 0;
+        char pstate;
         /* Acquire on state above pairs with the release store of LEFT in
-         * segment.c, which follows the peer's last publish: seeing LEFT
-         * means seeing that publish too. */
+         * segment.c, which follows the peer's last publish; those on
+         * `ended` and DEAD, with the parent's, which follow its wstatus. */
         if (r == peer && atomic_load_explicit(&f->value, memory_order_acquire) >= target)
             continue;
+        int ended = atomic_load_explicit(&k->ended, memory_order_acquire);
         if (state == TDM_SHM_STATE_DEAD) {
-            tdm_shm_wait_status_str(atomic_load(&k->wstatus), why, sizeof why);
+            tdm_shm_ended_str(c, state, atomic_load(&k->wstatus), why, sizeof why);
+        } else if (r != peer) {
+            /* only a failure shown by its zombie (no parent reports it) */
+            if (ended || state == TDM_SHM_STATE_LEFT || !tdm_shm_proc(pid, &ws, &pstate) ||
+                ws < 0 || (WIFEXITED(ws) && WEXITSTATUS(ws) == 0))
+                continue;
+            tdm_shm_ended_str(c, state, ws, why, sizeof why);
+        } else if (ended) {
+            tdm_shm_ended_str(c, state, atomic_load(&k->wstatus), why, sizeof why);
+        } else if (tdm_shm_proc(pid, &ws, &pstate)) {
+            unsure = ws < 0;   /* reaped: wait for the parent's report */
+            tdm_shm_ended_str(c, state, ws, why, sizeof why);
         } else if (state == TDM_SHM_STATE_LEFT) {
-            if (r != peer) continue;
-            snprintf(why, sizeof why, "left the group (freed its communicator) before #%llu",
-                     (unsigned long long)c->cur_seq);
-        } else if (tdm_shm_pid_gone(pid, &gone_ws)) {
-            if (gone_ws >= 0) tdm_shm_wait_status_str(gone_ws, why, sizeof why);
-            else snprintf(why, sizeof why, "died");
-        } else {
+            unsure = 1;        /* left, still running: ending (and how?) or staying */
+            snprintf(why, sizeof why, "left the group (freed its communicator) before %s #%llu",
+                     c->cur_name, (unsigned long long)c->cur_seq);
+        } else if (!tdm_shm_stalled(c, r, k, pstate, now, why, sizeof why)) {
+            c->unsure_since_ns[r] = 0;
             continue;
         }
-        tdm_shm_raise(c->hdr, c->base, TDM_STATUS_PEER_FAILED, "rank %d (pid %d) %s", r,
-                      (int)pid, why);
+        if (unsure) {
+            if (!c->unsure_since_ns[r]) c->unsure_since_ns[r] = now;
+            if (now - c->unsure_since_ns[r] < TDM_SHM_STATUS_GRACE_NS) continue;
+        }
+        tdm_shm_raise_rank(c, r, TDM_STATUS_PEER_FAILED, "rank %d (pid %d) %s", r, (int)pid, why);
         tdm_status st = tdm_shm_check_abort(c);
         return st ? st : tdm_error_set(TDM_STATUS_PEER_FAILED, "%s #%llu: rank %d (pid %d) %s; "
                                        "stopping", c->cur_name, (unsigned long long)c->cur_seq,
@@ -219,15 +412,16 @@ tdm_status tdm_shm_flag_wait(tdm_shm_impl *c, tdm_shm_flag *f, uint64_t target, 
     for (;;) {
         uint64_t now = tdm_time_ns();
         if (now >= c->next_live_ns) {
-            TDM_CHECK(tdm_shm_check_peers(c, peer, f, target));
+            TDM_CHECK(tdm_shm_check_peers(c, peer, f, target, now));
             c->next_live_ns = now + TDM_SHM_SLEEP_NS;
         }
         if (now >= deadline) {
             tdm_shm_ctrl *k = tdm_shm_ctrl_of(c, peer);
-            tdm_shm_raise(c->hdr, c->base, TDM_STATUS_TIMEOUT,
+            tdm_shm_raise_rank(c, peer, TDM_STATUS_TIMEOUT,
                           "rank %d timed out after %lld ms in %s #%llu waiting for rank %d "
-                          "(pid %d)", c->rank, (long long)c->timeout_ms, c->cur_name,
-                          (unsigned long long)c->cur_seq, peer, (int)atomic_load(&k->pid));
+                          "(pid %d), %s", c->rank, (long long)c->timeout_ms, c->cur_name,
+                          (unsigned long long)c->cur_seq, peer, (int)atomic_load(&k->pid),
+                          tdm_shm_alive_str(c, peer, now));
             tdm_status st = tdm_shm_check_abort(c);
             return st ? st : tdm_error_set(TDM_STATUS_TIMEOUT, "%s #%llu: timed out waiting "
                                            "for rank %d", c->cur_name,

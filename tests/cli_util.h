@@ -13,6 +13,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "tests/shm_test_util.h"
+
 typedef struct cli_result {
     int code;     /* exit code, or 128 + signal */
     char out[262144];
@@ -29,6 +31,7 @@ static inline void cli_run(cli_result *r, const char *const *args)
 {
     int fds[2];
     cr_assert(pipe(fds) == 0);
+    shm_t_adopt_orphans();   /* for cli_shm_entries() */
     pid_t pid = fork();
     cr_assert(pid >= 0);
     if (pid == 0) {
@@ -64,19 +67,11 @@ static inline void expect(const cli_result *r, int code, const char *phrase)
         cr_assert(strstr(r->out, phrase), "output lacks '%s':\n%s", phrase, r->out);
 }
 
-/* tandem's entries in /dev/shm (names with "tandem" or "tdm"): its
- * segment is a memfd, so a run must never leave one; other programs'
- * entries come and go and are not counted. */
-static inline int cli_shm_entries(void)
-{
-    int n = 0;
-    DIR *d = opendir("/dev/shm");
-    if (!d) return 0;
-    for (struct dirent *e; (e = readdir(d));)
-        n += strstr(e->d_name, "tandem") != NULL || strstr(e->d_name, "tdm") != NULL;
-    closedir(d);
-    return n;
-}
+/* Shared-memory segments still held by this process or a descendant (a
+ * rank, or a rank's child, left running; see shm_t_segments_held): the
+ * segment is a memfd with no name in /dev/shm, so that is where a leak
+ * shows. 0 after a run that cleaned up. */
+static inline int cli_shm_entries(void) { return shm_t_segments_held(); }
 
 /* The deterministic part of `tandem train`'s "epoch E/N: ..." line in out:
  * its train loss and, if printed, test loss and accuracy (not the

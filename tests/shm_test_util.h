@@ -7,10 +7,17 @@
 #ifndef TDM_TESTS_SHM_TEST_UTIL_H
 #define TDM_TESTS_SHM_TEST_UTIL_H
 
+#include <ctype.h>
+#include <dirent.h>
+#include <fcntl.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
+#include <sys/stat.h>
+#include <sys/types.h>
+#include <unistd.h>
 
 #include "core/comm.h"
 
@@ -205,6 +212,126 @@ static inline int shm_t_run_case(tdm_comm *comm, const shm_t_case *k)
     free(a);
     free(b);
     return bad;
+}
+
+/* --- leaked segments ------------------------------------------------------
+ * A segment is a memfd ("memfd:tandem-shm") or an unlinked file in
+ * opts.shm_dir: it never has a name in /dev/shm, so counting names there
+ * proves nothing. What can leak is a process that still holds it: this
+ * process (a group never freed) or a descendant (a rank, or a rank's own
+ * child, left running). shm_t_segments_held() counts the descriptors and
+ * mappings of segments held by this process and its live descendants.
+ * Call shm_t_adopt_orphans() before starting the job: a leaked grandchild
+ * whose parent exited is then re-parented to this process (a child
+ * subreaper) instead of init, and stays countable. */
+
+static inline void shm_t_adopt_orphans(void) { prctl(PR_SET_CHILD_SUBREAPER, 1); }
+
+/* 1 when the file open as /proc/PID/fd/N is a tandem segment: a memfd of
+ * that name, or a regular file whose first 8 bytes are the segment magic
+ * (an O_TMPFILE segment in opts.shm_dir). */
+static inline int shm_t_fd_is_segment(const char *fdpath)
+{
+    char link[512];
+    ssize_t n = readlink(fdpath, link, sizeof link - 1);
+    if (n <= 0) return 0;
+    link[n] = '\0';
+    if (strstr(link, "memfd:tandem-shm")) return 1;
+    if (link[0] != '/' || !strstr(link, "(deleted)")) return 0;
+    struct stat sb;
+    if (stat(fdpath, &sb) != 0 || !S_ISREG(sb.st_mode) || sb.st_size < 8) return 0;
+    int fd = open(fdpath, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+    if (fd < 0) return 0;
+    uint64_t magic = 0;
+    int is = pread(fd, &magic, sizeof magic, 0) == (ssize_t)sizeof magic &&
+             magic == 0x314d48534d444e54ull; /* TDM_SHM_MAGIC, "TNDMSHM1" */
+    close(fd);
+    return is;
+}
+
+/* Segment descriptors plus mappings of memfd segments held by pid. */
+static inline int shm_t_segments_of(pid_t pid)
+{
+    char path[64];
+    int n = 0;
+    snprintf(path, sizeof path, "/proc/%d/fd", (int)pid);
+    DIR *d = opendir(path);
+    if (d) {
+        for (struct dirent *e; (e = readdir(d));) {
+            if (!isdigit((unsigned char)e->d_name[0])) continue;
+            char fdp[320];
+            snprintf(fdp, sizeof fdp, "/proc/%d/fd/%s", (int)pid, e->d_name);
+            n += shm_t_fd_is_segment(fdp);
+        }
+        closedir(d);
+    }
+    snprintf(path, sizeof path, "/proc/%d/maps", (int)pid);
+    FILE *f = fopen(path, "r");
+    if (f) {
+        char line[1024];
+        while (fgets(line, sizeof line, f)) n += strstr(line, "/memfd:tandem-shm") != NULL;
+        fclose(f);
+    }
+    return n;
+}
+
+/* Parent pid of pid from /proc/pid/stat (0 when gone); *zombie set when
+ * it has exited and holds nothing any more. */
+static inline pid_t shm_t_ppid(pid_t pid, int *zombie)
+{
+    char path[64], buf[1024];
+    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+    FILE *f = fopen(path, "r");
+    *zombie = 0;
+    if (!f) return 0;
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = '\0';
+    const char *p = strrchr(buf, ')');
+    char state = 0;
+    int ppid = 0;
+    if (!p || sscanf(p + 1, " %c %d", &state, &ppid) != 2) return 0;
+    *zombie = state == 'Z' || state == 'X';
+    return (pid_t)ppid;
+}
+
+/* Segment descriptors and mappings held by this process and every live
+ * descendant (see above). 0 after a job means nothing of it was leaked. */
+static inline int shm_t_segments_held(void)
+{
+    enum { MAXP = 1 << 15 };
+    static pid_t pids[MAXP], ppids[MAXP];
+    int np = 0;
+    DIR *d = opendir("/proc");
+    if (!d) return -1;
+    for (struct dirent *e; (e = readdir(d)) && np < MAXP;) {
+        if (!isdigit((unsigned char)e->d_name[0])) continue;
+        int z;
+        pid_t p = (pid_t)atoi(e->d_name), pp = shm_t_ppid(p, &z);
+        if (!pp || z) continue;
+        pids[np] = p;
+        ppids[np++] = pp;
+    }
+    closedir(d);
+    /* descendants: repeat until no new pid joins the set */
+    static unsigned char mine[MAXP];
+    memset(mine, 0, sizeof mine);
+    int held = shm_t_segments_of(getpid());
+    for (int changed = 1; changed;) {
+        changed = 0;
+        for (int i = 0; i < np; i++) {
+            if (mine[i]) continue;
+            int parent_mine = ppids[i] == getpid();
+            for (int j = 0; !parent_mine && j < np; j++)
+                parent_mine = mine[j] && pids[j] == ppids[i];
+            if (parent_mine) {
+                mine[i] = 1;
+                changed = 1;
+                held += shm_t_segments_of(pids[i]);
+            }
+        }
+    }
+    return held;
 }
 
 #endif

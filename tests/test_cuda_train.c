@@ -24,8 +24,11 @@
  * Compiled in every build: cuda/ functions are weak references. */
 #include <criterion/criterion.h>
 #include <dirent.h>
+#include <errno.h>
 #include <signal.h>
+#include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -466,10 +469,32 @@ Test(cuda_gpu, cli_compare_on_gpus_passes, .timeout = 600)
 
 /* ========================= CLI, without a GPU ============================= */
 
-/* Processes still running `tandem ... <marker> ...`. */
+/* Parent pid of pid from /proc/pid/stat (0 when gone). */
+static pid_t parent_of(pid_t pid)
+{
+    char path[64], buf[1024];
+    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+    FILE *f = fopen(path, "r");
+    if (!f) return 0;
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = '\0';
+    const char *p = strrchr(buf, ')');
+    char state = 0;
+    int ppid = 0;
+    if (!p || sscanf(p + 1, " %c %d", &state, &ppid) != 2) return 0;
+    return (pid_t)ppid;
+}
+
+/* Processes still running `tandem ... <marker> ...` below this test
+ * process. Others' tandem runs (another test binary of a parallel
+ * `make test`, a user's job) are not this test's leftovers; this test's
+ * own orphans are still found, since expect_no_device_cli makes it their
+ * subreaper. */
 static int count_procs_with(const char *marker)
 {
     int n = 0;
+    pid_t self = getpid();
     DIR *d = opendir("/proc");
     if (!d) return 0;
     struct dirent *e;
@@ -484,7 +509,15 @@ static int count_procs_with(const char *marker)
         for (size_t i = 0; i < len; i++)
             if (!buf[i]) buf[i] = ' ';
         buf[len] = '\0';
-        if (strstr(buf, cli_bin()) && strstr(buf, marker)) n++;
+        if (!strstr(buf, cli_bin()) || !strstr(buf, marker)) continue;
+        pid_t p = (pid_t)atoi(e->d_name);
+        for (int depth = 0; p > 1 && depth < 64; depth++) {
+            p = parent_of(p);
+            if (p == self) {
+                n++;
+                break;
+            }
+        }
     }
     closedir(d);
     return n;
@@ -493,6 +526,9 @@ static int count_procs_with(const char *marker)
 static void expect_no_device_cli(const char *mode, const char *device)
 {
     static cli_result r;
+    /* ranks orphaned by the CLI are reparented here, where count_procs_with
+     * sees them */
+    cr_assert_eq(prctl(PR_SET_CHILD_SUBREAPER, 1), 0, "prctl: %s", strerror(errno));
     int shm0 = cli_shm_entries();
     CLI(&r, "train", "--mode", mode, "--device", device, "--data", "synthetic", "--epochs", "1");
     expect(&r, 1, "no CUDA device: ");

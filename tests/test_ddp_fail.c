@@ -219,6 +219,10 @@ Test(ddp_fail, stalled_rank_is_named_after_the_deadline)
     tdm_status st = fail_spawn(3, &c, sh, 1500);
     double el = tdm_time_ms_since(t0);
     cr_assert_neq(st, TDM_STATUS_OK);
+    /* the summary names the late rank, alive (it sleeps), as the others
+     * saw it: not a survivor's exit, not the clean-up's SIGTERM of it */
+    cr_assert(strstr(tdm_error_message(), "waiting for rank 1 (pid") &&
+                  strstr(tdm_error_message(), "alive"), "%s", tdm_error_message());
     for (int r = 0; r < 3; r++) {
         if (r == 1) continue;
         cr_assert_neq(sh->status[r], TDM_STATUS_OK);

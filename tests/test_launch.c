@@ -54,6 +54,7 @@ static int run(int secs, double *elapsed_s, const char *fmt, ...)
     va_end(ap);
     snprintf(cmd, sizeof cmd, "cd '%s' && timeout -s KILL %d sh -c '%s' >out 2>err", g_dir, secs,
              inner);
+    shm_t_adopt_orphans();   /* a leaked rank stays ours: cli_shm_entries() sees it */
     uint64_t t0 = tdm_time_ns();
     int ws = system(cmd);
     if (elapsed_s) *elapsed_s = tdm_time_ms_since(t0) / 1000.0;
@@ -256,6 +257,80 @@ Test(launch, sigkill_mid_training_launched)
 Test(launch, sigkill_mid_training_forked)
 {
     check_kill_and_resume(0);
+}
+
+/* The failure summary names the root cause, in the words of whoever saw
+ * it, not a survivor's exit or the launcher's own clean-up. */
+
+/* Rank 1 stops (SIGSTOP) before joining: rank 0 names it stopped within
+ * seconds (heartbeat, /proc), and so does the launcher's summary. */
+Test(launch, summary_names_a_stopped_rank)
+{
+    double el;
+    char ck[64];
+    snprintf(ck, sizeof ck, "stop_%d", (int)getpid());   /* for leftovers() */
+    int rc = run(90, &el, "%s launch -n 2 --grace-ms 500 -- sh -c \"if [ \\$RANK = 1 ]; then "
+                 "kill -STOP \\$\\$; fi; exec %s " TRAIN_ARGS " --epochs 1 --save %s\"",
+                 g_tandem, g_tandem, ck);
+    char *err = slurp("err");
+    cr_assert_eq(rc, 1, "rc %d: %s", rc, err);
+    cr_assert_lt(el, 60.0, "took %.1f s", el);
+    const char *sum = strstr(err, "tandem launch: ");
+    cr_assert(sum, "%s", err);
+    cr_assert(strstr(sum, "rank 1 (pid ") && strstr(sum, "is stopped"), "%s", err);
+    cr_assert(!strstr(sum, "tandem launch: rank 0"), "%s", err);
+    cr_assert(!leftovers(ck));
+    cr_assert(!cli_shm_entries());
+}
+
+/* Rank 2 exits 0 without ever joining: the others cannot run their first
+ * collective and fail naming it; the summary names rank 2, not rank 0. */
+Test(launch, summary_names_a_rank_that_exited_0)
+{
+    double el;
+    int rc = run(90, &el, "%s launch -n 3 -- sh -c \"if [ \\$RANK = 2 ]; then exit 0; fi; "
+                 "exec %s " TRAIN_ARGS " --epochs 1\"", g_tandem, g_tandem);
+    char *err = slurp("err");
+    cr_assert_eq(rc, 1, "rc %d: %s", rc, err);
+    const char *sum = strstr(err, "tandem launch: ");
+    cr_assert(sum, "%s", err);
+    cr_assert(strstr(sum, "rank 2 (pid ") && strstr(sum, "exited with code 0 before joining"),
+              "%s", err);
+    cr_assert(!cli_shm_entries());
+}
+
+/* Forked ranks: rank 1 stops mid-training; the summary names it stopped,
+ * not "killed by signal 9" (the parent's own clean-up of it). */
+Test(launch, train_summary_names_a_stopped_rank)
+{
+    double el;
+    char ck[64];
+    snprintf(ck, sizeof ck, "stopf_%d", (int)getpid());
+    int rc = run(90, &el, "TANDEM_DDP_TEST_KILL=1:5:STOP %s " TRAIN_ARGS " --device cpu:3 "
+                 "--epochs 1 --save %s", g_tandem, ck);
+    char *err = slurp("err");
+    cr_assert_eq(rc, 1, "rc %d: %s", rc, err);
+    cr_assert_lt(el, 60.0, "took %.1f s", el);
+    const char *sum = strstr(err, "tandem train: ddp: ");
+    cr_assert(sum, "%s", err);
+    cr_assert(strstr(sum, "rank 1 (pid ") && strstr(sum, "is stopped"), "%s", err);
+    cr_assert(!strstr(sum, "signal 9"), "%s", err);
+    cr_assert(!leftovers(ck));
+    cr_assert(!cli_shm_entries());
+}
+
+/* An arena larger than the memory there is: refused at start with the
+ * bytes needed and available, not reserved and OOM-killed. (ulimit -f:
+ * should the check regress, fallocate fails instead of taking the
+ * machine's memory.) */
+Test(launch, arena_larger_than_memory_is_refused)
+{
+    int rc = run(30, NULL, "ulimit -f 4194304; %s launch -n 16 --arena-mb 65536 -- true",
+                 g_tandem);
+    char *err = slurp("err");
+    cr_assert_eq(rc, 1, "rc %d: %s", rc, err);
+    cr_assert(strstr(err, "cannot reserve") && strstr(err, "of memory are available"), "%s",
+              err);
 }
 
 /* A launched DDP rank checks that the data fits the model, as the forked

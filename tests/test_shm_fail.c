@@ -1,17 +1,22 @@
-/* tests/test_shm_fail.c: failure handling of the shm communicator: a rank
- * killed mid-run, a late rank (deadline), mismatched collectives, abort,
- * a corrupted or foreign segment header, a full tmpfs, a malformed
- * environment. Each test bounds its time and leaves no process and no
- * /dev/shm entry behind. Results are in test_shm_comm.c. */
+/* tests/test_shm_fail.c: failure handling of the shm communicator: the
+ * leak check itself, a rank killed mid-run, a late rank (deadline),
+ * mismatched collectives, abort, a corrupted or foreign segment header
+ * (at attach and after it), close-on-exec in exec'd ranks, a full tmpfs,
+ * a segment larger than the memory there is, a malformed environment.
+ * Each test bounds its time and leaves no process and no segment behind
+ * (shm_t_segments_held). Liveness, heartbeat and failure summaries are in
+ * test_shm_live.c; results in test_shm_comm.c. */
 #include <criterion/criterion.h>
 #include <dirent.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/mount.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -21,17 +26,51 @@
 #include "shm/shm_comm.h"
 #include "shm/shm_impl.h"
 #include "shm/spawn.h"
+#include "tests/shm_test_util.h"
 
-static int count_dev_shm(void)
+/* --- the leak check itself ---------------------------------------------- */
+
+/* shm_t_segments_held() is what every "nothing left behind" check of the
+ * suite relies on: it must see a segment that is leaked on purpose, in
+ * this process, in a child, and in an orphaned grandchild. */
+Test(shm_fail, leak_check_sees_leaked_segments, .timeout = 20)
 {
-    DIR *d = opendir("/dev/shm");
-    if (!d) return 0;
-    int n = 0;
-    struct dirent *e;
-    while ((e = readdir(d)))
-        if (strstr(e->d_name, "tandem")) n++;
-    closedir(d);
-    return n;
+    shm_t_adopt_orphans();
+    int before = shm_t_segments_held();
+    tdm_shm_group *g = NULL;
+    cr_assert_eq(tdm_shm_group_create(&g, 2, NULL), TDM_STATUS_OK);
+    /* a group never freed: its fd and its mapping */
+    cr_expect_eq(shm_t_segments_held(), before + 2);
+    int go[2];
+    cr_assert_eq(pipe(go), 0);
+    pid_t kid = fork();
+    cr_assert_geq(kid, 0);
+    if (kid == 0) {
+        /* a child that leaves a grandchild holding the segment, and exits */
+        if (fork() == 0) {
+            char c;
+            close(go[1]);
+            (void)read(go[0], &c, 1);   /* until the test closes the pipe */
+            _exit(0);
+        }
+        _exit(0);
+    }
+    close(go[0]);
+    waitpid(kid, NULL, 0);
+    tdm_shm_group_free(g);
+    /* the orphan (re-parented to us) still holds the fd and the mapping */
+    cr_expect_eq(shm_t_segments_held(), before + 2);
+    close(go[1]);
+    for (int i = 0; i < 200 && shm_t_segments_held() != before; i++) usleep(10000);
+    cr_expect_eq(shm_t_segments_held(), before);
+    while (waitpid(-1, NULL, WNOHANG) > 0) {}
+
+    /* an O_TMPFILE segment (no memfd name) is recognised by its magic */
+    tdm_shm_opts o = {.shm_dir = "/tmp"};
+    cr_assert_eq(tdm_shm_group_create(&g, 2, &o), TDM_STATUS_OK, "%s", tdm_error_message());
+    cr_expect(shm_t_segments_held() >= before + 1);
+    tdm_shm_group_free(g);
+    cr_expect_eq(shm_t_segments_held(), before);
 }
 
 /* --- a rank dies ------------------------------------------------------- */
@@ -66,7 +105,8 @@ static int kill_rank(tdm_comm *comm, void *arg)
 
 static void check_killed(int world, tdm_shm_opts shm)
 {
-    int before = count_dev_shm();
+    shm_t_adopt_orphans();
+    int before = shm_t_segments_held();
     tdm_shm_spawn_opts o = {.shm = shm, .timeout_ms = 20000, .grace_ms = 5000};
     o.shm.timeout_ms = 30000;
     tdm_shm_spawn_result res;
@@ -84,7 +124,7 @@ static void check_killed(int world, tdm_shm_opts shm)
         cr_expect(kill(res.pid[r], 0) == -1 && errno == ESRCH, "rank %d still exists", r);
     }
     cr_expect(res.elapsed_ms < 4000, "took %.0f ms", res.elapsed_ms);
-    cr_expect_eq(count_dev_shm(), before);
+    cr_expect_eq(shm_t_segments_held(), before, "a segment is still held");
 }
 
 Test(shm_fail, rank_killed, .timeout = 30) { check_killed(4, (tdm_shm_opts){0}); }
@@ -189,7 +229,8 @@ Test(shm_fail, async_call_sees_death, .timeout = 30)
 static int hang_rank(tdm_comm *comm, void *arg)
 {
     int mode = *(int *)arg;
-    if (mode == 0 && tdm_comm_rank(comm) == 0) return 3;
+    if (mode != 1 && tdm_comm_rank(comm) == 0) return 3;
+    if (mode == 2) signal(SIGTERM, SIG_IGN);   /* only SIGKILL ends it */
     sleep(60);   /* ignores the group: only signals end it */
     return 0;
 }
@@ -205,6 +246,15 @@ Test(shm_fail, spawn_stops_the_rest, .timeout = 30)
     cr_expect(strstr(tdm_error_message(), "exited with code 3"), "%s", tdm_error_message());
     cr_expect(WIFSIGNALED(res.wstatus[1]) && WTERMSIG(res.wstatus[1]) == SIGTERM);
     cr_expect(res.elapsed_ms < 3000, "%.0f ms", res.elapsed_ms);
+
+    /* the root cause is rank 0's exit, not the SIGKILL that the clean-up
+     * needed for rank 1, which ignores SIGTERM */
+    mode = 2;
+    st = tdm_shm_spawn(2, hang_rank, &mode, &o, &res);
+    cr_expect_eq(st, TDM_STATUS_PEER_FAILED, "%s", tdm_error_message());
+    cr_expect(strstr(tdm_error_message(), "rank 0 (pid"), "%s", tdm_error_message());
+    cr_expect(strstr(tdm_error_message(), "exited with code 3"), "%s", tdm_error_message());
+    cr_expect(WIFSIGNALED(res.wstatus[1]) && WTERMSIG(res.wstatus[1]) == SIGKILL);
 
     mode = 1;   /* nobody fails, nobody ends: the time bound */
     o.timeout_ms = 400;
@@ -379,6 +429,125 @@ Test(shm_fail, bad_header_refused, .timeout = 10)
     tdm_shm_group_free(g);
 }
 
+/* After attach the communicator works from the layout it validated, not
+ * from the shared header: a header rewritten later (by a buggy or hostile
+ * process with write access) cannot redirect its offsets or world. */
+static int corrupt_after_attach_rank(tdm_shm_group *g, int r)
+{
+    tdm_comm *comm = NULL;
+    tdm_shm_opts o = {.timeout_ms = 5000};
+    if (tdm_shm_comm_init(&comm, g, r, &o)) return 80;
+    if (tdm_comm_barrier(comm)) return 81;
+    if (r == 0) {
+        tdm_shm_header *h = mmap(NULL, 4096, PROT_READ | PROT_WRITE, MAP_SHARED,
+                                 tdm_shm_group_fd(g), 0);
+        if (h == MAP_FAILED) return 82;
+        uint64_t wild = (uint64_t)1 << 44;
+        h->ctrl_off = h->reason_off = h->slot_off = h->p2p_off = h->arena_off = wild;
+        h->ctrl_bytes = h->slot_bytes = h->p2p_bytes = h->arena_bytes = wild;
+        h->one_shot_max = wild;
+        h->world = 64;
+        h->nbuf = 99;
+        munmap(h, 4096);
+    }
+    /* a peer's rewrite is visible to everyone past this barrier (its
+     * round is the first after the rewrite) */
+    if (tdm_comm_barrier(comm)) return 83;
+    int bad = 0;
+    static const size_t counts[] = {3, 5000, 300000};   /* one-shot, rs-ag, several rounds */
+    for (int i = 0; i < 3 && !bad; i++) {
+        shm_t_case k = {.coll = TDM_COLL_ALL_REDUCE, .dtype = TDM_DTYPE_FLOAT32,
+                        .op = TDM_REDOP_SUM, .count = counts[i]};
+        bad = shm_t_run_case(comm, &k) ? 84 : 0;
+    }
+    shm_t_case bc = {.coll = TDM_COLL_BROADCAST, .dtype = TDM_DTYPE_INT32, .count = 100000,
+                     .root = 1};
+    if (!bad && shm_t_run_case(comm, &bc)) bad = 85;
+    /* zero-copy buffers: arena offsets */
+    float *z = NULL;
+    if (!bad && tdm_shm_comm_alloc(comm, 65536 * sizeof(float), (void **)&z)) bad = 86;
+    for (int i = 0; !bad && i < 65536; i++) z[i] = (float)(i % 7 + r);
+    if (!bad && tdm_comm_all_reduce(comm, z, z, 65536, TDM_DTYPE_FLOAT32, TDM_REDOP_SUM)) bad = 87;
+    for (int i = 0; !bad && i < 65536; i++)
+        if (z[i] != (float)(2 * (i % 7) + 1)) bad = 88;
+    /* point to point */
+    int32_t msg = 41 + r;
+    if (!bad && r == 0 && tdm_comm_send(comm, &msg, 1, TDM_DTYPE_INT32, 1)) bad = 89;
+    if (!bad && r == 1 && (tdm_comm_recv(comm, &msg, 1, TDM_DTYPE_INT32, 0) || msg != 41)) bad = 90;
+    /* and the abort still reaches the peer (the waker walks every rank's flag) */
+    if (!bad && r == 1) tdm_comm_abort(comm, "done");
+    if (!bad) {
+        int32_t x = 1;
+        tdm_status st = tdm_comm_all_reduce(comm, &x, &x, 1, TDM_DTYPE_INT32, TDM_REDOP_SUM);
+        if (st == TDM_STATUS_OK)
+            st = tdm_comm_all_reduce(comm, &x, &x, 1, TDM_DTYPE_INT32, TDM_REDOP_SUM);
+        if (st != TDM_STATUS_ABORTED || !strstr(tdm_error_message(), "aborted by rank 1: done"))
+            bad = 91;
+    }
+    if (bad) fprintf(stderr, "rank %d: failed at %d: %s\n", r, bad, tdm_error_message());
+    tdm_comm_free(comm);
+    return bad;
+}
+
+Test(shm_fail, header_rewritten_after_attach_is_not_followed, .timeout = 30)
+{
+    tdm_shm_group *g = NULL;
+    tdm_shm_opts o = {.slot_bytes = 16384, .arena_bytes = 1 << 20};
+    cr_assert_eq(tdm_shm_group_create(&g, 2, &o), TDM_STATUS_OK, "%s", tdm_error_message());
+    pid_t kids[2];
+    for (int r = 0; r < 2; r++) {
+        kids[r] = fork();
+        cr_assert_geq(kids[r], 0);
+        if (kids[r] == 0) {
+            alarm(20);
+            _exit(corrupt_after_attach_rank(g, r));
+        }
+        tdm_shm_group_set_pid(g, r, kids[r]);
+    }
+    for (int r = 0; r < 2; r++) {
+        int ws = 0;
+        cr_assert_eq(waitpid(kids[r], &ws, 0), kids[r]);
+        cr_expect(WIFEXITED(ws) && WEXITSTATUS(ws) == 0, "rank %d: status 0x%x", r, ws);
+    }
+    tdm_shm_group_free(g);
+}
+
+/* An exec'd rank (it joined through TANDEM_SHM_FD, which the launcher
+ * passed without close-on-exec) must not hand the segment to the programs
+ * it runs in turn: joining restores close-on-exec. */
+Test(shm_fail, exec_rank_does_not_pass_the_segment_on, .timeout = 20)
+{
+    tdm_shm_group *g = NULL;
+    cr_assert_eq(tdm_shm_group_create(&g, 2, NULL), TDM_STATUS_OK);
+    cr_assert_eq(tdm_shm_group_export_env(g), TDM_STATUS_OK);
+    setenv("WORLD_SIZE", "2", 1);
+    setenv("RANK", "1", 1);
+    pid_t rank = fork();
+    cr_assert_geq(rank, 0);
+    if (rank == 0) {
+        /* the rank, as after exec: the fd is open and inheritable */
+        tdm_comm *comm = NULL;
+        if (tdm_shm_comm_init_from_env(&comm, NULL)) _exit(60);
+        pid_t child = fork();
+        if (child == 0) {
+            execl("/bin/sh", "sh", "-c", "test ! -e /proc/self/fd/$" TDM_SHM_ENV_FD, (char *)NULL);
+            _exit(127);
+        }
+        int ws = 0;
+        if (child < 0 || waitpid(child, &ws, 0) != child) _exit(61);
+        /* still open here, for this rank's own use */
+        int open_here = fcntl(atoi(getenv(TDM_SHM_ENV_FD)), F_GETFD) >= 0;
+        tdm_comm_free(comm);
+        _exit(!open_here ? 62 : WIFEXITED(ws) && WEXITSTATUS(ws) == 0 ? 0 : 63);
+    }
+    int ws = 0;
+    cr_assert_eq(waitpid(rank, &ws, 0), rank);
+    cr_expect(WIFEXITED(ws) && WEXITSTATUS(ws) == 0,
+              "status 0x%x (63: a program the rank ran inherited the segment fd)", ws);
+    unsetenv(TDM_SHM_ENV_FD);
+    tdm_shm_group_free(g);
+}
+
 /* --- full tmpfs ----------------------------------------------------------- */
 
 static int tiny_rank(tdm_comm *comm, void *arg)
@@ -427,6 +596,103 @@ Test(shm_fail, full_tmpfs_fails_at_start, .timeout = 20)
     rmdir(dir);
 }
 
+/* --- memory: refuse what cannot be had, never be OOM-killed ------------- */
+
+/* The child's outcome of tdm_shm_group_create: 0 when refused with
+ * OUT_OF_MEMORY naming the bytes needed and available (message on
+ * stderr), 1 created, 2 another error, or it is killed (the OOM killer:
+ * what the check prevents). RLIMIT_FSIZE keeps a request that is not
+ * checked from eating the machine's memory (fallocate fails instead). */
+static int try_reserve_in_child(int world, size_t arena, const char *cgroup_procs)
+{
+    pid_t kid = fork();
+    if (kid == 0) {
+        if (cgroup_procs) {
+            FILE *f = fopen(cgroup_procs, "w");
+            if (!f || fprintf(f, "%d\n", (int)getpid()) < 0 || fclose(f)) _exit(3);
+        }
+        signal(SIGXFSZ, SIG_IGN);
+        struct rlimit rl = {.rlim_cur = (rlim_t)2 << 30, .rlim_max = (rlim_t)2 << 30};
+        setrlimit(RLIMIT_FSIZE, &rl);
+        tdm_shm_group *g = NULL;
+        tdm_shm_opts o = {.arena_bytes = arena};
+        tdm_status st = tdm_shm_group_create(&g, world, &o);
+        fprintf(stderr, "reserve %d x %zu: %s: %s\n", world, arena, tdm_status_name(st),
+                tdm_error_message());
+        tdm_shm_group_free(g);
+        if (st == TDM_STATUS_OK) _exit(1);
+        _exit(st == TDM_STATUS_OUT_OF_MEMORY && strstr(tdm_error_message(), "available") &&
+                      strstr(tdm_error_message(), "cannot reserve") ? 0 : 2);
+    }
+    int ws = 0;
+    waitpid(kid, &ws, 0);
+    return WIFEXITED(ws) ? WEXITSTATUS(ws) : 128 + WTERMSIG(ws);
+}
+
+Test(shm_fail, absurd_segment_is_refused_with_bytes_needed_and_available, .timeout = 30)
+{
+    /* 16 ranks x 64 GiB: 1 TiB, accepted by the layout's bounds */
+    int rc = try_reserve_in_child(16, (size_t)64 << 30, NULL);
+    cr_expect_eq(rc, 0, "child: %d (1: created, 2: another error, >128: killed)", rc);
+    /* and a size that fits is still reserved */
+    cr_expect_eq(try_reserve_in_child(2, 1 << 20, NULL), 1);
+}
+
+/* Our memory cgroup's directory (v2, else v1's memory hierarchy), for
+ * making a child cgroup under it; "" when there is none we can use. */
+static void my_memory_cgroup(char *dir, size_t n, int *v2)
+{
+    dir[0] = 0;
+    FILE *f = fopen("/proc/self/cgroup", "r");
+    char line[1024];
+    while (f && fgets(line, sizeof line, f)) {
+        line[strcspn(line, "\n")] = 0;
+        char *a = strchr(line, ':'), *b = a ? strchr(a + 1, ':') : NULL;
+        if (!a || !b) continue;
+        *b = 0;
+        if (!strcmp(line, "0") && !a[1]) {
+            snprintf(dir, n, "/sys/fs/cgroup%s", b + 1);
+            if (access(dir, W_OK) == 0) { *v2 = 1; break; }
+            snprintf(dir, n, "/sys/fs/cgroup/unified%s", b + 1);
+            char ctl[1200];
+            snprintf(ctl, sizeof ctl, "%s/cgroup.subtree_control", dir);
+            FILE *c = fopen(ctl, "r");
+            char got[256] = "";
+            if (c) { if (!fgets(got, sizeof got, c)) got[0] = 0; fclose(c); }
+            if (strstr(got, "memory")) { *v2 = 1; break; }
+            dir[0] = 0;
+        } else if (strstr(a + 1, "memory")) {
+            snprintf(dir, n, "/sys/fs/cgroup/memory%s", b + 1);
+            *v2 = 0;
+            if (access(dir, W_OK) == 0) break;
+            dir[0] = 0;
+        }
+    }
+    if (f) fclose(f);
+}
+
+Test(shm_fail, small_cgroup_refuses_instead_of_oom_kill, .timeout = 30)
+{
+    char base[1024], cg[1100], path[1200];
+    int v2 = 0;
+    my_memory_cgroup(base, sizeof base, &v2);
+    snprintf(cg, sizeof cg, "%s/tdm-test-%d", base, (int)getpid());
+    if (!base[0] || mkdir(cg, 0755) != 0)
+        cr_skip_test("cannot create a memory cgroup under '%s' (%s)", base, strerror(errno));
+    snprintf(path, sizeof path, "%s/%s", cg, v2 ? "memory.max" : "memory.limit_in_bytes");
+    FILE *f = fopen(path, "w");
+    int ok = f && fprintf(f, "%d\n", 256 << 20) > 0;
+    if (f) ok = fclose(f) == 0 && ok;
+    snprintf(path, sizeof path, "%s/cgroup.procs", cg);
+    /* 2 ranks x 512 MiB in 256 MiB: refused; 2 x 16 MiB: fits */
+    int big = ok ? try_reserve_in_child(2, (size_t)512 << 20, path) : -1;
+    int small = ok ? try_reserve_in_child(2, (size_t)16 << 20, path) : -1;
+    rmdir(cg);
+    cr_assert(ok, "cannot set the cgroup's limit");
+    cr_expect_eq(big, 0, "child: %d (1: created, 2: another error, 137: OOM-killed)", big);
+    cr_expect_eq(small, 1, "child: %d", small);
+}
+
 /* --- environment ----------------------------------------------------------- */
 
 Test(shm_fail, env_errors_are_clear, .timeout = 10)
@@ -451,13 +717,8 @@ Test(shm_fail, env_errors_are_clear, .timeout = 10)
     tdm_shm_group *g = NULL;
     cr_assert_eq(tdm_shm_group_create(&g, 2, NULL), TDM_STATUS_OK);
     cr_assert_eq(tdm_shm_group_export_env(g), TDM_STATUS_OK);
-    cr_expect_eq(tdm_shm_comm_init_from_env(&comm, NULL), TDM_STATUS_OK, "%s",
-                 tdm_error_message());
-    cr_expect_eq(tdm_comm_rank(comm), 1);
-    cr_expect_eq(tdm_comm_size(comm), 2);
-    tdm_comm_free(comm);
-
-    /* the fd survives exec (what `tandem launch` relies on) */
+    /* the fd survives exec (what `tandem launch` relies on; a rank that
+     * joins closes it on exec again: exec_rank_does_not_pass_the_segment_on) */
     pid_t pid = fork();
     cr_assert_geq(pid, 0);
     if (pid == 0) {
@@ -468,6 +729,12 @@ Test(shm_fail, env_errors_are_clear, .timeout = 10)
     cr_assert_eq(waitpid(pid, &ws, 0), pid);
     cr_expect(WIFEXITED(ws) && WEXITSTATUS(ws) == 0, "fd %s not inherited over exec (0x%x)",
               getenv(TDM_SHM_ENV_FD), ws);
+    cr_expect_eq(tdm_shm_comm_init_from_env(&comm, NULL), TDM_STATUS_OK, "%s",
+                 tdm_error_message());
+    cr_expect_eq(tdm_comm_rank(comm), 1);
+    cr_expect_eq(tdm_comm_size(comm), 2);
+    tdm_comm_free(comm);
+
     tdm_shm_group_free(g);
 }
 

@@ -7,7 +7,9 @@
  * forwards SIGINT/SIGTERM/SIGHUP, and when a rank fails tells the group
  * (the other ranks' collectives fail at once), stops the rest (SIGTERM,
  * then SIGKILL after a grace period) and exits 1 with a summary naming
- * the first failure. Not an elastic agent: no restarts, one machine. */
+ * the root cause by the rule every parent of ranks shares
+ * (tdm_shm_watch_blame, shm/spawn.h). Not an elastic agent: no restarts,
+ * one machine. */
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
@@ -168,6 +170,7 @@ int tdm_tool_launch_main(int argc, char **argv)
     tdm_shm_opts so = {.arena_bytes = (size_t)arena_mb << 20};
     pid_t pid[TDM_SHM_MAX_RANKS] = {0};
     int wst[TDM_SHM_MAX_RANKS] = {0};
+    tdm_shm_watch watch;      /* names the root cause: the rule of shm/spawn.h */
     tdm_launch_out *outs = calloc((size_t)W * 2, sizeof *outs);
     int n_outs = 0;
     if (!outs) {
@@ -205,6 +208,7 @@ int tdm_tool_launch_main(int argc, char **argv)
         fprintf(stderr, "tandem launch: shared memory: %s\n", tdm_error_message());
         goto done;
     }
+    tdm_shm_watch_init(&watch, g, W);
     struct sigaction sa = {.sa_handler = tdm_launch_on_signal};
     sigemptyset(&sa.sa_mask);
     struct sigaction old_int, old_term, old_hup;
@@ -262,16 +266,18 @@ int tdm_tool_launch_main(int argc, char **argv)
         }
         pid[r] = p;
         running++;
-        tdm_shm_group_set_pid(g, r, p);
+        tdm_shm_watch_started(&watch, r, p);
         if (!log_dir) {
             outs[n_outs++] = (tdm_launch_out){.fd = fds[0][0], .rank = r, .dest = STDOUT_FILENO};
             outs[n_outs++] = (tdm_launch_out){.fd = fds[1][0], .rank = r, .dest = STDERR_FILENO};
         }
     }
-    int first_bad = -1, stopping = running < W, signalled = 0, fwd_sig = 0;
+    int stopping = running < W, signalled = 0, fwd_sig = 0;
     uint64_t kill_at = stopping ? tdm_time_ns() + (uint64_t)grace_ms * 1000000ull : UINT64_MAX;
-    if (stopping)
+    if (stopping) {
+        tdm_shm_watch_stopping(&watch, TDM_STATUS_SYSTEM, "not every rank could be started");
         for (int r = 0; r < W; r++) if (pid[r] > 0) kill(pid[r], SIGTERM);
+    }
     uint64_t drain_until = UINT64_MAX, term_at = UINT64_MAX;
     for (;;) {
         struct pollfd pf[2 * TDM_SHM_MAX_RANKS];
@@ -291,13 +297,16 @@ int tdm_tool_launch_main(int argc, char **argv)
         }
         if (tdm_launch_sig && !fwd_sig) {
             fwd_sig = tdm_launch_sig;
+            char why[64];
+            snprintf(why, sizeof why, "received %s", strsignal(fwd_sig));
+            tdm_shm_watch_stopping(&watch, TDM_STATUS_ABORTED, why);
             for (int r = 0; r < W; r++) if (pid[r] > 0) kill(pid[r], fwd_sig);
             if (!stopping) {
                 stopping = 1;
                 kill_at = tdm_time_ns() + (uint64_t)grace_ms * 1000000ull;
             }
         }
-        int ws, pass_bad = -1;
+        int ws;
         pid_t w;
         while (running > 0 && (w = waitpid(-1, &ws, WNOHANG)) > 0) {
             int r = 0;
@@ -306,13 +315,7 @@ int tdm_tool_launch_main(int argc, char **argv)
             pid[r] = -w;
             wst[r] = ws;
             running--;
-            if (WIFEXITED(ws) && WEXITSTATUS(ws) == 0) continue;
-            tdm_shm_group_mark_dead(g, r, ws);
-            /* Survivors of a killed rank may be reaped in the same pass
-             * as it: the root cause is the one killed by a signal. */
-            if (first_bad < 0 && !fwd_sig &&
-                (pass_bad < 0 || (WIFSIGNALED(ws) && !WIFSIGNALED(wst[pass_bad]))))
-                pass_bad = r;
+            if (!tdm_shm_watch_ended(&watch, r, ws)) continue;
             if (!stopping) {
                 /* The group abort lets ranks inside a collective fail on
                  * their own (and say so) first; SIGTERM comes a moment
@@ -324,13 +327,14 @@ int tdm_tool_launch_main(int argc, char **argv)
             }
         }
         if (stopping && running > 0 && tdm_time_ns() >= term_at) {
+            tdm_shm_watch_stopping(&watch, TDM_STATUS_OK, NULL);   /* a rank failed */
             for (int q = 0; q < W; q++) if (pid[q] > 0) kill(pid[q], SIGTERM);
             term_at = UINT64_MAX;
         }
-        if (pass_bad >= 0) first_bad = pass_bad;
         if (running == 0 && drain_until == UINT64_MAX)
             drain_until = tdm_time_ns() + 500ull * 1000000ull;  /* grandchildren may hold pipes */
         if (stopping && running > 0 && tdm_time_ns() >= kill_at && signalled < 1) {
+            tdm_shm_watch_stopping(&watch, TDM_STATUS_OK, NULL);
             for (int r = 0; r < W; r++) if (pid[r] > 0) kill(pid[r], SIGKILL);
             signalled = 1;
         }
@@ -342,12 +346,11 @@ int tdm_tool_launch_main(int argc, char **argv)
     int failed = 0;
     for (int r = 0; r < W; r++)
         if (pid[r] == 0 || !(WIFEXITED(wst[r]) && WEXITSTATUS(wst[r]) == 0)) failed++;
-    if (first_bad >= 0) {
-        char why[128];
-        tdm_shm_wait_status_str(wst[first_bad], why, sizeof why);
-        fprintf(stderr, "tandem launch: rank %d (pid %d) %s; stopped the other ranks "
-                        "(%d of %d failed or were stopped)\n",
-                first_bad, (int)-pid[first_bad], why, failed, W);
+    tdm_shm_cause cause;
+    tdm_shm_watch_blame(&watch, &cause);
+    if (cause == TDM_SHM_CAUSE_RANK) {
+        fprintf(stderr, "tandem launch: %s; stopped the other ranks (%d of %d failed or were "
+                        "stopped)\n", tdm_error_message(), failed, W);
         rc = 1;
     } else if (fwd_sig) {
         fprintf(stderr, "tandem launch: received %s; forwarded it to %d rank(s)\n",

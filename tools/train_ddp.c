@@ -3,8 +3,9 @@
  * its contiguous share of every global batch (the same global batches as
  * --mode single: tdm_train_epoch_order). Every rank evaluates its share
  * of the test set (tdm_ddp_evaluate); rank 0 prints progress, results and
- * the DDP timing summary and writes checkpoints; every rank that fails says which rank it is, and the parent names the first rank
- * that failed and exits 1.
+ * the DDP timing summary and writes checkpoints; every rank that fails says which rank it is
+ * and tells the group why (tdm_comm_abort), and the parent names the root
+ * cause (the rule of shm/spawn.h) and exits 1.
  *
  * With --device cuda[:I,J,..] each rank opens its GPU, builds an NCCL
  * communicator bootstrapped over the shm one (the unique id travels over
@@ -22,7 +23,8 @@
  *
  * Test hook: TANDEM_DDP_TEST_KILL=R:S makes rank R SIGKILL itself before
  * its global step S (counted from 1 over the whole run), to test
- * fail-fast and checkpoint recovery end to end.
+ * fail-fast and checkpoint recovery end to end; R:S:STOP makes it stop
+ * itself (SIGSTOP) there instead, to test stall detection.
  *
  * Batch split: rank r gets samples [r*B/N, (r+1)*B/N) of each global batch
  * of B. Its loss gradient is scaled by 1/B (not 1/B_r) and gradients are
@@ -65,7 +67,8 @@ typedef struct tdm_train_ddp_rank {
     tdm_comm *comm;
     int rank, world;
     int64_t feat;
-    int64_t steps, kill_step;    /* test hook: SIGKILL before step kill_step */
+    int64_t steps, kill_step;    /* test hook: kill_sig before step kill_step */
+    int kill_sig;
 } tdm_train_ddp_rank;
 
 static void tdm_train_ddp_fail(int rank, const char *what, tdm_status st)
@@ -84,7 +87,7 @@ static tdm_status tdm_train_ddp_step(void *ctx, const void *x, const int32_t *y,
     double ls = 0.0;
     if (++r->steps == r->kill_step) {
         fflush(stdout);
-        raise(SIGKILL);
+        raise(r->kill_sig);
     }
     TDM_TRY(tdm_ddp_zero_grad(r->ddp));
     TDM_TRY(tdm_ddp_forward_scaled(r->ddp, (const float *)x + (int64_t)lo * r->feat, y + lo, hi - lo,
@@ -229,16 +232,25 @@ static int tdm_train_ddp_rank_main(tdm_comm *comm, void *arg)
     const char *kill_env = getenv("TANDEM_DDP_TEST_KILL");
     int kr = -1;
     long long ks = 0;
-    if (kill_env && sscanf(kill_env, "%d:%lld", &kr, &ks) == 2 && kr == rank) r.kill_step = ks;
+    char how[8] = "";
+    if (kill_env && sscanf(kill_env, "%d:%lld:%7s", &kr, &ks, how) >= 2 && kr == rank) {
+        r.kill_step = ks;
+        r.kill_sig = strcmp(how, "STOP") ? SIGKILL : SIGSTOP;
+    }
     if (!tdm_train_epochs(&a, m, opt, c->train, c->test, tdm_train_ddp_step, &r, start_epoch,
                           tdm_train_ddp_eval, &r, tdm_train_ddp_after, &r))
         goto done;
     if (rank == 0) tdm_train_ddp_report(ddp, world);
     rc = 0;
 done:
-    /* the reason travels to the ranks still waiting (a no-op when the
-     * group was aborted already) */
-    if (rc) tdm_comm_abort(comm, tdm_error_message()[0] ? tdm_error_message() : "rank failed");
+    if (rc) {
+        /* The group learns why in this rank's words (the step's own abort,
+         * if any, was first); the parent's failure summary quotes them. */
+        char why[400];
+        snprintf(why, sizeof why, "%s", tdm_error_message()[0] ? tdm_error_message()
+                                                               : "rank failed");
+        tdm_comm_abort(comm, why);
+    }
     fflush(stdout);
     tdm_ddp_free(ddp);
     tdm_comm_free(nccl);   /* before comm, which bootstrapped it */
