@@ -330,6 +330,18 @@ tdm_status tdm_comm_run(tdm_comm *comm, const tdm_comm_call *call)
     return st;
 }
 
+tdm_status tdm_comm_run_inner(tdm_comm *comm, const tdm_comm_call *call, int async)
+{
+    TDM_CHECK(tdm_comm_call_check(comm, call));
+    TDM_REQUIRE(atomic_load_explicit(&comm->pending, memory_order_acquire) == 0,
+                TDM_STATUS_INTERNAL, "%s: tdm_comm_run_inner on a communicator with queued calls",
+                comm->ops->name);
+    tdm_comm_call k = *call;
+    k.async = async ? 1 : 0;
+    k.token = NULL;
+    return tdm_comm_exec(comm, &k);
+}
+
 /* --- progress thread ---------------------------------------------------- */
 
 static void *tdm_comm_progress(void *arg)

@@ -189,6 +189,12 @@ tdm_status tdm_comm_recv(tdm_comm *comm, void *buf, size_t count,
 
 /* Any call, validated then run (synchronously). */
 tdm_status tdm_comm_run(tdm_comm *comm, const tdm_comm_call *call);
+/* For backends built from other communicators (mpi/'s hierarchical one):
+ * validates and runs call on comm on the calling thread, telling the
+ * backend whether it runs for a queued call of the outer communicator
+ * (async = 1: wait politely, the rank's own thread is computing). comm
+ * must have nothing queued (it belongs to the outer backend alone). */
+tdm_status tdm_comm_run_inner(tdm_comm *comm, const tdm_comm_call *call, int async);
 /* Argument checks shared by every entry point (INVALID_ARG + message). */
 tdm_status tdm_comm_call_check(const tdm_comm *comm, const tdm_comm_call *call);
 

@@ -194,6 +194,7 @@ void tdm_mpi_job_free(tdm_mpi_job *j)
 
 const tdm_mpi_topo *tdm_mpi_job_topo(const tdm_mpi_job *j) { return &j->topo; }
 tdm_comm *tdm_mpi_job_world(tdm_mpi_job *j) { return j->world; }
+uint64_t tdm_mpi_job_segment_id(const tdm_mpi_job *j) { return j->job_id; }
 
 tdm_mpi_backend tdm_mpi_job_auto(const tdm_mpi_job *j)
 {
@@ -222,7 +223,6 @@ tdm_status tdm_mpi_job_comm(tdm_mpi_job *j, tdm_mpi_backend b,
 {
     TDM_REQUIRE(j && out, TDM_STATUS_INVALID_ARG, "tdm_mpi_job_comm: NULL argument");
     *out = NULL;
-    (void)shm_opts;
     if (b == TDM_MPI_BACKEND_AUTO) b = tdm_mpi_job_auto(j);
     switch (b) {
     case TDM_MPI_BACKEND_MPI: {
@@ -235,8 +235,18 @@ tdm_status tdm_mpi_job_comm(tdm_mpi_job *j, tdm_mpi_backend b,
         tdm_mpi_wait_all(&wt, 1, &req, NULL, "mpi: MPI_Comm_idup");
         return tdm_mpi_comm_wrap(out, dup, j->node_size, &j->opts, "mpi");
     }
+    case TDM_MPI_BACKEND_SHM: {
+        TDM_REQUIRE(j->topo.n_machines == 1, TDM_STATUS_INVALID_ARG,
+                    "--backend shm: the job's %d ranks are on %d %smachines, and shared memory "
+                    "joins the ranks of one machine only; use --backend hier (shared memory "
+                    "inside each machine, MPI between them) or mpi", j->topo.size,
+                    j->topo.n_machines, j->topo.pretend ? "pretend " : "");
+        tdm_mpi_impl *w = tdm_comm_impl(j->world);
+        return tdm_mpi_shm_named_comm(j, w->comm, shm_opts, out);
+    }
+    case TDM_MPI_BACKEND_HIER:
+        return tdm_mpi_hier_comm(j, shm_opts, out);
     default:
-        return tdm_error_set(TDM_STATUS_UNSUPPORTED, "backend %s is not available in an MPI "
-                             "job", tdm_mpi_backend_name(b));
+        return tdm_error_set(TDM_STATUS_INVALID_ARG, "tdm_mpi_job_comm: backend %d", (int)b);
     }
 }

@@ -62,6 +62,9 @@ void tdm_mpi_job_free(tdm_mpi_job *job);
 const tdm_mpi_topo *tdm_mpi_job_topo(const tdm_mpi_job *job);
 /* The backend AUTO stands for in this job. */
 tdm_mpi_backend tdm_mpi_job_auto(const tdm_mpi_job *job);
+/* The id in the names of this job's shared segments (rank 0 draws it
+ * when the first one is made, see mpi/shm_named.c); 0 before. */
+uint64_t tdm_mpi_job_segment_id(const tdm_mpi_job *job);
 /* The job's own MPI communicator over every rank (control traffic, the
  * benchmark's reference); owned by the job. Its calls are always MPI's
  * non-blocking ones, so that a rank waiting long in one sleeps. */

@@ -8,6 +8,7 @@
  * left). Each test is one mpirun (start-up costs ~1 s); the cases run
  * inside the ranks (workers, see tests/mpi_test_util.h). */
 #include <criterion/criterion.h>
+#include <dirent.h>
 #include <limits.h>
 #include <signal.h>
 #include <stdio.h>
@@ -16,11 +17,21 @@
 #include <unistd.h>
 
 #include "core/comm.h"
+#include "mpi/job.h"
 #include "mpi/mpi_comm.h"
+#include "shm/shm_comm.h"
 #include "tests/mpi_test_util.h"
 #include "tests/shm_test_util.h"
 
 __attribute__((weak)) tdm_status tdm_mpi_init(void);
+__attribute__((weak)) void tdm_mpi_abort(const char *reason);
+__attribute__((weak)) uint64_t tdm_mpi_job_segment_id(const tdm_mpi_job *job);
+__attribute__((weak)) tdm_status tdm_mpi_job_init(tdm_mpi_job **out, const tdm_mpi_opts *opts);
+__attribute__((weak)) void tdm_mpi_job_free(tdm_mpi_job *job);
+__attribute__((weak)) const tdm_mpi_topo *tdm_mpi_job_topo(const tdm_mpi_job *job);
+__attribute__((weak)) tdm_status tdm_mpi_job_comm(tdm_mpi_job *job, tdm_mpi_backend b,
+                                                  const struct tdm_shm_opts *shm_opts,
+                                                  tdm_comm **out);
 __attribute__((weak)) tdm_status tdm_mpi_peer_run(tdm_comm *comm, const tdm_comm_call *call);
 
 /* --- workers (run inside the ranks) ------------------------------------------- */
@@ -32,18 +43,28 @@ static int w_fail(tdm_comm *comm, const char *what, tdm_status st)
     return 1;
 }
 
-/* Sizes (elements): small ones, primes, and each side of MPI's protocol
- * boundaries (shared memory's 4 KiB eager limit, TCP's 64 KiB). */
-static size_t w_sizes(size_t es, size_t *out)
+/* The shm segments of shm and hier get small staging slots and one-shot
+ * limit, as the shm tests do, so that every chunk boundary is crossed. */
+#define W_SLOT (16 * 1024)
+#define W_ONE_SHOT 2048
+
+/* Sizes (elements): small ones, primes, each side of MPI's protocol
+ * boundaries (shared memory's 4 KiB eager limit, TCP's 64 KiB), of shm's
+ * chunk boundaries (one-shot limit, slot, three slots and a bit), and of
+ * a multiple of the ranks (of those on a machine too, when machines are
+ * alike: hier's shards and their tail). */
+static size_t w_sizes(size_t es, int world, size_t *out)
 {
     static const size_t fixed[] = {0, 1, 2, 3, 13, 61, 127, 1021};
     size_t n = 0;
     for (size_t i = 0; i < sizeof fixed / sizeof fixed[0]; i++) out[n++] = fixed[i];
-    static const size_t marks[] = {4096, 65536};
+    const size_t marks[] = {4096 / es, 65536 / es, W_ONE_SHOT / es, W_SLOT / es,
+                            (size_t)world * 1000};
     for (size_t i = 0; i < sizeof marks / sizeof marks[0]; i++) {
-        out[n++] = marks[i] / es - 1;
-        out[n++] = marks[i] / es + 1;
+        out[n++] = marks[i] - 1;
+        out[n++] = marks[i] + 1;
     }
+    out[n++] = 3 * (W_SLOT / es) + 17;
     return n;
 }
 
@@ -64,7 +85,7 @@ static long w_matrix_on(tdm_comm *comm)
                      coll == TDM_COLL_SCATTER || coll == TDM_COLL_BROADCAST;
         for (int dt = 0; dt < TDM_DTYPE_COUNT_; dt++) {
             size_t sizes[32];
-            size_t ns = w_sizes(tdm_dtype_size((tdm_dtype)dt), sizes);
+            size_t ns = w_sizes(tdm_dtype_size((tdm_dtype)dt), w, sizes);
             for (int op = 0; op < (reduces ? TDM_REDOP_COUNT_ : 1); op++)
                 for (size_t s = 0; s < ns; s++)
                     for (int inplace = 0; inplace < 2; inplace++)
@@ -82,22 +103,52 @@ static long w_matrix_on(tdm_comm *comm)
     return cases;
 }
 
+static tdm_mpi_backend w_backend(const char *s)
+{
+    return !strcmp(s, "shm") ? TDM_MPI_BACKEND_SHM : !strcmp(s, "hier") ? TDM_MPI_BACKEND_HIER
+                                                                        : TDM_MPI_BACKEND_MPI;
+}
+
+/* argv: backends. The job's machines follow TANDEM_PRETEND_MACHINES. */
 static int w_matrix(int argc, char **argv)
 {
-    (void)argc;
-    (void)argv;
-    tdm_comm *comm = NULL;
-    tdm_status st = tdm_comm_init_mpi(&comm, NULL);
-    if (st) return w_fail(NULL, "tdm_comm_init_mpi", st);
-    long cases = w_matrix_on(comm);
-    int rank = tdm_comm_rank(comm), size = tdm_comm_size(comm);
-    char algo[64];
-    snprintf(algo, sizeof algo, "%s", tdm_comm_last_algo(comm));
-    tdm_comm_free(comm);
-    tdm_mpi_finalize();
-    if (cases < 0) return 1;
-    if (rank == 0)
-        printf("matrix ok: %ld cases on %d ranks (last algorithm %s)\n", cases, size, algo);
+    tdm_mpi_job *job = NULL;
+    tdm_status st = tdm_mpi_job_init(&job, NULL);
+    if (st) return w_fail(NULL, "tdm_mpi_job_init", st);
+    const tdm_mpi_topo *t = tdm_mpi_job_topo(job);
+    for (int i = 0; i < argc; i++) {
+        tdm_shm_opts so = {.slot_bytes = W_SLOT, .one_shot_max_bytes = W_ONE_SHOT,
+                           .timeout_ms = 60000};
+        tdm_comm *comm = NULL;
+        if ((st = tdm_mpi_job_comm(job, w_backend(argv[i]), &so, &comm)))
+            return w_fail(NULL, argv[i], st);
+        /* the segment's name is gone once every local rank has attached,
+         * which the first collective needs */
+        if ((st = tdm_comm_barrier(comm))) return w_fail(comm, argv[i], st);
+        if (tdm_mpi_job_segment_id(job)) {
+            char id[32];
+            snprintf(id, sizeof id, "%016llx", (unsigned long long)tdm_mpi_job_segment_id(job));
+            DIR *d = opendir("/dev/shm");
+            for (struct dirent *e; d && (e = readdir(d));)
+                if (strstr(e->d_name, id)) {
+                    fprintf(stderr, "rank %d: /dev/shm/%s is still there\n", t->rank, e->d_name);
+                    return 1;
+                }
+            if (d) closedir(d);
+        }
+        long cases = w_matrix_on(comm);
+        if (cases < 0) return 1;
+        /* the all-reduce's algorithm, at a size with shards and a tail */
+        static float v[2003];
+        if ((st = tdm_comm_all_reduce(comm, v, v, 2003, TDM_DTYPE_FLOAT32, TDM_REDOP_SUM)))
+            return w_fail(comm, argv[i], st);
+        if (t->rank == 0)
+            printf("matrix %s ok: %ld cases on %d ranks, %d machine%s (all_reduce: %s)\n",
+                   argv[i], cases, t->size, t->n_machines, t->n_machines == 1 ? "" : "s",
+                   tdm_comm_last_algo(comm));
+        tdm_comm_free(comm);
+    }
+    tdm_mpi_job_free(job);
     return 0;
 }
 
@@ -293,13 +344,23 @@ static int w_no_join(int argc, char **argv)
 }
 
 /* argv[0]: "skip" (rank 1 never calls the third all_reduce), "abort"
- * (rank 1 aborts there), "kill" (rank 2 SIGKILLs itself there). */
+ * (rank 1 aborts there), "kill" (rank 2 SIGKILLs itself there); argv[1]:
+ * the backend (mpi by default; shm and hier through the job). A rank whose
+ * call fails says why and ends the job, as tandem's commands do. */
 static int w_fail_job(int argc, char **argv)
 {
     const char *mode = argc > 0 ? argv[0] : "skip";
+    const char *backend = argc > 1 ? argv[1] : "mpi";
     tdm_comm *comm = NULL;
-    tdm_status st = tdm_comm_init_mpi(&comm, NULL);
-    if (st) return w_fail(NULL, "tdm_comm_init_mpi", st);
+    tdm_mpi_job *job = NULL;
+    tdm_status st;
+    if (!strcmp(backend, "mpi")) {
+        st = tdm_comm_init_mpi(&comm, NULL);
+    } else {
+        st = tdm_mpi_job_init(&job, NULL);
+        if (st == TDM_STATUS_OK) st = tdm_mpi_job_comm(job, w_backend(backend), NULL, &comm);
+    }
+    if (st) return w_fail(NULL, "set-up", st);
     int r = tdm_comm_rank(comm);
     float v[1000] = {0};
     for (int i = 0; i < 1000000; i++) {
@@ -308,15 +369,40 @@ static int w_fail_job(int argc, char **argv)
             tdm_comm_abort(comm, "rank 1 found bad input");
         if (i == 2 && r == 2 && !strcmp(mode, "kill")) raise(SIGKILL);
         st = tdm_comm_all_reduce(comm, v, v, 1000, TDM_DTYPE_FLOAT32, TDM_REDOP_SUM);
-        if (st) return w_fail(comm, "all_reduce", st);
+        if (st) {
+            char why[1200];
+            snprintf(why, sizeof why, "rank %d: all_reduce: %s", r, tdm_error_message());
+            tdm_mpi_abort(why);
+        }
     }
+    return 0;
+}
+
+/* Local rank 1 starts the job but never joins its shared segment. */
+static int w_no_attach(int argc, char **argv)
+{
+    (void)argc;
+    (void)argv;
+    tdm_mpi_job *job = NULL;
+    tdm_status st = tdm_mpi_job_init(&job, NULL);
+    if (st) return w_fail(NULL, "tdm_mpi_job_init", st);
+    if (tdm_mpi_job_topo(job)->rank == 1) {
+        sleep(120);
+        return 0;
+    }
+    tdm_comm *comm = NULL;
+    st = tdm_mpi_job_comm(job, TDM_MPI_BACKEND_SHM, NULL, &comm);
+    /* the first collective waits for rank 1 (as a tool's would) */
+    if (st == TDM_STATUS_OK) st = tdm_comm_barrier(comm);
+    fprintf(stderr, "rank %d: went on without rank 1 (%s)\n", tdm_mpi_job_topo(job)->rank,
+            tdm_status_name(st));
     return 0;
 }
 
 static const mpi_t_worker workers[] = {
     {"matrix", w_matrix},       {"async", w_async},           {"p2p", w_p2p},
     {"checks", w_checks},       {"thread_level", w_thread_level},
-    {"no_join", w_no_join},     {"fail_job", w_fail_job},
+    {"no_join", w_no_join},     {"fail_job", w_fail_job},     {"no_attach", w_no_attach},
 };
 MPI_T_WORKERS(workers)
 
@@ -324,30 +410,54 @@ MPI_T_WORKERS(workers)
 
 static cli_result res;
 
-/* Odd sizes run every call through MPI's non-blocking collectives
- * (TANDEM_MPI_BLOCKING_MAX=0), even ones small calls through its blocking
- * ones and large ones non-blocking (the default). */
-static void matrix(int np, int tcp)
+/* One mpirun per world size: the MPI communicator and the hierarchical
+ * one on K pretend machines (MPI over TCP on lo between them; uneven
+ * machines where K does not divide N), and shm and hier on one machine
+ * (hier is then shm's all-reduce). Odd sizes run every MPI call through
+ * MPI's non-blocking collectives (TANDEM_MPI_BLOCKING_MAX=0), even ones
+ * small calls through its blocking ones (the default). */
+static void matrix(int np, int machines, const char *const *backends, const char *algo)
 {
     MPI_T_NEED();
-    const char *nb[] = {"TANDEM_MPI_BLOCKING_MAX=0", NULL};
-    mpi_t_job j = {.np = np, .worker = "matrix", .tcp = tcp, .timeout_s = 200,
-                   .env = np % 2 ? nb : NULL};
+    char pretend[64];
+    snprintf(pretend, sizeof pretend, "%s=%d", TDM_MPI_ENV_PRETEND, machines);
+    const char *env[] = {pretend, np % 2 ? "TANDEM_MPI_BLOCKING_MAX=0" : NULL, NULL};
+    mpi_t_job j = {.np = np, .worker = "matrix", .args = backends, .env = env,
+                   .tcp = machines > 1, .timeout_s = 300};
     mpi_t_run(&res, &j);
-    char want[96];
-    /* the last case is a broadcast of 65537 bytes: non-blocking either way */
-    snprintf(want, sizeof want, "on %d ranks (last algorithm MPI_Ibcast)", np);
-    expect(&res, 0, want);
+    for (int i = 0; backends[i]; i++) {
+        char want[160];
+        snprintf(want, sizeof want, "matrix %s ok", backends[i]);
+        expect(&res, 0, want);
+        snprintf(want, sizeof want, "on %d ranks, %d machine%s", np, machines,
+                 machines == 1 ? "" : "s");
+        expect(&res, 0, want);
+    }
+    if (algo) expect(&res, 0, algo);
 }
 
-Test(mpi_comm, matrix_1, .timeout = 240) { matrix(1, 0); }
-Test(mpi_comm, matrix_2_tcp, .timeout = 240) { matrix(2, 1); }
-Test(mpi_comm, matrix_3, .timeout = 240) { matrix(3, 0); }
-Test(mpi_comm, matrix_4_tcp, .timeout = 240) { matrix(4, 1); }
-Test(mpi_comm, matrix_5_tcp, .timeout = 240) { matrix(5, 1); }
-Test(mpi_comm, matrix_6, .timeout = 240) { matrix(6, 0); }
-Test(mpi_comm, matrix_7_tcp, .timeout = 240) { matrix(7, 1); }
-Test(mpi_comm, matrix_8_tcp, .timeout = 240) { matrix(8, 1); }
+static const char *const b_mpi_hier[] = {"mpi", "hier", NULL};
+static const char *const b_hier[] = {"hier", NULL};
+static const char *const b_all[] = {"shm", "mpi", "hier", NULL};
+static const char *const b_shm_hier[] = {"shm", "hier", NULL};
+
+Test(mpi_comm, matrix_1, .timeout = 400) { matrix(1, 1, b_all, "hier ok"); }
+Test(mpi_comm, matrix_2_as_2x1, .timeout = 400)
+{
+    matrix(2, 2, b_mpi_hier, "(all_reduce: shm-rs/MPI_Allreduce/shm-ag)");
+}
+Test(mpi_comm, matrix_3_as_2_plus_1, .timeout = 400)
+{
+    matrix(3, 2, b_mpi_hier, "(all_reduce: shm-reduce/MPI_Iallreduce/shm-bcast)");
+}
+Test(mpi_comm, matrix_4_as_2x2, .timeout = 400)
+{
+    matrix(4, 2, b_mpi_hier, "(all_reduce: shm-rs/MPI_Allreduce/shm-ag)");
+}
+Test(mpi_comm, matrix_5_as_3_plus_2, .timeout = 400) { matrix(5, 2, b_hier, "shm-reduce/"); }
+Test(mpi_comm, matrix_6_as_3x2, .timeout = 400) { matrix(6, 3, b_mpi_hier, "shm-rs/"); }
+Test(mpi_comm, matrix_7_one_machine, .timeout = 400) { matrix(7, 1, b_shm_hier, "(all_reduce: shm:"); }
+Test(mpi_comm, matrix_8_as_4x2, .timeout = 400) { matrix(8, 4, b_mpi_hier, "shm-rs/"); }
 
 Test(mpi_comm, async_in_order, .timeout = 120)
 {
@@ -416,6 +526,46 @@ Test(mpi_comm, abort_ends_the_job_with_the_reason, .timeout = 120)
     cr_assert_neq(res.code, 0, "mpirun exited 0:\n%s", res.out);
     cr_assert(strstr(res.out, "rank 1 of 3"), "%s", res.out);
     cr_assert(strstr(res.out, "aborted on rank 1: rank 1 found bad input"), "%s", res.out);
+}
+
+/* shm and hier: the others learn of the death through the segment (or
+ * mpirun first), say who died, and the job ends; nothing is left */
+static void sigkill(int np, const char *backend, int machines, const char *named)
+{
+    MPI_T_NEED();
+    int shm_before = cli_shm_entries();
+    char pretend[64];
+    snprintf(pretend, sizeof pretend, "%s=%d", TDM_MPI_ENV_PRETEND, machines);
+    const char *env[] = {pretend, NULL};
+    const char *args[] = {"kill", backend, NULL};
+    mpi_t_job j = {.np = np, .worker = "fail_job", .args = args, .env = env,
+                   .tcp = machines > 1, .timeout_s = 60};
+    mpi_t_run(&res, &j);
+    cr_assert_neq(res.code, 0, "mpirun exited 0:\n%s", res.out);
+    /* tandem's report (from the segment) or mpirun's, whichever came first */
+    cr_assert((strstr(res.out, named) && strstr(res.out, "was killed by signal 9 (Killed)")) ||
+                  strstr(res.out, "process rank 2 with PID"), "%s", res.out);
+    cr_assert_eq(cli_shm_entries(), shm_before, "a /dev/shm entry was left behind");
+}
+
+Test(mpi_comm, sigkill_under_shm_is_named, .timeout = 120) { sigkill(3, "shm", 1, "rank 2 (pid"); }
+/* rank 2 is the second machine's shm rank 0: the report says both */
+Test(mpi_comm, sigkill_under_hier_is_named, .timeout = 120)
+{
+    sigkill(4, "hier", 2, "are the job's ranks 2, 3");
+}
+
+Test(mpi_comm, rank_that_never_attaches_is_named, .timeout = 120)
+{
+    MPI_T_NEED();
+    int shm_before = cli_shm_entries();
+    const char *env[] = {"TANDEM_MPI_JOIN_TIMEOUT_MS=2000", NULL};
+    mpi_t_job j = {.np = 3, .worker = "no_attach", .env = env, .timeout_s = 60};
+    mpi_t_run(&res, &j);
+    cr_assert_neq(res.code, 0, "mpirun exited 0:\n%s", res.out);
+    cr_assert(strstr(res.out, "rank 1 (local rank 1) did not attach to this machine's shared "
+                              "segment within 2000 ms"), "%s", res.out);
+    cr_assert_eq(cli_shm_entries(), shm_before, "the segment's name was left behind");
 }
 
 Test(mpi_comm, sigkill_of_a_rank_is_named, .timeout = 120)

@@ -182,7 +182,9 @@ static void params_of(const char *out, const char *b, char *hex)
     snprintf(hex, 17, "%s", p + 7);
 }
 
-static void ddp_job(int np, const char *model, const char *pretend, const char *const *backends)
+/* Runs the ddp worker; hex[i] gets backends[i]'s parameter fingerprint. */
+static void ddp_job(int np, const char *model, const char *pretend, const char *const *backends,
+                    char hex[][17])
 {
     MPI_T_NEED();
     const char *args[8] = {model};
@@ -196,14 +198,40 @@ static void ddp_job(int np, const char *model, const char *pretend, const char *
                    .timeout_s = 150};
     mpi_t_run(&res, &j);
     expect(&res, 0, NULL);
-    char hex[17];
-    for (int i = 0; backends[i]; i++) params_of(res.out, backends[i], hex);
+    for (int i = 0; backends[i]; i++) params_of(res.out, backends[i], hex[i]);
 }
 
-Test(mpi_ddp, mlp_over_mpi_1_to_4_ranks, .timeout = 400)
+static const char *const b_all[] = {"shm", "mpi", "hier", NULL};
+
+/* One machine: every backend within DDP's bounds of one device, and hier
+ * (shm's own all-reduce there) bit for bit shm. */
+Test(mpi_ddp, mlp_over_every_backend_1_to_3_ranks, .timeout = 400)
 {
-    static const char *const b[] = {"mpi", NULL};
-    for (int np = 1; np <= 4; np++) ddp_job(np, "mlp", NULL, b);
+    for (int np = 1; np <= 3; np++) {
+        char hex[3][17];
+        ddp_job(np, "mlp", NULL, b_all, hex);
+        cr_assert_str_eq(hex[0], hex[2], "%d ranks: shm %s, hier %s", np, hex[0], hex[2]);
+    }
+}
+
+/* Two pretend machines of one rank: hier's network all-reduce adds the
+ * same two numbers as shm does, so the training is bitwise shm's. */
+Test(mpi_ddp, hier_on_2x1_is_bitwise_shm, .timeout = 300)
+{
+    static const char *const shm[] = {"shm", NULL}, *const hier[] = {"hier", "mpi", NULL};
+    char a[1][17], b[2][17];
+    ddp_job(2, "mlp", NULL, shm, a);
+    ddp_job(2, "mlp", "2", hier, b);
+    cr_assert_str_eq(a[0], b[0], "shm %s, hier on 2 machines %s", a[0], b[0]);
+}
+
+/* 2 machines x 2 ranks over TCP: within DDP's bounds (not bitwise: the
+ * machines' sums are added in another order than shm's rank order). */
+Test(mpi_ddp, hier_on_2x2_within_bounds, .timeout = 300)
+{
+    static const char *const b[] = {"hier", "mpi", NULL};
+    char hex[2][17];
+    ddp_job(4, "mlp", "2", b, hex);
 }
 
 /* the epoch lines (losses, accuracy) of `tandem train`, without timings */
