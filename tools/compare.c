@@ -217,7 +217,6 @@ static void tdm_cmp_print_memory(const tdm_cmp_opts *o, tdm_cmp_result *const *r
 
 /* An MPI job's rank (tdm_tool_compare_main releases it). */
 static tdm_tool_mpi_rank tdm_cmp_mr;
-__attribute__((weak)) void tdm_mpi_abort(const char *reason);
 
 /* Under an MPI launcher: joins the job (collective) and makes DDP's
  * communicator. Ranks other than 0 print nothing to stdout, and nothing
@@ -273,13 +272,10 @@ static int tdm_cmp_main(int argc, char **argv);
 int tdm_tool_compare_main(int argc, char **argv)
 {
     int rc = tdm_cmp_main(argc, argv);
-    if (tdm_cmp_mr.job) {
-        /* A run failed here: the other ranks may be waiting for this one
-         * (usage errors, alike everywhere, and the verdict, rank 0's
-         * alone after the runs, need no abort). */
-        if (rc == 1 && tdm_mpi_abort) tdm_mpi_abort("tandem compare: a rank failed (see above)");
-        tdm_tool_mpi_rank_free(&tdm_cmp_mr);
-    }
+    /* a run that failed here ends the job (others may wait for this rank);
+     * usage errors, alike everywhere, and the verdict, rank 0's alone
+     * after the runs, do not */
+    if (tdm_cmp_mr.job) tdm_tool_mpi_rank_end(&tdm_cmp_mr, rc);
     return rc;
 }
 

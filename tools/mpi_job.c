@@ -13,6 +13,8 @@ __attribute__((weak)) void tdm_mpi_job_free(tdm_mpi_job *job);
 __attribute__((weak)) const tdm_mpi_topo *tdm_mpi_job_topo(const tdm_mpi_job *job);
 __attribute__((weak)) tdm_mpi_backend tdm_mpi_job_auto(const tdm_mpi_job *job);
 __attribute__((weak)) tdm_comm *tdm_mpi_job_world(tdm_mpi_job *job);
+__attribute__((weak)) void tdm_mpi_abort(const char *reason);
+__attribute__((weak)) void tdm_mpi_finalize(void);
 __attribute__((weak)) tdm_status tdm_mpi_job_comm(tdm_mpi_job *job, tdm_mpi_backend b,
                                                   const struct tdm_shm_opts *shm_opts,
                                                   tdm_comm **out);
@@ -96,6 +98,8 @@ tdm_status tdm_tool_mpi_rank_init(tdm_tool_mpi_rank *r, tdm_mpi_backend b, int64
     return TDM_STATUS_OK;
 fail:
     tdm_tool_mpi_rank_free(r);
+    /* a job that never formed (the thread level, say): MPI ends cleanly */
+    if (tdm_mpi_finalize) tdm_mpi_finalize();
     return st;
 }
 
@@ -115,4 +119,14 @@ void tdm_tool_mpi_rank_free(tdm_tool_mpi_rank *r)
     r->comm = NULL;
     if (r->job) tdm_mpi_job_free(r->job);
     r->job = NULL;
+}
+
+void tdm_tool_mpi_rank_end(tdm_tool_mpi_rank *r, int rc)
+{
+    if (rc == 1 && r->job && tdm_mpi_abort) {
+        char why[96];
+        snprintf(why, sizeof why, "rank %d failed (see its error above)", r->env.rank);
+        tdm_mpi_abort(why);
+    }
+    tdm_tool_mpi_rank_free(r);
 }

@@ -52,5 +52,10 @@ tdm_status tdm_tool_mpi_rank_init(tdm_tool_mpi_rank *r, tdm_mpi_backend b, int64
 int tdm_tool_mpi_env_rank(void);
 /* Frees the communicator, then the job (MPI_Finalize). */
 void tdm_tool_mpi_rank_free(tdm_tool_mpi_rank *r);
+/* The end of a rank that ran with exit code rc: 1 (a runtime failure,
+ * this rank's alone perhaps, while others wait for it, maybe on another
+ * machine) ends the job with MPI_Abort; otherwise (0, or a usage error
+ * every rank met alike) tdm_tool_mpi_rank_free. */
+void tdm_tool_mpi_rank_end(tdm_tool_mpi_rank *r, int rc);
 
 #endif

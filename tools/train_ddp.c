@@ -346,7 +346,7 @@ int tdm_train_run_ddp(const tdm_train_args *a)
         c.job_desc = mpi ? mr.desc : NULL;
         rc = tdm_train_ddp_rank_main(comm, &c);
 launched_done:
-        if (mpi) tdm_tool_mpi_rank_free(&mr);
+        if (mpi) tdm_tool_mpi_rank_end(&mr, rc);
         else tdm_comm_free(comm);
         tdm_data_free(&train);
         tdm_data_free(&test);

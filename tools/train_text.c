@@ -479,7 +479,7 @@ static int tdm_text_run_ddp(tdm_text_job *j)
             j->dl.count = 1;
             rc = tdm_text_rank_main(comm, j);
         }
-        if (mpi) tdm_tool_mpi_rank_free(&mr);
+        if (mpi) tdm_tool_mpi_rank_end(&mr, rc);
         else tdm_comm_free(comm);
         return rc;
     }
