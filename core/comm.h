@@ -105,9 +105,13 @@ typedef struct tdm_comm_call {
     tdm_dtype dtype;
     tdm_redop op;
     int root;
-    /* Set by the dispatcher: 1 when the call runs on the progress thread
-     * while the issuing thread goes on computing (backends may then prefer
-     * sleeping to spinning). Ignored on input. */
+    /* Set by the dispatcher: 1 when the call was issued asynchronously and
+     * runs on the progress thread while the issuing thread goes on
+     * computing (backends may then prefer sleeping to spinning); 0 for a
+     * synchronous call, also when it runs on the progress thread behind
+     * queued ones (its issuer waits). So it depends only on how the call
+     * was issued, which every rank does alike, not on what this rank
+     * happened to have queued (mpi/ relies on that). Ignored on input. */
     int async;
     /* Set by the backend's `prepare` for a queued call (NULL otherwise):
      * what it captured on the issuing thread; `run` consumes and releases

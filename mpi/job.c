@@ -167,7 +167,7 @@ tdm_status tdm_mpi_job_init(tdm_mpi_job **out, const tdm_mpi_opts *opts)
     /* Control traffic only, often a rank waiting for rank 0's long work
      * (compare runs one device and DP there first): non-blocking calls,
      * whose waits sleep, rather than MPI's blocking ones, which spin. */
-    ((tdm_mpi_impl *)tdm_comm_impl(j->world))->blocking_max = 0;
+    ((tdm_mpi_impl *)tdm_comm_impl(j->world))->nb = TDM_MPI_NB_ALL;
     j->topo.rank = tdm_comm_rank(j->world);
     j->topo.size = tdm_comm_size(j->world);
     TDM_TRY(tdm_mpi_job_map(j));

@@ -18,7 +18,6 @@
 #define TDM_MPI_DEFAULT_JOIN_TIMEOUT_MS 60000
 #define TDM_MPI_SPIN_NS (50u * 1000)
 #define TDM_MPI_YIELD_NS (2u * 1000 * 1000)
-#define TDM_MPI_BLOCKING_MAX (64u * 1024)
 /* Tag of the joining handshake on MPI_COMM_WORLD (the only traffic
  * tandem sends there; everything else runs on duplicates). */
 #define TDM_MPI_TAG_JOIN 0x7d41
@@ -38,9 +37,9 @@ typedef struct tdm_mpi_impl {
     int rank, size;           /* in comm */
     tdm_mpi_waiter wait;
     int spin, spin_async;     /* the policy for synchronous / queued calls */
-    /* Calls moving at most this many bytes per rank use MPI's blocking
-     * collectives, larger ones its non-blocking ones (see mpi_comm.c). */
-    size_t blocking_max;
+    /* Which calls use MPI's non-blocking collectives (the others its
+     * blocking ones; see mpi_comm.c). */
+    enum { TDM_MPI_NB_ASYNC = 0, TDM_MPI_NB_ALL, TDM_MPI_NB_NONE } nb;
     /* The watchdog of blocking calls: the caller publishes when its call
      * began (release) after what it is; the watchdog thread, woken every
      * 50 ms while started, aborts the job past the deadline or when

@@ -414,14 +414,14 @@ static cli_result res;
  * one on K pretend machines (MPI over TCP on lo between them; uneven
  * machines where K does not divide N), and shm and hier on one machine
  * (hier is then shm's all-reduce). Odd sizes run every MPI call through
- * MPI's non-blocking collectives (TANDEM_MPI_BLOCKING_MAX=0), even ones
- * small calls through its blocking ones (the default). */
+ * MPI's non-blocking collectives (TANDEM_MPI_NB=all), even ones through
+ * its blocking ones (synchronous calls, the default). */
 static void matrix(int np, int machines, const char *const *backends, const char *algo)
 {
     MPI_T_NEED();
     char pretend[64];
     snprintf(pretend, sizeof pretend, "%s=%d", TDM_MPI_ENV_PRETEND, machines);
-    const char *env[] = {pretend, np % 2 ? "TANDEM_MPI_BLOCKING_MAX=0" : NULL, NULL};
+    const char *env[] = {pretend, np % 2 ? "TANDEM_MPI_NB=all" : NULL, NULL};
     mpi_t_job j = {.np = np, .worker = "matrix", .args = backends, .env = env,
                    .tcp = machines > 1, .timeout_s = 300};
     mpi_t_run(&res, &j);
