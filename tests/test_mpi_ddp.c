@@ -343,3 +343,31 @@ Test(mpi_ddp, gpt_under_mpirun_trains_as_the_forked_run, .timeout = 200)
     unlink(path);
     rmdir(dir);
 }
+
+/* The GPU path under mpirun, on the host: emulated GPUs (NCCL cannot use
+ * host memory, so their gradients go over the job's host communicator -
+ * here hier - with DDP's device staging on the way). The run must print
+ * the forked run's epochs to the digit, and its header must not claim
+ * shm when the job reduces over hier. */
+Test(mpi_ddp, emulated_gpus_under_mpirun_train_as_the_forked_run, .timeout = 200)
+{
+    MPI_T_NEED();
+    const char *env[] = {"TANDEM_CUDA_EMULATOR=2", NULL};
+    const char *args[] = {"train", "--mode", "ddp", "--data", "synthetic", "--synthetic-size",
+                          "1024", "--epochs", "2", "--model", "mlp:784-32-10", "--device",
+                          "cuda", "--batch", "64", "--backend", "hier", NULL};
+    mpi_t_job j = {.np = 2, .exe = cli_bin(), .args = args, .env = env, .timeout_s = 150};
+    mpi_t_run(&res, &j);
+    expect(&res, 0, "2 MPI ranks on cuda (hier, 2 ranks on 1 machine; gradients over hier");
+    expect(&res, 0, "CUDA EMULATOR (TANDEM_CUDA_EMULATOR=2)");
+    cr_assert_null(strstr(res.out, "reducing over shm"), "the header claims shm:\n%s", res.out);
+    char under_mpi[600], forked[600];
+    epochs_of(res.out, under_mpi, sizeof under_mpi);
+    setenv("TANDEM_CUDA_EMULATOR", "2", 1);
+    CLI(&res, "train", "--mode", "ddp", "--data", "synthetic", "--synthetic-size", "1024",
+        "--epochs", "2", "--model", "mlp:784-32-10", "--device", "cuda", "--batch", "64");
+    unsetenv("TANDEM_CUDA_EMULATOR");
+    expect(&res, 0, "2 processes on cuda (shm communicator");
+    epochs_of(res.out, forked, sizeof forked);
+    cr_assert_str_eq(under_mpi, forked);
+}
