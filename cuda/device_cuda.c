@@ -26,7 +26,7 @@
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
-#include "core/device.h"
+#include "core/device_impl.h"
 #include "core/log.h"
 #include "cuda/cuda_impl.h"
 

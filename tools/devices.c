@@ -8,6 +8,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "core/device_impl.h" /* to be converted to tdm_dev_* (issue 12) */
 #include "cuda/cuda.h"
 #include "ddp/pg.h"
 #include "ddp/spawn.h"

@@ -4,7 +4,7 @@
 #include <string.h>
 #include <zlib.h>
 
-#include "core/device.h"
+#include "core/device_impl.h" /* to be converted to tdm_dev_* (issue 12) */
 #include "tools/devices.h"
 #include "tools/tools.h"
 
