@@ -25,6 +25,7 @@
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include "core/comm_impl.h"
 #include "core/log.h"
 #include "cuda/cuda_impl.h"
 

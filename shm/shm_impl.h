@@ -26,7 +26,7 @@
 #include <stdint.h>
 #include <sys/types.h>
 
-#include "core/comm.h"
+#include "core/comm_impl.h"
 #include "core/wait.h"
 #include "shm/shm_comm.h"
 

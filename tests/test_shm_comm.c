@@ -10,7 +10,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "core/comm.h"
+#include "core/comm_impl.h"   /* fake backends: tdm_comm_ops, tdm_comm_create */
 #include "shm/shm_comm.h"
 #include "shm/spawn.h"
 #include "tests/shm_test_util.h"
