@@ -29,7 +29,7 @@
 
 #include "core/comm.h"
 #include "core/device_impl.h"   /* the backend's table: every entry filled */
-#include "cuda/cuda.h"
+#include "cuda/cuda_weak.h"
 #include "models/model.h"
 #include "models/optim.h"
 #include "shm/shm_comm.h"
@@ -37,32 +37,6 @@
 #include "tests/test_util.h"
 #include "tests/cli_util.h"
 #include "tests/cuda_test_util.h"
-
-/* Weak: NULL in a build without cuda/. */
-__attribute__((weak)) tdm_status tdm_cuda_device_count(int *n);
-__attribute__((weak)) tdm_status tdm_cuda_describe(char *buf, size_t len);
-__attribute__((weak)) tdm_status tdm_cuda_emulator_open(tdm_device **out);
-__attribute__((weak)) tdm_status tdm_cuda_emulator_open_accel(tdm_device **out, int index);
-__attribute__((weak)) tdm_status tdm_comm_init_nccl(tdm_comm **out, tdm_comm *bootstrap,
-                                                    int device_index);
-__attribute__((weak)) tdm_status tdm_comm_init_nccl_opts(tdm_comm **out, tdm_comm *bootstrap,
-                                                         int device_index,
-                                                         const tdm_nccl_opts *opts);
-__attribute__((weak)) tdm_status tdm_cuda_nccl_group_init(tdm_cuda_nccl_group **out,
-                                                          const int *devices, int ndev,
-                                                          const tdm_nccl_opts *opts);
-__attribute__((weak)) void tdm_cuda_nccl_group_free(tdm_cuda_nccl_group *g);
-__attribute__((weak)) tdm_status tdm_cuda_nccl_group_broadcast(tdm_cuda_nccl_group *g,
-                                                               void *const *bufs, size_t count,
-                                                               tdm_dtype dtype, int root);
-__attribute__((weak)) tdm_status tdm_cuda_nccl_group_reduce(tdm_cuda_nccl_group *g,
-                                                            const void *const *sendbufs,
-                                                            void *recvbuf, size_t count,
-                                                            tdm_dtype dtype, tdm_redop op,
-                                                            int root);
-__attribute__((weak)) tdm_status tdm_cuda_nccl_group_all_reduce(tdm_cuda_nccl_group *g,
-                                                                void *const *bufs, size_t count,
-                                                                tdm_dtype dtype, tdm_redop op);
 
 /* An independent oracle for "CUDA's own error string": the runtime's
  * functions declared by hand (C ABI: cudaError_t is an int-sized enum),

@@ -16,15 +16,12 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "cuda/cuda.h"
+#include "cuda/cuda_weak.h"
 #include "dp/dp.h"
 #include "models/gpt.h"
 #include "tests/cuda_test_util.h"
 #include "tests/test_ddp_util.h"
 #include "tests/test_util.h"
-
-__attribute__((weak)) tdm_status tdm_cuda_emulator_open(tdm_device **out);
-__attribute__((weak)) tdm_status tdm_cuda_emulator_open_accel(tdm_device **out, int index);
 
 static tdm_status open_emu(tdm_device **out, int i) { return tdm_cuda_emulator_open_accel(out, i); }
 

@@ -34,20 +34,13 @@
 
 #include "core/comm.h"
 #include "core/device_impl.h"   /* the backend's table: it has a copy_peer */
-#include "cuda/cuda.h"
+#include "cuda/cuda_weak.h"
 #include "dp/dp.h"
 #include "models/train.h"
 #include "tests/cli_util.h"
 #include "tests/cuda_test_util.h"
 #include "tests/test_ddp_util.h"
 #include "tests/test_util.h"
-
-__attribute__((weak)) tdm_status tdm_cuda_emulator_open_accel(tdm_device **out, int index);
-__attribute__((weak)) tdm_status tdm_comm_init_nccl_opts(tdm_comm **out, tdm_comm *bootstrap,
-                                                         int device_index,
-                                                         const tdm_nccl_opts *opts);
-
-__attribute__((weak)) int64_t tdm_cuda_emulator_allocs(const tdm_device *d);
 
 static tdm_status open_emu(tdm_device **out, int i) { return tdm_cuda_emulator_open_accel(out, i); }
 static tdm_status open_gpu(tdm_device **out, int i) { return tdm_device_open(out, "cuda", i, 1); }

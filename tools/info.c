@@ -8,8 +8,7 @@
 #include "tools/devices.h"
 #include "tools/tools.h"
 
-/* cuda/cuda.h, linked only when the CUDA backend is built. */
-__attribute__((weak)) tdm_status tdm_cuda_describe(char *buf, size_t len);
+#include "cuda/cuda_weak.h"   /* tdm_cuda_describe: NULL without the backend */
 
 #ifndef TDM_VERSION
 #define TDM_VERSION "0.1.0"
