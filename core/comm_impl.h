@@ -32,7 +32,7 @@
  * communicator at a time. A `run` never blocks without end: a peer that
  * died or stalled, an abort raised by any rank, or the backend's deadline
  * ends it with a status and a message that names the rank at fault (see
- * shm/wait.c and cuda/nccl_comm.c's watchdog). */
+ * shm/wait.c and cuda/nccl_watch.c's watchdog). */
 typedef struct tdm_comm_ops {
     const char *name;                                   /* "shm", "nccl" */
     tdm_status (*run)(void *impl, const tdm_comm_call *call);

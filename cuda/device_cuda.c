@@ -14,7 +14,8 @@
  * driver or device, and the table of open devices the NCCL communicator
  * orders its stream after. The compute entries serve the emulator too
  * (cuda/emulator.c: host memory, kernels as host loops). Not here:
- * collectives (cuda/nccl_comm.c), `tandem info`'s lines (cuda/describe.c). */
+ * collectives (cuda/nccl_comm.c, cuda/nccl_group.c), `tandem info`'s
+ * lines (cuda/describe.c). */
 #include "cuda/cuda.h"
 
 #include <pthread.h>

@@ -36,7 +36,7 @@ static tdm_status tdm_cuda_hook_open(tdm_device **out, int index)
     return tdm_cuda_emulator_open_accel(out, index);
 }
 
-/* DataParallel's group (core/device.h): the NCCL group of cuda/nccl_comm.c
+/* DataParallel's group (core/device.h): the NCCL group of cuda/nccl_group.c
  * over real GPUs, or, over emulator devices (host memory), an emulated
  * group whose broadcast and sum are host loops, so that DP's group path
  * (which buffers, which root, in place) is tested without a GPU. A mix of
