@@ -5,8 +5,10 @@
  * collectives back to back; asynchronous handles in order; argument
  * checks. Failure handling is in test_shm_fail.c. */
 #include <criterion/criterion.h>
-#include <pthread.h>
 #include <dirent.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
