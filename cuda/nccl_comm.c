@@ -317,20 +317,13 @@ typedef struct tdm_nccl_id_msg {
 } tdm_nccl_id_msg;
 _Static_assert(sizeof(tdm_nccl_id_msg) % sizeof(int32_t) == 0, "id message size");
 
-tdm_status tdm_comm_init_nccl_opts(tdm_comm **out, tdm_comm *bootstrap, int device_index,
-                                   const tdm_nccl_opts *opts)
+/* 1. Can this rank use its GPU? Every rank learns every rank's answer
+ *    before anyone enters NCCL, so that one rank without a GPU makes all
+ *    of them fail now instead of waiting out a timeout. */
+static tdm_status tdm_nccl_agree_devices(tdm_comm *bootstrap, int device_index, int rank,
+                                         int size)
 {
     tdm_status st = TDM_STATUS_OK;
-    tdm_nccl_impl *c = NULL;
-    int32_t *oks = NULL;
-    TDM_REQUIRE(out && bootstrap, TDM_STATUS_INVALID_ARG,
-                "tdm_comm_init_nccl: out and bootstrap are required");
-    *out = NULL;
-    int rank = tdm_comm_rank(bootstrap), size = tdm_comm_size(bootstrap);
-
-    /* 1. Can this rank use its GPU? Every rank learns every rank's answer
-     *    before anyone enters NCCL, so that one rank without a GPU makes
-     *    all of them fail now instead of waiting out a timeout. */
     char local_msg[512] = "";
     tdm_status local = tdm_cuda_device_check(device_index);
     if (local == TDM_STATUS_OK) {
@@ -341,7 +334,7 @@ tdm_status tdm_comm_init_nccl_opts(tdm_comm **out, tdm_comm *bootstrap, int devi
                                                          device_index, e);
     }
     if (local != TDM_STATUS_OK) snprintf(local_msg, sizeof local_msg, "%s", tdm_error_message());
-    oks = calloc((size_t)size, sizeof *oks);
+    int32_t *oks = calloc((size_t)size, sizeof *oks);
     if (!oks) {
         /* The others are about to wait for us in the all_gather: abort the
          * bootstrap group so they fail now, not at its deadline. */
@@ -365,8 +358,15 @@ tdm_status tdm_comm_init_nccl_opts(tdm_comm **out, tdm_comm *bootstrap, int devi
                                "error); NCCL communicator not created", r, tdm_status_name(rs));
             goto fail;
         }
+fail:
+    free(oks);
+    return st;
+}
 
-    /* 2. Rank 0 makes the unique id; everyone gets it over bootstrap. */
+/* 2. Rank 0 makes the unique id; everyone gets it over bootstrap. */
+static tdm_status tdm_nccl_agree_id(tdm_comm *bootstrap, int rank, ncclUniqueId *id)
+{
+    char local_msg[512] = "";
     tdm_nccl_id_msg msg;
     memset(&msg, 0, sizeof msg);
     if (rank == 0) {
@@ -376,14 +376,28 @@ tdm_status tdm_comm_init_nccl_opts(tdm_comm **out, tdm_comm *bootstrap, int devi
             snprintf(local_msg, sizeof local_msg, "ncclGetUniqueId: %s", ncclGetErrorString(r));
         }
     }
-    TDM_TRY(tdm_comm_broadcast(bootstrap, &msg, &msg, sizeof msg / sizeof(int32_t),
-                               TDM_DTYPE_INT32, 0));
-    if (!msg.ok) {
-        st = tdm_error_set(TDM_STATUS_SYSTEM, "nccl: rank 0 could not create the unique id%s%s",
-                           rank == 0 ? ": " : " (see rank 0's error)",
-                           rank == 0 ? local_msg : "");
-        goto fail;
-    }
+    TDM_CHECK(tdm_comm_broadcast(bootstrap, &msg, &msg, sizeof msg / sizeof(int32_t),
+                                 TDM_DTYPE_INT32, 0));
+    if (!msg.ok)
+        return tdm_error_set(TDM_STATUS_SYSTEM, "nccl: rank 0 could not create the unique id%s%s",
+                             rank == 0 ? ": " : " (see rank 0's error)",
+                             rank == 0 ? local_msg : "");
+    *id = msg.id;
+    return TDM_STATUS_OK;
+}
+
+tdm_status tdm_comm_init_nccl_opts(tdm_comm **out, tdm_comm *bootstrap, int device_index,
+                                   const tdm_nccl_opts *opts)
+{
+    tdm_status st = TDM_STATUS_OK;
+    tdm_nccl_impl *c = NULL;
+    TDM_REQUIRE(out && bootstrap, TDM_STATUS_INVALID_ARG,
+                "tdm_comm_init_nccl: out and bootstrap are required");
+    *out = NULL;
+    int rank = tdm_comm_rank(bootstrap), size = tdm_comm_size(bootstrap);
+    ncclUniqueId id;
+    TDM_CHECK(tdm_nccl_agree_devices(bootstrap, device_index, rank, size));
+    TDM_CHECK(tdm_nccl_agree_id(bootstrap, rank, &id));
 
     /* 3. The non-blocking communicator, waited for with a deadline. The
      *    device is made current again: the bootstrap's collectives may
@@ -425,7 +439,7 @@ tdm_status tdm_comm_init_nccl_opts(tdm_comm **out, tdm_comm *bootstrap, int devi
     ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
     cfg.blocking = 0;
     tdm_nccl_watch w = tdm_nccl_watch_of(c);
-    ncclResult_t r = ncclCommInitRankConfig(&c->comm, size, msg.id, rank, &cfg);
+    ncclResult_t r = ncclCommInitRankConfig(&c->comm, size, id, rank, &cfg);
     if (r != ncclSuccess && r != ncclInProgress) {
         st = tdm_error_set(tdm_nccl_status_of(r), "nccl: ncclCommInitRankConfig (rank %d of %d, "
                            "cuda:%d): %s", rank, size, device_index, ncclGetErrorString(r));
@@ -434,12 +448,10 @@ tdm_status tdm_comm_init_nccl_opts(tdm_comm **out, tdm_comm *bootstrap, int devi
         goto fail;
     }
     TDM_TRY(tdm_nccl_wait(&w, 0, "ncclCommInitRankConfig"));
-    free(oks);
     TDM_INFO(CUDA, "nccl communicator: rank %d of %d on cuda:%d, timeout %lld ms", rank, size,
              device_index, (long long)c->timeout_ms);
     return tdm_comm_create(out, &tdm_nccl_ops, c, rank, size);
 fail:
-    free(oks);
     if (c) {
         /* past the id exchange the others may be waiting in NCCL's init for
          * this rank: stop them now rather than at their deadline */
