@@ -103,14 +103,14 @@ tdm_status tdm_optim_step(tdm_optim *o)
                 "optimizer: step count %" PRId64 " is outside [0, 2^53): refusing to step (a "
                 "corrupt checkpoint?)", o->steps);
     if (p->kind == TDM_OPTIM_SGD) {
-        TDM_CHECK(d->ops->sgd_step(d, n, tdm_model_params(m), tdm_model_grads(m), o->state[0],
+        TDM_CHECK(tdm_dev_sgd_step(d, n, tdm_model_params(m), tdm_model_grads(m), o->state[0],
                                    p->lr, p->momentum, p->dampening, p->weight_decay,
                                    p->nesterov, o->steps == 0));
     } else {
         double t = (double)o->steps + 1.0;
         float bc1 = (float)(1.0 - pow(p->beta1, t));
         float bc2 = (float)(1.0 - pow(p->beta2, t));
-        TDM_CHECK(d->ops->adamw_step(d, n, tdm_model_params(m), tdm_model_grads(m), o->state[0],
+        TDM_CHECK(tdm_dev_adamw_step(d, n, tdm_model_params(m), tdm_model_grads(m), o->state[0],
                                      o->state[1], p->lr, p->beta1, p->beta2, p->eps,
                                      p->weight_decay, bc1, bc2));
     }

@@ -19,7 +19,7 @@
 #include <strings.h>
 
 #include "core/comm.h"
-#include "core/device.h"
+#include "core/device_impl.h" /* to be converted to tdm_dev_* (issue 12) */
 #include "core/timer.h"
 #include "shm/shm_comm.h"
 #include "shm/spawn.h"

@@ -4,12 +4,11 @@
 #include <string.h>
 #include <zlib.h>
 
-#include "core/device.h"
+#include "core/device_impl.h" /* to be converted to tdm_dev_* (issue 12) */
 #include "tools/devices.h"
 #include "tools/tools.h"
 
-/* cuda/cuda.h, linked only when the CUDA backend is built. */
-__attribute__((weak)) tdm_status tdm_cuda_describe(char *buf, size_t len);
+#include "cuda/cuda_weak.h"   /* tdm_cuda_describe: NULL without the backend */
 /* mpi/mpi_comm.h, linked only when MPI's development files were found. */
 __attribute__((weak)) void tdm_mpi_library_version(char *buf, size_t len);
 

@@ -12,7 +12,7 @@
 #include <unistd.h>
 
 #include "core/data.h"
-#include "core/device.h"
+#include "core/device_impl.h" /* to be converted to tdm_dev_* (issue 12) */
 #include "core/log.h"
 #include "core/safefile.h"
 #include "core/timer.h"

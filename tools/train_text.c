@@ -17,7 +17,7 @@
 #include <unistd.h>
 
 #include "core/comm.h"
-#include "core/device.h"
+#include "core/device_impl.h" /* to be converted to tdm_dev_* (issue 12) */
 #include "core/text.h"
 #include "ddp/ddp.h"
 #include "ddp/pg.h"
