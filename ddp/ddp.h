@@ -120,6 +120,10 @@ void tdm_ddp_bucket_info(const tdm_ddp *d, int b, int *first_param, int *last_pa
                          int64_t *offset, int64_t *n_elem);
 /* 1 when the gradients live in communicator memory (zero-copy). */
 int tdm_ddp_zero_copy(const tdm_ddp *d);
+/* The communicator memory (tdm_comm_alloc; the shm arena of
+ * tdm_ddp_spawn_opts and tandem launch --arena-mb) that zero-copy
+ * gradients of a model of param_elems elements take. */
+size_t tdm_ddp_arena_bytes(int64_t param_elems);
 
 tdm_status tdm_ddp_zero_grad(tdm_ddp *d);
 
@@ -136,8 +140,8 @@ tdm_status tdm_ddp_evaluate(tdm_ddp *d, const tdm_dataset *test, int batch, doub
                             double *accuracy);
 
 /* Local forward and loss over this rank's samples (host x (batch, in) of
- * the model's input dtype, y (batch * out_rows)); broadcasts buffers from rank 0 first (training mode, unless
- * disabled). Gradient of the loss scaled by 1/(batch*world); *loss_mean
+ * the model's input dtype, y (batch * out_rows)); broadcasts buffers from
+ * rank 0 first (training mode, unless disabled). Gradient of the loss scaled by 1/(batch*world); *loss_mean
  * is this rank's mean loss. batch may be 0 (the rank still takes part). */
 tdm_status tdm_ddp_forward(tdm_ddp *d, const void *x, const int32_t *y, int batch,
                            double *loss_mean);
