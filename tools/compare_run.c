@@ -296,8 +296,9 @@ static int tdm_cmp_ddp_rank(tdm_comm *comm, void *argp)
     tdm_ddp *ddp = NULL;
     tdm_comm *nccl = NULL;   /* GPUs: the gradient communicator, bootstrapped over comm */
     int64_t feat = tdm_cmp_feat(a->data);
-    int lo = (int)((int64_t)rank * o->batch / world), hi = (int)((int64_t)(rank + 1) * o->batch / world);
-    int b = hi - lo;
+    int64_t lo, hi;
+    tdm_ddp_share(o->batch, rank, world, &lo, &hi);
+    int b = (int)(hi - lo);
     float *x = malloc((size_t)(b > 0 ? b : 1) * feat * sizeof(float));
     int32_t *y = malloc((size_t)(b > 0 ? b : 1) * tdm_cmp_targets(a->data) * sizeof(int32_t));
     float *mine = NULL;
@@ -323,7 +324,7 @@ static int tdm_cmp_ddp_rank(tdm_comm *comm, void *argp)
     double *bucket = TDM_CMP_AT(sh, off_bucket, double);
     for (int i = 0; i < o->steps; i++) {
         /* this rank's share only (a gpt's rank draws its own windows) */
-        if (b > 0) tdm_cmp_rows(a->data, i, o->batch, lo, b, x, y);
+        if (b > 0) tdm_cmp_rows(a->data, i, o->batch, (int)lo, b, x, y);
         double loss_sum = 0.0;
         uint64_t t0 = tdm_time_ns();
         tdm_status st = tdm_ddp_zero_grad(ddp);

@@ -23,10 +23,11 @@
  * fail-fast and checkpoint recovery end to end; R:S:STOP makes it stop
  * itself (SIGSTOP) there instead, to test stall detection.
  *
- * Batch split: rank r gets samples [r*B/N, (r+1)*B/N) of each global batch
- * of B. Its loss gradient is scaled by 1/B (not 1/B_r) and gradients are
- * SUM-reduced, so the reduced gradient is exactly the global batch's
- * mean-loss gradient even when N does not divide B. */
+ * Batch split: every rank gathers the global batch of B and
+ * tdm_ddp_forward_global runs its share, samples [r*B/N, (r+1)*B/N)
+ * (tdm_ddp_share), with the loss gradient scaled by 1/B (not 1/B_r);
+ * gradients are SUM-reduced, so the reduced gradient is exactly the
+ * global batch's mean-loss gradient even when N does not divide B. */
 #include <errno.h>
 #include <fcntl.h>
 #include <signal.h>
@@ -61,7 +62,6 @@ typedef struct tdm_train_ddp_rank {
     tdm_optim *opt;
     tdm_comm *comm;
     int rank, world;
-    int64_t feat;
     int64_t steps, kill_step;    /* test hook: kill_sig before step kill_step */
     int kill_sig;
 } tdm_train_ddp_rank;
@@ -77,17 +77,16 @@ static tdm_status tdm_train_ddp_step(void *ctx, const void *x, const int32_t *y,
 {
     tdm_train_ddp_rank *r = ctx;
     tdm_status st = TDM_STATUS_OK;
-    int lo = (int)((int64_t)r->rank * batch / r->world);
-    int hi = (int)((int64_t)(r->rank + 1) * batch / r->world);
     double ls = 0.0;
     if (++r->steps == r->kill_step) {
         fflush(stdout);
         raise(r->kill_sig);
     }
     TDM_TRY(tdm_ddp_zero_grad(r->ddp));
-    TDM_TRY(tdm_ddp_forward_scaled(r->ddp, (const float *)x + (int64_t)lo * r->feat, y + lo, hi - lo,
-                                   1.0f / (float)batch, &ls));
+    TDM_TRY(tdm_ddp_forward_global(r->ddp, x, y, batch, &ls));
     if (!isfinite(ls)) {
+        int64_t lo, hi;
+        tdm_ddp_share(batch, r->rank, r->world, &lo, &hi);
         /* This rank's share went bad: it stops before the gradient
          * all-reduce and aborts the group with its reason, so every other
          * rank leaves that all-reduce at once, naming it ("all_reduce #N:
@@ -97,7 +96,7 @@ static tdm_status tdm_train_ddp_step(void *ctx, const void *x, const int32_t *y,
         snprintf(why, sizeof why, "loss is %s at step %lld (rank %d's %d sample%s of the batch "
                  "of %d): training diverged (a lower learning rate may help)",
                  isnan(ls) ? "NaN" : ls > 0 ? "+inf" : "-inf",
-                 (long long)tdm_optim_steps(r->opt) + 1, r->rank, hi - lo,
+                 (long long)tdm_optim_steps(r->opt) + 1, r->rank, (int)(hi - lo),
                  hi - lo == 1 ? "" : "s", batch);
         tdm_comm_abort(r->comm, why);
         return tdm_error_set(TDM_STATUS_NONFINITE, "rank %d: %s", r->rank, why);
@@ -214,8 +213,7 @@ static int tdm_train_ddp_rank_main(tdm_comm *comm, void *arg)
     if (rank == 0)
         tdm_train_print_header(&a, &c->spec, c->train, c->test, tdm_model_param_elems(m), devdesc);
     /* r.comm: aborts and epoch barriers (shm; an NCCL abort reaches it too) */
-    tdm_train_ddp_rank r = {.ddp = ddp, .opt = opt, .comm = comm, .rank = rank, .world = world,
-                            .feat = tdm_data_features(c->train)};
+    tdm_train_ddp_rank r = {.ddp = ddp, .opt = opt, .comm = comm, .rank = rank, .world = world};
     const char *kill_env = getenv("TANDEM_DDP_TEST_KILL");
     int kr = -1;
     long long ks = 0;

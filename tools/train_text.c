@@ -305,8 +305,8 @@ fail:
 static tdm_status tdm_text_eval_ddp(tdm_text_proc *p, double *loss)
 {
     const tdm_text_job *j = ((tdm_text_rank *)p)->j;
-    int64_t K = j->eval_count;
-    int64_t lo = K * p->rank / p->world, hi = K * (p->rank + 1) / p->world;
+    int64_t K = j->eval_count, lo, hi;
+    tdm_ddp_share(K, p->rank, p->world, &lo, &hi);
     double s = 0.0;
     tdm_status st =
         tdm_train_text_eval_sum(p->m, &j->corpus->val, K, lo, hi, TDM_TEXT_EVAL_BATCH, &s);
@@ -355,8 +355,10 @@ static int tdm_text_rank_main(tdm_comm *comm, void *arg)
     p->rank = rank;
     p->world = world;
     p->comm = comm;
-    p->lo = (int)((int64_t)rank * a.batch / world);
-    p->hi = (int)((int64_t)(rank + 1) * a.batch / world);
+    int64_t lo, hi;
+    tdm_ddp_share(a.batch, rank, world, &lo, &hi);
+    p->lo = (int)lo;
+    p->hi = (int)hi;
     if (p->hi <= p->lo) {
         fprintf(stderr, "tandem train: rank %d: a global batch of %lld windows leaves no window "
                         "to %d ranks; use --batch >= %d\n", rank, a.batch, world, world);
