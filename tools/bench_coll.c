@@ -1,5 +1,5 @@
-/* tools/bench_coll.c: `tandem bench <collective>`, the collective
- * benchmark, with the columns of nccl-tests (size, count, type, redop,
+/* tools/bench_coll.c: `tandem bench <collective>` (tools/bench.c
+ * dispatches here), the collective benchmark, with the columns of nccl-tests (size, count, type, redop,
  * root, time, algbw, busbw, #wrong, out of place and in place) plus the
  * algorithm each row used and its bus bandwidth as a fraction of a copy
  * bandwidth measured in the same run: on host devices the shm
@@ -25,10 +25,16 @@
 #include "shm/spawn.h"
 #include "tools/args.h"
 #include "tools/bench_check.h"
+#include "tools/bench.h"
+#include "tools/ddp_rank.h"
 #include "tools/devices.h"
 #include "tools/tools.h"
 
 typedef struct bench_cfg {
+    int help;                /* --help: print the usage, run nothing */
+    int have_coll;
+    int nranks_set;          /* -n given */
+    const char *shm_flag;    /* a flag of the shm communicator only, when one was given */
     tdm_coll coll;
     int nranks;
     size_t min_bytes, max_bytes;
@@ -102,9 +108,9 @@ static void bench_usage(FILE *f)
         TDM_SHM_MAX_RANKS);
 }
 
-static int bench_parse_size(const char *flag, const char *s, size_t *out)
+static tdm_status bench_parse_size(const char *flag, const char *s, size_t *out)
 {
-    if (!s || !*s) { fprintf(stderr, "tandem bench: %s needs a value\n", flag); return 0; }
+    if (!s || !*s) return tdm_tool_usage_error("tandem bench: %s needs a value\n", flag);
     char *end;
     errno = 0;
     unsigned long long v = strtoull(s, &end, 10);
@@ -115,15 +121,13 @@ static int bench_parse_size(const char *flag, const char *s, size_t *out)
     else if (*end == 'G' || *end == 'g') { mul = 1ull << 30; end++; }
     if (*end == 'B' || *end == 'b') end++;
     if (*end) goto bad;
-    if (errno == ERANGE || v > (1ull << 40) / mul) {
-        fprintf(stderr, "tandem bench: %s: '%s' is larger than 1 TiB\n", flag, s);
-        return 0;
-    }
+    if (errno == ERANGE || v > (1ull << 40) / mul)
+        return tdm_tool_usage_error("tandem bench: %s: '%s' is larger than 1 TiB\n", flag, s);
     *out = (size_t)(v * mul);
-    return 1;
+    return TDM_STATUS_OK;
 bad:
-    fprintf(stderr, "tandem bench: %s: '%s' is not a size (e.g. 8, 4K, 16M, 1G)\n", flag, s);
-    return 0;
+    return tdm_tool_usage_error("tandem bench: %s: '%s' is not a size (e.g. 8, 4K, 16M, 1G)\n",
+                                flag, s);
 }
 
 static double bench_bus_factor(tdm_coll c, int n)
@@ -363,143 +367,177 @@ static void bench_device_names(const bench_cfg *cfg, const tdm_device *dev0, cha
     }
 }
 
-static int bench_rank(tdm_comm *comm, void *arg)
+/* The rank's buffers on its GPU (cuda: one rank per device, the NCCL
+ * communicator in *coll when it is a real GPU) and the d2d reference. */
+static tdm_status bench_setup_cuda(tdm_comm *comm, const bench_cfg *cfg, bench_bufs *b,
+                                   tdm_device **dev, tdm_comm **nccl, tdm_comm **coll,
+                                   double *mcpy)
 {
-    const bench_cfg *cfg = arg;
-    int r = tdm_comm_rank(comm), n = tdm_comm_size(comm);
-    int ncores = tdm_device_host_cores();
-    int bound = cfg->bind && !cfg->cuda ? bench_bind(r, n) : 0;
+    int r = tdm_comm_rank(comm);
     size_t es = tdm_dtype_size(cfg->dtype);
-    int rc = 0;
-    bench_bufs b = {0};
-    tdm_device *dev = NULL;
-    tdm_comm *nccl = NULL;
-    tdm_comm *coll = comm;   /* the communicator benchmarked; comm (shm) carries the rest */
-    bench_counts(cfg, cfg->max_bytes, &b);
-    size_t send_bytes = (b.send_count + 16) * es, recv_bytes = (b.recv_count + 16) * es;
-    double mcpy = 0;
-    tdm_status st = TDM_STATUS_OK;
-    if (cfg->cuda) {
-        /* NCCL's bootstrap is collective over comm: a rank failing before
-         * it aborts comm (below), so the others fail at once too. */
-        if ((st = tdm_device_open(&dev, "cuda", cfg->dl.index[r], 1))) goto fail;
-        if ((st = tdm_tool_rank_nccl(comm, dev, &nccl))) goto fail;
-        if (nccl) coll = nccl;
-        b.dev = dev;
-        if ((st = tdm_dev_alloc(dev, send_bytes, (void **)&b.send)) ||
-            (st = tdm_dev_alloc(dev, recv_bytes, (void **)&b.recv)) ||
-            (st = dev->ops->memset_zero(dev, b.send, send_bytes)) ||
-            (st = dev->ops->memset_zero(dev, b.recv, recv_bytes)))
-            goto fail;
-        b.stage = malloc(send_bytes > recv_bytes ? send_bytes : recv_bytes);
-        if (!b.stage) {
-            st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "host staging buffer of %zu bytes",
-                               send_bytes > recv_bytes ? send_bytes : recv_bytes);
-            goto fail;
-        }
-        if ((st = bench_d2d(comm, dev, cfg->memcpy_bytes, &mcpy))) goto fail;
+    size_t send_bytes = (b->send_count + 16) * es, recv_bytes = (b->recv_count + 16) * es;
+    /* NCCL's bootstrap is collective over comm: a rank failing before it
+     * aborts comm (bench_rank), so the others fail at once too. */
+    TDM_CHECK(tdm_device_open(dev, "cuda", cfg->dl.index[r], 1));
+    TDM_CHECK(tdm_tool_rank_nccl(comm, *dev, nccl));
+    if (*nccl) *coll = *nccl;
+    b->dev = *dev;
+    TDM_CHECK(tdm_dev_alloc(*dev, send_bytes, (void **)&b->send));
+    TDM_CHECK(tdm_dev_alloc(*dev, recv_bytes, (void **)&b->recv));
+    TDM_CHECK((*dev)->ops->memset_zero(*dev, b->send, send_bytes));
+    TDM_CHECK((*dev)->ops->memset_zero(*dev, b->recv, recv_bytes));
+    b->stage = malloc(send_bytes > recv_bytes ? send_bytes : recv_bytes);
+    if (!b->stage)
+        return tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "host staging buffer of %zu bytes",
+                             send_bytes > recv_bytes ? send_bytes : recv_bytes);
+    return bench_d2d(comm, *dev, cfg->memcpy_bytes, mcpy);
+}
+
+/* The rank's host buffers (private, or in the segment with --zero-copy)
+ * and the memcpy reference. */
+static tdm_status bench_setup_host(tdm_comm *comm, const bench_cfg *cfg, bench_bufs *b,
+                                   double *mcpy)
+{
+    size_t es = tdm_dtype_size(cfg->dtype);
+    size_t send_bytes = (b->send_count + 16) * es, recv_bytes = (b->recv_count + 16) * es;
+    TDM_CHECK(bench_memcpy(comm, cfg->memcpy_bytes, mcpy));
+    if (cfg->zero_copy) {
+        TDM_CHECK(tdm_shm_comm_alloc(comm, send_bytes, (void **)&b->send));
+        TDM_CHECK(tdm_shm_comm_alloc(comm, recv_bytes, (void **)&b->recv));
     } else {
-        if ((st = bench_memcpy(comm, cfg->memcpy_bytes, &mcpy))) goto fail;
-        if (cfg->zero_copy) {
-            if ((st = tdm_shm_comm_alloc(comm, send_bytes, (void **)&b.send))) goto fail;
-            if ((st = tdm_shm_comm_alloc(comm, recv_bytes, (void **)&b.recv))) goto fail;
-        } else {
-            b.send = malloc(send_bytes);
-            b.recv = malloc(recv_bytes);
-            if (!b.send || !b.recv) {
-                st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "cannot allocate the send and receive "
-                                   "buffers (%zu + %zu bytes)", send_bytes, recv_bytes);
-                goto fail;
-            }
-        }
-        memset(b.send, 0, send_bytes);
-        memset(b.recv, 0, recv_bytes);
+        b->send = malloc(send_bytes);
+        b->recv = malloc(recv_bytes);
+        if (!b->send || !b->recv)
+            return tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "cannot allocate the send and "
+                                 "receive buffers (%zu + %zu bytes)", send_bytes, recv_bytes);
     }
-    double factor = bench_bus_factor(cfg->coll, n);
-    const char *ref = cfg->cuda ? "d2d" : "memcpy";
-    if (r == 0) {
-        if (cfg->cuda) {
-            char names[512];
-            bench_device_names(cfg, dev, names, sizeof names);
-            printf("# tandem bench %s: %d ranks, one per device of --device %s (%s), %s "
-                   "communicator, %s, %s, root %d, warmup %d, iters %d, device buffers "
-                   "(tdm_dev_alloc)\n", tdm_coll_name(cfg->coll), n, cfg->device, names,
-                   tdm_comm_backend_name(coll), tdm_dtype_name(cfg->dtype),
-                   tdm_redop_name(cfg->op), cfg->root, cfg->warmup, cfg->iters);
-            tdm_tool_print_emulated(stdout, cfg->device);
-            printf("# d2d reference: %d device%s each copying %zu bytes device-to-device at "
-                   "once: %.2f GB/s per device (%.2f GB/s total)\n", n, n == 1 ? "" : "s",
-                   cfg->memcpy_bytes, mcpy, mcpy * n);
-        } else {
-            printf("# tandem bench %s: %d ranks (shm, %d cores%s), %s, %s, root %d, warmup %d, "
-                   "iters %d, %s buffers\n", tdm_coll_name(cfg->coll), n, ncores,
-                   bound ? ", rank r pinned to core r" : ", not pinned",
-                   tdm_dtype_name(cfg->dtype), tdm_redop_name(cfg->op), cfg->root, cfg->warmup,
-                   cfg->iters, cfg->zero_copy ? "zero-copy (in the segment)" : "private (malloc)");
-            printf("# memcpy reference: %d processes each copying %zu bytes at once: %.2f GB/s "
-                   "per process (%.2f GB/s total)\n", n, cfg->memcpy_bytes, mcpy, mcpy * n);
-        }
-        char refcol[32];
-        snprintf(refcol, sizeof refcol, "busbw/%s(oop,ip)", ref);
-        printf("#\n# %10s %11s %8s %5s %4s | %9s %7s %7s %6s | %9s %7s %7s %6s | %-18s %s\n",
-               "size(B)", "count", "type", "redop", "root", "oop us", "algbw", "busbw",
-               "#wrong", "ip us", "algbw", "busbw", "#wrong", "algorithm(oop/ip)", refcol);
-        fflush(stdout);
+    memset(b->send, 0, send_bytes);
+    memset(b->recv, 0, recv_bytes);
+    return TDM_STATUS_OK;
+}
+
+/* Rank 0's header: the run, the reference bandwidth, the column titles. */
+static void bench_print_header(const bench_cfg *cfg, int n, tdm_comm *coll,
+                               const tdm_device *dev, int bound, double mcpy)
+{
+    if (cfg->cuda) {
+        char names[512];
+        bench_device_names(cfg, dev, names, sizeof names);
+        printf("# tandem bench %s: %d ranks, one per device of --device %s (%s), %s "
+               "communicator, %s, %s, root %d, warmup %d, iters %d, device buffers "
+               "(tdm_dev_alloc)\n", tdm_coll_name(cfg->coll), n, cfg->device, names,
+               tdm_comm_backend_name(coll), tdm_dtype_name(cfg->dtype),
+               tdm_redop_name(cfg->op), cfg->root, cfg->warmup, cfg->iters);
+        tdm_tool_print_emulated(stdout, cfg->device);
+        printf("# d2d reference: %d device%s each copying %zu bytes device-to-device at "
+               "once: %.2f GB/s per device (%.2f GB/s total)\n", n, n == 1 ? "" : "s",
+               cfg->memcpy_bytes, mcpy, mcpy * n);
+    } else {
+        printf("# tandem bench %s: %d ranks (shm, %d cores%s), %s, %s, root %d, warmup %d, "
+               "iters %d, %s buffers\n", tdm_coll_name(cfg->coll), n, tdm_device_host_cores(),
+               bound ? ", rank r pinned to core r" : ", not pinned",
+               tdm_dtype_name(cfg->dtype), tdm_redop_name(cfg->op), cfg->root, cfg->warmup,
+               cfg->iters, cfg->zero_copy ? "zero-copy (in the segment)" : "private (malloc)");
+        printf("# memcpy reference: %d processes each copying %zu bytes at once: %.2f GB/s "
+               "per process (%.2f GB/s total)\n", n, cfg->memcpy_bytes, mcpy, mcpy * n);
     }
+    char refcol[32];
+    snprintf(refcol, sizeof refcol, "busbw/%s(oop,ip)", cfg->cuda ? "d2d" : "memcpy");
+    printf("#\n# %10s %11s %8s %5s %4s | %9s %7s %7s %6s | %9s %7s %7s %6s | %-18s %s\n",
+           "size(B)", "count", "type", "redop", "root", "oop us", "algbw", "busbw",
+           "#wrong", "ip us", "algbw", "busbw", "#wrong", "algorithm(oop/ip)", refcol);
+    fflush(stdout);
+}
+
+/* One row of the sweep: out of place, then in place, each timed and
+ * checked; rank 0 prints it. *busbw_oop and *wrong (both placements, all
+ * ranks) are what the summary adds up. */
+static tdm_status bench_row(tdm_comm *coll, tdm_comm *comm, const bench_cfg *cfg, bench_bufs *b,
+                            size_t bytes, double mcpy, double *busbw_oop, int64_t *wrong_sum)
+{
+    size_t es = tdm_dtype_size(cfg->dtype);
+    bench_counts(cfg, bytes, b);
+    double us[2], busbw[2], algbw[2];
+    int64_t wrong[2];
+    const char *algo[2];
+    size_t size = (cfg->coll == TDM_COLL_REDUCE_SCATTER ? b->send_count : b->recv_count) * es;
+    for (int ip = 0; ip < 2; ip++) {
+        tdm_status st;
+        TDM_CHECK(bench_time(coll, comm, cfg, b, ip, &us[ip]));
+        int64_t w = bench_check(coll, cfg, b, ip, &st);
+        algo[ip] = tdm_comm_last_algo(coll);
+        TDM_CHECK(st);
+        TDM_CHECK(tdm_comm_all_reduce(comm, &w, &wrong[ip], 1, TDM_DTYPE_INT64, TDM_REDOP_SUM));
+        algbw[ip] = (double)size / (us[ip] * 1e3);
+        busbw[ip] = algbw[ip] * bench_bus_factor(cfg->coll, tdm_comm_size(comm));
+        *wrong_sum += wrong[ip];
+    }
+    *busbw_oop = busbw[0];
+    if (tdm_comm_rank(comm) != 0) return TDM_STATUS_OK;
+    char alg[64];
+    if (strcmp(algo[0], algo[1])) snprintf(alg, sizeof alg, "%s/%s", algo[0], algo[1]);
+    else snprintf(alg, sizeof alg, "%s", algo[0]);
+    printf("  %10zu %11zu %8s %5s %4d | %9.2f %7.2f %7.2f %6lld | %9.2f %7.2f %7.2f %6lld "
+           "| %-18s %.2f, %.2f\n", size, size / es, tdm_dtype_name(cfg->dtype),
+           tdm_redop_name(cfg->op),
+           cfg->coll == TDM_COLL_BROADCAST || cfg->coll == TDM_COLL_REDUCE ? cfg->root : -1,
+           us[0], algbw[0], busbw[0], (long long)wrong[0], us[1], algbw[1], busbw[1],
+           (long long)wrong[1], alg, busbw[0] / mcpy, busbw[1] / mcpy);
+    fflush(stdout);
+    return TDM_STATUS_OK;
+}
+
+/* The sweep from -b to -e; *total_wrong over every row. */
+static tdm_status bench_sweep(tdm_comm *coll, tdm_comm *comm, const bench_cfg *cfg,
+                              bench_bufs *b, double mcpy, int64_t *total_wrong)
+{
     double sum_busbw = 0;
     int rows = 0;
-    int64_t total_wrong = 0;
+    *total_wrong = 0;
     for (size_t bytes = cfg->min_bytes; bytes <= cfg->max_bytes;) {
-        bench_counts(cfg, bytes, &b);
-        double us[2], busbw[2], algbw[2];
-        int64_t wrong[2];
-        const char *algo[2];
-        size_t size = (cfg->coll == TDM_COLL_REDUCE_SCATTER ? b.send_count : b.recv_count) * es;
-        for (int ip = 0; ip < 2; ip++) {
-            if ((st = bench_time(coll, comm, cfg, &b, ip, &us[ip]))) goto fail;
-            int64_t w = bench_check(coll, cfg, &b, ip, &st);
-            algo[ip] = tdm_comm_last_algo(coll);
-            if (st) goto fail;
-            if ((st = tdm_comm_all_reduce(comm, &w, &wrong[ip], 1, TDM_DTYPE_INT64,
-                                          TDM_REDOP_SUM)))
-                goto fail;
-            algbw[ip] = (double)size / (us[ip] * 1e3);
-            busbw[ip] = algbw[ip] * factor;
-            total_wrong += wrong[ip];
-        }
-        if (r == 0) {
-            char alg[64];
-            if (strcmp(algo[0], algo[1])) snprintf(alg, sizeof alg, "%s/%s", algo[0], algo[1]);
-            else snprintf(alg, sizeof alg, "%s", algo[0]);
-            printf("  %10zu %11zu %8s %5s %4d | %9.2f %7.2f %7.2f %6lld | %9.2f %7.2f %7.2f %6lld "
-                   "| %-18s %.2f, %.2f\n", size, size / es, tdm_dtype_name(cfg->dtype),
-                   tdm_redop_name(cfg->op),
-                   cfg->coll == TDM_COLL_BROADCAST || cfg->coll == TDM_COLL_REDUCE ? cfg->root : -1,
-                   us[0], algbw[0], busbw[0], (long long)wrong[0], us[1], algbw[1], busbw[1],
-                   (long long)wrong[1], alg, busbw[0] / mcpy, busbw[1] / mcpy);
-            fflush(stdout);
-        }
-        sum_busbw += busbw[0];
+        double busbw = 0.0;
+        TDM_CHECK(bench_row(coll, comm, cfg, b, bytes, mcpy, &busbw, total_wrong));
+        sum_busbw += busbw;
         rows++;
         size_t next = (size_t)((double)bytes * cfg->factor);
         bytes = next > bytes ? next : bytes + 1;
     }
-    if (r == 0) {
-        printf("# Out of bounds values : %lld %s\n", (long long)total_wrong,
-               total_wrong ? "FAILED" : "OK");
+    if (tdm_comm_rank(comm) == 0) {
+        printf("# Out of bounds values : %lld %s\n", (long long)*total_wrong,
+               *total_wrong ? "FAILED" : "OK");
         printf("# Avg bus bandwidth    : %.4f GB/s (out of place; %s reference %.2f GB/s)\n",
-               rows ? sum_busbw / rows : 0.0, ref, mcpy);
+               rows ? sum_busbw / rows : 0.0, cfg->cuda ? "d2d" : "memcpy", mcpy);
         fflush(stdout);
     }
-    rc = total_wrong ? 1 : 0;
-    goto out;
-fail:
-    fprintf(stderr, "tandem bench: rank %d: %s\n", r, tdm_error_message());
-    char why[64];
-    snprintf(why, sizeof why, "rank %d failed", r);
-    tdm_comm_abort(comm, why);
-    rc = 1;
-out:
+    return TDM_STATUS_OK;
+}
+
+/* One rank of the benchmark: its exit code is 1 on a failure or any
+ * wrong element, so the parent's status says so. */
+static int bench_rank(tdm_comm *comm, void *arg)
+{
+    const bench_cfg *cfg = arg;
+    int r = tdm_comm_rank(comm), n = tdm_comm_size(comm);
+    int bound = cfg->bind && !cfg->cuda ? bench_bind(r, n) : 0;
+    bench_bufs b = {0};
+    tdm_device *dev = NULL;
+    tdm_comm *nccl = NULL;
+    tdm_comm *coll = comm;   /* the communicator benchmarked; comm (shm) carries the rest */
+    double mcpy = 0;
+    int64_t total_wrong = 0;
+    bench_counts(cfg, cfg->max_bytes, &b);
+    tdm_status st = cfg->cuda ? bench_setup_cuda(comm, cfg, &b, &dev, &nccl, &coll, &mcpy)
+                              : bench_setup_host(comm, cfg, &b, &mcpy);
+    if (st == TDM_STATUS_OK) {
+        if (r == 0) bench_print_header(cfg, n, coll, dev, bound, mcpy);
+        st = bench_sweep(coll, comm, cfg, &b, mcpy, &total_wrong);
+    }
+    if (st) {
+        fprintf(stderr, "tandem bench: rank %d: %s\n", r, tdm_error_message());
+        char why[64];
+        snprintf(why, sizeof why, "rank %d failed", r);
+        tdm_comm_abort(comm, why);
+    }
     if (dev) {
         tdm_dev_free(dev, b.send);
         tdm_dev_free(dev, b.recv);
@@ -510,157 +548,198 @@ out:
     }
     tdm_comm_free(nccl);   /* before comm, which bootstrapped it, and dev */
     tdm_device_free(dev);
-    return rc;
+    return st || total_wrong ? 1 : 0;
 }
 
-int tdm_tool_bench_main(int argc, char **argv)
+/* ---- options ---- */
+
+static tdm_status bench_parse_coll(const char *a, bench_cfg *cfg)
 {
-    bench_cfg cfg = {.nranks = 2, .min_bytes = 8, .max_bytes = (size_t)64 << 20, .factor = 2,
-                     .dtype = TDM_DTYPE_FLOAT32, .op = TDM_REDOP_SUM, .warmup = 5, .iters = 20, .bind = 1};
-    int have_coll = 0, nranks_set = 0, shm_only = 0;
-    const char *shm_flag = NULL;
+    if (tdm_coll_parse(a, &cfg->coll) || cfg->coll == TDM_COLL_GATHER ||
+        cfg->coll == TDM_COLL_SCATTER || cfg->coll == TDM_COLL_BARRIER ||
+        cfg->coll == TDM_COLL_SEND || cfg->coll == TDM_COLL_RECV)
+        return tdm_tool_usage_error("tandem bench: unknown collective '%s' (expected all_reduce, "
+                                    "reduce_scatter, all_gather, broadcast or reduce)\n", a);
+    return TDM_STATUS_OK;
+}
+
+/* The options as given; cfg->help when --help asked for the usage. */
+static tdm_status bench_parse(int argc, char **argv, bench_cfg *cfg)
+{
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v;
         long long x;
-        if (!strcmp(a, "-h") || !strcmp(a, "--help")) { bench_usage(stdout); return 0; }
-#define BENCH_FLAG(s, l) ((v = tdm_args_value(argc, argv, &i, s)) || (v = tdm_args_value(argc, argv, &i, l)))
-        if (BENCH_FLAG("-n", "--nranks")) {
-            if (!tdm_args_int("-n", v, 1, TDM_SHM_MAX_RANKS, &x)) return 2;
-            cfg.nranks = (int)x;
-            nranks_set = 1;
-        } else if (BENCH_FLAG("-b", "--minbytes")) {
-            if (!bench_parse_size("-b", v, &cfg.min_bytes)) return 2;
-        } else if (BENCH_FLAG("-e", "--maxbytes")) {
-            if (!bench_parse_size("-e", v, &cfg.max_bytes)) return 2;
-        } else if (BENCH_FLAG("-f", "--stepfactor")) {
-            if (!tdm_args_float("-f", v, 1.0001, 1e6, &cfg.factor)) return 2;
-        } else if (BENCH_FLAG("-d", "--datatype")) {
-            if (tdm_dtype_parse(v, &cfg.dtype)) {
-                fprintf(stderr, "tandem bench: -d: %s\n", tdm_error_message());
-                return 2;
-            }
-        } else if (BENCH_FLAG("-o", "--op")) {
-            if (tdm_redop_parse(v, &cfg.op)) {
-                fprintf(stderr, "tandem bench: -o: %s\n", tdm_error_message());
-                return 2;
-            }
-        } else if (BENCH_FLAG("-r", "--root")) {
-            if (!tdm_args_int("-r", v, 0, TDM_SHM_MAX_RANKS - 1, &x)) return 2;
-            cfg.root = (int)x;
-        } else if (BENCH_FLAG("-w", "--warmup")) {
-            if (!tdm_args_int("-w", v, 0, 1000000, &x)) return 2;
-            cfg.warmup = (int)x;
-        } else if (BENCH_FLAG("-i", "--iters")) {
-            if (!tdm_args_int("-i", v, 1, 100000000, &x)) return 2;
-            cfg.iters = (int)x;
-        } else if (BENCH_FLAG("--memcpy-bytes", "--memcpy-bytes")) {
-            if (!bench_parse_size("--memcpy-bytes", v, &cfg.memcpy_bytes)) return 2;
-        } else if (BENCH_FLAG("--slot-bytes", "--slot-bytes")) {
-            if (!bench_parse_size("--slot-bytes", v, &cfg.slot_bytes)) return 2;
-            shm_only = 1;
-            shm_flag = "--slot-bytes";
-        } else if (BENCH_FLAG("--one-shot-bytes", "--one-shot-bytes")) {
-            if (!bench_parse_size("--one-shot-bytes", v, &cfg.one_shot_bytes)) return 2;
-            shm_only = 1;
-            shm_flag = "--one-shot-bytes";
-        } else if (BENCH_FLAG("--device", "--device")) {
-            cfg.device = v;
-        } else if (!strcmp(a, "--no-bind")) {
-            cfg.bind = 0;
-        } else if (!strcmp(a, "--zero-copy")) {
-            cfg.zero_copy = 1;
-            shm_only = 1;
-            shm_flag = "--zero-copy";
-        } else if (a[0] == '-') {
-            fprintf(stderr, "tandem bench: unknown option '%s' (see tandem bench --help)\n", a);
-            return 2;
-        } else if (!have_coll) {
-            if (tdm_coll_parse(a, &cfg.coll) || cfg.coll == TDM_COLL_GATHER ||
-                cfg.coll == TDM_COLL_SCATTER || cfg.coll == TDM_COLL_BARRIER ||
-                cfg.coll == TDM_COLL_SEND || cfg.coll == TDM_COLL_RECV) {
-                fprintf(stderr, "tandem bench: unknown collective '%s' (expected all_reduce, "
-                        "reduce_scatter, all_gather, broadcast or reduce)\n", a);
-                return 2;
-            }
-            have_coll = 1;
-        } else {
-            fprintf(stderr, "tandem bench: unexpected argument '%s'\n", a);
-            return 2;
+        if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
+            cfg->help = 1;
+            return TDM_STATUS_OK;
         }
-#undef BENCH_FLAG
+        TDM_CHECK(tdm_args_value2(argc, argv, &i, "-n", "--nranks", &v));
+        if (v) {
+            TDM_CHECK(tdm_args_int("-n", v, 1, TDM_SHM_MAX_RANKS, &x));
+            cfg->nranks = (int)x;
+            cfg->nranks_set = 1;
+            continue;
+        }
+        TDM_CHECK(tdm_args_value2(argc, argv, &i, "-b", "--minbytes", &v));
+        if (v) { TDM_CHECK(bench_parse_size("-b", v, &cfg->min_bytes)); continue; }
+        TDM_CHECK(tdm_args_value2(argc, argv, &i, "-e", "--maxbytes", &v));
+        if (v) { TDM_CHECK(bench_parse_size("-e", v, &cfg->max_bytes)); continue; }
+        TDM_CHECK(tdm_args_value2(argc, argv, &i, "-f", "--stepfactor", &v));
+        if (v) { TDM_CHECK(tdm_args_float("-f", v, 1.0001, 1e6, &cfg->factor)); continue; }
+        TDM_CHECK(tdm_args_value2(argc, argv, &i, "-d", "--datatype", &v));
+        if (v) {
+            if (tdm_dtype_parse(v, &cfg->dtype))
+                return tdm_tool_usage_error("tandem bench: -d: %s\n", tdm_error_message());
+            continue;
+        }
+        TDM_CHECK(tdm_args_value2(argc, argv, &i, "-o", "--op", &v));
+        if (v) {
+            if (tdm_redop_parse(v, &cfg->op))
+                return tdm_tool_usage_error("tandem bench: -o: %s\n", tdm_error_message());
+            continue;
+        }
+        TDM_CHECK(tdm_args_value2(argc, argv, &i, "-r", "--root", &v));
+        if (v) {
+            TDM_CHECK(tdm_args_int("-r", v, 0, TDM_SHM_MAX_RANKS - 1, &x));
+            cfg->root = (int)x;
+            continue;
+        }
+        TDM_CHECK(tdm_args_value2(argc, argv, &i, "-w", "--warmup", &v));
+        if (v) {
+            TDM_CHECK(tdm_args_int("-w", v, 0, 1000000, &x));
+            cfg->warmup = (int)x;
+            continue;
+        }
+        TDM_CHECK(tdm_args_value2(argc, argv, &i, "-i", "--iters", &v));
+        if (v) {
+            TDM_CHECK(tdm_args_int("-i", v, 1, 100000000, &x));
+            cfg->iters = (int)x;
+            continue;
+        }
+        TDM_CHECK(tdm_args_value(argc, argv, &i, "--memcpy-bytes", &v));
+        if (v) { TDM_CHECK(bench_parse_size("--memcpy-bytes", v, &cfg->memcpy_bytes)); continue; }
+        TDM_CHECK(tdm_args_value(argc, argv, &i, "--slot-bytes", &v));
+        if (v) {
+            TDM_CHECK(bench_parse_size("--slot-bytes", v, &cfg->slot_bytes));
+            cfg->shm_flag = "--slot-bytes";
+            continue;
+        }
+        TDM_CHECK(tdm_args_value(argc, argv, &i, "--one-shot-bytes", &v));
+        if (v) {
+            TDM_CHECK(bench_parse_size("--one-shot-bytes", v, &cfg->one_shot_bytes));
+            cfg->shm_flag = "--one-shot-bytes";
+            continue;
+        }
+        TDM_CHECK(tdm_args_value(argc, argv, &i, "--device", &v));
+        if (v) { cfg->device = v; continue; }
+        if (!strcmp(a, "--no-bind")) {
+            cfg->bind = 0;
+        } else if (!strcmp(a, "--zero-copy")) {
+            cfg->zero_copy = 1;
+            cfg->shm_flag = "--zero-copy";
+        } else if (a[0] == '-') {
+            return tdm_tool_usage_error("tandem bench: unknown option '%s' (see tandem bench "
+                                        "--help)\n", a);
+        } else if (!cfg->have_coll) {
+            TDM_CHECK(bench_parse_coll(a, cfg));
+            cfg->have_coll = 1;
+        } else {
+            return tdm_tool_usage_error("tandem bench: unexpected argument '%s'\n", a);
+        }
     }
-    if (!have_coll) {
+    return TDM_STATUS_OK;
+}
+
+/* --device cuda: one rank per listed device, NCCL on device buffers. */
+static tdm_status bench_check_cuda(bench_cfg *cfg)
+{
+    if (cfg->nranks_set && cfg->nranks != cfg->dl.count)
+        return tdm_tool_usage_error("tandem bench: -n %d: --device %s names %d device%s, and "
+                                    "there is one rank per device (omit -n, or list %d "
+                                    "devices)\n", cfg->nranks, cfg->device, cfg->dl.count,
+                                    cfg->dl.count == 1 ? "" : "s", cfg->nranks);
+    if (cfg->dl.count > TDM_SHM_MAX_RANKS)
+        return tdm_tool_usage_error("tandem bench: --device %s names %d devices; at most %d "
+                                    "ranks\n", cfg->device, cfg->dl.count, TDM_SHM_MAX_RANKS);
+    cfg->nranks = cfg->dl.count;
+    if (cfg->shm_flag)
+        return tdm_tool_usage_error("tandem bench: %s applies to the shm communicator only, "
+                                    "not to --device %s (NCCL on device buffers)\n",
+                                    cfg->shm_flag, cfg->device);
+    if (cfg->dtype == TDM_DTYPE_BFLOAT16 || cfg->dtype == TDM_DTYPE_FLOAT16)
+        return tdm_tool_usage_error("tandem bench: -d %s: the NCCL communicator of --device %s "
+                                    "takes float32, float64, int32 and int64 only\n",
+                                    tdm_dtype_name(cfg->dtype), cfg->device);
+    return TDM_STATUS_OK;
+}
+
+/* What the options need of each other, and the defaults that follow. */
+static tdm_status bench_check_cfg(bench_cfg *cfg)
+{
+    if (!cfg->have_coll) {
         fprintf(stderr, "tandem bench: which collective? (see tandem bench --help)\n");
         bench_usage(stderr);
-        return 2;
+        return TDM_STATUS_USAGE;
     }
-    if (cfg.device && *cfg.device) {
+    if (cfg->device && *cfg->device) {
         /* Checked in a child when it names CUDA: this process forks the
          * ranks, and a process that has initialised CUDA cannot give it
          * to its children. */
-        tdm_status dst = tdm_tool_parse_devices(&cfg.dl, cfg.device, 1);
+        tdm_status dst = tdm_tool_parse_devices(&cfg->dl, cfg->device, 1);
         if (dst != TDM_STATUS_OK) {
             fprintf(stderr, "tandem bench: --device: %s\n", tdm_error_message());
-            return dst == TDM_STATUS_NO_DEVICE ? 1 : 2;
+            return dst == TDM_STATUS_NO_DEVICE ? dst : tdm_tool_usage(dst);
         }
-        cfg.cuda = cfg.dl.kind == TDM_DEVICE_CUDA;
+        cfg->cuda = cfg->dl.kind == TDM_DEVICE_CUDA;
     }
-    if (cfg.cuda) {
-        if (nranks_set && cfg.nranks != cfg.dl.count) {
-            fprintf(stderr, "tandem bench: -n %d: --device %s names %d device%s, and there is "
-                    "one rank per device (omit -n, or list %d devices)\n", cfg.nranks,
-                    cfg.device, cfg.dl.count, cfg.dl.count == 1 ? "" : "s", cfg.nranks);
-            return 2;
-        }
-        if (cfg.dl.count > TDM_SHM_MAX_RANKS) {
-            fprintf(stderr, "tandem bench: --device %s names %d devices; at most %d ranks\n",
-                    cfg.device, cfg.dl.count, TDM_SHM_MAX_RANKS);
-            return 2;
-        }
-        cfg.nranks = cfg.dl.count;
-        if (shm_only) {
-            fprintf(stderr, "tandem bench: %s applies to the shm communicator only, not to "
-                    "--device %s (NCCL on device buffers)\n", shm_flag, cfg.device);
-            return 2;
-        }
-        if (cfg.dtype == TDM_DTYPE_BFLOAT16 || cfg.dtype == TDM_DTYPE_FLOAT16) {
-            fprintf(stderr, "tandem bench: -d %s: the NCCL communicator of --device %s takes "
-                    "float32, float64, int32 and int64 only\n", tdm_dtype_name(cfg.dtype),
-                    cfg.device);
-            return 2;
-        }
-    }
-    if (cfg.min_bytes == 0 || cfg.min_bytes > cfg.max_bytes) {
-        fprintf(stderr, "tandem bench: need 0 < -b (%zu) <= -e (%zu)\n", cfg.min_bytes,
-                cfg.max_bytes);
-        return 2;
-    }
-    if (cfg.root >= cfg.nranks) {
-        fprintf(stderr, "tandem bench: -r %d: root must be below -n %d\n", cfg.root, cfg.nranks);
-        return 2;
-    }
-    size_t es = tdm_dtype_size(cfg.dtype);
-    size_t unit = es * (cfg.coll == TDM_COLL_REDUCE_SCATTER || cfg.coll == TDM_COLL_ALL_GATHER
-                            ? (size_t)cfg.nranks : 1);
-    if (cfg.min_bytes < unit) {
-        fprintf(stderr, "tandem bench: -b %zu: smallest size for %s of %s over %d ranks is %zu "
-                "bytes\n", cfg.min_bytes, tdm_coll_name(cfg.coll), tdm_dtype_name(cfg.dtype),
-                cfg.nranks, unit);
-        return 2;
-    }
-    if (!cfg.memcpy_bytes)
-        cfg.memcpy_bytes = cfg.max_bytes > ((size_t)64 << 20) ? cfg.max_bytes : (size_t)64 << 20;
+    if (cfg->cuda) TDM_CHECK(bench_check_cuda(cfg));
+    if (cfg->min_bytes == 0 || cfg->min_bytes > cfg->max_bytes)
+        return tdm_tool_usage_error("tandem bench: need 0 < -b (%zu) <= -e (%zu)\n",
+                                    cfg->min_bytes, cfg->max_bytes);
+    if (cfg->root >= cfg->nranks)
+        return tdm_tool_usage_error("tandem bench: -r %d: root must be below -n %d\n", cfg->root,
+                                    cfg->nranks);
+    size_t es = tdm_dtype_size(cfg->dtype);
+    size_t unit = es * (cfg->coll == TDM_COLL_REDUCE_SCATTER || cfg->coll == TDM_COLL_ALL_GATHER
+                            ? (size_t)cfg->nranks : 1);
+    if (cfg->min_bytes < unit)
+        return tdm_tool_usage_error("tandem bench: -b %zu: smallest size for %s of %s over %d "
+                                    "ranks is %zu bytes\n", cfg->min_bytes,
+                                    tdm_coll_name(cfg->coll), tdm_dtype_name(cfg->dtype),
+                                    cfg->nranks, unit);
+    if (!cfg->memcpy_bytes)
+        cfg->memcpy_bytes = cfg->max_bytes > ((size_t)64 << 20) ? cfg->max_bytes
+                                                                : (size_t)64 << 20;
+    return TDM_STATUS_OK;
+}
+
+/* Forks the ranks joined by a shm communicator sized for the buffers. */
+static tdm_status bench_run(const bench_cfg *cfg)
+{
+    size_t es = tdm_dtype_size(cfg->dtype);
     bench_bufs b;
-    bench_counts(&cfg, cfg.max_bytes, &b);
+    bench_counts(cfg, cfg->max_bytes, &b);
     tdm_shm_spawn_opts o = {.timeout_ms = 3600 * 1000};
     o.shm.timeout_ms = 120000;
-    o.shm.slot_bytes = cfg.slot_bytes;
-    o.shm.one_shot_max_bytes = cfg.one_shot_bytes;
-    if (cfg.zero_copy) o.shm.arena_bytes = (b.send_count + b.recv_count + 64) * es + 4096;
-    tdm_status st = tdm_shm_spawn(cfg.nranks, bench_rank, &cfg, &o, NULL);
-    if (st) {
-        fprintf(stderr, "tandem bench: %s\n", tdm_error_message());
-        return 1;
+    o.shm.slot_bytes = cfg->slot_bytes;
+    o.shm.one_shot_max_bytes = cfg->one_shot_bytes;
+    if (cfg->zero_copy) o.shm.arena_bytes = (b.send_count + b.recv_count + 64) * es + 4096;
+    tdm_status st = tdm_shm_spawn(cfg->nranks, bench_rank, (void *)cfg, &o, NULL);
+    if (st) fprintf(stderr, "tandem bench: %s\n", tdm_error_message());
+    return st;
+}
+
+int tdm_bench_coll_main(int argc, char **argv)
+{
+    bench_cfg cfg = {.nranks = 2, .min_bytes = 8, .max_bytes = (size_t)64 << 20, .factor = 2,
+                     .dtype = TDM_DTYPE_FLOAT32, .op = TDM_REDOP_SUM, .warmup = 5, .iters = 20,
+                     .bind = 1};
+    tdm_status st = bench_parse(argc, argv, &cfg);
+    if (st == TDM_STATUS_OK && cfg.help) {
+        bench_usage(stdout);
+        return tdm_tool_exit(TDM_STATUS_OK);
     }
-    return 0;
+    if (st == TDM_STATUS_OK) st = bench_check_cfg(&cfg);
+    if (st == TDM_STATUS_OK) st = bench_run(&cfg);
+    return tdm_tool_exit(st);
 }

@@ -24,10 +24,9 @@ int tdm_tool_info_main(int argc, char **argv)
         if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
             printf("usage: tandem info\n\nPrints the build configuration (backends, BLAS, "
                    "compiler, library versions)\nand the devices this machine offers.\n");
-            return 0;
+            return tdm_tool_exit(TDM_STATUS_OK);
         }
-        fprintf(stderr, "tandem info: unknown option '%s'\n", argv[i]);
-        return 2;
+        return tdm_tool_exit(tdm_tool_usage_error("tandem info: unknown option '%s'\n", argv[i]));
     }
     printf("tandem %s\n", TDM_VERSION);
     printf("build:\n");
@@ -60,5 +59,5 @@ int tdm_tool_info_main(int argc, char **argv)
                    "tdm_cuda_describe");
         }
     }
-    return 0;
+    return tdm_tool_exit(TDM_STATUS_OK);
 }

@@ -121,41 +121,55 @@ static void tdm_launch_sleep_ms(int ms)
     while (nanosleep(&ts, &ts) == -1 && errno == EINTR) {}
 }
 
-int tdm_tool_launch_main(int argc, char **argv)
+typedef struct tdm_launch_opts {
+    long long world, arena_mb, grace_ms;
+    const char *log_dir, *timeout;
+    int prog;   /* argv index of PROGRAM */
+    int help;
+} tdm_launch_opts;
+
+static tdm_status tdm_launch_parse(int argc, char **argv, tdm_launch_opts *o)
 {
-    long long world = 0, arena_mb = 32, grace_ms = 3000;
-    const char *log_dir = NULL, *timeout = NULL;
-    int prog = -1;
+    *o = (tdm_launch_opts){.arena_mb = 32, .grace_ms = 3000, .prog = -1};
     for (int i = 1; i < argc; i++) {
         const char *v;
-        if (!strcmp(argv[i], "--")) { prog = i + 1; break; }
+        long long iv;
+        if (!strcmp(argv[i], "--")) { o->prog = i + 1; break; }
         if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
-            tdm_launch_usage(stdout);
-            return 0;
+            o->help = 1;
+            return TDM_STATUS_OK;
         }
-        if ((v = tdm_args_value(argc, argv, &i, "-n")) ||
-            (v = tdm_args_value(argc, argv, &i, "--nproc"))) {
-            if (!tdm_args_int("-n", v, 1, TDM_SHM_MAX_RANKS, &world)) return 2;
+        TDM_CHECK(tdm_args_value2(argc, argv, &i, "-n", "--nproc", &v));
+        if (v) {
+            TDM_CHECK(tdm_args_int("-n", v, 1, TDM_SHM_MAX_RANKS, &o->world));
             continue;
         }
-        if ((v = tdm_args_value(argc, argv, &i, "--log-dir"))) { log_dir = v; continue; }
-        if ((v = tdm_args_value(argc, argv, &i, "--arena-mb"))) {
-            if (!tdm_args_int("--arena-mb", v, 0, 1 << 16, &arena_mb)) return 2;
-            continue;
-        }
-        if ((v = tdm_args_value(argc, argv, &i, "--grace-ms"))) {
-            if (!tdm_args_int("--grace-ms", v, 0, 600000, &grace_ms)) return 2;
-            continue;
-        }
-        if ((v = tdm_args_value(argc, argv, &i, "--timeout"))) { timeout = v; continue; }
-        if (argv[i][0] != '-') { prog = i; break; }
-        fprintf(stderr, "tandem launch: unknown option '%s' (see tandem launch --help)\n", argv[i]);
-        return 2;
+        TDM_ARGS_STR("--log-dir", o->log_dir);
+        TDM_ARGS_INT("--arena-mb", 0, 1 << 16, o->arena_mb);
+        TDM_ARGS_INT("--grace-ms", 0, 600000, o->grace_ms);
+        TDM_ARGS_STR("--timeout", o->timeout);
+        if (argv[i][0] != '-') { o->prog = i; break; }
+        return tdm_tool_usage_error(
+            "tandem launch: unknown option '%s' (see tandem launch --help)\n", argv[i]);
     }
-    if (world < 1 || prog < 0 || prog >= argc) {
-        fprintf(stderr, "tandem launch: need -n N and a program after '--' (see --help)\n");
-        return 2;
+    if (o->world < 1 || o->prog < 0 || o->prog >= argc)
+        return tdm_tool_usage_error(
+            "tandem launch: need -n N and a program after '--' (see --help)\n");
+    return TDM_STATUS_OK;
+}
+
+int tdm_tool_launch_main(int argc, char **argv)
+{
+    tdm_launch_opts lo;
+    tdm_status pst = tdm_launch_parse(argc, argv, &lo);
+    if (pst != TDM_STATUS_OK) return tdm_tool_exit(pst);
+    if (lo.help) {
+        tdm_launch_usage(stdout);
+        return tdm_tool_exit(TDM_STATUS_OK);
     }
+    long long world = lo.world, arena_mb = lo.arena_mb, grace_ms = lo.grace_ms;
+    const char *log_dir = lo.log_dir, *timeout = lo.timeout;
+    int prog = lo.prog;
     /* the ranks read the timeout from TANDEM_TIMEOUT (tdm_ddp_pg_init):
      * a bad value is refused here, once, rather than by every rank */
     int64_t timeout_ms = 0;
