@@ -1,5 +1,5 @@
-/* tools/bench_coll.c: `tandem bench <collective>` (tools/bench.c
- * dispatches here), the collective benchmark, with the columns of nccl-tests (size, count, type, redop,
+/* tools/bench_coll.c: `tandem bench <collective>`, the collective
+ * benchmark, with the columns of nccl-tests (size, count, type, redop,
  * root, time, algbw, busbw, #wrong, out of place and in place) plus the
  * algorithm each row used and its bus bandwidth as a fraction of a copy
  * bandwidth measured in the same run: on host devices the shm
@@ -25,33 +25,12 @@
 #include "shm/spawn.h"
 #include "tools/args.h"
 #include "tools/bench_check.h"
-#include "tools/bench.h"
+#include "tools/bench_coll.h"
 #include "tools/ddp_rank.h"
 #include "tools/devices.h"
+#include "tools/mpi_job.h"
 #include "tools/tools.h"
 
-typedef struct bench_cfg {
-    int help;                /* --help: print the usage, run nothing */
-    int have_coll;
-    int nranks_set;          /* -n given */
-    const char *shm_flag;    /* a flag of the shm communicator only, when one was given */
-    tdm_coll coll;
-    int nranks;
-    size_t min_bytes, max_bytes;
-    double factor;
-    tdm_dtype dtype;
-    tdm_redop op;
-    int root;
-    int warmup, iters;
-    int zero_copy;
-    size_t memcpy_bytes;
-    size_t slot_bytes;
-    size_t one_shot_bytes;
-    int bind;
-    const char *device;      /* --device as given (NULL: not given) */
-    tdm_device_list dl;      /* CUDA: rank r runs on cuda:<dl.index[r]> */
-    int cuda;                /* ranks on CUDA devices (or emulated ones) */
-} bench_cfg;
 
 static void bench_usage(FILE *f)
 {
@@ -97,6 +76,20 @@ static void bench_usage(FILE *f)
         "  --no-bind            do not pin rank r to the r-th allowed core (pinning, as\n"
         "                       mpirun does, is the default when ranks <= cores; CUDA ranks\n"
         "                       are never pinned, and --no-bind is accepted there)\n"
+        "MPI (builds with Open MPI's development files; see docs/MULTINODE.md):\n"
+        "  --backend LIST       communicators to measure, comma-separated, each size in turn:\n"
+        "                       shm (shared memory, one machine), mpi (MPI's collectives;\n"
+        "                       the bench's calls are synchronous: MPI's blocking ones),\n"
+        "                       hier (shm inside each machine + MPI between\n"
+        "                       them), auto (shm on one machine, hier on several). Rows then\n"
+        "                       carry a backend column. Anything but shm runs as an MPI job:\n"
+        "                       outside one, tandem runs itself under `mpirun -np N`\n"
+        "  --peer mpi           also measure Open MPI's own blocking collective (MPI_Allreduce,\n"
+        "                       ...) on the same buffers (rows 'mpi-own'), and print each\n"
+        "                       backend's speed against it (vs-MPI: its time over ours)\n"
+        "  Under mpirun (or srun) the ranks are the MPI job's; -n, if given, must match.\n"
+        "  TANDEM_PRETEND_MACHINES=K splits one machine's ranks into K pretend machines, MPI\n"
+        "  between them over TCP on lo only (K:shm: over shared memory).\n"
         "shm communicator only (refused with --device cuda):\n"
         "  --zero-copy          buffers live in the shared segment (tdm_shm_comm_alloc);\n"
         "                       in-place all_reduce then reads peers' buffers directly\n"
@@ -128,6 +121,50 @@ static tdm_status bench_parse_size(const char *flag, const char *s, size_t *out)
 bad:
     return tdm_tool_usage_error("tandem bench: %s: '%s' is not a size (e.g. 8, 4K, 16M, 1G)\n",
                                 flag, s);
+}
+
+int tdm_tool_bench_check_ranks(const bench_cfg *cfg, int say)
+{
+    if (cfg->root >= cfg->nranks) {
+        if (say)
+            fprintf(stderr, "tandem bench: -r %d: root must be below -n %d (the number of "
+                    "ranks)\n", cfg->root, cfg->nranks);
+        return 0;
+    }
+    size_t es = tdm_dtype_size(cfg->dtype);
+    size_t unit = es * (cfg->coll == TDM_COLL_REDUCE_SCATTER || cfg->coll == TDM_COLL_ALL_GATHER
+                            ? (size_t)cfg->nranks : 1);
+    if (cfg->min_bytes < unit) {
+        if (say)
+            fprintf(stderr, "tandem bench: -b %zu: smallest size for %s of %s over %d ranks is "
+                    "%zu bytes\n", cfg->min_bytes, tdm_coll_name(cfg->coll),
+                    tdm_dtype_name(cfg->dtype), cfg->nranks, unit);
+        return 0;
+    }
+    return 1;
+}
+
+/* --backend shm,mpi,hier: each once, in the order given. */
+static tdm_status bench_parse_backends(const char *v, bench_cfg *cfg)
+{
+    char buf[128];
+    snprintf(buf, sizeof buf, "%s", v);
+    cfg->nbackends = 0;
+    for (char *save = NULL, *tok = strtok_r(buf, ",", &save); tok;
+         tok = strtok_r(NULL, ",", &save)) {
+        tdm_mpi_backend b;
+        if (!tdm_tool_backend_parse("bench", tok, &b)) return TDM_STATUS_USAGE;
+        for (int i = 0; i < cfg->nbackends; i++)
+            if (cfg->backends[i] == b)
+                return tdm_tool_usage_error("tandem bench: --backend '%s' names %s twice\n", v,
+                                            tok);
+        if (cfg->nbackends == TDM_MPI_BACKEND_COUNT_) return TDM_STATUS_USAGE;
+        cfg->backends[cfg->nbackends++] = b;
+    }
+    if (!cfg->nbackends)
+        return tdm_tool_usage_error("tandem bench: --backend needs a list (shm, mpi, hier, "
+                                    "auto)\n");
+    return TDM_STATUS_OK;
 }
 
 static double bench_bus_factor(tdm_coll c, int n)
@@ -195,22 +232,26 @@ static void bench_buffers(const bench_cfg *cfg, const bench_bufs *b, int r, int 
     else *recv = b->send;
 }
 
-static tdm_status bench_call(tdm_comm *comm, const bench_cfg *cfg, const bench_bufs *b,
+__attribute__((weak)) tdm_status tdm_mpi_peer_run(tdm_comm *comm, const tdm_comm_call *call);
+
+static tdm_status bench_call(const bench_target *t, const bench_cfg *cfg, const bench_bufs *b,
                              int inplace)
 {
     unsigned char *send, *recv;
-    bench_buffers(cfg, b, tdm_comm_rank(comm), inplace, &send, &recv);
+    bench_buffers(cfg, b, tdm_comm_rank(t->comm), inplace, &send, &recv);
     tdm_comm_call k = {.coll = cfg->coll, .sendbuf = send, .recvbuf = recv, .count = b->count,
                        .dtype = cfg->dtype, .op = cfg->op, .root = cfg->root};
-    return tdm_comm_run(comm, &k);
+    /* the peer exists only where mpi/ is built (tools/bench_mpi.c checks) */
+    if (t->peer) return tdm_mpi_peer_run(t->comm, &k);
+    return tdm_comm_run(t->comm, &k);
 }
 
 /* Runs once with reference inputs; returns the number of wrong elements.
  * Device buffers are filled and read back through b->stage. */
-static int64_t bench_check(tdm_comm *comm, const bench_cfg *cfg, const bench_bufs *b,
+static int64_t bench_check(const bench_target *t, const bench_cfg *cfg, const bench_bufs *b,
                            int inplace, tdm_status *st)
 {
-    int r = tdm_comm_rank(comm), n = tdm_comm_size(comm);
+    int r = tdm_comm_rank(t->comm), n = tdm_comm_size(t->comm);
     size_t es = tdm_dtype_size(cfg->dtype);
     unsigned char *send, *recv;
     bench_buffers(cfg, b, r, inplace, &send, &recv);
@@ -221,7 +262,7 @@ static int64_t bench_check(tdm_comm *comm, const bench_cfg *cfg, const bench_buf
     } else {
         bench_fill(cfg, b, send, r);
     }
-    *st = bench_call(comm, cfg, b, inplace);
+    *st = bench_call(t, cfg, b, inplace);
     if (*st) return 0;
     const unsigned char *out = recv;
     if (b->dev && !(cfg->coll == TDM_COLL_REDUCE && r != cfg->root)) {
@@ -266,14 +307,14 @@ static int64_t bench_check(tdm_comm *comm, const bench_cfg *cfg, const bench_buf
  * call returns once its work has completed on the GPU (cuda/nccl_comm.c's
  * watchdog waits for it), so host time is GPU time here; the syncs only
  * keep the device's own earlier work (the staging copies) out of the clock. */
-static tdm_status bench_time(tdm_comm *coll, tdm_comm *ctl, const bench_cfg *cfg,
+static tdm_status bench_time(const bench_target *t, tdm_comm *ctl, const bench_cfg *cfg,
                              const bench_bufs *b, int inplace, double *us)
 {
-    for (int i = 0; i < cfg->warmup; i++) TDM_CHECK(bench_call(coll, cfg, b, inplace));
+    for (int i = 0; i < cfg->warmup; i++) TDM_CHECK(bench_call(t, cfg, b, inplace));
     if (b->dev) TDM_CHECK(tdm_dev_sync(b->dev));
     TDM_CHECK(tdm_comm_barrier(ctl));
     uint64_t t0 = tdm_time_ns();
-    for (int i = 0; i < cfg->iters; i++) TDM_CHECK(bench_call(coll, cfg, b, inplace));
+    for (int i = 0; i < cfg->iters; i++) TDM_CHECK(bench_call(t, cfg, b, inplace));
     if (b->dev) TDM_CHECK(tdm_dev_sync(b->dev));
     double mine = (double)(tdm_time_ns() - t0) / 1e3 / cfg->iters;
     return tdm_comm_all_reduce(ctl, &mine, us, 1, TDM_DTYPE_FLOAT64, TDM_REDOP_MAX);
@@ -367,188 +408,268 @@ static void bench_device_names(const bench_cfg *cfg, const tdm_device *dev0, cha
     }
 }
 
-/* The rank's buffers on its GPU (cuda: one rank per device, the NCCL
- * communicator in *coll when it is a real GPU) and the d2d reference. */
-static tdm_status bench_setup_cuda(tdm_comm *comm, const bench_cfg *cfg, bench_bufs *b,
-                                   tdm_device **dev, tdm_comm **nccl, tdm_comm **coll,
-                                   double *mcpy)
+/* One size's results for one target. */
+typedef struct bench_row {
+    double us[2], algbw[2], busbw[2];
+    int64_t wrong[2];
+    char algo[64];
+} bench_row;
+
+static void bench_print_header(const bench_cfg *cfg, const char *ref)
 {
-    int r = tdm_comm_rank(comm);
-    size_t es = tdm_dtype_size(cfg->dtype);
-    size_t send_bytes = (b->send_count + 16) * es, recv_bytes = (b->recv_count + 16) * es;
-    /* NCCL's bootstrap is collective over comm: a rank failing before it
-     * aborts comm (bench_rank), so the others fail at once too. */
-    TDM_CHECK(tdm_device_open(dev, "cuda", cfg->dl.index[r], 1));
-    TDM_CHECK(tdm_tool_rank_nccl(comm, *dev, nccl));
-    if (*nccl) *coll = *nccl;
-    b->dev = *dev;
-    TDM_CHECK(tdm_dev_alloc(*dev, send_bytes, (void **)&b->send));
-    TDM_CHECK(tdm_dev_alloc(*dev, recv_bytes, (void **)&b->recv));
-    TDM_CHECK((*dev)->ops->memset_zero(*dev, b->send, send_bytes));
-    TDM_CHECK((*dev)->ops->memset_zero(*dev, b->recv, recv_bytes));
-    b->stage = malloc(send_bytes > recv_bytes ? send_bytes : recv_bytes);
-    if (!b->stage)
-        return tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "host staging buffer of %zu bytes",
-                             send_bytes > recv_bytes ? send_bytes : recv_bytes);
-    return bench_d2d(comm, *dev, cfg->memcpy_bytes, mcpy);
+    char refcol[32];
+    snprintf(refcol, sizeof refcol, "busbw/%s(oop,ip)", ref);
+    if (!cfg->table) {
+        printf("#\n# %10s %11s %8s %5s %4s | %9s %7s %7s %6s | %9s %7s %7s %6s | %-18s %s\n",
+               "size(B)", "count", "type", "redop", "root", "oop us", "algbw", "busbw",
+               "#wrong", "ip us", "algbw", "busbw", "#wrong", "algorithm(oop/ip)", refcol);
+        return;
+    }
+    printf("#\n# %10s %11s %8s %5s %4s | %-7s | %9s %7s %7s %6s | %9s %7s %7s %6s | %-30s %-20s%s\n",
+           "size(B)", "count", "type", "redop", "root", "backend", "oop us", "algbw", "busbw",
+           "#wrong", "ip us", "algbw", "busbw", "#wrong", "algorithm(oop/ip)", refcol,
+           cfg->peer ? " vs-MPI(oop,ip)" : "");
 }
 
-/* The rank's host buffers (private, or in the segment with --zero-copy)
- * and the memcpy reference. */
-static tdm_status bench_setup_host(tdm_comm *comm, const bench_cfg *cfg, bench_bufs *b,
-                                   double *mcpy)
+static void bench_print_row(const bench_cfg *cfg, const bench_target *t, const bench_row *w,
+                            const bench_row *peer, size_t size, double mcpy)
 {
     size_t es = tdm_dtype_size(cfg->dtype);
-    size_t send_bytes = (b->send_count + 16) * es, recv_bytes = (b->recv_count + 16) * es;
-    TDM_CHECK(bench_memcpy(comm, cfg->memcpy_bytes, mcpy));
-    if (cfg->zero_copy) {
-        TDM_CHECK(tdm_shm_comm_alloc(comm, send_bytes, (void **)&b->send));
-        TDM_CHECK(tdm_shm_comm_alloc(comm, recv_bytes, (void **)&b->recv));
-    } else {
-        b->send = malloc(send_bytes);
-        b->recv = malloc(recv_bytes);
-        if (!b->send || !b->recv)
-            return tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "cannot allocate the send and "
-                                 "receive buffers (%zu + %zu bytes)", send_bytes, recv_bytes);
+    int root = cfg->coll == TDM_COLL_BROADCAST || cfg->coll == TDM_COLL_REDUCE ? cfg->root : -1;
+    if (!cfg->table) {
+        printf("  %10zu %11zu %8s %5s %4d | %9.2f %7.2f %7.2f %6lld | %9.2f %7.2f %7.2f %6lld "
+               "| %-18s %.2f, %.2f\n", size, size / es, tdm_dtype_name(cfg->dtype),
+               tdm_redop_name(cfg->op), root, w->us[0], w->algbw[0], w->busbw[0],
+               (long long)w->wrong[0], w->us[1], w->algbw[1], w->busbw[1],
+               (long long)w->wrong[1], w->algo, w->busbw[0] / mcpy, w->busbw[1] / mcpy);
+        return;
     }
-    memset(b->send, 0, send_bytes);
-    memset(b->recv, 0, recv_bytes);
+    char ratio[32] = "";
+    /* speed against Open MPI's own collective in the same run: its time
+     * over ours (> 1: faster than MPI) */
+    if (peer && !t->peer)
+        snprintf(ratio, sizeof ratio, " %.2f, %.2f", peer->us[0] / w->us[0],
+                 peer->us[1] / w->us[1]);
+    char refs[32];
+    snprintf(refs, sizeof refs, "%.2f, %.2f", w->busbw[0] / mcpy, w->busbw[1] / mcpy);
+    printf("  %10zu %11zu %8s %5s %4d | %-7s | %9.2f %7.2f %7.2f %6lld | %9.2f %7.2f %7.2f %6lld "
+           "| %-30s %-20s%s\n", size, size / es, tdm_dtype_name(cfg->dtype),
+           tdm_redop_name(cfg->op), root, t->name, w->us[0], w->algbw[0], w->busbw[0],
+           (long long)w->wrong[0], w->us[1], w->algbw[1], w->busbw[1], (long long)w->wrong[1],
+           w->algo, refs, ratio);
+}
+
+/* One rank's buffers and references, from set-up to the summary. */
+typedef struct bench_state {
+    const bench_cfg *cfg;
+    tdm_comm *ctl;               /* barriers, time reductions, aborts */
+    bench_target *targets;
+    int ntargets;
+    int r, n, bound;
+    bench_bufs b;
+    tdm_device *dev;             /* CUDA ranks */
+    tdm_comm *nccl;              /* GPUs: targets[0], bootstrapped over ctl */
+    size_t send_bytes, recv_bytes;
+    double mcpy;                 /* the reference, GB/s per rank */
+    bench_row *rows_now;         /* this size's row of each target */
+    const bench_row *peer_row;   /* the peer's, when one is measured */
+    double *sum_busbw;
+    int rows;
+    int64_t total_wrong;
+} bench_state;
+
+/* A CUDA rank: its device, its NCCL communicator (collective over ctl: a
+ * rank failing before it aborts ctl, so the others fail at once too),
+ * device buffers and the host stage, and the d2d reference. */
+static tdm_status bench_setup_cuda(bench_state *s)
+{
+    tdm_status st;
+    const bench_cfg *cfg = s->cfg;
+    TDM_CHECK(tdm_device_open(&s->dev, "cuda", cfg->dl.index[s->r], 1));
+    TDM_CHECK(tdm_tool_rank_nccl(s->ctl, s->dev, &s->nccl));
+    if (s->nccl) s->targets[0].comm = s->nccl;
+    tdm_device *dev = s->dev;
+    s->b.dev = dev;
+    if ((st = tdm_dev_alloc(dev, s->send_bytes, (void **)&s->b.send)) ||
+        (st = tdm_dev_alloc(dev, s->recv_bytes, (void **)&s->b.recv)) ||
+        (st = dev->ops->memset_zero(dev, s->b.send, s->send_bytes)) ||
+        (st = dev->ops->memset_zero(dev, s->b.recv, s->recv_bytes)))
+        return st;
+    size_t stage = s->send_bytes > s->recv_bytes ? s->send_bytes : s->recv_bytes;
+    s->b.stage = malloc(stage);
+    if (!s->b.stage)
+        return tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "host staging buffer of %zu bytes", stage);
+    return bench_d2d(s->ctl, dev, cfg->memcpy_bytes, &s->mcpy);
+}
+
+/* A host rank: the memcpy reference, then private or zero-copy buffers. */
+static tdm_status bench_setup_host(bench_state *s)
+{
+    const bench_cfg *cfg = s->cfg;
+    TDM_CHECK(bench_memcpy(s->ctl, cfg->memcpy_bytes, &s->mcpy));
+    if (cfg->zero_copy) {
+        TDM_CHECK(tdm_shm_comm_alloc(s->targets[0].comm, s->send_bytes, (void **)&s->b.send));
+        TDM_CHECK(tdm_shm_comm_alloc(s->targets[0].comm, s->recv_bytes, (void **)&s->b.recv));
+    } else {
+        s->b.send = malloc(s->send_bytes);
+        s->b.recv = malloc(s->recv_bytes);
+        if (!s->b.send || !s->b.recv)
+            return tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "cannot allocate the send and receive "
+                                 "buffers (%zu + %zu bytes)", s->send_bytes, s->recv_bytes);
+    }
+    memset(s->b.send, 0, s->send_bytes);
+    memset(s->b.recv, 0, s->recv_bytes);
     return TDM_STATUS_OK;
 }
 
-/* Rank 0's header: the run, the reference bandwidth, the column titles. */
-static void bench_print_header(const bench_cfg *cfg, int n, tdm_comm *coll,
-                               const tdm_device *dev, int bound, double mcpy)
+/* Rank 0's lines before the table: the run, the reference, the columns. */
+static void bench_print_preamble(const bench_state *s, const char *ref)
 {
+    const bench_cfg *cfg = s->cfg;
+    int n = s->n, ncores = tdm_device_host_cores();
     if (cfg->cuda) {
         char names[512];
-        bench_device_names(cfg, dev, names, sizeof names);
+        bench_device_names(cfg, s->dev, names, sizeof names);
         printf("# tandem bench %s: %d ranks, one per device of --device %s (%s), %s "
                "communicator, %s, %s, root %d, warmup %d, iters %d, device buffers "
                "(tdm_dev_alloc)\n", tdm_coll_name(cfg->coll), n, cfg->device, names,
-               tdm_comm_backend_name(coll), tdm_dtype_name(cfg->dtype),
+               tdm_comm_backend_name(s->targets[0].comm), tdm_dtype_name(cfg->dtype),
                tdm_redop_name(cfg->op), cfg->root, cfg->warmup, cfg->iters);
         tdm_tool_print_emulated(stdout, cfg->device);
         printf("# d2d reference: %d device%s each copying %zu bytes device-to-device at "
                "once: %.2f GB/s per device (%.2f GB/s total)\n", n, n == 1 ? "" : "s",
-               cfg->memcpy_bytes, mcpy, mcpy * n);
+               cfg->memcpy_bytes, s->mcpy, s->mcpy * n);
     } else {
-        printf("# tandem bench %s: %d ranks (shm, %d cores%s), %s, %s, root %d, warmup %d, "
-               "iters %d, %s buffers\n", tdm_coll_name(cfg->coll), n, tdm_device_host_cores(),
-               bound ? ", rank r pinned to core r" : ", not pinned",
-               tdm_dtype_name(cfg->dtype), tdm_redop_name(cfg->op), cfg->root, cfg->warmup,
-               cfg->iters, cfg->zero_copy ? "zero-copy (in the segment)" : "private (malloc)");
+        if (cfg->job_desc)
+            printf("# tandem bench %s: %d ranks (%s, %d cores here), %s, %s, root %d, "
+                   "warmup %d, iters %d, private (malloc) buffers\n",
+                   tdm_coll_name(cfg->coll), n, cfg->job_desc, ncores,
+                   tdm_dtype_name(cfg->dtype), tdm_redop_name(cfg->op), cfg->root,
+                   cfg->warmup, cfg->iters);
+        else
+            printf("# tandem bench %s: %d ranks (shm, %d cores%s), %s, %s, root %d, warmup "
+                   "%d, iters %d, %s buffers\n", tdm_coll_name(cfg->coll), n, ncores,
+                   s->bound ? ", rank r pinned to core r" : ", not pinned",
+                   tdm_dtype_name(cfg->dtype), tdm_redop_name(cfg->op), cfg->root,
+                   cfg->warmup, cfg->iters,
+                   cfg->zero_copy ? "zero-copy (in the segment)" : "private (malloc)");
         printf("# memcpy reference: %d processes each copying %zu bytes at once: %.2f GB/s "
-               "per process (%.2f GB/s total)\n", n, cfg->memcpy_bytes, mcpy, mcpy * n);
+               "per process (%.2f GB/s total)\n", n, cfg->memcpy_bytes, s->mcpy, s->mcpy * n);
+        if (s->peer_row)
+            printf("# vs-MPI: Open MPI's own blocking collective (the mpi-own rows) measured "
+                   "in the same run, its time over each backend's (> 1: faster than it)\n");
     }
-    char refcol[32];
-    snprintf(refcol, sizeof refcol, "busbw/%s(oop,ip)", cfg->cuda ? "d2d" : "memcpy");
-    printf("#\n# %10s %11s %8s %5s %4s | %9s %7s %7s %6s | %9s %7s %7s %6s | %-18s %s\n",
-           "size(B)", "count", "type", "redop", "root", "oop us", "algbw", "busbw",
-           "#wrong", "ip us", "algbw", "busbw", "#wrong", "algorithm(oop/ip)", refcol);
+    bench_print_header(cfg, ref);
     fflush(stdout);
 }
 
-/* One row of the sweep: out of place, then in place, each timed and
- * checked; rank 0 prints it. *busbw_oop and *wrong (both placements, all
- * ranks) are what the summary adds up. */
-static tdm_status bench_row(tdm_comm *coll, tdm_comm *comm, const bench_cfg *cfg, bench_bufs *b,
-                            size_t bytes, double mcpy, double *busbw_oop, int64_t *wrong_sum)
+/* One size: every target, out of place and in place, timed then checked;
+ * rank 0 prints the rows. Every target at this size before the next
+ * size: a load that comes and goes hits them alike. */
+static tdm_status bench_size(bench_state *s, size_t bytes)
 {
+    const bench_cfg *cfg = s->cfg;
+    tdm_status st = TDM_STATUS_OK;
     size_t es = tdm_dtype_size(cfg->dtype);
-    bench_counts(cfg, bytes, b);
-    double us[2], busbw[2], algbw[2];
-    int64_t wrong[2];
-    const char *algo[2];
-    size_t size = (cfg->coll == TDM_COLL_REDUCE_SCATTER ? b->send_count : b->recv_count) * es;
-    for (int ip = 0; ip < 2; ip++) {
-        tdm_status st;
-        TDM_CHECK(bench_time(coll, comm, cfg, b, ip, &us[ip]));
-        int64_t w = bench_check(coll, cfg, b, ip, &st);
-        algo[ip] = tdm_comm_last_algo(coll);
-        TDM_CHECK(st);
-        TDM_CHECK(tdm_comm_all_reduce(comm, &w, &wrong[ip], 1, TDM_DTYPE_INT64, TDM_REDOP_SUM));
-        algbw[ip] = (double)size / (us[ip] * 1e3);
-        busbw[ip] = algbw[ip] * bench_bus_factor(cfg->coll, tdm_comm_size(comm));
-        *wrong_sum += wrong[ip];
+    double factor = bench_bus_factor(cfg->coll, s->n);
+    bench_counts(cfg, bytes, &s->b);
+    size_t size = (cfg->coll == TDM_COLL_REDUCE_SCATTER ? s->b.send_count : s->b.recv_count) * es;
+    for (int t = 0; t < s->ntargets; t++) {
+        bench_row *w = &s->rows_now[t];
+        const char *algo[2];
+        for (int ip = 0; ip < 2; ip++) {
+            TDM_CHECK(bench_time(&s->targets[t], s->ctl, cfg, &s->b, ip, &w->us[ip]));
+            int64_t wr = bench_check(&s->targets[t], cfg, &s->b, ip, &st);
+            algo[ip] = tdm_comm_last_algo(s->targets[t].comm);
+            TDM_CHECK(st);
+            TDM_CHECK(tdm_comm_all_reduce(s->ctl, &wr, &w->wrong[ip], 1, TDM_DTYPE_INT64,
+                                          TDM_REDOP_SUM));
+            w->algbw[ip] = (double)size / (w->us[ip] * 1e3);
+            w->busbw[ip] = w->algbw[ip] * factor;
+            s->total_wrong += w->wrong[ip];
+        }
+        if (strcmp(algo[0], algo[1]))
+            snprintf(w->algo, sizeof w->algo, "%s/%s", algo[0], algo[1]);
+        else
+            snprintf(w->algo, sizeof w->algo, "%s", algo[0]);
+        s->sum_busbw[t] += w->busbw[0];
     }
-    *busbw_oop = busbw[0];
-    if (tdm_comm_rank(comm) != 0) return TDM_STATUS_OK;
-    char alg[64];
-    if (strcmp(algo[0], algo[1])) snprintf(alg, sizeof alg, "%s/%s", algo[0], algo[1]);
-    else snprintf(alg, sizeof alg, "%s", algo[0]);
-    printf("  %10zu %11zu %8s %5s %4d | %9.2f %7.2f %7.2f %6lld | %9.2f %7.2f %7.2f %6lld "
-           "| %-18s %.2f, %.2f\n", size, size / es, tdm_dtype_name(cfg->dtype),
-           tdm_redop_name(cfg->op),
-           cfg->coll == TDM_COLL_BROADCAST || cfg->coll == TDM_COLL_REDUCE ? cfg->root : -1,
-           us[0], algbw[0], busbw[0], (long long)wrong[0], us[1], algbw[1], busbw[1],
-           (long long)wrong[1], alg, busbw[0] / mcpy, busbw[1] / mcpy);
-    fflush(stdout);
+    if (s->r == 0) {
+        for (int t = 0; t < s->ntargets; t++)
+            bench_print_row(cfg, &s->targets[t], &s->rows_now[t], s->peer_row, size, s->mcpy);
+        fflush(stdout);
+    }
+    s->rows++;
     return TDM_STATUS_OK;
 }
 
-/* The sweep from -b to -e; *total_wrong over every row. */
-static tdm_status bench_sweep(tdm_comm *coll, tdm_comm *comm, const bench_cfg *cfg,
-                              bench_bufs *b, double mcpy, int64_t *total_wrong)
+static void bench_print_summary(const bench_state *s, const char *ref)
 {
-    double sum_busbw = 0;
-    int rows = 0;
-    *total_wrong = 0;
+    const bench_cfg *cfg = s->cfg;
+    printf("# Out of bounds values : %lld %s\n", (long long)s->total_wrong,
+           s->total_wrong ? "FAILED" : "OK");
+    for (int t = 0; t < s->ntargets; t++)
+        printf("# Avg bus bandwidth    : %.4f GB/s (out of place; %s reference %.2f GB/s)%s%s\n",
+               s->rows ? s->sum_busbw[t] / s->rows : 0.0, ref, s->mcpy, cfg->table ? ": " : "",
+               cfg->table ? s->targets[t].name : "");
+    fflush(stdout);
+}
+
+static void bench_state_free(bench_state *s)
+{
+    if (s->dev) {
+        tdm_dev_free(s->dev, s->b.send);
+        tdm_dev_free(s->dev, s->b.recv);
+        free(s->b.stage);
+    } else if (!s->cfg->zero_copy) {
+        free(s->b.send);
+        free(s->b.recv);
+    }
+    tdm_comm_free(s->nccl);   /* before ctl, which bootstrapped it, and dev */
+    tdm_device_free(s->dev);
+    free(s->rows_now);
+    free(s->sum_busbw);
+}
+
+int tdm_tool_bench_ranks(tdm_comm *ctl, bench_target *targets, int ntargets,
+                         const bench_cfg *cfg)
+{
+    bench_state s = {.cfg = cfg, .ctl = ctl, .targets = targets, .ntargets = ntargets,
+                     .r = tdm_comm_rank(ctl), .n = tdm_comm_size(ctl)};
+    /* an MPI launcher binds its ranks itself */
+    s.bound = cfg->bind && !cfg->cuda && !cfg->job_desc ? bench_bind(s.r, s.n) : 0;
+    size_t es = tdm_dtype_size(cfg->dtype);
+    tdm_status st = TDM_STATUS_OK;
+    s.rows_now = calloc((size_t)ntargets, sizeof *s.rows_now);
+    s.sum_busbw = calloc((size_t)ntargets, sizeof *s.sum_busbw);
+    bench_counts(cfg, cfg->max_bytes, &s.b);
+    s.send_bytes = (s.b.send_count + 16) * es;
+    s.recv_bytes = (s.b.recv_count + 16) * es;
+    if (!s.rows_now || !s.sum_busbw) {
+        st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "bench: calloc");
+        goto fail;
+    }
+    TDM_TRY(cfg->cuda ? bench_setup_cuda(&s) : bench_setup_host(&s));
+    const char *ref = cfg->cuda ? "d2d" : "memcpy";
+    for (int t = 0; t < ntargets; t++)
+        if (targets[t].peer) s.peer_row = &s.rows_now[t];
+    if (s.r == 0) bench_print_preamble(&s, ref);
     for (size_t bytes = cfg->min_bytes; bytes <= cfg->max_bytes;) {
-        double busbw = 0.0;
-        TDM_CHECK(bench_row(coll, comm, cfg, b, bytes, mcpy, &busbw, total_wrong));
-        sum_busbw += busbw;
-        rows++;
+        TDM_TRY(bench_size(&s, bytes));
         size_t next = (size_t)((double)bytes * cfg->factor);
         bytes = next > bytes ? next : bytes + 1;
     }
-    if (tdm_comm_rank(comm) == 0) {
-        printf("# Out of bounds values : %lld %s\n", (long long)*total_wrong,
-               *total_wrong ? "FAILED" : "OK");
-        printf("# Avg bus bandwidth    : %.4f GB/s (out of place; %s reference %.2f GB/s)\n",
-               rows ? sum_busbw / rows : 0.0, cfg->cuda ? "d2d" : "memcpy", mcpy);
-        fflush(stdout);
-    }
-    return TDM_STATUS_OK;
-}
-
-/* One rank of the benchmark: its exit code is 1 on a failure or any
- * wrong element, so the parent's status says so. */
-static int bench_rank(tdm_comm *comm, void *arg)
-{
-    const bench_cfg *cfg = arg;
-    int r = tdm_comm_rank(comm), n = tdm_comm_size(comm);
-    int bound = cfg->bind && !cfg->cuda ? bench_bind(r, n) : 0;
-    bench_bufs b = {0};
-    tdm_device *dev = NULL;
-    tdm_comm *nccl = NULL;
-    tdm_comm *coll = comm;   /* the communicator benchmarked; comm (shm) carries the rest */
-    double mcpy = 0;
-    int64_t total_wrong = 0;
-    bench_counts(cfg, cfg->max_bytes, &b);
-    tdm_status st = cfg->cuda ? bench_setup_cuda(comm, cfg, &b, &dev, &nccl, &coll, &mcpy)
-                              : bench_setup_host(comm, cfg, &b, &mcpy);
-    if (st == TDM_STATUS_OK) {
-        if (r == 0) bench_print_header(cfg, n, coll, dev, bound, mcpy);
-        st = bench_sweep(coll, comm, cfg, &b, mcpy, &total_wrong);
-    }
-    if (st) {
-        fprintf(stderr, "tandem bench: rank %d: %s\n", r, tdm_error_message());
-        char why[64];
-        snprintf(why, sizeof why, "rank %d failed", r);
-        tdm_comm_abort(comm, why);
-    }
-    if (dev) {
-        tdm_dev_free(dev, b.send);
-        tdm_dev_free(dev, b.recv);
-        free(b.stage);
-    } else if (!cfg->zero_copy) {
-        free(b.send);
-        free(b.recv);
-    }
-    tdm_comm_free(nccl);   /* before comm, which bootstrapped it, and dev */
-    tdm_device_free(dev);
-    return st || total_wrong ? 1 : 0;
+    if (s.r == 0) bench_print_summary(&s, ref);
+    bench_state_free(&s);
+    return s.total_wrong ? 1 : 0;
+fail:
+    fprintf(stderr, "tandem bench: rank %d: %s\n", s.r,
+            tdm_error_message()[0] ? tdm_error_message() : tdm_status_name(st));
+    char why[64];
+    snprintf(why, sizeof why, "rank %d failed", s.r);
+    tdm_comm_abort(ctl, why);
+    bench_state_free(&s);
+    return 1;
 }
 
 /* ---- options ---- */
@@ -632,6 +753,16 @@ static tdm_status bench_parse(int argc, char **argv, bench_cfg *cfg)
         }
         TDM_CHECK(tdm_args_value(argc, argv, &i, "--device", &v));
         if (v) { cfg->device = v; continue; }
+        TDM_CHECK(tdm_args_value(argc, argv, &i, "--backend", &v));
+        if (v) { TDM_CHECK(bench_parse_backends(v, cfg)); continue; }
+        TDM_CHECK(tdm_args_value(argc, argv, &i, "--peer", &v));
+        if (v) {
+            if (strcmp(v, "mpi"))
+                return tdm_tool_usage_error("tandem bench: --peer '%s': the only peer is mpi "
+                                            "(Open MPI's own collectives)\n", v);
+            cfg->peer = 1;
+            continue;
+        }
         if (!strcmp(a, "--no-bind")) {
             cfg->bind = 0;
         } else if (!strcmp(a, "--zero-copy")) {
@@ -696,25 +827,24 @@ static tdm_status bench_check_cfg(bench_cfg *cfg)
     if (cfg->min_bytes == 0 || cfg->min_bytes > cfg->max_bytes)
         return tdm_tool_usage_error("tandem bench: need 0 < -b (%zu) <= -e (%zu)\n",
                                     cfg->min_bytes, cfg->max_bytes);
-    if (cfg->root >= cfg->nranks)
-        return tdm_tool_usage_error("tandem bench: -r %d: root must be below -n %d\n", cfg->root,
-                                    cfg->nranks);
-    size_t es = tdm_dtype_size(cfg->dtype);
-    size_t unit = es * (cfg->coll == TDM_COLL_REDUCE_SCATTER || cfg->coll == TDM_COLL_ALL_GATHER
-                            ? (size_t)cfg->nranks : 1);
-    if (cfg->min_bytes < unit)
-        return tdm_tool_usage_error("tandem bench: -b %zu: smallest size for %s of %s over %d "
-                                    "ranks is %zu bytes\n", cfg->min_bytes,
-                                    tdm_coll_name(cfg->coll), tdm_dtype_name(cfg->dtype),
-                                    cfg->nranks, unit);
+    /* under a launcher the job's size is known once it has started */
+    if (tdm_tool_mpi_launched() && !cfg->nranks_set) cfg->nranks = 0;
+    if (cfg->nranks && !tdm_tool_bench_check_ranks(cfg, 1)) return TDM_STATUS_USAGE;
     if (!cfg->memcpy_bytes)
         cfg->memcpy_bytes = cfg->max_bytes > ((size_t)64 << 20) ? cfg->max_bytes
                                                                 : (size_t)64 << 20;
     return TDM_STATUS_OK;
 }
 
+/* A forked rank: its shm communicator is the one benchmarked. */
+static int bench_rank(tdm_comm *comm, void *arg)
+{
+    bench_target t = {.name = "shm", .comm = comm};
+    return tdm_tool_bench_ranks(comm, &t, 1, arg);
+}
+
 /* Forks the ranks joined by a shm communicator sized for the buffers. */
-static tdm_status bench_run(const bench_cfg *cfg)
+static tdm_status bench_run_forked(const bench_cfg *cfg)
 {
     size_t es = tdm_dtype_size(cfg->dtype);
     bench_bufs b;
@@ -740,6 +870,19 @@ int tdm_bench_coll_main(int argc, char **argv)
         return tdm_tool_exit(TDM_STATUS_OK);
     }
     if (st == TDM_STATUS_OK) st = bench_check_cfg(&cfg);
-    if (st == TDM_STATUS_OK) st = bench_run(&cfg);
-    return tdm_tool_exit(st);
+    if (st != TDM_STATUS_OK) return tdm_tool_exit(st);
+    /* an MPI job: under a launcher, or asked for a backend that needs one */
+    int mpi_needed = cfg.peer || getenv(TDM_MPI_ENV_PRETEND);
+    for (int i = 0; i < cfg.nbackends; i++)
+        mpi_needed |= cfg.backends[i] != TDM_MPI_BACKEND_SHM &&
+                      cfg.backends[i] != TDM_MPI_BACKEND_AUTO;
+    cfg.table = cfg.nbackends > 1 || cfg.peer;
+    if (mpi_needed || tdm_tool_mpi_launched()) {
+        if (cfg.zero_copy)
+            return tdm_tool_exit(tdm_tool_usage_error(
+                "tandem bench: --zero-copy applies to forked ranks over shm only, not to an MPI "
+                "job\n"));
+        return tdm_tool_bench_mpi(&cfg, argc, argv);
+    }
+    return tdm_tool_exit(bench_run_forked(&cfg));
 }

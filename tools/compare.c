@@ -21,10 +21,13 @@
 
 #include "core/device.h"
 #include "core/safefile.h"
+#include "ddp/ddp.h"
+#include "ddp/spawn.h"
 #include "models/train.h"
 #include "tools/args.h"
 #include "tools/compare.h"
 #include "tools/devices.h"
+#include "tools/mpi_job.h"
 #include "tools/tools.h"
 
 /* Float tolerances of the equivalence verdict, |a - b| <= atol + rtol |b|.
@@ -71,6 +74,12 @@ static void tdm_cmp_usage(FILE *f)
         "  --sweep 1,2,4        also run DP and DDP at these device counts\n"
         "  --perturb-rank R     testing aid: DDP rank R adds 1%% to its gradient share,\n"
         "                       which the equivalence verdict must catch\n"
+        "  --backend B          under mpirun/srun: DDP's communicator, shm, mpi, hier or\n"
+        "                       auto (shm on one machine, hier otherwise)    [auto]\n"
+        "\n"
+        "Under an MPI launcher (mpirun -np N tandem compare ...) DDP's N ranks are the\n"
+        "job's; rank 0 also runs one device and DP (give it the cores: --bind-to none)\n"
+        "and prints the report; --device defaults to cpu:N.\n"
         "\n"
         "Exit codes: 0 ok and equivalent, 1 a run failed, 2 bad usage, 3 the\n"
         "equivalence verdict failed.\n", TDM_CMP_GPT_BATCH);
@@ -202,6 +211,11 @@ static void tdm_cmp_print_memory(const tdm_cmp_opts *o, tdm_cmp_result *const *r
         printf("  DP's output device holds the master (with optimizer state) and the gathered\n"
                "  logits and their gradient (comm); DDP's gradients are NCCL-allocated device\n"
                "  memory, reduced in place (comm 0; NCCL's own buffers are not counted).\n");
+    else if (o->ddp_comm && strcmp(tdm_comm_backend_name(o->ddp_comm), "shm"))
+        printf("  DP's output device holds the master (with optimizer state) and the gathered\n"
+               "  logits and their gradient (comm); DDP's gradients are the model's own, reduced\n"
+               "  in place over %s (comm 0; MPI's own buffers are not counted).\n",
+               tdm_comm_backend_name(o->ddp_comm));
     else
         printf("  DP's output device holds the master (with optimizer state) and the gathered\n"
                "  logits and their gradient (comm); DDP's gradients live in the shared segment\n"
@@ -223,7 +237,75 @@ typedef struct tdm_cmp_job {
     double sps[TDM_CMP_NMODES];      /* samples/s of the median step, by mode */
     double sweep_dp[16], sweep_ddp[16];
     int verdict;                     /* 1: the modes computed the same training */
+    const char *default_device;      /* o.device until --device is given */
+    int err_fd;                      /* an MPI job's rank > 0: its stderr, kept aside */
 } tdm_cmp_job;
+
+/* An MPI job's rank (tdm_tool_compare_main releases it). */
+static tdm_tool_mpi_rank tdm_cmp_mr;
+
+/* Under an MPI launcher: joins the job (collective) and makes DDP's
+ * communicator. Ranks other than 0 print nothing to stdout, and nothing
+ * to stderr until the runs start (j->err_fd keeps it; usage errors, alike
+ * on every rank, are then said once). */
+static tdm_status tdm_cmp_mpi_join(tdm_cmp_job *j)
+{
+    tdm_cmp_opts *o = &j->o;
+    tdm_mpi_backend b = TDM_MPI_BACKEND_AUTO;
+    if (o->backend && !tdm_tool_backend_parse("compare", o->backend, &b)) return TDM_STATUS_USAGE;
+    if (!tdm_tool_mpi_launched()) {
+        if (b == TDM_MPI_BACKEND_AUTO || b == TDM_MPI_BACKEND_SHM) return TDM_STATUS_OK;
+        if (!tdm_tool_mpi_built()) {
+            tdm_status st = tdm_tool_mpi_missing("--backend mpi|hier");
+            fprintf(stderr, "tandem compare: %s\n", tdm_error_message());
+            return st;
+        }
+        return tdm_tool_usage_error("tandem compare: --backend %s runs DDP between the ranks of "
+                                    "an MPI job: start them with `mpirun -np N tandem compare "
+                                    "--backend %s ...`\n", o->backend, o->backend);
+    }
+    if (o->sweep) {
+        if (tdm_tool_mpi_env_rank() == 0)
+            fprintf(stderr, "tandem compare: --sweep: under an MPI launcher DDP's ranks are the "
+                    "job's; run one job per size instead\n");
+        return TDM_STATUS_USAGE;
+    }
+    tdm_shm_opts so = {.arena_bytes = tdm_ddp_arena_bytes(tdm_cmp_param_elems(o))};
+    tdm_status st = tdm_tool_mpi_rank_init(&tdm_cmp_mr, b, 0, &so);
+    if (st != TDM_STATUS_OK) {
+        fprintf(stderr, "tandem compare: joining the MPI job: %s\n", tdm_error_message());
+        return st;
+    }
+    o->ddp_comm = tdm_cmp_mr.comm;
+    static char dev[32];
+    if (o->device == j->default_device) {
+        snprintf(dev, sizeof dev, "cpu:%d", tdm_cmp_mr.env.world_size);
+        o->device = dev;
+    }
+    if (tdm_cmp_mr.env.rank != 0) {
+        int fd = open("/dev/null", O_WRONLY | O_CLOEXEC);
+        if (fd >= 0) {
+            j->err_fd = dup(STDERR_FILENO);
+            dup2(fd, STDOUT_FILENO);
+            dup2(fd, STDERR_FILENO);
+            close(fd);
+        }
+    }
+    return TDM_STATUS_OK;
+}
+
+/* An MPI job's DDP ranks are its ranks: --device names as many devices,
+ * and a GPU rank uses its machine's GPU of its rank there. */
+static tdm_status tdm_cmp_check_mpi_devices(tdm_cmp_opts *o)
+{
+    const tdm_ddp_env *e = &tdm_cmp_mr.env;
+    if (o->n_dev != e->world_size)
+        return tdm_tool_usage_error("tandem compare: --device %s names %d devices, but the MPI "
+                                    "job has %d ranks (DDP's; omit --device for cpu:%d)\n",
+                                    o->device, o->n_dev, e->world_size, e->world_size);
+    o->dl.index[e->rank] = o->dl.index[e->local_rank % o->dl.count];
+    return TDM_STATUS_OK;
+}
 
 static tdm_status tdm_cmp_parse(int argc, char **argv, tdm_cmp_job *j)
 {
@@ -244,6 +326,7 @@ static tdm_status tdm_cmp_parse(int argc, char **argv, tdm_cmp_job *j)
         TDM_ARGS_STR("--csv", o->csv)
         TDM_ARGS_STR("--plot", o->plot)
         TDM_ARGS_STR("--sweep", o->sweep)
+        TDM_ARGS_STR("--backend", o->backend)
         TDM_ARGS_INT("--steps", 1, 1000000, o->steps)
         TDM_ARGS_INT("--warmup", 0, 1000000, o->warmup)
         TDM_ARGS_INT("--batch", 1, 1 << 20, o->batch)
@@ -318,7 +401,9 @@ static tdm_status tdm_cmp_check(tdm_cmp_job *j)
         return tdm_tool_usage_error("tandem compare: a gpt trains on text: --data FILE (any "
                                     "bytes) or a fortunes directory [default: Debian's "
                                     "fortunes]\n");
+    TDM_CHECK(tdm_cmp_mpi_join(j));
     TDM_CHECK(tdm_cmp_check_devices(o));
+    if (o->ddp_comm) TDM_CHECK(tdm_cmp_check_mpi_devices(o));
     if (o->batch < o->n_dev)
         return tdm_tool_usage_error(
             "tandem compare: --batch %d is smaller than the %d devices: DP would split it "
@@ -451,9 +536,25 @@ static void tdm_cmp_print_header(const tdm_cmp_job *j)
  * (the float-noise floor of the equivalence verdict). */
 static tdm_status tdm_cmp_run_modes(tdm_cmp_job *j)
 {
+    if (j->o.ddp_comm) {
+        printf("  DDP's ranks: the MPI job's (%s)\n", tdm_cmp_mr.desc);
+        if (tdm_device_host_cores() < j->o.n_dev && j->o.dl.kind == TDM_DEVICE_HOST)
+            printf("  note: rank 0 may run on %d core%s, and one device and DP run there: "
+                   "mpirun --bind-to none gives it the machine\n", tdm_device_host_cores(),
+                   tdm_device_host_cores() == 1 ? "" : "s");
+        fflush(stdout);
+    }
     for (int k = 0; k < TDM_CMP_NMODES; k++) {
         printf("  running %s...\n", tdm_cmp_mode_name((tdm_cmp_mode)k));
         fflush(stdout);
+        /* an MPI job's other ranks wait for this before DDP */
+        if (k == TDM_CMP_DDP && j->o.ddp_comm) {
+            tdm_status st = tdm_comm_barrier(tdm_cmp_mr.world);
+            if (st != TDM_STATUS_OK) {
+                fprintf(stderr, "tandem compare: %s\n", tdm_error_message());
+                return st;
+            }
+        }
         TDM_CHECK(tdm_cmp_run(&j->o, &j->data, (tdm_cmp_mode)k,
                               k == TDM_CMP_SINGLE ? 1 : j->o.n_dev, &j->res[k]));
         j->rp[j->nres++] = &j->res[k];
@@ -680,8 +781,21 @@ static tdm_status tdm_cmp_main_run(tdm_cmp_job *j)
 {
     TDM_CHECK(tdm_cmp_check(j));
     TDM_CHECK(tdm_cmp_check_outputs(j));
+    /* usage is checked: from here on every rank says what goes wrong */
+    if (j->err_fd >= 0) {
+        dup2(j->err_fd, STDERR_FILENO);
+        close(j->err_fd);
+        j->err_fd = -1;
+    }
     TDM_CHECK(j->gpt ? tdm_cmp_load_text(j) : tdm_cmp_load_images(j));
     tdm_cmp_print_header(j);
+    if (j->o.ddp_comm && tdm_cmp_mr.env.rank != 0) {
+        /* a DDP rank: wait (asleep) for rank 0's single and DP runs; rank
+         * 0 alone reports and gives the verdict */
+        j->verdict = 1;
+        TDM_CHECK(tdm_comm_barrier(tdm_cmp_mr.world));
+        return tdm_cmp_run(&j->o, &j->data, TDM_CMP_DDP, j->o.n_dev, &j->res[TDM_CMP_DDP]);
+    }
     TDM_CHECK(tdm_cmp_run_modes(j));
     tdm_cmp_print_throughput(j);
     tdm_cmp_print_phase_table(&j->o, j->rp, j->nres);
@@ -694,12 +808,14 @@ static tdm_status tdm_cmp_main_run(tdm_cmp_job *j)
 
 int tdm_tool_compare_main(int argc, char **argv)
 {
-    tdm_cmp_job job = {0};
+    static const char default_device[] = "cpu:2";
+    tdm_cmp_job job = {.default_device = default_device, .err_fd = -1};
     tdm_cmp_job *j = &job;
-    j->o = (tdm_cmp_opts){.model = "mlp", .device = "cpu:2", .data = NULL, .optim = "sgd",
-                          .steps = 30, .warmup = 3, .batch = 0, .lr = -1, .momentum = 0.9,
-                          .weight_decay = 0.0, .seed = 1, .bucket_cap_mb = 25,
+    j->o = (tdm_cmp_opts){.model = "mlp", .device = default_device, .data = NULL,
+                          .optim = "sgd", .steps = 30, .warmup = 3, .batch = 0, .lr = -1,
+                          .momentum = 0.9, .weight_decay = 0.0, .seed = 1, .bucket_cap_mb = 25,
                           .perturb_rank = -1};
+    int rc;
     tdm_status st = tdm_cmp_parse(argc, argv, j);
     if (st == TDM_STATUS_OK && j->help) {
         tdm_cmp_usage(stdout);
@@ -712,6 +828,10 @@ int tdm_tool_compare_main(int argc, char **argv)
     tdm_data_free(&j->data.train);
     tdm_text_free(&j->data.text);
     /* 3: every run and write went well, and the verdict failed */
-    if (st == TDM_STATUS_OK && !j->verdict) return 3;
-    return tdm_tool_exit(st);
+    rc = st == TDM_STATUS_OK && !j->verdict ? 3 : tdm_tool_exit(st);
+    /* a run that failed here ends the job (others may wait for this rank);
+     * usage errors, alike everywhere, and the verdict, rank 0's alone
+     * after the runs, do not */
+    if (tdm_cmp_mr.job) tdm_tool_mpi_rank_end(&tdm_cmp_mr, rc);
+    return rc;
 }

@@ -10,6 +10,7 @@
 #include <stdint.h>
 
 #include "core/data.h"
+#include "core/comm.h"
 #include "core/device.h"
 #include "core/status.h"
 #include "core/text.h"
@@ -40,6 +41,9 @@ typedef struct tdm_cmp_opts {
     int perturb_rank;          /* test hook: -1 off */
     int nudge;                 /* single mode only: start from parameters one ulp
                                   off (the float-noise floor run) */
+    const char *backend;       /* --backend (MPI jobs); NULL: auto */
+    tdm_comm *ddp_comm;        /* an MPI job: DDP's ranks are its ranks, over this
+                                  communicator (NULL: forked ranks) */
 } tdm_cmp_opts;
 
 /* Bytes per device (or rank) by kind. */
@@ -109,6 +113,8 @@ int64_t tdm_cmp_targets(const tdm_cmp_data *d);
  * process that has used CUDA cannot hand it to forked children). */
 tdm_status tdm_cmp_run(const tdm_cmp_opts *o, const tdm_cmp_data *data, tdm_cmp_mode mode,
                        int n_dev, tdm_cmp_result *r);
+/* Parameters of o's model (a probe on a host device); 0 on failure. */
+int64_t tdm_cmp_param_elems(const tdm_cmp_opts *o);
 void tdm_cmp_result_free(tdm_cmp_result *r);
 
 /* Median, min and max of the post-warm-up step times. */

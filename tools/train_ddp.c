@@ -14,7 +14,10 @@
  *
  * Under `tandem launch -n N -- tandem train --mode ddp ...` (TANDEM_SHM_FD
  * and WORLD_SIZE set) it does not fork: this process is one rank of the
- * launched job and joins it with tdm_ddp_pg_init.
+ * launched job and joins it with tdm_ddp_pg_init. Under an MPI launcher
+ * (mpirun, srun; tools/mpi_job.h) likewise, over the communicator of
+ * --backend (shm, mpi or hier); a GPU rank's NCCL communicator then gets
+ * its unique id over that one, that is over MPI between machines.
  *
  * Test hook: TANDEM_DDP_TEST_KILL=R:S makes rank R SIGKILL itself before
  * its global step S (counted from 1 over the whole run), to test
@@ -42,6 +45,7 @@
 #include "models/checkpoint.h"
 #include "tools/ddp_rank.h"
 #include "tools/devices.h"
+#include "tools/mpi_job.h"
 #include "tools/tools.h"
 #include "tools/train_modes.h"
 
@@ -51,6 +55,7 @@ typedef struct tdm_train_ddp_ctx {
     tdm_model_spec spec;
     tdm_device_list dl;
     const tdm_dataset *train, *test;
+    const char *job_desc;    /* an MPI job: its backend and machines; NULL otherwise */
 } tdm_train_ddp_ctx;
 
 /* One rank's state, the context of its step, evaluation and hook. */
@@ -193,11 +198,18 @@ static tdm_status tdm_train_ddp_rank_run(tdm_train_ddp_rank *r)
 {
     const tdm_train_ddp_ctx *c = r->c;
     TDM_CHECK(tdm_train_ddp_rank_setup(r));
-    char devdesc[160];
-    snprintf(devdesc, sizeof devdesc, "%d processes on %s (%s communicator%s, timeout %g s)",
-             r->world, c->a->device, tdm_comm_backend_name(r->nccl ? r->nccl : r->comm),
-             tdm_ddp_zero_copy(r->ddp) ? ", zero-copy buckets" : "",
-             (double)c->timeout_ms / 1000.0);
+    char devdesc[256];
+    if (c->job_desc)
+        snprintf(devdesc, sizeof devdesc, "%d MPI ranks on %s (%s; gradients over %s%s, "
+                 "timeout %g s)", r->world, c->a->device, c->job_desc,
+                 tdm_comm_backend_name(r->nccl ? r->nccl : r->comm),
+                 tdm_ddp_zero_copy(r->ddp) ? ", zero-copy buckets" : "",
+                 (double)c->timeout_ms / 1000.0);
+    else
+        snprintf(devdesc, sizeof devdesc, "%d processes on %s (%s communicator%s, timeout %g s)",
+                 r->world, c->a->device, tdm_comm_backend_name(r->nccl ? r->nccl : r->comm),
+                 tdm_ddp_zero_copy(r->ddp) ? ", zero-copy buckets" : "",
+                 (double)c->timeout_ms / 1000.0);
     if (r->rank == 0)
         tdm_train_print_header(&r->a, &c->spec, c->train, c->test, tdm_model_param_elems(r->m),
                                devdesc);
@@ -243,35 +255,49 @@ static int tdm_train_ddp_forked_rank(tdm_comm *comm, void *arg)
 
 /* One rank of a job started by tandem launch: joins it, loads the data
  * and runs. */
-static tdm_status tdm_train_ddp_launched(tdm_train_ddp_ctx *c)
+static tdm_status tdm_train_ddp_launched(tdm_train_ddp_ctx *c, int mpi, tdm_mpi_backend backend)
 {
     const tdm_train_args *a = c->a;
     tdm_comm *comm = NULL;
     tdm_ddp_env env;
+    tdm_tool_mpi_rank mr = {0};
     tdm_dataset train = {0}, test = {0};
     tdm_ddp_pg_opts po = {.timeout_ms = c->timeout_ms};
-    tdm_status st = tdm_ddp_pg_init(&comm, &env, &po);
-    if (st) {
+    tdm_status st;
+    if (mpi) {
+        if ((st = tdm_tool_mpi_rank_init(&mr, backend, c->timeout_ms, NULL))) {
+            fprintf(stderr, "tandem train: joining the MPI job: %s\n", tdm_error_message());
+            return st;
+        }
+        comm = mr.comm;
+        env = mr.env;
+    } else if ((st = tdm_ddp_pg_init(&comm, &env, &po))) {
         fprintf(stderr, "tandem train: joining the launched job: %s\n", tdm_error_message());
         return st;
     }
-    if (c->dl.count != 1 && c->dl.count != env.world_size) {
+    /* devices are per machine: one for all, or one per rank on it */
+    int per_machine = mpi ? env.local_world_size : env.world_size;
+    if (c->dl.count != 1 && c->dl.count != per_machine && c->dl.count != env.world_size) {
         st = tdm_tool_usage_error("tandem train: rank %d: --device '%s' names %d devices but "
-                                  "the job has %d ranks\n", env.rank, a->device, c->dl.count,
-                                  env.world_size);
+                                  "the job has %d ranks%s\n", env.rank, a->device, c->dl.count,
+                                  per_machine, mpi ? " on this machine" : "");
         tdm_comm_abort(comm, "bad --device");
         goto done;
     }
     if (c->dl.count == 1) c->dl.index[0] = env.local_rank;
+    else c->dl.index[0] = c->dl.index[env.local_rank % c->dl.count];
+    c->dl.count = 1;
     if ((st = tdm_train_load_data(a, &c->spec, &train, &test))) {
         tdm_comm_abort(comm, "loading data failed");
         goto done;
     }
     c->train = &train;
     c->test = &test;
+    c->job_desc = mpi ? mr.desc : NULL;
     st = tdm_train_ddp_rank_main(comm, c);
 done:
-    tdm_comm_free(comm);
+    if (mpi) tdm_tool_mpi_rank_end(&mr, tdm_tool_exit(st));
+    else tdm_comm_free(comm);
     tdm_data_free(&train);
     tdm_data_free(&test);
     return st;
@@ -330,10 +356,24 @@ tdm_status tdm_train_run_ddp(const tdm_train_args *a)
         return tdm_tool_usage_error("tandem train: %s\n", tdm_error_message());
     if (a->timeout) setenv(TDM_DDP_ENV_TIMEOUT, a->timeout, 1);
     int launched = getenv("TANDEM_SHM_FD") && getenv("WORLD_SIZE");
-    c.timeout_ms = timeout_ms ? timeout_ms : launched ? TDM_DDP_TIMEOUT_DEFAULT_MS : 60000;
-    if ((st = tdm_tool_parse_devices(&c.dl, a->device, !launched))) {
+    int mpi = !launched && tdm_tool_mpi_launched();
+    tdm_mpi_backend backend = TDM_MPI_BACKEND_AUTO;
+    if (a->backend && !tdm_tool_backend_parse("train", a->backend, &backend))
+        return TDM_STATUS_USAGE;
+    if (!mpi && backend != TDM_MPI_BACKEND_AUTO && backend != TDM_MPI_BACKEND_SHM) {
+        if (!tdm_tool_mpi_built()) {
+            st = tdm_tool_mpi_missing("--backend mpi|hier");
+            fprintf(stderr, "tandem train: %s\n", tdm_error_message());
+            return st;
+        }
+        return tdm_tool_usage_error("tandem train: --backend %s runs between the ranks of an MPI "
+                                    "job: start them with `mpirun -np N tandem train --mode ddp "
+                                    "--backend %s ...` (or srun)\n", a->backend, a->backend);
+    }
+    c.timeout_ms = timeout_ms ? timeout_ms : launched || mpi ? TDM_DDP_TIMEOUT_DEFAULT_MS : 60000;
+    if ((st = tdm_tool_parse_devices(&c.dl, a->device, !launched && !mpi))) {
         fprintf(stderr, "tandem train: --device: %s\n", tdm_error_message());
         return st == TDM_STATUS_NO_DEVICE ? st : tdm_tool_usage(st);
     }
-    return launched ? tdm_train_ddp_launched(&c) : tdm_train_ddp_forked(&c);
+    return launched || mpi ? tdm_train_ddp_launched(&c, mpi, backend) : tdm_train_ddp_forked(&c);
 }

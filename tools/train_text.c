@@ -29,6 +29,7 @@
 #include "models/train_text.h"
 #include "tools/ddp_rank.h"
 #include "tools/devices.h"
+#include "tools/mpi_job.h"
 #include "tools/tools.h"
 #include "tools/train_modes.h"
 
@@ -348,27 +349,46 @@ static int tdm_text_forked_rank(tdm_comm *comm, void *arg)
 }
 
 /* One rank of a job started by tandem launch. */
-static tdm_status tdm_text_launched(tdm_text_job *j)
+static tdm_status tdm_text_launched(tdm_text_job *j, int mpi, tdm_mpi_backend backend)
 {
     const tdm_train_args *a = j->a;
     tdm_comm *comm = NULL;
     tdm_ddp_env env;
+    tdm_tool_mpi_rank mr = {0};
     tdm_status st;
-    if ((st = tdm_ddp_pg_init_from_env(&comm, &env))) {
+    if (mpi) {
+        /* an MPI launcher's ranks (tools/mpi_job.h): as train --mode ddp's */
+        if ((st = tdm_tool_mpi_rank_init(&mr, backend, 0, NULL))) {
+            fprintf(stderr, "tandem train: joining the MPI job: %s\n", tdm_error_message());
+            return st;
+        }
+        comm = mr.comm;
+        env = mr.env;
+    } else if ((st = tdm_ddp_pg_init_from_env(&comm, &env))) {
         fprintf(stderr, "tandem train: joining the launched job: %s\n", tdm_error_message());
         return st;
     }
-    if (j->dl.count != 1 && j->dl.count != env.world_size) {
+    int per_machine = mpi ? env.local_world_size : env.world_size;
+    if (j->dl.count != 1 && j->dl.count != per_machine && j->dl.count != env.world_size) {
         st = tdm_tool_usage_error("tandem train: rank %d: --device '%s' names %d devices but "
-                                  "the job has %d ranks\n", env.rank, a->device, j->dl.count,
-                                  env.world_size);
+                                  "the job has %d ranks%s\n", env.rank, a->device, j->dl.count,
+                                  per_machine, mpi ? " on this machine" : "");
         tdm_comm_abort(comm, "bad --device");
-        tdm_comm_free(comm);
-        return st;
+    } else if (a->batch < env.world_size) {
+        /* every rank sees it: no abort needed, rank 0 says it */
+        st = TDM_STATUS_USAGE;
+        if (env.rank == 0)
+            fprintf(stderr, "tandem train: --batch %lld is smaller than the %d ranks: each "
+                    "rank needs at least one window of every global batch\n", a->batch,
+                    env.world_size);
+    } else {
+        if (j->dl.count == 1) j->dl.index[0] = env.local_rank;
+        else j->dl.index[0] = j->dl.index[env.local_rank % j->dl.count];
+        j->dl.count = 1;
+        st = tdm_text_rank_main(comm, j);
     }
-    if (j->dl.count == 1) j->dl.index[0] = env.local_rank;
-    st = tdm_text_rank_main(comm, j);
-    tdm_comm_free(comm);
+    if (mpi) tdm_tool_mpi_rank_end(&mr, tdm_tool_exit(st));
+    else tdm_comm_free(comm);
     return st;
 }
 
@@ -407,11 +427,20 @@ static tdm_status tdm_text_run_ddp(tdm_text_job *j)
     tdm_status st;
     tdm_train_note_threads(a, "DDP rank");
     int launched = getenv("TANDEM_SHM_FD") && getenv("WORLD_SIZE");
-    if ((st = tdm_tool_parse_devices(&j->dl, a->device, !launched))) {
+    /* an MPI launcher's ranks (tools/mpi_job.h): as train --mode ddp's */
+    int mpi = !launched && tdm_tool_mpi_launched();
+    tdm_mpi_backend backend = TDM_MPI_BACKEND_AUTO;
+    if (a->backend && !tdm_tool_backend_parse("train", a->backend, &backend))
+        return TDM_STATUS_USAGE;
+    if (!mpi && backend != TDM_MPI_BACKEND_AUTO && backend != TDM_MPI_BACKEND_SHM)
+        return tdm_tool_usage_error("tandem train: --backend %s runs between the ranks of an MPI "
+                                    "job: start them with `mpirun -np N tandem train --mode ddp "
+                                    "--backend %s ...`\n", a->backend, a->backend);
+    if ((st = tdm_tool_parse_devices(&j->dl, a->device, !launched && !mpi))) {
         fprintf(stderr, "tandem train: --device: %s\n", tdm_error_message());
         return st == TDM_STATUS_NO_DEVICE ? st : tdm_tool_usage(st);
     }
-    return launched ? tdm_text_launched(j) : tdm_text_forked(j);
+    return launched || mpi ? tdm_text_launched(j, mpi, backend) : tdm_text_forked(j);
 }
 
 /* ---- the text and the baseline ---- */
