@@ -7,7 +7,11 @@
  * at once; with --device cuda one rank per GPU, the NCCL communicator
  * (bootstrapped over shm) on device buffers against a device-to-device
  * copy on every GPU at once. Under TANDEM_CUDA_EMULATOR the CUDA path
- * runs on emulated devices and reduces over shm.
+ * runs on emulated devices and reduces over shm. With --backend or
+ * --peer, or under mpirun/srun, the ranks are an MPI job's
+ * (tools/bench_mpi.c) and the same loop measures each backend in turn.
+ * In the order it runs: parse, check the options, fork the ranks (or the
+ * MPI job); in a rank: set-up, preamble, one size after another, summary.
  * Not a test: correctness is checked once per size (#wrong), but the
  * tests are in tests/test_shm_*.c and tests/test_cuda.c. */
 #include <sched.h>
