@@ -127,13 +127,13 @@ bad:
                                 flag, s);
 }
 
-int tdm_tool_bench_check_ranks(const bench_cfg *cfg, int say)
+tdm_status tdm_tool_bench_check_ranks(const bench_cfg *cfg, int say)
 {
     if (cfg->root >= cfg->nranks) {
         if (say)
             fprintf(stderr, "tandem bench: -r %d: root must be below -n %d (the number of "
                     "ranks)\n", cfg->root, cfg->nranks);
-        return 0;
+        return TDM_STATUS_USAGE;
     }
     size_t es = tdm_dtype_size(cfg->dtype);
     size_t unit = es * (cfg->coll == TDM_COLL_REDUCE_SCATTER || cfg->coll == TDM_COLL_ALL_GATHER
@@ -143,9 +143,9 @@ int tdm_tool_bench_check_ranks(const bench_cfg *cfg, int say)
             fprintf(stderr, "tandem bench: -b %zu: smallest size for %s of %s over %d ranks is "
                     "%zu bytes\n", cfg->min_bytes, tdm_coll_name(cfg->coll),
                     tdm_dtype_name(cfg->dtype), cfg->nranks, unit);
-        return 0;
+        return TDM_STATUS_USAGE;
     }
-    return 1;
+    return TDM_STATUS_OK;
 }
 
 /* --backend shm,mpi,hier: each once, in the order given. */
@@ -157,7 +157,7 @@ static tdm_status bench_parse_backends(const char *v, bench_cfg *cfg)
     for (char *save = NULL, *tok = strtok_r(buf, ",", &save); tok;
          tok = strtok_r(NULL, ",", &save)) {
         tdm_mpi_backend b;
-        if (!tdm_tool_backend_parse("bench", tok, &b)) return TDM_STATUS_USAGE;
+        TDM_CHECK(tdm_tool_backend_parse("bench", tok, &b));
         for (int i = 0; i < cfg->nbackends; i++)
             if (cfg->backends[i] == b)
                 return tdm_tool_usage_error("tandem bench: --backend '%s' names %s twice\n", v,
@@ -833,7 +833,7 @@ static tdm_status bench_check_cfg(bench_cfg *cfg)
                                     cfg->min_bytes, cfg->max_bytes);
     /* under a launcher the job's size is known once it has started */
     if (tdm_tool_mpi_launched() && !cfg->nranks_set) cfg->nranks = 0;
-    if (cfg->nranks && !tdm_tool_bench_check_ranks(cfg, 1)) return TDM_STATUS_USAGE;
+    if (cfg->nranks) TDM_CHECK(tdm_tool_bench_check_ranks(cfg, 1));
     if (!cfg->memcpy_bytes)
         cfg->memcpy_bytes = cfg->max_bytes > ((size_t)64 << 20) ? cfg->max_bytes
                                                                 : (size_t)64 << 20;
@@ -886,7 +886,7 @@ int tdm_bench_coll_main(int argc, char **argv)
             return tdm_tool_exit(tdm_tool_usage_error(
                 "tandem bench: --zero-copy applies to forked ranks over shm only, not to an MPI "
                 "job\n"));
-        return tdm_tool_bench_mpi(&cfg, argc, argv);
+        return tdm_tool_exit(tdm_tool_bench_mpi(&cfg, argc, argv));
     }
     return tdm_tool_exit(bench_run_forked(&cfg));
 }

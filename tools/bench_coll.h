@@ -54,12 +54,13 @@ typedef struct bench_target {
 int tdm_tool_bench_ranks(tdm_comm *ctl, bench_target *targets, int ntargets,
                          const bench_cfg *cfg);
 
-/* -r and -b against the number of ranks; 0 when wrong (after a message
- * when say is set). */
-int tdm_tool_bench_check_ranks(const bench_cfg *cfg, int say);
+/* -r and -b against the number of ranks: TDM_STATUS_USAGE when wrong
+ * (after a message when say is set). */
+tdm_status tdm_tool_bench_check_ranks(const bench_cfg *cfg, int say);
 
 /* tools/bench_mpi.c: runs the benchmark as (or, outside one, under) an
- * MPI job; argv is the bench command line, for the relaunch. */
-int tdm_tool_bench_mpi(bench_cfg *cfg, int argc, char **argv);
+ * MPI job; argv is the bench command line, for the relaunch. A wrong
+ * element is TDM_STATUS_INTERNAL (the rows and the summary said which). */
+tdm_status tdm_tool_bench_mpi(bench_cfg *cfg, int argc, char **argv);
 
 #endif

@@ -252,7 +252,7 @@ static tdm_status tdm_cmp_mpi_join(tdm_cmp_job *j)
 {
     tdm_cmp_opts *o = &j->o;
     tdm_mpi_backend b = TDM_MPI_BACKEND_AUTO;
-    if (o->backend && !tdm_tool_backend_parse("compare", o->backend, &b)) return TDM_STATUS_USAGE;
+    if (o->backend) TDM_CHECK(tdm_tool_backend_parse("compare", o->backend, &b));
     if (!tdm_tool_mpi_launched()) {
         if (b == TDM_MPI_BACKEND_AUTO || b == TDM_MPI_BACKEND_SHM) return TDM_STATUS_OK;
         if (!tdm_tool_mpi_built()) {

@@ -358,8 +358,7 @@ tdm_status tdm_train_run_ddp(const tdm_train_args *a)
     int launched = getenv("TANDEM_SHM_FD") && getenv("WORLD_SIZE");
     int mpi = !launched && tdm_tool_mpi_launched();
     tdm_mpi_backend backend = TDM_MPI_BACKEND_AUTO;
-    if (a->backend && !tdm_tool_backend_parse("train", a->backend, &backend))
-        return TDM_STATUS_USAGE;
+    if (a->backend) TDM_CHECK(tdm_tool_backend_parse("train", a->backend, &backend));
     if (!mpi && backend != TDM_MPI_BACKEND_AUTO && backend != TDM_MPI_BACKEND_SHM) {
         if (!tdm_tool_mpi_built()) {
             st = tdm_tool_mpi_missing("--backend mpi|hier");

@@ -430,8 +430,7 @@ static tdm_status tdm_text_run_ddp(tdm_text_job *j)
     /* an MPI launcher's ranks (tools/mpi_job.h): as train --mode ddp's */
     int mpi = !launched && tdm_tool_mpi_launched();
     tdm_mpi_backend backend = TDM_MPI_BACKEND_AUTO;
-    if (a->backend && !tdm_tool_backend_parse("train", a->backend, &backend))
-        return TDM_STATUS_USAGE;
+    if (a->backend) TDM_CHECK(tdm_tool_backend_parse("train", a->backend, &backend));
     if (!mpi && backend != TDM_MPI_BACKEND_AUTO && backend != TDM_MPI_BACKEND_SHM)
         return tdm_tool_usage_error("tandem train: --backend %s runs between the ranks of an MPI "
                                     "job: start them with `mpirun -np N tandem train --mode ddp "
