@@ -291,6 +291,36 @@ typedef struct tdm_cmp_ddp_arg {
     uint64_t t_start;
 } tdm_cmp_ddp_arg;
 
+/* Step i's figures of this rank into the shared record: loss, times,
+ * phases, and on rank 0 the bucket timeline (the plan changes after the
+ * first step, ddp.h: rebuilt in the order gradients became ready; -1: no
+ * such bucket). */
+static void tdm_cmp_ddp_record(tdm_cmp_shared *sh, tdm_ddp *ddp, int i, int rank, int world,
+                               double loss_sum, uint64_t t0, uint64_t tb, uint64_t t1,
+                               uint64_t t_start)
+{
+    size_t k = (size_t)i * world + rank;
+    TDM_CMP_AT(sh, off_loss, double)[k] = loss_sum;
+    TDM_CMP_AT(sh, off_step, double)[k] = (double)(t1 - t0) * 1e-6;
+    TDM_CMP_AT(sh, off_t0, double)[k] = (double)(t0 - t_start) * 1e-6;
+    tdm_ddp_times t;
+    tdm_ddp_get_times(ddp, &t);
+    TDM_CMP_AT(sh, off_phase, tdm_phase_times)[k] = t.last;
+    TDM_CMP_AT(sh, off_comm, double)[k] = t.comm_ms_last;
+    TDM_CMP_AT(sh, off_exposed, double)[k] = t.last.ms[TDM_PHASE_ALLREDUCE_WAIT];
+    TDM_CMP_AT(sh, off_bwd, double)[k] = (double)(tb - t_start) * 1e-6;
+    if (rank != 0) return;
+    int nb = t.n_buckets < TDM_CMP_MAX_BUCKETS ? t.n_buckets : TDM_CMP_MAX_BUCKETS;
+    if (nb > sh->n_buckets) sh->n_buckets = nb;
+    double *bucket = TDM_CMP_AT(sh, off_bucket, double);
+    for (int j = 0; j < TDM_CMP_MAX_BUCKETS; j++) {
+        double *e = bucket + ((size_t)i * TDM_CMP_MAX_BUCKETS + j) * 3;
+        e[0] = j < nb ? t.buckets[j].ready_ms : -1.0;
+        e[1] = j < nb ? t.buckets[j].start_ms : -1.0;
+        e[2] = j < nb ? t.buckets[j].end_ms : -1.0;
+    }
+}
+
 static int tdm_cmp_ddp_rank(tdm_comm *comm, void *argp)
 {
     tdm_cmp_ddp_arg *a = argp;
@@ -321,14 +351,6 @@ static int tdm_cmp_ddp_rank(tdm_comm *comm, void *argp)
      * of the loss gradient is 1% too large, so every rank's all-reduced
      * gradient is off. */
     float scale = 1.0f / (float)o->batch * (rank == o->perturb_rank ? 1.01f : 1.0f);
-    double *loss = TDM_CMP_AT(sh, off_loss, double);
-    double *step = TDM_CMP_AT(sh, off_step, double);
-    double *t0s = TDM_CMP_AT(sh, off_t0, double);
-    tdm_phase_times *phase = TDM_CMP_AT(sh, off_phase, tdm_phase_times);
-    double *comm_ms = TDM_CMP_AT(sh, off_comm, double);
-    double *exposed = TDM_CMP_AT(sh, off_exposed, double);
-    double *bwd = TDM_CMP_AT(sh, off_bwd, double);
-    double *bucket = TDM_CMP_AT(sh, off_bucket, double);
     for (int i = 0; i < o->steps; i++) {
         /* this rank's share only (a gpt's rank draws its own windows) */
         if (b > 0) tdm_cmp_rows(a->data, i, o->batch, (int)lo, b, x, y);
@@ -345,31 +367,10 @@ static int tdm_cmp_ddp_rank(tdm_comm *comm, void *argp)
             goto done;
         }
         uint64_t t1 = tdm_time_ns();
-        size_t k = (size_t)i * world + rank;
-        loss[k] = loss_sum;
-        step[k] = (double)(t1 - t0) * 1e-6;
-        t0s[k] = (double)(t0 - a->t_start) * 1e-6;
-        tdm_ddp_times t;
-        tdm_ddp_get_times(ddp, &t);
-        phase[k] = t.last;
-        comm_ms[k] = t.comm_ms_last;
-        exposed[k] = t.last.ms[TDM_PHASE_ALLREDUCE_WAIT];
-        bwd[k] = (double)(tb - a->t_start) * 1e-6;
-        if (rank == 0) {
-            /* the plan changes after the first step (ddp.h: rebuilt in
-             * the order gradients became ready); -1: no such bucket */
-            int nb = t.n_buckets < TDM_CMP_MAX_BUCKETS ? t.n_buckets : TDM_CMP_MAX_BUCKETS;
-            if (nb > sh->n_buckets) sh->n_buckets = nb;
-            for (int j = 0; j < TDM_CMP_MAX_BUCKETS; j++) {
-                double *e = bucket + ((size_t)i * TDM_CMP_MAX_BUCKETS + j) * 3;
-                e[0] = j < nb ? t.buckets[j].ready_ms : -1.0;
-                e[1] = j < nb ? t.buckets[j].start_ms : -1.0;
-                e[2] = j < nb ? t.buckets[j].end_ms : -1.0;
-            }
-            if (i == 0 &&
-                tdm_cmp_params_out(m, TDM_CMP_AT(sh, off_first, float)) != TDM_STATUS_OK)
-                goto done;
-        }
+        tdm_cmp_ddp_record(sh, ddp, i, rank, world, loss_sum, t0, tb, t1, a->t_start);
+        if (rank == 0 && i == 0 &&
+            tdm_cmp_params_out(m, TDM_CMP_AT(sh, off_first, float)) != TDM_STATUS_OK)
+            goto done;
     }
     /* rank 0 publishes its final parameters; the others check theirs
      * against them after a barrier */
