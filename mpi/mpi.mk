@@ -12,6 +12,8 @@ MPI_C_SRC := $(wildcard mpi/*.c)
 MPI_OBJ   := $(MPI_C_SRC:%.c=$(BUILD)/%.o)
 
 # mpi/*.c use GNUmakefile's generic C rule; only they see mpi.h.
-$(MPI_OBJ): CPPFLAGS += $(MPI_CPPFLAGS)
+# override: `make tsan` sets CPPFLAGS on its command line, which would
+# otherwise drop MPI's include path (mpi.h not found)
+$(MPI_OBJ): override CPPFLAGS += $(MPI_CPPFLAGS)
 
 -include $(MPI_OBJ:.o=.d)
