@@ -167,7 +167,35 @@ struct tdm_device {
     void *impl;                 /* backend state */
     void *scratch;              /* tdm_dev_scratch's buffer (this device's memory), or NULL */
     size_t scratch_nbytes;
+    /* The allocator's own accounting, kept by backends that set
+     * mem_counted when they open a device (host memory: the host backend
+     * and the CUDA emulator, through tdm_device_host_mem_alloc/free);
+     * read with tdm_dev_mem_query.
+     * Updated atomically: a device may be freed into from another thread. */
+    int mem_counted;
+    size_t mem_live, mem_peak;
+    int64_t mem_allocs;
 };
+
+/* What a device's allocator has handed out: bytes allocated and not yet
+ * freed (each allocation rounded up to 64 bytes, as the allocator hands
+ * it out), the most that were live at once since the device was opened or
+ * the last tdm_dev_mem_reset_peak, and the number of allocations. Like
+ * torch.cuda.memory_allocated / max_memory_allocated: what tests and
+ * `compare` read to say what a mode keeps in memory, measured rather than
+ * estimated. TDM_STATUS_UNSUPPORTED (no message kept) when the backend
+ * keeps no accounting (a real GPU, today). */
+typedef struct tdm_dev_mem_stats {
+    size_t live_bytes, peak_bytes;
+    int64_t allocs;
+} tdm_dev_mem_stats;
+tdm_status tdm_dev_mem_query(const tdm_device *d, tdm_dev_mem_stats *out);
+/* Starts a new peak window: peak = live. */
+void tdm_dev_mem_reset_peak(tdm_device *d);
+/* For host-memory backends: 64-byte aligned memory of nbytes, counted in
+ * d's accounting; free with tdm_device_host_mem_free. */
+tdm_status tdm_device_host_mem_alloc(tdm_device *d, size_t nbytes, void **out);
+void tdm_device_host_mem_free(tdm_device *d, void *p);
 
 /* Opens a device by kind name ("cpu", "cuda") and index. Host devices are
  * logical: any index >= 0 is valid. threads: BLAS threads for host gemm
