@@ -334,10 +334,13 @@ tdm_status tdm_fsdp_init(tdm_fsdp **out, tdm_model *m, tdm_comm *comm, const tdm
                 "fsdp: model has no parameters");
     TDM_REQUIRE(!tdm_model_storage_released(m), TDM_STATUS_INVALID_ARG,
                 "fsdp: the model's parameters are already sharded (its storage was released)");
-    TDM_REQUIRE(!opts || ((unsigned)opts->sharding < TDM_FSDP_SHARDING_COUNT_ &&
-                          opts->min_unit_elems >= 0),
-                TDM_STATUS_INVALID_ARG, "fsdp: sharding %d or min_unit_elems %lld invalid",
-                opts ? (int)opts->sharding : 0, opts ? (long long)opts->min_unit_elems : 0LL);
+    TDM_REQUIRE(!opts || (unsigned)opts->sharding < TDM_FSDP_SHARDING_COUNT_,
+                TDM_STATUS_INVALID_ARG,
+                "fsdp: sharding %d is not one of TDM_FSDP_FULL_SHARD, TDM_FSDP_SHARD_GRAD_OP, "
+                "TDM_FSDP_SHARD_OPTIM", opts ? (int)opts->sharding : 0);
+    TDM_REQUIRE(!opts || opts->min_unit_elems >= 0, TDM_STATUS_INVALID_ARG,
+                "fsdp: min_unit_elems %lld is negative (0: one unit per block)",
+                opts ? (long long)opts->min_unit_elems : 0LL);
     tdm_fsdp *f = calloc(1, sizeof *f);
     TDM_REQUIRE(f, TDM_STATUS_OUT_OF_MEMORY, "fsdp: calloc");
     f->m = m;
@@ -711,7 +714,7 @@ tdm_status tdm_fsdp_backward(tdm_fsdp *f)
 {
     TDM_REQUIRE(f->have_fwd || !f->fwd_lost, TDM_STATUS_INVALID_ARG,
                 "fsdp backward: %s; call tdm_fsdp_forward again before backward", f->fwd_lost);
-    TDM_REQUIRE(f->have_fwd, TDM_STATUS_INVALID_ARG, "fsdp backward: no forward before it");
+    TDM_REQUIRE(f->have_fwd, TDM_STATUS_INVALID_ARG, "fsdp backward: no forward before it; call tdm_fsdp_forward first");
     f->have_fwd = 0;
     f->loss_accum += f->fwd_loss;
     uint64_t t0 = tdm_time_ns();

@@ -118,7 +118,12 @@ tdm_status tdm_fsdp_wait(tdm_fsdp *f, tdm_comm_work *w, double *ms)
     return st;
 }
 
-/* Notes completions without blocking (the timeline's end times). */
+static tdm_status tdm_fsdp_finish_rs(tdm_fsdp *f, int u);
+static void tdm_fsdp_hook_fail(tdm_fsdp *f, tdm_status st);
+
+/* Notes completions without blocking (the timeline's end times), and
+ * during backward finishes the reduce-scatters that are done, so that a
+ * unit's full gradient goes back to the pool while backward goes on. */
 static void tdm_fsdp_poll(tdm_fsdp *f)
 {
     for (int u = 0; u < f->nu; u++) {
@@ -127,12 +132,30 @@ static void tdm_fsdp_poll(tdm_fsdp *f)
         if (x->ag && x->ag_event >= 0 && !f->ev[x->ag_event].end_ns &&
             tdm_comm_work_test(x->ag, &done) == TDM_STATUS_OK && done)
             tdm_fsdp_event_end(f, x->ag_event, 0.0);
-        if (x->rs && x->rs_event >= 0 && !f->ev[x->rs_event].end_ns &&
-            tdm_comm_work_test(x->rs, &done) == TDM_STATUS_OK && done) {
+        done = 0;
+        if (x->rs && tdm_comm_work_test(x->rs, &done) == TDM_STATUS_OK && done) {
             tdm_fsdp_event_end(f, x->rs_event, 0.0);
-            if (f->in_backward) f->rs_done_in_bwd++;
+            if (f->in_backward) {
+                f->rs_done_in_bwd++;
+                tdm_status st = tdm_fsdp_finish_rs(f, u);
+                if (st) tdm_fsdp_hook_fail(f, st);
+            }
         }
     }
+}
+
+/* The reduce-scatters in flight, and the oldest of them (the highest
+ * unit: they are launched from the last unit down). */
+static int tdm_fsdp_rs_in_flight(const tdm_fsdp *f, int *oldest)
+{
+    int n = 0;
+    *oldest = -1;
+    for (int u = f->nu - 1; u >= 0; u--)
+        if (f->u[u].rs) {
+            if (*oldest < 0) *oldest = u;
+            n++;
+        }
+    return n;
 }
 
 static const char *tdm_fsdp_unit_desc(const tdm_fsdp *f, int u, char *buf, size_t n)
@@ -308,6 +331,13 @@ static tdm_status tdm_fsdp_enter_backward(tdm_fsdp *f, int u)
             TDM_CHECK(tdm_fsdp_issue_gather(f, next, 1));
     }
     if (f->o.sharding != TDM_FSDP_SHARD_OPTIM && !x->gbuf) {
+        /* A new unit's full gradient: at most one earlier unit's is still
+         * being reduce-scattered meanwhile, so at most two units' full
+         * gradients exist at once however slow the communication is
+         * (no_overlap launches nothing during backward: every unit's full
+         * gradient then lives until the end of backward). */
+        int oldest;
+        while (tdm_fsdp_rs_in_flight(f, &oldest) > 1) TDM_CHECK(tdm_fsdp_finish_rs(f, oldest));
         /* backward adds: the unit's full gradient starts at zero (or holds
          * what no_sync backwards accumulated, kept until the next sync) */
         TDM_CHECK(tdm_fsdp_pool_get(f, (size_t)x->padded * sizeof(float), 1, &x->gbuf,
