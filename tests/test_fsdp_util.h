@@ -43,6 +43,9 @@ typedef struct tf_cfg {
     int bad_layout_rank;     /* >= 0: this rank groups units differently */
     int seed_by_rank;
     tdm_status (*open_dev)(tdm_device **out, int rank);
+    /* optional: the communicator FSDP shards over (NCCL), bootstrapped
+     * over the shm one, which then carries the host collectives */
+    tdm_status (*make_comm)(tdm_comm **out, tdm_comm *boot, tdm_device *dev);
 } tf_cfg;
 
 typedef struct tf_shared {
@@ -147,6 +150,7 @@ static inline int tf_rank_main(tdm_comm *comm, void *arg)
     tdm_optim *opt = NULL;
     tdm_fsdp *f = NULL;
     tdm_ddp *ddp = NULL;
+    tdm_comm *dcomm = NULL;
     tdm_model_spec spec;
     int64_t *perm = NULL;
     float *x = NULL, *hbuf = NULL;
@@ -158,6 +162,7 @@ static inline int tf_rank_main(tdm_comm *comm, void *arg)
     if (c->open_dev) TDM_TRY(c->open_dev(&dev, rank));
     else TDM_TRY(tdm_device_open(&dev, "cpu", rank, 1));
     TDM_TRY(tdm_model_init(&m, dev, &spec, 5 + (c->seed_by_rank ? (uint64_t)rank : 0)));
+    if (c->make_comm) TDM_TRY(c->make_comm(&dcomm, comm, dev));
     int64_t n_elem = tdm_model_param_elems(m);
     tdm_optim_opts oo;
     tf_optim_opts(&oo, c);
@@ -169,8 +174,9 @@ static inline int tf_rank_main(tdm_comm *comm, void *arg)
         tdm_fsdp_opts o = {.sharding = c->sharding, .no_prefetch = c->no_prefetch,
                            .no_overlap = c->no_overlap, .timeout_ms = 20000,
                            .min_unit_elems = c->bad_layout_rank == rank ? 1 << 20
-                                                                         : c->min_unit_elems};
-        TDM_TRY(tdm_fsdp_init(&f, m, comm, &o));
+                                                                         : c->min_unit_elems,
+                           .host_comm = dcomm ? comm : NULL};
+        TDM_TRY(tdm_fsdp_init(&f, m, dcomm ? dcomm : comm, &o));
         TDM_TRY(tdm_fsdp_optim_init(&opt, f, &oo));
         if (rank == 0) sh->n_units = tdm_fsdp_n_units(f);
     }
@@ -240,6 +246,7 @@ fail:
     free(hbuf);
     tdm_ddp_free(ddp);
     tdm_fsdp_free(f);
+    tdm_comm_free(dcomm);
     tdm_optim_free(opt);
     tdm_model_free(m);
     tdm_device_free(dev);

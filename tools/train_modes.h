@@ -22,7 +22,9 @@ typedef struct tdm_train_args {
     double lr, momentum, weight_decay;
     const char *lr_schedule;  /* "const" or "cosine" */
     const char *timeout;      /* ddp: --timeout SECONDS as given (checked by the ddp mode) */
+    const char *sharding;     /* fsdp: --sharding as given (NULL: full) */
     int nesterov, no_eval, quiet, no_overlap;
+    int save_sharded;         /* fsdp: --save writes the sharded form */
 } tdm_train_args;
 
 /* Evaluates m on test after an epoch (NULL: tdm_evaluate on this process
@@ -91,5 +93,7 @@ int tdm_train_run_single(const tdm_train_args *a);
 int tdm_train_text_main(const tdm_train_args *a);
 int tdm_train_run_dp(const tdm_train_args *a) __attribute__((weak));
 int tdm_train_run_ddp(const tdm_train_args *a) __attribute__((weak));
+/* --mode fsdp (tools/train_fsdp.c): sharded data parallel, fsdp/. */
+int tdm_train_run_fsdp(const tdm_train_args *a) __attribute__((weak));
 
 #endif
