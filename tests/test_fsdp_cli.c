@@ -194,6 +194,10 @@ Test(fsdp_emu, cli_on_emulated_gpus_ends_as_on_host, .timeout = 240)
         epoch_result(r.out, "epoch 1/1", emu, sizeof emu);
         cr_assert_str_eq(emu, host, "--sharding %s", g_shard[s]);
     }
+    CLI(&r, "compare", "--data", "synthetic", "--model", "mlp:784-32-10", "--device", "cuda:0,1",
+        "--steps", "4", "--batch", "32", "--modes", "ddp,fsdp,zero2,zero1");
+    expect(&r, 0, "verdict: PASS");
+    cr_assert(strstr(r.out, "ZeRO-2 vs DDP: bitwise the same"), "%s", r.out);
     unsetenv("TANDEM_CUDA_EMULATOR");
 }
 
@@ -243,4 +247,54 @@ Test(cuda_gpu, two_nccl_ranks_on_one_gpu_equal_one_host_device, .timeout = 300)
         tf_shared_free(sh);
     }
     tdm_data_free(&d);
+}
+
+/* ---- tandem compare with the sharded modes ---- */
+
+#include "core/json.h"
+
+Test(fsdp_cli, compare_every_mode_agrees_with_memory_phases_and_trace, .timeout = 240)
+{
+    static cli_result r;
+    char dir[] = "/tmp/tandem-fsdp-cmp-XXXXXX";
+    cr_assert(mkdtemp(dir));
+    char trace[256], csv[256], cmd[400];
+    snprintf(trace, sizeof trace, "%s/trace.json", dir);
+    snprintf(csv, sizeof csv, "%s/run.csv", dir);
+    CLI(&r, "compare", "--data", "synthetic", "--model", "mlp:784-48-24-10", "--device", "cpu:3",
+        "--batch", "50", "--steps", "6", "--warmup", "2", "--modes",
+        "single,dp,ddp,fsdp,zero2,zero1", "--trace", trace, "--csv", csv);
+    expect(&r, 0, "verdict: PASS");
+    const char *want[] = {"FSDP(3)", "ZeRO-2(3)", "ZeRO-1(3)", "all-gather (exposed)",
+                          "reduce-scatter (exp.)", "FSDP collectives:", "FSDP vs single",
+                          "ZeRO-1 vs DDP", "FSDP vs DDP: bitwise the same parameters",
+                          "ZeRO-2 vs DDP: bitwise the same parameters",
+                          "ZeRO-1 vs DDP: bitwise the same parameters", "FSDP rank 0",
+                          "ZeRO-1 rank 1..", "FSDP keeps"};
+    for (size_t i = 0; i < sizeof want / sizeof want[0]; i++)
+        cr_assert(strstr(r.out, want[i]), "output lacks '%s':\n%s", want[i], r.out);
+    /* the trace parses and has a collective track with both kinds */
+    FILE *fp = fopen(trace, "rb");
+    cr_assert(fp);
+    static char text[1 << 22];
+    size_t len = fread(text, 1, sizeof text - 1, fp);
+    fclose(fp);
+    text[len] = 0;
+    tdm_json *root = NULL;
+    cr_assert_eq(tdm_json_parse(&root, text, len), TDM_STATUS_OK, "%s", tdm_error_message());
+    cr_assert(strstr(text, "rank 0 all-gather / reduce-scatter"));
+    cr_assert(strstr(text, "\"all-gather unit 0\"") && strstr(text, "\"reduce-scatter unit 0\""));
+    tdm_json_free(root);
+    /* only single and fsdp; a perturbed rank fails the verdict (exit 3) */
+    CLI(&r, "compare", "--data", "synthetic", "--model", "mlp:784-48-10", "--device", "cpu:2",
+        "--batch", "32", "--steps", "4", "--modes", "fsdp", "--perturb-rank", "1");
+    expect(&r, 3, "FSDP vs single");
+    cr_assert(strstr(r.out, "-> FAIL") && !strstr(r.out, "DDP("), "%s", r.out);
+    CLI(&r, "compare", "--modes", "single,zero4");
+    expect(&r, 2, "'zero4' is not a mode");
+    CLI(&r, "compare", "--help");
+    expect(&r, 0, "ZeroRedundancyOptimizer");
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    (void)system(cmd);
+    cr_assert_eq(cli_shm_entries(), 0);
 }

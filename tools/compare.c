@@ -42,11 +42,17 @@ static void tdm_cmp_usage(FILE *f)
     fprintf(f,
         "usage: tandem compare [options]\n"
         "\n"
-        "Runs the same training three ways - one device, DataParallel on N devices and\n"
-        "DistributedDataParallel on N ranks - from the same initial parameters over the\n"
-        "same global batches, and prints throughput, a per-phase breakdown, an\n"
-        "equivalence verdict, memory per device and a reading of the figures.\n"
+        "Runs the same training several ways - one device, DataParallel on N devices,\n"
+        "DistributedDataParallel on N ranks and sharded data parallel on N ranks - from\n"
+        "the same initial parameters over the same global batches, and prints\n"
+        "throughput, a per-phase breakdown, an equivalence verdict, memory per device\n"
+        "and a reading of the figures.\n"
         "\n"
+        "  --modes LIST         any of single, dp, ddp, fsdp, zero2, zero1 (comma-separated;\n"
+        "                       single always runs, as the reference)  [single,dp,ddp,fsdp]\n"
+        "                       fsdp:  PyTorch FSDP FULL_SHARD, DeepSpeed ZeRO stage 3\n"
+        "                       zero2: FSDP SHARD_GRAD_OP, ZeRO stage 2\n"
+        "                       zero1: ZeroRedundancyOptimizer, ZeRO stage 1\n"
         "  --model NAME         mlp, mlp:W0-..-Wn, cnn, gpt, gpt:L-D-H-T      [mlp]\n"
         "  --device SPEC        devices for DP and DDP: cpu:N (N >= 1), or GPUs\n"
         "                       cuda (all) / cuda:I,J,.. (single runs on the first) [cpu:2]\n"
@@ -122,7 +128,7 @@ static void tdm_cmp_print_phase_table(const tdm_cmp_opts *o, tdm_cmp_result *con
     static const tdm_phase rows[] = {
         TDM_PHASE_REPLICATE, TDM_PHASE_SCATTER, TDM_PHASE_FORWARD, TDM_PHASE_GATHER,
         TDM_PHASE_LOSS, TDM_PHASE_BACKWARD, TDM_PHASE_REDUCE, TDM_PHASE_ALLREDUCE_WAIT,
-        TDM_PHASE_STEP};
+        TDM_PHASE_ALLGATHER_WAIT, TDM_PHASE_REDUCE_SCATTER_WAIT, TDM_PHASE_STEP};
     tdm_phase_times pm[TDM_CMP_NMODES];
     double mean[TDM_CMP_NMODES];
     printf("\nWhere the time goes (ms per step and share of the step, means after warm-up)\n");
@@ -138,7 +144,10 @@ static void tdm_cmp_print_phase_table(const tdm_cmp_opts *o, tdm_cmp_result *con
     printf("\n");
     for (size_t q = 0; q < sizeof rows / sizeof rows[0]; q++) {
         tdm_phase p = rows[q];
-        printf("  %-22s", p == TDM_PHASE_ALLREDUCE_WAIT ? "all-reduce (exposed)" : tdm_phase_name(p));
+        printf("  %-22s", p == TDM_PHASE_ALLREDUCE_WAIT        ? "all-reduce (exposed)"
+                          : p == TDM_PHASE_ALLGATHER_WAIT      ? "all-gather (exposed)"
+                          : p == TDM_PHASE_REDUCE_SCATTER_WAIT ? "reduce-scatter (exp.)"
+                                                               : tdm_phase_name(p));
         for (int k = 0; k < n; k++) {
             double v = pm[k].ms[p];
             if (v <= 0.0) printf(" %18s", "-");
@@ -166,6 +175,7 @@ static void tdm_cmp_print_phase_table(const tdm_cmp_opts *o, tdm_cmp_result *con
                "gradient bytes were launched while backward still ran\n", comm, r->n_buckets,
                r->n_buckets == 1 ? "" : "s", exposed, 100.0 * r->overlap_bytes_frac);
     }
+    tdm_cmp_fsdp_print_phases(o, res, n);
 }
 
 static void tdm_cmp_print_memory(const tdm_cmp_opts *o, tdm_cmp_result *const *res, int n)
@@ -180,8 +190,9 @@ static void tdm_cmp_print_memory(const tdm_cmp_opts *o, tdm_cmp_result *const *r
             const tdm_cmp_memory *m = &r->mem[d];
             char name[64], dev[32];
             tdm_cmp_dev_name(o, d, dev, sizeof dev);
-            if (r->mode == TDM_CMP_DDP)
-                snprintf(name, sizeof name, "DDP rank %s", d == 0 ? "0" : r->n_dev > 2 ? "1.." : "1");
+            if (r->mode == TDM_CMP_DDP || tdm_cmp_is_sharded(r->mode))
+                snprintf(name, sizeof name, "%s rank %s", tdm_cmp_mode_name(r->mode),
+                         d == 0 ? "0" : r->n_dev > 2 ? "1.." : "1");
             else
                 snprintf(name, sizeof name, "%s %s%s", tdm_cmp_mode_name(r->mode), dev,
                          d == 1 && r->n_dev > 2 ? ".." : "");
@@ -200,13 +211,17 @@ static void tdm_cmp_print_memory(const tdm_cmp_opts *o, tdm_cmp_result *const *r
         printf("  DP's output device holds the master (with optimizer state) and the gathered\n"
                "  logits and their gradient (comm); DDP's gradients live in the shared segment\n"
                "  and comm is the rest of that segment's arena.\n");
+    tdm_cmp_fsdp_print_memory_note(res, n);
 }
 
 int tdm_tool_compare_main(int argc, char **argv)
 {
     tdm_cmp_opts o = {.model = "mlp", .device = "cpu:2", .data = NULL, .optim = "sgd",
                       .steps = 30, .warmup = 3, .batch = 0, .lr = -1, .momentum = 0.9,
-                      .weight_decay = 0.0, .seed = 1, .bucket_cap_mb = 25, .perturb_rank = -1};
+                      .weight_decay = 0.0, .seed = 1, .bucket_cap_mb = 25, .perturb_rank = -1,
+                      .modes = 1u << TDM_CMP_SINGLE | 1u << TDM_CMP_DP | 1u << TDM_CMP_DDP |
+                               1u << TDM_CMP_FSDP};
+    const char *modes_arg = NULL;
     for (int i = 1; i < argc; i++) {
         const char *v;
         long long iv;
@@ -223,6 +238,7 @@ int tdm_tool_compare_main(int argc, char **argv)
         TDM_ARGS_STR("--csv", o.csv)
         TDM_ARGS_STR("--plot", o.plot)
         TDM_ARGS_STR("--sweep", o.sweep)
+        TDM_ARGS_STR("--modes", modes_arg)
         TDM_ARGS_INT("--steps", 1, 1000000, o.steps)
         TDM_ARGS_INT("--warmup", 0, 1000000, o.warmup)
         TDM_ARGS_INT("--batch", 1, 1 << 20, o.batch)
@@ -239,6 +255,7 @@ int tdm_tool_compare_main(int argc, char **argv)
         fprintf(stderr, "tandem compare: unknown option '%s' (see tandem compare --help)\n", argv[i]);
         return 2;
     }
+    if (modes_arg && !tdm_cmp_parse_modes(modes_arg, &o.modes)) return 2;
     if (strcmp(o.optim, "sgd") && strcmp(o.optim, "adamw")) {
         fprintf(stderr, "tandem compare: --optim '%s': expected sgd or adamw\n", o.optim);
         return 2;
@@ -424,7 +441,9 @@ data_ready:;
     int rc = 0, nres = 0;
     memset(res, 0, sizeof res);
     memset(&floor_r, 0, sizeof floor_r);
+    int ran[TDM_CMP_NMODES] = {0};
     for (int k = 0; k < TDM_CMP_NMODES; k++) {
+        if (!(o.modes & 1u << k)) continue;
         printf("  running %s...\n", tdm_cmp_mode_name((tdm_cmp_mode)k));
         fflush(stdout);
         if (!tdm_cmp_run(&o, &data, (tdm_cmp_mode)k, k == TDM_CMP_SINGLE ? 1 : o.n_dev, &res[k])) {
@@ -432,6 +451,7 @@ data_ready:;
             goto done;
         }
         rp[nres++] = &res[k];
+        ran[k] = 1;
     }
 
     /* the float-noise floor: one device again, from parameters one ulp off */
@@ -448,11 +468,13 @@ data_ready:;
 
     /* 1. throughput */
     double med[TDM_CMP_NMODES], mn[TDM_CMP_NMODES], mx[TDM_CMP_NMODES], sps[TDM_CMP_NMODES];
+    double sps_of[TDM_CMP_NMODES] = {0};   /* by mode (sps is by row) */
     printf("\nThroughput (steps %d..%d)\n", o.warmup + 1, o.steps);
     printf("  %-10s %12s %9s %22s\n", "mode", "samples/s", "speed-up", "step ms median (min-max)");
     for (int k = 0; k < nres; k++) {
         tdm_cmp_step_stats(&o, rp[k], &med[k], &mn[k], &mx[k]);
         sps[k] = o.batch / med[k] * 1e3;
+        sps_of[rp[k]->mode] = sps[k];
         char name[32];
         snprintf(name, sizeof name, "%s(%d)", tdm_cmp_mode_name(rp[k]->mode), rp[k]->n_dev);
         printf("  %-10s %12.0f %8.2fx %10.2f (%.2f-%.2f)\n", name, sps[k], sps[k] / sps[0], med[k],
@@ -483,9 +505,9 @@ data_ready:;
            "started one ulp off ends %.2e away (loss rel %.1e))\n", TDM_CMP_ATOL_FIRST,
            TDM_CMP_RTOL_FIRST, o.steps, TDM_CMP_ATOL_LAST, TDM_CMP_RTOL_LAST,
            TDM_CMP_FLOOR_FACTOR, fl.max_abs, fl_loss);
-    static const int pairs[3][2] = {{TDM_CMP_DP, TDM_CMP_SINGLE}, {TDM_CMP_DDP, TDM_CMP_SINGLE},
-                                    {TDM_CMP_DDP, TDM_CMP_DP}};
-    for (int q = 0; q < 3; q++) {
+    int pairs[16][2];
+    int n_pairs = tdm_cmp_fsdp_pairs(ran, pairs, 16);
+    for (int q = 0; q < n_pairs; q++) {
         tdm_cmp_result *a = &res[pairs[q][0]], *b = &res[pairs[q][1]];
         char label[40];
         snprintf(label, sizeof label, "%s vs %s", tdm_cmp_mode_name(a->mode),
@@ -495,7 +517,7 @@ data_ready:;
                    "with that chunk's statistics\n", label);
             continue;
         }
-        if (bn && o.batch % o.n_dev) {
+        if (bn && o.batch % o.n_dev && (a->mode == TDM_CMP_DP || b->mode == TDM_CMP_DP)) {
             printf("  %-14s not expected to match: DP's chunks (torch.chunk) and DDP's shares "
                    "differ when %d does not divide by %d, so batchnorm sees different groups\n",
                    label, o.batch, o.n_dev);
@@ -526,12 +548,13 @@ data_ready:;
                    "the allowed difference)\n", "", tdm_model_param_info(ref, w->worst)->name,
                    w->worst_ratio);
     }
-    if (!res[TDM_CMP_DDP].ranks_agree) {
+    if (ran[TDM_CMP_DDP] && !res[TDM_CMP_DDP].ranks_agree) {
         printf("  DDP ranks ended with different parameters -> FAIL\n");
         verdict = 0;
-    } else {
+    } else if (ran[TDM_CMP_DDP]) {
         printf("  DDP: every rank ended with bitwise the same parameters as rank 0\n");
     }
+    verdict &= tdm_cmp_fsdp_print_bitwise(&o, rp, nres);
     printf("  verdict: %s\n", verdict ? "PASS - the modes computed the same training"
                                       : "FAIL - the modes disagree beyond float tolerance");
     tdm_model_free(ref);
@@ -541,7 +564,8 @@ data_ready:;
     tdm_cmp_print_memory(&o, rp, nres);
 
     /* 5. reading */
-    {
+    printf("\nReading\n");
+    if (ran[TDM_CMP_DP] && ran[TDM_CMP_DDP]) {
         tdm_phase_times dp, ddp;
         tdm_cmp_phase_mean(&o, &res[TDM_CMP_DP], &dp);
         tdm_cmp_phase_mean(&o, &res[TDM_CMP_DDP], &ddp);
@@ -556,10 +580,9 @@ data_ready:;
         const tdm_cmp_result *r = &res[TDM_CMP_DDP];
         double hidden = comm > 0 ? 100.0 * (comm - exposed) / comm : 0.0;
         if (hidden < 0) hidden = 0;
-        printf("\nReading\n");
         printf("  On %d devices DDP runs %.2fx and DP %.2fx as fast as one device; DDP is %.2fx "
-               "as fast as DP.\n", o.n_dev, sps[TDM_CMP_DDP] / sps[0], sps[TDM_CMP_DP] / sps[0],
-               sps[TDM_CMP_DDP] / sps[TDM_CMP_DP]);
+               "as fast as DP.\n", o.n_dev, sps_of[TDM_CMP_DDP] / sps[0],
+               sps_of[TDM_CMP_DP] / sps[0], sps_of[TDM_CMP_DDP] / sps_of[TDM_CMP_DP]);
         printf("  DP spends %.1f%% of each step copying the parameters to the replicas and "
                "%.1f%% adding their gradients back onto the master; scatter, gather and the "
                "whole-batch loss on the output device take another %.1f%%.\n", rep, red, outdev);
@@ -575,10 +598,11 @@ data_ready:;
         double ideal = sps[0] * o.n_dev;
         int cores = tdm_device_host_cores();
         printf("  Perfect scaling would be %.0f samples/s; DDP reaches %.0f%% of it%s.\n", ideal,
-               100.0 * sps[TDM_CMP_DDP] / ideal,
+               100.0 * sps_of[TDM_CMP_DDP] / ideal,
                o.n_dev > cores && (o.dl.kind == TDM_DEVICE_HOST || tdm_tool_cuda_emulated())
                    ? " (more devices than cores: they share the cores)" : "");
     }
+    tdm_cmp_fsdp_reading(&o, rp, nres, sps_of);
 
     /* sweep */
     double sweep_dp[16] = {0}, sweep_ddp[16] = {0};
