@@ -729,15 +729,18 @@ tdm_status tdm_fsdp_backward(tdm_fsdp *f)
         if (st) return tdm_fsdp_fail(f, st);
     }
     uint64_t t1 = tdm_time_ns();
-    double bwd_ag = f->ag_wait_ms;
+    /* waits inside backward (a gather not yet complete; a reduce-scatter
+     * finished early to bound the full gradients alive) are
+     * communication, not compute */
+    double bwd_ag = f->ag_wait_ms, bwd_rs = f->rs_wait_ms;
     st = tdm_fsdp_backward_end(f);
     if (st == TDM_STATUS_OK && f->sync) st = tdm_fsdp_check_tail(f);
     if (st) return tdm_fsdp_fail(f, st);
     uint64_t t2 = tdm_time_ns();
-    tdm_fsdp_add_phase(f, TDM_PHASE_BACKWARD, (double)(t1 - t0) * 1e-6 - bwd_ag);
+    tdm_fsdp_add_phase(f, TDM_PHASE_BACKWARD, (double)(t1 - t0) * 1e-6 - bwd_ag - bwd_rs);
     tdm_fsdp_add_phase(f, TDM_PHASE_ALLGATHER_WAIT, f->ag_wait_ms);
     tdm_fsdp_add_phase(f, TDM_PHASE_REDUCE_SCATTER_WAIT,
-                       (double)(t2 - t1) * 1e-6 - (f->ag_wait_ms - bwd_ag));
+                       (double)(t2 - t1) * 1e-6 - (f->ag_wait_ms - bwd_ag) + bwd_rs);
     if (f->sync) {
         f->sync_count++;
         f->times.steps++;
