@@ -51,6 +51,12 @@ Test(fsdp_cli, every_sharding_ends_the_epoch_as_single_and_ddp, .timeout = 240)
         cr_assert_str_eq(other, single, "--sharding %s: %s vs single %s", g_shard[s], other,
                          single);
     }
+    /* under tandem launch each rank joins the launched job instead of forking */
+    CLI(&r, "launch", "-n", "2", "--", cli_bin(), "train", "--mode", "fsdp", "--device", "cpu:2",
+        DATA, MODEL, "--epochs", "1", "--quiet");
+    expect(&r, 0, "[rank 0] fsdp memory");
+    epoch_result(r.out, "[rank 0] epoch 1/1", other, sizeof other);
+    cr_assert_str_eq(other, single, "launched: %s vs single %s", other, single);
     CLI(&r, "train", "--mode", "fsdp", "--sharding", "zero2", "--device", "cpu:2", DATA, MODEL,
         "--epochs", "1", "--quiet", "--optim", "adamw");
     expect(&r, 0, "SHARD_GRAD_OP, ZeRO stage 2");
