@@ -127,15 +127,23 @@ static int tdm_train_fsdp_after(void *ctx, int64_t epoch)
 /* 1 when path holds a sharded checkpoint's index (its format line). */
 static int tdm_train_fsdp_is_index(const char *path)
 {
-    char buf[512];
-    FILE *fp = fopen(path, "rb");
-    if (!fp) return 0;
-    size_t n = fread(buf, 1, sizeof buf - 1, fp);
+    /* the format sits in the safetensors header's metadata, whose length
+     * grows with the units listed there: read up to 1 MiB of it */
+    size_t cap = 1 << 20;
+    char *buf = malloc(cap + 1);
+    FILE *fp = buf ? fopen(path, "rb") : NULL;
+    if (!fp) {
+        free(buf);
+        return 0;
+    }
+    size_t n = fread(buf, 1, cap, fp);
     fclose(fp);
     buf[n] = 0;
     for (size_t i = 0; i < n; i++)
         if (!buf[i]) buf[i] = ' ';
-    return strstr(buf, "tandem-fsdp-sharded-") != NULL;
+    int found = strstr(buf, "tandem-fsdp-sharded-") != NULL;
+    free(buf);
+    return found;
 }
 
 static void tdm_train_fsdp_report(tdm_fsdp *f, tdm_optim *opt, int world)
