@@ -49,7 +49,7 @@ $(BUILD)/cuda/%.cu.o: cuda/%.cu
 	$(Q)$(NVCC) $(CPPFLAGS) $(CUDA_NVCC_ALL) -MMD -MP -c $< -o $@
 
 CUDA_TEST_BINS := $(BUILD)/tests/test_cuda $(BUILD)/tests/test_cuda_train \
-                  $(BUILD)/tests/test_bench_cuda $(BUILD)/tests/test_fsdp_cli $(BUILD)/tandem
+                  $(BUILD)/tests/test_bench_cuda $(BUILD)/tandem
 
 .PHONY: test-cuda test-gpu
 test-cuda: $(CUDA_TEST_BINS)

@@ -13,7 +13,7 @@ KIT_NAME=test-cuda
 . "$(dirname "$0")/test-lib.sh"
 kit_setup "${1:-build}" || exit 1
 kit_probe
-for name in test_cuda test_cuda_train test_bench_cuda test_fsdp_cli; do
+for name in test_cuda test_cuda_train test_bench_cuda; do
   kit_run "$name"
 done
 if [ -n "$KIT_FAILED" ]; then

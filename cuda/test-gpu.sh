@@ -41,7 +41,7 @@ kit_versions
 echo "test-gpu: $(date -u '+%Y-%m-%d %H:%M UTC') on $(uname -n); $KIT_NGPU GPU(s) seen by the driver"
 
 # 1. every CUDA test binary
-for name in test_cuda test_cuda_train test_bench_cuda test_fsdp_cli; do kit_run "$name"; done
+for name in test_cuda test_cuda_train test_bench_cuda; do kit_run "$name"; done
 t1=$(date +%s)
 
 # 2. memcheck over the single-process GPU tests (NCCL and the CLI fork

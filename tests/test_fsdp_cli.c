@@ -11,7 +11,8 @@
  *   memory is host memory) against one host device, through the library
  *   and through the CLI. What this does not test: CUDA, NCCL.
  * - cuda_gpu (where a GPU is lent; skipped otherwise): two ranks on one
- *   GPU over NCCL (the one-GPU kit), every sharding, through the library. */
+ *   GPU over NCCL (the one-GPU kit), every sharding, through the library
+ *   (run by make test; not in make test-gpu's list of binaries). */
 #include <criterion/criterion.h>
 
 #include <stdlib.h>
