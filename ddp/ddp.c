@@ -21,6 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/device_impl.h" /* to be converted to tdm_dev_* (issue 12) */
 #include "core/log.h"
 #include "models/train.h"
 

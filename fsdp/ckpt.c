@@ -93,7 +93,7 @@ tdm_status tdm_fsdp_save_full(tdm_fsdp *f, const char *path, tdm_optim *opt,
                                  "fsdp: cannot stage %lld parameters on rank 0 to save %s",
                                  (long long)pe, path);
         if (!mine && be > 0)
-            mine = d->ops->copy_to_host(d, h.buffers, tdm_model_buffers(m),
+            mine = tdm_dev_copy_to_host(d, h.buffers, tdm_model_buffers(m),
                                         (size_t)be * sizeof(float));
         st = tdm_fsdp_pool_get(f, (size_t)f->max_padded * sizeof(float), 0, &blk, &nb);
     }
@@ -106,7 +106,7 @@ tdm_status tdm_fsdp_save_full(tdm_fsdp *f, const char *path, tdm_optim *opt,
             st = tdm_comm_gather(f->comm, send, blk, (size_t)x->shard, TDM_DTYPE_FLOAT32, 0);
             float *dst = k == 0 ? h.params : h.state[k - 1];
             if (st == TDM_STATUS_OK && root && !mine)
-                mine = d->ops->copy_to_host(d, dst + x->offset, blk,
+                mine = tdm_dev_copy_to_host(d, dst + x->offset, blk,
                                             (size_t)x->n_elem * sizeof(float));
         }
     }
@@ -141,12 +141,12 @@ static tdm_status tdm_fsdp_place(tdm_fsdp *f, const float *src, float *stage, fl
         memset(stage, 0, (size_t)x->padded * sizeof(float));
         memcpy(stage, src + x->offset, (size_t)x->n_elem * sizeof(float));
         if (params && f->pfull) {
-            TDM_CHECK(d->ops->copy_from_host(d, f->pfull + x->full_off, stage,
+            TDM_CHECK(tdm_dev_copy_from_host(d, f->pfull + x->full_off, stage,
                                              (size_t)x->padded * sizeof(float)));
             continue;   /* its shard is a slice of the full copy */
         }
         float *dst = params ? tdm_fsdp_pshard(f, u) : shard_dst + x->shard_off;
-        TDM_CHECK(d->ops->copy_from_host(d, dst, stage + (int64_t)f->rank * x->shard,
+        TDM_CHECK(tdm_dev_copy_from_host(d, dst, stage + (int64_t)f->rank * x->shard,
                                          (size_t)x->shard * sizeof(float)));
     }
     return TDM_STATUS_OK;
@@ -181,7 +181,7 @@ tdm_status tdm_fsdp_load_full(tdm_fsdp *f, const char *path, tdm_optim *opt,
     for (int s = 0; st == TDM_STATUS_OK && s < ns; s++)
         st = tdm_fsdp_place(f, h.state[s], stage, tdm_optim_state(opt, s), 0);
     if (st == TDM_STATUS_OK && be > 0)
-        st = d->ops->copy_from_host(d, tdm_model_buffers(m), h.buffers, (size_t)be * sizeof(float));
+        st = tdm_dev_copy_from_host(d, tdm_model_buffers(m), h.buffers, (size_t)be * sizeof(float));
     if (st == TDM_STATUS_OK && opt) tdm_optim_set_steps(opt, h.steps);
     if (st == TDM_STATUS_OK && info) *info = got;
     free(h.params);
@@ -250,7 +250,7 @@ static tdm_status tdm_fsdp_write_rank_file(tdm_fsdp *f, const char *file, tdm_op
             const tdm_fsdp_unit *x = &f->u[u];
             const float *src = s == 0 ? tdm_fsdp_pshard(f, u)
                                       : tdm_optim_state(opt, s - 1) + x->shard_off;
-            TDM_TRY(d->ops->copy_to_host(d, base + x->shard_off, src,
+            TDM_TRY(tdm_dev_copy_to_host(d, base + x->shard_off, src,
                                          (size_t)x->shard * sizeof(float)));
             if (s == 0) snprintf(names[k], sizeof names[k], "unit%d.params", u);
             else
@@ -291,7 +291,7 @@ static tdm_status tdm_fsdp_write_index(tdm_fsdp *f, const char *path, tdm_optim 
         st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "fsdp: staging %s", path);
         goto fail;
     }
-    if (be > 0) TDM_TRY(d->ops->copy_to_host(d, hb, tdm_model_buffers(m), (size_t)be * sizeof(float)));
+    if (be > 0) TDM_TRY(tdm_dev_copy_to_host(d, hb, tdm_model_buffers(m), (size_t)be * sizeof(float)));
     for (int i = 0; i < nbuf; i++) {
         const tdm_tensor_info *ti = tdm_model_buffer_info(m, i);
         t[i] = (tdm_st_tensor){.name = ti->name, .dtype = TDM_ST_F32, .ndim = ti->ndim,
@@ -577,13 +577,13 @@ agree:
         const tdm_fsdp_unit *x = &f->u[u];
         for (int s = 0; st == TDM_STATUS_OK && s <= ns; s++) {
             float *dst = s == 0 ? tdm_fsdp_pshard(f, u) : tdm_optim_state(opt, s - 1) + x->shard_off;
-            st = d->ops->copy_from_host(d, dst, stage + (size_t)s * (size_t)f->shard_elems +
+            st = tdm_dev_copy_from_host(d, dst, stage + (size_t)s * (size_t)f->shard_elems +
                                                     x->shard_off,
                                         (size_t)x->shard * sizeof(float));
         }
     }
     if (st == TDM_STATUS_OK && be > 0)
-        st = d->ops->copy_from_host(d, tdm_model_buffers(m), hb, (size_t)be * sizeof(float));
+        st = tdm_dev_copy_from_host(d, tdm_model_buffers(m), hb, (size_t)be * sizeof(float));
     /* grad_op and optimizer keep full parameters: every rank's new shard
      * into every rank's copy */
     for (int u = 0; st == TDM_STATUS_OK && f->pfull && u < f->nu; u++) {

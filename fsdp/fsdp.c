@@ -273,7 +273,7 @@ static tdm_status tdm_fsdp_distribute(tdm_fsdp *f)
     if (f->o.sharding != TDM_FSDP_FULL_SHARD) {
         for (int u = 0; u < f->nu; u++) {
             const tdm_fsdp_unit *x = &f->u[u];
-            TDM_CHECK(d->ops->copy(d, f->pfull + x->full_off, src + x->offset,
+            TDM_CHECK(tdm_dev_copy(d, f->pfull + x->full_off, src + x->offset,
                                    (size_t)x->n_elem * sizeof(float)));
         }
         return tdm_comm_broadcast(f->comm, f->pfull, f->pfull, (size_t)f->full_elems,
@@ -286,9 +286,9 @@ static tdm_status tdm_fsdp_distribute(tdm_fsdp *f)
     for (int u = 0; st == TDM_STATUS_OK && u < f->nu; u++) {
         const tdm_fsdp_unit *x = &f->u[u];
         if (f->rank == 0) {
-            st = d->ops->copy(d, blk, src + x->offset, (size_t)x->n_elem * sizeof(float));
+            st = tdm_dev_copy(d, blk, src + x->offset, (size_t)x->n_elem * sizeof(float));
             if (st == TDM_STATUS_OK && x->padded > x->n_elem)
-                st = d->ops->memset_zero(d, blk + x->n_elem,
+                st = tdm_dev_memset_zero(d, blk + x->n_elem,
                                          (size_t)(x->padded - x->n_elem) * sizeof(float));
         }
         if (st == TDM_STATUS_OK)
@@ -418,7 +418,7 @@ void tdm_fsdp_free(tdm_fsdp *f)
         f->pfull) {
         /* a full copy exists: the model gets it back */
         for (int u = 0; u < f->nu; u++)
-            (void)f->dev->ops->copy(f->dev, tdm_model_params(m) + f->u[u].offset,
+            (void)tdm_dev_copy(f->dev, tdm_model_params(m) + f->u[u].offset,
                                     f->pfull + f->u[u].full_off,
                                     (size_t)f->u[u].n_elem * sizeof(float));
     }
@@ -476,7 +476,7 @@ tdm_status tdm_fsdp_zero_grad(tdm_fsdp *f)
 {
     tdm_device *d = f->dev;
     if (f->o.sharding == TDM_FSDP_SHARD_OPTIM)
-        return d->ops->memset_zero(d, f->gfull, (size_t)f->full_elems * sizeof(float));
+        return tdm_dev_memset_zero(d, f->gfull, (size_t)f->full_elems * sizeof(float));
     /* accumulated full gradients (no_sync) are dropped with the shards */
     for (int u = 0; u < f->nu; u++) {
         tdm_fsdp_unit *x = &f->u[u];
@@ -485,7 +485,7 @@ tdm_status tdm_fsdp_zero_grad(tdm_fsdp *f)
         tdm_fsdp_pool_put(f, x->gbuf, x->gbuf_bytes);
         x->gbuf = NULL;
     }
-    TDM_CHECK(d->ops->memset_zero(d, f->gshard, (size_t)f->shard_elems * sizeof(float)));
+    TDM_CHECK(tdm_dev_memset_zero(d, f->gshard, (size_t)f->shard_elems * sizeof(float)));
     f->gshard_zero = 1;
     return TDM_STATUS_OK;
 }
@@ -499,7 +499,7 @@ static tdm_status tdm_fsdp_stage(tdm_fsdp *f, const void *x, const int32_t *y, i
                                  const void **xd, const int32_t **yd)
 {
     tdm_device *d = f->dev;
-    if (d->kind == TDM_DEVICE_HOST) {
+    if (tdm_dev_kind(d) == TDM_DEVICE_HOST) {
         *xd = x;
         *yd = y;
         return TDM_STATUS_OK;
@@ -515,8 +515,8 @@ static tdm_status tdm_fsdp_stage(tdm_fsdp *f, const void *x, const int32_t *y, i
         TDM_CHECK(tdm_dev_alloc(d, (size_t)batch * rows * sizeof(int32_t), (void **)&f->y_dev));
         f->stage_cap = batch;
     }
-    TDM_CHECK(d->ops->copy_from_host(d, f->x_dev, x, (size_t)batch * feat * sizeof(float)));
-    TDM_CHECK(d->ops->copy_from_host(d, f->y_dev, y, (size_t)batch * rows * sizeof(int32_t)));
+    TDM_CHECK(tdm_dev_copy_from_host(d, f->x_dev, x, (size_t)batch * feat * sizeof(float)));
+    TDM_CHECK(tdm_dev_copy_from_host(d, f->y_dev, y, (size_t)batch * rows * sizeof(int32_t)));
     *xd = f->x_dev;
     *yd = f->y_dev;
     return TDM_STATUS_OK;
@@ -633,7 +633,7 @@ tdm_status tdm_fsdp_forward_scaled(tdm_fsdp *f, const void *x, const int32_t *y,
                 st = tdm_dev_alloc(d, (size_t)be * sizeof(float), (void **)&f->buf_save);
             /* batchnorm would learn running statistics from the zero sample */
             if (st == TDM_STATUS_OK && save)
-                st = d->ops->copy(d, f->buf_save, tdm_model_buffers(m), (size_t)be * sizeof(float));
+                st = tdm_dev_copy(d, f->buf_save, tdm_model_buffers(m), (size_t)be * sizeof(float));
         } else {
             st = tdm_fsdp_stage(f, x, y, batch, &xd, &yd);
         }
@@ -650,7 +650,7 @@ tdm_status tdm_fsdp_forward_scaled(tdm_fsdp *f, const void *x, const int32_t *y,
         if (st == TDM_STATUS_OK)
             st = tdm_model_loss(m, logits, yd, B, dummy ? 0.0f : grad_scale, &ls, f->dlogits);
         if (st == TDM_STATUS_OK && save)
-            st = d->ops->copy(d, tdm_model_buffers(m), f->buf_save, (size_t)be * sizeof(float));
+            st = tdm_dev_copy(d, tdm_model_buffers(m), f->buf_save, (size_t)be * sizeof(float));
         if (dummy) ls = 0.0;
         /* the other ranks wait in this step's collectives: stop them */
         if (st) return tdm_fsdp_fail(f, tdm_error_prefix(st, "fsdp forward (rank %d)", f->rank));
@@ -851,7 +851,7 @@ tdm_status tdm_fsdp_gather_params(tdm_fsdp *f, float *host_out, int root)
         tdm_status st = tdm_fsdp_settle_params(f, 0);
         if (st) return tdm_fsdp_fail(f, st);
         for (int u = 0; mine && u < f->nu; u++)
-            TDM_CHECK(d->ops->copy_to_host(d, host_out + f->u[u].offset, f->pfull + f->u[u].full_off,
+            TDM_CHECK(tdm_dev_copy_to_host(d, host_out + f->u[u].offset, f->pfull + f->u[u].full_off,
                                            (size_t)f->u[u].n_elem * sizeof(float)));
         return TDM_STATUS_OK;
     }
@@ -860,7 +860,7 @@ tdm_status tdm_fsdp_gather_params(tdm_fsdp *f, float *host_out, int root)
         tdm_status st = tdm_fsdp_need_params(f, u, 0);
         if (st) return tdm_fsdp_fail(f, st);
         if (mine)
-            TDM_CHECK(d->ops->copy_to_host(d, host_out + f->u[u].offset, f->u[u].pbuf,
+            TDM_CHECK(tdm_dev_copy_to_host(d, host_out + f->u[u].offset, f->u[u].pbuf,
                                            (size_t)f->u[u].n_elem * sizeof(float)));
         if (!had) TDM_CHECK(tdm_fsdp_release_params(f, u));
     }
@@ -882,7 +882,7 @@ tdm_status tdm_fsdp_gather_grads(tdm_fsdp *f, float *host_out, int root)
         st = tdm_comm_all_gather(f->comm, tdm_fsdp_gshard(f, u), blk, (size_t)x->shard,
                                  TDM_DTYPE_FLOAT32);
         if (st == TDM_STATUS_OK && mine)
-            st = d->ops->copy_to_host(d, host_out + x->offset, blk,
+            st = tdm_dev_copy_to_host(d, host_out + x->offset, blk,
                                       (size_t)x->n_elem * sizeof(float));
     }
     tdm_fsdp_pool_put(f, blk, nb);

@@ -59,7 +59,7 @@ tdm_status tdm_fsdp_pool_get(tdm_fsdp *f, size_t nbytes, int zero, float **out, 
         tdm_fsdp_pool_note(f);
     }
     if (zero) {
-        tdm_status st = f->dev->ops->memset_zero(f->dev, p, nbytes);
+        tdm_status st = tdm_dev_memset_zero(f->dev, p, nbytes);
         if (st) {
             tdm_fsdp_pool_put(f, p, sz);
             return st;
@@ -490,13 +490,13 @@ static tdm_status tdm_fsdp_finish_rs(tdm_fsdp *f, int u)
          * new gradients once, and the reduced sum it already holds once. */
         float *g = f->gfull + x->full_off;
         int64_t lo = (int64_t)f->rank * x->shard, hi = lo + x->shard;
-        if (lo > 0) TDM_CHECK(d->ops->memset_zero(d, g, (size_t)lo * sizeof(float)));
+        if (lo > 0) TDM_CHECK(tdm_dev_memset_zero(d, g, (size_t)lo * sizeof(float)));
         if (hi < x->padded)
-            TDM_CHECK(d->ops->memset_zero(d, g + hi, (size_t)(x->padded - hi) * sizeof(float)));
+            TDM_CHECK(tdm_dev_memset_zero(d, g + hi, (size_t)(x->padded - hi) * sizeof(float)));
         return TDM_STATUS_OK;
     }
     if (x->rs_tmp) {
-        TDM_CHECK(d->ops->axpy(d, x->shard, 1.0f, x->rs_tmp, f->gshard + x->shard_off));
+        TDM_CHECK(tdm_dev_axpy(d, x->shard, 1.0f, x->rs_tmp, f->gshard + x->shard_off));
         tdm_fsdp_pool_put(f, x->rs_tmp, x->rs_tmp_bytes);
         x->rs_tmp = NULL;
     }

@@ -129,12 +129,12 @@ static tdm_status tdm_optim_update(tdm_optim *o, const tdm_optim_range *r)
     if (r->n_elem == 0) return TDM_STATUS_OK;
     float *s0 = o->n_state > 0 ? o->state[0] + r->state_offset : NULL;
     if (p->kind == TDM_OPTIM_SGD)
-        return d->ops->sgd_step(d, r->n_elem, r->param, r->grad, s0, p->lr, p->momentum,
+        return tdm_dev_sgd_step(d, r->n_elem, r->param, r->grad, s0, p->lr, p->momentum,
                                 p->dampening, p->weight_decay, p->nesterov, o->steps == 0);
     double t = (double)o->steps + 1.0;
     float bc1 = (float)(1.0 - pow(p->beta1, t));
     float bc2 = (float)(1.0 - pow(p->beta2, t));
-    return d->ops->adamw_step(d, r->n_elem, r->param, r->grad, s0, o->state[1] + r->state_offset,
+    return tdm_dev_adamw_step(d, r->n_elem, r->param, r->grad, s0, o->state[1] + r->state_offset,
                               p->lr, p->beta1, p->beta2, p->eps, p->weight_decay, bc1, bc2);
 }
 

@@ -77,8 +77,8 @@ tdm_status tdm_train_grad_norm(tdm_model *m, double *norm)
     int64_t n = tdm_model_param_elems(m);
     float *g = malloc((size_t)(n > 0 ? n : 1) * sizeof *g);
     if (!g) return tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "cannot stage %" PRId64 " gradients", n);
-    tdm_status st = n > 0 ? dev->ops->copy_to_host(dev, g, tdm_model_grads(m),
-                                                   (size_t)n * sizeof *g)
+    tdm_status st = n > 0 ? tdm_dev_copy_to_host(dev, g, tdm_model_grads(m),
+                                                 (size_t)n * sizeof *g)
                           : TDM_STATUS_OK;
     double sq = 0.0;
     for (int p = 0; st == TDM_STATUS_OK && p < tdm_model_n_params(m); p++) {
@@ -105,7 +105,7 @@ static tdm_status tdm_single_stage(tdm_single *s, tdm_device *dev, const void *x
                                    const int32_t *y, int batch, int feat, int rows,
                                    const void **xd, const int32_t **yd)
 {
-    if (dev->kind == TDM_DEVICE_HOST) {
+    if (tdm_dev_kind(dev) == TDM_DEVICE_HOST) {
         *xd = x;
         *yd = y;
         return TDM_STATUS_OK;
@@ -120,8 +120,8 @@ static tdm_status tdm_single_stage(tdm_single *s, tdm_device *dev, const void *x
         TDM_CHECK(tdm_dev_alloc(dev, (size_t)batch * rows * sizeof(int32_t), (void **)&s->y_dev));
         s->cap = batch;
     }
-    TDM_CHECK(dev->ops->copy_from_host(dev, s->x_dev, x, (size_t)batch * feat * sizeof(float)));
-    TDM_CHECK(dev->ops->copy_from_host(dev, s->y_dev, y, (size_t)batch * rows * sizeof(int32_t)));
+    TDM_CHECK(tdm_dev_copy_from_host(dev, s->x_dev, x, (size_t)batch * feat * sizeof(float)));
+    TDM_CHECK(tdm_dev_copy_from_host(dev, s->y_dev, y, (size_t)batch * rows * sizeof(int32_t)));
     *xd = s->x_dev;
     *yd = s->y_dev;
     return TDM_STATUS_OK;

@@ -66,7 +66,7 @@ tdm_status tdm_train_text_eval_sum(tdm_model *m, const tdm_text *text, int64_t c
                 TDM_STATUS_INVALID_ARG, "text evaluation: windows [%lld, %lld) of %lld",
                 (long long)lo, (long long)hi, (long long)count);
     tdm_device *dev = tdm_model_device(m);
-    int host = dev->kind == TDM_DEVICE_HOST, was_train = tdm_model_is_train(m);
+    int host = tdm_dev_kind(dev) == TDM_DEVICE_HOST, was_train = tdm_model_is_train(m);
     size_t nb = (size_t)batch * T * sizeof(int32_t);
     int32_t *x = malloc(nb), *y = malloc(nb), *xd = NULL, *yd = NULL;
     if (!x || !y) {
@@ -85,8 +85,8 @@ tdm_status tdm_train_text_eval_sum(tdm_model *m, const tdm_text *text, int64_t c
         const float *logits;
         double ls = 0.0;
         if (!host) {
-            TDM_TRY(dev->ops->copy_from_host(dev, xd, x, (size_t)b * T * sizeof(int32_t)));
-            TDM_TRY(dev->ops->copy_from_host(dev, yd, y, (size_t)b * T * sizeof(int32_t)));
+            TDM_TRY(tdm_dev_copy_from_host(dev, xd, x, (size_t)b * T * sizeof(int32_t)));
+            TDM_TRY(tdm_dev_copy_from_host(dev, yd, y, (size_t)b * T * sizeof(int32_t)));
         }
         TDM_TRY(tdm_model_forward(m, host ? x : xd, b, &logits));
         TDM_TRY(tdm_model_loss(m, logits, host ? y : yd, b, 1.0f, &ls, NULL));

@@ -222,7 +222,7 @@ static tdm_status open_gpu0(tdm_device **out, int rank)
 static tdm_status make_nccl(tdm_comm **out, tdm_comm *boot, tdm_device *dev)
 {
     tdm_nccl_opts o = {.timeout_ms = 60000};
-    return tdm_comm_init_nccl_opts(out, boot, dev->index, &o);
+    return tdm_comm_init_nccl_opts(out, boot, tdm_dev_index(dev), &o);
 }
 
 Test(cuda_gpu, two_nccl_ranks_on_one_gpu_equal_one_host_device, .timeout = 300)

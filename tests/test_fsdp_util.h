@@ -215,7 +215,7 @@ static inline int tf_rank_main(tdm_comm *comm, void *arg)
             float *dst = rank == 0 ? sh->grads0 : rank == world - 1 ? sh->grads0_r1 : NULL;
             if (ddp) {
                 if (dst)
-                    TDM_TRY(dev->ops->copy_to_host(dev, dst, tdm_model_grads(m),
+                    TDM_TRY(tdm_dev_copy_to_host(dev, dst, tdm_model_grads(m),
                                                    (size_t)n_elem * 4));
             } else {
                 TDM_TRY(tdm_fsdp_gather_grads(f, hbuf, -1));
@@ -228,7 +228,7 @@ static inline int tf_rank_main(tdm_comm *comm, void *arg)
         sh->n_elem = n_elem;
         float *dst = rank == 0 ? sh->params : rank == world - 1 ? sh->params_r1 : NULL;
         if (ddp) {
-            if (dst) TDM_TRY(dev->ops->copy_to_host(dev, dst, tdm_model_params(m), (size_t)n_elem * 4));
+            if (dst) TDM_TRY(tdm_dev_copy_to_host(dev, dst, tdm_model_params(m), (size_t)n_elem * 4));
         } else {
             TDM_TRY(tdm_fsdp_gather_params(f, hbuf, -1));
             if (dst) memcpy(dst, hbuf, (size_t)n_elem * 4);

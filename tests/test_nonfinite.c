@@ -90,7 +90,7 @@ Test(nonfinite, epoch_loop_stops_at_a_nan_loss_naming_the_step)
 
 static void set_param(tdm_model *m, int64_t at, float v)
 {
-    TU_OK(g_dev->ops->copy_from_host(g_dev, tdm_model_params(m) + at, &v, sizeof v));
+    TU_OK(tdm_dev_copy_from_host(g_dev, tdm_model_params(m) + at, &v, sizeof v));
 }
 
 Test(nonfinite, a_checkpoint_is_never_overwritten_with_non_finite_values)
@@ -119,7 +119,7 @@ Test(nonfinite, a_checkpoint_is_never_overwritten_with_non_finite_values)
         set_param(m, ti->offset, 0.0f);
         set_param(m, ti->offset + 1, 0.0f);
         float inf = -INFINITY;
-        TU_OK(g_dev->ops->copy_from_host(g_dev, tdm_optim_state(o, 0) + 3, &inf, sizeof inf));
+        TU_OK(tdm_dev_copy_from_host(g_dev, tdm_optim_state(o, 0) + 3, &inf, sizeof inf));
         cr_assert_eq(tdm_checkpoint_save(p, m, o, NULL), TDM_STATUS_NONFINITE);
         assert_msg("optim.");
         assert_msg("1 non-finite value");

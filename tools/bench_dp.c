@@ -12,7 +12,7 @@
 #include <unistd.h>
 
 #include "core/data.h"
-#include "core/device.h"
+#include "core/device_impl.h" /* to be converted to tdm_dev_* (issue 12) */
 #include "core/timer.h"
 #include "dp/dp.h"
 #include "models/model.h"

@@ -9,7 +9,7 @@
 #include <string.h>
 
 #include "core/data.h"
-#include "core/device.h"
+#include "core/device_impl.h" /* to be converted to tdm_dev_* (issue 12) */
 #include "core/rng.h"
 #include "core/timer.h"
 #include "models/model.h"

@@ -8,19 +8,11 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "cuda/cuda.h"
+#include "core/device_impl.h" /* to be converted to tdm_dev_* (issue 12) */
+#include "cuda/cuda_weak.h"
 #include "ddp/pg.h"
 #include "ddp/spawn.h"
 #include "shm/shm_comm.h"
-
-/* cuda/cuda.h declares plain C types only; its functions are weak here:
- * NULL in builds without the CUDA backend. */
-__attribute__((weak)) tdm_status tdm_comm_init_nccl_opts(tdm_comm **out, tdm_comm *bootstrap,
-                                                         int device_index,
-                                                         const tdm_nccl_opts *opts);
-__attribute__((weak)) int tdm_cuda_emulator_env(void);
-__attribute__((weak)) int tdm_cuda_device_is_emulator(const tdm_device *d);
-__attribute__((weak)) int tdm_cuda_device_tf32(const tdm_device *d);
 
 int tdm_tool_cuda_emulated(void)
 {
@@ -33,7 +25,7 @@ void tdm_tool_print_emulated(FILE *f, const char *spec)
     if (n && spec && !strncmp(spec, "cuda", 4))
         fprintf(f, "  CUDA EMULATOR (TANDEM_CUDA_EMULATOR=%d): the cuda devices are emulated on "
                 "the host (host memory, the CUDA kernels' code run as host loops, DDP reducing "
-                "over shm): not a GPU result\n", n);
+                "over the host communicator, not NCCL): not a GPU result\n", n);
 }
 
 int tdm_tool_device_is_gpu(const tdm_device *d)

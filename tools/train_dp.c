@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "core/device_impl.h" /* to be converted to tdm_dev_* (issue 12) */
 #include "core/timer.h"
 #include "dp/dp.h"
 #include "models/checkpoint.h"
