@@ -14,6 +14,9 @@ struct tdm_optim {
     tdm_device *dev;    /* borrowed: the model's, or the flat optimizer's */
     int64_t n_elem;     /* elements of each state buffer */
     int64_t steps;
+    tdm_optim_schedule schedule;
+    double base_lr;          /* COSINE: the rate at step 0 */
+    int64_t total_steps;     /* COSINE: where the rate reaches 0 */
     int n_state;
     float *state[2];
 };
@@ -121,6 +124,16 @@ void tdm_optim_free(tdm_optim *o)
     free(o);
 }
 
+/* The learning-rate schedule (tdm_optim_set_schedule) at this step: once
+ * per step, before its updates (of the model, or of every range). */
+static void tdm_optim_apply_schedule(tdm_optim *o)
+{
+    if (o->schedule != TDM_OPTIM_SCHEDULE_COSINE) return;
+    double t = (double)o->steps / (double)o->total_steps;
+    if (t > 1.0) t = 1.0;
+    o->opts.lr = (float)(o->base_lr * 0.5 * (1.0 + cos(M_PI * t)));
+}
+
 /* The update of one range, at step count o->steps (not counted here). */
 static tdm_status tdm_optim_update(tdm_optim *o, const tdm_optim_range *r)
 {
@@ -155,6 +168,7 @@ tdm_status tdm_optim_step(tdm_optim *o)
                 "optimizer: this one covers a shard, not a model: step it with "
                 "tdm_optim_step_ranges");
     TDM_CHECK(tdm_optim_check_steps(o));
+    tdm_optim_apply_schedule(o);
     tdm_optim_range r = {.param = tdm_model_params(m), .grad = tdm_model_grads(m),
                          .state_offset = 0, .n_elem = tdm_model_param_elems(m)};
     TDM_REQUIRE(r.param && r.grad, TDM_STATUS_INVALID_ARG,
@@ -168,6 +182,7 @@ tdm_status tdm_optim_step(tdm_optim *o)
 tdm_status tdm_optim_step_ranges(tdm_optim *o, const tdm_optim_range *ranges, int n_ranges)
 {
     TDM_CHECK(tdm_optim_check_steps(o));
+    tdm_optim_apply_schedule(o);
     TDM_REQUIRE(n_ranges >= 0 && (n_ranges == 0 || ranges), TDM_STATUS_INVALID_ARG,
                 "optimizer: %d ranges", n_ranges);
     for (int i = 0; i < n_ranges; i++) {
@@ -190,6 +205,23 @@ int64_t tdm_optim_n_elem(const tdm_optim *o) { return o->n_elem; }
 int64_t tdm_optim_steps(const tdm_optim *o) { return o->steps; }
 void tdm_optim_set_steps(tdm_optim *o, int64_t steps) { o->steps = steps; }
 void tdm_optim_set_lr(tdm_optim *o, float lr) { o->opts.lr = lr; }
+
+tdm_status tdm_optim_set_schedule(tdm_optim *o, tdm_optim_schedule kind, double base_lr,
+                                  int64_t total_steps)
+{
+    TDM_REQUIRE(kind == TDM_OPTIM_SCHEDULE_CONST || kind == TDM_OPTIM_SCHEDULE_COSINE,
+                TDM_STATUS_INVALID_ARG, "unknown learning-rate schedule %d", (int)kind);
+    TDM_REQUIRE(isfinite(base_lr) && base_lr >= 0.0, TDM_STATUS_INVALID_ARG,
+                "learning rate %g must be finite and >= 0", base_lr);
+    TDM_REQUIRE(kind == TDM_OPTIM_SCHEDULE_CONST || total_steps > 0, TDM_STATUS_INVALID_ARG,
+                "a cosine schedule needs a positive number of steps (got %lld)",
+                (long long)total_steps);
+    o->schedule = kind;
+    o->base_lr = base_lr;
+    o->total_steps = total_steps;
+    if (kind == TDM_OPTIM_SCHEDULE_CONST) o->opts.lr = (float)base_lr;
+    return TDM_STATUS_OK;
+}
 const tdm_optim_opts *tdm_optim_get_opts(const tdm_optim *o) { return &o->opts; }
 int tdm_optim_n_state(const tdm_optim *o) { return o->n_state; }
 

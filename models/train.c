@@ -16,12 +16,12 @@ void tdm_train_epoch_order(int64_t *perm, int64_t n, uint64_t seed, int64_t epoc
     tdm_rng_permutation(&r, perm, n);
 }
 
-tdm_status tdm_train_epoch(const tdm_dataset *d, int batch, uint64_t seed, int64_t epoch,
-                           int drop_last, int64_t max_steps, tdm_train_step_fn step,
-                           void *step_ctx, tdm_train_progress_fn progress, void *progress_ctx,
+tdm_status tdm_train_epoch(const tdm_dataset *d, const tdm_train_epoch_opts *o,
                            tdm_epoch_stats *out)
 {
     tdm_status st = TDM_STATUS_OK;
+    int batch = o->batch;
+    int64_t epoch = o->epoch;
     TDM_REQUIRE(batch > 0, TDM_STATUS_INVALID_ARG, "batch size %d must be positive", batch);
     TDM_REQUIRE(d && d->n > 0, TDM_STATUS_INVALID_ARG, "empty dataset");
     int64_t feat = tdm_data_features(d);
@@ -33,9 +33,9 @@ tdm_status tdm_train_epoch(const tdm_dataset *d, int batch, uint64_t seed, int64
         st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "cannot allocate a batch of %d", batch);
         goto fail;
     }
-    tdm_train_epoch_order(perm, d->n, seed, epoch);
-    int64_t steps = drop_last ? d->n / batch : (d->n + batch - 1) / batch;
-    if (max_steps > 0 && max_steps < steps) steps = max_steps;
+    tdm_train_epoch_order(perm, d->n, o->seed, epoch);
+    int64_t steps = o->drop_last ? d->n / batch : (d->n + batch - 1) / batch;
+    if (o->max_steps > 0 && o->max_steps < steps) steps = o->max_steps;
     double loss_total = 0.0;
     uint64_t t0 = tdm_time_ns();
     for (int64_t s = 0; s < steps; s++) {
@@ -43,7 +43,7 @@ tdm_status tdm_train_epoch(const tdm_dataset *d, int batch, uint64_t seed, int64
         int b = (int)(d->n - start < batch ? d->n - start : batch);
         tdm_data_gather(d, perm + start, b, x, y);
         double loss = 0.0;
-        TDM_TRY(step(step_ctx, x, y, b, &loss));
+        TDM_TRY(o->step(o->step_ctx, x, y, b, &loss));
         /* The loss is on the host already: checking it costs nothing, and
          * a NaN or infinity here means the parameters are ruined too. */
         if (!isfinite(loss)) {
@@ -58,8 +58,9 @@ tdm_status tdm_train_epoch(const tdm_dataset *d, int batch, uint64_t seed, int64
         out->steps++;
         out->samples += b;
         double secs = (double)(tdm_time_ns() - t0) * 1e-9;
-        if (progress)
-            progress(progress_ctx, s + 1, steps, loss, secs > 0 ? (double)out->samples / secs : 0);
+        if (o->progress)
+            o->progress(o->progress_ctx, s + 1, steps, loss,
+                        secs > 0 ? (double)out->samples / secs : 0);
     }
     out->seconds = (double)(tdm_time_ns() - t0) * 1e-9;
     out->loss_mean = out->samples ? loss_total / (double)out->samples : 0.0;

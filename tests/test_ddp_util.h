@@ -187,7 +187,9 @@ static inline int tddp_rank_main(tdm_comm *comm, void *arg)
         for (int k = 0; k < micro; k++) {
             int mb0 = (int)((int64_t)k * c->batch / micro), mb1 = (int)((int64_t)(k + 1) * c->batch / micro);
             int mb = mb1 - mb0;
-            int lo = (int)((int64_t)rank * mb / world), hi = (int)((int64_t)(rank + 1) * mb / world);
+            int64_t lo64, hi64;
+            tdm_ddp_share(mb, rank, world, &lo64, &hi64);
+            int lo = (int)lo64, hi = (int)hi64;
             if (c->gpt)
                 tdm_text_windows(tddp_text(), TDDP_GPT_T, 1, s, mb0 + lo, hi - lo, (int32_t *)x, y);
             else

@@ -79,7 +79,8 @@ Test(nonfinite, epoch_loop_stops_at_a_nan_loss_naming_the_step)
     int c[2] = {0, 4};
     tdm_epoch_stats es;
     /* epoch 2 (0-based) of 10 steps: its 4th step is step 24 of the run */
-    tdm_status st = tdm_train_epoch(&d, 10, 1, 2, 0, 0, nan_at, c, NULL, NULL, &es);
+    tdm_train_epoch_opts eo = {.batch = 10, .seed = 1, .epoch = 2, .step = nan_at, .step_ctx = c};
+    tdm_status st = tdm_train_epoch(&d, &eo, &es);
     cr_assert_eq(st, TDM_STATUS_NONFINITE, "%s (%s)", tdm_status_name(st), tdm_error_message());
     cr_assert_eq(c[0], 4, "the loop went on after the NaN: %d steps", c[0]);
     assert_msg("loss is NaN at step 24 (epoch 3, batch 4 of 10)");

@@ -17,6 +17,7 @@
 #include "fsdp/fsdp.h"
 #include "models/optim.h"
 #include "tools/compare.h"
+#include "tools/ddp_rank.h"
 #include "tools/devices.h"
 
 /* collectives recorded per step in the trace (rank 0) */
@@ -216,8 +217,8 @@ done:
     return rc;
 }
 
-int tdm_cmp_run_fsdp(const tdm_cmp_opts *o, const tdm_cmp_data *data, tdm_cmp_mode mode,
-                     int world, tdm_cmp_result *r)
+tdm_status tdm_cmp_run_fsdp(const tdm_cmp_opts *o, const tdm_cmp_data *data,
+                            tdm_cmp_mode mode, int world, tdm_cmp_result *r)
 {
     const char *name = tdm_cmp_mode_name(mode);
     tdm_model_spec spec;
@@ -232,7 +233,7 @@ int tdm_cmp_run_fsdp(const tdm_cmp_opts *o, const tdm_cmp_data *data, tdm_cmp_mo
     tdm_device_free(pdev);
     if (pe <= 0) {
         fprintf(stderr, "tandem compare: %s: %s\n", name, tdm_error_message());
-        return 0;
+        return TDM_STATUS_INVALID_ARG;
     }
     size_t S = (size_t)o->steps, W = (size_t)world;
     tdm_cmp_fsdp_sh lay = {.world = world, .steps = o->steps, .param_elems = pe};
@@ -253,19 +254,19 @@ int tdm_cmp_run_fsdp(const tdm_cmp_opts *o, const tdm_cmp_data *data, tdm_cmp_mo
                                -1, 0);
     if (sh == MAP_FAILED) {
         perror("tandem compare: mmap");
-        return 0;
+        return tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "compare: mmap of %zu bytes", lay.total);
     }
     *sh = lay;
     tdm_cmp_fsdp_arg arg = {.o = o, .data = data, .mode = mode, .sh = sh,
                             .t_start = tdm_time_ns()};
     tdm_ddp_spawn_opts so = {.timeout_ms = 3600000};
-    int ok = 0;
+    tdm_status st;
     fflush(stdout);
-    if (tdm_ddp_spawn(world, tdm_cmp_fsdp_rank, &arg, &so, NULL) != TDM_STATUS_OK) {
+    if ((st = tdm_ddp_spawn(world, tdm_cmp_fsdp_rank, &arg, &so, NULL)) != TDM_STATUS_OK) {
         fprintf(stderr, "tandem compare: %s: %s\n", name, tdm_error_message());
         goto done;
     }
-    if (!tdm_cmp_alloc(r, mode, world, o->steps, pe)) goto done;
+    if ((st = tdm_cmp_alloc(r, mode, world, o->steps, pe)) != TDM_STATUS_OK) goto done;
     const double *loss = TDM_CMP_FAT(sh, off_loss, double);
     const tdm_phase_times *phase = TDM_CMP_FAT(sh, off_phase, tdm_phase_times);
     for (size_t i = 0; i < S; i++) {
@@ -281,7 +282,10 @@ int tdm_cmp_run_fsdp(const tdm_cmp_opts *o, const tdm_cmp_data *data, tdm_cmp_mo
     }
     r->n_coll = sh->n_coll;
     r->coll = calloc(S * (size_t)(r->n_coll > 0 ? r->n_coll : 1) * 4, sizeof(double));
-    if (!r->coll) goto done;
+    if (!r->coll) {
+        st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "compare: out of memory");
+        goto done;
+    }
     for (size_t i = 0; i < S; i++)
         memcpy(r->coll + i * (size_t)r->n_coll * 4,
                TDM_CMP_FAT(sh, off_coll, double) + i * TDM_CMP_MAX_COLL * 4,
@@ -294,10 +298,10 @@ int tdm_cmp_run_fsdp(const tdm_cmp_opts *o, const tdm_cmp_data *data, tdm_cmp_mo
         r->ranks_agree &= sh->agree[k];
         r->mem[k] = sh->mem[k];
     }
-    r->ok = ok = 1;
+    r->ok = 1;
 done:
     munmap(sh, lay.total);
-    return ok;
+    return st;
 }
 
 /* ---- what compare prints ---- */

@@ -32,7 +32,9 @@
 #include "ddp/pg.h"
 #include "ddp/spawn.h"
 #include "fsdp/fsdp.h"
+#include "tools/ddp_rank.h"
 #include "tools/devices.h"
+#include "tools/tools.h"
 #include "tools/train_modes.h"
 
 typedef struct tdm_train_fsdp_ctx {
@@ -49,15 +51,17 @@ typedef struct tdm_train_fsdp_rank {
     tdm_optim *opt;
     tdm_comm *comm;
     const char *save;
+    const tdm_dataset *test;
     int sharded, rank, world;
     uint64_t seed;
     int64_t feat, steps, kill_step;
 } tdm_train_fsdp_rank;
 
-static void tdm_train_fsdp_fail(int rank, const char *what, tdm_status st)
+static tdm_status tdm_train_fsdp_fail(int rank, const char *what, tdm_status st)
 {
     fprintf(stderr, "tandem train: rank %d: %s: %s\n", rank, what,
             tdm_error_message()[0] ? tdm_error_message() : tdm_status_name(st));
+    return st;
 }
 
 static tdm_status tdm_train_fsdp_step(void *ctx, const void *x, const int32_t *y, int batch,
@@ -65,8 +69,9 @@ static tdm_status tdm_train_fsdp_step(void *ctx, const void *x, const int32_t *y
 {
     tdm_train_fsdp_rank *r = ctx;
     tdm_status st = TDM_STATUS_OK;
-    int lo = (int)((int64_t)r->rank * batch / r->world);
-    int hi = (int)((int64_t)(r->rank + 1) * batch / r->world);
+    int64_t lo64, hi64;
+    tdm_ddp_share(batch, r->rank, r->world, &lo64, &hi64);
+    int lo = (int)lo64, hi = (int)hi64;
     double ls = 0.0;
     if (++r->steps == r->kill_step) {
         fflush(stdout);
@@ -96,32 +101,27 @@ fail:
     return st;
 }
 
-static tdm_status tdm_train_fsdp_eval(void *ctx, tdm_model *m, const tdm_dataset *test,
-                                      double *loss_mean, double *accuracy)
+static tdm_status tdm_train_fsdp_eval(void *ctx, double *loss_mean, double *accuracy)
 {
     tdm_train_fsdp_rank *r = ctx;
-    (void)m;
-    return tdm_fsdp_evaluate(r->f, test, 1000, loss_mean, accuracy);
+    return tdm_fsdp_evaluate(r->f, r->test, 1000, loss_mean, accuracy);
 }
 
 /* After each epoch every rank saves together (the full form gathers to
  * rank 0; the sharded form writes a file per rank). */
-static int tdm_train_fsdp_after(void *ctx, int64_t epoch)
+static tdm_status tdm_train_fsdp_after(void *ctx, int64_t epoch)
 {
     tdm_train_fsdp_rank *r = ctx;
-    if (!r->save) return 1;
+    if (!r->save) return TDM_STATUS_OK;
     tdm_ckpt_info info = {.step = tdm_optim_steps(r->opt), .epoch = epoch + 1, .seed = r->seed};
     tdm_status st = r->sharded ? tdm_fsdp_save_sharded(r->f, r->save, r->opt, &info)
                                : tdm_fsdp_save_full(r->f, r->save, r->opt, &info);
-    if (st) {
-        tdm_train_fsdp_fail(r->rank, "saving checkpoint", st);
-        return 0;
-    }
+    if (st) return tdm_train_fsdp_fail(r->rank, "saving checkpoint", st);
     if (r->rank == 0)
         printf("  saved %s (%s, epoch %lld, step %lld)\n", r->save,
                r->sharded ? "sharded: a file per rank plus this index" : "full", (long long)epoch + 1,
                (long long)info.step);
-    return 1;
+    return TDM_STATUS_OK;
 }
 
 /* 1 when path holds a sharded checkpoint's index (its format line). */
@@ -175,18 +175,54 @@ static void tdm_train_fsdp_report(tdm_fsdp *f, tdm_optim *opt, int world)
            (double)mm.full_grads * mib, (double)mm.units_peak * mib);
 }
 
-static int tdm_train_fsdp_rank_main(tdm_comm *comm, void *arg)
+/* The rank's device, model, shards and optimizer, and --resume (every
+ * rank reads the checkpoint and keeps its shards). */
+static tdm_status tdm_train_fsdp_setup(const tdm_train_fsdp_ctx *c, tdm_train_args *a,
+                                       tdm_comm *comm, tdm_train_fsdp_rank *r, tdm_device **dev,
+                                       tdm_model **m, tdm_comm **nccl, int64_t *start_epoch)
 {
-    const tdm_train_fsdp_ctx *c = arg;
+    tdm_status st;
+    int rank = r->rank;
+    if ((st = tdm_tool_rank_device(&c->dl, rank, dev)))
+        return tdm_train_fsdp_fail(rank, "opening device", st);
+    if ((st = tdm_model_init(m, *dev, &c->spec, (uint64_t)a->seed)))
+        return tdm_train_fsdp_fail(rank, "building model", st);
+    TDM_CHECK(tdm_train_check_features(c->train, *m));
+    if ((st = tdm_tool_rank_nccl(comm, *dev, nccl)))
+        return tdm_train_fsdp_fail(rank, "NCCL set-up", st);
+    tdm_fsdp_opts o = {.sharding = c->sharding, .no_overlap = a->no_overlap,
+                       .host_comm = *nccl ? comm : NULL};
+    if ((st = tdm_fsdp_init(&r->f, *m, *nccl ? *nccl : comm, &o)))
+        return tdm_train_fsdp_fail(rank, "fsdp set-up", st);
+    tdm_optim_opts oo;
+    tdm_optim_opts_default(&oo, strcmp(a->optim, "sgd") ? TDM_OPTIM_ADAMW : TDM_OPTIM_SGD);
+    oo.lr = (float)a->lr;
+    oo.weight_decay = (float)a->weight_decay;
+    if (oo.kind == TDM_OPTIM_SGD) {
+        oo.momentum = (float)a->momentum;
+        oo.nesterov = a->nesterov;
+    }
+    if ((st = tdm_fsdp_optim_init(&r->opt, r->f, &oo)))
+        return tdm_train_fsdp_fail(rank, "optimizer", st);
+    *start_epoch = 0;
+    if (!a->resume) return TDM_STATUS_OK;
+    tdm_ckpt_info info;
+    st = tdm_train_fsdp_is_index(a->resume) ? tdm_fsdp_load_sharded(r->f, a->resume, r->opt, &info)
+                                            : tdm_fsdp_load_full(r->f, a->resume, r->opt, &info);
+    if (st) return tdm_train_fsdp_fail(rank, "resuming", st);
+    *start_epoch = info.epoch;
+    if (rank == 0) tdm_train_print_resumed(a->resume, &info);
+    return TDM_STATUS_OK;
+}
+
+/* One rank, forked or launched, over the shm process group comm. */
+static tdm_status tdm_train_fsdp_rank_main(tdm_comm *comm, const tdm_train_fsdp_ctx *c)
+{
     tdm_train_args a = *c->a;
     int rank = tdm_comm_rank(comm), world = tdm_comm_size(comm);
     tdm_device *dev = NULL;
     tdm_model *m = NULL;
-    tdm_optim *opt = NULL;
-    tdm_fsdp *f = NULL;
     tdm_comm *nccl = NULL;
-    tdm_status st;
-    int rc = 1;
     if (rank != 0) {
         int fd = open("/dev/null", O_WRONLY | O_CLOEXEC);
         if (fd >= 0) {
@@ -196,177 +232,140 @@ static int tdm_train_fsdp_rank_main(tdm_comm *comm, void *arg)
         a.quiet = 1;
     }
     tdm_train_fsdp_rank r = {.comm = comm, .rank = rank, .world = world, .save = a.save,
-                             .sharded = a.save_sharded, .seed = (uint64_t)a.seed,
-                             .feat = tdm_data_features(c->train)};
-    a.save = NULL;   /* the epoch driver's save is single-process; ours is collective */
-    if ((st = tdm_tool_rank_device(&c->dl, rank, &dev))) {
-        tdm_train_fsdp_fail(rank, "opening device", st);
-        goto done;
-    }
-    if ((st = tdm_model_init(&m, dev, &c->spec, (uint64_t)a.seed))) {
-        tdm_train_fsdp_fail(rank, "building model", st);
-        goto done;
-    }
-    if (!tdm_train_check_features(c->train, m)) {
-        rc = 2;
-        goto done;
-    }
-    if ((st = tdm_tool_rank_nccl(comm, dev, &nccl))) {
-        tdm_train_fsdp_fail(rank, "NCCL set-up", st);
-        goto done;
-    }
-    tdm_fsdp_opts o = {.sharding = c->sharding, .no_overlap = a.no_overlap,
-                       .host_comm = nccl ? comm : NULL};
-    if ((st = tdm_fsdp_init(&f, m, nccl ? nccl : comm, &o))) {
-        tdm_train_fsdp_fail(rank, "fsdp set-up", st);
-        goto done;
-    }
-    tdm_optim_opts oo;
-    tdm_optim_opts_default(&oo, strcmp(a.optim, "sgd") ? TDM_OPTIM_ADAMW : TDM_OPTIM_SGD);
-    oo.lr = (float)a.lr;
-    oo.weight_decay = (float)a.weight_decay;
-    if (oo.kind == TDM_OPTIM_SGD) {
-        oo.momentum = (float)a.momentum;
-        oo.nesterov = a.nesterov;
-    }
-    if ((st = tdm_fsdp_optim_init(&opt, f, &oo))) {
-        tdm_train_fsdp_fail(rank, "optimizer", st);
-        goto done;
-    }
-    r.f = f;
-    r.opt = opt;
+                             .test = c->test, .sharded = a.save_sharded,
+                             .seed = (uint64_t)a.seed, .feat = tdm_data_features(c->train)};
+    a.save = NULL;   /* the epoch loop's save is single-process; ours is collective */
     int64_t start_epoch = 0;
-    if (a.resume) {
-        tdm_ckpt_info info;
-        st = tdm_train_fsdp_is_index(a.resume) ? tdm_fsdp_load_sharded(f, a.resume, opt, &info)
-                                               : tdm_fsdp_load_full(f, a.resume, opt, &info);
-        if (st) {
-            tdm_train_fsdp_fail(rank, "resuming", st);
-            goto done;
-        }
-        start_epoch = info.epoch;
-        if (rank == 0) tdm_train_print_resumed(a.resume, &info);
+    tdm_status st = tdm_train_fsdp_setup(c, &a, comm, &r, &dev, &m, &nccl, &start_epoch);
+    if (st == TDM_STATUS_OK) {
+        char devdesc[200];
+        snprintf(devdesc, sizeof devdesc, "%d processes on %s, sharding %s (%s communicator, "
+                 "timeout %g s)", world, c->a->device, tdm_fsdp_sharding_describe(c->sharding),
+                 tdm_comm_backend_name(nccl ? nccl : comm), (double)c->timeout_ms / 1000.0);
+        if (rank == 0)
+            tdm_train_print_header(&a, &c->spec, c->train, c->test, tdm_model_param_elems(m),
+                                   devdesc);
+        const char *kill_env = getenv("TANDEM_DDP_TEST_KILL");
+        int kr = -1;
+        long long ks = 0;
+        if (kill_env && sscanf(kill_env, "%d:%lld", &kr, &ks) == 2 && kr == rank) r.kill_step = ks;
+        tdm_train_run run = {.m = m, .opt = r.opt, .start_epoch = start_epoch,
+                             .step = tdm_train_fsdp_step, .step_ctx = &r, .train = c->train,
+                             .test = c->test, .eval = tdm_train_fsdp_eval, .eval_ctx = &r,
+                             .after = tdm_train_fsdp_after, .after_ctx = &r};
+        st = tdm_train_epochs(&a, &run);
+        if (st == TDM_STATUS_OK && rank == 0) tdm_train_fsdp_report(r.f, r.opt, world);
     }
-    char devdesc[200];
-    snprintf(devdesc, sizeof devdesc, "%d processes on %s, sharding %s (%s communicator, "
-             "timeout %g s)", world, c->a->device, tdm_fsdp_sharding_describe(c->sharding),
-             tdm_comm_backend_name(nccl ? nccl : comm), (double)c->timeout_ms / 1000.0);
-    if (rank == 0)
-        tdm_train_print_header(&a, &c->spec, c->train, c->test, tdm_model_param_elems(m), devdesc);
-    const char *kill_env = getenv("TANDEM_DDP_TEST_KILL");
-    int kr = -1;
-    long long ks = 0;
-    if (kill_env && sscanf(kill_env, "%d:%lld", &kr, &ks) == 2 && kr == rank) r.kill_step = ks;
-    if (!tdm_train_epochs(&a, m, opt, c->train, c->test, tdm_train_fsdp_step, &r, start_epoch,
-                          tdm_train_fsdp_eval, &r, tdm_train_fsdp_after, &r))
-        goto done;
-    if (rank == 0) tdm_train_fsdp_report(f, opt, world);
-    rc = 0;
-done:
-    if (rc) {
+    if (st) {
         char why[400];
         snprintf(why, sizeof why, "%s", tdm_error_message()[0] ? tdm_error_message()
                                                                : "rank failed");
         tdm_comm_abort(comm, why);
     }
     fflush(stdout);
-    tdm_fsdp_free(f);
-    tdm_comm_free(nccl);
-    tdm_optim_free(opt);
+    tdm_fsdp_free(r.f);
+    tdm_comm_free(nccl);   /* before comm, which bootstrapped it */
+    tdm_optim_free(r.opt);
     tdm_model_free(m);
     tdm_device_free(dev);
-    return rc;
+    return st;
 }
 
-int tdm_train_run_fsdp(const tdm_train_args *a)
+/* A forked rank: its process's exit code. */
+static int tdm_train_fsdp_forked_rank(tdm_comm *comm, void *arg)
+{
+    return tdm_tool_exit(tdm_train_fsdp_rank_main(comm, arg));
+}
+
+/* One rank of a job started by tandem launch. */
+static tdm_status tdm_train_fsdp_launched(tdm_train_fsdp_ctx *c)
+{
+    const tdm_train_args *a = c->a;
+    tdm_comm *comm = NULL;
+    tdm_ddp_env env;
+    tdm_dataset train = {0}, test = {0};
+    tdm_ddp_pg_opts po = {.timeout_ms = c->timeout_ms};
+    tdm_status st = tdm_ddp_pg_init(&comm, &env, &po);
+    if (st) {
+        fprintf(stderr, "tandem train: joining the launched job: %s\n", tdm_error_message());
+        return st;
+    }
+    if (c->dl.count != 1 && c->dl.count != env.world_size) {
+        st = tdm_tool_usage_error("tandem train: rank %d: --device '%s' names %d devices but "
+                                  "the job has %d ranks\n", env.rank, a->device, c->dl.count,
+                                  env.world_size);
+        tdm_comm_abort(comm, "bad --device");
+        goto done;
+    }
+    if (c->dl.count == 1) c->dl.index[0] = env.local_rank;
+    if ((st = tdm_train_load_data(a, &c->spec, &train, &test))) {
+        tdm_comm_abort(comm, "loading data failed");
+        goto done;
+    }
+    c->train = &train;
+    c->test = &test;
+    st = tdm_train_fsdp_rank_main(comm, c);
+done:
+    tdm_comm_free(comm);
+    tdm_data_free(&train);
+    tdm_data_free(&test);
+    return st;
+}
+
+/* N forked ranks; a probe model on a host device checks the data first
+ * (a mismatch is said once, as usage). */
+static tdm_status tdm_train_fsdp_forked(tdm_train_fsdp_ctx *c)
+{
+    const tdm_train_args *a = c->a;
+    tdm_dataset train = {0}, test = {0};
+    tdm_device *dev = NULL;
+    tdm_model *probe = NULL;
+    tdm_status st;
+    TDM_CHECK(tdm_train_load_data(a, &c->spec, &train, &test));
+    if ((st = tdm_device_open(&dev, "cpu", 0, 1)) ||
+        (st = tdm_model_init(&probe, dev, &c->spec, (uint64_t)a->seed))) {
+        fprintf(stderr, "tandem train: building model: %s\n", tdm_error_message());
+        goto done;
+    }
+    if ((st = tdm_train_check_features(&train, probe))) goto done;
+    tdm_model_free(probe);
+    probe = NULL;
+    c->train = &train;
+    c->test = &test;
+    tdm_ddp_spawn_opts so = {.timeout_ms = INT64_MAX / 2000000, .comm_timeout_ms = c->timeout_ms};
+    fflush(stdout);
+    if ((st = tdm_ddp_spawn(c->dl.count, tdm_train_fsdp_forked_rank, c, &so, NULL)))
+        fprintf(stderr, "tandem train: fsdp: %s\n", tdm_error_message());
+done:
+    tdm_model_free(probe);
+    tdm_device_free(dev);
+    tdm_data_free(&train);
+    tdm_data_free(&test);
+    return st;
+}
+
+tdm_status tdm_train_run_fsdp(const tdm_train_args *a)
 {
     tdm_train_fsdp_ctx c = {.a = a};
-    tdm_dataset train = {0}, test = {0};
     tdm_status st;
-    int rc = 1;
-    if ((st = tdm_fsdp_sharding_parse(a->sharding ? a->sharding : "full", &c.sharding))) {
-        fprintf(stderr, "tandem train: --sharding: %s\n", tdm_error_message());
-        return 2;
-    }
-    if ((st = tdm_model_spec_parse(&c.spec, a->model))) {
-        fprintf(stderr, "tandem train: --model: %s\n", tdm_error_message());
-        return 2;
-    }
-    if (a->threads != 1)
-        fprintf(stderr, "tandem train: note: --threads applies to --mode single; each FSDP "
-                        "rank computes on one thread\n");
+    if ((st = tdm_fsdp_sharding_parse(a->sharding ? a->sharding : "full", &c.sharding)))
+        return tdm_tool_usage_error("tandem train: --sharding: %s\n", tdm_error_message());
+    if ((st = tdm_model_spec_parse(&c.spec, a->model)))
+        return tdm_tool_usage_error("tandem train: --model: %s\n", tdm_error_message());
+    tdm_train_note_threads(a, "FSDP rank");
     if (a->bucket_cap_mb)
         fprintf(stderr, "tandem train: note: --bucket-cap-mb applies to --mode ddp; FSDP "
                         "communicates per unit (a layer with parameters)\n");
     int64_t timeout_ms = 0;
     if (a->timeout ? tdm_ddp_timeout_parse("--timeout", a->timeout, &timeout_ms)
-                   : tdm_ddp_timeout_from_env(&timeout_ms)) {
-        fprintf(stderr, "tandem train: %s\n", tdm_error_message());
-        return 2;
-    }
+                   : tdm_ddp_timeout_from_env(&timeout_ms))
+        return tdm_tool_usage_error("tandem train: %s\n", tdm_error_message());
     if (a->timeout) setenv(TDM_DDP_ENV_TIMEOUT, a->timeout, 1);
     int launched = getenv("TANDEM_SHM_FD") && getenv("WORLD_SIZE");
     c.timeout_ms = timeout_ms ? timeout_ms : launched ? TDM_DDP_TIMEOUT_DEFAULT_MS : 60000;
     if ((st = tdm_tool_parse_devices(&c.dl, a->device, !launched))) {
         fprintf(stderr, "tandem train: --device: %s\n", tdm_error_message());
-        return st == TDM_STATUS_NO_DEVICE ? 1 : 2;
+        return st == TDM_STATUS_NO_DEVICE ? st : tdm_tool_usage(st);
     }
-    if (launched) {
-        tdm_comm *comm = NULL;
-        tdm_ddp_env env;
-        tdm_ddp_pg_opts po = {.timeout_ms = c.timeout_ms};
-        if ((st = tdm_ddp_pg_init(&comm, &env, &po))) {
-            fprintf(stderr, "tandem train: joining the launched job: %s\n", tdm_error_message());
-            return 1;
-        }
-        if (c.dl.count != 1 && c.dl.count != env.world_size) {
-            fprintf(stderr, "tandem train: rank %d: --device '%s' names %d devices but the job "
-                            "has %d ranks\n", env.rank, a->device, c.dl.count, env.world_size);
-            tdm_comm_abort(comm, "bad --device");
-            tdm_comm_free(comm);
-            return 2;
-        }
-        if (c.dl.count == 1) c.dl.index[0] = env.local_rank;
-        if (!tdm_train_load_data(a, &c.spec, &train, &test)) {
-            tdm_comm_abort(comm, "loading data failed");
-            tdm_comm_free(comm);
-            return 1;
-        }
-        c.train = &train;
-        c.test = &test;
-        rc = tdm_train_fsdp_rank_main(comm, &c);
-        tdm_comm_free(comm);
-        tdm_data_free(&train);
-        tdm_data_free(&test);
-        return rc;
-    }
-    if (!tdm_train_load_data(a, &c.spec, &train, &test)) return 1;
-    {
-        /* a probe model: a data/model mismatch is a usage error (exit 2),
-         * said once here rather than by every rank */
-        tdm_device *dev = NULL;
-        tdm_model *probe = NULL;
-        int ok = 0;
-        if ((st = tdm_device_open(&dev, "cpu", 0, 1)) ||
-            (st = tdm_model_init(&probe, dev, &c.spec, (uint64_t)a->seed)))
-            fprintf(stderr, "tandem train: building model: %s\n", tdm_error_message());
-        else ok = tdm_train_check_features(&train, probe) ? 1 : 2;
-        tdm_model_free(probe);
-        tdm_device_free(dev);
-        if (ok != 1) {
-            tdm_data_free(&train);
-            tdm_data_free(&test);
-            return ok ? 2 : 1;
-        }
-    }
-    c.train = &train;
-    c.test = &test;
-    tdm_ddp_spawn_opts so = {.timeout_ms = INT64_MAX / 2000000, .comm_timeout_ms = c.timeout_ms};
-    fflush(stdout);
-    st = tdm_ddp_spawn(c.dl.count, tdm_train_fsdp_rank_main, &c, &so, NULL);
-    if (st) fprintf(stderr, "tandem train: fsdp: %s\n", tdm_error_message());
-    else rc = 0;
-    tdm_data_free(&train);
-    tdm_data_free(&test);
-    return rc;
+    return launched ? tdm_train_fsdp_launched(&c) : tdm_train_fsdp_forked(&c);
 }
