@@ -227,3 +227,56 @@ tdm_status tdm_dev_group_reduce_sum(tdm_dev_group *g, const float *const *sendbu
     if (n_elem == 0) return TDM_STATUS_OK;
     return tdm_device_cuda->group_reduce_sum(g->impl, sendbufs, recvbuf, n_elem, root);
 }
+
+/* ---- the allocator's own accounting (host-memory backends) ---- */
+
+/* Each block starts 64 bytes before the pointer handed out, where its
+ * size is kept, so that free can take it off the count. */
+#define TDM_DEV_MEM_HEADER 64
+
+tdm_status tdm_device_host_mem_alloc(tdm_device *d, size_t nbytes, void **out)
+{
+    size_t sz = (nbytes + 63) & ~(size_t)63;
+    if (sz == 0) sz = 64;
+    char *p = sz <= SIZE_MAX - TDM_DEV_MEM_HEADER ? aligned_alloc(64, sz + TDM_DEV_MEM_HEADER)
+                                                  : NULL;
+    if (!p)
+        return tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "%s: cannot allocate %zu bytes", d->name,
+                             nbytes);
+    memcpy(p, &sz, sizeof sz);
+    size_t live = __atomic_add_fetch(&d->mem_live, sz, __ATOMIC_RELAXED);
+    size_t peak = __atomic_load_n(&d->mem_peak, __ATOMIC_RELAXED);
+    while (live > peak &&
+           !__atomic_compare_exchange_n(&d->mem_peak, &peak, live, 1, __ATOMIC_RELAXED,
+                                        __ATOMIC_RELAXED)) {
+    }
+    __atomic_add_fetch(&d->mem_allocs, 1, __ATOMIC_RELAXED);
+    *out = p + TDM_DEV_MEM_HEADER;
+    return TDM_STATUS_OK;
+}
+
+void tdm_device_host_mem_free(tdm_device *d, void *ptr)
+{
+    if (!ptr) return;
+    char *p = (char *)ptr - TDM_DEV_MEM_HEADER;
+    size_t sz;
+    memcpy(&sz, p, sizeof sz);
+    __atomic_sub_fetch(&d->mem_live, sz, __ATOMIC_RELAXED);
+    free(p);
+}
+
+tdm_status tdm_dev_mem_query(const tdm_device *d, tdm_dev_mem_stats *out)
+{
+    memset(out, 0, sizeof *out);
+    if (!d->mem_counted) return TDM_STATUS_UNSUPPORTED;
+    out->live_bytes = __atomic_load_n(&d->mem_live, __ATOMIC_RELAXED);
+    out->peak_bytes = __atomic_load_n(&d->mem_peak, __ATOMIC_RELAXED);
+    out->allocs = __atomic_load_n(&d->mem_allocs, __ATOMIC_RELAXED);
+    return TDM_STATUS_OK;
+}
+
+void tdm_dev_mem_reset_peak(tdm_device *d)
+{
+    __atomic_store_n(&d->mem_peak, __atomic_load_n(&d->mem_live, __ATOMIC_RELAXED),
+                     __ATOMIC_RELAXED);
+}

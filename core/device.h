@@ -47,6 +47,22 @@ typedef struct tdm_device tdm_device;
 /* Opens a device by kind name ("cpu", "cuda") and index. Host devices are
  * logical: any index >= 0 is valid. threads: BLAS threads for host gemm
  * (1 = the single-core unit; 0 means 1). */
+/* What a device's allocator has handed out: bytes allocated and not yet
+ * freed (each allocation rounded up to 64 bytes, as the allocator hands
+ * it out), the most that were live at once since the device was opened or
+ * the last tdm_dev_mem_reset_peak, and the number of allocations. Like
+ * torch.cuda.memory_allocated / max_memory_allocated: what tests and
+ * `compare` read to say what a mode keeps in memory, measured rather than
+ * estimated. TDM_STATUS_UNSUPPORTED (no message kept) when the backend
+ * keeps no accounting (a real GPU, today). */
+typedef struct tdm_dev_mem_stats {
+    size_t live_bytes, peak_bytes;
+    int64_t allocs;
+} tdm_dev_mem_stats;
+tdm_status tdm_dev_mem_query(const tdm_device *d, tdm_dev_mem_stats *out);
+/* Starts a new peak window: peak = live. */
+void tdm_dev_mem_reset_peak(tdm_device *d);
+
 tdm_status tdm_device_open(tdm_device **out, const char *kind, int index, int threads);
 void tdm_device_free(tdm_device *d);   /* NULL ok */
 

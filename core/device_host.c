@@ -24,21 +24,12 @@ int openblas_get_num_threads(void);
 
 static tdm_status host_alloc(tdm_device *d, size_t nbytes, void **out)
 {
-    size_t sz = (nbytes + 63) & ~(size_t)63;
-    void *p = NULL;
-    if (sz == 0) sz = 64;
-    p = aligned_alloc(64, sz);
-    if (!p)
-        return tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "%s: cannot allocate %zu bytes", d->name,
-                             nbytes);
-    *out = p;
-    return TDM_STATUS_OK;
+    return tdm_device_host_mem_alloc(d, nbytes, out);
 }
 
 static void host_free(tdm_device *d, void *p)
 {
-    (void)d;
-    free(p);
+    tdm_device_host_mem_free(d, p);
 }
 
 static tdm_status host_copy(tdm_device *d, void *dst, const void *src, size_t nbytes)
@@ -433,6 +424,7 @@ tdm_status tdm_device_host_open(tdm_device **out, int index, int threads)
     d->kind = TDM_DEVICE_HOST;
     d->index = index;
     d->threads = threads > 0 ? threads : 1;
+    d->mem_counted = 1;
     snprintf(d->name, sizeof d->name, "cpu:%d", index);
     tdm_device_host_set_blas_threads(d->threads);
     *out = d;

@@ -115,7 +115,20 @@ struct tdm_device {
     void *impl;                 /* backend state */
     void *scratch;              /* tdm_dev_scratch's buffer (this device's memory), or NULL */
     size_t scratch_nbytes;
+    /* The allocator's own accounting, kept by backends that set
+     * mem_counted when they open a device (host memory: the host backend
+     * and the CUDA emulator, through tdm_device_host_mem_alloc/free);
+     * read with tdm_dev_mem_query.
+     * Updated atomically: a device may be freed into from another thread. */
+    int mem_counted;
+    size_t mem_live, mem_peak;
+    int64_t mem_allocs;
 };
+
+/* For host-memory backends: 64-byte aligned memory of nbytes, counted in
+ * d's accounting; free with tdm_device_host_mem_free. */
+tdm_status tdm_device_host_mem_alloc(tdm_device *d, size_t nbytes, void **out);
+void tdm_device_host_mem_free(tdm_device *d, void *p);
 
 /* The host backend (core/device_host.c), opened by tdm_device_open. */
 tdm_status tdm_device_host_open(tdm_device **out, int index, int threads);

@@ -22,6 +22,8 @@ const char *tdm_phase_name(tdm_phase p)
         [TDM_PHASE_REDUCE] = "reduce-add",
         [TDM_PHASE_ALLREDUCE_WAIT] = "all-reduce wait",
         [TDM_PHASE_STEP] = "optimizer",
+        [TDM_PHASE_ALLGATHER_WAIT] = "all-gather wait",
+        [TDM_PHASE_REDUCE_SCATTER_WAIT] = "reduce-scatter wait",
     };
     return (unsigned)p < TDM_PHASE_COUNT_ ? names[p] : "?";
 }

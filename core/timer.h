@@ -24,6 +24,10 @@ typedef enum tdm_phase {
     TDM_PHASE_REDUCE,          /* DP: reduce-add of replica gradients */
     TDM_PHASE_ALLREDUCE_WAIT,  /* DDP: exposed all-reduce at end of backward */
     TDM_PHASE_STEP,            /* optimizer */
+    /* sharded data parallel (fsdp/): the part of all-gathers and
+     * reduce-scatters the rank waited for (not hidden behind compute) */
+    TDM_PHASE_ALLGATHER_WAIT,
+    TDM_PHASE_REDUCE_SCATTER_WAIT,
     TDM_PHASE_COUNT_
 } tdm_phase;
 

@@ -41,18 +41,12 @@ int tdm_cuda_emulator_env(void)
 static tdm_status emu_alloc(tdm_device *d, size_t nbytes, void **out)
 {
     __atomic_fetch_add(&tdm_cuda_impl(d)->emu_allocs, 1, __ATOMIC_RELAXED);
-    size_t sz = (nbytes + 63) & ~(size_t)63;
-    *out = aligned_alloc(64, sz ? sz : 64);
-    if (!*out)
-        return tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "%s: cannot allocate %zu bytes", d->name,
-                             nbytes);
-    return TDM_STATUS_OK;
+    return tdm_device_host_mem_alloc(d, nbytes, out);
 }
 
 static void emu_free(tdm_device *d, void *p)
 {
-    (void)d;
-    free(p);
+    tdm_device_host_mem_free(d, p);
 }
 
 static tdm_status emu_copy(tdm_device *d, void *dst, const void *src, size_t nbytes)
@@ -145,6 +139,7 @@ static tdm_status tdm_cuda_emulator_make(tdm_device **out, int index, tdm_device
     d->index = index;
     d->threads = 1;
     d->impl = c;
+    d->mem_counted = 1;
     if (kind == TDM_DEVICE_HOST) snprintf(d->name, sizeof d->name, "cuda-emu");
     else snprintf(d->name, sizeof d->name, "cuda-emu:%d", index);
     *out = d;

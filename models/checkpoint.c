@@ -39,22 +39,17 @@ static tdm_status tdm_ckpt_stage(tdm_device *d, float **host, const float *dev, 
     return TDM_STATUS_OK;
 }
 
-tdm_status tdm_checkpoint_save(const char *path, tdm_model *m, tdm_optim *opt,
-                               const tdm_ckpt_info *info)
+tdm_status tdm_checkpoint_save_host(const char *path, const tdm_model *m, const tdm_ckpt_host *h,
+                                    const tdm_ckpt_info *info)
 {
     tdm_status st = TDM_STATUS_OK;
-    tdm_device *d = tdm_model_device(m);
     int np = tdm_model_n_params(m), nbuf = tdm_model_n_buffers(m);
-    int nstate = opt ? tdm_optim_n_state(opt) : 0;
-    float *hp = NULL, *hb = NULL, *hs[2] = {NULL, NULL};
+    const tdm_optim_opts *o = h->optim;
+    int nstate = o ? tdm_optim_kind_n_state(o) : 0;
     tdm_st_tensor *t = NULL;
     char (*names)[96] = NULL;
     int nt = 0;
     TDM_REQUIRE(path && *path, TDM_STATUS_INVALID_ARG, "checkpoint: empty path");
-    TDM_TRY(tdm_ckpt_stage(d, &hp, tdm_model_params(m), tdm_model_param_elems(m)));
-    TDM_TRY(tdm_ckpt_stage(d, &hb, tdm_model_buffers(m), tdm_model_buffer_elems(m)));
-    for (int s = 0; s < nstate; s++)
-        TDM_TRY(tdm_ckpt_stage(d, &hs[s], tdm_optim_state(opt, s), tdm_model_param_elems(m)));
     int total = np + nbuf + nstate * np;
     t = calloc((size_t)total, sizeof *t);
     names = calloc((size_t)total, sizeof *names);
@@ -67,10 +62,11 @@ tdm_status tdm_checkpoint_save(const char *path, tdm_model *m, tdm_optim *opt,
         for (int i = 0; i < n; i++) {
             const tdm_tensor_info *ti = group == 1 ? tdm_model_buffer_info(m, i)
                                                    : tdm_model_param_info(m, i);
-            const float *base = group == 0 ? hp : group == 1 ? hb : hs[group - 2];
+            const float *base = group == 0 ? h->params : group == 1 ? h->buffers
+                                                                    : h->state[group - 2];
             if (group >= 2)
                 snprintf(names[nt], sizeof names[nt], "optim.%s.%s",
-                         tdm_optim_state_name(opt, group - 2), ti->name);
+                         tdm_optim_kind_state_name(o->kind, group - 2), ti->name);
             else
                 snprintf(names[nt], sizeof names[nt], "%s", ti->name);
             t[nt].name = names[nt];
@@ -101,7 +97,7 @@ tdm_status tdm_checkpoint_save(const char *path, tdm_model *m, tdm_optim *opt,
     }
     char model_desc[160], step[32], epoch[32], seed[32], lr[32], hyper[160];
     tdm_model_spec_describe(tdm_model_get_spec(m), model_desc, sizeof model_desc);
-    snprintf(step, sizeof step, "%" PRId64, info ? info->step : (opt ? tdm_optim_steps(opt) : 0));
+    snprintf(step, sizeof step, "%" PRId64, info ? info->step : (o ? h->steps : 0));
     snprintf(epoch, sizeof epoch, "%" PRId64, info ? info->epoch : 0);
     snprintf(seed, sizeof seed, "%" PRIu64, info ? info->seed : 0);
     tdm_st_meta meta[8] = {
@@ -112,8 +108,7 @@ tdm_status tdm_checkpoint_save(const char *path, tdm_model *m, tdm_optim *opt,
         {"seed", seed},
     };
     int nmeta = 5;
-    if (opt) {
-        const tdm_optim_opts *o = tdm_optim_get_opts(opt);
+    if (o) {
         snprintf(lr, sizeof lr, "%.9g", (double)o->lr);
         snprintf(hyper, sizeof hyper,
                  "momentum=%.9g dampening=%.9g nesterov=%d weight_decay=%.9g beta1=%.9g "
@@ -126,12 +121,33 @@ tdm_status tdm_checkpoint_save(const char *path, tdm_model *m, tdm_optim *opt,
     }
     TDM_TRY(tdm_st_save(path, t, nt, meta, nmeta));
 fail:
-    free(hp);
-    free(hb);
-    free(hs[0]);
-    free(hs[1]);
     free(t);
     free(names);
+    return st;
+}
+
+tdm_status tdm_checkpoint_save(const char *path, tdm_model *m, tdm_optim *opt,
+                               const tdm_ckpt_info *info)
+{
+    tdm_status st = TDM_STATUS_OK;
+    tdm_device *d = tdm_model_device(m);
+    int nstate = opt ? tdm_optim_n_state(opt) : 0;
+    tdm_ckpt_host h = {.optim = opt ? tdm_optim_get_opts(opt) : NULL,
+                       .steps = opt ? tdm_optim_steps(opt) : 0};
+    TDM_REQUIRE(path && *path, TDM_STATUS_INVALID_ARG, "checkpoint: empty path");
+    TDM_REQUIRE(tdm_model_params(m), TDM_STATUS_INVALID_ARG,
+                "checkpoint: the model's flat buffers were released (its parameters are "
+                "sharded): save through their owner");
+    TDM_TRY(tdm_ckpt_stage(d, &h.params, tdm_model_params(m), tdm_model_param_elems(m)));
+    TDM_TRY(tdm_ckpt_stage(d, &h.buffers, tdm_model_buffers(m), tdm_model_buffer_elems(m)));
+    for (int s = 0; s < nstate; s++)
+        TDM_TRY(tdm_ckpt_stage(d, &h.state[s], tdm_optim_state(opt, s), tdm_model_param_elems(m)));
+    TDM_TRY(tdm_checkpoint_save_host(path, m, &h, info));
+fail:
+    free(h.params);
+    free(h.buffers);
+    free(h.state[0]);
+    free(h.state[1]);
     return st;
 }
 
@@ -184,20 +200,11 @@ static tdm_status tdm_ckpt_parse_u64(const tdm_st_file *f, const char *key, uint
     return TDM_STATUS_OK;
 }
 
-tdm_status tdm_checkpoint_load(const char *path, tdm_model *m, tdm_optim *opt,
-                               tdm_ckpt_info *info)
+tdm_status tdm_checkpoint_load_host(const char *path, const tdm_model *m, tdm_ckpt_host *h,
+                                    tdm_ckpt_info *info)
 {
     tdm_status st = TDM_STATUS_OK;
     tdm_st_file *f = NULL;
-    tdm_device *d = tdm_model_device(m);
-    int64_t pe = tdm_model_param_elems(m), be = tdm_model_buffer_elems(m);
-    float *hp = calloc((size_t)pe, sizeof(float));
-    float *hb = calloc((size_t)(be > 0 ? be : 1), sizeof(float));
-    float *hs[2] = {NULL, NULL};
-    if (!hp || !hb) {
-        st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "cannot allocate checkpoint staging");
-        goto fail;
-    }
     TDM_TRY(tdm_st_load(&f, path));
     const char *fmt = tdm_st_meta_get(f, "format");
     if (!fmt || strcmp(fmt, TDM_CKPT_FORMAT)) {
@@ -217,49 +224,36 @@ tdm_status tdm_checkpoint_load(const char *path, tdm_model *m, tdm_optim *opt,
     }
     for (int i = 0; i < tdm_model_n_params(m); i++) {
         const tdm_tensor_info *ti = tdm_model_param_info(m, i);
-        TDM_TRY(tdm_ckpt_read_finite(f, ti->name, ti, hp + ti->offset));
+        TDM_TRY(tdm_ckpt_read_finite(f, ti->name, ti, h->params + ti->offset));
     }
     for (int i = 0; i < tdm_model_n_buffers(m); i++) {
         const tdm_tensor_info *ti = tdm_model_buffer_info(m, i);
-        TDM_TRY(tdm_ckpt_read_finite(f, ti->name, ti, hb + ti->offset));
+        TDM_TRY(tdm_ckpt_read_finite(f, ti->name, ti, h->buffers + ti->offset));
     }
     int64_t step = 0, epoch = 0;
     uint64_t seed = 0;
     TDM_TRY(tdm_ckpt_parse_count(f, "step", &step));
     TDM_TRY(tdm_ckpt_parse_count(f, "epoch", &epoch));
     TDM_TRY(tdm_ckpt_parse_u64(f, "seed", &seed));
-    if (opt) {
+    if (h->optim) {
         const char *ok = tdm_st_meta_get(f, "optimizer");
-        const char *wantk = tdm_ckpt_optim_name(tdm_optim_get_opts(opt)->kind);
+        const char *wantk = tdm_ckpt_optim_name(h->optim->kind);
         if (!ok || strcmp(ok, wantk)) {
             st = tdm_error_set(TDM_STATUS_MISMATCH,
                                "%s: checkpoint holds %s optimizer state but this run uses %s",
                                path, ok ? ok : "no", wantk);
             goto fail;
         }
-        for (int s = 0; s < tdm_optim_n_state(opt); s++) {
-            hs[s] = calloc((size_t)pe, sizeof(float));
-            if (!hs[s]) {
-                st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "cannot allocate optimizer staging");
-                goto fail;
-            }
+        for (int s = 0; s < tdm_optim_kind_n_state(h->optim); s++) {
             for (int i = 0; i < tdm_model_n_params(m); i++) {
                 const tdm_tensor_info *ti = tdm_model_param_info(m, i);
                 char name[96];
-                snprintf(name, sizeof name, "optim.%s.%s", tdm_optim_state_name(opt, s), ti->name);
-                TDM_TRY(tdm_ckpt_read_finite(f, name, ti, hs[s] + ti->offset));
+                snprintf(name, sizeof name, "optim.%s.%s",
+                         tdm_optim_kind_state_name(h->optim->kind, s), ti->name);
+                TDM_TRY(tdm_ckpt_read_finite(f, name, ti, h->state[s] + ti->offset));
             }
         }
-    }
-    /* Everything validated: only now overwrite the live model. */
-    TDM_TRY(tdm_dev_copy_from_host(d, tdm_model_params(m), hp, (size_t)pe * sizeof(float)));
-    if (be > 0)
-        TDM_TRY(tdm_dev_copy_from_host(d, tdm_model_buffers(m), hb, (size_t)be * sizeof(float)));
-    if (opt) {
-        for (int s = 0; s < tdm_optim_n_state(opt); s++)
-            TDM_TRY(tdm_dev_copy_from_host(d, tdm_optim_state(opt, s), hs[s],
-                                           (size_t)pe * sizeof(float)));
-        tdm_optim_set_steps(opt, step);
+        h->steps = step;
     }
     if (info) {
         info->step = step;
@@ -268,9 +262,50 @@ tdm_status tdm_checkpoint_load(const char *path, tdm_model *m, tdm_optim *opt,
     }
 fail:
     tdm_st_free(f);
-    free(hp);
-    free(hb);
-    free(hs[0]);
-    free(hs[1]);
+    return st;
+}
+
+tdm_status tdm_checkpoint_load(const char *path, tdm_model *m, tdm_optim *opt,
+                               tdm_ckpt_info *info)
+{
+    tdm_status st = TDM_STATUS_OK;
+    tdm_device *d = tdm_model_device(m);
+    int64_t pe = tdm_model_param_elems(m), be = tdm_model_buffer_elems(m);
+    tdm_ckpt_host h = {.optim = opt ? tdm_optim_get_opts(opt) : NULL};
+    tdm_ckpt_info got = {0};
+    TDM_REQUIRE(tdm_model_params(m), TDM_STATUS_INVALID_ARG,
+                "checkpoint: the model's flat buffers were released (its parameters are "
+                "sharded): load through their owner");
+    h.params = calloc((size_t)pe, sizeof(float));
+    h.buffers = calloc((size_t)(be > 0 ? be : 1), sizeof(float));
+    if (!h.params || !h.buffers) {
+        st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "cannot allocate checkpoint staging");
+        goto fail;
+    }
+    for (int s = 0; opt && s < tdm_optim_n_state(opt); s++) {
+        h.state[s] = calloc((size_t)pe, sizeof(float));
+        if (!h.state[s]) {
+            st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "cannot allocate optimizer staging");
+            goto fail;
+        }
+    }
+    TDM_TRY(tdm_checkpoint_load_host(path, m, &h, &got));
+    /* Everything validated: only now overwrite the live model. */
+    TDM_TRY(tdm_dev_copy_from_host(d, tdm_model_params(m), h.params, (size_t)pe * sizeof(float)));
+    if (be > 0)
+        TDM_TRY(tdm_dev_copy_from_host(d, tdm_model_buffers(m), h.buffers,
+                                       (size_t)be * sizeof(float)));
+    if (opt) {
+        for (int s = 0; s < tdm_optim_n_state(opt); s++)
+            TDM_TRY(tdm_dev_copy_from_host(d, tdm_optim_state(opt, s), h.state[s],
+                                           (size_t)pe * sizeof(float)));
+        tdm_optim_set_steps(opt, h.steps);
+    }
+    if (info) *info = got;
+fail:
+    free(h.params);
+    free(h.buffers);
+    free(h.state[0]);
+    free(h.state[1]);
     return st;
 }

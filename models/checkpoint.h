@@ -27,6 +27,31 @@ typedef struct tdm_ckpt_info {
     uint64_t seed;
 } tdm_ckpt_info;
 
+/* Host copies of what a checkpoint holds, in the model's flat layout:
+ * params (tdm_model_param_elems floats), buffers (tdm_model_buffer_elems),
+ * and, when optim is non-NULL, its state buffers (tdm_optim_kind_n_state
+ * of them, param_elems floats each) and step count. For callers that hold
+ * no device copy of the whole model: sharded data parallel gathers the
+ * shards on rank 0 and writes the very file the other modes write. */
+typedef struct tdm_ckpt_host {
+    float *params;
+    float *buffers;
+    const tdm_optim_opts *optim;   /* NULL: no optimizer state */
+    float *state[2];
+    int64_t steps;
+} tdm_ckpt_host;
+
+/* What tdm_checkpoint_save writes, from host arrays; m gives the spec and
+ * the tensor tables only (its buffers are not read). */
+tdm_status tdm_checkpoint_save_host(const char *path, const tdm_model *m, const tdm_ckpt_host *h,
+                                    const tdm_ckpt_info *info);
+/* Reads and checks the file into the host arrays of h (allocated by the
+ * caller, sized as above; state[s] only when h->optim is set, whose kind
+ * must match the file's); h->steps gets the file's step. On failure the
+ * arrays may hold part of the file: load into staging, not live state. */
+tdm_status tdm_checkpoint_load_host(const char *path, const tdm_model *m, tdm_ckpt_host *h,
+                                    tdm_ckpt_info *info);
+
 /* opt may be NULL (parameters and buffers only). */
 tdm_status tdm_checkpoint_save(const char *path, tdm_model *m, tdm_optim *opt,
                                const tdm_ckpt_info *info);

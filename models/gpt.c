@@ -120,8 +120,8 @@ void tdm_gpt_spec_describe(const tdm_model_spec *s, char *buf, size_t len)
 static int tdm_gpt_p(int l, int j) { return 2 + TDM_GPT_PER_BLOCK * l + j; }
 static int tdm_gpt_p_lnf(int L) { return 2 + TDM_GPT_PER_BLOCK * L; }
 
-static float *tdm_gpt_param(tdm_model *m, int i) { return m->params + m->params_info[i].offset; }
-static float *tdm_gpt_grad(tdm_model *m, int i) { return m->grads + m->params_info[i].offset; }
+static float *tdm_gpt_param(tdm_model *m, int i) { return tdm_model_pdata(m, i); }
+static float *tdm_gpt_grad(tdm_model *m, int i) { return tdm_model_gdata(m, i); }
 
 static void tdm_gpt_init_params(tdm_model *m, uint64_t seed, float *hp)
 {
@@ -332,11 +332,16 @@ static tdm_status tdm_gpt_run_forward(tdm_model *m, const int32_t *tok, int B, i
     TDM_CHECK(tdm_gpt_reserve(m, B));
     g->seq = Tr;
     TDM_CHECK(tdm_gpt_check_tokens(m, tok, N));
-    TDM_CHECK(tdm_dev_embed_fwd(d, tok, tdm_gpt_param(m, TDM_GPT_WTE),
-                                tdm_gpt_param(m, TDM_GPT_WPE), g->res0, B, Tr, C));
+    /* parameter-use events name whole blocks: a block is the unit
+     * parameters are grouped by (tdm_model_layer_block) */
+    TDM_CHECK(tdm_model_raise_use(m, TDM_MODEL_USE_FORWARD, TDM_GPT_WTE, TDM_GPT_WPE));
+    TDM_CHECK(tdm_dev_embed_fwd(d, tok, tdm_gpt_param(m, TDM_GPT_WTE), tdm_gpt_param(m, TDM_GPT_WPE),
+                           g->res0, B, Tr, C));
     const float *res = g->res0;
     for (int l = 0; l < L; l++) {
         tdm_gpt_block *b = &g->blk[l];
+        TDM_CHECK(tdm_model_raise_use(m, TDM_MODEL_USE_FORWARD, tdm_gpt_p(l, 0),
+                                tdm_gpt_p(l, TDM_GPT_PER_BLOCK - 1)));
 #define P(j) tdm_gpt_param(m, tdm_gpt_p(l, (j)))
         TDM_CHECK(tdm_dev_layernorm_fwd(d, res, P(TDM_GPT_LN1_W), P(TDM_GPT_LN1_B), b->ln1,
                                         b->ln1_mean, b->ln1_rstd, N, C, TDM_GPT_LN_EPS));
@@ -361,9 +366,11 @@ static tdm_status tdm_gpt_run_forward(tdm_model *m, const int32_t *tok, int B, i
         res = b->res2;
     }
     int pf = tdm_gpt_p_lnf(L);
+    TDM_CHECK(tdm_model_raise_use(m, TDM_MODEL_USE_FORWARD, pf, pf + 1));
     TDM_CHECK(tdm_dev_layernorm_fwd(d, res, tdm_gpt_param(m, pf), tdm_gpt_param(m, pf + 1), g->lnf,
-                                    g->lnf_mean, g->lnf_rstd, N, C, TDM_GPT_LN_EPS));
+                               g->lnf_mean, g->lnf_rstd, N, C, TDM_GPT_LN_EPS));
     /* the head tied to the token embedding: logits = ln_f(x) wte^T */
+    TDM_CHECK(tdm_model_raise_use(m, TDM_MODEL_USE_FORWARD, TDM_GPT_WTE, TDM_GPT_WTE));
     TDM_CHECK(tdm_layers_linear_fwd(d, g->lnf, tdm_gpt_param(m, TDM_GPT_WTE), NULL, N, C, g->V,
                                     0, g->logits));
     g->tok = tok;
@@ -419,17 +426,21 @@ static tdm_status tdm_gpt_backward(tdm_model *m, const float *dlogits)
     TDM_CHECK(tdm_dev_memset_zero(d, g->dres, (size_t)N * C * sizeof(float)));
     /* the head: dwte += dlogits^T ln_f(x) (the first of its two shares),
      * d ln_f(x) = dlogits wte; no hook: wte is not final yet */
+    TDM_CHECK(tdm_model_raise_use(m, TDM_MODEL_USE_BACKWARD, TDM_GPT_WTE, TDM_GPT_WTE));
     TDM_CHECK(tdm_layers_linear_bwd(d, g->lnf, tdm_gpt_param(m, TDM_GPT_WTE), dlogits, g->ones,
                                     N, C, g->V, tdm_gpt_grad(m, TDM_GPT_WTE), NULL, g->dln, 0));
     int pf = tdm_gpt_p_lnf(L);
     const float *res_last = L > 0 ? g->blk[L - 1].res2 : g->res0;
+    TDM_CHECK(tdm_model_raise_use(m, TDM_MODEL_USE_BACKWARD, pf, pf + 1));
     TDM_CHECK(tdm_dev_layernorm_bwd(d, res_last, g->dln, tdm_gpt_param(m, pf), g->lnf_mean,
-                                    g->lnf_rstd, g->dres, tdm_gpt_grad(m, pf),
-                                    tdm_gpt_grad(m, pf + 1), N, C));
+                               g->lnf_rstd, g->dres, tdm_gpt_grad(m, pf),
+                               tdm_gpt_grad(m, pf + 1), N, C));
     tdm_gpt_hook(m, 1 + 6 * L);
     for (int l = L - 1; l >= 0; l--) {
         tdm_gpt_block *b = &g->blk[l];
         const float *res_in = l > 0 ? g->blk[l - 1].res2 : g->res0;
+        TDM_CHECK(tdm_model_raise_use(m, TDM_MODEL_USE_BACKWARD, tdm_gpt_p(l, 0),
+                                tdm_gpt_p(l, TDM_GPT_PER_BLOCK - 1)));
 #define P(j) tdm_gpt_param(m, tdm_gpt_p(l, (j)))
 #define G(j) tdm_gpt_grad(m, tdm_gpt_p(l, (j)))
         /* x += mlp(ln_2(x)): the branch's output gradient is dres itself */
@@ -465,8 +476,9 @@ static tdm_status tdm_gpt_backward(tdm_model *m, const float *dlogits)
 #undef G
     }
     /* the embeddings: wte's second share; now wte and wpe are final */
+    TDM_CHECK(tdm_model_raise_use(m, TDM_MODEL_USE_BACKWARD, TDM_GPT_WTE, TDM_GPT_WPE));
     TDM_CHECK(tdm_dev_embed_bwd(d, g->tok, g->dres, tdm_gpt_grad(m, TDM_GPT_WTE),
-                                tdm_gpt_grad(m, TDM_GPT_WPE), B, Tr, C));
+                           tdm_gpt_grad(m, TDM_GPT_WPE), B, Tr, C));
     tdm_gpt_hook(m, 0);
     return TDM_STATUS_OK;
 }
@@ -542,6 +554,10 @@ tdm_status tdm_gpt_build(tdm_model *m)
     }
     TDM_CHECK(tdm_gpt_ln_group(m, "transformer.ln_f", C));
     tdm_model_add_layer(m, TDM_LAYER_GROUP);   /* the head: reads wte, owns nothing */
+    /* blocks: 0 the embeddings, 1 + l block l's six layers, L + 1 ln_f
+     * and the head */
+    for (int i = 0; i < m->n_layers; i++)
+        m->layers[i].block = i == 0 ? 0 : i >= 1 + 6 * L ? L + 1 : 1 + (i - 1) / 6;
     return TDM_STATUS_OK;
 }
 

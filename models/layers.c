@@ -17,8 +17,8 @@ static tdm_conv_geom tdm_layer_geom(const tdm_layer *l, int batch)
                            .stride = l->stride, .pad = l->pad, .oh = l->oh, .ow = l->ow};
 }
 
-static float *tdm_param(tdm_model *m, int i) { return m->params + m->params_info[i].offset; }
-static float *tdm_grad(tdm_model *m, int i) { return m->grads + m->params_info[i].offset; }
+static float *tdm_param(tdm_model *m, int i) { return tdm_model_pdata(m, i); }
+static float *tdm_grad(tdm_model *m, int i) { return tdm_model_gdata(m, i); }
 static float *tdm_buffer(tdm_model *m, int i) { return m->buffers + m->buffers_info[i].offset; }
 
 tdm_status tdm_model_layer_forward(tdm_model *m, tdm_layer *l, const float *x, int B)

@@ -165,6 +165,7 @@ tdm_layer *tdm_model_add_layer(tdm_model *m, tdm_layer_kind kind)
     l->kind = kind;
     l->p0 = m->n_params;
     l->b0 = m->n_buffers;
+    l->block = m->n_layers - 1;
     return l;
 }
 
@@ -394,6 +395,9 @@ tdm_status tdm_cnn_init(tdm_model **out, tdm_device *dev, uint64_t seed)
 tdm_status tdm_model_clone(tdm_model **out, const tdm_model *src, tdm_device *dev)
 {
     tdm_model *m = NULL;
+    TDM_REQUIRE(!src->released, TDM_STATUS_INVALID_ARG,
+                "model clone: the source's parameters live in views (its storage was "
+                "released): nothing to copy from");
     TDM_CHECK(tdm_model_new(&m, dev, &src->spec));
     tdm_status st = tdm_dev_copy_between(dev, m->params, src->dev, src->params,
                                          (size_t)m->param_elems * sizeof(float));
@@ -574,6 +578,9 @@ tdm_status tdm_model_set_backward_stop(tdm_model *m, int layer)
 tdm_status tdm_model_set_grad_storage(tdm_model *m, float *grads)
 {
     size_t nb = (size_t)m->param_elems * sizeof(float);
+    TDM_REQUIRE(!m->released, TDM_STATUS_INVALID_ARG,
+                "model: gradient storage was released (views in use): cannot %s it",
+                grads ? "replace" : "give back");
     if (!grads) {
         if (m->grads != m->grads_owned)
             TDM_CHECK(tdm_dev_copy(m->dev, m->grads_owned, m->grads, nb));
@@ -587,12 +594,108 @@ tdm_status tdm_model_set_grad_storage(tdm_model *m, float *grads)
 
 tdm_status tdm_model_zero_grad(tdm_model *m)
 {
-    return tdm_dev_memset_zero(m->dev, m->grads, (size_t)m->param_elems * sizeof(float));
+    if (!m->released)
+        return tdm_dev_memset_zero(m->dev, m->grads, (size_t)m->param_elems * sizeof(float));
+    for (int i = 0; i < m->n_params; i++)
+        if (m->gview[i])
+            TDM_CHECK(tdm_dev_memset_zero(m->dev, m->gview[i],
+                                               (size_t)m->params_info[i].n_elem * sizeof(float)));
+    return TDM_STATUS_OK;
+}
+
+/* ---- views, storage and parameter-use events ---- */
+
+static tdm_status tdm_model_view_range(const tdm_model *m, int first, int last, const char *what)
+{
+    TDM_REQUIRE(first >= 0 && last < m->n_params && first <= last, TDM_STATUS_INVALID_ARG,
+                "model: %s view of parameters %d..%d, but the model has 0..%d", what, first,
+                last, m->n_params - 1);
+    return TDM_STATUS_OK;
+}
+
+tdm_status tdm_model_set_param_view(tdm_model *m, int first, int last, float *base)
+{
+    TDM_CHECK(tdm_model_view_range(m, first, last, "parameter"));
+    int64_t o0 = m->params_info[first].offset;
+    for (int i = first; i <= last; i++)
+        m->pview[i] = base ? base + (m->params_info[i].offset - o0) : NULL;
+    return TDM_STATUS_OK;
+}
+
+tdm_status tdm_model_set_grad_view(tdm_model *m, int first, int last, float *base)
+{
+    TDM_CHECK(tdm_model_view_range(m, first, last, "gradient"));
+    int64_t o0 = m->params_info[first].offset;
+    for (int i = first; i <= last; i++)
+        m->gview[i] = base ? base + (m->params_info[i].offset - o0) : NULL;
+    return TDM_STATUS_OK;
+}
+
+tdm_status tdm_model_release_storage(tdm_model *m)
+{
+    if (m->released) return TDM_STATUS_OK;
+    TDM_REQUIRE(m->grads == m->grads_owned, TDM_STATUS_INVALID_ARG,
+                "model: cannot release storage while its gradients are borrowed "
+                "(tdm_model_set_grad_storage): give them back first");
+    tdm_dev_free(m->dev, m->params);
+    tdm_dev_free(m->dev, m->grads_owned);
+    m->params = m->grads = m->grads_owned = NULL;
+    m->released = 1;
+    return TDM_STATUS_OK;
+}
+
+tdm_status tdm_model_restore_storage(tdm_model *m)
+{
+    size_t nb = (size_t)m->param_elems * sizeof(float);
+    if (m->released) {
+        float *p = NULL, *g = NULL;
+        tdm_status st = tdm_dev_alloc_zero(m->dev, nb, (void **)&p);
+        if (st == TDM_STATUS_OK) st = tdm_dev_alloc_zero(m->dev, nb, (void **)&g);
+        if (st != TDM_STATUS_OK) {
+            tdm_dev_free(m->dev, p);
+            return tdm_error_prefix(st, "model: restoring its flat buffers");
+        }
+        m->params = p;
+        m->grads = m->grads_owned = g;
+        m->released = 0;
+    }
+    memset(m->pview, 0, sizeof m->pview);
+    memset(m->gview, 0, sizeof m->gview);
+    return TDM_STATUS_OK;
+}
+
+int tdm_model_storage_released(const tdm_model *m) { return m->released; }
+
+void tdm_model_set_use_hook(tdm_model *m, tdm_param_use_fn fn, void *ctx)
+{
+    m->use_hook = fn;
+    m->use_ctx = ctx;
+}
+
+tdm_status tdm_model_raise_use(tdm_model *m, tdm_model_use use, int first, int last)
+{
+    if (m->use_hook) TDM_CHECK(m->use_hook(m->use_ctx, m, use, first, last));
+    for (int i = first; i <= last; i++) {
+        int no_p = !tdm_model_pdata(m, i);
+        int no_g = use == TDM_MODEL_USE_BACKWARD && !tdm_model_gdata(m, i);
+        if (no_p || no_g)
+            return tdm_error_set(TDM_STATUS_INVALID_ARG,
+                                 "model: %s of parameter '%s' has no storage at its %s (the "
+                                 "flat buffers were released and no view was set)",
+                                 no_p ? "the value" : "the gradient", m->params_info[i].name,
+                                 use == TDM_MODEL_USE_FORWARD ? "forward" : "backward");
+    }
+    return TDM_STATUS_OK;
+}
+
+int tdm_model_layer_block(const tdm_model *m, int layer)
+{
+    return layer >= 0 && layer < m->n_layers ? m->layers[layer].block : -1;
 }
 
 void tdm_model_get_memory(const tdm_model *m, tdm_model_memory *out)
 {
-    out->params = (size_t)m->param_elems * sizeof(float);
+    out->params = m->released ? 0 : (size_t)m->param_elems * sizeof(float);
     out->grads = out->params;
     out->buffers = (size_t)m->buffer_elems * sizeof(float);
     out->activations = m->act_bytes;
@@ -633,8 +736,11 @@ tdm_status tdm_model_forward(tdm_model *m, const void *x, int batch, const float
     TDM_CHECK(tdm_model_reserve(m, batch));
     const float *cur = x;
     for (int i = 0; i < m->n_layers; i++) {
-        TDM_CHECK(tdm_model_layer_forward(m, &m->layers[i], cur, batch));
-        cur = m->layers[i].out;
+        tdm_layer *l = &m->layers[i];
+        if (l->np > 0)
+            TDM_CHECK(tdm_model_raise_use(m, TDM_MODEL_USE_FORWARD, l->p0, l->p0 + l->np - 1));
+        TDM_CHECK(tdm_model_layer_forward(m, l, cur, batch));
+        cur = l->out;
     }
     m->batch = batch;
     if (logits) *logits = cur;
@@ -662,6 +768,8 @@ tdm_status tdm_model_backward(tdm_model *m, const float *dlogits)
     for (int i = m->n_layers - 1; i >= m->bwd_stop; i--) {
         tdm_layer *l = &m->layers[i];
         float *din = i > first ? m->dbuf[1 - cur] : NULL;
+        if (l->np > 0)
+            TDM_CHECK(tdm_model_raise_use(m, TDM_MODEL_USE_BACKWARD, l->p0, l->p0 + l->np - 1));
         TDM_CHECK(tdm_model_layer_backward(m, l, m->dbuf[cur], din, B));
         if (l->np > 0 && m->hook) m->hook(m->hook_ctx, m, l->p0, l->p0 + l->np - 1);
         cur = 1 - cur;

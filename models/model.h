@@ -161,7 +161,55 @@ void tdm_model_set_grad_hook(tdm_model *m, tdm_grad_ready_fn fn, void *ctx);
  * backward through every layer. Applies to the following backward passes. */
 tdm_status tdm_model_set_backward_stop(tdm_model *m, int layer);
 
+/* Zeroes the gradient storage (the flat buffer, or after
+ * tdm_model_release_storage every tensor's gradient view that is set). */
 tdm_status tdm_model_zero_grad(tdm_model *m);
+
+/* ---- storage views and parameter-use events ----------------------------
+ * What sharded data parallel (fsdp/) builds on, as DP and DDP build on the
+ * flat buffers and the grad-ready hook; nothing here knows of ranks.
+ *
+ * A view makes layers read tensors first..last (a range of the parameter
+ * table) from caller memory instead of the model's flat buffers: tensor i
+ * at base + (offset_i - offset_first), the same relative layout as in the
+ * flat buffer. NULL gives the tensors back to the flat buffer. The
+ * parameter view is read by forward and backward; the gradient view is
+ * where backward adds. Views stay until changed; the caller keeps the
+ * memory valid while they are set. */
+tdm_status tdm_model_set_param_view(tdm_model *m, int first, int last, float *base /* borrowed */);
+tdm_status tdm_model_set_grad_view(tdm_model *m, int first, int last, float *base /* borrowed */);
+/* Frees the model's own flat parameter and gradient buffers (for a caller
+ * that keeps parameters elsewhere, through views, and wants the memory
+ * back): tdm_model_params and tdm_model_grads return NULL from then on,
+ * and every tensor must have a view by the time a layer uses it (the
+ * use hook below is the place to set it); a layer that finds none fails
+ * naming the tensor. Refused while gradients are borrowed
+ * (tdm_model_set_grad_storage). Buffers (batchnorm statistics) stay. */
+tdm_status tdm_model_release_storage(tdm_model *m);
+/* Allocates the flat buffers again (zeroed) and drops every view. */
+tdm_status tdm_model_restore_storage(tdm_model *m);
+/* 1 after tdm_model_release_storage (until restored). */
+int tdm_model_storage_released(const tdm_model *m);
+
+/* When layers are about to use parameters: forward before a layer reads
+ * parameters first..last (a tensor may be read again later: the GPT's
+ * head reads the token embedding), backward before a layer reads them
+ * and adds into their gradients. The grad-ready hook above says when a
+ * gradient is final. A hook error stops the pass and is returned by it.
+ * Layers without parameters raise no event. */
+typedef enum tdm_model_use {
+    TDM_MODEL_USE_FORWARD = 0,
+    TDM_MODEL_USE_BACKWARD,
+} tdm_model_use;
+typedef tdm_status (*tdm_param_use_fn)(void *ctx, tdm_model *m, tdm_model_use use,
+                                       int first_param, int last_param);
+void tdm_model_set_use_hook(tdm_model *m, tdm_param_use_fn fn, void *ctx);
+
+/* The architectural block a layer belongs to, for grouping layers into
+ * units: a transformer block (the GPT: 0 the embeddings, 1..L the blocks,
+ * L+1 the final LayerNorm and head); every layer is its own block in the
+ * MLP and CNN. Non-decreasing in the layer index. */
+int tdm_model_layer_block(const tdm_model *m, int layer);
 
 /* Forward over a batch: x (batch, in_features) of the input dtype ->
  * *logits (batch * out_rows, n_classes), owned by the model and valid

@@ -33,6 +33,7 @@ typedef struct tdm_layer {
     int oc, oh, ow;         /* output shape per sample (linear: oc = out features) */
     int k, stride, pad;     /* conv / pool */
     int64_t in_elems, out_elems; /* per sample */
+    int block;              /* tdm_model_layer_block */
     /* activations (capacity m->cap samples) */
     float *out;
     float *col;             /* conv: im2col matrix of the last forward */
@@ -75,6 +76,12 @@ struct tdm_model {
     int bwd_stop;           /* backward runs layers n_layers-1 .. bwd_stop */
     tdm_grad_ready_fn hook;
     void *hook_ctx;
+    tdm_param_use_fn use_hook;
+    void *use_ctx;
+    /* per-tensor views (NULL: the flat buffer); see tdm_model_set_param_view */
+    float *pview[TDM_MODEL_MAX_TENSORS];
+    float *gview[TDM_MODEL_MAX_TENSORS];
+    int released;           /* tdm_model_release_storage: params and grads_owned freed */
     /* activations */
     int cap;                /* samples the activations hold */
     int batch;              /* batch of the last forward */
@@ -86,6 +93,23 @@ struct tdm_model {
     int64_t max_elems;      /* largest per-sample activation */
     size_t act_bytes;
 };
+
+/* Parameter i's values and gradient: its view, else its place in the flat
+ * buffer (NULL when the storage was released and no view is set). */
+static inline float *tdm_model_pdata(tdm_model *m, int i)
+{
+    if (m->pview[i]) return m->pview[i];
+    return m->params ? m->params + m->params_info[i].offset : NULL;
+}
+static inline float *tdm_model_gdata(tdm_model *m, int i)
+{
+    if (m->gview[i]) return m->gview[i];
+    return m->grads ? m->grads + m->params_info[i].offset : NULL;
+}
+
+/* Raises a parameter-use event for parameters first..last (the use hook,
+ * if any) and checks that each has storage for that use afterwards. */
+tdm_status tdm_model_raise_use(tdm_model *m, tdm_model_use use, int first, int last);
 
 /* Appends a tensor to the parameter (buffer = 0) or buffer table, owned by
  * layer `layer`, at the next 64-byte boundary of its flat buffer. */

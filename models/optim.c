@@ -10,7 +10,9 @@
 
 struct tdm_optim {
     tdm_optim_opts opts;
-    tdm_model *model;   /* borrowed */
+    tdm_model *model;   /* borrowed; NULL for a flat optimizer */
+    tdm_device *dev;    /* borrowed: the model's, or the flat optimizer's */
+    int64_t n_elem;     /* elements of each state buffer */
     int64_t steps;
     tdm_optim_schedule schedule;
     double base_lr;          /* COSINE: the rate at step 0 */
@@ -56,17 +58,32 @@ static tdm_status tdm_optim_check(const tdm_optim_opts *o)
     return TDM_STATUS_OK;
 }
 
-tdm_status tdm_optim_init(tdm_optim **out, tdm_model *m, const tdm_optim_opts *opts)
+int tdm_optim_kind_n_state(const tdm_optim_opts *opts)
+{
+    return opts->kind == TDM_OPTIM_ADAMW ? 2 : (opts->momentum != 0.0f ? 1 : 0);
+}
+
+const char *tdm_optim_kind_state_name(tdm_optim_kind kind, int i)
+{
+    if (kind == TDM_OPTIM_SGD) return i == 0 ? "momentum" : NULL;
+    return i == 0 ? "exp_avg" : i == 1 ? "exp_avg_sq" : NULL;
+}
+
+static tdm_status tdm_optim_new(tdm_optim **out, tdm_model *m, tdm_device *d, int64_t n_elem,
+                                const tdm_optim_opts *opts)
 {
     *out = NULL;
     TDM_CHECK(tdm_optim_check(opts));
+    TDM_REQUIRE(n_elem >= 0, TDM_STATUS_INVALID_ARG, "optimizer over %lld elements",
+                (long long)n_elem);
     tdm_optim *o = calloc(1, sizeof *o);
     if (!o) return tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "cannot allocate an optimizer");
     o->opts = *opts;
     o->model = m;
-    o->n_state = opts->kind == TDM_OPTIM_ADAMW ? 2 : (opts->momentum != 0.0f ? 1 : 0);
-    tdm_device *d = tdm_model_device(m);
-    size_t nb = (size_t)tdm_model_param_elems(m) * sizeof(float);
+    o->dev = d;
+    o->n_elem = n_elem;
+    o->n_state = tdm_optim_kind_n_state(opts);
+    size_t nb = (size_t)(n_elem > 0 ? n_elem : 1) * sizeof(float);
     for (int i = 0; i < o->n_state; i++) {
         tdm_status st = tdm_dev_alloc_zero(d, nb, (void **)&o->state[i]);
         if (st != TDM_STATUS_OK) {
@@ -76,6 +93,19 @@ tdm_status tdm_optim_init(tdm_optim **out, tdm_model *m, const tdm_optim_opts *o
     }
     *out = o;
     return TDM_STATUS_OK;
+}
+
+tdm_status tdm_optim_init(tdm_optim **out, tdm_model *m, const tdm_optim_opts *opts)
+{
+    return tdm_optim_new(out, m, tdm_model_device(m), tdm_model_param_elems(m), opts);
+}
+
+tdm_status tdm_optim_init_flat(tdm_optim **out, tdm_device *dev, int64_t n_elem,
+                               const tdm_optim_opts *opts)
+{
+    *out = NULL;
+    TDM_REQUIRE(dev, TDM_STATUS_INVALID_ARG, "optimizer: NULL device");
+    return tdm_optim_new(out, NULL, dev, n_elem, opts);
 }
 
 tdm_status tdm_sgd_init(tdm_optim **out, tdm_model *m, float lr, float momentum)
@@ -90,41 +120,87 @@ tdm_status tdm_sgd_init(tdm_optim **out, tdm_model *m, float lr, float momentum)
 void tdm_optim_free(tdm_optim *o)
 {
     if (!o) return;
-    for (int i = 0; i < o->n_state; i++) tdm_dev_free(tdm_model_device(o->model), o->state[i]);
+    for (int i = 0; i < o->n_state; i++) tdm_dev_free(o->dev, o->state[i]);
     free(o);
 }
 
-tdm_status tdm_optim_step(tdm_optim *o)
+/* The learning-rate schedule (tdm_optim_set_schedule) at this step: once
+ * per step, before its updates (of the model, or of every range). */
+static void tdm_optim_apply_schedule(tdm_optim *o)
 {
-    tdm_model *m = o->model;
-    tdm_device *d = tdm_model_device(m);
+    if (o->schedule != TDM_OPTIM_SCHEDULE_COSINE) return;
+    double t = (double)o->steps / (double)o->total_steps;
+    if (t > 1.0) t = 1.0;
+    o->opts.lr = (float)(o->base_lr * 0.5 * (1.0 + cos(M_PI * t)));
+}
+
+/* The update of one range, at step count o->steps (not counted here). */
+static tdm_status tdm_optim_update(tdm_optim *o, const tdm_optim_range *r)
+{
+    tdm_device *d = o->dev;
     const tdm_optim_opts *p = &o->opts;
-    int64_t n = tdm_model_param_elems(m);
+    if (r->n_elem == 0) return TDM_STATUS_OK;
+    float *s0 = o->n_state > 0 ? o->state[0] + r->state_offset : NULL;
+    if (p->kind == TDM_OPTIM_SGD)
+        return tdm_dev_sgd_step(d, r->n_elem, r->param, r->grad, s0, p->lr, p->momentum,
+                                p->dampening, p->weight_decay, p->nesterov, o->steps == 0);
+    double t = (double)o->steps + 1.0;
+    float bc1 = (float)(1.0 - pow(p->beta1, t));
+    float bc2 = (float)(1.0 - pow(p->beta2, t));
+    return tdm_dev_adamw_step(d, r->n_elem, r->param, r->grad, s0, o->state[1] + r->state_offset,
+                              p->lr, p->beta1, p->beta2, p->eps, p->weight_decay, bc1, bc2);
+}
+
+static tdm_status tdm_optim_check_steps(const tdm_optim *o)
+{
     /* steps + 1 must neither overflow int64 nor stop being exact as the
      * double that AdamW's bias correction raises the betas to. */
     TDM_REQUIRE(o->steps >= 0 && o->steps < TDM_OPTIM_MAX_STEPS, TDM_STATUS_INVALID_ARG,
                 "optimizer: step count %" PRId64 " is outside [0, 2^53): refusing to step (a "
                 "corrupt checkpoint?)", o->steps);
-    if (o->schedule == TDM_OPTIM_SCHEDULE_COSINE) {
-        double t = (double)o->steps / (double)o->total_steps;
-        if (t > 1.0) t = 1.0;
-        o->opts.lr = (float)(o->base_lr * 0.5 * (1.0 + cos(M_PI * t)));
-    }
-    if (p->kind == TDM_OPTIM_SGD) {
-        TDM_CHECK(tdm_dev_sgd_step(d, n, tdm_model_params(m), tdm_model_grads(m), o->state[0],
-                                   p->lr, p->momentum, p->dampening, p->weight_decay,
-                                   p->nesterov, o->steps == 0));
-    } else {
-        double t = (double)o->steps + 1.0;
-        float bc1 = (float)(1.0 - pow(p->beta1, t));
-        float bc2 = (float)(1.0 - pow(p->beta2, t));
-        TDM_CHECK(tdm_dev_adamw_step(d, n, tdm_model_params(m), tdm_model_grads(m), o->state[0],
-                                     o->state[1], p->lr, p->beta1, p->beta2, p->eps,
-                                     p->weight_decay, bc1, bc2));
+    return TDM_STATUS_OK;
+}
+
+tdm_status tdm_optim_step(tdm_optim *o)
+{
+    tdm_model *m = o->model;
+    TDM_REQUIRE(m, TDM_STATUS_INVALID_ARG,
+                "optimizer: this one covers a shard, not a model: step it with "
+                "tdm_optim_step_ranges");
+    TDM_CHECK(tdm_optim_check_steps(o));
+    tdm_optim_apply_schedule(o);
+    tdm_optim_range r = {.param = tdm_model_params(m), .grad = tdm_model_grads(m),
+                         .state_offset = 0, .n_elem = tdm_model_param_elems(m)};
+    TDM_REQUIRE(r.param && r.grad, TDM_STATUS_INVALID_ARG,
+                "optimizer: the model's flat buffers were released (its parameters live in "
+                "views): step its owner's shard instead");
+    TDM_CHECK(tdm_optim_update(o, &r));
+    o->steps++;
+    return TDM_STATUS_OK;
+}
+
+tdm_status tdm_optim_step_ranges(tdm_optim *o, const tdm_optim_range *ranges, int n_ranges)
+{
+    TDM_CHECK(tdm_optim_check_steps(o));
+    tdm_optim_apply_schedule(o);
+    TDM_REQUIRE(n_ranges >= 0 && (n_ranges == 0 || ranges), TDM_STATUS_INVALID_ARG,
+                "optimizer: %d ranges", n_ranges);
+    for (int i = 0; i < n_ranges; i++) {
+        const tdm_optim_range *r = &ranges[i];
+        TDM_REQUIRE(r->n_elem >= 0 && r->state_offset >= 0 &&
+                        r->state_offset <= o->n_elem - r->n_elem &&
+                        (r->n_elem == 0 || (r->param && r->grad)),
+                    TDM_STATUS_INVALID_ARG,
+                    "optimizer: range %d ([%lld, +%lld) of the state) is outside its %lld "
+                    "elements or has no buffers", i, (long long)r->state_offset,
+                    (long long)r->n_elem, (long long)o->n_elem);
+        TDM_CHECK(tdm_optim_update(o, r));
     }
     o->steps++;
     return TDM_STATUS_OK;
 }
+
+int64_t tdm_optim_n_elem(const tdm_optim *o) { return o->n_elem; }
 
 int64_t tdm_optim_steps(const tdm_optim *o) { return o->steps; }
 void tdm_optim_set_steps(tdm_optim *o, int64_t steps) { o->steps = steps; }
@@ -152,8 +228,7 @@ int tdm_optim_n_state(const tdm_optim *o) { return o->n_state; }
 const char *tdm_optim_state_name(const tdm_optim *o, int i)
 {
     if (i < 0 || i >= o->n_state) return NULL;
-    if (o->opts.kind == TDM_OPTIM_SGD) return "momentum";
-    return i == 0 ? "exp_avg" : "exp_avg_sq";
+    return tdm_optim_kind_state_name(o->opts.kind, i);
 }
 
 float *tdm_optim_state(tdm_optim *o, int i)
@@ -163,5 +238,5 @@ float *tdm_optim_state(tdm_optim *o, int i)
 
 size_t tdm_optim_state_bytes(const tdm_optim *o)
 {
-    return (size_t)o->n_state * (size_t)tdm_model_param_elems(o->model) * sizeof(float);
+    return (size_t)o->n_state * (size_t)o->n_elem * sizeof(float);
 }

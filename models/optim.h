@@ -36,6 +36,28 @@ void tdm_optim_free(tdm_optim *o);
 
 /* p <- update(p, grad); increments the step count. */
 tdm_status tdm_optim_step(tdm_optim *o);
+
+/* An optimizer over n_elem elements that belong to no model: a rank's
+ * shard of a model's parameters (sharded data parallel), stepped through
+ * tdm_optim_step_ranges. Its state buffers have n_elem elements. */
+tdm_status tdm_optim_init_flat(tdm_optim **out, tdm_device *dev /* borrowed */, int64_t n_elem,
+                               const tdm_optim_opts *opts);
+/* One piece of the stepped elements: param[0..n_elem) and grad[0..n_elem)
+ * (device pointers) use the state elements [state_offset,
+ * state_offset + n_elem). */
+typedef struct tdm_optim_range {
+    float *param;
+    const float *grad;
+    int64_t state_offset, n_elem;
+} tdm_optim_range;
+/* One step over the ranges (disjoint pieces of the state), counted once.
+ * The update of each element is the same function of (param, grad,
+ * state, step) as in tdm_optim_step, so a shard stepped here holds
+ * bitwise what a whole-model step gives its elements. Works for either
+ * kind of optimizer (a model's: offsets into its flat buffers). */
+tdm_status tdm_optim_step_ranges(tdm_optim *o, const tdm_optim_range *ranges, int n_ranges);
+/* Elements the optimizer state covers (the model's, or n_elem). */
+int64_t tdm_optim_n_elem(const tdm_optim *o);
 /* The most steps an optimizer counts: 2^53, beyond which a step count is
  * no longer exact as a double (AdamW's bias correction uses it) and which
  * no real run reaches. tdm_optim_step refuses to go past it. */
@@ -62,7 +84,11 @@ tdm_status tdm_optim_set_schedule(tdm_optim *o, tdm_optim_schedule kind, double 
 const tdm_optim_opts *tdm_optim_get_opts(const tdm_optim *o);
 
 /* State buffers ("momentum" for SGD; "exp_avg", "exp_avg_sq" for AdamW),
- * each tdm_model_param_elems() floats on the model's device. */
+ * each tdm_optim_n_elem() floats on the model's (or the flat optimizer's)
+ * device. tdm_optim_kind_n_state and _state_name say the same from the
+ * options alone (what a checkpoint needs without an optimizer). */
+int tdm_optim_kind_n_state(const tdm_optim_opts *opts);
+const char *tdm_optim_kind_state_name(tdm_optim_kind kind, int i);
 int tdm_optim_n_state(const tdm_optim *o);
 const char *tdm_optim_state_name(const tdm_optim *o, int i);
 float *tdm_optim_state(tdm_optim *o, int i);

@@ -38,8 +38,8 @@ Test(cli, usage_errors)
     expect(&r, 2, "widths must be integers");
     CLI(&r, "train", "--optim", "rmsprop");
     expect(&r, 2, "expected sgd or adamw");
-    CLI(&r, "train", "--mode", "fsdp");
-    expect(&r, 2, "expected single, dp or ddp");
+    CLI(&r, "train", "--mode", "zero");
+    expect(&r, 2, "expected single, dp, ddp or fsdp");
     CLI(&r, "train", "--device", "tpu:3");
     expect(&r, 2, "device spec 'tpu:3'");
     CLI(&r, "train", "--device", "cpu:2");
@@ -63,7 +63,7 @@ Test(cli, help_and_info)
 {
     static cli_result r;
     CLI(&r, "train", "--help");
-    expect(&r, 0, "--mode single|dp|ddp");
+    expect(&r, 0, "--mode single|dp|ddp|fsdp");
     static const char *flags[] = {"--model", "--device", "--threads", "--epochs", "--batch",
                                   "--optim", "--lr", "--seed", "--data", "--save", "--resume"};
     for (size_t i = 0; i < sizeof flags / sizeof flags[0]; i++)

@@ -52,9 +52,10 @@ Test(compare, three_modes_agree_and_outputs_are_well_formed, .timeout = 240)
     snprintf(csv, sizeof csv, "%s/run.csv", dir);
     snprintf(plot, sizeof plot, "%s/plots", dir);
     const int steps = 8;
+    /* the three replicated modes (FSDP's part: tests/test_fsdp_cli.c) */
     CLI(&r, "compare", "--data", "synthetic", "--model", "mlp:784-48-10", "--device", "cpu:3",
         "--batch", "50", "--steps", "8", "--warmup", "2", "--bucket-cap-mb", "0.001",
-        "--trace", trace, "--csv", csv, "--plot", plot);
+        "--trace", trace, "--csv", csv, "--plot", plot, "--modes", "single,dp,ddp");
     expect(&r, 0, "verdict: PASS");
     /* every section is there */
     const char *sections[] = {"Throughput", "Where the time goes", "Equivalence",

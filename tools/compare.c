@@ -50,11 +50,17 @@ static void tdm_cmp_usage(FILE *f)
     fprintf(f,
         "usage: tandem compare [options]\n"
         "\n"
-        "Runs the same training three ways - one device, DataParallel on N devices and\n"
-        "DistributedDataParallel on N ranks - from the same initial parameters over the\n"
-        "same global batches, and prints throughput, a per-phase breakdown, an\n"
-        "equivalence verdict, memory per device and a reading of the figures.\n"
+        "Runs the same training several ways - one device, DataParallel on N devices,\n"
+        "DistributedDataParallel on N ranks and sharded data parallel on N ranks - from\n"
+        "the same initial parameters over the same global batches, and prints\n"
+        "throughput, a per-phase breakdown, an equivalence verdict, memory per device\n"
+        "and a reading of the figures.\n"
         "\n"
+        "  --modes LIST         any of single, dp, ddp, fsdp, zero2, zero1 (comma-separated;\n"
+        "                       single always runs, as the reference)  [single,dp,ddp,fsdp]\n"
+        "                       fsdp:  PyTorch FSDP FULL_SHARD, DeepSpeed ZeRO stage 3\n"
+        "                       zero2: FSDP SHARD_GRAD_OP, ZeRO stage 2\n"
+        "                       zero1: ZeroRedundancyOptimizer, ZeRO stage 1\n"
         "  --model NAME         mlp, mlp:W0-..-Wn, cnn, gpt, gpt:L-D-H-T      [mlp]\n"
         "  --device SPEC        devices for DP and DDP: cpu:N (N >= 1), or GPUs\n"
         "                       cuda (all) / cuda:I,J,.. (single runs on the first) [cpu:2]\n"
@@ -137,7 +143,7 @@ static void tdm_cmp_print_phase_table(const tdm_cmp_opts *o, tdm_cmp_result *con
     static const tdm_phase rows[] = {
         TDM_PHASE_REPLICATE, TDM_PHASE_SCATTER, TDM_PHASE_FORWARD, TDM_PHASE_GATHER,
         TDM_PHASE_LOSS, TDM_PHASE_BACKWARD, TDM_PHASE_REDUCE, TDM_PHASE_ALLREDUCE_WAIT,
-        TDM_PHASE_STEP};
+        TDM_PHASE_ALLGATHER_WAIT, TDM_PHASE_REDUCE_SCATTER_WAIT, TDM_PHASE_STEP};
     tdm_phase_times pm[TDM_CMP_NMODES];
     double mean[TDM_CMP_NMODES];
     printf("\nWhere the time goes (ms per step and share of the step, means after warm-up)\n");
@@ -153,7 +159,10 @@ static void tdm_cmp_print_phase_table(const tdm_cmp_opts *o, tdm_cmp_result *con
     printf("\n");
     for (size_t q = 0; q < sizeof rows / sizeof rows[0]; q++) {
         tdm_phase p = rows[q];
-        printf("  %-22s", p == TDM_PHASE_ALLREDUCE_WAIT ? "all-reduce (exposed)" : tdm_phase_name(p));
+        printf("  %-22s", p == TDM_PHASE_ALLREDUCE_WAIT        ? "all-reduce (exposed)"
+                          : p == TDM_PHASE_ALLGATHER_WAIT      ? "all-gather (exposed)"
+                          : p == TDM_PHASE_REDUCE_SCATTER_WAIT ? "reduce-scatter (exp.)"
+                                                               : tdm_phase_name(p));
         for (int k = 0; k < n; k++) {
             double v = pm[k].ms[p];
             if (v <= 0.0) printf(" %18s", "-");
@@ -181,6 +190,7 @@ static void tdm_cmp_print_phase_table(const tdm_cmp_opts *o, tdm_cmp_result *con
                "gradient bytes were launched while backward still ran\n", comm, r->n_buckets,
                r->n_buckets == 1 ? "" : "s", exposed, 100.0 * r->overlap_bytes_frac);
     }
+    tdm_cmp_fsdp_print_phases(o, res, n);
 }
 
 static void tdm_cmp_print_memory(const tdm_cmp_opts *o, tdm_cmp_result *const *res, int n)
@@ -195,8 +205,9 @@ static void tdm_cmp_print_memory(const tdm_cmp_opts *o, tdm_cmp_result *const *r
             const tdm_cmp_memory *m = &r->mem[d];
             char name[64], dev[32];
             tdm_cmp_dev_name(o, d, dev, sizeof dev);
-            if (r->mode == TDM_CMP_DDP)
-                snprintf(name, sizeof name, "DDP rank %s", d == 0 ? "0" : r->n_dev > 2 ? "1.." : "1");
+            if (r->mode == TDM_CMP_DDP || tdm_cmp_is_sharded(r->mode))
+                snprintf(name, sizeof name, "%s rank %s", tdm_cmp_mode_name(r->mode),
+                         d == 0 ? "0" : r->n_dev > 2 ? "1.." : "1");
             else
                 snprintf(name, sizeof name, "%s %s%s", tdm_cmp_mode_name(r->mode), dev,
                          d == 1 && r->n_dev > 2 ? ".." : "");
@@ -220,6 +231,7 @@ static void tdm_cmp_print_memory(const tdm_cmp_opts *o, tdm_cmp_result *const *r
         printf("  DP's output device holds the master (with optimizer state) and the gathered\n"
                "  logits and their gradient (comm); DDP's gradients live in the shared segment\n"
                "  and comm is the rest of that segment's arena.\n");
+    tdm_cmp_fsdp_print_memory_note(res, n);
 }
 
 /* Everything one `tandem compare` run holds, from the options to the
@@ -237,6 +249,8 @@ typedef struct tdm_cmp_job {
     double sps[TDM_CMP_NMODES];      /* samples/s of the median step, by mode */
     double sweep_dp[16], sweep_ddp[16];
     int verdict;                     /* 1: the modes computed the same training */
+    const char *modes_arg;           /* --modes as given */
+    int ran[TDM_CMP_NMODES];         /* 1: the mode ran */
     const char *default_device;      /* o.device until --device is given */
     int err_fd;                      /* an MPI job's rank > 0: its stderr, kept aside */
 } tdm_cmp_job;
@@ -326,6 +340,7 @@ static tdm_status tdm_cmp_parse(int argc, char **argv, tdm_cmp_job *j)
         TDM_ARGS_STR("--csv", o->csv)
         TDM_ARGS_STR("--plot", o->plot)
         TDM_ARGS_STR("--sweep", o->sweep)
+        TDM_ARGS_STR("--modes", j->modes_arg)
         TDM_ARGS_STR("--backend", o->backend)
         TDM_ARGS_INT("--steps", 1, 1000000, o->steps)
         TDM_ARGS_INT("--warmup", 0, 1000000, o->warmup)
@@ -545,6 +560,14 @@ static tdm_status tdm_cmp_run_modes(tdm_cmp_job *j)
         fflush(stdout);
     }
     for (int k = 0; k < TDM_CMP_NMODES; k++) {
+        /* under an MPI launcher the other ranks wait for DDP whatever --modes
+         * says, and the sharded modes (which fork their own ranks) are left out */
+        if (!(j->o.modes & 1u << k) && !(k == TDM_CMP_DDP && j->o.ddp_comm)) continue;
+        if (j->o.ddp_comm && tdm_cmp_is_sharded((tdm_cmp_mode)k)) {
+            printf("  %s: skipped under an MPI launcher (run it without mpirun)\n",
+                   tdm_cmp_mode_name((tdm_cmp_mode)k));
+            continue;
+        }
         printf("  running %s...\n", tdm_cmp_mode_name((tdm_cmp_mode)k));
         fflush(stdout);
         /* an MPI job's other ranks wait for this before DDP */
@@ -558,6 +581,7 @@ static tdm_status tdm_cmp_run_modes(tdm_cmp_job *j)
         TDM_CHECK(tdm_cmp_run(&j->o, &j->data, (tdm_cmp_mode)k,
                               k == TDM_CMP_SINGLE ? 1 : j->o.n_dev, &j->res[k]));
         j->rp[j->nres++] = &j->res[k];
+        j->ran[k] = 1;
     }
     tdm_cmp_opts on = j->o;
     on.nudge = 1;
@@ -574,12 +598,14 @@ static void tdm_cmp_print_throughput(tdm_cmp_job *j)
     for (int k = 0; k < j->nres; k++) {
         double med, mn, mx;
         tdm_cmp_step_stats(o, j->rp[k], &med, &mn, &mx);
-        j->sps[k] = o->batch / med * 1e3;
+        /* by mode: single is always there, first */
+        tdm_cmp_mode mode = j->rp[k]->mode;
+        j->sps[mode] = o->batch / med * 1e3;
         char name[32];
         snprintf(name, sizeof name, "%s(%d)", tdm_cmp_mode_name(j->rp[k]->mode),
                  j->rp[k]->n_dev);
-        printf("  %-10s %12.0f %8.2fx %10.2f (%.2f-%.2f)\n", name, j->sps[k],
-               j->sps[k] / j->sps[0], med, mn, mx);
+        printf("  %-10s %12.0f %8.2fx %10.2f (%.2f-%.2f)\n", name, j->sps[mode],
+               j->sps[mode] / j->sps[0], med, mn, mx);
     }
 }
 
@@ -599,7 +625,7 @@ static int tdm_cmp_print_pair(const tdm_cmp_job *j, const tdm_model *ref, tdm_cm
                "with that chunk's statistics\n", label);
         return 1;
     }
-    if (bn && o->batch % o->n_dev) {
+    if (bn && o->batch % o->n_dev && (a->mode == TDM_CMP_DP || b->mode == TDM_CMP_DP)) {
         printf("  %-14s not expected to match: DP's chunks (torch.chunk) and DDP's shares "
                "differ when %d does not divide by %d, so batchnorm sees different groups\n",
                label, o->batch, o->n_dev);
@@ -656,18 +682,19 @@ static tdm_status tdm_cmp_print_equivalence(tdm_cmp_job *j)
            "started one ulp off ends %.2e away (loss rel %.1e))\n", TDM_CMP_ATOL_FIRST,
            TDM_CMP_RTOL_FIRST, o->steps, TDM_CMP_ATOL_LAST, TDM_CMP_RTOL_LAST,
            TDM_CMP_FLOOR_FACTOR, fl.max_abs, fl_loss);
-    static const tdm_cmp_mode pairs[3][2] = {{TDM_CMP_DP, TDM_CMP_SINGLE},
-                                             {TDM_CMP_DDP, TDM_CMP_SINGLE},
-                                             {TDM_CMP_DDP, TDM_CMP_DP}};
+    int pairs[16][2];
+    int n_pairs = tdm_cmp_fsdp_pairs(j->ran, pairs, 16);
     j->verdict = 1;
-    for (int q = 0; q < 3; q++)
-        j->verdict &= tdm_cmp_print_pair(j, ref, pairs[q][0], pairs[q][1], &fl, fl_loss);
-    if (!j->res[TDM_CMP_DDP].ranks_agree) {
+    for (int q = 0; q < n_pairs; q++)
+        j->verdict &= tdm_cmp_print_pair(j, ref, (tdm_cmp_mode)pairs[q][0],
+                                         (tdm_cmp_mode)pairs[q][1], &fl, fl_loss);
+    if (j->ran[TDM_CMP_DDP] && !j->res[TDM_CMP_DDP].ranks_agree) {
         printf("  DDP ranks ended with different parameters -> FAIL\n");
         j->verdict = 0;
-    } else {
+    } else if (j->ran[TDM_CMP_DDP]) {
         printf("  DDP: every rank ended with bitwise the same parameters as rank 0\n");
     }
+    j->verdict &= tdm_cmp_fsdp_print_bitwise(o, j->rp, j->nres);
     printf("  verdict: %s\n", j->verdict ? "PASS - the modes computed the same training"
                                          : "FAIL - the modes disagree beyond float tolerance");
     tdm_model_free(ref);
@@ -680,6 +707,11 @@ static tdm_status tdm_cmp_print_equivalence(tdm_cmp_job *j)
 static void tdm_cmp_print_reading(const tdm_cmp_job *j)
 {
     const tdm_cmp_opts *o = &j->o;
+    if (!j->ran[TDM_CMP_DP] || !j->ran[TDM_CMP_DDP]) {
+        printf("\nReading\n");
+        tdm_cmp_fsdp_reading(o, j->rp, j->nres, j->sps);
+        return;
+    }
     const double *sps = j->sps;
     tdm_phase_times dp, ddp;
     tdm_cmp_phase_mean(o, &j->res[TDM_CMP_DP], &dp);
@@ -717,6 +749,7 @@ static void tdm_cmp_print_reading(const tdm_cmp_job *j)
            100.0 * sps[TDM_CMP_DDP] / ideal,
            o->n_dev > cores && (o->dl.kind == TDM_DEVICE_HOST || tdm_tool_cuda_emulated())
                ? " (more devices than cores: they share the cores)" : "");
+    tdm_cmp_fsdp_reading(o, j->rp, j->nres, sps);
 }
 
 /* --sweep: DP and DDP again at each device count. */
@@ -814,13 +847,17 @@ int tdm_tool_compare_main(int argc, char **argv)
     j->o = (tdm_cmp_opts){.model = "mlp", .device = default_device, .data = NULL,
                           .optim = "sgd", .steps = 30, .warmup = 3, .batch = 0, .lr = -1,
                           .momentum = 0.9, .weight_decay = 0.0, .seed = 1, .bucket_cap_mb = 25,
-                          .perturb_rank = -1};
+                          .perturb_rank = -1,
+                          .modes = 1u << TDM_CMP_SINGLE | 1u << TDM_CMP_DP |
+                                   1u << TDM_CMP_DDP | 1u << TDM_CMP_FSDP};
     int rc;
     tdm_status st = tdm_cmp_parse(argc, argv, j);
     if (st == TDM_STATUS_OK && j->help) {
         tdm_cmp_usage(stdout);
         return tdm_tool_exit(TDM_STATUS_OK);
     }
+    if (st == TDM_STATUS_OK && j->modes_arg && !tdm_cmp_parse_modes(j->modes_arg, &j->o.modes))
+        st = TDM_STATUS_USAGE;
     if (st == TDM_STATUS_OK) st = tdm_cmp_main_run(j);
     tdm_cmp_result_free(&j->floor_r);
     for (int k = 0; k < TDM_CMP_NMODES; k++) tdm_cmp_result_free(&j->res[k]);

@@ -7,6 +7,7 @@
 #define TDM_TOOLS_COMPARE_H
 
 #include <stddef.h>
+#include <stdio.h>
 #include <stdint.h>
 
 #include "core/data.h"
@@ -26,6 +27,9 @@ typedef enum tdm_cmp_mode {
     TDM_CMP_SINGLE = 0,
     TDM_CMP_DP,
     TDM_CMP_DDP,
+    TDM_CMP_FSDP,    /* fsdp/ FULL_SHARD (ZeRO-3) */
+    TDM_CMP_ZERO2,   /* fsdp/ SHARD_GRAD_OP */
+    TDM_CMP_ZERO1,   /* fsdp/ sharded optimizer */
     TDM_CMP_NMODES
 } tdm_cmp_mode;
 
@@ -38,6 +42,7 @@ typedef struct tdm_cmp_opts {
     uint64_t seed;
     double bucket_cap_mb;
     int no_overlap;
+    unsigned modes;            /* bit per tdm_cmp_mode run (--modes) */
     int perturb_rank;          /* test hook: -1 off */
     int nudge;                 /* single mode only: start from parameters one ulp
                                   off (the float-noise floor run) */
@@ -72,7 +77,14 @@ typedef struct tdm_cmp_result {
     float *params_first, *params_last; /* after step 1 and after the last step */
     int ranks_agree;                   /* DDP: every rank ended with rank 0's params */
     double overlap_bytes_frac;         /* DDP rank 0: share of gradient bytes whose
-                                          all-reduce was launched during backward */
+                                          all-reduce was launched during backward
+                                          (sharded: reduce-scatter) */
+    double prefetch_frac;              /* sharded rank 0: share of all-gathered bytes
+                                          that were prefetched */
+    int n_coll;                        /* sharded: collectives per step recorded */
+    double *coll;                      /* [steps * n_coll * 4] rank 0: kind (0 all-gather,
+                                          1 reduce-scatter, -1 none), unit, start, end
+                                          (ms from the step's start) */
     tdm_cmp_memory mem[TDM_CMP_MAX_DEV];
 } tdm_cmp_result;
 
@@ -116,6 +128,29 @@ tdm_status tdm_cmp_run(const tdm_cmp_opts *o, const tdm_cmp_data *data, tdm_cmp_
 /* Parameters of o's model (a probe on a host device); 0 on failure. */
 int64_t tdm_cmp_param_elems(const tdm_cmp_opts *o);
 void tdm_cmp_result_free(tdm_cmp_result *r);
+/* r's arrays for a run of `steps` on n_dev devices (0 on failure, said). */
+tdm_status tdm_cmp_alloc(tdm_cmp_result *r, tdm_cmp_mode mode, int n_dev, int steps,
+                         int64_t param_elems);
+
+/* ---- sharded modes (tools/compare_fsdp.c) ---- */
+int tdm_cmp_is_sharded(tdm_cmp_mode m);
+/* --modes single,dp,ddp,fsdp,zero2,zero1 into a bit mask (single always
+ * runs: the reference); 0 with a message on a bad name. */
+int tdm_cmp_parse_modes(const char *s, unsigned *mask);
+tdm_status tdm_cmp_run_fsdp(const tdm_cmp_opts *o, const tdm_cmp_data *data,
+                            tdm_cmp_mode mode, int world, tdm_cmp_result *r);
+void tdm_cmp_fsdp_print_phases(const tdm_cmp_opts *o, tdm_cmp_result *const *res, int n);
+/* The verdict's pairs among the modes that ran (ran[mode]): each vs
+ * single, DDP vs DP, each sharded mode vs DDP. */
+int tdm_cmp_fsdp_pairs(const int *ran, int (*pairs)[2], int max);
+/* Sharded modes vs DDP bit for bit, and their ranks' agreement; 0 when
+ * ranks disagree. */
+int tdm_cmp_fsdp_print_bitwise(const tdm_cmp_opts *o, tdm_cmp_result *const *res, int n);
+void tdm_cmp_fsdp_print_memory_note(tdm_cmp_result *const *res, int n);
+void tdm_cmp_fsdp_reading(const tdm_cmp_opts *o, tdm_cmp_result *const *res, int n,
+                          const double *sps_of);
+void tdm_cmp_fsdp_trace(FILE *f, int *first, int pid, const tdm_cmp_result *r,
+                        long long (*us)(double));
 
 /* Median, min and max of the post-warm-up step times. */
 void tdm_cmp_step_stats(const tdm_cmp_opts *o, const tdm_cmp_result *r, double *med,

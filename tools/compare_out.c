@@ -24,7 +24,7 @@
 static const tdm_phase tdm_cmp_order[] = {
     TDM_PHASE_REPLICATE, TDM_PHASE_SCATTER, TDM_PHASE_FORWARD, TDM_PHASE_GATHER,
     TDM_PHASE_LOSS,      TDM_PHASE_BACKWARD, TDM_PHASE_REDUCE, TDM_PHASE_ALLREDUCE_WAIT,
-    TDM_PHASE_STEP,
+    TDM_PHASE_ALLGATHER_WAIT, TDM_PHASE_REDUCE_SCATTER_WAIT, TDM_PHASE_STEP,
 };
 #define TDM_CMP_NORDER (int)(sizeof tdm_cmp_order / sizeof tdm_cmp_order[0])
 
@@ -99,7 +99,7 @@ tdm_status tdm_cmp_write_trace(const char *path, const tdm_cmp_opts *o,
                "{\"sort_index\": %d}}", pid, pid);
         for (int d = 0; d < r->n_dev; d++) {
             char name[48];
-            if (r->mode == TDM_CMP_DDP) {
+            if (r->mode == TDM_CMP_DDP || tdm_cmp_is_sharded(r->mode)) {
                 snprintf(name, sizeof name, "rank %d", d);
             } else {
                 char dev[32];
@@ -112,6 +112,7 @@ tdm_status tdm_cmp_write_trace(const char *path, const tdm_cmp_opts *o,
         if (r->mode == TDM_CMP_DDP)
             TDM_EV("{\"ph\": \"M\", \"pid\": %d, \"tid\": 1000, \"name\": \"thread_name\", "
                    "\"args\": {\"name\": \"rank 0 all-reduce (buckets)\"}}", pid);
+        tdm_cmp_fsdp_trace(f, &first, pid, r, tdm_cmp_us);
         for (int i = 0; i < r->steps; i++) {
             for (int d = 0; d < r->n_dev; d++) {
                 const tdm_phase_times *pt = &r->phase[(size_t)i * r->n_dev + d];
@@ -187,7 +188,7 @@ static int tdm_cmp_have_gnuplot(void)
 static const tdm_phase tdm_cmp_shown[] = {
     TDM_PHASE_REPLICATE, TDM_PHASE_SCATTER, TDM_PHASE_FORWARD, TDM_PHASE_GATHER,
     TDM_PHASE_LOSS, TDM_PHASE_BACKWARD, TDM_PHASE_REDUCE, TDM_PHASE_ALLREDUCE_WAIT,
-    TDM_PHASE_STEP,
+    TDM_PHASE_ALLGATHER_WAIT, TDM_PHASE_REDUCE_SCATTER_WAIT, TDM_PHASE_STEP,
 };
 #define TDM_CMP_NSHOWN (int)(sizeof tdm_cmp_shown / sizeof tdm_cmp_shown[0])
 

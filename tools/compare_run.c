@@ -24,7 +24,7 @@
 
 const char *tdm_cmp_mode_name(tdm_cmp_mode m)
 {
-    static const char *const n[] = {"single", "DP", "DDP"};
+    static const char *const n[] = {"single", "DP", "DDP", "FSDP", "ZeRO-2", "ZeRO-1"};
     return (unsigned)m < TDM_CMP_NMODES ? n[m] : "?";
 }
 
@@ -48,8 +48,8 @@ void tdm_cmp_dev_spec(const tdm_cmp_opts *o, int n, char *buf, size_t len)
         used += (size_t)snprintf(buf + used, len - used, "%s%d", i ? "," : "", o->dl.index[i]);
 }
 
-static tdm_status tdm_cmp_alloc(tdm_cmp_result *r, tdm_cmp_mode mode, int n_dev, int steps,
-                                int64_t param_elems)
+tdm_status tdm_cmp_alloc(tdm_cmp_result *r, tdm_cmp_mode mode, int n_dev, int steps,
+                         int64_t param_elems)
 {
     memset(r, 0, sizeof *r);
     r->mode = mode;
@@ -86,6 +86,7 @@ void tdm_cmp_result_free(tdm_cmp_result *r)
     free(r->exposed_ms);
     free(r->bwd_t0_ms);
     free(r->bucket);
+    free(r->coll);
     free(r->params_first);
     free(r->params_last);
     memset(r, 0, sizeof *r);
@@ -548,7 +549,7 @@ static tdm_status tdm_cmp_run_here(const tdm_cmp_opts *o, const tdm_cmp_data *da
     case TDM_CMP_SINGLE: return tdm_cmp_run_single(o, data, r);
     case TDM_CMP_DP: return tdm_cmp_run_dp(o, data, n_dev, r);
     case TDM_CMP_DDP: return tdm_cmp_run_ddp(o, data, n_dev, r);
-    default: return tdm_error_set(TDM_STATUS_INTERNAL, "compare: mode %d", (int)mode);
+    default: return tdm_cmp_run_fsdp(o, data, mode, n_dev, r);
     }
 }
 
@@ -668,7 +669,7 @@ tdm_status tdm_cmp_run(const tdm_cmp_opts *o, const tdm_cmp_data *data, tdm_cmp_
                        int n_dev, tdm_cmp_result *r)
 {
     memset(r, 0, sizeof *r);
-    if (o->dl.kind == TDM_DEVICE_CUDA && mode != TDM_CMP_DDP)
+    if (o->dl.kind == TDM_DEVICE_CUDA && mode != TDM_CMP_DDP && !tdm_cmp_is_sharded(mode))
         return tdm_cmp_run_isolated(o, data, mode, n_dev, r);
     return tdm_cmp_run_here(o, data, mode, n_dev, r);
 }

@@ -32,12 +32,13 @@ static void tdm_train_usage(FILE *f)
     fprintf(f,
         "usage: tandem train [options]\n"
         "\n"
-        "  --mode single|dp|ddp   one device, DataParallel (threads) or\n"
-        "                         DistributedDataParallel (processes)    [single]\n"
+        "  --mode single|dp|ddp|fsdp  one device, DataParallel (threads),\n"
+        "                         DistributedDataParallel (processes) or sharded\n"
+        "                         data parallel (processes, see --sharding)  [single]\n"
         "  --model NAME           mlp (784-1024-1024-10), mlp:W0-W1-..-Wn, cnn, or\n"
         "                         gpt (a byte-level GPT, gpt:%d-%d-%d-%d) or gpt:L-D-H-T\n"
         "                         (L blocks, width D, H heads, context T)      [mlp]\n"
-        "  --device SPEC          single: cpu, cuda (GPU 0) or cuda:I; dp, ddp: cpu:N,\n"
+        "  --device SPEC          single: cpu, cuda (GPU 0) or cuda:I; dp, ddp, fsdp: cpu:N,\n"
         "                         cpu:I,J,.., cuda (every GPU) or cuda:I,J,.. [cpu]\n"
         "  --threads T            BLAS threads of a single host device       [1]\n"
         "  --epochs E             epochs to train (in all, when resuming)     [2]\n"
@@ -65,8 +66,20 @@ static void tdm_train_usage(FILE *f)
         "  --backend B            ddp under mpirun/srun: shm (shared memory, one machine),\n"
         "                         mpi (MPI), hier (shm inside each machine + MPI between\n"
         "                         them) or auto (shm on one machine, hier otherwise)  [auto]\n"
-        "  --no-overlap           ddp: all-reduce after backward, not during it\n"
-        "  --timeout SECONDS      ddp: process-group timeout: a rank that waits\n"
+        "  --no-overlap           ddp: all-reduce after backward, not during it;\n"
+        "                         fsdp: reduce-scatter after backward\n"
+        "  --sharding S           fsdp: what each rank keeps only 1/N of:        [full]\n"
+        "                         full      parameters, gradients, optimizer state\n"
+        "                                   (PyTorch FSDP FULL_SHARD, DeepSpeed ZeRO-3)\n"
+        "                         grad_op   gradients, optimizer state (FSDP\n"
+        "                                   SHARD_GRAD_OP, ZeRO-2)\n"
+        "                         optimizer optimizer state (ZeroRedundancyOptimizer,\n"
+        "                                   ZeRO-1)\n"
+        "                         (zero3, zero2, zero1 are accepted too)\n"
+        "  --save-sharded         fsdp: --save writes one file per rank plus an index\n"
+        "                         at PATH (for models too big to gather); without it\n"
+        "                         --save writes the one file every mode reads\n"
+        "  --timeout SECONDS      ddp, fsdp: process-group timeout: a rank that waits\n"
         "                         longer for a peer in a collective fails, naming\n"
         "                         it [$TANDEM_TIMEOUT, else 60 for forked ranks,\n"
         "                         300 under tandem launch]\n"
@@ -120,12 +133,14 @@ static tdm_status tdm_train_parse(int argc, char **argv, tdm_train_args *a, int 
         TDM_ARGS_STR("--resume", a->resume)
         TDM_ARGS_STR("--lr-schedule", a->lr_schedule)
         TDM_ARGS_STR("--timeout", a->timeout)
+        TDM_ARGS_STR("--sharding", a->sharding)
         TDM_ARGS_INT("--bucket-cap-mb", 0, 1 << 20, a->bucket_cap_mb)
         TDM_ARGS_STR("--backend", a->backend)
         if (!strcmp(arg, "--nesterov")) { a->nesterov = 1; continue; }
         if (!strcmp(arg, "--no-eval")) { a->no_eval = 1; continue; }
         if (!strcmp(arg, "--quiet")) { a->quiet = 1; continue; }
         if (!strcmp(arg, "--no-overlap")) { a->no_overlap = 1; continue; }
+        if (!strcmp(arg, "--save-sharded")) { a->save_sharded = 1; continue; }
         return tdm_tool_usage_error("tandem train: unknown option '%s' (see tandem train --help)\n",
                                     arg);
     }
@@ -154,9 +169,16 @@ static tdm_status tdm_train_check_args(tdm_train_args *a)
      * (docs/GPT.md) */
     if (a->lr < 0) a->lr = strcmp(a->optim, "sgd") ? (gpt ? 2e-3 : 1e-3) : 0.05;
     if (a->weight_decay < 0) a->weight_decay = strcmp(a->optim, "sgd") ? 0.01 : 0.0;
-    if (a->timeout && strcmp(a->mode, "ddp"))
-        fprintf(stderr, "tandem train: note: --timeout applies to --mode ddp (the process "
-                        "group's collectives); --mode %s has none\n", a->mode);
+    if (a->timeout && strcmp(a->mode, "ddp") && strcmp(a->mode, "fsdp"))
+        fprintf(stderr, "tandem train: note: --timeout applies to --mode ddp and fsdp (the "
+                        "process group's collectives); --mode %s has none\n", a->mode);
+    if ((a->sharding || a->save_sharded) && strcmp(a->mode, "fsdp"))
+        return tdm_tool_usage_error("tandem train: --sharding and --save-sharded apply to "
+                                    "--mode fsdp, not --mode %s\n", a->mode);
+    if (gpt && !strcmp(a->mode, "fsdp"))
+        return tdm_tool_usage_error("tandem train: --mode fsdp trains mlp and cnn models from "
+                                    "the command line; a gpt shards through the C API "
+                                    "(fsdp/fsdp.h), not yet here\n");
     if (a->backend && strcmp(a->mode, "ddp"))
         return tdm_tool_usage_error("tandem train: --backend applies to --mode ddp\n");
     /* N copies of one model trained side by side are never what was meant */
@@ -177,7 +199,9 @@ static tdm_status tdm_train_dispatch(const tdm_train_args *a)
         return tdm_train_run_dp ? tdm_train_run_dp(a) : tdm_train_mode_absent("dp");
     if (!strcmp(a->mode, "ddp"))
         return tdm_train_run_ddp ? tdm_train_run_ddp(a) : tdm_train_mode_absent("ddp");
-    return tdm_tool_usage_error("tandem train: --mode '%s': expected single, dp or ddp\n",
+    if (!strcmp(a->mode, "fsdp"))
+        return tdm_train_run_fsdp ? tdm_train_run_fsdp(a) : tdm_train_mode_absent("fsdp");
+    return tdm_tool_usage_error("tandem train: --mode '%s': expected single, dp, ddp or fsdp\n",
                                 a->mode);
 }
 

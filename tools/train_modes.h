@@ -29,7 +29,9 @@ typedef struct tdm_train_args {
     const char *lr_schedule;  /* "const" or "cosine" */
     const char *backend;      /* ddp under an MPI launcher: auto|shm|mpi|hier (NULL: auto) */
     const char *timeout;      /* ddp: --timeout SECONDS as given (checked by the ddp mode) */
+    const char *sharding;     /* fsdp: --sharding as given (NULL: full) */
     int nesterov, no_eval, quiet, no_overlap;
+    int save_sharded;         /* fsdp: --save writes the sharded form */
 } tdm_train_args;
 
 /* ---- set-up steps (tools/train.c) ---- */
@@ -109,5 +111,7 @@ tdm_status tdm_train_run_single(const tdm_train_args *a);
 tdm_status tdm_train_text_main(const tdm_train_args *a);
 tdm_status tdm_train_run_dp(const tdm_train_args *a) __attribute__((weak));
 tdm_status tdm_train_run_ddp(const tdm_train_args *a) __attribute__((weak));
+/* --mode fsdp (tools/train_fsdp.c): sharded data parallel, fsdp/. */
+tdm_status tdm_train_run_fsdp(const tdm_train_args *a) __attribute__((weak));
 
 #endif

@@ -1,0 +1,931 @@
+/* fsdp/fsdp.c: sharded data parallel's public calls: the unit plan and its
+ * check across ranks, construction (shards from rank 0's parameters, the
+ * model's flat buffers given up for views), forward (buffers broadcast, a
+ * rank without samples still taking part), backward (its end-of-step
+ * check and loss sum), the optimizer step on the local shard, evaluation
+ * spread over the ranks, and timings and memory. A unit's life inside a
+ * pass (gathers, reduce-scatters, hooks) is fsdp/units.c; checkpoints are
+ * fsdp/ckpt.c. Only core/comm.h talks to other ranks. */
+#include "fsdp/fsdp_impl.h"
+
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/log.h"
+
+/* ---- names ---- */
+
+const char *tdm_fsdp_sharding_name(tdm_fsdp_sharding s)
+{
+    static const char *const n[] = {"full", "grad_op", "optimizer"};
+    return (unsigned)s < TDM_FSDP_SHARDING_COUNT_ ? n[s] : "?";
+}
+
+const char *tdm_fsdp_sharding_describe(tdm_fsdp_sharding s)
+{
+    static const char *const n[] = {
+        "full (FSDP FULL_SHARD, ZeRO stage 3)", "grad_op (FSDP SHARD_GRAD_OP, ZeRO stage 2)",
+        "optimizer (ZeroRedundancyOptimizer, ZeRO stage 1)"};
+    return (unsigned)s < TDM_FSDP_SHARDING_COUNT_ ? n[s] : "?";
+}
+
+tdm_status tdm_fsdp_sharding_parse(const char *text, tdm_fsdp_sharding *out)
+{
+    static const struct {
+        const char *name;
+        tdm_fsdp_sharding s;
+    } t[] = {{"full", TDM_FSDP_FULL_SHARD},          {"full_shard", TDM_FSDP_FULL_SHARD},
+             {"zero3", TDM_FSDP_FULL_SHARD},         {"3", TDM_FSDP_FULL_SHARD},
+             {"grad_op", TDM_FSDP_SHARD_GRAD_OP},    {"shard_grad_op", TDM_FSDP_SHARD_GRAD_OP},
+             {"zero2", TDM_FSDP_SHARD_GRAD_OP},      {"2", TDM_FSDP_SHARD_GRAD_OP},
+             {"optimizer", TDM_FSDP_SHARD_OPTIM},    {"zero1", TDM_FSDP_SHARD_OPTIM},
+             {"1", TDM_FSDP_SHARD_OPTIM}};
+    for (size_t i = 0; text && i < sizeof t / sizeof t[0]; i++)
+        if (!strcmp(text, t[i].name)) {
+            *out = t[i].s;
+            return TDM_STATUS_OK;
+        }
+    return tdm_error_set(TDM_STATUS_INVALID_ARG,
+                         "unknown sharding '%s': expected full (FSDP FULL_SHARD, ZeRO-3; also "
+                         "full_shard, zero3, 3), grad_op (SHARD_GRAD_OP, ZeRO-2; also "
+                         "shard_grad_op, zero2, 2) or optimizer (ZeroRedundancyOptimizer, "
+                         "ZeRO-1; also zero1, 1)", text ? text : "(null)");
+}
+
+/* ---- the unit plan ---- */
+
+static int64_t tdm_fsdp_align(int64_t n)
+{
+    return (n + TDM_MODEL_ALIGN_ELEMS - 1) / TDM_MODEL_ALIGN_ELEMS * TDM_MODEL_ALIGN_ELEMS;
+}
+
+static int64_t tdm_fsdp_param_end(const tdm_model *m, int last)
+{
+    return last + 1 < tdm_model_n_params(m) ? tdm_model_param_info(m, last + 1)->offset
+                                            : tdm_model_param_elems(m);
+}
+
+/* Units are runs of whole blocks (tdm_model_layer_block) with parameters:
+ * one per block, or, with min_unit_elems, consecutive blocks grouped
+ * until a unit holds that many elements. */
+static tdm_status tdm_fsdp_plan(tdm_fsdp *f)
+{
+    tdm_model *m = f->m;
+    int nl = tdm_model_n_layers(m), n = f->n_params;
+    f->u = calloc((size_t)n, sizeof *f->u);
+    f->param_unit = calloc((size_t)n, sizeof *f->param_unit);
+    f->ready = calloc((size_t)n, 1);
+    if (!f->u || !f->param_unit || !f->ready)
+        return tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "fsdp: unit plan for %d parameters", n);
+    int nu = 0, block = -1, prev_last = -1;
+    for (int l = 0; l < nl; l++) {
+        int first, last;
+        tdm_model_layer_params(m, l, &first, &last);
+        if (first > last) continue;
+        TDM_REQUIRE(first == prev_last + 1, TDM_STATUS_INTERNAL,
+                    "fsdp: layer %d's parameters start at %d, not after the previous layer's %d",
+                    l, first, prev_last);
+        prev_last = last;
+        int b = tdm_model_layer_block(m, l);
+        tdm_fsdp_unit *cur = nu ? &f->u[nu - 1] : NULL;
+        int64_t cur_elems = cur ? tdm_fsdp_param_end(m, cur->last) -
+                                      tdm_model_param_info(m, cur->first)->offset
+                                : 0;
+        if (cur && (b == block || cur_elems < f->o.min_unit_elems)) {
+            cur->last = last;
+        } else {
+            f->u[nu++] = (tdm_fsdp_unit){.first = first, .last = last};
+        }
+        block = b;
+    }
+    TDM_REQUIRE(prev_last == n - 1, TDM_STATUS_INTERNAL,
+                "fsdp: the layers own parameters 0..%d of %d", prev_last, n);
+    f->nu = nu;
+    int64_t so = 0, fo = 0;
+    for (int u = 0; u < nu; u++) {
+        tdm_fsdp_unit *x = &f->u[u];
+        x->offset = tdm_model_param_info(m, x->first)->offset;
+        x->n_elem = tdm_fsdp_param_end(m, x->last) - x->offset;
+        x->shard = (x->n_elem + f->world - 1) / f->world;
+        x->padded = x->shard * f->world;
+        /* shards and full copies start 64-byte aligned, as tensors in the
+         * flat buffer do: the same kernels see the same alignment */
+        x->shard_off = so;
+        x->full_off = fo;
+        so = tdm_fsdp_align(so + x->shard);
+        fo = tdm_fsdp_align(fo + x->padded);
+        if (x->padded > f->max_padded) f->max_padded = x->padded;
+        for (int p = x->first; p <= x->last; p++) f->param_unit[p] = u;
+        x->ag_event = x->rs_event = -1;
+    }
+    f->shard_elems = so;
+    f->full_elems = fo;
+    return TDM_STATUS_OK;
+}
+
+/* ---- the layout check across ranks ---- */
+
+static uint64_t tdm_fsdp_fnv(const void *p, size_t n, uint64_t h)
+{
+    const unsigned char *s = p;
+    for (size_t i = 0; i < n; i++) h = (h ^ s[i]) * 1099511628211ull;
+    return h;
+}
+
+static int64_t tdm_fsdp_tensor_hash(const tdm_tensor_info *t)
+{
+    uint64_t h = tdm_fsdp_fnv(t->name, strlen(t->name), 1469598103934665603ull);
+    h = tdm_fsdp_fnv(&t->ndim, sizeof t->ndim, h);
+    h = tdm_fsdp_fnv(t->shape, sizeof t->shape[0] * (size_t)t->ndim, h);
+    h = tdm_fsdp_fnv(&t->offset, sizeof t->offset, h);
+    return (int64_t)h;
+}
+
+enum { TDM_FSDP_SUM_NPARAMS, TDM_FSDP_SUM_NBUF, TDM_FSDP_SUM_NUNITS, TDM_FSDP_SUM_SHARDING,
+       TDM_FSDP_SUM_PREFETCH, TDM_FSDP_SUM_OVERLAP, TDM_FSDP_SUM_N };
+#define TDM_FSDP_UNIT_FIELDS 5
+
+static tdm_status tdm_fsdp_verify(tdm_fsdp *f)
+{
+    tdm_status st = TDM_STATUS_OK;
+    tdm_model *m = f->m;
+    int W = f->world, nbuf = tdm_model_n_buffers(m);
+    int64_t mine[TDM_FSDP_SUM_N] = {
+        [TDM_FSDP_SUM_NPARAMS] = f->n_params, [TDM_FSDP_SUM_NBUF] = nbuf,
+        [TDM_FSDP_SUM_NUNITS] = f->nu, [TDM_FSDP_SUM_SHARDING] = f->o.sharding,
+        [TDM_FSDP_SUM_PREFETCH] = f->o.no_prefetch, [TDM_FSDP_SUM_OVERLAP] = f->o.no_overlap};
+    int64_t *all = calloc((size_t)W * TDM_FSDP_SUM_N, sizeof *all), *tab = NULL;
+    TDM_REQUIRE(all, TDM_STATUS_OUT_OF_MEMORY, "fsdp: calloc");
+    memcpy(all + (size_t)f->rank * TDM_FSDP_SUM_N, mine, sizeof mine);
+    TDM_TRY(tdm_comm_all_gather(f->hcomm, all + (size_t)f->rank * TDM_FSDP_SUM_N, all,
+                                TDM_FSDP_SUM_N, TDM_DTYPE_INT64));
+    for (int r = 1; r < W; r++) {
+        const int64_t *a = all, *b = all + (size_t)r * TDM_FSDP_SUM_N;
+        if (a[TDM_FSDP_SUM_NPARAMS] != b[TDM_FSDP_SUM_NPARAMS] ||
+            a[TDM_FSDP_SUM_NBUF] != b[TDM_FSDP_SUM_NBUF]) {
+            st = tdm_error_set(TDM_STATUS_MISMATCH,
+                               "fsdp: model layout differs between ranks: rank 0 has %lld "
+                               "parameter tensors and %lld buffers, rank %d has %lld and %lld; "
+                               "every rank must build the same model",
+                               (long long)a[0], (long long)a[1], r, (long long)b[0],
+                               (long long)b[1]);
+            goto fail;
+        }
+    }
+    /* equal counts: per tensor, then per unit */
+    int nt = f->n_params + nbuf;
+    int per = 2 * nt + TDM_FSDP_UNIT_FIELDS * f->n_params;   /* units <= parameters */
+    tab = calloc((size_t)W * (size_t)per, sizeof *tab);
+    if (!tab) {
+        st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "fsdp: calloc");
+        goto fail;
+    }
+    int64_t *own = tab + (size_t)f->rank * per;
+    for (int i = 0; i < nt; i++) {
+        const tdm_tensor_info *t = i < f->n_params ? tdm_model_param_info(m, i)
+                                                   : tdm_model_buffer_info(m, i - f->n_params);
+        own[2 * i] = tdm_fsdp_tensor_hash(t);
+        own[2 * i + 1] = t->n_elem;
+    }
+    for (int u = 0; u < f->nu; u++) {
+        const tdm_fsdp_unit *x = &f->u[u];
+        int64_t *v = own + 2 * nt + TDM_FSDP_UNIT_FIELDS * u;
+        v[0] = x->first;
+        v[1] = x->last;
+        v[2] = x->offset;
+        v[3] = x->n_elem;
+        v[4] = x->shard;
+    }
+    TDM_TRY(tdm_comm_all_gather(f->hcomm, own, tab, (size_t)per, TDM_DTYPE_INT64));
+    for (int r = 1; r < W; r++) {
+        for (int i = 0; i < nt; i++) {
+            const int64_t *a = tab + 2 * i, *b = tab + (size_t)r * per + 2 * i;
+            if (a[0] == b[0] && a[1] == b[1]) continue;
+            int is_p = i < f->n_params;
+            const tdm_tensor_info *t = is_p ? tdm_model_param_info(m, i)
+                                            : tdm_model_buffer_info(m, i - f->n_params);
+            st = tdm_error_set(TDM_STATUS_MISMATCH,
+                               "fsdp: %s %d differs between ranks: rank 0's has %lld "
+                               "elements, rank %d's has %lld (name, shape or offset differ; "
+                               "here, on rank %d, it is '%s'); every rank must build the same "
+                               "model", is_p ? "parameter" : "buffer", is_p ? i : i - f->n_params,
+                               (long long)a[1], r, (long long)b[1], f->rank, t->name);
+            goto fail;
+        }
+        int nu0 = (int)all[TDM_FSDP_SUM_NUNITS], nur = (int)all[(size_t)r * TDM_FSDP_SUM_N +
+                                                               TDM_FSDP_SUM_NUNITS];
+        for (int u = 0; u < nu0 || u < nur; u++) {
+            const int64_t *a = tab + 2 * nt + TDM_FSDP_UNIT_FIELDS * u;
+            const int64_t *b = tab + (size_t)r * per + 2 * nt + TDM_FSDP_UNIT_FIELDS * u;
+            if (u < nu0 && u < nur && !memcmp(a, b, TDM_FSDP_UNIT_FIELDS * sizeof *a)) continue;
+            if (u >= nu0 || u >= nur) {
+                st = tdm_error_set(TDM_STATUS_MISMATCH,
+                                   "fsdp: shard layout differs between ranks: rank 0 has %d "
+                                   "unit(s), rank %d has %d (unit %d exists on one only); use "
+                                   "the same unit options (min_unit_elems) on every rank", nu0,
+                                   r, nur, u);
+            } else {
+                st = tdm_error_set(TDM_STATUS_MISMATCH,
+                                   "fsdp: shard layout of unit %d differs between ranks: rank "
+                                   "0's holds parameters %lld..%lld (%lld elements at offset "
+                                   "%lld, shards of %lld), rank %d's holds %lld..%lld (%lld at "
+                                   "%lld, shards of %lld); use the same model and unit options "
+                                   "on every rank", u, (long long)a[0], (long long)a[1],
+                                   (long long)a[3], (long long)a[2], (long long)a[4], r,
+                                   (long long)b[0], (long long)b[1], (long long)b[3],
+                                   (long long)b[2], (long long)b[4]);
+            }
+            goto fail;
+        }
+        const int64_t *a = all, *b = all + (size_t)r * TDM_FSDP_SUM_N;
+        if (a[TDM_FSDP_SUM_SHARDING] != b[TDM_FSDP_SUM_SHARDING] ||
+            a[TDM_FSDP_SUM_PREFETCH] != b[TDM_FSDP_SUM_PREFETCH] ||
+            a[TDM_FSDP_SUM_OVERLAP] != b[TDM_FSDP_SUM_OVERLAP]) {
+            st = tdm_error_set(TDM_STATUS_MISMATCH,
+                               "fsdp: options differ between ranks: rank 0 runs sharding %s "
+                               "(prefetch %s, overlap %s), rank %d sharding %s (prefetch %s, "
+                               "overlap %s); the collectives would not match",
+                               tdm_fsdp_sharding_name((tdm_fsdp_sharding)a[TDM_FSDP_SUM_SHARDING]),
+                               a[TDM_FSDP_SUM_PREFETCH] ? "off" : "on",
+                               a[TDM_FSDP_SUM_OVERLAP] ? "off" : "on", r,
+                               tdm_fsdp_sharding_name((tdm_fsdp_sharding)b[TDM_FSDP_SUM_SHARDING]),
+                               b[TDM_FSDP_SUM_PREFETCH] ? "off" : "on",
+                               b[TDM_FSDP_SUM_OVERLAP] ? "off" : "on");
+            goto fail;
+        }
+    }
+fail:
+    free(all);
+    free(tab);
+    return st;
+}
+
+/* ---- construction ---- */
+
+/* Every rank's shards (and full copies) from rank 0's parameters. */
+static tdm_status tdm_fsdp_distribute(tdm_fsdp *f)
+{
+    tdm_model *m = f->m;
+    tdm_device *d = f->dev;
+    const float *src = tdm_model_params(m);
+    if (f->o.sharding != TDM_FSDP_FULL_SHARD) {
+        for (int u = 0; u < f->nu; u++) {
+            const tdm_fsdp_unit *x = &f->u[u];
+            TDM_CHECK(tdm_dev_copy(d, f->pfull + x->full_off, src + x->offset,
+                                   (size_t)x->n_elem * sizeof(float)));
+        }
+        return tdm_comm_broadcast(f->comm, f->pfull, f->pfull, (size_t)f->full_elems,
+                                  TDM_DTYPE_FLOAT32, 0);
+    }
+    tdm_status st = TDM_STATUS_OK;
+    float *blk = NULL;
+    size_t nb = 0;
+    TDM_CHECK(tdm_fsdp_pool_get(f, (size_t)f->max_padded * sizeof(float), 0, &blk, &nb));
+    for (int u = 0; st == TDM_STATUS_OK && u < f->nu; u++) {
+        const tdm_fsdp_unit *x = &f->u[u];
+        if (f->rank == 0) {
+            st = tdm_dev_copy(d, blk, src + x->offset, (size_t)x->n_elem * sizeof(float));
+            if (st == TDM_STATUS_OK && x->padded > x->n_elem)
+                st = tdm_dev_memset_zero(d, blk + x->n_elem,
+                                         (size_t)(x->padded - x->n_elem) * sizeof(float));
+        }
+        if (st == TDM_STATUS_OK)
+            st = tdm_comm_scatter(f->comm, blk, f->pshard + x->shard_off, (size_t)x->shard,
+                                  TDM_DTYPE_FLOAT32, 0);
+    }
+    tdm_fsdp_pool_put(f, blk, nb);
+    tdm_fsdp_pool_trim(f);
+    return st;
+}
+
+static tdm_status tdm_fsdp_alloc_state(tdm_fsdp *f)
+{
+    tdm_device *d = f->dev;
+    size_t sb = (size_t)(f->shard_elems ? f->shard_elems : 1) * sizeof(float);
+    size_t fb = (size_t)(f->full_elems ? f->full_elems : 1) * sizeof(float);
+    switch (f->o.sharding) {
+    case TDM_FSDP_FULL_SHARD:
+        TDM_CHECK(tdm_dev_alloc_zero(d, sb, (void **)&f->pshard));
+        TDM_CHECK(tdm_dev_alloc_zero(d, sb, (void **)&f->gshard));
+        break;
+    case TDM_FSDP_SHARD_GRAD_OP:
+        TDM_CHECK(tdm_dev_alloc_zero(d, fb, (void **)&f->pfull));
+        TDM_CHECK(tdm_dev_alloc_zero(d, sb, (void **)&f->gshard));
+        break;
+    default:
+        TDM_CHECK(tdm_dev_alloc_zero(d, fb, (void **)&f->pfull));
+        TDM_CHECK(tdm_dev_alloc_zero(d, fb, (void **)&f->gfull));
+        break;
+    }
+    f->gshard_zero = 1;
+    return TDM_STATUS_OK;
+}
+
+tdm_status tdm_fsdp_init(tdm_fsdp **out, tdm_model *m, tdm_comm *comm, const tdm_fsdp_opts *opts)
+{
+    tdm_status st = TDM_STATUS_OK;
+    TDM_REQUIRE(out && m && comm, TDM_STATUS_INVALID_ARG, "tdm_fsdp_init: NULL argument");
+    *out = NULL;
+    TDM_REQUIRE(tdm_comm_size(comm) <= TDM_FSDP_MAX_RANKS, TDM_STATUS_INVALID_ARG,
+                "fsdp: at most %d ranks (got %d)", TDM_FSDP_MAX_RANKS, tdm_comm_size(comm));
+    TDM_REQUIRE(tdm_model_n_params(m) > 0, TDM_STATUS_INVALID_ARG,
+                "fsdp: model has no parameters");
+    TDM_REQUIRE(!tdm_model_storage_released(m), TDM_STATUS_INVALID_ARG,
+                "fsdp: the model's parameters are already sharded (its storage was released)");
+    TDM_REQUIRE(!opts || (unsigned)opts->sharding < TDM_FSDP_SHARDING_COUNT_,
+                TDM_STATUS_INVALID_ARG,
+                "fsdp: sharding %d is not one of TDM_FSDP_FULL_SHARD, TDM_FSDP_SHARD_GRAD_OP, "
+                "TDM_FSDP_SHARD_OPTIM", opts ? (int)opts->sharding : 0);
+    TDM_REQUIRE(!opts || opts->min_unit_elems >= 0, TDM_STATUS_INVALID_ARG,
+                "fsdp: min_unit_elems %lld is negative (0: one unit per block)",
+                opts ? (long long)opts->min_unit_elems : 0LL);
+    tdm_fsdp *f = calloc(1, sizeof *f);
+    TDM_REQUIRE(f, TDM_STATUS_OUT_OF_MEMORY, "fsdp: calloc");
+    f->m = m;
+    f->comm = comm;
+    f->dev = tdm_model_device(m);
+    if (opts) f->o = *opts;
+    f->hcomm = f->o.host_comm ? f->o.host_comm : comm;
+    f->rank = tdm_comm_rank(comm);
+    f->world = tdm_comm_size(comm);
+    f->n_params = tdm_model_n_params(m);
+    f->sync = 1;
+    f->cur_f = f->cur_b = -1;
+    if (f->hcomm != comm &&
+        (tdm_comm_rank(f->hcomm) != f->rank || tdm_comm_size(f->hcomm) != f->world)) {
+        st = tdm_error_set(TDM_STATUS_INVALID_ARG,
+                           "fsdp: host communicator is rank %d of %d but the communicator is "
+                           "rank %d of %d", tdm_comm_rank(f->hcomm), tdm_comm_size(f->hcomm),
+                           f->rank, f->world);
+        free(f);
+        return st;
+    }
+    TDM_TRY(tdm_fsdp_plan(f));
+    f->fwd_order = calloc((size_t)(2 * f->nu + 4), sizeof *f->fwd_order);
+    f->bwd_order = calloc((size_t)(2 * f->nu + 4), sizeof *f->bwd_order);
+    if (!f->fwd_order || !f->bwd_order) {
+        st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "fsdp: calloc");
+        goto fail;
+    }
+    TDM_TRY(tdm_fsdp_verify(f));
+    TDM_TRY(tdm_fsdp_alloc_state(f));
+    TDM_TRY(tdm_fsdp_distribute(f));
+    if (tdm_model_buffer_elems(m) > 0)
+        TDM_TRY(tdm_comm_broadcast(comm, tdm_model_buffers(m), tdm_model_buffers(m),
+                                   (size_t)tdm_model_buffer_elems(m), TDM_DTYPE_FLOAT32, 0));
+    /* From here on the model reads its parameters through views. */
+    TDM_TRY(tdm_model_release_storage(m));
+    for (int u = 0; u < f->nu; u++) {
+        tdm_fsdp_unit *x = &f->u[u];
+        if (f->o.sharding == TDM_FSDP_FULL_SHARD) continue;
+        x->pbuf = f->pfull + x->full_off;
+        x->p_state = 2;
+        TDM_TRY(tdm_model_set_param_view(m, x->first, x->last, x->pbuf));
+        if (f->o.sharding == TDM_FSDP_SHARD_OPTIM)
+            TDM_TRY(tdm_model_set_grad_view(m, x->first, x->last, f->gfull + x->full_off));
+    }
+    tdm_model_set_grad_hook(m, tdm_fsdp_grad_hook, f);
+    tdm_model_set_use_hook(m, tdm_fsdp_use_hook, f);
+    TDM_INFO(DDP, "fsdp rank %d of %d: %s, %d unit(s), %lld parameters, shard of %lld, "
+             "prefetch %s, overlap %s", f->rank, f->world,
+             tdm_fsdp_sharding_describe(f->o.sharding), f->nu,
+             (long long)tdm_model_param_elems(m), (long long)f->shard_elems,
+             f->o.no_prefetch ? "off" : "on", f->o.no_overlap ? "off" : "on");
+    *out = f;
+    return TDM_STATUS_OK;
+fail:
+    tdm_fsdp_free(f);
+    return st;
+}
+
+void tdm_fsdp_free(tdm_fsdp *f)
+{
+    if (!f) return;
+    tdm_model *m = f->m;
+    for (int u = 0; f->u && u < f->nu; u++) {
+        tdm_fsdp_unit *x = &f->u[u];
+        if (x->ag) (void)tdm_comm_work_wait(x->ag, 10000);
+        if (x->rs) (void)tdm_comm_work_wait(x->rs, 10000);
+        tdm_comm_work_free(x->ag);
+        tdm_comm_work_free(x->rs);
+        x->ag = x->rs = NULL;
+    }
+    tdm_model_set_grad_hook(m, NULL, NULL);
+    tdm_model_set_use_hook(m, NULL, NULL);
+    if (tdm_model_storage_released(m) && tdm_model_restore_storage(m) == TDM_STATUS_OK &&
+        f->pfull) {
+        /* a full copy exists: the model gets it back */
+        for (int u = 0; u < f->nu; u++)
+            (void)tdm_dev_copy(f->dev, tdm_model_params(m) + f->u[u].offset,
+                                    f->pfull + f->u[u].full_off,
+                                    (size_t)f->u[u].n_elem * sizeof(float));
+    }
+    for (int u = 0; f->u && u < f->nu; u++) {
+        tdm_fsdp_unit *x = &f->u[u];
+        if (f->o.sharding == TDM_FSDP_FULL_SHARD) tdm_fsdp_pool_put(f, x->pbuf, x->pbuf_bytes);
+        if (f->o.sharding != TDM_FSDP_SHARD_OPTIM) tdm_fsdp_pool_put(f, x->gbuf, x->gbuf_bytes);
+        tdm_fsdp_pool_put(f, x->rs_tmp, x->rs_tmp_bytes);
+    }
+    tdm_fsdp_pool_trim(f);
+    tdm_device *d = f->dev;
+    tdm_dev_free(d, f->pshard);
+    tdm_dev_free(d, f->gshard);
+    tdm_dev_free(d, f->pfull);
+    tdm_dev_free(d, f->gfull);
+    tdm_dev_free(d, f->dlogits);
+    tdm_dev_free(d, f->x_dev);
+    tdm_dev_free(d, f->y_dev);
+    tdm_dev_free(d, f->dummy_x);
+    tdm_dev_free(d, f->dummy_y);
+    tdm_dev_free(d, f->buf_save);
+    free(f->u);
+    free(f->param_unit);
+    free(f->ready);
+    free(f->fwd_order);
+    free(f->bwd_order);
+    free(f->ev);
+    free(f->ev_out);
+    free(f);
+}
+
+tdm_model *tdm_fsdp_model(tdm_fsdp *f) { return f->m; }
+tdm_comm *tdm_fsdp_comm(tdm_fsdp *f) { return f->comm; }
+tdm_fsdp_sharding tdm_fsdp_get_sharding(const tdm_fsdp *f) { return f->o.sharding; }
+int tdm_fsdp_n_units(const tdm_fsdp *f) { return f->nu; }
+int64_t tdm_fsdp_shard_elems(const tdm_fsdp *f) { return f->shard_elems; }
+
+void tdm_fsdp_unit_info(const tdm_fsdp *f, int u, int *first, int *last, int64_t *offset,
+                        int64_t *n_elem, int64_t *shard)
+{
+    const tdm_fsdp_unit *x = &f->u[u];
+    if (first) *first = x->first;
+    if (last) *last = x->last;
+    if (offset) *offset = x->offset;
+    if (n_elem) *n_elem = x->n_elem;
+    if (shard) *shard = x->shard;
+}
+
+tdm_status tdm_fsdp_optim_init(tdm_optim **out, tdm_fsdp *f, const tdm_optim_opts *opts)
+{
+    return tdm_optim_init_flat(out, f->dev, f->shard_elems, opts);
+}
+
+tdm_status tdm_fsdp_zero_grad(tdm_fsdp *f)
+{
+    tdm_device *d = f->dev;
+    if (f->o.sharding == TDM_FSDP_SHARD_OPTIM)
+        return tdm_dev_memset_zero(d, f->gfull, (size_t)f->full_elems * sizeof(float));
+    /* accumulated full gradients (no_sync) are dropped with the shards */
+    for (int u = 0; u < f->nu; u++) {
+        tdm_fsdp_unit *x = &f->u[u];
+        if (!x->gbuf || x->rs) continue;
+        (void)tdm_model_set_grad_view(f->m, x->first, x->last, NULL);
+        tdm_fsdp_pool_put(f, x->gbuf, x->gbuf_bytes);
+        x->gbuf = NULL;
+    }
+    TDM_CHECK(tdm_dev_memset_zero(d, f->gshard, (size_t)f->shard_elems * sizeof(float)));
+    f->gshard_zero = 1;
+    return TDM_STATUS_OK;
+}
+
+void tdm_fsdp_no_sync(tdm_fsdp *f, int enable) { f->sync = !enable; }
+double tdm_fsdp_loss_sum(const tdm_fsdp *f) { return f->loss_global; }
+
+/* ---- forward ---- */
+
+static tdm_status tdm_fsdp_stage(tdm_fsdp *f, const void *x, const int32_t *y, int batch,
+                                 const void **xd, const int32_t **yd)
+{
+    tdm_device *d = f->dev;
+    if (tdm_dev_kind(d) == TDM_DEVICE_HOST) {
+        *xd = x;
+        *yd = y;
+        return TDM_STATUS_OK;
+    }
+    size_t feat = (size_t)tdm_model_in_features(f->m), rows = (size_t)tdm_model_out_rows(f->m);
+    if (batch > f->stage_cap) {
+        tdm_dev_free(d, f->x_dev);
+        tdm_dev_free(d, f->y_dev);
+        f->x_dev = NULL;
+        f->y_dev = NULL;
+        f->stage_cap = 0;
+        TDM_CHECK(tdm_dev_alloc(d, (size_t)batch * feat * sizeof(float), &f->x_dev));
+        TDM_CHECK(tdm_dev_alloc(d, (size_t)batch * rows * sizeof(int32_t), (void **)&f->y_dev));
+        f->stage_cap = batch;
+    }
+    TDM_CHECK(tdm_dev_copy_from_host(d, f->x_dev, x, (size_t)batch * feat * sizeof(float)));
+    TDM_CHECK(tdm_dev_copy_from_host(d, f->y_dev, y, (size_t)batch * rows * sizeof(int32_t)));
+    *xd = f->x_dev;
+    *yd = f->y_dev;
+    return TDM_STATUS_OK;
+}
+
+/* One sample of zeros (features or token 0) and target 0, on the device:
+ * what a rank without samples runs so as to take part in the gathers. */
+static tdm_status tdm_fsdp_dummy(tdm_fsdp *f)
+{
+    if (f->dummy_x) return TDM_STATUS_OK;
+    tdm_device *d = f->dev;
+    size_t feat = (size_t)tdm_model_in_features(f->m), rows = (size_t)tdm_model_out_rows(f->m);
+    TDM_CHECK(tdm_dev_alloc_zero(d, feat * sizeof(float), (void **)&f->dummy_x));
+    TDM_CHECK(tdm_dev_alloc_zero(d, rows * sizeof(int32_t), (void **)&f->dummy_y));
+    return TDM_STATUS_OK;
+}
+
+static void tdm_fsdp_step_start(tdm_fsdp *f, uint64_t now)
+{
+    if (f->step_open) return;
+    f->step_open = 1;
+    f->t_step0 = now;
+    memset(&f->times.last, 0, sizeof f->times.last);
+    f->ag_ready_at_use = 0;
+    /* the new timeline keeps the collectives still in flight: moved to
+     * its front in event order (so no kept entry is overwritten before
+     * it moves) */
+    int keep = 0;
+    for (int i = 0; i < f->n_ev; i++) {
+        for (int u = 0; u < f->nu; u++) {
+            tdm_fsdp_unit *x = &f->u[u];
+            int *es[2] = {&x->ag_event, &x->rs_event};
+            for (int k = 0; k < 2; k++) {
+                if (*es[k] != i) continue;
+                f->ev[keep] = f->ev[i];
+                *es[k] = keep++;
+            }
+        }
+    }
+    f->n_ev = keep;
+}
+
+static void tdm_fsdp_add_phase(tdm_fsdp *f, tdm_phase p, double ms)
+{
+    if (ms < 0) ms = 0;
+    f->times.last.ms[p] += ms;
+    f->times.total.ms[p] += ms;
+}
+
+static tdm_status tdm_fsdp_broadcast_buffers(tdm_fsdp *f, const char *when)
+{
+    tdm_model *m = f->m;
+    if (f->world == 1 || tdm_model_buffer_elems(m) == 0) return TDM_STATUS_OK;
+    tdm_status st = tdm_comm_broadcast(f->comm, tdm_model_buffers(m), tdm_model_buffers(m),
+                                       (size_t)tdm_model_buffer_elems(m), TDM_DTYPE_FLOAT32, 0);
+    if (st) return tdm_error_prefix(st, "fsdp %s: broadcast of buffers from rank 0", when);
+    return TDM_STATUS_OK;
+}
+
+/* The model's forward over B samples at xd; FULL_SHARD gathers through
+ * the hooks. keep: leave the unit forward ended in gathered (backward
+ * starts with it). */
+static tdm_status tdm_fsdp_run_forward(tdm_fsdp *f, const void *xd, int B, int keep,
+                                       const float **logits)
+{
+    f->cur_f = -1;
+    f->fwd_pos = -1;
+    f->fwd_rec = f->fwd_len == 0;
+    f->fwd_broken = 0;
+    f->in_forward = 1;
+    tdm_status st = tdm_model_forward(f->m, xd, B, logits);
+    f->in_forward = 0;
+    if (f->fwd_broken) f->fwd_len = 0;
+    f->fwd_rec = 0;
+    if (st == TDM_STATUS_OK && !keep && f->o.sharding == TDM_FSDP_FULL_SHARD)
+        st = tdm_fsdp_settle_params(f, 1);
+    return st;
+}
+
+tdm_status tdm_fsdp_forward_scaled(tdm_fsdp *f, const void *x, const int32_t *y, int batch,
+                                   float grad_scale, double *loss_sum)
+{
+    TDM_REQUIRE(batch >= 0 && (batch == 0 || (x && y)), TDM_STATUS_INVALID_ARG,
+                "fsdp forward: bad batch %d or NULL input", batch);
+    tdm_model *m = f->m;
+    tdm_device *d = f->dev;
+    uint64_t t0 = tdm_time_ns();
+    tdm_fsdp_step_start(f, t0);
+    f->have_fwd = 0;
+    f->fwd_lost = NULL;
+    f->ag_wait_ms = 0.0;
+    int train = tdm_model_is_train(m);
+    int full = f->o.sharding == TDM_FSDP_FULL_SHARD;
+    tdm_status st = TDM_STATUS_OK;
+    /* a unit kept from a forward nobody went back through goes first */
+    if (full) st = tdm_fsdp_settle_params(f, 1);
+    if (st == TDM_STATUS_OK && train && !f->o.no_broadcast_buffers)
+        st = tdm_fsdp_broadcast_buffers(f, "forward");
+    if (st) return tdm_fsdp_fail(f, st);
+    int run = batch > 0 || full, B = batch > 0 ? batch : 1;
+    double ls = 0.0;
+    uint64_t t1 = tdm_time_ns();
+    if (run) {
+        const void *xd;
+        const int32_t *yd;
+        const float *logits = NULL;
+        int64_t be = tdm_model_buffer_elems(m);
+        int dummy = batch == 0, save = dummy && train && be > 0;
+        if (dummy) {
+            st = tdm_fsdp_dummy(f);
+            xd = f->dummy_x;
+            yd = f->dummy_y;
+            if (st == TDM_STATUS_OK && save && !f->buf_save)
+                st = tdm_dev_alloc(d, (size_t)be * sizeof(float), (void **)&f->buf_save);
+            /* batchnorm would learn running statistics from the zero sample */
+            if (st == TDM_STATUS_OK && save)
+                st = tdm_dev_copy(d, f->buf_save, tdm_model_buffers(m), (size_t)be * sizeof(float));
+        } else {
+            st = tdm_fsdp_stage(f, x, y, batch, &xd, &yd);
+        }
+        if (st == TDM_STATUS_OK) st = tdm_fsdp_run_forward(f, xd, B, train, &logits);
+        t1 = tdm_time_ns();
+        size_t nb = (size_t)B * (size_t)tdm_model_n_classes(m) * tdm_model_out_rows(m) * sizeof(float);
+        if (st == TDM_STATUS_OK && nb > f->dlogits_bytes) {
+            tdm_dev_free(d, f->dlogits);
+            f->dlogits = NULL;
+            f->dlogits_bytes = 0;
+            st = tdm_dev_alloc(d, nb, (void **)&f->dlogits);
+            if (st == TDM_STATUS_OK) f->dlogits_bytes = nb;
+        }
+        if (st == TDM_STATUS_OK)
+            st = tdm_model_loss(m, logits, yd, B, dummy ? 0.0f : grad_scale, &ls, f->dlogits);
+        if (st == TDM_STATUS_OK && save)
+            st = tdm_dev_copy(d, tdm_model_buffers(m), f->buf_save, (size_t)be * sizeof(float));
+        if (dummy) ls = 0.0;
+        /* the other ranks wait in this step's collectives: stop them */
+        if (st) return tdm_fsdp_fail(f, tdm_error_prefix(st, "fsdp forward (rank %d)", f->rank));
+    }
+    uint64_t t2 = tdm_time_ns();
+    f->fwd_batch = batch;
+    f->fwd_ran = run;
+    f->have_fwd = 1;
+    f->fwd_loss = ls;
+    if (train) f->fwd_count++;
+    tdm_fsdp_add_phase(f, TDM_PHASE_FORWARD, (double)(t1 - t0) * 1e-6 - f->ag_wait_ms);
+    tdm_fsdp_add_phase(f, TDM_PHASE_ALLGATHER_WAIT, f->ag_wait_ms);
+    tdm_fsdp_add_phase(f, TDM_PHASE_LOSS, (double)(t2 - t1) * 1e-6);
+    f->times.ag_ready_at_use = f->ag_ready_at_use;
+    if (loss_sum) *loss_sum = ls;
+    return TDM_STATUS_OK;
+}
+
+tdm_status tdm_fsdp_forward(tdm_fsdp *f, const void *x, const int32_t *y, int batch,
+                            double *loss_mean)
+{
+    double ls = 0.0;
+    float scale = batch > 0 ? 1.0f / ((float)batch * (float)f->world) : 0.0f;
+    TDM_CHECK(tdm_fsdp_forward_scaled(f, x, y, batch, scale, &ls));
+    if (loss_mean) *loss_mean = batch > 0 ? ls / batch : 0.0;
+    return TDM_STATUS_OK;
+}
+
+/* ---- backward ---- */
+
+/* After the reduce-scatters: every rank's forward count and loss sum, in
+ * its own slots (zeros elsewhere, so the SUM is exact). A rank that ran
+ * another number of steps is named at the end of the same backward. */
+static tdm_status tdm_fsdp_check_tail(tdm_fsdp *f)
+{
+    int W = f->world;
+    memset(f->tail, 0, sizeof f->tail);
+    f->tail[f->rank] = (double)f->fwd_count;
+    f->tail[TDM_FSDP_MAX_RANKS + f->rank] = f->loss_accum;
+    f->loss_accum = 0.0;
+    tdm_status st = tdm_comm_all_reduce(f->hcomm, f->tail, f->tail, 2 * TDM_FSDP_MAX_RANKS,
+                                        TDM_DTYPE_FLOAT64, TDM_REDOP_SUM);
+    if (st) return tdm_error_prefix(st, "fsdp: step %" PRIu64 ": the end-of-backward check",
+                                    f->sync_count);
+    double loss = 0.0;
+    for (int r = 0; r < W; r++) {
+        loss += f->tail[TDM_FSDP_MAX_RANKS + r];
+        if (f->tail[r] == (double)f->fwd_count) continue;
+        return tdm_error_set(TDM_STATUS_MISMATCH,
+                             "fsdp: collective sequence mismatch: rank %d reduced the "
+                             "gradients of its training forward #%.0f together with rank %d's "
+                             "forward #%" PRIu64 " (a rank skipped a backward or ran a "
+                             "different number of steps)", r, f->tail[r], f->rank,
+                             f->fwd_count);
+    }
+    f->loss_global = loss;
+    return TDM_STATUS_OK;
+}
+
+tdm_status tdm_fsdp_backward(tdm_fsdp *f)
+{
+    TDM_REQUIRE(f->have_fwd || !f->fwd_lost, TDM_STATUS_INVALID_ARG,
+                "fsdp backward: %s; call tdm_fsdp_forward again before backward", f->fwd_lost);
+    TDM_REQUIRE(f->have_fwd, TDM_STATUS_INVALID_ARG, "fsdp backward: no forward before it; call tdm_fsdp_forward first");
+    f->have_fwd = 0;
+    f->loss_accum += f->fwd_loss;
+    uint64_t t0 = tdm_time_ns();
+    f->ag_wait_ms = 0.0;
+    f->rs_wait_ms = 0.0;
+    tdm_fsdp_backward_begin(f);
+    tdm_status st = TDM_STATUS_OK;
+    if (f->fwd_ran) {
+        f->in_backward = 1;
+        st = tdm_model_backward(f->m, f->dlogits);
+        f->in_backward = 0;
+        if (st) return tdm_fsdp_fail(f, st);
+    }
+    uint64_t t1 = tdm_time_ns();
+    /* waits inside backward (a gather not yet complete; a reduce-scatter
+     * finished early to bound the full gradients alive) are
+     * communication, not compute */
+    double bwd_ag = f->ag_wait_ms, bwd_rs = f->rs_wait_ms;
+    st = tdm_fsdp_backward_end(f);
+    if (st == TDM_STATUS_OK && f->sync) st = tdm_fsdp_check_tail(f);
+    if (st) return tdm_fsdp_fail(f, st);
+    uint64_t t2 = tdm_time_ns();
+    tdm_fsdp_add_phase(f, TDM_PHASE_BACKWARD, (double)(t1 - t0) * 1e-6 - bwd_ag - bwd_rs);
+    tdm_fsdp_add_phase(f, TDM_PHASE_ALLGATHER_WAIT, f->ag_wait_ms);
+    tdm_fsdp_add_phase(f, TDM_PHASE_REDUCE_SCATTER_WAIT,
+                       (double)(t2 - t1) * 1e-6 - (f->ag_wait_ms - bwd_ag) + bwd_rs);
+    if (f->sync) {
+        f->sync_count++;
+        f->times.steps++;
+        f->times.rs_done_in_backward = f->rs_done_in_bwd;
+    }
+    return TDM_STATUS_OK;
+}
+
+/* ---- the optimizer step ---- */
+
+tdm_status tdm_fsdp_step(tdm_fsdp *f, tdm_optim *opt)
+{
+    TDM_REQUIRE(opt && tdm_optim_n_elem(opt) == f->shard_elems, TDM_STATUS_INVALID_ARG,
+                "fsdp step: the optimizer covers %lld elements, this rank's shard %lld: make it "
+                "with tdm_fsdp_optim_init", opt ? (long long)tdm_optim_n_elem(opt) : -1LL,
+                (long long)f->shard_elems);
+    uint64_t t0 = tdm_time_ns();
+    tdm_fsdp_step_start(f, t0);
+    tdm_optim_range *r = calloc((size_t)f->nu, sizeof *r);
+    TDM_REQUIRE(r, TDM_STATUS_OUT_OF_MEMORY, "fsdp step: calloc");
+    for (int u = 0; u < f->nu; u++)
+        r[u] = (tdm_optim_range){.param = tdm_fsdp_pshard(f, u), .grad = tdm_fsdp_gshard(f, u),
+                                 .state_offset = f->u[u].shard_off, .n_elem = f->u[u].shard};
+    tdm_status st = tdm_optim_step_ranges(opt, r, f->nu);
+    free(r);
+    if (st == TDM_STATUS_OK) st = tdm_dev_sync(f->dev);
+    TDM_CHECK(st);
+    tdm_fsdp_add_phase(f, TDM_PHASE_STEP, tdm_time_ms_since(t0));
+    if (f->o.sharding != TDM_FSDP_FULL_SHARD) {
+        /* every rank's new shard into every rank's full copy, each unit
+         * awaited where it is next used (its forward) */
+        for (int u = 0; u < f->nu; u++) {
+            f->u[u].p_state = 0;
+            st = tdm_fsdp_issue_gather(f, u, 1);
+            if (st) return tdm_fsdp_fail(f, st);
+        }
+    }
+    f->step_open = 0;
+    return TDM_STATUS_OK;
+}
+
+/* ---- evaluation ---- */
+
+tdm_status tdm_fsdp_evaluate(tdm_fsdp *f, const tdm_dataset *test, int batch, double *loss_mean,
+                             double *accuracy)
+{
+    tdm_model *m = f->m;
+    TDM_REQUIRE(test && batch > 0 && loss_mean && accuracy, TDM_STATUS_INVALID_ARG,
+                "fsdp evaluate: test, batch > 0 and outputs are required");
+    if (f->have_fwd) {
+        f->have_fwd = 0;
+        f->fwd_lost = "tdm_fsdp_evaluate ran forwards on the model since the last "
+                      "tdm_fsdp_forward and replaced its activations";
+    }
+    int full = f->o.sharding == TDM_FSDP_FULL_SHARD, was_train = tdm_model_is_train(m);
+    tdm_status st = tdm_fsdp_settle_params(f, full);
+    if (st == TDM_STATUS_OK) st = tdm_fsdp_broadcast_buffers(f, "evaluate");
+    if (st) return tdm_fsdp_fail(f, st);
+    int64_t n = test->n, lo = n * f->rank / f->world, hi = n * (f->rank + 1) / f->world;
+    /* FULL_SHARD: every rank runs as many forwards as the largest share
+     * needs (the gathers are collective); the others run their own */
+    int64_t rows_max = full ? (n + f->world - 1) / f->world : hi - lo;
+    int64_t nbatch = (rows_max + batch - 1) / batch;
+    int64_t feat = tdm_data_features(test);
+    double sums[3] = {0.0, 0.0, (double)(hi - lo)};   /* loss sum, correct, samples */
+    tdm_model_set_train(m, 0);
+    for (int64_t b = 0; st == TDM_STATUS_OK && b < nbatch; b++) {
+        int64_t r0 = lo + b * batch, k = hi - r0 < batch ? hi - r0 : batch;
+        const void *xd;
+        const int32_t *yd;
+        const float *logits;
+        if (k <= 0) {   /* this rank's share is done: take part only */
+            st = tdm_fsdp_dummy(f);
+            if (st == TDM_STATUS_OK) st = tdm_fsdp_run_forward(f, f->dummy_x, 1, 0, &logits);
+            continue;
+        }
+        st = tdm_fsdp_stage(f, test->x + r0 * feat, test->y + r0, (int)k, &xd, &yd);
+        if (st == TDM_STATUS_OK) st = tdm_fsdp_run_forward(f, xd, (int)k, 0, &logits);
+        double ls = 0.0;
+        int64_t correct = 0;
+        if (st == TDM_STATUS_OK) st = tdm_model_loss(m, logits, yd, (int)k, 1.0f, &ls, NULL);
+        if (st == TDM_STATUS_OK) st = tdm_model_count_correct(m, test->y + r0, (int)k, &correct);
+        sums[0] += ls;
+        sums[1] += (double)correct;
+    }
+    tdm_model_set_train(m, was_train);
+    tdm_fsdp_pool_trim(f);
+    if (st) {
+        tdm_error_prefix(st, "fsdp evaluate: rank %d (rows %lld..%lld)", f->rank, (long long)lo,
+                         (long long)hi - 1);
+        return tdm_fsdp_fail(f, st);
+    }
+    TDM_CHECK(tdm_comm_all_reduce(f->hcomm, sums, sums, 3, TDM_DTYPE_FLOAT64, TDM_REDOP_SUM));
+    TDM_REQUIRE(sums[2] > 0, TDM_STATUS_INVALID_ARG, "fsdp evaluate: the test set is empty");
+    *loss_mean = sums[0] / sums[2];
+    *accuracy = sums[1] / sums[2];
+    return TDM_STATUS_OK;
+}
+
+/* ---- the full parameters ---- */
+
+tdm_status tdm_fsdp_gather_params(tdm_fsdp *f, float *host_out, int root)
+{
+    tdm_device *d = f->dev;
+    int mine = root < 0 || root == f->rank;
+    TDM_REQUIRE(!mine || host_out, TDM_STATUS_INVALID_ARG, "fsdp gather_params: NULL output");
+    if (f->o.sharding != TDM_FSDP_FULL_SHARD) {
+        tdm_status st = tdm_fsdp_settle_params(f, 0);
+        if (st) return tdm_fsdp_fail(f, st);
+        for (int u = 0; mine && u < f->nu; u++)
+            TDM_CHECK(tdm_dev_copy_to_host(d, host_out + f->u[u].offset, f->pfull + f->u[u].full_off,
+                                           (size_t)f->u[u].n_elem * sizeof(float)));
+        return TDM_STATUS_OK;
+    }
+    for (int u = 0; u < f->nu; u++) {
+        int had = f->u[u].p_state == 2;
+        tdm_status st = tdm_fsdp_need_params(f, u, 0);
+        if (st) return tdm_fsdp_fail(f, st);
+        if (mine)
+            TDM_CHECK(tdm_dev_copy_to_host(d, host_out + f->u[u].offset, f->u[u].pbuf,
+                                           (size_t)f->u[u].n_elem * sizeof(float)));
+        if (!had) TDM_CHECK(tdm_fsdp_release_params(f, u));
+    }
+    tdm_fsdp_pool_trim(f);
+    return TDM_STATUS_OK;
+}
+
+tdm_status tdm_fsdp_gather_grads(tdm_fsdp *f, float *host_out, int root)
+{
+    tdm_device *d = f->dev;
+    int mine = root < 0 || root == f->rank;
+    TDM_REQUIRE(!mine || host_out, TDM_STATUS_INVALID_ARG, "fsdp gather_grads: NULL output");
+    float *blk = NULL;
+    size_t nb = 0;
+    TDM_CHECK(tdm_fsdp_pool_get(f, (size_t)f->max_padded * sizeof(float), 0, &blk, &nb));
+    tdm_status st = TDM_STATUS_OK;
+    for (int u = 0; st == TDM_STATUS_OK && u < f->nu; u++) {
+        const tdm_fsdp_unit *x = &f->u[u];
+        st = tdm_comm_all_gather(f->comm, tdm_fsdp_gshard(f, u), blk, (size_t)x->shard,
+                                 TDM_DTYPE_FLOAT32);
+        if (st == TDM_STATUS_OK && mine)
+            st = tdm_dev_copy_to_host(d, host_out + x->offset, blk,
+                                      (size_t)x->n_elem * sizeof(float));
+    }
+    tdm_fsdp_pool_put(f, blk, nb);
+    tdm_fsdp_pool_trim(f);
+    return st;
+}
+
+/* ---- timings and memory ---- */
+
+void tdm_fsdp_get_times(const tdm_fsdp *fc, tdm_fsdp_times *out)
+{
+    tdm_fsdp *f = (tdm_fsdp *)fc;   /* the event copy is a cache */
+    *out = f->times;
+    out->n_events = 0;
+    out->events = NULL;
+    tdm_fsdp_event *e = realloc(f->ev_out, (size_t)(f->n_ev ? f->n_ev : 1) * sizeof *e);
+    if (!e) return;
+    f->ev_out = e;
+    for (int i = 0; i < f->n_ev; i++) {
+        const tdm_fsdp_ev *s = &f->ev[i];
+        e[i] = (tdm_fsdp_event){.kind = s->kind, .unit = s->unit, .prefetch = s->prefetch,
+                                .start_ms = ((double)s->start_ns - (double)f->t_step0) * 1e-6,
+                                .end_ms = s->end_ns ? ((double)s->end_ns - (double)f->t_step0) * 1e-6
+                                                    : -1.0,
+                                .wait_ms = s->wait_ms, .bytes = s->bytes};
+    }
+    out->n_events = f->n_ev;
+    out->events = e;
+}
+
+void tdm_fsdp_get_memory(const tdm_fsdp *f, const tdm_optim *opt, tdm_fsdp_memory *out)
+{
+    memset(out, 0, sizeof *out);
+    size_t sb = (size_t)(f->shard_elems ? f->shard_elems : 1) * sizeof(float);
+    size_t fb = (size_t)(f->full_elems ? f->full_elems : 1) * sizeof(float);
+    if (f->pshard) out->shard_params = sb;
+    if (f->gshard) out->shard_grads = sb;
+    if (f->pfull) out->full_params = fb;
+    if (f->gfull) out->full_grads = fb;
+    out->optim_state = opt ? tdm_optim_state_bytes(opt) : 0;
+    out->units_live = f->pool_live;
+    out->units_peak = f->pool_peak;
+    out->max_unit_bytes = (size_t)f->max_padded * sizeof(float);
+}
+
+void tdm_fsdp_reset_peak(tdm_fsdp *f) { f->pool_peak = f->pool_live; }

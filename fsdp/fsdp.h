@@ -1,0 +1,253 @@
+/* fsdp/fsdp.h: sharded data parallel over one model per process: ZeRO-1,
+ * ZeRO-2 and FSDP (ZeRO-3), after PyTorch's FullyShardedDataParallel and
+ * ZeroRedundancyOptimizer and DeepSpeed's ZeRO stages (docs/FSDP.md).
+ *
+ * The model's parameters are grouped into units: by default one per
+ * architectural block (tdm_model_layer_block: each layer with parameters
+ * of the MLP and CNN, each transformer block of the GPT plus its
+ * embeddings and its final LayerNorm); min_unit_elems groups consecutive
+ * blocks. A unit is a range of the parameter table and of the flat buffer
+ * (alignment padding between tensors included), padded to a multiple of
+ * the world size N and split into N equal shards: rank r owns shard r of
+ * each unit's parameters, gradients and optimizer state, and the rank's
+ * shards of all units lie end to end in one local buffer per kind, which
+ * the optimizer steps as a few ranges (tdm_optim_step_ranges).
+ *
+ * Sharding strategies (PyTorch's ShardingStrategy / DeepSpeed's stage):
+ * - FULL_SHARD (ZeRO-3): only shards persist. A unit's full parameters are
+ *   all-gathered just before its forward (the next unit's gather is
+ *   prefetched while this one computes) and freed when the forward moves
+ *   on to another unit (the unit forward ends in is kept for backward),
+ *   gathered again for backward, and freed once its gradients are final;
+ *   its full gradients exist from its backward until their reduce-scatter
+ *   into the owners' shards, launched as soon as the unit's backward is
+ *   done and overlapped with the backward of earlier units.
+ * - SHARD_GRAD_OP (ZeRO-2): full parameters persist (gathered once per
+ *   step, after the optimizer step); gradients as in FULL_SHARD.
+ * - SHARD_OPTIM (ZeRO-1, ZeroRedundancyOptimizer): full parameters and
+ *   full gradients persist; gradients are reduce-scattered per unit (in
+ *   place), each rank steps its shard, parameters are all-gathered.
+ * In every strategy the reduce-scatters run in unit order (the last unit
+ * first), whatever order gradients become ready in, so that every rank
+ * issues the same collectives; the optimizer steps only the local shard.
+ *
+ * The layout (units, offsets, shard sizes, strategy and options) must be
+ * the same on every rank, checked at construction; a difference names the
+ * rank and the unit. Parameters and buffers are broadcast from rank 0 at
+ * construction; buffers (batchnorm statistics) stay replicated and are
+ * broadcast from rank 0 at each training forward, as DDP's
+ * broadcast_buffers.
+ *
+ * Gradient semantics are DDP's: tdm_fsdp_forward_scaled with grad_scale
+ * 1/B_global, and a SUM reduce-scatter, give the gradient of the global
+ * batch's mean loss for any split of the batch. On shm the reduce-scatter
+ * adds in rank order like shm's all-reduce, so every strategy's gradient
+ * shard holds bitwise what DDP's all-reduced gradient holds there.
+ *
+ * Every rank must run the same layers in the same order in each pass (the
+ * collectives follow the model's parameter-use events); a rank with no
+ * samples in a step still takes part (FULL_SHARD runs the model on one
+ * zero sample with a zero loss gradient, restoring its buffers after).
+ *
+ * Uses only core/comm.h (and ddp/'s process group, launcher and sampler
+ * through their headers, in programs): never ddp/'s Reducer, never dp/. */
+#ifndef TDM_FSDP_FSDP_H
+#define TDM_FSDP_FSDP_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "core/comm.h"
+#include "core/data.h"
+#include "core/status.h"
+#include "core/timer.h"
+#include "models/checkpoint.h"
+#include "models/model.h"
+#include "models/optim.h"
+
+typedef enum tdm_fsdp_sharding {
+    TDM_FSDP_FULL_SHARD = 0,   /* FSDP FULL_SHARD, ZeRO stage 3 ("full") */
+    TDM_FSDP_SHARD_GRAD_OP,    /* FSDP SHARD_GRAD_OP, ZeRO stage 2 ("grad_op", "zero2") */
+    TDM_FSDP_SHARD_OPTIM,      /* ZeroRedundancyOptimizer, ZeRO stage 1 ("optimizer", "zero1") */
+    TDM_FSDP_SHARDING_COUNT_
+} tdm_fsdp_sharding;
+
+/* "full", "grad_op", "optimizer"; "?" when invalid. */
+const char *tdm_fsdp_sharding_name(tdm_fsdp_sharding s);
+/* "FULL_SHARD / ZeRO-3", ... (both families' names, for messages). */
+const char *tdm_fsdp_sharding_describe(tdm_fsdp_sharding s);
+/* Parses full|grad_op|optimizer, and the aliases full_shard, shard_grad_op,
+ * zero3, zero2, zero1, 3, 2, 1; INVALID_ARG listing them otherwise. */
+tdm_status tdm_fsdp_sharding_parse(const char *text, tdm_fsdp_sharding *out);
+
+/* Zero-initialised options are the defaults. */
+typedef struct tdm_fsdp_opts {
+    tdm_fsdp_sharding sharding;  /* default FULL_SHARD */
+    /* Units: consecutive blocks are grouped until a unit holds at least
+     * this many elements (PyTorch's size_based_auto_wrap_policy); 0: one
+     * unit per block. */
+    int64_t min_unit_elems;
+    int no_prefetch;             /* 1: gather each unit when used, never ahead */
+    int no_overlap;              /* 1: reduce-scatter after backward, not during */
+    int no_broadcast_buffers;    /* 1: do not broadcast buffers at each forward */
+    int64_t timeout_ms;          /* bound on each wait; 0: the communicator's */
+    /* Borrowed, optional: a communicator with the same ranks for the few
+     * collectives on host memory (layout check, loss sums, checkpoint
+     * flags). Needed when comm only takes device memory (NCCL: pass the
+     * shm communicator it was bootstrapped over); NULL: comm. */
+    tdm_comm *host_comm;
+} tdm_fsdp_opts;
+
+typedef struct tdm_fsdp tdm_fsdp;
+
+/* Wraps m (borrowed): shards its parameters, frees its flat buffers and
+ * reads them through views from then on (tdm_model_set_param_view), sets
+ * its hooks. Collective: every rank calls it. */
+tdm_status tdm_fsdp_init(tdm_fsdp **out, tdm_model *m, tdm_comm *comm, const tdm_fsdp_opts *opts);
+/* Gives the model back flat buffers holding this rank's view of the
+ * parameters when it has a full copy (grad_op, optimizer; FULL_SHARD:
+ * zeros: call tdm_fsdp_gather_params first to keep them) and removes the
+ * hooks. Not collective. Call before freeing the communicator. NULL ok. */
+void tdm_fsdp_free(tdm_fsdp *f);
+
+tdm_model *tdm_fsdp_model(tdm_fsdp *f);
+tdm_comm *tdm_fsdp_comm(tdm_fsdp *f);
+tdm_fsdp_sharding tdm_fsdp_get_sharding(const tdm_fsdp *f);
+
+/* Units: how many, and unit u's parameters first..last, its range
+ * [offset, offset + n_elem) of the model's flat buffer and its shard
+ * length (n_elem padded to N * shard). */
+int tdm_fsdp_n_units(const tdm_fsdp *f);
+void tdm_fsdp_unit_info(const tdm_fsdp *f, int u, int *first, int *last, int64_t *offset,
+                        int64_t *n_elem, int64_t *shard);
+/* This rank's shard length over all units (the optimizer's elements). */
+int64_t tdm_fsdp_shard_elems(const tdm_fsdp *f);
+
+/* An optimizer over this rank's shard (tdm_optim_init_flat); step it with
+ * tdm_fsdp_step. Owned by the caller (tdm_optim_free). */
+tdm_status tdm_fsdp_optim_init(tdm_optim **out, tdm_fsdp *f, const tdm_optim_opts *opts);
+
+tdm_status tdm_fsdp_zero_grad(tdm_fsdp *f);
+
+/* Local forward and loss over this rank's samples (host x (batch, in) of
+ * the model's input dtype, y (batch * out_rows)); the loss gradient is
+ * scaled by grad_scale (1/B_global for a split global batch) and
+ * *loss_sum is the sum of this rank's per-sample losses. batch may be 0:
+ * the rank still takes part. Broadcasts buffers from rank 0 first
+ * (training mode, unless disabled). */
+tdm_status tdm_fsdp_forward_scaled(tdm_fsdp *f, const void *x, const int32_t *y, int batch,
+                                   float grad_scale, double *loss_sum);
+/* The same with grad_scale 1/(batch * world) (the mean loss, then SUM:
+ * exact when every rank has the same batch); *loss_mean this rank's. */
+tdm_status tdm_fsdp_forward(tdm_fsdp *f, const void *x, const int32_t *y, int batch,
+                            double *loss_mean);
+/* Backward of the last forward; in sync mode reduce-scatters every unit's
+ * gradients into the owners' shards (overlapped unless no_overlap) and
+ * returns once all are reduced. On a communication error the
+ * communicator is aborted (the other ranks stop) and the error names the
+ * collective, the unit and the failing rank. */
+tdm_status tdm_fsdp_backward(tdm_fsdp *f);
+/* Sum over all ranks of the per-sample losses of the forwards reduced by
+ * the last synchronised backward. */
+double tdm_fsdp_loss_sum(const tdm_fsdp *f);
+/* no_sync: while enabled, backward only accumulates local (full)
+ * gradients; the next synchronised backward reduces their sum. */
+void tdm_fsdp_no_sync(tdm_fsdp *f, int enable);
+
+/* Steps this rank's shard with opt (from tdm_fsdp_optim_init) and, in
+ * grad_op and optimizer, launches the all-gathers that bring every rank
+ * the new full parameters (each awaited when its unit is next used). */
+tdm_status tdm_fsdp_step(tdm_fsdp *f, tdm_optim *opt);
+
+/* Evaluation spread over the ranks as tdm_ddp_evaluate does (collective;
+ * every rank gets the whole set's mean loss and accuracy), rank 0's
+ * buffers broadcast first. */
+tdm_status tdm_fsdp_evaluate(tdm_fsdp *f, const tdm_dataset *test, int batch, double *loss_mean,
+                             double *accuracy);
+
+/* The full parameters in the model's flat layout (tdm_model_param_elems
+ * floats, host memory) on root, or on every rank when root < 0.
+ * Collective. */
+tdm_status tdm_fsdp_gather_params(tdm_fsdp *f, float *host_out, int root);
+
+/* The reduced gradient of the last synchronised backward, gathered from
+ * the shards, in the model's flat layout (host memory) on root, or on
+ * every rank when root < 0. Collective. */
+tdm_status tdm_fsdp_gather_grads(tdm_fsdp *f, float *host_out, int root);
+
+/* ---- timings ---- */
+
+/* One collective of the last step: an all-gather (kind 0) or a
+ * reduce-scatter (kind 1) of unit `unit`, issued at start_ms and seen
+ * complete at end_ms (ms from the step's forward; completion is seen at
+ * the next hook or wait, so end_ms is late by up to one layer), and the
+ * part of it this rank waited for (wait_ms: exposed; the rest overlapped
+ * compute). prefetch: issued before the unit was needed. */
+typedef struct tdm_fsdp_event {
+    int kind, unit, prefetch;
+    double start_ms, end_ms, wait_ms;
+    double bytes;
+} tdm_fsdp_event;
+
+/* Last step and sums since init. Phases: FORWARD, LOSS, BACKWARD (compute,
+ * waits excluded), ALLGATHER_WAIT and REDUCE_SCATTER_WAIT (exposed
+ * communication), STEP. */
+typedef struct tdm_fsdp_times {
+    tdm_phase_times last, total;
+    int64_t steps;                /* synchronised backwards counted in total */
+    double ag_bytes_total, ag_prefetched_bytes_total;    /* all-gathered, of which prefetched */
+    double rs_bytes_total, rs_overlapped_bytes_total;    /* reduce-scattered, of which during backward */
+    double ag_ms_total, rs_ms_total;   /* issue to seen-complete, summed over collectives */
+    int n_events;                 /* of the last step (forward to step) */
+    const tdm_fsdp_event *events; /* borrowed */
+    /* the last synchronised backward: reduce-scatters seen complete
+     * before its compute ended, and its compute time (ms) */
+    int rs_done_in_backward;
+    /* the last forward: prefetched gathers already complete when needed */
+    int ag_ready_at_use;
+} tdm_fsdp_times;
+void tdm_fsdp_get_times(const tdm_fsdp *f, tdm_fsdp_times *out);
+
+/* ---- memory ---- */
+
+/* What this rank holds for parameters, gradients and optimizer state, in
+ * bytes as allocated: the shards (persistent), the full copies a strategy
+ * keeps (grad_op: parameters; optimizer: parameters and gradients), and
+ * the most that unit buffers (gathered parameters, full gradients, their
+ * staging) held at once since init or the last reset. */
+typedef struct tdm_fsdp_memory {
+    size_t shard_params, shard_grads, optim_state;
+    size_t full_params, full_grads;
+    size_t units_live, units_peak;
+    size_t max_unit_bytes;        /* the largest unit's padded full parameters */
+} tdm_fsdp_memory;
+void tdm_fsdp_get_memory(const tdm_fsdp *f, const tdm_optim *opt, tdm_fsdp_memory *out);
+void tdm_fsdp_reset_peak(tdm_fsdp *f);
+
+/* ---- checkpoints (fsdp/fsdp_ckpt.c) ---- */
+
+/* The full state dict: every unit's shards gathered to rank 0, which
+ * writes the very safetensors file the other modes write (loadable by
+ * single, dp, ddp and fsdp at any N); every rank learns whether it
+ * succeeded. opt (from tdm_fsdp_optim_init) may be NULL. Collective. */
+tdm_status tdm_fsdp_save_full(tdm_fsdp *f, const char *path, tdm_optim *opt,
+                              const tdm_ckpt_info *info);
+/* Every rank reads the file (written by any mode, at any N) and keeps its
+ * shards. Collective; a rank that fails is named on every rank. */
+tdm_status tdm_fsdp_load_full(tdm_fsdp *f, const char *path, tdm_optim *opt,
+                              tdm_ckpt_info *info);
+/* The sharded form, for models too big to gather: rank r writes its
+ * shards to "<path>.<id>.rank<r>-of-<N>" and rank 0 then writes the index
+ * at path (model, units, world, step, the rank files), atomically, last:
+ * an index always names complete rank files; the files of the index it
+ * replaced are removed. Collective. */
+tdm_status tdm_fsdp_save_sharded(tdm_fsdp *f, const char *path, tdm_optim *opt,
+                                 const tdm_ckpt_info *info);
+/* Reads the index at path and the rank files this rank's shards come
+ * from: the same files at the same N, or the pieces of several at another
+ * N (resharding). Refuses another model or unit layout naming what
+ * differs. Collective. */
+tdm_status tdm_fsdp_load_sharded(tdm_fsdp *f, const char *path, tdm_optim *opt,
+                                 tdm_ckpt_info *info);
+
+#endif

@@ -1,0 +1,562 @@
+/* fsdp/units.c: a unit's life during a step: the pool its full buffers
+ * come from, its all-gathers (on use, or prefetched one unit ahead in the
+ * order the first pass recorded), the reduce-scatters launched in unit
+ * order as backward finishes units, the waits at the end of backward, and
+ * the model's two hooks that drive all of it. Not here: construction,
+ * the optimizer step and the public calls (fsdp/fsdp.c), checkpoints
+ * (fsdp/ckpt.c). Only core/comm.h talks to other ranks. */
+#include "fsdp/fsdp_impl.h"
+
+#include <inttypes.h>
+#include <sched.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/log.h"
+
+/* ---- the pool of unit buffers ----
+ * Gathered parameters and full gradients are blocks from the device's
+ * allocator, so that what they cost is what the allocator counts. A block
+ * given back is kept for the next request it can serve (best fit): a
+ * cudaFree would synchronise the whole GPU in the middle of the step. A
+ * request no kept block fits first gives every kept block back, so the
+ * blocks alive at once are never more than the units alive at once; the
+ * pool is emptied at the end of every backward, and between steps only
+ * the shards remain. */
+
+static void tdm_fsdp_pool_note(tdm_fsdp *f)
+{
+    if (f->pool_live > f->pool_peak) f->pool_peak = f->pool_live;
+}
+
+void tdm_fsdp_pool_trim(tdm_fsdp *f)
+{
+    for (int i = 0; i < f->n_cached; i++) {
+        tdm_dev_free(f->dev, f->cache[i].p);
+        f->pool_live -= f->cache[i].nbytes;
+    }
+    f->n_cached = 0;
+}
+
+tdm_status tdm_fsdp_pool_get(tdm_fsdp *f, size_t nbytes, int zero, float **out, size_t *got)
+{
+    int best = -1;
+    for (int i = 0; i < f->n_cached; i++)
+        if (f->cache[i].nbytes >= nbytes &&
+            (best < 0 || f->cache[i].nbytes < f->cache[best].nbytes))
+            best = i;
+    void *p = NULL;
+    size_t sz = nbytes;
+    if (best >= 0) {
+        p = f->cache[best].p;
+        sz = f->cache[best].nbytes;
+        f->cache[best] = f->cache[--f->n_cached];
+    } else {
+        tdm_fsdp_pool_trim(f);
+        TDM_CHECK(tdm_dev_alloc(f->dev, nbytes, &p));
+        f->pool_live += sz;
+        tdm_fsdp_pool_note(f);
+    }
+    if (zero) {
+        tdm_status st = tdm_dev_memset_zero(f->dev, p, nbytes);
+        if (st) {
+            tdm_fsdp_pool_put(f, p, sz);
+            return st;
+        }
+    }
+    *out = p;
+    *got = sz;
+    return TDM_STATUS_OK;
+}
+
+void tdm_fsdp_pool_put(tdm_fsdp *f, float *p, size_t nbytes)
+{
+    if (!p) return;
+    if (f->n_cached < TDM_FSDP_POOL_CACHE) {
+        f->cache[f->n_cached++] = (tdm_fsdp_block){p, nbytes};
+        return;
+    }
+    tdm_dev_free(f->dev, p);
+    f->pool_live -= nbytes;
+}
+
+/* ---- events and waits ---- */
+
+int tdm_fsdp_new_event(tdm_fsdp *f, int kind, int unit, int prefetch, double bytes)
+{
+    if (f->n_ev == f->cap_ev) {
+        int cap = f->cap_ev ? 2 * f->cap_ev : 64;
+        tdm_fsdp_ev *e = realloc(f->ev, (size_t)cap * sizeof *e);
+        if (!e) return -1;   /* the timeline loses an entry; the step goes on */
+        f->ev = e;
+        f->cap_ev = cap;
+    }
+    f->ev[f->n_ev] = (tdm_fsdp_ev){.kind = kind, .unit = unit, .prefetch = prefetch,
+                                   .start_ns = tdm_time_ns(), .bytes = bytes};
+    return f->n_ev++;
+}
+
+static void tdm_fsdp_event_end(tdm_fsdp *f, int e, double wait_ms)
+{
+    if (e < 0 || e >= f->n_ev) return;
+    if (!f->ev[e].end_ns) f->ev[e].end_ns = tdm_time_ns();
+    f->ev[e].wait_ms += wait_ms;
+}
+
+tdm_status tdm_fsdp_wait(tdm_fsdp *f, tdm_comm_work *w, double *ms)
+{
+    uint64_t t0 = tdm_time_ns();
+    /* Completion often comes within microseconds: poll, yielding the core
+     * to the progress thread, before sleeping on it. */
+    uint64_t spin_end = t0 + 200000;
+    int done = 0;
+    while (tdm_comm_work_test(w, &done) == TDM_STATUS_OK && !done && tdm_time_ns() < spin_end)
+        sched_yield();
+    tdm_status st = tdm_comm_work_wait(w, f->o.timeout_ms > 0 ? f->o.timeout_ms : -1);
+    *ms = tdm_time_ms_since(t0);
+    return st;
+}
+
+static tdm_status tdm_fsdp_finish_rs(tdm_fsdp *f, int u);
+static void tdm_fsdp_hook_fail(tdm_fsdp *f, tdm_status st);
+
+/* Notes completions without blocking (the timeline's end times), and
+ * during backward finishes the reduce-scatters that are done, so that a
+ * unit's full gradient goes back to the pool while backward goes on. */
+static void tdm_fsdp_poll(tdm_fsdp *f)
+{
+    for (int u = 0; u < f->nu; u++) {
+        tdm_fsdp_unit *x = &f->u[u];
+        int done = 0;
+        if (x->ag && x->ag_event >= 0 && !f->ev[x->ag_event].end_ns &&
+            tdm_comm_work_test(x->ag, &done) == TDM_STATUS_OK && done)
+            tdm_fsdp_event_end(f, x->ag_event, 0.0);
+        done = 0;
+        if (x->rs && tdm_comm_work_test(x->rs, &done) == TDM_STATUS_OK && done) {
+            tdm_fsdp_event_end(f, x->rs_event, 0.0);
+            if (f->in_backward) {
+                f->rs_done_in_bwd++;
+                tdm_status st = tdm_fsdp_finish_rs(f, u);
+                if (st) tdm_fsdp_hook_fail(f, st);
+            }
+        }
+    }
+}
+
+/* The reduce-scatters in flight, and the oldest of them (the highest
+ * unit: they are launched from the last unit down). */
+static int tdm_fsdp_rs_in_flight(const tdm_fsdp *f, int *oldest)
+{
+    int n = 0;
+    *oldest = -1;
+    for (int u = f->nu - 1; u >= 0; u--)
+        if (f->u[u].rs) {
+            if (*oldest < 0) *oldest = u;
+            n++;
+        }
+    return n;
+}
+
+static const char *tdm_fsdp_unit_desc(const tdm_fsdp *f, int u, char *buf, size_t n)
+{
+    const tdm_fsdp_unit *x = &f->u[u];
+    snprintf(buf, n, "unit %d (%lld elements, parameters %d..%d, '%s'..'%s')", u,
+             (long long)x->n_elem, x->first, x->last, tdm_model_param_info(f->m, x->first)->name,
+             tdm_model_param_info(f->m, x->last)->name);
+    return buf;
+}
+
+/* ---- all-gathers ---- */
+
+tdm_status tdm_fsdp_issue_gather(tdm_fsdp *f, int u, int prefetch)
+{
+    tdm_fsdp_unit *x = &f->u[u];
+    if (x->p_state != 0) return TDM_STATUS_OK;
+    float *recv, *send;
+    if (f->o.sharding == TDM_FSDP_FULL_SHARD) {
+        TDM_CHECK(tdm_fsdp_pool_get(f, (size_t)x->padded * sizeof(float), 0, &x->pbuf,
+                                    &x->pbuf_bytes));
+        recv = x->pbuf;
+        send = f->pshard + x->shard_off;
+    } else {
+        /* in place: this rank's shard is its slice of the full copy */
+        recv = f->pfull + x->full_off;
+        send = recv + (int64_t)f->rank * x->shard;
+    }
+    tdm_status st = tdm_comm_all_gather_async(f->comm, send, recv, (size_t)x->shard,
+                                              TDM_DTYPE_FLOAT32, &x->ag);
+    if (st) {
+        if (f->o.sharding == TDM_FSDP_FULL_SHARD) {
+            tdm_fsdp_pool_put(f, x->pbuf, x->pbuf_bytes);
+            x->pbuf = NULL;
+        }
+        char d[256];
+        return tdm_error_prefix(st, "fsdp: all_gather of %s", tdm_fsdp_unit_desc(f, u, d, sizeof d));
+    }
+    x->p_state = 1;
+    double bytes = (double)x->padded * sizeof(float);
+    x->ag_event = tdm_fsdp_new_event(f, 0, u, prefetch, bytes);
+    f->times.ag_bytes_total += bytes;
+    if (prefetch) f->times.ag_prefetched_bytes_total += bytes;
+    return TDM_STATUS_OK;
+}
+
+tdm_status tdm_fsdp_need_params(tdm_fsdp *f, int u, int prefetch_ok)
+{
+    tdm_fsdp_unit *x = &f->u[u];
+    (void)prefetch_ok;
+    if (x->p_state == 2) return TDM_STATUS_OK;
+    if (x->p_state == 0) TDM_CHECK(tdm_fsdp_issue_gather(f, u, 0));
+    int done = 0;
+    if (tdm_comm_work_test(x->ag, &done) == TDM_STATUS_OK && done && x->ag_event >= 0 &&
+        f->ev[x->ag_event].prefetch)
+        f->ag_ready_at_use++;
+    double ms = 0.0;
+    tdm_status st = tdm_fsdp_wait(f, x->ag, &ms);
+    tdm_fsdp_event_end(f, x->ag_event, ms);
+    f->ag_wait_ms += ms;
+    tdm_comm_work_free(x->ag);
+    x->ag = NULL;
+    x->ag_event = -1;
+    if (st) {
+        x->p_state = 0;
+        if (f->o.sharding == TDM_FSDP_FULL_SHARD) {
+            /* the collective failed: nobody writes the block any more */
+            tdm_fsdp_pool_put(f, x->pbuf, x->pbuf_bytes);
+            x->pbuf = NULL;
+        }
+        char d[256];
+        return tdm_error_prefix(st, "fsdp: step %" PRIu64 ": all_gather of %s", f->sync_count,
+                                tdm_fsdp_unit_desc(f, u, d, sizeof d));
+    }
+    x->p_state = 2;
+    if (f->o.sharding == TDM_FSDP_FULL_SHARD)
+        TDM_CHECK(tdm_model_set_param_view(f->m, x->first, x->last, x->pbuf));
+    return TDM_STATUS_OK;
+}
+
+tdm_status tdm_fsdp_release_params(tdm_fsdp *f, int u)
+{
+    tdm_fsdp_unit *x = &f->u[u];
+    if (f->o.sharding != TDM_FSDP_FULL_SHARD || x->p_state == 0) return TDM_STATUS_OK;
+    tdm_status st = TDM_STATUS_OK;
+    if (x->p_state == 1) {
+        /* a prefetch nobody used: the block is the collective's until it ends */
+        double ms = 0.0;
+        st = tdm_fsdp_wait(f, x->ag, &ms);
+        tdm_fsdp_event_end(f, x->ag_event, ms);
+        tdm_comm_work_free(x->ag);
+        x->ag = NULL;
+        x->ag_event = -1;
+        if (st) {
+            char d[256];
+            tdm_error_prefix(st, "fsdp: all_gather of %s", tdm_fsdp_unit_desc(f, u, d, sizeof d));
+        }
+    }
+    (void)tdm_model_set_param_view(f->m, x->first, x->last, NULL);
+    tdm_fsdp_pool_put(f, x->pbuf, x->pbuf_bytes);
+    x->pbuf = NULL;
+    x->p_state = 0;
+    return st;
+}
+
+tdm_status tdm_fsdp_settle_params(tdm_fsdp *f, int release)
+{
+    tdm_status first = TDM_STATUS_OK;
+    char msg[640] = "";
+    for (int u = 0; u < f->nu; u++) {
+        tdm_status st;
+        if (f->o.sharding == TDM_FSDP_FULL_SHARD && release) st = tdm_fsdp_release_params(f, u);
+        else if (f->u[u].p_state == 1) st = tdm_fsdp_need_params(f, u, 0);
+        else continue;
+        if (st && !first) {
+            first = st;
+            snprintf(msg, sizeof msg, "%s", tdm_error_message());
+        }
+    }
+    if (first) tdm_error_set(first, "%s", msg);
+    return first;
+}
+
+/* ---- the order of a pass ---- */
+
+/* The pass moved on to unit u: records the order in the first pass, checks
+ * it in later ones, and returns the unit expected next (-1: none, or the
+ * order is not known). A pass that differs from the recorded one stops
+ * prefetching and is recorded again next time. Every rank runs the same
+ * layers, so every rank decides the same and issues the same gathers. */
+static int tdm_fsdp_order_step(int *order, int *len, int *pos, int rec, int *broken, int cap, int u)
+{
+    (*pos)++;
+    if (rec) {
+        if (*len < cap) order[(*len)++] = u;
+        else *broken = 1;
+        return -1;
+    }
+    if (*broken) return -1;
+    if (*pos >= *len || order[*pos] != u) {
+        *broken = 1;
+        return -1;
+    }
+    return *pos + 1 < *len ? order[*pos + 1] : -1;
+}
+
+/* ---- the model's hooks ---- */
+
+static tdm_status tdm_fsdp_enter_forward(tdm_fsdp *f, int u)
+{
+    if (u == f->cur_f) return TDM_STATUS_OK;
+    int full = f->o.sharding == TDM_FSDP_FULL_SHARD;
+    if (full && f->cur_f >= 0) TDM_CHECK(tdm_fsdp_release_params(f, f->cur_f));
+    int next = tdm_fsdp_order_step(f->fwd_order, &f->fwd_len, &f->fwd_pos, f->fwd_rec,
+                                   &f->fwd_broken, 2 * f->nu + 4, u);
+    f->cur_f = u;
+    TDM_CHECK(tdm_fsdp_need_params(f, u, 1));
+    if (full && !f->o.no_prefetch && next >= 0 && next != u)
+        TDM_CHECK(tdm_fsdp_issue_gather(f, next, 1));
+    return TDM_STATUS_OK;
+}
+
+static tdm_status tdm_fsdp_enter_backward(tdm_fsdp *f, int u)
+{
+    tdm_fsdp_unit *x = &f->u[u];
+    int full = f->o.sharding == TDM_FSDP_FULL_SHARD;
+    if (u != f->cur_b) {
+        int next = tdm_fsdp_order_step(f->bwd_order, &f->bwd_len, &f->bwd_pos, f->bwd_rec,
+                                       &f->bwd_broken, 2 * f->nu + 4, u);
+        f->cur_b = u;
+        TDM_CHECK(tdm_fsdp_need_params(f, u, 1));
+        if (full && !f->o.no_prefetch && next >= 0 && next != u)
+            TDM_CHECK(tdm_fsdp_issue_gather(f, next, 1));
+    }
+    if (f->o.sharding != TDM_FSDP_SHARD_OPTIM && !x->gbuf) {
+        /* A new unit's full gradient: at most one earlier unit's is still
+         * being reduce-scattered meanwhile, so at most two units' full
+         * gradients exist at once however slow the communication is
+         * (no_overlap launches nothing during backward: every unit's full
+         * gradient then lives until the end of backward). */
+        int oldest;
+        while (tdm_fsdp_rs_in_flight(f, &oldest) > 1) TDM_CHECK(tdm_fsdp_finish_rs(f, oldest));
+        /* backward adds: the unit's full gradient starts at zero (or holds
+         * what no_sync backwards accumulated, kept until the next sync) */
+        TDM_CHECK(tdm_fsdp_pool_get(f, (size_t)x->padded * sizeof(float), 1, &x->gbuf,
+                                    &x->gbuf_bytes));
+        TDM_CHECK(tdm_model_set_grad_view(f->m, x->first, x->last, x->gbuf));
+    }
+    return TDM_STATUS_OK;
+}
+
+tdm_status tdm_fsdp_use_hook(void *ctx, tdm_model *m, tdm_model_use use, int first, int last)
+{
+    tdm_fsdp *f = ctx;
+    (void)m;
+    for (int u = f->param_unit[first]; u <= f->param_unit[last]; u++) {
+        tdm_status st = use == TDM_MODEL_USE_FORWARD ? tdm_fsdp_enter_forward(f, u)
+                                                     : tdm_fsdp_enter_backward(f, u);
+        if (st) return st;
+    }
+    tdm_fsdp_poll(f);
+    return TDM_STATUS_OK;
+}
+
+static void tdm_fsdp_hook_fail(tdm_fsdp *f, tdm_status st)
+{
+    if (f->hook_st) return;
+    f->hook_st = st;
+    snprintf(f->hook_msg, sizeof f->hook_msg, "%s", tdm_error_message());
+}
+
+/* Unit u's reduce-scatter: every rank's full gradient of the unit summed,
+ * shard r landing on rank r. */
+static tdm_status tdm_fsdp_launch_rs(tdm_fsdp *f, int u)
+{
+    tdm_fsdp_unit *x = &f->u[u];
+    tdm_status st;
+    if (f->o.sharding == TDM_FSDP_SHARD_OPTIM) {
+        float *g = f->gfull + x->full_off;   /* in place */
+        st = tdm_comm_reduce_scatter_async(f->comm, g, g + (int64_t)f->rank * x->shard,
+                                           (size_t)x->shard, TDM_DTYPE_FLOAT32, TDM_REDOP_SUM,
+                                           &x->rs);
+    } else {
+        if (!x->gbuf)   /* no layer of the unit ran backward here: its gradient is zero */
+            TDM_CHECK(tdm_fsdp_pool_get(f, (size_t)x->padded * sizeof(float), 1, &x->gbuf,
+                                        &x->gbuf_bytes));
+        float *recv = f->gshard + x->shard_off;
+        if (!f->gshard_zero) {
+            /* the shard holds earlier gradients: receive aside, then add */
+            TDM_CHECK(tdm_fsdp_pool_get(f, (size_t)x->shard * sizeof(float), 0, &x->rs_tmp,
+                                        &x->rs_tmp_bytes));
+            recv = x->rs_tmp;
+        }
+        st = tdm_comm_reduce_scatter_async(f->comm, x->gbuf, recv, (size_t)x->shard,
+                                           TDM_DTYPE_FLOAT32, TDM_REDOP_SUM, &x->rs);
+    }
+    if (st) {
+        char d[256];
+        return tdm_error_prefix(st, "fsdp: reduce_scatter of %s",
+                                tdm_fsdp_unit_desc(f, u, d, sizeof d));
+    }
+    x->launched = 1;
+    double bytes = (double)x->padded * sizeof(float);
+    x->rs_event = tdm_fsdp_new_event(f, 1, u, 0, bytes);
+    f->times.rs_bytes_total += bytes;
+    if (f->in_backward) f->times.rs_overlapped_bytes_total += bytes;
+    return TDM_STATUS_OK;
+}
+
+/* Launches the reduce-scatters of finished units, strictly from the last
+ * unit down: the order is the same on every rank whatever order units
+ * finish in. */
+static void tdm_fsdp_launch_ready(tdm_fsdp *f)
+{
+    while (f->next_rs >= 0 && !f->hook_st && f->u[f->next_rs].pending == 0) {
+        tdm_status st = tdm_fsdp_launch_rs(f, f->next_rs);
+        if (st) {
+            tdm_fsdp_hook_fail(f, st);
+            return;
+        }
+        f->next_rs--;
+    }
+}
+
+static void tdm_fsdp_unit_done(tdm_fsdp *f, int u)
+{
+    /* nothing later in this backward reads the unit's parameters */
+    tdm_status st = tdm_fsdp_release_params(f, u);
+    if (st) tdm_fsdp_hook_fail(f, st);
+}
+
+void tdm_fsdp_grad_hook(void *ctx, tdm_model *m, int first, int last)
+{
+    tdm_fsdp *f = ctx;
+    (void)m;
+    if (!f->in_backward) return;
+    for (int p = last; p >= first; p--) {
+        if (f->ready[p]) continue;
+        f->ready[p] = 1;
+        int u = f->param_unit[p];
+        if (--f->u[u].pending == 0) tdm_fsdp_unit_done(f, u);
+    }
+    if (f->sync && !f->o.no_overlap) tdm_fsdp_launch_ready(f);
+    tdm_fsdp_poll(f);
+}
+
+/* ---- a backward's start and end ---- */
+
+void tdm_fsdp_backward_begin(tdm_fsdp *f)
+{
+    for (int u = 0; u < f->nu; u++) {
+        f->u[u].pending = f->u[u].last - f->u[u].first + 1;
+        f->u[u].launched = 0;
+    }
+    memset(f->ready, 0, (size_t)f->n_params);
+    f->next_rs = f->nu - 1;
+    f->cur_b = -1;
+    f->bwd_pos = -1;
+    f->bwd_rec = f->bwd_len == 0;
+    f->bwd_broken = 0;
+    f->hook_st = TDM_STATUS_OK;
+    f->rs_done_in_bwd = 0;
+}
+
+static void tdm_fsdp_pass_done(int *len, int *rec, int broken)
+{
+    if (broken) *len = 0;   /* record it again next time */
+    *rec = 0;
+}
+
+/* Waits for unit u's reduce-scatter and puts its result in place. */
+static tdm_status tdm_fsdp_finish_rs(tdm_fsdp *f, int u)
+{
+    tdm_fsdp_unit *x = &f->u[u];
+    if (!x->rs) return TDM_STATUS_OK;
+    double ms = 0.0;
+    tdm_status st = tdm_fsdp_wait(f, x->rs, &ms);
+    tdm_fsdp_event_end(f, x->rs_event, ms);
+    f->rs_wait_ms += ms;
+    tdm_comm_work_free(x->rs);
+    x->rs = NULL;
+    x->rs_event = -1;
+    if (st) {
+        char d[256];
+        return tdm_error_prefix(st, "fsdp: step %" PRIu64 ": reduce_scatter of %s",
+                                f->sync_count, tdm_fsdp_unit_desc(f, u, d, sizeof d));
+    }
+    tdm_device *d = f->dev;
+    if (f->o.sharding == TDM_FSDP_SHARD_OPTIM) {
+        /* Keep only the owned slice: a later backward adds local gradients
+         * onto it, and the next reduce-scatter must then add each rank's
+         * new gradients once, and the reduced sum it already holds once. */
+        float *g = f->gfull + x->full_off;
+        int64_t lo = (int64_t)f->rank * x->shard, hi = lo + x->shard;
+        if (lo > 0) TDM_CHECK(tdm_dev_memset_zero(d, g, (size_t)lo * sizeof(float)));
+        if (hi < x->padded)
+            TDM_CHECK(tdm_dev_memset_zero(d, g + hi, (size_t)(x->padded - hi) * sizeof(float)));
+        return TDM_STATUS_OK;
+    }
+    if (x->rs_tmp) {
+        TDM_CHECK(tdm_dev_axpy(d, x->shard, 1.0f, x->rs_tmp, f->gshard + x->shard_off));
+        tdm_fsdp_pool_put(f, x->rs_tmp, x->rs_tmp_bytes);
+        x->rs_tmp = NULL;
+    }
+    (void)tdm_model_set_grad_view(f->m, x->first, x->last, NULL);
+    tdm_fsdp_pool_put(f, x->gbuf, x->gbuf_bytes);
+    x->gbuf = NULL;
+    return TDM_STATUS_OK;
+}
+
+tdm_status tdm_fsdp_backward_end(tdm_fsdp *f)
+{
+    tdm_fsdp_pass_done(&f->bwd_len, &f->bwd_rec, f->bwd_broken);
+    if (!f->sync) {
+        /* gradients stay in the units' full buffers for the next sync */
+        TDM_CHECK(tdm_fsdp_settle_params(f, 1));
+        return TDM_STATUS_OK;
+    }
+    if (f->hook_st) return tdm_error_set(f->hook_st, "%s", f->hook_msg);
+    /* A unit whose hook did not fire (this rank had no samples, or its
+     * layers did not run backward) takes part with the gradient it holds:
+     * zeros, or what no_sync backwards accumulated. */
+    for (int u = 0; u < f->nu; u++) {
+        if (f->u[u].pending == 0) continue;
+        f->u[u].pending = 0;
+        TDM_CHECK(tdm_fsdp_release_params(f, u));
+    }
+    tdm_fsdp_launch_ready(f);
+    if (f->hook_st) return tdm_error_set(f->hook_st, "%s", f->hook_msg);
+    for (int u = f->nu - 1; u >= 0; u--) TDM_CHECK(tdm_fsdp_finish_rs(f, u));
+    f->gshard_zero = 0;
+    TDM_CHECK(tdm_fsdp_settle_params(f, 1));
+    tdm_fsdp_pool_trim(f);
+    return TDM_STATUS_OK;
+}
+
+/* ---- failure ---- */
+
+tdm_status tdm_fsdp_fail(tdm_fsdp *f, tdm_status st)
+{
+    char msg[768];
+    snprintf(msg, sizeof msg, "%s", tdm_error_message());
+    (void)tdm_comm_abort(f->comm, msg);
+    if (f->hcomm != f->comm) (void)tdm_comm_abort(f->hcomm, msg);
+    /* The communicator is aborted: what is in flight ends at once (with an
+     * error), each wait bounded all the same. */
+    for (int u = 0; u < f->nu; u++) {
+        tdm_fsdp_unit *x = &f->u[u];
+        if (x->ag) (void)tdm_comm_work_wait(x->ag, 10000);
+        if (x->rs) (void)tdm_comm_work_wait(x->rs, 10000);
+        tdm_comm_work_free(x->ag);
+        tdm_comm_work_free(x->rs);
+        x->ag = x->rs = NULL;
+        if (x->p_state == 1 && f->o.sharding == TDM_FSDP_FULL_SHARD) {
+            (void)tdm_model_set_param_view(f->m, x->first, x->last, NULL);
+            tdm_fsdp_pool_put(f, x->pbuf, x->pbuf_bytes);
+            x->pbuf = NULL;
+            x->p_state = 0;
+        } else if (x->p_state == 1) {
+            x->p_state = 2;   /* what the full copy holds now is not known; it stays */
+        }
+    }
+    return tdm_error_set(st, "%s", msg);
+}

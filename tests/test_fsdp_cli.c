@@ -1,0 +1,307 @@
+/* tests/test_fsdp_cli.c: `tandem train --mode fsdp` end to end, and
+ * fsdp/ on CUDA devices.
+ * - fsdp_cli: every --sharding on cpu:2 ends an epoch as --mode single
+ *   and --mode ddp do (the printed losses and accuracy); the full
+ *   checkpoint it writes resumes in --mode single and the sharded one in
+ *   --mode fsdp at another N, ending as an uninterrupted run; a killed
+ *   rank is named; --help gives PyTorch's and DeepSpeed's names; bad
+ *   --sharding and misplaced flags are refused (exit 2).
+ * - fsdp_emu (cuda/ built, no GPU): every sharding over CUDA-emulated
+ *   devices (TANDEM_CUDA_EMULATOR; shm carries the collectives, device
+ *   memory is host memory) against one host device, through the library
+ *   and through the CLI. What this does not test: CUDA, NCCL.
+ * - cuda_gpu (where a GPU is lent; skipped otherwise): two ranks on one
+ *   GPU over NCCL (the one-GPU kit), every sharding, through the library
+ *   (run by make test; not in make test-gpu's list of binaries). */
+#include <criterion/criterion.h>
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "cuda/cuda.h"
+#include "tests/cli_util.h"
+#include "tests/cuda_test_util.h"
+#include "tests/test_fsdp_util.h"
+
+__attribute__((weak)) tdm_status tdm_cuda_emulator_open_accel(tdm_device **out, int index);
+
+#define DATA "--data", "synthetic", "--synthetic-size", "1536", "--batch", "64"
+#define MODEL "--model", "mlp:784-48-24-10"
+
+static const char *g_shard[] = {"full", "grad_op", "optimizer"};
+
+Test(fsdp_cli, every_sharding_ends_the_epoch_as_single_and_ddp, .timeout = 240)
+{
+    static cli_result r;
+    char single[256], other[256];
+    CLI(&r, "train", "--mode", "single", DATA, MODEL, "--epochs", "1", "--quiet");
+    expect(&r, 0, "test accuracy");
+    epoch_result(r.out, "epoch 1/1", single, sizeof single);
+    CLI(&r, "train", "--mode", "ddp", "--device", "cpu:2", DATA, MODEL, "--epochs", "1",
+        "--quiet");
+    expect(&r, 0, "test accuracy");
+    epoch_result(r.out, "epoch 1/1", other, sizeof other);
+    cr_assert_str_eq(other, single);
+    for (int s = 0; s < 3; s++) {
+        CLI(&r, "train", "--mode", "fsdp", "--sharding", g_shard[s], "--device", "cpu:3", DATA,
+            MODEL, "--epochs", "1", "--quiet");
+        expect(&r, 0, "fsdp memory (rank 0)");
+        cr_assert(strstr(r.out, "all-gather exposed") && strstr(r.out, "reduce-scatter exposed"),
+                  "%s", r.out);
+        epoch_result(r.out, "epoch 1/1", other, sizeof other);
+        cr_assert_str_eq(other, single, "--sharding %s: %s vs single %s", g_shard[s], other,
+                         single);
+    }
+    /* under tandem launch each rank joins the launched job instead of forking */
+    CLI(&r, "launch", "-n", "2", "--", cli_bin(), "train", "--mode", "fsdp", "--device", "cpu:2",
+        DATA, MODEL, "--epochs", "1", "--quiet");
+    expect(&r, 0, "[rank 0] fsdp memory");
+    epoch_result(r.out, "[rank 0] epoch 1/1", other, sizeof other);
+    cr_assert_str_eq(other, single, "launched: %s vs single %s", other, single);
+    CLI(&r, "train", "--mode", "fsdp", "--sharding", "zero2", "--device", "cpu:2", DATA, MODEL,
+        "--epochs", "1", "--quiet", "--optim", "adamw");
+    expect(&r, 0, "SHARD_GRAD_OP, ZeRO stage 2");
+    cr_assert_eq(cli_shm_entries(), 0);
+}
+
+Test(fsdp_cli, checkpoints_resume_in_single_and_at_another_n, .timeout = 240)
+{
+    static cli_result r;
+    char dir[] = "/tmp/tandem-fsdp-cli-XXXXXX";
+    cr_assert(mkdtemp(dir));
+    char full[256], idx[256], straight[256], resumed[256], cmd[400];
+    snprintf(full, sizeof full, "%s/full.safetensors", dir);
+    snprintf(idx, sizeof idx, "%s/sharded.index", dir);
+    CLI(&r, "train", "--mode", "single", DATA, MODEL, "--epochs", "2", "--quiet");
+    expect(&r, 0, "test accuracy");
+    epoch_result(r.out, "epoch 2/2", straight, sizeof straight);
+    /* full form: written by fsdp, resumed by single */
+    CLI(&r, "train", "--mode", "fsdp", "--device", "cpu:2", DATA, MODEL, "--epochs", "1",
+        "--save", full);
+    expect(&r, 0, "saved");
+    CLI(&r, "train", "--mode", "single", DATA, MODEL, "--epochs", "2", "--resume", full,
+        "--quiet");
+    expect(&r, 0, "resumed");
+    epoch_result(r.out, "epoch 2/2", resumed, sizeof resumed);
+    cr_assert_str_eq(resumed, straight);
+    /* sharded form: written at N=2 with grad_op, resumed at N=3 with full */
+    CLI(&r, "train", "--mode", "fsdp", "--sharding", "grad_op", "--device", "cpu:2", DATA, MODEL,
+        "--epochs", "1", "--save", idx, "--save-sharded");
+    expect(&r, 0, "sharded: a file per rank plus this index");
+    CLI(&r, "train", "--mode", "fsdp", "--device", "cpu:3", DATA, MODEL, "--epochs", "2",
+        "--resume", idx, "--quiet");
+    expect(&r, 0, "resumed");
+    epoch_result(r.out, "epoch 2/2", resumed, sizeof resumed);
+    cr_assert_str_eq(resumed, straight);
+    /* and a single-device checkpoint into fsdp */
+    CLI(&r, "train", "--mode", "single", DATA, MODEL, "--epochs", "1", "--save", full,
+        "--quiet");
+    expect(&r, 0, NULL);
+    CLI(&r, "train", "--mode", "fsdp", "--sharding", "optimizer", "--device", "cpu:2", DATA,
+        MODEL, "--epochs", "2", "--resume", full, "--quiet");
+    expect(&r, 0, "resumed");
+    epoch_result(r.out, "epoch 2/2", resumed, sizeof resumed);
+    cr_assert_str_eq(resumed, straight);
+    /* another model's checkpoint is refused naming both models */
+    CLI(&r, "train", "--mode", "fsdp", "--device", "cpu:2", DATA, "--model", "mlp:784-40-24-10",
+        "--epochs", "2", "--resume", full, "--quiet");
+    cr_assert_eq(r.code, 1, "%s", r.out);
+    cr_assert(strstr(r.out, "mlp 784-48-24-10"), "%s", r.out);
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    (void)system(cmd);
+    cr_assert_eq(cli_shm_entries(), 0);
+}
+
+Test(fsdp_cli, a_killed_rank_is_named, .timeout = 120)
+{
+    static cli_result r;
+    cr_assert_eq(setenv("TANDEM_DDP_TEST_KILL", "1:5", 1), 0);
+    CLI(&r, "train", "--mode", "fsdp", "--device", "cpu:3", DATA, MODEL, "--epochs", "1",
+        "--quiet");
+    unsetenv("TANDEM_DDP_TEST_KILL");
+    cr_assert_eq(r.code, 1, "%s", r.out);
+    cr_assert(strstr(r.out, "rank 1 (pid"), "%s", r.out);
+    cr_assert(strstr(r.out, "killed by signal 9"), "%s", r.out);
+    cr_assert_eq(cli_shm_entries(), 0);
+}
+
+Test(fsdp_cli, help_and_usage_errors)
+{
+    static cli_result r;
+    CLI(&r, "train", "--help");
+    expect(&r, 0, "--sharding");
+    static const char *names[] = {"FULL_SHARD", "ZeRO-3", "SHARD_GRAD_OP", "ZeRO-2",
+                                  "ZeroRedundancyOptimizer", "ZeRO-1", "--save-sharded"};
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+        cr_assert(strstr(r.out, names[i]), "train --help lacks %s", names[i]);
+    CLI(&r, "train", "--mode", "fsdp", "--device", "cpu:2", "--sharding", "zero4");
+    expect(&r, 2, "--sharding: ");
+    cr_assert(strstr(r.out, "zero4") && strstr(r.out, "grad_op"), "%s", r.out);
+    CLI(&r, "train", "--mode", "ddp", "--device", "cpu:2", "--sharding", "full");
+    expect(&r, 2, "apply to --mode fsdp");
+    CLI(&r, "train", "--mode", "fsdp", "--device", "cpu:2", "--model", "gpt");
+    expect(&r, 2, "C API");
+    CLI(&r, "train", "--mode", "fsdp", "--device", "cpu:2", "--data", "synthetic", "--model",
+        "cnn", "--synthetic-size", "64", "--batch", "2", "--max-steps", "1", "--epochs", "1",
+        "--no-eval", "--quiet");
+    expect(&r, 0, "epoch 1/1");
+}
+
+/* ---- CUDA-emulated devices ---- */
+
+static tdm_status open_emu(tdm_device **out, int rank) { return tdm_cuda_emulator_open_accel(out, rank); }
+
+Test(fsdp_emu, every_sharding_on_emulated_devices_equals_one_host_device, .timeout = 240)
+{
+    CU_NEED_BACKEND();
+    tdm_dataset d;
+    tf_cfg c = tf_cfg_default();
+    c.steps = 3;
+    c.batch = 23;
+    cr_assert_eq(tf_data(&d, &c, 500), TDM_STATUS_OK);
+    static double ref_loss[TF_MAX_STEPS];
+    static float ref_g[TF_MAX_ELEMS], ref_p[TF_MAX_ELEMS];
+    int64_t n = 0;
+    cr_assert_eq(tf_reference(&c, &d, ref_loss, ref_g, ref_p, &n), TDM_STATUS_OK);
+    c.open_dev = open_emu;
+    for (int s = 0; s < TDM_FSDP_SHARDING_COUNT_; s++)
+        for (int w = 1; w <= 3; w += 2) {
+            c.sharding = (tdm_fsdp_sharding)s;
+            tf_shared *sh = tf_shared_new();
+            cr_assert(sh);
+            cr_assert_eq(tf_spawn(w, &c, &d, sh, 120000), TDM_STATUS_OK, "%s / %s",
+                         tdm_error_message(), sh->err[0]);
+            int64_t at = 0;
+            /* the emulator runs the CUDA kernels' code as host loops: the
+             * same float bounds as the host tests */
+            cr_assert(tf_excess(sh->grads0, ref_g, n, 1e-6, 1e-6, &at) <= 0,
+                      "%s N=%d grad[%lld] %g vs %g", g_shard[s], w, (long long)at, sh->grads0[at],
+                      ref_g[at]);
+            cr_assert(tf_excess(sh->params, ref_p, n, 1e-6, 1e-6, &at) <= 0,
+                      "%s N=%d param[%lld] %g vs %g", g_shard[s], w, (long long)at,
+                      sh->params[at], ref_p[at]);
+            tf_shared_free(sh);
+        }
+    tdm_data_free(&d);
+}
+
+Test(fsdp_emu, cli_on_emulated_gpus_ends_as_on_host, .timeout = 240)
+{
+    CU_NEED_BACKEND();
+    static cli_result r;
+    char host[256], emu[256];
+    CLI(&r, "train", "--mode", "single", DATA, MODEL, "--epochs", "1", "--quiet");
+    expect(&r, 0, "test accuracy");
+    epoch_result(r.out, "epoch 1/1", host, sizeof host);
+    cr_assert_eq(setenv("TANDEM_CUDA_EMULATOR", "2", 1), 0);
+    for (int s = 0; s < 3; s++) {
+        CLI(&r, "train", "--mode", "fsdp", "--sharding", g_shard[s], "--device", "cuda:0,1", DATA,
+            MODEL, "--epochs", "1", "--quiet");
+        expect(&r, 0, "CUDA EMULATOR (TANDEM_CUDA_EMULATOR=2)");
+        epoch_result(r.out, "epoch 1/1", emu, sizeof emu);
+        cr_assert_str_eq(emu, host, "--sharding %s", g_shard[s]);
+    }
+    CLI(&r, "compare", "--data", "synthetic", "--model", "mlp:784-32-10", "--device", "cuda:0,1",
+        "--steps", "4", "--batch", "32", "--modes", "ddp,fsdp,zero2,zero1");
+    expect(&r, 0, "verdict: PASS");
+    cr_assert(strstr(r.out, "ZeRO-2 vs DDP: bitwise the same"), "%s", r.out);
+    unsetenv("TANDEM_CUDA_EMULATOR");
+}
+
+/* ---- a GPU (the one-GPU kit: two NCCL ranks on GPU 0) ---- */
+
+__attribute__((weak)) tdm_status tdm_comm_init_nccl_opts(tdm_comm **out, tdm_comm *bootstrap,
+                                                         int device_index,
+                                                         const tdm_nccl_opts *opts);
+
+static tdm_status open_gpu0(tdm_device **out, int rank)
+{
+    (void)rank;
+    return tdm_device_open(out, "cuda", 0, 1);
+}
+static tdm_status make_nccl(tdm_comm **out, tdm_comm *boot, tdm_device *dev)
+{
+    tdm_nccl_opts o = {.timeout_ms = 60000};
+    return tdm_comm_init_nccl_opts(out, boot, tdm_dev_index(dev), &o);
+}
+
+Test(cuda_gpu, two_nccl_ranks_on_one_gpu_equal_one_host_device, .timeout = 300)
+{
+    NEED_GPUS(1);
+    tdm_dataset d;
+    tf_cfg c = tf_cfg_default();
+    c.steps = 3;
+    c.batch = 23;
+    cr_assert_eq(tf_data(&d, &c, 500), TDM_STATUS_OK);
+    static double ref_loss[TF_MAX_STEPS];
+    static float ref_g[TF_MAX_ELEMS], ref_p[TF_MAX_ELEMS];
+    int64_t n = 0;
+    cr_assert_eq(tf_reference(&c, &d, ref_loss, ref_g, ref_p, &n), TDM_STATUS_OK);
+    c.open_dev = open_gpu0;
+    c.make_comm = make_nccl;
+    for (int s = 0; s < TDM_FSDP_SHARDING_COUNT_; s++) {
+        c.sharding = (tdm_fsdp_sharding)s;
+        tf_shared *sh = tf_shared_new();
+        cr_assert(sh);
+        cr_assert_eq(tf_spawn(2, &c, &d, sh, 240000), TDM_STATUS_OK, "%s / %s",
+                     tdm_error_message(), sh->err[0]);
+        int64_t at = 0;
+        /* GPU kernels and NCCL sum in other orders: DDP's GPU bounds */
+        cr_assert(tf_excess(sh->params, ref_p, n, 1e-4, 1e-3, &at) <= 0,
+                  "%s param[%lld] %g vs %g", g_shard[s], (long long)at, sh->params[at], ref_p[at]);
+        cr_assert(!memcmp(sh->params, sh->params_r1, (size_t)n * 4), "%s: ranks differ",
+                  g_shard[s]);
+        tf_shared_free(sh);
+    }
+    tdm_data_free(&d);
+}
+
+/* ---- tandem compare with the sharded modes ---- */
+
+#include "core/json.h"
+
+Test(fsdp_cli, compare_every_mode_agrees_with_memory_phases_and_trace, .timeout = 240)
+{
+    static cli_result r;
+    char dir[] = "/tmp/tandem-fsdp-cmp-XXXXXX";
+    cr_assert(mkdtemp(dir));
+    char trace[256], csv[256], cmd[400];
+    snprintf(trace, sizeof trace, "%s/trace.json", dir);
+    snprintf(csv, sizeof csv, "%s/run.csv", dir);
+    CLI(&r, "compare", "--data", "synthetic", "--model", "mlp:784-48-24-10", "--device", "cpu:3",
+        "--batch", "50", "--steps", "6", "--warmup", "2", "--modes",
+        "single,dp,ddp,fsdp,zero2,zero1", "--trace", trace, "--csv", csv);
+    expect(&r, 0, "verdict: PASS");
+    const char *want[] = {"FSDP(3)", "ZeRO-2(3)", "ZeRO-1(3)", "all-gather (exposed)",
+                          "reduce-scatter (exp.)", "FSDP collectives:", "FSDP vs single",
+                          "ZeRO-1 vs DDP", "FSDP vs DDP: bitwise the same parameters",
+                          "ZeRO-2 vs DDP: bitwise the same parameters",
+                          "ZeRO-1 vs DDP: bitwise the same parameters", "FSDP rank 0",
+                          "ZeRO-1 rank 1..", "FSDP keeps"};
+    for (size_t i = 0; i < sizeof want / sizeof want[0]; i++)
+        cr_assert(strstr(r.out, want[i]), "output lacks '%s':\n%s", want[i], r.out);
+    /* the trace parses and has a collective track with both kinds */
+    FILE *fp = fopen(trace, "rb");
+    cr_assert(fp);
+    static char text[1 << 22];
+    size_t len = fread(text, 1, sizeof text - 1, fp);
+    fclose(fp);
+    text[len] = 0;
+    tdm_json *root = NULL;
+    cr_assert_eq(tdm_json_parse(&root, text, len), TDM_STATUS_OK, "%s", tdm_error_message());
+    cr_assert(strstr(text, "rank 0 all-gather / reduce-scatter"));
+    cr_assert(strstr(text, "\"all-gather unit 0\"") && strstr(text, "\"reduce-scatter unit 0\""));
+    tdm_json_free(root);
+    /* only single and fsdp; a perturbed rank fails the verdict (exit 3) */
+    CLI(&r, "compare", "--data", "synthetic", "--model", "mlp:784-48-10", "--device", "cpu:2",
+        "--batch", "32", "--steps", "4", "--modes", "fsdp", "--perturb-rank", "1");
+    expect(&r, 3, "FSDP vs single");
+    cr_assert(strstr(r.out, "-> FAIL") && !strstr(r.out, "DDP("), "%s", r.out);
+    CLI(&r, "compare", "--modes", "single,zero4");
+    expect(&r, 2, "'zero4' is not a mode");
+    CLI(&r, "compare", "--help");
+    expect(&r, 0, "ZeroRedundancyOptimizer");
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    (void)system(cmd);
+    cr_assert_eq(cli_shm_entries(), 0);
+}
