@@ -221,6 +221,13 @@ void tdm_ddp_share(int64_t n, int rank, int world, int64_t *lo, int64_t *hi)
 tdm_status tdm_ddp_forward_global(tdm_ddp *d, const void *x, const int32_t *y, int batch,
                                   double *loss_sum)
 {
+    return tdm_ddp_forward_global_scaled(d, x, y, batch,
+                                         batch > 0 ? 1.0f / (float)batch : 0.0f, loss_sum);
+}
+
+tdm_status tdm_ddp_forward_global_scaled(tdm_ddp *d, const void *x, const int32_t *y, int batch,
+                                         float grad_scale, double *loss_sum)
+{
     TDM_REQUIRE(batch >= 0 && (batch == 0 || (x && y)), TDM_STATUS_INVALID_ARG,
                 "ddp forward: bad global batch %d or NULL input", batch);
     if (batch == 0) return tdm_ddp_forward_scaled(d, NULL, NULL, 0, 0.0f, loss_sum);
@@ -229,7 +236,7 @@ tdm_status tdm_ddp_forward_global(tdm_ddp *d, const void *x, const int32_t *y, i
     /* 4-byte inputs of either dtype; out_rows targets per sample */
     const char *xs = (const char *)x + lo * tdm_model_in_features(d->m) * (int64_t)sizeof(float);
     const int32_t *ys = y + lo * tdm_model_out_rows(d->m);
-    return tdm_ddp_forward_scaled(d, xs, ys, (int)(hi - lo), 1.0f / (float)batch, loss_sum);
+    return tdm_ddp_forward_scaled(d, xs, ys, (int)(hi - lo), grad_scale, loss_sum);
 }
 
 /* ---- backward ---- */

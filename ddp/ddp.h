@@ -160,6 +160,10 @@ tdm_status tdm_ddp_forward_scaled(tdm_ddp *d, const void *x, const int32_t *y, i
  * tdm_ddp_loss_sum after backward has every rank's. */
 tdm_status tdm_ddp_forward_global(tdm_ddp *d, const void *x, const int32_t *y, int batch,
                                   double *loss_sum);
+/* The same with an explicit loss-gradient scale: gradient accumulation
+ * passes 1/(the effective batch) for each of its micro-batches. */
+tdm_status tdm_ddp_forward_global_scaled(tdm_ddp *d, const void *x, const int32_t *y, int batch,
+                                         float grad_scale, double *loss_sum);
 /* Rank `rank`'s share of n items split over `world` ranks: [*lo, *hi)
  * with lo = rank * n / world and hi = (rank + 1) * n / world, contiguous,
  * in rank order, sizes differing by at most one (empty for some ranks

@@ -17,6 +17,7 @@
 #include "core/safefile.h"
 #include "core/timer.h"
 #include "core/text.h"
+#include "models/accum.h"
 #include "models/checkpoint.h"
 #include "models/gpt.h"
 #include "models/model.h"
@@ -57,7 +58,11 @@ static void tdm_train_usage(FILE *f)
         "                         validates)  [Debian's fortunes: %s,\n"
         "                         or $TANDEM_FORTUNES_DIR]\n"
         "  --synthetic-size N     training samples of the synthetic set      [12000]\n"
-        "  --max-steps N          stop each epoch after N steps (benchmarks)  [all]\n"
+        "  --grad-accum K         gradient accumulation: K micro-batches of --batch\n"
+        "                         per optimizer step (ddp: the first K-1 under\n"
+        "                         no_sync), equal to one step on K*B samples; the\n"
+        "                         effective batch K*B is printed     [1; not gpt]\n"
+        "  --max-steps N          stop each epoch after N optimizer steps     [all]\n"
         "  --save PATH            write a checkpoint (safetensors) after each epoch,\n"
         "                         atomically; the path is checked before training\n"
         "  --resume PATH          continue from a checkpoint\n"
@@ -119,6 +124,7 @@ int tdm_tool_train_main(int argc, char **argv)
         .mode = "single", .model = "mlp", .device = "cpu", .threads = 1, .epochs = 2,
         .batch = 0, .optim = NULL, .lr = -1, .momentum = 0.9, .weight_decay = -1, .seed = 1,
         .data = NULL, .synthetic_size = 12000, .max_steps = 0, .lr_schedule = "const",
+        .grad_accum = 1,
     };
     for (int i = 1; i < argc; i++) {
         const char *v;
@@ -148,6 +154,7 @@ int tdm_tool_train_main(int argc, char **argv)
         TDM_ARGS_STR("--lr-schedule", a.lr_schedule)
         TDM_ARGS_STR("--timeout", a.timeout)
         TDM_ARGS_INT("--bucket-cap-mb", 0, 1 << 20, a.bucket_cap_mb)
+        TDM_ARGS_INT("--grad-accum", 1, 1 << 16, a.grad_accum)
         if (!strcmp(arg, "--nesterov")) { a.nesterov = 1; continue; }
         if (!strcmp(arg, "--no-eval")) { a.no_eval = 1; continue; }
         if (!strcmp(arg, "--quiet")) { a.quiet = 1; continue; }
@@ -185,6 +192,17 @@ int tdm_tool_train_main(int argc, char **argv)
     if (a.timeout && strcmp(a.mode, "ddp"))
         fprintf(stderr, "tandem train: note: --timeout applies to --mode ddp (the process "
                         "group's collectives); --mode %s has none\n", a.mode);
+    if (gpt && a.grad_accum > 1) {
+        fprintf(stderr, "tandem train: --grad-accum is not supported with --model gpt yet; "
+                        "raise --batch instead\n");
+        return 2;
+    }
+    if (tdm_train_effective_batch(&a) > (1 << 20)) {
+        fprintf(stderr, "tandem train: --batch %lld x --grad-accum %lld = %lld samples per "
+                        "step is more than %d; lower one of them\n", a.batch, a.grad_accum,
+                tdm_train_effective_batch(&a), 1 << 20);
+        return 2;
+    }
     if (gpt) return tdm_train_text_main(&a);
     if (!strcmp(a.mode, "single")) return tdm_train_run_single(&a);
     if (!strcmp(a.mode, "dp")) return tdm_train_run_dp ? tdm_train_run_dp(&a) : tdm_train_mode_absent("dp");
@@ -288,9 +306,13 @@ void tdm_train_print_header(const tdm_train_args *a, const tdm_model_spec *spec,
     printf("  data: %s (%lld train, %lld test), batch %lld, %s lr %g", 
            a->data && !strcmp(a->data, "synthetic") ? "synthetic" : "Fashion-MNIST",
            (long long)train->n, (long long)test->n, (long long)a->batch, a->optim, a->lr);
+
     if (!strcmp(a->optim, "sgd")) printf(" momentum %g%s", a->momentum, a->nesterov ? " nesterov" : "");
     printf(" weight decay %g%s, seed %lld\n", a->weight_decay,
            strcmp(a->lr_schedule, "cosine") ? "" : ", cosine schedule", (long long)a->seed);
+    if (a->grad_accum > 1)
+        printf("  gradient accumulation: %lld micro-batches of %lld per optimizer step, "
+               "effective batch %lld\n", a->grad_accum, a->batch, tdm_train_effective_batch(a));
     tdm_tool_print_emulated(stdout, a->device);
     fflush(stdout);
 }
@@ -324,7 +346,9 @@ int tdm_train_epochs(const tdm_train_args *a, tdm_model *m, tdm_optim *opt,
                      void *step_ctx, int64_t start_epoch, tdm_train_eval_fn eval,
                      void *eval_ctx, tdm_train_after_epoch_fn after, void *after_ctx)
 {
-    int64_t per_epoch = (train->n + a->batch - 1) / a->batch;
+    /* one step per effective batch (--grad-accum micro-batches of --batch) */
+    int64_t eff_batch = tdm_train_effective_batch(a);
+    int64_t per_epoch = (train->n + eff_batch - 1) / eff_batch;
     if (a->max_steps > 0 && a->max_steps < per_epoch) per_epoch = a->max_steps;
     tdm_train_sched sched = {.step = step, .ctx = step_ctx, .opt = opt, .base_lr = a->lr,
                              .total_steps = per_epoch * a->epochs,
@@ -346,7 +370,7 @@ int tdm_train_epochs(const tdm_train_args *a, tdm_model *m, tdm_optim *opt,
         p.epoch = e;
         p.last_tenth = -1;
         tdm_model_set_train(m, 1);
-        tdm_status st = tdm_train_epoch(train, (int)a->batch, (uint64_t)a->seed, e, 0,
+        tdm_status st = tdm_train_epoch(train, (int)eff_batch, (uint64_t)a->seed, e, 0,
                                         a->max_steps, step, step_ctx, tdm_train_progress, &p, &es);
         if (st != TDM_STATUS_OK) {
             if (p.tty && !p.quiet) fputs("\n", stderr);
@@ -446,7 +470,11 @@ int tdm_train_run_single(const tdm_train_args *a)
     tdm_train_print_header(a, &spec, &train, &test, tdm_model_param_elems(m), devdesc);
     single.model = m;
     single.opt = opt;
-    if (tdm_train_epochs(a, m, opt, &train, &test, tdm_single_step, &single, start_epoch, NULL,
+    tdm_accum acc = {.ops = &tdm_accum_single_ops, .ctx = &single, .micro = (int)a->batch,
+                     .in_features = tdm_model_in_features(m), .out_rows = tdm_model_out_rows(m)};
+    if (tdm_train_epochs(a, m, opt, &train, &test,
+                         a->grad_accum > 1 ? tdm_accum_step : tdm_single_step,
+                         a->grad_accum > 1 ? (void *)&acc : (void *)&single, start_epoch, NULL,
                          NULL, NULL, NULL))
         rc = 0;
 done:

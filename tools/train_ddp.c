@@ -44,6 +44,7 @@
 #include "ddp/ddp.h"
 #include "ddp/pg.h"
 #include "ddp/spawn.h"
+#include "models/accum.h"
 #include "models/checkpoint.h"
 #include "shm/shm_comm.h"
 #include "tools/devices.h"
@@ -110,6 +111,67 @@ fail:
     tdm_comm_abort(r->comm, tdm_error_message());
     return st;
 }
+
+/* --grad-accum: every micro-batch is a global one split over the ranks
+ * (tdm_ddp_forward_global_scaled, gradient scale 1/(the effective
+ * batch)); the first K-1 backwards run under no_sync, so only the last
+ * one all-reduces, the sum of all K. */
+static tdm_status tdm_train_ddp_zero(void *ctx)
+{
+    tdm_train_ddp_rank *r = ctx;
+    if (++r->steps == r->kill_step) {
+        fflush(stdout);
+        raise(r->kill_sig);
+    }
+    tdm_status st = tdm_ddp_zero_grad(r->ddp);
+    if (st) {
+        tdm_error_prefix(st, "rank %d", r->rank);
+        tdm_comm_abort(r->comm, tdm_error_message());
+    }
+    return st;
+}
+
+static tdm_status tdm_train_ddp_micro(void *ctx, const void *x, const int32_t *y, int batch,
+                                      float grad_scale, int index, int last, double *loss_sum)
+{
+    tdm_train_ddp_rank *r = ctx;
+    tdm_status st = TDM_STATUS_OK;
+    TDM_TRY(tdm_ddp_forward_global_scaled(r->ddp, x, y, batch, grad_scale, loss_sum));
+    if (!isfinite(*loss_sum)) {
+        /* as in tdm_train_ddp_step: stop before the all-reduce, tell the group */
+        char why[256];
+        snprintf(why, sizeof why, "loss is %s at step %lld (rank %d, micro-batch %d): training "
+                 "diverged (a lower learning rate may help)",
+                 isnan(*loss_sum) ? "NaN" : *loss_sum > 0 ? "+inf" : "-inf",
+                 (long long)tdm_optim_steps(r->opt) + 1, r->rank, index + 1);
+        tdm_comm_abort(r->comm, why);
+        return tdm_error_set(TDM_STATUS_NONFINITE, "rank %d: %s", r->rank, why);
+    }
+    tdm_ddp_no_sync(r->ddp, !last);
+    TDM_TRY(tdm_ddp_backward(r->ddp));
+    return TDM_STATUS_OK;
+fail:
+    tdm_ddp_no_sync(r->ddp, 0);
+    tdm_error_prefix(st, "rank %d", r->rank);
+    tdm_comm_abort(r->comm, tdm_error_message());
+    return st;
+}
+
+static tdm_status tdm_train_ddp_opt(void *ctx, double *loss_sum)
+{
+    tdm_train_ddp_rank *r = ctx;
+    tdm_status st = tdm_ddp_step(r->ddp, r->opt);
+    if (st) {
+        tdm_error_prefix(st, "rank %d", r->rank);
+        tdm_comm_abort(r->comm, tdm_error_message());
+        return st;
+    }
+    *loss_sum = tdm_ddp_loss_sum(r->ddp);   /* every rank's, carried by the all-reduce */
+    return TDM_STATUS_OK;
+}
+
+static const tdm_accum_ops tdm_train_ddp_accum_ops = {
+    .zero_grad = tdm_train_ddp_zero, .micro = tdm_train_ddp_micro, .step = tdm_train_ddp_opt};
 
 /* Every rank evaluates its share of the test set (tdm_ddp_evaluate): the
  * others never wait for rank 0 to evaluate alone, which on a large test
@@ -222,7 +284,11 @@ static int tdm_train_ddp_rank_main(tdm_comm *comm, void *arg)
         r.kill_step = ks;
         r.kill_sig = strcmp(how, "STOP") ? SIGKILL : SIGSTOP;
     }
-    if (!tdm_train_epochs(&a, m, opt, c->train, c->test, tdm_train_ddp_step, &r, start_epoch,
+    tdm_accum acc = {.ops = &tdm_train_ddp_accum_ops, .ctx = &r, .micro = (int)a.batch,
+                     .in_features = tdm_model_in_features(m), .out_rows = tdm_model_out_rows(m)};
+    if (!tdm_train_epochs(&a, m, opt, c->train, c->test,
+                          a.grad_accum > 1 ? tdm_accum_step : tdm_train_ddp_step,
+                          a.grad_accum > 1 ? (void *)&acc : (void *)&r, start_epoch,
                           tdm_train_ddp_eval, &r, tdm_train_ddp_after, &r))
         goto done;
     if (rank == 0) tdm_train_ddp_report(ddp, world);

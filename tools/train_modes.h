@@ -23,7 +23,14 @@ typedef struct tdm_train_args {
     const char *lr_schedule;  /* "const" or "cosine" */
     const char *timeout;      /* ddp: --timeout SECONDS as given (checked by the ddp mode) */
     int nesterov, no_eval, quiet, no_overlap;
+    long long grad_accum;     /* micro-batches of `batch` per optimizer step (>= 1) */
 } tdm_train_args;
+
+/* The samples per optimizer step: batch * grad_accum. */
+static inline long long tdm_train_effective_batch(const tdm_train_args *a)
+{
+    return a->batch * (a->grad_accum > 1 ? a->grad_accum : 1);
+}
 
 /* Evaluates m on test after an epoch (NULL: tdm_evaluate on this process
  * alone; DDP spreads it over the ranks). */
