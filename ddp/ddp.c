@@ -119,6 +119,59 @@ void tdm_ddp_bucket_info(const tdm_ddp *d, int b, int *first_param, int *last_pa
 
 tdm_status tdm_ddp_zero_grad(tdm_ddp *d) { return tdm_model_zero_grad(d->m); }
 
+/* ---- communication hooks ---- */
+
+static tdm_status tdm_ddp_hook_check(tdm_ddp *d, const tdm_ddp_comm_hook *hook)
+{
+    TDM_REQUIRE(hook && hook->launch && hook->wait, TDM_STATUS_INVALID_ARG,
+                "ddp: a comm hook needs launch and wait functions");
+    TDM_REQUIRE(!d->red.hook.launch, TDM_STATUS_INVALID_ARG,
+                "ddp: a comm hook ('%s') is already registered; register one hook, once",
+                d->red.hook.name ? d->red.hook.name : "user");
+    TDM_REQUIRE(d->red.sync_count == 0 && !d->have_fwd, TDM_STATUS_INVALID_ARG,
+                "ddp: register the comm hook before the first forward (as in PyTorch): "
+                "%llu synchronised backward(s) already ran", (unsigned long long)d->red.sync_count);
+    return TDM_STATUS_OK;
+}
+
+tdm_status tdm_ddp_register_comm_hook(tdm_ddp *d, const tdm_ddp_comm_hook *hook)
+{
+    TDM_CHECK(tdm_ddp_hook_check(d, hook));
+    d->red.hook = *hook;
+    d->red.own_hook = 0;
+    return TDM_STATUS_OK;
+}
+
+tdm_status tdm_ddp_set_comm_hook(tdm_ddp *d, const char *name, const tdm_ddp_powersgd_opts *popts)
+{
+    tdm_ddp_comm_hook h;
+    TDM_REQUIRE(d, TDM_STATUS_INVALID_ARG, "ddp: NULL");
+    TDM_CHECK(tdm_ddp_hook_builtin_init(&h, name, popts));
+    if (!strcmp(name, "allreduce")) {
+        /* the Reducer's own path: zero-copy, check tail in the bucket */
+        tdm_ddp_hook_builtin_free(&h);
+        return TDM_STATUS_OK;
+    }
+    tdm_status st = TDM_STATUS_OK;
+    if (d->dev->kind != TDM_DEVICE_HOST)
+        st = tdm_error_set(TDM_STATUS_UNSUPPORTED, "ddp: comm hook %s runs on host devices "
+                           "only (the model is on %s); use --comm-hook allreduce on GPUs",
+                           name, d->dev->name);
+    if (!st) st = tdm_ddp_hook_check(d, &h);
+    if (st) {
+        tdm_ddp_hook_builtin_free(&h);
+        return st;
+    }
+    d->red.hook = h;
+    d->red.own_hook = 1;
+    return TDM_STATUS_OK;
+}
+
+const char *tdm_ddp_comm_hook_name(const tdm_ddp *d)
+{
+    return d->red.hook.launch ? (d->red.hook.name ? d->red.hook.name : "user") : "allreduce";
+}
+
 void tdm_ddp_no_sync(tdm_ddp *d, int enable) { d->sync = !enable; }
 
 /* ---- forward ---- */

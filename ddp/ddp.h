@@ -44,6 +44,7 @@
 #include "core/data.h"
 #include "core/status.h"
 #include "core/timer.h"
+#include "ddp/hooks.h"
 #include "models/checkpoint.h"
 #include "models/model.h"
 #include "models/optim.h"
@@ -118,6 +119,19 @@ tdm_comm *tdm_ddp_comm(tdm_ddp *d);
 int tdm_ddp_n_buckets(const tdm_ddp *d);
 void tdm_ddp_bucket_info(const tdm_ddp *d, int b, int *first_param, int *last_param,
                          int64_t *offset, int64_t *n_elem);
+/* Communication hooks (ddp/hooks.h): from the next synchronised backward
+ * on, each complete bucket goes to the hook instead of the Reducer's own
+ * float32 all-reduce. Register before the first forward, once (as in
+ * PyTorch); every rank must register the same hook. The hook's state is
+ * borrowed: it must outlive d. */
+tdm_status tdm_ddp_register_comm_hook(tdm_ddp *d, const tdm_ddp_comm_hook *hook);
+/* A built-in by name ("allreduce", "fp16", "bf16", "powersgd"; popts:
+ * PowerSGD's options, NULL: defaults), its state owned by d. "allreduce"
+ * keeps the Reducer's own path. The others need a host device
+ * (UNSUPPORTED otherwise). */
+tdm_status tdm_ddp_set_comm_hook(tdm_ddp *d, const char *name, const tdm_ddp_powersgd_opts *popts);
+/* The registered hook's name; "allreduce" without one. */
+const char *tdm_ddp_comm_hook_name(const tdm_ddp *d);
 /* 1 when the gradients live in communicator memory (zero-copy). */
 int tdm_ddp_zero_copy(const tdm_ddp *d);
 /* The communicator memory (tdm_comm_alloc; the shm arena of
