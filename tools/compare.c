@@ -17,6 +17,7 @@
 #include "core/device.h"
 #include "core/safefile.h"
 #include "models/train.h"
+#include "ddp/hooks.h"
 #include "tools/args.h"
 #include "tools/compare.h"
 #include "tools/devices.h"
@@ -59,13 +60,19 @@ static void tdm_cmp_usage(FILE *f)
         "  --seed S             initial parameters and data order            [1]\n"
         "  --bucket-cap-mb MB   DDP bucket cap                               [25]\n"
         "  --no-overlap         DDP all-reduces after backward (to see what overlap buys)\n"
+        "  --comm-hook H        also run DDP with a comm hook: fp16, bf16 or powersgd,\n"
+        "                       beside the float32 one: bytes per step, exposed time,\n"
+        "                       throughput, loss curve, and a verdict on the expected,\n"
+        "                       bounded difference (docs/DDP.md)        [allreduce]\n"
+        "  --powersgd-rank R    [1]   --powersgd-start-step S (plain before)   [10]\n"
         "  --trace FILE         Chrome trace-event JSON (Perfetto, chrome://tracing)\n"
         "  --csv FILE           raw per-step figures\n"
         "  --plot DIR           loss, throughput, phase (and scaling) charts, with gnuplot;\n"
         "                       DIR must be yours and not writable by others\n"
         "  --sweep 1,2,4        also run DP and DDP at these device counts\n"
         "  --perturb-rank R     testing aid: DDP rank R adds 1%% to its gradient share,\n"
-        "                       which the equivalence verdict must catch\n"
+        "                       which the equivalence verdict must catch (with\n"
+        "                       --comm-hook: only the hooked run, for its verdict)\n"
         "\n"
         "Exit codes: 0 ok and equivalent, 1 a run failed, 2 bad usage, 3 the\n"
         "equivalence verdict failed.\n", TDM_CMP_GPT_BATCH);
@@ -206,7 +213,8 @@ int tdm_tool_compare_main(int argc, char **argv)
 {
     tdm_cmp_opts o = {.model = "mlp", .device = "cpu:2", .data = NULL, .optim = "sgd",
                       .steps = 30, .warmup = 3, .batch = 0, .lr = -1, .momentum = 0.9,
-                      .weight_decay = 0.0, .seed = 1, .bucket_cap_mb = 25, .perturb_rank = -1};
+                      .weight_decay = 0.0, .seed = 1, .bucket_cap_mb = 25, .perturb_rank = -1,
+                      .powersgd_rank = 1, .powersgd_start_step = 10};
     for (int i = 1; i < argc; i++) {
         const char *v;
         long long iv;
@@ -230,6 +238,9 @@ int tdm_tool_compare_main(int argc, char **argv)
         TDM_ARGS_FLOAT("--lr", 0.0, 1e3, o.lr)
         TDM_ARGS_FLOAT("--momentum", 0.0, 0.999999, o.momentum)
         TDM_ARGS_FLOAT("--bucket-cap-mb", 1e-6, 1e6, o.bucket_cap_mb)
+        TDM_ARGS_STR("--comm-hook", o.comm_hook)
+        TDM_ARGS_INT("--powersgd-rank", 1, 1 << 16, o.powersgd_rank)
+        TDM_ARGS_INT("--powersgd-start-step", 0, INT64_MAX, o.powersgd_start_step)
         if ((v = tdm_args_value(argc, argv, &i, "--seed"))) {
             if (!tdm_args_int("--seed", v, 0, INT64_MAX, &iv)) return 2;
             o.seed = (uint64_t)iv;
@@ -239,6 +250,12 @@ int tdm_tool_compare_main(int argc, char **argv)
         fprintf(stderr, "tandem compare: unknown option '%s' (see tandem compare --help)\n", argv[i]);
         return 2;
     }
+    if (o.comm_hook && !tdm_ddp_hook_known(o.comm_hook)) {
+        fprintf(stderr, "tandem compare: --comm-hook '%s': expected allreduce, fp16, bf16 or "
+                        "powersgd\n", o.comm_hook);
+        return 2;
+    }
+    if (o.comm_hook && !strcmp(o.comm_hook, "allreduce")) o.comm_hook = NULL;
     if (strcmp(o.optim, "sgd") && strcmp(o.optim, "adamw")) {
         fprintf(stderr, "tandem compare: --optim '%s': expected sgd or adamw\n", o.optim);
         return 2;
@@ -536,6 +553,14 @@ data_ready:;
                                       : "FAIL - the modes disagree beyond float tolerance");
     tdm_model_free(ref);
     tdm_device_free(dev0);
+    if (o.comm_hook) {
+        int hv = tdm_cmp_hook_section(&o, &data, &spec, &res[TDM_CMP_DDP]);
+        if (hv < 0) {
+            rc = 1;
+            goto done;
+        }
+        if (!hv) verdict = 0;
+    }
 
     /* 4. memory */
     tdm_cmp_print_memory(&o, rp, nres);

@@ -38,6 +38,10 @@ typedef struct tdm_cmp_opts {
     int perturb_rank;          /* test hook: -1 off */
     int nudge;                 /* single mode only: start from parameters one ulp
                                   off (the float-noise floor run) */
+    const char *comm_hook;     /* --comm-hook (NULL or "allreduce": none) */
+    int powersgd_rank;
+    int64_t powersgd_start_step;
+    int hooked;                /* this DDP run registers comm_hook */
 } tdm_cmp_opts;
 
 /* Bytes per device (or rank) by kind. */
@@ -67,6 +71,7 @@ typedef struct tdm_cmp_result {
     int ranks_agree;                   /* DDP: every rank ended with rank 0's params */
     double overlap_bytes_frac;         /* DDP rank 0: share of gradient bytes whose
                                           all-reduce was launched during backward */
+    double bytes_per_step;             /* DDP rank 0: bytes all-reduced per step (mean) */
     tdm_cmp_memory mem[TDM_CMP_MAX_DEV];
 } tdm_cmp_result;
 
@@ -117,6 +122,12 @@ void tdm_cmp_means(const tdm_cmp_opts *o, const tdm_cmp_result *r, double *step,
                    double *exposed);
 /* Mean per-phase wall over post-warm-up steps. */
 void tdm_cmp_phase_mean(const tdm_cmp_opts *o, const tdm_cmp_result *r, tdm_phase_times *out);
+
+/* --comm-hook: runs DDP with the hook and prints its section beside the
+ * uncompressed DDP run `plain` (tools/compare_hook.c). 1: within the
+ * expected bound, 0: beyond it, -1: the run failed (message printed). */
+int tdm_cmp_hook_section(const tdm_cmp_opts *o, const tdm_cmp_data *data,
+                         const tdm_model_spec *spec, const tdm_cmp_result *plain);
 
 /* Writers: 0 on failure with a message printed. */
 int tdm_cmp_write_trace(const char *path, const tdm_cmp_opts *o, tdm_cmp_result *const *res,

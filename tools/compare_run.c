@@ -268,7 +268,7 @@ done:
 typedef struct tdm_cmp_shared {
     int world, steps, n_buckets;
     int64_t param_elems;
-    double overlap_bytes_frac;
+    double overlap_bytes_frac, bytes_per_step;
     int agree[TDM_CMP_MAX_DEV];
     tdm_cmp_memory mem[TDM_CMP_MAX_DEV];
     size_t off_loss, off_step, off_t0, off_phase, off_comm, off_exposed, off_bwd, off_bucket,
@@ -310,10 +310,20 @@ static int tdm_cmp_ddp_rank(tdm_comm *comm, void *argp)
         fprintf(stderr, "tandem compare: DDP rank %d: %s\n", rank, tdm_error_message());
         goto done;
     }
+    if (o->hooked && o->comm_hook) {
+        tdm_ddp_powersgd_opts po = {.rank = o->powersgd_rank,
+                                    .start_step = o->powersgd_start_step, .seed = o->seed};
+        if (tdm_ddp_set_comm_hook(ddp, o->comm_hook, &po) != TDM_STATUS_OK) {
+            fprintf(stderr, "tandem compare: DDP rank %d: %s\n", rank, tdm_error_message());
+            goto done;
+        }
+    }
     /* A deliberately wrong rank, to prove the verdict can fail: its share
      * of the loss gradient is 1% too large, so every rank's all-reduced
-     * gradient is off. */
-    float scale = 1.0f / (float)o->batch * (rank == o->perturb_rank ? 1.01f : 1.0f);
+     * gradient is off. With --comm-hook only the hooked run is perturbed,
+     * for the hook's bounded verdict to catch. */
+    float scale = 1.0f / (float)o->batch *
+                  (rank == o->perturb_rank && (!o->comm_hook || o->hooked) ? 1.01f : 1.0f);
     double *loss = TDM_CMP_AT(sh, off_loss, double);
     double *step = TDM_CMP_AT(sh, off_step, double);
     double *t0s = TDM_CMP_AT(sh, off_t0, double);
@@ -371,6 +381,7 @@ static int tdm_cmp_ddp_rank(tdm_comm *comm, void *argp)
         tdm_ddp_get_times(ddp, &t);
         sh->overlap_bytes_frac =
             t.reduced_bytes_total > 0 ? t.overlapped_bytes_total / t.reduced_bytes_total : 0.0;
+        sh->bytes_per_step = t.steps > 0 ? t.reduced_bytes_total / (double)t.steps : 0.0;
         if (tdm_cmp_params_out(m, TDM_CMP_AT(sh, off_last, float)) != TDM_STATUS_OK) goto done;
     }
     if (tdm_comm_barrier(comm) != TDM_STATUS_OK) goto done;
@@ -471,6 +482,7 @@ static int tdm_cmp_run_ddp(const tdm_cmp_opts *o, const tdm_cmp_data *data, int 
     }
     r->n_buckets = sh->n_buckets;
     r->overlap_bytes_frac = sh->overlap_bytes_frac;
+    r->bytes_per_step = sh->bytes_per_step;
     r->bucket = calloc(S * (size_t)(r->n_buckets > 0 ? r->n_buckets : 1) * 3, sizeof(double));
     if (!r->bucket) goto done;
     for (size_t i = 0; i < S; i++)

@@ -17,6 +17,7 @@
 #include "core/safefile.h"
 #include "core/timer.h"
 #include "core/text.h"
+#include "ddp/hooks.h"
 #include "models/accum.h"
 #include "models/checkpoint.h"
 #include "models/gpt.h"
@@ -68,6 +69,12 @@ static void tdm_train_usage(FILE *f)
         "  --resume PATH          continue from a checkpoint\n"
         "  --bucket-cap-mb MB     ddp: gradient bucket size cap              [25]\n"
         "  --no-overlap           ddp: all-reduce after backward, not during it\n"
+        "  --comm-hook H          ddp: allreduce (float32), fp16 or bf16 (rounded to\n"
+        "                         16 bits: half the bytes), or powersgd (low-rank,\n"
+        "                         with error feedback; host devices) [allreduce]\n"
+        "  --powersgd-rank R      powersgd: rank of the approximation          [1]\n"
+        "  --powersgd-start-step S  powersgd: plain all-reduce for the first S\n"
+        "                         optimizer steps (PyTorch's default is 1000)  [10]\n"
         "  --timeout SECONDS      ddp: process-group timeout: a rank that waits\n"
         "                         longer for a peer in a collective fails, naming\n"
         "                         it [$TANDEM_TIMEOUT, else 60 for forked ranks,\n"
@@ -124,7 +131,7 @@ int tdm_tool_train_main(int argc, char **argv)
         .mode = "single", .model = "mlp", .device = "cpu", .threads = 1, .epochs = 2,
         .batch = 0, .optim = NULL, .lr = -1, .momentum = 0.9, .weight_decay = -1, .seed = 1,
         .data = NULL, .synthetic_size = 12000, .max_steps = 0, .lr_schedule = "const",
-        .grad_accum = 1,
+        .grad_accum = 1, .powersgd_rank = 1, .powersgd_start_step = 10,
     };
     for (int i = 1; i < argc; i++) {
         const char *v;
@@ -155,6 +162,9 @@ int tdm_tool_train_main(int argc, char **argv)
         TDM_ARGS_STR("--timeout", a.timeout)
         TDM_ARGS_INT("--bucket-cap-mb", 0, 1 << 20, a.bucket_cap_mb)
         TDM_ARGS_INT("--grad-accum", 1, 1 << 16, a.grad_accum)
+        TDM_ARGS_STR("--comm-hook", a.comm_hook)
+        TDM_ARGS_INT("--powersgd-rank", 1, 1 << 16, a.powersgd_rank)
+        TDM_ARGS_INT("--powersgd-start-step", 0, INT64_MAX, a.powersgd_start_step)
         if (!strcmp(arg, "--nesterov")) { a.nesterov = 1; continue; }
         if (!strcmp(arg, "--no-eval")) { a.no_eval = 1; continue; }
         if (!strcmp(arg, "--quiet")) { a.quiet = 1; continue; }
@@ -192,6 +202,16 @@ int tdm_tool_train_main(int argc, char **argv)
     if (a.timeout && strcmp(a.mode, "ddp"))
         fprintf(stderr, "tandem train: note: --timeout applies to --mode ddp (the process "
                         "group's collectives); --mode %s has none\n", a.mode);
+    if (a.comm_hook && !tdm_ddp_hook_known(a.comm_hook)) {
+        fprintf(stderr, "tandem train: --comm-hook '%s': expected allreduce, fp16, bf16 or "
+                        "powersgd\n", a.comm_hook);
+        return 2;
+    }
+    if (a.comm_hook && strcmp(a.comm_hook, "allreduce") && (strcmp(a.mode, "ddp") || gpt)) {
+        fprintf(stderr, "tandem train: --comm-hook %s applies to --mode ddp with an image "
+                        "model (mlp, cnn): DDP's buckets are what it compresses\n", a.comm_hook);
+        return 2;
+    }
     if (gpt && a.grad_accum > 1) {
         fprintf(stderr, "tandem train: --grad-accum is not supported with --model gpt yet; "
                         "raise --batch instead\n");

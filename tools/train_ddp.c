@@ -212,6 +212,9 @@ static void tdm_train_ddp_report(tdm_ddp *ddp, int world)
     printf("ddp communication: exposed (not overlapped) %.3f ms per step = %.1f%% of the step; "
            "overlap: %.1f%% of the gradient bytes were all-reduced while backward ran\n",
            exposed / n, step_ms > 0 ? 100.0 * exposed / step_ms : 0.0, share);
+    printf("ddp comm hook %s: %.0f bytes all-reduced per step (float32 gradients: %.0f)\n",
+           tdm_ddp_comm_hook_name(ddp), t.reduced_bytes_total / n,
+           (double)(tdm_model_param_elems(tdm_ddp_model(ddp))) * 4.0);
 }
 
 /* NCCL's watchdog polls this: the shm group's abort (a rank that failed
@@ -256,6 +259,15 @@ static int tdm_train_ddp_rank_main(tdm_comm *comm, void *arg)
     if ((st = tdm_tool_rank_ddp(comm, dev, m, &o, &nccl, &ddp))) {
         tdm_train_ddp_fail(rank, "ddp set-up", st);
         goto done;
+    }
+    if (a.comm_hook) {
+        tdm_ddp_powersgd_opts po = {.rank = (int)a.powersgd_rank,
+                                    .start_step = a.powersgd_start_step,
+                                    .seed = (uint64_t)a.seed};
+        if ((st = tdm_ddp_set_comm_hook(ddp, a.comm_hook, &po))) {
+            tdm_train_ddp_fail(rank, "--comm-hook", st);
+            goto done;
+        }
     }
     if (!tdm_train_make_optim(&a, m, &opt)) goto done;
     int64_t start_epoch = 0;

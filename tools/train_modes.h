@@ -24,6 +24,8 @@ typedef struct tdm_train_args {
     const char *timeout;      /* ddp: --timeout SECONDS as given (checked by the ddp mode) */
     int nesterov, no_eval, quiet, no_overlap;
     long long grad_accum;     /* micro-batches of `batch` per optimizer step (>= 1) */
+    const char *comm_hook;    /* ddp: --comm-hook (NULL: allreduce) */
+    long long powersgd_rank, powersgd_start_step;
 } tdm_train_args;
 
 /* The samples per optimizer step: batch * grad_accum. */

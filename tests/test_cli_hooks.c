@@ -1,0 +1,53 @@
+/* tests/test_cli_hooks.c: the CLI of communication hooks: tandem train
+ * --comm-hook (bad names and modes refused, bytes per step printed) and
+ * tandem compare --comm-hook (its section, the bounded verdict, and that
+ * the verdict catches a wrong rank even with fp16's rounding). */
+#include <criterion/criterion.h>
+
+#include "tests/cli_util.h"
+
+Test(cli_hooks, train_comm_hook, .timeout = 200)
+{
+    static cli_result r;
+    CLI(&r, "train", "--mode", "ddp", "--comm-hook", "fp8");
+    expect(&r, 2, "--comm-hook 'fp8': expected allreduce, fp16, bf16 or powersgd");
+    CLI(&r, "train", "--comm-hook", "bf16");
+    expect(&r, 2, "--comm-hook bf16 applies to --mode ddp");
+    CLI(&r, "train", "--mode", "ddp", "--powersgd-rank", "0");
+    expect(&r, 2, "--powersgd-rank");
+    const char *hooks[] = {"allreduce", "bf16", "powersgd"};
+    for (int i = 0; i < 3; i++) {
+        CLI(&r, "train", "--mode", "ddp", "--device", "cpu:2", "--data", "synthetic",
+            "--synthetic-size", "600", "--model", "mlp:784-32-10", "--batch", "60", "--epochs",
+            "1", "--comm-hook", hooks[i], "--powersgd-start-step", "0", "--powersgd-rank", "2");
+        expect(&r, 0, "test accuracy");
+        char want[64];
+        snprintf(want, sizeof want, "ddp comm hook %s: ", hooks[i]);
+        const char *p = strstr(r.out, want);
+        cr_assert(p, "%s", r.out);
+        double bytes = 0, f32 = 0;
+        cr_assert(sscanf(p + strlen(want), "%lf bytes all-reduced per step (float32 gradients: "
+                         "%lf", &bytes, &f32) == 2, "%s", p);
+        /* allreduce: the gradients and the 192-float check tail; bf16: half
+         * of the gradients; powersgd rank 2: (n+m)*2 per matrix + vectors */
+        if (i == 0) cr_assert_eq(bytes, f32 + 192 * 4);
+        if (i == 1) cr_assert(bytes < 0.51 * f32 + 192 * 4 && bytes > 0.49 * f32, "%g", bytes);
+        if (i == 2) cr_assert(bytes < 0.1 * f32, "%g of %g", bytes, f32);
+    }
+}
+
+Test(cli_hooks, compare_comm_hook_bounded_verdict, .timeout = 300)
+{
+    static cli_result r;
+    CLI(&r, "compare", "--data", "synthetic", "--model", "mlp:784-64-10", "--steps", "8",
+        "--warmup", "1", "--batch", "64", "--comm-hook", "fp16");
+    expect(&r, 0, "Communication hook fp16");
+    cr_assert(strstr(r.out, "hook verdict: the expected, bounded difference"), "%s", r.out);
+    cr_assert(strstr(r.out, "(0.50x)"), "%s", r.out);
+    /* a rank 1% off: far beyond fp16's rounding, caught by the bound */
+    CLI(&r, "compare", "--data", "synthetic", "--model", "mlp:784-64-10", "--steps", "8",
+        "--warmup", "1", "--batch", "64", "--comm-hook", "fp16", "--perturb-rank", "1");
+    expect(&r, 3, "BEYOND");
+    CLI(&r, "compare", "--comm-hook", "int8");
+    expect(&r, 2, "--comm-hook 'int8'");
+}
