@@ -34,6 +34,8 @@ struct tdm_ddp {
     int fwd_batch, have_fwd;
     double fwd_loss;             /* the pending forward's loss sum, added at its backward */
     const char *fwd_lost;        /* why there is no forward to go back through, or NULL */
+    int joined;                  /* opts.join: this rank ran out of data (tdm_ddp_join) */
+    int n_active;                /* ranks that contributed to the last training forward */
     tdm_ddp_times times;
 };
 
@@ -73,6 +75,7 @@ tdm_status tdm_ddp_init(tdm_ddp **out, tdm_model *m, tdm_comm *comm, const tdm_d
     d->rank = tdm_comm_rank(comm);
     d->world = tdm_comm_size(comm);
     d->sync = 1;
+    d->n_active = d->world;
     TDM_TRY(tdm_ddp_reducer_init(&d->red, m, comm, d->hcomm, &d->o));
     TDM_TRY(tdm_comm_broadcast(comm, tdm_model_params(m), tdm_model_params(m),
                                (size_t)tdm_model_param_elems(m), TDM_DTYPE_FLOAT32, 0));
@@ -207,15 +210,33 @@ static tdm_status tdm_ddp_stage(tdm_ddp *d, const void *x, const int32_t *y, int
     return TDM_STATUS_OK;
 }
 
-tdm_status tdm_ddp_forward_scaled(tdm_ddp *d, const void *x, const int32_t *y, int batch,
-                                  float grad_scale, double *loss_sum)
+/* opts.join: how many ranks still train this step (this one contributes
+ * 1, a joined one 0), one int32 SUM over the host communicator. */
+static tdm_status tdm_ddp_join_count(tdm_ddp *d)
+{
+    int32_t n = d->joined ? 0 : 1;
+    tdm_status st = tdm_comm_all_reduce(d->hcomm, &n, &n, 1, TDM_DTYPE_INT32, TDM_REDOP_SUM);
+    if (st) return tdm_error_prefix(st, "ddp join: counting the ranks that still have data");
+    d->n_active = n;
+    return TDM_STATUS_OK;
+}
+
+/* by_active: the scale is 1/(batch * ranks with data this step) (join) */
+static tdm_status tdm_ddp_forward_impl(tdm_ddp *d, const void *x, const int32_t *y, int batch,
+                                       float grad_scale, int by_active, double *loss_sum)
 {
     TDM_REQUIRE(batch >= 0 && (batch == 0 || (x && y)), TDM_STATUS_INVALID_ARG,
                 "ddp forward: bad batch %d or NULL input", batch);
+    TDM_REQUIRE(!d->joined || batch == 0, TDM_STATUS_INVALID_ARG,
+                "ddp forward: this rank has joined (tdm_ddp_join): it has no data left");
     uint64_t t0 = tdm_time_ns();
     tdm_model *m = d->m;
     d->have_fwd = 0;
     d->fwd_lost = NULL;
+    if (d->o.join && tdm_model_is_train(m) && d->world > 1 && !d->joined)
+        TDM_CHECK(tdm_ddp_join_count(d));
+    if (by_active)
+        grad_scale = batch > 0 ? 1.0f / ((float)batch * (float)d->n_active) : 0.0f;
     if (tdm_model_is_train(m) && !d->o.no_broadcast_buffers && d->world > 1 &&
         tdm_model_buffer_elems(m) > 0) {
         tdm_status st = tdm_comm_broadcast(d->comm, tdm_model_buffers(m), tdm_model_buffers(m),
@@ -255,12 +276,19 @@ tdm_status tdm_ddp_forward_scaled(tdm_ddp *d, const void *x, const int32_t *y, i
     return TDM_STATUS_OK;
 }
 
+tdm_status tdm_ddp_forward_scaled(tdm_ddp *d, const void *x, const int32_t *y, int batch,
+                                  float grad_scale, double *loss_sum)
+{
+    return tdm_ddp_forward_impl(d, x, y, batch, grad_scale, 0, loss_sum);
+}
+
 tdm_status tdm_ddp_forward(tdm_ddp *d, const void *x, const int32_t *y, int batch,
                            double *loss_mean)
 {
     double ls = 0.0;
-    float scale = batch > 0 ? 1.0f / ((float)batch * (float)d->world) : 0.0f;
-    TDM_CHECK(tdm_ddp_forward_scaled(d, x, y, batch, scale, &ls));
+    /* 1/(batch * world), or with join 1/(batch * the ranks with data this
+     * step): the mean over the ranks that contributed */
+    TDM_CHECK(tdm_ddp_forward_impl(d, x, y, batch, 0.0f, 1, &ls));
     if (loss_mean) *loss_mean = batch > 0 ? ls / batch : 0.0;
     return TDM_STATUS_OK;
 }
@@ -338,6 +366,46 @@ tdm_status tdm_ddp_backward(tdm_ddp *d)
 }
 
 double tdm_ddp_loss_sum(const tdm_ddp *d) { return d->loss_global; }
+
+/* ---- uneven inputs (join) ---- */
+
+int tdm_ddp_active_ranks(const tdm_ddp *d) { return d->n_active; }
+
+tdm_status tdm_ddp_join(tdm_ddp *d, tdm_optim *opt, int64_t *shadowed)
+{
+    TDM_REQUIRE(d->o.join, TDM_STATUS_INVALID_ARG,
+                "ddp join: construct DDP with opts.join = 1 (every rank counts the ranks with "
+                "data at each forward)");
+    TDM_REQUIRE(d->sync, TDM_STATUS_INVALID_ARG,
+                "ddp join: called under no_sync; finish the accumulation first");
+    int64_t n = 0;
+    if (shadowed) *shadowed = 0;
+    if (d->world == 1) return TDM_STATUS_OK;
+    d->joined = 1;
+    d->have_fwd = 0;
+    tdm_status st = TDM_STATUS_OK;
+    for (;;) {
+        if ((st = tdm_ddp_join_count(d))) break;
+        if (d->n_active == 0) break;   /* every rank has joined: all leave here */
+        /* one step of the others: a rank without samples takes part in
+         * the buffer broadcast and reduces zeros */
+        if ((st = tdm_ddp_zero_grad(d))) break;
+        if ((st = tdm_ddp_forward_impl(d, NULL, NULL, 0, 0.0f, 0, NULL))) break;
+        if ((st = tdm_ddp_backward(d))) break;
+        if (opt && (st = tdm_ddp_step(d, opt))) break;
+        n++;
+    }
+    /* a later epoch starts with every rank training again */
+    d->joined = 0;
+    d->n_active = d->world;
+    if (shadowed) *shadowed = n;
+    if (st) {
+        tdm_error_prefix(st, "ddp join: rank %d, after shadowing %lld step(s)", d->rank,
+                         (long long)n);
+        (void)tdm_comm_abort(d->hcomm, tdm_error_message());
+    }
+    return st;
+}
 
 /* ---- optimizer step ---- */
 

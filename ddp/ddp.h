@@ -64,6 +64,12 @@ typedef struct tdm_ddp_opts {
      * above): made once, never rebuilt. */
     int find_unused_parameters;
     int64_t timeout_ms;          /* bound on each bucket wait; 0: the communicator's */
+    /* 1: uneven inputs (PyTorch's Join): every training forward first
+     * all-reduces how many ranks still have data (one int32 over
+     * host_comm), tdm_ddp_forward divides by that count instead of the
+     * world size, and a rank out of data calls tdm_ddp_join, which
+     * shadows the others' steps until every rank has joined. */
+    int join;
     /* Borrowed, optional: the communicator for the few collectives on host
      * memory (the layout and plan checks, evaluation's sums, checkpoint
      * flags), with the same
@@ -197,6 +203,23 @@ tdm_status tdm_ddp_backward(tdm_ddp *d);
  * by that backward's all-reduce: no extra collective. Divide by the
  * global batch for the mean. */
 double tdm_ddp_loss_sum(const tdm_ddp *d);
+
+/* Uneven inputs (opts.join): called by a rank that has run out of data,
+ * collectively with the others' remaining steps. Until every rank has
+ * joined it shadows each step of the ranks still training - the count
+ * all-reduce, the buffer broadcast, the gradient all-reduces with zeros
+ * (a rank without samples contributes nothing) - and takes the optimizer
+ * step on the reduced gradient like them, so its parameters stay
+ * bitwise the same; returns once every rank has joined (each joined
+ * rank's count all-reduce then gives 0). *shadowed (may be NULL): the
+ * steps it shadowed. opt may be NULL (no step: parameters then lag).
+ * The reduced gradient of a step is the sum of the active ranks'
+ * gradients; with tdm_ddp_forward (scale 1/(batch * active ranks)) the
+ * mean over the ranks that contributed. */
+tdm_status tdm_ddp_join(tdm_ddp *d, tdm_optim *opt, int64_t *shadowed);
+/* Ranks that contributed to the last training forward (opts.join; else
+ * the world size). */
+int tdm_ddp_active_ranks(const tdm_ddp *d);
 
 /* Optimizer step, timed. */
 tdm_status tdm_ddp_step(tdm_ddp *d, tdm_optim *opt);
