@@ -1,7 +1,9 @@
 /* tests/test_cli_hooks.c: the CLI of communication hooks: tandem train
  * --comm-hook (bad names and modes refused, bytes per step printed) and
  * tandem compare --comm-hook (its section, the bounded verdict, and that
- * the verdict catches a wrong rank even with fp16's rounding). */
+ * the verdict catches a wrong rank even with fp16's rounding), and
+ * tandem train --mode ddp --uneven (ranks with different step counts
+ * finish through join). */
 #include <criterion/criterion.h>
 
 #include "tests/cli_util.h"
@@ -50,4 +52,23 @@ Test(cli_hooks, compare_comm_hook_bounded_verdict, .timeout = 300)
     expect(&r, 3, "BEYOND");
     CLI(&r, "compare", "--comm-hook", "int8");
     expect(&r, 2, "--comm-hook 'int8'");
+}
+
+/* --uneven: 101 samples over 3 ranks without padding are 34, 34, 33, in
+ * batches of 99/3 = 33: rank 2 runs one step and shadows the second */
+Test(cli_hooks, train_uneven_join, .timeout = 200)
+{
+    static cli_result r;
+    CLI(&r, "train", "--uneven");
+    expect(&r, 2, "--uneven applies to --mode ddp");
+    CLI(&r, "train", "--mode", "ddp", "--uneven", "--grad-accum", "2");
+    expect(&r, 2, "without --grad-accum");
+    const char *hooks[] = {"allreduce", "bf16"};
+    for (int i = 0; i < 2; i++) {
+        CLI(&r, "train", "--mode", "ddp", "--device", "cpu:3", "--uneven", "--data", "synthetic",
+            "--synthetic-size", "101", "--batch", "99", "--epochs", "2", "--model",
+            "mlp:784-32-10", "--comm-hook", hooks[i]);
+        expect(&r, 0, "steps per rank: 2 2 1 (shadowed after joining: 0 0 1)");
+        cr_assert(strstr(r.out, "epoch 2/2"), "%s", r.out);
+    }
 }

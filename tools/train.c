@@ -69,6 +69,10 @@ static void tdm_train_usage(FILE *f)
         "  --resume PATH          continue from a checkpoint\n"
         "  --bucket-cap-mb MB     ddp: gradient bucket size cap              [25]\n"
         "  --no-overlap           ddp: all-reduce after backward, not during it\n"
+        "  --uneven               ddp: each rank trains on its own samples (a sampler\n"
+        "                         without padding) in batches of B/N, so ranks may\n"
+        "                         run different step counts; one out of data\n"
+        "                         shadows the others (join) until all are done\n"
         "  --comm-hook H          ddp: allreduce (float32), fp16 or bf16 (rounded to\n"
         "                         16 bits: half the bytes), or powersgd (low-rank,\n"
         "                         with error feedback; host devices) [allreduce]\n"
@@ -169,6 +173,7 @@ int tdm_tool_train_main(int argc, char **argv)
         if (!strcmp(arg, "--no-eval")) { a.no_eval = 1; continue; }
         if (!strcmp(arg, "--quiet")) { a.quiet = 1; continue; }
         if (!strcmp(arg, "--no-overlap")) { a.no_overlap = 1; continue; }
+        if (!strcmp(arg, "--uneven")) { a.uneven = 1; continue; }
         fprintf(stderr, "tandem train: unknown option '%s' (see tandem train --help)\n", arg);
         return 2;
     }
@@ -210,6 +215,12 @@ int tdm_tool_train_main(int argc, char **argv)
     if (a.comm_hook && strcmp(a.comm_hook, "allreduce") && (strcmp(a.mode, "ddp") || gpt)) {
         fprintf(stderr, "tandem train: --comm-hook %s applies to --mode ddp with an image "
                         "model (mlp, cnn): DDP's buckets are what it compresses\n", a.comm_hook);
+        return 2;
+    }
+    if (a.uneven && (strcmp(a.mode, "ddp") || gpt || a.grad_accum > 1 ||
+                     strcmp(a.lr_schedule, "const"))) {
+        fprintf(stderr, "tandem train: --uneven applies to --mode ddp with an image model, "
+                        "without --grad-accum and with --lr-schedule const\n");
         return 2;
     }
     if (gpt && a.grad_accum > 1) {

@@ -255,7 +255,7 @@ static int tdm_train_ddp_rank_main(tdm_comm *comm, void *arg)
         goto done;
     }
     tdm_ddp_opts o = {.bucket_cap_mb = a.bucket_cap_mb > 0 ? (double)a.bucket_cap_mb : 0,
-                      .no_overlap = a.no_overlap};
+                      .no_overlap = a.no_overlap, .join = a.uneven};
     if ((st = tdm_tool_rank_ddp(comm, dev, m, &o, &nccl, &ddp))) {
         tdm_train_ddp_fail(rank, "ddp set-up", st);
         goto done;
@@ -298,7 +298,10 @@ static int tdm_train_ddp_rank_main(tdm_comm *comm, void *arg)
     }
     tdm_accum acc = {.ops = &tdm_train_ddp_accum_ops, .ctx = &r, .micro = (int)a.batch,
                      .in_features = tdm_model_in_features(m), .out_rows = tdm_model_out_rows(m)};
-    if (!tdm_train_epochs(&a, m, opt, c->train, c->test,
+    if (a.uneven) {
+        if (!tdm_train_uneven_epochs(&a, ddp, opt, comm, c->train, c->test, start_epoch))
+            goto done;
+    } else if (!tdm_train_epochs(&a, m, opt, c->train, c->test,
                           a.grad_accum > 1 ? tdm_accum_step : tdm_train_ddp_step,
                           a.grad_accum > 1 ? (void *)&acc : (void *)&r, start_epoch,
                           tdm_train_ddp_eval, &r, tdm_train_ddp_after, &r))

@@ -8,6 +8,7 @@
 #include <stdint.h>
 
 #include "core/data.h"
+#include "core/comm.h"
 #include "models/checkpoint.h"
 #include "models/model.h"
 #include "models/optim.h"
@@ -26,6 +27,7 @@ typedef struct tdm_train_args {
     long long grad_accum;     /* micro-batches of `batch` per optimizer step (>= 1) */
     const char *comm_hook;    /* ddp: --comm-hook (NULL: allreduce) */
     long long powersgd_rank, powersgd_start_step;
+    int uneven;               /* ddp: --uneven (tools/train_uneven.c) */
 } tdm_train_args;
 
 /* The samples per optimizer step: batch * grad_accum. */
@@ -94,6 +96,13 @@ typedef struct tdm_train_sched {
 } tdm_train_sched;
 tdm_status tdm_train_sched_step(void *p, const void *x, const int32_t *y, int batch,
                                 double *loss);
+
+typedef struct tdm_ddp tdm_ddp;
+/* --mode ddp --uneven: one rank's epochs over its own samples, with join
+ * (tools/train_uneven.c); ddp built with opts.join. 1 ok, 0 failed (said). */
+int tdm_train_uneven_epochs(const tdm_train_args *a, tdm_ddp *ddp, tdm_optim *opt,
+                            tdm_comm *comm, const tdm_dataset *train, const tdm_dataset *test,
+                            int64_t start_epoch);
 
 int tdm_train_run_single(const tdm_train_args *a);
 /* --model gpt: a language model on text, in every mode (tools/train_text.c). */
