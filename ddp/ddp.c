@@ -47,6 +47,17 @@ size_t tdm_ddp_arena_bytes(int64_t param_elems)
 
 /* ---- construction ---- */
 
+/* SyncBatchNorm's callback (models/model.h): per-channel partial sums
+ * summed over the ranks, in rank order (float64 SUM). */
+static tdm_status tdm_ddp_allsum(void *ctx, double *v, int n)
+{
+    tdm_ddp *d = ctx;
+    tdm_status st = tdm_comm_all_reduce(d->hcomm, v, v, (size_t)n, TDM_DTYPE_FLOAT64,
+                                        TDM_REDOP_SUM);
+    if (st) tdm_error_prefix(st, "ddp: SyncBatchNorm statistics");
+    return st;
+}
+
 tdm_status tdm_ddp_init(tdm_ddp **out, tdm_model *m, tdm_comm *comm, const tdm_ddp_opts *opts)
 {
     tdm_status st = TDM_STATUS_OK;
@@ -83,6 +94,16 @@ tdm_status tdm_ddp_init(tdm_ddp **out, tdm_model *m, tdm_comm *comm, const tdm_d
         TDM_TRY(tdm_comm_broadcast(comm, tdm_model_buffers(m), tdm_model_buffers(m),
                                    (size_t)tdm_model_buffer_elems(m), TDM_DTYPE_FLOAT32, 0));
     TDM_TRY(tdm_ddp_reducer_attach(&d->red));
+    if (d->o.sync_bn) {
+        if (d->o.join || d->dev->kind != TDM_DEVICE_HOST) {
+            st = tdm_error_set(TDM_STATUS_INVALID_ARG, "ddp: sync_bn %s",
+                               d->o.join ? "cannot be combined with join (a joined rank runs "
+                                           "no forward to take part in the statistics)"
+                                         : "runs on host devices only");
+            goto fail;
+        }
+        tdm_model_set_sync_bn(m, tdm_ddp_allsum, d);
+    }
     TDM_INFO(DDP, "rank %d of %d: %lld parameters in %d bucket(s), %s, overlap %s", d->rank,
              d->world, (long long)tdm_model_param_elems(m), d->red.nb,
              d->red.zero_copy ? "zero-copy" : "copying", d->o.no_overlap ? "off" : "on");
@@ -98,6 +119,7 @@ fail:
 void tdm_ddp_free(tdm_ddp *d)
 {
     if (!d) return;
+    if (d->o.sync_bn) tdm_model_set_sync_bn(d->m, NULL, NULL);
     tdm_ddp_reducer_free(&d->red);
     tdm_dev_free(d->dev, d->dlogits);
     tdm_dev_free(d->dev, d->x_dev);
@@ -237,6 +259,15 @@ static tdm_status tdm_ddp_forward_impl(tdm_ddp *d, const void *x, const int32_t 
         TDM_CHECK(tdm_ddp_join_count(d));
     if (by_active)
         grad_scale = batch > 0 ? 1.0f / ((float)batch * (float)d->n_active) : 0.0f;
+    if (d->o.sync_bn && tdm_model_is_train(m) && batch == 0 && tdm_model_n_batchnorm(m) > 0) {
+        /* the others are about to wait in this rank's statistics */
+        tdm_error_set(TDM_STATUS_INVALID_ARG, "ddp forward: rank %d has no samples in this step, "
+                      "but SyncBatchNorm needs every rank's batchnorm statistics; give every "
+                      "rank at least one sample (a global batch of at least %d)", d->rank,
+                      d->world);
+        (void)tdm_comm_abort(d->hcomm, tdm_error_message());
+        return TDM_STATUS_INVALID_ARG;
+    }
     if (tdm_model_is_train(m) && !d->o.no_broadcast_buffers && d->world > 1 &&
         tdm_model_buffer_elems(m) > 0) {
         tdm_status st = tdm_comm_broadcast(d->comm, tdm_model_buffers(m), tdm_model_buffers(m),

@@ -70,6 +70,13 @@ typedef struct tdm_ddp_opts {
      * world size, and a rank out of data calls tdm_ddp_join, which
      * shadows the others' steps until every rank has joined. */
     int join;
+    /* 1: SyncBatchNorm (PyTorch's convert_sync_batchnorm): the model's
+     * batchnorm layers compute their training statistics over all ranks
+     * (tdm_model_set_sync_bn; two float64 all-reduces over host_comm per
+     * layer in forward, one in backward), so DDP's CNN computes what one
+     * device computes on the whole global batch. Host devices; every
+     * rank needs a sample in every step; not with join. */
+    int sync_bn;
     /* Borrowed, optional: the communicator for the few collectives on host
      * memory (the layout and plan checks, evaluation's sums, checkpoint
      * flags), with the same

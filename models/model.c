@@ -557,6 +557,19 @@ int64_t tdm_model_param_elems(const tdm_model *m) { return m->param_elems; }
 int64_t tdm_model_buffer_elems(const tdm_model *m) { return m->buffer_elems; }
 void tdm_model_set_train(tdm_model *m, int train) { m->train = train != 0; }
 int tdm_model_is_train(const tdm_model *m) { return m->train; }
+void tdm_model_set_sync_bn(tdm_model *m, tdm_model_allsum_fn fn, void *ctx)
+{
+    m->sync_bn = fn;
+    m->sync_bn_ctx = ctx;
+}
+
+int tdm_model_n_batchnorm(const tdm_model *m)
+{
+    int n = 0;
+    for (int i = 0; i < m->n_layers; i++) n += m->layers[i].kind == TDM_LAYER_BN;
+    return n;
+}
+
 void tdm_model_set_grad_hook(tdm_model *m, tdm_grad_ready_fn fn, void *ctx)
 {
     m->hook = fn;
@@ -657,6 +670,7 @@ static tdm_status tdm_layer_forward(tdm_model *m, tdm_layer *l, const float *x, 
     }
     case TDM_LAYER_BN: {
         int64_t len = (int64_t)B * l->h * l->w;
+        if (m->train && m->sync_bn) return tdm_syncbn_forward(m, l, x, B);
         if (m->train) {
             TDM_REQUIRE(len > 1, TDM_STATUS_INVALID_ARG,
                         "batchnorm in training mode needs more than 1 value per channel "
@@ -742,6 +756,7 @@ static tdm_status tdm_layer_backward(tdm_model *m, tdm_layer *l, float *dout, fl
     case TDM_LAYER_BN: {
         int64_t len = (int64_t)B * l->h * l->w;
         if (l->relu) TDM_CHECK(o->relu_bwd(d, dout, l->out, len * l->c));
+        if (m->train && m->sync_bn) return tdm_syncbn_backward(m, l, dout, din, B);
         return o->bn_bwd(d, l->in, dout, l->c, len, l->mean, l->invstd, tdm_param(m, l->p0), din,
                          tdm_grad(m, l->p0), tdm_grad(m, l->p0 + 1), m->train);
     }

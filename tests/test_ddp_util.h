@@ -57,6 +57,7 @@ typedef struct tddp_cfg {
     const char *comm_hook;   /* a built-in comm hook (tdm_ddp_set_comm_hook), NULL: none */
     tdm_ddp_powersgd_opts psgd;
     const tdm_ddp_comm_hook *user_hook;   /* registered with tdm_ddp_register_comm_hook */
+    int sync_bn;             /* tdm_ddp_opts.sync_bn */
 } tddp_cfg;
 
 typedef struct tddp_shared {
@@ -172,6 +173,7 @@ static inline int tddp_rank_main(tdm_comm *comm, void *arg)
                       .bucket_cap_bytes = c->cap_rank == rank ? c->rank_cap_bytes : c->cap_bytes,
                       .first_bucket_bytes = c->first_bytes,
                       .find_unused_parameters = c->find_unused, .timeout_ms = 20000,
+                      .sync_bn = c->sync_bn,
                       .host_comm = gcomm ? comm : NULL};
     TDM_TRY(tdm_ddp_init(&ddp, m, gcomm ? gcomm : comm, &o));
     if (c->comm_hook) TDM_TRY(tdm_ddp_set_comm_hook(ddp, c->comm_hook, &c->psgd));
