@@ -72,3 +72,23 @@ Test(cli_hooks, train_uneven_join, .timeout = 200)
         cr_assert(strstr(r.out, "epoch 2/2"), "%s", r.out);
     }
 }
+
+/* --sync-bn: compare checks the CNN's DDP against one device (it says it
+ * cannot without), and train runs it */
+Test(cli_hooks, sync_bn, .timeout = 300)
+{
+    static cli_result r;
+    CLI(&r, "train", "--sync-bn");
+    expect(&r, 2, "--sync-bn applies to --mode ddp");
+    CLI(&r, "compare", "--data", "synthetic", "--model", "cnn", "--steps", "4", "--warmup", "1",
+        "--batch", "30", "--device", "cpu:3", "--sync-bn");
+    expect(&r, 0, "with --sync-bn: the same tolerance as the MLP's");
+    const char *p = strstr(r.out, "DDP vs single  step 1");
+    cr_assert(p && strstr(p, "-> PASS"), "%s", r.out);
+    CLI(&r, "compare", "--data", "synthetic", "--model", "cnn", "--steps", "2", "--warmup", "1",
+        "--batch", "30", "--device", "cpu:3");
+    expect(&r, 0, "DDP vs single  not expected to match");
+    CLI(&r, "train", "--mode", "ddp", "--device", "cpu:2", "--model", "cnn", "--sync-bn",
+        "--data", "synthetic", "--synthetic-size", "256", "--batch", "64", "--epochs", "1");
+    expect(&r, 0, "test accuracy");
+}

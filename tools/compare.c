@@ -60,6 +60,8 @@ static void tdm_cmp_usage(FILE *f)
         "  --seed S             initial parameters and data order            [1]\n"
         "  --bucket-cap-mb MB   DDP bucket cap                               [25]\n"
         "  --no-overlap         DDP all-reduces after backward (to see what overlap buys)\n"
+        "  --sync-bn            DDP with SyncBatchNorm: the CNN's DDP is then checked\n"
+        "                       against one device with the MLP's tolerance\n"
         "  --comm-hook H        also run DDP with a comm hook: fp16, bf16 or powersgd,\n"
         "                       beside the float32 one: bytes per step, exposed time,\n"
         "                       throughput, loss curve, and a verdict on the expected,\n"
@@ -247,6 +249,7 @@ int tdm_tool_compare_main(int argc, char **argv)
             continue;
         }
         if (!strcmp(argv[i], "--no-overlap")) { o.no_overlap = 1; continue; }
+        if (!strcmp(argv[i], "--sync-bn")) { o.sync_bn = 1; continue; }
         fprintf(stderr, "tandem compare: unknown option '%s' (see tandem compare --help)\n", argv[i]);
         return 2;
     }
@@ -507,12 +510,23 @@ data_ready:;
         char label[40];
         snprintf(label, sizeof label, "%s vs %s", tdm_cmp_mode_name(a->mode),
                  tdm_cmp_mode_name(b->mode));
-        if (bn && b->mode == TDM_CMP_SINGLE) {
+        /* --sync-bn: DDP's batchnorm sees the whole global batch, as one
+         * device does; DP's still sees each chunk */
+        int ddp_sync = o.sync_bn && a->mode == TDM_CMP_DDP;
+        if (bn && b->mode == TDM_CMP_SINGLE && !ddp_sync) {
             printf("  %-14s not expected to match: batchnorm normalises each device's chunk "
-                   "with that chunk's statistics\n", label);
+                   "with that chunk's statistics%s\n", label,
+                   a->mode == TDM_CMP_DDP ? " (--sync-bn makes DDP match)" : "");
             continue;
         }
-        if (bn && o.batch % o.n_dev) {
+        if (bn && o.sync_bn && b->mode == TDM_CMP_DP) {
+            printf("  %-14s not expected to match: DDP's SyncBatchNorm normalises with the "
+                   "whole batch's statistics, DP with each chunk's\n", label);
+            continue;
+        }
+        if (bn && ddp_sync)
+            printf("  %-14s with --sync-bn: the same tolerance as the MLP's\n", label);
+        if (bn && o.batch % o.n_dev && !ddp_sync) {
             printf("  %-14s not expected to match: DP's chunks (torch.chunk) and DDP's shares "
                    "differ when %d does not divide by %d, so batchnorm sees different groups\n",
                    label, o.batch, o.n_dev);

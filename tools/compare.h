@@ -42,6 +42,7 @@ typedef struct tdm_cmp_opts {
     int powersgd_rank;
     int64_t powersgd_start_step;
     int hooked;                /* this DDP run registers comm_hook */
+    int sync_bn;               /* --sync-bn: DDP's batchnorm over the whole global batch */
 } tdm_cmp_opts;
 
 /* Bytes per device (or rank) by kind. */

@@ -302,7 +302,8 @@ static int tdm_cmp_ddp_rank(tdm_comm *comm, void *argp)
     float *x = malloc((size_t)(b > 0 ? b : 1) * feat * sizeof(float));
     int32_t *y = malloc((size_t)(b > 0 ? b : 1) * tdm_cmp_targets(a->data) * sizeof(int32_t));
     float *mine = NULL;
-    tdm_ddp_opts dopts = {.bucket_cap_mb = o->bucket_cap_mb, .no_overlap = o->no_overlap};
+    tdm_ddp_opts dopts = {.bucket_cap_mb = o->bucket_cap_mb, .no_overlap = o->no_overlap,
+                          .sync_bn = o->sync_bn};
     if (!x || !y) goto done;
     if (tdm_tool_rank_device(&o->dl, rank, &dev) != TDM_STATUS_OK ||
         tdm_cmp_make(o, dev, &m, &opt) != TDM_STATUS_OK ||

@@ -69,6 +69,8 @@ static void tdm_train_usage(FILE *f)
         "  --resume PATH          continue from a checkpoint\n"
         "  --bucket-cap-mb MB     ddp: gradient bucket size cap              [25]\n"
         "  --no-overlap           ddp: all-reduce after backward, not during it\n"
+        "  --sync-bn              ddp: SyncBatchNorm: batchnorm statistics over the\n"
+        "                         whole global batch (all ranks), as on one device\n"
         "  --uneven               ddp: each rank trains on its own samples (a sampler\n"
         "                         without padding) in batches of B/N, so ranks may\n"
         "                         run different step counts; one out of data\n"
@@ -174,6 +176,7 @@ int tdm_tool_train_main(int argc, char **argv)
         if (!strcmp(arg, "--quiet")) { a.quiet = 1; continue; }
         if (!strcmp(arg, "--no-overlap")) { a.no_overlap = 1; continue; }
         if (!strcmp(arg, "--uneven")) { a.uneven = 1; continue; }
+        if (!strcmp(arg, "--sync-bn")) { a.sync_bn = 1; continue; }
         fprintf(stderr, "tandem train: unknown option '%s' (see tandem train --help)\n", arg);
         return 2;
     }
@@ -217,6 +220,14 @@ int tdm_tool_train_main(int argc, char **argv)
                         "model (mlp, cnn): DDP's buckets are what it compresses\n", a.comm_hook);
         return 2;
     }
+    if (a.sync_bn && (strcmp(a.mode, "ddp") || gpt || a.uneven)) {
+        fprintf(stderr, "tandem train: --sync-bn applies to --mode ddp (not with --uneven: a "
+                        "rank out of data cannot take part in the statistics)\n");
+        return 2;
+    }
+    if (a.sync_bn && strncmp(a.model, "cnn", 3))
+        fprintf(stderr, "tandem train: note: --sync-bn changes nothing for --model %s (no "
+                        "batchnorm)\n", a.model);
     if (a.uneven && (strcmp(a.mode, "ddp") || gpt || a.grad_accum > 1 ||
                      strcmp(a.lr_schedule, "const"))) {
         fprintf(stderr, "tandem train: --uneven applies to --mode ddp with an image model, "

@@ -255,7 +255,7 @@ static int tdm_train_ddp_rank_main(tdm_comm *comm, void *arg)
         goto done;
     }
     tdm_ddp_opts o = {.bucket_cap_mb = a.bucket_cap_mb > 0 ? (double)a.bucket_cap_mb : 0,
-                      .no_overlap = a.no_overlap, .join = a.uneven};
+                      .no_overlap = a.no_overlap, .join = a.uneven, .sync_bn = a.sync_bn};
     if ((st = tdm_tool_rank_ddp(comm, dev, m, &o, &nccl, &ddp))) {
         tdm_train_ddp_fail(rank, "ddp set-up", st);
         goto done;

@@ -28,6 +28,7 @@ typedef struct tdm_train_args {
     const char *comm_hook;    /* ddp: --comm-hook (NULL: allreduce) */
     long long powersgd_rank, powersgd_start_step;
     int uneven;               /* ddp: --uneven (tools/train_uneven.c) */
+    int sync_bn;              /* ddp: --sync-bn */
 } tdm_train_args;
 
 /* The samples per optimizer step: batch * grad_accum. */
