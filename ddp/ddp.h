@@ -16,8 +16,9 @@
  * plan is made once, walking the parameters in definition order, and
  * bucket 0 holds the last ones. A bucket is a contiguous view of the flat
  * gradient buffer. The Reducer (the model's grad-ready hook) launches each
- * bucket's asynchronous all-reduce as soon as it is complete, strictly in
- * bucket order, while backward continues.
+ * bucket's asynchronous all-reduce (or hands it to a communication hook:
+ * ddp/hooks.h) as soon as it is complete, strictly in bucket order, while
+ * backward continues.
  *
  * Gradient semantics: tdm_ddp_forward scales the loss gradient so that a
  * SUM all-reduce gives the gradient of the global batch's mean loss:
