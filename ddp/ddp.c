@@ -95,11 +95,10 @@ tdm_status tdm_ddp_init(tdm_ddp **out, tdm_model *m, tdm_comm *comm, const tdm_d
                                    (size_t)tdm_model_buffer_elems(m), TDM_DTYPE_FLOAT32, 0));
     TDM_TRY(tdm_ddp_reducer_attach(&d->red));
     if (d->o.sync_bn) {
-        if (d->o.join || d->dev->kind != TDM_DEVICE_HOST) {
-            st = tdm_error_set(TDM_STATUS_INVALID_ARG, "ddp: sync_bn %s",
-                               d->o.join ? "cannot be combined with join (a joined rank runs "
-                                           "no forward to take part in the statistics)"
-                                         : "runs on host devices only");
+        if (d->o.join) {
+            st = tdm_error_set(TDM_STATUS_INVALID_ARG, "ddp: sync_bn cannot be combined with "
+                               "join (a joined rank runs no forward to take part in the "
+                               "statistics)");
             goto fail;
         }
         tdm_model_set_sync_bn(m, tdm_ddp_allsum, d);

@@ -75,7 +75,8 @@ typedef struct tdm_ddp_opts {
      * batchnorm layers compute their training statistics over all ranks
      * (tdm_model_set_sync_bn; two float64 all-reduces over host_comm per
      * layer in forward, one in backward), so DDP's CNN computes what one
-     * device computes on the whole global batch. Host devices; every
+     * device computes on the whole global batch. On accelerators the
+     * statistics are staged through the host (correct, not fast); every
      * rank needs a sample in every step; not with join. */
     int sync_bn;
     /* Borrowed, optional: the communicator for the few collectives on host

@@ -161,8 +161,8 @@ tdm_status tdm_model_set_grad_storage(tdm_model *m, float *grads /* borrowed */)
  * (every replica calls it in the same order, with the same n). The
  * parameter gradients (dgamma, dbeta) stay this replica's own sums (DDP
  * reduces them); the input gradient uses the global ones, so the group
- * computes what one device computes on the union of the batches. Host
- * devices only (forward and backward return UNSUPPORTED otherwise).
+ * computes what one device computes on the union of the batches. The
+ * sums are taken on the host (staged through copies on an accelerator).
  * NULL: local statistics (the default). */
 typedef tdm_status (*tdm_model_allsum_fn)(void *ctx, double *v, int n);
 void tdm_model_set_sync_bn(tdm_model *m, tdm_model_allsum_fn fn, void *ctx);

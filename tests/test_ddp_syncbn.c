@@ -64,3 +64,28 @@ Test(ddp_syncbn, a_rank_without_samples_is_refused)
     for (int r = 1; r < 3; r++) cr_assert_neq(sh->status[r], 0, "rank %d went on", r);
     tddp_shared_free(sh);
 }
+
+/* On accelerators the statistics are staged through the host: the same
+ * check on emulated CUDA devices (host memory behind the device
+ * interface, copies through copy_to_host/copy_from_host), where cuda/ is
+ * built. */
+__attribute__((weak)) tdm_status tdm_cuda_emulator_open_accel(tdm_device **out, int index);
+
+static tdm_status open_emu(tdm_device **out, int rank)
+{
+    return tdm_cuda_emulator_open_accel(out, rank);
+}
+
+Test(ddp_syncbn, staged_through_the_host_on_emulated_accelerators)
+{
+    if (!tdm_cuda_emulator_open_accel) cr_skip_test("cuda/ not built");
+    for (int w = 1; w <= 3; w += 2) {
+        tddp_cfg c = tddp_cfg_default();
+        c.cnn = 1;
+        c.sync_bn = 1;
+        c.batch = 23;
+        c.steps = 3;
+        c.open_dev = open_emu;
+        tddp_check_equiv(&c, &g_data, w, 60000, mlp_tol);
+    }
+}
