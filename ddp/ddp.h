@@ -107,7 +107,8 @@ typedef struct tdm_ddp_times {
     double comm_ms_last;         /* first bucket start to last bucket end */
     double comm_ms_total;
     double exposed_ms_total;     /* = total.ms[ALLREDUCE_WAIT] */
-    double reduced_bytes_total;  /* bytes all-reduced (padding and check tail included) */
+    double reduced_bytes_total;  /* bytes all-reduced (padding and check tail included;
+                                    with a comm hook, what the hook reported) */
     double overlapped_bytes_total; /* of which launched while backward still ran */
     int n_buckets;
     const tdm_ddp_bucket_times *buckets;   /* borrowed; last backward */
