@@ -255,6 +255,16 @@ Test(ddp_hooks, float32_hook_path_is_bitwise_the_default)
     cr_assert(!memcmp(a->params, b->params, (size_t)a->n_elem * 4));
     for (int s = 0; s < c.steps; s++) cr_assert_eq(a->loss[s], b->loss[s]);
     cr_assert(b->overlapped[c.steps - 1] > 0, "no bucket was launched during backward");
+    /* every bucket after backward (no_overlap), and find_unused's plan */
+    for (int k = 0; k < 2; k++) {
+        tddp_cfg c2 = c;
+        c2.no_overlap = k == 0;
+        c2.find_unused = k == 1;
+        memset(b, 0, sizeof *b);
+        cr_assert_eq(tddp_spawn(3, &c2, &g_data, b, 60000), TDM_STATUS_OK, "%s", b->err[0]);
+        cr_assert(!memcmp(a->params, b->params, (size_t)a->n_elem * 4), "%s",
+                  k ? "find_unused" : "no_overlap");
+    }
     tdm_ddp_hook_builtin_free(&h);
     tddp_shared_free(a);
     tddp_shared_free(b);
