@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/device.h"
 #include "core/log.h"
 #include "ddp/reducer_impl.h"
 #include "models/train.h"
@@ -177,10 +178,10 @@ tdm_status tdm_ddp_set_comm_hook(tdm_ddp *d, const char *name, const tdm_ddp_pow
         return TDM_STATUS_OK;
     }
     tdm_status st = TDM_STATUS_OK;
-    if (d->dev->kind != TDM_DEVICE_HOST)
+    if (tdm_dev_kind(d->dev) != TDM_DEVICE_HOST)
         st = tdm_error_set(TDM_STATUS_UNSUPPORTED, "ddp: comm hook %s runs on host devices "
                            "only (the model is on %s); use --comm-hook allreduce on GPUs",
-                           name, d->dev->name);
+                           name, tdm_dev_name(d->dev));
     if (!st) st = tdm_ddp_hook_check(d, &h);
     if (st) {
         tdm_ddp_hook_builtin_free(&h);
@@ -203,7 +204,7 @@ void tdm_ddp_no_sync(tdm_ddp *d, int enable) { d->sync = !enable; }
 static tdm_status tdm_ddp_stage(tdm_ddp *d, const void *x, const int32_t *y, int batch,
                                 const void **xd, const int32_t **yd)
 {
-    if (d->dev->kind == TDM_DEVICE_HOST) {
+    if (tdm_dev_kind(d->dev) == TDM_DEVICE_HOST) {
         *xd = x;
         *yd = y;
         return TDM_STATUS_OK;
@@ -222,9 +223,9 @@ static tdm_status tdm_ddp_stage(tdm_ddp *d, const void *x, const int32_t *y, int
                                 (void **)&d->y_dev));
         d->stage_cap = batch;
     }
-    TDM_CHECK(d->dev->ops->copy_from_host(d->dev, d->x_dev, x,
+    TDM_CHECK(tdm_dev_copy_from_host(d->dev, d->x_dev, x,
                                           (size_t)batch * feat * sizeof(float)));
-    TDM_CHECK(d->dev->ops->copy_from_host(d->dev, d->y_dev, y,
+    TDM_CHECK(tdm_dev_copy_from_host(d->dev, d->y_dev, y,
                                           (size_t)batch * rows * sizeof(int32_t)));
     *xd = d->x_dev;
     *yd = d->y_dev;

@@ -171,8 +171,9 @@ tdm_status tdm_ddp_evaluate(tdm_ddp *d, const tdm_dataset *test, int batch, doub
 
 /* Local forward and loss over this rank's samples (host x (batch, in) of
  * the model's input dtype, y (batch * out_rows)); broadcasts buffers from
- * rank 0 first (training mode, unless disabled). Gradient of the loss scaled by 1/(batch*world); *loss_mean
- * is this rank's mean loss. batch may be 0 (the rank still takes part). */
+ * rank 0 first (training mode, unless disabled). Gradient of the loss
+ * scaled by 1/(batch*world); *loss_mean is this rank's mean loss. batch
+ * may be 0 (the rank still takes part). */
 tdm_status tdm_ddp_forward(tdm_ddp *d, const void *x, const int32_t *y, int batch,
                            double *loss_mean);
 /* Same with an explicit loss-gradient scale (1/B_global for a split

@@ -255,11 +255,11 @@ fail:
 static tdm_status tdm_hook_launch_kind(tdm_hook_state *s, tdm_ddp_hook_bucket *b,
                                        tdm_hook_work *hw)
 {
-    TDM_REQUIRE(tdm_model_device(b->model)->kind == TDM_DEVICE_HOST, TDM_STATUS_UNSUPPORTED,
+    TDM_REQUIRE(tdm_dev_kind(tdm_model_device(b->model)) == TDM_DEVICE_HOST, TDM_STATUS_UNSUPPORTED,
                 "comm hook %s: runs on host devices only (the model is on %s); use the "
                 "default all-reduce on GPUs",
                 s->kind == TDM_HOOK_FP16 ? "fp16" : s->kind == TDM_HOOK_BF16 ? "bf16" : "powersgd",
-                tdm_model_device(b->model)->name);
+                tdm_dev_name(tdm_model_device(b->model)));
     switch (s->kind) {
     case TDM_HOOK_F32: return tdm_hook_plain_launch(b, hw);
     case TDM_HOOK_FP16:

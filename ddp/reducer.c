@@ -492,7 +492,7 @@ static tdm_status tdm_ddp_unready_error(tdm_ddp_reducer *r)
 static tdm_status tdm_ddp_check_tail(tdm_ddp_reducer *r, uint32_t mine, double *loss_global)
 {
     float s[TDM_DDP_TAIL_ELEMS];
-    TDM_CHECK(r->dev->ops->copy_to_host(r->dev, s, r->grads + r->param_elems, sizeof s));
+    TDM_CHECK(tdm_dev_copy_to_host(r->dev, s, r->grads + r->param_elems, sizeof s));
     double loss = 0.0;
     for (int k = 0; k < r->world; k++) {
         loss += (double)s[TDM_DDP_TAIL_LOSS_HI + k] + (double)s[TDM_DDP_TAIL_LOSS_LO + k];
@@ -583,7 +583,7 @@ tdm_status tdm_ddp_reducer_init(tdm_ddp_reducer *r, tdm_model *m, tdm_comm *comm
         r->grads = NULL;
         TDM_CHECK(tdm_dev_alloc(r->dev, gbytes, (void **)&r->grads));
     }
-    TDM_CHECK(r->dev->ops->memset_zero(r->dev, r->grads, gbytes));
+    TDM_CHECK(tdm_dev_memset_zero(r->dev, r->grads, gbytes));
     return tdm_ddp_verify(r);
 }
 
@@ -634,7 +634,7 @@ tdm_status tdm_ddp_reducer_begin(tdm_ddp_reducer *r, uint32_t seq, double loss_s
     s[TDM_DDP_TAIL_SEQ + r->rank] = (float)seq;
     s[TDM_DDP_TAIL_LOSS_HI + r->rank] = hi;
     s[TDM_DDP_TAIL_LOSS_LO + r->rank] = (float)(loss_sum - (double)hi);
-    TDM_CHECK(r->dev->ops->copy_from_host(r->dev, r->grads + r->param_elems, s, sizeof s));
+    TDM_CHECK(tdm_dev_copy_from_host(r->dev, r->grads + r->param_elems, s, sizeof s));
     for (int i = 0; i < r->nb; i++) {
         r->b[i].pending = r->b[i].last - r->b[i].first + 1;
         r->b[i].done = 0;

@@ -50,7 +50,7 @@ static tdm_status tdm_accum_single_stage(tdm_single *s, const void *x, const int
     tdm_model *m = s->model;
     tdm_device *dev = tdm_model_device(m);
     size_t feat = (size_t)tdm_model_in_features(m), rows = (size_t)tdm_model_out_rows(m);
-    if (dev->kind == TDM_DEVICE_HOST) {
+    if (tdm_dev_kind(dev) == TDM_DEVICE_HOST) {
         *xd = x;
         *yd = y;
         return TDM_STATUS_OK;
@@ -65,8 +65,8 @@ static tdm_status tdm_accum_single_stage(tdm_single *s, const void *x, const int
         TDM_CHECK(tdm_dev_alloc(dev, (size_t)batch * rows * 4, (void **)&s->y_dev));
         s->cap = batch;
     }
-    TDM_CHECK(dev->ops->copy_from_host(dev, s->x_dev, x, (size_t)batch * feat * 4));
-    TDM_CHECK(dev->ops->copy_from_host(dev, s->y_dev, y, (size_t)batch * rows * 4));
+    TDM_CHECK(tdm_dev_copy_from_host(dev, s->x_dev, x, (size_t)batch * feat * 4));
+    TDM_CHECK(tdm_dev_copy_from_host(dev, s->y_dev, y, (size_t)batch * rows * 4));
     *xd = s->x_dev;
     *yd = s->y_dev;
     return TDM_STATUS_OK;

@@ -26,7 +26,7 @@ static tdm_status tdm_syncbn_view(tdm_device *d, const float *p, int64_t n, int 
                                   float **out, float **owned)
 {
     *owned = NULL;
-    if (d->kind == TDM_DEVICE_HOST) {
+    if (tdm_dev_kind(d) == TDM_DEVICE_HOST) {
         *out = (float *)p;
         return TDM_STATUS_OK;
     }
@@ -34,7 +34,7 @@ static tdm_status tdm_syncbn_view(tdm_device *d, const float *p, int64_t n, int 
     TDM_REQUIRE(h, TDM_STATUS_OUT_OF_MEMORY, "SyncBatchNorm: staging %lld floats",
                 (long long)n);
     if (copy && n > 0) {
-        tdm_status st = d->ops->copy_to_host(d, h, p, (size_t)n * sizeof *h);
+        tdm_status st = tdm_dev_copy_to_host(d, h, p, (size_t)n * sizeof *h);
         if (st) {
             free(h);
             return st;
@@ -48,8 +48,8 @@ static tdm_status tdm_syncbn_view(tdm_device *d, const float *p, int64_t n, int 
 /* Writes a host view back to device memory p (nothing on the host device). */
 static tdm_status tdm_syncbn_back(tdm_device *d, float *p, const float *h, int64_t n)
 {
-    if (d->kind == TDM_DEVICE_HOST || n == 0) return TDM_STATUS_OK;
-    return d->ops->copy_from_host(d, p, h, (size_t)n * sizeof *h);
+    if (tdm_dev_kind(d) == TDM_DEVICE_HOST || n == 0) return TDM_STATUS_OK;
+    return tdm_dev_copy_from_host(d, p, h, (size_t)n * sizeof *h);
 }
 
 tdm_status tdm_syncbn_forward(tdm_model *m, tdm_layer *l, const float *x, int B)
@@ -84,8 +84,8 @@ tdm_status tdm_syncbn_forward(tdm_model *m, tdm_layer *l, const float *x, int B)
         v[ch] = tdm_k_bn_sqdev_part(hx + (int64_t)ch * len, len, v[ch], 0, 1);
     if ((st = m->sync_bn(m->sync_bn_ctx, v, C))) goto fail;
     for (int ch = 0; ch < C; ch++) stat[C + ch] = (float)(v[ch] / (double)n);
-    if ((st = d->ops->copy_from_host(d, l->mean, stat, (size_t)C * sizeof *stat)) ||
-        (st = d->ops->copy_from_host(d, l->var, stat + C, (size_t)C * sizeof *stat)))
+    if ((st = tdm_dev_copy_from_host(d, l->mean, stat, (size_t)C * sizeof *stat)) ||
+        (st = tdm_dev_copy_from_host(d, l->var, stat + C, (size_t)C * sizeof *stat)))
         goto fail;
     /* the device normalises with the global statistics; the running
      * variance's unbiased factor uses the global count */
@@ -93,11 +93,11 @@ tdm_status tdm_syncbn_forward(tdm_model *m, tdm_layer *l, const float *x, int B)
     float *run_var = m->buffers + m->buffers_info[l->b0 + 1].offset;
     const float *gamma = m->params + m->params_info[l->p0].offset;
     const float *beta = m->params + m->params_info[l->p0 + 1].offset;
-    if ((st = d->ops->bn_prep(d, C, l->mean, l->var, l->invstd, run_mean, run_var,
+    if ((st = tdm_dev_bn_prep(d, C, l->mean, l->var, l->invstd, run_mean, run_var,
                               TDM_SYNCBN_EPS, TDM_SYNCBN_MOMENTUM, n, 1)) ||
-        (st = d->ops->bn_fwd(d, x, C, len, l->mean, l->invstd, gamma, beta, l->out)))
+        (st = tdm_dev_bn_fwd(d, x, C, len, l->mean, l->invstd, gamma, beta, l->out)))
         goto fail;
-    if (l->relu) st = d->ops->bias_act(d, l->out, NULL, C, (int)len, TDM_ACT_RELU);
+    if (l->relu) st = tdm_dev_bias_act(d, l->out, NULL, C, (int)len, TDM_ACT_RELU);
 fail:
     free(v);
     free(stat);

@@ -217,8 +217,8 @@ static inline int tddp_rank_main(tdm_comm *comm, void *arg)
         if (s == 0 && tdm_model_param_elems(m) <= TDDP_MAX_ELEMS) {
             float *dst = rank == 0 ? sh->grads0 : rank == world - 1 ? sh->grads0_r1 : NULL;
             if (dst)
-                TDM_TRY(dev->ops->copy_to_host(dev, dst, tdm_model_grads(m),
-                                               (size_t)tdm_model_param_elems(m) * 4));
+                TDM_TRY(tdm_dev_copy_to_host(dev, dst, tdm_model_grads(m),
+                                             (size_t)tdm_model_param_elems(m) * 4));
         }
         TDM_TRY(tdm_ddp_step(ddp, opt));
         if (rank == 0 && s < TDDP_MAX_STEPS) {
@@ -252,7 +252,7 @@ static inline int tddp_rank_main(tdm_comm *comm, void *arg)
         sh->n_elem = tdm_model_param_elems(m);
         float *dst = rank == 0 ? sh->params : rank == world - 1 ? sh->params_r1 : NULL;
         if (dst)
-            TDM_TRY(dev->ops->copy_to_host(dev, dst, tdm_model_params(m), (size_t)sh->n_elem * 4));
+            TDM_TRY(tdm_dev_copy_to_host(dev, dst, tdm_model_params(m), (size_t)sh->n_elem * 4));
     }
 fail:
     if (rank < 8) {

@@ -47,7 +47,7 @@ int tdm_cmp_hook_section(const tdm_cmp_opts *o, const tdm_cmp_data *data,
     tdm_cmp_result hr;
     printf("\n  running DDP with --comm-hook %s...\n", o->comm_hook);
     fflush(stdout);
-    if (!tdm_cmp_run(&oh, data, TDM_CMP_DDP, o->n_dev, &hr)) return -1;
+    if (tdm_cmp_run(&oh, data, TDM_CMP_DDP, o->n_dev, &hr) != TDM_STATUS_OK) return -1;
     int verdict = 1;
     tdm_device *dev = NULL;
     tdm_model *ref = NULL;   /* the initial parameters (every run starts from them) */

@@ -18,9 +18,9 @@
 #include "ddp/ddp.h"
 #include "tools/train_modes.h"
 
-int tdm_train_uneven_epochs(const tdm_train_args *a, tdm_ddp *ddp, tdm_optim *opt,
-                            tdm_comm *comm, const tdm_dataset *train, const tdm_dataset *test,
-                            int64_t start_epoch)
+tdm_status tdm_train_uneven_epochs(const tdm_train_args *a, tdm_ddp *ddp, tdm_optim *opt,
+                                   tdm_comm *comm, const tdm_dataset *train,
+                                   const tdm_dataset *test, int64_t start_epoch)
 {
     tdm_model *m = tdm_ddp_model(ddp);
     int rank = tdm_comm_rank(comm), world = tdm_comm_size(comm);
@@ -32,10 +32,10 @@ int tdm_train_uneven_epochs(const tdm_train_args *a, tdm_ddp *ddp, tdm_optim *op
     int32_t *y = malloc((size_t)b * sizeof *y);
     int64_t *counts = calloc((size_t)world * 2, sizeof *counts);
     tdm_status st = TDM_STATUS_OK;
-    int ok = 0;
     if (!perm || !idx || !x || !y || !counts) {
-        fprintf(stderr, "tandem train: rank %d: out of memory\n", rank);
-        goto done;
+        st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "rank %d: --uneven: batches of %d", rank,
+                           b);
+        goto fail;
     }
     if (rank == 0)
         printf("  uneven inputs: each rank takes its own samples (no padding) in batches of "
@@ -92,18 +92,16 @@ int tdm_train_uneven_epochs(const tdm_train_args *a, tdm_ddp *ddp, tdm_optim *op
         }
         if ((st = tdm_comm_barrier(comm))) goto fail;
     }
-    ok = 1;
 fail:
-    if (!ok) {
+    if (st) {
         fprintf(stderr, "tandem train: rank %d: training (--uneven): %s\n", rank,
                 tdm_error_message()[0] ? tdm_error_message() : tdm_status_name(st));
         tdm_comm_abort(comm, tdm_error_message());
     }
-done:
     free(perm);
     free(idx);
     free(x);
     free(y);
     free(counts);
-    return ok;
+    return st;
 }
