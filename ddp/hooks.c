@@ -143,7 +143,8 @@ static tdm_status tdm_psgd_launch(tdm_hook_state *s, tdm_ddp_hook_bucket *b, tdm
             for (int64_t i = 0; i < n * m; i++) g[i] += pp->err[i];   /* M = grad + error */
         if (s->po.no_warm_start) {
             tdm_rng rg;
-            tdm_rng_init(&rg, s->po.seed + (uint64_t)b->step + 1, TDM_RNG_STREAM_INIT + (uint64_t)p);
+            tdm_rng_init(&rg, s->po.seed + (uint64_t)b->step + 1,
+                         TDM_RNG_STREAM_INIT + (uint64_t)p);
             for (int64_t i = 0; i < m * r; i++) pp->q[i] = tdm_rng_normal(&rg);
         }
         float *P = buf + po;   /* P = M Q: (n x m)(m x r) */

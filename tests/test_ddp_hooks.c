@@ -73,7 +73,8 @@ static int half_rank(tdm_comm *comm, void *p)
             float v = half_value(k, i);
             acc += bf ? tdm_bf16_to_f32(tdm_f32_to_bf16(v)) : tdm_f16_to_f32(tdm_f32_to_f16(v));
         }
-        float want = bf ? tdm_bf16_to_f32(tdm_f32_to_bf16(acc)) : tdm_f16_to_f32(tdm_f32_to_f16(acc));
+        float want = bf ? tdm_bf16_to_f32(tdm_f32_to_bf16(acc))
+                        : tdm_f16_to_f32(tdm_f32_to_f16(acc));
         if (memcmp(&want, &g[i], 4)) wrong++;
     }
     a->res->wrong[rank] = wrong;
