@@ -35,6 +35,8 @@ struct tdm_ddp {
     int fwd_batch, have_fwd;
     double fwd_loss;             /* the pending forward's loss sum, added at its backward */
     const char *fwd_lost;        /* why there is no forward to go back through, or NULL */
+    int joined;                  /* opts.join: this rank ran out of data (tdm_ddp_join) */
+    int n_active;                /* ranks that contributed to the last training forward */
     tdm_ddp_times times;
 };
 
@@ -45,6 +47,17 @@ size_t tdm_ddp_arena_bytes(int64_t param_elems)
 }
 
 /* ---- construction ---- */
+
+/* SyncBatchNorm's callback (models/model.h): per-channel partial sums
+ * summed over the ranks, in rank order (float64 SUM). */
+static tdm_status tdm_ddp_allsum(void *ctx, double *v, int n)
+{
+    tdm_ddp *d = ctx;
+    tdm_status st = tdm_comm_all_reduce(d->hcomm, v, v, (size_t)n, TDM_DTYPE_FLOAT64,
+                                        TDM_REDOP_SUM);
+    if (st) tdm_error_prefix(st, "ddp: SyncBatchNorm statistics");
+    return st;
+}
 
 tdm_status tdm_ddp_init(tdm_ddp **out, tdm_model *m, tdm_comm *comm, const tdm_ddp_opts *opts)
 {
@@ -74,6 +87,7 @@ tdm_status tdm_ddp_init(tdm_ddp **out, tdm_model *m, tdm_comm *comm, const tdm_d
     d->rank = tdm_comm_rank(comm);
     d->world = tdm_comm_size(comm);
     d->sync = 1;
+    d->n_active = d->world;
     TDM_TRY(tdm_ddp_reducer_init(&d->red, m, comm, d->hcomm, &d->o));
     TDM_TRY(tdm_comm_broadcast(comm, tdm_model_params(m), tdm_model_params(m),
                                (size_t)tdm_model_param_elems(m), TDM_DTYPE_FLOAT32, 0));
@@ -81,6 +95,15 @@ tdm_status tdm_ddp_init(tdm_ddp **out, tdm_model *m, tdm_comm *comm, const tdm_d
         TDM_TRY(tdm_comm_broadcast(comm, tdm_model_buffers(m), tdm_model_buffers(m),
                                    (size_t)tdm_model_buffer_elems(m), TDM_DTYPE_FLOAT32, 0));
     TDM_TRY(tdm_ddp_reducer_attach(&d->red));
+    if (d->o.sync_bn) {
+        if (d->o.join) {
+            st = tdm_error_set(TDM_STATUS_INVALID_ARG, "ddp: sync_bn cannot be combined with "
+                               "join (a joined rank runs no forward to take part in the "
+                               "statistics)");
+            goto fail;
+        }
+        tdm_model_set_sync_bn(m, tdm_ddp_allsum, d);
+    }
     TDM_INFO(DDP, "rank %d of %d: %lld parameters in %d bucket(s), %s, overlap %s", d->rank,
              d->world, (long long)tdm_model_param_elems(m), d->red.nb,
              d->red.zero_copy ? "zero-copy" : "copying", d->o.no_overlap ? "off" : "on");
@@ -96,6 +119,7 @@ fail:
 void tdm_ddp_free(tdm_ddp *d)
 {
     if (!d) return;
+    if (d->o.sync_bn) tdm_model_set_sync_bn(d->m, NULL, NULL);
     tdm_ddp_reducer_free(&d->red);
     tdm_dev_free(d->dev, d->dlogits);
     tdm_dev_free(d->dev, d->x_dev);
@@ -119,6 +143,59 @@ void tdm_ddp_bucket_info(const tdm_ddp *d, int b, int *first_param, int *last_pa
 }
 
 tdm_status tdm_ddp_zero_grad(tdm_ddp *d) { return tdm_model_zero_grad(d->m); }
+
+/* ---- communication hooks ---- */
+
+static tdm_status tdm_ddp_hook_check(tdm_ddp *d, const tdm_ddp_comm_hook *hook)
+{
+    TDM_REQUIRE(hook && hook->launch && hook->wait, TDM_STATUS_INVALID_ARG,
+                "ddp: a comm hook needs launch and wait functions");
+    TDM_REQUIRE(!d->red.hook.launch, TDM_STATUS_INVALID_ARG,
+                "ddp: a comm hook ('%s') is already registered; register one hook, once",
+                d->red.hook.name ? d->red.hook.name : "user");
+    TDM_REQUIRE(d->red.sync_count == 0 && !d->have_fwd, TDM_STATUS_INVALID_ARG,
+                "ddp: register the comm hook before the first forward (as in PyTorch): "
+                "%llu synchronised backward(s) already ran", (unsigned long long)d->red.sync_count);
+    return TDM_STATUS_OK;
+}
+
+tdm_status tdm_ddp_register_comm_hook(tdm_ddp *d, const tdm_ddp_comm_hook *hook)
+{
+    TDM_CHECK(tdm_ddp_hook_check(d, hook));
+    d->red.hook = *hook;
+    d->red.own_hook = 0;
+    return TDM_STATUS_OK;
+}
+
+tdm_status tdm_ddp_set_comm_hook(tdm_ddp *d, const char *name, const tdm_ddp_powersgd_opts *popts)
+{
+    tdm_ddp_comm_hook h;
+    TDM_REQUIRE(d, TDM_STATUS_INVALID_ARG, "ddp: NULL");
+    TDM_CHECK(tdm_ddp_hook_builtin_init(&h, name, popts));
+    if (!strcmp(name, "allreduce")) {
+        /* the Reducer's own path: zero-copy, check tail in the bucket */
+        tdm_ddp_hook_builtin_free(&h);
+        return TDM_STATUS_OK;
+    }
+    tdm_status st = TDM_STATUS_OK;
+    if (tdm_dev_kind(d->dev) != TDM_DEVICE_HOST)
+        st = tdm_error_set(TDM_STATUS_UNSUPPORTED, "ddp: comm hook %s runs on host devices "
+                           "only (the model is on %s); use --comm-hook allreduce on GPUs",
+                           name, tdm_dev_name(d->dev));
+    if (!st) st = tdm_ddp_hook_check(d, &h);
+    if (st) {
+        tdm_ddp_hook_builtin_free(&h);
+        return st;
+    }
+    d->red.hook = h;
+    d->red.own_hook = 1;
+    return TDM_STATUS_OK;
+}
+
+const char *tdm_ddp_comm_hook_name(const tdm_ddp *d)
+{
+    return d->red.hook.launch ? (d->red.hook.name ? d->red.hook.name : "user") : "allreduce";
+}
 
 void tdm_ddp_no_sync(tdm_ddp *d, int enable) { d->sync = !enable; }
 
@@ -155,15 +232,42 @@ static tdm_status tdm_ddp_stage(tdm_ddp *d, const void *x, const int32_t *y, int
     return TDM_STATUS_OK;
 }
 
-tdm_status tdm_ddp_forward_scaled(tdm_ddp *d, const void *x, const int32_t *y, int batch,
-                                  float grad_scale, double *loss_sum)
+/* opts.join: how many ranks still train this step (this one contributes
+ * 1, a joined one 0), one int32 SUM over the host communicator. */
+static tdm_status tdm_ddp_join_count(tdm_ddp *d)
+{
+    int32_t n = d->joined ? 0 : 1;
+    tdm_status st = tdm_comm_all_reduce(d->hcomm, &n, &n, 1, TDM_DTYPE_INT32, TDM_REDOP_SUM);
+    if (st) return tdm_error_prefix(st, "ddp join: counting the ranks that still have data");
+    d->n_active = n;
+    return TDM_STATUS_OK;
+}
+
+/* by_active: the scale is 1/(batch * ranks with data this step) (join) */
+static tdm_status tdm_ddp_forward_impl(tdm_ddp *d, const void *x, const int32_t *y, int batch,
+                                       float grad_scale, int by_active, double *loss_sum)
 {
     TDM_REQUIRE(batch >= 0 && (batch == 0 || (x && y)), TDM_STATUS_INVALID_ARG,
                 "ddp forward: bad batch %d or NULL input", batch);
+    TDM_REQUIRE(!d->joined || batch == 0, TDM_STATUS_INVALID_ARG,
+                "ddp forward: this rank has joined (tdm_ddp_join): it has no data left");
     uint64_t t0 = tdm_time_ns();
     tdm_model *m = d->m;
     d->have_fwd = 0;
     d->fwd_lost = NULL;
+    if (d->o.join && tdm_model_is_train(m) && d->world > 1 && !d->joined)
+        TDM_CHECK(tdm_ddp_join_count(d));
+    if (by_active)
+        grad_scale = batch > 0 ? 1.0f / ((float)batch * (float)d->n_active) : 0.0f;
+    if (d->o.sync_bn && tdm_model_is_train(m) && batch == 0 && tdm_model_n_batchnorm(m) > 0) {
+        /* the others are about to wait in this rank's statistics */
+        tdm_error_set(TDM_STATUS_INVALID_ARG, "ddp forward: rank %d has no samples in this step, "
+                      "but SyncBatchNorm needs every rank's batchnorm statistics; give every "
+                      "rank at least one sample (a global batch of at least %d)", d->rank,
+                      d->world);
+        (void)tdm_comm_abort(d->hcomm, tdm_error_message());
+        return TDM_STATUS_INVALID_ARG;
+    }
     if (tdm_model_is_train(m) && !d->o.no_broadcast_buffers && d->world > 1 &&
         tdm_model_buffer_elems(m) > 0) {
         tdm_status st = tdm_comm_broadcast(d->comm, tdm_model_buffers(m), tdm_model_buffers(m),
@@ -203,12 +307,19 @@ tdm_status tdm_ddp_forward_scaled(tdm_ddp *d, const void *x, const int32_t *y, i
     return TDM_STATUS_OK;
 }
 
+tdm_status tdm_ddp_forward_scaled(tdm_ddp *d, const void *x, const int32_t *y, int batch,
+                                  float grad_scale, double *loss_sum)
+{
+    return tdm_ddp_forward_impl(d, x, y, batch, grad_scale, 0, loss_sum);
+}
+
 tdm_status tdm_ddp_forward(tdm_ddp *d, const void *x, const int32_t *y, int batch,
                            double *loss_mean)
 {
     double ls = 0.0;
-    float scale = batch > 0 ? 1.0f / ((float)batch * (float)d->world) : 0.0f;
-    TDM_CHECK(tdm_ddp_forward_scaled(d, x, y, batch, scale, &ls));
+    /* 1/(batch * world), or with join 1/(batch * the ranks with data this
+     * step): the mean over the ranks that contributed */
+    TDM_CHECK(tdm_ddp_forward_impl(d, x, y, batch, 0.0f, 1, &ls));
     if (loss_mean) *loss_mean = batch > 0 ? ls / batch : 0.0;
     return TDM_STATUS_OK;
 }
@@ -222,6 +333,13 @@ void tdm_ddp_share(int64_t n, int rank, int world, int64_t *lo, int64_t *hi)
 tdm_status tdm_ddp_forward_global(tdm_ddp *d, const void *x, const int32_t *y, int batch,
                                   double *loss_sum)
 {
+    return tdm_ddp_forward_global_scaled(d, x, y, batch,
+                                         batch > 0 ? 1.0f / (float)batch : 0.0f, loss_sum);
+}
+
+tdm_status tdm_ddp_forward_global_scaled(tdm_ddp *d, const void *x, const int32_t *y, int batch,
+                                         float grad_scale, double *loss_sum)
+{
     TDM_REQUIRE(batch >= 0 && (batch == 0 || (x && y)), TDM_STATUS_INVALID_ARG,
                 "ddp forward: bad global batch %d or NULL input", batch);
     if (batch == 0) return tdm_ddp_forward_scaled(d, NULL, NULL, 0, 0.0f, loss_sum);
@@ -230,7 +348,7 @@ tdm_status tdm_ddp_forward_global(tdm_ddp *d, const void *x, const int32_t *y, i
     /* 4-byte inputs of either dtype; out_rows targets per sample */
     const char *xs = (const char *)x + lo * tdm_model_in_features(d->m) * (int64_t)sizeof(float);
     const int32_t *ys = y + lo * tdm_model_out_rows(d->m);
-    return tdm_ddp_forward_scaled(d, xs, ys, (int)(hi - lo), 1.0f / (float)batch, loss_sum);
+    return tdm_ddp_forward_scaled(d, xs, ys, (int)(hi - lo), grad_scale, loss_sum);
 }
 
 /* ---- backward ---- */
@@ -279,6 +397,46 @@ tdm_status tdm_ddp_backward(tdm_ddp *d)
 }
 
 double tdm_ddp_loss_sum(const tdm_ddp *d) { return d->loss_global; }
+
+/* ---- uneven inputs (join) ---- */
+
+int tdm_ddp_active_ranks(const tdm_ddp *d) { return d->n_active; }
+
+tdm_status tdm_ddp_join(tdm_ddp *d, tdm_optim *opt, int64_t *shadowed)
+{
+    TDM_REQUIRE(d->o.join, TDM_STATUS_INVALID_ARG,
+                "ddp join: construct DDP with opts.join = 1 (every rank counts the ranks with "
+                "data at each forward)");
+    TDM_REQUIRE(d->sync, TDM_STATUS_INVALID_ARG,
+                "ddp join: called under no_sync; finish the accumulation first");
+    int64_t n = 0;
+    if (shadowed) *shadowed = 0;
+    if (d->world == 1) return TDM_STATUS_OK;
+    d->joined = 1;
+    d->have_fwd = 0;
+    tdm_status st = TDM_STATUS_OK;
+    for (;;) {
+        if ((st = tdm_ddp_join_count(d))) break;
+        if (d->n_active == 0) break;   /* every rank has joined: all leave here */
+        /* one step of the others: a rank without samples takes part in
+         * the buffer broadcast and reduces zeros */
+        if ((st = tdm_ddp_zero_grad(d))) break;
+        if ((st = tdm_ddp_forward_impl(d, NULL, NULL, 0, 0.0f, 0, NULL))) break;
+        if ((st = tdm_ddp_backward(d))) break;
+        if (opt && (st = tdm_ddp_step(d, opt))) break;
+        n++;
+    }
+    /* a later epoch starts with every rank training again */
+    d->joined = 0;
+    d->n_active = d->world;
+    if (shadowed) *shadowed = n;
+    if (st) {
+        tdm_error_prefix(st, "ddp join: rank %d, after shadowing %lld step(s)", d->rank,
+                         (long long)n);
+        (void)tdm_comm_abort(d->hcomm, tdm_error_message());
+    }
+    return st;
+}
 
 /* ---- optimizer step ---- */
 

@@ -16,8 +16,9 @@
  * plan is made once, walking the parameters in definition order, and
  * bucket 0 holds the last ones. A bucket is a contiguous view of the flat
  * gradient buffer. The Reducer (the model's grad-ready hook) launches each
- * bucket's asynchronous all-reduce as soon as it is complete, strictly in
- * bucket order, while backward continues.
+ * bucket's asynchronous all-reduce (or hands it to a communication hook:
+ * ddp/hooks.h) as soon as it is complete, strictly in bucket order, while
+ * backward continues.
  *
  * Gradient semantics: tdm_ddp_forward scales the loss gradient so that a
  * SUM all-reduce gives the gradient of the global batch's mean loss:
@@ -44,6 +45,7 @@
 #include "core/data.h"
 #include "core/status.h"
 #include "core/timer.h"
+#include "ddp/hooks.h"
 #include "models/checkpoint.h"
 #include "models/model.h"
 #include "models/optim.h"
@@ -63,6 +65,20 @@ typedef struct tdm_ddp_opts {
      * above): made once, never rebuilt. */
     int find_unused_parameters;
     int64_t timeout_ms;          /* bound on each bucket wait; 0: the communicator's */
+    /* 1: uneven inputs (PyTorch's Join): every training forward first
+     * all-reduces how many ranks still have data (one int32 over
+     * host_comm), tdm_ddp_forward divides by that count instead of the
+     * world size, and a rank out of data calls tdm_ddp_join, which
+     * shadows the others' steps until every rank has joined. */
+    int join;
+    /* 1: SyncBatchNorm (PyTorch's convert_sync_batchnorm): the model's
+     * batchnorm layers compute their training statistics over all ranks
+     * (tdm_model_set_sync_bn; two float64 all-reduces over host_comm per
+     * layer in forward, one in backward), so DDP's CNN computes what one
+     * device computes on the whole global batch. On accelerators the
+     * statistics are staged through the host (correct, not fast); every
+     * rank needs a sample in every step; not with join. */
+    int sync_bn;
     /* Borrowed, optional: the communicator for the few collectives on host
      * memory (the layout and plan checks, evaluation's sums, checkpoint
      * flags), with the same
@@ -91,7 +107,8 @@ typedef struct tdm_ddp_times {
     double comm_ms_last;         /* first bucket start to last bucket end */
     double comm_ms_total;
     double exposed_ms_total;     /* = total.ms[ALLREDUCE_WAIT] */
-    double reduced_bytes_total;  /* bytes all-reduced (padding and check tail included) */
+    double reduced_bytes_total;  /* bytes all-reduced (padding and check tail included;
+                                    with a comm hook, what the hook reported) */
     double overlapped_bytes_total; /* of which launched while backward still ran */
     int n_buckets;
     const tdm_ddp_bucket_times *buckets;   /* borrowed; last backward */
@@ -118,6 +135,19 @@ tdm_comm *tdm_ddp_comm(tdm_ddp *d);
 int tdm_ddp_n_buckets(const tdm_ddp *d);
 void tdm_ddp_bucket_info(const tdm_ddp *d, int b, int *first_param, int *last_param,
                          int64_t *offset, int64_t *n_elem);
+/* Communication hooks (ddp/hooks.h): from the next synchronised backward
+ * on, each complete bucket goes to the hook instead of the Reducer's own
+ * float32 all-reduce. Register before the first forward, once (as in
+ * PyTorch); every rank must register the same hook. The hook's state is
+ * borrowed: it must outlive d. */
+tdm_status tdm_ddp_register_comm_hook(tdm_ddp *d, const tdm_ddp_comm_hook *hook);
+/* A built-in by name ("allreduce", "fp16", "bf16", "powersgd"; popts:
+ * PowerSGD's options, NULL: defaults), its state owned by d. "allreduce"
+ * keeps the Reducer's own path. The others need a host device
+ * (UNSUPPORTED otherwise). */
+tdm_status tdm_ddp_set_comm_hook(tdm_ddp *d, const char *name, const tdm_ddp_powersgd_opts *popts);
+/* The registered hook's name; "allreduce" without one. */
+const char *tdm_ddp_comm_hook_name(const tdm_ddp *d);
 /* 1 when the gradients live in communicator memory (zero-copy). */
 int tdm_ddp_zero_copy(const tdm_ddp *d);
 /* The communicator memory (tdm_comm_alloc; the shm arena of
@@ -161,6 +191,10 @@ tdm_status tdm_ddp_forward_scaled(tdm_ddp *d, const void *x, const int32_t *y, i
  * tdm_ddp_loss_sum after backward has every rank's. */
 tdm_status tdm_ddp_forward_global(tdm_ddp *d, const void *x, const int32_t *y, int batch,
                                   double *loss_sum);
+/* The same with an explicit loss-gradient scale: gradient accumulation
+ * passes 1/(the effective batch) for each of its micro-batches. */
+tdm_status tdm_ddp_forward_global_scaled(tdm_ddp *d, const void *x, const int32_t *y, int batch,
+                                         float grad_scale, double *loss_sum);
 /* Rank `rank`'s share of n items split over `world` ranks: [*lo, *hi)
  * with lo = rank * n / world and hi = (rank + 1) * n / world, contiguous,
  * in rank order, sizes differing by at most one (empty for some ranks
@@ -180,6 +214,23 @@ tdm_status tdm_ddp_backward(tdm_ddp *d);
  * by that backward's all-reduce: no extra collective. Divide by the
  * global batch for the mean. */
 double tdm_ddp_loss_sum(const tdm_ddp *d);
+
+/* Uneven inputs (opts.join): called by a rank that has run out of data,
+ * collectively with the others' remaining steps. Until every rank has
+ * joined it shadows each step of the ranks still training - the count
+ * all-reduce, the buffer broadcast, the gradient all-reduces with zeros
+ * (a rank without samples contributes nothing) - and takes the optimizer
+ * step on the reduced gradient like them, so its parameters stay
+ * bitwise the same; returns once every rank has joined (each joined
+ * rank's count all-reduce then gives 0). *shadowed (may be NULL): the
+ * steps it shadowed. opt may be NULL (no step: parameters then lag).
+ * The reduced gradient of a step is the sum of the active ranks'
+ * gradients; with tdm_ddp_forward (scale 1/(batch * active ranks)) the
+ * mean over the ranks that contributed. */
+tdm_status tdm_ddp_join(tdm_ddp *d, tdm_optim *opt, int64_t *shadowed);
+/* Ranks that contributed to the last training forward (opts.join; else
+ * the world size). */
+int tdm_ddp_active_ranks(const tdm_ddp *d);
 
 /* Optimizer step, timed. */
 tdm_status tdm_ddp_step(tdm_ddp *d, tdm_optim *opt);

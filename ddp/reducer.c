@@ -144,7 +144,8 @@ static tdm_status tdm_ddp_plan(tdm_ddp_reducer *r)
     r->ready = calloc((size_t)n, 1);
     r->order = calloc((size_t)n, sizeof *r->order);
     r->group = calloc((size_t)n, sizeof *r->group);
-    if (!r->b || !r->bt || !r->param_bucket || !r->ready || !r->order || !r->group)
+    r->hb = calloc((size_t)n, sizeof *r->hb);
+    if (!r->b || !r->bt || !r->param_bucket || !r->ready || !r->order || !r->group || !r->hb)
         return tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "ddp: bucket plan for %d parameters", n);
     size_t first_cap, cap;
     tdm_ddp_caps(r, &first_cap, &cap);
@@ -315,6 +316,49 @@ static void tdm_ddp_hook_fail(tdm_ddp_reducer *r, tdm_status st)
     snprintf(r->hook_msg, sizeof r->hook_msg, "%s", tdm_error_message());
 }
 
+/* Starts bucket i's reduction: the Reducer's own asynchronous float32
+ * all-reduce, or the comm hook's launch followed by the check tail's
+ * float32 all-reduce when the bucket carries it. Counts its bytes. */
+static tdm_status tdm_ddp_bucket_launch(tdm_ddp_reducer *r, int i)
+{
+    tdm_ddp_bucket *bk = &r->b[i];
+    float *v = r->grads + bk->offset;
+    double bytes = (double)bk->n_elem * 4.0;
+    tdm_status st;
+    r->bt[i].start_ms = tdm_ddp_rel_ms(r);
+    bk->launched = 1;
+    if (!r->hook.launch) {
+        st = tdm_comm_all_reduce_async(r->comm, v, v, (size_t)bk->n_elem, TDM_DTYPE_FLOAT32,
+                                       TDM_REDOP_SUM, &bk->work);
+        if (st) return tdm_error_prefix(st, "ddp: bucket %d all_reduce", i);
+    } else {
+        int tail = bk->last == r->n_params - 1;
+        tdm_ddp_hook_bucket *h = &r->hb[i];
+        *h = (tdm_ddp_hook_bucket){
+            .index = i, .grads = v, .n_elem = bk->n_elem - (tail ? TDM_DDP_TAIL_ELEMS : 0),
+            .offset = bk->offset, .first_param = bk->first, .last_param = bk->last,
+            .model = r->m, .comm = r->comm, .step = (int64_t)r->sync_count,
+            .timeout_ms = r->o.timeout_ms > 0 ? r->o.timeout_ms : -1};
+        st = r->hook.launch(r->hook.state, h);
+        if (st) {
+            bk->launched = 0;
+            return tdm_error_prefix(st, "ddp: comm hook '%s' on bucket %d (launch)",
+                                    r->hook.name ? r->hook.name : "user", i);
+        }
+        bytes = h->bytes;
+        if (tail) {
+            float *t = r->grads + r->param_elems;
+            st = tdm_comm_all_reduce_async(r->comm, t, t, TDM_DDP_TAIL_ELEMS, TDM_DTYPE_FLOAT32,
+                                           TDM_REDOP_SUM, &bk->work);
+            if (st) return tdm_error_prefix(st, "ddp: check tail all_reduce");
+            bytes += TDM_DDP_TAIL_ELEMS * 4.0;
+        }
+    }
+    if (r->in_backward) r->overlapped_bytes += bytes;
+    r->reduced_bytes += bytes;
+    return TDM_STATUS_OK;
+}
+
 /* Launches every complete bucket from next_launch on, in bucket order,
  * asynchronously (the progress thread runs it while backward goes on).
  * The last bucket holds the parameters backward finishes last (the first
@@ -324,17 +368,11 @@ static void tdm_ddp_hook_fail(tdm_ddp_reducer *r, tdm_status st)
 static void tdm_ddp_launch_ready(tdm_ddp_reducer *r)
 {
     while (r->next_launch < r->nb - 1 && !r->hook_st && r->b[r->next_launch].pending == 0) {
-        tdm_ddp_bucket *bk = &r->b[r->next_launch];
-        float *v = r->grads + bk->offset;
-        r->bt[r->next_launch].start_ms = tdm_ddp_rel_ms(r);
-        tdm_status st = tdm_comm_all_reduce_async(r->comm, v, v, (size_t)bk->n_elem,
-                                                  TDM_DTYPE_FLOAT32, TDM_REDOP_SUM, &bk->work);
+        tdm_status st = tdm_ddp_bucket_launch(r, r->next_launch);
         if (st) {
-            tdm_error_prefix(st, "ddp: bucket %d all_reduce", r->next_launch);
             tdm_ddp_hook_fail(r, st);
             return;
         }
-        if (r->in_backward) r->overlapped_bytes += (double)bk->n_elem * 4.0;
         r->next_launch++;
     }
 }
@@ -342,6 +380,7 @@ static void tdm_ddp_launch_ready(tdm_ddp_reducer *r)
 /* Notes completion times of launched buckets (never blocks). */
 static void tdm_ddp_poll(tdm_ddp_reducer *r)
 {
+    if (r->hook.launch) return;   /* a hook's completion is seen at its wait */
     for (int i = 0; i < r->next_launch; i++) {
         if (r->b[i].done || !r->b[i].work) continue;
         int done = 0;
@@ -381,15 +420,31 @@ static tdm_status tdm_ddp_drain(tdm_ddp_reducer *r)
     int64_t to = r->o.timeout_ms > 0 ? r->o.timeout_ms : -1;
     for (int i = 0; i < r->nb; i++) {
         tdm_ddp_bucket *bk = &r->b[i];
-        if (!bk->work) continue;
-        /* Completion usually comes within microseconds: poll (yielding
-         * the core to the progress thread) before sleeping on it. */
-        uint64_t spin_end = tdm_time_ns() + 200000;
-        int done = 0;
-        while (!st && tdm_comm_work_test(bk->work, &done) == TDM_STATUS_OK && !done &&
-               tdm_time_ns() < spin_end)
-            sched_yield();
-        tdm_status s = tdm_comm_work_wait(bk->work, st ? 10000 : to);
+        if (!bk->launched) continue;
+        bk->launched = 0;
+        tdm_status s = TDM_STATUS_OK;
+        if (r->hook.launch) {
+            /* the hook's wait, then the check tail's (launched after it) */
+            r->hb[i].timeout_ms = st ? 10000 : to;
+            s = r->hook.wait(r->hook.state, &r->hb[i]);
+            if (s)
+                tdm_error_prefix(s, "comm hook '%s' (wait)", r->hook.name ? r->hook.name : "user");
+        }
+        if (bk->work) {
+            /* Completion usually comes within microseconds: poll (yielding
+             * the core to the progress thread) before sleeping on it. */
+            uint64_t spin_end = tdm_time_ns() + 200000;
+            int done = 0;
+            while (!st && !s && tdm_comm_work_test(bk->work, &done) == TDM_STATUS_OK && !done &&
+                   tdm_time_ns() < spin_end)
+                sched_yield();
+            tdm_status s2 = tdm_comm_work_wait(bk->work, (st || s) ? 10000 : to);
+            if (!s) s = s2;
+            /* freeing a still-running work is allowed: it completes in the
+             * background (core/comm.h), and the communicator is aborted */
+            tdm_comm_work_free(bk->work);
+            bk->work = NULL;
+        }
         if (!bk->done) r->bt[i].end_ms = tdm_ddp_rel_ms(r);
         bk->done = 1;
         if (s && !st) {
@@ -399,10 +454,6 @@ static tdm_status tdm_ddp_drain(tdm_ddp_reducer *r)
                      (long long)bk->n_elem, bk->first, bk->last, tdm_error_message());
             tdm_comm_abort(r->comm, msg);
         }
-        /* freeing a still-running work is allowed: it completes in the
-         * background (core/comm.h), and the communicator is aborted */
-        tdm_comm_work_free(bk->work);
-        bk->work = NULL;
     }
     if (st) tdm_error_set(st, "%s", msg);
     return st;
@@ -465,8 +516,22 @@ static tdm_status tdm_ddp_finish(tdm_ddp_reducer *r)
     for (int i = r->next_launch; i < r->nb; i++) {
         tdm_ddp_bucket *bk = &r->b[i];
         float *v = r->grads + bk->offset;
-        r->bt[i].start_ms = tdm_ddp_rel_ms(r);
         tdm_status st;
+        if (r->hook.launch) {
+            /* the hook's launch and wait, one bucket at a time */
+            st = tdm_ddp_bucket_launch(r, i);
+            if (st == TDM_STATUS_OK) st = tdm_ddp_drain(r);
+            if (st) {
+                char msg[768];
+                snprintf(msg, sizeof msg, "%s", tdm_error_message());
+                tdm_comm_abort(r->comm, msg);
+                return tdm_error_set(st, "%s", msg);
+            }
+            r->next_launch = i + 1;
+            continue;
+        }
+        r->bt[i].start_ms = tdm_ddp_rel_ms(r);
+        r->reduced_bytes += (double)bk->n_elem * 4.0;
         if (r->o.timeout_ms > 0) {
             /* bounded by opts.timeout_ms like the asynchronous buckets */
             tdm_comm_work *w = NULL;
@@ -533,9 +598,15 @@ tdm_status tdm_ddp_reducer_attach(tdm_ddp_reducer *r)
 void tdm_ddp_reducer_free(tdm_ddp_reducer *r)
 {
     for (int i = 0; i < r->nb; i++) {
+        if (r->hook.launch && r->b[i].launched) {
+            r->hb[i].timeout_ms = 10000;
+            (void)r->hook.wait(r->hook.state, &r->hb[i]);
+        }
         if (r->b[i].work) (void)tdm_comm_work_wait(r->b[i].work, 10000);
         tdm_comm_work_free(r->b[i].work);
     }
+    if (r->own_hook && r->hook.free) r->hook.free(r->hook.state);
+    free(r->hb);
     if (r->attached) {
         tdm_model_set_grad_hook(r->m, NULL, NULL);
         (void)tdm_model_set_grad_storage(r->m, NULL);
@@ -567,6 +638,7 @@ tdm_status tdm_ddp_reducer_begin(tdm_ddp_reducer *r, uint32_t seq, double loss_s
     for (int i = 0; i < r->nb; i++) {
         r->b[i].pending = r->b[i].last - r->b[i].first + 1;
         r->b[i].done = 0;
+        r->b[i].launched = 0;
         r->b[i].work = NULL;
         r->bt[i] = (tdm_ddp_bucket_times){0};
     }
@@ -616,7 +688,6 @@ tdm_status tdm_ddp_reducer_end(tdm_ddp_reducer *r, uint32_t seq, int had_samples
         r->record_order = 0;
         r->rebuild_pending = r->n_order == r->n_params;
     }
-    r->reduced_bytes += (double)(r->param_elems + TDM_DDP_TAIL_ELEMS) * 4.0;
     return TDM_STATUS_OK;
 }
 

@@ -36,6 +36,7 @@
 #include "core/device.h"
 #include "core/status.h"
 #include "ddp/ddp.h"
+#include "ddp/hooks.h"
 #include "models/model.h"
 
 #define TDM_DDP_MAX_RANKS 64
@@ -52,7 +53,8 @@ typedef struct tdm_ddp_bucket {
     int64_t offset, n_elem;      /* view of the gradient buffer */
     int pending;                 /* parameters not yet ready this backward */
     int done;
-    tdm_comm_work *work;
+    int launched;                /* this backward */
+    tdm_comm_work *work;         /* the all-reduce (with a comm hook: the check tail's) */
 } tdm_ddp_bucket;
 
 typedef struct tdm_ddp_reducer {
@@ -85,6 +87,11 @@ typedef struct tdm_ddp_reducer {
     char hook_msg[512];
     double overlapped_bytes;     /* since init: launched while backward still computed */
     double reduced_bytes;        /* since init: all-reduced (padding and check tail included) */
+    /* The communication hook (ddp/hooks.h); .launch NULL: the Reducer's
+     * own float32 all-reduce of each bucket, check tail included. */
+    tdm_ddp_comm_hook hook;
+    int own_hook;                /* 1: hook.free(hook.state) when the Reducer is freed */
+    tdm_ddp_hook_bucket *hb;     /* per bucket, from launch to wait */
 } tdm_ddp_reducer;
 
 /* Plans the buckets, allocates the gradient storage (communicator memory

@@ -694,7 +694,8 @@ static void tdm_dp_timings_reset(tdm_dp *dp, int batch, const int *sizes)
 }
 
 static tdm_status tdm_dp_fb(tdm_dp *dp, const void *x, const int32_t *y, int batch,
-                            const int *chunk_sizes, int zero_master, double *loss_mean)
+                            const int *chunk_sizes, int zero_master, float grad_scale,
+                            double *loss_sum_out)
 {
     tdm_status st = TDM_STATUS_OK;
     int sizes[TDM_DP_MAX_DEVICES];
@@ -731,13 +732,14 @@ static tdm_status tdm_dp_fb(tdm_dp *dp, const void *x, const int32_t *y, int bat
     TDM_TRY(tdm_dp_round(dp, TDM_PHASE_FORWARD, active, tdm_dp_forward_task, &s));
     TDM_TRY(tdm_dp_gather(dp, dp->logits, sizes, C, dp->logits_all));
 
-    /* loss over the whole batch on the output device: mean, so scale 1/B */
+    /* loss over the whole batch on the output device: mean, so scale 1/B
+     * (gradient accumulation passes 1/(the effective batch)) */
     uint64_t t0 = tdm_time_ns();
     double loss_sum = 0.0;
     TDM_TRY(tdm_dev_copy_from_host(od, dp->labels, y,
                                    (size_t)batch * dp->out_rows * sizeof(int32_t)));
     TDM_TRY(tdm_model_loss(dp->rep[dp->out], dp->logits_all, dp->labels, batch,
-                           1.0f / (float)batch, &loss_sum, dp->dlogits_all));
+                           grad_scale, &loss_sum, dp->dlogits_all));
     double loss_ms = tdm_time_ms_since(t0);
     dp->t.wall.ms[TDM_PHASE_LOSS] += loss_ms;
     dp->t.device[dp->out].ms[TDM_PHASE_LOSS] += loss_ms;
@@ -751,7 +753,7 @@ static tdm_status tdm_dp_fb(tdm_dp *dp, const void *x, const int32_t *y, int bat
     /* the backward of replicate is a reduce-add onto the master */
     TDM_TRY(tdm_dp_reduce_mask(dp, active));
 
-    if (loss_mean) *loss_mean = loss_sum / batch;
+    if (loss_sum_out) *loss_sum_out = loss_sum;
     dp->t.step_ms = tdm_time_ms_since(t_step);
     dp->last = dp->t;
     return TDM_STATUS_OK;
@@ -762,7 +764,17 @@ fail:
 tdm_status tdm_dp_forward_backward(tdm_dp *dp, const void *x, const int32_t *y, int batch,
                                    const int *chunk_sizes, double *loss_mean)
 {
-    return tdm_dp_fb(dp, x, y, batch, chunk_sizes, 0, loss_mean);
+    double ls = 0.0;
+    TDM_CHECK(tdm_dp_fb(dp, x, y, batch, chunk_sizes, 0, batch > 0 ? 1.0f / (float)batch : 0.0f,
+                        &ls));
+    if (loss_mean) *loss_mean = ls / batch;
+    return TDM_STATUS_OK;
+}
+
+tdm_status tdm_dp_forward_backward_scaled(tdm_dp *dp, const void *x, const int32_t *y,
+                                          int batch, float grad_scale, double *loss_sum)
+{
+    return tdm_dp_fb(dp, x, y, batch, NULL, 0, grad_scale, loss_sum);
 }
 
 tdm_status tdm_dp_step(tdm_dp *dp, tdm_optim *opt, const void *x, const int32_t *y, int batch,
@@ -772,7 +784,9 @@ tdm_status tdm_dp_step(tdm_dp *dp, tdm_optim *opt, const void *x, const int32_t 
     uint64_t t0 = tdm_time_ns();
     /* optimizer.zero_grad() on the master, done inside the replicate
      * round by all the step's threads (so timed as replicate) */
-    TDM_CHECK(tdm_dp_fb(dp, x, y, batch, NULL, 1, loss_mean));
+    double ls = 0.0;
+    TDM_CHECK(tdm_dp_fb(dp, x, y, batch, NULL, 1, batch > 0 ? 1.0f / (float)batch : 0.0f, &ls));
+    if (loss_mean) *loss_mean = ls / batch;
     uint64_t t1 = tdm_time_ns();
     TDM_CHECK(tdm_optim_step(opt));
     /* an accelerator's optimizer kernels are only queued: wait, so that

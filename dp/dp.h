@@ -164,6 +164,13 @@ tdm_status tdm_dp_reduce_grads(tdm_dp *dp, int n_active);
 tdm_status tdm_dp_forward_backward(tdm_dp *dp, const void *x, const int32_t *y, int batch,
                                    const int *chunk_sizes, double *loss_mean);
 
+/* The same with the default split and an explicit loss-gradient scale
+ * (gradient accumulation: 1/(the effective batch), so that the
+ * micro-batches' gradients add up to the effective batch's mean-loss
+ * gradient); *loss_sum (may be NULL): the sum of the per-sample losses. */
+tdm_status tdm_dp_forward_backward_scaled(tdm_dp *dp, const void *x, const int32_t *y,
+                                          int batch, float grad_scale, double *loss_sum);
+
 /* One training step: zero the master's gradients (inside the replicate
  * round, sliced over the threads), tdm_dp_forward_backward with the
  * default split, then tdm_optim_step(opt) (opt built on the master). On

@@ -42,6 +42,7 @@ tdm_status tdm_model_layer_forward(tdm_model *m, tdm_layer *l, const float *x, i
     }
     case TDM_LAYER_BN: {
         int64_t len = (int64_t)B * l->h * l->w;
+        if (m->train && m->sync_bn) return tdm_syncbn_forward(m, l, x, B);
         if (m->train) {
             TDM_REQUIRE(len > 1, TDM_STATUS_INVALID_ARG,
                         "batchnorm in training mode needs more than 1 value per channel "
@@ -106,6 +107,7 @@ tdm_status tdm_model_layer_backward(tdm_model *m, tdm_layer *l, float *dout, flo
     case TDM_LAYER_BN: {
         int64_t len = (int64_t)B * l->h * l->w;
         if (l->relu) TDM_CHECK(tdm_dev_relu_bwd(d, dout, l->out, len * l->c));
+        if (m->train && m->sync_bn) return tdm_syncbn_backward(m, l, dout, din, B);
         return tdm_dev_bn_bwd(d, l->in, dout, l->c, len, l->mean, l->invstd, tdm_param(m, l->p0),
                               din, tdm_grad(m, l->p0), tdm_grad(m, l->p0 + 1), m->train);
     }

@@ -558,6 +558,19 @@ int64_t tdm_model_param_elems(const tdm_model *m) { return m->param_elems; }
 int64_t tdm_model_buffer_elems(const tdm_model *m) { return m->buffer_elems; }
 void tdm_model_set_train(tdm_model *m, int train) { m->train = train != 0; }
 int tdm_model_is_train(const tdm_model *m) { return m->train; }
+void tdm_model_set_sync_bn(tdm_model *m, tdm_model_allsum_fn fn, void *ctx)
+{
+    m->sync_bn = fn;
+    m->sync_bn_ctx = ctx;
+}
+
+int tdm_model_n_batchnorm(const tdm_model *m)
+{
+    int n = 0;
+    for (int i = 0; i < m->n_layers; i++) n += m->layers[i].kind == TDM_LAYER_BN;
+    return n;
+}
+
 void tdm_model_set_grad_hook(tdm_model *m, tdm_grad_ready_fn fn, void *ctx)
 {
     m->hook = fn;

@@ -151,6 +151,24 @@ int64_t tdm_model_buffer_elems(const tdm_model *m);
  * The model does not free it; pass NULL to go back to owned storage. */
 tdm_status tdm_model_set_grad_storage(tdm_model *m, float *grads /* borrowed */);
 
+/* SyncBatchNorm (a callback, so that models/ knows nothing of
+ * communicators; DDP installs it: tdm_ddp_opts.sync_bn). When set, every
+ * batchnorm layer in training mode computes its batch statistics over
+ * all replicas: it calls fn(ctx, v, n) with per-channel partial sums in
+ * v (host doubles) - forward: sum x and the sample count, then the sum of
+ * squared deviations from the global mean; backward: sum dy and sum
+ * dy*xhat - and fn must replace them by their sums over every replica
+ * (every replica calls it in the same order, with the same n). The
+ * parameter gradients (dgamma, dbeta) stay this replica's own sums (DDP
+ * reduces them); the input gradient uses the global ones, so the group
+ * computes what one device computes on the union of the batches. The
+ * sums are taken on the host (staged through copies on an accelerator).
+ * NULL: local statistics (the default). */
+typedef tdm_status (*tdm_model_allsum_fn)(void *ctx, double *v, int n);
+void tdm_model_set_sync_bn(tdm_model *m, tdm_model_allsum_fn fn, void *ctx);
+/* Batchnorm layers of the model (0 for the MLP and GPT). */
+int tdm_model_n_batchnorm(const tdm_model *m);
+
 void tdm_model_set_train(tdm_model *m, int train);
 int tdm_model_is_train(const tdm_model *m);
 void tdm_model_set_grad_hook(tdm_model *m, tdm_grad_ready_fn fn, void *ctx);

@@ -82,6 +82,8 @@ struct tdm_model {
     float *pview[TDM_MODEL_MAX_TENSORS];
     float *gview[TDM_MODEL_MAX_TENSORS];
     int released;           /* tdm_model_release_storage: params and grads_owned freed */
+    tdm_model_allsum_fn sync_bn;   /* SyncBatchNorm: sums batch statistics over replicas */
+    void *sync_bn_ctx;
     /* activations */
     int cap;                /* samples the activations hold */
     int batch;              /* batch of the last forward */
@@ -117,6 +119,12 @@ tdm_status tdm_model_add_tensor(tdm_model *m, int buffer, int layer, const char 
                                 const int64_t *shape);
 /* Appends a layer of the given kind owning the tensors added after it. */
 tdm_layer *tdm_model_add_layer(tdm_model *m, tdm_layer_kind kind);
+
+/* models/syncbn.c: a batchnorm layer's training forward and backward
+ * with its statistics summed over the replicas through m->sync_bn (host
+ * devices). */
+tdm_status tdm_syncbn_forward(tdm_model *m, tdm_layer *l, const float *x, int B);
+tdm_status tdm_syncbn_backward(tdm_model *m, tdm_layer *l, const float *dout, float *din, int B);
 
 /* models/layers.c: one layer's forward (x (B, in) -> l->out, l->in = x)
  * and backward (adds into its gradients; writes din unless NULL; dout

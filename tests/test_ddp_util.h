@@ -54,6 +54,10 @@ typedef struct tddp_cfg {
      * shm one), e.g. NCCL; the shm one is then DDP's host_comm. */
     tdm_status (*open_dev)(tdm_device **out, int rank);
     tdm_status (*make_comm)(tdm_comm **out, tdm_comm *boot, tdm_device *dev);
+    const char *comm_hook;   /* a built-in comm hook (tdm_ddp_set_comm_hook), NULL: none */
+    tdm_ddp_powersgd_opts psgd;
+    const tdm_ddp_comm_hook *user_hook;   /* registered with tdm_ddp_register_comm_hook */
+    int sync_bn;             /* tdm_ddp_opts.sync_bn */
 } tddp_cfg;
 
 typedef struct tddp_shared {
@@ -169,8 +173,11 @@ static inline int tddp_rank_main(tdm_comm *comm, void *arg)
                       .bucket_cap_bytes = c->cap_rank == rank ? c->rank_cap_bytes : c->cap_bytes,
                       .first_bucket_bytes = c->first_bytes,
                       .find_unused_parameters = c->find_unused, .timeout_ms = 20000,
+                      .sync_bn = c->sync_bn,
                       .host_comm = gcomm ? comm : NULL};
     TDM_TRY(tdm_ddp_init(&ddp, m, gcomm ? gcomm : comm, &o));
+    if (c->comm_hook) TDM_TRY(tdm_ddp_set_comm_hook(ddp, c->comm_hook, &c->psgd));
+    if (c->user_hook) TDM_TRY(tdm_ddp_register_comm_hook(ddp, c->user_hook));
     TDM_TRY(tdm_sgd_init(&opt, m, 0.05f, 0.9f));
     sh->zero_copy = tdm_ddp_zero_copy(ddp);
     perm = malloc((size_t)(c->gpt ? 1 : run->data->n) * sizeof *perm);

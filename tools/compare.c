@@ -22,6 +22,7 @@
 #include "core/device.h"
 #include "core/safefile.h"
 #include "ddp/ddp.h"
+#include "ddp/hooks.h"
 #include "ddp/spawn.h"
 #include "models/train.h"
 #include "tools/args.h"
@@ -78,8 +79,16 @@ static void tdm_cmp_usage(FILE *f)
         "  --plot DIR           loss, throughput, phase (and scaling) charts, with gnuplot;\n"
         "                       DIR must be yours and not writable by others\n"
         "  --sweep 1,2,4        also run DP and DDP at these device counts\n"
+        "  --sync-bn            DDP with SyncBatchNorm: the CNN's DDP is then checked\n"
+        "                       against one device with the MLP's tolerance\n"
+        "  --comm-hook H        also run DDP with a comm hook: fp16, bf16 or powersgd,\n"
+        "                       beside the float32 one: bytes per step, exposed time,\n"
+        "                       throughput, loss curve, and a verdict on the expected,\n"
+        "                       bounded difference (docs/DDP.md)        [allreduce]\n"
+        "  --powersgd-rank R    [1]   --powersgd-start-step S (plain before)   [10]\n"
         "  --perturb-rank R     testing aid: DDP rank R adds 1%% to its gradient share,\n"
-        "                       which the equivalence verdict must catch\n"
+        "                       which the equivalence verdict must catch (with\n"
+        "                       --comm-hook: only the hooked run, for its verdict)\n"
         "  --backend B          under mpirun/srun: DDP's communicator, shm, mpi, hier or\n"
         "                       auto (shm on one machine, hier otherwise)    [auto]\n"
         "\n"
@@ -351,6 +360,10 @@ static tdm_status tdm_cmp_parse(int argc, char **argv, tdm_cmp_job *j)
         TDM_ARGS_FLOAT("--bucket-cap-mb", 1e-6, 1e6, o->bucket_cap_mb)
         TDM_ARGS_INT("--seed", 0, INT64_MAX, o->seed)
         if (!strcmp(argv[i], "--no-overlap")) { o->no_overlap = 1; continue; }
+        if (!strcmp(argv[i], "--sync-bn")) { o->sync_bn = 1; continue; }
+        TDM_ARGS_STR("--comm-hook", o->comm_hook)
+        TDM_ARGS_INT("--powersgd-rank", 1, 1 << 16, o->powersgd_rank)
+        TDM_ARGS_INT("--powersgd-start-step", 0, INT64_MAX, o->powersgd_start_step)
         return tdm_tool_usage_error("tandem compare: unknown option '%s' (see tandem compare "
                                     "--help)\n", argv[i]);
     }
@@ -426,6 +439,13 @@ static tdm_status tdm_cmp_check(tdm_cmp_job *j)
             "torch.nn.DataParallel does), and DDP ranks would have nothing to train on; "
             "use --batch >= %d\n", o->batch, o->n_dev, o->batch, o->n_dev - o->batch,
             o->n_dev - o->batch > 1 ? "s" : "", o->n_dev);
+    if (o->comm_hook && !tdm_ddp_hook_known(o->comm_hook))
+        return tdm_tool_usage_error("tandem compare: --comm-hook '%s': expected allreduce, fp16, "
+                                    "bf16 or powersgd\n", o->comm_hook);
+    if (o->comm_hook && !strcmp(o->comm_hook, "allreduce")) o->comm_hook = NULL;
+    if (o->comm_hook && o->ddp_comm)
+        return tdm_tool_usage_error("tandem compare: --comm-hook is not supported under an MPI "
+                                    "launcher yet (run compare on one machine)\n");
     if (o->perturb_rank >= o->n_dev)
         return tdm_tool_usage_error("tandem compare: --perturb-rank %d: only ranks 0..%d "
                                     "exist\n", o->perturb_rank, o->n_dev - 1);
@@ -620,12 +640,24 @@ static int tdm_cmp_print_pair(const tdm_cmp_job *j, const tdm_model *ref, tdm_cm
     char label[40];
     snprintf(label, sizeof label, "%s vs %s", tdm_cmp_mode_name(a->mode),
              tdm_cmp_mode_name(b->mode));
-    if (bn && b->mode == TDM_CMP_SINGLE) {
+    /* --sync-bn: DDP's batchnorm sees the whole global batch, as one
+     * device does; DP's still sees each chunk */
+    int ddp_sync = o->sync_bn && a->mode == TDM_CMP_DDP;
+    if (bn && b->mode == TDM_CMP_SINGLE && !ddp_sync) {
         printf("  %-14s not expected to match: batchnorm normalises each device's chunk "
-               "with that chunk's statistics\n", label);
+               "with that chunk's statistics%s\n", label,
+               a->mode == TDM_CMP_DDP ? " (--sync-bn makes DDP match)" : "");
         return 1;
     }
-    if (bn && o->batch % o->n_dev && (a->mode == TDM_CMP_DP || b->mode == TDM_CMP_DP)) {
+    if (bn && o->sync_bn && b->mode == TDM_CMP_DP) {
+        printf("  %-14s not expected to match: DDP's SyncBatchNorm normalises with the "
+               "whole batch's statistics, DP with each chunk's\n", label);
+        return 1;
+    }
+    if (bn && ddp_sync)
+        printf("  %-14s with --sync-bn: the same tolerance as the MLP's\n", label);
+    if (bn && o->batch % o->n_dev && !ddp_sync &&
+        (a->mode == TDM_CMP_DP || b->mode == TDM_CMP_DP)) {
         printf("  %-14s not expected to match: DP's chunks (torch.chunk) and DDP's shares "
                "differ when %d does not divide by %d, so batchnorm sees different groups\n",
                label, o->batch, o->n_dev);
@@ -833,6 +865,11 @@ static tdm_status tdm_cmp_main_run(tdm_cmp_job *j)
     tdm_cmp_print_throughput(j);
     tdm_cmp_print_phase_table(&j->o, j->rp, j->nres);
     TDM_CHECK(tdm_cmp_print_equivalence(j));
+    if (j->o.comm_hook) {
+        int hv = tdm_cmp_hook_section(&j->o, &j->data, &j->spec, &j->res[TDM_CMP_DDP]);
+        if (hv < 0) return TDM_STATUS_PEER_FAILED;
+        if (!hv) j->verdict = 0;
+    }
     tdm_cmp_print_memory(&j->o, j->rp, j->nres);
     tdm_cmp_print_reading(j);
     TDM_CHECK(tdm_cmp_sweep(j));
@@ -847,7 +884,8 @@ int tdm_tool_compare_main(int argc, char **argv)
     j->o = (tdm_cmp_opts){.model = "mlp", .device = default_device, .data = NULL,
                           .optim = "sgd", .steps = 30, .warmup = 3, .batch = 0, .lr = -1,
                           .momentum = 0.9, .weight_decay = 0.0, .seed = 1, .bucket_cap_mb = 25,
-                          .perturb_rank = -1,
+                          .perturb_rank = -1, .powersgd_rank = 1,
+                          .powersgd_start_step = 10,
                           .modes = 1u << TDM_CMP_SINGLE | 1u << TDM_CMP_DP |
                                    1u << TDM_CMP_DDP | 1u << TDM_CMP_FSDP};
     int rc;

@@ -49,6 +49,11 @@ typedef struct tdm_cmp_opts {
     const char *backend;       /* --backend (MPI jobs); NULL: auto */
     tdm_comm *ddp_comm;        /* an MPI job: DDP's ranks are its ranks, over this
                                   communicator (NULL: forked ranks) */
+    const char *comm_hook;     /* --comm-hook (NULL or "allreduce": none) */
+    int powersgd_rank;
+    int64_t powersgd_start_step;
+    int hooked;                /* this DDP run registers comm_hook */
+    int sync_bn;               /* --sync-bn: DDP's batchnorm over the whole global batch */
 } tdm_cmp_opts;
 
 /* Bytes per device (or rank) by kind. */
@@ -85,6 +90,7 @@ typedef struct tdm_cmp_result {
     double *coll;                      /* [steps * n_coll * 4] rank 0: kind (0 all-gather,
                                           1 reduce-scatter, -1 none), unit, start, end
                                           (ms from the step's start) */
+    double bytes_per_step;             /* DDP rank 0: bytes all-reduced per step (mean) */
     tdm_cmp_memory mem[TDM_CMP_MAX_DEV];
 } tdm_cmp_result;
 
@@ -161,6 +167,12 @@ void tdm_cmp_means(const tdm_cmp_opts *o, const tdm_cmp_result *r, double *step,
                    double *exposed);
 /* Mean per-phase wall over post-warm-up steps. */
 void tdm_cmp_phase_mean(const tdm_cmp_opts *o, const tdm_cmp_result *r, tdm_phase_times *out);
+
+/* --comm-hook: runs DDP with the hook and prints its section beside the
+ * uncompressed DDP run `plain` (tools/compare_hook.c). 1: within the
+ * expected bound, 0: beyond it, -1: the run failed (message printed). */
+int tdm_cmp_hook_section(const tdm_cmp_opts *o, const tdm_cmp_data *data,
+                         const tdm_model_spec *spec, const tdm_cmp_result *plain);
 
 /* Writers (tools/compare_out.c); on failure a message is printed. */
 tdm_status tdm_cmp_write_trace(const char *path, const tdm_cmp_opts *o,

@@ -276,7 +276,7 @@ fail:
 typedef struct tdm_cmp_shared {
     int world, steps, n_buckets;
     int64_t param_elems;
-    double overlap_bytes_frac;
+    double overlap_bytes_frac, bytes_per_step;
     int agree[TDM_CMP_MAX_DEV];
     tdm_cmp_memory mem[TDM_CMP_MAX_DEV];
     size_t off_loss, off_step, off_t0, off_phase, off_comm, off_exposed, off_bwd, off_bucket,
@@ -340,7 +340,8 @@ static int tdm_cmp_ddp_rank(tdm_comm *comm, void *argp)
     float *x = malloc((size_t)(b > 0 ? b : 1) * feat * sizeof(float));
     int32_t *y = malloc((size_t)(b > 0 ? b : 1) * tdm_cmp_targets(a->data) * sizeof(int32_t));
     float *mine = NULL;
-    tdm_ddp_opts dopts = {.bucket_cap_mb = o->bucket_cap_mb, .no_overlap = o->no_overlap};
+    tdm_ddp_opts dopts = {.bucket_cap_mb = o->bucket_cap_mb, .no_overlap = o->no_overlap,
+                          .sync_bn = o->sync_bn};
     if (!x || !y) goto done;
     if (tdm_tool_rank_device(&o->dl, rank, &dev) != TDM_STATUS_OK ||
         tdm_cmp_make(o, dev, &m, &opt) != TDM_STATUS_OK ||
@@ -351,7 +352,18 @@ static int tdm_cmp_ddp_rank(tdm_comm *comm, void *argp)
     /* A deliberately wrong rank, to prove the verdict can fail: its share
      * of the loss gradient is 1% too large, so every rank's all-reduced
      * gradient is off. */
-    float scale = 1.0f / (float)o->batch * (rank == o->perturb_rank ? 1.01f : 1.0f);
+    if (o->hooked && o->comm_hook) {
+        tdm_ddp_powersgd_opts po = {.rank = o->powersgd_rank,
+                                    .start_step = o->powersgd_start_step, .seed = o->seed};
+        if (tdm_ddp_set_comm_hook(ddp, o->comm_hook, &po) != TDM_STATUS_OK) {
+            fprintf(stderr, "tandem compare: DDP rank %d: %s\n", rank, tdm_error_message());
+            goto done;
+        }
+    }
+    /* with --comm-hook only the hooked run is perturbed, for the hook's
+     * bounded verdict to catch */
+    float scale = 1.0f / (float)o->batch *
+                  (rank == o->perturb_rank && (!o->comm_hook || o->hooked) ? 1.01f : 1.0f);
     for (int i = 0; i < o->steps; i++) {
         /* this rank's share only (a gpt's rank draws its own windows) */
         if (b > 0) tdm_cmp_rows(a->data, i, o->batch, (int)lo, b, x, y);
@@ -380,6 +392,7 @@ static int tdm_cmp_ddp_rank(tdm_comm *comm, void *argp)
         tdm_ddp_get_times(ddp, &t);
         sh->overlap_bytes_frac =
             t.reduced_bytes_total > 0 ? t.overlapped_bytes_total / t.reduced_bytes_total : 0.0;
+        sh->bytes_per_step = t.steps > 0 ? t.reduced_bytes_total / (double)t.steps : 0.0;
         if (tdm_cmp_params_out(m, TDM_CMP_AT(sh, off_last, float)) != TDM_STATUS_OK) goto done;
     }
     if (tdm_comm_barrier(comm) != TDM_STATUS_OK) goto done;
@@ -520,6 +533,7 @@ static tdm_status tdm_cmp_run_ddp(const tdm_cmp_opts *o, const tdm_cmp_data *dat
     }
     r->n_buckets = sh->n_buckets;
     r->overlap_bytes_frac = sh->overlap_bytes_frac;
+    r->bytes_per_step = sh->bytes_per_step;
     r->bucket = calloc(S * (size_t)(r->n_buckets > 0 ? r->n_buckets : 1) * 3, sizeof(double));
     if (!r->bucket) {
         st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "bucket timeline");

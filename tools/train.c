@@ -16,6 +16,8 @@
 #include "core/safefile.h"
 #include "core/timer.h"
 #include "core/text.h"
+#include "ddp/hooks.h"
+#include "models/accum.h"
 #include "models/checkpoint.h"
 #include "models/gpt.h"
 #include "models/model.h"
@@ -44,6 +46,9 @@ static void tdm_train_usage(FILE *f)
         "  --epochs E             epochs to train (in all, when resuming)     [2]\n"
         "  --batch B              global batch size: images, or windows of T bytes\n"
         "                                                   [256; gpt: %d windows]\n"
+        "  --grad-accum K         K micro-batches of B per optimizer step (the\n"
+        "                         effective batch is K*B; in ddp the first K-1 run\n"
+        "                         under no_sync); not with gpt                  [1]\n"
         "  --optim sgd|adamw      optimizer                      [sgd; gpt: adamw]\n"
         "  --lr LR                learning rate [sgd: 0.05, adamw: 0.001 (gpt: 0.002)]\n"
         "  --momentum M           SGD momentum                                [0.9]\n"
@@ -79,6 +84,19 @@ static void tdm_train_usage(FILE *f)
         "  --save-sharded         fsdp: --save writes one file per rank plus an index\n"
         "                         at PATH (for models too big to gather); without it\n"
         "                         --save writes the one file every mode reads\n"
+        "  --sync-bn              ddp: SyncBatchNorm: batchnorm statistics over the\n"
+        "                         whole global batch (all ranks), as on one device\n"
+        "  --uneven               ddp: each rank trains on its own samples (a sampler\n"
+        "                         without padding) in batches of B/N, so ranks may\n"
+        "                         run different step counts; one out of data\n"
+        "                         shadows the others (join) until all are done\n"
+        "  --comm-hook H          ddp: allreduce (float32), fp16 or bf16 (rounded to\n"
+        "                         16 bits: half the bytes), or powersgd (low-rank,\n"
+        "                         error feedback); all but allreduce need host\n"
+        "                         devices                          [allreduce]\n"
+        "  --powersgd-rank R      powersgd: rank of the approximation          [1]\n"
+        "  --powersgd-start-step S  powersgd: plain all-reduce for the first S\n"
+        "                         optimizer steps (PyTorch's default is 1000)  [10]\n"
         "  --timeout SECONDS      ddp, fsdp: process-group timeout: a rank that waits\n"
         "                         longer for a peer in a collective fails, naming\n"
         "                         it [$TANDEM_TIMEOUT, else 60 for forked ranks,\n"
@@ -136,14 +154,53 @@ static tdm_status tdm_train_parse(int argc, char **argv, tdm_train_args *a, int 
         TDM_ARGS_STR("--sharding", a->sharding)
         TDM_ARGS_INT("--bucket-cap-mb", 0, 1 << 20, a->bucket_cap_mb)
         TDM_ARGS_STR("--backend", a->backend)
+        TDM_ARGS_INT("--grad-accum", 1, 1 << 16, a->grad_accum)
+        TDM_ARGS_STR("--comm-hook", a->comm_hook)
+        TDM_ARGS_INT("--powersgd-rank", 1, 1 << 16, a->powersgd_rank)
+        TDM_ARGS_INT("--powersgd-start-step", 0, INT64_MAX, a->powersgd_start_step)
         if (!strcmp(arg, "--nesterov")) { a->nesterov = 1; continue; }
         if (!strcmp(arg, "--no-eval")) { a->no_eval = 1; continue; }
         if (!strcmp(arg, "--quiet")) { a->quiet = 1; continue; }
         if (!strcmp(arg, "--no-overlap")) { a->no_overlap = 1; continue; }
         if (!strcmp(arg, "--save-sharded")) { a->save_sharded = 1; continue; }
+        if (!strcmp(arg, "--uneven")) { a->uneven = 1; continue; }
+        if (!strcmp(arg, "--sync-bn")) { a->sync_bn = 1; continue; }
         return tdm_tool_usage_error("tandem train: unknown option '%s' (see tandem train --help)\n",
                                     arg);
     }
+    return TDM_STATUS_OK;
+}
+
+/* The checks of --grad-accum, --comm-hook, --uneven and --sync-bn. */
+static tdm_status tdm_train_check_ddp_next(const tdm_train_args *a, int gpt)
+{
+    if (a->comm_hook && !tdm_ddp_hook_known(a->comm_hook))
+        return tdm_tool_usage_error("tandem train: --comm-hook '%s': expected allreduce, fp16, "
+                                    "bf16 or powersgd\n", a->comm_hook);
+    if (a->comm_hook && strcmp(a->comm_hook, "allreduce") && (strcmp(a->mode, "ddp") || gpt))
+        return tdm_tool_usage_error("tandem train: --comm-hook %s applies to --mode ddp with an "
+                                    "image model (mlp, cnn): DDP's buckets are what it "
+                                    "compresses\n", a->comm_hook);
+    if (a->sync_bn && (strcmp(a->mode, "ddp") || gpt || a->uneven))
+        return tdm_tool_usage_error("tandem train: --sync-bn applies to --mode ddp (not with "
+                                    "--uneven: a rank out of data cannot take part in the "
+                                    "statistics)\n");
+    if (a->sync_bn && strncmp(a->model, "cnn", 3))
+        fprintf(stderr, "tandem train: note: --sync-bn changes nothing for --model %s (no "
+                        "batchnorm)\n", a->model);
+    if (a->uneven && (strcmp(a->mode, "ddp") || gpt || a->grad_accum > 1 ||
+                      strcmp(a->lr_schedule, "const")))
+        return tdm_tool_usage_error("tandem train: --uneven applies to --mode ddp with an image "
+                                    "model, without --grad-accum and with --lr-schedule "
+                                    "const\n");
+    if (gpt && a->grad_accum > 1)
+        return tdm_tool_usage_error("tandem train: --grad-accum is not supported with --model "
+                                    "gpt yet; raise --batch instead\n");
+    if (tdm_train_effective_batch(a) > (1 << 20))
+        return tdm_tool_usage_error("tandem train: --batch %lld x --grad-accum %lld = %lld "
+                                    "samples per step is more than %d; lower one of them\n",
+                                    a->batch, a->grad_accum, tdm_train_effective_batch(a),
+                                    1 << 20);
     return TDM_STATUS_OK;
 }
 
@@ -181,6 +238,7 @@ static tdm_status tdm_train_check_args(tdm_train_args *a)
                                     "(fsdp/fsdp.h), not yet here\n");
     if (a->backend && strcmp(a->mode, "ddp"))
         return tdm_tool_usage_error("tandem train: --backend applies to --mode ddp\n");
+    TDM_CHECK(tdm_train_check_ddp_next(a, gpt));
     /* N copies of one model trained side by side are never what was meant */
     const char *mpi_n = getenv("OMPI_COMM_WORLD_SIZE");
     if (!mpi_n) mpi_n = getenv("PMI_SIZE");
@@ -211,6 +269,7 @@ int tdm_tool_train_main(int argc, char **argv)
         .mode = "single", .model = "mlp", .device = "cpu", .threads = 1, .epochs = 2,
         .batch = 0, .optim = NULL, .lr = -1, .momentum = 0.9, .weight_decay = -1, .seed = 1,
         .data = NULL, .synthetic_size = 12000, .max_steps = 0, .lr_schedule = "const",
+        .grad_accum = 1, .powersgd_rank = 1, .powersgd_start_step = 10,
     };
     int help = 0;
     tdm_status st = tdm_train_parse(argc, argv, &a, &help);
@@ -327,6 +386,9 @@ void tdm_train_print_header(const tdm_train_args *a, const tdm_model_spec *spec,
     if (!strcmp(a->optim, "sgd")) printf(" momentum %g%s", a->momentum, a->nesterov ? " nesterov" : "");
     printf(" weight decay %g%s, seed %lld\n", a->weight_decay,
            strcmp(a->lr_schedule, "cosine") ? "" : ", cosine schedule", (long long)a->seed);
+    if (a->grad_accum > 1)
+        printf("  gradient accumulation: %lld micro-batches of %lld per optimizer step, "
+               "effective batch %lld\n", a->grad_accum, a->batch, tdm_train_effective_batch(a));
     tdm_tool_print_emulated(stdout, a->device);
     fflush(stdout);
 }
@@ -399,8 +461,10 @@ tdm_status tdm_train_run_single(const tdm_train_args *a)
     single.opt = opt;
     r.m = m;
     r.opt = opt;
-    r.step = tdm_single_step;
-    r.step_ctx = &single;
+    tdm_accum acc = {.ops = &tdm_accum_single_ops, .ctx = &single, .micro = (int)a->batch,
+                     .in_features = tdm_model_in_features(m), .out_rows = tdm_model_out_rows(m)};
+    r.step = a->grad_accum > 1 ? tdm_accum_step : tdm_single_step;
+    r.step_ctx = a->grad_accum > 1 ? (void *)&acc : (void *)&single;
     r.train = &train;
     r.test = &test;
     st = tdm_train_epochs(a, &r);

@@ -42,6 +42,7 @@
 #include "ddp/ddp.h"
 #include "ddp/pg.h"
 #include "ddp/spawn.h"
+#include "models/accum.h"
 #include "models/checkpoint.h"
 #include "tools/ddp_rank.h"
 #include "tools/devices.h"
@@ -122,6 +123,67 @@ fail:
     return st;
 }
 
+/* --grad-accum: every micro-batch is a global one split over the ranks
+ * (tdm_ddp_forward_global_scaled, gradient scale 1/(the effective
+ * batch)); the first K-1 backwards run under no_sync, so only the last
+ * one all-reduces, the sum of all K. */
+static tdm_status tdm_train_ddp_zero(void *ctx)
+{
+    tdm_train_ddp_rank *r = ctx;
+    if (++r->steps == r->kill_step) {
+        fflush(stdout);
+        raise(r->kill_sig);
+    }
+    tdm_status st = tdm_ddp_zero_grad(r->ddp);
+    if (st) {
+        tdm_error_prefix(st, "rank %d", r->rank);
+        tdm_comm_abort(r->comm, tdm_error_message());
+    }
+    return st;
+}
+
+static tdm_status tdm_train_ddp_micro(void *ctx, const void *x, const int32_t *y, int batch,
+                                      float grad_scale, int index, int last, double *loss_sum)
+{
+    tdm_train_ddp_rank *r = ctx;
+    tdm_status st = TDM_STATUS_OK;
+    TDM_TRY(tdm_ddp_forward_global_scaled(r->ddp, x, y, batch, grad_scale, loss_sum));
+    if (!isfinite(*loss_sum)) {
+        /* as in tdm_train_ddp_step: stop before the all-reduce, tell the group */
+        char why[256];
+        snprintf(why, sizeof why, "loss is %s at step %lld (rank %d, micro-batch %d): training "
+                 "diverged (a lower learning rate may help)",
+                 isnan(*loss_sum) ? "NaN" : *loss_sum > 0 ? "+inf" : "-inf",
+                 (long long)tdm_optim_steps(r->opt) + 1, r->rank, index + 1);
+        tdm_comm_abort(r->comm, why);
+        return tdm_error_set(TDM_STATUS_NONFINITE, "rank %d: %s", r->rank, why);
+    }
+    tdm_ddp_no_sync(r->ddp, !last);
+    TDM_TRY(tdm_ddp_backward(r->ddp));
+    return TDM_STATUS_OK;
+fail:
+    tdm_ddp_no_sync(r->ddp, 0);
+    tdm_error_prefix(st, "rank %d", r->rank);
+    tdm_comm_abort(r->comm, tdm_error_message());
+    return st;
+}
+
+static tdm_status tdm_train_ddp_opt(void *ctx, double *loss_sum)
+{
+    tdm_train_ddp_rank *r = ctx;
+    tdm_status st = tdm_ddp_step(r->ddp, r->opt);
+    if (st) {
+        tdm_error_prefix(st, "rank %d", r->rank);
+        tdm_comm_abort(r->comm, tdm_error_message());
+        return st;
+    }
+    *loss_sum = tdm_ddp_loss_sum(r->ddp);   /* every rank's, carried by the all-reduce */
+    return TDM_STATUS_OK;
+}
+
+static const tdm_accum_ops tdm_train_ddp_accum_ops = {
+    .zero_grad = tdm_train_ddp_zero, .micro = tdm_train_ddp_micro, .step = tdm_train_ddp_opt};
+
 /* Every rank evaluates its share of the test set (tdm_ddp_evaluate): the
  * others never wait for rank 0 to evaluate alone, which on a large test
  * set could outlast the collective timeout of the barrier below. */
@@ -181,9 +243,17 @@ static tdm_status tdm_train_ddp_rank_setup(tdm_train_ddp_rank *r)
     /* the forked path checked on a probe; a launched rank checks here */
     TDM_CHECK(tdm_train_check_features(c->train, r->m));
     tdm_ddp_opts o = {.bucket_cap_mb = r->a.bucket_cap_mb > 0 ? (double)r->a.bucket_cap_mb : 0,
-                      .no_overlap = r->a.no_overlap};
+                      .no_overlap = r->a.no_overlap, .join = r->a.uneven,
+                      .sync_bn = r->a.sync_bn};
     if ((st = tdm_tool_rank_ddp(r->comm, r->dev, r->m, &o, &r->nccl, &r->ddp)))
         return tdm_train_ddp_fail(r->rank, "ddp set-up", st);
+    if (r->a.comm_hook) {
+        tdm_ddp_powersgd_opts po = {.rank = (int)r->a.powersgd_rank,
+                                    .start_step = r->a.powersgd_start_step,
+                                    .seed = (uint64_t)r->a.seed};
+        if ((st = tdm_ddp_set_comm_hook(r->ddp, r->a.comm_hook, &po)))
+            return tdm_train_ddp_fail(r->rank, "--comm-hook", st);
+    }
     TDM_CHECK(tdm_train_make_optim(&r->a, r->m, &r->opt));
     if (!r->a.resume) return TDM_STATUS_OK;
     tdm_ckpt_info info;
@@ -218,8 +288,28 @@ static tdm_status tdm_train_ddp_rank_run(tdm_train_ddp_rank *r)
                          .step = tdm_train_ddp_step, .step_ctx = r, .train = c->train,
                          .test = c->test, .eval = tdm_train_ddp_eval, .eval_ctx = r,
                          .after = tdm_train_ddp_after, .after_ctx = r};
-    TDM_CHECK(tdm_train_epochs(&r->a, &run));
-    if (r->rank == 0) tdm_tool_print_ddp_times(r->ddp, r->world, 1);
+    tdm_accum acc = {.ops = &tdm_train_ddp_accum_ops, .ctx = r, .micro = (int)r->a.batch,
+                     .in_features = tdm_model_in_features(r->m),
+                     .out_rows = tdm_model_out_rows(r->m)};
+    if (r->a.grad_accum > 1) {
+        run.step = tdm_accum_step;
+        run.step_ctx = &acc;
+    }
+    if (r->a.uneven)
+        TDM_CHECK(tdm_train_uneven_epochs(&r->a, r->ddp, r->opt, r->comm, c->train, c->test,
+                                          r->start_epoch));
+    else
+        TDM_CHECK(tdm_train_epochs(&r->a, &run));
+    if (r->rank == 0) {
+        tdm_tool_print_ddp_times(r->ddp, r->world, 1);
+        tdm_ddp_times t;
+        tdm_ddp_get_times(r->ddp, &t);
+        if (t.steps > 0)
+            printf("ddp comm hook %s: %.0f bytes all-reduced per step (float32 gradients: "
+                   "%.0f)\n", tdm_ddp_comm_hook_name(r->ddp),
+                   t.reduced_bytes_total / (double)t.steps,
+                   (double)tdm_model_param_elems(r->m) * 4.0);
+    }
     return TDM_STATUS_OK;
 }
 

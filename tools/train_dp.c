@@ -8,6 +8,7 @@
 #include "core/device.h"
 #include "core/timer.h"
 #include "dp/dp.h"
+#include "models/accum.h"
 #include "tools/tools.h"
 #include "tools/train_modes.h"
 
@@ -30,6 +31,44 @@ static tdm_status tdm_train_dp_step(void *ctx, const void *x, const int32_t *y, 
     c->steps++;
     return TDM_STATUS_OK;
 }
+
+/* --grad-accum: DP's micro-batch is tdm_dp_forward_backward_scaled,
+ * which adds onto the master's gradients; the optimizer steps once. */
+static tdm_status tdm_train_dp_zero(void *ctx)
+{
+    tdm_train_dp_ctx *c = ctx;
+    return tdm_model_zero_grad(tdm_dp_replica(c->dp, tdm_dp_output_device(c->dp)));
+}
+
+static tdm_status tdm_train_dp_micro(void *ctx, const void *x, const int32_t *y, int batch,
+                                     float grad_scale, int index, int last, double *loss_sum)
+{
+    tdm_train_dp_ctx *c = ctx;
+    (void)index;
+    (void)last;
+    TDM_CHECK(tdm_dp_forward_backward_scaled(c->dp, x, y, batch, grad_scale, loss_sum));
+    const tdm_dp_timings *t = tdm_dp_last_timings(c->dp);
+    for (int p = 0; p < TDM_PHASE_COUNT_; p++) c->sum.ms[p] += t->wall.ms[p];
+    c->step_ms += t->step_ms;
+    return TDM_STATUS_OK;
+}
+
+static tdm_status tdm_train_dp_opt(void *ctx, double *loss_sum)
+{
+    tdm_train_dp_ctx *c = ctx;
+    (void)loss_sum;
+    uint64_t t0 = tdm_time_ns();
+    TDM_CHECK(tdm_optim_step(c->opt));
+    TDM_CHECK(tdm_dev_sync(tdm_model_device(tdm_dp_replica(c->dp, tdm_dp_output_device(c->dp)))));
+    double ms = tdm_time_ms_since(t0);
+    c->sum.ms[TDM_PHASE_STEP] += ms;
+    c->step_ms += ms;
+    c->steps++;
+    return TDM_STATUS_OK;
+}
+
+static const tdm_accum_ops tdm_train_dp_accum_ops = {
+    .zero_grad = tdm_train_dp_zero, .micro = tdm_train_dp_micro, .step = tdm_train_dp_opt};
 
 tdm_status tdm_train_run_dp(const tdm_train_args *a)
 {
@@ -65,8 +104,10 @@ tdm_status tdm_train_run_dp(const tdm_train_args *a)
     ctx.opt = opt;
     r.m = m;
     r.opt = opt;
-    r.step = tdm_train_dp_step;
-    r.step_ctx = &ctx;
+    tdm_accum acc = {.ops = &tdm_train_dp_accum_ops, .ctx = &ctx, .micro = (int)a->batch,
+                     .in_features = tdm_model_in_features(m), .out_rows = tdm_model_out_rows(m)};
+    r.step = a->grad_accum > 1 ? tdm_accum_step : tdm_train_dp_step;
+    r.step_ctx = a->grad_accum > 1 ? (void *)&acc : (void *)&ctx;
     r.train = &train;
     r.test = &test;
     TDM_TRY(tdm_train_epochs(a, &r));

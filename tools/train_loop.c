@@ -52,14 +52,17 @@ static void tdm_train_progress(void *ctx, int64_t step, int64_t steps, double lo
 static int64_t tdm_train_epoch_steps(const tdm_train_args *a, const tdm_train_run *r)
 {
     int64_t full = r->text ? tdm_train_text_steps_per_epoch(r->text, r->T, (int)a->batch)
-                           : (r->train->n + a->batch - 1) / a->batch;
+                           : (r->train->n + tdm_train_effective_batch(a) - 1) /
+                                 tdm_train_effective_batch(a);
     return a->max_steps > 0 && a->max_steps < full ? a->max_steps : full;
 }
 
 static tdm_status tdm_train_one_epoch(const tdm_train_args *a, const tdm_train_run *r,
                                       int64_t e, tdm_progress *p, tdm_epoch_stats *es)
 {
-    tdm_train_epoch_opts o = {.batch = (int)a->batch, .seed = (uint64_t)a->seed, .epoch = e,
+    /* one step per effective batch (--grad-accum micro-batches of --batch) */
+    tdm_train_epoch_opts o = {.batch = (int)tdm_train_effective_batch(a),
+                              .seed = (uint64_t)a->seed, .epoch = e,
                               .max_steps = a->max_steps, .step = r->step,
                               .step_ctx = r->step_ctx, .progress = tdm_train_progress,
                               .progress_ctx = p};

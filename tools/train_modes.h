@@ -32,7 +32,18 @@ typedef struct tdm_train_args {
     const char *sharding;     /* fsdp: --sharding as given (NULL: full) */
     int nesterov, no_eval, quiet, no_overlap;
     int save_sharded;         /* fsdp: --save writes the sharded form */
+    long long grad_accum;     /* micro-batches of `batch` per optimizer step (>= 1) */
+    const char *comm_hook;    /* ddp: --comm-hook (NULL: allreduce) */
+    long long powersgd_rank, powersgd_start_step;
+    int uneven;               /* ddp: --uneven (tools/train_uneven.c) */
+    int sync_bn;              /* ddp: --sync-bn */
 } tdm_train_args;
+
+/* The samples per optimizer step: batch * grad_accum. */
+static inline long long tdm_train_effective_batch(const tdm_train_args *a)
+{
+    return a->batch * (a->grad_accum > 1 ? a->grad_accum : 1);
+}
 
 /* ---- set-up steps (tools/train.c) ---- */
 
@@ -105,6 +116,14 @@ typedef struct tdm_train_run {
 tdm_status tdm_train_epochs(const tdm_train_args *a, const tdm_train_run *r);
 
 /* ---- the modes ---- */
+
+typedef struct tdm_ddp tdm_ddp;
+typedef struct tdm_comm tdm_comm;
+/* --mode ddp --uneven: one rank's epochs over its own samples, with join
+ * (tools/train_uneven.c); ddp built with opts.join. Says what failed. */
+tdm_status tdm_train_uneven_epochs(const tdm_train_args *a, tdm_ddp *ddp, tdm_optim *opt,
+                                   tdm_comm *comm, const tdm_dataset *train,
+                                   const tdm_dataset *test, int64_t start_epoch);
 
 tdm_status tdm_train_run_single(const tdm_train_args *a);
 /* --model gpt: a language model on text, in every mode (tools/train_text.c). */

@@ -1,0 +1,114 @@
+/* models/accum.c: gradient accumulation over micro-batches (see
+ * models/accum.h) and its single-device operations. */
+#include "models/accum.h"
+
+#include <string.h>
+
+#include "core/timer.h"
+
+tdm_status tdm_accum_step(void *p, const void *x, const int32_t *y, int batch, double *loss_mean)
+{
+    tdm_accum *a = p;
+    TDM_REQUIRE(a && a->ops && a->micro >= 1 && batch >= 1, TDM_STATUS_INVALID_ARG,
+                "gradient accumulation: bad set-up or batch %d", batch);
+    /* 1/batch for every micro-batch: the sum of their gradients is the
+     * mean-loss gradient of the whole effective batch, short last
+     * micro-batches included (scaling each by 1/its own size and the sum
+     * by 1/K would weigh a short one's samples more). */
+    float scale = 1.0f / (float)batch;
+    int n_micro = (batch + a->micro - 1) / a->micro;
+    double loss_sum = 0.0;
+    TDM_CHECK(a->ops->zero_grad(a->ctx));
+    for (int k = 0; k < n_micro; k++) {
+        int lo = k * a->micro, b = batch - lo < a->micro ? batch - lo : a->micro;
+        const char *xs = (const char *)x + (int64_t)lo * a->in_features * 4;
+        double ls = 0.0;
+        TDM_CHECK(a->ops->micro(a->ctx, xs, y + (int64_t)lo * a->out_rows, b, scale, k,
+                                k == n_micro - 1, &ls));
+        loss_sum += ls;
+        a->micro_steps++;
+    }
+    TDM_CHECK(a->ops->step(a->ctx, &loss_sum));
+    if (loss_mean) *loss_mean = loss_sum / batch;
+    return TDM_STATUS_OK;
+}
+
+/* ---- single device ---- */
+
+static tdm_status tdm_accum_single_zero(void *ctx)
+{
+    tdm_single *s = ctx;
+    memset(s->ms, 0, sizeof s->ms);
+    return tdm_model_zero_grad(s->model);
+}
+
+/* Inputs to the device (a copy of tdm_single's staging: the host device
+ * reads them in place). */
+static tdm_status tdm_accum_single_stage(tdm_single *s, const void *x, const int32_t *y,
+                                         int batch, const void **xd, const int32_t **yd)
+{
+    tdm_model *m = s->model;
+    tdm_device *dev = tdm_model_device(m);
+    size_t feat = (size_t)tdm_model_in_features(m), rows = (size_t)tdm_model_out_rows(m);
+    if (tdm_dev_kind(dev) == TDM_DEVICE_HOST) {
+        *xd = x;
+        *yd = y;
+        return TDM_STATUS_OK;
+    }
+    if (batch > s->cap) {
+        tdm_dev_free(dev, s->x_dev);
+        tdm_dev_free(dev, s->y_dev);
+        s->x_dev = NULL;
+        s->y_dev = NULL;
+        s->cap = 0;
+        TDM_CHECK(tdm_dev_alloc(dev, (size_t)batch * feat * 4, &s->x_dev));
+        TDM_CHECK(tdm_dev_alloc(dev, (size_t)batch * rows * 4, (void **)&s->y_dev));
+        s->cap = batch;
+    }
+    TDM_CHECK(tdm_dev_copy_from_host(dev, s->x_dev, x, (size_t)batch * feat * 4));
+    TDM_CHECK(tdm_dev_copy_from_host(dev, s->y_dev, y, (size_t)batch * rows * 4));
+    *xd = s->x_dev;
+    *yd = s->y_dev;
+    return TDM_STATUS_OK;
+}
+
+static tdm_status tdm_accum_single_micro(void *ctx, const void *x, const int32_t *y, int batch,
+                                         float grad_scale, int index, int last, double *loss_sum)
+{
+    tdm_single *s = ctx;
+    tdm_model *m = s->model;
+    const void *xd;
+    const int32_t *yd;
+    const float *logits;
+    (void)index;
+    (void)last;
+    uint64_t t0 = tdm_time_ns();
+    TDM_CHECK(tdm_accum_single_stage(s, x, y, batch, &xd, &yd));
+    TDM_CHECK(tdm_model_forward(m, xd, batch, &logits));
+    uint64_t t1 = tdm_time_ns();
+    float *dlogits = tdm_model_loss_grad(m);
+    TDM_CHECK(tdm_model_loss(m, logits, yd, batch, grad_scale, loss_sum, dlogits));
+    uint64_t t2 = tdm_time_ns();
+    TDM_CHECK(tdm_model_backward(m, dlogits));
+    s->ms[TDM_PHASE_FORWARD] += (double)(t1 - t0) * 1e-6;
+    s->ms[TDM_PHASE_LOSS] += (double)(t2 - t1) * 1e-6;
+    s->ms[TDM_PHASE_BACKWARD] += tdm_time_ms_since(t2);
+    return TDM_STATUS_OK;
+}
+
+static tdm_status tdm_accum_single_opt(void *ctx, double *loss_sum)
+{
+    tdm_single *s = ctx;
+    (void)loss_sum;
+    uint64_t t0 = tdm_time_ns();
+    TDM_CHECK(tdm_optim_step(s->opt));
+    TDM_CHECK(tdm_dev_sync(tdm_model_device(s->model)));
+    s->ms[TDM_PHASE_STEP] = tdm_time_ms_since(t0);
+    return TDM_STATUS_OK;
+}
+
+const tdm_accum_ops tdm_accum_single_ops = {
+    .zero_grad = tdm_accum_single_zero,
+    .micro = tdm_accum_single_micro,
+    .step = tdm_accum_single_opt,
+};

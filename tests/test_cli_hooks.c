@@ -1,0 +1,94 @@
+/* tests/test_cli_hooks.c: the CLI of communication hooks: tandem train
+ * --comm-hook (bad names and modes refused, bytes per step printed) and
+ * tandem compare --comm-hook (its section, the bounded verdict, and that
+ * the verdict catches a wrong rank even with fp16's rounding), and
+ * tandem train --mode ddp --uneven (ranks with different step counts
+ * finish through join). */
+#include <criterion/criterion.h>
+
+#include "tests/cli_util.h"
+
+Test(cli_hooks, train_comm_hook, .timeout = 200)
+{
+    static cli_result r;
+    CLI(&r, "train", "--mode", "ddp", "--comm-hook", "fp8");
+    expect(&r, 2, "--comm-hook 'fp8': expected allreduce, fp16, bf16 or powersgd");
+    CLI(&r, "train", "--comm-hook", "bf16");
+    expect(&r, 2, "--comm-hook bf16 applies to --mode ddp");
+    CLI(&r, "train", "--mode", "ddp", "--powersgd-rank", "0");
+    expect(&r, 2, "--powersgd-rank");
+    const char *hooks[] = {"allreduce", "bf16", "powersgd"};
+    for (int i = 0; i < 3; i++) {
+        CLI(&r, "train", "--mode", "ddp", "--device", "cpu:2", "--data", "synthetic",
+            "--synthetic-size", "600", "--model", "mlp:784-32-10", "--batch", "60", "--epochs",
+            "1", "--comm-hook", hooks[i], "--powersgd-start-step", "0", "--powersgd-rank", "2");
+        expect(&r, 0, "test accuracy");
+        char want[64];
+        snprintf(want, sizeof want, "ddp comm hook %s: ", hooks[i]);
+        const char *p = strstr(r.out, want);
+        cr_assert(p, "%s", r.out);
+        double bytes = 0, f32 = 0;
+        cr_assert(sscanf(p + strlen(want), "%lf bytes all-reduced per step (float32 gradients: "
+                         "%lf", &bytes, &f32) == 2, "%s", p);
+        /* allreduce: the gradients and the 192-float check tail; bf16: half
+         * of the gradients; powersgd rank 2: (n+m)*2 per matrix + vectors */
+        if (i == 0) cr_assert_eq(bytes, f32 + 192 * 4);
+        if (i == 1) cr_assert(bytes < 0.51 * f32 + 192 * 4 && bytes > 0.49 * f32, "%g", bytes);
+        if (i == 2) cr_assert(bytes < 0.1 * f32, "%g of %g", bytes, f32);
+    }
+}
+
+Test(cli_hooks, compare_comm_hook_bounded_verdict, .timeout = 300)
+{
+    static cli_result r;
+    CLI(&r, "compare", "--data", "synthetic", "--model", "mlp:784-64-10", "--steps", "8",
+        "--warmup", "1", "--batch", "64", "--comm-hook", "fp16");
+    expect(&r, 0, "Communication hook fp16");
+    cr_assert(strstr(r.out, "hook verdict: the expected, bounded difference"), "%s", r.out);
+    cr_assert(strstr(r.out, "(0.50x)"), "%s", r.out);
+    /* a rank 1% off: far beyond fp16's rounding, caught by the bound */
+    CLI(&r, "compare", "--data", "synthetic", "--model", "mlp:784-64-10", "--steps", "8",
+        "--warmup", "1", "--batch", "64", "--comm-hook", "fp16", "--perturb-rank", "1");
+    expect(&r, 3, "BEYOND");
+    CLI(&r, "compare", "--comm-hook", "int8");
+    expect(&r, 2, "--comm-hook 'int8'");
+}
+
+/* --uneven: 101 samples over 3 ranks without padding are 34, 34, 33, in
+ * batches of 99/3 = 33: rank 2 runs one step and shadows the second */
+Test(cli_hooks, train_uneven_join, .timeout = 200)
+{
+    static cli_result r;
+    CLI(&r, "train", "--uneven");
+    expect(&r, 2, "--uneven applies to --mode ddp");
+    CLI(&r, "train", "--mode", "ddp", "--uneven", "--grad-accum", "2");
+    expect(&r, 2, "without --grad-accum");
+    const char *hooks[] = {"allreduce", "bf16"};
+    for (int i = 0; i < 2; i++) {
+        CLI(&r, "train", "--mode", "ddp", "--device", "cpu:3", "--uneven", "--data", "synthetic",
+            "--synthetic-size", "101", "--batch", "99", "--epochs", "2", "--model",
+            "mlp:784-32-10", "--comm-hook", hooks[i]);
+        expect(&r, 0, "steps per rank: 2 2 1 (shadowed after joining: 0 0 1)");
+        cr_assert(strstr(r.out, "epoch 2/2"), "%s", r.out);
+    }
+}
+
+/* --sync-bn: compare checks the CNN's DDP against one device (it says it
+ * cannot without), and train runs it */
+Test(cli_hooks, sync_bn, .timeout = 300)
+{
+    static cli_result r;
+    CLI(&r, "train", "--sync-bn");
+    expect(&r, 2, "--sync-bn applies to --mode ddp");
+    CLI(&r, "compare", "--data", "synthetic", "--model", "cnn", "--steps", "4", "--warmup", "1",
+        "--batch", "30", "--device", "cpu:3", "--sync-bn");
+    expect(&r, 0, "with --sync-bn: the same tolerance as the MLP's");
+    const char *p = strstr(r.out, "DDP vs single  step 1");
+    cr_assert(p && strstr(p, "-> PASS"), "%s", r.out);
+    CLI(&r, "compare", "--data", "synthetic", "--model", "cnn", "--steps", "2", "--warmup", "1",
+        "--batch", "30", "--device", "cpu:3");
+    expect(&r, 0, "DDP vs single  not expected to match");
+    CLI(&r, "train", "--mode", "ddp", "--device", "cpu:2", "--model", "cnn", "--sync-bn",
+        "--data", "synthetic", "--synthetic-size", "256", "--batch", "64", "--epochs", "1");
+    expect(&r, 0, "test accuracy");
+}

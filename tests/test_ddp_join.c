@@ -1,0 +1,176 @@
+/* tests/test_ddp_join.c: uneven inputs (tdm_ddp_opts.join, tdm_ddp_join).
+ * Ranks with 3, 5 and 8 batches (of 4, 6 and 5 samples) all finish, hold
+ * bitwise the same parameters, and equal a single-device run over the
+ * same samples with the same per-step averaging: step s's gradient is the
+ * mean, over the ranks that still had a batch, of each one's mean-loss
+ * gradient (it failed with the world size as the divisor). Without join
+ * the same run fails instead of hanging. Forked ranks, bounded run time. */
+#include <criterion/criterion.h>
+
+#include "tests/test_ddp_util.h"
+
+#define J_WORLD 3
+static const int j_batches[J_WORLD] = {3, 5, 8};
+static const int j_size[J_WORLD] = {4, 6, 5};
+#define J_STEPS 8
+
+static tdm_dataset g_data;
+static void setup(void) { cr_assert_eq(tddp_data(&g_data, 0, 1024), TDM_STATUS_OK); }
+static void teardown(void) { tdm_data_free(&g_data); }
+TestSuite(ddp_join, .init = setup, .fini = teardown, .timeout = 120);
+
+/* rank r's batch s: samples (s * J_WORLD + r) * 8 .. + j_size[r] */
+static int64_t j_first(int r, int s) { return ((int64_t)s * J_WORLD + r) * 8; }
+
+typedef struct j_shared {
+    float params[J_WORLD][TDDP_MAX_ELEMS];
+    int64_t n_elem, shadowed[J_WORLD];
+    int active[J_WORLD][J_STEPS];
+    double loss[J_STEPS];
+    int status[J_WORLD];
+    char err[J_WORLD][512];
+} j_shared;
+
+typedef struct j_arg {
+    j_shared *sh;
+    int join;
+    int cnn;
+} j_arg;
+
+static int j_rank(tdm_comm *comm, void *p)
+{
+    j_arg *a = p;
+    j_shared *sh = a->sh;
+    int rank = tdm_comm_rank(comm);
+    tdm_device *dev = NULL;
+    tdm_model *m = NULL;
+    tdm_optim *opt = NULL;
+    tdm_ddp *ddp = NULL;
+    tdm_status st = TDM_STATUS_OK;
+    tdm_model_spec spec;
+    tddp_spec(&spec, a->cnn);
+    int64_t feat = tdm_data_features(&g_data);
+    float x[8 * 64];
+    int32_t y[8];
+    cr_assert(feat * 8 <= (int64_t)(sizeof x / sizeof x[0]));
+    TDM_TRY(tdm_device_open(&dev, "cpu", rank, 1));
+    TDM_TRY(tdm_model_init(&m, dev, &spec, 5));
+    tdm_ddp_opts o = {.join = a->join, .timeout_ms = 20000, .bucket_cap_bytes = 512};
+    TDM_TRY(tdm_ddp_init(&ddp, m, comm, &o));
+    TDM_TRY(tdm_sgd_init(&opt, m, 0.05f, 0.9f));
+    for (int s = 0; s < j_batches[rank]; s++) {
+        int64_t idx[8];
+        for (int i = 0; i < j_size[rank]; i++) idx[i] = j_first(rank, s) + i;
+        tdm_data_gather(&g_data, idx, j_size[rank], x, y);
+        double lm = 0.0;
+        TDM_TRY(tdm_ddp_zero_grad(ddp));
+        TDM_TRY(tdm_ddp_forward(ddp, x, y, j_size[rank], &lm));
+        sh->active[rank][s] = tdm_ddp_active_ranks(ddp);
+        TDM_TRY(tdm_ddp_backward(ddp));
+        TDM_TRY(tdm_ddp_step(ddp, opt));
+    }
+    TDM_TRY(tdm_ddp_join(ddp, opt, &sh->shadowed[rank]));
+    sh->n_elem = tdm_model_param_elems(m);
+    memcpy(sh->params[rank], tdm_model_params(m), (size_t)sh->n_elem * 4);
+fail:
+    sh->status[rank] = st;
+    if (st) snprintf(sh->err[rank], sizeof sh->err[rank], "%s", tdm_error_message());
+    tdm_ddp_free(ddp);
+    tdm_optim_free(opt);
+    tdm_model_free(m);
+    tdm_device_free(dev);
+    return st ? 1 : 0;
+}
+
+/* One device: step s accumulates every rank that still has a batch, each
+ * scaled by 1/(its batch * the number of such ranks). */
+static void j_reference(int cnn, float *out, int64_t *n)
+{
+    tdm_device *dev = NULL;
+    tdm_model *m = NULL;
+    tdm_optim *opt = NULL;
+    tdm_model_spec spec;
+    tddp_spec(&spec, cnn);
+    int64_t feat = tdm_data_features(&g_data);
+    float x[8 * 64];
+    int32_t y[8];
+    cr_assert_eq(tdm_device_open(&dev, "cpu", 0, 1), TDM_STATUS_OK);
+    cr_assert_eq(tdm_model_init(&m, dev, &spec, 5), TDM_STATUS_OK);
+    cr_assert_eq(tdm_sgd_init(&opt, m, 0.05f, 0.9f), TDM_STATUS_OK);
+    (void)feat;
+    for (int s = 0; s < J_STEPS; s++) {
+        int active = 0;
+        for (int r = 0; r < J_WORLD; r++) active += j_batches[r] > s;
+        cr_assert_eq(tdm_model_zero_grad(m), TDM_STATUS_OK);
+        for (int r = 0; r < J_WORLD; r++) {
+            if (j_batches[r] <= s) continue;
+            int64_t idx[8];
+            for (int i = 0; i < j_size[r]; i++) idx[i] = j_first(r, s) + i;
+            tdm_data_gather(&g_data, idx, j_size[r], x, y);
+            const float *logits;
+            double ls;
+            cr_assert_eq(tdm_model_forward(m, x, j_size[r], &logits), TDM_STATUS_OK);
+            float *dl = tdm_model_loss_grad(m);
+            cr_assert_eq(tdm_model_loss(m, logits, y, j_size[r],
+                                        1.0f / ((float)j_size[r] * (float)active), &ls, dl),
+                         TDM_STATUS_OK);
+            cr_assert_eq(tdm_model_backward(m, dl), TDM_STATUS_OK);
+        }
+        cr_assert_eq(tdm_optim_step(opt), TDM_STATUS_OK);
+    }
+    *n = tdm_model_param_elems(m);
+    memcpy(out, tdm_model_params(m), (size_t)*n * 4);
+    tdm_optim_free(opt);
+    tdm_model_free(m);
+    tdm_device_free(dev);
+}
+
+Test(ddp_join, uneven_ranks_finish_and_equal_one_device)
+{
+    j_shared *sh = mmap(NULL, sizeof *sh, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS,
+                        -1, 0);
+    cr_assert(sh != MAP_FAILED);
+    memset(sh, 0, sizeof *sh);
+    j_arg a = {.sh = sh, .join = 1};
+    tdm_ddp_spawn_opts so = {.timeout_ms = 60000, .comm_timeout_ms = 20000};
+    tdm_status st = tdm_ddp_spawn(J_WORLD, j_rank, &a, &so, NULL);
+    cr_assert_eq(st, TDM_STATUS_OK, "%s / %s / %s / %s", tdm_error_message(), sh->err[0],
+                 sh->err[1], sh->err[2]);
+    for (int r = 0; r < J_WORLD; r++) {
+        cr_assert_eq(sh->shadowed[r], J_STEPS - j_batches[r], "rank %d shadowed %lld steps", r,
+                     (long long)sh->shadowed[r]);
+        for (int s = 0; s < j_batches[r]; s++) {
+            int want = 0;
+            for (int k = 0; k < J_WORLD; k++) want += j_batches[k] > s;
+            cr_assert_eq(sh->active[r][s], want, "rank %d step %d: %d active", r, s,
+                         sh->active[r][s]);
+        }
+        cr_assert(!memcmp(sh->params[r], sh->params[0], (size_t)sh->n_elem * 4),
+                  "rank %d's parameters differ from rank 0's", r);
+    }
+    static float ref[TDDP_MAX_ELEMS];
+    int64_t n = 0;
+    j_reference(0, ref, &n);
+    cr_assert_eq(n, sh->n_elem);
+    int64_t at = 0;
+    cr_assert(tddp_excess(sh->params[0], ref, n, 1e-6, 1e-5, &at) <= 0,
+              "param[%lld] %.9g vs one device %.9g", (long long)at, sh->params[0][at], ref[at]);
+    munmap(sh, sizeof *sh);
+}
+
+/* Without opts.join, tdm_ddp_join is refused naming the option, and the
+ * ranks still training fail (their peer left) instead of hanging. */
+Test(ddp_join, join_without_the_option_is_refused_and_nobody_hangs)
+{
+    j_shared *sh = mmap(NULL, sizeof *sh, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS,
+                        -1, 0);
+    cr_assert(sh != MAP_FAILED);
+    memset(sh, 0, sizeof *sh);
+    j_arg a = {.sh = sh, .join = 0};
+    tdm_ddp_spawn_opts so = {.timeout_ms = 60000, .comm_timeout_ms = 5000};
+    tdm_status st = tdm_ddp_spawn(J_WORLD, j_rank, &a, &so, NULL);
+    cr_assert_neq(st, TDM_STATUS_OK);
+    cr_assert(strstr(sh->err[0], "opts.join"), "rank 0: %s", sh->err[0]);
+    cr_assert(sh->status[2] != 0, "rank 2 (8 batches) finished without its peers");
+    munmap(sh, sizeof *sh);
+}

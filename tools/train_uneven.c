@@ -1,0 +1,107 @@
+/* tools/train_uneven.c: `tandem train --mode ddp --uneven`: every rank
+ * trains on its own share of each epoch as a DistributedSampler without
+ * padding gives it (samples r, r+N, r+2N, ... of the epoch's permutation:
+ * the first n mod N ranks get one sample more), in local batches of
+ * --batch / N, so ranks may run different numbers of steps. DDP is built
+ * with opts.join: each step averages the mean-loss gradients of the ranks
+ * that still have a batch, and a rank out of data shadows the others'
+ * steps (tdm_ddp_join) until all are done - no hang, no mismatch error.
+ * Not the global-batch split of the default mode (tools/train_ddp.c),
+ * which equals single-device training exactly. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/comm.h"
+#include "core/timer.h"
+#include "ddp/ddp.h"
+#include "tools/train_modes.h"
+
+tdm_status tdm_train_uneven_epochs(const tdm_train_args *a, tdm_ddp *ddp, tdm_optim *opt,
+                                   tdm_comm *comm, const tdm_dataset *train,
+                                   const tdm_dataset *test, int64_t start_epoch)
+{
+    tdm_model *m = tdm_ddp_model(ddp);
+    int rank = tdm_comm_rank(comm), world = tdm_comm_size(comm);
+    int b = (int)(a->batch / world > 0 ? a->batch / world : 1);
+    int64_t feat = tdm_data_features(train);
+    int64_t *perm = malloc((size_t)train->n * sizeof *perm);
+    int64_t *idx = malloc((size_t)b * sizeof *idx);
+    float *x = malloc((size_t)b * (size_t)feat * sizeof *x);
+    int32_t *y = malloc((size_t)b * sizeof *y);
+    int64_t *counts = calloc((size_t)world * 2, sizeof *counts);
+    tdm_status st = TDM_STATUS_OK;
+    if (!perm || !idx || !x || !y || !counts) {
+        st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "rank %d: --uneven: batches of %d", rank,
+                           b);
+        goto fail;
+    }
+    if (rank == 0)
+        printf("  uneven inputs: each rank takes its own samples (no padding) in batches of "
+               "%d; a rank out of data shadows the others (join)\n", b);
+    for (int64_t e = start_epoch; e < a->epochs; e++) {
+        tdm_train_epoch_order(perm, train->n, (uint64_t)a->seed, e);
+        int64_t mine = train->n > rank ? (train->n - rank + world - 1) / world : 0;
+        int64_t steps = (mine + b - 1) / b;
+        if (a->max_steps > 0 && steps > a->max_steps) steps = a->max_steps;
+        double sums[2] = {0.0, 0.0};   /* loss sum, samples */
+        uint64_t t0 = tdm_time_ns();
+        tdm_model_set_train(m, 1);
+        for (int64_t s = 0; s < steps; s++) {
+            int n = (int)(mine - s * b < b ? mine - s * b : b);
+            for (int i = 0; i < n; i++) idx[i] = perm[rank + (s * b + i) * world];
+            tdm_data_gather(train, idx, n, x, y);
+            double lm = 0.0;
+            if ((st = tdm_ddp_zero_grad(ddp)) || (st = tdm_ddp_forward(ddp, x, y, n, &lm)))
+                goto fail;
+            if (!isfinite(lm)) {
+                st = tdm_error_set(TDM_STATUS_NONFINITE, "loss is %s at rank %d's step %lld of "
+                                   "epoch %lld: training diverged (a lower learning rate may "
+                                   "help)", isnan(lm) ? "NaN" : "infinite", rank,
+                                   (long long)s + 1, (long long)e + 1);
+                goto fail;
+            }
+            if ((st = tdm_ddp_backward(ddp)) || (st = tdm_ddp_step(ddp, opt))) goto fail;
+            sums[0] += lm * n;
+            sums[1] += n;
+        }
+        int64_t shadowed = 0;
+        if ((st = tdm_ddp_join(ddp, opt, &shadowed))) goto fail;
+        double secs = (double)(tdm_time_ns() - t0) * 1e-9;
+        int64_t own[2] = {steps, shadowed};
+        if ((st = tdm_comm_all_reduce(comm, sums, sums, 2, TDM_DTYPE_FLOAT64, TDM_REDOP_SUM)) ||
+            (st = tdm_comm_all_gather(comm, own, counts, 2, TDM_DTYPE_INT64)))
+            goto fail;
+        double tl = NAN, acc = NAN;
+        if (!a->no_eval && (st = tdm_ddp_evaluate(ddp, test, 1000, &tl, &acc))) goto fail;
+        printf("epoch %lld/%lld: train loss %.4f, %.0f samples/s (%.1f s)", (long long)e + 1,
+               (long long)a->epochs, sums[1] > 0 ? sums[0] / sums[1] : 0.0,
+               secs > 0 ? sums[1] / secs : 0.0, secs);
+        if (!a->no_eval) printf(", test loss %.4f, test accuracy %.4f", tl, acc);
+        printf("\n  steps per rank:");
+        for (int r = 0; r < world; r++) printf(" %lld", (long long)counts[2 * r]);
+        printf(" (shadowed after joining:");
+        for (int r = 0; r < world; r++) printf(" %lld", (long long)counts[2 * r + 1]);
+        printf(")\n");
+        fflush(stdout);
+        if (a->save) {
+            tdm_ckpt_info info = {.step = tdm_optim_steps(opt), .epoch = e + 1,
+                                  .seed = (uint64_t)a->seed};
+            if ((st = tdm_ddp_checkpoint_save(ddp, a->save, opt, &info))) goto fail;
+        }
+        if ((st = tdm_comm_barrier(comm))) goto fail;
+    }
+fail:
+    if (st) {
+        fprintf(stderr, "tandem train: rank %d: training (--uneven): %s\n", rank,
+                tdm_error_message()[0] ? tdm_error_message() : tdm_status_name(st));
+        tdm_comm_abort(comm, tdm_error_message());
+    }
+    free(perm);
+    free(idx);
+    free(x);
+    free(y);
+    free(counts);
+    return st;
+}
