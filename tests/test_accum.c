@@ -141,7 +141,7 @@ Test(accum, cli_every_mode_equals_single_device_on_the_effective_batch, .timeout
     int64_t n = 0, n2 = 0;
     acc_load(refck, ref, &n);
     const char *modes[][2] = {{"single", "cpu"}, {"dp", "cpu:2"}, {"ddp", "cpu:2"},
-                              {"ddp", "cpu:3"}};
+                              {"ddp", "cpu:3"}, {"fsdp", "cpu:2"}, {"fsdp", "cpu:3"}};
     for (size_t i = 0; i < sizeof modes / sizeof modes[0]; i++) {
         CLI(&r, "train", "--mode", modes[i][0], "--device", modes[i][1], "--data", "synthetic",
             "--synthetic-size", "300", "--model", "mlp:784-24-10", "--batch", "16",

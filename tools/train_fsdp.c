@@ -32,6 +32,7 @@
 #include "ddp/pg.h"
 #include "ddp/spawn.h"
 #include "fsdp/fsdp.h"
+#include "models/accum.h"
 #include "tools/ddp_rank.h"
 #include "tools/devices.h"
 #include "tools/tools.h"
@@ -100,6 +101,70 @@ fail:
     tdm_comm_abort(r->comm, tdm_error_message());
     return st;
 }
+
+/* A failed step: the message names the rank, and the group is stopped. */
+static tdm_status tdm_train_fsdp_abort(tdm_train_fsdp_rank *r, tdm_status st)
+{
+    tdm_error_prefix(st, "rank %d", r->rank);
+    tdm_comm_abort(r->comm, tdm_error_message());
+    return st;
+}
+
+/* --grad-accum: as DDP's (tools/train_ddp.c): every micro-batch is a
+ * global one split over the ranks, its loss gradient scaled by 1/(the
+ * effective batch); the first K-1 backwards run under no_sync, so the
+ * unit gradients add up locally and only the last backward
+ * reduce-scatters, the sum of all K. */
+static tdm_status tdm_train_fsdp_zero(void *ctx)
+{
+    tdm_train_fsdp_rank *r = ctx;
+    if (++r->steps == r->kill_step) {
+        fflush(stdout);
+        raise(SIGKILL);
+    }
+    tdm_status st = tdm_fsdp_zero_grad(r->f);
+    if (st) return tdm_train_fsdp_abort(r, st);
+    return st;
+}
+
+static tdm_status tdm_train_fsdp_micro(void *ctx, const void *x, const int32_t *y, int batch,
+                                       float grad_scale, int index, int last, double *loss_sum)
+{
+    tdm_train_fsdp_rank *r = ctx;
+    tdm_status st = TDM_STATUS_OK;
+    int64_t lo64, hi64;
+    tdm_ddp_share(batch, r->rank, r->world, &lo64, &hi64);
+    int lo = (int)lo64, hi = (int)hi64;
+    TDM_TRY(tdm_fsdp_forward_scaled(r->f, (const float *)x + (int64_t)lo * r->feat, y + lo,
+                                    hi - lo, grad_scale, loss_sum));
+    if (!isfinite(*loss_sum)) {
+        char why[256];
+        snprintf(why, sizeof why, "loss is %s at step %lld (rank %d, micro-batch %d): training "
+                 "diverged (a lower learning rate may help)",
+                 isnan(*loss_sum) ? "NaN" : *loss_sum > 0 ? "+inf" : "-inf",
+                 (long long)tdm_optim_steps(r->opt) + 1, r->rank, index + 1);
+        tdm_comm_abort(r->comm, why);
+        return tdm_error_set(TDM_STATUS_NONFINITE, "rank %d: %s", r->rank, why);
+    }
+    tdm_fsdp_no_sync(r->f, !last);
+    TDM_TRY(tdm_fsdp_backward(r->f));
+    return TDM_STATUS_OK;
+fail:
+    tdm_fsdp_no_sync(r->f, 0);
+    return tdm_train_fsdp_abort(r, st);
+}
+
+static tdm_status tdm_train_fsdp_opt(void *ctx, double *loss_sum)
+{
+    tdm_train_fsdp_rank *r = ctx;
+    tdm_status st = tdm_fsdp_step(r->f, r->opt);
+    if (st) return tdm_train_fsdp_abort(r, st);
+    *loss_sum = tdm_fsdp_loss_sum(r->f);   /* every rank's, reduced with the gradients */
+    return TDM_STATUS_OK;
+}
+
+static const tdm_accum_ops tdm_train_fsdp_accum_ops = {
+    .zero_grad = tdm_train_fsdp_zero, .micro = tdm_train_fsdp_micro, .step = tdm_train_fsdp_opt};
 
 static tdm_status tdm_train_fsdp_eval(void *ctx, double *loss_mean, double *accuracy)
 {
@@ -253,6 +318,13 @@ static tdm_status tdm_train_fsdp_rank_main(tdm_comm *comm, const tdm_train_fsdp_
                              .step = tdm_train_fsdp_step, .step_ctx = &r, .train = c->train,
                              .test = c->test, .eval = tdm_train_fsdp_eval, .eval_ctx = &r,
                              .after = tdm_train_fsdp_after, .after_ctx = &r};
+        tdm_accum acc = {.ops = &tdm_train_fsdp_accum_ops, .ctx = &r, .micro = (int)a.batch,
+                         .in_features = tdm_model_in_features(m),
+                         .out_rows = tdm_model_out_rows(m)};
+        if (a.grad_accum > 1) {
+            run.step = tdm_accum_step;
+            run.step_ctx = &acc;
+        }
         st = tdm_train_epochs(&a, &run);
         if (st == TDM_STATUS_OK && rank == 0) tdm_train_fsdp_report(r.f, r.opt, world);
     }
