@@ -72,6 +72,7 @@ struct tdm_ddp {
     int next_launch;
     int in_backward, sync;
     uint64_t t_bwd0, sync_count, fwd_count;
+    int64_t steps_done;       /* optimizer steps: the flight recorder's step */
     double loss_accum, loss_global;  /* this rank's since the last sync; all ranks' */
     tdm_status hook_st;
     char hook_msg[512];
@@ -355,6 +356,7 @@ static tdm_status tdm_ddp_rebuild(tdm_ddp *d)
     TDM_REQUIRE(all, TDM_STATUS_OUT_OF_MEMORY, "ddp: calloc");
     all[2 * d->rank] = (int64_t)tdm_ddp_plan_hash(d);
     all[2 * d->rank + 1] = d->nb;
+    tdm_comm_set_label(d->hcomm, "ddp bucket plan check");
     tdm_status st = tdm_comm_all_gather(d->hcomm, all + 2 * d->rank, all, 2, TDM_DTYPE_INT64);
     if (st) {
         tdm_error_prefix(st, "ddp: checking the rebuilt bucket plan");
@@ -397,6 +399,7 @@ static void tdm_ddp_launch_ready(tdm_ddp *d)
         tdm_ddp_bucket *bk = &d->b[d->next_launch];
         float *v = d->grads + bk->offset;
         d->bt[d->next_launch].start_ms = tdm_ddp_rel_ms(d);
+        tdm_comm_set_label(d->comm, "ddp bucket %d", d->next_launch);
         tdm_status st = tdm_comm_all_reduce_async(d->comm, v, v, (size_t)bk->n_elem,
                                                   TDM_DTYPE_FLOAT32, TDM_REDOP_SUM, &bk->work);
         if (st) {
@@ -532,6 +535,7 @@ tdm_status tdm_ddp_init(tdm_ddp **out, tdm_model *m, tdm_comm *comm, const tdm_d
     }
     TDM_TRY(d->dev->ops->memset_zero(d->dev, d->grads, gbytes));
     TDM_TRY(tdm_ddp_verify(d));
+    tdm_comm_set_label(comm, "ddp broadcast parameters");
     TDM_TRY(tdm_comm_broadcast(comm, tdm_model_params(m), tdm_model_params(m),
                                (size_t)d->param_elems, TDM_DTYPE_FLOAT32, 0));
     if (tdm_model_buffer_elems(m) > 0)
@@ -628,6 +632,7 @@ tdm_status tdm_ddp_evaluate(tdm_ddp *d, const tdm_dataset *test, int batch, doub
         sums[0] = l * (double)part.n;
         sums[1] = a * (double)part.n;
     }
+    tdm_comm_set_label(d->hcomm, "ddp evaluate sums");
     TDM_CHECK(tdm_comm_all_reduce(d->hcomm, sums, sums, 3, TDM_DTYPE_FLOAT64, TDM_REDOP_SUM));
     TDM_REQUIRE(sums[2] > 0, TDM_STATUS_INVALID_ARG, "ddp evaluate: the test set is empty");
     *loss_mean = sums[0] / sums[2];
@@ -773,6 +778,7 @@ static tdm_status tdm_ddp_finish(tdm_ddp *d)
         float *v = d->grads + bk->offset;
         d->bt[i].start_ms = tdm_ddp_rel_ms(d);
         tdm_status st;
+        tdm_comm_set_label(d->comm, "ddp bucket %d", i);
         if (d->o.timeout_ms > 0) {
             /* bounded by opts.timeout_ms like the asynchronous buckets */
             tdm_comm_work *w = NULL;
@@ -907,6 +913,9 @@ tdm_status tdm_ddp_step(tdm_ddp *d, tdm_optim *opt)
     uint64_t t0 = tdm_time_ns();
     TDM_CHECK(tdm_optim_step(opt));
     TDM_CHECK(tdm_dev_sync(d->dev));
+    d->steps_done++;
+    tdm_comm_set_step(d->comm, d->steps_done);
+    if (d->hcomm != d->comm) tdm_comm_set_step(d->hcomm, d->steps_done);
     double ms = tdm_time_ms_since(t0);
     d->times.last.ms[TDM_PHASE_STEP] = ms;
     d->times.total.ms[TDM_PHASE_STEP] += ms;
