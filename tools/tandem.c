@@ -14,6 +14,7 @@
 #pragma weak tdm_tool_bench_dp_main
 #pragma weak tdm_tool_bench_models_main
 #pragma weak tdm_tool_sample_main
+#pragma weak tdm_tool_doctor_main
 
 typedef int (*tdm_tool_main_fn)(int, char **);
 
@@ -28,6 +29,7 @@ static const struct {
     {"launch", tdm_tool_launch_main, "run N ranks of your own program (like torchrun)"},
     {"bench", tdm_tool_bench_main, "benchmarks: bench <collective> (nccl-tests columns), "
                                    "bench gemm, bench train, bench dp"},
+    {"doctor", tdm_tool_doctor_main, "diagnose a failed job from its flight-recorder dumps"},
     {"info", tdm_tool_info_main, "build configuration and visible devices"},
 };
 #define TDM_TOOL_NCMDS (sizeof tdm_tool_cmds / sizeof tdm_tool_cmds[0])
