@@ -105,3 +105,74 @@ Test(doctor, usage_and_empty_dir, .timeout = 30)
     expect(&r, 1, "no flight-recorder dump in");
     fr_t_rm_dir(dir);
 }
+
+/* --- tandem launch and tandem train write the dumps and print the verdict --- */
+
+#define DOC_TRAIN "train", "--mode", "ddp", "--data", "synthetic", "--synthetic-size", "1024", \
+                  "--batch", "64", "--model", "mlp:784-32-10", "--no-eval", "--quiet",       \
+                  "--epochs", "1"
+
+static int doc_has(const char *dir, const char *name)
+{
+    char path[512];
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    return access(path, F_OK) == 0;
+}
+
+Test(doctor, launch_prints_the_verdict_of_a_killed_rank, .timeout = 120)
+{
+    char dir[64];
+    fr_t_dump_dir(dir, sizeof dir);
+    unsetenv("TANDEM_FR_DUMP");            /* the launcher picks --log-dir */
+    setenv("TANDEM_DDP_TEST_KILL", "1:5", 1);
+    cli_result r;
+    CLI(&r, "launch", "-n", "2", "--log-dir", dir, "--", cli_bin(), DOC_TRAIN);
+    expect(&r, 1, "tandem launch: doctor: DIED: rank 1 was killed by signal 9 (Killed); "
+                  "the others waited in all_reduce(float32, sum, count=");
+    expect(&r, 1, "'ddp bucket 0'");
+    cr_expect(doc_has(dir, "fr_rank_0.json") && doc_has(dir, "launch.json"));
+    cr_expect(!doc_has(dir, "fr_rank_1.json"), "a SIGKILLed rank cannot dump");
+    CLI(&r, "doctor", dir);
+    expect(&r, 4, "stopped first: rank 1 (was killed by signal 9 (Killed))");
+    expect(&r, 4, "last completed step: 4");   /* killed before its 5th */
+    cr_expect(!cli_shm_entries());
+    fr_t_rm_dir(dir);
+}
+
+Test(doctor, train_prints_the_verdict_of_a_stopped_rank, .timeout = 120)
+{
+    char dir[64];
+    fr_t_dump_dir(dir, sizeof dir);
+    setenv("TANDEM_DDP_TEST_KILL", "1:3:STOP", 1);
+    setenv("TANDEM_SHM_STALL_MS", "500", 1);
+    cli_result r;
+    CLI(&r, DOC_TRAIN, "--device", "cpu:2");
+    expect(&r, 1, "tandem train: doctor: STALLED: rank 1 is stopped (process state T: SIGSTOP "
+                  "or job control); the others waited in all_reduce(");
+    expect(&r, 1, "tandem train: flight-recorder dumps in /tmp/tdm_fr_test_");
+    cr_expect(doc_has(dir, "fr_rank_0.json") && doc_has(dir, "launch.json"));
+    cr_expect(!cli_shm_entries());
+    fr_t_rm_dir(dir);
+}
+
+/* A good run leaves nothing: the launcher's own directory is removed. */
+Test(doctor, good_runs_leave_no_dump_directory, .timeout = 120)
+{
+    char tmp[64];
+    fr_t_dump_dir(tmp, sizeof tmp);
+    unsetenv("TANDEM_FR_DUMP");
+    setenv("TMPDIR", tmp, 1);
+    cli_result r;
+    CLI(&r, DOC_TRAIN, "--device", "cpu:2");
+    expect(&r, 0, NULL);
+    CLI(&r, "launch", "-n", "2", "--", cli_bin(), DOC_TRAIN);
+    expect(&r, 0, NULL);
+    DIR *d = opendir(tmp);
+    cr_assert_not_null(d);
+    struct dirent *de;
+    int n = 0;
+    while ((de = readdir(d))) n += de->d_name[0] != '.';
+    closedir(d);
+    cr_expect_eq(n, 0, "left %d entries in %s", n, tmp);
+    fr_t_rm_dir(tmp);
+}

@@ -563,7 +563,7 @@ int tdm_doctor_write_summary(const char *dir, int world, const int *pid, const i
     fprintf(f, "{\"version\":1,\"world\":%d,\"cause\":", world);
     tdm_doc_json_str(f, cause ? cause : "");
     fprintf(f, ",\"ranks\":[");
-    for (int r = 0; r < world; r++) {
+    for (int r = 0; pid && wstatus && r < world; r++) {
         char end[128] = "";
         if (pid[r] > 0) tdm_shm_wait_status_str(wstatus[r], end, sizeof end);
         fprintf(f, "%s{\"rank\":%d,\"pid\":%d,\"wstatus\":%d,\"induced\":%s,\"end\":", r ? "," : "",
@@ -575,6 +575,65 @@ int tdm_doctor_write_summary(const char *dir, int world, const int *pid, const i
     int bad = fclose(f) != 0;
     if (bad) { tdm_file_replace_abort(&o); return -1; }
     return tdm_file_replace_commit(&o) ? -1 : 0;
+}
+
+void tdm_doctor_job_begin(tdm_doctor_job *j, const char *tool, const char *dir_hint)
+{
+    memset(j, 0, sizeof *j);
+    j->tool = tool;
+    const char *user = getenv("TANDEM_FR_DUMP");
+    if (user && *user) {
+        snprintf(j->dir, sizeof j->dir, "%s", user);
+        j->on = 1;
+        return;
+    }
+    if (dir_hint) {
+        snprintf(j->dir, sizeof j->dir, "%s", dir_hint);
+    } else {
+        const char *tmp = getenv("TMPDIR");
+        snprintf(j->dir, sizeof j->dir, "%s/tandem-fr-XXXXXX", tmp && *tmp ? tmp : "/tmp");
+        if (!mkdtemp(j->dir)) {
+            fprintf(stderr, "%s: note: no flight-recorder dumps (mkdtemp %s: %s)\n", tool, j->dir,
+                    strerror(errno));
+            return;
+        }
+        j->created = 1;
+    }
+    j->on = 1;
+    setenv("TANDEM_FR_DUMP", j->dir, 1);
+    if (!getenv("TANDEM_FR_DUMP_ON")) setenv("TANDEM_FR_DUMP_ON", "failure", 1);
+}
+
+static void tdm_doctor_job_clean(tdm_doctor_job *j)
+{
+    DIR *dp = opendir(j->dir);
+    if (!dp) return;
+    struct dirent *de;
+    int dfd = dirfd(dp);
+    while ((de = readdir(dp))) {
+        int r, len = 0;
+        if ((sscanf(de->d_name, "fr_rank_%d%n", &r, &len) == 1 && len > 0) ||
+            !strcmp(de->d_name, TDM_DOCTOR_SUMMARY))
+            unlinkat(dfd, de->d_name, 0);
+    }
+    closedir(dp);
+    rmdir(j->dir);   /* fails, keeping it, if anything else is there */
+}
+
+tdm_doctor_verdict tdm_doctor_job_end(tdm_doctor_job *j, int failed, int world, const int *pid,
+                                      const int *wstatus, const int *induced, const char *cause)
+{
+    if (!j->on) return TDM_DOCTOR_OK;
+    if (!failed) {
+        if (j->created) tdm_doctor_job_clean(j);
+        return TDM_DOCTOR_OK;
+    }
+    tdm_doctor_write_summary(j->dir, world, pid, wstatus, induced, cause);
+    char line[1024];
+    tdm_doctor_verdict v = tdm_doctor_diagnose(j->dir, NULL, line, sizeof line);
+    fprintf(stderr, "%s: doctor: %s\n%s: flight-recorder dumps in %s (tandem doctor %s for "
+                    "the diagnosis)\n", j->tool, line, j->tool, j->dir, j->dir);
+    return v;
 }
 
 static void tdm_doctor_usage(FILE *f)

@@ -31,6 +31,27 @@ tdm_doctor_verdict tdm_doctor_diagnose(const char *dir, FILE *out, char *line, s
 int tdm_doctor_write_summary(const char *dir, int world, const int *pid, const int *wstatus,
                              const int *induced, const char *cause);
 
+/* A job whose ranks dump on failure, as tandem launch and tandem train
+ * --mode ddp run them: begin before starting ranks, end after. */
+typedef struct tdm_doctor_job {
+    const char *tool;      /* "tandem launch", for messages */
+    char dir[4096];
+    int created;           /* 1: a temporary directory of ours */
+    int on;                /* 0: no directory (the recorder's dumps are off) */
+} tdm_doctor_job;
+
+/* Points the ranks' recorders at a directory (TANDEM_FR_DUMP, exported):
+ * the user's TANDEM_FR_DUMP if set, else dir_hint (a --log-dir) if given,
+ * else a new private directory under $TMPDIR (/tmp), and asks for dumps
+ * on failure only (TANDEM_FR_DUMP_ON=failure) unless the user chose. */
+void tdm_doctor_job_begin(tdm_doctor_job *j, const char *tool, const char *dir_hint);
+/* After the job: on failure writes the summary (pid, wstatus may be NULL;
+ * induced may be NULL), prints "<tool>: doctor: <verdict>" and where the
+ * dumps are, and returns the verdict; on success removes a directory of
+ * ours and returns TDM_DOCTOR_OK. */
+tdm_doctor_verdict tdm_doctor_job_end(tdm_doctor_job *j, int failed, int world, const int *pid,
+                                      const int *wstatus, const int *induced, const char *cause);
+
 int tdm_tool_doctor_main(int argc, char **argv);
 
 #endif

@@ -29,6 +29,7 @@
 #include "shm/shm_comm.h"
 #include "shm/spawn.h"
 #include "tools/args.h"
+#include "tools/doctor.h"
 #include "tools/tools.h"
 
 #define TDM_LAUNCH_LINE_MAX 4096
@@ -209,6 +210,8 @@ int tdm_tool_launch_main(int argc, char **argv)
         goto done;
     }
     tdm_shm_watch_init(&watch, g, W);
+    tdm_doctor_job frj;   /* the ranks' flight-recorder dumps (tools/doctor.h) */
+    tdm_doctor_job_begin(&frj, "tandem launch", log_dir);
     struct sigaction sa = {.sa_handler = tdm_launch_on_signal};
     sigemptyset(&sa.sa_mask);
     struct sigaction old_int, old_term, old_hup;
@@ -349,8 +352,11 @@ int tdm_tool_launch_main(int argc, char **argv)
     tdm_shm_cause cause;
     tdm_shm_watch_blame(&watch, &cause);
     if (cause == TDM_SHM_CAUSE_RANK) {
+        char why[1024];
+        snprintf(why, sizeof why, "%s", tdm_error_message());
         fprintf(stderr, "tandem launch: %s; stopped the other ranks (%d of %d failed or were "
-                        "stopped)\n", tdm_error_message(), failed, W);
+                        "stopped)\n", why, failed, W);
+        tdm_doctor_job_end(&frj, 1, W, watch.pid, watch.wstatus, watch.induced, why);
         rc = 1;
     } else if (fwd_sig) {
         fprintf(stderr, "tandem launch: received %s; forwarded it to %d rank(s)\n",
@@ -360,6 +366,7 @@ int tdm_tool_launch_main(int argc, char **argv)
         fprintf(stderr, "tandem launch: %d of %d ranks could not be started\n", failed, W);
         rc = 1;
     } else {
+        tdm_doctor_job_end(&frj, 0, W, NULL, NULL, NULL, NULL);
         rc = 0;
     }
 done:

@@ -43,6 +43,7 @@
 #include "ddp/ddp.h"
 #include "ddp/pg.h"
 #include "ddp/spawn.h"
+#include "tools/doctor.h"
 #include "models/checkpoint.h"
 #include "shm/shm_comm.h"
 #include "tools/devices.h"
@@ -328,11 +329,18 @@ int tdm_train_run_ddp(const tdm_train_args *a)
     c.train = &train;
     c.test = &test;
     fflush(stdout);
-    st = tdm_ddp_spawn(c.dl.count, tdm_train_ddp_rank_main, &c, &so, NULL);
+    tdm_doctor_job frj;   /* the ranks' flight-recorder dumps (tools/doctor.h) */
+    tdm_doctor_job_begin(&frj, "tandem train", NULL);
+    tdm_shm_spawn_result res;
+    st = tdm_ddp_spawn(c.dl.count, tdm_train_ddp_rank_main, &c, &so, &res);
     if (st) {
-        fprintf(stderr, "tandem train: ddp: %s\n", tdm_error_message());
+        char why[1024];
+        snprintf(why, sizeof why, "%s", tdm_error_message());
+        fprintf(stderr, "tandem train: ddp: %s\n", why);
+        tdm_doctor_job_end(&frj, 1, c.dl.count, res.pid, res.wstatus, NULL, why);
         goto done;
     }
+    tdm_doctor_job_end(&frj, 0, c.dl.count, NULL, NULL, NULL, NULL);
     rc = 0;
 done:
     tdm_model_free(probe);
