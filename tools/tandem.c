@@ -15,6 +15,7 @@
 #pragma weak tdm_tool_bench_models_main
 #pragma weak tdm_tool_sample_main
 #pragma weak tdm_tool_doctor_main
+#pragma weak tdm_tool_selftest_main
 
 typedef int (*tdm_tool_main_fn)(int, char **);
 
@@ -30,6 +31,7 @@ static const struct {
     {"bench", tdm_tool_bench_main, "benchmarks: bench <collective> (nccl-tests columns), "
                                    "bench gemm, bench train, bench dp"},
     {"doctor", tdm_tool_doctor_main, "diagnose a failed job from its flight-recorder dumps"},
+    {"selftest", tdm_tool_selftest_main, "check that multi-device training works here (CI, JUnit)"},
     {"info", tdm_tool_info_main, "build configuration and visible devices"},
 };
 #define TDM_TOOL_NCMDS (sizeof tdm_tool_cmds / sizeof tdm_tool_cmds[0])

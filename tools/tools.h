@@ -18,5 +18,6 @@ int tdm_tool_bench_dp_main(int argc, char **argv);
 int tdm_tool_compare_main(int argc, char **argv); /* tools/compare.c */
 int tdm_tool_sample_main(int argc, char **argv);  /* tools/sample.c */
 int tdm_tool_doctor_main(int argc, char **argv);  /* tools/doctor.c: exit code = verdict */
+int tdm_tool_selftest_main(int argc, char **argv);/* tools/selftest.c */
 
 #endif
