@@ -600,8 +600,12 @@ void tdm_doctor_job_begin(tdm_doctor_job *j, const char *tool, const char *dir_h
         j->created = 1;
     }
     j->on = 1;
+    j->set_env = 1;
     setenv("TANDEM_FR_DUMP", j->dir, 1);
-    if (!getenv("TANDEM_FR_DUMP_ON")) setenv("TANDEM_FR_DUMP_ON", "failure", 1);
+    if (!getenv("TANDEM_FR_DUMP_ON")) {
+        setenv("TANDEM_FR_DUMP_ON", "failure", 1);
+        j->set_on = 1;
+    }
 }
 
 static void tdm_doctor_job_clean(tdm_doctor_job *j)
@@ -624,6 +628,9 @@ tdm_doctor_verdict tdm_doctor_job_end(tdm_doctor_job *j, int failed, int world, 
                                       const int *wstatus, const int *induced, const char *cause)
 {
     if (!j->on) return TDM_DOCTOR_OK;
+    /* the next job (a restart) picks its own directory */
+    if (j->set_env) unsetenv("TANDEM_FR_DUMP");
+    if (j->set_on) unsetenv("TANDEM_FR_DUMP_ON");
     if (!failed) {
         if (j->created) tdm_doctor_job_clean(j);
         return TDM_DOCTOR_OK;

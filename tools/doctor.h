@@ -38,6 +38,7 @@ typedef struct tdm_doctor_job {
     char dir[4096];
     int created;           /* 1: a temporary directory of ours */
     int on;                /* 0: no directory (the recorder's dumps are off) */
+    int set_env, set_on;   /* 1: we exported TANDEM_FR_DUMP / TANDEM_FR_DUMP_ON */
 } tdm_doctor_job;
 
 /* Points the ranks' recorders at a directory (TANDEM_FR_DUMP, exported):

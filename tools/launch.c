@@ -8,8 +8,8 @@
  * (the other ranks' collectives fail at once), stops the rest (SIGTERM,
  * then SIGKILL after a grace period) and exits 1 with a summary naming
  * the root cause by the rule every parent of ranks shares
- * (tdm_shm_watch_blame, shm/spawn.h). Not an elastic agent: no restarts,
- * one machine. */
+ * (tdm_shm_watch_blame, shm/spawn.h). Restarts (--max-restarts) are
+ * tools/elastic.c's loop around this; one machine. */
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
@@ -30,6 +30,7 @@
 #include "shm/spawn.h"
 #include "tools/args.h"
 #include "tools/doctor.h"
+#include "tools/elastic.h"
 #include "tools/tools.h"
 
 #define TDM_LAUNCH_LINE_MAX 4096
@@ -58,6 +59,16 @@ static void tdm_launch_usage(FILE *f)
         "                       for a peer in a collective fails, naming it;\n"
         "                       exported to the ranks as TANDEM_TIMEOUT\n"
         "                       [$TANDEM_TIMEOUT, else 300]\n"
+        "  --max-restarts K     when a rank fails, stop the rest and start every rank\n"
+        "                       again, at most K times (the ranks see\n"
+        "                       TANDEM_RESTART_COUNT; tandem train resumes from its\n"
+        "                       --save checkpoint); never after a signal to the launcher [0]\n"
+        "  --checkpoint PATH    the checkpoint restarted ranks resume from, named in the\n"
+        "                       restart line and exported as TANDEM_RESUME\n"
+        "\n"
+        "On a failure the ranks' flight recorders are dumped (in $TANDEM_FR_DUMP, else\n"
+        "--log-dir, else a new $TMPDIR/tandem-fr-* directory) and the summary ends with\n"
+        "the one-line verdict of tandem doctor.\n"
         "\n"
         "Exit codes: 0 every rank succeeded, 1 a rank failed (summary on\n"
         "stderr), 2 bad usage, 128+S stopped by signal S.\n", TDM_SHM_MAX_RANKS);
@@ -122,7 +133,8 @@ static void tdm_launch_sleep_ms(int ms)
     while (nanosleep(&ts, &ts) == -1 && errno == EINTR) {}
 }
 
-int tdm_tool_launch_main(int argc, char **argv)
+/* One launch; tools/elastic.c's tdm_tool_launch_main restarts it. */
+int tdm_launch_run_once(int argc, char **argv)
 {
     long long world = 0, arena_mb = 32, grace_ms = 3000;
     const char *log_dir = NULL, *timeout = NULL;
@@ -357,6 +369,7 @@ int tdm_tool_launch_main(int argc, char **argv)
         fprintf(stderr, "tandem launch: %s; stopped the other ranks (%d of %d failed or were "
                         "stopped)\n", why, failed, W);
         tdm_doctor_job_end(&frj, 1, W, watch.pid, watch.wstatus, watch.induced, why);
+        snprintf(tdm_elastic_cause, sizeof tdm_elastic_cause, "%s", why);
         rc = 1;
     } else if (fwd_sig) {
         fprintf(stderr, "tandem launch: received %s; forwarded it to %d rank(s)\n",

@@ -67,6 +67,9 @@ static void tdm_train_usage(FILE *f)
         "                         longer for a peer in a collective fails, naming\n"
         "                         it [$TANDEM_TIMEOUT, else 60 for forked ranks,\n"
         "                         300 under tandem launch]\n"
+        "  --max-restarts K       ddp: when a rank fails, stop the rest and start\n"
+        "                         every rank again from the --save checkpoint, at\n"
+        "                         most K times (docs/DEBUGGING.md)            [0]\n"
         "  --no-eval              skip the test-set evaluation after each epoch\n"
         "                         (ddp spreads it over the ranks)\n"
         "  --quiet                only the per-epoch lines\n"
@@ -148,6 +151,7 @@ int tdm_tool_train_main(int argc, char **argv)
         TDM_ARGS_STR("--lr-schedule", a.lr_schedule)
         TDM_ARGS_STR("--timeout", a.timeout)
         TDM_ARGS_INT("--bucket-cap-mb", 0, 1 << 20, a.bucket_cap_mb)
+        TDM_ARGS_INT("--max-restarts", 0, 1000, a.max_restarts)
         if (!strcmp(arg, "--nesterov")) { a.nesterov = 1; continue; }
         if (!strcmp(arg, "--no-eval")) { a.no_eval = 1; continue; }
         if (!strcmp(arg, "--quiet")) { a.quiet = 1; continue; }
@@ -182,6 +186,11 @@ int tdm_tool_train_main(int argc, char **argv)
      * (docs/GPT.md) */
     if (a.lr < 0) a.lr = strcmp(a.optim, "sgd") ? (gpt ? 2e-3 : 1e-3) : 0.05;
     if (a.weight_decay < 0) a.weight_decay = strcmp(a.optim, "sgd") ? 0.01 : 0.0;
+    if (a.max_restarts && strcmp(a.mode, "ddp")) {
+        fprintf(stderr, "tandem train: --max-restarts applies to --mode ddp (ranks that can "
+                        "fail one by one)\n");
+        return 2;
+    }
     if (a.timeout && strcmp(a.mode, "ddp"))
         fprintf(stderr, "tandem train: note: --timeout applies to --mode ddp (the process "
                         "group's collectives); --mode %s has none\n", a.mode);

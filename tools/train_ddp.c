@@ -44,6 +44,7 @@
 #include "ddp/pg.h"
 #include "ddp/spawn.h"
 #include "tools/doctor.h"
+#include "tools/elastic.h"
 #include "models/checkpoint.h"
 #include "shm/shm_comm.h"
 #include "tools/devices.h"
@@ -221,7 +222,9 @@ static int tdm_train_ddp_rank_main(tdm_comm *comm, void *arg)
     int kr = -1;
     long long ks = 0;
     char how[8] = "";
-    if (kill_env && sscanf(kill_env, "%d:%lld:%7s", &kr, &ks, how) >= 2 && kr == rank) {
+    /* the first attempt only: a restarted job must be able to finish */
+    if (kill_env && tdm_elastic_attempt() == 0 &&
+        sscanf(kill_env, "%d:%lld:%7s", &kr, &ks, how) >= 2 && kr == rank) {
         r.kill_step = ks;
         r.kill_sig = strcmp(how, "STOP") ? SIGKILL : SIGSTOP;
     }
@@ -248,9 +251,19 @@ done:
     return rc;
 }
 
-int tdm_train_run_ddp(const tdm_train_args *a)
+int tdm_train_run_ddp(const tdm_train_args *a0)
 {
+    /* a restart resumes from the checkpoint: a copy whose resume changes */
+    tdm_train_args ar = *a0;
+    const tdm_train_args *a = &ar;
     tdm_train_ddp_ctx c = {.a = a};
+    if (tdm_elastic_attempt() > 0 && !a0->resume) {
+        /* restarted by tandem launch --max-restarts: resume from the
+         * launcher's --checkpoint, else from our own --save */
+        const char *ck = getenv(TDM_ELASTIC_ENV_RESUME);
+        if (!ck || !*ck) ck = a0->save;
+        if (ck && access(ck, F_OK) == 0) ar.resume = ck;
+    }
     tdm_dataset train = {0}, test = {0};
     tdm_device *dev = NULL;
     tdm_model *probe = NULL;
@@ -329,19 +342,33 @@ int tdm_train_run_ddp(const tdm_train_args *a)
     c.train = &train;
     c.test = &test;
     fflush(stdout);
-    tdm_doctor_job frj;   /* the ranks' flight-recorder dumps (tools/doctor.h) */
-    tdm_doctor_job_begin(&frj, "tandem train", NULL);
-    tdm_shm_spawn_result res;
-    st = tdm_ddp_spawn(c.dl.count, tdm_train_ddp_rank_main, &c, &so, &res);
-    if (st) {
+    for (int attempt = 0;; attempt++) {
+        tdm_elastic_set_attempt(attempt);
+        tdm_doctor_job frj;   /* the ranks' flight-recorder dumps (tools/doctor.h) */
+        tdm_doctor_job_begin(&frj, "tandem train", NULL);
+        tdm_shm_spawn_result res;
+        st = tdm_ddp_spawn(c.dl.count, tdm_train_ddp_rank_main, &c, &so, &res);
+        if (st == TDM_STATUS_OK) {
+            tdm_doctor_job_end(&frj, 0, c.dl.count, NULL, NULL, NULL, NULL);
+            rc = 0;
+            break;
+        }
         char why[1024];
         snprintf(why, sizeof why, "%s", tdm_error_message());
         fprintf(stderr, "tandem train: ddp: %s\n", why);
         tdm_doctor_job_end(&frj, 1, c.dl.count, res.pid, res.wstatus, NULL, why);
-        goto done;
+        /* a failure of a rank is restarted, not a signal to this process
+         * (Ctrl-C reaches the ranks too: they die of it, and so do we) */
+        if (attempt >= a->max_restarts || st != TDM_STATUS_PEER_FAILED) break;
+        char from[512];
+        if (a->save && access(a->save, F_OK) == 0) ar.resume = a->save;
+        tdm_elastic_describe(ar.resume, from, sizeof from);
+        int ms = tdm_elastic_backoff(attempt + 1);
+        fprintf(stderr, "tandem train: restart %d of %lld after %d ms: %s; every rank starts "
+                        "again %s\n", attempt + 1, a->max_restarts, ms, why, from);
+        fflush(stdout);
     }
-    tdm_doctor_job_end(&frj, 0, c.dl.count, NULL, NULL, NULL, NULL);
-    rc = 0;
+    goto done;
 done:
     tdm_model_free(probe);
     tdm_device_free(dev);
