@@ -161,7 +161,8 @@ tdm_status tdm_fr_init(tdm_fr **out, int rank, int world, const char *backend)
     if (dir && *dir) {
         char name[64];
         if (fr->index <= 0) snprintf(name, sizeof name, "fr_rank_%d.json", rank);
-        else snprintf(name, sizeof name, "fr_rank_%d.c%d.json", rank, fr->index);
+        else   /* a process's other communicators (sub-groups: another rank numbering) */
+            snprintf(name, sizeof name, "fr_rank_%d.c%d.pid%d.json", rank, fr->index, (int)getpid());
         int a = snprintf(fr->path, sizeof fr->path, "%s/%s", dir, name);
         int b = snprintf(fr->tmp_path, sizeof fr->tmp_path, "%s/.%s.%d.tmp", dir, name,
                          (int)getpid());

@@ -11,7 +11,7 @@
  *   TANDEM_FR_SIZE=N       entries kept (default 2000; 0 turns it off)
  *   TANDEM_FR_DUMP=DIR     where dumps go: DIR/fr_rank_<R>.json (the first
  *                          communicator of the process; later ones
- *                          fr_rank_<R>.c<K>.json). Without it nothing is
+ *                          fr_rank_<R>.c<K>.pid<P>.json). Without it nothing is
  *                          written (tandem launch and tandem train set it).
  *   TANDEM_FR_DUMP_ON=failure   write only on failure, timeout, abort and
  *                          SIGUSR1, not at the end of a good run (what the
