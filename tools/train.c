@@ -25,6 +25,7 @@
 #include "tools/args.h"
 #include "tools/tools.h"
 #include "tools/devices.h"
+#include "tools/elastic.h"
 #include "tools/train_modes.h"
 
 static void tdm_train_usage(FILE *f)
@@ -194,6 +195,19 @@ int tdm_tool_train_main(int argc, char **argv)
     if (a.timeout && strcmp(a.mode, "ddp"))
         fprintf(stderr, "tandem train: note: --timeout applies to --mode ddp (the process "
                         "group's collectives); --mode %s has none\n", a.mode);
+    if (gpt && a.max_restarts) {
+        fprintf(stderr, "tandem train: --max-restarts is not available for --model gpt yet "
+                        "(its DDP loop forks its own ranks); tandem launch --max-restarts K "
+                        "restarts a launched one from its --save\n");
+        return 2;
+    }
+    if (tdm_elastic_attempt() > 0 && !a.resume) {
+        /* restarted by tandem launch --max-restarts: resume from the
+         * launcher's --checkpoint, else from our own --save */
+        const char *ck = getenv(TDM_ELASTIC_ENV_RESUME);
+        if (!ck || !*ck) ck = a.save;
+        if (ck && access(ck, F_OK) == 0) a.resume = ck;
+    }
     if (gpt) return tdm_train_text_main(&a);
     if (!strcmp(a.mode, "single")) return tdm_train_run_single(&a);
     if (!strcmp(a.mode, "dp")) return tdm_train_run_dp ? tdm_train_run_dp(&a) : tdm_train_mode_absent("dp");

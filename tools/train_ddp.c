@@ -257,13 +257,6 @@ int tdm_train_run_ddp(const tdm_train_args *a0)
     tdm_train_args ar = *a0;
     const tdm_train_args *a = &ar;
     tdm_train_ddp_ctx c = {.a = a};
-    if (tdm_elastic_attempt() > 0 && !a0->resume) {
-        /* restarted by tandem launch --max-restarts: resume from the
-         * launcher's --checkpoint, else from our own --save */
-        const char *ck = getenv(TDM_ELASTIC_ENV_RESUME);
-        if (!ck || !*ck) ck = a0->save;
-        if (ck && access(ck, F_OK) == 0) ar.resume = ck;
-    }
     tdm_dataset train = {0}, test = {0};
     tdm_device *dev = NULL;
     tdm_model *probe = NULL;

@@ -27,6 +27,7 @@
 #include "models/gpt.h"
 #include "models/train_text.h"
 #include "tools/devices.h"
+#include "tools/doctor.h"
 #include "tools/train_modes.h"
 
 /* Evaluation windows (at most) and windows per evaluation forward. */
@@ -474,11 +475,18 @@ static int tdm_text_run_ddp(tdm_text_job *j)
     tdm_model_free(probe);
     tdm_device_free(dev);
     fflush(stdout);
-    st = tdm_ddp_spawn(j->dl.count, tdm_text_rank_main, j, &so, NULL);
+    tdm_doctor_job frj;   /* the ranks' flight-recorder dumps (tools/doctor.h) */
+    tdm_doctor_job_begin(&frj, "tandem train", NULL);
+    tdm_shm_spawn_result res;
+    st = tdm_ddp_spawn(j->dl.count, tdm_text_rank_main, j, &so, &res);
     if (st) {
-        fprintf(stderr, "tandem train: ddp: %s\n", tdm_error_message());
+        char why[1024];
+        snprintf(why, sizeof why, "%s", tdm_error_message());
+        fprintf(stderr, "tandem train: ddp: %s\n", why);
+        tdm_doctor_job_end(&frj, 1, j->dl.count, res.pid, res.wstatus, NULL, why);
         return 1;
     }
+    tdm_doctor_job_end(&frj, 0, j->dl.count, NULL, NULL, NULL, NULL);
     return 0;
 }
 
