@@ -170,3 +170,41 @@ Test(flight, bad_size_is_refused_and_zero_turns_it_off, .timeout = 60)
     cr_expect_null(fr_t_load(dir, 0), "the recorder is off: nothing may be written");
     fr_t_rm_dir(dir);
 }
+
+/* A rank blocked inside a collective (its peer late) is dumped by SIGUSR1
+ * there and then: the dump shows the call running, not yet ended. */
+static int fr_hung_rank(tdm_comm *comm, void *arg)
+{
+    (void)arg;
+    int32_t me = (int32_t)getpid(), pids[2];
+    if (tdm_comm_all_gather(comm, &me, pids, 1, TDM_DTYPE_INT32)) return 1;
+    if (tdm_comm_rank(comm) == 1) {
+        usleep(1000 * 1000);           /* rank 0 is now waiting in the all_reduce */
+        kill(pids[0], SIGUSR1);
+        usleep(300 * 1000);
+    }
+    float x = 1;
+    tdm_comm_set_label(comm, "the late one");
+    return tdm_comm_all_reduce(comm, &x, &x, 1, TDM_DTYPE_FLOAT32, TDM_REDOP_SUM) ? 1 : 0;
+}
+
+Test(flight, sigusr1_dumps_a_rank_blocked_in_a_collective, .timeout = 60)
+{
+    char dir[64];
+    fr_t_dump_dir(dir, sizeof dir);
+    setenv("TANDEM_FR_DUMP_ON", "failure", 1);
+    cr_assert_eq(tdm_shm_spawn(2, fr_hung_rank, NULL, NULL, NULL), TDM_STATUS_OK, "%s",
+                 tdm_error_message());
+    tdm_json *doc = fr_t_load(dir, 0);
+    cr_assert_not_null(doc, "SIGUSR1 wrote no dump");
+    cr_expect_str_eq(fr_str(doc, "trigger"), "SIGUSR1");
+    const tdm_json *e = fr_entries(doc);
+    cr_assert_eq(e->n, 2);
+    cr_expect_str_eq(fr_str(&e->items[0], "state"), "done");
+    cr_expect_str_eq(fr_str(&e->items[1], "coll"), "all_reduce");
+    cr_expect_str_eq(fr_str(&e->items[1], "label"), "the late one");
+    cr_expect_str_eq(fr_str(&e->items[1], "state"), "running");
+    cr_expect_eq(fr_int(&e->items[1], "t_end_ns"), 0);
+    tdm_json_free(doc);
+    fr_t_rm_dir(dir);
+}
