@@ -84,6 +84,9 @@ static tdm_status tdm_train_ddp_step(void *ctx, const void *x, const int32_t *y,
     double ls = 0.0;
     if (++r->steps == r->kill_step) {
         fflush(stdout);
+        /* the moment of the fault, for tools/fault_latency.sh */
+        fprintf(stderr, "tandem train: rank %d: test fault: %s before step %lld\n", r->rank,
+                r->kill_sig == SIGSTOP ? "SIGSTOP" : "SIGKILL", (long long)r->steps);
         raise(r->kill_sig);
     }
     TDM_TRY(tdm_ddp_zero_grad(r->ddp));
