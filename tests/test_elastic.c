@@ -113,17 +113,27 @@ Test(elastic, a_signal_to_the_launcher_is_never_restarted, .timeout = 60)
         dup2(fds[1], 1);
         dup2(fds[1], 2);
         close(fds[0]);
-        execl(cli_bin(), cli_bin(), "launch", "-n", "2", "--max-restarts", "3", "--", "sleep",
-              "30", (char *)NULL);
+        execl(cli_bin(), cli_bin(), "launch", "-n", "2", "--max-restarts", "3", "--", "sh",
+              "-c", "echo started; exec sleep 30", (char *)NULL);
         _exit(127);
     }
     close(fds[1]);
-    usleep(500 * 1000);
-    kill(pid, SIGINT);
+    /* a rank's line means the launcher's handlers are in place (they are
+     * installed before the ranks are forked; a slow start, under ASan,
+     * must not see the default SIGINT) */
     char out[8192];
     size_t len = 0;
     ssize_t k;
-    while ((k = read(fds[0], out + len, sizeof out - 1 - len)) > 0) len += (size_t)k;
+    int sent = 0;
+    while ((k = read(fds[0], out + len, sizeof out - 1 - len)) > 0) {
+        len += (size_t)k;
+        out[len] = 0;
+        if (!sent && strstr(out, "] started")) {
+            kill(pid, SIGINT);
+            sent = 1;
+        }
+    }
+    cr_expect(sent, "the ranks never started: %s", out);
     out[len] = 0;
     close(fds[0]);
     int ws;
