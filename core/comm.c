@@ -570,6 +570,11 @@ void tdm_comm_set_step(tdm_comm *comm, int64_t step)
     if (comm && comm->fr) tdm_fr_set_step(comm->fr, step);
 }
 
+void tdm_comm_fr_set_inner(tdm_comm *comm)
+{
+    if (comm) tdm_fr_set_inner(comm->fr);
+}
+
 int tdm_comm_fr_dump(tdm_comm *comm, const char *reason)
 {
     return comm && comm->fr ? tdm_fr_dump(comm->fr, reason) : -1;

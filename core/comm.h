@@ -208,6 +208,9 @@ void tdm_comm_set_step(tdm_comm *comm, int64_t step);
 /* Writes this rank's dump to TANDEM_FR_DUMP now; 0 when written, -1 when
  * off, without a directory, or when the write failed. */
 int tdm_comm_fr_dump(tdm_comm *comm, const char *reason);
+/* For backends built of other communicators (MPI's hier): marks comm as a
+ * part, whose dump is not the rank's fr_rank_<R>.json (core/flight.h). */
+void tdm_comm_fr_set_inner(tdm_comm *comm);
 
 /* Backend memory for zero-copy collectives (see tdm_comm_ops.alloc). */
 tdm_status tdm_comm_alloc(tdm_comm *comm, size_t nbytes, void **ptr);

@@ -77,10 +77,11 @@ struct tdm_fr {
     _Atomic int in_dump;          /* writers running now (free waits for 0) */
     int dump_at_end;
     int has_dir;
-    char path[TDM_FR_PATH_MAX], tmp_path[TDM_FR_PATH_MAX];
+    char dir[TDM_FR_PATH_MAX], path[TDM_FR_PATH_MAX], tmp_path[TDM_FR_PATH_MAX];
 };
 
 static _Atomic(tdm_fr *) tdm_fr_live[TDM_FR_MAX_LIVE];
+static _Atomic(tdm_fr *) tdm_fr_primary;   /* owner of the fr_rank_<R>.json name */
 static atomic_int tdm_fr_sig_installed;
 /* dump_all calls under way: tdm_fr_free waits for them after taking its
  * recorder out of the table, so none can be reading freed memory */
@@ -117,6 +118,29 @@ static void tdm_fr_install_signal(void)
     struct sigaction sa = {.sa_handler = tdm_fr_on_sigusr1, .sa_flags = SA_RESTART};
     sigemptyset(&sa.sa_mask);
     sigaction(SIGUSR1, &sa, NULL);
+}
+
+/* The process's primary communicator dumps to fr_rank_<R>.json, the one
+ * `tandem doctor` reads; any other (a sub-group, with its own numbering of
+ * ranks) to fr_rank_<R>.c<K>.pid<P>.json. */
+static void tdm_fr_name(tdm_fr *fr, int primary)
+{
+    char name[96];
+    if (primary) snprintf(name, sizeof name, "fr_rank_%d.json", fr->rank);
+    else snprintf(name, sizeof name, "fr_rank_%d.c%d.pid%d.json", fr->rank, fr->index,
+                  (int)getpid());
+    int a = snprintf(fr->path, sizeof fr->path, "%s/%s", fr->dir, name);
+    int b = snprintf(fr->tmp_path, sizeof fr->tmp_path, "%s/.%s.%d.tmp", fr->dir, name,
+                     (int)getpid());
+    fr->has_dir = a > 0 && a < (int)sizeof fr->path && b > 0 && b < (int)sizeof fr->tmp_path;
+    if (!fr->has_dir) TDM_WARN(CORE, "TANDEM_FR_DUMP: path too long; no dumps");
+}
+
+void tdm_fr_set_inner(tdm_fr *fr)
+{
+    if (!fr || !fr->dir[0]) return;
+    tdm_fr *expect = fr;
+    if (atomic_compare_exchange_strong(&tdm_fr_primary, &expect, NULL)) tdm_fr_name(fr, 0);
 }
 
 tdm_status tdm_fr_init(tdm_fr **out, int rank, int world, const char *backend)
@@ -159,15 +183,9 @@ tdm_status tdm_fr_init(tdm_fr **out, int rank, int world, const char *backend)
     const char *on = getenv("TANDEM_FR_DUMP_ON");
     fr->dump_at_end = !(on && !strcmp(on, "failure"));
     if (dir && *dir) {
-        char name[64];
-        if (fr->index <= 0) snprintf(name, sizeof name, "fr_rank_%d.json", rank);
-        else   /* a process's other communicators (sub-groups: another rank numbering) */
-            snprintf(name, sizeof name, "fr_rank_%d.c%d.pid%d.json", rank, fr->index, (int)getpid());
-        int a = snprintf(fr->path, sizeof fr->path, "%s/%s", dir, name);
-        int b = snprintf(fr->tmp_path, sizeof fr->tmp_path, "%s/.%s.%d.tmp", dir, name,
-                         (int)getpid());
-        fr->has_dir = a > 0 && a < (int)sizeof fr->path && b > 0 && b < (int)sizeof fr->tmp_path;
-        if (!fr->has_dir) TDM_WARN(CORE, "TANDEM_FR_DUMP: path too long; no dumps");
+        snprintf(fr->dir, sizeof fr->dir, "%s", dir);
+        tdm_fr *expect = NULL;
+        tdm_fr_name(fr, atomic_compare_exchange_strong(&tdm_fr_primary, &expect, fr));
     }
     tdm_fr_install_signal();
     *out = fr;
@@ -179,6 +197,8 @@ void tdm_fr_free(tdm_fr *fr)
     if (!fr) return;
     if (fr->dump_at_end || atomic_load(&fr->failed)) tdm_fr_dump(fr, "end");
     if (fr->index >= 0) atomic_store(&tdm_fr_live[fr->index], NULL);
+    tdm_fr *expect = fr;
+    atomic_compare_exchange_strong(&tdm_fr_primary, &expect, NULL);
     /* A SIGUSR1 dump that picked this recorder before it left the table
      * may still be writing (on another thread): let it finish. */
     while (atomic_load(&fr->in_dump) > 0 || atomic_load(&tdm_fr_walkers) > 0) {

@@ -11,7 +11,8 @@
  *   TANDEM_FR_SIZE=N       entries kept (default 2000; 0 turns it off)
  *   TANDEM_FR_DUMP=DIR     where dumps go: DIR/fr_rank_<R>.json (the first
  *                          communicator of the process; later ones
- *                          fr_rank_<R>.c<K>.pid<P>.json). Without it nothing is
+ *                          fr_rank_<R>.c<K>.pid<P>.json, and those a backend
+ *                          marks inner, below). Without it nothing is
  *                          written (tandem launch and tandem train set it).
  *   TANDEM_FR_DUMP_ON=failure   write only on failure, timeout, abort and
  *                          SIGUSR1, not at the end of a good run (what the
@@ -74,6 +75,11 @@ void tdm_fr_set_step(tdm_fr *fr, int64_t step);
 /* Records a failure that is not a call's (a timed-out wait, an abort),
  * keeping the first as the reason, and dumps. */
 void tdm_fr_note_failure(tdm_fr *fr, tdm_status st, const char *why);
+
+/* A communicator that is a part of another (hier's shm and MPI
+ * sub-communicators): it gives up the fr_rank_<R>.json name, so that the
+ * communicator made next (the composite one) gets it. */
+void tdm_fr_set_inner(tdm_fr *fr);
 
 /* Writes the dump now (async-signal-safe). Returns 0 when written, -1
  * when there is no dump directory or a write failed. */

@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include "core/comm.h"
+#include "core/flight.h"
 #include "core/json.h"
 #include "shm/shm_comm.h"
 #include "shm/spawn.h"
@@ -206,5 +207,38 @@ Test(flight, sigusr1_dumps_a_rank_blocked_in_a_collective, .timeout = 60)
     cr_expect_str_eq(fr_str(&e->items[1], "state"), "running");
     cr_expect_eq(fr_int(&e->items[1], "t_end_ns"), 0);
     tdm_json_free(doc);
+    fr_t_rm_dir(dir);
+}
+
+/* Only the process's primary communicator writes fr_rank_<R>.json (what
+ * the doctor reads); one marked inner (a part of a composite, as hier's)
+ * gives the name to the next one made. */
+Test(flight, the_composite_communicator_owns_the_rank_file, .timeout = 30)
+{
+    char dir[64], path[128];
+    fr_t_dump_dir(dir, sizeof dir);
+    tdm_fr *part = NULL, *other = NULL, *whole = NULL;
+    cr_assert_eq(tdm_fr_init(&part, 3, 4, "shm"), TDM_STATUS_OK);
+    cr_assert_eq(tdm_fr_init(&other, 0, 2, "mpi"), TDM_STATUS_OK);
+    tdm_fr_set_inner(part);
+    tdm_fr_set_inner(other);
+    cr_assert_eq(tdm_fr_init(&whole, 5, 8, "hier"), TDM_STATUS_OK);
+    cr_assert_eq(tdm_fr_dump(part, "request"), 0);
+    cr_assert_eq(tdm_fr_dump(other, "request"), 0);
+    cr_assert_eq(tdm_fr_dump(whole, "request"), 0);
+    snprintf(path, sizeof path, "%s/fr_rank_5.json", dir);
+    cr_expect_eq(access(path, F_OK), 0, "the composite's dump is not fr_rank_5.json");
+    snprintf(path, sizeof path, "%s/fr_rank_3.json", dir);
+    cr_expect_neq(access(path, F_OK), 0, "the part took the rank's name");
+    snprintf(path, sizeof path, "%s/fr_rank_0.json", dir);
+    cr_expect_neq(access(path, F_OK), 0, "the part took the rank's name");
+    tdm_json *doc = fr_t_load(dir, 5);
+    cr_assert_not_null(doc);
+    cr_expect_str_eq(fr_str(doc, "backend"), "hier");
+    tdm_json_free(doc);
+    setenv("TANDEM_FR_DUMP_ON", "failure", 1);
+    tdm_fr_free(part);
+    tdm_fr_free(other);
+    tdm_fr_free(whole);
     fr_t_rm_dir(dir);
 }
