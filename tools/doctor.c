@@ -345,7 +345,7 @@ tdm_doctor_verdict tdm_doctor_diagnose(const char *dir, FILE *out, char *line, s
             if (k > bigsize) { bigsize = k; biggest = ngroups; }
             ngroups++;
         }
-        snprintf(verdict, sizeof verdict, "DESYNC at collective #%" PRId64 ": %s", bad, groups);
+        snprintf(verdict, sizeof verdict, "DESYNC at collective #%" PRId64 ": %.900s", bad, groups);
         /* a rank that skipped a call: its #S is what the majority called at #S+1 */
         for (int g = 0; g < ngroups && g < 8 && biggest >= 0; g++) {
             if (g == biggest) continue;
