@@ -176,3 +176,21 @@ Test(doctor, good_runs_leave_no_dump_directory, .timeout = 120)
     cr_expect_eq(n, 0, "left %d entries in %s", n, tmp);
     fr_t_rm_dir(tmp);
 }
+
+/* A program without a communicator leaves no dump: the launcher's summary
+ * alone still gives the verdict. */
+Test(doctor, summary_alone_names_the_rank, .timeout = 60)
+{
+    char dir[64];
+    fr_t_dump_dir(dir, sizeof dir);
+    unsetenv("TANDEM_FR_DUMP");
+    cli_result r;
+    CLI(&r, "launch", "-n", "2", "--log-dir", dir, "--", "sh", "-c",
+        "if [ $RANK = 1 ]; then exit 3; fi; sleep 20");
+    expect(&r, 1, "tandem launch: doctor: DIED: rank 1 exited with code 3");
+    CLI(&r, "doctor", dir);
+    expect(&r, 4, "rank 0: no dump; was killed by signal 15 (Terminated) (by the launcher's "
+                  "teardown)");
+    expect(&r, 4, "last completed step: unknown (no dump)");
+    fr_t_rm_dir(dir);
+}

@@ -285,7 +285,9 @@ tdm_doctor_verdict tdm_doctor_diagnose(const char *dir, FILE *out, char *line, s
     tdm_doc d;
     char verdict[1024] = "", buf[512];
     int got = tdm_doc_read(&d, dir);
-    if (got <= 0 || !d.r) {
+    /* the launcher's summary alone still names who failed (a program
+     * without a communicator, or one that died before making it) */
+    if ((got <= 0 && !d.summary) || !d.r || d.world <= 0) {
         snprintf(verdict, sizeof verdict, "no flight-recorder dump in %s%s", dir,
                  got < 0 ? " (cannot open the directory)" : " (no fr_rank_<R>.json)");
         if (out) fprintf(out, "verdict: %s\n", verdict);
@@ -516,7 +518,8 @@ tdm_doctor_verdict tdm_doctor_diagnose(const char *dir, FILE *out, char *line, s
         if (d.r[r].last_step < smin) smin = d.r[r].last_step;
         if (d.r[r].last_step > smax) smax = d.r[r].last_step;
     }
-    if (smin == smax) TDM_DOC_DETAIL("  last completed step: %" PRId64 " (every rank with a dump)\n", smin);
+    if (smin > smax) TDM_DOC_DETAIL("  last completed step: unknown (no dump)\n");
+    else if (smin == smax) TDM_DOC_DETAIL("  last completed step: %" PRId64 " (every rank with a dump)\n", smin);
     else TDM_DOC_DETAIL("  last completed step: %" PRId64 " (some ranks reached %" PRId64 ")\n", smin, smax);
     for (int r = 0; r < W && v != TDM_DOCTOR_OK; r++) {
         if (!d.r[r].have) {
