@@ -81,16 +81,25 @@ int tdm_tool_launch_main(int argc, char **argv)
                 rest[n++] = argv[i];                      /* an option and its value */
                 if (i + 1 < argc) rest[n++] = argv[++i];
                 continue;
-            } else if ((v = tdm_args_value(argc, argv, &i, "--max-restarts"))) {
-                if (!tdm_args_int("--max-restarts", v, 0, TDM_ELASTIC_MAX, &max_restarts)) {
-                    free(rest);
-                    return 2;
-                }
-                continue;
-            } else if ((v = tdm_args_value(argc, argv, &i, "--checkpoint"))) {
+            }
+            int at = i;
+            if (tdm_args_value(argc, argv, &i, "--max-restarts", &v) != TDM_STATUS_OK ||
+                (v && tdm_args_int("--max-restarts", v, 0, TDM_ELASTIC_MAX, &max_restarts) !=
+                          TDM_STATUS_OK)) {
+                free(rest);
+                return tdm_tool_exit(TDM_STATUS_USAGE);
+            }
+            if (v) continue;
+            i = at;
+            if (tdm_args_value(argc, argv, &i, "--checkpoint", &v) != TDM_STATUS_OK) {
+                free(rest);
+                return tdm_tool_exit(TDM_STATUS_USAGE);
+            }
+            if (v) {
                 ckpt = v;
                 continue;
             }
+            i = at;
         }
         rest[n++] = argv[i];
     }

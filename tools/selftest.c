@@ -186,8 +186,8 @@ static void tdm_st_devices(tdm_st *t)
             void *p = NULL;
             float x = 1.5f, y = 0;
             if (tdm_device_open(&d, t->cuda ? "cuda" : "cpu", dl.index[i], 1) ||
-                tdm_dev_alloc(d, 4, &p) || d->ops->copy_from_host(d, p, &x, 4) ||
-                d->ops->copy_to_host(d, &y, p, 4) || tdm_dev_sync(d) || y != x)
+                tdm_dev_alloc(d, 4, &p) || tdm_dev_copy_from_host(d, p, &x, 4) ||
+                tdm_dev_copy_to_host(d, &y, p, 4) || tdm_dev_sync(d) || y != x)
                 tdm_st_fail(c, "device %s:%d: %s", t->cuda ? "cuda" : "cpu", dl.index[i],
                             y != x && !tdm_error_message()[0] ? "a round trip lost the value"
                                                              : tdm_error_message());
@@ -244,10 +244,10 @@ static void tdm_st_gemm(tdm_st *t)
                     if (fabs(acc) > scale) scale = fabs(acc);
                 }
             if (tdm_dev_alloc(d, na * 4, &da) || tdm_dev_alloc(d, nb * 4, &db) ||
-                tdm_dev_alloc(d, nc * 4, &dc) || d->ops->copy_from_host(d, da, a, na * 4) ||
-                d->ops->copy_from_host(d, db, b, nb * 4) ||
+                tdm_dev_alloc(d, nc * 4, &dc) || tdm_dev_copy_from_host(d, da, a, na * 4) ||
+                tdm_dev_copy_from_host(d, db, b, nb * 4) ||
                 tdm_dev_gemm(d, ta, tb, m, n, k, 1.0f, da, lda, db, ldb, 0.0f, dc, m) ||
-                d->ops->copy_to_host(d, cd, dc, nc * 4) || tdm_dev_sync(d)) {
+                tdm_dev_copy_to_host(d, cd, dc, nc * 4) || tdm_dev_sync(d)) {
                 tdm_st_fail(c, "gemm %dx%dx%d: %s", m, n, k, tdm_error_message());
             } else {
                 for (size_t i = 0; i < nc; i++) {
