@@ -6,6 +6,7 @@
 #include "core/comm_impl.h"
 
 #include <errno.h>
+#include <stdarg.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -14,6 +15,7 @@
 #include <strings.h>
 #include <time.h>
 
+#include "core/flight.h"
 #include "core/log.h"
 
 struct tdm_comm_work {
@@ -24,6 +26,8 @@ struct tdm_comm_work {
     tdm_status status;        /* valid once done */
     char msg[TDM_ERROR_MSG_MAX];
     atomic_int refs;          /* the caller's handle + the queue's */
+    uint64_t fr_seq;          /* its flight-recorder entry */
+    tdm_fr *fr;               /* borrowed from the communicator; NULL: off */
     tdm_comm_work *next;      /* queue link, under comm->mu */
 };
 
@@ -42,6 +46,7 @@ struct tdm_comm {
     atomic_int pending;
     int thread_started, stop;
     pthread_t thread;
+    tdm_fr *fr;               /* flight recorder (core/flight.h); NULL: off */
 };
 
 static const char *const tdm_dtype_names[TDM_DTYPE_COUNT_] = {
@@ -191,6 +196,7 @@ tdm_status tdm_comm_create(tdm_comm **out, const tdm_comm_ops *ops, void *impl,
     }
     c = calloc(1, sizeof *c);
     if (!c) { st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "tdm_comm_create: calloc"); goto fail; }
+    if ((st = tdm_fr_init(&c->fr, rank, size, ops->name))) { free(c); goto fail; }
     c->ops = ops;
     c->impl = impl;
     c->rank = rank;
@@ -237,6 +243,7 @@ void tdm_comm_free(tdm_comm *comm)
         pthread_join(comm->thread, NULL);
     }
     comm->ops->destroy(comm->impl);
+    tdm_fr_free(comm->fr);
     pthread_mutex_destroy(&comm->mu);
     pthread_cond_destroy(&comm->cv);
     free(comm);
@@ -323,8 +330,13 @@ tdm_status tdm_comm_run(tdm_comm *comm, const tdm_comm_call *call)
     /* Acquire pairs with the release decrement in tdm_comm_progress: when
      * no work is pending, the progress thread has finished touching the
      * backend and this thread may call it directly. */
-    if (atomic_load_explicit(&comm->pending, memory_order_acquire) == 0)
-        return tdm_comm_exec(comm, call);
+    if (atomic_load_explicit(&comm->pending, memory_order_acquire) == 0) {
+        if (!comm->fr) return tdm_comm_exec(comm, call);
+        uint64_t seq = tdm_fr_begin(comm->fr, call, TDM_FR_RUNNING);
+        tdm_status st = tdm_comm_exec(comm, call);
+        tdm_fr_end(comm->fr, seq, st);
+        return st;
+    }
     /* Earlier asynchronous calls are queued: go behind them. */
     tdm_comm_work *w = NULL;
     TDM_CHECK(tdm_comm_queue(comm, call, 0, &w));
@@ -360,7 +372,9 @@ static void *tdm_comm_progress(void *arg)
         pthread_mutex_unlock(&comm->mu);
 
         tdm_error_clear();
+        if (comm->fr) tdm_fr_start(comm->fr, w->fr_seq);
         tdm_status st = tdm_comm_exec(comm, &w->call);
+        if (comm->fr) tdm_fr_end(comm->fr, w->fr_seq, st);
         pthread_mutex_lock(&w->mu);
         w->status = st;
         snprintf(w->msg, sizeof w->msg, "%s", st ? tdm_error_message() : "");
@@ -425,6 +439,9 @@ static tdm_status tdm_comm_queue(tdm_comm *comm, const tdm_comm_call *call, int 
             return pst;
         }
     }
+    /* under comm->mu, before the progress thread can see the work */
+    w->fr = comm->fr;
+    if (comm->fr) w->fr_seq = tdm_fr_begin(comm->fr, &w->call, TDM_FR_QUEUED);
     atomic_fetch_add_explicit(&comm->pending, 1, memory_order_relaxed);
     if (comm->tail) comm->tail->next = w; else comm->head = w;
     comm->tail = w;
@@ -450,6 +467,13 @@ tdm_status tdm_comm_work_wait(tdm_comm_work *w, int64_t timeout_ms)
             pthread_cond_wait(&w->cv, &w->mu);
         } else if (pthread_cond_timedwait(&w->cv, &w->mu, &dl) == ETIMEDOUT && !w->done) {
             pthread_mutex_unlock(&w->mu);
+            if (w->fr) {
+                char why[256];
+                snprintf(why, sizeof why, "%s(%s, count=%zu): still running after %lld ms",
+                         tdm_coll_name(w->call.coll), tdm_dtype_name(w->call.dtype),
+                         w->call.count, (long long)timeout_ms);
+                tdm_fr_note_failure(w->fr, TDM_STATUS_TIMEOUT, why);
+            }
             return tdm_error_set(TDM_STATUS_TIMEOUT,
                                  "%s(%s, count=%zu): still running after %lld ms",
                                  tdm_coll_name(w->call.coll), tdm_dtype_name(w->call.dtype),
@@ -545,7 +569,38 @@ tdm_status tdm_comm_recv(tdm_comm *comm, void *buf, size_t count, tdm_dtype dtyp
 tdm_status tdm_comm_abort(tdm_comm *comm, const char *reason)
 {
     TDM_REQUIRE(comm, TDM_STATUS_INVALID_ARG, "tdm_comm_abort: communicator is NULL");
+    if (comm->fr)
+        tdm_fr_note_failure(comm->fr, TDM_STATUS_ABORTED,
+                            reason ? reason : "aborted by the application");
     return comm->ops->abort(comm->impl, reason ? reason : "aborted by the application");
+}
+
+/* --- flight recorder (core/flight.h) ------------------------------------ */
+
+void tdm_comm_set_label(tdm_comm *comm, const char *fmt, ...)
+{
+    if (!comm || !comm->fr) return;
+    char buf[TDM_FR_LABEL_MAX];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(buf, sizeof buf, fmt, ap);
+    va_end(ap);
+    tdm_fr_set_label(comm->fr, buf);
+}
+
+void tdm_comm_set_step(tdm_comm *comm, int64_t step)
+{
+    if (comm && comm->fr) tdm_fr_set_step(comm->fr, step);
+}
+
+void tdm_comm_fr_set_inner(tdm_comm *comm)
+{
+    if (comm) tdm_fr_set_inner(comm->fr);
+}
+
+int tdm_comm_fr_dump(tdm_comm *comm, const char *reason)
+{
+    return comm && comm->fr ? tdm_fr_dump(comm->fr, reason) : -1;
 }
 
 tdm_status tdm_comm_alloc(tdm_comm *comm, size_t nbytes, void **ptr)

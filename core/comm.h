@@ -169,6 +169,20 @@ tdm_status tdm_comm_call_check(const tdm_comm *comm, const tdm_comm_call *call);
 /* Raise the group abort flag with a reason (any thread). */
 tdm_status tdm_comm_abort(tdm_comm *comm, const char *reason);
 
+/* --- flight recorder (core/flight.h, docs/DEBUGGING.md) ------------------
+ * Label of the next call issued on this communicator (printf format; kept
+ * to 47 bytes), as it will appear in the dump and in `tandem doctor`:
+ * "ddp bucket 3". Applies to one call: later calls are unlabelled until
+ * labelled again. No-op when the recorder is off (TANDEM_FR_SIZE=0). */
+void tdm_comm_set_label(tdm_comm *comm, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+/* Training steps completed so far (recorded with every later call and as
+ * the dump's last_step). */
+void tdm_comm_set_step(tdm_comm *comm, int64_t step);
+/* Writes this rank's dump to TANDEM_FR_DUMP now; 0 when written, -1 when
+ * off, without a directory, or when the write failed. */
+int tdm_comm_fr_dump(tdm_comm *comm, const char *reason);
+
 /* Backend memory for zero-copy collectives (see tdm_comm_ops.alloc). */
 tdm_status tdm_comm_alloc(tdm_comm *comm, size_t nbytes, void **ptr);
 

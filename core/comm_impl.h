@@ -70,4 +70,10 @@ tdm_status tdm_comm_create(tdm_comm **out, const tdm_comm_ops *ops,
  * a tdm_comm (check the backend's name first: tdm_comm_backend_name). */
 void *tdm_comm_impl(const tdm_comm *comm);
 
+/* For backends built of other communicators (MPI's hier): marks comm as a
+ * part, whose flight-recorder dump is not the rank's fr_rank_<R>.json, so
+ * that the composite communicator made next gets that name
+ * (core/flight.h). */
+void tdm_comm_fr_set_inner(tdm_comm *comm);
+
 #endif

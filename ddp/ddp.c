@@ -26,6 +26,7 @@ struct tdm_ddp {
     tdm_ddp_reducer red;         /* the gradient storage, its buckets and their all-reduces */
     int sync;                    /* 0 under no_sync */
     uint64_t fwd_count;          /* training forwards run (the check tail's sequence) */
+    int64_t steps_done;          /* optimizer steps: the flight recorder's step */
     double loss_accum, loss_global;  /* this rank's since the last sync; all ranks' */
     float *dlogits;
     size_t dlogits_bytes;
@@ -89,6 +90,7 @@ tdm_status tdm_ddp_init(tdm_ddp **out, tdm_model *m, tdm_comm *comm, const tdm_d
     d->sync = 1;
     d->n_active = d->world;
     TDM_TRY(tdm_ddp_reducer_init(&d->red, m, comm, d->hcomm, &d->o));
+    tdm_comm_set_label(comm, "ddp broadcast parameters");
     TDM_TRY(tdm_comm_broadcast(comm, tdm_model_params(m), tdm_model_params(m),
                                (size_t)tdm_model_param_elems(m), TDM_DTYPE_FLOAT32, 0));
     if (tdm_model_buffer_elems(m) > 0)
@@ -445,6 +447,9 @@ tdm_status tdm_ddp_step(tdm_ddp *d, tdm_optim *opt)
     uint64_t t0 = tdm_time_ns();
     TDM_CHECK(tdm_optim_step(opt));
     TDM_CHECK(tdm_dev_sync(d->dev));
+    d->steps_done++;
+    tdm_comm_set_step(d->comm, d->steps_done);
+    if (d->hcomm != d->comm) tdm_comm_set_step(d->hcomm, d->steps_done);
     double ms = tdm_time_ms_since(t0);
     d->times.last.ms[TDM_PHASE_STEP] = ms;
     d->times.total.ms[TDM_PHASE_STEP] += ms;
@@ -500,6 +505,7 @@ tdm_status tdm_ddp_evaluate(tdm_ddp *d, const tdm_dataset *test, int batch, doub
         sums[0] = l * (double)part.n;
         sums[1] = a * (double)part.n;
     }
+    tdm_comm_set_label(d->hcomm, "ddp evaluate sums");
     TDM_CHECK(tdm_comm_all_reduce(d->hcomm, sums, sums, 3, TDM_DTYPE_FLOAT64, TDM_REDOP_SUM));
     TDM_REQUIRE(sums[2] > 0, TDM_STATUS_INVALID_ARG, "ddp evaluate: the test set is empty");
     *loss_mean = sums[0] / sums[2];

@@ -285,6 +285,7 @@ static tdm_status tdm_ddp_rebuild(tdm_ddp_reducer *r)
     TDM_REQUIRE(all, TDM_STATUS_OUT_OF_MEMORY, "ddp: calloc");
     all[2 * r->rank] = (int64_t)tdm_ddp_plan_hash(r);
     all[2 * r->rank + 1] = r->nb;
+    tdm_comm_set_label(r->hcomm, "ddp bucket plan check");
     tdm_status st = tdm_comm_all_gather(r->hcomm, all + 2 * r->rank, all, 2, TDM_DTYPE_INT64);
     if (st) {
         tdm_error_prefix(st, "ddp: checking the rebuilt bucket plan");
@@ -328,6 +329,7 @@ static tdm_status tdm_ddp_bucket_launch(tdm_ddp_reducer *r, int i)
     r->bt[i].start_ms = tdm_ddp_rel_ms(r);
     bk->launched = 1;
     if (!r->hook.launch) {
+        tdm_comm_set_label(r->comm, "ddp bucket %d", i);
         st = tdm_comm_all_reduce_async(r->comm, v, v, (size_t)bk->n_elem, TDM_DTYPE_FLOAT32,
                                        TDM_REDOP_SUM, &bk->work);
         if (st) return tdm_error_prefix(st, "ddp: bucket %d all_reduce", i);
@@ -339,6 +341,8 @@ static tdm_status tdm_ddp_bucket_launch(tdm_ddp_reducer *r, int i)
             .offset = bk->offset, .first_param = bk->first, .last_param = bk->last,
             .model = r->m, .comm = r->comm, .step = (int64_t)r->sync_count,
             .timeout_ms = r->o.timeout_ms > 0 ? r->o.timeout_ms : -1};
+        /* the label names the hook's first collective */
+        tdm_comm_set_label(r->comm, "ddp bucket %d (comm hook)", i);
         st = r->hook.launch(r->hook.state, h);
         if (st) {
             bk->launched = 0;
@@ -532,6 +536,7 @@ static tdm_status tdm_ddp_finish(tdm_ddp_reducer *r)
         }
         r->bt[i].start_ms = tdm_ddp_rel_ms(r);
         r->reduced_bytes += (double)bk->n_elem * 4.0;
+        tdm_comm_set_label(r->comm, "ddp bucket %d", i);
         if (r->o.timeout_ms > 0) {
             /* bounded by opts.timeout_ms like the asynchronous buckets */
             tdm_comm_work *w = NULL;

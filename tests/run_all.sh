@@ -11,6 +11,11 @@ TANDEM_BIN=$(cd "$build" && pwd)/tandem; export TANDEM_BIN
 # The CUDA emulator only where a test asks for it (it would turn "cuda" into
 # emulated devices for every test).
 unset TANDEM_CUDA_EMULATOR
+# A failing launch or train keeps its flight-recorder dumps in a new
+# $TMPDIR/tandem-fr-* directory (docs/DEBUGGING.md); the many failures the
+# tests cause on purpose keep theirs here, removed at the end.
+TMPDIR=$(mktemp -d "${TMPDIR:-/tmp}/tandem-tests.XXXXXX"); export TMPDIR
+trap 'rm -rf "$TMPDIR"' EXIT
 pass=0; fail=0; bad=""
 for b in $bins; do
   name=$(basename "$b")

@@ -8,8 +8,8 @@
  * (the other ranks' collectives fail at once), stops the rest (SIGTERM,
  * then SIGKILL after a grace period) and exits 1 with a summary naming
  * the root cause by the rule every parent of ranks shares
- * (tdm_shm_watch_blame, shm/spawn.h). Not an elastic agent: no restarts,
- * one machine. */
+ * (tdm_shm_watch_blame, shm/spawn.h). Restarts (--max-restarts) are
+ * tools/elastic.c's loop around this; one machine. */
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
@@ -29,6 +29,8 @@
 #include "shm/shm_comm.h"
 #include "shm/spawn.h"
 #include "tools/args.h"
+#include "tools/doctor.h"
+#include "tools/elastic.h"
 #include "tools/tools.h"
 
 #define TDM_LAUNCH_LINE_MAX 4096
@@ -57,6 +59,16 @@ static void tdm_launch_usage(FILE *f)
         "                       for a peer in a collective fails, naming it;\n"
         "                       exported to the ranks as TANDEM_TIMEOUT\n"
         "                       [$TANDEM_TIMEOUT, else 300]\n"
+        "  --max-restarts K     when a rank fails, stop the rest and start every rank\n"
+        "                       again, at most K times (the ranks see\n"
+        "                       TANDEM_RESTART_COUNT; tandem train resumes from its\n"
+        "                       --save checkpoint); never after a signal to the launcher [0]\n"
+        "  --checkpoint PATH    the checkpoint restarted ranks resume from, named in the\n"
+        "                       restart line and exported as TANDEM_RESUME\n"
+        "\n"
+        "On a failure the ranks' flight recorders are dumped (in $TANDEM_FR_DUMP, else\n"
+        "--log-dir, else a new $TMPDIR/tandem-fr-* directory) and the summary ends with\n"
+        "the one-line verdict of tandem doctor.\n"
         "\n"
         "Exit codes: 0 every rank succeeded, 1 a rank failed (summary on\n"
         "stderr), 2 bad usage, 128+S stopped by signal S.\n", TDM_SHM_MAX_RANKS);
@@ -165,6 +177,7 @@ typedef struct tdm_launch_job {
     int W;
     tdm_shm_group *g;
     tdm_shm_watch watch;         /* names the root cause: the rule of shm/spawn.h */
+    tdm_doctor_job frj;          /* the ranks' flight-recorder dumps (tools/doctor.h) */
     pid_t pid[TDM_SHM_MAX_RANKS];   /* > 0 running, < 0 ended (-pid), 0 never started */
     int wst[TDM_SHM_MAX_RANKS];
     int logfd[TDM_SHM_MAX_RANKS];
@@ -383,11 +396,16 @@ static int tdm_launch_report(tdm_launch_job *j)
     tdm_shm_cause cause;
     tdm_shm_watch_blame(&j->watch, &cause);
     if (cause == TDM_SHM_CAUSE_RANK) {
+        char why[1024];
+        snprintf(why, sizeof why, "%s", tdm_error_message());
         fprintf(stderr, "tandem launch: %s; stopped the other ranks (%d of %d failed or were "
-                        "stopped)\n", tdm_error_message(), failed, W);
+                        "stopped)\n", why, failed, W);
+        tdm_doctor_job_end(&j->frj, 1, W, j->watch.pid, j->watch.wstatus, j->watch.induced, why);
+        snprintf(tdm_elastic_cause, sizeof tdm_elastic_cause, "%s", why);
         return tdm_tool_exit(TDM_STATUS_SYSTEM);
     }
     if (j->fwd_sig) {
+        if (j->frj.created) rmdir(j->frj.dir);   /* kept if a rank dumped into it */
         fprintf(stderr, "tandem launch: received %s; forwarded it to %d rank(s)\n",
                 strsignal(j->fwd_sig), W);
         return 128 + j->fwd_sig;
@@ -396,10 +414,12 @@ static int tdm_launch_report(tdm_launch_job *j)
         fprintf(stderr, "tandem launch: %d of %d ranks could not be started\n", failed, W);
         return tdm_tool_exit(TDM_STATUS_SYSTEM);
     }
+    tdm_doctor_job_end(&j->frj, 0, W, NULL, NULL, NULL, NULL);
     return tdm_tool_exit(TDM_STATUS_OK);
 }
 
-int tdm_tool_launch_main(int argc, char **argv)
+/* One launch; tools/elastic.c's tdm_tool_launch_main restarts it. */
+int tdm_launch_run_once(int argc, char **argv)
 {
     tdm_launch_job job = {.argv = argv};
     tdm_launch_job *j = &job;
@@ -427,6 +447,7 @@ int tdm_tool_launch_main(int argc, char **argv)
         rc = tdm_tool_exit(st);
     } else {
         tdm_shm_watch_init(&j->watch, j->g, j->W);
+        tdm_doctor_job_begin(&j->frj, "tandem launch", j->o.log_dir);
         tdm_launch_start(j);
         tdm_launch_supervise(j);
         rc = tdm_launch_report(j);

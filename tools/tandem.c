@@ -15,6 +15,8 @@
 #pragma weak tdm_tool_launch_main
 #pragma weak tdm_tool_compare_main
 #pragma weak tdm_tool_sample_main
+#pragma weak tdm_tool_doctor_main
+#pragma weak tdm_tool_selftest_main
 
 int tdm_tool_exit(tdm_status st)
 {
@@ -49,6 +51,8 @@ static const struct {
     {"launch", tdm_tool_launch_main, "run N ranks of your own program (like torchrun)"},
     {"bench", tdm_tool_bench_main, "benchmarks: bench <collective> (nccl-tests columns), "
                                    "bench gemm, bench train, bench dp"},
+    {"doctor", tdm_tool_doctor_main, "diagnose a failed job from its flight-recorder dumps"},
+    {"selftest", tdm_tool_selftest_main, "check that multi-device training works here (CI, JUnit)"},
     {"info", tdm_tool_info_main, "build configuration and visible devices"},
 };
 #define TDM_TOOL_NCMDS (sizeof tdm_tool_cmds / sizeof tdm_tool_cmds[0])

@@ -28,8 +28,10 @@ tdm_status tdm_tool_usage_error(const char *fmt, ...) __attribute__((format(prin
 int tdm_tool_train_main(int argc, char **argv);   /* tools/train.c */
 int tdm_tool_sample_main(int argc, char **argv);  /* tools/sample.c */
 int tdm_tool_compare_main(int argc, char **argv); /* tools/compare.c */
-int tdm_tool_launch_main(int argc, char **argv);  /* tools/launch.c */
+int tdm_tool_launch_main(int argc, char **argv);  /* tools/elastic.c: restarts around launch.c */
 int tdm_tool_bench_main(int argc, char **argv);   /* tools/bench.c: every benchmark */
 int tdm_tool_info_main(int argc, char **argv);    /* tools/info.c */
+int tdm_tool_doctor_main(int argc, char **argv);  /* tools/doctor.c: exit code = verdict */
+int tdm_tool_selftest_main(int argc, char **argv);/* tools/selftest.c */
 
 #endif

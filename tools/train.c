@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "core/data.h"
 #include "core/device.h"
@@ -25,6 +26,7 @@
 #include "models/train.h"
 #include "tools/args.h"
 #include "tools/devices.h"
+#include "tools/elastic.h"
 #include "tools/mpi_job.h"
 #include "tools/tools.h"
 #include "tools/train_modes.h"
@@ -101,12 +103,18 @@ static void tdm_train_usage(FILE *f)
         "                         longer for a peer in a collective fails, naming\n"
         "                         it [$TANDEM_TIMEOUT, else 60 for forked ranks,\n"
         "                         300 under tandem launch]\n"
+        "  --max-restarts K       ddp: when a rank fails, stop the rest and start\n"
+        "                         every rank again from the --save checkpoint, at\n"
+        "                         most K times (docs/DEBUGGING.md)            [0]\n"
         "  --no-eval              skip the test-set evaluation after each epoch\n"
         "                         (ddp spreads it over the ranks)\n"
         "  --quiet                only the per-epoch lines\n"
         "\n"
         "A loss that turns NaN or infinite stops the run (exit 1) naming the step;\n"
         "a checkpoint with NaN or infinite values is never written nor resumed from.\n"
+        "When a ddp rank fails, the ranks' flight recorders are dumped (in\n"
+        "$TANDEM_FR_DUMP, else a new $TMPDIR/tandem-fr-* directory) and the summary\n"
+        "ends with tandem doctor's verdict (docs/DEBUGGING.md).\n"
         "\n"
         "A gpt epoch draws as many bytes as the training text holds, in random\n"
         "windows; after each, the validation loss in nats and bits per byte is\n"
@@ -153,6 +161,7 @@ static tdm_status tdm_train_parse(int argc, char **argv, tdm_train_args *a, int 
         TDM_ARGS_STR("--timeout", a->timeout)
         TDM_ARGS_STR("--sharding", a->sharding)
         TDM_ARGS_INT("--bucket-cap-mb", 0, 1 << 20, a->bucket_cap_mb)
+        TDM_ARGS_INT("--max-restarts", 0, 1000, a->max_restarts)
         TDM_ARGS_STR("--backend", a->backend)
         TDM_ARGS_INT("--grad-accum", 1, 1 << 16, a->grad_accum)
         TDM_ARGS_STR("--comm-hook", a->comm_hook)
@@ -236,6 +245,20 @@ static tdm_status tdm_train_check_args(tdm_train_args *a)
         return tdm_tool_usage_error("tandem train: --mode fsdp trains mlp and cnn models from "
                                     "the command line; a gpt shards through the C API "
                                     "(fsdp/fsdp.h), not yet here\n");
+    if (a->max_restarts && strcmp(a->mode, "ddp"))
+        return tdm_tool_usage_error("tandem train: --max-restarts applies to --mode ddp (ranks "
+                                    "that can fail one by one)\n");
+    if (a->max_restarts && gpt)
+        return tdm_tool_usage_error("tandem train: --max-restarts is not available for --model "
+                                    "gpt yet (its DDP loop forks its own ranks); tandem launch "
+                                    "--max-restarts K restarts a launched one from its --save\n");
+    if (tdm_elastic_attempt() > 0 && !a->resume) {
+        /* restarted by tandem launch --max-restarts: resume from the
+         * launcher's --checkpoint, else from our own --save */
+        const char *ck = getenv(TDM_ELASTIC_ENV_RESUME);
+        if (!ck || !*ck) ck = a->save;
+        if (ck && access(ck, F_OK) == 0) a->resume = ck;
+    }
     if (a->backend && strcmp(a->mode, "ddp"))
         return tdm_tool_usage_error("tandem train: --backend applies to --mode ddp\n");
     TDM_CHECK(tdm_train_check_ddp_next(a, gpt));

@@ -46,6 +46,8 @@
 #include "models/checkpoint.h"
 #include "tools/ddp_rank.h"
 #include "tools/devices.h"
+#include "tools/doctor.h"
+#include "tools/elastic.h"
 #include "tools/mpi_job.h"
 #include "tools/tools.h"
 #include "tools/train_modes.h"
@@ -108,6 +110,9 @@ static tdm_status tdm_train_ddp_step(void *ctx, const void *x, const int32_t *y,
     double ls = 0.0;
     if (++r->steps == r->kill_step) {
         fflush(stdout);
+        /* the moment of the fault, for tools/fault_latency.sh */
+        fprintf(stderr, "tandem train: rank %d: test fault: %s before step %lld\n", r->rank,
+                r->kill_sig == SIGSTOP ? "SIGSTOP" : "SIGKILL", (long long)r->steps);
         raise(r->kill_sig);
     }
     TDM_TRY(tdm_ddp_zero_grad(r->ddp));
@@ -224,7 +229,9 @@ static void tdm_train_ddp_test_hook(tdm_train_ddp_rank *r)
     int kr = -1;
     long long ks = 0;
     char how[8] = "";
-    if (kill_env && sscanf(kill_env, "%d:%lld:%7s", &kr, &ks, how) >= 2 && kr == r->rank) {
+    /* the first attempt only: a restarted job must be able to finish */
+    if (kill_env && tdm_elastic_attempt() == 0 &&
+        sscanf(kill_env, "%d:%lld:%7s", &kr, &ks, how) >= 2 && kr == r->rank) {
         r->kill_step = ks;
         r->kill_sig = strcmp(how, "STOP") ? SIGKILL : SIGSTOP;
     }
@@ -418,8 +425,36 @@ static tdm_status tdm_train_ddp_forked(tdm_train_ddp_ctx *c)
     c->train = &train;
     c->test = &test;
     fflush(stdout);
-    if ((st = tdm_ddp_spawn(c->dl.count, tdm_train_ddp_forked_rank, c, &so, NULL)))
-        fprintf(stderr, "tandem train: ddp: %s\n", tdm_error_message());
+    /* a restart resumes from the checkpoint: a copy whose resume changes */
+    tdm_train_args ar = *a;
+    c->a = &ar;
+    for (int attempt = 0;; attempt++) {
+        tdm_elastic_set_attempt(attempt);
+        tdm_doctor_job frj;   /* the ranks' flight-recorder dumps (tools/doctor.h) */
+        tdm_doctor_job_begin(&frj, "tandem train", NULL);
+        tdm_shm_spawn_result res;
+        st = tdm_ddp_spawn(c->dl.count, tdm_train_ddp_forked_rank, c, &so, &res);
+        if (st == TDM_STATUS_OK) {
+            tdm_doctor_job_end(&frj, 0, c->dl.count, NULL, NULL, NULL, NULL);
+            break;
+        }
+        char why[1024];
+        snprintf(why, sizeof why, "%s", tdm_error_message());
+        fprintf(stderr, "tandem train: ddp: %s\n", why);
+        tdm_doctor_job_end(&frj, 1, c->dl.count, res.pid, res.wstatus, NULL, why);
+        tdm_error_set(st, "%s", why);   /* the doctor's reads replaced the message */
+        /* a failure of a rank is restarted, not a signal to this process
+         * (Ctrl-C reaches the ranks too: they die of it, and so do we) */
+        if (attempt >= a->max_restarts || st != TDM_STATUS_PEER_FAILED) break;
+        char from[512];
+        if (a->save && access(a->save, F_OK) == 0) ar.resume = a->save;
+        tdm_elastic_describe(ar.resume, from, sizeof from);
+        int ms = tdm_elastic_backoff(attempt + 1);
+        fprintf(stderr, "tandem train: restart %d of %lld after %d ms: %s; every rank starts "
+                        "again %s\n", attempt + 1, a->max_restarts, ms, why, from);
+        fflush(stdout);
+    }
+    c->a = a;
 fail:
 done:
     tdm_model_free(probe);

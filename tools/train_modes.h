@@ -25,6 +25,7 @@
 typedef struct tdm_train_args {
     const char *mode, *model, *device, *optim, *data, *save, *resume;
     long long threads, epochs, batch, seed, synthetic_size, max_steps, bucket_cap_mb;
+    long long max_restarts;   /* ddp: elastic restarts (tools/elastic.h) */
     double lr, momentum, weight_decay;
     const char *lr_schedule;  /* "const" or "cosine" */
     const char *backend;      /* ddp under an MPI launcher: auto|shm|mpi|hier (NULL: auto) */

@@ -29,6 +29,7 @@
 #include "models/train_text.h"
 #include "tools/ddp_rank.h"
 #include "tools/devices.h"
+#include "tools/doctor.h"
 #include "tools/mpi_job.h"
 #include "tools/tools.h"
 #include "tools/train_modes.h"
@@ -416,8 +417,18 @@ static tdm_status tdm_text_forked(tdm_text_job *j)
     tdm_model_free(probe);
     tdm_device_free(dev);
     fflush(stdout);
-    if ((st = tdm_ddp_spawn(j->dl.count, tdm_text_forked_rank, j, &so, NULL)))
-        fprintf(stderr, "tandem train: ddp: %s\n", tdm_error_message());
+    tdm_doctor_job frj;   /* the ranks' flight-recorder dumps (tools/doctor.h) */
+    tdm_doctor_job_begin(&frj, "tandem train", NULL);
+    tdm_shm_spawn_result res;
+    if ((st = tdm_ddp_spawn(j->dl.count, tdm_text_forked_rank, j, &so, &res))) {
+        char why[1024];
+        snprintf(why, sizeof why, "%s", tdm_error_message());
+        fprintf(stderr, "tandem train: ddp: %s\n", why);
+        tdm_doctor_job_end(&frj, 1, j->dl.count, res.pid, res.wstatus, NULL, why);
+        tdm_error_set(st, "%s", why);
+    } else {
+        tdm_doctor_job_end(&frj, 0, j->dl.count, NULL, NULL, NULL, NULL);
+    }
     return st;
 }
 

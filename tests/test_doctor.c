@@ -1,0 +1,196 @@
+/* tests/test_doctor.c: `tandem doctor DIR` on the dumps of real jobs with
+ * one injected fault each (tests/fr_test_util.h: three ranks of labelled
+ * bucket all_reduces; rank 1 misbehaves at step 2): a skipped bucket,
+ * all_gather where the others all_reduce, a different count, a stall
+ * (SIGSTOP) and a death (SIGKILL); and a good run. Each checks the
+ * verdict's exit code and the lines that name the culprit. */
+#include <criterion/criterion.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "tests/cli_util.h"
+#include "tests/fr_test_util.h"
+
+static void doctor_case(fr_t_fault fault, int expect_ok, int code, const char *const *phrases)
+{
+    char dir[64];
+    fr_t_dump_dir(dir, sizeof dir);
+    setenv("TANDEM_FR_DUMP_ON", "failure", 1);
+    fr_t_job j = {.steps = 4, .fault_step = 2, .fault_rank = 1, .fault = fault};
+    tdm_status st = fr_t_run(3, &j);
+    if (expect_ok) cr_assert_eq(st, TDM_STATUS_OK, "%s", tdm_error_message());
+    else cr_assert_neq(st, TDM_STATUS_OK, "the fault went unnoticed");
+    cli_result r;
+    CLI(&r, "doctor", dir);
+    expect(&r, code, "verdict: ");
+    if (getenv("TDM_TEST_SHOW")) fprintf(stderr, "%s", r.out);   /* to read the wording */
+    for (int i = 0; phrases[i]; i++)
+        cr_expect(strstr(r.out, phrases[i]), "doctor's output lacks '%s':\n%s", phrases[i], r.out);
+    fr_t_rm_dir(dir);
+}
+
+/* Step 2 of 4 begins at collective #6 (3 buckets a step); bucket 1 is #7. */
+
+Test(doctor, skipped_bucket, .timeout = 90)
+{
+    doctor_case(FR_T_SKIP, 0, 3, (const char *const[]){
+        "verdict: DESYNC at collective #7: ranks 0,2 called all_reduce(float32, sum, count=48) "
+        "'ddp bucket 1'; rank 1 called all_reduce(float32, sum, count=32) 'ddp bucket 2'",
+        "rank 1 skipped all_reduce(float32, sum, count=48) 'ddp bucket 1'",
+        "odd one out: rank 1, in all_reduce(float32, sum, count=32) 'ddp bucket 2' #7",
+        "last completed step: 2", NULL});
+}
+
+Test(doctor, all_gather_where_others_all_reduce, .timeout = 90)
+{
+    doctor_case(FR_T_GATHER, 0, 3, (const char *const[]){
+        "verdict: DESYNC at collective #7: ranks 0,2 called all_reduce(float32, sum, count=48) "
+        "'ddp bucket 1'; rank 1 called all_gather(float32, count=16) 'ddp bucket 1'",
+        "odd one out: rank 1",
+        "last completed step: 2", NULL});
+}
+
+Test(doctor, different_count, .timeout = 90)
+{
+    doctor_case(FR_T_COUNT, 0, 3, (const char *const[]){
+        "verdict: DESYNC at collective #7: ranks 0,2 called all_reduce(float32, sum, count=48) "
+        "'ddp bucket 1'; rank 1 called all_reduce(float32, sum, count=49) 'ddp bucket 1'",
+        "odd one out: rank 1",
+        NULL});
+}
+
+Test(doctor, stalled_rank, .timeout = 90)
+{
+    doctor_case(FR_T_STOP, 0, 5, (const char *const[]){
+        "verdict: STALLED: rank 1 is stopped",
+        "stopped first: rank 1 (is stopped",
+        "the others waited in all_reduce(float32, sum, count=48) 'ddp bucket 1' #7",
+        "never entered all_reduce(float32, sum, count=48) 'ddp bucket 1' #7: rank 1",
+        "rank 1: no dump", "last completed step: 2", NULL});
+}
+
+Test(doctor, killed_rank, .timeout = 90)
+{
+    doctor_case(FR_T_KILL, 0, 4, (const char *const[]){
+        "verdict: DIED: rank 1 was killed by signal 9",
+        "stopped first: rank 1 (was killed by signal 9",
+        "the others waited in all_reduce(float32, sum, count=48) 'ddp bucket 1' #7",
+        "never entered all_reduce(float32, sum, count=48) 'ddp bucket 1' #7: rank 1",
+        "last completed step: 2", NULL});
+}
+
+Test(doctor, good_run_is_ok, .timeout = 90)
+{
+    char dir[64];
+    fr_t_dump_dir(dir, sizeof dir);   /* end-of-run dumps */
+    fr_t_job j = {.steps = 3, .fault_rank = -1};
+    cr_assert_eq(fr_t_run(3, &j), TDM_STATUS_OK, "%s", tdm_error_message());
+    cli_result r;
+    CLI(&r, "doctor", dir);
+    expect(&r, 0, "verdict: OK: 3 rank(s) agree on 9 collective(s), none failed");
+    fr_t_rm_dir(dir);
+}
+
+Test(doctor, usage_and_empty_dir, .timeout = 30)
+{
+    cli_result r;
+    CLI(&r, "doctor");
+    expect(&r, 2, "usage: tandem doctor DIR");
+    CLI(&r, "doctor", "--help");
+    expect(&r, 0, "Exit codes (the verdict)");
+    char dir[64];
+    fr_t_dump_dir(dir, sizeof dir);
+    CLI(&r, "doctor", dir);
+    expect(&r, 1, "no flight-recorder dump in");
+    fr_t_rm_dir(dir);
+}
+
+/* --- tandem launch and tandem train write the dumps and print the verdict --- */
+
+#define DOC_TRAIN "train", "--mode", "ddp", "--data", "synthetic", "--synthetic-size", "1024", \
+                  "--batch", "64", "--model", "mlp:784-32-10", "--no-eval", "--quiet",       \
+                  "--epochs", "1"
+
+static int doc_has(const char *dir, const char *name)
+{
+    char path[512];
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    return access(path, F_OK) == 0;
+}
+
+Test(doctor, launch_prints_the_verdict_of_a_killed_rank, .timeout = 120)
+{
+    char dir[64];
+    fr_t_dump_dir(dir, sizeof dir);
+    unsetenv("TANDEM_FR_DUMP");            /* the launcher picks --log-dir */
+    setenv("TANDEM_DDP_TEST_KILL", "1:5", 1);
+    cli_result r;
+    CLI(&r, "launch", "-n", "2", "--log-dir", dir, "--", cli_bin(), DOC_TRAIN);
+    expect(&r, 1, "tandem launch: doctor: DIED: rank 1 was killed by signal 9 (Killed); "
+                  "the others waited in all_reduce(float32, sum, count=");
+    expect(&r, 1, "'ddp bucket 0'");
+    cr_expect(doc_has(dir, "fr_rank_0.json") && doc_has(dir, "launch.json"));
+    cr_expect(!doc_has(dir, "fr_rank_1.json"), "a SIGKILLed rank cannot dump");
+    CLI(&r, "doctor", dir);
+    expect(&r, 4, "stopped first: rank 1 (was killed by signal 9 (Killed))");
+    expect(&r, 4, "last completed step: 4");   /* killed before its 5th */
+    cr_expect(!cli_shm_entries());
+    fr_t_rm_dir(dir);
+}
+
+Test(doctor, train_prints_the_verdict_of_a_stopped_rank, .timeout = 120)
+{
+    char dir[64];
+    fr_t_dump_dir(dir, sizeof dir);
+    setenv("TANDEM_DDP_TEST_KILL", "1:3:STOP", 1);
+    setenv("TANDEM_SHM_STALL_MS", "500", 1);
+    cli_result r;
+    CLI(&r, DOC_TRAIN, "--device", "cpu:2");
+    expect(&r, 1, "tandem train: doctor: STALLED: rank 1 is stopped (process state T: SIGSTOP "
+                  "or job control); the others waited in all_reduce(");
+    expect(&r, 1, "tandem train: flight-recorder dumps in /tmp/tdm_fr_test_");
+    cr_expect(doc_has(dir, "fr_rank_0.json") && doc_has(dir, "launch.json"));
+    cr_expect(!cli_shm_entries());
+    fr_t_rm_dir(dir);
+}
+
+/* A good run leaves nothing: the launcher's own directory is removed. */
+Test(doctor, good_runs_leave_no_dump_directory, .timeout = 120)
+{
+    char tmp[64];
+    fr_t_dump_dir(tmp, sizeof tmp);
+    unsetenv("TANDEM_FR_DUMP");
+    setenv("TMPDIR", tmp, 1);
+    cli_result r;
+    CLI(&r, DOC_TRAIN, "--device", "cpu:2");
+    expect(&r, 0, NULL);
+    CLI(&r, "launch", "-n", "2", "--", cli_bin(), DOC_TRAIN);
+    expect(&r, 0, NULL);
+    DIR *d = opendir(tmp);
+    cr_assert_not_null(d);
+    struct dirent *de;
+    int n = 0;
+    while ((de = readdir(d))) n += de->d_name[0] != '.';
+    closedir(d);
+    cr_expect_eq(n, 0, "left %d entries in %s", n, tmp);
+    fr_t_rm_dir(tmp);
+}
+
+/* A program without a communicator leaves no dump: the launcher's summary
+ * alone still gives the verdict. */
+Test(doctor, summary_alone_names_the_rank, .timeout = 60)
+{
+    char dir[64];
+    fr_t_dump_dir(dir, sizeof dir);
+    unsetenv("TANDEM_FR_DUMP");
+    cli_result r;
+    CLI(&r, "launch", "-n", "2", "--log-dir", dir, "--", "sh", "-c",
+        "if [ $RANK = 1 ]; then exit 3; fi; sleep 20");
+    expect(&r, 1, "tandem launch: doctor: DIED: rank 1 exited with code 3");
+    CLI(&r, "doctor", dir);
+    expect(&r, 4, "rank 0: no dump; was killed by signal 15 (Terminated) (by the launcher's "
+                  "teardown)");
+    expect(&r, 4, "last completed step: unknown (no dump)");
+    fr_t_rm_dir(dir);
+}

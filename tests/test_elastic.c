@@ -1,0 +1,143 @@
+/* tests/test_elastic.c: elastic restarts (tools/elastic.h). A DDP run
+ * whose rank 2 is SIGKILLed at step 40 (epoch 2 of 3) and restarted once
+ * from its epoch-1 checkpoint ends with the same checkpoint, bit for bit,
+ * as an uninterrupted run: forked by tandem train and launched by tandem
+ * launch. The budget is kept (K restarts, then exit 1), and a signal to
+ * the launcher is never restarted. */
+#include <criterion/criterion.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "tests/cli_util.h"
+
+#define EL_TRAIN "--mode", "ddp", "--data", "synthetic", "--synthetic-size", "2048", "--batch", \
+                 "64", "--model", "mlp:784-64-10", "--no-eval", "--quiet", "--epochs", "3"
+
+static int el_same(const char *a, const char *b)
+{
+    char cmd[512];
+    snprintf(cmd, sizeof cmd, "cmp -s '%s' '%s'", a, b);
+    return system(cmd) == 0;
+}
+
+static void el_dir(char *dir)
+{
+    strcpy(dir, "/tmp/tdm_elastic_XXXXXX");
+    cr_assert_not_null(mkdtemp(dir));
+    setenv("TMPDIR", dir, 1);   /* the failed attempt's dumps land here */
+}
+
+static void el_rm(const char *dir)
+{
+    char cmd[128];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    cr_assert_eq(system(cmd), 0);
+}
+
+Test(elastic, train_restart_after_sigkill_is_bit_identical, .timeout = 240)
+{
+    char dir[64], straight[128], restarted[128];
+    el_dir(dir);
+    snprintf(straight, sizeof straight, "%s/straight.safetensors", dir);
+    snprintf(restarted, sizeof restarted, "%s/restarted.safetensors", dir);
+    cli_result r;
+    CLI(&r, "train", EL_TRAIN, "--device", "cpu:3", "--save", straight);
+    expect(&r, 0, NULL);
+    setenv("TANDEM_DDP_TEST_KILL", "2:40", 1);
+    CLI(&r, "train", EL_TRAIN, "--device", "cpu:3", "--save", restarted, "--max-restarts", "2");
+    expect(&r, 0, "tandem train: restart 1 of 2 after 200 ms: rank 2 (pid ");
+    expect(&r, 0, "was killed by signal 9 (Killed); every rank starts again from ");
+    expect(&r, 0, "(epoch 1, step 32)");
+    expect(&r, 0, "epoch 3/3: train loss");
+    cr_expect(!strstr(r.out, "restart 2 of 2"), "%s", r.out);
+    cr_expect(el_same(straight, restarted),
+              "the restarted run's parameters differ from the uninterrupted run's");
+    cr_expect(!cli_shm_entries());
+    el_rm(dir);
+}
+
+Test(elastic, launch_restart_after_sigkill_is_bit_identical, .timeout = 240)
+{
+    char dir[64], straight[128], restarted[128];
+    el_dir(dir);
+    snprintf(straight, sizeof straight, "%s/straight.safetensors", dir);
+    snprintf(restarted, sizeof restarted, "%s/restarted.safetensors", dir);
+    cli_result r;
+    CLI(&r, "train", EL_TRAIN, "--device", "cpu:3", "--save", straight);
+    expect(&r, 0, NULL);
+    setenv("TANDEM_DDP_TEST_KILL", "2:40", 1);
+    CLI(&r, "launch", "-n", "3", "--max-restarts", "1", "--checkpoint", restarted, "--",
+        cli_bin(), "train", EL_TRAIN, "--save", restarted);
+    expect(&r, 0, "tandem launch: restart 1 of 1 after 200 ms: rank 2 (pid ");
+    char want[256];
+    snprintf(want, sizeof want, "every rank starts again from %s (epoch 1, step 32)", restarted);
+    expect(&r, 0, want);
+    expect(&r, 0, "[rank 0] resumed ");
+    cr_expect(el_same(straight, restarted),
+              "the restarted run's parameters differ from the uninterrupted run's");
+    cr_expect(!cli_shm_entries());
+    el_rm(dir);
+}
+
+Test(elastic, budget_is_kept, .timeout = 120)
+{
+    char dir[64];
+    el_dir(dir);
+    cli_result r;
+    CLI(&r, "launch", "-n", "2", "--max-restarts", "2", "--", "false");
+    expect(&r, 1, "restart 1 of 2");
+    expect(&r, 1, "restart 2 of 2");
+    cr_expect(!strstr(r.out, "restart 3"), "%s", r.out);
+    CLI(&r, "launch", "-n", "2", "--", "false");
+    expect(&r, 1, NULL);
+    cr_expect(!strstr(r.out, "restart"), "%s", r.out);
+    CLI(&r, "launch", "-n", "2", "--max-restarts", "x", "--", "true");
+    expect(&r, 2, "--max-restarts");
+    CLI(&r, "train", "--mode", "single", "--max-restarts", "1");
+    expect(&r, 2, "--max-restarts applies to --mode ddp");
+    el_rm(dir);
+}
+
+/* Ctrl-C reaches the launcher: it stops the ranks and is not restarted. */
+Test(elastic, a_signal_to_the_launcher_is_never_restarted, .timeout = 60)
+{
+    int fds[2];
+    cr_assert_eq(pipe(fds), 0);
+    pid_t pid = fork();
+    cr_assert_geq(pid, 0);
+    if (pid == 0) {
+        dup2(fds[1], 1);
+        dup2(fds[1], 2);
+        close(fds[0]);
+        execl(cli_bin(), cli_bin(), "launch", "-n", "2", "--max-restarts", "3", "--", "sh",
+              "-c", "echo started; exec sleep 30", (char *)NULL);
+        _exit(127);
+    }
+    close(fds[1]);
+    /* a rank's line means the launcher's handlers are in place (they are
+     * installed before the ranks are forked; a slow start, under ASan,
+     * must not see the default SIGINT) */
+    char out[8192];
+    size_t len = 0;
+    ssize_t k;
+    int sent = 0;
+    while ((k = read(fds[0], out + len, sizeof out - 1 - len)) > 0) {
+        len += (size_t)k;
+        out[len] = 0;
+        if (!sent && strstr(out, "] started")) {
+            kill(pid, SIGINT);
+            sent = 1;
+        }
+    }
+    cr_expect(sent, "the ranks never started: %s", out);
+    out[len] = 0;
+    close(fds[0]);
+    int ws;
+    cr_assert_eq(waitpid(pid, &ws, 0), pid);
+    cr_expect(WIFEXITED(ws) && WEXITSTATUS(ws) == 128 + SIGINT, "status 0x%x: %s", ws, out);
+    cr_expect(!strstr(out, "restart"), "%s", out);
+}

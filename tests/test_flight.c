@@ -1,0 +1,244 @@
+/* tests/test_flight.c: the communicator flight recorder (core/flight.h):
+ * what an entry holds after a good run, the ring's wrap at TANDEM_FR_SIZE,
+ * the dump on a failure (with its reason) and on SIGUSR1, a bad
+ * TANDEM_FR_SIZE refused, and TANDEM_FR_SIZE=0 writing nothing. */
+#include <criterion/criterion.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "core/comm.h"
+#include "core/flight.h"
+#include "core/json.h"
+#include "shm/shm_comm.h"
+#include "shm/spawn.h"
+#include "tests/fr_test_util.h"
+
+static const tdm_json *fr_entries(const tdm_json *doc)
+{
+    const tdm_json *e = tdm_json_get(doc, "entries");
+    cr_assert(e && e->type == TDM_JSON_ARRAY);
+    return e;
+}
+
+static int64_t fr_int(const tdm_json *o, const char *k)
+{
+    const tdm_json *v = tdm_json_get(o, k);
+    cr_assert(v && (v->type == TDM_JSON_INT || v->type == TDM_JSON_BOOL), "no integer '%s'", k);
+    return v->i;
+}
+
+static const char *fr_str(const tdm_json *o, const char *k)
+{
+    const tdm_json *v = tdm_json_get(o, k);
+    cr_assert(v && v->type == TDM_JSON_STRING, "no string '%s'", k);
+    return v->str;
+}
+
+Test(flight, good_run_records_every_call_in_order, .timeout = 60)
+{
+    char dir[64];
+    fr_t_dump_dir(dir, sizeof dir);
+    fr_t_job j = {.steps = 4, .fault_rank = -1};
+    cr_assert_eq(fr_t_run(2, &j), TDM_STATUS_OK, "%s", tdm_error_message());
+    for (int r = 0; r < 2; r++) {
+        tdm_json *doc = fr_t_load(dir, r);
+        cr_assert_not_null(doc, "rank %d left no dump", r);
+        cr_expect_eq(fr_int(doc, "rank"), r);
+        cr_expect_eq(fr_int(doc, "world"), 2);
+        cr_expect_eq(fr_int(doc, "failed"), 0);
+        cr_expect_str_eq(fr_str(doc, "trigger"), "end");
+        cr_expect_str_eq(fr_str(doc, "backend"), "shm");
+        cr_expect_eq(fr_int(doc, "last_step"), 4);
+        cr_expect_eq(fr_int(doc, "next_seq"), 4 * FR_T_BUCKETS);
+        const tdm_json *e = fr_entries(doc);
+        cr_assert_eq(e->n, 4 * FR_T_BUCKETS);
+        for (int i = 0; i < e->n; i++) {
+            const tdm_json *o = &e->items[i];
+            int b = i % FR_T_BUCKETS;
+            char label[32];
+            snprintf(label, sizeof label, "ddp bucket %d", b);
+            cr_expect_eq(fr_int(o, "seq"), i);
+            cr_expect_str_eq(fr_str(o, "coll"), "all_reduce");
+            cr_expect_str_eq(fr_str(o, "dtype"), "float32");
+            cr_expect_str_eq(fr_str(o, "op"), "sum");
+            cr_expect_eq(fr_int(o, "count"), (int64_t)fr_t_count[b]);
+            cr_expect_eq(fr_int(o, "root"), -1);
+            cr_expect_str_eq(fr_str(o, "label"), label);
+            cr_expect_eq(fr_int(o, "step"), i / FR_T_BUCKETS);
+            cr_expect_str_eq(fr_str(o, "state"), "done");
+            cr_expect_str_eq(fr_str(o, "status"), "ok");
+            int64_t q = fr_int(o, "t_enqueue_ns"), s = fr_int(o, "t_start_ns"),
+                    t = fr_int(o, "t_end_ns");
+            cr_expect(q > 0 && q <= s && s <= t, "entry %d times %lld %lld %lld", i,
+                      (long long)q, (long long)s, (long long)t);
+        }
+        tdm_json_free(doc);
+    }
+    fr_t_rm_dir(dir);
+}
+
+Test(flight, ring_keeps_the_last_size_entries, .timeout = 60)
+{
+    char dir[64];
+    fr_t_dump_dir(dir, sizeof dir);
+    setenv("TANDEM_FR_SIZE", "4", 1);
+    fr_t_job j = {.steps = 5, .fault_rank = -1};
+    cr_assert_eq(fr_t_run(2, &j), TDM_STATUS_OK, "%s", tdm_error_message());
+    tdm_json *doc = fr_t_load(dir, 1);
+    cr_assert_not_null(doc);
+    cr_expect_eq(fr_int(doc, "ring_size"), 4);
+    cr_expect_eq(fr_int(doc, "next_seq"), 15);
+    const tdm_json *e = fr_entries(doc);
+    cr_assert_eq(e->n, 4);
+    for (int i = 0; i < 4; i++) cr_expect_eq(fr_int(&e->items[i], "seq"), 11 + i);
+    tdm_json_free(doc);
+    fr_t_rm_dir(dir);
+}
+
+Test(flight, failure_is_dumped_with_its_reason, .timeout = 60)
+{
+    char dir[64];
+    fr_t_dump_dir(dir, sizeof dir);
+    setenv("TANDEM_FR_DUMP_ON", "failure", 1);
+    fr_t_job j = {.steps = 3, .fault_step = 1, .fault_rank = 1, .fault = FR_T_GATHER};
+    cr_assert_neq(fr_t_run(2, &j), TDM_STATUS_OK);
+    for (int r = 0; r < 2; r++) {
+        tdm_json *doc = fr_t_load(dir, r);
+        cr_assert_not_null(doc, "rank %d left no dump", r);
+        cr_expect_eq(fr_int(doc, "failed"), 1);
+        cr_expect(strstr(fr_str(doc, "reason"), "collective #4"), "reason: %s",
+                  fr_str(doc, "reason"));
+        const tdm_json *e = fr_entries(doc);
+        cr_assert_eq(e->n, 5, "rank %d: %d entries", r, e->n);
+        const tdm_json *last = &e->items[4];
+        cr_expect_str_eq(fr_str(last, "state"), "failed");
+        cr_expect_str_eq(fr_str(last, "coll"), r == 1 ? "all_gather" : "all_reduce");
+        cr_expect_str_eq(fr_str(last, "label"), "ddp bucket 1");
+        cr_expect_eq(fr_int(doc, "last_step"), 1);
+        tdm_json_free(doc);
+    }
+    fr_t_rm_dir(dir);
+}
+
+/* SIGUSR1 dumps a live process without stopping it. */
+static int fr_sigusr1_rank(tdm_comm *comm, void *arg)
+{
+    (void)arg;
+    float x = 1;
+    tdm_comm_set_label(comm, "before the signal");
+    if (tdm_comm_all_reduce(comm, &x, &x, 1, TDM_DTYPE_FLOAT32, TDM_REDOP_SUM)) return 1;
+    if (tdm_comm_rank(comm) == 0) raise(SIGUSR1);
+    return tdm_comm_barrier(comm) ? 1 : 0;
+}
+
+Test(flight, sigusr1_dumps_a_running_rank, .timeout = 60)
+{
+    char dir[64];
+    fr_t_dump_dir(dir, sizeof dir);
+    setenv("TANDEM_FR_DUMP_ON", "failure", 1);   /* no end-of-run dump to mask it */
+    cr_assert_eq(tdm_shm_spawn(2, fr_sigusr1_rank, NULL, NULL, NULL), TDM_STATUS_OK, "%s",
+                 tdm_error_message());
+    tdm_json *doc = fr_t_load(dir, 0);
+    cr_assert_not_null(doc, "SIGUSR1 wrote no dump");
+    cr_expect_str_eq(fr_str(doc, "trigger"), "SIGUSR1");
+    cr_expect_eq(fr_int(doc, "failed"), 0);
+    const tdm_json *e = fr_entries(doc);
+    cr_assert_eq(e->n, 1);
+    cr_expect_str_eq(fr_str(&e->items[0], "label"), "before the signal");
+    tdm_json_free(doc);
+    cr_expect_null(fr_t_load(dir, 1), "rank 1 got no signal and did not fail");
+    fr_t_rm_dir(dir);
+}
+
+Test(flight, bad_size_is_refused_and_zero_turns_it_off, .timeout = 60)
+{
+    char dir[64];
+    fr_t_dump_dir(dir, sizeof dir);
+    tdm_shm_group *g = NULL;
+    cr_assert_eq(tdm_shm_group_create(&g, 1, NULL), TDM_STATUS_OK);
+    tdm_comm *c = NULL;
+    setenv("TANDEM_FR_SIZE", "lots", 1);
+    cr_expect_eq(tdm_shm_comm_init(&c, g, 0, NULL), TDM_STATUS_INVALID_ARG);
+    cr_expect(strstr(tdm_error_message(), "TANDEM_FR_SIZE='lots'"), "%s", tdm_error_message());
+    tdm_shm_group_free(g);
+    g = NULL;
+    setenv("TANDEM_FR_SIZE", "0", 1);
+    fr_t_job j = {.steps = 2, .fault_rank = -1};
+    cr_assert_eq(fr_t_run(2, &j), TDM_STATUS_OK, "%s", tdm_error_message());
+    cr_expect_null(fr_t_load(dir, 0), "the recorder is off: nothing may be written");
+    fr_t_rm_dir(dir);
+}
+
+/* A rank blocked inside a collective (its peer late) is dumped by SIGUSR1
+ * there and then: the dump shows the call running, not yet ended. */
+static int fr_hung_rank(tdm_comm *comm, void *arg)
+{
+    (void)arg;
+    int32_t me = (int32_t)getpid(), pids[2];
+    if (tdm_comm_all_gather(comm, &me, pids, 1, TDM_DTYPE_INT32)) return 1;
+    if (tdm_comm_rank(comm) == 1) {
+        usleep(1000 * 1000);           /* rank 0 is now waiting in the all_reduce */
+        kill(pids[0], SIGUSR1);
+        usleep(300 * 1000);
+    }
+    float x = 1;
+    tdm_comm_set_label(comm, "the late one");
+    return tdm_comm_all_reduce(comm, &x, &x, 1, TDM_DTYPE_FLOAT32, TDM_REDOP_SUM) ? 1 : 0;
+}
+
+Test(flight, sigusr1_dumps_a_rank_blocked_in_a_collective, .timeout = 60)
+{
+    char dir[64];
+    fr_t_dump_dir(dir, sizeof dir);
+    setenv("TANDEM_FR_DUMP_ON", "failure", 1);
+    cr_assert_eq(tdm_shm_spawn(2, fr_hung_rank, NULL, NULL, NULL), TDM_STATUS_OK, "%s",
+                 tdm_error_message());
+    tdm_json *doc = fr_t_load(dir, 0);
+    cr_assert_not_null(doc, "SIGUSR1 wrote no dump");
+    cr_expect_str_eq(fr_str(doc, "trigger"), "SIGUSR1");
+    const tdm_json *e = fr_entries(doc);
+    cr_assert_eq(e->n, 2);
+    cr_expect_str_eq(fr_str(&e->items[0], "state"), "done");
+    cr_expect_str_eq(fr_str(&e->items[1], "coll"), "all_reduce");
+    cr_expect_str_eq(fr_str(&e->items[1], "label"), "the late one");
+    cr_expect_str_eq(fr_str(&e->items[1], "state"), "running");
+    cr_expect_eq(fr_int(&e->items[1], "t_end_ns"), 0);
+    tdm_json_free(doc);
+    fr_t_rm_dir(dir);
+}
+
+/* Only the process's primary communicator writes fr_rank_<R>.json (what
+ * the doctor reads); one marked inner (a part of a composite, as hier's)
+ * gives the name to the next one made. */
+Test(flight, the_composite_communicator_owns_the_rank_file, .timeout = 30)
+{
+    char dir[64], path[128];
+    fr_t_dump_dir(dir, sizeof dir);
+    tdm_fr *part = NULL, *other = NULL, *whole = NULL;
+    cr_assert_eq(tdm_fr_init(&part, 3, 4, "shm"), TDM_STATUS_OK);
+    cr_assert_eq(tdm_fr_init(&other, 0, 2, "mpi"), TDM_STATUS_OK);
+    tdm_fr_set_inner(part);
+    tdm_fr_set_inner(other);
+    cr_assert_eq(tdm_fr_init(&whole, 5, 8, "hier"), TDM_STATUS_OK);
+    cr_assert_eq(tdm_fr_dump(part, "request"), 0);
+    cr_assert_eq(tdm_fr_dump(other, "request"), 0);
+    cr_assert_eq(tdm_fr_dump(whole, "request"), 0);
+    snprintf(path, sizeof path, "%s/fr_rank_5.json", dir);
+    cr_expect_eq(access(path, F_OK), 0, "the composite's dump is not fr_rank_5.json");
+    snprintf(path, sizeof path, "%s/fr_rank_3.json", dir);
+    cr_expect(access(path, F_OK) != 0, "the part took the rank's name");
+    snprintf(path, sizeof path, "%s/fr_rank_0.json", dir);
+    cr_expect(access(path, F_OK) != 0, "the part took the rank's name");
+    tdm_json *doc = fr_t_load(dir, 5);
+    cr_assert_not_null(doc);
+    cr_expect_str_eq(fr_str(doc, "backend"), "hier");
+    tdm_json_free(doc);
+    setenv("TANDEM_FR_DUMP_ON", "failure", 1);
+    tdm_fr_free(part);
+    tdm_fr_free(other);
+    tdm_fr_free(whole);
+    fr_t_rm_dir(dir);
+}

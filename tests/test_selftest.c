@@ -1,0 +1,114 @@
+/* tests/test_selftest.c: `tandem selftest --quick` on two host devices:
+ * every check passes, the table and the final line, the JUnit file
+ * validates against the common JUnit schema (tests/junit.xsd, with
+ * xmllint) and holds one test case per check; a baseline it cannot meet
+ * fails the throughput check (and only it) with exit 1; bad usage is 2. */
+#include <criterion/criterion.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "tests/cli_util.h"
+
+static char *st_slurp(const char *path)
+{
+    static char buf[1 << 16];
+    FILE *f = fopen(path, "r");
+    cr_assert_not_null(f, "%s is missing", path);
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    buf[n] = 0;
+    fclose(f);
+    return buf;
+}
+
+static int st_count(const char *s, const char *what)
+{
+    int n = 0;
+    for (const char *p = s; (p = strstr(p, what)); p++) n++;
+    return n;
+}
+
+static void st_validate(const char *xml)
+{
+    char cmd[512];
+    snprintf(cmd, sizeof cmd, "xmllint --noout --schema tests/junit.xsd '%s' 2>&1", xml);
+    FILE *p = popen(cmd, "r");
+    cr_assert_not_null(p);
+    char out[4096];
+    size_t n = fread(out, 1, sizeof out - 1, p);
+    out[n] = 0;
+    int rc = pclose(p);
+    cr_assert_eq(rc, 0, "%s does not validate against tests/junit.xsd:\n%s\n%s", xml, out,
+                 st_slurp(xml));
+}
+
+Test(selftest, quick_run_passes_with_a_valid_junit_file, .timeout = 300)
+{
+    char dir[] = "/tmp/tdm_selftest_XXXXXX", xml[64], base[64];
+    cr_assert_not_null(mkdtemp(dir));
+    snprintf(xml, sizeof xml, "%s/junit.xml", dir);
+    snprintf(base, sizeof base, "%s/base.txt", dir);
+    cli_result r;
+    CLI(&r, "selftest", "--quick", "--device", "cpu:2", "--junit", xml, "--save-baseline", base);
+    expect(&r, 0, "selftest: 7 passed, 0 failed");
+    static const char *const checks[] = {"devices", "gemm", "collectives",
+        "dp_ddp_vs_one_device", "checkpoint_resume_bit_exact", "killed_rank_named",
+        "throughput"};
+    for (int i = 0; i < 7; i++) {
+        char row[64];
+        snprintf(row, sizeof row, "\n%-30s ok ", checks[i]);
+        cr_expect(strstr(r.out, row), "no passing row for %s:\n%s", checks[i], r.out);
+    }
+    cr_expect(strstr(r.out, "#wrong = 0"), "%s", r.out);
+    cr_expect(strstr(r.out, "bit-identical"), "%s", r.out);
+    st_validate(xml);
+    char *x = st_slurp(xml);
+    cr_expect_eq(st_count(x, "<testcase "), 7, "%s", x);
+    cr_expect(strstr(x, "tests=\"7\" failures=\"0\""), "%s", x);
+    cr_expect_eq(st_count(x, "<failure"), 0, "%s", x);
+    char *b = st_slurp(base);
+    double v = 0;
+    cr_expect_eq(sscanf(b, "ddp_samples_per_s cpu:2 %lf", &v), 1, "%s", b);
+    cr_expect_gt(v, 0);
+    char cmd[128];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    cr_assert_eq(system(cmd), 0);
+    cr_expect(!cli_shm_entries());
+}
+
+Test(selftest, a_baseline_not_met_fails_the_throughput_check, .timeout = 300)
+{
+    char dir[] = "/tmp/tdm_selftest_XXXXXX", xml[64], base[64];
+    cr_assert_not_null(mkdtemp(dir));
+    snprintf(xml, sizeof xml, "%s/junit.xml", dir);
+    snprintf(base, sizeof base, "%s/base.txt", dir);
+    FILE *f = fopen(base, "w");
+    cr_assert_not_null(f);
+    fprintf(f, "ddp_samples_per_s cpu:2 1e12\n");   /* no machine trains this fast */
+    fclose(f);
+    cli_result r;
+    CLI(&r, "selftest", "--quick", "--junit", xml, "--baseline", base);
+    expect(&r, 1, "selftest: 6 passed, 1 failed");
+    cr_expect(strstr(r.out, "\nthroughput                     FAIL"), "%s", r.out);
+    cr_expect(strstr(r.out, "below the baseline's 1000000000000 (tolerance 25%)"), "%s", r.out);
+    st_validate(xml);
+    char *x = st_slurp(xml);
+    cr_expect_eq(st_count(x, "<failure "), 1, "%s", x);
+    cr_expect(strstr(x, "failures=\"1\""), "%s", x);
+    char cmd[128];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    cr_assert_eq(system(cmd), 0);
+}
+
+Test(selftest, usage, .timeout = 30)
+{
+    cli_result r;
+    CLI(&r, "selftest", "--bogus");
+    expect(&r, 2, "unknown argument '--bogus'");
+    CLI(&r, "selftest", "--baseline", "a", "--save-baseline", "b");
+    expect(&r, 2, "exclude each other");
+    CLI(&r, "selftest", "--help");
+    expect(&r, 0, "JUnit");
+    CLI(&r, "--help");
+    expect(&r, 0, "selftest");
+}

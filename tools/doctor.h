@@ -1,0 +1,58 @@
+/* tools/doctor.h: `tandem doctor DIR`, the cross-rank diagnosis of the
+ * flight recorder's dumps (core/flight.h), also called in-process by
+ * `tandem launch` and `tandem train --mode ddp` after a failure to print
+ * its one-line verdict. docs/DEBUGGING.md explains how to read it. */
+#ifndef TDM_TOOLS_DOCTOR_H
+#define TDM_TOOLS_DOCTOR_H
+
+#include <stdio.h>
+
+/* Verdicts, which are also `tandem doctor`'s exit codes. */
+typedef enum tdm_doctor_verdict {
+    TDM_DOCTOR_OK = 0,        /* every rank's record is complete and they agree */
+    TDM_DOCTOR_UNREADABLE = 1,/* no dump could be read */
+    TDM_DOCTOR_USAGE = 2,
+    TDM_DOCTOR_DESYNC = 3,    /* ranks called different collectives at the same seq */
+    TDM_DOCTOR_DIED = 4,      /* a rank died (signal, non-zero exit) */
+    TDM_DOCTOR_STALLED = 5,   /* a rank stopped or froze (no heartbeat), or a wait timed out */
+    TDM_DOCTOR_FAILED = 6,    /* a rank failed otherwise (its own error, an abort) */
+} tdm_doctor_verdict;
+
+/* The launcher's summary, written next to the dumps (DIR/launch.json). */
+#define TDM_DOCTOR_SUMMARY "launch.json"
+
+/* Reads DIR's dumps (and summary), prints the diagnosis on out (NULL:
+ * nothing printed) and copies the one-line verdict into line. */
+tdm_doctor_verdict tdm_doctor_diagnose(const char *dir, FILE *out, char *line, size_t n);
+
+/* Writes DIR/launch.json: world, each rank's pid and waitpid status, and
+ * the root cause as the launcher worded it (cause may be NULL). Returns 0
+ * on success. */
+int tdm_doctor_write_summary(const char *dir, int world, const int *pid, const int *wstatus,
+                             const int *induced, const char *cause);
+
+/* A job whose ranks dump on failure, as tandem launch and tandem train
+ * --mode ddp run them: begin before starting ranks, end after. */
+typedef struct tdm_doctor_job {
+    const char *tool;      /* "tandem launch", for messages */
+    char dir[4096];
+    int created;           /* 1: a temporary directory of ours */
+    int on;                /* 0: no directory (the recorder's dumps are off) */
+    int set_env, set_on;   /* 1: we exported TANDEM_FR_DUMP / TANDEM_FR_DUMP_ON */
+} tdm_doctor_job;
+
+/* Points the ranks' recorders at a directory (TANDEM_FR_DUMP, exported):
+ * the user's TANDEM_FR_DUMP if set, else dir_hint (a --log-dir) if given,
+ * else a new private directory under $TMPDIR (/tmp), and asks for dumps
+ * on failure only (TANDEM_FR_DUMP_ON=failure) unless the user chose. */
+void tdm_doctor_job_begin(tdm_doctor_job *j, const char *tool, const char *dir_hint);
+/* After the job: on failure writes the summary (pid, wstatus may be NULL;
+ * induced may be NULL), prints "<tool>: doctor: <verdict>" and where the
+ * dumps are, and returns the verdict; on success removes a directory of
+ * ours and returns TDM_DOCTOR_OK. */
+tdm_doctor_verdict tdm_doctor_job_end(tdm_doctor_job *j, int failed, int world, const int *pid,
+                                      const int *wstatus, const int *induced, const char *cause);
+
+int tdm_tool_doctor_main(int argc, char **argv);
+
+#endif

@@ -1,0 +1,37 @@
+/* tools/elastic.h: elastic restarts (torchrun's --max-restarts) for
+ * `tandem launch` and `tandem train --mode ddp`: when a rank fails, the
+ * whole job is stopped and every rank started again from the last complete
+ * checkpoint, at most K times. docs/DEBUGGING.md says what counts as a
+ * failure and how the backoff grows. */
+#ifndef TDM_TOOLS_ELASTIC_H
+#define TDM_TOOLS_ELASTIC_H
+
+#include <stddef.h>
+
+/* Exported to every rank: how many restarts came before this attempt
+ * (0 on the first), as TORCHELASTIC_RESTART_COUNT; and the checkpoint
+ * the ranks should resume from on a restart (launch --checkpoint). */
+#define TDM_ELASTIC_ENV_COUNT "TANDEM_RESTART_COUNT"
+#define TDM_ELASTIC_ENV_RESUME "TANDEM_RESUME"
+#define TDM_ELASTIC_MAX 1000
+
+/* The root cause of the attempt that just failed, as its summary worded
+ * it (set by launch and train; quoted by the restart line). */
+extern char tdm_elastic_cause[1024];
+
+/* Exported TANDEM_RESTART_COUNT (0 when unset or malformed). */
+int tdm_elastic_attempt(void);
+/* Sets TANDEM_RESTART_COUNT for the next attempt's ranks. */
+void tdm_elastic_set_attempt(int attempt);
+/* Sleeps before restart number `attempt` (1..): 200 ms, doubled each
+ * time, at most 5 s. Returns the milliseconds slept. */
+int tdm_elastic_backoff(int attempt);
+/* "from ck.safetensors (epoch 1, step 32)", or "from the start (ck does
+ * not exist yet)", or "from the start (no checkpoint named)". Returns 1
+ * when ckpt exists and holds a checkpoint. */
+int tdm_elastic_describe(const char *ckpt, char *out, size_t n);
+
+/* `tandem launch` without restarts (tools/launch.c). */
+int tdm_launch_run_once(int argc, char **argv);
+
+#endif

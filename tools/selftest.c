@@ -1,0 +1,746 @@
+/* tools/selftest.c: `tandem selftest`, one command that says whether
+ * multi-device training works on this machine, for CI on a workstation.
+ * It runs, in order: devices visible and usable; gemm against a naive
+ * host reference; every collective x op at a few sizes over the shm
+ * communicator (#wrong and busbw against the machine's copy bandwidth);
+ * DP and DDP against one device (`tandem compare`'s verdict); checkpoint
+ * save/resume bit-exact; a killed rank named within a bound; a short
+ * throughput run, compared with a baseline file when one is given. Each
+ * check is a JUnit test case (--junit FILE). Checks that need a whole run
+ * exec this same binary, so they test exactly what a user runs.
+ * It is not a benchmark suite (bench is) and not the unit tests. */
+#include <errno.h>
+#include <fcntl.h>
+#include <math.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "core/comm.h"
+#include "core/device.h"
+#include "core/rng.h"
+#include "core/timer.h"
+#include "shm/spawn.h"
+#include "tools/devices.h"
+#include "tools/tools.h"
+
+#define TDM_ST_MAX_CASES 16
+#define TDM_ST_OUT_MAX (1 << 16)
+/* a throughput below (1 - this) x the baseline fails */
+#define TDM_ST_TOLERANCE 0.25
+
+typedef struct tdm_st_case {
+    const char *name;
+    int failed, skipped;
+    double secs;
+    char figures[512];
+    char message[1024];
+} tdm_st_case;
+
+typedef struct tdm_st {
+    const char *device, *self, *baseline, *save_baseline;
+    char tmp[256];
+    int quick, world, cuda;
+    tdm_st_case c[TDM_ST_MAX_CASES];
+    int n;
+    double samples_per_s;
+} tdm_st;
+
+static tdm_st_case *tdm_st_begin(tdm_st *t, const char *name)
+{
+    tdm_st_case *c = &t->c[t->n++];
+    memset(c, 0, sizeof *c);
+    c->name = name;
+    c->secs = (double)tdm_time_ns();
+    fprintf(stderr, "selftest: %s ...\n", name);
+    return c;
+}
+
+static void tdm_st_end(tdm_st_case *c) { c->secs = ((double)tdm_time_ns() - c->secs) * 1e-9; }
+
+static void tdm_st_fail(tdm_st_case *c, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void tdm_st_fail(tdm_st_case *c, const char *fmt, ...)
+{
+    if (c->failed) return;   /* the first reason stands */
+    c->failed = 1;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(c->message, sizeof c->message, fmt, ap);
+    va_end(ap);
+}
+
+static void tdm_st_fig(tdm_st_case *c, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void tdm_st_fig(tdm_st_case *c, const char *fmt, ...)
+{
+    size_t l = strlen(c->figures);
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(c->figures + l, sizeof c->figures - l, fmt, ap);
+    va_end(ap);
+}
+
+/* Runs this binary with args (NULL-terminated) and env (NAME=VALUE
+ * strings, NULL-terminated; may be NULL), output captured into out,
+ * killed after secs. Returns the exit code, 128+S for a signal, -1 when
+ * it could not run, 124 when it ran past the bound. */
+/* Optional: the moments (seconds since the start) at which two strings
+ * first appeared in the output; < 0 when they did not. */
+typedef struct tdm_st_marks {
+    const char *a, *b;
+    double at_a, at_b;
+} tdm_st_marks;
+
+static int tdm_st_exec_marked(const tdm_st *t, int secs, const char *const *env, char *out,
+                              size_t cap, double *elapsed, tdm_st_marks *mk,
+                              const char *const *args)
+{
+    if (mk) mk->at_a = mk->at_b = -1;
+    int fds[2];
+    if (pipe2(fds, O_CLOEXEC)) return -1;
+    uint64_t t0 = tdm_time_ns();
+    pid_t pid = fork();
+    if (pid < 0) { close(fds[0]); close(fds[1]); return -1; }
+    if (pid == 0) {
+        const char *argv[64];
+        int n = 0;
+        argv[n++] = t->self;
+        for (int i = 0; args[i] && n < 63; i++) argv[n++] = args[i];
+        argv[n] = NULL;
+        for (int i = 0; env && env[i]; i++) putenv((char *)env[i]);
+        dup2(fds[1], 1);
+        dup2(fds[1], 2);
+        setpgid(0, 0);   /* its ranks are stopped with it */
+        execv(t->self, (char *const *)argv);
+        _exit(127);
+    }
+    close(fds[1]);
+    size_t len = 0;
+    int timed_out = 0;
+    uint64_t end = t0 + (uint64_t)secs * 1000000000ull;
+    for (;;) {
+        struct pollfd pf = {.fd = fds[0], .events = POLLIN};
+        int k = poll(&pf, 1, 100);
+        if (k > 0) {
+            char buf[4096];
+            ssize_t r = read(fds[0], buf, sizeof buf);
+            if (r <= 0) break;
+            size_t take = (size_t)r < cap - 1 - len ? (size_t)r : cap - 1 - len;
+            memcpy(out + len, buf, take);
+            len += take;
+            out[len] = 0;
+            double now = (double)(tdm_time_ns() - t0) * 1e-9;
+            if (mk && mk->at_a < 0 && strstr(out, mk->a)) mk->at_a = now;
+            if (mk && mk->at_b < 0 && strstr(out, mk->b)) mk->at_b = now;
+        }
+        if (tdm_time_ns() > end) { timed_out = 1; kill(-pid, SIGKILL); break; }
+    }
+    out[len] = 0;
+    close(fds[0]);
+    int ws = 0;
+    while (waitpid(pid, &ws, 0) < 0 && errno == EINTR) {}
+    if (elapsed) *elapsed = (double)(tdm_time_ns() - t0) * 1e-9;
+    if (timed_out) return 124;
+    return WIFEXITED(ws) ? WEXITSTATUS(ws) : 128 + WTERMSIG(ws);
+}
+
+static int tdm_st_exec(const tdm_st *t, int secs, const char *const *env, char *out,
+                       size_t cap, double *elapsed, const char *const *args)
+{
+    return tdm_st_exec_marked(t, secs, env, out, cap, elapsed, NULL, args);
+}
+
+/* The last line of out that contains key (for messages). */
+static void tdm_st_line(const char *out, const char *key, char *dst, size_t n)
+{
+    const char *p = NULL, *q = out;
+    while ((q = strstr(q, key))) p = q++;
+    if (!p) { snprintf(dst, n, "%s", ""); return; }
+    while (p > out && p[-1] != '\n') p--;
+    while (*p == ' ') p++;
+    size_t k = 0;   /* runs of spaces (tables) become one */
+    for (; *p && *p != '\n' && k + 1 < n; p++)
+        if (*p != ' ' || (k && dst[k - 1] != ' ')) dst[k++] = *p;
+    dst[k] = 0;
+}
+
+/* --- 1. devices ------------------------------------------------------------ */
+
+static void tdm_st_devices(tdm_st *t)
+{
+    tdm_st_case *c = tdm_st_begin(t, "devices");
+    tdm_device_list dl;
+    if (tdm_tool_parse_devices(&dl, t->device, 1)) {
+        tdm_st_fail(c, "--device %s: %s", t->device, tdm_error_message());
+    } else {
+        t->world = dl.count;
+        t->cuda = dl.kind == TDM_DEVICE_CUDA;
+        for (int i = 0; i < dl.count && !c->failed; i++) {
+            tdm_device *d = NULL;
+            void *p = NULL;
+            float x = 1.5f, y = 0;
+            if (tdm_device_open(&d, t->cuda ? "cuda" : "cpu", dl.index[i], 1) ||
+                tdm_dev_alloc(d, 4, &p) || tdm_dev_copy_from_host(d, p, &x, 4) ||
+                tdm_dev_copy_to_host(d, &y, p, 4) || tdm_dev_sync(d) || y != x)
+                tdm_st_fail(c, "device %s:%d: %s", t->cuda ? "cuda" : "cpu", dl.index[i],
+                            y != x && !tdm_error_message()[0] ? "a round trip lost the value"
+                                                             : tdm_error_message());
+            if (p) tdm_dev_free(d, p);
+            tdm_device_free(d);
+        }
+        tdm_st_fig(c, "%d %s device(s)", dl.count, t->cuda ? "cuda" : "host");
+    }
+    char out[TDM_ST_OUT_MAX], line[256];
+    int rc = tdm_st_exec(t, 60, NULL, out, sizeof out, NULL, (const char *const[]){"info", NULL});
+    tdm_st_line(out, "nvcc", line, sizeof line);
+    if (line[0]) tdm_st_fig(c, "; %s", line);
+    tdm_st_line(out, "driver", line, sizeof line);
+    if (line[0]) tdm_st_fig(c, "; %s", line);
+    if (rc != 0) tdm_st_fail(c, "tandem info exited %d:\n%s", rc, out);
+    tdm_st_end(c);
+}
+
+/* --- 2. gemm against a naive reference --------------------------------------- */
+
+static void tdm_st_gemm(tdm_st *t)
+{
+    tdm_st_case *c = tdm_st_begin(t, "gemm");
+    static const int shapes[][3] = {{1, 1, 1}, {7, 5, 3}, {64, 48, 33}, {128, 96, 256}};
+    tdm_device *d = NULL;
+    if (tdm_device_open(&d, t->cuda ? "cuda" : "cpu", 0, 1)) {
+        tdm_st_fail(c, "opening the device: %s", tdm_error_message());
+        tdm_st_end(c);
+        return;
+    }
+    double worst = 0;
+    int cases = 0;
+    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0] && !c->failed; s++)
+        for (int tr = 0; tr < 4 && !c->failed; tr++) {
+            int m = shapes[s][0], n = shapes[s][1], k = shapes[s][2];
+            tdm_trans ta = tr & 1 ? TDM_TRANS_T : TDM_TRANS_N, tb = tr & 2 ? TDM_TRANS_T : TDM_TRANS_N;
+            int lda = ta ? k : m, ldb = tb ? n : k;
+            size_t na = (size_t)m * k, nb = (size_t)k * n, nc = (size_t)m * n;
+            float *a = malloc(na * 4), *b = malloc(nb * 4), *cr = malloc(nc * 4), *cd = malloc(nc * 4);
+            void *da = NULL, *db = NULL, *dc = NULL;
+            for (size_t i = 0; i < na; i++) a[i] = (float)((i * 7919) % 13) / 13.0f - 0.5f;
+            for (size_t i = 0; i < nb; i++) b[i] = (float)((i * 104729) % 17) / 17.0f - 0.5f;
+            /* column-major reference: C(i,j) = sum_l op(A)(i,l) op(B)(l,j) */
+            double scale = 0;
+            for (int j = 0; j < n; j++)
+                for (int i = 0; i < m; i++) {
+                    double acc = 0;
+                    for (int l = 0; l < k; l++) {
+                        float av = ta ? a[l + (size_t)i * lda] : a[i + (size_t)l * lda];
+                        float bv = tb ? b[j + (size_t)l * ldb] : b[l + (size_t)j * ldb];
+                        acc += (double)av * bv;
+                    }
+                    cr[i + (size_t)j * m] = (float)acc;
+                    if (fabs(acc) > scale) scale = fabs(acc);
+                }
+            if (tdm_dev_alloc(d, na * 4, &da) || tdm_dev_alloc(d, nb * 4, &db) ||
+                tdm_dev_alloc(d, nc * 4, &dc) || tdm_dev_copy_from_host(d, da, a, na * 4) ||
+                tdm_dev_copy_from_host(d, db, b, nb * 4) ||
+                tdm_dev_gemm(d, ta, tb, m, n, k, 1.0f, da, lda, db, ldb, 0.0f, dc, m) ||
+                tdm_dev_copy_to_host(d, cd, dc, nc * 4) || tdm_dev_sync(d)) {
+                tdm_st_fail(c, "gemm %dx%dx%d: %s", m, n, k, tdm_error_message());
+            } else {
+                for (size_t i = 0; i < nc; i++) {
+                    double err = fabs((double)cd[i] - cr[i]);
+                    if (err > worst) worst = err;
+                    if (err > 1e-5 + 1e-4 * scale) {
+                        tdm_st_fail(c, "gemm %c%c m=%d n=%d k=%d: element %zu is %.7g, the "
+                                    "reference %.7g", ta ? 'T' : 'N', tb ? 'T' : 'N', m, n, k, i,
+                                    (double)cd[i], (double)cr[i]);
+                        break;
+                    }
+                }
+            }
+            cases++;
+            if (da) tdm_dev_free(d, da);
+            if (db) tdm_dev_free(d, db);
+            if (dc) tdm_dev_free(d, dc);
+            free(a);
+            free(b);
+            free(cr);
+            free(cd);
+        }
+    tdm_st_fig(c, "%d shapes x transposes, max |error| %.2g", cases, worst);
+    tdm_device_free(d);
+    tdm_st_end(c);
+}
+
+/* --- 3. collectives ------------------------------------------------------------ */
+
+typedef struct tdm_st_coll {
+    int quick;
+    double busbw_gbs;     /* rank 0's all_reduce busbw at the largest size */
+    int wrong;
+} tdm_st_coll;
+
+/* Rank r's value at element j: small integers, so every op is exact in
+ * float32 whatever the order. */
+static float tdm_st_val(size_t j, int r) { return (float)((j + 3 * (size_t)r) % 5 + 1); }
+
+static int tdm_st_coll_rank(tdm_comm *comm, void *arg)
+{
+    tdm_st_coll *a = arg;
+    int me = tdm_comm_rank(comm), W = tdm_comm_size(comm);
+    size_t sizes[] = {1, 1000, (size_t)1 << 18};
+    int nsizes = a->quick ? 2 : 3;
+    size_t maxn = sizes[2];   /* also the size whose busbw is measured: 1 MiB */
+    float *s = malloc(maxn * (size_t)W * 4), *r = malloc(maxn * (size_t)W * 4);
+    int wrong = 0;
+    if (!s || !r) return 1;
+    for (int si = 0; si < nsizes; si++) {
+        size_t n = sizes[si];
+        for (int op = 0; op < TDM_REDOP_COUNT_; op++) {
+            if (op == TDM_REDOP_PROD && n > 1000) continue;   /* 5^W stays exact; small sizes do */
+            for (size_t j = 0; j < n; j++) s[j] = tdm_st_val(j, me);
+            tdm_comm_set_label(comm, "selftest all_reduce %s", tdm_redop_name((tdm_redop)op));
+            if (tdm_comm_all_reduce(comm, s, r, n, TDM_DTYPE_FLOAT32, (tdm_redop)op)) return 2;
+            for (size_t j = 0; j < n; j++) {
+                double want = op == TDM_REDOP_PROD ? 1 : op == TDM_REDOP_MIN ? 1e30 :
+                              op == TDM_REDOP_MAX ? -1e30 : 0;
+                for (int q = 0; q < W; q++) {
+                    double v = tdm_st_val(j, q);
+                    if (op == TDM_REDOP_PROD) want *= v;
+                    else if (op == TDM_REDOP_MIN) want = v < want ? v : want;
+                    else if (op == TDM_REDOP_MAX) want = v > want ? v : want;
+                    else want += v;
+                }
+                if (op == TDM_REDOP_AVG) want /= W;
+                if (fabs(r[j] - want) > 1e-6 * fabs(want)) wrong++;
+            }
+        }
+        /* broadcast, all_gather, reduce_scatter, gather, scatter, reduce */
+        for (int root = 0; root < W; root += W > 1 ? W - 1 : 1) {
+            for (size_t j = 0; j < n; j++) s[j] = me == root ? tdm_st_val(j, root) : -1.0f;
+            if (tdm_comm_broadcast(comm, s, s, n, TDM_DTYPE_FLOAT32, root)) return 2;
+            for (size_t j = 0; j < n; j++) wrong += s[j] != tdm_st_val(j, root);
+        }
+        for (size_t j = 0; j < n; j++) s[j] = tdm_st_val(j, me);
+        if (tdm_comm_all_gather(comm, s, r, n, TDM_DTYPE_FLOAT32)) return 2;
+        for (int q = 0; q < W; q++)
+            for (size_t j = 0; j < n; j++) wrong += r[(size_t)q * n + j] != tdm_st_val(j, q);
+        for (size_t j = 0; j < n * (size_t)W; j++) s[j] = tdm_st_val(j, me);
+        if (tdm_comm_reduce_scatter(comm, s, r, n, TDM_DTYPE_FLOAT32, TDM_REDOP_SUM)) return 2;
+        for (size_t j = 0; j < n; j++) {
+            float want = 0;
+            for (int q = 0; q < W; q++) want += tdm_st_val((size_t)me * n + j, q);
+            wrong += r[j] != want;
+        }
+        for (size_t j = 0; j < n; j++) s[j] = tdm_st_val(j, me);
+        if (tdm_comm_gather(comm, s, r, n, TDM_DTYPE_FLOAT32, 0)) return 2;
+        for (int q = 0; me == 0 && q < W; q++)
+            for (size_t j = 0; j < n; j++) wrong += r[(size_t)q * n + j] != tdm_st_val(j, q);
+        for (size_t j = 0; j < n * (size_t)W; j++) s[j] = tdm_st_val(j, 0);
+        if (tdm_comm_scatter(comm, s, r, n, TDM_DTYPE_FLOAT32, 0)) return 2;
+        for (size_t j = 0; j < n; j++) wrong += r[j] != tdm_st_val((size_t)me * n + j, 0);
+        for (size_t j = 0; j < n; j++) s[j] = tdm_st_val(j, me);
+        if (tdm_comm_reduce(comm, s, r, n, TDM_DTYPE_FLOAT32, TDM_REDOP_MAX, 0)) return 2;
+        for (size_t j = 0; me == 0 && j < n; j++) {
+            float want = 0;
+            for (int q = 0; q < W; q++) want = tdm_st_val(j, q) > want ? tdm_st_val(j, q) : want;
+            wrong += r[j] != want;
+        }
+        if (tdm_comm_barrier(comm)) return 2;
+    }
+    /* busbw of the largest all_reduce: 2(W-1)/W x bytes / time (nccl-tests) */
+    int iters = a->quick ? 5 : 20;
+    if (tdm_comm_barrier(comm)) return 2;
+    uint64_t t0 = tdm_time_ns();
+    for (int i = 0; i < iters; i++)
+        if (tdm_comm_all_reduce(comm, s, s, maxn, TDM_DTYPE_FLOAT32, TDM_REDOP_SUM)) return 2;
+    double secs = (double)(tdm_time_ns() - t0) * 1e-9 / iters;
+    if (me == 0) {
+        a->busbw_gbs = W > 1 ? 2.0 * (W - 1) / W * (double)maxn * 4 / secs / 1e9 : 0;
+        a->wrong = wrong;
+    }
+    free(s);
+    free(r);
+    return wrong ? 3 : 0;
+}
+
+/* The host's copy ceiling: memcpy bandwidth of a 64 MiB buffer. */
+static double tdm_st_copy_gbs(void)
+{
+    size_t n = (size_t)64 << 20;
+    char *a = malloc(n), *b = malloc(n);
+    if (!a || !b) { free(a); free(b); return 0; }
+    memset(a, 1, n);
+    memset(b, 2, n);
+    double best = 0;
+    for (int i = 0; i < 3; i++) {
+        uint64_t t0 = tdm_time_ns();
+        memcpy(b, a, n);
+        double s = (double)(tdm_time_ns() - t0) * 1e-9;
+        if (s > 0 && (double)n / s / 1e9 > best) best = (double)n / s / 1e9;
+    }
+    volatile char sink = b[n / 2];
+    (void)sink;
+    free(a);
+    free(b);
+    return best;
+}
+
+static void tdm_st_collectives(tdm_st *t)
+{
+    tdm_st_case *c = tdm_st_begin(t, "collectives");
+    if (t->cuda) {
+        c->skipped = 1;
+        snprintf(c->message, sizeof c->message, "the collective check runs over shm on host "
+                 "devices; NCCL's is `tandem bench all_reduce --device %s` (not yet in selftest)",
+                 t->device);
+        tdm_st_end(c);
+        return;
+    }
+    /* shared with the forked ranks: rank 0 writes its figures here */
+    tdm_st_coll *a = mmap(NULL, sizeof *a, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS,
+                          -1, 0);
+    if (a == MAP_FAILED) {
+        tdm_st_fail(c, "mmap: %s", strerror(errno));
+        tdm_st_end(c);
+        return;
+    }
+    a->quick = t->quick;
+    tdm_shm_spawn_opts so = {.timeout_ms = 120000};
+    tdm_shm_spawn_result res;
+    tdm_status st = tdm_shm_spawn(t->world, tdm_st_coll_rank, a, &so, &res);
+    if (st) {
+        int code = 0;
+        for (int r = 0; r < t->world; r++)
+            if (WIFEXITED(res.wstatus[r]) && WEXITSTATUS(res.wstatus[r]) == 3) code = 3;
+        tdm_st_fail(c, "%s", code == 3 ? "#wrong > 0: a collective returned a wrong value"
+                                      : tdm_error_message());
+    }
+    tdm_st_fig(c, "%d ranks; all_reduce (5 ops), broadcast, all_gather, reduce_scatter, gather, "
+               "scatter, reduce, barrier at %s elements; #wrong = %d", t->world,
+               t->quick ? "1, 1000" : "1, 1000, 262144", a->wrong);
+    double ceil = tdm_st_copy_gbs();
+    if (!c->failed && t->world > 1)
+        tdm_st_fig(c, "; all_reduce 1 MiB busbw %.2f GB/s = %.0f%% of the host copy ceiling "
+                   "(%.1f GB/s)", a->busbw_gbs, ceil > 0 ? 100.0 * a->busbw_gbs / ceil : 0, ceil);
+    munmap(a, sizeof *a);
+    tdm_st_end(c);
+}
+
+/* --- 4..7: whole runs of this binary ------------------------------------------ */
+
+static void tdm_st_compare(tdm_st *t)
+{
+    tdm_st_case *c = tdm_st_begin(t, "dp_ddp_vs_one_device");
+    char out[TDM_ST_OUT_MAX], line[512];
+    int rc = tdm_st_exec(t, 300, NULL, out, sizeof out, NULL, (const char *const[]){
+        "compare", "--device", t->device, "--data", "synthetic", "--model", "mlp:784-64-10",
+        "--steps", t->quick ? "6" : "20", "--warmup", "1", "--batch", "64", NULL});
+    tdm_st_line(out, "verdict", line, sizeof line);
+    tdm_st_fig(c, "%s", line[0] ? line : "(no verdict line)");
+    if (rc != 0) tdm_st_fail(c, "tandem compare exited %d (3: not equivalent):\n%s", rc, out);
+    tdm_st_end(c);
+}
+
+static int tdm_st_same_file(const char *a, const char *b)
+{
+    FILE *fa = fopen(a, "rb"), *fb = fopen(b, "rb");
+    int same = fa && fb;
+    while (same) {
+        int x = fgetc(fa), y = fgetc(fb);
+        if (x != y) same = 0;
+        if (x == EOF || y == EOF) break;
+    }
+    if (fa) fclose(fa);
+    if (fb) fclose(fb);
+    return same;
+}
+
+#define TDM_ST_TRAIN(t) "train", "--mode", "ddp", "--device", (t)->device, "--data", "synthetic", \
+                        "--synthetic-size", "2048", "--batch", "64", "--model", "mlp:784-64-10", \
+                        "--no-eval", "--quiet"
+
+static void tdm_st_checkpoint(tdm_st *t)
+{
+    tdm_st_case *c = tdm_st_begin(t, "checkpoint_resume_bit_exact");
+    char a[320], b[320], out[TDM_ST_OUT_MAX];
+    snprintf(a, sizeof a, "%s/straight.safetensors", t->tmp);
+    snprintf(b, sizeof b, "%s/resumed.safetensors", t->tmp);
+    int rc = tdm_st_exec(t, 300, NULL, out, sizeof out, NULL, (const char *const[]){
+        TDM_ST_TRAIN(t), "--epochs", "2", "--save", a, NULL});
+    if (rc) tdm_st_fail(c, "two epochs straight exited %d:\n%s", rc, out);
+    if (!rc) rc = tdm_st_exec(t, 300, NULL, out, sizeof out, NULL, (const char *const[]){
+        TDM_ST_TRAIN(t), "--epochs", "1", "--save", b, NULL});
+    if (!rc) rc = tdm_st_exec(t, 300, NULL, out, sizeof out, NULL, (const char *const[]){
+        TDM_ST_TRAIN(t), "--epochs", "2", "--resume", b, "--save", b, NULL});
+    if (rc) tdm_st_fail(c, "one epoch, then resume for the second, exited %d:\n%s", rc, out);
+    else if (!tdm_st_same_file(a, b))
+        tdm_st_fail(c, "the checkpoint after 1 epoch + resume differs from 2 epochs straight");
+    tdm_st_fig(c, "DDP on %s, 2 epochs of 32 steps: %s", t->device,
+               c->failed ? "differs or failed" : "bit-identical");
+    unlink(a);
+    unlink(b);
+    tdm_st_end(c);
+}
+
+static void tdm_st_killed_rank(tdm_st *t)
+{
+    tdm_st_case *c = tdm_st_begin(t, "killed_rank_named");
+    if (t->world < 2) {
+        c->skipped = 1;
+        snprintf(c->message, sizeof c->message, "needs 2 devices or more");
+        tdm_st_end(c);
+        return;
+    }
+    const double bound_s = 10.0;
+    char out[TDM_ST_OUT_MAX], env[64], line[512];
+    snprintf(env, sizeof env, "TANDEM_DDP_TEST_KILL=%d:3", t->world - 1);
+    double el = 0;
+    /* from the fault (the test hook says when) to the doctor's verdict */
+    tdm_st_marks mk = {.a = "test fault", .b = "doctor:"};
+    int rc = tdm_st_exec_marked(t, 120, (const char *const[]){env, NULL}, out, sizeof out, NULL,
+                                &mk, (const char *const[]){TDM_ST_TRAIN(t), "--epochs", "1", NULL});
+    el = mk.at_a >= 0 && mk.at_b >= 0 ? mk.at_b - mk.at_a : -1;
+    char want[64];
+    snprintf(want, sizeof want, "rank %d (pid ", t->world - 1);
+    tdm_st_line(out, "doctor:", line, sizeof line);
+    if (rc != 1) tdm_st_fail(c, "exit %d (expected 1):\n%s", rc, out);
+    else if (!strstr(out, want) || !strstr(out, "signal 9"))
+        tdm_st_fail(c, "the failure summary does not name rank %d killed by signal 9:\n%s",
+                    t->world - 1, out);
+    else if (el < 0)
+        tdm_st_fail(c, "no 'test fault' or no 'doctor:' line:\n%s", out);
+    else if (el > bound_s)
+        tdm_st_fail(c, "named %.1f s after the fault (bound %.0f s)", el, bound_s);
+    tdm_st_fig(c, "rank %d SIGKILLed at step 3: verdict %.2f s after the fault (bound %.0f s); %s",
+               t->world - 1, el, bound_s, line);
+    tdm_st_end(c);
+}
+
+static int tdm_st_read_baseline(const char *path, const char *device, double *v)
+{
+    FILE *f = fopen(path, "r");
+    if (!f) return -1;
+    char key[128], dev[128];
+    double x;
+    int found = 0;
+    while (fscanf(f, "%127s %127s %lf", key, dev, &x) == 3)
+        if (!strcmp(key, "ddp_samples_per_s") && !strcmp(dev, device)) { *v = x; found = 1; }
+    fclose(f);
+    return found ? 0 : 1;
+}
+
+static void tdm_st_throughput(tdm_st *t)
+{
+    tdm_st_case *c = tdm_st_begin(t, "throughput");
+    char out[TDM_ST_OUT_MAX], line[512];
+    int rc = tdm_st_exec(t, 300, NULL, out, sizeof out, NULL, (const char *const[]){
+        TDM_ST_TRAIN(t), "--epochs", t->quick ? "1" : "3", NULL});
+    tdm_st_line(out, "samples/s", line, sizeof line);
+    const char *p = strstr(line, "loss ");
+    double sps = 0;
+    if (p && (p = strchr(p, ','))) sps = strtod(p + 1, NULL);
+    if (rc || sps <= 0) {
+        tdm_st_fail(c, "the DDP run exited %d, or printed no samples/s:\n%s", rc, out);
+    } else {
+        t->samples_per_s = sps;
+        tdm_st_fig(c, "DDP mlp:784-64-10 on %s: %.0f samples/s", t->device, sps);
+        double base = 0;
+        if (t->baseline) {
+            int br = tdm_st_read_baseline(t->baseline, t->device, &base);
+            if (br < 0)
+                tdm_st_fail(c, "--baseline %s: %s", t->baseline, strerror(errno));
+            else if (br > 0)
+                tdm_st_fail(c, "--baseline %s: no 'ddp_samples_per_s %s' line (write one with "
+                            "--save-baseline)", t->baseline, t->device);
+            else {
+                tdm_st_fig(c, "; baseline %.0f (%.0f%%, tolerance -%.0f%%)", base,
+                           100.0 * sps / base, 100.0 * TDM_ST_TOLERANCE);
+                if (sps < (1.0 - TDM_ST_TOLERANCE) * base)
+                    tdm_st_fail(c, "%.0f samples/s is %.0f%% below the baseline's %.0f "
+                                "(tolerance %.0f%%)", sps, 100.0 * (1 - sps / base), base,
+                                100.0 * TDM_ST_TOLERANCE);
+            }
+        }
+    }
+    tdm_st_end(c);
+}
+
+/* --- report ------------------------------------------------------------------------ */
+
+static void tdm_st_xml(FILE *f, const char *s)
+{
+    for (; *s; s++) {
+        unsigned char ch = (unsigned char)*s;
+        if (ch == '&') fputs("&amp;", f);
+        else if (ch == '<') fputs("&lt;", f);
+        else if (ch == '>') fputs("&gt;", f);
+        else if (ch == '"') fputs("&quot;", f);
+        else if (ch < 0x20 && ch != '\n' && ch != '\t') fputc(' ', f);   /* not allowed in XML 1.0 */
+        else fputc(ch, f);
+    }
+}
+
+static int tdm_st_junit(const tdm_st *t, const char *path)
+{
+    FILE *f = fopen(path, "w");
+    if (!f) return -1;
+    int failures = 0, skipped = 0;
+    double total = 0;
+    for (int i = 0; i < t->n; i++) {
+        failures += t->c[i].failed;
+        skipped += t->c[i].skipped;
+        total += t->c[i].secs;
+    }
+    fprintf(f, "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n");
+    fprintf(f, "<testsuites name=\"tandem selftest\" tests=\"%d\" failures=\"%d\" errors=\"0\" "
+               "skipped=\"%d\" time=\"%.3f\">\n", t->n, failures, skipped, total);
+    fprintf(f, "  <testsuite name=\"selftest ");
+    tdm_st_xml(f, t->device);
+    fprintf(f, "\" tests=\"%d\" failures=\"%d\" errors=\"0\" skipped=\"%d\" time=\"%.3f\">\n",
+            t->n, failures, skipped, total);
+    for (int i = 0; i < t->n; i++) {
+        const tdm_st_case *c = &t->c[i];
+        fprintf(f, "    <testcase classname=\"tandem.selftest\" name=\"%s\" time=\"%.3f\">\n",
+                c->name, c->secs);
+        if (c->failed) {
+            fprintf(f, "      <failure message=\"");
+            char first[256];
+            snprintf(first, sizeof first, "%.*s", (int)strcspn(c->message, "\n"), c->message);
+            tdm_st_xml(f, first);
+            fprintf(f, "\" type=\"failure\">");
+            tdm_st_xml(f, c->message);
+            fprintf(f, "</failure>\n");
+        } else if (c->skipped) {
+            fprintf(f, "      <skipped message=\"");
+            tdm_st_xml(f, c->message);
+            fprintf(f, "\"/>\n");
+        }
+        fprintf(f, "      <system-out>");
+        tdm_st_xml(f, c->figures);
+        fprintf(f, "</system-out>\n    </testcase>\n");
+    }
+    fprintf(f, "  </testsuite>\n</testsuites>\n");
+    return fclose(f) == 0 ? 0 : -1;
+}
+
+static void tdm_st_usage(FILE *f)
+{
+    fprintf(f,
+        "usage: tandem selftest [--device cpu:N|cuda|cuda:I,J..] [--junit FILE] [--quick]\n"
+        "                       [--baseline FILE | --save-baseline FILE]\n"
+        "\n"
+        "Checks, in order, that multi-device training works on this machine; each\n"
+        "check is one JUnit test case with its time and figures:\n"
+        "  devices                      visible and usable (a round trip; tandem info)\n"
+        "  gemm                         the device's gemm vs a naive host reference\n"
+        "  collectives                  every collective x op at a few sizes over shm,\n"
+        "                               #wrong = 0; the host copy ceiling (host devices)\n"
+        "  dp_ddp_vs_one_device         tandem compare's equivalence verdict\n"
+        "  checkpoint_resume_bit_exact  1 epoch + resume == 2 epochs, bit for bit (DDP)\n"
+        "  killed_rank_named            a SIGKILLed rank is named, with the doctor's\n"
+        "                               verdict, within 10 s of the fault\n"
+        "  throughput                   DDP samples/s; with --baseline FILE it fails when\n"
+        "                               more than %.0f%% below the file's figure\n"
+        "\n"
+        "  --device SPEC        devices to check                          [cpu:2]\n"
+        "  --junit FILE         write the results as JUnit XML (Jenkins, GitLab, GitHub)\n"
+        "  --quick              fewer sizes and steps (about 30 s on 2 host devices)\n"
+        "  --baseline FILE      compare the throughput with FILE's\n"
+        "  --save-baseline FILE write this run's throughput to FILE\n"
+        "\n"
+        "Prints one table and 'selftest: N passed, M failed'. Exit codes: 0 every\n"
+        "check passed (or was skipped), 1 a check failed, 2 bad usage.\n",
+        100.0 * TDM_ST_TOLERANCE);
+}
+
+int tdm_tool_selftest_main(int argc, char **argv)
+{
+    tdm_st *t = calloc(1, sizeof *t);
+    if (!t) return 1;
+    t->device = "cpu:2";
+    const char *junit = NULL;
+    int rc = 2;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        int has = i + 1 < argc;
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) { tdm_st_usage(stdout); rc = 0; goto out; }
+        else if (!strcmp(a, "--quick")) t->quick = 1;
+        else if (!strcmp(a, "--device") && has) t->device = argv[++i];
+        else if (!strcmp(a, "--junit") && has) junit = argv[++i];
+        else if (!strcmp(a, "--baseline") && has) t->baseline = argv[++i];
+        else if (!strcmp(a, "--save-baseline") && has) t->save_baseline = argv[++i];
+        else {
+            int needs = !strcmp(a, "--device") || !strcmp(a, "--junit") ||
+                        !strcmp(a, "--baseline") || !strcmp(a, "--save-baseline");
+            fprintf(stderr, "tandem selftest: %s '%s' (see tandem selftest --help)\n",
+                    needs ? "missing value after" : "unknown argument", a);
+            goto out;
+        }
+    }
+    if (t->baseline && t->save_baseline) {
+        fprintf(stderr, "tandem selftest: --baseline and --save-baseline exclude each other\n");
+        goto out;
+    }
+    rc = 1;
+    static char self[4096];
+    ssize_t sl = readlink("/proc/self/exe", self, sizeof self - 1);
+    if (sl <= 0) { fprintf(stderr, "tandem selftest: /proc/self/exe: %s\n", strerror(errno)); goto out; }
+    self[sl] = 0;
+    t->self = self;
+    const char *tmp = getenv("TMPDIR");
+    snprintf(t->tmp, sizeof t->tmp, "%s/tandem-selftest-XXXXXX", tmp && *tmp ? tmp : "/tmp");
+    if (!mkdtemp(t->tmp)) {
+        fprintf(stderr, "tandem selftest: mkdtemp %s: %s\n", t->tmp, strerror(errno));
+        goto out;
+    }
+    /* the runs' failure dumps go with the rest, removed at the end */
+    setenv("TANDEM_FR_DUMP", t->tmp, 1);
+    setenv("TANDEM_FR_DUMP_ON", "failure", 1);
+    tdm_st_devices(t);
+    if (!t->c[0].failed) {
+        tdm_st_gemm(t);
+        tdm_st_collectives(t);
+        tdm_st_compare(t);
+        tdm_st_checkpoint(t);
+        tdm_st_killed_rank(t);
+        tdm_st_throughput(t);
+    }
+    char cmd[400];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", t->tmp);
+    if (system(cmd) != 0) fprintf(stderr, "tandem selftest: could not remove %s\n", t->tmp);
+
+    int passed = 0, failed = 0;
+    printf("%-30s %-7s %8s  %s\n", "check", "result", "time (s)", "figures");
+    for (int i = 0; i < t->n; i++) {
+        const tdm_st_case *c = &t->c[i];
+        passed += !c->failed && !c->skipped;
+        failed += c->failed;
+        printf("%-30s %-7s %8.2f  %s\n", c->name, c->failed ? "FAIL" : c->skipped ? "skipped" : "ok",
+               c->secs, c->figures);
+        if (c->failed || c->skipped)
+            printf("%30s   %.*s\n", "", (int)strcspn(c->message, "\n"), c->message);
+    }
+    printf("selftest: %d passed, %d failed%s\n", passed, failed,
+           t->n - passed - failed ? " (the rest skipped)" : "");
+    if (junit && tdm_st_junit(t, junit) != 0) {
+        fprintf(stderr, "tandem selftest: --junit %s: %s\n", junit, strerror(errno));
+        failed++;
+    }
+    if (t->save_baseline && t->samples_per_s > 0) {
+        FILE *f = fopen(t->save_baseline, "w");
+        if (!f || fprintf(f, "ddp_samples_per_s %s %.1f\n", t->device, t->samples_per_s) < 0 ||
+            fclose(f) != 0) {
+            fprintf(stderr, "tandem selftest: --save-baseline %s: %s\n", t->save_baseline,
+                    strerror(errno));
+            failed++;
+        }
+    }
+    rc = failed ? 1 : 0;
+out:
+    free(t);
+    return rc;
+}
