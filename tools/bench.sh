@@ -52,6 +52,16 @@ section "shared-memory all-reduce, 2 ranks: 1, 4, 16, 64 MiB, zero-copy"
 $t bench all_reduce -n 2 -b 1M -e 64M -f 4 --zero-copy
 section "shared-memory all-reduce, 4 ranks on 2 cores"
 $t bench all_reduce -n 4 -b 8 -e 16M -f 8
+section "shared-memory all-reduce vs Open MPI's MPI_Allreduce, 2 ranks, same run (--peer mpi)"
+# Only where tandem was built with MPI (mpicc found); elsewhere the
+# summary says so instead of a figure.
+mpi_ok=0
+if $t bench all_reduce -n 2 -b 8 -e 64M -f 8 -w 20 -i 200 --peer mpi >"$out/ar_mpi" 2>&1; then
+    mpi_ok=1
+    cat "$out/ar_mpi"
+else
+    echo "(not measured: $(head -1 "$out/ar_mpi"))"
+fi
 
 # ---- summary -------------------------------------------------------------
 # field VALUE of a 'NAME(N)' row of tandem compare's throughput table
@@ -64,8 +74,22 @@ ar_us() { awk -v s="$2" -v c="$3" '$1 == s && $6 == "|" { print $c; exit }' "$ou
 
 section "summary (ratios of the runs above, issue 18's aims)"
 printf '%s\n' "shm all_reduce, 2 ranks, tandem vs Open MPI's MPI_Allreduce (aim: tandem no slower at any size):"
-printf '  %-22s %s\n' "8 B .. 4 KiB" "needs MPI build (Open MPI peer column not built here)"
-printf '  %-22s %s\n' "1 MiB .. 64 MiB" "needs MPI build (Open MPI peer column not built here)"
+# vs-MPI (MPI's time over tandem's, > 1: tandem faster) of the shm rows
+# in [LO, HI] bytes: "min .. max" over sizes, out of place and in place
+mpi_band() {
+    awk -v lo="$1" -v hi="$2" '$7 == "shm" && $1 + 0 >= lo && $1 + 0 <= hi && $NF ~ /^[0-9.]+$/ {
+        a = $(NF - 1); sub(/,$/, "", a); b = $NF
+        for (k = 0; k < 2; k++) { v = k ? b : a; if (n++ == 0 || v < mn) mn = v; if (v > mx) mx = v }
+    } END { if (n) printf "%.2fx .. %.2fx (MPI time / tandem time, oop and ip)", mn, mx }' "$out/ar_mpi"
+}
+for band in "8 4096 8 B .. 4 KiB" "4097 67108864 8 KiB .. 64 MiB"; do
+    set -- $band
+    lo=$1 hi=$2
+    shift 2
+    r=
+    [ "$mpi_ok" -eq 1 ] && r=$(mpi_band "$lo" "$hi")
+    printf '  %-22s %s\n' "$*" "${r:-needs MPI build (tandem bench all_reduce --peer mpi did not run)}"
+done
 printf '  %-22s 8 B: %s us (in place %s); 4 KiB: %s us; 64 MiB: busbw %s GB/s\n' "tandem alone:" \
     "$(ar_us ar_small 8 7)" "$(ar_us ar_small 8 12)" "$(ar_us ar_small 4096 7)" \
     "$(ar_us ar_large 67108864 9)"
