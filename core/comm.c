@@ -312,6 +312,9 @@ static tdm_status tdm_comm_exec(tdm_comm *comm, const tdm_comm_call *k)
     return st;
 }
 
+static tdm_status tdm_comm_queue(tdm_comm *comm, const tdm_comm_call *call, int async,
+                                 tdm_comm_work **out);
+
 tdm_status tdm_comm_run(tdm_comm *comm, const tdm_comm_call *call)
 {
     TDM_CHECK(tdm_comm_call_check(comm, call));
@@ -326,10 +329,22 @@ tdm_status tdm_comm_run(tdm_comm *comm, const tdm_comm_call *call)
         return tdm_comm_exec(comm, call);
     /* Earlier asynchronous calls are queued: go behind them. */
     tdm_comm_work *w = NULL;
-    TDM_CHECK(tdm_comm_submit(comm, call, &w));
+    TDM_CHECK(tdm_comm_queue(comm, call, 0, &w));
     tdm_status st = tdm_comm_work_wait(w, -1);
     tdm_comm_work_free(w);
     return st;
+}
+
+tdm_status tdm_comm_run_inner(tdm_comm *comm, const tdm_comm_call *call, int async)
+{
+    TDM_CHECK(tdm_comm_call_check(comm, call));
+    TDM_REQUIRE(atomic_load_explicit(&comm->pending, memory_order_acquire) == 0,
+                TDM_STATUS_INTERNAL, "%s: tdm_comm_run_inner on a communicator with queued calls",
+                comm->ops->name);
+    tdm_comm_call k = *call;
+    k.async = async ? 1 : 0;
+    k.token = NULL;
+    return tdm_comm_exec(comm, &k);
 }
 
 /* --- progress thread ---------------------------------------------------- */
@@ -366,6 +381,14 @@ static void *tdm_comm_progress(void *arg)
 
 tdm_status tdm_comm_submit(tdm_comm *comm, const tdm_comm_call *call, tdm_comm_work **out)
 {
+    return tdm_comm_queue(comm, call, 1, out);
+}
+
+/* Queues a call for the progress thread; async: issued asynchronously
+ * (see tdm_comm_call.async), not a synchronous call queued behind. */
+static tdm_status tdm_comm_queue(tdm_comm *comm, const tdm_comm_call *call, int async,
+                                 tdm_comm_work **out)
+{
     TDM_REQUIRE(out, TDM_STATUS_INVALID_ARG, "%s_async: out is NULL",
                 call ? tdm_coll_name(call->coll) : "?");
     *out = NULL;
@@ -373,7 +396,7 @@ tdm_status tdm_comm_submit(tdm_comm *comm, const tdm_comm_call *call, tdm_comm_w
     tdm_comm_work *w = calloc(1, sizeof *w);
     TDM_REQUIRE(w, TDM_STATUS_OUT_OF_MEMORY, "%s_async: calloc", tdm_coll_name(call->coll));
     w->call = *call;
-    w->call.async = 1;
+    w->call.async = async;
     w->call.token = NULL;
     pthread_mutex_init(&w->mu, NULL);
     pthread_cond_init(&w->cv, NULL);

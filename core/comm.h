@@ -105,9 +105,13 @@ typedef struct tdm_comm_call {
     tdm_dtype dtype;
     tdm_redop op;
     int root;
-    /* Set by the dispatcher: 1 when the call runs on the progress thread
-     * while the issuing thread goes on computing (backends may then prefer
-     * sleeping to spinning). Ignored on input. */
+    /* Set by the dispatcher: 1 when the call was issued asynchronously and
+     * runs on the progress thread while the issuing thread goes on
+     * computing (backends may then prefer sleeping to spinning); 0 for a
+     * synchronous call, also when it runs on the progress thread behind
+     * queued ones (its issuer waits). So it depends only on how the call
+     * was issued, which every rank does alike, not on what this rank
+     * happened to have queued (mpi/ relies on that). Ignored on input. */
     int async;
     /* Set by the backend's `prepare` for a queued call (NULL otherwise):
      * what it captured on the issuing thread; `run` consumes and releases
@@ -189,6 +193,12 @@ tdm_status tdm_comm_recv(tdm_comm *comm, void *buf, size_t count,
 
 /* Any call, validated then run (synchronously). */
 tdm_status tdm_comm_run(tdm_comm *comm, const tdm_comm_call *call);
+/* For backends built from other communicators (mpi/'s hierarchical one):
+ * validates and runs call on comm on the calling thread, telling the
+ * backend whether it runs for a queued call of the outer communicator
+ * (async = 1: wait politely, the rank's own thread is computing). comm
+ * must have nothing queued (it belongs to the outer backend alone). */
+tdm_status tdm_comm_run_inner(tdm_comm *comm, const tdm_comm_call *call, int async);
 /* Argument checks shared by every entry point (INVALID_ARG + message). */
 tdm_status tdm_comm_call_check(const tdm_comm *comm, const tdm_comm_call *call);
 

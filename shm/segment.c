@@ -241,23 +241,37 @@ static tdm_status tdm_shm_check_memory(size_t total, int world, const tdm_shm_op
 
 tdm_status tdm_shm_group_create(tdm_shm_group **out, int world, const tdm_shm_opts *opts)
 {
+    return tdm_shm_group_create_at(out, world, opts, -1, NULL, 0);
+}
+
+tdm_status tdm_shm_group_create_at(tdm_shm_group **out, int world, const tdm_shm_opts *opts,
+                                   int fd, const char *where, uint64_t job_id)
+{
     tdm_status st = TDM_STATUS_OK;
     tdm_shm_group *g = NULL;
     tdm_shm_header h;
-    TDM_REQUIRE(out, TDM_STATUS_INVALID_ARG, "tdm_shm_group_create: out is NULL");
-    *out = NULL;
-    TDM_CHECK(tdm_shm_layout(world, opts, &h));
+    if (out) *out = NULL;
+    st = out ? tdm_shm_layout(world, opts, &h)
+             : tdm_error_set(TDM_STATUS_INVALID_ARG, "tdm_shm_group_create: out is NULL");
+    if (st != TDM_STATUS_OK) {
+        if (fd >= 0) close(fd);
+        return st;
+    }
     g = calloc(1, sizeof *g);
-    TDM_REQUIRE(g, TDM_STATUS_OUT_OF_MEMORY, "shm: calloc");
-    g->fd = -1;
+    if (!g) {
+        if (fd >= 0) close(fd);
+        return tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "shm: calloc");
+    }
+    g->fd = fd;
     g->base = MAP_FAILED;
     g->world = world;
     if (opts) g->opts = *opts;
     g->opts.shm_dir = NULL; /* borrowed string: not kept */
     g->total = h.total_bytes;
     tdm_shm_geom_from(&h, &g->geom);
+    if (!where) where = opts && opts->shm_dir ? opts->shm_dir : "memfd (shared memory)";
     TDM_TRY(tdm_shm_check_memory(g->total, world, opts));
-    TDM_TRY(tdm_shm_open_backing(opts, &g->fd));
+    if (g->fd < 0) TDM_TRY(tdm_shm_open_backing(opts, &g->fd));
     int rc;
     do rc = posix_fallocate(g->fd, 0, (off_t)g->total);
     while (rc == EINTR);
@@ -265,9 +279,7 @@ tdm_status tdm_shm_group_create(tdm_shm_group **out, int world, const tdm_shm_op
         st = tdm_error_set(rc == ENOSPC ? TDM_STATUS_OUT_OF_MEMORY : TDM_STATUS_SYSTEM,
                            "shm: cannot reserve %zu bytes (%.1f MiB) for %d ranks in %s: %s; "
                            "free space there or lower slot_bytes/arena_bytes",
-                           g->total, (double)g->total / (1 << 20), world,
-                           opts && opts->shm_dir ? opts->shm_dir : "memfd (shared memory)",
-                           strerror(rc));
+                           g->total, (double)g->total / (1 << 20), world, where, strerror(rc));
         goto fail;
     }
     g->base = mmap(NULL, g->total, PROT_READ | PROT_WRITE, MAP_SHARED, g->fd, 0);
@@ -278,12 +290,11 @@ tdm_status tdm_shm_group_create(tdm_shm_group **out, int world, const tdm_shm_op
     }
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts);
-    h.job_id = ((uint64_t)getpid() << 32) ^ (uint64_t)ts.tv_nsec ^ tdm_time_ns();
+    h.job_id = job_id ? job_id : ((uint64_t)getpid() << 32) ^ (uint64_t)ts.tv_nsec ^ tdm_time_ns();
     /* fallocate zeroed everything: flags, states, abort word start at 0. */
     memcpy(g->base, &h, offsetof(tdm_shm_header, abort_word));
     TDM_INFO(SHM, "segment: %zu bytes for %d ranks (slots %d x %zu, arena %zu per rank), %s",
-             g->total, world, TDM_SHM_NBUF, (size_t)h.slot_bytes, (size_t)h.arena_bytes,
-             opts && opts->shm_dir ? opts->shm_dir : "memfd");
+             g->total, world, TDM_SHM_NBUF, (size_t)h.slot_bytes, (size_t)h.arena_bytes, where);
     *out = g;
     return TDM_STATUS_OK;
 fail:
@@ -445,7 +456,7 @@ static tdm_status tdm_shm_validate(const tdm_shm_header *h, size_t size, int wor
 }
 
 static tdm_status tdm_shm_join(tdm_comm **out, void *base, size_t total, int unmap, int rank,
-                               int world, const tdm_shm_opts *opts)
+                               int world, const tdm_shm_opts *opts, uint64_t expect_job)
 {
     tdm_status st = TDM_STATUS_OK;
     tdm_shm_impl *c = NULL;
@@ -456,6 +467,13 @@ static tdm_status tdm_shm_join(tdm_comm **out, void *base, size_t total, int unm
     tdm_shm_geom geom;
     if (total >= TDM_SHM_PAGE) memcpy(&snap, base, offsetof(tdm_shm_header, abort_word));
     TDM_TRY(tdm_shm_validate(&snap, total, world));
+    /* a segment found by name must be this job's, not one of the same name */
+    if (expect_job && snap.job_id != expect_job) {
+        st = tdm_error_set(TDM_STATUS_MISMATCH, "shm: the segment belongs to job %016llx, not "
+                           "to this job (%016llx)", (unsigned long long)snap.job_id,
+                           (unsigned long long)expect_job);
+        goto fail;
+    }
     tdm_shm_geom_from(&snap, &geom);
     if (rank < 0 || rank >= world) {
         st = tdm_error_set(TDM_STATUS_INVALID_ARG, "shm: rank %d out of range 0..%d", rank,
@@ -537,11 +555,17 @@ tdm_status tdm_shm_comm_init(tdm_comm **out, tdm_shm_group *g, int rank,
         if (opts->stall_ms) o.stall_ms = opts->stall_ms;
         o.no_spin = opts->no_spin;
     }
-    return tdm_shm_join(out, g->base, g->total, 0, rank, g->world, &o);
+    return tdm_shm_join(out, g->base, g->total, 0, rank, g->world, &o, 0);
 }
 
 tdm_status tdm_shm_comm_attach_fd(tdm_comm **out, int fd, int rank, int world,
                                   const tdm_shm_opts *opts)
+{
+    return tdm_shm_attach_fd_job(out, fd, rank, world, opts, 0);
+}
+
+tdm_status tdm_shm_attach_fd_job(tdm_comm **out, int fd, int rank, int world,
+                                 const tdm_shm_opts *opts, uint64_t expect_job)
 {
     TDM_REQUIRE(out, TDM_STATUS_INVALID_ARG, "tdm_shm_comm_attach_fd: out is NULL");
     *out = NULL;
@@ -556,7 +580,7 @@ tdm_status tdm_shm_comm_attach_fd(tdm_comm **out, int fd, int rank, int world,
     if (base == MAP_FAILED)
         return tdm_error_set(TDM_STATUS_SYSTEM, "shm: mmap of fd %d (%zu bytes): %s", fd, size,
                              strerror(errno));
-    return tdm_shm_join(out, base, size, 1, rank, world, opts);
+    return tdm_shm_join(out, base, size, 1, rank, world, opts, expect_job);
 }
 
 static tdm_status tdm_shm_env_int(const char *name, int lo, int hi, int *out)

@@ -14,6 +14,8 @@
  *
  * The segment is a memfd (no name anywhere) or, when opts.shm_dir is set,
  * an unlinked O_TMPFILE in that directory: nothing is ever left behind.
+ * A third way, for ranks no process forked: a segment created and joined
+ * by name, unlinked once every rank has attached (below).
  * See docs/SHM.md for the layout, algorithms, waits and failure handling.
  * This header is not the collective API itself: use core/comm.h on the
  * tdm_comm this returns. */
@@ -91,6 +93,27 @@ tdm_status tdm_shm_comm_attach_fd(tdm_comm **out, int fd, int rank, int world,
                                   const tdm_shm_opts *opts);
 /* Exec'd ranks: RANK, WORLD_SIZE, TANDEM_SHM_FD from the environment. */
 tdm_status tdm_shm_comm_init_from_env(tdm_comm **out, const tdm_shm_opts *opts);
+
+/* Ranks that are not children of one process (an MPI job's ranks on one
+ * machine; mpi/shm_named.c agrees on the name and the job id): one creates
+ * the segment by name in /dev/shm - O_EXCL, mode 0600, the header's job id
+ * job_id - and every rank (the creator too) attaches by name, which
+ * refuses a symbolic link, a file that is not regular, not this user's or
+ * not 0600, and a header that is wrong or of another job. The last rank
+ * to attach unlinks the name (before anyone can pass a first collective),
+ * and the creator does once tdm_shm_group_attached() reaches world (or
+ * gives up), so that nothing is left after a crash. name: "/" and one
+ * component. */
+tdm_status tdm_shm_group_create_named(tdm_shm_group **out, const char *name, int world,
+                                      uint64_t job_id, const tdm_shm_opts *opts);
+tdm_status tdm_shm_comm_attach_named(tdm_comm **out, const char *name, int rank, int world,
+                                     uint64_t job_id, const tdm_shm_opts *opts);
+/* Ranks that have attached to g so far (whether still alive or not), and
+ * whether rank r has. */
+int tdm_shm_group_attached(const tdm_shm_group *g);
+int tdm_shm_group_rank_attached(const tdm_shm_group *g, int rank);
+/* Removes the name (no error when it is already gone). */
+tdm_status tdm_shm_unlink_named(const char *name);
 
 /* Zero-copy memory: nbytes (rounded up to 64) from this rank's arena, at
  * the same offset on every rank, so all ranks must allocate the same

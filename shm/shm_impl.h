@@ -201,6 +201,15 @@ static inline uint8_t *tdm_shm_arena_of(const tdm_shm_impl *c, int r)
 }
 
 /* segment.c */
+/* tdm_shm_group_create on fd (owned from now on, closed on failure; -1:
+ * a memfd or opts' directory), where names the backing in messages (NULL:
+ * opts'), job_id is the header's (0: drawn here). */
+tdm_status tdm_shm_group_create_at(tdm_shm_group **out, int world, const tdm_shm_opts *opts,
+                                   int fd, const char *where, uint64_t job_id);
+/* tdm_shm_comm_attach_fd, refusing a segment whose header's job id is not
+ * expect_job (0: any). */
+tdm_status tdm_shm_attach_fd_job(tdm_comm **out, int fd, int rank, int world,
+                                 const tdm_shm_opts *opts, uint64_t expect_job);
 tdm_status tdm_shm_layout(int world, const tdm_shm_opts *opts, tdm_shm_header *out);
 /* The geometry of a header that tdm_shm_layout built or that was validated. */
 void tdm_shm_geom_from(const tdm_shm_header *h, tdm_shm_geom *out);

@@ -15,6 +15,8 @@
 #include "core/device.h"
 #include "tests/test_util.h"
 
+__attribute__((weak)) void tdm_mpi_library_version(char *buf, size_t len);
+
 static const char prog_src[] =
     "#include <stdio.h>\n"
     "#include \"core/device.h\"\n"
@@ -35,7 +37,16 @@ static const char prog_src[] =
     "    printf(\"cuda device %s\\n\", d->name);\n"
     "    tdm_device_free(d);\n"
     "    return 0;\n"
-    "}\n";
+    "}\n"
+    "#ifdef TDM_TEST_MPI\n"
+    "#include \"mpi/mpi_comm.h\"\n"
+    "__attribute__((constructor)) static void mpi_version(void)\n"
+    "{\n"
+    "    char v[256];\n"
+    "    tdm_mpi_library_version(v, sizeof v);\n"
+    "    printf(\"mpi: %s\\n\", v);\n"
+    "}\n"
+    "#endif\n";
 
 static int run(const char *cmd, char *out, size_t len)
 {
@@ -69,20 +80,24 @@ Test(install, a_program_builds_from_pkg_config_and_runs, .timeout = 120)
     int cuda = tdm_device_cuda != NULL;  /* this binary links the backend iff it was built */
     cr_assert_eq(access(tu_tpath(dir, "usr/lib/libtandem_cuda.a"), R_OK) == 0, cuda);
     cr_assert_eq(access(tu_tpath(dir, "usr/include/tandem/cuda/cuda.h"), R_OK) == 0, cuda);
+    int mpi = tdm_mpi_library_version != NULL;  /* likewise mpi/ */
+    cr_assert_eq(access(tu_tpath(dir, "usr/lib/libtandem_mpi.a"), R_OK) == 0, mpi);
+    cr_assert_eq(access(tu_tpath(dir, "usr/include/tandem/mpi/mpi_comm.h"), R_OK) == 0, mpi);
 
     FILE *f = fopen(tu_tpath(dir, "prog.c"), "w");
     cr_assert_not_null(f);
     fputs(prog_src, f);
     fclose(f);
     snprintf(cmd, sizeof cmd,
-             "cd '%s' && cc -std=c11 %s -o prog prog.c $(PKG_CONFIG_PATH='%s/usr/lib/pkgconfig' "
-             "pkg-config --cflags --libs tandem) 2>&1", dir, san, dir);
+             "cd '%s' && cc -std=c11 %s %s -o prog prog.c $(PKG_CONFIG_PATH='%s/usr/lib/pkgconfig' "
+             "pkg-config --cflags --libs tandem) 2>&1", dir, san, mpi ? "-DTDM_TEST_MPI" : "", dir);
     rc = run(cmd, out, sizeof out);
     cr_assert_eq(rc, 0, "building against the installed tandem failed:\n%s\n%s", cmd, out);
     snprintf(cmd, sizeof cmd, "cd '%s' && TANDEM_CUDA_EMULATOR=1 ./prog 2>&1", dir);
     rc = run(cmd, out, sizeof out);
     cr_assert_eq(rc, 0, "%s", out);
     cr_assert(strstr(out, "gemm 3 4 1 2"), "%s", out);
+    if (mpi) cr_assert(strstr(out, "mpi: "), "the MPI archive did not link:\n%s", out);
     if (cuda)
         cr_assert(strstr(out, "cuda device cuda-emu:0"), "the CUDA backend is not registered:\n%s",
                   out);

@@ -25,27 +25,11 @@
 #include "shm/spawn.h"
 #include "tools/args.h"
 #include "tools/bench_check.h"
+#include "tools/bench_coll.h"
 #include "tools/devices.h"
+#include "tools/mpi_job.h"
 #include "tools/tools.h"
 
-typedef struct bench_cfg {
-    tdm_coll coll;
-    int nranks;
-    size_t min_bytes, max_bytes;
-    double factor;
-    tdm_dtype dtype;
-    tdm_redop op;
-    int root;
-    int warmup, iters;
-    int zero_copy;
-    size_t memcpy_bytes;
-    size_t slot_bytes;
-    size_t one_shot_bytes;
-    int bind;
-    const char *device;      /* --device as given (NULL: not given) */
-    tdm_device_list dl;      /* CUDA: rank r runs on cuda:<dl.index[r]> */
-    int cuda;                /* ranks on CUDA devices (or emulated ones) */
-} bench_cfg;
 
 static void bench_usage(FILE *f)
 {
@@ -91,6 +75,20 @@ static void bench_usage(FILE *f)
         "  --no-bind            do not pin rank r to the r-th allowed core (pinning, as\n"
         "                       mpirun does, is the default when ranks <= cores; CUDA ranks\n"
         "                       are never pinned, and --no-bind is accepted there)\n"
+        "MPI (builds with Open MPI's development files; see docs/MULTINODE.md):\n"
+        "  --backend LIST       communicators to measure, comma-separated, each size in turn:\n"
+        "                       shm (shared memory, one machine), mpi (MPI's collectives;\n"
+        "                       the bench's calls are synchronous: MPI's blocking ones),\n"
+        "                       hier (shm inside each machine + MPI between\n"
+        "                       them), auto (shm on one machine, hier on several). Rows then\n"
+        "                       carry a backend column. Anything but shm runs as an MPI job:\n"
+        "                       outside one, tandem runs itself under `mpirun -np N`\n"
+        "  --peer mpi           also measure Open MPI's own blocking collective (MPI_Allreduce,\n"
+        "                       ...) on the same buffers (rows 'mpi-own'), and print each\n"
+        "                       backend's speed against it (vs-MPI: its time over ours)\n"
+        "  Under mpirun (or srun) the ranks are the MPI job's; -n, if given, must match.\n"
+        "  TANDEM_PRETEND_MACHINES=K splits one machine's ranks into K pretend machines, MPI\n"
+        "  between them over TCP on lo only (K:shm: over shared memory).\n"
         "shm communicator only (refused with --device cuda):\n"
         "  --zero-copy          buffers live in the shared segment (tdm_shm_comm_alloc);\n"
         "                       in-place all_reduce then reads peers' buffers directly\n"
@@ -125,6 +123,52 @@ static int bench_parse_size(const char *flag, const char *s, size_t *out)
 bad:
     fprintf(stderr, "tandem bench: %s: '%s' is not a size (e.g. 8, 4K, 16M, 1G)\n", flag, s);
     return 0;
+}
+
+int tdm_tool_bench_check_ranks(const bench_cfg *cfg, int say)
+{
+    if (cfg->root >= cfg->nranks) {
+        if (say)
+            fprintf(stderr, "tandem bench: -r %d: root must be below -n %d (the number of "
+                    "ranks)\n", cfg->root, cfg->nranks);
+        return 0;
+    }
+    size_t es = tdm_dtype_size(cfg->dtype);
+    size_t unit = es * (cfg->coll == TDM_COLL_REDUCE_SCATTER || cfg->coll == TDM_COLL_ALL_GATHER
+                            ? (size_t)cfg->nranks : 1);
+    if (cfg->min_bytes < unit) {
+        if (say)
+            fprintf(stderr, "tandem bench: -b %zu: smallest size for %s of %s over %d ranks is "
+                    "%zu bytes\n", cfg->min_bytes, tdm_coll_name(cfg->coll),
+                    tdm_dtype_name(cfg->dtype), cfg->nranks, unit);
+        return 0;
+    }
+    return 1;
+}
+
+/* --backend shm,mpi,hier: each once, in the order given. */
+static int bench_parse_backends(const char *v, bench_cfg *cfg)
+{
+    char buf[128];
+    snprintf(buf, sizeof buf, "%s", v);
+    cfg->nbackends = 0;
+    for (char *save = NULL, *tok = strtok_r(buf, ",", &save); tok;
+         tok = strtok_r(NULL, ",", &save)) {
+        tdm_mpi_backend b;
+        if (!tdm_tool_backend_parse("bench", tok, &b)) return 0;
+        for (int i = 0; i < cfg->nbackends; i++)
+            if (cfg->backends[i] == b) {
+                fprintf(stderr, "tandem bench: --backend '%s' names %s twice\n", v, tok);
+                return 0;
+            }
+        if (cfg->nbackends == TDM_MPI_BACKEND_COUNT_) return 0;
+        cfg->backends[cfg->nbackends++] = b;
+    }
+    if (!cfg->nbackends) {
+        fprintf(stderr, "tandem bench: --backend needs a list (shm, mpi, hier, auto)\n");
+        return 0;
+    }
+    return 1;
 }
 
 static double bench_bus_factor(tdm_coll c, int n)
@@ -192,22 +236,26 @@ static void bench_buffers(const bench_cfg *cfg, const bench_bufs *b, int r, int 
     else *recv = b->send;
 }
 
-static tdm_status bench_call(tdm_comm *comm, const bench_cfg *cfg, const bench_bufs *b,
+__attribute__((weak)) tdm_status tdm_mpi_peer_run(tdm_comm *comm, const tdm_comm_call *call);
+
+static tdm_status bench_call(const bench_target *t, const bench_cfg *cfg, const bench_bufs *b,
                              int inplace)
 {
     unsigned char *send, *recv;
-    bench_buffers(cfg, b, tdm_comm_rank(comm), inplace, &send, &recv);
+    bench_buffers(cfg, b, tdm_comm_rank(t->comm), inplace, &send, &recv);
     tdm_comm_call k = {.coll = cfg->coll, .sendbuf = send, .recvbuf = recv, .count = b->count,
                        .dtype = cfg->dtype, .op = cfg->op, .root = cfg->root};
-    return tdm_comm_run(comm, &k);
+    /* the peer exists only where mpi/ is built (tools/bench_mpi.c checks) */
+    if (t->peer) return tdm_mpi_peer_run(t->comm, &k);
+    return tdm_comm_run(t->comm, &k);
 }
 
 /* Runs once with reference inputs; returns the number of wrong elements.
  * Device buffers are filled and read back through b->stage. */
-static int64_t bench_check(tdm_comm *comm, const bench_cfg *cfg, const bench_bufs *b,
+static int64_t bench_check(const bench_target *t, const bench_cfg *cfg, const bench_bufs *b,
                            int inplace, tdm_status *st)
 {
-    int r = tdm_comm_rank(comm), n = tdm_comm_size(comm);
+    int r = tdm_comm_rank(t->comm), n = tdm_comm_size(t->comm);
     size_t es = tdm_dtype_size(cfg->dtype);
     unsigned char *send, *recv;
     bench_buffers(cfg, b, r, inplace, &send, &recv);
@@ -218,7 +266,7 @@ static int64_t bench_check(tdm_comm *comm, const bench_cfg *cfg, const bench_buf
     } else {
         bench_fill(cfg, b, send, r);
     }
-    *st = bench_call(comm, cfg, b, inplace);
+    *st = bench_call(t, cfg, b, inplace);
     if (*st) return 0;
     const unsigned char *out = recv;
     if (b->dev && !(cfg->coll == TDM_COLL_REDUCE && r != cfg->root)) {
@@ -263,14 +311,14 @@ static int64_t bench_check(tdm_comm *comm, const bench_cfg *cfg, const bench_buf
  * call returns once its work has completed on the GPU (cuda/nccl_comm.c's
  * watchdog waits for it), so host time is GPU time here; the syncs only
  * keep the device's own earlier work (the staging copies) out of the clock. */
-static tdm_status bench_time(tdm_comm *coll, tdm_comm *ctl, const bench_cfg *cfg,
+static tdm_status bench_time(const bench_target *t, tdm_comm *ctl, const bench_cfg *cfg,
                              const bench_bufs *b, int inplace, double *us)
 {
-    for (int i = 0; i < cfg->warmup; i++) TDM_CHECK(bench_call(coll, cfg, b, inplace));
+    for (int i = 0; i < cfg->warmup; i++) TDM_CHECK(bench_call(t, cfg, b, inplace));
     if (b->dev) TDM_CHECK(tdm_dev_sync(b->dev));
     TDM_CHECK(tdm_comm_barrier(ctl));
     uint64_t t0 = tdm_time_ns();
-    for (int i = 0; i < cfg->iters; i++) TDM_CHECK(bench_call(coll, cfg, b, inplace));
+    for (int i = 0; i < cfg->iters; i++) TDM_CHECK(bench_call(t, cfg, b, inplace));
     if (b->dev) TDM_CHECK(tdm_dev_sync(b->dev));
     double mine = (double)(tdm_time_ns() - t0) / 1e3 / cfg->iters;
     return tdm_comm_all_reduce(ctl, &mine, us, 1, TDM_DTYPE_FLOAT64, TDM_REDOP_MAX);
@@ -364,28 +412,85 @@ static void bench_device_names(const bench_cfg *cfg, const tdm_device *dev0, cha
     }
 }
 
-static int bench_rank(tdm_comm *comm, void *arg)
+/* One size's results for one target. */
+typedef struct bench_row {
+    double us[2], algbw[2], busbw[2];
+    int64_t wrong[2];
+    char algo[64];
+} bench_row;
+
+static void bench_print_header(const bench_cfg *cfg, const char *ref)
 {
-    const bench_cfg *cfg = arg;
-    int r = tdm_comm_rank(comm), n = tdm_comm_size(comm);
+    char refcol[32];
+    snprintf(refcol, sizeof refcol, "busbw/%s(oop,ip)", ref);
+    if (!cfg->table) {
+        printf("#\n# %10s %11s %8s %5s %4s | %9s %7s %7s %6s | %9s %7s %7s %6s | %-18s %s\n",
+               "size(B)", "count", "type", "redop", "root", "oop us", "algbw", "busbw",
+               "#wrong", "ip us", "algbw", "busbw", "#wrong", "algorithm(oop/ip)", refcol);
+        return;
+    }
+    printf("#\n# %10s %11s %8s %5s %4s | %-7s | %9s %7s %7s %6s | %9s %7s %7s %6s | %-30s %-20s%s\n",
+           "size(B)", "count", "type", "redop", "root", "backend", "oop us", "algbw", "busbw",
+           "#wrong", "ip us", "algbw", "busbw", "#wrong", "algorithm(oop/ip)", refcol,
+           cfg->peer ? " vs-MPI(oop,ip)" : "");
+}
+
+static void bench_print_row(const bench_cfg *cfg, const bench_target *t, const bench_row *w,
+                            const bench_row *peer, size_t size, double mcpy)
+{
+    size_t es = tdm_dtype_size(cfg->dtype);
+    int root = cfg->coll == TDM_COLL_BROADCAST || cfg->coll == TDM_COLL_REDUCE ? cfg->root : -1;
+    if (!cfg->table) {
+        printf("  %10zu %11zu %8s %5s %4d | %9.2f %7.2f %7.2f %6lld | %9.2f %7.2f %7.2f %6lld "
+               "| %-18s %.2f, %.2f\n", size, size / es, tdm_dtype_name(cfg->dtype),
+               tdm_redop_name(cfg->op), root, w->us[0], w->algbw[0], w->busbw[0],
+               (long long)w->wrong[0], w->us[1], w->algbw[1], w->busbw[1],
+               (long long)w->wrong[1], w->algo, w->busbw[0] / mcpy, w->busbw[1] / mcpy);
+        return;
+    }
+    char ratio[32] = "";
+    /* speed against Open MPI's own collective in the same run: its time
+     * over ours (> 1: faster than MPI) */
+    if (peer && !t->peer)
+        snprintf(ratio, sizeof ratio, " %.2f, %.2f", peer->us[0] / w->us[0],
+                 peer->us[1] / w->us[1]);
+    char refs[32];
+    snprintf(refs, sizeof refs, "%.2f, %.2f", w->busbw[0] / mcpy, w->busbw[1] / mcpy);
+    printf("  %10zu %11zu %8s %5s %4d | %-7s | %9.2f %7.2f %7.2f %6lld | %9.2f %7.2f %7.2f %6lld "
+           "| %-30s %-20s%s\n", size, size / es, tdm_dtype_name(cfg->dtype),
+           tdm_redop_name(cfg->op), root, t->name, w->us[0], w->algbw[0], w->busbw[0],
+           (long long)w->wrong[0], w->us[1], w->algbw[1], w->busbw[1], (long long)w->wrong[1],
+           w->algo, refs, ratio);
+}
+
+int tdm_tool_bench_ranks(tdm_comm *ctl, bench_target *targets, int ntargets,
+                         const bench_cfg *cfg)
+{
+    int r = tdm_comm_rank(ctl), n = tdm_comm_size(ctl);
     int ncores = tdm_device_host_cores();
-    int bound = cfg->bind && !cfg->cuda ? bench_bind(r, n) : 0;
+    /* an MPI launcher binds its ranks itself */
+    int bound = cfg->bind && !cfg->cuda && !cfg->job_desc ? bench_bind(r, n) : 0;
     size_t es = tdm_dtype_size(cfg->dtype);
     int rc = 0;
     bench_bufs b = {0};
     tdm_device *dev = NULL;
     tdm_comm *nccl = NULL;
-    tdm_comm *coll = comm;   /* the communicator benchmarked; comm (shm) carries the rest */
+    bench_row *rows_now = calloc((size_t)ntargets, sizeof *rows_now);
+    double *sum_busbw = calloc((size_t)ntargets, sizeof *sum_busbw);
     bench_counts(cfg, cfg->max_bytes, &b);
     size_t send_bytes = (b.send_count + 16) * es, recv_bytes = (b.recv_count + 16) * es;
     double mcpy = 0;
     tdm_status st = TDM_STATUS_OK;
+    if (!rows_now || !sum_busbw) {
+        st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "bench: calloc");
+        goto fail;
+    }
     if (cfg->cuda) {
-        /* NCCL's bootstrap is collective over comm: a rank failing before
-         * it aborts comm (below), so the others fail at once too. */
+        /* NCCL's bootstrap is collective over ctl: a rank failing before
+         * it aborts ctl (below), so the others fail at once too. */
         if ((st = tdm_device_open(&dev, "cuda", cfg->dl.index[r], 1))) goto fail;
-        if ((st = tdm_tool_rank_nccl(comm, dev, &nccl))) goto fail;
-        if (nccl) coll = nccl;
+        if ((st = tdm_tool_rank_nccl(ctl, dev, &nccl))) goto fail;
+        if (nccl) targets[0].comm = nccl;
         b.dev = dev;
         if ((st = tdm_dev_alloc(dev, send_bytes, (void **)&b.send)) ||
             (st = tdm_dev_alloc(dev, recv_bytes, (void **)&b.recv)) ||
@@ -398,12 +503,12 @@ static int bench_rank(tdm_comm *comm, void *arg)
                                send_bytes > recv_bytes ? send_bytes : recv_bytes);
             goto fail;
         }
-        if ((st = bench_d2d(comm, dev, cfg->memcpy_bytes, &mcpy))) goto fail;
+        if ((st = bench_d2d(ctl, dev, cfg->memcpy_bytes, &mcpy))) goto fail;
     } else {
-        if ((st = bench_memcpy(comm, cfg->memcpy_bytes, &mcpy))) goto fail;
+        if ((st = bench_memcpy(ctl, cfg->memcpy_bytes, &mcpy))) goto fail;
         if (cfg->zero_copy) {
-            if ((st = tdm_shm_comm_alloc(comm, send_bytes, (void **)&b.send))) goto fail;
-            if ((st = tdm_shm_comm_alloc(comm, recv_bytes, (void **)&b.recv))) goto fail;
+            if ((st = tdm_shm_comm_alloc(targets[0].comm, send_bytes, (void **)&b.send))) goto fail;
+            if ((st = tdm_shm_comm_alloc(targets[0].comm, recv_bytes, (void **)&b.recv))) goto fail;
         } else {
             b.send = malloc(send_bytes);
             b.recv = malloc(recv_bytes);
@@ -418,6 +523,9 @@ static int bench_rank(tdm_comm *comm, void *arg)
     }
     double factor = bench_bus_factor(cfg->coll, n);
     const char *ref = cfg->cuda ? "d2d" : "memcpy";
+    const bench_row *peer_row = NULL;
+    for (int t = 0; t < ntargets; t++)
+        if (targets[t].peer) peer_row = &rows_now[t];
     if (r == 0) {
         if (cfg->cuda) {
             char names[512];
@@ -425,62 +533,68 @@ static int bench_rank(tdm_comm *comm, void *arg)
             printf("# tandem bench %s: %d ranks, one per device of --device %s (%s), %s "
                    "communicator, %s, %s, root %d, warmup %d, iters %d, device buffers "
                    "(tdm_dev_alloc)\n", tdm_coll_name(cfg->coll), n, cfg->device, names,
-                   tdm_comm_backend_name(coll), tdm_dtype_name(cfg->dtype),
+                   tdm_comm_backend_name(targets[0].comm), tdm_dtype_name(cfg->dtype),
                    tdm_redop_name(cfg->op), cfg->root, cfg->warmup, cfg->iters);
             tdm_tool_print_emulated(stdout, cfg->device);
             printf("# d2d reference: %d device%s each copying %zu bytes device-to-device at "
                    "once: %.2f GB/s per device (%.2f GB/s total)\n", n, n == 1 ? "" : "s",
                    cfg->memcpy_bytes, mcpy, mcpy * n);
         } else {
-            printf("# tandem bench %s: %d ranks (shm, %d cores%s), %s, %s, root %d, warmup %d, "
-                   "iters %d, %s buffers\n", tdm_coll_name(cfg->coll), n, ncores,
-                   bound ? ", rank r pinned to core r" : ", not pinned",
-                   tdm_dtype_name(cfg->dtype), tdm_redop_name(cfg->op), cfg->root, cfg->warmup,
-                   cfg->iters, cfg->zero_copy ? "zero-copy (in the segment)" : "private (malloc)");
+            if (cfg->job_desc)
+                printf("# tandem bench %s: %d ranks (%s, %d cores here), %s, %s, root %d, "
+                       "warmup %d, iters %d, private (malloc) buffers\n",
+                       tdm_coll_name(cfg->coll), n, cfg->job_desc, ncores,
+                       tdm_dtype_name(cfg->dtype), tdm_redop_name(cfg->op), cfg->root,
+                       cfg->warmup, cfg->iters);
+            else
+                printf("# tandem bench %s: %d ranks (shm, %d cores%s), %s, %s, root %d, warmup "
+                       "%d, iters %d, %s buffers\n", tdm_coll_name(cfg->coll), n, ncores,
+                       bound ? ", rank r pinned to core r" : ", not pinned",
+                       tdm_dtype_name(cfg->dtype), tdm_redop_name(cfg->op), cfg->root,
+                       cfg->warmup, cfg->iters,
+                       cfg->zero_copy ? "zero-copy (in the segment)" : "private (malloc)");
             printf("# memcpy reference: %d processes each copying %zu bytes at once: %.2f GB/s "
                    "per process (%.2f GB/s total)\n", n, cfg->memcpy_bytes, mcpy, mcpy * n);
+            if (peer_row)
+                printf("# vs-MPI: Open MPI's own blocking collective (the mpi-own rows) measured "
+                       "in the same run, its time over each backend's (> 1: faster than it)\n");
         }
-        char refcol[32];
-        snprintf(refcol, sizeof refcol, "busbw/%s(oop,ip)", ref);
-        printf("#\n# %10s %11s %8s %5s %4s | %9s %7s %7s %6s | %9s %7s %7s %6s | %-18s %s\n",
-               "size(B)", "count", "type", "redop", "root", "oop us", "algbw", "busbw",
-               "#wrong", "ip us", "algbw", "busbw", "#wrong", "algorithm(oop/ip)", refcol);
+        bench_print_header(cfg, ref);
         fflush(stdout);
     }
-    double sum_busbw = 0;
     int rows = 0;
     int64_t total_wrong = 0;
     for (size_t bytes = cfg->min_bytes; bytes <= cfg->max_bytes;) {
         bench_counts(cfg, bytes, &b);
-        double us[2], busbw[2], algbw[2];
-        int64_t wrong[2];
-        const char *algo[2];
         size_t size = (cfg->coll == TDM_COLL_REDUCE_SCATTER ? b.send_count : b.recv_count) * es;
-        for (int ip = 0; ip < 2; ip++) {
-            if ((st = bench_time(coll, comm, cfg, &b, ip, &us[ip]))) goto fail;
-            int64_t w = bench_check(coll, cfg, &b, ip, &st);
-            algo[ip] = tdm_comm_last_algo(coll);
-            if (st) goto fail;
-            if ((st = tdm_comm_all_reduce(comm, &w, &wrong[ip], 1, TDM_DTYPE_INT64,
-                                          TDM_REDOP_SUM)))
-                goto fail;
-            algbw[ip] = (double)size / (us[ip] * 1e3);
-            busbw[ip] = algbw[ip] * factor;
-            total_wrong += wrong[ip];
+        /* every target at this size before the next size: a load that
+         * comes and goes hits them alike */
+        for (int t = 0; t < ntargets; t++) {
+            bench_row *w = &rows_now[t];
+            const char *algo[2];
+            for (int ip = 0; ip < 2; ip++) {
+                if ((st = bench_time(&targets[t], ctl, cfg, &b, ip, &w->us[ip]))) goto fail;
+                int64_t wr = bench_check(&targets[t], cfg, &b, ip, &st);
+                algo[ip] = tdm_comm_last_algo(targets[t].comm);
+                if (st) goto fail;
+                if ((st = tdm_comm_all_reduce(ctl, &wr, &w->wrong[ip], 1, TDM_DTYPE_INT64,
+                                              TDM_REDOP_SUM)))
+                    goto fail;
+                w->algbw[ip] = (double)size / (w->us[ip] * 1e3);
+                w->busbw[ip] = w->algbw[ip] * factor;
+                total_wrong += w->wrong[ip];
+            }
+            if (strcmp(algo[0], algo[1]))
+                snprintf(w->algo, sizeof w->algo, "%s/%s", algo[0], algo[1]);
+            else
+                snprintf(w->algo, sizeof w->algo, "%s", algo[0]);
+            sum_busbw[t] += w->busbw[0];
         }
         if (r == 0) {
-            char alg[64];
-            if (strcmp(algo[0], algo[1])) snprintf(alg, sizeof alg, "%s/%s", algo[0], algo[1]);
-            else snprintf(alg, sizeof alg, "%s", algo[0]);
-            printf("  %10zu %11zu %8s %5s %4d | %9.2f %7.2f %7.2f %6lld | %9.2f %7.2f %7.2f %6lld "
-                   "| %-18s %.2f, %.2f\n", size, size / es, tdm_dtype_name(cfg->dtype),
-                   tdm_redop_name(cfg->op),
-                   cfg->coll == TDM_COLL_BROADCAST || cfg->coll == TDM_COLL_REDUCE ? cfg->root : -1,
-                   us[0], algbw[0], busbw[0], (long long)wrong[0], us[1], algbw[1], busbw[1],
-                   (long long)wrong[1], alg, busbw[0] / mcpy, busbw[1] / mcpy);
+            for (int t = 0; t < ntargets; t++)
+                bench_print_row(cfg, &targets[t], &rows_now[t], peer_row, size, mcpy);
             fflush(stdout);
         }
-        sum_busbw += busbw[0];
         rows++;
         size_t next = (size_t)((double)bytes * cfg->factor);
         bytes = next > bytes ? next : bytes + 1;
@@ -488,8 +602,10 @@ static int bench_rank(tdm_comm *comm, void *arg)
     if (r == 0) {
         printf("# Out of bounds values : %lld %s\n", (long long)total_wrong,
                total_wrong ? "FAILED" : "OK");
-        printf("# Avg bus bandwidth    : %.4f GB/s (out of place; %s reference %.2f GB/s)\n",
-               rows ? sum_busbw / rows : 0.0, ref, mcpy);
+        for (int t = 0; t < ntargets; t++)
+            printf("# Avg bus bandwidth    : %.4f GB/s (out of place; %s reference %.2f GB/s)%s%s\n",
+                   rows ? sum_busbw[t] / rows : 0.0, ref, mcpy, cfg->table ? ": " : "",
+                   cfg->table ? targets[t].name : "");
         fflush(stdout);
     }
     rc = total_wrong ? 1 : 0;
@@ -498,7 +614,7 @@ fail:
     fprintf(stderr, "tandem bench: rank %d: %s\n", r, tdm_error_message());
     char why[64];
     snprintf(why, sizeof why, "rank %d failed", r);
-    tdm_comm_abort(comm, why);
+    tdm_comm_abort(ctl, why);
     rc = 1;
 out:
     if (dev) {
@@ -509,9 +625,18 @@ out:
         free(b.send);
         free(b.recv);
     }
-    tdm_comm_free(nccl);   /* before comm, which bootstrapped it, and dev */
+    tdm_comm_free(nccl);   /* before ctl, which bootstrapped it, and dev */
     tdm_device_free(dev);
+    free(rows_now);
+    free(sum_busbw);
     return rc;
+}
+
+/* A forked rank: its shm communicator is the one benchmarked. */
+static int bench_rank(tdm_comm *comm, void *arg)
+{
+    bench_target t = {.name = "shm", .comm = comm};
+    return tdm_tool_bench_ranks(comm, &t, 1, arg);
 }
 
 int tdm_tool_bench_main(int argc, char **argv)
@@ -566,6 +691,15 @@ int tdm_tool_bench_main(int argc, char **argv)
             shm_flag = "--one-shot-bytes";
         } else if (BENCH_FLAG("--device", "--device")) {
             cfg.device = v;
+        } else if (BENCH_FLAG("--backend", "--backend")) {
+            if (!bench_parse_backends(v, &cfg)) return 2;
+        } else if (BENCH_FLAG("--peer", "--peer")) {
+            if (strcmp(v, "mpi")) {
+                fprintf(stderr, "tandem bench: --peer '%s': the only peer is mpi (Open MPI's "
+                        "own collectives)\n", v);
+                return 2;
+            }
+            cfg.peer = 1;
         } else if (!strcmp(a, "--no-bind")) {
             cfg.bind = 0;
         } else if (!strcmp(a, "--zero-copy")) {
@@ -636,28 +770,34 @@ int tdm_tool_bench_main(int argc, char **argv)
                 cfg.max_bytes);
         return 2;
     }
-    if (cfg.root >= cfg.nranks) {
-        fprintf(stderr, "tandem bench: -r %d: root must be below -n %d\n", cfg.root, cfg.nranks);
-        return 2;
-    }
-    size_t es = tdm_dtype_size(cfg.dtype);
-    size_t unit = es * (cfg.coll == TDM_COLL_REDUCE_SCATTER || cfg.coll == TDM_COLL_ALL_GATHER
-                            ? (size_t)cfg.nranks : 1);
-    if (cfg.min_bytes < unit) {
-        fprintf(stderr, "tandem bench: -b %zu: smallest size for %s of %s over %d ranks is %zu "
-                "bytes\n", cfg.min_bytes, tdm_coll_name(cfg.coll), tdm_dtype_name(cfg.dtype),
-                cfg.nranks, unit);
-        return 2;
-    }
+    /* under a launcher the job's size is known once it has started */
+    int launched = tdm_tool_mpi_launched();
+    if (launched && !nranks_set) cfg.nranks = 0;
+    if (cfg.nranks && !tdm_tool_bench_check_ranks(&cfg, 1)) return 2;
     if (!cfg.memcpy_bytes)
         cfg.memcpy_bytes = cfg.max_bytes > ((size_t)64 << 20) ? cfg.max_bytes : (size_t)64 << 20;
+    /* an MPI job: under a launcher, or asked for a backend that needs one */
+    int mpi_needed = cfg.peer || getenv(TDM_MPI_ENV_PRETEND);
+    for (int i = 0; i < cfg.nbackends; i++)
+        mpi_needed |= cfg.backends[i] != TDM_MPI_BACKEND_SHM &&
+                      cfg.backends[i] != TDM_MPI_BACKEND_AUTO;
+    cfg.table = cfg.nbackends > 1 || cfg.peer;
+    if (mpi_needed || launched) {
+        if (cfg.zero_copy) {
+            fprintf(stderr, "tandem bench: --zero-copy applies to forked ranks over shm only, not "
+                    "to an MPI job\n");
+            return 2;
+        }
+        return tdm_tool_bench_mpi(&cfg, argc, argv);
+    }
     bench_bufs b;
     bench_counts(&cfg, cfg.max_bytes, &b);
     tdm_shm_spawn_opts o = {.timeout_ms = 3600 * 1000};
     o.shm.timeout_ms = 120000;
     o.shm.slot_bytes = cfg.slot_bytes;
     o.shm.one_shot_max_bytes = cfg.one_shot_bytes;
-    if (cfg.zero_copy) o.shm.arena_bytes = (b.send_count + b.recv_count + 64) * es + 4096;
+    if (cfg.zero_copy)
+        o.shm.arena_bytes = (b.send_count + b.recv_count + 64) * tdm_dtype_size(cfg.dtype) + 4096;
     tdm_status st = tdm_shm_spawn(cfg.nranks, bench_rank, &cfg, &o, NULL);
     if (st) {
         fprintf(stderr, "tandem bench: %s\n", tdm_error_message());

@@ -16,10 +16,12 @@
 
 #include "core/device.h"
 #include "core/safefile.h"
+#include "ddp/spawn.h"
 #include "models/train.h"
 #include "tools/args.h"
 #include "tools/compare.h"
 #include "tools/devices.h"
+#include "tools/mpi_job.h"
 #include "tools/tools.h"
 
 /* Float tolerances of the equivalence verdict, |a - b| <= atol + rtol |b|.
@@ -66,6 +68,12 @@ static void tdm_cmp_usage(FILE *f)
         "  --sweep 1,2,4        also run DP and DDP at these device counts\n"
         "  --perturb-rank R     testing aid: DDP rank R adds 1%% to its gradient share,\n"
         "                       which the equivalence verdict must catch\n"
+        "  --backend B          under mpirun/srun: DDP's communicator, shm, mpi, hier or\n"
+        "                       auto (shm on one machine, hier otherwise)    [auto]\n"
+        "\n"
+        "Under an MPI launcher (mpirun -np N tandem compare ...) DDP's N ranks are the\n"
+        "job's; rank 0 also runs one device and DP (give it the cores: --bind-to none)\n"
+        "and prints the report; --device defaults to cpu:N.\n"
         "\n"
         "Exit codes: 0 ok and equivalent, 1 a run failed, 2 bad usage, 3 the\n"
         "equivalence verdict failed.\n", TDM_CMP_GPT_BATCH);
@@ -196,15 +204,85 @@ static void tdm_cmp_print_memory(const tdm_cmp_opts *o, tdm_cmp_result *const *r
         printf("  DP's output device holds the master (with optimizer state) and the gathered\n"
                "  logits and their gradient (comm); DDP's gradients are NCCL-allocated device\n"
                "  memory, reduced in place (comm 0; NCCL's own buffers are not counted).\n");
+    else if (o->ddp_comm && strcmp(tdm_comm_backend_name(o->ddp_comm), "shm"))
+        printf("  DP's output device holds the master (with optimizer state) and the gathered\n"
+               "  logits and their gradient (comm); DDP's gradients are the model's own, reduced\n"
+               "  in place over %s (comm 0; MPI's own buffers are not counted).\n",
+               tdm_comm_backend_name(o->ddp_comm));
     else
         printf("  DP's output device holds the master (with optimizer state) and the gathered\n"
                "  logits and their gradient (comm); DDP's gradients live in the shared segment\n"
                "  and comm is the rest of that segment's arena.\n");
 }
 
+/* An MPI job's rank (tdm_tool_compare_main releases it). */
+static tdm_tool_mpi_rank tdm_cmp_mr;
+
+/* Under an MPI launcher: joins the job (collective) and makes DDP's
+ * communicator. Ranks other than 0 print nothing to stdout, and nothing
+ * to stderr until the runs start (*err_fd keeps it; usage errors, alike
+ * on every rank, are then said once). Returns 0 or the exit code. */
+static int tdm_cmp_mpi_join(tdm_cmp_opts *o, int device_given, int *err_fd)
+{
+    tdm_mpi_backend b = TDM_MPI_BACKEND_AUTO;
+    if (o->backend && !tdm_tool_backend_parse("compare", o->backend, &b)) return 2;
+    if (!tdm_tool_mpi_launched()) {
+        if (b == TDM_MPI_BACKEND_AUTO || b == TDM_MPI_BACKEND_SHM) return 0;
+        if (!tdm_tool_mpi_built()) {
+            tdm_tool_mpi_missing("--backend mpi|hier");
+            fprintf(stderr, "tandem compare: %s\n", tdm_error_message());
+            return 1;
+        }
+        fprintf(stderr, "tandem compare: --backend %s runs DDP between the ranks of an MPI job: "
+                "start them with `mpirun -np N tandem compare --backend %s ...`\n", o->backend,
+                o->backend);
+        return 2;
+    }
+    if (o->sweep) {
+        if (tdm_tool_mpi_env_rank() == 0)
+            fprintf(stderr, "tandem compare: --sweep: under an MPI launcher DDP's ranks are the "
+                    "job's; run one job per size instead\n");
+        return 2;
+    }
+    tdm_shm_opts so = {.arena_bytes = tdm_ddp_arena_bytes(tdm_cmp_param_elems(o))};
+    if (tdm_tool_mpi_rank_init(&tdm_cmp_mr, b, 0, &so) != TDM_STATUS_OK) {
+        fprintf(stderr, "tandem compare: joining the MPI job: %s\n", tdm_error_message());
+        return 1;
+    }
+    o->ddp_comm = tdm_cmp_mr.comm;
+    static char dev[32];
+    if (!device_given) {
+        snprintf(dev, sizeof dev, "cpu:%d", tdm_cmp_mr.env.world_size);
+        o->device = dev;
+    }
+    if (tdm_cmp_mr.env.rank != 0) {
+        int fd = open("/dev/null", O_WRONLY | O_CLOEXEC);
+        if (fd >= 0) {
+            *err_fd = dup(STDERR_FILENO);
+            dup2(fd, STDOUT_FILENO);
+            dup2(fd, STDERR_FILENO);
+            close(fd);
+        }
+    }
+    return 0;
+}
+
+static int tdm_cmp_main(int argc, char **argv);
+
 int tdm_tool_compare_main(int argc, char **argv)
 {
-    tdm_cmp_opts o = {.model = "mlp", .device = "cpu:2", .data = NULL, .optim = "sgd",
+    int rc = tdm_cmp_main(argc, argv);
+    /* a run that failed here ends the job (others may wait for this rank);
+     * usage errors, alike everywhere, and the verdict, rank 0's alone
+     * after the runs, do not */
+    if (tdm_cmp_mr.job) tdm_tool_mpi_rank_end(&tdm_cmp_mr, rc);
+    return rc;
+}
+
+static int tdm_cmp_main(int argc, char **argv)
+{
+    static const char default_device[] = "cpu:2";
+    tdm_cmp_opts o = {.model = "mlp", .device = default_device, .data = NULL, .optim = "sgd",
                       .steps = 30, .warmup = 3, .batch = 0, .lr = -1, .momentum = 0.9,
                       .weight_decay = 0.0, .seed = 1, .bucket_cap_mb = 25, .perturb_rank = -1};
     for (int i = 1; i < argc; i++) {
@@ -223,6 +301,7 @@ int tdm_tool_compare_main(int argc, char **argv)
         TDM_ARGS_STR("--csv", o.csv)
         TDM_ARGS_STR("--plot", o.plot)
         TDM_ARGS_STR("--sweep", o.sweep)
+        TDM_ARGS_STR("--backend", o.backend)
         TDM_ARGS_INT("--steps", 1, 1000000, o.steps)
         TDM_ARGS_INT("--warmup", 0, 1000000, o.warmup)
         TDM_ARGS_INT("--batch", 1, 1 << 20, o.batch)
@@ -257,6 +336,8 @@ int tdm_tool_compare_main(int argc, char **argv)
                         "fortunes directory [default: Debian's fortunes]\n");
         return 2;
     }
+    int err_fd = -1, jrc = tdm_cmp_mpi_join(&o, o.device != default_device, &err_fd);
+    if (jrc) return jrc;
     /* checked in a child when it names CUDA: this process forks DDP's ranks */
     tdm_device_list dl;
     tdm_status dst = tdm_tool_parse_devices(&dl, o.device, 1);
@@ -279,6 +360,17 @@ int tdm_tool_compare_main(int argc, char **argv)
     }
     o.dl = dl;
     o.n_dev = dl.count;
+    if (o.ddp_comm) {
+        const tdm_ddp_env *e = &tdm_cmp_mr.env;
+        if (o.n_dev != e->world_size) {
+            fprintf(stderr, "tandem compare: --device %s names %d devices, but the MPI job has %d "
+                    "ranks (DDP's; omit --device for cpu:%d)\n", o.device, o.n_dev,
+                    e->world_size, e->world_size);
+            return 2;
+        }
+        /* a GPU rank uses its machine's GPU of its rank there */
+        o.dl.index[e->rank] = dl.index[e->local_rank % dl.count];
+    }
     if (o.batch < o.n_dev) {
         fprintf(stderr,
                 "tandem compare: --batch %d is smaller than the %d devices: DP would split it "
@@ -332,6 +424,12 @@ int tdm_tool_compare_main(int argc, char **argv)
         close(dfd);
     }
 
+    /* usage is checked: from here on every rank says what goes wrong */
+    if (err_fd >= 0) {
+        dup2(err_fd, STDERR_FILENO);
+        close(err_fd);
+        err_fd = -1;
+    }
     /* data and the global batches */
     tdm_cmp_data data = {0};
     tdm_status st;
@@ -424,9 +522,30 @@ data_ready:;
     int rc = 0, nres = 0;
     memset(res, 0, sizeof res);
     memset(&floor_r, 0, sizeof floor_r);
+    if (o.ddp_comm) {
+        printf("  DDP's ranks: the MPI job's (%s)\n", tdm_cmp_mr.desc);
+        if (tdm_device_host_cores() < o.n_dev && dl.kind == TDM_DEVICE_HOST)
+            printf("  note: rank 0 may run on %d core%s, and one device and DP run there: "
+                   "mpirun --bind-to none gives it the machine\n", tdm_device_host_cores(),
+                   tdm_device_host_cores() == 1 ? "" : "s");
+        fflush(stdout);
+    }
+    if (o.ddp_comm && tdm_cmp_mr.env.rank != 0) {
+        /* a DDP rank: wait (asleep) for rank 0's single and DP runs */
+        int ok = tdm_comm_barrier(tdm_cmp_mr.world) == TDM_STATUS_OK &&
+                 tdm_cmp_run(&o, &data, TDM_CMP_DDP, o.n_dev, &res[TDM_CMP_DDP]);
+        rc = ok ? 0 : 1;
+        goto done;
+    }
     for (int k = 0; k < TDM_CMP_NMODES; k++) {
         printf("  running %s...\n", tdm_cmp_mode_name((tdm_cmp_mode)k));
         fflush(stdout);
+        /* an MPI job's other ranks wait for this before DDP */
+        if (k == TDM_CMP_DDP && o.ddp_comm && tdm_comm_barrier(tdm_cmp_mr.world) != TDM_STATUS_OK) {
+            fprintf(stderr, "tandem compare: %s\n", tdm_error_message());
+            rc = 1;
+            goto done;
+        }
         if (!tdm_cmp_run(&o, &data, (tdm_cmp_mode)k, k == TDM_CMP_SINGLE ? 1 : o.n_dev, &res[k])) {
             rc = 1;
             goto done;

@@ -9,6 +9,7 @@
 #include <stdint.h>
 
 #include "core/data.h"
+#include "core/comm.h"
 #include "core/device.h"
 #include "core/text.h"
 #include "core/timer.h"
@@ -38,6 +39,9 @@ typedef struct tdm_cmp_opts {
     int perturb_rank;          /* test hook: -1 off */
     int nudge;                 /* single mode only: start from parameters one ulp
                                   off (the float-noise floor run) */
+    const char *backend;       /* --backend (MPI jobs); NULL: auto */
+    tdm_comm *ddp_comm;        /* an MPI job: DDP's ranks are its ranks, over this
+                                  communicator (NULL: forked ranks) */
 } tdm_cmp_opts;
 
 /* Bytes per device (or rank) by kind. */
@@ -104,6 +108,8 @@ int64_t tdm_cmp_targets(const tdm_cmp_data *d);
  * message printed. On CUDA devices single and DP run in a child process,
  * so that this process never initialises CUDA and can still fork DDP's
  * ranks (a process that has used CUDA cannot hand it to forked children). */
+/* Parameters of o's model (a probe on a host device); 0 on failure. */
+int64_t tdm_cmp_param_elems(const tdm_cmp_opts *o);
 int tdm_cmp_run(const tdm_cmp_opts *o, const tdm_cmp_data *data, tdm_cmp_mode mode, int n_dev,
                 tdm_cmp_result *r);
 void tdm_cmp_result_free(tdm_cmp_result *r);

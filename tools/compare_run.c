@@ -373,14 +373,21 @@ static int tdm_cmp_ddp_rank(tdm_comm *comm, void *argp)
         if (tdm_cmp_params_out(m, TDM_CMP_AT(sh, off_last, float)) != TDM_STATUS_OK) goto done;
     }
     if (tdm_comm_barrier(comm) != TDM_STATUS_OK) goto done;
+    /* an MPI job's ranks share no memory: rank 0's parameters come over comm */
+    if (o->ddp_comm &&
+        tdm_comm_broadcast(comm, TDM_CMP_AT(sh, off_last, float), TDM_CMP_AT(sh, off_last, float),
+                           (size_t)sh->param_elems, TDM_DTYPE_FLOAT32, 0) != TDM_STATUS_OK)
+        goto done;
     mine = malloc((size_t)sh->param_elems * sizeof(float));
     if (!mine || tdm_cmp_params_out(m, mine) != TDM_STATUS_OK) goto done;
     sh->agree[rank] = !memcmp(mine, TDM_CMP_AT(sh, off_last, float),
                               (size_t)sh->param_elems * sizeof(float));
     tdm_cmp_mem_model(&sh->mem[rank], m, tdm_optim_state_bytes(opt));
-    /* shm: the rest of the arena; NCCL: its buckets are the gradients */
-    sh->mem[rank].comm = nccl ? 0.0 : (double)tdm_ddp_arena_bytes(sh->param_elems) -
-                                          sh->mem[rank].grads;
+    /* shm: the rest of the arena; NCCL: its buckets are the gradients;
+     * MPI (no zero-copy memory): its own buffers, not counted */
+    sh->mem[rank].comm = nccl || !tdm_ddp_zero_copy(ddp)
+                             ? 0.0
+                             : (double)tdm_ddp_arena_bytes(sh->param_elems) - sh->mem[rank].grads;
     if (sh->mem[rank].comm < 0) sh->mem[rank].comm = 0;
     rc = 0;
 done:
@@ -400,7 +407,7 @@ done:
 
 /* The model's parameter count, from a probe on a host device (this
  * process must not touch CUDA); 0 on failure (message kept). */
-static int64_t tdm_cmp_param_elems(const tdm_cmp_opts *o)
+int64_t tdm_cmp_param_elems(const tdm_cmp_opts *o)
 {
     tdm_model_spec spec;
     tdm_model *probe = NULL;
@@ -413,6 +420,26 @@ static int64_t tdm_cmp_param_elems(const tdm_cmp_opts *o)
     tdm_model_free(probe);
     tdm_device_free(dev);
     return pe;
+}
+
+/* Sums every rank's records onto rank 0's (each rank writes only its own
+ * slots, rank 0 alone the rest); 0 on failure (said by the caller). */
+static int tdm_cmp_gather_ddp(tdm_comm *comm, tdm_cmp_shared *sh)
+{
+    size_t doubles = (sh->off_bucket - sh->off_loss) / sizeof(double);
+    double *per_rank = TDM_CMP_AT(sh, off_loss, double);
+    int32_t agree[TDM_CMP_MAX_DEV];
+    for (int k = 0; k < TDM_CMP_MAX_DEV; k++) agree[k] = sh->agree[k];
+    tdm_status st = tdm_comm_reduce(comm, per_rank, per_rank, doubles, TDM_DTYPE_FLOAT64,
+                                    TDM_REDOP_SUM, 0);
+    if (st == TDM_STATUS_OK)
+        st = tdm_comm_reduce(comm, agree, agree, TDM_CMP_MAX_DEV, TDM_DTYPE_INT32, TDM_REDOP_SUM, 0);
+    if (st == TDM_STATUS_OK)
+        st = tdm_comm_reduce(comm, sh->mem, sh->mem,
+                             (size_t)TDM_CMP_MAX_DEV * (sizeof(tdm_cmp_memory) / sizeof(double)),
+                             TDM_DTYPE_FLOAT64, TDM_REDOP_SUM, 0);
+    for (int k = 0; k < TDM_CMP_MAX_DEV; k++) sh->agree[k] = agree[k];
+    return st == TDM_STATUS_OK;
 }
 
 static int tdm_cmp_run_ddp(const tdm_cmp_opts *o, const tdm_cmp_data *data, int world,
@@ -447,7 +474,19 @@ static int tdm_cmp_run_ddp(const tdm_cmp_opts *o, const tdm_cmp_data *data, int 
                              .arena_bytes = tdm_tool_ddp_arena_bytes(&o->dl, pe)};
     int ok = 0;
     fflush(stdout);
-    if (tdm_ddp_spawn(world, tdm_cmp_ddp_rank, &arg, &so, NULL) != TDM_STATUS_OK) {
+    if (o->ddp_comm) {
+        /* an MPI job: this process is one rank; rank 0 gathers the others'
+         * records (their slots are zero elsewhere, so a sum is a gather) */
+        if (tdm_cmp_ddp_rank(o->ddp_comm, &arg) != 0 ||
+            !tdm_cmp_gather_ddp(o->ddp_comm, sh)) {
+            tdm_cmp_fail("DDP");
+            goto done;
+        }
+        if (tdm_comm_rank(o->ddp_comm) != 0) {
+            r->ok = ok = 1;   /* rank 0 reports */
+            goto done;
+        }
+    } else if (tdm_ddp_spawn(world, tdm_cmp_ddp_rank, &arg, &so, NULL) != TDM_STATUS_OK) {
         tdm_cmp_fail("DDP");
         goto done;
     }

@@ -33,7 +33,7 @@ void tdm_tool_print_emulated(FILE *f, const char *spec)
     if (n && spec && !strncmp(spec, "cuda", 4))
         fprintf(f, "  CUDA EMULATOR (TANDEM_CUDA_EMULATOR=%d): the cuda devices are emulated on "
                 "the host (host memory, the CUDA kernels' code run as host loops, DDP reducing "
-                "over shm): not a GPU result\n", n);
+                "over the host communicator, not NCCL): not a GPU result\n", n);
 }
 
 int tdm_tool_device_is_gpu(const tdm_device *d)

@@ -10,6 +10,8 @@
 
 /* cuda/cuda.h, linked only when the CUDA backend is built. */
 __attribute__((weak)) tdm_status tdm_cuda_describe(char *buf, size_t len);
+/* mpi/mpi_comm.h, linked only when MPI's development files were found. */
+__attribute__((weak)) void tdm_mpi_library_version(char *buf, size_t len);
 
 #ifndef TDM_VERSION
 #define TDM_VERSION "0.1.0"
@@ -17,6 +19,7 @@ __attribute__((weak)) tdm_status tdm_cuda_describe(char *buf, size_t len);
 #ifndef TDM_NVCC
 #define TDM_NVCC ""
 #endif
+
 
 int tdm_tool_info_main(int argc, char **argv)
 {
@@ -37,6 +40,16 @@ int tdm_tool_info_main(int argc, char **argv)
     printf("  CUDA backend   %s\n", tdm_device_cuda ? "yes" : "no (cuda/ not linked into this binary)");
     if (TDM_NVCC[0]) printf("  nvcc           %s\n", TDM_NVCC);
     else printf("  nvcc           not found at build time\n");
+    if (tdm_mpi_library_version) {
+        char v[256];
+        tdm_mpi_library_version(v, sizeof v);
+        v[strcspn(v, ",")] = '\0';    /* "Open MPI v4.1.4" */
+        printf("  MPI            yes: %s (mpi/: --backend mpi|hier, jobs under mpirun or srun)\n",
+               v);
+    } else {
+        printf("  MPI            no (MPI's development files not found at build time: make "
+               "deps installs libopenmpi-dev and openmpi-bin)\n");
+    }
     printf("devices:\n");
     printf("  cpu            %d cores usable (host devices cpu:0..N-1 are logical: one "
            "thread each)\n", tdm_device_host_cores());

@@ -1,7 +1,7 @@
 #!/bin/sh
 # tools/install.sh BUILD PREFIX [DESTDIR]: installs what `make` built in
 # BUILD under DESTDIR/PREFIX: bin/tandem, lib/libtandem.a, with the CUDA
-# backend lib/libtandem_cuda.a, the headers under include/tandem/<dir>/,
+# backend lib/libtandem_cuda.a, with MPI lib/libtandem_mpi.a, the headers under include/tandem/<dir>/,
 # and lib/pkgconfig/tandem.pc, so that a program builds with
 #   cc prog.c $(pkg-config --cflags --libs tandem)
 # (PKG_CONFIG_PATH=PREFIX/lib/pkgconfig where PREFIX is not a system one).
@@ -30,6 +30,7 @@ done
 libs=$(sed -n 's/^LIBS=//p' "$build/link-libs")
 lib_dirs=$(sed -n 's/^LIB_DIRS=//p' "$build/link-libs")
 cuda_libs=$(sed -n 's/^CUDA_LIBS=//p' "$build/link-libs")
+mpi_libs=$(sed -n 's/^MPI_LIBS=//p' "$build/link-libs")
 root=$dest$prefix
 me=$(id -u)
 die() { echo "install.sh: $*" >&2; exit 1; }
@@ -67,6 +68,17 @@ else
   rm -f "$root/lib/libtandem_cuda.a"   # a stale one from an earlier CUDA build
   cuda_libs=""
 fi
+# The MPI communicator (mpi/): its archive before libtandem's, which it uses,
+# and MPI's own libraries.
+mpi_link=""
+if [ -e "$build/libtandem_mpi.a" ] && [ -n "$mpi_libs" ]; then
+  install -m 644 "$build/libtandem_mpi.a" "$root/lib/libtandem_mpi.a"
+  dirs="$dirs mpi"
+  mpi_link="-ltandem_mpi "
+else
+  rm -f "$root/lib/libtandem_mpi.a"
+  mpi_libs=""
+fi
 for d in $dirs; do
   set -- "$src/$d"/*.h
   [ -e "$1" ] || { echo "install.sh: no headers in $src/$d" >&2; exit 1; }
@@ -82,11 +94,11 @@ libdir=\${prefix}/lib
 includedir=\${prefix}/include
 
 Name: tandem
-Description: DataParallel and DistributedDataParallel training in C (host${cuda_link:+ and CUDA} backends)
+Description: DataParallel and DistributedDataParallel training in C (host${cuda_link:+ and CUDA} backends${mpi_link:+, MPI communicator})
 Version: 0.1.0
 Cflags: -I\${includedir}/tandem
-Libs: -L\${libdir} ${cuda_link}-ltandem ${cuda_libs:+$cuda_libs }$libs
+Libs: -L\${libdir} ${cuda_link}${mpi_link}-ltandem ${cuda_libs:+$cuda_libs }${mpi_libs:+$mpi_libs }$libs
 PC
 install -m 644 "$pc" "$root/lib/pkgconfig/tandem.pc"
 rm -f "$pc"
-echo "installed tandem in $root (bin, lib, include/tandem, lib/pkgconfig/tandem.pc${cuda_link:+; CUDA backend included})"
+echo "installed tandem in $root (bin, lib, include/tandem, lib/pkgconfig/tandem.pc${cuda_link:+; CUDA backend included}${mpi_link:+; MPI communicator included})"

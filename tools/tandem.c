@@ -36,7 +36,9 @@ static void tdm_tool_usage(FILE *f)
 {
     fprintf(f, "usage: tandem <command> [options]   (tandem <command> --help for details)\n\n"
                "tandem trains neural networks on several devices of one machine, with\n"
-               "DataParallel (threads) and DistributedDataParallel (processes) side by side.\n\n"
+               "DataParallel (threads) and DistributedDataParallel (processes) side by side.\n"
+               "Started by mpirun or srun, train --mode ddp, compare and bench <collective>\n"
+               "run across machines (--backend shm|mpi|hier; docs/MULTINODE.md).\n\n"
                "commands:\n");
     for (size_t i = 0; i < TDM_TOOL_NCMDS; i++)
         if (tdm_tool_cmds[i].fn) fprintf(f, "  %-9s %s\n", tdm_tool_cmds[i].name, tdm_tool_cmds[i].help);

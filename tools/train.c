@@ -25,6 +25,7 @@
 #include "tools/args.h"
 #include "tools/tools.h"
 #include "tools/devices.h"
+#include "tools/mpi_job.h"
 #include "tools/train_modes.h"
 
 static void tdm_train_usage(FILE *f)
@@ -62,6 +63,9 @@ static void tdm_train_usage(FILE *f)
         "                         atomically; the path is checked before training\n"
         "  --resume PATH          continue from a checkpoint\n"
         "  --bucket-cap-mb MB     ddp: gradient bucket size cap              [25]\n"
+        "  --backend B            ddp under mpirun/srun: shm (shared memory, one machine),\n"
+        "                         mpi (MPI), hier (shm inside each machine + MPI between\n"
+        "                         them) or auto (shm on one machine, hier otherwise)  [auto]\n"
         "  --no-overlap           ddp: all-reduce after backward, not during it\n"
         "  --timeout SECONDS      ddp: process-group timeout: a rank that waits\n"
         "                         longer for a peer in a collective fails, naming\n"
@@ -77,6 +81,10 @@ static void tdm_train_usage(FILE *f)
         "A gpt epoch draws as many bytes as the training text holds, in random\n"
         "windows; after each, the validation loss in nats and bits per byte is\n"
         "printed beside a bigram model's. tandem sample --resume CK generates text.\n"
+        "\n"
+        "--mode ddp forks one rank per device, or, started by an MPI launcher\n"
+        "(mpirun -np N tandem train --mode ddp ..., srun), takes its ranks from it\n"
+        "(docs/MULTINODE.md).\n"
         "\n"
         "Exit codes: 0 ok, 1 runtime failure, 2 bad usage.\n",
         TDM_GPT_DEFAULT_LAYERS, TDM_GPT_DEFAULT_WIDTH, TDM_GPT_DEFAULT_HEADS,
@@ -148,6 +156,7 @@ int tdm_tool_train_main(int argc, char **argv)
         TDM_ARGS_STR("--lr-schedule", a.lr_schedule)
         TDM_ARGS_STR("--timeout", a.timeout)
         TDM_ARGS_INT("--bucket-cap-mb", 0, 1 << 20, a.bucket_cap_mb)
+        TDM_ARGS_STR("--backend", a.backend)
         if (!strcmp(arg, "--nesterov")) { a.nesterov = 1; continue; }
         if (!strcmp(arg, "--no-eval")) { a.no_eval = 1; continue; }
         if (!strcmp(arg, "--quiet")) { a.quiet = 1; continue; }
@@ -185,6 +194,18 @@ int tdm_tool_train_main(int argc, char **argv)
     if (a.timeout && strcmp(a.mode, "ddp"))
         fprintf(stderr, "tandem train: note: --timeout applies to --mode ddp (the process "
                         "group's collectives); --mode %s has none\n", a.mode);
+    if (a.backend && strcmp(a.mode, "ddp")) {
+        fprintf(stderr, "tandem train: --backend applies to --mode ddp\n");
+        return 2;
+    }
+    /* N copies of one model trained side by side are never what was meant */
+    const char *mpi_n = getenv("OMPI_COMM_WORLD_SIZE");
+    if (!mpi_n) mpi_n = getenv("PMI_SIZE");
+    if (strcmp(a.mode, "ddp") && mpi_n && atoi(mpi_n) > 1) {
+        fprintf(stderr, "tandem train: started by an MPI launcher with %s ranks, but --mode %s "
+                "would train %s independent copies: use --mode ddp\n", mpi_n, a.mode, mpi_n);
+        return 2;
+    }
     if (gpt) return tdm_train_text_main(&a);
     if (!strcmp(a.mode, "single")) return tdm_train_run_single(&a);
     if (!strcmp(a.mode, "dp")) return tdm_train_run_dp ? tdm_train_run_dp(&a) : tdm_train_mode_absent("dp");

@@ -16,7 +16,10 @@
  *
  * Under `tandem launch -n N -- tandem train --mode ddp ...` (TANDEM_SHM_FD
  * and WORLD_SIZE set) it does not fork: this process is one rank of the
- * launched job and joins it with tdm_ddp_pg_init_from_env.
+ * launched job and joins it with tdm_ddp_pg_init_from_env. Under an MPI
+ * launcher (mpirun, srun; tools/mpi_job.h) likewise, over the communicator
+ * of --backend (shm, mpi or hier); a GPU rank's NCCL communicator then
+ * gets its unique id over that one, that is over MPI between machines.
  *
  * Test hook: TANDEM_DDP_TEST_KILL=R:S makes rank R SIGKILL itself before
  * its global step S (counted from 1 over the whole run), to test
@@ -46,6 +49,7 @@
 #include "models/checkpoint.h"
 #include "shm/shm_comm.h"
 #include "tools/devices.h"
+#include "tools/mpi_job.h"
 #include "tools/train_modes.h"
 
 typedef struct tdm_train_ddp_ctx {
@@ -54,6 +58,7 @@ typedef struct tdm_train_ddp_ctx {
     tdm_model_spec spec;
     tdm_device_list dl;
     const tdm_dataset *train, *test;
+    const char *job_desc;    /* an MPI job: its backend and machines; NULL otherwise */
 } tdm_train_ddp_ctx;
 
 typedef struct tdm_train_ddp_rank {
@@ -207,10 +212,18 @@ static int tdm_train_ddp_rank_main(tdm_comm *comm, void *arg)
         start_epoch = info.epoch;
         tdm_train_print_resumed(a.resume, &info);
     }
-    char devdesc[160];
-    snprintf(devdesc, sizeof devdesc, "%d processes on %s (%s communicator%s, timeout %g s)",
-             world, c->a->device, tdm_comm_backend_name(nccl ? nccl : comm),
-             tdm_ddp_zero_copy(ddp) ? ", zero-copy buckets" : "", (double)c->timeout_ms / 1000.0);
+    char devdesc[256];
+    if (c->job_desc)
+        snprintf(devdesc, sizeof devdesc, "%d MPI ranks on %s (%s; gradients over %s%s, "
+                 "timeout %g s)", world, c->a->device, c->job_desc,
+                 tdm_comm_backend_name(nccl ? nccl : comm),
+                 tdm_ddp_zero_copy(ddp) ? ", zero-copy buckets" : "",
+                 (double)c->timeout_ms / 1000.0);
+    else
+        snprintf(devdesc, sizeof devdesc, "%d processes on %s (%s communicator%s, timeout %g s)",
+                 world, c->a->device, tdm_comm_backend_name(nccl ? nccl : comm),
+                 tdm_ddp_zero_copy(ddp) ? ", zero-copy buckets" : "",
+                 (double)c->timeout_ms / 1000.0);
     if (rank == 0)
         tdm_train_print_header(&a, &c->spec, c->train, c->test, tdm_model_param_elems(m), devdesc);
     /* r.comm: aborts and epoch barriers (shm; an NCCL abort reaches it too) */
@@ -274,37 +287,67 @@ int tdm_train_run_ddp(const tdm_train_args *a)
     }
     if (a->timeout) setenv(TDM_DDP_ENV_TIMEOUT, a->timeout, 1);
     int launched = getenv("TANDEM_SHM_FD") && getenv("WORLD_SIZE");
-    c.timeout_ms = timeout_ms ? timeout_ms : launched ? TDM_DDP_TIMEOUT_DEFAULT_MS : 60000;
-    if ((st = tdm_tool_parse_devices(&c.dl, a->device, !launched))) {
+    int mpi = !launched && tdm_tool_mpi_launched();
+    tdm_mpi_backend backend = TDM_MPI_BACKEND_AUTO;
+    if (a->backend && !tdm_tool_backend_parse("train", a->backend, &backend)) return 2;
+    if (!mpi && backend != TDM_MPI_BACKEND_AUTO && backend != TDM_MPI_BACKEND_SHM) {
+        if (!tdm_tool_mpi_built()) {
+            tdm_tool_mpi_missing("--backend mpi|hier");
+            fprintf(stderr, "tandem train: %s\n", tdm_error_message());
+            return 1;
+        }
+        fprintf(stderr, "tandem train: --backend %s runs between the ranks of an MPI job: start "
+                "them with `mpirun -np N tandem train --mode ddp --backend %s ...` (or srun)\n",
+                a->backend, a->backend);
+        return 2;
+    }
+    c.timeout_ms = timeout_ms ? timeout_ms : launched || mpi ? TDM_DDP_TIMEOUT_DEFAULT_MS : 60000;
+    if ((st = tdm_tool_parse_devices(&c.dl, a->device, !launched && !mpi))) {
         fprintf(stderr, "tandem train: --device: %s\n", tdm_error_message());
         return st == TDM_STATUS_NO_DEVICE ? 1 : 2;
     }
-    if (launched) {
+    if (launched || mpi) {
         /* one rank of a launched job */
         tdm_comm *comm = NULL;
         tdm_ddp_env env;
+        tdm_tool_mpi_rank mr = {0};
         tdm_ddp_pg_opts po = {.timeout_ms = c.timeout_ms};
-        if ((st = tdm_ddp_pg_init(&comm, &env, &po))) {
+        if (mpi) {
+            if ((st = tdm_tool_mpi_rank_init(&mr, backend, c.timeout_ms, NULL))) {
+                fprintf(stderr, "tandem train: joining the MPI job: %s\n", tdm_error_message());
+                return 1;
+            }
+            comm = mr.comm;
+            env = mr.env;
+        } else if ((st = tdm_ddp_pg_init(&comm, &env, &po))) {
             fprintf(stderr, "tandem train: joining the launched job: %s\n", tdm_error_message());
             return 1;
         }
-        if (c.dl.count != 1 && c.dl.count != env.world_size) {
+        /* devices are per machine: one for all, or one per rank on it */
+        int per_machine = mpi ? env.local_world_size : env.world_size;
+        if (c.dl.count != 1 && c.dl.count != per_machine && c.dl.count != env.world_size) {
             fprintf(stderr, "tandem train: rank %d: --device '%s' names %d devices but the job "
-                            "has %d ranks\n", env.rank, a->device, c.dl.count, env.world_size);
+                            "has %d ranks%s\n", env.rank, a->device, c.dl.count, per_machine,
+                    mpi ? " on this machine" : "");
             tdm_comm_abort(comm, "bad --device");
-            tdm_comm_free(comm);
-            return 2;
+            rc = 2;
+            goto launched_done;
         }
         if (c.dl.count == 1) c.dl.index[0] = env.local_rank;
+        else c.dl.index[0] = c.dl.index[env.local_rank % c.dl.count];
+        c.dl.count = 1;
         if (!tdm_train_load_data(a, &c.spec, &train, &test)) {
             tdm_comm_abort(comm, "loading data failed");
-            tdm_comm_free(comm);
-            return 1;
+            rc = 1;
+            goto launched_done;
         }
         c.train = &train;
         c.test = &test;
+        c.job_desc = mpi ? mr.desc : NULL;
         rc = tdm_train_ddp_rank_main(comm, &c);
-        tdm_comm_free(comm);
+launched_done:
+        if (mpi) tdm_tool_mpi_rank_end(&mr, rc);
+        else tdm_comm_free(comm);
         tdm_data_free(&train);
         tdm_data_free(&test);
         return rc;

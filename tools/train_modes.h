@@ -21,6 +21,7 @@ typedef struct tdm_train_args {
     long long threads, epochs, batch, seed, synthetic_size, max_steps, bucket_cap_mb;
     double lr, momentum, weight_decay;
     const char *lr_schedule;  /* "const" or "cosine" */
+    const char *backend;      /* ddp under an MPI launcher: auto|shm|mpi|hier (NULL: auto) */
     const char *timeout;      /* ddp: --timeout SECONDS as given (checked by the ddp mode) */
     int nesterov, no_eval, quiet, no_overlap;
 } tdm_train_args;

@@ -27,6 +27,7 @@
 #include "models/gpt.h"
 #include "models/train_text.h"
 #include "tools/devices.h"
+#include "tools/mpi_job.h"
 #include "tools/train_modes.h"
 
 /* Evaluation windows (at most) and windows per evaluation forward. */
@@ -430,27 +431,56 @@ static int tdm_text_run_ddp(tdm_text_job *j)
         fprintf(stderr, "tandem train: note: --threads applies to --mode single; each DDP rank "
                         "computes on one thread\n");
     int launched = getenv("TANDEM_SHM_FD") && getenv("WORLD_SIZE");
-    if ((st = tdm_tool_parse_devices(&j->dl, a->device, !launched))) {
+    /* an MPI launcher's ranks (tools/mpi_job.h): as train --mode ddp's */
+    int mpi = !launched && tdm_tool_mpi_launched();
+    tdm_mpi_backend backend = TDM_MPI_BACKEND_AUTO;
+    if (a->backend && !tdm_tool_backend_parse("train", a->backend, &backend)) return 2;
+    if (!mpi && backend != TDM_MPI_BACKEND_AUTO && backend != TDM_MPI_BACKEND_SHM) {
+        fprintf(stderr, "tandem train: --backend %s runs between the ranks of an MPI job: start "
+                "them with `mpirun -np N tandem train --mode ddp --backend %s ...`\n",
+                a->backend, a->backend);
+        return 2;
+    }
+    if ((st = tdm_tool_parse_devices(&j->dl, a->device, !launched && !mpi))) {
         fprintf(stderr, "tandem train: --device: %s\n", tdm_error_message());
         return st == TDM_STATUS_NO_DEVICE ? 1 : 2;
     }
-    if (launched) {
+    if (launched || mpi) {
         tdm_comm *comm = NULL;
         tdm_ddp_env env;
-        if ((st = tdm_ddp_pg_init_from_env(&comm, &env))) {
+        tdm_tool_mpi_rank mr = {0};
+        if (mpi) {
+            if ((st = tdm_tool_mpi_rank_init(&mr, backend, 0, NULL))) {
+                fprintf(stderr, "tandem train: joining the MPI job: %s\n", tdm_error_message());
+                return 1;
+            }
+            comm = mr.comm;
+            env = mr.env;
+        } else if ((st = tdm_ddp_pg_init_from_env(&comm, &env))) {
             fprintf(stderr, "tandem train: joining the launched job: %s\n", tdm_error_message());
             return 1;
         }
-        if (j->dl.count != 1 && j->dl.count != env.world_size) {
+        int rc = 2;
+        int per_machine = mpi ? env.local_world_size : env.world_size;
+        if (j->dl.count != 1 && j->dl.count != per_machine && j->dl.count != env.world_size) {
             fprintf(stderr, "tandem train: rank %d: --device '%s' names %d devices but the job "
-                            "has %d ranks\n", env.rank, a->device, j->dl.count, env.world_size);
+                            "has %d ranks%s\n", env.rank, a->device, j->dl.count, per_machine,
+                    mpi ? " on this machine" : "");
             tdm_comm_abort(comm, "bad --device");
-            tdm_comm_free(comm);
-            return 2;
+        } else if (a->batch < env.world_size) {
+            /* every rank sees it: no abort needed, rank 0 says it */
+            if (env.rank == 0)
+                fprintf(stderr, "tandem train: --batch %lld is smaller than the %d ranks: each "
+                        "rank needs at least one window of every global batch\n", a->batch,
+                        env.world_size);
+        } else {
+            if (j->dl.count == 1) j->dl.index[0] = env.local_rank;
+            else j->dl.index[0] = j->dl.index[env.local_rank % j->dl.count];
+            j->dl.count = 1;
+            rc = tdm_text_rank_main(comm, j);
         }
-        if (j->dl.count == 1) j->dl.index[0] = env.local_rank;
-        int rc = tdm_text_rank_main(comm, j);
-        tdm_comm_free(comm);
+        if (mpi) tdm_tool_mpi_rank_end(&mr, rc);
+        else tdm_comm_free(comm);
         return rc;
     }
     if (a->batch < j->dl.count) {

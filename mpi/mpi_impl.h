@@ -1,0 +1,107 @@
+/* mpi/mpi_impl.h: internals shared by the files of mpi/ (the only header
+ * of the project that includes mpi.h): the MPI communicator's state, the
+ * bounded wait on MPI requests, the watchdog that bounds MPI's blocking
+ * set-up calls, and the job abort.
+ * Not a public header: users include mpi/mpi_comm.h. */
+#ifndef TDM_MPI_MPI_IMPL_H
+#define TDM_MPI_MPI_IMPL_H
+
+#include <mpi.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+
+#include "core/comm.h"
+#include "mpi/mpi_comm.h"
+
+#define TDM_MPI_DEFAULT_TIMEOUT_MS 300000
+#define TDM_MPI_DEFAULT_JOIN_TIMEOUT_MS 60000
+#define TDM_MPI_SPIN_NS (50u * 1000)
+#define TDM_MPI_YIELD_NS (2u * 1000 * 1000)
+/* Tag of the joining handshake on MPI_COMM_WORLD (the only traffic
+ * tandem sends there; everything else runs on duplicates). */
+#define TDM_MPI_TAG_JOIN 0x7d41
+
+/* How a rank waits for MPI requests. */
+typedef struct tdm_mpi_waiter {
+    int64_t timeout_ms;
+    int spin;                 /* poll without sleeping for spin_ns first */
+    uint64_t spin_ns;
+    uint64_t yield_ns;        /* then poll and yield for this long, then sleep */
+    const char *(*abort_check)(void *ctx);
+    void *abort_ctx;
+} tdm_mpi_waiter;
+
+typedef struct tdm_mpi_impl {
+    MPI_Comm comm;            /* owned: a duplicate or a split */
+    int rank, size;           /* in comm */
+    tdm_mpi_waiter wait;
+    int spin, spin_async;     /* the policy for synchronous / queued calls */
+    /* Which calls use MPI's non-blocking collectives (the others its
+     * blocking ones; see mpi_comm.c). */
+    enum { TDM_MPI_NB_ASYNC = 0, TDM_MPI_NB_ALL, TDM_MPI_NB_NONE } nb;
+    /* The watchdog of blocking calls: the caller publishes when its call
+     * began (release) after what it is; the watchdog thread, woken every
+     * 50 ms while started, aborts the job past the deadline or when
+     * abort_check fires. */
+    pthread_t wd_thread;
+    pthread_mutex_t wd_mu;
+    pthread_cond_t wd_cv;
+    int wd_started, wd_stop;  /* under wd_mu */
+    _Atomic uint64_t wd_since;            /* ns; 0: no blocking call */
+    _Atomic int wd_coll, wd_dtype;
+    _Atomic size_t wd_count;
+    _Atomic uint64_t wd_seq;
+    uint64_t seq;             /* calls run, for messages */
+    const char *algo;
+    void *scratch;            /* float32 staging of the 16-bit types, in-place copies */
+    size_t scratch_bytes;
+    char what[48];            /* "mpi" or "hier (network part)": names it in messages */
+} tdm_mpi_impl;
+
+/* Options with the environment's defaults filled in. */
+tdm_mpi_opts tdm_mpi_opts_resolve(const tdm_mpi_opts *opts);
+/* Host cores this process may run on (for the spin policy). */
+int tdm_mpi_cores(void);
+
+/* Wraps comm (owned from now on) in a tandem communicator. local_size is
+ * the number of ranks of this job on this machine (spin policy). */
+tdm_status tdm_mpi_comm_wrap(tdm_comm **out, MPI_Comm comm, int local_size,
+                             const tdm_mpi_opts *opts, const char *what);
+/* Ranks of comm on this machine (MPI_COMM_TYPE_SHARED), the split
+ * bounded by join_ms. */
+tdm_status tdm_mpi_local_size(MPI_Comm comm, int64_t join_ms, int *local_size);
+/* The MPI communicator of a tandem communicator made here; MPI_COMM_NULL
+ * when comm is not one. */
+MPI_Comm tdm_mpi_comm_handle(const tdm_comm *comm);
+
+/* Waits until every request has completed (MPI_Testall), spinning then
+ * sleeping as w says. On an MPI error, w's abort_check or the deadline,
+ * aborts the job naming `what`; never returns an error. */
+void tdm_mpi_wait_all(const tdm_mpi_waiter *w, int n, MPI_Request *reqs, MPI_Status *stats,
+                      const char *what);
+
+/* Writes "tandem: rank R of N (host, pid P): MPI job aborted: <reason>"
+ * to stderr, once per process, and ends the job: MPI_Abort when MPI is
+ * initialised, _exit(1) otherwise. Any thread. */
+_Noreturn void tdm_mpi_abort_job(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+
+/* A watchdog for MPI's blocking calls (init, communicator splits,
+ * finalize): if tdm_mpi_guard_end has not been called within ms, aborts
+ * the job naming what. */
+typedef struct tdm_mpi_guard {
+    pthread_t thread;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int done, started;
+    int64_t ms;
+    char what[160];
+} tdm_mpi_guard;
+void tdm_mpi_guard_begin(tdm_mpi_guard *g, int64_t ms, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+void tdm_mpi_guard_end(tdm_mpi_guard *g);
+
+/* "MPI_ERR_TRUNCATE: message truncated" for an MPI error code. */
+void tdm_mpi_error_string(int rc, char *out, size_t n);
+
+#endif

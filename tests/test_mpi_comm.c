@@ -1,0 +1,582 @@
+/* tests/test_mpi_comm.c: the MPI communicator (mpi/) under mpirun:
+ * every collective x op x dtype against the shm tests' reference for 1..8
+ * ranks, sizes around MPI's protocol boundaries, in place and out of
+ * place, over MPI's shared-memory transport and over TCP on loopback;
+ * asynchronous calls in order; send/recv; the thread-level check; and the
+ * failures: a rank that never joins, a collective a rank never calls, an
+ * abort, a rank killed with SIGKILL (named, mpirun non-zero, nothing
+ * left). Each test is one mpirun (start-up costs ~1 s); the cases run
+ * inside the ranks (workers, see tests/mpi_test_util.h). */
+#include <criterion/criterion.h>
+#include <dirent.h>
+#include <limits.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "core/comm.h"
+#include "mpi/job.h"
+#include "mpi/mpi_comm.h"
+#include "shm/shm_comm.h"
+#include "tests/mpi_test_util.h"
+#include "tests/shm_test_util.h"
+
+__attribute__((weak)) tdm_status tdm_mpi_init(void);
+__attribute__((weak)) void tdm_mpi_abort(const char *reason);
+__attribute__((weak)) uint64_t tdm_mpi_job_segment_id(const tdm_mpi_job *job);
+__attribute__((weak)) tdm_status tdm_mpi_job_init(tdm_mpi_job **out, const tdm_mpi_opts *opts);
+__attribute__((weak)) void tdm_mpi_job_free(tdm_mpi_job *job);
+__attribute__((weak)) const tdm_mpi_topo *tdm_mpi_job_topo(const tdm_mpi_job *job);
+__attribute__((weak)) tdm_status tdm_mpi_job_comm(tdm_mpi_job *job, tdm_mpi_backend b,
+                                                  const struct tdm_shm_opts *shm_opts,
+                                                  tdm_comm **out);
+__attribute__((weak)) tdm_status tdm_mpi_peer_run(tdm_comm *comm, const tdm_comm_call *call);
+
+/* --- workers (run inside the ranks) ------------------------------------------- */
+
+static int w_fail(tdm_comm *comm, const char *what, tdm_status st)
+{
+    fprintf(stderr, "rank %d: %s: %s: %s\n", comm ? tdm_comm_rank(comm) : -1, what,
+            tdm_status_name(st), tdm_error_message());
+    return 1;
+}
+
+/* The shm segments of shm and hier get small staging slots and one-shot
+ * limit, as the shm tests do, so that every chunk boundary is crossed. */
+#define W_SLOT (16 * 1024)
+#define W_ONE_SHOT 2048
+
+/* Sizes (elements): small ones, primes, each side of MPI's protocol
+ * boundaries (shared memory's 4 KiB eager limit, TCP's 64 KiB), of shm's
+ * chunk boundaries (one-shot limit, slot, three slots and a bit), and of
+ * a multiple of the ranks (of those on a machine too, when machines are
+ * alike: hier's shards and their tail). */
+static size_t w_sizes(size_t es, int world, size_t *out)
+{
+    static const size_t fixed[] = {0, 1, 2, 3, 13, 61, 127, 1021};
+    size_t n = 0;
+    for (size_t i = 0; i < sizeof fixed / sizeof fixed[0]; i++) out[n++] = fixed[i];
+    const size_t marks[] = {4096 / es, 65536 / es, W_ONE_SHOT / es, W_SLOT / es,
+                            (size_t)world * 1000};
+    for (size_t i = 0; i < sizeof marks / sizeof marks[0]; i++) {
+        out[n++] = marks[i] - 1;
+        out[n++] = marks[i] + 1;
+    }
+    out[n++] = 3 * (W_SLOT / es) + 17;
+    return n;
+}
+
+/* Every collective x dtype x op (reductions) x size x in place, roots 0
+ * and size-1, on comm; returns the number of cases or -1. */
+static long w_matrix_on(tdm_comm *comm)
+{
+    static const tdm_coll colls[] = {TDM_COLL_ALL_REDUCE, TDM_COLL_REDUCE,
+                                     TDM_COLL_REDUCE_SCATTER, TDM_COLL_ALL_GATHER,
+                                     TDM_COLL_GATHER, TDM_COLL_SCATTER, TDM_COLL_BROADCAST};
+    int w = tdm_comm_size(comm);
+    long cases = 0;
+    for (size_t ci = 0; ci < sizeof colls / sizeof colls[0]; ci++) {
+        tdm_coll coll = colls[ci];
+        int reduces = coll == TDM_COLL_ALL_REDUCE || coll == TDM_COLL_REDUCE ||
+                      coll == TDM_COLL_REDUCE_SCATTER;
+        int rooted = coll == TDM_COLL_REDUCE || coll == TDM_COLL_GATHER ||
+                     coll == TDM_COLL_SCATTER || coll == TDM_COLL_BROADCAST;
+        for (int dt = 0; dt < TDM_DTYPE_COUNT_; dt++) {
+            size_t sizes[32];
+            size_t ns = w_sizes(tdm_dtype_size((tdm_dtype)dt), w, sizes);
+            for (int op = 0; op < (reduces ? TDM_REDOP_COUNT_ : 1); op++)
+                for (size_t s = 0; s < ns; s++)
+                    for (int inplace = 0; inplace < 2; inplace++)
+                        for (int root = 0; root < w; root += w > 1 ? w - 1 : 1) {
+                            shm_t_case k = {.coll = coll, .dtype = (tdm_dtype)dt,
+                                            .op = (tdm_redop)op, .count = sizes[s],
+                                            .root = root, .inplace = inplace,
+                                            .salt = (unsigned)(s * 3 + op)};
+                            if (shm_t_run_case(comm, &k)) return -1;
+                            cases++;
+                            if (!rooted) break;
+                        }
+        }
+    }
+    return cases;
+}
+
+static tdm_mpi_backend w_backend(const char *s)
+{
+    return !strcmp(s, "shm") ? TDM_MPI_BACKEND_SHM : !strcmp(s, "hier") ? TDM_MPI_BACKEND_HIER
+                                                                        : TDM_MPI_BACKEND_MPI;
+}
+
+/* argv: backends. The job's machines follow TANDEM_PRETEND_MACHINES. */
+static int w_matrix(int argc, char **argv)
+{
+    tdm_mpi_job *job = NULL;
+    tdm_status st = tdm_mpi_job_init(&job, NULL);
+    if (st) return w_fail(NULL, "tdm_mpi_job_init", st);
+    const tdm_mpi_topo *t = tdm_mpi_job_topo(job);
+    for (int i = 0; i < argc; i++) {
+        tdm_shm_opts so = {.slot_bytes = W_SLOT, .one_shot_max_bytes = W_ONE_SHOT,
+                           .timeout_ms = 60000};
+        tdm_comm *comm = NULL;
+        if ((st = tdm_mpi_job_comm(job, w_backend(argv[i]), &so, &comm)))
+            return w_fail(NULL, argv[i], st);
+        /* the segment's name is gone once every local rank has attached,
+         * which the first collective needs */
+        if ((st = tdm_comm_barrier(comm))) return w_fail(comm, argv[i], st);
+        if (tdm_mpi_job_segment_id(job)) {
+            char id[32];
+            snprintf(id, sizeof id, "%016llx", (unsigned long long)tdm_mpi_job_segment_id(job));
+            DIR *d = opendir("/dev/shm");
+            for (struct dirent *e; d && (e = readdir(d));)
+                if (strstr(e->d_name, id)) {
+                    fprintf(stderr, "rank %d: /dev/shm/%s is still there\n", t->rank, e->d_name);
+                    return 1;
+                }
+            if (d) closedir(d);
+        }
+        long cases = w_matrix_on(comm);
+        if (cases < 0) return 1;
+        /* the all-reduce's algorithm, at a size with shards and a tail */
+        static float v[2003];
+        if ((st = tdm_comm_all_reduce(comm, v, v, 2003, TDM_DTYPE_FLOAT32, TDM_REDOP_SUM)))
+            return w_fail(comm, argv[i], st);
+        if (t->rank == 0)
+            printf("matrix %s ok: %ld cases on %d ranks, %d machine%s (all_reduce: %s)\n",
+                   argv[i], cases, t->size, t->n_machines, t->n_machines == 1 ? "" : "s",
+                   tdm_comm_last_algo(comm));
+        tdm_comm_free(comm);
+    }
+    tdm_mpi_job_free(job);
+    return 0;
+}
+
+/* Queued calls complete in issue order, a synchronous call queues behind
+ * them, and the results are right (values depend on the call's index). */
+static int w_async(int argc, char **argv)
+{
+    (void)argc;
+    (void)argv;
+    tdm_comm *comm = NULL;
+    tdm_status st = tdm_comm_init_mpi(&comm, NULL);
+    if (st) return w_fail(NULL, "tdm_comm_init_mpi", st);
+    int r = tdm_comm_rank(comm), w = tdm_comm_size(comm);
+    enum { NW = 12, N = 5000 };
+    static float buf[NW][N];
+    tdm_comm_work *work[NW];
+    int bad = 0;
+    for (int round = 0; round < 3 && !bad; round++) {
+        for (int i = 0; i < NW; i++) {
+            for (int j = 0; j < N; j++) buf[i][j] = (float)(i + r + j % 7);
+            st = tdm_comm_all_reduce_async(comm, buf[i], buf[i], N, TDM_DTYPE_FLOAT32,
+                                           TDM_REDOP_SUM, &work[i]);
+            if (st) return w_fail(comm, "all_reduce_async", st);
+        }
+        int64_t one = r + 1, sum = 0;
+        /* synchronous, behind the queue */
+        st = tdm_comm_all_reduce(comm, &one, &sum, 1, TDM_DTYPE_INT64, TDM_REDOP_SUM);
+        if (st) return w_fail(comm, "all_reduce behind the queue", st);
+        bad |= sum != (int64_t)w * (w + 1) / 2;
+        for (int i = NW - 1; i >= 0; i--) {
+            int done = 0;
+            st = tdm_comm_work_wait(work[i], 60000);
+            if (st) return w_fail(comm, "work_wait", st);
+            tdm_comm_work_test(work[i], &done);
+            bad |= !done;
+            tdm_comm_work_free(work[i]);
+            for (int j = 0; j < N && !bad; j++) {
+                float want = (float)(w * (i + j % 7) + w * (w - 1) / 2);
+                if (buf[i][j] != want) {
+                    fprintf(stderr, "rank %d: async %d element %d: %g, expected %g\n", r, i, j,
+                            buf[i][j], want);
+                    bad = 1;
+                }
+            }
+        }
+    }
+    tdm_comm_work *b = NULL;
+    st = tdm_comm_barrier_async(comm, &b);
+    if (st == TDM_STATUS_OK) st = tdm_comm_work_wait(b, 60000);
+    tdm_comm_work_free(b);
+    if (st) return w_fail(comm, "barrier_async", st);
+    tdm_comm_free(comm);
+    tdm_mpi_finalize();
+    if (!bad && r == 0) printf("async ok\n");
+    return bad;
+}
+
+/* A ring of sends and receives of several sizes, then a receive that
+ * expects more than was sent: MISMATCH, and the communicator goes on. */
+static int w_p2p(int argc, char **argv)
+{
+    (void)argc;
+    (void)argv;
+    tdm_comm *comm = NULL;
+    tdm_status st = tdm_comm_init_mpi(&comm, NULL);
+    if (st) return w_fail(NULL, "tdm_comm_init_mpi", st);
+    int r = tdm_comm_rank(comm), w = tdm_comm_size(comm);
+    int next = (r + 1) % w, prev = (r + w - 1) % w;
+    static const size_t sizes[] = {1, 1000, 16383, 16385, 300000};
+    int bad = 0;
+    for (size_t s = 0; s < sizeof sizes / sizeof sizes[0] && !bad; s++) {
+        size_t n = sizes[s];
+        int32_t *out = malloc(n * 4), *in = malloc(n * 4);
+        for (size_t i = 0; i < n; i++) out[i] = (int32_t)(r * 1000003 + i);
+        /* even ranks send first: no deadlock for any w */
+        for (int phase = 0; phase < 2 && !st; phase++) {
+            if ((r % 2) == phase) st = tdm_comm_send(comm, out, n, TDM_DTYPE_INT32, next);
+            else st = tdm_comm_recv(comm, in, n, TDM_DTYPE_INT32, prev);
+        }
+        if (st) return w_fail(comm, "send/recv", st);
+        for (size_t i = 0; i < n && !bad; i++)
+            if (in[i] != (int32_t)(prev * 1000003 + i)) {
+                fprintf(stderr, "rank %d: recv of %zu from %d: element %zu is %d\n", r, n, prev,
+                        i, in[i]);
+                bad = 1;
+            }
+        free(out);
+        free(in);
+    }
+    if (w >= 2 && r < 2) {
+        int32_t x[4] = {1, 2, 3, 4};
+        if (r == 0) {
+            st = tdm_comm_send(comm, x, 2, TDM_DTYPE_INT32, 1);
+            if (st) return w_fail(comm, "short send", st);
+        } else {
+            st = tdm_comm_recv(comm, x, 4, TDM_DTYPE_INT32, 0);
+            if (st != TDM_STATUS_MISMATCH || !strstr(tdm_error_message(), "expected 4") ||
+                !strstr(tdm_error_message(), "sent 2")) {
+                fprintf(stderr, "rank 1: a short message gave %s: %s\n", tdm_status_name(st),
+                        tdm_error_message());
+                bad = 1;
+            }
+        }
+    }
+    /* still usable */
+    st = tdm_comm_barrier(comm);
+    if (st) return w_fail(comm, "barrier after the mismatch", st);
+    tdm_comm_free(comm);
+    tdm_mpi_finalize();
+    if (!bad && r == 0) printf("p2p ok\n");
+    return bad;
+}
+
+/* Refusals that need no traffic, and the benchmark's peer (MPI's blocking
+ * collectives) against the same reference. */
+static int w_checks(int argc, char **argv)
+{
+    (void)argc;
+    (void)argv;
+    tdm_comm *comm = NULL;
+    tdm_status st = tdm_comm_init_mpi(&comm, NULL);
+    if (st) return w_fail(NULL, "tdm_comm_init_mpi", st);
+    int r = tdm_comm_rank(comm), w = tdm_comm_size(comm), bad = 0;
+    float x = 1;
+    st = tdm_comm_all_reduce(comm, &x, &x, (size_t)INT_MAX + 1, TDM_DTYPE_FLOAT32, TDM_REDOP_SUM);
+    if (st != TDM_STATUS_UNSUPPORTED || !strstr(tdm_error_message(), "2147483647")) {
+        fprintf(stderr, "rank %d: count > INT_MAX gave %s: %s\n", r, tdm_status_name(st),
+                tdm_error_message());
+        bad = 1;
+    }
+    if (strcmp(tdm_comm_backend_name(comm), "mpi")) bad = 1;
+    enum { N = 3000 };
+    static float a[N], b[N];
+    for (int i = 0; i < N; i++) a[i] = (float)(r + i % 5);
+    tdm_comm_call k = {.coll = TDM_COLL_ALL_REDUCE, .sendbuf = a, .recvbuf = b, .count = N,
+                       .dtype = TDM_DTYPE_FLOAT32, .op = TDM_REDOP_AVG, .root = -1};
+    st = tdm_comm_all_reduce(comm, a, b, N, TDM_DTYPE_FLOAT32, TDM_REDOP_SUM);
+    if (st) return w_fail(comm, "all_reduce", st);
+    st = tdm_mpi_peer_run(comm, &k);
+    if (st) return w_fail(comm, "peer all_reduce", st);
+    for (int i = 0; i < N && !bad; i++)
+        if (b[i] != (float)(w * (i % 5) + w * (w - 1) / 2) / (float)w) {
+            fprintf(stderr, "rank %d: peer avg element %d: %g\n", r, i, b[i]);
+            bad = 1;
+        }
+    k.dtype = TDM_DTYPE_BFLOAT16;
+    st = tdm_mpi_peer_run(comm, &k);
+    if (st != TDM_STATUS_UNSUPPORTED) bad = 1;
+    if (r == 0 && !bad) printf("checks ok (last algorithm %s)\n", tdm_comm_last_algo(comm));
+    tdm_comm_free(comm);
+    tdm_mpi_finalize();
+    return bad;
+}
+
+/* TANDEM_MPI_THREAD_LEVEL=serialized: MPI grants that, and the check
+ * refuses it with a message that names both levels. */
+static int w_thread_level(int argc, char **argv)
+{
+    (void)argc;
+    (void)argv;
+    tdm_comm *comm = NULL;
+    tdm_status st = tdm_comm_init_mpi(&comm, NULL);
+    if (st == TDM_STATUS_OK) {
+        fprintf(stderr, "tdm_comm_init_mpi accepted MPI_THREAD_SERIALIZED\n");
+        tdm_comm_free(comm);
+        return 1;
+    }
+    printf("refused: %s: %s\n", tdm_status_name(st), tdm_error_message());
+    tdm_mpi_finalize();
+    return 0;
+}
+
+static int w_env_rank(void)
+{
+    const char *e = getenv("OMPI_COMM_WORLD_RANK");
+    return e ? atoi(e) : -1;
+}
+
+/* Rank 1 initialises MPI but never joins the communicator. */
+static int w_no_join(int argc, char **argv)
+{
+    (void)argc;
+    (void)argv;
+    if (w_env_rank() == 1) {
+        tdm_mpi_init();
+        sleep(120);
+        return 0;
+    }
+    tdm_comm *comm = NULL;
+    tdm_comm_init_mpi(&comm, NULL);
+    fprintf(stderr, "rank %d: joined without rank 1\n", w_env_rank());
+    return 0;
+}
+
+/* argv[0]: "skip" (rank 1 never calls the third all_reduce), "abort"
+ * (rank 1 aborts there), "kill" (rank 2 SIGKILLs itself there); argv[1]:
+ * the backend (mpi by default; shm and hier through the job). A rank whose
+ * call fails says why and ends the job, as tandem's commands do. */
+static int w_fail_job(int argc, char **argv)
+{
+    const char *mode = argc > 0 ? argv[0] : "skip";
+    const char *backend = argc > 1 ? argv[1] : "mpi";
+    tdm_comm *comm = NULL;
+    tdm_mpi_job *job = NULL;
+    tdm_status st;
+    if (!strcmp(backend, "mpi")) {
+        st = tdm_comm_init_mpi(&comm, NULL);
+    } else {
+        st = tdm_mpi_job_init(&job, NULL);
+        if (st == TDM_STATUS_OK) st = tdm_mpi_job_comm(job, w_backend(backend), NULL, &comm);
+    }
+    if (st) return w_fail(NULL, "set-up", st);
+    int r = tdm_comm_rank(comm);
+    float v[1000] = {0};
+    for (int i = 0; i < 1000000; i++) {
+        if (i == 2 && r == 1 && !strcmp(mode, "skip")) sleep(120);
+        if (i == 2 && r == 1 && !strcmp(mode, "abort"))
+            tdm_comm_abort(comm, "rank 1 found bad input");
+        if (i == 2 && r == 2 && !strcmp(mode, "kill")) raise(SIGKILL);
+        st = tdm_comm_all_reduce(comm, v, v, 1000, TDM_DTYPE_FLOAT32, TDM_REDOP_SUM);
+        if (st) {
+            char why[1200];
+            snprintf(why, sizeof why, "rank %d: all_reduce: %s", r, tdm_error_message());
+            tdm_mpi_abort(why);
+        }
+    }
+    return 0;
+}
+
+/* Local rank 1 starts the job but never joins its shared segment. */
+static int w_no_attach(int argc, char **argv)
+{
+    (void)argc;
+    (void)argv;
+    tdm_mpi_job *job = NULL;
+    tdm_status st = tdm_mpi_job_init(&job, NULL);
+    if (st) return w_fail(NULL, "tdm_mpi_job_init", st);
+    if (tdm_mpi_job_topo(job)->rank == 1) {
+        sleep(120);
+        return 0;
+    }
+    tdm_comm *comm = NULL;
+    st = tdm_mpi_job_comm(job, TDM_MPI_BACKEND_SHM, NULL, &comm);
+    /* the first collective waits for rank 1 (as a tool's would) */
+    if (st == TDM_STATUS_OK) st = tdm_comm_barrier(comm);
+    fprintf(stderr, "rank %d: went on without rank 1 (%s)\n", tdm_mpi_job_topo(job)->rank,
+            tdm_status_name(st));
+    return 0;
+}
+
+static const mpi_t_worker workers[] = {
+    {"matrix", w_matrix},       {"async", w_async},           {"p2p", w_p2p},
+    {"checks", w_checks},       {"thread_level", w_thread_level},
+    {"no_join", w_no_join},     {"fail_job", w_fail_job},     {"no_attach", w_no_attach},
+};
+MPI_T_WORKERS(workers)
+
+/* --- tests ------------------------------------------------------------------ */
+
+static cli_result res;
+
+/* One mpirun per world size: the MPI communicator and the hierarchical
+ * one on K pretend machines (MPI over TCP on lo between them; uneven
+ * machines where K does not divide N), and shm and hier on one machine
+ * (hier is then shm's all-reduce). Odd sizes run every MPI call through
+ * MPI's non-blocking collectives (TANDEM_MPI_NB=all), even ones through
+ * its blocking ones (synchronous calls, the default). */
+static void matrix(int np, int machines, const char *const *backends, const char *algo)
+{
+    MPI_T_NEED();
+    char pretend[64];
+    snprintf(pretend, sizeof pretend, "%s=%d", TDM_MPI_ENV_PRETEND, machines);
+    const char *env[] = {pretend, np % 2 ? "TANDEM_MPI_NB=all" : NULL, NULL};
+    mpi_t_job j = {.np = np, .worker = "matrix", .args = backends, .env = env,
+                   .tcp = machines > 1, .timeout_s = 300};
+    mpi_t_run(&res, &j);
+    for (int i = 0; backends[i]; i++) {
+        char want[160];
+        snprintf(want, sizeof want, "matrix %s ok", backends[i]);
+        expect(&res, 0, want);
+        snprintf(want, sizeof want, "on %d ranks, %d machine%s", np, machines,
+                 machines == 1 ? "" : "s");
+        expect(&res, 0, want);
+    }
+    if (algo) expect(&res, 0, algo);
+}
+
+static const char *const b_mpi_hier[] = {"mpi", "hier", NULL};
+static const char *const b_hier[] = {"hier", NULL};
+static const char *const b_all[] = {"shm", "mpi", "hier", NULL};
+static const char *const b_shm_hier[] = {"shm", "hier", NULL};
+
+Test(mpi_comm, matrix_1, .timeout = 400) { matrix(1, 1, b_all, "hier ok"); }
+Test(mpi_comm, matrix_2_as_2x1, .timeout = 400)
+{
+    matrix(2, 2, b_mpi_hier, "(all_reduce: shm-rs/MPI_Allreduce/shm-ag)");
+}
+Test(mpi_comm, matrix_3_as_2_plus_1, .timeout = 400)
+{
+    matrix(3, 2, b_mpi_hier, "(all_reduce: shm-reduce/MPI_Iallreduce/shm-bcast)");
+}
+Test(mpi_comm, matrix_4_as_2x2, .timeout = 400)
+{
+    matrix(4, 2, b_mpi_hier, "(all_reduce: shm-rs/MPI_Allreduce/shm-ag)");
+}
+Test(mpi_comm, matrix_5_as_3_plus_2, .timeout = 400) { matrix(5, 2, b_hier, "shm-reduce/"); }
+Test(mpi_comm, matrix_6_as_3x2, .timeout = 400) { matrix(6, 3, b_mpi_hier, "shm-rs/"); }
+Test(mpi_comm, matrix_7_one_machine, .timeout = 400) { matrix(7, 1, b_shm_hier, "(all_reduce: shm:"); }
+Test(mpi_comm, matrix_8_as_4x2, .timeout = 400) { matrix(8, 4, b_mpi_hier, "shm-rs/"); }
+
+Test(mpi_comm, async_in_order, .timeout = 120)
+{
+    MPI_T_NEED();
+    mpi_t_job j = {.np = 3, .worker = "async"};
+    mpi_t_run(&res, &j);
+    expect(&res, 0, "async ok");
+}
+
+Test(mpi_comm, send_recv, .timeout = 120)
+{
+    MPI_T_NEED();
+    mpi_t_job j = {.np = 3, .worker = "p2p", .tcp = 1};
+    mpi_t_run(&res, &j);
+    expect(&res, 0, "p2p ok");
+}
+
+Test(mpi_comm, checks_and_peer, .timeout = 120)
+{
+    MPI_T_NEED();
+    mpi_t_job j = {.np = 3, .worker = "checks"};
+    mpi_t_run(&res, &j);
+    expect(&res, 0, "checks ok (last algorithm MPI_Allreduce)");
+}
+
+Test(mpi_comm, thread_level_checked, .timeout = 120)
+{
+    MPI_T_NEED();
+    const char *env[] = {"TANDEM_MPI_THREAD_LEVEL=serialized", NULL};
+    mpi_t_job j = {.np = 1, .worker = "thread_level", .env = env};
+    mpi_t_run(&res, &j);
+    expect(&res, 0, "provides MPI_THREAD_SERIALIZED, but tandem's MPI communicator needs "
+                    "MPI_THREAD_MULTIPLE");
+}
+
+Test(mpi_comm, rank_that_never_joins_is_named, .timeout = 120)
+{
+    MPI_T_NEED();
+    const char *env[] = {"TANDEM_MPI_JOIN_TIMEOUT_MS=1500", NULL};
+    mpi_t_job j = {.np = 3, .worker = "no_join", .env = env, .timeout_s = 60};
+    mpi_t_run(&res, &j);
+    cr_assert_neq(res.code, 0, "mpirun exited 0:\n%s", res.out);
+    cr_assert(strstr(res.out, "rank 1 of 3 did not join within 1500 ms"), "%s", res.out);
+    cr_assert(!strstr(res.out, "joined without rank 1"), "%s", res.out);
+}
+
+Test(mpi_comm, collective_never_called_times_out, .timeout = 120)
+{
+    MPI_T_NEED();
+    const char *env[] = {"TANDEM_MPI_TIMEOUT_MS=1500", NULL};
+    const char *args[] = {"skip", NULL};
+    mpi_t_job j = {.np = 3, .worker = "fail_job", .env = env, .args = args, .timeout_s = 60};
+    mpi_t_run(&res, &j);
+    cr_assert_neq(res.code, 0, "mpirun exited 0:\n%s", res.out);
+    cr_assert(strstr(res.out, "MPI job aborted: mpi: all_reduce #3 (float32, count=1000) on rank"),
+              "%s", res.out);
+    cr_assert(strstr(res.out, "did not complete within 1500 ms"), "%s", res.out);
+}
+
+Test(mpi_comm, abort_ends_the_job_with_the_reason, .timeout = 120)
+{
+    MPI_T_NEED();
+    const char *args[] = {"abort", NULL};
+    mpi_t_job j = {.np = 3, .worker = "fail_job", .args = args, .timeout_s = 60};
+    mpi_t_run(&res, &j);
+    cr_assert_neq(res.code, 0, "mpirun exited 0:\n%s", res.out);
+    cr_assert(strstr(res.out, "rank 1 of 3"), "%s", res.out);
+    cr_assert(strstr(res.out, "aborted on rank 1: rank 1 found bad input"), "%s", res.out);
+}
+
+/* shm and hier: the others learn of the death through the segment (or
+ * mpirun first), say who died, and the job ends; nothing is left */
+static void sigkill(int np, const char *backend, int machines, const char *named)
+{
+    MPI_T_NEED();
+    int shm_before = cli_shm_entries();
+    char pretend[64];
+    snprintf(pretend, sizeof pretend, "%s=%d", TDM_MPI_ENV_PRETEND, machines);
+    const char *env[] = {pretend, NULL};
+    const char *args[] = {"kill", backend, NULL};
+    mpi_t_job j = {.np = np, .worker = "fail_job", .args = args, .env = env,
+                   .tcp = machines > 1, .timeout_s = 60};
+    mpi_t_run(&res, &j);
+    cr_assert_neq(res.code, 0, "mpirun exited 0:\n%s", res.out);
+    /* tandem's report (from the segment) or mpirun's, whichever came first */
+    cr_assert((strstr(res.out, named) && strstr(res.out, "was killed by signal 9 (Killed)")) ||
+                  strstr(res.out, "process rank 2 with PID"), "%s", res.out);
+    cr_assert_eq(cli_shm_entries(), shm_before, "a /dev/shm entry was left behind");
+}
+
+Test(mpi_comm, sigkill_under_shm_is_named, .timeout = 120) { sigkill(3, "shm", 1, "rank 2 (pid"); }
+/* rank 2 is the second machine's shm rank 0: the report says both */
+Test(mpi_comm, sigkill_under_hier_is_named, .timeout = 120)
+{
+    sigkill(4, "hier", 2, "are the job's ranks 2, 3");
+}
+
+Test(mpi_comm, rank_that_never_attaches_is_named, .timeout = 120)
+{
+    MPI_T_NEED();
+    int shm_before = cli_shm_entries();
+    const char *env[] = {"TANDEM_MPI_JOIN_TIMEOUT_MS=2000", NULL};
+    mpi_t_job j = {.np = 3, .worker = "no_attach", .env = env, .timeout_s = 60};
+    mpi_t_run(&res, &j);
+    cr_assert_neq(res.code, 0, "mpirun exited 0:\n%s", res.out);
+    cr_assert(strstr(res.out, "rank 1 (local rank 1) did not attach to this machine's shared "
+                              "segment within 2000 ms"), "%s", res.out);
+    cr_assert_eq(cli_shm_entries(), shm_before, "the segment's name was left behind");
+}
+
+Test(mpi_comm, sigkill_of_a_rank_is_named, .timeout = 120)
+{
+    MPI_T_NEED();
+    int shm_before = cli_shm_entries();
+    const char *args[] = {"kill", NULL};
+    mpi_t_job j = {.np = 4, .worker = "fail_job", .args = args, .tcp = 1, .timeout_s = 60};
+    mpi_t_run(&res, &j);
+    cr_assert_neq(res.code, 0, "mpirun exited 0:\n%s", res.out);
+    /* mpirun's own report names the rank and the signal */
+    cr_assert(strstr(res.out, "rank 2") && strstr(res.out, "signal 9"), "%s", res.out);
+    cr_assert_eq(cli_shm_entries(), shm_before, "a /dev/shm entry was left behind");
+}
