@@ -2,8 +2,8 @@
  * collectives, argument checks, and the per-communicator progress thread
  * that runs asynchronous calls in issue order.
  * It knows nothing of shared memory or NCCL: backends plug in through
- * tdm_comm_ops (core/comm.h). */
-#include "core/comm.h"
+ * tdm_comm_ops (core/comm_impl.h). */
+#include "core/comm_impl.h"
 
 #include <errno.h>
 #include <pthread.h>

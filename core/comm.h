@@ -23,11 +23,13 @@
  *   communicator); tdm_comm_abort and the work functions may be called
  *   from any thread.
  *
- * This file is the interface and its argument checks; it is not a
- * backend. Backends (shm/ for host processes, cuda/ for NCCL) fill a
- * tdm_comm_ops with designated initializers and call tdm_comm_create().
- * Asynchronous calls run on one progress thread per communicator, created
- * on the first asynchronous call, in issue order. */
+ * This file is the interface as callers see it (ddp/, tools/, tests/): a
+ * communicator is opaque and made by a backend's constructor
+ * (tdm_comm_init_shm in shm/shm_comm.h, tdm_comm_init_nccl in
+ * cuda/cuda.h). The backend side, the table a backend fills and
+ * tdm_comm_create, is core/comm_impl.h. Asynchronous calls run on one
+ * progress thread per communicator, created on the first asynchronous
+ * call, in issue order. */
 #ifndef TDM_CORE_COMM_H
 #define TDM_CORE_COMM_H
 
@@ -118,44 +120,6 @@ typedef struct tdm_comm_call {
      * it. Ignored on input. */
     void *token;
 } tdm_comm_call;
-
-/* What a backend implements. `run` executes one validated call
- * synchronously on the calling thread; the dispatcher guarantees that at
- * most one thread calls `run` on a communicator at a time. */
-typedef struct tdm_comm_ops {
-    const char *name;                                   /* "shm", "nccl" */
-    tdm_status (*run)(void *impl, const tdm_comm_call *call);
-    /* Raise the group abort flag: this rank's pending and later calls,
-     * and every other rank's, fail. Must be safe from any thread, while
-     * `run` is blocked in a wait. */
-    tdm_status (*abort)(void *impl, const char *reason);
-    /* Optional: name of the algorithm the last call used ("one-shot",
-     * "rs-ag", "rs-ag-zero-copy", "ring", ...). NULL: "default". */
-    const char *(*last_algo)(void *impl);
-    /* Optional: memory the backend can reduce in without copying (shm:
-     * symmetric buffers inside the segment; NCCL: device memory). NULL:
-     * TDM_STATUS_UNSUPPORTED. */
-    tdm_status (*alloc)(void *impl, size_t nbytes, void **ptr);
-    /* Releases impl. Called once, after the progress thread has drained. */
-    void (*destroy)(void *impl);
-    /* Optional: called on the issuing thread when a call is queued for the
-     * progress thread, before the issuer goes on, so the backend can note
-     * where the issuer is now (NCCL: an event on the compute stream, so
-     * that the collective waits for the work issued before it and not for
-     * what the issuer enqueues after). May set call->token; every queued
-     * call then reaches `run`, which must release it. An error fails the
-     * submission. */
-    tdm_status (*prepare)(void *impl, tdm_comm_call *call);
-    /* 1 when `run` handles TDM_DTYPE_BFLOAT16 and TDM_DTYPE_FLOAT16; left 0,
-     * the dispatcher refuses them (TDM_STATUS_UNSUPPORTED) before `run`. */
-    int half_types;
-} tdm_comm_ops;
-
-/* For backends: wrap impl (owned from now on: destroyed by
- * tdm_comm_free, or here on failure) into a communicator. */
-tdm_status tdm_comm_create(tdm_comm **out, const tdm_comm_ops *ops,
-                           void *impl, int rank, int size);
-void *tdm_comm_impl(const tdm_comm *comm);
 
 /* Waits for pending asynchronous calls (each bounded by the backend's
  * timeout), stops the progress thread and releases the backend.

@@ -1,8 +1,8 @@
-/* core/device.c: opening devices, parsing device lists, and the
- * dispatchers that validate arguments before calling a backend (gemm's
- * leading dimensions, cross-device copies). Backends live elsewhere:
- * core/device_host.c and cuda/. */
-#include "core/device.h"
+/* core/device.c: opening and freeing devices, their names, parsing device
+ * lists, the scratch buffer, the CUDA backend's registration and the
+ * device groups it provides. The tdm_dev_* dispatchers over the ops table
+ * are core/device_ops.c; the backends are core/device_host.c and cuda/. */
+#include "core/device_impl.h"
 
 #include <ctype.h>
 #include <errno.h>
@@ -12,8 +12,6 @@
 #include <unistd.h>
 
 #include "core/log.h"
-
-tdm_status tdm_device_host_open(tdm_device **out, int index, int threads);
 
 /* Set by the CUDA backend's constructor when it is linked in. */
 const tdm_device_cuda_hooks *tdm_device_cuda = NULL;
@@ -36,6 +34,15 @@ static tdm_status tdm_device_cuda_missing(void)
                          "(nvcc was not found when it was built); use --device cpu:N");
 }
 
+int tdm_device_cuda_linked(void) { return tdm_device_cuda != NULL; }
+
+tdm_status tdm_device_cuda_count(int *n)
+{
+    *n = 0;
+    if (!tdm_device_cuda) return tdm_device_cuda_missing();
+    return tdm_device_cuda->count(n);
+}
+
 tdm_status tdm_device_open(tdm_device **out, const char *kind, int index, int threads)
 {
     *out = NULL;
@@ -52,6 +59,11 @@ tdm_status tdm_device_open(tdm_device **out, const char *kind, int index, int th
     TDM_INFO(DEVICE, "opened %s (threads %d)", (*out)->name, (*out)->threads);
     return TDM_STATUS_OK;
 }
+
+const char *tdm_dev_name(const tdm_device *d) { return d->name; }
+tdm_device_kind tdm_dev_kind(const tdm_device *d) { return d->kind; }
+int tdm_dev_index(const tdm_device *d) { return d->index; }
+int tdm_dev_threads(const tdm_device *d) { return d->threads; }
 
 void tdm_device_free(tdm_device *d)
 {
@@ -165,39 +177,6 @@ tdm_status tdm_dev_scratch(tdm_device *d, size_t nbytes, void **out)
     return TDM_STATUS_OK;
 }
 
-tdm_status tdm_dev_alloc_zero(tdm_device *d, size_t nbytes, void **out)
-{
-    TDM_CHECK(d->ops->alloc(d, nbytes, out));
-    tdm_status st = d->ops->memset_zero(d, *out, nbytes);
-    if (st != TDM_STATUS_OK) {
-        d->ops->free(d, *out);
-        *out = NULL;
-    }
-    return st;
-}
-
-tdm_status tdm_dev_copy_between(tdm_device *dst_dev, void *dst, tdm_device *src_dev,
-                                const void *src, size_t nbytes)
-{
-    if (nbytes == 0) return TDM_STATUS_OK;
-    if (dst_dev->kind == TDM_DEVICE_HOST && src_dev->kind == TDM_DEVICE_HOST)
-        return dst_dev->ops->copy(dst_dev, dst, src, nbytes);
-    if (dst_dev == src_dev) return dst_dev->ops->copy(dst_dev, dst, src, nbytes);
-    if (dst_dev->kind == TDM_DEVICE_HOST)
-        return src_dev->ops->copy_to_host(src_dev, dst, src, nbytes);
-    if (src_dev->kind == TDM_DEVICE_HOST)
-        return dst_dev->ops->copy_from_host(dst_dev, dst, src, nbytes);
-    if (dst_dev->ops == src_dev->ops && dst_dev->ops->copy_peer)
-        return dst_dev->ops->copy_peer(dst_dev, dst, src_dev, src, nbytes);
-    /* two accelerators without a peer copy: stage through the host. */
-    void *tmp = malloc(nbytes);
-    if (!tmp) return tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "cannot stage %zu bytes", nbytes);
-    tdm_status st = src_dev->ops->copy_to_host(src_dev, tmp, src, nbytes);
-    if (st == TDM_STATUS_OK) st = dst_dev->ops->copy_from_host(dst_dev, dst, tmp, nbytes);
-    free(tmp);
-    return st;
-}
-
 struct tdm_dev_group {
     void *impl;   /* the backend's */
     int n;
@@ -247,77 +226,4 @@ tdm_status tdm_dev_group_reduce_sum(tdm_dev_group *g, const float *const *sendbu
                 "device group reduce: root %d of %d", root, g->n);
     if (n_elem == 0) return TDM_STATUS_OK;
     return tdm_device_cuda->group_reduce_sum(g->impl, sendbufs, recvbuf, n_elem, root);
-}
-
-/* cuBLAS's rules: the stored A is lda x (ta==N ? k : m), B is
- * ldb x (tb==N ? n : k), C is ldc x n, all column-major. */
-static tdm_status tdm_dev_gemm_check(tdm_trans ta, tdm_trans tb, int m, int n, int k, int lda,
-                                     int ldb, int ldc)
-{
-    int arows = ta == TDM_TRANS_N ? m : k;
-    int brows = tb == TDM_TRANS_N ? k : n;
-    TDM_REQUIRE(m >= 0 && n >= 0 && k >= 0, TDM_STATUS_INVALID_ARG,
-                "gemm: negative size m=%d n=%d k=%d", m, n, k);
-    TDM_REQUIRE(lda >= (arows > 1 ? arows : 1), TDM_STATUS_INVALID_ARG,
-                "gemm: lda=%d < %d", lda, arows);
-    TDM_REQUIRE(ldb >= (brows > 1 ? brows : 1), TDM_STATUS_INVALID_ARG,
-                "gemm: ldb=%d < %d", ldb, brows);
-    TDM_REQUIRE(ldc >= (m > 1 ? m : 1), TDM_STATUS_INVALID_ARG, "gemm: ldc=%d < %d", ldc, m);
-    return TDM_STATUS_OK;
-}
-
-tdm_status tdm_dev_gemm(tdm_device *d, tdm_trans ta, tdm_trans tb, int m, int n, int k,
-                        float alpha, const float *a, int lda, const float *b, int ldb,
-                        float beta, float *c, int ldc)
-{
-    TDM_CHECK(tdm_dev_gemm_check(ta, tb, m, n, k, lda, ldb, ldc));
-    if (m == 0 || n == 0) return TDM_STATUS_OK;
-    return d->ops->gemm(d, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
-}
-
-tdm_status tdm_dev_gemm_strided_batched(tdm_device *d, tdm_trans ta, tdm_trans tb, int m, int n,
-                                        int k, float alpha, const float *a, int lda,
-                                        long long stride_a, const float *b, int ldb,
-                                        long long stride_b, float beta, float *c, int ldc,
-                                        long long stride_c, int batch)
-{
-    TDM_CHECK(tdm_dev_gemm_check(ta, tb, m, n, k, lda, ldb, ldc));
-    TDM_REQUIRE(batch >= 0 && stride_a >= 0 && stride_b >= 0 && stride_c >= 0,
-                TDM_STATUS_INVALID_ARG,
-                "batched gemm: batch %d and strides %lld, %lld, %lld must not be negative", batch,
-                stride_a, stride_b, stride_c);
-    if (m == 0 || n == 0 || batch == 0) return TDM_STATUS_OK;
-    if (d->ops->gemm_strided_batched)
-        return d->ops->gemm_strided_batched(d, ta, tb, m, n, k, alpha, a, lda, stride_a, b, ldb,
-                                            stride_b, beta, c, ldc, stride_c, batch);
-    for (int i = 0; i < batch; i++)
-        TDM_CHECK(d->ops->gemm(d, ta, tb, m, n, k, alpha, a + i * stride_a, lda,
-                               b + i * stride_b, ldb, beta, c + i * stride_c, ldc));
-    return TDM_STATUS_OK;
-}
-
-tdm_status tdm_dev_gemm_rm(tdm_device *d, tdm_trans ta, tdm_trans tb, int m, int n, int k,
-                           float alpha, const float *a, const float *b, float beta, float *c)
-{
-    /* Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T, and a
-     * row-major buffer read column-major is its transpose; so pass B first
-     * with its own flag and leading dimensions of the stored row length. */
-    int lda_rm = ta == TDM_TRANS_N ? k : m; /* stored A is (m,k) or (k,m) */
-    int ldb_rm = tb == TDM_TRANS_N ? n : k; /* stored B is (k,n) or (n,k) */
-    return tdm_dev_gemm(d, tb, ta, n, m, k, alpha, b, ldb_rm > 0 ? ldb_rm : 1, a,
-                        lda_rm > 0 ? lda_rm : 1, beta, c, n > 0 ? n : 1);
-}
-
-tdm_status tdm_dev_gemm_rm_strided_batched(tdm_device *d, tdm_trans ta, tdm_trans tb, int m,
-                                           int n, int k, float alpha, const float *a,
-                                           long long stride_a, const float *b,
-                                           long long stride_b, float beta, float *c,
-                                           long long stride_c, int batch)
-{
-    /* as tdm_dev_gemm_rm, for every matrix of the batch */
-    int lda_rm = ta == TDM_TRANS_N ? k : m;
-    int ldb_rm = tb == TDM_TRANS_N ? n : k;
-    return tdm_dev_gemm_strided_batched(d, tb, ta, n, m, k, alpha, b, ldb_rm > 0 ? ldb_rm : 1,
-                                        stride_b, a, lda_rm > 0 ? lda_rm : 1, stride_a, beta, c,
-                                        n > 0 ? n : 1, stride_c, batch);
 }

@@ -1,10 +1,11 @@
-/* core/device.h: the device interface. A device is a struct of function
- * pointers (memory, synchronisation, compute) filled with designated
- * initializers by a backend: the host backend here (core/device_host.c)
- * and the CUDA backend (cuda/). Layers call the entries through the
- * table (d->ops->...), or the tdm_dev_* helpers below where there is
- * something to add (argument checks, the row-major gemm, cross-device
- * copies); never a backend's functions by name.
+/* core/device.h: the device interface, as its callers see it (models/,
+ * dp/, ddp/, tools/, tests/). A device is opaque: callers open it, ask its
+ * name and kind, and call the tdm_dev_* functions below, one per entry of
+ * the backend's table plus helpers where there is something to add
+ * (argument checks, the row-major gemm, cross-device copies). The table,
+ * the struct and the backend hooks are core/device_impl.h's, included only
+ * by backends: the host backend (core/device_host.c) and the CUDA backend
+ * (cuda/); never call a backend's functions by name.
  *
  * gemm takes exactly cublasSgemm's column-major arguments; the host backend
  * maps them to CBLAS, so the mapping the CUDA backend relies on is tested
@@ -13,7 +14,9 @@
  *
  * A host device computes on one thread with single-threaded BLAS (unless
  * opened with threads > 1): it is the unit that DP and DDP multiply.
- * Pointers passed to compute entries are device pointers of that device. */
+ * Pointers passed to compute functions are device pointers of that device;
+ * compute is ordered on the device (a CUDA stream) and may still be running
+ * when the call returns: tdm_dev_sync, or a copy to the host, waits. */
 #ifndef TDM_CORE_DEVICE_H
 #define TDM_CORE_DEVICE_H
 
@@ -38,142 +41,22 @@ typedef enum tdm_act {
     TDM_ACT_RELU,
 } tdm_act;
 
-
+/* Opaque: core/device_impl.h defines it for backends. */
 typedef struct tdm_device tdm_device;
-
-typedef struct tdm_device_ops {
-    /* --- memory --- */
-    tdm_status (*alloc)(tdm_device *d, size_t nbytes, void **out);
-    void (*free)(tdm_device *d, void *p);
-    tdm_status (*copy)(tdm_device *d, void *dst, const void *src, size_t nbytes);
-    tdm_status (*copy_to_host)(tdm_device *d, void *host_dst, const void *src, size_t nbytes);
-    tdm_status (*copy_from_host)(tdm_device *d, void *dst, const void *host_src, size_t nbytes);
-    tdm_status (*memset_zero)(tdm_device *d, void *p, size_t nbytes);
-    tdm_status (*sync)(tdm_device *d);
-    void (*close)(tdm_device *d);
-    /* Optional (NULL: absent): dst on dst_dev = src on src_dev, two devices
-     * of this backend (dst_dev->ops == src_dev->ops == this table). Ordered
-     * after the work already issued on both devices and before work issued
-     * on either afterwards, like a same-device copy. CUDA: a peer copy
-     * (cudaMemcpyPeerAsync, direct when peer access is possible), no host
-     * staging. tdm_dev_copy_between uses it when present. */
-    tdm_status (*copy_peer)(tdm_device *dst_dev, void *dst, tdm_device *src_dev,
-                            const void *src, size_t nbytes);
-
-    /* --- compute --- */
-    /* C = alpha op(A) op(B) + beta C, column-major, cublasSgemm's arguments. */
-    tdm_status (*gemm)(tdm_device *d, tdm_trans ta, tdm_trans tb, int m, int n, int k,
-                       float alpha, const float *a, int lda, const float *b, int ldb,
-                       float beta, float *c, int ldc);
-    /* y[r][c] = act(y[r][c] + bias[c]) over (rows, cols); bias may be NULL. */
-    tdm_status (*bias_act)(tdm_device *d, float *y, const float *bias, int64_t rows, int cols,
-                           tdm_act act);
-    /* dy[i] *= (y[i] > 0): backward of relu, in place on dy, y = relu output. */
-    tdm_status (*relu_bwd)(tdm_device *d, float *dy, const float *y, int64_t n_elem);
-    /* Per row of logits (rows, cols): loss_row[r] = logsumexp - logit[label];
-     * dlogits = (softmax - onehot) * scale (dlogits may be NULL). */
-    tdm_status (*softmax_xent)(tdm_device *d, const float *logits, const int32_t *labels,
-                               int rows, int cols, float scale, float *loss_row,
-                               float *dlogits);
-    /* y += alpha x */
-    tdm_status (*axpy)(tdm_device *d, int64_t n_elem, float alpha, const float *x, float *y);
-    /* x *= alpha */
-    tdm_status (*scale)(tdm_device *d, int64_t n_elem, float alpha, float *x);
-    /* CNHW im2col: col (C*KH*KW, N*OH*OW); col2im writes (not adds) dx. */
-    tdm_status (*im2col)(tdm_device *d, const tdm_conv_geom *g, const float *x, float *col);
-    tdm_status (*col2im)(tdm_device *d, const tdm_conv_geom *g, const float *col, float *dx);
-    /* Max pooling over CNHW, window = stride (non-overlapping), no padding.
-     * argmax holds the winning input offset of each output. */
-    tdm_status (*maxpool_fwd)(tdm_device *d, const tdm_conv_geom *g, const float *x, float *y,
-                              int32_t *argmax);
-    /* dx written (not added) from dy through argmax. */
-    tdm_status (*maxpool_bwd)(tdm_device *d, const tdm_conv_geom *g, const float *dy,
-                              const int32_t *argmax, float *dx);
-    /* Batchnorm over CNHW rows: channel ch owns row ch of length len = N*H*W. */
-    tdm_status (*bn_stats)(tdm_device *d, const float *x, int channels, int64_t len,
-                           float *mean, float *var /* biased */);
-    /* Per channel: training -> invstd from var, running stats updated;
-     * eval -> mean = running mean, invstd from running var. */
-    tdm_status (*bn_prep)(tdm_device *d, int channels, float *mean, const float *var,
-                          float *invstd, float *run_mean, float *run_var, float eps,
-                          float momentum, int64_t len, int train);
-    tdm_status (*bn_fwd)(tdm_device *d, const float *x, int channels, int64_t len,
-                         const float *mean, const float *invstd, const float *gamma,
-                         const float *beta, float *y);
-    /* dgamma += sum dy*xhat, dbeta += sum dy; dx = training-mode backward. */
-    tdm_status (*bn_bwd)(tdm_device *d, const float *x, const float *dy, int channels,
-                         int64_t len, const float *mean, const float *invstd,
-                         const float *gamma, float *dx, float *dgamma, float *dbeta,
-                         int train);
-    /* (C, N, F) <-> (N, C, F) layout transposes; F = H*W. */
-    tdm_status (*cnhw_to_nchw)(tdm_device *d, const float *x, float *y, int c, int n, int64_t f);
-    tdm_status (*nchw_to_cnhw)(tdm_device *d, const float *x, float *y, int c, int n, int64_t f);
-    /* --- transformer kernels (core/kernels.h); activations are (N = B*T
-     * rows, C columns) row-major, tokens int32 in [0, vocab) --- */
-    /* out (N, C) = wte[tok] + wpe[position]. */
-    tdm_status (*embed_fwd)(tdm_device *d, const int32_t *tok, const float *wte,
-                            const float *wpe, float *out, int B, int T, int C);
-    /* dwte[tok[n]] += dout[n], dwpe[n % T] += dout[n] (deterministic order). */
-    tdm_status (*embed_bwd)(tdm_device *d, const int32_t *tok, const float *dout, float *dwte,
-                            float *dwpe, int B, int T, int C);
-    /* Per row: out = LayerNorm(x) * g + b; mean and rstd (rows) kept. */
-    tdm_status (*layernorm_fwd)(tdm_device *d, const float *x, const float *g, const float *b,
-                                float *out, float *mean, float *rstd, int64_t rows, int C,
-                                float eps);
-    /* Adds the input gradient into dx and the parameter gradients into dg, db. */
-    tdm_status (*layernorm_bwd)(tdm_device *d, const float *x, const float *dout,
-                                const float *g, const float *mean, const float *rstd, float *dx,
-                                float *dg, float *db, int64_t rows, int C);
-    /* y = gelu(x) (tanh form); dx = dy * gelu'(x), dx may be dy. */
-    tdm_status (*gelu_fwd)(tdm_device *d, const float *x, float *y, int64_t n_elem);
-    tdm_status (*gelu_bwd)(tdm_device *d, const float *x, const float *dy, float *dx,
-                           int64_t n_elem);
-    /* dst (B, H, T, hd) = columns [off, off + H*hd) of src (B*T, ld), by head;
-     * merge writes them back (the inverse). */
-    tdm_status (*heads_split)(tdm_device *d, const float *src, int ld, int off, float *dst,
-                              int B, int T, int H, int hd);
-    tdm_status (*heads_merge)(tdm_device *d, const float *src, float *dst, int ld, int off,
-                              int B, int T, int H, int hd);
-    /* In place over att (rows, T), rows = B*H*T, row r's query at r % T:
-     * causal softmax (the future is exactly 0); backward turns dp into the
-     * scores' gradient in place. */
-    tdm_status (*attn_softmax_fwd)(tdm_device *d, float *att, int64_t rows, int T);
-    tdm_status (*attn_softmax_bwd)(tdm_device *d, const float *p, float *dp, int64_t rows,
-                                   int T);
-    /* Optional (NULL: tdm_dev_gemm_strided_batched loops over gemm):
-     * cublasSgemmStridedBatched's arguments: for i in [0, batch),
-     * C + i*stride_c = alpha op(A + i*stride_a) op(B + i*stride_b) + beta C + i*stride_c,
-     * column-major as gemm. */
-    tdm_status (*gemm_strided_batched)(tdm_device *d, tdm_trans ta, tdm_trans tb, int m, int n,
-                                       int k, float alpha, const float *a, int lda,
-                                       long long stride_a, const float *b, int ldb,
-                                       long long stride_b, float beta, float *c, int ldc,
-                                       long long stride_c, int batch);
-    /* Fused optimizer loops over flat buffers (see core/kernels.h). */
-    tdm_status (*sgd_step)(tdm_device *d, int64_t n_elem, float *param, const float *grad,
-                           float *mom, float lr, float momentum, float dampening,
-                           float weight_decay, int nesterov, int first_step);
-    tdm_status (*adamw_step)(tdm_device *d, int64_t n_elem, float *param, const float *grad,
-                             float *m, float *v, float lr, float beta1, float beta2, float eps,
-                             float weight_decay, float bias_corr1, float bias_corr2);
-} tdm_device_ops;
-
-struct tdm_device {
-    const tdm_device_ops *ops; /* borrowed: static table of the backend */
-    tdm_device_kind kind;
-    int index;                  /* cpu:<index> or cuda:<index> */
-    int threads;                /* host: BLAS threads used by this device */
-    char name[32];              /* "cpu:0", "cuda:1" */
-    void *impl;                 /* backend state */
-    void *scratch;              /* tdm_dev_scratch's buffer (this device's memory), or NULL */
-    size_t scratch_nbytes;
-};
 
 /* Opens a device by kind name ("cpu", "cuda") and index. Host devices are
  * logical: any index >= 0 is valid. threads: BLAS threads for host gemm
  * (1 = the single-core unit; 0 means 1). */
 tdm_status tdm_device_open(tdm_device **out, const char *kind, int index, int threads);
-void tdm_device_free(tdm_device *d);
+void tdm_device_free(tdm_device *d);   /* NULL ok */
+
+/* "cpu:0", "cuda:1", "cuda-emu:0": what messages and tables print. */
+const char *tdm_dev_name(const tdm_device *d);
+tdm_device_kind tdm_dev_kind(const tdm_device *d);
+/* The index it was opened with (cpu:<index>, cuda:<index>). */
+int tdm_dev_index(const tdm_device *d);
+/* Host: the BLAS threads its gemm uses; 1 for other devices. */
+int tdm_dev_threads(const tdm_device *d);
 
 /* A parsed device list: "cpu", "cpu:4" (4 devices cpu:0..3), "cpu:0,2",
  * "cuda", "cuda:0,1". Validated against what exists. */
@@ -187,26 +70,17 @@ tdm_status tdm_device_list_parse(tdm_device_list *out, const char *spec);
 /* Host devices the machine can run at full speed at once (cores). */
 int tdm_device_host_cores(void);
 
+/* 1 when the CUDA backend is linked into this program (built with nvcc:
+ * it registers itself when loaded), 0 otherwise. */
+int tdm_device_cuda_linked(void);
+/* GPUs the CUDA backend sees (the emulator's count under
+ * TANDEM_CUDA_EMULATOR); NO_DEVICE with a message when the backend is
+ * not linked or there is no driver. */
+tdm_status tdm_device_cuda_count(int *n);
+
 /* BLAS threads for the calling process (OpenBLAS is process-global). */
 void tdm_device_host_set_blas_threads(int threads);
 const char *tdm_device_host_blas_info(void);
-
-/* CUDA backend hooks: set by cuda/ when compiled in, NULL otherwise. */
-typedef struct tdm_device_cuda_hooks {
-    tdm_status (*open)(tdm_device **out, int index);
-    tdm_status (*count)(int *n);
-    /* Optional (NULL: absent): a collective group over several GPUs of
-     * this process (NCCL), for DataParallel's replicate and reduce.
-     * group_init returns TDM_STATUS_UNSUPPORTED when the devices are not
-     * all GPUs of this backend (the caller then stages copies). Counts
-     * are float32 elements; buffers are device pointers of devs[i]. */
-    tdm_status (*group_init)(void **out, tdm_device *const *devs, int n);
-    void (*group_free)(void *g);
-    tdm_status (*group_broadcast)(void *g, float *const *bufs, size_t n_elem, int root);
-    tdm_status (*group_reduce_sum)(void *g, const float *const *sendbufs, float *recvbuf,
-                                   size_t n_elem, int root);
-} tdm_device_cuda_hooks;
-extern const tdm_device_cuda_hooks *tdm_device_cuda;
 
 /* A collective group over devices of this process (DataParallel): rank i
  * is devs[i]. Only the CUDA backend has one (NCCL); elsewhere
@@ -223,17 +97,20 @@ tdm_status tdm_dev_group_broadcast(tdm_dev_group *g, float *const *bufs, size_t 
 tdm_status tdm_dev_group_reduce_sum(tdm_dev_group *g, const float *const *sendbufs,
                                     float *recvbuf, size_t n_elem, int root);
 
-/* --- helpers over the table --- */
-static inline tdm_status tdm_dev_alloc(tdm_device *d, size_t nbytes, void **out)
-{
-    return d->ops->alloc(d, nbytes, out);
-}
-static inline void tdm_dev_free(tdm_device *d, void *p)
-{
-    if (p) d->ops->free(d, p);
-}
-static inline tdm_status tdm_dev_sync(tdm_device *d) { return d->ops->sync(d); }
-
+/* --- memory (nbytes in bytes; pointers of d's memory unless "host") --- */
+tdm_status tdm_dev_alloc(tdm_device *d, size_t nbytes, void **out);
+void tdm_dev_free(tdm_device *d, void *p);   /* NULL ok */
+/* Allocates nbytes and zeroes them. */
+tdm_status tdm_dev_alloc_zero(tdm_device *d, size_t nbytes, void **out);
+/* dst = src on d (the ranges may overlap). */
+tdm_status tdm_dev_copy(tdm_device *d, void *dst, const void *src, size_t nbytes);
+/* host_dst = src: waits for the work issued on d before it. */
+tdm_status tdm_dev_copy_to_host(tdm_device *d, void *host_dst, const void *src, size_t nbytes);
+tdm_status tdm_dev_copy_from_host(tdm_device *d, void *dst, const void *host_src,
+                                  size_t nbytes);
+tdm_status tdm_dev_memset_zero(tdm_device *d, void *p, size_t nbytes);
+/* Waits until the work issued on d has finished. */
+tdm_status tdm_dev_sync(tdm_device *d);
 /* A scratch buffer of at least nbytes in d's memory, owned by the device:
  * grown when a call asks for more, kept otherwise, freed with the device.
  * For temporaries on the training step's path (the loss's per-row values),
@@ -241,13 +118,15 @@ static inline tdm_status tdm_dev_sync(tdm_device *d) { return d->ops->sync(d); }
  * cudaFree that synchronises the whole GPU, every step. The contents last
  * until the next call; one caller at a time (the thread driving d). */
 tdm_status tdm_dev_scratch(tdm_device *d, size_t nbytes, void **out);
-/* Allocates nbytes and zeroes them. */
-tdm_status tdm_dev_alloc_zero(tdm_device *d, size_t nbytes, void **out);
 /* Copies between two devices: host<->host is memcpy; host<->accelerator the
  * device's host copy; two devices of one accelerator backend its copy_peer;
  * otherwise staged through host memory. */
 tdm_status tdm_dev_copy_between(tdm_device *dst_dev, void *dst, tdm_device *src_dev,
                                 const void *src, size_t nbytes);
+
+/* --- gemm --- */
+/* C = alpha op(A) op(B) + beta C, column-major, cublasSgemm's arguments
+ * (checked: sizes >= 0, leading dimensions at least the stored rows). */
 tdm_status tdm_dev_gemm(tdm_device *d, tdm_trans ta, tdm_trans tb, int m, int n, int k,
                         float alpha, const float *a, int lda, const float *b, int ldb,
                         float beta, float *c, int ldc);
@@ -275,5 +154,96 @@ tdm_status tdm_dev_gemm_rm_strided_batched(tdm_device *d, tdm_trans ta, tdm_tran
                                            long long stride_a, const float *b,
                                            long long stride_b, float beta, float *c,
                                            long long stride_c, int batch);
+
+/* --- compute: the layers' kernels (core/kernels.h); counts are elements --- */
+/* y[r][c] = act(y[r][c] + bias[c]) over (rows, cols); bias may be NULL. */
+tdm_status tdm_dev_bias_act(tdm_device *d, float *y, const float *bias, int64_t rows, int cols,
+                            tdm_act act);
+/* dy[i] *= (y[i] > 0): backward of relu, in place on dy, y = relu output. */
+tdm_status tdm_dev_relu_bwd(tdm_device *d, float *dy, const float *y, int64_t n_elem);
+/* Per row of logits (rows, cols): loss_row[r] = logsumexp - logit[label];
+ * dlogits = (softmax - onehot) * scale (dlogits may be NULL). */
+tdm_status tdm_dev_softmax_xent(tdm_device *d, const float *logits, const int32_t *labels,
+                                int rows, int cols, float scale, float *loss_row,
+                                float *dlogits);
+/* y += alpha x */
+tdm_status tdm_dev_axpy(tdm_device *d, int64_t n_elem, float alpha, const float *x, float *y);
+/* x *= alpha */
+tdm_status tdm_dev_scale(tdm_device *d, int64_t n_elem, float alpha, float *x);
+/* CNHW im2col: col (C*KH*KW, N*OH*OW); col2im writes (not adds) dx. */
+tdm_status tdm_dev_im2col(tdm_device *d, const tdm_conv_geom *g, const float *x, float *col);
+tdm_status tdm_dev_col2im(tdm_device *d, const tdm_conv_geom *g, const float *col, float *dx);
+/* Max pooling over CNHW, window = stride (non-overlapping), no padding.
+ * argmax holds the winning input offset of each output. */
+tdm_status tdm_dev_maxpool_fwd(tdm_device *d, const tdm_conv_geom *g, const float *x, float *y,
+                               int32_t *argmax);
+/* dx written (not added) from dy through argmax. */
+tdm_status tdm_dev_maxpool_bwd(tdm_device *d, const tdm_conv_geom *g, const float *dy,
+                               const int32_t *argmax, float *dx);
+/* Batchnorm over CNHW rows: channel ch owns row ch of length len = N*H*W. */
+tdm_status tdm_dev_bn_stats(tdm_device *d, const float *x, int channels, int64_t len,
+                            float *mean, float *var /* biased */);
+/* Per channel: training -> invstd from var, running stats updated;
+ * eval -> mean = running mean, invstd from running var. */
+tdm_status tdm_dev_bn_prep(tdm_device *d, int channels, float *mean, const float *var,
+                           float *invstd, float *run_mean, float *run_var, float eps,
+                           float momentum, int64_t len, int train);
+tdm_status tdm_dev_bn_fwd(tdm_device *d, const float *x, int channels, int64_t len,
+                          const float *mean, const float *invstd, const float *gamma,
+                          const float *beta, float *y);
+/* dgamma += sum dy*xhat, dbeta += sum dy; dx = training-mode backward. */
+tdm_status tdm_dev_bn_bwd(tdm_device *d, const float *x, const float *dy, int channels,
+                          int64_t len, const float *mean, const float *invstd,
+                          const float *gamma, float *dx, float *dgamma, float *dbeta, int train);
+/* (C, N, F) <-> (N, C, F) layout transposes; F = H*W. */
+tdm_status tdm_dev_cnhw_to_nchw(tdm_device *d, const float *x, float *y, int c, int n,
+                                int64_t f);
+tdm_status tdm_dev_nchw_to_cnhw(tdm_device *d, const float *x, float *y, int c, int n,
+                                int64_t f);
+
+/* 1 when d's backend has every transformer kernel below (the GPT needs
+ * them; a backend may leave them out). */
+int tdm_dev_has_transformer(const tdm_device *d);
+
+/* --- transformer kernels: activations are (N = B*T rows, C columns)
+ * row-major, tokens int32 in [0, vocab) --- */
+/* out (N, C) = wte[tok] + wpe[position]. */
+tdm_status tdm_dev_embed_fwd(tdm_device *d, const int32_t *tok, const float *wte,
+                             const float *wpe, float *out, int B, int T, int C);
+/* dwte[tok[n]] += dout[n], dwpe[n % T] += dout[n] (deterministic order). */
+tdm_status tdm_dev_embed_bwd(tdm_device *d, const int32_t *tok, const float *dout, float *dwte,
+                             float *dwpe, int B, int T, int C);
+/* Per row: out = LayerNorm(x) * g + b; mean and rstd (rows) kept. */
+tdm_status tdm_dev_layernorm_fwd(tdm_device *d, const float *x, const float *g, const float *b,
+                                 float *out, float *mean, float *rstd, int64_t rows, int C,
+                                 float eps);
+/* Adds the input gradient into dx and the parameter gradients into dg, db. */
+tdm_status tdm_dev_layernorm_bwd(tdm_device *d, const float *x, const float *dout,
+                                 const float *g, const float *mean, const float *rstd, float *dx,
+                                 float *dg, float *db, int64_t rows, int C);
+/* y = gelu(x) (tanh form); dx = dy * gelu'(x), dx may be dy. */
+tdm_status tdm_dev_gelu_fwd(tdm_device *d, const float *x, float *y, int64_t n_elem);
+tdm_status tdm_dev_gelu_bwd(tdm_device *d, const float *x, const float *dy, float *dx,
+                            int64_t n_elem);
+/* dst (B, H, T, hd) = columns [off, off + H*hd) of src (B*T, ld), by head;
+ * merge writes them back (the inverse). */
+tdm_status tdm_dev_heads_split(tdm_device *d, const float *src, int ld, int off, float *dst,
+                               int B, int T, int H, int hd);
+tdm_status tdm_dev_heads_merge(tdm_device *d, const float *src, float *dst, int ld, int off,
+                               int B, int T, int H, int hd);
+/* In place over att (rows, T), rows = B*H*T, row r's query at r % T:
+ * causal softmax (the future is exactly 0); backward turns dp into the
+ * scores' gradient in place. */
+tdm_status tdm_dev_attn_softmax_fwd(tdm_device *d, float *att, int64_t rows, int T);
+tdm_status tdm_dev_attn_softmax_bwd(tdm_device *d, const float *p, float *dp, int64_t rows,
+                                    int T);
+
+/* --- fused optimizer loops over flat buffers (core/kernels.h) --- */
+tdm_status tdm_dev_sgd_step(tdm_device *d, int64_t n_elem, float *param, const float *grad,
+                            float *mom, float lr, float momentum, float dampening,
+                            float weight_decay, int nesterov, int first_step);
+tdm_status tdm_dev_adamw_step(tdm_device *d, int64_t n_elem, float *param, const float *grad,
+                              float *m, float *v, float lr, float beta1, float beta2, float eps,
+                              float weight_decay, float bias_corr1, float bias_corr2);
 
 #endif

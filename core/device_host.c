@@ -6,7 +6,7 @@
  * device is as parallel as the thread that drives it (plus BLAS threads
  * when opened with threads > 1). Not thread-safe per device: one thread
  * drives one device at a time, as in DP and DDP. */
-#include "core/device.h"
+#include "core/device_impl.h"
 
 #include <cblas.h>
 #include <errno.h>
@@ -509,7 +509,6 @@ static const tdm_device_ops tdm_device_host_ops = {
     .adamw_step = host_adamw_step,
 };
 
-tdm_status tdm_device_host_open(tdm_device **out, int index, int threads);
 tdm_status tdm_device_host_open(tdm_device **out, int index, int threads)
 {
     tdm_device *d = calloc(1, sizeof *d);

@@ -24,6 +24,7 @@ static const char *const tdm_status_names[TDM_STATUS_COUNT_] = {
     [TDM_STATUS_NO_DEVICE] = "no such device",
     [TDM_STATUS_INTERNAL] = "internal error",
     [TDM_STATUS_NONFINITE] = "non-finite value",
+    [TDM_STATUS_USAGE] = "bad usage",
 };
 
 const char *tdm_status_name(tdm_status s)

@@ -22,6 +22,10 @@ typedef enum tdm_status {
     TDM_STATUS_NO_DEVICE,     /* the requested device does not exist */
     TDM_STATUS_INTERNAL,      /* a bug: an invariant did not hold */
     TDM_STATUS_NONFINITE,     /* a loss, gradient or parameter is NaN or infinite */
+    /* the command line asks for something impossible: tools/ only (exit
+     * code 2); the library reports a bad argument as INVALID_ARG and
+     * tools/ decides which of those came from the command line */
+    TDM_STATUS_USAGE,
     TDM_STATUS_COUNT_
 } tdm_status;
 

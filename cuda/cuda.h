@@ -10,8 +10,9 @@
  *   broadcast from the master's GPU, gradient reduce-add = reduce to it).
  *
  * Only present in builds with nvcc (GNUmakefile includes cuda/cuda.mk);
- * code outside cuda/ and tests/ that calls these must be built only then,
- * or reach them through weak symbols. Everything fails with
+ * code outside cuda/ that calls these must be built only then, or include
+ * cuda/cuda_weak.h instead (every function a weak reference, NULL without
+ * the backend). Everything fails with
  * TDM_STATUS_NO_DEVICE and "no CUDA device: <CUDA's error string>; ..."
  * where there is no driver or no GPU. See docs/CUDA.md. */
 #ifndef TDM_CUDA_CUDA_H

@@ -28,7 +28,7 @@ void tdm_cuda_warn(const char *where, const char *what, cudaError_t e);
 
 /* Where a launcher runs its kernel: enqueued on `stream` (the GPU), or,
  * when `host` is set, as a plain loop on the calling thread over the
- * very same per-index functor (the emulator of cuda/device_cuda.c, which
+ * very same per-index functor (the emulator of cuda/emulator.c, which
  * lets host tests check the index arithmetic of every kernel). */
 typedef struct tdm_cuda_exec {
     cudaStream_t stream;

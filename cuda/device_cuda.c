@@ -9,11 +9,13 @@
  * functions.
  *
  * Also here: registration with core/device.c (a constructor that only
- * stores a pointer, never calls CUDA, so loading never fails), the
- * device count with CUDA's own error when there is no driver or device,
- * tdm_cuda_describe for `tandem info`, and the table of open devices the
- * NCCL communicator orders its stream after. Not here: collectives
- * (cuda/nccl_comm.c). */
+ * stores a pointer to cuda/hooks.c's table, never calls CUDA, so loading
+ * never fails), the device count with CUDA's own error when there is no
+ * driver or device, and the table of open devices the NCCL communicator
+ * orders its stream after. The compute entries serve the emulator too
+ * (cuda/emulator.c: host memory, kernels as host loops). Not here:
+ * collectives (cuda/nccl_comm.c, cuda/nccl_group.c), `tandem info`'s
+ * lines (cuda/describe.c). */
 #include "cuda/cuda.h"
 
 #include <pthread.h>
@@ -26,21 +28,8 @@
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
-#include "core/device.h"
 #include "core/log.h"
-#include "cuda/cuda_impl.h"
-
-typedef struct tdm_cuda_dev {
-    cudaStream_t stream;  /* all work of this device, in issue order */
-    cublasHandle_t blas;  /* bound to stream */
-    int *bad_row;         /* device int: softmax_xent's label check */
-    tdm_cuda_exec exec;   /* {stream, 0}; the emulator: {NULL, 1} */
-    tdm_device *host;     /* the emulator's gemm (a host device) */
-    int tf32;             /* cuBLAS in TF32 tensor-op math (TANDEM_CUDA_TF32=1) */
-    int64_t emu_allocs;   /* the emulator: alloc calls so far (atomic) */
-} tdm_cuda_dev;
-
-static tdm_cuda_dev *tdm_cuda_impl(tdm_device *d) { return (tdm_cuda_dev *)d->impl; }
+#include "cuda/device_cuda.h"
 
 /* --- errors --------------------------------------------------------------- */
 
@@ -387,9 +376,9 @@ static void cuda_close(tdm_device *d)
 
 /* --- compute --------------------------------------------------------------- */
 
-static tdm_status cuda_gemm(tdm_device *d, tdm_trans ta, tdm_trans tb, int m, int n, int k,
-                            float alpha, const float *a, int lda, const float *b, int ldb,
-                            float beta, float *c, int ldc)
+tdm_status tdm_cuda_gemm(tdm_device *d, tdm_trans ta, tdm_trans tb, int m, int n, int k,
+                         float alpha, const float *a, int lda, const float *b, int ldb,
+                         float beta, float *c, int ldc)
 {
     tdm_device *h = tdm_cuda_impl(d)->host;
     if (h) return h->ops->gemm(h, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
@@ -413,21 +402,21 @@ static tdm_status cuda_gemm(tdm_device *d, tdm_trans ta, tdm_trans tb, int m, in
         return TDM_STATUS_OK;                                             \
     } while (0)
 
-static tdm_status cuda_bias_act(tdm_device *d, float *y, const float *bias, int64_t rows,
-                                int cols, tdm_act act)
+tdm_status tdm_cuda_bias_act(tdm_device *d, float *y, const float *bias, int64_t rows,
+                             int cols, tdm_act act)
 {
     TDM_CUDA_RUN(d, "bias_act",
                  tdm_cuda_launch_bias_act(s_, y, bias, rows, cols, act == TDM_ACT_RELU));
 }
 
-static tdm_status cuda_relu_bwd(tdm_device *d, float *dy, const float *y, int64_t n_elem)
+tdm_status tdm_cuda_relu_bwd(tdm_device *d, float *dy, const float *y, int64_t n_elem)
 {
     TDM_CUDA_RUN(d, "relu_bwd", tdm_cuda_launch_relu_bwd(s_, dy, y, n_elem));
 }
 
-static tdm_status cuda_softmax_xent(tdm_device *d, const float *logits, const int32_t *labels,
-                                    int rows, int cols, float scale, float *loss_row,
-                                    float *dlogits)
+tdm_status tdm_cuda_softmax_xent(tdm_device *d, const float *logits, const int32_t *labels,
+                                 int rows, int cols, float scale, float *loss_row,
+                                 float *dlogits)
 {
     if (rows <= 0) return TDM_STATUS_OK;
     TDM_CHECK(tdm_cuda_enter(d));
@@ -467,108 +456,108 @@ static tdm_status cuda_softmax_xent(tdm_device *d, const float *logits, const in
     return TDM_STATUS_OK;
 }
 
-static tdm_status cuda_axpy(tdm_device *d, int64_t n_elem, float alpha, const float *x, float *y)
+tdm_status tdm_cuda_axpy(tdm_device *d, int64_t n_elem, float alpha, const float *x, float *y)
 {
     TDM_CUDA_RUN(d, "axpy", tdm_cuda_launch_axpy(s_, n_elem, alpha, x, y));
 }
 
-static tdm_status cuda_scale(tdm_device *d, int64_t n_elem, float alpha, float *x)
+tdm_status tdm_cuda_scale(tdm_device *d, int64_t n_elem, float alpha, float *x)
 {
     TDM_CUDA_RUN(d, "scale", tdm_cuda_launch_scale(s_, n_elem, alpha, x));
 }
 
-static tdm_status cuda_im2col(tdm_device *d, const tdm_conv_geom *g, const float *x, float *col)
+tdm_status tdm_cuda_im2col(tdm_device *d, const tdm_conv_geom *g, const float *x, float *col)
 {
     TDM_CUDA_RUN(d, "im2col", tdm_cuda_launch_im2col(s_, *g, x, col));
 }
 
-static tdm_status cuda_col2im(tdm_device *d, const tdm_conv_geom *g, const float *col, float *dx)
+tdm_status tdm_cuda_col2im(tdm_device *d, const tdm_conv_geom *g, const float *col, float *dx)
 {
     TDM_CUDA_RUN(d, "col2im", tdm_cuda_launch_col2im(s_, *g, col, dx));
 }
 
-static tdm_status cuda_maxpool_fwd(tdm_device *d, const tdm_conv_geom *g, const float *x,
-                                   float *y, int32_t *argmax)
+tdm_status tdm_cuda_maxpool_fwd(tdm_device *d, const tdm_conv_geom *g, const float *x,
+                                float *y, int32_t *argmax)
 {
     TDM_CUDA_RUN(d, "maxpool_fwd",
                  tdm_cuda_launch_maxpool_fwd(s_, *g, x, y, argmax));
 }
 
-static tdm_status cuda_maxpool_bwd(tdm_device *d, const tdm_conv_geom *g, const float *dy,
-                                   const int32_t *argmax, float *dx)
+tdm_status tdm_cuda_maxpool_bwd(tdm_device *d, const tdm_conv_geom *g, const float *dy,
+                                const int32_t *argmax, float *dx)
 {
     TDM_CUDA_RUN(d, "maxpool_bwd",
                  tdm_cuda_launch_maxpool_bwd(s_, *g, dy, argmax, dx));
 }
 
-static tdm_status cuda_bn_stats(tdm_device *d, const float *x, int channels, int64_t len,
-                                float *mean, float *var)
+tdm_status tdm_cuda_bn_stats(tdm_device *d, const float *x, int channels, int64_t len,
+                             float *mean, float *var)
 {
     TDM_CUDA_RUN(d, "bn_stats", tdm_cuda_launch_bn_stats(s_, x, channels, len, mean, var));
 }
 
-static tdm_status cuda_bn_prep(tdm_device *d, int channels, float *mean, const float *var,
-                               float *invstd, float *run_mean, float *run_var, float eps,
-                               float momentum, int64_t len, int train)
+tdm_status tdm_cuda_bn_prep(tdm_device *d, int channels, float *mean, const float *var,
+                            float *invstd, float *run_mean, float *run_var, float eps,
+                            float momentum, int64_t len, int train)
 {
     TDM_CUDA_RUN(d, "bn_prep",
                  tdm_cuda_launch_bn_prep(s_, channels, mean, var, invstd, run_mean, run_var, eps,
                                          momentum, len, train));
 }
 
-static tdm_status cuda_bn_fwd(tdm_device *d, const float *x, int channels, int64_t len,
-                              const float *mean, const float *invstd, const float *gamma,
-                              const float *beta, float *y)
+tdm_status tdm_cuda_bn_fwd(tdm_device *d, const float *x, int channels, int64_t len,
+                           const float *mean, const float *invstd, const float *gamma,
+                           const float *beta, float *y)
 {
     TDM_CUDA_RUN(d, "bn_fwd",
                  tdm_cuda_launch_bn_fwd(s_, x, channels, len, mean, invstd, gamma, beta, y));
 }
 
-static tdm_status cuda_bn_bwd(tdm_device *d, const float *x, const float *dy, int channels,
-                              int64_t len, const float *mean, const float *invstd,
-                              const float *gamma, float *dx, float *dgamma, float *dbeta,
-                              int train)
+tdm_status tdm_cuda_bn_bwd(tdm_device *d, const float *x, const float *dy, int channels,
+                           int64_t len, const float *mean, const float *invstd,
+                           const float *gamma, float *dx, float *dgamma, float *dbeta,
+                           int train)
 {
     TDM_CUDA_RUN(d, "bn_bwd",
                  tdm_cuda_launch_bn_bwd(s_, x, dy, channels, len, mean, invstd, gamma, dx,
                                         dgamma, dbeta, train));
 }
 
-static tdm_status cuda_cnhw_to_nchw(tdm_device *d, const float *x, float *y, int c, int n,
-                                    int64_t f)
+tdm_status tdm_cuda_cnhw_to_nchw(tdm_device *d, const float *x, float *y, int c, int n,
+                                 int64_t f)
 {
     TDM_CUDA_RUN(d, "cnhw_to_nchw", tdm_cuda_launch_cnhw_to_nchw(s_, x, y, c, n, f));
 }
 
-static tdm_status cuda_nchw_to_cnhw(tdm_device *d, const float *x, float *y, int c, int n,
-                                    int64_t f)
+tdm_status tdm_cuda_nchw_to_cnhw(tdm_device *d, const float *x, float *y, int c, int n,
+                                 int64_t f)
 {
     TDM_CUDA_RUN(d, "nchw_to_cnhw", tdm_cuda_launch_nchw_to_cnhw(s_, x, y, c, n, f));
 }
 
-static tdm_status cuda_sgd_step(tdm_device *d, int64_t n_elem, float *param, const float *grad,
-                                float *mom, float lr, float momentum, float dampening,
-                                float weight_decay, int nesterov, int first_step)
+tdm_status tdm_cuda_sgd_step(tdm_device *d, int64_t n_elem, float *param, const float *grad,
+                             float *mom, float lr, float momentum, float dampening,
+                             float weight_decay, int nesterov, int first_step)
 {
     TDM_CUDA_RUN(d, "sgd_step",
                  tdm_cuda_launch_sgd(s_, n_elem, param, grad, mom, lr, momentum, dampening,
                                      weight_decay, nesterov, first_step));
 }
 
-static tdm_status cuda_adamw_step(tdm_device *d, int64_t n_elem, float *param, const float *grad,
-                                  float *m, float *v, float lr, float beta1, float beta2,
-                                  float eps, float weight_decay, float bc1, float bc2)
+tdm_status tdm_cuda_adamw_step(tdm_device *d, int64_t n_elem, float *param, const float *grad,
+                               float *m, float *v, float lr, float beta1, float beta2,
+                               float eps, float weight_decay, float bc1, float bc2)
 {
     TDM_CUDA_RUN(d, "adamw_step",
                  tdm_cuda_launch_adamw(s_, n_elem, param, grad, m, v, lr, beta1, beta2, eps,
                                        weight_decay, bc1, bc2));
 }
 
-static tdm_status cuda_gemm_strided_batched(tdm_device *d, tdm_trans ta, tdm_trans tb, int m,
-                                            int n, int k, float alpha, const float *a, int lda,
-                                            long long stride_a, const float *b, int ldb,
-                                            long long stride_b, float beta, float *c, int ldc,
-                                            long long stride_c, int batch)
+tdm_status tdm_cuda_gemm_strided_batched(tdm_device *d, tdm_trans ta, tdm_trans tb, int m,
+                                         int n, int k, float alpha, const float *a, int lda,
+                                         long long stride_a, const float *b, int ldb,
+                                         long long stride_b, float beta, float *c, int ldc,
+                                         long long stride_c, int batch)
 {
     tdm_device *h = tdm_cuda_impl(d)->host;
     if (h)
@@ -584,93 +573,71 @@ static tdm_status cuda_gemm_strided_batched(tdm_device *d, tdm_trans ta, tdm_tra
     return TDM_STATUS_OK;
 }
 
-static tdm_status cuda_embed_fwd(tdm_device *d, const int32_t *tok, const float *wte,
-                                 const float *wpe, float *out, int B, int T, int C)
+tdm_status tdm_cuda_embed_fwd(tdm_device *d, const int32_t *tok, const float *wte,
+                              const float *wpe, float *out, int B, int T, int C)
 {
     TDM_CUDA_RUN(d, "embed_fwd", tdm_cuda_launch_embed_fwd(s_, tok, wte, wpe, out, B, T, C));
 }
 
-static tdm_status cuda_embed_bwd(tdm_device *d, const int32_t *tok, const float *dout,
-                                 float *dwte, float *dwpe, int B, int T, int C)
+tdm_status tdm_cuda_embed_bwd(tdm_device *d, const int32_t *tok, const float *dout,
+                              float *dwte, float *dwpe, int B, int T, int C)
 {
     TDM_CUDA_RUN(d, "embed_bwd", tdm_cuda_launch_embed_bwd(s_, tok, dout, dwte, dwpe, B, T, C));
 }
 
-static tdm_status cuda_layernorm_fwd(tdm_device *d, const float *x, const float *g,
-                                     const float *b, float *out, float *mean, float *rstd,
-                                     int64_t rows, int C, float eps)
+tdm_status tdm_cuda_layernorm_fwd(tdm_device *d, const float *x, const float *g,
+                                  const float *b, float *out, float *mean, float *rstd,
+                                  int64_t rows, int C, float eps)
 {
     TDM_CUDA_RUN(d, "layernorm_fwd",
                  tdm_cuda_launch_layernorm_fwd(s_, x, g, b, out, mean, rstd, rows, C, eps));
 }
 
-static tdm_status cuda_layernorm_bwd(tdm_device *d, const float *x, const float *dout,
-                                     const float *g, const float *mean, const float *rstd,
-                                     float *dx, float *dg, float *db, int64_t rows, int C)
+tdm_status tdm_cuda_layernorm_bwd(tdm_device *d, const float *x, const float *dout,
+                                  const float *g, const float *mean, const float *rstd,
+                                  float *dx, float *dg, float *db, int64_t rows, int C)
 {
     TDM_CUDA_RUN(d, "layernorm_bwd",
                  tdm_cuda_launch_layernorm_bwd(s_, x, dout, g, mean, rstd, dx, dg, db, rows, C));
 }
 
-static tdm_status cuda_gelu_fwd(tdm_device *d, const float *x, float *y, int64_t n_elem)
+tdm_status tdm_cuda_gelu_fwd(tdm_device *d, const float *x, float *y, int64_t n_elem)
 {
     TDM_CUDA_RUN(d, "gelu_fwd", tdm_cuda_launch_gelu_fwd(s_, x, y, n_elem));
 }
 
-static tdm_status cuda_gelu_bwd(tdm_device *d, const float *x, const float *dy, float *dx,
-                                int64_t n_elem)
+tdm_status tdm_cuda_gelu_bwd(tdm_device *d, const float *x, const float *dy, float *dx,
+                             int64_t n_elem)
 {
     TDM_CUDA_RUN(d, "gelu_bwd", tdm_cuda_launch_gelu_bwd(s_, x, dy, dx, n_elem));
 }
 
-static tdm_status cuda_heads_split(tdm_device *d, const float *src, int ld, int off, float *dst,
-                                   int B, int T, int H, int hd)
+tdm_status tdm_cuda_heads_split(tdm_device *d, const float *src, int ld, int off, float *dst,
+                                int B, int T, int H, int hd)
 {
     TDM_CUDA_RUN(d, "heads_split",
                  tdm_cuda_launch_heads_split(s_, src, ld, off, dst, B, T, H, hd));
 }
 
-static tdm_status cuda_heads_merge(tdm_device *d, const float *src, float *dst, int ld, int off,
-                                   int B, int T, int H, int hd)
+tdm_status tdm_cuda_heads_merge(tdm_device *d, const float *src, float *dst, int ld, int off,
+                                int B, int T, int H, int hd)
 {
     TDM_CUDA_RUN(d, "heads_merge",
                  tdm_cuda_launch_heads_merge(s_, src, dst, ld, off, B, T, H, hd));
 }
 
-static tdm_status cuda_attn_softmax_fwd(tdm_device *d, float *att, int64_t rows, int T)
+tdm_status tdm_cuda_attn_softmax_fwd(tdm_device *d, float *att, int64_t rows, int T)
 {
     TDM_CUDA_RUN(d, "attn_softmax_fwd", tdm_cuda_launch_attn_softmax_fwd(s_, att, rows, T));
 }
 
-static tdm_status cuda_attn_softmax_bwd(tdm_device *d, const float *p, float *dp, int64_t rows,
-                                        int T)
+tdm_status tdm_cuda_attn_softmax_bwd(tdm_device *d, const float *p, float *dp, int64_t rows,
+                                     int T)
 {
     TDM_CUDA_RUN(d, "attn_softmax_bwd", tdm_cuda_launch_attn_softmax_bwd(s_, p, dp, rows, T));
 }
 
-/* The compute entries, shared by the GPU and the emulator tables (only
- * memory, sync and close differ), so the two cannot drift apart. */
-#define TDM_CUDA_COMPUTE_OPS                                                  \
-    .gemm = cuda_gemm, .bias_act = cuda_bias_act, .relu_bwd = cuda_relu_bwd,  \
-    .softmax_xent = cuda_softmax_xent, .axpy = cuda_axpy, .scale = cuda_scale, \
-    .im2col = cuda_im2col, .col2im = cuda_col2im,                             \
-    .maxpool_fwd = cuda_maxpool_fwd, .maxpool_bwd = cuda_maxpool_bwd,         \
-    .bn_stats = cuda_bn_stats, .bn_prep = cuda_bn_prep, .bn_fwd = cuda_bn_fwd, \
-    .bn_bwd = cuda_bn_bwd, .cnhw_to_nchw = cuda_cnhw_to_nchw,                 \
-    .nchw_to_cnhw = cuda_nchw_to_cnhw, .sgd_step = cuda_sgd_step,             \
-    .adamw_step = cuda_adamw_step, TDM_CUDA_GPT_OPS
-
-/* The transformer's (core/device.h), in the same two tables. */
-#define TDM_CUDA_GPT_OPS                                                      \
-    .gemm_strided_batched = cuda_gemm_strided_batched,                        \
-    .embed_fwd = cuda_embed_fwd, .embed_bwd = cuda_embed_bwd,                 \
-    .layernorm_fwd = cuda_layernorm_fwd, .layernorm_bwd = cuda_layernorm_bwd, \
-    .gelu_fwd = cuda_gelu_fwd, .gelu_bwd = cuda_gelu_bwd,                     \
-    .heads_split = cuda_heads_split, .heads_merge = cuda_heads_merge,         \
-    .attn_softmax_fwd = cuda_attn_softmax_fwd,                                \
-    .attn_softmax_bwd = cuda_attn_softmax_bwd
-
-static const tdm_device_ops tdm_cuda_ops = {
+const tdm_device_ops tdm_cuda_ops = {
     .alloc = cuda_alloc,
     .free = cuda_free,
     .copy = cuda_copy,
@@ -683,7 +650,7 @@ static const tdm_device_ops tdm_cuda_ops = {
     TDM_CUDA_COMPUTE_OPS,
 };
 
-/* --- count, open, registration --------------------------------------------- */
+/* --- count, open ------------------------------------------------------------ */
 
 tdm_status tdm_cuda_device_count(int *n)
 {
@@ -712,7 +679,7 @@ tdm_status tdm_cuda_device_check(int index)
     return TDM_STATUS_OK;
 }
 
-static tdm_status tdm_cuda_open(tdm_device **out, int index)
+tdm_status tdm_cuda_gpu_open(tdm_device **out, int index)
 {
     tdm_status st = TDM_STATUS_OK;
     tdm_device *d = NULL;
@@ -779,143 +746,10 @@ fail:
     return st;
 }
 
-int tdm_cuda_emulator_env(void)
+int tdm_cuda_device_tf32(const tdm_device *d)
 {
-    static int cached = -1;
-    int n = __atomic_load_n(&cached, __ATOMIC_ACQUIRE);
-    if (n >= 0) return n;
-    const char *v = getenv("TANDEM_CUDA_EMULATOR");
-    n = 0;
-    if (v && *v) {
-        char *end;
-        long x = strtol(v, &end, 10);
-        if (*end || x < 1 || x > 64)
-            fprintf(stderr, "tandem: TANDEM_CUDA_EMULATOR='%s' ignored: expected a device count "
-                    "1..64\n", v);
-        else
-            n = (int)x;
-    }
-    __atomic_store_n(&cached, n, __ATOMIC_RELEASE);
-    return n;
+    return d && d->ops == &tdm_cuda_ops && tdm_cuda_impl((tdm_device *)d)->tf32;
 }
-
-static tdm_status tdm_cuda_hook_count(int *n)
-{
-    int emu = tdm_cuda_emulator_env();
-    if (emu) {
-        *n = emu;
-        return TDM_STATUS_OK;
-    }
-    return tdm_cuda_device_count(n);
-}
-
-static tdm_status tdm_cuda_hook_open(tdm_device **out, int index)
-{
-    int emu = tdm_cuda_emulator_env();
-    if (!emu) return tdm_cuda_open(out, index);
-    *out = NULL;
-    if (index < 0 || index >= emu)
-        return tdm_error_set(TDM_STATUS_NO_DEVICE,
-                             "no CUDA device: cuda:%d does not exist (TANDEM_CUDA_EMULATOR=%d "
-                             "emulates cuda:0..%d); use --device cuda:0..%d or cpu:N", index, emu,
-                             emu - 1, emu - 1);
-    return tdm_cuda_emulator_open_accel(out, index);
-}
-
-/* DataParallel's group (core/device.h): the NCCL group of cuda/nccl_comm.c
- * over real GPUs, or, over emulator devices (host memory), an emulated
- * group whose broadcast and sum are host loops, so that DP's group path
- * (which buffers, which root, in place) is tested without a GPU. A mix of
- * the two, or other devices, is UNSUPPORTED: DP then stages copies. */
-typedef struct tdm_cuda_group {
-    tdm_cuda_nccl_group *nccl; /* NULL: emulated */
-    int n;
-} tdm_cuda_group;
-
-static const tdm_device_ops tdm_cuda_emu_ops;
-
-static tdm_status tdm_cuda_hook_group_init(void **out, tdm_device *const *devs, int n)
-{
-    int idx[TDM_DEVICE_LIST_MAX], emu = 0;
-    *out = NULL;
-    if (n > TDM_DEVICE_LIST_MAX) return TDM_STATUS_UNSUPPORTED;
-    for (int i = 0; i < n; i++) {
-        if (devs[i]->ops == &tdm_cuda_emu_ops) emu++;
-        else if (devs[i]->ops != &tdm_cuda_ops) return TDM_STATUS_UNSUPPORTED;
-        idx[i] = devs[i]->index;
-    }
-    if (emu && emu != n) return TDM_STATUS_UNSUPPORTED;
-    /* Two handles on one GPU (a test of DP's copies on a one-GPU machine):
-     * NCCL refuses two ranks of one process on one GPU ("Duplicate GPU
-     * detected"), so DP stages through the per-device copies instead; the
-     * emulated group refuses them too, so the emulator takes that path. */
-    for (int i = 0; i < n; i++)
-        for (int j = 0; j < i; j++)
-            if (idx[i] == idx[j]) return TDM_STATUS_UNSUPPORTED;
-    tdm_cuda_group *g = calloc(1, sizeof *g);
-    TDM_REQUIRE(g, TDM_STATUS_OUT_OF_MEMORY, "device group: out of memory");
-    g->n = n;
-    if (!emu) {
-        tdm_status st = tdm_cuda_nccl_group_init(&g->nccl, idx, n, NULL);
-        if (st) {
-            free(g);
-            return st;
-        }
-    }
-    *out = g;
-    return TDM_STATUS_OK;
-}
-
-static void tdm_cuda_hook_group_free(void *gp)
-{
-    tdm_cuda_group *g = gp;
-    if (!g) return;
-    tdm_cuda_nccl_group_free(g->nccl);
-    free(g);
-}
-
-static tdm_status tdm_cuda_hook_group_broadcast(void *gp, float *const *bufs, size_t n_elem,
-                                                int root)
-{
-    tdm_cuda_group *g = gp;
-    TDM_REQUIRE(root >= 0 && root < g->n, TDM_STATUS_INVALID_ARG,
-                "device group broadcast: root %d of %d", root, g->n);
-    if (g->nccl)
-        return tdm_cuda_nccl_group_broadcast(g->nccl, (void *const *)bufs, n_elem,
-                                             TDM_DTYPE_FLOAT32, root);
-    for (int i = 0; i < g->n; i++)
-        if (i != root && n_elem && bufs[i] != bufs[root])
-            memcpy(bufs[i], bufs[root], n_elem * sizeof(float));
-    return TDM_STATUS_OK;
-}
-
-static tdm_status tdm_cuda_hook_group_reduce_sum(void *gp, const float *const *sendbufs,
-                                                 float *recvbuf, size_t n_elem, int root)
-{
-    tdm_cuda_group *g = gp;
-    TDM_REQUIRE(root >= 0 && root < g->n, TDM_STATUS_INVALID_ARG,
-                "device group reduce: root %d of %d", root, g->n);
-    if (g->nccl)
-        return tdm_cuda_nccl_group_reduce(g->nccl, (const void *const *)sendbufs, recvbuf,
-                                          n_elem, TDM_DTYPE_FLOAT32, TDM_REDOP_SUM, root);
-    /* rank order per element, every input read before the output is
-     * written: in place (recvbuf == sendbufs[root]) is safe */
-    for (size_t j = 0; j < n_elem; j++) {
-        float acc = sendbufs[0][j];
-        for (int i = 1; i < g->n; i++) acc += sendbufs[i][j];
-        recvbuf[j] = acc;
-    }
-    return TDM_STATUS_OK;
-}
-
-static const tdm_device_cuda_hooks tdm_cuda_hooks = {
-    .open = tdm_cuda_hook_open,
-    .count = tdm_cuda_hook_count,
-    .group_init = tdm_cuda_hook_group_init,
-    .group_free = tdm_cuda_hook_group_free,
-    .group_broadcast = tdm_cuda_hook_group_broadcast,
-    .group_reduce_sum = tdm_cuda_hook_group_reduce_sum,
-};
 
 /* Runs at load time: stores a pointer and nothing else (no CUDA call), so
  * a binary with the backend linked in starts on machines without a GPU or
@@ -923,221 +757,4 @@ static const tdm_device_cuda_hooks tdm_cuda_hooks = {
 __attribute__((constructor)) static void tdm_cuda_register(void)
 {
     tdm_device_cuda = &tdm_cuda_hooks;
-}
-
-/* --- the emulator: CUDA kernels on the host ---------------------------------- */
-
-/* Host memory, and the compute entries above with exec.host set: every
- * kernel's functor (index decomposition included) runs as a loop on the
- * calling thread; gemm is the host backend's (its argument mapping is the
- * same list). Lets host tests run the GPU equivalence suite without a GPU. */
-static tdm_status emu_alloc(tdm_device *d, size_t nbytes, void **out)
-{
-    __atomic_fetch_add(&tdm_cuda_impl(d)->emu_allocs, 1, __ATOMIC_RELAXED);
-    size_t sz = (nbytes + 63) & ~(size_t)63;
-    *out = aligned_alloc(64, sz ? sz : 64);
-    if (!*out)
-        return tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "%s: cannot allocate %zu bytes", d->name,
-                             nbytes);
-    return TDM_STATUS_OK;
-}
-
-static void emu_free(tdm_device *d, void *p)
-{
-    (void)d;
-    free(p);
-}
-
-static tdm_status emu_copy(tdm_device *d, void *dst, const void *src, size_t nbytes)
-{
-    (void)d;
-    if (nbytes && dst != src) memmove(dst, src, nbytes);
-    return TDM_STATUS_OK;
-}
-
-static tdm_status emu_memset_zero(tdm_device *d, void *p, size_t nbytes)
-{
-    (void)d;
-    if (nbytes) memset(p, 0, nbytes);
-    return TDM_STATUS_OK;
-}
-
-static tdm_status emu_sync(tdm_device *d)
-{
-    (void)d;
-    return TDM_STATUS_OK;
-}
-
-static tdm_status emu_copy_peer(tdm_device *dst_dev, void *dst, tdm_device *src_dev,
-                                const void *src, size_t nbytes)
-{
-    (void)src_dev;
-    return emu_copy(dst_dev, dst, src, nbytes);
-}
-
-int tdm_cuda_device_is_emulator(const tdm_device *d)
-{
-    return d && d->ops == &tdm_cuda_emu_ops;
-}
-
-int64_t tdm_cuda_emulator_allocs(const tdm_device *d)
-{
-    if (!tdm_cuda_device_is_emulator(d)) return -1;
-    return __atomic_load_n(&tdm_cuda_impl((tdm_device *)d)->emu_allocs, __ATOMIC_RELAXED);
-}
-
-int tdm_cuda_device_tf32(const tdm_device *d)
-{
-    return d && d->ops == &tdm_cuda_ops && tdm_cuda_impl((tdm_device *)d)->tf32;
-}
-
-static void emu_close(tdm_device *d)
-{
-    tdm_cuda_dev *c = tdm_cuda_impl(d);
-    if (!c) return;
-    tdm_device_free(c->host);
-    free(c);
-    d->impl = NULL;
-}
-
-static const tdm_device_ops tdm_cuda_emu_ops = {
-    .alloc = emu_alloc,
-    .free = emu_free,
-    .copy = emu_copy,
-    .copy_to_host = emu_copy,
-    .copy_from_host = emu_copy,
-    .memset_zero = emu_memset_zero,
-    .sync = emu_sync,
-    .close = emu_close,
-    .copy_peer = emu_copy_peer,
-    TDM_CUDA_COMPUTE_OPS,
-};
-
-static tdm_status tdm_cuda_emulator_make(tdm_device **out, int index, tdm_device_kind kind);
-
-tdm_status tdm_cuda_emulator_open(tdm_device **out)
-{
-    return tdm_cuda_emulator_make(out, 0, TDM_DEVICE_HOST);
-}
-
-tdm_status tdm_cuda_emulator_open_accel(tdm_device **out, int index)
-{
-    TDM_REQUIRE(index >= 0, TDM_STATUS_INVALID_ARG, "emulator index %d is negative", index);
-    return tdm_cuda_emulator_make(out, index, TDM_DEVICE_CUDA);
-}
-
-static tdm_status tdm_cuda_emulator_make(tdm_device **out, int index, tdm_device_kind kind)
-{
-    tdm_status st = TDM_STATUS_OK;
-    *out = NULL;
-    tdm_device *d = calloc(1, sizeof *d);
-    tdm_cuda_dev *c = calloc(1, sizeof *c);
-    if (!d || !c) {
-        st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "cannot allocate the CUDA emulator");
-        goto fail;
-    }
-    TDM_TRY(tdm_device_open(&c->host, "cpu", 0, 1));
-    c->exec.host = 1;
-    d->ops = &tdm_cuda_emu_ops;
-    d->kind = kind; /* its memory is host memory either way */
-    d->index = index;
-    d->threads = 1;
-    d->impl = c;
-    if (kind == TDM_DEVICE_HOST) snprintf(d->name, sizeof d->name, "cuda-emu");
-    else snprintf(d->name, sizeof d->name, "cuda-emu:%d", index);
-    *out = d;
-    return TDM_STATUS_OK;
-fail:
-    free(c);
-    free(d);
-    return st;
-}
-
-/* --- description ----------------------------------------------------------- */
-
-typedef struct tdm_cuda_buf {
-    char *p;
-    size_t len, used;
-} tdm_cuda_buf;
-
-__attribute__((format(printf, 2, 3))) static void tdm_cuda_put(tdm_cuda_buf *b, const char *fmt,
-                                                               ...)
-{
-    if (!b->len || b->used >= b->len - 1) return;
-    va_list ap;
-    va_start(ap, fmt);
-    int n = vsnprintf(b->p + b->used, b->len - b->used, fmt, ap);
-    va_end(ap);
-    if (n > 0) b->used += (size_t)n < b->len - b->used ? (size_t)n : b->len - b->used - 1;
-}
-
-static void tdm_cuda_put_version(tdm_cuda_buf *b, const char *label, int v)
-{
-    /* CUDA encodes 1000*major + 10*minor. */
-    if (v > 0) tdm_cuda_put(b, "  %-15s%d.%d\n", label, v / 1000, (v % 1000) / 10);
-    else tdm_cuda_put(b, "  %-15snone\n", label);
-}
-
-tdm_status tdm_cuda_describe(char *buf, size_t len)
-{
-    tdm_cuda_buf b = {.p = buf, .len = len, .used = 0};
-    if (len) buf[0] = '\0';
-    int rt = 0, drv = 0, nccl = 0, maj = 0, min = 0, patch = 0;
-    if (cudaRuntimeGetVersion(&rt) != cudaSuccess) rt = 0;
-    if (cudaDriverGetVersion(&drv) != cudaSuccess) drv = 0;
-    tdm_cuda_put_version(&b, "CUDA runtime", rt);
-    tdm_cuda_put_version(&b, "CUDA driver", drv);
-    if (ncclGetVersion(&nccl) == ncclSuccess)
-        /* NCCL >= 2.9 encodes 10000*major + 100*minor + patch. */
-        tdm_cuda_put(&b, "  %-15s%d.%d.%d\n", "NCCL", nccl / 10000, (nccl % 10000) / 100,
-                     nccl % 100);
-    if (cublasGetProperty(MAJOR_VERSION, &maj) == CUBLAS_STATUS_SUCCESS &&
-        cublasGetProperty(MINOR_VERSION, &min) == CUBLAS_STATUS_SUCCESS &&
-        cublasGetProperty(PATCH_LEVEL, &patch) == CUBLAS_STATUS_SUCCESS)
-        tdm_cuda_put(&b, "  %-15s%d.%d.%d\n", "cuBLAS", maj, min, patch);
-
-    int n = 0;
-    tdm_status st = tdm_cuda_device_count(&n);
-    if (st != TDM_STATUS_OK) {
-        tdm_cuda_put(&b, "  %-15s%s\n", "cuda", tdm_error_message());
-        return st;
-    }
-    if (n == 0) {
-        tdm_cuda_put(&b, "  %-15snone visible\n", "cuda");
-        return TDM_STATUS_OK;
-    }
-    for (int i = 0; i < n; i++) {
-        struct cudaDeviceProp p;
-        char name[24]; /* "cuda:" and any int */
-        snprintf(name, sizeof name, "cuda:%d", i);
-        cudaError_t e = cudaGetDeviceProperties(&p, i);
-        if (e != cudaSuccess) {
-            tdm_cuda_put(&b, "  %-15scudaGetDeviceProperties: %s (%s)\n", name,
-                         cudaGetErrorString(e), cudaGetErrorName(e));
-            continue;
-        }
-        tdm_cuda_put(&b, "  %-15s%s, %.1f GiB, compute capability %d.%d, %d SMs, "
-                     "PCI %04x:%02x:%02x.0\n", name, p.name,
-                     (double)p.totalGlobalMem / (1024.0 * 1024.0 * 1024.0), p.major, p.minor,
-                     p.multiProcessorCount, p.pciDomainID, p.pciBusID, p.pciDeviceID);
-    }
-    if (n > 1) {
-        /* Row i, column j: can cuda:i read and write cuda:j's memory
-         * directly (NVLink or PCIe P2P)? */
-        tdm_cuda_put(&b, "  %-15s", "peer access");
-        for (int j = 0; j < n; j++) tdm_cuda_put(&b, " %3d", j);
-        tdm_cuda_put(&b, "\n");
-        for (int i = 0; i < n; i++) {
-            char row[24];
-            snprintf(row, sizeof row, "from cuda:%d", i);
-            tdm_cuda_put(&b, "  %-15s", row);
-            for (int j = 0; j < n; j++) {
-                int can = 0;
-                if (i != j && cudaDeviceCanAccessPeer(&can, i, j) != cudaSuccess) can = -1;
-                tdm_cuda_put(&b, " %3s", i == j ? "-" : can > 0 ? "yes" : can == 0 ? "no" : "?");
-            }
-            tdm_cuda_put(&b, "\n");
-        }
-    }
-    return TDM_STATUS_OK;
 }

@@ -8,7 +8,7 @@
  * __host__ __device__ under nvcc). One grid-stride kernel template runs
  * any functor on the GPU. The same functor can also run as a plain loop
  * on the host (tdm_cuda_exec.host): that is how the host tests check the
- * index arithmetic of every kernel without a GPU (cuda/device_cuda.c's
+ * index arithmetic of every kernel without a GPU (cuda/emulator.c's
  * emulator device).
  *
  * This file is only kernels and their launchers (C linkage, declared in

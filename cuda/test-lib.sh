@@ -9,6 +9,9 @@
 #   TANDEM_NVIDIA_SMI   the nvidia-smi to run        [nvidia-smi on PATH]
 #   TANDEM_NVIDIA_PROC  the driver's /proc directory [/proc/driver/nvidia]
 
+# Reading Criterion's summary line is tests/criterion.sh's, as in make test.
+. "$(dirname "$0")/../tests/criterion.sh"
+
 # kit_setup BUILD: checks the build, exports TANDEM_BIN for the CLI tests,
 # clears the emulator (the tests that use it set it themselves) and makes
 # KIT_OUT, the file every binary's output is appended to.
@@ -90,9 +93,8 @@ kit_run() {
   grep -E '^\[(PASS|FAIL|ERR |SKIP)\]|Synthesis|Assertion|failed|CRASH' "$KIT_OUT.1" |
     grep -v '^\[----\]' | cut -c1-200
   cat "$KIT_OUT.1" >> "$KIT_OUT"
-  line=$(grep 'Synthesis:' "$KIT_OUT.1" | tail -1)
-  t=$(printf '%s' "$line" | sed -n 's/.*Tested: \([0-9]*\).*/\1/p'); t=${t:-0}
-  p=$(printf '%s' "$line" | sed -n 's/.*Passing: \([0-9]*\).*/\1/p'); p=${p:-0}
+  cr_summary < "$KIT_OUT.1"
+  line=$CR_LINE; t=$CR_TESTED; p=$CR_PASSED
   if [ $rc -ne 0 ] || [ "$t" != "$p" ] || [ -z "$line" ]; then
     echo "$KIT_NAME: $name FAILED (exit $rc; ${line:-no Criterion summary})"
     KIT_FAILED="$KIT_FAILED $name"

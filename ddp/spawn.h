@@ -21,7 +21,8 @@ typedef struct tdm_ddp_spawn_opts {
     int64_t grace_ms;         /* after a failure, before SIGTERM; 0: 3000 */
     int64_t comm_timeout_ms;  /* deadline of every collective wait (the process group's
                                  timeout); 0: TANDEM_TIMEOUT, else the shm default (300 s) */
-    size_t arena_bytes;       /* zero-copy arena per rank (DDP gradients); 0: none */
+    size_t arena_bytes;       /* zero-copy arena per rank (DDP gradients: tdm_ddp_arena_bytes,
+                                 ddp/ddp.h); 0: none */
 } tdm_ddp_spawn_opts;
 
 /* Returns OK when every rank exited 0, else the root cause by the rule of
@@ -30,8 +31,5 @@ typedef struct tdm_ddp_spawn_opts {
  * NULL. */
 tdm_status tdm_ddp_spawn(int world, tdm_ddp_spawn_fn fn, void *arg,
                          const tdm_ddp_spawn_opts *opts, tdm_shm_spawn_result *res);
-
-/* Arena bytes DDP needs for a model of param_elems elements. */
-size_t tdm_ddp_arena_bytes(int64_t param_elems);
 
 #endif

@@ -104,7 +104,8 @@ static tdm_status tdm_dp_round(tdm_dp *dp, tdm_phase phase, uint64_t mask, tdm_d
     for (int i = 0; i < dp->n; i++)
         if (mask >> i & 1) dp->t.device[i].ms[phase] += tdm_dp_pool_slot_ms(dp->pool, i);
     if (st != TDM_STATUS_OK && failed >= 0)
-        return tdm_error_prefix(st, "replica %d on device %s", failed, dp->dev[failed]->name);
+        return tdm_error_prefix(st, "replica %d on device %s", failed,
+                                tdm_dev_name(dp->dev[failed]));
     return st;
 }
 
@@ -170,23 +171,24 @@ tdm_status tdm_dp_init(tdm_dp **out, tdm_model *master, tdm_device **devices, in
         TDM_REQUIRE(devices[i], TDM_STATUS_INVALID_ARG, "DataParallel: device %d is NULL", i);
         for (int j = 0; j < i; j++)
             TDM_REQUIRE(devices[j] != devices[i] &&
-                            (devices[j]->kind != devices[i]->kind ||
-                             devices[j]->index != devices[i]->index ||
-                             (o.allow_same_device && devices[i]->kind != TDM_DEVICE_HOST)),
+                            (tdm_dev_kind(devices[j]) != tdm_dev_kind(devices[i]) ||
+                             tdm_dev_index(devices[j]) != tdm_dev_index(devices[i]) ||
+                             (o.allow_same_device && tdm_dev_kind(devices[i]) != TDM_DEVICE_HOST)),
                         TDM_STATUS_INVALID_ARG,
                         "DataParallel: device %s is listed twice (positions %d and %d)",
-                        devices[i]->name, j, i);
+                        tdm_dev_name(devices[i]), j, i);
     }
     TDM_REQUIRE(o.output_device >= 0 && o.output_device < n_devices, TDM_STATUS_INVALID_ARG,
                 "DataParallel: output device %d is not in the device list (positions 0..%d)",
                 o.output_device, n_devices - 1);
     tdm_device *md = tdm_model_device(master);
     tdm_device *od = devices[o.output_device];
-    TDM_REQUIRE(md == od || (md->kind == od->kind && md->index == od->index),
+    TDM_REQUIRE(md == od || (tdm_dev_kind(md) == tdm_dev_kind(od) &&
+                             tdm_dev_index(md) == tdm_dev_index(od)),
                 TDM_STATUS_INVALID_ARG,
                 "DataParallel: the master model lives on %s but the output device is %s "
                 "(position %d): build the master on the output device",
-                md->name, od->name, o.output_device);
+                tdm_dev_name(md), tdm_dev_name(od), o.output_device);
 
     dp = calloc(1, sizeof *dp);
     if (!dp) return tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "DataParallel: out of memory");
@@ -195,7 +197,7 @@ tdm_status tdm_dp_init(tdm_dp **out, tdm_model *master, tdm_device **devices, in
     dp->all_host = 1;
     for (int i = 0; i < n_devices; i++) {
         dp->dev[i] = devices[i];
-        if (devices[i]->kind != TDM_DEVICE_HOST) dp->all_host = 0;
+        if (tdm_dev_kind(devices[i]) != TDM_DEVICE_HOST) dp->all_host = 0;
     }
     dp->in_features = tdm_model_in_features(master);
     dp->n_classes = tdm_model_n_classes(master);
@@ -208,7 +210,8 @@ tdm_status tdm_dp_init(tdm_dp **out, tdm_model *master, tdm_device **devices, in
         if (i == dp->out) continue;
         st = tdm_model_clone(&dp->rep[i], master, devices[i]);
         if (st != TDM_STATUS_OK) {
-            tdm_error_prefix(st, "DataParallel: replica %d on device %s", i, devices[i]->name);
+            tdm_error_prefix(st, "DataParallel: replica %d on device %s", i,
+                             tdm_dev_name(devices[i]));
             goto fail;
         }
     }
@@ -230,7 +233,8 @@ tdm_status tdm_dp_init(tdm_dp **out, tdm_model *master, tdm_device **devices, in
     TDM_TRY(tdm_dp_pool_init(&dp->pool, n_devices, dp->out, o.spin_us));
     dp->t.n_devices = dp->last.n_devices = n_devices;
     TDM_INFO(DP, "DataParallel over %d devices, output %s, %lld parameters, pool spin %d us",
-             n_devices, od->name, (long long)dp->param_elems, tdm_dp_pool_spin_us(dp->pool));
+             n_devices, tdm_dev_name(od), (long long)dp->param_elems,
+             tdm_dp_pool_spin_us(dp->pool));
     *out = dp;
     return TDM_STATUS_OK;
 fail:
@@ -346,7 +350,7 @@ fail:
     dp->t.wall.ms[TDM_PHASE_REPLICATE] += tdm_time_ms_since(t0);
     dp->t.device[dp->out].ms[TDM_PHASE_REPLICATE] += tdm_time_ms_since(t0);
     if (st != TDM_STATUS_OK) return tdm_error_prefix(st, "replicate: broadcast from %s",
-                                                     dp->dev[dp->out]->name);
+                                                     tdm_dev_name(dp->dev[dp->out]));
     return st;
 }
 
@@ -365,18 +369,18 @@ static tdm_status tdm_dp_replicate_slice_task(void *ctx, int i)
     tdm_dp_slice(dp->buffer_elems, c->rank[i], c->n_threads, &blo, &bhi);
     if (c->zero_master) {
         tdm_device *od = dp->dev[dp->out];
-        TDM_TRY(od->ops->memset_zero(od, tdm_model_grads(src) + plo,
-                                     (size_t)(phi - plo) * sizeof(float)));
+        TDM_TRY(tdm_dev_memset_zero(od, tdm_model_grads(src) + plo,
+                                    (size_t)(phi - plo) * sizeof(float)));
     }
     for (int j = 0; j < dp->n; j++) {
         if (!(c->replicas >> j & 1)) continue;
         tdm_model *m = dp->rep[j];
         tdm_device *d = dp->dev[j];
-        TDM_TRY(d->ops->copy(d, tdm_model_params(m) + plo, tdm_model_params(src) + plo,
+        TDM_TRY(tdm_dev_copy(d, tdm_model_params(m) + plo, tdm_model_params(src) + plo,
                              (size_t)(phi - plo) * sizeof(float)));
-        TDM_TRY(d->ops->copy(d, tdm_model_buffers(m) + blo, tdm_model_buffers(src) + blo,
+        TDM_TRY(tdm_dev_copy(d, tdm_model_buffers(m) + blo, tdm_model_buffers(src) + blo,
                              (size_t)(bhi - blo) * sizeof(float)));
-        TDM_TRY(d->ops->memset_zero(d, tdm_model_grads(m) + plo,
+        TDM_TRY(tdm_dev_memset_zero(d, tdm_model_grads(m) + plo,
                                     (size_t)(phi - plo) * sizeof(float)));
     }
     return TDM_STATUS_OK;
@@ -498,7 +502,7 @@ static tdm_status tdm_dp_scatter_task(void *ctx, int i)
     tdm_status st;
     if (dst == src && c->other_dev == d) return TDM_STATUS_OK;   /* already in place */
     if (c->other_dev) st = tdm_dev_copy_between(d, dst, c->other_dev, src, nbytes);
-    else st = d->ops->copy_from_host(d, dst, src, nbytes);
+    else st = tdm_dev_copy_from_host(d, dst, src, nbytes);
     if (st != TDM_STATUS_OK) return tdm_error_prefix(st, "scatter of %d rows", c->sizes[i]);
     return TDM_STATUS_OK;
 }
@@ -534,7 +538,8 @@ static tdm_status tdm_dp_gather_task(void *ctx, int i)
     if (dst == src && i == dp->out) return TDM_STATUS_OK;
     tdm_status st = tdm_dev_copy_between(dp->dev[dp->out], dst, dp->dev[i], src, nbytes);
     if (st != TDM_STATUS_OK)
-        return tdm_error_prefix(st, "gather of %d rows to %s", c->sizes[i], dp->dev[dp->out]->name);
+        return tdm_error_prefix(st, "gather of %d rows to %s", c->sizes[i],
+                                tdm_dev_name(dp->dev[dp->out]));
     return TDM_STATUS_OK;
 }
 
@@ -594,7 +599,7 @@ static tdm_status tdm_dp_reduce_task(void *ctx, int i)
         if (!(c->replicas >> j & 1)) continue;
         /* Host devices share one address space: the master's device adds
          * the replica's slice in place, no staging copy. */
-        tdm_status st = od->ops->axpy(od, hi - lo, 1.0f, tdm_model_grads(dp->rep[j]) + lo, acc);
+        tdm_status st = tdm_dev_axpy(od, hi - lo, 1.0f, tdm_model_grads(dp->rep[j]) + lo, acc);
         if (st != TDM_STATUS_OK)
             return tdm_error_prefix(st, "reduce of replica %d's gradients [%lld, %lld)", j,
                                     (long long)lo, (long long)hi);
@@ -632,12 +637,12 @@ static tdm_status tdm_dp_reduce_mask(tdm_dp *dp, uint64_t mask)
         if (!(replicas >> j & 1)) continue;
         TDM_TRY(tdm_dev_copy_between(od, dp->stage, dp->dev[j], tdm_model_grads(dp->rep[j]),
                                      (size_t)dp->param_elems * sizeof(float)));
-        TDM_TRY(od->ops->axpy(od, dp->param_elems, 1.0f, dp->stage, acc));
+        TDM_TRY(tdm_dev_axpy(od, dp->param_elems, 1.0f, dp->stage, acc));
     }
 fail:
     dp->t.wall.ms[TDM_PHASE_REDUCE] += tdm_time_ms_since(t0);
     dp->t.device[dp->out].ms[TDM_PHASE_REDUCE] += tdm_time_ms_since(t0);
-    if (st != TDM_STATUS_OK) return tdm_error_prefix(st, "reduce onto %s", od->name);
+    if (st != TDM_STATUS_OK) return tdm_error_prefix(st, "reduce onto %s", tdm_dev_name(od));
     return st;
 }
 
@@ -729,8 +734,8 @@ static tdm_status tdm_dp_fb(tdm_dp *dp, const void *x, const int32_t *y, int bat
     /* loss over the whole batch on the output device: mean, so scale 1/B */
     uint64_t t0 = tdm_time_ns();
     double loss_sum = 0.0;
-    TDM_TRY(od->ops->copy_from_host(od, dp->labels, y,
-                                    (size_t)batch * dp->out_rows * sizeof(int32_t)));
+    TDM_TRY(tdm_dev_copy_from_host(od, dp->labels, y,
+                                   (size_t)batch * dp->out_rows * sizeof(int32_t)));
     TDM_TRY(tdm_model_loss(dp->rep[dp->out], dp->logits_all, dp->labels, batch,
                            1.0f / (float)batch, &loss_sum, dp->dlogits_all));
     double loss_ms = tdm_time_ms_since(t0);

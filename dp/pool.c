@@ -2,41 +2,33 @@
  * workers, one per slot but the caller's, driven by per-slot generation
  * counters; spin-then-futex waits. Not DP itself (dp/dp.c).
  *
- * Protocol, per slot s (one worker thread W, the driving caller C):
- *   C: writes the round's fn/ctx, then store go[s] = gen       (seq_cst)
- *   W: waits until go[s] != seen, runs fn, writes status/msg/ms,
- *      then store done[s] = gen                                 (seq_cst)
- *   C: waits until done[s] == gen for every active s.
+ * Protocol, per slot s (one worker thread W, the driving caller C), with
+ * gen the caller's round counter (64-bit, never wraps):
+ *   C: writes the round's fn/ctx, then publishes go[s] = gen   (seq_cst)
+ *   W: waits until go[s] > seen, runs fn, writes status/msg/ms,
+ *      then publishes done[s] = gen                            (seq_cst)
+ *   C: waits until done[s] >= gen for every active s.
  * The go store is the release that publishes fn/ctx and everything C did
  * before the round (pairs with W's acquire load of go); the done store is
  * the release that publishes the slot's results and everything fn wrote
  * (pairs with C's acquire load of done). Rounds chain these, so round k+1
  * sees everything every thread did in round k.
  *
- * Sleeping, Dekker style (as shm/wait.c), for each word with one waiter:
- *   publisher: store word (seq_cst)   ; load sleeping (seq_cst) -> wake
- *   sleeper:   store sleeping=1 (seq_cst); load word (seq_cst); futex_wait
- * In the total order of seq_cst operations either the publisher sees the
- * sleeper's flag (and wakes it) or the sleeper sees the new word (and does
- * not sleep); futex_wait also re-checks the word in the kernel, so a wake
- * that lands between the load and the sleep is not lost. */
+ * The waits are core/wait.h's (spin, then a private futex), with its
+ * Dekker pairing between a publisher and a sleeper: each flag has one
+ * waiter, W on go and C on done. */
 #include "dp/pool.h"
 
-#include <errno.h>
-#include <limits.h>
-#include <linux/futex.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/syscall.h>
-#include <time.h>
-#include <unistd.h>
 
 #include "core/device.h"
 #include "core/log.h"
 #include "core/timer.h"
+#include "core/wait.h"
 
 #define TDM_DP_POOL_MSG_MAX 1024
 /* Sleep granularity: idle workers re-check the stop flag, and a caller
@@ -48,11 +40,9 @@
 typedef struct tdm_dp_pool_slot {
     /* caller -> worker; its own cache line so that the worker spinning on
      * it does not share a line with the done word the caller spins on. */
-    _Alignas(64) _Atomic uint32_t go;
-    _Atomic uint32_t go_sleeping;
+    _Alignas(64) tdm_wait_flag go;
     /* worker -> caller */
-    _Alignas(64) _Atomic uint32_t done;
-    _Atomic uint32_t done_sleeping;
+    _Alignas(64) tdm_wait_flag done;
     /* Written by the slot's thread before its done store, read by the
      * caller after its acquire of done. */
     tdm_status status;
@@ -73,7 +63,7 @@ struct tdm_dp_pool {
     int caller_slot;
     int spin_us;
     uint64_t spin_ns;
-    uint32_t gen;                 /* caller only */
+    uint64_t gen;                 /* caller only */
     /* The round's work: written by the caller before the go stores. */
     tdm_dp_pool_fn fn;
     void *ctx;
@@ -81,15 +71,6 @@ struct tdm_dp_pool {
     tdm_dp_pool_arg args[TDM_DP_POOL_MAX_SLOTS];
     tdm_dp_pool_slot *slots;      /* n_slots, 64-byte aligned */
 };
-
-static inline void tdm_dp_cpu_relax(void)
-{
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#elif defined(__aarch64__)
-    __asm__ __volatile__("yield");
-#endif
-}
 
 /* Sleeps that ended by timeout and then found the word changed: a publish
  * whose wake-up never came. The sleep slice bounds the cost of one, so
@@ -101,67 +82,25 @@ uint64_t tdm_dp_pool_lost_wakeups(void)
     return atomic_load_explicit(&tdm_dp_lost_wakeups, memory_order_relaxed);
 }
 
-/* Returns 1 when the sleep timed out. */
-static int tdm_dp_futex_wait(_Atomic uint32_t *word, uint32_t expected, uint64_t timeout_ns)
+/* Waits until f reaches target. Spins for spin_ns, then sleeps in bounded
+ * slices. stop (may be NULL) ends the wait early; who_slot >= 0 names the
+ * slot awaited in the long-wait warning. */
+static void tdm_dp_wait(tdm_wait_flag *f, uint64_t target, uint64_t spin_ns, _Atomic int *stop,
+                        int who_slot)
 {
-    struct timespec ts = {.tv_sec = (time_t)(timeout_ns / 1000000000ull),
-                          .tv_nsec = (long)(timeout_ns % 1000000000ull)};
-    /* EINTR, EAGAIN (word already changed) and ETIMEDOUT all mean: look
-     * again; the callers loop. */
-    long r = syscall(SYS_futex, (uint32_t *)word, FUTEX_WAIT_PRIVATE, expected, &ts, NULL, 0);
-    return r == -1 && errno == ETIMEDOUT;
-}
-
-static void tdm_dp_futex_wake(_Atomic uint32_t *word)
-{
-    (void)syscall(SYS_futex, (uint32_t *)word, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
-}
-
-static void tdm_dp_publish(_Atomic uint32_t *word, _Atomic uint32_t *sleeping, uint32_t v)
-{
-    /* seq_cst store: the release that publishes the round (go) or the
-     * slot's results (done); Dekker pair with the sleeper's flag store
-     * and word load in tdm_dp_wait. */
-    atomic_store_explicit(word, v, memory_order_seq_cst);
-    if (atomic_load_explicit(sleeping, memory_order_seq_cst)) tdm_dp_futex_wake(word);
-}
-
-/* Waits until (*word == value) == want_equal. Spins for spin_ns, then
- * sleeps in bounded slices. stop (may be NULL) ends the wait early;
- * who_slot >= 0 names the slot awaited in the long-wait warning.
- * Returns the last value seen. */
-static uint32_t tdm_dp_wait(_Atomic uint32_t *word, _Atomic uint32_t *sleeping, uint32_t value,
-                            int want_equal, uint64_t spin_ns, _Atomic int *stop,
-                            int who_slot)
-{
-    /* acquire: pairs with the seq_cst (release) store in tdm_dp_publish. */
-    uint32_t v = atomic_load_explicit(word, memory_order_acquire);
-    if ((v == value) == want_equal) return v;
-    uint64_t t0 = 0;
-    if (spin_ns) {
-        t0 = tdm_time_ns();
-        for (unsigned i = 1;; i++) {
-            tdm_dp_cpu_relax();
-            v = atomic_load_explicit(word, memory_order_acquire);
-            if ((v == value) == want_equal) return v;
-            /* reading the clock costs ~20 ns: every 32 pauses is enough */
-            if ((i & 31) == 0 && tdm_time_ns() - t0 >= spin_ns) break;
-        }
-    } else {
-        t0 = tdm_time_ns();
-    }
+    /* acquire: pairs with the seq_cst (release) store of tdm_wait_publish. */
+    if (tdm_wait_reached(f, target)) return;
+    uint64_t t0 = tdm_time_ns();
+    if (spin_ns && tdm_wait_spin(f, target, t0, spin_ns, UINT64_MAX)) return;
     uint64_t next_warn = t0 + TDM_DP_POOL_WARN_NS;
     for (;;) {
-        atomic_store_explicit(sleeping, 1, memory_order_seq_cst);
-        v = atomic_load_explicit(word, memory_order_seq_cst);
-        if ((v == value) == want_equal) break;
-        if (stop && atomic_load_explicit(stop, memory_order_acquire)) break;
-        int timed_out = tdm_dp_futex_wait(word, v, TDM_DP_POOL_SLEEP_NS);
-        atomic_store_explicit(sleeping, 0, memory_order_relaxed);
-        v = atomic_load_explicit(word, memory_order_acquire);
-        if ((v == value) == want_equal) {
+        /* acquire: pairs with the release store of stop in
+         * tdm_dp_pool_free, made before the go publish that wakes us. */
+        if (stop && atomic_load_explicit(stop, memory_order_acquire)) return;
+        int timed_out;
+        if (tdm_wait_sleep(f, target, TDM_DP_POOL_SLEEP_NS, TDM_WAIT_PRIVATE, &timed_out)) {
             if (timed_out) atomic_fetch_add_explicit(&tdm_dp_lost_wakeups, 1, memory_order_relaxed);
-            return v;
+            return;
         }
         if (who_slot >= 0 && tdm_time_ns() >= next_warn) {
             /* No deadline on compute: a replica cannot die on its own
@@ -172,8 +111,6 @@ static uint32_t tdm_dp_wait(_Atomic uint32_t *word, _Atomic uint32_t *sleeping, 
             next_warn += TDM_DP_POOL_WARN_NS;
         }
     }
-    atomic_store_explicit(sleeping, 0, memory_order_relaxed);
-    return v;
 }
 
 static void tdm_dp_pool_exec(tdm_dp_pool *p, int s)
@@ -196,14 +133,17 @@ static void *tdm_dp_pool_worker(void *argp)
     tdm_dp_pool *p = arg->pool;
     int s = arg->slot;
     tdm_dp_pool_slot *slot = &p->slots[s];
-    uint32_t seen = 0;
+    uint64_t seen = 0;
     for (;;) {
-        seen = tdm_dp_wait(&slot->go, &slot->go_sleeping, seen, 0, p->spin_ns, &p->stop, -1);
+        tdm_dp_wait(&slot->go, seen + 1, p->spin_ns, &p->stop, -1);
         /* acquire: pairs with the release store of stop in
          * tdm_dp_pool_free, made before the final go store. */
         if (atomic_load_explicit(&p->stop, memory_order_acquire)) break;
+        /* The round's gen (rounds without this slot skip values); go stays
+         * there until the caller has seen this round's done. */
+        seen = atomic_load_explicit(&slot->go.value, memory_order_acquire);
         tdm_dp_pool_exec(p, s);
-        tdm_dp_publish(&slot->done, &slot->done_sleeping, seen);
+        tdm_wait_publish(&slot->done, seen, TDM_WAIT_PRIVATE);
     }
     return NULL;
 }
@@ -232,10 +172,10 @@ tdm_status tdm_dp_pool_init(tdm_dp_pool **out, int n_slots, int caller_slot, int
     }
     memset(p->slots, 0, nbytes);
     for (int s = 0; s < n_slots; s++) {
-        atomic_init(&p->slots[s].go, 0);
-        atomic_init(&p->slots[s].go_sleeping, 0);
-        atomic_init(&p->slots[s].done, 0);
-        atomic_init(&p->slots[s].done_sleeping, 0);
+        atomic_init(&p->slots[s].go.value, 0);
+        atomic_init(&p->slots[s].go.waiters, 0);
+        atomic_init(&p->slots[s].done.value, 0);
+        atomic_init(&p->slots[s].done.waiters, 0);
     }
     for (int s = 0; s < n_slots; s++) {
         if (s == caller_slot) continue;
@@ -265,7 +205,7 @@ void tdm_dp_pool_free(tdm_dp_pool *p)
     atomic_store_explicit(&p->stop, 1, memory_order_release);
     p->gen++;
     for (int s = 0; s < p->n_slots; s++)
-        if (p->slots[s].started) tdm_dp_publish(&p->slots[s].go, &p->slots[s].go_sleeping, p->gen);
+        if (p->slots[s].started) tdm_wait_publish(&p->slots[s].go, p->gen, TDM_WAIT_PRIVATE);
     for (int s = 0; s < p->n_slots; s++) {
         if (!p->slots[s].started) continue;
         int ret = pthread_join(p->slots[s].thread, NULL);
@@ -292,14 +232,16 @@ tdm_status tdm_dp_pool_run(tdm_dp_pool *p, uint64_t mask, tdm_dp_pool_fn fn, voi
     if (!mask) return TDM_STATUS_OK;
     p->fn = fn;
     p->ctx = ctx;
-    uint32_t gen = ++p->gen;
+    uint64_t gen = ++p->gen;
+    /* seq_cst stores: the release that publishes the round (fn, ctx and
+     * everything before) to each worker's acquire of go. */
     for (int s = 0; s < p->n_slots; s++)
         if (s != p->caller_slot && (mask >> s & 1))
-            tdm_dp_publish(&p->slots[s].go, &p->slots[s].go_sleeping, gen);
+            tdm_wait_publish(&p->slots[s].go, gen, TDM_WAIT_PRIVATE);
     if (mask >> p->caller_slot & 1) tdm_dp_pool_exec(p, p->caller_slot);
     for (int s = 0; s < p->n_slots; s++) {
         if (s == p->caller_slot || !(mask >> s & 1)) continue;
-        tdm_dp_wait(&p->slots[s].done, &p->slots[s].done_sleeping, gen, 1, p->spin_ns, NULL, s);
+        tdm_dp_wait(&p->slots[s].done, gen, p->spin_ns, NULL, s);
     }
     for (int s = 0; s < p->n_slots; s++) {
         if (!(mask >> s & 1) || p->slots[s].status == TDM_STATUS_OK) continue;

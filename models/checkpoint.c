@@ -35,7 +35,7 @@ static tdm_status tdm_ckpt_stage(tdm_device *d, float **host, const float *dev, 
     size_t nb = (size_t)(n > 0 ? n : 1) * sizeof(float);
     *host = calloc(1, nb);
     if (!*host) return tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "cannot allocate %zu bytes", nb);
-    if (n > 0) return d->ops->copy_to_host(d, *host, dev, (size_t)n * sizeof(float));
+    if (n > 0) return tdm_dev_copy_to_host(d, *host, dev, (size_t)n * sizeof(float));
     return TDM_STATUS_OK;
 }
 
@@ -252,12 +252,12 @@ tdm_status tdm_checkpoint_load(const char *path, tdm_model *m, tdm_optim *opt,
         }
     }
     /* Everything validated: only now overwrite the live model. */
-    TDM_TRY(d->ops->copy_from_host(d, tdm_model_params(m), hp, (size_t)pe * sizeof(float)));
+    TDM_TRY(tdm_dev_copy_from_host(d, tdm_model_params(m), hp, (size_t)pe * sizeof(float)));
     if (be > 0)
-        TDM_TRY(d->ops->copy_from_host(d, tdm_model_buffers(m), hb, (size_t)be * sizeof(float)));
+        TDM_TRY(tdm_dev_copy_from_host(d, tdm_model_buffers(m), hb, (size_t)be * sizeof(float)));
     if (opt) {
         for (int s = 0; s < tdm_optim_n_state(opt); s++)
-            TDM_TRY(d->ops->copy_from_host(d, tdm_optim_state(opt, s), hs[s],
+            TDM_TRY(tdm_dev_copy_from_host(d, tdm_optim_state(opt, s), hs[s],
                                            (size_t)pe * sizeof(float)));
         tdm_optim_set_steps(opt, step);
     }

@@ -281,11 +281,11 @@ static tdm_status tdm_gpt_reserve(tdm_model *m, int batch)
             goto fail;
         }
         for (int64_t i = 0; i < N; i++) h[i] = 1.0f;
-        st = m->dev->ops->copy_from_host(m->dev, g->ones, h, (size_t)N * sizeof(float));
+        st = tdm_dev_copy_from_host(m->dev, g->ones, h, (size_t)N * sizeof(float));
         free(h);
         TDM_TRY(st);
     }
-    if (m->dev->kind != TDM_DEVICE_HOST) {
+    if (tdm_dev_kind(m->dev) != TDM_DEVICE_HOST) {
         g->tok_host = malloc((size_t)N * sizeof(int32_t));
         if (!g->tok_host) {
             st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "gpt: cannot allocate %lld tokens",
@@ -308,8 +308,8 @@ static tdm_status tdm_gpt_check_tokens(tdm_model *m, const int32_t *tok, int64_t
 {
     tdm_gpt *g = m->ext;
     const int32_t *h = tok;
-    if (m->dev->kind != TDM_DEVICE_HOST) {
-        TDM_CHECK(m->dev->ops->copy_to_host(m->dev, g->tok_host, tok, (size_t)n * sizeof(int32_t)));
+    if (tdm_dev_kind(m->dev) != TDM_DEVICE_HOST) {
+        TDM_CHECK(tdm_dev_copy_to_host(m->dev, g->tok_host, tok, (size_t)n * sizeof(int32_t)));
         h = g->tok_host;
     }
     for (int64_t i = 0; i < n; i++)
@@ -326,44 +326,43 @@ static tdm_status tdm_gpt_run_forward(tdm_model *m, const int32_t *tok, int B, i
 {
     tdm_gpt *g = m->ext;
     tdm_device *d = m->dev;
-    const tdm_device_ops *o = d->ops;
     int C = g->C, L = g->L;
     int64_t N = (int64_t)B * Tr;
     size_t row_bytes = (size_t)N * C * sizeof(float);
     TDM_CHECK(tdm_gpt_reserve(m, B));
     g->seq = Tr;
     TDM_CHECK(tdm_gpt_check_tokens(m, tok, N));
-    TDM_CHECK(o->embed_fwd(d, tok, tdm_gpt_param(m, TDM_GPT_WTE), tdm_gpt_param(m, TDM_GPT_WPE),
-                           g->res0, B, Tr, C));
+    TDM_CHECK(tdm_dev_embed_fwd(d, tok, tdm_gpt_param(m, TDM_GPT_WTE),
+                                tdm_gpt_param(m, TDM_GPT_WPE), g->res0, B, Tr, C));
     const float *res = g->res0;
     for (int l = 0; l < L; l++) {
         tdm_gpt_block *b = &g->blk[l];
 #define P(j) tdm_gpt_param(m, tdm_gpt_p(l, (j)))
-        TDM_CHECK(o->layernorm_fwd(d, res, P(TDM_GPT_LN1_W), P(TDM_GPT_LN1_B), b->ln1,
-                                   b->ln1_mean, b->ln1_rstd, N, C, TDM_GPT_LN_EPS));
+        TDM_CHECK(tdm_dev_layernorm_fwd(d, res, P(TDM_GPT_LN1_W), P(TDM_GPT_LN1_B), b->ln1,
+                                        b->ln1_mean, b->ln1_rstd, N, C, TDM_GPT_LN_EPS));
         TDM_CHECK(tdm_layers_linear_fwd(d, b->ln1, P(TDM_GPT_ATTN_W), P(TDM_GPT_ATTN_B), N, C,
                                         3 * C, 0, g->qkv));
         tdm_layers_attn a = {.B = B, .T = Tr, .H = g->H, .C = C, .q = b->q, .k = b->k,
                              .v = b->v, .att = b->att};
         TDM_CHECK(tdm_layers_attention_fwd(d, &a, g->qkv, g->yh, b->atty));
         /* x + attn(ln_1(x)): the projection adds onto a copy of the stream */
-        TDM_CHECK(o->copy(d, b->res1, res, row_bytes));
+        TDM_CHECK(tdm_dev_copy(d, b->res1, res, row_bytes));
         TDM_CHECK(tdm_layers_linear_fwd(d, b->atty, P(TDM_GPT_APROJ_W), P(TDM_GPT_APROJ_B), N,
                                         C, C, 1, b->res1));
-        TDM_CHECK(o->layernorm_fwd(d, b->res1, P(TDM_GPT_LN2_W), P(TDM_GPT_LN2_B), b->ln2,
-                                   b->ln2_mean, b->ln2_rstd, N, C, TDM_GPT_LN_EPS));
+        TDM_CHECK(tdm_dev_layernorm_fwd(d, b->res1, P(TDM_GPT_LN2_W), P(TDM_GPT_LN2_B), b->ln2,
+                                        b->ln2_mean, b->ln2_rstd, N, C, TDM_GPT_LN_EPS));
         TDM_CHECK(tdm_layers_linear_fwd(d, b->ln2, P(TDM_GPT_FC_W), P(TDM_GPT_FC_B), N, C,
                                         4 * C, 0, b->fch));
-        TDM_CHECK(o->gelu_fwd(d, b->fch, b->fcg, N * 4 * C));
-        TDM_CHECK(o->copy(d, b->res2, b->res1, row_bytes));
+        TDM_CHECK(tdm_dev_gelu_fwd(d, b->fch, b->fcg, N * 4 * C));
+        TDM_CHECK(tdm_dev_copy(d, b->res2, b->res1, row_bytes));
         TDM_CHECK(tdm_layers_linear_fwd(d, b->fcg, P(TDM_GPT_MPROJ_W), P(TDM_GPT_MPROJ_B), N,
                                         4 * C, C, 1, b->res2));
 #undef P
         res = b->res2;
     }
     int pf = tdm_gpt_p_lnf(L);
-    TDM_CHECK(o->layernorm_fwd(d, res, tdm_gpt_param(m, pf), tdm_gpt_param(m, pf + 1), g->lnf,
-                               g->lnf_mean, g->lnf_rstd, N, C, TDM_GPT_LN_EPS));
+    TDM_CHECK(tdm_dev_layernorm_fwd(d, res, tdm_gpt_param(m, pf), tdm_gpt_param(m, pf + 1), g->lnf,
+                                    g->lnf_mean, g->lnf_rstd, N, C, TDM_GPT_LN_EPS));
     /* the head tied to the token embedding: logits = ln_f(x) wte^T */
     TDM_CHECK(tdm_layers_linear_fwd(d, g->lnf, tdm_gpt_param(m, TDM_GPT_WTE), NULL, N, C, g->V,
                                     0, g->logits));
@@ -415,19 +414,18 @@ static tdm_status tdm_gpt_backward(tdm_model *m, const float *dlogits)
 {
     tdm_gpt *g = m->ext;
     tdm_device *d = m->dev;
-    const tdm_device_ops *o = d->ops;
     int B = m->batch, Tr = g->seq, C = g->C, L = g->L;
     int64_t N = (int64_t)B * Tr;
-    TDM_CHECK(o->memset_zero(d, g->dres, (size_t)N * C * sizeof(float)));
+    TDM_CHECK(tdm_dev_memset_zero(d, g->dres, (size_t)N * C * sizeof(float)));
     /* the head: dwte += dlogits^T ln_f(x) (the first of its two shares),
      * d ln_f(x) = dlogits wte; no hook: wte is not final yet */
     TDM_CHECK(tdm_layers_linear_bwd(d, g->lnf, tdm_gpt_param(m, TDM_GPT_WTE), dlogits, g->ones,
                                     N, C, g->V, tdm_gpt_grad(m, TDM_GPT_WTE), NULL, g->dln, 0));
     int pf = tdm_gpt_p_lnf(L);
     const float *res_last = L > 0 ? g->blk[L - 1].res2 : g->res0;
-    TDM_CHECK(o->layernorm_bwd(d, res_last, g->dln, tdm_gpt_param(m, pf), g->lnf_mean,
-                               g->lnf_rstd, g->dres, tdm_gpt_grad(m, pf),
-                               tdm_gpt_grad(m, pf + 1), N, C));
+    TDM_CHECK(tdm_dev_layernorm_bwd(d, res_last, g->dln, tdm_gpt_param(m, pf), g->lnf_mean,
+                                    g->lnf_rstd, g->dres, tdm_gpt_grad(m, pf),
+                                    tdm_gpt_grad(m, pf + 1), N, C));
     tdm_gpt_hook(m, 1 + 6 * L);
     for (int l = L - 1; l >= 0; l--) {
         tdm_gpt_block *b = &g->blk[l];
@@ -439,13 +437,13 @@ static tdm_status tdm_gpt_backward(tdm_model *m, const float *dlogits)
                                         4 * C, C, G(TDM_GPT_MPROJ_W), G(TDM_GPT_MPROJ_B), g->dfc,
                                         0));
         tdm_gpt_hook(m, tdm_gpt_layer(l, 5));
-        TDM_CHECK(o->gelu_bwd(d, b->fch, g->dfc, g->dfc, N * 4 * C));
+        TDM_CHECK(tdm_dev_gelu_bwd(d, b->fch, g->dfc, g->dfc, N * 4 * C));
         TDM_CHECK(tdm_layers_linear_bwd(d, b->ln2, P(TDM_GPT_FC_W), g->dfc, g->ones, N, C, 4 * C,
                                         G(TDM_GPT_FC_W), G(TDM_GPT_FC_B), g->dln, 0));
         tdm_gpt_hook(m, tdm_gpt_layer(l, 4));
-        TDM_CHECK(o->layernorm_bwd(d, b->res1, g->dln, P(TDM_GPT_LN2_W), b->ln2_mean,
-                                   b->ln2_rstd, g->dres, G(TDM_GPT_LN2_W), G(TDM_GPT_LN2_B), N,
-                                   C));
+        TDM_CHECK(tdm_dev_layernorm_bwd(d, b->res1, g->dln, P(TDM_GPT_LN2_W), b->ln2_mean,
+                                        b->ln2_rstd, g->dres, G(TDM_GPT_LN2_W),
+                                        G(TDM_GPT_LN2_B), N, C));
         tdm_gpt_hook(m, tdm_gpt_layer(l, 3));
         /* x += attn(ln_1(x)); dln holds the heads' output gradient until
          * c_attn's backward overwrites it */
@@ -459,16 +457,16 @@ static tdm_status tdm_gpt_backward(tdm_model *m, const float *dlogits)
         TDM_CHECK(tdm_layers_linear_bwd(d, b->ln1, P(TDM_GPT_ATTN_W), g->qkv, g->ones, N, C,
                                         3 * C, G(TDM_GPT_ATTN_W), G(TDM_GPT_ATTN_B), g->dln, 0));
         tdm_gpt_hook(m, tdm_gpt_layer(l, 1));
-        TDM_CHECK(o->layernorm_bwd(d, res_in, g->dln, P(TDM_GPT_LN1_W), b->ln1_mean,
-                                   b->ln1_rstd, g->dres, G(TDM_GPT_LN1_W), G(TDM_GPT_LN1_B), N,
-                                   C));
+        TDM_CHECK(tdm_dev_layernorm_bwd(d, res_in, g->dln, P(TDM_GPT_LN1_W), b->ln1_mean,
+                                        b->ln1_rstd, g->dres, G(TDM_GPT_LN1_W),
+                                        G(TDM_GPT_LN1_B), N, C));
         tdm_gpt_hook(m, tdm_gpt_layer(l, 0));
 #undef P
 #undef G
     }
     /* the embeddings: wte's second share; now wte and wpe are final */
-    TDM_CHECK(o->embed_bwd(d, g->tok, g->dres, tdm_gpt_grad(m, TDM_GPT_WTE),
-                           tdm_gpt_grad(m, TDM_GPT_WPE), B, Tr, C));
+    TDM_CHECK(tdm_dev_embed_bwd(d, g->tok, g->dres, tdm_gpt_grad(m, TDM_GPT_WTE),
+                                tdm_gpt_grad(m, TDM_GPT_WPE), B, Tr, C));
     tdm_gpt_hook(m, 0);
     return TDM_STATUS_OK;
 }
@@ -499,7 +497,6 @@ static const tdm_model_vt tdm_gpt_vt = {
 tdm_status tdm_gpt_build(tdm_model *m)
 {
     const tdm_model_spec *s = &m->spec;
-    const tdm_device_ops *o = m->dev->ops;
     int L = s->n_layer, C = s->n_embd, H = s->n_head, T = s->n_ctx;
     TDM_REQUIRE(L >= 1 && L <= TDM_GPT_MAX_LAYERS && C >= 1 && H >= 1 && T >= 1 &&
                     s->vocab == TDM_GPT_VOCAB,
@@ -509,11 +506,8 @@ tdm_status tdm_gpt_build(tdm_model *m)
     TDM_REQUIRE(C % H == 0, TDM_STATUS_INVALID_ARG,
                 "gpt: %d heads do not divide the width %d (each head gets width/heads features)",
                 H, C);
-    TDM_REQUIRE(o->embed_fwd && o->embed_bwd && o->layernorm_fwd && o->layernorm_bwd &&
-                    o->gelu_fwd && o->gelu_bwd && o->heads_split && o->heads_merge &&
-                    o->attn_softmax_fwd && o->attn_softmax_bwd,
-                TDM_STATUS_UNSUPPORTED, "gpt: device %s has no transformer kernels",
-                m->dev->name);
+    TDM_REQUIRE(tdm_dev_has_transformer(m->dev), TDM_STATUS_UNSUPPORTED,
+                "gpt: device %s has no transformer kernels", tdm_dev_name(m->dev));
     tdm_gpt *g = calloc(1, sizeof *g);
     TDM_REQUIRE(g, TDM_STATUS_OUT_OF_MEMORY, "gpt: out of memory");
     g->blk = calloc((size_t)L, sizeof *g->blk);
@@ -577,7 +571,7 @@ tdm_status tdm_gpt_generate(tdm_model *m, const int32_t *prompt, int n_prompt, i
         st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "generate: out of memory");
         goto fail;
     }
-    if (d->kind != TDM_DEVICE_HOST)
+    if (tdm_dev_kind(d) != TDM_DEVICE_HOST)
         TDM_TRY(tdm_dev_alloc(d, (size_t)T * sizeof(int32_t), (void **)&dtok));
     memcpy(seq, prompt, (size_t)n_prompt * sizeof(int32_t));
     tdm_rng r;
@@ -588,11 +582,11 @@ tdm_status tdm_gpt_generate(tdm_model *m, const int32_t *prompt, int n_prompt, i
         const int32_t *window = seq + n - ctx;
         const float *logits;
         if (dtok) {
-            TDM_TRY(d->ops->copy_from_host(d, dtok, window, (size_t)ctx * sizeof(int32_t)));
+            TDM_TRY(tdm_dev_copy_from_host(d, dtok, window, (size_t)ctx * sizeof(int32_t)));
             window = dtok;
         }
         TDM_TRY(tdm_gpt_forward_seq(m, window, 1, ctx, &logits));
-        TDM_TRY(d->ops->copy_to_host(d, row, logits + (int64_t)(ctx - 1) * V,
+        TDM_TRY(tdm_dev_copy_to_host(d, row, logits + (int64_t)(ctx - 1) * V,
                                      (size_t)V * sizeof(float)));
         int best = 0;
         for (int j = 1; j < V; j++)

@@ -38,8 +38,8 @@ tdm_status tdm_loss_softmax_xent(tdm_device *dev, const float *logits, const int
     /* the device's scratch, not an allocation per call: on a GPU that was
      * a cudaMalloc and a device-wide synchronising cudaFree every step */
     TDM_TRY(tdm_dev_scratch(dev, nb, (void **)&rows));
-    TDM_TRY(dev->ops->softmax_xent(dev, logits, labels, batch, classes, scale, rows, dlogits));
-    if (dev->kind == TDM_DEVICE_HOST) {
+    TDM_TRY(tdm_dev_softmax_xent(dev, logits, labels, batch, classes, scale, rows, dlogits));
+    if (tdm_dev_kind(dev) == TDM_DEVICE_HOST) {
         host = rows;
     } else {
         host = malloc(nb);
@@ -47,7 +47,7 @@ tdm_status tdm_loss_softmax_xent(tdm_device *dev, const float *logits, const int
             st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "cannot allocate %zu bytes", nb);
             goto fail;
         }
-        TDM_TRY(dev->ops->copy_to_host(dev, host, rows, nb));
+        TDM_TRY(tdm_dev_copy_to_host(dev, host, rows, nb));
     }
     double s = 0.0;
     for (int i = 0; i < batch; i++) s += host[i];

@@ -1,10 +1,10 @@
-/* models/model.c: layer graph, flat buffers, forward and backward of the
- * MLP and CNN models. Layers: linear (optionally with a fused relu),
- * conv2d (im2col + one gemm per batch, no bias: batchnorm follows),
- * batchnorm2d (optionally with a fused relu), maxpool2d, flatten. The
- * softmax cross-entropy lives in models/loss.c; the GPT in models/gpt.c
- * (through tdm_model_vt). Not here: optimizers (models/optim.c),
- * checkpoints (models/checkpoint.c), any parallelism. */
+/* models/model.c: the model as callers see it: specs, the layer graph of
+ * the MLP and CNN, the flat parameter, gradient and buffer storage,
+ * activations, and forward and backward walking the layers in order
+ * (each layer's own math is models/layers.c). The softmax cross-entropy
+ * lives in models/loss.c; the GPT in models/gpt.c (through
+ * tdm_model_vt). Not here: optimizers (models/optim.c), checkpoints
+ * (models/checkpoint.c), any parallelism. */
 #include "models/model_impl.h"
 
 #include <math.h>
@@ -14,9 +14,6 @@
 
 #include "core/log.h"
 #include "core/rng.h"
-
-#define TDM_BN_EPS 1e-5f
-#define TDM_BN_MOMENTUM 0.1f
 
 /* ---- specs ---- */
 
@@ -350,11 +347,11 @@ static tdm_status tdm_model_fill_host(tdm_model *m, uint64_t seed)
         float v = strstr(t->name, "running_var") ? 1.0f : 0.0f;
         for (int64_t j = 0; j < t->n_elem; j++) hb[t->offset + j] = v;
     }
-    TDM_TRY(m->dev->ops->copy_from_host(m->dev, m->params, hp,
-                                        (size_t)m->param_elems * sizeof(float)));
+    TDM_TRY(tdm_dev_copy_from_host(m->dev, m->params, hp,
+                                   (size_t)m->param_elems * sizeof(float)));
     if (m->buffer_elems)
-        TDM_TRY(m->dev->ops->copy_from_host(m->dev, m->buffers, hb,
-                                            (size_t)m->buffer_elems * sizeof(float)));
+        TDM_TRY(tdm_dev_copy_from_host(m->dev, m->buffers, hb,
+                                       (size_t)m->buffer_elems * sizeof(float)));
 fail:
     free(hp);
     free(hb);
@@ -373,8 +370,8 @@ tdm_status tdm_model_init(tdm_model **out, tdm_device *dev, const tdm_model_spec
     }
     char desc[128];
     tdm_model_spec_describe(spec, desc, sizeof desc);
-    TDM_INFO(MODEL, "%s on %s: %d parameter tensors, %lld floats; %d buffers", desc, dev->name,
-             m->n_params, (long long)m->param_elems, m->n_buffers);
+    TDM_INFO(MODEL, "%s on %s: %d parameter tensors, %lld floats; %d buffers", desc,
+             tdm_dev_name(dev), m->n_params, (long long)m->param_elems, m->n_buffers);
     *out = m;
     return TDM_STATUS_OK;
 }
@@ -495,7 +492,7 @@ static tdm_status tdm_model_reserve(tdm_model *m, int batch)
             goto fail;
         }
         for (int i = 0; i < batch; i++) h[i] = 1.0f;
-        st = d->ops->copy_from_host(d, m->ones, h, nb);
+        st = tdm_dev_copy_from_host(d, m->ones, h, nb);
         free(h);
         TDM_TRY(st);
     }
@@ -579,18 +576,18 @@ tdm_status tdm_model_set_grad_storage(tdm_model *m, float *grads)
     size_t nb = (size_t)m->param_elems * sizeof(float);
     if (!grads) {
         if (m->grads != m->grads_owned)
-            TDM_CHECK(m->dev->ops->copy(m->dev, m->grads_owned, m->grads, nb));
+            TDM_CHECK(tdm_dev_copy(m->dev, m->grads_owned, m->grads, nb));
         m->grads = m->grads_owned;
         return TDM_STATUS_OK;
     }
-    TDM_CHECK(m->dev->ops->copy(m->dev, grads, m->grads, nb));
+    TDM_CHECK(tdm_dev_copy(m->dev, grads, m->grads, nb));
     m->grads = grads;
     return TDM_STATUS_OK;
 }
 
 tdm_status tdm_model_zero_grad(tdm_model *m)
 {
-    return m->dev->ops->memset_zero(m->dev, m->grads, (size_t)m->param_elems * sizeof(float));
+    return tdm_dev_memset_zero(m->dev, m->grads, (size_t)m->param_elems * sizeof(float));
 }
 
 void tdm_model_get_memory(const tdm_model *m, tdm_model_memory *out)
@@ -625,66 +622,6 @@ void tdm_model_gemm_flops(const tdm_model *m, double *fwd, double *bwd)
 
 /* ---- forward ---- */
 
-static tdm_conv_geom tdm_layer_geom(const tdm_layer *l, int batch)
-{
-    return (tdm_conv_geom){.n = batch, .c = l->c, .h = l->h, .w = l->w, .kh = l->k, .kw = l->k,
-                           .stride = l->stride, .pad = l->pad, .oh = l->oh, .ow = l->ow};
-}
-
-static float *tdm_param(tdm_model *m, int i) { return m->params + m->params_info[i].offset; }
-static float *tdm_grad(tdm_model *m, int i) { return m->grads + m->params_info[i].offset; }
-static float *tdm_buffer(tdm_model *m, int i) { return m->buffers + m->buffers_info[i].offset; }
-
-static tdm_status tdm_layer_forward(tdm_model *m, tdm_layer *l, const float *x, int B)
-{
-    tdm_device *d = m->dev;
-    const tdm_device_ops *o = d->ops;
-    l->in = x;
-    switch (l->kind) {
-    case TDM_LAYER_LINEAR:
-        /* out (B, oc) = x (B, c) W^T, W (oc, c) */
-        TDM_CHECK(tdm_dev_gemm_rm(d, TDM_TRANS_N, TDM_TRANS_T, B, l->oc, l->c, 1.0f, x,
-                                  tdm_param(m, l->p0), 0.0f, l->out));
-        return o->bias_act(d, l->out, tdm_param(m, l->p0 + 1), B, l->oc,
-                           l->relu ? TDM_ACT_RELU : TDM_ACT_NONE);
-    case TDM_LAYER_CONV: {
-        tdm_conv_geom g = tdm_layer_geom(l, B);
-        TDM_CHECK(o->im2col(d, &g, x, l->col));
-        /* out (oc, B*oh*ow) = W (oc, c*k*k) col (c*k*k, B*oh*ow) */
-        return tdm_dev_gemm_rm(d, TDM_TRANS_N, TDM_TRANS_N, l->oc, B * l->oh * l->ow,
-                               l->c * l->k * l->k, 1.0f, tdm_param(m, l->p0), l->col, 0.0f,
-                               l->out);
-    }
-    case TDM_LAYER_BN: {
-        int64_t len = (int64_t)B * l->h * l->w;
-        if (m->train) {
-            TDM_REQUIRE(len > 1, TDM_STATUS_INVALID_ARG,
-                        "batchnorm in training mode needs more than 1 value per channel "
-                        "(batch %d of %dx%d images)", B, l->h, l->w);
-            TDM_CHECK(o->bn_stats(d, x, l->c, len, l->mean, l->var));
-        }
-        TDM_CHECK(o->bn_prep(d, l->c, l->mean, l->var, l->invstd, tdm_buffer(m, l->b0),
-                             tdm_buffer(m, l->b0 + 1), TDM_BN_EPS, TDM_BN_MOMENTUM, len,
-                             m->train));
-        TDM_CHECK(o->bn_fwd(d, x, l->c, len, l->mean, l->invstd, tdm_param(m, l->p0),
-                            tdm_param(m, l->p0 + 1), l->out));
-        if (l->relu) TDM_CHECK(o->bias_act(d, l->out, NULL, l->c, (int)len, TDM_ACT_RELU));
-        return TDM_STATUS_OK;
-    }
-    case TDM_LAYER_MAXPOOL: {
-        tdm_conv_geom g = tdm_layer_geom(l, B);
-        return o->maxpool_fwd(d, &g, x, l->out, l->argmax);
-    }
-    case TDM_LAYER_FLATTEN:
-        return o->cnhw_to_nchw(d, x, l->out, l->c, B, (int64_t)l->h * l->w);
-    case TDM_LAYER_TO_CNHW:
-        return o->nchw_to_cnhw(d, x, l->out, l->c, B, (int64_t)l->h * l->w);
-    case TDM_LAYER_GROUP:
-        break;   /* a vt model's: never run here */
-    }
-    return tdm_error_set(TDM_STATUS_INTERNAL, "unknown layer kind %d", (int)l->kind);
-}
-
 tdm_status tdm_model_forward(tdm_model *m, const void *x, int batch, const float **logits)
 {
     TDM_REQUIRE(batch > 0, TDM_STATUS_INVALID_ARG, "forward: batch %d must be positive", batch);
@@ -696,7 +633,7 @@ tdm_status tdm_model_forward(tdm_model *m, const void *x, int batch, const float
     TDM_CHECK(tdm_model_reserve(m, batch));
     const float *cur = x;
     for (int i = 0; i < m->n_layers; i++) {
-        TDM_CHECK(tdm_layer_forward(m, &m->layers[i], cur, batch));
+        TDM_CHECK(tdm_model_layer_forward(m, &m->layers[i], cur, batch));
         cur = m->layers[i].out;
     }
     m->batch = batch;
@@ -706,62 +643,6 @@ tdm_status tdm_model_forward(tdm_model *m, const void *x, int batch, const float
 
 /* ---- backward ---- */
 
-/* dout (B, out) may be modified in place (fused relu). din may be NULL for
- * the layers up to the first with parameters: nobody needs their input
- * gradient. */
-static tdm_status tdm_layer_backward(tdm_model *m, tdm_layer *l, float *dout, float *din, int B)
-{
-    tdm_device *d = m->dev;
-    const tdm_device_ops *o = d->ops;
-    switch (l->kind) {
-    case TDM_LAYER_LINEAR:
-        if (l->relu) TDM_CHECK(o->relu_bwd(d, dout, l->out, (int64_t)B * l->oc));
-        /* dW (oc, c) += dout^T (oc, B) x (B, c) */
-        TDM_CHECK(tdm_dev_gemm_rm(d, TDM_TRANS_T, TDM_TRANS_N, l->oc, l->c, B, 1.0f, dout, l->in,
-                                  1.0f, tdm_grad(m, l->p0)));
-        /* db (1, oc) += ones (1, B) dout (B, oc) */
-        TDM_CHECK(tdm_dev_gemm_rm(d, TDM_TRANS_N, TDM_TRANS_N, 1, l->oc, B, 1.0f, m->ones, dout,
-                                  1.0f, tdm_grad(m, l->p0 + 1)));
-        /* din (B, c) = dout (B, oc) W (oc, c) */
-        if (din)
-            TDM_CHECK(tdm_dev_gemm_rm(d, TDM_TRANS_N, TDM_TRANS_N, B, l->c, l->oc, 1.0f, dout,
-                                      tdm_param(m, l->p0), 0.0f, din));
-        return TDM_STATUS_OK;
-    case TDM_LAYER_CONV: {
-        int kk = l->c * l->k * l->k, np = B * l->oh * l->ow;
-        /* dW (oc, kk) += dout (oc, np) col^T (np, kk) */
-        TDM_CHECK(tdm_dev_gemm_rm(d, TDM_TRANS_N, TDM_TRANS_T, l->oc, kk, np, 1.0f, dout, l->col,
-                                  1.0f, tdm_grad(m, l->p0)));
-        if (!din) return TDM_STATUS_OK;
-        /* dcol (kk, np) = W^T (kk, oc) dout (oc, np) */
-        TDM_CHECK(tdm_dev_gemm_rm(d, TDM_TRANS_T, TDM_TRANS_N, kk, np, l->oc, 1.0f,
-                                  tdm_param(m, l->p0), dout, 0.0f, m->dcol));
-        tdm_conv_geom g = tdm_layer_geom(l, B);
-        return o->col2im(d, &g, m->dcol, din);
-    }
-    case TDM_LAYER_BN: {
-        int64_t len = (int64_t)B * l->h * l->w;
-        if (l->relu) TDM_CHECK(o->relu_bwd(d, dout, l->out, len * l->c));
-        return o->bn_bwd(d, l->in, dout, l->c, len, l->mean, l->invstd, tdm_param(m, l->p0), din,
-                         tdm_grad(m, l->p0), tdm_grad(m, l->p0 + 1), m->train);
-    }
-    case TDM_LAYER_MAXPOOL: {
-        if (!din) return TDM_STATUS_OK;
-        tdm_conv_geom g = tdm_layer_geom(l, B);
-        return o->maxpool_bwd(d, &g, dout, l->argmax, din);
-    }
-    case TDM_LAYER_FLATTEN:
-        if (!din) return TDM_STATUS_OK;
-        return o->nchw_to_cnhw(d, dout, din, l->c, B, (int64_t)l->h * l->w);
-    case TDM_LAYER_TO_CNHW:
-        if (!din) return TDM_STATUS_OK;
-        return o->cnhw_to_nchw(d, dout, din, l->c, B, (int64_t)l->h * l->w);
-    case TDM_LAYER_GROUP:
-        break;
-    }
-    return tdm_error_set(TDM_STATUS_INTERNAL, "unknown layer kind %d", (int)l->kind);
-}
-
 tdm_status tdm_model_backward(tdm_model *m, const float *dlogits)
 {
     TDM_REQUIRE(m->batch > 0, TDM_STATUS_INVALID_ARG, "backward called before forward");
@@ -770,7 +651,7 @@ tdm_status tdm_model_backward(tdm_model *m, const float *dlogits)
     int B = m->batch;
     tdm_device *d = m->dev;
     int cur = 0;
-    TDM_CHECK(d->ops->copy(d, m->dbuf[0], dlogits,
+    TDM_CHECK(tdm_dev_copy(d, m->dbuf[0], dlogits,
                            (size_t)B * (size_t)tdm_model_n_classes(m) * sizeof(float)));
     /* the input gradient of the first layer with parameters and of the
      * layers before it (input reshuffles) is never needed, nor that of
@@ -781,7 +662,7 @@ tdm_status tdm_model_backward(tdm_model *m, const float *dlogits)
     for (int i = m->n_layers - 1; i >= m->bwd_stop; i--) {
         tdm_layer *l = &m->layers[i];
         float *din = i > first ? m->dbuf[1 - cur] : NULL;
-        TDM_CHECK(tdm_layer_backward(m, l, m->dbuf[cur], din, B));
+        TDM_CHECK(tdm_model_layer_backward(m, l, m->dbuf[cur], din, B));
         if (l->np > 0 && m->hook) m->hook(m->hook_ctx, m, l->p0, l->p0 + l->np - 1);
         cur = 1 - cur;
     }
@@ -813,7 +694,7 @@ tdm_status tdm_model_count_correct(tdm_model *m, const int32_t *y_host, int batc
     float *h = malloc(nb);
     if (!h) return tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "cannot allocate %zu bytes", nb);
     const float *logits = m->vt ? m->vt->last_logits(m) : m->layers[m->n_layers - 1].out;
-    tdm_status st = m->dev->ops->copy_to_host(m->dev, h, logits, nb);
+    tdm_status st = tdm_dev_copy_to_host(m->dev, h, logits, nb);
     int64_t n = 0;
     for (int64_t r = 0; st == TDM_STATUS_OK && r < rows; r++) {
         int best = 0;

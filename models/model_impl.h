@@ -1,6 +1,7 @@
 /* models/model_impl.h: the inside of a tdm_model, shared by the files
  * that build models: models/model.c (the layer graph of the MLP and CNN,
- * the flat buffers, the public accessors) and models/gpt.c (the GPT,
+ * the flat buffers, the public accessors), models/layers.c (those
+ * layers' forward and backward) and models/gpt.c (the GPT,
  * which brings its own forward and backward through tdm_model_vt).
  * Not a public header: nothing outside models/ includes it. */
 #ifndef TDM_MODELS_MODEL_IMPL_H
@@ -92,6 +93,12 @@ tdm_status tdm_model_add_tensor(tdm_model *m, int buffer, int layer, const char 
                                 const int64_t *shape);
 /* Appends a layer of the given kind owning the tensors added after it. */
 tdm_layer *tdm_model_add_layer(tdm_model *m, tdm_layer_kind kind);
+
+/* models/layers.c: one layer's forward (x (B, in) -> l->out, l->in = x)
+ * and backward (adds into its gradients; writes din unless NULL; dout
+ * may be modified in place by a fused relu). */
+tdm_status tdm_model_layer_forward(tdm_model *m, tdm_layer *l, const float *x, int B);
+tdm_status tdm_model_layer_backward(tdm_model *m, tdm_layer *l, float *dout, float *din, int B);
 
 /* models/gpt.c */
 tdm_status tdm_gpt_spec_parse(tdm_model_spec *s, const char *text);

@@ -12,6 +12,9 @@ struct tdm_optim {
     tdm_optim_opts opts;
     tdm_model *model;   /* borrowed */
     int64_t steps;
+    tdm_optim_schedule schedule;
+    double base_lr;          /* COSINE: the rate at step 0 */
+    int64_t total_steps;     /* COSINE: where the rate reaches 0 */
     int n_state;
     float *state[2];
 };
@@ -102,15 +105,20 @@ tdm_status tdm_optim_step(tdm_optim *o)
     TDM_REQUIRE(o->steps >= 0 && o->steps < TDM_OPTIM_MAX_STEPS, TDM_STATUS_INVALID_ARG,
                 "optimizer: step count %" PRId64 " is outside [0, 2^53): refusing to step (a "
                 "corrupt checkpoint?)", o->steps);
+    if (o->schedule == TDM_OPTIM_SCHEDULE_COSINE) {
+        double t = (double)o->steps / (double)o->total_steps;
+        if (t > 1.0) t = 1.0;
+        o->opts.lr = (float)(o->base_lr * 0.5 * (1.0 + cos(M_PI * t)));
+    }
     if (p->kind == TDM_OPTIM_SGD) {
-        TDM_CHECK(d->ops->sgd_step(d, n, tdm_model_params(m), tdm_model_grads(m), o->state[0],
+        TDM_CHECK(tdm_dev_sgd_step(d, n, tdm_model_params(m), tdm_model_grads(m), o->state[0],
                                    p->lr, p->momentum, p->dampening, p->weight_decay,
                                    p->nesterov, o->steps == 0));
     } else {
         double t = (double)o->steps + 1.0;
         float bc1 = (float)(1.0 - pow(p->beta1, t));
         float bc2 = (float)(1.0 - pow(p->beta2, t));
-        TDM_CHECK(d->ops->adamw_step(d, n, tdm_model_params(m), tdm_model_grads(m), o->state[0],
+        TDM_CHECK(tdm_dev_adamw_step(d, n, tdm_model_params(m), tdm_model_grads(m), o->state[0],
                                      o->state[1], p->lr, p->beta1, p->beta2, p->eps,
                                      p->weight_decay, bc1, bc2));
     }
@@ -121,6 +129,23 @@ tdm_status tdm_optim_step(tdm_optim *o)
 int64_t tdm_optim_steps(const tdm_optim *o) { return o->steps; }
 void tdm_optim_set_steps(tdm_optim *o, int64_t steps) { o->steps = steps; }
 void tdm_optim_set_lr(tdm_optim *o, float lr) { o->opts.lr = lr; }
+
+tdm_status tdm_optim_set_schedule(tdm_optim *o, tdm_optim_schedule kind, double base_lr,
+                                  int64_t total_steps)
+{
+    TDM_REQUIRE(kind == TDM_OPTIM_SCHEDULE_CONST || kind == TDM_OPTIM_SCHEDULE_COSINE,
+                TDM_STATUS_INVALID_ARG, "unknown learning-rate schedule %d", (int)kind);
+    TDM_REQUIRE(isfinite(base_lr) && base_lr >= 0.0, TDM_STATUS_INVALID_ARG,
+                "learning rate %g must be finite and >= 0", base_lr);
+    TDM_REQUIRE(kind == TDM_OPTIM_SCHEDULE_CONST || total_steps > 0, TDM_STATUS_INVALID_ARG,
+                "a cosine schedule needs a positive number of steps (got %lld)",
+                (long long)total_steps);
+    o->schedule = kind;
+    o->base_lr = base_lr;
+    o->total_steps = total_steps;
+    if (kind == TDM_OPTIM_SCHEDULE_CONST) o->opts.lr = (float)base_lr;
+    return TDM_STATUS_OK;
+}
 const tdm_optim_opts *tdm_optim_get_opts(const tdm_optim *o) { return &o->opts; }
 int tdm_optim_n_state(const tdm_optim *o) { return o->n_state; }
 

@@ -43,6 +43,22 @@ tdm_status tdm_optim_step(tdm_optim *o);
 int64_t tdm_optim_steps(const tdm_optim *o);
 void tdm_optim_set_steps(tdm_optim *o, int64_t steps);
 void tdm_optim_set_lr(tdm_optim *o, float lr);
+
+/* Learning-rate schedules. tdm_optim_step sets the rate of each step from
+ * the step count before it (so a resumed run, whose count comes from the
+ * checkpoint, continues the schedule) and leaves it in opts.lr, where
+ * tdm_optim_get_opts and checkpoints see it. */
+typedef enum tdm_optim_schedule {
+    TDM_OPTIM_SCHEDULE_CONST = 0,   /* opts.lr at every step (the default) */
+    /* cosine annealing to 0 (Loshchilov & Hutter, SGDR, without restarts):
+     * step k runs at base_lr * (1 + cos(pi * min(k / total_steps, 1))) / 2 */
+    TDM_OPTIM_SCHEDULE_COSINE,
+} tdm_optim_schedule;
+/* base_lr is a double (as a command line gives it) so that each step's
+ * rate is rounded to float once; total_steps > 0 for COSINE. CONST puts
+ * base_lr in opts.lr. */
+tdm_status tdm_optim_set_schedule(tdm_optim *o, tdm_optim_schedule kind, double base_lr,
+                                  int64_t total_steps);
 const tdm_optim_opts *tdm_optim_get_opts(const tdm_optim *o);
 
 /* State buffers ("momentum" for SGD; "exp_avg", "exp_avg_sq" for AdamW),

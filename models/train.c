@@ -16,12 +16,12 @@ void tdm_train_epoch_order(int64_t *perm, int64_t n, uint64_t seed, int64_t epoc
     tdm_rng_permutation(&r, perm, n);
 }
 
-tdm_status tdm_train_epoch(const tdm_dataset *d, int batch, uint64_t seed, int64_t epoch,
-                           int drop_last, int64_t max_steps, tdm_train_step_fn step,
-                           void *step_ctx, tdm_train_progress_fn progress, void *progress_ctx,
+tdm_status tdm_train_epoch(const tdm_dataset *d, const tdm_train_epoch_opts *o,
                            tdm_epoch_stats *out)
 {
     tdm_status st = TDM_STATUS_OK;
+    int batch = o->batch;
+    int64_t epoch = o->epoch;
     TDM_REQUIRE(batch > 0, TDM_STATUS_INVALID_ARG, "batch size %d must be positive", batch);
     TDM_REQUIRE(d && d->n > 0, TDM_STATUS_INVALID_ARG, "empty dataset");
     int64_t feat = tdm_data_features(d);
@@ -33,9 +33,9 @@ tdm_status tdm_train_epoch(const tdm_dataset *d, int batch, uint64_t seed, int64
         st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "cannot allocate a batch of %d", batch);
         goto fail;
     }
-    tdm_train_epoch_order(perm, d->n, seed, epoch);
-    int64_t steps = drop_last ? d->n / batch : (d->n + batch - 1) / batch;
-    if (max_steps > 0 && max_steps < steps) steps = max_steps;
+    tdm_train_epoch_order(perm, d->n, o->seed, epoch);
+    int64_t steps = o->drop_last ? d->n / batch : (d->n + batch - 1) / batch;
+    if (o->max_steps > 0 && o->max_steps < steps) steps = o->max_steps;
     double loss_total = 0.0;
     uint64_t t0 = tdm_time_ns();
     for (int64_t s = 0; s < steps; s++) {
@@ -43,7 +43,7 @@ tdm_status tdm_train_epoch(const tdm_dataset *d, int batch, uint64_t seed, int64
         int b = (int)(d->n - start < batch ? d->n - start : batch);
         tdm_data_gather(d, perm + start, b, x, y);
         double loss = 0.0;
-        TDM_TRY(step(step_ctx, x, y, b, &loss));
+        TDM_TRY(o->step(o->step_ctx, x, y, b, &loss));
         /* The loss is on the host already: checking it costs nothing, and
          * a NaN or infinity here means the parameters are ruined too. */
         if (!isfinite(loss)) {
@@ -58,8 +58,9 @@ tdm_status tdm_train_epoch(const tdm_dataset *d, int batch, uint64_t seed, int64
         out->steps++;
         out->samples += b;
         double secs = (double)(tdm_time_ns() - t0) * 1e-9;
-        if (progress)
-            progress(progress_ctx, s + 1, steps, loss, secs > 0 ? (double)out->samples / secs : 0);
+        if (o->progress)
+            o->progress(o->progress_ctx, s + 1, steps, loss,
+                        secs > 0 ? (double)out->samples / secs : 0);
     }
     out->seconds = (double)(tdm_time_ns() - t0) * 1e-9;
     out->loss_mean = out->samples ? loss_total / (double)out->samples : 0.0;
@@ -77,8 +78,8 @@ tdm_status tdm_train_grad_norm(tdm_model *m, double *norm)
     int64_t n = tdm_model_param_elems(m);
     float *g = malloc((size_t)(n > 0 ? n : 1) * sizeof *g);
     if (!g) return tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "cannot stage %" PRId64 " gradients", n);
-    tdm_status st = n > 0 ? dev->ops->copy_to_host(dev, g, tdm_model_grads(m),
-                                                   (size_t)n * sizeof *g)
+    tdm_status st = n > 0 ? tdm_dev_copy_to_host(dev, g, tdm_model_grads(m),
+                                                 (size_t)n * sizeof *g)
                           : TDM_STATUS_OK;
     double sq = 0.0;
     for (int p = 0; st == TDM_STATUS_OK && p < tdm_model_n_params(m); p++) {
@@ -105,7 +106,7 @@ static tdm_status tdm_single_stage(tdm_single *s, tdm_device *dev, const void *x
                                    const int32_t *y, int batch, int feat, int rows,
                                    const void **xd, const int32_t **yd)
 {
-    if (dev->kind == TDM_DEVICE_HOST) {
+    if (tdm_dev_kind(dev) == TDM_DEVICE_HOST) {
         *xd = x;
         *yd = y;
         return TDM_STATUS_OK;
@@ -120,8 +121,8 @@ static tdm_status tdm_single_stage(tdm_single *s, tdm_device *dev, const void *x
         TDM_CHECK(tdm_dev_alloc(dev, (size_t)batch * rows * sizeof(int32_t), (void **)&s->y_dev));
         s->cap = batch;
     }
-    TDM_CHECK(dev->ops->copy_from_host(dev, s->x_dev, x, (size_t)batch * feat * sizeof(float)));
-    TDM_CHECK(dev->ops->copy_from_host(dev, s->y_dev, y, (size_t)batch * rows * sizeof(int32_t)));
+    TDM_CHECK(tdm_dev_copy_from_host(dev, s->x_dev, x, (size_t)batch * feat * sizeof(float)));
+    TDM_CHECK(tdm_dev_copy_from_host(dev, s->y_dev, y, (size_t)batch * rows * sizeof(int32_t)));
     *xd = s->x_dev;
     *yd = s->y_dev;
     return TDM_STATUS_OK;

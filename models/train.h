@@ -4,8 +4,9 @@
  * An epoch visits the dataset in the order tdm_train_epoch_order() gives
  * for (seed, epoch) - the same permutation single-device, DP and DDP use -
  * in global batches of `batch` samples, and hands each batch (host memory)
- * to a step function: single-device here, DP in dp/, DDP ranks in ddp/.
- * Nothing here knows of parallelism. */
+ * to a step function: the single-device step here, tdm_dp_step (dp/) for
+ * DataParallel, the CLI's DDP rank step (tools/train_ddp.c, over
+ * tdm_ddp_forward_global). Nothing here knows of parallelism. */
 #ifndef TDM_MODELS_TRAIN_H
 #define TDM_MODELS_TRAIN_H
 
@@ -36,15 +37,25 @@ typedef struct tdm_epoch_stats {
     double samples_per_s;
 } tdm_epoch_stats;
 
-/* Runs one epoch. drop_last: skip a final short batch. max_steps > 0 stops
- * early (benchmarks, tests). A step whose loss is NaN or infinite stops
- * the epoch with TDM_STATUS_NONFINITE: "loss is NaN at step S (epoch E,
- * batch b of n)", S counting the steps of every epoch before this one as
- * this one's (the optimizer's step count when all epochs have the same
- * number of steps). */
-tdm_status tdm_train_epoch(const tdm_dataset *d, int batch, uint64_t seed, int64_t epoch,
-                           int drop_last, int64_t max_steps, tdm_train_step_fn step,
-                           void *step_ctx, tdm_train_progress_fn progress, void *progress_ctx,
+/* One epoch's options; zero means the default. */
+typedef struct tdm_train_epoch_opts {
+    int batch;                    /* global batch, samples (> 0) */
+    uint64_t seed;                /* with epoch: the order, tdm_train_epoch_order */
+    int64_t epoch;
+    int drop_last;                /* skip a final short batch */
+    int64_t max_steps;            /* > 0: stop after this many steps (benchmarks, tests) */
+    tdm_train_step_fn step;       /* required */
+    void *step_ctx;
+    tdm_train_progress_fn progress;   /* after each step; may be NULL */
+    void *progress_ctx;
+} tdm_train_epoch_opts;
+
+/* Runs one epoch of d in global batches of o->batch. A step whose loss is
+ * NaN or infinite stops the epoch with TDM_STATUS_NONFINITE: "loss is NaN
+ * at step S (epoch E, batch b of n)", S counting the steps of every epoch
+ * before this one as this one's (the optimizer's step count when all
+ * epochs have the same number of steps). */
+tdm_status tdm_train_epoch(const tdm_dataset *d, const tdm_train_epoch_opts *o,
                            tdm_epoch_stats *out);
 
 /* The L2 norm of m's gradients, in double on the host (one copy of the

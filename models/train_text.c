@@ -12,18 +12,19 @@ int64_t tdm_train_text_steps_per_epoch(const tdm_text *train, int T, int batch)
     return per > 0 ? (train->n + per - 1) / per : 0;
 }
 
-tdm_status tdm_train_text_steps(const tdm_text *train, int T, int batch, uint64_t seed,
-                                int64_t first_step, int64_t steps, int lo, int hi,
-                                tdm_train_step_fn step, void *step_ctx,
-                                tdm_train_progress_fn progress, void *progress_ctx,
-                                tdm_epoch_stats *out)
+tdm_status tdm_train_text_epoch(const tdm_text *train, int T, int lo, int hi,
+                                const tdm_train_epoch_opts *o, tdm_epoch_stats *out)
 {
     tdm_status st = TDM_STATUS_OK;
+    int batch = o->batch;
     memset(out, 0, sizeof *out);
     TDM_REQUIRE(T >= 1 && train->n >= (int64_t)T + 1, TDM_STATUS_INVALID_ARG,
                 "text training: %lld bytes cannot hold a window of %d", (long long)train->n, T);
     TDM_REQUIRE(batch >= 1 && lo >= 0 && lo < hi && hi <= batch, TDM_STATUS_INVALID_ARG,
                 "text training: share [%d, %d) of a batch of %d", lo, hi, batch);
+    int64_t full = tdm_train_text_steps_per_epoch(train, T, batch);
+    int64_t first_step = o->epoch * full;
+    int64_t steps = o->max_steps > 0 && o->max_steps < full ? o->max_steps : full;
     int n = hi - lo;
     int32_t *x = malloc((size_t)n * T * sizeof(int32_t));
     int32_t *y = malloc((size_t)n * T * sizeof(int32_t));
@@ -34,15 +35,16 @@ tdm_status tdm_train_text_steps(const tdm_text *train, int T, int batch, uint64_
     double loss_total = 0.0;
     uint64_t t0 = tdm_time_ns();
     for (int64_t s = 0; s < steps; s++) {
-        tdm_text_windows(train, T, seed, first_step + s, lo, n, x, y);
+        tdm_text_windows(train, T, o->seed, first_step + s, lo, n, x, y);
         double loss = 0.0;
-        TDM_TRY(step(step_ctx, x, y, n, &loss));
+        TDM_TRY(o->step(o->step_ctx, x, y, n, &loss));
         loss_total += loss * batch;
         out->steps++;
         out->samples += batch;
         double secs = (double)(tdm_time_ns() - t0) * 1e-9;
-        if (progress)
-            progress(progress_ctx, s + 1, steps, loss, secs > 0 ? (double)out->samples / secs : 0);
+        if (o->progress)
+            o->progress(o->progress_ctx, s + 1, steps, loss,
+                        secs > 0 ? (double)out->samples / secs : 0);
     }
     out->seconds = (double)(tdm_time_ns() - t0) * 1e-9;
     out->loss_mean = out->samples ? loss_total / (double)out->samples : 0.0;
@@ -66,7 +68,7 @@ tdm_status tdm_train_text_eval_sum(tdm_model *m, const tdm_text *text, int64_t c
                 TDM_STATUS_INVALID_ARG, "text evaluation: windows [%lld, %lld) of %lld",
                 (long long)lo, (long long)hi, (long long)count);
     tdm_device *dev = tdm_model_device(m);
-    int host = dev->kind == TDM_DEVICE_HOST, was_train = tdm_model_is_train(m);
+    int host = tdm_dev_kind(dev) == TDM_DEVICE_HOST, was_train = tdm_model_is_train(m);
     size_t nb = (size_t)batch * T * sizeof(int32_t);
     int32_t *x = malloc(nb), *y = malloc(nb), *xd = NULL, *yd = NULL;
     if (!x || !y) {
@@ -85,8 +87,8 @@ tdm_status tdm_train_text_eval_sum(tdm_model *m, const tdm_text *text, int64_t c
         const float *logits;
         double ls = 0.0;
         if (!host) {
-            TDM_TRY(dev->ops->copy_from_host(dev, xd, x, (size_t)b * T * sizeof(int32_t)));
-            TDM_TRY(dev->ops->copy_from_host(dev, yd, y, (size_t)b * T * sizeof(int32_t)));
+            TDM_TRY(tdm_dev_copy_from_host(dev, xd, x, (size_t)b * T * sizeof(int32_t)));
+            TDM_TRY(tdm_dev_copy_from_host(dev, yd, y, (size_t)b * T * sizeof(int32_t)));
         }
         TDM_TRY(tdm_model_forward(m, host ? x : xd, b, &logits));
         TDM_TRY(tdm_model_loss(m, logits, host ? y : yd, b, 1.0f, &ls, NULL));

@@ -1,7 +1,8 @@
 /* models/train_text.h: training a language model on text (core/text.h):
  * epochs of random windows handed to the same step functions the image
- * models use (single device here, DP in dp/, DDP ranks in ddp/), and the
- * mean loss over the fixed evaluation windows. Nothing here knows of
+ * models use (models/train.h: the single-device step, tdm_dp_step, the
+ * CLI's DDP rank steps in tools/), and the mean loss over the fixed
+ * evaluation windows. Nothing here knows of
  * parallelism: a DDP rank asks for its share [lo, hi) of every global
  * batch and draws only those windows. */
 #ifndef TDM_MODELS_TRAIN_TEXT_H
@@ -17,18 +18,19 @@
  * ceil(n / (batch * T)) steps. */
 int64_t tdm_train_text_steps_per_epoch(const tdm_text *train, int T, int batch);
 
-/* Global steps [first_step, first_step + steps): step s draws the windows
- * of tdm_text_windows(train, T, seed, s, ...) and hands this process's
- * share, windows [lo, hi) of the global batch of `batch` (0 <= lo < hi <=
- * batch; the whole batch: 0, batch), to step(ctx, x, y, hi - lo, &loss),
- * whose loss is the global batch's mean (what every step function of
+/* One epoch of text, o->epoch of a run whose epochs hold full =
+ * tdm_train_text_steps_per_epoch(train, T, o->batch) global steps each:
+ * global steps [epoch * full, epoch * full + n), n = full capped at
+ * o->max_steps (so --max-steps and resuming draw the windows an
+ * uninterrupted run of the same epochs draws). Step s draws the windows
+ * of tdm_text_windows(train, T, o->seed, s, ...) and hands this
+ * process's share, windows [lo, hi) of the global batch of o->batch
+ * (0 <= lo < hi <= batch; the whole batch: 0, batch), to o->step, whose
+ * loss is the global batch's mean (what every step function of
  * models/train.h, dp/ and tools/ returns). The statistics count global
- * windows. */
-tdm_status tdm_train_text_steps(const tdm_text *train, int T, int batch, uint64_t seed,
-                                int64_t first_step, int64_t steps, int lo, int hi,
-                                tdm_train_step_fn step, void *step_ctx,
-                                tdm_train_progress_fn progress, void *progress_ctx,
-                                tdm_epoch_stats *out);
+ * windows. o->drop_last does not apply: every step draws a full batch. */
+tdm_status tdm_train_text_epoch(const tdm_text *train, int T, int lo, int hi,
+                                const tdm_train_epoch_opts *o, tdm_epoch_stats *out);
 
 /* The sum over evaluation windows [lo, hi) of count (tdm_text_eval_count)
  * of each window's mean loss, with m (a GPT; context T = its n_ctx) in

@@ -11,7 +11,7 @@
 #include <stdatomic.h>
 #include <stdint.h>
 
-#include "core/comm.h"
+#include "core/comm_impl.h"
 #include "mpi/mpi_comm.h"
 
 #define TDM_MPI_DEFAULT_TIMEOUT_MS 300000

@@ -26,7 +26,8 @@
 #include <stdint.h>
 #include <sys/types.h>
 
-#include "core/comm.h"
+#include "core/comm_impl.h"
+#include "core/wait.h"
 #include "shm/shm_comm.h"
 
 #define TDM_SHM_MAGIC 0x314d48534d444e54ull /* "TNDMSHM1" little endian */
@@ -39,14 +40,12 @@
 #define TDM_SHM_REASON_BYTES 512  /* one abort reason */
 
 /* A word ranks wait on: a free-running 64-bit counter, written only by
- * its owner. Sleepers futex-wait on its low 32 bits (little endian: the
- * first four bytes) and count themselves in `waiters`, so that the owner
- * makes a wake syscall only when someone sleeps. */
-typedef struct tdm_shm_flag {
-    _Atomic uint64_t value;
-    _Atomic uint32_t waiters;
-    uint32_t pad_;
-} tdm_shm_flag;
+ * its owner, waited on with core/wait.h (spin, then a shared futex on its
+ * low 32 bits; sleepers count themselves in `waiters`, so that the owner
+ * makes a wake syscall only when someone sleeps). Part of the segment's
+ * layout: TDM_SHM_VERSION covers it. */
+typedef tdm_wait_flag tdm_shm_flag;
+_Static_assert(sizeof(tdm_shm_flag) == 16, "the flag's layout is the segment's");
 
 /* What a rank called, recorded before it arrives at a collective. */
 typedef struct tdm_shm_desc {
@@ -215,8 +214,14 @@ tdm_status tdm_shm_layout(int world, const tdm_shm_opts *opts, tdm_shm_header *o
 void tdm_shm_geom_from(const tdm_shm_header *h, tdm_shm_geom *out);
 
 /* wait.c */
-/* Publish v on f (owner only): release store, wake sleepers if any. */
-void tdm_shm_flag_publish(tdm_shm_flag *f, uint64_t v);
+/* Publish v on f (owner only): release store, wake sleepers if any.
+ * Pairs with the acquire/seq_cst loads in tdm_shm_flag_wait (core/wait.h):
+ * every write to the slots before this store is visible to a waiter that
+ * sees v. */
+static inline void tdm_shm_flag_publish(tdm_shm_flag *f, uint64_t v)
+{
+    tdm_wait_publish(f, v, TDM_WAIT_SHARED);
+}
 /* Wait until f >= target, where f belongs to rank `peer` (named in
  * errors). Fails on group abort, a dead or departed peer, or deadline. */
 tdm_status tdm_shm_flag_wait(tdm_shm_impl *c, tdm_shm_flag *f, uint64_t target, int peer);

@@ -4,66 +4,32 @@
  * abort (raised in one step), a dead, departed or stopped peer (liveness
  * from the parent's reports, /proc and each rank's heartbeat thread),
  * deadline.
- * Not the collectives (shm/coll.c) and not the segment (shm/segment.c).
- *
- * Memory ordering, Dekker style between a publisher and a sleeper:
- *   publisher: store value (seq_cst)      ; load waiters (seq_cst)
- *   sleeper:   fetch_add waiters (seq_cst); load value (seq_cst); futex_wait
- * In the single total order of seq_cst operations, either the publisher's
- * waiters load sees the sleeper (and wakes it) or the sleeper's value load
- * sees the new value (and does not sleep). futex_wait also re-checks the
- * low 32 bits in the kernel, so a wake between the load and the sleep is
- * not lost. The value store is also the release that publishes the data
- * written before it; the waiter's loads are (at least) acquire. */
+ * Not the collectives (shm/coll.c) and not the segment (shm/segment.c);
+ * the spin, yield and futex sleep themselves, and their memory-ordering
+ * pairing (publisher: store value, load waiters; sleeper: fetch_add
+ * waiters, load value, futex_wait; all seq_cst), are core/wait.h's, with
+ * a shared futex: sleepers are other processes. */
 #include "shm/shm_impl.h"
 #include "shm/spawn.h"
 
 #include <errno.h>
 #include <stdlib.h>
 #include <fcntl.h>
-#include <limits.h>
-#include <linux/futex.h>
-#include <sched.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
-#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
 #include "core/log.h"
 #include "core/timer.h"
+#include "core/wait.h"
 
 #define TDM_SHM_SLEEP_NS (100ull * 1000 * 1000)   /* liveness check period */
 #define TDM_SHM_YIELDS 16
 #define TDM_SHM_PURE_SPIN_NS (5u * 1000)
-
-static inline void tdm_shm_cpu_relax(void)
-{
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#elif defined(__aarch64__)
-    __asm__ __volatile__("yield");
-#endif
-}
-
-
-static void tdm_shm_futex_wake(tdm_shm_flag *f)
-{
-    /* Shared futex (no FUTEX_PRIVATE_FLAG): sleepers are other processes. */
-    syscall(SYS_futex, (uint32_t *)&f->value, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
-}
-
-void tdm_shm_flag_publish(tdm_shm_flag *f, uint64_t v)
-{
-    /* Pairs with the acquire/seq_cst loads in tdm_shm_flag_wait: every
-     * write to the slots before this store is visible to a waiter that
-     * sees v. */
-    atomic_store_explicit(&f->value, v, memory_order_seq_cst);
-    if (atomic_load_explicit(&f->waiters, memory_order_seq_cst) != 0) tdm_shm_futex_wake(f);
-}
 
 static char *tdm_shm_reason_slot(const tdm_shm_geom *g, const uint8_t *base, int slot)
 {
@@ -124,7 +90,8 @@ void tdm_shm_raise(tdm_shm_header *h, const tdm_shm_geom *g, uint8_t *base, int 
         memory_order_acquire);
     atomic_store(raising, 0);
     if (!won) return;
-    for (int r = 0; r < g->world; r++) tdm_shm_futex_wake(&tdm_shm_geom_ctrl(g, base, r)->flag);
+    for (int r = 0; r < g->world; r++)
+        tdm_wait_wake(&tdm_shm_geom_ctrl(g, base, r)->flag, TDM_WAIT_SHARED);
     TDM_INFO(SHM, "group abort raised: %s", reason);
 }
 
@@ -379,33 +346,17 @@ static tdm_status tdm_shm_check_peers(tdm_shm_impl *c, int peer, tdm_shm_flag *f
 
 tdm_status tdm_shm_flag_wait(tdm_shm_impl *c, tdm_shm_flag *f, uint64_t target, int peer)
 {
-    /* Acquire pairs with the seq_cst (release) store in tdm_shm_flag_publish. */
-    if (atomic_load_explicit(&f->value, memory_order_acquire) >= target) return TDM_STATUS_OK;
+    if (tdm_wait_reached(f, target)) return TDM_STATUS_OK;
 
     uint64_t t0 = tdm_time_ns();
-    if (c->spin_now) {
-        /* Pure spinning while a peer on another core is about to answer;
-         * then spinning with sched_yield, which costs little when the core
-         * is ours alone and lets the peer run when it shares our core
-         * (other jobs on the machine, load balancing). */
-        for (unsigned i = 1;; i++) {
-            if (atomic_load_explicit(&f->value, memory_order_acquire) >= target)
-                return TDM_STATUS_OK;
-            if ((i & 63) == 0) {
-                uint64_t dt = tdm_time_ns() - t0;
-                if (dt > c->spin_ns) break;
-                if (dt > TDM_SHM_PURE_SPIN_NS) sched_yield();
-            } else {
-                tdm_shm_cpu_relax();
-            }
-        }
-    } else {
-        for (int i = 0; i < TDM_SHM_YIELDS; i++) {
-            sched_yield();
-            if (atomic_load_explicit(&f->value, memory_order_acquire) >= target)
-                return TDM_STATUS_OK;
-        }
-    }
+    /* Pure spinning while a peer on another core is about to answer;
+     * then spinning with sched_yield, which costs little when the core is
+     * ours alone and lets the peer run when it shares our core (other
+     * jobs on the machine, load balancing). Ranks that outnumber the
+     * cores only yield a few times before sleeping. */
+    if (c->spin_now ? tdm_wait_spin(f, target, t0, c->spin_ns, TDM_SHM_PURE_SPIN_NS)
+                    : tdm_wait_yield(f, target, TDM_SHM_YIELDS))
+        return TDM_STATUS_OK;
     TDM_CHECK(tdm_shm_check_abort(c));
 
     uint64_t deadline = t0 + (uint64_t)c->timeout_ms * 1000000ull;
@@ -427,19 +378,10 @@ tdm_status tdm_shm_flag_wait(tdm_shm_impl *c, tdm_shm_flag *f, uint64_t target, 
                                            "for rank %d", c->cur_name,
                                            (unsigned long long)c->cur_seq, peer);
         }
-        atomic_fetch_add_explicit(&f->waiters, 1, memory_order_seq_cst);
-        uint64_t v = atomic_load_explicit(&f->value, memory_order_seq_cst);
-        if (v >= target) {
-            atomic_fetch_sub_explicit(&f->waiters, 1, memory_order_relaxed);
-            return TDM_STATUS_OK;
-        }
         uint64_t left = deadline - now;
-        uint64_t nap = left < TDM_SHM_SLEEP_NS ? left : TDM_SHM_SLEEP_NS;
-        struct timespec ts = {.tv_sec = (time_t)(nap / 1000000000ull),
-                              .tv_nsec = (long)(nap % 1000000000ull)};
-        syscall(SYS_futex, (uint32_t *)&f->value, FUTEX_WAIT, (uint32_t)v, &ts, NULL, 0);
-        atomic_fetch_sub_explicit(&f->waiters, 1, memory_order_relaxed);
-        if (atomic_load_explicit(&f->value, memory_order_acquire) >= target) return TDM_STATUS_OK;
+        if (tdm_wait_sleep(f, target, left < TDM_SHM_SLEEP_NS ? left : TDM_SHM_SLEEP_NS,
+                           TDM_WAIT_SHARED, NULL))
+            return TDM_STATUS_OK;
         TDM_CHECK(tdm_shm_check_abort(c));
     }
 }

@@ -24,7 +24,7 @@ __attribute__((constructor)) static void cu_no_emulator_by_default(void)
 /* Skips the test when cuda/ is not linked in (no nvcc at build time). */
 #define CU_NEED_BACKEND()                                                                 \
     do {                                                                                  \
-        if (!tdm_device_cuda) cr_skip_test("CUDA backend not built (no nvcc)");           \
+        if (!tdm_device_cuda_linked()) cr_skip_test("CUDA backend not built (no nvcc)");  \
     } while (0)
 
 /* Visible GPUs, counted in a child: CUDA must not be initialised in this
@@ -38,8 +38,8 @@ static inline int cu_gpu_count(char *why, size_t len)
     if (pid == 0) {
         char buf[512] = "no CUDA device: CUDA backend not built (no nvcc)";
         int n = 0;
-        if (tdm_device_cuda) {
-            tdm_status st = tdm_device_cuda->count(&n);
+        if (tdm_device_cuda_linked()) {
+            tdm_status st = tdm_device_cuda_count(&n);
             snprintf(buf, sizeof buf, "%s", st ? tdm_error_message()
                                                : "no CUDA device: none visible");
             if (st) n = 0;

@@ -2,6 +2,7 @@
 # Runs every Criterion test binary under BUILD/tests (or those named after
 # it), prints each one's result, and ends with one line
 # "tests: N passed, N failed" that sums them. Exits non-zero on any failure.
+. "$(dirname "$0")/criterion.sh"
 build=${1:-build}; shift
 if [ $# -gt 0 ]; then bins=""; for n in "$@"; do bins="$bins $build/tests/$n"; done
 else bins=$(ls "$build"/tests/test_* 2>/dev/null | grep -v '\.[od]$'); fi
@@ -16,10 +17,10 @@ for b in $bins; do
   start=$(date +%s)
   out=$("$b" --jobs 2 2>&1); rc=$?
   secs=$(( $(date +%s) - start ))
-  line=$(printf '%s\n' "$out" | grep 'Synthesis:' | tail -1)
-  t=$(printf '%s' "$line" | sed -n 's/.*Tested: \([0-9]*\).*/\1/p')
-  p=$(printf '%s' "$line" | sed -n 's/.*Passing: \([0-9]*\).*/\1/p')
-  t=${t:-0}; p=${p:-0}
+  cr_summary <<EOF
+$out
+EOF
+  line=$CR_LINE; t=$CR_TESTED; p=$CR_PASSED
   if [ $rc -ne 0 ] || [ "$t" != "$p" ] || [ "$t" = 0 ]; then
     printf '%s\n' "$out" | tail -60
     f=$(( t - p )); [ $f -le 0 ] && f=1

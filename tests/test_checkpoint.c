@@ -78,7 +78,9 @@ static void train_steps(tdm_model *m, tdm_optim *o, int steps, uint64_t seed)
     TU_OK(tdm_data_synthetic(&d, 64, 1, 8, 8, 4, seed, 0));
     tdm_single s = {.model = m, .opt = o};
     tdm_epoch_stats es;
-    TU_OK(tdm_train_epoch(&d, 16, seed, 0, 0, steps, tdm_single_step, &s, NULL, NULL, &es));
+    TU_OK(tdm_train_epoch(&d, &(tdm_train_epoch_opts){.batch = 16, .seed = seed, .max_steps = steps,
+                                                     .step = tdm_single_step, .step_ctx = &s},
+                          &es));
     cr_assert_eq(es.steps, steps);
     tdm_single_free(&s);
     tdm_data_free(&d);
@@ -332,7 +334,10 @@ static void run_close(run *r)
 static void run_epoch(run *r, const tdm_dataset *d, int batch, int64_t epoch, int64_t max_steps)
 {
     tdm_epoch_stats es;
-    TU_OK(tdm_train_epoch(d, batch, 42, epoch, 0, max_steps, tdm_single_step, &r->s, NULL, NULL, &es));
+    TU_OK(tdm_train_epoch(d, &(tdm_train_epoch_opts){.batch = batch, .seed = 42, .epoch = epoch,
+                                                    .max_steps = max_steps,
+                                                    .step = tdm_single_step, .step_ctx = &r->s},
+                          &es));
     cr_assert(es.steps > 0 && isfinite(es.loss_mean));
 }
 

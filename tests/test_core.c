@@ -199,7 +199,7 @@ Test(core_device, spec_parsing)
     cr_assert_eq(tdm_device_open(&d, "tpu", 0, 1), TDM_STATUS_INVALID_ARG);
     cr_assert_eq(tdm_device_open(&d, "cpu", -1, 1), TDM_STATUS_INVALID_ARG);
     cr_assert_eq(tdm_device_open(&d, "cpu", 3, 1), TDM_STATUS_OK);
-    cr_assert_str_eq(d->name, "cpu:3");
+    cr_assert_str_eq(tdm_dev_name(d), "cpu:3");
     tdm_device_free(d);
     tdm_device_free(NULL);
 }

@@ -28,7 +28,8 @@
 #include <unistd.h>
 
 #include "core/comm.h"
-#include "cuda/cuda.h"
+#include "core/device_impl.h"   /* the backend's table: every entry filled */
+#include "cuda/cuda_weak.h"
 #include "models/model.h"
 #include "models/optim.h"
 #include "shm/shm_comm.h"
@@ -36,32 +37,6 @@
 #include "tests/test_util.h"
 #include "tests/cli_util.h"
 #include "tests/cuda_test_util.h"
-
-/* Weak: NULL in a build without cuda/. */
-__attribute__((weak)) tdm_status tdm_cuda_device_count(int *n);
-__attribute__((weak)) tdm_status tdm_cuda_describe(char *buf, size_t len);
-__attribute__((weak)) tdm_status tdm_cuda_emulator_open(tdm_device **out);
-__attribute__((weak)) tdm_status tdm_cuda_emulator_open_accel(tdm_device **out, int index);
-__attribute__((weak)) tdm_status tdm_comm_init_nccl(tdm_comm **out, tdm_comm *bootstrap,
-                                                    int device_index);
-__attribute__((weak)) tdm_status tdm_comm_init_nccl_opts(tdm_comm **out, tdm_comm *bootstrap,
-                                                         int device_index,
-                                                         const tdm_nccl_opts *opts);
-__attribute__((weak)) tdm_status tdm_cuda_nccl_group_init(tdm_cuda_nccl_group **out,
-                                                          const int *devices, int ndev,
-                                                          const tdm_nccl_opts *opts);
-__attribute__((weak)) void tdm_cuda_nccl_group_free(tdm_cuda_nccl_group *g);
-__attribute__((weak)) tdm_status tdm_cuda_nccl_group_broadcast(tdm_cuda_nccl_group *g,
-                                                               void *const *bufs, size_t count,
-                                                               tdm_dtype dtype, int root);
-__attribute__((weak)) tdm_status tdm_cuda_nccl_group_reduce(tdm_cuda_nccl_group *g,
-                                                            const void *const *sendbufs,
-                                                            void *recvbuf, size_t count,
-                                                            tdm_dtype dtype, tdm_redop op,
-                                                            int root);
-__attribute__((weak)) tdm_status tdm_cuda_nccl_group_all_reduce(tdm_cuda_nccl_group *g,
-                                                                void *const *bufs, size_t count,
-                                                                tdm_dtype dtype, tdm_redop op);
 
 /* An independent oracle for "CUDA's own error string": the runtime's
  * functions declared by hand (C ABI: cudaError_t is an int-sized enum),
@@ -90,10 +65,10 @@ static void cu_probe_run(cu_probe *p)
     if (pid == 0) {
         cu_probe q;
         memset(&q, 0, sizeof q);
-        q.backend = tdm_device_cuda != NULL;
+        q.backend = tdm_device_cuda_linked();
         if (q.backend) {
             int n = 0;
-            tdm_status st = tdm_device_cuda->count(&n);
+            tdm_status st = tdm_device_cuda_count(&n);
             if (st == TDM_STATUS_OK) q.ngpu = n;
             snprintf(q.why, sizeof q.why, "%s",
                      st == TDM_STATUS_OK ? (n ? "" : "no CUDA device: none visible")
@@ -165,7 +140,7 @@ Test(cuda_nodev, open_fails_with_cuda_error)
         st = tdm_device_open(&d, "cuda", 3, 0);
         cu_expect_no_device(st, &p, "tdm_device_open(cuda, 3)");
         int n = 42;
-        st = tdm_device_cuda->count(&n);
+        st = tdm_device_cuda_count(&n);
         cu_expect_no_device(st, &p, "count");
         cr_assert_eq(n, 0);
         cr_assert_not_null(tdm_cuda_device_count);
@@ -321,11 +296,11 @@ static cu_pair cu_open_pair(int emu)
     cu_pair p = {0};
     if (emu) {
         TU_OK(tdm_cuda_emulator_open(&p.gpu));
-        cr_assert_str_eq(p.gpu->name, "cuda-emu");
+        cr_assert_str_eq(tdm_dev_name(p.gpu), "cuda-emu");
     } else {
         TU_OK(tdm_device_open(&p.gpu, "cuda", 0, 0));
-        cr_assert_eq(p.gpu->kind, TDM_DEVICE_CUDA);
-        cr_assert_str_eq(p.gpu->name, "cuda:0");
+        cr_assert_eq(tdm_dev_kind(p.gpu), TDM_DEVICE_CUDA);
+        cr_assert_str_eq(tdm_dev_name(p.gpu), "cuda:0");
     }
     TU_OK(tdm_device_open(&p.cpu, "cpu", 0, 1));
     return p;
@@ -342,14 +317,14 @@ static void *cu_up(tdm_device *d, const void *h, size_t nbytes)
 {
     void *p = NULL;
     TU_OK(tdm_dev_alloc(d, nbytes ? nbytes : 4, &p));
-    if (h && nbytes) TU_OK(d->ops->copy_from_host(d, p, h, nbytes));
+    if (h && nbytes) TU_OK(tdm_dev_copy_from_host(d, p, h, nbytes));
     return p;
 }
 
 static void *cu_down(tdm_device *d, const void *p, size_t nbytes)
 {
     void *h = tu_malloc(nbytes);
-    TU_OK(d->ops->copy_to_host(d, h, p, nbytes));
+    TU_OK(tdm_dev_copy_to_host(d, h, p, nbytes));
     return h;
 }
 
@@ -434,14 +409,14 @@ static void cu_t_memory_ops(int emu)
 {
     cu_pair p = cu_open_pair(emu);
     /* Every entry of the device interface is filled (tdm_device_ops is all
-     * function pointers, so an entry added to core/device.h and forgotten
+     * function pointers, so an entry added to core/device_impl.h and forgotten
      * here shows up as a NULL slot). */
     typedef void (*cu_fn)(void);
     cu_fn slots[sizeof(tdm_device_ops) / sizeof(cu_fn)];
     _Static_assert(sizeof(tdm_device_ops) % sizeof(cu_fn) == 0, "ops are function pointers");
     memcpy(slots, p.gpu->ops, sizeof slots);
     for (size_t i = 0; i < sizeof slots / sizeof *slots; i++)
-        cr_assert_not_null(slots[i], "%s: device op #%zu is NULL", p.gpu->name, i);
+        cr_assert_not_null(slots[i], "%s: device op #%zu is NULL", tdm_dev_name(p.gpu), i);
     tdm_rng rng = tu_rng(3);
     const int64_t n = 100003;
     float *h = cu_rand(&rng, n, -5, 5);
@@ -449,7 +424,7 @@ static void cu_t_memory_ops(int emu)
     TU_OK(tdm_dev_alloc_zero(p.gpu, (size_t)n * 4, (void **)&d2));
     float *z = tu_malloc((size_t)n * 4);
     cu_cmp("alloc_zero", p.gpu, d2, z, n, 0, 0);
-    TU_OK(p.gpu->ops->copy(p.gpu, d2 + 1, d1, (size_t)(n - 1) * 4));
+    TU_OK(tdm_dev_copy(p.gpu, d2 + 1, d1, (size_t)(n - 1) * 4));
     TU_OK(tdm_dev_sync(p.gpu));
     float *back = cu_down(p.gpu, d2, (size_t)n * 4);
     cr_assert_eq(back[0], 0.0f);
@@ -458,7 +433,7 @@ static void cu_t_memory_ops(int emu)
     float *hc = tu_malloc((size_t)n * 4);
     TU_OK(tdm_dev_copy_between(p.cpu, hc, p.gpu, d1, (size_t)n * 4));
     cr_assert(!memcmp(hc, h, (size_t)n * 4));
-    TU_OK(p.gpu->ops->memset_zero(p.gpu, d1, (size_t)n * 4));
+    TU_OK(tdm_dev_memset_zero(p.gpu, d1, (size_t)n * 4));
     cu_cmp("memset_zero", p.gpu, d1, z, n, 0, 0);
     /* Zero-byte allocations are real buffers. */
     void *e = NULL;
@@ -506,9 +481,9 @@ static void cu_t_dense_kernels_match_host(int emu)
             for (int use_bias = 0; use_bias < 2; use_bias++) {
                 float *y = cu_rand(&rng, n, -2, 2), *bias = cu_rand(&rng, cols, -1, 1);
                 float *dy = cu_up(g, y, nb), *dbias = cu_up(g, bias, (size_t)cols * 4);
-                TU_OK(g->ops->bias_act(g, dy, use_bias ? dbias : NULL, rows, cols,
+                TU_OK(tdm_dev_bias_act(g, dy, use_bias ? dbias : NULL, rows, cols,
                                        relu ? TDM_ACT_RELU : TDM_ACT_NONE));
-                TU_OK(c->ops->bias_act(c, y, use_bias ? bias : NULL, rows, cols,
+                TU_OK(tdm_dev_bias_act(c, y, use_bias ? bias : NULL, rows, cols,
                                        relu ? TDM_ACT_RELU : TDM_ACT_NONE));
                 cu_cmp("bias_act", g, dy, y, n, 1e-6, 1e-6);
                 tdm_dev_free(g, dy);
@@ -519,14 +494,14 @@ static void cu_t_dense_kernels_match_host(int emu)
         /* relu_bwd, axpy, scale */
         float *y = cu_rand(&rng, n, -1, 1), *gy = cu_rand(&rng, n, -1, 1);
         float *dy = cu_up(g, y, nb), *dgy = cu_up(g, gy, nb);
-        TU_OK(g->ops->relu_bwd(g, dgy, dy, n));
-        TU_OK(c->ops->relu_bwd(c, gy, y, n));
+        TU_OK(tdm_dev_relu_bwd(g, dgy, dy, n));
+        TU_OK(tdm_dev_relu_bwd(c, gy, y, n));
         cu_cmp("relu_bwd", g, dgy, gy, n, 0, 0);
-        TU_OK(g->ops->axpy(g, n, -0.37f, dy, dgy));
-        TU_OK(c->ops->axpy(c, n, -0.37f, y, gy));
+        TU_OK(tdm_dev_axpy(g, n, -0.37f, dy, dgy));
+        TU_OK(tdm_dev_axpy(c, n, -0.37f, y, gy));
         cu_cmp("axpy", g, dgy, gy, n, 1e-6, 1e-6);
-        TU_OK(g->ops->scale(g, n, 1.7f, dgy));
-        TU_OK(c->ops->scale(c, n, 1.7f, gy));
+        TU_OK(tdm_dev_scale(g, n, 1.7f, dgy));
+        TU_OK(tdm_dev_scale(c, n, 1.7f, gy));
         cu_cmp("scale", g, dgy, gy, n, 1e-6, 1e-6);
         tdm_dev_free(g, dy);
         tdm_dev_free(g, dgy);
@@ -545,16 +520,17 @@ static void cu_t_dense_kernels_match_host(int emu)
         TU_OK(tdm_dev_alloc(g, nb, (void **)&ddl));
         for (int with_d = 0; with_d < 2; with_d++) {
             float scale = 1.0f / (float)rows;
-            TU_OK(g->ops->softmax_xent(g, dz, dlab, rows, cols, scale, dloss, with_d ? ddl : NULL));
-            TU_OK(c->ops->softmax_xent(c, z, lab, rows, cols, scale, loss, with_d ? dl : NULL));
+            TU_OK(tdm_dev_softmax_xent(g, dz, dlab, rows, cols, scale, dloss,
+                                       with_d ? ddl : NULL));
+            TU_OK(tdm_dev_softmax_xent(c, z, lab, rows, cols, scale, loss, with_d ? dl : NULL));
             cu_cmp("softmax_xent loss", g, dloss, loss, rows, 1e-5, 1e-5);
             if (with_d) cu_cmp("softmax_xent dlogits", g, ddl, dl, n, 1e-7, 1e-5);
         }
         /* A bad label fails like the host backend, naming the sample. */
         if (rows > 1) {
             lab[rows / 2] = cols;
-            TU_OK(g->ops->copy_from_host(g, dlab, lab, (size_t)rows * 4));
-            tdm_status st = g->ops->softmax_xent(g, dz, dlab, rows, cols, 1.0f, dloss, ddl);
+            TU_OK(tdm_dev_copy_from_host(g, dlab, lab, (size_t)rows * 4));
+            tdm_status st = tdm_dev_softmax_xent(g, dz, dlab, rows, cols, 1.0f, dloss, ddl);
             cr_assert_eq(st, TDM_STATUS_INVALID_ARG);
             char want[96];
             snprintf(want, sizeof want, "label %d of sample %d is outside [0, %d)", cols,
@@ -612,13 +588,13 @@ static void cu_t_conv_pool_layout_kernels_match_host(int emu)
         float *x = cu_rand(&rng, nx, -1, 1), *col = tu_malloc((size_t)ncol * 4);
         float *dx = cu_up(g, x, (size_t)nx * 4), *dcol = NULL;
         TU_OK(tdm_dev_alloc(g, (size_t)ncol * 4, (void **)&dcol));
-        TU_OK(g->ops->im2col(g, &geo, dx, dcol));
-        TU_OK(c->ops->im2col(c, &geo, x, col));
+        TU_OK(tdm_dev_im2col(g, &geo, dx, dcol));
+        TU_OK(tdm_dev_im2col(c, &geo, x, col));
         cu_cmp("im2col", g, dcol, col, ncol, 0, 0);
         float *rc = cu_rand(&rng, ncol, -1, 1);
-        TU_OK(g->ops->copy_from_host(g, dcol, rc, (size_t)ncol * 4));
-        TU_OK(g->ops->col2im(g, &geo, dcol, dx));
-        TU_OK(c->ops->col2im(c, &geo, rc, x));
+        TU_OK(tdm_dev_copy_from_host(g, dcol, rc, (size_t)ncol * 4));
+        TU_OK(tdm_dev_col2im(g, &geo, dcol, dx));
+        TU_OK(tdm_dev_col2im(c, &geo, rc, x));
         cu_cmp("col2im", g, dx, x, nx, 1e-5, 1e-5);
         tdm_dev_free(g, dx);
         tdm_dev_free(g, dcol);
@@ -639,15 +615,15 @@ static void cu_t_conv_pool_layout_kernels_match_host(int emu)
         int32_t *dam = NULL;
         TU_OK(tdm_dev_alloc(g, (size_t)ny * 4, (void **)&dyp));
         TU_OK(tdm_dev_alloc(g, (size_t)ny * 4, (void **)&dam));
-        TU_OK(g->ops->maxpool_fwd(g, &geo, dxp, dyp, dam));
-        TU_OK(c->ops->maxpool_fwd(c, &geo, x, y, am));
+        TU_OK(tdm_dev_maxpool_fwd(g, &geo, dxp, dyp, dam));
+        TU_OK(tdm_dev_maxpool_fwd(c, &geo, x, y, am));
         cu_cmp("maxpool_fwd", g, dyp, y, ny, 0, 0);
         int32_t *gam = cu_down(g, dam, (size_t)ny * 4);
         cr_assert(!memcmp(gam, am, (size_t)ny * 4), "maxpool argmax differs");
         float *gy = cu_rand(&rng, ny, -1, 1);
-        TU_OK(g->ops->copy_from_host(g, dyp, gy, (size_t)ny * 4));
-        TU_OK(g->ops->maxpool_bwd(g, &geo, dyp, dam, dxp));
-        TU_OK(c->ops->maxpool_bwd(c, &geo, gy, am, x));
+        TU_OK(tdm_dev_copy_from_host(g, dyp, gy, (size_t)ny * 4));
+        TU_OK(tdm_dev_maxpool_bwd(g, &geo, dyp, dam, dxp));
+        TU_OK(tdm_dev_maxpool_bwd(c, &geo, gy, am, x));
         cu_cmp("maxpool_bwd", g, dxp, x, nx, 0, 0);
         tdm_dev_free(g, dxp);
         tdm_dev_free(g, dyp);
@@ -665,11 +641,11 @@ static void cu_t_conv_pool_layout_kernels_match_host(int emu)
         float *x = cu_rand(&rng, tot, -1, 1), *y = tu_malloc((size_t)tot * 4);
         float *dxp = cu_up(g, x, (size_t)tot * 4), *dyp = NULL;
         TU_OK(tdm_dev_alloc(g, (size_t)tot * 4, (void **)&dyp));
-        TU_OK(g->ops->cnhw_to_nchw(g, dxp, dyp, ch, n, f));
-        TU_OK(c->ops->cnhw_to_nchw(c, x, y, ch, n, f));
+        TU_OK(tdm_dev_cnhw_to_nchw(g, dxp, dyp, ch, n, f));
+        TU_OK(tdm_dev_cnhw_to_nchw(c, x, y, ch, n, f));
         cu_cmp("cnhw_to_nchw", g, dyp, y, tot, 0, 0);
-        TU_OK(g->ops->nchw_to_cnhw(g, dxp, dyp, ch, n, f));
-        TU_OK(c->ops->nchw_to_cnhw(c, x, y, ch, n, f));
+        TU_OK(tdm_dev_nchw_to_cnhw(g, dxp, dyp, ch, n, f));
+        TU_OK(tdm_dev_nchw_to_cnhw(c, x, y, ch, n, f));
         cu_cmp("nchw_to_cnhw", g, dyp, y, tot, 0, 0);
         tdm_dev_free(g, dxp);
         tdm_dev_free(g, dyp);
@@ -713,28 +689,28 @@ static void cu_t_batchnorm_kernels_match_host(int emu)
         float *g_istd = cu_up(g, NULL, cb), *g_y = cu_up(g, NULL, tb), *g_dx = cu_up(g, NULL, tb);
         for (int train = 1; train >= 0; train--) {
             if (train) {
-                TU_OK(g->ops->bn_stats(g, g_x, ch, len, g_mean, g_var));
-                TU_OK(c->ops->bn_stats(c, x, ch, len, mean, var));
+                TU_OK(tdm_dev_bn_stats(g, g_x, ch, len, g_mean, g_var));
+                TU_OK(tdm_dev_bn_stats(c, x, ch, len, mean, var));
                 cu_cmp("bn_stats mean", g, g_mean, mean, ch, 1e-6, 1e-5);
                 cu_cmp("bn_stats var", g, g_var, var, ch, 1e-6, 1e-5);
                 /* Continue from identical statistics on both sides. */
-                TU_OK(g->ops->copy_from_host(g, g_mean, mean, cb));
-                TU_OK(g->ops->copy_from_host(g, g_var, var, cb));
+                TU_OK(tdm_dev_copy_from_host(g, g_mean, mean, cb));
+                TU_OK(tdm_dev_copy_from_host(g, g_var, var, cb));
             }
-            TU_OK(g->ops->bn_prep(g, ch, g_mean, g_var, g_istd, g_rm, g_rv, 1e-5f, 0.1f, len,
+            TU_OK(tdm_dev_bn_prep(g, ch, g_mean, g_var, g_istd, g_rm, g_rv, 1e-5f, 0.1f, len,
                                   train));
-            TU_OK(c->ops->bn_prep(c, ch, mean, var, istd, rm, rv, 1e-5f, 0.1f, len, train));
+            TU_OK(tdm_dev_bn_prep(c, ch, mean, var, istd, rm, rv, 1e-5f, 0.1f, len, train));
             cu_cmp("bn_prep mean", g, g_mean, mean, ch, 1e-6, 1e-6);
             cu_cmp("bn_prep invstd", g, g_istd, istd, ch, 1e-6, 1e-5);
             cu_cmp("bn_prep run_mean", g, g_rm, rm, ch, 1e-6, 1e-6);
             cu_cmp("bn_prep run_var", g, g_rv, rv, ch, 1e-6, 1e-5);
-            TU_OK(g->ops->bn_fwd(g, g_x, ch, len, g_mean, g_istd, g_gamma, g_beta, g_y));
-            TU_OK(c->ops->bn_fwd(c, x, ch, len, mean, istd, gamma, beta, y));
+            TU_OK(tdm_dev_bn_fwd(g, g_x, ch, len, g_mean, g_istd, g_gamma, g_beta, g_y));
+            TU_OK(tdm_dev_bn_fwd(c, x, ch, len, mean, istd, gamma, beta, y));
             cu_cmp("bn_fwd", g, g_y, y, tot, 1e-5, 1e-5);
             for (int with_dx = 0; with_dx < 2; with_dx++) {
-                TU_OK(g->ops->bn_bwd(g, g_x, g_dy, ch, len, g_mean, g_istd, g_gamma,
+                TU_OK(tdm_dev_bn_bwd(g, g_x, g_dy, ch, len, g_mean, g_istd, g_gamma,
                                      with_dx ? g_dx : NULL, g_dgm, g_dbt, train));
-                TU_OK(c->ops->bn_bwd(c, x, dy, ch, len, mean, istd, gamma, with_dx ? dx : NULL,
+                TU_OK(tdm_dev_bn_bwd(c, x, dy, ch, len, mean, istd, gamma, with_dx ? dx : NULL,
                                      dgm, dbt, train));
                 cu_cmp("bn_bwd dgamma", g, g_dgm, dgm, ch, 1e-4, 1e-4);
                 cu_cmp("bn_bwd dbeta", g, g_dbt, dbt, ch, 1e-4, 1e-4);
@@ -779,18 +755,18 @@ static void cu_t_optimizer_kernels_match_host(int emu)
                                 {0.9f, 0, 1, 1e-2f}};
         for (size_t k = 0; k < sizeof cfg / sizeof *cfg; k++)
             for (int first = 1; first >= 0; first--) {
-                TU_OK(g->ops->sgd_step(g, n, gp, gg, gm, 0.05f, cfg[k][0], cfg[k][1], cfg[k][3],
+                TU_OK(tdm_dev_sgd_step(g, n, gp, gg, gm, 0.05f, cfg[k][0], cfg[k][1], cfg[k][3],
                                        (int)cfg[k][2], first));
-                TU_OK(c->ops->sgd_step(c, n, par, grad, m, 0.05f, cfg[k][0], cfg[k][1],
+                TU_OK(tdm_dev_sgd_step(c, n, par, grad, m, 0.05f, cfg[k][0], cfg[k][1],
                                        cfg[k][3], (int)cfg[k][2], first));
                 cu_cmp("sgd param", g, gp, par, n, 1e-6, 1e-5);
                 cu_cmp("sgd momentum", g, gm, m, n, 1e-6, 1e-5);
             }
         for (int t = 1; t <= 3; t++) {
             float bc1 = 1.0f - powf(0.9f, (float)t), bc2 = 1.0f - powf(0.999f, (float)t);
-            TU_OK(g->ops->adamw_step(g, n, gp, gg, gm, gv, 1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f,
+            TU_OK(tdm_dev_adamw_step(g, n, gp, gg, gm, gv, 1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f,
                                      bc1, bc2));
-            TU_OK(c->ops->adamw_step(c, n, par, grad, m, v, 1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f,
+            TU_OK(tdm_dev_adamw_step(c, n, par, grad, m, v, 1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f,
                                      bc1, bc2));
             cu_cmp("adamw param", g, gp, par, n, 1e-6, 1e-5);
             cu_cmp("adamw m", g, gm, m, n, 1e-7, 1e-5);
@@ -961,7 +937,7 @@ Test(cuda_gpu, nccl_one_rank)
     for (int i = 0; i < 1000; i++) h[i] = (float)i;
     float *buf = cu_up(d, h, sizeof h);
     /* Ordered after the compute stream: a scale enqueued just before. */
-    TU_OK(d->ops->scale(d, 1000, 2.0f, buf));
+    TU_OK(tdm_dev_scale(d, 1000, 2.0f, buf));
     TU_OK(tdm_comm_all_reduce(c, buf, buf, 1000, TDM_DTYPE_FLOAT32, TDM_REDOP_SUM));
     float *back = cu_down(d, buf, sizeof h);
     for (int i = 0; i < 1000; i++) cr_assert_eq(back[i], 2.0f * (float)i, "[%d] %g", i, back[i]);
@@ -979,9 +955,9 @@ Test(cuda_gpu, nccl_one_rank)
     TU_OK(tdm_comm_alloc(c, 4096, &cm));
     int32_t ci[1024], co[1024];
     for (int i = 0; i < 1024; i++) ci[i] = i * 3 - 7;
-    TU_OK(d->ops->copy_from_host(d, cm, ci, sizeof ci));
+    TU_OK(tdm_dev_copy_from_host(d, cm, ci, sizeof ci));
     TU_OK(tdm_comm_broadcast(c, cm, cm, 1024, TDM_DTYPE_INT32, 0));
-    TU_OK(d->ops->copy_to_host(d, co, cm, sizeof co));
+    TU_OK(tdm_dev_copy_to_host(d, co, cm, sizeof co));
     cr_assert(!memcmp(ci, co, sizeof ci), "broadcast over comm memory changed it");
     /* After abort every call fails at once with the reason. */
     TU_OK(tdm_comm_abort(c, "test abort"));
@@ -1068,16 +1044,16 @@ static int cu_nccl_rank(tdm_comm *boot, void *arg)
     RK_OK(tdm_dev_alloc(d, nb, (void **)&out));
     for (size_t i = 0; i < n * (size_t)world; i++) h[i] = (float)((i * 3 + (size_t)rank) % 11);
     /* all_reduce SUM and MAX */
-    RK_OK(d->ops->copy_from_host(d, buf, h, n * 4));
+    RK_OK(tdm_dev_copy_from_host(d, buf, h, n * 4));
     RK_OK(tdm_comm_all_reduce(c, buf, out, n, TDM_DTYPE_FLOAT32, TDM_REDOP_SUM));
-    RK_OK(d->ops->copy_to_host(d, hr, out, n * 4));
+    RK_OK(tdm_dev_copy_to_host(d, hr, out, n * 4));
     for (size_t i = 0; i < n; i++) {
         float want = 0;
         for (int r = 0; r < world; r++) want += (float)((i * 3 + (size_t)r) % 11);
         bad += hr[i] != want;
     }
     RK_OK(tdm_comm_all_reduce(c, buf, out, n, TDM_DTYPE_FLOAT32, TDM_REDOP_MAX));
-    RK_OK(d->ops->copy_to_host(d, hr, out, n * 4));
+    RK_OK(tdm_dev_copy_to_host(d, hr, out, n * 4));
     for (size_t i = 0; i < n; i++) {
         float want = 0;
         for (int r = 0; r < world; r++) {
@@ -1088,17 +1064,17 @@ static int cu_nccl_rank(tdm_comm *boot, void *arg)
     }
     /* broadcast from the last rank */
     RK_OK(tdm_comm_broadcast(c, buf, out, n, TDM_DTYPE_FLOAT32, world - 1));
-    RK_OK(d->ops->copy_to_host(d, hr, out, n * 4));
+    RK_OK(tdm_dev_copy_to_host(d, hr, out, n * 4));
     for (size_t i = 0; i < n; i++) bad += hr[i] != (float)((i * 3 + (size_t)(world - 1)) % 11);
     /* all_gather: block r is rank r's first n */
     RK_OK(tdm_comm_all_gather(c, buf, out, n, TDM_DTYPE_FLOAT32));
-    RK_OK(d->ops->copy_to_host(d, hr, out, nb));
+    RK_OK(tdm_dev_copy_to_host(d, hr, out, nb));
     for (int r = 0; r < world; r++)
         for (size_t i = 0; i < n; i++) bad += hr[(size_t)r * n + i] != (float)((i * 3 + (size_t)r) % 11);
     /* reduce_scatter over world*n inputs */
-    RK_OK(d->ops->copy_from_host(d, buf, h, nb));
+    RK_OK(tdm_dev_copy_from_host(d, buf, h, nb));
     RK_OK(tdm_comm_reduce_scatter(c, buf, out, n, TDM_DTYPE_FLOAT32, TDM_REDOP_SUM));
-    RK_OK(d->ops->copy_to_host(d, hr, out, n * 4));
+    RK_OK(tdm_dev_copy_to_host(d, hr, out, n * 4));
     for (size_t i = 0; i < n; i++) {
         size_t j = (size_t)rank * n + i;
         float want = 0;
@@ -1108,18 +1084,18 @@ static int cu_nccl_rank(tdm_comm *boot, void *arg)
     /* gather to 0, scatter from 0, send/recv 0 -> 1 */
     RK_OK(tdm_comm_gather(c, buf, out, n, TDM_DTYPE_FLOAT32, 0));
     if (rank == 0) {
-        RK_OK(d->ops->copy_to_host(d, hr, out, nb));
+        RK_OK(tdm_dev_copy_to_host(d, hr, out, nb));
         for (int r = 0; r < world; r++)
             for (size_t i = 0; i < n; i++)
                 bad += hr[(size_t)r * n + i] != (float)((i * 3 + (size_t)r) % 11);
     }
     RK_OK(tdm_comm_scatter(c, buf, out, n, TDM_DTYPE_FLOAT32, 0));
-    RK_OK(d->ops->copy_to_host(d, hr, out, n * 4));
+    RK_OK(tdm_dev_copy_to_host(d, hr, out, n * 4));
     for (size_t i = 0; i < n; i++) bad += hr[i] != (float)((((size_t)rank * n + i) * 3) % 11);
     if (rank == 0) RK_OK(tdm_comm_send(c, buf, n, TDM_DTYPE_FLOAT32, 1));
     if (rank == 1) {
         RK_OK(tdm_comm_recv(c, out, n, TDM_DTYPE_FLOAT32, 0));
-        RK_OK(d->ops->copy_to_host(d, hr, out, n * 4));
+        RK_OK(tdm_dev_copy_to_host(d, hr, out, n * 4));
         for (size_t i = 0; i < n; i++) bad += hr[i] != (float)((i * 3) % 11);
     }
     RK_OK(tdm_comm_barrier(c));
@@ -1244,7 +1220,7 @@ Test(cuda_multi, nccl_group_broadcast_reduce)
     /* reduce-add to 0, in place */
     TU_OK(tdm_cuda_nccl_group_reduce(g, (const void *const *)buf, buf[0], n, TDM_DTYPE_FLOAT32,
                                      TDM_REDOP_SUM, 0));
-    TU_OK(d[0]->ops->copy_to_host(d[0], hr, buf[0], n * 4));
+    TU_OK(tdm_dev_copy_to_host(d[0], hr, buf[0], n * 4));
     for (size_t j = 0; j < n; j++) {
         float want = 0;
         for (int i = 0; i < ndev; i++) want += (float)((j + (size_t)i * 7) % 13);
@@ -1261,7 +1237,7 @@ Test(cuda_multi, nccl_group_broadcast_reduce)
      * every buffer is equal, which a no-op would pass) */
     for (int i = 0; i < ndev; i++) {
         for (size_t j = 0; j < n; j++) h[j] = (float)((j * 5 + (size_t)i * 3) % 17);
-        TU_OK(d[i]->ops->copy_from_host(d[i], buf[i], h, n * 4));
+        TU_OK(tdm_dev_copy_from_host(d[i], buf[i], h, n * 4));
     }
     TU_OK(tdm_cuda_nccl_group_all_reduce(g, (void *const *)buf, n, TDM_DTYPE_FLOAT32,
                                          TDM_REDOP_MAX));

@@ -16,15 +16,12 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "cuda/cuda.h"
+#include "cuda/cuda_weak.h"
 #include "dp/dp.h"
 #include "models/gpt.h"
 #include "tests/cuda_test_util.h"
 #include "tests/test_ddp_util.h"
 #include "tests/test_util.h"
-
-__attribute__((weak)) tdm_status tdm_cuda_emulator_open(tdm_device **out);
-__attribute__((weak)) tdm_status tdm_cuda_emulator_open_accel(tdm_device **out, int index);
 
 static tdm_status open_emu(tdm_device **out, int i) { return tdm_cuda_emulator_open_accel(out, i); }
 
@@ -40,7 +37,7 @@ static void *up(tdm_device *d, const void *h, size_t nbytes)
 {
     void *p = NULL;
     TU_OK(tdm_dev_alloc(d, nbytes ? nbytes : 4, &p));
-    if (h && nbytes) TU_OK(d->ops->copy_from_host(d, p, h, nbytes));
+    if (h && nbytes) TU_OK(tdm_dev_copy_from_host(d, p, h, nbytes));
     return p;
 }
 
@@ -49,10 +46,10 @@ static void cmp(const char *what, tdm_device *d, const float *dv, const float *r
                 double atol, double rtol)
 {
     float *h = tu_malloc((size_t)n * 4);
-    TU_OK(d->ops->copy_to_host(d, h, dv, (size_t)n * 4));
+    TU_OK(tdm_dev_copy_to_host(d, h, dv, (size_t)n * 4));
     int64_t at = 0;
     double r = tu_tol_ratio(h, ref, n, atol, rtol, &at, NULL);
-    cr_assert(r <= 1.0, "%s on %s: [%lld] %.9g vs host %.9g", what, d->name, (long long)at,
+    cr_assert(r <= 1.0, "%s on %s: [%lld] %.9g vs host %.9g", what, tdm_dev_name(d), (long long)at,
               h[at], ref[at]);
     free(h);
 }
@@ -80,15 +77,15 @@ static void kernels_match_host(int emu)
     float *gwte = up(g, wte, (size_t)V * C * 4), *gwpe = up(g, wpe, (size_t)T * C * 4);
     float *gout = up(g, NULL, (size_t)NC * 4), *gdout = up(g, dout, (size_t)NC * 4);
     float *gdwte = up(g, NULL, (size_t)V * C * 4), *gdwpe = up(g, NULL, (size_t)T * C * 4);
-    TU_OK(c->ops->embed_fwd(c, tok, wte, wpe, out, B, T, C));
-    TU_OK(g->ops->embed_fwd(g, gtok, gwte, gwpe, gout, B, T, C));
+    TU_OK(tdm_dev_embed_fwd(c, tok, wte, wpe, out, B, T, C));
+    TU_OK(tdm_dev_embed_fwd(g, gtok, gwte, gwpe, gout, B, T, C));
     cmp("embed_fwd", g, gout, out, NC, 0, 0);
-    TU_OK(c->ops->memset_zero(c, dwte, (size_t)V * C * 4));
-    TU_OK(c->ops->memset_zero(c, dwpe, (size_t)T * C * 4));
-    TU_OK(g->ops->memset_zero(g, gdwte, (size_t)V * C * 4));
-    TU_OK(g->ops->memset_zero(g, gdwpe, (size_t)T * C * 4));
-    TU_OK(c->ops->embed_bwd(c, tok, dout, dwte, dwpe, B, T, C));
-    TU_OK(g->ops->embed_bwd(g, gtok, gdout, gdwte, gdwpe, B, T, C));
+    TU_OK(tdm_dev_memset_zero(c, dwte, (size_t)V * C * 4));
+    TU_OK(tdm_dev_memset_zero(c, dwpe, (size_t)T * C * 4));
+    TU_OK(tdm_dev_memset_zero(g, gdwte, (size_t)V * C * 4));
+    TU_OK(tdm_dev_memset_zero(g, gdwpe, (size_t)T * C * 4));
+    TU_OK(tdm_dev_embed_bwd(c, tok, dout, dwte, dwpe, B, T, C));
+    TU_OK(tdm_dev_embed_bwd(g, gtok, gdout, gdwte, gdwpe, B, T, C));
     cmp("embed_bwd wte", g, gdwte, dwte, (int64_t)V * C, 1e-6, 1e-6);
     cmp("embed_bwd wpe", g, gdwpe, dwpe, (int64_t)T * C, 1e-6, 1e-6);
 
@@ -99,45 +96,45 @@ static void kernels_match_host(int emu)
     float *gx = up(g, x, (size_t)NC * 4), *glg = up(g, lg, (size_t)C * 4), *glb = up(g, lb, (size_t)C * 4);
     float *gmean = up(g, NULL, (size_t)N * 4), *grstd = up(g, NULL, (size_t)N * 4);
     float *gdx = up(g, dx, (size_t)NC * 4), *gdg = up(g, dg, (size_t)C * 4), *gdb = up(g, db, (size_t)C * 4);
-    TU_OK(c->ops->layernorm_fwd(c, x, lg, lb, out, mean, rstd, N, C, 1e-5f));
-    TU_OK(g->ops->layernorm_fwd(g, gx, glg, glb, gout, gmean, grstd, N, C, 1e-5f));
+    TU_OK(tdm_dev_layernorm_fwd(c, x, lg, lb, out, mean, rstd, N, C, 1e-5f));
+    TU_OK(tdm_dev_layernorm_fwd(g, gx, glg, glb, gout, gmean, grstd, N, C, 1e-5f));
     cmp("layernorm_fwd", g, gout, out, NC, 1e-6, 1e-5);
     cmp("layernorm_fwd rstd", g, grstd, rstd, N, 1e-6, 1e-5);
-    TU_OK(c->ops->layernorm_bwd(c, x, dout, lg, mean, rstd, dx, dg, db, N, C));
-    TU_OK(g->ops->layernorm_bwd(g, gx, gdout, glg, gmean, grstd, gdx, gdg, gdb, N, C));
+    TU_OK(tdm_dev_layernorm_bwd(c, x, dout, lg, mean, rstd, dx, dg, db, N, C));
+    TU_OK(tdm_dev_layernorm_bwd(g, gx, gdout, glg, gmean, grstd, gdx, gdg, gdb, N, C));
     cmp("layernorm_bwd dx", g, gdx, dx, NC, 1e-6, 1e-5);
     cmp("layernorm_bwd dg", g, gdg, dg, C, 1e-5, 1e-5);
     cmp("layernorm_bwd db", g, gdb, db, C, 1e-5, 1e-5);
 
     /* GELU, backward in place */
-    TU_OK(c->ops->gelu_fwd(c, x, out, NC));
-    TU_OK(g->ops->gelu_fwd(g, gx, gout, NC));
+    TU_OK(tdm_dev_gelu_fwd(c, x, out, NC));
+    TU_OK(tdm_dev_gelu_fwd(g, gx, gout, NC));
     cmp("gelu_fwd", g, gout, out, NC, 1e-6, 1e-5);
     memcpy(dx, dout, (size_t)NC * 4);
-    TU_OK(g->ops->copy(g, gdx, gdout, (size_t)NC * 4));
-    TU_OK(c->ops->gelu_bwd(c, x, dx, dx, NC));
-    TU_OK(g->ops->gelu_bwd(g, gx, gdx, gdx, NC));
+    TU_OK(tdm_dev_copy(g, gdx, gdout, (size_t)NC * 4));
+    TU_OK(tdm_dev_gelu_bwd(c, x, dx, dx, NC));
+    TU_OK(tdm_dev_gelu_bwd(g, gx, gdx, gdx, NC));
     cmp("gelu_bwd", g, gdx, dx, NC, 1e-6, 1e-5);
 
     /* heads split and merge at an offset of a 3C-wide row */
     float *qkv = rnd(&r, 3 * NC, -1, 1), *hq = tu_malloc((size_t)NC * 4);
     float *gqkv = up(g, qkv, (size_t)(3 * NC) * 4), *ghq = up(g, NULL, (size_t)NC * 4);
-    TU_OK(c->ops->heads_split(c, qkv, 3 * C, C, hq, B, T, H, hd));
-    TU_OK(g->ops->heads_split(g, gqkv, 3 * C, C, ghq, B, T, H, hd));
+    TU_OK(tdm_dev_heads_split(c, qkv, 3 * C, C, hq, B, T, H, hd));
+    TU_OK(tdm_dev_heads_split(g, gqkv, 3 * C, C, ghq, B, T, H, hd));
     cmp("heads_split", g, ghq, hq, NC, 0, 0);
-    TU_OK(c->ops->heads_merge(c, hq, qkv, 3 * C, 2 * C, B, T, H, hd));
-    TU_OK(g->ops->heads_merge(g, ghq, gqkv, 3 * C, 2 * C, B, T, H, hd));
+    TU_OK(tdm_dev_heads_merge(c, hq, qkv, 3 * C, 2 * C, B, T, H, hd));
+    TU_OK(tdm_dev_heads_merge(g, ghq, gqkv, 3 * C, 2 * C, B, T, H, hd));
     cmp("heads_merge", g, gqkv, qkv, 3 * NC, 0, 0);
 
     /* causal softmax forward and backward */
     int64_t rows = (int64_t)B * H * T, TT = rows * T;
     float *att = rnd(&r, TT, -4, 4), *datt = rnd(&r, TT, -1, 1);
     float *gatt = up(g, att, (size_t)TT * 4), *gdatt = up(g, datt, (size_t)TT * 4);
-    TU_OK(c->ops->attn_softmax_fwd(c, att, rows, T));
-    TU_OK(g->ops->attn_softmax_fwd(g, gatt, rows, T));
+    TU_OK(tdm_dev_attn_softmax_fwd(c, att, rows, T));
+    TU_OK(tdm_dev_attn_softmax_fwd(g, gatt, rows, T));
     cmp("attn_softmax_fwd", g, gatt, att, TT, 1e-7, 1e-5);
-    TU_OK(c->ops->attn_softmax_bwd(c, att, datt, rows, T));
-    TU_OK(g->ops->attn_softmax_bwd(g, gatt, gdatt, rows, T));
+    TU_OK(tdm_dev_attn_softmax_bwd(c, att, datt, rows, T));
+    TU_OK(tdm_dev_attn_softmax_bwd(g, gatt, gdatt, rows, T));
     cmp("attn_softmax_bwd", g, gdatt, datt, TT, 1e-7, 1e-5);
 
     /* strided-batched gemm: the attention's shapes, both transposes */
@@ -210,8 +207,8 @@ static void model_matches_host(int emu)
         /* host inputs: the single step stages them to the device */
         TU_OK(tdm_single_step(&sg, x, y, B, &lg));
         TU_OK(tdm_single_step(&sc, x, y, B, &lc));
-        cr_assert(tu_close(lg, lc, 1e-5, 1e-5), "step %d: loss %s %.9g host %.9g", step, g->name,
-                  lg, lc);
+        cr_assert(tu_close(lg, lc, 1e-5, 1e-5), "step %d: loss %s %.9g host %.9g", step,
+                  tdm_dev_name(g), lg, lc);
         cmp("grads", g, tdm_model_grads(mg), tdm_model_grads(mc), pe, 1e-5, 1e-3);
         cmp("params", g, tdm_model_params(mg), tdm_model_params(mc), pe, 1e-5, 1e-4);
     }
@@ -219,7 +216,8 @@ static void model_matches_host(int emu)
     int32_t a[12], b[12];
     TU_OK(tdm_gpt_generate(mg, x, 5, 12, 0.0f, 1, a, NULL, NULL));
     TU_OK(tdm_gpt_generate(mc, x, 5, 12, 0.0f, 1, b, NULL, NULL));
-    cr_assert(!memcmp(a, b, sizeof a), "greedy text differs between %s and the host", g->name);
+    cr_assert(!memcmp(a, b, sizeof a), "greedy text differs between %s and the host",
+              tdm_dev_name(g));
     /* a token outside the vocabulary is caught on the device too */
     int32_t bad[13] = {0};
     bad[7] = 999;

@@ -33,20 +33,14 @@
 #include <unistd.h>
 
 #include "core/comm.h"
-#include "cuda/cuda.h"
+#include "core/device_impl.h"   /* the backend's table: it has a copy_peer */
+#include "cuda/cuda_weak.h"
 #include "dp/dp.h"
 #include "models/train.h"
 #include "tests/cli_util.h"
 #include "tests/cuda_test_util.h"
 #include "tests/test_ddp_util.h"
 #include "tests/test_util.h"
-
-__attribute__((weak)) tdm_status tdm_cuda_emulator_open_accel(tdm_device **out, int index);
-__attribute__((weak)) tdm_status tdm_comm_init_nccl_opts(tdm_comm **out, tdm_comm *bootstrap,
-                                                         int device_index,
-                                                         const tdm_nccl_opts *opts);
-
-__attribute__((weak)) int64_t tdm_cuda_emulator_allocs(const tdm_device *d);
 
 static tdm_status open_emu(tdm_device **out, int i) { return tdm_cuda_emulator_open_accel(out, i); }
 static tdm_status open_gpu(tdm_device **out, int i) { return tdm_device_open(out, "cuda", i, 1); }
@@ -85,7 +79,7 @@ static void dp_vs_host_group(tdm_status (*open)(tdm_device **, int), int n, int 
     cr_assert_eq(tddp_data(&data, cnn, (int64_t)batch * steps), TDM_STATUS_OK);
     for (int i = 0; i < n; i++) {
         cr_assert_eq(open(&devs[i], i), TDM_STATUS_OK, "%s", tdm_error_message());
-        cr_assert_eq(devs[i]->kind, TDM_DEVICE_CUDA, "%s", devs[i]->name);
+        cr_assert_eq(tdm_dev_kind(devs[i]), TDM_DEVICE_CUDA, "%s", tdm_dev_name(devs[i]));
     }
     cr_assert_eq(tdm_device_open(&hd, "cpu", 0, 1), TDM_STATUS_OK);
     cr_assert_eq(tdm_model_init(&ref, hd, &spec, 42), TDM_STATUS_OK);
@@ -113,9 +107,9 @@ static void dp_vs_host_group(tdm_status (*open)(tdm_device **, int), int n, int 
         cr_assert(fabs(ldp - lref) <= atol + rtol * fabs(lref),
                   "n=%d batch=%d step %d: loss %.8f vs host %.8f", n, batch, s, ldp, lref);
     }
-    cr_assert_eq(devs[0]->ops->copy_to_host(devs[0], g, tdm_model_grads(m), (size_t)np * 4),
+    cr_assert_eq(tdm_dev_copy_to_host(devs[0], g, tdm_model_grads(m), (size_t)np * 4),
                  TDM_STATUS_OK);
-    cr_assert_eq(devs[0]->ops->copy_to_host(devs[0], p, tdm_model_params(m), (size_t)np * 4),
+    cr_assert_eq(tdm_dev_copy_to_host(devs[0], p, tdm_model_params(m), (size_t)np * 4),
                  TDM_STATUS_OK);
     int64_t at = 0;
     double r = tu_tol_ratio(g, tdm_model_grads(ref), np, atol, rtol, &at, NULL);
@@ -339,7 +333,7 @@ static tdm_status ddp_open_shared(tdm_device **out, int rank)
 static tdm_status ddp_make_nccl(tdm_comm **out, tdm_comm *boot, tdm_device *dev)
 {
     tdm_nccl_opts o = {.timeout_ms = 60000};
-    return tdm_comm_init_nccl_opts(out, boot, dev->index, &o);
+    return tdm_comm_init_nccl_opts(out, boot, tdm_dev_index(dev), &o);
 }
 
 static void ddp_vs_host(int world, int cnn, int batch, int steps,
@@ -431,18 +425,18 @@ Test(cuda_gpu, peer_copy_is_ordered_both_ways, .timeout = 120)
     cr_assert_eq(tdm_dev_alloc(a, (size_t)n * 4, (void **)&pa), TDM_STATUS_OK);
     cr_assert_eq(tdm_dev_alloc(b, (size_t)n * 4, (void **)&pb), TDM_STATUS_OK);
     for (int64_t i = 0; i < n; i++) h[i] = (float)(i % 1000);
-    cr_assert_eq(a->ops->copy_from_host(a, pa, h, (size_t)n * 4), TDM_STATUS_OK);
+    cr_assert_eq(tdm_dev_copy_from_host(a, pa, h, (size_t)n * 4), TDM_STATUS_OK);
     for (int rep = 0; rep < 3; rep++) {
-        cr_assert_eq(a->ops->scale(a, n, 2.0f, pa), TDM_STATUS_OK);       /* before: seen */
-        cr_assert_eq(b->ops->memset_zero(b, pb, (size_t)n * 4), TDM_STATUS_OK);
+        cr_assert_eq(tdm_dev_scale(a, n, 2.0f, pa), TDM_STATUS_OK);       /* before: seen */
+        cr_assert_eq(tdm_dev_memset_zero(b, pb, (size_t)n * 4), TDM_STATUS_OK);
         cr_assert_eq(tdm_dev_copy_between(b, pb, a, pa, (size_t)n * 4), TDM_STATUS_OK, "%s",
                      tdm_error_message());
-        cr_assert_eq(a->ops->scale(a, n, 0.5f, pa), TDM_STATUS_OK);       /* after: not seen */
-        cr_assert_eq(b->ops->copy_to_host(b, h, pb, (size_t)n * 4), TDM_STATUS_OK);
+        cr_assert_eq(tdm_dev_scale(a, n, 0.5f, pa), TDM_STATUS_OK);       /* after: not seen */
+        cr_assert_eq(tdm_dev_copy_to_host(b, h, pb, (size_t)n * 4), TDM_STATUS_OK);
         for (int64_t i = 0; i < n; i++)
             cr_assert_eq(h[i], 2.0f * (float)(i % 1000), "rep %d: [%lld] = %g", rep, (long long)i,
                          h[i]);
-        cr_assert_eq(a->ops->copy_to_host(a, h, pa, (size_t)n * 4), TDM_STATUS_OK);
+        cr_assert_eq(tdm_dev_copy_to_host(a, h, pa, (size_t)n * 4), TDM_STATUS_OK);
         for (int64_t i = 0; i < n; i += 4099) cr_assert_eq(h[i], (float)(i % 1000));
     }
     tdm_dev_free(a, pa);

@@ -1,7 +1,8 @@
 /* tests/test_ddp.c: DDP against single-device training: equivalence with
  * 1..4 ranks (MLP, uneven batches, CNN with per-rank batchnorm), overlap on
  * and off bit for bit, no_sync, collective-sequence and layout mismatches,
- * evaluation spread over the ranks. Each test forks its ranks through
+ * evaluation spread over the ranks, the share of a global batch and
+ * tdm_ddp_forward_global. Each test forks its ranks through
  * tdm_ddp_spawn (bounded run time, nothing left behind). Bucket plans,
  * overlap on large buckets and unused parameters: test_ddp_reducer.c. */
 #include <criterion/criterion.h>
@@ -60,6 +61,122 @@ static void run_to(tddp_cfg *c, int world, tddp_shared *sh)
     memset(sh, 0, sizeof *sh);
     tdm_status st = tddp_spawn(world, c, &g_data, sh, 60000);
     cr_assert_eq(st, TDM_STATUS_OK, "%s / %s", tdm_error_message(), sh->err[0]);
+}
+
+/* tdm_ddp_share: contiguous shares in rank order that cover [0, n), sizes
+ * differing by at most one. */
+Test(ddp_mlp, share_splits_n_contiguously_in_rank_order)
+{
+    for (int world = 1; world <= 9; world++) {
+        for (int64_t n = 0; n <= 40; n++) {
+            int64_t next = 0, smallest = n, largest = 0;
+            for (int r = 0; r < world; r++) {
+                int64_t lo, hi;
+                tdm_ddp_share(n, r, world, &lo, &hi);
+                cr_assert_eq(lo, next, "n %lld world %d rank %d: starts at %lld, not %lld",
+                             (long long)n, world, r, (long long)lo, (long long)next);
+                cr_assert_geq(hi, lo);
+                if (hi - lo < smallest) smallest = hi - lo;
+                if (hi - lo > largest) largest = hi - lo;
+                next = hi;
+            }
+            cr_assert_eq(next, n, "n %lld world %d: shares end at %lld", (long long)n, world,
+                         (long long)next);
+            cr_assert_leq(largest - smallest, 1, "n %lld world %d", (long long)n, world);
+        }
+    }
+}
+
+/* tdm_ddp_forward_global on the whole global batch computes what a rank
+ * feeding only its own share to tdm_ddp_forward_scaled with 1/B computes
+ * (the helpers' path, checked against one device above): bitwise. */
+typedef struct global_out {
+    float params[TDDP_MAX_ELEMS];
+    int64_t n;
+    double loss[4];
+    int status[4];
+} global_out;
+
+typedef struct global_arg {
+    int batch, steps;
+    global_out *out;
+} global_arg;
+
+static int global_rank(tdm_comm *comm, void *argp)
+{
+    global_arg *a = argp;
+    int rank = tdm_comm_rank(comm);
+    tdm_status st = TDM_STATUS_OK;
+    tdm_device *dev = NULL;
+    tdm_model *m = NULL;
+    tdm_optim *opt = NULL;
+    tdm_ddp *ddp = NULL;
+    tdm_model_spec spec;
+    tddp_spec(&spec, 0);
+    int64_t feat = tdm_data_features(&g_data);
+    int64_t *perm = malloc((size_t)g_data.n * sizeof *perm);
+    float *x = malloc((size_t)a->batch * (size_t)feat * sizeof *x);
+    int32_t *y = malloc((size_t)a->batch * sizeof *y);
+    if (!perm || !x || !y) { st = TDM_STATUS_OUT_OF_MEMORY; goto fail; }
+    TDM_TRY(tdm_device_open(&dev, "cpu", rank, 1));
+    TDM_TRY(tdm_model_init(&m, dev, &spec, 5));
+    tdm_ddp_opts o = {.timeout_ms = 20000};
+    TDM_TRY(tdm_ddp_init(&ddp, m, comm, &o));
+    TDM_TRY(tdm_sgd_init(&opt, m, 0.05f, 0.9f));
+    tdm_train_epoch_order(perm, g_data.n, 1, 0);
+    for (int s = 0; s < a->steps; s++) {
+        tdm_data_gather(&g_data, perm + (int64_t)s * a->batch, a->batch, x, y);
+        double ls = 0.0;
+        TDM_TRY(tdm_ddp_zero_grad(ddp));
+        TDM_TRY(tdm_ddp_forward_global(ddp, x, y, a->batch, &ls));
+        TDM_TRY(tdm_ddp_backward(ddp));
+        TDM_TRY(tdm_ddp_step(ddp, opt));
+        if (rank == 0 && s < 4) a->out->loss[s] = tdm_ddp_loss_sum(ddp) / a->batch;
+    }
+    if (rank == 0) {
+        a->out->n = tdm_model_param_elems(m);
+        memcpy(a->out->params, tdm_model_params(m), (size_t)a->out->n * sizeof(float));
+    }
+fail:
+    if (rank < 4) a->out->status[rank] = st;
+    tdm_ddp_free(ddp);
+    tdm_optim_free(opt);
+    tdm_model_free(m);
+    tdm_device_free(dev);
+    free(perm);
+    free(x);
+    free(y);
+    return st ? 1 : 0;
+}
+
+Test(ddp_mlp, forward_global_equals_own_share_scaled_bitwise)
+{
+    static const int cases[][3] = {{2, 24, 3}, {3, 23, 3}, {4, 23, 2}, {3, 2, 2}};
+    tddp_shared *sh = tddp_shared_new();
+    global_out *out = mmap(NULL, sizeof *out, PROT_READ | PROT_WRITE,
+                           MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    cr_assert(sh && out != MAP_FAILED);
+    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+        int world = cases[k][0];
+        memset(out, 0, sizeof *out);
+        global_arg a = {.batch = cases[k][1], .steps = cases[k][2], .out = out};
+        tdm_ddp_spawn_opts so = {.timeout_ms = 60000, .arena_bytes = 1 << 20,
+                                 .comm_timeout_ms = 20000};
+        cr_assert_eq(tdm_ddp_spawn(world, global_rank, &a, &so, NULL), TDM_STATUS_OK, "%s",
+                     tdm_error_message());
+        tddp_cfg c = tddp_cfg_default();
+        c.batch = a.batch;
+        c.steps = a.steps;
+        run_to(&c, world, sh);
+        cr_assert_eq(out->n, sh->n_elem);
+        cr_assert(!memcmp(out->params, sh->params, (size_t)out->n * sizeof(float)),
+                  "world %d batch %d: forward_global's parameters differ", world, a.batch);
+        for (int s = 0; s < a.steps; s++)
+            cr_assert_eq(out->loss[s], sh->loss[s], "world %d batch %d step %d", world, a.batch,
+                         s);
+    }
+    munmap(out, sizeof *out);
+    tddp_shared_free(sh);
 }
 
 Test(ddp_mlp, overlap_on_and_off_bit_identical)
@@ -160,14 +277,15 @@ Test(ddp_cnn, gradient_is_weighted_mean_of_per_shard_gradients)
             int64_t n = sh->n_elem;
             double *expect = calloc((size_t)n, sizeof *expect);
             for (int r = 0; r < w; r++) {
-                int lo = r * batch / w, hi = (r + 1) * batch / w;
+                int64_t lo, hi;
+                tdm_ddp_share(batch, r, w, &lo, &hi);
                 if (hi == lo) continue;
                 tdm_model *m;
                 cr_assert_eq(tdm_model_init(&m, dev, &spec, 5), TDM_STATUS_OK);
                 tdm_model_set_train(m, 1);
-                tdm_data_gather(&g_data, perm + lo, hi - lo, x, y);
+                tdm_data_gather(&g_data, perm + lo, (int)(hi - lo), x, y);
                 double l;
-                cr_assert_eq(tdm_model_forward_backward(m, x, y, hi - lo, &l), TDM_STATUS_OK);
+                cr_assert_eq(tdm_model_forward_backward(m, x, y, (int)(hi - lo), &l), TDM_STATUS_OK);
                 const float *g = tdm_model_grads(m);
                 for (int64_t i = 0; i < n; i++) expect[i] += (double)(hi - lo) / batch * g[i];
                 tdm_model_free(m);

@@ -187,7 +187,9 @@ static inline int tddp_rank_main(tdm_comm *comm, void *arg)
         for (int k = 0; k < micro; k++) {
             int mb0 = (int)((int64_t)k * c->batch / micro), mb1 = (int)((int64_t)(k + 1) * c->batch / micro);
             int mb = mb1 - mb0;
-            int lo = (int)((int64_t)rank * mb / world), hi = (int)((int64_t)(rank + 1) * mb / world);
+            int64_t lo64, hi64;
+            tdm_ddp_share(mb, rank, world, &lo64, &hi64);
+            int lo = (int)lo64, hi = (int)hi64;
             if (c->gpt)
                 tdm_text_windows(tddp_text(), TDDP_GPT_T, 1, s, mb0 + lo, hi - lo, (int32_t *)x, y);
             else
@@ -208,8 +210,8 @@ static inline int tddp_rank_main(tdm_comm *comm, void *arg)
         if (s == 0 && tdm_model_param_elems(m) <= TDDP_MAX_ELEMS) {
             float *dst = rank == 0 ? sh->grads0 : rank == world - 1 ? sh->grads0_r1 : NULL;
             if (dst)
-                TDM_TRY(dev->ops->copy_to_host(dev, dst, tdm_model_grads(m),
-                                               (size_t)tdm_model_param_elems(m) * 4));
+                TDM_TRY(tdm_dev_copy_to_host(dev, dst, tdm_model_grads(m),
+                                             (size_t)tdm_model_param_elems(m) * 4));
         }
         TDM_TRY(tdm_ddp_step(ddp, opt));
         if (rank == 0 && s < TDDP_MAX_STEPS) {
@@ -243,7 +245,7 @@ static inline int tddp_rank_main(tdm_comm *comm, void *arg)
         sh->n_elem = tdm_model_param_elems(m);
         float *dst = rank == 0 ? sh->params : rank == world - 1 ? sh->params_r1 : NULL;
         if (dst)
-            TDM_TRY(dev->ops->copy_to_host(dev, dst, tdm_model_params(m), (size_t)sh->n_elem * 4));
+            TDM_TRY(tdm_dev_copy_to_host(dev, dst, tdm_model_params(m), (size_t)sh->n_elem * 4));
     }
 fail:
     if (rank < 8) {

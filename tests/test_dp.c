@@ -610,7 +610,8 @@ Test(dp_bad_use, refused_with_messages)
     cr_assert_eq(st, TDM_STATUS_NO_DEVICE, "%s", tdm_error_message());
     cr_assert_eq(n, 0);
     cr_assert_eq(tdm_dp_devices_open("cpu:0,2", d, &n), TDM_STATUS_OK);
-    cr_assert(n == 2 && !strcmp(d[0]->name, "cpu:0") && !strcmp(d[1]->name, "cpu:2"));
+    cr_assert(n == 2 && !strcmp(tdm_dev_name(d[0]), "cpu:0") &&
+              !strcmp(tdm_dev_name(d[1]), "cpu:2"));
     tdm_dp_devices_close(d, n);
 
     /* steps */

@@ -213,7 +213,10 @@ Test(fuzz, checkpoint_mutations_are_refused_or_load_what_the_file_says)
     TU_OK(tdm_data_synthetic(&d, 32, 1, 8, 8, 4, 3, 0));
     tdm_single single = {.model = m, .opt = o};
     tdm_epoch_stats es;
-    TU_OK(tdm_train_epoch(&d, 8, 1, 0, 0, 3, tdm_single_step, &single, NULL, NULL, &es));
+    TU_OK(tdm_train_epoch(&d, &(tdm_train_epoch_opts){.batch = 8, .seed = 1, .max_steps = 3,
+                                                     .step = tdm_single_step,
+                                                     .step_ctx = &single},
+                          &es));
     tdm_single_free(&single);
     tdm_data_free(&d);
     const char *good = tpath("good.safetensors"), *bad = tpath("bad.safetensors");

@@ -14,7 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "core/device.h"
+#include "core/device_impl.h"   /* a fake backend without gemm_strided_batched */
 #include "core/kernels.h"
 #include "models/layers_gpt.h"
 #include "tests/test_util.h"
@@ -110,14 +110,14 @@ Test(gpt_layers, embedding_forward_and_backward_with_repeated_tokens)
         tu_fill(&r, wte, (int64_t)V * C, -1, 1);
         tu_fill(&r, wpe, (int64_t)T * C, -1, 1);
         tu_fill(&r, w, N * C, -1, 1);
-        TU_OK(g_dev->ops->embed_fwd(g_dev, tok, wte, wpe, y, B, T, C));
+        TU_OK(tdm_dev_embed_fwd(g_dev, tok, wte, wpe, y, B, T, C));
         for (int64_t n = 0; n < N; n++)
             for (int j = 0; j < C; j++)
                 cr_assert_float_eq(y[n * C + j], wte[tok[n] * C + j] + wpe[(n % T) * C + j], 0.0f);
         /* backward adds: start from 1 */
         for (int64_t i = 0; i < (int64_t)V * C; i++) dwte[i] = 1.0f;
         for (int64_t i = 0; i < (int64_t)T * C; i++) dwpe[i] = 1.0f;
-        TU_OK(g_dev->ops->embed_bwd(g_dev, tok, w, dwte, dwpe, B, T, C));
+        TU_OK(tdm_dev_embed_bwd(g_dev, tok, w, dwte, dwpe, B, T, C));
         for (int64_t i = 0; i < (int64_t)V * C; i++) dwte[i] -= 1.0f;
         for (int64_t i = 0; i < (int64_t)T * C; i++) dwpe[i] -= 1.0f;
         emb_ctx c = {.B = B, .T = T, .C = C, .tok = tok, .wte = to_d(wte, (int64_t)V * C),
@@ -180,7 +180,7 @@ Test(gpt_layers, layernorm_forward_and_backward)
         tu_fill(&r, g, C, 0.5f, 1.5f);
         tu_fill(&r, b, C, -0.5f, 0.5f);
         tu_fill(&r, w, n, -1, 1);
-        TU_OK(g_dev->ops->layernorm_fwd(g_dev, x, g, b, y, mean, rstd, rows, C, 1e-5f));
+        TU_OK(tdm_dev_layernorm_fwd(g_dev, x, g, b, y, mean, rstd, rows, C, 1e-5f));
         ln_ctx c = {.rows = rows, .C = C, .x = to_d(x, n), .g = to_d(g, C), .b = to_d(b, C), .w = w,
                     .y = tu_malloc((size_t)n * sizeof(double))};
         ln_ref_fwd(&c);
@@ -193,7 +193,7 @@ Test(gpt_layers, layernorm_forward_and_backward)
         /* backward adds into dx, dg, db: start them at 0.5 */
         for (int64_t i = 0; i < n; i++) dx[i] = 0.5f;
         for (int j = 0; j < C; j++) dg[j] = db[j] = 0.5f;
-        TU_OK(g_dev->ops->layernorm_bwd(g_dev, x, w, g, mean, rstd, dx, dg, db, rows, C));
+        TU_OK(tdm_dev_layernorm_bwd(g_dev, x, w, g, mean, rstd, dx, dg, db, rows, C));
         for (int64_t i = 0; i < n; i++) dx[i] -= 0.5f;
         for (int j = 0; j < C; j++) {
             dg[j] -= 0.5f;
@@ -237,13 +237,13 @@ Test(gpt_layers, gelu_forward_and_backward_including_the_tails)
     tu_fill(&r, x, n, -6, 6);
     x[0] = 0.0f; x[1] = 1e-6f; x[2] = -1e-6f; x[3] = 40.0f; x[4] = -40.0f; x[5] = 200.0f; x[6] = -200.0f;
     tu_fill(&r, w, n, -1, 1);
-    TU_OK(g_dev->ops->gelu_fwd(g_dev, x, y, n));
+    TU_OK(tdm_dev_gelu_fwd(g_dev, x, y, n));
     for (int64_t i = 0; i < n; i++)
         cr_assert(tu_close(y[i], gelu_d(x[i]), 1e-6, 1e-5), "gelu(%g) = %g, reference %g", x[i],
                   y[i], gelu_d(x[i]));
     /* in place: dx aliases dy */
     memcpy(dx, w, (size_t)n * 4);
-    TU_OK(g_dev->ops->gelu_bwd(g_dev, x, dx, dx, n));
+    TU_OK(tdm_dev_gelu_bwd(g_dev, x, dx, dx, n));
     gelu_ctx c = {.n = n, .x = to_d(x, n), .w = w};
     check_fd("gelu", gelu_ref, &c, c.x, dx, n, 1);
     free(c.x); free(x); free(y); free(w); free(dx);
@@ -466,7 +466,7 @@ Test(gpt_layers, causal_softmax_is_stable_at_huge_scores)
     float att[25], ref[25];
     for (int i = 0; i < 25; i++) att[i] = (i % 3 ? 1000.0f : -1000.0f) + (float)i;
     memcpy(ref, att, sizeof att);
-    TU_OK(g_dev->ops->attn_softmax_fwd(g_dev, att, T, T));
+    TU_OK(tdm_dev_attn_softmax_fwd(g_dev, att, T, T));
     for (int t = 0; t < T; t++) {
         double mx = -INFINITY, s = 0.0;
         for (int j = 0; j <= t; j++) mx = ref[t * T + j] > mx ? ref[t * T + j] : mx;
@@ -487,7 +487,7 @@ Test(gpt_layers, heads_split_and_merge_are_inverse)
     float *hq = tu_malloc((size_t)(N * C) * 4);
     for (int64_t i = 0; i < N * ld; i++) src[i] = (float)i;
     for (int part = 0; part < 3; part++) {
-        TU_OK(g_dev->ops->heads_split(g_dev, src, ld, part * C, hq, B, T, H, hd));
+        TU_OK(tdm_dev_heads_split(g_dev, src, ld, part * C, hq, B, T, H, hd));
         /* (b, h, t, e) holds row b*T+t, column part*C + h*hd + e */
         for (int b = 0; b < B; b++)
             for (int h = 0; h < H; h++)
@@ -495,7 +495,7 @@ Test(gpt_layers, heads_split_and_merge_are_inverse)
                     for (int e = 0; e < hd; e++)
                         cr_assert_float_eq(hq[(((int64_t)b * H + h) * T + t) * hd + e],
                                            src[((int64_t)b * T + t) * ld + part * C + h * hd + e], 0.0f);
-        TU_OK(g_dev->ops->heads_merge(g_dev, hq, back, ld, part * C, B, T, H, hd));
+        TU_OK(tdm_dev_heads_merge(g_dev, hq, back, ld, part * C, B, T, H, hd));
     }
     cr_assert(!memcmp(src, back, (size_t)(N * ld) * 4));
     free(src); free(back); free(hq);

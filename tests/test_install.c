@@ -34,7 +34,7 @@ static const char prog_src[] =
     "        printf(\"cuda: %s\\n\", tdm_error_message());\n"
     "        return 0;\n"
     "    }\n"
-    "    printf(\"cuda device %s\\n\", d->name);\n"
+    "    printf(\"cuda device %s\\n\", tdm_dev_name(d));\n"
     "    tdm_device_free(d);\n"
     "    return 0;\n"
     "}\n"
@@ -77,7 +77,7 @@ Test(install, a_program_builds_from_pkg_config_and_runs, .timeout = 120)
                            "usr/include/tandem/ddp/ddp.h", "usr/lib/pkgconfig/tandem.pc"};
     for (size_t i = 0; i < sizeof files / sizeof files[0]; i++)
         cr_assert_eq(access(tu_tpath(dir, files[i]), R_OK), 0, "%s not installed", files[i]);
-    int cuda = tdm_device_cuda != NULL;  /* this binary links the backend iff it was built */
+    int cuda = tdm_device_cuda_linked();  /* this binary links the backend iff it was built */
     cr_assert_eq(access(tu_tpath(dir, "usr/lib/libtandem_cuda.a"), R_OK) == 0, cuda);
     cr_assert_eq(access(tu_tpath(dir, "usr/include/tandem/cuda/cuda.h"), R_OK) == 0, cuda);
     int mpi = tdm_mpi_library_version != NULL;  /* likewise mpi/ */

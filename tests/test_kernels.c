@@ -51,7 +51,7 @@ Test(kernels, softmax_xent_matches_double_reference)
             y[rr] = (int32_t)tdm_rng_below(&r, (uint64_t)cols);
         }
         for (size_t ci = 0; ci < 3; ci++) {
-            TU_OK(g_dev->ops->softmax_xent(g_dev, z, y, rows, cols, scales[ci], loss, dz));
+            TU_OK(tdm_dev_softmax_xent(g_dev, z, y, rows, cols, scales[ci], loss, dz));
             double sum = 0.0;
             for (int rr = 0; rr < rows; rr++) {
                 double rl;
@@ -93,7 +93,7 @@ Test(kernels, softmax_xent_refuses_bad_labels)
     float z[6] = {0, 1, 2, 3, 4, 5}, loss[2], dz[6];
     const int32_t bad[][2] = {{0, 3}, {-1, 0}, {2, 100}};
     for (int i = 0; i < 3; i++) {
-        tdm_status st = g_dev->ops->softmax_xent(g_dev, z, bad[i], 2, 3, 1.0f, loss, dz);
+        tdm_status st = tdm_dev_softmax_xent(g_dev, z, bad[i], 2, 3, 1.0f, loss, dz);
         cr_assert_eq(st, TDM_STATUS_INVALID_ARG, "labels {%d, %d} of 3 classes accepted", bad[i][0],
                      bad[i][1]);
         cr_assert(strstr(tdm_error_message(), "label"), "message: %s", tdm_error_message());
@@ -134,7 +134,7 @@ Test(kernels, im2col_matches_reference_and_col2im_is_its_adjoint)
         tdm_rng r = tu_rng(60 + gi);
         tu_fill(&r, x, nx, -1, 1);
         tu_fill(&r, c2, rows * cols, -1, 1);
-        TU_OK(g_dev->ops->im2col(g_dev, &g, x, col));
+        TU_OK(tdm_dev_im2col(g_dev, &g, x, col));
         /* direct: row (ci, ki, kj), column (n, oy, ox); x is (C, N, H, W) */
         for (int ci = 0; ci < g.c; ci++)
             for (int ki = 0; ki < g.kh; ki++)
@@ -155,7 +155,7 @@ Test(kernels, im2col_matches_reference_and_col2im_is_its_adjoint)
                             }
         /* adjointness: <im2col(x), c> == <x, col2im(c)> */
         for (int64_t i = 0; i < nx; i++) dx[i] = 12345.0f; /* col2im writes, never adds */
-        TU_OK(g_dev->ops->col2im(g_dev, &g, c2, dx));
+        TU_OK(tdm_dev_col2im(g_dev, &g, c2, dx));
         double lhs = 0.0, rhs = 0.0, mag = 0.0;
         for (int64_t i = 0; i < rows * cols; i++) {
             lhs += (double)col[i] * c2[i];
@@ -236,7 +236,7 @@ Test(kernels, maxpool_forward_backward)
         tdm_rng r = tu_rng(70 + gi);
         tu_fill(&r, x, nx, -1, 1);
         tu_fill(&r, dy, ny, -1, 1);
-        TU_OK(g_dev->ops->maxpool_fwd(g_dev, &g, x, y, am));
+        TU_OK(tdm_dev_maxpool_fwd(g_dev, &g, x, y, am));
         float *rdx = tu_malloc((size_t)nx * sizeof(float));
         for (int64_t p = 0; p < planes; p++)
             for (int oy = 0; oy < g.oh; oy++)
@@ -255,7 +255,7 @@ Test(kernels, maxpool_forward_backward)
                     rdx[p * g.h * g.w + best] += dy[o];
                 }
         for (int64_t i = 0; i < nx; i++) dx[i] = 999.0f;
-        TU_OK(g_dev->ops->maxpool_bwd(g_dev, &g, dy, am, dx));
+        TU_OK(tdm_dev_maxpool_bwd(g_dev, &g, dy, am, dx));
         for (int64_t i = 0; i < nx; i++)
             cr_assert(dx[i] == rdx[i], "pool %zu: dx[%lld] = %g, expected %g", gi, (long long)i,
                       (double)dx[i], (double)rdx[i]);
@@ -280,11 +280,11 @@ Test(kernels, maxpool_nan_wins)
         for (int i = 0; i < k * k; i++) x[i] = (float)i;
         x[1] = NAN;
         x[k] = NAN;                       /* two NaNs: the later one wins */
-        TU_OK(g_dev->ops->maxpool_fwd(g_dev, &g, x, &y, &am));
+        TU_OK(tdm_dev_maxpool_fwd(g_dev, &g, x, &y, &am));
         cr_assert(y != y, "%dx%d: max %g, expected NaN", k, k, (double)y);
         cr_assert_eq(am, k, "%dx%d: argmax %d", k, k, am);
         x[1] = x[k] = 0.0f;
-        TU_OK(g_dev->ops->maxpool_fwd(g_dev, &g, x, &y, &am));
+        TU_OK(tdm_dev_maxpool_fwd(g_dev, &g, x, &y, &am));
         cr_assert_eq(y, (float)(k * k - 1));
         cr_assert_eq(am, k * k - 1);
     }
@@ -304,7 +304,7 @@ Test(kernels, bn_stats_two_pass_precision)
         for (int c = 0; c < ch; c++)
             for (int64_t j = 0; j < len; j++)
                 x[c * len + j] = offs[oi] + (float)(c + 1) * tu_unif(&r, -1, 1);
-        TU_OK(g_dev->ops->bn_stats(g_dev, x, ch, len, mean, var));
+        TU_OK(tdm_dev_bn_stats(g_dev, x, ch, len, mean, var));
         for (int c = 0; c < ch; c++) {
             double s = 0, q = 0;
             for (int64_t j = 0; j < len; j++) s += x[c * len + j];
@@ -385,12 +385,12 @@ Test(kernels, cnhw_nchw_round_trip)
         float *x = tu_malloc((size_t)tot * sizeof(float)), *y = tu_malloc((size_t)tot * sizeof(float));
         float *z = tu_malloc((size_t)tot * sizeof(float));
         for (int64_t i = 0; i < tot; i++) x[i] = (float)i;
-        TU_OK(g_dev->ops->cnhw_to_nchw(g_dev, x, y, c, n, f));
+        TU_OK(tdm_dev_cnhw_to_nchw(g_dev, x, y, c, n, f));
         for (int ni = 0; ni < n; ni++)
             for (int ci = 0; ci < c; ci++)
                 for (int64_t fi = 0; fi < f; fi++)
                     cr_assert(y[((int64_t)ni * c + ci) * f + fi] == x[((int64_t)ci * n + ni) * f + fi]);
-        TU_OK(g_dev->ops->nchw_to_cnhw(g_dev, y, z, c, n, f));
+        TU_OK(tdm_dev_nchw_to_cnhw(g_dev, y, z, c, n, f));
         cr_assert(memcmp(x, z, (size_t)tot * sizeof(float)) == 0, "round trip c%d n%d f%lld differs",
                   c, n, (long long)f);
         free(x);
@@ -407,12 +407,12 @@ Test(kernels, axpy_scale_bias_act_relu_bwd)
     tu_fill(&r, x, n, -2, 2);
     tu_fill(&r, y0, n, -2, 2);
     memcpy(y, y0, sizeof y);
-    TU_OK(g_dev->ops->axpy(g_dev, n, -0.75f, x, y));
+    TU_OK(tdm_dev_axpy(g_dev, n, -0.75f, x, y));
     for (int i = 0; i < n; i++)
         cr_assert(y[i] == y0[i] + -0.75f * x[i], "axpy[%d] = %g, expected %g", i, (double)y[i],
                   (double)(y0[i] + -0.75f * x[i]));
     memcpy(y, y0, sizeof y);
-    TU_OK(g_dev->ops->scale(g_dev, n, 3.5f, y));
+    TU_OK(tdm_dev_scale(g_dev, n, 3.5f, y));
     for (int i = 0; i < n; i++) cr_assert(y[i] == y0[i] * 3.5f, "scale[%d]", i);
     /* bias_act on (rows 4, cols 9), the first 36 of 37: every combination
      * of bias (or none) and relu (or none) */
@@ -421,8 +421,8 @@ Test(kernels, axpy_scale_bias_act_relu_bwd)
     for (int k = 0; k < 4; k++) {
         int has_bias = k & 1, relu = k >> 1;
         memcpy(y, y0, sizeof y);
-        TU_OK(g_dev->ops->bias_act(g_dev, y, has_bias ? bias : NULL, 4, 9,
-                                   relu ? TDM_ACT_RELU : TDM_ACT_NONE));
+        TU_OK(tdm_dev_bias_act(g_dev, y, has_bias ? bias : NULL, 4, 9,
+                               relu ? TDM_ACT_RELU : TDM_ACT_NONE));
         for (int i = 0; i < 36; i++) {
             float v = y0[i] + (has_bias ? bias[i % 9] : 0.0f);
             if (relu && v < 0) v = 0;
@@ -433,7 +433,7 @@ Test(kernels, axpy_scale_bias_act_relu_bwd)
     }
     float dy[37];
     memcpy(dy, x, sizeof dy);
-    TU_OK(g_dev->ops->relu_bwd(g_dev, dy, y, n));
+    TU_OK(tdm_dev_relu_bwd(g_dev, dy, y, n));
     for (int i = 0; i < n; i++)
         cr_assert(dy[i] == (y[i] > 0 ? x[i] : 0.0f), "relu_bwd[%d]", i);
 }

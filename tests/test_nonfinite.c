@@ -79,7 +79,8 @@ Test(nonfinite, epoch_loop_stops_at_a_nan_loss_naming_the_step)
     int c[2] = {0, 4};
     tdm_epoch_stats es;
     /* epoch 2 (0-based) of 10 steps: its 4th step is step 24 of the run */
-    tdm_status st = tdm_train_epoch(&d, 10, 1, 2, 0, 0, nan_at, c, NULL, NULL, &es);
+    tdm_train_epoch_opts eo = {.batch = 10, .seed = 1, .epoch = 2, .step = nan_at, .step_ctx = c};
+    tdm_status st = tdm_train_epoch(&d, &eo, &es);
     cr_assert_eq(st, TDM_STATUS_NONFINITE, "%s (%s)", tdm_status_name(st), tdm_error_message());
     cr_assert_eq(c[0], 4, "the loop went on after the NaN: %d steps", c[0]);
     assert_msg("loss is NaN at step 24 (epoch 3, batch 4 of 10)");
@@ -90,7 +91,7 @@ Test(nonfinite, epoch_loop_stops_at_a_nan_loss_naming_the_step)
 
 static void set_param(tdm_model *m, int64_t at, float v)
 {
-    TU_OK(g_dev->ops->copy_from_host(g_dev, tdm_model_params(m) + at, &v, sizeof v));
+    TU_OK(tdm_dev_copy_from_host(g_dev, tdm_model_params(m) + at, &v, sizeof v));
 }
 
 Test(nonfinite, a_checkpoint_is_never_overwritten_with_non_finite_values)
@@ -119,7 +120,7 @@ Test(nonfinite, a_checkpoint_is_never_overwritten_with_non_finite_values)
         set_param(m, ti->offset, 0.0f);
         set_param(m, ti->offset + 1, 0.0f);
         float inf = -INFINITY;
-        TU_OK(g_dev->ops->copy_from_host(g_dev, tdm_optim_state(o, 0) + 3, &inf, sizeof inf));
+        TU_OK(tdm_dev_copy_from_host(g_dev, tdm_optim_state(o, 0) + 3, &inf, sizeof inf));
         cr_assert_eq(tdm_checkpoint_save(p, m, o, NULL), TDM_STATUS_NONFINITE);
         assert_msg("optim.");
         assert_msg("1 non-finite value");

@@ -3,7 +3,8 @@
  * flat buffers (models/optim.c) against the update rules of PyTorch's
  * torch.optim.SGD and torch.optim.AdamW documentation, computed here in
  * double over several steps with changing gradients; literal hand-computed
- * first steps; state buffers; invalid options refused. */
+ * first steps; state buffers; the cosine schedule; invalid options
+ * refused. */
 #include <criterion/criterion.h>
 #include <math.h>
 #include <stdlib.h>
@@ -245,6 +246,47 @@ Test(optim, set_steps_and_lr)
     cr_assert_float_eq(tdm_optim_state(opt, 0)[0], 2.8f, 1e-6);
     cr_assert_float_eq(tdm_model_params(m)[0], 1.0f - 0.28f, 1e-6, "p = %g", (double)tdm_model_params(m)[0]);
     cr_assert_eq(tdm_optim_steps(opt), 4);
+    tdm_optim_free(opt);
+    tdm_model_free(m);
+}
+
+/* The cosine schedule: step k runs at base * (1 + cos(pi min(k/K, 1))) / 2,
+ * computed in double and rounded once, from the step count (a resumed run
+ * continues it); SGD without momentum moves p by exactly -lr * g. */
+static float cosine_lr(double base, int64_t k, int64_t total)
+{
+    double t = (double)k / (double)total;
+    if (t > 1.0) t = 1.0;
+    return (float)(base * 0.5 * (1.0 + cos(M_PI * t)));
+}
+
+Test(optim, cosine_schedule_by_step_count)
+{
+    tdm_model *m = small_model();
+    tdm_optim *opt = NULL;
+    TU_OK(tdm_sgd_init(&opt, m, 0.5f, 0.0f));
+    TU_OK(tdm_optim_set_schedule(opt, TDM_OPTIM_SCHEDULE_COSINE, 0.05, 10));
+    for (int64_t k = 0; k < 13; k++) {
+        if (k == 6) tdm_optim_set_steps(opt, 8);   /* resumed from a checkpoint of step 8 */
+        int64_t at = tdm_optim_steps(opt);
+        float want = cosine_lr(0.05, at, 10);
+        tdm_model_params(m)[0] = 1.0f;
+        tdm_model_grads(m)[0] = 1.0f;
+        TU_OK(tdm_optim_step(opt));
+        cr_assert_eq(tdm_optim_get_opts(opt)->lr, want, "step %lld: lr %.9g, want %.9g",
+                     (long long)at, (double)tdm_optim_get_opts(opt)->lr, (double)want);
+        cr_assert_eq(tdm_model_params(m)[0], 1.0f - want, "step %lld: p = %.9g",
+                     (long long)at, (double)tdm_model_params(m)[0]);
+    }
+    cr_assert_eq(tdm_optim_get_opts(opt)->lr, 0.0f, "past total_steps the rate stays 0");
+    /* const: the base rate, every step */
+    TU_OK(tdm_optim_set_schedule(opt, TDM_OPTIM_SCHEDULE_CONST, 0.25, 0));
+    TU_OK(tdm_optim_step(opt));
+    cr_assert_eq(tdm_optim_get_opts(opt)->lr, 0.25f);
+    cr_assert_eq(tdm_optim_set_schedule(opt, TDM_OPTIM_SCHEDULE_COSINE, 0.1, 0),
+                 TDM_STATUS_INVALID_ARG);
+    cr_assert_eq(tdm_optim_set_schedule(opt, TDM_OPTIM_SCHEDULE_COSINE, NAN, 10),
+                 TDM_STATUS_INVALID_ARG);
     tdm_optim_free(opt);
     tdm_model_free(m);
 }

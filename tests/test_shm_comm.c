@@ -5,12 +5,14 @@
  * collectives back to back; asynchronous handles in order; argument
  * checks. Failure handling is in test_shm_fail.c. */
 #include <criterion/criterion.h>
-#include <pthread.h>
 #include <dirent.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
-#include "core/comm.h"
+#include "core/comm_impl.h"   /* fake backends: tdm_comm_ops, tdm_comm_create */
 #include "shm/shm_comm.h"
 #include "shm/spawn.h"
 #include "tests/shm_test_util.h"

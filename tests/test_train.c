@@ -50,7 +50,11 @@ static void fit(tdm_model *m, tdm_optim *o, const tdm_dataset *d, int batch, int
     tdm_single s = {.model = m, .opt = o};
     for (int e = 0; e < epochs; e++) {
         tdm_epoch_stats es;
-        TU_OK(tdm_train_epoch(d, batch, 7, e, 0, max_steps, tdm_single_step, &s, record, l, &es));
+        TU_OK(tdm_train_epoch(d, &(tdm_train_epoch_opts){.batch = batch, .seed = 7, .epoch = e,
+                                                         .max_steps = max_steps,
+                                                         .step = tdm_single_step, .step_ctx = &s,
+                                                         .progress = record, .progress_ctx = l},
+                              &es));
         cr_assert(isfinite(es.loss_mean), "epoch %d: loss %g", e, es.loss_mean);
     }
     tdm_single_free(&s);
@@ -150,8 +154,11 @@ Test(train, epoch_loop_bookkeeping)
     for (size_t i = 0; i < sizeof c / sizeof c[0]; i++) {
         int cnt[3] = {0, 0, 0};
         tdm_epoch_stats es;
-        TU_OK(tdm_train_epoch(&d, c[i].batch, 1, 0, c[i].drop, c[i].max, step_counter, cnt, NULL,
-                              NULL, &es));
+        TU_OK(tdm_train_epoch(&d, &(tdm_train_epoch_opts){.batch = c[i].batch, .seed = 1,
+                                                          .drop_last = c[i].drop,
+                                                          .max_steps = c[i].max,
+                                                          .step = step_counter, .step_ctx = cnt},
+                              &es));
         cr_assert(cnt[0] == c[i].steps && cnt[1] == c[i].samples && cnt[2] == c[i].lastb &&
                       es.steps == c[i].steps && es.samples == c[i].samples,
                   "batch %d drop %d max %lld: %d steps %d samples (last %d), expected %d %d (%d)",
@@ -171,7 +178,8 @@ Test(train, epoch_loop_bookkeeping)
         seen[p0[i]] = 1;
     }
     tdm_epoch_stats es;
-    cr_assert_eq(tdm_train_epoch(&d, 0, 1, 0, 0, 0, step_counter, seen, NULL, NULL, &es),
+    tdm_train_epoch_opts eo = {.batch = 0, .seed = 1, .step = step_counter, .step_ctx = seen};
+    cr_assert_eq(tdm_train_epoch(&d, &eo, &es),
                  TDM_STATUS_INVALID_ARG);
     tdm_data_free(&d);
 }

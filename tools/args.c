@@ -1,4 +1,4 @@
-/* tools/args.c: flag values, strictly parsed. */
+/* tools/args.c: flag values, strictly parsed (see tools/args.h). */
 #include "tools/args.h"
 
 #include <errno.h>
@@ -7,61 +7,71 @@
 #include <stdlib.h>
 #include <string.h>
 
-int tdm_args_int(const char *flag, const char *val, long long lo, long long hi, long long *out)
+static tdm_status tdm_args_bad(const char *fmt, const char *flag, const char *val)
+{
+    fprintf(stderr, fmt, flag, val);
+    return TDM_STATUS_USAGE;
+}
+
+static tdm_status tdm_args_missing(const char *flag)
+{
+    fprintf(stderr, "tandem: %s needs a value\n", flag);
+    return TDM_STATUS_USAGE;
+}
+
+tdm_status tdm_args_int(const char *flag, const char *val, long long lo, long long hi,
+                        long long *out)
 {
     char *end;
-    if (!val || !*val) {
-        fprintf(stderr, "tandem: %s needs a value\n", flag);
-        return 0;
-    }
+    if (!val || !*val) return tdm_args_missing(flag);
     errno = 0;
     long long v = strtoll(val, &end, 10);
-    if (errno || end == val || *end) {
-        fprintf(stderr, "tandem: %s: '%s' is not an integer\n", flag, val);
-        return 0;
-    }
+    if (errno || end == val || *end)
+        return tdm_args_bad("tandem: %s: '%s' is not an integer\n", flag, val);
     if (v < lo || v > hi) {
         fprintf(stderr, "tandem: %s: %lld is out of range [%lld, %lld]\n", flag, v, lo, hi);
-        return 0;
+        return TDM_STATUS_USAGE;
     }
     *out = v;
-    return 1;
+    return TDM_STATUS_OK;
 }
 
-int tdm_args_float(const char *flag, const char *val, double lo, double hi, double *out)
+tdm_status tdm_args_float(const char *flag, const char *val, double lo, double hi, double *out)
 {
     char *end;
-    if (!val || !*val) {
-        fprintf(stderr, "tandem: %s needs a value\n", flag);
-        return 0;
-    }
+    if (!val || !*val) return tdm_args_missing(flag);
     errno = 0;
     double v = strtod(val, &end);
-    if (errno || end == val || *end || !isfinite(v)) {
-        fprintf(stderr, "tandem: %s: '%s' is not a finite number\n", flag, val);
-        return 0;
-    }
+    if (errno || end == val || *end || !isfinite(v))
+        return tdm_args_bad("tandem: %s: '%s' is not a finite number\n", flag, val);
     if (v < lo || v > hi) {
         fprintf(stderr, "tandem: %s: %g is out of range [%g, %g]\n", flag, v, lo, hi);
-        return 0;
+        return TDM_STATUS_USAGE;
     }
     *out = v;
-    return 1;
+    return TDM_STATUS_OK;
 }
 
-const char *tdm_args_value(int argc, char **argv, int *i, const char *flag)
+tdm_status tdm_args_value(int argc, char **argv, int *i, const char *flag, const char **v)
 {
     const char *a = argv[*i];
     size_t n = strlen(flag);
-    if (strncmp(a, flag, n)) return NULL;
-    const char *v = NULL;
-    if (a[n] == '=') v = a + n + 1;
-    else if (a[n] != '\0') return NULL;
-    else if (*i + 1 < argc) v = argv[++*i];
-    if (!v || !*v) {
-        /* one line and the usage exit code, before anything is allocated */
-        fprintf(stderr, "tandem: %s needs a value\n", flag);
-        exit(2);
+    *v = NULL;
+    if (strncmp(a, flag, n)) return TDM_STATUS_OK;
+    if (a[n] == '=') *v = a + n + 1;
+    else if (a[n] != '\0') return TDM_STATUS_OK;
+    else if (*i + 1 < argc) *v = argv[++*i];
+    if (!*v || !**v) {
+        *v = NULL;
+        return tdm_args_missing(flag);
     }
-    return v;
+    return TDM_STATUS_OK;
+}
+
+tdm_status tdm_args_value2(int argc, char **argv, int *i, const char *flag, const char *lflag,
+                           const char **v)
+{
+    TDM_CHECK(tdm_args_value(argc, argv, i, flag, v));
+    if (*v) return TDM_STATUS_OK;
+    return tdm_args_value(argc, argv, i, lflag, v);
 }

@@ -1,36 +1,46 @@
-/* tools/args.h: strict parsing of numeric command-line values, shared by
- * the subcommands. Each returns 0 and prints a message naming the flag
- * when the value is not a number or is out of range. */
+/* tools/args.h: strict parsing of command-line values, shared by the
+ * subcommands. Each function prints a one-line message naming the flag
+ * and returns TDM_STATUS_USAGE when the value is missing, not a number or
+ * out of range (flags are parsed before anything is allocated). */
 #ifndef TDM_TOOLS_ARGS_H
 #define TDM_TOOLS_ARGS_H
 
 #include <stdint.h>
 
-int tdm_args_int(const char *flag, const char *val, long long lo, long long hi, long long *out);
-int tdm_args_float(const char *flag, const char *val, double lo, double hi, double *out);
-/* The value of a flag at argv[*i]: "--flag value" or "--flag=value";
- * NULL when argv[*i] is another flag. A missing or empty value prints
- * "tandem: <flag> needs a value" and exits 2 (flags are parsed before
- * anything is allocated). */
-const char *tdm_args_value(int argc, char **argv, int *i, const char *flag);
+#include "core/status.h"
 
-/* A flag loop's cases (inside `for (i = 1; i < argc; i++)`, with locals
- * `const char *v; long long iv; double fv;`): store the flag's value in
- * dst and go to the next argument, or return 2 after a one-line message. */
+tdm_status tdm_args_int(const char *flag, const char *val, long long lo, long long hi,
+                        long long *out);
+tdm_status tdm_args_float(const char *flag, const char *val, double lo, double hi, double *out);
+/* The value of flag at argv[*i]: "--flag value" (*i moves to the value)
+ * or "--flag=value"; *v = NULL when argv[*i] is something else. A missing
+ * or empty value: "tandem: <flag> needs a value", TDM_STATUS_USAGE. */
+tdm_status tdm_args_value(int argc, char **argv, int *i, const char *flag, const char **v);
+/* The same for a flag with a short and a long name ("-n", "--nranks"). */
+tdm_status tdm_args_value2(int argc, char **argv, int *i, const char *flag, const char *lflag,
+                           const char **v);
+
+/* A flag loop's cases (inside `for (i = 1; i < argc; i++)` of a function
+ * returning tdm_status, with locals `const char *v; long long iv; double
+ * fv;`): store the flag's value in dst and go to the next argument, or
+ * return the usage status after a one-line message. */
 #define TDM_ARGS_STR(name, dst)                                                  \
-    if ((v = tdm_args_value(argc, argv, &i, name))) {                            \
+    TDM_CHECK(tdm_args_value(argc, argv, &i, name, &v));                         \
+    if (v) {                                                                     \
         dst = v;                                                                 \
         continue;                                                                \
     }
 #define TDM_ARGS_INT(name, lo, hi, dst)                                          \
-    if ((v = tdm_args_value(argc, argv, &i, name))) {                            \
-        if (!tdm_args_int(name, v, lo, hi, &iv)) return 2;                       \
+    TDM_CHECK(tdm_args_value(argc, argv, &i, name, &v));                         \
+    if (v) {                                                                     \
+        TDM_CHECK(tdm_args_int(name, v, lo, hi, &iv));                           \
         dst = iv;                                                                \
         continue;                                                                \
     }
 #define TDM_ARGS_FLOAT(name, lo, hi, dst)                                        \
-    if ((v = tdm_args_value(argc, argv, &i, name))) {                            \
-        if (!tdm_args_float(name, v, lo, hi, &fv)) return 2;                     \
+    TDM_CHECK(tdm_args_value(argc, argv, &i, name, &v));                         \
+    if (v) {                                                                     \
+        TDM_CHECK(tdm_args_float(name, v, lo, hi, &fv));                         \
         dst = fv;                                                                \
         continue;                                                                \
     }

@@ -7,7 +7,11 @@
  * at once; with --device cuda one rank per GPU, the NCCL communicator
  * (bootstrapped over shm) on device buffers against a device-to-device
  * copy on every GPU at once. Under TANDEM_CUDA_EMULATOR the CUDA path
- * runs on emulated devices and reduces over shm.
+ * runs on emulated devices and reduces over shm. With --backend or
+ * --peer, or under mpirun/srun, the ranks are an MPI job's
+ * (tools/bench_mpi.c) and the same loop measures each backend in turn.
+ * In the order it runs: parse, check the options, fork the ranks (or the
+ * MPI job); in a rank: set-up, preamble, one size after another, summary.
  * Not a test: correctness is checked once per size (#wrong), but the
  * tests are in tests/test_shm_*.c and tests/test_cuda.c. */
 #include <sched.h>
@@ -26,6 +30,7 @@
 #include "tools/args.h"
 #include "tools/bench_check.h"
 #include "tools/bench_coll.h"
+#include "tools/ddp_rank.h"
 #include "tools/devices.h"
 #include "tools/mpi_job.h"
 #include "tools/tools.h"
@@ -101,9 +106,9 @@ static void bench_usage(FILE *f)
         TDM_SHM_MAX_RANKS);
 }
 
-static int bench_parse_size(const char *flag, const char *s, size_t *out)
+static tdm_status bench_parse_size(const char *flag, const char *s, size_t *out)
 {
-    if (!s || !*s) { fprintf(stderr, "tandem bench: %s needs a value\n", flag); return 0; }
+    if (!s || !*s) return tdm_tool_usage_error("tandem bench: %s needs a value\n", flag);
     char *end;
     errno = 0;
     unsigned long long v = strtoull(s, &end, 10);
@@ -114,24 +119,22 @@ static int bench_parse_size(const char *flag, const char *s, size_t *out)
     else if (*end == 'G' || *end == 'g') { mul = 1ull << 30; end++; }
     if (*end == 'B' || *end == 'b') end++;
     if (*end) goto bad;
-    if (errno == ERANGE || v > (1ull << 40) / mul) {
-        fprintf(stderr, "tandem bench: %s: '%s' is larger than 1 TiB\n", flag, s);
-        return 0;
-    }
+    if (errno == ERANGE || v > (1ull << 40) / mul)
+        return tdm_tool_usage_error("tandem bench: %s: '%s' is larger than 1 TiB\n", flag, s);
     *out = (size_t)(v * mul);
-    return 1;
+    return TDM_STATUS_OK;
 bad:
-    fprintf(stderr, "tandem bench: %s: '%s' is not a size (e.g. 8, 4K, 16M, 1G)\n", flag, s);
-    return 0;
+    return tdm_tool_usage_error("tandem bench: %s: '%s' is not a size (e.g. 8, 4K, 16M, 1G)\n",
+                                flag, s);
 }
 
-int tdm_tool_bench_check_ranks(const bench_cfg *cfg, int say)
+tdm_status tdm_tool_bench_check_ranks(const bench_cfg *cfg, int say)
 {
     if (cfg->root >= cfg->nranks) {
         if (say)
             fprintf(stderr, "tandem bench: -r %d: root must be below -n %d (the number of "
                     "ranks)\n", cfg->root, cfg->nranks);
-        return 0;
+        return TDM_STATUS_USAGE;
     }
     size_t es = tdm_dtype_size(cfg->dtype);
     size_t unit = es * (cfg->coll == TDM_COLL_REDUCE_SCATTER || cfg->coll == TDM_COLL_ALL_GATHER
@@ -141,13 +144,13 @@ int tdm_tool_bench_check_ranks(const bench_cfg *cfg, int say)
             fprintf(stderr, "tandem bench: -b %zu: smallest size for %s of %s over %d ranks is "
                     "%zu bytes\n", cfg->min_bytes, tdm_coll_name(cfg->coll),
                     tdm_dtype_name(cfg->dtype), cfg->nranks, unit);
-        return 0;
+        return TDM_STATUS_USAGE;
     }
-    return 1;
+    return TDM_STATUS_OK;
 }
 
 /* --backend shm,mpi,hier: each once, in the order given. */
-static int bench_parse_backends(const char *v, bench_cfg *cfg)
+static tdm_status bench_parse_backends(const char *v, bench_cfg *cfg)
 {
     char buf[128];
     snprintf(buf, sizeof buf, "%s", v);
@@ -155,20 +158,18 @@ static int bench_parse_backends(const char *v, bench_cfg *cfg)
     for (char *save = NULL, *tok = strtok_r(buf, ",", &save); tok;
          tok = strtok_r(NULL, ",", &save)) {
         tdm_mpi_backend b;
-        if (!tdm_tool_backend_parse("bench", tok, &b)) return 0;
+        TDM_CHECK(tdm_tool_backend_parse("bench", tok, &b));
         for (int i = 0; i < cfg->nbackends; i++)
-            if (cfg->backends[i] == b) {
-                fprintf(stderr, "tandem bench: --backend '%s' names %s twice\n", v, tok);
-                return 0;
-            }
-        if (cfg->nbackends == TDM_MPI_BACKEND_COUNT_) return 0;
+            if (cfg->backends[i] == b)
+                return tdm_tool_usage_error("tandem bench: --backend '%s' names %s twice\n", v,
+                                            tok);
+        if (cfg->nbackends == TDM_MPI_BACKEND_COUNT_) return TDM_STATUS_USAGE;
         cfg->backends[cfg->nbackends++] = b;
     }
-    if (!cfg->nbackends) {
-        fprintf(stderr, "tandem bench: --backend needs a list (shm, mpi, hier, auto)\n");
-        return 0;
-    }
-    return 1;
+    if (!cfg->nbackends)
+        return tdm_tool_usage_error("tandem bench: --backend needs a list (shm, mpi, hier, "
+                                    "auto)\n");
+    return TDM_STATUS_OK;
 }
 
 static double bench_bus_factor(tdm_coll c, int n)
@@ -261,7 +262,7 @@ static int64_t bench_check(const bench_target *t, const bench_cfg *cfg, const be
     bench_buffers(cfg, b, r, inplace, &send, &recv);
     if (b->dev) {
         bench_fill(cfg, b, b->stage, r);
-        if ((*st = b->dev->ops->copy_from_host(b->dev, send, b->stage, b->send_count * es)))
+        if ((*st = tdm_dev_copy_from_host(b->dev, send, b->stage, b->send_count * es)))
             return 0;
     } else {
         bench_fill(cfg, b, send, r);
@@ -271,7 +272,7 @@ static int64_t bench_check(const bench_target *t, const bench_cfg *cfg, const be
     const unsigned char *out = recv;
     if (b->dev && !(cfg->coll == TDM_COLL_REDUCE && r != cfg->root)) {
         size_t out_count = cfg->coll == TDM_COLL_ALL_GATHER ? b->recv_count : b->count;
-        if ((*st = b->dev->ops->copy_to_host(b->dev, b->stage, out, out_count * es))) return 0;
+        if ((*st = tdm_dev_copy_to_host(b->dev, b->stage, out, out_count * es))) return 0;
         out = b->stage;
     }
     int64_t wrong = 0;
@@ -353,7 +354,7 @@ fail:
     return st;
 }
 
-/* GB/s one device copies device-to-device (dev->ops->copy, the bytes
+/* GB/s one device copies device-to-device (tdm_dev_copy, the bytes
  * copied per second, as for memcpy) while every rank's device copies at
  * once: the CUDA counterpart of bench_memcpy. */
 static tdm_status bench_d2d(tdm_comm *ctl, tdm_device *dev, size_t bytes, double *gbs)
@@ -362,14 +363,14 @@ static tdm_status bench_d2d(tdm_comm *ctl, tdm_device *dev, size_t bytes, double
     void *src = NULL, *dst = NULL;
     TDM_TRY(tdm_dev_alloc(dev, bytes, &src));
     TDM_TRY(tdm_dev_alloc(dev, bytes, &dst));
-    TDM_TRY(dev->ops->memset_zero(dev, src, bytes));
-    TDM_TRY(dev->ops->copy(dev, dst, src, bytes));
+    TDM_TRY(tdm_dev_memset_zero(dev, src, bytes));
+    TDM_TRY(tdm_dev_copy(dev, dst, src, bytes));
     /* about 1 GiB in all: a GPU copies 64 MiB in tens of microseconds */
     int reps = bytes >= (1u << 30) ? 3 : (int)(((size_t)1 << 30) / (bytes ? bytes : 1)) + 1;
     TDM_TRY(tdm_dev_sync(dev));
     TDM_TRY(tdm_comm_barrier(ctl));
     uint64_t t0 = tdm_time_ns();
-    for (int i = 0; i < reps; i++) TDM_TRY(dev->ops->copy(dev, dst, src, bytes));
+    for (int i = 0; i < reps; i++) TDM_TRY(tdm_dev_copy(dev, dst, src, bytes));
     TDM_TRY(tdm_dev_sync(dev));
     double mine = (double)bytes * reps / (double)(tdm_time_ns() - t0);  /* bytes/ns = GB/s */
     TDM_TRY(tdm_comm_barrier(ctl));
@@ -400,13 +401,13 @@ static int bench_bind(int r, int n)
 static void bench_device_names(const bench_cfg *cfg, const tdm_device *dev0, char *out,
                                size_t len)
 {
-    const char *colon = strchr(dev0->name, ':');
-    int kind_len = colon ? (int)(colon - dev0->name) : (int)strlen(dev0->name);
+    const char *colon = strchr(tdm_dev_name(dev0), ':');
+    int kind_len = colon ? (int)(colon - tdm_dev_name(dev0)) : (int)strlen(tdm_dev_name(dev0));
     size_t used = 0;
     out[0] = '\0';
     for (int i = 0; i < cfg->nranks && used < len; i++) {
         int k = snprintf(out + used, len - used, "%s%.*s:%d", i ? "," : "", kind_len,
-                         dev0->name, cfg->dl.index[i]);
+                         tdm_dev_name(dev0), cfg->dl.index[i]);
         if (k < 0) break;
         used += (size_t)k;
     }
@@ -463,173 +464,381 @@ static void bench_print_row(const bench_cfg *cfg, const bench_target *t, const b
            w->algo, refs, ratio);
 }
 
+/* One rank's buffers and references, from set-up to the summary. */
+typedef struct bench_state {
+    const bench_cfg *cfg;
+    tdm_comm *ctl;               /* barriers, time reductions, aborts */
+    bench_target *targets;
+    int ntargets;
+    int r, n, bound;
+    bench_bufs b;
+    tdm_device *dev;             /* CUDA ranks */
+    tdm_comm *nccl;              /* GPUs: targets[0], bootstrapped over ctl */
+    size_t send_bytes, recv_bytes;
+    double mcpy;                 /* the reference, GB/s per rank */
+    bench_row *rows_now;         /* this size's row of each target */
+    const bench_row *peer_row;   /* the peer's, when one is measured */
+    double *sum_busbw;
+    int rows;
+    int64_t total_wrong;
+} bench_state;
+
+/* A CUDA rank: its device, its NCCL communicator (collective over ctl: a
+ * rank failing before it aborts ctl, so the others fail at once too),
+ * device buffers and the host stage, and the d2d reference. */
+static tdm_status bench_setup_cuda(bench_state *s)
+{
+    tdm_status st;
+    const bench_cfg *cfg = s->cfg;
+    TDM_CHECK(tdm_device_open(&s->dev, "cuda", cfg->dl.index[s->r], 1));
+    TDM_CHECK(tdm_tool_rank_nccl(s->ctl, s->dev, &s->nccl));
+    if (s->nccl) s->targets[0].comm = s->nccl;
+    tdm_device *dev = s->dev;
+    s->b.dev = dev;
+    if ((st = tdm_dev_alloc(dev, s->send_bytes, (void **)&s->b.send)) ||
+        (st = tdm_dev_alloc(dev, s->recv_bytes, (void **)&s->b.recv)) ||
+        (st = tdm_dev_memset_zero(dev, s->b.send, s->send_bytes)) ||
+        (st = tdm_dev_memset_zero(dev, s->b.recv, s->recv_bytes)))
+        return st;
+    size_t stage = s->send_bytes > s->recv_bytes ? s->send_bytes : s->recv_bytes;
+    s->b.stage = malloc(stage);
+    if (!s->b.stage)
+        return tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "host staging buffer of %zu bytes", stage);
+    return bench_d2d(s->ctl, dev, cfg->memcpy_bytes, &s->mcpy);
+}
+
+/* A host rank: the memcpy reference, then private or zero-copy buffers. */
+static tdm_status bench_setup_host(bench_state *s)
+{
+    const bench_cfg *cfg = s->cfg;
+    TDM_CHECK(bench_memcpy(s->ctl, cfg->memcpy_bytes, &s->mcpy));
+    if (cfg->zero_copy) {
+        TDM_CHECK(tdm_shm_comm_alloc(s->targets[0].comm, s->send_bytes, (void **)&s->b.send));
+        TDM_CHECK(tdm_shm_comm_alloc(s->targets[0].comm, s->recv_bytes, (void **)&s->b.recv));
+    } else {
+        s->b.send = malloc(s->send_bytes);
+        s->b.recv = malloc(s->recv_bytes);
+        if (!s->b.send || !s->b.recv)
+            return tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "cannot allocate the send and receive "
+                                 "buffers (%zu + %zu bytes)", s->send_bytes, s->recv_bytes);
+    }
+    memset(s->b.send, 0, s->send_bytes);
+    memset(s->b.recv, 0, s->recv_bytes);
+    return TDM_STATUS_OK;
+}
+
+/* Rank 0's lines before the table: the run, the reference, the columns. */
+static void bench_print_preamble(const bench_state *s, const char *ref)
+{
+    const bench_cfg *cfg = s->cfg;
+    int n = s->n, ncores = tdm_device_host_cores();
+    if (cfg->cuda) {
+        char names[512];
+        bench_device_names(cfg, s->dev, names, sizeof names);
+        printf("# tandem bench %s: %d ranks, one per device of --device %s (%s), %s "
+               "communicator, %s, %s, root %d, warmup %d, iters %d, device buffers "
+               "(tdm_dev_alloc)\n", tdm_coll_name(cfg->coll), n, cfg->device, names,
+               tdm_comm_backend_name(s->targets[0].comm), tdm_dtype_name(cfg->dtype),
+               tdm_redop_name(cfg->op), cfg->root, cfg->warmup, cfg->iters);
+        tdm_tool_print_emulated(stdout, cfg->device);
+        printf("# d2d reference: %d device%s each copying %zu bytes device-to-device at "
+               "once: %.2f GB/s per device (%.2f GB/s total)\n", n, n == 1 ? "" : "s",
+               cfg->memcpy_bytes, s->mcpy, s->mcpy * n);
+    } else {
+        if (cfg->job_desc)
+            printf("# tandem bench %s: %d ranks (%s, %d cores here), %s, %s, root %d, "
+                   "warmup %d, iters %d, private (malloc) buffers\n",
+                   tdm_coll_name(cfg->coll), n, cfg->job_desc, ncores,
+                   tdm_dtype_name(cfg->dtype), tdm_redop_name(cfg->op), cfg->root,
+                   cfg->warmup, cfg->iters);
+        else
+            printf("# tandem bench %s: %d ranks (shm, %d cores%s), %s, %s, root %d, warmup "
+                   "%d, iters %d, %s buffers\n", tdm_coll_name(cfg->coll), n, ncores,
+                   s->bound ? ", rank r pinned to core r" : ", not pinned",
+                   tdm_dtype_name(cfg->dtype), tdm_redop_name(cfg->op), cfg->root,
+                   cfg->warmup, cfg->iters,
+                   cfg->zero_copy ? "zero-copy (in the segment)" : "private (malloc)");
+        printf("# memcpy reference: %d processes each copying %zu bytes at once: %.2f GB/s "
+               "per process (%.2f GB/s total)\n", n, cfg->memcpy_bytes, s->mcpy, s->mcpy * n);
+        if (s->peer_row)
+            printf("# vs-MPI: Open MPI's own blocking collective (the mpi-own rows) measured "
+                   "in the same run, its time over each backend's (> 1: faster than it)\n");
+    }
+    bench_print_header(cfg, ref);
+    fflush(stdout);
+}
+
+/* One size: every target, out of place and in place, timed then checked;
+ * rank 0 prints the rows. Every target at this size before the next
+ * size: a load that comes and goes hits them alike. */
+static tdm_status bench_size(bench_state *s, size_t bytes)
+{
+    const bench_cfg *cfg = s->cfg;
+    tdm_status st = TDM_STATUS_OK;
+    size_t es = tdm_dtype_size(cfg->dtype);
+    double factor = bench_bus_factor(cfg->coll, s->n);
+    bench_counts(cfg, bytes, &s->b);
+    size_t size = (cfg->coll == TDM_COLL_REDUCE_SCATTER ? s->b.send_count : s->b.recv_count) * es;
+    for (int t = 0; t < s->ntargets; t++) {
+        bench_row *w = &s->rows_now[t];
+        const char *algo[2];
+        for (int ip = 0; ip < 2; ip++) {
+            TDM_CHECK(bench_time(&s->targets[t], s->ctl, cfg, &s->b, ip, &w->us[ip]));
+            int64_t wr = bench_check(&s->targets[t], cfg, &s->b, ip, &st);
+            algo[ip] = tdm_comm_last_algo(s->targets[t].comm);
+            TDM_CHECK(st);
+            TDM_CHECK(tdm_comm_all_reduce(s->ctl, &wr, &w->wrong[ip], 1, TDM_DTYPE_INT64,
+                                          TDM_REDOP_SUM));
+            w->algbw[ip] = (double)size / (w->us[ip] * 1e3);
+            w->busbw[ip] = w->algbw[ip] * factor;
+            s->total_wrong += w->wrong[ip];
+        }
+        if (strcmp(algo[0], algo[1]))
+            snprintf(w->algo, sizeof w->algo, "%s/%s", algo[0], algo[1]);
+        else
+            snprintf(w->algo, sizeof w->algo, "%s", algo[0]);
+        s->sum_busbw[t] += w->busbw[0];
+    }
+    if (s->r == 0) {
+        for (int t = 0; t < s->ntargets; t++)
+            bench_print_row(cfg, &s->targets[t], &s->rows_now[t], s->peer_row, size, s->mcpy);
+        fflush(stdout);
+    }
+    s->rows++;
+    return TDM_STATUS_OK;
+}
+
+static void bench_print_summary(const bench_state *s, const char *ref)
+{
+    const bench_cfg *cfg = s->cfg;
+    printf("# Out of bounds values : %lld %s\n", (long long)s->total_wrong,
+           s->total_wrong ? "FAILED" : "OK");
+    for (int t = 0; t < s->ntargets; t++)
+        printf("# Avg bus bandwidth    : %.4f GB/s (out of place; %s reference %.2f GB/s)%s%s\n",
+               s->rows ? s->sum_busbw[t] / s->rows : 0.0, ref, s->mcpy, cfg->table ? ": " : "",
+               cfg->table ? s->targets[t].name : "");
+    fflush(stdout);
+}
+
+static void bench_state_free(bench_state *s)
+{
+    if (s->dev) {
+        tdm_dev_free(s->dev, s->b.send);
+        tdm_dev_free(s->dev, s->b.recv);
+        free(s->b.stage);
+    } else if (!s->cfg->zero_copy) {
+        free(s->b.send);
+        free(s->b.recv);
+    }
+    tdm_comm_free(s->nccl);   /* before ctl, which bootstrapped it, and dev */
+    tdm_device_free(s->dev);
+    free(s->rows_now);
+    free(s->sum_busbw);
+}
+
 int tdm_tool_bench_ranks(tdm_comm *ctl, bench_target *targets, int ntargets,
                          const bench_cfg *cfg)
 {
-    int r = tdm_comm_rank(ctl), n = tdm_comm_size(ctl);
-    int ncores = tdm_device_host_cores();
+    bench_state s = {.cfg = cfg, .ctl = ctl, .targets = targets, .ntargets = ntargets,
+                     .r = tdm_comm_rank(ctl), .n = tdm_comm_size(ctl)};
     /* an MPI launcher binds its ranks itself */
-    int bound = cfg->bind && !cfg->cuda && !cfg->job_desc ? bench_bind(r, n) : 0;
+    s.bound = cfg->bind && !cfg->cuda && !cfg->job_desc ? bench_bind(s.r, s.n) : 0;
     size_t es = tdm_dtype_size(cfg->dtype);
-    int rc = 0;
-    bench_bufs b = {0};
-    tdm_device *dev = NULL;
-    tdm_comm *nccl = NULL;
-    bench_row *rows_now = calloc((size_t)ntargets, sizeof *rows_now);
-    double *sum_busbw = calloc((size_t)ntargets, sizeof *sum_busbw);
-    bench_counts(cfg, cfg->max_bytes, &b);
-    size_t send_bytes = (b.send_count + 16) * es, recv_bytes = (b.recv_count + 16) * es;
-    double mcpy = 0;
     tdm_status st = TDM_STATUS_OK;
-    if (!rows_now || !sum_busbw) {
+    s.rows_now = calloc((size_t)ntargets, sizeof *s.rows_now);
+    s.sum_busbw = calloc((size_t)ntargets, sizeof *s.sum_busbw);
+    bench_counts(cfg, cfg->max_bytes, &s.b);
+    s.send_bytes = (s.b.send_count + 16) * es;
+    s.recv_bytes = (s.b.recv_count + 16) * es;
+    if (!s.rows_now || !s.sum_busbw) {
         st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "bench: calloc");
         goto fail;
     }
-    if (cfg->cuda) {
-        /* NCCL's bootstrap is collective over ctl: a rank failing before
-         * it aborts ctl (below), so the others fail at once too. */
-        if ((st = tdm_device_open(&dev, "cuda", cfg->dl.index[r], 1))) goto fail;
-        if ((st = tdm_tool_rank_nccl(ctl, dev, &nccl))) goto fail;
-        if (nccl) targets[0].comm = nccl;
-        b.dev = dev;
-        if ((st = tdm_dev_alloc(dev, send_bytes, (void **)&b.send)) ||
-            (st = tdm_dev_alloc(dev, recv_bytes, (void **)&b.recv)) ||
-            (st = dev->ops->memset_zero(dev, b.send, send_bytes)) ||
-            (st = dev->ops->memset_zero(dev, b.recv, recv_bytes)))
-            goto fail;
-        b.stage = malloc(send_bytes > recv_bytes ? send_bytes : recv_bytes);
-        if (!b.stage) {
-            st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "host staging buffer of %zu bytes",
-                               send_bytes > recv_bytes ? send_bytes : recv_bytes);
-            goto fail;
-        }
-        if ((st = bench_d2d(ctl, dev, cfg->memcpy_bytes, &mcpy))) goto fail;
-    } else {
-        if ((st = bench_memcpy(ctl, cfg->memcpy_bytes, &mcpy))) goto fail;
-        if (cfg->zero_copy) {
-            if ((st = tdm_shm_comm_alloc(targets[0].comm, send_bytes, (void **)&b.send))) goto fail;
-            if ((st = tdm_shm_comm_alloc(targets[0].comm, recv_bytes, (void **)&b.recv))) goto fail;
-        } else {
-            b.send = malloc(send_bytes);
-            b.recv = malloc(recv_bytes);
-            if (!b.send || !b.recv) {
-                st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "cannot allocate the send and receive "
-                                   "buffers (%zu + %zu bytes)", send_bytes, recv_bytes);
-                goto fail;
-            }
-        }
-        memset(b.send, 0, send_bytes);
-        memset(b.recv, 0, recv_bytes);
-    }
-    double factor = bench_bus_factor(cfg->coll, n);
+    TDM_TRY(cfg->cuda ? bench_setup_cuda(&s) : bench_setup_host(&s));
     const char *ref = cfg->cuda ? "d2d" : "memcpy";
-    const bench_row *peer_row = NULL;
     for (int t = 0; t < ntargets; t++)
-        if (targets[t].peer) peer_row = &rows_now[t];
-    if (r == 0) {
-        if (cfg->cuda) {
-            char names[512];
-            bench_device_names(cfg, dev, names, sizeof names);
-            printf("# tandem bench %s: %d ranks, one per device of --device %s (%s), %s "
-                   "communicator, %s, %s, root %d, warmup %d, iters %d, device buffers "
-                   "(tdm_dev_alloc)\n", tdm_coll_name(cfg->coll), n, cfg->device, names,
-                   tdm_comm_backend_name(targets[0].comm), tdm_dtype_name(cfg->dtype),
-                   tdm_redop_name(cfg->op), cfg->root, cfg->warmup, cfg->iters);
-            tdm_tool_print_emulated(stdout, cfg->device);
-            printf("# d2d reference: %d device%s each copying %zu bytes device-to-device at "
-                   "once: %.2f GB/s per device (%.2f GB/s total)\n", n, n == 1 ? "" : "s",
-                   cfg->memcpy_bytes, mcpy, mcpy * n);
-        } else {
-            if (cfg->job_desc)
-                printf("# tandem bench %s: %d ranks (%s, %d cores here), %s, %s, root %d, "
-                       "warmup %d, iters %d, private (malloc) buffers\n",
-                       tdm_coll_name(cfg->coll), n, cfg->job_desc, ncores,
-                       tdm_dtype_name(cfg->dtype), tdm_redop_name(cfg->op), cfg->root,
-                       cfg->warmup, cfg->iters);
-            else
-                printf("# tandem bench %s: %d ranks (shm, %d cores%s), %s, %s, root %d, warmup "
-                       "%d, iters %d, %s buffers\n", tdm_coll_name(cfg->coll), n, ncores,
-                       bound ? ", rank r pinned to core r" : ", not pinned",
-                       tdm_dtype_name(cfg->dtype), tdm_redop_name(cfg->op), cfg->root,
-                       cfg->warmup, cfg->iters,
-                       cfg->zero_copy ? "zero-copy (in the segment)" : "private (malloc)");
-            printf("# memcpy reference: %d processes each copying %zu bytes at once: %.2f GB/s "
-                   "per process (%.2f GB/s total)\n", n, cfg->memcpy_bytes, mcpy, mcpy * n);
-            if (peer_row)
-                printf("# vs-MPI: Open MPI's own blocking collective (the mpi-own rows) measured "
-                       "in the same run, its time over each backend's (> 1: faster than it)\n");
-        }
-        bench_print_header(cfg, ref);
-        fflush(stdout);
-    }
-    int rows = 0;
-    int64_t total_wrong = 0;
+        if (targets[t].peer) s.peer_row = &s.rows_now[t];
+    if (s.r == 0) bench_print_preamble(&s, ref);
     for (size_t bytes = cfg->min_bytes; bytes <= cfg->max_bytes;) {
-        bench_counts(cfg, bytes, &b);
-        size_t size = (cfg->coll == TDM_COLL_REDUCE_SCATTER ? b.send_count : b.recv_count) * es;
-        /* every target at this size before the next size: a load that
-         * comes and goes hits them alike */
-        for (int t = 0; t < ntargets; t++) {
-            bench_row *w = &rows_now[t];
-            const char *algo[2];
-            for (int ip = 0; ip < 2; ip++) {
-                if ((st = bench_time(&targets[t], ctl, cfg, &b, ip, &w->us[ip]))) goto fail;
-                int64_t wr = bench_check(&targets[t], cfg, &b, ip, &st);
-                algo[ip] = tdm_comm_last_algo(targets[t].comm);
-                if (st) goto fail;
-                if ((st = tdm_comm_all_reduce(ctl, &wr, &w->wrong[ip], 1, TDM_DTYPE_INT64,
-                                              TDM_REDOP_SUM)))
-                    goto fail;
-                w->algbw[ip] = (double)size / (w->us[ip] * 1e3);
-                w->busbw[ip] = w->algbw[ip] * factor;
-                total_wrong += w->wrong[ip];
-            }
-            if (strcmp(algo[0], algo[1]))
-                snprintf(w->algo, sizeof w->algo, "%s/%s", algo[0], algo[1]);
-            else
-                snprintf(w->algo, sizeof w->algo, "%s", algo[0]);
-            sum_busbw[t] += w->busbw[0];
-        }
-        if (r == 0) {
-            for (int t = 0; t < ntargets; t++)
-                bench_print_row(cfg, &targets[t], &rows_now[t], peer_row, size, mcpy);
-            fflush(stdout);
-        }
-        rows++;
+        TDM_TRY(bench_size(&s, bytes));
         size_t next = (size_t)((double)bytes * cfg->factor);
         bytes = next > bytes ? next : bytes + 1;
     }
-    if (r == 0) {
-        printf("# Out of bounds values : %lld %s\n", (long long)total_wrong,
-               total_wrong ? "FAILED" : "OK");
-        for (int t = 0; t < ntargets; t++)
-            printf("# Avg bus bandwidth    : %.4f GB/s (out of place; %s reference %.2f GB/s)%s%s\n",
-                   rows ? sum_busbw[t] / rows : 0.0, ref, mcpy, cfg->table ? ": " : "",
-                   cfg->table ? targets[t].name : "");
-        fflush(stdout);
-    }
-    rc = total_wrong ? 1 : 0;
-    goto out;
+    if (s.r == 0) bench_print_summary(&s, ref);
+    bench_state_free(&s);
+    return s.total_wrong ? 1 : 0;
 fail:
-    fprintf(stderr, "tandem bench: rank %d: %s\n", r, tdm_error_message());
+    fprintf(stderr, "tandem bench: rank %d: %s\n", s.r,
+            tdm_error_message()[0] ? tdm_error_message() : tdm_status_name(st));
     char why[64];
-    snprintf(why, sizeof why, "rank %d failed", r);
+    snprintf(why, sizeof why, "rank %d failed", s.r);
     tdm_comm_abort(ctl, why);
-    rc = 1;
-out:
-    if (dev) {
-        tdm_dev_free(dev, b.send);
-        tdm_dev_free(dev, b.recv);
-        free(b.stage);
-    } else if (!cfg->zero_copy) {
-        free(b.send);
-        free(b.recv);
+    bench_state_free(&s);
+    return 1;
+}
+
+/* ---- options ---- */
+
+static tdm_status bench_parse_coll(const char *a, bench_cfg *cfg)
+{
+    if (tdm_coll_parse(a, &cfg->coll) || cfg->coll == TDM_COLL_GATHER ||
+        cfg->coll == TDM_COLL_SCATTER || cfg->coll == TDM_COLL_BARRIER ||
+        cfg->coll == TDM_COLL_SEND || cfg->coll == TDM_COLL_RECV)
+        return tdm_tool_usage_error("tandem bench: unknown collective '%s' (expected all_reduce, "
+                                    "reduce_scatter, all_gather, broadcast or reduce)\n", a);
+    return TDM_STATUS_OK;
+}
+
+/* The options as given; cfg->help when --help asked for the usage. */
+static tdm_status bench_parse(int argc, char **argv, bench_cfg *cfg)
+{
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i], *v;
+        long long x;
+        if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
+            cfg->help = 1;
+            return TDM_STATUS_OK;
+        }
+        TDM_CHECK(tdm_args_value2(argc, argv, &i, "-n", "--nranks", &v));
+        if (v) {
+            TDM_CHECK(tdm_args_int("-n", v, 1, TDM_SHM_MAX_RANKS, &x));
+            cfg->nranks = (int)x;
+            cfg->nranks_set = 1;
+            continue;
+        }
+        TDM_CHECK(tdm_args_value2(argc, argv, &i, "-b", "--minbytes", &v));
+        if (v) { TDM_CHECK(bench_parse_size("-b", v, &cfg->min_bytes)); continue; }
+        TDM_CHECK(tdm_args_value2(argc, argv, &i, "-e", "--maxbytes", &v));
+        if (v) { TDM_CHECK(bench_parse_size("-e", v, &cfg->max_bytes)); continue; }
+        TDM_CHECK(tdm_args_value2(argc, argv, &i, "-f", "--stepfactor", &v));
+        if (v) { TDM_CHECK(tdm_args_float("-f", v, 1.0001, 1e6, &cfg->factor)); continue; }
+        TDM_CHECK(tdm_args_value2(argc, argv, &i, "-d", "--datatype", &v));
+        if (v) {
+            if (tdm_dtype_parse(v, &cfg->dtype))
+                return tdm_tool_usage_error("tandem bench: -d: %s\n", tdm_error_message());
+            continue;
+        }
+        TDM_CHECK(tdm_args_value2(argc, argv, &i, "-o", "--op", &v));
+        if (v) {
+            if (tdm_redop_parse(v, &cfg->op))
+                return tdm_tool_usage_error("tandem bench: -o: %s\n", tdm_error_message());
+            continue;
+        }
+        TDM_CHECK(tdm_args_value2(argc, argv, &i, "-r", "--root", &v));
+        if (v) {
+            TDM_CHECK(tdm_args_int("-r", v, 0, TDM_SHM_MAX_RANKS - 1, &x));
+            cfg->root = (int)x;
+            continue;
+        }
+        TDM_CHECK(tdm_args_value2(argc, argv, &i, "-w", "--warmup", &v));
+        if (v) {
+            TDM_CHECK(tdm_args_int("-w", v, 0, 1000000, &x));
+            cfg->warmup = (int)x;
+            continue;
+        }
+        TDM_CHECK(tdm_args_value2(argc, argv, &i, "-i", "--iters", &v));
+        if (v) {
+            TDM_CHECK(tdm_args_int("-i", v, 1, 100000000, &x));
+            cfg->iters = (int)x;
+            continue;
+        }
+        TDM_CHECK(tdm_args_value(argc, argv, &i, "--memcpy-bytes", &v));
+        if (v) { TDM_CHECK(bench_parse_size("--memcpy-bytes", v, &cfg->memcpy_bytes)); continue; }
+        TDM_CHECK(tdm_args_value(argc, argv, &i, "--slot-bytes", &v));
+        if (v) {
+            TDM_CHECK(bench_parse_size("--slot-bytes", v, &cfg->slot_bytes));
+            cfg->shm_flag = "--slot-bytes";
+            continue;
+        }
+        TDM_CHECK(tdm_args_value(argc, argv, &i, "--one-shot-bytes", &v));
+        if (v) {
+            TDM_CHECK(bench_parse_size("--one-shot-bytes", v, &cfg->one_shot_bytes));
+            cfg->shm_flag = "--one-shot-bytes";
+            continue;
+        }
+        TDM_CHECK(tdm_args_value(argc, argv, &i, "--device", &v));
+        if (v) { cfg->device = v; continue; }
+        TDM_CHECK(tdm_args_value(argc, argv, &i, "--backend", &v));
+        if (v) { TDM_CHECK(bench_parse_backends(v, cfg)); continue; }
+        TDM_CHECK(tdm_args_value(argc, argv, &i, "--peer", &v));
+        if (v) {
+            if (strcmp(v, "mpi"))
+                return tdm_tool_usage_error("tandem bench: --peer '%s': the only peer is mpi "
+                                            "(Open MPI's own collectives)\n", v);
+            cfg->peer = 1;
+            continue;
+        }
+        if (!strcmp(a, "--no-bind")) {
+            cfg->bind = 0;
+        } else if (!strcmp(a, "--zero-copy")) {
+            cfg->zero_copy = 1;
+            cfg->shm_flag = "--zero-copy";
+        } else if (a[0] == '-') {
+            return tdm_tool_usage_error("tandem bench: unknown option '%s' (see tandem bench "
+                                        "--help)\n", a);
+        } else if (!cfg->have_coll) {
+            TDM_CHECK(bench_parse_coll(a, cfg));
+            cfg->have_coll = 1;
+        } else {
+            return tdm_tool_usage_error("tandem bench: unexpected argument '%s'\n", a);
+        }
     }
-    tdm_comm_free(nccl);   /* before ctl, which bootstrapped it, and dev */
-    tdm_device_free(dev);
-    free(rows_now);
-    free(sum_busbw);
-    return rc;
+    return TDM_STATUS_OK;
+}
+
+/* --device cuda: one rank per listed device, NCCL on device buffers. */
+static tdm_status bench_check_cuda(bench_cfg *cfg)
+{
+    if (cfg->nranks_set && cfg->nranks != cfg->dl.count)
+        return tdm_tool_usage_error("tandem bench: -n %d: --device %s names %d device%s, and "
+                                    "there is one rank per device (omit -n, or list %d "
+                                    "devices)\n", cfg->nranks, cfg->device, cfg->dl.count,
+                                    cfg->dl.count == 1 ? "" : "s", cfg->nranks);
+    if (cfg->dl.count > TDM_SHM_MAX_RANKS)
+        return tdm_tool_usage_error("tandem bench: --device %s names %d devices; at most %d "
+                                    "ranks\n", cfg->device, cfg->dl.count, TDM_SHM_MAX_RANKS);
+    cfg->nranks = cfg->dl.count;
+    if (cfg->shm_flag)
+        return tdm_tool_usage_error("tandem bench: %s applies to the shm communicator only, "
+                                    "not to --device %s (NCCL on device buffers)\n",
+                                    cfg->shm_flag, cfg->device);
+    if (cfg->dtype == TDM_DTYPE_BFLOAT16 || cfg->dtype == TDM_DTYPE_FLOAT16)
+        return tdm_tool_usage_error("tandem bench: -d %s: the NCCL communicator of --device %s "
+                                    "takes float32, float64, int32 and int64 only\n",
+                                    tdm_dtype_name(cfg->dtype), cfg->device);
+    return TDM_STATUS_OK;
+}
+
+/* What the options need of each other, and the defaults that follow. */
+static tdm_status bench_check_cfg(bench_cfg *cfg)
+{
+    if (!cfg->have_coll) {
+        fprintf(stderr, "tandem bench: which collective? (see tandem bench --help)\n");
+        bench_usage(stderr);
+        return TDM_STATUS_USAGE;
+    }
+    if (cfg->device && *cfg->device) {
+        /* Checked in a child when it names CUDA: this process forks the
+         * ranks, and a process that has initialised CUDA cannot give it
+         * to its children. */
+        tdm_status dst = tdm_tool_parse_devices(&cfg->dl, cfg->device, 1);
+        if (dst != TDM_STATUS_OK) {
+            fprintf(stderr, "tandem bench: --device: %s\n", tdm_error_message());
+            return dst == TDM_STATUS_NO_DEVICE ? dst : tdm_tool_usage(dst);
+        }
+        cfg->cuda = cfg->dl.kind == TDM_DEVICE_CUDA;
+    }
+    if (cfg->cuda) TDM_CHECK(bench_check_cuda(cfg));
+    if (cfg->min_bytes == 0 || cfg->min_bytes > cfg->max_bytes)
+        return tdm_tool_usage_error("tandem bench: need 0 < -b (%zu) <= -e (%zu)\n",
+                                    cfg->min_bytes, cfg->max_bytes);
+    /* under a launcher the job's size is known once it has started */
+    if (tdm_tool_mpi_launched() && !cfg->nranks_set) cfg->nranks = 0;
+    if (cfg->nranks) TDM_CHECK(tdm_tool_bench_check_ranks(cfg, 1));
+    if (!cfg->memcpy_bytes)
+        cfg->memcpy_bytes = cfg->max_bytes > ((size_t)64 << 20) ? cfg->max_bytes
+                                                                : (size_t)64 << 20;
+    return TDM_STATUS_OK;
 }
 
 /* A forked rank: its shm communicator is the one benchmarked. */
@@ -639,169 +848,46 @@ static int bench_rank(tdm_comm *comm, void *arg)
     return tdm_tool_bench_ranks(comm, &t, 1, arg);
 }
 
-int tdm_tool_bench_main(int argc, char **argv)
+/* Forks the ranks joined by a shm communicator sized for the buffers. */
+static tdm_status bench_run_forked(const bench_cfg *cfg)
+{
+    size_t es = tdm_dtype_size(cfg->dtype);
+    bench_bufs b;
+    bench_counts(cfg, cfg->max_bytes, &b);
+    tdm_shm_spawn_opts o = {.timeout_ms = 3600 * 1000};
+    o.shm.timeout_ms = 120000;
+    o.shm.slot_bytes = cfg->slot_bytes;
+    o.shm.one_shot_max_bytes = cfg->one_shot_bytes;
+    if (cfg->zero_copy) o.shm.arena_bytes = (b.send_count + b.recv_count + 64) * es + 4096;
+    tdm_status st = tdm_shm_spawn(cfg->nranks, bench_rank, (void *)cfg, &o, NULL);
+    if (st) fprintf(stderr, "tandem bench: %s\n", tdm_error_message());
+    return st;
+}
+
+int tdm_bench_coll_main(int argc, char **argv)
 {
     bench_cfg cfg = {.nranks = 2, .min_bytes = 8, .max_bytes = (size_t)64 << 20, .factor = 2,
-                     .dtype = TDM_DTYPE_FLOAT32, .op = TDM_REDOP_SUM, .warmup = 5, .iters = 20, .bind = 1};
-    int have_coll = 0, nranks_set = 0, shm_only = 0;
-    const char *shm_flag = NULL;
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i], *v;
-        long long x;
-        if (!strcmp(a, "-h") || !strcmp(a, "--help")) { bench_usage(stdout); return 0; }
-#define BENCH_FLAG(s, l) ((v = tdm_args_value(argc, argv, &i, s)) || (v = tdm_args_value(argc, argv, &i, l)))
-        if (BENCH_FLAG("-n", "--nranks")) {
-            if (!tdm_args_int("-n", v, 1, TDM_SHM_MAX_RANKS, &x)) return 2;
-            cfg.nranks = (int)x;
-            nranks_set = 1;
-        } else if (BENCH_FLAG("-b", "--minbytes")) {
-            if (!bench_parse_size("-b", v, &cfg.min_bytes)) return 2;
-        } else if (BENCH_FLAG("-e", "--maxbytes")) {
-            if (!bench_parse_size("-e", v, &cfg.max_bytes)) return 2;
-        } else if (BENCH_FLAG("-f", "--stepfactor")) {
-            if (!tdm_args_float("-f", v, 1.0001, 1e6, &cfg.factor)) return 2;
-        } else if (BENCH_FLAG("-d", "--datatype")) {
-            if (tdm_dtype_parse(v, &cfg.dtype)) {
-                fprintf(stderr, "tandem bench: -d: %s\n", tdm_error_message());
-                return 2;
-            }
-        } else if (BENCH_FLAG("-o", "--op")) {
-            if (tdm_redop_parse(v, &cfg.op)) {
-                fprintf(stderr, "tandem bench: -o: %s\n", tdm_error_message());
-                return 2;
-            }
-        } else if (BENCH_FLAG("-r", "--root")) {
-            if (!tdm_args_int("-r", v, 0, TDM_SHM_MAX_RANKS - 1, &x)) return 2;
-            cfg.root = (int)x;
-        } else if (BENCH_FLAG("-w", "--warmup")) {
-            if (!tdm_args_int("-w", v, 0, 1000000, &x)) return 2;
-            cfg.warmup = (int)x;
-        } else if (BENCH_FLAG("-i", "--iters")) {
-            if (!tdm_args_int("-i", v, 1, 100000000, &x)) return 2;
-            cfg.iters = (int)x;
-        } else if (BENCH_FLAG("--memcpy-bytes", "--memcpy-bytes")) {
-            if (!bench_parse_size("--memcpy-bytes", v, &cfg.memcpy_bytes)) return 2;
-        } else if (BENCH_FLAG("--slot-bytes", "--slot-bytes")) {
-            if (!bench_parse_size("--slot-bytes", v, &cfg.slot_bytes)) return 2;
-            shm_only = 1;
-            shm_flag = "--slot-bytes";
-        } else if (BENCH_FLAG("--one-shot-bytes", "--one-shot-bytes")) {
-            if (!bench_parse_size("--one-shot-bytes", v, &cfg.one_shot_bytes)) return 2;
-            shm_only = 1;
-            shm_flag = "--one-shot-bytes";
-        } else if (BENCH_FLAG("--device", "--device")) {
-            cfg.device = v;
-        } else if (BENCH_FLAG("--backend", "--backend")) {
-            if (!bench_parse_backends(v, &cfg)) return 2;
-        } else if (BENCH_FLAG("--peer", "--peer")) {
-            if (strcmp(v, "mpi")) {
-                fprintf(stderr, "tandem bench: --peer '%s': the only peer is mpi (Open MPI's "
-                        "own collectives)\n", v);
-                return 2;
-            }
-            cfg.peer = 1;
-        } else if (!strcmp(a, "--no-bind")) {
-            cfg.bind = 0;
-        } else if (!strcmp(a, "--zero-copy")) {
-            cfg.zero_copy = 1;
-            shm_only = 1;
-            shm_flag = "--zero-copy";
-        } else if (a[0] == '-') {
-            fprintf(stderr, "tandem bench: unknown option '%s' (see tandem bench --help)\n", a);
-            return 2;
-        } else if (!have_coll) {
-            if (tdm_coll_parse(a, &cfg.coll) || cfg.coll == TDM_COLL_GATHER ||
-                cfg.coll == TDM_COLL_SCATTER || cfg.coll == TDM_COLL_BARRIER ||
-                cfg.coll == TDM_COLL_SEND || cfg.coll == TDM_COLL_RECV) {
-                fprintf(stderr, "tandem bench: unknown collective '%s' (expected all_reduce, "
-                        "reduce_scatter, all_gather, broadcast or reduce)\n", a);
-                return 2;
-            }
-            have_coll = 1;
-        } else {
-            fprintf(stderr, "tandem bench: unexpected argument '%s'\n", a);
-            return 2;
-        }
-#undef BENCH_FLAG
+                     .dtype = TDM_DTYPE_FLOAT32, .op = TDM_REDOP_SUM, .warmup = 5, .iters = 20,
+                     .bind = 1};
+    tdm_status st = bench_parse(argc, argv, &cfg);
+    if (st == TDM_STATUS_OK && cfg.help) {
+        bench_usage(stdout);
+        return tdm_tool_exit(TDM_STATUS_OK);
     }
-    if (!have_coll) {
-        fprintf(stderr, "tandem bench: which collective? (see tandem bench --help)\n");
-        bench_usage(stderr);
-        return 2;
-    }
-    if (cfg.device && *cfg.device) {
-        /* Checked in a child when it names CUDA: this process forks the
-         * ranks, and a process that has initialised CUDA cannot give it
-         * to its children. */
-        tdm_status dst = tdm_tool_parse_devices(&cfg.dl, cfg.device, 1);
-        if (dst != TDM_STATUS_OK) {
-            fprintf(stderr, "tandem bench: --device: %s\n", tdm_error_message());
-            return dst == TDM_STATUS_NO_DEVICE ? 1 : 2;
-        }
-        cfg.cuda = cfg.dl.kind == TDM_DEVICE_CUDA;
-    }
-    if (cfg.cuda) {
-        if (nranks_set && cfg.nranks != cfg.dl.count) {
-            fprintf(stderr, "tandem bench: -n %d: --device %s names %d device%s, and there is "
-                    "one rank per device (omit -n, or list %d devices)\n", cfg.nranks,
-                    cfg.device, cfg.dl.count, cfg.dl.count == 1 ? "" : "s", cfg.nranks);
-            return 2;
-        }
-        if (cfg.dl.count > TDM_SHM_MAX_RANKS) {
-            fprintf(stderr, "tandem bench: --device %s names %d devices; at most %d ranks\n",
-                    cfg.device, cfg.dl.count, TDM_SHM_MAX_RANKS);
-            return 2;
-        }
-        cfg.nranks = cfg.dl.count;
-        if (shm_only) {
-            fprintf(stderr, "tandem bench: %s applies to the shm communicator only, not to "
-                    "--device %s (NCCL on device buffers)\n", shm_flag, cfg.device);
-            return 2;
-        }
-        if (cfg.dtype == TDM_DTYPE_BFLOAT16 || cfg.dtype == TDM_DTYPE_FLOAT16) {
-            fprintf(stderr, "tandem bench: -d %s: the NCCL communicator of --device %s takes "
-                    "float32, float64, int32 and int64 only\n", tdm_dtype_name(cfg.dtype),
-                    cfg.device);
-            return 2;
-        }
-    }
-    if (cfg.min_bytes == 0 || cfg.min_bytes > cfg.max_bytes) {
-        fprintf(stderr, "tandem bench: need 0 < -b (%zu) <= -e (%zu)\n", cfg.min_bytes,
-                cfg.max_bytes);
-        return 2;
-    }
-    /* under a launcher the job's size is known once it has started */
-    int launched = tdm_tool_mpi_launched();
-    if (launched && !nranks_set) cfg.nranks = 0;
-    if (cfg.nranks && !tdm_tool_bench_check_ranks(&cfg, 1)) return 2;
-    if (!cfg.memcpy_bytes)
-        cfg.memcpy_bytes = cfg.max_bytes > ((size_t)64 << 20) ? cfg.max_bytes : (size_t)64 << 20;
+    if (st == TDM_STATUS_OK) st = bench_check_cfg(&cfg);
+    if (st != TDM_STATUS_OK) return tdm_tool_exit(st);
     /* an MPI job: under a launcher, or asked for a backend that needs one */
     int mpi_needed = cfg.peer || getenv(TDM_MPI_ENV_PRETEND);
     for (int i = 0; i < cfg.nbackends; i++)
         mpi_needed |= cfg.backends[i] != TDM_MPI_BACKEND_SHM &&
                       cfg.backends[i] != TDM_MPI_BACKEND_AUTO;
     cfg.table = cfg.nbackends > 1 || cfg.peer;
-    if (mpi_needed || launched) {
-        if (cfg.zero_copy) {
-            fprintf(stderr, "tandem bench: --zero-copy applies to forked ranks over shm only, not "
-                    "to an MPI job\n");
-            return 2;
-        }
-        return tdm_tool_bench_mpi(&cfg, argc, argv);
+    if (mpi_needed || tdm_tool_mpi_launched()) {
+        if (cfg.zero_copy)
+            return tdm_tool_exit(tdm_tool_usage_error(
+                "tandem bench: --zero-copy applies to forked ranks over shm only, not to an MPI "
+                "job\n"));
+        return tdm_tool_exit(tdm_tool_bench_mpi(&cfg, argc, argv));
     }
-    bench_bufs b;
-    bench_counts(&cfg, cfg.max_bytes, &b);
-    tdm_shm_spawn_opts o = {.timeout_ms = 3600 * 1000};
-    o.shm.timeout_ms = 120000;
-    o.shm.slot_bytes = cfg.slot_bytes;
-    o.shm.one_shot_max_bytes = cfg.one_shot_bytes;
-    if (cfg.zero_copy)
-        o.shm.arena_bytes = (b.send_count + b.recv_count + 64) * tdm_dtype_size(cfg.dtype) + 4096;
-    tdm_status st = tdm_shm_spawn(cfg.nranks, bench_rank, &cfg, &o, NULL);
-    if (st) {
-        fprintf(stderr, "tandem bench: %s\n", tdm_error_message());
-        return 1;
-    }
-    return 0;
+    return tdm_tool_exit(bench_run_forked(&cfg));
 }

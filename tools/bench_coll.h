@@ -35,6 +35,9 @@ typedef struct bench_cfg {
     int peer;                /* --peer mpi: Open MPI's own collectives too */
     int table;               /* print the backend column (several rows a size) */
     const char *job_desc;    /* the MPI job, for the header; NULL: forked ranks */
+    /* the command line as parsed (tools/bench_coll.c) */
+    int help, have_coll, nranks_set;
+    const char *shm_flag;    /* the last shm-only flag given (NULL: none) */
 } bench_cfg;
 
 /* One communicator benchmarked; peer: its calls go to MPI's blocking
@@ -51,12 +54,13 @@ typedef struct bench_target {
 int tdm_tool_bench_ranks(tdm_comm *ctl, bench_target *targets, int ntargets,
                          const bench_cfg *cfg);
 
-/* -r and -b against the number of ranks; 0 when wrong (after a message
- * when say is set). */
-int tdm_tool_bench_check_ranks(const bench_cfg *cfg, int say);
+/* -r and -b against the number of ranks: TDM_STATUS_USAGE when wrong
+ * (after a message when say is set). */
+tdm_status tdm_tool_bench_check_ranks(const bench_cfg *cfg, int say);
 
 /* tools/bench_mpi.c: runs the benchmark as (or, outside one, under) an
- * MPI job; argv is the bench command line, for the relaunch. */
-int tdm_tool_bench_mpi(bench_cfg *cfg, int argc, char **argv);
+ * MPI job; argv is the bench command line, for the relaunch. A wrong
+ * element is TDM_STATUS_INTERNAL (the rows and the summary said which). */
+tdm_status tdm_tool_bench_mpi(bench_cfg *cfg, int argc, char **argv);
 
 #endif

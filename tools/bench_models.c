@@ -16,6 +16,7 @@
 #include "models/optim.h"
 #include "models/train.h"
 #include "tools/args.h"
+#include "tools/bench.h"
 #include "tools/devices.h"
 #include "tools/stats.h"
 #include "tools/tools.h"
@@ -44,8 +45,8 @@ static tdm_status tdm_bench_gemm_one(tdm_device *d, tdm_trans ta, tdm_trans tb, 
     TDM_TRY(tdm_dev_alloc(d, a_bytes, (void **)&a));
     TDM_TRY(tdm_dev_alloc(d, b_bytes, (void **)&b));
     TDM_TRY(tdm_dev_alloc_zero(d, c_bytes, (void **)&c));
-    TDM_TRY(d->ops->copy_from_host(d, a, ha, a_bytes));
-    TDM_TRY(d->ops->copy_from_host(d, b, hb, b_bytes));
+    TDM_TRY(tdm_dev_copy_from_host(d, a, ha, a_bytes));
+    TDM_TRY(tdm_dev_copy_from_host(d, b, hb, b_bytes));
     TDM_TRY(tdm_dev_gemm_rm(d, ta, tb, m, n, k, 1.0f, a, b, 0.0f, c)); /* warm-up */
     TDM_TRY(tdm_dev_sync(d));
     for (int r = 0; r < reps; r++) {
@@ -88,92 +89,112 @@ static tdm_status tdm_bench_gemm_ceiling(tdm_device *d, int verbose, double *bes
 
 /* --device of bench gemm and bench train: one device, host devices with
  * `threads` BLAS threads (--threads, refused elsewhere: cuBLAS has no
- * such knob). Returns an exit code; 0 when *out is open. */
-static int tdm_bench_open_device(const char *tool, const char *spec, long long threads,
-                                 int threads_set, tdm_device **out)
+ * such knob). */
+static tdm_status tdm_bench_open_device(const char *tool, const char *spec, long long threads,
+                                        int threads_set, tdm_device **out)
 {
     tdm_device_list dl;
     tdm_status st = tdm_tool_parse_one_device(&dl, spec);
     if (st) {
         fprintf(stderr, "tandem bench %s: --device: %s\n", tool, tdm_error_message());
-        return st == TDM_STATUS_NO_DEVICE ? 1 : 2;
+        return st == TDM_STATUS_NO_DEVICE ? st : tdm_tool_usage(st);
     }
     int cuda = dl.kind == TDM_DEVICE_CUDA;
-    if (dl.count != 1) {
-        fprintf(stderr, "tandem bench %s: --device %s names %d devices; it runs on one (e.g. "
-                "--device %s)\n", tool, spec, dl.count, cuda ? "cuda:0" : "cpu");
-        return 2;
-    }
-    if (cuda && threads_set) {
-        fprintf(stderr, "tandem bench %s: --threads sets host BLAS threads; not with --device "
-                "%s\n", tool, spec);
-        return 2;
-    }
-    if (tdm_device_open(out, cuda ? "cuda" : "cpu", dl.index[0], (int)threads)) {
+    if (dl.count != 1)
+        return tdm_tool_usage_error("tandem bench %s: --device %s names %d devices; it runs on "
+                                    "one (e.g. --device %s)\n", tool, spec, dl.count,
+                                    cuda ? "cuda:0" : "cpu");
+    if (cuda && threads_set)
+        return tdm_tool_usage_error("tandem bench %s: --threads sets host BLAS threads; not "
+                                    "with --device %s\n", tool, spec);
+    if ((st = tdm_device_open(out, cuda ? "cuda" : "cpu", dl.index[0], (int)threads))) {
         fprintf(stderr, "tandem bench %s: --device %s: %s\n", tool, spec, tdm_error_message());
-        return 1;
+        return st;
     }
-    return 0;
+    return TDM_STATUS_OK;
 }
 
 /* "cuda:0 (cuBLAS, FP32)": what computes the gemm on a CUDA device. */
 static void tdm_bench_cuda_what(const tdm_device *d, char *buf, size_t len)
 {
     if (!tdm_tool_device_is_gpu(d))
-        snprintf(buf, len, "%s (emulated: the host's gemm, not cuBLAS)", d->name);
+        snprintf(buf, len, "%s (emulated: the host's gemm, not cuBLAS)", tdm_dev_name(d));
     else if (tdm_tool_device_tf32(d))
-        snprintf(buf, len, "%s (cuBLAS, TF32 tensor cores: TANDEM_CUDA_TF32=1)", d->name);
+        snprintf(buf, len, "%s (cuBLAS, TF32 tensor cores: TANDEM_CUDA_TF32=1)", tdm_dev_name(d));
     else
-        snprintf(buf, len, "%s (cuBLAS, full FP32)", d->name);
+        snprintf(buf, len, "%s (cuBLAS, full FP32)", tdm_dev_name(d));
 }
 
-static int tdm_bench_gemm(int argc, char **argv)
+/* ---- bench gemm ---- */
+
+typedef struct tdm_bench_gemm_args {
+    long long threads;
+    int threads_set, help;
+    const char *device;
+} tdm_bench_gemm_args;
+
+static tdm_status tdm_bench_gemm_parse(int argc, char **argv, tdm_bench_gemm_args *g)
 {
-    long long threads = 1;
-    int threads_set = 0;
-    const char *spec = "cpu";
     for (int i = 1; i < argc; i++) {
         const char *v;
-        if ((v = tdm_args_value(argc, argv, &i, "--threads"))) {
-            if (!tdm_args_int("--threads", v, 1, 256, &threads)) return 2;
-            threads_set = 1;
-        } else if ((v = tdm_args_value(argc, argv, &i, "--device"))) {
-            spec = v;
+        TDM_CHECK(tdm_args_value(argc, argv, &i, "--threads", &v));
+        if (v) {
+            TDM_CHECK(tdm_args_int("--threads", v, 1, 256, &g->threads));
+            g->threads_set = 1;
+            continue;
+        }
+        TDM_CHECK(tdm_args_value(argc, argv, &i, "--device", &v));
+        if (v) {
+            g->device = v;
         } else if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
-            printf("usage: tandem bench gemm [--device cpu|cuda|cuda:I] [--threads T]\n\n"
-                   "sgemm rate of one device at the MLP's shapes (median of 15 samples each):\n"
-                   "a host device with T BLAS threads (default cpu, T = 1), or cuda:I through\n"
-                   "cuBLAS (cuda: GPU 0; operands in device memory; each sample is 10 calls\n"
-                   "ended by a sync, so the time is the GPU's; --threads is host only). With\n"
-                   "TANDEM_CUDA_EMULATOR=N, cuda:I is emulated: the host's gemm, not a GPU.\n");
-            return 0;
+            g->help = 1;
+            return TDM_STATUS_OK;
         } else {
-            fprintf(stderr, "tandem bench gemm: unknown option '%s'\n", argv[i]);
-            return 2;
+            return tdm_tool_usage_error("tandem bench gemm: unknown option '%s'\n", argv[i]);
         }
     }
+    return TDM_STATUS_OK;
+}
+
+static tdm_status tdm_bench_gemm_run(const tdm_bench_gemm_args *g)
+{
     tdm_device *d;
-    int rc = tdm_bench_open_device("gemm", spec, threads, threads_set, &d);
-    if (rc) return rc;
-    if (d->kind == TDM_DEVICE_HOST) {
-        printf("sgemm on one host device, %lld BLAS thread%s (OpenBLAS %s)\n", threads,
-               threads > 1 ? "s" : "", tdm_device_host_blas_info());
+    TDM_CHECK(tdm_bench_open_device("gemm", g->device, g->threads, g->threads_set, &d));
+    if (tdm_dev_kind(d) == TDM_DEVICE_HOST) {
+        printf("sgemm on one host device, %lld BLAS thread%s (OpenBLAS %s)\n", g->threads,
+               g->threads > 1 ? "s" : "", tdm_device_host_blas_info());
     } else {
         char what[160];
         tdm_bench_cuda_what(d, what, sizeof what);
         printf("sgemm on %s\n", what);
-        tdm_tool_print_emulated(stdout, spec);
+        tdm_tool_print_emulated(stdout, g->device);
     }
     double best;
-    if (tdm_bench_gemm_ceiling(d, 1, &best)) {
-        fprintf(stderr, "tandem bench gemm: %s\n", tdm_error_message());
-        tdm_device_free(d);
-        return 1;
-    }
-    printf("ceiling: %.1f GFLOP/s\n", best);
+    tdm_status st = tdm_bench_gemm_ceiling(d, 1, &best);
+    if (st) fprintf(stderr, "tandem bench gemm: %s\n", tdm_error_message());
+    else printf("ceiling: %.1f GFLOP/s\n", best);
     tdm_device_free(d);
-    return 0;
+    return st;
 }
+
+int tdm_bench_gemm_main(int argc, char **argv)
+{
+    tdm_bench_gemm_args g = {.threads = 1, .device = "cpu"};
+    tdm_status st = tdm_bench_gemm_parse(argc, argv, &g);
+    if (st == TDM_STATUS_OK && g.help) {
+        printf("usage: tandem bench gemm [--device cpu|cuda|cuda:I] [--threads T]\n\n"
+               "sgemm rate of one device at the MLP's shapes (median of 15 samples each):\n"
+               "a host device with T BLAS threads (default cpu, T = 1), or cuda:I through\n"
+               "cuBLAS (cuda: GPU 0; operands in device memory; each sample is 10 calls\n"
+               "ended by a sync, so the time is the GPU's; --threads is host only). With\n"
+               "TANDEM_CUDA_EMULATOR=N, cuda:I is emulated: the host's gemm, not a GPU.\n");
+        return tdm_tool_exit(TDM_STATUS_OK);
+    }
+    if (st == TDM_STATUS_OK) st = tdm_bench_gemm_run(&g);
+    return tdm_tool_exit(st);
+}
+
+/* ---- bench train ---- */
 
 static void tdm_bench_nop_progress(void *ctx, int64_t s, int64_t n, double l, double sps)
 {
@@ -224,130 +245,154 @@ fail:
     return st;
 }
 
-static int tdm_bench_train(int argc, char **argv)
+typedef struct tdm_bench_train_args {
+    const char *model, *device;
+    long long batch, steps, threads;
+    int threads_set, help;
+} tdm_bench_train_args;
+
+static void tdm_bench_train_usage(void)
 {
-    const char *model = "mlp", *dev_spec = "cpu";
-    long long batch = 0, steps = 60, threads = 1;
-    int threads_set = 0;
+    printf("usage: tandem bench train [--model mlp|cnn|gpt|mlp:...|gpt:L-D-H-T] [--batch B]\n"
+           "                         [--steps S]"
+           " [--device cpu|cuda|cuda:I] [--threads T]\n\n"
+           "Single-device training throughput on synthetic data (a gpt: random bytes,\n"
+           "AdamW; the others: synthetic images, SGD) (median step after\n"
+           "5 warm-up steps), and the achieved gemm rate as a fraction of the same\n"
+           "device's sgemm ceiling (tandem bench gemm). The device is a host device\n"
+           "with T BLAS threads (default cpu, T = 1) or cuda:I (cuda: GPU 0; inputs\n"
+           "staged to the GPU each step, every step timed until the GPU has finished\n"
+           "it; --threads is host only). With TANDEM_CUDA_EMULATOR=N, cuda:I is\n"
+           "emulated on the host, not a GPU.\nDefaults: batch 256 (mlp), 128 (cnn), 32 windows (gpt); 60 steps.\n");
+}
+
+static tdm_status tdm_bench_train_parse(int argc, char **argv, tdm_bench_train_args *t)
+{
     for (int i = 1; i < argc; i++) {
         const char *v;
-        if ((v = tdm_args_value(argc, argv, &i, "--model"))) model = v;
-        else if ((v = tdm_args_value(argc, argv, &i, "--device"))) dev_spec = v;
-        else if ((v = tdm_args_value(argc, argv, &i, "--batch"))) {
-            if (!tdm_args_int("--batch", v, 1, 1 << 16, &batch)) return 2;
-        } else if ((v = tdm_args_value(argc, argv, &i, "--steps"))) {
-            if (!tdm_args_int("--steps", v, 5, 100000, &steps)) return 2;
-        } else if ((v = tdm_args_value(argc, argv, &i, "--threads"))) {
-            if (!tdm_args_int("--threads", v, 1, 256, &threads)) return 2;
-            threads_set = 1;
+        long long iv;
+        TDM_ARGS_STR("--model", t->model)
+        TDM_ARGS_STR("--device", t->device)
+        TDM_ARGS_INT("--batch", 1, 1 << 16, t->batch)
+        TDM_ARGS_INT("--steps", 5, 100000, t->steps)
+        TDM_CHECK(tdm_args_value(argc, argv, &i, "--threads", &v));
+        if (v) {
+            TDM_CHECK(tdm_args_int("--threads", v, 1, 256, &t->threads));
+            t->threads_set = 1;
         } else if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
-            printf("usage: tandem bench train [--model mlp|cnn|gpt|mlp:...|gpt:L-D-H-T] [--batch B]\n"
-                   "                         [--steps S]"
-                   " [--device cpu|cuda|cuda:I] [--threads T]\n\n"
-                   "Single-device training throughput on synthetic data (a gpt: random bytes,\n"
-                   "AdamW; the others: synthetic images, SGD) (median step after\n"
-                   "5 warm-up steps), and the achieved gemm rate as a fraction of the same\n"
-                   "device's sgemm ceiling (tandem bench gemm). The device is a host device\n"
-                   "with T BLAS threads (default cpu, T = 1) or cuda:I (cuda: GPU 0; inputs\n"
-                   "staged to the GPU each step, every step timed until the GPU has finished\n"
-                   "it; --threads is host only). With TANDEM_CUDA_EMULATOR=N, cuda:I is\n"
-                   "emulated on the host, not a GPU.\nDefaults: batch 256 (mlp), 128 (cnn), 32 windows (gpt); 60 steps.\n");
-            return 0;
+            t->help = 1;
+            return TDM_STATUS_OK;
         } else {
-            fprintf(stderr, "tandem bench train: unknown option '%s'\n", argv[i]);
-            return 2;
+            return tdm_tool_usage_error("tandem bench train: unknown option '%s'\n", argv[i]);
         }
     }
-    tdm_model_spec spec;
-    if (tdm_model_spec_parse(&spec, model) != TDM_STATUS_OK) {
-        fprintf(stderr, "tandem bench train: %s\n", tdm_error_message());
-        return 2;
-    }
-    int gpt = spec.kind == TDM_MODEL_GPT;
-    tdm_optim_opts adamw;
-    tdm_optim_opts_default(&adamw, TDM_OPTIM_ADAMW);
-    if (!batch) batch = spec.kind == TDM_MODEL_CNN ? 128 : gpt ? 32 : 256;
-    tdm_device *d = NULL;
-    tdm_model *m = NULL;
-    tdm_optim *opt = NULL;
-    tdm_dataset data = {0};
-    int rc = 1;
+    return TDM_STATUS_OK;
+}
+
+/* The steps of a run: steps + 5 (the warm-up) single-device steps, each
+ * timed into ctx->times. */
+static tdm_status tdm_bench_train_steps(const tdm_bench_train_args *t,
+                                        const tdm_model_spec *spec, tdm_model *m,
+                                        tdm_bench_step_ctx *ctx)
+{
+    if (spec->kind == TDM_MODEL_GPT)
+        return tdm_bench_text_steps(m, (int)t->batch, (int)t->steps + 5, ctx);
+    /* the image models train with SGD on synthetic images */
     int c, h, w, classes;
-    tdm_model_spec_sample_shape(&spec, &c, &h, &w, &classes);
-    tdm_bench_step_ctx ctx = {0};
+    tdm_model_spec_sample_shape(spec, &c, &h, &w, &classes);
+    tdm_dataset data = {0};
     tdm_epoch_stats es;
-    if ((rc = tdm_bench_open_device("train", dev_spec, threads, threads_set, &d))) return rc;
-    rc = 1;
-    /* a gpt trains with AdamW on random bytes (speed does not depend on
-     * the text); the image models with SGD on synthetic images */
-    if ((!gpt && tdm_data_synthetic(&data, (batch * (steps + 5)), c, h, w, classes, 7, 0) !=
-                     TDM_STATUS_OK) ||
-        tdm_model_init(&m, d, &spec, 1) != TDM_STATUS_OK ||
-        (gpt ? tdm_optim_init(&opt, m, &adamw) : tdm_sgd_init(&opt, m, 0.01f, 0.9f)) !=
-            TDM_STATUS_OK) {
-        fprintf(stderr, "tandem bench train: %s\n", tdm_error_message());
-        goto done;
-    }
-    ctx.single.model = m;
-    ctx.single.opt = opt;
-    ctx.times = calloc((size_t)steps + 5, sizeof(double));
-    if (!ctx.times) {
-        fprintf(stderr, "tandem bench train: out of memory\n");
-        goto done;
-    }
-    if (gpt ? tdm_bench_text_steps(m, (int)batch, (int)steps + 5, &ctx) != TDM_STATUS_OK
-            : tdm_train_epoch(&data, (int)batch, 1, 0, 1, steps + 5, tdm_bench_step, &ctx,
-                              tdm_bench_nop_progress, NULL, &es) != TDM_STATUS_OK) {
-        fprintf(stderr, "tandem bench train: %s\n", tdm_error_message());
-        goto done;
-    }
-    double *t = ctx.times + 5;
-    double med = tdm_tool_median(t, (int)steps);
+    TDM_CHECK(tdm_data_synthetic(&data, (t->batch * (t->steps + 5)), c, h, w, classes, 7, 0));
+    tdm_train_epoch_opts o = {.batch = (int)t->batch, .seed = 1, .drop_last = 1,
+                              .max_steps = t->steps + 5, .step = tdm_bench_step,
+                              .step_ctx = ctx, .progress = tdm_bench_nop_progress};
+    tdm_status st = tdm_train_epoch(&data, &o, &es);
+    tdm_data_free(&data);
+    return st;
+}
+
+static void tdm_bench_train_print(const tdm_bench_train_args *t, const tdm_model_spec *spec,
+                                  tdm_device *d, tdm_model *m, const tdm_bench_step_ctx *ctx,
+                                  double ceiling)
+{
+    double *times = ctx->times + 5;
+    double med = tdm_tool_median(times, (int)t->steps);   /* sorts times */
     double fwd, bwd;
     tdm_model_gemm_flops(m, &fwd, &bwd);
-    double gflops = (fwd + bwd) * (double)batch / med * 1e-9;
-    double ceiling;
-    if (tdm_bench_gemm_ceiling(d, 0, &ceiling) != TDM_STATUS_OK) {
-        fprintf(stderr, "tandem bench train: %s\n", tdm_error_message());
-        goto done;
-    }
+    double gflops = (fwd + bwd) * (double)t->batch / med * 1e-9;
     char desc[160];
-    tdm_model_spec_describe(&spec, desc, sizeof desc);
-    if (d->kind == TDM_DEVICE_HOST) {
-        printf("model %s, batch %lld, one host device, %lld BLAS thread%s\n", desc, batch,
-               threads, threads > 1 ? "s" : "");
+    tdm_model_spec_describe(spec, desc, sizeof desc);
+    if (tdm_dev_kind(d) == TDM_DEVICE_HOST) {
+        printf("model %s, batch %lld, one host device, %lld BLAS thread%s\n", desc, t->batch,
+               t->threads, t->threads > 1 ? "s" : "");
     } else {
         char what[160];
         tdm_bench_cuda_what(d, what, sizeof what);
-        printf("model %s, batch %lld, one device: %s\n", desc, batch, what);
-        tdm_tool_print_emulated(stdout, dev_spec);
+        printf("model %s, batch %lld, one device: %s\n", desc, t->batch, what);
+        tdm_tool_print_emulated(stdout, t->device);
     }
-    printf("  step: median %.2f ms (min %.2f, max %.2f) over %lld steps\n", med * 1e3, t[0] * 1e3,
-           t[steps - 1] * 1e3, steps);
-    if (gpt)
-        printf("  throughput: %.0f windows/s = %.0f tokens/s\n", (double)batch / med,
-               (double)batch * spec.n_ctx / med);
+    printf("  step: median %.2f ms (min %.2f, max %.2f) over %lld steps\n", med * 1e3,
+           times[0] * 1e3, times[t->steps - 1] * 1e3, t->steps);
+    if (spec->kind == TDM_MODEL_GPT)
+        printf("  throughput: %.0f windows/s = %.0f tokens/s\n", (double)t->batch / med,
+               (double)t->batch * spec->n_ctx / med);
     else
-        printf("  throughput: %.0f samples/s\n", (double)batch / med);
+        printf("  throughput: %.0f samples/s\n", (double)t->batch / med);
     printf("  gemm work: %.2f MFLOP/sample -> %.1f GFLOP/s = %.0f%% of the %.1f GFLOP/s sgemm "
            "ceiling\n", (fwd + bwd) * 1e-6, gflops, 100.0 * gflops / ceiling, ceiling);
     printf("  phases of the last step (ms): forward %.2f, loss %.2f, backward %.2f, "
-           "optimizer %.2f\n", ctx.single.ms[TDM_PHASE_FORWARD], ctx.single.ms[TDM_PHASE_LOSS],
-           ctx.single.ms[TDM_PHASE_BACKWARD], ctx.single.ms[TDM_PHASE_STEP]);
-    rc = 0;
-done:
+           "optimizer %.2f\n", ctx->single.ms[TDM_PHASE_FORWARD], ctx->single.ms[TDM_PHASE_LOSS],
+           ctx->single.ms[TDM_PHASE_BACKWARD], ctx->single.ms[TDM_PHASE_STEP]);
+}
+
+static tdm_status tdm_bench_train_run(tdm_bench_train_args *t)
+{
+    tdm_model_spec spec;
+    if (tdm_model_spec_parse(&spec, t->model) != TDM_STATUS_OK)
+        return tdm_tool_usage_error("tandem bench train: %s\n", tdm_error_message());
+    int gpt = spec.kind == TDM_MODEL_GPT;
+    if (!t->batch) t->batch = spec.kind == TDM_MODEL_CNN ? 128 : gpt ? 32 : 256;
+    tdm_device *d = NULL;
+    tdm_model *m = NULL;
+    tdm_optim *opt = NULL;
+    tdm_bench_step_ctx ctx = {0};
+    tdm_optim_opts adamw;
+    tdm_optim_opts_default(&adamw, TDM_OPTIM_ADAMW);
+    tdm_status st = TDM_STATUS_OK;
+    TDM_CHECK(tdm_bench_open_device("train", t->device, t->threads, t->threads_set, &d));
+    /* a gpt trains with AdamW on random bytes (speed does not depend on
+     * the text); the image models with SGD on synthetic images */
+    TDM_TRY(tdm_model_init(&m, d, &spec, 1));
+    TDM_TRY(gpt ? tdm_optim_init(&opt, m, &adamw) : tdm_sgd_init(&opt, m, 0.01f, 0.9f));
+    ctx.single.model = m;
+    ctx.single.opt = opt;
+    ctx.times = calloc((size_t)t->steps + 5, sizeof(double));
+    if (!ctx.times) {
+        st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "out of memory");
+        goto fail;
+    }
+    TDM_TRY(tdm_bench_train_steps(t, &spec, m, &ctx));
+    double ceiling;
+    TDM_TRY(tdm_bench_gemm_ceiling(d, 0, &ceiling));
+    tdm_bench_train_print(t, &spec, d, m, &ctx, ceiling);
+fail:
+    if (st) fprintf(stderr, "tandem bench train: %s\n", tdm_error_message());
     free(ctx.times);
     tdm_single_free(&ctx.single);   /* its staging, on the model's device */
     tdm_optim_free(opt);
     tdm_model_free(m);
-    tdm_data_free(&data);
     tdm_device_free(d);
-    return rc;
+    return st;
 }
 
-int tdm_tool_bench_models_main(int argc, char **argv)
+int tdm_bench_train_main(int argc, char **argv)
 {
-    /* argv[0] is "gemm" or "train" */
-    if (!strcmp(argv[0], "gemm")) return tdm_bench_gemm(argc, argv);
-    return tdm_bench_train(argc, argv);
+    tdm_bench_train_args t = {.model = "mlp", .device = "cpu", .steps = 60, .threads = 1};
+    tdm_status st = tdm_bench_train_parse(argc, argv, &t);
+    if (st == TDM_STATUS_OK && t.help) {
+        tdm_bench_train_usage();
+        return tdm_tool_exit(TDM_STATUS_OK);
+    }
+    if (st == TDM_STATUS_OK) st = tdm_bench_train_run(&t);
+    return tdm_tool_exit(st);
 }

@@ -26,7 +26,7 @@ __attribute__((weak)) tdm_status tdm_mpi_job_comm(tdm_mpi_job *job, tdm_mpi_back
 __attribute__((weak)) void tdm_mpi_abort(const char *reason);
 
 /* Not under a launcher: the same command, under mpirun. */
-static int bench_mpi_relaunch(const bench_cfg *cfg, int argc, char **argv)
+static tdm_status bench_mpi_relaunch(const bench_cfg *cfg, int argc, char **argv)
 {
     char self[4096], np[16];
     ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
@@ -34,13 +34,13 @@ static int bench_mpi_relaunch(const bench_cfg *cfg, int argc, char **argv)
         fprintf(stderr, "tandem bench: cannot find this program's path (/proc/self/exe) to run "
                         "it under mpirun; run `mpirun -np %d tandem bench ...` yourself\n",
                 cfg->nranks);
-        return 1;
+        return TDM_STATUS_SYSTEM;
     }
     self[n] = '\0';
     snprintf(np, sizeof np, "%d", cfg->nranks);
     int cores = tdm_device_host_cores();
     const char **av = calloc((size_t)argc + 16, sizeof *av);
-    if (!av) return 1;
+    if (!av) return tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "mpirun's arguments");
     int k = 0;
     av[k++] = "mpirun";
     av[k++] = "-np";
@@ -63,29 +63,30 @@ static int bench_mpi_relaunch(const bench_cfg *cfg, int argc, char **argv)
                     "mpirun could not be started: install Open MPI (`make deps` installs "
                     "openmpi-bin) or run under your MPI launcher\n");
     free(av);
-    return 1;
+    return TDM_STATUS_SYSTEM;
 }
 
-int tdm_tool_bench_mpi(bench_cfg *cfg, int argc, char **argv)
+tdm_status tdm_tool_bench_mpi(bench_cfg *cfg, int argc, char **argv)
 {
     if (!tdm_tool_mpi_built()) {
-        tdm_tool_mpi_missing(tdm_tool_mpi_launched() ? "tandem bench under an MPI launcher"
-                                                     : "tandem bench --backend mpi|hier, --peer mpi");
+        tdm_status st = tdm_tool_mpi_missing(tdm_tool_mpi_launched()
+                                                 ? "tandem bench under an MPI launcher"
+                                                 : "tandem bench --backend mpi|hier, --peer mpi");
         fprintf(stderr, "tandem bench: %s\n", tdm_error_message());
-        return 1;
+        return st;
     }
     if (!tdm_tool_mpi_launched()) return bench_mpi_relaunch(cfg, argc, argv);
     tdm_mpi_job *job = NULL;
     tdm_comm *comms[TDM_MPI_BACKEND_COUNT_] = {0};
     bench_target targets[TDM_MPI_BACKEND_COUNT_ + 1];
-    int nt = 0, rc = 1;
+    int nt = 0;
     if (tdm_mpi_job_init(&job, NULL) != TDM_STATUS_OK) {
         char why[1200];
         snprintf(why, sizeof why, "tandem bench: %s", tdm_error_message());
         tdm_mpi_abort(why);
     }
     const tdm_mpi_topo *t = tdm_mpi_job_topo(job);
-    /* usage errors: every rank sees the same, rank 0 says it, all return 2 */
+    /* usage errors: every rank sees the same, rank 0 says it, all exit 2 */
     const char *usage = NULL;
     char msg[256];
     if (cfg->nranks && cfg->nranks != t->size) {
@@ -95,9 +96,9 @@ int tdm_tool_bench_mpi(bench_cfg *cfg, int argc, char **argv)
     }
     int nranks_given = cfg->nranks;
     cfg->nranks = t->size;
-    if (!usage && !nranks_given && !tdm_tool_bench_check_ranks(cfg, t->rank == 0)) {
+    if (!usage && !nranks_given && tdm_tool_bench_check_ranks(cfg, t->rank == 0)) {
         tdm_mpi_job_free(job);
-        return 2;
+        return TDM_STATUS_USAGE;
     }
     if (cfg->nbackends == 0) cfg->backends[cfg->nbackends++] = TDM_MPI_BACKEND_AUTO;
     for (int i = 0; i < cfg->nbackends; i++)
@@ -124,7 +125,7 @@ int tdm_tool_bench_mpi(bench_cfg *cfg, int argc, char **argv)
     if (usage) {
         if (t->rank == 0) fprintf(stderr, "tandem bench: %s\n", usage);
         tdm_mpi_job_free(job);
-        return 2;
+        return TDM_STATUS_USAGE;
     }
     tdm_shm_opts so = {.timeout_ms = 120000, .slot_bytes = cfg->slot_bytes,
                        .one_shot_max_bytes = cfg->one_shot_bytes};
@@ -155,8 +156,8 @@ int tdm_tool_bench_mpi(bench_cfg *cfg, int argc, char **argv)
                         : "",
              cfg->nbackends > 1 ? "s" : "", cfg->cuda ? "nccl" : list);
     cfg->job_desc = desc;
-    rc = tdm_tool_bench_ranks(tdm_mpi_job_world(job), targets, nt, cfg);
+    int rc = tdm_tool_bench_ranks(tdm_mpi_job_world(job), targets, nt, cfg);
     for (int i = 0; i < cfg->nbackends; i++) tdm_comm_free(comms[i]);
     tdm_mpi_job_free(job);
-    return rc;
+    return rc ? TDM_STATUS_INTERNAL : TDM_STATUS_OK;
 }

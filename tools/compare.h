@@ -1,7 +1,8 @@
 /* tools/compare.h: `tandem compare`'s internals shared between its files:
  * the options, the measured results of one mode, and the runners and
  * writers. compare.c drives and prints, compare_run.c runs the modes,
- * compare_out.c writes the trace, CSV and plots. */
+ * compare_out.c writes the trace, CSV and plots. Each returns a
+ * tdm_status after saying what failed (tools/tools.h). */
 #ifndef TDM_TOOLS_COMPARE_H
 #define TDM_TOOLS_COMPARE_H
 
@@ -11,6 +12,7 @@
 #include "core/data.h"
 #include "core/comm.h"
 #include "core/device.h"
+#include "core/status.h"
 #include "core/text.h"
 #include "core/timer.h"
 #include "models/model.h"
@@ -84,7 +86,8 @@ void tdm_cmp_dev_spec(const tdm_cmp_opts *o, int n, char *buf, size_t len);
 
 /* The global batches: rows of the dataset for step s are
  * order[s * batch .. +batch); for a gpt (text set), windows 0..batch-1 of
- * tdm_text_windows(text, T, seed, s), a DDP rank drawing its own. */
+ * tdm_text_windows(text, T, seed, s). A DDP rank draws only its share
+ * (tdm_ddp_share) of either. */
 typedef struct tdm_cmp_data {
     tdm_dataset train;
     int64_t *order;
@@ -104,14 +107,14 @@ int64_t tdm_cmp_targets(const tdm_cmp_data *d);
 
 /* Runs one mode over opts->steps global batches on the first n_dev
  * devices of --device (single: the first). Fills r (allocated by the
- * callee; free with tdm_cmp_result_free). Returns 0 on failure, with a
- * message printed. On CUDA devices single and DP run in a child process,
- * so that this process never initialises CUDA and can still fork DDP's
- * ranks (a process that has used CUDA cannot hand it to forked children). */
+ * callee; free with tdm_cmp_result_free). On failure a message is printed.
+ * On CUDA devices single and DP run in a child process, so that this
+ * process never initialises CUDA and can still fork DDP's ranks (a
+ * process that has used CUDA cannot hand it to forked children). */
+tdm_status tdm_cmp_run(const tdm_cmp_opts *o, const tdm_cmp_data *data, tdm_cmp_mode mode,
+                       int n_dev, tdm_cmp_result *r);
 /* Parameters of o's model (a probe on a host device); 0 on failure. */
 int64_t tdm_cmp_param_elems(const tdm_cmp_opts *o);
-int tdm_cmp_run(const tdm_cmp_opts *o, const tdm_cmp_data *data, tdm_cmp_mode mode, int n_dev,
-                tdm_cmp_result *r);
 void tdm_cmp_result_free(tdm_cmp_result *r);
 
 /* Median, min and max of the post-warm-up step times. */
@@ -124,14 +127,15 @@ void tdm_cmp_means(const tdm_cmp_opts *o, const tdm_cmp_result *r, double *step,
 /* Mean per-phase wall over post-warm-up steps. */
 void tdm_cmp_phase_mean(const tdm_cmp_opts *o, const tdm_cmp_result *r, tdm_phase_times *out);
 
-/* Writers: 0 on failure with a message printed. */
-int tdm_cmp_write_trace(const char *path, const tdm_cmp_opts *o, tdm_cmp_result *const *res,
-                        int n);
-int tdm_cmp_write_csv(const char *path, const tdm_cmp_opts *o, tdm_cmp_result *const *res,
-                      int n);
+/* Writers (tools/compare_out.c); on failure a message is printed. */
+tdm_status tdm_cmp_write_trace(const char *path, const tdm_cmp_opts *o,
+                               tdm_cmp_result *const *res, int n);
+tdm_status tdm_cmp_write_csv(const char *path, const tdm_cmp_opts *o, tdm_cmp_result *const *res,
+                             int n);
 /* sweep: n_sweep entries of (devices, dp samples/s, ddp samples/s); may be 0. */
-int tdm_cmp_write_plots(const char *dir, const tdm_cmp_opts *o, tdm_cmp_result *const *res,
-                        int n, const int *sweep_dev, const double *sweep_dp,
-                        const double *sweep_ddp, int n_sweep, double single_sps);
+tdm_status tdm_cmp_write_plots(const char *dir, const tdm_cmp_opts *o,
+                               tdm_cmp_result *const *res, int n, const int *sweep_dev,
+                               const double *sweep_dp, const double *sweep_ddp, int n_sweep,
+                               double single_sps);
 
 #endif

@@ -36,38 +36,38 @@ typedef struct tdm_cmp_file {
     char shown[4200];   /* the path as messages name it */
 } tdm_cmp_file;
 
-static int tdm_cmp_open(tdm_cmp_file *cf, int dirfd, const char *dir, const char *name)
+static tdm_status tdm_cmp_open(tdm_cmp_file *cf, int dirfd, const char *dir, const char *name)
 {
     int fd = -1;
     cf->f = NULL;
     snprintf(cf->shown, sizeof cf->shown, "%s%s%s", dir ? dir : "", dir ? "/" : "", name);
     if (tdm_file_replace_open(&cf->out, dirfd, name) != TDM_STATUS_OK) {
         fprintf(stderr, "tandem compare: cannot write %s: %s\n", cf->shown, tdm_error_message());
-        return 0;
+        return TDM_STATUS_IO;
     }
     if ((fd = dup(cf->out.fd)) < 0 || !(cf->f = fdopen(fd, "w"))) {
         fprintf(stderr, "tandem compare: cannot write %s: %s\n", cf->shown, strerror(errno));
         if (fd >= 0) close(fd);
         tdm_file_replace_abort(&cf->out);
-        return 0;
+        return TDM_STATUS_IO;
     }
-    return 1;
+    return TDM_STATUS_OK;
 }
 
-static int tdm_cmp_close(tdm_cmp_file *cf)
+static tdm_status tdm_cmp_close(tdm_cmp_file *cf)
 {
     int bad = ferror(cf->f);
     if (fclose(cf->f) != 0 || bad) {
         fprintf(stderr, "tandem compare: writing %s failed: %s\n", cf->shown, strerror(errno));
         tdm_file_replace_abort(&cf->out);
-        return 0;
+        return TDM_STATUS_IO;
     }
     if (tdm_file_replace_commit(&cf->out) != TDM_STATUS_OK) {
         fprintf(stderr, "tandem compare: writing %s failed: %s\n", cf->shown,
                 tdm_error_message());
-        return 0;
+        return TDM_STATUS_IO;
     }
-    return 1;
+    return TDM_STATUS_OK;
 }
 
 /* Trace timestamps are whole microseconds (the format's unit); a span
@@ -79,12 +79,12 @@ static long long tdm_cmp_us_dur(double ms)
     return us > 0 ? us : 1;
 }
 
-int tdm_cmp_write_trace(const char *path, const tdm_cmp_opts *o, tdm_cmp_result *const *res,
-                        int n)
+tdm_status tdm_cmp_write_trace(const char *path, const tdm_cmp_opts *o,
+                               tdm_cmp_result *const *res, int n)
 {
     (void)o;
     tdm_cmp_file cf;
-    if (!tdm_cmp_open(&cf, AT_FDCWD, NULL, path)) return 0;
+    TDM_CHECK(tdm_cmp_open(&cf, AT_FDCWD, NULL, path));
     FILE *f = cf.f;
     int first = 1;
 #define TDM_EV(...) do { fprintf(f, "%s\n  ", first ? "" : ","); first = 0; fprintf(f, __VA_ARGS__); } while (0)
@@ -152,11 +152,12 @@ int tdm_cmp_write_trace(const char *path, const tdm_cmp_opts *o, tdm_cmp_result 
     return tdm_cmp_close(&cf);
 }
 
-int tdm_cmp_write_csv(const char *path, const tdm_cmp_opts *o, tdm_cmp_result *const *res, int n)
+tdm_status tdm_cmp_write_csv(const char *path, const tdm_cmp_opts *o, tdm_cmp_result *const *res,
+                             int n)
 {
     (void)o;
     tdm_cmp_file cf;
-    if (!tdm_cmp_open(&cf, AT_FDCWD, NULL, path)) return 0;
+    TDM_CHECK(tdm_cmp_open(&cf, AT_FDCWD, NULL, path));
     FILE *f = cf.f;
     fprintf(f, "mode,devices,step,loss,step_ms");
     for (int p = 0; p < TDM_PHASE_COUNT_; p++) {
@@ -241,7 +242,7 @@ static const char *const tdm_cmp_pngs[] = {"loss.png", "throughput.png", "phases
  * there) with the script on its stdin, from a memfd: never a path another
  * user could swap between our write and gnuplot's read. Checks that every
  * chart was written afresh. */
-static int tdm_cmp_run_gnuplot(int dirfd, const char *dir, const char *script, int n_png)
+static tdm_status tdm_cmp_run_gnuplot(int dirfd, const char *dir, const char *script, int n_png)
 {
     int mfd = memfd_create("plots.gp", MFD_CLOEXEC);
     if (mfd < 0 || tdm_file_write_all(mfd, script, strlen(script), "plots.gp (memfd)") ||
@@ -249,7 +250,7 @@ static int tdm_cmp_run_gnuplot(int dirfd, const char *dir, const char *script, i
         fprintf(stderr, "tandem compare: cannot hand gnuplot its script: %s\n",
                 mfd < 0 ? strerror(errno) : tdm_error_message());
         if (mfd >= 0) close(mfd);
-        return 0;
+        return TDM_STATUS_SYSTEM;
     }
     /* stale charts would hide a gnuplot that wrote nothing */
     for (int i = 0; i < n_png; i++) unlinkat(dirfd, tdm_cmp_pngs[i], 0);
@@ -276,7 +277,7 @@ static int tdm_cmp_run_gnuplot(int dirfd, const char *dir, const char *script, i
             fprintf(stderr, "tandem compare: gnuplot failed (exit %d) drawing the charts in %s/ "
                     "(its script: %s/plots.gp; its message is above)\n", WEXITSTATUS(ws), dir,
                     dir);
-        return 0;
+        return TDM_STATUS_SYSTEM;
     }
     for (int i = 0; i < n_png; i++) {
         struct stat sb;
@@ -285,27 +286,29 @@ static int tdm_cmp_run_gnuplot(int dirfd, const char *dir, const char *script, i
             fprintf(stderr, "tandem compare: gnuplot exited 0 but did not write %s in %s/ "
                     "(is its pngcairo terminal installed? try: cd %s && gnuplot plots.gp)\n",
                     tdm_cmp_pngs[i], dir, dir);
-            return 0;
+            return TDM_STATUS_SYSTEM;
         }
     }
-    return 1;
+    return TDM_STATUS_OK;
 }
 
-int tdm_cmp_write_plots(const char *dir, const tdm_cmp_opts *o, tdm_cmp_result *const *res,
-                        int n, const int *sweep_dev, const double *sweep_dp,
-                        const double *sweep_ddp, int n_sweep, double single_sps)
+tdm_status tdm_cmp_write_plots(const char *dir, const tdm_cmp_opts *o,
+                               tdm_cmp_result *const *res, int n, const int *sweep_dev,
+                               const double *sweep_dp, const double *sweep_ddp, int n_sweep,
+                               double single_sps)
 {
-    int dirfd = -1, ok = 0;
+    int dirfd = -1;
+    tdm_status st = TDM_STATUS_OK;
     char *script = NULL;
     tdm_cmp_file cf;
     /* checked again here, where it counts: everything below goes through
      * this descriptor */
-    if (tdm_dir_open_safe(dir, "--plot", 1, &dirfd) != TDM_STATUS_OK) {
+    if ((st = tdm_dir_open_safe(dir, "--plot", 1, &dirfd)) != TDM_STATUS_OK) {
         fprintf(stderr, "tandem compare: %s\n", tdm_error_message());
-        return 0;
+        return st;
     }
     /* data files */
-    if (!tdm_cmp_open(&cf, dirfd, dir, "loss.dat")) goto done;
+    if ((st = tdm_cmp_open(&cf, dirfd, dir, "loss.dat"))) goto done;
     FILE *f = cf.f;
     fprintf(f, "step");
     for (int k = 0; k < n; k++) fprintf(f, " %s(%d)", tdm_cmp_mode_name(res[k]->mode), res[k]->n_dev);
@@ -315,8 +318,8 @@ int tdm_cmp_write_plots(const char *dir, const tdm_cmp_opts *o, tdm_cmp_result *
         for (int k = 0; k < n; k++) fprintf(f, " %.9g", res[k]->loss[i]);
         fputc('\n', f);
     }
-    if (!tdm_cmp_close(&cf)) goto done;
-    if (!tdm_cmp_open(&cf, dirfd, dir, "phases.dat")) goto done;
+    if ((st = tdm_cmp_close(&cf))) goto done;
+    if ((st = tdm_cmp_open(&cf, dirfd, dir, "phases.dat"))) goto done;
     f = cf.f;
     fprintf(f, "mode samples_per_s");
     for (int q = 0; q < TDM_CMP_NSHOWN; q++) {
@@ -335,35 +338,34 @@ int tdm_cmp_write_plots(const char *dir, const tdm_cmp_opts *o, tdm_cmp_result *
         for (int q = 0; q < TDM_CMP_NSHOWN; q++) fprintf(f, " %.4f", pm.ms[tdm_cmp_shown[q]]);
         fputc('\n', f);
     }
-    if (!tdm_cmp_close(&cf)) goto done;
+    if ((st = tdm_cmp_close(&cf))) goto done;
     if (n_sweep > 0) {
-        if (!tdm_cmp_open(&cf, dirfd, dir, "scaling.dat")) goto done;
+        if ((st = tdm_cmp_open(&cf, dirfd, dir, "scaling.dat"))) goto done;
         fprintf(cf.f, "# devices dp_samples_per_s ddp_samples_per_s single\n");
         for (int i = 0; i < n_sweep; i++)
             fprintf(cf.f, "%d %.2f %.2f %.2f\n", sweep_dev[i], sweep_dp[i], sweep_ddp[i],
                     single_sps);
-        if (!tdm_cmp_close(&cf)) goto done;
+        if ((st = tdm_cmp_close(&cf))) goto done;
     }
     /* the script: kept for the user as plots.gp; gnuplot gets its own copy */
     if (!(script = tdm_cmp_plot_script(o, n, n_sweep))) {
         fprintf(stderr, "tandem compare: out of memory writing the gnuplot script\n");
+        st = TDM_STATUS_OUT_OF_MEMORY;
         goto done;
     }
-    if (!tdm_cmp_open(&cf, dirfd, dir, "plots.gp")) goto done;
+    if ((st = tdm_cmp_open(&cf, dirfd, dir, "plots.gp"))) goto done;
     fputs(script, cf.f);
-    if (!tdm_cmp_close(&cf)) goto done;
+    if ((st = tdm_cmp_close(&cf))) goto done;
     if (!tdm_cmp_have_gnuplot()) {
         printf("plots: gnuplot is not installed (apt-get install gnuplot-nox, or make deps); "
                "data and script written to %s/ (run: cd %s && gnuplot plots.gp)\n", dir, dir);
-        ok = 1;
         goto done;
     }
-    if (!tdm_cmp_run_gnuplot(dirfd, dir, script, n_sweep > 0 ? 4 : 3)) goto done;
+    if ((st = tdm_cmp_run_gnuplot(dirfd, dir, script, n_sweep > 0 ? 4 : 3))) goto done;
     printf("plots: %s/loss.png, throughput.png, phases.png%s\n", dir,
            n_sweep > 0 ? ", scaling.png" : "");
-    ok = 1;
 done:
     free(script);
     close(dirfd);
-    return ok;
+    return st;
 }

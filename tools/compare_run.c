@@ -18,6 +18,7 @@
 #include "models/optim.h"
 #include "models/train.h"
 #include "tools/compare.h"
+#include "tools/ddp_rank.h"
 #include "tools/devices.h"
 #include "tools/stats.h"
 
@@ -47,8 +48,8 @@ void tdm_cmp_dev_spec(const tdm_cmp_opts *o, int n, char *buf, size_t len)
         used += (size_t)snprintf(buf + used, len - used, "%s%d", i ? "," : "", o->dl.index[i]);
 }
 
-static int tdm_cmp_alloc(tdm_cmp_result *r, tdm_cmp_mode mode, int n_dev, int steps,
-                         int64_t param_elems)
+static tdm_status tdm_cmp_alloc(tdm_cmp_result *r, tdm_cmp_mode mode, int n_dev, int steps,
+                                int64_t param_elems)
 {
     memset(r, 0, sizeof *r);
     r->mode = mode;
@@ -69,9 +70,9 @@ static int tdm_cmp_alloc(tdm_cmp_result *r, tdm_cmp_mode mode, int n_dev, int st
     if (!r->loss || !r->step_ms || !r->step_t0_ms || !r->phase || !r->wall || !r->comm_ms ||
         !r->exposed_ms || !r->bwd_t0_ms || !r->params_first || !r->params_last) {
         fprintf(stderr, "tandem compare: out of memory\n");
-        return 0;
+        return tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "out of memory");
     }
-    return 1;
+    return TDM_STATUS_OK;
 }
 
 void tdm_cmp_result_free(tdm_cmp_result *r)
@@ -90,10 +91,10 @@ void tdm_cmp_result_free(tdm_cmp_result *r)
     memset(r, 0, sizeof *r);
 }
 
-static int tdm_cmp_fail(const char *what)
+static tdm_status tdm_cmp_fail(const char *what, tdm_status st)
 {
     fprintf(stderr, "tandem compare: %s: %s\n", what, tdm_error_message());
-    return 0;
+    return st;
 }
 
 static tdm_status tdm_cmp_make(const tdm_cmp_opts *o, tdm_device *dev, tdm_model **m,
@@ -134,7 +135,7 @@ static void tdm_cmp_batch(const tdm_cmp_data *d, int step, int batch, void *x, i
 static tdm_status tdm_cmp_params_out(tdm_model *m, float *dst)
 {
     tdm_device *d = tdm_model_device(m);
-    return d->ops->copy_to_host(d, dst, tdm_model_params(m),
+    return tdm_dev_copy_to_host(d, dst, tdm_model_params(m),
                                 (size_t)tdm_model_param_elems(m) * sizeof(float));
 }
 
@@ -151,9 +152,10 @@ static void tdm_cmp_mem_model(tdm_cmp_memory *mem, tdm_model *m, size_t optim_by
 
 /* ---- one device ---- */
 
-static int tdm_cmp_run_single(const tdm_cmp_opts *o, const tdm_cmp_data *data, tdm_cmp_result *r)
+static tdm_status tdm_cmp_run_single(const tdm_cmp_opts *o, const tdm_cmp_data *data,
+                                     tdm_cmp_result *r)
 {
-    int ok = 0;
+    tdm_status st = TDM_STATUS_OK;
     tdm_device *dev = NULL;
     tdm_model *m = NULL;
     tdm_optim *opt = NULL;
@@ -161,22 +163,23 @@ static int tdm_cmp_run_single(const tdm_cmp_opts *o, const tdm_cmp_data *data, t
     int64_t feat = tdm_cmp_feat(data);
     float *x = malloc((size_t)o->batch * feat * sizeof(float));
     int32_t *y = malloc((size_t)o->batch * tdm_cmp_targets(data) * sizeof(int32_t));
-    if (!x || !y) goto done;
-    if (tdm_tool_rank_device(&o->dl, 0, &dev) != TDM_STATUS_OK ||
-        tdm_cmp_make(o, dev, &m, &opt) != TDM_STATUS_OK) {
-        tdm_cmp_fail("one device");
-        goto done;
+    if (!x || !y) {
+        st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "a batch of %d", o->batch);
+        goto fail;
     }
-    if (!tdm_cmp_alloc(r, TDM_CMP_SINGLE, 1, o->steps, tdm_model_param_elems(m))) goto done;
+    if ((st = tdm_tool_rank_device(&o->dl, 0, &dev)) || (st = tdm_cmp_make(o, dev, &m, &opt))) {
+        tdm_cmp_fail("one device", st);
+        goto fail;
+    }
+    TDM_TRY(tdm_cmp_alloc(r, TDM_CMP_SINGLE, 1, o->steps, tdm_model_param_elems(m)));
     if (o->nudge) {
         /* every other parameter one ulp up: the smallest change float can
          * make, to measure how far such a change carries over the run */
         float *p = r->params_last;
-        if (tdm_cmp_params_out(m, p) != TDM_STATUS_OK) goto done;
+        TDM_TRY(tdm_cmp_params_out(m, p));
         for (int64_t j = 0; j < r->param_elems; j += 2) p[j] = nextafterf(p[j], INFINITY);
-        if (dev->ops->copy_from_host(dev, tdm_model_params(m), p,
-                                     (size_t)r->param_elems * sizeof(float)) != TDM_STATUS_OK)
-            goto done;
+        TDM_TRY(tdm_dev_copy_from_host(dev, tdm_model_params(m), p,
+                                         (size_t)r->param_elems * sizeof(float)));
     }
     s.model = m;
     s.opt = opt;
@@ -184,35 +187,36 @@ static int tdm_cmp_run_single(const tdm_cmp_opts *o, const tdm_cmp_data *data, t
     for (int i = 0; i < o->steps; i++) {
         tdm_cmp_batch(data, i, o->batch, x, y);
         uint64_t t0 = tdm_time_ns();
-        if (tdm_single_step(&s, x, y, o->batch, &r->loss[i]) != TDM_STATUS_OK) {
-            tdm_cmp_fail("one device step");
-            goto done;
+        if ((st = tdm_single_step(&s, x, y, o->batch, &r->loss[i])) != TDM_STATUS_OK) {
+            tdm_cmp_fail("one device step", st);
+            goto fail;
         }
         r->step_ms[i] = (double)(tdm_time_ns() - t0) * 1e-6;
         r->step_t0_ms[i] = (double)(t0 - t_start) * 1e-6;
         memcpy(r->phase[i].ms, s.ms, sizeof s.ms);
         r->wall[i] = r->phase[i];
-        if (i == 0 && tdm_cmp_params_out(m, r->params_first) != TDM_STATUS_OK) goto done;
+        if (i == 0) TDM_TRY(tdm_cmp_params_out(m, r->params_first));
     }
-    if (tdm_cmp_params_out(m, r->params_last) != TDM_STATUS_OK) goto done;
+    TDM_TRY(tdm_cmp_params_out(m, r->params_last));
     tdm_cmp_mem_model(&r->mem[0], m, tdm_optim_state_bytes(opt));
-    r->ok = ok = 1;
-done:
+    r->ok = 1;
+fail:
     tdm_single_free(&s);
     tdm_optim_free(opt);
     tdm_model_free(m);
     tdm_device_free(dev);
     free(x);
     free(y);
-    return ok;
+    return st;
 }
 
 /* ---- DataParallel ---- */
 
-static int tdm_cmp_run_dp(const tdm_cmp_opts *o, const tdm_cmp_data *data, int n_dev,
-                          tdm_cmp_result *r)
+static tdm_status tdm_cmp_run_dp(const tdm_cmp_opts *o, const tdm_cmp_data *data, int n_dev,
+                                 tdm_cmp_result *r)
 {
-    int ok = 0, n = 0;
+    tdm_status st = TDM_STATUS_OK;
+    int n = 0;
     char spec[TDM_DEVICE_LIST_MAX * 4 + 8];
     tdm_device *devs[TDM_DP_MAX_DEVICES] = {0};
     tdm_model *m = NULL;
@@ -222,44 +226,47 @@ static int tdm_cmp_run_dp(const tdm_cmp_opts *o, const tdm_cmp_data *data, int n
     float *x = malloc((size_t)o->batch * feat * sizeof(float));
     int32_t *y = malloc((size_t)o->batch * tdm_cmp_targets(data) * sizeof(int32_t));
     tdm_cmp_dev_spec(o, n_dev, spec, sizeof spec);
-    if (!x || !y) goto done;
-    if (tdm_dp_devices_open(spec, devs, &n) != TDM_STATUS_OK ||
-        tdm_cmp_make(o, devs[0], &m, &opt) != TDM_STATUS_OK ||
-        tdm_dp_init(&dp, m, devs, n, NULL) != TDM_STATUS_OK) {
-        tdm_cmp_fail("DP");
-        goto done;
+    if (!x || !y) {
+        st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "a batch of %d", o->batch);
+        goto fail;
     }
-    if (!tdm_cmp_alloc(r, TDM_CMP_DP, n, o->steps, tdm_model_param_elems(m))) goto done;
+    if ((st = tdm_dp_devices_open(spec, devs, &n)) || (st = tdm_cmp_make(o, devs[0], &m, &opt)) ||
+        (st = tdm_dp_init(&dp, m, devs, n, NULL))) {
+        tdm_cmp_fail("DP", st);
+        goto fail;
+    }
+    TDM_TRY(tdm_cmp_alloc(r, TDM_CMP_DP, n, o->steps, tdm_model_param_elems(m)));
     uint64_t t_start = tdm_time_ns();
     for (int i = 0; i < o->steps; i++) {
         tdm_cmp_batch(data, i, o->batch, x, y);
         uint64_t t0 = tdm_time_ns();
-        if (tdm_dp_step(dp, opt, x, y, o->batch, &r->loss[i]) != TDM_STATUS_OK) {
-            tdm_cmp_fail("DP step");
-            goto done;
+        if ((st = tdm_dp_step(dp, opt, x, y, o->batch, &r->loss[i])) != TDM_STATUS_OK) {
+            tdm_cmp_fail("DP step", st);
+            goto fail;
         }
         r->step_ms[i] = (double)(tdm_time_ns() - t0) * 1e-6;
         r->step_t0_ms[i] = (double)(t0 - t_start) * 1e-6;
         const tdm_dp_timings *t = tdm_dp_last_timings(dp);
         for (int d = 0; d < n; d++) r->phase[(size_t)i * n + d] = t->device[d];
         r->wall[i] = t->wall;
-        if (i == 0 && tdm_cmp_params_out(m, r->params_first) != TDM_STATUS_OK) goto done;
+        if (i == 0) TDM_TRY(tdm_cmp_params_out(m, r->params_first));
     }
-    if (tdm_cmp_params_out(m, r->params_last) != TDM_STATUS_OK) goto done;
+    TDM_TRY(tdm_cmp_params_out(m, r->params_last));
     for (int d = 0; d < n; d++)
-        tdm_cmp_mem_model(&r->mem[d], tdm_dp_replica(dp, d), d == 0 ? tdm_optim_state_bytes(opt) : 0);
+        tdm_cmp_mem_model(&r->mem[d], tdm_dp_replica(dp, d),
+                          d == 0 ? tdm_optim_state_bytes(opt) : 0);
     /* the output device also holds the gathered logits and their gradient */
     r->mem[0].comm = 2.0 * o->batch * tdm_model_out_rows(m) * tdm_model_n_classes(m) *
                      sizeof(float);
-    r->ok = ok = 1;
-done:
+    r->ok = 1;
+fail:
     tdm_dp_free(dp);
     tdm_optim_free(opt);
     tdm_model_free(m);
     tdm_dp_devices_close(devs, n);
     free(x);
     free(y);
-    return ok;
+    return st;
 }
 
 /* ---- DistributedDataParallel ---- */
@@ -284,6 +291,36 @@ typedef struct tdm_cmp_ddp_arg {
     uint64_t t_start;
 } tdm_cmp_ddp_arg;
 
+/* Step i's figures of this rank into the shared record: loss, times,
+ * phases, and on rank 0 the bucket timeline (the plan changes after the
+ * first step, ddp.h: rebuilt in the order gradients became ready; -1: no
+ * such bucket). */
+static void tdm_cmp_ddp_record(tdm_cmp_shared *sh, tdm_ddp *ddp, int i, int rank, int world,
+                               double loss_sum, uint64_t t0, uint64_t tb, uint64_t t1,
+                               uint64_t t_start)
+{
+    size_t k = (size_t)i * world + rank;
+    TDM_CMP_AT(sh, off_loss, double)[k] = loss_sum;
+    TDM_CMP_AT(sh, off_step, double)[k] = (double)(t1 - t0) * 1e-6;
+    TDM_CMP_AT(sh, off_t0, double)[k] = (double)(t0 - t_start) * 1e-6;
+    tdm_ddp_times t;
+    tdm_ddp_get_times(ddp, &t);
+    TDM_CMP_AT(sh, off_phase, tdm_phase_times)[k] = t.last;
+    TDM_CMP_AT(sh, off_comm, double)[k] = t.comm_ms_last;
+    TDM_CMP_AT(sh, off_exposed, double)[k] = t.last.ms[TDM_PHASE_ALLREDUCE_WAIT];
+    TDM_CMP_AT(sh, off_bwd, double)[k] = (double)(tb - t_start) * 1e-6;
+    if (rank != 0) return;
+    int nb = t.n_buckets < TDM_CMP_MAX_BUCKETS ? t.n_buckets : TDM_CMP_MAX_BUCKETS;
+    if (nb > sh->n_buckets) sh->n_buckets = nb;
+    double *bucket = TDM_CMP_AT(sh, off_bucket, double);
+    for (int j = 0; j < TDM_CMP_MAX_BUCKETS; j++) {
+        double *e = bucket + ((size_t)i * TDM_CMP_MAX_BUCKETS + j) * 3;
+        e[0] = j < nb ? t.buckets[j].ready_ms : -1.0;
+        e[1] = j < nb ? t.buckets[j].start_ms : -1.0;
+        e[2] = j < nb ? t.buckets[j].end_ms : -1.0;
+    }
+}
+
 static int tdm_cmp_ddp_rank(tdm_comm *comm, void *argp)
 {
     tdm_cmp_ddp_arg *a = argp;
@@ -296,8 +333,9 @@ static int tdm_cmp_ddp_rank(tdm_comm *comm, void *argp)
     tdm_ddp *ddp = NULL;
     tdm_comm *nccl = NULL;   /* GPUs: the gradient communicator, bootstrapped over comm */
     int64_t feat = tdm_cmp_feat(a->data);
-    int lo = (int)((int64_t)rank * o->batch / world), hi = (int)((int64_t)(rank + 1) * o->batch / world);
-    int b = hi - lo;
+    int64_t lo, hi;
+    tdm_ddp_share(o->batch, rank, world, &lo, &hi);
+    int b = (int)(hi - lo);
     float *x = malloc((size_t)(b > 0 ? b : 1) * feat * sizeof(float));
     int32_t *y = malloc((size_t)(b > 0 ? b : 1) * tdm_cmp_targets(a->data) * sizeof(int32_t));
     float *mine = NULL;
@@ -313,17 +351,9 @@ static int tdm_cmp_ddp_rank(tdm_comm *comm, void *argp)
      * of the loss gradient is 1% too large, so every rank's all-reduced
      * gradient is off. */
     float scale = 1.0f / (float)o->batch * (rank == o->perturb_rank ? 1.01f : 1.0f);
-    double *loss = TDM_CMP_AT(sh, off_loss, double);
-    double *step = TDM_CMP_AT(sh, off_step, double);
-    double *t0s = TDM_CMP_AT(sh, off_t0, double);
-    tdm_phase_times *phase = TDM_CMP_AT(sh, off_phase, tdm_phase_times);
-    double *comm_ms = TDM_CMP_AT(sh, off_comm, double);
-    double *exposed = TDM_CMP_AT(sh, off_exposed, double);
-    double *bwd = TDM_CMP_AT(sh, off_bwd, double);
-    double *bucket = TDM_CMP_AT(sh, off_bucket, double);
     for (int i = 0; i < o->steps; i++) {
         /* this rank's share only (a gpt's rank draws its own windows) */
-        if (b > 0) tdm_cmp_rows(a->data, i, o->batch, lo, b, x, y);
+        if (b > 0) tdm_cmp_rows(a->data, i, o->batch, (int)lo, b, x, y);
         double loss_sum = 0.0;
         uint64_t t0 = tdm_time_ns();
         tdm_status st = tdm_ddp_zero_grad(ddp);
@@ -337,31 +367,10 @@ static int tdm_cmp_ddp_rank(tdm_comm *comm, void *argp)
             goto done;
         }
         uint64_t t1 = tdm_time_ns();
-        size_t k = (size_t)i * world + rank;
-        loss[k] = loss_sum;
-        step[k] = (double)(t1 - t0) * 1e-6;
-        t0s[k] = (double)(t0 - a->t_start) * 1e-6;
-        tdm_ddp_times t;
-        tdm_ddp_get_times(ddp, &t);
-        phase[k] = t.last;
-        comm_ms[k] = t.comm_ms_last;
-        exposed[k] = t.last.ms[TDM_PHASE_ALLREDUCE_WAIT];
-        bwd[k] = (double)(tb - a->t_start) * 1e-6;
-        if (rank == 0) {
-            /* the plan changes after the first step (ddp.h: rebuilt in
-             * the order gradients became ready); -1: no such bucket */
-            int nb = t.n_buckets < TDM_CMP_MAX_BUCKETS ? t.n_buckets : TDM_CMP_MAX_BUCKETS;
-            if (nb > sh->n_buckets) sh->n_buckets = nb;
-            for (int j = 0; j < TDM_CMP_MAX_BUCKETS; j++) {
-                double *e = bucket + ((size_t)i * TDM_CMP_MAX_BUCKETS + j) * 3;
-                e[0] = j < nb ? t.buckets[j].ready_ms : -1.0;
-                e[1] = j < nb ? t.buckets[j].start_ms : -1.0;
-                e[2] = j < nb ? t.buckets[j].end_ms : -1.0;
-            }
-            if (i == 0 &&
-                tdm_cmp_params_out(m, TDM_CMP_AT(sh, off_first, float)) != TDM_STATUS_OK)
-                goto done;
-        }
+        tdm_cmp_ddp_record(sh, ddp, i, rank, world, loss_sum, t0, tb, t1, a->t_start);
+        if (rank == 0 && i == 0 &&
+            tdm_cmp_params_out(m, TDM_CMP_AT(sh, off_first, float)) != TDM_STATUS_OK)
+            goto done;
     }
     /* rank 0 publishes its final parameters; the others check theirs
      * against them after a barrier */
@@ -423,8 +432,8 @@ int64_t tdm_cmp_param_elems(const tdm_cmp_opts *o)
 }
 
 /* Sums every rank's records onto rank 0's (each rank writes only its own
- * slots, rank 0 alone the rest); 0 on failure (said by the caller). */
-static int tdm_cmp_gather_ddp(tdm_comm *comm, tdm_cmp_shared *sh)
+ * slots, rank 0 alone the rest). */
+static tdm_status tdm_cmp_gather_ddp(tdm_comm *comm, tdm_cmp_shared *sh)
 {
     size_t doubles = (sh->off_bucket - sh->off_loss) / sizeof(double);
     double *per_rank = TDM_CMP_AT(sh, off_loss, double);
@@ -439,14 +448,15 @@ static int tdm_cmp_gather_ddp(tdm_comm *comm, tdm_cmp_shared *sh)
                              (size_t)TDM_CMP_MAX_DEV * (sizeof(tdm_cmp_memory) / sizeof(double)),
                              TDM_DTYPE_FLOAT64, TDM_REDOP_SUM, 0);
     for (int k = 0; k < TDM_CMP_MAX_DEV; k++) sh->agree[k] = agree[k];
-    return st == TDM_STATUS_OK;
+    return st;
 }
 
-static int tdm_cmp_run_ddp(const tdm_cmp_opts *o, const tdm_cmp_data *data, int world,
-                           tdm_cmp_result *r)
+static tdm_status tdm_cmp_run_ddp(const tdm_cmp_opts *o, const tdm_cmp_data *data, int world,
+                                  tdm_cmp_result *r)
 {
+    tdm_status st = TDM_STATUS_OK;
     int64_t pe = tdm_cmp_param_elems(o);
-    if (pe <= 0) return tdm_cmp_fail("DDP");
+    if (pe <= 0) return tdm_cmp_fail("DDP", TDM_STATUS_INVALID_ARG);
     size_t S = (size_t)o->steps, W = (size_t)world;
     tdm_cmp_shared lay = {.world = world, .steps = o->steps, .param_elems = pe};
     size_t off = (sizeof lay + 63) & ~(size_t)63;
@@ -466,31 +476,31 @@ static int tdm_cmp_run_ddp(const tdm_cmp_opts *o, const tdm_cmp_data *data, int 
                               -1, 0);
     if (sh == MAP_FAILED) {
         perror("tandem compare: mmap");
-        return 0;
+        return TDM_STATUS_OUT_OF_MEMORY;
     }
     *sh = lay;
     tdm_cmp_ddp_arg arg = {.o = o, .data = data, .sh = sh, .t_start = tdm_time_ns()};
     tdm_ddp_spawn_opts so = {.timeout_ms = 3600000,
                              .arena_bytes = tdm_tool_ddp_arena_bytes(&o->dl, pe)};
-    int ok = 0;
     fflush(stdout);
     if (o->ddp_comm) {
         /* an MPI job: this process is one rank; rank 0 gathers the others'
          * records (their slots are zero elsewhere, so a sum is a gather) */
-        if (tdm_cmp_ddp_rank(o->ddp_comm, &arg) != 0 ||
-            !tdm_cmp_gather_ddp(o->ddp_comm, sh)) {
-            tdm_cmp_fail("DDP");
-            goto done;
+        if (tdm_cmp_ddp_rank(o->ddp_comm, &arg) != 0) st = TDM_STATUS_INTERNAL;
+        if (st == TDM_STATUS_OK) st = tdm_cmp_gather_ddp(o->ddp_comm, sh);
+        if (st != TDM_STATUS_OK) {
+            tdm_cmp_fail("DDP", st);
+            goto fail;
         }
         if (tdm_comm_rank(o->ddp_comm) != 0) {
-            r->ok = ok = 1;   /* rank 0 reports */
-            goto done;
+            r->ok = 1;   /* rank 0 reports */
+            goto fail;   /* st is OK: the cleanup only */
         }
-    } else if (tdm_ddp_spawn(world, tdm_cmp_ddp_rank, &arg, &so, NULL) != TDM_STATUS_OK) {
-        tdm_cmp_fail("DDP");
-        goto done;
+    } else if ((st = tdm_ddp_spawn(world, tdm_cmp_ddp_rank, &arg, &so, NULL)) != TDM_STATUS_OK) {
+        tdm_cmp_fail("DDP", st);
+        goto fail;
     }
-    if (!tdm_cmp_alloc(r, TDM_CMP_DDP, world, o->steps, pe)) goto done;
+    TDM_TRY(tdm_cmp_alloc(r, TDM_CMP_DDP, world, o->steps, pe));
     const double *loss = TDM_CMP_AT(sh, off_loss, double);
     const double *step = TDM_CMP_AT(sh, off_step, double);
     const double *t0s = TDM_CMP_AT(sh, off_t0, double);
@@ -510,7 +520,10 @@ static int tdm_cmp_run_ddp(const tdm_cmp_opts *o, const tdm_cmp_data *data, int 
     r->n_buckets = sh->n_buckets;
     r->overlap_bytes_frac = sh->overlap_bytes_frac;
     r->bucket = calloc(S * (size_t)(r->n_buckets > 0 ? r->n_buckets : 1) * 3, sizeof(double));
-    if (!r->bucket) goto done;
+    if (!r->bucket) {
+        st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "bucket timeline");
+        goto fail;
+    }
     for (size_t i = 0; i < S; i++)
         memcpy(r->bucket + i * (size_t)r->n_buckets * 3,
                TDM_CMP_AT(sh, off_bucket, double) + i * TDM_CMP_MAX_BUCKETS * 3,
@@ -521,21 +534,21 @@ static int tdm_cmp_run_ddp(const tdm_cmp_opts *o, const tdm_cmp_data *data, int 
         r->ranks_agree &= sh->agree[k];
         r->mem[k] = sh->mem[k];
     }
-    r->ok = ok = 1;
-done:
+    r->ok = 1;
+fail:
     munmap(sh, lay.total);
-    return ok;
+    return st;
 }
 
-static int tdm_cmp_run_here(const tdm_cmp_opts *o, const tdm_cmp_data *data, tdm_cmp_mode mode,
-                            int n_dev, tdm_cmp_result *r)
+static tdm_status tdm_cmp_run_here(const tdm_cmp_opts *o, const tdm_cmp_data *data,
+                                   tdm_cmp_mode mode, int n_dev, tdm_cmp_result *r)
 {
     memset(r, 0, sizeof *r);
     switch (mode) {
     case TDM_CMP_SINGLE: return tdm_cmp_run_single(o, data, r);
     case TDM_CMP_DP: return tdm_cmp_run_dp(o, data, n_dev, r);
     case TDM_CMP_DDP: return tdm_cmp_run_ddp(o, data, n_dev, r);
-    default: return 0;
+    default: return tdm_error_set(TDM_STATUS_INTERNAL, "compare: mode %d", (int)mode);
     }
 }
 
@@ -602,7 +615,7 @@ static int tdm_cmp_iso_child(tdm_comm *comm, void *argp)
     (void)comm;
     tdm_cmp_iso *a = argp;
     tdm_cmp_result r;
-    if (!tdm_cmp_run_here(a->o, a->data, a->mode, a->n_dev, &r)) return 1;
+    if (tdm_cmp_run_here(a->o, a->data, a->mode, a->n_dev, &r) != TDM_STATUS_OK) return 1;
     if (r.n_dev != a->n_dev || (size_t)r.steps != a->steps ||
         (size_t)r.param_elems != a->param_elems || r.n_buckets != 0) {
         fprintf(stderr, "tandem compare: %s result of an unexpected shape\n",
@@ -616,11 +629,12 @@ static int tdm_cmp_iso_child(tdm_comm *comm, void *argp)
     return 0;
 }
 
-static int tdm_cmp_run_isolated(const tdm_cmp_opts *o, const tdm_cmp_data *data,
-                                tdm_cmp_mode mode, int n_dev, tdm_cmp_result *r)
+static tdm_status tdm_cmp_run_isolated(const tdm_cmp_opts *o, const tdm_cmp_data *data,
+                                       tdm_cmp_mode mode, int n_dev, tdm_cmp_result *r)
 {
+    tdm_status st = TDM_STATUS_OK;
     int64_t pe = tdm_cmp_param_elems(o);
-    if (pe <= 0) return tdm_cmp_fail(tdm_cmp_mode_name(mode));
+    if (pe <= 0) return tdm_cmp_fail(tdm_cmp_mode_name(mode), TDM_STATUS_INVALID_ARG);
     if (mode == TDM_CMP_SINGLE) n_dev = 1;
     tdm_cmp_iso a = {.o = o, .data = data, .mode = mode, .n_dev = n_dev,
                      .steps = (size_t)o->steps, .param_elems = (size_t)pe};
@@ -628,30 +642,30 @@ static int tdm_cmp_run_isolated(const tdm_cmp_opts *o, const tdm_cmp_data *data,
     a.sh = mmap(NULL, total, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
     if (a.sh == MAP_FAILED) {
         perror("tandem compare: mmap");
-        return 0;
+        return TDM_STATUS_OUT_OF_MEMORY;
     }
-    int ok = 0;
     tdm_ddp_spawn_opts so = {.timeout_ms = 3600000};
     fflush(stdout);
-    if (tdm_ddp_spawn(1, tdm_cmp_iso_child, &a, &so, NULL) != TDM_STATUS_OK) {
-        tdm_cmp_fail(tdm_cmp_mode_name(mode));
-        goto done;
+    if ((st = tdm_ddp_spawn(1, tdm_cmp_iso_child, &a, &so, NULL)) != TDM_STATUS_OK) {
+        tdm_cmp_fail(tdm_cmp_mode_name(mode), st);
+        goto fail;
     }
     tdm_cmp_result hdr;
     memcpy(&hdr, a.sh, sizeof hdr);
-    if (!tdm_cmp_alloc(r, mode, n_dev, o->steps, pe)) goto done;
+    TDM_TRY(tdm_cmp_alloc(r, mode, n_dev, o->steps, pe));
     tdm_cmp_iso_copy(r, a.sh, a.steps, n_dev, a.param_elems, 1);
     memcpy(r->mem, hdr.mem, sizeof r->mem);
     r->ranks_agree = hdr.ranks_agree;
     r->overlap_bytes_frac = hdr.overlap_bytes_frac;
-    r->ok = ok = hdr.ok;
-done:
+    r->ok = hdr.ok;
+    if (!hdr.ok) st = tdm_error_set(TDM_STATUS_INTERNAL, "%s: no result", tdm_cmp_mode_name(mode));
+fail:
     munmap(a.sh, total);
-    return ok;
+    return st;
 }
 
-int tdm_cmp_run(const tdm_cmp_opts *o, const tdm_cmp_data *data, tdm_cmp_mode mode, int n_dev,
-                tdm_cmp_result *r)
+tdm_status tdm_cmp_run(const tdm_cmp_opts *o, const tdm_cmp_data *data, tdm_cmp_mode mode,
+                       int n_dev, tdm_cmp_result *r)
 {
     memset(r, 0, sizeof *r);
     if (o->dl.kind == TDM_DEVICE_CUDA && mode != TDM_CMP_DDP)

@@ -8,23 +8,11 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "cuda/cuda.h"
-#include "ddp/pg.h"
-#include "ddp/spawn.h"
-#include "shm/shm_comm.h"
-
-/* cuda/cuda.h declares plain C types only; its functions are weak here:
- * NULL in builds without the CUDA backend. */
-__attribute__((weak)) tdm_status tdm_comm_init_nccl_opts(tdm_comm **out, tdm_comm *bootstrap,
-                                                         int device_index,
-                                                         const tdm_nccl_opts *opts);
-__attribute__((weak)) int tdm_cuda_emulator_env(void);
-__attribute__((weak)) int tdm_cuda_device_is_emulator(const tdm_device *d);
-__attribute__((weak)) int tdm_cuda_device_tf32(const tdm_device *d);
+#include "cuda/cuda_weak.h"
 
 int tdm_tool_cuda_emulated(void)
 {
-    return tdm_cuda_emulator_env && tdm_device_cuda ? tdm_cuda_emulator_env() : 0;
+    return tdm_cuda_emulator_env && tdm_device_cuda_linked() ? tdm_cuda_emulator_env() : 0;
 }
 
 void tdm_tool_print_emulated(FILE *f, const char *spec)
@@ -38,7 +26,7 @@ void tdm_tool_print_emulated(FILE *f, const char *spec)
 
 int tdm_tool_device_is_gpu(const tdm_device *d)
 {
-    return d && d->kind == TDM_DEVICE_CUDA &&
+    return d && tdm_dev_kind(d) == TDM_DEVICE_CUDA &&
            !(tdm_cuda_device_is_emulator && tdm_cuda_device_is_emulator(d));
 }
 
@@ -102,45 +90,4 @@ tdm_status tdm_tool_parse_one_device(tdm_device_list *dl, const char *spec)
         dl->index[0] = 0;
     }
     return TDM_STATUS_OK;
-}
-
-static const char *tdm_tool_shm_aborted(void *ctx) { return tdm_shm_comm_abort_reason(ctx); }
-
-tdm_status tdm_tool_rank_nccl(tdm_comm *shm, tdm_device *dev, tdm_comm **nccl)
-{
-    *nccl = NULL;
-    if (!tdm_tool_device_is_gpu(dev)) return TDM_STATUS_OK;
-    if (!tdm_comm_init_nccl_opts)
-        return tdm_error_set(TDM_STATUS_NO_DEVICE, "no CUDA device: this build of tandem has "
-                             "no CUDA backend; use --device cpu:N");
-    /* Collective over shm; a rank that failed before it aborts shm, so
-     * the others' bootstrap fails at once. */
-    tdm_nccl_opts no = {.abort_check = tdm_tool_shm_aborted, .abort_ctx = shm};
-    /* the process group's timeout (TANDEM_TIMEOUT, which tandem launch and
-     * train --timeout set) bounds NCCL's waits too, unless the NCCL-only
-     * TANDEM_NCCL_TIMEOUT_MS says otherwise */
-    if (!getenv("TANDEM_NCCL_TIMEOUT_MS")) TDM_CHECK(tdm_ddp_timeout_from_env(&no.timeout_ms));
-    return tdm_comm_init_nccl_opts(nccl, shm, dev->index, &no);
-}
-
-tdm_status tdm_tool_rank_device(const tdm_device_list *dl, int rank, tdm_device **dev)
-{
-    return tdm_device_open(dev, dl->kind == TDM_DEVICE_CUDA ? "cuda" : "cpu",
-                           dl->index[dl->count == 1 ? 0 : rank], 1);
-}
-
-tdm_status tdm_tool_rank_ddp(tdm_comm *shm, tdm_device *dev, tdm_model *m,
-                             const tdm_ddp_opts *opts, tdm_comm **nccl, tdm_ddp **ddp)
-{
-    *ddp = NULL;
-    TDM_CHECK(tdm_tool_rank_nccl(shm, dev, nccl));
-    tdm_ddp_opts o = opts ? *opts : (tdm_ddp_opts){0};
-    o.host_comm = *nccl ? shm : NULL;
-    return tdm_ddp_init(ddp, m, *nccl ? *nccl : shm, &o);
-}
-
-size_t tdm_tool_ddp_arena_bytes(const tdm_device_list *dl, int64_t param_elems)
-{
-    if (dl->kind == TDM_DEVICE_CUDA && !tdm_tool_cuda_emulated()) return 0;
-    return tdm_ddp_arena_bytes(param_elems);
 }

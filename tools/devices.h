@@ -1,8 +1,9 @@
 /* tools/devices.h: device handling the subcommands share: parsing
  * --device without initialising CUDA in a process that will fork ranks,
- * the NCCL communicator of a DDP rank on a GPU, and the CUDA emulator
- * (TANDEM_CUDA_EMULATOR, see cuda/cuda.h). cuda/ is reached through weak
- * symbols, so builds without the CUDA backend link and refuse CUDA. */
+ * and the CUDA emulator (TANDEM_CUDA_EMULATOR, see cuda/cuda.h). cuda/ is
+ * reached through weak symbols, so builds without the CUDA backend link
+ * and refuse CUDA. A DDP rank's device and communicators:
+ * tools/ddp_rank.h. */
 #ifndef TDM_TOOLS_DEVICES_H
 #define TDM_TOOLS_DEVICES_H
 
@@ -10,9 +11,7 @@
 #include <stdio.h>
 #include <stdint.h>
 
-#include "core/comm.h"
 #include "core/device.h"
-#include "ddp/ddp.h"
 
 /* tdm_device_list_parse, but when forks is set and spec names CUDA, in a
  * short-lived child: counting GPUs initialises CUDA, and a process that
@@ -38,25 +37,5 @@ int tdm_tool_device_is_gpu(const tdm_device *d);
 
 /* 1 when d is a GPU computing gemm in TF32 (TANDEM_CUDA_TF32=1). */
 int tdm_tool_device_tf32(const tdm_device *d);
-
-/* A DDP rank's gradient communicator: on a GPU, an NCCL communicator
- * bootstrapped over shm (collective: every rank calls this) whose watchdog
- * also stops when the shm group aborts; *nccl = NULL on host and emulated
- * devices (they reduce over shm). */
-tdm_status tdm_tool_rank_nccl(tdm_comm *shm, tdm_device *dev, tdm_comm **nccl);
-
-/* DDP rank `rank`'s device from dl: dl.index[rank] (or the one listed
- * device for every rank), one BLAS thread. */
-tdm_status tdm_tool_rank_device(const tdm_device_list *dl, int rank, tdm_device **dev);
-
-/* A DDP rank's Reducer over m: tdm_tool_rank_nccl, then tdm_ddp_init with
- * the gradients on NCCL (and host collectives on shm) on a GPU, on shm
- * otherwise. Collective. The caller frees *ddp, then *nccl, then shm. */
-tdm_status tdm_tool_rank_ddp(tdm_comm *shm, tdm_device *dev, tdm_model *m,
-                             const tdm_ddp_opts *opts, tdm_comm **nccl, tdm_ddp **ddp);
-
-/* The shm arena a DDP job over dl needs for zero-copy gradients of
- * param_elems floats: none on GPUs (their buckets live in NCCL memory). */
-size_t tdm_tool_ddp_arena_bytes(const tdm_device_list *dl, int64_t param_elems);
 
 #endif

@@ -8,8 +8,7 @@
 #include "tools/devices.h"
 #include "tools/tools.h"
 
-/* cuda/cuda.h, linked only when the CUDA backend is built. */
-__attribute__((weak)) tdm_status tdm_cuda_describe(char *buf, size_t len);
+#include "cuda/cuda_weak.h"   /* tdm_cuda_describe: NULL without the backend */
 /* mpi/mpi_comm.h, linked only when MPI's development files were found. */
 __attribute__((weak)) void tdm_mpi_library_version(char *buf, size_t len);
 
@@ -27,17 +26,16 @@ int tdm_tool_info_main(int argc, char **argv)
         if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
             printf("usage: tandem info\n\nPrints the build configuration (backends, BLAS, "
                    "compiler, library versions)\nand the devices this machine offers.\n");
-            return 0;
+            return tdm_tool_exit(TDM_STATUS_OK);
         }
-        fprintf(stderr, "tandem info: unknown option '%s'\n", argv[i]);
-        return 2;
+        return tdm_tool_exit(tdm_tool_usage_error("tandem info: unknown option '%s'\n", argv[i]));
     }
     printf("tandem %s\n", TDM_VERSION);
     printf("build:\n");
     printf("  compiler       gcc %s\n", __VERSION__);
     printf("  host backend   yes (OpenBLAS: %s)\n", tdm_device_host_blas_info());
     printf("  zlib           %s\n", zlibVersion());
-    printf("  CUDA backend   %s\n", tdm_device_cuda ? "yes" : "no (cuda/ not linked into this binary)");
+    printf("  CUDA backend   %s\n", tdm_device_cuda_linked() ? "yes" : "no (cuda/ not linked into this binary)");
     if (TDM_NVCC[0]) printf("  nvcc           %s\n", TDM_NVCC);
     else printf("  nvcc           not found at build time\n");
     if (tdm_mpi_library_version) {
@@ -53,9 +51,9 @@ int tdm_tool_info_main(int argc, char **argv)
     printf("devices:\n");
     printf("  cpu            %d cores usable (host devices cpu:0..N-1 are logical: one "
            "thread each)\n", tdm_device_host_cores());
-    if (tdm_device_cuda) {
+    if (tdm_device_cuda_linked()) {
         int n = 0;
-        tdm_status st = tdm_device_cuda->count(&n);
+        tdm_status st = tdm_device_cuda_count(&n);
         if (st == TDM_STATUS_OK && tdm_tool_cuda_emulated()) {
             printf("  cuda           %d emulated device%s (cuda-emu:0..%d), no GPU used\n", n,
                    n == 1 ? "" : "s", n - 1);
@@ -73,5 +71,5 @@ int tdm_tool_info_main(int argc, char **argv)
                    "tdm_cuda_describe");
         }
     }
-    return 0;
+    return tdm_tool_exit(TDM_STATUS_OK);
 }

@@ -121,186 +121,209 @@ static void tdm_launch_sleep_ms(int ms)
     while (nanosleep(&ts, &ts) == -1 && errno == EINTR) {}
 }
 
-int tdm_tool_launch_main(int argc, char **argv)
+typedef struct tdm_launch_opts {
+    long long world, arena_mb, grace_ms;
+    const char *log_dir, *timeout;
+    int prog;   /* argv index of PROGRAM */
+    int help;
+} tdm_launch_opts;
+
+static tdm_status tdm_launch_parse(int argc, char **argv, tdm_launch_opts *o)
 {
-    long long world = 0, arena_mb = 32, grace_ms = 3000;
-    const char *log_dir = NULL, *timeout = NULL;
-    int prog = -1;
+    *o = (tdm_launch_opts){.arena_mb = 32, .grace_ms = 3000, .prog = -1};
     for (int i = 1; i < argc; i++) {
         const char *v;
-        if (!strcmp(argv[i], "--")) { prog = i + 1; break; }
+        long long iv;
+        if (!strcmp(argv[i], "--")) { o->prog = i + 1; break; }
         if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
-            tdm_launch_usage(stdout);
-            return 0;
+            o->help = 1;
+            return TDM_STATUS_OK;
         }
-        if ((v = tdm_args_value(argc, argv, &i, "-n")) ||
-            (v = tdm_args_value(argc, argv, &i, "--nproc"))) {
-            if (!tdm_args_int("-n", v, 1, TDM_SHM_MAX_RANKS, &world)) return 2;
+        TDM_CHECK(tdm_args_value2(argc, argv, &i, "-n", "--nproc", &v));
+        if (v) {
+            TDM_CHECK(tdm_args_int("-n", v, 1, TDM_SHM_MAX_RANKS, &o->world));
             continue;
         }
-        if ((v = tdm_args_value(argc, argv, &i, "--log-dir"))) { log_dir = v; continue; }
-        if ((v = tdm_args_value(argc, argv, &i, "--arena-mb"))) {
-            if (!tdm_args_int("--arena-mb", v, 0, 1 << 16, &arena_mb)) return 2;
-            continue;
-        }
-        if ((v = tdm_args_value(argc, argv, &i, "--grace-ms"))) {
-            if (!tdm_args_int("--grace-ms", v, 0, 600000, &grace_ms)) return 2;
-            continue;
-        }
-        if ((v = tdm_args_value(argc, argv, &i, "--timeout"))) { timeout = v; continue; }
-        if (argv[i][0] != '-') { prog = i; break; }
-        fprintf(stderr, "tandem launch: unknown option '%s' (see tandem launch --help)\n", argv[i]);
-        return 2;
+        TDM_ARGS_STR("--log-dir", o->log_dir);
+        TDM_ARGS_INT("--arena-mb", 0, 1 << 16, o->arena_mb);
+        TDM_ARGS_INT("--grace-ms", 0, 600000, o->grace_ms);
+        TDM_ARGS_STR("--timeout", o->timeout);
+        if (argv[i][0] != '-') { o->prog = i; break; }
+        return tdm_tool_usage_error(
+            "tandem launch: unknown option '%s' (see tandem launch --help)\n", argv[i]);
     }
-    if (world < 1 || prog < 0 || prog >= argc) {
-        fprintf(stderr, "tandem launch: need -n N and a program after '--' (see --help)\n");
-        return 2;
-    }
-    /* the ranks read the timeout from TANDEM_TIMEOUT (tdm_ddp_pg_init):
-     * a bad value is refused here, once, rather than by every rank */
-    int64_t timeout_ms = 0;
-    if (timeout ? tdm_ddp_timeout_parse("--timeout", timeout, &timeout_ms)
-                : tdm_ddp_timeout_from_env(&timeout_ms)) {
-        fprintf(stderr, "tandem launch: %s\n", tdm_error_message());
-        return 2;
-    }
-    if (timeout) setenv(TDM_DDP_ENV_TIMEOUT, timeout, 1);
-    int W = (int)world, rc = 1;
-    tdm_shm_group *g = NULL;
-    tdm_shm_opts so = {.arena_bytes = (size_t)arena_mb << 20};
-    pid_t pid[TDM_SHM_MAX_RANKS] = {0};
-    int wst[TDM_SHM_MAX_RANKS] = {0};
-    tdm_shm_watch watch;      /* names the root cause: the rule of shm/spawn.h */
-    tdm_launch_out *outs = calloc((size_t)W * 2, sizeof *outs);
-    int n_outs = 0;
-    if (!outs) {
-        fprintf(stderr, "tandem launch: out of memory\n");
-        return 1;
-    }
-    /* Every log is opened before any rank starts: in a directory no one
-     * else can write (core/safefile.h), relative to its descriptor, and
-     * only as a regular file of ours (no symlink followed). */
+    if (o->world < 1 || o->prog < 0 || o->prog >= argc)
+        return tdm_tool_usage_error(
+            "tandem launch: need -n N and a program after '--' (see --help)\n");
+    return TDM_STATUS_OK;
+}
+
+/* One launch, from the options to the ranks' ends. */
+typedef struct tdm_launch_job {
+    tdm_launch_opts o;
+    char **argv;
+    int W;
+    tdm_shm_group *g;
+    tdm_shm_watch watch;         /* names the root cause: the rule of shm/spawn.h */
+    pid_t pid[TDM_SHM_MAX_RANKS];   /* > 0 running, < 0 ended (-pid), 0 never started */
+    int wst[TDM_SHM_MAX_RANKS];
     int logfd[TDM_SHM_MAX_RANKS];
-    for (int r = 0; r < W; r++) logfd[r] = -1;
+    tdm_launch_out *outs;
+    int n_outs, running, fwd_sig;
+    struct sigaction old_int, old_term, old_hup;
+} tdm_launch_job;
+
+/* --timeout, else TANDEM_TIMEOUT: the ranks read it from TANDEM_TIMEOUT
+ * (tdm_ddp_pg_init), so a bad value is refused here, once, rather than by
+ * every rank. */
+static tdm_status tdm_launch_check_timeout(const tdm_launch_opts *o)
+{
+    int64_t timeout_ms = 0;
+    if (o->timeout ? tdm_ddp_timeout_parse("--timeout", o->timeout, &timeout_ms)
+                   : tdm_ddp_timeout_from_env(&timeout_ms))
+        return tdm_tool_usage_error("tandem launch: %s\n", tdm_error_message());
+    if (o->timeout) setenv(TDM_DDP_ENV_TIMEOUT, o->timeout, 1);
+    return TDM_STATUS_OK;
+}
+
+/* Every log is opened before any rank starts: in a directory no one else
+ * can write (core/safefile.h), relative to its descriptor, and only as a
+ * regular file of ours (no symlink followed). */
+static tdm_status tdm_launch_open_logs(tdm_launch_job *j)
+{
+    const char *log_dir = j->o.log_dir;
+    int dirfd = -1;
+    tdm_status lst = tdm_dir_open_safe(log_dir, "--log-dir", 1, &dirfd);
+    for (int r = 0; lst == TDM_STATUS_OK && r < j->W; r++) {
+        char name[32];
+        snprintf(name, sizeof name, "rank_%d.log", r);
+        if ((lst = tdm_file_open_write(dirfd, name, 0, &j->logfd[r])))
+            tdm_error_prefix(lst, "--log-dir %s", log_dir);
+    }
+    /* emptied only once all are good: a refusal keeps the last logs */
+    for (int r = 0; lst == TDM_STATUS_OK && r < j->W; r++)
+        if (ftruncate(j->logfd[r], 0) != 0)
+            lst = tdm_error_set(TDM_STATUS_IO, "--log-dir %s: rank_%d.log: %s", log_dir, r,
+                                strerror(errno));
+    if (dirfd >= 0) close(dirfd);
+    if (lst != TDM_STATUS_OK)
+        return tdm_tool_usage_error("tandem launch: %s\n", tdm_error_message());
+    return TDM_STATUS_OK;
+}
+
+/* Forks and execs rank r, its output to its log or to two pipes; 0 when
+ * it could not be started (said on stderr). */
+static int tdm_launch_start_rank(tdm_launch_job *j, int r, pid_t self)
+{
+    const char *log_dir = j->o.log_dir;
+    char **argv = j->argv;
+    int prog = j->o.prog;
+    int fds[2][2] = {{-1, -1}, {-1, -1}};
     if (log_dir) {
-        int dirfd = -1;
-        tdm_status lst = tdm_dir_open_safe(log_dir, "--log-dir", 1, &dirfd);
-        for (int r = 0; lst == TDM_STATUS_OK && r < W; r++) {
-            char name[32];
-            snprintf(name, sizeof name, "rank_%d.log", r);
-            if ((lst = tdm_file_open_write(dirfd, name, 0, &logfd[r])))
-                tdm_error_prefix(lst, "--log-dir %s", log_dir);
-        }
-        /* emptied only once all are good: a refusal keeps the last logs */
-        for (int r = 0; lst == TDM_STATUS_OK && r < W; r++)
-            if (ftruncate(logfd[r], 0) != 0)
-                lst = tdm_error_set(TDM_STATUS_IO, "--log-dir %s: rank_%d.log: %s", log_dir, r,
-                                    strerror(errno));
-        if (dirfd >= 0) close(dirfd);
-        if (lst != TDM_STATUS_OK) {
-            fprintf(stderr, "tandem launch: %s\n", tdm_error_message());
-            for (int r = 0; r < W; r++) if (logfd[r] >= 0) close(logfd[r]);
-            free(outs);
-            return 2;
-        }
+        /* opened above */
+    } else if (pipe2(fds[0], O_CLOEXEC)) {
+        fprintf(stderr, "tandem launch: pipe: %s\n", strerror(errno));
+        return 0;
+    } else if (pipe2(fds[1], O_CLOEXEC)) {
+        fprintf(stderr, "tandem launch: pipe: %s\n", strerror(errno));
+        close(fds[0][0]);
+        close(fds[0][1]);
+        return 0;
     }
-    if (tdm_shm_group_create(&g, W, &so) || tdm_shm_group_export_env(g)) {
-        fprintf(stderr, "tandem launch: shared memory: %s\n", tdm_error_message());
-        goto done;
+    pid_t p = fork();
+    if (p == 0) {
+        struct sigaction dfl = {.sa_handler = SIG_DFL};
+        sigaction(SIGINT, &dfl, NULL);
+        sigaction(SIGTERM, &dfl, NULL);
+        sigaction(SIGHUP, &dfl, NULL);
+        prctl(PR_SET_PDEATHSIG, SIGKILL);   /* never outlive the launcher */
+        if (getppid() != self) _exit(125);
+        tdm_ddp_env_export(r, j->W);
+        if (log_dir) {
+            dup2(j->logfd[r], STDOUT_FILENO);
+            dup2(j->logfd[r], STDERR_FILENO);
+        } else {
+            dup2(fds[0][1], STDOUT_FILENO);
+            dup2(fds[1][1], STDERR_FILENO);
+        }
+        execvp(argv[prog], argv + prog);
+        fprintf(stderr, "tandem launch: rank %d: cannot run %s: %s\n", r, argv[prog],
+                strerror(errno));
+        _exit(127);
     }
-    tdm_shm_watch_init(&watch, g, W);
+    if (j->logfd[r] >= 0) close(j->logfd[r]);
+    j->logfd[r] = -1;
+    if (!log_dir) {
+        close(fds[0][1]);
+        close(fds[1][1]);
+    }
+    if (p < 0) {
+        fprintf(stderr, "tandem launch: fork of rank %d: %s\n", r, strerror(errno));
+        if (!log_dir) { close(fds[0][0]); close(fds[1][0]); }
+        return 0;
+    }
+    j->pid[r] = p;
+    j->running++;
+    tdm_shm_watch_started(&j->watch, r, p);
+    if (!log_dir) {
+        j->outs[j->n_outs++] = (tdm_launch_out){.fd = fds[0][0], .rank = r, .dest = STDOUT_FILENO};
+        j->outs[j->n_outs++] = (tdm_launch_out){.fd = fds[1][0], .rank = r, .dest = STDERR_FILENO};
+    }
+    return 1;
+}
+
+/* Catches SIGINT, SIGTERM, SIGHUP (to forward them) and starts the ranks
+ * in order, stopping at the first that cannot be started. */
+static void tdm_launch_start(tdm_launch_job *j)
+{
     struct sigaction sa = {.sa_handler = tdm_launch_on_signal};
     sigemptyset(&sa.sa_mask);
-    struct sigaction old_int, old_term, old_hup;
-    sigaction(SIGINT, &sa, &old_int);
-    sigaction(SIGTERM, &sa, &old_term);
-    sigaction(SIGHUP, &sa, &old_hup);
+    sigaction(SIGINT, &sa, &j->old_int);
+    sigaction(SIGTERM, &sa, &j->old_term);
+    sigaction(SIGHUP, &sa, &j->old_hup);
     fflush(stdout);
     fflush(stderr);
     pid_t self = getpid();
-    int running = 0;
-    for (int r = 0; r < W; r++) {
-        int fds[2][2] = {{-1, -1}, {-1, -1}};
-        if (log_dir) {
-            /* opened above */
-        } else if (pipe2(fds[0], O_CLOEXEC)) {
-            fprintf(stderr, "tandem launch: pipe: %s\n", strerror(errno));
-            break;
-        } else if (pipe2(fds[1], O_CLOEXEC)) {
-            fprintf(stderr, "tandem launch: pipe: %s\n", strerror(errno));
-            close(fds[0][0]);
-            close(fds[0][1]);
-            break;
-        }
-        pid_t p = fork();
-        if (p == 0) {
-            struct sigaction dfl = {.sa_handler = SIG_DFL};
-            sigaction(SIGINT, &dfl, NULL);
-            sigaction(SIGTERM, &dfl, NULL);
-            sigaction(SIGHUP, &dfl, NULL);
-            prctl(PR_SET_PDEATHSIG, SIGKILL);   /* never outlive the launcher */
-            if (getppid() != self) _exit(125);
-            tdm_ddp_env_export(r, W);
-            if (log_dir) {
-                dup2(logfd[r], STDOUT_FILENO);
-                dup2(logfd[r], STDERR_FILENO);
-            } else {
-                dup2(fds[0][1], STDOUT_FILENO);
-                dup2(fds[1][1], STDERR_FILENO);
-            }
-            execvp(argv[prog], argv + prog);
-            fprintf(stderr, "tandem launch: rank %d: cannot run %s: %s\n", r, argv[prog],
-                    strerror(errno));
-            _exit(127);
-        }
-        if (logfd[r] >= 0) close(logfd[r]);
-        logfd[r] = -1;
-        if (!log_dir) {
-            close(fds[0][1]);
-            close(fds[1][1]);
-        }
-        if (p < 0) {
-            fprintf(stderr, "tandem launch: fork of rank %d: %s\n", r, strerror(errno));
-            if (!log_dir) { close(fds[0][0]); close(fds[1][0]); }
-            break;
-        }
-        pid[r] = p;
-        running++;
-        tdm_shm_watch_started(&watch, r, p);
-        if (!log_dir) {
-            outs[n_outs++] = (tdm_launch_out){.fd = fds[0][0], .rank = r, .dest = STDOUT_FILENO};
-            outs[n_outs++] = (tdm_launch_out){.fd = fds[1][0], .rank = r, .dest = STDERR_FILENO};
-        }
-    }
-    int stopping = running < W, signalled = 0, fwd_sig = 0;
+    for (int r = 0; r < j->W; r++)
+        if (!tdm_launch_start_rank(j, r, self)) break;
+}
+
+/* Until every rank has ended and its output is drained: pumps the ranks'
+ * output, forwards a signal, reaps ranks, and after the first failure
+ * (or a signal) stops the rest: the group abort first, SIGTERM a moment
+ * later, SIGKILL after the grace period. */
+static void tdm_launch_supervise(tdm_launch_job *j)
+{
+    int W = j->W, stopping = j->running < W, signalled = 0;
+    long long grace_ms = j->o.grace_ms;
     uint64_t kill_at = stopping ? tdm_time_ns() + (uint64_t)grace_ms * 1000000ull : UINT64_MAX;
     if (stopping) {
-        tdm_shm_watch_stopping(&watch, TDM_STATUS_SYSTEM, "not every rank could be started");
-        for (int r = 0; r < W; r++) if (pid[r] > 0) kill(pid[r], SIGTERM);
+        tdm_shm_watch_stopping(&j->watch, TDM_STATUS_SYSTEM, "not every rank could be started");
+        for (int r = 0; r < W; r++) if (j->pid[r] > 0) kill(j->pid[r], SIGTERM);
     }
     uint64_t drain_until = UINT64_MAX, term_at = UINT64_MAX;
     for (;;) {
         struct pollfd pf[2 * TDM_SHM_MAX_RANKS];
         int np = 0, idx[2 * TDM_SHM_MAX_RANKS];
-        for (int i = 0; i < n_outs; i++)
-            if (outs[i].fd >= 0) {
-                pf[np] = (struct pollfd){.fd = outs[i].fd, .events = POLLIN};
+        for (int i = 0; i < j->n_outs; i++)
+            if (j->outs[i].fd >= 0) {
+                pf[np] = (struct pollfd){.fd = j->outs[i].fd, .events = POLLIN};
                 idx[np++] = i;
             }
-        if (running == 0 && (np == 0 || tdm_time_ns() > drain_until)) break;
+        if (j->running == 0 && (np == 0 || tdm_time_ns() > drain_until)) break;
         if (np > 0) {
             int k = poll(pf, (nfds_t)np, 20);
-            for (int j = 0; k > 0 && j < np; j++)
-                if (pf[j].revents) tdm_launch_pump(&outs[idx[j]]);
+            for (int q = 0; k > 0 && q < np; q++)
+                if (pf[q].revents) tdm_launch_pump(&j->outs[idx[q]]);
         } else {
             tdm_launch_sleep_ms(20);
         }
-        if (tdm_launch_sig && !fwd_sig) {
-            fwd_sig = tdm_launch_sig;
+        if (tdm_launch_sig && !j->fwd_sig) {
+            j->fwd_sig = tdm_launch_sig;
             char why[64];
-            snprintf(why, sizeof why, "received %s", strsignal(fwd_sig));
-            tdm_shm_watch_stopping(&watch, TDM_STATUS_ABORTED, why);
-            for (int r = 0; r < W; r++) if (pid[r] > 0) kill(pid[r], fwd_sig);
+            snprintf(why, sizeof why, "received %s", strsignal(j->fwd_sig));
+            tdm_shm_watch_stopping(&j->watch, TDM_STATUS_ABORTED, why);
+            for (int r = 0; r < W; r++) if (j->pid[r] > 0) kill(j->pid[r], j->fwd_sig);
             if (!stopping) {
                 stopping = 1;
                 kill_at = tdm_time_ns() + (uint64_t)grace_ms * 1000000ull;
@@ -308,14 +331,14 @@ int tdm_tool_launch_main(int argc, char **argv)
         }
         int ws;
         pid_t w;
-        while (running > 0 && (w = waitpid(-1, &ws, WNOHANG)) > 0) {
+        while (j->running > 0 && (w = waitpid(-1, &ws, WNOHANG)) > 0) {
             int r = 0;
-            while (r < W && pid[r] != w) r++;
+            while (r < W && j->pid[r] != w) r++;
             if (r == W) continue;
-            pid[r] = -w;
-            wst[r] = ws;
-            running--;
-            if (!tdm_shm_watch_ended(&watch, r, ws)) continue;
+            j->pid[r] = -w;
+            j->wst[r] = ws;
+            j->running--;
+            if (!tdm_shm_watch_ended(&j->watch, r, ws)) continue;
             if (!stopping) {
                 /* The group abort lets ranks inside a collective fail on
                  * their own (and say so) first; SIGTERM comes a moment
@@ -326,45 +349,90 @@ int tdm_tool_launch_main(int argc, char **argv)
                 kill_at = term_at + (uint64_t)grace_ms * 1000000ull;
             }
         }
-        if (stopping && running > 0 && tdm_time_ns() >= term_at) {
-            tdm_shm_watch_stopping(&watch, TDM_STATUS_OK, NULL);   /* a rank failed */
-            for (int q = 0; q < W; q++) if (pid[q] > 0) kill(pid[q], SIGTERM);
+        if (stopping && j->running > 0 && tdm_time_ns() >= term_at) {
+            tdm_shm_watch_stopping(&j->watch, TDM_STATUS_OK, NULL);   /* a rank failed */
+            for (int q = 0; q < W; q++) if (j->pid[q] > 0) kill(j->pid[q], SIGTERM);
             term_at = UINT64_MAX;
         }
-        if (running == 0 && drain_until == UINT64_MAX)
+        if (j->running == 0 && drain_until == UINT64_MAX)
             drain_until = tdm_time_ns() + 500ull * 1000000ull;  /* grandchildren may hold pipes */
-        if (stopping && running > 0 && tdm_time_ns() >= kill_at && signalled < 1) {
-            tdm_shm_watch_stopping(&watch, TDM_STATUS_OK, NULL);
-            for (int r = 0; r < W; r++) if (pid[r] > 0) kill(pid[r], SIGKILL);
+        if (stopping && j->running > 0 && tdm_time_ns() >= kill_at && signalled < 1) {
+            tdm_shm_watch_stopping(&j->watch, TDM_STATUS_OK, NULL);
+            for (int r = 0; r < W; r++) if (j->pid[r] > 0) kill(j->pid[r], SIGKILL);
             signalled = 1;
         }
     }
-    for (int i = 0; i < n_outs; i++) if (outs[i].fd >= 0) { close(outs[i].fd); outs[i].fd = -1; }
-    sigaction(SIGINT, &old_int, NULL);
-    sigaction(SIGTERM, &old_term, NULL);
-    sigaction(SIGHUP, &old_hup, NULL);
-    int failed = 0;
+    for (int i = 0; i < j->n_outs; i++)
+        if (j->outs[i].fd >= 0) {
+            close(j->outs[i].fd);
+            j->outs[i].fd = -1;
+        }
+    sigaction(SIGINT, &j->old_int, NULL);
+    sigaction(SIGTERM, &j->old_term, NULL);
+    sigaction(SIGHUP, &j->old_hup, NULL);
+}
+
+/* The summary line and the exit code: 1 naming the root cause when a rank
+ * failed, 128+S after forwarding signal S, 1 when not every rank could be
+ * started, else 0. */
+static int tdm_launch_report(tdm_launch_job *j)
+{
+    int W = j->W, failed = 0;
     for (int r = 0; r < W; r++)
-        if (pid[r] == 0 || !(WIFEXITED(wst[r]) && WEXITSTATUS(wst[r]) == 0)) failed++;
+        if (j->pid[r] == 0 || !(WIFEXITED(j->wst[r]) && WEXITSTATUS(j->wst[r]) == 0)) failed++;
     tdm_shm_cause cause;
-    tdm_shm_watch_blame(&watch, &cause);
+    tdm_shm_watch_blame(&j->watch, &cause);
     if (cause == TDM_SHM_CAUSE_RANK) {
         fprintf(stderr, "tandem launch: %s; stopped the other ranks (%d of %d failed or were "
                         "stopped)\n", tdm_error_message(), failed, W);
-        rc = 1;
-    } else if (fwd_sig) {
-        fprintf(stderr, "tandem launch: received %s; forwarded it to %d rank(s)\n",
-                strsignal(fwd_sig), W);
-        rc = 128 + fwd_sig;
-    } else if (failed) {
-        fprintf(stderr, "tandem launch: %d of %d ranks could not be started\n", failed, W);
-        rc = 1;
-    } else {
-        rc = 0;
+        return tdm_tool_exit(TDM_STATUS_SYSTEM);
     }
-done:
-    for (int r = 0; r < W; r++) if (logfd[r] >= 0) close(logfd[r]);
-    tdm_shm_group_free(g);
-    free(outs);
+    if (j->fwd_sig) {
+        fprintf(stderr, "tandem launch: received %s; forwarded it to %d rank(s)\n",
+                strsignal(j->fwd_sig), W);
+        return 128 + j->fwd_sig;
+    }
+    if (failed) {
+        fprintf(stderr, "tandem launch: %d of %d ranks could not be started\n", failed, W);
+        return tdm_tool_exit(TDM_STATUS_SYSTEM);
+    }
+    return tdm_tool_exit(TDM_STATUS_OK);
+}
+
+int tdm_tool_launch_main(int argc, char **argv)
+{
+    tdm_launch_job job = {.argv = argv};
+    tdm_launch_job *j = &job;
+    tdm_status st = tdm_launch_parse(argc, argv, &j->o);
+    if (st == TDM_STATUS_OK && j->o.help) {
+        tdm_launch_usage(stdout);
+        return tdm_tool_exit(TDM_STATUS_OK);
+    }
+    if (st == TDM_STATUS_OK) st = tdm_launch_check_timeout(&j->o);
+    if (st != TDM_STATUS_OK) return tdm_tool_exit(st);
+    j->W = (int)j->o.world;
+    for (int r = 0; r < j->W; r++) j->logfd[r] = -1;
+    j->outs = calloc((size_t)j->W * 2, sizeof *j->outs);
+    if (!j->outs) {
+        fprintf(stderr, "tandem launch: out of memory\n");
+        return tdm_tool_exit(TDM_STATUS_OUT_OF_MEMORY);
+    }
+    int rc;
+    tdm_shm_opts so = {.arena_bytes = (size_t)j->o.arena_mb << 20};
+    if (j->o.log_dir && (st = tdm_launch_open_logs(j)) != TDM_STATUS_OK) {
+        rc = tdm_tool_exit(st);
+    } else if ((st = tdm_shm_group_create(&j->g, j->W, &so)) ||
+               (st = tdm_shm_group_export_env(j->g))) {
+        fprintf(stderr, "tandem launch: shared memory: %s\n", tdm_error_message());
+        rc = tdm_tool_exit(st);
+    } else {
+        tdm_shm_watch_init(&j->watch, j->g, j->W);
+        tdm_launch_start(j);
+        tdm_launch_supervise(j);
+        rc = tdm_launch_report(j);
+    }
+    for (int r = 0; r < j->W; r++) if (j->logfd[r] >= 0) close(j->logfd[r]);
+    tdm_shm_group_free(j->g);
+    free(j->outs);
     return rc;
 }

@@ -57,15 +57,15 @@ const char *tdm_tool_backend_name(tdm_mpi_backend b)
     return (unsigned)b < TDM_MPI_BACKEND_COUNT_ ? names[b] : "?";
 }
 
-int tdm_tool_backend_parse(const char *cmd, const char *s, tdm_mpi_backend *out)
+tdm_status tdm_tool_backend_parse(const char *cmd, const char *s, tdm_mpi_backend *out)
 {
     for (int b = 0; b < TDM_MPI_BACKEND_COUNT_; b++)
         if (!strcmp(s, tdm_tool_backend_name((tdm_mpi_backend)b))) {
             *out = (tdm_mpi_backend)b;
-            return 1;
+            return TDM_STATUS_OK;
         }
     fprintf(stderr, "tandem %s: --backend '%s': expected auto, shm, mpi or hier\n", cmd, s);
-    return 0;
+    return TDM_STATUS_USAGE;
 }
 
 tdm_status tdm_tool_mpi_rank_init(tdm_tool_mpi_rank *r, tdm_mpi_backend b, int64_t timeout_ms,

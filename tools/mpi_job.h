@@ -27,9 +27,9 @@ tdm_status tdm_tool_mpi_missing(const char *what);
 
 /* "auto", "shm", "mpi", "hier". */
 const char *tdm_tool_backend_name(tdm_mpi_backend b);
-/* --backend: "auto", "shm", "mpi" or "hier". Returns 0 after a message
- * naming cmd when it is none of them. */
-int tdm_tool_backend_parse(const char *cmd, const char *s, tdm_mpi_backend *out);
+/* --backend: "auto", "shm", "mpi" or "hier". TDM_STATUS_USAGE after a
+ * message naming cmd when it is none of them. */
+tdm_status tdm_tool_backend_parse(const char *cmd, const char *s, tdm_mpi_backend *out);
 
 /* One rank of an MPI job, for train and compare. */
 typedef struct tdm_tool_mpi_rank {

@@ -69,59 +69,92 @@ static tdm_status tdm_sample_spec(const char *path, tdm_model_spec *spec, char *
     return st;
 }
 
-int tdm_tool_sample_main(int argc, char **argv)
+typedef struct tdm_sample_opts {
+    const char *resume, *prompt, *device;
+    long long tokens, seed;
+    double temperature;
+    int help;
+} tdm_sample_opts;
+
+static tdm_status tdm_sample_parse(int argc, char **argv, tdm_sample_opts *o)
 {
-    const char *resume = NULL, *prompt = "", *device = "cpu";
-    long long tokens = 256, seed = 1;
-    double temperature = 0.8;
     for (int i = 1; i < argc; i++) {
         const char *v;
         long long iv;
         double fv;
         if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
-            tdm_sample_usage(stdout);
-            return 0;
+            o->help = 1;
+            return TDM_STATUS_OK;
         }
-        TDM_ARGS_STR("--resume", resume)
-        TDM_ARGS_STR("--device", device)
-        TDM_ARGS_INT("--tokens", 0, 1 << 24, tokens)
-        TDM_ARGS_INT("--seed", 0, INT64_MAX, seed)
-        TDM_ARGS_FLOAT("--temperature", 0.0, 1e3, temperature)
+        TDM_ARGS_STR("--resume", o->resume)
+        TDM_ARGS_STR("--device", o->device)
+        TDM_ARGS_INT("--tokens", 0, 1 << 24, o->tokens)
+        TDM_ARGS_INT("--seed", 0, INT64_MAX, o->seed)
+        TDM_ARGS_FLOAT("--temperature", 0.0, 1e3, o->temperature)
         /* an empty prompt is a valid value: not through tdm_args_value */
         if (!strcmp(argv[i], "--prompt") && i + 1 < argc) {
-            prompt = argv[++i];
+            o->prompt = argv[++i];
             continue;
         }
         if (!strncmp(argv[i], "--prompt=", 9)) {
-            prompt = argv[i] + 9;
+            o->prompt = argv[i] + 9;
             continue;
         }
-        fprintf(stderr, "tandem sample: unknown option '%s' (see tandem sample --help)\n",
-                argv[i]);
-        return 2;
+        return tdm_tool_usage_error(
+            "tandem sample: unknown option '%s' (see tandem sample --help)\n", argv[i]);
     }
-    if (!resume) {
-        fprintf(stderr, "tandem sample: --resume CK is required (a checkpoint of tandem train "
-                        "--model gpt --save CK)\n");
-        return 2;
+    if (!o->resume)
+        return tdm_tool_usage_error("tandem sample: --resume CK is required (a checkpoint of "
+                                    "tandem train --model gpt --save CK)\n");
+    return TDM_STATUS_OK;
+}
+
+/* The model of the checkpoint and the one device to run it on. */
+static tdm_status tdm_sample_check(const tdm_sample_opts *o, tdm_model_spec *spec, char *desc,
+                                   size_t len, tdm_device_list *dl)
+{
+    tdm_status st = tdm_sample_spec(o->resume, spec, desc, len);
+    if (st) {
+        fprintf(stderr, "tandem sample: %s\n", tdm_error_message());
+        return st == TDM_STATUS_INVALID_ARG ? tdm_tool_usage(st) : st;
+    }
+    if ((st = tdm_device_list_parse(dl, o->device)) != TDM_STATUS_OK || dl->count != 1) {
+        if (st == TDM_STATUS_OK)
+            return tdm_tool_usage_error("tandem sample: --device '%s' names %d devices; give "
+                                        "one\n", o->device, dl->count);
+        fprintf(stderr, "tandem sample: --device: %s\n", tdm_error_message());
+        return st == TDM_STATUS_NO_DEVICE ? st : tdm_tool_usage(st);
+    }
+    return TDM_STATUS_OK;
+}
+
+static tdm_status tdm_sample_run(const tdm_sample_opts *o, const tdm_model_spec *spec,
+                                 const char *desc, const tdm_device_list *dl);
+
+int tdm_tool_sample_main(int argc, char **argv)
+{
+    tdm_sample_opts o = {.prompt = "", .device = "cpu", .tokens = 256, .seed = 1,
+                         .temperature = 0.8};
+    tdm_status st = tdm_sample_parse(argc, argv, &o);
+    if (st == TDM_STATUS_OK && o.help) {
+        tdm_sample_usage(stdout);
+        return tdm_tool_exit(TDM_STATUS_OK);
     }
     tdm_model_spec spec;
     char desc[160];
-    tdm_status st = tdm_sample_spec(resume, &spec, desc, sizeof desc);
-    if (st) {
-        fprintf(stderr, "tandem sample: %s\n", tdm_error_message());
-        return st == TDM_STATUS_INVALID_ARG ? 2 : 1;
-    }
     tdm_device_list dl;
-    if ((st = tdm_device_list_parse(&dl, device)) != TDM_STATUS_OK || dl.count != 1) {
-        if (st == TDM_STATUS_OK)
-            fprintf(stderr, "tandem sample: --device '%s' names %d devices; give one\n", device,
-                    dl.count);
-        else
-            fprintf(stderr, "tandem sample: --device: %s\n", tdm_error_message());
-        return st == TDM_STATUS_NO_DEVICE ? 1 : 2;
-    }
-    int rc = 1;
+    if (st == TDM_STATUS_OK) st = tdm_sample_check(&o, &spec, desc, sizeof desc, &dl);
+    if (st == TDM_STATUS_OK) st = tdm_sample_run(&o, &spec, desc, &dl);
+    return tdm_tool_exit(st);
+}
+
+static tdm_status tdm_sample_run(const tdm_sample_opts *o, const tdm_model_spec *spec,
+                                 const char *desc, const tdm_device_list *dl)
+{
+    const char *resume = o->resume, *prompt = o->prompt, *device = o->device;
+    long long tokens = o->tokens, seed = o->seed;
+    double temperature = o->temperature;
+    tdm_status st;
     tdm_device *dev = NULL;
     tdm_model *m = NULL;
     size_t np = strlen(prompt);
@@ -129,18 +162,18 @@ int tdm_tool_sample_main(int argc, char **argv)
     tdm_ckpt_info info;
     if (!ptok) {
         fprintf(stderr, "tandem sample: out of memory\n");
-        return 1;
+        return TDM_STATUS_OUT_OF_MEMORY;
     }
-    if ((st = tdm_device_open(&dev, dl.kind == TDM_DEVICE_CUDA ? "cuda" : "cpu", dl.index[0],
+    if ((st = tdm_device_open(&dev, dl->kind == TDM_DEVICE_CUDA ? "cuda" : "cpu", dl->index[0],
                               1)) ||
-        (st = tdm_model_init(&m, dev, &spec, 1)) ||
+        (st = tdm_model_init(&m, dev, spec, 1)) ||
         (st = tdm_checkpoint_load(resume, m, NULL, &info))) {
         fprintf(stderr, "tandem sample: %s\n", tdm_error_message());
         goto done;
     }
     fprintf(stderr, "tandem sample: %s from %s (epoch %lld, step %lld), %lld bytes at "
                     "temperature %g, seed %lld, on %s\n", desc, resume, (long long)info.epoch,
-            (long long)info.step, tokens, temperature, seed, dev->name);
+            (long long)info.step, tokens, temperature, seed, tdm_dev_name(dev));
     tdm_tool_print_emulated(stderr, device);
     /* an empty prompt: the model sees a newline, where fortunes begin */
     int n = 0;
@@ -155,10 +188,10 @@ int tdm_tool_sample_main(int argc, char **argv)
     }
     if (isatty(STDOUT_FILENO)) fputc('\n', stdout);
     fflush(stdout);
-    rc = 0;
+    st = TDM_STATUS_OK;
 done:
     free(ptok);
     tdm_model_free(m);
     tdm_device_free(dev);
-    return rc;
+    return st;
 }

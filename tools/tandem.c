@@ -1,6 +1,9 @@
-/* tools/tandem.c: the tandem command, dispatching to subcommands.
- * Subcommands are linked weakly so that the list printed by --help is
- * exactly the set that was built into this binary. */
+/* tools/tandem.c: the tandem command: dispatches to the subcommands, and
+ * turns the status a subcommand ends with into the exit code
+ * (tdm_tool_exit, tools/tools.h). Subcommands are linked weakly so that
+ * the list printed by --help is exactly the set that was built into this
+ * binary. */
+#include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -11,9 +14,27 @@
 #pragma weak tdm_tool_bench_main
 #pragma weak tdm_tool_launch_main
 #pragma weak tdm_tool_compare_main
-#pragma weak tdm_tool_bench_dp_main
-#pragma weak tdm_tool_bench_models_main
 #pragma weak tdm_tool_sample_main
+
+int tdm_tool_exit(tdm_status st)
+{
+    if (st == TDM_STATUS_OK) return 0;
+    return st == TDM_STATUS_USAGE ? 2 : 1;
+}
+
+tdm_status tdm_tool_usage(tdm_status st)
+{
+    return st == TDM_STATUS_OK ? st : TDM_STATUS_USAGE;
+}
+
+tdm_status tdm_tool_usage_error(const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vfprintf(stderr, fmt, ap);
+    va_end(ap);
+    return TDM_STATUS_USAGE;
+}
 
 typedef int (*tdm_tool_main_fn)(int, char **);
 
@@ -32,7 +53,7 @@ static const struct {
 };
 #define TDM_TOOL_NCMDS (sizeof tdm_tool_cmds / sizeof tdm_tool_cmds[0])
 
-static void tdm_tool_usage(FILE *f)
+static void tdm_tool_usage_print(FILE *f)
 {
     fprintf(f, "usage: tandem <command> [options]   (tandem <command> --help for details)\n\n"
                "tandem trains neural networks on several devices of one machine, with\n"
@@ -41,7 +62,8 @@ static void tdm_tool_usage(FILE *f)
                "run across machines (--backend shm|mpi|hier; docs/MULTINODE.md).\n\n"
                "commands:\n");
     for (size_t i = 0; i < TDM_TOOL_NCMDS; i++)
-        if (tdm_tool_cmds[i].fn) fprintf(f, "  %-9s %s\n", tdm_tool_cmds[i].name, tdm_tool_cmds[i].help);
+        if (tdm_tool_cmds[i].fn)
+            fprintf(f, "  %-9s %s\n", tdm_tool_cmds[i].name, tdm_tool_cmds[i].help);
     fprintf(f, "\nenvironment: TANDEM_DEBUG=WARN|INFO|TRACE, TANDEM_DEBUG_SUBSYS=SHM,DP,DDP,...\n");
 }
 
@@ -49,20 +71,13 @@ int main(int argc, char **argv)
 {
     if (argc < 2 || !strcmp(argv[1], "--help") || !strcmp(argv[1], "-h") ||
         !strcmp(argv[1], "help")) {
-        tdm_tool_usage(argc < 2 ? stderr : stdout);
-        return argc < 2 ? 2 : 0;
+        tdm_tool_usage_print(argc < 2 ? stderr : stdout);
+        return tdm_tool_exit(argc < 2 ? TDM_STATUS_USAGE : TDM_STATUS_OK);
     }
-    /* `bench gemm` / `bench train` are model benchmarks; every other
-     * `bench <collective>` is the collective benchmark. */
-    if (!strcmp(argv[1], "bench") && argc > 2 && tdm_tool_bench_models_main &&
-        (!strcmp(argv[2], "gemm") || !strcmp(argv[2], "train")))
-        return tdm_tool_bench_models_main(argc - 2, argv + 2);
-    if (!strcmp(argv[1], "bench") && argc > 2 && tdm_tool_bench_dp_main && !strcmp(argv[2], "dp"))
-        return tdm_tool_bench_dp_main(argc - 2, argv + 2);
     for (size_t i = 0; i < TDM_TOOL_NCMDS; i++)
         if (tdm_tool_cmds[i].fn && !strcmp(argv[1], tdm_tool_cmds[i].name))
             return tdm_tool_cmds[i].fn(argc - 1, argv + 1);
     fprintf(stderr, "tandem: unknown command '%s'\n", argv[1]);
-    tdm_tool_usage(stderr);
-    return 2;
+    tdm_tool_usage_print(stderr);
+    return tdm_tool_exit(TDM_STATUS_USAGE);
 }

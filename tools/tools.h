@@ -1,21 +1,35 @@
 /* tools/tools.h: the subcommands of the tandem CLI, one *_main per
- * subcommand, each in its own file under tools/. tools/tandem.c
- * dispatches on argv[1]. Only tools/ prints to the user or calls exit(). */
+ * subcommand, each in its own file under tools/ (tools/tandem.c
+ * dispatches on argv[1]), and the return convention they share. Only
+ * tools/ prints to the user or calls exit().
+ *
+ * The convention: every helper under tools/ returns a tdm_status, having
+ * said on stderr what failed; a value from the command line that cannot
+ * work is TDM_STATUS_USAGE. A subcommand's *_main (and a forked rank's
+ * function, whose return is its process's exit code) ends with
+ * tdm_tool_exit(st), the one place where a status becomes an exit code. */
 #ifndef TDM_TOOLS_H
 #define TDM_TOOLS_H
 
-/* Each returns the process exit code: 0 ok, 1 runtime failure, 2 usage;
- * compare also 3 (equivalence verdict failed), launch 128+S when it was
- * stopped by signal S (forwarded to the ranks). */
+#include "core/status.h"
+
+/* The exit code of a status: TDM_STATUS_OK 0; TDM_STATUS_USAGE 2 (bad
+ * usage); anything else 1 (a runtime failure, including no such device).
+ * compare adds 3 (the equivalence verdict failed), launch 128+S (stopped
+ * by signal S, forwarded to the ranks): verdicts, not statuses. */
+int tdm_tool_exit(tdm_status st);
+/* st, a failure made TDM_STATUS_USAGE: the library refused a value that
+ * came from the command line (its message is kept). */
+tdm_status tdm_tool_usage(tdm_status st);
+/* Prints the formatted line to stderr and returns TDM_STATUS_USAGE. */
+tdm_status tdm_tool_usage_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+
+/* Each returns the process exit code (tdm_tool_exit and the verdicts above). */
 int tdm_tool_train_main(int argc, char **argv);   /* tools/train.c */
-int tdm_tool_info_main(int argc, char **argv);    /* tools/info.c */
-int tdm_tool_bench_main(int argc, char **argv);   /* tools/bench_coll.c */
-int tdm_tool_launch_main(int argc, char **argv);  /* tools/launch.c */
-/* `bench gemm` and `bench train` (tools/bench_models.c); argv[0] is the kind. */
-int tdm_tool_bench_models_main(int argc, char **argv);
-/* `bench dp` (tools/bench_dp.c); argv[0] is "dp". */
-int tdm_tool_bench_dp_main(int argc, char **argv);
-int tdm_tool_compare_main(int argc, char **argv); /* tools/compare.c */
 int tdm_tool_sample_main(int argc, char **argv);  /* tools/sample.c */
+int tdm_tool_compare_main(int argc, char **argv); /* tools/compare.c */
+int tdm_tool_launch_main(int argc, char **argv);  /* tools/launch.c */
+int tdm_tool_bench_main(int argc, char **argv);   /* tools/bench.c: every benchmark */
+int tdm_tool_info_main(int argc, char **argv);    /* tools/info.c */
 
 #endif

@@ -1,15 +1,14 @@
 /* tools/train.c: `tandem train`, training one model on Fashion-MNIST or
  * synthetic data with one device (--mode single), DataParallel (--mode dp)
- * or DistributedDataParallel (--mode ddp). Prints a progress bar on a
- * terminal (plain lines otherwise), the loss, samples/s and test accuracy
- * after each epoch; saves and resumes checkpoints. */
-#include <errno.h>
+ * or DistributedDataParallel (--mode ddp), or a GPT on text in any of them
+ * (tools/train_text.c). Here: the options (parse, then check and fill in
+ * the defaults), the dispatch to a mode, the set-up steps every mode
+ * shares (tools/train_modes.h) and --mode single. The epochs themselves:
+ * tools/train_loop.c. */
 #include <fcntl.h>
-#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 
 #include "core/data.h"
 #include "core/device.h"
@@ -23,9 +22,9 @@
 #include "models/optim.h"
 #include "models/train.h"
 #include "tools/args.h"
-#include "tools/tools.h"
 #include "tools/devices.h"
 #include "tools/mpi_job.h"
+#include "tools/tools.h"
 #include "tools/train_modes.h"
 
 static void tdm_train_usage(FILE *f)
@@ -91,34 +90,95 @@ static void tdm_train_usage(FILE *f)
         TDM_GPT_DEFAULT_CONTEXT, TDM_TRAIN_GPT_BATCH, TDM_TEXT_FORTUNES_DEFAULT_DIR);
 }
 
-void tdm_train_fail(const char *what, tdm_status st)
+/* The options as given; *help when --help asked for the usage. */
+static tdm_status tdm_train_parse(int argc, char **argv, tdm_train_args *a, int *help)
 {
-    fprintf(stderr, "tandem train: %s: %s\n", what,
-            tdm_error_message()[0] ? tdm_error_message() : tdm_status_name(st));
+    for (int i = 1; i < argc; i++) {
+        const char *v;
+        long long iv;
+        double fv;
+        const char *arg = argv[i];
+        if (!strcmp(arg, "--help") || !strcmp(arg, "-h")) {
+            *help = 1;
+            return TDM_STATUS_OK;
+        }
+        TDM_ARGS_STR("--mode", a->mode)
+        TDM_ARGS_STR("--model", a->model)
+        TDM_ARGS_STR("--device", a->device)
+        TDM_ARGS_INT("--threads", 1, 256, a->threads)
+        TDM_ARGS_INT("--epochs", 1, 100000, a->epochs)
+        TDM_ARGS_INT("--batch", 1, 1 << 20, a->batch)
+        TDM_ARGS_STR("--optim", a->optim)
+        TDM_ARGS_FLOAT("--lr", 0.0, 1e3, a->lr)
+        TDM_ARGS_FLOAT("--momentum", 0.0, 0.999999, a->momentum)
+        TDM_ARGS_FLOAT("--weight-decay", 0.0, 1e3, a->weight_decay)
+        TDM_ARGS_INT("--seed", 0, INT64_MAX, a->seed)
+        TDM_ARGS_STR("--data", a->data)
+        TDM_ARGS_INT("--synthetic-size", 1, 1 << 26, a->synthetic_size)
+        TDM_ARGS_INT("--max-steps", 0, INT64_MAX, a->max_steps)
+        TDM_ARGS_STR("--save", a->save)
+        TDM_ARGS_STR("--resume", a->resume)
+        TDM_ARGS_STR("--lr-schedule", a->lr_schedule)
+        TDM_ARGS_STR("--timeout", a->timeout)
+        TDM_ARGS_INT("--bucket-cap-mb", 0, 1 << 20, a->bucket_cap_mb)
+        TDM_ARGS_STR("--backend", a->backend)
+        if (!strcmp(arg, "--nesterov")) { a->nesterov = 1; continue; }
+        if (!strcmp(arg, "--no-eval")) { a->no_eval = 1; continue; }
+        if (!strcmp(arg, "--quiet")) { a->quiet = 1; continue; }
+        if (!strcmp(arg, "--no-overlap")) { a->no_overlap = 1; continue; }
+        return tdm_tool_usage_error("tandem train: unknown option '%s' (see tandem train --help)\n",
+                                    arg);
+    }
+    return TDM_STATUS_OK;
 }
 
-void tdm_train_progress(void *ctx, int64_t step, int64_t steps, double loss, double sps)
+/* The defaults that depend on the model and the optimizer, and the checks
+ * that need no data: a language model trains with AdamW on windows of
+ * text, the image models with SGD on batches of 256 images. */
+static tdm_status tdm_train_check_args(tdm_train_args *a)
 {
-    tdm_progress *p = ctx;
-    if (p->quiet) return;
-    if (p->tty) {
-        int width = 30, filled = (int)(width * step / steps);
-        fprintf(stderr, "\r  epoch %lld/%lld [", (long long)p->epoch + 1, (long long)p->epochs);
-        for (int i = 0; i < width; i++) fputc(i < filled ? '=' : (i == filled ? '>' : ' '), stderr);
-        fprintf(stderr, "] %lld/%lld loss %.4f  %.0f samples/s   ", (long long)step,
-                (long long)steps, loss, sps);
-        if (step == steps) fputs("\r\033[K", stderr);
-        fflush(stderr);
-    } else {
-        int64_t tenth = step * 10 / steps;
-        if (tenth != p->last_tenth && (tenth < 10)) {
-            printf("  epoch %lld/%lld step %lld/%lld loss %.4f %.0f samples/s\n",
-                   (long long)p->epoch + 1, (long long)p->epochs, (long long)step,
-                   (long long)steps, loss, sps);
-            fflush(stdout);
-        }
-        p->last_tenth = tenth;
-    }
+    int gpt = !strncmp(a->model, "gpt", 3);
+    if (!a->optim) a->optim = gpt ? "adamw" : "sgd";
+    if (!a->batch) a->batch = gpt ? TDM_TRAIN_GPT_BATCH : 256;
+    if (strcmp(a->optim, "sgd") && strcmp(a->optim, "adamw"))
+        return tdm_tool_usage_error("tandem train: --optim '%s': expected sgd or adamw\n",
+                                    a->optim);
+    if (strcmp(a->lr_schedule, "const") && strcmp(a->lr_schedule, "cosine"))
+        return tdm_tool_usage_error("tandem train: --lr-schedule '%s': expected const or "
+                                    "cosine\n", a->lr_schedule);
+    /* a path that cannot take a checkpoint fails now, not after the first
+     * epoch; nothing is left behind by the check */
+    if (a->save && tdm_file_replace_check(AT_FDCWD, a->save) != TDM_STATUS_OK)
+        return tdm_tool_usage_error("tandem train: --save: %s\n", tdm_error_message());
+    /* a small GPT learns faster at 2e-3 than at AdamW's usual 1e-3
+     * (docs/GPT.md) */
+    if (a->lr < 0) a->lr = strcmp(a->optim, "sgd") ? (gpt ? 2e-3 : 1e-3) : 0.05;
+    if (a->weight_decay < 0) a->weight_decay = strcmp(a->optim, "sgd") ? 0.01 : 0.0;
+    if (a->timeout && strcmp(a->mode, "ddp"))
+        fprintf(stderr, "tandem train: note: --timeout applies to --mode ddp (the process "
+                        "group's collectives); --mode %s has none\n", a->mode);
+    if (a->backend && strcmp(a->mode, "ddp"))
+        return tdm_tool_usage_error("tandem train: --backend applies to --mode ddp\n");
+    /* N copies of one model trained side by side are never what was meant */
+    const char *mpi_n = getenv("OMPI_COMM_WORLD_SIZE");
+    if (!mpi_n) mpi_n = getenv("PMI_SIZE");
+    if (strcmp(a->mode, "ddp") && mpi_n && atoi(mpi_n) > 1)
+        return tdm_tool_usage_error("tandem train: started by an MPI launcher with %s ranks, but "
+                                    "--mode %s would train %s independent copies: use --mode "
+                                    "ddp\n", mpi_n, a->mode, mpi_n);
+    return TDM_STATUS_OK;
+}
+
+static tdm_status tdm_train_dispatch(const tdm_train_args *a)
+{
+    if (!strncmp(a->model, "gpt", 3)) return tdm_train_text_main(a);
+    if (!strcmp(a->mode, "single")) return tdm_train_run_single(a);
+    if (!strcmp(a->mode, "dp"))
+        return tdm_train_run_dp ? tdm_train_run_dp(a) : tdm_train_mode_absent("dp");
+    if (!strcmp(a->mode, "ddp"))
+        return tdm_train_run_ddp ? tdm_train_run_ddp(a) : tdm_train_mode_absent("ddp");
+    return tdm_tool_usage_error("tandem train: --mode '%s': expected single, dp or ddp\n",
+                                a->mode);
 }
 
 int tdm_tool_train_main(int argc, char **argv)
@@ -128,102 +188,41 @@ int tdm_tool_train_main(int argc, char **argv)
         .batch = 0, .optim = NULL, .lr = -1, .momentum = 0.9, .weight_decay = -1, .seed = 1,
         .data = NULL, .synthetic_size = 12000, .max_steps = 0, .lr_schedule = "const",
     };
-    for (int i = 1; i < argc; i++) {
-        const char *v;
-        long long iv;
-        double fv;
-        const char *arg = argv[i];
-        if (!strcmp(arg, "--help") || !strcmp(arg, "-h")) {
-            tdm_train_usage(stdout);
-            return 0;
-        }
-        TDM_ARGS_STR("--mode", a.mode)
-        TDM_ARGS_STR("--model", a.model)
-        TDM_ARGS_STR("--device", a.device)
-        TDM_ARGS_INT("--threads", 1, 256, a.threads)
-        TDM_ARGS_INT("--epochs", 1, 100000, a.epochs)
-        TDM_ARGS_INT("--batch", 1, 1 << 20, a.batch)
-        TDM_ARGS_STR("--optim", a.optim)
-        TDM_ARGS_FLOAT("--lr", 0.0, 1e3, a.lr)
-        TDM_ARGS_FLOAT("--momentum", 0.0, 0.999999, a.momentum)
-        TDM_ARGS_FLOAT("--weight-decay", 0.0, 1e3, a.weight_decay)
-        TDM_ARGS_INT("--seed", 0, INT64_MAX, a.seed)
-        TDM_ARGS_STR("--data", a.data)
-        TDM_ARGS_INT("--synthetic-size", 1, 1 << 26, a.synthetic_size)
-        TDM_ARGS_INT("--max-steps", 0, INT64_MAX, a.max_steps)
-        TDM_ARGS_STR("--save", a.save)
-        TDM_ARGS_STR("--resume", a.resume)
-        TDM_ARGS_STR("--lr-schedule", a.lr_schedule)
-        TDM_ARGS_STR("--timeout", a.timeout)
-        TDM_ARGS_INT("--bucket-cap-mb", 0, 1 << 20, a.bucket_cap_mb)
-        TDM_ARGS_STR("--backend", a.backend)
-        if (!strcmp(arg, "--nesterov")) { a.nesterov = 1; continue; }
-        if (!strcmp(arg, "--no-eval")) { a.no_eval = 1; continue; }
-        if (!strcmp(arg, "--quiet")) { a.quiet = 1; continue; }
-        if (!strcmp(arg, "--no-overlap")) { a.no_overlap = 1; continue; }
-        fprintf(stderr, "tandem train: unknown option '%s' (see tandem train --help)\n", arg);
-        return 2;
+    int help = 0;
+    tdm_status st = tdm_train_parse(argc, argv, &a, &help);
+    if (st == TDM_STATUS_OK && help) {
+        tdm_train_usage(stdout);
+        return tdm_tool_exit(TDM_STATUS_OK);
     }
-    /* a language model trains with AdamW on windows of text; the image
-     * models with SGD on batches of 256 images */
-    int gpt = !strncmp(a.model, "gpt", 3);
-    if (!a.optim) a.optim = gpt ? "adamw" : "sgd";
-    if (!a.batch) a.batch = gpt ? TDM_TRAIN_GPT_BATCH : 256;
-    if (strcmp(a.optim, "sgd") && strcmp(a.optim, "adamw")) {
-        fprintf(stderr, "tandem train: --optim '%s': expected sgd or adamw\n", a.optim);
-        return 2;
-    }
-    if (strcmp(a.lr_schedule, "const") && strcmp(a.lr_schedule, "cosine")) {
-        fprintf(stderr, "tandem train: --lr-schedule '%s': expected const or cosine\n",
-                a.lr_schedule);
-        return 2;
-    }
-    if (a.save) {
-        /* a path that cannot take a checkpoint fails now, not after the
-         * first epoch; nothing is left behind by the check */
-        tdm_status st = tdm_file_replace_check(AT_FDCWD, a.save);
-        if (st != TDM_STATUS_OK) {
-            fprintf(stderr, "tandem train: --save: %s\n", tdm_error_message());
-            return 2;
-        }
-    }
-    /* a small GPT learns faster at 2e-3 than at AdamW's usual 1e-3
-     * (docs/GPT.md) */
-    if (a.lr < 0) a.lr = strcmp(a.optim, "sgd") ? (gpt ? 2e-3 : 1e-3) : 0.05;
-    if (a.weight_decay < 0) a.weight_decay = strcmp(a.optim, "sgd") ? 0.01 : 0.0;
-    if (a.timeout && strcmp(a.mode, "ddp"))
-        fprintf(stderr, "tandem train: note: --timeout applies to --mode ddp (the process "
-                        "group's collectives); --mode %s has none\n", a.mode);
-    if (a.backend && strcmp(a.mode, "ddp")) {
-        fprintf(stderr, "tandem train: --backend applies to --mode ddp\n");
-        return 2;
-    }
-    /* N copies of one model trained side by side are never what was meant */
-    const char *mpi_n = getenv("OMPI_COMM_WORLD_SIZE");
-    if (!mpi_n) mpi_n = getenv("PMI_SIZE");
-    if (strcmp(a.mode, "ddp") && mpi_n && atoi(mpi_n) > 1) {
-        fprintf(stderr, "tandem train: started by an MPI launcher with %s ranks, but --mode %s "
-                "would train %s independent copies: use --mode ddp\n", mpi_n, a.mode, mpi_n);
-        return 2;
-    }
-    if (gpt) return tdm_train_text_main(&a);
-    if (!strcmp(a.mode, "single")) return tdm_train_run_single(&a);
-    if (!strcmp(a.mode, "dp")) return tdm_train_run_dp ? tdm_train_run_dp(&a) : tdm_train_mode_absent("dp");
-    if (!strcmp(a.mode, "ddp")) return tdm_train_run_ddp ? tdm_train_run_ddp(&a) : tdm_train_mode_absent("ddp");
-    fprintf(stderr, "tandem train: --mode '%s': expected single, dp or ddp\n", a.mode);
-    return 2;
+    if (st == TDM_STATUS_OK) st = tdm_train_check_args(&a);
+    if (st == TDM_STATUS_OK) st = tdm_train_dispatch(&a);
+    return tdm_tool_exit(st);
 }
 
-int tdm_train_mode_absent(const char *mode)
+/* ---- set-up steps every mode shares ---- */
+
+tdm_status tdm_train_fail(const char *what, tdm_status st)
 {
-    fprintf(stderr, "tandem train: --mode %s is not built into this tandem yet\n", mode);
-    return 2;
+    fprintf(stderr, "tandem train: %s: %s\n", what,
+            tdm_error_message()[0] ? tdm_error_message() : tdm_status_name(st));
+    return st;
 }
 
-/* ---- shared set-up ---- */
+tdm_status tdm_train_mode_absent(const char *mode)
+{
+    return tdm_tool_usage_error("tandem train: --mode %s is not built into this tandem yet\n",
+                                mode);
+}
 
-int tdm_train_load_data(const tdm_train_args *a, const tdm_model_spec *spec, tdm_dataset *train,
-                        tdm_dataset *test)
+void tdm_train_note_threads(const tdm_train_args *a, const char *unit)
+{
+    if (a->threads != 1)
+        fprintf(stderr, "tandem train: note: --threads applies to --mode single; each %s "
+                        "computes on one thread\n", unit);
+}
+
+tdm_status tdm_train_load_data(const tdm_train_args *a, const tdm_model_spec *spec,
+                               tdm_dataset *train, tdm_dataset *test)
 {
     tdm_status st;
     int synthetic = a->data && !strcmp(a->data, "synthetic");
@@ -244,34 +243,29 @@ int tdm_train_load_data(const tdm_train_args *a, const tdm_model_spec *spec, tdm
         tdm_train_fail("loading data", st);
         tdm_data_free(train);
         tdm_data_free(test);
-        return 0;
     }
-    return 1;
+    return st;
 }
 
-int tdm_train_check_features(const tdm_dataset *train, const tdm_model *m)
+tdm_status tdm_train_check_features(const tdm_dataset *train, const tdm_model *m)
 {
-    if (tdm_data_features(train) == tdm_model_in_features(m)) return 1;
-    fprintf(stderr, "tandem train: the data has %lld features per sample but the model "
-                    "expects %d\n", (long long)tdm_data_features(train),
-            tdm_model_in_features(m));
-    return 0;
+    if (tdm_data_features(train) == tdm_model_in_features(m)) return TDM_STATUS_OK;
+    return tdm_tool_usage_error("tandem train: the data has %lld features per sample but the "
+                                "model expects %d\n", (long long)tdm_data_features(train),
+                                tdm_model_in_features(m));
 }
 
-int tdm_train_resume(const tdm_train_args *a, tdm_model *m, tdm_optim *opt,
-                     int64_t *start_epoch)
+tdm_status tdm_train_resume(const tdm_train_args *a, tdm_model *m, tdm_optim *opt,
+                            int64_t *start_epoch)
 {
     tdm_ckpt_info info;
     *start_epoch = 0;
-    if (!a->resume) return 1;
+    if (!a->resume) return TDM_STATUS_OK;
     tdm_status st = tdm_checkpoint_load(a->resume, m, opt, &info);
-    if (st != TDM_STATUS_OK) {
-        tdm_train_fail("resuming", st);
-        return 0;
-    }
+    if (st != TDM_STATUS_OK) return tdm_train_fail("resuming", st);
     *start_epoch = info.epoch;
     tdm_train_print_resumed(a->resume, &info);
-    return 1;
+    return TDM_STATUS_OK;
 }
 
 void tdm_train_print_resumed(const char *path, const tdm_ckpt_info *info)
@@ -280,7 +274,7 @@ void tdm_train_print_resumed(const char *path, const tdm_ckpt_info *info)
            (long long)info->step);
 }
 
-int tdm_train_make_optim(const tdm_train_args *a, tdm_model *m, tdm_optim **opt)
+tdm_status tdm_train_make_optim(const tdm_train_args *a, tdm_model *m, tdm_optim **opt)
 {
     tdm_optim_opts o;
     tdm_optim_opts_default(&o, strcmp(a->optim, "sgd") ? TDM_OPTIM_ADAMW : TDM_OPTIM_SGD);
@@ -291,11 +285,8 @@ int tdm_train_make_optim(const tdm_train_args *a, tdm_model *m, tdm_optim **opt)
         o.nesterov = a->nesterov;
     }
     tdm_status st = tdm_optim_init(opt, m, &o);
-    if (st != TDM_STATUS_OK) {
-        tdm_train_fail("optimizer", st);
-        return 0;
-    }
-    return 1;
+    if (st != TDM_STATUS_OK) return tdm_train_fail("optimizer", st);
+    return TDM_STATUS_OK;
 }
 
 void tdm_train_print_header(const tdm_train_args *a, const tdm_model_spec *spec,
@@ -316,166 +307,85 @@ void tdm_train_print_header(const tdm_train_args *a, const tdm_model_spec *spec,
     fflush(stdout);
 }
 
-tdm_status tdm_train_sched_step(void *p, const void *x, const int32_t *y, int batch,
-                                double *loss)
+void tdm_train_print_dp_phases(const tdm_phase_times *sum, double step_ms, int64_t steps)
 {
-    tdm_train_sched *s = p;
-    if (s->cosine) {
-        double t = (double)tdm_optim_steps(s->opt) / (double)s->total_steps;
-        if (t > 1.0) t = 1.0;
-        tdm_optim_set_lr(s->opt, (float)(s->base_lr * 0.5 * (1.0 + cos(M_PI * t))));
+    if (steps <= 0) return;
+    double total = step_ms / (double)steps;
+    printf("DP step, mean over %lld steps: %.2f ms\n", (long long)steps, total);
+    for (int p = 0; p < TDM_PHASE_COUNT_; p++) {
+        if (p == TDM_PHASE_ALLREDUCE_WAIT) continue;
+        double ms = sum->ms[p] / (double)steps;
+        printf("  %-12s %8.2f ms  %5.1f%%\n", tdm_phase_name((tdm_phase)p), ms,
+               total > 0 ? 100.0 * ms / total : 0.0);
     }
-    return s->step(s->ctx, x, y, batch, loss);
 }
 
-/* After a failure: what --save holds now, so nobody wonders whether the
- * failed run replaced it. */
-static void tdm_train_note_kept(const tdm_train_args *a, int64_t saved_epoch)
-{
-    if (!a->save || access(a->save, F_OK) != 0) return;
-    if (saved_epoch > 0)
-        fprintf(stderr, "tandem train: %s was left as it was: it holds epoch %lld, the last "
-                        "good one\n", a->save, (long long)saved_epoch);
-    else
-        fprintf(stderr, "tandem train: %s was left as it was\n", a->save);
-}
-
-int tdm_train_epochs(const tdm_train_args *a, tdm_model *m, tdm_optim *opt,
-                     const tdm_dataset *train, const tdm_dataset *test, tdm_train_step_fn step,
-                     void *step_ctx, int64_t start_epoch, tdm_train_eval_fn eval,
-                     void *eval_ctx, tdm_train_after_epoch_fn after, void *after_ctx)
-{
-    int64_t per_epoch = (train->n + a->batch - 1) / a->batch;
-    if (a->max_steps > 0 && a->max_steps < per_epoch) per_epoch = a->max_steps;
-    tdm_train_sched sched = {.step = step, .ctx = step_ctx, .opt = opt, .base_lr = a->lr,
-                             .total_steps = per_epoch * a->epochs,
-                             .cosine = !strcmp(a->lr_schedule, "cosine")};
-    step = tdm_train_sched_step;
-    step_ctx = &sched;
-    tdm_progress p = {.tty = isatty(STDERR_FILENO), .quiet = a->quiet, .epochs = a->epochs,
-                      .last_tenth = -1};
-    if (start_epoch >= a->epochs) {
-        printf("tandem train: the checkpoint has %lld epoch%s done and --epochs %lld asks for "
-               "no more: nothing to do (raise --epochs to train further)\n",
-               (long long)start_epoch, start_epoch == 1 ? "" : "s", a->epochs);
-        fflush(stdout);
-        return 1;
-    }
-    int64_t saved_epoch = -1;   /* the last epoch this run saved */
-    for (int64_t e = start_epoch; e < a->epochs; e++) {
-        tdm_epoch_stats es;
-        p.epoch = e;
-        p.last_tenth = -1;
-        tdm_model_set_train(m, 1);
-        tdm_status st = tdm_train_epoch(train, (int)a->batch, (uint64_t)a->seed, e, 0,
-                                        a->max_steps, step, step_ctx, tdm_train_progress, &p, &es);
-        if (st != TDM_STATUS_OK) {
-            if (p.tty && !p.quiet) fputs("\n", stderr);
-            tdm_train_fail("training", st);
-            tdm_train_note_kept(a, saved_epoch);
-            return 0;
-        }
-        double tl = NAN, acc = NAN;
-        if (!a->no_eval) {
-            st = eval ? eval(eval_ctx, m, test, &tl, &acc) : tdm_evaluate(m, test, 1000, &tl, &acc);
-            if (st != TDM_STATUS_OK) {
-                tdm_train_fail("evaluation", st);
-                return 0;
-            }
-        }
-        printf("epoch %lld/%lld: train loss %.4f, %.0f samples/s (%.1f s)", (long long)e + 1,
-               (long long)a->epochs, es.loss_mean, es.samples_per_s, es.seconds);
-        if (!a->no_eval) printf(", test loss %.4f, test accuracy %.4f", tl, acc);
-        printf("\n");
-        fflush(stdout);
-        if (a->save) {
-            tdm_ckpt_info info = {.step = tdm_optim_steps(opt), .epoch = e + 1,
-                                  .seed = (uint64_t)a->seed};
-            /* the last step's gradients: finite, or the run went bad (the
-             * parameters are checked by the save itself) */
-            double gnorm = 0.0;
-            st = tdm_train_grad_norm(m, &gnorm);
-            if (st == TDM_STATUS_OK) st = tdm_checkpoint_save(a->save, m, opt, &info);
-            else tdm_error_prefix(st, "step %lld: refusing to save %s",
-                                  (long long)info.step, a->save);
-            if (st != TDM_STATUS_OK) {
-                tdm_train_fail("saving checkpoint", st);
-                tdm_train_note_kept(a, saved_epoch);
-                return 0;
-            }
-            saved_epoch = e + 1;
-            if (!a->quiet) printf("  saved %s (epoch %lld, step %lld)\n", a->save,
-                                  (long long)e + 1, (long long)info.step);
-        }
-        if (after && !after(after_ctx, e)) return 0;
-    }
-    return 1;
-}
-
-int tdm_train_setup(const tdm_train_args *a, const tdm_model_spec *spec, tdm_device *dev,
-                    tdm_dataset *train, tdm_dataset *test, tdm_model **m, tdm_optim **opt,
-                    int64_t *start_epoch)
+tdm_status tdm_train_setup(const tdm_train_args *a, const tdm_model_spec *spec, tdm_device *dev,
+                           tdm_dataset *train, tdm_dataset *test, tdm_model **m,
+                           tdm_optim **opt, int64_t *start_epoch)
 {
     tdm_status st;
     *start_epoch = 0;
-    if (!tdm_train_load_data(a, spec, train, test)) return 1;
-    if ((st = tdm_model_init(m, dev, spec, (uint64_t)a->seed)) != TDM_STATUS_OK) {
-        tdm_train_fail("building model", st);
-        return 1;
-    }
-    if (!tdm_train_check_features(train, *m)) return 2;
-    if (!tdm_train_make_optim(a, *m, opt)) return 1;
-    if (!tdm_train_resume(a, *m, *opt, start_epoch)) return 1;
-    return 0;
+    TDM_CHECK(tdm_train_load_data(a, spec, train, test));
+    if ((st = tdm_model_init(m, dev, spec, (uint64_t)a->seed)) != TDM_STATUS_OK)
+        return tdm_train_fail("building model", st);
+    TDM_CHECK(tdm_train_check_features(train, *m));
+    TDM_CHECK(tdm_train_make_optim(a, *m, opt));
+    return tdm_train_resume(a, *m, *opt, start_epoch);
 }
 
-int tdm_train_run_single(const tdm_train_args *a)
+/* ---- --mode single ---- */
+
+/* The one device of --device, opened with --threads BLAS threads. */
+static tdm_status tdm_train_open_single(const tdm_train_args *a, tdm_device **dev)
 {
-    int rc = 1;
-    tdm_model_spec spec;
     tdm_device_list dl;
+    tdm_status st;
+    if ((st = tdm_tool_parse_one_device(&dl, a->device)) != TDM_STATUS_OK)
+        return tdm_train_fail("--device", st == TDM_STATUS_NO_DEVICE ? st : tdm_tool_usage(st));
+    if (dl.count != 1)
+        return tdm_tool_usage_error("tandem train: --mode single uses one device, but '%s' "
+                                    "names %d (use --mode dp or --mode ddp for several)\n",
+                                    a->device, dl.count);
+    if ((st = tdm_device_open(dev, dl.kind == TDM_DEVICE_CUDA ? "cuda" : "cpu", dl.index[0],
+                              (int)a->threads)) != TDM_STATUS_OK)
+        return tdm_train_fail("opening device", st);
+    return TDM_STATUS_OK;
+}
+
+tdm_status tdm_train_run_single(const tdm_train_args *a)
+{
+    tdm_model_spec spec;
     tdm_device *dev = NULL;
     tdm_model *m = NULL;
     tdm_optim *opt = NULL;
     tdm_dataset train = {0}, test = {0};
     tdm_single single = {0};
     tdm_status st;
-    if ((st = tdm_model_spec_parse(&spec, a->model)) != TDM_STATUS_OK) {
-        tdm_train_fail("--model", st);
-        return 2;
-    }
-    if ((st = tdm_tool_parse_one_device(&dl, a->device)) != TDM_STATUS_OK) {
-        tdm_train_fail("--device", st);
-        return st == TDM_STATUS_NO_DEVICE ? 1 : 2;
-    }
-    if (dl.count != 1) {
-        fprintf(stderr, "tandem train: --mode single uses one device, but '%s' names %d "
-                        "(use --mode dp or --mode ddp for several)\n", a->device, dl.count);
-        return 2;
-    }
-    if ((st = tdm_device_open(&dev, dl.kind == TDM_DEVICE_CUDA ? "cuda" : "cpu", dl.index[0],
-                              (int)a->threads)) != TDM_STATUS_OK) {
-        tdm_train_fail("opening device", st);
-        return 1;
-    }
-    int64_t start_epoch = 0;
-    if ((rc = tdm_train_setup(a, &spec, dev, &train, &test, &m, &opt, &start_epoch))) goto done;
-    rc = 1;
+    if ((st = tdm_model_spec_parse(&spec, a->model)) != TDM_STATUS_OK)
+        return tdm_train_fail("--model", tdm_tool_usage(st));
+    TDM_CHECK(tdm_train_open_single(a, &dev));
+    tdm_train_run r = {0};
+    TDM_TRY(tdm_train_setup(a, &spec, dev, &train, &test, &m, &opt, &r.start_epoch));
     char devdesc[64];
-    snprintf(devdesc, sizeof devdesc, "device %s, %lld BLAS thread%s", dev->name,
+    snprintf(devdesc, sizeof devdesc, "device %s, %lld BLAS thread%s", tdm_dev_name(dev),
              (long long)a->threads, a->threads > 1 ? "s" : "");
     tdm_train_print_header(a, &spec, &train, &test, tdm_model_param_elems(m), devdesc);
     single.model = m;
     single.opt = opt;
-    if (tdm_train_epochs(a, m, opt, &train, &test, tdm_single_step, &single, start_epoch, NULL,
-                         NULL, NULL, NULL))
-        rc = 0;
-done:
+    r.m = m;
+    r.opt = opt;
+    r.step = tdm_single_step;
+    r.step_ctx = &single;
+    r.train = &train;
+    r.test = &test;
+    st = tdm_train_epochs(a, &r);
+fail:
     tdm_single_free(&single);
     tdm_optim_free(opt);
     tdm_model_free(m);
     tdm_device_free(dev);
     tdm_data_free(&train);
     tdm_data_free(&test);
-    return rc;
+    return st;
 }

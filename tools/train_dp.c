@@ -5,9 +5,10 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "core/device.h"
 #include "core/timer.h"
 #include "dp/dp.h"
-#include "models/checkpoint.h"
+#include "tools/tools.h"
 #include "tools/train_modes.h"
 
 typedef struct tdm_train_dp_ctx {
@@ -30,9 +31,9 @@ static tdm_status tdm_train_dp_step(void *ctx, const void *x, const int32_t *y, 
     return TDM_STATUS_OK;
 }
 
-int tdm_train_run_dp(const tdm_train_args *a)
+tdm_status tdm_train_run_dp(const tdm_train_args *a)
 {
-    int rc = 1, n = 0;
+    int n = 0;
     tdm_device *devs[TDM_DP_MAX_DEVICES] = {0};
     tdm_model_spec spec;
     tdm_model *m = NULL;
@@ -40,25 +41,17 @@ int tdm_train_run_dp(const tdm_train_args *a)
     tdm_dp *dp = NULL;
     tdm_dataset train = {0}, test = {0};
     tdm_train_dp_ctx ctx = {0};
+    tdm_train_run r = {0};
     tdm_status st;
-    if ((st = tdm_model_spec_parse(&spec, a->model)) != TDM_STATUS_OK) {
-        tdm_train_fail("--model", st);
-        return 2;
-    }
-    if (a->threads != 1)
-        fprintf(stderr, "tandem train: note: --threads applies to --mode single; each DP "
-                        "device computes on one thread\n");
-    if ((st = tdm_dp_devices_open(a->device, devs, &n)) != TDM_STATUS_OK) {
-        tdm_train_fail("--device", st);
-        return st == TDM_STATUS_INVALID_ARG ? 2 : 1;
-    }
-    int64_t start_epoch = 0;
-    if ((rc = tdm_train_setup(a, &spec, devs[0], &train, &test, &m, &opt, &start_epoch)))
-        goto done;
-    rc = 1;
+    if ((st = tdm_model_spec_parse(&spec, a->model)) != TDM_STATUS_OK)
+        return tdm_train_fail("--model", tdm_tool_usage(st));
+    tdm_train_note_threads(a, "DP device");
+    if ((st = tdm_dp_devices_open(a->device, devs, &n)) != TDM_STATUS_OK)
+        return tdm_train_fail("--device", st == TDM_STATUS_INVALID_ARG ? tdm_tool_usage(st) : st);
+    TDM_TRY(tdm_train_setup(a, &spec, devs[0], &train, &test, &m, &opt, &r.start_epoch));
     if ((st = tdm_dp_init(&dp, m, devs, n, NULL)) != TDM_STATUS_OK) {
         tdm_train_fail("DataParallel", st);
-        goto done;
+        goto fail;
     }
     if (a->batch < n)
         fprintf(stderr, "tandem train: note: batch %lld is smaller than %d devices: DP splits "
@@ -66,30 +59,24 @@ int tdm_train_run_dp(const tdm_train_args *a)
                         "torch.nn.DataParallel does\n", a->batch, n, a->batch);
     char desc[96];
     snprintf(desc, sizeof desc, "DataParallel over %d device%s (%s), output device %s", n,
-             n > 1 ? "s" : "", a->device, devs[0]->name);
+             n > 1 ? "s" : "", a->device, tdm_dev_name(devs[0]));
     tdm_train_print_header(a, &spec, &train, &test, tdm_model_param_elems(m), desc);
     ctx.dp = dp;
     ctx.opt = opt;
-    if (!tdm_train_epochs(a, m, opt, &train, &test, tdm_train_dp_step, &ctx, start_epoch, NULL,
-                          NULL, NULL, NULL))
-        goto done;
-    if (ctx.steps > 0) {
-        double total = ctx.step_ms / (double)ctx.steps;
-        printf("DP step, mean over %lld steps: %.2f ms\n", (long long)ctx.steps, total);
-        for (int p = 0; p < TDM_PHASE_COUNT_; p++) {
-            double ms = ctx.sum.ms[p] / (double)ctx.steps;
-            if (p == TDM_PHASE_ALLREDUCE_WAIT) continue;
-            printf("  %-12s %8.2f ms  %5.1f%%\n", tdm_phase_name((tdm_phase)p), ms,
-                   total > 0 ? 100.0 * ms / total : 0.0);
-        }
-    }
-    rc = 0;
-done:
+    r.m = m;
+    r.opt = opt;
+    r.step = tdm_train_dp_step;
+    r.step_ctx = &ctx;
+    r.train = &train;
+    r.test = &test;
+    TDM_TRY(tdm_train_epochs(a, &r));
+    tdm_train_print_dp_phases(&ctx.sum, ctx.step_ms, ctx.steps);
+fail:
     tdm_dp_free(dp);
     tdm_optim_free(opt);
     tdm_model_free(m);
     tdm_dp_devices_close(devs, n);
     tdm_data_free(&train);
     tdm_data_free(&test);
-    return rc;
+    return st;
 }

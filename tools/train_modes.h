@@ -1,13 +1,19 @@
-/* tools/train_modes.h: what `tandem train` shares between its modes: the
- * parsed arguments, data and optimizer set-up, the epoch driver, and one
- * entry per mode. DP and DDP modes live in their own files (linked weakly
- * so a build without them still runs single-device training). */
+/* tools/train_modes.h: what the files of `tandem train` share: the parsed
+ * arguments, one process's set-up steps, the one epoch loop that every
+ * mode and model runs (tools/train_loop.c), and one entry per mode.
+ * tools/train.c parses, checks and dispatches and runs --mode single;
+ * train_dp.c and train_ddp.c are the other image modes (linked weakly, so
+ * a build without them still trains on one device), train_text.c is
+ * --model gpt in every mode. Each function below says on stderr what
+ * failed and returns the status (TDM_STATUS_USAGE for a command line
+ * that cannot work); tdm_tool_exit (tools/tools.h) makes the exit code. */
 #ifndef TDM_TOOLS_TRAIN_MODES_H
 #define TDM_TOOLS_TRAIN_MODES_H
 
 #include <stdint.h>
 
 #include "core/data.h"
+#include "core/text.h"
 #include "models/checkpoint.h"
 #include "models/model.h"
 #include "models/optim.h"
@@ -26,71 +32,82 @@ typedef struct tdm_train_args {
     int nesterov, no_eval, quiet, no_overlap;
 } tdm_train_args;
 
-/* Evaluates m on test after an epoch (NULL: tdm_evaluate on this process
- * alone; DDP spreads it over the ranks). */
-typedef tdm_status (*tdm_train_eval_fn)(void *ctx, tdm_model *m, const tdm_dataset *test,
-                                        double *loss_mean, double *accuracy);
+/* ---- set-up steps (tools/train.c) ---- */
 
-/* Called after each epoch (e.g. DDP's barrier); return 0 to stop. */
-typedef int (*tdm_train_after_epoch_fn)(void *ctx, int64_t epoch);
-
-int tdm_train_mode_absent(const char *mode);
-/* "tandem train: <what>: <the error message, or the status's name>" on stderr. */
-void tdm_train_fail(const char *what, tdm_status st);
+/* "tandem train: <what>: <the error message, or the status's name>" on
+ * stderr; returns st. */
+tdm_status tdm_train_fail(const char *what, tdm_status st);
+/* A mode this build does not have: USAGE. */
+tdm_status tdm_train_mode_absent(const char *mode);
 /* A process's training set-up on dev (single and DP): loads the data,
  * builds the model, checks that the data fits it, makes the optimizer
- * and applies --resume. Returns 0, or the exit code (1 runtime, 2 usage)
- * after saying why; what it made is in *m / *opt / train / test either
- * way, for the caller to free. */
-int tdm_train_setup(const tdm_train_args *a, const tdm_model_spec *spec, tdm_device *dev,
-                    tdm_dataset *train, tdm_dataset *test, tdm_model **m, tdm_optim **opt,
-                    int64_t *start_epoch);
-int tdm_train_load_data(const tdm_train_args *a, const tdm_model_spec *spec, tdm_dataset *train,
-                        tdm_dataset *test);
-/* 1 when the data's features per sample fit the model; else 0, said on stderr. */
-int tdm_train_check_features(const tdm_dataset *train, const tdm_model *m);
+ * and applies --resume. What it made is in *m / *opt / train / test
+ * either way, for the caller to free. */
+tdm_status tdm_train_setup(const tdm_train_args *a, const tdm_model_spec *spec, tdm_device *dev,
+                           tdm_dataset *train, tdm_dataset *test, tdm_model **m,
+                           tdm_optim **opt, int64_t *start_epoch);
+/* Fashion-MNIST (--data DIR) or the synthetic set; on failure nothing is
+ * left to free. */
+tdm_status tdm_train_load_data(const tdm_train_args *a, const tdm_model_spec *spec,
+                               tdm_dataset *train, tdm_dataset *test);
+/* USAGE unless the data's features per sample fit the model. */
+tdm_status tdm_train_check_features(const tdm_dataset *train, const tdm_model *m);
 /* With --resume, loads the checkpoint into m and opt and sets *start_epoch
- * (0 without); 0 on failure, said on stderr. */
-int tdm_train_resume(const tdm_train_args *a, tdm_model *m, tdm_optim *opt,
-                     int64_t *start_epoch);
+ * (0 without). */
+tdm_status tdm_train_resume(const tdm_train_args *a, tdm_model *m, tdm_optim *opt,
+                            int64_t *start_epoch);
 void tdm_train_print_resumed(const char *path, const tdm_ckpt_info *info);
-int tdm_train_make_optim(const tdm_train_args *a, tdm_model *m, tdm_optim **opt);
+tdm_status tdm_train_make_optim(const tdm_train_args *a, tdm_model *m, tdm_optim **opt);
+/* The two header lines of an image run. */
 void tdm_train_print_header(const tdm_train_args *a, const tdm_model_spec *spec,
                             const tdm_dataset *train, const tdm_dataset *test, int64_t params,
                             const char *devices);
-int tdm_train_epochs(const tdm_train_args *a, tdm_model *m, tdm_optim *opt,
-                     const tdm_dataset *train, const tdm_dataset *test, tdm_train_step_fn step,
-                     void *step_ctx, int64_t start_epoch, tdm_train_eval_fn eval,
-                     void *eval_ctx, tdm_train_after_epoch_fn after, void *after_ctx);
+/* A note on stderr when --threads was given to a mode whose devices
+ * compute on one thread each ("DP device", "DDP rank"). */
+void tdm_train_note_threads(const tdm_train_args *a, const char *unit);
+/* "DP step, mean over N steps" and each phase's share (DP modes). */
+void tdm_train_print_dp_phases(const tdm_phase_times *sum, double step_ms, int64_t steps);
 
-/* The progress line (a bar on a terminal, every tenth of the epoch
- * otherwise), a tdm_train_progress_fn over a tdm_progress. */
-typedef struct tdm_progress {
-    int tty, quiet;
-    int64_t epoch, epochs;
-    int64_t last_tenth;
-} tdm_progress;
-void tdm_train_progress(void *ctx, int64_t step, int64_t steps, double loss, double sps);
+/* ---- the epoch loop (tools/train_loop.c) ---- */
 
-/* The learning-rate schedule wraps the mode's step: cosine annealing
- * (Loshchilov & Hutter, SGDR) from the base rate to 0 over all the run's
- * steps, a function of the optimizer's step count so resuming continues it.
- * tdm_train_sched_step is a tdm_train_step_fn over a tdm_train_sched. */
-typedef struct tdm_train_sched {
-    tdm_train_step_fn step;
-    void *ctx;
-    tdm_optim *opt;
-    double base_lr;
-    int64_t total_steps;
-    int cosine;
-} tdm_train_sched;
-tdm_status tdm_train_sched_step(void *p, const void *x, const int32_t *y, int batch,
-                                double *loss);
+/* After each epoch: evaluation (loss, and accuracy for images: NaN for
+ * text), and the hook after it (DDP's end-of-epoch barrier). */
+typedef tdm_status (*tdm_train_eval_fn)(void *ctx, double *loss_mean, double *accuracy);
+typedef tdm_status (*tdm_train_after_epoch_fn)(void *ctx, int64_t epoch);
 
-int tdm_train_run_single(const tdm_train_args *a);
+/* One process's run as the epoch loop sees it. */
+typedef struct tdm_train_run {
+    tdm_model *m;                  /* borrowed */
+    tdm_optim *opt;                /* borrowed */
+    int64_t start_epoch;           /* epochs a resumed checkpoint had done */
+    tdm_train_step_fn step;        /* the mode's step (models/train.h) */
+    void *step_ctx;
+    /* images: the training and test sets */
+    const tdm_dataset *train, *test;
+    /* text (when set): the training bytes, the context T, this process's
+     * windows [lo, hi) of each global batch, and the bigram baseline
+     * printed beside the validation loss */
+    const tdm_text *text;
+    int T, lo, hi;
+    double bigram;
+    tdm_train_eval_fn eval;        /* NULL: tdm_evaluate on the test set here (images) */
+    void *eval_ctx;
+    tdm_train_after_epoch_fn after;    /* may be NULL */
+    void *after_ctx;
+} tdm_train_run;
+
+/* Epochs start_epoch..--epochs-1: the learning-rate schedule on the
+ * optimizer, each epoch (with the progress line), evaluation, the epoch's
+ * line, the checkpoint (--save; refused when the last gradients are not
+ * finite), then `after`. On a failure, says what --save still holds. */
+tdm_status tdm_train_epochs(const tdm_train_args *a, const tdm_train_run *r);
+
+/* ---- the modes ---- */
+
+tdm_status tdm_train_run_single(const tdm_train_args *a);
 /* --model gpt: a language model on text, in every mode (tools/train_text.c). */
-int tdm_train_text_main(const tdm_train_args *a);
-int tdm_train_run_dp(const tdm_train_args *a) __attribute__((weak));
-int tdm_train_run_ddp(const tdm_train_args *a) __attribute__((weak));
+tdm_status tdm_train_text_main(const tdm_train_args *a);
+tdm_status tdm_train_run_dp(const tdm_train_args *a) __attribute__((weak));
+tdm_status tdm_train_run_ddp(const tdm_train_args *a) __attribute__((weak));
 
 #endif

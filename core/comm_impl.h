@@ -1,0 +1,73 @@
+/* core/comm_impl.h: the backend side of the communicator interface
+ * (core/comm.h), as ggml's ggml-backend-impl.h is to ggml-backend.h. A
+ * new communicator (shm/ between processes of one machine, cuda/'s NCCL,
+ * an MPI one between machines) is:
+ *
+ *   1. a struct of its own state (`impl`), made by its constructor
+ *      (tdm_comm_init_<name>(tdm_comm **out, ...), declared in its own
+ *      public header);
+ *   2. a static tdm_comm_ops filled with designated initializers
+ *      (`.run = ...`): run, abort and destroy are required, the rest
+ *      optional (NULL);
+ *   3. tdm_comm_create(out, &ops, impl, rank, size) at the end of the
+ *      constructor, which from then on owns impl.
+ *
+ * core/comm.c does the rest for every backend: argument checks (a `run`
+ * only ever sees a valid call: buffers, counts, root, dtype and op
+ * checked, half types refused unless `half_types`), the progress thread
+ * that runs asynchronous calls in issue order, work handles, waits with
+ * timeouts, and the names of dtypes, ops and collectives.
+ *
+ * Included only by backends (core/comm.c, shm/, cuda/nccl_comm.c) and by
+ * tests that build a fake one. */
+#ifndef TDM_CORE_COMM_IMPL_H
+#define TDM_CORE_COMM_IMPL_H
+
+#include "core/comm.h"
+
+/* What a backend implements. `run` executes one validated call
+ * synchronously on the calling thread, with the semantics at the top of
+ * core/comm.h (counts, in-place forms, rank-order reductions); the
+ * dispatcher guarantees that at most one thread calls `run` on a
+ * communicator at a time. A `run` never blocks without end: a peer that
+ * died or stalled, an abort raised by any rank, or the backend's deadline
+ * ends it with a status and a message that names the rank at fault (see
+ * shm/wait.c and cuda/nccl_watch.c's watchdog). */
+typedef struct tdm_comm_ops {
+    const char *name;                                   /* "shm", "nccl" */
+    tdm_status (*run)(void *impl, const tdm_comm_call *call);
+    /* Raise the group abort flag: this rank's pending and later calls,
+     * and every other rank's, fail. Must be safe from any thread, while
+     * `run` is blocked in a wait. */
+    tdm_status (*abort)(void *impl, const char *reason);
+    /* Optional: name of the algorithm the last call used ("one-shot",
+     * "rs-ag", "rs-ag-zero-copy", "ring", ...). NULL: "default". */
+    const char *(*last_algo)(void *impl);
+    /* Optional: memory the backend can reduce in without copying (shm:
+     * symmetric buffers inside the segment; NCCL: device memory). NULL:
+     * TDM_STATUS_UNSUPPORTED. */
+    tdm_status (*alloc)(void *impl, size_t nbytes, void **ptr);
+    /* Releases impl. Called once, after the progress thread has drained. */
+    void (*destroy)(void *impl);
+    /* Optional: called on the issuing thread when a call is queued for the
+     * progress thread, before the issuer goes on, so the backend can note
+     * where the issuer is now (NCCL: an event on the compute stream, so
+     * that the collective waits for the work issued before it and not for
+     * what the issuer enqueues after). May set call->token; every queued
+     * call then reaches `run`, which must release it. An error fails the
+     * submission. */
+    tdm_status (*prepare)(void *impl, tdm_comm_call *call);
+    /* 1 when `run` handles TDM_DTYPE_BFLOAT16 and TDM_DTYPE_FLOAT16; left 0,
+     * the dispatcher refuses them (TDM_STATUS_UNSUPPORTED) before `run`. */
+    int half_types;
+} tdm_comm_ops;
+
+/* Wraps impl (owned from now on: destroyed by tdm_comm_free, or here on
+ * failure) into a communicator of `size` ranks, this one `rank`. */
+tdm_status tdm_comm_create(tdm_comm **out, const tdm_comm_ops *ops,
+                           void *impl, int rank, int size);
+/* The impl a backend gave tdm_comm_create, for its own functions that take
+ * a tdm_comm (check the backend's name first: tdm_comm_backend_name). */
+void *tdm_comm_impl(const tdm_comm *comm);
+
+#endif

@@ -1,0 +1,167 @@
+/* tools/train_loop.c: the epoch loop of `tandem train`, the one every
+ * mode (single, DP, DDP ranks) and model (images, a GPT on text) runs:
+ * the learning-rate schedule on the optimizer, each epoch with its
+ * progress line, evaluation, the epoch's line, the checkpoint, and the
+ * mode's hook after the epoch. What differs between modes comes in a
+ * tdm_train_run (tools/train_modes.h): the step, the evaluation, the
+ * hook; what differs between images and text is the data, the epoch's
+ * line and the saved line. */
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "models/checkpoint.h"
+#include "models/train_text.h"
+#include "tools/train_modes.h"
+
+/* The progress line: a bar on a terminal, else a line every tenth of the
+ * epoch; a tdm_train_progress_fn over a tdm_progress. */
+typedef struct tdm_progress {
+    int tty, quiet;
+    int64_t epoch, epochs;
+    int64_t last_tenth;
+} tdm_progress;
+
+static void tdm_train_progress(void *ctx, int64_t step, int64_t steps, double loss, double sps)
+{
+    tdm_progress *p = ctx;
+    if (p->quiet) return;
+    if (p->tty) {
+        int width = 30, filled = (int)(width * step / steps);
+        fprintf(stderr, "\r  epoch %lld/%lld [", (long long)p->epoch + 1, (long long)p->epochs);
+        for (int i = 0; i < width; i++) fputc(i < filled ? '=' : (i == filled ? '>' : ' '), stderr);
+        fprintf(stderr, "] %lld/%lld loss %.4f  %.0f samples/s   ", (long long)step,
+                (long long)steps, loss, sps);
+        if (step == steps) fputs("\r\033[K", stderr);
+        fflush(stderr);
+    } else {
+        int64_t tenth = step * 10 / steps;
+        if (tenth != p->last_tenth && (tenth < 10)) {
+            printf("  epoch %lld/%lld step %lld/%lld loss %.4f %.0f samples/s\n",
+                   (long long)p->epoch + 1, (long long)p->epochs, (long long)step,
+                   (long long)steps, loss, sps);
+            fflush(stdout);
+        }
+        p->last_tenth = tenth;
+    }
+}
+
+/* Steps per epoch: the global batches of the training set (windows of
+ * text), --max-steps at most. */
+static int64_t tdm_train_epoch_steps(const tdm_train_args *a, const tdm_train_run *r)
+{
+    int64_t full = r->text ? tdm_train_text_steps_per_epoch(r->text, r->T, (int)a->batch)
+                           : (r->train->n + a->batch - 1) / a->batch;
+    return a->max_steps > 0 && a->max_steps < full ? a->max_steps : full;
+}
+
+static tdm_status tdm_train_one_epoch(const tdm_train_args *a, const tdm_train_run *r,
+                                      int64_t e, tdm_progress *p, tdm_epoch_stats *es)
+{
+    tdm_train_epoch_opts o = {.batch = (int)a->batch, .seed = (uint64_t)a->seed, .epoch = e,
+                              .max_steps = a->max_steps, .step = r->step,
+                              .step_ctx = r->step_ctx, .progress = tdm_train_progress,
+                              .progress_ctx = p};
+    tdm_model_set_train(r->m, 1);
+    if (r->text) return tdm_train_text_epoch(r->text, r->T, r->lo, r->hi, &o, es);
+    return tdm_train_epoch(r->train, &o, es);
+}
+
+static tdm_status tdm_train_evaluate(const tdm_train_run *r, double *loss, double *acc)
+{
+    if (r->eval) return r->eval(r->eval_ctx, loss, acc);
+    return tdm_evaluate(r->m, r->test, 1000, loss, acc);
+}
+
+static void tdm_train_print_epoch(const tdm_train_args *a, const tdm_train_run *r, int64_t e,
+                                  const tdm_epoch_stats *es, double loss, double acc)
+{
+    if (r->text) {
+        printf("epoch %lld/%lld: train loss %.4f, %.0f windows/s = %.0f tokens/s (%.1f s)",
+               (long long)e + 1, (long long)a->epochs, es->loss_mean, es->samples_per_s,
+               es->samples_per_s * r->T, es->seconds);
+        if (!a->no_eval)
+            printf(", val loss %.4f nats = %.3f bits per byte (bigram %.4f)", loss, loss / M_LN2,
+                   r->bigram);
+    } else {
+        printf("epoch %lld/%lld: train loss %.4f, %.0f samples/s (%.1f s)", (long long)e + 1,
+               (long long)a->epochs, es->loss_mean, es->samples_per_s, es->seconds);
+        if (!a->no_eval) printf(", test loss %.4f, test accuracy %.4f", loss, acc);
+    }
+    printf("\n");
+    fflush(stdout);
+}
+
+/* --save after epoch e: the last step's gradients must be finite, or the
+ * run went bad (the parameters are checked by the save itself). */
+static tdm_status tdm_train_save(const tdm_train_args *a, const tdm_train_run *r, int64_t e)
+{
+    tdm_ckpt_info info = {.step = tdm_optim_steps(r->opt), .epoch = e + 1,
+                          .seed = (uint64_t)a->seed};
+    double gnorm = 0.0;
+    tdm_status st = tdm_train_grad_norm(r->m, &gnorm);
+    if (st == TDM_STATUS_OK) st = tdm_checkpoint_save(a->save, r->m, r->opt, &info);
+    else tdm_error_prefix(st, "step %lld: refusing to save %s", (long long)info.step, a->save);
+    if (st != TDM_STATUS_OK) return st;
+    if (a->quiet) return TDM_STATUS_OK;
+    printf("  saved %s (epoch %lld, step %lld)", a->save, (long long)e + 1, (long long)info.step);
+    if (r->text) printf("; tandem sample --resume %s", a->save);
+    printf("\n");
+    return TDM_STATUS_OK;
+}
+
+/* After a failure: what --save holds now, so nobody wonders whether the
+ * failed run replaced it. */
+static void tdm_train_note_kept(const tdm_train_args *a, int64_t saved_epoch)
+{
+    if (!a->save || access(a->save, F_OK) != 0) return;
+    if (saved_epoch > 0)
+        fprintf(stderr, "tandem train: %s was left as it was: it holds epoch %lld, the last "
+                        "good one\n", a->save, (long long)saved_epoch);
+    else
+        fprintf(stderr, "tandem train: %s was left as it was\n", a->save);
+}
+
+tdm_status tdm_train_epochs(const tdm_train_args *a, const tdm_train_run *r)
+{
+    int cosine = !strcmp(a->lr_schedule, "cosine");
+    tdm_status st = tdm_optim_set_schedule(
+        r->opt, cosine ? TDM_OPTIM_SCHEDULE_COSINE : TDM_OPTIM_SCHEDULE_CONST, a->lr,
+        tdm_train_epoch_steps(a, r) * a->epochs);
+    if (st != TDM_STATUS_OK) return tdm_train_fail("--lr-schedule", st);
+    if (r->start_epoch >= a->epochs) {
+        printf("tandem train: the checkpoint has %lld epoch%s done and --epochs %lld asks for "
+               "no more: nothing to do (raise --epochs to train further)\n",
+               (long long)r->start_epoch, r->start_epoch == 1 ? "" : "s", a->epochs);
+        fflush(stdout);
+        return TDM_STATUS_OK;
+    }
+    tdm_progress p = {.tty = isatty(STDERR_FILENO), .quiet = a->quiet, .epochs = a->epochs};
+    int64_t saved_epoch = -1;   /* the last epoch this run saved */
+    for (int64_t e = r->start_epoch; e < a->epochs; e++) {
+        tdm_epoch_stats es;
+        p.epoch = e;
+        p.last_tenth = -1;
+        if ((st = tdm_train_one_epoch(a, r, e, &p, &es)) != TDM_STATUS_OK) {
+            if (p.tty && !p.quiet) fputs("\n", stderr);
+            tdm_train_fail("training", st);
+            tdm_train_note_kept(a, saved_epoch);
+            return st;
+        }
+        double loss = NAN, acc = NAN;
+        if (!a->no_eval && (st = tdm_train_evaluate(r, &loss, &acc)) != TDM_STATUS_OK)
+            return tdm_train_fail("evaluation", st);
+        tdm_train_print_epoch(a, r, e, &es, loss, acc);
+        if (a->save) {
+            if ((st = tdm_train_save(a, r, e)) != TDM_STATUS_OK) {
+                tdm_train_fail("saving checkpoint", st);
+                tdm_train_note_kept(a, saved_epoch);
+                return st;
+            }
+            saved_epoch = e + 1;
+        }
+        if (r->after && (st = r->after(r->after_ctx, e)) != TDM_STATUS_OK) return st;
+    }
+    return TDM_STATUS_OK;
+}
