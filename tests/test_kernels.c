@@ -189,7 +189,7 @@ Test(kernels, host_row_forms_equal_the_per_element_kernels_bitwise)
         float *rcol = tu_malloc((size_t)(rows * cols) * sizeof(float));
         tdm_rng r = tu_rng(90 + gi);
         tu_fill(&r, x, nx, -1, 1);
-        TU_OK(g_dev->ops->im2col(g_dev, &g, x, col));
+        TU_OK(tdm_dev_im2col(g_dev, &g, x, col));
         int64_t i = 0;
         for (int ci = 0; ci < g.c; ci++)
             for (int ki = 0; ki < g.kh; ki++)
@@ -201,7 +201,7 @@ Test(kernels, host_row_forms_equal_the_per_element_kernels_bitwise)
         cr_assert(!memcmp(col, rcol, (size_t)(rows * cols) * sizeof(float)),
                   "geom %zu: host im2col differs from tdm_k_im2col", gi);
         tu_fill(&r, col, rows * cols, -1, 1);
-        TU_OK(g_dev->ops->col2im(g_dev, &g, col, dx));
+        TU_OK(tdm_dev_col2im(g_dev, &g, col, dx));
         i = 0;
         for (int ci = 0; ci < g.c; ci++)
             for (int n = 0; n < g.n; n++)
@@ -342,7 +342,7 @@ Test(kernels, bn_host_reductions_are_the_lane_slices)
         tdm_rng r = tu_rng(100 + li);
         tu_fill(&r, x, ch * len, -2, 3);
         tu_fill(&r, dy, ch * len, -1, 1);
-        TU_OK(g_dev->ops->bn_stats(g_dev, x, ch, len, mean, var));
+        TU_OK(tdm_dev_bn_stats(g_dev, x, ch, len, mean, var));
         for (int c = 0; c < ch; c++) {
             const float *row = x + c * len;
             double p[TDM_K_BN_LANES];
@@ -357,7 +357,7 @@ Test(kernels, bn_host_reductions_are_the_lane_slices)
                       (double)mean[c], (double)var[c], (double)wm[0], (double)wv[0]);
             istd[c] = 1.0f / sqrtf(var[c] + 1e-5f);
         }
-        TU_OK(g_dev->ops->bn_bwd(g_dev, x, dy, ch, len, mean, istd, gamma, NULL, dg, db, 1));
+        TU_OK(tdm_dev_bn_bwd(g_dev, x, dy, ch, len, mean, istd, gamma, NULL, dg, db, 1));
         for (int c = 0; c < ch; c++) {
             double a[TDM_K_BN_LANES], b[TDM_K_BN_LANES];
             for (int t = 0; t < TDM_K_BN_LANES; t++)
