@@ -33,11 +33,8 @@
 #include <unistd.h>
 
 #include "core/comm.h"
-#include "mpi/mpi_comm.h"
+#include "mpi/mpi_weak.h"
 #include "tests/cli_util.h"
-
-__attribute__((weak)) tdm_status tdm_comm_init_mpi(tdm_comm **out, const tdm_mpi_opts *opts);
-__attribute__((weak)) void tdm_mpi_finalize(void);
 
 #define MPI_T_ENV_WORKER "TDM_MPI_TEST_WORKER"
 #define MPI_T_ENV_TAG "TDM_MPI_TEST_TAG"

@@ -14,8 +14,7 @@
 
 #include "core/device.h"
 #include "tests/test_util.h"
-
-__attribute__((weak)) void tdm_mpi_library_version(char *buf, size_t len);
+#include "mpi/mpi_weak.h"
 
 static const char prog_src[] =
     "#include <stdio.h>\n"

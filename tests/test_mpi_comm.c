@@ -22,17 +22,7 @@
 #include "shm/shm_comm.h"
 #include "tests/mpi_test_util.h"
 #include "tests/shm_test_util.h"
-
-__attribute__((weak)) tdm_status tdm_mpi_init(void);
-__attribute__((weak)) void tdm_mpi_abort(const char *reason);
-__attribute__((weak)) uint64_t tdm_mpi_job_segment_id(const tdm_mpi_job *job);
-__attribute__((weak)) tdm_status tdm_mpi_job_init(tdm_mpi_job **out, const tdm_mpi_opts *opts);
-__attribute__((weak)) void tdm_mpi_job_free(tdm_mpi_job *job);
-__attribute__((weak)) const tdm_mpi_topo *tdm_mpi_job_topo(const tdm_mpi_job *job);
-__attribute__((weak)) tdm_status tdm_mpi_job_comm(tdm_mpi_job *job, tdm_mpi_backend b,
-                                                  const struct tdm_shm_opts *shm_opts,
-                                                  tdm_comm **out);
-__attribute__((weak)) tdm_status tdm_mpi_peer_run(tdm_comm *comm, const tdm_comm_call *call);
+#include "mpi/mpi_weak.h"
 
 /* --- workers (run inside the ranks) ------------------------------------------- */
 

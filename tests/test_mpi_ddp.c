@@ -17,13 +17,7 @@
 #include "mpi/job.h"
 #include "tests/mpi_test_util.h"
 #include "tests/test_ddp_util.h"
-
-__attribute__((weak)) tdm_status tdm_mpi_job_init(tdm_mpi_job **out, const tdm_mpi_opts *opts);
-__attribute__((weak)) void tdm_mpi_job_free(tdm_mpi_job *job);
-__attribute__((weak)) const tdm_mpi_topo *tdm_mpi_job_topo(const tdm_mpi_job *job);
-__attribute__((weak)) tdm_status tdm_mpi_job_comm(tdm_mpi_job *job, tdm_mpi_backend b,
-                                                  const struct tdm_shm_opts *shm_opts,
-                                                  tdm_comm **out);
+#include "mpi/mpi_weak.h"
 
 #define W_STEPS 12
 #define W_BATCH 23     /* uneven shares for 2..4 ranks */

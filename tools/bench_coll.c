@@ -34,7 +34,7 @@
 #include "tools/devices.h"
 #include "tools/mpi_job.h"
 #include "tools/tools.h"
-
+#include "mpi/mpi_weak.h"
 
 static void bench_usage(FILE *f)
 {
@@ -236,8 +236,6 @@ static void bench_buffers(const bench_cfg *cfg, const bench_bufs *b, int r, int 
     else if (cfg->coll == TDM_COLL_ALL_GATHER) *send = b->recv + blk;
     else *recv = b->send;
 }
-
-__attribute__((weak)) tdm_status tdm_mpi_peer_run(tdm_comm *comm, const tdm_comm_call *call);
 
 static tdm_status bench_call(const bench_target *t, const bench_cfg *cfg, const bench_bufs *b,
                              int inplace)

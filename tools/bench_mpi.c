@@ -13,17 +13,9 @@
 #include "core/device.h"
 #include "tools/bench_coll.h"
 #include "tools/mpi_job.h"
+#include "mpi/mpi_weak.h"
 
 /* mpi/ is optional (tools/mpi_job.c checks that it is built first). */
-__attribute__((weak)) tdm_status tdm_mpi_job_init(tdm_mpi_job **out, const tdm_mpi_opts *opts);
-__attribute__((weak)) void tdm_mpi_job_free(tdm_mpi_job *job);
-__attribute__((weak)) const tdm_mpi_topo *tdm_mpi_job_topo(const tdm_mpi_job *job);
-__attribute__((weak)) tdm_mpi_backend tdm_mpi_job_auto(const tdm_mpi_job *job);
-__attribute__((weak)) tdm_comm *tdm_mpi_job_world(tdm_mpi_job *job);
-__attribute__((weak)) tdm_status tdm_mpi_job_comm(tdm_mpi_job *job, tdm_mpi_backend b,
-                                                  const struct tdm_shm_opts *shm_opts,
-                                                  tdm_comm **out);
-__attribute__((weak)) void tdm_mpi_abort(const char *reason);
 
 /* Not under a launcher: the same command, under mpirun. */
 static tdm_status bench_mpi_relaunch(const bench_cfg *cfg, int argc, char **argv)

@@ -5,14 +5,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 
-#include "cuda/cuda.h"
 #include "ddp/pg.h"
 #include "shm/shm_comm.h"
 #include "tools/devices.h"
-
-__attribute__((weak)) tdm_status tdm_comm_init_nccl_opts(tdm_comm **out, tdm_comm *bootstrap,
-                                                         int device_index,
-                                                         const tdm_nccl_opts *opts);
+#include "cuda/cuda_weak.h"
 
 /* NCCL's watchdog polls this: the shm group's abort (a rank that failed
  * or died, or the parent stopping the job) stops a rank blocked in NCCL

@@ -9,8 +9,7 @@
 #include "tools/tools.h"
 
 #include "cuda/cuda_weak.h"   /* tdm_cuda_describe: NULL without the backend */
-/* mpi/mpi_comm.h, linked only when MPI's development files were found. */
-__attribute__((weak)) void tdm_mpi_library_version(char *buf, size_t len);
+#include "mpi/mpi_weak.h"
 
 #ifndef TDM_VERSION
 #define TDM_VERSION "0.1.0"
@@ -18,7 +17,6 @@ __attribute__((weak)) void tdm_mpi_library_version(char *buf, size_t len);
 #ifndef TDM_NVCC
 #define TDM_NVCC ""
 #endif
-
 
 int tdm_tool_info_main(int argc, char **argv)
 {

@@ -6,18 +6,9 @@
 #include <string.h>
 
 #include "core/log.h"
+#include "mpi/mpi_weak.h"
 
 /* mpi/ is optional: NULL where it is not built. */
-__attribute__((weak)) tdm_status tdm_mpi_job_init(tdm_mpi_job **out, const tdm_mpi_opts *opts);
-__attribute__((weak)) void tdm_mpi_job_free(tdm_mpi_job *job);
-__attribute__((weak)) const tdm_mpi_topo *tdm_mpi_job_topo(const tdm_mpi_job *job);
-__attribute__((weak)) tdm_mpi_backend tdm_mpi_job_auto(const tdm_mpi_job *job);
-__attribute__((weak)) tdm_comm *tdm_mpi_job_world(tdm_mpi_job *job);
-__attribute__((weak)) void tdm_mpi_abort(const char *reason);
-__attribute__((weak)) void tdm_mpi_finalize(void);
-__attribute__((weak)) tdm_status tdm_mpi_job_comm(tdm_mpi_job *job, tdm_mpi_backend b,
-                                                  const struct tdm_shm_opts *shm_opts,
-                                                  tdm_comm **out);
 
 static const char *const tdm_tool_mpi_vars[] = {"OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_SIZE"};
 
