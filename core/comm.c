@@ -288,9 +288,11 @@ tdm_status tdm_comm_call_check(const tdm_comm *comm, const tdm_comm_call *k)
             TDM_REQUIRE(root != comm->rank, TDM_STATUS_INVALID_ARG,
                         "%s: peer %d is this rank", name, root);
     }
-    size_t es = tdm_dtype_size(k->dtype);
-    TDM_REQUIRE(k->count <= SIZE_MAX / es / (size_t)comm->size, TDM_STATUS_INVALID_ARG,
-                "%s: count %zu too large", name, k->count);
+    size_t es = tdm_dtype_size(k->dtype), total;
+    /* count * es * size must fit a size_t (a multiplication: this runs on
+     * every call, and two divisions cost more than the rest of the checks) */
+    TDM_REQUIRE(!__builtin_mul_overflow(k->count, es * (size_t)comm->size, &total),
+                TDM_STATUS_INVALID_ARG, "%s: count %zu too large", name, k->count);
     if (k->count == 0) return TDM_STATUS_OK;
     int me_root = root == comm->rank;
     int need_send = 1, need_recv = 1;

@@ -67,8 +67,18 @@ static tdm_status host_gemm(tdm_device *d, tdm_trans ta, tdm_trans tb, int m, in
     return TDM_STATUS_OK;
 }
 
-static tdm_status host_bias_act(tdm_device *d, float *y, const float *bias, int64_t rows,
-                                int cols, tdm_act act)
+/* The elementwise kernels of the CNN and the GPT are built for AVX2 as well (see TDM_HOST_WIDE below):
+ * every element is computed as before, only in wider registers. */
+#ifdef __SANITIZE_THREAD__
+/* target_clones' ifunc resolver runs during relocation, before the
+ * ThreadSanitizer runtime is up, and crashes there: one version under TSan */
+#define TDM_HOST_WIDE
+#else
+#define TDM_HOST_WIDE __attribute__((target_clones("avx2", "default")))
+#endif
+
+TDM_HOST_WIDE static tdm_status host_bias_act(tdm_device *d, float *y, const float *bias,
+                                             int64_t rows, int cols, tdm_act act)
 {
     (void)d;
     int relu = act == TDM_ACT_RELU;
@@ -77,7 +87,7 @@ static tdm_status host_bias_act(tdm_device *d, float *y, const float *bias, int6
     return TDM_STATUS_OK;
 }
 
-static tdm_status host_relu_bwd(tdm_device *d, float *dy, const float *y, int64_t n_elem)
+TDM_HOST_WIDE static tdm_status host_relu_bwd(tdm_device *d, float *dy, const float *y, int64_t n_elem)
 {
     (void)d;
     for (int64_t i = 0; i < n_elem; i++) tdm_k_relu_bwd(i, dy, y);
@@ -112,39 +122,96 @@ static tdm_status host_scale(tdm_device *d, int64_t n_elem, float alpha, float *
     return TDM_STATUS_OK;
 }
 
-static tdm_status host_im2col(tdm_device *d, const tdm_conv_geom *gp, const float *x, float *col)
+
+/* The rows oy whose input row iy = oy * stride - pad + ki is inside the
+ * image: [*lo, *hi) (tdm_k_conv_span in the other direction). */
+static void host_conv_rows(const tdm_conv_geom *g, int ki, int *lo, int *hi)
+{
+    tdm_k_conv_span(g->oh, g->h, g->stride, ki - g->pad, lo, hi);
+}
+
+/* im2col as strided row copies: for each row (ci, ki, kj) of col and each
+ * image n, the oh x ow block read from the input plane shifted by (ki, kj),
+ * zeros outside the image. col is written in order; the values are
+ * tdm_k_im2col's. The spans depend on (ki, kj) only. */
+TDM_HOST_WIDE static tdm_status host_im2col(tdm_device *d, const tdm_conv_geom *gp,
+                                           const float *x, float *col)
 {
     (void)d;
     const tdm_conv_geom g = *gp;
-    int64_t i = 0;
+    size_t row_bytes = (size_t)g.ow * sizeof(float);
+    float *out = col;
     for (int ci = 0; ci < g.c; ci++)
-        for (int ki = 0; ki < g.kh; ki++)
-            for (int kj = 0; kj < g.kw; kj++)
-                for (int n = 0; n < g.n; n++)
-                    for (int oy = 0; oy < g.oh; oy++)
-                        for (int ox = 0; ox < g.ow; ox++, i++)
-                            tdm_k_im2col(i, ci, ki, kj, n, oy, ox, g, x, col);
+        for (int ki = 0; ki < g.kh; ki++) {
+            int ylo, yhi;
+            host_conv_rows(&g, ki, &ylo, &yhi);
+            for (int kj = 0; kj < g.kw; kj++) {
+                int dx = kj - g.pad, lo, hi;
+                tdm_k_conv_span(g.ow, g.w, g.stride, dx, &lo, &hi);
+                for (int n = 0; n < g.n; n++, out += (int64_t)g.oh * g.ow) {
+                    const float *plane = x + ((int64_t)ci * g.n + n) * g.h * g.w;
+                    memset(out, 0, (size_t)ylo * row_bytes);
+                    for (int oy = ylo; oy < yhi; oy++) {
+                        int iy = oy * g.stride - g.pad + ki;
+                        tdm_k_im2col_row(out + (int64_t)oy * g.ow, plane + (int64_t)iy * g.w,
+                                         g.ow, g.stride, dx, lo, hi);
+                    }
+                    memset(out + (int64_t)yhi * g.ow, 0, (size_t)(g.oh - yhi) * row_bytes);
+                }
+            }
+        }
     return TDM_STATUS_OK;
 }
 
-static tdm_status host_col2im(tdm_device *d, const tdm_conv_geom *gp, const float *col, float *dx)
+/* col2im as a scatter of rows onto each zeroed (ci, n) plane, (ki, kj) in
+ * order: the same sums in the same order as tdm_k_col2im's gather (see
+ * tdm_k_col2im_add_row), with the plane in L1 and col read in runs. */
+TDM_HOST_WIDE static tdm_status host_col2im(tdm_device *d, const tdm_conv_geom *gp,
+                                           const float *col, float *dx)
 {
     (void)d;
     const tdm_conv_geom g = *gp;
-    int64_t i = 0;
+    int64_t ncols = (int64_t)g.n * g.oh * g.ow;
     for (int ci = 0; ci < g.c; ci++)
-        for (int n = 0; n < g.n; n++)
-            for (int iy = 0; iy < g.h; iy++)
-                for (int ix = 0; ix < g.w; ix++, i++) tdm_k_col2im(i, ci, n, iy, ix, g, col, dx);
+        for (int n = 0; n < g.n; n++) {
+            float *plane = dx + ((int64_t)ci * g.n + n) * g.h * g.w;
+            memset(plane, 0, (size_t)g.h * g.w * sizeof(float));
+            for (int ki = 0; ki < g.kh; ki++) {
+                int ylo, yhi;
+                host_conv_rows(&g, ki, &ylo, &yhi);
+                for (int kj = 0; kj < g.kw; kj++) {
+                    int dxo = kj - g.pad, lo, hi;
+                    tdm_k_conv_span(g.ow, g.w, g.stride, dxo, &lo, &hi);
+                    const float *crow = col + (((int64_t)ci * g.kh + ki) * g.kw + kj) * ncols +
+                                        (int64_t)n * g.oh * g.ow;
+                    for (int oy = ylo; oy < yhi; oy++) {
+                        int iy = oy * g.stride - g.pad + ki;
+                        tdm_k_col2im_add_row(plane + (int64_t)iy * g.w, crow + (int64_t)oy * g.ow,
+                                             g.stride, dxo, lo, hi);
+                    }
+                }
+            }
+        }
     return TDM_STATUS_OK;
 }
 
-static tdm_status host_maxpool_fwd(tdm_device *d, const tdm_conv_geom *gp, const float *x,
-                                   float *y, int32_t *argmax)
+TDM_HOST_WIDE static tdm_status host_maxpool_fwd(tdm_device *d, const tdm_conv_geom *gp,
+                                                const float *x, float *y, int32_t *argmax)
 {
     (void)d;
     const tdm_conv_geom g = *gp;
     int64_t planes = (int64_t)g.c * g.n, i = 0;
+    if (g.kh == 2 && g.kw == 2 && g.stride == 2) {
+        /* The usual window, with its constants visible to the compiler so
+         * that a row of outputs vectorises: the same per-element kernel. */
+        tdm_conv_geom g2 = g;
+        g2.kh = g2.kw = g2.stride = 2;
+        for (int64_t p = 0; p < planes; p++)
+            for (int oy = 0; oy < g2.oh; oy++)
+                for (int ox = 0; ox < g2.ow; ox++, i++)
+                    tdm_k_maxpool_fwd(i, p, oy, ox, g2, x, y, argmax);
+        return TDM_STATUS_OK;
+    }
     for (int64_t p = 0; p < planes; p++)
         for (int oy = 0; oy < g.oh; oy++)
             for (int ox = 0; ox < g.ow; ox++, i++) tdm_k_maxpool_fwd(i, p, oy, ox, g, x, y, argmax);
@@ -163,11 +230,21 @@ static tdm_status host_maxpool_bwd(tdm_device *d, const tdm_conv_geom *gp, const
     return TDM_STATUS_OK;
 }
 
-static tdm_status host_bn_stats(tdm_device *d, const float *x, int channels, int64_t len,
-                                float *mean, float *var)
+/* The batchnorm reductions run TDM_K_BN_LANES slices at once (the slices
+ * of core/kernels.h, added as a tree): a single running double sum is one
+ * dependent add per element, several times slower than the row's load. */
+TDM_HOST_WIDE static tdm_status host_bn_stats(tdm_device *d, const float *x, int channels,
+                                             int64_t len, float *mean, float *var)
 {
     (void)d;
-    for (int ch = 0; ch < channels; ch++) tdm_k_bn_stats_ch(ch, x, len, mean, var);
+    double acc[TDM_K_BN_LANES];
+    for (int ch = 0; ch < channels; ch++) {
+        const float *r = x + (int64_t)ch * len;
+        tdm_k_bn_sum_lanes(r, len, acc);
+        double m = tdm_k_bn_lanes_total(acc) / (double)len;
+        tdm_k_bn_sqdev_lanes(r, len, m, acc);
+        tdm_k_bn_stats_store(ch, m, tdm_k_bn_lanes_total(acc), len, mean, var);
+    }
     return TDM_STATUS_OK;
 }
 
@@ -181,25 +258,40 @@ static tdm_status host_bn_prep(tdm_device *d, int channels, float *mean, const f
     return TDM_STATUS_OK;
 }
 
-static tdm_status host_bn_fwd(tdm_device *d, const float *x, int channels, int64_t len,
-                              const float *mean, const float *invstd, const float *gamma,
-                              const float *beta, float *y)
+TDM_HOST_WIDE static tdm_status host_bn_fwd(tdm_device *d, const float *x, int channels,
+                                           int64_t len, const float *mean, const float *invstd,
+                                           const float *gamma, const float *beta, float *y)
 {
     (void)d;
-    for (int ch = 0; ch < channels; ch++)
-        for (int64_t j = 0; j < len; j++)
-            tdm_k_bn_fwd((int64_t)ch * len + j, ch, x, mean, invstd, gamma, beta, y);
+    for (int ch = 0; ch < channels; ch++) {
+        /* the channel's constants in locals, which y cannot alias: the
+         * row loop then vectorises */
+        const float m = mean[ch], is = invstd[ch], ga = gamma[ch], be = beta[ch];
+        const float *xr = x + (int64_t)ch * len;
+        float *yr = y + (int64_t)ch * len;
+        for (int64_t j = 0; j < len; j++) tdm_k_bn_fwd(j, 0, xr, &m, &is, &ga, &be, yr);
+    }
     return TDM_STATUS_OK;
 }
 
-static tdm_status host_bn_bwd(tdm_device *d, const float *x, const float *dy, int channels,
-                              int64_t len, const float *mean, const float *invstd,
-                              const float *gamma, float *dx, float *dgamma, float *dbeta,
-                              int train)
+TDM_HOST_WIDE static tdm_status host_bn_bwd(tdm_device *d, const float *x, const float *dy,
+                                           int channels, int64_t len, const float *mean,
+                                           const float *invstd, const float *gamma, float *dx,
+                                           float *dgamma, float *dbeta, int train)
 {
     (void)d;
-    for (int ch = 0; ch < channels; ch++)
-        tdm_k_bn_bwd_ch(ch, x, dy, len, mean, invstd, gamma, dx, dgamma, dbeta, train);
+    double a[TDM_K_BN_LANES], b[TDM_K_BN_LANES];
+    for (int ch = 0; ch < channels; ch++) {
+        const float *xr = x + (int64_t)ch * len, *dyr = dy + (int64_t)ch * len;
+        float m = mean[ch], is = invstd[ch], g = gamma[ch];
+        tdm_k_bn_bwd_lanes(xr, dyr, len, m, is, a, b);
+        double sdy = tdm_k_bn_lanes_total(a), sdyx = tdm_k_bn_lanes_total(b);
+        tdm_k_bn_bwd_params(ch, sdy, sdyx, dgamma, dbeta);
+        if (!dx) continue;
+        float *dxr = dx + (int64_t)ch * len;
+        for (int64_t j = 0; j < len; j++)
+            tdm_k_bn_bwd_dx(j, xr, dyr, dxr, m, is, g, len, sdy, sdyx, train);
+    }
     return TDM_STATUS_OK;
 }
 
@@ -289,14 +381,6 @@ static tdm_status host_layernorm_bwd(tdm_device *d, const float *x, const float 
 /* GELU and the attention softmax are the elementwise kernels a GPT step
  * spends real time in (their exp): also built for AVX2, picked at load time
  * where the CPU has it; no FMA, so both versions compute the same bits. */
-#ifdef __SANITIZE_THREAD__
-/* target_clones' ifunc resolver runs during relocation, before the
- * ThreadSanitizer runtime is up, and crashes there: one version under TSan */
-#define TDM_HOST_WIDE
-#else
-#define TDM_HOST_WIDE __attribute__((target_clones("avx2", "default")))
-#endif
-
 TDM_HOST_WIDE static tdm_status host_gelu_fwd(tdm_device *d, const float *x, float *y,
                                              int64_t n_elem)
 {

@@ -123,6 +123,47 @@ static inline TDM_HD void tdm_k_col2im(int64_t i, int ci, int n, int iy, int ix,
     dx[i] = s;
 }
 
+/* The host's form of im2col and col2im: whole rows as strided copies.
+ * For one (ci, ki, kj) row of col and one (n, oy) whose input row iy is
+ * inside the image, column ox reads input column ix = ox * stride + d
+ * (d = kj - pad) when 0 <= ix < w, else a zero. [*lo, *hi) is the range
+ * of ox that reads the image. */
+static inline TDM_HD void tdm_k_conv_span(int ow, int w, int stride, int d, int *lo, int *hi)
+{
+    int l = d >= 0 ? 0 : (-d + stride - 1) / stride;
+    int h = w - d <= 0 ? 0 : (w - d + stride - 1) / stride;
+    h = h < ow ? h : ow;
+    *lo = l < h ? l : h;
+    *hi = h;
+}
+
+/* out[ox] for ox in [0, ow): the values tdm_k_im2col writes for this row
+ * (a zero-filled head and tail, a copy in between); lo, hi from
+ * tdm_k_conv_span, which depends on the column offset only. */
+static inline TDM_HD void tdm_k_im2col_row(float *out, const float *xrow, int ow, int stride,
+                                           int d, int lo, int hi)
+{
+    for (int ox = 0; ox < lo; ox++) out[ox] = 0.0f;
+    if (stride == 1)
+        for (int ox = lo; ox < hi; ox++) out[ox] = xrow[ox + d];
+    else
+        for (int ox = lo; ox < hi; ox++) out[ox] = xrow[ox * stride + d];
+    for (int ox = hi; ox < ow; ox++) out[ox] = 0.0f;
+}
+
+/* Adds this col row's entries to the input row they were read from. Run
+ * over (ki, kj) in order on a zeroed plane, every dx element receives its
+ * contributions in the order tdm_k_col2im sums them, starting from 0: the
+ * same bits (each (ki, kj) reaches an element at most once). */
+static inline TDM_HD void tdm_k_col2im_add_row(float *dxrow, const float *colrow, int stride,
+                                               int d, int lo, int hi)
+{
+    if (stride == 1)
+        for (int ox = lo; ox < hi; ox++) dxrow[ox + d] += colrow[ox];
+    else
+        for (int ox = lo; ox < hi; ox++) dxrow[ox * stride + d] += colrow[ox];
+}
+
 /* Output element i of (C, N, OH, OW); window kh x kw at stride, no pad. */
 /* The window's running winner: NaN propagates as in PyTorch (a NaN wins,
  * the last one in window order). */
@@ -171,10 +212,12 @@ static inline TDM_HD void tdm_k_maxpool_bwd(int64_t i, int64_t plane, const tdm_
 /* ---- batchnorm over CNHW rows ----
  * Channel ch owns row x[ch*len .. +len). The per-channel reductions are
  * written as partial sums over a strided slice of the row (j = first,
- * first + step, ... < len) plus a finishing step, so that the host (one
- * slice: first 0, step 1, exactly the plain loop) and a CUDA block (one
- * slice per thread, then a tree over the partials) share the arithmetic
- * of every element; only the order in which partials are added differs. */
+ * first + step, ... < len) plus a finishing step, so that the host
+ * (TDM_K_BN_LANES slices at once, below, added as a tree) and a CUDA block
+ * (one slice per thread, then a tree over the partials) share the
+ * arithmetic of every element; only the number of slices differs.
+ * Two passes (mean, then squared deviations), both in double: one pass of
+ * sum and sum of squares cancels for rows far from zero. */
 
 /* sum of r[j] over the slice, in double so large batches keep precision */
 static inline TDM_HD double tdm_k_bn_sum_part(const float *r, int64_t len, int64_t first,
@@ -205,13 +248,44 @@ static inline TDM_HD void tdm_k_bn_stats_store(int ch, double m, double q, int64
     var[ch] = (float)(q / (double)len);
 }
 
-/* Channel ch: mean and biased variance of its row, two-pass in double. */
-static inline TDM_HD void tdm_k_bn_stats_ch(int ch, const float *x, int64_t len, float *mean,
-                                            float *var)
+/* The same slices, all at once, for a vectorising host loop: lane t of
+ * each result equals the slice function with first = t and step =
+ * TDM_K_BN_LANES (every lane adds its elements in increasing j), and
+ * tdm_k_bn_lanes_total adds the lanes as a tree. So the host computes
+ * exactly what a CUDA block of TDM_K_BN_LANES threads would. */
+#define TDM_K_BN_LANES 8
+
+static inline TDM_HD double tdm_k_bn_lanes_total(const double *p)
 {
-    const float *r = x + (int64_t)ch * len;
-    double m = tdm_k_bn_sum_part(r, len, 0, 1) / (double)len;
-    tdm_k_bn_stats_store(ch, m, tdm_k_bn_sqdev_part(r, len, m, 0, 1), len, mean, var);
+    double q[TDM_K_BN_LANES];
+    for (int t = 0; t < TDM_K_BN_LANES; t++) q[t] = p[t];
+    for (int s = TDM_K_BN_LANES / 2; s > 0; s >>= 1)
+        for (int t = 0; t < s; t++) q[t] += q[t + s];
+    return q[0];
+}
+
+static inline TDM_HD void tdm_k_bn_sum_lanes(const float *r, int64_t len, double *acc)
+{
+    for (int t = 0; t < TDM_K_BN_LANES; t++) acc[t] = 0.0;
+    int64_t j = 0;
+    for (; j + TDM_K_BN_LANES <= len; j += TDM_K_BN_LANES)
+        for (int t = 0; t < TDM_K_BN_LANES; t++) acc[t] += r[j + t];
+    for (int t = 0; j + t < len; t++) acc[t] += r[j + t];
+}
+
+static inline TDM_HD void tdm_k_bn_sqdev_lanes(const float *r, int64_t len, double m, double *acc)
+{
+    for (int t = 0; t < TDM_K_BN_LANES; t++) acc[t] = 0.0;
+    int64_t j = 0;
+    for (; j + TDM_K_BN_LANES <= len; j += TDM_K_BN_LANES)
+        for (int t = 0; t < TDM_K_BN_LANES; t++) {
+            double dlt = r[j + t] - m;
+            acc[t] += dlt * dlt;
+        }
+    for (int t = 0; j + t < len; t++) {
+        double dlt = r[j + t] - m;
+        acc[t] += dlt * dlt;
+    }
 }
 
 /* Channel ch, before the normalisation. Training: invstd from the batch's
@@ -258,6 +332,31 @@ static inline TDM_HD void tdm_k_bn_bwd_part(const float *xr, const float *dyr, i
     *sdyx = b;
 }
 
+/* tdm_k_bn_bwd_part's slices, all lanes at once (see tdm_k_bn_sum_lanes). */
+static inline TDM_HD void tdm_k_bn_bwd_lanes(const float *xr, const float *dyr, int64_t len,
+                                             float m, float is, double *sdy, double *sdyx)
+{
+    /* local lanes: the compiler cannot prove sdy and sdyx apart */
+    double a[TDM_K_BN_LANES], b[TDM_K_BN_LANES];
+    for (int t = 0; t < TDM_K_BN_LANES; t++) a[t] = b[t] = 0.0;
+    int64_t j = 0;
+    for (; j + TDM_K_BN_LANES <= len; j += TDM_K_BN_LANES)
+        for (int t = 0; t < TDM_K_BN_LANES; t++) {
+            double xh = (double)(xr[j + t] - m) * is;
+            a[t] += dyr[j + t];
+            b[t] += dyr[j + t] * xh;
+        }
+    for (int t = 0; j + t < len; t++) {
+        double xh = (double)(xr[j + t] - m) * is;
+        a[t] += dyr[j + t];
+        b[t] += dyr[j + t] * xh;
+    }
+    for (int t = 0; t < TDM_K_BN_LANES; t++) {
+        sdy[t] = a[t];
+        sdyx[t] = b[t];
+    }
+}
+
 /* dgamma += sum dy*xhat, dbeta += sum dy (the row's totals) */
 static inline TDM_HD void tdm_k_bn_bwd_params(int ch, double sdy, double sdyx, float *dgamma,
                                               float *dbeta)
@@ -278,23 +377,6 @@ static inline TDM_HD void tdm_k_bn_bwd_dx(int64_t j, const float *xr, const floa
     } else {
         dxr[j] = g * is * dyr[j];
     }
-}
-
-static inline TDM_HD void tdm_k_bn_bwd_ch(int ch, const float *x, const float *dy, int64_t len,
-                                          const float *mean, const float *invstd,
-                                          const float *gamma, float *dx, float *dgamma,
-                                          float *dbeta, int train)
-{
-    const float *xr = x + (int64_t)ch * len;
-    const float *dyr = dy + (int64_t)ch * len;
-    float m = mean[ch], is = invstd[ch], g = gamma[ch];
-    double sdy, sdyx;
-    tdm_k_bn_bwd_part(xr, dyr, len, m, is, 0, 1, &sdy, &sdyx);
-    tdm_k_bn_bwd_params(ch, sdy, sdyx, dgamma, dbeta);
-    if (!dx) return;
-    float *dxr = dx + (int64_t)ch * len;
-    for (int64_t j = 0; j < len; j++)
-        tdm_k_bn_bwd_dx(j, xr, dyr, dxr, m, is, g, len, sdy, sdyx, train);
 }
 
 /* Element (ni, ci, fi) of y (N, C, F) from x (C, N, F), and back. */

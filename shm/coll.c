@@ -52,21 +52,42 @@ static inline void tdm_shm_publish(tdm_shm_impl *c, int phase)
     tdm_shm_flag_publish(tdm_shm_flag_of(c, c->rank), 3 * c->round + (uint64_t)phase);
 }
 
+/* Waits until peer's epoch reaches target. Epochs only grow, so a value
+ * seen once (with acquire, pairing with the peer's publication) answers
+ * every later wait for a smaller target without touching the peer's line:
+ * a small collective's "has everyone finished round g-2" is answered by
+ * what its previous collective saw. The common cases stay inline; the
+ * out-of-line wait (spin, sleep, abort, liveness, deadline) runs only
+ * when the peer is not there yet. */
+static inline tdm_status tdm_shm_wait_peer(tdm_shm_impl *c, int peer, uint64_t target)
+{
+    if (c->peer_seen[peer] >= target) return TDM_STATUS_OK;
+    tdm_shm_flag *f = tdm_shm_flag_of(c, peer);
+    /* Acquire pairs with the seq_cst store in tdm_shm_flag_publish. */
+    uint64_t v = atomic_load_explicit(&f->value, memory_order_acquire);
+    if (v < target) {
+        TDM_CHECK(tdm_shm_flag_wait(c, f, target, peer));
+        v = target;
+    }
+    c->peer_seen[peer] = v;
+    return TDM_STATUS_OK;
+}
+
 static inline tdm_status tdm_shm_wait_phase(tdm_shm_impl *c, int peer, int phase)
 {
-    return tdm_shm_flag_wait(c, tdm_shm_flag_of(c, peer), 3 * c->round + (uint64_t)phase, peer);
+    return tdm_shm_wait_peer(c, peer, 3 * c->round + (uint64_t)phase);
 }
 
 static tdm_status tdm_shm_wait_all(tdm_shm_impl *c, uint64_t target)
 {
     for (int p = 0; p < c->world; p++)
-        if (p != c->rank) TDM_CHECK(tdm_shm_flag_wait(c, tdm_shm_flag_of(c, p), target, p));
+        if (p != c->rank) TDM_CHECK(tdm_shm_wait_peer(c, p, target));
     return TDM_STATUS_OK;
 }
 
 /* Before writing this round's staging buffer: every peer has finished the
  * round that last used it. */
-static tdm_status tdm_shm_round_begin(tdm_shm_impl *c)
+static inline tdm_status tdm_shm_round_begin(tdm_shm_impl *c)
 {
     if (c->round < TDM_SHM_NBUF) return TDM_STATUS_OK;
     return tdm_shm_wait_all(c, 3 * (c->round - TDM_SHM_NBUF) + 3);
@@ -150,7 +171,9 @@ static tdm_status tdm_shm_arrive_check(tdm_shm_impl *c)
         if (p == c->rank) continue;
         TDM_CHECK(tdm_shm_wait_phase(c, p, 1));
         const tdm_shm_desc *d = &tdm_shm_ctrl_of(c, p)->desc[c->seq & 1];
-        if (tdm_shm_desc_equal(mine, d)) continue;
+        /* Bytewise equal (describe writes every field) implies equal; the
+         * field-by-field rule only decides the rest. */
+        if (!memcmp(mine, d, sizeof *d) || tdm_shm_desc_equal(mine, d)) continue;
         char a[160], b[160];
         tdm_shm_desc_str(mine, a, sizeof a);
         tdm_shm_desc_str(d, b, sizeof b);
@@ -199,15 +222,15 @@ static size_t tdm_shm_portion_elems(size_t bytes, int world, size_t es)
 
 /* --- all_reduce and reduce ------------------------------------------------- */
 
-static tdm_status tdm_shm_one_shot(tdm_shm_impl *c, const tdm_comm_call *k, int all)
+static tdm_status tdm_shm_one_shot(tdm_shm_impl *c, const tdm_comm_call *k, int all,
+                                   size_t nbytes)
 {
-    size_t es = tdm_dtype_size(k->dtype), nbytes = k->count * es;
     uint8_t *mine = tdm_shm_slot_of(c, c->rank, c->round);
     TDM_SHM_ROUND_OPEN(c, k, 1, 0, memcpy(mine, k->sendbuf, nbytes));
     if (all || c->rank == k->root) {
         const void *srcs[TDM_SHM_MAX_RANKS];
         for (int p = 0; p < c->world; p++) srcs[p] = tdm_shm_slot_of(c, p, c->round);
-        tdm_shm_reduce(k->recvbuf, NULL, srcs, c->world, k->count, k->dtype, k->op);
+        tdm_shm_reduce_into(k->recvbuf, srcs, c->world, k->count, k->dtype, k->op);
     }
     tdm_shm_round_skip_end(c);
     return TDM_STATUS_OK;
@@ -336,7 +359,7 @@ static tdm_status tdm_shm_all_reduce(tdm_shm_impl *c, const tdm_comm_call *k, in
     size_t nbytes = k->count * tdm_dtype_size(k->dtype);
     if (nbytes <= c->geom.one_shot_max && nbytes <= c->geom.slot_bytes) {
         tdm_shm_set_algo(c, "one-shot", k);
-        return tdm_shm_one_shot(c, k, all);
+        return tdm_shm_one_shot(c, k, all, nbytes);
     }
     size_t zoff = SIZE_MAX;
     if (all && k->sendbuf == k->recvbuf)

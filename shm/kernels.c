@@ -23,8 +23,19 @@
 
 typedef void (*tdm_shm_binop_fn)(void *out, const void *a, const void *b, size_t n);
 
+/* The element-wise ops are also built for AVX2 and picked at load time
+ * where the CPU has it: each element is one IEEE operation (no FMA, no
+ * reassociation), so both builds give the same bits. */
+#ifdef __SANITIZE_THREAD__
+/* target_clones' ifunc resolver runs during relocation, before the
+ * ThreadSanitizer runtime is up, and crashes there: one version under TSan */
+#define TDM_SHM_WIDE
+#else
+#define TDM_SHM_WIDE __attribute__((target_clones("avx2", "default")))
+#endif
+
 #define TDM_SHM_BINOP(NAME, T, EXPR)                                          \
-    static void NAME(void *out_, const void *a_, const void *b_, size_t n)   \
+    TDM_SHM_WIDE static void NAME(void *out_, const void *a_, const void *b_, size_t n) \
     {                                                                         \
         T *out = out_;                                                        \
         const T *pa = a_, *pb = b_;                                           \
@@ -118,6 +129,21 @@ static void tdm_shm_reduce16(void *dst0, void *dst1, const void *const *srcs, in
     }
 }
 
+void tdm_shm_reduce_into(void *dst, const void *const *srcs, int nsrc, size_t n, tdm_dtype dt,
+                         tdm_redop op)
+{
+    if (dt == TDM_DTYPE_BFLOAT16 || dt == TDM_DTYPE_FLOAT16 || nsrc < 2) {
+        tdm_shm_reduce(dst, NULL, srcs, nsrc, n, dt, op);
+        return;
+    }
+    /* dst overlaps no source: combine straight into it, in rank order,
+     * with no scratch block (and no 8 KiB stack frame to set up). */
+    tdm_shm_binop_fn f = tdm_shm_binops[dt][op];
+    f(dst, srcs[0], srcs[1], n);
+    for (int j = 2; j < nsrc; j++) f(dst, dst, srcs[j], n);
+    if (op == TDM_REDOP_AVG) tdm_shm_divide(dst, n, dt, nsrc);
+}
+
 void tdm_shm_reduce(void *dst0, void *dst1, const void *const *srcs, int nsrc, size_t n,
                     tdm_dtype dt, tdm_redop op)
 {
@@ -126,8 +152,8 @@ void tdm_shm_reduce(void *dst0, void *dst1, const void *const *srcs, int nsrc, s
         return;
     }
     size_t es = tdm_dtype_size(dt);
-    size_t blk = TDM_SHM_BLOCK_BYTES / es;
     tdm_shm_binop_fn f = tdm_shm_binops[dt][op];
+    size_t blk = TDM_SHM_BLOCK_BYTES / es;
     _Alignas(64) unsigned char scratch[TDM_SHM_BLOCK_BYTES];
     for (size_t off = 0; off < n; off += blk) {
         size_t m = n - off < blk ? n - off : blk;

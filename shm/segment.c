@@ -26,7 +26,13 @@
 
 #define TDM_SHM_DEFAULT_SLOT (1u << 20)
 #define TDM_SHM_DEFAULT_TIMEOUT_MS 300000
+/* Largest message of the one-shot all_reduce by default. With two ranks on
+ * two cores, rs-ag (half the copy-in and half the arithmetic per rank, one
+ * more flag) is faster from about 700 bytes on; with more ranks than
+ * cores, every extra flag may mean a sleep or a yield, and one-shot stays
+ * ahead up to 4-8 KiB (docs/perf/shm.md). */
 #define TDM_SHM_DEFAULT_ONE_SHOT (4u * 1024)
+#define TDM_SHM_DEFAULT_ONE_SHOT_PAIR 512u
 #define TDM_SHM_SPIN_NS (50u * 1000)
 #define TDM_SHM_DEFAULT_STALL_MS 3000
 #define TDM_SHM_MIN_STALL_MS 500
@@ -65,8 +71,11 @@ tdm_status tdm_shm_layout(int world, const tdm_shm_opts *opts, tdm_shm_header *h
     h->arena_off = h->p2p_off + (size_t)world * world * h->p2p_bytes;
     h->arena_bytes = arena;
     h->total_bytes = h->arena_off + (size_t)world * arena;
-    h->one_shot_max = opts && opts->one_shot_max_bytes ? opts->one_shot_max_bytes
-                                                        : TDM_SHM_DEFAULT_ONE_SHOT;
+    /* Decided once, here, and carried in the header: every rank must pick
+     * the same algorithm for the same call. */
+    size_t one_shot = world == 2 && tdm_device_host_cores() >= 2 ? TDM_SHM_DEFAULT_ONE_SHOT_PAIR
+                                                                 : TDM_SHM_DEFAULT_ONE_SHOT;
+    h->one_shot_max = opts && opts->one_shot_max_bytes ? opts->one_shot_max_bytes : one_shot;
     return TDM_STATUS_OK;
 }
 

@@ -44,7 +44,9 @@ typedef struct tdm_shm_opts {
     /* Deadline of every wait in ms; 0: 300000 (5 minutes). */
     int64_t timeout_ms;
     /* Messages up to this many bytes use the one-shot all_reduce; 0: the
-     * default (4 KiB); SIZE_MAX: always one-shot (as far as it fits). */
+     * default (512 bytes for two ranks when this process may use two
+     * cores or more, else 4 KiB); SIZE_MAX: always one-shot (as far as it
+     * fits). */
     size_t one_shot_max_bytes;
     /* 1: never spin, always sleep (tests of the futex path). */
     int no_spin;

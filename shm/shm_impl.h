@@ -149,6 +149,7 @@ typedef struct tdm_shm_impl {
     int spin_now;              /* the policy of the call in progress */
     uint64_t spin_ns;
     uint64_t round;            /* rounds completed (all collectives) */
+    uint64_t peer_seen[TDM_SHM_MAX_RANKS]; /* highest epoch seen of each peer */
     uint64_t seq;              /* collectives issued */
     uint64_t p2p_sent[TDM_SHM_MAX_RANKS];  /* chunks sent to each peer */
     uint64_t p2p_recvd[TDM_SHM_MAX_RANKS]; /* chunks received from each */
@@ -263,6 +264,11 @@ tdm_status tdm_shm_run(void *impl, const tdm_comm_call *call);
  * AVG divides the sum by nsrc. Any dst may alias any src. */
 void tdm_shm_reduce(void *dst0, void *dst1, const void *const *srcs, int nsrc, size_t n,
                     tdm_dtype dt, tdm_redop op);
+/* The same for one destination that overlaps no source (the one-shot
+ * path: sources in the slots, the destination in the caller's memory);
+ * small messages, one pass per source. */
+void tdm_shm_reduce_into(void *dst, const void *const *srcs, int nsrc, size_t n, tdm_dtype dt,
+                         tdm_redop op);
 /* memcpy, with non-temporal stores for large copies whose destination is
  * not read again soon. */
 void tdm_shm_copy_nt(void *dst, const void *src, size_t nbytes);

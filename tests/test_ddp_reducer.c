@@ -155,7 +155,8 @@ Test(ddp_reducer, rebuilt_plan_that_differs_names_the_rank)
 
 /* MLP 20-96-96-96-5, cap 16 KiB: ready order fc4.bias, fc4.weight,
  * fc3.bias, fc3.weight (39188 bytes) | fc2 (37248) | fc1 (8064): three
- * buckets, each above the shm communicator's 4 KiB one-shot limit, so
+ * buckets, each above the shm communicator's one-shot limit (512 B for
+ * two ranks, 4 KiB otherwise), so
  * they go through the zero-copy reduce-scatter/all-gather (gradients in
  * the arena) or the pipelined copy through the slots (no arena). */
 static const int k_big[] = {20, 96, 96, 96, 5};

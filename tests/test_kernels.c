@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "core/device.h"
+#include "core/kernels.h"
 #include "models/model.h"
 #include "tests/test_util.h"
 
@@ -171,6 +172,53 @@ Test(kernels, im2col_matches_reference_and_col2im_is_its_adjoint)
     }
 }
 
+/* The host runs im2col and col2im as row copies and row scatters
+ * (core/kernels.h's tdm_k_im2col_row, tdm_k_col2im_add_row); CUDA runs the
+ * per-element tdm_k_im2col / tdm_k_col2im. Both must give the same bits,
+ * col2im included (the same additions in the same order). */
+Test(kernels, host_row_forms_equal_the_per_element_kernels_bitwise)
+{
+    for (size_t gi = 0; gi < sizeof g_geoms / sizeof g_geoms[0]; gi++) {
+        const int *q = g_geoms[gi];
+        tdm_conv_geom g = geom(q[0], q[1], q[2], q[3], q[4], q[5], q[6]);
+        int64_t nx = (int64_t)g.c * g.n * g.h * g.w;
+        int64_t rows = (int64_t)g.c * g.kh * g.kw, cols = (int64_t)g.n * g.oh * g.ow;
+        float *x = tu_malloc((size_t)nx * sizeof(float)), *dx = tu_malloc((size_t)nx * sizeof(float));
+        float *rdx = tu_malloc((size_t)nx * sizeof(float));
+        float *col = tu_malloc((size_t)(rows * cols) * sizeof(float));
+        float *rcol = tu_malloc((size_t)(rows * cols) * sizeof(float));
+        tdm_rng r = tu_rng(90 + gi);
+        tu_fill(&r, x, nx, -1, 1);
+        TU_OK(tdm_dev_im2col(g_dev, &g, x, col));
+        int64_t i = 0;
+        for (int ci = 0; ci < g.c; ci++)
+            for (int ki = 0; ki < g.kh; ki++)
+                for (int kj = 0; kj < g.kw; kj++)
+                    for (int n = 0; n < g.n; n++)
+                        for (int oy = 0; oy < g.oh; oy++)
+                            for (int ox = 0; ox < g.ow; ox++, i++)
+                                tdm_k_im2col(i, ci, ki, kj, n, oy, ox, g, x, rcol);
+        cr_assert(!memcmp(col, rcol, (size_t)(rows * cols) * sizeof(float)),
+                  "geom %zu: host im2col differs from tdm_k_im2col", gi);
+        tu_fill(&r, col, rows * cols, -1, 1);
+        TU_OK(tdm_dev_col2im(g_dev, &g, col, dx));
+        i = 0;
+        for (int ci = 0; ci < g.c; ci++)
+            for (int n = 0; n < g.n; n++)
+                for (int iy = 0; iy < g.h; iy++)
+                    for (int ix = 0; ix < g.w; ix++, i++) tdm_k_col2im(i, ci, n, iy, ix, g, col, rdx);
+        for (int64_t j = 0; j < nx; j++)
+            cr_assert(!memcmp(&dx[j], &rdx[j], sizeof(float)),
+                      "geom %zu (k%d s%d p%d): host col2im dx[%lld] = %.9g, tdm_k_col2im %.9g", gi,
+                      g.kh, g.stride, g.pad, (long long)j, (double)dx[j], (double)rdx[j]);
+        free(x);
+        free(dx);
+        free(rdx);
+        free(col);
+        free(rcol);
+    }
+}
+
 /* ---- max pooling ---- */
 
 Test(kernels, maxpool_forward_backward)
@@ -269,6 +317,60 @@ Test(kernels, bn_stats_two_pass_precision)
                       (double)offs[oi], c, (double)var[c], q);
         }
         free(x);
+    }
+}
+
+/* The host's vectorised batchnorm reductions are TDM_K_BN_LANES strided
+ * slices of the shared slice functions added as a tree: check the bits
+ * against that decomposition (lengths around the lane count included). */
+static double lanes_tree(double *p)
+{
+    for (int s = TDM_K_BN_LANES / 2; s > 0; s >>= 1)
+        for (int t = 0; t < s; t++) p[t] += p[t + s];
+    return p[0];
+}
+
+Test(kernels, bn_host_reductions_are_the_lane_slices)
+{
+    static const int64_t lens[] = {1, 5, 8, 9, 17, 4099};
+    for (size_t li = 0; li < sizeof lens / sizeof lens[0]; li++) {
+        int ch = 2;
+        int64_t len = lens[li];
+        float *x = tu_malloc((size_t)(ch * len) * sizeof(float));
+        float *dy = tu_malloc((size_t)(ch * len) * sizeof(float));
+        float mean[2], var[2], istd[2], gamma[2] = {0.7f, -1.3f}, dg[2] = {0}, db[2] = {0};
+        tdm_rng r = tu_rng(100 + li);
+        tu_fill(&r, x, ch * len, -2, 3);
+        tu_fill(&r, dy, ch * len, -1, 1);
+        TU_OK(tdm_dev_bn_stats(g_dev, x, ch, len, mean, var));
+        for (int c = 0; c < ch; c++) {
+            const float *row = x + c * len;
+            double p[TDM_K_BN_LANES];
+            for (int t = 0; t < TDM_K_BN_LANES; t++) p[t] = tdm_k_bn_sum_part(row, len, t, TDM_K_BN_LANES);
+            double m = lanes_tree(p) / (double)len;
+            for (int t = 0; t < TDM_K_BN_LANES; t++)
+                p[t] = tdm_k_bn_sqdev_part(row, len, m, t, TDM_K_BN_LANES);
+            float wm[1], wv[1];
+            tdm_k_bn_stats_store(0, m, lanes_tree(p), len, wm, wv);
+            cr_assert(!memcmp(&mean[c], wm, 4) && !memcmp(&var[c], wv, 4),
+                      "len %lld ch %d: mean %.9g var %.9g, lanes give %.9g %.9g", (long long)len, c,
+                      (double)mean[c], (double)var[c], (double)wm[0], (double)wv[0]);
+            istd[c] = 1.0f / sqrtf(var[c] + 1e-5f);
+        }
+        TU_OK(tdm_dev_bn_bwd(g_dev, x, dy, ch, len, mean, istd, gamma, NULL, dg, db, 1));
+        for (int c = 0; c < ch; c++) {
+            double a[TDM_K_BN_LANES], b[TDM_K_BN_LANES];
+            for (int t = 0; t < TDM_K_BN_LANES; t++)
+                tdm_k_bn_bwd_part(x + c * len, dy + c * len, len, mean[c], istd[c], t, TDM_K_BN_LANES,
+                                  &a[t], &b[t]);
+            float wg[1] = {0}, wb[1] = {0};
+            tdm_k_bn_bwd_params(0, lanes_tree(a), lanes_tree(b), wg, wb);
+            cr_assert(!memcmp(&dg[c], wg, 4) && !memcmp(&db[c], wb, 4),
+                      "len %lld ch %d: dgamma %.9g dbeta %.9g, lanes give %.9g %.9g",
+                      (long long)len, c, (double)dg[c], (double)db[c], (double)wg[0], (double)wb[0]);
+        }
+        free(x);
+        free(dy);
     }
 }
 

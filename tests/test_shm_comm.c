@@ -107,12 +107,12 @@ Test(shm_comm, gather_matrix, .timeout = 240) { run_matrix(TDM_COLL_GATHER, 0, 8
 Test(shm_comm, scatter_matrix, .timeout = 240) { run_matrix(TDM_COLL_SCATTER, 0, 8); }
 Test(shm_comm, broadcast_matrix, .timeout = 240) { run_matrix(TDM_COLL_BROADCAST, 0, 8); }
 
-/* Default layout (1 MiB slots, 4 KiB one-shot: 1024 floats) and large
- * messages. */
+/* Default layout (1 MiB slots; one-shot up to 512 B for 2 ranks, 128
+ * floats, and 4 KiB for 3, 1024 floats) and large messages. */
 static int large_rank(tdm_comm *comm, void *arg)
 {
     (void)arg;
-    static const size_t counts[] = {1023, 1024, 1025, 8191, 8192, 8193,
+    static const size_t counts[] = {127, 128, 129, 1023, 1024, 1025, 8191, 8192, 8193,
                                     262143, 262144 + 7, 16u << 20};
     for (size_t i = 0; i < sizeof counts / sizeof counts[0]; i++)
         for (int inplace = 0; inplace < 2; inplace++) {

@@ -98,7 +98,8 @@ static void bench_usage(FILE *f)
         "  --zero-copy          buffers live in the shared segment (tdm_shm_comm_alloc);\n"
         "                       in-place all_reduce then reads peers' buffers directly\n"
         "  --slot-bytes SIZE    staging buffer per rank (default 1M; two per rank)\n"
-        "  --one-shot-bytes SIZE  all_reduce/reduce up to SIZE use one-shot (default 4K)\n"
+        "  --one-shot-bytes SIZE  all_reduce/reduce up to SIZE use one-shot (default 512 for\n"
+        "                       2 ranks on 2 or more cores, else 4K)\n"
         "exit status: 0 ok, 1 runtime failure (including no CUDA device) or #wrong > 0,\n"
         "2 usage error.\n"
         "environment: TANDEM_DEBUG=INFO TANDEM_DEBUG_SUBSYS=SHM logs algorithm choices.\n",
