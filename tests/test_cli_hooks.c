@@ -85,6 +85,10 @@ Test(cli_hooks, sync_bn, .timeout = 300)
     expect(&r, 0, "with --sync-bn: the same tolerance as the MLP's");
     const char *p = strstr(r.out, "DDP vs single  step 1");
     cr_assert(p && strstr(p, "-> PASS"), "%s", r.out);
+    /* compare's default modes include FSDP, which --sync-bn does not change */
+    cr_assert(strstr(r.out, "FSDP vs DDP    not expected to match: --sync-bn is DDP's"), "%s",
+              r.out);
+    cr_assert(strstr(r.out, "verdict: PASS"), "%s", r.out);
     CLI(&r, "compare", "--data", "synthetic", "--model", "cnn", "--steps", "2", "--warmup", "1",
         "--batch", "30", "--device", "cpu:3");
     expect(&r, 0, "DDP vs single  not expected to match");

@@ -654,6 +654,11 @@ static int tdm_cmp_print_pair(const tdm_cmp_job *j, const tdm_model *ref, tdm_cm
                "whole batch's statistics, DP with each chunk's\n", label);
         return 1;
     }
+    if (bn && o->sync_bn && b->mode == TDM_CMP_DDP && tdm_cmp_is_sharded(a->mode)) {
+        printf("  %-14s not expected to match: --sync-bn is DDP's; the sharded modes' "
+               "batchnorm normalises each rank's share with that share's statistics\n", label);
+        return 1;
+    }
     if (bn && ddp_sync)
         printf("  %-14s with --sync-bn: the same tolerance as the MLP's\n", label);
     if (bn && o->batch % o->n_dev && !ddp_sync &&

@@ -354,6 +354,11 @@ int tdm_cmp_fsdp_print_bitwise(const tdm_cmp_opts *o, tdm_cmp_result *const *res
             ok = 0;
         }
         if (!ddp || ddp->n_dev != r->n_dev) continue;
+        if (o->sync_bn) {
+            printf("  %s vs DDP: not compared bitwise: DDP ran SyncBatchNorm (--sync-bn), "
+                   "%s does not\n", tdm_cmp_mode_name(r->mode), tdm_cmp_mode_name(r->mode));
+            continue;
+        }
         int64_t at = -1;
         for (int64_t j = 0; j < r->param_elems && at < 0; j++)
             if (memcmp(&r->params_last[j], &ddp->params_last[j], sizeof(float))) at = j;
