@@ -7,6 +7,7 @@
 #ifndef TDM_TESTS_TEST_DDP_UTIL_H
 #define TDM_TESTS_TEST_DDP_UTIL_H
 
+#include <criterion/criterion.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -129,7 +130,35 @@ typedef struct tddp_tol {
  * steps): the loss of every step, rank 0's gradients after the last
  * backward and its final parameters within tol, and every rank holding
  * bitwise the same gradients and parameters. */
-void tddp_check_equiv(const tddp_cfg *c, const tdm_dataset *data, int world,
-                                    int64_t timeout_ms, tddp_tol tol);
+static inline void tddp_check_equiv(const tddp_cfg *c, const tdm_dataset *data, int world,
+                                    int64_t timeout_ms, tddp_tol tol)
+{
+    tddp_shared *sh = tddp_shared_new();
+    cr_assert(sh);
+    double ref_loss[TDDP_MAX_STEPS];
+    static float ref_g[TDDP_MAX_ELEMS], ref_p[TDDP_MAX_ELEMS];
+    int64_t n = 0;
+    cr_assert_eq(tddp_reference(c, data, ref_loss, ref_g, ref_p, &n), TDM_STATUS_OK, "%s",
+                 tdm_error_message());
+    tdm_status st = tddp_spawn(world, c, data, sh, timeout_ms);
+    cr_assert_eq(st, TDM_STATUS_OK, "world %d batch %d: %s / rank 0: %s / rank 1: %s", world,
+                 c->batch, tdm_error_message(), sh->err[0], sh->err[1]);
+    cr_assert_eq(sh->n_elem, n);
+    for (int s = 0; s < c->steps; s++)
+        cr_assert(fabs(sh->loss[s] - ref_loss[s]) <= tol.loss_atol + tol.loss_rtol * fabs(ref_loss[s]),
+                  "world %d batch %d step %d: loss %.8f vs one device %.8f", world, c->batch, s,
+                  sh->loss[s], ref_loss[s]);
+    int64_t at = 0;
+    cr_assert(tddp_excess(sh->grads0, ref_g, n, tol.grad_atol, tol.grad_rtol, &at) <= 0,
+              "world %d batch %d: grad[%lld] %g vs %g", world, c->batch, (long long)at,
+              sh->grads0[at], ref_g[at]);
+    cr_assert(tddp_excess(sh->params, ref_p, n, tol.param_atol, tol.param_rtol, &at) <= 0,
+              "world %d batch %d: param[%lld] %g vs %g", world, c->batch, (long long)at,
+              sh->params[at], ref_p[at]);
+    /* every rank holds bitwise the same gradients and parameters */
+    cr_assert(world == 1 || !memcmp(sh->grads0, sh->grads0_r1, (size_t)n * 4));
+    cr_assert(world == 1 || !memcmp(sh->params, sh->params_r1, (size_t)n * 4));
+    tddp_shared_free(sh);
+}
 
 #endif
