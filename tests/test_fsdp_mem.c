@@ -5,7 +5,7 @@
  * all-gathers prefetched during forward (and neither with no_overlap /
  * no_prefetch, so the checks can fail); zero_grad; a rank killed in the
  * middle of the collectives named on the others; bad calls refused with
- * messages that say what to do. */
+ * messages that say what to do; a gather past timeout_ms. */
 #include <criterion/criterion.h>
 
 #include <signal.h>
@@ -416,4 +416,58 @@ Test(fsdp_mem, bad_calls_are_refused_saying_what_to_do)
     cr_assert(strstr(sh->err[0], "no forward"), "%s", sh->err[0]);
     cr_assert(strstr(sh->err[0], "tdm_fsdp_optim_init"), "%s", sh->err[0]);
     munmap(sh, sizeof *sh);
+}
+
+/* A gather that outlives timeout_ms: rank 1 arrives long after rank 0's
+ * bound. Rank 0's forward fails with TIMEOUT naming the gather, and its
+ * tdm_fsdp_free must not give back a block the gather may still write
+ * (under `make asan`, a use after free in the progress thread). */
+typedef struct {
+    int status[2];
+    char err[2][512];
+} to_shared;
+static to_shared *g_to;
+
+static int timeout_rank(tdm_comm *comm, void *arg)
+{
+    (void)arg;
+    int rank = tdm_comm_rank(comm);
+    tdm_device *dev = NULL;
+    tdm_model *m = NULL;
+    tdm_fsdp *f = NULL;
+    tdm_model_spec spec;
+    tdm_status st = TDM_STATUS_OK;
+    int32_t x[2 * TF_GPT_T], y[2 * TF_GPT_T];
+    for (int i = 0; i < 2 * TF_GPT_T; i++) {
+        x[i] = (i * 7 + rank) % 40;
+        y[i] = (i * 5 + 1) % 40;
+    }
+    tdm_model_spec_gpt(&spec, 2, 16, 2, TF_GPT_T);
+    TDM_TRY(tdm_device_open(&dev, "cpu", rank, 1));
+    TDM_TRY(tdm_model_init(&m, dev, &spec, 5));
+    tdm_fsdp_opts o = {.sharding = TDM_FSDP_FULL_SHARD, .timeout_ms = rank == 0 ? 200 : 20000};
+    TDM_TRY(tdm_fsdp_init(&f, m, comm, &o));
+    if (rank == 1) usleep(1500 * 1000);   /* past rank 0's bound */
+    TDM_TRY(tdm_fsdp_forward(f, x, y, 2, NULL));
+fail:
+    g_to->status[rank] = st;
+    snprintf(g_to->err[rank], sizeof g_to->err[rank], "%s", st ? tdm_error_message() : "");
+    tdm_fsdp_free(f);
+    tdm_model_free(m);
+    tdm_device_free(dev);
+    return st ? 1 : 0;
+}
+
+Test(fsdp_mem, a_gather_past_timeout_ms_fails_the_forward_and_free_waits_for_it)
+{
+    g_to = mmap(NULL, sizeof *g_to, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    cr_assert(g_to != MAP_FAILED);
+    memset(g_to, 0, sizeof *g_to);
+    tdm_ddp_spawn_opts so = {.timeout_ms = 60000, .comm_timeout_ms = 20000};
+    (void)tdm_ddp_spawn(2, timeout_rank, NULL, &so, NULL);
+    cr_assert_eq(g_to->status[0], TDM_STATUS_TIMEOUT, "rank 0: %d: %s", g_to->status[0],
+                 g_to->err[0]);
+    cr_assert(strstr(g_to->err[0], "all_gather of unit"), "rank 0: %s", g_to->err[0]);
+    cr_assert_neq(g_to->status[1], TDM_STATUS_OK, "rank 1 went on after rank 0 failed");
+    munmap(g_to, sizeof *g_to);
 }
