@@ -404,13 +404,36 @@ void tdm_fsdp_free(tdm_fsdp *f)
 {
     if (!f) return;
     tdm_model *m = f->m;
+    /* A collective still running may write the unit blocks and the shards:
+     * after a bounded wait, the communicator is aborted so that it ends;
+     * one that does not even then keeps its memory (leaked, not freed
+     * under the progress thread). */
+    int aborted = 0, stuck = 0;
     for (int u = 0; f->u && u < f->nu; u++) {
         tdm_fsdp_unit *x = &f->u[u];
-        if (x->ag) (void)tdm_comm_work_wait(x->ag, 10000);
-        if (x->rs) (void)tdm_comm_work_wait(x->rs, 10000);
+        tdm_comm_work *w[2] = {x->ag, x->rs};
+        for (int k = 0; k < 2; k++) {
+            if (!w[k]) continue;
+            if (tdm_comm_work_wait(w[k], 10000) == TDM_STATUS_TIMEOUT && !aborted) {
+                aborted = 1;
+                (void)tdm_comm_abort(f->comm, "fsdp free: a collective still running");
+                if (f->hcomm != f->comm)
+                    (void)tdm_comm_abort(f->hcomm, "fsdp free: a collective still running");
+                (void)tdm_comm_work_wait(w[k], 10000);
+            }
+            if (!tdm_fsdp_work_over(w[k])) stuck = 1;
+        }
         tdm_comm_work_free(x->ag);
         tdm_comm_work_free(x->rs);
         x->ag = x->rs = NULL;
+    }
+    if (stuck) {
+        TDM_WARN(DDP, "fsdp free: a collective did not end after an abort: its memory is "
+                       "leaked rather than freed while it may still be written");
+        free(f->u);
+        f->u = NULL;
+        f->pshard = f->gshard = f->pfull = f->gfull = NULL;
+        f->n_cached = 0;
     }
     tdm_model_set_grad_hook(m, NULL, NULL);
     tdm_model_set_use_hook(m, NULL, NULL);

@@ -90,7 +90,10 @@ typedef struct tdm_fsdp_opts {
     int no_prefetch;             /* 1: gather each unit when used, never ahead */
     int no_overlap;              /* 1: reduce-scatter after backward, not during */
     int no_broadcast_buffers;    /* 1: do not broadcast buffers at each forward */
-    int64_t timeout_ms;          /* bound on each wait; 0: the communicator's */
+    int64_t timeout_ms;          /* bound on each wait; 0: the communicator's. A wait past it
+                                  * fails the call (TIMEOUT) and aborts the
+                                  * communicator; the collective keeps its
+                                  * buffers until it has ended */
     /* Borrowed, optional: a communicator with the same ranks for the few
      * collectives on host memory (layout check, loss sums, checkpoint
      * flags). Needed when comm only takes device memory (NCCL: pass the

@@ -131,6 +131,9 @@ tdm_status tdm_fsdp_fail(tdm_fsdp *f, tdm_status st);
 int tdm_fsdp_new_event(tdm_fsdp *f, int kind, int unit, int prefetch, double bytes);
 /* Waits for w with the configured bound; the wait's ms into *ms. */
 tdm_status tdm_fsdp_wait(tdm_fsdp *f, tdm_comm_work *w, double *ms);
+/* 1 when w (NULL included) has ended: after a failed wait, only then may
+ * its handle be freed and its buffers go back (a timed-out one still runs). */
+int tdm_fsdp_work_over(tdm_comm_work *w);
 
 /* Pointers into the shard buffers: unit u's parameter and gradient shard. */
 static inline float *tdm_fsdp_pshard(tdm_fsdp *f, int u)

@@ -118,6 +118,17 @@ tdm_status tdm_fsdp_wait(tdm_fsdp *f, tdm_comm_work *w, double *ms)
     return st;
 }
 
+/* After a failed wait: 1 when the work has ended (its buffers are nobody's
+ * any more, the handle may go), 0 when it is still running (a timeout):
+ * the progress thread may still write its buffers, so the handle stays on
+ * the unit and the buffers with it until tdm_fsdp_fail or tdm_fsdp_free
+ * has aborted the communicator and seen the work end. */
+int tdm_fsdp_work_over(tdm_comm_work *w)
+{
+    int done = 0;
+    return !w || (tdm_comm_work_test(w, &done) == TDM_STATUS_OK && done);
+}
+
 static tdm_status tdm_fsdp_finish_rs(tdm_fsdp *f, int u);
 static void tdm_fsdp_hook_fail(tdm_fsdp *f, tdm_status st);
 
@@ -216,20 +227,27 @@ tdm_status tdm_fsdp_need_params(tdm_fsdp *f, int u, int prefetch_ok)
     tdm_status st = tdm_fsdp_wait(f, x->ag, &ms);
     tdm_fsdp_event_end(f, x->ag_event, ms);
     f->ag_wait_ms += ms;
-    tdm_comm_work_free(x->ag);
-    x->ag = NULL;
-    x->ag_event = -1;
     if (st) {
+        char d[256];
+        /* still running (timed out): gather, block and p_state 1 stay */
+        if (!tdm_fsdp_work_over(x->ag))
+            return tdm_error_prefix(st, "fsdp: step %" PRIu64 ": all_gather of %s", f->sync_count,
+                                    tdm_fsdp_unit_desc(f, u, d, sizeof d));
+        tdm_comm_work_free(x->ag);
+        x->ag = NULL;
+        x->ag_event = -1;
         x->p_state = 0;
         if (f->o.sharding == TDM_FSDP_FULL_SHARD) {
-            /* the collective failed: nobody writes the block any more */
+            /* the collective ended in an error: nobody writes the block any more */
             tdm_fsdp_pool_put(f, x->pbuf, x->pbuf_bytes);
             x->pbuf = NULL;
         }
-        char d[256];
         return tdm_error_prefix(st, "fsdp: step %" PRIu64 ": all_gather of %s", f->sync_count,
                                 tdm_fsdp_unit_desc(f, u, d, sizeof d));
     }
+    tdm_comm_work_free(x->ag);
+    x->ag = NULL;
+    x->ag_event = -1;
     x->p_state = 2;
     if (f->o.sharding == TDM_FSDP_FULL_SHARD)
         TDM_CHECK(tdm_model_set_param_view(f->m, x->first, x->last, x->pbuf));
@@ -246,13 +264,15 @@ tdm_status tdm_fsdp_release_params(tdm_fsdp *f, int u)
         double ms = 0.0;
         st = tdm_fsdp_wait(f, x->ag, &ms);
         tdm_fsdp_event_end(f, x->ag_event, ms);
-        tdm_comm_work_free(x->ag);
-        x->ag = NULL;
-        x->ag_event = -1;
         if (st) {
             char d[256];
             tdm_error_prefix(st, "fsdp: all_gather of %s", tdm_fsdp_unit_desc(f, u, d, sizeof d));
+            /* still running (timed out): gather, block and p_state 1 stay */
+            if (!tdm_fsdp_work_over(x->ag)) return st;
         }
+        tdm_comm_work_free(x->ag);
+        x->ag = NULL;
+        x->ag_event = -1;
     }
     (void)tdm_model_set_param_view(f->m, x->first, x->last, NULL);
     tdm_fsdp_pool_put(f, x->pbuf, x->pbuf_bytes);
@@ -475,14 +495,18 @@ static tdm_status tdm_fsdp_finish_rs(tdm_fsdp *f, int u)
     tdm_status st = tdm_fsdp_wait(f, x->rs, &ms);
     tdm_fsdp_event_end(f, x->rs_event, ms);
     f->rs_wait_ms += ms;
+    if (st) {
+        char d[256];
+        tdm_error_prefix(st, "fsdp: step %" PRIu64 ": reduce_scatter of %s", f->sync_count,
+                         tdm_fsdp_unit_desc(f, u, d, sizeof d));
+        /* still running (timed out): the handle stays with the blocks it
+         * reads and writes (gbuf, rs_tmp, the shard) */
+        if (!tdm_fsdp_work_over(x->rs)) return st;
+    }
     tdm_comm_work_free(x->rs);
     x->rs = NULL;
     x->rs_event = -1;
-    if (st) {
-        char d[256];
-        return tdm_error_prefix(st, "fsdp: step %" PRIu64 ": reduce_scatter of %s",
-                                f->sync_count, tdm_fsdp_unit_desc(f, u, d, sizeof d));
-    }
+    if (st) return st;
     tdm_device *d = f->dev;
     if (f->o.sharding == TDM_FSDP_SHARD_OPTIM) {
         /* Keep only the owned slice: a later backward adds local gradients
@@ -546,9 +570,15 @@ tdm_status tdm_fsdp_fail(tdm_fsdp *f, tdm_status st)
         tdm_fsdp_unit *x = &f->u[u];
         if (x->ag) (void)tdm_comm_work_wait(x->ag, 10000);
         if (x->rs) (void)tdm_comm_work_wait(x->rs, 10000);
+        /* A work still running after that keeps its handle and its blocks
+         * (tdm_fsdp_free waits again, and leaks them if it must). */
+        if (tdm_fsdp_work_over(x->rs)) {
+            tdm_comm_work_free(x->rs);
+            x->rs = NULL;
+        }
+        if (!tdm_fsdp_work_over(x->ag)) continue;
         tdm_comm_work_free(x->ag);
-        tdm_comm_work_free(x->rs);
-        x->ag = x->rs = NULL;
+        x->ag = NULL;
         if (x->p_state == 1 && f->o.sharding == TDM_FSDP_FULL_SHARD) {
             (void)tdm_model_set_param_view(f->m, x->first, x->last, NULL);
             tdm_fsdp_pool_put(f, x->pbuf, x->pbuf_bytes);

@@ -5,7 +5,8 @@
  * all-gathers prefetched during forward (and neither with no_overlap /
  * no_prefetch, so the checks can fail); zero_grad; a rank killed in the
  * middle of the collectives named on the others; bad calls refused with
- * messages that say what to do. */
+ * messages that say what to do; the GPT's tied unit within its documented
+ * bound; a gather past timeout_ms. */
 #include <criterion/criterion.h>
 
 #include <signal.h>
@@ -416,4 +417,141 @@ Test(fsdp_mem, bad_calls_are_refused_saying_what_to_do)
     cr_assert(strstr(sh->err[0], "no forward"), "%s", sh->err[0]);
     cr_assert(strstr(sh->err[0], "tdm_fsdp_optim_init"), "%s", sh->err[0]);
     munmap(sh, sizeof *sh);
+}
+
+/* A gather that outlives timeout_ms: rank 1 arrives long after rank 0's
+ * bound. Rank 0's forward fails with TIMEOUT naming the gather, and its
+ * tdm_fsdp_free must not give back a block the gather may still write
+ * (under `make asan`, a use after free in the progress thread). */
+typedef struct {
+    int status[2];
+    char err[2][512];
+} to_shared;
+static to_shared *g_to;
+
+static int timeout_rank(tdm_comm *comm, void *arg)
+{
+    (void)arg;
+    int rank = tdm_comm_rank(comm);
+    tdm_device *dev = NULL;
+    tdm_model *m = NULL;
+    tdm_fsdp *f = NULL;
+    tdm_model_spec spec;
+    tdm_status st = TDM_STATUS_OK;
+    int32_t x[2 * TF_GPT_T], y[2 * TF_GPT_T];
+    for (int i = 0; i < 2 * TF_GPT_T; i++) {
+        x[i] = (i * 7 + rank) % 40;
+        y[i] = (i * 5 + 1) % 40;
+    }
+    tdm_model_spec_gpt(&spec, 2, 16, 2, TF_GPT_T);
+    TDM_TRY(tdm_device_open(&dev, "cpu", rank, 1));
+    TDM_TRY(tdm_model_init(&m, dev, &spec, 5));
+    tdm_fsdp_opts o = {.sharding = TDM_FSDP_FULL_SHARD, .timeout_ms = rank == 0 ? 200 : 20000};
+    TDM_TRY(tdm_fsdp_init(&f, m, comm, &o));
+    if (rank == 1) usleep(1500 * 1000);   /* past rank 0's bound */
+    TDM_TRY(tdm_fsdp_forward(f, x, y, 2, NULL));
+fail:
+    g_to->status[rank] = st;
+    snprintf(g_to->err[rank], sizeof g_to->err[rank], "%s", st ? tdm_error_message() : "");
+    tdm_fsdp_free(f);
+    tdm_model_free(m);
+    tdm_device_free(dev);
+    return st ? 1 : 0;
+}
+
+Test(fsdp_mem, a_gather_past_timeout_ms_fails_the_forward_and_free_waits_for_it)
+{
+    g_to = mmap(NULL, sizeof *g_to, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    cr_assert(g_to != MAP_FAILED);
+    memset(g_to, 0, sizeof *g_to);
+    tdm_ddp_spawn_opts so = {.timeout_ms = 60000, .comm_timeout_ms = 20000};
+    (void)tdm_ddp_spawn(2, timeout_rank, NULL, &so, NULL);
+    cr_assert_eq(g_to->status[0], TDM_STATUS_TIMEOUT, "rank 0: %d: %s", g_to->status[0],
+                 g_to->err[0]);
+    cr_assert(strstr(g_to->err[0], "all_gather of unit"), "rank 0: %s", g_to->err[0]);
+    cr_assert_neq(g_to->status[1], TDM_STATUS_OK, "rank 1 went on after rank 0 failed");
+    munmap(g_to, sizeof *g_to);
+}
+
+/* The GPT's output head is tied to the token embedding: unit 0 (wte, wpe)
+ * is used at the end of forward and first in backward, and its last
+ * gradient comes from the embedding at the end of backward, so it stays
+ * gathered with a live full gradient for the whole backward. docs/FSDP.md
+ * states the bound for a model with a tied unit: the untied 2 + 2 units
+ * plus that unit's full parameters and full gradient. (Found in review:
+ * the GPT's peak, 73536 bytes at N = 2, broke the untied 4 x 17024.) */
+typedef struct {
+    size_t peak[2], max_unit[2]; long long elems; int nu;
+    int status[2];
+} tied_shared;
+static tied_shared *g_tied;
+
+static int tied_rank(tdm_comm *comm, void *arg)
+{
+    (void)arg;
+    int rank = tdm_comm_rank(comm);
+    tdm_device *dev = NULL;
+    tdm_model *m = NULL;
+    tdm_optim *opt = NULL;
+    tdm_fsdp *f = NULL;
+    tdm_model_spec spec;
+    tdm_status st = TDM_STATUS_OK;
+    int32_t x[2 * TF_GPT_T], y[2 * TF_GPT_T];
+    for (int i = 0; i < 2 * TF_GPT_T; i++) {
+        x[i] = (i * 7 + rank) % 40;
+        y[i] = (i * 5 + 1) % 40;
+    }
+    tdm_model_spec_gpt(&spec, 2, 16, 2, TF_GPT_T);
+    TDM_TRY(tdm_device_open(&dev, "cpu", rank, 1));
+    TDM_TRY(tdm_model_init(&m, dev, &spec, 5));
+    tdm_fsdp_opts o = {.sharding = TDM_FSDP_FULL_SHARD, .timeout_ms = 20000};
+    TDM_TRY(tdm_fsdp_init(&f, m, comm, &o));
+    tdm_optim_opts oo;
+    tdm_optim_opts_default(&oo, TDM_OPTIM_SGD);
+    TDM_TRY(tdm_fsdp_optim_init(&opt, f, &oo));
+    for (int s = 0; s < 3; s++) {
+        TDM_TRY(tdm_fsdp_zero_grad(f));
+        TDM_TRY(tdm_fsdp_forward(f, x, y, 2, NULL));
+        TDM_TRY(tdm_fsdp_backward(f));
+        TDM_TRY(tdm_fsdp_step(f, opt));
+    }
+    tdm_fsdp_memory fm;
+    tdm_fsdp_get_memory(f, opt, &fm);
+    g_tied->peak[rank] = fm.units_peak;
+    g_tied->max_unit[rank] = fm.max_unit_bytes;
+    g_tied->elems = tdm_model_param_elems(m);
+    g_tied->nu = tdm_fsdp_n_units(f);
+fail:
+    g_tied->status[rank] = st;
+    if (st) fprintf(stderr, "rank %d: %s\n", rank, tdm_error_message());
+    tdm_fsdp_free(f);
+    tdm_optim_free(opt);
+    tdm_model_free(m);
+    tdm_device_free(dev);
+    return st ? 1 : 0;
+}
+
+Test(fsdp_mem, gpt_tied_unit_full_shard_pool_peak_within_documented_bound, .timeout = 120)
+{
+    g_tied = mmap(NULL, sizeof *g_tied, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    cr_assert(g_tied != MAP_FAILED);
+    memset(g_tied, 0, sizeof *g_tied);
+    tdm_ddp_spawn_opts so = {.timeout_ms = 60000, .comm_timeout_ms = 20000};
+    tdm_status st = tdm_ddp_spawn(2, tied_rank, NULL, &so, NULL);
+    cr_assert_eq(st, TDM_STATUS_OK, "%s", tdm_error_message());
+    for (int r = 0; r < 2; r++) {
+        cr_assert_eq(g_tied->status[r], 0);
+        size_t pk = g_tied->peak[r], mu = g_tied->max_unit[r];
+        cr_log_info("rank %d: pool peak %zu bytes, largest unit %zu bytes, %d units, model %lld bytes",
+                    r, pk, mu, g_tied->nu, g_tied->elems * 4);
+        /* docs/FSDP.md: 2 + 2 units, plus the tied unit's full parameters
+         * and full gradient (the largest unit bounds it) */
+        cr_assert_leq(pk, 6 * mu, "rank %d: pool peak %zu bytes > (2 + 1) x 2 x largest unit %zu bytes", r,
+                      pk, mu);
+        /* and the exception is real: docs/FSDP.md says the untied bound
+         * does not hold here; if it does, the docs are to be tightened */
+        cr_assert_gt(pk, 4 * mu, "rank %d: pool peak %zu bytes within the untied 4 x %zu bytes: "
+                     "update docs/FSDP.md's tied-unit exception", r, pk, mu);
+    }
+    munmap(g_tied, sizeof *g_tied);
 }
