@@ -3,6 +3,7 @@
  * binary. No Criterion here: the TSan build's stand-in for Criterion is
  * header-only with its state per file (tddp_check_equiv, which asserts,
  * stays in the header for that reason). */
+#define TDDP_NO_CRITERION
 #include "tests/test_ddp_util.h"
 
 tddp_shared *tddp_shared_new(void)

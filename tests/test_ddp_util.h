@@ -7,7 +7,6 @@
 #ifndef TDM_TESTS_TEST_DDP_UTIL_H
 #define TDM_TESTS_TEST_DDP_UTIL_H
 
-#include <criterion/criterion.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -130,6 +129,11 @@ typedef struct tddp_tol {
  * steps): the loss of every step, rank 0's gradients after the last
  * backward and its final parameters within tol, and every rank holding
  * bitwise the same gradients and parameters. */
+/* Not in tests/ddp_test_util.c (which defines TDDP_NO_CRITERION): it
+ * asserts, and the TSan build's header-only Criterion stand-in defines
+ * main and keeps its state per file. */
+#ifndef TDDP_NO_CRITERION
+#include <criterion/criterion.h>
 static inline void tddp_check_equiv(const tddp_cfg *c, const tdm_dataset *data, int world,
                                     int64_t timeout_ms, tddp_tol tol)
 {
@@ -160,5 +164,6 @@ static inline void tddp_check_equiv(const tddp_cfg *c, const tdm_dataset *data, 
     cr_assert(world == 1 || !memcmp(sh->params, sh->params_r1, (size_t)n * 4));
     tddp_shared_free(sh);
 }
+#endif
 
 #endif
