@@ -39,6 +39,7 @@ struct tdm_ddp {
     const char *fwd_lost;        /* why there is no forward to go back through, or NULL */
     int joined;                  /* opts.join: this rank ran out of data (tdm_ddp_join) */
     int n_active;                /* ranks that contributed to the last training forward */
+    int join_sync;               /* opts.join: that forward's backward synchronises (else no_sync) */
     tdm_ddp_times times;
 };
 
@@ -235,14 +236,26 @@ static tdm_status tdm_ddp_stage(tdm_ddp *d, const void *x, const int32_t *y, int
     return TDM_STATUS_OK;
 }
 
-/* opts.join: how many ranks still train this step (this one contributes
- * 1, a joined one 0), one int32 SUM over the host communicator. */
+/* opts.join, at each training forward: how many ranks still train (this
+ * one contributes 1, a joined one 0) and how many of those will
+ * synchronise in this forward's backward (not under no_sync), two int32
+ * in one SUM over the host communicator. A joined rank shadows a
+ * synchronised step only when the others synchronise: under no_sync
+ * they accumulate locally, and a backward of its own would meet their
+ * next forward's count (PyTorch's join hook asks the same question,
+ * _check_global_requires_backward_grad_sync). */
 static tdm_status tdm_ddp_join_count(tdm_ddp *d)
 {
-    int32_t n = d->joined ? 0 : 1;
-    tdm_status st = tdm_comm_all_reduce(d->hcomm, &n, &n, 1, TDM_DTYPE_INT32, TDM_REDOP_SUM);
+    int32_t v[2] = {d->joined ? 0 : 1, !d->joined && d->sync};
+    tdm_status st = tdm_comm_all_reduce(d->hcomm, v, v, 2, TDM_DTYPE_INT32, TDM_REDOP_SUM);
     if (st) return tdm_error_prefix(st, "ddp join: counting the ranks that still have data");
-    d->n_active = n;
+    /* every rank sees the same sums, so every rank fails here alike */
+    TDM_REQUIRE(v[1] == 0 || v[1] == v[0], TDM_STATUS_INVALID_ARG,
+                "ddp join: %d of the %d ranks still training synchronise in this forward and "
+                "the others are under no_sync; call tdm_ddp_no_sync alike on every rank",
+                v[1], v[0]);
+    d->n_active = v[0];
+    d->join_sync = v[1] > 0;
     return TDM_STATUS_OK;
 }
 
@@ -262,6 +275,10 @@ static tdm_status tdm_ddp_forward_impl(tdm_ddp *d, const void *x, const int32_t 
         TDM_CHECK(tdm_ddp_join_count(d));
     if (by_active)
         grad_scale = batch > 0 ? 1.0f / ((float)batch * (float)d->n_active) : 0.0f;
+    else if (d->o.join && d->n_active > 0 && d->n_active != d->world)
+        /* an explicit scale is meant for every rank: the mean over the
+         * ranks that contribute to this step */
+        grad_scale *= (float)d->world / (float)d->n_active;
     /* SyncBatchNorm on a rank without samples (a short last global
      * batch): the others wait in this rank's statistics, so it takes part
      * with zero sums and a count of 0 (as PyTorch's SyncBatchNorm) */
@@ -429,8 +446,16 @@ tdm_status tdm_ddp_join(tdm_ddp *d, tdm_optim *opt, int64_t *shadowed)
     for (;;) {
         if ((st = tdm_ddp_join_count(d))) break;
         if (d->n_active == 0) break;   /* every rank has joined: all leave here */
-        /* one step of the others: a rank without samples takes part in
-         * the buffer broadcast and reduces zeros */
+        if (!d->join_sync) {
+            /* a no_sync micro-batch of the others: they only accumulate;
+             * this rank takes part in the buffer broadcast and counts the
+             * forward (the sequence check), no backward, no step */
+            if ((st = tdm_ddp_forward_impl(d, NULL, NULL, 0, 0.0f, 0, NULL))) break;
+            d->have_fwd = 0;
+            continue;
+        }
+        /* one synchronised step of the others: a rank without samples
+         * takes part in the buffer broadcast and reduces zeros */
         if ((st = tdm_ddp_zero_grad(d))) break;
         if ((st = tdm_ddp_forward_impl(d, NULL, NULL, 0, 0.0f, 0, NULL))) break;
         if ((st = tdm_ddp_backward(d))) break;
