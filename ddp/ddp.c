@@ -34,10 +34,12 @@ struct tdm_ddp {
     int32_t *y_dev;
     int stage_cap;
     int fwd_batch, have_fwd;
+    int fwd_bn_empty;            /* that forward had no samples but shadowed SyncBatchNorm's sums */
     double fwd_loss;             /* the pending forward's loss sum, added at its backward */
     const char *fwd_lost;        /* why there is no forward to go back through, or NULL */
     int joined;                  /* opts.join: this rank ran out of data (tdm_ddp_join) */
     int n_active;                /* ranks that contributed to the last training forward */
+    int join_sync;               /* opts.join: that forward's backward synchronises (else no_sync) */
     tdm_ddp_times times;
 };
 
@@ -234,14 +236,26 @@ static tdm_status tdm_ddp_stage(tdm_ddp *d, const void *x, const int32_t *y, int
     return TDM_STATUS_OK;
 }
 
-/* opts.join: how many ranks still train this step (this one contributes
- * 1, a joined one 0), one int32 SUM over the host communicator. */
+/* opts.join, at each training forward: how many ranks still train (this
+ * one contributes 1, a joined one 0) and how many of those will
+ * synchronise in this forward's backward (not under no_sync), two int32
+ * in one SUM over the host communicator. A joined rank shadows a
+ * synchronised step only when the others synchronise: under no_sync
+ * they accumulate locally, and a backward of its own would meet their
+ * next forward's count (PyTorch's join hook asks the same question,
+ * _check_global_requires_backward_grad_sync). */
 static tdm_status tdm_ddp_join_count(tdm_ddp *d)
 {
-    int32_t n = d->joined ? 0 : 1;
-    tdm_status st = tdm_comm_all_reduce(d->hcomm, &n, &n, 1, TDM_DTYPE_INT32, TDM_REDOP_SUM);
+    int32_t v[2] = {d->joined ? 0 : 1, !d->joined && d->sync};
+    tdm_status st = tdm_comm_all_reduce(d->hcomm, v, v, 2, TDM_DTYPE_INT32, TDM_REDOP_SUM);
     if (st) return tdm_error_prefix(st, "ddp join: counting the ranks that still have data");
-    d->n_active = n;
+    /* every rank sees the same sums, so every rank fails here alike */
+    TDM_REQUIRE(v[1] == 0 || v[1] == v[0], TDM_STATUS_INVALID_ARG,
+                "ddp join: %d of the %d ranks still training synchronise in this forward and "
+                "the others are under no_sync; call tdm_ddp_no_sync alike on every rank",
+                v[1], v[0]);
+    d->n_active = v[0];
+    d->join_sync = v[1] > 0;
     return TDM_STATUS_OK;
 }
 
@@ -261,15 +275,15 @@ static tdm_status tdm_ddp_forward_impl(tdm_ddp *d, const void *x, const int32_t 
         TDM_CHECK(tdm_ddp_join_count(d));
     if (by_active)
         grad_scale = batch > 0 ? 1.0f / ((float)batch * (float)d->n_active) : 0.0f;
-    if (d->o.sync_bn && tdm_model_is_train(m) && batch == 0 && tdm_model_n_batchnorm(m) > 0) {
-        /* the others are about to wait in this rank's statistics */
-        tdm_error_set(TDM_STATUS_INVALID_ARG, "ddp forward: rank %d has no samples in this step, "
-                      "but SyncBatchNorm needs every rank's batchnorm statistics; give every "
-                      "rank at least one sample (a global batch of at least %d)", d->rank,
-                      d->world);
-        (void)tdm_comm_abort(d->hcomm, tdm_error_message());
-        return TDM_STATUS_INVALID_ARG;
-    }
+    else if (d->o.join && d->n_active > 0 && d->n_active != d->world)
+        /* an explicit scale is meant for every rank: the mean over the
+         * ranks that contribute to this step */
+        grad_scale *= (float)d->world / (float)d->n_active;
+    /* SyncBatchNorm on a rank without samples (a short last global
+     * batch): the others wait in this rank's statistics, so it takes part
+     * with zero sums and a count of 0 (as PyTorch's SyncBatchNorm) */
+    int bn_empty = d->o.sync_bn && tdm_model_is_train(m) && batch == 0 &&
+                   tdm_model_n_batchnorm(m) > 0;
     if (tdm_model_is_train(m) && !d->o.no_broadcast_buffers && d->world > 1 &&
         tdm_model_buffer_elems(m) > 0) {
         tdm_status st = tdm_comm_broadcast(d->comm, tdm_model_buffers(m), tdm_model_buffers(m),
@@ -278,6 +292,16 @@ static tdm_status tdm_ddp_forward_impl(tdm_ddp *d, const void *x, const int32_t 
     }
     double ls = 0.0;
     uint64_t t1 = t0;
+    d->fwd_bn_empty = 0;
+    if (bn_empty) {
+        tdm_status st = tdm_model_sync_bn_forward_empty(m);
+        if (st) {
+            tdm_error_prefix(st, "ddp forward: rank %d (no samples in this step)", d->rank);
+            (void)tdm_comm_abort(d->hcomm, tdm_error_message());
+            return st;
+        }
+        d->fwd_bn_empty = 1;
+    }
     if (batch > 0) {
         const void *xd;
         const float *logits;
@@ -360,6 +384,7 @@ static tdm_status tdm_ddp_backward_local(tdm_ddp *d)
 {
     uint64_t t0 = tdm_time_ns();
     if (d->fwd_batch > 0) TDM_CHECK(tdm_model_backward(d->m, d->dlogits));
+    else if (d->fwd_bn_empty) TDM_CHECK(tdm_model_sync_bn_backward_empty(d->m));
     d->times.last.ms[TDM_PHASE_BACKWARD] = tdm_time_ms_since(t0);
     d->times.last.ms[TDM_PHASE_ALLREDUCE_WAIT] = 0;
     d->times.total.ms[TDM_PHASE_BACKWARD] += d->times.last.ms[TDM_PHASE_BACKWARD];
@@ -377,9 +402,10 @@ tdm_status tdm_ddp_backward(tdm_ddp *d)
     uint32_t seq = (uint32_t)(d->fwd_count % TDM_DDP_SEQ_MOD) + 1;
     TDM_CHECK(tdm_ddp_reducer_begin(&d->red, seq, d->loss_accum));
     d->loss_accum = 0.0;
-    if (d->fwd_batch > 0) {
+    if (d->fwd_batch > 0 || d->fwd_bn_empty) {
         d->red.in_backward = 1;   /* the grad-ready hook launches buckets */
-        tdm_status st = tdm_model_backward(d->m, d->dlogits);
+        tdm_status st = d->fwd_batch > 0 ? tdm_model_backward(d->m, d->dlogits)
+                                         : tdm_model_sync_bn_backward_empty(d->m);
         d->red.in_backward = 0;
         if (st) return tdm_ddp_reducer_abort(&d->red, st);
     }
@@ -420,8 +446,16 @@ tdm_status tdm_ddp_join(tdm_ddp *d, tdm_optim *opt, int64_t *shadowed)
     for (;;) {
         if ((st = tdm_ddp_join_count(d))) break;
         if (d->n_active == 0) break;   /* every rank has joined: all leave here */
-        /* one step of the others: a rank without samples takes part in
-         * the buffer broadcast and reduces zeros */
+        if (!d->join_sync) {
+            /* a no_sync micro-batch of the others: they only accumulate;
+             * this rank takes part in the buffer broadcast and counts the
+             * forward (the sequence check), no backward, no step */
+            if ((st = tdm_ddp_forward_impl(d, NULL, NULL, 0, 0.0f, 0, NULL))) break;
+            d->have_fwd = 0;
+            continue;
+        }
+        /* one synchronised step of the others: a rank without samples
+         * takes part in the buffer broadcast and reduces zeros */
         if ((st = tdm_ddp_zero_grad(d))) break;
         if ((st = tdm_ddp_forward_impl(d, NULL, NULL, 0, 0.0f, 0, NULL))) break;
         if ((st = tdm_ddp_backward(d))) break;

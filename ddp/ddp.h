@@ -177,7 +177,10 @@ tdm_status tdm_ddp_evaluate(tdm_ddp *d, const tdm_dataset *test, int batch, doub
 tdm_status tdm_ddp_forward(tdm_ddp *d, const void *x, const int32_t *y, int batch,
                            double *loss_mean);
 /* Same with an explicit loss-gradient scale (1/B_global for a split
- * global batch); *loss_sum is the sum of this rank's per-sample losses. */
+ * global batch); *loss_sum is the sum of this rank's per-sample losses.
+ * With opts.join the scale is meant for every rank: it is multiplied by
+ * world / (the ranks with data in this forward), the mean over those
+ * that contribute (as tdm_ddp_forward's 1/(batch * active ranks)). */
 tdm_status tdm_ddp_forward_scaled(tdm_ddp *d, const void *x, const int32_t *y, int batch,
                                   float grad_scale, double *loss_sum);
 /* The forward of a rank that holds the whole global batch: x holds its
@@ -222,8 +225,11 @@ double tdm_ddp_loss_sum(const tdm_ddp *d);
  * (a rank without samples contributes nothing) - and takes the optimizer
  * step on the reduced gradient like them, so its parameters stay
  * bitwise the same; returns once every rank has joined (each joined
- * rank's count all-reduce then gives 0). *shadowed (may be NULL): the
- * steps it shadowed. opt may be NULL (no step: parameters then lag).
+ * rank's count all-reduce then gives 0). The others may accumulate
+ * under tdm_ddp_no_sync: the count all-reduce also says whether their
+ * forward synchronises, and for a no_sync one this rank shadows only the
+ * count and the buffer broadcast (no backward, no step). *shadowed (may
+ * be NULL): the synchronised steps it shadowed. opt may be NULL (no step: parameters then lag).
  * The reduced gradient of a step is the sum of the active ranks'
  * gradients; with tdm_ddp_forward (scale 1/(batch * active ranks)) the
  * mean over the ranks that contributed. */

@@ -564,6 +564,40 @@ void tdm_model_set_sync_bn(tdm_model *m, tdm_model_allsum_fn fn, void *ctx)
     m->sync_bn_ctx = ctx;
 }
 
+tdm_status tdm_model_sync_bn_forward_empty(tdm_model *m)
+{
+    TDM_REQUIRE(m->sync_bn && m->train && !m->vt, TDM_STATUS_INVALID_ARG,
+                "SyncBatchNorm without samples: needs a batchnorm model in training mode with "
+                "the statistics callback set");
+    /* no activations to go back through, as after a failed forward */
+    m->batch = 0;
+    for (int i = 0; i < m->n_layers; i++) {
+        tdm_layer *l = &m->layers[i];
+        if (l->kind != TDM_LAYER_BN) continue;
+        TDM_CHECK(tdm_model_raise_use(m, TDM_MODEL_USE_FORWARD, l->p0, l->p0 + l->np - 1));
+        TDM_CHECK(tdm_syncbn_forward(m, l, NULL, 0));
+    }
+    return TDM_STATUS_OK;
+}
+
+tdm_status tdm_model_sync_bn_backward_empty(tdm_model *m)
+{
+    TDM_REQUIRE(m->sync_bn && m->train && !m->vt, TDM_STATUS_INVALID_ARG,
+                "SyncBatchNorm without samples: needs a batchnorm model in training mode with "
+                "the statistics callback set");
+    /* the layers and hooks in tdm_model_backward's order, so that the
+     * statistics sums and the buckets the hook launches interleave on
+     * the communicator as on the replicas with samples */
+    for (int i = m->n_layers - 1; i >= m->bwd_stop; i--) {
+        tdm_layer *l = &m->layers[i];
+        if (l->np > 0)
+            TDM_CHECK(tdm_model_raise_use(m, TDM_MODEL_USE_BACKWARD, l->p0, l->p0 + l->np - 1));
+        if (l->kind == TDM_LAYER_BN) TDM_CHECK(tdm_syncbn_backward(m, l, NULL, NULL, 0));
+        if (l->np > 0 && m->hook) m->hook(m->hook_ctx, m, l->p0, l->p0 + l->np - 1);
+    }
+    return TDM_STATUS_OK;
+}
+
 int tdm_model_n_batchnorm(const tdm_model *m)
 {
     int n = 0;

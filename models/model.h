@@ -166,6 +166,16 @@ tdm_status tdm_model_set_grad_storage(tdm_model *m, float *grads /* borrowed */)
  * NULL: local statistics (the default). */
 typedef tdm_status (*tdm_model_allsum_fn)(void *ctx, double *v, int n);
 void tdm_model_set_sync_bn(tdm_model *m, tdm_model_allsum_fn fn, void *ctx);
+/* A replica with no samples in this step (a short last global batch)
+ * still takes part in every statistics sum, as PyTorch's SyncBatchNorm
+ * accepts empty input: these make the same fn calls, in the same order,
+ * as a training forward / backward would, with zero sums and a count of
+ * 0; the forward also updates the running statistics from the global
+ * ones. The backward calls the grad-ready hook (tdm_model_set_grad_hook)
+ * layer by layer as a backward does, and adds nothing to the gradients.
+ * Only with a callback set, in training mode. */
+tdm_status tdm_model_sync_bn_forward_empty(tdm_model *m);
+tdm_status tdm_model_sync_bn_backward_empty(tdm_model *m);
 /* Batchnorm layers of the model (0 for the MLP and GPT). */
 int tdm_model_n_batchnorm(const tdm_model *m);
 

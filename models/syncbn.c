@@ -94,8 +94,13 @@ tdm_status tdm_syncbn_forward(tdm_model *m, tdm_layer *l, const float *x, int B)
     const float *gamma = m->params + m->params_info[l->p0].offset;
     const float *beta = m->params + m->params_info[l->p0 + 1].offset;
     if ((st = tdm_dev_bn_prep(d, C, l->mean, l->var, l->invstd, run_mean, run_var,
-                              TDM_SYNCBN_EPS, TDM_SYNCBN_MOMENTUM, n, 1)) ||
-        (st = tdm_dev_bn_fwd(d, x, C, len, l->mean, l->invstd, gamma, beta, l->out)))
+                              TDM_SYNCBN_EPS, TDM_SYNCBN_MOMENTUM, n, 1)))
+        goto fail;
+    /* B = 0: a replica without samples (tdm_model_sync_bn_forward_empty)
+     * took part in the sums and updated the running statistics; there is
+     * nothing to normalise */
+    if (len == 0) goto fail;
+    if ((st = tdm_dev_bn_fwd(d, x, C, len, l->mean, l->invstd, gamma, beta, l->out)))
         goto fail;
     if (l->relu) st = tdm_dev_bias_act(d, l->out, NULL, C, (int)len, TDM_ACT_RELU);
 fail:

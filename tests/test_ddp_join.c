@@ -35,6 +35,7 @@ typedef struct j_arg {
     j_shared *sh;
     int join;
     int cnn;
+    int scaled;   /* tdm_ddp_forward_scaled with 1/(batch * world) */
 } j_arg;
 
 static int j_rank(tdm_comm *comm, void *p)
@@ -64,7 +65,11 @@ static int j_rank(tdm_comm *comm, void *p)
         tdm_data_gather(&g_data, idx, j_size[rank], x, y);
         double lm = 0.0;
         TDM_TRY(tdm_ddp_zero_grad(ddp));
-        TDM_TRY(tdm_ddp_forward(ddp, x, y, j_size[rank], &lm));
+        if (a->scaled)
+            TDM_TRY(tdm_ddp_forward_scaled(ddp, x, y, j_size[rank],
+                                           1.0f / ((float)j_size[rank] * J_WORLD), &lm));
+        else
+            TDM_TRY(tdm_ddp_forward(ddp, x, y, j_size[rank], &lm));
         sh->active[rank][s] = tdm_ddp_active_ranks(ddp);
         TDM_TRY(tdm_ddp_backward(ddp));
         TDM_TRY(tdm_ddp_step(ddp, opt));
@@ -125,13 +130,13 @@ static void j_reference(int cnn, float *out, int64_t *n)
     tdm_device_free(dev);
 }
 
-Test(ddp_join, uneven_ranks_finish_and_equal_one_device)
+static void j_check_uneven(int scaled)
 {
     j_shared *sh = mmap(NULL, sizeof *sh, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS,
                         -1, 0);
     cr_assert(sh != MAP_FAILED);
     memset(sh, 0, sizeof *sh);
-    j_arg a = {.sh = sh, .join = 1};
+    j_arg a = {.sh = sh, .join = 1, .scaled = scaled};
     tdm_ddp_spawn_opts so = {.timeout_ms = 60000, .comm_timeout_ms = 20000};
     tdm_status st = tdm_ddp_spawn(J_WORLD, j_rank, &a, &so, NULL);
     cr_assert_eq(st, TDM_STATUS_OK, "%s / %s / %s / %s", tdm_error_message(), sh->err[0],
@@ -158,6 +163,16 @@ Test(ddp_join, uneven_ranks_finish_and_equal_one_device)
     munmap(sh, sizeof *sh);
 }
 
+Test(ddp_join, uneven_ranks_finish_and_equal_one_device) { j_check_uneven(0); }
+
+/* tdm_ddp_forward_scaled with a scale meant for every rank (1/(batch *
+ * world)) averages over the ranks with data too: it failed (the scale
+ * was taken as given, so the steps with fewer ranks were too small). */
+Test(ddp_join, forward_scaled_averages_over_the_ranks_with_data)
+{
+    j_check_uneven(1);
+}
+
 /* Without opts.join, tdm_ddp_join is refused naming the option, and the
  * ranks still training fail (their peer left) instead of hanging. */
 Test(ddp_join, join_without_the_option_is_refused_and_nobody_hangs)
@@ -173,4 +188,84 @@ Test(ddp_join, join_without_the_option_is_refused_and_nobody_hangs)
     cr_assert(strstr(sh->err[0], "opts.join"), "rank 0: %s", sh->err[0]);
     cr_assert(sh->status[2] != 0, "rank 2 (8 batches) finished without its peers");
     munmap(sh, sizeof *sh);
+}
+
+/* Join while the ranks still training accumulate under no_sync (two
+ * micro-batches per optimizer step, the accumulation ddp.h documents):
+ * rank 0 runs 2 steps, rank 1 one and then joins. The joined rank must
+ * shadow only the others' synchronised step, not one per forward: it
+ * failed with a collective mismatch ("rank 1 called all_gather ... but
+ * rank 0 called all_reduce", found in review) when it ran a synchronised
+ * backward and a step for each of rank 0's no_sync forwards. */
+typedef struct {
+    int status[2];
+    int64_t shadowed[2];
+    float p[2][64];
+    char err[2][512];
+} jns_shared;
+static jns_shared *g_jns;
+
+static int jns_rank(tdm_comm *comm, void *arg)
+{
+    (void)arg;
+    int rank = tdm_comm_rank(comm);
+    tdm_device *dev = NULL;
+    tdm_model *m = NULL;
+    tdm_optim *opt = NULL;
+    tdm_ddp *d = NULL;
+    tdm_model_spec spec;
+    tdm_status st = TDM_STATUS_OK;
+    int dims[] = {8, 6, 3};
+    float x[4 * 8];
+    int32_t y[4];
+    for (int i = 0; i < 32; i++) x[i] = (float)((i * 7 + rank) % 11) * 0.1f;
+    for (int i = 0; i < 4; i++) y[i] = i % 3;
+    tdm_model_spec_mlp(&spec, dims, 3);
+    TDM_TRY(tdm_device_open(&dev, "cpu", rank, 1));
+    TDM_TRY(tdm_model_init(&m, dev, &spec, 5));
+    tdm_ddp_opts o = {.join = 1, .timeout_ms = 5000};
+    TDM_TRY(tdm_ddp_init(&d, m, comm, &o));
+    tdm_optim_opts oo;
+    tdm_optim_opts_default(&oo, TDM_OPTIM_SGD);
+    TDM_TRY(tdm_optim_init(&opt, m, &oo));
+    /* rank 0: 2 optimizer steps of 2 micro-batches; rank 1: 1 step */
+    int steps = rank == 0 ? 2 : 1;
+    for (int s = 0; s < steps; s++) {
+        TDM_TRY(tdm_ddp_zero_grad(d));
+        for (int k = 0; k < 2; k++) {
+            tdm_ddp_no_sync(d, k == 0);
+            TDM_TRY(tdm_ddp_forward(d, x + 16 * k, y + 2 * k, 2, NULL));
+            TDM_TRY(tdm_ddp_backward(d));
+        }
+        TDM_TRY(tdm_ddp_step(d, opt));
+    }
+    TDM_TRY(tdm_ddp_join(d, opt, &g_jns->shadowed[rank]));
+    int64_t n = tdm_model_param_elems(m);
+    memcpy(g_jns->p[rank], tdm_model_params(m), (size_t)(n < 64 ? n : 64) * sizeof(float));
+fail:
+    g_jns->status[rank] = st;
+    if (st) snprintf(g_jns->err[rank], sizeof g_jns->err[rank], "%s", tdm_error_message());
+    tdm_ddp_free(d);
+    tdm_optim_free(opt);
+    tdm_model_free(m);
+    tdm_device_free(dev);
+    return st ? 1 : 0;
+}
+
+Test(ddp_join, joined_rank_shadows_only_the_synchronised_steps_of_no_sync_accumulation)
+{
+    g_jns = mmap(NULL, sizeof *g_jns, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1,
+                 0);
+    cr_assert(g_jns != MAP_FAILED);
+    memset(g_jns, 0, sizeof *g_jns);
+    tdm_ddp_spawn_opts so = {.timeout_ms = 60000, .comm_timeout_ms = 10000};
+    tdm_status st = tdm_ddp_spawn(2, jns_rank, NULL, &so, NULL);
+    cr_expect_eq(st, TDM_STATUS_OK, "spawn: %s", tdm_error_message());
+    cr_expect_eq(g_jns->status[0], 0, "rank 0: %s", g_jns->err[0]);
+    cr_expect_eq(g_jns->status[1], 0, "rank 1: %s", g_jns->err[1]);
+    cr_expect_eq(g_jns->shadowed[0], 0);
+    cr_expect_eq(g_jns->shadowed[1], 1, "rank 1 shadowed %lld steps of rank 0's 1 after it joined",
+                 (long long)g_jns->shadowed[1]);
+    cr_expect(!memcmp(g_jns->p[0], g_jns->p[1], sizeof g_jns->p[0]), "replicas differ");
+    munmap(g_jns, sizeof *g_jns);
 }
