@@ -149,4 +149,9 @@ static inline float *tdm_fsdp_gshard(tdm_fsdp *f, int u)
                                                  : f->gshard + x->shard_off;
 }
 
+/* fsdp/plan.c, called once by tdm_fsdp_init: the unit plan, then its
+ * check that every rank holds the same plan and tensor layout. */
+tdm_status tdm_fsdp_plan(tdm_fsdp *f);
+tdm_status tdm_fsdp_verify(tdm_fsdp *f);
+
 #endif

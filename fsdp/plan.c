@@ -1,0 +1,221 @@
+/* fsdp/plan.c: the unit plan (which layers form each unit, each unit's
+ * flat buffer padded to a multiple of N and its shard, the offsets of the
+ * shards in the rank's state) and its check across ranks (the same plan
+ * and tensor layout on every rank, or a named error), both run once by
+ * tdm_fsdp_init (fsdp/fsdp.c). */
+#include "fsdp/fsdp_impl.h"
+
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/log.h"
+
+/* ---- the unit plan ---- */
+
+static int64_t tdm_fsdp_align(int64_t n)
+{
+    return (n + TDM_MODEL_ALIGN_ELEMS - 1) / TDM_MODEL_ALIGN_ELEMS * TDM_MODEL_ALIGN_ELEMS;
+}
+
+static int64_t tdm_fsdp_param_end(const tdm_model *m, int last)
+{
+    return last + 1 < tdm_model_n_params(m) ? tdm_model_param_info(m, last + 1)->offset
+                                            : tdm_model_param_elems(m);
+}
+
+/* Units are runs of whole blocks (tdm_model_layer_block) with parameters:
+ * one per block, or, with min_unit_elems, consecutive blocks grouped
+ * until a unit holds that many elements. */
+tdm_status tdm_fsdp_plan(tdm_fsdp *f)
+{
+    tdm_model *m = f->m;
+    int nl = tdm_model_n_layers(m), n = f->n_params;
+    f->u = calloc((size_t)n, sizeof *f->u);
+    f->param_unit = calloc((size_t)n, sizeof *f->param_unit);
+    f->ready = calloc((size_t)n, 1);
+    if (!f->u || !f->param_unit || !f->ready)
+        return tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "fsdp: unit plan for %d parameters", n);
+    int nu = 0, block = -1, prev_last = -1;
+    for (int l = 0; l < nl; l++) {
+        int first, last;
+        tdm_model_layer_params(m, l, &first, &last);
+        if (first > last) continue;
+        TDM_REQUIRE(first == prev_last + 1, TDM_STATUS_INTERNAL,
+                    "fsdp: layer %d's parameters start at %d, not after the previous layer's %d",
+                    l, first, prev_last);
+        prev_last = last;
+        int b = tdm_model_layer_block(m, l);
+        tdm_fsdp_unit *cur = nu ? &f->u[nu - 1] : NULL;
+        int64_t cur_elems = cur ? tdm_fsdp_param_end(m, cur->last) -
+                                      tdm_model_param_info(m, cur->first)->offset
+                                : 0;
+        if (cur && (b == block || cur_elems < f->o.min_unit_elems)) {
+            cur->last = last;
+        } else {
+            f->u[nu++] = (tdm_fsdp_unit){.first = first, .last = last};
+        }
+        block = b;
+    }
+    TDM_REQUIRE(prev_last == n - 1, TDM_STATUS_INTERNAL,
+                "fsdp: the layers own parameters 0..%d of %d", prev_last, n);
+    f->nu = nu;
+    int64_t so = 0, fo = 0;
+    for (int u = 0; u < nu; u++) {
+        tdm_fsdp_unit *x = &f->u[u];
+        x->offset = tdm_model_param_info(m, x->first)->offset;
+        x->n_elem = tdm_fsdp_param_end(m, x->last) - x->offset;
+        x->shard = (x->n_elem + f->world - 1) / f->world;
+        x->padded = x->shard * f->world;
+        /* shards and full copies start 64-byte aligned, as tensors in the
+         * flat buffer do: the same kernels see the same alignment */
+        x->shard_off = so;
+        x->full_off = fo;
+        so = tdm_fsdp_align(so + x->shard);
+        fo = tdm_fsdp_align(fo + x->padded);
+        if (x->padded > f->max_padded) f->max_padded = x->padded;
+        for (int p = x->first; p <= x->last; p++) f->param_unit[p] = u;
+        x->ag_event = x->rs_event = -1;
+    }
+    f->shard_elems = so;
+    f->full_elems = fo;
+    return TDM_STATUS_OK;
+}
+
+/* ---- the layout check across ranks ---- */
+
+static uint64_t tdm_fsdp_fnv(const void *p, size_t n, uint64_t h)
+{
+    const unsigned char *s = p;
+    for (size_t i = 0; i < n; i++) h = (h ^ s[i]) * 1099511628211ull;
+    return h;
+}
+
+static int64_t tdm_fsdp_tensor_hash(const tdm_tensor_info *t)
+{
+    uint64_t h = tdm_fsdp_fnv(t->name, strlen(t->name), 1469598103934665603ull);
+    h = tdm_fsdp_fnv(&t->ndim, sizeof t->ndim, h);
+    h = tdm_fsdp_fnv(t->shape, sizeof t->shape[0] * (size_t)t->ndim, h);
+    h = tdm_fsdp_fnv(&t->offset, sizeof t->offset, h);
+    return (int64_t)h;
+}
+
+enum { TDM_FSDP_SUM_NPARAMS, TDM_FSDP_SUM_NBUF, TDM_FSDP_SUM_NUNITS, TDM_FSDP_SUM_SHARDING,
+       TDM_FSDP_SUM_PREFETCH, TDM_FSDP_SUM_OVERLAP, TDM_FSDP_SUM_N };
+#define TDM_FSDP_UNIT_FIELDS 5
+
+tdm_status tdm_fsdp_verify(tdm_fsdp *f)
+{
+    tdm_status st = TDM_STATUS_OK;
+    tdm_model *m = f->m;
+    int W = f->world, nbuf = tdm_model_n_buffers(m);
+    int64_t mine[TDM_FSDP_SUM_N] = {
+        [TDM_FSDP_SUM_NPARAMS] = f->n_params, [TDM_FSDP_SUM_NBUF] = nbuf,
+        [TDM_FSDP_SUM_NUNITS] = f->nu, [TDM_FSDP_SUM_SHARDING] = f->o.sharding,
+        [TDM_FSDP_SUM_PREFETCH] = f->o.no_prefetch, [TDM_FSDP_SUM_OVERLAP] = f->o.no_overlap};
+    int64_t *all = calloc((size_t)W * TDM_FSDP_SUM_N, sizeof *all), *tab = NULL;
+    TDM_REQUIRE(all, TDM_STATUS_OUT_OF_MEMORY, "fsdp: calloc");
+    memcpy(all + (size_t)f->rank * TDM_FSDP_SUM_N, mine, sizeof mine);
+    TDM_TRY(tdm_comm_all_gather(f->hcomm, all + (size_t)f->rank * TDM_FSDP_SUM_N, all,
+                                TDM_FSDP_SUM_N, TDM_DTYPE_INT64));
+    for (int r = 1; r < W; r++) {
+        const int64_t *a = all, *b = all + (size_t)r * TDM_FSDP_SUM_N;
+        if (a[TDM_FSDP_SUM_NPARAMS] != b[TDM_FSDP_SUM_NPARAMS] ||
+            a[TDM_FSDP_SUM_NBUF] != b[TDM_FSDP_SUM_NBUF]) {
+            st = tdm_error_set(TDM_STATUS_MISMATCH,
+                               "fsdp: model layout differs between ranks: rank 0 has %lld "
+                               "parameter tensors and %lld buffers, rank %d has %lld and %lld; "
+                               "every rank must build the same model",
+                               (long long)a[0], (long long)a[1], r, (long long)b[0],
+                               (long long)b[1]);
+            goto fail;
+        }
+    }
+    /* equal counts: per tensor, then per unit */
+    int nt = f->n_params + nbuf;
+    int per = 2 * nt + TDM_FSDP_UNIT_FIELDS * f->n_params;   /* units <= parameters */
+    tab = calloc((size_t)W * (size_t)per, sizeof *tab);
+    if (!tab) {
+        st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "fsdp: calloc");
+        goto fail;
+    }
+    int64_t *own = tab + (size_t)f->rank * per;
+    for (int i = 0; i < nt; i++) {
+        const tdm_tensor_info *t = i < f->n_params ? tdm_model_param_info(m, i)
+                                                   : tdm_model_buffer_info(m, i - f->n_params);
+        own[2 * i] = tdm_fsdp_tensor_hash(t);
+        own[2 * i + 1] = t->n_elem;
+    }
+    for (int u = 0; u < f->nu; u++) {
+        const tdm_fsdp_unit *x = &f->u[u];
+        int64_t *v = own + 2 * nt + TDM_FSDP_UNIT_FIELDS * u;
+        v[0] = x->first;
+        v[1] = x->last;
+        v[2] = x->offset;
+        v[3] = x->n_elem;
+        v[4] = x->shard;
+    }
+    TDM_TRY(tdm_comm_all_gather(f->hcomm, own, tab, (size_t)per, TDM_DTYPE_INT64));
+    for (int r = 1; r < W; r++) {
+        for (int i = 0; i < nt; i++) {
+            const int64_t *a = tab + 2 * i, *b = tab + (size_t)r * per + 2 * i;
+            if (a[0] == b[0] && a[1] == b[1]) continue;
+            int is_p = i < f->n_params;
+            const tdm_tensor_info *t = is_p ? tdm_model_param_info(m, i)
+                                            : tdm_model_buffer_info(m, i - f->n_params);
+            st = tdm_error_set(TDM_STATUS_MISMATCH,
+                               "fsdp: %s %d differs between ranks: rank 0's has %lld "
+                               "elements, rank %d's has %lld (name, shape or offset differ; "
+                               "here, on rank %d, it is '%s'); every rank must build the same "
+                               "model", is_p ? "parameter" : "buffer", is_p ? i : i - f->n_params,
+                               (long long)a[1], r, (long long)b[1], f->rank, t->name);
+            goto fail;
+        }
+        int nu0 = (int)all[TDM_FSDP_SUM_NUNITS], nur = (int)all[(size_t)r * TDM_FSDP_SUM_N +
+                                                               TDM_FSDP_SUM_NUNITS];
+        for (int u = 0; u < nu0 || u < nur; u++) {
+            const int64_t *a = tab + 2 * nt + TDM_FSDP_UNIT_FIELDS * u;
+            const int64_t *b = tab + (size_t)r * per + 2 * nt + TDM_FSDP_UNIT_FIELDS * u;
+            if (u < nu0 && u < nur && !memcmp(a, b, TDM_FSDP_UNIT_FIELDS * sizeof *a)) continue;
+            if (u >= nu0 || u >= nur) {
+                st = tdm_error_set(TDM_STATUS_MISMATCH,
+                                   "fsdp: shard layout differs between ranks: rank 0 has %d "
+                                   "unit(s), rank %d has %d (unit %d exists on one only); use "
+                                   "the same unit options (min_unit_elems) on every rank", nu0,
+                                   r, nur, u);
+            } else {
+                st = tdm_error_set(TDM_STATUS_MISMATCH,
+                                   "fsdp: shard layout of unit %d differs between ranks: rank "
+                                   "0's holds parameters %lld..%lld (%lld elements at offset "
+                                   "%lld, shards of %lld), rank %d's holds %lld..%lld (%lld at "
+                                   "%lld, shards of %lld); use the same model and unit options "
+                                   "on every rank", u, (long long)a[0], (long long)a[1],
+                                   (long long)a[3], (long long)a[2], (long long)a[4], r,
+                                   (long long)b[0], (long long)b[1], (long long)b[3],
+                                   (long long)b[2], (long long)b[4]);
+            }
+            goto fail;
+        }
+        const int64_t *a = all, *b = all + (size_t)r * TDM_FSDP_SUM_N;
+        if (a[TDM_FSDP_SUM_SHARDING] != b[TDM_FSDP_SUM_SHARDING] ||
+            a[TDM_FSDP_SUM_PREFETCH] != b[TDM_FSDP_SUM_PREFETCH] ||
+            a[TDM_FSDP_SUM_OVERLAP] != b[TDM_FSDP_SUM_OVERLAP]) {
+            st = tdm_error_set(TDM_STATUS_MISMATCH,
+                               "fsdp: options differ between ranks: rank 0 runs sharding %s "
+                               "(prefetch %s, overlap %s), rank %d sharding %s (prefetch %s, "
+                               "overlap %s); the collectives would not match",
+                               tdm_fsdp_sharding_name((tdm_fsdp_sharding)a[TDM_FSDP_SUM_SHARDING]),
+                               a[TDM_FSDP_SUM_PREFETCH] ? "off" : "on",
+                               a[TDM_FSDP_SUM_OVERLAP] ? "off" : "on", r,
+                               tdm_fsdp_sharding_name((tdm_fsdp_sharding)b[TDM_FSDP_SUM_SHARDING]),
+                               b[TDM_FSDP_SUM_PREFETCH] ? "off" : "on",
+                               b[TDM_FSDP_SUM_OVERLAP] ? "off" : "on");
+            goto fail;
+        }
+    }
+fail:
+    free(all);
+    free(tab);
+    return st;
+}
