@@ -429,6 +429,28 @@ void tdm_train_print_dp_phases(const tdm_phase_times *sum, double step_ms, int64
     }
 }
 
+tdm_status tdm_train_load_and_probe(const tdm_train_args *a, const tdm_model_spec *spec,
+                                    tdm_dataset *train, tdm_dataset *test,
+                                    int64_t *param_elems)
+{
+    tdm_device *dev = NULL;
+    tdm_model *probe = NULL;
+    tdm_status st;
+    TDM_CHECK(tdm_train_load_data(a, spec, train, test));
+    if ((st = tdm_device_open(&dev, "cpu", 0, 1)) ||
+        (st = tdm_model_init(&probe, dev, spec, (uint64_t)a->seed)))
+        fprintf(stderr, "tandem train: building model: %s\n", tdm_error_message());
+    else st = tdm_train_check_features(train, probe);
+    if (st == TDM_STATUS_OK && param_elems) *param_elems = tdm_model_param_elems(probe);
+    tdm_model_free(probe);
+    tdm_device_free(dev);
+    if (st) {
+        tdm_data_free(train);
+        tdm_data_free(test);
+    }
+    return st;
+}
+
 tdm_status tdm_train_setup(const tdm_train_args *a, const tdm_model_spec *spec, tdm_device *dev,
                            tdm_dataset *train, tdm_dataset *test, tdm_model **m,
                            tdm_optim **opt, int64_t *start_epoch)

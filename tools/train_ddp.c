@@ -407,21 +407,11 @@ static tdm_status tdm_train_ddp_forked(tdm_train_ddp_ctx *c)
 {
     const tdm_train_args *a = c->a;
     tdm_dataset train = {0}, test = {0};
-    tdm_device *dev = NULL;
-    tdm_model *probe = NULL;
+    int64_t param_elems = 0;
     tdm_status st;
-    TDM_CHECK(tdm_train_load_data(a, &c->spec, &train, &test));
-    if ((st = tdm_device_open(&dev, "cpu", 0, 1)) ||
-        (st = tdm_model_init(&probe, dev, &c->spec, (uint64_t)a->seed))) {
-        fprintf(stderr, "tandem train: building model: %s\n", tdm_error_message());
-        goto done;
-    }
-    TDM_TRY(tdm_train_check_features(&train, probe));
+    TDM_CHECK(tdm_train_load_and_probe(a, &c->spec, &train, &test, &param_elems));
     tdm_ddp_spawn_opts so = {.timeout_ms = INT64_MAX / 2000000, .comm_timeout_ms = c->timeout_ms,
-                             .arena_bytes = tdm_tool_ddp_arena_bytes(
-                                 &c->dl, tdm_model_param_elems(probe))};
-    tdm_model_free(probe);
-    probe = NULL;
+                             .arena_bytes = tdm_tool_ddp_arena_bytes(&c->dl, param_elems)};
     c->train = &train;
     c->test = &test;
     fflush(stdout);
@@ -455,10 +445,6 @@ static tdm_status tdm_train_ddp_forked(tdm_train_ddp_ctx *c)
         fflush(stdout);
     }
     c->a = a;
-fail:
-done:
-    tdm_model_free(probe);
-    tdm_device_free(dev);
     tdm_data_free(&train);
     tdm_data_free(&test);
     return st;

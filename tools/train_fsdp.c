@@ -388,29 +388,15 @@ done:
  * (a mismatch is said once, as usage). */
 static tdm_status tdm_train_fsdp_forked(tdm_train_fsdp_ctx *c)
 {
-    const tdm_train_args *a = c->a;
     tdm_dataset train = {0}, test = {0};
-    tdm_device *dev = NULL;
-    tdm_model *probe = NULL;
     tdm_status st;
-    TDM_CHECK(tdm_train_load_data(a, &c->spec, &train, &test));
-    if ((st = tdm_device_open(&dev, "cpu", 0, 1)) ||
-        (st = tdm_model_init(&probe, dev, &c->spec, (uint64_t)a->seed))) {
-        fprintf(stderr, "tandem train: building model: %s\n", tdm_error_message());
-        goto done;
-    }
-    if ((st = tdm_train_check_features(&train, probe))) goto done;
-    tdm_model_free(probe);
-    probe = NULL;
+    TDM_CHECK(tdm_train_load_and_probe(c->a, &c->spec, &train, &test, NULL));
     c->train = &train;
     c->test = &test;
     tdm_ddp_spawn_opts so = {.timeout_ms = INT64_MAX / 2000000, .comm_timeout_ms = c->timeout_ms};
     fflush(stdout);
     if ((st = tdm_ddp_spawn(c->dl.count, tdm_train_fsdp_forked_rank, c, &so, NULL)))
         fprintf(stderr, "tandem train: fsdp: %s\n", tdm_error_message());
-done:
-    tdm_model_free(probe);
-    tdm_device_free(dev);
     tdm_data_free(&train);
     tdm_data_free(&test);
     return st;

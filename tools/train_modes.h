@@ -66,6 +66,13 @@ tdm_status tdm_train_load_data(const tdm_train_args *a, const tdm_model_spec *sp
                                tdm_dataset *train, tdm_dataset *test);
 /* USAGE unless the data's features per sample fit the model. */
 tdm_status tdm_train_check_features(const tdm_dataset *train, const tdm_model *m);
+/* What a parent of forked ranks checks before forking: loads the data and
+ * checks it against a probe model built on a host device (and freed);
+ * *param_elems (NULL: not wanted) is the model's parameter count. On
+ * failure the message is printed or set and nothing is left to free. */
+tdm_status tdm_train_load_and_probe(const tdm_train_args *a, const tdm_model_spec *spec,
+                                    tdm_dataset *train, tdm_dataset *test,
+                                    int64_t *param_elems);
 /* With --resume, loads the checkpoint into m and opt and sets *start_epoch
  * (0 without). */
 tdm_status tdm_train_resume(const tdm_train_args *a, tdm_model *m, tdm_optim *opt,
