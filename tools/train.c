@@ -6,6 +6,7 @@
  * shares (tools/train_modes.h) and --mode single. The epochs themselves:
  * tools/train_loop.c. */
 #include <fcntl.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -427,6 +428,17 @@ void tdm_train_print_dp_phases(const tdm_phase_times *sum, double step_ms, int64
         printf("  %-12s %8.2f ms  %5.1f%%\n", tdm_phase_name((tdm_phase)p), ms,
                total > 0 ? 100.0 * ms / total : 0.0);
     }
+}
+
+tdm_status tdm_train_rank_diverged(tdm_comm *comm, int rank, int64_t step, double loss,
+                                   const char *where)
+{
+    char why[256];
+    snprintf(why, sizeof why, "loss is %s at step %lld (%s): training diverged (a lower "
+             "learning rate may help)", isnan(loss) ? "NaN" : loss > 0 ? "+inf" : "-inf",
+             (long long)step, where);
+    tdm_comm_abort(comm, why);
+    return tdm_error_set(TDM_STATUS_NONFINITE, "rank %d: %s", rank, why);
 }
 
 tdm_status tdm_train_load_and_probe(const tdm_train_args *a, const tdm_model_spec *spec,

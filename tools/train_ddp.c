@@ -93,13 +93,10 @@ static tdm_status tdm_train_ddp_nonfinite(tdm_train_ddp_rank *r, double ls, int 
 {
     int64_t lo, hi;
     tdm_ddp_share(batch, r->rank, r->world, &lo, &hi);
-    char why[256];
-    snprintf(why, sizeof why, "loss is %s at step %lld (rank %d's %d sample%s of the batch "
-             "of %d): training diverged (a lower learning rate may help)",
-             isnan(ls) ? "NaN" : ls > 0 ? "+inf" : "-inf", (long long)tdm_optim_steps(r->opt) + 1,
-             r->rank, (int)(hi - lo), hi - lo == 1 ? "" : "s", batch);
-    tdm_comm_abort(r->comm, why);
-    return tdm_error_set(TDM_STATUS_NONFINITE, "rank %d: %s", r->rank, why);
+    char where[96];
+    snprintf(where, sizeof where, "rank %d's %d sample%s of the batch of %d", r->rank,
+             (int)(hi - lo), hi - lo == 1 ? "" : "s", batch);
+    return tdm_train_rank_diverged(r->comm, r->rank, tdm_optim_steps(r->opt) + 1, ls, where);
 }
 
 static tdm_status tdm_train_ddp_step(void *ctx, const void *x, const int32_t *y, int batch,
@@ -155,13 +152,10 @@ static tdm_status tdm_train_ddp_micro(void *ctx, const void *x, const int32_t *y
     TDM_TRY(tdm_ddp_forward_global_scaled(r->ddp, x, y, batch, grad_scale, loss_sum));
     if (!isfinite(*loss_sum)) {
         /* as in tdm_train_ddp_step: stop before the all-reduce, tell the group */
-        char why[256];
-        snprintf(why, sizeof why, "loss is %s at step %lld (rank %d, micro-batch %d): training "
-                 "diverged (a lower learning rate may help)",
-                 isnan(*loss_sum) ? "NaN" : *loss_sum > 0 ? "+inf" : "-inf",
-                 (long long)tdm_optim_steps(r->opt) + 1, r->rank, index + 1);
-        tdm_comm_abort(r->comm, why);
-        return tdm_error_set(TDM_STATUS_NONFINITE, "rank %d: %s", r->rank, why);
+        char where[64];
+        snprintf(where, sizeof where, "rank %d, micro-batch %d", r->rank, index + 1);
+        return tdm_train_rank_diverged(r->comm, r->rank, tdm_optim_steps(r->opt) + 1, *loss_sum,
+                                       where);
     }
     tdm_ddp_no_sync(r->ddp, !last);
     TDM_TRY(tdm_ddp_backward(r->ddp));

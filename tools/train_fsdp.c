@@ -83,14 +83,11 @@ static tdm_status tdm_train_fsdp_step(void *ctx, const void *x, const int32_t *y
                                     hi - lo, 1.0f / (float)batch, &ls));
     if (!isfinite(ls)) {
         /* as --mode ddp: stop the group now, naming the step and rank */
-        char why[256];
-        snprintf(why, sizeof why, "loss is %s at step %lld (rank %d's %d sample%s of the batch "
-                 "of %d): training diverged (a lower learning rate may help)",
-                 isnan(ls) ? "NaN" : ls > 0 ? "+inf" : "-inf",
-                 (long long)tdm_optim_steps(r->opt) + 1, r->rank, hi - lo,
-                 hi - lo == 1 ? "" : "s", batch);
-        tdm_comm_abort(r->comm, why);
-        return tdm_error_set(TDM_STATUS_NONFINITE, "rank %d: %s", r->rank, why);
+        char where[96];
+        snprintf(where, sizeof where, "rank %d's %d sample%s of the batch of %d", r->rank,
+                 hi - lo, hi - lo == 1 ? "" : "s", batch);
+        return tdm_train_rank_diverged(r->comm, r->rank, tdm_optim_steps(r->opt) + 1, ls,
+                                       where);
     }
     TDM_TRY(tdm_fsdp_backward(r->f));
     TDM_TRY(tdm_fsdp_step(r->f, r->opt));
@@ -138,13 +135,10 @@ static tdm_status tdm_train_fsdp_micro(void *ctx, const void *x, const int32_t *
     TDM_TRY(tdm_fsdp_forward_scaled(r->f, (const float *)x + (int64_t)lo * r->feat, y + lo,
                                     hi - lo, grad_scale, loss_sum));
     if (!isfinite(*loss_sum)) {
-        char why[256];
-        snprintf(why, sizeof why, "loss is %s at step %lld (rank %d, micro-batch %d): training "
-                 "diverged (a lower learning rate may help)",
-                 isnan(*loss_sum) ? "NaN" : *loss_sum > 0 ? "+inf" : "-inf",
-                 (long long)tdm_optim_steps(r->opt) + 1, r->rank, index + 1);
-        tdm_comm_abort(r->comm, why);
-        return tdm_error_set(TDM_STATUS_NONFINITE, "rank %d: %s", r->rank, why);
+        char where[64];
+        snprintf(where, sizeof where, "rank %d, micro-batch %d", r->rank, index + 1);
+        return tdm_train_rank_diverged(r->comm, r->rank, tdm_optim_steps(r->opt) + 1, *loss_sum,
+                                       where);
     }
     tdm_fsdp_no_sync(r->f, !last);
     TDM_TRY(tdm_fsdp_backward(r->f));

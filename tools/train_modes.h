@@ -12,6 +12,7 @@
 
 #include <stdint.h>
 
+#include "core/comm.h"
 #include "core/data.h"
 #include "core/text.h"
 #include "models/checkpoint.h"
@@ -66,6 +67,13 @@ tdm_status tdm_train_load_data(const tdm_train_args *a, const tdm_model_spec *sp
                                tdm_dataset *train, tdm_dataset *test);
 /* USAGE unless the data's features per sample fit the model. */
 tdm_status tdm_train_check_features(const tdm_dataset *train, const tdm_model *m);
+/* A rank's loss turned non-finite before its gradient collectives: stops
+ * the group now with the reason ("loss is NaN at step S (<where>):
+ * training diverged ..."; every other rank leaves its next collective
+ * naming it) and returns NONFINITE with that message. where: e.g.
+ * "rank 1's 3 samples of the batch of 8" or "rank 1, micro-batch 2". */
+tdm_status tdm_train_rank_diverged(tdm_comm *comm, int rank, int64_t step, double loss,
+                                   const char *where);
 /* What a parent of forked ranks checks before forking: loads the data and
  * checks it against a probe model built on a host device (and freed);
  * *param_elems (NULL: not wanted) is the model's parameter count. On
