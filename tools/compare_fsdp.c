@@ -221,16 +221,7 @@ tdm_status tdm_cmp_run_fsdp(const tdm_cmp_opts *o, const tdm_cmp_data *data,
                             tdm_cmp_mode mode, int world, tdm_cmp_result *r)
 {
     const char *name = tdm_cmp_mode_name(mode);
-    tdm_model_spec spec;
-    tdm_device *pdev = NULL;
-    tdm_model *probe = NULL;
-    int64_t pe = 0;
-    if (tdm_model_spec_parse(&spec, o->model) == TDM_STATUS_OK &&
-        tdm_device_open(&pdev, "cpu", 0, 1) == TDM_STATUS_OK &&
-        tdm_model_init(&probe, pdev, &spec, o->seed) == TDM_STATUS_OK)
-        pe = tdm_model_param_elems(probe);
-    tdm_model_free(probe);
-    tdm_device_free(pdev);
+    int64_t pe = tdm_cmp_param_elems(o);
     if (pe <= 0) {
         fprintf(stderr, "tandem compare: %s: %s\n", name, tdm_error_message());
         return TDM_STATUS_INVALID_ARG;
