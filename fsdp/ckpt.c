@@ -36,6 +36,7 @@ static tdm_status tdm_fsdp_agree(tdm_fsdp *f, tdm_status mine, const char *what,
     own[0] = (int32_t)mine;
     /* the first TDM_FSDP_MSG - 1 bytes: what is cut is cut on purpose */
     memcpy(own + 1, msg, strnlen(msg, TDM_FSDP_MSG - 1));
+    tdm_comm_set_label(f->hcomm, "%s checkpoint statuses", tdm_fsdp_tag(f));
     tdm_status st = tdm_comm_all_gather(f->hcomm, own, all, per, TDM_DTYPE_INT32);
     int bad = -1;
     for (int r = 0; st == TDM_STATUS_OK && r < f->world; r++)
@@ -103,6 +104,7 @@ tdm_status tdm_fsdp_save_full(tdm_fsdp *f, const char *path, tdm_optim *opt,
         for (int k = 0; st == TDM_STATUS_OK && k <= ns; k++) {
             const float *send = k == 0 ? tdm_fsdp_pshard(f, u)
                                        : tdm_optim_state(opt, k - 1) + x->shard_off;
+            tdm_comm_set_label(f->comm, "%s checkpoint gather unit %d", tdm_fsdp_tag(f), u);
             st = tdm_comm_gather(f->comm, send, blk, (size_t)x->shard, TDM_DTYPE_FLOAT32, 0);
             float *dst = k == 0 ? h.params : h.state[k - 1];
             if (st == TDM_STATUS_OK && root && !mine)
@@ -123,6 +125,7 @@ tdm_status tdm_fsdp_save_full(tdm_fsdp *f, const char *path, tdm_optim *opt,
     free(h.state[1]);
     /* doubles as the barrier: nobody goes on before the file is in place */
     int32_t ok = mine == TDM_STATUS_OK;
+    tdm_comm_set_label(f->hcomm, "%s checkpoint saved flag", tdm_fsdp_tag(f));
     TDM_CHECK(tdm_comm_broadcast(f->hcomm, &ok, &ok, 1, TDM_DTYPE_INT32, 0));
     if (mine) return tdm_error_set(mine, "%s", msg);
     TDM_REQUIRE(ok, TDM_STATUS_IO, "fsdp: rank 0 failed to save the checkpoint %s", path);
@@ -356,6 +359,7 @@ tdm_status tdm_fsdp_save_sharded(tdm_fsdp *f, const char *path, tdm_optim *opt,
     /* one id per save, from rank 0: the new rank files never overwrite
      * those the current index names */
     int64_t idv = f->rank == 0 ? (int64_t)(tdm_time_ns() ^ ((uint64_t)getpid() << 40)) : 0;
+    tdm_comm_set_label(f->hcomm, "%s checkpoint id", tdm_fsdp_tag(f));
     TDM_CHECK(tdm_comm_broadcast(f->hcomm, &idv, &idv, 1, TDM_DTYPE_INT64, 0));
     char id[20], file[1024], model[160];
     snprintf(id, sizeof id, "%016" PRIx64, (uint64_t)idv);
@@ -386,7 +390,9 @@ tdm_status tdm_fsdp_save_sharded(tdm_fsdp *f, const char *path, tdm_optim *opt,
     int32_t old[2] = {had_old, old_world};
     char oid[20];
     memcpy(oid, old_id, sizeof oid);
+    tdm_comm_set_label(f->hcomm, "%s checkpoint old index", tdm_fsdp_tag(f));
     TDM_CHECK(tdm_comm_broadcast(f->hcomm, old, old, 2, TDM_DTYPE_INT32, 0));
+    tdm_comm_set_label(f->hcomm, "%s checkpoint old index id", tdm_fsdp_tag(f));
     TDM_CHECK(tdm_comm_broadcast(f->hcomm, oid, oid, sizeof oid / 4, TDM_DTYPE_INT32, 0));
     oid[sizeof oid - 1] = '\0';
     if (old[0] && strcmp(oid, id)) {

@@ -67,6 +67,7 @@ static tdm_status tdm_fsdp_distribute(tdm_fsdp *f)
             TDM_CHECK(tdm_dev_copy(d, f->pfull + x->full_off, src + x->offset,
                                    (size_t)x->n_elem * sizeof(float)));
         }
+        tdm_comm_set_label(f->comm, "%s broadcast parameters", tdm_fsdp_tag(f));
         return tdm_comm_broadcast(f->comm, f->pfull, f->pfull, (size_t)f->full_elems,
                                   TDM_DTYPE_FLOAT32, 0);
     }
@@ -82,9 +83,11 @@ static tdm_status tdm_fsdp_distribute(tdm_fsdp *f)
                 st = tdm_dev_memset_zero(d, blk + x->n_elem,
                                          (size_t)(x->padded - x->n_elem) * sizeof(float));
         }
-        if (st == TDM_STATUS_OK)
+        if (st == TDM_STATUS_OK) {
+            tdm_comm_set_label(f->comm, "%s scatter parameters unit %d", tdm_fsdp_tag(f), u);
             st = tdm_comm_scatter(f->comm, blk, f->pshard + x->shard_off, (size_t)x->shard,
                                   TDM_DTYPE_FLOAT32, 0);
+        }
     }
     tdm_fsdp_pool_put(f, blk, nb);
     tdm_fsdp_pool_trim(f);
@@ -163,9 +166,11 @@ tdm_status tdm_fsdp_init(tdm_fsdp **out, tdm_model *m, tdm_comm *comm, const tdm
     TDM_TRY(tdm_fsdp_verify(f));
     TDM_TRY(tdm_fsdp_alloc_state(f));
     TDM_TRY(tdm_fsdp_distribute(f));
-    if (tdm_model_buffer_elems(m) > 0)
+    if (tdm_model_buffer_elems(m) > 0) {
+        tdm_comm_set_label(comm, "%s broadcast buffers", tdm_fsdp_tag(f));
         TDM_TRY(tdm_comm_broadcast(comm, tdm_model_buffers(m), tdm_model_buffers(m),
                                    (size_t)tdm_model_buffer_elems(m), TDM_DTYPE_FLOAT32, 0));
+    }
     /* From here on the model reads its parameters through views. */
     TDM_TRY(tdm_model_release_storage(m));
     for (int u = 0; u < f->nu; u++) {
@@ -384,6 +389,7 @@ static tdm_status tdm_fsdp_broadcast_buffers(tdm_fsdp *f, const char *when)
 {
     tdm_model *m = f->m;
     if (f->world == 1 || tdm_model_buffer_elems(m) == 0) return TDM_STATUS_OK;
+    tdm_comm_set_label(f->comm, "%s broadcast buffers (%s)", tdm_fsdp_tag(f), when);
     tdm_status st = tdm_comm_broadcast(f->comm, tdm_model_buffers(m), tdm_model_buffers(m),
                                        (size_t)tdm_model_buffer_elems(m), TDM_DTYPE_FLOAT32, 0);
     if (st) return tdm_error_prefix(st, "fsdp %s: broadcast of buffers from rank 0", when);
@@ -505,6 +511,7 @@ static tdm_status tdm_fsdp_check_tail(tdm_fsdp *f)
     f->tail[f->rank] = (double)f->fwd_count;
     f->tail[TDM_FSDP_MAX_RANKS + f->rank] = f->loss_accum;
     f->loss_accum = 0.0;
+    tdm_comm_set_label(f->hcomm, "%s end-of-backward check", tdm_fsdp_tag(f));
     tdm_status st = tdm_comm_all_reduce(f->hcomm, f->tail, f->tail, 2 * TDM_FSDP_MAX_RANKS,
                                         TDM_DTYPE_FLOAT64, TDM_REDOP_SUM);
     if (st) return tdm_error_prefix(st, "fsdp: step %" PRIu64 ": the end-of-backward check",
@@ -647,6 +654,7 @@ tdm_status tdm_fsdp_evaluate(tdm_fsdp *f, const tdm_dataset *test, int batch, do
                          (long long)hi - 1);
         return tdm_fsdp_fail(f, st);
     }
+    tdm_comm_set_label(f->hcomm, "%s evaluate sums", tdm_fsdp_tag(f));
     TDM_CHECK(tdm_comm_all_reduce(f->hcomm, sums, sums, 3, TDM_DTYPE_FLOAT64, TDM_REDOP_SUM));
     TDM_REQUIRE(sums[2] > 0, TDM_STATUS_INVALID_ARG, "fsdp evaluate: the test set is empty");
     *loss_mean = sums[0] / sums[2];
@@ -693,6 +701,7 @@ tdm_status tdm_fsdp_gather_grads(tdm_fsdp *f, float *host_out, int root)
     tdm_status st = TDM_STATUS_OK;
     for (int u = 0; st == TDM_STATUS_OK && u < f->nu; u++) {
         const tdm_fsdp_unit *x = &f->u[u];
+        tdm_comm_set_label(f->comm, "%s gather gradients unit %d", tdm_fsdp_tag(f), u);
         st = tdm_comm_all_gather(f->comm, tdm_fsdp_gshard(f, u), blk, (size_t)x->shard,
                                  TDM_DTYPE_FLOAT32);
         if (st == TDM_STATUS_OK && mine)

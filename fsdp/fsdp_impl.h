@@ -135,6 +135,15 @@ tdm_status tdm_fsdp_wait(tdm_fsdp *f, tdm_comm_work *w, double *ms);
  * its handle be freed and its buffers go back (a timed-out one still runs). */
 int tdm_fsdp_work_over(tdm_comm_work *w);
 
+/* The family name the flight recorder's labels start with ("fsdp
+ * all_gather unit 2", "zero1 reduce_scatter unit 0"): fsdp for
+ * FULL_SHARD, zero2 for SHARD_GRAD_OP, zero1 for SHARD_OPTIM. */
+static inline const char *tdm_fsdp_tag(const tdm_fsdp *f)
+{
+    return f->o.sharding == TDM_FSDP_SHARD_OPTIM     ? "zero1"
+         : f->o.sharding == TDM_FSDP_SHARD_GRAD_OP ? "zero2" : "fsdp";
+}
+
 /* Pointers into the shard buffers: unit u's parameter and gradient shard. */
 static inline float *tdm_fsdp_pshard(tdm_fsdp *f, int u)
 {

@@ -117,6 +117,7 @@ tdm_status tdm_fsdp_verify(tdm_fsdp *f)
     int64_t *all = calloc((size_t)W * TDM_FSDP_SUM_N, sizeof *all), *tab = NULL;
     TDM_REQUIRE(all, TDM_STATUS_OUT_OF_MEMORY, "fsdp: calloc");
     memcpy(all + (size_t)f->rank * TDM_FSDP_SUM_N, mine, sizeof mine);
+    tdm_comm_set_label(f->hcomm, "%s layout check", tdm_fsdp_tag(f));
     TDM_TRY(tdm_comm_all_gather(f->hcomm, all + (size_t)f->rank * TDM_FSDP_SUM_N, all,
                                 TDM_FSDP_SUM_N, TDM_DTYPE_INT64));
     for (int r = 1; r < W; r++) {
@@ -156,6 +157,7 @@ tdm_status tdm_fsdp_verify(tdm_fsdp *f)
         v[3] = x->n_elem;
         v[4] = x->shard;
     }
+    tdm_comm_set_label(f->hcomm, "%s layout check (tensors, units)", tdm_fsdp_tag(f));
     TDM_TRY(tdm_comm_all_gather(f->hcomm, own, tab, (size_t)per, TDM_DTYPE_INT64));
     for (int r = 1; r < W; r++) {
         for (int i = 0; i < nt; i++) {

@@ -195,6 +195,7 @@ tdm_status tdm_fsdp_issue_gather(tdm_fsdp *f, int u, int prefetch)
         recv = f->pfull + x->full_off;
         send = recv + (int64_t)f->rank * x->shard;
     }
+    tdm_comm_set_label(f->comm, "%s all_gather unit %d", tdm_fsdp_tag(f), u);
     tdm_status st = tdm_comm_all_gather_async(f->comm, send, recv, (size_t)x->shard,
                                               TDM_DTYPE_FLOAT32, &x->ag);
     if (st) {
@@ -395,6 +396,7 @@ static tdm_status tdm_fsdp_launch_rs(tdm_fsdp *f, int u)
     tdm_status st;
     if (f->o.sharding == TDM_FSDP_SHARD_OPTIM) {
         float *g = f->gfull + x->full_off;   /* in place */
+        tdm_comm_set_label(f->comm, "%s reduce_scatter unit %d", tdm_fsdp_tag(f), u);
         st = tdm_comm_reduce_scatter_async(f->comm, g, g + (int64_t)f->rank * x->shard,
                                            (size_t)x->shard, TDM_DTYPE_FLOAT32, TDM_REDOP_SUM,
                                            &x->rs);
@@ -409,6 +411,7 @@ static tdm_status tdm_fsdp_launch_rs(tdm_fsdp *f, int u)
                                         &x->rs_tmp_bytes));
             recv = x->rs_tmp;
         }
+        tdm_comm_set_label(f->comm, "%s reduce_scatter unit %d", tdm_fsdp_tag(f), u);
         st = tdm_comm_reduce_scatter_async(f->comm, x->gbuf, recv, (size_t)x->shard,
                                            TDM_DTYPE_FLOAT32, TDM_REDOP_SUM, &x->rs);
     }
