@@ -662,6 +662,45 @@ tdm_status tdm_fsdp_evaluate(tdm_fsdp *f, const tdm_dataset *test, int batch, do
     return TDM_STATUS_OK;
 }
 
+tdm_status tdm_fsdp_eval_loss(tdm_fsdp *f, const void *x, const int32_t *y, int batch,
+                              double *loss_sum)
+{
+    tdm_model *m = f->m;
+    TDM_REQUIRE(loss_sum && batch >= 0 && (batch == 0 || (x && y)), TDM_STATUS_INVALID_ARG,
+                "fsdp eval_loss: bad batch %d or NULL argument", batch);
+    *loss_sum = 0.0;
+    if (f->have_fwd) {
+        f->have_fwd = 0;
+        f->fwd_lost = "tdm_fsdp_eval_loss ran a forward on the model since the last "
+                      "tdm_fsdp_forward and replaced its activations";
+    }
+    int full = f->o.sharding == TDM_FSDP_FULL_SHARD, was_train = tdm_model_is_train(m);
+    tdm_status st = tdm_fsdp_settle_params(f, full);
+    if (st == TDM_STATUS_OK) st = tdm_fsdp_broadcast_buffers(f, "eval_loss");
+    if (st) return tdm_fsdp_fail(f, st);
+    if (batch == 0 && !full) return TDM_STATUS_OK;   /* nothing to gather, nothing to add */
+    const void *xd;
+    const int32_t *yd;
+    const float *logits = NULL;
+    double ls = 0.0;
+    tdm_model_set_train(m, 0);
+    if (batch == 0) {
+        st = tdm_fsdp_dummy(f);
+        if (st == TDM_STATUS_OK) st = tdm_fsdp_run_forward(f, f->dummy_x, 1, 0, &logits);
+    } else {
+        st = tdm_fsdp_stage(f, x, y, batch, &xd, &yd);
+        if (st == TDM_STATUS_OK) st = tdm_fsdp_run_forward(f, xd, batch, 0, &logits);
+        if (st == TDM_STATUS_OK) st = tdm_model_loss(m, logits, yd, batch, 1.0f, &ls, NULL);
+    }
+    tdm_model_set_train(m, was_train);
+    tdm_fsdp_pool_trim(f);
+    if (st)
+        return tdm_fsdp_fail(f, tdm_error_prefix(st, "fsdp eval_loss (rank %d, %d samples)",
+                                                  f->rank, batch));
+    *loss_sum = ls;
+    return TDM_STATUS_OK;
+}
+
 /* ---- the full parameters ---- */
 
 tdm_status tdm_fsdp_gather_params(tdm_fsdp *f, float *host_out, int root)

@@ -168,6 +168,18 @@ tdm_status tdm_fsdp_step(tdm_fsdp *f, tdm_optim *opt);
 tdm_status tdm_fsdp_evaluate(tdm_fsdp *f, const tdm_dataset *test, int batch, double *loss_mean,
                              double *accuracy);
 
+/* One evaluation forward of any model (a GPT's windows included) over
+ * this rank's host x (batch samples, the model's input dtype) and the sum
+ * of the per-sample losses against y (batch * out_rows) into *loss_sum,
+ * in eval mode; no gradient. For evaluations tdm_fsdp_evaluate does not
+ * cover (a language model's windows): the caller sums over the ranks.
+ * Collective in every sharding: every rank calls it the same number of
+ * times, with batch 0 when its share is done (FULL_SHARD then runs one
+ * zero sample so as to join the gathers; *loss_sum is 0). Rank 0's
+ * buffers are broadcast first. */
+tdm_status tdm_fsdp_eval_loss(tdm_fsdp *f, const void *x, const int32_t *y, int batch,
+                              double *loss_sum);
+
 /* The full parameters in the model's flat layout (tdm_model_param_elems
  * floats, host memory) on root, or on every rank when root < 0.
  * Collective. */

@@ -5,7 +5,9 @@
  *   checkpoint it writes resumes in --mode single and the sharded one in
  *   --mode fsdp at another N, ending as an uninterrupted run; a killed
  *   rank is named; --help gives PyTorch's and DeepSpeed's names; bad
- *   --sharding and misplaced flags are refused (exit 2).
+ *   --sharding and misplaced flags are refused (exit 2); a GPT (tied
+ *   embedding and head) trains in every sharding as on one device, its
+ *   checkpoint samples, and compare's sharded modes agree on it.
  * - fsdp_emu (cuda/ built, no GPU): every sharding over CUDA-emulated
  *   devices (TANDEM_CUDA_EMULATOR; shm carries the collectives, device
  *   memory is host memory) against one host device, through the library
@@ -15,6 +17,8 @@
  *   (run by make test; not in make test-gpu's list of binaries). */
 #include <criterion/criterion.h>
 
+#include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -139,12 +143,90 @@ Test(fsdp_cli, help_and_usage_errors)
     cr_assert(strstr(r.out, "zero4") && strstr(r.out, "grad_op"), "%s", r.out);
     CLI(&r, "train", "--mode", "ddp", "--device", "cpu:2", "--sharding", "full");
     expect(&r, 2, "apply to --mode fsdp");
-    CLI(&r, "train", "--mode", "fsdp", "--device", "cpu:2", "--model", "gpt");
-    expect(&r, 2, "C API");
+    CLI(&r, "train", "--mode", "fsdp", "--device", "cpu:2", "--model", "gpt", "--sharding",
+        "zero4");
+    expect(&r, 2, "--sharding: ");
     CLI(&r, "train", "--mode", "fsdp", "--device", "cpu:2", "--data", "synthetic", "--model",
         "cnn", "--synthetic-size", "64", "--batch", "2", "--max-steps", "1", "--epochs", "1",
         "--no-eval", "--quiet");
     expect(&r, 0, "epoch 1/1");
+}
+
+/* ---- --model gpt --mode fsdp ---- */
+
+/* "epoch E/N: train loss X, ..., val loss Y nats" -> X, Y */
+static void gpt_losses(const char *out, const char *epoch, double *train, double *val)
+{
+    char key[64];
+    snprintf(key, sizeof key, "%s: train loss ", epoch);
+    const char *p = strstr(out, key);
+    cr_assert_not_null(p, "no '%s' line in:\n%s", key, out);
+    *train = strtod(p + strlen(key), NULL);
+    const char *v = strstr(p, "val loss ");
+    cr_assert_not_null(v, "no val loss in:\n%s", out);
+    *val = strtod(v + 9, NULL);
+}
+
+#define GPT_TINY "gpt:2-16-2-24"
+
+/* A GPT (its output head tied to the token embedding: one unit used at
+ * both ends of the model) trains from the command line in every sharding
+ * on the global batches --mode single trains on: the same losses up to
+ * float reassociation (as DDP's, tests/test_cli_gpt.c), validation spread
+ * over the ranks included; its full checkpoint is what `tandem sample`
+ * reads; compare runs the sharded modes on it and they agree. */
+Test(fsdp_cli, gpt_every_sharding_trains_as_one_device, .timeout = 240)
+{
+    static cli_result r;
+    char dir[] = "/tmp/tandem-fsdp-gpt-XXXXXX", text[256], ck[256], cmd[400];
+    cr_assert(mkdtemp(dir));
+    snprintf(text, sizeof text, "%s/text.txt", dir);
+    snprintf(ck, sizeof ck, "%s/gpt.safetensors", dir);
+    FILE *fp = fopen(text, "w");
+    cr_assert_not_null(fp);
+    static const char *const words[] = {"the", "quick", "brown", "fox", "jumps", "over", "a",
+                                        "lazy", "dog", "and", "runs", "home", "at", "night"};
+    tdm_rng rng;
+    tdm_rng_init(&rng, 99, TDM_RNG_STREAM_TEST);
+    for (int s = 0; s < 400; s++) {
+        int n = 3 + (int)tdm_rng_below(&rng, 6);
+        for (int w = 0; w < n; w++)
+            fprintf(fp, "%s%s", w ? " " : "", words[tdm_rng_below(&rng, 14)]);
+        fputs(s % 5 == 4 ? ".\n\n" : ". ", fp);
+    }
+    fclose(fp);
+    double t0, v0, t, v;
+    CLI(&r, "train", "--model", GPT_TINY, "--data", text, "--epochs", "2", "--max-steps", "4",
+        "--batch", "5", "--lr", "0.01");
+    expect(&r, 0, "bigram model gets");
+    gpt_losses(r.out, "epoch 2/2", &t0, &v0);
+    for (int s = 0; s < 3; s++) {
+        /* 5 windows over 2 ranks: 2 and 3 */
+        CLI(&r, "train", "--model", GPT_TINY, "--data", text, "--mode", "fsdp", "--sharding",
+            g_shard[s], "--device", "cpu:2", "--epochs", "2", "--max-steps", "4", "--batch", "5",
+            "--lr", "0.01");
+        expect(&r, 0, "fsdp memory (rank 0)");
+        cr_assert(strstr(r.out, "2 processes on cpu:2, sharding ") &&
+                      strstr(r.out, "batch 5 windows of 24 bytes"), "%s", r.out);
+        gpt_losses(r.out, "epoch 2/2", &t, &v);
+        cr_assert(fabs(t - t0) <= 2e-4 * t0 && fabs(v - v0) <= 2e-4 * v0,
+                  "--sharding %s: train %.5f val %.5f vs single %.5f %.5f", g_shard[s], t, v, t0,
+                  v0);
+    }
+    /* the full checkpoint is the file every mode and tandem sample read */
+    CLI(&r, "train", "--model", GPT_TINY, "--data", text, "--mode", "fsdp", "--device", "cpu:2",
+        "--epochs", "1", "--max-steps", "2", "--batch", "4", "--save", ck);
+    expect(&r, 0, "tandem sample --resume");
+    CLI(&r, "sample", "--resume", ck, "--prompt", "the lazy ", "--tokens", "20", "--seed", "5");
+    expect(&r, 0, "the lazy ");
+    CLI(&r, "compare", "--model", GPT_TINY, "--data", text, "--batch", "5", "--steps", "3",
+        "--device", "cpu:2", "--modes", "ddp,fsdp,zero2,zero1");
+    expect(&r, 0, "verdict: PASS");
+    cr_assert(strstr(r.out, "FSDP vs DDP: bitwise the same parameters") &&
+                  strstr(r.out, "ZeRO-1 vs DDP: bitwise the same parameters"), "%s", r.out);
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    (void)system(cmd);
+    cr_assert_eq(cli_shm_entries(), 0);
 }
 
 /* ---- CUDA-emulated devices ---- */

@@ -76,7 +76,8 @@ static void tdm_train_usage(FILE *f)
         "                         them) or auto (shm on one machine, hier otherwise)  [auto]\n"
         "  --no-overlap           ddp: all-reduce after backward, not during it;\n"
         "                         fsdp: reduce-scatter after backward\n"
-        "  --sharding S           fsdp: what each rank keeps only 1/N of:        [full]\n"
+        "  --sharding S           fsdp (mlp, cnn, gpt): what each rank keeps only 1/N\n"
+        "                         of:                                          [full]\n"
         "                         full      parameters, gradients, optimizer state\n"
         "                                   (PyTorch FSDP FULL_SHARD, DeepSpeed ZeRO-3)\n"
         "                         grad_op   gradients, optimizer state (FSDP\n"
@@ -242,10 +243,6 @@ static tdm_status tdm_train_check_args(tdm_train_args *a)
     if ((a->sharding || a->save_sharded) && strcmp(a->mode, "fsdp"))
         return tdm_tool_usage_error("tandem train: --sharding and --save-sharded apply to "
                                     "--mode fsdp, not --mode %s\n", a->mode);
-    if (gpt && !strcmp(a->mode, "fsdp"))
-        return tdm_tool_usage_error("tandem train: --mode fsdp trains mlp and cnn models from "
-                                    "the command line; a gpt shards through the C API "
-                                    "(fsdp/fsdp.h), not yet here\n");
     if (a->max_restarts && strcmp(a->mode, "ddp"))
         return tdm_tool_usage_error("tandem train: --max-restarts applies to --mode ddp (ranks "
                                     "that can fail one by one)\n");

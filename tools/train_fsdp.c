@@ -166,21 +166,27 @@ static tdm_status tdm_train_fsdp_eval(void *ctx, double *loss_mean, double *accu
     return tdm_fsdp_evaluate(r->f, r->test, 1000, loss_mean, accuracy);
 }
 
+tdm_status tdm_train_fsdp_save(tdm_fsdp *f, tdm_optim *opt, const char *path, int sharded,
+                               int64_t epoch, uint64_t seed, int rank)
+{
+    if (!path) return TDM_STATUS_OK;
+    tdm_ckpt_info info = {.step = tdm_optim_steps(opt), .epoch = epoch + 1, .seed = seed};
+    tdm_status st = sharded ? tdm_fsdp_save_sharded(f, path, opt, &info)
+                            : tdm_fsdp_save_full(f, path, opt, &info);
+    if (st) return tdm_train_fsdp_fail(rank, "saving checkpoint", st);
+    if (rank == 0)
+        printf("  saved %s (%s, epoch %lld, step %lld)\n", path,
+               sharded ? "sharded: a file per rank plus this index" : "full", (long long)epoch + 1,
+               (long long)info.step);
+    return TDM_STATUS_OK;
+}
+
 /* After each epoch every rank saves together (the full form gathers to
  * rank 0; the sharded form writes a file per rank). */
 static tdm_status tdm_train_fsdp_after(void *ctx, int64_t epoch)
 {
     tdm_train_fsdp_rank *r = ctx;
-    if (!r->save) return TDM_STATUS_OK;
-    tdm_ckpt_info info = {.step = tdm_optim_steps(r->opt), .epoch = epoch + 1, .seed = r->seed};
-    tdm_status st = r->sharded ? tdm_fsdp_save_sharded(r->f, r->save, r->opt, &info)
-                               : tdm_fsdp_save_full(r->f, r->save, r->opt, &info);
-    if (st) return tdm_train_fsdp_fail(r->rank, "saving checkpoint", st);
-    if (r->rank == 0)
-        printf("  saved %s (%s, epoch %lld, step %lld)\n", r->save,
-               r->sharded ? "sharded: a file per rank plus this index" : "full", (long long)epoch + 1,
-               (long long)info.step);
-    return TDM_STATUS_OK;
+    return tdm_train_fsdp_save(r->f, r->opt, r->save, r->sharded, epoch, r->seed, r->rank);
 }
 
 /* 1 when path holds a sharded checkpoint's index (its format line). */
@@ -205,7 +211,7 @@ static int tdm_train_fsdp_is_index(const char *path)
     return found;
 }
 
-static void tdm_train_fsdp_report(tdm_fsdp *f, tdm_optim *opt, int world)
+void tdm_train_fsdp_report(tdm_fsdp *f, tdm_optim *opt, int world)
 {
     tdm_fsdp_times t;
     tdm_fsdp_get_times(f, &t);
@@ -253,6 +259,13 @@ static tdm_status tdm_train_fsdp_setup(const tdm_train_fsdp_ctx *c, tdm_train_ar
                        .host_comm = *nccl ? comm : NULL};
     if ((st = tdm_fsdp_init(&r->f, *m, *nccl ? *nccl : comm, &o)))
         return tdm_train_fsdp_fail(rank, "fsdp set-up", st);
+    return tdm_train_fsdp_optim_resume(a, r->f, rank, &r->opt, start_epoch);
+}
+
+tdm_status tdm_train_fsdp_optim_resume(const tdm_train_args *a, tdm_fsdp *f, int rank,
+                                       tdm_optim **opt, int64_t *start_epoch)
+{
+    tdm_status st;
     tdm_optim_opts oo;
     tdm_optim_opts_default(&oo, strcmp(a->optim, "sgd") ? TDM_OPTIM_ADAMW : TDM_OPTIM_SGD);
     oo.lr = (float)a->lr;
@@ -261,13 +274,13 @@ static tdm_status tdm_train_fsdp_setup(const tdm_train_fsdp_ctx *c, tdm_train_ar
         oo.momentum = (float)a->momentum;
         oo.nesterov = a->nesterov;
     }
-    if ((st = tdm_fsdp_optim_init(&r->opt, r->f, &oo)))
+    if ((st = tdm_fsdp_optim_init(opt, f, &oo)))
         return tdm_train_fsdp_fail(rank, "optimizer", st);
     *start_epoch = 0;
     if (!a->resume) return TDM_STATUS_OK;
     tdm_ckpt_info info;
-    st = tdm_train_fsdp_is_index(a->resume) ? tdm_fsdp_load_sharded(r->f, a->resume, r->opt, &info)
-                                            : tdm_fsdp_load_full(r->f, a->resume, r->opt, &info);
+    st = tdm_train_fsdp_is_index(a->resume) ? tdm_fsdp_load_sharded(f, a->resume, *opt, &info)
+                                            : tdm_fsdp_load_full(f, a->resume, *opt, &info);
     if (st) return tdm_train_fsdp_fail(rank, "resuming", st);
     *start_epoch = info.epoch;
     if (rank == 0) tdm_train_print_resumed(a->resume, &info);
@@ -396,6 +409,17 @@ static tdm_status tdm_train_fsdp_forked(tdm_train_fsdp_ctx *c)
     return st;
 }
 
+tdm_status tdm_train_fsdp_timeout(const tdm_train_args *a, int launched, int64_t *timeout_ms)
+{
+    int64_t t = 0;
+    if (a->timeout ? tdm_ddp_timeout_parse("--timeout", a->timeout, &t)
+                   : tdm_ddp_timeout_from_env(&t))
+        return tdm_tool_usage_error("tandem train: %s\n", tdm_error_message());
+    if (a->timeout) setenv(TDM_DDP_ENV_TIMEOUT, a->timeout, 1);
+    *timeout_ms = t ? t : launched ? TDM_DDP_TIMEOUT_DEFAULT_MS : 60000;
+    return TDM_STATUS_OK;
+}
+
 tdm_status tdm_train_run_fsdp(const tdm_train_args *a)
 {
     tdm_train_fsdp_ctx c = {.a = a};
@@ -408,13 +432,8 @@ tdm_status tdm_train_run_fsdp(const tdm_train_args *a)
     if (a->bucket_cap_mb)
         fprintf(stderr, "tandem train: note: --bucket-cap-mb applies to --mode ddp; FSDP "
                         "communicates per unit (a layer with parameters)\n");
-    int64_t timeout_ms = 0;
-    if (a->timeout ? tdm_ddp_timeout_parse("--timeout", a->timeout, &timeout_ms)
-                   : tdm_ddp_timeout_from_env(&timeout_ms))
-        return tdm_tool_usage_error("tandem train: %s\n", tdm_error_message());
-    if (a->timeout) setenv(TDM_DDP_ENV_TIMEOUT, a->timeout, 1);
     int launched = getenv("TANDEM_SHM_FD") && getenv("WORLD_SIZE");
-    c.timeout_ms = timeout_ms ? timeout_ms : launched ? TDM_DDP_TIMEOUT_DEFAULT_MS : 60000;
+    TDM_CHECK(tdm_train_fsdp_timeout(a, launched, &c.timeout_ms));
     if ((st = tdm_tool_parse_devices(&c.dl, a->device, !launched))) {
         fprintf(stderr, "tandem train: --device: %s\n", tdm_error_message());
         return st == TDM_STATUS_NO_DEVICE ? st : tdm_tool_usage(st);

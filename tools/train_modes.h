@@ -148,5 +148,21 @@ tdm_status tdm_train_run_dp(const tdm_train_args *a) __attribute__((weak));
 tdm_status tdm_train_run_ddp(const tdm_train_args *a) __attribute__((weak));
 /* --mode fsdp (tools/train_fsdp.c): sharded data parallel, fsdp/. */
 tdm_status tdm_train_run_fsdp(const tdm_train_args *a) __attribute__((weak));
+/* Its pieces that --model gpt --mode fsdp (tools/train_text.c) shares.
+ * Each says on stderr what failed ("tandem train: rank R: ..."). */
+typedef struct tdm_fsdp tdm_fsdp;
+/* The process-group timeout: --timeout, else the environment's, else the
+ * default of a launched (launched = 1) or forked job. USAGE if bad. */
+tdm_status tdm_train_fsdp_timeout(const tdm_train_args *a, int launched, int64_t *timeout_ms);
+/* The optimizer over f's shard from the arguments, then --resume (a full
+ * checkpoint, or a sharded one's index) into f and *opt. Collective. */
+tdm_status tdm_train_fsdp_optim_resume(const tdm_train_args *a, tdm_fsdp *f, int rank,
+                                       tdm_optim **opt, int64_t *start_epoch);
+/* After epoch `epoch`: every rank saves path together (full, or sharded);
+ * nothing when path is NULL. Collective. */
+tdm_status tdm_train_fsdp_save(tdm_fsdp *f, tdm_optim *opt, const char *path, int sharded,
+                               int64_t epoch, uint64_t seed, int rank);
+/* Rank 0's summary after training: phases, communication, memory. */
+void tdm_train_fsdp_report(tdm_fsdp *f, tdm_optim *opt, int world);
 
 #endif

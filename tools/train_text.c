@@ -1,6 +1,9 @@
 /* tools/train_text.c: `tandem train --model gpt[:L-D-H-T]`: a byte-level
  * language model on text (core/text.h: Debian's fortunes by default, or
- * --data FILE|DIR) with one device, DataParallel or DDP. Each epoch draws
+ * --data FILE|DIR) with one device, DataParallel, DDP or sharded data
+ * parallel (--mode fsdp --sharding full|grad_op|optimizer: fsdp/, ranks
+ * as DDP's, each drawing its share of the windows; the tied token
+ * embedding and output head live in one unit, docs/FSDP.md). Each epoch draws
  * as many bytes as the training split holds, in random windows; after it
  * the validation loss (nats and bits per byte, on the fixed evaluation
  * windows) is printed beside the bigram baseline's. The global batch is B
@@ -24,6 +27,7 @@
 #include "ddp/pg.h"
 #include "ddp/spawn.h"
 #include "dp/dp.h"
+#include "fsdp/fsdp.h"
 #include "models/checkpoint.h"
 #include "models/gpt.h"
 #include "models/train_text.h"
@@ -45,6 +49,9 @@ typedef struct tdm_text_job {
     const tdm_text_corpus *corpus;
     double bigram;
     int64_t eval_count;
+    int fsdp;                        /* --mode fsdp */
+    tdm_fsdp_sharding sharding;
+    int64_t timeout_ms;              /* fsdp: the process group's */
 } tdm_text_job;
 
 /* One process's run: its model and optimizer, and the mode's state. */
@@ -59,7 +66,9 @@ typedef struct tdm_text_proc {
     tdm_phase_times dp_sum;
     int64_t dp_steps;
     tdm_ddp *ddp;                    /* DDP ranks */
-    tdm_comm *comm;                  /* DDP: the shm communicator */
+    tdm_fsdp *f;                     /* FSDP ranks */
+    const char *save;                /* FSDP: --save, written by every rank together */
+    tdm_comm *comm;                  /* DDP, FSDP: the shm communicator */
     int rank, world, batch;
 } tdm_text_proc;
 
@@ -260,6 +269,89 @@ static tdm_status tdm_text_ddp_after(void *ctx, int64_t epoch)
     return st;
 }
 
+/* ---- FSDP ranks: the DDP ranks' data flow, through fsdp/ ---- */
+
+static tdm_status tdm_text_fsdp_step(void *ctx, const void *x, const int32_t *y, int n,
+                                     double *loss)
+{
+    tdm_text_proc *p = ctx;
+    tdm_status st = TDM_STATUS_OK;
+    TDM_TRY(tdm_fsdp_zero_grad(p->f));
+    TDM_TRY(tdm_fsdp_forward_scaled(p->f, x, y, n, 1.0f / (float)p->batch, NULL));
+    TDM_TRY(tdm_fsdp_backward(p->f));
+    TDM_TRY(tdm_fsdp_step(p->f, p->opt));
+    *loss = tdm_fsdp_loss_sum(p->f) / p->batch;   /* reduced with the end-of-backward check */
+    return TDM_STATUS_OK;
+fail:
+    tdm_error_prefix(st, "rank %d", p->rank);
+    tdm_comm_abort(p->comm, tdm_error_message());
+    return st;
+}
+
+/* As tdm_text_eval_ddp, but every rank runs as many forwards as the
+ * largest share needs (FULL_SHARD's gathers are collective: a rank whose
+ * share is done takes part with none). */
+static tdm_status tdm_text_eval_fsdp(void *ctx, double *loss, double *acc)
+{
+    tdm_text_proc *p = ctx;
+    const tdm_text_job *j = p->j;
+    (void)acc;
+    int T = j->spec.n_ctx, EB = TDM_TEXT_EVAL_BATCH;
+    int64_t K = j->eval_count, lo, hi;
+    tdm_ddp_share(K, p->rank, p->world, &lo, &hi);
+    int64_t most = (K + p->world - 1) / p->world, nb = (most + EB - 1) / EB;
+    size_t bytes = (size_t)EB * (size_t)T * sizeof(int32_t);
+    int32_t *x = malloc(bytes), *y = malloc(bytes);
+    double s = 0.0;
+    tdm_status st = x && y ? TDM_STATUS_OK
+                           : tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "text evaluation: malloc");
+    for (int64_t b = 0; st == TDM_STATUS_OK && b < nb; b++) {
+        int64_t w0 = lo + b * EB, k = hi - w0 < EB ? hi - w0 : EB;
+        if (k < 0) k = 0;
+        for (int64_t i = 0; i < k; i++)
+            tdm_text_eval_window(&j->corpus->val, T, K, w0 + i, x + i * T, y + i * T);
+        double ls = 0.0;
+        st = tdm_fsdp_eval_loss(p->f, x, y, (int)k, &ls);
+        s += ls;
+    }
+    free(x);
+    free(y);
+    if (st != TDM_STATUS_OK) {
+        tdm_error_prefix(st, "rank %d evaluating windows %lld..%lld", p->rank, (long long)lo,
+                         (long long)hi - 1);
+        tdm_comm_abort(p->comm, tdm_error_message());
+        return st;
+    }
+    TDM_CHECK(tdm_comm_all_reduce(p->comm, &s, &s, 1, TDM_DTYPE_FLOAT64, TDM_REDOP_SUM));
+    *loss = s / (double)K;
+    return TDM_STATUS_OK;
+}
+
+/* Every rank saves together after each epoch (the full form gathers to
+ * rank 0, which `tandem sample` and every mode read). */
+static tdm_status tdm_text_fsdp_after(void *ctx, int64_t epoch)
+{
+    tdm_text_proc *p = ctx;
+    tdm_status st = tdm_train_fsdp_save(p->f, p->opt, p->save, p->j->a->save_sharded, epoch,
+                                        (uint64_t)p->j->a->seed, p->rank);
+    if (st == TDM_STATUS_OK && p->save && p->rank == 0 && !p->j->a->save_sharded)
+        printf("  tandem sample --resume %s\n", p->save);
+    return st;
+}
+
+static tdm_status tdm_text_fsdp_setup(tdm_text_proc *p, const tdm_train_args *a,
+                                      tdm_device *dev, tdm_comm **nccl)
+{
+    tdm_status st;
+    if ((st = tdm_tool_rank_nccl(p->comm, dev, nccl)))
+        return tdm_text_fail(p->rank, "NCCL set-up", st);
+    tdm_fsdp_opts o = {.sharding = p->j->sharding, .no_overlap = a->no_overlap,
+                       .host_comm = *nccl ? p->comm : NULL};
+    if ((st = tdm_fsdp_init(&p->f, p->m, *nccl ? *nccl : p->comm, &o)))
+        return tdm_text_fail(p->rank, "fsdp set-up", st);
+    return tdm_train_fsdp_optim_resume(a, p->f, p->rank, &p->opt, &p->start_epoch);
+}
+
 /* The rank's device, replica, Reducer and optimizer, and --resume; a is
  * this rank's arguments (rank 0's, or without --save and quiet). */
 static tdm_status tdm_text_rank_setup(tdm_text_proc *p, const tdm_train_args *a,
@@ -271,6 +363,7 @@ static tdm_status tdm_text_rank_setup(tdm_text_proc *p, const tdm_train_args *a,
         return tdm_text_fail(p->rank, "opening device", st);
     if ((st = tdm_model_init(&p->m, *dev, &j->spec, (uint64_t)a->seed)))
         return tdm_text_fail(p->rank, "building model", st);
+    if (j->fsdp) return tdm_text_fsdp_setup(p, a, *dev, nccl);
     tdm_ddp_opts o = {.bucket_cap_mb = a->bucket_cap_mb > 0 ? (double)a->bucket_cap_mb : 0,
                       .no_overlap = a->no_overlap};
     if ((st = tdm_tool_rank_ddp(p->comm, *dev, p->m, &o, nccl, &p->ddp)))
@@ -297,20 +390,27 @@ static tdm_status tdm_text_rank_run(tdm_text_proc *p, const tdm_train_args *a, t
                                     "leaves no window to %d ranks; use --batch >= %d\n",
                                     p->rank, a->batch, p->world, p->world);
     TDM_CHECK(tdm_text_rank_setup(p, a, dev, nccl));
-    char desc[128];
-    snprintf(desc, sizeof desc, "%d processes on %s (%s communicator%s)", p->world,
-             p->j->a->device, tdm_comm_backend_name(*nccl ? *nccl : p->comm),
-             tdm_ddp_zero_copy(p->ddp) ? ", zero-copy buckets" : "");
+    char desc[200];
+    const char *backend = tdm_comm_backend_name(*nccl ? *nccl : p->comm);
+    if (p->f)
+        snprintf(desc, sizeof desc, "%d processes on %s, sharding %s (%s communicator)",
+                 p->world, p->j->a->device, tdm_fsdp_sharding_describe(p->j->sharding),
+                 backend);
+    else
+        snprintf(desc, sizeof desc, "%d processes on %s (%s communicator%s)", p->world,
+                 p->j->a->device, backend,
+                 tdm_ddp_zero_copy(p->ddp) ? ", zero-copy buckets" : "");
     if (p->rank == 0) tdm_text_header(p->j, a, tdm_model_param_elems(p->m), desc);
     tdm_train_run r = tdm_text_run(p);
-    r.step = tdm_text_ddp_step;
+    r.step = p->f ? tdm_text_fsdp_step : tdm_text_ddp_step;
     r.step_ctx = p;
-    r.eval = tdm_text_eval_ddp;
+    r.eval = p->f ? tdm_text_eval_fsdp : tdm_text_eval_ddp;
     r.eval_ctx = p;
-    r.after = tdm_text_ddp_after;
+    r.after = p->f ? tdm_text_fsdp_after : tdm_text_ddp_after;
     r.after_ctx = p;
     TDM_CHECK(tdm_train_epochs(a, &r));
-    if (p->rank == 0) tdm_tool_print_ddp_times(p->ddp, p->world, 0);
+    if (p->rank == 0 && p->f) tdm_train_fsdp_report(p->f, p->opt, p->world);
+    else if (p->rank == 0) tdm_tool_print_ddp_times(p->ddp, p->world, 0);
     return TDM_STATUS_OK;
 }
 
@@ -322,6 +422,11 @@ static tdm_status tdm_text_rank_main(tdm_comm *comm, const tdm_text_job *j)
     tdm_comm *nccl = NULL;
     tdm_text_proc p = {.j = j, .comm = comm, .rank = tdm_comm_rank(comm),
                        .world = tdm_comm_size(comm), .batch = (int)a.batch};
+    if (j->fsdp) {
+        /* every rank writes its part together after each epoch */
+        p.save = a.save;
+        a.save = NULL;
+    }
     if (p.rank != 0) {
         /* rank 0 speaks for the job */
         int fd = open("/dev/null", O_WRONLY | O_CLOEXEC);
@@ -336,6 +441,7 @@ static tdm_status tdm_text_rank_main(tdm_comm *comm, const tdm_text_job *j)
     if (st) tdm_comm_abort(comm, "rank failed");
     fflush(stdout);
     tdm_ddp_free(p.ddp);
+    tdm_fsdp_free(p.f);
     tdm_comm_free(nccl);   /* before comm, which bootstrapped it */
     tdm_optim_free(p.opt);
     tdm_model_free(p.m);
@@ -411,8 +517,10 @@ static tdm_status tdm_text_forked(tdm_text_job *j)
         tdm_device_free(dev);
         return st;
     }
-    tdm_ddp_spawn_opts so = {.timeout_ms = INT64_MAX / 2000000, .comm_timeout_ms = 60000,
-                             .arena_bytes = tdm_tool_ddp_arena_bytes(
+    /* FSDP's collectives do not use the zero-copy arena */
+    tdm_ddp_spawn_opts so = {.timeout_ms = INT64_MAX / 2000000,
+                             .comm_timeout_ms = j->fsdp ? j->timeout_ms : 60000,
+                             .arena_bytes = j->fsdp ? 0 : tdm_tool_ddp_arena_bytes(
                                  &j->dl, tdm_model_param_elems(probe))};
     tdm_model_free(probe);
     tdm_device_free(dev);
@@ -423,7 +531,7 @@ static tdm_status tdm_text_forked(tdm_text_job *j)
     if ((st = tdm_ddp_spawn(j->dl.count, tdm_text_forked_rank, j, &so, &res))) {
         char why[1024];
         snprintf(why, sizeof why, "%s", tdm_error_message());
-        fprintf(stderr, "tandem train: ddp: %s\n", why);
+        fprintf(stderr, "tandem train: %s: %s\n", j->fsdp ? "fsdp" : "ddp", why);
         tdm_doctor_job_end(&frj, 1, j->dl.count, res.pid, res.wstatus, NULL, why);
         tdm_error_set(st, "%s", why);
     } else {
@@ -436,10 +544,12 @@ static tdm_status tdm_text_run_ddp(tdm_text_job *j)
 {
     const tdm_train_args *a = j->a;
     tdm_status st;
-    tdm_train_note_threads(a, "DDP rank");
+    tdm_train_note_threads(a, j->fsdp ? "FSDP rank" : "DDP rank");
     int launched = getenv("TANDEM_SHM_FD") && getenv("WORLD_SIZE");
-    /* an MPI launcher's ranks (tools/mpi_job.h): as train --mode ddp's */
-    int mpi = !launched && tdm_tool_mpi_launched();
+    if (j->fsdp) TDM_CHECK(tdm_train_fsdp_timeout(a, launched, &j->timeout_ms));
+    /* an MPI launcher's ranks (tools/mpi_job.h): as train --mode ddp's
+     * (--mode fsdp, as for images, runs forked or under tandem launch) */
+    int mpi = !launched && !j->fsdp && tdm_tool_mpi_launched();
     tdm_mpi_backend backend = TDM_MPI_BACKEND_AUTO;
     if (a->backend) TDM_CHECK(tdm_tool_backend_parse("train", a->backend, &backend));
     if (!mpi && backend != TDM_MPI_BACKEND_AUTO && backend != TDM_MPI_BACKEND_SHM)
@@ -485,16 +595,21 @@ tdm_status tdm_train_text_main(const tdm_train_args *a)
     tdm_status st;
     if ((st = tdm_model_spec_parse(&j.spec, a->model)) != TDM_STATUS_OK)
         return tdm_train_fail("--model", tdm_tool_usage(st));
-    if (strcmp(a->mode, "single") && strcmp(a->mode, "dp") && strcmp(a->mode, "ddp"))
-        return tdm_tool_usage_error("tandem train: --mode '%s': expected single, dp or ddp\n",
-                                    a->mode);
+    if (strcmp(a->mode, "single") && strcmp(a->mode, "dp") && strcmp(a->mode, "ddp") &&
+        strcmp(a->mode, "fsdp"))
+        return tdm_tool_usage_error("tandem train: --mode '%s': expected single, dp, ddp or "
+                                    "fsdp\n", a->mode);
+    j.fsdp = !strcmp(a->mode, "fsdp");
+    if (j.fsdp &&
+        tdm_fsdp_sharding_parse(a->sharding ? a->sharding : "full", &j.sharding) != TDM_STATUS_OK)
+        return tdm_tool_usage_error("tandem train: --sharding: %s\n", tdm_error_message());
     if (a->data && !strcmp(a->data, "synthetic"))
         return tdm_tool_usage_error("tandem train: --data synthetic makes images; a gpt trains "
                                     "on text: --data FILE (any bytes) or a fortunes directory "
                                     "[default: Debian's fortunes in %s]\n",
                                     TDM_TEXT_FORTUNES_DEFAULT_DIR);
     TDM_CHECK(tdm_text_load_job(&j, &corpus));
-    st = !strcmp(a->mode, "ddp") ? tdm_text_run_ddp(&j) : tdm_text_run_local(&j);
+    st = !strcmp(a->mode, "ddp") || j.fsdp ? tdm_text_run_ddp(&j) : tdm_text_run_local(&j);
     tdm_text_free(&corpus);
     return st;
 }
