@@ -294,8 +294,11 @@ tdm_status tdm_fsdp_optim_init(tdm_optim **out, tdm_fsdp *f, const tdm_optim_opt
 tdm_status tdm_fsdp_zero_grad(tdm_fsdp *f)
 {
     tdm_device *d = f->dev;
-    if (f->o.sharding == TDM_FSDP_SHARD_OPTIM)
-        return tdm_dev_memset_zero(d, f->gfull, (size_t)f->full_elems * sizeof(float));
+    if (f->o.sharding == TDM_FSDP_SHARD_OPTIM) {
+        TDM_CHECK(tdm_dev_memset_zero(d, f->gfull, (size_t)f->full_elems * sizeof(float)));
+        f->gfull_stale = 0;
+        return TDM_STATUS_OK;
+    }
     /* accumulated full gradients (no_sync) are dropped with the shards */
     for (int u = 0; u < f->nu; u++) {
         tdm_fsdp_unit *x = &f->u[u];
@@ -541,8 +544,12 @@ tdm_status tdm_fsdp_backward(tdm_fsdp *f)
     uint64_t t0 = tdm_time_ns();
     f->ag_wait_ms = 0.0;
     f->rs_wait_ms = 0.0;
+    /* a backward without zero_grad since the last reduce-scatter (no_sync
+     * accumulation onto reduced gradients) adds onto zeros outside the
+     * owned slices, as it would after the clearing zero_grad skips */
+    tdm_status st = tdm_fsdp_clear_stale(f);
+    if (st) return tdm_fsdp_fail(f, st);
     tdm_fsdp_backward_begin(f);
-    tdm_status st = TDM_STATUS_OK;
     if (f->fwd_ran) {
         f->in_backward = 1;
         st = tdm_model_backward(f->m, f->dlogits);
@@ -585,20 +592,44 @@ tdm_status tdm_fsdp_step(tdm_fsdp *f, tdm_optim *opt)
     for (int u = 0; u < f->nu; u++)
         r[u] = (tdm_optim_range){.param = tdm_fsdp_pshard(f, u), .grad = tdm_fsdp_gshard(f, u),
                                  .state_offset = f->u[u].shard_off, .n_elem = f->u[u].shard};
-    tdm_status st = tdm_optim_step_ranges(opt, r, f->nu);
-    free(r);
-    if (st == TDM_STATUS_OK) st = tdm_dev_sync(f->dev);
-    TDM_CHECK(st);
-    tdm_fsdp_add_phase(f, TDM_PHASE_STEP, tdm_time_ms_since(t0));
-    if (f->o.sharding != TDM_FSDP_FULL_SHARD) {
-        /* every rank's new shard into every rank's full copy, each unit
-         * awaited where it is next used (its forward) */
-        for (int u = 0; u < f->nu; u++) {
-            f->u[u].p_state = 0;
-            st = tdm_fsdp_issue_gather(f, u, 1);
-            if (st) return tdm_fsdp_fail(f, st);
+    tdm_status st = TDM_STATUS_OK;
+    if (f->o.sharding == TDM_FSDP_FULL_SHARD) {
+        st = tdm_optim_step_ranges(opt, r, f->nu);
+        if (st == TDM_STATUS_OK) st = tdm_dev_sync(f->dev);
+        free(r);
+        TDM_CHECK(st);
+        tdm_fsdp_add_phase(f, TDM_PHASE_STEP, tdm_time_ms_since(t0));
+        f->step_open = 0;
+        return TDM_STATUS_OK;
+    }
+    /* grad_op, optimizer: every rank's new shard into every rank's full
+     * copy, each unit awaited where it is next used (its forward). A
+     * unit's all-gather goes out as soon as its shard is stepped, in unit
+     * order (the forward's): the first unit's gather, which the next
+     * forward waits for at once, then travels while the later units'
+     * shards are stepped instead of after all of them. The step count
+     * goes back before each unit so that the step is counted once and
+     * every unit sees the same step number (AdamW's bias correction, the
+     * schedule): each element gets what one call over all ranges gives it. */
+    int64_t steps0 = tdm_optim_steps(opt);
+    double issue_ms = 0.0;
+    for (int u = 0; st == TDM_STATUS_OK && u < f->nu; u++) {
+        tdm_optim_set_steps(opt, steps0);
+        st = tdm_optim_step_ranges(opt, &r[u], 1);
+        if (st == TDM_STATUS_OK) st = tdm_dev_sync(f->dev);
+        if (st) break;
+        uint64_t ti = tdm_time_ns();
+        f->u[u].p_state = 0;
+        st = tdm_fsdp_issue_gather(f, u, 1);
+        issue_ms += tdm_time_ms_since(ti);
+        if (st) {
+            free(r);
+            return tdm_fsdp_fail(f, st);
         }
     }
+    free(r);
+    TDM_CHECK(st);
+    tdm_fsdp_add_phase(f, TDM_PHASE_STEP, tdm_time_ms_since(t0) - issue_ms);
     f->step_open = 0;
     return TDM_STATUS_OK;
 }

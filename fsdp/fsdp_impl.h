@@ -69,6 +69,10 @@ struct tdm_fsdp {
     float *pfull;             /* SHARD_GRAD_OP, SHARD_OPTIM: padded full parameters */
     float *gfull;             /* SHARD_OPTIM: padded full gradients */
     int gshard_zero;          /* 1: the gradient shards are known to hold zeros */
+    /* SHARD_OPTIM: 1 when gfull outside this rank's slices still holds the
+     * local gradients of the last reduce-scatter (they are cleared by the
+     * next zero_grad, or before the next backward adds into them) */
+    int gfull_stale;
     /* the pool of unit blocks */
     tdm_fsdp_block cache[TDM_FSDP_POOL_CACHE];
     int n_cached;
@@ -122,6 +126,9 @@ tdm_status tdm_fsdp_release_params(tdm_fsdp *f, int u);
 tdm_status tdm_fsdp_settle_params(tdm_fsdp *f, int release);
 /* Issues u's all-gather (asynchronously). */
 tdm_status tdm_fsdp_issue_gather(tdm_fsdp *f, int u, int prefetch);
+/* SHARD_OPTIM: clears gfull outside this rank's slices if the last
+ * reduce-scatter left local gradients there (gfull_stale). */
+tdm_status tdm_fsdp_clear_stale(tdm_fsdp *f);
 /* Backward's start and end (sync: reduce-scatter the rest, wait all). */
 void tdm_fsdp_backward_begin(tdm_fsdp *f);
 tdm_status tdm_fsdp_backward_end(tdm_fsdp *f);

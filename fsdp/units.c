@@ -512,14 +512,14 @@ static tdm_status tdm_fsdp_finish_rs(tdm_fsdp *f, int u)
     if (st) return st;
     tdm_device *d = f->dev;
     if (f->o.sharding == TDM_FSDP_SHARD_OPTIM) {
-        /* Keep only the owned slice: a later backward adds local gradients
-         * onto it, and the next reduce-scatter must then add each rank's
-         * new gradients once, and the reduced sum it already holds once. */
-        float *g = f->gfull + x->full_off;
-        int64_t lo = (int64_t)f->rank * x->shard, hi = lo + x->shard;
-        if (lo > 0) TDM_CHECK(tdm_dev_memset_zero(d, g, (size_t)lo * sizeof(float)));
-        if (hi < x->padded)
-            TDM_CHECK(tdm_dev_memset_zero(d, g + hi, (size_t)(x->padded - hi) * sizeof(float)));
+        /* Only the owned slice counts now. The rest still holds this
+         * rank's local gradients, which a later backward must not add
+         * onto (the next reduce-scatter would count them twice): they are
+         * cleared by the next zero_grad, which clears everything anyway,
+         * or before a backward that comes without one
+         * (tdm_fsdp_clear_stale). Clearing them here as well cost a pass
+         * over (N-1)/N of the gradients every step (issue 14). */
+        f->gfull_stale = 1;
         return TDM_STATUS_OK;
     }
     if (x->rs_tmp) {
@@ -530,6 +530,22 @@ static tdm_status tdm_fsdp_finish_rs(tdm_fsdp *f, int u)
     (void)tdm_model_set_grad_view(f->m, x->first, x->last, NULL);
     tdm_fsdp_pool_put(f, x->gbuf, x->gbuf_bytes);
     x->gbuf = NULL;
+    return TDM_STATUS_OK;
+}
+
+tdm_status tdm_fsdp_clear_stale(tdm_fsdp *f)
+{
+    if (!f->gfull_stale) return TDM_STATUS_OK;
+    for (int u = 0; u < f->nu; u++) {
+        const tdm_fsdp_unit *x = &f->u[u];
+        float *g = f->gfull + x->full_off;
+        int64_t lo = (int64_t)f->rank * x->shard, hi = lo + x->shard;
+        if (lo > 0) TDM_CHECK(tdm_dev_memset_zero(f->dev, g, (size_t)lo * sizeof(float)));
+        if (hi < x->padded)
+            TDM_CHECK(tdm_dev_memset_zero(f->dev, g + hi,
+                                          (size_t)(x->padded - hi) * sizeof(float)));
+    }
+    f->gfull_stale = 0;
     return TDM_STATUS_OK;
 }
 

@@ -384,14 +384,21 @@ static tdm_status tdm_shm_reduce_scatter(tdm_shm_impl *c, const tdm_comm_call *k
     for (size_t off = 0, first = 1; first || off < k->count; off += sec, first = 0) {
         size_t n = k->count - off < sec ? k->count - off : sec;
         uint8_t *mine = tdm_shm_slot_of(c, c->rank, c->round);
+        /* Peer q reads only portion q of my slot; my own portion I reduce
+         * straight from the caller's buffer (as rs_ag does): staging it
+         * too cost a copy of 1/N of the input every call. */
         TDM_SHM_ROUND_OPEN(c, k, first, 0,
             for (int q = 0; q < c->world; q++)
-                memcpy(mine + (size_t)q * sec * es, send + ((size_t)q * k->count + off) * es,
-                       n * es));
+                if (q != c->rank)
+                    memcpy(mine + (size_t)q * sec * es, send + ((size_t)q * k->count + off) * es,
+                           n * es));
         if (!first) TDM_CHECK(tdm_shm_wait_all(c, 3 * c->round + 1));
         const void *srcs[TDM_SHM_MAX_RANKS];
         for (int p = 0; p < c->world; p++)
             srcs[p] = tdm_shm_slot_of(c, p, c->round) + (size_t)c->rank * sec * es;
+        /* in place (recv inside send) is fine: tdm_shm_reduce reads every
+         * source of a block before it writes the block */
+        srcs[c->rank] = send + ((size_t)c->rank * k->count + off) * es;
         if (n) tdm_shm_reduce(recv + off * es, NULL, srcs, c->world, n, k->dtype, k->op);
         tdm_shm_round_end(c);
     }

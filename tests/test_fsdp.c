@@ -190,6 +190,45 @@ Test(fsdp, no_sync_accumulation_equals_ddp_bitwise)
     }
 }
 
+/* zero_grad only before the first step: each step's gradient is the sum
+ * of every step's so far. full and grad_op add each reduce-scatter onto
+ * the shard; optimizer reduce-scatters its full gradient in place, which
+ * leaves this rank's local gradients outside its slice: they must be
+ * cleared before the next backward adds onto them (tdm_fsdp_clear_stale),
+ * or the next reduce-scatter counts them again. The three agree within
+ * float reassociation (they add in different orders). */
+Test(fsdp, gradients_add_up_across_synchronised_backwards_without_zero_grad)
+{
+    static float ref[TF_MAX_ELEMS];
+    static double ref_loss[TF_MAX_STEPS];
+    for (int world = 2; world <= 3; world++) {
+        int64_t n = 0;
+        for (int sh = TDM_FSDP_SHARDING_COUNT_ - 1; sh >= 0; sh--) {
+            tf_cfg c = tf_cfg_default();
+            c.sharding = (tdm_fsdp_sharding)sh;
+            c.steps = 3;
+            c.zero_once = 1;
+            tf_shared *s = tf_shared_new();
+            cr_assert(s);
+            cr_assert_eq(tf_spawn(world, &c, &g_mlp, s, 60000), TDM_STATUS_OK, "%s", s->err[0]);
+            if (sh == TDM_FSDP_SHARDING_COUNT_ - 1) {
+                n = s->n_elem;
+                memcpy(ref, s->params, (size_t)n * 4);
+                memcpy(ref_loss, s->loss, sizeof ref_loss);
+            } else {
+                int64_t at = 0;
+                cr_assert(tf_excess(s->params, ref, n, 1e-6, 1e-5, &at) <= 0,
+                          "world %d: %s param[%lld] %g vs optimizer's %g", world,
+                          tdm_fsdp_sharding_name(c.sharding), (long long)at, s->params[at],
+                          ref[at]);
+                for (int k = 0; k < c.steps; k++)
+                    cr_assert(fabs(s->loss[k] - ref_loss[k]) <= 1e-6 + 1e-5 * fabs(ref_loss[k]));
+            }
+            tf_shared_free(s);
+        }
+    }
+}
+
 Test(fsdp, a_rank_without_samples_still_takes_part)
 {
     /* 2 samples over 3 ranks: rank 0 has none (FULL_SHARD runs the model on

@@ -40,6 +40,8 @@ typedef struct tf_cfg {
     int64_t min_unit_elems;
     int adamw;
     int micro;               /* > 1: no_sync over this many micro-batches */
+    int zero_once;           /* 1: zero_grad before the first step only: gradients add up
+                              * across synchronised backwards */
     int bad_layout_rank;     /* >= 0: this rank groups units differently */
     int seed_by_rank;
     tdm_status (*open_dev)(tdm_device **out, int rank);
@@ -191,7 +193,8 @@ static inline int tf_rank_main(tdm_comm *comm, void *arg)
     if (c->model != 2) tdm_train_epoch_order(perm, run->data->n, 1, 0);
     int micro = c->micro > 1 ? c->micro : 1;
     for (int s = 0; s < c->steps; s++) {
-        TDM_TRY(ddp ? tdm_ddp_zero_grad(ddp) : tdm_fsdp_zero_grad(f));
+        if (!c->zero_once || s == 0)
+            TDM_TRY(ddp ? tdm_ddp_zero_grad(ddp) : tdm_fsdp_zero_grad(f));
         for (int k = 0; k < micro; k++) {
             int mb0 = (int)((int64_t)k * c->batch / micro);
             int mb = (int)((int64_t)(k + 1) * c->batch / micro) - mb0;
