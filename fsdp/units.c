@@ -339,17 +339,23 @@ static tdm_status tdm_fsdp_enter_forward(tdm_fsdp *f, int u)
     return TDM_STATUS_OK;
 }
 
-static tdm_status tdm_fsdp_enter_backward(tdm_fsdp *f, int u)
+/* params: the layer reads the unit's parameters (0: it only adds into
+ * their gradients, TDM_MODEL_USE_BACKWARD_GRADS). The backward order
+ * records which (unit u + nu for a grads-only use), so that the prefetch
+ * gathers only a unit that will read its parameters. */
+static tdm_status tdm_fsdp_enter_backward(tdm_fsdp *f, int u, int params)
 {
     tdm_fsdp_unit *x = &f->u[u];
     int full = f->o.sharding == TDM_FSDP_FULL_SHARD;
     if (u != f->cur_b) {
         int next = tdm_fsdp_order_step(f->bwd_order, &f->bwd_len, &f->bwd_pos, f->bwd_rec,
-                                       &f->bwd_broken, 2 * f->nu + 4, u);
+                                       &f->bwd_broken, 2 * f->nu + 4, params ? u : u + f->nu);
         f->cur_b = u;
-        TDM_CHECK(tdm_fsdp_need_params(f, u, 1));
-        if (full && !f->o.no_prefetch && next >= 0 && next != u)
+        if (params) TDM_CHECK(tdm_fsdp_need_params(f, u, 1));
+        if (full && !f->o.no_prefetch && next >= 0 && next < f->nu && next != u)
             TDM_CHECK(tdm_fsdp_issue_gather(f, next, 1));
+    } else if (params) {
+        TDM_CHECK(tdm_fsdp_need_params(f, u, 1));
     }
     if (f->o.sharding != TDM_FSDP_SHARD_OPTIM && !x->gbuf) {
         /* A new unit's full gradient: at most one earlier unit's is still
@@ -372,9 +378,25 @@ tdm_status tdm_fsdp_use_hook(void *ctx, tdm_model *m, tdm_model_use use, int fir
 {
     tdm_fsdp *f = ctx;
     (void)m;
-    for (int u = f->param_unit[first]; u <= f->param_unit[last]; u++) {
-        tdm_status st = use == TDM_MODEL_USE_FORWARD ? tdm_fsdp_enter_forward(f, u)
-                                                     : tdm_fsdp_enter_backward(f, u);
+    int lo = f->param_unit[first], hi = f->param_unit[last], prev = f->cur_b;
+    if (use != TDM_MODEL_USE_FORWARD && f->o.sharding == TDM_FSDP_FULL_SHARD && prev >= 0 &&
+        (prev < lo || prev > hi) && f->u[prev].pending > 0) {
+        /* Backward leaves a unit whose gradients are not final: a tied
+         * weight (the GPT's head is its token embedding), whose last
+         * share comes at the other end of backward. Its full gradient
+         * stays to collect that share before the unit's one
+         * reduce-scatter (two would add in another order than DDP's
+         * all-reduce); its parameters go back to the pool now. They are
+         * gathered again if a later use reads them (prefetched one unit
+         * ahead); the GPT's embedding backward only adds into the
+         * gradients (TDM_MODEL_USE_BACKWARD_GRADS) and gathers nothing. */
+        tdm_status st = tdm_fsdp_release_params(f, prev);
+        if (st) return st;
+    }
+    for (int u = lo; u <= hi; u++) {
+        tdm_status st = use == TDM_MODEL_USE_FORWARD
+                            ? tdm_fsdp_enter_forward(f, u)
+                            : tdm_fsdp_enter_backward(f, u, use == TDM_MODEL_USE_BACKWARD);
         if (st) return st;
     }
     tdm_fsdp_poll(f);

@@ -475,8 +475,10 @@ static tdm_status tdm_gpt_backward(tdm_model *m, const float *dlogits)
 #undef P
 #undef G
     }
-    /* the embeddings: wte's second share; now wte and wpe are final */
-    TDM_CHECK(tdm_model_raise_use(m, TDM_MODEL_USE_BACKWARD, TDM_GPT_WTE, TDM_GPT_WPE));
+    /* the embeddings: wte's second share; now wte and wpe are final. The
+     * embedding's backward adds rows of dres into the gradients and
+     * reads neither table. */
+    TDM_CHECK(tdm_model_raise_use(m, TDM_MODEL_USE_BACKWARD_GRADS, TDM_GPT_WTE, TDM_GPT_WPE));
     TDM_CHECK(tdm_dev_embed_bwd(d, g->tok, g->dres, tdm_gpt_grad(m, TDM_GPT_WTE),
                            tdm_gpt_grad(m, TDM_GPT_WPE), B, Tr, C));
     tdm_gpt_hook(m, 0);

@@ -723,8 +723,8 @@ tdm_status tdm_model_raise_use(tdm_model *m, tdm_model_use use, int first, int l
 {
     if (m->use_hook) TDM_CHECK(m->use_hook(m->use_ctx, m, use, first, last));
     for (int i = first; i <= last; i++) {
-        int no_p = !tdm_model_pdata(m, i);
-        int no_g = use == TDM_MODEL_USE_BACKWARD && !tdm_model_gdata(m, i);
+        int no_p = use != TDM_MODEL_USE_BACKWARD_GRADS && !tdm_model_pdata(m, i);
+        int no_g = use != TDM_MODEL_USE_FORWARD && !tdm_model_gdata(m, i);
         if (no_p || no_g)
             return tdm_error_set(TDM_STATUS_INVALID_ARG,
                                  "model: %s of parameter '%s' has no storage at its %s (the "

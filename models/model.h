@@ -222,12 +222,15 @@ int tdm_model_storage_released(const tdm_model *m);
 /* When layers are about to use parameters: forward before a layer reads
  * parameters first..last (a tensor may be read again later: the GPT's
  * head reads the token embedding), backward before a layer reads them
- * and adds into their gradients. The grad-ready hook above says when a
- * gradient is final. A hook error stops the pass and is returned by it.
- * Layers without parameters raise no event. */
+ * and adds into their gradients, backward_grads before a layer only adds
+ * into their gradients without reading them (an embedding's backward:
+ * a sharded model need not gather them). The grad-ready hook above says
+ * when a gradient is final. A hook error stops the pass and is returned
+ * by it. Layers without parameters raise no event. */
 typedef enum tdm_model_use {
     TDM_MODEL_USE_FORWARD = 0,
     TDM_MODEL_USE_BACKWARD,
+    TDM_MODEL_USE_BACKWARD_GRADS,
 } tdm_model_use;
 typedef tdm_status (*tdm_param_use_fn)(void *ctx, tdm_model *m, tdm_model_use use,
                                        int first_param, int last_param);

@@ -544,14 +544,16 @@ Test(fsdp_mem, gpt_tied_unit_full_shard_pool_peak_within_documented_bound, .time
         size_t pk = g_tied->peak[r], mu = g_tied->max_unit[r];
         cr_log_info("rank %d: pool peak %zu bytes, largest unit %zu bytes, %d units, model %lld bytes",
                     r, pk, mu, g_tied->nu, g_tied->elems * 4);
-        /* docs/FSDP.md: 2 + 2 units, plus the tied unit's full parameters
-         * and full gradient (the largest unit bounds it) */
-        cr_assert_leq(pk, 6 * mu, "rank %d: pool peak %zu bytes > (2 + 1) x 2 x largest unit %zu bytes", r,
-                      pk, mu);
-        /* and the exception is real: docs/FSDP.md says the untied bound
-         * does not hold here; if it does, the docs are to be tightened */
-        cr_assert_gt(pk, 4 * mu, "rank %d: pool peak %zu bytes within the untied 4 x %zu bytes: "
-                     "update docs/FSDP.md's tied-unit exception", r, pk, mu);
+        /* docs/FSDP.md: 2 units' parameters and 2 units' gradients, plus
+         * the tied unit's full gradient (the largest unit bounds each) */
+        cr_assert_leq(pk, 5 * mu, "rank %d: pool peak %zu bytes > (2 + 2 + 1) x largest unit "
+                      "%zu bytes", r, pk, mu);
+        /* The tied unit's parameters are not held between its uses in
+         * backward (the embedding's backward does not read them): this
+         * GPT's peak (60416 bytes) is then within the untied 4 x 17024.
+         * While they were held it was 73536 bytes, above it. */
+        cr_assert_leq(pk, 4 * mu, "rank %d: pool peak %zu bytes > 4 x %zu bytes: the tied "
+                      "unit's parameters are held through backward", r, pk, mu);
     }
     munmap(g_tied, sizeof *g_tied);
 }
