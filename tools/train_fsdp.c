@@ -16,6 +16,10 @@
  * (TANDEM_CUDA_EMULATOR) shard over shm. Under `tandem launch` it joins
  * the launched job instead of forking.
  *
+ * --model gpt --mode fsdp is tools/train_text.c's, sharing the optimizer
+ * and resume, checkpoint, timeout and report pieces below
+ * (tools/train_modes.h).
+ *
  * Test hook: TANDEM_DDP_TEST_KILL=R:S (as --mode ddp) makes rank R SIGKILL
  * itself before its global step S. */
 #include <fcntl.h>
