@@ -133,7 +133,8 @@ static void host_conv_rows(const tdm_conv_geom *g, int ki, int *lo, int *hi)
 /* im2col as strided row copies: for each row (ci, ki, kj) of col and each
  * image n, the oh x ow block read from the input plane shifted by (ki, kj),
  * zeros outside the image. col is written in order; the values are
- * tdm_k_im2col's. The spans depend on (ki, kj) only. */
+ * tdm_k_im2col's. The spans depend on (ki, kj) only. The planes of a
+ * chunk (g.ns > g.n) are found where tdm_k_geom_xoff puts them. */
 TDM_HOST_WIDE static tdm_status host_im2col(tdm_device *d, const tdm_conv_geom *gp,
                                            const float *x, float *col)
 {
@@ -149,7 +150,7 @@ TDM_HOST_WIDE static tdm_status host_im2col(tdm_device *d, const tdm_conv_geom *
                 int dx = kj - g.pad, lo, hi;
                 tdm_k_conv_span(g.ow, g.w, g.stride, dx, &lo, &hi);
                 for (int n = 0; n < g.n; n++, out += (int64_t)g.oh * g.ow) {
-                    const float *plane = x + ((int64_t)ci * g.n + n) * g.h * g.w;
+                    const float *plane = x + tdm_k_geom_xoff(g, ci, n, 0, 0);
                     memset(out, 0, (size_t)ylo * row_bytes);
                     for (int oy = ylo; oy < yhi; oy++) {
                         int iy = oy * g.stride - g.pad + ki;
@@ -174,7 +175,7 @@ TDM_HOST_WIDE static tdm_status host_col2im(tdm_device *d, const tdm_conv_geom *
     int64_t ncols = (int64_t)g.n * g.oh * g.ow;
     for (int ci = 0; ci < g.c; ci++)
         for (int n = 0; n < g.n; n++) {
-            float *plane = dx + ((int64_t)ci * g.n + n) * g.h * g.w;
+            float *plane = dx + tdm_k_geom_xoff(g, ci, n, 0, 0);
             memset(plane, 0, (size_t)g.h * g.w * sizeof(float));
             for (int ki = 0; ki < g.kh; ki++) {
                 int ylo, yhi;
