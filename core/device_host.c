@@ -165,13 +165,15 @@ TDM_HOST_WIDE static void host_im2col_same(const tdm_conv_geom g, const float *x
                 int64_t j0 = d < 0 ? -d : 0, j1 = total - (d > 0 ? d : 0);
                 if (j0 > total) j0 = total;
                 if (j1 < j0) j1 = j0;
-                memset(out, 0, (size_t)j0 * sizeof(float));
+                /* (the calls are many and small: none for nothing) */
+                if (j0) memset(out, 0, (size_t)j0 * sizeof(float));
                 memcpy(out + j0, xc + j0 + d, (size_t)(j1 - j0) * sizeof(float));
-                memset(out + j1, 0, (size_t)(total - j1) * sizeof(float));
+                if (j1 < total) memset(out + j1, 0, (size_t)(total - j1) * sizeof(float));
                 for (int n = 0; n < g.n; n++) {
                     float *o = out + n * hw;
-                    memset(o, 0, (size_t)ylo * row_bytes);
-                    memset(o + (int64_t)yhi * g.w, 0, (size_t)(g.h - yhi) * row_bytes);
+                    if (ylo) memset(o, 0, (size_t)ylo * row_bytes);
+                    if (yhi < g.h)
+                        memset(o + (int64_t)yhi * g.w, 0, (size_t)(g.h - yhi) * row_bytes);
                     if (lo == 0 && hi == g.w) continue;
                     for (int oy = ylo; oy < yhi; oy++) {
                         float *r = o + (int64_t)oy * g.w;

@@ -125,14 +125,16 @@ static tdm_status tdm_layer_bn_forward(tdm_model *m, tdm_layer *l, const float *
     return TDM_STATUS_OK;
 }
 
-/* dout's channels [c0, c1) are modified in place (the fused relu). */
+/* dout's channels [c0, c1) are modified in place (the fused relu, unless
+ * relu_done: the caller masked dout already). */
 static tdm_status tdm_layer_bn_backward(tdm_model *m, tdm_layer *l, float *dout, float *din,
-                                        int B, int c0, int c1)
+                                        int B, int c0, int c1, int relu_done)
 {
     tdm_device *d = m->dev;
     int nc = c1 - c0;
     int64_t len = (int64_t)B * l->h * l->w, off = (int64_t)c0 * len;
-    if (l->relu) TDM_CHECK(tdm_dev_relu_bwd(d, dout + off, l->out + off, nc * len));
+    if (l->relu && !relu_done)
+        TDM_CHECK(tdm_dev_relu_bwd(d, dout + off, l->out + off, nc * len));
     return tdm_dev_bn_bwd(d, l->in + off, dout + off, nc, len, l->mean + c0, l->invstd + c0,
                           tdm_param(m, l->p0) + c0, din ? din + off : NULL,
                           tdm_grad(m, l->p0) + c0, tdm_grad(m, l->p0 + 1) + c0, m->train);
@@ -181,18 +183,27 @@ tdm_status tdm_model_pair_forward(tdm_model *m, tdm_layer *bn, tdm_layer *pool, 
     return TDM_STATUS_OK;
 }
 
-/* dout is the pooling's output gradient, dmid its input gradient (the
- * batchnorm's output gradient), din the batchnorm's input gradient (NULL:
- * not needed). din may be dout's buffer, as the model's backward
- * alternates two: channels then run from the last, since channel ch of
- * din covers channels >= ch of dout (a pooling's output plane is no
- * larger than its input plane), which are read by then. */
-tdm_status tdm_model_pair_backward(tdm_model *m, tdm_layer *bn, tdm_layer *pool,
-                                   const float *dout, float *dmid, float *din, int B)
+/* dout is the pooling's output gradient (modified in place), dmid its
+ * input gradient (the batchnorm's output gradient), din the batchnorm's
+ * input gradient (NULL: not needed). din may be dout's buffer, as the
+ * model's backward alternates two: channels then run from the last, since
+ * channel ch of din covers channels >= ch of dout (a pooling's output
+ * plane is no larger than its input plane), which are read by then.
+ *
+ * The batchnorm's relu backward masks dmid by relu output > 0. dmid is dout
+ * at each window's winner and 0 elsewhere, and the winner's value is the
+ * pooling's output, so masking dout by pooling output > 0 before the
+ * pooling's backward gives the same bits (a masked element becomes the
+ * same +0 either way) over a quarter of the elements. */
+tdm_status tdm_model_pair_backward(tdm_model *m, tdm_layer *bn, tdm_layer *pool, float *dout,
+                                   float *dmid, float *din, int B)
 {
+    int64_t per_ch = (int64_t)B * pool->oh * pool->ow;
     for (int ch = bn->c - 1; ch >= 0; ch--) {
+        if (bn->relu)
+            TDM_CHECK(tdm_dev_relu_bwd(m->dev, dout + ch * per_ch, pool->out + ch * per_ch, per_ch));
         TDM_CHECK(tdm_layer_pool_backward(m, pool, dout, dmid, B, ch, ch + 1));
-        TDM_CHECK(tdm_layer_bn_backward(m, bn, dmid, din, B, ch, ch + 1));
+        TDM_CHECK(tdm_layer_bn_backward(m, bn, dmid, din, B, ch, ch + 1, 1));
     }
     return TDM_STATUS_OK;
 }
@@ -257,7 +268,7 @@ tdm_status tdm_model_layer_backward(tdm_model *m, tdm_layer *l, float *dout, flo
             if (l->relu) TDM_CHECK(tdm_dev_relu_bwd(d, dout, l->out, len * l->c));
             return tdm_syncbn_backward(m, l, dout, din, B);
         }
-        return tdm_layer_bn_backward(m, l, dout, din, B, 0, l->c);
+        return tdm_layer_bn_backward(m, l, dout, din, B, 0, l->c, 0);
     case TDM_LAYER_MAXPOOL:
         if (!din) return TDM_STATUS_OK;
         return tdm_layer_pool_backward(m, l, dout, din, B, 0, l->c);

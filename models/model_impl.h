@@ -138,15 +138,16 @@ tdm_status tdm_model_layer_backward(tdm_model *m, tdm_layer *l, float *dout, flo
  * channel at a time (each channel's rows stay in cache between the two):
  * 1 when m runs them so (host devices, no SyncBatchNorm in training).
  * pair_forward sets both layers' in and out as their forwards would;
- * pair_backward takes the pooling's output gradient dout, writes its
+ * pair_backward takes the pooling's output gradient dout (modified in
+ * place, as a fused relu's), writes its
  * input gradient into dmid and the batchnorm's into din (NULL: not
  * needed; it may be dout's buffer) and adds the batchnorm's parameter
  * gradients. The same values as the two layers one after the other. */
 int tdm_model_pair_fuses(const tdm_model *m, int i);
 tdm_status tdm_model_pair_forward(tdm_model *m, tdm_layer *bn, tdm_layer *pool, const float *x,
                                   int B);
-tdm_status tdm_model_pair_backward(tdm_model *m, tdm_layer *bn, tdm_layer *pool,
-                                   const float *dout, float *dmid, float *din, int B);
+tdm_status tdm_model_pair_backward(tdm_model *m, tdm_layer *bn, tdm_layer *pool, float *dout,
+                                   float *dmid, float *din, int B);
 
 /* models/gpt.c */
 tdm_status tdm_gpt_spec_parse(tdm_model_spec *s, const char *text);
