@@ -383,6 +383,41 @@ Test(kernels, maxpool_nan_wins)
     }
 }
 
+/* The host's 2x2 pooling (its own loop, which a faster host form would
+ * replace) against the per-element kernel CUDA runs (the window in order),
+ * bit for bit, value and argmax, over every window of values from
+ * {1, 2, -0, +0, NaN}: ties, signed zeros and NaNs in every position. A
+ * tree of pairs with ties going to the later element fails it. */
+Test(kernels, maxpool_2x2_host_equals_the_per_element_kernel_on_ties_and_nans)
+{
+    static const float vals[5] = {1.0f, 2.0f, -0.0f, 0.0f, NAN};
+    enum { W = 625 }; /* 5^4 windows side by side in one 2 x (2 W) plane */
+    tdm_conv_geom g = {.n = 1, .c = 1, .h = 2, .w = 2 * W, .kh = 2, .kw = 2, .stride = 2,
+                       .pad = 0, .oh = 1, .ow = W};
+    float *x = tu_malloc((size_t)4 * W * sizeof(float)), *y = tu_malloc((size_t)W * sizeof(float));
+    float *ry = tu_malloc((size_t)W * sizeof(float));
+    int32_t *am = tu_malloc((size_t)W * sizeof(int32_t)), *ram = tu_malloc((size_t)W * sizeof(int32_t));
+    for (int k = 0; k < W; k++) {
+        int q = k;
+        x[2 * k] = vals[q % 5], q /= 5;
+        x[2 * k + 1] = vals[q % 5], q /= 5;
+        x[2 * W + 2 * k] = vals[q % 5], q /= 5;
+        x[2 * W + 2 * k + 1] = vals[q % 5];
+    }
+    TU_OK(tdm_dev_maxpool_fwd(g_dev, &g, x, y, am));
+    for (int k = 0; k < W; k++) tdm_k_maxpool_fwd(k, 0, 0, k, g, x, ry, ram);
+    for (int k = 0; k < W; k++)
+        cr_assert(!memcmp(&y[k], &ry[k], sizeof(float)) && am[k] == ram[k],
+                  "window %d (%g %g / %g %g): host %g at %d, per element %g at %d", k,
+                  (double)x[2 * k], (double)x[2 * k + 1], (double)x[2 * W + 2 * k],
+                  (double)x[2 * W + 2 * k + 1], (double)y[k], am[k], (double)ry[k], ram[k]);
+    free(x);
+    free(y);
+    free(ry);
+    free(am);
+    free(ram);
+}
+
 /* ---- batchnorm statistics ---- */
 
 Test(kernels, bn_stats_two_pass_precision)
