@@ -186,7 +186,11 @@ tdm_status tdm_dev_softmax_xent(tdm_device *d, const float *logits, const int32_
 tdm_status tdm_dev_axpy(tdm_device *d, int64_t n_elem, float alpha, const float *x, float *y);
 /* x *= alpha */
 tdm_status tdm_dev_scale(tdm_device *d, int64_t n_elem, float alpha, float *x);
-/* CNHW im2col: col (C*KH*KW, N*OH*OW); col2im writes (not adds) dx. */
+/* CNHW im2col: col (C*KH*KW, N*OH*OW); col2im writes (not adds) dx. With
+ * g->ns > g->n, x and dx are a chunk of N images out of a batch of ns
+ * (see tdm_conv_geom): col is the chunk's, x and dx are read and written
+ * in place in the batch's tensor; only the chunk's images of dx are
+ * written. */
 tdm_status tdm_dev_im2col(tdm_device *d, const tdm_conv_geom *g, const float *x, float *col);
 tdm_status tdm_dev_col2im(tdm_device *d, const tdm_conv_geom *g, const float *col, float *dx);
 /* Max pooling over CNHW, window = stride (non-overlapping), no padding.

@@ -130,15 +130,124 @@ static void host_conv_rows(const tdm_conv_geom *g, int ki, int *lo, int *hi)
     tdm_k_conv_span(g->oh, g->h, g->stride, ki - g->pad, lo, hi);
 }
 
+/* The "same" convolution (stride 1, output as large as the input: k =
+ * 2 pad + 1), the CNN's: row (ci, ki, kj) of col is the channel's images,
+ * which CNHW keeps contiguous, shifted by d = (ki - pad) w + (kj - pad).
+ * So im2col is one copy of the whole run, then zeros where the shift
+ * crossed an image's edge (the rows and columns tdm_k_im2col reads as
+ * padding), and col2im one long add per image and (ki, kj), with the few
+ * elements at the edge columns that must not receive the add kept aside
+ * and put back. The same values as the row forms below, bit for bit:
+ * copies, and the same single addition per element and (ki, kj), in the
+ * same order. Rows of 14 or 28 floats made the row forms' loop overhead,
+ * not memory, their cost. */
+static int host_conv_same(const tdm_conv_geom *g)
+{
+    return g->stride == 1 && g->oh == g->h && g->ow == g->w && g->kh == 2 * g->pad + 1 &&
+           g->kw == 2 * g->pad + 1 && g->pad <= 64;
+}
+
+TDM_HOST_WIDE static void host_im2col_same(const tdm_conv_geom g, const float *x, float *col)
+{
+    int64_t hw = (int64_t)g.h * g.w, total = (int64_t)g.n * hw;
+    size_t row_bytes = (size_t)g.w * sizeof(float);
+    float *out = col;
+    for (int ci = 0; ci < g.c; ci++) {
+        const float *xc = x + tdm_k_geom_xoff(g, ci, 0, 0, 0);
+        for (int ki = 0; ki < g.kh; ki++) {
+            int ylo, yhi;
+            host_conv_rows(&g, ki, &ylo, &yhi);
+            for (int kj = 0; kj < g.kw; kj++, out += total) {
+                int dxo = kj - g.pad, lo, hi;
+                tdm_k_conv_span(g.ow, g.w, 1, dxo, &lo, &hi);
+                int64_t d = (int64_t)(ki - g.pad) * g.w + dxo;
+                /* out[j] = xc[j + d] where that is inside the run */
+                int64_t j0 = d < 0 ? -d : 0, j1 = total - (d > 0 ? d : 0);
+                if (j0 > total) j0 = total;
+                if (j1 < j0) j1 = j0;
+                /* (the calls are many and small: none for nothing) */
+                if (j0) memset(out, 0, (size_t)j0 * sizeof(float));
+                memcpy(out + j0, xc + j0 + d, (size_t)(j1 - j0) * sizeof(float));
+                if (j1 < total) memset(out + j1, 0, (size_t)(total - j1) * sizeof(float));
+                for (int n = 0; n < g.n; n++) {
+                    float *o = out + n * hw;
+                    if (ylo) memset(o, 0, (size_t)ylo * row_bytes);
+                    if (yhi < g.h)
+                        memset(o + (int64_t)yhi * g.w, 0, (size_t)(g.h - yhi) * row_bytes);
+                    if (lo == 0 && hi == g.w) continue;
+                    for (int oy = ylo; oy < yhi; oy++) {
+                        float *r = o + (int64_t)oy * g.w;
+                        for (int ox = 0; ox < lo; ox++) r[ox] = 0.0f;
+                        for (int ox = hi; ox < g.w; ox++) r[ox] = 0.0f;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/* Elements of dx kept aside per group of rows while a long add passes over
+ * them (at most pad per row, so pad <= 64 leaves groups of >= 4 rows). */
+#define HOST_COL2IM_KEEP 256
+
+TDM_HOST_WIDE static void host_col2im_same(const tdm_conv_geom g, const float *col, float *dx)
+{
+    int64_t hw = (int64_t)g.h * g.w, ncols = (int64_t)g.n * hw;
+    float keep[HOST_COL2IM_KEEP];
+    for (int ci = 0; ci < g.c; ci++) {
+        float *dc = dx + tdm_k_geom_xoff(g, ci, 0, 0, 0);
+        memset(dc, 0, (size_t)ncols * sizeof(float));
+        for (int ki = 0; ki < g.kh; ki++) {
+            int dy = ki - g.pad;
+            /* dx row iy receives col row oy = iy - dy, when that is one */
+            int iylo = dy > 0 ? dy : 0, iyhi = g.h + (dy < 0 ? dy : 0);
+            for (int kj = 0; kj < g.kw; kj++) {
+                int dxo = kj - g.pad;
+                int ixlo = dxo > 0 ? dxo : 0, ixhi = g.w + (dxo < 0 ? dxo : 0);
+                if (iyhi <= iylo || ixhi <= ixlo) continue;
+                int skip = g.w - (ixhi - ixlo);   /* columns that receive nothing */
+                int group = skip ? HOST_COL2IM_KEEP / skip : g.h;
+                int64_t d = (int64_t)dy * g.w + dxo;
+                const float *crow = col + (((int64_t)ci * g.kh + ki) * g.kw + kj) * ncols;
+                for (int n = 0; n < g.n; n++)
+                    for (int r0 = iylo; r0 < iyhi; r0 += group) {
+                        int r1 = r0 + group < iyhi ? r0 + group : iyhi, k = 0;
+                        for (int iy = r0; iy < r1; iy++) {
+                            float *r = dc + n * hw + (int64_t)iy * g.w;
+                            for (int ix = 0; ix < ixlo; ix++) keep[k++] = r[ix];
+                            for (int ix = ixhi; ix < g.w; ix++) keep[k++] = r[ix];
+                        }
+                        /* j - d outside col only for elements kept aside */
+                        int64_t j0 = n * hw + (int64_t)r0 * g.w, j1 = n * hw + (int64_t)r1 * g.w;
+                        if (j0 < d) j0 = d;
+                        if (j1 > ncols + d) j1 = ncols + d;
+                        for (int64_t j = j0; j < j1; j++) dc[j] += crow[j - d];
+                        k = 0;
+                        for (int iy = r0; iy < r1; iy++) {
+                            float *r = dc + n * hw + (int64_t)iy * g.w;
+                            for (int ix = 0; ix < ixlo; ix++) r[ix] = keep[k++];
+                            for (int ix = ixhi; ix < g.w; ix++) r[ix] = keep[k++];
+                        }
+                    }
+            }
+        }
+    }
+}
+
 /* im2col as strided row copies: for each row (ci, ki, kj) of col and each
  * image n, the oh x ow block read from the input plane shifted by (ki, kj),
  * zeros outside the image. col is written in order; the values are
- * tdm_k_im2col's. The spans depend on (ki, kj) only. */
+ * tdm_k_im2col's. The spans depend on (ki, kj) only. The planes of a
+ * chunk (g.ns > g.n) are found where tdm_k_geom_xoff puts them. */
 TDM_HOST_WIDE static tdm_status host_im2col(tdm_device *d, const tdm_conv_geom *gp,
                                            const float *x, float *col)
 {
     (void)d;
     const tdm_conv_geom g = *gp;
+    if (host_conv_same(&g)) {
+        host_im2col_same(g, x, col);
+        return TDM_STATUS_OK;
+    }
     size_t row_bytes = (size_t)g.ow * sizeof(float);
     float *out = col;
     for (int ci = 0; ci < g.c; ci++)
@@ -149,7 +258,7 @@ TDM_HOST_WIDE static tdm_status host_im2col(tdm_device *d, const tdm_conv_geom *
                 int dx = kj - g.pad, lo, hi;
                 tdm_k_conv_span(g.ow, g.w, g.stride, dx, &lo, &hi);
                 for (int n = 0; n < g.n; n++, out += (int64_t)g.oh * g.ow) {
-                    const float *plane = x + ((int64_t)ci * g.n + n) * g.h * g.w;
+                    const float *plane = x + tdm_k_geom_xoff(g, ci, n, 0, 0);
                     memset(out, 0, (size_t)ylo * row_bytes);
                     for (int oy = ylo; oy < yhi; oy++) {
                         int iy = oy * g.stride - g.pad + ki;
@@ -171,10 +280,14 @@ TDM_HOST_WIDE static tdm_status host_col2im(tdm_device *d, const tdm_conv_geom *
 {
     (void)d;
     const tdm_conv_geom g = *gp;
+    if (host_conv_same(&g)) {
+        host_col2im_same(g, col, dx);
+        return TDM_STATUS_OK;
+    }
     int64_t ncols = (int64_t)g.n * g.oh * g.ow;
     for (int ci = 0; ci < g.c; ci++)
         for (int n = 0; n < g.n; n++) {
-            float *plane = dx + ((int64_t)ci * g.n + n) * g.h * g.w;
+            float *plane = dx + tdm_k_geom_xoff(g, ci, n, 0, 0);
             memset(plane, 0, (size_t)g.h * g.w * sizeof(float));
             for (int ki = 0; ki < g.kh; ki++) {
                 int ylo, yhi;

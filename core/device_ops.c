@@ -181,13 +181,25 @@ tdm_status tdm_dev_scale(tdm_device *d, int64_t n_elem, float alpha, float *x)
     return d->ops->scale(d, n_elem, alpha, x);
 }
 
+/* A chunk's batch stride must hold the chunk: ns < n would make images of
+ * one channel overlap the next channel's. */
+static tdm_status tdm_dev_check_ns(const char *what, const tdm_conv_geom *g)
+{
+    TDM_REQUIRE(g->ns == 0 || g->ns >= g->n, TDM_STATUS_INVALID_ARG,
+                "%s: batch stride ns %d is smaller than the chunk's %d images (0 means the "
+                "whole batch)", what, g->ns, g->n);
+    return TDM_STATUS_OK;
+}
+
 tdm_status tdm_dev_im2col(tdm_device *d, const tdm_conv_geom *g, const float *x, float *col)
 {
+    TDM_CHECK(tdm_dev_check_ns("im2col", g));
     return d->ops->im2col(d, g, x, col);
 }
 
 tdm_status tdm_dev_col2im(tdm_device *d, const tdm_conv_geom *g, const float *col, float *dx)
 {
+    TDM_CHECK(tdm_dev_check_ns("col2im", g));
     return d->ops->col2im(d, g, col, dx);
 }
 

@@ -9,6 +9,12 @@ typedef struct tdm_conv_geom {
     int n, c, h, w;         /* input: (C, N, H, W) */
     int kh, kw, stride, pad;
     int oh, ow;             /* output spatial size */
+    /* im2col / col2im only: the batch stride of x and dx, in images. The
+     * geometry may cover n images out of a batch of ns (a chunk: x points
+     * at its first image, and channel ci's images start ns * h * w floats
+     * apart); 0 means ns = n (the whole tensor). col is always the
+     * chunk's own (C*KH*KW, n*OH*OW). */
+    int ns;
 } tdm_conv_geom;
 
 #endif

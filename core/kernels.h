@@ -84,6 +84,16 @@ static inline TDM_HD int tdm_k_div(int a, int s)
 }
 
 
+/* The batch stride of x and dx in images (tdm_conv_geom.ns). */
+static inline TDM_HD int tdm_k_geom_ns(const tdm_conv_geom g) { return g.ns > 0 ? g.ns : g.n; }
+
+/* Offset of (ci, n, iy, ix) in x or dx: channel rows ns images apart, so
+ * that a geometry over a chunk of a batch addresses the chunk in place. */
+static inline TDM_HD int64_t tdm_k_geom_xoff(const tdm_conv_geom g, int ci, int n, int iy, int ix)
+{
+    return (((int64_t)ci * tdm_k_geom_ns(g) + n) * g.h + iy) * g.w + ix;
+}
+
 /* col has rows (ci, ki, kj) and columns (n, oy, ox). Element i of col with
  * its coordinates already split (the host loop nests, CUDA divides). */
 static inline TDM_HD void tdm_k_im2col(int64_t i, int ci, int ki, int kj, int n, int oy, int ox,
@@ -91,15 +101,15 @@ static inline TDM_HD void tdm_k_im2col(int64_t i, int ci, int ki, int kj, int n,
 {
     int iy = oy * g.stride - g.pad + ki, ix = ox * g.stride - g.pad + kj;
     float v = 0.0f;
-    if (iy >= 0 && iy < g.h && ix >= 0 && ix < g.w)
-        v = x[(((int64_t)ci * g.n + n) * g.h + iy) * g.w + ix];
+    if (iy >= 0 && iy < g.h && ix >= 0 && ix < g.w) v = x[tdm_k_geom_xoff(g, ci, n, iy, ix)];
     col[i] = v;
 }
 
-/* Element i of dx (C, N, H, W): the sum of every col entry it fed. Written
- * as a gather so no two threads write the same element (no atomics). */
-static inline TDM_HD void tdm_k_col2im(int64_t i, int ci, int n, int iy, int ix,
-                                       const tdm_conv_geom g, const float *col, float *dx)
+/* Element (ci, n, iy, ix) of dx (C, ns, H, W): the sum of every col entry
+ * it fed. Written as a gather so no two threads write the same element
+ * (no atomics). */
+static inline TDM_HD void tdm_k_col2im(int ci, int n, int iy, int ix, const tdm_conv_geom g,
+                                       const float *col, float *dx)
 {
     int64_t ncols = (int64_t)g.n * g.oh * g.ow;
     float s = 0.0f;
@@ -120,7 +130,7 @@ static inline TDM_HD void tdm_k_col2im(int64_t i, int ci, int n, int iy, int ix,
             s += col[row * ncols + cx];
         }
     }
-    dx[i] = s;
+    dx[tdm_k_geom_xoff(g, ci, n, iy, ix)] = s;
 }
 
 /* The host's form of im2col and col2im: whole rows as strided copies.

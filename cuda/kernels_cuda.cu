@@ -123,7 +123,8 @@ struct Im2col {
     }
 };
 
-/* dx (C, N, H, W): host nesting ci, n, iy, ix. */
+/* dx (C, N, H, W), the chunk's N of a batch of g.ns: host nesting ci, n,
+ * iy, ix (the kernel finds the element's place in dx). */
 struct Col2im {
     tdm_conv_geom g;
     const float *col;
@@ -134,7 +135,7 @@ struct Col2im {
         int ix = (int)(t % g.w); t /= g.w;
         int iy = (int)(t % g.h); t /= g.h;
         int n = (int)(t % g.n); t /= g.n;
-        tdm_k_col2im(i, (int)t, n, iy, ix, g, col, dx);
+        tdm_k_col2im((int)t, n, iy, ix, g, col, dx);
     }
 };
 

@@ -409,6 +409,7 @@ tdm_status tdm_model_clone(tdm_model **out, const tdm_model *src, tdm_device *de
         return st;
     }
     m->train = src->train;
+    m->conv_chunk = src->conv_chunk;
     *out = m;
     return TDM_STATUS_OK;
 }
@@ -423,17 +424,17 @@ static void tdm_model_free_activations(tdm_model *m)
     for (int i = 0; i < m->n_layers; i++) {
         tdm_layer *l = &m->layers[i];
         tdm_dev_free(d, l->out);
-        tdm_dev_free(d, l->col);
         tdm_dev_free(d, l->argmax);
-        l->out = l->col = NULL;
+        l->out = NULL;
         l->argmax = NULL;
+        l->chunk = 0;
     }
     tdm_dev_free(d, m->dbuf[0]);
     tdm_dev_free(d, m->dbuf[1]);
-    tdm_dev_free(d, m->dcol);
+    tdm_dev_free(d, m->col);
     tdm_dev_free(d, m->ones);
     tdm_dev_free(d, m->dlogits);
-    m->dbuf[0] = m->dbuf[1] = m->dcol = m->ones = m->dlogits = NULL;
+    m->dbuf[0] = m->dbuf[1] = m->col = m->ones = m->dlogits = NULL;
     m->cap = 0;
     m->act_bytes = 0;
 }
@@ -455,6 +456,34 @@ void tdm_model_free(tdm_model *m)
     free(m);
 }
 
+/* A host core's col chunk. The chunk's im2col matrix, the gemms' output
+ * columns and OpenBLAS's packed panels share the core's L2, so that im2col
+ * writes, the gemms read and col2im reads cache instead of memory. Of 32
+ * KiB to 2 MiB, 32-128 KiB ran the default CNN fastest on a core with 1
+ * MiB of L2 (interleaved runs, docs/PERFORMANCE.md): 4 images a chunk for
+ * conv1 (9 x 784 floats of col each), 1 for conv2 (288 x 196). */
+#define TDM_MODEL_CONV_CHUNK_BYTES ((size_t)128 * 1024)
+
+/* Images per chunk of conv layer l at batch `batch`: what
+ * tdm_model_set_conv_chunk asked for, else as many as keep the chunk's
+ * col within TDM_MODEL_CONV_CHUNK_BYTES per BLAS thread on a host device
+ * (at least one image), and the whole batch on other devices, where one
+ * large kernel beats many small ones and memory is not the limit. */
+static int tdm_model_conv_chunk(const tdm_model *m, const tdm_layer *l, int batch)
+{
+    size_t nb;
+    if (m->conv_chunk > 0) {
+        nb = (size_t)m->conv_chunk;
+    } else if (tdm_dev_kind(m->dev) != TDM_DEVICE_HOST) {
+        nb = (size_t)batch;
+    } else {
+        size_t per_image = (size_t)l->c * l->k * l->k * l->oh * l->ow * sizeof(float);
+        nb = TDM_MODEL_CONV_CHUNK_BYTES * (size_t)tdm_dev_threads(m->dev) / per_image;
+        if (nb < 1) nb = 1;
+    }
+    return nb < (size_t)batch ? (int)nb : batch;
+}
+
 /* Grows activations to hold `batch` samples. */
 static tdm_status tdm_model_reserve(tdm_model *m, int batch)
 {
@@ -469,9 +498,8 @@ static tdm_status tdm_model_reserve(tdm_model *m, int batch)
         TDM_TRY(tdm_dev_alloc(d, nb, (void **)&l->out));
         bytes += nb;
         if (l->kind == TDM_LAYER_CONV) {
-            nb = (size_t)l->c * l->k * l->k * (size_t)batch * l->oh * l->ow * sizeof(float);
-            TDM_TRY(tdm_dev_alloc(d, nb, (void **)&l->col));
-            bytes += nb;
+            l->chunk = tdm_model_conv_chunk(m, l, batch);
+            nb = (size_t)l->c * l->k * l->k * (size_t)l->chunk * l->oh * l->ow * sizeof(float);
             if (nb > col_max) col_max = nb;
         } else if (l->kind == TDM_LAYER_MAXPOOL) {
             nb = (size_t)batch * (size_t)l->out_elems * sizeof(int32_t);
@@ -484,7 +512,7 @@ static tdm_status tdm_model_reserve(tdm_model *m, int batch)
     TDM_TRY(tdm_dev_alloc(d, nb, (void **)&m->dbuf[1]));
     bytes += 2 * nb;
     if (col_max) {
-        TDM_TRY(tdm_dev_alloc(d, col_max, (void **)&m->dcol));
+        TDM_TRY(tdm_dev_alloc(d, col_max, (void **)&m->col));
         bytes += col_max;
     }
     nb = (size_t)batch * sizeof(float);
@@ -619,6 +647,21 @@ tdm_status tdm_model_set_backward_stop(tdm_model *m, int layer)
                 "backward stop: not supported by this model (its backward is not a chain of "
                 "layers)");
     m->bwd_stop = layer;
+    return TDM_STATUS_OK;
+}
+
+tdm_status tdm_model_set_conv_chunk(tdm_model *m, int images)
+{
+    TDM_REQUIRE(images >= 0, TDM_STATUS_INVALID_ARG,
+                "conv chunk: %d images (expected >= 1, or 0 for the default)", images);
+    if (m->vt || images == m->conv_chunk) {
+        m->conv_chunk = images;
+        return TDM_STATUS_OK;
+    }
+    /* the chunk sizes the scratch, fixed when activations are reserved */
+    tdm_model_free_activations(m);
+    m->batch = 0;
+    m->conv_chunk = images;
     return TDM_STATUS_OK;
 }
 
@@ -786,6 +829,13 @@ tdm_status tdm_model_forward(tdm_model *m, const void *x, int batch, const float
         tdm_layer *l = &m->layers[i];
         if (l->np > 0)
             TDM_CHECK(tdm_model_raise_use(m, TDM_MODEL_USE_FORWARD, l->p0, l->p0 + l->np - 1));
+        if (tdm_model_pair_fuses(m, i)) {
+            /* the pooling has no parameters: no use event of its own */
+            TDM_CHECK(tdm_model_pair_forward(m, l, l + 1, cur, batch));
+            cur = (++l)->out;
+            i++;
+            continue;
+        }
         TDM_CHECK(tdm_model_layer_forward(m, l, cur, batch));
         cur = l->out;
     }
@@ -815,6 +865,18 @@ tdm_status tdm_model_backward(tdm_model *m, const float *dlogits)
     for (int i = m->n_layers - 1; i >= m->bwd_stop; i--) {
         tdm_layer *l = &m->layers[i];
         float *din = i > first ? m->dbuf[1 - cur] : NULL;
+        if (din && i - 1 >= m->bwd_stop && tdm_model_pair_fuses(m, i - 1)) {
+            /* pooling i and batchnorm i - 1 together: the pooling's input
+             * gradient in dbuf[1 - cur], the batchnorm's back in dbuf[cur],
+             * as two steps of this loop would leave them */
+            tdm_layer *bn = l - 1;
+            float *bn_din = i - 1 > first ? m->dbuf[cur] : NULL;
+            TDM_CHECK(tdm_model_raise_use(m, TDM_MODEL_USE_BACKWARD, bn->p0, bn->p0 + bn->np - 1));
+            TDM_CHECK(tdm_model_pair_backward(m, bn, l, m->dbuf[cur], din, bn_din, B));
+            if (m->hook) m->hook(m->hook_ctx, m, bn->p0, bn->p0 + bn->np - 1);
+            i--;
+            continue;
+        }
         if (l->np > 0)
             TDM_CHECK(tdm_model_raise_use(m, TDM_MODEL_USE_BACKWARD, l->p0, l->p0 + l->np - 1));
         TDM_CHECK(tdm_model_layer_backward(m, l, m->dbuf[cur], din, B));

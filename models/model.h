@@ -189,6 +189,19 @@ void tdm_model_set_grad_hook(tdm_model *m, tdm_grad_ready_fn fn, void *ctx);
  * backward through every layer. Applies to the following backward passes. */
 tdm_status tdm_model_set_backward_stop(tdm_model *m, int layer);
 
+/* Convolutions run over `images` images of the batch at a time: im2col
+ * of the chunk, its gemm, and in backward im2col again (from the layer's
+ * input, which is why the input of forward must stay unchanged until its
+ * backward, as a linear layer's must), the weight gradient added chunk
+ * by chunk, the chunk's column gradient and col2im. The im2col buffer is
+ * one chunk of the largest layer, shared by all layers. 0, the default:
+ * chunks sized to stay in a core's L2 cache on a host device, the whole
+ * batch on other devices. The sums of the weight gradient follow the
+ * chunks (another chunk size rounds differently). Drops
+ * the activations: call it before a forward, not between a forward and
+ * its backward. */
+tdm_status tdm_model_set_conv_chunk(tdm_model *m, int images);
+
 /* Zeroes the gradient storage (the flat buffer, or after
  * tdm_model_release_storage every tensor's gradient view that is set). */
 tdm_status tdm_model_zero_grad(tdm_model *m);

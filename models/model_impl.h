@@ -36,7 +36,7 @@ typedef struct tdm_layer {
     int block;              /* tdm_model_layer_block */
     /* activations (capacity m->cap samples) */
     float *out;
-    float *col;             /* conv: im2col matrix of the last forward */
+    int chunk;              /* conv: images per chunk (tdm_model_set_conv_chunk) */
     int32_t *argmax;        /* maxpool */
     float *mean, *var, *invstd; /* bn, per channel */
     const float *in;        /* input of the last forward (borrowed) */
@@ -88,8 +88,10 @@ struct tdm_model {
     int cap;                /* samples the activations hold */
     int batch;              /* batch of the last forward */
     float *dbuf[2];         /* backward ping-pong, max activation size */
-    float *dcol;            /* conv backward scratch, largest col; a separate buffer so
-                               that col survives and backward can run twice */
+    float *col;             /* conv scratch, one chunk of the largest layer: im2col of
+                               the chunk (forward; backward recomputes it from the
+                               layer's input), then its gradient (backward) */
+    int conv_chunk;         /* images per conv chunk asked for; 0: sized to the cache */
     float *ones;            /* cap ones, for bias gradients via gemm */
     float *dlogits;         /* forward_backward scratch */
     int64_t max_elems;      /* largest per-sample activation */
@@ -131,6 +133,21 @@ tdm_status tdm_syncbn_backward(tdm_model *m, tdm_layer *l, const float *dout, fl
  * may be modified in place by a fused relu). */
 tdm_status tdm_model_layer_forward(tdm_model *m, tdm_layer *l, const float *x, int B);
 tdm_status tdm_model_layer_backward(tdm_model *m, tdm_layer *l, float *dout, float *din, int B);
+
+/* A batchnorm at layer i followed by a max pooling, run together one
+ * channel at a time (each channel's rows stay in cache between the two):
+ * 1 when m runs them so (host devices, no SyncBatchNorm in training).
+ * pair_forward sets both layers' in and out as their forwards would;
+ * pair_backward takes the pooling's output gradient dout (modified in
+ * place, as a fused relu's), writes its
+ * input gradient into dmid and the batchnorm's into din (NULL: not
+ * needed; it may be dout's buffer) and adds the batchnorm's parameter
+ * gradients. The same values as the two layers one after the other. */
+int tdm_model_pair_fuses(const tdm_model *m, int i);
+tdm_status tdm_model_pair_forward(tdm_model *m, tdm_layer *bn, tdm_layer *pool, const float *x,
+                                  int B);
+tdm_status tdm_model_pair_backward(tdm_model *m, tdm_layer *bn, tdm_layer *pool, float *dout,
+                                   float *dmid, float *din, int B);
 
 /* models/gpt.c */
 tdm_status tdm_gpt_spec_parse(tdm_model_spec *s, const char *text);

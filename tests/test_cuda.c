@@ -596,6 +596,26 @@ static void cu_t_conv_pool_layout_kernels_match_host(int emu)
         TU_OK(tdm_dev_col2im(g, &geo, dcol, dx));
         TU_OK(tdm_dev_col2im(c, &geo, rc, x));
         cu_cmp("col2im", g, dx, x, nx, 1e-5, 1e-5);
+        if (geo.n >= 3) {
+            /* images [1, n) as a chunk of the batch, in place (geo.ns):
+             * image 0 of dx must stay as both sides left it */
+            tdm_conv_geom gc = geo;
+            gc.n = geo.n - 1;
+            gc.ns = geo.n;
+            int64_t plane = (int64_t)geo.h * geo.w;
+            int64_t nc = ncol / geo.n * gc.n;
+            float *xr = cu_rand(&rng, nx, -1, 1);
+            TU_OK(tdm_dev_copy_from_host(g, dx, xr, (size_t)nx * 4));
+            memcpy(x, xr, (size_t)nx * 4);
+            TU_OK(tdm_dev_im2col(g, &gc, dx + plane, dcol));
+            TU_OK(tdm_dev_im2col(c, &gc, x + plane, col));
+            cu_cmp("im2col of a chunk", g, dcol, col, nc, 0, 0);
+            TU_OK(tdm_dev_copy_from_host(g, dcol, rc, (size_t)nc * 4));
+            TU_OK(tdm_dev_col2im(g, &gc, dcol, dx + plane));
+            TU_OK(tdm_dev_col2im(c, &gc, rc, x + plane));
+            cu_cmp("col2im of a chunk", g, dx, x, nx, 1e-5, 1e-5);
+            free(xr);
+        }
         tdm_dev_free(g, dx);
         tdm_dev_free(g, dcol);
         free(x);

@@ -206,7 +206,7 @@ Test(kernels, host_row_forms_equal_the_per_element_kernels_bitwise)
         for (int ci = 0; ci < g.c; ci++)
             for (int n = 0; n < g.n; n++)
                 for (int iy = 0; iy < g.h; iy++)
-                    for (int ix = 0; ix < g.w; ix++, i++) tdm_k_col2im(i, ci, n, iy, ix, g, col, rdx);
+                    for (int ix = 0; ix < g.w; ix++) tdm_k_col2im(ci, n, iy, ix, g, col, rdx);
         for (int64_t j = 0; j < nx; j++)
             cr_assert(!memcmp(&dx[j], &rdx[j], sizeof(float)),
                       "geom %zu (k%d s%d p%d): host col2im dx[%lld] = %.9g, tdm_k_col2im %.9g", gi,
@@ -216,6 +216,99 @@ Test(kernels, host_row_forms_equal_the_per_element_kernels_bitwise)
         free(rdx);
         free(col);
         free(rcol);
+    }
+}
+
+/* A geometry over a chunk of images [n0, n0 + nb) of a batch of N (ns = N,
+ * x and dx at the chunk's first image): im2col gives the whole batch's
+ * col columns of those images, col2im writes those images of dx with the
+ * whole batch's values and leaves the others alone; the host's row forms
+ * and the per-element kernels (what CUDA runs) alike, bit for bit. Chunks
+ * of 1, 2 and 3 images, the last one partial. A stride below the chunk
+ * is refused. */
+Test(kernels, im2col_col2im_over_a_chunk_of_the_batch)
+{
+    for (size_t gi = 0; gi < sizeof g_geoms / sizeof g_geoms[0]; gi++) {
+        const int *q = g_geoms[gi];
+        tdm_conv_geom g = geom(q[0] + 3, q[1], q[2], q[3], q[4], q[5], q[6]);
+        int N = g.n;
+        int64_t plane = (int64_t)g.h * g.w, per = (int64_t)g.oh * g.ow;
+        int64_t nx = (int64_t)g.c * N * plane;
+        int64_t rows = (int64_t)g.c * g.kh * g.kw, cols = (int64_t)N * per;
+        float *x = tu_malloc((size_t)nx * sizeof(float));
+        float *col = tu_malloc((size_t)(rows * cols) * sizeof(float));
+        float *dcol = tu_malloc((size_t)(rows * cols) * sizeof(float));
+        float *dxw = tu_malloc((size_t)nx * sizeof(float)), *dx = tu_malloc((size_t)nx * sizeof(float));
+        float *rdx = tu_malloc((size_t)nx * sizeof(float));
+        float *cc = tu_malloc((size_t)(rows * cols) * sizeof(float));
+        float *rc = tu_malloc((size_t)(rows * cols) * sizeof(float));
+        tdm_rng r = tu_rng(130 + gi);
+        tu_fill(&r, x, nx, -1, 1);
+        tu_fill(&r, dcol, rows * cols, -1, 1);
+        TU_OK(tdm_dev_im2col(g_dev, &g, x, col));
+        TU_OK(tdm_dev_col2im(g_dev, &g, dcol, dxw));
+        for (int nb = 1; nb <= 3; nb++) {
+            for (int64_t i = 0; i < nx; i++) dx[i] = rdx[i] = 777.0f;
+            for (int n0 = 0; n0 < N; n0 += nb) {
+                int cnt = N - n0 < nb ? N - n0 : nb;
+                int64_t cn = (int64_t)cnt * per;
+                tdm_conv_geom gc = g;
+                gc.n = cnt;
+                gc.ns = N;
+                TU_OK(tdm_dev_im2col(g_dev, &gc, x + n0 * plane, cc));
+                int64_t i = 0;
+                for (int ci = 0; ci < g.c; ci++)
+                    for (int ki = 0; ki < g.kh; ki++)
+                        for (int kj = 0; kj < g.kw; kj++)
+                            for (int n = 0; n < cnt; n++)
+                                for (int oy = 0; oy < g.oh; oy++)
+                                    for (int ox = 0; ox < g.ow; ox++, i++)
+                                        tdm_k_im2col(i, ci, ki, kj, n, oy, ox, gc, x + n0 * plane, rc);
+                for (int64_t row = 0; row < rows; row++) {
+                    const float *whole = col + row * cols + n0 * per;
+                    cr_assert(!memcmp(cc + row * cn, whole, (size_t)cn * sizeof(float)),
+                              "geom %zu chunk %d at %d: im2col row %lld differs from the batch's",
+                              gi, nb, n0, (long long)row);
+                    cr_assert(!memcmp(rc + row * cn, whole, (size_t)cn * sizeof(float)),
+                              "geom %zu chunk %d at %d: tdm_k_im2col row %lld differs from the "
+                              "batch's", gi, nb, n0, (long long)row);
+                    /* the chunk's columns of dcol, as col2im's input */
+                    memcpy(cc + row * cn, dcol + row * cols + n0 * per, (size_t)cn * sizeof(float));
+                }
+                TU_OK(tdm_dev_col2im(g_dev, &gc, cc, dx + n0 * plane));
+                for (int ci = 0; ci < g.c; ci++)
+                    for (int n = 0; n < cnt; n++)
+                        for (int iy = 0; iy < g.h; iy++)
+                            for (int ix = 0; ix < g.w; ix++)
+                                tdm_k_col2im(ci, n, iy, ix, gc, cc, rdx + n0 * plane);
+                /* images past the chunk are still untouched */
+                for (int ci = 0; ci < g.c; ci++)
+                    for (int64_t k = (ci * (int64_t)N + n0 + cnt) * plane;
+                         k < (ci + 1) * (int64_t)N * plane; k++)
+                        cr_assert(dx[k] == 777.0f && rdx[k] == 777.0f,
+                                  "geom %zu chunk %d at %d: col2im wrote dx[%lld] outside the chunk",
+                                  gi, nb, n0, (long long)k);
+            }
+            for (int64_t k = 0; k < nx; k++)
+                cr_assert(!memcmp(&dx[k], &dxw[k], sizeof(float)) &&
+                              !memcmp(&rdx[k], &dxw[k], sizeof(float)),
+                          "geom %zu chunks of %d: col2im dx[%lld] = %.9g (per element %.9g), "
+                          "whole batch %.9g", gi, nb, (long long)k, (double)dx[k], (double)rdx[k],
+                          (double)dxw[k]);
+        }
+        tdm_conv_geom bad = g;
+        bad.n = 2;
+        bad.ns = 1;
+        cr_assert_eq(tdm_dev_im2col(g_dev, &bad, x, cc), TDM_STATUS_INVALID_ARG);
+        cr_assert_eq(tdm_dev_col2im(g_dev, &bad, cc, dx), TDM_STATUS_INVALID_ARG);
+        free(x);
+        free(col);
+        free(dcol);
+        free(dxw);
+        free(dx);
+        free(rdx);
+        free(cc);
+        free(rc);
     }
 }
 
@@ -288,6 +381,41 @@ Test(kernels, maxpool_nan_wins)
         cr_assert_eq(y, (float)(k * k - 1));
         cr_assert_eq(am, k * k - 1);
     }
+}
+
+/* The host's 2x2 pooling (its own loop, which a faster host form would
+ * replace) against the per-element kernel CUDA runs (the window in order),
+ * bit for bit, value and argmax, over every window of values from
+ * {1, 2, -0, +0, NaN}: ties, signed zeros and NaNs in every position. A
+ * tree of pairs with ties going to the later element fails it. */
+Test(kernels, maxpool_2x2_host_equals_the_per_element_kernel_on_ties_and_nans)
+{
+    static const float vals[5] = {1.0f, 2.0f, -0.0f, 0.0f, NAN};
+    enum { W = 625 }; /* 5^4 windows side by side in one 2 x (2 W) plane */
+    tdm_conv_geom g = {.n = 1, .c = 1, .h = 2, .w = 2 * W, .kh = 2, .kw = 2, .stride = 2,
+                       .pad = 0, .oh = 1, .ow = W};
+    float *x = tu_malloc((size_t)4 * W * sizeof(float)), *y = tu_malloc((size_t)W * sizeof(float));
+    float *ry = tu_malloc((size_t)W * sizeof(float));
+    int32_t *am = tu_malloc((size_t)W * sizeof(int32_t)), *ram = tu_malloc((size_t)W * sizeof(int32_t));
+    for (int k = 0; k < W; k++) {
+        int q = k;
+        x[2 * k] = vals[q % 5], q /= 5;
+        x[2 * k + 1] = vals[q % 5], q /= 5;
+        x[2 * W + 2 * k] = vals[q % 5], q /= 5;
+        x[2 * W + 2 * k + 1] = vals[q % 5];
+    }
+    TU_OK(tdm_dev_maxpool_fwd(g_dev, &g, x, y, am));
+    for (int k = 0; k < W; k++) tdm_k_maxpool_fwd(k, 0, 0, k, g, x, ry, ram);
+    for (int k = 0; k < W; k++)
+        cr_assert(!memcmp(&y[k], &ry[k], sizeof(float)) && am[k] == ram[k],
+                  "window %d (%g %g / %g %g): host %g at %d, per element %g at %d", k,
+                  (double)x[2 * k], (double)x[2 * k + 1], (double)x[2 * W + 2 * k],
+                  (double)x[2 * W + 2 * k + 1], (double)y[k], am[k], (double)ry[k], ram[k]);
+    free(x);
+    free(y);
+    free(ry);
+    free(am);
+    free(ram);
 }
 
 /* ---- batchnorm statistics ---- */

@@ -415,9 +415,15 @@ static void cnn_fd(int train)
             tdm_rng r = tu_rng(seed * 7 + 1);
             perturb_model(m, &r);
             tdm_model_set_train(m, train);
+            /* convolutions by chunks of images as well as whole (these
+             * small images fit one default chunk): 2 + 2 + 1 at batch 5,
+             * 1 + 1 at batch 2, on alternate configurations */
+            int chunk = bi == 2 && ci % 2 == 0 ? 2 : bi == 1 && ci % 2 == 1 ? 1 : 0;
+            TU_OK(tdm_model_set_conv_chunk(m, chunk));
             char what[128], desc[96];
             tdm_model_spec_describe(&s, desc, sizeof desc);
-            snprintf(what, sizeof what, "%s %s b%d", desc, train ? "train" : "eval", batches[bi]);
+            snprintf(what, sizeof what, "%s %s b%d chunk %d", desc, train ? "train" : "eval",
+                     batches[bi], chunk);
             fd_stats st = check_model(m, batches[bi], seed++, what);
             fd_stats_merge(&tot, &st);
             tdm_model_free(m);
@@ -430,6 +436,61 @@ static void cnn_fd(int train)
 
 Test(layers, cnn_gradients_match_finite_differences_train_mode) { cnn_fd(1); }
 Test(layers, cnn_gradients_match_finite_differences_eval_mode) { cnn_fd(0); }
+
+/* The default CNN (28x28, conv 32 and 64) over a batch of 7 with its
+ * convolutions in chunks of 1, 2, 3 and 7 images and the default: the
+ * chunks' columns of every conv output are the same dot products over
+ * c*k*k as the whole batch's (a gemm of another width may round them
+ * differently), and the gradients agree up to that and the order in which
+ * the weight gradient adds the chunks. The last
+ * chunk is partial for 2 and 3. Then a chunk of -1 is refused. */
+Test(layers, conv_chunks_compute_what_the_whole_batch_does)
+{
+    enum { B = 7 };
+    static const int chunks[] = {1, 2, 3, 0};
+    tdm_device *d = tu_host();
+    tdm_model *ref = NULL;
+    TU_OK(tdm_cnn_init(&ref, d, 5));
+    tdm_model_set_train(ref, 1);
+    TU_OK(tdm_model_set_conv_chunk(ref, B));
+    int F = tdm_model_in_features(ref), K = tdm_model_n_classes(ref);
+    int64_t pe = tdm_model_param_elems(ref);
+    float *x = tu_malloc((size_t)B * F * sizeof(float));
+    int32_t y[B];
+    tdm_rng r = tu_rng(77);
+    tu_fill(&r, x, (int64_t)B * F, -1.0f, 1.0f);
+    for (int i = 0; i < B; i++) y[i] = (int32_t)tdm_rng_below(&r, (uint64_t)K);
+    double lref, l;
+    TU_OK(tdm_model_zero_grad(ref));
+    TU_OK(tdm_model_forward_backward(ref, x, y, B, &lref));
+    float *gref = tu_malloc((size_t)pe * sizeof(float));
+    memcpy(gref, tdm_model_grads(ref), (size_t)pe * sizeof(float));
+    for (size_t ci = 0; ci < sizeof chunks / sizeof chunks[0]; ci++) {
+        tdm_model *m = NULL;
+        TU_OK(tdm_cnn_init(&m, d, 5));
+        tdm_model_set_train(m, 1);
+        TU_OK(tdm_model_set_conv_chunk(m, chunks[ci]));
+        TU_OK(tdm_model_zero_grad(m));
+        TU_OK(tdm_model_forward_backward(m, x, y, B, &l));
+        cr_assert(tu_close(l, lref, 1e-6, 1e-6), "chunk %d: loss %.9g, whole batch %.9g",
+                  chunks[ci], l, lref);
+        const float *g = tdm_model_grads(m);
+        for (int i = 0; i < tdm_model_n_params(m); i++) {
+            const tdm_tensor_info *t = tdm_model_param_info(m, i);
+            for (int64_t j = t->offset; j < t->offset + t->n_elem; j++)
+                cr_assert(tu_close(g[j], gref[j], 1e-6, 1e-4),
+                          "chunk %d: d %s[%lld] = %.9g, whole batch %.9g", chunks[ci], t->name,
+                          (long long)(j - t->offset), (double)g[j], (double)gref[j]);
+        }
+        tdm_model_free(m);
+    }
+    cr_assert_eq(tdm_model_set_conv_chunk(ref, -1), TDM_STATUS_INVALID_ARG);
+    cr_assert(strstr(tdm_error_message(), "-1"), "message: %s", tdm_error_message());
+    free(gref);
+    free(x);
+    tdm_model_free(ref);
+    tdm_device_free(d);
+}
 
 /* Train-mode forward updates the running statistics as PyTorch does:
  * r = 0.9 r + 0.1 stat, with the unbiased batch variance; eval mode leaves
