@@ -685,9 +685,11 @@ int tdm_doctor_write_summary(const char *dir, int world, const int *pid, const i
     fprintf(f, ",\"ranks\":[");
     for (int r = 0; pid && wstatus && r < world; r++) {
         char end[128] = "";
-        if (pid[r] > 0) tdm_shm_wait_status_str(wstatus[r], end, sizeof end);
+        int ws = pid[r] > 0 ? wstatus[r] : -1;
+        if (ws >= 0) tdm_shm_wait_status_str(ws, end, sizeof end);
+        else if (pid[r] > 0) snprintf(end, sizeof end, "still running");
         fprintf(f, "%s{\"rank\":%d,\"pid\":%d,\"wstatus\":%d,\"induced\":%s,\"end\":", r ? "," : "",
-                r, pid[r], pid[r] > 0 ? wstatus[r] : -1, induced && induced[r] ? "true" : "false");
+                r, pid[r], ws, induced && induced[r] ? "true" : "false");
         tdm_doc_json_str(f, end);
         fputc('}', f);
     }
@@ -758,9 +760,37 @@ tdm_doctor_verdict tdm_doctor_job_end(tdm_doctor_job *j, int failed, int world, 
     tdm_doctor_write_summary(j->dir, world, pid, wstatus, induced, cause);
     char line[1024];
     tdm_doctor_verdict v = tdm_doctor_diagnose(j->dir, NULL, line, sizeof line);
-    fprintf(stderr, "%s: doctor: %s\n%s: flight-recorder dumps in %s (tandem doctor %s for "
-                    "the diagnosis)\n", j->tool, line, j->tool, j->dir, j->dir);
+    /* the verdict printed while the teardown ran stands unless the ends
+     * of the stopped ranks changed it */
+    if (!j->early_done)
+        fprintf(stderr, "%s: doctor: %s\n", j->tool, line);
+    else if (strcmp(line, j->early))
+        fprintf(stderr, "%s: doctor (after the teardown): %s\n", j->tool, line);
+    fprintf(stderr, "%s: flight-recorder dumps in %s (tandem doctor %s for the diagnosis)\n",
+            j->tool, j->dir, j->dir);
     return v;
+}
+
+void tdm_doctor_job_settled(const tdm_shm_watch *w, void *job)
+{
+    tdm_doctor_job *j = job;
+    if (!j->on || j->early_done) return;
+    int ws[TDM_SHM_MAX_RANKS], stopped[TDM_SHM_MAX_RANKS], ns = 0;
+    for (int r = 0; r < w->world; r++) {
+        ws[r] = w->ended[r] ? w->wstatus[r] : -1;
+        if (w->pid[r] > 0 && !w->ended[r]) stopped[ns++] = r;
+    }
+    char cause[1024] = "";
+    if (tdm_shm_watch_blame(w, NULL) != TDM_STATUS_OK)
+        snprintf(cause, sizeof cause, "%s", tdm_error_message());
+    tdm_doctor_write_summary(j->dir, w->world, w->pid, ws, w->induced, cause[0] ? cause : NULL);
+    tdm_doctor_diagnose(j->dir, NULL, j->early, sizeof j->early);
+    j->early_done = 1;
+    char who[256];
+    tdm_doc_join(who, sizeof who, stopped, ns);
+    fprintf(stderr, "%s: doctor: %s\n%s: %s %s stopped (no dump, no exit of %s own): the "
+                    "teardown kills %s after its grace period\n", j->tool, j->early, j->tool,
+            who, ns > 1 ? "are" : "is", ns > 1 ? "their" : "its", ns > 1 ? "them" : "it");
 }
 
 static void tdm_doctor_usage(FILE *f)
