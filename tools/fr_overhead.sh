@@ -1,7 +1,9 @@
 #!/bin/sh
-# tools/fr_overhead.sh [TANDEM] [PAIRS]: the flight recorder's cost on a
-# small and a large all_reduce (issue 16; docs/DEBUGGING.md, "Figures"):
-# `tandem bench all_reduce -n 2` with the recorder off (TANDEM_FR_SIZE=0)
+# tools/fr_overhead.sh [TANDEM] [PAIRS] [RANKS]: the flight recorder's cost
+# on a small and a large all_reduce (issue 16; docs/DEBUGGING.md,
+# "Figures"): `tandem bench all_reduce -n RANKS` (default 2; 1 gives the
+# cost per call where nothing waits for a peer, which on a shared VM is
+# steadier than the two ranks' spin) with the recorder off (TANDEM_FR_SIZE=0)
 # and on (the default, 2000 entries), at 8 B and 1 MiB, PAIRS times
 # (default 10), interleaved in ABBA order (off-on, then on-off) so that a
 # machine changing speed part-way weighs on both alike. Prints every
@@ -12,18 +14,21 @@
 # to 3 decimals (ns).
 T=${1:-build/tandem}
 N=${2:-10}
+R=${3:-2}
 out=$(mktemp) || exit 1
 trap 'rm -f "$out"' EXIT
 # one run: FR size, bytes, iterations, warm-up -> "fr size oop_us ip_us"
 run() {
-  TANDEM_FR_SIZE=$1 "$T" bench all_reduce -n 2 -b "$2" -e "$2" -i "$3" -w "$4" \
+  TANDEM_FR_SIZE=$1 "$T" bench all_reduce -n "$R" -b "$2" -e "$2" -i "$3" -w "$4" \
       --memcpy-bytes 1M |
     awk -v fr="$1" -v s="$2" '$1 == s && $6 == "|" { print fr, s, $7, $12 }'
 }
 i=1
 while [ "$i" -le "$N" ]; do
   for size in 8 1048576; do
-    if [ "$size" = 8 ]; then it=20000; wu=2000; else it=300; wu=30; fi
+    # one rank's 8 B call takes tens of ns: many more of them
+    if [ "$size" != 8 ]; then it=300; wu=30; elif [ "$R" = 1 ]; then it=5000000; wu=1000
+    else it=20000; wu=2000; fi
     if [ $((i % 2)) = 1 ]; then order="0 2000"; else order="2000 0"; fi
     for fr in $order; do
       line=$(run "$fr" "$size" "$it" "$wu")
