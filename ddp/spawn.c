@@ -28,7 +28,8 @@ tdm_status tdm_ddp_spawn(int world, tdm_ddp_spawn_fn fn, void *arg,
     TDM_REQUIRE(fn, TDM_STATUS_INVALID_ARG, "tdm_ddp_spawn: NULL function");
     tdm_ddp_spawn_opts o = opts ? *opts : (tdm_ddp_spawn_opts){0};
     if (o.comm_timeout_ms <= 0) TDM_CHECK(tdm_ddp_timeout_from_env(&o.comm_timeout_ms));
-    tdm_shm_spawn_opts so = {.timeout_ms = o.timeout_ms, .grace_ms = o.grace_ms};
+    tdm_shm_spawn_opts so = {.timeout_ms = o.timeout_ms, .grace_ms = o.grace_ms,
+                             .on_settled = o.on_settled, .settled_ctx = o.settled_ctx};
     so.shm.arena_bytes = o.arena_bytes;
     so.shm.timeout_ms = o.comm_timeout_ms;
     tdm_ddp_spawn_ctx c = {.fn = fn, .arg = arg};

@@ -23,6 +23,8 @@ typedef struct tdm_ddp_spawn_opts {
                                  timeout); 0: TANDEM_TIMEOUT, else the shm default (300 s) */
     size_t arena_bytes;       /* zero-copy arena per rank (DDP gradients: tdm_ddp_arena_bytes,
                                  ddp/ddp.h); 0: none */
+    tdm_shm_settled_fn on_settled;   /* as in tdm_shm_spawn_opts; NULL: none */
+    void *settled_ctx;
 } tdm_ddp_spawn_opts;
 
 /* Returns OK when every rank exited 0, else the root cause by the rule of

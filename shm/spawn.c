@@ -4,6 +4,7 @@
 #include "shm/shm_impl.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <signal.h>
 #include <stdio.h>
 #include <string.h>
@@ -107,6 +108,35 @@ void tdm_shm_watch_stopping(tdm_shm_watch *w, tdm_status st, const char *why)
                                           w->abort_reason, sizeof w->abort_reason);
 }
 
+/* pid's state letter from /proc/pid/stat (the field after the command
+ * name, which may itself hold spaces and parentheses); '?' when unknown. */
+static char tdm_shm_proc_state(pid_t pid)
+{
+    char path[64], buf[512];
+    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return '?';
+    ssize_t n;
+    do n = read(fd, buf, sizeof buf - 1); while (n < 0 && errno == EINTR);
+    close(fd);
+    if (n <= 0) return '?';
+    buf[n] = '\0';
+    const char *p = strrchr(buf, ')');
+    return p && p[1] == ' ' && p[2] ? p[2] : '?';
+}
+
+int tdm_shm_watch_only_stopped(const tdm_shm_watch *w)
+{
+    int stopped = 0;
+    for (int r = 0; r < w->world; r++) {
+        if (w->pid[r] <= 0 || w->ended[r]) continue;
+        char st = tdm_shm_proc_state(w->pid[r]);
+        if (st != 'T' && st != 't') return 0;
+        stopped++;
+    }
+    return stopped;
+}
+
 tdm_status tdm_shm_watch_blame(const tdm_shm_watch *w, tdm_shm_cause *cause)
 {
     tdm_shm_cause dummy;
@@ -207,7 +237,7 @@ tdm_status tdm_shm_spawn(int world, tdm_shm_spawn_fn fn, void *arg,
         running++;
     }
     uint64_t deadline = t0 + (uint64_t)timeout_ms * 1000000ull, grace_end = UINT64_MAX;
-    int signalled = 0;
+    int signalled = 0, settled = 0;
     double nap_ms = 0.5;   /* grows to 10 ms while nothing happens */
     while (running > 0) {
         int reaped = 0;
@@ -231,6 +261,14 @@ tdm_status tdm_shm_spawn(int world, tdm_shm_spawn_fn fn, void *arg,
                 grace_end = tdm_time_ns() + (uint64_t)grace_ms * 1000000ull;
         }
         if (running == 0) break;
+        /* a rank failed and the rest are stopped: nothing more will come
+         * from them before the SIGKILL below, so the caller may diagnose
+         * now rather than after the grace period (read /proc only then) */
+        if (o.on_settled && !settled && grace_end != UINT64_MAX && signalled == 0 &&
+            tdm_shm_watch_only_stopped(&w)) {
+            settled = 1;
+            o.on_settled(&w, o.settled_ctx);
+        }
         uint64_t now = tdm_time_ns();
         if (signalled == 2 && now >= deadline + 5000ull * 1000000ull) break; /* unkillable */
         if ((now >= deadline || now >= grace_end) && signalled < 2) {

@@ -19,11 +19,22 @@
  * (0: success). The communicator is freed after it returns. */
 typedef int (*tdm_shm_spawn_fn)(tdm_comm *comm, void *arg);
 
+struct tdm_shm_watch;
+/* See tdm_shm_spawn_opts.on_settled. */
+typedef void (*tdm_shm_settled_fn)(const struct tdm_shm_watch *w, void *ctx);
+
 typedef struct tdm_shm_spawn_opts {
     tdm_shm_opts shm;     /* segment and wait options */
     int64_t timeout_ms;   /* bound on the whole run; 0: 60000 */
     int64_t grace_ms;     /* after a failure, time the others get to exit
                              on their own before SIGTERM; 0: 3000 */
+    /* Called once in the parent after a rank failed, as soon as every rank
+     * still running is stopped (tdm_shm_watch_only_stopped): the ranks have
+     * said (and dumped) all they can, so a diagnosis need not wait for the
+     * grace period and the SIGKILL that end the stopped ones. The watch is
+     * as it stands (the stopped ranks not ended). NULL: none. */
+    tdm_shm_settled_fn on_settled;
+    void *settled_ctx;
 } tdm_shm_spawn_opts;
 
 typedef struct tdm_shm_spawn_result {
@@ -95,6 +106,12 @@ int tdm_shm_watch_ended(tdm_shm_watch *w, int rank, int wstatus);
  * else TDM_STATUS_OK and NULL (stopping because a rank failed). Takes the
  * group abort as it stands: later raises are the teardown's doing. */
 void tdm_shm_watch_stopping(tdm_shm_watch *w, tdm_status st, const char *why);
+/* The number of ranks still running when every one of them is stopped
+ * (SIGSTOP, job control or a debugger: /proc state T or t), else 0 (also
+ * when none is running). A stopped process writes nothing until it is
+ * continued or killed, so after a failure this says that every rank that
+ * could still report (exit, dump its flight recorder) has done so. */
+int tdm_shm_watch_only_stopped(const tdm_shm_watch *w);
 /* TDM_STATUS_OK when nothing failed; else the root cause (rule above) as
  * the error message and status (PEER_FAILED for a rank). cause may be
  * NULL. */

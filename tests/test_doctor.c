@@ -139,6 +139,18 @@ Test(doctor, launch_prints_the_verdict_of_a_killed_rank, .timeout = 120)
     fr_t_rm_dir(dir);
 }
 
+/* Where phrase first appears in out (fails the test when it does not). */
+static const char *doc_at(const char *out, const char *phrase)
+{
+    const char *p = strstr(out, phrase);
+    cr_assert_not_null(p, "output lacks '%s':\n%s", phrase, out);
+    return p;
+}
+
+/* A stopped rank cannot dump or exit: the verdict comes as soon as the
+ * others have (a settled teardown, tools/doctor.h), before the summary
+ * that follows the SIGKILL of the stopped rank after the grace period,
+ * and is not printed twice. */
 Test(doctor, train_prints_the_verdict_of_a_stopped_rank, .timeout = 120)
 {
     char dir[64];
@@ -146,11 +158,46 @@ Test(doctor, train_prints_the_verdict_of_a_stopped_rank, .timeout = 120)
     setenv("TANDEM_DDP_TEST_KILL", "1:3:STOP", 1);
     setenv("TANDEM_SHM_STALL_MS", "500", 1);
     cli_result r;
-    CLI(&r, DOC_TRAIN, "--device", "cpu:2");
+    CLI(&r, DOC_TRAIN, "--device", "cpu:3");
     expect(&r, 1, "tandem train: doctor: STALLED: rank 1 is stopped (process state T: SIGSTOP "
                   "or job control); the others waited in all_reduce(");
     expect(&r, 1, "tandem train: flight-recorder dumps in /tmp/tdm_fr_test_");
-    cr_expect(doc_has(dir, "fr_rank_0.json") && doc_has(dir, "launch.json"));
+    const char *verdict = doc_at(r.out, "tandem train: doctor: STALLED: rank 1 is stopped");
+    const char *teardown = doc_at(r.out, "tandem train: rank 1 is stopped (no dump, no exit of "
+                                         "its own): the teardown kills it after its grace");
+    const char *summary = doc_at(r.out, "tandem train: ddp: ");
+    cr_expect(verdict < teardown && teardown < summary,
+              "the verdict must come before the stopped rank is killed:\n%s", r.out);
+    cr_expect(!strstr(strchr(verdict, '\n'), "doctor:"), "the verdict was printed twice:\n%s",
+              r.out);
+    cr_expect(doc_has(dir, "fr_rank_0.json") && doc_has(dir, "fr_rank_2.json") &&
+              doc_has(dir, "launch.json"));
+    cr_expect(!cli_shm_entries());
+    fr_t_rm_dir(dir);
+}
+
+Test(doctor, launch_prints_the_verdict_of_a_stopped_rank_before_killing_it, .timeout = 120)
+{
+    char dir[64];
+    fr_t_dump_dir(dir, sizeof dir);
+    unsetenv("TANDEM_FR_DUMP");            /* the launcher picks --log-dir */
+    setenv("TANDEM_DDP_TEST_KILL", "1:3:STOP", 1);
+    setenv("TANDEM_SHM_STALL_MS", "500", 1);
+    cli_result r;
+    CLI(&r, "launch", "-n", "2", "--log-dir", dir, "--", cli_bin(), DOC_TRAIN);
+    const char *verdict = doc_at(r.out, "tandem launch: doctor: STALLED: rank 1 is stopped "
+                                        "(process state T: SIGSTOP or job control); the "
+                                        "others waited in all_reduce(");
+    const char *summary = doc_at(r.out, "; stopped the other ranks (");
+    cr_expect(verdict < summary, "the verdict must come before the stopped rank is killed:\n%s",
+              r.out);
+    cr_expect(!strstr(strchr(verdict, '\n'), "doctor:"), "the verdict was printed twice:\n%s",
+              r.out);
+    expect(&r, 1, "tandem launch: flight-recorder dumps in ");
+    /* the summary after the teardown has the stopped rank's end */
+    CLI(&r, "doctor", dir);
+    expect(&r, 5, "rank 1: no dump; was killed by signal 9 (Killed) (by the launcher's "
+                  "teardown)");
     cr_expect(!cli_shm_entries());
     fr_t_rm_dir(dir);
 }

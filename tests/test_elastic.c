@@ -2,7 +2,7 @@
  * whose rank 2 is SIGKILLed at step 40 (epoch 2 of 3) and restarted once
  * from its epoch-1 checkpoint ends with the same checkpoint, bit for bit,
  * as an uninterrupted run: forked by tandem train and launched by tandem
- * launch. The budget is kept (K restarts, then exit 1), and a signal to
+ * launch; and likewise a gpt forked by tandem train. The budget is kept (K restarts, then exit 1), and a signal to
  * the launcher is never restarted. */
 #include <criterion/criterion.h>
 #include <signal.h>
@@ -56,6 +56,43 @@ Test(elastic, train_restart_after_sigkill_is_bit_identical, .timeout = 240)
     cr_expect(!strstr(r.out, "restart 2 of 2"), "%s", r.out);
     cr_expect(el_same(straight, restarted),
               "the restarted run's parameters differ from the uninterrupted run's");
+    cr_expect(!cli_shm_entries());
+    el_rm(dir);
+}
+
+/* --model gpt: its ranks are forked by tools/train_text.c, through the
+ * same restart loop; 4 steps an epoch, rank 1 killed before step 6. */
+Test(elastic, gpt_train_restart_after_sigkill_is_bit_identical, .timeout = 240)
+{
+    char dir[64], text[128], straight[128], restarted[128];
+    el_dir(dir);
+    snprintf(text, sizeof text, "%s/text.txt", dir);
+    snprintf(straight, sizeof straight, "%s/straight.safetensors", dir);
+    snprintf(restarted, sizeof restarted, "%s/restarted.safetensors", dir);
+    FILE *f = fopen(text, "w");
+    cr_assert_not_null(f);
+    static const char *const words[] = {"the", "quick", "brown", "fox", "jumps", "over", "a",
+                                        "lazy", "dog", "and", "runs", "home"};
+    for (int i = 0; i < 2400; i++)
+        fprintf(f, "%s%s", words[(i * 7 + i / 5) % 12], i % 9 == 8 ? ".\n" : " ");
+    fclose(f);
+#define EL_GPT "train", "--model", "gpt:2-16-2-24", "--data", text, "--mode", "ddp", \
+               "--device", "cpu:3", "--epochs", "3", "--max-steps", "4", "--batch", "6", \
+               "--lr", "0.01", "--no-eval", "--quiet"
+    cli_result r;
+    CLI(&r, EL_GPT, "--save", straight);
+    expect(&r, 0, NULL);
+    setenv("TANDEM_DDP_TEST_KILL", "1:6", 1);
+    CLI(&r, EL_GPT, "--save", restarted, "--max-restarts", "1");
+    expect(&r, 0, "tandem train: rank 1: test fault: SIGKILL before step 6");
+    expect(&r, 0, "tandem train: restart 1 of 1 after 200 ms: rank 1 (pid ");
+    expect(&r, 0, "every rank starts again from ");
+    expect(&r, 0, "(epoch 1, step 4)");
+    expect(&r, 0, "resumed");
+    expect(&r, 0, "epoch 3/3: train loss");
+#undef EL_GPT
+    cr_expect(el_same(straight, restarted),
+              "the restarted gpt's parameters differ from the uninterrupted run's");
     cr_expect(!cli_shm_entries());
     el_rm(dir);
 }

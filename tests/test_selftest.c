@@ -2,12 +2,16 @@
  * every check passes, the table and the final line, the JUnit file
  * validates against the common JUnit schema (tests/junit.xsd, with
  * xmllint) and holds one test case per check; a baseline it cannot meet
- * fails the throughput check (and only it) with exit 1; bad usage is 2. */
+ * fails the throughput check (and only it) with exit 1; bad usage is 2.
+ * With --device cuda on emulated GPUs (TANDEM_CUDA_EMULATOR) the
+ * collectives run staged through device buffers over the devices'
+ * communicator (NCCL on GPUs; shm between emulated ones), not skipped. */
 #include <criterion/criterion.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/device.h"
 #include "tests/cli_util.h"
 
 static char *st_slurp(const char *path)
@@ -98,6 +102,20 @@ Test(selftest, a_baseline_not_met_fails_the_throughput_check, .timeout = 300)
     char cmd[128];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
     cr_assert_eq(system(cmd), 0);
+}
+
+Test(selftest, collectives_run_on_emulated_gpus, .timeout = 300)
+{
+    if (!tdm_device_cuda_linked()) cr_skip_test("CUDA backend not built (no nvcc)");
+    cr_assert_eq(setenv("TANDEM_CUDA_EMULATOR", "2", 1), 0);
+    cli_result r;
+    CLI(&r, "selftest", "--quick", "--device", "cuda");
+    cr_expect(strstr(r.out, "\ncollectives                    ok "), "%s", r.out);
+    cr_expect(strstr(r.out, "2 ranks over shm (emulated GPUs); all_reduce (5 ops)"), "%s", r.out);
+    cr_expect(strstr(r.out, "#wrong = 0; all_reduce 1 MiB busbw "), "%s", r.out);
+    cr_expect(strstr(r.out, "of the device-to-device copy ceiling"), "%s", r.out);
+    expect(&r, 0, "selftest: 7 passed, 0 failed");
+    cr_expect(!cli_shm_entries());
 }
 
 Test(selftest, usage, .timeout = 30)

@@ -440,7 +440,7 @@ static void bench_print_row(const bench_cfg *cfg, const bench_target *t, const b
     size_t es = tdm_dtype_size(cfg->dtype);
     int root = cfg->coll == TDM_COLL_BROADCAST || cfg->coll == TDM_COLL_REDUCE ? cfg->root : -1;
     if (!cfg->table) {
-        printf("  %10zu %11zu %8s %5s %4d | %9.2f %7.2f %7.2f %6lld | %9.2f %7.2f %7.2f %6lld "
+        printf("  %10zu %11zu %8s %5s %4d | %9.3f %7.2f %7.2f %6lld | %9.3f %7.2f %7.2f %6lld "
                "| %-18s %.2f, %.2f\n", size, size / es, tdm_dtype_name(cfg->dtype),
                tdm_redop_name(cfg->op), root, w->us[0], w->algbw[0], w->busbw[0],
                (long long)w->wrong[0], w->us[1], w->algbw[1], w->busbw[1],
@@ -455,7 +455,7 @@ static void bench_print_row(const bench_cfg *cfg, const bench_target *t, const b
                  peer->us[1] / w->us[1]);
     char refs[32];
     snprintf(refs, sizeof refs, "%.2f, %.2f", w->busbw[0] / mcpy, w->busbw[1] / mcpy);
-    printf("  %10zu %11zu %8s %5s %4d | %-7s | %9.2f %7.2f %7.2f %6lld | %9.2f %7.2f %7.2f %6lld "
+    printf("  %10zu %11zu %8s %5s %4d | %-7s | %9.3f %7.2f %7.2f %6lld | %9.3f %7.2f %7.2f %6lld "
            "| %-30s %-20s%s\n", size, size / es, tdm_dtype_name(cfg->dtype),
            tdm_redop_name(cfg->op), root, t->name, w->us[0], w->algbw[0], w->busbw[0],
            (long long)w->wrong[0], w->us[1], w->algbw[1], w->busbw[1], (long long)w->wrong[1],

@@ -12,6 +12,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
+#include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -280,264 +281,380 @@ static int tdm_doc_join(char *out, size_t n, const int *ranks, int k)
     return len;
 }
 
-tdm_doctor_verdict tdm_doctor_diagnose(const char *dir, FILE *out, char *line, size_t n)
-{
-    tdm_doc d;
-    char verdict[1024] = "", buf[512];
-    int got = tdm_doc_read(&d, dir);
-    /* the launcher's summary alone still names who failed (a program
-     * without a communicator, or one that died before making it) */
-    if ((got <= 0 && !d.summary) || !d.r || d.world <= 0) {
-        snprintf(verdict, sizeof verdict, "no flight-recorder dump in %s%s", dir,
-                 got < 0 ? " (cannot open the directory)" : " (no fr_rank_<R>.json)");
-        if (out) fprintf(out, "verdict: %s\n", verdict);
-        if (line) snprintf(line, n, "%s", verdict);
-        tdm_doc_free(&d);
-        return TDM_DOCTOR_UNREADABLE;
-    }
-    int W = d.world;
-    tdm_doctor_verdict v = TDM_DOCTOR_OK;
-    char details[4096] = "";
-    size_t dl = 0;
-#define TDM_DOC_DETAIL(...) \
-    (dl += (size_t)snprintf(details + dl, dl < sizeof details ? sizeof details - dl : 0, __VA_ARGS__), \
-     dl = dl < sizeof details ? dl : sizeof details)
+/* --- the diagnosis, phase by phase ---------------------------------------------
+ * 1. the first seq at which ranks disagree (DESYNC), 2. how each rank ended
+ * and whom the messages blame, 3. the frontier (the collective the others
+ * waited in), then the verdict line, 4. who stopped first and where, 5. who
+ * never entered the frontier's collective, 6. the last completed step and
+ * each rank's end. Each phase reads the dumps and what earlier ones found. */
 
-    /* 1. the first sequence number at which ranks disagree */
+/* The ranks' calls at the first disagreeing seq, grouped by what they
+ * called (at most 8 groups kept). */
+#define TDM_DOC_GROUPS 8
+typedef struct tdm_doc_groups {
+    const tdm_doc_entry *ref[TDM_DOC_GROUPS];
+    int size[TDM_DOC_GROUPS];
+    int n, biggest;
+} tdm_doc_groups;
+
+typedef struct tdm_doc_diag {
+    tdm_doc d;
+    int W;
+    tdm_doctor_verdict v;
+    char verdict[1024];
+    char details[4096];
+    size_t dl;
+    int64_t bad;                            /* 1: first disagreeing seq; -1: none */
+    int desync_rank;                        /* 1: the odd one out; -1: none */
+    int missing[TDM_DOC_MAX_RANKS], nmissing, nfailed;   /* 2 */
+    tdm_doc_blame blame;                    /* 2 */
+    uint64_t front;                         /* 3: the furthest next_seq */
+    const tdm_doc_entry *waiting;           /* 3: the collective the others waited in */
+} tdm_doc_diag;
+
+static void tdm_doc_detail(tdm_doc_diag *g, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+static void tdm_doc_detail(tdm_doc_diag *g, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    int k = vsnprintf(g->details + g->dl, g->dl < sizeof g->details ? sizeof g->details - g->dl : 0,
+                      fmt, ap);
+    va_end(ap);
+    if (k > 0) g->dl += (size_t)k;
+    if (g->dl > sizeof g->details) g->dl = sizeof g->details;
+}
+
+/* 1. The first seq at which two ranks' calls differ (send/recv are not
+ * compared: only two ranks take part). */
+static void tdm_doc_first_mismatch(tdm_doc_diag *g)
+{
+    const tdm_doc *d = &g->d;
     uint64_t lo = UINT64_MAX, hi = 0;
-    for (int r = 0; r < W; r++) {
-        if (!d.r[r].have) continue;
-        if (d.r[r].first_seq < lo) lo = d.r[r].first_seq;
-        if (d.r[r].next_seq > hi) hi = d.r[r].next_seq;
+    for (int r = 0; r < g->W; r++) {
+        if (!d->r[r].have) continue;
+        if (d->r[r].first_seq < lo) lo = d->r[r].first_seq;
+        if (d->r[r].next_seq > hi) hi = d->r[r].next_seq;
     }
-    int64_t bad = -1;
-    int desync_rank = -1;
-    for (uint64_t s = lo; s < hi && bad < 0; s++) {
+    g->bad = -1;
+    for (uint64_t s = lo; s < hi && g->bad < 0; s++) {
         const tdm_doc_entry *ref = NULL;
-        for (int r = 0; r < W; r++) {
-            const tdm_doc_entry *e = tdm_doc_at(&d.r[r], s);
+        for (int r = 0; r < g->W; r++) {
+            const tdm_doc_entry *e = tdm_doc_at(&d->r[r], s);
             if (!e || !strcmp(e->coll, "send") || !strcmp(e->coll, "recv")) continue;
             if (!ref) ref = e;
-            else if (!tdm_doc_same(ref, e)) { bad = (int64_t)s; break; }
+            else if (!tdm_doc_same(ref, e)) { g->bad = (int64_t)s; break; }
         }
     }
-    if (bad >= 0) {
-        v = TDM_DOCTOR_DESYNC;
-        /* group the ranks by what they called */
-        int done[TDM_DOC_MAX_RANKS] = {0}, ngroups = 0, biggest = -1, bigsize = 0;
-        const tdm_doc_entry *gref[8];
-        int gsize[8];
-        char groups[2048] = "";
-        size_t gl = 0;
-        for (int r = 0; r < W; r++) {
-            const tdm_doc_entry *e = tdm_doc_at(&d.r[r], (uint64_t)bad);
-            if (!e || done[r]) continue;
-            int members[TDM_DOC_MAX_RANKS], k = 0;
-            for (int q = r; q < W; q++) {
-                const tdm_doc_entry *f = tdm_doc_at(&d.r[q], (uint64_t)bad);
-                if (f && !done[q] && tdm_doc_same(e, f)) { members[k++] = q; done[q] = 1; }
-            }
-            char who[256], call[256];
-            tdm_doc_join(who, sizeof who, members, k);
-            tdm_doc_call_str(e, call, sizeof call);
-            gl += (size_t)snprintf(groups + gl, gl < sizeof groups ? sizeof groups - gl : 0,
-                                   "%s%s called %s", ngroups ? "; " : "", who, call);
-            if (gl > sizeof groups) gl = sizeof groups;
-            if (ngroups < 8) { gref[ngroups] = e; gsize[ngroups] = k; }
-            if (k > bigsize) { bigsize = k; biggest = ngroups; }
-            ngroups++;
+}
+
+/* 1. The ranks grouped by what they called at seq bad, and the verdict
+ * line that lists the groups. */
+static void tdm_doc_desync_groups(tdm_doc_diag *g, tdm_doc_groups *gr)
+{
+    const tdm_doc *d = &g->d;
+    int done[TDM_DOC_MAX_RANKS] = {0}, bigsize = 0;
+    char groups[2048] = "";
+    size_t gl = 0;
+    gr->n = 0;
+    gr->biggest = -1;
+    for (int r = 0; r < g->W; r++) {
+        const tdm_doc_entry *e = tdm_doc_at(&d->r[r], (uint64_t)g->bad);
+        if (!e || done[r]) continue;
+        int members[TDM_DOC_MAX_RANKS], k = 0;
+        for (int q = r; q < g->W; q++) {
+            const tdm_doc_entry *f = tdm_doc_at(&d->r[q], (uint64_t)g->bad);
+            if (f && !done[q] && tdm_doc_same(e, f)) { members[k++] = q; done[q] = 1; }
         }
-        snprintf(verdict, sizeof verdict, "DESYNC at collective #%" PRId64 ": %.900s", bad, groups);
-        /* a rank that skipped a call: its #S is what the majority called at #S+1 */
-        for (int g = 0; g < ngroups && g < 8 && biggest >= 0; g++) {
-            if (g == biggest) continue;
-            for (int r = 0; r < W; r++) {
-                const tdm_doc_entry *e = tdm_doc_at(&d.r[r], (uint64_t)bad);
-                if (e != gref[g]) continue;
-                for (int q = 0; q < W; q++) {
-                    const tdm_doc_entry *m = tdm_doc_at(&d.r[q], (uint64_t)bad);
-                    if (m != gref[biggest]) continue;
-                    /* rank r's call comes right after the majority's, either
-                     * at #S+1 on the majority or earlier in its history */
-                    const tdm_doc_entry *m1 = tdm_doc_at(&d.r[q], (uint64_t)bad + 1);
-                    int skipped = m1 && tdm_doc_same(e, m1);
-                    for (int64_t p = bad - 1; !skipped && p > (int64_t)d.r[q].first_seq; p--) {
-                        const tdm_doc_entry *hp = tdm_doc_at(&d.r[q], (uint64_t)p);
-                        const tdm_doc_entry *hp0 = tdm_doc_at(&d.r[q], (uint64_t)p - 1);
-                        if (hp && hp0 && tdm_doc_same(e, hp)) {
-                            skipped = tdm_doc_same(m, hp0);
-                            break;
-                        }
-                    }
-                    if (skipped) {
-                        char call[256];
-                        tdm_doc_call_str(m, call, sizeof call);
-                        TDM_DOC_DETAIL("  rank %d skipped %s: it went on to the call that "
-                                       "follows it\n", r, call);
-                    }
-                    break;
+        char who[256], call[256];
+        tdm_doc_join(who, sizeof who, members, k);
+        tdm_doc_call_str(e, call, sizeof call);
+        gl += (size_t)snprintf(groups + gl, gl < sizeof groups ? sizeof groups - gl : 0,
+                               "%s%s called %s", gr->n ? "; " : "", who, call);
+        if (gl > sizeof groups) gl = sizeof groups;
+        if (gr->n < TDM_DOC_GROUPS) { gr->ref[gr->n] = e; gr->size[gr->n] = k; }
+        if (k > bigsize) { bigsize = k; gr->biggest = gr->n; }
+        gr->n++;
+    }
+    snprintf(g->verdict, sizeof g->verdict, "DESYNC at collective #%" PRId64 ": %.900s", g->bad,
+             groups);
+}
+
+/* 1. Did rank r (whose call at bad is e) skip the call that rank q of the
+ * majority (whose call there is m) made? Its call is the one that comes
+ * right after the majority's: at bad+1 on q, or earlier in q's history. */
+static int tdm_doc_skipped(const tdm_doc_diag *g, int q, const tdm_doc_entry *e,
+                           const tdm_doc_entry *m)
+{
+    const tdm_doc_rank *rq = &g->d.r[q];
+    const tdm_doc_entry *m1 = tdm_doc_at(rq, (uint64_t)g->bad + 1);
+    if (m1 && tdm_doc_same(e, m1)) return 1;
+    for (int64_t p = g->bad - 1; p > (int64_t)rq->first_seq; p--) {
+        const tdm_doc_entry *hp = tdm_doc_at(rq, (uint64_t)p);
+        const tdm_doc_entry *hp0 = tdm_doc_at(rq, (uint64_t)p - 1);
+        if (hp && hp0 && tdm_doc_same(e, hp)) return tdm_doc_same(m, hp0);
+    }
+    return 0;
+}
+
+/* 1. A DESYNC: the groups, the ranks that skipped a call, the odd one out. */
+static void tdm_doc_desync(tdm_doc_diag *g)
+{
+    const tdm_doc *d = &g->d;
+    g->v = TDM_DOCTOR_DESYNC;
+    tdm_doc_groups gr;
+    tdm_doc_desync_groups(g, &gr);
+    for (int k = 0; k < gr.n && k < TDM_DOC_GROUPS && gr.biggest >= 0; k++) {
+        if (k == gr.biggest) continue;
+        for (int r = 0; r < g->W; r++) {
+            const tdm_doc_entry *e = tdm_doc_at(&d->r[r], (uint64_t)g->bad);
+            if (e != gr.ref[k]) continue;
+            for (int q = 0; q < g->W; q++) {
+                const tdm_doc_entry *m = tdm_doc_at(&d->r[q], (uint64_t)g->bad);
+                if (m != gr.ref[gr.biggest]) continue;
+                if (tdm_doc_skipped(g, q, e, m)) {
+                    char call[256];
+                    tdm_doc_call_str(m, call, sizeof call);
+                    tdm_doc_detail(g, "  rank %d skipped %s: it went on to the call that "
+                                      "follows it\n", r, call);
                 }
-            }
-        }
-        /* the odd one out: the first rank of the smallest group */
-        int small = biggest == 0 && ngroups > 1 ? 1 : 0;
-        for (int g = 0; g < ngroups && g < 8; g++)
-            if (g != biggest && gsize[g] < gsize[small]) small = g;
-        for (int r = 0; r < W && desync_rank < 0; r++)
-            if (tdm_doc_at(&d.r[r], (uint64_t)bad) == gref[small]) desync_rank = r;
-    }
-
-    /* 2. how each rank ended, and who is blamed */
-    int missing[TDM_DOC_MAX_RANKS], nmissing = 0, nfailed = 0;
-    tdm_doc_blame blame = {.rank = -1, .kind = TDM_DOCTOR_OK};
-    if (d.cause) tdm_doc_classify(d.cause, &blame);
-    for (int r = 0; r < W; r++) {
-        if (!d.r[r].have) { missing[nmissing++] = r; continue; }
-        if (!d.r[r].failed) continue;
-        nfailed++;
-        if (blame.rank < 0) {
-            tdm_doc_blame b;
-            tdm_doc_classify(d.r[r].reason, &b);
-            if (b.rank >= 0 || blame.kind == TDM_DOCTOR_OK) blame = b;
-        }
-    }
-    for (int i = 0; i < nmissing && blame.rank < 0; i++) {
-        int induced;
-        const char *end = tdm_doc_summary_end(&d, missing[i], &induced, buf, sizeof buf);
-        if (end && !induced) {
-            blame.rank = missing[i];
-            blame.kind = TDM_DOCTOR_DIED;
-            snprintf(blame.what, sizeof blame.what, "%s", end);
-        }
-    }
-    if (blame.rank < 0 && nmissing > 0 && (nfailed > 0 || d.cause)) {
-        blame.rank = missing[0];
-        blame.kind = TDM_DOCTOR_DIED;
-        snprintf(blame.what, sizeof blame.what, "left no dump (killed, or stopped and then killed)");
-    }
-
-    /* 3. the frontier: the collective the ranks that went furthest are in */
-    uint64_t front = 0;
-    int front_rank = -1;
-    for (int r = 0; r < W; r++)
-        if (d.r[r].have && d.r[r].next_seq > front) { front = d.r[r].next_seq; front_rank = r; }
-    const tdm_doc_entry *waiting = front_rank >= 0 ? tdm_doc_at(&d.r[front_rank], front - 1) : NULL;
-    /* the first call of the furthest rank that did not complete */
-    for (int r = 0; r < W; r++)
-        for (int i = 0; d.r[r].have && i < d.r[r].n; i++)
-            if (strcmp(d.r[r].e[i].state, "done")) {
-                if (!waiting || d.r[r].e[i].seq < waiting->seq || !strcmp(waiting->state, "done"))
-                    waiting = &d.r[r].e[i];
                 break;
             }
-
-    if (v == TDM_DOCTOR_OK && blame.rank >= 0) {
-        v = blame.kind;
-        char call[256] = "";
-        if (waiting) tdm_doc_call_str(waiting, call, sizeof call);
-        snprintf(verdict, sizeof verdict, "%s: rank %d %s",
-                 v == TDM_DOCTOR_STALLED ? "STALLED" : v == TDM_DOCTOR_DIED ? "DIED" : "FAILED",
-                 blame.rank, blame.what);
-        if (waiting) {
-            size_t l = strlen(verdict);
-            snprintf(verdict + l, sizeof verdict - l, "; the others waited in %s #%" PRIu64, call,
-                     waiting->seq);
         }
-    } else if (v == TDM_DOCTOR_OK && (nfailed > 0 || d.cause)) {
-        int first = -1;
-        for (int r = 0; r < W; r++)
-            if (d.r[r].have && d.r[r].failed) { first = r; break; }
-        tdm_doc_classify(first >= 0 ? d.r[first].reason : d.cause, &blame);
-        v = blame.kind == TDM_DOCTOR_STALLED ? TDM_DOCTOR_STALLED : TDM_DOCTOR_FAILED;
-        snprintf(verdict, sizeof verdict, "%s: %s%s", v == TDM_DOCTOR_STALLED ? "STALLED" : "FAILED",
-                 first >= 0 ? "" : "launcher: ", first >= 0 ? d.r[first].reason : d.cause);
-        if (first >= 0) {
-            size_t l = strlen(verdict);
-            snprintf(verdict + l, sizeof verdict - l, " (rank %d)", first);
-        }
-    } else if (v == TDM_DOCTOR_OK && nmissing > 0) {
-        v = TDM_DOCTOR_DIED;
-        tdm_doc_join(buf, sizeof buf, missing, nmissing);
-        snprintf(verdict, sizeof verdict, "DIED: %s left no dump and no rank reported a failure",
-                 buf);
-    } else if (v == TDM_DOCTOR_OK) {
-        snprintf(verdict, sizeof verdict, "OK: %d rank(s) agree on %" PRIu64 " collective(s), "
-                 "none failed", W, front);
     }
+    /* the odd one out: the first rank of the smallest group */
+    int small = gr.biggest == 0 && gr.n > 1 ? 1 : 0;
+    for (int k = 0; k < gr.n && k < TDM_DOC_GROUPS; k++)
+        if (k != gr.biggest && gr.size[k] < gr.size[small]) small = k;
+    for (int r = 0; r < g->W && g->desync_rank < 0; r++)
+        if (tdm_doc_at(&d->r[r], (uint64_t)g->bad) == gr.ref[small]) g->desync_rank = r;
+}
 
-    /* 4. who stopped first and where */
-    int first_rank = desync_rank >= 0 ? desync_rank : blame.rank;
+/* 2. How each rank ended, and who is blamed: the launcher's cause, else a
+ * failed rank's reason, else a rank without a dump that ended by itself,
+ * else (when something failed) the first rank without a dump. */
+static void tdm_doc_find_blame(tdm_doc_diag *g)
+{
+    const tdm_doc *d = &g->d;
+    char buf[sizeof g->blame.what];
+    g->blame = (tdm_doc_blame){.rank = -1, .kind = TDM_DOCTOR_OK};
+    if (d->cause) tdm_doc_classify(d->cause, &g->blame);
+    for (int r = 0; r < g->W; r++) {
+        if (!d->r[r].have) { g->missing[g->nmissing++] = r; continue; }
+        if (!d->r[r].failed) continue;
+        g->nfailed++;
+        if (g->blame.rank < 0) {
+            tdm_doc_blame b;
+            tdm_doc_classify(d->r[r].reason, &b);
+            if (b.rank >= 0 || g->blame.kind == TDM_DOCTOR_OK) g->blame = b;
+        }
+    }
+    for (int i = 0; i < g->nmissing && g->blame.rank < 0; i++) {
+        int induced;
+        const char *end = tdm_doc_summary_end(d, g->missing[i], &induced, buf, sizeof buf);
+        if (end && !induced) {
+            g->blame.rank = g->missing[i];
+            g->blame.kind = TDM_DOCTOR_DIED;
+            snprintf(g->blame.what, sizeof g->blame.what, "%s", end);
+        }
+    }
+    if (g->blame.rank < 0 && g->nmissing > 0 && (g->nfailed > 0 || d->cause)) {
+        g->blame.rank = g->missing[0];
+        g->blame.kind = TDM_DOCTOR_DIED;
+        snprintf(g->blame.what, sizeof g->blame.what,
+                 "left no dump (killed, or stopped and then killed)");
+    }
+}
+
+/* 3. The frontier: the collective the ranks that went furthest are in, or
+ * the first one that did not complete. */
+static void tdm_doc_frontier(tdm_doc_diag *g)
+{
+    const tdm_doc *d = &g->d;
+    int front_rank = -1;
+    g->front = 0;
+    for (int r = 0; r < g->W; r++)
+        if (d->r[r].have && d->r[r].next_seq > g->front) {
+            g->front = d->r[r].next_seq;
+            front_rank = r;
+        }
+    g->waiting = front_rank >= 0 ? tdm_doc_at(&d->r[front_rank], g->front - 1) : NULL;
+    for (int r = 0; r < g->W; r++)
+        for (int i = 0; d->r[r].have && i < d->r[r].n; i++)
+            if (strcmp(d->r[r].e[i].state, "done")) {
+                const tdm_doc_entry *w = g->waiting;
+                if (!w || d->r[r].e[i].seq < w->seq || !strcmp(w->state, "done"))
+                    g->waiting = &d->r[r].e[i];
+                break;
+            }
+}
+
+/* The verdict line, unless phase 1 made it: the blamed rank, a failure
+ * without one, ranks without a dump, or OK. */
+static void tdm_doc_verdict(tdm_doc_diag *g)
+{
+    const tdm_doc *d = &g->d;
+    if (g->v != TDM_DOCTOR_OK) return;
+    if (g->blame.rank >= 0) {
+        g->v = g->blame.kind;
+        snprintf(g->verdict, sizeof g->verdict, "%s: rank %d %s",
+                 g->v == TDM_DOCTOR_STALLED ? "STALLED" : g->v == TDM_DOCTOR_DIED ? "DIED"
+                                                                                 : "FAILED",
+                 g->blame.rank, g->blame.what);
+        if (g->waiting) {
+            char call[256];
+            tdm_doc_call_str(g->waiting, call, sizeof call);
+            size_t l = strlen(g->verdict);
+            snprintf(g->verdict + l, sizeof g->verdict - l, "; the others waited in %s #%" PRIu64,
+                     call, g->waiting->seq);
+        }
+    } else if (g->nfailed > 0 || d->cause) {
+        int first = -1;
+        for (int r = 0; r < g->W; r++)
+            if (d->r[r].have && d->r[r].failed) { first = r; break; }
+        tdm_doc_classify(first >= 0 ? d->r[first].reason : d->cause, &g->blame);
+        g->v = g->blame.kind == TDM_DOCTOR_STALLED ? TDM_DOCTOR_STALLED : TDM_DOCTOR_FAILED;
+        snprintf(g->verdict, sizeof g->verdict, "%s: %s%s",
+                 g->v == TDM_DOCTOR_STALLED ? "STALLED" : "FAILED", first >= 0 ? "" : "launcher: ",
+                 first >= 0 ? d->r[first].reason : d->cause);
+        if (first >= 0) {
+            size_t l = strlen(g->verdict);
+            snprintf(g->verdict + l, sizeof g->verdict - l, " (rank %d)", first);
+        }
+    } else if (g->nmissing > 0) {
+        char buf[512];
+        g->v = TDM_DOCTOR_DIED;
+        tdm_doc_join(buf, sizeof buf, g->missing, g->nmissing);
+        snprintf(g->verdict, sizeof g->verdict,
+                 "DIED: %s left no dump and no rank reported a failure", buf);
+    } else {
+        snprintf(g->verdict, sizeof g->verdict, "OK: %d rank(s) agree on %" PRIu64
+                 " collective(s), none failed", g->W, g->front);
+    }
+}
+
+/* 4. Who stopped first and where: the odd one out, the blamed rank, else
+ * the rank with the shortest record (ties: the one quiet longest). */
+static void tdm_doc_first_stop(tdm_doc_diag *g)
+{
+    const tdm_doc *d = &g->d;
+    int first_rank = g->desync_rank >= 0 ? g->desync_rank : g->blame.rank;
     if (first_rank < 0) {
-        uint64_t best = UINT64_MAX;
-        uint64_t best_t = UINT64_MAX;
-        for (int r = 0; r < W; r++)
-            if (d.r[r].have && (d.r[r].next_seq < best ||
-                                (d.r[r].next_seq == best && d.r[r].last_activity < best_t))) {
-                best = d.r[r].next_seq;
-                best_t = d.r[r].last_activity;
+        uint64_t best = UINT64_MAX, best_t = UINT64_MAX;
+        for (int r = 0; r < g->W; r++)
+            if (d->r[r].have && (d->r[r].next_seq < best ||
+                                 (d->r[r].next_seq == best && d->r[r].last_activity < best_t))) {
+                best = d->r[r].next_seq;
+                best_t = d->r[r].last_activity;
                 first_rank = r;
             }
     }
-    if (v != TDM_DOCTOR_OK && first_rank >= 0) {
-        const tdm_doc_rank *fr = &d.r[first_rank];
-        if (fr->have && fr->n) {
-            const tdm_doc_entry *e = &fr->e[fr->n - 1];
-            char call[256];
-            tdm_doc_call_str(e, call, sizeof call);
-            TDM_DOC_DETAIL("  %s: rank %d, in %s #%" PRIu64 " (%s, step %" PRId64 ")\n",
-                           desync_rank >= 0 ? "odd one out" : "stopped first", first_rank, call,
-                           e->seq, e->state, e->step);
-        } else {
-            int induced;
-            const char *end = tdm_doc_summary_end(&d, first_rank, &induced, buf, sizeof buf);
-            TDM_DOC_DETAIL("  stopped first: rank %d (%s), no flight record of its own\n",
-                           first_rank, end ? end : blame.what[0] ? blame.what : "no dump");
-        }
+    if (g->v == TDM_DOCTOR_OK || first_rank < 0) return;
+    const tdm_doc_rank *fr = &d->r[first_rank];
+    if (fr->have && fr->n) {
+        const tdm_doc_entry *e = &fr->e[fr->n - 1];
+        char call[256];
+        tdm_doc_call_str(e, call, sizeof call);
+        tdm_doc_detail(g, "  %s: rank %d, in %s #%" PRIu64 " (%s, step %" PRId64 ")\n",
+                       g->desync_rank >= 0 ? "odd one out" : "stopped first", first_rank, call,
+                       e->seq, e->state, e->step);
+    } else {
+        char buf[512];
+        int induced;
+        const char *end = tdm_doc_summary_end(d, first_rank, &induced, buf, sizeof buf);
+        tdm_doc_detail(g, "  stopped first: rank %d (%s), no flight record of its own\n",
+                       first_rank, end ? end : g->blame.what[0] ? g->blame.what : "no dump");
     }
-    /* 5. ranks that never entered the collective the others are in */
-    if (v != TDM_DOCTOR_OK && waiting) {
-        int never[TDM_DOC_MAX_RANKS], k = 0, in[TDM_DOC_MAX_RANKS], m = 0;
-        for (int r = 0; r < W; r++) {
-            if (d.r[r].have && d.r[r].next_seq > waiting->seq) in[m++] = r;
-            else never[k++] = r;
-        }
-        if (k > 0) {
-            char who[256], inw[256], call[256];
-            tdm_doc_join(who, sizeof who, never, k);
-            tdm_doc_join(inw, sizeof inw, in, m);
-            tdm_doc_call_str(waiting, call, sizeof call);
-            TDM_DOC_DETAIL("  never entered %s #%" PRIu64 ": %s%s (%s did)\n", call, waiting->seq,
-                           who, nmissing ? " (a rank without a dump counts as not entered)" : "",
-                           inw);
-        }
+}
+
+/* 5. The ranks that never entered the collective the others are in. */
+static void tdm_doc_never_entered(tdm_doc_diag *g)
+{
+    const tdm_doc *d = &g->d;
+    if (g->v == TDM_DOCTOR_OK || !g->waiting) return;
+    int never[TDM_DOC_MAX_RANKS], k = 0, in[TDM_DOC_MAX_RANKS], m = 0;
+    for (int r = 0; r < g->W; r++) {
+        if (d->r[r].have && d->r[r].next_seq > g->waiting->seq) in[m++] = r;
+        else never[k++] = r;
     }
-    /* 6. the last completed step */
+    if (k == 0) return;
+    char who[256], inw[256], call[256];
+    tdm_doc_join(who, sizeof who, never, k);
+    tdm_doc_join(inw, sizeof inw, in, m);
+    tdm_doc_call_str(g->waiting, call, sizeof call);
+    tdm_doc_detail(g, "  never entered %s #%" PRIu64 ": %s%s (%s did)\n", call, g->waiting->seq,
+                   who, g->nmissing ? " (a rank without a dump counts as not entered)" : "", inw);
+}
+
+/* 6. The last completed step (the lowest over the dumps), then each rank's
+ * own end and the launcher's cause. */
+static void tdm_doc_steps_and_ends(tdm_doc_diag *g)
+{
+    const tdm_doc *d = &g->d;
     int64_t smin = INT64_MAX, smax = INT64_MIN;
-    for (int r = 0; r < W; r++) {
-        if (!d.r[r].have) continue;
-        if (d.r[r].last_step < smin) smin = d.r[r].last_step;
-        if (d.r[r].last_step > smax) smax = d.r[r].last_step;
+    for (int r = 0; r < g->W; r++) {
+        if (!d->r[r].have) continue;
+        if (d->r[r].last_step < smin) smin = d->r[r].last_step;
+        if (d->r[r].last_step > smax) smax = d->r[r].last_step;
     }
-    if (smin > smax) TDM_DOC_DETAIL("  last completed step: unknown (no dump)\n");
-    else if (smin == smax) TDM_DOC_DETAIL("  last completed step: %" PRId64 " (every rank with a dump)\n", smin);
-    else TDM_DOC_DETAIL("  last completed step: %" PRId64 " (some ranks reached %" PRId64 ")\n", smin, smax);
-    for (int r = 0; r < W && v != TDM_DOCTOR_OK; r++) {
-        if (!d.r[r].have) {
+    if (smin > smax)
+        tdm_doc_detail(g, "  last completed step: unknown (no dump)\n");
+    else if (smin == smax)
+        tdm_doc_detail(g, "  last completed step: %" PRId64 " (every rank with a dump)\n", smin);
+    else
+        tdm_doc_detail(g, "  last completed step: %" PRId64 " (some ranks reached %" PRId64 ")\n",
+                       smin, smax);
+    if (g->v == TDM_DOCTOR_OK) return;
+    for (int r = 0; r < g->W; r++) {
+        if (!d->r[r].have) {
+            char buf[512];
             int induced;
-            const char *end = tdm_doc_summary_end(&d, r, &induced, buf, sizeof buf);
-            TDM_DOC_DETAIL("  rank %d: no dump%s%s%s\n", r, end ? "; " : "", end ? end : "",
+            const char *end = tdm_doc_summary_end(d, r, &induced, buf, sizeof buf);
+            tdm_doc_detail(g, "  rank %d: no dump%s%s%s\n", r, end ? "; " : "", end ? end : "",
                            end && induced ? " (by the launcher's teardown)" : "");
-        } else if (d.r[r].failed) {
-            TDM_DOC_DETAIL("  rank %d: %s: %s\n", r, d.r[r].status, d.r[r].reason);
+        } else if (d->r[r].failed) {
+            tdm_doc_detail(g, "  rank %d: %s: %s\n", r, d->r[r].status, d->r[r].reason);
         } else {
-            TDM_DOC_DETAIL("  rank %d: no failure recorded (dump: %s)\n", r, d.r[r].trigger);
+            tdm_doc_detail(g, "  rank %d: no failure recorded (dump: %s)\n", r, d->r[r].trigger);
         }
     }
-    if (d.cause && v != TDM_DOCTOR_OK) TDM_DOC_DETAIL("  launcher: %s\n", d.cause);
-#undef TDM_DOC_DETAIL
-    if (out) fprintf(out, "verdict: %s\n%s", verdict, details);
-    if (line) snprintf(line, n, "%s", verdict);
-    tdm_doc_free(&d);
+    if (d->cause) tdm_doc_detail(g, "  launcher: %s\n", d->cause);
+}
+
+tdm_doctor_verdict tdm_doctor_diagnose(const char *dir, FILE *out, char *line, size_t n)
+{
+    tdm_doc_diag *g = calloc(1, sizeof *g);
+    if (!g) {
+        if (out) fprintf(out, "verdict: out of memory\n");
+        if (line) snprintf(line, n, "out of memory");
+        return TDM_DOCTOR_UNREADABLE;
+    }
+    int got = tdm_doc_read(&g->d, dir);
+    tdm_doctor_verdict v;
+    /* the launcher's summary alone still names who failed (a program
+     * without a communicator, or one that died before making it) */
+    if ((got <= 0 && !g->d.summary) || !g->d.r || g->d.world <= 0) {
+        snprintf(g->verdict, sizeof g->verdict, "no flight-recorder dump in %s%s", dir,
+                 got < 0 ? " (cannot open the directory)" : " (no fr_rank_<R>.json)");
+        v = TDM_DOCTOR_UNREADABLE;
+    } else {
+        g->W = g->d.world;
+        g->v = TDM_DOCTOR_OK;
+        g->desync_rank = -1;
+        tdm_doc_first_mismatch(g);
+        if (g->bad >= 0) tdm_doc_desync(g);
+        tdm_doc_find_blame(g);
+        tdm_doc_frontier(g);
+        tdm_doc_verdict(g);
+        tdm_doc_first_stop(g);
+        tdm_doc_never_entered(g);
+        tdm_doc_steps_and_ends(g);
+        v = g->v;
+    }
+    if (out) fprintf(out, "verdict: %s\n%s", g->verdict, g->details);
+    if (line) snprintf(line, n, "%s", g->verdict);
+    tdm_doc_free(&g->d);
+    free(g);
     return v;
 }
 
@@ -568,9 +685,11 @@ int tdm_doctor_write_summary(const char *dir, int world, const int *pid, const i
     fprintf(f, ",\"ranks\":[");
     for (int r = 0; pid && wstatus && r < world; r++) {
         char end[128] = "";
-        if (pid[r] > 0) tdm_shm_wait_status_str(wstatus[r], end, sizeof end);
+        int ws = pid[r] > 0 ? wstatus[r] : -1;
+        if (ws >= 0) tdm_shm_wait_status_str(ws, end, sizeof end);
+        else if (pid[r] > 0) snprintf(end, sizeof end, "still running");
         fprintf(f, "%s{\"rank\":%d,\"pid\":%d,\"wstatus\":%d,\"induced\":%s,\"end\":", r ? "," : "",
-                r, pid[r], pid[r] > 0 ? wstatus[r] : -1, induced && induced[r] ? "true" : "false");
+                r, pid[r], ws, induced && induced[r] ? "true" : "false");
         tdm_doc_json_str(f, end);
         fputc('}', f);
     }
@@ -641,9 +760,37 @@ tdm_doctor_verdict tdm_doctor_job_end(tdm_doctor_job *j, int failed, int world, 
     tdm_doctor_write_summary(j->dir, world, pid, wstatus, induced, cause);
     char line[1024];
     tdm_doctor_verdict v = tdm_doctor_diagnose(j->dir, NULL, line, sizeof line);
-    fprintf(stderr, "%s: doctor: %s\n%s: flight-recorder dumps in %s (tandem doctor %s for "
-                    "the diagnosis)\n", j->tool, line, j->tool, j->dir, j->dir);
+    /* the verdict printed while the teardown ran stands unless the ends
+     * of the stopped ranks changed it */
+    if (!j->early_done)
+        fprintf(stderr, "%s: doctor: %s\n", j->tool, line);
+    else if (strcmp(line, j->early))
+        fprintf(stderr, "%s: doctor (after the teardown): %s\n", j->tool, line);
+    fprintf(stderr, "%s: flight-recorder dumps in %s (tandem doctor %s for the diagnosis)\n",
+            j->tool, j->dir, j->dir);
     return v;
+}
+
+void tdm_doctor_job_settled(const tdm_shm_watch *w, void *job)
+{
+    tdm_doctor_job *j = job;
+    if (!j->on || j->early_done) return;
+    int ws[TDM_SHM_MAX_RANKS], stopped[TDM_SHM_MAX_RANKS], ns = 0;
+    for (int r = 0; r < w->world; r++) {
+        ws[r] = w->ended[r] ? w->wstatus[r] : -1;
+        if (w->pid[r] > 0 && !w->ended[r]) stopped[ns++] = r;
+    }
+    char cause[1024] = "";
+    if (tdm_shm_watch_blame(w, NULL) != TDM_STATUS_OK)
+        snprintf(cause, sizeof cause, "%s", tdm_error_message());
+    tdm_doctor_write_summary(j->dir, w->world, w->pid, ws, w->induced, cause[0] ? cause : NULL);
+    tdm_doctor_diagnose(j->dir, NULL, j->early, sizeof j->early);
+    j->early_done = 1;
+    char who[256];
+    tdm_doc_join(who, sizeof who, stopped, ns);
+    fprintf(stderr, "%s: doctor: %s\n%s: %s %s stopped (no dump, no exit of %s own): the "
+                    "teardown kills %s after its grace period\n", j->tool, j->early, j->tool,
+            who, ns > 1 ? "are" : "is", ns > 1 ? "their" : "its", ns > 1 ? "them" : "it");
 }
 
 static void tdm_doctor_usage(FILE *f)

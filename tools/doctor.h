@@ -7,6 +7,8 @@
 
 #include <stdio.h>
 
+#include "shm/spawn.h"
+
 /* Verdicts, which are also `tandem doctor`'s exit codes. */
 typedef enum tdm_doctor_verdict {
     TDM_DOCTOR_OK = 0,        /* every rank's record is complete and they agree */
@@ -25,9 +27,9 @@ typedef enum tdm_doctor_verdict {
  * nothing printed) and copies the one-line verdict into line. */
 tdm_doctor_verdict tdm_doctor_diagnose(const char *dir, FILE *out, char *line, size_t n);
 
-/* Writes DIR/launch.json: world, each rank's pid and waitpid status, and
- * the root cause as the launcher worded it (cause may be NULL). Returns 0
- * on success. */
+/* Writes DIR/launch.json: world, each rank's pid and waitpid status (< 0:
+ * still running), and the root cause as the launcher worded it (cause may
+ * be NULL). Returns 0 on success. */
 int tdm_doctor_write_summary(const char *dir, int world, const int *pid, const int *wstatus,
                              const int *induced, const char *cause);
 
@@ -39,6 +41,8 @@ typedef struct tdm_doctor_job {
     int created;           /* 1: a temporary directory of ours */
     int on;                /* 0: no directory (the recorder's dumps are off) */
     int set_env, set_on;   /* 1: we exported TANDEM_FR_DUMP / TANDEM_FR_DUMP_ON */
+    int early_done;        /* 1: tdm_doctor_job_settled printed `early` */
+    char early[1024];
 } tdm_doctor_job;
 
 /* Points the ranks' recorders at a directory (TANDEM_FR_DUMP, exported):
@@ -46,6 +50,15 @@ typedef struct tdm_doctor_job {
  * else a new private directory under $TMPDIR (/tmp), and asks for dumps
  * on failure only (TANDEM_FR_DUMP_ON=failure) unless the user chose. */
 void tdm_doctor_job_begin(tdm_doctor_job *j, const char *tool, const char *dir_hint);
+/* While a failed job is torn down, once every rank still running is
+ * stopped (tdm_shm_watch_only_stopped, a tdm_shm_settled_fn; job is the
+ * tdm_doctor_job): every rank that could dump has, and a stopped one can
+ * only be SIGKILLed after the grace period. Writes a summary as things
+ * stand (the stopped ranks running), prints "<tool>: doctor: <verdict>"
+ * at once and which ranks the teardown still has to kill, and keeps the
+ * verdict, so that tdm_doctor_job_end does not print the same one again.
+ * Once per job; nothing when the job has no dump directory. */
+void tdm_doctor_job_settled(const tdm_shm_watch *w, void *job);
 /* After the job: on failure writes the summary (pid, wstatus may be NULL;
  * induced may be NULL), prints "<tool>: doctor: <verdict>" and where the
  * dumps are, and returns the verdict; on success removes a directory of

@@ -5,6 +5,7 @@
 #include "tools/elastic.h"
 
 #include <errno.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -13,6 +14,7 @@
 
 #include "core/safetensors.h"
 #include "tools/args.h"
+#include "tools/doctor.h"
 #include "tools/tools.h"
 
 char tdm_elastic_cause[1024];
@@ -60,6 +62,64 @@ int tdm_elastic_describe(const char *ckpt, char *out, size_t n)
     snprintf(out, n, "from %s (epoch %s, step %s)", ckpt, ep ? ep : "?", st ? st : "?");
     tdm_st_free(f);
     return 1;
+}
+
+tdm_status tdm_elastic_train_forked(const char *mode, int world, tdm_ddp_spawn_fn fn, void *arg,
+                                    const tdm_ddp_spawn_opts *so, long long max_restarts,
+                                    const char *save, const char **resume)
+{
+    for (int attempt = 0;; attempt++) {
+        tdm_elastic_set_attempt(attempt);
+        tdm_doctor_job frj;   /* the ranks' flight-recorder dumps */
+        tdm_doctor_job_begin(&frj, "tandem train", NULL);
+        tdm_ddp_spawn_opts o = *so;
+        o.on_settled = tdm_doctor_job_settled;
+        o.settled_ctx = &frj;
+        tdm_shm_spawn_result res;
+        memset(&res, 0, sizeof res);   /* a spawn that failed early fills nothing */
+        tdm_status st = tdm_ddp_spawn(world, fn, arg, &o, &res);
+        if (st == TDM_STATUS_OK) {
+            tdm_doctor_job_end(&frj, 0, world, NULL, NULL, NULL, NULL);
+            return st;
+        }
+        char why[1024];
+        snprintf(why, sizeof why, "%s", tdm_error_message());
+        fprintf(stderr, "tandem train: %s: %s\n", mode, why);
+        tdm_doctor_job_end(&frj, 1, world, res.pid, res.wstatus, NULL, why);
+        tdm_error_set(st, "%s", why);   /* the doctor's reads replaced the message */
+        /* a failure of a rank is restarted, not a signal to this process
+         * (Ctrl-C reaches the ranks too: they die of it, and so do we) */
+        if (attempt >= max_restarts || st != TDM_STATUS_PEER_FAILED) return st;
+        char from[512];
+        if (save && access(save, F_OK) == 0) *resume = save;
+        tdm_elastic_describe(*resume, from, sizeof from);
+        int ms = tdm_elastic_backoff(attempt + 1);
+        fprintf(stderr, "tandem train: restart %d of %lld after %d ms: %s; every rank starts "
+                        "again %s\n", attempt + 1, max_restarts, ms, why, from);
+        fflush(stdout);
+    }
+}
+
+int64_t tdm_elastic_test_fault(int rank, int *sig)
+{
+    const char *env = getenv("TANDEM_DDP_TEST_KILL");
+    int kr = -1;
+    long long ks = 0;
+    char how[8] = "";
+    *sig = SIGKILL;
+    if (!env || tdm_elastic_attempt() != 0 || sscanf(env, "%d:%lld:%7s", &kr, &ks, how) < 2 ||
+        kr != rank || ks <= 0)
+        return 0;
+    *sig = strcmp(how, "STOP") ? SIGKILL : SIGSTOP;
+    return ks;
+}
+
+void tdm_elastic_test_fault_fire(int rank, int sig, int64_t step)
+{
+    fflush(stdout);
+    fprintf(stderr, "tandem train: rank %d: test fault: %s before step %lld\n", rank,
+            sig == SIGSTOP ? "SIGSTOP" : "SIGKILL", (long long)step);
+    raise(sig);
 }
 
 /* Takes --max-restarts K and --checkpoint PATH out of the launcher's own

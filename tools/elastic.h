@@ -7,6 +7,9 @@
 #define TDM_TOOLS_ELASTIC_H
 
 #include <stddef.h>
+#include <stdint.h>
+
+#include "ddp/spawn.h"
 
 /* Exported to every rank: how many restarts came before this attempt
  * (0 on the first), as TORCHELASTIC_RESTART_COUNT; and the checkpoint
@@ -30,6 +33,29 @@ int tdm_elastic_backoff(int attempt);
  * not exist yet)", or "from the start (no checkpoint named)". Returns 1
  * when ckpt exists and holds a checkpoint. */
 int tdm_elastic_describe(const char *ckpt, char *out, size_t n);
+
+/* The forked ranks of `tandem train --mode ddp|fsdp` (images and gpt;
+ * mode names the summary line "tandem train: MODE: ..."), with
+ * restarts: runs world ranks of fn(comm, arg) (tdm_ddp_spawn with so)
+ * with their flight-recorder dumps (tools/doctor.h: the verdict as soon
+ * as the ranks that can report have, and the summary), and after a
+ * rank's failure (PEER_FAILED: not a signal to this process) starts every
+ * rank again, at most max_restarts times, from save once it exists (*resume,
+ * which the ranks read through arg, is set to it), else from *resume.
+ * Returns the last attempt's status, its message set. */
+tdm_status tdm_elastic_train_forked(const char *mode, int world, tdm_ddp_spawn_fn fn, void *arg,
+                                    const tdm_ddp_spawn_opts *so, long long max_restarts,
+                                    const char *save, const char **resume);
+
+/* Test hook of tandem train's DDP ranks: TANDEM_DDP_TEST_KILL=R:S makes
+ * rank R SIGKILL itself before its step S (counted from 1 over the run),
+ * R:S:STOP stop itself (SIGSTOP) there; on the first attempt only, so
+ * that a restarted job can finish. The step for `rank` (0: none) and the
+ * signal. */
+int64_t tdm_elastic_test_fault(int rank, int *sig);
+/* Fires it: says so on stderr ("test fault", the moment
+ * tools/fault_latency.sh measures from), then raises sig. */
+void tdm_elastic_test_fault_fire(int rank, int sig, int64_t step);
 
 /* `tandem launch` without restarts (tools/launch.c). */
 int tdm_launch_run_once(int argc, char **argv);

@@ -307,7 +307,7 @@ static void tdm_launch_start(tdm_launch_job *j)
  * later, SIGKILL after the grace period. */
 static void tdm_launch_supervise(tdm_launch_job *j)
 {
-    int W = j->W, stopping = j->running < W, signalled = 0;
+    int W = j->W, stopping = j->running < W, signalled = 0, rank_failed = 0, settled = 0;
     long long grace_ms = j->o.grace_ms;
     uint64_t kill_at = stopping ? tdm_time_ns() + (uint64_t)grace_ms * 1000000ull : UINT64_MAX;
     if (stopping) {
@@ -352,6 +352,7 @@ static void tdm_launch_supervise(tdm_launch_job *j)
             j->wst[r] = ws;
             j->running--;
             if (!tdm_shm_watch_ended(&j->watch, r, ws)) continue;
+            rank_failed = 1;
             if (!stopping) {
                 /* The group abort lets ranks inside a collective fail on
                  * their own (and say so) first; SIGTERM comes a moment
@@ -361,6 +362,14 @@ static void tdm_launch_supervise(tdm_launch_job *j)
                 term_at = t + (uint64_t)(grace_ms < 1000 ? grace_ms : 1000) * 1000000ull;
                 kill_at = term_at + (uint64_t)grace_ms * 1000000ull;
             }
+        }
+        /* a rank failed and the others are stopped: they can say nothing
+         * more before the SIGKILL after the grace period, so the doctor
+         * speaks now (tools/doctor.h); not for a signal to the launcher */
+        if (rank_failed && !settled && !j->fwd_sig && j->running > 0 &&
+            tdm_shm_watch_only_stopped(&j->watch)) {
+            settled = 1;
+            tdm_doctor_job_settled(&j->watch, &j->frj);
         }
         if (stopping && j->running > 0 && tdm_time_ns() >= term_at) {
             tdm_shm_watch_stopping(&j->watch, TDM_STATUS_OK, NULL);   /* a rank failed */

@@ -246,10 +246,6 @@ static tdm_status tdm_train_check_args(tdm_train_args *a)
     if (a->max_restarts && strcmp(a->mode, "ddp"))
         return tdm_tool_usage_error("tandem train: --max-restarts applies to --mode ddp (ranks "
                                     "that can fail one by one)\n");
-    if (a->max_restarts && gpt)
-        return tdm_tool_usage_error("tandem train: --max-restarts is not available for --model "
-                                    "gpt yet (its DDP loop forks its own ranks); tandem launch "
-                                    "--max-restarts K restarts a launched one from its --save\n");
     if (tdm_elastic_attempt() > 0 && !a->resume) {
         /* restarted by tandem launch --max-restarts: resume from the
          * launcher's --checkpoint, else from our own --save */

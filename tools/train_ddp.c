@@ -22,7 +22,8 @@
  * Test hook: TANDEM_DDP_TEST_KILL=R:S makes rank R SIGKILL itself before
  * its global step S (counted from 1 over the whole run), to test
  * fail-fast and checkpoint recovery end to end; R:S:STOP makes it stop
- * itself (SIGSTOP) there instead, to test stall detection.
+ * itself (SIGSTOP) there instead, to test stall detection
+ * (tdm_elastic_test_fault, tools/elastic.h; the gpt's ranks have it too).
  *
  * Batch split: every rank gathers the global batch of B and
  * tdm_ddp_forward_global runs its share, samples [r*B/N, (r+1)*B/N)
@@ -31,7 +32,6 @@
  * global batch's mean-loss gradient even when N does not divide B. */
 #include <fcntl.h>
 #include <math.h>
-#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -46,7 +46,6 @@
 #include "models/checkpoint.h"
 #include "tools/ddp_rank.h"
 #include "tools/devices.h"
-#include "tools/doctor.h"
 #include "tools/elastic.h"
 #include "tools/mpi_job.h"
 #include "tools/tools.h"
@@ -105,13 +104,7 @@ static tdm_status tdm_train_ddp_step(void *ctx, const void *x, const int32_t *y,
     tdm_train_ddp_rank *r = ctx;
     tdm_status st = TDM_STATUS_OK;
     double ls = 0.0;
-    if (++r->steps == r->kill_step) {
-        fflush(stdout);
-        /* the moment of the fault, for tools/fault_latency.sh */
-        fprintf(stderr, "tandem train: rank %d: test fault: %s before step %lld\n", r->rank,
-                r->kill_sig == SIGSTOP ? "SIGSTOP" : "SIGKILL", (long long)r->steps);
-        raise(r->kill_sig);
-    }
+    if (++r->steps == r->kill_step) tdm_elastic_test_fault_fire(r->rank, r->kill_sig, r->steps);
     TDM_TRY(tdm_ddp_zero_grad(r->ddp));
     TDM_TRY(tdm_ddp_forward_global(r->ddp, x, y, batch, &ls));
     if (!isfinite(ls)) return tdm_train_ddp_nonfinite(r, ls, batch);
@@ -132,10 +125,7 @@ fail:
 static tdm_status tdm_train_ddp_zero(void *ctx)
 {
     tdm_train_ddp_rank *r = ctx;
-    if (++r->steps == r->kill_step) {
-        fflush(stdout);
-        raise(r->kill_sig);
-    }
+    if (++r->steps == r->kill_step) tdm_elastic_test_fault_fire(r->rank, r->kill_sig, r->steps);
     tdm_status st = tdm_ddp_zero_grad(r->ddp);
     if (st) {
         tdm_error_prefix(st, "rank %d", r->rank);
@@ -219,16 +209,7 @@ static void tdm_train_ddp_quiet_rank(tdm_train_ddp_rank *r)
 /* TANDEM_DDP_TEST_KILL=R:S[:STOP] (see the top of this file). */
 static void tdm_train_ddp_test_hook(tdm_train_ddp_rank *r)
 {
-    const char *kill_env = getenv("TANDEM_DDP_TEST_KILL");
-    int kr = -1;
-    long long ks = 0;
-    char how[8] = "";
-    /* the first attempt only: a restarted job must be able to finish */
-    if (kill_env && tdm_elastic_attempt() == 0 &&
-        sscanf(kill_env, "%d:%lld:%7s", &kr, &ks, how) >= 2 && kr == r->rank) {
-        r->kill_step = ks;
-        r->kill_sig = strcmp(how, "STOP") ? SIGKILL : SIGSTOP;
-    }
+    r->kill_step = tdm_elastic_test_fault(r->rank, &r->kill_sig);
 }
 
 /* The rank's device, replica, Reducer and optimizer, and --resume (every
@@ -412,32 +393,8 @@ static tdm_status tdm_train_ddp_forked(tdm_train_ddp_ctx *c)
     /* a restart resumes from the checkpoint: a copy whose resume changes */
     tdm_train_args ar = *a;
     c->a = &ar;
-    for (int attempt = 0;; attempt++) {
-        tdm_elastic_set_attempt(attempt);
-        tdm_doctor_job frj;   /* the ranks' flight-recorder dumps (tools/doctor.h) */
-        tdm_doctor_job_begin(&frj, "tandem train", NULL);
-        tdm_shm_spawn_result res;
-        st = tdm_ddp_spawn(c->dl.count, tdm_train_ddp_forked_rank, c, &so, &res);
-        if (st == TDM_STATUS_OK) {
-            tdm_doctor_job_end(&frj, 0, c->dl.count, NULL, NULL, NULL, NULL);
-            break;
-        }
-        char why[1024];
-        snprintf(why, sizeof why, "%s", tdm_error_message());
-        fprintf(stderr, "tandem train: ddp: %s\n", why);
-        tdm_doctor_job_end(&frj, 1, c->dl.count, res.pid, res.wstatus, NULL, why);
-        tdm_error_set(st, "%s", why);   /* the doctor's reads replaced the message */
-        /* a failure of a rank is restarted, not a signal to this process
-         * (Ctrl-C reaches the ranks too: they die of it, and so do we) */
-        if (attempt >= a->max_restarts || st != TDM_STATUS_PEER_FAILED) break;
-        char from[512];
-        if (a->save && access(a->save, F_OK) == 0) ar.resume = a->save;
-        tdm_elastic_describe(ar.resume, from, sizeof from);
-        int ms = tdm_elastic_backoff(attempt + 1);
-        fprintf(stderr, "tandem train: restart %d of %lld after %d ms: %s; every rank starts "
-                        "again %s\n", attempt + 1, a->max_restarts, ms, why, from);
-        fflush(stdout);
-    }
+    st = tdm_elastic_train_forked("ddp", c->dl.count, tdm_train_ddp_forked_rank, c, &so,
+                                  a->max_restarts, a->save, &ar.resume);
     c->a = a;
     tdm_data_free(&train);
     tdm_data_free(&test);

@@ -33,7 +33,7 @@
 #include "models/train_text.h"
 #include "tools/ddp_rank.h"
 #include "tools/devices.h"
-#include "tools/doctor.h"
+#include "tools/elastic.h"
 #include "tools/mpi_job.h"
 #include "tools/tools.h"
 #include "tools/train_modes.h"
@@ -70,6 +70,8 @@ typedef struct tdm_text_proc {
     const char *save;                /* FSDP: --save, written by every rank together */
     tdm_comm *comm;                  /* DDP, FSDP: the shm communicator */
     int rank, world, batch;
+    int64_t steps, kill_step;        /* DDP test hook (tools/elastic.h): kill_sig */
+    int kill_sig;                    /* before step kill_step */
 } tdm_text_proc;
 
 static void tdm_text_header(const tdm_text_job *j, const tdm_train_args *a, int64_t params,
@@ -223,6 +225,7 @@ static tdm_status tdm_text_ddp_step(void *ctx, const void *x, const int32_t *y, 
     tdm_text_proc *p = ctx;
     tdm_status st = TDM_STATUS_OK;
     double ls = 0.0;
+    if (++p->steps == p->kill_step) tdm_elastic_test_fault_fire(p->rank, p->kill_sig, p->steps);
     TDM_TRY(tdm_ddp_zero_grad(p->ddp));
     /* 1/B, not 1/n: the SUM over ranks is the global batch's mean gradient */
     TDM_TRY(tdm_ddp_forward_scaled(p->ddp, x, y, n, 1.0f / (float)p->batch, &ls));
@@ -437,6 +440,7 @@ static tdm_status tdm_text_rank_main(tdm_comm *comm, const tdm_text_job *j)
         a.save = NULL;
         a.quiet = 1;
     }
+    p.kill_step = tdm_elastic_test_fault(p.rank, &p.kill_sig);
     tdm_status st = tdm_text_rank_run(&p, &a, &dev, &nccl);
     if (st) tdm_comm_abort(comm, "rank failed");
     fflush(stdout);
@@ -525,18 +529,13 @@ static tdm_status tdm_text_forked(tdm_text_job *j)
     tdm_model_free(probe);
     tdm_device_free(dev);
     fflush(stdout);
-    tdm_doctor_job frj;   /* the ranks' flight-recorder dumps (tools/doctor.h) */
-    tdm_doctor_job_begin(&frj, "tandem train", NULL);
-    tdm_shm_spawn_result res;
-    if ((st = tdm_ddp_spawn(j->dl.count, tdm_text_forked_rank, j, &so, &res))) {
-        char why[1024];
-        snprintf(why, sizeof why, "%s", tdm_error_message());
-        fprintf(stderr, "tandem train: %s: %s\n", j->fsdp ? "fsdp" : "ddp", why);
-        tdm_doctor_job_end(&frj, 1, j->dl.count, res.pid, res.wstatus, NULL, why);
-        tdm_error_set(st, "%s", why);
-    } else {
-        tdm_doctor_job_end(&frj, 0, j->dl.count, NULL, NULL, NULL, NULL);
-    }
+    /* a restart resumes from the checkpoint: a copy whose resume changes */
+    const tdm_train_args *given = j->a;
+    tdm_train_args ar = *given;
+    j->a = &ar;
+    st = tdm_elastic_train_forked(j->fsdp ? "fsdp" : "ddp", j->dl.count, tdm_text_forked_rank, j, &so, ar.max_restarts,
+                                  ar.save, &ar.resume);
+    j->a = given;
     return st;
 }
 
