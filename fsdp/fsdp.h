@@ -44,6 +44,10 @@
  * adds in rank order like shm's all-reduce, so every strategy's gradient
  * shard holds bitwise what DDP's all-reduced gradient holds there.
  *
+ * Options from DDP's issue (docs/FSDP.md): comm_hook compresses the
+ * reduce-scatters to fp16/bf16 (fsdp/comm_hook.c); join lets ranks with
+ * different numbers of batches finish (tdm_fsdp_join, fsdp/join.c).
+ *
  * Every rank must run the same layers in the same order in each pass (the
  * collectives follow the model's parameter-use events); a rank with no
  * samples in a step still takes part (FULL_SHARD runs the model on one
