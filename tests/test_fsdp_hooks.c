@@ -272,3 +272,45 @@ Test(fsdp_hooks, bad_hook_value_refused_at_init)
     cr_assert_eq(tdm_ddp_spawn(1, bad_rank, NULL, &so, NULL), TDM_STATUS_OK, "%s",
                  tdm_error_message());
 }
+
+/* A rank with another hook (or join) is named at construction, on every
+ * rank, before any gradient is reduced in two formats. */
+static char g_mm_msg[2][512];
+static int mm_rank(tdm_comm *comm, void *p)
+{
+    (void)p;
+    int rank = tdm_comm_rank(comm);
+    tdm_device *dev = NULL;
+    tdm_model *m = NULL;
+    tdm_fsdp *f = NULL;
+    tdm_model_spec spec;
+    tf_cfg c = tf_cfg_default();
+    tf_spec(&spec, &c);
+    tdm_status st = TDM_STATUS_INTERNAL;
+    if (tdm_device_open(&dev, "cpu", rank, 1) == TDM_STATUS_OK &&
+        tdm_model_init(&m, dev, &spec, 5) == TDM_STATUS_OK) {
+        tdm_fsdp_opts o = {.comm_hook = rank ? TDM_FSDP_HOOK_BF16 : TDM_FSDP_HOOK_NONE,
+                           .timeout_ms = 10000};
+        st = tdm_fsdp_init(&f, m, comm, &o);
+    }
+    snprintf(g_mm_msg[rank], sizeof g_mm_msg[rank], "%s", tdm_error_message());
+    tdm_fsdp_free(f);
+    tdm_model_free(m);
+    tdm_device_free(dev);
+    if (st != TDM_STATUS_MISMATCH) {
+        fprintf(stderr, "rank %d: status %d: %s\n", rank, (int)st, g_mm_msg[rank]);
+        return 1;
+    }
+    if (!strstr(g_mm_msg[rank], "rank 0 runs comm hook none (join off), rank 1 comm hook bf16")) {
+        fprintf(stderr, "rank %d: %s\n", rank, g_mm_msg[rank]);
+        return 1;
+    }
+    return 0;
+}
+
+Test(fsdp_hooks, a_rank_with_another_hook_is_named_at_init)
+{
+    tdm_ddp_spawn_opts so = {.timeout_ms = 30000, .comm_timeout_ms = 10000};
+    cr_assert_eq(tdm_ddp_spawn(2, mm_rank, NULL, &so, NULL), TDM_STATUS_OK, "%s",
+                 tdm_error_message());
+}
