@@ -135,6 +135,7 @@ tdm_status tdm_fsdp_init(tdm_fsdp **out, tdm_model *m, tdm_comm *comm, const tdm
     TDM_REQUIRE(!opts || opts->min_unit_elems >= 0, TDM_STATUS_INVALID_ARG,
                 "fsdp: min_unit_elems %lld is negative (0: one unit per block)",
                 opts ? (long long)opts->min_unit_elems : 0LL);
+    TDM_CHECK(tdm_fsdp_hook_check(opts, m));
     tdm_fsdp *f = calloc(1, sizeof *f);
     TDM_REQUIRE(f, TDM_STATUS_OUT_OF_MEMORY, "fsdp: calloc");
     f->m = m;
@@ -146,6 +147,7 @@ tdm_status tdm_fsdp_init(tdm_fsdp **out, tdm_model *m, tdm_comm *comm, const tdm
     f->world = tdm_comm_size(comm);
     f->n_params = tdm_model_n_params(m);
     f->sync = 1;
+    f->n_active = f->world;
     f->cur_f = f->cur_b = -1;
     if (f->hcomm != comm &&
         (tdm_comm_rank(f->hcomm) != f->rank || tdm_comm_size(f->hcomm) != f->world)) {
@@ -246,6 +248,7 @@ void tdm_fsdp_free(tdm_fsdp *f)
         if (f->o.sharding == TDM_FSDP_FULL_SHARD) tdm_fsdp_pool_put(f, x->pbuf, x->pbuf_bytes);
         if (f->o.sharding != TDM_FSDP_SHARD_OPTIM) tdm_fsdp_pool_put(f, x->gbuf, x->gbuf_bytes);
         tdm_fsdp_pool_put(f, x->rs_tmp, x->rs_tmp_bytes);
+        tdm_fsdp_hook_release(f, u);
     }
     tdm_fsdp_pool_trim(f);
     tdm_device *d = f->dev;
@@ -419,11 +422,19 @@ static tdm_status tdm_fsdp_run_forward(tdm_fsdp *f, const void *xd, int B, int k
     return st;
 }
 
-tdm_status tdm_fsdp_forward_scaled(tdm_fsdp *f, const void *x, const int32_t *y, int batch,
-                                   float grad_scale, double *loss_sum)
+/* by_active: the scale is 1/(batch * the ranks with data) (opts.join) */
+static tdm_status tdm_fsdp_forward_impl(tdm_fsdp *f, const void *x, const int32_t *y, int batch,
+                                        float grad_scale, int by_active, double *loss_sum)
 {
     TDM_REQUIRE(batch >= 0 && (batch == 0 || (x && y)), TDM_STATUS_INVALID_ARG,
                 "fsdp forward: bad batch %d or NULL input", batch);
+    TDM_REQUIRE(!f->joined || batch == 0, TDM_STATUS_INVALID_ARG,
+                "fsdp forward: this rank has joined (tdm_fsdp_join): it has no data left");
+    if (f->o.join) {
+        tdm_status js = tdm_fsdp_join_forward(f, tdm_model_is_train(f->m), batch, by_active,
+                                              &grad_scale);
+        if (js) return tdm_fsdp_fail(f, js);
+    }
     tdm_model *m = f->m;
     tdm_device *d = f->dev;
     uint64_t t0 = tdm_time_ns();
@@ -492,12 +503,18 @@ tdm_status tdm_fsdp_forward_scaled(tdm_fsdp *f, const void *x, const int32_t *y,
     return TDM_STATUS_OK;
 }
 
+tdm_status tdm_fsdp_forward_scaled(tdm_fsdp *f, const void *x, const int32_t *y, int batch,
+                                   float grad_scale, double *loss_sum)
+{
+    return tdm_fsdp_forward_impl(f, x, y, batch, grad_scale, 0, loss_sum);
+}
+
 tdm_status tdm_fsdp_forward(tdm_fsdp *f, const void *x, const int32_t *y, int batch,
                             double *loss_mean)
 {
     double ls = 0.0;
     float scale = batch > 0 ? 1.0f / ((float)batch * (float)f->world) : 0.0f;
-    TDM_CHECK(tdm_fsdp_forward_scaled(f, x, y, batch, scale, &ls));
+    TDM_CHECK(tdm_fsdp_forward_impl(f, x, y, batch, scale, f->o.join, &ls));
     if (loss_mean) *loss_mean = batch > 0 ? ls / batch : 0.0;
     return TDM_STATUS_OK;
 }

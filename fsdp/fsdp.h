@@ -44,6 +44,10 @@
  * adds in rank order like shm's all-reduce, so every strategy's gradient
  * shard holds bitwise what DDP's all-reduced gradient holds there.
  *
+ * Options from DDP's issue (docs/FSDP.md): comm_hook compresses the
+ * reduce-scatters to fp16/bf16 (fsdp/comm_hook.c); join lets ranks with
+ * different numbers of batches finish (tdm_fsdp_join, fsdp/join.c).
+ *
  * Every rank must run the same layers in the same order in each pass (the
  * collectives follow the model's parameter-use events); a rank with no
  * samples in a step still takes part (FULL_SHARD runs the model on one
@@ -80,6 +84,34 @@ const char *tdm_fsdp_sharding_describe(tdm_fsdp_sharding s);
  * zero3, zero2, zero1, 3, 2, 1; INVALID_ARG listing them otherwise. */
 tdm_status tdm_fsdp_sharding_parse(const char *text, tdm_fsdp_sharding *out);
 
+/* Compression of the gradient reduce-scatters (fsdp/comm_hook.c; PyTorch's
+ * fp16_compress_hook / bf16_compress_hook registered on a sharded FSDP):
+ * each unit's full local gradient is rounded to 16 bits (to nearest
+ * even), the 16-bit values are reduce-scattered (half the bytes), and
+ * the owner widens its slice into its gradient shard. On shm the sum is
+ * accumulated in float32 in rank order and rounded once to 16 bits: each
+ * element is the 16-bit rounding of the float32 sum of the ranks' rounded
+ * values, bit for bit what DDP's fp16/bf16 hooks give it (ddp/hooks.h has
+ * the precision of each format). ZeRO-1's gradient collective is the same
+ * per-unit reduce-scatter (of its persistent full gradients), compressed
+ * alike. Host devices only (the rounding runs on the CPU). PowerSGD is not
+ * offered: its factors are all-reduced whole and its error feedback keeps
+ * a full local gradient per rank, which a reduce-scatter into shards has
+ * no place for (PyTorch's FSDP offers only these two for sharded
+ * strategies). */
+typedef enum tdm_fsdp_comm_hook {
+    TDM_FSDP_HOOK_NONE = 0,      /* float32 reduce-scatter ("allreduce", "none") */
+    TDM_FSDP_HOOK_FP16,          /* IEEE binary16 ("fp16") */
+    TDM_FSDP_HOOK_BF16,          /* bfloat16 ("bf16") */
+    TDM_FSDP_HOOK_COUNT_
+} tdm_fsdp_comm_hook;
+
+/* "none", "fp16", "bf16"; "?" when invalid. */
+const char *tdm_fsdp_comm_hook_name(tdm_fsdp_comm_hook h);
+/* Parses fp16, bf16, and allreduce or none (no compression). powersgd is
+ * refused saying why; anything else lists the choices (INVALID_ARG). */
+tdm_status tdm_fsdp_comm_hook_parse(const char *text, tdm_fsdp_comm_hook *out);
+
 /* Zero-initialised options are the defaults. */
 typedef struct tdm_fsdp_opts {
     tdm_fsdp_sharding sharding;  /* default FULL_SHARD */
@@ -94,6 +126,13 @@ typedef struct tdm_fsdp_opts {
                                   * fails the call (TIMEOUT) and aborts the
                                   * communicator; the collective keeps its
                                   * buffers until it has ended */
+    tdm_fsdp_comm_hook comm_hook;   /* default NONE: float32 reduce-scatters */
+    /* 1: uneven inputs (PyTorch's Join, as tdm_ddp_opts.join): every
+     * training forward first all-reduces how many ranks still have data
+     * (two int32 over host_comm), the loss gradient is averaged over those
+     * ranks, and a rank out of data calls tdm_fsdp_join, which shadows the
+     * others' collectives until every rank has joined. */
+    int join;
     /* Borrowed, optional: a communicator with the same ranks for the few
      * collectives on host memory (layout check, loss sums, checkpoint
      * flags). Needed when comm only takes device memory (NCCL: pass the
@@ -116,6 +155,7 @@ void tdm_fsdp_free(tdm_fsdp *f);
 tdm_model *tdm_fsdp_model(tdm_fsdp *f);
 tdm_comm *tdm_fsdp_comm(tdm_fsdp *f);
 tdm_fsdp_sharding tdm_fsdp_get_sharding(const tdm_fsdp *f);
+tdm_fsdp_comm_hook tdm_fsdp_get_comm_hook(const tdm_fsdp *f);
 
 /* Units: how many, and unit u's parameters first..last, its range
  * [offset, offset + n_elem) of the model's flat buffer and its shard
@@ -141,7 +181,10 @@ tdm_status tdm_fsdp_zero_grad(tdm_fsdp *f);
 tdm_status tdm_fsdp_forward_scaled(tdm_fsdp *f, const void *x, const int32_t *y, int batch,
                                    float grad_scale, double *loss_sum);
 /* The same with grad_scale 1/(batch * world) (the mean loss, then SUM:
- * exact when every rank has the same batch); *loss_mean this rank's. */
+ * exact when every rank has the same batch); *loss_mean this rank's.
+ * With opts.join: 1/(batch * the ranks with data in this forward), and
+ * tdm_fsdp_forward_scaled's scale, meant for every rank, is multiplied by
+ * world / (those ranks): the mean over the ranks that contribute. */
 tdm_status tdm_fsdp_forward(tdm_fsdp *f, const void *x, const int32_t *y, int batch,
                             double *loss_mean);
 /* Backward of the last forward; in sync mode reduce-scatters every unit's
@@ -154,8 +197,28 @@ tdm_status tdm_fsdp_backward(tdm_fsdp *f);
  * the last synchronised backward. */
 double tdm_fsdp_loss_sum(const tdm_fsdp *f);
 /* no_sync: while enabled, backward only accumulates local (full)
- * gradients; the next synchronised backward reduces their sum. */
+ * gradients; the next synchronised backward reduces their sum. With
+ * opts.join, set it before the forward (the forward's count says whether
+ * its backward synchronises). */
 void tdm_fsdp_no_sync(tdm_fsdp *f, int enable);
+
+/* Uneven inputs (opts.join; fsdp/join.c): called by a rank that has run
+ * out of data, collectively with the others' remaining steps. Until every
+ * rank has joined it shadows each step of the ranks still training - the
+ * count all-reduce, the buffer broadcast, the all-gathers of parameters
+ * (FULL_SHARD runs a zero sample with a zero loss gradient through forward
+ * and backward), the reduce-scatters with zero gradient contributions -
+ * and steps its shards with opt like them (its shards are part of the
+ * model, and in grad_op and optimizer the step's all-gathers are
+ * collective: opt is required). Under the others' no_sync it shadows
+ * forward and backward only. Returns once every rank has joined;
+ * *shadowed (may be NULL): the synchronised steps it shadowed. The
+ * reduced gradient of a step is the sum of the active ranks' gradients;
+ * with tdm_fsdp_forward the mean over the ranks that contributed. */
+tdm_status tdm_fsdp_join(tdm_fsdp *f, tdm_optim *opt, int64_t *shadowed);
+/* Ranks that contributed to the last training forward (opts.join; else
+ * the world size). */
+int tdm_fsdp_active_ranks(const tdm_fsdp *f);
 
 /* Steps this rank's shard with opt (from tdm_fsdp_optim_init) and, in
  * grad_op and optimizer, launches the all-gathers that bring every rank

@@ -35,6 +35,10 @@ typedef struct tdm_fsdp_unit {
     int rs_event;
     int pending;              /* parameters not final yet in this backward */
     int launched;             /* reduce-scatter issued in this backward */
+    /* opts.comm_hook: the 16-bit values reduce-scattered in place (a pool
+     * block of padded halves), from launch to the end of the collective */
+    uint16_t *hook_buf;
+    size_t hook_bytes;
 } tdm_fsdp_unit;
 
 typedef struct tdm_fsdp_block {
@@ -108,6 +112,10 @@ struct tdm_fsdp {
     tdm_fsdp_event *ev_out;   /* tdm_fsdp_get_times' copy */
     int rs_done_in_bwd, ag_ready_at_use;
     tdm_fsdp_times times;
+    /* opts.join (fsdp/join.c) */
+    int joined;               /* this rank ran out of data (tdm_fsdp_join) */
+    int n_active;             /* ranks with data in the last training forward */
+    int join_sync;            /* that forward's backward synchronises */
 };
 
 /* fsdp/units.c */
@@ -164,6 +172,24 @@ static inline float *tdm_fsdp_gshard(tdm_fsdp *f, int u)
     return f->o.sharding == TDM_FSDP_SHARD_OPTIM ? f->gfull + x->full_off + f->rank * x->shard
                                                  : f->gshard + x->shard_off;
 }
+
+/* fsdp/comm_hook.c: opts.comm_hook. check: the option is valid and the
+ * model's device a host one (at init). launch: rounds unit u's full local
+ * gradient `full` (padded floats) to 16 bits into a pool block and
+ * reduce-scatters it in place (x->rs). finish: after the collective, widens
+ * this rank's slice into where the float32 reduce-scatter would have put
+ * it (the gradient shard, its staging rs_tmp, or ZeRO-1's owned slice of
+ * the full gradient) and gives the block back; release: gives it back
+ * (an ended, failed collective). */
+tdm_status tdm_fsdp_hook_check(const tdm_fsdp_opts *o, tdm_model *m);
+tdm_status tdm_fsdp_hook_launch(tdm_fsdp *f, int u, const float *full);
+void tdm_fsdp_hook_finish(tdm_fsdp *f, int u);
+void tdm_fsdp_hook_release(tdm_fsdp *f, int u);
+/* fsdp/join.c: opts.join at a forward: counts the ranks with data (a
+ * training forward of a rank not joined; a joined rank counts in
+ * tdm_fsdp_join) and sets the loss-gradient scale: by_active 1/(batch *
+ * active ranks), else *scale * world / active ranks. */
+tdm_status tdm_fsdp_join_forward(tdm_fsdp *f, int train, int batch, int by_active, float *scale);
 
 /* fsdp/plan.c, called once by tdm_fsdp_init: the unit plan, then its
  * check that every rank holds the same plan and tensor layout. */

@@ -102,7 +102,8 @@ static int64_t tdm_fsdp_tensor_hash(const tdm_tensor_info *t)
 }
 
 enum { TDM_FSDP_SUM_NPARAMS, TDM_FSDP_SUM_NBUF, TDM_FSDP_SUM_NUNITS, TDM_FSDP_SUM_SHARDING,
-       TDM_FSDP_SUM_PREFETCH, TDM_FSDP_SUM_OVERLAP, TDM_FSDP_SUM_N };
+       TDM_FSDP_SUM_PREFETCH, TDM_FSDP_SUM_OVERLAP, TDM_FSDP_SUM_HOOK, TDM_FSDP_SUM_JOIN,
+       TDM_FSDP_SUM_N };
 #define TDM_FSDP_UNIT_FIELDS 5
 
 tdm_status tdm_fsdp_verify(tdm_fsdp *f)
@@ -113,7 +114,8 @@ tdm_status tdm_fsdp_verify(tdm_fsdp *f)
     int64_t mine[TDM_FSDP_SUM_N] = {
         [TDM_FSDP_SUM_NPARAMS] = f->n_params, [TDM_FSDP_SUM_NBUF] = nbuf,
         [TDM_FSDP_SUM_NUNITS] = f->nu, [TDM_FSDP_SUM_SHARDING] = f->o.sharding,
-        [TDM_FSDP_SUM_PREFETCH] = f->o.no_prefetch, [TDM_FSDP_SUM_OVERLAP] = f->o.no_overlap};
+        [TDM_FSDP_SUM_PREFETCH] = f->o.no_prefetch, [TDM_FSDP_SUM_OVERLAP] = f->o.no_overlap,
+        [TDM_FSDP_SUM_HOOK] = f->o.comm_hook, [TDM_FSDP_SUM_JOIN] = !!f->o.join};
     int64_t *all = calloc((size_t)W * TDM_FSDP_SUM_N, sizeof *all), *tab = NULL;
     TDM_REQUIRE(all, TDM_STATUS_OUT_OF_MEMORY, "fsdp: calloc");
     memcpy(all + (size_t)f->rank * TDM_FSDP_SUM_N, mine, sizeof mine);
@@ -213,6 +215,18 @@ tdm_status tdm_fsdp_verify(tdm_fsdp *f)
                                tdm_fsdp_sharding_name((tdm_fsdp_sharding)b[TDM_FSDP_SUM_SHARDING]),
                                b[TDM_FSDP_SUM_PREFETCH] ? "off" : "on",
                                b[TDM_FSDP_SUM_OVERLAP] ? "off" : "on");
+            goto fail;
+        }
+        if (a[TDM_FSDP_SUM_HOOK] != b[TDM_FSDP_SUM_HOOK] ||
+            a[TDM_FSDP_SUM_JOIN] != b[TDM_FSDP_SUM_JOIN]) {
+            st = tdm_error_set(TDM_STATUS_MISMATCH,
+                               "fsdp: options differ between ranks: rank 0 runs comm hook %s "
+                               "(join %s), rank %d comm hook %s (join %s); the collectives "
+                               "would not match",
+                               tdm_fsdp_comm_hook_name((tdm_fsdp_comm_hook)a[TDM_FSDP_SUM_HOOK]),
+                               a[TDM_FSDP_SUM_JOIN] ? "on" : "off", r,
+                               tdm_fsdp_comm_hook_name((tdm_fsdp_comm_hook)b[TDM_FSDP_SUM_HOOK]),
+                               b[TDM_FSDP_SUM_JOIN] ? "on" : "off");
             goto fail;
         }
     }

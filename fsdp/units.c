@@ -411,12 +411,16 @@ static void tdm_fsdp_hook_fail(tdm_fsdp *f, tdm_status st)
 }
 
 /* Unit u's reduce-scatter: every rank's full gradient of the unit summed,
- * shard r landing on rank r. */
+ * shard r landing on rank r (with opts.comm_hook as 16-bit values:
+ * fsdp/comm_hook.c). */
 static tdm_status tdm_fsdp_launch_rs(tdm_fsdp *f, int u)
 {
     tdm_fsdp_unit *x = &f->u[u];
     tdm_status st;
-    if (f->o.sharding == TDM_FSDP_SHARD_OPTIM) {
+    if (f->o.comm_hook && f->o.sharding == TDM_FSDP_SHARD_OPTIM) {
+        tdm_comm_set_label(f->comm, "%s reduce_scatter unit %d", tdm_fsdp_tag(f), u);
+        st = tdm_fsdp_hook_launch(f, u, f->gfull + x->full_off);
+    } else if (f->o.sharding == TDM_FSDP_SHARD_OPTIM) {
         float *g = f->gfull + x->full_off;   /* in place */
         tdm_comm_set_label(f->comm, "%s reduce_scatter unit %d", tdm_fsdp_tag(f), u);
         st = tdm_comm_reduce_scatter_async(f->comm, g, g + (int64_t)f->rank * x->shard,
@@ -434,8 +438,10 @@ static tdm_status tdm_fsdp_launch_rs(tdm_fsdp *f, int u)
             recv = x->rs_tmp;
         }
         tdm_comm_set_label(f->comm, "%s reduce_scatter unit %d", tdm_fsdp_tag(f), u);
-        st = tdm_comm_reduce_scatter_async(f->comm, x->gbuf, recv, (size_t)x->shard,
-                                           TDM_DTYPE_FLOAT32, TDM_REDOP_SUM, &x->rs);
+        st = f->o.comm_hook ? tdm_fsdp_hook_launch(f, u, x->gbuf)
+                            : tdm_comm_reduce_scatter_async(f->comm, x->gbuf, recv,
+                                                            (size_t)x->shard, TDM_DTYPE_FLOAT32,
+                                                            TDM_REDOP_SUM, &x->rs);
     }
     if (st) {
         char d[256];
@@ -443,7 +449,7 @@ static tdm_status tdm_fsdp_launch_rs(tdm_fsdp *f, int u)
                                 tdm_fsdp_unit_desc(f, u, d, sizeof d));
     }
     x->launched = 1;
-    double bytes = (double)x->padded * sizeof(float);
+    double bytes = (double)x->padded * (f->o.comm_hook ? 2.0 : (double)sizeof(float));
     x->rs_event = tdm_fsdp_new_event(f, 1, u, 0, bytes);
     f->times.rs_bytes_total += bytes;
     if (f->in_backward) f->times.rs_overlapped_bytes_total += bytes;
@@ -531,7 +537,11 @@ static tdm_status tdm_fsdp_finish_rs(tdm_fsdp *f, int u)
     tdm_comm_work_free(x->rs);
     x->rs = NULL;
     x->rs_event = -1;
-    if (st) return st;
+    if (st) {
+        tdm_fsdp_hook_release(f, u);
+        return st;
+    }
+    tdm_fsdp_hook_finish(f, u);   /* opts.comm_hook: the 16-bit sum into place */
     tdm_device *d = f->dev;
     if (f->o.sharding == TDM_FSDP_SHARD_OPTIM) {
         /* Only the owned slice counts now. The rest still holds this

@@ -3,9 +3,11 @@
  * tandem compare --comm-hook (its section, the bounded verdict, and that
  * the verdict catches a wrong rank even with fp16's rounding), and
  * tandem train --mode ddp --uneven (ranks with different step counts
- * finish through join). */
+ * finish through join); the same for the sharded modes (--mode fsdp
+ * --comm-hook fp16|bf16, powersgd refused, --uneven in every sharding). */
 #include <criterion/criterion.h>
 
+#include "core/device.h"
 #include "tests/cli_util.h"
 
 Test(cli_hooks, train_comm_hook, .timeout = 200)
@@ -70,6 +72,57 @@ Test(cli_hooks, train_uneven_join, .timeout = 200)
             "mlp:784-32-10", "--comm-hook", hooks[i]);
         expect(&r, 0, "steps per rank: 2 2 1 (shadowed after joining: 0 0 1)");
         cr_assert(strstr(r.out, "epoch 2/2"), "%s", r.out);
+    }
+}
+
+/* --mode fsdp: bf16 halves the bytes reduce-scattered; --uneven joins in
+ * every sharding (101 samples over 3 ranks in batches of 33, as above);
+ * powersgd and non-host devices are refused saying why. */
+Test(cli_hooks, fsdp_comm_hook_and_uneven, .timeout = 300)
+{
+    static cli_result r;
+    CLI(&r, "train", "--mode", "fsdp", "--comm-hook", "powersgd");
+    expect(&r, 2, "PyTorch's FSDP offers only the fp16 and bf16 hooks");
+    CLI(&r, "train", "--mode", "fsdp", "--uneven", "--grad-accum", "2");
+    expect(&r, 2, "without --grad-accum");
+    const char *shard[] = {"full", "grad_op", "optimizer"};
+    for (int i = 0; i < 3; i++) {
+        CLI(&r, "train", "--mode", "fsdp", "--sharding", shard[i], "--device", "cpu:3",
+            "--uneven", "--data", "synthetic", "--synthetic-size", "101", "--batch", "99",
+            "--epochs", "2", "--model", "mlp:784-32-10", "--comm-hook", i == 1 ? "fp16" : "bf16");
+        expect(&r, 0, "steps per rank: 2 2 1 (shadowed after joining: 0 0 1)");
+        cr_assert(strstr(r.out, "epoch 2/2"), "%s", r.out);
+        const char *want = i == 1 ? "fsdp comm hook fp16: " : "fsdp comm hook bf16: ";
+        const char *p = strstr(r.out, want);
+        cr_assert(p, "%s", r.out);
+        double bytes = 0, f32 = 0;
+        cr_assert(sscanf(p + strlen(want), "%lf bytes reduce-scattered per step (float32 "
+                         "gradients: %lf", &bytes, &f32) == 2, "%s", p);
+        cr_assert_eq(bytes * 2, f32, "%s", p);
+    }
+    /* compare: each sharded mode with the hook, against hooked DDP */
+    CLI(&r, "compare", "--data", "synthetic", "--model", "mlp:784-64-10", "--steps", "6",
+        "--warmup", "1", "--batch", "64", "--modes", "ddp,fsdp,zero1", "--comm-hook", "bf16");
+    expect(&r, 0, "sharded modes with bf16 (each against DDP with bf16)");
+    const char *p = strstr(r.out, "sharded modes with bf16");
+    cr_assert(p, "%s", r.out);
+    const char *fz = strstr(p, "FSDP     "), *z1 = strstr(p, "ZeRO-1   ");
+    cr_assert(fz && z1 && strstr(fz, "bitwise DDP's -> within") &&
+              strstr(z1, "bitwise DDP's -> within"), "%s", r.out);
+    cr_assert(strstr(r.out, "hook verdict: the expected, bounded difference"), "%s", r.out);
+    CLI(&r, "compare", "--data", "synthetic", "--model", "mlp:784-64-10", "--steps", "2",
+        "--warmup", "1", "--batch", "64", "--modes", "ddp,zero2", "--comm-hook", "powersgd",
+        "--powersgd-start-step", "0");
+    cr_assert(strstr(r.out, "not run: PowerSGD is not defined for a reduce-scatter"), "%s",
+              r.out);
+    if (tdm_device_cuda_linked()) {
+        cr_assert_eq(setenv("TANDEM_CUDA_EMULATOR", "2", 1), 0);
+        CLI(&r, "train", "--mode", "fsdp", "--device", "cuda:0,1", "--data", "synthetic",
+            "--synthetic-size", "256", "--batch", "64", "--epochs", "1", "--model",
+            "mlp:784-32-10", "--comm-hook", "bf16");
+        unsetenv("TANDEM_CUDA_EMULATOR");
+        cr_assert_neq(r.code, 0, "%s", r.out);
+        cr_assert(strstr(r.out, "comm hook bf16 runs on host devices only"), "%s", r.out);
     }
 }
 

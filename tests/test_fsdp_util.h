@@ -44,6 +44,7 @@ typedef struct tf_cfg {
                               * across synchronised backwards */
     int bad_layout_rank;     /* >= 0: this rank groups units differently */
     int seed_by_rank;
+    const char *hook;        /* comm hook (fp16, bf16): DDP's, or fsdp's opts.comm_hook */
     tdm_status (*open_dev)(tdm_device **out, int rank);
     /* optional: the communicator FSDP shards over (NCCL), bootstrapped
      * over the shm one, which then carries the host collectives */
@@ -171,6 +172,7 @@ static inline int tf_rank_main(tdm_comm *comm, void *arg)
     if (c->ddp) {
         tdm_ddp_opts o = {.timeout_ms = 20000};
         TDM_TRY(tdm_ddp_init(&ddp, m, comm, &o));
+        if (c->hook) TDM_TRY(tdm_ddp_set_comm_hook(ddp, c->hook, NULL));
         TDM_TRY(tdm_optim_init(&opt, m, &oo));
     } else {
         tdm_fsdp_opts o = {.sharding = c->sharding, .no_prefetch = c->no_prefetch,
@@ -178,6 +180,7 @@ static inline int tf_rank_main(tdm_comm *comm, void *arg)
                            .min_unit_elems = c->bad_layout_rank == rank ? 1 << 20
                                                                          : c->min_unit_elems,
                            .host_comm = dcomm ? comm : NULL};
+        if (c->hook) TDM_TRY(tdm_fsdp_comm_hook_parse(c->hook, &o.comm_hook));
         TDM_TRY(tdm_fsdp_init(&f, m, dcomm ? dcomm : comm, &o));
         TDM_TRY(tdm_fsdp_optim_init(&opt, f, &oo));
         if (rank == 0) sh->n_units = tdm_fsdp_n_units(f);

@@ -52,7 +52,7 @@ typedef struct tdm_cmp_opts {
     const char *comm_hook;     /* --comm-hook (NULL or "allreduce": none) */
     int powersgd_rank;
     int64_t powersgd_start_step;
-    int hooked;                /* this DDP run registers comm_hook */
+    int hooked;                /* this DDP (or sharded) run registers comm_hook */
     int sync_bn;               /* --sync-bn: DDP's batchnorm over the whole global batch */
 } tdm_cmp_opts;
 
@@ -90,7 +90,8 @@ typedef struct tdm_cmp_result {
     double *coll;                      /* [steps * n_coll * 4] rank 0: kind (0 all-gather,
                                           1 reduce-scatter, -1 none), unit, start, end
                                           (ms from the step's start) */
-    double bytes_per_step;             /* DDP rank 0: bytes all-reduced per step (mean) */
+    double bytes_per_step;             /* DDP rank 0: bytes all-reduced per step (mean);
+                                          sharded: bytes reduce-scattered */
     tdm_cmp_memory mem[TDM_CMP_MAX_DEV];
 } tdm_cmp_result;
 

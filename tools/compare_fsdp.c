@@ -69,7 +69,7 @@ int tdm_cmp_parse_modes(const char *s, unsigned *mask)
 typedef struct tdm_cmp_fsdp_sh {
     int world, steps, n_coll;
     int64_t param_elems;
-    double prefetch_frac, overlap_frac;
+    double prefetch_frac, overlap_frac, rs_bytes_per_step;
     int agree[TDM_CMP_MAX_DEV];
     tdm_cmp_memory mem[TDM_CMP_MAX_DEV];
     size_t off_loss, off_step, off_t0, off_phase, off_comm, off_exposed, off_coll, off_first,
@@ -96,6 +96,8 @@ static tdm_status tdm_cmp_fsdp_make(const tdm_cmp_opts *o, tdm_comm *comm, tdm_d
     TDM_CHECK(tdm_tool_rank_nccl(comm, dev, nccl));
     tdm_fsdp_opts fo = {.sharding = tdm_cmp_sharding_of(mode), .no_overlap = o->no_overlap,
                         .host_comm = *nccl ? comm : NULL};
+    /* --comm-hook's second run (tools/compare_hook.c) */
+    if (o->hooked && o->comm_hook) TDM_CHECK(tdm_fsdp_comm_hook_parse(o->comm_hook, &fo.comm_hook));
     TDM_CHECK(tdm_fsdp_init(f, *m, *nccl ? *nccl : comm, &fo));
     tdm_optim_opts oo;
     tdm_optim_opts_default(&oo, strcmp(o->optim, "adamw") ? TDM_OPTIM_SGD : TDM_OPTIM_ADAMW);
@@ -185,6 +187,7 @@ static int tdm_cmp_fsdp_rank(tdm_comm *comm, void *argp)
         tdm_fsdp_get_times(f, &t);
         sh->prefetch_frac = t.ag_bytes_total > 0 ? t.ag_prefetched_bytes_total / t.ag_bytes_total : 0;
         sh->overlap_frac = t.rs_bytes_total > 0 ? t.rs_overlapped_bytes_total / t.rs_bytes_total : 0;
+        sh->rs_bytes_per_step = t.steps > 0 ? t.rs_bytes_total / (double)t.steps : 0.0;
     }
     if (tdm_comm_barrier(comm) != TDM_STATUS_OK) goto done;
     sh->agree[rank] = !memcmp(mine, TDM_CMP_FAT(sh, off_last, float),
@@ -283,6 +286,7 @@ tdm_status tdm_cmp_run_fsdp(const tdm_cmp_opts *o, const tdm_cmp_data *data,
                (size_t)r->n_coll * 4 * sizeof(double));
     r->prefetch_frac = sh->prefetch_frac;
     r->overlap_bytes_frac = sh->overlap_frac;
+    r->bytes_per_step = sh->rs_bytes_per_step;
     memcpy(r->params_first, TDM_CMP_FAT(sh, off_first, float), (size_t)pe * sizeof(float));
     memcpy(r->params_last, TDM_CMP_FAT(sh, off_last, float), (size_t)pe * sizeof(float));
     for (int k = 0; k < world; k++) {

@@ -34,6 +34,63 @@ static double tdm_cmp_hook_unit(const char *h)
     return 0.0;
 }
 
+/* The sharded modes of --modes with the hook, beside DDP with it: each
+ * compresses its reduce-scatters the way DDP compresses its buckets, so
+ * on shm its parameters equal hooked DDP's bit for bit (docs/FSDP.md);
+ * the verdict allows the float tolerance (other communicators may add in
+ * another order). PowerSGD has no sharded form: said, not run. Returns
+ * 1 (within), 0 (beyond), -1 (a run failed). */
+static int tdm_cmp_hook_sharded(const tdm_cmp_opts *o, const tdm_cmp_data *data,
+                                const tdm_cmp_result *ddp)
+{
+    int verdict = 1, any = 0;
+    for (int mode = 0; mode < TDM_CMP_NMODES; mode++) {
+        if (!(o->modes & (1u << mode)) || !tdm_cmp_is_sharded((tdm_cmp_mode)mode)) continue;
+        const char *name = tdm_cmp_mode_name((tdm_cmp_mode)mode);
+        if (!any++)
+            printf("  sharded modes with %s (each against DDP with %s):\n", o->comm_hook,
+                   o->comm_hook);
+        if (!strcmp(o->comm_hook, "powersgd")) {
+            printf("  %-8s not run: PowerSGD is not defined for a reduce-scatter (PyTorch's FSDP "
+                   "offers only fp16 and bf16 for sharded strategies)\n", name);
+            continue;
+        }
+        tdm_cmp_opts oh = *o;
+        oh.hooked = 1;
+        tdm_cmp_result r;
+        fflush(stdout);
+        if (tdm_cmp_run(&oh, data, (tdm_cmp_mode)mode, o->n_dev, &r) != TDM_STATUS_OK) return -1;
+        double worst = 0.0, worst_diff = 0.0;
+        int same = 1;
+        for (int64_t j = 0; j < r.param_elems; j++) {
+            const float *a[2] = {r.params_first, r.params_last};
+            const float *b[2] = {ddp->params_first, ddp->params_last};
+            for (int k = 0; k < 2; k++) {
+                double diff = fabs((double)a[k][j] - b[k][j]);
+                double bound = 1e-5 + 1e-4 * fabs((double)b[k][j]);
+                if (memcmp(&a[k][j], &b[k][j], sizeof(float))) same = 0;
+                if (diff / bound > worst) {
+                    worst = diff / bound;
+                    worst_diff = diff;
+                }
+            }
+        }
+        double med, lo, hi;
+        tdm_cmp_step_stats(o, &r, &med, &lo, &hi);
+        int ok = worst <= 1.0 && r.ranks_agree;
+        verdict &= ok;
+        printf("  %-8s %.0f bytes reduce-scattered per step (DDP all-reduced %.0f), %.0f "
+               "samples/s; parameters after step 1 and step %d: ", name, r.bytes_per_step,
+               ddp->bytes_per_step, o->batch / med * 1e3, o->steps);
+        if (same) printf("bitwise DDP's -> within\n");
+        else
+            printf("max |diff| %.2e, %.2f of the float tolerance -> %s\n", worst_diff, worst,
+                   ok ? "within" : "BEYOND");
+        tdm_cmp_result_free(&r);
+    }
+    return verdict;
+}
+
 static int psgd_note(const tdm_cmp_opts *o)
 {
     return !strcmp(o->comm_hook, "powersgd") && o->powersgd_start_step > 0;
@@ -132,6 +189,9 @@ int tdm_cmp_hook_section(const tdm_cmp_opts *o, const tdm_cmp_data *data,
         printf("  DDP ranks with the hook ended with different parameters -> BEYOND\n");
         verdict = 0;
     }
+    int sv = tdm_cmp_hook_sharded(o, data, &hr);
+    if (sv < 0) verdict = 0;
+    else verdict &= sv;
     printf("  hook verdict: %s\n", verdict ? "the expected, bounded difference"
                                            : "FAIL - beyond what the compression explains");
     tdm_model_free(ref);

@@ -19,6 +19,7 @@
 #include "core/timer.h"
 #include "core/text.h"
 #include "ddp/hooks.h"
+#include "fsdp/fsdp.h"
 #include "models/accum.h"
 #include "models/checkpoint.h"
 #include "models/gpt.h"
@@ -90,14 +91,15 @@ static void tdm_train_usage(FILE *f)
         "                         --save writes the one file every mode reads\n"
         "  --sync-bn              ddp: SyncBatchNorm: batchnorm statistics over the\n"
         "                         whole global batch (all ranks), as on one device\n"
-        "  --uneven               ddp: each rank trains on its own samples (a sampler\n"
-        "                         without padding) in batches of B/N, so ranks may\n"
-        "                         run different step counts; one out of data\n"
-        "                         shadows the others (join) until all are done\n"
+        "  --uneven               ddp, fsdp: each rank trains on its own samples (a\n"
+        "                         sampler without padding) in batches of B/N, so\n"
+        "                         ranks may run different step counts; one out of\n"
+        "                         data shadows the others (join) until all are done\n"
         "  --comm-hook H          ddp: allreduce (float32), fp16 or bf16 (rounded to\n"
         "                         16 bits: half the bytes), or powersgd (low-rank,\n"
-        "                         error feedback); all but allreduce need host\n"
-        "                         devices                          [allreduce]\n"
+        "                         error feedback); fsdp: fp16 or bf16 compress the\n"
+        "                         reduce-scatters (no powersgd); all but allreduce\n"
+        "                         need host devices                [allreduce]\n"
         "  --powersgd-rank R      powersgd: rank of the approximation          [1]\n"
         "  --powersgd-start-step S  powersgd: plain all-reduce for the first S\n"
         "                         optimizer steps (PyTorch's default is 1000)  [10]\n"
@@ -188,10 +190,19 @@ static tdm_status tdm_train_check_ddp_next(const tdm_train_args *a, int gpt)
     if (a->comm_hook && !tdm_ddp_hook_known(a->comm_hook))
         return tdm_tool_usage_error("tandem train: --comm-hook '%s': expected allreduce, fp16, "
                                     "bf16 or powersgd\n", a->comm_hook);
-    if (a->comm_hook && strcmp(a->comm_hook, "allreduce") && (strcmp(a->mode, "ddp") || gpt))
-        return tdm_tool_usage_error("tandem train: --comm-hook %s applies to --mode ddp with an "
-                                    "image model (mlp, cnn): DDP's buckets are what it "
-                                    "compresses\n", a->comm_hook);
+    int sharded = !strcmp(a->mode, "fsdp");
+    if (a->comm_hook && strcmp(a->comm_hook, "allreduce") &&
+        ((strcmp(a->mode, "ddp") && !sharded) || gpt))
+        return tdm_tool_usage_error("tandem train: --comm-hook %s applies to --mode ddp and fsdp "
+                                    "with an image model (mlp, cnn): DDP's buckets and the "
+                                    "sharded modes' reduce-scatters are what it compresses\n",
+                                    a->comm_hook);
+    if (a->comm_hook && sharded && !strcmp(a->comm_hook, "powersgd")) {
+        tdm_fsdp_comm_hook h;
+        (void)tdm_fsdp_comm_hook_parse(a->comm_hook, &h);
+        return tdm_tool_usage_error("tandem train: --mode fsdp --comm-hook powersgd: %s\n",
+                                    tdm_error_message());
+    }
     if (a->sync_bn && (strcmp(a->mode, "ddp") || gpt || a->uneven))
         return tdm_tool_usage_error("tandem train: --sync-bn applies to --mode ddp (not with "
                                     "--uneven: a rank out of data cannot take part in the "
@@ -199,11 +210,11 @@ static tdm_status tdm_train_check_ddp_next(const tdm_train_args *a, int gpt)
     if (a->sync_bn && strncmp(a->model, "cnn", 3))
         fprintf(stderr, "tandem train: note: --sync-bn changes nothing for --model %s (no "
                         "batchnorm)\n", a->model);
-    if (a->uneven && (strcmp(a->mode, "ddp") || gpt || a->grad_accum > 1 ||
+    if (a->uneven && ((strcmp(a->mode, "ddp") && !sharded) || gpt || a->grad_accum > 1 ||
                       strcmp(a->lr_schedule, "const")))
-        return tdm_tool_usage_error("tandem train: --uneven applies to --mode ddp with an image "
-                                    "model, without --grad-accum and with --lr-schedule "
-                                    "const\n");
+        return tdm_tool_usage_error("tandem train: --uneven applies to --mode ddp and fsdp with "
+                                    "an image model, without --grad-accum and with "
+                                    "--lr-schedule const\n");
     if (gpt && a->grad_accum > 1)
         return tdm_tool_usage_error("tandem train: --grad-accum is not supported with --model "
                                     "gpt yet; raise --batch instead\n");

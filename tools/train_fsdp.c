@@ -46,6 +46,7 @@ typedef struct tdm_train_fsdp_ctx {
     const tdm_train_args *a;
     int64_t timeout_ms;
     tdm_fsdp_sharding sharding;
+    tdm_fsdp_comm_hook hook;   /* --comm-hook */
     tdm_model_spec spec;
     tdm_device_list dl;
     const tdm_dataset *train, *test;
@@ -185,6 +186,39 @@ tdm_status tdm_train_fsdp_save(tdm_fsdp *f, tdm_optim *opt, const char *path, in
     return TDM_STATUS_OK;
 }
 
+/* --uneven (tools/train_uneven.c): each rank's own samples, opts.join */
+static tdm_status tdm_train_fsdp_u_zero(void *ctx)
+{
+    return tdm_fsdp_zero_grad(((tdm_train_fsdp_rank *)ctx)->f);
+}
+
+static tdm_status tdm_train_fsdp_u_forward(void *ctx, const float *x, const int32_t *y, int n,
+                                           double *loss_mean)
+{
+    return tdm_fsdp_forward(((tdm_train_fsdp_rank *)ctx)->f, x, y, n, loss_mean);
+}
+
+static tdm_status tdm_train_fsdp_u_backward_step(void *ctx)
+{
+    tdm_train_fsdp_rank *r = ctx;
+    TDM_CHECK(tdm_fsdp_backward(r->f));
+    return tdm_fsdp_step(r->f, r->opt);
+}
+
+static tdm_status tdm_train_fsdp_u_join(void *ctx, int64_t *shadowed)
+{
+    tdm_train_fsdp_rank *r = ctx;
+    return tdm_fsdp_join(r->f, r->opt, shadowed);
+}
+
+static tdm_status tdm_train_fsdp_u_eval(void *ctx, const tdm_dataset *test, double *loss_mean,
+                                        double *accuracy)
+{
+    return tdm_fsdp_evaluate(((tdm_train_fsdp_rank *)ctx)->f, test, 1000, loss_mean, accuracy);
+}
+
+static tdm_status tdm_train_fsdp_after(void *ctx, int64_t epoch);
+
 /* After each epoch every rank saves together (the full form gathers to
  * rank 0; the sharded form writes a file per rank). */
 static tdm_status tdm_train_fsdp_after(void *ctx, int64_t epoch)
@@ -233,6 +267,15 @@ void tdm_train_fsdp_report(tdm_fsdp *f, tdm_optim *opt, int world)
            "reduce-scattered bytes were launched during backward\n",
            t.ag_bytes_total > 0 ? 100.0 * t.ag_prefetched_bytes_total / t.ag_bytes_total : 0.0,
            t.rs_bytes_total > 0 ? 100.0 * t.rs_overlapped_bytes_total / t.rs_bytes_total : 0.0);
+    int64_t padded = 0;
+    for (int u = 0; u < tdm_fsdp_n_units(f); u++) {
+        int64_t shard;
+        tdm_fsdp_unit_info(f, u, NULL, NULL, NULL, NULL, &shard);
+        padded += shard * world;
+    }
+    printf("fsdp comm hook %s: %.0f bytes reduce-scattered per step (float32 gradients: %.0f)\n",
+           tdm_fsdp_comm_hook_name(tdm_fsdp_get_comm_hook(f)), t.rs_bytes_total / n,
+           (double)padded * 4.0);
     tdm_fsdp_memory mm;
     tdm_fsdp_get_memory(f, opt, &mm);
     double mib = 1.0 / (1024.0 * 1024.0);
@@ -260,7 +303,7 @@ static tdm_status tdm_train_fsdp_setup(const tdm_train_fsdp_ctx *c, tdm_train_ar
     if ((st = tdm_tool_rank_nccl(comm, *dev, nccl)))
         return tdm_train_fsdp_fail(rank, "NCCL set-up", st);
     tdm_fsdp_opts o = {.sharding = c->sharding, .no_overlap = a->no_overlap,
-                       .host_comm = *nccl ? comm : NULL};
+                       .comm_hook = c->hook, .join = a->uneven, .host_comm = *nccl ? comm : NULL};
     if ((st = tdm_fsdp_init(&r->f, *m, *nccl ? *nccl : comm, &o)))
         return tdm_train_fsdp_fail(rank, "fsdp set-up", st);
     return tdm_train_fsdp_optim_resume(a, r->f, rank, &r->opt, start_epoch);
@@ -336,7 +379,13 @@ static tdm_status tdm_train_fsdp_rank_main(tdm_comm *comm, const tdm_train_fsdp_
             run.step = tdm_accum_step;
             run.step_ctx = &acc;
         }
-        st = tdm_train_epochs(&a, &run);
+        tdm_train_uneven_ops uo = {.ctx = &r, .m = m, .zero_grad = tdm_train_fsdp_u_zero,
+                                   .forward = tdm_train_fsdp_u_forward,
+                                   .backward_step = tdm_train_fsdp_u_backward_step,
+                                   .join = tdm_train_fsdp_u_join, .evaluate = tdm_train_fsdp_u_eval,
+                                   .save = tdm_train_fsdp_after};
+        st = a.uneven ? tdm_train_uneven_run(&a, &uo, comm, c->train, c->test, start_epoch)
+                      : tdm_train_epochs(&a, &run);
         if (st == TDM_STATUS_OK && rank == 0) tdm_train_fsdp_report(r.f, r.opt, world);
     }
     if (st) {
@@ -430,6 +479,8 @@ tdm_status tdm_train_run_fsdp(const tdm_train_args *a)
     tdm_status st;
     if ((st = tdm_fsdp_sharding_parse(a->sharding ? a->sharding : "full", &c.sharding)))
         return tdm_tool_usage_error("tandem train: --sharding: %s\n", tdm_error_message());
+    if (a->comm_hook && (st = tdm_fsdp_comm_hook_parse(a->comm_hook, &c.hook)))
+        return tdm_tool_usage_error("tandem train: --comm-hook: %s\n", tdm_error_message());
     if ((st = tdm_model_spec_parse(&c.spec, a->model)))
         return tdm_tool_usage_error("tandem train: --model: %s\n", tdm_error_message());
     tdm_train_note_threads(a, "FSDP rank");

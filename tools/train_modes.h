@@ -135,8 +135,26 @@ tdm_status tdm_train_epochs(const tdm_train_args *a, const tdm_train_run *r);
 
 typedef struct tdm_ddp tdm_ddp;
 typedef struct tdm_comm tdm_comm;
-/* --mode ddp --uneven: one rank's epochs over its own samples, with join
- * (tools/train_uneven.c); ddp built with opts.join. Says what failed. */
+/* --uneven: one rank's epochs over its own samples, with join
+ * (tools/train_uneven.c): the mode's calls, on ctx. save (may be NULL)
+ * runs after each epoch, collectively. */
+typedef struct tdm_train_uneven_ops {
+    void *ctx;
+    tdm_model *m;
+    tdm_status (*zero_grad)(void *ctx);
+    /* the mean over the ranks with data (opts.join's tdm_*_forward) */
+    tdm_status (*forward)(void *ctx, const float *x, const int32_t *y, int n, double *loss_mean);
+    tdm_status (*backward_step)(void *ctx);   /* backward and the optimizer step */
+    tdm_status (*join)(void *ctx, int64_t *shadowed);
+    tdm_status (*evaluate)(void *ctx, const tdm_dataset *test, double *loss_mean,
+                           double *accuracy);
+    tdm_status (*save)(void *ctx, int64_t epoch);
+} tdm_train_uneven_ops;
+tdm_status tdm_train_uneven_run(const tdm_train_args *a, const tdm_train_uneven_ops *ops,
+                                tdm_comm *comm, const tdm_dataset *train,
+                                const tdm_dataset *test, int64_t start_epoch);
+/* --mode ddp --uneven: tdm_train_uneven_run with DDP's calls; ddp built
+ * with opts.join. Says what failed. */
 tdm_status tdm_train_uneven_epochs(const tdm_train_args *a, tdm_ddp *ddp, tdm_optim *opt,
                                    tdm_comm *comm, const tdm_dataset *train,
                                    const tdm_dataset *test, int64_t start_epoch);

@@ -1,13 +1,16 @@
-/* tools/train_uneven.c: `tandem train --mode ddp --uneven`: every rank
+/* tools/train_uneven.c: `tandem train --mode ddp|fsdp --uneven`: every rank
  * trains on its own share of each epoch as a DistributedSampler without
  * padding gives it (samples r, r+N, r+2N, ... of the epoch's permutation:
  * the first n mod N ranks get one sample more), in local batches of
- * --batch / N, so ranks may run different numbers of steps. DDP is built
- * with opts.join: each step averages the mean-loss gradients of the ranks
- * that still have a batch, and a rank out of data shadows the others'
- * steps (tdm_ddp_join) until all are done - no hang, no mismatch error.
- * Not the global-batch split of the default mode (tools/train_ddp.c),
- * which equals single-device training exactly. */
+ * --batch / N, so ranks may run different numbers of steps. DDP (or FSDP)
+ * is built with opts.join: each step averages the mean-loss gradients of
+ * the ranks that still have a batch, and a rank out of data shadows the
+ * others' steps (tdm_ddp_join, tdm_fsdp_join) until all are done - no
+ * hang, no mismatch error. Not the global-batch split of the default mode
+ * (tools/train_ddp.c, tools/train_fsdp.c), which equals single-device
+ * training exactly. The loop is the same for both modes (tdm_train_uneven_run
+ * with the mode's calls); DDP's calls are here, FSDP's in
+ * tools/train_fsdp.c. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -18,11 +21,12 @@
 #include "ddp/ddp.h"
 #include "tools/train_modes.h"
 
-tdm_status tdm_train_uneven_epochs(const tdm_train_args *a, tdm_ddp *ddp, tdm_optim *opt,
-                                   tdm_comm *comm, const tdm_dataset *train,
-                                   const tdm_dataset *test, int64_t start_epoch)
+tdm_status tdm_train_uneven_run(const tdm_train_args *a, const tdm_train_uneven_ops *ops,
+                                tdm_comm *comm, const tdm_dataset *train,
+                                const tdm_dataset *test, int64_t start_epoch)
 {
-    tdm_model *m = tdm_ddp_model(ddp);
+    tdm_model *m = ops->m;
+    void *ctx = ops->ctx;
     int rank = tdm_comm_rank(comm), world = tdm_comm_size(comm);
     int b = (int)(a->batch / world > 0 ? a->batch / world : 1);
     int64_t feat = tdm_data_features(train);
@@ -53,8 +57,7 @@ tdm_status tdm_train_uneven_epochs(const tdm_train_args *a, tdm_ddp *ddp, tdm_op
             for (int i = 0; i < n; i++) idx[i] = perm[rank + (s * b + i) * world];
             tdm_data_gather(train, idx, n, x, y);
             double lm = 0.0;
-            if ((st = tdm_ddp_zero_grad(ddp)) || (st = tdm_ddp_forward(ddp, x, y, n, &lm)))
-                goto fail;
+            if ((st = ops->zero_grad(ctx)) || (st = ops->forward(ctx, x, y, n, &lm))) goto fail;
             if (!isfinite(lm)) {
                 st = tdm_error_set(TDM_STATUS_NONFINITE, "loss is %s at rank %d's step %lld of "
                                    "epoch %lld: training diverged (a lower learning rate may "
@@ -62,19 +65,19 @@ tdm_status tdm_train_uneven_epochs(const tdm_train_args *a, tdm_ddp *ddp, tdm_op
                                    (long long)s + 1, (long long)e + 1);
                 goto fail;
             }
-            if ((st = tdm_ddp_backward(ddp)) || (st = tdm_ddp_step(ddp, opt))) goto fail;
+            if ((st = ops->backward_step(ctx))) goto fail;
             sums[0] += lm * n;
             sums[1] += n;
         }
         int64_t shadowed = 0;
-        if ((st = tdm_ddp_join(ddp, opt, &shadowed))) goto fail;
+        if ((st = ops->join(ctx, &shadowed))) goto fail;
         double secs = (double)(tdm_time_ns() - t0) * 1e-9;
         int64_t own[2] = {steps, shadowed};
         if ((st = tdm_comm_all_reduce(comm, sums, sums, 2, TDM_DTYPE_FLOAT64, TDM_REDOP_SUM)) ||
             (st = tdm_comm_all_gather(comm, own, counts, 2, TDM_DTYPE_INT64)))
             goto fail;
         double tl = NAN, acc = NAN;
-        if (!a->no_eval && (st = tdm_ddp_evaluate(ddp, test, 1000, &tl, &acc))) goto fail;
+        if (!a->no_eval && (st = ops->evaluate(ctx, test, &tl, &acc))) goto fail;
         printf("epoch %lld/%lld: train loss %.4f, %.0f samples/s (%.1f s)", (long long)e + 1,
                (long long)a->epochs, sums[1] > 0 ? sums[0] / sums[1] : 0.0,
                secs > 0 ? sums[1] / secs : 0.0, secs);
@@ -85,11 +88,7 @@ tdm_status tdm_train_uneven_epochs(const tdm_train_args *a, tdm_ddp *ddp, tdm_op
         for (int r = 0; r < world; r++) printf(" %lld", (long long)counts[2 * r + 1]);
         printf(")\n");
         fflush(stdout);
-        if (a->save) {
-            tdm_ckpt_info info = {.step = tdm_optim_steps(opt), .epoch = e + 1,
-                                  .seed = (uint64_t)a->seed};
-            if ((st = tdm_ddp_checkpoint_save(ddp, a->save, opt, &info))) goto fail;
-        }
+        if (ops->save && (st = ops->save(ctx, e))) goto fail;
         if ((st = tdm_comm_barrier(comm))) goto fail;
     }
 fail:
@@ -104,4 +103,61 @@ fail:
     free(y);
     free(counts);
     return st;
+}
+
+/* ---- DDP's calls ---- */
+
+typedef struct tdm_uneven_ddp {
+    const tdm_train_args *a;
+    tdm_ddp *ddp;
+    tdm_optim *opt;
+} tdm_uneven_ddp;
+
+static tdm_status tdm_uneven_ddp_zero(void *ctx) { return tdm_ddp_zero_grad(((tdm_uneven_ddp *)ctx)->ddp); }
+
+static tdm_status tdm_uneven_ddp_forward(void *ctx, const float *x, const int32_t *y, int n,
+                                         double *loss_mean)
+{
+    return tdm_ddp_forward(((tdm_uneven_ddp *)ctx)->ddp, x, y, n, loss_mean);
+}
+
+static tdm_status tdm_uneven_ddp_backward_step(void *ctx)
+{
+    tdm_uneven_ddp *u = ctx;
+    TDM_CHECK(tdm_ddp_backward(u->ddp));
+    return tdm_ddp_step(u->ddp, u->opt);
+}
+
+static tdm_status tdm_uneven_ddp_join(void *ctx, int64_t *shadowed)
+{
+    tdm_uneven_ddp *u = ctx;
+    return tdm_ddp_join(u->ddp, u->opt, shadowed);
+}
+
+static tdm_status tdm_uneven_ddp_eval(void *ctx, const tdm_dataset *test, double *loss_mean,
+                                      double *accuracy)
+{
+    return tdm_ddp_evaluate(((tdm_uneven_ddp *)ctx)->ddp, test, 1000, loss_mean, accuracy);
+}
+
+static tdm_status tdm_uneven_ddp_save(void *ctx, int64_t epoch)
+{
+    tdm_uneven_ddp *u = ctx;
+    if (!u->a->save) return TDM_STATUS_OK;
+    tdm_ckpt_info info = {.step = tdm_optim_steps(u->opt), .epoch = epoch + 1,
+                          .seed = (uint64_t)u->a->seed};
+    return tdm_ddp_checkpoint_save(u->ddp, u->a->save, u->opt, &info);
+}
+
+tdm_status tdm_train_uneven_epochs(const tdm_train_args *a, tdm_ddp *ddp, tdm_optim *opt,
+                                   tdm_comm *comm, const tdm_dataset *train,
+                                   const tdm_dataset *test, int64_t start_epoch)
+{
+    tdm_uneven_ddp u = {.a = a, .ddp = ddp, .opt = opt};
+    tdm_train_uneven_ops ops = {.ctx = &u, .m = tdm_ddp_model(ddp), .zero_grad = tdm_uneven_ddp_zero,
+                                .forward = tdm_uneven_ddp_forward,
+                                .backward_step = tdm_uneven_ddp_backward_step,
+                                .join = tdm_uneven_ddp_join, .evaluate = tdm_uneven_ddp_eval,
+                                .save = tdm_uneven_ddp_save};
+    return tdm_train_uneven_run(a, &ops, comm, train, test, start_epoch);
 }
