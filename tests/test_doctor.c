@@ -202,6 +202,27 @@ Test(doctor, launch_prints_the_verdict_of_a_stopped_rank_before_killing_it, .tim
     fr_t_rm_dir(dir);
 }
 
+/* tandem train --mode fsdp too: the ranks dump, the verdict names the
+ * killed rank and what the others waited in (a labelled FSDP collective). */
+Test(doctor, train_fsdp_prints_the_verdict_of_a_killed_rank, .timeout = 120)
+{
+    char dir[64];
+    fr_t_dump_dir(dir, sizeof dir);
+    setenv("TANDEM_DDP_TEST_KILL", "1:3", 1);
+    cli_result r;
+    CLI(&r, "train", "--mode", "fsdp", "--data", "synthetic", "--synthetic-size", "1024",
+        "--batch", "64", "--model", "mlp:784-32-10", "--no-eval", "--quiet", "--epochs", "1",
+        "--device", "cpu:3");
+    expect(&r, 1, "tandem train: doctor: DIED: rank 1 ");
+    expect(&r, 1, "'fsdp ");
+    expect(&r, 1, "tandem train: fsdp: ");
+    expect(&r, 1, "tandem train: flight-recorder dumps in /tmp/tdm_fr_test_");
+    cr_expect(doc_has(dir, "fr_rank_0.json") && doc_has(dir, "fr_rank_2.json") &&
+              doc_has(dir, "launch.json"));
+    cr_expect(!cli_shm_entries());
+    fr_t_rm_dir(dir);
+}
+
 /* A good run leaves nothing: the launcher's own directory is removed. */
 Test(doctor, good_runs_leave_no_dump_directory, .timeout = 120)
 {

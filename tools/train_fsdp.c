@@ -39,6 +39,7 @@
 #include "models/accum.h"
 #include "tools/ddp_rank.h"
 #include "tools/devices.h"
+#include "tools/elastic.h"
 #include "tools/tools.h"
 #include "tools/train_modes.h"
 
@@ -455,8 +456,11 @@ static tdm_status tdm_train_fsdp_forked(tdm_train_fsdp_ctx *c)
     c->test = &test;
     tdm_ddp_spawn_opts so = {.timeout_ms = INT64_MAX / 2000000, .comm_timeout_ms = c->timeout_ms};
     fflush(stdout);
-    if ((st = tdm_ddp_spawn(c->dl.count, tdm_train_fsdp_forked_rank, c, &so, NULL)))
-        fprintf(stderr, "tandem train: fsdp: %s\n", tdm_error_message());
+    /* the ranks' flight-recorder dumps and the doctor's verdict, as DDP's;
+     * no restarts (--max-restarts is DDP's) */
+    const char *resume = c->a->resume;
+    st = tdm_elastic_train_forked("fsdp", c->dl.count, tdm_train_fsdp_forked_rank, c, &so, 0,
+                                  NULL, &resume);
     tdm_data_free(&train);
     tdm_data_free(&test);
     return st;
