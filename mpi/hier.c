@@ -240,7 +240,8 @@ tdm_status tdm_mpi_hier_comm(tdm_mpi_job *j, const struct tdm_shm_opts *shm_opts
         o.abort_ctx = h->local;
         MPI_Comm c = cross;
         cross = MPI_COMM_NULL;   /* owned by the wrapper from here, even on failure */
-        TDM_TRY(tdm_mpi_comm_wrap(&h->cross, c, j->node_size, &o, "hier (between machines)"));
+        TDM_TRY(tdm_mpi_comm_wrap(&h->cross, c, j->node_size, j->node_cores, &o,
+                                  "hier (between machines)"));
     }
     TDM_TRY(tdm_mpi_job_comm(j, TDM_MPI_BACKEND_MPI, NULL, &h->world));
     /* the parts' flight records are not the rank's: the hier one is */

@@ -104,6 +104,7 @@ static tdm_status tdm_mpi_job_map(tdm_mpi_job *j)
     MPI_Request req;
     MPI_Iallreduce(MPI_IN_PLACE, &mine[0], 1, MPI_INT32_T, MPI_MIN, node, &req);
     tdm_mpi_wait_all(&wt, 1, &req, NULL, "mpi: lowest rank of each machine");
+    j->node_cores = tdm_mpi_union_cores(node, j->opts.join_timeout_ms);
     MPI_Comm_free(&node);
     all = calloc((size_t)size * 3, sizeof *all);
     j->machine_of = calloc((size_t)size, sizeof *j->machine_of);
@@ -233,7 +234,7 @@ tdm_status tdm_mpi_job_comm(tdm_mpi_job *j, tdm_mpi_backend b,
         MPI_Comm_idup(w->comm, &dup, &req);
         tdm_mpi_waiter wt = {.timeout_ms = j->opts.join_timeout_ms};
         tdm_mpi_wait_all(&wt, 1, &req, NULL, "mpi: MPI_Comm_idup");
-        return tdm_mpi_comm_wrap(out, dup, j->node_size, &j->opts, "mpi");
+        return tdm_mpi_comm_wrap(out, dup, j->node_size, j->node_cores, &j->opts, "mpi");
     }
     case TDM_MPI_BACKEND_SHM: {
         TDM_REQUIRE(j->topo.n_machines == 1, TDM_STATUS_INVALID_ARG,

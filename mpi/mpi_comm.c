@@ -393,7 +393,7 @@ static const tdm_comm_ops tdm_mpi_ops = {
     .half_types = 1,
 };
 
-tdm_status tdm_mpi_comm_wrap(tdm_comm **out, MPI_Comm comm, int local_size,
+tdm_status tdm_mpi_comm_wrap(tdm_comm **out, MPI_Comm comm, int local_size, int cores,
                              const tdm_mpi_opts *opts, const char *what)
 {
     tdm_mpi_opts o = tdm_mpi_opts_resolve(opts);
@@ -423,10 +423,10 @@ tdm_status tdm_mpi_comm_wrap(tdm_comm **out, MPI_Comm comm, int local_size,
     MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN);
     MPI_Comm_rank(comm, &c->rank);
     MPI_Comm_size(comm, &c->size);
-    int cores = tdm_mpi_cores();
-    /* Spin only while this machine's ranks fit its cores; a queued call
-     * waits on the progress thread while the rank's own thread computes:
-     * two busy threads per rank. */
+    if (cores <= 0) cores = tdm_mpi_cores();
+    /* Spin only while this machine's ranks fit the cores they can use
+     * together; a queued call waits on the progress thread while the
+     * rank's own thread computes: two busy threads per rank. */
     c->spin = !o.no_spin && local_size <= cores;
     c->spin_async = c->spin && 2 * local_size <= cores;
     c->wait = (tdm_mpi_waiter){.timeout_ms = o.timeout_ms, .spin_ns = TDM_MPI_SPIN_NS,
@@ -438,9 +438,9 @@ tdm_status tdm_mpi_comm_wrap(tdm_comm **out, MPI_Comm comm, int local_size,
     if (yield_us && *yield_us) c->wait.yield_ns = (uint64_t)strtoull(yield_us, NULL, 10) * 1000;
     c->algo = "none";
     snprintf(c->what, sizeof c->what, "%s", what);
-    TDM_INFO(MPI, "%s: rank %d of %d, %d ranks on this machine, %s waits, timeout %lld ms", what,
-             c->rank, c->size, local_size, c->spin ? "spinning" : "sleeping",
-             (long long)o.timeout_ms);
+    TDM_INFO(MPI, "%s: rank %d of %d, %d ranks on this machine, %d cores, %s waits, timeout "
+             "%lld ms", what, c->rank, c->size, local_size, cores,
+             c->spin ? "spinning" : "sleeping", (long long)o.timeout_ms);
     /* last, once every field it may read is written */
     int wrc = pthread_create(&c->wd_thread, NULL, tdm_mpi_watchdog, c);
     if (wrc) {
@@ -539,7 +539,7 @@ static void tdm_mpi_join(const tdm_mpi_opts *o)
     free(go);
 }
 
-tdm_status tdm_mpi_local_size(MPI_Comm comm, int64_t join_ms, int *local_size)
+tdm_status tdm_mpi_local_size(MPI_Comm comm, int64_t join_ms, int *local_size, int *cores)
 {
     tdm_mpi_guard g;
     MPI_Comm node = MPI_COMM_NULL;
@@ -552,6 +552,7 @@ tdm_status tdm_mpi_local_size(MPI_Comm comm, int64_t join_ms, int *local_size)
         return tdm_error_set(TDM_STATUS_SYSTEM, "mpi: MPI_Comm_split_type: %s", s);
     }
     MPI_Comm_size(node, local_size);
+    *cores = tdm_mpi_union_cores(node, join_ms);
     MPI_Comm_free(&node);
     return TDM_STATUS_OK;
 }
@@ -573,13 +574,13 @@ tdm_status tdm_comm_init_mpi(tdm_comm **out, const tdm_mpi_opts *opts)
     }
     tdm_mpi_waiter w = {.timeout_ms = o.join_timeout_ms};
     tdm_mpi_wait_all(&w, 1, &req, NULL, "mpi: MPI_Comm_idup (creating the communicator)");
-    int local = 1;
-    tdm_status st = tdm_mpi_local_size(dup, o.join_timeout_ms, &local);
+    int local = 1, cores = 0;
+    tdm_status st = tdm_mpi_local_size(dup, o.join_timeout_ms, &local, &cores);
     if (st != TDM_STATUS_OK) {
         MPI_Comm_free(&dup);
         return st;
     }
-    return tdm_mpi_comm_wrap(out, dup, local, &o, "mpi");
+    return tdm_mpi_comm_wrap(out, dup, local, cores, &o, "mpi");
 }
 
 /* --- the benchmark's peer ------------------------------------------------------ */

@@ -61,16 +61,22 @@ typedef struct tdm_mpi_impl {
 
 /* Options with the environment's defaults filled in. */
 tdm_mpi_opts tdm_mpi_opts_resolve(const tdm_mpi_opts *opts);
-/* Host cores this process may run on (for the spin policy). */
+/* Host cores this process may run on. */
 int tdm_mpi_cores(void);
+/* Cores the ranks of comm (one machine's) can run on together: the union
+ * of their CPU affinity masks, counted. Not one rank's own count: under
+ * `mpirun --bind-to core` each rank sees one core, yet the ranks have one
+ * each and should spin. Collective over comm, bounded by ms. */
+int tdm_mpi_union_cores(MPI_Comm comm, int64_t ms);
 
 /* Wraps comm (owned from now on) in a tandem communicator. local_size is
- * the number of ranks of this job on this machine (spin policy). */
-tdm_status tdm_mpi_comm_wrap(tdm_comm **out, MPI_Comm comm, int local_size,
+ * the number of ranks of this job on this machine and cores the cores
+ * they can use together (spin policy; 0: this process's affinity). */
+tdm_status tdm_mpi_comm_wrap(tdm_comm **out, MPI_Comm comm, int local_size, int cores,
                              const tdm_mpi_opts *opts, const char *what);
-/* Ranks of comm on this machine (MPI_COMM_TYPE_SHARED), the split
- * bounded by join_ms. */
-tdm_status tdm_mpi_local_size(MPI_Comm comm, int64_t join_ms, int *local_size);
+/* Ranks of comm on this machine (MPI_COMM_TYPE_SHARED) and the cores they
+ * can use together (tdm_mpi_union_cores), the split bounded by join_ms. */
+tdm_status tdm_mpi_local_size(MPI_Comm comm, int64_t join_ms, int *local_size, int *cores);
 /* The MPI communicator of a tandem communicator made here; MPI_COMM_NULL
  * when comm is not one. */
 MPI_Comm tdm_mpi_comm_handle(const tdm_comm *comm);

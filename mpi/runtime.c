@@ -72,6 +72,28 @@ tdm_mpi_opts tdm_mpi_opts_resolve(const tdm_mpi_opts *opts)
 
 int tdm_mpi_cores(void) { return tdm_device_host_cores(); }
 
+int tdm_mpi_union_cores(MPI_Comm comm, int64_t ms)
+{
+    enum { WORDS = CPU_SETSIZE / 64 };
+    uint64_t mask[WORDS] = {0};
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    if (sched_getaffinity(0, sizeof set, &set) != 0) {
+        /* no mask: every online core, as tdm_device_host_cores says */
+        long n = sysconf(_SC_NPROCESSORS_ONLN);
+        for (long i = 0; i < n && i < CPU_SETSIZE; i++) CPU_SET((int)i, &set);
+    }
+    for (int i = 0; i < CPU_SETSIZE; i++)
+        if (CPU_ISSET(i, &set)) mask[i / 64] |= (uint64_t)1 << (i % 64);
+    MPI_Request req;
+    MPI_Iallreduce(MPI_IN_PLACE, mask, WORDS, MPI_UINT64_T, MPI_BOR, comm, &req);
+    tdm_mpi_waiter w = {.timeout_ms = ms};
+    tdm_mpi_wait_all(&w, 1, &req, NULL, "mpi: the union of the machine's ranks' CPU affinity");
+    int n = 0;
+    for (int i = 0; i < WORDS; i++) n += __builtin_popcountll(mask[i]);
+    return n > 0 ? n : 1;
+}
+
 void tdm_mpi_library_version(char *buf, size_t len)
 {
     char v[MPI_MAX_LIBRARY_VERSION_STRING];

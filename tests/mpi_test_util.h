@@ -88,6 +88,7 @@ typedef struct mpi_t_job {
     const char *const *env;    /* "NAME=value", NULL-terminated, may be NULL */
     int tcp;                   /* MPI over TCP on lo only (pretend machines) */
     int timeout_s;             /* mpirun --timeout; 0: 120 */
+    const char *bind;          /* mpirun --bind-to (e.g. "core"); NULL: none */
 } mpi_t_job;
 
 /* Processes of this run still alive: those whose environment holds tag. */
@@ -146,7 +147,7 @@ static inline void mpi_t_run(cli_result *r, const mpi_t_job *j)
     argv[n++] = "mpirun";
     argv[n++] = "-np"; argv[n++] = np;
     argv[n++] = "--oversubscribe";
-    argv[n++] = "--bind-to"; argv[n++] = "none";
+    argv[n++] = "--bind-to"; argv[n++] = j->bind ? j->bind : "none";
     argv[n++] = "--timeout"; argv[n++] = tmo;
     /* the launcher's own traffic stays on loopback too */
     argv[n++] = "--mca"; argv[n++] = "oob_tcp_if_include"; argv[n++] = "lo";

@@ -10,6 +10,7 @@
 #include <criterion/criterion.h>
 #include <dirent.h>
 #include <limits.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -389,10 +390,45 @@ static int w_no_attach(int argc, char **argv)
     return 0;
 }
 
+/* What the job's shm communicator decided from the cores its ranks have
+ * (the MPI communicators' waits say it in their INFO lines). */
+static int w_tuning(int argc, char **argv)
+{
+    (void)argc;
+    (void)argv;
+    tdm_mpi_job *job = NULL;
+    tdm_status st = tdm_mpi_job_init(&job, NULL);
+    if (st) return w_fail(NULL, "tdm_mpi_job_init", st);
+    const tdm_mpi_topo *t = tdm_mpi_job_topo(job);
+    tdm_shm_opts so = {.timeout_ms = 60000};
+    tdm_comm *shm = NULL, *mpi = NULL;
+    tdm_shm_tuning tu;
+    if ((st = tdm_mpi_job_comm(job, TDM_MPI_BACKEND_SHM, &so, &shm)))
+        return w_fail(NULL, "shm", st);
+    if ((st = tdm_shm_comm_tuning(shm, &tu))) return w_fail(shm, "tdm_shm_comm_tuning", st);
+    if ((st = tdm_mpi_job_comm(job, TDM_MPI_BACKEND_MPI, NULL, &mpi)))
+        return w_fail(NULL, "mpi", st);
+    cpu_set_t own;
+    CPU_ZERO(&own);
+    sched_getaffinity(0, sizeof own, &own);
+    printf("tuning rank %d: own %d core%s; shm: group %d cores, spin %d, spin_async %d, one-shot "
+           "%zu bytes\n", t->rank, CPU_COUNT(&own), CPU_COUNT(&own) == 1 ? "" : "s", tu.cores,
+           tu.spin, tu.spin_async, tu.one_shot_max_bytes);
+    fflush(stdout);
+    /* and the communicators work */
+    if ((st = tdm_comm_barrier(shm)) || (st = tdm_comm_barrier(mpi)))
+        return w_fail(shm, "barrier", st);
+    tdm_comm_free(mpi);
+    tdm_comm_free(shm);
+    tdm_mpi_job_free(job);
+    return 0;
+}
+
 static const mpi_t_worker workers[] = {
     {"matrix", w_matrix},       {"async", w_async},           {"p2p", w_p2p},
     {"checks", w_checks},       {"thread_level", w_thread_level},
     {"no_join", w_no_join},     {"fail_job", w_fail_job},     {"no_attach", w_no_attach},
+    {"tuning", w_tuning},
 };
 MPI_T_WORKERS(workers)
 
@@ -448,6 +484,64 @@ Test(mpi_comm, matrix_5_as_3_plus_2, .timeout = 400) { matrix(5, 2, b_hier, "shm
 Test(mpi_comm, matrix_6_as_3x2, .timeout = 400) { matrix(6, 3, b_mpi_hier, "shm-rs/"); }
 Test(mpi_comm, matrix_7_one_machine, .timeout = 400) { matrix(7, 1, b_shm_hier, "(all_reduce: shm:"); }
 Test(mpi_comm, matrix_8_as_4x2, .timeout = 400) { matrix(8, 4, b_mpi_hier, "shm-rs/"); }
+
+/* "shm: group ..." of rank r's tuning line, and the MPI communicator's
+ * INFO line ("2 ranks on this machine, 2 cores, spinning waits"). */
+static void tuning_of(const char *out, int r, char *shm, size_t n, char *mpi, size_t m)
+{
+    char key[48];
+    snprintf(key, sizeof key, "tuning rank %d: own ", r);
+    const char *p = strstr(out, key);
+    cr_assert_not_null(p, "no '%s' in:\n%s", key, out);
+    p = strstr(p, "shm: ");
+    cr_assert_not_null(p);
+    snprintf(shm, n, "%.*s", (int)strcspn(p, "\n"), p);
+    p = strstr(out, "ranks on this machine, ");
+    cr_assert_not_null(p, "no MPI INFO line in:\n%s", out);
+    snprintf(mpi, m, "%.*s", (int)strcspn(p, "\n("), p);
+}
+
+/* mpirun --bind-to core (what `tandem bench` uses) pins each rank to one
+ * core: each rank's own affinity says 1, yet the ranks have a core each,
+ * so shm must spin and choose its one-shot limit as with --bind-to none,
+ * and MPI's waits must spin alike. */
+Test(mpi_comm, ranks_bound_to_cores_decide_as_unbound_ones, .timeout = 120)
+{
+    MPI_T_NEED();
+    cpu_set_t own;
+    CPU_ZERO(&own);
+    sched_getaffinity(0, sizeof own, &own);
+    if (CPU_COUNT(&own) < 2)
+        cr_skip_test("this process may use %d core: binding 2 ranks to distinct cores needs 2",
+                     CPU_COUNT(&own));
+    const char *env[] = {"TANDEM_DEBUG=INFO", "TANDEM_DEBUG_SUBSYS=MPI", NULL};
+    mpi_t_job j = {.np = 2, .worker = "tuning", .env = env};
+    mpi_t_run(&res, &j);
+    expect(&res, 0, "tuning rank 1");
+    char free_shm[2][160], free_mpi[160], bound_shm[2][160], bound_mpi[160];
+    for (int r = 0; r < 2; r++)
+        tuning_of(res.out, r, free_shm[r], sizeof free_shm[r], free_mpi, sizeof free_mpi);
+    cr_expect(strstr(free_shm[0], "spin 1"), "unbound ranks on 2 cores: %s", free_shm[0]);
+    j.bind = "core";
+    mpi_t_run(&res, &j);
+    expect(&res, 0, "tuning rank 1");
+    cr_assert(strstr(res.out, "tuning rank 0: own 1 core;"),
+              "--bind-to core did not pin rank 0 to one core:\n%s", res.out);
+    for (int r = 0; r < 2; r++) {
+        tuning_of(res.out, r, bound_shm[r], sizeof bound_shm[r], bound_mpi, sizeof bound_mpi);
+        cr_expect_str_eq(bound_shm[r], free_shm[r], "rank %d bound: '%s', unbound: '%s'", r,
+                         bound_shm[r], free_shm[r]);
+    }
+    cr_expect_str_eq(bound_mpi, free_mpi, "MPI's waits bound: '%s', unbound: '%s'", bound_mpi,
+                     free_mpi);
+    /* every MPI communicator's line (the job's own, and the one made for
+     * --backend mpi, on each rank) says the same */
+    int lines = 0;
+    for (const char *p = res.out; (p = strstr(p, "ranks on this machine, ")); p++, lines++)
+        cr_expect(!strncmp(p, free_mpi, strlen(free_mpi)), "bound: '%.*s', unbound: '%s'",
+                  (int)strcspn(p, "\n("), p, free_mpi);
+    cr_expect_geq(lines, 4, "%d MPI INFO lines in:\n%s", lines, res.out);
+}
 
 Test(mpi_comm, async_in_order, .timeout = 120)
 {
