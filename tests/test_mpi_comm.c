@@ -424,11 +424,105 @@ static int w_tuning(int argc, char **argv)
     return 0;
 }
 
+/* hier on one machine is shm: every collective takes shm's path (its
+ * algorithm is shm's, "shm:<algo>"), and all_reduce of floats that round
+ * gives shm's bits, at sizes that do not divide by the ranks. */
+static int w_one_machine(int argc, char **argv)
+{
+    (void)argc;
+    (void)argv;
+    tdm_mpi_job *job = NULL;
+    tdm_status st = tdm_mpi_job_init(&job, NULL);
+    if (st) return w_fail(NULL, "tdm_mpi_job_init", st);
+    const tdm_mpi_topo *t = tdm_mpi_job_topo(job);
+    tdm_shm_opts so = {.slot_bytes = W_SLOT, .one_shot_max_bytes = W_ONE_SHOT,
+                       .timeout_ms = 60000};
+    tdm_comm *shm = NULL, *hier = NULL;
+    if ((st = tdm_mpi_job_comm(job, TDM_MPI_BACKEND_SHM, &so, &shm)))
+        return w_fail(NULL, "shm", st);
+    if ((st = tdm_mpi_job_comm(job, TDM_MPI_BACKEND_HIER, &so, &hier)))
+        return w_fail(NULL, "hier", st);
+    int r = t->rank, w = t->size, bad = 0;
+    static const size_t sizes[] = {1, 7, 61, 1021, 4099, 65537, 300007};
+    enum { MAXN = 300007 };
+    float *in = malloc(MAXN * sizeof(float)), *a = malloc(MAXN * sizeof(float)),
+          *b = malloc(MAXN * sizeof(float)), *g = malloc((size_t)w * MAXN * sizeof(float));
+    if (!in || !a || !b || !g) return 1;
+    uint32_t x = 0x9e3779b9u * (uint32_t)(r + 1);
+    for (size_t i = 0; i < MAXN; i++) {
+        x = x * 1664525u + 1013904223u;
+        in[i] = (float)(x >> 8) * 0x1p-24f * (r % 2 ? 3.0f : 1e-3f);   /* sums round */
+    }
+    for (size_t s = 0; s < sizeof sizes / sizeof sizes[0] && !bad; s++)
+        for (int inplace = 0; inplace < 2 && !bad; inplace++) {
+            size_t n = sizes[s];
+            memcpy(a, in, n * sizeof(float));
+            memcpy(b, in, n * sizeof(float));
+            if ((st = tdm_comm_all_reduce(shm, inplace ? a : in, a, n, TDM_DTYPE_FLOAT32,
+                                          TDM_REDOP_SUM)) ||
+                (st = tdm_comm_all_reduce(hier, inplace ? b : in, b, n, TDM_DTYPE_FLOAT32,
+                                          TDM_REDOP_SUM)))
+                return w_fail(hier, "all_reduce", st);
+            if (memcmp(a, b, n * sizeof(float))) {
+                size_t i = 0;
+                while (a[i] == b[i]) i++;
+                fprintf(stderr, "rank %d: all_reduce of %zu floats%s: element %zu is %a over "
+                        "shm, %a over hier\n", r, n, inplace ? " in place" : "", i, a[i], b[i]);
+                bad = 1;
+            }
+            if (strncmp(tdm_comm_last_algo(hier), "shm:", 4)) {
+                fprintf(stderr, "rank %d: hier all_reduce took %s\n", r,
+                        tdm_comm_last_algo(hier));
+                bad = 1;
+            }
+        }
+    /* every other collective: shm's path, and its results */
+    size_t n = 1021;
+    struct { tdm_coll coll; const void *send; void *recv; } calls[] = {
+        {TDM_COLL_BROADCAST, in, a}, {TDM_COLL_REDUCE, in, a}, {TDM_COLL_REDUCE_SCATTER, g, a},
+        {TDM_COLL_ALL_GATHER, in, g}, {TDM_COLL_GATHER, in, g}, {TDM_COLL_SCATTER, g, a},
+        {TDM_COLL_BARRIER, NULL, NULL},
+    };
+    for (int i = 0; i < w; i++) memcpy(g + (size_t)i * n, in, n * sizeof(float));
+    for (size_t c = 0; c < sizeof calls / sizeof calls[0] && !bad; c++) {
+        tdm_comm_call k = {.coll = calls[c].coll, .sendbuf = calls[c].send,
+                           .recvbuf = calls[c].recv,
+                           .count = calls[c].coll == TDM_COLL_BARRIER ? 0 : n,
+                           .dtype = TDM_DTYPE_FLOAT32,
+                           .op = TDM_REDOP_SUM, .root = w - 1};
+        if ((st = tdm_comm_run(hier, &k))) return w_fail(hier, tdm_coll_name(k.coll), st);
+        const char *algo = tdm_comm_last_algo(hier);
+        if (strncmp(algo, "shm:", 4)) {
+            fprintf(stderr, "rank %d: hier %s took %s, not shm's path\n", r,
+                    tdm_coll_name(k.coll), algo);
+            bad = 1;
+        }
+    }
+    if (w >= 2 && !bad) {
+        int32_t v[3] = {r, r + 1, r + 2};
+        if (r == 0) st = tdm_comm_send(hier, v, 3, TDM_DTYPE_INT32, 1);
+        if (r == 1) st = tdm_comm_recv(hier, v, 3, TDM_DTYPE_INT32, 0);
+        if (st) return w_fail(hier, "send/recv", st);
+        if (r < 2 && strncmp(tdm_comm_last_algo(hier), "shm:", 4)) bad = 1;
+        if (r == 1 && (v[0] != 0 || v[2] != 2)) bad = 1;
+    }
+    if (!bad && (st = tdm_comm_barrier(hier))) return w_fail(hier, "barrier", st);
+    if (!bad && r == 0) printf("one machine ok: hier is shm on %d ranks\n", w);
+    free(in);
+    free(a);
+    free(b);
+    free(g);
+    tdm_comm_free(hier);
+    tdm_comm_free(shm);
+    tdm_mpi_job_free(job);
+    return bad;
+}
+
 static const mpi_t_worker workers[] = {
     {"matrix", w_matrix},       {"async", w_async},           {"p2p", w_p2p},
     {"checks", w_checks},       {"thread_level", w_thread_level},
     {"no_join", w_no_join},     {"fail_job", w_fail_job},     {"no_attach", w_no_attach},
-    {"tuning", w_tuning},
+    {"tuning", w_tuning},       {"one_machine", w_one_machine},
 };
 MPI_T_WORKERS(workers)
 
@@ -541,6 +635,21 @@ Test(mpi_comm, ranks_bound_to_cores_decide_as_unbound_ones, .timeout = 120)
         cr_expect(!strncmp(p, free_mpi, strlen(free_mpi)), "bound: '%.*s', unbound: '%s'",
                   (int)strcspn(p, "\n("), p, free_mpi);
     cr_expect_geq(lines, 4, "%d MPI INFO lines in:\n%s", lines, res.out);
+}
+
+/* hier with every rank on one machine hands every collective to its shm
+ * communicator: shm's path and shm's bits (a pretend split is another
+ * matter: the matrix tests above). */
+Test(mpi_comm, hier_on_one_machine_is_shm, .timeout = 200)
+{
+    MPI_T_NEED();
+    for (int np = 2; np <= 3; np++) {
+        mpi_t_job j = {.np = np, .worker = "one_machine"};
+        mpi_t_run(&res, &j);
+        char want[64];
+        snprintf(want, sizeof want, "one machine ok: hier is shm on %d ranks", np);
+        expect(&res, 0, want);
+    }
 }
 
 Test(mpi_comm, async_in_order, .timeout = 120)
