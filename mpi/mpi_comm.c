@@ -232,30 +232,38 @@ static void tdm_mpi_wait_call(tdm_mpi_impl *c, const tdm_comm_call *k, MPI_Reque
 static void *tdm_mpi_watchdog(void *arg)
 {
     tdm_mpi_impl *c = arg;
+    /* The call last seen in progress and when this thread first saw it:
+     * its deadline counts from there (at most one period after the call
+     * began), so that the caller need not read a clock. */
+    uint64_t seen = 0, seen_ns = 0;
     pthread_mutex_lock(&c->wd_mu);
     while (!c->wd_stop) {
         struct timespec dl;
         clock_gettime(CLOCK_REALTIME, &dl);
-        dl.tv_nsec += 50 * 1000000;
+        dl.tv_nsec += TDM_MPI_WATCH_MS * 1000000;
         if (dl.tv_nsec >= 1000000000) { dl.tv_sec++; dl.tv_nsec -= 1000000000; }
         pthread_cond_timedwait(&c->wd_cv, &c->wd_mu, &dl);
         if (c->wd_stop) break;
         /* Acquire pairs with the release store in tdm_mpi_watch_begin:
          * the call's fields are those of the call that began then. */
-        uint64_t since = atomic_load_explicit(&c->wd_since, memory_order_acquire);
-        if (!since) continue;
+        uint64_t call = atomic_load_explicit(&c->wd_call, memory_order_acquire);
+        if (!call) continue;
+        uint64_t now = tdm_time_ns();
+        if (call != seen) {
+            seen = call;
+            seen_ns = now;
+        }
         tdm_comm_call k = {.coll = (tdm_coll)atomic_load_explicit(&c->wd_coll, memory_order_relaxed),
                            .dtype = (tdm_dtype)atomic_load_explicit(&c->wd_dtype,
                                                                     memory_order_relaxed),
                            .count = atomic_load_explicit(&c->wd_count, memory_order_relaxed)};
-        uint64_t seq = atomic_load_explicit(&c->wd_seq, memory_order_relaxed);
         /* the same call still? (it may have ended and another begun) */
-        if (atomic_load_explicit(&c->wd_since, memory_order_acquire) != since) continue;
+        if (atomic_load_explicit(&c->wd_call, memory_order_acquire) != call) continue;
         const char *why = c->wait.abort_check ? c->wait.abort_check(c->wait.abort_ctx) : NULL;
-        int late = tdm_time_ns() - since > (uint64_t)c->wait.timeout_ms * 1000000u;
+        int late = now - seen_ns > (uint64_t)c->wait.timeout_ms * 1000000u;
         if (!why && !late) continue;
         char what[160];
-        tdm_mpi_describe_seq(c, seq, &k, what, sizeof what);
+        tdm_mpi_describe_seq(c, call, &k, what, sizeof what);
         if (why) tdm_mpi_abort_job("%s stopped: %s", what, why);
         tdm_mpi_abort_job("%s did not complete within %lld ms (a peer died, stalled or issued a "
                           "different call; raise TANDEM_MPI_TIMEOUT_MS if it is only slow)",
@@ -265,20 +273,20 @@ static void *tdm_mpi_watchdog(void *arg)
     return NULL;
 }
 
-/* Before a blocking call, on the calling thread: a few relaxed stores
- * and one release, so that small calls stay cheap. */
+/* Before a blocking call, on the calling thread: three relaxed stores and
+ * one release, no clock (the watchdog times the call), so that small
+ * calls stay cheap. The call's number (c->seq, never 0 here) names it. */
 static void tdm_mpi_watch_begin(tdm_mpi_impl *c, const tdm_comm_call *k)
 {
     atomic_store_explicit(&c->wd_coll, (int)k->coll, memory_order_relaxed);
     atomic_store_explicit(&c->wd_dtype, (int)k->dtype, memory_order_relaxed);
     atomic_store_explicit(&c->wd_count, k->count, memory_order_relaxed);
-    atomic_store_explicit(&c->wd_seq, c->seq, memory_order_relaxed);
-    atomic_store_explicit(&c->wd_since, tdm_time_ns(), memory_order_release);
+    atomic_store_explicit(&c->wd_call, c->seq, memory_order_release);
 }
 
 static void tdm_mpi_watch_end(tdm_mpi_impl *c)
 {
-    atomic_store_explicit(&c->wd_since, 0, memory_order_relaxed);
+    atomic_store_explicit(&c->wd_call, 0, memory_order_relaxed);
 }
 
 /* Runs k: posted non-blocking and waited for with MPI_Test when it was

@@ -18,6 +18,7 @@
 #define TDM_MPI_DEFAULT_JOIN_TIMEOUT_MS 60000
 #define TDM_MPI_SPIN_NS (50u * 1000)
 #define TDM_MPI_YIELD_NS (2u * 1000 * 1000)
+#define TDM_MPI_WATCH_MS 50   /* the watchdog's period */
 /* Tag of the joining handshake on MPI_COMM_WORLD (the only traffic
  * tandem sends there; everything else runs on duplicates). */
 #define TDM_MPI_TAG_JOIN 0x7d41
@@ -40,18 +41,18 @@ typedef struct tdm_mpi_impl {
     /* Which calls use MPI's non-blocking collectives (the others its
      * blocking ones; see mpi_comm.c). */
     enum { TDM_MPI_NB_ASYNC = 0, TDM_MPI_NB_ALL, TDM_MPI_NB_NONE } nb;
-    /* The watchdog of blocking calls: the caller publishes when its call
-     * began (release) after what it is; the watchdog thread, woken every
-     * 50 ms while started, aborts the job past the deadline or when
+    /* The watchdog of blocking calls: the caller publishes which call it
+     * is in (its seq, release) after what it is; the watchdog thread,
+     * woken every TDM_MPI_WATCH_MS while started, times each call from
+     * when it first sees it and aborts the job past the deadline or when
      * abort_check fires. */
     pthread_t wd_thread;
     pthread_mutex_t wd_mu;
     pthread_cond_t wd_cv;
     int wd_started, wd_stop;  /* under wd_mu */
-    _Atomic uint64_t wd_since;            /* ns; 0: no blocking call */
+    _Atomic uint64_t wd_call;             /* the blocking call's seq; 0: none */
     _Atomic int wd_coll, wd_dtype;
     _Atomic size_t wd_count;
-    _Atomic uint64_t wd_seq;
     uint64_t seq;             /* calls run, for messages */
     const char *algo;
     void *scratch;            /* float32 staging of the 16-bit types, in-place copies */
