@@ -8,6 +8,7 @@
 
 #include <mpi.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
 
@@ -69,6 +70,11 @@ int tdm_mpi_cores(void);
  * `mpirun --bind-to core` each rank sees one core, yet the ranks have one
  * each and should spin. Collective over comm, bounded by ms. */
 int tdm_mpi_union_cores(MPI_Comm comm, int64_t ms);
+/* This process's CPU affinity as bits (every online core when it cannot
+ * be read), and a mask's count (at least 1). */
+#define TDM_MPI_MASK_WORDS (CPU_SETSIZE / 64)
+void tdm_mpi_affinity_mask(uint64_t *mask);
+int tdm_mpi_mask_cores(const uint64_t *mask);
 
 /* Wraps comm (owned from now on) in a tandem communicator. local_size is
  * the number of ranks of this job on this machine and cores the cores

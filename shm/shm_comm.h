@@ -56,7 +56,7 @@ typedef struct tdm_shm_opts {
      * later, e.g. pinning itself to one core of it, does not change what
      * the group can use). Ranks that are not children of the creator
      * (mpirun --bind-to core pins each to its own core) must say: mpi/
-     * gathers the union over MPI. */
+     * gathers the union over MPI when the job forms. */
     int cores;
     /* 1: never spin, always sleep (tests of the futex path). */
     int no_spin;
