@@ -163,6 +163,14 @@ static inline void mpi_t_run(cli_result *r, const mpi_t_job *j)
     for (int i = 0; j->args && j->args[i] && n < 94; i++) argv[n++] = j->args[i];
     argv[n] = NULL;
     const char *what = j->exe ? j->exe : j->worker;
+    /* Each mpirun gets its own TMPDIR: Open MPI 4.1 creates its session
+     * directory (TMPDIR/ompi.<host>.<uid>) with a check-then-mkdir that
+     * fails with 'File exists' when two mpiruns start at once (Criterion
+     * runs tests in parallel). Removed after the run. */
+    char tmp[512];
+    const char *base = getenv("TMPDIR");
+    snprintf(tmp, sizeof tmp, "%s/mpirun-XXXXXX", base && *base ? base : "/tmp");
+    cr_assert_not_null(mkdtemp(tmp), "mkdtemp(%s)", tmp);
     int fds[2];
     cr_assert(pipe(fds) == 0);
     pid_t pid = fork();
@@ -186,6 +194,7 @@ static inline void mpi_t_run(cli_result *r, const mpi_t_job *j)
             snprintf(opts, sizeof opts, "%s:detect_leaks=0", asan);
             setenv("ASAN_OPTIONS", opts, 1);
         }
+        setenv("TMPDIR", tmp, 1);
         if (!j->exe) setenv(MPI_T_ENV_WORKER, j->worker, 1);
         setenv(MPI_T_ENV_TAG, tag, 1);
         for (int i = 0; j->env && j->env[i]; i++) putenv((char *)j->env[i]);
@@ -226,6 +235,9 @@ static inline void mpi_t_run(cli_result *r, const mpi_t_job *j)
     int left = 0;
     for (int i = 0; i < 50 && (left = mpi_t_tagged(tag, 0)) > 0; i++) usleep(100000);
     if (left) mpi_t_tagged(tag, 1);
+    char rm[600];
+    snprintf(rm, sizeof rm, "rm -rf '%s'", tmp);
+    if (system(rm) != 0) fprintf(stderr, "could not remove %s\n", tmp);
     cr_assert(!killed, "mpirun -np %d %s did not end within %d s; output:\n%s", j->np, what,
               timeout_s + 15, r->out);
     cr_assert_eq(left, 0, "%d process(es) of mpirun -np %d %s were left behind; output:\n%s",
