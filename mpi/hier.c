@@ -9,12 +9,12 @@
  *      rank carrying its own shard, so every rank's link works;
  *   3. all-gather inside the machine (shm).
  * The n mod L elements left over are all-reduced inside the machine and
- * then across it (every local rank alike: they are few). On one machine
- * it is the shm all-reduce itself. When machines hold different numbers
- * of ranks the shards would not line up: reduce to local rank 0, MPI
- * all-reduce between those, broadcast inside the machine. AVG sums and
- * divides once at the end; the 16-bit floats are widened to float32 for
- * the whole pipeline and rounded once, as shm does.
+ * then across it (every local rank alike: they are few). When machines
+ * hold different numbers of ranks the shards would not line up: reduce to
+ * local rank 0, MPI all-reduce between those, broadcast inside the
+ * machine. AVG sums and divides once at the end; the 16-bit floats are
+ * widened to float32 for the whole pipeline and rounded once, as shm
+ * does.
  *
  * Order of reduction: within a machine shm's rank order, across machines
  * MPI's. So the result is bitwise shm's on one machine, and with one rank
@@ -22,6 +22,10 @@
  *
  * The other collectives run over MPI as they are, on a communicator over
  * every rank (world rank order).
+ *
+ * On one machine (every rank there, no pretend split) every collective is
+ * the shm communicator's own, handed over as it is: no reduce-scatter /
+ * all-gather around an empty cross-machine step, bitwise shm.
  *
  * Not here: making the machine's shared segment (mpi/shm_named.c), the
  * map of ranks to machines (mpi/job.c). */
@@ -42,6 +46,7 @@ typedef struct tdm_hier_impl {
     int rank, size, local_rank, local_size, n_machines, uniform;
     char local_names[160];    /* "shm's ranks 0, 1 here are the job's ranks 2, 3" */
     char algo[80];
+    int algo_is_local;        /* the last call was shm's: algo is "shm:" + its algorithm */
     void *scratch;            /* float32 staging of the 16-bit floats */
     size_t scratch_bytes;
 } tdm_hier_impl;
@@ -119,13 +124,6 @@ static void tdm_hier_divide(void *x, size_t n, tdm_dtype dt, int d)
 static tdm_status tdm_hier_all_reduce(tdm_hier_impl *h, const tdm_comm_call *k)
 {
     if (k->count == 0) return TDM_STATUS_OK;
-    if (h->n_machines == 1) {
-        /* one machine: shm's own all-reduce, bit for bit (and its ranks
-         * are the job's) */
-        TDM_CHECK(tdm_comm_run_inner(h->local, k, k->async));
-        snprintf(h->algo, sizeof h->algo, "shm:%s", tdm_comm_last_algo(h->local));
-        return TDM_STATUS_OK;
-    }
     tdm_redop op = k->op == TDM_REDOP_AVG ? TDM_REDOP_SUM : k->op;
     if (k->dtype != TDM_DTYPE_BFLOAT16 && k->dtype != TDM_DTYPE_FLOAT16) {
         TDM_CHECK(tdm_hier_pipeline(h, k->sendbuf, k->recvbuf, k->count, k->dtype, op, k->async));
@@ -156,6 +154,15 @@ static tdm_status tdm_hier_all_reduce(tdm_hier_impl *h, const tdm_comm_call *k)
 static tdm_status tdm_hier_run(void *impl, const tdm_comm_call *k)
 {
     tdm_hier_impl *h = impl;
+    if (h->n_machines == 1) {
+        /* One machine: every collective is shm's own, bit for bit, with no
+         * split around a cross-machine step that has nobody to talk to
+         * (shm's ranks are the job's there: roots and peers need no
+         * mapping). The name is composed only when asked for. */
+        h->algo_is_local = 1;
+        return tdm_comm_run_inner(h->local, k, k->async);
+    }
+    h->algo_is_local = 0;
     if (k->coll == TDM_COLL_ALL_REDUCE) return tdm_hier_all_reduce(h, k);
     /* the others over MPI as they are (roots and peers are world ranks) */
     TDM_CHECK(tdm_comm_run_inner(h->world, k, k->async));
@@ -172,7 +179,13 @@ static tdm_status tdm_hier_abort(void *impl, const char *reason)
     return tdm_comm_abort(h->world, reason);
 }
 
-static const char *tdm_hier_last_algo(void *impl) { return ((tdm_hier_impl *)impl)->algo; }
+static const char *tdm_hier_last_algo(void *impl)
+{
+    tdm_hier_impl *h = impl;
+    if (h->algo_is_local)
+        snprintf(h->algo, sizeof h->algo, "shm:%s", tdm_comm_last_algo(h->local));
+    return h->algo;
+}
 
 static tdm_status tdm_hier_alloc(void *impl, size_t nbytes, void **ptr)
 {
@@ -229,18 +242,20 @@ tdm_status tdm_mpi_hier_comm(tdm_mpi_job *j, const struct tdm_shm_opts *shm_opts
                                  l ? "," : "", q);
                 if (k > 0) used += (size_t)k;
             }
-    /* every rank takes part in every split, in the same order */
+    /* every rank takes part in every split, in the same order (n_machines
+     * is the same everywhere: one machine has no cross-machine part) */
     TDM_TRY(tdm_mpi_job_split(j, t->machine, t->local_rank, &machine));
     TDM_TRY(tdm_mpi_shm_named_comm(j, machine, shm_opts, &h->local));
     int color = t->uniform ? t->local_rank : t->local_rank == 0 ? 0 : MPI_UNDEFINED;
-    TDM_TRY(tdm_mpi_job_split(j, color, t->machine, &cross));
+    if (t->n_machines > 1) TDM_TRY(tdm_mpi_job_split(j, color, t->machine, &cross));
     if (cross != MPI_COMM_NULL) {
         tdm_mpi_opts o = j->opts;
         o.abort_check = tdm_hier_local_aborted;
         o.abort_ctx = h->local;
         MPI_Comm c = cross;
         cross = MPI_COMM_NULL;   /* owned by the wrapper from here, even on failure */
-        TDM_TRY(tdm_mpi_comm_wrap(&h->cross, c, j->node_size, &o, "hier (between machines)"));
+        TDM_TRY(tdm_mpi_comm_wrap(&h->cross, c, j->node_size, j->node_cores, &o,
+                                  "hier (between machines)"));
     }
     TDM_TRY(tdm_mpi_job_comm(j, TDM_MPI_BACKEND_MPI, NULL, &h->world));
     /* the parts' flight records are not the rank's: the hier one is */
@@ -250,7 +265,9 @@ tdm_status tdm_mpi_hier_comm(tdm_mpi_job *j, const struct tdm_shm_opts *shm_opts
     MPI_Comm_free(&machine);
     TDM_INFO(MPI, "hier: rank %d of %d, local rank %d of %d on machine %d of %d, %s", t->rank,
              t->size, t->local_rank, t->local_size, t->machine, t->n_machines,
-             t->uniform ? "shards across machines in parallel" : "leaders across machines");
+             t->n_machines == 1 ? "every collective over shm"
+             : t->uniform     ? "shards across machines in parallel"
+                              : "leaders across machines");
     return tdm_comm_create(out, &tdm_hier_ops, h, t->rank, t->size);
 fail:
     if (machine != MPI_COMM_NULL) MPI_Comm_free(&machine);

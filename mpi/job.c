@@ -83,6 +83,7 @@ static tdm_status tdm_mpi_job_map(tdm_mpi_job *j)
     tdm_mpi_impl *w = tdm_comm_impl(j->world);
     int size = w->size, rank = w->rank;
     int32_t *all = NULL;
+    uint64_t *masks = NULL;   /* every rank's affinity, TDM_MPI_MASK_WORDS each */
     MPI_Comm node = MPI_COMM_NULL;
     tdm_mpi_guard g;
     tdm_mpi_guard_begin(&g, j->opts.join_timeout_ms, "MPI_Comm_split_type (grouping the ranks "
@@ -106,14 +107,24 @@ static tdm_status tdm_mpi_job_map(tdm_mpi_job *j)
     tdm_mpi_wait_all(&wt, 1, &req, NULL, "mpi: lowest rank of each machine");
     MPI_Comm_free(&node);
     all = calloc((size_t)size * 3, sizeof *all);
+    masks = calloc((size_t)size * TDM_MPI_MASK_WORDS, sizeof *masks);
     j->machine_of = calloc((size_t)size, sizeof *j->machine_of);
     j->local_of = calloc((size_t)size, sizeof *j->local_of);
-    if (!all || !j->machine_of || !j->local_of) {
+    if (!all || !masks || !j->machine_of || !j->local_of) {
         st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "mpi: job map for %d ranks", size);
         goto fail;
     }
     MPI_Iallgather(mine, 3, MPI_INT32_T, all, 3, MPI_INT32_T, w->comm, &req);
     tdm_mpi_wait_all(&wt, 1, &req, NULL, "mpi: the map of ranks to machines");
+    /* Every rank's CPU affinity, here where every rank is known to take
+     * part (a later collective would let one missing rank stall the
+     * others before the segment's join can name it): the cores a machine's
+     * ranks can use together are the union of theirs. */
+    uint64_t me[TDM_MPI_MASK_WORDS];
+    tdm_mpi_affinity_mask(me);
+    MPI_Iallgather(me, TDM_MPI_MASK_WORDS, MPI_UINT64_T, masks, TDM_MPI_MASK_WORDS, MPI_UINT64_T,
+                   w->comm, &req);
+    tdm_mpi_wait_all(&wt, 1, &req, NULL, "mpi: the ranks' CPU affinity");
     /* part of a node of L ranks: node_rank * K / L (K capped at L), so
      * parts are consecutive node ranks and differ in size by one at most */
     int n_machines = 0;
@@ -145,8 +156,18 @@ static tdm_status tdm_mpi_job_map(tdm_mpi_job *j)
         if (n != first_size) j->topo.uniform = 0;
     }
     j->node_size = ns;
+    uint64_t node_u[TDM_MPI_MASK_WORDS] = {0}, machine_u[TDM_MPI_MASK_WORDS] = {0};
+    for (int q = 0; q < size; q++)
+        for (int i = 0; i < TDM_MPI_MASK_WORDS; i++) {
+            uint64_t m = masks[(size_t)q * TDM_MPI_MASK_WORDS + i];
+            if (all[3 * q] == all[3 * rank]) node_u[i] |= m;
+            if (j->machine_of[q] == j->topo.machine) machine_u[i] |= m;
+        }
+    j->node_cores = tdm_mpi_mask_cores(node_u);
+    j->machine_cores = tdm_mpi_mask_cores(machine_u);
 fail:
     free(all);
+    free(masks);
     return st;
 }
 
@@ -233,7 +254,7 @@ tdm_status tdm_mpi_job_comm(tdm_mpi_job *j, tdm_mpi_backend b,
         MPI_Comm_idup(w->comm, &dup, &req);
         tdm_mpi_waiter wt = {.timeout_ms = j->opts.join_timeout_ms};
         tdm_mpi_wait_all(&wt, 1, &req, NULL, "mpi: MPI_Comm_idup");
-        return tdm_mpi_comm_wrap(out, dup, j->node_size, &j->opts, "mpi");
+        return tdm_mpi_comm_wrap(out, dup, j->node_size, j->node_cores, &j->opts, "mpi");
     }
     case TDM_MPI_BACKEND_SHM: {
         TDM_REQUIRE(j->topo.n_machines == 1, TDM_STATUS_INVALID_ARG,

@@ -14,6 +14,8 @@ struct tdm_mpi_job {
     int *machine_of;           /* per world rank */
     int *local_of;             /* per world rank: its rank on its machine */
     int node_size;             /* ranks on this physical machine (spin policy) */
+    int node_cores;            /* the cores they can use together (their affinity's union) */
+    int machine_cores;         /* the same for this (pretend) machine's ranks: its shm segment */
     uint64_t job_id;           /* names this job's segments; 0: not agreed yet */
     int n_segments;            /* segments named so far (each name once) */
 };

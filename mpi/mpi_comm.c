@@ -232,30 +232,38 @@ static void tdm_mpi_wait_call(tdm_mpi_impl *c, const tdm_comm_call *k, MPI_Reque
 static void *tdm_mpi_watchdog(void *arg)
 {
     tdm_mpi_impl *c = arg;
+    /* The call last seen in progress and when this thread first saw it:
+     * its deadline counts from there (at most one period after the call
+     * began), so that the caller need not read a clock. */
+    uint64_t seen = 0, seen_ns = 0;
     pthread_mutex_lock(&c->wd_mu);
     while (!c->wd_stop) {
         struct timespec dl;
         clock_gettime(CLOCK_REALTIME, &dl);
-        dl.tv_nsec += 50 * 1000000;
+        dl.tv_nsec += TDM_MPI_WATCH_MS * 1000000;
         if (dl.tv_nsec >= 1000000000) { dl.tv_sec++; dl.tv_nsec -= 1000000000; }
         pthread_cond_timedwait(&c->wd_cv, &c->wd_mu, &dl);
         if (c->wd_stop) break;
         /* Acquire pairs with the release store in tdm_mpi_watch_begin:
          * the call's fields are those of the call that began then. */
-        uint64_t since = atomic_load_explicit(&c->wd_since, memory_order_acquire);
-        if (!since) continue;
+        uint64_t call = atomic_load_explicit(&c->wd_call, memory_order_acquire);
+        if (!call) continue;
+        uint64_t now = tdm_time_ns();
+        if (call != seen) {
+            seen = call;
+            seen_ns = now;
+        }
         tdm_comm_call k = {.coll = (tdm_coll)atomic_load_explicit(&c->wd_coll, memory_order_relaxed),
                            .dtype = (tdm_dtype)atomic_load_explicit(&c->wd_dtype,
                                                                     memory_order_relaxed),
                            .count = atomic_load_explicit(&c->wd_count, memory_order_relaxed)};
-        uint64_t seq = atomic_load_explicit(&c->wd_seq, memory_order_relaxed);
         /* the same call still? (it may have ended and another begun) */
-        if (atomic_load_explicit(&c->wd_since, memory_order_acquire) != since) continue;
+        if (atomic_load_explicit(&c->wd_call, memory_order_acquire) != call) continue;
         const char *why = c->wait.abort_check ? c->wait.abort_check(c->wait.abort_ctx) : NULL;
-        int late = tdm_time_ns() - since > (uint64_t)c->wait.timeout_ms * 1000000u;
+        int late = now - seen_ns > (uint64_t)c->wait.timeout_ms * 1000000u;
         if (!why && !late) continue;
         char what[160];
-        tdm_mpi_describe_seq(c, seq, &k, what, sizeof what);
+        tdm_mpi_describe_seq(c, call, &k, what, sizeof what);
         if (why) tdm_mpi_abort_job("%s stopped: %s", what, why);
         tdm_mpi_abort_job("%s did not complete within %lld ms (a peer died, stalled or issued a "
                           "different call; raise TANDEM_MPI_TIMEOUT_MS if it is only slow)",
@@ -265,20 +273,20 @@ static void *tdm_mpi_watchdog(void *arg)
     return NULL;
 }
 
-/* Before a blocking call, on the calling thread: a few relaxed stores
- * and one release, so that small calls stay cheap. */
+/* Before a blocking call, on the calling thread: three relaxed stores and
+ * one release, no clock (the watchdog times the call), so that small
+ * calls stay cheap. The call's number (c->seq, never 0 here) names it. */
 static void tdm_mpi_watch_begin(tdm_mpi_impl *c, const tdm_comm_call *k)
 {
     atomic_store_explicit(&c->wd_coll, (int)k->coll, memory_order_relaxed);
     atomic_store_explicit(&c->wd_dtype, (int)k->dtype, memory_order_relaxed);
     atomic_store_explicit(&c->wd_count, k->count, memory_order_relaxed);
-    atomic_store_explicit(&c->wd_seq, c->seq, memory_order_relaxed);
-    atomic_store_explicit(&c->wd_since, tdm_time_ns(), memory_order_release);
+    atomic_store_explicit(&c->wd_call, c->seq, memory_order_release);
 }
 
 static void tdm_mpi_watch_end(tdm_mpi_impl *c)
 {
-    atomic_store_explicit(&c->wd_since, 0, memory_order_relaxed);
+    atomic_store_explicit(&c->wd_call, 0, memory_order_relaxed);
 }
 
 /* Runs k: posted non-blocking and waited for with MPI_Test when it was
@@ -393,7 +401,7 @@ static const tdm_comm_ops tdm_mpi_ops = {
     .half_types = 1,
 };
 
-tdm_status tdm_mpi_comm_wrap(tdm_comm **out, MPI_Comm comm, int local_size,
+tdm_status tdm_mpi_comm_wrap(tdm_comm **out, MPI_Comm comm, int local_size, int cores,
                              const tdm_mpi_opts *opts, const char *what)
 {
     tdm_mpi_opts o = tdm_mpi_opts_resolve(opts);
@@ -423,10 +431,10 @@ tdm_status tdm_mpi_comm_wrap(tdm_comm **out, MPI_Comm comm, int local_size,
     MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN);
     MPI_Comm_rank(comm, &c->rank);
     MPI_Comm_size(comm, &c->size);
-    int cores = tdm_mpi_cores();
-    /* Spin only while this machine's ranks fit its cores; a queued call
-     * waits on the progress thread while the rank's own thread computes:
-     * two busy threads per rank. */
+    if (cores <= 0) cores = tdm_mpi_cores();
+    /* Spin only while this machine's ranks fit the cores they can use
+     * together; a queued call waits on the progress thread while the
+     * rank's own thread computes: two busy threads per rank. */
     c->spin = !o.no_spin && local_size <= cores;
     c->spin_async = c->spin && 2 * local_size <= cores;
     c->wait = (tdm_mpi_waiter){.timeout_ms = o.timeout_ms, .spin_ns = TDM_MPI_SPIN_NS,
@@ -438,9 +446,9 @@ tdm_status tdm_mpi_comm_wrap(tdm_comm **out, MPI_Comm comm, int local_size,
     if (yield_us && *yield_us) c->wait.yield_ns = (uint64_t)strtoull(yield_us, NULL, 10) * 1000;
     c->algo = "none";
     snprintf(c->what, sizeof c->what, "%s", what);
-    TDM_INFO(MPI, "%s: rank %d of %d, %d ranks on this machine, %s waits, timeout %lld ms", what,
-             c->rank, c->size, local_size, c->spin ? "spinning" : "sleeping",
-             (long long)o.timeout_ms);
+    TDM_INFO(MPI, "%s: rank %d of %d, %d ranks on this machine, %d cores, %s waits, timeout "
+             "%lld ms", what, c->rank, c->size, local_size, cores,
+             c->spin ? "spinning" : "sleeping", (long long)o.timeout_ms);
     /* last, once every field it may read is written */
     int wrc = pthread_create(&c->wd_thread, NULL, tdm_mpi_watchdog, c);
     if (wrc) {
@@ -539,7 +547,7 @@ static void tdm_mpi_join(const tdm_mpi_opts *o)
     free(go);
 }
 
-tdm_status tdm_mpi_local_size(MPI_Comm comm, int64_t join_ms, int *local_size)
+tdm_status tdm_mpi_local_size(MPI_Comm comm, int64_t join_ms, int *local_size, int *cores)
 {
     tdm_mpi_guard g;
     MPI_Comm node = MPI_COMM_NULL;
@@ -552,6 +560,7 @@ tdm_status tdm_mpi_local_size(MPI_Comm comm, int64_t join_ms, int *local_size)
         return tdm_error_set(TDM_STATUS_SYSTEM, "mpi: MPI_Comm_split_type: %s", s);
     }
     MPI_Comm_size(node, local_size);
+    *cores = tdm_mpi_union_cores(node, join_ms);
     MPI_Comm_free(&node);
     return TDM_STATUS_OK;
 }
@@ -573,13 +582,13 @@ tdm_status tdm_comm_init_mpi(tdm_comm **out, const tdm_mpi_opts *opts)
     }
     tdm_mpi_waiter w = {.timeout_ms = o.join_timeout_ms};
     tdm_mpi_wait_all(&w, 1, &req, NULL, "mpi: MPI_Comm_idup (creating the communicator)");
-    int local = 1;
-    tdm_status st = tdm_mpi_local_size(dup, o.join_timeout_ms, &local);
+    int local = 1, cores = 0;
+    tdm_status st = tdm_mpi_local_size(dup, o.join_timeout_ms, &local, &cores);
     if (st != TDM_STATUS_OK) {
         MPI_Comm_free(&dup);
         return st;
     }
-    return tdm_mpi_comm_wrap(out, dup, local, &o, "mpi");
+    return tdm_mpi_comm_wrap(out, dup, local, cores, &o, "mpi");
 }
 
 /* --- the benchmark's peer ------------------------------------------------------ */

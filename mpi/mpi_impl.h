@@ -8,6 +8,7 @@
 
 #include <mpi.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
 
@@ -18,6 +19,7 @@
 #define TDM_MPI_DEFAULT_JOIN_TIMEOUT_MS 60000
 #define TDM_MPI_SPIN_NS (50u * 1000)
 #define TDM_MPI_YIELD_NS (2u * 1000 * 1000)
+#define TDM_MPI_WATCH_MS 50   /* the watchdog's period */
 /* Tag of the joining handshake on MPI_COMM_WORLD (the only traffic
  * tandem sends there; everything else runs on duplicates). */
 #define TDM_MPI_TAG_JOIN 0x7d41
@@ -40,18 +42,18 @@ typedef struct tdm_mpi_impl {
     /* Which calls use MPI's non-blocking collectives (the others its
      * blocking ones; see mpi_comm.c). */
     enum { TDM_MPI_NB_ASYNC = 0, TDM_MPI_NB_ALL, TDM_MPI_NB_NONE } nb;
-    /* The watchdog of blocking calls: the caller publishes when its call
-     * began (release) after what it is; the watchdog thread, woken every
-     * 50 ms while started, aborts the job past the deadline or when
+    /* The watchdog of blocking calls: the caller publishes which call it
+     * is in (its seq, release) after what it is; the watchdog thread,
+     * woken every TDM_MPI_WATCH_MS while started, times each call from
+     * when it first sees it and aborts the job past the deadline or when
      * abort_check fires. */
     pthread_t wd_thread;
     pthread_mutex_t wd_mu;
     pthread_cond_t wd_cv;
     int wd_started, wd_stop;  /* under wd_mu */
-    _Atomic uint64_t wd_since;            /* ns; 0: no blocking call */
+    _Atomic uint64_t wd_call;             /* the blocking call's seq; 0: none */
     _Atomic int wd_coll, wd_dtype;
     _Atomic size_t wd_count;
-    _Atomic uint64_t wd_seq;
     uint64_t seq;             /* calls run, for messages */
     const char *algo;
     void *scratch;            /* float32 staging of the 16-bit types, in-place copies */
@@ -61,16 +63,27 @@ typedef struct tdm_mpi_impl {
 
 /* Options with the environment's defaults filled in. */
 tdm_mpi_opts tdm_mpi_opts_resolve(const tdm_mpi_opts *opts);
-/* Host cores this process may run on (for the spin policy). */
+/* Host cores this process may run on. */
 int tdm_mpi_cores(void);
+/* Cores the ranks of comm (one machine's) can run on together: the union
+ * of their CPU affinity masks, counted. Not one rank's own count: under
+ * `mpirun --bind-to core` each rank sees one core, yet the ranks have one
+ * each and should spin. Collective over comm, bounded by ms. */
+int tdm_mpi_union_cores(MPI_Comm comm, int64_t ms);
+/* This process's CPU affinity as bits (every online core when it cannot
+ * be read), and a mask's count (at least 1). */
+#define TDM_MPI_MASK_WORDS (CPU_SETSIZE / 64)
+void tdm_mpi_affinity_mask(uint64_t *mask);
+int tdm_mpi_mask_cores(const uint64_t *mask);
 
 /* Wraps comm (owned from now on) in a tandem communicator. local_size is
- * the number of ranks of this job on this machine (spin policy). */
-tdm_status tdm_mpi_comm_wrap(tdm_comm **out, MPI_Comm comm, int local_size,
+ * the number of ranks of this job on this machine and cores the cores
+ * they can use together (spin policy; 0: this process's affinity). */
+tdm_status tdm_mpi_comm_wrap(tdm_comm **out, MPI_Comm comm, int local_size, int cores,
                              const tdm_mpi_opts *opts, const char *what);
-/* Ranks of comm on this machine (MPI_COMM_TYPE_SHARED), the split
- * bounded by join_ms. */
-tdm_status tdm_mpi_local_size(MPI_Comm comm, int64_t join_ms, int *local_size);
+/* Ranks of comm on this machine (MPI_COMM_TYPE_SHARED) and the cores they
+ * can use together (tdm_mpi_union_cores), the split bounded by join_ms. */
+tdm_status tdm_mpi_local_size(MPI_Comm comm, int64_t join_ms, int *local_size, int *cores);
 /* The MPI communicator of a tandem communicator made here; MPI_COMM_NULL
  * when comm is not one. */
 MPI_Comm tdm_mpi_comm_handle(const tdm_comm *comm);

@@ -72,6 +72,38 @@ tdm_mpi_opts tdm_mpi_opts_resolve(const tdm_mpi_opts *opts)
 
 int tdm_mpi_cores(void) { return tdm_device_host_cores(); }
 
+void tdm_mpi_affinity_mask(uint64_t *mask)
+{
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    if (sched_getaffinity(0, sizeof set, &set) != 0) {
+        /* no mask: every online core, as tdm_device_host_cores says */
+        long n = sysconf(_SC_NPROCESSORS_ONLN);
+        for (long i = 0; i < n && i < CPU_SETSIZE; i++) CPU_SET((int)i, &set);
+    }
+    memset(mask, 0, TDM_MPI_MASK_WORDS * sizeof *mask);
+    for (int i = 0; i < CPU_SETSIZE; i++)
+        if (CPU_ISSET(i, &set)) mask[i / 64] |= (uint64_t)1 << (i % 64);
+}
+
+int tdm_mpi_mask_cores(const uint64_t *mask)
+{
+    int n = 0;
+    for (int i = 0; i < TDM_MPI_MASK_WORDS; i++) n += __builtin_popcountll(mask[i]);
+    return n > 0 ? n : 1;
+}
+
+int tdm_mpi_union_cores(MPI_Comm comm, int64_t ms)
+{
+    uint64_t mask[TDM_MPI_MASK_WORDS];
+    tdm_mpi_affinity_mask(mask);
+    MPI_Request req;
+    MPI_Iallreduce(MPI_IN_PLACE, mask, TDM_MPI_MASK_WORDS, MPI_UINT64_T, MPI_BOR, comm, &req);
+    tdm_mpi_waiter w = {.timeout_ms = ms};
+    tdm_mpi_wait_all(&w, 1, &req, NULL, "mpi: the union of the machine's ranks' CPU affinity");
+    return tdm_mpi_mask_cores(mask);
+}
+
 void tdm_mpi_library_version(char *buf, size_t len)
 {
     char v[MPI_MAX_LIBRARY_VERSION_STRING];

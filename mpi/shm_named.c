@@ -53,6 +53,14 @@ tdm_status tdm_mpi_shm_named_comm(tdm_mpi_job *j, MPI_Comm machine,
     MPI_Comm_rank(machine, &lr);
     MPI_Comm_size(machine, &ls);
     uint64_t job = tdm_mpi_job_id(j);
+    /* The cores these ranks can use together decide the segment's spin
+     * policy and one-shot default, written in its header by its creator:
+     * the union of every local rank's affinity (gathered when the job
+     * formed), not local rank 0's alone (one core under mpirun --bind-to
+     * core). An explicit count stays. */
+    tdm_shm_opts so = shm_opts ? *shm_opts : (tdm_shm_opts){0};
+    if (so.cores <= 0) so.cores = j->machine_cores;
+    shm_opts = &so;
     /* a job's machines are numbered; pretend ones share /dev/shm */
     j->n_segments++;
     char name[96];

@@ -36,6 +36,8 @@
 #define TDM_SHM_SPIN_NS (50u * 1000)
 #define TDM_SHM_DEFAULT_STALL_MS 3000
 #define TDM_SHM_MIN_STALL_MS 500
+/* Bound on the header's core count (a sanity check of what it carries). */
+#define TDM_SHM_MAX_CORES (1 << 16)
 
 static size_t tdm_shm_round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
@@ -72,9 +74,15 @@ tdm_status tdm_shm_layout(int world, const tdm_shm_opts *opts, tdm_shm_header *h
     h->arena_bytes = arena;
     h->total_bytes = h->arena_off + (size_t)world * arena;
     /* Decided once, here, and carried in the header: every rank must pick
-     * the same algorithm for the same call. */
-    size_t one_shot = world == 2 && tdm_device_host_cores() >= 2 ? TDM_SHM_DEFAULT_ONE_SHOT_PAIR
-                                                                 : TDM_SHM_DEFAULT_ONE_SHOT;
+     * the same algorithm for the same call, and decide whether to spin
+     * from the same count of cores. The creator's affinity stands for the
+     * group's unless told (children inherit it; see tdm_shm_opts.cores). */
+    int cores = opts && opts->cores > 0 ? opts->cores : tdm_device_host_cores();
+    TDM_REQUIRE(cores <= TDM_SHM_MAX_CORES, TDM_STATUS_INVALID_ARG,
+                "shm: cores %d out of range 1..%d", cores, TDM_SHM_MAX_CORES);
+    h->cores = cores;
+    size_t one_shot = world == 2 && cores >= 2 ? TDM_SHM_DEFAULT_ONE_SHOT_PAIR
+                                               : TDM_SHM_DEFAULT_ONE_SHOT;
     h->one_shot_max = opts && opts->one_shot_max_bytes ? opts->one_shot_max_bytes : one_shot;
     return TDM_STATUS_OK;
 }
@@ -87,7 +95,7 @@ void tdm_shm_geom_from(const tdm_shm_header *h, tdm_shm_geom *g)
                         .slot_off = h->slot_off, .slot_bytes = h->slot_bytes,
                         .p2p_off = h->p2p_off, .p2p_bytes = h->p2p_bytes,
                         .arena_off = h->arena_off, .arena_bytes = h->arena_bytes,
-                        .one_shot_max = h->one_shot_max};
+                        .one_shot_max = h->one_shot_max, .cores = h->cores};
 }
 
 /* --- group (parent side) ------------------------------------------------- */
@@ -413,6 +421,16 @@ static const tdm_comm_ops tdm_shm_ops = {
     .half_types = 1,
 };
 
+tdm_status tdm_shm_comm_tuning(const tdm_comm *comm, tdm_shm_tuning *out)
+{
+    TDM_REQUIRE(comm && out && !strcmp(tdm_comm_backend_name(comm), tdm_shm_ops.name),
+                TDM_STATUS_INVALID_ARG, "tdm_shm_comm_tuning: not an shm communicator");
+    const tdm_shm_impl *c = tdm_comm_impl(comm);
+    *out = (tdm_shm_tuning){.cores = c->geom.cores, .spin = c->spin, .spin_async = c->spin_async,
+                            .one_shot_max_bytes = c->geom.one_shot_max};
+    return TDM_STATUS_OK;
+}
+
 tdm_status tdm_shm_comm_alloc(tdm_comm *comm, size_t nbytes, void **ptr)
 {
     return tdm_comm_alloc(comm, nbytes, ptr);
@@ -438,8 +456,11 @@ static tdm_status tdm_shm_validate(const tdm_shm_header *h, size_t size, int wor
                 (unsigned long long)h->total_bytes, size);
     /* Recompute the layout from the header's own parameters: any offset
      * that does not match is refused. */
+    TDM_REQUIRE(h->cores >= 1 && h->cores <= TDM_SHM_MAX_CORES, TDM_STATUS_FORMAT,
+                "shm: header says the ranks have %d cores (expected 1..%d)", (int)h->cores,
+                TDM_SHM_MAX_CORES);
     tdm_shm_opts o = {.slot_bytes = h->slot_bytes, .arena_bytes = h->arena_bytes,
-                      .one_shot_max_bytes = h->one_shot_max};
+                      .one_shot_max_bytes = h->one_shot_max, .cores = h->cores};
     tdm_shm_header want;
     TDM_REQUIRE(tdm_shm_layout(world, &o, &want) == TDM_STATUS_OK, TDM_STATUS_FORMAT,
                 "shm: header has impossible sizes (slot %llu bytes)",
@@ -490,11 +511,14 @@ static tdm_status tdm_shm_join(tdm_comm **out, void *base, size_t total, int unm
     c->rank = rank;
     c->world = world;
     c->timeout_ms = opts && opts->timeout_ms > 0 ? opts->timeout_ms : TDM_SHM_DEFAULT_TIMEOUT_MS;
-    /* spin only while the ranks fit the cores this process may run on */
-    c->spin = !(opts && opts->no_spin) && world <= tdm_device_host_cores();
+    /* Spin only while the ranks fit the cores they can use together (the
+     * header's, the same for every rank): not this process's affinity,
+     * which is one core for a rank pinned to its own (mpirun --bind-to
+     * core), where spinning is exactly right. */
+    c->spin = !(opts && opts->no_spin) && world <= geom.cores;
     /* An asynchronous call waits on the progress thread while the rank's
      * own thread computes: two busy threads per rank. */
-    c->spin_async = c->spin && 2 * world <= tdm_device_host_cores();
+    c->spin_async = c->spin && 2 * world <= geom.cores;
     c->spin_now = c->spin;
     c->spin_ns = TDM_SHM_SPIN_NS;
     c->algo = "none";
@@ -535,8 +559,9 @@ static tdm_status tdm_shm_join(tdm_comm **out, void *base, size_t total, int unm
     if (world > 1 && tdm_shm_heartbeat_start(c) != TDM_STATUS_OK)
         TDM_WARN(SHM, "rank %d: %s; peers will not tell if this rank stops", rank,
                  tdm_error_message());
-    TDM_INFO(SHM, "rank %d of %d joined (job %016llx, %s waits)", rank, world,
-             (unsigned long long)snap.job_id, c->spin ? "spinning" : "sleeping");
+    TDM_INFO(SHM, "rank %d of %d joined (job %016llx, %d cores, %s waits, one-shot <= %zu "
+             "bytes)", rank, world, (unsigned long long)snap.job_id, geom.cores,
+             c->spin ? "spinning" : "sleeping", geom.one_shot_max);
     return tdm_comm_create(out, &tdm_shm_ops, c, rank, world);
 fail:
     if (c) free(c);

@@ -44,10 +44,20 @@ typedef struct tdm_shm_opts {
     /* Deadline of every wait in ms; 0: 300000 (5 minutes). */
     int64_t timeout_ms;
     /* Messages up to this many bytes use the one-shot all_reduce; 0: the
-     * default (512 bytes for two ranks when this process may use two
-     * cores or more, else 4 KiB); SIZE_MAX: always one-shot (as far as it
-     * fits). */
+     * default (512 bytes for two ranks when the group has two cores or
+     * more, see `cores`, else 4 KiB); SIZE_MAX: always one-shot (as far
+     * as it fits). */
     size_t one_shot_max_bytes;
+    /* Cores the group's ranks can run on together: the union of their CPU
+     * affinity masks. It decides whether waits spin (ranks <= cores) and
+     * the one-shot default, and is written in the header, so that every
+     * rank decides alike. 0: the creating process's affinity, which forked
+     * and launched ranks inherit (a rank that narrows its own affinity
+     * later, e.g. pinning itself to one core of it, does not change what
+     * the group can use). Ranks that are not children of the creator
+     * (mpirun --bind-to core pins each to its own core) must say: mpi/
+     * gathers the union over MPI when the job forms. */
+    int cores;
     /* 1: never spin, always sleep (tests of the futex path). */
     int no_spin;
     /* A peer being waited for whose heartbeat has not advanced for this
@@ -114,6 +124,17 @@ int tdm_shm_group_attached(const tdm_shm_group *g);
 int tdm_shm_group_rank_attached(const tdm_shm_group *g, int rank);
 /* Removes the name (no error when it is already gone). */
 tdm_status tdm_shm_unlink_named(const char *name);
+
+/* What a communicator decided from the group's cores (tests, logs):
+ * whether its waits spin (synchronous calls; asynchronous ones, waited on
+ * the progress thread), and its one-shot limit. */
+typedef struct tdm_shm_tuning {
+    int cores;                 /* the group's, from the header */
+    int spin, spin_async;
+    size_t one_shot_max_bytes;
+} tdm_shm_tuning;
+/* TDM_STATUS_INVALID_ARG when comm is not an shm communicator. */
+tdm_status tdm_shm_comm_tuning(const tdm_comm *comm, tdm_shm_tuning *out);
 
 /* Zero-copy memory: nbytes (rounded up to 64) from this rank's arena, at
  * the same offset on every rank, so all ranks must allocate the same

@@ -31,7 +31,7 @@
 #include "shm/shm_comm.h"
 
 #define TDM_SHM_MAGIC 0x314d48534d444e54ull /* "TNDMSHM1" little endian */
-#define TDM_SHM_VERSION 2u
+#define TDM_SHM_VERSION 3u
 #define TDM_SHM_LINE 64
 #define TDM_SHM_PAGE 4096
 #define TDM_SHM_NBUF 2            /* staging buffers per rank */
@@ -91,6 +91,8 @@ typedef struct tdm_shm_header {
     uint64_t one_shot_max;
     int32_t world;
     int32_t nbuf;
+    int32_t cores;                    /* the ranks' cores together (tdm_shm_opts.cores) */
+    int32_t reserved;
     uint64_t job_id;
     /* Group abort, published in one step: a raiser first writes its reason
      * in its own reason slot (rank r: slot r; the parent: slot world),
@@ -124,6 +126,7 @@ typedef struct tdm_shm_geom {
     size_t p2p_off, p2p_bytes;
     size_t arena_off, arena_bytes;
     size_t one_shot_max;
+    int cores;
 } tdm_shm_geom;
 
 struct tdm_shm_group {
@@ -144,7 +147,7 @@ typedef struct tdm_shm_impl {
     int unmap;                 /* 1: this communicator mapped it (attach) */
     int rank, world;
     int64_t timeout_ms;
-    int spin;                  /* spin before sleeping (world <= cores) */
+    int spin;                  /* spin before sleeping (world <= the group's cores) */
     int spin_async;            /* ... also on the progress thread (2 x world <= cores) */
     int spin_now;              /* the policy of the call in progress */
     uint64_t spin_ns;

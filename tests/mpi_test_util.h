@@ -88,6 +88,7 @@ typedef struct mpi_t_job {
     const char *const *env;    /* "NAME=value", NULL-terminated, may be NULL */
     int tcp;                   /* MPI over TCP on lo only (pretend machines) */
     int timeout_s;             /* mpirun --timeout; 0: 120 */
+    const char *bind;          /* mpirun --bind-to (e.g. "core"); NULL: none */
 } mpi_t_job;
 
 /* Processes of this run still alive: those whose environment holds tag. */
@@ -146,7 +147,7 @@ static inline void mpi_t_run(cli_result *r, const mpi_t_job *j)
     argv[n++] = "mpirun";
     argv[n++] = "-np"; argv[n++] = np;
     argv[n++] = "--oversubscribe";
-    argv[n++] = "--bind-to"; argv[n++] = "none";
+    argv[n++] = "--bind-to"; argv[n++] = j->bind ? j->bind : "none";
     argv[n++] = "--timeout"; argv[n++] = tmo;
     /* the launcher's own traffic stays on loopback too */
     argv[n++] = "--mca"; argv[n++] = "oob_tcp_if_include"; argv[n++] = "lo";
@@ -162,6 +163,14 @@ static inline void mpi_t_run(cli_result *r, const mpi_t_job *j)
     for (int i = 0; j->args && j->args[i] && n < 94; i++) argv[n++] = j->args[i];
     argv[n] = NULL;
     const char *what = j->exe ? j->exe : j->worker;
+    /* Each mpirun gets its own TMPDIR: Open MPI 4.1 creates its session
+     * directory (TMPDIR/ompi.<host>.<uid>) with a check-then-mkdir that
+     * fails with 'File exists' when two mpiruns start at once (Criterion
+     * runs tests in parallel). Removed after the run. */
+    char tmp[512];
+    const char *base = getenv("TMPDIR");
+    snprintf(tmp, sizeof tmp, "%s/mpirun-XXXXXX", base && *base ? base : "/tmp");
+    cr_assert_not_null(mkdtemp(tmp), "mkdtemp(%s)", tmp);
     int fds[2];
     cr_assert(pipe(fds) == 0);
     pid_t pid = fork();
@@ -185,6 +194,7 @@ static inline void mpi_t_run(cli_result *r, const mpi_t_job *j)
             snprintf(opts, sizeof opts, "%s:detect_leaks=0", asan);
             setenv("ASAN_OPTIONS", opts, 1);
         }
+        setenv("TMPDIR", tmp, 1);
         if (!j->exe) setenv(MPI_T_ENV_WORKER, j->worker, 1);
         setenv(MPI_T_ENV_TAG, tag, 1);
         for (int i = 0; j->env && j->env[i]; i++) putenv((char *)j->env[i]);
@@ -225,6 +235,9 @@ static inline void mpi_t_run(cli_result *r, const mpi_t_job *j)
     int left = 0;
     for (int i = 0; i < 50 && (left = mpi_t_tagged(tag, 0)) > 0; i++) usleep(100000);
     if (left) mpi_t_tagged(tag, 1);
+    char rm[600];
+    snprintf(rm, sizeof rm, "rm -rf '%s'", tmp);
+    if (system(rm) != 0) fprintf(stderr, "could not remove %s\n", tmp);
     cr_assert(!killed, "mpirun -np %d %s did not end within %d s; output:\n%s", j->np, what,
               timeout_s + 15, r->out);
     cr_assert_eq(left, 0, "%d process(es) of mpirun -np %d %s were left behind; output:\n%s",

@@ -10,6 +10,7 @@
 #include <criterion/criterion.h>
 #include <dirent.h>
 #include <limits.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -389,10 +390,139 @@ static int w_no_attach(int argc, char **argv)
     return 0;
 }
 
+/* What the job's shm communicator decided from the cores its ranks have
+ * (the MPI communicators' waits say it in their INFO lines). */
+static int w_tuning(int argc, char **argv)
+{
+    (void)argc;
+    (void)argv;
+    tdm_mpi_job *job = NULL;
+    tdm_status st = tdm_mpi_job_init(&job, NULL);
+    if (st) return w_fail(NULL, "tdm_mpi_job_init", st);
+    const tdm_mpi_topo *t = tdm_mpi_job_topo(job);
+    tdm_shm_opts so = {.timeout_ms = 60000};
+    tdm_comm *shm = NULL, *mpi = NULL;
+    tdm_shm_tuning tu;
+    if ((st = tdm_mpi_job_comm(job, TDM_MPI_BACKEND_SHM, &so, &shm)))
+        return w_fail(NULL, "shm", st);
+    if ((st = tdm_shm_comm_tuning(shm, &tu))) return w_fail(shm, "tdm_shm_comm_tuning", st);
+    if ((st = tdm_mpi_job_comm(job, TDM_MPI_BACKEND_MPI, NULL, &mpi)))
+        return w_fail(NULL, "mpi", st);
+    cpu_set_t own;
+    CPU_ZERO(&own);
+    sched_getaffinity(0, sizeof own, &own);
+    printf("tuning rank %d: own %d core%s; shm: group %d cores, spin %d, spin_async %d, one-shot "
+           "%zu bytes\n", t->rank, CPU_COUNT(&own), CPU_COUNT(&own) == 1 ? "" : "s", tu.cores,
+           tu.spin, tu.spin_async, tu.one_shot_max_bytes);
+    fflush(stdout);
+    /* and the communicators work */
+    if ((st = tdm_comm_barrier(shm)) || (st = tdm_comm_barrier(mpi)))
+        return w_fail(shm, "barrier", st);
+    tdm_comm_free(mpi);
+    tdm_comm_free(shm);
+    tdm_mpi_job_free(job);
+    return 0;
+}
+
+/* hier on one machine is shm: every collective takes shm's path (its
+ * algorithm is shm's, "shm:<algo>"), and all_reduce of floats that round
+ * gives shm's bits, at sizes that do not divide by the ranks. */
+static int w_one_machine(int argc, char **argv)
+{
+    (void)argc;
+    (void)argv;
+    tdm_mpi_job *job = NULL;
+    tdm_status st = tdm_mpi_job_init(&job, NULL);
+    if (st) return w_fail(NULL, "tdm_mpi_job_init", st);
+    const tdm_mpi_topo *t = tdm_mpi_job_topo(job);
+    tdm_shm_opts so = {.slot_bytes = W_SLOT, .one_shot_max_bytes = W_ONE_SHOT,
+                       .timeout_ms = 60000};
+    tdm_comm *shm = NULL, *hier = NULL;
+    if ((st = tdm_mpi_job_comm(job, TDM_MPI_BACKEND_SHM, &so, &shm)))
+        return w_fail(NULL, "shm", st);
+    if ((st = tdm_mpi_job_comm(job, TDM_MPI_BACKEND_HIER, &so, &hier)))
+        return w_fail(NULL, "hier", st);
+    int r = t->rank, w = t->size, bad = 0;
+    static const size_t sizes[] = {1, 7, 61, 1021, 4099, 65537, 300007};
+    enum { MAXN = 300007 };
+    float *in = malloc(MAXN * sizeof(float)), *a = malloc(MAXN * sizeof(float)),
+          *b = malloc(MAXN * sizeof(float)), *g = malloc((size_t)w * MAXN * sizeof(float));
+    if (!in || !a || !b || !g) return 1;
+    uint32_t x = 0x9e3779b9u * (uint32_t)(r + 1);
+    for (size_t i = 0; i < MAXN; i++) {
+        x = x * 1664525u + 1013904223u;
+        in[i] = (float)(x >> 8) * 0x1p-24f * (r % 2 ? 3.0f : 1e-3f);   /* sums round */
+    }
+    for (size_t s = 0; s < sizeof sizes / sizeof sizes[0] && !bad; s++)
+        for (int inplace = 0; inplace < 2 && !bad; inplace++) {
+            size_t n = sizes[s];
+            memcpy(a, in, n * sizeof(float));
+            memcpy(b, in, n * sizeof(float));
+            if ((st = tdm_comm_all_reduce(shm, inplace ? a : in, a, n, TDM_DTYPE_FLOAT32,
+                                          TDM_REDOP_SUM)) ||
+                (st = tdm_comm_all_reduce(hier, inplace ? b : in, b, n, TDM_DTYPE_FLOAT32,
+                                          TDM_REDOP_SUM)))
+                return w_fail(hier, "all_reduce", st);
+            if (memcmp(a, b, n * sizeof(float))) {
+                size_t i = 0;
+                while (a[i] == b[i]) i++;
+                fprintf(stderr, "rank %d: all_reduce of %zu floats%s: element %zu is %a over "
+                        "shm, %a over hier\n", r, n, inplace ? " in place" : "", i, a[i], b[i]);
+                bad = 1;
+            }
+            if (strncmp(tdm_comm_last_algo(hier), "shm:", 4)) {
+                fprintf(stderr, "rank %d: hier all_reduce took %s\n", r,
+                        tdm_comm_last_algo(hier));
+                bad = 1;
+            }
+        }
+    /* every other collective: shm's path, and its results */
+    size_t n = 1021;
+    struct { tdm_coll coll; const void *send; void *recv; } calls[] = {
+        {TDM_COLL_BROADCAST, in, a}, {TDM_COLL_REDUCE, in, a}, {TDM_COLL_REDUCE_SCATTER, g, a},
+        {TDM_COLL_ALL_GATHER, in, g}, {TDM_COLL_GATHER, in, g}, {TDM_COLL_SCATTER, g, a},
+        {TDM_COLL_BARRIER, NULL, NULL},
+    };
+    for (int i = 0; i < w; i++) memcpy(g + (size_t)i * n, in, n * sizeof(float));
+    for (size_t c = 0; c < sizeof calls / sizeof calls[0] && !bad; c++) {
+        tdm_comm_call k = {.coll = calls[c].coll, .sendbuf = calls[c].send,
+                           .recvbuf = calls[c].recv,
+                           .count = calls[c].coll == TDM_COLL_BARRIER ? 0 : n,
+                           .dtype = TDM_DTYPE_FLOAT32,
+                           .op = TDM_REDOP_SUM, .root = w - 1};
+        if ((st = tdm_comm_run(hier, &k))) return w_fail(hier, tdm_coll_name(k.coll), st);
+        const char *algo = tdm_comm_last_algo(hier);
+        if (strncmp(algo, "shm:", 4)) {
+            fprintf(stderr, "rank %d: hier %s took %s, not shm's path\n", r,
+                    tdm_coll_name(k.coll), algo);
+            bad = 1;
+        }
+    }
+    if (w >= 2 && !bad) {
+        int32_t v[3] = {r, r + 1, r + 2};
+        if (r == 0) st = tdm_comm_send(hier, v, 3, TDM_DTYPE_INT32, 1);
+        if (r == 1) st = tdm_comm_recv(hier, v, 3, TDM_DTYPE_INT32, 0);
+        if (st) return w_fail(hier, "send/recv", st);
+        if (r < 2 && strncmp(tdm_comm_last_algo(hier), "shm:", 4)) bad = 1;
+        if (r == 1 && (v[0] != 0 || v[2] != 2)) bad = 1;
+    }
+    if (!bad && (st = tdm_comm_barrier(hier))) return w_fail(hier, "barrier", st);
+    if (!bad && r == 0) printf("one machine ok: hier is shm on %d ranks\n", w);
+    free(in);
+    free(a);
+    free(b);
+    free(g);
+    tdm_comm_free(hier);
+    tdm_comm_free(shm);
+    tdm_mpi_job_free(job);
+    return bad;
+}
+
 static const mpi_t_worker workers[] = {
     {"matrix", w_matrix},       {"async", w_async},           {"p2p", w_p2p},
     {"checks", w_checks},       {"thread_level", w_thread_level},
     {"no_join", w_no_join},     {"fail_job", w_fail_job},     {"no_attach", w_no_attach},
+    {"tuning", w_tuning},       {"one_machine", w_one_machine},
 };
 MPI_T_WORKERS(workers)
 
@@ -448,6 +578,79 @@ Test(mpi_comm, matrix_5_as_3_plus_2, .timeout = 400) { matrix(5, 2, b_hier, "shm
 Test(mpi_comm, matrix_6_as_3x2, .timeout = 400) { matrix(6, 3, b_mpi_hier, "shm-rs/"); }
 Test(mpi_comm, matrix_7_one_machine, .timeout = 400) { matrix(7, 1, b_shm_hier, "(all_reduce: shm:"); }
 Test(mpi_comm, matrix_8_as_4x2, .timeout = 400) { matrix(8, 4, b_mpi_hier, "shm-rs/"); }
+
+/* "shm: group ..." of rank r's tuning line, and the MPI communicator's
+ * INFO line ("2 ranks on this machine, 2 cores, spinning waits"). */
+static void tuning_of(const char *out, int r, char *shm, size_t n, char *mpi, size_t m)
+{
+    char key[48];
+    snprintf(key, sizeof key, "tuning rank %d: own ", r);
+    const char *p = strstr(out, key);
+    cr_assert_not_null(p, "no '%s' in:\n%s", key, out);
+    p = strstr(p, "shm: ");
+    cr_assert_not_null(p);
+    snprintf(shm, n, "%.*s", (int)strcspn(p, "\n"), p);
+    p = strstr(out, "ranks on this machine, ");
+    cr_assert_not_null(p, "no MPI INFO line in:\n%s", out);
+    snprintf(mpi, m, "%.*s", (int)strcspn(p, "\n("), p);
+}
+
+/* mpirun --bind-to core (what `tandem bench` uses) pins each rank to one
+ * core: each rank's own affinity says 1, yet the ranks have a core each,
+ * so shm must spin and choose its one-shot limit as with --bind-to none,
+ * and MPI's waits must spin alike. */
+Test(mpi_comm, ranks_bound_to_cores_decide_as_unbound_ones, .timeout = 120)
+{
+    MPI_T_NEED();
+    cpu_set_t own;
+    CPU_ZERO(&own);
+    sched_getaffinity(0, sizeof own, &own);
+    if (CPU_COUNT(&own) < 2)
+        cr_skip_test("this process may use %d core: binding 2 ranks to distinct cores needs 2",
+                     CPU_COUNT(&own));
+    const char *env[] = {"TANDEM_DEBUG=INFO", "TANDEM_DEBUG_SUBSYS=MPI", NULL};
+    mpi_t_job j = {.np = 2, .worker = "tuning", .env = env};
+    mpi_t_run(&res, &j);
+    expect(&res, 0, "tuning rank 1");
+    char free_shm[2][160], free_mpi[160], bound_shm[2][160], bound_mpi[160];
+    for (int r = 0; r < 2; r++)
+        tuning_of(res.out, r, free_shm[r], sizeof free_shm[r], free_mpi, sizeof free_mpi);
+    cr_expect(strstr(free_shm[0], "spin 1"), "unbound ranks on 2 cores: %s", free_shm[0]);
+    j.bind = "core";
+    mpi_t_run(&res, &j);
+    expect(&res, 0, "tuning rank 1");
+    cr_assert(strstr(res.out, "tuning rank 0: own 1 core;"),
+              "--bind-to core did not pin rank 0 to one core:\n%s", res.out);
+    for (int r = 0; r < 2; r++) {
+        tuning_of(res.out, r, bound_shm[r], sizeof bound_shm[r], bound_mpi, sizeof bound_mpi);
+        cr_expect_str_eq(bound_shm[r], free_shm[r], "rank %d bound: '%s', unbound: '%s'", r,
+                         bound_shm[r], free_shm[r]);
+    }
+    cr_expect_str_eq(bound_mpi, free_mpi, "MPI's waits bound: '%s', unbound: '%s'", bound_mpi,
+                     free_mpi);
+    /* every MPI communicator's line (the job's own, and the one made for
+     * --backend mpi, on each rank) says the same */
+    int lines = 0;
+    for (const char *p = res.out; (p = strstr(p, "ranks on this machine, ")); p++, lines++)
+        cr_expect(!strncmp(p, free_mpi, strlen(free_mpi)), "bound: '%.*s', unbound: '%s'",
+                  (int)strcspn(p, "\n("), p, free_mpi);
+    cr_expect_geq(lines, 4, "%d MPI INFO lines in:\n%s", lines, res.out);
+}
+
+/* hier with every rank on one machine hands every collective to its shm
+ * communicator: shm's path and shm's bits (a pretend split is another
+ * matter: the matrix tests above). */
+Test(mpi_comm, hier_on_one_machine_is_shm, .timeout = 200)
+{
+    MPI_T_NEED();
+    for (int np = 2; np <= 3; np++) {
+        mpi_t_job j = {.np = np, .worker = "one_machine"};
+        mpi_t_run(&res, &j);
+        char want[64];
+        snprintf(want, sizeof want, "one machine ok: hier is shm on %d ranks", np);
+        expect(&res, 0, want);
+    }
+}
 
 Test(mpi_comm, async_in_order, .timeout = 120)
 {

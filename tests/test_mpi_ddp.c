@@ -297,6 +297,52 @@ Test(mpi_ddp, compare_under_mpirun, .timeout = 300)
     cr_assert_eq(res.code, 2, "exit %d:\n%s", res.code, res.out);
 }
 
+/* compare's sharded modes from an MPI job, over each backend: the job's
+ * ranks run FSDP, ZeRO-2 and ZeRO-1 after DDP, as forked ranks do without
+ * mpirun, rank 0 gathers their records (the verdict compares them with
+ * one device: a record missing a rank's loss would fail it), and with two
+ * ranks (a + b either way) each equals DDP bit for bit */
+Test(mpi_ddp, compare_sharded_modes_under_mpirun, .timeout = 400)
+{
+    MPI_T_NEED();
+    static const char *const backends[] = {"shm", "mpi", "hier"};
+    static const char *const modes[] = {"FSDP", "ZeRO-2", "ZeRO-1"};
+    for (int b = 0; b < 3; b++) {
+        const char *args[] = {"compare", "--data", "synthetic", "--model", "mlp:784-32-10",
+                              "--batch", "32", "--steps", "6", "--modes", "ddp,fsdp,zero2,zero1",
+                              "--backend", backends[b], NULL};
+        mpi_t_job j = {.np = 2, .exe = cli_bin(), .args = args, .timeout_s = 150};
+        mpi_t_run(&res, &j);
+        char want[96];
+        snprintf(want, sizeof want, "the MPI job's (%s, 2 ranks on 1 machine)", backends[b]);
+        expect(&res, 0, want);
+        cr_expect(!strstr(res.out, "skipped"), "--backend %s:\n%s", backends[b], res.out);
+        for (int m = 0; m < 3; m++) {
+            snprintf(want, sizeof want, "running %s...", modes[m]);
+            expect(&res, 0, want);
+            snprintf(want, sizeof want, "%s(2)", modes[m]);
+            expect(&res, 0, want);
+            snprintf(want, sizeof want, "%s vs DDP: bitwise the same parameters", modes[m]);
+            expect(&res, 0, want);
+        }
+        cr_expect(!strstr(res.out, "ranks gathered different parameters"), "%s", res.out);
+        expect(&res, 0, "verdict: PASS");
+    }
+    /* a perturbed rank of a sharded mode fails the verdict: rank 1's
+     * records reach rank 0 */
+    const char *bad[] = {"compare", "--data", "synthetic", "--model", "mlp:784-32-10",
+                         "--batch", "32", "--steps", "6", "--modes", "zero1", "--backend", "mpi",
+                         "--perturb-rank", "1", NULL};
+    mpi_t_job j = {.np = 2, .exe = cli_bin(), .args = bad, .timeout_s = 150};
+    mpi_t_run(&res, &j);
+    cr_assert_eq(res.code, 3, "exit %d:\n%s", res.code, res.out);
+    const char *line = strstr(res.out, "ZeRO-1 vs single");
+    cr_assert_not_null(line, "%s", res.out);
+    int len = (int)strcspn(line, "\n");
+    cr_assert(strstr(line, "FAIL") && strstr(line, "FAIL") < line + len, "%.*s\n%s", len, line,
+              res.out);
+}
+
 /* "train loss X" and "val loss Y nats" of a gpt run's epoch line */
 static void gpt_losses(const char *out, char *buf, size_t len)
 {

@@ -3,16 +3,21 @@
  * cores), sizes 0, 1, primes and around every chunk and algorithm
  * boundary, in place and out of place; zero-copy buffers; send/recv; many
  * collectives back to back; asynchronous handles in order; argument
- * checks. Failure handling is in test_shm_fail.c. */
+ * checks; ranks pinned to distinct cores decide as unpinned ones. Failure
+ * handling is in test_shm_fail.c. */
 #include <criterion/criterion.h>
 #include <dirent.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "core/comm_impl.h"   /* fake backends: tdm_comm_ops, tdm_comm_create */
+#include "core/device.h"
 #include "shm/shm_comm.h"
 #include "shm/spawn.h"
 
@@ -489,4 +494,106 @@ Test(shm_comm, argument_checks, .timeout = 10)
     tdm_comm_free(NULL);
     tdm_shm_group_free(g);
     tdm_shm_group_free(NULL);
+}
+
+/* --- what the ranks decide from the cores they have ---------------------- */
+
+/* Joins g as rank r, pinned first to the r-th core of this process's
+ * affinity when pin, and writes what the communicator decided to out[r];
+ * returns the child's exit code (0: ok). */
+static int tuning_child(tdm_shm_group *g, int r, int pin, tdm_shm_tuning *out)
+{
+    if (pin) {
+        cpu_set_t all, one;
+        if (sched_getaffinity(0, sizeof all, &all) != 0) return 70;
+        CPU_ZERO(&one);
+        for (int c = 0, seen = 0; c < CPU_SETSIZE; c++)
+            if (CPU_ISSET(c, &all) && seen++ == r) CPU_SET(c, &one);
+        if (CPU_COUNT(&one) != 1 || sched_setaffinity(0, sizeof one, &one) != 0) return 71;
+        if (tdm_device_host_cores() != 1) return 72;   /* it is pinned: it sees one core */
+    }
+    tdm_comm *comm = NULL;
+    tdm_shm_opts o = {.timeout_ms = 20000};
+    if (tdm_shm_comm_init(&comm, g, r, &o)) return 73;
+    int bad = tdm_shm_comm_tuning(comm, &out[r]) != TDM_STATUS_OK;
+    /* and it still computes */
+    shm_t_case k = {.coll = TDM_COLL_ALL_REDUCE, .dtype = TDM_DTYPE_FLOAT32, .op = TDM_REDOP_SUM,
+                    .count = 1000};
+    if (!bad) bad = shm_t_run_case(comm, &k) ? 74 : 0;
+    tdm_comm_free(comm);
+    return bad;
+}
+
+/* world ranks forked from one group (made here, unpinned), each pinned
+ * to its own core or not; out[r] gets rank r's decisions. */
+static void tuning_job(int world, int pin, tdm_shm_tuning *out)
+{
+    tdm_shm_tuning *sh = mmap(NULL, 4096, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS,
+                              -1, 0);
+    cr_assert(sh != MAP_FAILED);
+    tdm_shm_group *g = NULL;
+    cr_assert_eq(tdm_shm_group_create(&g, world, NULL), TDM_STATUS_OK, "%s", tdm_error_message());
+    pid_t pids[8];
+    for (int r = 0; r < world; r++) {
+        pids[r] = fork();
+        cr_assert(pids[r] >= 0);
+        if (pids[r] == 0) _exit(tuning_child(g, r, pin, sh));
+        tdm_shm_group_set_pid(g, r, pids[r]);
+    }
+    for (int r = 0; r < world; r++) {
+        int ws = 0;
+        cr_assert_eq(waitpid(pids[r], &ws, 0), pids[r]);
+        tdm_shm_group_mark_ended(g, r, ws);
+        cr_expect(WIFEXITED(ws) && WEXITSTATUS(ws) == 0, "rank %d (%s) ended with status 0x%x",
+                  r, pin ? "pinned" : "unpinned", ws);
+    }
+    tdm_shm_group_free(g);
+    memcpy(out, sh, (size_t)world * sizeof *out);
+    munmap(sh, 4096);
+}
+
+/* Ranks pinned each to a distinct core (what mpirun --bind-to core does)
+ * see one core each through sched_getaffinity, yet together they have
+ * one core per rank: they must spin and choose the same one-shot limit
+ * as unpinned ranks do, not fall back to the policy for ranks that share
+ * one core. */
+Test(shm_comm, pinned_ranks_decide_as_unpinned_ones, .timeout = 60)
+{
+    int cores = tdm_device_host_cores();
+    if (cores < 2) cr_skip_test("this process may use %d core: pinning 2 ranks to distinct "
+                                "cores needs 2", cores);
+    int world = cores < 4 ? cores : 4;
+    tdm_shm_tuning free_[8], pinned[8];
+    tuning_job(world, 0, free_);
+    tuning_job(world, 1, pinned);
+    for (int r = 0; r < world; r++) {
+        cr_expect_eq(free_[r].cores, cores, "rank %d: %d cores, this process has %d", r,
+                     free_[r].cores, cores);
+        cr_expect_eq(free_[r].spin, 1, "unpinned rank %d of %d on %d cores does not spin", r,
+                     world, cores);
+        cr_expect_eq(pinned[r].cores, free_[r].cores, "rank %d: pinned %d cores, unpinned %d", r,
+                     pinned[r].cores, free_[r].cores);
+        cr_expect_eq(pinned[r].spin, free_[r].spin, "rank %d: pinned spin %d, unpinned %d", r,
+                     pinned[r].spin, free_[r].spin);
+        cr_expect_eq(pinned[r].spin_async, free_[r].spin_async,
+                     "rank %d: pinned spin_async %d, unpinned %d", r, pinned[r].spin_async,
+                     free_[r].spin_async);
+        cr_expect_eq(pinned[r].one_shot_max_bytes, free_[r].one_shot_max_bytes,
+                     "rank %d: pinned one-shot %zu, unpinned %zu", r,
+                     pinned[r].one_shot_max_bytes, free_[r].one_shot_max_bytes);
+    }
+    /* what the header carries decides, for every rank alike */
+    tdm_shm_group *g = NULL;
+    tdm_shm_opts one = {.cores = 1};
+    cr_assert_eq(tdm_shm_group_create(&g, 2, &one), TDM_STATUS_OK, "%s", tdm_error_message());
+    tdm_comm *comm = NULL;
+    tdm_shm_tuning t;
+    cr_assert_eq(tdm_shm_comm_init(&comm, g, 0, NULL), TDM_STATUS_OK, "%s", tdm_error_message());
+    cr_assert_eq(tdm_shm_comm_tuning(comm, &t), TDM_STATUS_OK);
+    cr_expect(t.cores == 1 && !t.spin && !t.spin_async && t.one_shot_max_bytes == 4096,
+              "2 ranks told 1 core: cores %d spin %d/%d one-shot %zu", t.cores, t.spin,
+              t.spin_async, t.one_shot_max_bytes);
+    tdm_comm_free(comm);
+    tdm_shm_group_free(g);
+    cr_expect_eq(tdm_shm_comm_tuning(NULL, &t), TDM_STATUS_INVALID_ARG);
 }

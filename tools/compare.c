@@ -91,12 +91,13 @@ static void tdm_cmp_usage(FILE *f)
         "  --perturb-rank R     testing aid: DDP rank R adds 1%% to its gradient share,\n"
         "                       which the equivalence verdict must catch (with\n"
         "                       --comm-hook: only the hooked run, for its verdict)\n"
-        "  --backend B          under mpirun/srun: DDP's communicator, shm, mpi, hier or\n"
-        "                       auto (shm on one machine, hier otherwise)    [auto]\n"
+        "  --backend B          under mpirun/srun: the communicator of DDP and the sharded\n"
+        "                       modes, shm, mpi, hier or auto (shm on one machine, hier\n"
+        "                       otherwise)    [auto]\n"
         "\n"
-        "Under an MPI launcher (mpirun -np N tandem compare ...) DDP's N ranks are the\n"
-        "job's; rank 0 also runs one device and DP (give it the cores: --bind-to none)\n"
-        "and prints the report; --device defaults to cpu:N.\n"
+        "Under an MPI launcher (mpirun -np N tandem compare ...) the N ranks of DDP and\n"
+        "of the sharded modes are the job's; rank 0 also runs one device and DP (give\n"
+        "it the cores: --bind-to none) and prints the report; --device defaults to cpu:N.\n"
         "\n"
         "Exit codes: 0 ok and equivalent, 1 a run failed, 2 bad usage, 3 the\n"
         "equivalence verdict failed.\n", TDM_CMP_GPT_BATCH);
@@ -583,13 +584,9 @@ static tdm_status tdm_cmp_run_modes(tdm_cmp_job *j)
     }
     for (int k = 0; k < TDM_CMP_NMODES; k++) {
         /* under an MPI launcher the other ranks wait for DDP whatever --modes
-         * says, and the sharded modes (which fork their own ranks) are left out */
+         * says, then run the sharded modes of --modes with rank 0, in this
+         * order (tdm_cmp_mpi_peer) */
         if (!(j->o.modes & 1u << k) && !(k == TDM_CMP_DDP && j->o.ddp_comm)) continue;
-        if (j->o.ddp_comm && tdm_cmp_is_sharded((tdm_cmp_mode)k)) {
-            printf("  %s: skipped under an MPI launcher (run it without mpirun)\n",
-                   tdm_cmp_mode_name((tdm_cmp_mode)k));
-            continue;
-        }
         printf("  running %s...\n", tdm_cmp_mode_name((tdm_cmp_mode)k));
         fflush(stdout);
         /* an MPI job's other ranks wait for this before DDP */
@@ -848,6 +845,21 @@ static tdm_status tdm_cmp_write_outputs(tdm_cmp_job *j)
     return st;
 }
 
+/* An MPI job's rank other than 0: wait (asleep) for rank 0's single and
+ * DP runs, then run DDP and the sharded modes of --modes with it, in
+ * tdm_cmp_run_modes' order; rank 0 alone reports and gives the verdict. */
+static tdm_status tdm_cmp_mpi_peer(tdm_cmp_job *j)
+{
+    j->verdict = 1;
+    TDM_CHECK(tdm_comm_barrier(tdm_cmp_mr.world));
+    for (int k = TDM_CMP_DDP; k < TDM_CMP_NMODES; k++) {
+        if (k != TDM_CMP_DDP && !(tdm_cmp_is_sharded((tdm_cmp_mode)k) && j->o.modes & 1u << k))
+            continue;
+        TDM_CHECK(tdm_cmp_run(&j->o, &j->data, (tdm_cmp_mode)k, j->o.n_dev, &j->res[k]));
+    }
+    return TDM_STATUS_OK;
+}
+
 /* After the options: the data, the runs, the report. */
 static tdm_status tdm_cmp_main_run(tdm_cmp_job *j)
 {
@@ -861,13 +873,7 @@ static tdm_status tdm_cmp_main_run(tdm_cmp_job *j)
     }
     TDM_CHECK(j->gpt ? tdm_cmp_load_text(j) : tdm_cmp_load_images(j));
     tdm_cmp_print_header(j);
-    if (j->o.ddp_comm && tdm_cmp_mr.env.rank != 0) {
-        /* a DDP rank: wait (asleep) for rank 0's single and DP runs; rank
-         * 0 alone reports and gives the verdict */
-        j->verdict = 1;
-        TDM_CHECK(tdm_comm_barrier(tdm_cmp_mr.world));
-        return tdm_cmp_run(&j->o, &j->data, TDM_CMP_DDP, j->o.n_dev, &j->res[TDM_CMP_DDP]);
-    }
+    if (j->o.ddp_comm && tdm_cmp_mr.env.rank != 0) return tdm_cmp_mpi_peer(j);
     TDM_CHECK(tdm_cmp_run_modes(j));
     tdm_cmp_print_throughput(j);
     tdm_cmp_print_phase_table(&j->o, j->rp, j->nres);

@@ -4,8 +4,10 @@
  * about them: --modes, the all-gather / reduce-scatter lines under the
  * phase table, which pairs the verdict compares (and whether a sharded
  * mode equals DDP bit for bit), memory per rank, the trace's collective
- * track and the reading (what sharding saved, what it cost). compare.c
- * and compare_out.c call in here with one line each. */
+ * track and the reading (what sharding saved, what it cost). Under an MPI
+ * launcher the job's ranks run them over DDP's communicator instead of
+ * forked ones. compare.c and compare_out.c call in here with one line
+ * each. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -190,6 +192,11 @@ static int tdm_cmp_fsdp_rank(tdm_comm *comm, void *argp)
         sh->rs_bytes_per_step = t.steps > 0 ? t.rs_bytes_total / (double)t.steps : 0.0;
     }
     if (tdm_comm_barrier(comm) != TDM_STATUS_OK) goto done;
+    /* an MPI job's ranks share no memory: rank 0's parameters come over comm */
+    if (o->ddp_comm &&
+        tdm_comm_broadcast(comm, TDM_CMP_FAT(sh, off_last, float), TDM_CMP_FAT(sh, off_last, float),
+                           (size_t)sh->param_elems, TDM_DTYPE_FLOAT32, 0) != TDM_STATUS_OK)
+        goto done;
     sh->agree[rank] = !memcmp(mine, TDM_CMP_FAT(sh, off_last, float),
                               (size_t)sh->param_elems * sizeof(float));
     /* what this rank holds: shards plus the full copies its sharding
@@ -218,6 +225,28 @@ done:
     free(y);
     free(mine);
     return rc;
+}
+
+/* An MPI job: sums every rank's records onto rank 0's (each rank writes
+ * only its own slots, the rest are zero, so a sum is a gather; the
+ * collective track, the first parameters and the fractions are rank 0's
+ * own already). */
+static tdm_status tdm_cmp_fsdp_gather(tdm_comm *comm, tdm_cmp_fsdp_sh *sh)
+{
+    size_t doubles = (sh->off_coll - sh->off_loss) / sizeof(double);
+    double *per_rank = TDM_CMP_FAT(sh, off_loss, double);
+    int32_t agree[TDM_CMP_MAX_DEV];
+    for (int k = 0; k < TDM_CMP_MAX_DEV; k++) agree[k] = sh->agree[k];
+    tdm_status st = tdm_comm_reduce(comm, per_rank, per_rank, doubles, TDM_DTYPE_FLOAT64,
+                                    TDM_REDOP_SUM, 0);
+    if (st == TDM_STATUS_OK)
+        st = tdm_comm_reduce(comm, agree, agree, TDM_CMP_MAX_DEV, TDM_DTYPE_INT32, TDM_REDOP_SUM, 0);
+    if (st == TDM_STATUS_OK)
+        st = tdm_comm_reduce(comm, sh->mem, sh->mem,
+                             (size_t)TDM_CMP_MAX_DEV * (sizeof(tdm_cmp_memory) / sizeof(double)),
+                             TDM_DTYPE_FLOAT64, TDM_REDOP_SUM, 0);
+    for (int k = 0; k < TDM_CMP_MAX_DEV; k++) sh->agree[k] = agree[k];
+    return st;
 }
 
 tdm_status tdm_cmp_run_fsdp(const tdm_cmp_opts *o, const tdm_cmp_data *data,
@@ -256,7 +285,22 @@ tdm_status tdm_cmp_run_fsdp(const tdm_cmp_opts *o, const tdm_cmp_data *data,
     tdm_ddp_spawn_opts so = {.timeout_ms = 3600000};
     tdm_status st;
     fflush(stdout);
-    if ((st = tdm_ddp_spawn(world, tdm_cmp_fsdp_rank, &arg, &so, NULL)) != TDM_STATUS_OK) {
+    if (o->ddp_comm) {
+        /* an MPI job: this process is one rank, over the job's --backend
+         * communicator as DDP's; rank 0 gathers the others' records */
+        st = tdm_cmp_fsdp_rank(o->ddp_comm, &arg) != 0 ? TDM_STATUS_INTERNAL : TDM_STATUS_OK;
+        if (st == TDM_STATUS_OK) st = tdm_cmp_fsdp_gather(o->ddp_comm, sh);
+        if (st != TDM_STATUS_OK) {
+            fprintf(stderr, "tandem compare: %s: %s\n", name,
+                    st == TDM_STATUS_INTERNAL ? "a rank failed (see its error above)"
+                                              : tdm_error_message());
+            goto done;
+        }
+        if (tdm_comm_rank(o->ddp_comm) != 0) {
+            r->ok = 1;   /* rank 0 reports */
+            goto done;
+        }
+    } else if ((st = tdm_ddp_spawn(world, tdm_cmp_fsdp_rank, &arg, &so, NULL)) != TDM_STATUS_OK) {
         fprintf(stderr, "tandem compare: %s: %s\n", name, tdm_error_message());
         goto done;
     }
