@@ -192,3 +192,21 @@ Test(cli_gpt, launched_ddp_matches_one_device)
     cr_assert(fabs(t2 - t1) <= 2e-4 * t1 && fabs(v2 - v1) <= 2e-4 * v1,
               "launched %.4f / %.4f vs one device %.4f / %.4f", t2, v2, t1, v1);
 }
+
+/* --timeout reaches the GPT's forked DDP ranks: with stall detection off, a
+ * stopped rank is waited for until the process group's timeout, which must
+ * be the user's 2 s (the forked ranks used a fixed 60 s, past this test's
+ * bound). */
+Test(cli_gpt, ddp_ranks_take_the_timeout_given, .timeout = 45)
+{
+    static cli_result r;
+    setenv("TANDEM_SHM_STALL_MS", "0", 1);
+    setenv("TANDEM_DDP_TEST_KILL", "1:3:STOP", 1);
+    CLI(&r, "train", "--model", TINY, "--data", tu_tpath(g_dir, "text.txt"), "--mode", "ddp",
+        "--device", "cpu:2", "--epochs", "1", "--max-steps", "20", "--batch", "4", "--timeout",
+        "2", "--quiet");
+    unsetenv("TANDEM_SHM_STALL_MS");
+    unsetenv("TANDEM_DDP_TEST_KILL");
+    expect(&r, 1, "timed out after 2000 ms");
+    cr_expect(!cli_shm_entries());
+}

@@ -51,7 +51,7 @@ typedef struct tdm_text_job {
     int64_t eval_count;
     int fsdp;                        /* --mode fsdp */
     tdm_fsdp_sharding sharding;
-    int64_t timeout_ms;              /* fsdp: the process group's */
+    int64_t timeout_ms;              /* DDP, FSDP: the process group's */
 } tdm_text_job;
 
 /* One process's run: its model and optimizer, and the mode's state. */
@@ -523,7 +523,7 @@ static tdm_status tdm_text_forked(tdm_text_job *j)
     }
     /* FSDP's collectives do not use the zero-copy arena */
     tdm_ddp_spawn_opts so = {.timeout_ms = INT64_MAX / 2000000,
-                             .comm_timeout_ms = j->fsdp ? j->timeout_ms : 60000,
+                             .comm_timeout_ms = j->timeout_ms,
                              .arena_bytes = j->fsdp ? 0 : tdm_tool_ddp_arena_bytes(
                                  &j->dl, tdm_model_param_elems(probe))};
     tdm_model_free(probe);
@@ -545,7 +545,9 @@ static tdm_status tdm_text_run_ddp(tdm_text_job *j)
     tdm_status st;
     tdm_train_note_threads(a, j->fsdp ? "FSDP rank" : "DDP rank");
     int launched = getenv("TANDEM_SHM_FD") && getenv("WORLD_SIZE");
-    if (j->fsdp) TDM_CHECK(tdm_train_fsdp_timeout(a, launched, &j->timeout_ms));
+    /* --timeout, else TANDEM_TIMEOUT, else 60 s forked (as the image
+     * models' ranks) */
+    TDM_CHECK(tdm_train_fsdp_timeout(a, launched, &j->timeout_ms));
     /* an MPI launcher's ranks (tools/mpi_job.h): as train --mode ddp's
      * (--mode fsdp, as for images, runs forked or under tandem launch) */
     int mpi = !launched && !j->fsdp && tdm_tool_mpi_launched();
