@@ -178,3 +178,14 @@ Test(elastic, a_signal_to_the_launcher_is_never_restarted, .timeout = 60)
     cr_expect(WIFEXITED(ws) && WEXITSTATUS(ws) == 128 + SIGINT, "status 0x%x: %s", ws, out);
     cr_expect(!strstr(out, "restart"), "%s", out);
 }
+
+/* --max-restarts restarts the ranks tandem train forks itself: ranks that a
+ * launcher started (tandem launch, mpirun) are not restarted by it, and the
+ * user is told so instead of the option being dropped in silence. */
+Test(elastic, train_under_a_launcher_says_who_restarts, .timeout = 120)
+{
+    cli_result r;
+    CLI(&r, "launch", "-n", "2", "--", cli_bin(), "train", EL_TRAIN, "--device", "cpu",
+        "--epochs", "1", "--max-restarts", "2");
+    expect(&r, 0, "--max-restarts restarts the ranks tandem train forks itself");
+}

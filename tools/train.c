@@ -257,6 +257,12 @@ static tdm_status tdm_train_check_args(tdm_train_args *a)
     if (a->max_restarts && strcmp(a->mode, "ddp"))
         return tdm_tool_usage_error("tandem train: --max-restarts applies to --mode ddp (ranks "
                                     "that can fail one by one)\n");
+    if (a->max_restarts && ((getenv("TANDEM_SHM_FD") && getenv("WORLD_SIZE")) ||
+                            tdm_tool_mpi_launched()))
+        fprintf(stderr, "tandem train: note: --max-restarts restarts the ranks tandem train forks "
+                        "itself; these ranks were started by a launcher, which restarts them: "
+                        "`tandem launch --max-restarts K` (under mpirun or srun, rerun the job "
+                        "with --resume)\n");
     if (tdm_elastic_attempt() > 0 && !a->resume) {
         /* restarted by tandem launch --max-restarts: resume from the
          * launcher's --checkpoint, else from our own --save */
