@@ -256,6 +256,7 @@ void tdm_fsdp_free(tdm_fsdp *f)
     tdm_dev_free(d, f->gshard);
     tdm_dev_free(d, f->pfull);
     tdm_dev_free(d, f->gfull);
+    tdm_dev_free(d, f->gacc);
     tdm_dev_free(d, f->dlogits);
     tdm_dev_free(d, f->x_dev);
     tdm_dev_free(d, f->y_dev);
@@ -300,6 +301,8 @@ tdm_status tdm_fsdp_zero_grad(tdm_fsdp *f)
     if (f->o.sharding == TDM_FSDP_SHARD_OPTIM) {
         TDM_CHECK(tdm_dev_memset_zero(d, f->gfull, (size_t)f->full_elems * sizeof(float)));
         f->gfull_stale = 0;
+        f->gfull_reduced = 0;
+        f->gacc_live = 0;   /* what was held aside is dropped too */
         return TDM_STATUS_OK;
     }
     /* accumulated full gradients (no_sync) are dropped with the shards */
@@ -565,6 +568,8 @@ tdm_status tdm_fsdp_backward(tdm_fsdp *f)
      * accumulation onto reduced gradients) adds onto zeros outside the
      * owned slices, as it would after the clearing zero_grad skips */
     tdm_status st = tdm_fsdp_clear_stale(f);
+    /* with a hook, ZeRO-1 rounds only the new gradients to 16 bits */
+    if (st == TDM_STATUS_OK) st = tdm_fsdp_hold_reduced(f);
     if (st) return tdm_fsdp_fail(f, st);
     tdm_fsdp_backward_begin(f);
     if (f->fwd_ran) {

@@ -77,6 +77,14 @@ struct tdm_fsdp {
      * local gradients of the last reduce-scatter (they are cleared by the
      * next zero_grad, or before the next backward adds into them) */
     int gfull_stale;
+    /* SHARD_OPTIM with opts.comm_hook: 1 when the owned slices hold a
+     * reduced gradient (a reduce-scatter since the last zero_grad). The
+     * next backward moves it aside into gacc (shard_elems) so that only
+     * the new local gradients are rounded to 16 bits; gacc_live until each
+     * unit's reduce-scatter has added it back, as the other shardings add
+     * their shard to the result (rs_tmp) */
+    int gfull_reduced, gacc_live;
+    float *gacc;
     /* the pool of unit blocks */
     tdm_fsdp_block cache[TDM_FSDP_POOL_CACHE];
     int n_cached;
@@ -137,6 +145,9 @@ tdm_status tdm_fsdp_issue_gather(tdm_fsdp *f, int u, int prefetch);
 /* SHARD_OPTIM: clears gfull outside this rank's slices if the last
  * reduce-scatter left local gradients there (gfull_stale). */
 tdm_status tdm_fsdp_clear_stale(tdm_fsdp *f);
+/* SHARD_OPTIM with a hook, before a backward: the reduced gradient of the
+ * owned slices aside into gacc (gfull_reduced). */
+tdm_status tdm_fsdp_hold_reduced(tdm_fsdp *f);
 /* Backward's start and end (sync: reduce-scatter the rest, wait all). */
 void tdm_fsdp_backward_begin(tdm_fsdp *f);
 tdm_status tdm_fsdp_backward_end(tdm_fsdp *f);

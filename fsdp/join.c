@@ -19,6 +19,9 @@
 static tdm_status tdm_fsdp_join_count(tdm_fsdp *f)
 {
     int32_t v[2] = {f->joined ? 0 : 1, !f->joined && f->sync};
+    /* named, as every fsdp collective: a rank that never comes to the
+     * count is found here by `tandem doctor` */
+    tdm_comm_set_label(f->hcomm, "%s join count", tdm_fsdp_tag(f));
     tdm_status st = tdm_comm_all_reduce(f->hcomm, v, v, 2, TDM_DTYPE_INT32, TDM_REDOP_SUM);
     if (st) return tdm_error_prefix(st, "fsdp join: counting the ranks that still have data");
     /* every rank sees the same sums, so every rank fails here alike */

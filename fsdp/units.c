@@ -552,6 +552,10 @@ static tdm_status tdm_fsdp_finish_rs(tdm_fsdp *f, int u)
          * (tdm_fsdp_clear_stale). Clearing them here as well cost a pass
          * over (N-1)/N of the gradients every step (issue 14). */
         f->gfull_stale = 1;
+        f->gfull_reduced = 1;
+        if (f->gacc_live)   /* the reduced gradient held aside by tdm_fsdp_hold_reduced */
+            TDM_CHECK(tdm_dev_axpy(d, x->shard, 1.0f, f->gacc + x->shard_off,
+                                   tdm_fsdp_gshard(f, u)));
         return TDM_STATUS_OK;
     }
     if (x->rs_tmp) {
@@ -581,6 +585,25 @@ tdm_status tdm_fsdp_clear_stale(tdm_fsdp *f)
     return TDM_STATUS_OK;
 }
 
+tdm_status tdm_fsdp_hold_reduced(tdm_fsdp *f)
+{
+    if (f->o.sharding != TDM_FSDP_SHARD_OPTIM || !f->o.comm_hook || !f->gfull_reduced)
+        return TDM_STATUS_OK;
+    if (!f->gacc)
+        TDM_CHECK(tdm_dev_alloc(f->dev, (size_t)(f->shard_elems ? f->shard_elems : 1) *
+                                            sizeof(float), (void **)&f->gacc));
+    for (int u = 0; u < f->nu; u++) {
+        const tdm_fsdp_unit *x = &f->u[u];
+        float *own = tdm_fsdp_gshard(f, u);
+        TDM_CHECK(tdm_dev_copy(f->dev, f->gacc + x->shard_off, own,
+                               (size_t)x->shard * sizeof(float)));
+        TDM_CHECK(tdm_dev_memset_zero(f->dev, own, (size_t)x->shard * sizeof(float)));
+    }
+    f->gfull_reduced = 0;
+    f->gacc_live = 1;
+    return TDM_STATUS_OK;
+}
+
 tdm_status tdm_fsdp_backward_end(tdm_fsdp *f)
 {
     tdm_fsdp_pass_done(&f->bwd_len, &f->bwd_rec, f->bwd_broken);
@@ -601,6 +624,7 @@ tdm_status tdm_fsdp_backward_end(tdm_fsdp *f)
     tdm_fsdp_launch_ready(f);
     if (f->hook_st) return tdm_error_set(f->hook_st, "%s", f->hook_msg);
     for (int u = f->nu - 1; u >= 0; u--) TDM_CHECK(tdm_fsdp_finish_rs(f, u));
+    f->gacc_live = 0;   /* every unit has added it back */
     f->gshard_zero = 0;
     TDM_CHECK(tdm_fsdp_settle_params(f, 1));
     tdm_fsdp_pool_trim(f);

@@ -10,6 +10,8 @@
  * nobody hangs. Forked ranks, bounded run time. */
 #include <criterion/criterion.h>
 
+#include "core/json.h"
+#include "tests/fr_test_util.h"
 #include "tests/test_fsdp_util.h"
 
 #define J_WORLD 3
@@ -224,6 +226,42 @@ Test(fsdp_join, join_with_a_bf16_hook)
 {
     for (int s = 0; s < TDM_FSDP_SHARDING_COUNT_; s++)
         j_check((j_arg){.sharding = (tdm_fsdp_sharding)s, .hook = TDM_FSDP_HOOK_BF16}, 2e-3);
+}
+
+/* The flight recorder names every collective of a joined run, the count
+ * of the ranks with data included: a rank that hangs while the others
+ * shadow it is in "<family> join count" in `tandem doctor`, not in an
+ * unlabelled all_reduce. Failed before: rank 0's dump held an all_reduce
+ * with an empty label (the count's) at every training forward. */
+Test(fsdp_join, every_collective_of_a_joined_run_is_labelled)
+{
+    static const char *const family[] = {"fsdp", "zero2", "zero1"};
+    for (int s = 0; s < TDM_FSDP_SHARDING_COUNT_; s++) {
+        char dir[64];
+        fr_t_dump_dir(dir, sizeof dir);
+        j_check((j_arg){.sharding = (tdm_fsdp_sharding)s}, 1e-6);
+        unsetenv("TANDEM_FR_DUMP");
+        for (int r = 0; r < J_WORLD; r++) {
+            tdm_json *doc = fr_t_load(dir, r);
+            cr_assert_not_null(doc, "%s: rank %d left no dump in %s", family[s], r, dir);
+            const tdm_json *e = tdm_json_get(doc, "entries");
+            cr_assert(e && e->type == TDM_JSON_ARRAY);
+            int counts = 0;
+            char want[64];
+            snprintf(want, sizeof want, "%s join count", family[s]);
+            for (int i = 0; i < e->n; i++) {
+                const tdm_json *c = tdm_json_get(&e->items[i], "coll");
+                const tdm_json *l = tdm_json_get(&e->items[i], "label");
+                cr_assert(c && c->type == TDM_JSON_STRING && l && l->type == TDM_JSON_STRING);
+                cr_expect(l->str[0], "%s rank %d: %s #%d has no label", family[s], r, c->str, i);
+                counts += !strcmp(l->str, want);
+            }
+            /* the recorder keeps the last entries: some counts are among them */
+            cr_expect(counts > 0, "%s rank %d: no '%s' in the dump", family[s], r, want);
+            tdm_json_free(doc);
+        }
+        fr_t_rm_dir(dir);
+    }
 }
 
 /* Without opts.join, tdm_fsdp_join is refused naming the option, and the
