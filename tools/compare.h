@@ -134,6 +134,9 @@ tdm_status tdm_cmp_run(const tdm_cmp_opts *o, const tdm_cmp_data *data, tdm_cmp_
                        int n_dev, tdm_cmp_result *r);
 /* Parameters of o's model (a probe on a host device); 0 on failure. */
 int64_t tdm_cmp_param_elems(const tdm_cmp_opts *o);
+/* An MPI job: every rank's records summed onto rank 0's (compare_run.c). */
+tdm_status tdm_cmp_gather_records(tdm_comm *comm, double *per_rank, size_t doubles, int *agree,
+                                  tdm_cmp_memory *mem);
 void tdm_cmp_result_free(tdm_cmp_result *r);
 /* r's arrays for a run of `steps` on n_dev devices (0 on failure, said). */
 tdm_status tdm_cmp_alloc(tdm_cmp_result *r, tdm_cmp_mode mode, int n_dev, int steps,

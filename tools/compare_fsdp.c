@@ -227,28 +227,6 @@ done:
     return rc;
 }
 
-/* An MPI job: sums every rank's records onto rank 0's (each rank writes
- * only its own slots, the rest are zero, so a sum is a gather; the
- * collective track, the first parameters and the fractions are rank 0's
- * own already). */
-static tdm_status tdm_cmp_fsdp_gather(tdm_comm *comm, tdm_cmp_fsdp_sh *sh)
-{
-    size_t doubles = (sh->off_coll - sh->off_loss) / sizeof(double);
-    double *per_rank = TDM_CMP_FAT(sh, off_loss, double);
-    int32_t agree[TDM_CMP_MAX_DEV];
-    for (int k = 0; k < TDM_CMP_MAX_DEV; k++) agree[k] = sh->agree[k];
-    tdm_status st = tdm_comm_reduce(comm, per_rank, per_rank, doubles, TDM_DTYPE_FLOAT64,
-                                    TDM_REDOP_SUM, 0);
-    if (st == TDM_STATUS_OK)
-        st = tdm_comm_reduce(comm, agree, agree, TDM_CMP_MAX_DEV, TDM_DTYPE_INT32, TDM_REDOP_SUM, 0);
-    if (st == TDM_STATUS_OK)
-        st = tdm_comm_reduce(comm, sh->mem, sh->mem,
-                             (size_t)TDM_CMP_MAX_DEV * (sizeof(tdm_cmp_memory) / sizeof(double)),
-                             TDM_DTYPE_FLOAT64, TDM_REDOP_SUM, 0);
-    for (int k = 0; k < TDM_CMP_MAX_DEV; k++) sh->agree[k] = agree[k];
-    return st;
-}
-
 tdm_status tdm_cmp_run_fsdp(const tdm_cmp_opts *o, const tdm_cmp_data *data,
                             tdm_cmp_mode mode, int world, tdm_cmp_result *r)
 {
@@ -289,7 +267,9 @@ tdm_status tdm_cmp_run_fsdp(const tdm_cmp_opts *o, const tdm_cmp_data *data,
         /* an MPI job: this process is one rank, over the job's --backend
          * communicator as DDP's; rank 0 gathers the others' records */
         st = tdm_cmp_fsdp_rank(o->ddp_comm, &arg) != 0 ? TDM_STATUS_INTERNAL : TDM_STATUS_OK;
-        if (st == TDM_STATUS_OK) st = tdm_cmp_fsdp_gather(o->ddp_comm, sh);
+        if (st == TDM_STATUS_OK) st = tdm_cmp_gather_records(
+            o->ddp_comm, TDM_CMP_FAT(sh, off_loss, double),
+            (sh->off_coll - sh->off_loss) / sizeof(double), sh->agree, sh->mem);
         if (st != TDM_STATUS_OK) {
             fprintf(stderr, "tandem compare: %s: %s\n", name,
                     st == TDM_STATUS_INTERNAL ? "a rank failed (see its error above)"

@@ -445,23 +445,24 @@ int64_t tdm_cmp_param_elems(const tdm_cmp_opts *o)
     return pe;
 }
 
-/* Sums every rank's records onto rank 0's (each rank writes only its own
- * slots, rank 0 alone the rest). */
-static tdm_status tdm_cmp_gather_ddp(tdm_comm *comm, tdm_cmp_shared *sh)
+/* An MPI job: sums every rank's records onto rank 0's (each rank writes
+ * only its own slots, rank 0 alone the rest, so a sum is a gather):
+ * `doubles` per-rank figures, the ranks' agreement flags and memory rows.
+ * Used by DDP's column and the sharded modes'. */
+tdm_status tdm_cmp_gather_records(tdm_comm *comm, double *per_rank, size_t doubles, int *agree,
+                                  tdm_cmp_memory *mem)
 {
-    size_t doubles = (sh->off_bucket - sh->off_loss) / sizeof(double);
-    double *per_rank = TDM_CMP_AT(sh, off_loss, double);
-    int32_t agree[TDM_CMP_MAX_DEV];
-    for (int k = 0; k < TDM_CMP_MAX_DEV; k++) agree[k] = sh->agree[k];
+    int32_t a[TDM_CMP_MAX_DEV];
+    for (int k = 0; k < TDM_CMP_MAX_DEV; k++) a[k] = agree[k];
     tdm_status st = tdm_comm_reduce(comm, per_rank, per_rank, doubles, TDM_DTYPE_FLOAT64,
                                     TDM_REDOP_SUM, 0);
     if (st == TDM_STATUS_OK)
-        st = tdm_comm_reduce(comm, agree, agree, TDM_CMP_MAX_DEV, TDM_DTYPE_INT32, TDM_REDOP_SUM, 0);
+        st = tdm_comm_reduce(comm, a, a, TDM_CMP_MAX_DEV, TDM_DTYPE_INT32, TDM_REDOP_SUM, 0);
     if (st == TDM_STATUS_OK)
-        st = tdm_comm_reduce(comm, sh->mem, sh->mem,
+        st = tdm_comm_reduce(comm, mem, mem,
                              (size_t)TDM_CMP_MAX_DEV * (sizeof(tdm_cmp_memory) / sizeof(double)),
                              TDM_DTYPE_FLOAT64, TDM_REDOP_SUM, 0);
-    for (int k = 0; k < TDM_CMP_MAX_DEV; k++) sh->agree[k] = agree[k];
+    for (int k = 0; k < TDM_CMP_MAX_DEV; k++) agree[k] = a[k];
     return st;
 }
 
@@ -501,7 +502,9 @@ static tdm_status tdm_cmp_run_ddp(const tdm_cmp_opts *o, const tdm_cmp_data *dat
         /* an MPI job: this process is one rank; rank 0 gathers the others'
          * records (their slots are zero elsewhere, so a sum is a gather) */
         if (tdm_cmp_ddp_rank(o->ddp_comm, &arg) != 0) st = TDM_STATUS_INTERNAL;
-        if (st == TDM_STATUS_OK) st = tdm_cmp_gather_ddp(o->ddp_comm, sh);
+        if (st == TDM_STATUS_OK) st = tdm_cmp_gather_records(
+            o->ddp_comm, TDM_CMP_AT(sh, off_loss, double),
+            (sh->off_bucket - sh->off_loss) / sizeof(double), sh->agree, sh->mem);
         if (st != TDM_STATUS_OK) {
             tdm_cmp_fail("DDP", st);
             goto fail;
