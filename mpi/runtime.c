@@ -145,10 +145,14 @@ tdm_status tdm_mpi_init(void)
     if (!inited) {
         tdm_mpi_guard g;
         /* A rank that never starts keeps the others in MPI_Init's
-         * exchange of addresses; bounded by the join timeout. */
+         * exchange of addresses. Its own bound: starting the job's
+         * processes (launcher, a loaded machine, sanitizers) is slower
+         * than joining, which is counted from here on; by default the
+         * join timeout. */
         tdm_mpi_opts o = tdm_mpi_opts_resolve(NULL);
-        tdm_mpi_guard_begin(&g, o.join_timeout_ms, "MPI_Init_thread (waiting for every rank of "
-                            "the job to start)");
+        int64_t init_ms = tdm_mpi_env_ms("TANDEM_MPI_INIT_TIMEOUT_MS", o.join_timeout_ms);
+        tdm_mpi_guard_begin(&g, init_ms, "MPI_Init_thread (waiting for every rank of the job to "
+                            "start; TANDEM_MPI_INIT_TIMEOUT_MS sets the bound)");
         int rc = MPI_Init_thread(NULL, NULL, tdm_mpi_level_wanted(), &provided);
         tdm_mpi_guard_end(&g);
         if (rc != MPI_SUCCESS) {

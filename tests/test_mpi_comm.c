@@ -318,11 +318,22 @@ static int w_env_rank(void)
     return e ? atoi(e) : -1;
 }
 
+/* argv[0] "late": rank 2 starts late by argv[1] ms, before MPI_Init, as
+ * a rank of a loaded machine (ASan, more ranks than cores) may; the
+ * bounds on joining and attaching must not count that time. */
+static void w_late_start(int argc, char **argv)
+{
+    if (argc > 1 && !strcmp(argv[0], "late") && w_env_rank() == 2) {
+        long ms = atol(argv[1]);
+        struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
+        nanosleep(&ts, NULL);
+    }
+}
+
 /* Rank 1 initialises MPI but never joins the communicator. */
 static int w_no_join(int argc, char **argv)
 {
-    (void)argc;
-    (void)argv;
+    w_late_start(argc, argv);
     if (w_env_rank() == 1) {
         tdm_mpi_init();
         sleep(120);
@@ -372,8 +383,7 @@ static int w_fail_job(int argc, char **argv)
 /* Local rank 1 starts the job but never joins its shared segment. */
 static int w_no_attach(int argc, char **argv)
 {
-    (void)argc;
-    (void)argv;
+    w_late_start(argc, argv);
     tdm_mpi_job *job = NULL;
     tdm_status st = tdm_mpi_job_init(&job, NULL);
     if (st) return w_fail(NULL, "tdm_mpi_job_init", st);
@@ -689,8 +699,12 @@ Test(mpi_comm, thread_level_checked, .timeout = 120)
 Test(mpi_comm, rank_that_never_joins_is_named, .timeout = 120)
 {
     MPI_T_NEED();
-    const char *env[] = {"TANDEM_MPI_JOIN_TIMEOUT_MS=1500", NULL};
-    mpi_t_job j = {.np = 3, .worker = "no_join", .env = env, .timeout_s = 60};
+    /* rank 2 starts 2 s late: MPI_Init's own bound (60 s) covers that,
+     * the join bound starts after it */
+    const char *env[] = {"TANDEM_MPI_JOIN_TIMEOUT_MS=1500", "TANDEM_MPI_INIT_TIMEOUT_MS=60000",
+                         NULL};
+    const char *args[] = {"late", "2000", NULL};
+    mpi_t_job j = {.np = 3, .worker = "no_join", .args = args, .env = env, .timeout_s = 60};
     mpi_t_run(&res, &j);
     cr_assert_neq(res.code, 0, "mpirun exited 0:\n%s", res.out);
     cr_assert(strstr(res.out, "rank 1 of 3 did not join within 1500 ms"), "%s", res.out);
@@ -752,13 +766,33 @@ Test(mpi_comm, rank_that_never_attaches_is_named, .timeout = 120)
 {
     MPI_T_NEED();
     int shm_before = cli_shm_entries();
-    const char *env[] = {"TANDEM_MPI_JOIN_TIMEOUT_MS=2000", NULL};
-    mpi_t_job j = {.np = 3, .worker = "no_attach", .env = env, .timeout_s = 60};
+    /* rank 2 starts 2.5 s late (CI's ASan run once took that long in
+     * MPI_Init): only MPI_Init waits for it, bounded by its own timeout */
+    const char *env[] = {"TANDEM_MPI_JOIN_TIMEOUT_MS=2000", "TANDEM_MPI_INIT_TIMEOUT_MS=60000",
+                         NULL};
+    const char *args[] = {"late", "2500", NULL};
+    mpi_t_job j = {.np = 3, .worker = "no_attach", .args = args, .env = env, .timeout_s = 60};
     mpi_t_run(&res, &j);
     cr_assert_neq(res.code, 0, "mpirun exited 0:\n%s", res.out);
     cr_assert(strstr(res.out, "rank 1 (local rank 1) did not attach to this machine's shared "
                               "segment within 2000 ms"), "%s", res.out);
     cr_assert_eq(cli_shm_entries(), shm_before, "the segment's name was left behind");
+}
+
+Test(mpi_comm, rank_that_starts_too_late_is_bounded_by_the_init_timeout, .timeout = 120)
+{
+    MPI_T_NEED();
+    /* rank 2 starts 5 s late; the others give up in MPI_Init after 1 s,
+     * naming the variable that sets that bound, not the join timeout */
+    const char *env[] = {"TANDEM_MPI_JOIN_TIMEOUT_MS=60000", "TANDEM_MPI_INIT_TIMEOUT_MS=1000",
+                         NULL};
+    const char *args[] = {"late", "5000", NULL};
+    mpi_t_job j = {.np = 3, .worker = "no_attach", .args = args, .env = env, .timeout_s = 60};
+    mpi_t_run(&res, &j);
+    cr_assert_neq(res.code, 0, "mpirun exited 0:\n%s", res.out);
+    cr_assert(strstr(res.out, "MPI_Init_thread (waiting for every rank of the job to start; "
+                              "TANDEM_MPI_INIT_TIMEOUT_MS sets the bound) did not complete within "
+                              "1000 ms"), "%s", res.out);
 }
 
 Test(mpi_comm, sigkill_of_a_rank_is_named, .timeout = 120)
