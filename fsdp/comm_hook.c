@@ -74,6 +74,10 @@ tdm_status tdm_fsdp_hook_launch(tdm_fsdp *f, int u, const float *full)
         h[i] = bf ? tdm_f32_to_bf16(full[i]) : tdm_f32_to_f16(full[i]);
     x->hook_buf = h;
     x->hook_bytes = got;
+    /* labelled last, right before the call: a label set before the block
+     * was allocated stayed pending when the allocation failed and named
+     * the communicator's next collective */
+    tdm_comm_set_label(f->comm, "%s reduce_scatter unit %d", tdm_fsdp_tag(f), u);
     /* in place: this rank's slice of the block receives the sum */
     tdm_status st = tdm_comm_reduce_scatter_async(
         f->comm, h, h + (int64_t)f->rank * x->shard, (size_t)x->shard,

@@ -170,6 +170,11 @@ static inline const char *tdm_fsdp_tag(const tdm_fsdp *f)
          : f->o.sharding == TDM_FSDP_SHARD_GRAD_OP ? "zero2" : "fsdp";
 }
 
+/* Drops the label set for a collective that was not issued after all
+ * (its submission failed): a pending label names the communicator's next
+ * call, whatever it is (core/comm.h), and would mislead `tandem doctor`. */
+static inline void tdm_fsdp_unlabel(tdm_fsdp *f) { tdm_comm_set_label(f->comm, "%s", ""); }
+
 /* Pointers into the shard buffers: unit u's parameter and gradient shard. */
 static inline float *tdm_fsdp_pshard(tdm_fsdp *f, int u)
 {

@@ -199,6 +199,7 @@ tdm_status tdm_fsdp_issue_gather(tdm_fsdp *f, int u, int prefetch)
     tdm_status st = tdm_comm_all_gather_async(f->comm, send, recv, (size_t)x->shard,
                                               TDM_DTYPE_FLOAT32, &x->ag);
     if (st) {
+        tdm_fsdp_unlabel(f);
         if (f->o.sharding == TDM_FSDP_FULL_SHARD) {
             tdm_fsdp_pool_put(f, x->pbuf, x->pbuf_bytes);
             x->pbuf = NULL;
@@ -418,8 +419,7 @@ static tdm_status tdm_fsdp_launch_rs(tdm_fsdp *f, int u)
     tdm_fsdp_unit *x = &f->u[u];
     tdm_status st;
     if (f->o.comm_hook && f->o.sharding == TDM_FSDP_SHARD_OPTIM) {
-        tdm_comm_set_label(f->comm, "%s reduce_scatter unit %d", tdm_fsdp_tag(f), u);
-        st = tdm_fsdp_hook_launch(f, u, f->gfull + x->full_off);
+        st = tdm_fsdp_hook_launch(f, u, f->gfull + x->full_off);   /* labels it */
     } else if (f->o.sharding == TDM_FSDP_SHARD_OPTIM) {
         float *g = f->gfull + x->full_off;   /* in place */
         tdm_comm_set_label(f->comm, "%s reduce_scatter unit %d", tdm_fsdp_tag(f), u);
@@ -437,14 +437,17 @@ static tdm_status tdm_fsdp_launch_rs(tdm_fsdp *f, int u)
                                         &x->rs_tmp_bytes));
             recv = x->rs_tmp;
         }
-        tdm_comm_set_label(f->comm, "%s reduce_scatter unit %d", tdm_fsdp_tag(f), u);
-        st = f->o.comm_hook ? tdm_fsdp_hook_launch(f, u, x->gbuf)
-                            : tdm_comm_reduce_scatter_async(f->comm, x->gbuf, recv,
-                                                            (size_t)x->shard, TDM_DTYPE_FLOAT32,
-                                                            TDM_REDOP_SUM, &x->rs);
+        if (f->o.comm_hook) {
+            st = tdm_fsdp_hook_launch(f, u, x->gbuf);   /* labels it */
+        } else {
+            tdm_comm_set_label(f->comm, "%s reduce_scatter unit %d", tdm_fsdp_tag(f), u);
+            st = tdm_comm_reduce_scatter_async(f->comm, x->gbuf, recv, (size_t)x->shard,
+                                               TDM_DTYPE_FLOAT32, TDM_REDOP_SUM, &x->rs);
+        }
     }
     if (st) {
         char d[256];
+        tdm_fsdp_unlabel(f);
         return tdm_error_prefix(st, "fsdp: reduce_scatter of %s",
                                 tdm_fsdp_unit_desc(f, u, d, sizeof d));
     }
