@@ -13,7 +13,9 @@
 
 const char *tdm_fsdp_comm_hook_name(tdm_fsdp_comm_hook h)
 {
-    static const char *const n[] = {"none", "fp16", "bf16"};
+    /* the float32 default as the command line and DDP name it
+     * (--comm-hook allreduce, tdm_ddp_comm_hook_name), not "none" */
+    static const char *const n[] = {"allreduce", "fp16", "bf16"};
     return (unsigned)h < TDM_FSDP_HOOK_COUNT_ ? n[h] : "?";
 }
 

@@ -106,7 +106,8 @@ typedef enum tdm_fsdp_comm_hook {
     TDM_FSDP_HOOK_COUNT_
 } tdm_fsdp_comm_hook;
 
-/* "none", "fp16", "bf16"; "?" when invalid. */
+/* "allreduce" (DDP's name of the uncompressed default), "fp16", "bf16";
+ * "?" when invalid. */
 const char *tdm_fsdp_comm_hook_name(tdm_fsdp_comm_hook h);
 /* Parses fp16, bf16, and allreduce or none (no compression). powersgd is
  * refused saying why; anything else lists the choices (INVALID_ARG). */

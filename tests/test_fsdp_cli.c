@@ -129,6 +129,19 @@ Test(fsdp_cli, a_killed_rank_is_named, .timeout = 120)
     cr_assert_eq(cli_shm_entries(), 0);
 }
 
+/* --comm-hook allreduce (DDP's name of the uncompressed default) is
+ * named so in the report, not "none". */
+Test(fsdp_cli, the_allreduce_hook_is_named_as_given, .timeout = 120)
+{
+    static cli_result r;
+    CLI(&r, "train", "--mode", "fsdp", "--device", "cpu:2", "--data", "synthetic",
+        "--synthetic-size", "256", "--batch", "64", MODEL, "--epochs", "1", "--quiet",
+        "--comm-hook", "allreduce");
+    expect(&r, 0, "fsdp comm hook allreduce: ");
+    cr_assert(!strstr(r.out, "hook none"), "%s", r.out);
+    cr_assert_eq(cli_shm_entries(), 0);
+}
+
 Test(fsdp_cli, help_and_usage_errors)
 {
     static cli_result r;

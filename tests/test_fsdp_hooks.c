@@ -332,15 +332,18 @@ static int mm_rank(tdm_comm *comm, void *p)
         fprintf(stderr, "rank %d: status %d: %s\n", rank, (int)st, g_mm_msg[rank]);
         return 1;
     }
-    if (!strstr(g_mm_msg[rank], "rank 0 runs comm hook none (join off), rank 1 comm hook bf16")) {
+    if (!strstr(g_mm_msg[rank], "rank 0 runs comm hook allreduce (join off), rank 1 comm hook bf16")) {
         fprintf(stderr, "rank %d: %s\n", rank, g_mm_msg[rank]);
         return 1;
     }
     return 0;
 }
 
+/* The float32 reduce-scatter is named as the user names it on the
+ * command line and as DDP names its default (allreduce), not "none". */
 Test(fsdp_hooks, a_rank_with_another_hook_is_named_at_init)
 {
+    cr_assert_str_eq(tdm_fsdp_comm_hook_name(TDM_FSDP_HOOK_NONE), "allreduce");
     tdm_ddp_spawn_opts so = {.timeout_ms = 30000, .comm_timeout_ms = 10000};
     cr_assert_eq(tdm_ddp_spawn(2, mm_rank, NULL, &so, NULL), TDM_STATUS_OK, "%s",
                  tdm_error_message());
