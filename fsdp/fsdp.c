@@ -634,24 +634,37 @@ tdm_status tdm_fsdp_step(tdm_fsdp *f, tdm_optim *opt)
      * every unit sees the same step number (AdamW's bias correction, the
      * schedule): each element gets what one call over all ranges gives it. */
     int64_t steps0 = tdm_optim_steps(opt);
-    double issue_ms = 0.0;
+    double issue_ms = 0.0, wait0 = f->ag_wait_ms;
     for (int u = 0; st == TDM_STATUS_OK && u < f->nu; u++) {
-        tdm_optim_set_steps(opt, steps0);
-        st = tdm_optim_step_ranges(opt, &r[u], 1);
+        /* A step with no backward since the last one (PyTorch allows it:
+         * the same gradients are applied again) finds the unit's gather
+         * from that step still in flight: it reads this rank's slice and
+         * writes the others', so it ends before the slice is stepped
+         * again and gathered anew. After a backward it has ended. */
+        int comm_failed = 0;
+        if (f->u[u].p_state == 1 && (st = tdm_fsdp_need_params(f, u, 0))) comm_failed = 1;
+        if (st == TDM_STATUS_OK) {
+            tdm_optim_set_steps(opt, steps0);
+            st = tdm_optim_step_ranges(opt, &r[u], 1);
+        }
         if (st == TDM_STATUS_OK) st = tdm_dev_sync(f->dev);
-        if (st) break;
-        uint64_t ti = tdm_time_ns();
-        f->u[u].p_state = 0;
-        st = tdm_fsdp_issue_gather(f, u, 1);
-        issue_ms += tdm_time_ms_since(ti);
-        if (st) {
+        if (st == TDM_STATUS_OK) {
+            uint64_t ti = tdm_time_ns();
+            f->u[u].p_state = 0;
+            st = tdm_fsdp_issue_gather(f, u, 1);
+            issue_ms += tdm_time_ms_since(ti);
+            comm_failed = st != TDM_STATUS_OK;
+        }
+        if (comm_failed) {
             free(r);
             return tdm_fsdp_fail(f, st);
         }
     }
     free(r);
     TDM_CHECK(st);
-    tdm_fsdp_add_phase(f, TDM_PHASE_STEP, tdm_time_ms_since(t0) - issue_ms);
+    double wait_ms = f->ag_wait_ms - wait0;
+    tdm_fsdp_add_phase(f, TDM_PHASE_STEP, tdm_time_ms_since(t0) - issue_ms - wait_ms);
+    tdm_fsdp_add_phase(f, TDM_PHASE_ALLGATHER_WAIT, wait_ms);
     f->step_open = 0;
     return TDM_STATUS_OK;
 }

@@ -223,7 +223,10 @@ int tdm_fsdp_active_ranks(const tdm_fsdp *f);
 
 /* Steps this rank's shard with opt (from tdm_fsdp_optim_init) and, in
  * grad_op and optimizer, launches the all-gathers that bring every rank
- * the new full parameters (each awaited when its unit is next used). */
+ * the new full parameters (each awaited when its unit is next used).
+ * Collective. May be called again without a backward in between (as
+ * PyTorch's optimizer.step()): it applies the gradient shards again,
+ * after waiting for the gathers the previous step launched. */
 tdm_status tdm_fsdp_step(tdm_fsdp *f, tdm_optim *opt);
 
 /* Evaluation spread over the ranks as tdm_ddp_evaluate does (collective;

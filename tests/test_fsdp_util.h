@@ -42,6 +42,8 @@ typedef struct tf_cfg {
     int micro;               /* > 1: no_sync over this many micro-batches */
     int zero_once;           /* 1: zero_grad before the first step only: gradients add up
                               * across synchronised backwards */
+    int double_step;         /* 1: the optimizer steps twice after each backward (the
+                              * second with the same gradients, as PyTorch allows) */
     int bad_layout_rank;     /* >= 0: this rank groups units differently */
     int seed_by_rank;
     const char *hook;        /* comm hook (fp16, bf16): DDP's, or fsdp's opts.comm_hook */
@@ -59,6 +61,8 @@ typedef struct tf_shared {
     float params_r1[TF_MAX_ELEMS];
     int64_t n_elem;
     int n_units;
+    int unended_ag;                  /* rank 0: all-gathers of its last timeline never seen
+                                      * to end, after the final parameters were gathered */
     int status[8];
     char err[8][512];
 } tf_shared;
@@ -229,6 +233,7 @@ static inline int tf_rank_main(tdm_comm *comm, void *arg)
             }
         }
         TDM_TRY(ddp ? tdm_ddp_step(ddp, opt) : tdm_fsdp_step(f, opt));
+        if (c->double_step) TDM_TRY(ddp ? tdm_ddp_step(ddp, opt) : tdm_fsdp_step(f, opt));
     }
     if (n_elem <= TF_MAX_ELEMS) {
         sh->n_elem = n_elem;
@@ -239,6 +244,14 @@ static inline int tf_rank_main(tdm_comm *comm, void *arg)
             TDM_TRY(tdm_fsdp_gather_params(f, hbuf, -1));
             if (dst) memcpy(dst, hbuf, (size_t)n_elem * 4);
         }
+    }
+    if (f && rank == 0) {
+        /* every gather has been waited for by now (gather_params settles
+         * the ones a step launched): each one's event has an end */
+        tdm_fsdp_times t;
+        tdm_fsdp_get_times(f, &t);
+        for (int i = 0; i < t.n_events; i++)
+            if (t.events[i].kind == 0 && t.events[i].end_ms < 0) sh->unended_ag++;
     }
 fail:
     if (rank < 8) {
