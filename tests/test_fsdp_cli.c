@@ -246,6 +246,119 @@ Test(fsdp_cli, gpt_every_sharding_trains_as_one_device, .timeout = 240)
 
 static tdm_status open_emu(tdm_device **out, int rank) { return tdm_cuda_emulator_open_accel(out, rank); }
 
+/* --model gpt --mode fsdp ranks honour TANDEM_DDP_TEST_KILL as DDP's do
+ * (tools/elastic.h: first attempt only), and --max-restarts starts every
+ * rank again from the epoch's full checkpoint: the run ends with the
+ * checkpoint of an uninterrupted one, bit for bit. 4 steps an epoch,
+ * rank 1 killed before step 6 (epoch 2). */
+static void gpt_text(const char *path)
+{
+    FILE *f = fopen(path, "w");
+    cr_assert_not_null(f);
+    static const char *const words[] = {"the", "quick", "brown", "fox", "jumps", "over", "a",
+                                        "lazy", "dog", "and", "runs", "home"};
+    for (int i = 0; i < 2400; i++)
+        fprintf(f, "%s%s", words[(i * 7 + i / 5) % 12], i % 9 == 8 ? ".\n" : " ");
+    fclose(f);
+}
+
+static int same_file(const char *a, const char *b)
+{
+    char cmd[600];
+    snprintf(cmd, sizeof cmd, "cmp -s '%s' '%s'", a, b);
+    return system(cmd) == 0;
+}
+
+Test(fsdp_cli, gpt_restart_after_a_killed_rank_is_bit_identical, .timeout = 240)
+{
+    static cli_result r;
+    char dir[] = "/tmp/tandem-fsdp-el-XXXXXX", text[256], straight[256], restarted[256];
+    char cmd[300];
+    cr_assert(mkdtemp(dir));
+    snprintf(text, sizeof text, "%s/text.txt", dir);
+    snprintf(straight, sizeof straight, "%s/straight.safetensors", dir);
+    snprintf(restarted, sizeof restarted, "%s/restarted.safetensors", dir);
+    gpt_text(text);
+    setenv("TMPDIR", dir, 1);   /* the failed attempt's dumps land here */
+#define EL_GPT "train", "--model", GPT_TINY, "--data", text, "--mode", "fsdp", "--sharding", \
+               "grad_op", "--device", "cpu:2", "--epochs", "3", "--max-steps", "4", "--batch", \
+               "6", "--lr", "0.01", "--no-eval", "--quiet"
+    CLI(&r, EL_GPT, "--save", straight);
+    expect(&r, 0, NULL);
+    setenv("TANDEM_DDP_TEST_KILL", "1:6", 1);
+    CLI(&r, EL_GPT, "--save", restarted, "--max-restarts", "1");
+    unsetenv("TANDEM_DDP_TEST_KILL");
+    expect(&r, 0, "tandem train: rank 1: test fault: SIGKILL before step 6");
+    expect(&r, 0, "tandem train: restart 1 of 1 after 200 ms: rank 1 (pid ");
+    expect(&r, 0, "every rank starts again from ");
+    expect(&r, 0, "(epoch 1, step 4)");
+    expect(&r, 0, "resumed");
+    expect(&r, 0, "epoch 3/3: train loss");
+#undef EL_GPT
+    unsetenv("TMPDIR");
+    cr_expect(same_file(straight, restarted),
+              "the restarted gpt's parameters differ from the uninterrupted run's");
+    cr_expect_eq(cli_shm_entries(), 0);
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    (void)system(cmd);
+}
+
+/* The images' --mode fsdp likewise (its ranks are tools/train_fsdp.c's):
+ * rank 1 killed before step 20 (16 steps an epoch). */
+Test(fsdp_cli, image_restart_after_a_killed_rank_is_bit_identical, .timeout = 240)
+{
+    static cli_result r;
+    char dir[] = "/tmp/tandem-fsdp-el-XXXXXX", straight[256], restarted[256], cmd[300];
+    cr_assert(mkdtemp(dir));
+    snprintf(straight, sizeof straight, "%s/straight.safetensors", dir);
+    snprintf(restarted, sizeof restarted, "%s/restarted.safetensors", dir);
+    setenv("TMPDIR", dir, 1);
+#define EL_IMG "train", "--mode", "fsdp", "--device", "cpu:2", "--data", "synthetic", \
+               "--synthetic-size", "1024", "--batch", "64", "--model", "mlp:784-32-10", \
+               "--no-eval", "--quiet", "--epochs", "3"
+    CLI(&r, EL_IMG, "--save", straight);
+    expect(&r, 0, NULL);
+    setenv("TANDEM_DDP_TEST_KILL", "1:20", 1);
+    CLI(&r, EL_IMG, "--save", restarted, "--max-restarts", "2");
+    unsetenv("TANDEM_DDP_TEST_KILL");
+    expect(&r, 0, "tandem train: rank 1: test fault: SIGKILL before step 20");
+    expect(&r, 0, "tandem train: restart 1 of 2 after 200 ms: rank 1 (pid ");
+    expect(&r, 0, "(epoch 1, step 16)");
+    expect(&r, 0, "epoch 3/3: train loss");
+    cr_expect(!strstr(r.out, "restart 2 of 2"), "%s", r.out);
+#undef EL_IMG
+    unsetenv("TMPDIR");
+    cr_expect(same_file(straight, restarted),
+              "the restarted run's parameters differ from the uninterrupted run's");
+    cr_expect_eq(cli_shm_entries(), 0);
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    (void)system(cmd);
+}
+
+/* The doctor's verdict on a GPT FSDP rank killed by the test hook: it
+ * names the rank and the labelled collective the others waited in. */
+Test(fsdp_cli, gpt_killed_rank_gets_the_doctors_verdict, .timeout = 120)
+{
+    static cli_result r;
+    char dir[] = "/tmp/tandem-fsdp-dr-XXXXXX", text[256], cmd[300];
+    cr_assert(mkdtemp(dir));
+    snprintf(text, sizeof text, "%s/text.txt", dir);
+    gpt_text(text);
+    setenv("TMPDIR", dir, 1);
+    setenv("TANDEM_DDP_TEST_KILL", "1:3", 1);
+    CLI(&r, "train", "--model", GPT_TINY, "--data", text, "--mode", "fsdp", "--device", "cpu:2",
+        "--epochs", "1", "--max-steps", "6", "--batch", "6", "--no-eval", "--quiet");
+    unsetenv("TANDEM_DDP_TEST_KILL");
+    unsetenv("TMPDIR");
+    expect(&r, 1, "tandem train: rank 1: test fault: SIGKILL before step 3");
+    expect(&r, 1, "tandem train: doctor: DIED: rank 1 ");
+    expect(&r, 1, "'fsdp ");
+    expect(&r, 1, "tandem train: flight-recorder dumps in ");
+    cr_expect_eq(cli_shm_entries(), 0);
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    (void)system(cmd);
+}
+
 Test(fsdp_emu, every_sharding_on_emulated_devices_equals_one_host_device, .timeout = 240)
 {
     CU_NEED_BACKEND();

@@ -107,7 +107,7 @@ static void tdm_train_usage(FILE *f)
         "                         longer for a peer in a collective fails, naming\n"
         "                         it [$TANDEM_TIMEOUT, else 60 for forked ranks,\n"
         "                         300 under tandem launch]\n"
-        "  --max-restarts K       ddp: when a rank fails, stop the rest and start\n"
+        "  --max-restarts K       ddp, fsdp: when a rank fails, stop the rest and start\n"
         "                         every rank again from the --save checkpoint, at\n"
         "                         most K times (docs/DEBUGGING.md)            [0]\n"
         "  --no-eval              skip the test-set evaluation after each epoch\n"
@@ -254,9 +254,9 @@ static tdm_status tdm_train_check_args(tdm_train_args *a)
     if ((a->sharding || a->save_sharded) && strcmp(a->mode, "fsdp"))
         return tdm_tool_usage_error("tandem train: --sharding and --save-sharded apply to "
                                     "--mode fsdp, not --mode %s\n", a->mode);
-    if (a->max_restarts && strcmp(a->mode, "ddp"))
-        return tdm_tool_usage_error("tandem train: --max-restarts applies to --mode ddp (ranks "
-                                    "that can fail one by one)\n");
+    if (a->max_restarts && strcmp(a->mode, "ddp") && strcmp(a->mode, "fsdp"))
+        return tdm_tool_usage_error("tandem train: --max-restarts applies to --mode ddp and "
+                                    "fsdp (ranks that can fail one by one)\n");
     if (a->max_restarts && ((getenv("TANDEM_SHM_FD") && getenv("WORLD_SIZE")) ||
                             tdm_tool_mpi_launched()))
         fprintf(stderr, "tandem train: note: --max-restarts restarts the ranks tandem train forks "

@@ -20,11 +20,12 @@
  * and resume, checkpoint, timeout and report pieces below
  * (tools/train_modes.h).
  *
- * Test hook: TANDEM_DDP_TEST_KILL=R:S (as --mode ddp) makes rank R SIGKILL
- * itself before its global step S. */
+ * Test hook: TANDEM_DDP_TEST_KILL=R:S[:STOP] (as --mode ddp,
+ * tools/elastic.h) makes rank R SIGKILL (SIGSTOP) itself before its
+ * global step S, on the first attempt only, so that --max-restarts can
+ * finish the run. */
 #include <fcntl.h>
 #include <math.h>
-#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -61,7 +62,8 @@ typedef struct tdm_train_fsdp_rank {
     const tdm_dataset *test;
     int sharded, rank, world;
     uint64_t seed;
-    int64_t feat, steps, kill_step;
+    int64_t feat, steps, kill_step;   /* test hook: kill_sig before step kill_step */
+    int kill_sig;
 } tdm_train_fsdp_rank;
 
 static tdm_status tdm_train_fsdp_fail(int rank, const char *what, tdm_status st)
@@ -80,10 +82,7 @@ static tdm_status tdm_train_fsdp_step(void *ctx, const void *x, const int32_t *y
     tdm_ddp_share(batch, r->rank, r->world, &lo64, &hi64);
     int lo = (int)lo64, hi = (int)hi64;
     double ls = 0.0;
-    if (++r->steps == r->kill_step) {
-        fflush(stdout);
-        raise(SIGKILL);
-    }
+    if (++r->steps == r->kill_step) tdm_elastic_test_fault_fire(r->rank, r->kill_sig, r->steps);
     TDM_TRY(tdm_fsdp_zero_grad(r->f));
     TDM_TRY(tdm_fsdp_forward_scaled(r->f, (const float *)x + (int64_t)lo * r->feat, y + lo,
                                     hi - lo, 1.0f / (float)batch, &ls));
@@ -121,10 +120,7 @@ static tdm_status tdm_train_fsdp_abort(tdm_train_fsdp_rank *r, tdm_status st)
 static tdm_status tdm_train_fsdp_zero(void *ctx)
 {
     tdm_train_fsdp_rank *r = ctx;
-    if (++r->steps == r->kill_step) {
-        fflush(stdout);
-        raise(SIGKILL);
-    }
+    if (++r->steps == r->kill_step) tdm_elastic_test_fault_fire(r->rank, r->kill_sig, r->steps);
     tdm_status st = tdm_fsdp_zero_grad(r->f);
     if (st) return tdm_train_fsdp_abort(r, st);
     return st;
@@ -365,10 +361,7 @@ static tdm_status tdm_train_fsdp_rank_main(tdm_comm *comm, const tdm_train_fsdp_
         if (rank == 0)
             tdm_train_print_header(&a, &c->spec, c->train, c->test, tdm_model_param_elems(m),
                                    devdesc);
-        const char *kill_env = getenv("TANDEM_DDP_TEST_KILL");
-        int kr = -1;
-        long long ks = 0;
-        if (kill_env && sscanf(kill_env, "%d:%lld", &kr, &ks) == 2 && kr == rank) r.kill_step = ks;
+        r.kill_step = tdm_elastic_test_fault(rank, &r.kill_sig);
         tdm_train_run run = {.m = m, .opt = r.opt, .start_epoch = start_epoch,
                              .step = tdm_train_fsdp_step, .step_ctx = &r, .train = c->train,
                              .test = c->test, .eval = tdm_train_fsdp_eval, .eval_ctx = &r,
@@ -456,11 +449,16 @@ static tdm_status tdm_train_fsdp_forked(tdm_train_fsdp_ctx *c)
     c->test = &test;
     tdm_ddp_spawn_opts so = {.timeout_ms = INT64_MAX / 2000000, .comm_timeout_ms = c->timeout_ms};
     fflush(stdout);
-    /* the ranks' flight-recorder dumps and the doctor's verdict, as DDP's;
-     * no restarts (--max-restarts is DDP's) */
-    const char *resume = c->a->resume;
-    st = tdm_elastic_train_forked("fsdp", c->dl.count, tdm_train_fsdp_forked_rank, c, &so, 0,
-                                  NULL, &resume);
+    /* the ranks' flight-recorder dumps and the doctor's verdict, and
+     * --max-restarts, as DDP's; a restart resumes from the checkpoint the
+     * ranks write after each epoch (full or sharded): a copy of the
+     * arguments whose resume changes */
+    const tdm_train_args *given = c->a;
+    tdm_train_args ar = *given;
+    c->a = &ar;
+    st = tdm_elastic_train_forked("fsdp", c->dl.count, tdm_train_fsdp_forked_rank, c, &so,
+                                  ar.max_restarts, ar.save, &ar.resume);
+    c->a = given;
     tdm_data_free(&train);
     tdm_data_free(&test);
     return st;

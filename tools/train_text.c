@@ -279,6 +279,7 @@ static tdm_status tdm_text_fsdp_step(void *ctx, const void *x, const int32_t *y,
 {
     tdm_text_proc *p = ctx;
     tdm_status st = TDM_STATUS_OK;
+    if (++p->steps == p->kill_step) tdm_elastic_test_fault_fire(p->rank, p->kill_sig, p->steps);
     TDM_TRY(tdm_fsdp_zero_grad(p->f));
     TDM_TRY(tdm_fsdp_forward_scaled(p->f, x, y, n, 1.0f / (float)p->batch, NULL));
     TDM_TRY(tdm_fsdp_backward(p->f));
