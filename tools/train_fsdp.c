@@ -464,7 +464,7 @@ static tdm_status tdm_train_fsdp_forked(tdm_train_fsdp_ctx *c)
     return st;
 }
 
-tdm_status tdm_train_fsdp_timeout(const tdm_train_args *a, int launched, int64_t *timeout_ms)
+tdm_status tdm_train_pg_timeout(const tdm_train_args *a, int launched, int64_t *timeout_ms)
 {
     int64_t t = 0;
     if (a->timeout ? tdm_ddp_timeout_parse("--timeout", a->timeout, &t)
@@ -490,7 +490,7 @@ tdm_status tdm_train_run_fsdp(const tdm_train_args *a)
         fprintf(stderr, "tandem train: note: --bucket-cap-mb applies to --mode ddp; FSDP "
                         "communicates per unit (a layer with parameters)\n");
     int launched = getenv("TANDEM_SHM_FD") && getenv("WORLD_SIZE");
-    TDM_CHECK(tdm_train_fsdp_timeout(a, launched, &c.timeout_ms));
+    TDM_CHECK(tdm_train_pg_timeout(a, launched, &c.timeout_ms));
     if ((st = tdm_tool_parse_devices(&c.dl, a->device, !launched))) {
         fprintf(stderr, "tandem train: --device: %s\n", tdm_error_message());
         return st == TDM_STATUS_NO_DEVICE ? st : tdm_tool_usage(st);

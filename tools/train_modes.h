@@ -166,12 +166,16 @@ tdm_status tdm_train_run_dp(const tdm_train_args *a) __attribute__((weak));
 tdm_status tdm_train_run_ddp(const tdm_train_args *a) __attribute__((weak));
 /* --mode fsdp (tools/train_fsdp.c): sharded data parallel, fsdp/. */
 tdm_status tdm_train_run_fsdp(const tdm_train_args *a) __attribute__((weak));
-/* Its pieces that --model gpt --mode fsdp (tools/train_text.c) shares.
- * Each says on stderr what failed ("tandem train: rank R: ..."). */
+/* The process-group timeout of --mode fsdp and of --model gpt's --mode
+ * ddp and fsdp ranks (tools/train_fsdp.c): --timeout (also exported as
+ * TANDEM_TIMEOUT for the ranks' NCCL communicators), else the
+ * environment's, else the default of a launched (launched = 1) or forked
+ * job. USAGE if bad. */
+tdm_status tdm_train_pg_timeout(const tdm_train_args *a, int launched, int64_t *timeout_ms);
+/* The pieces of --mode fsdp that --model gpt --mode fsdp
+ * (tools/train_text.c) shares. Each says on stderr what failed
+ * ("tandem train: rank R: ..."). */
 typedef struct tdm_fsdp tdm_fsdp;
-/* The process-group timeout: --timeout, else the environment's, else the
- * default of a launched (launched = 1) or forked job. USAGE if bad. */
-tdm_status tdm_train_fsdp_timeout(const tdm_train_args *a, int launched, int64_t *timeout_ms);
 /* The optimizer over f's shard from the arguments, then --resume (a full
  * checkpoint, or a sharded one's index) into f and *opt. Collective. */
 tdm_status tdm_train_fsdp_optim_resume(const tdm_train_args *a, tdm_fsdp *f, int rank,

@@ -548,7 +548,7 @@ static tdm_status tdm_text_run_ddp(tdm_text_job *j)
     int launched = getenv("TANDEM_SHM_FD") && getenv("WORLD_SIZE");
     /* --timeout, else TANDEM_TIMEOUT, else 60 s forked (as the image
      * models' ranks) */
-    TDM_CHECK(tdm_train_fsdp_timeout(a, launched, &j->timeout_ms));
+    TDM_CHECK(tdm_train_pg_timeout(a, launched, &j->timeout_ms));
     /* an MPI launcher's ranks (tools/mpi_job.h): as train --mode ddp's
      * (--mode fsdp, as for images, runs forked or under tandem launch) */
     int mpi = !launched && !j->fsdp && tdm_tool_mpi_launched();
