@@ -1,7 +1,9 @@
 /* fsdp/fsdp_impl.h: the inside of a tdm_fsdp, shared by fsdp/fsdp.c (the
- * API: construction, forward, backward, step, evaluation), fsdp/units.c
- * (a unit's life: its buffers, gathers, reduce-scatters and the model's
- * hooks) and fsdp/ckpt.c (checkpoints). Not a public header. */
+ * API: construction, forward, backward, step), fsdp/eval.c (evaluation,
+ * the gathered full parameters), fsdp/units.c (a unit's life: its
+ * buffers, gathers, reduce-scatters and the model's hooks), fsdp/ckpt.c
+ * (checkpoints) and the option files (comm_hook.c, join.c, plan.c). Not a
+ * public header. */
 #ifndef TDM_FSDP_FSDP_IMPL_H
 #define TDM_FSDP_FSDP_IMPL_H
 
@@ -125,6 +127,19 @@ struct tdm_fsdp {
     int n_active;             /* ranks with data in the last training forward */
     int join_sync;            /* that forward's backward synchronises */
 };
+
+/* fsdp/fsdp.c: forward pieces fsdp/eval.c shares. stage: the batch on
+ * the device (host: as given). dummy: one zero sample for a rank without
+ * samples. broadcast_buffers: rank 0's buffers to all (when: for the
+ * message and label). run_forward: the model's forward over B samples
+ * at xd (FULL_SHARD gathers through the hooks; keep: the unit forward
+ * ended in stays gathered for backward). */
+tdm_status tdm_fsdp_stage(tdm_fsdp *f, const void *x, const int32_t *y, int batch,
+                          const void **xd, const int32_t **yd);
+tdm_status tdm_fsdp_dummy(tdm_fsdp *f);
+tdm_status tdm_fsdp_broadcast_buffers(tdm_fsdp *f, const char *when);
+tdm_status tdm_fsdp_run_forward(tdm_fsdp *f, const void *xd, int B, int keep,
+                                const float **logits);
 
 /* fsdp/units.c */
 tdm_status tdm_fsdp_pool_get(tdm_fsdp *f, size_t nbytes, int zero, float **out, size_t *got);
