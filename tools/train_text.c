@@ -368,9 +368,17 @@ static tdm_status tdm_text_rank_setup(tdm_text_proc *p, const tdm_train_args *a,
         return tdm_text_fail(p->rank, "building model", st);
     if (j->fsdp) return tdm_text_fsdp_setup(p, a, *dev, nccl);
     tdm_ddp_opts o = {.bucket_cap_mb = a->bucket_cap_mb > 0 ? (double)a->bucket_cap_mb : 0,
-                      .no_overlap = a->no_overlap};
+                      .no_overlap = a->no_overlap, .join = a->uneven};
     if ((st = tdm_tool_rank_ddp(p->comm, *dev, p->m, &o, nccl, &p->ddp)))
         return tdm_text_fail(p->rank, "ddp set-up", st);
+    if (a->comm_hook) {
+        /* as the image models' (tools/train_ddp.c) */
+        tdm_ddp_powersgd_opts po = {.rank = (int)a->powersgd_rank,
+                                    .start_step = a->powersgd_start_step,
+                                    .seed = (uint64_t)a->seed};
+        if ((st = tdm_ddp_set_comm_hook(p->ddp, a->comm_hook, &po)))
+            return tdm_text_fail(p->rank, "--comm-hook", st);
+    }
     TDM_CHECK(tdm_train_make_optim(a, p->m, &p->opt));
     if (!a->resume) return TDM_STATUS_OK;
     tdm_ckpt_info info;
@@ -411,9 +419,28 @@ static tdm_status tdm_text_rank_run(tdm_text_proc *p, const tdm_train_args *a, t
     r.eval_ctx = p;
     r.after = p->f ? tdm_text_fsdp_after : tdm_text_ddp_after;
     r.after_ctx = p;
-    TDM_CHECK(tdm_train_epochs(a, &r));
-    if (p->rank == 0 && p->f) tdm_train_fsdp_report(p->f, p->opt, p->world);
-    else if (p->rank == 0) tdm_tool_print_ddp_times(p->ddp, p->world, 0);
+    if (a->uneven) {
+        /* each rank its own windows, join (tools/train_uneven.c); every
+         * rank takes part in the save, rank 0 writes */
+        tdm_train_uneven_text ut = {.train = r.text, .T = r.T, .bigram = r.bigram,
+                                    .eval = tdm_text_eval_ddp, .eval_ctx = p};
+        TDM_CHECK(tdm_train_uneven_epochs(a, p->ddp, p->opt, p->comm, NULL, NULL, &ut,
+                                          p->j->a->save, p->start_epoch));
+    } else {
+        TDM_CHECK(tdm_train_epochs(a, &r));
+    }
+    if (p->rank == 0 && p->f) {
+        tdm_train_fsdp_report(p->f, p->opt, p->world);
+    } else if (p->rank == 0) {
+        tdm_tool_print_ddp_times(p->ddp, p->world, 0);
+        tdm_ddp_times t;
+        tdm_ddp_get_times(p->ddp, &t);
+        if (t.steps > 0)
+            printf("ddp comm hook %s: %.0f bytes all-reduced per step (float32 gradients: "
+                   "%.0f)\n", tdm_ddp_comm_hook_name(p->ddp),
+                   t.reduced_bytes_total / (double)t.steps,
+                   (double)tdm_model_param_elems(p->m) * 4.0);
+    }
     return TDM_STATUS_OK;
 }
 
