@@ -236,8 +236,9 @@ static void hook_bytes(const char *out, const char *hook, double *bytes, double 
  * run's (tandem compare --comm-hook's bound), and it all-reduces half the
  * float32 bytes plus the 768-byte check tail; fp16 (2^-11) likewise;
  * powersgd (rank 1 from the first step) moves a small fraction of them
- * and stays within compare's 25%. Failed before: refused ("--comm-hook
- * bf16 applies to --mode ddp and fsdp with an image model"). */
+ * and stays within compare's 25%; FSDP's bf16 reduce-scatters likewise.
+ * Failed before: refused ("--comm-hook bf16 applies to --mode ddp and
+ * fsdp with an image model"). */
 Test(cli_gpt, ddp_comm_hooks_train_within_their_bound)
 {
     static cli_result r;
@@ -264,6 +265,23 @@ Test(cli_gpt, ddp_comm_hooks_train_within_their_bound)
         cr_assert(fabs(vl[k] - vl[0]) <= bound[k] * vl[0], "%s val loss %.4f vs float32 %.4f "
                   "(bound %.3f relative)", hooks[k], vl[k], vl[0], bound[k]);
     }
+    /* FSDP's bf16 reduce-scatters: half the bytes, the same bound */
+    double ft[2], fv[2];
+    for (int k = 0; k < 2; k++) {
+        CLI(&r, "train", "--model", TINY, "--data", text, "--mode", "fsdp", "--device", "cpu:2",
+            "--epochs", "2", "--max-steps", "6", "--batch", "6", "--lr", "0.01", "--comm-hook",
+            hooks[k]);
+        expect(&r, 0, "epoch 2/2");
+        losses(r.out, "epoch 2/2", &ft[k], &fv[k]);
+    }
+    const char *p = strstr(r.out, "fsdp comm hook bf16: ");
+    cr_assert(p, "%s", r.out);
+    double rs = 0, rf = 0;
+    cr_assert(sscanf(p, "fsdp comm hook bf16: %lf bytes reduce-scattered per step (float32 "
+                     "gradients: %lf", &rs, &rf) == 2, "%s", p);
+    cr_assert(rs > 0.49 * rf && rs < 0.51 * rf, "fsdp bf16: %g bytes of %g", rs, rf);
+    cr_assert(fabs(ft[1] - ft[0]) <= bound[1] * ft[0] && fabs(fv[1] - fv[0]) <= bound[1] * fv[0],
+              "fsdp bf16 %.4f / %.4f vs float32 %.4f / %.4f", ft[1], fv[1], ft[0], fv[0]);
 }
 
 /* What --uneven means for a gpt (tools/train_uneven.c): an epoch is
@@ -337,9 +355,9 @@ static void uneven_reference(const char *path, int epochs, float *out, int64_t *
  * windows 0, 3, .., 12 (3 steps), ranks 1 and 2 four each (2 steps), and
  * they shadow rank 0's third. The checkpoint equals the one-device
  * reference above within 1e-5 + 1e-4|x| (float sums in another order),
- * with and without a bf16 hook (then within bf16's rounding). Failed
- * before: refused ("--uneven applies to --mode ddp and fsdp with an image
- * model"). */
+ * in DDP and every sharding of FSDP, with and without a bf16 hook (then
+ * within bf16's rounding). Failed before: refused ("--uneven applies to
+ * --mode ddp and fsdp with an image model"). */
 Test(cli_gpt, ddp_uneven_ranks_join_and_match_one_device)
 {
     static cli_result r;
@@ -355,11 +373,24 @@ Test(cli_gpt, ddp_uneven_ranks_join_and_match_one_device)
     int64_t n = 0;
     uneven_reference(small, 2, ref, &n);
     cr_assert(n <= (int64_t)(sizeof got / sizeof got[0]));
-    static const char *const hooks[] = {"allreduce", "bf16"};
-    for (int k = 0; k < 2; k++) {
-        CLI(&r, "train", "--model", TINY, "--data", small, "--mode", "ddp", "--device", "cpu:3",
-            "--uneven", "--batch", "6", "--epochs", "2", "--optim", "sgd", "--lr", "0.05",
-            "--momentum", "0.9", "--comm-hook", hooks[k], "--save", ck);
+    /* DDP, with and without bf16; FSDP in each sharding (bf16 in one) */
+    static const char *const runs[][3] = {{"ddp", "full", "allreduce"},
+                                          {"ddp", "full", "bf16"},
+                                          {"fsdp", "full", "allreduce"},
+                                          {"fsdp", "grad_op", "bf16"},
+                                          {"fsdp", "optimizer", "allreduce"}};
+    for (int run = 0; run < 5; run++) {
+        const char *mode = runs[run][0], *hook = runs[run][2];
+        int k = !strcmp(hook, "bf16");
+        if (!strcmp(mode, "ddp"))
+            CLI(&r, "train", "--model", TINY, "--data", small, "--mode", mode, "--device",
+                "cpu:3", "--uneven", "--batch", "6", "--epochs", "2", "--optim", "sgd", "--lr",
+                "0.05", "--momentum", "0.9", "--comm-hook", hook, "--save", ck);
+        else
+            CLI(&r, "train", "--model", TINY, "--data", small, "--mode", mode, "--sharding",
+                runs[run][1], "--device", "cpu:3", "--uneven", "--batch", "6", "--epochs", "2",
+                "--optim", "sgd", "--lr", "0.05", "--momentum", "0.9", "--comm-hook", hook,
+                "--save", ck);
         expect(&r, 0, "steps per rank: 3 2 2 (shadowed after joining: 0 1 1)");
         cr_assert(strstr(r.out, "each rank takes its own windows"), "%s", r.out);
         cr_assert(strstr(r.out, "epoch 2/2: train loss"), "%s", r.out);
@@ -374,7 +405,8 @@ Test(cli_gpt, ddp_uneven_ranks_join_and_match_one_device)
         cr_assert_eq(tdm_checkpoint_load(ck, m, NULL, &info), TDM_STATUS_OK, "%s",
                      tdm_error_message());
         cr_assert_eq(info.epoch, 2);
-        cr_assert_eq(info.step, 6, "%s: %lld optimizer steps", hooks[k], (long long)info.step);
+        cr_assert_eq(info.step, 6, "%s %s: %lld optimizer steps", mode, hook,
+                     (long long)info.step);
         cr_assert_eq(tdm_model_param_elems(m), n);
         memcpy(got, tdm_model_params(m), (size_t)n * sizeof(float));
         tdm_model_free(m);
@@ -383,8 +415,8 @@ Test(cli_gpt, ddp_uneven_ranks_join_and_match_one_device)
         double atol = k ? 2e-3 : 1e-5, rtol = k ? 2e-2 : 1e-4;
         for (int64_t i = 0; i < n; i++)
             cr_assert(fabs(got[i] - ref[i]) <= atol + rtol * fabs(ref[i]),
-                      "%s: param[%lld] %.9g vs one device %.9g", hooks[k], (long long)i, got[i],
-                      ref[i]);
+                      "%s %s %s: param[%lld] %.9g vs one device %.9g", mode, runs[run][1], hook,
+                      (long long)i, got[i], ref[i]);
     }
 }
 
@@ -394,10 +426,12 @@ Test(cli_gpt, unsupported_hook_and_uneven_combinations_are_refused)
 {
     static cli_result r;
     const char *text = tu_tpath(g_dir, "text.txt");
-    CLI(&r, "train", "--model", TINY, "--data", text, "--mode", "fsdp", "--uneven");
-    expect(&r, 2, "--uneven with --model gpt applies to --mode ddp");
-    CLI(&r, "train", "--model", TINY, "--data", text, "--mode", "fsdp", "--comm-hook", "bf16");
-    expect(&r, 2, "--comm-hook bf16 with --model gpt applies to --mode ddp");
+    CLI(&r, "train", "--model", TINY, "--data", text, "--mode", "fsdp", "--comm-hook",
+        "powersgd");
+    expect(&r, 2, "PyTorch's FSDP offers only the fp16 and bf16 hooks");
+    CLI(&r, "train", "--model", TINY, "--data", text, "--mode", "fsdp", "--uneven",
+        "--grad-accum", "2");
+    expect(&r, 2, "without --grad-accum");
     CLI(&r, "train", "--model", TINY, "--data", text, "--mode", "ddp", "--uneven",
         "--lr-schedule", "cosine");
     expect(&r, 2, "with --lr-schedule const");
@@ -405,5 +439,5 @@ Test(cli_gpt, unsupported_hook_and_uneven_combinations_are_refused)
     expect(&r, 2, "--comm-hook fp16 applies to --mode ddp and fsdp");
     CLI(&r, "train", "--help");
     expect(&r, 0, "gpt: its own windows");
-    cr_assert(strstr(r.out, "fsdp (mlp, cnn): fp16 or bf16"), "%s", r.out);
+    cr_assert(strstr(r.out, "fsdp: fp16 or bf16 compress"), "%s", r.out);
 }

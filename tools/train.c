@@ -92,15 +92,15 @@ static void tdm_train_usage(FILE *f)
         "  --sync-bn              ddp: SyncBatchNorm: batchnorm statistics over the\n"
         "                         whole global batch (all ranks), as on one device\n"
         "  --uneven               ddp, fsdp: each rank trains on its own samples (a\n"
-        "                         sampler without padding; gpt: its own windows,\n"
-        "                         ddp only) in batches of B/N, so ranks may run\n"
-        "                         different step counts; one out of data shadows\n"
-        "                         the others (join) until all are done\n"
+        "                         sampler without padding; gpt: its own windows)\n"
+        "                         in batches of B/N, so ranks may run different\n"
+        "                         step counts; one out of data shadows the others\n"
+        "                         (join) until all are done\n"
         "  --comm-hook H          ddp: allreduce (float32), fp16 or bf16 (rounded to\n"
         "                         16 bits: half the bytes), or powersgd (low-rank,\n"
-        "                         error feedback); fsdp (mlp, cnn): fp16 or bf16\n"
-        "                         compress the reduce-scatters (no powersgd); all but\n"
-        "                         allreduce need host devices      [allreduce]\n"
+        "                         error feedback); fsdp: fp16 or bf16 compress the\n"
+        "                         reduce-scatters (no powersgd); all but allreduce\n"
+        "                         need host devices                [allreduce]\n"
         "  --powersgd-rank R      powersgd: rank of the approximation          [1]\n"
         "  --powersgd-start-step S  powersgd: plain all-reduce for the first S\n"
         "                         optimizer steps (PyTorch's default is 1000)  [10]\n"
@@ -196,10 +196,6 @@ static tdm_status tdm_train_check_ddp_next(const tdm_train_args *a, int gpt)
         return tdm_tool_usage_error("tandem train: --comm-hook %s applies to --mode ddp and fsdp: "
                                     "DDP's buckets and the sharded modes' reduce-scatters are "
                                     "what it compresses\n", a->comm_hook);
-    if (a->comm_hook && strcmp(a->comm_hook, "allreduce") && sharded && gpt)
-        return tdm_tool_usage_error("tandem train: --comm-hook %s with --model gpt applies to "
-                                    "--mode ddp; --mode fsdp compresses only an image model's "
-                                    "(mlp, cnn) reduce-scatters\n", a->comm_hook);
     if (a->comm_hook && sharded && !strcmp(a->comm_hook, "powersgd")) {
         tdm_fsdp_comm_hook h;
         (void)tdm_fsdp_comm_hook_parse(a->comm_hook, &h);
@@ -215,13 +211,8 @@ static tdm_status tdm_train_check_ddp_next(const tdm_train_args *a, int gpt)
                         "batchnorm)\n", a->model);
     if (a->uneven && ((strcmp(a->mode, "ddp") && !sharded) || a->grad_accum > 1 ||
                       strcmp(a->lr_schedule, "const")))
-        return tdm_tool_usage_error("tandem train: --uneven applies to --mode ddp (every model) "
-                                    "and fsdp (mlp, cnn), without --grad-accum and with "
-                                    "--lr-schedule const\n");
-    if (a->uneven && sharded && gpt)
-        return tdm_tool_usage_error("tandem train: --uneven with --model gpt applies to --mode "
-                                    "ddp; --mode fsdp joins only an image model's (mlp, cnn) "
-                                    "ranks\n");
+        return tdm_tool_usage_error("tandem train: --uneven applies to --mode ddp and fsdp, "
+                                    "without --grad-accum and with --lr-schedule const\n");
     if (gpt && a->grad_accum > 1)
         return tdm_tool_usage_error("tandem train: --grad-accum is not supported with --model "
                                     "gpt yet; raise --batch instead\n");
