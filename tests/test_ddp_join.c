@@ -13,10 +13,12 @@
 #include "tests/fr_test_util.h"
 #include "tests/test_ddp_util.h"
 
-#define J_WORLD 3
-static const int j_batches[J_WORLD] = {3, 5, 8};
-static const int j_size[J_WORLD] = {4, 6, 5};
-#define J_STEPS 8
+/* the plan (tests/test_ddp_util.h, shared with tests/test_fsdp_join.c) */
+#define J_WORLD TDDP_JOIN_WORLD
+#define J_STEPS TDDP_JOIN_STEPS
+#define j_batches tddp_join_batches
+#define j_size tddp_join_size
+#define j_first tddp_join_first
 
 static tdm_dataset g_data, g_cnn;
 static void setup(void)
@@ -30,9 +32,6 @@ static void teardown(void)
     tdm_data_free(&g_cnn);
 }
 TestSuite(ddp_join, .init = setup, .fini = teardown, .timeout = 120);
-
-/* rank r's batch s: samples (s * J_WORLD + r) * 8 .. + j_size[r] */
-static int64_t j_first(int r, int s) { return ((int64_t)s * J_WORLD + r) * 8; }
 
 typedef struct j_shared {
     float params[J_WORLD][TDDP_MAX_ELEMS];
@@ -100,49 +99,6 @@ fail:
     return st ? 1 : 0;
 }
 
-/* One device: step s accumulates every rank that still has a batch, each
- * scaled by 1/(its batch * the number of such ranks). */
-static void j_reference(int cnn, float *out, int64_t *n)
-{
-    tdm_device *dev = NULL;
-    tdm_model *m = NULL;
-    tdm_optim *opt = NULL;
-    tdm_model_spec spec;
-    tddp_spec(&spec, cnn);
-    int64_t feat = tdm_data_features(&g_data);
-    float x[8 * 64];
-    int32_t y[8];
-    cr_assert_eq(tdm_device_open(&dev, "cpu", 0, 1), TDM_STATUS_OK);
-    cr_assert_eq(tdm_model_init(&m, dev, &spec, 5), TDM_STATUS_OK);
-    cr_assert_eq(tdm_sgd_init(&opt, m, 0.05f, 0.9f), TDM_STATUS_OK);
-    (void)feat;
-    for (int s = 0; s < J_STEPS; s++) {
-        int active = 0;
-        for (int r = 0; r < J_WORLD; r++) active += j_batches[r] > s;
-        cr_assert_eq(tdm_model_zero_grad(m), TDM_STATUS_OK);
-        for (int r = 0; r < J_WORLD; r++) {
-            if (j_batches[r] <= s) continue;
-            int64_t idx[8];
-            for (int i = 0; i < j_size[r]; i++) idx[i] = j_first(r, s) + i;
-            tdm_data_gather(&g_data, idx, j_size[r], x, y);
-            const float *logits;
-            double ls;
-            cr_assert_eq(tdm_model_forward(m, x, j_size[r], &logits), TDM_STATUS_OK);
-            float *dl = tdm_model_loss_grad(m);
-            cr_assert_eq(tdm_model_loss(m, logits, y, j_size[r],
-                                        1.0f / ((float)j_size[r] * (float)active), &ls, dl),
-                         TDM_STATUS_OK);
-            cr_assert_eq(tdm_model_backward(m, dl), TDM_STATUS_OK);
-        }
-        cr_assert_eq(tdm_optim_step(opt), TDM_STATUS_OK);
-    }
-    *n = tdm_model_param_elems(m);
-    memcpy(out, tdm_model_params(m), (size_t)*n * 4);
-    tdm_optim_free(opt);
-    tdm_model_free(m);
-    tdm_device_free(dev);
-}
-
 static void j_check_uneven(int scaled)
 {
     j_shared *sh = mmap(NULL, sizeof *sh, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS,
@@ -168,7 +124,10 @@ static void j_check_uneven(int scaled)
     }
     static float ref[TDDP_MAX_ELEMS];
     int64_t n = 0;
-    j_reference(0, ref, &n);
+    tdm_model_spec spec;
+    tddp_spec(&spec, 0);
+    cr_assert_eq(tddp_join_reference(&spec, &g_data, ref, &n), TDM_STATUS_OK, "%s",
+                 tdm_error_message());
     cr_assert_eq(n, sh->n_elem);
     int64_t at = 0;
     cr_assert(tddp_excess(sh->params[0], ref, n, 1e-6, 1e-5, &at) <= 0,
