@@ -300,8 +300,8 @@ Test(ddp_join, every_collective_of_a_joined_run_is_labelled)
                          cnn, r, counts);
             if (cnn) {
                 jfr_labels(dir, r, "ddp broadcast buffers", &bcasts, last, state, sizeof last);
-                cr_expect_geq(bcasts, J_STEPS, "cnn %d rank %d: %d 'ddp broadcast buffers'",
-                              cnn, r, bcasts);
+                cr_expect(bcasts >= J_STEPS, "cnn %d rank %d: %d 'ddp broadcast buffers'", cnn,
+                          r, bcasts);
             }
         }
         munmap(sh, sizeof *sh);
@@ -363,7 +363,7 @@ Test(ddp_join, a_rank_stuck_in_the_join_count_is_named_by_its_dump)
     jfr_labels(dir, 1, "ddp join count", &counts, last, state, sizeof last);
     cr_expect_str_eq(last, "ddp join count", "rank 1's last collective is '%s' (%s)", last,
                      state);
-    cr_expect_str_neq(state, "done", "rank 1's join count completed without rank 0");
+    cr_expect(strcmp(state, "done"), "rank 1's join count completed without rank 0");
     /* its first forward counted too */
     cr_expect_eq(counts, 2, "%d 'ddp join count' entries", counts);
     fr_t_rm_dir(dir);
