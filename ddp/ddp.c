@@ -56,6 +56,7 @@ size_t tdm_ddp_arena_bytes(int64_t param_elems)
 static tdm_status tdm_ddp_allsum(void *ctx, double *v, int n)
 {
     tdm_ddp *d = ctx;
+    tdm_comm_set_label(d->hcomm, "ddp SyncBatchNorm statistics");
     tdm_status st = tdm_comm_all_reduce(d->hcomm, v, v, (size_t)n, TDM_DTYPE_FLOAT64,
                                         TDM_REDOP_SUM);
     if (st) tdm_error_prefix(st, "ddp: SyncBatchNorm statistics");
@@ -95,9 +96,11 @@ tdm_status tdm_ddp_init(tdm_ddp **out, tdm_model *m, tdm_comm *comm, const tdm_d
     tdm_comm_set_label(comm, "ddp broadcast parameters");
     TDM_TRY(tdm_comm_broadcast(comm, tdm_model_params(m), tdm_model_params(m),
                                (size_t)tdm_model_param_elems(m), TDM_DTYPE_FLOAT32, 0));
-    if (tdm_model_buffer_elems(m) > 0)
+    if (tdm_model_buffer_elems(m) > 0) {
+        tdm_comm_set_label(comm, "ddp broadcast buffers");
         TDM_TRY(tdm_comm_broadcast(comm, tdm_model_buffers(m), tdm_model_buffers(m),
                                    (size_t)tdm_model_buffer_elems(m), TDM_DTYPE_FLOAT32, 0));
+    }
     TDM_TRY(tdm_ddp_reducer_attach(&d->red));
     if (d->o.sync_bn) {
         if (d->o.join) {
@@ -247,6 +250,10 @@ static tdm_status tdm_ddp_stage(tdm_ddp *d, const void *x, const int32_t *y, int
 static tdm_status tdm_ddp_join_count(tdm_ddp *d)
 {
     int32_t v[2] = {d->joined ? 0 : 1, !d->joined && d->sync};
+    /* named, as the buckets are: a rank that waits here while a peer
+     * never comes (a joined rank shadowing one that died) is found by
+     * `tandem doctor` in "ddp join count", not in an anonymous all_reduce */
+    tdm_comm_set_label(d->hcomm, "ddp join count");
     tdm_status st = tdm_comm_all_reduce(d->hcomm, v, v, 2, TDM_DTYPE_INT32, TDM_REDOP_SUM);
     if (st) return tdm_error_prefix(st, "ddp join: counting the ranks that still have data");
     /* every rank sees the same sums, so every rank fails here alike */
@@ -286,6 +293,7 @@ static tdm_status tdm_ddp_forward_impl(tdm_ddp *d, const void *x, const int32_t 
                    tdm_model_n_batchnorm(m) > 0;
     if (tdm_model_is_train(m) && !d->o.no_broadcast_buffers && d->world > 1 &&
         tdm_model_buffer_elems(m) > 0) {
+        tdm_comm_set_label(d->comm, "ddp broadcast buffers");
         tdm_status st = tdm_comm_broadcast(d->comm, tdm_model_buffers(m), tdm_model_buffers(m),
                                            (size_t)tdm_model_buffer_elems(m), TDM_DTYPE_FLOAT32, 0);
         if (st) return tdm_error_prefix(st, "ddp forward: broadcast of buffers from rank 0");
@@ -515,6 +523,7 @@ tdm_status tdm_ddp_evaluate(tdm_ddp *d, const tdm_dataset *test, int batch, doub
                       "tdm_ddp_forward and replaced its activations";
     }
     if (d->world > 1 && tdm_model_buffer_elems(m) > 0) {
+        tdm_comm_set_label(d->comm, "ddp broadcast buffers (evaluate)");
         tdm_status st = tdm_comm_broadcast(d->comm, tdm_model_buffers(m), tdm_model_buffers(m),
                                            (size_t)tdm_model_buffer_elems(m), TDM_DTYPE_FLOAT32, 0);
         if (st) return tdm_error_prefix(st, "ddp evaluate: broadcast of buffers from rank 0");
@@ -563,6 +572,7 @@ tdm_status tdm_ddp_checkpoint_save(tdm_ddp *d, const char *path, tdm_optim *opt,
         }
     }
     /* Doubles as the barrier: nobody goes on before the file is in place. */
+    tdm_comm_set_label(d->hcomm, "ddp checkpoint saved flag");
     TDM_CHECK(tdm_comm_broadcast(d->hcomm, &ok, &ok, 1, TDM_DTYPE_INT32, 0));
     if (mine) return tdm_error_set(mine, "%s", msg);
     TDM_REQUIRE(ok, TDM_STATUS_IO, "ddp: rank 0 failed to save the checkpoint %s", path);
@@ -572,6 +582,7 @@ tdm_status tdm_ddp_checkpoint_save(tdm_ddp *d, const char *path, tdm_optim *opt,
 tdm_status tdm_ddp_checkpoint_load(tdm_ddp *d, const char *path, tdm_optim *opt,
                                    tdm_ckpt_info *info)
 {
+    tdm_comm_set_label(d->hcomm, "ddp checkpoint load");
     TDM_CHECK(tdm_comm_barrier(d->hcomm));
     tdm_status mine = tdm_checkpoint_load(path, d->m, opt, info);
     char msg[512];
@@ -579,6 +590,7 @@ tdm_status tdm_ddp_checkpoint_load(tdm_ddp *d, const char *path, tdm_optim *opt,
     int32_t *all = calloc((size_t)d->world, sizeof *all);
     TDM_REQUIRE(all, TDM_STATUS_OUT_OF_MEMORY, "ddp: calloc");
     all[d->rank] = (int32_t)mine;
+    tdm_comm_set_label(d->hcomm, "ddp checkpoint load statuses");
     tdm_status st = tdm_comm_all_gather(d->hcomm, all + d->rank, all, 1, TDM_DTYPE_INT32);
     int bad = -1;
     for (int r = 0; st == TDM_STATUS_OK && r < d->world; r++)

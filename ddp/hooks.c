@@ -215,6 +215,7 @@ static tdm_status tdm_psgd_finish(tdm_hook_state *s, tdm_ddp_hook_bucket *b, tdm
     }
     if (nq > 0) {
         tdm_comm_work *w = NULL;
+        tdm_comm_set_label(b->comm, "ddp bucket %d (comm hook powersgd Q)", b->index);
         st = tdm_comm_all_reduce_async(b->comm, qbuf, qbuf, (size_t)nq, TDM_DTYPE_FLOAT32,
                                        TDM_REDOP_SUM, &w);
         if (st == TDM_STATUS_OK) st = tdm_comm_work_wait(w, b->timeout_ms);

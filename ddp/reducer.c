@@ -188,6 +188,7 @@ static tdm_status tdm_ddp_verify(tdm_ddp_reducer *r)
     int64_t *tens = NULL;
     TDM_REQUIRE(all, TDM_STATUS_OUT_OF_MEMORY, "ddp: calloc");
     memcpy(all + (size_t)r->rank * TDM_DDP_SUM_N, mine, sizeof mine);
+    tdm_comm_set_label(r->hcomm, "ddp model check (counts)");
     TDM_TRY(tdm_comm_all_gather(r->hcomm, all + (size_t)r->rank * TDM_DDP_SUM_N, all,
                                 TDM_DDP_SUM_N, TDM_DTYPE_INT64));
     for (int k = 1; k < W; k++) {
@@ -220,6 +221,7 @@ static tdm_status tdm_ddp_verify(tdm_ddp_reducer *r)
         own[2 * i] = (int64_t)tdm_ddp_tensor_hash(t);
         own[2 * i + 1] = t->n_elem;
     }
+    tdm_comm_set_label(r->hcomm, "ddp model check (tensors)");
     TDM_TRY(tdm_comm_all_gather(r->hcomm, own, tens, (size_t)nt * 2, TDM_DTYPE_INT64));
     for (int k = 1; k < W; k++) {
         for (int i = 0; i < nt; i++) {
@@ -352,6 +354,7 @@ static tdm_status tdm_ddp_bucket_launch(tdm_ddp_reducer *r, int i)
         bytes = h->bytes;
         if (tail) {
             float *t = r->grads + r->param_elems;
+            tdm_comm_set_label(r->comm, "ddp bucket %d check tail", i);
             st = tdm_comm_all_reduce_async(r->comm, t, t, TDM_DDP_TAIL_ELEMS, TDM_DTYPE_FLOAT32,
                                            TDM_REDOP_SUM, &bk->work);
             if (st) return tdm_error_prefix(st, "ddp: check tail all_reduce");

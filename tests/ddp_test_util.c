@@ -33,21 +33,75 @@ void tddp_spec_dims(tdm_model_spec *s, int cnn, const int *dims, int ndims)
 }
 
 
+void tddp_word_text(uint8_t *bytes, size_t n, const char *const *words, int n_words,
+                    uint64_t seed)
+{
+    tdm_rng r;
+    tdm_rng_init(&r, seed, TDM_RNG_STREAM_TEST);
+    size_t k = 0;
+    while (k < n) {
+        const char *p = words[tdm_rng_below(&r, (uint64_t)n_words)];
+        while (*p && k < n) bytes[k++] = (uint8_t)*p++;
+    }
+}
+
 const tdm_text *tddp_text(void)
 {
     static uint8_t bytes[4000];
     static tdm_text t = {.bytes = bytes, .n = sizeof bytes};
     static const char *const w[] = {"one ", "two ", "three ", "four\n", "five, ", "six. "};
-    if (!bytes[0]) {
-        tdm_rng r;
-        tdm_rng_init(&r, 3, TDM_RNG_STREAM_TEST);
-        size_t n = 0;
-        while (n < sizeof bytes) {
-            const char *p = w[tdm_rng_below(&r, 6)];
-            while (*p && n < sizeof bytes) bytes[n++] = (uint8_t)*p++;
-        }
-    }
+    if (!bytes[0]) tddp_word_text(bytes, sizeof bytes, w, 6, 3);
     return &t;
+}
+
+/* ---- uneven inputs (join): the plan and its one-device reference ---- */
+
+const int tddp_join_batches[TDDP_JOIN_WORLD] = {3, 5, 8};
+const int tddp_join_size[TDDP_JOIN_WORLD] = {4, 6, 5};
+
+int64_t tddp_join_first(int r, int s) { return ((int64_t)s * TDDP_JOIN_WORLD + r) * 8; }
+
+tdm_status tddp_join_reference(const tdm_model_spec *spec, const tdm_dataset *data, float *out,
+                               int64_t *n)
+{
+    tdm_device *dev = NULL;
+    tdm_model *m = NULL;
+    tdm_optim *opt = NULL;
+    tdm_status st = TDM_STATUS_OK;
+    float x[8 * 64];
+    int32_t y[8];
+    TDM_REQUIRE(tdm_data_features(data) * 8 <= (int64_t)(sizeof x / sizeof x[0]),
+                TDM_STATUS_INVALID_ARG, "join reference: %lld features",
+                (long long)tdm_data_features(data));
+    TDM_TRY(tdm_device_open(&dev, "cpu", 0, 1));
+    TDM_TRY(tdm_model_init(&m, dev, spec, 5));
+    TDM_TRY(tdm_sgd_init(&opt, m, 0.05f, 0.9f));
+    for (int s = 0; s < TDDP_JOIN_STEPS; s++) {
+        int active = 0;
+        for (int r = 0; r < TDDP_JOIN_WORLD; r++) active += tddp_join_batches[r] > s;
+        TDM_TRY(tdm_model_zero_grad(m));
+        for (int r = 0; r < TDDP_JOIN_WORLD; r++) {
+            if (tddp_join_batches[r] <= s) continue;
+            int b = tddp_join_size[r];
+            int64_t idx[8];
+            for (int i = 0; i < b; i++) idx[i] = tddp_join_first(r, s) + i;
+            tdm_data_gather(data, idx, b, x, y);
+            const float *logits;
+            double ls;
+            TDM_TRY(tdm_model_forward(m, x, b, &logits));
+            float *dl = tdm_model_loss_grad(m);
+            TDM_TRY(tdm_model_loss(m, logits, y, b, 1.0f / ((float)b * (float)active), &ls, dl));
+            TDM_TRY(tdm_model_backward(m, dl));
+        }
+        TDM_TRY(tdm_optim_step(opt));
+    }
+    *n = tdm_model_param_elems(m);
+    memcpy(out, tdm_model_params(m), (size_t)*n * sizeof(float));
+fail:
+    tdm_optim_free(opt);
+    tdm_model_free(m);
+    tdm_device_free(dev);
+    return st;
 }
 
 

@@ -4,13 +4,20 @@
  * float reassociation), a resumed run ends where an uninterrupted one
  * does, sampling is seeded and prints the prompt first, and bad input
  * (empty or too-short text, heads that do not divide the width, a
- * checkpoint that is not a GPT) gets one clear message and its exit code. */
+ * checkpoint that is not a GPT) gets one clear message and its exit code.
+ * DDP takes --comm-hook (within its precision's bound of the float32 run)
+ * and --uneven (ranks with different step counts; equal to one device
+ * averaging, at each step, the ranks that still had windows). */
 #include <criterion/criterion.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/text.h"
+#include "models/checkpoint.h"
+#include "models/model.h"
+#include "models/optim.h"
 #include "tests/cli_util.h"
 #include "tests/test_util.h"
 
@@ -209,4 +216,228 @@ Test(cli_gpt, ddp_ranks_take_the_timeout_given, .timeout = 45)
     unsetenv("TANDEM_DDP_TEST_KILL");
     expect(&r, 1, "timed out after 2000 ms");
     cr_expect(!cli_shm_entries());
+}
+
+/* ---- DDP's --comm-hook and --uneven (issue 17) ---- */
+
+/* "ddp comm hook H: X bytes all-reduced per step (float32 gradients: Y)" */
+static void hook_bytes(const char *out, const char *hook, double *bytes, double *f32)
+{
+    char want[64];
+    snprintf(want, sizeof want, "ddp comm hook %s: ", hook);
+    const char *p = strstr(out, want);
+    cr_assert(p, "no '%s' in:\n%s", want, out);
+    cr_assert(sscanf(p + strlen(want), "%lf bytes all-reduced per step (float32 gradients: %lf",
+                     bytes, f32) == 2, "%s", p);
+}
+
+/* bf16 rounds each gradient twice, 2^-8 relative each (docs/DDP.md), so
+ * after S steps the losses stay within S x 2^-8 relative of the float32
+ * run's (tandem compare --comm-hook's bound), and it all-reduces half the
+ * float32 bytes plus the 768-byte check tail; fp16 (2^-11) likewise;
+ * powersgd (rank 1 from the first step) moves a small fraction of them
+ * and stays within compare's 25%; FSDP's bf16 reduce-scatters likewise.
+ * Failed before: refused ("--comm-hook bf16 applies to --mode ddp and
+ * fsdp with an image model"). */
+Test(cli_gpt, ddp_comm_hooks_train_within_their_bound)
+{
+    static cli_result r;
+    const char *text = tu_tpath(g_dir, "text.txt");
+    static const char *const hooks[] = {"allreduce", "bf16", "fp16", "powersgd"};
+    const double steps = 2 * 6, bound[] = {0, steps / 256, steps / 2048, 0.25};
+    double tl[4], vl[4], bytes[4], f32[4];
+    for (int k = 0; k < 4; k++) {
+        CLI(&r, "train", "--model", TINY, "--data", text, "--mode", "ddp", "--device", "cpu:2",
+            "--epochs", "2", "--max-steps", "6", "--batch", "6", "--lr", "0.01", "--comm-hook",
+            hooks[k], "--powersgd-start-step", "0");
+        expect(&r, 0, "epoch 2/2");
+        losses(r.out, "epoch 2/2", &tl[k], &vl[k]);
+        hook_bytes(r.out, hooks[k], &bytes[k], &f32[k]);
+    }
+    cr_assert_eq(bytes[0], f32[0] + 768, "float32: %g bytes of %g", bytes[0], f32[0]);
+    for (int k = 1; k < 3; k++)
+        cr_assert(bytes[k] > 0.49 * f32[k] && bytes[k] < 0.51 * f32[k] + 768,
+                  "%s: %g bytes of %g", hooks[k], bytes[k], f32[k]);
+    cr_assert(bytes[3] < 0.5 * f32[3], "powersgd: %g bytes of %g", bytes[3], f32[3]);
+    for (int k = 1; k < 4; k++) {
+        cr_assert(fabs(tl[k] - tl[0]) <= bound[k] * tl[0], "%s train loss %.4f vs float32 %.4f "
+                  "(bound %.3f relative)", hooks[k], tl[k], tl[0], bound[k]);
+        cr_assert(fabs(vl[k] - vl[0]) <= bound[k] * vl[0], "%s val loss %.4f vs float32 %.4f "
+                  "(bound %.3f relative)", hooks[k], vl[k], vl[0], bound[k]);
+    }
+    /* FSDP's bf16 reduce-scatters: half the bytes, the same bound */
+    double ft[2], fv[2];
+    for (int k = 0; k < 2; k++) {
+        CLI(&r, "train", "--model", TINY, "--data", text, "--mode", "fsdp", "--device", "cpu:2",
+            "--epochs", "2", "--max-steps", "6", "--batch", "6", "--lr", "0.01", "--comm-hook",
+            hooks[k]);
+        expect(&r, 0, "epoch 2/2");
+        losses(r.out, "epoch 2/2", &ft[k], &fv[k]);
+    }
+    const char *p = strstr(r.out, "fsdp comm hook bf16: ");
+    cr_assert(p, "%s", r.out);
+    double rs = 0, rf = 0;
+    cr_assert(sscanf(p, "fsdp comm hook bf16: %lf bytes reduce-scattered per step (float32 "
+                     "gradients: %lf", &rs, &rf) == 2, "%s", p);
+    cr_assert(rs > 0.49 * rf && rs < 0.51 * rf, "fsdp bf16: %g bytes of %g", rs, rf);
+    cr_assert(fabs(ft[1] - ft[0]) <= bound[1] * ft[0] && fabs(fv[1] - fv[0]) <= bound[1] * fv[0],
+              "fsdp bf16 %.4f / %.4f vs float32 %.4f / %.4f", ft[1], fv[1], ft[0], fv[0]);
+}
+
+/* What --uneven means for a gpt (tools/train_uneven.c): an epoch is
+ * ceil(training bytes / T) windows, window k the one the default mode
+ * draws at position k mod B of the epoch's global step k / B, and rank r
+ * takes windows r, r+N, ... in batches of B/N. One device that, at each
+ * step, adds every rank's batch that still has one with its loss gradient
+ * scaled by 1/(its windows x those ranks), and steps: the parameters after
+ * `epochs` epochs of SGD (lr 0.05, momentum 0.9) into out. */
+#define UN_N 3
+#define UN_B 6
+static void uneven_reference(const char *path, int epochs, float *out, int64_t *n_out)
+{
+    tdm_text_corpus c;
+    tdm_model_spec spec;
+    tdm_device *dev = NULL;
+    tdm_model *m = NULL;
+    tdm_optim *opt = NULL;
+    cr_assert_eq(tdm_text_load(&c, path), TDM_STATUS_OK, "%s", tdm_error_message());
+    cr_assert_eq(tdm_model_spec_parse(&spec, TINY), TDM_STATUS_OK);
+    const int T = spec.n_ctx, b = UN_B / UN_N;
+    const int64_t W = (c.train.n + T - 1) / T, full = (c.train.n + UN_B * T - 1) / (UN_B * T);
+    cr_assert_eq(tdm_device_open(&dev, "cpu", 0, 1), TDM_STATUS_OK);
+    cr_assert_eq(tdm_model_init(&m, dev, &spec, 1), TDM_STATUS_OK);
+    tdm_optim_opts oo;
+    tdm_optim_opts_default(&oo, TDM_OPTIM_SGD);
+    oo.lr = 0.05f;
+    oo.momentum = 0.9f;
+    cr_assert_eq(tdm_optim_init(&opt, m, &oo), TDM_STATUS_OK);
+    int32_t x[UN_B * 64], y[UN_B * 64];
+    cr_assert(T <= 64);
+    int64_t mine[UN_N], steps[UN_N];
+    for (int r = 0; r < UN_N; r++) {
+        mine[r] = (W - r + UN_N - 1) / UN_N;
+        steps[r] = (mine[r] + b - 1) / b;
+    }
+    for (int64_t e = 0; e < epochs; e++)
+        for (int64_t s = 0;; s++) {
+            int active = 0;
+            for (int r = 0; r < UN_N; r++) active += steps[r] > s;
+            if (!active) break;
+            cr_assert_eq(tdm_model_zero_grad(m), TDM_STATUS_OK);
+            for (int r = 0; r < UN_N; r++) {
+                if (steps[r] <= s) continue;
+                int n = (int)(mine[r] - s * b < b ? mine[r] - s * b : b);
+                for (int i = 0; i < n; i++) {
+                    int64_t k = r + (s * b + i) * UN_N;
+                    tdm_text_windows(&c.train, T, 1, e * full + k / UN_B, k % UN_B, 1, x + i * T,
+                                     y + i * T);
+                }
+                const float *logits;
+                double ls;
+                cr_assert_eq(tdm_model_forward(m, x, n, &logits), TDM_STATUS_OK);
+                float *dl = tdm_model_loss_grad(m);
+                cr_assert_eq(tdm_model_loss(m, logits, y, n, 1.0f / ((float)n * (float)active),
+                                            &ls, dl), TDM_STATUS_OK);
+                cr_assert_eq(tdm_model_backward(m, dl), TDM_STATUS_OK);
+            }
+            cr_assert_eq(tdm_optim_step(opt), TDM_STATUS_OK);
+        }
+    *n_out = tdm_model_param_elems(m);
+    memcpy(out, tdm_model_params(m), (size_t)*n_out * sizeof(float));
+    tdm_optim_free(opt);
+    tdm_model_free(m);
+    tdm_device_free(dev);
+    tdm_text_free(&c);
+}
+
+/* --uneven: a 330-byte text has 297 training bytes, ceil(297 / 24) = 13
+ * windows an epoch; over 3 ranks in batches of 6 / 3 = 2, rank 0 takes
+ * windows 0, 3, .., 12 (3 steps), ranks 1 and 2 four each (2 steps), and
+ * they shadow rank 0's third. The checkpoint equals the one-device
+ * reference above within 1e-5 + 1e-4|x| (float sums in another order),
+ * in DDP and every sharding of FSDP, with and without a bf16 hook (then
+ * within bf16's rounding). Failed before: refused ("--uneven applies to
+ * --mode ddp and fsdp with an image model"). */
+Test(cli_gpt, ddp_uneven_ranks_join_and_match_one_device)
+{
+    static cli_result r;
+    const char *small = tu_tpath(g_dir, "uneven.txt"), *ck = tu_tpath(g_dir, "uneven.st");
+    char buf[330];
+    FILE *f = fopen(tu_tpath(g_dir, "text.txt"), "rb");
+    cr_assert(f && fread(buf, 1, sizeof buf, f) == sizeof buf);
+    fclose(f);
+    f = fopen(small, "wb");
+    cr_assert(f && fwrite(buf, 1, sizeof buf, f) == sizeof buf);
+    fclose(f);
+    static float ref[1 << 16], got[1 << 16];
+    int64_t n = 0;
+    uneven_reference(small, 2, ref, &n);
+    cr_assert(n <= (int64_t)(sizeof got / sizeof got[0]));
+    /* DDP, with and without bf16; FSDP in each sharding (bf16 in one) */
+    static const char *const runs[][3] = {{"ddp", "full", "allreduce"},
+                                          {"ddp", "full", "bf16"},
+                                          {"fsdp", "full", "allreduce"},
+                                          {"fsdp", "grad_op", "bf16"},
+                                          {"fsdp", "optimizer", "allreduce"}};
+    for (int run = 0; run < 5; run++) {
+        const char *mode = runs[run][0], *hook = runs[run][2];
+        int k = !strcmp(hook, "bf16");
+        if (!strcmp(mode, "ddp"))
+            CLI(&r, "train", "--model", TINY, "--data", small, "--mode", mode, "--device",
+                "cpu:3", "--uneven", "--batch", "6", "--epochs", "2", "--optim", "sgd", "--lr",
+                "0.05", "--momentum", "0.9", "--comm-hook", hook, "--save", ck);
+        else
+            CLI(&r, "train", "--model", TINY, "--data", small, "--mode", mode, "--sharding",
+                runs[run][1], "--device", "cpu:3", "--uneven", "--batch", "6", "--epochs", "2",
+                "--optim", "sgd", "--lr", "0.05", "--momentum", "0.9", "--comm-hook", hook,
+                "--save", ck);
+        expect(&r, 0, "steps per rank: 3 2 2 (shadowed after joining: 0 1 1)");
+        cr_assert(strstr(r.out, "each rank takes its own windows"), "%s", r.out);
+        cr_assert(strstr(r.out, "epoch 2/2: train loss"), "%s", r.out);
+        cr_assert(strstr(r.out, "bits per byte"), "%s", r.out);
+        tdm_model_spec spec;
+        tdm_device *dev = NULL;
+        tdm_model *m = NULL;
+        tdm_ckpt_info info;
+        cr_assert_eq(tdm_model_spec_parse(&spec, TINY), TDM_STATUS_OK);
+        cr_assert_eq(tdm_device_open(&dev, "cpu", 0, 1), TDM_STATUS_OK);
+        cr_assert_eq(tdm_model_init(&m, dev, &spec, 1), TDM_STATUS_OK);
+        cr_assert_eq(tdm_checkpoint_load(ck, m, NULL, &info), TDM_STATUS_OK, "%s",
+                     tdm_error_message());
+        cr_assert_eq(info.epoch, 2);
+        cr_assert_eq(info.step, 6, "%s %s: %lld optimizer steps", mode, hook,
+                     (long long)info.step);
+        cr_assert_eq(tdm_model_param_elems(m), n);
+        memcpy(got, tdm_model_params(m), (size_t)n * sizeof(float));
+        tdm_model_free(m);
+        tdm_device_free(dev);
+        /* bf16: two roundings of 2^-8 per step, 6 steps, relative to the update */
+        double atol = k ? 2e-3 : 1e-5, rtol = k ? 2e-2 : 1e-4;
+        for (int64_t i = 0; i < n; i++)
+            cr_assert(fabs(got[i] - ref[i]) <= atol + rtol * fabs(ref[i]),
+                      "%s %s %s: param[%lld] %.9g vs one device %.9g", mode, runs[run][1], hook,
+                      (long long)i, got[i], ref[i]);
+    }
+}
+
+/* What is not supported is refused before any work, saying why; --help
+ * says which models --uneven and --comm-hook take. */
+Test(cli_gpt, unsupported_hook_and_uneven_combinations_are_refused)
+{
+    static cli_result r;
+    const char *text = tu_tpath(g_dir, "text.txt");
+    CLI(&r, "train", "--model", TINY, "--data", text, "--mode", "fsdp", "--comm-hook",
+        "powersgd");
+    expect(&r, 2, "PyTorch's FSDP offers only the fp16 and bf16 hooks");
+    CLI(&r, "train", "--model", TINY, "--data", text, "--mode", "fsdp", "--uneven",
+        "--grad-accum", "2");
+    expect(&r, 2, "without --grad-accum");
+    CLI(&r, "train", "--model", TINY, "--data", text, "--mode", "ddp", "--uneven",
+        "--lr-schedule", "cosine");
+    expect(&r, 2, "with --lr-schedule const");
+    CLI(&r, "train", "--model", TINY, "--data", text, "--mode", "dp", "--comm-hook", "fp16");
+    expect(&r, 2, "--comm-hook fp16 applies to --mode ddp and fsdp");
+    CLI(&r, "train", "--help");
+    expect(&r, 0, "gpt: its own windows");
+    cr_assert(strstr(r.out, "fsdp: fp16 or bf16 compress"), "%s", r.out);
 }

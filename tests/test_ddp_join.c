@@ -7,20 +7,31 @@
  * the same run fails instead of hanging. Forked ranks, bounded run time. */
 #include <criterion/criterion.h>
 
+#include <signal.h>
+
+#include "core/json.h"
+#include "tests/fr_test_util.h"
 #include "tests/test_ddp_util.h"
 
-#define J_WORLD 3
-static const int j_batches[J_WORLD] = {3, 5, 8};
-static const int j_size[J_WORLD] = {4, 6, 5};
-#define J_STEPS 8
+/* the plan (tests/test_ddp_util.h, shared with tests/test_fsdp_join.c) */
+#define J_WORLD TDDP_JOIN_WORLD
+#define J_STEPS TDDP_JOIN_STEPS
+#define j_batches tddp_join_batches
+#define j_size tddp_join_size
+#define j_first tddp_join_first
 
-static tdm_dataset g_data;
-static void setup(void) { cr_assert_eq(tddp_data(&g_data, 0, 1024), TDM_STATUS_OK); }
-static void teardown(void) { tdm_data_free(&g_data); }
+static tdm_dataset g_data, g_cnn;
+static void setup(void)
+{
+    cr_assert_eq(tddp_data(&g_data, 0, 1024), TDM_STATUS_OK);
+    cr_assert_eq(tddp_data(&g_cnn, 1, 256), TDM_STATUS_OK);
+}
+static void teardown(void)
+{
+    tdm_data_free(&g_data);
+    tdm_data_free(&g_cnn);
+}
 TestSuite(ddp_join, .init = setup, .fini = teardown, .timeout = 120);
-
-/* rank r's batch s: samples (s * J_WORLD + r) * 8 .. + j_size[r] */
-static int64_t j_first(int r, int s) { return ((int64_t)s * J_WORLD + r) * 8; }
 
 typedef struct j_shared {
     float params[J_WORLD][TDDP_MAX_ELEMS];
@@ -50,7 +61,8 @@ static int j_rank(tdm_comm *comm, void *p)
     tdm_status st = TDM_STATUS_OK;
     tdm_model_spec spec;
     tddp_spec(&spec, a->cnn);
-    int64_t feat = tdm_data_features(&g_data);
+    const tdm_dataset *data = a->cnn ? &g_cnn : &g_data;
+    int64_t feat = tdm_data_features(data);
     float x[8 * 64];
     int32_t y[8];
     cr_assert(feat * 8 <= (int64_t)(sizeof x / sizeof x[0]));
@@ -62,7 +74,7 @@ static int j_rank(tdm_comm *comm, void *p)
     for (int s = 0; s < j_batches[rank]; s++) {
         int64_t idx[8];
         for (int i = 0; i < j_size[rank]; i++) idx[i] = j_first(rank, s) + i;
-        tdm_data_gather(&g_data, idx, j_size[rank], x, y);
+        tdm_data_gather(data, idx, j_size[rank], x, y);
         double lm = 0.0;
         TDM_TRY(tdm_ddp_zero_grad(ddp));
         if (a->scaled)
@@ -85,49 +97,6 @@ fail:
     tdm_model_free(m);
     tdm_device_free(dev);
     return st ? 1 : 0;
-}
-
-/* One device: step s accumulates every rank that still has a batch, each
- * scaled by 1/(its batch * the number of such ranks). */
-static void j_reference(int cnn, float *out, int64_t *n)
-{
-    tdm_device *dev = NULL;
-    tdm_model *m = NULL;
-    tdm_optim *opt = NULL;
-    tdm_model_spec spec;
-    tddp_spec(&spec, cnn);
-    int64_t feat = tdm_data_features(&g_data);
-    float x[8 * 64];
-    int32_t y[8];
-    cr_assert_eq(tdm_device_open(&dev, "cpu", 0, 1), TDM_STATUS_OK);
-    cr_assert_eq(tdm_model_init(&m, dev, &spec, 5), TDM_STATUS_OK);
-    cr_assert_eq(tdm_sgd_init(&opt, m, 0.05f, 0.9f), TDM_STATUS_OK);
-    (void)feat;
-    for (int s = 0; s < J_STEPS; s++) {
-        int active = 0;
-        for (int r = 0; r < J_WORLD; r++) active += j_batches[r] > s;
-        cr_assert_eq(tdm_model_zero_grad(m), TDM_STATUS_OK);
-        for (int r = 0; r < J_WORLD; r++) {
-            if (j_batches[r] <= s) continue;
-            int64_t idx[8];
-            for (int i = 0; i < j_size[r]; i++) idx[i] = j_first(r, s) + i;
-            tdm_data_gather(&g_data, idx, j_size[r], x, y);
-            const float *logits;
-            double ls;
-            cr_assert_eq(tdm_model_forward(m, x, j_size[r], &logits), TDM_STATUS_OK);
-            float *dl = tdm_model_loss_grad(m);
-            cr_assert_eq(tdm_model_loss(m, logits, y, j_size[r],
-                                        1.0f / ((float)j_size[r] * (float)active), &ls, dl),
-                         TDM_STATUS_OK);
-            cr_assert_eq(tdm_model_backward(m, dl), TDM_STATUS_OK);
-        }
-        cr_assert_eq(tdm_optim_step(opt), TDM_STATUS_OK);
-    }
-    *n = tdm_model_param_elems(m);
-    memcpy(out, tdm_model_params(m), (size_t)*n * 4);
-    tdm_optim_free(opt);
-    tdm_model_free(m);
-    tdm_device_free(dev);
 }
 
 static void j_check_uneven(int scaled)
@@ -155,7 +124,10 @@ static void j_check_uneven(int scaled)
     }
     static float ref[TDDP_MAX_ELEMS];
     int64_t n = 0;
-    j_reference(0, ref, &n);
+    tdm_model_spec spec;
+    tddp_spec(&spec, 0);
+    cr_assert_eq(tddp_join_reference(&spec, &g_data, ref, &n), TDM_STATUS_OK, "%s",
+                 tdm_error_message());
     cr_assert_eq(n, sh->n_elem);
     int64_t at = 0;
     cr_assert(tddp_excess(sh->params[0], ref, n, 1e-6, 1e-5, &at) <= 0,
@@ -268,4 +240,131 @@ Test(ddp_join, joined_rank_shadows_only_the_synchronised_steps_of_no_sync_accumu
                  (long long)g_jns->shadowed[1]);
     cr_expect(!memcmp(g_jns->p[0], g_jns->p[1], sizeof g_jns->p[0]), "replicas differ");
     munmap(g_jns, sizeof *g_jns);
+}
+
+/* ---- the flight recorder names Join's collectives ---- */
+
+/* The labels of rank r's dump in dir: every entry must have one (the
+ * count of those labelled `want` in *n_want); returns the last entry's
+ * label and state (copied). */
+static void jfr_labels(const char *dir, int r, const char *want, int *n_want, char *last_label,
+                       char *last_state, size_t cap)
+{
+    tdm_json *doc = fr_t_load(dir, r);
+    cr_assert_not_null(doc, "rank %d left no dump in %s", r, dir);
+    const tdm_json *e = tdm_json_get(doc, "entries");
+    cr_assert(e && e->type == TDM_JSON_ARRAY && e->n > 0, "rank %d: no entries", r);
+    *n_want = 0;
+    for (int i = 0; i < e->n; i++) {
+        const tdm_json *c = tdm_json_get(&e->items[i], "coll");
+        const tdm_json *l = tdm_json_get(&e->items[i], "label");
+        const tdm_json *s = tdm_json_get(&e->items[i], "state");
+        cr_assert(c && c->type == TDM_JSON_STRING && l && l->type == TDM_JSON_STRING && s &&
+                  s->type == TDM_JSON_STRING);
+        cr_expect(l->str[0], "rank %d: %s #%d has no label", r, c->str, i);
+        *n_want += !strcmp(l->str, want);
+        if (i == e->n - 1) {
+            snprintf(last_label, cap, "%s", l->str);
+            snprintf(last_state, cap, "%s", s->str);
+        }
+    }
+    tdm_json_free(doc);
+}
+
+/* Every collective of a joined run has a label, the count of the ranks
+ * with data ("ddp join count") and, for the CNN, the buffer broadcasts
+ * that a joined rank shadows ("ddp broadcast buffers") included. Failed
+ * before: the count's all_reduce and the broadcasts had an empty label. */
+Test(ddp_join, every_collective_of_a_joined_run_is_labelled)
+{
+    for (int cnn = 0; cnn < 2; cnn++) {
+        char dir[64];
+        fr_t_dump_dir(dir, sizeof dir);
+        j_shared *sh = mmap(NULL, sizeof *sh, PROT_READ | PROT_WRITE,
+                            MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+        cr_assert(sh != MAP_FAILED);
+        memset(sh, 0, sizeof *sh);
+        j_arg a = {.sh = sh, .join = 1, .cnn = cnn};
+        tdm_ddp_spawn_opts so = {.timeout_ms = 60000, .comm_timeout_ms = 20000};
+        tdm_status st = tdm_ddp_spawn(J_WORLD, j_rank, &a, &so, NULL);
+        unsetenv("TANDEM_FR_DUMP");
+        cr_assert_eq(st, TDM_STATUS_OK, "cnn %d: %s / %s / %s / %s", cnn, tdm_error_message(),
+                     sh->err[0], sh->err[1], sh->err[2]);
+        for (int r = 0; r < J_WORLD; r++) {
+            char last[128], state[128];
+            int counts = 0, bcasts = 0;
+            jfr_labels(dir, r, "ddp join count", &counts, last, state, sizeof last);
+            /* each rank counts at each of its forwards and each shadowed
+             * step, and all leave at the same last count */
+            cr_expect_eq(counts, J_STEPS + 1, "cnn %d rank %d: %d 'ddp join count' entries",
+                         cnn, r, counts);
+            if (cnn) {
+                jfr_labels(dir, r, "ddp broadcast buffers", &bcasts, last, state, sizeof last);
+                cr_expect(bcasts >= J_STEPS, "cnn %d rank %d: %d 'ddp broadcast buffers'", cnn,
+                          r, bcasts);
+            }
+        }
+        munmap(sh, sizeof *sh);
+        fr_t_rm_dir(dir);
+    }
+}
+
+/* A rank stuck in Join's count is named by its dump: rank 1 runs one step
+ * and joins; rank 0 dies (SIGKILL) after its first step, so rank 1 waits
+ * in the count until the group learns of the death. Rank 1's dump ends in
+ * the all_reduce labelled "ddp join count", not done: what `tandem
+ * doctor` quotes ("the others waited in all_reduce(int32, sum, count=2)
+ * 'ddp join count'"). Failed before: that entry's label was empty. */
+static int jst_rank(tdm_comm *comm, void *arg)
+{
+    (void)arg;
+    int rank = tdm_comm_rank(comm);
+    tdm_device *dev = NULL;
+    tdm_model *m = NULL;
+    tdm_optim *opt = NULL;
+    tdm_ddp *d = NULL;
+    tdm_model_spec spec;
+    tdm_status st = TDM_STATUS_OK;
+    int dims[] = {8, 6, 3};
+    float x[2 * 8];
+    int32_t y[2] = {0, 2};
+    for (int i = 0; i < 16; i++) x[i] = (float)((i * 5 + rank) % 7) * 0.1f;
+    tdm_model_spec_mlp(&spec, dims, 3);
+    TDM_TRY(tdm_device_open(&dev, "cpu", rank, 1));
+    TDM_TRY(tdm_model_init(&m, dev, &spec, 5));
+    tdm_ddp_opts o = {.join = 1, .timeout_ms = 60000};
+    TDM_TRY(tdm_ddp_init(&d, m, comm, &o));
+    TDM_TRY(tdm_sgd_init(&opt, m, 0.05f, 0.0f));
+    TDM_TRY(tdm_ddp_zero_grad(d));
+    TDM_TRY(tdm_ddp_forward(d, x, y, 2, NULL));
+    TDM_TRY(tdm_ddp_backward(d));
+    TDM_TRY(tdm_ddp_step(d, opt));
+    if (rank == 0) raise(SIGKILL);   /* before its second forward's count */
+    st = tdm_ddp_join(d, opt, NULL);  /* fails: its peer died */
+fail:
+    tdm_ddp_free(d);
+    tdm_optim_free(opt);
+    tdm_model_free(m);
+    tdm_device_free(dev);
+    return st ? 1 : 0;
+}
+
+Test(ddp_join, a_rank_stuck_in_the_join_count_is_named_by_its_dump)
+{
+    char dir[64];
+    fr_t_dump_dir(dir, sizeof dir);
+    /* the death is seen by the spawner at once: no timeout is waited for */
+    tdm_ddp_spawn_opts so = {.timeout_ms = 60000, .comm_timeout_ms = 60000};
+    tdm_status st = tdm_ddp_spawn(2, jst_rank, NULL, &so, NULL);
+    unsetenv("TANDEM_FR_DUMP");
+    cr_assert_neq(st, TDM_STATUS_OK, "rank 0 was killed, yet the job succeeded");
+    char last[128], state[128];
+    int counts = 0;
+    jfr_labels(dir, 1, "ddp join count", &counts, last, state, sizeof last);
+    cr_expect_str_eq(last, "ddp join count", "rank 1's last collective is '%s' (%s)", last,
+                     state);
+    cr_expect(strcmp(state, "done"), "rank 1's join count completed without rank 0");
+    /* its first forward counted too */
+    cr_expect_eq(counts, 2, "%d 'ddp join count' entries", counts);
+    fr_t_rm_dir(dir);
 }

@@ -96,6 +96,25 @@ static inline void tddp_spec_gpt(tdm_model_spec *s) { tdm_model_spec_gpt(s, 2, 1
 
 const tdm_text *tddp_text(void);
 
+/* n bytes of words drawn uniformly with the test stream of seed: the
+ * made-up texts of the GPT tests (tddp_text, test_fsdp_util.h's tf_text). */
+void tddp_word_text(uint8_t *bytes, size_t n, const char *const *words, int n_words,
+                    uint64_t seed);
+
+/* Uneven inputs (tests/test_ddp_join.c, tests/test_fsdp_join.c): rank r
+ * runs tddp_join_batches[r] batches of tddp_join_size[r] samples (3, 5, 8
+ * batches of 4, 6, 5), its batch s being samples tddp_join_first(r, s)
+ * onwards. tddp_join_reference: one device (seed 5, SGD lr 0.05 momentum
+ * 0.9) where step s accumulates every rank that still has a batch, each
+ * scaled by 1/(its batch * the number of such ranks); the parameters
+ * after TDDP_JOIN_STEPS steps into out (*n of them). */
+#define TDDP_JOIN_WORLD 3
+#define TDDP_JOIN_STEPS 8
+extern const int tddp_join_batches[TDDP_JOIN_WORLD], tddp_join_size[TDDP_JOIN_WORLD];
+int64_t tddp_join_first(int r, int s);
+tdm_status tddp_join_reference(const tdm_model_spec *spec, const tdm_dataset *data, float *out,
+                               int64_t *n);
+
 tdm_status tddp_data(tdm_dataset *d, int cnn, int64_t n);
 
 typedef struct tddp_run {

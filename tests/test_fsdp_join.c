@@ -14,10 +14,12 @@
 #include "tests/fr_test_util.h"
 #include "tests/test_fsdp_util.h"
 
-#define J_WORLD 3
-static const int j_batches[J_WORLD] = {3, 5, 8};
-static const int j_size[J_WORLD] = {4, 6, 5};
-#define J_STEPS 8
+/* the plan, as DDP's (tests/test_ddp_util.h) */
+#define J_WORLD TDDP_JOIN_WORLD
+#define J_STEPS TDDP_JOIN_STEPS
+#define j_batches tddp_join_batches
+#define j_size tddp_join_size
+#define j_first tddp_join_first
 #define J_MAX_ELEMS 4096
 
 static tdm_dataset g_mlp, g_cnn;
@@ -34,9 +36,6 @@ static void teardown(void)
     tdm_data_free(&g_cnn);
 }
 TestSuite(fsdp_join, .init = setup, .fini = teardown, .timeout = 240);
-
-/* rank r's batch s: samples (s * J_WORLD + r) * 8 .. + j_size[r] */
-static int64_t j_first(int r, int s) { return ((int64_t)s * J_WORLD + r) * 8; }
 
 typedef struct j_shared {
     float params[J_WORLD][J_MAX_ELEMS];
@@ -116,52 +115,6 @@ fail:
     return st ? 1 : 0;
 }
 
-/* One device: step s accumulates every rank that still has a batch, each
- * scaled by 1/(its batch * the number of such ranks). */
-static void j_reference(int cnn, float *out, int64_t *n)
-{
-    tdm_device *dev = NULL;
-    tdm_model *m = NULL;
-    tdm_optim *opt = NULL;
-    tdm_model_spec spec;
-    j_spec(&spec, cnn);
-    const tdm_dataset *data = j_data(cnn);
-    float x[8 * 64];
-    int32_t y[8];
-    cr_assert_eq(tdm_device_open(&dev, "cpu", 0, 1), TDM_STATUS_OK);
-    cr_assert_eq(tdm_model_init(&m, dev, &spec, 5), TDM_STATUS_OK);
-    tdm_optim_opts oo;
-    tdm_optim_opts_default(&oo, TDM_OPTIM_SGD);
-    oo.lr = 0.05f;
-    oo.momentum = 0.9f;
-    cr_assert_eq(tdm_optim_init(&opt, m, &oo), TDM_STATUS_OK);
-    for (int s = 0; s < J_STEPS; s++) {
-        int active = 0;
-        for (int r = 0; r < J_WORLD; r++) active += j_batches[r] > s;
-        cr_assert_eq(tdm_model_zero_grad(m), TDM_STATUS_OK);
-        for (int r = 0; r < J_WORLD; r++) {
-            if (j_batches[r] <= s) continue;
-            int64_t idx[8];
-            for (int i = 0; i < j_size[r]; i++) idx[i] = j_first(r, s) + i;
-            tdm_data_gather(data, idx, j_size[r], x, y);
-            const float *logits;
-            double ls;
-            cr_assert_eq(tdm_model_forward(m, x, j_size[r], &logits), TDM_STATUS_OK);
-            float *dl = tdm_model_loss_grad(m);
-            cr_assert_eq(tdm_model_loss(m, logits, y, j_size[r],
-                                        1.0f / ((float)j_size[r] * (float)active), &ls, dl),
-                         TDM_STATUS_OK);
-            cr_assert_eq(tdm_model_backward(m, dl), TDM_STATUS_OK);
-        }
-        cr_assert_eq(tdm_optim_step(opt), TDM_STATUS_OK);
-    }
-    *n = tdm_model_param_elems(m);
-    memcpy(out, tdm_model_params(m), (size_t)*n * 4);
-    tdm_optim_free(opt);
-    tdm_model_free(m);
-    tdm_device_free(dev);
-}
-
 static void j_check(j_arg a, double tol)
 {
     j_shared *sh = mmap(NULL, sizeof *sh, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS,
@@ -189,7 +142,10 @@ static void j_check(j_arg a, double tol)
     }
     static float ref[J_MAX_ELEMS];
     int64_t n = 0;
-    j_reference(a.cnn, ref, &n);
+    tdm_model_spec spec;
+    j_spec(&spec, a.cnn);
+    cr_assert_eq(tddp_join_reference(&spec, j_data(a.cnn), ref, &n), TDM_STATUS_OK, "%s",
+                 tdm_error_message());
     cr_assert_eq(n, sh->n_elem);
     int64_t at = 0;
     cr_assert(tf_excess(sh->params[0], ref, n, tol, 10 * tol, &at) <= 0,

@@ -24,6 +24,7 @@
 #include "models/model.h"
 #include "models/optim.h"
 #include "models/train.h"
+#include "tests/test_ddp_util.h"
 
 #define TF_MAX_ELEMS (1 << 16)
 #define TF_MAX_STEPS 64
@@ -100,15 +101,7 @@ static inline const tdm_text *tf_text(void)
     static uint8_t bytes[3000];
     static tdm_text t = {.bytes = bytes, .n = sizeof bytes};
     static const char *const w[] = {"alpha ", "beta ", "gamma\n", "delta, ", "eps. "};
-    if (!bytes[0]) {
-        tdm_rng r;
-        tdm_rng_init(&r, 4, TDM_RNG_STREAM_TEST);
-        size_t n = 0;
-        while (n < sizeof bytes) {
-            const char *p = w[tdm_rng_below(&r, 5)];
-            while (*p && n < sizeof bytes) bytes[n++] = (uint8_t)*p++;
-        }
-    }
+    if (!bytes[0]) tddp_word_text(bytes, sizeof bytes, w, 5, 4);
     return &t;
 }
 

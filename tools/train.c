@@ -92,9 +92,10 @@ static void tdm_train_usage(FILE *f)
         "  --sync-bn              ddp: SyncBatchNorm: batchnorm statistics over the\n"
         "                         whole global batch (all ranks), as on one device\n"
         "  --uneven               ddp, fsdp: each rank trains on its own samples (a\n"
-        "                         sampler without padding) in batches of B/N, so\n"
-        "                         ranks may run different step counts; one out of\n"
-        "                         data shadows the others (join) until all are done\n"
+        "                         sampler without padding; gpt: its own windows)\n"
+        "                         in batches of B/N, so ranks may run different\n"
+        "                         step counts; one out of data shadows the others\n"
+        "                         (join) until all are done\n"
         "  --comm-hook H          ddp: allreduce (float32), fp16 or bf16 (rounded to\n"
         "                         16 bits: half the bytes), or powersgd (low-rank,\n"
         "                         error feedback); fsdp: fp16 or bf16 compress the\n"
@@ -191,12 +192,10 @@ static tdm_status tdm_train_check_ddp_next(const tdm_train_args *a, int gpt)
         return tdm_tool_usage_error("tandem train: --comm-hook '%s': expected allreduce, fp16, "
                                     "bf16 or powersgd\n", a->comm_hook);
     int sharded = !strcmp(a->mode, "fsdp");
-    if (a->comm_hook && strcmp(a->comm_hook, "allreduce") &&
-        ((strcmp(a->mode, "ddp") && !sharded) || gpt))
-        return tdm_tool_usage_error("tandem train: --comm-hook %s applies to --mode ddp and fsdp "
-                                    "with an image model (mlp, cnn): DDP's buckets and the "
-                                    "sharded modes' reduce-scatters are what it compresses\n",
-                                    a->comm_hook);
+    if (a->comm_hook && strcmp(a->comm_hook, "allreduce") && strcmp(a->mode, "ddp") && !sharded)
+        return tdm_tool_usage_error("tandem train: --comm-hook %s applies to --mode ddp and fsdp: "
+                                    "DDP's buckets and the sharded modes' reduce-scatters are "
+                                    "what it compresses\n", a->comm_hook);
     if (a->comm_hook && sharded && !strcmp(a->comm_hook, "powersgd")) {
         tdm_fsdp_comm_hook h;
         (void)tdm_fsdp_comm_hook_parse(a->comm_hook, &h);
@@ -210,11 +209,10 @@ static tdm_status tdm_train_check_ddp_next(const tdm_train_args *a, int gpt)
     if (a->sync_bn && strncmp(a->model, "cnn", 3))
         fprintf(stderr, "tandem train: note: --sync-bn changes nothing for --model %s (no "
                         "batchnorm)\n", a->model);
-    if (a->uneven && ((strcmp(a->mode, "ddp") && !sharded) || gpt || a->grad_accum > 1 ||
+    if (a->uneven && ((strcmp(a->mode, "ddp") && !sharded) || a->grad_accum > 1 ||
                       strcmp(a->lr_schedule, "const")))
-        return tdm_tool_usage_error("tandem train: --uneven applies to --mode ddp and fsdp with "
-                                    "an image model, without --grad-accum and with "
-                                    "--lr-schedule const\n");
+        return tdm_tool_usage_error("tandem train: --uneven applies to --mode ddp and fsdp, "
+                                    "without --grad-accum and with --lr-schedule const\n");
     if (gpt && a->grad_accum > 1)
         return tdm_tool_usage_error("tandem train: --grad-accum is not supported with --model "
                                     "gpt yet; raise --batch instead\n");

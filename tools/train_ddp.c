@@ -279,7 +279,7 @@ static tdm_status tdm_train_ddp_rank_run(tdm_train_ddp_rank *r)
     }
     if (r->a.uneven)
         TDM_CHECK(tdm_train_uneven_epochs(&r->a, r->ddp, r->opt, r->comm, c->train, c->test,
-                                          r->start_epoch));
+                                          NULL, c->a->save, r->start_epoch));
     else
         TDM_CHECK(tdm_train_epochs(&r->a, &run));
     if (r->rank == 0) {

@@ -189,7 +189,7 @@ static tdm_status tdm_train_fsdp_u_zero(void *ctx)
     return tdm_fsdp_zero_grad(((tdm_train_fsdp_rank *)ctx)->f);
 }
 
-static tdm_status tdm_train_fsdp_u_forward(void *ctx, const float *x, const int32_t *y, int n,
+static tdm_status tdm_train_fsdp_u_forward(void *ctx, const void *x, const int32_t *y, int n,
                                            double *loss_mean)
 {
     return tdm_fsdp_forward(((tdm_train_fsdp_rank *)ctx)->f, x, y, n, loss_mean);

@@ -135,15 +135,29 @@ tdm_status tdm_train_epochs(const tdm_train_args *a, const tdm_train_run *r);
 
 typedef struct tdm_ddp tdm_ddp;
 typedef struct tdm_comm tdm_comm;
+/* --uneven with --model gpt: the epoch's windows instead of a training
+ * set's samples (tools/train_uneven.c says which), and the validation
+ * loss in place of the test set's. */
+typedef struct tdm_train_uneven_text {
+    const tdm_text *train;
+    int T;                        /* the context: bytes per window */
+    double bigram;                /* printed beside the validation loss */
+    tdm_train_eval_fn eval;       /* collective: every rank, after each epoch */
+    void *eval_ctx;
+} tdm_train_uneven_text;
+
 /* --uneven: one rank's epochs over its own samples, with join
  * (tools/train_uneven.c): the mode's calls, on ctx. save (may be NULL)
- * runs after each epoch, collectively. */
+ * runs after each epoch, collectively. text: NULL for the image models
+ * (then evaluate runs on the test set), else a gpt's windows. */
 typedef struct tdm_train_uneven_ops {
     void *ctx;
     tdm_model *m;
+    const tdm_train_uneven_text *text;
     tdm_status (*zero_grad)(void *ctx);
-    /* the mean over the ranks with data (opts.join's tdm_*_forward) */
-    tdm_status (*forward)(void *ctx, const float *x, const int32_t *y, int n, double *loss_mean);
+    /* the mean over the ranks with data (opts.join's tdm_*_forward); x:
+     * floats (images) or int32 tokens (text) */
+    tdm_status (*forward)(void *ctx, const void *x, const int32_t *y, int n, double *loss_mean);
     tdm_status (*backward_step)(void *ctx);   /* backward and the optimizer step */
     tdm_status (*join)(void *ctx, int64_t *shadowed);
     tdm_status (*evaluate)(void *ctx, const tdm_dataset *test, double *loss_mean,
@@ -154,10 +168,14 @@ tdm_status tdm_train_uneven_run(const tdm_train_args *a, const tdm_train_uneven_
                                 tdm_comm *comm, const tdm_dataset *train,
                                 const tdm_dataset *test, int64_t start_epoch);
 /* --mode ddp --uneven: tdm_train_uneven_run with DDP's calls; ddp built
- * with opts.join. Says what failed. */
+ * with opts.join. save: the job's --save (NULL: none), the same on every
+ * rank (every rank takes part in tdm_ddp_checkpoint_save; rank 0
+ * writes). text: NULL for images (train, test), else a gpt's (train and
+ * test unused). Says what failed. */
 tdm_status tdm_train_uneven_epochs(const tdm_train_args *a, tdm_ddp *ddp, tdm_optim *opt,
                                    tdm_comm *comm, const tdm_dataset *train,
-                                   const tdm_dataset *test, int64_t start_epoch);
+                                   const tdm_dataset *test, const tdm_train_uneven_text *text,
+                                   const char *save, int64_t start_epoch);
 
 tdm_status tdm_train_run_single(const tdm_train_args *a);
 /* --model gpt: a language model on text, in every mode (tools/train_text.c). */

@@ -11,7 +11,10 @@
  * draws its share, windows [r*B/W, (r+1)*B/W) (tdm_ddp_share), itself (no
  * rank reads another's), with its loss gradient scaled by 1/B so the
  * summed gradients are the global batch's; evaluation is spread over the
- * ranks likewise. The epochs are tools/train_loop.c's, as for images.
+ * ranks likewise. The epochs are tools/train_loop.c's, as for images;
+ * with --uneven (DDP, FSDP) tools/train_uneven.c's, each rank drawing its
+ * own windows and joining when it runs out. --comm-hook compresses DDP's
+ * buckets or FSDP's reduce-scatters as for images.
  * Checkpoints hold the model (and optimizer); `tandem sample` reads them. */
 #include <fcntl.h>
 #include <stdio.h>
@@ -343,6 +346,32 @@ static tdm_status tdm_text_fsdp_after(void *ctx, int64_t epoch)
     return st;
 }
 
+/* --uneven (tools/train_uneven.c): FSDP's calls, as tools/train_fsdp.c's
+ * for the image models */
+static tdm_status tdm_text_fsdp_u_zero(void *ctx)
+{
+    return tdm_fsdp_zero_grad(((tdm_text_proc *)ctx)->f);
+}
+
+static tdm_status tdm_text_fsdp_u_forward(void *ctx, const void *x, const int32_t *y, int n,
+                                          double *loss_mean)
+{
+    return tdm_fsdp_forward(((tdm_text_proc *)ctx)->f, x, y, n, loss_mean);
+}
+
+static tdm_status tdm_text_fsdp_u_backward_step(void *ctx)
+{
+    tdm_text_proc *p = ctx;
+    TDM_CHECK(tdm_fsdp_backward(p->f));
+    return tdm_fsdp_step(p->f, p->opt);
+}
+
+static tdm_status tdm_text_fsdp_u_join(void *ctx, int64_t *shadowed)
+{
+    tdm_text_proc *p = ctx;
+    return tdm_fsdp_join(p->f, p->opt, shadowed);
+}
+
 static tdm_status tdm_text_fsdp_setup(tdm_text_proc *p, const tdm_train_args *a,
                                       tdm_device *dev, tdm_comm **nccl)
 {
@@ -350,7 +379,10 @@ static tdm_status tdm_text_fsdp_setup(tdm_text_proc *p, const tdm_train_args *a,
     if ((st = tdm_tool_rank_nccl(p->comm, dev, nccl)))
         return tdm_text_fail(p->rank, "NCCL set-up", st);
     tdm_fsdp_opts o = {.sharding = p->j->sharding, .no_overlap = a->no_overlap,
-                       .host_comm = *nccl ? p->comm : NULL};
+                       .join = a->uneven, .host_comm = *nccl ? p->comm : NULL};
+    /* checked by tandem train's argument checks: fp16 or bf16 */
+    if (a->comm_hook && (st = tdm_fsdp_comm_hook_parse(a->comm_hook, &o.comm_hook)))
+        return tdm_text_fail(p->rank, "--comm-hook", st);
     if ((st = tdm_fsdp_init(&p->f, p->m, *nccl ? *nccl : p->comm, &o)))
         return tdm_text_fail(p->rank, "fsdp set-up", st);
     return tdm_train_fsdp_optim_resume(a, p->f, p->rank, &p->opt, &p->start_epoch);
@@ -369,9 +401,17 @@ static tdm_status tdm_text_rank_setup(tdm_text_proc *p, const tdm_train_args *a,
         return tdm_text_fail(p->rank, "building model", st);
     if (j->fsdp) return tdm_text_fsdp_setup(p, a, *dev, nccl);
     tdm_ddp_opts o = {.bucket_cap_mb = a->bucket_cap_mb > 0 ? (double)a->bucket_cap_mb : 0,
-                      .no_overlap = a->no_overlap};
+                      .no_overlap = a->no_overlap, .join = a->uneven};
     if ((st = tdm_tool_rank_ddp(p->comm, *dev, p->m, &o, nccl, &p->ddp)))
         return tdm_text_fail(p->rank, "ddp set-up", st);
+    if (a->comm_hook) {
+        /* as the image models' (tools/train_ddp.c) */
+        tdm_ddp_powersgd_opts po = {.rank = (int)a->powersgd_rank,
+                                    .start_step = a->powersgd_start_step,
+                                    .seed = (uint64_t)a->seed};
+        if ((st = tdm_ddp_set_comm_hook(p->ddp, a->comm_hook, &po)))
+            return tdm_text_fail(p->rank, "--comm-hook", st);
+    }
     TDM_CHECK(tdm_train_make_optim(a, p->m, &p->opt));
     if (!a->resume) return TDM_STATUS_OK;
     tdm_ckpt_info info;
@@ -412,9 +452,36 @@ static tdm_status tdm_text_rank_run(tdm_text_proc *p, const tdm_train_args *a, t
     r.eval_ctx = p;
     r.after = p->f ? tdm_text_fsdp_after : tdm_text_ddp_after;
     r.after_ctx = p;
-    TDM_CHECK(tdm_train_epochs(a, &r));
-    if (p->rank == 0 && p->f) tdm_train_fsdp_report(p->f, p->opt, p->world);
-    else if (p->rank == 0) tdm_tool_print_ddp_times(p->ddp, p->world, 0);
+    tdm_train_uneven_text ut = {.train = r.text, .T = r.T, .bigram = r.bigram,
+                                .eval = r.eval, .eval_ctx = p};
+    if (a->uneven && p->f) {
+        /* each rank its own windows, join (tools/train_uneven.c); every
+         * rank saves together after each epoch, as without --uneven */
+        tdm_train_uneven_ops uo = {.ctx = p, .m = p->m, .text = &ut,
+                                   .zero_grad = tdm_text_fsdp_u_zero,
+                                   .forward = tdm_text_fsdp_u_forward,
+                                   .backward_step = tdm_text_fsdp_u_backward_step,
+                                   .join = tdm_text_fsdp_u_join, .save = tdm_text_fsdp_after};
+        TDM_CHECK(tdm_train_uneven_run(a, &uo, p->comm, NULL, NULL, p->start_epoch));
+    } else if (a->uneven) {
+        /* every rank takes part in the save, rank 0 writes */
+        TDM_CHECK(tdm_train_uneven_epochs(a, p->ddp, p->opt, p->comm, NULL, NULL, &ut,
+                                          p->j->a->save, p->start_epoch));
+    } else {
+        TDM_CHECK(tdm_train_epochs(a, &r));
+    }
+    if (p->rank == 0 && p->f) {
+        tdm_train_fsdp_report(p->f, p->opt, p->world);
+    } else if (p->rank == 0) {
+        tdm_tool_print_ddp_times(p->ddp, p->world, 0);
+        tdm_ddp_times t;
+        tdm_ddp_get_times(p->ddp, &t);
+        if (t.steps > 0)
+            printf("ddp comm hook %s: %.0f bytes all-reduced per step (float32 gradients: "
+                   "%.0f)\n", tdm_ddp_comm_hook_name(p->ddp),
+                   t.reduced_bytes_total / (double)t.steps,
+                   (double)tdm_model_param_elems(p->m) * 4.0);
+    }
     return TDM_STATUS_OK;
 }
 

@@ -10,7 +10,9 @@
  * (tools/train_ddp.c, tools/train_fsdp.c), which equals single-device
  * training exactly. The loop is the same for both modes (tdm_train_uneven_run
  * with the mode's calls); DDP's calls are here, FSDP's in
- * tools/train_fsdp.c. */
+ * tools/train_fsdp.c. --model gpt --mode ddp runs it too
+ * (tools/train_text.c): its items are the windows of the epoch that the
+ * default mode draws, ceil(bytes / T) of them, window k to rank k mod N. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -19,7 +21,53 @@
 #include "core/comm.h"
 #include "core/timer.h"
 #include "ddp/ddp.h"
+#include "models/train_text.h"
 #include "tools/train_modes.h"
+
+/* The epoch's items: the training set's samples, or a gpt's windows: as
+ * many as the training text holds bytes (ceil(n / T)), the ones the
+ * default mode draws in order (window k is window k mod B of the epoch's
+ * global step k / B, tdm_text_windows), so that its windows, too, are
+ * the same stream split another way. */
+static int64_t tdm_uneven_items(const tdm_train_uneven_ops *ops, const tdm_dataset *train)
+{
+    if (!ops->text) return train->n;
+    return (ops->text->train->n + ops->text->T - 1) / ops->text->T;
+}
+
+/* Items idx[0..n) of epoch e into x, y. */
+static void tdm_uneven_gather(const tdm_train_args *a, const tdm_train_uneven_ops *ops,
+                              const tdm_dataset *train, int64_t e, const int64_t *idx, int n,
+                              void *x, int32_t *y)
+{
+    const tdm_train_uneven_text *t = ops->text;
+    if (!t) {
+        tdm_data_gather(train, idx, n, x, y);
+        return;
+    }
+    int64_t B = a->batch, full = tdm_train_text_steps_per_epoch(t->train, t->T, (int)B);
+    for (int i = 0; i < n; i++)
+        tdm_text_windows(t->train, t->T, (uint64_t)a->seed, e * full + idx[i] / B, idx[i] % B,
+                         1, (int32_t *)x + (int64_t)i * t->T, y + (int64_t)i * t->T);
+}
+
+static void tdm_uneven_print_epoch(const tdm_train_args *a, const tdm_train_uneven_ops *ops,
+                                   int64_t e, const double *sums, double secs, double tl,
+                                   double acc)
+{
+    double sps = secs > 0 ? sums[1] / secs : 0.0, lm = sums[1] > 0 ? sums[0] / sums[1] : 0.0;
+    if (ops->text) {
+        printf("epoch %lld/%lld: train loss %.4f, %.0f windows/s = %.0f tokens/s (%.1f s)",
+               (long long)e + 1, (long long)a->epochs, lm, sps, sps * ops->text->T, secs);
+        if (!a->no_eval)
+            printf(", val loss %.4f nats = %.3f bits per byte (bigram %.4f)", tl, tl / M_LN2,
+                   ops->text->bigram);
+        return;
+    }
+    printf("epoch %lld/%lld: train loss %.4f, %.0f samples/s (%.1f s)", (long long)e + 1,
+           (long long)a->epochs, lm, sps, secs);
+    if (!a->no_eval) printf(", test loss %.4f, test accuracy %.4f", tl, acc);
+}
 
 tdm_status tdm_train_uneven_run(const tdm_train_args *a, const tdm_train_uneven_ops *ops,
                                 tdm_comm *comm, const tdm_dataset *train,
@@ -29,24 +77,28 @@ tdm_status tdm_train_uneven_run(const tdm_train_args *a, const tdm_train_uneven_
     void *ctx = ops->ctx;
     int rank = tdm_comm_rank(comm), world = tdm_comm_size(comm);
     int b = (int)(a->batch / world > 0 ? a->batch / world : 1);
-    int64_t feat = tdm_data_features(train);
-    int64_t *perm = malloc((size_t)train->n * sizeof *perm);
+    /* per item: x's 4-byte values (floats or tokens) and y's labels */
+    int64_t feat = ops->text ? ops->text->T : tdm_data_features(train);
+    int64_t ys = ops->text ? ops->text->T : 1;
+    int64_t items = tdm_uneven_items(ops, train);
+    int64_t *perm = ops->text ? NULL : malloc((size_t)items * sizeof *perm);
     int64_t *idx = malloc((size_t)b * sizeof *idx);
-    float *x = malloc((size_t)b * (size_t)feat * sizeof *x);
-    int32_t *y = malloc((size_t)b * sizeof *y);
+    void *x = malloc((size_t)b * (size_t)feat * 4);
+    int32_t *y = malloc((size_t)b * (size_t)ys * sizeof *y);
     int64_t *counts = calloc((size_t)world * 2, sizeof *counts);
     tdm_status st = TDM_STATUS_OK;
-    if (!perm || !idx || !x || !y || !counts) {
+    if ((!perm && !ops->text) || !idx || !x || !y || !counts) {
         st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "rank %d: --uneven: batches of %d", rank,
                            b);
         goto fail;
     }
     if (rank == 0)
-        printf("  uneven inputs: each rank takes its own samples (no padding) in batches of "
-               "%d; a rank out of data shadows the others (join)\n", b);
+        printf("  uneven inputs: each rank takes its own %s (no padding) in batches of "
+               "%d; a rank out of data shadows the others (join)\n",
+               ops->text ? "windows" : "samples", b);
     for (int64_t e = start_epoch; e < a->epochs; e++) {
-        tdm_train_epoch_order(perm, train->n, (uint64_t)a->seed, e);
-        int64_t mine = train->n > rank ? (train->n - rank + world - 1) / world : 0;
+        if (perm) tdm_train_epoch_order(perm, items, (uint64_t)a->seed, e);
+        int64_t mine = items > rank ? (items - rank + world - 1) / world : 0;
         int64_t steps = (mine + b - 1) / b;
         if (a->max_steps > 0 && steps > a->max_steps) steps = a->max_steps;
         double sums[2] = {0.0, 0.0};   /* loss sum, samples */
@@ -54,8 +106,11 @@ tdm_status tdm_train_uneven_run(const tdm_train_args *a, const tdm_train_uneven_
         tdm_model_set_train(m, 1);
         for (int64_t s = 0; s < steps; s++) {
             int n = (int)(mine - s * b < b ? mine - s * b : b);
-            for (int i = 0; i < n; i++) idx[i] = perm[rank + (s * b + i) * world];
-            tdm_data_gather(train, idx, n, x, y);
+            for (int i = 0; i < n; i++) {
+                int64_t k = rank + (s * b + i) * world;
+                idx[i] = perm ? perm[k] : k;
+            }
+            tdm_uneven_gather(a, ops, train, e, idx, n, x, y);
             double lm = 0.0;
             if ((st = ops->zero_grad(ctx)) || (st = ops->forward(ctx, x, y, n, &lm))) goto fail;
             if (!isfinite(lm)) {
@@ -77,11 +132,12 @@ tdm_status tdm_train_uneven_run(const tdm_train_args *a, const tdm_train_uneven_
             (st = tdm_comm_all_gather(comm, own, counts, 2, TDM_DTYPE_INT64)))
             goto fail;
         double tl = NAN, acc = NAN;
-        if (!a->no_eval && (st = ops->evaluate(ctx, test, &tl, &acc))) goto fail;
-        printf("epoch %lld/%lld: train loss %.4f, %.0f samples/s (%.1f s)", (long long)e + 1,
-               (long long)a->epochs, sums[1] > 0 ? sums[0] / sums[1] : 0.0,
-               secs > 0 ? sums[1] / secs : 0.0, secs);
-        if (!a->no_eval) printf(", test loss %.4f, test accuracy %.4f", tl, acc);
+        if (!a->no_eval) {
+            st = ops->text ? ops->text->eval(ops->text->eval_ctx, &tl, &acc)
+                           : ops->evaluate(ctx, test, &tl, &acc);
+            if (st) goto fail;
+        }
+        tdm_uneven_print_epoch(a, ops, e, sums, secs, tl, acc);
         printf("\n  steps per rank:");
         for (int r = 0; r < world; r++) printf(" %lld", (long long)counts[2 * r]);
         printf(" (shadowed after joining:");
@@ -111,11 +167,12 @@ typedef struct tdm_uneven_ddp {
     const tdm_train_args *a;
     tdm_ddp *ddp;
     tdm_optim *opt;
+    const char *save;   /* the job's --save, on every rank */
 } tdm_uneven_ddp;
 
 static tdm_status tdm_uneven_ddp_zero(void *ctx) { return tdm_ddp_zero_grad(((tdm_uneven_ddp *)ctx)->ddp); }
 
-static tdm_status tdm_uneven_ddp_forward(void *ctx, const float *x, const int32_t *y, int n,
+static tdm_status tdm_uneven_ddp_forward(void *ctx, const void *x, const int32_t *y, int n,
                                          double *loss_mean)
 {
     return tdm_ddp_forward(((tdm_uneven_ddp *)ctx)->ddp, x, y, n, loss_mean);
@@ -143,18 +200,27 @@ static tdm_status tdm_uneven_ddp_eval(void *ctx, const tdm_dataset *test, double
 static tdm_status tdm_uneven_ddp_save(void *ctx, int64_t epoch)
 {
     tdm_uneven_ddp *u = ctx;
-    if (!u->a->save) return TDM_STATUS_OK;
+    /* collective: the ranks that print nothing have no a->save, but they
+     * take part (it failed with a collective mismatch: rank 0 in the save's
+     * broadcast, the others in the end-of-epoch barrier) */
+    if (!u->save) return TDM_STATUS_OK;
     tdm_ckpt_info info = {.step = tdm_optim_steps(u->opt), .epoch = epoch + 1,
                           .seed = (uint64_t)u->a->seed};
-    return tdm_ddp_checkpoint_save(u->ddp, u->a->save, u->opt, &info);
+    TDM_CHECK(tdm_ddp_checkpoint_save(u->ddp, u->save, u->opt, &info));
+    if (u->a->save && !u->a->quiet)
+        printf("  saved %s (epoch %lld, step %lld)\n", u->save, (long long)epoch + 1,
+               (long long)info.step);
+    return TDM_STATUS_OK;
 }
 
 tdm_status tdm_train_uneven_epochs(const tdm_train_args *a, tdm_ddp *ddp, tdm_optim *opt,
                                    tdm_comm *comm, const tdm_dataset *train,
-                                   const tdm_dataset *test, int64_t start_epoch)
+                                   const tdm_dataset *test, const tdm_train_uneven_text *text,
+                                   const char *save, int64_t start_epoch)
 {
-    tdm_uneven_ddp u = {.a = a, .ddp = ddp, .opt = opt};
-    tdm_train_uneven_ops ops = {.ctx = &u, .m = tdm_ddp_model(ddp), .zero_grad = tdm_uneven_ddp_zero,
+    tdm_uneven_ddp u = {.a = a, .ddp = ddp, .opt = opt, .save = save};
+    tdm_train_uneven_ops ops = {.ctx = &u, .m = tdm_ddp_model(ddp), .text = text,
+                                .zero_grad = tdm_uneven_ddp_zero,
                                 .forward = tdm_uneven_ddp_forward,
                                 .backward_step = tdm_uneven_ddp_backward_step,
                                 .join = tdm_uneven_ddp_join, .evaluate = tdm_uneven_ddp_eval,
