@@ -23,15 +23,9 @@
 
 /* The spawn deadlines and collective timeouts of the matrix and large
  * message tests bound a hang, they time nothing: stretched by
- * TANDEM_TEST_TIMEOUT_SCALE (make asan sets 4, make tsan 10), because 8
- * sanitized ranks on 2 cores take several times longer than the plain
- * build; a real hang still ends, only later. */
-static int scaled_ms(int ms)
-{
-    const char *e = getenv("TANDEM_TEST_TIMEOUT_SCALE");
-    int k = e ? atoi(e) : 1;
-    return ms * (k > 1 && k <= 20 ? k : 1);
-}
+ * TANDEM_TEST_TIMEOUT_SCALE (tests/timeout_util.h), because 8 sanitized
+ * ranks on 2 cores take several times longer than the plain build. */
+#include "tests/timeout_util.h"
 #include "tests/shm_test_util.h"
 
 #define SMALL_SLOT (16 * 1024)
@@ -96,8 +90,8 @@ static void run_matrix(tdm_coll coll, int all_ops, int max_world)
     for (int w = 1; w <= max_world; w++) {
         tdm_shm_spawn_opts o = {.shm = {.slot_bytes = SMALL_SLOT,
                                         .one_shot_max_bytes = SMALL_ONE_SHOT,
-                                        .timeout_ms = scaled_ms(20000)},
-                                .timeout_ms = scaled_ms(40000)};
+                                        .timeout_ms = tu_scaled_ms(20000)},
+                                .timeout_ms = tu_scaled_ms(40000)};
         tdm_status st = tdm_shm_spawn(w, matrix_rank, &m, &o, NULL);
         cr_assert_eq(st, TDM_STATUS_OK, "%s with %d ranks: %s", tdm_coll_name(coll), w,
                      tdm_error_message());
@@ -137,7 +131,7 @@ static int large_rank(tdm_comm *comm, void *arg)
 Test(shm_comm, large_messages, .timeout = 240)
 {
     for (int w = 2; w <= 3; w++) {
-        tdm_shm_spawn_opts o = {.timeout_ms = scaled_ms(50000)};
+        tdm_shm_spawn_opts o = {.timeout_ms = tu_scaled_ms(50000)};
         tdm_status st = tdm_shm_spawn(w, large_rank, NULL, &o, NULL);
         cr_assert_eq(st, TDM_STATUS_OK, "%d ranks: %s", w, tdm_error_message());
     }
