@@ -10,11 +10,13 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "core/comm.h"
 #include "core/json.h"
 #include "shm/spawn.h"
+#include "tests/timeout_util.h"
 
 typedef enum fr_t_fault {
     FR_T_NONE = 0,
@@ -23,7 +25,11 @@ typedef enum fr_t_fault {
     FR_T_COUNT,     /* it reduces one element more */
     FR_T_STOP,      /* it stops (SIGSTOP) before bucket 1 */
     FR_T_KILL,      /* it dies (SIGKILL) before bucket 1 */
+    FR_T_PAUSE,     /* no fault: it is stopped for FR_T_PAUSE_MS before bucket 1,
+                       as a loaded machine may leave a healthy rank unscheduled */
 } fr_t_fault;
+
+#define FR_T_PAUSE_MS 700
 
 #define FR_T_BUCKETS 3
 static const size_t fr_t_count[FR_T_BUCKETS] = {64, 48, 32};
@@ -32,6 +38,21 @@ typedef struct fr_t_job {
     int steps, fault_step, fault_rank;
     fr_t_fault fault;
 } fr_t_job;
+
+/* Stops this process for ms, then a child it forked first resumes it. */
+static inline void fr_t_pause(int ms)
+{
+    pid_t me = getpid(), c = fork();
+    if (c == 0) {
+        usleep((useconds_t)ms * 1000);
+        kill(me, SIGCONT);
+        _exit(0);
+    }
+    if (c > 0) {
+        raise(SIGSTOP);
+        waitpid(c, NULL, 0);
+    }
+}
 
 /* Each step: bucket 0 asynchronously (as DDP overlaps it), buckets 1 and
  * 2 synchronously, then the step is counted. */
@@ -48,6 +69,7 @@ static inline int fr_t_rank(tdm_comm *comm, void *arg)
                 if (j->fault == FR_T_SKIP) continue;
                 if (j->fault == FR_T_STOP) raise(SIGSTOP);
                 if (j->fault == FR_T_KILL) raise(SIGKILL);
+                if (j->fault == FR_T_PAUSE) fr_t_pause(FR_T_PAUSE_MS);
                 if (j->fault == FR_T_COUNT) n++;
             }
             tdm_comm_set_label(comm, "ddp bucket %d", b);
@@ -90,7 +112,9 @@ static inline void fr_t_rm_dir(const char *dir)
 static inline tdm_status fr_t_run(int W, const fr_t_job *j)
 {
     tdm_shm_spawn_opts so = {.timeout_ms = 60000, .grace_ms = 1000};
-    so.shm.stall_ms = 500;          /* SIGSTOP named quickly */
+    /* SIGSTOP named within seconds; a healthy rank left unscheduled for
+     * FR_T_PAUSE_MS (a loaded machine) is not: 500 ms named it */
+    so.shm.stall_ms = tu_scaled_ms(1500);
     so.shm.timeout_ms = 30000;
     return tdm_shm_spawn(W, fr_t_rank, (void *)j, &so, NULL);
 }
