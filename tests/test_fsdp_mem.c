@@ -14,6 +14,7 @@
 
 #include "core/timer.h"
 #include "tests/test_fsdp_util.h"
+#include "tests/timeout_util.h"
 
 static tdm_dataset g_data;
 /* 64-256-256-256-10: units of 16.6 K, 65.8 K, 65.8 K and 2.6 K elements */
@@ -448,7 +449,9 @@ static int timeout_rank(tdm_comm *comm, void *arg)
     TDM_TRY(tdm_model_init(&m, dev, &spec, 5));
     tdm_fsdp_opts o = {.sharding = TDM_FSDP_FULL_SHARD, .timeout_ms = rank == 0 ? 200 : 20000};
     TDM_TRY(tdm_fsdp_init(&f, m, comm, &o));
-    if (rank == 1) usleep(1500 * 1000);   /* past rank 0's bound */
+    /* past rank 0's bound, however late a loaded machine lets rank 0 reach
+     * the gather after the init's broadcast */
+    if (rank == 1) usleep((useconds_t)tu_scaled_ms(1500) * 1000);
     TDM_TRY(tdm_fsdp_forward(f, x, y, 2, NULL));
 fail:
     g_to->status[rank] = st;
