@@ -183,11 +183,20 @@ typedef struct {
     atomic_int calling;   /* rank 0 is about to call the all_reduce */
 } fr_hung_shared;
 
-/* Polls every 10 ms until *flag or path exists; 0 on time out. */
-static int fr_wait_for(atomic_int *flag, const char *path, int ms)
+/* Poll every 10 ms until *flag is set / path exists; 0 on time out. */
+static int fr_wait_flag(atomic_int *flag, int ms)
 {
     for (int t = 0; t < ms; t += 10) {
-        if (flag ? atomic_load(flag) != 0 : access(path, F_OK) == 0) return 1;
+        if (atomic_load(flag)) return 1;
+        usleep(10 * 1000);
+    }
+    return 0;
+}
+
+static int fr_wait_file(const char *path, int ms)
+{
+    for (int t = 0; t < ms; t += 10) {
+        if (access(path, F_OK) == 0) return 1;
         usleep(10 * 1000);
     }
     return 0;
@@ -203,11 +212,11 @@ static int fr_hung_rank(tdm_comm *comm, void *arg)
     if (tdm_comm_rank(comm) == 1) {
         char path[512];
         snprintf(path, sizeof path, "%s/fr_rank_0.json", getenv("TANDEM_FR_DUMP"));
-        if (!fr_wait_for(&sh->calling, NULL, tu_scaled_ms(20000))) return 2;
+        if (!fr_wait_flag(&sh->calling, tu_scaled_ms(20000))) return 2;
         /* the call is recorded within microseconds of its start */
         usleep((useconds_t)tu_scaled_ms(200) * 1000);
         kill(pids[0], SIGUSR1);
-        if (!fr_wait_for(NULL, path, tu_scaled_ms(20000))) return 3;
+        if (!fr_wait_file(path, tu_scaled_ms(20000))) return 3;
     } else {
         atomic_store(&sh->calling, 1);
     }
