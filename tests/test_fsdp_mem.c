@@ -467,7 +467,10 @@ Test(fsdp_mem, a_gather_past_timeout_ms_fails_the_forward_and_free_waits_for_it)
     g_to = mmap(NULL, sizeof *g_to, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
     cr_assert(g_to != MAP_FAILED);
     memset(g_to, 0, sizeof *g_to);
-    tdm_ddp_spawn_opts so = {.timeout_ms = 60000, .comm_timeout_ms = 20000};
+    /* the grace after rank 0's failure outlasts rank 1's sleep: rank 1
+     * must fail on its own, not be stopped by the teardown while asleep */
+    tdm_ddp_spawn_opts so = {.timeout_ms = 60000, .comm_timeout_ms = 20000,
+                             .grace_ms = tu_scaled_ms(1500) + 10000};
     (void)tdm_ddp_spawn(2, timeout_rank, NULL, &so, NULL);
     cr_assert_eq(g_to->status[0], TDM_STATUS_TIMEOUT, "rank 0: %d: %s", g_to->status[0],
                  g_to->err[0]);
