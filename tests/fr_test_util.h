@@ -30,6 +30,7 @@ typedef enum fr_t_fault {
 } fr_t_fault;
 
 #define FR_T_PAUSE_MS 700
+#define FR_T_SLOW_MS 1500
 
 #define FR_T_BUCKETS 3
 static const size_t fr_t_count[FR_T_BUCKETS] = {64, 48, 32};
@@ -37,6 +38,10 @@ static const size_t fr_t_count[FR_T_BUCKETS] = {64, 48, 32};
 typedef struct fr_t_job {
     int steps, fault_step, fault_rank;
     fr_t_fault fault;
+    /* > 0: this healthy rank is stopped for FR_T_SLOW_MS where the fault
+     * strikes (as a loaded machine may leave a survivor unscheduled just
+     * when it should notice the failure and dump); 0: none */
+    int slow_rank;
 } fr_t_job;
 
 /* Stops this process for ms, then a child it forked first resumes it. */
@@ -65,6 +70,8 @@ static inline int fr_t_rank(tdm_comm *comm, void *arg)
         int faulty = me == j->fault_rank && s == j->fault_step;
         for (int b = 0; b < FR_T_BUCKETS; b++) {
             size_t n = fr_t_count[b];
+            if (j->slow_rank > 0 && me == j->slow_rank && s == j->fault_step && b == 1)
+                fr_t_pause(FR_T_SLOW_MS);
             if (faulty && b == 1) {
                 if (j->fault == FR_T_SKIP) continue;
                 if (j->fault == FR_T_STOP) raise(SIGSTOP);
@@ -111,7 +118,11 @@ static inline void fr_t_rm_dir(const char *dir)
 /* Runs the job in W ranks; returns the spawn's status. */
 static inline tdm_status fr_t_run(int W, const fr_t_job *j)
 {
-    tdm_shm_spawn_opts so = {.timeout_ms = 60000, .grace_ms = 1000};
+    /* After the first failure the survivors must see it and dump before
+     * the teardown stops them: a grace of 1 s cut off a survivor that a
+     * loaded machine left unscheduled (.slow_rank), whose dump the doctor
+     * then missed; it costs only where a rank is stopped for good. */
+    tdm_shm_spawn_opts so = {.timeout_ms = 60000, .grace_ms = tu_scaled_ms(3000)};
     /* SIGSTOP named within seconds; a healthy rank left unscheduled for
      * FR_T_PAUSE_MS (a loaded machine) is not: 500 ms named it */
     so.shm.stall_ms = tu_scaled_ms(1500);

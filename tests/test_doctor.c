@@ -17,7 +17,10 @@ static void doctor_case(fr_t_fault fault, int expect_ok, int code, const char *c
     char dir[64];
     fr_t_dump_dir(dir, sizeof dir);
     setenv("TANDEM_FR_DUMP_ON", "failure", 1);
-    fr_t_job j = {.steps = 4, .fault_step = 2, .fault_rank = 1, .fault = fault};
+    /* rank 2 is slow where rank 1 dies: it must still see the death and
+     * dump before the job's teardown stops it */
+    fr_t_job j = {.steps = 4, .fault_step = 2, .fault_rank = 1, .fault = fault,
+                  .slow_rank = fault == FR_T_KILL ? 2 : 0};
     tdm_status st = fr_t_run(3, &j);
     if (expect_ok) cr_assert_eq(st, TDM_STATUS_OK, "%s", tdm_error_message());
     else cr_assert_neq(st, TDM_STATUS_OK, "the fault went unnoticed");
