@@ -197,8 +197,11 @@ Test(shm_live, stopped_rank_is_named_by_its_heartbeat, .timeout = 60)
 {
     /* a 40 s deadline: a "timed out" answer would come far too late for
      * the test's bound, and says the wrong thing */
+    /* the grace: both survivors must see the stop and exit 42 on their own
+     * before the teardown signals them (1 s could cut one off, as in
+     * tests/fr_test_util.h) */
     tdm_shm_spawn_opts o = {.shm = {.timeout_ms = 40000, .stall_ms = tu_scaled_ms(2000)},
-                            .timeout_ms = 45000, .grace_ms = 1000};
+                            .timeout_ms = 45000, .grace_ms = tu_scaled_ms(3000)};
     tdm_shm_spawn_result res;
     tdm_status st = tdm_shm_spawn(3, stopped_rank, NULL, &o, &res);
     cr_expect_eq(st, TDM_STATUS_PEER_FAILED, "%s", tdm_error_message());
