@@ -10,11 +10,13 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "core/comm.h"
 #include "core/json.h"
 #include "shm/spawn.h"
+#include "tests/timeout_util.h"
 
 typedef enum fr_t_fault {
     FR_T_NONE = 0,
@@ -23,7 +25,12 @@ typedef enum fr_t_fault {
     FR_T_COUNT,     /* it reduces one element more */
     FR_T_STOP,      /* it stops (SIGSTOP) before bucket 1 */
     FR_T_KILL,      /* it dies (SIGKILL) before bucket 1 */
+    FR_T_PAUSE,     /* no fault: it is stopped for FR_T_PAUSE_MS before bucket 1,
+                       as a loaded machine may leave a healthy rank unscheduled */
 } fr_t_fault;
+
+#define FR_T_PAUSE_MS 700
+#define FR_T_SLOW_MS 1500
 
 #define FR_T_BUCKETS 3
 static const size_t fr_t_count[FR_T_BUCKETS] = {64, 48, 32};
@@ -31,7 +38,26 @@ static const size_t fr_t_count[FR_T_BUCKETS] = {64, 48, 32};
 typedef struct fr_t_job {
     int steps, fault_step, fault_rank;
     fr_t_fault fault;
+    /* > 0: this healthy rank is stopped for FR_T_SLOW_MS where the fault
+     * strikes (as a loaded machine may leave a survivor unscheduled just
+     * when it should notice the failure and dump); 0: none */
+    int slow_rank;
 } fr_t_job;
+
+/* Stops this process for ms, then a child it forked first resumes it. */
+static inline void fr_t_pause(int ms)
+{
+    pid_t me = getpid(), c = fork();
+    if (c == 0) {
+        usleep((useconds_t)ms * 1000);
+        kill(me, SIGCONT);
+        _exit(0);
+    }
+    if (c > 0) {
+        raise(SIGSTOP);
+        waitpid(c, NULL, 0);
+    }
+}
 
 /* Each step: bucket 0 asynchronously (as DDP overlaps it), buckets 1 and
  * 2 synchronously, then the step is counted. */
@@ -44,10 +70,13 @@ static inline int fr_t_rank(tdm_comm *comm, void *arg)
         int faulty = me == j->fault_rank && s == j->fault_step;
         for (int b = 0; b < FR_T_BUCKETS; b++) {
             size_t n = fr_t_count[b];
+            if (j->slow_rank > 0 && me == j->slow_rank && s == j->fault_step && b == 1)
+                fr_t_pause(FR_T_SLOW_MS);
             if (faulty && b == 1) {
                 if (j->fault == FR_T_SKIP) continue;
                 if (j->fault == FR_T_STOP) raise(SIGSTOP);
                 if (j->fault == FR_T_KILL) raise(SIGKILL);
+                if (j->fault == FR_T_PAUSE) fr_t_pause(FR_T_PAUSE_MS);
                 if (j->fault == FR_T_COUNT) n++;
             }
             tdm_comm_set_label(comm, "ddp bucket %d", b);
@@ -89,8 +118,14 @@ static inline void fr_t_rm_dir(const char *dir)
 /* Runs the job in W ranks; returns the spawn's status. */
 static inline tdm_status fr_t_run(int W, const fr_t_job *j)
 {
-    tdm_shm_spawn_opts so = {.timeout_ms = 60000, .grace_ms = 1000};
-    so.shm.stall_ms = 500;          /* SIGSTOP named quickly */
+    /* After the first failure the survivors must see it and dump before
+     * the teardown stops them: a grace of 1 s cut off a survivor that a
+     * loaded machine left unscheduled (.slow_rank), whose dump the doctor
+     * then missed; it costs only where a rank is stopped for good. */
+    tdm_shm_spawn_opts so = {.timeout_ms = 60000, .grace_ms = tu_scaled_ms(3000)};
+    /* SIGSTOP named within seconds; a healthy rank left unscheduled for
+     * FR_T_PAUSE_MS (a loaded machine) is not: 500 ms named it */
+    so.shm.stall_ms = tu_scaled_ms(1500);
     so.shm.timeout_ms = 30000;
     return tdm_shm_spawn(W, fr_t_rank, (void *)j, &so, NULL);
 }

@@ -12,6 +12,7 @@
 #include "core/timer.h"
 #include "models/checkpoint.h"
 #include "tests/test_ddp_util.h"
+#include "tests/timeout_util.h"
 
 static tdm_dataset g_data;
 static char g_dir[64];
@@ -169,7 +170,7 @@ Test(ddp_fail, sigkill_names_rank_checkpoint_intact_and_resumes)
         if (r == 2) continue;
         cr_assert_neq(sh->status[r], TDM_STATUS_OK, "rank %d did not fail", r);
         cr_assert(strstr(sh->err[r], "rank 2"), "rank %d: %s", r, sh->err[r]);
-        cr_assert_lt(sh->fail_ms[r] - sh->kill_ms, 5000.0, "rank %d took %.0f ms", r,
+        cr_assert_lt(sh->fail_ms[r] - sh->kill_ms, tu_scaled_ms(5000), "rank %d took %.0f ms", r,
                      sh->fail_ms[r] - sh->kill_ms);
     }
     /* the checkpoint of step 5 loads in single-device mode, bit for bit */
@@ -216,7 +217,7 @@ Test(ddp_fail, stalled_rank_is_named_after_the_deadline)
     fail_shared *sh = shared_new();
     fail_cfg c = {.victim = 1, .stall = 1, .fail_step = 3, .steps = 10};
     uint64_t t0 = tdm_time_ns();
-    tdm_status st = fail_spawn(3, &c, sh, 1500);
+    tdm_status st = fail_spawn(3, &c, sh, tu_scaled_ms(1500));
     double el = tdm_time_ms_since(t0);
     cr_assert_neq(st, TDM_STATUS_OK);
     /* the summary names the late rank, alive (it sleeps), as the others
@@ -227,9 +228,9 @@ Test(ddp_fail, stalled_rank_is_named_after_the_deadline)
         if (r == 1) continue;
         cr_assert_neq(sh->status[r], TDM_STATUS_OK);
         cr_assert(strstr(sh->err[r], "rank 1"), "rank %d: %s", r, sh->err[r]);
-        cr_assert_lt(sh->fail_ms[r] - sh->kill_ms, 6000.0);
+        cr_assert_lt(sh->fail_ms[r] - sh->kill_ms, tu_scaled_ms(6000));
     }
-    cr_assert_lt(el, 20000.0, "took %.0f ms", el);
+    cr_assert_lt(el, tu_scaled_ms(20000), "took %.0f ms", el);
     munmap(sh, sizeof *sh);
 }
 
@@ -240,14 +241,15 @@ Test(ddp_fail, ddp_timeout_bounds_buckets_reduced_after_backward)
 {
     fail_shared *sh = shared_new();
     fail_cfg c = {.victim = 1, .stall = 1, .fail_step = 3, .steps = 10, .no_overlap = 1,
-                  .ddp_timeout_ms = 1000};
+                  .ddp_timeout_ms = tu_scaled_ms(1000)};
     tdm_status st = fail_spawn(3, &c, sh, 60000);
     cr_assert_neq(st, TDM_STATUS_OK);
+    char want[64];
+    snprintf(want, sizeof want, "still running after %d ms", tu_scaled_ms(1000));
     for (int r = 0; r < 3; r += 2) {
         cr_assert_neq(sh->status[r], TDM_STATUS_OK);
-        cr_assert(strstr(sh->err[r], "still running after 1000 ms"), "rank %d: %s", r,
-                  sh->err[r]);
-        cr_assert_lt(sh->fail_ms[r] - sh->kill_ms, 6000.0);
+        cr_assert(strstr(sh->err[r], want), "rank %d: %s", r, sh->err[r]);
+        cr_assert_lt(sh->fail_ms[r] - sh->kill_ms, tu_scaled_ms(6000));
     }
     munmap(sh, sizeof *sh);
 }

@@ -12,6 +12,7 @@
 #include "core/json.h"
 #include "tests/fr_test_util.h"
 #include "tests/test_ddp_util.h"
+#include "tests/timeout_util.h"
 
 /* the plan (tests/test_ddp_util.h, shared with tests/test_fsdp_join.c) */
 #define J_WORLD TDDP_JOIN_WORLD
@@ -154,7 +155,7 @@ Test(ddp_join, join_without_the_option_is_refused_and_nobody_hangs)
     cr_assert(sh != MAP_FAILED);
     memset(sh, 0, sizeof *sh);
     j_arg a = {.sh = sh, .join = 0};
-    tdm_ddp_spawn_opts so = {.timeout_ms = 60000, .comm_timeout_ms = 5000};
+    tdm_ddp_spawn_opts so = {.timeout_ms = 60000, .comm_timeout_ms = tu_scaled_ms(5000)};
     tdm_status st = tdm_ddp_spawn(J_WORLD, j_rank, &a, &so, NULL);
     cr_assert_neq(st, TDM_STATUS_OK);
     cr_assert(strstr(sh->err[0], "opts.join"), "rank 0: %s", sh->err[0]);
@@ -195,7 +196,7 @@ static int jns_rank(tdm_comm *comm, void *arg)
     tdm_model_spec_mlp(&spec, dims, 3);
     TDM_TRY(tdm_device_open(&dev, "cpu", rank, 1));
     TDM_TRY(tdm_model_init(&m, dev, &spec, 5));
-    tdm_ddp_opts o = {.join = 1, .timeout_ms = 5000};
+    tdm_ddp_opts o = {.join = 1, .timeout_ms = tu_scaled_ms(5000)};
     TDM_TRY(tdm_ddp_init(&d, m, comm, &o));
     tdm_optim_opts oo;
     tdm_optim_opts_default(&oo, TDM_OPTIM_SGD);
@@ -230,7 +231,8 @@ Test(ddp_join, joined_rank_shadows_only_the_synchronised_steps_of_no_sync_accumu
                  0);
     cr_assert(g_jns != MAP_FAILED);
     memset(g_jns, 0, sizeof *g_jns);
-    tdm_ddp_spawn_opts so = {.timeout_ms = 60000, .comm_timeout_ms = 10000};
+    tdm_ddp_spawn_opts so = {.timeout_ms = tu_scaled_ms(60000),
+                             .comm_timeout_ms = tu_scaled_ms(10000)};
     tdm_status st = tdm_ddp_spawn(2, jns_rank, NULL, &so, NULL);
     cr_expect_eq(st, TDM_STATUS_OK, "spawn: %s", tdm_error_message());
     cr_expect_eq(g_jns->status[0], 0, "rank 0: %s", g_jns->err[0]);

@@ -4,9 +4,11 @@
  * TANDEM_FR_SIZE refused, and TANDEM_FR_SIZE=0 writing nothing. */
 #include <criterion/criterion.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include "core/comm.h"
@@ -173,19 +175,51 @@ Test(flight, bad_size_is_refused_and_zero_turns_it_off, .timeout = 60)
 }
 
 /* A rank blocked inside a collective (its peer late) is dumped by SIGUSR1
- * there and then: the dump shows the call running, not yet ended. */
+ * there and then: the dump shows the call running, not yet ended. Rank 1
+ * waits for what it needs, not for a fixed time: rank 0 about to call
+ * the all_reduce (then a margin for the call to start), and rank 0's dump
+ * written, before it joins the all_reduce itself. */
+typedef struct {
+    atomic_int calling;   /* rank 0 is about to call the all_reduce */
+} fr_hung_shared;
+
+/* Poll every 10 ms until *flag is set / path exists; 0 on time out. */
+static int fr_wait_flag(atomic_int *flag, int ms)
+{
+    for (int t = 0; t < ms; t += 10) {
+        if (atomic_load(flag)) return 1;
+        usleep(10 * 1000);
+    }
+    return 0;
+}
+
+static int fr_wait_file(const char *path, int ms)
+{
+    for (int t = 0; t < ms; t += 10) {
+        if (access(path, F_OK) == 0) return 1;
+        usleep(10 * 1000);
+    }
+    return 0;
+}
+
 static int fr_hung_rank(tdm_comm *comm, void *arg)
 {
-    (void)arg;
+    fr_hung_shared *sh = arg;
     int32_t me = (int32_t)getpid(), pids[2];
     if (tdm_comm_all_gather(comm, &me, pids, 1, TDM_DTYPE_INT32)) return 1;
-    if (tdm_comm_rank(comm) == 1) {
-        usleep(1000 * 1000);           /* rank 0 is now waiting in the all_reduce */
-        kill(pids[0], SIGUSR1);
-        usleep(300 * 1000);
-    }
     float x = 1;
     tdm_comm_set_label(comm, "the late one");
+    if (tdm_comm_rank(comm) == 1) {
+        char path[512];
+        snprintf(path, sizeof path, "%s/fr_rank_0.json", getenv("TANDEM_FR_DUMP"));
+        if (!fr_wait_flag(&sh->calling, tu_scaled_ms(20000))) return 2;
+        /* the call is recorded within microseconds of its start */
+        usleep((useconds_t)tu_scaled_ms(200) * 1000);
+        kill(pids[0], SIGUSR1);
+        if (!fr_wait_file(path, tu_scaled_ms(20000))) return 3;
+    } else {
+        atomic_store(&sh->calling, 1);
+    }
     return tdm_comm_all_reduce(comm, &x, &x, 1, TDM_DTYPE_FLOAT32, TDM_REDOP_SUM) ? 1 : 0;
 }
 
@@ -194,8 +228,13 @@ Test(flight, sigusr1_dumps_a_rank_blocked_in_a_collective, .timeout = 60)
     char dir[64];
     fr_t_dump_dir(dir, sizeof dir);
     setenv("TANDEM_FR_DUMP_ON", "failure", 1);
-    cr_assert_eq(tdm_shm_spawn(2, fr_hung_rank, NULL, NULL, NULL), TDM_STATUS_OK, "%s",
+    fr_hung_shared *sh = mmap(NULL, sizeof *sh, PROT_READ | PROT_WRITE,
+                              MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    cr_assert(sh != MAP_FAILED);
+    atomic_init(&sh->calling, 0);
+    cr_assert_eq(tdm_shm_spawn(2, fr_hung_rank, sh, NULL, NULL), TDM_STATUS_OK, "%s",
                  tdm_error_message());
+    munmap(sh, sizeof *sh);
     tdm_json *doc = fr_t_load(dir, 0);
     cr_assert_not_null(doc, "SIGUSR1 wrote no dump");
     cr_expect_str_eq(fr_str(doc, "trigger"), "SIGUSR1");

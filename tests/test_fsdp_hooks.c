@@ -10,6 +10,7 @@
 #include <criterion/criterion.h>
 
 #include "tests/test_fsdp_util.h"
+#include "tests/timeout_util.h"
 
 #define H_MAX_WORLD 3
 #define H_MAX_ELEMS 40000
@@ -299,7 +300,8 @@ done:
 
 Test(fsdp_hooks, bad_hook_value_refused_at_init)
 {
-    tdm_ddp_spawn_opts so = {.timeout_ms = 30000, .comm_timeout_ms = 10000};
+    tdm_ddp_spawn_opts so = {.timeout_ms = tu_scaled_ms(30000),
+                             .comm_timeout_ms = tu_scaled_ms(10000)};
     cr_assert_eq(tdm_ddp_spawn(1, bad_rank, NULL, &so, NULL), TDM_STATUS_OK, "%s",
                  tdm_error_message());
 }
@@ -321,7 +323,7 @@ static int mm_rank(tdm_comm *comm, void *p)
     if (tdm_device_open(&dev, "cpu", rank, 1) == TDM_STATUS_OK &&
         tdm_model_init(&m, dev, &spec, 5) == TDM_STATUS_OK) {
         tdm_fsdp_opts o = {.comm_hook = rank ? TDM_FSDP_HOOK_BF16 : TDM_FSDP_HOOK_NONE,
-                           .timeout_ms = 10000};
+                           .timeout_ms = tu_scaled_ms(10000)};
         st = tdm_fsdp_init(&f, m, comm, &o);
     }
     snprintf(g_mm_msg[rank], sizeof g_mm_msg[rank], "%s", tdm_error_message());
@@ -344,7 +346,8 @@ static int mm_rank(tdm_comm *comm, void *p)
 Test(fsdp_hooks, a_rank_with_another_hook_is_named_at_init)
 {
     cr_assert_str_eq(tdm_fsdp_comm_hook_name(TDM_FSDP_HOOK_NONE), "allreduce");
-    tdm_ddp_spawn_opts so = {.timeout_ms = 30000, .comm_timeout_ms = 10000};
+    tdm_ddp_spawn_opts so = {.timeout_ms = tu_scaled_ms(30000),
+                             .comm_timeout_ms = tu_scaled_ms(10000)};
     cr_assert_eq(tdm_ddp_spawn(2, mm_rank, NULL, &so, NULL), TDM_STATUS_OK, "%s",
                  tdm_error_message());
 }

@@ -229,7 +229,7 @@ Test(fsdp_join, join_without_the_option_is_refused_and_nobody_hangs)
     cr_assert(sh != MAP_FAILED);
     memset(sh, 0, sizeof *sh);
     j_arg a = {.sh = sh, .join = 0};
-    tdm_ddp_spawn_opts so = {.timeout_ms = 60000, .comm_timeout_ms = 5000};
+    tdm_ddp_spawn_opts so = {.timeout_ms = 60000, .comm_timeout_ms = tu_scaled_ms(5000)};
     tdm_status st = tdm_ddp_spawn(J_WORLD, j_rank, &a, &so, NULL);
     cr_assert_neq(st, TDM_STATUS_OK);
     cr_assert(strstr(sh->err[0], "opts.join"), "rank 0: %s", sh->err[0]);
@@ -325,7 +325,7 @@ static int jns_rank(tdm_comm *comm, void *arg)
     jns_spec(&spec);
     TDM_TRY(tdm_device_open(&dev, "cpu", rank, 1));
     TDM_TRY(tdm_model_init(&m, dev, &spec, 5));
-    tdm_fsdp_opts o = {.sharding = a->sharding, .join = 1, .timeout_ms = 5000};
+    tdm_fsdp_opts o = {.sharding = a->sharding, .join = 1, .timeout_ms = tu_scaled_ms(5000)};
     TDM_TRY(tdm_fsdp_init(&f, m, comm, &o));
     tdm_optim_opts oo;
     tdm_optim_opts_default(&oo, TDM_OPTIM_SGD);
@@ -361,7 +361,8 @@ Test(fsdp_join, joined_rank_shadows_no_sync_micro_batches)
         cr_assert(sh != MAP_FAILED);
         memset(sh, 0, sizeof *sh);
         jns_arg a = {.sh = sh, .sharding = (tdm_fsdp_sharding)s};
-        tdm_ddp_spawn_opts so = {.timeout_ms = 60000, .comm_timeout_ms = 10000};
+        tdm_ddp_spawn_opts so = {.timeout_ms = tu_scaled_ms(60000),
+                                 .comm_timeout_ms = tu_scaled_ms(10000)};
         tdm_status st = tdm_ddp_spawn(2, jns_rank, &a, &so, NULL);
         cr_assert_eq(st, TDM_STATUS_OK, "%s: %s / %s / %s", tdm_fsdp_sharding_name(a.sharding),
                      tdm_error_message(), sh->err[0], sh->err[1]);

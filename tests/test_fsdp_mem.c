@@ -14,6 +14,7 @@
 
 #include "core/timer.h"
 #include "tests/test_fsdp_util.h"
+#include "tests/timeout_util.h"
 
 static tdm_dataset g_data;
 /* 64-256-256-256-10: units of 16.6 K, 65.8 K, 65.8 K and 2.6 K elements */
@@ -448,7 +449,9 @@ static int timeout_rank(tdm_comm *comm, void *arg)
     TDM_TRY(tdm_model_init(&m, dev, &spec, 5));
     tdm_fsdp_opts o = {.sharding = TDM_FSDP_FULL_SHARD, .timeout_ms = rank == 0 ? 200 : 20000};
     TDM_TRY(tdm_fsdp_init(&f, m, comm, &o));
-    if (rank == 1) usleep(1500 * 1000);   /* past rank 0's bound */
+    /* past rank 0's bound, however late a loaded machine lets rank 0 reach
+     * the gather after the init's broadcast */
+    if (rank == 1) usleep((useconds_t)tu_scaled_ms(1500) * 1000);
     TDM_TRY(tdm_fsdp_forward(f, x, y, 2, NULL));
 fail:
     g_to->status[rank] = st;
@@ -464,7 +467,10 @@ Test(fsdp_mem, a_gather_past_timeout_ms_fails_the_forward_and_free_waits_for_it)
     g_to = mmap(NULL, sizeof *g_to, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
     cr_assert(g_to != MAP_FAILED);
     memset(g_to, 0, sizeof *g_to);
-    tdm_ddp_spawn_opts so = {.timeout_ms = 60000, .comm_timeout_ms = 20000};
+    /* the grace after rank 0's failure outlasts rank 1's sleep: rank 1
+     * must fail on its own, not be stopped by the teardown while asleep */
+    tdm_ddp_spawn_opts so = {.timeout_ms = 60000, .comm_timeout_ms = 20000,
+                             .grace_ms = tu_scaled_ms(1500) + 10000};
     (void)tdm_ddp_spawn(2, timeout_rank, NULL, &so, NULL);
     cr_assert_eq(g_to->status[0], TDM_STATUS_TIMEOUT, "rank 0: %d: %s", g_to->status[0],
                  g_to->err[0]);

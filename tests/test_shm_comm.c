@@ -9,6 +9,7 @@
 #include <dirent.h>
 #include <pthread.h>
 #include <sched.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -23,15 +24,9 @@
 
 /* The spawn deadlines and collective timeouts of the matrix and large
  * message tests bound a hang, they time nothing: stretched by
- * TANDEM_TEST_TIMEOUT_SCALE (make asan sets 4, make tsan 10), because 8
- * sanitized ranks on 2 cores take several times longer than the plain
- * build; a real hang still ends, only later. */
-static int scaled_ms(int ms)
-{
-    const char *e = getenv("TANDEM_TEST_TIMEOUT_SCALE");
-    int k = e ? atoi(e) : 1;
-    return ms * (k > 1 && k <= 20 ? k : 1);
-}
+ * TANDEM_TEST_TIMEOUT_SCALE (tests/timeout_util.h), because 8 sanitized
+ * ranks on 2 cores take several times longer than the plain build. */
+#include "tests/timeout_util.h"
 #include "tests/shm_test_util.h"
 
 #define SMALL_SLOT (16 * 1024)
@@ -96,8 +91,8 @@ static void run_matrix(tdm_coll coll, int all_ops, int max_world)
     for (int w = 1; w <= max_world; w++) {
         tdm_shm_spawn_opts o = {.shm = {.slot_bytes = SMALL_SLOT,
                                         .one_shot_max_bytes = SMALL_ONE_SHOT,
-                                        .timeout_ms = scaled_ms(20000)},
-                                .timeout_ms = scaled_ms(40000)};
+                                        .timeout_ms = tu_scaled_ms(20000)},
+                                .timeout_ms = tu_scaled_ms(40000)};
         tdm_status st = tdm_shm_spawn(w, matrix_rank, &m, &o, NULL);
         cr_assert_eq(st, TDM_STATUS_OK, "%s with %d ranks: %s", tdm_coll_name(coll), w,
                      tdm_error_message());
@@ -137,7 +132,7 @@ static int large_rank(tdm_comm *comm, void *arg)
 Test(shm_comm, large_messages, .timeout = 240)
 {
     for (int w = 2; w <= 3; w++) {
-        tdm_shm_spawn_opts o = {.timeout_ms = scaled_ms(50000)};
+        tdm_shm_spawn_opts o = {.timeout_ms = tu_scaled_ms(50000)};
         tdm_status st = tdm_shm_spawn(w, large_rank, NULL, &o, NULL);
         cr_assert_eq(st, TDM_STATUS_OK, "%d ranks: %s", w, tdm_error_message());
     }
@@ -268,23 +263,29 @@ Test(shm_comm, async_in_order, .timeout = 60)
 }
 
 /* A work that is still running: wait(timeout) says TIMEOUT and the work
- * stays valid; test() says not done; later it completes. */
+ * stays valid; test() says not done; later it completes. Rank 1 joins the
+ * call only once rank 0 has seen it running (a shared flag), not after a
+ * fixed 400 ms that a loaded machine could spend before rank 0 even
+ * starts. */
 static int async_slow_peer_rank(tdm_comm *comm, void *arg)
 {
-    (void)arg;
+    atomic_int *seen = arg;
     int r = tdm_comm_rank(comm);
     int32_t x = r + 1;
     if (r == 1) {
-        usleep(400 * 1000);
+        for (int t = 0; !atomic_load(seen) && t < tu_scaled_ms(10000); t += 5) usleep(5000);
         return tdm_comm_all_reduce(comm, &x, &x, 1, TDM_DTYPE_INT32, TDM_REDOP_SUM) || x != 3;
     }
     tdm_comm_work *w = NULL;
     if (tdm_comm_all_reduce_async(comm, &x, &x, 1, TDM_DTYPE_INT32, TDM_REDOP_SUM, &w)) return 1;
     int done = 1;
-    if (tdm_comm_work_test(w, &done) || done) return 2;
-    if (tdm_comm_work_wait(w, 50) != TDM_STATUS_TIMEOUT) return 3;
-    if (!strstr(tdm_error_message(), "still running")) return 4;
-    if (tdm_comm_work_wait(w, 10000) != TDM_STATUS_OK) return 5;
+    int rc = 0;
+    if (tdm_comm_work_test(w, &done) || done) rc = 2;
+    else if (tdm_comm_work_wait(w, 50) != TDM_STATUS_TIMEOUT) rc = 3;
+    else if (!strstr(tdm_error_message(), "still running")) rc = 4;
+    atomic_store(seen, 1);
+    if (rc) return rc;
+    if (tdm_comm_work_wait(w, tu_scaled_ms(10000)) != TDM_STATUS_OK) return 5;
     if (tdm_comm_work_test(w, &done) || !done) return 6;
     tdm_comm_work_free(w);
     return x == 3 ? 0 : 7;
@@ -292,8 +293,13 @@ static int async_slow_peer_rank(tdm_comm *comm, void *arg)
 
 Test(shm_comm, async_wait_timeout, .timeout = 30)
 {
+    atomic_int *seen = mmap(NULL, sizeof *seen, PROT_READ | PROT_WRITE,
+                            MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    cr_assert(seen != MAP_FAILED);
+    atomic_init(seen, 0);
     tdm_shm_spawn_opts o = {.shm = {.timeout_ms = 10000}, .timeout_ms = 20000};
-    tdm_status st = tdm_shm_spawn(2, async_slow_peer_rank, NULL, &o, NULL);
+    tdm_status st = tdm_shm_spawn(2, async_slow_peer_rank, seen, &o, NULL);
+    munmap(seen, sizeof *seen);
     cr_assert_eq(st, TDM_STATUS_OK, "%s", tdm_error_message());
 }
 

@@ -20,6 +20,7 @@
 #include "core/timer.h"
 #include "shm/shm_comm.h"
 #include "shm/spawn.h"
+#include "tests/timeout_util.h"
 
 /* --- gone: exit 0, free then fail ------------------------------------------ */
 
@@ -196,8 +197,11 @@ Test(shm_live, stopped_rank_is_named_by_its_heartbeat, .timeout = 60)
 {
     /* a 40 s deadline: a "timed out" answer would come far too late for
      * the test's bound, and says the wrong thing */
-    tdm_shm_spawn_opts o = {.shm = {.timeout_ms = 40000, .stall_ms = 2000},
-                            .timeout_ms = 45000, .grace_ms = 1000};
+    /* the grace: both survivors must see the stop and exit 42 on their own
+     * before the teardown signals them (1 s could cut one off, as in
+     * tests/fr_test_util.h) */
+    tdm_shm_spawn_opts o = {.shm = {.timeout_ms = 40000, .stall_ms = tu_scaled_ms(2000)},
+                            .timeout_ms = 45000, .grace_ms = tu_scaled_ms(3000)};
     tdm_shm_spawn_result res;
     tdm_status st = tdm_shm_spawn(3, stopped_rank, NULL, &o, &res);
     cr_expect_eq(st, TDM_STATUS_PEER_FAILED, "%s", tdm_error_message());
@@ -237,15 +241,21 @@ static int busy_rank(tdm_comm *comm, void *arg)
     return 0;
 }
 
-Test(shm_live, busy_rank_is_waited_for_and_named_alive_at_the_deadline, .timeout = 60)
+/* The stall bound must not fire on the busy rank (nor on the others, whose
+ * heartbeat threads a loaded machine may leave unscheduled for a while),
+ * and the deadline of the second run, meant to fire on rank 1, bounds the
+ * first barrier too: both are stretched under the sanitizers, and rank 1
+ * stays busy 2.5 s past them. */
+Test(shm_live, busy_rank_is_waited_for_and_named_alive_at_the_deadline, .timeout = 90)
 {
-    int busy_ms = 4000;   /* > stall_ms, < timeout_ms: success */
-    tdm_shm_spawn_opts o = {.shm = {.timeout_ms = 20000, .stall_ms = 1500},
+    int bound_ms = tu_scaled_ms(1500);
+    int busy_ms = bound_ms + 2500;   /* > stall_ms, < timeout_ms: success */
+    tdm_shm_spawn_opts o = {.shm = {.timeout_ms = 20000, .stall_ms = bound_ms},
                             .timeout_ms = 40000};
     tdm_status st = tdm_shm_spawn(3, busy_rank, &busy_ms, &o, NULL);
     cr_expect_eq(st, TDM_STATUS_OK, "%s", tdm_error_message());
 
-    o.shm.timeout_ms = 1500;   /* < busy_ms: the deadline, naming it alive */
+    o.shm.timeout_ms = bound_ms;   /* < busy_ms: the deadline, naming it alive */
     st = tdm_shm_spawn(3, busy_rank, &busy_ms, &o, NULL);
     cr_expect_eq(st, TDM_STATUS_OK, "%s", tdm_error_message());
 }
