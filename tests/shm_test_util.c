@@ -307,3 +307,14 @@ int shm_t_segments_held(void)
     }
     return held;
 }
+
+void shm_t_matrix_ops(int all_ops, size_t size_index, int dtype, int *first, int *op_count)
+{
+    *first = 0;
+    *op_count = all_ops ? TDM_REDOP_COUNT_ : 1;
+    const char *e = getenv("TANDEM_TEST_MATRIX");
+    if (all_ops && e && !strcmp(e, "rotate-ops")) {
+        *first = (int)((size_index + (size_t)dtype) % TDM_REDOP_COUNT_);
+        *op_count = 1;
+    }
+}

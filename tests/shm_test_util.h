@@ -32,6 +32,16 @@ typedef struct shm_t_case {
     unsigned salt;
 } shm_t_case;
 
+/* The reduction ops one matrix size runs: every op (op_count 5, first 0),
+ * or, when TANDEM_TEST_MATRIX=rotate-ops (make asan and make tsan set it),
+ * one op per size, rotating with the size's and dtype's index, so every
+ * op's kernel still runs on every dtype and every size class is hit, at a
+ * fifth of the cases. The sanitizers look for memory errors and races,
+ * which depend on the sizes and the algorithm, not on which of the
+ * element-wise ops a kernel applies; `make test` runs every op on every
+ * size. */
+void shm_t_matrix_ops(int all_ops, size_t size_index, int dtype, int *first, int *op_count);
+
 /* "all_reduce(float32, op=sum, count=7, root=0, in-place)" */
 void shm_t_case_str(const shm_t_case *k, char *out, size_t n);
 /* Runs one collective on this rank and checks its result against the

@@ -78,8 +78,10 @@ static long w_matrix_on(tdm_comm *comm)
         for (int dt = 0; dt < TDM_DTYPE_COUNT_; dt++) {
             size_t sizes[32];
             size_t ns = w_sizes(tdm_dtype_size((tdm_dtype)dt), w, sizes);
-            for (int op = 0; op < (reduces ? TDM_REDOP_COUNT_ : 1); op++)
-                for (size_t s = 0; s < ns; s++)
+            for (size_t s = 0; s < ns; s++) {
+                int op0, nops;
+                shm_t_matrix_ops(reduces, s, dt, &op0, &nops);
+                for (int op = op0; op < op0 + nops; op++)
                     for (int inplace = 0; inplace < 2; inplace++)
                         for (int root = 0; root < w; root += w > 1 ? w - 1 : 1) {
                             shm_t_case k = {.coll = coll, .dtype = (tdm_dtype)dt,
@@ -90,6 +92,7 @@ static long w_matrix_on(tdm_comm *comm)
                             cases++;
                             if (!rooted) break;
                         }
+            }
         }
     }
     return cases;

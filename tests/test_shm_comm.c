@@ -63,12 +63,13 @@ static int matrix_rank(tdm_comm *comm, void *arg)
     const matrix_arg *m = arg;
     int w = tdm_comm_size(comm);
     int bad = 0;
-    int nops = m->all_ops ? TDM_REDOP_COUNT_ : 1;
     for (int dt = 0; dt < TDM_DTYPE_COUNT_; dt++) {
         size_t sizes[64];
         size_t ns = sizes_for(m, w, tdm_dtype_size((tdm_dtype)dt), sizes);
-        for (int op = 0; op < nops; op++)
-            for (size_t s = 0; s < ns; s++)
+        for (size_t s = 0; s < ns; s++) {
+            int op0, nops;
+            shm_t_matrix_ops(m->all_ops, s, dt, &op0, &nops);
+            for (int op = op0; op < op0 + nops; op++)
                 for (int inplace = 0; inplace < 2; inplace++)
                     for (int root = 0; root < w; root += (w > 1 ? w - 1 : 1)) {
                         shm_t_case k = {.coll = m->coll, .dtype = (tdm_dtype)dt,
@@ -80,6 +81,7 @@ static int matrix_rank(tdm_comm *comm, void *arg)
                             m->coll == TDM_COLL_REDUCE_SCATTER)
                             break; /* no root */
                     }
+        }
     }
     return bad;
 }
