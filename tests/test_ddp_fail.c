@@ -212,12 +212,22 @@ Test(ddp_fail, sigkill_names_rank_checkpoint_intact_and_resumes)
     munmap(sh, sizeof *sh);
 }
 
+/* The deadlines these two tests expect to fire (rank 1 stalls at step 3)
+ * also bound every healthy collective before it: the broadcasts of the
+ * init, where ranks arrive from their start, and steps 0-2. 1.5 s and 1 s
+ * left too little for a loaded 2-core CI running `make test` unscaled: a
+ * healthy rank made 1.6 s late to its init (1.1 s late after step 1)
+ * failed them, with kill_ms still 0. 4 s and 3 s, stretched under the
+ * sanitizers. */
+#define STALL_DEADLINE_MS 4000
+#define STALL_DDP_TIMEOUT_MS 3000
+
 Test(ddp_fail, stalled_rank_is_named_after_the_deadline)
 {
     fail_shared *sh = shared_new();
     fail_cfg c = {.victim = 1, .stall = 1, .fail_step = 3, .steps = 10};
     uint64_t t0 = tdm_time_ns();
-    tdm_status st = fail_spawn(3, &c, sh, tu_scaled_ms(1500));
+    tdm_status st = fail_spawn(3, &c, sh, tu_scaled_ms(STALL_DEADLINE_MS));
     double el = tdm_time_ms_since(t0);
     cr_assert_neq(st, TDM_STATUS_OK);
     /* the summary names the late rank, alive (it sleeps), as the others
@@ -228,7 +238,7 @@ Test(ddp_fail, stalled_rank_is_named_after_the_deadline)
         if (r == 1) continue;
         cr_assert_neq(sh->status[r], TDM_STATUS_OK);
         cr_assert(strstr(sh->err[r], "rank 1"), "rank %d: %s", r, sh->err[r]);
-        cr_assert_lt(sh->fail_ms[r] - sh->kill_ms, tu_scaled_ms(6000));
+        cr_assert_lt(sh->fail_ms[r] - sh->kill_ms, tu_scaled_ms(STALL_DEADLINE_MS + 4500));
     }
     cr_assert_lt(el, tu_scaled_ms(20000), "took %.0f ms", el);
     munmap(sh, sizeof *sh);
@@ -241,15 +251,15 @@ Test(ddp_fail, ddp_timeout_bounds_buckets_reduced_after_backward)
 {
     fail_shared *sh = shared_new();
     fail_cfg c = {.victim = 1, .stall = 1, .fail_step = 3, .steps = 10, .no_overlap = 1,
-                  .ddp_timeout_ms = tu_scaled_ms(1000)};
+                  .ddp_timeout_ms = tu_scaled_ms(STALL_DDP_TIMEOUT_MS)};
     tdm_status st = fail_spawn(3, &c, sh, 60000);
     cr_assert_neq(st, TDM_STATUS_OK);
     char want[64];
-    snprintf(want, sizeof want, "still running after %d ms", tu_scaled_ms(1000));
+    snprintf(want, sizeof want, "still running after %d ms", tu_scaled_ms(STALL_DDP_TIMEOUT_MS));
     for (int r = 0; r < 3; r += 2) {
         cr_assert_neq(sh->status[r], TDM_STATUS_OK);
         cr_assert(strstr(sh->err[r], want), "rank %d: %s", r, sh->err[r]);
-        cr_assert_lt(sh->fail_ms[r] - sh->kill_ms, tu_scaled_ms(6000));
+        cr_assert_lt(sh->fail_ms[r] - sh->kill_ms, tu_scaled_ms(STALL_DDP_TIMEOUT_MS + 5000));
     }
     munmap(sh, sizeof *sh);
 }

@@ -282,7 +282,7 @@ Test(doctor, summary_alone_names_the_rank, .timeout = 60)
     unsetenv("TANDEM_FR_DUMP");
     cli_result r;
     CLI(&r, "launch", "-n", "2", "--log-dir", dir, "--", "sh", "-c",
-        "if [ $RANK = 1 ]; then exit 3; fi; sleep 20");
+        "if [ $RANK = 1 ]; then exit 3; fi; exec sleep 20");
     expect(&r, 1, "tandem launch: doctor: DIED: rank 1 exited with code 3");
     CLI(&r, "doctor", dir);
     expect(&r, 4, "rank 0: no dump; was killed by signal 15 (Terminated) (by the launcher's "

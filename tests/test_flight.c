@@ -202,6 +202,18 @@ static int fr_wait_file(const char *path, int ms)
     return 0;
 }
 
+/* 1 when the file at path contains s. */
+static int fr_file_has(const char *path, const char *s)
+{
+    char buf[8192];
+    FILE *f = fopen(path, "r");
+    if (!f) return 0;
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = 0;
+    return strstr(buf, s) != NULL;
+}
+
 static int fr_hung_rank(tdm_comm *comm, void *arg)
 {
     fr_hung_shared *sh = arg;
@@ -213,10 +225,18 @@ static int fr_hung_rank(tdm_comm *comm, void *arg)
         char path[512];
         snprintf(path, sizeof path, "%s/fr_rank_0.json", getenv("TANDEM_FR_DUMP"));
         if (!fr_wait_flag(&sh->calling, tu_scaled_ms(20000))) return 2;
-        /* the call is recorded within microseconds of its start */
-        usleep((useconds_t)tu_scaled_ms(200) * 1000);
-        kill(pids[0], SIGUSR1);
-        if (!fr_wait_file(path, tu_scaled_ms(20000))) return 3;
+        /* the call is recorded within microseconds of its start, but a
+         * loaded machine may leave rank 0 unscheduled between the flag
+         * and the call for longer than any fixed margin: a dump taken
+         * before it (no running entry) is taken again */
+        for (int k = 0;; k++) {
+            usleep(200 * 1000);
+            kill(pids[0], SIGUSR1);
+            if (!fr_wait_file(path, tu_scaled_ms(20000))) return 3;
+            if (fr_file_has(path, "\"running\"")) break;
+            if (k == 100) return 4;
+            unlink(path);
+        }
     } else {
         atomic_store(&sh->calling, 1);
     }
