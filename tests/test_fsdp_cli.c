@@ -170,6 +170,9 @@ Test(fsdp_cli, help_and_usage_errors)
                                   "ZeroRedundancyOptimizer", "ZeRO-1", "--save-sharded"};
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         cr_assert(strstr(r.out, names[i]), "train --help lacks %s", names[i]);
+    /* the dumps and the doctor's verdict are --mode fsdp's too (forked
+     * through the same loop as ddp's) */
+    cr_assert(strstr(r.out, "When a ddp or fsdp rank fails"), "%s", r.out);
     CLI(&r, "train", "--mode", "fsdp", "--device", "cpu:2", "--sharding", "zero4");
     expect(&r, 2, "--sharding: ");
     cr_assert(strstr(r.out, "zero4") && strstr(r.out, "grad_op"), "%s", r.out);
