@@ -593,6 +593,7 @@ tdm_status tdm_fsdp_backward(tdm_fsdp *f)
     tdm_fsdp_add_phase(f, TDM_PHASE_REDUCE_SCATTER_WAIT,
                        (double)(t2 - t1) * 1e-6 - (f->ag_wait_ms - bwd_ag) + bwd_rs);
     if (f->sync) {
+        f->stepped = 0;
         f->sync_count++;
         f->times.steps++;
         f->times.rs_done_in_backward = f->rs_done_in_bwd;
@@ -625,6 +626,19 @@ tdm_status tdm_fsdp_step(tdm_fsdp *f, tdm_optim *opt)
         f->step_open = 0;
         return TDM_STATUS_OK;
     }
+    /* A joined rank shadows one step, with its all-gathers, per backward
+     * of the others (fsdp/join.c): a second step's gathers would meet its
+     * join count instead. Every rank still training saw the same count at
+     * the forward, so all refuse alike; the abort ends the joined rank's
+     * wait too. */
+    if (f->stepped && f->n_active < f->world) {
+        free(r);
+        return tdm_fsdp_fail(f, tdm_error_set(
+            TDM_STATUS_INVALID_ARG, "fsdp step: a second step without a backward while %d of "
+            "%d ranks have joined (tdm_fsdp_join): the joined ranks shadow one step per "
+            "backward; step once per backward under join", f->world - f->n_active, f->world));
+    }
+    f->stepped = 1;
     /* grad_op, optimizer: every rank's new shard into every rank's full
      * copy, each unit awaited where it is next used (its forward). A
      * unit's all-gather goes out as soon as its shard is stepped, in unit

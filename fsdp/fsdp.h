@@ -226,7 +226,9 @@ int tdm_fsdp_active_ranks(const tdm_fsdp *f);
  * the new full parameters (each awaited when its unit is next used).
  * Collective. May be called again without a backward in between (as
  * PyTorch's optimizer.step()): it applies the gradient shards again,
- * after waiting for the gathers the previous step launched. */
+ * after waiting for the gathers the previous step launched; not in
+ * grad_op and optimizer while a rank has joined (INVALID_ARG: the joined
+ * rank shadows one step per backward). */
 tdm_status tdm_fsdp_step(tdm_fsdp *f, tdm_optim *opt);
 
 /* Evaluation spread over the ranks as tdm_ddp_evaluate does (collective;

@@ -124,6 +124,7 @@ struct tdm_fsdp {
     tdm_fsdp_times times;
     /* opts.join (fsdp/join.c) */
     int joined;               /* this rank ran out of data (tdm_fsdp_join) */
+    int stepped;              /* tdm_fsdp_step ran since the last synchronised backward */
     int n_active;             /* ranks with data in the last training forward */
     int join_sync;            /* that forward's backward synchronises */
 };

@@ -4,7 +4,7 @@
  *   and --mode ddp do (the printed losses and accuracy); the full
  *   checkpoint it writes resumes in --mode single and the sharded one in
  *   --mode fsdp at another N, ending as an uninterrupted run; a killed
- *   rank is named; --help gives PyTorch's and DeepSpeed's names; bad
+ *   rank is named (with --uneven too, DDP's as well); --help gives PyTorch's and DeepSpeed's names; bad
  *   --sharding and misplaced flags are refused (exit 2); a GPT (tied
  *   embedding and head) trains in every sharding as on one device, its
  *   checkpoint samples, and compare's sharded modes agree on it.
@@ -129,6 +129,25 @@ Test(fsdp_cli, a_killed_rank_is_named, .timeout = 120)
     cr_assert_eq(cli_shm_entries(), 0);
 }
 
+/* The test hook fires with --uneven too (each rank's own samples, join):
+ * docs/DEBUGGING.md has TANDEM_DDP_TEST_KILL for DDP and FSDP alike.
+ * (It was never read on that path: the run ended with exit 0.) */
+Test(fsdp_cli, a_killed_rank_is_named_with_uneven_inputs, .timeout = 240)
+{
+    static cli_result r;
+    static const char *modes[] = {"fsdp", "ddp"};
+    for (int i = 0; i < 2; i++) {
+        cr_assert_eq(setenv("TANDEM_DDP_TEST_KILL", "1:3", 1), 0);
+        CLI(&r, "train", "--mode", modes[i], "--device", "cpu:2", DATA, MODEL, "--epochs", "1",
+            "--uneven", "--quiet");
+        unsetenv("TANDEM_DDP_TEST_KILL");
+        cr_assert_eq(r.code, 1, "--mode %s: %s", modes[i], r.out);
+        cr_assert(strstr(r.out, "rank 1 (pid"), "%s", r.out);
+        cr_assert(strstr(r.out, "killed by signal 9"), "%s", r.out);
+        cr_assert_eq(cli_shm_entries(), 0);
+    }
+}
+
 /* --comm-hook allreduce (DDP's name of the uncompressed default) is
  * named so in the report, not "none". */
 Test(fsdp_cli, the_allreduce_hook_is_named_as_given, .timeout = 120)
@@ -151,6 +170,9 @@ Test(fsdp_cli, help_and_usage_errors)
                                   "ZeroRedundancyOptimizer", "ZeRO-1", "--save-sharded"};
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         cr_assert(strstr(r.out, names[i]), "train --help lacks %s", names[i]);
+    /* the dumps and the doctor's verdict are --mode fsdp's too (forked
+     * through the same loop as ddp's) */
+    cr_assert(strstr(r.out, "When a ddp or fsdp rank fails"), "%s", r.out);
     CLI(&r, "train", "--mode", "fsdp", "--device", "cpu:2", "--sharding", "zero4");
     expect(&r, 2, "--sharding: ");
     cr_assert(strstr(r.out, "zero4") && strstr(r.out, "grad_op"), "%s", r.out);

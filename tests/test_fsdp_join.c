@@ -49,6 +49,7 @@ typedef struct j_arg {
     j_shared *sh;
     tdm_fsdp_sharding sharding;
     int join, cnn, scaled;   /* scaled: tdm_fsdp_forward_scaled with 1/(batch * world) */
+    int double_step;         /* every step twice (a step without backward) */
     tdm_fsdp_comm_hook hook;
 } j_arg;
 
@@ -100,6 +101,7 @@ static int j_rank(tdm_comm *comm, void *p)
         sh->active[rank][s] = tdm_fsdp_active_ranks(f);
         TDM_TRY(tdm_fsdp_backward(f));
         TDM_TRY(tdm_fsdp_step(f, opt));
+        if (a->double_step) TDM_TRY(tdm_fsdp_step(f, opt));
     }
     TDM_TRY(tdm_fsdp_join(f, opt, &sh->shadowed[rank]));
     sh->n_elem = tdm_model_param_elems(m);
@@ -235,6 +237,32 @@ Test(fsdp_join, join_without_the_option_is_refused_and_nobody_hangs)
     cr_assert(strstr(sh->err[0], "opts.join"), "rank 0: %s", sh->err[0]);
     cr_assert(sh->status[2] != 0, "rank 2 (8 batches) finished without its peers");
     munmap(sh, sizeof *sh);
+}
+
+/* A second tdm_fsdp_step without a backward while a rank has joined: in
+ * grad_op and optimizer each step all-gathers, and the joined rank
+ * shadows one step per backward, so the second step's gathers have no
+ * partner. It is refused on the ranks that still train, naming the
+ * cause, and the communicator aborted so that the joined rank fails at
+ * once too. (Before: mismatched collectives, an all_gather against the
+ * joined rank's count, which shm names and NCCL would wait on until the
+ * timeout.) */
+Test(fsdp_join, a_step_without_backward_while_a_rank_has_joined_is_refused)
+{
+    for (int sh_i = 1; sh_i < TDM_FSDP_SHARDING_COUNT_; sh_i++) {
+        j_shared *sh = mmap(NULL, sizeof *sh, PROT_READ | PROT_WRITE,
+                            MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+        cr_assert(sh != MAP_FAILED);
+        memset(sh, 0, sizeof *sh);
+        j_arg a = {.sh = sh, .join = 1, .double_step = 1,
+                   .sharding = (tdm_fsdp_sharding)sh_i};
+        tdm_ddp_spawn_opts so = {.timeout_ms = 60000, .comm_timeout_ms = tu_scaled_ms(30000)};
+        tdm_status st = tdm_ddp_spawn(J_WORLD, j_rank, &a, &so, NULL);
+        cr_assert_neq(st, TDM_STATUS_OK);
+        cr_assert(strstr(sh->err[2], "without a backward"), "sharding %d, rank 2: %s", sh_i,
+                  sh->err[2]);
+        munmap(sh, sizeof *sh);
+    }
 }
 
 /* Join while the ranks still training accumulate under no_sync (two

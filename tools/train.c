@@ -117,7 +117,7 @@ static void tdm_train_usage(FILE *f)
         "\n"
         "A loss that turns NaN or infinite stops the run (exit 1) naming the step;\n"
         "a checkpoint with NaN or infinite values is never written nor resumed from.\n"
-        "When a ddp rank fails, the ranks' flight recorders are dumped (in\n"
+        "When a ddp or fsdp rank fails, the ranks' flight recorders are dumped (in\n"
         "$TANDEM_FR_DUMP, else a new $TMPDIR/tandem-fr-* directory) and the summary\n"
         "ends with tandem doctor's verdict (docs/DEBUGGING.md).\n"
         "\n"

@@ -22,6 +22,7 @@
 #include "core/timer.h"
 #include "ddp/ddp.h"
 #include "models/train_text.h"
+#include "tools/elastic.h"
 #include "tools/train_modes.h"
 
 /* The epoch's items: the training set's samples, or a gpt's windows: as
@@ -86,6 +87,10 @@ tdm_status tdm_train_uneven_run(const tdm_train_args *a, const tdm_train_uneven_
     void *x = malloc((size_t)b * (size_t)feat * 4);
     int32_t *y = malloc((size_t)b * (size_t)ys * sizeof *y);
     int64_t *counts = calloc((size_t)world * 2, sizeof *counts);
+    /* the test hook (tools/elastic.h), here for every mode: the modes'
+     * own step calls, which fire it otherwise, are not this loop's */
+    int kill_sig = 0;
+    int64_t kill_step = tdm_elastic_test_fault(rank, &kill_sig), taken = 0;
     tdm_status st = TDM_STATUS_OK;
     if ((!perm && !ops->text) || !idx || !x || !y || !counts) {
         st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "rank %d: --uneven: batches of %d", rank,
@@ -111,6 +116,7 @@ tdm_status tdm_train_uneven_run(const tdm_train_args *a, const tdm_train_uneven_
                 idx[i] = perm ? perm[k] : k;
             }
             tdm_uneven_gather(a, ops, train, e, idx, n, x, y);
+            if (++taken == kill_step) tdm_elastic_test_fault_fire(rank, kill_sig, taken);
             double lm = 0.0;
             if ((st = ops->zero_grad(ctx)) || (st = ops->forward(ctx, x, y, n, &lm))) goto fail;
             if (!isfinite(lm)) {
