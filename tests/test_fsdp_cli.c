@@ -26,6 +26,7 @@
 #include "tests/cli_util.h"
 #include "tests/cuda_test_util.h"
 #include "tests/test_fsdp_util.h"
+#include "tests/test_util.h"
 
 __attribute__((weak)) tdm_status tdm_cuda_emulator_open_accel(tdm_device **out, int index);
 
@@ -71,9 +72,9 @@ Test(fsdp_cli, every_sharding_ends_the_epoch_as_single_and_ddp, .timeout = 240)
 Test(fsdp_cli, checkpoints_resume_in_single_and_at_another_n, .timeout = 240)
 {
     static cli_result r;
-    char dir[] = "/tmp/tandem-fsdp-cli-XXXXXX";
-    cr_assert(mkdtemp(dir));
-    char full[256], idx[256], straight[256], resumed[256], cmd[400];
+    char dir[64];
+    tu_mkdtemp(dir, sizeof dir, "fsdp_cli");
+    char full[256], idx[256], straight[256], resumed[256];
     snprintf(full, sizeof full, "%s/full.safetensors", dir);
     snprintf(idx, sizeof idx, "%s/sharded.index", dir);
     CLI(&r, "train", "--mode", "single", DATA, MODEL, "--epochs", "2", "--quiet");
@@ -111,8 +112,7 @@ Test(fsdp_cli, checkpoints_resume_in_single_and_at_another_n, .timeout = 240)
         "--epochs", "2", "--resume", full, "--quiet");
     cr_assert_eq(r.code, 1, "%s", r.out);
     cr_assert(strstr(r.out, "mlp 784-48-24-10"), "%s", r.out);
-    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
-    (void)system(cmd);
+    tu_rmtree(dir);
     cr_assert_eq(cli_shm_entries(), 0);
 }
 
@@ -213,8 +213,8 @@ static void gpt_losses(const char *out, const char *epoch, double *train, double
 Test(fsdp_cli, gpt_every_sharding_trains_as_one_device, .timeout = 240)
 {
     static cli_result r;
-    char dir[] = "/tmp/tandem-fsdp-gpt-XXXXXX", text[256], ck[256], cmd[400];
-    cr_assert(mkdtemp(dir));
+    char dir[64], text[256], ck[256];
+    tu_mkdtemp(dir, sizeof dir, "fsdp_gpt");
     snprintf(text, sizeof text, "%s/text.txt", dir);
     snprintf(ck, sizeof ck, "%s/gpt.safetensors", dir);
     FILE *fp = fopen(text, "w");
@@ -259,8 +259,7 @@ Test(fsdp_cli, gpt_every_sharding_trains_as_one_device, .timeout = 240)
     expect(&r, 0, "verdict: PASS");
     cr_assert(strstr(r.out, "FSDP vs DDP: bitwise the same parameters") &&
                   strstr(r.out, "ZeRO-1 vs DDP: bitwise the same parameters"), "%s", r.out);
-    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
-    (void)system(cmd);
+    tu_rmtree(dir);
     cr_assert_eq(cli_shm_entries(), 0);
 }
 
@@ -294,9 +293,8 @@ static int same_file(const char *a, const char *b)
 Test(fsdp_cli, gpt_restart_after_a_killed_rank_is_bit_identical, .timeout = 240)
 {
     static cli_result r;
-    char dir[] = "/tmp/tandem-fsdp-el-XXXXXX", text[256], straight[256], restarted[256];
-    char cmd[300];
-    cr_assert(mkdtemp(dir));
+    char dir[64], text[256], straight[256], restarted[256];
+    tu_mkdtemp(dir, sizeof dir, "fsdp_el");
     snprintf(text, sizeof text, "%s/text.txt", dir);
     snprintf(straight, sizeof straight, "%s/straight.safetensors", dir);
     snprintf(restarted, sizeof restarted, "%s/restarted.safetensors", dir);
@@ -321,8 +319,7 @@ Test(fsdp_cli, gpt_restart_after_a_killed_rank_is_bit_identical, .timeout = 240)
     cr_expect(same_file(straight, restarted),
               "the restarted gpt's parameters differ from the uninterrupted run's");
     cr_expect_eq(cli_shm_entries(), 0);
-    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
-    (void)system(cmd);
+    tu_rmtree(dir);
 }
 
 /* The images' --mode fsdp likewise (its ranks are tools/train_fsdp.c's):
@@ -330,8 +327,8 @@ Test(fsdp_cli, gpt_restart_after_a_killed_rank_is_bit_identical, .timeout = 240)
 Test(fsdp_cli, image_restart_after_a_killed_rank_is_bit_identical, .timeout = 240)
 {
     static cli_result r;
-    char dir[] = "/tmp/tandem-fsdp-el-XXXXXX", straight[256], restarted[256], cmd[300];
-    cr_assert(mkdtemp(dir));
+    char dir[64], straight[256], restarted[256];
+    tu_mkdtemp(dir, sizeof dir, "fsdp_el");
     snprintf(straight, sizeof straight, "%s/straight.safetensors", dir);
     snprintf(restarted, sizeof restarted, "%s/restarted.safetensors", dir);
     setenv("TMPDIR", dir, 1);
@@ -353,8 +350,7 @@ Test(fsdp_cli, image_restart_after_a_killed_rank_is_bit_identical, .timeout = 24
     cr_expect(same_file(straight, restarted),
               "the restarted run's parameters differ from the uninterrupted run's");
     cr_expect_eq(cli_shm_entries(), 0);
-    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
-    (void)system(cmd);
+    tu_rmtree(dir);
 }
 
 /* The doctor's verdict on a GPT FSDP rank killed by the test hook: it
@@ -362,8 +358,8 @@ Test(fsdp_cli, image_restart_after_a_killed_rank_is_bit_identical, .timeout = 24
 Test(fsdp_cli, gpt_killed_rank_gets_the_doctors_verdict, .timeout = 120)
 {
     static cli_result r;
-    char dir[] = "/tmp/tandem-fsdp-dr-XXXXXX", text[256], cmd[300];
-    cr_assert(mkdtemp(dir));
+    char dir[64], text[256];
+    tu_mkdtemp(dir, sizeof dir, "fsdp_dr");
     snprintf(text, sizeof text, "%s/text.txt", dir);
     gpt_text(text);
     setenv("TMPDIR", dir, 1);
@@ -377,8 +373,7 @@ Test(fsdp_cli, gpt_killed_rank_gets_the_doctors_verdict, .timeout = 120)
     expect(&r, 1, "'fsdp ");
     expect(&r, 1, "tandem train: flight-recorder dumps in ");
     cr_expect_eq(cli_shm_entries(), 0);
-    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
-    (void)system(cmd);
+    tu_rmtree(dir);
 }
 
 Test(fsdp_emu, every_sharding_on_emulated_devices_equals_one_host_device, .timeout = 240)
@@ -493,9 +488,9 @@ Test(cuda_gpu, two_nccl_ranks_on_one_gpu_equal_one_host_device, .timeout = 300)
 Test(fsdp_cli, compare_every_mode_agrees_with_memory_phases_and_trace, .timeout = 240)
 {
     static cli_result r;
-    char dir[] = "/tmp/tandem-fsdp-cmp-XXXXXX";
-    cr_assert(mkdtemp(dir));
-    char trace[256], csv[256], cmd[400];
+    char dir[64];
+    tu_mkdtemp(dir, sizeof dir, "fsdp_cmp");
+    char trace[256], csv[256];
     snprintf(trace, sizeof trace, "%s/trace.json", dir);
     snprintf(csv, sizeof csv, "%s/run.csv", dir);
     CLI(&r, "compare", "--data", "synthetic", "--model", "mlp:784-48-24-10", "--device", "cpu:3",
@@ -531,7 +526,6 @@ Test(fsdp_cli, compare_every_mode_agrees_with_memory_phases_and_trace, .timeout 
     expect(&r, 2, "'zero4' is not a mode");
     CLI(&r, "compare", "--help");
     expect(&r, 0, "ZeroRedundancyOptimizer");
-    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
-    (void)system(cmd);
+    tu_rmtree(dir);
     cr_assert_eq(cli_shm_entries(), 0);
 }
