@@ -90,4 +90,41 @@ static inline void epoch_result(const char *out, const char *epoch, char *buf, s
     snprintf(buf, len, "%.*s | %.*s", (int)n, p, (int)m, m ? t : "");
 }
 
+/* "epoch E/N: train loss X, ..., val loss Y nats" in out -> X, Y (the
+ * GPT's line). Fails the test when either is missing. */
+static inline void cli_epoch_losses(const char *out, const char *epoch, double *train,
+                                    double *val)
+{
+    char key[64];
+    snprintf(key, sizeof key, "%s: train loss ", epoch);
+    const char *p = strstr(out, key);
+    cr_assert_not_null(p, "no '%s' line in:\n%s", key, out);
+    *train = strtod(p + strlen(key), NULL);
+    const char *v = strstr(p, "val loss ");
+    cr_assert_not_null(v, "no val loss in:\n%s", out);
+    *val = strtod(v + 9, NULL);
+}
+
+/* 1 when the two files hold the same bytes (a restarted run's checkpoint
+ * against an uninterrupted one's). */
+static inline int cli_same_file(const char *a, const char *b)
+{
+    char cmd[600];
+    snprintf(cmd, sizeof cmd, "cmp -s '%s' '%s'", a, b);
+    return system(cmd) == 0;
+}
+
+/* A small text of twelve words (2400 of them, a sentence every nine) for
+ * the GPT's restart tests: 4 steps an epoch at --batch 6 on 3 ranks. */
+static inline void cli_write_words(const char *path)
+{
+    FILE *f = fopen(path, "w");
+    cr_assert_not_null(f, "%s", path);
+    static const char *const words[] = {"the", "quick", "brown", "fox", "jumps", "over", "a",
+                                        "lazy", "dog", "and", "runs", "home"};
+    for (int i = 0; i < 2400; i++)
+        fprintf(f, "%s%s", words[(i * 7 + i / 5) % 12], i % 9 == 8 ? ".\n" : " ");
+    cr_assert_eq(fclose(f), 0, "%s", path);
+}
+
 #endif

@@ -43,19 +43,6 @@ static void setup(void)
 static void teardown(void) { tu_rmtree(g_dir); }
 TestSuite(cli_gpt, .init = setup, .fini = teardown, .timeout = 240);
 
-/* "epoch E/N: train loss X, ..., val loss Y nats" -> X, Y */
-static void losses(const char *out, const char *epoch, double *train, double *val)
-{
-    char key[64];
-    snprintf(key, sizeof key, "%s: train loss ", epoch);
-    const char *p = strstr(out, key);
-    cr_assert_not_null(p, "no '%s' line in:\n%s", key, out);
-    *train = strtod(p + strlen(key), NULL);
-    const char *v = strstr(p, "val loss ");
-    cr_assert_not_null(v, "no val loss in:\n%s", out);
-    *val = strtod(v + 9, NULL);
-}
-
 #define TINY "gpt:2-16-2-24"
 
 Test(cli_gpt, every_mode_trains_on_the_same_global_batches)
@@ -70,7 +57,7 @@ Test(cli_gpt, every_mode_trains_on_the_same_global_batches)
         expect(&r, 0, "bigram model gets");
         cr_assert(strstr(r.out, "bits per byte"), "%s", r.out);
         cr_assert(strstr(r.out, "batch 5 windows of 24 bytes"), "%s", r.out);
-        losses(r.out, "epoch 2/2", &tl[k], &vl[k]);
+        cli_epoch_losses(r.out, "epoch 2/2", &tl[k], &vl[k]);
     }
     /* 5 windows over 2 ranks: 2 and 3 (uneven), the same 5 as one device */
     for (int k = 1; k < 3; k++) {
@@ -84,7 +71,7 @@ Test(cli_gpt, every_mode_trains_on_the_same_global_batches)
         "--batch", "5", "--lr", "0.01");
     expect(&r, 0, "epoch 1/1");
     double t0, v0;
-    losses(r.out, "epoch 1/1", &t0, &v0);
+    cli_epoch_losses(r.out, "epoch 1/1", &t0, &v0);
     cr_assert(vl[0] < v0, "val loss %.4f after 12 steps vs %.4f after 1", vl[0], v0);
 }
 
@@ -97,14 +84,14 @@ Test(cli_gpt, resume_ends_where_an_uninterrupted_run_ends_and_sample_reads_it)
         "--batch", "3", "--save", ck2);
     expect(&r, 0, "tandem sample --resume");
     double ta, va, tb, vb;
-    losses(r.out, "epoch 2/2", &ta, &va);
+    cli_epoch_losses(r.out, "epoch 2/2", &ta, &va);
     CLI(&r, "train", "--model", TINY, "--data", text, "--epochs", "1", "--max-steps", "4",
         "--batch", "3", "--save", ck);
     expect(&r, 0, "saved");
     CLI(&r, "train", "--model", TINY, "--data", text, "--epochs", "2", "--max-steps", "4",
         "--batch", "3", "--resume", ck);
     expect(&r, 0, "resumed");
-    losses(r.out, "epoch 2/2", &tb, &vb);
+    cli_epoch_losses(r.out, "epoch 2/2", &tb, &vb);
     cr_assert(ta == tb && va == vb, "resumed %.6f / %.6f vs uninterrupted %.6f / %.6f", tb, vb,
               ta, va);
 
@@ -191,12 +178,12 @@ Test(cli_gpt, launched_ddp_matches_one_device)
     CLI(&r, "train", "--model", TINY, "--data", text, "--epochs", "1", "--max-steps", "5",
         "--batch", "4", "--lr", "0.01");
     expect(&r, 0, NULL);
-    losses(r.out, "epoch 1/1", &t1, &v1);
+    cli_epoch_losses(r.out, "epoch 1/1", &t1, &v1);
     CLI(&r, "launch", "-n", "2", "--", cli_bin(), "train", "--model", TINY, "--data", text,
         "--mode", "ddp", "--device", "cpu", "--epochs", "1", "--max-steps", "5", "--batch", "4",
         "--lr", "0.01");
     expect(&r, 0, "2 processes");
-    losses(r.out, "epoch 1/1", &t2, &v2);
+    cli_epoch_losses(r.out, "epoch 1/1", &t2, &v2);
     cr_assert(fabs(t2 - t1) <= 2e-4 * t1 && fabs(v2 - v1) <= 2e-4 * v1,
               "launched %.4f / %.4f vs one device %.4f / %.4f", t2, v2, t1, v1);
 }
@@ -256,7 +243,7 @@ Test(cli_gpt, ddp_comm_hooks_train_within_their_bound)
             "--epochs", "2", "--max-steps", "6", "--batch", "6", "--lr", "0.01", "--comm-hook",
             hooks[k], "--powersgd-start-step", "0");
         expect(&r, 0, "epoch 2/2");
-        losses(r.out, "epoch 2/2", &tl[k], &vl[k]);
+        cli_epoch_losses(r.out, "epoch 2/2", &tl[k], &vl[k]);
         hook_bytes(r.out, hooks[k], &bytes[k], &f32[k]);
     }
     cr_assert_eq(bytes[0], f32[0] + 768, "float32: %g bytes of %g", bytes[0], f32[0]);
@@ -277,7 +264,7 @@ Test(cli_gpt, ddp_comm_hooks_train_within_their_bound)
             "--epochs", "2", "--max-steps", "6", "--batch", "6", "--lr", "0.01", "--comm-hook",
             hooks[k]);
         expect(&r, 0, "epoch 2/2");
-        losses(r.out, "epoch 2/2", &ft[k], &fv[k]);
+        cli_epoch_losses(r.out, "epoch 2/2", &ft[k], &fv[k]);
     }
     const char *p = strstr(r.out, "fsdp comm hook bf16: ");
     cr_assert(p, "%s", r.out);

@@ -17,13 +17,6 @@
 #define EL_TRAIN "--mode", "ddp", "--data", "synthetic", "--synthetic-size", "2048", "--batch", \
                  "64", "--model", "mlp:784-64-10", "--no-eval", "--quiet", "--epochs", "3"
 
-static int el_same(const char *a, const char *b)
-{
-    char cmd[512];
-    snprintf(cmd, sizeof cmd, "cmp -s '%s' '%s'", a, b);
-    return system(cmd) == 0;
-}
-
 static void el_dir(char *dir)
 {
     strcpy(dir, "/tmp/tdm_elastic_XXXXXX");
@@ -54,7 +47,7 @@ Test(elastic, train_restart_after_sigkill_is_bit_identical, .timeout = 240)
     expect(&r, 0, "(epoch 1, step 32)");
     expect(&r, 0, "epoch 3/3: train loss");
     cr_expect(!strstr(r.out, "restart 2 of 2"), "%s", r.out);
-    cr_expect(el_same(straight, restarted),
+    cr_expect(cli_same_file(straight, restarted),
               "the restarted run's parameters differ from the uninterrupted run's");
     cr_expect(!cli_shm_entries());
     el_rm(dir);
@@ -69,13 +62,7 @@ Test(elastic, gpt_train_restart_after_sigkill_is_bit_identical, .timeout = 240)
     snprintf(text, sizeof text, "%s/text.txt", dir);
     snprintf(straight, sizeof straight, "%s/straight.safetensors", dir);
     snprintf(restarted, sizeof restarted, "%s/restarted.safetensors", dir);
-    FILE *f = fopen(text, "w");
-    cr_assert_not_null(f);
-    static const char *const words[] = {"the", "quick", "brown", "fox", "jumps", "over", "a",
-                                        "lazy", "dog", "and", "runs", "home"};
-    for (int i = 0; i < 2400; i++)
-        fprintf(f, "%s%s", words[(i * 7 + i / 5) % 12], i % 9 == 8 ? ".\n" : " ");
-    fclose(f);
+    cli_write_words(text);
 #define EL_GPT "train", "--model", "gpt:2-16-2-24", "--data", text, "--mode", "ddp", \
                "--device", "cpu:3", "--epochs", "3", "--max-steps", "4", "--batch", "6", \
                "--lr", "0.01", "--no-eval", "--quiet"
@@ -91,7 +78,7 @@ Test(elastic, gpt_train_restart_after_sigkill_is_bit_identical, .timeout = 240)
     expect(&r, 0, "resumed");
     expect(&r, 0, "epoch 3/3: train loss");
 #undef EL_GPT
-    cr_expect(el_same(straight, restarted),
+    cr_expect(cli_same_file(straight, restarted),
               "the restarted gpt's parameters differ from the uninterrupted run's");
     cr_expect(!cli_shm_entries());
     el_rm(dir);
@@ -114,7 +101,7 @@ Test(elastic, launch_restart_after_sigkill_is_bit_identical, .timeout = 240)
     snprintf(want, sizeof want, "every rank starts again from %s (epoch 1, step 32)", restarted);
     expect(&r, 0, want);
     expect(&r, 0, "[rank 0] resumed ");
-    cr_expect(el_same(straight, restarted),
+    cr_expect(cli_same_file(straight, restarted),
               "the restarted run's parameters differ from the uninterrupted run's");
     cr_expect(!cli_shm_entries());
     el_rm(dir);

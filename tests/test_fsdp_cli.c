@@ -189,19 +189,6 @@ Test(fsdp_cli, help_and_usage_errors)
 
 /* ---- --model gpt --mode fsdp ---- */
 
-/* "epoch E/N: train loss X, ..., val loss Y nats" -> X, Y */
-static void gpt_losses(const char *out, const char *epoch, double *train, double *val)
-{
-    char key[64];
-    snprintf(key, sizeof key, "%s: train loss ", epoch);
-    const char *p = strstr(out, key);
-    cr_assert_not_null(p, "no '%s' line in:\n%s", key, out);
-    *train = strtod(p + strlen(key), NULL);
-    const char *v = strstr(p, "val loss ");
-    cr_assert_not_null(v, "no val loss in:\n%s", out);
-    *val = strtod(v + 9, NULL);
-}
-
 #define GPT_TINY "gpt:2-16-2-24"
 
 /* A GPT (its output head tied to the token embedding: one unit used at
@@ -234,7 +221,7 @@ Test(fsdp_cli, gpt_every_sharding_trains_as_one_device, .timeout = 240)
     CLI(&r, "train", "--model", GPT_TINY, "--data", text, "--epochs", "2", "--max-steps", "4",
         "--batch", "5", "--lr", "0.01");
     expect(&r, 0, "bigram model gets");
-    gpt_losses(r.out, "epoch 2/2", &t0, &v0);
+    cli_epoch_losses(r.out, "epoch 2/2", &t0, &v0);
     for (int s = 0; s < 3; s++) {
         /* 5 windows over 2 ranks: 2 and 3 */
         CLI(&r, "train", "--model", GPT_TINY, "--data", text, "--mode", "fsdp", "--sharding",
@@ -243,7 +230,7 @@ Test(fsdp_cli, gpt_every_sharding_trains_as_one_device, .timeout = 240)
         expect(&r, 0, "fsdp memory (rank 0)");
         cr_assert(strstr(r.out, "2 processes on cpu:2, sharding ") &&
                       strstr(r.out, "batch 5 windows of 24 bytes"), "%s", r.out);
-        gpt_losses(r.out, "epoch 2/2", &t, &v);
+        cli_epoch_losses(r.out, "epoch 2/2", &t, &v);
         cr_assert(fabs(t - t0) <= 2e-4 * t0 && fabs(v - v0) <= 2e-4 * v0,
                   "--sharding %s: train %.5f val %.5f vs single %.5f %.5f", g_shard[s], t, v, t0,
                   v0);
@@ -272,24 +259,6 @@ static tdm_status open_emu(tdm_device **out, int rank) { return tdm_cuda_emulato
  * rank again from the epoch's full checkpoint: the run ends with the
  * checkpoint of an uninterrupted one, bit for bit. 4 steps an epoch,
  * rank 1 killed before step 6 (epoch 2). */
-static void gpt_text(const char *path)
-{
-    FILE *f = fopen(path, "w");
-    cr_assert_not_null(f);
-    static const char *const words[] = {"the", "quick", "brown", "fox", "jumps", "over", "a",
-                                        "lazy", "dog", "and", "runs", "home"};
-    for (int i = 0; i < 2400; i++)
-        fprintf(f, "%s%s", words[(i * 7 + i / 5) % 12], i % 9 == 8 ? ".\n" : " ");
-    fclose(f);
-}
-
-static int same_file(const char *a, const char *b)
-{
-    char cmd[600];
-    snprintf(cmd, sizeof cmd, "cmp -s '%s' '%s'", a, b);
-    return system(cmd) == 0;
-}
-
 Test(fsdp_cli, gpt_restart_after_a_killed_rank_is_bit_identical, .timeout = 240)
 {
     static cli_result r;
@@ -298,7 +267,7 @@ Test(fsdp_cli, gpt_restart_after_a_killed_rank_is_bit_identical, .timeout = 240)
     snprintf(text, sizeof text, "%s/text.txt", dir);
     snprintf(straight, sizeof straight, "%s/straight.safetensors", dir);
     snprintf(restarted, sizeof restarted, "%s/restarted.safetensors", dir);
-    gpt_text(text);
+    cli_write_words(text);
     setenv("TMPDIR", dir, 1);   /* the failed attempt's dumps land here */
 #define EL_GPT "train", "--model", GPT_TINY, "--data", text, "--mode", "fsdp", "--sharding", \
                "grad_op", "--device", "cpu:2", "--epochs", "3", "--max-steps", "4", "--batch", \
@@ -316,7 +285,7 @@ Test(fsdp_cli, gpt_restart_after_a_killed_rank_is_bit_identical, .timeout = 240)
     expect(&r, 0, "epoch 3/3: train loss");
 #undef EL_GPT
     unsetenv("TMPDIR");
-    cr_expect(same_file(straight, restarted),
+    cr_expect(cli_same_file(straight, restarted),
               "the restarted gpt's parameters differ from the uninterrupted run's");
     cr_expect_eq(cli_shm_entries(), 0);
     tu_rmtree(dir);
@@ -347,7 +316,7 @@ Test(fsdp_cli, image_restart_after_a_killed_rank_is_bit_identical, .timeout = 24
     cr_expect(!strstr(r.out, "restart 2 of 2"), "%s", r.out);
 #undef EL_IMG
     unsetenv("TMPDIR");
-    cr_expect(same_file(straight, restarted),
+    cr_expect(cli_same_file(straight, restarted),
               "the restarted run's parameters differ from the uninterrupted run's");
     cr_expect_eq(cli_shm_entries(), 0);
     tu_rmtree(dir);
@@ -361,7 +330,7 @@ Test(fsdp_cli, gpt_killed_rank_gets_the_doctors_verdict, .timeout = 120)
     char dir[64], text[256];
     tu_mkdtemp(dir, sizeof dir, "fsdp_dr");
     snprintf(text, sizeof text, "%s/text.txt", dir);
-    gpt_text(text);
+    cli_write_words(text);
     setenv("TMPDIR", dir, 1);
     setenv("TANDEM_DDP_TEST_KILL", "1:3", 1);
     CLI(&r, "train", "--model", GPT_TINY, "--data", text, "--mode", "fsdp", "--device", "cpu:2",
