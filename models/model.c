@@ -1,10 +1,12 @@
-/* models/model.c: the model as callers see it: specs, the layer graph of
- * the MLP and CNN, the flat parameter, gradient and buffer storage,
+/* models/model.c: the model as callers see it: the layer graph of the
+ * MLP and CNN, the flat parameter, gradient and buffer storage,
  * activations, and forward and backward walking the layers in order
- * (each layer's own math is models/layers.c). The softmax cross-entropy
- * lives in models/loss.c; the GPT in models/gpt.c (through
- * tdm_model_vt). Not here: optimizers (models/optim.c), checkpoints
- * (models/checkpoint.c), any parallelism. */
+ * (each layer's own math is models/layers.c). Specs are models/spec.c;
+ * what the parallel designs install on a model (hooks, views, borrowed
+ * storage) is models/model_hooks.c; the softmax cross-entropy lives in
+ * models/loss.c; the GPT in models/gpt.c (through tdm_model_vt). Not
+ * here: optimizers (models/optim.c), checkpoints (models/checkpoint.c),
+ * any parallelism. */
 #include "models/model_impl.h"
 
 #include <math.h>
@@ -14,119 +16,6 @@
 
 #include "core/log.h"
 #include "core/rng.h"
-
-/* ---- specs ---- */
-
-void tdm_model_spec_mlp(tdm_model_spec *s, const int *dims, int ndims)
-{
-    static const int def[] = {784, 1024, 1024, 10};
-    memset(s, 0, sizeof *s);
-    s->kind = TDM_MODEL_MLP;
-    if (!dims) {
-        dims = def;
-        ndims = 4;
-    }
-    if (ndims < 2 || ndims > TDM_MODEL_MAX_DIMS) {
-        s->ndims = ndims; /* invalid: tdm_model_init refuses it, naming the count */
-        return;
-    }
-    s->ndims = ndims;
-    for (int i = 0; i < ndims; i++) s->dims[i] = dims[i];
-    s->n_classes = dims[ndims - 1];
-    s->in_c = 1;
-    s->in_h = 1;
-    s->in_w = dims[0];
-}
-
-void tdm_model_spec_cnn(tdm_model_spec *s)
-{
-    memset(s, 0, sizeof *s);
-    s->kind = TDM_MODEL_CNN;
-    s->in_c = 1;
-    s->in_h = 28;
-    s->in_w = 28;
-    s->n_classes = 10;
-    s->ch1 = 32;
-    s->ch2 = 64;
-    s->fc_hidden = 128;
-}
-
-tdm_status tdm_model_spec_parse(tdm_model_spec *s, const char *text)
-{
-    TDM_REQUIRE(text && *text, TDM_STATUS_INVALID_ARG,
-                "empty model name (expected mlp, cnn or gpt)");
-    if (!strncmp(text, "gpt", 3)) return tdm_gpt_spec_parse(s, text);
-    if (!strcmp(text, "cnn")) {
-        tdm_model_spec_cnn(s);
-        return TDM_STATUS_OK;
-    }
-    if (!strcmp(text, "mlp")) {
-        tdm_model_spec_mlp(s, NULL, 0);
-        return TDM_STATUS_OK;
-    }
-    if (!strncmp(text, "mlp:", 4)) {
-        int dims[TDM_MODEL_MAX_DIMS], n = 0;
-        const char *p = text + 4;
-        while (*p) {
-            char *end;
-            long v = strtol(p, &end, 10);
-            if (end == p || v < 1 || v > 1 << 20)
-                return tdm_error_set(TDM_STATUS_INVALID_ARG,
-                                     "model '%s': widths must be integers in [1, %d], "
-                                     "e.g. mlp:784-1024-1024-10", text, 1 << 20);
-            TDM_REQUIRE(n < TDM_MODEL_MAX_DIMS, TDM_STATUS_INVALID_ARG,
-                        "model '%s': at most %d widths", text, TDM_MODEL_MAX_DIMS);
-            dims[n++] = (int)v;
-            p = end;
-            if (*p == '-' && p[1]) p++;
-            else if (*p)
-                return tdm_error_set(TDM_STATUS_INVALID_ARG,
-                                     "model '%s': unexpected '%c' (widths are separated by '-')",
-                                     text, *p);
-        }
-        TDM_REQUIRE(n >= 2, TDM_STATUS_INVALID_ARG,
-                    "model '%s': need at least an input and an output width", text);
-        tdm_model_spec_mlp(s, dims, n);
-        return TDM_STATUS_OK;
-    }
-    return tdm_error_set(TDM_STATUS_INVALID_ARG,
-                         "unknown model '%s' (expected mlp, mlp:W0-W1-...-Wn, cnn, gpt or "
-                         "gpt:L-D-H-T)", text);
-}
-
-void tdm_model_spec_sample_shape(const tdm_model_spec *s, int *c, int *h, int *w, int *classes)
-{
-    *c = s->in_c;
-    *h = s->in_h;
-    *w = s->in_w;
-    if (s->kind == TDM_MODEL_MLP && s->dims[0] == 784) {
-        *c = 1;
-        *h = 28;
-        *w = 28;
-    }
-    *classes = s->n_classes;
-}
-
-void tdm_model_spec_describe(const tdm_model_spec *s, char *buf, size_t len)
-{
-    if (s->kind == TDM_MODEL_GPT) {
-        tdm_gpt_spec_describe(s, buf, len);
-        return;
-    }
-    if (s->kind == TDM_MODEL_CNN) {
-        if (s->fc_hidden > 0)
-            snprintf(buf, len,
-                     "cnn %dx%dx%d-[conv%d-bn-relu-pool]-[conv%d-bn-relu-pool]-fc%d-fc%d",
-                     s->in_c, s->in_h, s->in_w, s->ch1, s->ch2, s->fc_hidden, s->n_classes);
-        else
-            snprintf(buf, len, "cnn %dx%dx%d-[conv%d-bn-relu-pool]-[conv%d-bn-relu-pool]-fc%d",
-                     s->in_c, s->in_h, s->in_w, s->ch1, s->ch2, s->n_classes);
-        return;
-    }
-    size_t o = (size_t)snprintf(buf, len, "mlp ");
-    for (int i = 0; i < s->ndims && o < len; i++)
-        o += (size_t)snprintf(buf + o, len - o, "%s%d", i ? "-" : "", s->dims[i]);
-}
 
 /* ---- building ---- */
 
@@ -586,59 +475,6 @@ int64_t tdm_model_param_elems(const tdm_model *m) { return m->param_elems; }
 int64_t tdm_model_buffer_elems(const tdm_model *m) { return m->buffer_elems; }
 void tdm_model_set_train(tdm_model *m, int train) { m->train = train != 0; }
 int tdm_model_is_train(const tdm_model *m) { return m->train; }
-void tdm_model_set_sync_bn(tdm_model *m, tdm_model_allsum_fn fn, void *ctx)
-{
-    m->sync_bn = fn;
-    m->sync_bn_ctx = ctx;
-}
-
-tdm_status tdm_model_sync_bn_forward_empty(tdm_model *m)
-{
-    TDM_REQUIRE(m->sync_bn && m->train && !m->vt, TDM_STATUS_INVALID_ARG,
-                "SyncBatchNorm without samples: needs a batchnorm model in training mode with "
-                "the statistics callback set");
-    /* no activations to go back through, as after a failed forward */
-    m->batch = 0;
-    for (int i = 0; i < m->n_layers; i++) {
-        tdm_layer *l = &m->layers[i];
-        if (l->kind != TDM_LAYER_BN) continue;
-        TDM_CHECK(tdm_model_raise_use(m, TDM_MODEL_USE_FORWARD, l->p0, l->p0 + l->np - 1));
-        TDM_CHECK(tdm_syncbn_forward(m, l, NULL, 0));
-    }
-    return TDM_STATUS_OK;
-}
-
-tdm_status tdm_model_sync_bn_backward_empty(tdm_model *m)
-{
-    TDM_REQUIRE(m->sync_bn && m->train && !m->vt, TDM_STATUS_INVALID_ARG,
-                "SyncBatchNorm without samples: needs a batchnorm model in training mode with "
-                "the statistics callback set");
-    /* the layers and hooks in tdm_model_backward's order, so that the
-     * statistics sums and the buckets the hook launches interleave on
-     * the communicator as on the replicas with samples */
-    for (int i = m->n_layers - 1; i >= m->bwd_stop; i--) {
-        tdm_layer *l = &m->layers[i];
-        if (l->np > 0)
-            TDM_CHECK(tdm_model_raise_use(m, TDM_MODEL_USE_BACKWARD, l->p0, l->p0 + l->np - 1));
-        if (l->kind == TDM_LAYER_BN) TDM_CHECK(tdm_syncbn_backward(m, l, NULL, NULL, 0));
-        if (l->np > 0 && m->hook) m->hook(m->hook_ctx, m, l->p0, l->p0 + l->np - 1);
-    }
-    return TDM_STATUS_OK;
-}
-
-int tdm_model_n_batchnorm(const tdm_model *m)
-{
-    int n = 0;
-    for (int i = 0; i < m->n_layers; i++) n += m->layers[i].kind == TDM_LAYER_BN;
-    return n;
-}
-
-void tdm_model_set_grad_hook(tdm_model *m, tdm_grad_ready_fn fn, void *ctx)
-{
-    m->hook = fn;
-    m->hook_ctx = ctx;
-}
-
 tdm_status tdm_model_set_backward_stop(tdm_model *m, int layer)
 {
     TDM_REQUIRE(layer >= 0 && layer <= m->n_layers, TDM_STATUS_INVALID_ARG,
@@ -663,124 +499,6 @@ tdm_status tdm_model_set_conv_chunk(tdm_model *m, int images)
     m->batch = 0;
     m->conv_chunk = images;
     return TDM_STATUS_OK;
-}
-
-tdm_status tdm_model_set_grad_storage(tdm_model *m, float *grads)
-{
-    size_t nb = (size_t)m->param_elems * sizeof(float);
-    TDM_REQUIRE(!m->released, TDM_STATUS_INVALID_ARG,
-                "model: gradient storage was released (views in use): cannot %s it",
-                grads ? "replace" : "give back");
-    if (!grads) {
-        if (m->grads != m->grads_owned)
-            TDM_CHECK(tdm_dev_copy(m->dev, m->grads_owned, m->grads, nb));
-        m->grads = m->grads_owned;
-        return TDM_STATUS_OK;
-    }
-    TDM_CHECK(tdm_dev_copy(m->dev, grads, m->grads, nb));
-    m->grads = grads;
-    return TDM_STATUS_OK;
-}
-
-tdm_status tdm_model_zero_grad(tdm_model *m)
-{
-    if (!m->released)
-        return tdm_dev_memset_zero(m->dev, m->grads, (size_t)m->param_elems * sizeof(float));
-    for (int i = 0; i < m->n_params; i++)
-        if (m->gview[i])
-            TDM_CHECK(tdm_dev_memset_zero(m->dev, m->gview[i],
-                                               (size_t)m->params_info[i].n_elem * sizeof(float)));
-    return TDM_STATUS_OK;
-}
-
-/* ---- views, storage and parameter-use events ---- */
-
-static tdm_status tdm_model_view_range(const tdm_model *m, int first, int last, const char *what)
-{
-    TDM_REQUIRE(first >= 0 && last < m->n_params && first <= last, TDM_STATUS_INVALID_ARG,
-                "model: %s view of parameters %d..%d, but the model has 0..%d", what, first,
-                last, m->n_params - 1);
-    return TDM_STATUS_OK;
-}
-
-tdm_status tdm_model_set_param_view(tdm_model *m, int first, int last, float *base)
-{
-    TDM_CHECK(tdm_model_view_range(m, first, last, "parameter"));
-    int64_t o0 = m->params_info[first].offset;
-    for (int i = first; i <= last; i++)
-        m->pview[i] = base ? base + (m->params_info[i].offset - o0) : NULL;
-    return TDM_STATUS_OK;
-}
-
-tdm_status tdm_model_set_grad_view(tdm_model *m, int first, int last, float *base)
-{
-    TDM_CHECK(tdm_model_view_range(m, first, last, "gradient"));
-    int64_t o0 = m->params_info[first].offset;
-    for (int i = first; i <= last; i++)
-        m->gview[i] = base ? base + (m->params_info[i].offset - o0) : NULL;
-    return TDM_STATUS_OK;
-}
-
-tdm_status tdm_model_release_storage(tdm_model *m)
-{
-    if (m->released) return TDM_STATUS_OK;
-    TDM_REQUIRE(m->grads == m->grads_owned, TDM_STATUS_INVALID_ARG,
-                "model: cannot release storage while its gradients are borrowed "
-                "(tdm_model_set_grad_storage): give them back first");
-    tdm_dev_free(m->dev, m->params);
-    tdm_dev_free(m->dev, m->grads_owned);
-    m->params = m->grads = m->grads_owned = NULL;
-    m->released = 1;
-    return TDM_STATUS_OK;
-}
-
-tdm_status tdm_model_restore_storage(tdm_model *m)
-{
-    size_t nb = (size_t)m->param_elems * sizeof(float);
-    if (m->released) {
-        float *p = NULL, *g = NULL;
-        tdm_status st = tdm_dev_alloc_zero(m->dev, nb, (void **)&p);
-        if (st == TDM_STATUS_OK) st = tdm_dev_alloc_zero(m->dev, nb, (void **)&g);
-        if (st != TDM_STATUS_OK) {
-            tdm_dev_free(m->dev, p);
-            return tdm_error_prefix(st, "model: restoring its flat buffers");
-        }
-        m->params = p;
-        m->grads = m->grads_owned = g;
-        m->released = 0;
-    }
-    memset(m->pview, 0, sizeof m->pview);
-    memset(m->gview, 0, sizeof m->gview);
-    return TDM_STATUS_OK;
-}
-
-int tdm_model_storage_released(const tdm_model *m) { return m->released; }
-
-void tdm_model_set_use_hook(tdm_model *m, tdm_param_use_fn fn, void *ctx)
-{
-    m->use_hook = fn;
-    m->use_ctx = ctx;
-}
-
-tdm_status tdm_model_raise_use(tdm_model *m, tdm_model_use use, int first, int last)
-{
-    if (m->use_hook) TDM_CHECK(m->use_hook(m->use_ctx, m, use, first, last));
-    for (int i = first; i <= last; i++) {
-        int no_p = use != TDM_MODEL_USE_BACKWARD_GRADS && !tdm_model_pdata(m, i);
-        int no_g = use != TDM_MODEL_USE_FORWARD && !tdm_model_gdata(m, i);
-        if (no_p || no_g)
-            return tdm_error_set(TDM_STATUS_INVALID_ARG,
-                                 "model: %s of parameter '%s' has no storage at its %s (the "
-                                 "flat buffers were released and no view was set)",
-                                 no_p ? "the value" : "the gradient", m->params_info[i].name,
-                                 use == TDM_MODEL_USE_FORWARD ? "forward" : "backward");
-    }
-    return TDM_STATUS_OK;
-}
-
-int tdm_model_layer_block(const tdm_model *m, int layer)
-{
-    return layer >= 0 && layer < m->n_layers ? m->layers[layer].block : -1;
 }
 
 void tdm_model_get_memory(const tdm_model *m, tdm_model_memory *out)
