@@ -4,56 +4,14 @@
  * through tdm_model_vt: the flat buffers, tables, gradient storage and
  * hook stay model.c's. Not here: the kernels (core/kernels.h), the loss
  * (models/loss.c), text data (core/text.h), any parallelism. */
-#include "models/gpt.h"
-
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "core/rng.h"
+#include "models/gpt_impl.h"
 #include "models/layers_gpt.h"
-#include "models/model_impl.h"
-
-#define TDM_GPT_LN_EPS 1e-5f
-/* parameters per block, and their order inside it */
-#define TDM_GPT_PER_BLOCK 12
-enum {
-    TDM_GPT_LN1_W = 0, TDM_GPT_LN1_B, TDM_GPT_ATTN_W, TDM_GPT_ATTN_B, TDM_GPT_APROJ_W,
-    TDM_GPT_APROJ_B, TDM_GPT_LN2_W, TDM_GPT_LN2_B, TDM_GPT_FC_W, TDM_GPT_FC_B,
-    TDM_GPT_MPROJ_W, TDM_GPT_MPROJ_B,
-};
-#define TDM_GPT_WTE 0
-#define TDM_GPT_WPE 1
-
-/* What one block keeps for backward (room for cap windows of T). */
-typedef struct tdm_gpt_block {
-    float *ln1, *ln1_mean, *ln1_rstd;   /* ln_1 output (N, C) and its statistics */
-    float *q, *k, *v, *att;             /* attention's (B, H, T, hd) and (B, H, T, T) */
-    float *atty;                        /* heads merged (N, C): attn.c_proj's input */
-    float *res1;                        /* stream after attention (N, C) */
-    float *ln2, *ln2_mean, *ln2_rstd;
-    float *fch, *fcg;                   /* mlp.c_fc output, and its gelu (N, 4C) */
-    float *res2;                        /* block output (N, C) */
-} tdm_gpt_block;
-
-typedef struct tdm_gpt {
-    int L, C, H, T, V;
-    int seq;                 /* positions of the last forward */
-    const int32_t *tok;      /* borrowed: the last forward's tokens (device) */
-    int32_t *tok_host;       /* host copy for the range check (non-host devices) */
-    float *res0;             /* embeddings (N, C) */
-    tdm_gpt_block *blk;      /* L */
-    float *lnf, *lnf_mean, *lnf_rstd, *logits;
-    /* scratch shared by the blocks */
-    float *qkv;              /* forward: c_attn output (N, 3C); backward: its gradient */
-    float *yh;               /* forward: heads' outputs; backward: their gradient (N*C) */
-    float *dres, *dln;       /* (N, C): the stream's gradient; a LayerNorm output's */
-    float *dfc;              /* (N, 4C) */
-    float *datt;             /* (B, H, T, T) */
-    float *dq, *dk, *dv;     /* (B, H, T, hd) */
-    float *ones;             /* N ones: bias gradients as gemms */
-} tdm_gpt;
 
 /* ---- spec ---- */
 
@@ -117,8 +75,6 @@ void tdm_gpt_spec_describe(const tdm_model_spec *s, char *buf, size_t len)
 
 /* ---- parameters ---- */
 
-static int tdm_gpt_p(int l, int j) { return 2 + TDM_GPT_PER_BLOCK * l + j; }
-static int tdm_gpt_p_lnf(int L) { return 2 + TDM_GPT_PER_BLOCK * L; }
 
 static float *tdm_gpt_param(tdm_model *m, int i) { return tdm_model_pdata(m, i); }
 static float *tdm_gpt_grad(tdm_model *m, int i) { return tdm_model_gdata(m, i); }
@@ -185,25 +141,8 @@ static tdm_status tdm_gpt_ln_group(tdm_model *m, const char *prefix, int C)
 static void tdm_gpt_free_activations(tdm_model *m)
 {
     tdm_gpt *g = m->ext;
-    tdm_device *d = m->dev;
     if (!g) return;
-    float **all[] = {&g->res0, &g->lnf, &g->lnf_mean, &g->lnf_rstd, &g->logits, &g->qkv,
-                     &g->yh, &g->dres, &g->dln, &g->dfc, &g->datt, &g->dq, &g->dk, &g->dv,
-                     &g->ones, &m->dlogits};
-    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) {
-        tdm_dev_free(d, *all[i]);
-        *all[i] = NULL;
-    }
-    for (int l = 0; g->blk && l < g->L; l++) {
-        tdm_gpt_block *b = &g->blk[l];
-        float **ba[] = {&b->ln1, &b->ln1_mean, &b->ln1_rstd, &b->q, &b->k, &b->v, &b->att,
-                        &b->atty, &b->res1, &b->ln2, &b->ln2_mean, &b->ln2_rstd, &b->fch,
-                        &b->fcg, &b->res2};
-        for (size_t i = 0; i < sizeof ba / sizeof ba[0]; i++) {
-            tdm_dev_free(d, *ba[i]);
-            *ba[i] = NULL;
-        }
-    }
+    tdm_act_free(m);   /* every buffer of the layout, and the arena */
     free(g->tok_host);
     g->tok_host = NULL;
     m->cap = 0;
@@ -220,12 +159,98 @@ static void tdm_gpt_free_ext(tdm_model *m)
     m->ext = NULL;
 }
 
-static tdm_status tdm_gpt_alloc(tdm_model *m, float **p, int64_t n_elem)
+/* 1 when block l ends its checkpoint segment (keeps its output). */
+static int tdm_gpt_seg_last(const tdm_model *m, int l)
 {
-    size_t nb = (size_t)n_elem * sizeof(float);
-    TDM_CHECK(tdm_dev_alloc(m->dev, nb, (void **)p));
-    m->act_bytes += nb;
-    return TDM_STATUS_OK;
+    int N = m->lev.ckpt;
+    return N > 0 && (l % N == N - 1 || l == ((const tdm_gpt *)m->ext)->L - 1);
+}
+
+/* The buffers of a GPT for `batch` windows: FP32 or 16-bit tensors,
+ * checkpointed blocks' in the arena (block l at slot l % N; its output
+ * only there when the segment goes on past it), then what the blocks
+ * share. */
+static void tdm_gpt_layout(tdm_model *m, int batch, tdm_act_layout *lay)
+{
+    tdm_gpt *g = m->ext;
+    size_t N = (size_t)batch * g->T, C = g->C, att = (size_t)batch * g->H * g->T * g->T;
+    size_t f = sizeof(float), es = tdm_dtype_size(m->lev.adt), off = 0, slot = 0;
+    int low = tdm_model_low(m), ck = m->lev.ckpt > 0;
+    memset(lay, 0, sizeof *lay);
+    tdm_act_add(lay, (void **)&g->res0, N * C * f, 0, 0, &off);
+    for (int pass = 0; pass < 2; pass++) {
+        /* pass 0 measures one block's slot (offsets from 0), pass 1 lays
+         * every block out */
+        for (int l = 0; l < (pass ? g->L : 1); l++) {
+            tdm_gpt_block *b = &g->blk[l];
+            tdm_act_layout scratch;
+            tdm_act_layout *to = pass ? lay : &scratch;
+            int layer = tdm_gpt_layer(l, 0), a = ck;
+            off = pass ? (size_t)(l % (ck ? m->lev.ckpt : 1)) * slot : 0;
+            if (!pass) memset(&scratch, 0, sizeof scratch);
+            if (low) {
+                tdm_act_add(to, &b->ln1h, N * C * es, layer, a, &off);
+                tdm_act_add(to, (void **)&b->ln1_mean, N * f, layer, a, &off);
+                tdm_act_add(to, (void **)&b->ln1_rstd, N * f, layer, a, &off);
+                tdm_act_add(to, &b->qkvh, 3 * N * C * es, layer, a, &off);
+                tdm_act_add(to, &b->atth, att * es, layer, a, &off);
+                tdm_act_add(to, &b->attyh, N * C * es, layer, a, &off);
+                tdm_act_add(to, (void **)&b->res1, N * C * f, layer, a, &off);
+                tdm_act_add(to, &b->ln2h, N * C * es, layer, a, &off);
+                tdm_act_add(to, (void **)&b->ln2_mean, N * f, layer, a, &off);
+                tdm_act_add(to, (void **)&b->ln2_rstd, N * f, layer, a, &off);
+                tdm_act_add(to, &b->fchh, 4 * N * C * es, layer, a, &off);
+                tdm_act_add(to, &b->fcgh, 4 * N * C * es, layer, a, &off);
+            } else {
+                tdm_act_add(to, (void **)&b->ln1, N * C * f, layer, a, &off);
+                tdm_act_add(to, (void **)&b->ln1_mean, N * f, layer, a, &off);
+                tdm_act_add(to, (void **)&b->ln1_rstd, N * f, layer, a, &off);
+                tdm_act_add(to, (void **)&b->q, N * C * f, layer, a, &off);
+                tdm_act_add(to, (void **)&b->k, N * C * f, layer, a, &off);
+                tdm_act_add(to, (void **)&b->v, N * C * f, layer, a, &off);
+                tdm_act_add(to, (void **)&b->att, att * f, layer, a, &off);
+                tdm_act_add(to, (void **)&b->atty, N * C * f, layer, a, &off);
+                tdm_act_add(to, (void **)&b->res1, N * C * f, layer, a, &off);
+                tdm_act_add(to, (void **)&b->ln2, N * C * f, layer, a, &off);
+                tdm_act_add(to, (void **)&b->ln2_mean, N * f, layer, a, &off);
+                tdm_act_add(to, (void **)&b->ln2_rstd, N * f, layer, a, &off);
+                tdm_act_add(to, (void **)&b->fch, 4 * N * C * f, layer, a, &off);
+                tdm_act_add(to, (void **)&b->fcg, 4 * N * C * f, layer, a, &off);
+            }
+            int keep_out = !ck || tdm_gpt_seg_last(m, l);
+            tdm_act_add(to, (void **)&b->res2, N * C * f, layer, pass ? !keep_out : 1, &off);
+            if (!pass) slot = off;
+        }
+    }
+    if (!ck) lay->arena_bytes = 0;
+    off = 0;
+    int head = tdm_gpt_layer(g->L, 0);
+    if (low) tdm_act_add(lay, &g->lnfh, N * C * es, head, 0, &off);
+    else tdm_act_add(lay, (void **)&g->lnf, N * C * f, head, 0, &off);
+    tdm_act_add(lay, (void **)&g->lnf_mean, N * f, head, 0, &off);
+    tdm_act_add(lay, (void **)&g->lnf_rstd, N * f, head, 0, &off);
+    tdm_act_add(lay, (void **)&g->logits, N * g->V * f, head + 1, 0, &off);
+    tdm_act_add(lay, (void **)&m->dlogits, N * g->V * f, -1, 0, &off);
+    tdm_act_add(lay, (void **)&g->qkv, 3 * N * C * f, -1, 0, &off);
+    tdm_act_add(lay, (void **)&g->yh, N * C * f, -1, 0, &off);
+    tdm_act_add(lay, (void **)&g->dres, N * C * f, -1, 0, &off);
+    tdm_act_add(lay, (void **)&g->dln, N * C * f, -1, 0, &off);
+    tdm_act_add(lay, (void **)&g->dfc, 4 * N * C * f, -1, 0, &off);
+    tdm_act_add(lay, (void **)&g->datt, att * f, -1, 0, &off);
+    if (!low) {
+        tdm_act_add(lay, (void **)&g->dq, N * C * f, -1, 0, &off);
+        tdm_act_add(lay, (void **)&g->dk, N * C * f, -1, 0, &off);
+        tdm_act_add(lay, (void **)&g->dv, N * C * f, -1, 0, &off);
+    }
+    tdm_act_add(lay, (void **)&g->ones, N * f, -1, 0, &off);
+    if (low) {
+        size_t lo = 4 * N * C, wi = 4 * N * C;
+        if (att > lo) lo = att;
+        if (N * g->V > lo) lo = N * g->V;
+        if (att > wi) wi = att;
+        tdm_act_add(lay, &g->low, lo * es, -1, 0, &off);
+        tdm_act_add(lay, (void **)&g->wide, wi * f, -1, 0, &off);
+    }
 }
 
 /* Room for `batch` windows of the full context. */
@@ -234,45 +259,19 @@ static tdm_status tdm_gpt_reserve(tdm_model *m, int batch)
     if (batch <= m->cap) return TDM_STATUS_OK;
     tdm_gpt *g = m->ext;
     tdm_status st = TDM_STATUS_OK;
+    tdm_act_layout *lay = NULL;
     tdm_gpt_free_activations(m);
-    int64_t N = (int64_t)batch * g->T, C = g->C, att = (int64_t)batch * g->H * g->T * g->T;
+    int64_t N = (int64_t)batch * g->T, C = g->C;
     TDM_REQUIRE(N * 4 * C <= INT32_MAX && N * g->V <= INT32_MAX, TDM_STATUS_INVALID_ARG,
                 "gpt: a batch of %d windows of %d is too large for one gemm (at most %lld "
                 "windows)", batch, g->T, (long long)(INT32_MAX / (4 * C * g->T)));
-    TDM_TRY(tdm_gpt_alloc(m, &g->res0, N * C));
-    for (int l = 0; l < g->L; l++) {
-        tdm_gpt_block *b = &g->blk[l];
-        TDM_TRY(tdm_gpt_alloc(m, &b->ln1, N * C));
-        TDM_TRY(tdm_gpt_alloc(m, &b->ln1_mean, N));
-        TDM_TRY(tdm_gpt_alloc(m, &b->ln1_rstd, N));
-        TDM_TRY(tdm_gpt_alloc(m, &b->q, N * C));
-        TDM_TRY(tdm_gpt_alloc(m, &b->k, N * C));
-        TDM_TRY(tdm_gpt_alloc(m, &b->v, N * C));
-        TDM_TRY(tdm_gpt_alloc(m, &b->att, att));
-        TDM_TRY(tdm_gpt_alloc(m, &b->atty, N * C));
-        TDM_TRY(tdm_gpt_alloc(m, &b->res1, N * C));
-        TDM_TRY(tdm_gpt_alloc(m, &b->ln2, N * C));
-        TDM_TRY(tdm_gpt_alloc(m, &b->ln2_mean, N));
-        TDM_TRY(tdm_gpt_alloc(m, &b->ln2_rstd, N));
-        TDM_TRY(tdm_gpt_alloc(m, &b->fch, N * 4 * C));
-        TDM_TRY(tdm_gpt_alloc(m, &b->fcg, N * 4 * C));
-        TDM_TRY(tdm_gpt_alloc(m, &b->res2, N * C));
+    lay = malloc(sizeof *lay);
+    if (!lay) {
+        st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "cannot allocate an activation layout");
+        goto fail;
     }
-    TDM_TRY(tdm_gpt_alloc(m, &g->lnf, N * C));
-    TDM_TRY(tdm_gpt_alloc(m, &g->lnf_mean, N));
-    TDM_TRY(tdm_gpt_alloc(m, &g->lnf_rstd, N));
-    TDM_TRY(tdm_gpt_alloc(m, &g->logits, N * g->V));
-    TDM_TRY(tdm_gpt_alloc(m, &m->dlogits, N * g->V));
-    TDM_TRY(tdm_gpt_alloc(m, &g->qkv, N * 3 * C));
-    TDM_TRY(tdm_gpt_alloc(m, &g->yh, N * C));
-    TDM_TRY(tdm_gpt_alloc(m, &g->dres, N * C));
-    TDM_TRY(tdm_gpt_alloc(m, &g->dln, N * C));
-    TDM_TRY(tdm_gpt_alloc(m, &g->dfc, N * 4 * C));
-    TDM_TRY(tdm_gpt_alloc(m, &g->datt, att));
-    TDM_TRY(tdm_gpt_alloc(m, &g->dq, N * C));
-    TDM_TRY(tdm_gpt_alloc(m, &g->dk, N * C));
-    TDM_TRY(tdm_gpt_alloc(m, &g->dv, N * C));
-    TDM_TRY(tdm_gpt_alloc(m, &g->ones, N));
+    tdm_gpt_layout(m, batch, lay);
+    TDM_TRY(tdm_act_alloc(m, lay));
     {
         float *h = malloc((size_t)N * sizeof(float));
         if (!h) {
@@ -293,9 +292,11 @@ static tdm_status tdm_gpt_reserve(tdm_model *m, int batch)
             goto fail;
         }
     }
+    free(lay);
     m->cap = batch;
     return TDM_STATUS_OK;
 fail:
+    free(lay);
     tdm_gpt_free_activations(m);
     return tdm_error_prefix(st, "gpt: activations for %d windows of %d", batch, g->T);
 }
@@ -321,6 +322,45 @@ static tdm_status tdm_gpt_check_tokens(tdm_model *m, const int32_t *tok, int64_t
     return TDM_STATUS_OK;
 }
 
+/* Block l's FP32 forward from the stream res (B windows of Tr). */
+static tdm_status tdm_gpt_block_forward(tdm_model *m, int l, const float *res, int B, int Tr)
+{
+    tdm_gpt *g = m->ext;
+    tdm_device *d = m->dev;
+    tdm_gpt_block *b = &g->blk[l];
+    int C = g->C;
+    int64_t N = (int64_t)B * Tr;
+    size_t row_bytes = (size_t)N * C * sizeof(float);
+#define P(j) tdm_model_pdata(m, tdm_gpt_p(l, (j)))
+    TDM_CHECK(tdm_dev_layernorm_fwd(d, res, P(TDM_GPT_LN1_W), P(TDM_GPT_LN1_B), b->ln1,
+                                    b->ln1_mean, b->ln1_rstd, N, C, TDM_GPT_LN_EPS));
+    TDM_CHECK(tdm_layers_linear_fwd(d, b->ln1, P(TDM_GPT_ATTN_W), P(TDM_GPT_ATTN_B), N, C,
+                                    3 * C, 0, g->qkv));
+    tdm_layers_attn a = {.B = B, .T = Tr, .H = g->H, .C = C, .q = b->q, .k = b->k,
+                         .v = b->v, .att = b->att};
+    TDM_CHECK(tdm_layers_attention_fwd(d, &a, g->qkv, g->yh, b->atty));
+    /* x + attn(ln_1(x)): the projection adds onto a copy of the stream */
+    TDM_CHECK(tdm_dev_copy(d, b->res1, res, row_bytes));
+    TDM_CHECK(tdm_layers_linear_fwd(d, b->atty, P(TDM_GPT_APROJ_W), P(TDM_GPT_APROJ_B), N,
+                                    C, C, 1, b->res1));
+    TDM_CHECK(tdm_dev_layernorm_fwd(d, b->res1, P(TDM_GPT_LN2_W), P(TDM_GPT_LN2_B), b->ln2,
+                                    b->ln2_mean, b->ln2_rstd, N, C, TDM_GPT_LN_EPS));
+    TDM_CHECK(tdm_layers_linear_fwd(d, b->ln2, P(TDM_GPT_FC_W), P(TDM_GPT_FC_B), N, C,
+                                    4 * C, 0, b->fch));
+    TDM_CHECK(tdm_dev_gelu_fwd(d, b->fch, b->fcg, N * 4 * C));
+    TDM_CHECK(tdm_dev_copy(d, b->res2, b->res1, row_bytes));
+    TDM_CHECK(tdm_layers_linear_fwd(d, b->fcg, P(TDM_GPT_MPROJ_W), P(TDM_GPT_MPROJ_B), N,
+                                    4 * C, C, 1, b->res2));
+#undef P
+    return TDM_STATUS_OK;
+}
+
+static tdm_status tdm_gpt_block_fwd(tdm_model *m, int l, const float *res, int B, int Tr)
+{
+    if (tdm_model_low(m)) return tdm_gpt_block_forward_low(m, l, res, B, Tr);
+    return tdm_gpt_block_forward(m, l, res, B, Tr);
+}
+
 static tdm_status tdm_gpt_run_forward(tdm_model *m, const int32_t *tok, int B, int Tr,
                                       const float **logits)
 {
@@ -328,7 +368,6 @@ static tdm_status tdm_gpt_run_forward(tdm_model *m, const int32_t *tok, int B, i
     tdm_device *d = m->dev;
     int C = g->C, L = g->L;
     int64_t N = (int64_t)B * Tr;
-    size_t row_bytes = (size_t)N * C * sizeof(float);
     TDM_CHECK(tdm_gpt_reserve(m, B));
     g->seq = Tr;
     TDM_CHECK(tdm_gpt_check_tokens(m, tok, N));
@@ -339,40 +378,26 @@ static tdm_status tdm_gpt_run_forward(tdm_model *m, const int32_t *tok, int B, i
                            g->res0, B, Tr, C));
     const float *res = g->res0;
     for (int l = 0; l < L; l++) {
-        tdm_gpt_block *b = &g->blk[l];
-        TDM_CHECK(tdm_model_raise_use(m, TDM_MODEL_USE_FORWARD, tdm_gpt_p(l, 0),
-                                tdm_gpt_p(l, TDM_GPT_PER_BLOCK - 1)));
-#define P(j) tdm_gpt_param(m, tdm_gpt_p(l, (j)))
-        TDM_CHECK(tdm_dev_layernorm_fwd(d, res, P(TDM_GPT_LN1_W), P(TDM_GPT_LN1_B), b->ln1,
-                                        b->ln1_mean, b->ln1_rstd, N, C, TDM_GPT_LN_EPS));
-        TDM_CHECK(tdm_layers_linear_fwd(d, b->ln1, P(TDM_GPT_ATTN_W), P(TDM_GPT_ATTN_B), N, C,
-                                        3 * C, 0, g->qkv));
-        tdm_layers_attn a = {.B = B, .T = Tr, .H = g->H, .C = C, .q = b->q, .k = b->k,
-                             .v = b->v, .att = b->att};
-        TDM_CHECK(tdm_layers_attention_fwd(d, &a, g->qkv, g->yh, b->atty));
-        /* x + attn(ln_1(x)): the projection adds onto a copy of the stream */
-        TDM_CHECK(tdm_dev_copy(d, b->res1, res, row_bytes));
-        TDM_CHECK(tdm_layers_linear_fwd(d, b->atty, P(TDM_GPT_APROJ_W), P(TDM_GPT_APROJ_B), N,
-                                        C, C, 1, b->res1));
-        TDM_CHECK(tdm_dev_layernorm_fwd(d, b->res1, P(TDM_GPT_LN2_W), P(TDM_GPT_LN2_B), b->ln2,
-                                        b->ln2_mean, b->ln2_rstd, N, C, TDM_GPT_LN_EPS));
-        TDM_CHECK(tdm_layers_linear_fwd(d, b->ln2, P(TDM_GPT_FC_W), P(TDM_GPT_FC_B), N, C,
-                                        4 * C, 0, b->fch));
-        TDM_CHECK(tdm_dev_gelu_fwd(d, b->fch, b->fcg, N * 4 * C));
-        TDM_CHECK(tdm_dev_copy(d, b->res2, b->res1, row_bytes));
-        TDM_CHECK(tdm_layers_linear_fwd(d, b->fcg, P(TDM_GPT_MPROJ_W), P(TDM_GPT_MPROJ_B), N,
-                                        4 * C, C, 1, b->res2));
-#undef P
-        res = b->res2;
+        int p0 = tdm_gpt_p(l, 0), p1 = tdm_gpt_p(l, TDM_GPT_PER_BLOCK - 1);
+        TDM_CHECK(tdm_model_raise_use(m, TDM_MODEL_USE_FORWARD, p0, p1));
+        TDM_CHECK(tdm_model_cast_params(m, p0, p1));
+        TDM_CHECK(tdm_gpt_block_fwd(m, l, res, B, Tr));
+        res = g->blk[l].res2;
     }
     int pf = tdm_gpt_p_lnf(L);
     TDM_CHECK(tdm_model_raise_use(m, TDM_MODEL_USE_FORWARD, pf, pf + 1));
-    TDM_CHECK(tdm_dev_layernorm_fwd(d, res, tdm_gpt_param(m, pf), tdm_gpt_param(m, pf + 1), g->lnf,
-                               g->lnf_mean, g->lnf_rstd, N, C, TDM_GPT_LN_EPS));
     /* the head tied to the token embedding: logits = ln_f(x) wte^T */
-    TDM_CHECK(tdm_model_raise_use(m, TDM_MODEL_USE_FORWARD, TDM_GPT_WTE, TDM_GPT_WTE));
-    TDM_CHECK(tdm_layers_linear_fwd(d, g->lnf, tdm_gpt_param(m, TDM_GPT_WTE), NULL, N, C, g->V,
-                                    0, g->logits));
+    if (tdm_model_low(m)) {
+        TDM_CHECK(tdm_model_raise_use(m, TDM_MODEL_USE_FORWARD, TDM_GPT_WTE, TDM_GPT_WTE));
+        TDM_CHECK(tdm_model_cast_params(m, TDM_GPT_WTE, TDM_GPT_WTE));
+        TDM_CHECK(tdm_gpt_head_forward_low(m, res, B, Tr));
+    } else {
+        TDM_CHECK(tdm_dev_layernorm_fwd(d, res, tdm_gpt_param(m, pf), tdm_gpt_param(m, pf + 1),
+                                        g->lnf, g->lnf_mean, g->lnf_rstd, N, C, TDM_GPT_LN_EPS));
+        TDM_CHECK(tdm_model_raise_use(m, TDM_MODEL_USE_FORWARD, TDM_GPT_WTE, TDM_GPT_WTE));
+        TDM_CHECK(tdm_layers_linear_fwd(d, g->lnf, tdm_gpt_param(m, TDM_GPT_WTE), NULL, N, C,
+                                        g->V, 0, g->logits));
+    }
     g->tok = tok;
     if (logits) *logits = g->logits;
     return TDM_STATUS_OK;
@@ -407,73 +432,113 @@ static const float *tdm_gpt_last_logits(const tdm_model *m)
 
 /* ---- backward ---- */
 
-static void tdm_gpt_hook(tdm_model *m, int layer)
+void tdm_gpt_hook(tdm_model *m, int layer)
 {
     const tdm_layer *l = &m->layers[layer];
     if (m->hook && l->np > 0) m->hook(m->hook_ctx, m, l->p0, l->p0 + l->np - 1);
 }
 
-/* Logical layers: 0 embeddings; block l's six at 1 + 6l + (ln_1, c_attn,
- * attn.c_proj, ln_2, c_fc, mlp.c_proj); ln_f at 1 + 6L; the head last. */
-static int tdm_gpt_layer(int l, int j) { return 1 + 6 * l + j; }
+/* Block l's FP32 backward: from g->dres (the gradient of its output) to
+ * the gradient of its input res_in, left in g->dres. */
+static tdm_status tdm_gpt_block_backward(tdm_model *m, int l, const float *res_in, int B, int Tr)
+{
+    tdm_gpt *g = m->ext;
+    tdm_device *d = m->dev;
+    tdm_gpt_block *b = &g->blk[l];
+    int C = g->C;
+    int64_t N = (int64_t)B * Tr;
+#define P(j) tdm_gpt_param(m, tdm_gpt_p(l, (j)))
+#define G(j) tdm_gpt_grad(m, tdm_gpt_p(l, (j)))
+    /* x += mlp(ln_2(x)): the branch's output gradient is dres itself */
+    TDM_CHECK(tdm_layers_linear_bwd(d, b->fcg, P(TDM_GPT_MPROJ_W), g->dres, g->ones, N,
+                                    4 * C, C, G(TDM_GPT_MPROJ_W), G(TDM_GPT_MPROJ_B), g->dfc,
+                                    0));
+    tdm_gpt_hook(m, tdm_gpt_layer(l, 5));
+    TDM_CHECK(tdm_dev_gelu_bwd(d, b->fch, g->dfc, g->dfc, N * 4 * C));
+    TDM_CHECK(tdm_layers_linear_bwd(d, b->ln2, P(TDM_GPT_FC_W), g->dfc, g->ones, N, C, 4 * C,
+                                    G(TDM_GPT_FC_W), G(TDM_GPT_FC_B), g->dln, 0));
+    tdm_gpt_hook(m, tdm_gpt_layer(l, 4));
+    TDM_CHECK(tdm_dev_layernorm_bwd(d, b->res1, g->dln, P(TDM_GPT_LN2_W), b->ln2_mean,
+                                    b->ln2_rstd, g->dres, G(TDM_GPT_LN2_W),
+                                    G(TDM_GPT_LN2_B), N, C));
+    tdm_gpt_hook(m, tdm_gpt_layer(l, 3));
+    /* x += attn(ln_1(x)); dln holds the heads' output gradient until
+     * c_attn's backward overwrites it */
+    TDM_CHECK(tdm_layers_linear_bwd(d, b->atty, P(TDM_GPT_APROJ_W), g->dres, g->ones, N, C,
+                                    C, G(TDM_GPT_APROJ_W), G(TDM_GPT_APROJ_B), g->dln, 0));
+    tdm_gpt_hook(m, tdm_gpt_layer(l, 2));
+    tdm_layers_attn a = {.B = B, .T = Tr, .H = g->H, .C = C, .q = b->q, .k = b->k,
+                         .v = b->v, .att = b->att};
+    TDM_CHECK(tdm_layers_attention_bwd(d, &a, g->dln, g->yh, g->datt, g->dq, g->dk, g->dv,
+                                       g->qkv));
+    TDM_CHECK(tdm_layers_linear_bwd(d, b->ln1, P(TDM_GPT_ATTN_W), g->qkv, g->ones, N, C,
+                                    3 * C, G(TDM_GPT_ATTN_W), G(TDM_GPT_ATTN_B), g->dln, 0));
+    tdm_gpt_hook(m, tdm_gpt_layer(l, 1));
+    TDM_CHECK(tdm_dev_layernorm_bwd(d, res_in, g->dln, P(TDM_GPT_LN1_W), b->ln1_mean,
+                                    b->ln1_rstd, g->dres, G(TDM_GPT_LN1_W),
+                                    G(TDM_GPT_LN1_B), N, C));
+    tdm_gpt_hook(m, tdm_gpt_layer(l, 0));
+#undef P
+#undef G
+    return TDM_STATUS_OK;
+}
+
+/* The input of block l: the embeddings, or the block before's output. */
+static const float *tdm_gpt_block_in(const tdm_gpt *g, int l)
+{
+    return l > 0 ? g->blk[l - 1].res2 : g->res0;
+}
+
+/* Checkpointing (models/recompute.h): backward reached block l, the last
+ * of its segment; the segment's blocks run forward again from the
+ * segment's input, into the arena. */
+static tdm_status tdm_gpt_recompute(tdm_model *m, int l, int B, int Tr)
+{
+    tdm_gpt *g = m->ext;
+    int first = l - l % m->lev.ckpt;
+    m->lev.recomputing = 1;
+    tdm_status st = TDM_STATUS_OK;
+    for (int j = first; j <= l && st == TDM_STATUS_OK; j++) {
+        if (j < l)
+            st = tdm_model_raise_use(m, TDM_MODEL_USE_BACKWARD, tdm_gpt_p(j, 0),
+                                     tdm_gpt_p(j, TDM_GPT_PER_BLOCK - 1));
+        if (st == TDM_STATUS_OK) st = tdm_gpt_block_fwd(m, j, tdm_gpt_block_in(g, j), B, Tr);
+    }
+    m->lev.recomputing = 0;
+    return st;
+}
 
 static tdm_status tdm_gpt_backward(tdm_model *m, const float *dlogits)
 {
     tdm_gpt *g = m->ext;
     tdm_device *d = m->dev;
-    int B = m->batch, Tr = g->seq, C = g->C, L = g->L;
+    int B = m->batch, Tr = g->seq, C = g->C, L = g->L, low = tdm_model_low(m);
     int64_t N = (int64_t)B * Tr;
     TDM_CHECK(tdm_dev_memset_zero(d, g->dres, (size_t)N * C * sizeof(float)));
     /* the head: dwte += dlogits^T ln_f(x) (the first of its two shares),
      * d ln_f(x) = dlogits wte; no hook: wte is not final yet */
     TDM_CHECK(tdm_model_raise_use(m, TDM_MODEL_USE_BACKWARD, TDM_GPT_WTE, TDM_GPT_WTE));
-    TDM_CHECK(tdm_layers_linear_bwd(d, g->lnf, tdm_gpt_param(m, TDM_GPT_WTE), dlogits, g->ones,
-                                    N, C, g->V, tdm_gpt_grad(m, TDM_GPT_WTE), NULL, g->dln, 0));
     int pf = tdm_gpt_p_lnf(L);
-    const float *res_last = L > 0 ? g->blk[L - 1].res2 : g->res0;
-    TDM_CHECK(tdm_model_raise_use(m, TDM_MODEL_USE_BACKWARD, pf, pf + 1));
-    TDM_CHECK(tdm_dev_layernorm_bwd(d, res_last, g->dln, tdm_gpt_param(m, pf), g->lnf_mean,
-                               g->lnf_rstd, g->dres, tdm_gpt_grad(m, pf),
-                               tdm_gpt_grad(m, pf + 1), N, C));
+    const float *res_last = tdm_gpt_block_in(g, L);
+    if (low) {
+        TDM_CHECK(tdm_model_raise_use(m, TDM_MODEL_USE_BACKWARD, pf, pf + 1));
+        TDM_CHECK(tdm_gpt_head_backward_low(m, res_last, dlogits, B, Tr));
+    } else {
+        TDM_CHECK(tdm_layers_linear_bwd(d, g->lnf, tdm_gpt_param(m, TDM_GPT_WTE), dlogits,
+                                        g->ones, N, C, g->V, tdm_gpt_grad(m, TDM_GPT_WTE), NULL,
+                                        g->dln, 0));
+        TDM_CHECK(tdm_model_raise_use(m, TDM_MODEL_USE_BACKWARD, pf, pf + 1));
+        TDM_CHECK(tdm_dev_layernorm_bwd(d, res_last, g->dln, tdm_gpt_param(m, pf), g->lnf_mean,
+                                        g->lnf_rstd, g->dres, tdm_gpt_grad(m, pf),
+                                        tdm_gpt_grad(m, pf + 1), N, C));
+    }
     tdm_gpt_hook(m, 1 + 6 * L);
     for (int l = L - 1; l >= 0; l--) {
-        tdm_gpt_block *b = &g->blk[l];
-        const float *res_in = l > 0 ? g->blk[l - 1].res2 : g->res0;
         TDM_CHECK(tdm_model_raise_use(m, TDM_MODEL_USE_BACKWARD, tdm_gpt_p(l, 0),
-                                tdm_gpt_p(l, TDM_GPT_PER_BLOCK - 1)));
-#define P(j) tdm_gpt_param(m, tdm_gpt_p(l, (j)))
-#define G(j) tdm_gpt_grad(m, tdm_gpt_p(l, (j)))
-        /* x += mlp(ln_2(x)): the branch's output gradient is dres itself */
-        TDM_CHECK(tdm_layers_linear_bwd(d, b->fcg, P(TDM_GPT_MPROJ_W), g->dres, g->ones, N,
-                                        4 * C, C, G(TDM_GPT_MPROJ_W), G(TDM_GPT_MPROJ_B), g->dfc,
-                                        0));
-        tdm_gpt_hook(m, tdm_gpt_layer(l, 5));
-        TDM_CHECK(tdm_dev_gelu_bwd(d, b->fch, g->dfc, g->dfc, N * 4 * C));
-        TDM_CHECK(tdm_layers_linear_bwd(d, b->ln2, P(TDM_GPT_FC_W), g->dfc, g->ones, N, C, 4 * C,
-                                        G(TDM_GPT_FC_W), G(TDM_GPT_FC_B), g->dln, 0));
-        tdm_gpt_hook(m, tdm_gpt_layer(l, 4));
-        TDM_CHECK(tdm_dev_layernorm_bwd(d, b->res1, g->dln, P(TDM_GPT_LN2_W), b->ln2_mean,
-                                        b->ln2_rstd, g->dres, G(TDM_GPT_LN2_W),
-                                        G(TDM_GPT_LN2_B), N, C));
-        tdm_gpt_hook(m, tdm_gpt_layer(l, 3));
-        /* x += attn(ln_1(x)); dln holds the heads' output gradient until
-         * c_attn's backward overwrites it */
-        TDM_CHECK(tdm_layers_linear_bwd(d, b->atty, P(TDM_GPT_APROJ_W), g->dres, g->ones, N, C,
-                                        C, G(TDM_GPT_APROJ_W), G(TDM_GPT_APROJ_B), g->dln, 0));
-        tdm_gpt_hook(m, tdm_gpt_layer(l, 2));
-        tdm_layers_attn a = {.B = B, .T = Tr, .H = g->H, .C = C, .q = b->q, .k = b->k,
-                             .v = b->v, .att = b->att};
-        TDM_CHECK(tdm_layers_attention_bwd(d, &a, g->dln, g->yh, g->datt, g->dq, g->dk, g->dv,
-                                           g->qkv));
-        TDM_CHECK(tdm_layers_linear_bwd(d, b->ln1, P(TDM_GPT_ATTN_W), g->qkv, g->ones, N, C,
-                                        3 * C, G(TDM_GPT_ATTN_W), G(TDM_GPT_ATTN_B), g->dln, 0));
-        tdm_gpt_hook(m, tdm_gpt_layer(l, 1));
-        TDM_CHECK(tdm_dev_layernorm_bwd(d, res_in, g->dln, P(TDM_GPT_LN1_W), b->ln1_mean,
-                                        b->ln1_rstd, g->dres, G(TDM_GPT_LN1_W),
-                                        G(TDM_GPT_LN1_B), N, C));
-        tdm_gpt_hook(m, tdm_gpt_layer(l, 0));
-#undef P
-#undef G
+                                      tdm_gpt_p(l, TDM_GPT_PER_BLOCK - 1)));
+        if (tdm_gpt_seg_last(m, l)) TDM_CHECK(tdm_gpt_recompute(m, l, B, Tr));
+        if (low) TDM_CHECK(tdm_gpt_block_backward_low(m, l, tdm_gpt_block_in(g, l), B, Tr));
+        else TDM_CHECK(tdm_gpt_block_backward(m, l, tdm_gpt_block_in(g, l), B, Tr));
     }
     /* the embeddings: wte's second share; now wte and wpe are final. The
      * embedding's backward adds rows of dres into the gradients and
@@ -557,9 +622,13 @@ tdm_status tdm_gpt_build(tdm_model *m)
     TDM_CHECK(tdm_gpt_ln_group(m, "transformer.ln_f", C));
     tdm_model_add_layer(m, TDM_LAYER_GROUP);   /* the head: reads wte, owns nothing */
     /* blocks: 0 the embeddings, 1 + l block l's six layers, L + 1 ln_f
-     * and the head */
-    for (int i = 0; i < m->n_layers; i++)
+     * and the head; the checkpoint units are the transformer blocks */
+    for (int i = 0; i < m->n_layers; i++) {
         m->layers[i].block = i == 0 ? 0 : i >= 1 + 6 * L ? L + 1 : 1 + (i - 1) / 6;
+        m->layers[i].unit = m->layers[i].block >= 1 && m->layers[i].block <= L
+                                ? m->layers[i].block - 1 : -1;
+    }
+    m->lev.n_units = L;
     return TDM_STATUS_OK;
 }
 

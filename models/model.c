@@ -16,6 +16,7 @@
 
 #include "core/log.h"
 #include "core/rng.h"
+#include "models/recompute.h"
 
 /* ---- building ---- */
 
@@ -189,6 +190,7 @@ static tdm_status tdm_model_new(tdm_model **out, tdm_device *dev, const tdm_mode
     m->dev = dev;
     m->train = 1;
     TDM_TRY(tdm_model_build(m));
+    if (!m->vt) tdm_model_chain_units(m);
     TDM_TRY(tdm_model_alloc_state(m));
     for (int i = 0; i < m->n_layers; i++) {
         tdm_layer *l = &m->layers[i];
@@ -299,33 +301,35 @@ tdm_status tdm_model_clone(tdm_model **out, const tdm_model *src, tdm_device *de
     }
     m->train = src->train;
     m->conv_chunk = src->conv_chunk;
+    if (st == TDM_STATUS_OK) st = tdm_model_set_precision(m, src->lev.prec);
+    if (st == TDM_STATUS_OK) st = tdm_model_set_checkpoint(m, src->lev.ckpt);
+    if (st != TDM_STATUS_OK) {
+        tdm_model_free(m);
+        return st;
+    }
     *out = m;
     return TDM_STATUS_OK;
 }
 
 static void tdm_model_free_activations(tdm_model *m)
 {
-    tdm_device *d = m->dev;
     if (m->vt) {
         m->vt->free_activations(m);
         return;
     }
+    tdm_act_free(m);   /* every layer's buffers and the model's scratch */
     for (int i = 0; i < m->n_layers; i++) {
-        tdm_layer *l = &m->layers[i];
-        tdm_dev_free(d, l->out);
-        tdm_dev_free(d, l->argmax);
-        l->out = NULL;
-        l->argmax = NULL;
-        l->chunk = 0;
+        m->layers[i].out = NULL;   /* 16-bit precisions: pointed at f32s */
+        m->layers[i].chunk = 0;
     }
-    tdm_dev_free(d, m->dbuf[0]);
-    tdm_dev_free(d, m->dbuf[1]);
-    tdm_dev_free(d, m->col);
-    tdm_dev_free(d, m->ones);
-    tdm_dev_free(d, m->dlogits);
-    m->dbuf[0] = m->dbuf[1] = m->col = m->ones = m->dlogits = NULL;
     m->cap = 0;
     m->act_bytes = 0;
+}
+
+void tdm_model_drop_activations(tdm_model *m)
+{
+    tdm_model_free_activations(m);
+    m->batch = 0;
 }
 
 void tdm_model_free(tdm_model *m)
@@ -339,6 +343,7 @@ void tdm_model_free(tdm_model *m)
         tdm_dev_free(m->dev, l->invstd);
     }
     if (m->vt) m->vt->free_ext(m);
+    tdm_dev_free(m->dev, m->lev.wlow);
     tdm_dev_free(m->dev, m->params);
     tdm_dev_free(m->dev, m->grads_owned);
     tdm_dev_free(m->dev, m->buffers);
@@ -373,39 +378,28 @@ static int tdm_model_conv_chunk(const tdm_model *m, const tdm_layer *l, int batc
     return nb < (size_t)batch ? (int)nb : batch;
 }
 
-/* Grows activations to hold `batch` samples. */
+/* Grows activations to hold `batch` samples: the layout of
+ * models/recompute.c (precision and checkpointing included). */
 static tdm_status tdm_model_reserve(tdm_model *m, int batch)
 {
     if (batch <= m->cap) return TDM_STATUS_OK;
     tdm_status st = TDM_STATUS_OK;
     tdm_device *d = m->dev;
+    tdm_act_layout *lay = NULL;
     tdm_model_free_activations(m);
-    size_t bytes = 0, nb, col_max = 0;
-    for (int i = 0; i < m->n_layers; i++) {
-        tdm_layer *l = &m->layers[i];
-        nb = (size_t)batch * (size_t)l->out_elems * sizeof(float);
-        TDM_TRY(tdm_dev_alloc(d, nb, (void **)&l->out));
-        bytes += nb;
-        if (l->kind == TDM_LAYER_CONV) {
-            l->chunk = tdm_model_conv_chunk(m, l, batch);
-            nb = (size_t)l->c * l->k * l->k * (size_t)l->chunk * l->oh * l->ow * sizeof(float);
-            if (nb > col_max) col_max = nb;
-        } else if (l->kind == TDM_LAYER_MAXPOOL) {
-            nb = (size_t)batch * (size_t)l->out_elems * sizeof(int32_t);
-            TDM_TRY(tdm_dev_alloc(d, nb, (void **)&l->argmax));
-            bytes += nb;
-        }
+    for (int i = 0; i < m->n_layers; i++)
+        if (m->layers[i].kind == TDM_LAYER_CONV)
+            m->layers[i].chunk = tdm_model_conv_chunk(m, &m->layers[i], batch);
+    lay = malloc(sizeof *lay);
+    if (!lay) {
+        st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "cannot allocate an activation layout");
+        goto fail;
     }
-    nb = (size_t)batch * (size_t)m->max_elems * sizeof(float);
-    TDM_TRY(tdm_dev_alloc(d, nb, (void **)&m->dbuf[0]));
-    TDM_TRY(tdm_dev_alloc(d, nb, (void **)&m->dbuf[1]));
-    bytes += 2 * nb;
-    if (col_max) {
-        TDM_TRY(tdm_dev_alloc(d, col_max, (void **)&m->col));
-        bytes += col_max;
-    }
-    nb = (size_t)batch * sizeof(float);
-    TDM_TRY(tdm_dev_alloc(d, nb, (void **)&m->ones));
+    tdm_model_chain_layout(m, batch, lay);
+    TDM_TRY(tdm_act_alloc(m, lay));
+    if (tdm_model_low(m))
+        for (int i = 0; i + 1 < m->n_layers; i++) m->layers[i].out = m->f32s[i & 1];
+    size_t nb = (size_t)batch * sizeof(float);
     {
         float *h = malloc(nb);
         if (!h) {
@@ -417,13 +411,11 @@ static tdm_status tdm_model_reserve(tdm_model *m, int batch)
         free(h);
         TDM_TRY(st);
     }
-    nb = (size_t)batch * (size_t)tdm_model_n_classes(m) * sizeof(float);
-    TDM_TRY(tdm_dev_alloc(d, nb, (void **)&m->dlogits));
-    bytes += nb + (size_t)batch * sizeof(float); /* dlogits, ones */
+    free(lay);
     m->cap = batch;
-    m->act_bytes = bytes;
     return TDM_STATUS_OK;
 fail:
+    free(lay);
     tdm_model_free_activations(m);
     return st;
 }
@@ -507,6 +499,7 @@ void tdm_model_get_memory(const tdm_model *m, tdm_model_memory *out)
     out->grads = out->params;
     out->buffers = (size_t)m->buffer_elems * sizeof(float);
     out->activations = m->act_bytes;
+    out->params_low = m->lev.wlow ? (size_t)m->param_elems * tdm_dtype_size(m->lev.adt) : 0;
 }
 
 void tdm_model_gemm_flops(const tdm_model *m, double *fwd, double *bwd)
@@ -543,22 +536,63 @@ tdm_status tdm_model_forward(tdm_model *m, const void *x, int batch, const float
     if (m->vt) return m->vt->forward(m, x, batch, logits);
     TDM_CHECK(tdm_model_reserve(m, batch));
     const float *cur = x;
-    for (int i = 0; i < m->n_layers; i++) {
+    if (tdm_model_low(m)) {
+        /* the input rounded as every activation is; layer 0 reads it
+         * from the ping-pong buffer before its own output's */
+        int64_t n = (int64_t)batch * m->layers[0].in_elems;
+        TDM_CHECK(tdm_dev_convert(m->dev, m->x16, m->lev.adt, x, TDM_DTYPE_FLOAT32, n));
+        TDM_CHECK(tdm_dev_convert(m->dev, m->f32s[1], TDM_DTYPE_FLOAT32, m->x16, m->lev.adt, n));
+        cur = m->f32s[1];
+    }
+    TDM_CHECK(tdm_model_run_layers(m, 0, m->n_layers - 1, cur, batch));
+    m->batch = batch;
+    if (logits) *logits = m->layers[m->n_layers - 1].out;
+    return TDM_STATUS_OK;
+}
+
+tdm_status tdm_model_run_layers(tdm_model *m, int first, int last, const float *cur, int batch)
+{
+    int low = tdm_model_low(m);
+    for (int i = first; i <= last; i++) {
         tdm_layer *l = &m->layers[i];
-        if (l->np > 0)
+        if (l->np > 0 && !m->lev.recomputing) {
             TDM_CHECK(tdm_model_raise_use(m, TDM_MODEL_USE_FORWARD, l->p0, l->p0 + l->np - 1));
-        if (tdm_model_pair_fuses(m, i)) {
+            TDM_CHECK(tdm_model_cast_params(m, l->p0, l->p0 + l->np - 1));
+        }
+        if (i < last && tdm_model_pair_fuses(m, i)) {
             /* the pooling has no parameters: no use event of its own */
             TDM_CHECK(tdm_model_pair_forward(m, l, l + 1, cur, batch));
             cur = (++l)->out;
             i++;
             continue;
         }
+        if (low) l->in16 = i == 0 ? m->x16 : m->layers[i - 1].out16;
         TDM_CHECK(tdm_model_layer_forward(m, l, cur, batch));
+        if (low && i + 1 < m->n_layers)
+            TDM_CHECK(tdm_model_round(m, l->out, l->out16, (int64_t)batch * l->out_elems));
         cur = l->out;
     }
-    m->batch = batch;
-    if (logits) *logits = cur;
+    return TDM_STATUS_OK;
+}
+
+/* 16-bit precisions: before layer i's backward, the float32 values its
+ * forward read and wrote, widened from what it kept, back in the buffers
+ * its forward used (l->in: the other ping-pong buffer; l->out: its own),
+ * where the layer kinds that read them look. */
+static tdm_status tdm_model_restore_low(tdm_model *m, int i, int B)
+{
+    tdm_layer *l = &m->layers[i];
+    int need_in = l->kind == TDM_LAYER_CONV || l->kind == TDM_LAYER_BN;
+    int need_out = i + 1 < m->n_layers && (l->relu || l->kind == TDM_LAYER_BN);
+    if (need_in) {
+        float *x = m->f32s[(i + 1) & 1];
+        TDM_CHECK(tdm_dev_convert(m->dev, x, TDM_DTYPE_FLOAT32, l->in16, m->lev.adt,
+                                  (int64_t)B * l->in_elems));
+        l->in = x;
+    }
+    if (need_out)
+        TDM_CHECK(tdm_dev_convert(m->dev, l->out, TDM_DTYPE_FLOAT32, l->out16, m->lev.adt,
+                                  (int64_t)B * l->out_elems));
     return TDM_STATUS_OK;
 }
 
@@ -590,6 +624,7 @@ tdm_status tdm_model_backward(tdm_model *m, const float *dlogits)
             tdm_layer *bn = l - 1;
             float *bn_din = i - 1 > first ? m->dbuf[cur] : NULL;
             TDM_CHECK(tdm_model_raise_use(m, TDM_MODEL_USE_BACKWARD, bn->p0, bn->p0 + bn->np - 1));
+            if (l->seg_last && m->lev.ckpt > 0) TDM_CHECK(tdm_model_chain_recompute(m, i, B));
             TDM_CHECK(tdm_model_pair_backward(m, bn, l, m->dbuf[cur], din, bn_din, B));
             if (m->hook) m->hook(m->hook_ctx, m, bn->p0, bn->p0 + bn->np - 1);
             i--;
@@ -597,6 +632,8 @@ tdm_status tdm_model_backward(tdm_model *m, const float *dlogits)
         }
         if (l->np > 0)
             TDM_CHECK(tdm_model_raise_use(m, TDM_MODEL_USE_BACKWARD, l->p0, l->p0 + l->np - 1));
+        if (l->seg_last && m->lev.ckpt > 0) TDM_CHECK(tdm_model_chain_recompute(m, i, B));
+        if (tdm_model_low(m)) TDM_CHECK(tdm_model_restore_low(m, i, B));
         TDM_CHECK(tdm_model_layer_backward(m, l, m->dbuf[cur], din, B));
         if (l->np > 0 && m->hook) m->hook(m->hook_ctx, m, l->p0, l->p0 + l->np - 1);
         cur = 1 - cur;

@@ -306,6 +306,7 @@ void tdm_model_gemm_flops(const tdm_model *m, double *fwd_per_sample, double *bw
 /* Bytes held per kind (for memory reports). */
 typedef struct tdm_model_memory {
     size_t params, grads, buffers, activations;
+    size_t params_low;   /* 16-bit precisions: the weights' 16-bit copy (models/precision.h) */
 } tdm_model_memory;
 void tdm_model_get_memory(const tdm_model *m, tdm_model_memory *out);
 

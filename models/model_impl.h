@@ -8,6 +8,7 @@
 #define TDM_MODELS_MODEL_IMPL_H
 
 #include "models/model.h"
+#include "models/precision.h"
 
 /* A GPT with L blocks has 12 L + 4 parameter tensors and 6 L + 3 logical
  * layers (one per group of parameters backward finishes together). */
@@ -40,6 +41,11 @@ typedef struct tdm_layer {
     int32_t *argmax;        /* maxpool */
     float *mean, *var, *invstd; /* bn, per channel */
     const float *in;        /* input of the last forward (borrowed) */
+    /* the memory levers (models/precision.c, models/recompute.c) */
+    int unit;               /* checkpoint unit (tdm_model_layer_unit), -1: none */
+    int seg_last;           /* 1: the last layer of its checkpoint segment (keeps its output) */
+    const void *in16;       /* 16-bit precisions: the input as kept (borrowed) */
+    void *out16;            /* 16-bit precisions: the output as kept (not the last layer's) */
 } tdm_layer;
 
 /* What a model kind that is not a list of model.c's layers supplies
@@ -84,6 +90,17 @@ struct tdm_model {
     int released;           /* tdm_model_release_storage: params and grads_owned freed */
     tdm_model_allsum_fn sync_bn;   /* SyncBatchNorm: sums batch statistics over replicas */
     void *sync_bn_ctx;
+    /* the memory levers: precision (models/precision.c) and activation
+     * checkpointing (models/recompute.c) */
+    struct {
+        tdm_precision prec;
+        tdm_dtype adt;      /* activations and product inputs: float32 or the 16-bit type */
+        void *wlow;         /* product weights in adt, param_elems (same offsets), cast at
+                               each forward use of their layer; NULL in FP32 */
+        int ckpt;           /* 0: every activation kept; N: segments of N units */
+        int n_units;
+        int recomputing;    /* a segment's forward again, inside backward */
+    } lev;
     /* activations */
     int cap;                /* samples the activations hold */
     int batch;              /* batch of the last forward */
@@ -96,6 +113,14 @@ struct tdm_model {
     float *dlogits;         /* forward_backward scratch */
     int64_t max_elems;      /* largest per-sample activation */
     size_t act_bytes;
+    /* the layer chain's buffers for 16-bit precisions and checkpointing */
+    float *f32s[2];         /* forward: the outputs, ping-pong, before and after rounding;
+                               backward: kept 16-bit tensors widened (B * max_elems each) */
+    void *x16;              /* the model input, rounded (B * in_elems of layer 0) */
+    void *d16;              /* an output gradient rounded for a product (B * max_elems) */
+    void *col16;            /* a conv chunk's col, rounded */
+    void *arena;            /* checkpointing: one segment's inner activations */
+    struct tdm_act_layout *act;  /* what the last reserve allocated (freed through it) */
 };
 
 /* Parameter i's values and gradient: its view, else its place in the flat
@@ -148,6 +173,62 @@ tdm_status tdm_model_pair_forward(tdm_model *m, tdm_layer *bn, tdm_layer *pool, 
                                   int B);
 tdm_status tdm_model_pair_backward(tdm_model *m, tdm_layer *bn, tdm_layer *pool, float *dout,
                                    float *dmid, float *din, int B);
+
+/* models/precision.c: the 16-bit copy of parameters first..last that
+ * products read (those of the layer's weights: every tensor of two or more
+ * dimensions), from their current values (views included). No-op in FP32. */
+tdm_status tdm_model_cast_params(tdm_model *m, int first, int last);
+/* Parameter i's 16-bit copy (lev.wlow + its offset). */
+static inline void *tdm_model_wlow(const tdm_model *m, int i)
+{
+    return (char *)m->lev.wlow + (size_t)m->params_info[i].offset * tdm_dtype_size(m->lev.adt);
+}
+/* 1 in BF16 and FP16. */
+static inline int tdm_model_low(const tdm_model *m) { return m->lev.adt != TDM_DTYPE_FLOAT32; }
+/* Rounds n floats of x to the activation type into dst, then x to the
+ * rounded values (the next reader sees what backward will). */
+tdm_status tdm_model_round(tdm_model *m, float *x, void *dst, int64_t n);
+
+/* models/recompute.c: the layer chain's activation buffers for a batch
+ * (precision and checkpointing included) as a list, which reserve
+ * allocates and models/plan.c sums without allocating. */
+#define TDM_ACT_MAX_BUFS 1024
+typedef struct tdm_act_buf {
+    void **ptr;             /* where the allocation goes (NULL: planning only) */
+    size_t nbytes;
+    int layer;              /* the layer it belongs to, -1: the model's scratch */
+    int arena_off;          /* >= 0: carved from the arena at this byte offset, no allocation */
+} tdm_act_buf;
+typedef struct tdm_act_layout {
+    int n;
+    tdm_act_buf b[TDM_ACT_MAX_BUFS];
+    size_t arena_bytes;     /* checkpointing: the shared segment buffer (0: none) */
+} tdm_act_layout;
+/* Appends a buffer: its own allocation, or (arena: 1) a slot of the
+ * arena at the next 64-byte boundary of *arena_off. */
+void tdm_act_add(tdm_act_layout *lay, void **ptr, size_t nbytes, int layer, int arena,
+                 size_t *arena_off);
+/* The layout of the MLP/CNN chain for `batch` samples. */
+void tdm_model_chain_layout(tdm_model *m, int batch, tdm_act_layout *lay);
+/* Allocates a layout (the arena once, its slots carved out) and keeps it
+ * in m->act; adds the bytes to m->act_bytes. On failure what was
+ * allocated stays for tdm_act_free. */
+tdm_status tdm_act_alloc(tdm_model *m, const tdm_act_layout *lay);
+/* Frees what tdm_act_alloc allocated and clears every pointer it set. */
+void tdm_act_free(tdm_model *m);
+/* Sets unit and seg_last of every layer of the chain (MLP, CNN) from
+ * lev.ckpt. */
+void tdm_model_chain_units(tdm_model *m);
+/* Backward of the chain reaches layer i, the last of a checkpointed
+ * segment: runs the segment's forward again (its input kept). */
+tdm_status tdm_model_chain_recompute(tdm_model *m, int i, int batch);
+
+/* models/model.c: forward through layers first..last of the chain from
+ * x (float32; in 16-bit precisions the rounded values), with use events
+ * and weight casts unless lev.recomputing. */
+tdm_status tdm_model_run_layers(tdm_model *m, int first, int last, const float *x, int batch);
+/* Frees the activations (they are reserved again by the next forward). */
+void tdm_model_drop_activations(tdm_model *m);
 
 /* models/gpt.c */
 tdm_status tdm_gpt_spec_parse(tdm_model_spec *s, const char *text);
