@@ -571,6 +571,7 @@ static const tdm_model_vt tdm_gpt_vt = {
     .gemm_flops = tdm_gpt_gemm_flops,
     .free_activations = tdm_gpt_free_activations,
     .free_ext = tdm_gpt_free_ext,
+    .layout = tdm_gpt_layout,
 };
 
 tdm_status tdm_gpt_build(tdm_model *m)
@@ -585,8 +586,6 @@ tdm_status tdm_gpt_build(tdm_model *m)
     TDM_REQUIRE(C % H == 0, TDM_STATUS_INVALID_ARG,
                 "gpt: %d heads do not divide the width %d (each head gets width/heads features)",
                 H, C);
-    TDM_REQUIRE(tdm_dev_has_transformer(m->dev), TDM_STATUS_UNSUPPORTED,
-                "gpt: device %s has no transformer kernels", tdm_dev_name(m->dev));
     tdm_gpt *g = calloc(1, sizeof *g);
     TDM_REQUIRE(g, TDM_STATUS_OUT_OF_MEMORY, "gpt: out of memory");
     g->blk = calloc((size_t)L, sizeof *g->blk);

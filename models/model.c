@@ -179,6 +179,8 @@ fail:
     return st;
 }
 
+static tdm_status tdm_model_skeleton_build(tdm_model *m);
+
 static tdm_status tdm_model_new(tdm_model **out, tdm_device *dev, const tdm_model_spec *spec)
 {
     tdm_status st = TDM_STATUS_OK;
@@ -188,20 +190,53 @@ static tdm_status tdm_model_new(tdm_model **out, tdm_device *dev, const tdm_mode
     if (!m) return tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "cannot allocate a model");
     m->spec = *spec;
     m->dev = dev;
+    m->dev_kind = tdm_dev_kind(dev);
+    m->dev_threads = tdm_dev_threads(dev);
     m->train = 1;
-    TDM_TRY(tdm_model_build(m));
-    if (!m->vt) tdm_model_chain_units(m);
-    TDM_TRY(tdm_model_alloc_state(m));
-    for (int i = 0; i < m->n_layers; i++) {
-        tdm_layer *l = &m->layers[i];
-        if (l->in_elems > m->max_elems) m->max_elems = l->in_elems;
-        if (l->out_elems > m->max_elems) m->max_elems = l->out_elems;
+    if (spec->kind == TDM_MODEL_GPT && !tdm_dev_has_transformer(dev)) {
+        st = tdm_error_set(TDM_STATUS_UNSUPPORTED, "gpt: device %s has no transformer kernels",
+                           tdm_dev_name(dev));
+        goto fail;
     }
+    TDM_TRY(tdm_model_skeleton_build(m));
+    TDM_TRY(tdm_model_alloc_state(m));
     *out = m;
     return TDM_STATUS_OK;
 fail:
     tdm_model_free(m);
     return st;
+}
+
+/* The layers, tables, units and largest activation, without memory. */
+static tdm_status tdm_model_skeleton_build(tdm_model *m)
+{
+    TDM_CHECK(tdm_model_build(m));
+    if (!m->vt) tdm_model_chain_units(m);
+    for (int i = 0; i < m->n_layers; i++) {
+        tdm_layer *l = &m->layers[i];
+        if (l->in_elems > m->max_elems) m->max_elems = l->in_elems;
+        if (l->out_elems > m->max_elems) m->max_elems = l->out_elems;
+    }
+    return TDM_STATUS_OK;
+}
+
+tdm_status tdm_model_skeleton(tdm_model **out, const tdm_model_spec *spec, tdm_device_kind kind,
+                              int threads)
+{
+    *out = NULL;
+    tdm_model *m = calloc(1, sizeof *m);
+    if (!m) return tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "cannot allocate a model");
+    m->spec = *spec;
+    m->dev_kind = kind;
+    m->dev_threads = threads > 0 ? threads : 1;
+    m->train = 1;
+    tdm_status st = tdm_model_skeleton_build(m);
+    if (st != TDM_STATUS_OK) {
+        tdm_model_free(m);
+        return st;
+    }
+    *out = m;
+    return TDM_STATUS_OK;
 }
 
 static tdm_status tdm_model_fill_host(tdm_model *m, uint64_t seed)
@@ -363,16 +398,16 @@ void tdm_model_free(tdm_model *m)
  * col within TDM_MODEL_CONV_CHUNK_BYTES per BLAS thread on a host device
  * (at least one image), and the whole batch on other devices, where one
  * large kernel beats many small ones and memory is not the limit. */
-static int tdm_model_conv_chunk(const tdm_model *m, const tdm_layer *l, int batch)
+int tdm_model_conv_chunk(const tdm_model *m, const tdm_layer *l, int batch)
 {
     size_t nb;
     if (m->conv_chunk > 0) {
         nb = (size_t)m->conv_chunk;
-    } else if (tdm_dev_kind(m->dev) != TDM_DEVICE_HOST) {
+    } else if (m->dev_kind != TDM_DEVICE_HOST) {
         nb = (size_t)batch;
     } else {
         size_t per_image = (size_t)l->c * l->k * l->k * l->oh * l->ow * sizeof(float);
-        nb = TDM_MODEL_CONV_CHUNK_BYTES * (size_t)tdm_dev_threads(m->dev) / per_image;
+        nb = TDM_MODEL_CONV_CHUNK_BYTES * (size_t)m->dev_threads / per_image;
         if (nb < 1) nb = 1;
     }
     return nb < (size_t)batch ? (int)nb : batch;

@@ -48,6 +48,8 @@ typedef struct tdm_layer {
     void *out16;            /* 16-bit precisions: the output as kept (not the last layer's) */
 } tdm_layer;
 
+struct tdm_act_layout;   /* models/recompute.c's, below */
+
 /* What a model kind that is not a list of model.c's layers supplies
  * (the GPT). model.c keeps the tables, flat buffers, gradient storage,
  * hook and training flag, and calls these for the rest. */
@@ -63,11 +65,15 @@ typedef struct tdm_model_vt {
     void (*gemm_flops)(const tdm_model *m, double *fwd, double *bwd);
     void (*free_activations)(tdm_model *m);   /* and zero m->cap, m->act_bytes */
     void (*free_ext)(tdm_model *m);           /* m->ext itself */
+    /* The activation buffers for `batch` (models/recompute.c's layout). */
+    void (*layout)(tdm_model *m, int batch, struct tdm_act_layout *lay);
 } tdm_model_vt;
 
 struct tdm_model {
     tdm_model_spec spec;
-    tdm_device *dev;        /* borrowed */
+    tdm_device *dev;        /* borrowed; NULL in a skeleton (models/plan.c) */
+    tdm_device_kind dev_kind;  /* the device's kind and threads (a skeleton's: as planned) */
+    int dev_threads;
     const tdm_model_vt *vt; /* NULL: model.c's layers */
     void *ext;              /* the vt's state */
     int n_layers;
@@ -222,6 +228,14 @@ void tdm_model_chain_units(tdm_model *m);
 /* Backward of the chain reaches layer i, the last of a checkpointed
  * segment: runs the segment's forward again (its input kept). */
 tdm_status tdm_model_chain_recompute(tdm_model *m, int i, int batch);
+
+/* models/model.c: a model's layers, tables and units without a device or
+ * memory, for planning (models/plan.c): as if on a device of `kind` with
+ * `threads` BLAS threads. Free with tdm_model_free. */
+tdm_status tdm_model_skeleton(tdm_model **out, const tdm_model_spec *spec, tdm_device_kind kind,
+                              int threads);
+/* Images per chunk of conv layer l at `batch` (tdm_model_set_conv_chunk). */
+int tdm_model_conv_chunk(const tdm_model *m, const tdm_layer *l, int batch);
 
 /* models/model.c: forward through layers first..last of the chain from
  * x (float32; in 16-bit precisions the rounded values), with use events
