@@ -28,11 +28,17 @@ CUDA_GENCODE := $(foreach a,$(CUDA_ARCHS),-gencode arch=compute_$(a),code=sm_$(a
 CUDA_NVCC_ALL := -std=c++17 $(NVCCFLAGS) $(CUDA_GENCODE) \
                  -Xcompiler -Wall,-Wextra,-Wshadow,-fPIC
 
-# libcudart loads libcuda.so (the driver) lazily, when CUDA is first used,
-# so these binaries start on machines without a driver; libnccl likewise.
+# The CUDA runtime is linked statically (nvcc's own default): it loads the
+# driver (libcuda.so.1) when CUDA is first used, so these binaries start on
+# machines without a driver. cuBLAS and NCCL are not linked: cuda/cuda_libs.c
+# dlopens them when a GPU or communicator needs them (a host-only process
+# maps none of the ~220 MB), found through this rpath, LD_LIBRARY_PATH or
+# ld.so.cache. CUDA_BUNDLE=1 (make gpu-bundle) replaces the toolkit's rpath
+# with lib/ beside the binary or one level up, as DT_RPATH so that it also
+# holds for the libraries' own dependencies (libopenblas's libgfortran).
 comma := ,
-CUDA_LDLIBS := $(addprefix -L,$(CUDA_LIBDIRS)) $(addprefix -Wl$(comma)-rpath$(comma),$(CUDA_LIBDIRS)) \
-               -lnccl -lcublas -lcudart -lstdc++
+CUDA_RPATH := $(if $(filter 1,$(CUDA_BUNDLE)),-Wl$(comma)--disable-new-dtags$(comma)-rpath$(comma)'$$ORIGIN/lib:$$ORIGIN/../lib',$(addprefix -Wl$(comma)-rpath$(comma),$(CUDA_LIBDIRS)))
+CUDA_LDLIBS := $(addprefix -L,$(CUDA_LIBDIRS)) $(CUDA_RPATH) -lcudart_static -lstdc++ -ldl -lrt
 
 CUDA_CU_SRC := $(wildcard cuda/*.cu)
 CUDA_C_SRC  := $(wildcard cuda/*.c)
