@@ -3,7 +3,8 @@
 # `make gpu-bundle` from cuda/bundle-run.sh; docs/CUDA.md, "Validating on
 # a bare GPU machine"). On a machine with an NVIDIA driver, the CUDA
 # toolkit and (optionally) PyTorch, and nothing else: no packages, no
-# network, no root.
+# network, no root. Built and tested without a GPU (tests/test_gpu_bundle.c
+# runs it to the no-GPU verdict); not yet run on a GPU.
 #   sh run.sh [OUTDIR]           find the libraries, validate, benchmark
 #   sh run.sh --check [OUTDIR]   only find the libraries and check that
 #                                every binary resolves them

@@ -15,6 +15,7 @@
 # summary lines to OUT/bench.txt and the figures to OUT/bench.json; every
 # command's output goes to stdout (run.sh's log). Exit 1 when a benchmark
 # that ran failed, 0 otherwise. Not a test: speed is reported, never judged.
+# Tested against a fake GPU run (tests/test_gpu_bundle.c); not yet run on a GPU.
 bundle=${1:?usage: gpu-bench.sh BUNDLE OUT DEADLINE [PYTHON]}
 out=${2:?}
 deadline=${3:?}

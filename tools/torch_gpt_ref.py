@@ -27,6 +27,10 @@ Timing: 5 warm-up steps, then --steps steps, each ended by
 torch.cuda.synchronize(); the median is reported. One JSON object per line
 and configuration on stdout.
 
+Written where torch is not installed: only its --count-only formula and
+its syntax are tested (tests/test_gpu_bundle.c); the training part has not
+run yet.
+
   python3 tools/torch_gpt_ref.py --count-only --model gpt:4-128-4-128
   python3 tools/torch_gpt_ref.py --run gpt:4-128-4-128@32 --attn manual,sdpa --steps 30
 """
