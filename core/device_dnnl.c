@@ -14,13 +14,16 @@
  * included) and kept, with its three memory objects, in a small table;
  * a call then only swaps the data pointers and executes. oneDNN's own
  * scratchpad is the library's (not in the device's accounting, like
- * cuBLAS's workspace). Not here: float16 (oneDNN 2.6 has no half matmul
+ * cuBLAS's workspace). libdnnl is loaded on the first call (dlopen), not
+ * linked. Not here: float16 (oneDNN 2.6 has no half matmul
  * without AVX512-FP16; core/device_host.c widens halfs to float32), the
  * dispatcher's checks (core/device_mixed.c). */
 #include "core/dnnl_impl.h"
 
+#include <dlfcn.h>
 #include <omp.h>
 #include <oneapi/dnnl/dnnl.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -49,6 +52,75 @@ struct tdm_dnnl {
     tdm_dnnl_entry e[TDM_DNNL_CACHE];
     char impl[64];
 };
+
+/* ---- loading oneDNN at need ----
+ * Most processes never run a bfloat16 product: libdnnl (40 MB) and the
+ * OpenMP runtime it brings are loaded on the first one, not mapped into
+ * every process (as cuBLAS and NCCL are, cuda/cuda_libs.c). The compiler
+ * checks each pointer against dnnl.h's own prototype. */
+#define TDM_DNNL_FNS(X)                                                                        \
+    X(dnnl_engine_create) \
+    X(dnnl_engine_destroy) \
+    X(dnnl_matmul_desc_init) \
+    X(dnnl_memory_create) \
+    X(dnnl_memory_desc_init_by_strides) \
+    X(dnnl_memory_destroy) \
+    X(dnnl_memory_set_data_handle) \
+    X(dnnl_post_ops_append_sum) \
+    X(dnnl_post_ops_create) \
+    X(dnnl_post_ops_destroy) \
+    X(dnnl_primitive_attr_create) \
+    X(dnnl_primitive_attr_destroy) \
+    X(dnnl_primitive_attr_set_output_scales) \
+    X(dnnl_primitive_attr_set_post_ops) \
+    X(dnnl_primitive_create) \
+    X(dnnl_primitive_desc_create) \
+    X(dnnl_primitive_desc_destroy) \
+    X(dnnl_primitive_desc_query) \
+    X(dnnl_primitive_destroy) \
+    X(dnnl_primitive_execute) \
+    X(dnnl_stream_create) \
+    X(dnnl_stream_destroy) \
+    X(dnnl_stream_wait) \
+    X(omp_get_max_threads) X(omp_set_num_threads)
+
+#define TDM_DNNL_PTR(f) __typeof__(&f) f;
+static struct {
+    TDM_DNNL_FNS(TDM_DNNL_PTR)
+} tdm_dn;
+#define DN(f) (tdm_dn.f)
+
+static pthread_once_t tdm_dnnl_once = PTHREAD_ONCE_INIT;
+static char tdm_dnnl_error[512];
+
+static void tdm_dnnl_load(void)
+{
+    const char *file = getenv("TANDEM_DNNL_LIB");
+    if (!file || !*file) file = "libdnnl.so.2";
+    void *h = dlopen(file, RTLD_NOW | RTLD_LOCAL);
+    if (!h) {
+        snprintf(tdm_dnnl_error, sizeof tdm_dnnl_error,
+                 "cannot load oneDNN (%s): %s; bfloat16 products on host devices need it "
+                 "(apt-get install libdnnl2, or TANDEM_DNNL_LIB=/path/libdnnl.so.2)", file,
+                 dlerror());
+        return;
+    }
+#define TDM_DNNL_SYM(f)                                                                  \
+    if (!tdm_dnnl_error[0] && !(*(void **)&tdm_dn.f = dlsym(h, #f)))                     \
+        snprintf(tdm_dnnl_error, sizeof tdm_dnnl_error, "%s has no %s: %s", file, #f,    \
+                 "a oneDNN 2.x library is needed");
+    TDM_DNNL_FNS(TDM_DNNL_SYM)
+#undef TDM_DNNL_SYM
+    /* the handle stays open for the life of the process */
+}
+
+static tdm_status tdm_dnnl_ready(const char *dev)
+{
+    pthread_once(&tdm_dnnl_once, tdm_dnnl_load);
+    if (tdm_dnnl_error[0])
+        return tdm_error_set(TDM_STATUS_UNSUPPORTED, "%s: %s", dev, tdm_dnnl_error);
+    return TDM_STATUS_OK;
+}
 
 static const char *tdm_dnnl_status_name(dnnl_status_t s)
 {
@@ -79,10 +151,10 @@ static tdm_status tdm_dnnl_fail(const char *dev, const char *what, dnnl_status_t
 
 static void tdm_dnnl_entry_free(tdm_dnnl_entry *e)
 {
-    if (e->prim) dnnl_primitive_destroy(e->prim);
-    if (e->src) dnnl_memory_destroy(e->src);
-    if (e->wei) dnnl_memory_destroy(e->wei);
-    if (e->dst) dnnl_memory_destroy(e->dst);
+    if (e->prim) DN(dnnl_primitive_destroy)(e->prim);
+    if (e->src) DN(dnnl_memory_destroy)(e->src);
+    if (e->wei) DN(dnnl_memory_destroy)(e->wei);
+    if (e->dst) DN(dnnl_memory_destroy)(e->dst);
     memset(e, 0, sizeof *e);
 }
 
@@ -90,8 +162,8 @@ void tdm_dnnl_free(tdm_dnnl *x)
 {
     if (!x) return;
     for (int i = 0; i < x->n; i++) tdm_dnnl_entry_free(&x->e[i]);
-    if (x->stream) dnnl_stream_destroy(x->stream);
-    if (x->eng) dnnl_engine_destroy(x->eng);
+    if (x->stream) DN(dnnl_stream_destroy)(x->stream);
+    if (x->eng) DN(dnnl_engine_destroy)(x->eng);
     free(x);
 }
 
@@ -102,8 +174,8 @@ static tdm_status tdm_dnnl_open(tdm_dnnl **out, const char *dev)
     tdm_status st = TDM_STATUS_OK;
     tdm_dnnl *x = calloc(1, sizeof *x);
     if (!x) return tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "%s: oneDNN state", dev);
-    TDM_DNNL_TRY(dev, "engine", dnnl_engine_create(&x->eng, dnnl_cpu, 0));
-    TDM_DNNL_TRY(dev, "stream", dnnl_stream_create(&x->stream, x->eng, dnnl_stream_default_flags));
+    TDM_DNNL_TRY(dev, "engine", DN(dnnl_engine_create)(&x->eng, dnnl_cpu, 0));
+    TDM_DNNL_TRY(dev, "stream", DN(dnnl_stream_create)(&x->stream, x->eng, dnnl_stream_default_flags));
     *out = x;
     return TDM_STATUS_OK;
 fail:
@@ -119,10 +191,10 @@ static dnnl_status_t tdm_dnnl_md(dnnl_memory_desc_t *md, int batch, long long bs
 {
     if (batch > 1) {
         dnnl_dims_t d = {batch, rows, cols}, s = {bstride, rs, cs};
-        return dnnl_memory_desc_init_by_strides(md, 3, d, dt, s);
+        return DN(dnnl_memory_desc_init_by_strides)(md, 3, d, dt, s);
     }
     dnnl_dims_t d = {rows, cols}, s = {rs, cs};
-    return dnnl_memory_desc_init_by_strides(md, 2, d, dt, s);
+    return DN(dnnl_memory_desc_init_by_strides)(md, 2, d, dt, s);
 }
 
 static tdm_status tdm_dnnl_make(tdm_dnnl *x, const char *dev, const tdm_dnnl_key *key,
@@ -147,29 +219,29 @@ static tdm_status tdm_dnnl_make(tdm_dnnl *x, const char *dev, const tdm_dnnl_key
     TDM_DNNL_TRY(dev, "dst descriptor",
                  tdm_dnnl_md(&dst, key->batch, key->sc, key->n, key->m, key->ldc, 1, dnnl_f32));
     dnnl_matmul_desc_t md;
-    TDM_DNNL_TRY(dev, "matmul descriptor", dnnl_matmul_desc_init(&md, &src, &wei, NULL, &dst));
-    TDM_DNNL_TRY(dev, "attributes", dnnl_primitive_attr_create(&attr));
+    TDM_DNNL_TRY(dev, "matmul descriptor", DN(dnnl_matmul_desc_init)(&md, &src, &wei, NULL, &dst));
+    TDM_DNNL_TRY(dev, "attributes", DN(dnnl_primitive_attr_create)(&attr));
     if (key->alpha != 1.0f)
         TDM_DNNL_TRY(dev, "output scale",
-                     dnnl_primitive_attr_set_output_scales(attr, 1, 0, &key->alpha));
+                     DN(dnnl_primitive_attr_set_output_scales)(attr, 1, 0, &key->alpha));
     if (key->beta != 0.0f) {
-        TDM_DNNL_TRY(dev, "post-ops", dnnl_post_ops_create(&po));
-        TDM_DNNL_TRY(dev, "sum post-op", dnnl_post_ops_append_sum(po, key->beta));
-        TDM_DNNL_TRY(dev, "post-ops", dnnl_primitive_attr_set_post_ops(attr, po));
+        TDM_DNNL_TRY(dev, "post-ops", DN(dnnl_post_ops_create)(&po));
+        TDM_DNNL_TRY(dev, "sum post-op", DN(dnnl_post_ops_append_sum)(po, key->beta));
+        TDM_DNNL_TRY(dev, "post-ops", DN(dnnl_primitive_attr_set_post_ops)(attr, po));
     }
     TDM_DNNL_TRY(dev, "matmul primitive descriptor",
-                 dnnl_primitive_desc_create(&pd, &md, attr, x->eng, NULL));
+                 DN(dnnl_primitive_desc_create)(&pd, &md, attr, x->eng, NULL));
     const char *impl = NULL;
-    if (dnnl_primitive_desc_query(pd, dnnl_query_impl_info_str, 0, &impl) == dnnl_success && impl)
+    if (DN(dnnl_primitive_desc_query)(pd, dnnl_query_impl_info_str, 0, &impl) == dnnl_success && impl)
         snprintf(x->impl, sizeof x->impl, "%s", impl);
-    TDM_DNNL_TRY(dev, "matmul primitive", dnnl_primitive_create(&e->prim, pd));
-    TDM_DNNL_TRY(dev, "memory", dnnl_memory_create(&e->src, &src, x->eng, DNNL_MEMORY_NONE));
-    TDM_DNNL_TRY(dev, "memory", dnnl_memory_create(&e->wei, &wei, x->eng, DNNL_MEMORY_NONE));
-    TDM_DNNL_TRY(dev, "memory", dnnl_memory_create(&e->dst, &dst, x->eng, DNNL_MEMORY_NONE));
+    TDM_DNNL_TRY(dev, "matmul primitive", DN(dnnl_primitive_create)(&e->prim, pd));
+    TDM_DNNL_TRY(dev, "memory", DN(dnnl_memory_create)(&e->src, &src, x->eng, DNNL_MEMORY_NONE));
+    TDM_DNNL_TRY(dev, "memory", DN(dnnl_memory_create)(&e->wei, &wei, x->eng, DNNL_MEMORY_NONE));
+    TDM_DNNL_TRY(dev, "memory", DN(dnnl_memory_create)(&e->dst, &dst, x->eng, DNNL_MEMORY_NONE));
 fail:
-    if (pd) dnnl_primitive_desc_destroy(pd);
-    if (po) dnnl_post_ops_destroy(po);
-    if (attr) dnnl_primitive_attr_destroy(attr);
+    if (pd) DN(dnnl_primitive_desc_destroy)(pd);
+    if (po) DN(dnnl_post_ops_destroy)(po);
+    if (attr) DN(dnnl_primitive_attr_destroy)(attr);
     if (st != TDM_STATUS_OK) tdm_dnnl_entry_free(e);
     return st;
 }
@@ -218,10 +290,11 @@ tdm_status tdm_dnnl_gemm_bf16(tdm_dnnl **xp, const char *dev, int threads, tdm_t
                                          beta, c + i * stride_c, ldc, 0, 1));
         return TDM_STATUS_OK;
     }
+    TDM_CHECK(tdm_dnnl_ready(dev));
     if (!*xp) TDM_CHECK(tdm_dnnl_open(xp, dev));
     tdm_dnnl *x = *xp;
     /* the OpenMP thread count is the calling thread's own setting */
-    if (omp_get_max_threads() != threads) omp_set_num_threads(threads);
+    if (DN(omp_get_max_threads)() != threads) DN(omp_set_num_threads)(threads);
     tdm_dnnl_key key;
     memset(&key, 0, sizeof key);   /* compared with memcmp: no stray padding bytes */
     key.ta = ta;
@@ -241,13 +314,13 @@ tdm_status tdm_dnnl_gemm_bf16(tdm_dnnl **xp, const char *dev, int threads, tdm_t
     key.beta = beta;
     tdm_dnnl_entry *e;
     TDM_CHECK(tdm_dnnl_entry_for(x, dev, &key, &e));
-    TDM_DNNL_TRY(dev, "set src", dnnl_memory_set_data_handle(e->src, (void *)b));
-    TDM_DNNL_TRY(dev, "set weights", dnnl_memory_set_data_handle(e->wei, (void *)a));
-    TDM_DNNL_TRY(dev, "set dst", dnnl_memory_set_data_handle(e->dst, c));
+    TDM_DNNL_TRY(dev, "set src", DN(dnnl_memory_set_data_handle)(e->src, (void *)b));
+    TDM_DNNL_TRY(dev, "set weights", DN(dnnl_memory_set_data_handle)(e->wei, (void *)a));
+    TDM_DNNL_TRY(dev, "set dst", DN(dnnl_memory_set_data_handle)(e->dst, c));
     dnnl_exec_arg_t args[3] = {{DNNL_ARG_SRC, e->src}, {DNNL_ARG_WEIGHTS, e->wei},
                                {DNNL_ARG_DST, e->dst}};
-    TDM_DNNL_TRY(dev, "matmul", dnnl_primitive_execute(e->prim, x->stream, 3, args));
-    TDM_DNNL_TRY(dev, "stream wait", dnnl_stream_wait(x->stream));
+    TDM_DNNL_TRY(dev, "matmul", DN(dnnl_primitive_execute)(e->prim, x->stream, 3, args));
+    TDM_DNNL_TRY(dev, "stream wait", DN(dnnl_stream_wait)(x->stream));
 fail:
     return st;
 }

@@ -8,7 +8,8 @@
  * host's bits); float32 through gemm_ex gives tdm_dev_gemm's bits; the
  * argument checks; loss-scale unscaling with its non-finite flag; the
  * chunked squared norm; and that a host device's bfloat16 gemm runs on
- * its own thread (no OpenMP team) when two threads drive two devices. */
+ * its own thread (no OpenMP team) when two threads drive two devices,
+ * and libdnnl is loaded by the first bfloat16 product, not before. */
 #include <criterion/criterion.h>
 #include <dirent.h>
 #include <pthread.h>
@@ -391,4 +392,30 @@ Test(mixed, bf16_gemm_stays_on_the_devices_thread)
         cr_assert_eq(w[i].threads_seen, before + 2, "%d threads with two workers (%d before): an "
                      "OpenMP team was started", w[i].threads_seen, before);
     }
+}
+
+static int maps_have(const char *what)
+{
+    FILE *f = fopen("/proc/self/maps", "r");
+    cr_assert_not_null(f);
+    char line[1024];
+    int found = 0;
+    while (!found && fgets(line, sizeof line, f)) found = strstr(line, what) != NULL;
+    fclose(f);
+    return found;
+}
+
+Test(mixed, onednn_is_loaded_at_the_first_bf16_product)
+{
+    cr_assert(!maps_have("libdnnl"), "libdnnl mapped before any bfloat16 product");
+    tdm_device *d = tu_host();
+    uint16_t a[4] = {0}, b[4] = {0};
+    float c[4];
+    TU_OK(tdm_dev_gemm_ex(d, TDM_TRANS_N, TDM_TRANS_N, 2, 2, 2, 1, a, 2, b, 2, 0, c, 2,
+                          TDM_DTYPE_FLOAT16));
+    cr_assert(!maps_have("libdnnl"), "a float16 product needs no oneDNN");
+    TU_OK(tdm_dev_gemm_ex(d, TDM_TRANS_N, TDM_TRANS_N, 2, 2, 2, 1, a, 2, b, 2, 0, c, 2,
+                          TDM_DTYPE_BFLOAT16));
+    cr_assert(maps_have("libdnnl"));
+    tdm_device_free(d);
 }
