@@ -39,6 +39,10 @@ typedef struct tdm_train_args {
     long long powersgd_rank, powersgd_start_step;
     int uneven;               /* ddp: --uneven (tools/train_uneven.c) */
     int sync_bn;              /* ddp: --sync-bn */
+    /* the memory levers (tools/train_levers.c): --precision, --checkpoint-activations
+     * (all = 1 unit per segment), --clip-grad-norm (0: off), --offload */
+    const char *precision, *ckpt, *offload;
+    double clip_grad_norm;
 } tdm_train_args;
 
 /* The samples per optimizer step: batch * grad_accum. */
@@ -123,6 +127,8 @@ typedef struct tdm_train_run {
     void *eval_ctx;
     tdm_train_after_epoch_fn after;    /* may be NULL */
     void *after_ctx;
+    struct tdm_single *single;     /* --mode single's step: its lever figures go in the epoch
+                                      line (tools/train_levers.c); NULL elsewhere */
 } tdm_train_run;
 
 /* Epochs start_epoch..--epochs-1: the learning-rate schedule on the
@@ -176,6 +182,21 @@ tdm_status tdm_train_uneven_epochs(const tdm_train_args *a, tdm_ddp *ddp, tdm_op
                                    tdm_comm *comm, const tdm_dataset *train,
                                    const tdm_dataset *test, const tdm_train_uneven_text *text,
                                    const char *save, int64_t start_epoch);
+
+/* ---- the memory levers (tools/train_levers.c) ---- */
+
+/* The checks of --precision, --checkpoint-activations, --clip-grad-norm
+ * and --offload that need no model (USAGE, said on stderr). */
+tdm_status tdm_train_levers_check(const tdm_train_args *a);
+/* --mode single: the precision and checkpointing on m, the clipping and
+ * (fp16) the loss scaler on the step; scaler: storage for it. Then the
+ * line that says what is on and the planner's peak for this run. */
+tdm_status tdm_train_levers_apply(const tdm_train_args *a, tdm_model *m, struct tdm_single *s,
+                                  struct tdm_grad_scaler *scaler);
+/* After training: the device's measured peak beside the planned one. */
+void tdm_train_levers_report(const tdm_train_args *a, tdm_model *m);
+/* The epoch line's lever figures (", grad norm ..., loss scale ..."). */
+void tdm_train_levers_epoch(const tdm_train_run *r);
 
 tdm_status tdm_train_run_single(const tdm_train_args *a);
 /* --model gpt: a language model on text, in every mode (tools/train_text.c). */

@@ -33,6 +33,7 @@
 #include "fsdp/fsdp.h"
 #include "models/checkpoint.h"
 #include "models/gpt.h"
+#include "models/precision.h"
 #include "models/train_text.h"
 #include "tools/ddp_rank.h"
 #include "tools/devices.h"
@@ -177,6 +178,7 @@ static tdm_status tdm_text_run_local(const tdm_text_job *j)
     tdm_device *devs[TDM_DP_MAX_DEVICES] = {0};
     tdm_text_proc p = {.j = j, .lo = 0, .hi = (int)a->batch};
     tdm_single single = {0};
+    tdm_grad_scaler scaler;
     char desc[128];
     tdm_status st;
     TDM_CHECK(tdm_text_open_devices(a, dp, devs, &n));
@@ -198,12 +200,15 @@ static tdm_status tdm_text_run_local(const tdm_text_job *j)
         single.opt = p.opt;
         r.step = tdm_single_step;
         r.step_ctx = &single;
+        r.single = &single;
         snprintf(desc, sizeof desc, "device %s, %lld BLAS thread%s", tdm_dev_name(devs[0]),
                  (long long)a->threads, a->threads > 1 ? "s" : "");
     }
     tdm_text_header(j, a, tdm_model_param_elems(p.m), desc);
+    if (!dp) TDM_TRY(tdm_train_levers_apply(a, p.m, &single, &scaler));
     TDM_TRY(tdm_train_epochs(a, &r));
     if (dp) tdm_train_print_dp_phases(&p.dp_sum, p.dp_ms, p.dp_steps);
+    else tdm_train_levers_report(a, p.m);
 fail:
     tdm_dp_free(p.dp);
     tdm_single_free(&single);
