@@ -656,9 +656,9 @@ static inline TDM_HD float tdm_k_bf16_to_f32(uint16_t h) { return tdm_k_bits_f32
 static inline TDM_HD uint16_t tdm_k_f32_to_bf16(float f)
 {
     uint32_t u = tdm_k_f32_bits(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1);
-    return (uint16_t)(u >> 16);
+    uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1)) >> 16, nan = (u >> 16) | 0x40;
+    /* a select, not a branch: host loops over it vectorise */
+    return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
 }
 
 /* IEEE binary16 -> float32, exact (subnormal halfs are normal floats). */

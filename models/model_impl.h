@@ -203,7 +203,7 @@ typedef struct tdm_act_buf {
     void **ptr;             /* where the allocation goes (NULL: planning only) */
     size_t nbytes;
     int layer;              /* the layer it belongs to, -1: the model's scratch */
-    int arena_off;          /* >= 0: carved from the arena at this byte offset, no allocation */
+    int64_t arena_off;      /* >= 0: carved from the arena at this byte offset, no allocation */
 } tdm_act_buf;
 typedef struct tdm_act_layout {
     int n;

@@ -27,7 +27,7 @@ void tdm_act_add(tdm_act_layout *lay, void **ptr, size_t nbytes, int layer, int 
     b->layer = layer;
     b->arena_off = -1;
     if (arena) {
-        b->arena_off = (int)*arena_off;
+        b->arena_off = (int64_t)*arena_off;
         *arena_off += tdm_act_round(nbytes);
         if (*arena_off > lay->arena_bytes) lay->arena_bytes = *arena_off;
     }

@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "core/data.h"
 #include "core/device.h"
@@ -268,6 +269,7 @@ static void tdm_bench_nop_progress(void *ctx, int64_t s, int64_t n, double l, do
 typedef struct tdm_bench_step_ctx {
     tdm_single single;
     double *times;
+    double *cpu;            /* the step's CPU time on this thread (the device's only thread) */
     int64_t n;
     uint64_t last;
     double loss;            /* the last step's */
@@ -279,9 +281,13 @@ static tdm_status tdm_bench_step(void *ctx, const void *x, const int32_t *y, int
                                  double *loss)
 {
     tdm_bench_step_ctx *c = ctx;
+    struct timespec c0, c1;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &c0);
     uint64_t t0 = tdm_time_ns();
     tdm_status st = tdm_single_step(&c->single, x, y, batch, loss);
-    c->times[c->n++] = (double)(tdm_time_ns() - t0) * 1e-9;
+    c->times[c->n] = (double)(tdm_time_ns() - t0) * 1e-9;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &c1);
+    c->cpu[c->n++] = (double)(c1.tv_sec - c0.tv_sec) + (double)(c1.tv_nsec - c0.tv_nsec) * 1e-9;
     c->loss = *loss;
     return st;
 }
@@ -424,6 +430,15 @@ static void tdm_bench_train_print(const tdm_bench_train_args *t, const tdm_model
     }
     printf("  step: median %.2f ms (min %.2f, max %.2f) over %lld steps\n", med * 1e3,
            times[0] * 1e3, times[t->steps - 1] * 1e3, t->steps);
+    if (tdm_dev_kind(d) == TDM_DEVICE_HOST && t->threads == 1) {
+        /* a host device computes on this thread alone: its CPU time is the
+         * step's work, whatever else the machine runs at the same time */
+        double cmed = tdm_tool_median(ctx->cpu + 5, (int)t->steps);
+        printf("  step CPU time (this thread): median %.2f ms", cmed * 1e3);
+        if (spec->kind == TDM_MODEL_GPT)
+            printf(" = %.0f tokens per CPU second", (double)t->batch * spec->n_ctx / cmed);
+        printf("\n");
+    }
     if (spec->kind == TDM_MODEL_GPT)
         printf("  throughput: %.0f windows/s = %.0f tokens/s\n", (double)t->batch / med,
                (double)t->batch * spec->n_ctx / med);
@@ -480,7 +495,8 @@ static tdm_status tdm_bench_train_run(tdm_bench_train_args *t)
         ctx.single.scaler = &scaler;
     }
     ctx.times = calloc((size_t)t->steps + 5, sizeof(double));
-    if (!ctx.times) {
+    ctx.cpu = calloc((size_t)t->steps + 5, sizeof(double));
+    if (!ctx.times || !ctx.cpu) {
         st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "out of memory");
         goto fail;
     }
@@ -492,6 +508,7 @@ static tdm_status tdm_bench_train_run(tdm_bench_train_args *t)
 fail:
     if (st) fprintf(stderr, "tandem bench train: %s\n", tdm_error_message());
     free(ctx.times);
+    free(ctx.cpu);
     tdm_single_free(&ctx.single);   /* its staging, on the model's device */
     tdm_optim_free(opt);
     tdm_model_free(m);
