@@ -29,7 +29,7 @@
 #include <nccl.h>
 
 #include "core/log.h"
-#include "cuda/device_cuda.h"
+#include "cuda/device_cuda_impl.h"
 
 /* --- errors --------------------------------------------------------------- */
 
