@@ -26,6 +26,10 @@
 #include "core/geom.h"
 #include "core/status.h"
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 typedef enum tdm_device_kind {
     TDM_DEVICE_HOST = 0,
     TDM_DEVICE_CUDA,
@@ -265,5 +269,9 @@ tdm_status tdm_dev_sgd_step(tdm_device *d, int64_t n_elem, float *param, const f
 tdm_status tdm_dev_adamw_step(tdm_device *d, int64_t n_elem, float *param, const float *grad,
                               float *m, float *v, float lr, float beta1, float beta2, float eps,
                               float weight_decay, float bias_corr1, float bias_corr2);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif
