@@ -131,8 +131,8 @@ int ddp_rank(tdm_comm *comm, void *arg)
     // the same step up to the order of the sums (two half-batch gradients
     // added, not one batch): within float32 rounding of the parameters
     if (!(diff <= kTol)) {
-        std::fprintf(stderr, "cxx: rank %d: DDP's parameters are %g from one device's (more than %g)\n",
-                     rank, diff, kTol);
+        std::fprintf(stderr, "cxx: rank %d: DDP's parameters are %g from one device's "
+                     "(more than %g)\n", rank, diff, kTol);
         return 1;
     }
     if (rank == 0)

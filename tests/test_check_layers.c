@@ -181,7 +181,8 @@ Test(check_layers, the_folders_still_to_come_have_their_rules, .timeout = 120, .
     spits(tu_tpath(dir, "ddp/t_dist_user.c"), "#include \"dist/t_pg.h\"\n");
     spits(tu_tpath(dir, "fsdp/t_dist_user.c"), "#include \"dist/t_pg.h\"\n");
     int rc = check_layers(dir);
-    cr_assert_eq(rc, 0, "an allowed include of the new folders was refused (exit %d):\n%s", rc, out);
+    cr_assert_eq(rc, 0, "an allowed include of the new folders was refused (exit %d):\n%s", rc,
+                 out);
     /* and what each may not */
     expect_caught(dir, "pp/t_pp.c", "#include \"tp/t_tp.h\"", "includes \"tp/t_tp.h\": ", designs);
     expect_caught(dir, "tp/t_tp.c", "#include \"ddp/ddp.h\"", "includes \"ddp/ddp.h\": ", designs);

@@ -111,8 +111,9 @@ Test(install, a_program_builds_from_pkg_config_and_runs, .timeout = 120, .fini =
     static char out[65536];
     install();
     int rc;
-    const char *files[] = {"usr/bin/tandem", "usr/lib/libtandem.a", "usr/include/tandem/core/device.h",
-                           "usr/include/tandem/ddp/ddp.h", "usr/lib/pkgconfig/tandem.pc"};
+    const char *files[] = {"usr/bin/tandem", "usr/lib/libtandem.a",
+                           "usr/include/tandem/core/device.h", "usr/include/tandem/ddp/ddp.h",
+                           "usr/lib/pkgconfig/tandem.pc"};
     for (size_t i = 0; i < sizeof files / sizeof files[0]; i++)
         cr_assert_eq(access(tu_tpath(dir, files[i]), R_OK), 0, "%s not installed", files[i]);
     int cuda = tdm_device_cuda_linked();  /* this binary links the backend iff it was built */
@@ -131,8 +132,10 @@ Test(install, a_program_builds_from_pkg_config_and_runs, .timeout = 120, .fini =
     snprintf(cmd, sizeof cmd,
              "cd '%s/usr/include/tandem' && n=0 && for h in */*.h; do n=$((n+1)); "
              "printf '#include \"%%s\"\\n' \"$h\" > ../../../one.c; "
-             "cc -std=c11 -Wall -Wextra -Werror -fsyntax-only -I. ../../../one.c || echo \"C: $h\"; "
-             "g++ -std=c++11 -Wall -Wextra -Werror -pedantic -x c++ -fsyntax-only -I. ../../../one.c "
+             "cc -std=c11 -Wall -Wextra -Werror -fsyntax-only -I. ../../../one.c "
+             "|| echo \"C: $h\"; "
+             "g++ -std=c++11 -Wall -Wextra -Werror -pedantic -x c++ -fsyntax-only -I. "
+             "../../../one.c "
              "|| echo \"C++: $h\"; done; echo \"headers: $n\"", dir);
     rc = run(cmd, out, sizeof out);
     cr_assert(rc == 0 && !strstr(out, "C: ") && !strstr(out, "C++: ") &&
