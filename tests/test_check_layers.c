@@ -231,6 +231,10 @@ Test(check_layers, the_lower_floors_reach_nothing_above_them, .timeout = 120, .f
                   "dp/ may include only dp/, models/, core/");
     expect_caught(dir, "ddp/ddp.c", "#include \"tools/args.h\"", "includes \"tools/args.h\": ",
                   "ddp/ may include only ddp/, dist/, models/, core/");
+    /* the allowance for ddp/pg.c's shm_comm.h (until it moves to dist/)
+     * covers that include only */
+    expect_caught(dir, "ddp/pg.c", "#include \"shm/spawn.h\"", "includes \"shm/spawn.h\": ",
+                  "ddp/ may include only ddp/, dist/, models/, core/");
 }
 
 Test(check_layers, cuda_and_mpi_headers_only_in_their_folders, .timeout = 120, .fini = remove_copy)

@@ -53,6 +53,12 @@ tools:*
 tests:*
 examples:*'
 designs='dp ddp fsdp pp tp ps'
+# Known wrong-way includes allowed until the code moves, one "file include"
+# a line: ddp/'s process group and spawn use shm/ until they move to dist/
+# (where shm is allowed). A line whose include is gone is reported as
+# stale (remove it); it does not fail the check.
+allow='ddp/pg.c shm/shm_comm.h
+ddp/spawn.h shm/spawn.h'
 # the library's folders: their headers are installed, less *_impl.h
 lib='core shm cuda mpi models dist rpc dp ddp fsdp pp tp ps'
 
@@ -71,7 +77,7 @@ files=$(for d in $dirs; do
 # shellcheck disable=SC2086 # $files: paths without spaces, checked below
 printf '%s\n' $files | grep -q '[[:space:]]' && { echo "check-layers: a file name with a space" >&2; exit 2; }
 # shellcheck disable=SC2086
-awk -v rules="$rules" -v designs="$designs" -v lib="$lib" -v dirs="$dirs" '
+awk -v rules="$rules" -v designs="$designs" -v lib="$lib" -v dirs="$dirs" -v allow="$allow" '
 function norm(p,   n, i, a, out, k, o) {   # a/b/../c -> a/c, ./a -> a
     n = split(p, a, "/"); k = 0
     for (i = 1; i <= n; i++) {
@@ -93,7 +99,10 @@ function list(a,   n, i, w, out) {    # "dist models" -> ", dist/, models/"
     for (i = 1; i <= n; i++) out = out ", " w[i] "/"
     return out
 }
-function bad(msg) { printf "%s:%d: %s\n", FILENAME, FNR, msg; nbad++ }
+function bad(msg) {
+    if ((FILENAME " " target) in allowed_once) { used[FILENAME " " target] = 1; return }
+    printf "%s:%d: %s\n", FILENAME, FNR, msg; nbad++
+}
 function public_header(f,   top) {
     top = f; sub(/\/.*/, "", top)
     return (top in is_lib) && f ~ /\.h$/ && f !~ /_impl\.h$/ && f ~ /^[^\/]+\/[^\/]+$/
@@ -107,6 +116,7 @@ BEGIN {
         for (j = 1; j <= m; j++) may[d, al[j]] = 1
         may[d, d] = 1
     }
+    m = split(allow, al2, "\n"); for (j = 1; j <= m; j++) if (al2[j] != "") allowed_once[al2[j]] = 1
     m = split(designs, dl, " "); for (j = 1; j <= m; j++) is_design[dl[j]] = 1
     m = split(lib, ll, " "); for (j = 1; j <= m; j++) is_lib[ll[j]] = 1
     m = split(dirs, dd, "\n")
@@ -174,6 +184,9 @@ function end_file() {
 }
 END {
     if (NR > 0) end_file()
+    for (k in allowed_once)
+        if (k in used) printf "check-layers: allowed for now: %s (tools/check-layers.sh, allow)\n", k
+        else printf "check-layers: stale allowance \"%s\": that include is gone; remove it from tools/check-layers.sh\n", k
     if (nbad) { printf "check-layers: %d violation%s\n", nbad, nbad == 1 ? "" : "s"; exit 1 }
     printf "check-layers: ok (%d files)\n", nfiles
 }
