@@ -1,8 +1,8 @@
 #!/bin/sh
 # tools/check-layers.sh [ROOT]: fails when an #include crosses a layer of
-# the house the wrong way (docs: /work/shared/DESIGN.md, "Layers of the
-# house" and "What must never be"; ARCHITECTURE.md's map), and when a
-# public header breaks what `make install` promises. Run by `make
+# the house the wrong way (the layers of docs/ARCHITECTURE.md: arrows only
+# point down, the designs never use each other), and when a public header
+# breaks what `make install` promises. Run by `make
 # check-layers` and first thing by `make test`; ROOT defaults to the tree
 # this script is in. Prints one line per violation, naming the file, the
 # line, the include and the rule, then a count; exit 1 if there is any.
