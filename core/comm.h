@@ -39,6 +39,10 @@
 #include "core/dtype.h"
 #include "core/status.h"
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 /* Reduction operators. (Named TDM_REDOP_* so as not to collide with the
  * device interface's gemm transpose flags.) */
 typedef enum tdm_redop {
@@ -199,5 +203,9 @@ tdm_status tdm_comm_work_test(tdm_comm_work *work, int *done);
 /* Releases the handle; a work still running completes in the background.
  * NULL is a no-op. */
 void tdm_comm_work_free(tdm_comm_work *work);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

@@ -13,6 +13,10 @@
 
 #include "core/status.h"
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 typedef enum tdm_dtype {
     TDM_DTYPE_FLOAT32 = 0,
     TDM_DTYPE_FLOAT64,
@@ -36,5 +40,9 @@ uint16_t tdm_f32_to_f16(float f);
 /* Parses the names above (also "float"/"double", "bf16", "fp16"/"half");
  * TDM_STATUS_INVALID_ARG with a message listing the valid names. */
 tdm_status tdm_dtype_parse(const char *s, tdm_dtype *out);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

@@ -18,6 +18,10 @@
 
 #include "core/geom.h"
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 #ifdef __CUDACC__
 /* Not __forceinline__: it expands to `__inline__ __attribute__((always_inline))`,
  * and with the `static inline` below nvcc rejects the repeated inline. */
@@ -733,5 +737,9 @@ static inline TDM_HD double tdm_k_sumsq_chunk(int64_t c, const float *x, int64_t
         for (int j = 0; j < w; j++) acc[j] += acc[j + w];
     return acc[0];
 }
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

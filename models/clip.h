@@ -19,6 +19,10 @@
 #include "core/device.h"
 #include "models/model.h"
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 /* The sum of squares of x (n_elem floats on dev) in double, in the fixed
  * order above. */
 tdm_status tdm_clip_sumsq(tdm_device *dev, const float *x, int64_t n_elem, double *sumsq);
@@ -40,5 +44,9 @@ tdm_status tdm_clip_grad_norm(tdm_model *m, double max_norm, double *total_norm)
 tdm_status tdm_clip_grad_norm_comm(tdm_comm *comm, tdm_device *dev, float *const *grads,
                                    const int64_t *n_elem, int n_bufs, double max_norm,
                                    double *total_norm);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

@@ -10,6 +10,10 @@
 
 #include "models/model.h"
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 typedef enum tdm_optim_kind {
     TDM_OPTIM_SGD = 0,
     TDM_OPTIM_ADAMW,
@@ -114,5 +118,9 @@ size_t tdm_optim_state_bytes(const tdm_optim *o);
 /* The device whose memory holds the state buffers: the model's (or the
  * flat optimizer's), or with offload the optimizer's host device. */
 tdm_device *tdm_optim_device(const tdm_optim *o);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

@@ -25,6 +25,10 @@
 #include "models/optim.h"
 #include "models/precision.h"
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 typedef struct tdm_plan_opts {
     tdm_model_spec spec;
     int batch;                   /* samples (gpt: windows) per step on the device */
@@ -57,5 +61,9 @@ typedef struct tdm_plan {
 
 void tdm_plan_opts_default(tdm_plan_opts *o, const tdm_model_spec *spec, int batch);
 tdm_status tdm_plan_single(const tdm_plan_opts *o, tdm_plan *out);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

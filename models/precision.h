@@ -34,6 +34,10 @@
 #include "core/status.h"
 #include "models/model.h"
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 typedef enum tdm_precision {
     TDM_PRECISION_FP32 = 0,
     TDM_PRECISION_BF16,
@@ -94,5 +98,9 @@ tdm_status tdm_grad_scaler_unscale(tdm_grad_scaler *s, tdm_device *dev, float *g
 tdm_status tdm_grad_scaler_sync_found_inf(tdm_comm *comm, tdm_device *dev, int *found_inf);
 /* After the (possibly skipped) step: the scale for the next one. */
 void tdm_grad_scaler_update(tdm_grad_scaler *s, int found_inf);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

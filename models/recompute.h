@@ -26,6 +26,10 @@
 
 #include "models/model.h"
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 /* 0: keep every activation (the default); N >= 1: segments of N units.
  * Drops the activations: call it between steps. */
 tdm_status tdm_model_set_checkpoint(tdm_model *m, int units_per_segment);
@@ -35,5 +39,9 @@ int tdm_model_checkpoint(const tdm_model *m);
  * CNN's layout changes). */
 int tdm_model_n_units(const tdm_model *m);
 int tdm_model_layer_unit(const tdm_model *m, int layer);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif
