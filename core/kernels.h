@@ -672,7 +672,7 @@ static inline TDM_HD float tdm_k_f16_to_f32(uint16_t h)
     if (e == 0x1f) return tdm_k_bits_f32(sign | 0x7f800000u | (m << 13));
     if (e != 0) return tdm_k_bits_f32(sign | ((e + 112) << 23) | (m << 13));
     /* zero or subnormal: m * 2^-24, exact in float32 */
-    float v = (float)m * 0x1p-24f;
+    float v = (float)m * 5.9604644775390625e-8f;   /* 2^-24, exact */
     return sign ? -v : v;
 }
 
