@@ -17,6 +17,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -827,6 +828,15 @@ int tdm_tool_doctor_main(int argc, char **argv)
     }
     if (!dir) {
         tdm_doctor_usage(stderr);
+        return 2;
+    }
+    struct stat sb, lb;
+    if (stat(dir, &sb) == 0 && !S_ISDIR(sb.st_mode)) {
+        /* a FIFO, a device or a file: not "no dump in it" */
+        fprintf(stderr, "tandem doctor: %s: is %s%s, not a directory: give the directory the "
+                        "dumps are in\n", dir,
+                lstat(dir, &lb) == 0 && S_ISLNK(lb.st_mode) ? "a symbolic link to " : "",
+                tdm_file_kind(sb.st_mode));
         return 2;
     }
     return (int)tdm_doctor_diagnose(dir, stdout, NULL, 0);
