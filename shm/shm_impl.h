@@ -31,7 +31,7 @@
 #include "shm/shm_comm.h"
 
 #define TDM_SHM_MAGIC 0x314d48534d444e54ull /* "TNDMSHM1" little endian */
-#define TDM_SHM_VERSION 3u
+#define TDM_SHM_VERSION 4u
 #define TDM_SHM_LINE 64
 #define TDM_SHM_PAGE 4096
 #define TDM_SHM_NBUF 2            /* staging buffers per rank */
@@ -74,6 +74,8 @@ typedef struct tdm_shm_ctrl {
     _Atomic int32_t wstatus;
     _Atomic int32_t ended;     /* 1: the parent reported its end (wstatus) */
     _Atomic uint64_t beat;     /* heartbeat: advanced by the rank's heartbeat thread */
+    _Atomic int32_t in_call;   /* > 0: inside a collective (tdm_shm_run), where an abort
+                                * reaches it; 0: computing between collectives */
 } tdm_shm_ctrl;
 
 _Static_assert(sizeof(tdm_shm_ctrl) == 2 * TDM_SHM_LINE, "ctrl is two lines");

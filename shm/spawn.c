@@ -204,6 +204,53 @@ tdm_status tdm_shm_watch_blame(const tdm_shm_watch *w, tdm_shm_cause *cause)
 
 /* --- fork N ranks ----------------------------------------------------------- */
 
+/* After a failure, a rank still running that has been outside every
+ * collective for this long, at this many polls at least, is computing
+ * (an evaluation, a long forward) and will not see the group abort
+ * before its next collective, which may be seconds away: it is stopped
+ * now (SIGTERM), as a rank inside a collective stops by itself at once.
+ * Long enough for a training rank, which enters a collective every few
+ * milliseconds, to be seen in one under load. */
+#define TDM_SHM_BUSY_STOP_MS 300
+#define TDM_SHM_BUSY_POLLS 8
+
+/* A rank's in_call counter (shm/coll.c): > 0 while inside a collective. */
+static int tdm_shm_spawn_in_call(const tdm_shm_group *g, int r)
+{
+    const tdm_shm_ctrl *k = tdm_shm_geom_ctrl(&g->geom, g->base, r);
+    return atomic_load_explicit(&k->in_call, memory_order_relaxed) > 0;
+}
+
+/* The busy-rank rule above, at one poll of the teardown. */
+typedef struct tdm_shm_busy {
+    uint64_t since[TDM_SHM_MAX_RANKS];   /* 0: seen in a collective (or not looked at) */
+    int polls[TDM_SHM_MAX_RANKS];
+    int stopped[TDM_SHM_MAX_RANKS];
+} tdm_shm_busy;
+
+static void tdm_shm_spawn_stop_busy(tdm_shm_watch *w, tdm_shm_busy *b, uint64_t now)
+{
+    for (int r = 0; r < w->world; r++) {
+        if (w->pid[r] <= 0 || w->ended[r] || b->stopped[r]) continue;
+        if (tdm_shm_spawn_in_call(w->group, r)) {
+            b->since[r] = 0;
+            continue;
+        }
+        if (!b->since[r]) {
+            b->since[r] = now;
+            b->polls[r] = 0;
+        }
+        if (++b->polls[r] < TDM_SHM_BUSY_POLLS ||
+            now - b->since[r] < (uint64_t)TDM_SHM_BUSY_STOP_MS * 1000000ull)
+            continue;
+        TDM_INFO(SHM, "rank %d (pid %d) is computing outside any collective %d ms after a "
+                 "failure: stopping it", r, (int)w->pid[r], TDM_SHM_BUSY_STOP_MS);
+        tdm_shm_watch_stopping(w, TDM_STATUS_OK, NULL);   /* a rank failed */
+        kill(w->pid[r], SIGTERM);
+        b->stopped[r] = 1;
+    }
+}
+
 tdm_status tdm_shm_spawn(int world, tdm_shm_spawn_fn fn, void *arg,
                          const tdm_shm_spawn_opts *opts, tdm_shm_spawn_result *res)
 {
@@ -238,6 +285,8 @@ tdm_status tdm_shm_spawn(int world, tdm_shm_spawn_fn fn, void *arg,
     }
     uint64_t deadline = t0 + (uint64_t)timeout_ms * 1000000ull, grace_end = UINT64_MAX;
     int signalled = 0, settled = 0;
+    tdm_shm_busy busy;
+    memset(&busy, 0, sizeof busy);
     double nap_ms = 0.5;   /* grows to 10 ms while nothing happens */
     while (running > 0) {
         int reaped = 0;
@@ -270,6 +319,7 @@ tdm_status tdm_shm_spawn(int world, tdm_shm_spawn_fn fn, void *arg,
             o.on_settled(&w, o.settled_ctx);
         }
         uint64_t now = tdm_time_ns();
+        if (grace_end != UINT64_MAX && signalled == 0) tdm_shm_spawn_stop_busy(&w, &busy, now);
         if (signalled == 2 && now >= deadline + 5000ull * 1000000ull) break; /* unkillable */
         if ((now >= deadline || now >= grace_end) && signalled < 2) {
             if (!signalled) {
