@@ -44,6 +44,7 @@ static const tdm_env_int tdm_env_ints[] = {
     {"TANDEM_FR_SIZE", 0, TDM_FR_MAX_SIZE, "flight-recorder entries (0: off)"},
     {"TANDEM_CUDA_EMULATOR", 1, 64, "emulated CUDA devices"},
     {"TANDEM_RESTART_COUNT", 0, 1000000, "restarts so far (set by tandem launch)"},
+    {"TANDEM_TEST_MEM_LIMIT", 0, 1LL << 62, "bytes"},
 };
 
 typedef struct tdm_env_word {

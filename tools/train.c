@@ -357,6 +357,10 @@ tdm_status tdm_train_load_data(const tdm_train_args *a, const tdm_model_spec *sp
     }
     if (st != TDM_STATUS_OK) {
         tdm_train_fail("loading data", st);
+    } else if ((st = tdm_train_check_memory(a, spec)) != TDM_STATUS_OK) {
+        /* said: the run would not fit */
+    }
+    if (st != TDM_STATUS_OK) {
         tdm_data_free(train);
         tdm_data_free(test);
     }
