@@ -11,6 +11,10 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 /* Tests (and anyone who wants a smaller budget) may lower the figure:
  * TANDEM_TEST_MEM_LIMIT=BYTES acts as a memory cgroup of that limit whose
  * usage is this process's anonymous and shared memory (the headroom is
@@ -25,5 +29,9 @@
  * UINT64_MAX when none can be read. src (n bytes) names the bound that
  * applied, with its figures, for messages. */
 uint64_t tdm_mem_available(char *src, size_t n);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

@@ -36,6 +36,10 @@
 
 #include "core/status.h"
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 /* "a regular file", "a directory", "a FIFO", "a character device", ...:
  * what a file of mode m is, for messages. */
 const char *tdm_file_kind(mode_t m);
@@ -99,5 +103,9 @@ tdm_status tdm_file_replace_check(int dirfd, const char *path);
 
 /* write(2) until done, retrying EINTR; the message names path. */
 tdm_status tdm_file_write_all(int fd, const void *data, size_t nbytes, const char *path);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

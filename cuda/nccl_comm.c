@@ -28,7 +28,7 @@
 #include "core/comm_impl.h"
 #include "core/log.h"
 #include "cuda/cuda_impl.h"
-#include "cuda/cuda_libs.h"
+#include "cuda/cuda_libs_impl.h"
 #include "cuda/nccl_impl.h"
 
 _Static_assert(sizeof(ncclUniqueId) % sizeof(int32_t) == 0, "ncclUniqueId size");

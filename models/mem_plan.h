@@ -16,6 +16,10 @@
 #include "core/status.h"
 #include "models/model.h"
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 /* What each replica keeps only 1/N of (the sharded modes). */
 typedef enum tdm_mem_shard {
     TDM_MEM_SHARD_NONE = 0,    /* every replica holds everything (single, dp, ddp) */
@@ -65,5 +69,9 @@ void tdm_mem_plan_compute(const tdm_mem_plan_in *in, tdm_mem_plan *out);
  * fit, the message giving both figures, the bound that applied, the
  * plan's terms and what to lower. */
 tdm_status tdm_mem_plan_check(const tdm_mem_plan_in *in, const tdm_mem_plan *p);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif
