@@ -187,11 +187,13 @@ tdm_status tdm_comm_abort(tdm_comm *comm, const char *reason);
 
 /* Zero-initialised options are the defaults. */
 typedef struct tdm_comm_split_opts {
-    /* Bytes of zero-copy memory (tdm_comm_alloc) per rank; 0: as comm's. */
+    /* Bytes of zero-copy memory (tdm_comm_alloc) per rank; 0: as comm's
+     * (none with p2p). */
     size_t arena_bytes;
     /* 1: the new communicator carries mostly send/recv (a pipeline's
      * links): the backend may give it less staging memory for collectives
-     * (shm: 4 KiB slots instead of comm's); every call still works. */
+     * (shm: 4 KiB slots instead of comm's, no arena unless arena_bytes
+     * asks); every call still works. */
     int p2p;
 } tdm_comm_split_opts;
 

@@ -327,6 +327,7 @@ tdm_status tdm_model_select_act_set(tdm_model *m, int k)
 }
 
 int tdm_model_act_set(const tdm_model *m) { return m->set; }
+size_t tdm_model_act_set_bytes(const tdm_model *m) { return m->set_bytes; }
 
 void tdm_model_act_bytes(const tdm_model *m, size_t *sets, size_t *scratch)
 {

@@ -100,5 +100,7 @@ tdm_status tdm_model_select_act_set(tdm_model *m, int set);
 int tdm_model_act_set(const tdm_model *m);
 /* Bytes every set holds together, and the shared scratch. */
 void tdm_model_act_bytes(const tdm_model *m, size_t *sets, size_t *scratch);
+/* Bytes the current set holds. */
+size_t tdm_model_act_set_bytes(const tdm_model *m);
 
 #endif

@@ -64,7 +64,7 @@ static tdm_shm_opts tdm_shm_split_opts(const tdm_shm_impl *c, const tdm_comm_spl
 {
     tdm_shm_opts o = {0};
     o.slot_bytes = so->p2p ? TDM_SHM_SPLIT_P2P_SLOT : c->geom.slot_bytes;
-    o.arena_bytes = so->arena_bytes ? so->arena_bytes : c->geom.arena_bytes;
+    o.arena_bytes = so->arena_bytes ? so->arena_bytes : so->p2p ? 0 : c->geom.arena_bytes;
     o.timeout_ms = c->timeout_ms;
     o.cores = c->geom.cores;
     o.no_spin = !c->spin && c->world <= c->geom.cores;

@@ -1,0 +1,342 @@
+/* pp/pp.c: a pipeline stage's life: checking the configuration on every
+ * stage, the split, the stage model and its optimizer, the link
+ * communicators, the micro-batch buffers, the memory report, gathering
+ * the whole model's parameters, and freeing. Running a step is
+ * pp/step.c; schedules pp/schedule.c; splits pp/split.c. */
+#include "pp/pp_impl.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/log.h"
+
+/* What every stage must agree on, compared at init: the stage that
+ * differs is named with the field. */
+enum {
+    TDM_PP_CFG_STAGES = 0, TDM_PP_CFG_MICRO, TDM_PP_CFG_SCHEDULE, TDM_PP_CFG_BALANCE,
+    TDM_PP_CFG_SEED, TDM_PP_CFG_SPEC, TDM_PP_CFG_SPLIT, TDM_PP_CFG_OPTIM, TDM_PP_CFG_SYNC,
+    TDM_PP_CFG_COUNT_
+};
+static const char *const tdm_pp_cfg_names[TDM_PP_CFG_COUNT_] = {
+    "stages", "micro-batches", "schedule", "balance", "seed", "model", "split", "optimizer",
+    "gradient sync (data parallelism)",
+};
+
+static uint64_t tdm_pp_fnv(const void *p, size_t n, uint64_t h)
+{
+    const unsigned char *b = p;
+    for (size_t i = 0; i < n; i++) h = (h ^ b[i]) * 0x100000001b3ull;
+    return h;
+}
+
+tdm_status tdm_pp_fail(tdm_pp *p, tdm_status st, const char *fmt, ...)
+{
+    char what[256];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(what, sizeof what, fmt, ap);
+    va_end(ap);
+    tdm_error_prefix(st, "pp stage %d of %d: %s", p->s, p->S, what);
+    /* the other stages may be waiting for this one */
+    char why[TDM_ERROR_MSG_MAX];
+    snprintf(why, sizeof why, "%s", tdm_error_message());
+    (void)tdm_comm_abort(p->comm, why);
+    tdm_error_set(st, "%s", why);
+    return st;
+}
+
+static tdm_status tdm_pp_check_config(tdm_pp *p)
+{
+    tdm_status st = TDM_STATUS_OK;
+    int64_t mine[TDM_PP_CFG_COUNT_] = {0};
+    mine[TDM_PP_CFG_STAGES] = p->S;
+    mine[TDM_PP_CFG_MICRO] = p->o.micro_batches;
+    mine[TDM_PP_CFG_SCHEDULE] = p->o.schedule;
+    mine[TDM_PP_CFG_BALANCE] = p->o.split ? -1 : (int64_t)p->o.balance;
+    mine[TDM_PP_CFG_SEED] = (int64_t)p->o.seed;
+    mine[TDM_PP_CFG_SPEC] = (int64_t)tdm_pp_fnv(&p->spec, sizeof p->spec, 0xcbf29ce484222325ull);
+    mine[TDM_PP_CFG_SPLIT] = (int64_t)tdm_pp_fnv(p->first, (size_t)p->S * sizeof *p->first,
+                                                 0xcbf29ce484222325ull);
+    mine[TDM_PP_CFG_OPTIM] = (int64_t)tdm_pp_fnv(&p->o.optim, sizeof p->o.optim,
+                                                 0xcbf29ce484222325ull);
+    mine[TDM_PP_CFG_SYNC] = p->o.grad_sync.begin != NULL;
+    int64_t *all = calloc((size_t)p->S * TDM_PP_CFG_COUNT_, sizeof *all);
+    if (!all) {
+        st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "pp: configuration check");
+        (void)tdm_comm_abort(p->comm, tdm_error_message());
+        return st;
+    }
+    tdm_comm_set_label(p->comm, "pp configuration check");
+    st = tdm_comm_all_gather(p->comm, mine, all, TDM_PP_CFG_COUNT_, TDM_DTYPE_INT64);
+    for (int r = 1; st == TDM_STATUS_OK && r < p->S; r++)
+        for (int f = 0; f < TDM_PP_CFG_COUNT_; f++)
+            if (all[r * TDM_PP_CFG_COUNT_ + f] != all[f]) {
+                char who[48];
+                st = tdm_error_set(TDM_STATUS_MISMATCH, "pp: stage %d (%s) was configured "
+                                   "with another %s than stage 0 (%lld vs %lld)", r,
+                                   tdm_comm_rank_str(p->comm, r, who, sizeof who),
+                                   tdm_pp_cfg_names[f], (long long)all[r * TDM_PP_CFG_COUNT_ + f],
+                                   (long long)all[f]);
+                break;
+            }
+    free(all);
+    return st;
+}
+
+/* The lanes: every stage splits the same number of times (the pipeline's
+ * size decides it), then takes its own. */
+static tdm_status tdm_pp_links(tdm_pp *p)
+{
+    int S = p->S, s = p->s, n = S == 1 ? 0 : S == 2 ? 2 : 4;
+    tdm_comm_split_opts so = {.p2p = 1};
+    for (int k = 0; k < n; k++) {
+        tdm_comm_set_label(p->comm, "pp link %d", k);
+        TDM_CHECK(tdm_comm_split_ex(p->comm, 0, s, &so, &p->link.lane[k]));
+    }
+    int gl = TDM_PP_GRAD_LANE(S);
+    if (s + 1 < S) {
+        p->link.act_out = p->link.lane[s % 2];
+        p->link.grad_in = p->link.lane[gl + s % 2];
+    }
+    if (s > 0) {
+        p->link.act_in = p->link.lane[(s - 1) % 2];
+        p->link.grad_out = p->link.lane[gl + (s - 1) % 2];
+    }
+    return TDM_STATUS_OK;
+}
+
+tdm_status tdm_pp_init(tdm_pp **out, tdm_comm *comm, tdm_device *dev, const tdm_model_spec *spec,
+                       const tdm_pp_opts *opts)
+{
+    tdm_status st = TDM_STATUS_OK;
+    TDM_REQUIRE(out && comm && dev && spec && opts, TDM_STATUS_INVALID_ARG,
+                "pp: communicator, device, spec and options are required");
+    *out = NULL;
+    TDM_REQUIRE(opts->micro_batches >= 1, TDM_STATUS_INVALID_ARG,
+                "pp: %d micro-batches (expected at least 1)", opts->micro_batches);
+    TDM_REQUIRE((unsigned)opts->schedule < TDM_PP_SCHEDULE_COUNT_, TDM_STATUS_INVALID_ARG,
+                "pp: unknown schedule %d", (int)opts->schedule);
+    TDM_REQUIRE(!opts->grad_sync.begin == !opts->grad_sync.end, TDM_STATUS_INVALID_ARG,
+                "pp: grad_sync needs both begin and end");
+    int S = tdm_comm_size(comm), n = 0;
+    TDM_CHECK(tdm_model_spec_n_layers(spec, &n));
+    tdm_pp *p = calloc(1, sizeof *p);
+    TDM_REQUIRE(p, TDM_STATUS_OUT_OF_MEMORY, "pp: calloc");
+    p->comm = comm;
+    p->dev = dev;
+    p->S = S;
+    p->s = tdm_comm_rank(comm);
+    p->spec = *spec;
+    p->o = *opts;
+    p->n_layers = n;
+    p->host = tdm_dev_kind(dev) == TDM_DEVICE_HOST;
+    p->first = calloc((size_t)S, sizeof *p->first);
+    if (!p->first) {
+        st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "pp: calloc");
+        goto fail;
+    }
+    if (opts->split) {
+        memcpy(p->first, opts->split, (size_t)S * sizeof *p->first);
+        TDM_TRY(tdm_pp_split_check(p->first, S, n));
+    } else {
+        TDM_TRY(tdm_pp_split_balance(spec, S, opts->balance, p->first));
+    }
+    p->o.split = NULL;
+    /* every stage agrees before anyone builds (a stage that got other
+     * options is named, not left to mismatch in a transfer) */
+    TDM_TRY(tdm_pp_check_config(p));
+    int lo = p->first[p->s], hi = p->s + 1 < S ? p->first[p->s + 1] : n;
+    TDM_TRY(tdm_model_init_stage(&p->m, dev, spec, opts->seed, lo, hi));
+    tdm_model_get_stage(p->m, &p->info);
+    TDM_TRY(tdm_optim_init(&p->opt, p->m, &opts->optim));
+    TDM_TRY(tdm_pp_links(p));
+    for (int k = 0; k < 2; k++) p->buf.gin_owner[k] = -1;
+    tdm_dev_mem_stats ms;
+    p->stats.mem_ok = tdm_dev_mem_query(dev, &ms) == TDM_STATUS_OK;
+    if (p->stats.mem_ok) {
+        tdm_dev_mem_reset_peak(dev);
+        p->stats.mem_base = ms.live_bytes;
+    }
+    char split[128];
+    TDM_INFO(CORE, "pp stage %d of %d: layers %d..%d of %d (split %s), %s, %d micro-batch(es)",
+             p->s, S, lo, hi - 1, n, tdm_pp_split_str(p->first, S, split, sizeof split),
+             tdm_pp_schedule_name(opts->schedule), opts->micro_batches);
+    *out = p;
+    return TDM_STATUS_OK;
+fail:
+    tdm_pp_free(p);
+    return st;
+}
+
+static void tdm_pp_free_buffers(tdm_pp *p)
+{
+    for (int k = 0; k < p->buf.n; k++) {
+        tdm_dev_free(p->dev, p->buf.in ? p->buf.in[k] : NULL);
+        tdm_dev_free(p->dev, p->buf.x ? p->buf.x[k] : NULL);
+    }
+    free(p->buf.in);
+    free(p->buf.x);
+    free(p->buf.out);
+    free(p->buf.owner);
+    free(p->run.act_recv);
+    free(p->run.act_send);
+    p->buf.in = NULL;
+    p->buf.x = NULL;
+    p->buf.out = NULL;
+    p->buf.owner = NULL;
+    p->run.act_recv = p->run.act_send = NULL;
+    for (int k = 0; k < 2; k++) {
+        tdm_dev_free(p->dev, p->buf.gin[k]);
+        p->buf.gin[k] = NULL;
+    }
+    tdm_dev_free(p->dev, p->buf.y);
+    p->buf.y = NULL;
+    p->buf.cap = p->buf.n = 0;
+}
+
+void tdm_pp_free(tdm_pp *p)
+{
+    if (!p) return;
+    tdm_pp_drain(p);
+    /* the links drain anything still queued before the buffers go */
+    for (int k = 0; k < TDM_PP_MAX_LANES; k++) tdm_comm_free(p->link.lane[k]);
+    tdm_pp_free_buffers(p);
+    tdm_dev_free(p->dev, p->buf.tied);
+    tdm_pp_schedule_free(p->sched);
+    tdm_optim_free(p->opt);
+    tdm_model_free(p->m);
+    free(p->stats.ev);
+    free(p->stats.pending);
+    free(p->first);
+    free(p);
+}
+
+int tdm_pp_stage(const tdm_pp *p) { return p->s; }
+int tdm_pp_stages(const tdm_pp *p) { return p->S; }
+tdm_model *tdm_pp_model(tdm_pp *p) { return p->m; }
+tdm_optim *tdm_pp_optim(tdm_pp *p) { return p->opt; }
+const int *tdm_pp_split(const tdm_pp *p) { return p->first; }
+
+tdm_status tdm_pp_buffers(tdm_pp *p, int micro, int sets)
+{
+    if (micro <= p->buf.cap && sets <= p->buf.n) return TDM_STATUS_OK;
+    tdm_status st = TDM_STATUS_OK;
+    if (micro < p->buf.cap) micro = p->buf.cap;
+    if (sets < p->buf.n) sets = p->buf.n;
+    tdm_pp_free_buffers(p);
+    size_t in_b = (size_t)micro * (size_t)p->info.in_elems * 4;
+    size_t out_b = (size_t)micro * (size_t)p->info.out_elems * 4;
+    p->buf.in = calloc((size_t)sets, sizeof *p->buf.in);
+    p->buf.x = calloc((size_t)sets, sizeof *p->buf.x);
+    p->buf.out = calloc((size_t)sets, sizeof *p->buf.out);
+    p->buf.owner = calloc((size_t)sets, sizeof *p->buf.owner);
+    p->run.act_recv = calloc((size_t)sets, sizeof *p->run.act_recv);
+    p->run.act_send = calloc((size_t)sets, sizeof *p->run.act_send);
+    if (!p->buf.in || !p->buf.x || !p->buf.out || !p->buf.owner || !p->run.act_recv ||
+        !p->run.act_send) {
+        st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "pp: %d micro-batch buffers", sets);
+        goto fail;
+    }
+    p->buf.n = sets;
+    p->buf.input_bytes = 0;
+    p->buf.scratch_bytes = 0;
+    for (int k = 0; k < sets; k++) {
+        p->buf.owner[k] = -1;
+        if (p->s > 0) TDM_TRY(tdm_dev_alloc(p->dev, in_b, (void **)&p->buf.in[k]));
+        else if (!p->host) TDM_TRY(tdm_dev_alloc(p->dev, in_b, &p->buf.x[k]));
+    }
+    if (p->s > 0 || !p->host) p->buf.input_bytes = in_b;
+    if (p->s + 1 < p->S) {
+        for (int k = 0; k < 2; k++) TDM_TRY(tdm_dev_alloc(p->dev, out_b, (void **)&p->buf.gin[k]));
+        p->buf.scratch_bytes += 2 * out_b;
+    }
+    if (p->s + 1 == p->S && !p->host) {
+        size_t yb = (size_t)micro * (size_t)tdm_model_out_rows(p->m) * sizeof(int32_t);
+        TDM_TRY(tdm_dev_alloc(p->dev, yb, (void **)&p->buf.y));
+        p->buf.scratch_bytes += yb;
+    }
+    p->buf.cap = micro;
+    for (int k = 0; k < 2; k++) p->buf.gin_owner[k] = -1;
+    return TDM_STATUS_OK;
+fail:
+    tdm_pp_free_buffers(p);
+    return st;
+}
+
+/* ---- gathering the whole model ---- */
+
+tdm_status tdm_pp_gather_params(tdm_pp *p, float *full, int root)
+{
+    TDM_REQUIRE(root >= 0 && root < p->S, TDM_STATUS_INVALID_ARG,
+                "pp gather: root %d out of range (%d stages)", root, p->S);
+    TDM_REQUIRE(p->s != root || full, TDM_STATUS_INVALID_ARG, "pp gather: root needs a buffer");
+    tdm_status st = TDM_STATUS_OK;
+    int64_t n = p->info.slice_elems;
+    float *mine = malloc((size_t)(n ? n : 1) * sizeof *mine);
+    TDM_REQUIRE(mine, TDM_STATUS_OUT_OF_MEMORY, "pp gather: %lld floats", (long long)n);
+    TDM_TRY(tdm_dev_copy_to_host(p->dev, mine, tdm_model_params(p->m), (size_t)n * sizeof *mine));
+    /* slices go to root one stage at a time, in stage order (each has its
+     * own size), over the pipeline's communicator */
+    for (int r = 0; r < p->S; r++) {
+        int64_t meta[2] = {p->info.slice_offset, n};
+        if (r == p->s && r == root) {
+            memcpy(full + p->info.slice_offset, mine, (size_t)n * sizeof *mine);
+            continue;
+        }
+        if (r == p->s) {
+            tdm_comm_set_label(p->comm, "pp gather: slice of stage %d", r);
+            TDM_TRY(tdm_comm_send(p->comm, meta, 2, TDM_DTYPE_INT64, root));
+            if (n) TDM_TRY(tdm_comm_send(p->comm, mine, (size_t)n, TDM_DTYPE_FLOAT32, root));
+        } else if (p->s == root) {
+            tdm_comm_set_label(p->comm, "pp gather: slice of stage %d", r);
+            TDM_TRY(tdm_comm_recv(p->comm, meta, 2, TDM_DTYPE_INT64, r));
+            if (meta[1])
+                TDM_TRY(tdm_comm_recv(p->comm, full + meta[0], (size_t)meta[1],
+                                      TDM_DTYPE_FLOAT32, r));
+        }
+    }
+fail:
+    free(mine);
+    if (st) return tdm_pp_fail(p, st, "gathering the parameters");
+    return st;
+}
+
+/* ---- reports ---- */
+
+void tdm_pp_get_stats(const tdm_pp *p, tdm_pp_stats *out)
+{
+    memset(out, 0, sizeof *out);
+    out->stage = p->s;
+    out->stages = p->S;
+    out->micro_batches = p->run.n_mb ? p->run.n_mb : p->o.micro_batches;
+    out->micro_size = p->run.micro;
+    out->last = p->stats.last;
+    out->sum = p->stats.sum;
+    out->steps = p->stats.steps;
+    tdm_model_memory mm;
+    tdm_model_get_memory(p->m, &mm);
+    out->params = mm.params;
+    out->grads = mm.grads;
+    out->buffers = mm.buffers;
+    out->optimizer = tdm_optim_state_bytes(p->opt);
+    size_t sets = 0, scratch = 0;
+    tdm_model_act_bytes(p->m, &sets, &scratch);
+    out->act_sets = p->sched ? tdm_pp_schedule_in_flight(p->sched, p->s) : 0;
+    out->act_set = p->stats.set_bytes;
+    out->act_input = p->buf.input_bytes;
+    out->act_scratch = scratch + p->buf.scratch_bytes;
+    out->peak_act = (size_t)-1;
+    tdm_dev_mem_stats ms;
+    if (p->stats.mem_ok && tdm_dev_mem_query(p->dev, &ms) == TDM_STATUS_OK)
+        out->peak_act = ms.peak_bytes > p->stats.mem_base ? ms.peak_bytes - p->stats.mem_base : 0;
+    out->overlapped = p->stats.overlapped;
+    out->transfers = p->stats.transfers;
+}
+
+void tdm_pp_trace(const tdm_pp *p, const tdm_pp_event **events, int *n)
+{
+    *events = p->stats.ev;
+    *n = p->stats.n_ev;
+}

@@ -1,0 +1,98 @@
+/* pp/pp_impl.h: the inside of a pipeline stage, shared by pp/pp.c (set-up,
+ * buffers, memory, gathering) and pp/step.c (running a schedule: the
+ * actions, the transfers, the loss, the tied embedding, the step). Not a
+ * public header: users include pp/pp.h. */
+#ifndef TDM_PP_PP_IMPL_H
+#define TDM_PP_PP_IMPL_H
+
+#include "pp/pp.h"
+
+/* Link communicators: the activations of link l (stage l -> l + 1) go on
+ * lane l % 2, its gradients on lane TDM_PP_GRAD_LANE(S) + l % 2, so that
+ * each stage issues one kind of call on each lane (see pp/pp.h). */
+#define TDM_PP_MAX_LANES 4
+#define TDM_PP_GRAD_LANE(S) ((S) > 2 ? 2 : 1)
+
+/* One transfer in flight: its handle and what it is, for messages. */
+typedef struct tdm_pp_xfer {
+    tdm_comm_work *work;        /* NULL: none */
+    int mb;
+} tdm_pp_xfer;
+
+struct tdm_pp {
+    tdm_comm *comm;             /* borrowed: the pipeline, stage = rank */
+    tdm_device *dev;            /* borrowed */
+    int S, s;
+    tdm_model_spec spec;
+    tdm_pp_opts o;              /* o.split not kept: see first */
+    int *first;                 /* the split: first layer of each stage */
+    int n_layers;
+    tdm_model *m;
+    tdm_optim *opt;
+    tdm_model_stage_info info;
+    int host;                   /* the device reads host memory: no staging */
+
+    struct {                    /* links; NULL where there is no neighbour */
+        tdm_comm *lane[TDM_PP_MAX_LANES];   /* owned */
+        tdm_comm *act_in, *act_out, *grad_in, *grad_out;   /* borrowed from lane[] */
+    } link;
+
+    struct {                    /* buffers, grown to `cap` samples and `n` sets */
+        int cap, n;
+        float **in;             /* per set: the received input activation */
+        void **x;               /* per set: the first stage's staged input */
+        const float **out;      /* per set: the forward's output (the model's) */
+        int *owner;             /* per set: the micro-batch using it, -1: free */
+        float *gin[2];          /* received output gradients */
+        int gin_owner[2];
+        int32_t *y;             /* the last stage's staged targets */
+        float *tied;            /* the other stage's share of the tied gradient */
+        size_t input_bytes, scratch_bytes;
+    } buf;
+
+    struct {                    /* the step (or evaluation) in progress */
+        int batch, micro, n_mb; /* global batch, micro-batch size, micro-batches */
+        int eval;
+        const char *x;          /* host inputs and targets of the global batch */
+        const int32_t *y;
+        int act_next, grad_next;   /* next micro-batch whose recv is to be posted */
+        tdm_pp_xfer *act_recv;  /* per set */
+        tdm_pp_xfer *act_send;  /* per set */
+        tdm_pp_xfer grad_recv[2];
+        tdm_pp_xfer grad_send;
+        double loss_sum;
+        int64_t correct;
+        uint64_t t0;
+    } run;
+
+    tdm_pp_schedule *sched;     /* cached for (kind, S, n_mb) */
+
+    struct {                    /* what steps did */
+        tdm_pp_phases last, sum;
+        int64_t steps;
+        int64_t overlapped, transfers;
+        tdm_pp_event *ev;
+        int n_ev, cap_ev;
+        size_t mem_base;        /* live bytes at the end of init */
+        size_t set_bytes;       /* the largest activation set a forward used */
+        int mem_ok;             /* the device keeps accounts */
+        /* the transfers pending when the current compute began */
+        tdm_comm_work **pending;
+        int n_pending, cap_pending;
+    } stats;
+};
+
+/* pp/pp.c */
+/* Buffers for micro-batches of `micro` samples and `sets` sets. */
+tdm_status tdm_pp_buffers(tdm_pp *p, int micro, int sets);
+/* "pp stage 1 of 3" prefix of messages, and the abort that stops the
+ * other stages after a failure here (returns st). */
+tdm_status tdm_pp_fail(tdm_pp *p, tdm_status st, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+/* pp/step.c */
+/* Waits for and releases every transfer still in flight (after a failure:
+ * bounded by the links' deadlines). */
+void tdm_pp_drain(tdm_pp *p);
+
+#endif
