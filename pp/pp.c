@@ -193,7 +193,7 @@ static void tdm_pp_free_buffers(tdm_pp *p)
     }
     tdm_dev_free(p->dev, p->buf.y);
     p->buf.y = NULL;
-    p->buf.cap = p->buf.n = 0;
+    p->buf.cap = p->buf.n = p->buf.n_in = 0;
 }
 
 void tdm_pp_free(tdm_pp *p)
@@ -219,43 +219,53 @@ tdm_model *tdm_pp_model(tdm_pp *p) { return p->m; }
 tdm_optim *tdm_pp_optim(tdm_pp *p) { return p->opt; }
 const int *tdm_pp_split(const tdm_pp *p) { return p->first; }
 
-tdm_status tdm_pp_buffers(tdm_pp *p, int micro, int sets)
+tdm_status tdm_pp_buffers(tdm_pp *p, int micro, int sets, int n_in)
 {
-    if (micro <= p->buf.cap && sets <= p->buf.n) return TDM_STATUS_OK;
+    int slots = sets > n_in ? sets : n_in;
+    if (micro <= p->buf.cap && slots <= p->buf.n && n_in <= p->buf.n_in) return TDM_STATUS_OK;
     tdm_status st = TDM_STATUS_OK;
     if (micro < p->buf.cap) micro = p->buf.cap;
+    if (slots < p->buf.n) slots = p->buf.n;
+    if (n_in < p->buf.n_in) n_in = p->buf.n_in;
     if (sets < p->buf.n) sets = p->buf.n;
     tdm_pp_free_buffers(p);
     size_t in_b = (size_t)micro * (size_t)p->info.in_elems * 4;
     size_t out_b = (size_t)micro * (size_t)p->info.out_elems * 4;
-    p->buf.in = calloc((size_t)sets, sizeof *p->buf.in);
-    p->buf.x = calloc((size_t)sets, sizeof *p->buf.x);
-    p->buf.out = calloc((size_t)sets, sizeof *p->buf.out);
-    p->buf.owner = calloc((size_t)sets, sizeof *p->buf.owner);
-    p->run.act_recv = calloc((size_t)sets, sizeof *p->run.act_recv);
-    p->run.act_send = calloc((size_t)sets, sizeof *p->run.act_send);
+    p->buf.in = calloc((size_t)slots, sizeof *p->buf.in);
+    p->buf.x = calloc((size_t)slots, sizeof *p->buf.x);
+    p->buf.out = calloc((size_t)slots, sizeof *p->buf.out);
+    p->buf.owner = calloc((size_t)slots, sizeof *p->buf.owner);
+    p->run.act_recv = calloc((size_t)slots, sizeof *p->run.act_recv);
+    p->run.act_send = calloc((size_t)slots, sizeof *p->run.act_send);
     if (!p->buf.in || !p->buf.x || !p->buf.out || !p->buf.owner || !p->run.act_recv ||
         !p->run.act_send) {
-        st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "pp: %d micro-batch buffers", sets);
+        st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "pp: %d micro-batch buffers", slots);
         goto fail;
     }
-    p->buf.n = sets;
+    p->buf.n = slots;
+    p->buf.n_in = n_in;
     p->buf.input_bytes = 0;
     p->buf.scratch_bytes = 0;
-    for (int k = 0; k < sets; k++) {
-        p->buf.owner[k] = -1;
-        if (p->s > 0) TDM_TRY(tdm_dev_alloc(p->dev, in_b, (void **)&p->buf.in[k]));
-        else if (!p->host) TDM_TRY(tdm_dev_alloc(p->dev, in_b, &p->buf.x[k]));
-    }
+    for (int k = 0; k < slots; k++) p->buf.owner[k] = -1;
+    for (int k = 0; p->s > 0 && k < n_in; k++)
+        TDM_TRY(tdm_dev_alloc(p->dev, in_b, (void **)&p->buf.in[k]));
+    for (int k = 0; p->s == 0 && !p->host && k < sets; k++)
+        TDM_TRY(tdm_dev_alloc(p->dev, in_b, &p->buf.x[k]));
     if (p->s > 0 || !p->host) p->buf.input_bytes = in_b;
     if (p->s + 1 < p->S) {
         for (int k = 0; k < 2; k++) TDM_TRY(tdm_dev_alloc(p->dev, out_b, (void **)&p->buf.gin[k]));
         p->buf.scratch_bytes += 2 * out_b;
     }
-    if (p->s + 1 == p->S && !p->host) {
-        size_t yb = (size_t)micro * (size_t)tdm_model_out_rows(p->m) * sizeof(int32_t);
-        TDM_TRY(tdm_dev_alloc(p->dev, yb, (void **)&p->buf.y));
-        p->buf.scratch_bytes += yb;
+    if (p->s + 1 == p->S) {
+        size_t rows = (size_t)micro * (size_t)tdm_model_out_rows(p->m);
+        if (!p->host) {
+            TDM_TRY(tdm_dev_alloc(p->dev, rows * sizeof(int32_t), (void **)&p->buf.y));
+            p->buf.scratch_bytes += rows * sizeof(int32_t);
+        }
+        /* the loss's per-row values live in the device's scratch
+         * (tdm_dev_scratch: at least 256 bytes, 64-byte granules) */
+        size_t lb = rows * sizeof(float) > 256 ? rows * sizeof(float) : 256;
+        p->buf.scratch_bytes += (lb + 63) / 64 * 64;
     }
     p->buf.cap = micro;
     for (int k = 0; k < 2; k++) p->buf.gin_owner[k] = -1;
@@ -326,6 +336,7 @@ void tdm_pp_get_stats(const tdm_pp *p, tdm_pp_stats *out)
     out->act_sets = p->sched ? tdm_pp_schedule_in_flight(p->sched, p->s) : 0;
     out->act_set = p->stats.set_bytes;
     out->act_input = p->buf.input_bytes;
+    out->act_inputs = p->run.n_in;
     out->act_scratch = scratch + p->buf.scratch_bytes;
     out->peak_act = (size_t)-1;
     tdm_dev_mem_stats ms;

@@ -231,6 +231,9 @@ typedef struct tdm_pp_stats {
     size_t params, grads, optimizer, buffers;
     size_t act_set;             /* one micro-batch's activations in the model (its set) */
     size_t act_input;           /* one micro-batch's received input activation */
+    int act_inputs;             /* input slots: one more than the sets on a stage that
+                                   receives (the next input arrives while one computes),
+                                   at most the micro-batches; 0 on the first stage */
     size_t act_scratch;         /* shared by the micro-batches: backward's scratch,
                                    the received gradients, staging */
     int act_sets;               /* sets the schedule needs at once */

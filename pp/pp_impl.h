@@ -37,12 +37,15 @@ struct tdm_pp {
         tdm_comm *act_in, *act_out, *grad_in, *grad_out;   /* borrowed from lane[] */
     } link;
 
-    struct {                    /* buffers, grown to `cap` samples and `n` sets */
-        int cap, n;
-        float **in;             /* per set: the received input activation */
-        void **x;               /* per set: the first stage's staged input */
-        const float **out;      /* per set: the forward's output (the model's) */
-        int *owner;             /* per set: the micro-batch using it, -1: free */
+    struct {                    /* buffers, grown to `cap` samples and `n` slots */
+        int cap, n, n_in;       /* samples; slots allocated; input buffers among them */
+        /* per input slot (micro-batch i uses slot i % run.n_in): the
+         * received input activation, from its recv's post to its B */
+        float **in;
+        int *owner;             /* the micro-batch using it, -1: free */
+        /* per activation set (micro-batch i uses set i % run.sets) */
+        void **x;               /* the first stage's staged input */
+        const float **out;      /* the forward's output (the model's) */
         float *gin[2];          /* received output gradients */
         int gin_owner[2];
         int32_t *y;             /* the last stage's staged targets */
@@ -53,10 +56,13 @@ struct tdm_pp {
     struct {                    /* the step (or evaluation) in progress */
         int batch, micro, n_mb; /* global batch, micro-batch size, micro-batches */
         int eval;
+        int sets;               /* activation sets: the schedule's in-flight count */
+        int n_in;               /* input slots: one more, so that the next
+                                   micro-batch's input arrives while this one computes */
         const char *x;          /* host inputs and targets of the global batch */
         const int32_t *y;
         int act_next, grad_next;   /* next micro-batch whose recv is to be posted */
-        tdm_pp_xfer *act_recv;  /* per set */
+        tdm_pp_xfer *act_recv;  /* per input slot */
         tdm_pp_xfer *act_send;  /* per set */
         tdm_pp_xfer grad_recv[2];
         tdm_pp_xfer grad_send;
@@ -83,8 +89,9 @@ struct tdm_pp {
 };
 
 /* pp/pp.c */
-/* Buffers for micro-batches of `micro` samples and `sets` sets. */
-tdm_status tdm_pp_buffers(tdm_pp *p, int micro, int sets);
+/* Buffers for micro-batches of `micro` samples: `sets` activation sets
+ * and `n_in` input slots. */
+tdm_status tdm_pp_buffers(tdm_pp *p, int micro, int sets, int n_in);
 /* "pp stage 1 of 3" prefix of messages, and the abort that stops the
  * other stages after a failure here (returns st). */
 tdm_status tdm_pp_fail(tdm_pp *p, tdm_status st, const char *fmt, ...)

@@ -33,13 +33,18 @@ static double tdm_pp_ms(uint64_t t0, uint64_t t1) { return (double)(t1 - t0) * 1
 
 /* ---- transfers ---- */
 
-/* The sets this run cycles through: the schedule's in-flight count (2 for
- * evaluation: one computing, one being sent). */
-static int tdm_pp_sets(const tdm_pp *p)
+/* The activation sets this run cycles through: the schedule's in-flight
+ * count (evaluation: 2, one computing while the other is sent); and its
+ * input slots: one more on a stage that receives, so that micro-batch
+ * i + 1's input arrives while i computes, bounded by the micro-batches. */
+static void tdm_pp_slots(tdm_pp *p)
 {
-    if (p->run.eval) return 2;
-    int n = tdm_pp_schedule_in_flight(p->sched, p->s);
-    return n > 0 ? n : 1;
+    int sets = p->run.eval ? 2 : tdm_pp_schedule_in_flight(p->sched, p->s);
+    if (sets < 1) sets = 1;
+    int n_in = sets + 1 < p->run.n_mb ? sets + 1 : p->run.n_mb;
+    if (n_in < sets) n_in = sets;
+    p->run.sets = sets;
+    p->run.n_in = p->s > 0 ? n_in : 0;
 }
 
 static tdm_status tdm_pp_wait(tdm_pp *p, tdm_pp_xfer *x, double *ms, const char *what, int peer)
@@ -58,9 +63,8 @@ static tdm_status tdm_pp_wait(tdm_pp *p, tdm_pp_xfer *x, double *ms, const char 
 /* Posts every recv whose buffer is free, in micro-batch order. */
 static tdm_status tdm_pp_post(tdm_pp *p)
 {
-    int sets = tdm_pp_sets(p);
     while (p->link.act_in && p->run.act_next < p->run.n_mb) {
-        int i = p->run.act_next, k = i % sets;
+        int i = p->run.act_next, k = i % p->run.n_in;
         if (p->buf.owner[k] >= 0 || p->run.act_recv[k].work) break;
         tdm_comm_set_label(p->link.act_in, "pp recv act mb %d stage %d->%d", i, p->s - 1, p->s);
         tdm_status st = tdm_comm_irecv(p->link.act_in, p->buf.in[k],
@@ -192,17 +196,17 @@ static tdm_status tdm_pp_loss(tdm_pp *p, int i, int k, float grad_scale, tdm_pp_
 
 static tdm_status tdm_pp_forward(tdm_pp *p, int i, tdm_pp_phases *ph)
 {
-    int sets = tdm_pp_sets(p), k = i % sets, n = tdm_pp_mb_size(p, i);
+    int k = i % p->run.sets, n = tdm_pp_mb_size(p, i);
     const void *in;
     if (p->s > 0) {
+        int j = i % p->run.n_in;
         TDM_CHECK(tdm_pp_post(p));
-        if (p->run.act_recv[k].mb != i || !p->run.act_recv[k].work)
+        if (p->run.act_recv[j].mb != i || !p->run.act_recv[j].work)
             return tdm_pp_fail(p, TDM_STATUS_INTERNAL, "F%d: its input's recv was not posted "
-                               "(set %d holds micro-batch %d)", i, k, p->buf.owner[k]);
-        TDM_CHECK(tdm_pp_wait(p, &p->run.act_recv[k], &ph->recv_wait, "recv act", p->s - 1));
-        in = p->buf.in[k];
+                               "(slot %d holds micro-batch %d)", i, j, p->buf.owner[j]);
+        TDM_CHECK(tdm_pp_wait(p, &p->run.act_recv[j], &ph->recv_wait, "recv act", p->s - 1));
+        in = p->buf.in[j];
     } else {
-        p->buf.owner[k] = i;
         in = p->run.x + (int64_t)i * p->run.micro * p->info.in_elems * 4;
         if (!p->host) {
             TDM_CHECK(tdm_dev_copy_from_host(p->dev, p->buf.x[k], in,
@@ -231,14 +235,14 @@ static tdm_status tdm_pp_forward(tdm_pp *p, int i, tdm_pp_phases *ph)
             st = tdm_pp_loss(p, i, k, 0.0f, ph);
             if (st) return tdm_pp_fail(p, st, "loss of mb %d", i);
         }
-        p->buf.owner[k] = -1;   /* no backward: the input is free */
+        if (p->s > 0) p->buf.owner[i % p->run.n_in] = -1;   /* no backward: its input is free */
     }
     return tdm_pp_post(p);
 }
 
 static tdm_status tdm_pp_backward(tdm_pp *p, int i, tdm_pp_phases *ph)
 {
-    int sets = tdm_pp_sets(p), k = i % sets, b = i % 2;
+    int k = i % p->run.sets, b = i % 2;
     const float *dy;
     TDM_CHECK(tdm_model_select_act_set(p->m, k));
     if (p->s + 1 == p->S) {
@@ -278,7 +282,7 @@ static tdm_status tdm_pp_backward(tdm_pp *p, int i, tdm_pp_phases *ph)
     ph->backward += tdm_pp_ms(t0, t1);
     tdm_pp_event_add(p, TDM_PP_BACKWARD, i, t0, t1);
     if (p->s + 1 < p->S) p->buf.gin_owner[b] = -1;
-    p->buf.owner[k] = -1;
+    if (p->s > 0) p->buf.owner[i % p->run.n_in] = -1;   /* its input is free */
     if (p->link.grad_out)
         TDM_CHECK(tdm_pp_send(p, p->link.grad_out, &p->run.grad_send, dx, p->info.in_elems, i,
                               p->s - 1, "grad"));
@@ -310,7 +314,8 @@ static tdm_status tdm_pp_begin(tdm_pp *p, const void *x, const int32_t *y, int b
         p->sched = NULL;
         TDM_CHECK(tdm_pp_schedule_build(&p->sched, p->o.schedule, p->S, p->run.n_mb));
     }
-    TDM_CHECK(tdm_pp_buffers(p, p->run.micro, tdm_pp_sets(p)));
+    tdm_pp_slots(p);
+    TDM_CHECK(tdm_pp_buffers(p, p->run.micro, p->run.sets, p->run.n_in));
     p->run.act_next = p->run.grad_next = 0;
     p->run.loss_sum = 0.0;
     p->run.correct = 0;
