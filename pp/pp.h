@@ -187,6 +187,14 @@ const int *tdm_pp_split(const tdm_pp *p);
  * communicator is aborted, so every stage stops, and the error names the
  * micro-batch, the transfer and the peer. */
 tdm_status tdm_pp_step(tdm_pp *p, const void *x, const int32_t *y, int batch, double *loss_mean);
+/* The same step with the loss gradient scaled by grad_scale instead of
+ * 1/batch: data parallelism over replicas of the pipeline, each running
+ * its share of a global batch of B_global, passes 1/B_global, so that the
+ * SUM all-reduce of grad_sync gives the global batch's mean-loss gradient
+ * (uneven shares included). *loss_sum (may be NULL): the sum of this
+ * replica's per-sample losses, on every stage. */
+tdm_status tdm_pp_step_scaled(tdm_pp *p, const void *x, const int32_t *y, int batch,
+                              float grad_scale, double *loss_sum);
 /* Forward only, in eval mode (restored after), through the pipeline:
  * *loss_sum the sum of the per-sample losses, *correct the correct argmax
  * predictions over batch * out_rows rows, on every stage. */

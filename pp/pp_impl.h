@@ -66,6 +66,7 @@ struct tdm_pp {
         tdm_pp_xfer *act_send;  /* per set */
         tdm_pp_xfer grad_recv[2];
         tdm_pp_xfer grad_send;
+        float grad_scale;       /* of the loss gradient: 1/batch, or the caller's */
         double loss_sum;
         int64_t correct;
         uint64_t t0;

@@ -248,7 +248,7 @@ static tdm_status tdm_pp_backward(tdm_pp *p, int i, tdm_pp_phases *ph)
     if (p->s + 1 == p->S) {
         /* 1/B_global for every micro-batch: the sum over them is the
          * global batch's mean-loss gradient (models/accum.h) */
-        tdm_status st = tdm_pp_loss(p, i, k, 1.0f / (float)p->run.batch, ph);
+        tdm_status st = tdm_pp_loss(p, i, k, p->run.grad_scale, ph);
         if (st) return tdm_pp_fail(p, st, "loss of mb %d", i);
         dy = tdm_model_loss_grad(p->m);
     } else {
@@ -378,8 +378,19 @@ static void tdm_pp_account(tdm_pp *p, tdm_pp_phases *ph)
 
 tdm_status tdm_pp_step(tdm_pp *p, const void *x, const int32_t *y, int batch, double *loss_mean)
 {
+    TDM_REQUIRE(batch >= 1, TDM_STATUS_INVALID_ARG, "pp: batch %d (expected at least 1)", batch);
+    double sum = 0.0;
+    TDM_CHECK(tdm_pp_step_scaled(p, x, y, batch, 1.0f / (float)batch, &sum));
+    if (loss_mean) *loss_mean = sum / batch;
+    return TDM_STATUS_OK;
+}
+
+tdm_status tdm_pp_step_scaled(tdm_pp *p, const void *x, const int32_t *y, int batch,
+                              float grad_scale, double *loss_sum)
+{
     tdm_pp_phases ph = {0};
     TDM_CHECK(tdm_pp_begin(p, x, y, batch, 0));
+    p->run.grad_scale = grad_scale;
     tdm_model_set_train(p->m, 1);
     TDM_CHECK(tdm_model_zero_grad(p->m));
     const tdm_pp_action *a = p->sched->actions[p->s];
@@ -405,7 +416,7 @@ tdm_status tdm_pp_step(tdm_pp *p, const void *x, const int32_t *y, int batch, do
     tdm_comm_set_step(p->comm, p->stats.steps);
     for (int k = 0; k < TDM_PP_MAX_LANES; k++)
         if (p->link.lane[k]) tdm_comm_set_step(p->link.lane[k], p->stats.steps);
-    if (loss_mean) *loss_mean = p->run.loss_sum / batch;
+    if (loss_sum) *loss_sum = p->run.loss_sum;
     return TDM_STATUS_OK;
 }
 

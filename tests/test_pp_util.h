@@ -101,8 +101,9 @@ static inline void tpp_batch(const tdm_model_spec *s, int in, int rows, int clas
 
 /* One device, gradient accumulation over ceil(B / M)-sample micro-batches:
  * losses of every step, parameters after step 1 and after `steps`. */
-static inline tdm_status tpp_reference(tpp_kind k, int M, int B, int steps, double *loss,
-                                       float *p1, float *pn, int64_t *n_elem)
+static inline tdm_status tpp_reference_opt(tpp_kind k, int M, int B, int steps,
+                                           tdm_optim_opts oo, double *loss, float *p1, float *pn,
+                                           int64_t *n_elem)
 {
     tdm_status st = TDM_STATUS_OK;
     tdm_model_spec spec;
@@ -114,7 +115,6 @@ static inline tdm_status tpp_reference(tpp_kind k, int M, int B, int steps, doub
     int32_t *y = NULL;
     TDM_TRY(tdm_device_open(&dev, "cpu", 0, 1));
     TDM_TRY(tdm_model_init(&m, dev, &spec, TPP_SEED));
-    tdm_optim_opts oo = tpp_optim(k);
     TDM_TRY(tdm_optim_init(&opt, m, &oo));
     int in = tdm_model_in_features(m), rows = tdm_model_out_rows(m);
     int classes = tdm_model_n_classes(m);
@@ -139,6 +139,12 @@ fail:
     tdm_model_free(m);
     tdm_device_free(dev);
     return st;
+}
+
+static inline tdm_status tpp_reference(tpp_kind k, int M, int B, int steps, double *loss,
+                                       float *p1, float *pn, int64_t *n_elem)
+{
+    return tpp_reference_opt(k, M, B, steps, tpp_optim(k), loss, p1, pn, n_elem);
 }
 
 /* What ranks report, in a MAP_SHARED area. */
