@@ -43,6 +43,7 @@ tdm_status tdm_pp_fail(tdm_pp *p, tdm_status st, const char *fmt, ...)
     char why[TDM_ERROR_MSG_MAX];
     snprintf(why, sizeof why, "%s", tdm_error_message());
     (void)tdm_comm_abort(p->comm, why);
+    if (p->hcomm != p->comm) (void)tdm_comm_abort(p->hcomm, why);
     tdm_error_set(st, "%s", why);
     return st;
 }
@@ -65,11 +66,11 @@ static tdm_status tdm_pp_check_config(tdm_pp *p)
     int64_t *all = calloc((size_t)p->S * TDM_PP_CFG_COUNT_, sizeof *all);
     if (!all) {
         st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "pp: configuration check");
-        (void)tdm_comm_abort(p->comm, tdm_error_message());
+        (void)tdm_comm_abort(p->hcomm, tdm_error_message());
         return st;
     }
-    tdm_comm_set_label(p->comm, "pp configuration check");
-    st = tdm_comm_all_gather(p->comm, mine, all, TDM_PP_CFG_COUNT_, TDM_DTYPE_INT64);
+    tdm_comm_set_label(p->hcomm, "pp configuration check");
+    st = tdm_comm_all_gather(p->hcomm, mine, all, TDM_PP_CFG_COUNT_, TDM_DTYPE_INT64);
     for (int r = 1; st == TDM_STATUS_OK && r < p->S; r++)
         for (int f = 0; f < TDM_PP_CFG_COUNT_; f++)
             if (all[r * TDM_PP_CFG_COUNT_ + f] != all[f]) {
@@ -121,15 +122,22 @@ tdm_status tdm_pp_init(tdm_pp **out, tdm_comm *comm, tdm_device *dev, const tdm_
     TDM_REQUIRE(!opts->grad_sync.begin == !opts->grad_sync.end, TDM_STATUS_INVALID_ARG,
                 "pp: grad_sync needs both begin and end");
     int S = tdm_comm_size(comm), n = 0;
+    TDM_REQUIRE(!opts->host_comm || (tdm_comm_size(opts->host_comm) == S &&
+                                     tdm_comm_rank(opts->host_comm) == tdm_comm_rank(comm)),
+                TDM_STATUS_INVALID_ARG, "pp: the host communicator is rank %d of %d, the "
+                "pipeline's rank %d of %d", opts->host_comm ? tdm_comm_rank(opts->host_comm) : -1,
+                opts->host_comm ? tdm_comm_size(opts->host_comm) : -1, tdm_comm_rank(comm), S);
     TDM_CHECK(tdm_model_spec_n_layers(spec, &n));
     tdm_pp *p = calloc(1, sizeof *p);
     TDM_REQUIRE(p, TDM_STATUS_OUT_OF_MEMORY, "pp: calloc");
     p->comm = comm;
+    p->hcomm = opts->host_comm ? opts->host_comm : comm;
     p->dev = dev;
     p->S = S;
     p->s = tdm_comm_rank(comm);
     p->spec = *spec;
     p->o = *opts;
+    p->o.host_comm = NULL;   /* kept as hcomm */
     p->n_layers = n;
     p->host = tdm_dev_kind(dev) == TDM_DEVICE_HOST;
     p->first = calloc((size_t)S, sizeof *p->first);
@@ -296,14 +304,14 @@ tdm_status tdm_pp_gather_params(tdm_pp *p, float *full, int root)
             continue;
         }
         if (r == p->s) {
-            tdm_comm_set_label(p->comm, "pp gather: slice of stage %d", r);
-            TDM_TRY(tdm_comm_send(p->comm, meta, 2, TDM_DTYPE_INT64, root));
-            if (n) TDM_TRY(tdm_comm_send(p->comm, mine, (size_t)n, TDM_DTYPE_FLOAT32, root));
+            tdm_comm_set_label(p->hcomm, "pp gather: slice of stage %d", r);
+            TDM_TRY(tdm_comm_send(p->hcomm, meta, 2, TDM_DTYPE_INT64, root));
+            if (n) TDM_TRY(tdm_comm_send(p->hcomm, mine, (size_t)n, TDM_DTYPE_FLOAT32, root));
         } else if (p->s == root) {
-            tdm_comm_set_label(p->comm, "pp gather: slice of stage %d", r);
-            TDM_TRY(tdm_comm_recv(p->comm, meta, 2, TDM_DTYPE_INT64, r));
+            tdm_comm_set_label(p->hcomm, "pp gather: slice of stage %d", r);
+            TDM_TRY(tdm_comm_recv(p->hcomm, meta, 2, TDM_DTYPE_INT64, r));
             if (meta[1])
-                TDM_TRY(tdm_comm_recv(p->comm, full + meta[0], (size_t)meta[1],
+                TDM_TRY(tdm_comm_recv(p->hcomm, full + meta[0], (size_t)meta[1],
                                       TDM_DTYPE_FLOAT32, r));
         }
     }

@@ -155,6 +155,12 @@ typedef struct tdm_pp_opts {
     uint64_t seed;              /* the model's initial parameters */
     tdm_optim_opts optim;       /* the optimizer (over the stage's slice) */
     tdm_pp_grad_sync grad_sync; /* optional */
+    /* Borrowed, optional: a communicator with the same ranks for the few
+     * collectives on host memory (the configuration check, the loss,
+     * gathering): needed when the pipeline's communicator only takes
+     * device memory (NCCL: pass the shm communicator it was bootstrapped
+     * over). NULL: the pipeline's. */
+    tdm_comm *host_comm;
 } tdm_pp_opts;
 
 typedef struct tdm_pp tdm_pp;

@@ -21,6 +21,7 @@ typedef struct tdm_pp_xfer {
 
 struct tdm_pp {
     tdm_comm *comm;             /* borrowed: the pipeline, stage = rank */
+    tdm_comm *hcomm;            /* borrowed: host-memory collectives (o.host_comm or comm) */
     tdm_device *dev;            /* borrowed */
     int S, s;
     tdm_model_spec spec;

@@ -328,8 +328,8 @@ static tdm_status tdm_pp_begin(tdm_pp *p, const void *x, const int32_t *y, int b
 static tdm_status tdm_pp_share_loss(tdm_pp *p)
 {
     double v[2] = {p->run.loss_sum, (double)p->run.correct};
-    tdm_comm_set_label(p->comm, "pp loss of the global batch");
-    tdm_status st = tdm_comm_broadcast(p->comm, v, v, 2, TDM_DTYPE_FLOAT64, p->S - 1);
+    tdm_comm_set_label(p->hcomm, "pp loss of the global batch");
+    tdm_status st = tdm_comm_broadcast(p->hcomm, v, v, 2, TDM_DTYPE_FLOAT64, p->S - 1);
     if (st) return tdm_pp_fail(p, st, "sharing the loss");
     p->run.loss_sum = v[0];
     p->run.correct = (int64_t)v[1];
@@ -414,6 +414,7 @@ tdm_status tdm_pp_step_scaled(tdm_pp *p, const void *x, const int32_t *y, int ba
     p->stats.steps++;
     tdm_pp_account(p, &ph);
     tdm_comm_set_step(p->comm, p->stats.steps);
+    if (p->hcomm != p->comm) tdm_comm_set_step(p->hcomm, p->stats.steps);
     for (int k = 0; k < TDM_PP_MAX_LANES; k++)
         if (p->link.lane[k]) tdm_comm_set_step(p->link.lane[k], p->stats.steps);
     if (loss_sum) *loss_sum = p->run.loss_sum;

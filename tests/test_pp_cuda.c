@@ -5,9 +5,12 @@
  * micro-batches: the stages take their accelerator paths (inputs and
  * targets staged to the device per micro-batch, receive buffers in device
  * memory, the tied embedding's sum on the device). What this does not
- * test: CUDA itself, NCCL (the NCCL communicator's split is built, not
- * run: there is no GPU here). Compiled in every build: cuda/ functions are
- * weak references, and the tests skip without the backend. */
+ * test: CUDA itself, NCCL.
+ * pp_cuda_gpu (one GPU is enough; skipped without): 2 stages on the GPUs
+ * there are (sharing one if need be) over an NCCL communicator
+ * bootstrapped over shm, its links made by ncclCommSplit, against one host
+ * device. Compiled in every build: cuda/ functions are weak references,
+ * and the tests skip without the backend. */
 #include <criterion/criterion.h>
 
 #include "cuda/cuda_weak.h"
@@ -123,3 +126,63 @@ TestSuite(pp_cuda_emu, .timeout = 240);
 Test(pp_cuda_emu, mlp_stages_on_emulated_gpus_equal_one_host_device) { check_emu(TPP_MLP); }
 Test(pp_cuda_emu, cnn_stages_on_emulated_gpus_equal_one_host_device) { check_emu(TPP_CNN); }
 Test(pp_cuda_emu, gpt_stages_on_emulated_gpus_equal_one_host_device) { check_emu(TPP_GPT); }
+
+/* --- a GPU ------------------------------------------------------------------- */
+
+typedef struct gpu_arg {
+    tpp_out *out;
+    int ngpu;
+} gpu_arg;
+
+static int gpu_rank(tdm_comm *boot, void *argp)
+{
+    gpu_arg *a = argp;
+    int r = tdm_comm_rank(boot), S = tdm_comm_size(boot);
+    int g = cu_rank_gpu(r, S, a->ngpu);
+    tdm_device *dev = NULL;
+    tdm_comm *nccl = NULL;
+    tdm_pp *p = NULL;
+    tdm_model_spec spec;
+    tpp_spec(TPP_MLP, &spec);
+    float x[B * 20];
+    int32_t y[B];
+    tdm_pp_opts o = {.schedule = TDM_PP_1F1B, .micro_batches = M, .seed = TPP_SEED,
+                     .optim = tpp_optim(TPP_MLP), .host_comm = boot};
+    tdm_status st = tdm_device_open(&dev, "cuda", g, 1);
+    if (!st) st = tdm_comm_init_nccl(&nccl, boot, g);
+    if (!st) st = tdm_pp_init(&p, nccl, dev, &spec, &o);
+    for (int s = 0; !st && s < STEPS; s++) {
+        tpp_batch(&spec, 20, 1, 5, s, B, x, y);
+        st = tdm_pp_step(p, x, y, B, &a->out->loss[s]);
+    }
+    a->out->status[r] = st;
+    snprintf(a->out->err[r], sizeof a->out->err[r], "%s", st ? tdm_error_message() : "ok");
+    tdm_pp_free(p);
+    tdm_comm_free(nccl);
+    tdm_device_free(dev);
+    return st ? 3 : 0;
+}
+
+TestSuite(pp_cuda_gpu, .timeout = 240);
+
+/* GPU kernels sum in their own order (and cuBLAS may pick other
+ * algorithms): losses within 1e-4 relative of the host's. */
+Test(pp_cuda_gpu, two_stages_over_nccl_equal_one_host_device)
+{
+    CU_NEED_BACKEND();
+    char why[512];
+    int ngpu = cu_gpu_count(why, sizeof why);
+    if (ngpu == 0) cr_skip_test("%s", why);
+    double ref[STEPS];
+    int64_t n;
+    cr_assert_eq(tpp_reference(TPP_MLP, M, B, STEPS, ref, NULL, NULL, &n), TDM_STATUS_OK);
+    tpp_out *o = tpp_out_new();
+    gpu_arg a = {.out = o, .ngpu = ngpu};
+    tdm_shm_spawn_opts so = {.timeout_ms = tu_scaled_ms(120000)};
+    tdm_status st = tdm_shm_spawn(2, gpu_rank, &a, &so, NULL);
+    cr_assert_eq(st, TDM_STATUS_OK, "%s / %s / %s", tdm_error_message(), o->err[0], o->err[1]);
+    for (int s = 0; s < STEPS; s++)
+        cr_assert(fabs(o->loss[s] - ref[s]) <= 1e-5 + 1e-4 * fabs(ref[s]),
+                  "step %d: loss %.9g vs host %.9g", s, o->loss[s], ref[s]);
+    tpp_out_free(o);
+}
