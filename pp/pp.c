@@ -86,17 +86,52 @@ static tdm_status tdm_pp_check_config(tdm_pp *p)
     return st;
 }
 
+/* Bytes of receive buffers this stage will want in its links' shared
+ * memory for a global batch of o.batch (0: none): its input slots (the
+ * schedule's in-flight count or evaluation's 2, plus one) and its two
+ * gradient buffers, each rounded to the allocator's 64 bytes. */
+static void tdm_pp_link_needs(tdm_pp *p, int64_t need[2])
+{
+    need[0] = need[1] = 0;
+    if (p->o.batch < 1 || !p->host) return;
+    int M = p->o.micro_batches, micro = (p->o.batch + M - 1) / M;
+    tdm_pp_schedule *s = NULL;
+    if (tdm_pp_schedule_build(&s, p->o.schedule, p->S, M)) return;
+    int fl = tdm_pp_schedule_in_flight(s, p->s);
+    tdm_pp_schedule_free(s);
+    p->buf.plan_in = (fl > 2 ? fl : 2) + 1;
+    int64_t in_b = ((int64_t)micro * p->info.in_elems * 4 + 63) / 64 * 64;
+    int64_t out_b = ((int64_t)micro * p->info.out_elems * 4 + 63) / 64 * 64;
+    if (p->s > 0) need[0] = p->buf.plan_in * in_b;
+    if (p->s + 1 < p->S) need[1] = 2 * out_b;
+}
+
 /* The lanes: every stage splits the same number of times (the pipeline's
- * size decides it), then takes its own. */
+ * size decides it), then takes its own. With o.batch, each lane's
+ * zero-copy memory is the largest need of the stages (all-gathered: the
+ * creator of a lane's segment sizes it for everyone). */
 static tdm_status tdm_pp_links(tdm_pp *p)
 {
     int S = p->S, s = p->s, n = S == 1 ? 0 : S == 2 ? 2 : 4;
-    tdm_comm_split_opts so = {.p2p = 1};
+    int64_t need[2], most[2] = {0, 0};
+    tdm_pp_link_needs(p, need);
+    if (p->o.batch > 0 && n > 0) {
+        int64_t *all = calloc((size_t)S * 2, sizeof *all);
+        TDM_REQUIRE(all, TDM_STATUS_OUT_OF_MEMORY, "pp: link sizes");
+        tdm_comm_set_label(p->hcomm, "pp link sizes");
+        tdm_status st = tdm_comm_all_gather(p->hcomm, need, all, 2, TDM_DTYPE_INT64);
+        for (int r = 0; !st && r < S; r++)
+            for (int d = 0; d < 2; d++)
+                if (all[2 * r + d] > most[d]) most[d] = all[2 * r + d];
+        free(all);
+        TDM_CHECK(st);
+    }
+    int gl = TDM_PP_GRAD_LANE(S);
     for (int k = 0; k < n; k++) {
+        tdm_comm_split_opts so = {.p2p = 1, .arena_bytes = (size_t)most[k < gl ? 0 : 1]};
         tdm_comm_set_label(p->comm, "pp link %d", k);
         TDM_CHECK(tdm_comm_split_ex(p->comm, 0, s, &so, &p->link.lane[k]));
     }
-    int gl = TDM_PP_GRAD_LANE(S);
     if (s + 1 < S) {
         p->link.act_out = p->link.lane[s % 2];
         p->link.grad_in = p->link.lane[gl + s % 2];
@@ -181,9 +216,12 @@ fail:
 static void tdm_pp_free_buffers(tdm_pp *p)
 {
     for (int k = 0; k < p->buf.n; k++) {
-        tdm_dev_free(p->dev, p->buf.in ? p->buf.in[k] : NULL);
+        if (p->buf.in && !(p->buf.in_shared && p->buf.in_shared[k]))
+            tdm_dev_free(p->dev, p->buf.in[k]);
         tdm_dev_free(p->dev, p->buf.x ? p->buf.x[k] : NULL);
     }
+    free(p->buf.in_shared);
+    p->buf.in_shared = NULL;
     free(p->buf.in);
     free(p->buf.x);
     free(p->buf.out);
@@ -196,8 +234,9 @@ static void tdm_pp_free_buffers(tdm_pp *p)
     p->buf.owner = NULL;
     p->run.act_recv = p->run.act_send = NULL;
     for (int k = 0; k < 2; k++) {
-        tdm_dev_free(p->dev, p->buf.gin[k]);
+        if (!p->buf.gin_shared[k]) tdm_dev_free(p->dev, p->buf.gin[k]);
         p->buf.gin[k] = NULL;
+        p->buf.gin_shared[k] = 0;
     }
     tdm_dev_free(p->dev, p->buf.y);
     p->buf.y = NULL;
@@ -227,8 +266,23 @@ tdm_model *tdm_pp_model(tdm_pp *p) { return p->m; }
 tdm_optim *tdm_pp_optim(tdm_pp *p) { return p->opt; }
 const int *tdm_pp_split(const tdm_pp *p) { return p->first; }
 
+/* A receive buffer of nbytes: in link's zero-copy memory when it has
+ * room (*shared = 1), else the device's. */
+static tdm_status tdm_pp_recv_buffer(tdm_pp *p, tdm_comm *link, size_t nbytes, void **out,
+                                     int *shared)
+{
+    *shared = 0;
+    if (p->o.batch > 0 && p->host && link && tdm_comm_alloc(link, nbytes, out) == TDM_STATUS_OK) {
+        *shared = 1;
+        return TDM_STATUS_OK;
+    }
+    tdm_error_clear();
+    return tdm_dev_alloc(p->dev, nbytes, out);
+}
+
 tdm_status tdm_pp_buffers(tdm_pp *p, int micro, int sets, int n_in)
 {
+    if (p->s > 0 && n_in < p->buf.plan_in && !p->buf.n) n_in = p->buf.plan_in;
     int slots = sets > n_in ? sets : n_in;
     if (micro <= p->buf.cap && slots <= p->buf.n && n_in <= p->buf.n_in) return TDM_STATUS_OK;
     tdm_status st = TDM_STATUS_OK;
@@ -245,8 +299,9 @@ tdm_status tdm_pp_buffers(tdm_pp *p, int micro, int sets, int n_in)
     p->buf.owner = calloc((size_t)slots, sizeof *p->buf.owner);
     p->run.act_recv = calloc((size_t)slots, sizeof *p->run.act_recv);
     p->run.act_send = calloc((size_t)slots, sizeof *p->run.act_send);
+    p->buf.in_shared = calloc((size_t)slots, 1);
     if (!p->buf.in || !p->buf.x || !p->buf.out || !p->buf.owner || !p->run.act_recv ||
-        !p->run.act_send) {
+        !p->run.act_send || !p->buf.in_shared) {
         st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "pp: %d micro-batch buffers", slots);
         goto fail;
     }
@@ -255,13 +310,18 @@ tdm_status tdm_pp_buffers(tdm_pp *p, int micro, int sets, int n_in)
     p->buf.input_bytes = 0;
     p->buf.scratch_bytes = 0;
     for (int k = 0; k < slots; k++) p->buf.owner[k] = -1;
-    for (int k = 0; p->s > 0 && k < n_in; k++)
-        TDM_TRY(tdm_dev_alloc(p->dev, in_b, (void **)&p->buf.in[k]));
+    for (int k = 0; p->s > 0 && k < n_in; k++) {
+        int sh = 0;
+        TDM_TRY(tdm_pp_recv_buffer(p, p->link.act_in, in_b, (void **)&p->buf.in[k], &sh));
+        p->buf.in_shared[k] = (unsigned char)sh;
+    }
     for (int k = 0; p->s == 0 && !p->host && k < sets; k++)
         TDM_TRY(tdm_dev_alloc(p->dev, in_b, &p->buf.x[k]));
     if (p->s > 0 || !p->host) p->buf.input_bytes = in_b;
     if (p->s + 1 < p->S) {
-        for (int k = 0; k < 2; k++) TDM_TRY(tdm_dev_alloc(p->dev, out_b, (void **)&p->buf.gin[k]));
+        for (int k = 0; k < 2; k++)
+            TDM_TRY(tdm_pp_recv_buffer(p, p->link.grad_in, out_b, (void **)&p->buf.gin[k],
+                                       &p->buf.gin_shared[k]));
         p->buf.scratch_bytes += 2 * out_b;
     }
     if (p->s + 1 == p->S) {
@@ -345,6 +405,7 @@ void tdm_pp_get_stats(const tdm_pp *p, tdm_pp_stats *out)
     out->act_set = p->stats.set_bytes;
     out->act_input = p->buf.input_bytes;
     out->act_inputs = p->run.n_in;
+    out->zero_copy = (p->buf.in_shared && p->buf.n && p->buf.in_shared[0]) || p->buf.gin_shared[0];
     out->act_scratch = scratch + p->buf.scratch_bytes;
     out->peak_act = (size_t)-1;
     tdm_dev_mem_stats ms;

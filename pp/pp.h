@@ -155,6 +155,13 @@ typedef struct tdm_pp_opts {
     uint64_t seed;              /* the model's initial parameters */
     tdm_optim_opts optim;       /* the optimizer (over the stage's slice) */
     tdm_pp_grad_sync grad_sync; /* optional */
+    /* The largest global batch the steps will take (0: not known). On
+     * host devices over shm it sizes the links' zero-copy memory and the
+     * receive buffers are placed there: activations and gradients then
+     * arrive written in place by their sender (one copy instead of two,
+     * no chunk-by-chunk exchange). Without it, or for a larger batch,
+     * they go through the links' staging. */
+    int batch;
     /* Borrowed, optional: a communicator with the same ranks for the few
      * collectives on host memory (the configuration check, the loss,
      * gathering): needed when the pipeline's communicator only takes
@@ -248,6 +255,8 @@ typedef struct tdm_pp_stats {
     int act_inputs;             /* input slots: one more than the sets on a stage that
                                    receives (the next input arrives while one computes),
                                    at most the micro-batches; 0 on the first stage */
+    int zero_copy;              /* 1: the receive buffers live in the links' shared memory
+                                   (tdm_pp_opts.batch; not the device allocator's) */
     size_t act_scratch;         /* shared by the micro-batches: backward's scratch,
                                    the received gradients, staging */
     int act_sets;               /* sets the schedule needs at once */

@@ -49,6 +49,11 @@ struct tdm_pp {
         const float **out;      /* the forward's output (the model's) */
         float *gin[2];          /* received output gradients */
         int gin_owner[2];
+        /* receive buffers in the links' zero-copy memory (o.batch):
+         * never freed there (the links own it) */
+        unsigned char *in_shared;
+        int gin_shared[2];
+        int plan_in;            /* input slots the links' memory was sized for */
         int32_t *y;             /* the last stage's staged targets */
         float *tied;            /* the other stage's share of the tied gradient */
         size_t input_bytes, scratch_bytes;

@@ -13,7 +13,8 @@
  *   reasons    per rank and one for the parent, an abort reason each
  *   slots      per rank, NBUF staging buffers of slot_bytes
  *   p2p        per ordered pair (src, dst): a sent flag line, an ack flag
- *              line, two halves of P2P bytes
+ *              line, two halves of P2P bytes, then the receiver's ready
+ *              line (a zero-copy recv posted: shm/coll.c)
  *   arena      per rank, arena_bytes of zero-copy buffers
  */
 #ifndef TDM_SHM_SHM_IMPL_H
@@ -158,6 +159,8 @@ typedef struct tdm_shm_impl {
     uint64_t p2p_sent[TDM_SHM_MAX_RANKS];  /* chunks sent to each peer */
     uint64_t p2p_recvd[TDM_SHM_MAX_RANKS]; /* chunks received from each */
     uint64_t p2p_msgs[TDM_SHM_MAX_RANKS];  /* messages, for error text */
+    uint64_t p2p_nsend[TDM_SHM_MAX_RANKS]; /* messages sent to each peer */
+    uint64_t p2p_nrecv[TDM_SHM_MAX_RANKS]; /* messages received from each */
     size_t arena_used;
     const char *algo;          /* last algorithm, for tdm_comm_last_algo */
     const char *logged_algo[TDM_COLL_COUNT_]; /* last one logged, per collective */

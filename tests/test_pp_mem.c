@@ -4,7 +4,9 @@
  * stage s - at most S - and GPipe all M, for S = 2..4 and M = 1..8);
  * transfers that run while a stage computes (the overlap test); phase
  * timings and trace events that add up; evaluation through the pipeline
- * equal to one device's; the whole model gathered from the stages. */
+ * equal to one device's; the whole model gathered from the stages;
+ * receive buffers in the links' zero-copy memory (tdm_pp_opts.batch)
+ * giving the same steps. */
 #include <criterion/criterion.h>
 
 #include "core/data.h"
@@ -321,3 +323,56 @@ static void check_eval(int cnn)
 
 Test(pp_mem, mlp_evaluation_and_gather_equal_one_device, .timeout = 120) { check_eval(0); }
 Test(pp_mem, cnn_evaluation_and_gather_equal_one_device, .timeout = 120) { check_eval(1); }
+
+/* --- zero-copy links ---------------------------------------------------------- */
+
+#define ZB 24
+#define ZSTEPS 4
+
+typedef struct zc_arg {
+    tpp_out *out;
+    tdm_pp_schedule_kind sched;
+} zc_arg;
+
+static int zc_rank(tdm_comm *comm, void *argp)
+{
+    zc_arg *a = argp;
+    int r = tdm_comm_rank(comm), rc = 0;
+    tdm_device *dev = NULL;
+    tdm_pp *p = NULL;
+    tdm_model_spec spec;
+    tpp_spec(TPP_MLP, &spec);
+    float x[ZB * 20];
+    int32_t y[ZB];
+    tdm_pp_opts o = {.schedule = a->sched, .micro_batches = 4, .seed = TPP_SEED,
+                     .optim = tpp_optim(TPP_MLP), .batch = ZB};
+    if (tdm_device_open(&dev, "cpu", r, 1) || tdm_pp_init(&p, comm, dev, &spec, &o)) rc = 1;
+    for (int s = 0; !rc && s < ZSTEPS; s++) {
+        tpp_batch(&spec, 20, 1, 5, s, ZB, x, y);
+        if (tdm_pp_step(p, x, y, ZB, &a->out->loss[s])) rc = 2;
+    }
+    if (!rc) tdm_pp_get_stats(p, &a->out->stats[r]);
+    if (rc) snprintf(a->out->err[r], sizeof a->out->err[r], "rc %d: %s", rc, tdm_error_message());
+    a->out->status[r] = rc;
+    tdm_pp_free(p);
+    tdm_device_free(dev);
+    return rc;
+}
+
+Test(pp_mem, zero_copy_links_give_the_same_steps, .timeout = 60)
+{
+    double ref[ZSTEPS];
+    int64_t n;
+    cr_assert_eq(tpp_reference(TPP_MLP, 4, ZB, ZSTEPS, ref, NULL, NULL, &n), TDM_STATUS_OK);
+    for (int k = 0; k < 2; k++) {
+        tpp_out *o = tpp_out_new();
+        zc_arg a = {.out = o, .sched = (tdm_pp_schedule_kind)k};
+        tdm_shm_spawn_opts so = {.timeout_ms = tu_scaled_ms(30000)};
+        tdm_status st = tdm_shm_spawn(3, zc_rank, &a, &so, NULL);
+        cr_assert_eq(st, TDM_STATUS_OK, "%s / %s", tdm_error_message(), o->err[1]);
+        for (int s = 0; s < ZSTEPS; s++) cr_assert_eq(o->loss[s], ref[s], "step %d", s);
+        for (int r = 0; r < 3; r++)
+            cr_assert(o->stats[r].zero_copy, "stage %d kept its receive buffers private", r);
+        tpp_out_free(o);
+    }
+}
