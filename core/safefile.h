@@ -33,6 +33,10 @@
 
 #include "core/status.h"
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 /* Opens path for reading: O_RDONLY | O_CLOEXEC | O_NOCTTY, refusing
  * (TDM_STATUS_IO, the message names the file type) anything but a regular
  * file, without blocking on a FIFO. *nbytes (may be NULL): its size. The
@@ -91,5 +95,9 @@ tdm_status tdm_file_replace_check(int dirfd, const char *path);
 
 /* write(2) until done, retrying EINTR; the message names path. */
 tdm_status tdm_file_write_all(int fd, const void *data, size_t nbytes, const char *path);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

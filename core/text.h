@@ -43,6 +43,10 @@
 
 #include "core/status.h"
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 /* Used when no path is given and TANDEM_FORTUNES_DIR is unset or empty. */
 #define TDM_TEXT_FORTUNES_DEFAULT_DIR "/usr/share/games/fortunes"
 /* The largest text loaded (bytes). */
@@ -91,5 +95,9 @@ void tdm_text_eval_window(const tdm_text *t, int T, int64_t count, int64_t i, in
  * scored on with the same T and cap). */
 tdm_status tdm_text_bigram_loss(const tdm_text *train, const tdm_text *eval, int T, int64_t cap,
                                 double *loss);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

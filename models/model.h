@@ -32,6 +32,10 @@
 #include "core/device.h"
 #include "core/status.h"
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 #define TDM_MODEL_MAX_DIMS 16
 #define TDM_MODEL_NAME_MAX 48
 /* Each tensor starts on a 64-byte boundary of its flat buffer; the
@@ -308,5 +312,9 @@ typedef struct tdm_model_memory {
     size_t params, grads, buffers, activations;
 } tdm_model_memory;
 void tdm_model_get_memory(const tdm_model *m, tdm_model_memory *out);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

@@ -29,7 +29,7 @@
 #include <sys/types.h>
 
 #include "core/comm_impl.h"
-#include "core/wait.h"
+#include "core/wait_impl.h"
 #include "shm/shm_comm.h"
 
 #define TDM_SHM_MAGIC 0x314d48534d444e54ull /* "TNDMSHM1" little endian */
@@ -42,7 +42,7 @@
 #define TDM_SHM_REASON_BYTES 512  /* one abort reason */
 
 /* A word ranks wait on: a free-running 64-bit counter, written only by
- * its owner, waited on with core/wait.h (spin, then a shared futex on its
+ * its owner, waited on with core/wait_impl.h (spin, then a shared futex on its
  * low 32 bits; sleepers count themselves in `waiters`, so that the owner
  * makes a wake syscall only when someone sleeps). Part of the segment's
  * layout: TDM_SHM_VERSION covers it. */
@@ -241,7 +241,7 @@ void tdm_shm_geom_from(const tdm_shm_header *h, tdm_shm_geom *out);
 
 /* wait.c */
 /* Publish v on f (owner only): release store, wake sleepers if any.
- * Pairs with the acquire/seq_cst loads in tdm_shm_flag_wait (core/wait.h):
+ * Pairs with the acquire/seq_cst loads in tdm_shm_flag_wait (core/wait_impl.h):
  * every write to the slots before this store is visible to a waiter that
  * sees v. */
 static inline void tdm_shm_flag_publish(tdm_shm_flag *f, uint64_t v)
