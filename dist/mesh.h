@@ -23,6 +23,10 @@
 #include "core/comm.h"
 #include "core/status.h"
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 typedef enum tdm_mesh_dim {
     TDM_MESH_DP = 0,
     TDM_MESH_PP,
@@ -69,5 +73,9 @@ tdm_comm *tdm_mesh_comm(tdm_mesh *m, tdm_mesh_dim d);
 tdm_comm *tdm_mesh_world(tdm_mesh *m);
 /* "rank 3 of dp=2 x pp=2 x tp=1 at dp 1, pp 1, tp 0" */
 void tdm_mesh_describe(const tdm_mesh *m, char *buf, size_t n);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

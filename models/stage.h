@@ -39,6 +39,10 @@
 #include "core/status.h"
 #include "models/model.h"
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 /* The number of pipeline layers of a spec (INVALID_ARG for a bad spec). */
 tdm_status tdm_model_spec_n_layers(const tdm_model_spec *s, int *n);
 
@@ -102,5 +106,9 @@ int tdm_model_act_set(const tdm_model *m);
 void tdm_model_act_bytes(const tdm_model *m, size_t *sets, size_t *scratch);
 /* Bytes the current set holds. */
 size_t tdm_model_act_set_bytes(const tdm_model *m);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

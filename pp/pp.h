@@ -61,6 +61,10 @@
 #include "models/optim.h"
 #include "models/stage.h"
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 /* --- schedules (pp/schedule.c) -------------------------------------------- */
 
 typedef enum tdm_pp_schedule_kind {
@@ -272,5 +276,9 @@ typedef struct tdm_pp_stats {
 void tdm_pp_get_stats(const tdm_pp *p, tdm_pp_stats *out);
 /* The last step's F and B events on this stage, in the order run. */
 void tdm_pp_trace(const tdm_pp *p, const tdm_pp_event **events, int *n);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif
