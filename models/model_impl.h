@@ -76,6 +76,7 @@ typedef struct tdm_model_stage {
     int n_slice;                /* tensors of the slice of the full table; */
     int tied;                   /* then the tied copy's index (-1: none), */
     int tied_source;            /* a copy of the full model's tensor tied_source */
+    int64_t tied_offset;        /* which starts there in the full flat buffer */
     int64_t elem_base, slice_elems;    /* the slice in the full flat parameter buffer */
     int b_base;                 /* the full model's index of buffer 0 */
     int64_t buf_base;           /* and where the buffers start in its buffer of buffers */

@@ -177,6 +177,7 @@ tdm_status tdm_model_stage_place(tdm_model *m)
     }
     if (g->tied >= 0) {
         const tdm_tensor_info *a = &m->params_info[g->tied], *b = &t->params_info[g->tied_source];
+        g->tied_offset = b->offset;
         if (a->n_elem != b->n_elem || a->offset != g->slice_elems) {
             st = tdm_error_set(TDM_STATUS_INTERNAL, "model: tied copy '%s' does not follow the "
                                "slice or differs from '%s'", a->name, b->name);
@@ -227,6 +228,7 @@ void tdm_model_get_stage(const tdm_model *m, tdm_model_stage_info *out)
         .is_last = g->hi == g->n, .param_first = g->p_base, .n_slice_params = g->n_slice,
         .slice_offset = g->elem_base, .slice_elems = g->slice_elems,
         .buffer_offset = g->buf_base, .tied_param = g->tied, .tied_source = g->tied_source,
+        .tied_source_offset = g->tied_offset,
         .in_elems = tdm_model_stage_in_elems(m), .out_elems = tdm_model_stage_out_elems(m)};
 }
 

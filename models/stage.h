@@ -73,6 +73,7 @@ typedef struct tdm_model_stage_info {
     int64_t buffer_offset;       /* the same for the buffer of buffers */
     int tied_param;              /* the tied copy's index in this model, -1: none */
     int tied_source;             /* the whole model's tensor it copies */
+    int64_t tied_source_offset;  /* and where that tensor starts in the whole buffer */
     int64_t in_elems;            /* per sample: the input (4-byte elements) */
     int64_t out_elems;           /* per sample: the output (logits: out_rows x classes) */
 } tdm_model_stage_info;

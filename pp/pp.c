@@ -1,8 +1,8 @@
 /* pp/pp.c: a pipeline stage's life: checking the configuration on every
  * stage, the split, the stage model and its optimizer, the link
- * communicators, the micro-batch buffers, the memory report, gathering
- * the whole model's parameters, and freeing. Running a step is
- * pp/step.c; schedules pp/schedule.c; splits pp/split.c. */
+ * communicators, the micro-batch buffers, the memory report, and
+ * freeing. Running a step is pp/step.c; schedules pp/schedule.c; splits
+ * pp/split.c; checkpoints pp/ckpt.c. */
 #include "pp/pp_impl.h"
 
 #include <stdarg.h>
@@ -340,44 +340,6 @@ tdm_status tdm_pp_buffers(tdm_pp *p, int micro, int sets, int n_in)
     return TDM_STATUS_OK;
 fail:
     tdm_pp_free_buffers(p);
-    return st;
-}
-
-/* ---- gathering the whole model ---- */
-
-tdm_status tdm_pp_gather_params(tdm_pp *p, float *full, int root)
-{
-    TDM_REQUIRE(root >= 0 && root < p->S, TDM_STATUS_INVALID_ARG,
-                "pp gather: root %d out of range (%d stages)", root, p->S);
-    TDM_REQUIRE(p->s != root || full, TDM_STATUS_INVALID_ARG, "pp gather: root needs a buffer");
-    tdm_status st = TDM_STATUS_OK;
-    int64_t n = p->info.slice_elems;
-    float *mine = malloc((size_t)(n ? n : 1) * sizeof *mine);
-    TDM_REQUIRE(mine, TDM_STATUS_OUT_OF_MEMORY, "pp gather: %lld floats", (long long)n);
-    TDM_TRY(tdm_dev_copy_to_host(p->dev, mine, tdm_model_params(p->m), (size_t)n * sizeof *mine));
-    /* slices go to root one stage at a time, in stage order (each has its
-     * own size), over the pipeline's communicator */
-    for (int r = 0; r < p->S; r++) {
-        int64_t meta[2] = {p->info.slice_offset, n};
-        if (r == p->s && r == root) {
-            memcpy(full + p->info.slice_offset, mine, (size_t)n * sizeof *mine);
-            continue;
-        }
-        if (r == p->s) {
-            tdm_comm_set_label(p->hcomm, "pp gather: slice of stage %d", r);
-            TDM_TRY(tdm_comm_send(p->hcomm, meta, 2, TDM_DTYPE_INT64, root));
-            if (n) TDM_TRY(tdm_comm_send(p->hcomm, mine, (size_t)n, TDM_DTYPE_FLOAT32, root));
-        } else if (p->s == root) {
-            tdm_comm_set_label(p->hcomm, "pp gather: slice of stage %d", r);
-            TDM_TRY(tdm_comm_recv(p->hcomm, meta, 2, TDM_DTYPE_INT64, r));
-            if (meta[1])
-                TDM_TRY(tdm_comm_recv(p->hcomm, full + meta[0], (size_t)meta[1],
-                                      TDM_DTYPE_FLOAT32, r));
-        }
-    }
-fail:
-    free(mine);
-    if (st) return tdm_pp_fail(p, st, "gathering the parameters");
     return st;
 }
 

@@ -57,6 +57,7 @@
 #include "core/data.h"
 #include "core/device.h"
 #include "core/status.h"
+#include "models/checkpoint.h"
 #include "models/model.h"
 #include "models/optim.h"
 #include "models/stage.h"
@@ -226,6 +227,19 @@ tdm_status tdm_pp_evaluate(tdm_pp *p, const tdm_dataset *d, int batch, double *l
  * assembled on stage root from every stage's slice, into full (host
  * memory, used on root only). Collective. */
 tdm_status tdm_pp_gather_params(tdm_pp *p, float *full, int root);
+/* Checkpoints. The whole model's state assembled on stage root into h
+ * (host arrays in the whole model's layout, models/checkpoint.h's
+ * tdm_ckpt_host; used on root only): parameters, buffers (h->buffers may
+ * be NULL) and, when h->optim is set, the optimizer's state and step
+ * count - what tdm_checkpoint_save_host writes for the whole model, a
+ * file every mode loads. Collective. */
+tdm_status tdm_pp_gather_state(tdm_pp *p, tdm_ckpt_host *h, int root);
+/* Each stage takes its slice (and the GPT's last stage its tied copy) of
+ * a whole model's state in h, on every stage (every stage reads the file:
+ * tdm_checkpoint_load_host, of any mode's checkpoint): parameters,
+ * buffers (if h->buffers) and, when h->optim is set, the optimizer's
+ * state and step count. Not collective. */
+tdm_status tdm_pp_load_state(tdm_pp *p, const tdm_ckpt_host *h);
 
 /* --- what a step did ---------------------------------------------------------- */
 

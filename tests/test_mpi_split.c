@@ -73,7 +73,7 @@ static int check_pipeline(tdm_comm *c)
     tdm_model_spec spec;
     tpp_spec(TPP_MLP, &spec);
     double ref[3];
-    int64_t n;
+    int64_t n = 0;
     if (tpp_reference(TPP_MLP, 4, 16, 3, ref, NULL, NULL, &n)) return w_bad("reference", 1, r);
     tdm_device *dev = NULL;
     tdm_pp *p = NULL;

@@ -174,7 +174,7 @@ Test(pp_cuda_gpu, two_stages_over_nccl_equal_one_host_device)
     int ngpu = cu_gpu_count(why, sizeof why);
     if (ngpu == 0) cr_skip_test("%s", why);
     double ref[STEPS];
-    int64_t n;
+    int64_t n = 0;
     cr_assert_eq(tpp_reference(TPP_MLP, M, B, STEPS, ref, NULL, NULL, &n), TDM_STATUS_OK);
     tpp_out *o = tpp_out_new();
     gpu_arg a = {.out = o, .ngpu = ngpu};

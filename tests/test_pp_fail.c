@@ -5,7 +5,8 @@
  * rank, job rank and pid) and the transfer; bad configurations are
  * one-line errors on every stage (more stages than layers, M < 1, a split
  * out of range or not increasing), and a stage configured unlike the
- * others is named. */
+ * others is named; and every transfer is labelled in the links' flight
+ * recorders ("pp send act mb 0 stage 0->1"). */
 #include <criterion/criterion.h>
 #include <signal.h>
 #include <unistd.h>
@@ -14,7 +15,10 @@
 #include "shm/spawn.h"
 #include "tests/shm_test_util.h"
 #include "tests/test_pp_util.h"
+#include "tests/test_util.h"
 #include "tests/timeout_util.h"
+
+#include <dirent.h>
 
 typedef struct fail_out {
     int status[TPP_MAX_RANKS];
@@ -203,4 +207,62 @@ Test(pp_fail, bad_configurations_are_one_line_errors)
                "stage 2 (rank 2) was configured with another micro-batches than stage 0 (3 vs 2)");
     /* and a good one works */
     expect_cfg(2, o, (const int[]){0, 3}, -1, TDM_STATUS_OK, "ok");
+}
+
+/* --- flight recorder ----------------------------------------------------------- */
+
+static int fr_rank(tdm_comm *comm, void *argp)
+{
+    /* read when a communicator is made: the links' recorders dump there
+     * when they are freed */
+    setenv("TANDEM_FR_DUMP", (const char *)argp, 1);
+    unsetenv("TANDEM_FR_DUMP_ON");
+    int r = tdm_comm_rank(comm);
+    tdm_device *dev = NULL;
+    tdm_pp *p = NULL;
+    tdm_model_spec spec;
+    tpp_spec(TPP_MLP, &spec);
+    float x[8 * 20];
+    int32_t y[8];
+    tdm_pp_opts o = opts_of(TDM_PP_GPIPE, 2);
+    tpp_batch(&spec, 20, 1, 5, 0, 8, x, y);
+    tdm_status st = tdm_device_open(&dev, "cpu", r, 1);
+    if (!st) st = tdm_pp_init(&p, comm, dev, &spec, &o);
+    if (!st) st = tdm_pp_step(p, x, y, 8, NULL);
+    tdm_pp_free(p);
+    tdm_device_free(dev);
+    return st ? 1 : 0;
+}
+
+Test(pp_fail, every_transfer_is_labelled_in_the_flight_recorder)
+{
+    char dir[128];
+    tu_mkdtemp(dir, sizeof dir, "tdm_pp_fr");
+    tdm_shm_spawn_opts so = {.timeout_ms = tu_scaled_ms(30000)};
+    cr_assert_eq(tdm_shm_spawn(2, fr_rank, dir, &so, NULL), TDM_STATUS_OK, "%s",
+                 tdm_error_message());
+    static char all[1 << 20];
+    size_t len = 0;
+    DIR *d = opendir(dir);
+    cr_assert_not_null(d);
+    for (struct dirent *e; (e = readdir(d));) {
+        if (e->d_name[0] == '.') continue;
+        char path[512];
+        snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
+        FILE *f = fopen(path, "r");
+        if (!f) continue;
+        len += fread(all + len, 1, sizeof all - 1 - len, f);
+        fclose(f);
+    }
+    closedir(d);
+    all[len] = '\0';
+    static const char *const want[] = {
+        "pp send act mb 0 stage 0->1", "pp send act mb 1 stage 0->1",
+        "pp recv act mb 0 stage 0->1", "pp recv act mb 1 stage 0->1",
+        "pp send grad mb 0 stage 1->0", "pp send grad mb 1 stage 1->0",
+        "pp recv grad mb 0 stage 1->0", "pp recv grad mb 1 stage 1->0",
+    };
+    for (size_t i = 0; i < sizeof want / sizeof want[0]; i++)
+        cr_assert(strstr(all, want[i]), "'%s' is in no dump of %s", want[i], dir);
+    tu_rmtree(dir);
 }

@@ -362,7 +362,7 @@ static int zc_rank(tdm_comm *comm, void *argp)
 Test(pp_mem, zero_copy_links_give_the_same_steps, .timeout = 60)
 {
     double ref[ZSTEPS];
-    int64_t n;
+    int64_t n = 0;
     cr_assert_eq(tpp_reference(TPP_MLP, 4, ZB, ZSTEPS, ref, NULL, NULL, &n), TDM_STATUS_OK);
     for (int k = 0; k < 2; k++) {
         tpp_out *o = tpp_out_new();
