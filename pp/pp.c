@@ -86,6 +86,30 @@ static tdm_status tdm_pp_check_config(tdm_pp *p)
     return st;
 }
 
+/* This stage's outcome st, all-gathered: st itself here (its message
+ * kept), or the first other stage's failure, named, on the others. */
+static tdm_status tdm_pp_agree(tdm_pp *p, tdm_status st)
+{
+    char msg[TDM_ERROR_MSG_MAX];
+    snprintf(msg, sizeof msg, "%s", st ? tdm_error_message() : "");
+    int32_t mine = st, *all = calloc((size_t)p->S, sizeof *all);
+    TDM_REQUIRE(all, TDM_STATUS_OUT_OF_MEMORY, "pp: %d statuses", p->S);
+    tdm_comm_set_label(p->hcomm, "pp stages built");
+    tdm_status cs = tdm_comm_all_gather(p->hcomm, &mine, all, 1, TDM_DTYPE_INT32);
+    tdm_status out = cs;
+    if (!cs && st) out = tdm_error_set(st, "%s", msg);
+    for (int r = 0; !cs && !st && r < p->S; r++)
+        if (all[r]) {
+            tdm_status rs = all[r] > 0 && all[r] < TDM_STATUS_COUNT_ ? (tdm_status)all[r]
+                                                                     : TDM_STATUS_INTERNAL;
+            out = tdm_error_set(rs, "pp: stage %d could not build its model and optimizer (%s; "
+                                "see its error)", r, tdm_status_name(rs));
+            break;
+        }
+    free(all);
+    return out;
+}
+
 /* Bytes of receive buffers this stage will want in its links' shared
  * memory for a global batch of o.batch (0: none): its input slots (the
  * schedule's in-flight count or evaluation's 2, plus one) and its two
@@ -191,9 +215,12 @@ tdm_status tdm_pp_init(tdm_pp **out, tdm_comm *comm, tdm_device *dev, const tdm_
      * options is named, not left to mismatch in a transfer) */
     TDM_TRY(tdm_pp_check_config(p));
     int lo = p->first[p->s], hi = p->s + 1 < S ? p->first[p->s + 1] : n;
-    TDM_TRY(tdm_model_init_stage(&p->m, dev, spec, opts->seed, lo, hi));
+    st = tdm_model_init_stage(&p->m, dev, spec, opts->seed, lo, hi);
+    if (!st) st = tdm_optim_init(&p->opt, p->m, &opts->optim);
+    /* every stage learns whether every other built its part before the
+     * links' splits, which would wait for a stage that gave up */
+    TDM_TRY(tdm_pp_agree(p, st));
     tdm_model_get_stage(p->m, &p->info);
-    TDM_TRY(tdm_optim_init(&p->opt, p->m, &opts->optim));
     TDM_TRY(tdm_pp_links(p));
     for (int k = 0; k < 2; k++) p->buf.gin_owner[k] = -1;
     tdm_dev_mem_stats ms;

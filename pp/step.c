@@ -301,10 +301,16 @@ static tdm_status tdm_pp_flush(tdm_pp *p, tdm_pp_phases *ph)
 
 static tdm_status tdm_pp_begin(tdm_pp *p, const void *x, const int32_t *y, int batch, int eval)
 {
-    TDM_REQUIRE(batch >= 1, TDM_STATUS_INVALID_ARG, "pp: batch %d (expected at least 1)", batch);
-    TDM_REQUIRE(p->s > 0 || x, TDM_STATUS_INVALID_ARG, "pp: the first stage needs the inputs");
-    TDM_REQUIRE(p->s + 1 < p->S || y, TDM_STATUS_INVALID_ARG,
-                "pp: the last stage needs the targets");
+    /* refused on this stage: the others, waiting for it, are stopped too */
+    if (batch < 1)
+        return tdm_pp_fail(p, tdm_error_set(TDM_STATUS_INVALID_ARG, "batch %d (expected at "
+                                            "least 1)", batch), "step");
+    if (p->s == 0 && !x)
+        return tdm_pp_fail(p, tdm_error_set(TDM_STATUS_INVALID_ARG, "the first stage needs "
+                                            "the inputs (x is NULL)"), "step");
+    if (p->s + 1 == p->S && !y)
+        return tdm_pp_fail(p, tdm_error_set(TDM_STATUS_INVALID_ARG, "the last stage needs "
+                                            "the targets (y is NULL)"), "step");
     tdm_pp_cut(p, batch);
     p->run.eval = eval;
     p->run.x = x;
@@ -378,9 +384,8 @@ static void tdm_pp_account(tdm_pp *p, tdm_pp_phases *ph)
 
 tdm_status tdm_pp_step(tdm_pp *p, const void *x, const int32_t *y, int batch, double *loss_mean)
 {
-    TDM_REQUIRE(batch >= 1, TDM_STATUS_INVALID_ARG, "pp: batch %d (expected at least 1)", batch);
     double sum = 0.0;
-    TDM_CHECK(tdm_pp_step_scaled(p, x, y, batch, 1.0f / (float)batch, &sum));
+    TDM_CHECK(tdm_pp_step_scaled(p, x, y, batch, batch > 0 ? 1.0f / (float)batch : 0.0f, &sum));
     if (loss_mean) *loss_mean = sum / batch;
     return TDM_STATUS_OK;
 }

@@ -209,6 +209,43 @@ Test(pp_fail, bad_configurations_are_one_line_errors)
     expect_cfg(2, o, (const int[]){0, 3}, -1, TDM_STATUS_OK, "ok");
 }
 
+/* A stage handed no inputs refuses the step, and the stages waiting for
+ * it stop with its reason instead of at their deadline (5 minutes). */
+static int null_x_rank(tdm_comm *comm, void *argp)
+{
+    fail_out *o = argp;
+    int r = tdm_comm_rank(comm);
+    tdm_device *dev = NULL;
+    tdm_pp *p = NULL;
+    tdm_model_spec spec;
+    tpp_spec(TPP_MLP, &spec);
+    int32_t y[8] = {0};
+    tdm_pp_opts opts = opts_of(TDM_PP_1F1B, 2);
+    tdm_status st = tdm_device_open(&dev, "cpu", r, 1);
+    if (!st) st = tdm_pp_init(&p, comm, dev, &spec, &opts);
+    if (!st) st = tdm_pp_step(p, NULL, y, 8, NULL);
+    o->status[r] = st;
+    snprintf(o->err[r], sizeof o->err[r], "%s", st ? tdm_error_message() : "ok");
+    tdm_pp_free(p);
+    tdm_device_free(dev);
+    return st ? 3 : 0;
+}
+
+Test(pp_fail, missing_inputs_stop_every_stage)
+{
+    fail_out *o = out_new();
+    tdm_shm_spawn_opts so = {.timeout_ms = tu_scaled_ms(30000)};
+    tdm_status st = tdm_shm_spawn(3, null_x_rank, o, &so, NULL);
+    cr_assert_neq(st, TDM_STATUS_OK);
+    cr_assert_eq(o->status[0], TDM_STATUS_INVALID_ARG, "%s", o->err[0]);
+    cr_assert(strstr(o->err[0], "pp stage 0 of 3: step: the first stage needs the inputs"),
+              "%s", o->err[0]);
+    for (int r = 1; r < 3; r++)
+        cr_assert(strstr(o->err[r], "the first stage needs the inputs"), "stage %d: %s", r,
+                  o->err[r]);
+    munmap(o, sizeof *o);
+}
+
 /* --- flight recorder ----------------------------------------------------------- */
 
 static int fr_rank(tdm_comm *comm, void *argp)
