@@ -1,4 +1,5 @@
-/* models/gpt_low.c: the GPT's passes in BF16 and FP16 (models/precision.h).
+/* models/gpt_low.c: the GPT's passes in BF16 and FP16 (models/precision.h),
+ * over the current activation set of a whole model or a pipeline stage.
  * Every product reads 16-bit operands through tdm_dev_gemm_ex and sums in
  * float32; LayerNorm, the attention softmax, GELU and the residual stream
  * stay float32. What a block keeps: ln_1's and ln_2's outputs, c_attn's
@@ -90,37 +91,37 @@ tdm_status tdm_gpt_block_forward_low(tdm_model *m, int l, const float *res, int 
 {
     tdm_gpt *g = m->ext;
     tdm_device *d = m->dev;
-    tdm_gpt_block *b = &g->blk[l];
+    tdm_gpt_block *b = &g->a->blk[l - g->b0];
     tdm_dtype t = m->lev.adt;
     int C = g->C;
     int64_t N = (int64_t)B * Tr;
     size_t row_bytes = (size_t)N * C * sizeof(float);
-#define P(j) tdm_gpt_lp(m, tdm_gpt_p(l, (j)))
+#define P(j) tdm_gpt_lp(m, tdm_gpt_p(g, l, (j)))
     /* ln_1 in float32 into dln (free in forward), rounded for c_attn */
     TDM_CHECK(tdm_dev_layernorm_fwd(d, res, P(TDM_GPT_LN1_W), P(TDM_GPT_LN1_B), g->dln,
                                     b->ln1_mean, b->ln1_rstd, N, C, TDM_GPT_LN_EPS));
     TDM_CHECK(tdm_dev_convert(d, b->ln1h, t, g->dln, TDM_DTYPE_FLOAT32, N * C));
-    TDM_CHECK(tdm_gpt_lin(m, b->ln1h, tdm_gpt_p(l, TDM_GPT_ATTN_W), N, C, 3 * C, 0.0f, g->qkv));
+    TDM_CHECK(tdm_gpt_lin(m, b->ln1h, tdm_gpt_p(g, l, TDM_GPT_ATTN_W), N, C, 3 * C, 0.0f, g->qkv));
     TDM_CHECK(tdm_dev_bias_act(d, g->qkv, P(TDM_GPT_ATTN_B), N, 3 * C, TDM_ACT_NONE));
     TDM_CHECK(tdm_dev_convert(d, b->qkvh, t, g->qkv, TDM_DTYPE_FLOAT32, N * 3 * C));
     TDM_CHECK(tdm_gpt_attention_low(m, b, B, Tr));
     TDM_CHECK(tdm_dev_convert(d, b->attyh, t, g->yh, TDM_DTYPE_FLOAT32, N * C));
     /* x + attn(ln_1(x)) */
     TDM_CHECK(tdm_dev_copy(d, b->res1, res, row_bytes));
-    TDM_CHECK(tdm_gpt_lin(m, b->attyh, tdm_gpt_p(l, TDM_GPT_APROJ_W), N, C, C, 1.0f, b->res1));
+    TDM_CHECK(tdm_gpt_lin(m, b->attyh, tdm_gpt_p(g, l, TDM_GPT_APROJ_W), N, C, C, 1.0f, b->res1));
     TDM_CHECK(tdm_dev_bias_act(d, b->res1, P(TDM_GPT_APROJ_B), N, C, TDM_ACT_NONE));
     TDM_CHECK(tdm_dev_layernorm_fwd(d, b->res1, P(TDM_GPT_LN2_W), P(TDM_GPT_LN2_B), g->dln,
                                     b->ln2_mean, b->ln2_rstd, N, C, TDM_GPT_LN_EPS));
     TDM_CHECK(tdm_dev_convert(d, b->ln2h, t, g->dln, TDM_DTYPE_FLOAT32, N * C));
     /* c_fc into dfc (free in forward), rounded; GELU of the rounded
      * values in place, rounded again for c_proj */
-    TDM_CHECK(tdm_gpt_lin(m, b->ln2h, tdm_gpt_p(l, TDM_GPT_FC_W), N, C, 4 * C, 0.0f, g->dfc));
+    TDM_CHECK(tdm_gpt_lin(m, b->ln2h, tdm_gpt_p(g, l, TDM_GPT_FC_W), N, C, 4 * C, 0.0f, g->dfc));
     TDM_CHECK(tdm_dev_bias_act(d, g->dfc, P(TDM_GPT_FC_B), N, 4 * C, TDM_ACT_NONE));
     TDM_CHECK(tdm_model_round(m, g->dfc, b->fchh, N * 4 * C));
     TDM_CHECK(tdm_dev_gelu_fwd(d, g->dfc, g->dfc, N * 4 * C));
     TDM_CHECK(tdm_dev_convert(d, b->fcgh, t, g->dfc, TDM_DTYPE_FLOAT32, N * 4 * C));
     TDM_CHECK(tdm_dev_copy(d, b->res2, b->res1, row_bytes));
-    TDM_CHECK(tdm_gpt_lin(m, b->fcgh, tdm_gpt_p(l, TDM_GPT_MPROJ_W), N, 4 * C, C, 1.0f, b->res2));
+    TDM_CHECK(tdm_gpt_lin(m, b->fcgh, tdm_gpt_p(g, l, TDM_GPT_MPROJ_W), N, 4 * C, C, 1.0f, b->res2));
     TDM_CHECK(tdm_dev_bias_act(d, b->res2, P(TDM_GPT_MPROJ_B), N, C, TDM_ACT_NONE));
 #undef P
     return TDM_STATUS_OK;
@@ -175,35 +176,35 @@ tdm_status tdm_gpt_block_backward_low(tdm_model *m, int l, const float *res_in, 
 {
     tdm_gpt *g = m->ext;
     tdm_device *d = m->dev;
-    tdm_gpt_block *b = &g->blk[l];
+    tdm_gpt_block *b = &g->a->blk[l - g->b0];
     int C = g->C;
     int64_t N = (int64_t)B * Tr;
-#define P(j) tdm_gpt_lp(m, tdm_gpt_p(l, (j)))
-#define G(j) tdm_gpt_lg(m, tdm_gpt_p(l, (j)))
+#define P(j) tdm_gpt_lp(m, tdm_gpt_p(g, l, (j)))
+#define G(j) tdm_gpt_lg(m, tdm_gpt_p(g, l, (j)))
     /* x += mlp(ln_2(x)): c_proj's output gradient is dres */
-    TDM_CHECK(tdm_gpt_lin_bwd(m, b->fcgh, tdm_gpt_p(l, TDM_GPT_MPROJ_W), g->dres, N, 4 * C, C,
+    TDM_CHECK(tdm_gpt_lin_bwd(m, b->fcgh, tdm_gpt_p(g, l, TDM_GPT_MPROJ_W), g->dres, N, 4 * C, C,
                               g->dfc));
-    tdm_gpt_hook(m, tdm_gpt_layer(l, 5));
+    tdm_gpt_hook(m, tdm_gpt_layer(g, l, 5));
     TDM_CHECK(tdm_dev_convert(d, g->wide, TDM_DTYPE_FLOAT32, b->fchh, m->lev.adt, N * 4 * C));
     TDM_CHECK(tdm_dev_gelu_bwd(d, g->wide, g->dfc, g->dfc, N * 4 * C));
-    TDM_CHECK(tdm_gpt_lin_bwd(m, b->ln2h, tdm_gpt_p(l, TDM_GPT_FC_W), g->dfc, N, C, 4 * C, g->dln));
-    tdm_gpt_hook(m, tdm_gpt_layer(l, 4));
+    TDM_CHECK(tdm_gpt_lin_bwd(m, b->ln2h, tdm_gpt_p(g, l, TDM_GPT_FC_W), g->dfc, N, C, 4 * C, g->dln));
+    tdm_gpt_hook(m, tdm_gpt_layer(g, l, 4));
     TDM_CHECK(tdm_dev_layernorm_bwd(d, b->res1, g->dln, P(TDM_GPT_LN2_W), b->ln2_mean,
                                     b->ln2_rstd, g->dres, G(TDM_GPT_LN2_W), G(TDM_GPT_LN2_B), N,
                                     C));
-    tdm_gpt_hook(m, tdm_gpt_layer(l, 3));
+    tdm_gpt_hook(m, tdm_gpt_layer(g, l, 3));
     /* x += attn(ln_1(x)) */
-    TDM_CHECK(tdm_gpt_lin_bwd(m, b->attyh, tdm_gpt_p(l, TDM_GPT_APROJ_W), g->dres, N, C, C,
+    TDM_CHECK(tdm_gpt_lin_bwd(m, b->attyh, tdm_gpt_p(g, l, TDM_GPT_APROJ_W), g->dres, N, C, C,
                               g->dln));
-    tdm_gpt_hook(m, tdm_gpt_layer(l, 2));
+    tdm_gpt_hook(m, tdm_gpt_layer(g, l, 2));
     TDM_CHECK(tdm_gpt_attention_bwd_low(m, b, B, Tr));
-    TDM_CHECK(tdm_gpt_lin_bwd(m, b->ln1h, tdm_gpt_p(l, TDM_GPT_ATTN_W), g->qkv, N, C, 3 * C,
+    TDM_CHECK(tdm_gpt_lin_bwd(m, b->ln1h, tdm_gpt_p(g, l, TDM_GPT_ATTN_W), g->qkv, N, C, 3 * C,
                               g->dln));
-    tdm_gpt_hook(m, tdm_gpt_layer(l, 1));
+    tdm_gpt_hook(m, tdm_gpt_layer(g, l, 1));
     TDM_CHECK(tdm_dev_layernorm_bwd(d, res_in, g->dln, P(TDM_GPT_LN1_W), b->ln1_mean,
                                     b->ln1_rstd, g->dres, G(TDM_GPT_LN1_W), G(TDM_GPT_LN1_B), N,
                                     C));
-    tdm_gpt_hook(m, tdm_gpt_layer(l, 0));
+    tdm_gpt_hook(m, tdm_gpt_layer(g, l, 0));
 #undef P
 #undef G
     return TDM_STATUS_OK;
@@ -213,13 +214,14 @@ tdm_status tdm_gpt_head_forward_low(tdm_model *m, const float *res, int B, int T
 {
     tdm_gpt *g = m->ext;
     tdm_device *d = m->dev;
-    int C = g->C, pf = tdm_gpt_p_lnf(g->L);
+    int C = g->C, pf = tdm_gpt_p_lnf(g);
     int64_t N = (int64_t)B * Tr;
+    tdm_gpt_act *a = g->a;
     TDM_CHECK(tdm_dev_layernorm_fwd(d, res, tdm_gpt_lp(m, pf), tdm_gpt_lp(m, pf + 1), g->dln,
-                                    g->lnf_mean, g->lnf_rstd, N, C, TDM_GPT_LN_EPS));
-    TDM_CHECK(tdm_dev_convert(d, g->lnfh, m->lev.adt, g->dln, TDM_DTYPE_FLOAT32, N * C));
-    /* logits (float32) = ln_f(x) wte^T */
-    return tdm_gpt_lin(m, g->lnfh, TDM_GPT_WTE, N, C, g->V, 0.0f, g->logits);
+                                    a->lnf_mean, a->lnf_rstd, N, C, TDM_GPT_LN_EPS));
+    TDM_CHECK(tdm_dev_convert(d, a->lnfh, m->lev.adt, g->dln, TDM_DTYPE_FLOAT32, N * C));
+    /* logits (float32) = ln_f(x) wte^T (a later stage: its tied copy) */
+    return tdm_gpt_lin(m, a->lnfh, g->p_head, N, C, g->V, 0.0f, a->logits);
 }
 
 tdm_status tdm_gpt_head_backward_low(tdm_model *m, const float *res, const float *dlogits, int B,
@@ -228,14 +230,15 @@ tdm_status tdm_gpt_head_backward_low(tdm_model *m, const float *res, const float
     tdm_gpt *g = m->ext;
     tdm_device *d = m->dev;
     tdm_dtype t = m->lev.adt;
-    int C = g->C, V = g->V, pf = tdm_gpt_p_lnf(g->L);
+    int C = g->C, V = g->V, pf = tdm_gpt_p_lnf(g);
     int64_t N = (int64_t)B * Tr;
     /* the tied head has no bias: dwte += dlogits16^T ln_f16; dln = dlogits16 wte16 */
+    tdm_gpt_act *a = g->a;
     TDM_CHECK(tdm_dev_convert(d, g->low, t, dlogits, TDM_DTYPE_FLOAT32, N * V));
     TDM_CHECK(tdm_dev_gemm_rm_ex(d, TDM_TRANS_T, TDM_TRANS_N, V, C, (int)N, 1.0f, g->low, V,
-                                 g->lnfh, C, 1.0f, tdm_gpt_lg(m, TDM_GPT_WTE), C, t));
+                                 a->lnfh, C, 1.0f, tdm_gpt_lg(m, g->p_head), C, t));
     TDM_CHECK(tdm_dev_gemm_rm_ex(d, TDM_TRANS_N, TDM_TRANS_N, (int)N, C, V, 1.0f, g->low, V,
-                                 tdm_model_wlow(m, TDM_GPT_WTE), C, 0.0f, g->dln, C, t));
-    return tdm_dev_layernorm_bwd(d, res, g->dln, tdm_gpt_lp(m, pf), g->lnf_mean, g->lnf_rstd,
+                                 tdm_model_wlow(m, g->p_head), C, 0.0f, g->dln, C, t));
+    return tdm_dev_layernorm_bwd(d, res, g->dln, tdm_gpt_lp(m, pf), a->lnf_mean, a->lnf_rstd,
                                  g->dres, tdm_gpt_lg(m, pf), tdm_gpt_lg(m, pf + 1), N, C);
 }

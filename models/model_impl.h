@@ -9,6 +9,7 @@
 
 #include "models/model.h"
 #include "models/precision.h"
+#include "models/stage.h"
 
 /* A GPT with L blocks has 12 L + 4 parameter tensors and 6 L + 3 logical
  * layers (one per group of parameters backward finishes together). */
@@ -63,14 +64,40 @@ typedef struct tdm_model_vt {
     tdm_status (*backward)(tdm_model *m, const float *dlogits);
     const float *(*last_logits)(const tdm_model *m);
     void (*gemm_flops)(const tdm_model *m, double *fwd, double *bwd);
-    void (*free_activations)(tdm_model *m);   /* and zero m->cap, m->act_bytes */
+    /* Frees every activation set and the shared scratch (and zeroes
+     * m->cap, m->act_bytes). */
+    void (*free_activations)(tdm_model *m);
     void (*free_ext)(tdm_model *m);           /* m->ext itself */
-    /* The activation buffers for `batch` (models/recompute.c's layout). */
-    void (*layout)(tdm_model *m, int batch, struct tdm_act_layout *lay);
+    /* Makes set k (allocated as needed, empty) the one the next forward
+     * writes and the next backward reads (models/stage.c keeps m->batch,
+     * m->cap and m->set_bytes per set around it). */
+    tdm_status (*select_set)(tdm_model *m, int k);
+    /* Bytes of every activation set, and of the shared scratch. */
+    void (*act_bytes)(const tdm_model *m, size_t *sets, size_t *scratch);
+    /* The buffers of one activation set and of the shared scratch for
+     * `batch` (models/recompute.c's layout; what the planner sums). */
+    void (*layout)(tdm_model *m, int batch, struct tdm_act_layout *set,
+                   struct tdm_act_layout *scratch);
 } tdm_model_vt;
+
+/* A model is pipeline layers [lo, hi) of its spec's n (models/stage.h);
+ * the whole model is [0, n). Fixed when it is built. */
+typedef struct tdm_model_stage {
+    int lo, hi, n;
+    int p_base;                 /* the full model's index of tensor 0 */
+    int n_slice;                /* tensors of the slice of the full table; */
+    int tied;                   /* then the tied copy's index (-1: none), */
+    int tied_source;            /* a copy of the full model's tensor tied_source */
+    int64_t tied_offset;        /* which starts there in the full flat buffer */
+    int64_t elem_base, slice_elems;    /* the slice in the full flat parameter buffer */
+    int b_base;                 /* the full model's index of buffer 0 */
+    int64_t buf_base;           /* and where the buffers start in its buffer of buffers */
+    int input_grad;             /* backward computes the input's gradient (lo > 0) */
+} tdm_model_stage;
 
 struct tdm_model {
     tdm_model_spec spec;
+    tdm_model_stage stage;
     tdm_device *dev;        /* borrowed; NULL in a skeleton (models/plan.c) */
     tdm_device_kind dev_kind;  /* the device's kind and threads (a skeleton's: as planned) */
     int dev_threads;
@@ -118,15 +145,25 @@ struct tdm_model {
     float *ones;            /* cap ones, for bias gradients via gemm */
     float *dlogits;         /* forward_backward scratch */
     int64_t max_elems;      /* largest per-sample activation */
-    size_t act_bytes;
-    /* the layer chain's buffers for 16-bit precisions and checkpointing */
-    float *f32s[2];         /* forward: the outputs, ping-pong, before and after rounding;
-                               backward: kept 16-bit tensors widened (B * max_elems each) */
-    void *x16;              /* the model input, rounded (B * in_elems of layer 0) */
-    void *d16;              /* an output gradient rounded for a product (B * max_elems) */
-    void *col16;            /* a conv chunk's col, rounded */
-    void *arena;            /* checkpointing: one segment's inner activations */
-    struct tdm_act_layout *act;  /* what the last reserve allocated (freed through it) */
+    size_t act_bytes;       /* the current set's and the shared scratch's */
+    size_t set_bytes;       /* the current set's */
+    int scratch_cap;        /* samples the shared scratch (dbuf, col, ones, dlogits) holds */
+    /* Activation sets (models/stage.c): what a forward keeps for its
+     * backward lives in the current set (above: layers' out, in, argmax,
+     * batchnorm statistics; cap, batch); the others are parked in `sets`. */
+    int set, n_sets;
+    void *sets;
+    const float *input_grad;   /* the last backward's input gradient (stage.input_grad) */
+    /* the layer chain's buffers for 16-bit precisions and checkpointing
+     * (models/recompute.c's layouts) */
+    float *f32s[2];         /* scratch: forward's outputs, ping-pong, before and after
+                               rounding; backward: kept 16-bit tensors widened */
+    void *d16;              /* scratch: an output gradient rounded for a product */
+    void *col16;            /* scratch: a conv chunk's col, rounded */
+    struct tdm_act_layout *act_scratch;   /* what reserve_scratch allocated */
+    void *x16;              /* the current set's: the input, rounded (in16 of layer 0) */
+    void *arena;            /* the current set's: one checkpoint segment's inner activations */
+    struct tdm_act_layout *act_set;       /* what the current set's reserve allocated */
 };
 
 /* Parameter i's values and gradient: its view, else its place in the flat
@@ -180,6 +217,37 @@ tdm_status tdm_model_pair_forward(tdm_model *m, tdm_layer *bn, tdm_layer *pool, 
 tdm_status tdm_model_pair_backward(tdm_model *m, tdm_layer *bn, tdm_layer *pool, float *dout,
                                    float *dmid, float *din, int B);
 
+/* models/model.c: a model of pipeline layers [lo, hi) of spec
+ * (tdm_model_init_stage; lo = hi = -1: the whole model). */
+tdm_status tdm_model_init_range(tdm_model **out, tdm_device *dev, const tdm_model_spec *spec,
+                                uint64_t seed, int lo, int hi);
+/* models/model.c: the current set's batchnorm statistics (per channel,
+ * what a forward leaves for its backward), allocated where missing. */
+tdm_status tdm_model_bn_stats(tdm_model *m);
+/* The tables of m->spec's pipeline layers m->stage.lo..hi without any
+ * storage (dev may be NULL): what tdm_model_init builds before it
+ * allocates. */
+tdm_status tdm_model_build_tables(tdm_model *m);
+/* models/model.c: frees the current set's activations (layers' out,
+ * argmax, batchnorm statistics; cap and batch to 0), and the shared
+ * scratch. */
+void tdm_model_free_set(tdm_model *m);
+void tdm_model_free_scratch(tdm_model *m);
+
+/* models/stage.c */
+/* Crops the tables of a whole MLP or CNN just built to m->stage's layers
+ * (the flat offsets become the slice's own, from 0). */
+tdm_status tdm_model_crop(tdm_model *m);
+/* Where a stage's tensors sit in the whole model's tables: fills
+ * m->stage's slice fields from a table-only build of the whole model and
+ * checks that every tensor of the slice has the whole model's name, shape
+ * and relative offset. */
+tdm_status tdm_model_stage_place(tdm_model *m);
+/* The full table's index of tensor i (the tied copy: its source). */
+int tdm_model_global_param(const tdm_model *m, int i);
+/* Frees every set but the current, and the set table. */
+void tdm_model_free_sets(tdm_model *m);
+
 /* models/precision.c: the 16-bit copy of parameters first..last that
  * products read (those of the layer's weights: every tensor of two or more
  * dimensions), from their current values (views included). No-op in FP32. */
@@ -195,12 +263,13 @@ static inline int tdm_model_low(const tdm_model *m) { return m->lev.adt != TDM_D
  * rounded values (the next reader sees what backward will). */
 tdm_status tdm_model_round(tdm_model *m, float *x, void *dst, int64_t n);
 
-/* models/recompute.c: the layer chain's activation buffers for a batch
- * (precision and checkpointing included) as a list, which reserve
- * allocates and models/plan.c sums without allocating. */
+/* models/recompute.c: a model's activation buffers for a batch
+ * (precision and checkpointing included) as lists - one activation set's,
+ * and the shared scratch's - which reserve allocates and models/plan.c
+ * sums without allocating. */
 #define TDM_ACT_MAX_BUFS 1024
 typedef struct tdm_act_buf {
-    void **ptr;             /* where the allocation goes (NULL: planning only) */
+    void **ptr;             /* where the allocation goes */
     size_t nbytes;
     int layer;              /* the layer it belongs to, -1: the model's scratch */
     int64_t arena_off;      /* >= 0: carved from the arena at this byte offset, no allocation */
@@ -214,14 +283,21 @@ typedef struct tdm_act_layout {
  * arena at the next 64-byte boundary of *arena_off. */
 void tdm_act_add(tdm_act_layout *lay, void **ptr, size_t nbytes, int layer, int arena,
                  size_t *arena_off);
-/* The layout of the MLP/CNN chain for `batch` samples. */
-void tdm_model_chain_layout(tdm_model *m, int batch, tdm_act_layout *lay);
-/* Allocates a layout (the arena once, its slots carved out) and keeps it
- * in m->act; adds the bytes to m->act_bytes. On failure what was
- * allocated stays for tdm_act_free. */
-tdm_status tdm_act_alloc(tdm_model *m, const tdm_act_layout *lay);
-/* Frees what tdm_act_alloc allocated and clears every pointer it set. */
-void tdm_act_free(tdm_model *m);
+/* The MLP/CNN chain's layouts for `batch` samples: one set's (outputs or
+ * their 16-bit copies, the pooling's winners, the rounded input, the
+ * arena) and the scratch's (gradient ping-pong, col, ones, dlogits, and
+ * the 16-bit precisions' working buffers). The conv chunks must be set. */
+void tdm_model_chain_layout(tdm_model *m, int batch, tdm_act_layout *set,
+                            tdm_act_layout *scratch);
+/* Allocates a layout (its arena once, the slots carved out) and keeps
+ * the table in *keep (freed through it), the arena in *arena (may be
+ * NULL when the layout has none); *bytes gets what was allocated. On
+ * failure what was allocated stays for tdm_act_free. */
+tdm_status tdm_act_alloc(tdm_model *m, const tdm_act_layout *lay, tdm_act_layout **keep,
+                         void **arena, size_t *bytes);
+/* Frees what tdm_act_alloc allocated into *keep and *arena (NULL ok) and
+ * clears every pointer it set. */
+void tdm_act_free(tdm_model *m, tdm_act_layout **keep, void **arena);
 /* Sets unit and seg_last of every layer of the chain (MLP, CNN) from
  * lev.ckpt. */
 void tdm_model_chain_units(tdm_model *m);
@@ -230,16 +306,15 @@ void tdm_model_chain_units(tdm_model *m);
 tdm_status tdm_model_chain_recompute(tdm_model *m, int i, int batch);
 
 /* models/model.c: a model's layers, tables and units without a device or
- * memory, for planning (models/plan.c): as if on a device of `kind` with
- * `threads` BLAS threads. Free with tdm_model_free. */
+ * memory, for planning (models/plan.c): the whole model, as if on a
+ * device of `kind` with `threads` BLAS threads. Free with tdm_model_free. */
 tdm_status tdm_model_skeleton(tdm_model **out, const tdm_model_spec *spec, tdm_device_kind kind,
                               int threads);
 /* Images per chunk of conv layer l at `batch` (tdm_model_set_conv_chunk). */
 int tdm_model_conv_chunk(const tdm_model *m, const tdm_layer *l, int batch);
-
-/* models/model.c: forward through layers first..last of the chain from
- * x (float32; in 16-bit precisions the rounded values), with use events
- * and weight casts unless lev.recomputing. */
+/* Forward through layers first..last of the chain from x (float32; in
+ * 16-bit precisions the rounded values), with use events and weight
+ * casts unless lev.recomputing. */
 tdm_status tdm_model_run_layers(tdm_model *m, int first, int last, const float *x, int batch);
 /* Frees the activations (they are reserved again by the next forward). */
 void tdm_model_drop_activations(tdm_model *m);
@@ -247,6 +322,9 @@ void tdm_model_drop_activations(tdm_model *m);
 /* models/gpt.c */
 tdm_status tdm_gpt_spec_parse(tdm_model_spec *s, const char *text);
 void tdm_gpt_spec_describe(const tdm_model_spec *s, char *buf, size_t len);
+/* The GPT's activation bytes for `batch` windows: what its reserve
+ * allocates, counted without allocating (tdm_model_spec_footprint). */
+size_t tdm_gpt_act_bytes(const tdm_model *m, int batch);
 /* Adds the GPT's tensors and layers and sets m->vt and m->ext. */
 tdm_status tdm_gpt_build(tdm_model *m);
 

@@ -107,7 +107,7 @@ tdm_status tdm_plan_single(const tdm_plan_opts *o, tdm_plan *out)
     TDM_REQUIRE(o->optim.offload == TDM_OPTIM_OFFLOAD_NONE || o->device != TDM_DEVICE_HOST,
                 TDM_STATUS_INVALID_ARG, "plan: optimizer offload is for accelerators");
     tdm_model *m = NULL;
-    tdm_act_layout *lay = NULL;
+    tdm_act_layout *lay = NULL, *scr = NULL;
     tdm_status st = TDM_STATUS_OK;
     TDM_TRY(tdm_model_skeleton(&m, &o->spec, o->device, o->threads));
     m->conv_chunk = o->conv_chunk;
@@ -133,21 +133,22 @@ tdm_status tdm_plan_single(const tdm_plan_opts *o, tdm_plan *out)
         out->optim = state;
 
     lay = malloc(sizeof *lay);
-    if (!lay) {
+    scr = malloc(sizeof *scr);
+    if (!lay || !scr) {
         st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "plan: cannot allocate a layout");
         goto fail;
     }
     if (m->vt) {
-        m->vt->layout(m, o->batch, lay);
+        m->vt->layout(m, o->batch, lay, scr);
     } else {
         for (int i = 0; i < m->n_layers; i++)
             if (m->layers[i].kind == TDM_LAYER_CONV)
                 m->layers[i].chunk = tdm_model_conv_chunk(m, &m->layers[i], o->batch);
-        tdm_model_chain_layout(m, o->batch, lay);
+        tdm_model_chain_layout(m, o->batch, lay, scr);
     }
-    if (lay->n > TDM_ACT_MAX_BUFS) {
-        st = tdm_error_set(TDM_STATUS_INTERNAL, "plan: %d activation buffers (at most %d)",
-                           lay->n, TDM_ACT_MAX_BUFS);
+    if (lay->n > TDM_ACT_MAX_BUFS || scr->n > TDM_ACT_MAX_BUFS) {
+        st = tdm_error_set(TDM_STATUS_INTERNAL, "plan: %d + %d activation buffers (at most %d)",
+                           lay->n, scr->n, TDM_ACT_MAX_BUFS);
         goto fail;
     }
     out->n_layers = m->n_layers < TDM_PLAN_MAX_LAYERS ? m->n_layers : TDM_PLAN_MAX_LAYERS;
@@ -156,12 +157,13 @@ tdm_status tdm_plan_single(const tdm_plan_opts *o, tdm_plan *out)
         if (b->arena_off >= 0) continue;
         size_t nb = tdm_plan_round(b->nbytes);
         if (b->layer < 0) {
-            out->act_scratch += nb;
+            out->act_scratch += nb;   /* the set's rounded input */
         } else {
             out->activations += nb;
             if (b->layer < out->n_layers) out->layer_bytes[b->layer] += nb;
         }
     }
+    for (int i = 0; i < scr->n; i++) out->act_scratch += tdm_plan_round(scr->b[i].nbytes);
     out->arena = lay->arena_bytes ? tdm_plan_round(lay->arena_bytes) : 0;
     out->activations += out->arena;
 
@@ -180,6 +182,7 @@ tdm_status tdm_plan_single(const tdm_plan_opts *o, tdm_plan *out)
                 out->activations + out->act_scratch + out->step_scratch;
 fail:
     free(lay);
+    free(scr);
     tdm_model_free(m);
     return st;
 }

@@ -33,44 +33,49 @@ void tdm_act_add(tdm_act_layout *lay, void **ptr, size_t nbytes, int layer, int 
     }
 }
 
-void tdm_act_free(tdm_model *m)
+void tdm_act_free(tdm_model *m, tdm_act_layout **keep, void **arena)
 {
-    tdm_act_layout *lay = m->act;
-    if (!lay) return;
-    for (int i = 0; i < lay->n && i < TDM_ACT_MAX_BUFS; i++) {
-        tdm_act_buf *b = &lay->b[i];
-        if (!b->ptr) continue;
-        if (b->arena_off < 0) tdm_dev_free(m->dev, *b->ptr);
-        *b->ptr = NULL;
+    tdm_act_layout *lay = *keep;
+    if (lay) {
+        for (int i = 0; i < lay->n && i < TDM_ACT_MAX_BUFS; i++) {
+            tdm_act_buf *b = &lay->b[i];
+            if (b->arena_off < 0) tdm_dev_free(m->dev, *b->ptr);
+            *b->ptr = NULL;
+        }
+        free(lay);
+        *keep = NULL;
     }
-    tdm_dev_free(m->dev, m->arena);
-    m->arena = NULL;
-    free(lay);
-    m->act = NULL;
+    if (arena) {
+        tdm_dev_free(m->dev, *arena);
+        *arena = NULL;
+    }
 }
 
-tdm_status tdm_act_alloc(tdm_model *m, const tdm_act_layout *lay)
+tdm_status tdm_act_alloc(tdm_model *m, const tdm_act_layout *lay, tdm_act_layout **keep,
+                         void **arena, size_t *bytes)
 {
+    *bytes = 0;
     TDM_REQUIRE(lay->n <= TDM_ACT_MAX_BUFS, TDM_STATUS_INTERNAL,
                 "model: %d activation buffers (at most %d)", lay->n, TDM_ACT_MAX_BUFS);
-    tdm_act_free(m);
-    m->act = malloc(sizeof *m->act);
-    TDM_REQUIRE(m->act, TDM_STATUS_OUT_OF_MEMORY, "model: cannot allocate its activation table");
-    m->act->n = 0;
-    m->act->arena_bytes = lay->arena_bytes;
+    TDM_REQUIRE(!lay->arena_bytes || arena, TDM_STATUS_INTERNAL, "model: an arena with no place");
+    tdm_act_free(m, keep, arena);
+    *keep = malloc(sizeof **keep);
+    TDM_REQUIRE(*keep, TDM_STATUS_OUT_OF_MEMORY, "model: cannot allocate its activation table");
+    (*keep)->n = 0;
+    (*keep)->arena_bytes = lay->arena_bytes;
     if (lay->arena_bytes) {
-        TDM_CHECK(tdm_dev_alloc(m->dev, lay->arena_bytes, &m->arena));
-        m->act_bytes += lay->arena_bytes;
+        TDM_CHECK(tdm_dev_alloc(m->dev, lay->arena_bytes, arena));
+        *bytes += lay->arena_bytes;
     }
     for (int i = 0; i < lay->n; i++) {
         const tdm_act_buf *b = &lay->b[i];
         if (b->arena_off >= 0) {
-            *b->ptr = (char *)m->arena + b->arena_off;
+            *b->ptr = (char *)*arena + b->arena_off;
         } else {
             TDM_CHECK(tdm_dev_alloc(m->dev, b->nbytes, b->ptr));
-            m->act_bytes += b->nbytes;
+            *bytes += b->nbytes;
         }
-        m->act->b[m->act->n++] = *b;   /* recorded once allocated: freed through it */
+        (*keep)->b[(*keep)->n++] = *b;   /* recorded once allocated: freed through it */
     }
     return TDM_STATUS_OK;
 }
@@ -107,11 +112,13 @@ static int tdm_chain_in_arena(const tdm_model *m, const tdm_layer *l)
     return m->lev.ckpt > 0 && l->unit >= 0 && !l->seg_last;
 }
 
-void tdm_model_chain_layout(tdm_model *m, int batch, tdm_act_layout *lay)
+void tdm_model_chain_layout(tdm_model *m, int batch, tdm_act_layout *set,
+                            tdm_act_layout *scratch)
 {
     size_t es = tdm_dtype_size(m->lev.adt), off = 0, col_max = 0, B = (size_t)batch;
     int low = tdm_model_low(m), last = m->n_layers - 1;
-    memset(lay, 0, sizeof *lay);
+    memset(set, 0, sizeof *set);
+    memset(scratch, 0, sizeof *scratch);
     int seg = -1;
     for (int i = 0; i < m->n_layers; i++) {
         tdm_layer *l = &m->layers[i];
@@ -122,32 +129,33 @@ void tdm_model_chain_layout(tdm_model *m, int batch, tdm_act_layout *lay)
             off = 0;
         }
         if (!low || i == last)
-            tdm_act_add(lay, (void **)&l->out, out * sizeof(float), i,
+            tdm_act_add(set, (void **)&l->out, out * sizeof(float), i,
                         i != last && tdm_chain_in_arena(m, l), &off);
         else   /* l->out is a ping-pong buffer of the forward (f32s) */
-            tdm_act_add(lay, &l->out16, out * es, i, tdm_chain_in_arena(m, l), &off);
+            tdm_act_add(set, &l->out16, out * es, i, tdm_chain_in_arena(m, l), &off);
         if (l->kind == TDM_LAYER_CONV) {
             size_t nb = (size_t)l->c * l->k * l->k * (size_t)l->chunk * l->oh * l->ow * sizeof(float);
             if (nb > col_max) col_max = nb;
         } else if (l->kind == TDM_LAYER_MAXPOOL) {
             /* the pooling's winners are recomputed with its segment */
-            tdm_act_add(lay, (void **)&l->argmax, out * sizeof(int32_t), i,
+            tdm_act_add(set, (void **)&l->argmax, out * sizeof(int32_t), i,
                         m->lev.ckpt > 0 && l->unit >= 0, &off);
         }
     }
+    if (low) tdm_act_add(set, &m->x16, B * (size_t)m->layers[0].in_elems * es, -1, 0, &off);
     size_t nmax = B * (size_t)m->max_elems;
-    tdm_act_add(lay, (void **)&m->dbuf[0], nmax * sizeof(float), -1, 0, &off);
-    tdm_act_add(lay, (void **)&m->dbuf[1], nmax * sizeof(float), -1, 0, &off);
-    if (col_max) tdm_act_add(lay, (void **)&m->col, col_max, -1, 0, &off);
-    tdm_act_add(lay, (void **)&m->ones, B * sizeof(float), -1, 0, &off);
-    tdm_act_add(lay, (void **)&m->dlogits, B * (size_t)tdm_model_n_classes(m) * sizeof(float), -1,
-                0, &off);
+    tdm_act_add(scratch, (void **)&m->dbuf[0], nmax * sizeof(float), -1, 0, &off);
+    tdm_act_add(scratch, (void **)&m->dbuf[1], nmax * sizeof(float), -1, 0, &off);
+    if (col_max) tdm_act_add(scratch, (void **)&m->col, col_max, -1, 0, &off);
+    tdm_act_add(scratch, (void **)&m->ones, B * sizeof(float), -1, 0, &off);
+    if (m->stage.hi == m->stage.n)   /* the loss gradient: only where the logits are */
+        tdm_act_add(scratch, (void **)&m->dlogits,
+                    B * (size_t)tdm_model_n_classes(m) * sizeof(float), -1, 0, &off);
     if (!low) return;
-    tdm_act_add(lay, (void **)&m->f32s[0], nmax * sizeof(float), -1, 0, &off);
-    tdm_act_add(lay, (void **)&m->f32s[1], nmax * sizeof(float), -1, 0, &off);
-    tdm_act_add(lay, &m->x16, B * (size_t)m->layers[0].in_elems * es, -1, 0, &off);
-    tdm_act_add(lay, &m->d16, nmax * es, -1, 0, &off);
-    if (col_max) tdm_act_add(lay, &m->col16, col_max / sizeof(float) * es, -1, 0, &off);
+    tdm_act_add(scratch, (void **)&m->f32s[0], nmax * sizeof(float), -1, 0, &off);
+    tdm_act_add(scratch, (void **)&m->f32s[1], nmax * sizeof(float), -1, 0, &off);
+    tdm_act_add(scratch, &m->d16, nmax * es, -1, 0, &off);
+    if (col_max) tdm_act_add(scratch, &m->col16, col_max / sizeof(float) * es, -1, 0, &off);
 }
 
 /* ---- the public settings ---- */

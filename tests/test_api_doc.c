@@ -13,7 +13,7 @@
 
 #include "tests/test_util.h"
 
-static char out[1 << 17];
+static char out[1 << 20];   /* the pages together are over 128 KiB */
 
 static int sh(const char *cmd)
 {
