@@ -144,7 +144,11 @@ static tdm_status tdm_gpt_ln_group(tdm_model *m, const char *prefix, int C)
 
 static void tdm_gpt_free_set(tdm_model *m, tdm_gpt_act *a)
 {
+    tdm_gpt *g = m->ext;
     tdm_act_free(m, &a->act, &a->arena);   /* every buffer its layout allocated */
+    for (int l = 0; a->blk && l < g->nb; l++) memset(&a->blk[l], 0, sizeof a->blk[l]);
+    a->res0 = a->lnf = a->lnf_mean = a->lnf_rstd = a->logits = NULL;
+    a->lnfh = NULL;
     a->cap = 0;
     a->bytes = 0;
 }
@@ -153,6 +157,10 @@ static void tdm_gpt_free_scratch(tdm_model *m)
 {
     tdm_gpt *g = m->ext;
     tdm_act_free(m, &g->act_scratch, NULL);
+    float **all[] = {&g->qkv, &g->yh, &g->dres, &g->dln, &g->dfc, &g->datt, &g->dq, &g->dk,
+                     &g->dv, &g->ones, &g->wide, &m->dlogits};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) *all[i] = NULL;
+    g->low = NULL;
     free(g->tok_host);
     g->tok_host = NULL;
     g->scratch_cap = 0;

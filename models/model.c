@@ -398,9 +398,12 @@ void tdm_model_free_set(tdm_model *m)
         tdm_dev_free(d, l->var);
         tdm_dev_free(d, l->invstd);
         l->out = l->mean = l->var = l->invstd = NULL;   /* 16-bit precisions: pointed at f32s */
+        l->argmax = NULL;
+        l->out16 = NULL;
         l->in = NULL;
         l->in16 = NULL;
     }
+    m->x16 = NULL;
     m->act_bytes -= m->set_bytes;
     m->set_bytes = 0;
     m->cap = 0;
@@ -413,6 +416,9 @@ void tdm_model_free_scratch(tdm_model *m)
     (void)d;
     for (int i = 0; i < m->n_layers; i++) m->layers[i].chunk = 0;
     tdm_act_free(m, &m->act_scratch, NULL);   /* dbuf, col, ones, dlogits, the 16-bit ones */
+    m->dbuf[0] = m->dbuf[1] = m->col = m->ones = m->dlogits = NULL;
+    m->f32s[0] = m->f32s[1] = NULL;
+    m->d16 = m->col16 = NULL;
     m->scratch_cap = 0;
     m->act_bytes = m->set_bytes;
     m->input_grad = NULL;

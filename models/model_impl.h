@@ -269,7 +269,9 @@ tdm_status tdm_model_round(tdm_model *m, float *x, void *dst, int64_t n);
  * sums without allocating. */
 #define TDM_ACT_MAX_BUFS 1024
 typedef struct tdm_act_buf {
-    void **ptr;             /* where the allocation goes */
+    void **ptr;             /* where the allocation goes (only written when allocating:
+                               a GPT set's fields move when the set table grows) */
+    void *got;              /* what was allocated (own allocations; tdm_act_free frees it) */
     size_t nbytes;
     int layer;              /* the layer it belongs to, -1: the model's scratch */
     int64_t arena_off;      /* >= 0: carved from the arena at this byte offset, no allocation */
@@ -295,8 +297,8 @@ void tdm_model_chain_layout(tdm_model *m, int batch, tdm_act_layout *set,
  * failure what was allocated stays for tdm_act_free. */
 tdm_status tdm_act_alloc(tdm_model *m, const tdm_act_layout *lay, tdm_act_layout **keep,
                          void **arena, size_t *bytes);
-/* Frees what tdm_act_alloc allocated into *keep and *arena (NULL ok) and
- * clears every pointer it set. */
+/* Frees what tdm_act_alloc allocated into *keep and *arena (NULL ok).
+ * The pointers it set are the caller's to clear. */
 void tdm_act_free(tdm_model *m, tdm_act_layout **keep, void **arena);
 /* Sets unit and seg_last of every layer of the chain (MLP, CNN) from
  * lev.ckpt. */

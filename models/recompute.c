@@ -37,11 +37,8 @@ void tdm_act_free(tdm_model *m, tdm_act_layout **keep, void **arena)
 {
     tdm_act_layout *lay = *keep;
     if (lay) {
-        for (int i = 0; i < lay->n && i < TDM_ACT_MAX_BUFS; i++) {
-            tdm_act_buf *b = &lay->b[i];
-            if (b->arena_off < 0) tdm_dev_free(m->dev, *b->ptr);
-            *b->ptr = NULL;
-        }
+        for (int i = 0; i < lay->n && i < TDM_ACT_MAX_BUFS; i++)
+            if (lay->b[i].arena_off < 0) tdm_dev_free(m->dev, lay->b[i].got);
         free(lay);
         *keep = NULL;
     }
@@ -68,14 +65,16 @@ tdm_status tdm_act_alloc(tdm_model *m, const tdm_act_layout *lay, tdm_act_layout
         *bytes += lay->arena_bytes;
     }
     for (int i = 0; i < lay->n; i++) {
-        const tdm_act_buf *b = &lay->b[i];
-        if (b->arena_off >= 0) {
-            *b->ptr = (char *)*arena + b->arena_off;
+        tdm_act_buf b = lay->b[i];
+        if (b.arena_off >= 0) {
+            *b.ptr = (char *)*arena + b.arena_off;
+            b.got = NULL;
         } else {
-            TDM_CHECK(tdm_dev_alloc(m->dev, b->nbytes, b->ptr));
-            *bytes += b->nbytes;
+            TDM_CHECK(tdm_dev_alloc(m->dev, b.nbytes, &b.got));
+            *b.ptr = b.got;
+            *bytes += b.nbytes;
         }
-        (*keep)->b[(*keep)->n++] = *b;   /* recorded once allocated: freed through it */
+        (*keep)->b[(*keep)->n++] = b;   /* recorded once allocated: freed through it */
     }
     return TDM_STATUS_OK;
 }
