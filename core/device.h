@@ -187,7 +187,9 @@ tdm_status tdm_dev_gemm_rm_strided_batched(tdm_device *d, tdm_trans ta, tdm_tran
  * three. float32 runs tdm_dev_gemm's very call (the same bits). On a host
  * device bfloat16 is oneDNN's matmul (brgemm on AVX512-BF16/AMX CPUs, one
  * OpenMP thread per device unless opened with more, primitives cached by
- * shape); float16 is widened to float32 in the backend's scratch (counted
+ * shape; without libdnnl or a bfloat16 kernel for the CPU the device
+ * warns once and widens as for float16); float16 is widened to float32
+ * in the backend's scratch (counted
  * in the device's memory) and run by OpenBLAS: a product of two halfs is
  * exact in float32, so this sums what a half gemm with float32
  * accumulation sums (oneDNN 2.6 has no half matmul without AVX512-FP16).

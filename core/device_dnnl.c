@@ -100,9 +100,8 @@ static void tdm_dnnl_load(void)
     void *h = dlopen(file, RTLD_NOW | RTLD_LOCAL);
     if (!h) {
         snprintf(tdm_dnnl_error, sizeof tdm_dnnl_error,
-                 "cannot load oneDNN (%s): %s; bfloat16 products on host devices need it "
-                 "(apt-get install libdnnl2, or TANDEM_DNNL_LIB=/path/libdnnl.so.2)", file,
-                 dlerror());
+                 "cannot load oneDNN (%s): %s (its bfloat16 kernels: apt-get install "
+                 "libdnnl2, or TANDEM_DNNL_LIB=/path/libdnnl.so.2)", file, dlerror());
         return;
     }
 #define TDM_DNNL_SYM(f)                                                                  \
@@ -135,7 +134,11 @@ static const char *tdm_dnnl_status_name(dnnl_status_t s)
 
 static tdm_status tdm_dnnl_fail(const char *dev, const char *what, dnnl_status_t s)
 {
-    return tdm_error_set(s == dnnl_out_of_memory ? TDM_STATUS_OUT_OF_MEMORY : TDM_STATUS_SYSTEM,
+    /* no kernel for this CPU or shape: UNSUPPORTED, which the host
+     * backend answers by widening to float32 */
+    return tdm_error_set(s == dnnl_out_of_memory ? TDM_STATUS_OUT_OF_MEMORY
+                         : s == dnnl_unimplemented ? TDM_STATUS_UNSUPPORTED
+                                                   : TDM_STATUS_SYSTEM,
                          "%s: oneDNN %s: %s (dnnl_status %d)", dev, what,
                          tdm_dnnl_status_name(s), (int)s);
 }

@@ -58,7 +58,8 @@ static tdm_status host_sync(tdm_device *d)
  * operands, in memory counted as the device's. */
 typedef struct tdm_host_impl {
     tdm_dnnl *dnnl;
-    float *wide;            /* float16 operands widened; wide_elems floats */
+    int bf16_widen;         /* oneDNN could not run a bfloat16 product: widen them too */
+    float *wide;            /* 16-bit operands widened; wide_elems floats */
     int64_t wide_elems;
 } tdm_host_impl;
 
@@ -615,6 +616,19 @@ TDM_HOST_CONV static void host_widen_f16(float *dst, const uint16_t *src, int64_
     for (int64_t i = 0; i < n; i++) dst[i] = tdm_k_f16_to_f32(src[i]);
 }
 
+TDM_HOST_CONV static void host_to_bf16(uint16_t *dst, const float *src, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++) dst[i] = tdm_k_f32_to_bf16(src[i]);
+}
+TDM_HOST_CONV static void host_to_f16(uint16_t *dst, const float *src, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++) dst[i] = tdm_k_f32_to_f16(src[i]);
+}
+TDM_HOST_CONV static void host_from_bf16(float *dst, const uint16_t *src, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++) dst[i] = tdm_k_bf16_to_f32(src[i]);
+}
+
 static tdm_status host_gemm_strided_batched_ex(tdm_device *d, tdm_trans ta, tdm_trans tb, int m,
                                                int n, int k, float alpha, const void *a, int lda,
                                                long long stride_a, const void *b, int ldb,
@@ -626,13 +640,23 @@ static tdm_status host_gemm_strided_batched_ex(tdm_device *d, tdm_trans ta, tdm_
     if (k == 0)
         return host_gemm_strided_batched(d, ta, tb, m, n, k, alpha, a, lda, stride_a, b, ldb,
                                          stride_b, beta, c, ldc, stride_c, batch);
-    if (in == TDM_DTYPE_BFLOAT16)
-        return tdm_dnnl_gemm_bf16(&h->dnnl, d->name, d->threads, ta, tb, m, n, k, alpha, a, lda,
-                                  stride_a, b, ldb, stride_b, beta, c, ldc, stride_c, batch);
-    /* float16: no half matmul on CPUs without AVX512-FP16. Both operands
-     * widened (exactly) to float32, then OpenBLAS: every product of two
-     * halfs is exact in float32, so C gets the float32 sums of exact
-     * products that a half gemm with float32 accumulation computes. */
+    if (in == TDM_DTYPE_BFLOAT16 && !h->bf16_widen) {
+        tdm_status st = tdm_dnnl_gemm_bf16(&h->dnnl, d->name, d->threads, ta, tb, m, n, k, alpha,
+                                           a, lda, stride_a, b, ldb, stride_b, beta, c, ldc,
+                                           stride_c, batch);
+        if (st != TDM_STATUS_UNSUPPORTED) return st;
+        /* no libdnnl, or no bfloat16 kernel for this CPU (AVX-512 is
+         * needed): every later product of this device widens, so its
+         * results do not depend on which shapes oneDNN would take */
+        TDM_WARN(DEVICE, "%s; bfloat16 products widen to float32 from now on (the same sums, "
+                 "no speed-up)", tdm_error_message());
+        h->bf16_widen = 1;
+    }
+    /* float16 (and bfloat16 without oneDNN): no half matmul on CPUs
+     * without AVX512-FP16. Both operands widened (exactly) to float32,
+     * then OpenBLAS: every product of two halfs (or two bfloat16s) is
+     * exact in float32, so C gets the float32 sums of exact products
+     * that a 16-bit gemm with float32 accumulation computes. */
     int64_t na = host_span(ta == TDM_TRANS_N ? m : k, ta == TDM_TRANS_N ? k : m, lda, stride_a,
                            batch);
     int64_t nb = host_span(tb == TDM_TRANS_N ? k : n, tb == TDM_TRANS_N ? n : k, ldb, stride_b,
@@ -646,8 +670,13 @@ static tdm_status host_gemm_strided_batched_ex(tdm_device *d, tdm_trans ta, tdm_
         h->wide_elems = na + nb;
     }
     float *wa = h->wide, *wb = h->wide + na;
-    host_widen_f16(wa, a, na);
-    host_widen_f16(wb, b, nb);
+    if (in == TDM_DTYPE_BFLOAT16) {
+        host_from_bf16(wa, a, na);
+        host_from_bf16(wb, b, nb);
+    } else {
+        host_widen_f16(wa, a, na);
+        host_widen_f16(wb, b, nb);
+    }
     return host_gemm_strided_batched(d, ta, tb, m, n, k, alpha, wa, lda, stride_a, wb, ldb,
                                      stride_b, beta, c, ldc, stride_c, batch);
 }
@@ -658,19 +687,6 @@ static tdm_status host_gemm_ex(tdm_device *d, tdm_trans ta, tdm_trans tb, int m,
 {
     return host_gemm_strided_batched_ex(d, ta, tb, m, n, k, alpha, a, lda, 0, b, ldb, 0, beta, c,
                                         ldc, 0, 1, in);
-}
-
-TDM_HOST_CONV static void host_to_bf16(uint16_t *dst, const float *src, int64_t n)
-{
-    for (int64_t i = 0; i < n; i++) dst[i] = tdm_k_f32_to_bf16(src[i]);
-}
-TDM_HOST_CONV static void host_to_f16(uint16_t *dst, const float *src, int64_t n)
-{
-    for (int64_t i = 0; i < n; i++) dst[i] = tdm_k_f32_to_f16(src[i]);
-}
-TDM_HOST_CONV static void host_from_bf16(float *dst, const uint16_t *src, int64_t n)
-{
-    for (int64_t i = 0; i < n; i++) dst[i] = tdm_k_bf16_to_f32(src[i]);
 }
 
 static tdm_status host_convert(tdm_device *d, void *dst, tdm_dtype dst_type, const void *src,

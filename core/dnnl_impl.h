@@ -18,7 +18,9 @@ void tdm_dnnl_free(tdm_dnnl *x);   /* NULL ok */
  * arguments (strides in elements), on `threads` OpenMP threads of the
  * calling thread (set before every call: the count is per thread, and a
  * DataParallel worker must not start a team of every core). *x is made
- * on the first call. dev names the device in messages. */
+ * on the first call. dev names the device in messages. UNSUPPORTED when
+ * oneDNN cannot be loaded or has no kernel for this CPU and shape (its
+ * bfloat16 matmul needs AVX-512). */
 tdm_status tdm_dnnl_gemm_bf16(tdm_dnnl **x, const char *dev, int threads, tdm_trans ta,
                               tdm_trans tb, int m, int n, int k, float alpha, const void *a,
                               int lda, long long stride_a, const void *b, int ldb,

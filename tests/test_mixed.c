@@ -9,7 +9,9 @@
  * argument checks; loss-scale unscaling with its non-finite flag; the
  * chunked squared norm; and that a host device's bfloat16 gemm runs on
  * its own thread (no OpenMP team) when two threads drive two devices,
- * and libdnnl is loaded by the first bfloat16 product, not before. */
+ * and libdnnl is loaded by the first bfloat16 product, not before;
+ * without oneDNN (or a bfloat16 kernel for the CPU) bfloat16 products
+ * widen to float32 and stay within the same bound. */
 #include <criterion/criterion.h>
 #include <dirent.h>
 #include <pthread.h>
@@ -417,5 +419,19 @@ Test(mixed, onednn_is_loaded_at_the_first_bf16_product)
     TU_OK(tdm_dev_gemm_ex(d, TDM_TRANS_N, TDM_TRANS_N, 2, 2, 2, 1, a, 2, b, 2, 0, c, 2,
                           TDM_DTYPE_BFLOAT16));
     cr_assert(maps_have("libdnnl"));
+    tdm_device_free(d);
+}
+
+Test(mixed, bf16_without_onednn_widens)
+{
+    setenv("TANDEM_DNNL_LIB", "/nonexistent/libdnnl.so.2", 1);
+    setenv("TANDEM_DEBUG", "", 1);
+    tdm_device *d = tu_host();
+    for (int ta = 0; ta < 2; ta++) {
+        double e = gemm_ex_case(d, TDM_DTYPE_BFLOAT16, (tdm_trans)ta, TDM_TRANS_N, 17, 33, 65, 0.5f,
+                                1.0f, 1, 2, NULL, 77);
+        cr_assert(e <= 1.0, "ta%d: error %.3g of the bound", ta, e);
+    }
+    cr_assert(!maps_have("libdnnl"));
     tdm_device_free(d);
 }
