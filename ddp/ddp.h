@@ -33,8 +33,8 @@
  * rounding, not bitwise; its algorithms reduce each element once and pass
  * the result on, so the ranks still receive the same values.
  *
- * Uses only core/comm.h: it does not create communicators (ddp/pg.h does)
- * and knows nothing of processes (ddp/spawn.h, tools/launch.c). */
+ * Uses only core/comm.h: it does not create communicators (dist/pg.h does)
+ * and knows nothing of processes (dist/spawn.h, tools/launch.c). */
 #ifndef TDM_DDP_DDP_H
 #define TDM_DDP_DDP_H
 

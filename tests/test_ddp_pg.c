@@ -10,8 +10,8 @@
 #include <signal.h>
 #include <sys/mman.h>
 
-#include "ddp/pg.h"
-#include "ddp/spawn.h"
+#include "dist/pg.h"
+#include "dist/spawn.h"
 #include "shm/shm_comm.h"
 #include "tests/cli_util.h"
 

@@ -6,7 +6,7 @@
 
 #include <stdlib.h>
 
-#include "ddp/sampler.h"
+#include "dist/sampler.h"
 #include "models/train.h"
 
 /* The reference, written the way PyTorch's __iter__ reads. */

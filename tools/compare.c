@@ -23,7 +23,7 @@
 #include "core/safefile.h"
 #include "ddp/ddp.h"
 #include "ddp/hooks.h"
-#include "ddp/spawn.h"
+#include "dist/spawn.h"
 #include "models/train.h"
 #include "tools/args.h"
 #include "tools/compare.h"

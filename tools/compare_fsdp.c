@@ -15,7 +15,7 @@
 #include <sys/mman.h>
 
 #include "core/device.h"
-#include "ddp/spawn.h"
+#include "dist/spawn.h"
 #include "fsdp/fsdp.h"
 #include "models/optim.h"
 #include "tools/compare.h"

@@ -13,7 +13,7 @@
 
 #include "core/device.h"
 #include "ddp/ddp.h"
-#include "ddp/spawn.h"
+#include "dist/spawn.h"
 #include "dp/dp.h"
 #include "models/optim.h"
 #include "models/train.h"

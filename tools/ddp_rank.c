@@ -5,7 +5,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 
-#include "ddp/pg.h"
+#include "dist/pg.h"
 #include "shm/shm_comm.h"
 #include "tools/devices.h"
 #include "cuda/cuda_weak.h"

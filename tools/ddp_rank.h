@@ -2,8 +2,8 @@
  * (train --mode ddp, its GPT path, compare's DDP runs): its device, its
  * gradient communicator (NCCL on a GPU, bootstrapped over the shm process
  * group; the shm group itself elsewhere), its Reducer, and the shm arena
- * a job needs. The process group itself comes from ddp/pg.h (a launched
- * rank) or ddp/spawn.h (forked ranks). */
+ * a job needs. The process group itself comes from dist/pg.h (a launched
+ * rank) or dist/spawn.h (forked ranks). */
 #ifndef TDM_TOOLS_DDP_RANK_H
 #define TDM_TOOLS_DDP_RANK_H
 

@@ -9,7 +9,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "ddp/spawn.h"
+#include "dist/spawn.h"
 
 /* Exported to every rank: how many restarts came before this attempt
  * (0 on the first), as TORCHELASTIC_RESTART_COUNT; and the checkpoint

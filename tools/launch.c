@@ -25,7 +25,7 @@
 
 #include "core/safefile.h"
 #include "core/timer.h"
-#include "ddp/pg.h"
+#include "dist/pg.h"
 #include "shm/shm_comm.h"
 #include "shm/spawn.h"
 #include "tools/args.h"

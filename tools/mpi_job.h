@@ -8,7 +8,7 @@
 
 #include "core/comm.h"
 #include "core/status.h"
-#include "ddp/pg.h"
+#include "dist/pg.h"
 #include "mpi/job.h"
 #include "shm/shm_comm.h"
 

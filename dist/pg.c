@@ -1,5 +1,5 @@
-/* ddp/pg.c: launcher environment, process-group timeout and set-up. */
-#include "ddp/pg.h"
+/* dist/pg.c: launcher environment, process-group timeout and set-up. */
+#include "dist/pg.h"
 
 #include <errno.h>
 #include <math.h>

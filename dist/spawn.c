@@ -1,12 +1,12 @@
-/* ddp/spawn.c: forked ranks with the launcher's environment. */
-#include "ddp/spawn.h"
+/* dist/spawn.c: forked ranks with the launcher's environment. */
+#include "dist/spawn.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "core/log.h"
-#include "ddp/pg.h"
+#include "dist/pg.h"
 
 typedef struct tdm_ddp_spawn_ctx {
     tdm_ddp_spawn_fn fn;

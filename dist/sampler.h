@@ -1,4 +1,4 @@
-/* ddp/sampler.h: DistributedSampler with torch.utils.data's semantics.
+/* dist/sampler.h: DistributedSampler with torch.utils.data's semantics.
  * Every rank draws the same permutation from (seed, epoch) (the one
  * tdm_train_epoch_order gives, so a single-device run visits the same
  * order), then:

@@ -1,4 +1,4 @@
-/* ddp/spawn.h: run a function in N forked ranks joined by a shm
+/* dist/spawn.h: run a function in N forked ranks joined by a shm
  * communicator (torch.multiprocessing.spawn for C): tests and
  * `tandem train --mode ddp`. Each rank gets RANK, LOCAL_RANK, WORLD_SIZE
  * and LOCAL_WORLD_SIZE in its environment and log lines tagged with its

@@ -1,8 +1,8 @@
-/* ddp/sampler.c: DistributedSampler (see ddp/sampler.h). Mirrors
+/* dist/sampler.c: DistributedSampler (see dist/sampler.h). Mirrors
  * torch.utils.data.distributed.DistributedSampler.__iter__: permute (or
  * not), pad by repeating from the start (or truncate), take every
  * world-th index from rank. */
-#include "ddp/sampler.h"
+#include "dist/sampler.h"
 
 #include <stdlib.h>
 

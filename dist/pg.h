@@ -1,4 +1,4 @@
-/* ddp/pg.h: the process group of a DDP program: the launcher's
+/* dist/pg.h: the process group of a DDP program: the launcher's
  * environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, as torchrun
  * sets them), the group's timeout, and joining the shared-memory
  * communicator the launcher created. Not a rendezvous over the network:
