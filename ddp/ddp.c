@@ -358,12 +358,6 @@ tdm_status tdm_ddp_forward(tdm_ddp *d, const void *x, const int32_t *y, int batc
     return TDM_STATUS_OK;
 }
 
-void tdm_ddp_share(int64_t n, int rank, int world, int64_t *lo, int64_t *hi)
-{
-    *lo = n * rank / world;
-    *hi = n * (rank + 1) / world;
-}
-
 tdm_status tdm_ddp_forward_global(tdm_ddp *d, const void *x, const int32_t *y, int batch,
                                   double *loss_sum)
 {
@@ -378,7 +372,7 @@ tdm_status tdm_ddp_forward_global_scaled(tdm_ddp *d, const void *x, const int32_
                 "ddp forward: bad global batch %d or NULL input", batch);
     if (batch == 0) return tdm_ddp_forward_scaled(d, NULL, NULL, 0, 0.0f, loss_sum);
     int64_t lo, hi;
-    tdm_ddp_share(batch, d->rank, d->world, &lo, &hi);
+    tdm_dist_share(batch, d->rank, d->world, &lo, &hi);
     /* 4-byte inputs of either dtype; out_rows targets per sample */
     const char *xs = (const char *)x + lo * tdm_model_in_features(d->m) * (int64_t)sizeof(float);
     const int32_t *ys = y + lo * tdm_model_out_rows(d->m);
@@ -529,7 +523,7 @@ tdm_status tdm_ddp_evaluate(tdm_ddp *d, const tdm_dataset *test, int batch, doub
         if (st) return tdm_error_prefix(st, "ddp evaluate: broadcast of buffers from rank 0");
     }
     int64_t lo, hi;
-    tdm_ddp_share(test->n, d->rank, d->world, &lo, &hi);
+    tdm_dist_share(test->n, d->rank, d->world, &lo, &hi);
     double sums[3] = {0.0, 0.0, (double)(hi - lo)}; /* loss sum, correct, samples */
     if (hi > lo) {
         tdm_dataset part = *test;

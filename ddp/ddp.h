@@ -46,6 +46,7 @@
 #include "core/status.h"
 #include "core/timer.h"
 #include "ddp/hooks.h"
+#include "dist/batch.h"
 #include "models/checkpoint.h"
 #include "models/model.h"
 #include "models/optim.h"
@@ -151,14 +152,14 @@ const char *tdm_ddp_comm_hook_name(const tdm_ddp *d);
 /* 1 when the gradients live in communicator memory (zero-copy). */
 int tdm_ddp_zero_copy(const tdm_ddp *d);
 /* The communicator memory (tdm_comm_alloc; the shm arena of
- * tdm_ddp_spawn_opts and tandem launch --arena-mb) that zero-copy
+ * tdm_dist_spawn_opts and tandem launch --arena-mb) that zero-copy
  * gradients of a model of param_elems elements take. */
 size_t tdm_ddp_arena_bytes(int64_t param_elems);
 
 tdm_status tdm_ddp_zero_grad(tdm_ddp *d);
 
 /* Evaluation spread over the ranks (collective): each rank evaluates its
- * share of the rows of test (tdm_ddp_share) in eval mode, with rank 0's buffers
+ * share of the rows of test (tdm_dist_share) in eval mode, with rank 0's buffers
  * (broadcast first, so that batchnorm's running statistics are the same
  * on every rank), and the loss and correct counts are all-reduced: every
  * rank gets the whole set's mean loss and accuracy, in about 1/W of the
@@ -186,7 +187,7 @@ tdm_status tdm_ddp_forward_scaled(tdm_ddp *d, const void *x, const int32_t *y, i
 /* The forward of a rank that holds the whole global batch: x holds its
  * `batch` samples (host, the model's input dtype), y their batch *
  * out_rows targets; this rank runs its share, samples [lo, hi) of
- * tdm_ddp_share(batch, rank, world), with the loss gradient scaled by
+ * tdm_dist_share(batch, rank, world), with the loss gradient scaled by
  * 1/batch (tdm_ddp_forward_scaled), so that the SUM all-reduce gives the
  * global batch's mean-loss gradient exactly, uneven shares included. A
  * rank whose share is empty (batch < world) still takes part. *loss_sum
@@ -198,14 +199,6 @@ tdm_status tdm_ddp_forward_global(tdm_ddp *d, const void *x, const int32_t *y, i
  * passes 1/(the effective batch) for each of its micro-batches. */
 tdm_status tdm_ddp_forward_global_scaled(tdm_ddp *d, const void *x, const int32_t *y, int batch,
                                          float grad_scale, double *loss_sum);
-/* Rank `rank`'s share of n items split over `world` ranks: [*lo, *hi)
- * with lo = rank * n / world and hi = (rank + 1) * n / world, contiguous,
- * in rank order, sizes differing by at most one (empty for some ranks
- * when n < world). The one split of a global batch (the rows
- * tdm_ddp_forward_global takes; a rank that draws only its own rows, as
- * a GPT's rank draws its windows, asks for them here) and of the test set
- * in tdm_ddp_evaluate. */
-void tdm_ddp_share(int64_t n, int rank, int world, int64_t *lo, int64_t *hi);
 /* Backward of the last forward (refused when there is none, or when
  * tdm_ddp_evaluate ran since); in sync mode, all-reduces the gradients
  * (bucket by bucket, overlapped) and returns once all are reduced. On a

@@ -9,7 +9,7 @@
 #include "core/log.h"
 #include "shm/shm_comm.h"
 
-static tdm_status tdm_ddp_env_int(const char *name, int lo, int hi, int dflt, int *out)
+static tdm_status tdm_dist_env_int(const char *name, int lo, int hi, int dflt, int *out)
 {
     const char *v = getenv(name);
     if (!v || !*v) {
@@ -27,7 +27,7 @@ static tdm_status tdm_ddp_env_int(const char *name, int lo, int hi, int dflt, in
     return TDM_STATUS_OK;
 }
 
-void tdm_ddp_env_export(int rank, int world)
+void tdm_dist_env_export(int rank, int world)
 {
     char buf[16];
     snprintf(buf, sizeof buf, "%d", rank);
@@ -38,58 +38,58 @@ void tdm_ddp_env_export(int rank, int world)
     setenv("LOCAL_WORLD_SIZE", buf, 1);
 }
 
-tdm_status tdm_ddp_env_from_environ(tdm_ddp_env *env)
+tdm_status tdm_dist_env_from_environ(tdm_dist_env *env)
 {
-    tdm_ddp_env e = {0};
-    TDM_CHECK(tdm_ddp_env_int("WORLD_SIZE", 1, 1 << 20, -1, &e.world_size));
-    TDM_CHECK(tdm_ddp_env_int("RANK", 0, e.world_size - 1, -1, &e.rank));
-    TDM_CHECK(tdm_ddp_env_int("LOCAL_WORLD_SIZE", 1, e.world_size, e.world_size,
+    tdm_dist_env e = {0};
+    TDM_CHECK(tdm_dist_env_int("WORLD_SIZE", 1, 1 << 20, -1, &e.world_size));
+    TDM_CHECK(tdm_dist_env_int("RANK", 0, e.world_size - 1, -1, &e.rank));
+    TDM_CHECK(tdm_dist_env_int("LOCAL_WORLD_SIZE", 1, e.world_size, e.world_size,
                               &e.local_world_size));
-    TDM_CHECK(tdm_ddp_env_int("LOCAL_RANK", 0, e.local_world_size - 1, e.rank, &e.local_rank));
+    TDM_CHECK(tdm_dist_env_int("LOCAL_RANK", 0, e.local_world_size - 1, e.rank, &e.local_rank));
     *env = e;
     return TDM_STATUS_OK;
 }
 
-tdm_status tdm_ddp_timeout_parse(const char *what, const char *text, int64_t *ms)
+tdm_status tdm_dist_timeout_parse(const char *what, const char *text, int64_t *ms)
 {
     char *end = NULL;
     errno = 0;
     double s = text && *text ? strtod(text, &end) : NAN;
     /* isfinite also refuses "nan" and "inf", which strtod accepts */
     TDM_REQUIRE(end && !*end && !errno && isfinite(s) && s >= 0.001 &&
-                    s <= TDM_DDP_TIMEOUT_MAX_S,
+                    s <= TDM_DIST_TIMEOUT_MAX_S,
                 TDM_STATUS_INVALID_ARG,
                 "%s%s'%s': expected a number of seconds from 0.001 to %d (one week), e.g. 600",
-                what, what[0] == '-' ? " " : "=", text ? text : "", TDM_DDP_TIMEOUT_MAX_S);
+                what, what[0] == '-' ? " " : "=", text ? text : "", TDM_DIST_TIMEOUT_MAX_S);
     *ms = (int64_t)llround(s * 1000.0);
     return TDM_STATUS_OK;
 }
 
-tdm_status tdm_ddp_timeout_from_env(int64_t *ms)
+tdm_status tdm_dist_timeout_from_env(int64_t *ms)
 {
-    const char *v = getenv(TDM_DDP_ENV_TIMEOUT);
+    const char *v = getenv(TDM_DIST_ENV_TIMEOUT);
     *ms = 0;
     if (!v || !*v) return TDM_STATUS_OK;
-    return tdm_ddp_timeout_parse(TDM_DDP_ENV_TIMEOUT, v, ms);
+    return tdm_dist_timeout_parse(TDM_DIST_ENV_TIMEOUT, v, ms);
 }
 
-tdm_status tdm_ddp_pg_init(tdm_comm **out, tdm_ddp_env *env, const tdm_ddp_pg_opts *opts)
+tdm_status tdm_dist_pg_init(tdm_comm **out, tdm_dist_env *env, const tdm_dist_pg_opts *opts)
 {
-    tdm_ddp_env e;
+    tdm_dist_env e;
     tdm_shm_opts so = {.timeout_ms = opts ? opts->timeout_ms : 0};
-    TDM_CHECK(tdm_ddp_env_from_environ(&e));
+    TDM_CHECK(tdm_dist_env_from_environ(&e));
     if (so.timeout_ms < 0)
         return tdm_error_set(TDM_STATUS_INVALID_ARG, "process group: timeout %lld ms is negative",
                              (long long)so.timeout_ms);
-    if (so.timeout_ms == 0) TDM_CHECK(tdm_ddp_timeout_from_env(&so.timeout_ms));
-    if (so.timeout_ms == 0) so.timeout_ms = TDM_DDP_TIMEOUT_DEFAULT_MS;
+    if (so.timeout_ms == 0) TDM_CHECK(tdm_dist_timeout_from_env(&so.timeout_ms));
+    if (so.timeout_ms == 0) so.timeout_ms = TDM_DIST_TIMEOUT_DEFAULT_MS;
     tdm_log_set_rank(e.rank);
     TDM_CHECK(tdm_shm_comm_init_from_env(out, &so));
     if (env) *env = e;
     return TDM_STATUS_OK;
 }
 
-tdm_status tdm_ddp_pg_init_from_env(tdm_comm **out, tdm_ddp_env *env)
+tdm_status tdm_dist_pg_init_from_env(tdm_comm **out, tdm_dist_env *env)
 {
-    return tdm_ddp_pg_init(out, env, NULL);
+    return tdm_dist_pg_init(out, env, NULL);
 }

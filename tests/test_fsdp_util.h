@@ -269,8 +269,8 @@ static inline tdm_status tf_spawn(int world, const tf_cfg *cfg, const tdm_datase
                                   tf_shared *sh, int64_t timeout_ms)
 {
     tf_run run = {.cfg = cfg, .data = data, .sh = sh};
-    tdm_ddp_spawn_opts o = {.timeout_ms = timeout_ms, .comm_timeout_ms = 20000};
-    return tdm_ddp_spawn(world, tf_rank_main, &run, &o, NULL);
+    tdm_dist_spawn_opts o = {.timeout_ms = timeout_ms, .comm_timeout_ms = 20000};
+    return tdm_dist_spawn(world, tf_rank_main, &run, &o, NULL);
 }
 
 /* One device: losses, gradient after step 0, final parameters. */

@@ -324,7 +324,7 @@ static tdm_status tdm_cmp_mpi_join(tdm_cmp_job *j)
  * and a GPU rank uses its machine's GPU of its rank there. */
 static tdm_status tdm_cmp_check_mpi_devices(tdm_cmp_opts *o)
 {
-    const tdm_ddp_env *e = &tdm_cmp_mr.env;
+    const tdm_dist_env *e = &tdm_cmp_mr.env;
     if (o->n_dev != e->world_size)
         return tdm_tool_usage_error("tandem compare: --device %s names %d devices, but the MPI "
                                     "job has %d ranks (DDP's; omit --device for cpu:%d)\n",

@@ -106,7 +106,7 @@ void tdm_cmp_dev_spec(const tdm_cmp_opts *o, int n, char *buf, size_t len);
 /* The global batches: rows of the dataset for step s are
  * order[s * batch .. +batch); for a gpt (text set), windows 0..batch-1 of
  * tdm_text_windows(text, T, seed, s). A DDP rank draws only its share
- * (tdm_ddp_share) of either. */
+ * (tdm_dist_share) of either. */
 typedef struct tdm_cmp_data {
     tdm_dataset train;
     int64_t *order;

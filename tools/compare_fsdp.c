@@ -260,7 +260,7 @@ tdm_status tdm_cmp_run_fsdp(const tdm_cmp_opts *o, const tdm_cmp_data *data,
     *sh = lay;
     tdm_cmp_fsdp_arg arg = {.o = o, .data = data, .mode = mode, .sh = sh,
                             .t_start = tdm_time_ns()};
-    tdm_ddp_spawn_opts so = {.timeout_ms = 3600000};
+    tdm_dist_spawn_opts so = {.timeout_ms = 3600000};
     tdm_status st;
     fflush(stdout);
     if (o->ddp_comm) {
@@ -280,7 +280,7 @@ tdm_status tdm_cmp_run_fsdp(const tdm_cmp_opts *o, const tdm_cmp_data *data,
             r->ok = 1;   /* rank 0 reports */
             goto done;
         }
-    } else if ((st = tdm_ddp_spawn(world, tdm_cmp_fsdp_rank, &arg, &so, NULL)) != TDM_STATUS_OK) {
+    } else if ((st = tdm_dist_spawn(world, tdm_cmp_fsdp_rank, &arg, &so, NULL)) != TDM_STATUS_OK) {
         fprintf(stderr, "tandem compare: %s: %s\n", name, tdm_error_message());
         goto done;
     }

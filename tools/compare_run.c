@@ -335,7 +335,7 @@ static int tdm_cmp_ddp_rank(tdm_comm *comm, void *argp)
     tdm_comm *nccl = NULL;   /* GPUs: the gradient communicator, bootstrapped over comm */
     int64_t feat = tdm_cmp_feat(a->data);
     int64_t lo, hi;
-    tdm_ddp_share(o->batch, rank, world, &lo, &hi);
+    tdm_dist_share(o->batch, rank, world, &lo, &hi);
     int b = (int)(hi - lo);
     float *x = malloc((size_t)(b > 0 ? b : 1) * feat * sizeof(float));
     int32_t *y = malloc((size_t)(b > 0 ? b : 1) * tdm_cmp_targets(a->data) * sizeof(int32_t));
@@ -495,7 +495,7 @@ static tdm_status tdm_cmp_run_ddp(const tdm_cmp_opts *o, const tdm_cmp_data *dat
     }
     *sh = lay;
     tdm_cmp_ddp_arg arg = {.o = o, .data = data, .sh = sh, .t_start = tdm_time_ns()};
-    tdm_ddp_spawn_opts so = {.timeout_ms = 3600000,
+    tdm_dist_spawn_opts so = {.timeout_ms = 3600000,
                              .arena_bytes = tdm_tool_ddp_arena_bytes(&o->dl, pe)};
     fflush(stdout);
     if (o->ddp_comm) {
@@ -513,7 +513,7 @@ static tdm_status tdm_cmp_run_ddp(const tdm_cmp_opts *o, const tdm_cmp_data *dat
             r->ok = 1;   /* rank 0 reports */
             goto fail;   /* st is OK: the cleanup only */
         }
-    } else if ((st = tdm_ddp_spawn(world, tdm_cmp_ddp_rank, &arg, &so, NULL)) != TDM_STATUS_OK) {
+    } else if ((st = tdm_dist_spawn(world, tdm_cmp_ddp_rank, &arg, &so, NULL)) != TDM_STATUS_OK) {
         tdm_cmp_fail("DDP", st);
         goto fail;
     }
@@ -662,9 +662,9 @@ static tdm_status tdm_cmp_run_isolated(const tdm_cmp_opts *o, const tdm_cmp_data
         perror("tandem compare: mmap");
         return TDM_STATUS_OUT_OF_MEMORY;
     }
-    tdm_ddp_spawn_opts so = {.timeout_ms = 3600000};
+    tdm_dist_spawn_opts so = {.timeout_ms = 3600000};
     fflush(stdout);
-    if ((st = tdm_ddp_spawn(1, tdm_cmp_iso_child, &a, &so, NULL)) != TDM_STATUS_OK) {
+    if ((st = tdm_dist_spawn(1, tdm_cmp_iso_child, &a, &so, NULL)) != TDM_STATUS_OK) {
         tdm_cmp_fail(tdm_cmp_mode_name(mode), st);
         goto fail;
     }

@@ -28,7 +28,7 @@ tdm_status tdm_tool_rank_nccl(tdm_comm *shm, tdm_device *dev, tdm_comm **nccl)
     /* the process group's timeout (TANDEM_TIMEOUT, which tandem launch and
      * train --timeout set) bounds NCCL's waits too, unless the NCCL-only
      * TANDEM_NCCL_TIMEOUT_MS says otherwise */
-    if (!getenv("TANDEM_NCCL_TIMEOUT_MS")) TDM_CHECK(tdm_ddp_timeout_from_env(&no.timeout_ms));
+    if (!getenv("TANDEM_NCCL_TIMEOUT_MS")) TDM_CHECK(tdm_dist_timeout_from_env(&no.timeout_ms));
     return tdm_comm_init_nccl_opts(nccl, shm, tdm_dev_index(dev), &no);
 }
 

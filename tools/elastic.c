@@ -64,20 +64,20 @@ int tdm_elastic_describe(const char *ckpt, char *out, size_t n)
     return 1;
 }
 
-tdm_status tdm_elastic_train_forked(const char *mode, int world, tdm_ddp_spawn_fn fn, void *arg,
-                                    const tdm_ddp_spawn_opts *so, long long max_restarts,
+tdm_status tdm_elastic_train_forked(const char *mode, int world, tdm_dist_spawn_fn fn, void *arg,
+                                    const tdm_dist_spawn_opts *so, long long max_restarts,
                                     const char *save, const char **resume)
 {
     for (int attempt = 0;; attempt++) {
         tdm_elastic_set_attempt(attempt);
         tdm_doctor_job frj;   /* the ranks' flight-recorder dumps */
         tdm_doctor_job_begin(&frj, "tandem train", NULL);
-        tdm_ddp_spawn_opts o = *so;
+        tdm_dist_spawn_opts o = *so;
         o.on_settled = tdm_doctor_job_settled;
         o.settled_ctx = &frj;
         tdm_shm_spawn_result res;
         memset(&res, 0, sizeof res);   /* a spawn that failed early fills nothing */
-        tdm_status st = tdm_ddp_spawn(world, fn, arg, &o, &res);
+        tdm_status st = tdm_dist_spawn(world, fn, arg, &o, &res);
         if (st == TDM_STATUS_OK) {
             tdm_doctor_job_end(&frj, 0, world, NULL, NULL, NULL, NULL);
             return st;

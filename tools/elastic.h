@@ -36,15 +36,15 @@ int tdm_elastic_describe(const char *ckpt, char *out, size_t n);
 
 /* The forked ranks of `tandem train --mode ddp|fsdp` (images and gpt;
  * mode names the summary line "tandem train: MODE: ..."), with
- * restarts: runs world ranks of fn(comm, arg) (tdm_ddp_spawn with so)
+ * restarts: runs world ranks of fn(comm, arg) (tdm_dist_spawn with so)
  * with their flight-recorder dumps (tools/doctor.h: the verdict as soon
  * as the ranks that can report have, and the summary), and after a
  * rank's failure (PEER_FAILED: not a signal to this process) starts every
  * rank again, at most max_restarts times, from save once it exists (*resume,
  * which the ranks read through arg, is set to it), else from *resume.
  * Returns the last attempt's status, its message set. */
-tdm_status tdm_elastic_train_forked(const char *mode, int world, tdm_ddp_spawn_fn fn, void *arg,
-                                    const tdm_ddp_spawn_opts *so, long long max_restarts,
+tdm_status tdm_elastic_train_forked(const char *mode, int world, tdm_dist_spawn_fn fn, void *arg,
+                                    const tdm_dist_spawn_opts *so, long long max_restarts,
                                     const char *save, const char **resume);
 
 /* Test hook of tandem train's DDP ranks: TANDEM_DDP_TEST_KILL=R:S makes

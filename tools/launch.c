@@ -1,7 +1,7 @@
 /* tools/launch.c: `tandem launch -n N [--log-dir DIR] -- PROGRAM ARGS...`,
  * a torchrun-like launcher for DDP programs on one machine. It creates the
  * shared-memory group, exports what the ranks need to join it
- * (TANDEM_SHM_FD; each rank calls tdm_ddp_pg_init_from_env), sets RANK,
+ * (TANDEM_SHM_FD; each rank calls tdm_dist_pg_init_from_env), sets RANK,
  * LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, execs N copies of PROGRAM,
  * prefixes every output line with "[rank N] " (or writes DIR/rank_N.log),
  * forwards SIGINT/SIGTERM/SIGHUP, and when a rank fails tells the group
@@ -46,7 +46,7 @@ static void tdm_launch_usage(FILE *f)
         "\n"
         "Runs N copies of PROGRAM as the ranks of one DDP job on this machine.\n"
         "Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE and\n"
-        "TANDEM_SHM_FD (join with tdm_ddp_pg_init_from_env).\n"
+        "TANDEM_SHM_FD (join with tdm_dist_pg_init_from_env).\n"
         "\n"
         "  -n, --nproc N        number of ranks (1..%d)\n"
         "  --log-dir DIR        write each rank's output to DIR/rank_N.log (DIR must\n"
@@ -187,15 +187,15 @@ typedef struct tdm_launch_job {
 } tdm_launch_job;
 
 /* --timeout, else TANDEM_TIMEOUT: the ranks read it from TANDEM_TIMEOUT
- * (tdm_ddp_pg_init), so a bad value is refused here, once, rather than by
+ * (tdm_dist_pg_init), so a bad value is refused here, once, rather than by
  * every rank. */
 static tdm_status tdm_launch_check_timeout(const tdm_launch_opts *o)
 {
     int64_t timeout_ms = 0;
-    if (o->timeout ? tdm_ddp_timeout_parse("--timeout", o->timeout, &timeout_ms)
-                   : tdm_ddp_timeout_from_env(&timeout_ms))
+    if (o->timeout ? tdm_dist_timeout_parse("--timeout", o->timeout, &timeout_ms)
+                   : tdm_dist_timeout_from_env(&timeout_ms))
         return tdm_tool_usage_error("tandem launch: %s\n", tdm_error_message());
-    if (o->timeout) setenv(TDM_DDP_ENV_TIMEOUT, o->timeout, 1);
+    if (o->timeout) setenv(TDM_DIST_ENV_TIMEOUT, o->timeout, 1);
     return TDM_STATUS_OK;
 }
 
@@ -251,7 +251,7 @@ static int tdm_launch_start_rank(tdm_launch_job *j, int r, pid_t self)
         sigaction(SIGHUP, &dfl, NULL);
         prctl(PR_SET_PDEATHSIG, SIGKILL);   /* never outlive the launcher */
         if (getppid() != self) _exit(125);
-        tdm_ddp_env_export(r, j->W);
+        tdm_dist_env_export(r, j->W);
         if (log_dir) {
             dup2(j->logfd[r], STDOUT_FILENO);
             dup2(j->logfd[r], STDERR_FILENO);

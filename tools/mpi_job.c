@@ -79,7 +79,7 @@ tdm_status tdm_tool_mpi_rank_init(tdm_tool_mpi_rank *r, tdm_mpi_backend b, int64
     r->backend = b == TDM_MPI_BACKEND_AUTO ? tdm_mpi_job_auto(r->job) : b;
     TDM_TRY(tdm_mpi_job_comm(r->job, r->backend, &so, &r->comm));
     r->world = tdm_mpi_job_world(r->job);
-    r->env = (tdm_ddp_env){.rank = t->rank, .world_size = t->size, .local_rank = t->local_rank,
+    r->env = (tdm_dist_env){.rank = t->rank, .world_size = t->size, .local_rank = t->local_rank,
                            .local_world_size = t->local_size};
     snprintf(r->desc, sizeof r->desc, "%s, %d rank%s on %d %smachine%s%s",
              tdm_tool_backend_name(r->backend), t->size, t->size == 1 ? "" : "s", t->n_machines,

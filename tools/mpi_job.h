@@ -37,7 +37,7 @@ typedef struct tdm_tool_mpi_rank {
     tdm_comm *comm;             /* the backend's communicator over every rank */
     tdm_comm *world;            /* the job's own (control: its waits sleep); borrowed */
     tdm_mpi_backend backend;    /* the one picked (never AUTO) */
-    tdm_ddp_env env;            /* rank, world, and the rank on its machine */
+    tdm_dist_env env;            /* rank, world, and the rank on its machine */
     char desc[128];             /* "mpi, 4 ranks on 2 machines (pretend, TCP on lo)" */
 } tdm_tool_mpi_rank;
 

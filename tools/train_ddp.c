@@ -1,5 +1,5 @@
 /* tools/train_ddp.c: `tandem train --mode ddp --device cpu:N`: forks N
- * ranks (tdm_ddp_spawn), each training its own replica through ddp/ on
+ * ranks (tdm_dist_spawn), each training its own replica through ddp/ on
  * its contiguous share of every global batch (the same global batches as
  * --mode single: tdm_train_epoch_order). Every rank evaluates its share
  * of the test set (tdm_ddp_evaluate); rank 0 prints progress, results and
@@ -14,7 +14,7 @@
  *
  * Under `tandem launch -n N -- tandem train --mode ddp ...` (TANDEM_SHM_FD
  * and WORLD_SIZE set) it does not fork: this process is one rank of the
- * launched job and joins it with tdm_ddp_pg_init. Under an MPI launcher
+ * launched job and joins it with tdm_dist_pg_init. Under an MPI launcher
  * (mpirun, srun; tools/mpi_job.h) likewise, over the communicator of
  * --backend (shm, mpi or hier); a GPU rank's NCCL communicator then gets
  * its unique id over that one, that is over MPI between machines.
@@ -27,7 +27,7 @@
  *
  * Batch split: every rank gathers the global batch of B and
  * tdm_ddp_forward_global runs its share, samples [r*B/N, (r+1)*B/N)
- * (tdm_ddp_share), with the loss gradient scaled by 1/B (not 1/B_r);
+ * (tdm_dist_share), with the loss gradient scaled by 1/B (not 1/B_r);
  * gradients are SUM-reduced, so the reduced gradient is exactly the
  * global batch's mean-loss gradient even when N does not divide B. */
 #include <fcntl.h>
@@ -91,7 +91,7 @@ static tdm_status tdm_train_ddp_fail(int rank, const char *what, tdm_status st)
 static tdm_status tdm_train_ddp_nonfinite(tdm_train_ddp_rank *r, double ls, int batch)
 {
     int64_t lo, hi;
-    tdm_ddp_share(batch, r->rank, r->world, &lo, &hi);
+    tdm_dist_share(batch, r->rank, r->world, &lo, &hi);
     char where[96];
     snprintf(where, sizeof where, "rank %d's %d sample%s of the batch of %d", r->rank,
              (int)(hi - lo), hi - lo == 1 ? "" : "s", batch);
@@ -331,10 +331,10 @@ static tdm_status tdm_train_ddp_launched(tdm_train_ddp_ctx *c, int mpi, tdm_mpi_
 {
     const tdm_train_args *a = c->a;
     tdm_comm *comm = NULL;
-    tdm_ddp_env env;
+    tdm_dist_env env;
     tdm_tool_mpi_rank mr = {0};
     tdm_dataset train = {0}, test = {0};
-    tdm_ddp_pg_opts po = {.timeout_ms = c->timeout_ms};
+    tdm_dist_pg_opts po = {.timeout_ms = c->timeout_ms};
     tdm_status st;
     if (mpi) {
         if ((st = tdm_tool_mpi_rank_init(&mr, backend, c->timeout_ms, NULL))) {
@@ -343,7 +343,7 @@ static tdm_status tdm_train_ddp_launched(tdm_train_ddp_ctx *c, int mpi, tdm_mpi_
         }
         comm = mr.comm;
         env = mr.env;
-    } else if ((st = tdm_ddp_pg_init(&comm, &env, &po))) {
+    } else if ((st = tdm_dist_pg_init(&comm, &env, &po))) {
         fprintf(stderr, "tandem train: joining the launched job: %s\n", tdm_error_message());
         return st;
     }
@@ -385,7 +385,7 @@ static tdm_status tdm_train_ddp_forked(tdm_train_ddp_ctx *c)
     int64_t param_elems = 0;
     tdm_status st;
     TDM_CHECK(tdm_train_load_and_probe(a, &c->spec, &train, &test, &param_elems));
-    tdm_ddp_spawn_opts so = {.timeout_ms = INT64_MAX / 2000000, .comm_timeout_ms = c->timeout_ms,
+    tdm_dist_spawn_opts so = {.timeout_ms = INT64_MAX / 2000000, .comm_timeout_ms = c->timeout_ms,
                              .arena_bytes = tdm_tool_ddp_arena_bytes(&c->dl, param_elems)};
     c->train = &train;
     c->test = &test;
@@ -413,10 +413,10 @@ tdm_status tdm_train_run_ddp(const tdm_train_args *a)
      * The flag is also exported as TANDEM_TIMEOUT, so that the ranks'
      * NCCL communicators (tools/ddp_rank.c) get it too. */
     int64_t timeout_ms = 0;
-    if (a->timeout ? tdm_ddp_timeout_parse("--timeout", a->timeout, &timeout_ms)
-                   : tdm_ddp_timeout_from_env(&timeout_ms))
+    if (a->timeout ? tdm_dist_timeout_parse("--timeout", a->timeout, &timeout_ms)
+                   : tdm_dist_timeout_from_env(&timeout_ms))
         return tdm_tool_usage_error("tandem train: %s\n", tdm_error_message());
-    if (a->timeout) setenv(TDM_DDP_ENV_TIMEOUT, a->timeout, 1);
+    if (a->timeout) setenv(TDM_DIST_ENV_TIMEOUT, a->timeout, 1);
     int launched = getenv("TANDEM_SHM_FD") && getenv("WORLD_SIZE");
     int mpi = !launched && tdm_tool_mpi_launched();
     tdm_mpi_backend backend = TDM_MPI_BACKEND_AUTO;
@@ -431,7 +431,7 @@ tdm_status tdm_train_run_ddp(const tdm_train_args *a)
                                     "job: start them with `mpirun -np N tandem train --mode ddp "
                                     "--backend %s ...` (or srun)\n", a->backend, a->backend);
     }
-    c.timeout_ms = timeout_ms ? timeout_ms : launched || mpi ? TDM_DDP_TIMEOUT_DEFAULT_MS : 60000;
+    c.timeout_ms = timeout_ms ? timeout_ms : launched || mpi ? TDM_DIST_TIMEOUT_DEFAULT_MS : 60000;
     if ((st = tdm_tool_parse_devices(&c.dl, a->device, !launched && !mpi))) {
         fprintf(stderr, "tandem train: --device: %s\n", tdm_error_message());
         return st == TDM_STATUS_NO_DEVICE ? st : tdm_tool_usage(st);

@@ -1,5 +1,5 @@
 /* tools/train_fsdp.c: `tandem train --mode fsdp --device cpu:N|cuda[:I,J..]
- * --sharding full|grad_op|optimizer`: forks N ranks (tdm_ddp_spawn, as
+ * --sharding full|grad_op|optimizer`: forks N ranks (tdm_dist_spawn, as
  * --mode ddp does), each training through fsdp/ on its contiguous share
  * of every global batch (the same global batches as --mode single), with
  * only its shards of the parameters, gradients and optimizer state
@@ -79,7 +79,7 @@ static tdm_status tdm_train_fsdp_step(void *ctx, const void *x, const int32_t *y
     tdm_train_fsdp_rank *r = ctx;
     tdm_status st = TDM_STATUS_OK;
     int64_t lo64, hi64;
-    tdm_ddp_share(batch, r->rank, r->world, &lo64, &hi64);
+    tdm_dist_share(batch, r->rank, r->world, &lo64, &hi64);
     int lo = (int)lo64, hi = (int)hi64;
     double ls = 0.0;
     if (++r->steps == r->kill_step) tdm_elastic_test_fault_fire(r->rank, r->kill_sig, r->steps);
@@ -132,7 +132,7 @@ static tdm_status tdm_train_fsdp_micro(void *ctx, const void *x, const int32_t *
     tdm_train_fsdp_rank *r = ctx;
     tdm_status st = TDM_STATUS_OK;
     int64_t lo64, hi64;
-    tdm_ddp_share(batch, r->rank, r->world, &lo64, &hi64);
+    tdm_dist_share(batch, r->rank, r->world, &lo64, &hi64);
     int lo = (int)lo64, hi = (int)hi64;
     TDM_TRY(tdm_fsdp_forward_scaled(r->f, (const float *)x + (int64_t)lo * r->feat, y + lo,
                                     hi - lo, grad_scale, loss_sum));
@@ -408,10 +408,10 @@ static tdm_status tdm_train_fsdp_launched(tdm_train_fsdp_ctx *c)
 {
     const tdm_train_args *a = c->a;
     tdm_comm *comm = NULL;
-    tdm_ddp_env env;
+    tdm_dist_env env;
     tdm_dataset train = {0}, test = {0};
-    tdm_ddp_pg_opts po = {.timeout_ms = c->timeout_ms};
-    tdm_status st = tdm_ddp_pg_init(&comm, &env, &po);
+    tdm_dist_pg_opts po = {.timeout_ms = c->timeout_ms};
+    tdm_status st = tdm_dist_pg_init(&comm, &env, &po);
     if (st) {
         fprintf(stderr, "tandem train: joining the launched job: %s\n", tdm_error_message());
         return st;
@@ -447,7 +447,7 @@ static tdm_status tdm_train_fsdp_forked(tdm_train_fsdp_ctx *c)
     TDM_CHECK(tdm_train_load_and_probe(c->a, &c->spec, &train, &test, NULL));
     c->train = &train;
     c->test = &test;
-    tdm_ddp_spawn_opts so = {.timeout_ms = INT64_MAX / 2000000, .comm_timeout_ms = c->timeout_ms};
+    tdm_dist_spawn_opts so = {.timeout_ms = INT64_MAX / 2000000, .comm_timeout_ms = c->timeout_ms};
     fflush(stdout);
     /* the ranks' flight-recorder dumps and the doctor's verdict, and
      * --max-restarts, as DDP's; a restart resumes from the checkpoint the
@@ -467,11 +467,11 @@ static tdm_status tdm_train_fsdp_forked(tdm_train_fsdp_ctx *c)
 tdm_status tdm_train_pg_timeout(const tdm_train_args *a, int launched, int64_t *timeout_ms)
 {
     int64_t t = 0;
-    if (a->timeout ? tdm_ddp_timeout_parse("--timeout", a->timeout, &t)
-                   : tdm_ddp_timeout_from_env(&t))
+    if (a->timeout ? tdm_dist_timeout_parse("--timeout", a->timeout, &t)
+                   : tdm_dist_timeout_from_env(&t))
         return tdm_tool_usage_error("tandem train: %s\n", tdm_error_message());
-    if (a->timeout) setenv(TDM_DDP_ENV_TIMEOUT, a->timeout, 1);
-    *timeout_ms = t ? t : launched ? TDM_DDP_TIMEOUT_DEFAULT_MS : 60000;
+    if (a->timeout) setenv(TDM_DIST_ENV_TIMEOUT, a->timeout, 1);
+    *timeout_ms = t ? t : launched ? TDM_DIST_TIMEOUT_DEFAULT_MS : 60000;
     return TDM_STATUS_OK;
 }
 

@@ -8,7 +8,7 @@
  * the validation loss (nats and bits per byte, on the fixed evaluation
  * windows) is printed beside the bigram baseline's. The global batch is B
  * windows in every mode: DP scatters them over its devices, and DDP rank r
- * draws its share, windows [r*B/W, (r+1)*B/W) (tdm_ddp_share), itself (no
+ * draws its share, windows [r*B/W, (r+1)*B/W) (tdm_dist_share), itself (no
  * rank reads another's), with its loss gradient scaled by 1/B so the
  * summed gradients are the global batch's; evaluation is spread over the
  * ranks likewise. The epochs are tools/train_loop.c's, as for images;
@@ -249,7 +249,7 @@ static tdm_status tdm_text_eval_ddp(void *ctx, double *loss, double *acc)
     const tdm_text_job *j = p->j;
     (void)acc;
     int64_t K = j->eval_count, lo, hi;
-    tdm_ddp_share(K, p->rank, p->world, &lo, &hi);
+    tdm_dist_share(K, p->rank, p->world, &lo, &hi);
     double s = 0.0;
     tdm_status st =
         tdm_train_text_eval_sum(p->m, &j->corpus->val, K, lo, hi, TDM_TEXT_EVAL_BATCH, &s);
@@ -305,7 +305,7 @@ static tdm_status tdm_text_eval_fsdp(void *ctx, double *loss, double *acc)
     (void)acc;
     int T = j->spec.n_ctx, EB = TDM_TEXT_EVAL_BATCH;
     int64_t K = j->eval_count, lo, hi;
-    tdm_ddp_share(K, p->rank, p->world, &lo, &hi);
+    tdm_dist_share(K, p->rank, p->world, &lo, &hi);
     int64_t most = (K + p->world - 1) / p->world, nb = (most + EB - 1) / EB;
     size_t bytes = (size_t)EB * (size_t)T * sizeof(int32_t);
     int32_t *x = malloc(bytes), *y = malloc(bytes);
@@ -426,7 +426,7 @@ static tdm_status tdm_text_rank_run(tdm_text_proc *p, const tdm_train_args *a, t
                                     tdm_comm **nccl)
 {
     int64_t lo, hi;
-    tdm_ddp_share(a->batch, p->rank, p->world, &lo, &hi);
+    tdm_dist_share(a->batch, p->rank, p->world, &lo, &hi);
     p->lo = (int)lo;
     p->hi = (int)hi;
     if (p->hi <= p->lo)
@@ -532,7 +532,7 @@ static tdm_status tdm_text_launched(tdm_text_job *j, int mpi, tdm_mpi_backend ba
 {
     const tdm_train_args *a = j->a;
     tdm_comm *comm = NULL;
-    tdm_ddp_env env;
+    tdm_dist_env env;
     tdm_tool_mpi_rank mr = {0};
     tdm_status st;
     if (mpi) {
@@ -543,7 +543,7 @@ static tdm_status tdm_text_launched(tdm_text_job *j, int mpi, tdm_mpi_backend ba
         }
         comm = mr.comm;
         env = mr.env;
-    } else if ((st = tdm_ddp_pg_init_from_env(&comm, &env))) {
+    } else if ((st = tdm_dist_pg_init_from_env(&comm, &env))) {
         fprintf(stderr, "tandem train: joining the launched job: %s\n", tdm_error_message());
         return st;
     }
@@ -590,7 +590,7 @@ static tdm_status tdm_text_forked(tdm_text_job *j)
         return st;
     }
     /* FSDP's collectives do not use the zero-copy arena */
-    tdm_ddp_spawn_opts so = {.timeout_ms = INT64_MAX / 2000000,
+    tdm_dist_spawn_opts so = {.timeout_ms = INT64_MAX / 2000000,
                              .comm_timeout_ms = j->timeout_ms,
                              .arena_bytes = j->fsdp ? 0 : tdm_tool_ddp_arena_bytes(
                                  &j->dl, tdm_model_param_elems(probe))};

@@ -1,0 +1,80 @@
+/* dist/batch.h: a rank's part of a global batch, and that part on the
+ * rank's device: the one split every multi-process design uses (DDP's
+ * and the sharded modes' forwards, their evaluations, a GPT rank drawing
+ * its own windows), the staging of a batch into device memory, the loss
+ * gradient's buffer, and the sample of zeros that a rank without samples
+ * runs so as to take part in collectives issued from inside the model's
+ * forward (FSDP's gathers, a joined rank). Not a data loader: the rows
+ * come from the caller (core/data.h, core/text.h). */
+#ifndef TDM_DIST_BATCH_H
+#define TDM_DIST_BATCH_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "core/device.h"
+#include "core/status.h"
+#include "models/model.h"
+
+/* Rank `rank`'s share of n items split over `world` ranks: [*lo, *hi)
+ * with lo = rank * n / world and hi = (rank + 1) * n / world, contiguous,
+ * in rank order, sizes differing by at most one (empty for some ranks
+ * when n < world). The one split of a global batch (the rows a DDP or
+ * FSDP rank runs; a rank that draws only its own rows, as a GPT's rank
+ * draws its windows, asks for them here) and of a test set. */
+void tdm_dist_share(int64_t n, int rank, int world, int64_t *lo, int64_t *hi);
+
+/* This rank's rows of a global batch held on the host: x holds `batch`
+ * samples of in_elems 4-byte values each (floats or token ids), y their
+ * out_rows targets each; *xs, *ys point at the share's first sample and
+ * *n is its size (0 for a rank whose share is empty). */
+void tdm_dist_share_rows(const void *x, const int32_t *y, int batch, int rank, int world,
+                         int64_t in_elems, int64_t out_rows, const void **xs,
+                         const int32_t **ys, int *n);
+
+/* A rank's batch on its device. On a host device the caller's host
+ * pointers are used as they are; elsewhere the batch is copied into
+ * buffers that grow to the largest batch seen. The loss gradient buffer
+ * (dlogits) grows likewise. The stage owns every buffer it allocated;
+ * zero-initialise it, set dev, and free it with tdm_dist_stage_free. */
+typedef struct tdm_dist_stage {
+    tdm_device *dev;          /* borrowed: the model's */
+    void *x;                  /* device copies of the last staged batch */
+    int32_t *y;
+    int cap;                  /* samples x and y have room for */
+    float *dlogits;           /* the loss gradient of the last forward */
+    size_t dlogits_bytes;
+    void *dummy_x;            /* one sample of zeros (features, or token 0) */
+    int32_t *dummy_y;         /* its targets: zeros */
+} tdm_dist_stage;
+
+/* x, y (host; batch samples of m's input and targets) on the device:
+ * *xd, *yd. */
+tdm_status tdm_dist_stage_batch(tdm_dist_stage *s, const tdm_model *m, const void *x,
+                                const int32_t *y, int batch, const void **xd,
+                                const int32_t **yd);
+/* The sample of zeros on the device (made once): what a rank without
+ * samples runs, with a loss gradient scale of 0, so as to take part in
+ * the collectives its forward and backward issue. */
+tdm_status tdm_dist_stage_dummy(tdm_dist_stage *s, const tdm_model *m, const void **xd,
+                                const int32_t **yd);
+/* The loss gradient buffer, at least nbytes. */
+tdm_status tdm_dist_stage_dlogits(tdm_dist_stage *s, size_t nbytes);
+void tdm_dist_stage_free(tdm_dist_stage *s);
+
+/* A forward over B samples at xd (device) writing *logits: the model's
+ * own (NULL), or a design's wrapper around it (FSDP's, which gathers
+ * units through the model's hooks). */
+typedef tdm_status (*tdm_dist_forward_fn)(void *ctx, const void *xd, int B, const float **logits);
+
+/* The local forward and loss of a training step, as every design runs
+ * it: the B samples at xd, yd (already staged) through fwd (NULL: the
+ * model's forward), then the loss and its gradient, scaled by grad_scale,
+ * into s->dlogits. *loss_sum: the sum of the B per-sample losses;
+ * *t_forward_end: when the forward ended (tdm_time_ns), which splits the
+ * step's FORWARD and LOSS phases. */
+tdm_status tdm_dist_forward_loss(tdm_dist_stage *s, tdm_model *m, tdm_dist_forward_fn fwd,
+                                 void *fwd_ctx, const void *xd, const int32_t *yd, int B,
+                                 float grad_scale, double *loss_sum, uint64_t *t_forward_end);
+
+#endif
