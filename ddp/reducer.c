@@ -432,7 +432,7 @@ static tdm_status tdm_ddp_drain(tdm_ddp_reducer *r)
         tdm_status s = TDM_STATUS_OK;
         if (r->hook.launch) {
             /* the hook's wait, then the check tail's (launched after it) */
-            r->hb[i].timeout_ms = st ? 10000 : to;
+            r->hb[i].timeout_ms = st ? TDM_DIST_DRAIN_TIMEOUT_MS : to;
             s = r->hook.wait(r->hook.state, &r->hb[i]);
             if (s)
                 tdm_error_prefix(s, "comm hook '%s' (wait)", r->hook.name ? r->hook.name : "user");
@@ -445,7 +445,7 @@ static tdm_status tdm_ddp_drain(tdm_ddp_reducer *r)
             while (!st && !s && tdm_comm_work_test(bk->work, &done) == TDM_STATUS_OK && !done &&
                    tdm_time_ns() < spin_end)
                 sched_yield();
-            tdm_status s2 = tdm_comm_work_wait(bk->work, (st || s) ? 10000 : to);
+            tdm_status s2 = tdm_comm_work_wait(bk->work, (st || s) ? TDM_DIST_DRAIN_TIMEOUT_MS : to);
             if (!s) s = s2;
             /* freeing a still-running work is allowed: it completes in the
              * background (core/comm.h), and the communicator is aborted */
@@ -607,10 +607,10 @@ void tdm_ddp_reducer_free(tdm_ddp_reducer *r)
 {
     for (int i = 0; i < r->nb; i++) {
         if (r->hook.launch && r->b[i].launched) {
-            r->hb[i].timeout_ms = 10000;
+            r->hb[i].timeout_ms = TDM_DIST_DRAIN_TIMEOUT_MS;
             (void)r->hook.wait(r->hook.state, &r->hb[i]);
         }
-        if (r->b[i].work) (void)tdm_comm_work_wait(r->b[i].work, 10000);
+        if (r->b[i].work) (void)tdm_comm_work_wait(r->b[i].work, TDM_DIST_DRAIN_TIMEOUT_MS);
         tdm_comm_work_free(r->b[i].work);
     }
     if (r->own_hook && r->hook.free) r->hook.free(r->hook.state);

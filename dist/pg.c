@@ -1,8 +1,7 @@
-/* dist/pg.c: launcher environment, process-group timeout and set-up. */
+/* dist/pg.c: the launcher's environment and joining its process group. */
 #include "dist/pg.h"
 
 #include <errno.h>
-#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 
@@ -38,6 +37,8 @@ void tdm_dist_env_export(int rank, int world)
     setenv("LOCAL_WORLD_SIZE", buf, 1);
 }
 
+int tdm_dist_launched(void) { return getenv(TDM_SHM_ENV_FD) && getenv("WORLD_SIZE"); }
+
 tdm_status tdm_dist_env_from_environ(tdm_dist_env *env)
 {
     tdm_dist_env e = {0};
@@ -48,29 +49,6 @@ tdm_status tdm_dist_env_from_environ(tdm_dist_env *env)
     TDM_CHECK(tdm_dist_env_int("LOCAL_RANK", 0, e.local_world_size - 1, e.rank, &e.local_rank));
     *env = e;
     return TDM_STATUS_OK;
-}
-
-tdm_status tdm_dist_timeout_parse(const char *what, const char *text, int64_t *ms)
-{
-    char *end = NULL;
-    errno = 0;
-    double s = text && *text ? strtod(text, &end) : NAN;
-    /* isfinite also refuses "nan" and "inf", which strtod accepts */
-    TDM_REQUIRE(end && !*end && !errno && isfinite(s) && s >= 0.001 &&
-                    s <= TDM_DIST_TIMEOUT_MAX_S,
-                TDM_STATUS_INVALID_ARG,
-                "%s%s'%s': expected a number of seconds from 0.001 to %d (one week), e.g. 600",
-                what, what[0] == '-' ? " " : "=", text ? text : "", TDM_DIST_TIMEOUT_MAX_S);
-    *ms = (int64_t)llround(s * 1000.0);
-    return TDM_STATUS_OK;
-}
-
-tdm_status tdm_dist_timeout_from_env(int64_t *ms)
-{
-    const char *v = getenv(TDM_DIST_ENV_TIMEOUT);
-    *ms = 0;
-    if (!v || !*v) return TDM_STATUS_OK;
-    return tdm_dist_timeout_parse(TDM_DIST_ENV_TIMEOUT, v, ms);
 }
 
 tdm_status tdm_dist_pg_init(tdm_comm **out, tdm_dist_env *env, const tdm_dist_pg_opts *opts)

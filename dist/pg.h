@@ -1,8 +1,10 @@
-/* dist/pg.h: the process group of a DDP program: the launcher's
- * environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, as torchrun
- * sets them), the group's timeout, and joining the shared-memory
- * communicator the launcher created. Not a rendezvous over the network:
- * one machine only. */
+/* dist/pg.h: the process group of a multi-process program: the
+ * launcher's environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
+ * as torchrun sets them), whether this process is a rank of a job that
+ * `tandem launch` started, and joining the shared-memory communicator the
+ * launcher created, with the group's timeout (dist/timeout.h). Not a
+ * rendezvous over the network: one machine only (an MPI launcher's jobs
+ * are dist/run.h's). */
 #ifndef TDM_DIST_PG_H
 #define TDM_DIST_PG_H
 
@@ -10,6 +12,7 @@
 
 #include "core/comm.h"
 #include "core/status.h"
+#include "dist/timeout.h"
 
 typedef struct tdm_dist_env {
     int rank, local_rank, world_size, local_world_size;
@@ -19,30 +22,18 @@ typedef struct tdm_dist_env {
  * (what tandem launch and tdm_dist_spawn give every rank). */
 void tdm_dist_env_export(int rank, int world);
 
+/* 1 when this process is a rank of a job `tandem launch` started: the
+ * launcher's segment (TANDEM_SHM_FD) and WORLD_SIZE are in the
+ * environment. Reads the environment only. */
+int tdm_dist_launched(void);
+
 /* Reads the variables; LOCAL_RANK defaults to RANK and LOCAL_WORLD_SIZE to
  * WORLD_SIZE. Fails (INVALID_ARG, naming the variable) when RANK or
  * WORLD_SIZE is missing or not an integer in range. */
 tdm_status tdm_dist_env_from_environ(tdm_dist_env *env);
 
-/* The process group's timeout, as PyTorch's init_process_group(timeout=):
- * the deadline of every wait in its collectives; a rank that waits longer
- * for a peer fails naming it. In the environment it is TANDEM_TIMEOUT, in
- * seconds (`tandem launch --timeout` and `tandem train --timeout` set it
- * for their ranks); it applies where no timeout is given through the API.
- * Default: 300 s (the shm communicator's). */
-#define TDM_DIST_ENV_TIMEOUT "TANDEM_TIMEOUT"
-#define TDM_DIST_TIMEOUT_DEFAULT_MS 300000
-#define TDM_DIST_TIMEOUT_MAX_S 604800   /* one week */
-
-/* Parses a number of seconds ("600", "2.5") into ms. what names where the
- * text came from ("--timeout", "TANDEM_TIMEOUT") in the error: anything
- * but a number in [0.001, one week] is INVALID_ARG. */
-tdm_status tdm_dist_timeout_parse(const char *what, const char *text, int64_t *ms);
-/* TANDEM_TIMEOUT in ms; 0 when it is unset or empty. */
-tdm_status tdm_dist_timeout_from_env(int64_t *ms);
-
 typedef struct tdm_dist_pg_opts {
-    int64_t timeout_ms;   /* 0: TANDEM_TIMEOUT, else 300 s */
+    int64_t timeout_ms;   /* 0: TANDEM_TIMEOUT, else TDM_DIST_TIMEOUT_DEFAULT_MS */
 } tdm_dist_pg_opts;
 
 /* Reads the environment, joins the group (tdm_shm_comm_init_from_env)

@@ -17,7 +17,7 @@
 typedef int (*tdm_dist_spawn_fn)(tdm_comm *comm, void *arg);
 
 typedef struct tdm_dist_spawn_opts {
-    int64_t timeout_ms;       /* bound on the whole run; 0: 60000 */
+    int64_t timeout_ms;       /* bound on the whole run; 0: shm/spawn.h's 60 s */
     int64_t grace_ms;         /* after a failure, before SIGTERM; 0: 3000 */
     int64_t comm_timeout_ms;  /* deadline of every collective wait (the process group's
                                  timeout); 0: TANDEM_TIMEOUT, else the shm default (300 s) */

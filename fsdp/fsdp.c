@@ -213,12 +213,12 @@ void tdm_fsdp_free(tdm_fsdp *f)
         tdm_comm_work *w[2] = {x->ag, x->rs};
         for (int k = 0; k < 2; k++) {
             if (!w[k]) continue;
-            if (tdm_comm_work_wait(w[k], 10000) == TDM_STATUS_TIMEOUT && !aborted) {
+            if (tdm_comm_work_wait(w[k], TDM_DIST_DRAIN_TIMEOUT_MS) == TDM_STATUS_TIMEOUT && !aborted) {
                 aborted = 1;
                 (void)tdm_comm_abort(f->comm, "fsdp free: a collective still running");
                 if (f->hcomm != f->comm)
                     (void)tdm_comm_abort(f->hcomm, "fsdp free: a collective still running");
-                (void)tdm_comm_work_wait(w[k], 10000);
+                (void)tdm_comm_work_wait(w[k], TDM_DIST_DRAIN_TIMEOUT_MS);
             }
             if (!tdm_fsdp_work_over(w[k])) stuck = 1;
         }

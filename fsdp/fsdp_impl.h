@@ -7,6 +7,7 @@
 #ifndef TDM_FSDP_FSDP_IMPL_H
 #define TDM_FSDP_FSDP_IMPL_H
 
+#include "dist/timeout.h"
 #include "fsdp/fsdp.h"
 
 #define TDM_FSDP_MAX_RANKS 64

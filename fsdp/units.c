@@ -646,8 +646,8 @@ tdm_status tdm_fsdp_fail(tdm_fsdp *f, tdm_status st)
      * error), each wait bounded all the same. */
     for (int u = 0; u < f->nu; u++) {
         tdm_fsdp_unit *x = &f->u[u];
-        if (x->ag) (void)tdm_comm_work_wait(x->ag, 10000);
-        if (x->rs) (void)tdm_comm_work_wait(x->rs, 10000);
+        if (x->ag) (void)tdm_comm_work_wait(x->ag, TDM_DIST_DRAIN_TIMEOUT_MS);
+        if (x->rs) (void)tdm_comm_work_wait(x->rs, TDM_DIST_DRAIN_TIMEOUT_MS);
         /* A work still running after that keeps its handle and its blocks
          * (tdm_fsdp_free waits again, and leaks them if it must). */
         if (tdm_fsdp_work_over(x->rs)) {

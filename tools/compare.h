@@ -20,6 +20,11 @@
 
 #define TDM_CMP_MAX_DEV 64
 #define TDM_CMP_MAX_BUCKETS 256
+/* The bound on one mode's run in child processes (DDP's and the sharded
+ * modes' ranks, single and DP on GPUs): an hour, far above any run
+ * --steps asks of the CLI's models, so it fires only on a run that hangs
+ * in a way its process group's timeout cannot see. */
+#define TDM_CMP_RUN_TIMEOUT_MS 3600000
 /* compare's default global batch for a gpt: windows of its context */
 #define TDM_CMP_GPT_BATCH 32
 

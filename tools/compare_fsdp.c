@@ -260,7 +260,7 @@ tdm_status tdm_cmp_run_fsdp(const tdm_cmp_opts *o, const tdm_cmp_data *data,
     *sh = lay;
     tdm_cmp_fsdp_arg arg = {.o = o, .data = data, .mode = mode, .sh = sh,
                             .t_start = tdm_time_ns()};
-    tdm_dist_spawn_opts so = {.timeout_ms = 3600000};
+    tdm_dist_spawn_opts so = {.timeout_ms = TDM_CMP_RUN_TIMEOUT_MS};
     tdm_status st;
     fflush(stdout);
     if (o->ddp_comm) {

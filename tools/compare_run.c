@@ -495,7 +495,7 @@ static tdm_status tdm_cmp_run_ddp(const tdm_cmp_opts *o, const tdm_cmp_data *dat
     }
     *sh = lay;
     tdm_cmp_ddp_arg arg = {.o = o, .data = data, .sh = sh, .t_start = tdm_time_ns()};
-    tdm_dist_spawn_opts so = {.timeout_ms = 3600000,
+    tdm_dist_spawn_opts so = {.timeout_ms = TDM_CMP_RUN_TIMEOUT_MS,
                              .arena_bytes = tdm_tool_ddp_arena_bytes(&o->dl, pe)};
     fflush(stdout);
     if (o->ddp_comm) {
@@ -662,7 +662,7 @@ static tdm_status tdm_cmp_run_isolated(const tdm_cmp_opts *o, const tdm_cmp_data
         perror("tandem compare: mmap");
         return TDM_STATUS_OUT_OF_MEMORY;
     }
-    tdm_dist_spawn_opts so = {.timeout_ms = 3600000};
+    tdm_dist_spawn_opts so = {.timeout_ms = TDM_CMP_RUN_TIMEOUT_MS};
     fflush(stdout);
     if ((st = tdm_dist_spawn(1, tdm_cmp_iso_child, &a, &so, NULL)) != TDM_STATUS_OK) {
         tdm_cmp_fail(tdm_cmp_mode_name(mode), st);

@@ -19,6 +19,7 @@
 #include "core/timer.h"
 #include "core/text.h"
 #include "ddp/hooks.h"
+#include "dist/pg.h"
 #include "fsdp/fsdp.h"
 #include "models/accum.h"
 #include "models/checkpoint.h"
@@ -255,8 +256,7 @@ static tdm_status tdm_train_check_args(tdm_train_args *a)
     if (a->max_restarts && strcmp(a->mode, "ddp") && strcmp(a->mode, "fsdp"))
         return tdm_tool_usage_error("tandem train: --max-restarts applies to --mode ddp and "
                                     "fsdp (ranks that can fail one by one)\n");
-    if (a->max_restarts && ((getenv("TANDEM_SHM_FD") && getenv("WORLD_SIZE")) ||
-                            tdm_tool_mpi_launched()))
+    if (a->max_restarts && (tdm_dist_launched() || tdm_tool_mpi_launched()))
         fprintf(stderr, "tandem train: note: --max-restarts restarts the ranks tandem train forks "
                         "itself; these ranks were started by a launcher, which restarts them: "
                         "`tandem launch --max-restarts K` (under mpirun or srun, rerun the job "

@@ -385,7 +385,7 @@ static tdm_status tdm_train_ddp_forked(tdm_train_ddp_ctx *c)
     int64_t param_elems = 0;
     tdm_status st;
     TDM_CHECK(tdm_train_load_and_probe(a, &c->spec, &train, &test, &param_elems));
-    tdm_dist_spawn_opts so = {.timeout_ms = INT64_MAX / 2000000, .comm_timeout_ms = c->timeout_ms,
+    tdm_dist_spawn_opts so = {.timeout_ms = TDM_DIST_RUN_UNBOUNDED_MS, .comm_timeout_ms = c->timeout_ms,
                              .arena_bytes = tdm_tool_ddp_arena_bytes(&c->dl, param_elems)};
     c->train = &train;
     c->test = &test;
@@ -417,7 +417,7 @@ tdm_status tdm_train_run_ddp(const tdm_train_args *a)
                    : tdm_dist_timeout_from_env(&timeout_ms))
         return tdm_tool_usage_error("tandem train: %s\n", tdm_error_message());
     if (a->timeout) setenv(TDM_DIST_ENV_TIMEOUT, a->timeout, 1);
-    int launched = getenv("TANDEM_SHM_FD") && getenv("WORLD_SIZE");
+    int launched = tdm_dist_launched();
     int mpi = !launched && tdm_tool_mpi_launched();
     tdm_mpi_backend backend = TDM_MPI_BACKEND_AUTO;
     if (a->backend) TDM_CHECK(tdm_tool_backend_parse("train", a->backend, &backend));
@@ -431,7 +431,7 @@ tdm_status tdm_train_run_ddp(const tdm_train_args *a)
                                     "job: start them with `mpirun -np N tandem train --mode ddp "
                                     "--backend %s ...` (or srun)\n", a->backend, a->backend);
     }
-    c.timeout_ms = timeout_ms ? timeout_ms : launched || mpi ? TDM_DIST_TIMEOUT_DEFAULT_MS : 60000;
+    c.timeout_ms = timeout_ms ? timeout_ms : launched || mpi ? TDM_DIST_TIMEOUT_DEFAULT_MS : TDM_DIST_FORKED_TIMEOUT_MS;
     if ((st = tdm_tool_parse_devices(&c.dl, a->device, !launched && !mpi))) {
         fprintf(stderr, "tandem train: --device: %s\n", tdm_error_message());
         return st == TDM_STATUS_NO_DEVICE ? st : tdm_tool_usage(st);

@@ -447,7 +447,7 @@ static tdm_status tdm_train_fsdp_forked(tdm_train_fsdp_ctx *c)
     TDM_CHECK(tdm_train_load_and_probe(c->a, &c->spec, &train, &test, NULL));
     c->train = &train;
     c->test = &test;
-    tdm_dist_spawn_opts so = {.timeout_ms = INT64_MAX / 2000000, .comm_timeout_ms = c->timeout_ms};
+    tdm_dist_spawn_opts so = {.timeout_ms = TDM_DIST_RUN_UNBOUNDED_MS, .comm_timeout_ms = c->timeout_ms};
     fflush(stdout);
     /* the ranks' flight-recorder dumps and the doctor's verdict, and
      * --max-restarts, as DDP's; a restart resumes from the checkpoint the
@@ -471,7 +471,7 @@ tdm_status tdm_train_pg_timeout(const tdm_train_args *a, int launched, int64_t *
                    : tdm_dist_timeout_from_env(&t))
         return tdm_tool_usage_error("tandem train: %s\n", tdm_error_message());
     if (a->timeout) setenv(TDM_DIST_ENV_TIMEOUT, a->timeout, 1);
-    *timeout_ms = t ? t : launched ? TDM_DIST_TIMEOUT_DEFAULT_MS : 60000;
+    *timeout_ms = t ? t : launched ? TDM_DIST_TIMEOUT_DEFAULT_MS : TDM_DIST_FORKED_TIMEOUT_MS;
     return TDM_STATUS_OK;
 }
 
@@ -489,7 +489,7 @@ tdm_status tdm_train_run_fsdp(const tdm_train_args *a)
     if (a->bucket_cap_mb)
         fprintf(stderr, "tandem train: note: --bucket-cap-mb applies to --mode ddp; FSDP "
                         "communicates per unit (a layer with parameters)\n");
-    int launched = getenv("TANDEM_SHM_FD") && getenv("WORLD_SIZE");
+    int launched = tdm_dist_launched();
     TDM_CHECK(tdm_train_pg_timeout(a, launched, &c.timeout_ms));
     if ((st = tdm_tool_parse_devices(&c.dl, a->device, !launched))) {
         fprintf(stderr, "tandem train: --device: %s\n", tdm_error_message());

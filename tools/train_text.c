@@ -590,7 +590,7 @@ static tdm_status tdm_text_forked(tdm_text_job *j)
         return st;
     }
     /* FSDP's collectives do not use the zero-copy arena */
-    tdm_dist_spawn_opts so = {.timeout_ms = INT64_MAX / 2000000,
+    tdm_dist_spawn_opts so = {.timeout_ms = TDM_DIST_RUN_UNBOUNDED_MS,
                              .comm_timeout_ms = j->timeout_ms,
                              .arena_bytes = j->fsdp ? 0 : tdm_tool_ddp_arena_bytes(
                                  &j->dl, tdm_model_param_elems(probe))};
@@ -612,7 +612,7 @@ static tdm_status tdm_text_run_ddp(tdm_text_job *j)
     const tdm_train_args *a = j->a;
     tdm_status st;
     tdm_train_note_threads(a, j->fsdp ? "FSDP rank" : "DDP rank");
-    int launched = getenv("TANDEM_SHM_FD") && getenv("WORLD_SIZE");
+    int launched = tdm_dist_launched();
     /* --timeout, else TANDEM_TIMEOUT, else 60 s forked (as the image
      * models' ranks) */
     TDM_CHECK(tdm_train_pg_timeout(a, launched, &j->timeout_ms));
