@@ -14,6 +14,7 @@
 #include <string.h>
 
 #include "core/log.h"
+#include "dist/check.h"
 
 /* ---- names ---- */
 
@@ -540,17 +541,9 @@ static tdm_status tdm_fsdp_check_tail(tdm_fsdp *f)
                                         TDM_DTYPE_FLOAT64, TDM_REDOP_SUM);
     if (st) return tdm_error_prefix(st, "fsdp: step %" PRIu64 ": the end-of-backward check",
                                     f->sync_count);
+    TDM_CHECK(tdm_dist_check_seq("fsdp", f->tail, W, f->rank, (double)f->fwd_count));
     double loss = 0.0;
-    for (int r = 0; r < W; r++) {
-        loss += f->tail[TDM_FSDP_MAX_RANKS + r];
-        if (f->tail[r] == (double)f->fwd_count) continue;
-        return tdm_error_set(TDM_STATUS_MISMATCH,
-                             "fsdp: collective sequence mismatch: rank %d reduced the "
-                             "gradients of its training forward #%.0f together with rank %d's "
-                             "forward #%" PRIu64 " (a rank skipped a backward or ran a "
-                             "different number of steps)", r, f->tail[r], f->rank,
-                             f->fwd_count);
-    }
+    for (int r = 0; r < W; r++) loss += f->tail[TDM_FSDP_MAX_RANKS + r];
     f->loss_global = loss;
     return TDM_STATUS_OK;
 }
