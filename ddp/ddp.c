@@ -14,6 +14,7 @@
 #include "core/device.h"
 #include "core/log.h"
 #include "ddp/reducer_impl.h"
+#include "dist/join.h"
 #include "models/train.h"
 
 struct tdm_ddp {
@@ -37,9 +38,7 @@ struct tdm_ddp {
     int fwd_bn_empty;            /* that forward had no samples but shadowed SyncBatchNorm's sums */
     double fwd_loss;             /* the pending forward's loss sum, added at its backward */
     const char *fwd_lost;        /* why there is no forward to go back through, or NULL */
-    int joined;                  /* opts.join: this rank ran out of data (tdm_ddp_join) */
-    int n_active;                /* ranks that contributed to the last training forward */
-    int join_sync;               /* opts.join: that forward's backward synchronises (else no_sync) */
+    tdm_dist_join join;          /* opts.join: the ranks with data, this rank joined */
     tdm_ddp_times times;
 };
 
@@ -91,7 +90,7 @@ tdm_status tdm_ddp_init(tdm_ddp **out, tdm_model *m, tdm_comm *comm, const tdm_d
     d->rank = tdm_comm_rank(comm);
     d->world = tdm_comm_size(comm);
     d->sync = 1;
-    d->n_active = d->world;
+    tdm_dist_join_init(&d->join, d->world);
     TDM_TRY(tdm_ddp_reducer_init(&d->red, m, comm, d->hcomm, &d->o));
     tdm_comm_set_label(comm, "ddp broadcast parameters");
     TDM_TRY(tdm_comm_broadcast(comm, tdm_model_params(m), tdm_model_params(m),
@@ -239,31 +238,15 @@ static tdm_status tdm_ddp_stage(tdm_ddp *d, const void *x, const int32_t *y, int
     return TDM_STATUS_OK;
 }
 
-/* opts.join, at each training forward: how many ranks still train (this
- * one contributes 1, a joined one 0) and how many of those will
- * synchronise in this forward's backward (not under no_sync), two int32
- * in one SUM over the host communicator. A joined rank shadows a
- * synchronised step only when the others synchronise: under no_sync
- * they accumulate locally, and a backward of its own would meet their
- * next forward's count (PyTorch's join hook asks the same question,
- * _check_global_requires_backward_grad_sync). */
+/* opts.join, at each training forward: how many ranks still train and
+ * how many of those synchronise in this forward's backward (dist/join.h).
+ * A joined rank shadows a synchronised step only when the others
+ * synchronise: under no_sync they accumulate locally, and a backward of
+ * its own would meet their next forward's count (PyTorch's join hook asks
+ * the same question, _check_global_requires_backward_grad_sync). */
 static tdm_status tdm_ddp_join_count(tdm_ddp *d)
 {
-    int32_t v[2] = {d->joined ? 0 : 1, !d->joined && d->sync};
-    /* named, as the buckets are: a rank that waits here while a peer
-     * never comes (a joined rank shadowing one that died) is found by
-     * `tandem doctor` in "ddp join count", not in an anonymous all_reduce */
-    tdm_comm_set_label(d->hcomm, "ddp join count");
-    tdm_status st = tdm_comm_all_reduce(d->hcomm, v, v, 2, TDM_DTYPE_INT32, TDM_REDOP_SUM);
-    if (st) return tdm_error_prefix(st, "ddp join: counting the ranks that still have data");
-    /* every rank sees the same sums, so every rank fails here alike */
-    TDM_REQUIRE(v[1] == 0 || v[1] == v[0], TDM_STATUS_INVALID_ARG,
-                "ddp join: %d of the %d ranks still training synchronise in this forward and "
-                "the others are under no_sync; call tdm_ddp_no_sync alike on every rank",
-                v[1], v[0]);
-    d->n_active = v[0];
-    d->join_sync = v[1] > 0;
-    return TDM_STATUS_OK;
+    return tdm_dist_join_count(&d->join, d->hcomm, d->sync, "ddp", "ddp join count");
 }
 
 /* by_active: the scale is 1/(batch * ranks with data this step) (join) */
@@ -272,20 +255,19 @@ static tdm_status tdm_ddp_forward_impl(tdm_ddp *d, const void *x, const int32_t 
 {
     TDM_REQUIRE(batch >= 0 && (batch == 0 || (x && y)), TDM_STATUS_INVALID_ARG,
                 "ddp forward: bad batch %d or NULL input", batch);
-    TDM_REQUIRE(!d->joined || batch == 0, TDM_STATUS_INVALID_ARG,
+    TDM_REQUIRE(!d->join.joined || batch == 0, TDM_STATUS_INVALID_ARG,
                 "ddp forward: this rank has joined (tdm_ddp_join): it has no data left");
     uint64_t t0 = tdm_time_ns();
     tdm_model *m = d->m;
     d->have_fwd = 0;
     d->fwd_lost = NULL;
-    if (d->o.join && tdm_model_is_train(m) && d->world > 1 && !d->joined)
+    if (d->o.join && tdm_model_is_train(m) && d->world > 1 && !d->join.joined)
         TDM_CHECK(tdm_ddp_join_count(d));
-    if (by_active)
-        grad_scale = batch > 0 ? 1.0f / ((float)batch * (float)d->n_active) : 0.0f;
-    else if (d->o.join && d->n_active > 0 && d->n_active != d->world)
-        /* an explicit scale is meant for every rank: the mean over the
-         * ranks that contribute to this step */
-        grad_scale *= (float)d->world / (float)d->n_active;
+    /* by_active: 1/(batch * the ranks with data); an explicit scale is
+     * meant for every rank: under join, the mean over those that
+     * contribute (without join every rank does) */
+    if (by_active || d->o.join)
+        grad_scale = tdm_dist_join_scale(&d->join, d->world, batch, by_active, grad_scale);
     /* SyncBatchNorm on a rank without samples (a short last global
      * batch): the others wait in this rank's statistics, so it takes part
      * with zero sums and a count of 0 (as PyTorch's SyncBatchNorm) */
@@ -430,7 +412,32 @@ double tdm_ddp_loss_sum(const tdm_ddp *d) { return d->loss_global; }
 
 /* ---- uneven inputs (join) ---- */
 
-int tdm_ddp_active_ranks(const tdm_ddp *d) { return d->n_active; }
+int tdm_ddp_active_ranks(const tdm_ddp *d) { return d->join.n_active; }
+
+typedef struct tdm_ddp_shadow {
+    tdm_ddp *d;
+    tdm_optim *opt;
+} tdm_ddp_shadow;
+
+/* One step of the others, as a rank without samples: sync, a
+ * synchronised step (the buffer broadcast, the gradient all-reduce of
+ * zeros, the optimizer step); else a no_sync micro-batch of theirs, where
+ * they only accumulate: the buffer broadcast and the forward's count (the
+ * sequence check), no backward, no step. */
+static tdm_status tdm_ddp_shadow_step(void *ctx, int sync)
+{
+    tdm_ddp_shadow *s = ctx;
+    tdm_ddp *d = s->d;
+    if (!sync) {
+        TDM_CHECK(tdm_ddp_forward_impl(d, NULL, NULL, 0, 0.0f, 0, NULL));
+        d->have_fwd = 0;
+        return TDM_STATUS_OK;
+    }
+    TDM_CHECK(tdm_ddp_zero_grad(d));
+    TDM_CHECK(tdm_ddp_forward_impl(d, NULL, NULL, 0, 0.0f, 0, NULL));
+    TDM_CHECK(tdm_ddp_backward(d));
+    return s->opt ? tdm_ddp_step(d, s->opt) : TDM_STATUS_OK;
+}
 
 tdm_status tdm_ddp_join(tdm_ddp *d, tdm_optim *opt, int64_t *shadowed)
 {
@@ -439,40 +446,11 @@ tdm_status tdm_ddp_join(tdm_ddp *d, tdm_optim *opt, int64_t *shadowed)
                 "data at each forward)");
     TDM_REQUIRE(d->sync, TDM_STATUS_INVALID_ARG,
                 "ddp join: called under no_sync; finish the accumulation first");
-    int64_t n = 0;
-    if (shadowed) *shadowed = 0;
-    if (d->world == 1) return TDM_STATUS_OK;
-    d->joined = 1;
-    d->have_fwd = 0;
-    tdm_status st = TDM_STATUS_OK;
-    for (;;) {
-        if ((st = tdm_ddp_join_count(d))) break;
-        if (d->n_active == 0) break;   /* every rank has joined: all leave here */
-        if (!d->join_sync) {
-            /* a no_sync micro-batch of the others: they only accumulate;
-             * this rank takes part in the buffer broadcast and counts the
-             * forward (the sequence check), no backward, no step */
-            if ((st = tdm_ddp_forward_impl(d, NULL, NULL, 0, 0.0f, 0, NULL))) break;
-            d->have_fwd = 0;
-            continue;
-        }
-        /* one synchronised step of the others: a rank without samples
-         * takes part in the buffer broadcast and reduces zeros */
-        if ((st = tdm_ddp_zero_grad(d))) break;
-        if ((st = tdm_ddp_forward_impl(d, NULL, NULL, 0, 0.0f, 0, NULL))) break;
-        if ((st = tdm_ddp_backward(d))) break;
-        if (opt && (st = tdm_ddp_step(d, opt))) break;
-        n++;
-    }
-    /* a later epoch starts with every rank training again */
-    d->joined = 0;
-    d->n_active = d->world;
-    if (shadowed) *shadowed = n;
-    if (st) {
-        tdm_error_prefix(st, "ddp join: rank %d, after shadowing %lld step(s)", d->rank,
-                         (long long)n);
-        (void)tdm_comm_abort(d->hcomm, tdm_error_message());
-    }
+    if (d->world > 1) d->have_fwd = 0;   /* the shadowed steps' forwards replace it */
+    tdm_ddp_shadow s = {.d = d, .opt = opt};
+    tdm_status st = tdm_dist_join_shadow(&d->join, d->hcomm, d->rank, d->world, "ddp",
+                                         "ddp join count", tdm_ddp_shadow_step, &s, shadowed);
+    if (st) (void)tdm_comm_abort(d->hcomm, tdm_error_message());
     return st;
 }
 

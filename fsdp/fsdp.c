@@ -149,7 +149,7 @@ tdm_status tdm_fsdp_init(tdm_fsdp **out, tdm_model *m, tdm_comm *comm, const tdm
     f->world = tdm_comm_size(comm);
     f->n_params = tdm_model_n_params(m);
     f->sync = 1;
-    f->n_active = f->world;
+    tdm_dist_join_init(&f->join, f->world);
     f->cur_f = f->cur_b = -1;
     if (f->hcomm != comm &&
         (tdm_comm_rank(f->hcomm) != f->rank || tdm_comm_size(f->hcomm) != f->world)) {
@@ -433,7 +433,7 @@ static tdm_status tdm_fsdp_forward_impl(tdm_fsdp *f, const void *x, const int32_
 {
     TDM_REQUIRE(batch >= 0 && (batch == 0 || (x && y)), TDM_STATUS_INVALID_ARG,
                 "fsdp forward: bad batch %d or NULL input", batch);
-    TDM_REQUIRE(!f->joined || batch == 0, TDM_STATUS_INVALID_ARG,
+    TDM_REQUIRE(!f->join.joined || batch == 0, TDM_STATUS_INVALID_ARG,
                 "fsdp forward: this rank has joined (tdm_fsdp_join): it has no data left");
     if (f->o.join) {
         tdm_status js = tdm_fsdp_join_forward(f, tdm_model_is_train(f->m), batch, by_active,
@@ -624,12 +624,12 @@ tdm_status tdm_fsdp_step(tdm_fsdp *f, tdm_optim *opt)
      * join count instead. Every rank still training saw the same count at
      * the forward, so all refuse alike; the abort ends the joined rank's
      * wait too. */
-    if (f->stepped && f->n_active < f->world) {
+    if (f->stepped && f->join.n_active < f->world) {
         free(r);
         return tdm_fsdp_fail(f, tdm_error_set(
             TDM_STATUS_INVALID_ARG, "fsdp step: a second step without a backward while %d of "
             "%d ranks have joined (tdm_fsdp_join): the joined ranks shadow one step per "
-            "backward; step once per backward under join", f->world - f->n_active, f->world));
+            "backward; step once per backward under join", f->world - f->join.n_active, f->world));
     }
     f->stepped = 1;
     /* grad_op, optimizer: every rank's new shard into every rank's full

@@ -7,6 +7,7 @@
 #ifndef TDM_FSDP_FSDP_IMPL_H
 #define TDM_FSDP_FSDP_IMPL_H
 
+#include "dist/join.h"
 #include "dist/timeout.h"
 #include "fsdp/fsdp.h"
 
@@ -124,10 +125,8 @@ struct tdm_fsdp {
     int rs_done_in_bwd, ag_ready_at_use;
     tdm_fsdp_times times;
     /* opts.join (fsdp/join.c) */
-    int joined;               /* this rank ran out of data (tdm_fsdp_join) */
+    tdm_dist_join join;       /* the ranks with data, this rank joined */
     int stepped;              /* tdm_fsdp_step ran since the last synchronised backward */
-    int n_active;             /* ranks with data in the last training forward */
-    int join_sync;            /* that forward's backward synchronises */
 };
 
 /* fsdp/fsdp.c: forward pieces fsdp/eval.c shares. stage: the batch on
