@@ -29,11 +29,7 @@ struct tdm_ddp {
     uint64_t fwd_count;          /* training forwards run (the check tail's sequence) */
     int64_t steps_done;          /* optimizer steps: the flight recorder's step */
     double loss_accum, loss_global;  /* this rank's since the last sync; all ranks' */
-    float *dlogits;
-    size_t dlogits_bytes;
-    void *x_dev;
-    int32_t *y_dev;
-    int stage_cap;
+    tdm_dist_stage stage;        /* the batch on the device, the loss gradient */
     int fwd_batch, have_fwd;
     int fwd_bn_empty;            /* that forward had no samples but shadowed SyncBatchNorm's sums */
     double fwd_loss;             /* the pending forward's loss sum, added at its backward */
@@ -75,6 +71,7 @@ tdm_status tdm_ddp_init(tdm_ddp **out, tdm_model *m, tdm_comm *comm, const tdm_d
     d->m = m;
     d->comm = comm;
     d->dev = tdm_model_device(m);
+    d->stage.dev = d->dev;
     if (opts) d->o = *opts;
     d->hcomm = d->o.host_comm ? d->o.host_comm : comm;
     if (d->hcomm != comm &&
@@ -127,9 +124,7 @@ void tdm_ddp_free(tdm_ddp *d)
     if (!d) return;
     if (d->o.sync_bn) tdm_model_set_sync_bn(d->m, NULL, NULL);
     tdm_ddp_reducer_free(&d->red);
-    tdm_dev_free(d->dev, d->dlogits);
-    tdm_dev_free(d->dev, d->x_dev);
-    tdm_dev_free(d->dev, d->y_dev);
+    tdm_dist_stage_free(&d->stage);
     free(d);
 }
 
@@ -207,37 +202,6 @@ void tdm_ddp_no_sync(tdm_ddp *d, int enable) { d->sync = !enable; }
 
 /* ---- forward ---- */
 
-static tdm_status tdm_ddp_stage(tdm_ddp *d, const void *x, const int32_t *y, int batch,
-                                const void **xd, const int32_t **yd)
-{
-    if (tdm_dev_kind(d->dev) == TDM_DEVICE_HOST) {
-        *xd = x;
-        *yd = y;
-        return TDM_STATUS_OK;
-    }
-    /* 4-byte inputs of either dtype; out_rows targets per sample */
-    size_t feat = (size_t)tdm_model_in_features(d->m);
-    size_t rows = (size_t)tdm_model_out_rows(d->m);
-    if (batch > d->stage_cap) {
-        tdm_dev_free(d->dev, d->x_dev);
-        tdm_dev_free(d->dev, d->y_dev);
-        d->x_dev = NULL;
-        d->y_dev = NULL;
-        d->stage_cap = 0;
-        TDM_CHECK(tdm_dev_alloc(d->dev, (size_t)batch * feat * sizeof(float), &d->x_dev));
-        TDM_CHECK(tdm_dev_alloc(d->dev, (size_t)batch * rows * sizeof(int32_t),
-                                (void **)&d->y_dev));
-        d->stage_cap = batch;
-    }
-    TDM_CHECK(tdm_dev_copy_from_host(d->dev, d->x_dev, x,
-                                          (size_t)batch * feat * sizeof(float)));
-    TDM_CHECK(tdm_dev_copy_from_host(d->dev, d->y_dev, y,
-                                          (size_t)batch * rows * sizeof(int32_t)));
-    *xd = d->x_dev;
-    *yd = d->y_dev;
-    return TDM_STATUS_OK;
-}
-
 /* opts.join, at each training forward: how many ranks still train and
  * how many of those synchronise in this forward's backward (dist/join.h).
  * A joined rank shadows a synchronised step only when the others
@@ -294,21 +258,10 @@ static tdm_status tdm_ddp_forward_impl(tdm_ddp *d, const void *x, const int32_t 
     }
     if (batch > 0) {
         const void *xd;
-        const float *logits;
         const int32_t *yd;
-        int C = tdm_model_n_classes(m) * tdm_model_out_rows(m);   /* logits per sample */
-        size_t nb = (size_t)batch * (size_t)C * sizeof(float);
-        TDM_CHECK(tdm_ddp_stage(d, x, y, batch, &xd, &yd));
-        TDM_CHECK(tdm_model_forward(m, xd, batch, &logits));
-        t1 = tdm_time_ns();
-        if (nb > d->dlogits_bytes) {
-            tdm_dev_free(d->dev, d->dlogits);
-            d->dlogits = NULL;
-            d->dlogits_bytes = 0;
-            TDM_CHECK(tdm_dev_alloc(d->dev, nb, (void **)&d->dlogits));
-            d->dlogits_bytes = nb;
-        }
-        TDM_CHECK(tdm_model_loss(m, logits, yd, batch, grad_scale, &ls, d->dlogits));
+        TDM_CHECK(tdm_dist_stage_batch(&d->stage, m, x, y, batch, &xd, &yd));
+        TDM_CHECK(tdm_dist_forward_loss(&d->stage, m, NULL, NULL, xd, yd, batch, grad_scale, &ls,
+                                        &t1));
     }
     uint64_t t2 = tdm_time_ns();
     d->fwd_batch = batch;
@@ -367,7 +320,7 @@ tdm_status tdm_ddp_forward_global_scaled(tdm_ddp *d, const void *x, const int32_
 static tdm_status tdm_ddp_backward_local(tdm_ddp *d)
 {
     uint64_t t0 = tdm_time_ns();
-    if (d->fwd_batch > 0) TDM_CHECK(tdm_model_backward(d->m, d->dlogits));
+    if (d->fwd_batch > 0) TDM_CHECK(tdm_model_backward(d->m, d->stage.dlogits));
     else if (d->fwd_bn_empty) TDM_CHECK(tdm_model_sync_bn_backward_empty(d->m));
     d->times.last.ms[TDM_PHASE_BACKWARD] = tdm_time_ms_since(t0);
     d->times.last.ms[TDM_PHASE_ALLREDUCE_WAIT] = 0;
@@ -388,7 +341,7 @@ tdm_status tdm_ddp_backward(tdm_ddp *d)
     d->loss_accum = 0.0;
     if (d->fwd_batch > 0 || d->fwd_bn_empty) {
         d->red.in_backward = 1;   /* the grad-ready hook launches buckets */
-        tdm_status st = d->fwd_batch > 0 ? tdm_model_backward(d->m, d->dlogits)
+        tdm_status st = d->fwd_batch > 0 ? tdm_model_backward(d->m, d->stage.dlogits)
                                          : tdm_model_sync_bn_backward_empty(d->m);
         d->red.in_backward = 0;
         if (st) return tdm_ddp_reducer_abort(&d->red, st);

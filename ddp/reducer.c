@@ -171,7 +171,8 @@ static tdm_status tdm_ddp_verify(tdm_ddp_reducer *r)
     tdm_status st = TDM_STATUS_OK;
     for (int k = 1; k < r->world && !st; k++) {
         const int64_t *a = all, *b = all + (size_t)k * TDM_DDP_PLAN_N;
-        if (a[TDM_DDP_PLAN_HASH] == b[TDM_DDP_PLAN_HASH] && a[TDM_DDP_PLAN_ZC] == b[TDM_DDP_PLAN_ZC])
+        if (a[TDM_DDP_PLAN_HASH] == b[TDM_DDP_PLAN_HASH] &&
+            a[TDM_DDP_PLAN_ZC] == b[TDM_DDP_PLAN_ZC])
             continue;
         st = tdm_error_set(TDM_STATUS_MISMATCH,
                            "ddp: bucket plan differs between ranks: rank 0 planned %lld "

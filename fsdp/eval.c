@@ -38,11 +38,12 @@ tdm_status tdm_fsdp_evaluate(tdm_fsdp *f, const tdm_dataset *test, int batch, do
         const int32_t *yd;
         const float *logits;
         if (k <= 0) {   /* this rank's share is done: take part only */
-            st = tdm_fsdp_dummy(f);
-            if (st == TDM_STATUS_OK) st = tdm_fsdp_run_forward(f, f->dummy_x, 1, 0, &logits);
+            st = tdm_dist_stage_dummy(&f->stage, m, &xd, &yd);
+            if (st == TDM_STATUS_OK) st = tdm_fsdp_run_forward(f, xd, 1, 0, &logits);
             continue;
         }
-        st = tdm_fsdp_stage(f, test->x + r0 * feat, test->y + r0, (int)k, &xd, &yd);
+        st = tdm_dist_stage_batch(&f->stage, m, test->x + r0 * feat, test->y + r0, (int)k, &xd,
+                                  &yd);
         if (st == TDM_STATUS_OK) st = tdm_fsdp_run_forward(f, xd, (int)k, 0, &logits);
         double ls = 0.0;
         int64_t correct = 0;
@@ -89,10 +90,10 @@ tdm_status tdm_fsdp_eval_loss(tdm_fsdp *f, const void *x, const int32_t *y, int 
     double ls = 0.0;
     tdm_model_set_train(m, 0);
     if (batch == 0) {
-        st = tdm_fsdp_dummy(f);
-        if (st == TDM_STATUS_OK) st = tdm_fsdp_run_forward(f, f->dummy_x, 1, 0, &logits);
+        st = tdm_dist_stage_dummy(&f->stage, m, &xd, &yd);
+        if (st == TDM_STATUS_OK) st = tdm_fsdp_run_forward(f, xd, 1, 0, &logits);
     } else {
-        st = tdm_fsdp_stage(f, x, y, batch, &xd, &yd);
+        st = tdm_dist_stage_batch(&f->stage, m, x, y, batch, &xd, &yd);
         if (st == TDM_STATUS_OK) st = tdm_fsdp_run_forward(f, xd, batch, 0, &logits);
         if (st == TDM_STATUS_OK) st = tdm_model_loss(m, logits, yd, batch, 1.0f, &ls, NULL);
     }

@@ -143,6 +143,7 @@ tdm_status tdm_fsdp_init(tdm_fsdp **out, tdm_model *m, tdm_comm *comm, const tdm
     f->m = m;
     f->comm = comm;
     f->dev = tdm_model_device(m);
+    f->stage.dev = f->dev;
     if (opts) f->o = *opts;
     f->hcomm = f->o.host_comm ? f->o.host_comm : comm;
     f->rank = tdm_comm_rank(comm);
@@ -259,11 +260,7 @@ void tdm_fsdp_free(tdm_fsdp *f)
     tdm_dev_free(d, f->pfull);
     tdm_dev_free(d, f->gfull);
     tdm_dev_free(d, f->gacc);
-    tdm_dev_free(d, f->dlogits);
-    tdm_dev_free(d, f->x_dev);
-    tdm_dev_free(d, f->y_dev);
-    tdm_dev_free(d, f->dummy_x);
-    tdm_dev_free(d, f->dummy_y);
+    tdm_dist_stage_free(&f->stage);
     tdm_dev_free(d, f->buf_save);
     free(f->u);
     free(f->param_unit);
@@ -324,45 +321,6 @@ void tdm_fsdp_no_sync(tdm_fsdp *f, int enable) { f->sync = !enable; }
 double tdm_fsdp_loss_sum(const tdm_fsdp *f) { return f->loss_global; }
 
 /* ---- forward ---- */
-
-tdm_status tdm_fsdp_stage(tdm_fsdp *f, const void *x, const int32_t *y, int batch,
-                                 const void **xd, const int32_t **yd)
-{
-    tdm_device *d = f->dev;
-    if (tdm_dev_kind(d) == TDM_DEVICE_HOST) {
-        *xd = x;
-        *yd = y;
-        return TDM_STATUS_OK;
-    }
-    size_t feat = (size_t)tdm_model_in_features(f->m), rows = (size_t)tdm_model_out_rows(f->m);
-    if (batch > f->stage_cap) {
-        tdm_dev_free(d, f->x_dev);
-        tdm_dev_free(d, f->y_dev);
-        f->x_dev = NULL;
-        f->y_dev = NULL;
-        f->stage_cap = 0;
-        TDM_CHECK(tdm_dev_alloc(d, (size_t)batch * feat * sizeof(float), &f->x_dev));
-        TDM_CHECK(tdm_dev_alloc(d, (size_t)batch * rows * sizeof(int32_t), (void **)&f->y_dev));
-        f->stage_cap = batch;
-    }
-    TDM_CHECK(tdm_dev_copy_from_host(d, f->x_dev, x, (size_t)batch * feat * sizeof(float)));
-    TDM_CHECK(tdm_dev_copy_from_host(d, f->y_dev, y, (size_t)batch * rows * sizeof(int32_t)));
-    *xd = f->x_dev;
-    *yd = f->y_dev;
-    return TDM_STATUS_OK;
-}
-
-/* One sample of zeros (features or token 0) and target 0, on the device:
- * what a rank without samples runs so as to take part in the gathers. */
-tdm_status tdm_fsdp_dummy(tdm_fsdp *f)
-{
-    if (f->dummy_x) return TDM_STATUS_OK;
-    tdm_device *d = f->dev;
-    size_t feat = (size_t)tdm_model_in_features(f->m), rows = (size_t)tdm_model_out_rows(f->m);
-    TDM_CHECK(tdm_dev_alloc_zero(d, feat * sizeof(float), (void **)&f->dummy_x));
-    TDM_CHECK(tdm_dev_alloc_zero(d, rows * sizeof(int32_t), (void **)&f->dummy_y));
-    return TDM_STATUS_OK;
-}
 
 static void tdm_fsdp_step_start(tdm_fsdp *f, uint64_t now)
 {
@@ -427,6 +385,18 @@ tdm_status tdm_fsdp_run_forward(tdm_fsdp *f, const void *xd, int B, int keep,
     return st;
 }
 
+/* tdm_fsdp_run_forward as a dist/batch.h forward: a training forward
+ * keeps the unit it ended in gathered for backward, another drops it. */
+static tdm_status tdm_fsdp_forward_keep(void *ctx, const void *xd, int B, const float **logits)
+{
+    return tdm_fsdp_run_forward(ctx, xd, B, 1, logits);
+}
+
+static tdm_status tdm_fsdp_forward_drop(void *ctx, const void *xd, int B, const float **logits)
+{
+    return tdm_fsdp_run_forward(ctx, xd, B, 0, logits);
+}
+
 /* by_active: the scale is 1/(batch * the ranks with data) (opts.join) */
 static tdm_status tdm_fsdp_forward_impl(tdm_fsdp *f, const void *x, const int32_t *y, int batch,
                                         float grad_scale, int by_active, double *loss_sum)
@@ -461,33 +431,23 @@ static tdm_status tdm_fsdp_forward_impl(tdm_fsdp *f, const void *x, const int32_
     if (run) {
         const void *xd;
         const int32_t *yd;
-        const float *logits = NULL;
         int64_t be = tdm_model_buffer_elems(m);
         int dummy = batch == 0, save = dummy && train && be > 0;
         if (dummy) {
-            st = tdm_fsdp_dummy(f);
-            xd = f->dummy_x;
-            yd = f->dummy_y;
+            st = tdm_dist_stage_dummy(&f->stage, m, &xd, &yd);
             if (st == TDM_STATUS_OK && save && !f->buf_save)
                 st = tdm_dev_alloc(d, (size_t)be * sizeof(float), (void **)&f->buf_save);
             /* batchnorm would learn running statistics from the zero sample */
             if (st == TDM_STATUS_OK && save)
                 st = tdm_dev_copy(d, f->buf_save, tdm_model_buffers(m), (size_t)be * sizeof(float));
         } else {
-            st = tdm_fsdp_stage(f, x, y, batch, &xd, &yd);
+            st = tdm_dist_stage_batch(&f->stage, m, x, y, batch, &xd, &yd);
         }
-        if (st == TDM_STATUS_OK) st = tdm_fsdp_run_forward(f, xd, B, train, &logits);
-        t1 = tdm_time_ns();
-        size_t nb = (size_t)B * (size_t)tdm_model_n_classes(m) * tdm_model_out_rows(m) * sizeof(float);
-        if (st == TDM_STATUS_OK && nb > f->dlogits_bytes) {
-            tdm_dev_free(d, f->dlogits);
-            f->dlogits = NULL;
-            f->dlogits_bytes = 0;
-            st = tdm_dev_alloc(d, nb, (void **)&f->dlogits);
-            if (st == TDM_STATUS_OK) f->dlogits_bytes = nb;
-        }
+        /* the zero sample takes part with a zero loss gradient */
+        tdm_dist_forward_fn fwd = train ? tdm_fsdp_forward_keep : tdm_fsdp_forward_drop;
         if (st == TDM_STATUS_OK)
-            st = tdm_model_loss(m, logits, yd, B, dummy ? 0.0f : grad_scale, &ls, f->dlogits);
+            st = tdm_dist_forward_loss(&f->stage, m, fwd, f, xd, yd, B,
+                                       dummy ? 0.0f : grad_scale, &ls, &t1);
         if (st == TDM_STATUS_OK && save)
             st = tdm_dev_copy(d, tdm_model_buffers(m), f->buf_save, (size_t)be * sizeof(float));
         if (dummy) ls = 0.0;
@@ -568,7 +528,7 @@ tdm_status tdm_fsdp_backward(tdm_fsdp *f)
     tdm_fsdp_backward_begin(f);
     if (f->fwd_ran) {
         f->in_backward = 1;
-        st = tdm_model_backward(f->m, f->dlogits);
+        st = tdm_model_backward(f->m, f->stage.dlogits);
         f->in_backward = 0;
         if (st) return tdm_fsdp_fail(f, st);
     }

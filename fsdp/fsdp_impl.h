@@ -7,6 +7,7 @@
 #ifndef TDM_FSDP_FSDP_IMPL_H
 #define TDM_FSDP_FSDP_IMPL_H
 
+#include "dist/batch.h"
 #include "dist/join.h"
 #include "dist/timeout.h"
 #include "fsdp/fsdp.h"
@@ -105,13 +106,7 @@ struct tdm_fsdp {
     int step_open;
     double ag_wait_ms, rs_wait_ms;   /* waits of the current pass */
     /* forward state, as DDP's */
-    float *dlogits;
-    size_t dlogits_bytes;
-    void *x_dev;
-    int32_t *y_dev;
-    int stage_cap;
-    float *dummy_x;           /* one zero sample (device) for a rank without samples */
-    int32_t *dummy_y;
+    tdm_dist_stage stage;     /* the batch, or the zero sample, on the device; dlogits */
     float *buf_save;          /* buffers saved around a dummy forward */
     int fwd_batch, fwd_ran, have_fwd;
     double fwd_loss, loss_accum, loss_global;
@@ -129,15 +124,12 @@ struct tdm_fsdp {
     int stepped;              /* tdm_fsdp_step ran since the last synchronised backward */
 };
 
-/* fsdp/fsdp.c: forward pieces fsdp/eval.c shares. stage: the batch on
- * the device (host: as given). dummy: one zero sample for a rank without
- * samples. broadcast_buffers: rank 0's buffers to all (when: for the
- * message and label). run_forward: the model's forward over B samples
- * at xd (FULL_SHARD gathers through the hooks; keep: the unit forward
- * ended in stays gathered for backward). */
-tdm_status tdm_fsdp_stage(tdm_fsdp *f, const void *x, const int32_t *y, int batch,
-                          const void **xd, const int32_t **yd);
-tdm_status tdm_fsdp_dummy(tdm_fsdp *f);
+/* fsdp/fsdp.c: forward pieces fsdp/eval.c shares. broadcast_buffers:
+ * rank 0's buffers to all (when: for the message and label).
+ * run_forward: the model's forward over B samples at xd (FULL_SHARD
+ * gathers through the hooks; keep: the unit forward ended in stays
+ * gathered for backward). The batch's staging and the zero sample of a
+ * rank without samples are f->stage's (dist/batch.h). */
 tdm_status tdm_fsdp_broadcast_buffers(tdm_fsdp *f, const char *when);
 tdm_status tdm_fsdp_run_forward(tdm_fsdp *f, const void *xd, int B, int keep,
                                 const float **logits);

@@ -134,7 +134,8 @@ static tdm_status tdm_fsdp_verify_options(const int64_t *a, const int64_t *b, in
                              tdm_fsdp_sharding_name((tdm_fsdp_sharding)b[TDM_FSDP_SUM_SHARDING]),
                              b[TDM_FSDP_SUM_PREFETCH] ? "off" : "on",
                              b[TDM_FSDP_SUM_OVERLAP] ? "off" : "on");
-    if (a[TDM_FSDP_SUM_HOOK] != b[TDM_FSDP_SUM_HOOK] || a[TDM_FSDP_SUM_JOIN] != b[TDM_FSDP_SUM_JOIN])
+    if (a[TDM_FSDP_SUM_HOOK] != b[TDM_FSDP_SUM_HOOK] ||
+        a[TDM_FSDP_SUM_JOIN] != b[TDM_FSDP_SUM_JOIN])
         return tdm_error_set(TDM_STATUS_MISMATCH,
                              "fsdp: options differ between ranks: rank 0 runs comm hook %s "
                              "(join %s), rank %d comm hook %s (join %s); the collectives "
