@@ -481,6 +481,31 @@ tdm_status tdm_ddp_evaluate(tdm_ddp *d, const tdm_dataset *test, int batch, doub
     return TDM_STATUS_OK;
 }
 
+tdm_status tdm_ddp_eval_loss(tdm_ddp *d, const void *x, const int32_t *y, int batch,
+                             double *loss_sum)
+{
+    tdm_model *m = d->m;
+    TDM_REQUIRE(loss_sum && batch >= 0 && (batch == 0 || (x && y)), TDM_STATUS_INVALID_ARG,
+                "ddp eval_loss: bad batch %d or NULL argument", batch);
+    *loss_sum = 0.0;
+    if (batch == 0) return TDM_STATUS_OK;
+    if (d->have_fwd) {
+        d->have_fwd = 0;
+        d->fwd_lost = "tdm_ddp_eval_loss ran a forward on the model since the last "
+                      "tdm_ddp_forward and replaced its activations";
+    }
+    const void *xd;
+    const int32_t *yd;
+    const float *logits;
+    int was_train = tdm_model_is_train(m);
+    tdm_model_set_train(m, 0);
+    tdm_status st = tdm_dist_stage_batch(&d->stage, m, x, y, batch, &xd, &yd);
+    if (st == TDM_STATUS_OK) st = tdm_model_forward(m, xd, batch, &logits);
+    if (st == TDM_STATUS_OK) st = tdm_model_loss(m, logits, yd, batch, 1.0f, loss_sum, NULL);
+    tdm_model_set_train(m, was_train);
+    return st;
+}
+
 /* ---- checkpoints ---- */
 
 tdm_status tdm_ddp_checkpoint_save(tdm_ddp *d, const char *path, tdm_optim *opt,

@@ -169,6 +169,13 @@ tdm_status tdm_ddp_zero_grad(tdm_ddp *d);
  * before the next tdm_ddp_forward is refused (INVALID_ARG). */
 tdm_status tdm_ddp_evaluate(tdm_ddp *d, const tdm_dataset *test, int batch, double *loss_mean,
                             double *accuracy);
+/* The loss sum of this rank's `batch` samples (host x, y as for
+ * tdm_ddp_forward; batch may be 0) in eval mode, on this replica alone:
+ * no collective, the buffers as they are (a GPT's evaluation windows,
+ * each rank its share, the sums added by the caller). Replaces a pending
+ * forward's activations as tdm_ddp_evaluate does. */
+tdm_status tdm_ddp_eval_loss(tdm_ddp *d, const void *x, const int32_t *y, int batch,
+                             double *loss_sum);
 
 /* Local forward and loss over this rank's samples (host x (batch, in) of
  * the model's input dtype, y (batch * out_rows)); broadcasts buffers from

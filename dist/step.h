@@ -1,0 +1,109 @@
+/* dist/step.h: a design's per-step entry points (the ops of its table,
+ * dist/run.h), and the training steps dist builds from them, so that no
+ * design writes its step's plumbing again: this rank's rows of the global
+ * batch, the loss-gradient scale that makes the sum over ranks the global
+ * batch's mean-loss gradient, the check that the loss is finite before
+ * any gradient collective (a rank that diverged stops every rank at the
+ * same step, naming itself), gradient accumulation under no_sync, and the
+ * abort of the group with the rank's message on any failure.
+ *
+ * The ops a design fills: a data-parallel design (DDP, FSDP/ZeRO) the
+ * pieces of its step; a design whose step does not split into one
+ * forward and one backward (a pipeline's schedule interleaves the
+ * micro-batches of both) fills zero_grad, forward and backward with its
+ * whole step's halves as it sees fit, or leaves them NULL and drives its
+ * own step from its run callback. Every op is collective unless it says
+ * otherwise, and every one may be NULL where the design or the tool does
+ * not use it. */
+#ifndef TDM_DIST_STEP_H
+#define TDM_DIST_STEP_H
+
+#include <stdint.h>
+
+#include "core/comm.h"
+#include "core/data.h"
+#include "core/status.h"
+#include "models/accum.h"
+#include "models/checkpoint.h"
+
+typedef struct tdm_dist_ops tdm_dist_ops;
+struct tdm_dist_ops {
+    tdm_status (*zero_grad)(void *self);
+    /* Forward and loss over this rank's n samples (host; n may be 0: the
+     * rank still takes part), the loss gradient scaled by grad_scale;
+     * *loss_sum: the sum of this rank's per-sample losses. */
+    tdm_status (*forward)(void *self, const void *x, const int32_t *y, int n, float grad_scale,
+                          double *loss_sum);
+    /* Uneven inputs (join): the mean-loss gradient over the ranks with
+     * data in this forward; *loss_mean this rank's mean loss. */
+    tdm_status (*forward_mean)(void *self, const void *x, const int32_t *y, int n,
+                               double *loss_mean);
+    void (*no_sync)(void *self, int enable);  /* local: backward accumulates, no collective */
+    tdm_status (*backward)(void *self);
+    tdm_status (*step)(void *self);           /* the optimizer's, on what this rank holds */
+    /* Every rank's loss sum of the forwards the last synchronised
+     * backward reduced (carried by its collectives). Local. */
+    double (*loss_sum)(const void *self);
+    int64_t (*steps)(const void *self);       /* optimizer steps taken. Local. */
+    /* A rank out of data shadows the others' steps until every rank has
+     * joined (dist/join.h); *shadowed: the synchronised steps it shadowed. */
+    tdm_status (*join)(void *self, int64_t *shadowed);
+    /* The test set's mean loss and accuracy, spread over the ranks. */
+    tdm_status (*evaluate)(void *self, const tdm_dataset *test, int batch, double *loss_mean,
+                           double *accuracy);
+    /* The loss sum of n samples in eval mode (n may be 0); collective
+     * where the design's forward is (FSDP), local otherwise (DDP). */
+    tdm_status (*eval_loss)(void *self, const void *x, const int32_t *y, int n,
+                            double *loss_sum);
+    /* A checkpoint every rank takes part in (the full model, readable by
+     * every design and by one device). */
+    tdm_status (*save)(void *self, const char *path, const tdm_ckpt_info *info);
+    tdm_status (*load)(void *self, const char *path, tdm_ckpt_info *info);
+};
+
+/* A training step's context: the design's ops over its self, and where
+ * the rank stands. Zero-initialise, then fill. */
+typedef struct tdm_dist_stepper {
+    const tdm_dist_ops *ops;
+    void *self;
+    tdm_comm *comm;              /* the process group: aborted on failure */
+    int rank, world;
+    int in_elems, out_rows;      /* per sample: 4-byte inputs (floats or tokens), targets */
+    /* 0: a step's x, y hold the global batch, of which this rank runs
+     * its share (tdm_dist_share); 1: they hold only this rank's rows
+     * (drawn by the rank itself, as a GPT's windows), of a global batch
+     * of global_batch samples */
+    int own_rows;
+    int global_batch;
+    /* Called before each optimizer step's first forward with its number
+     * (from 1 over the run): a test's fault hook. May be NULL. */
+    void (*before)(void *ctx, int64_t step);
+    void *before_ctx;
+    int64_t begun;               /* optimizer steps begun (before's count) */
+} tdm_dist_stepper;
+
+/* A tdm_train_step_fn (models/train.h) over a tdm_dist_stepper: one
+ * optimizer step over a global batch of `batch` samples at x, y (see
+ * own_rows): zero_grad; the forward of this rank's rows, the loss
+ * gradient scaled by 1/batch so that the sum over ranks is exactly the
+ * global batch's mean-loss gradient, uneven shares included; the finite
+ * check; backward; the optimizer step. *loss_mean: the global batch's
+ * mean loss (every rank's, carried by the gradients' collectives). */
+tdm_status tdm_dist_step(void *stepper, const void *x, const int32_t *y, int batch,
+                         double *loss_mean);
+
+/* Gradient accumulation (models/accum.h) over a tdm_dist_stepper: every
+ * micro-batch is a global one split over the ranks, its loss gradient
+ * scaled by 1/(the effective batch); the first K-1 backwards run under
+ * no_sync, so only the last one reduces, the sum of all K. */
+extern const tdm_accum_ops tdm_dist_accum_ops;
+
+/* A rank's loss is not finite before its gradient collectives: aborts
+ * the group with the reason ("loss is NaN at step S (<where>): training
+ * diverged ..."; every other rank leaves its next collective naming it,
+ * so all stop at the same step) and returns NONFINITE with "rank R: "
+ * and that reason. where: "rank 1's 3 samples of the batch of 8". */
+tdm_status tdm_dist_diverged(tdm_comm *comm, int rank, int64_t step, double loss,
+                             const char *where);
+
+#endif
