@@ -1,5 +1,5 @@
-/* tools/mpi_job.c: see tools/mpi_job.h. */
-#include "tools/mpi_job.h"
+/* dist/mpi_job.c: a rank of an MPI launcher's job (see dist/mpi_job.h). */
+#include "dist/mpi_job.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -10,27 +10,27 @@
 
 /* mpi/ is optional: NULL where it is not built. */
 
-static const char *const tdm_tool_mpi_vars[] = {"OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_SIZE"};
+static const char *const tdm_dist_mpi_vars[] = {"OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_SIZE"};
 
-int tdm_tool_mpi_launched(void) { return tdm_tool_mpi_launch_hint() != NULL; }
+int tdm_dist_mpi_launched(void) { return tdm_dist_mpi_launch_hint() != NULL; }
 
-const char *tdm_tool_mpi_launch_hint(void)
+const char *tdm_dist_mpi_launch_hint(void)
 {
     static char hint[96];
-    for (size_t i = 0; i < sizeof tdm_tool_mpi_vars / sizeof tdm_tool_mpi_vars[0]; i++) {
-        const char *v = getenv(tdm_tool_mpi_vars[i]);
+    for (size_t i = 0; i < sizeof tdm_dist_mpi_vars / sizeof tdm_dist_mpi_vars[0]; i++) {
+        const char *v = getenv(tdm_dist_mpi_vars[i]);
         /* PMI-1/2 launchers set PMI_RANK and PMI_SIZE together */
         if (v && *v && (i != 2 || getenv("PMI_RANK"))) {
-            snprintf(hint, sizeof hint, "%s=%s", tdm_tool_mpi_vars[i], v);
+            snprintf(hint, sizeof hint, "%s=%s", tdm_dist_mpi_vars[i], v);
             return hint;
         }
     }
     return NULL;
 }
 
-int tdm_tool_mpi_built(void) { return tdm_mpi_job_init != NULL; }
+int tdm_dist_mpi_built(void) { return tdm_mpi_job_init != NULL; }
 
-tdm_status tdm_tool_mpi_missing(const char *what)
+tdm_status tdm_dist_mpi_missing(const char *what)
 {
     return tdm_error_set(TDM_STATUS_UNSUPPORTED,
                          "%s: this tandem was built without MPI (Open MPI's development files "
@@ -39,7 +39,7 @@ tdm_status tdm_tool_mpi_missing(const char *what)
 }
 
 /* mpi/job.c has the same table, but builds without mpi/ parse too. */
-const char *tdm_tool_backend_name(tdm_mpi_backend b)
+const char *tdm_dist_backend_name(tdm_mpi_backend b)
 {
     static const char *const names[TDM_MPI_BACKEND_COUNT_] = {
         [TDM_MPI_BACKEND_AUTO] = "auto", [TDM_MPI_BACKEND_SHM] = "shm",
@@ -48,27 +48,27 @@ const char *tdm_tool_backend_name(tdm_mpi_backend b)
     return (unsigned)b < TDM_MPI_BACKEND_COUNT_ ? names[b] : "?";
 }
 
-tdm_status tdm_tool_backend_parse(const char *cmd, const char *s, tdm_mpi_backend *out)
+tdm_status tdm_dist_backend_parse(const char *s, tdm_mpi_backend *out)
 {
     for (int b = 0; b < TDM_MPI_BACKEND_COUNT_; b++)
-        if (!strcmp(s, tdm_tool_backend_name((tdm_mpi_backend)b))) {
+        if (!strcmp(s, tdm_dist_backend_name((tdm_mpi_backend)b))) {
             *out = (tdm_mpi_backend)b;
             return TDM_STATUS_OK;
         }
-    fprintf(stderr, "tandem %s: --backend '%s': expected auto, shm, mpi or hier\n", cmd, s);
-    return TDM_STATUS_USAGE;
+    return tdm_error_set(TDM_STATUS_INVALID_ARG, "--backend '%s': expected auto, shm, mpi or hier",
+                         s);
 }
 
-tdm_status tdm_tool_mpi_rank_init(tdm_tool_mpi_rank *r, tdm_mpi_backend b, int64_t timeout_ms,
+tdm_status tdm_dist_mpi_rank_init(tdm_dist_mpi_rank *r, tdm_mpi_backend b, int64_t timeout_ms,
                                   const tdm_shm_opts *shm)
 {
     tdm_status st = TDM_STATUS_OK;
     memset(r, 0, sizeof *r);
-    if (!tdm_tool_mpi_built()) {
+    if (!tdm_dist_mpi_built()) {
         char what[128];
         snprintf(what, sizeof what, "started by an MPI launcher (%s)",
-                 tdm_tool_mpi_launch_hint() ? tdm_tool_mpi_launch_hint() : "--backend mpi");
-        return tdm_tool_mpi_missing(what);
+                 tdm_dist_mpi_launch_hint() ? tdm_dist_mpi_launch_hint() : "--backend mpi");
+        return tdm_dist_mpi_missing(what);
     }
     tdm_mpi_opts mo = {.timeout_ms = timeout_ms};
     tdm_shm_opts so = shm ? *shm : (tdm_shm_opts){0};
@@ -82,19 +82,19 @@ tdm_status tdm_tool_mpi_rank_init(tdm_tool_mpi_rank *r, tdm_mpi_backend b, int64
     r->env = (tdm_dist_env){.rank = t->rank, .world_size = t->size, .local_rank = t->local_rank,
                            .local_world_size = t->local_size};
     snprintf(r->desc, sizeof r->desc, "%s, %d rank%s on %d %smachine%s%s",
-             tdm_tool_backend_name(r->backend), t->size, t->size == 1 ? "" : "s", t->n_machines,
+             tdm_dist_backend_name(r->backend), t->size, t->size == 1 ? "" : "s", t->n_machines,
              t->pretend ? "pretend " : "", t->n_machines == 1 ? "" : "s",
              t->pretend ? (t->pretend_tcp ? " (MPI over TCP on lo)" : " (MPI over shared memory)")
                         : "");
     return TDM_STATUS_OK;
 fail:
-    tdm_tool_mpi_rank_free(r);
+    tdm_dist_mpi_rank_free(r);
     /* a job that never formed (the thread level, say): MPI ends cleanly */
     if (tdm_mpi_finalize) tdm_mpi_finalize();
     return st;
 }
 
-int tdm_tool_mpi_env_rank(void)
+int tdm_dist_mpi_env_rank(void)
 {
     static const char *const vars[] = {"OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK"};
     for (size_t i = 0; i < sizeof vars / sizeof vars[0]; i++) {
@@ -104,7 +104,7 @@ int tdm_tool_mpi_env_rank(void)
     return 0;
 }
 
-void tdm_tool_mpi_rank_free(tdm_tool_mpi_rank *r)
+void tdm_dist_mpi_rank_free(tdm_dist_mpi_rank *r)
 {
     tdm_comm_free(r->comm);
     r->comm = NULL;
@@ -112,12 +112,12 @@ void tdm_tool_mpi_rank_free(tdm_tool_mpi_rank *r)
     r->job = NULL;
 }
 
-void tdm_tool_mpi_rank_end(tdm_tool_mpi_rank *r, int rc)
+void tdm_dist_mpi_rank_end(tdm_dist_mpi_rank *r, tdm_status st)
 {
-    if (rc == 1 && r->job && tdm_mpi_abort) {
+    if (st && st != TDM_STATUS_USAGE && r->job && tdm_mpi_abort) {
         char why[96];
         snprintf(why, sizeof why, "rank %d failed (see its error above)", r->env.rank);
         tdm_mpi_abort(why);
     }
-    tdm_tool_mpi_rank_free(r);
+    tdm_dist_mpi_rank_free(r);
 }

@@ -23,12 +23,12 @@
 #include "core/safefile.h"
 #include "ddp/ddp.h"
 #include "ddp/hooks.h"
+#include "dist/mpi_job.h"
 #include "dist/spawn.h"
 #include "models/train.h"
 #include "tools/args.h"
 #include "tools/compare.h"
 #include "tools/devices.h"
-#include "tools/mpi_job.h"
 #include "tools/tools.h"
 
 /* Float tolerances of the equivalence verdict, |a - b| <= atol + rtol |b|.
@@ -268,7 +268,7 @@ typedef struct tdm_cmp_job {
 } tdm_cmp_job;
 
 /* An MPI job's rank (tdm_tool_compare_main releases it). */
-static tdm_tool_mpi_rank tdm_cmp_mr;
+static tdm_dist_mpi_rank tdm_cmp_mr;
 
 /* Under an MPI launcher: joins the job (collective) and makes DDP's
  * communicator. Ranks other than 0 print nothing to stdout, and nothing
@@ -278,11 +278,12 @@ static tdm_status tdm_cmp_mpi_join(tdm_cmp_job *j)
 {
     tdm_cmp_opts *o = &j->o;
     tdm_mpi_backend b = TDM_MPI_BACKEND_AUTO;
-    if (o->backend) TDM_CHECK(tdm_tool_backend_parse("compare", o->backend, &b));
-    if (!tdm_tool_mpi_launched()) {
+    if (o->backend && tdm_dist_backend_parse(o->backend, &b))
+        return tdm_tool_usage_error("tandem compare: %s\n", tdm_error_message());
+    if (!tdm_dist_mpi_launched()) {
         if (b == TDM_MPI_BACKEND_AUTO || b == TDM_MPI_BACKEND_SHM) return TDM_STATUS_OK;
-        if (!tdm_tool_mpi_built()) {
-            tdm_status st = tdm_tool_mpi_missing("--backend mpi|hier");
+        if (!tdm_dist_mpi_built()) {
+            tdm_status st = tdm_dist_mpi_missing("--backend mpi|hier");
             fprintf(stderr, "tandem compare: %s\n", tdm_error_message());
             return st;
         }
@@ -291,13 +292,13 @@ static tdm_status tdm_cmp_mpi_join(tdm_cmp_job *j)
                                     "--backend %s ...`\n", o->backend, o->backend);
     }
     if (o->sweep) {
-        if (tdm_tool_mpi_env_rank() == 0)
+        if (tdm_dist_mpi_env_rank() == 0)
             fprintf(stderr, "tandem compare: --sweep: under an MPI launcher DDP's ranks are the "
                     "job's; run one job per size instead\n");
         return TDM_STATUS_USAGE;
     }
     tdm_shm_opts so = {.arena_bytes = tdm_ddp_arena_bytes(tdm_cmp_param_elems(o))};
-    tdm_status st = tdm_tool_mpi_rank_init(&tdm_cmp_mr, b, 0, &so);
+    tdm_status st = tdm_dist_mpi_rank_init(&tdm_cmp_mr, b, 0, &so);
     if (st != TDM_STATUS_OK) {
         fprintf(stderr, "tandem compare: joining the MPI job: %s\n", tdm_error_message());
         return st;
@@ -920,6 +921,6 @@ int tdm_tool_compare_main(int argc, char **argv)
     /* a run that failed here ends the job (others may wait for this rank);
      * usage errors, alike everywhere, and the verdict, rank 0's alone
      * after the runs, do not */
-    if (tdm_cmp_mr.job) tdm_tool_mpi_rank_end(&tdm_cmp_mr, rc);
+    if (tdm_cmp_mr.job) tdm_dist_mpi_rank_end(&tdm_cmp_mr, st);
     return rc;
 }

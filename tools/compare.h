@@ -139,9 +139,6 @@ tdm_status tdm_cmp_run(const tdm_cmp_opts *o, const tdm_cmp_data *data, tdm_cmp_
                        int n_dev, tdm_cmp_result *r);
 /* Parameters of o's model (a probe on a host device); 0 on failure. */
 int64_t tdm_cmp_param_elems(const tdm_cmp_opts *o);
-/* An MPI job: every rank's records summed onto rank 0's (compare_run.c). */
-tdm_status tdm_cmp_gather_records(tdm_comm *comm, double *per_rank, size_t doubles, int *agree,
-                                  tdm_cmp_memory *mem);
 void tdm_cmp_result_free(tdm_cmp_result *r);
 /* r's arrays for a run of `steps` on n_dev devices (0 on failure, said). */
 tdm_status tdm_cmp_alloc(tdm_cmp_result *r, tdm_cmp_mode mode, int n_dev, int steps,
@@ -152,8 +149,9 @@ int tdm_cmp_is_sharded(tdm_cmp_mode m);
 /* --modes single,dp,ddp,fsdp,zero2,zero1 into a bit mask (single always
  * runs: the reference); 0 with a message on a bad name. */
 int tdm_cmp_parse_modes(const char *s, unsigned *mask);
-tdm_status tdm_cmp_run_fsdp(const tdm_cmp_opts *o, const tdm_cmp_data *data,
-                            tdm_cmp_mode mode, int world, tdm_cmp_result *r);
+/* DDP or a sharded mode on `world` ranks (tools/compare_ranks.c). */
+tdm_status tdm_cmp_run_ranks(const tdm_cmp_opts *o, const tdm_cmp_data *data,
+                             tdm_cmp_mode mode, int world, tdm_cmp_result *r);
 void tdm_cmp_fsdp_print_phases(const tdm_cmp_opts *o, tdm_cmp_result *const *res, int n);
 /* The verdict's pairs among the modes that ran (ran[mode]): each vs
  * single, DDP vs DP, each sharded mode vs DDP. */

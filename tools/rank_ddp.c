@@ -1,51 +1,28 @@
-/* tools/ddp_rank.c: see tools/ddp_rank.h. cuda/ is reached through a
- * weak symbol, so builds without the CUDA backend link and refuse GPUs. */
-#include "tools/ddp_rank.h"
-
+/* tools/rank_ddp.c: DistributedDataParallel's table for the CLI
+ * (tools/ranks.h): a rank's replica, its Reducer over the gradient
+ * communicator (NCCL on a GPU, the process group elsewhere) with the
+ * --comm-hook of the options, its optimizer and a resumed checkpoint;
+ * the per-step ops over ddp/; the header's and the summary's words.
+ * Also what every table shares: the rank's model and its messages. */
 #include <stdio.h>
 #include <stdlib.h>
 
-#include "dist/pg.h"
-#include "shm/shm_comm.h"
+#include "ddp/ddp.h"
 #include "tools/devices.h"
-#include "cuda/cuda_weak.h"
+#include "tools/ranks.h"
+#include "tools/train_modes.h"
 
-/* NCCL's watchdog polls this: the shm group's abort (a rank that failed
- * or died, or the parent stopping the job) stops a rank blocked in NCCL
- * at once instead of at the deadline. */
-static const char *tdm_tool_shm_aborted(void *ctx) { return tdm_shm_comm_abort_reason(ctx); }
-
-tdm_status tdm_tool_rank_nccl(tdm_comm *shm, tdm_device *dev, tdm_comm **nccl)
+tdm_status tdm_tool_rank_fail(const tdm_tool_rank *r, const char *what, tdm_status st)
 {
-    *nccl = NULL;
-    if (!tdm_tool_device_is_gpu(dev)) return TDM_STATUS_OK;
-    if (!tdm_comm_init_nccl_opts)
-        return tdm_error_set(TDM_STATUS_NO_DEVICE, "no CUDA device: this build of tandem has "
-                             "no CUDA backend; use --device cpu:N");
-    /* Collective over shm; a rank that failed before it aborts shm, so
-     * the others' bootstrap fails at once. */
-    tdm_nccl_opts no = {.abort_check = tdm_tool_shm_aborted, .abort_ctx = shm};
-    /* the process group's timeout (TANDEM_TIMEOUT, which tandem launch and
-     * train --timeout set) bounds NCCL's waits too, unless the NCCL-only
-     * TANDEM_NCCL_TIMEOUT_MS says otherwise */
-    if (!getenv("TANDEM_NCCL_TIMEOUT_MS")) TDM_CHECK(tdm_dist_timeout_from_env(&no.timeout_ms));
-    return tdm_comm_init_nccl_opts(nccl, shm, tdm_dev_index(dev), &no);
+    fprintf(stderr, "%s: rank %d: %s: %s\n", r->b->cmd, r->rank, what,
+            tdm_error_message()[0] ? tdm_error_message() : tdm_status_name(st));
+    return st;
 }
 
-tdm_status tdm_tool_rank_device(const tdm_device_list *dl, int rank, tdm_device **dev)
+tdm_status tdm_tool_rank_model(tdm_tool_rank *r)
 {
-    return tdm_device_open(dev, dl->kind == TDM_DEVICE_CUDA ? "cuda" : "cpu",
-                           dl->index[dl->count == 1 ? 0 : rank], 1);
-}
-
-tdm_status tdm_tool_rank_ddp(tdm_comm *shm, tdm_device *dev, tdm_model *m,
-                             const tdm_ddp_opts *opts, tdm_comm **nccl, tdm_ddp **ddp)
-{
-    *ddp = NULL;
-    TDM_CHECK(tdm_tool_rank_nccl(shm, dev, nccl));
-    tdm_ddp_opts o = opts ? *opts : (tdm_ddp_opts){0};
-    o.host_comm = *nccl ? shm : NULL;
-    return tdm_ddp_init(ddp, m, *nccl ? *nccl : shm, &o);
+    tdm_status st = tdm_model_init(&r->m, r->dist->dev, &r->b->spec, r->b->seed);
+    return st ? tdm_tool_rank_fail(r, "building model", st) : st;
 }
 
 size_t tdm_tool_ddp_arena_bytes(const tdm_device_list *dl, int64_t param_elems)
@@ -54,23 +31,173 @@ size_t tdm_tool_ddp_arena_bytes(const tdm_device_list *dl, int64_t param_elems)
     return tdm_ddp_arena_bytes(param_elems);
 }
 
-void tdm_tool_print_ddp_times(const tdm_ddp *ddp, int world, int overlap)
+/* ---- set-up ---- */
+
+static void tdm_rank_ddp_free(void *ctx, void *self)
+{
+    tdm_tool_rank *r = self;
+    (void)ctx;
+    if (!r) return;
+    tdm_ddp_free(r->w);
+    tdm_optim_free(r->opt);
+    tdm_model_free(r->m);
+    free(r);
+}
+
+/* The replica, the Reducer (gradients on the device communicator, the
+ * host collectives on the group), the hook, the optimizer, --resume
+ * (every rank loads the checkpoint). */
+static tdm_status tdm_rank_ddp_setup(void *ctx, tdm_dist_rank *d, void **self)
+{
+    const tdm_tool_build *b = ctx;
+    tdm_tool_rank *r = calloc(1, sizeof *r);
+    TDM_REQUIRE(r, TDM_STATUS_OUT_OF_MEMORY, "rank %d: calloc", d->env.rank);
+    *self = r;
+    *r = (tdm_tool_rank){.b = b, .dist = d, .rank = d->env.rank, .world = d->env.world_size};
+    TDM_CHECK(tdm_tool_rank_model(r));
+    tdm_ddp_opts o = {.bucket_cap_mb = b->bucket_cap_mb, .no_overlap = b->no_overlap,
+                      .join = b->join, .sync_bn = b->sync_bn,
+                      .host_comm = d->dev_comm != d->comm ? d->comm : NULL};
+    tdm_ddp *ddp = NULL;
+    tdm_status st = tdm_ddp_init(&ddp, r->m, d->dev_comm, &o);
+    if (st) return tdm_tool_rank_fail(r, "ddp set-up", st);
+    r->w = ddp;
+    if (b->comm_hook && (st = tdm_ddp_set_comm_hook(ddp, b->comm_hook, &b->powersgd)))
+        return tdm_tool_rank_fail(r, "--comm-hook", st);
+    if ((st = tdm_optim_init(&r->opt, r->m, &b->optim)))
+        return tdm_tool_rank_fail(r, "optimizer", st);
+    if (!b->resume) return TDM_STATUS_OK;
+    tdm_ckpt_info info;
+    if ((st = tdm_ddp_checkpoint_load(ddp, b->resume, r->opt, &info)))
+        return tdm_tool_rank_fail(r, "resuming", st);
+    r->start_epoch = info.epoch;
+    tdm_train_print_resumed(b->resume, &info);
+    return TDM_STATUS_OK;
+}
+
+/* ---- the ops ---- */
+
+#define TDM_RANK_DDP(self) ((tdm_ddp *)((tdm_tool_rank *)(self))->w)
+
+static tdm_status tdm_rank_ddp_zero(void *self) { return tdm_ddp_zero_grad(TDM_RANK_DDP(self)); }
+
+static tdm_status tdm_rank_ddp_forward(void *self, const void *x, const int32_t *y, int n,
+                                       float grad_scale, double *loss_sum)
+{
+    return tdm_ddp_forward_scaled(TDM_RANK_DDP(self), x, y, n, grad_scale, loss_sum);
+}
+
+static tdm_status tdm_rank_ddp_forward_mean(void *self, const void *x, const int32_t *y, int n,
+                                            double *loss_mean)
+{
+    return tdm_ddp_forward(TDM_RANK_DDP(self), x, y, n, loss_mean);
+}
+
+static void tdm_rank_ddp_no_sync(void *self, int enable)
+{
+    tdm_ddp_no_sync(TDM_RANK_DDP(self), enable);
+}
+
+static tdm_status tdm_rank_ddp_backward(void *self) { return tdm_ddp_backward(TDM_RANK_DDP(self)); }
+
+static tdm_status tdm_rank_ddp_step(void *self)
+{
+    return tdm_ddp_step(TDM_RANK_DDP(self), ((tdm_tool_rank *)self)->opt);
+}
+
+static double tdm_rank_ddp_loss_sum(const void *self)
+{
+    return tdm_ddp_loss_sum(TDM_RANK_DDP(self));
+}
+
+int64_t tdm_tool_rank_steps(const void *self)
+{
+    return tdm_optim_steps(((const tdm_tool_rank *)self)->opt);
+}
+
+static tdm_status tdm_rank_ddp_join(void *self, int64_t *shadowed)
+{
+    return tdm_ddp_join(TDM_RANK_DDP(self), ((tdm_tool_rank *)self)->opt, shadowed);
+}
+
+static tdm_status tdm_rank_ddp_evaluate(void *self, const tdm_dataset *test, int batch,
+                                        double *loss_mean, double *accuracy)
+{
+    return tdm_ddp_evaluate(TDM_RANK_DDP(self), test, batch, loss_mean, accuracy);
+}
+
+static tdm_status tdm_rank_ddp_eval_loss(void *self, const void *x, const int32_t *y, int n,
+                                         double *loss_sum)
+{
+    return tdm_ddp_eval_loss(TDM_RANK_DDP(self), x, y, n, loss_sum);
+}
+
+static tdm_status tdm_rank_ddp_save(void *self, const char *path, const tdm_ckpt_info *info)
+{
+    return tdm_ddp_checkpoint_save(TDM_RANK_DDP(self), path, ((tdm_tool_rank *)self)->opt, info);
+}
+
+static tdm_status tdm_rank_ddp_load(void *self, const char *path, tdm_ckpt_info *info)
+{
+    return tdm_ddp_checkpoint_load(TDM_RANK_DDP(self), path, ((tdm_tool_rank *)self)->opt, info);
+}
+
+static const tdm_dist_ops tdm_rank_ddp_ops = {
+    .zero_grad = tdm_rank_ddp_zero, .forward = tdm_rank_ddp_forward,
+    .forward_mean = tdm_rank_ddp_forward_mean, .no_sync = tdm_rank_ddp_no_sync,
+    .backward = tdm_rank_ddp_backward, .step = tdm_rank_ddp_step,
+    .loss_sum = tdm_rank_ddp_loss_sum, .steps = tdm_tool_rank_steps, .join = tdm_rank_ddp_join,
+    .evaluate = tdm_rank_ddp_evaluate, .eval_loss = tdm_rank_ddp_eval_loss,
+    .save = tdm_rank_ddp_save, .load = tdm_rank_ddp_load};
+
+/* ---- what the CLI prints ---- */
+
+static void tdm_rank_ddp_describe(const tdm_tool_rank *r, char *on, size_t n_on, char *note,
+                                  size_t n_note)
+{
+    snprintf(on, n_on, "%s", "");
+    snprintf(note, n_note, "%s", tdm_ddp_zero_copy(r->w) ? ", zero-copy buckets" : "");
+}
+
+/* Where a DDP step went (tdm_ddp_get_times): the mean per-step phases,
+ * with overlap a second line with the exposed share of the step and the
+ * overlapped share of the gradient bytes, then the bytes the comm hook
+ * sent. Nothing before the first synchronised step. */
+static void tdm_rank_ddp_report(const tdm_tool_rank *r, int overlap)
 {
     tdm_ddp_times t;
-    tdm_ddp_get_times(ddp, &t);
+    tdm_ddp_get_times(r->w, &t);
     if (t.steps == 0) return;
     double n = (double)t.steps, step_ms = 0;
     for (int i = 0; i < TDM_PHASE_COUNT_; i++) step_ms += t.total.ms[i];
     double exposed = t.total.ms[TDM_PHASE_ALLREDUCE_WAIT];
     printf("ddp (rank 0 of %d, %d bucket%s, per step): forward %.3f ms, loss %.3f ms, backward "
            "%.3f ms, all-reduce exposed %.3f ms, optimizer %.3f ms\n",
-           world, t.n_buckets, t.n_buckets == 1 ? "" : "s", t.total.ms[TDM_PHASE_FORWARD] / n,
+           r->world, t.n_buckets, t.n_buckets == 1 ? "" : "s", t.total.ms[TDM_PHASE_FORWARD] / n,
            t.total.ms[TDM_PHASE_LOSS] / n, t.total.ms[TDM_PHASE_BACKWARD] / n, exposed / n,
            t.total.ms[TDM_PHASE_STEP] / n);
-    if (!overlap) return;
-    double share = t.reduced_bytes_total > 0
-                       ? 100.0 * t.overlapped_bytes_total / t.reduced_bytes_total : 0.0;
-    printf("ddp communication: exposed (not overlapped) %.3f ms per step = %.1f%% of the step; "
-           "overlap: %.1f%% of the gradient bytes were all-reduced while backward ran\n",
-           exposed / n, step_ms > 0 ? 100.0 * exposed / step_ms : 0.0, share);
+    if (overlap) {
+        double share = t.reduced_bytes_total > 0
+                           ? 100.0 * t.overlapped_bytes_total / t.reduced_bytes_total : 0.0;
+        printf("ddp communication: exposed (not overlapped) %.3f ms per step = %.1f%% of the "
+               "step; overlap: %.1f%% of the gradient bytes were all-reduced while backward "
+               "ran\n", exposed / n, step_ms > 0 ? 100.0 * exposed / step_ms : 0.0, share);
+    }
+    printf("ddp comm hook %s: %.0f bytes all-reduced per step (float32 gradients: %.0f)\n",
+           tdm_ddp_comm_hook_name(r->w), t.reduced_bytes_total / n,
+           (double)tdm_model_param_elems(r->m) * 4.0);
 }
+
+/* Every replica holds the whole model. */
+static tdm_status tdm_rank_ddp_params(tdm_tool_rank *r, float *host, int root)
+{
+    if (root >= 0 && root != r->rank) return TDM_STATUS_OK;
+    return tdm_dev_copy_to_host(tdm_model_device(r->m), host, tdm_model_params(r->m),
+                                (size_t)tdm_model_param_elems(r->m) * sizeof(float));
+}
+
+const tdm_tool_design tdm_tool_ddp_design = {
+    .dist = {.name = "ddp", .caps = TDM_DIST_MPI | TDM_DIST_NCCL, .setup = tdm_rank_ddp_setup,
+             .free = tdm_rank_ddp_free, .ops = &tdm_rank_ddp_ops},
+    .unit = "DDP rank", .save_alone = 1, .describe = tdm_rank_ddp_describe,
+    .report = tdm_rank_ddp_report, .params = tdm_rank_ddp_params};

@@ -30,8 +30,8 @@
 #include "core/device.h"
 #include "core/rng.h"
 #include "core/timer.h"
+#include "dist/run.h"
 #include "shm/spawn.h"
-#include "tools/ddp_rank.h"
 #include "tools/devices.h"
 #include "tools/tools.h"
 
@@ -542,11 +542,11 @@ static int tdm_st_coll_rank(tdm_comm *comm, void *arg)
         goto fail;
     }
     if (a->cuda) {
-        TDM_TRY(tdm_tool_rank_device(&a->dl, me, &b.dev));
+        TDM_TRY(tdm_dist_rank_device(&a->dl, me, &b.dev));
         TDM_TRY(tdm_dev_alloc(b.dev, b.cap * sizeof(float), &b.ds));
         TDM_TRY(tdm_dev_alloc(b.dev, b.cap * sizeof(float), &b.dr));
         /* NCCL on a GPU; emulated GPUs (host memory) reduce over shm */
-        TDM_TRY(tdm_tool_rank_nccl(comm, b.dev, &nccl));
+        TDM_TRY(tdm_dist_gpu_comm(comm, b.dev, &nccl));
     }
     TDM_TRY(tdm_st_coll_run(nccl ? nccl : comm, comm, &b, a, &wrong));
 fail:
