@@ -189,7 +189,7 @@ tdm_status tdm_fsdp_init(tdm_fsdp **out, tdm_model *m, tdm_comm *comm, const tdm
     }
     tdm_model_set_grad_hook(m, tdm_fsdp_grad_hook, f);
     tdm_model_set_use_hook(m, tdm_fsdp_use_hook, f);
-    TDM_INFO(DDP, "fsdp rank %d of %d: %s, %d unit(s), %lld parameters, shard of %lld, "
+    TDM_INFO(FSDP, "rank %d of %d: %s, %d unit(s), %lld parameters, shard of %lld, "
              "prefetch %s, overlap %s", f->rank, f->world,
              tdm_fsdp_sharding_describe(f->o.sharding), f->nu,
              (long long)tdm_model_param_elems(m), (long long)f->shard_elems,
@@ -229,7 +229,7 @@ void tdm_fsdp_free(tdm_fsdp *f)
         x->ag = x->rs = NULL;
     }
     if (stuck) {
-        TDM_WARN(DDP, "fsdp free: a collective did not end after an abort: its memory is "
+        TDM_WARN(FSDP, "free: a collective did not end after an abort: its memory is "
                        "leaked rather than freed while it may still be written");
         free(f->u);
         f->u = NULL;
