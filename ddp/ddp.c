@@ -26,14 +26,12 @@ struct tdm_ddp {
     int rank, world;
     tdm_ddp_reducer red;         /* the gradient storage, its buckets and their all-reduces */
     int sync;                    /* 0 under no_sync */
-    uint64_t fwd_count;          /* training forwards run (the check tail's sequence) */
     int64_t steps_done;          /* optimizer steps: the flight recorder's step */
     double loss_accum, loss_global;  /* this rank's since the last sync; all ranks' */
     tdm_dist_stage stage;        /* the batch on the device, the loss gradient */
-    int fwd_batch, have_fwd;
+    tdm_dist_fwd fwd;            /* the forward backward goes back through (its count: the
+                                    check tail's sequence) */
     int fwd_bn_empty;            /* that forward had no samples but shadowed SyncBatchNorm's sums */
-    double fwd_loss;             /* the pending forward's loss sum, added at its backward */
-    const char *fwd_lost;        /* why there is no forward to go back through, or NULL */
     tdm_dist_join join;          /* opts.join: the ranks with data, this rank joined */
     tdm_ddp_times times;
 };
@@ -154,7 +152,8 @@ static tdm_status tdm_ddp_hook_check(tdm_ddp *d, const tdm_ddp_comm_hook *hook)
     TDM_REQUIRE(!d->red.hook.launch, TDM_STATUS_INVALID_ARG,
                 "ddp: a comm hook ('%s') is already registered; register one hook, once",
                 d->red.hook.name ? d->red.hook.name : "user");
-    TDM_REQUIRE(d->red.sync_count == 0 && !d->have_fwd, TDM_STATUS_INVALID_ARG,
+    TDM_REQUIRE(d->red.sync_count == 0 && d->fwd.state != TDM_DIST_FWD_PENDING,
+                TDM_STATUS_INVALID_ARG,
                 "ddp: register the comm hook before the first forward (as in PyTorch): "
                 "%llu synchronised backward(s) already ran", (unsigned long long)d->red.sync_count);
     return TDM_STATUS_OK;
@@ -223,8 +222,7 @@ static tdm_status tdm_ddp_forward_impl(tdm_ddp *d, const void *x, const int32_t 
                 "ddp forward: this rank has joined (tdm_ddp_join): it has no data left");
     uint64_t t0 = tdm_time_ns();
     tdm_model *m = d->m;
-    d->have_fwd = 0;
-    d->fwd_lost = NULL;
+    tdm_dist_fwd_begin(&d->fwd);
     if (d->o.join && tdm_model_is_train(m) && d->world > 1 && !d->join.joined)
         TDM_CHECK(tdm_ddp_join_count(d));
     /* by_active: 1/(batch * the ranks with data); an explicit scale is
@@ -264,10 +262,7 @@ static tdm_status tdm_ddp_forward_impl(tdm_ddp *d, const void *x, const int32_t 
                                         &t1));
     }
     uint64_t t2 = tdm_time_ns();
-    d->fwd_batch = batch;
-    d->have_fwd = 1;
-    d->fwd_loss = ls;   /* counted once its backward runs: a replaced forward is not reduced */
-    if (tdm_model_is_train(m)) d->fwd_count++;
+    tdm_dist_fwd_done(&d->fwd, batch, ls, tdm_model_is_train(m));
     d->times.last.ms[TDM_PHASE_FORWARD] = (double)(t1 - t0) * 1e-6;
     d->times.last.ms[TDM_PHASE_LOSS] = (double)(t2 - t1) * 1e-6;
     d->times.total.ms[TDM_PHASE_FORWARD] += (double)(t1 - t0) * 1e-6;
@@ -320,7 +315,7 @@ tdm_status tdm_ddp_forward_global_scaled(tdm_ddp *d, const void *x, const int32_
 static tdm_status tdm_ddp_backward_local(tdm_ddp *d)
 {
     uint64_t t0 = tdm_time_ns();
-    if (d->fwd_batch > 0) TDM_CHECK(tdm_model_backward(d->m, d->stage.dlogits));
+    if (d->fwd.batch > 0) TDM_CHECK(tdm_model_backward(d->m, d->stage.dlogits));
     else if (d->fwd_bn_empty) TDM_CHECK(tdm_model_sync_bn_backward_empty(d->m));
     d->times.last.ms[TDM_PHASE_BACKWARD] = tdm_time_ms_since(t0);
     d->times.last.ms[TDM_PHASE_ALLREDUCE_WAIT] = 0;
@@ -330,24 +325,22 @@ static tdm_status tdm_ddp_backward_local(tdm_ddp *d)
 
 tdm_status tdm_ddp_backward(tdm_ddp *d)
 {
-    TDM_REQUIRE(d->have_fwd || !d->fwd_lost, TDM_STATUS_INVALID_ARG,
-                "ddp backward: %s; call tdm_ddp_forward again before backward", d->fwd_lost);
-    TDM_REQUIRE(d->have_fwd, TDM_STATUS_INVALID_ARG, "ddp backward: no forward before it");
-    d->have_fwd = 0;
-    d->loss_accum += d->fwd_loss;
+    double fwd_loss;
+    TDM_CHECK(tdm_dist_fwd_take(&d->fwd, "ddp", &fwd_loss));
+    d->loss_accum += fwd_loss;
     if (!d->sync) return tdm_ddp_backward_local(d);
-    uint32_t seq = (uint32_t)(d->fwd_count % TDM_DDP_SEQ_MOD) + 1;
+    uint32_t seq = (uint32_t)(d->fwd.count % TDM_DDP_SEQ_MOD) + 1;
     TDM_CHECK(tdm_ddp_reducer_begin(&d->red, seq, d->loss_accum));
     d->loss_accum = 0.0;
-    if (d->fwd_batch > 0 || d->fwd_bn_empty) {
+    if (d->fwd.batch > 0 || d->fwd_bn_empty) {
         d->red.in_backward = 1;   /* the grad-ready hook launches buckets */
-        tdm_status st = d->fwd_batch > 0 ? tdm_model_backward(d->m, d->stage.dlogits)
+        tdm_status st = d->fwd.batch > 0 ? tdm_model_backward(d->m, d->stage.dlogits)
                                          : tdm_model_sync_bn_backward_empty(d->m);
         d->red.in_backward = 0;
         if (st) return tdm_ddp_reducer_abort(&d->red, st);
     }
     uint64_t t1 = tdm_time_ns();
-    TDM_CHECK(tdm_ddp_reducer_end(&d->red, seq, d->fwd_batch > 0, &d->loss_global));
+    TDM_CHECK(tdm_ddp_reducer_end(&d->red, seq, d->fwd.batch > 0, &d->loss_global));
     uint64_t t2 = tdm_time_ns();
     tdm_ddp_times *t = &d->times;
     t->comm_ms_last = tdm_ddp_reducer_comm_ms(&d->red);
@@ -383,7 +376,7 @@ static tdm_status tdm_ddp_shadow_step(void *ctx, int sync)
     tdm_ddp *d = s->d;
     if (!sync) {
         TDM_CHECK(tdm_ddp_forward_impl(d, NULL, NULL, 0, 0.0f, 0, NULL));
-        d->have_fwd = 0;
+        d->fwd.state = TDM_DIST_FWD_NONE;   /* no backward follows it */
         return TDM_STATUS_OK;
     }
     TDM_CHECK(tdm_ddp_zero_grad(d));
@@ -399,7 +392,7 @@ tdm_status tdm_ddp_join(tdm_ddp *d, tdm_optim *opt, int64_t *shadowed)
                 "data at each forward)");
     TDM_REQUIRE(d->sync, TDM_STATUS_INVALID_ARG,
                 "ddp join: called under no_sync; finish the accumulation first");
-    if (d->world > 1) d->have_fwd = 0;   /* the shadowed steps' forwards replace it */
+    if (d->world > 1) tdm_dist_fwd_begin(&d->fwd);   /* the shadowed steps' forwards replace it */
     tdm_ddp_shadow s = {.d = d, .opt = opt};
     tdm_status st = tdm_dist_join_shadow(&d->join, d->hcomm, d->rank, d->world, "ddp",
                                          "ddp join count", tdm_ddp_shadow_step, &s, shadowed);
@@ -442,11 +435,7 @@ tdm_status tdm_ddp_evaluate(tdm_ddp *d, const tdm_dataset *test, int batch, doub
                 "ddp evaluate: test, batch > 0 and outputs are required");
     /* Evaluation runs forwards on this same model: a pending training
      * forward's activations are about to be overwritten. */
-    if (d->have_fwd) {
-        d->have_fwd = 0;
-        d->fwd_lost = "tdm_ddp_evaluate ran forwards on the model since the last "
-                      "tdm_ddp_forward and replaced its activations";
-    }
+    tdm_dist_fwd_lose(&d->fwd, "tdm_ddp_evaluate");
     if (d->world > 1 && tdm_model_buffer_elems(m) > 0) {
         tdm_comm_set_label(d->comm, "ddp broadcast buffers (evaluate)");
         tdm_status st = tdm_comm_broadcast(d->comm, tdm_model_buffers(m), tdm_model_buffers(m),
@@ -489,11 +478,7 @@ tdm_status tdm_ddp_eval_loss(tdm_ddp *d, const void *x, const int32_t *y, int ba
                 "ddp eval_loss: bad batch %d or NULL argument", batch);
     *loss_sum = 0.0;
     if (batch == 0) return TDM_STATUS_OK;
-    if (d->have_fwd) {
-        d->have_fwd = 0;
-        d->fwd_lost = "tdm_ddp_eval_loss ran a forward on the model since the last "
-                      "tdm_ddp_forward and replaced its activations";
-    }
+    tdm_dist_fwd_lose(&d->fwd, "tdm_ddp_eval_loss");
     const void *xd;
     const int32_t *yd;
     const float *logits;

@@ -373,7 +373,8 @@ static tdm_status tdm_ddp_drain(tdm_ddp_reducer *r)
             while (!st && !s && tdm_comm_work_test(bk->work, &done) == TDM_STATUS_OK && !done &&
                    tdm_time_ns() < spin_end)
                 sched_yield();
-            tdm_status s2 = tdm_comm_work_wait(bk->work, (st || s) ? TDM_DIST_DRAIN_TIMEOUT_MS : to);
+            tdm_status s2 =
+                tdm_comm_work_wait(bk->work, (st || s) ? TDM_DIST_DRAIN_TIMEOUT_MS : to);
             if (!s) s = s2;
             /* freeing a still-running work is allowed: it completes in the
              * background (core/comm.h), and the communicator is aborted */

@@ -98,3 +98,37 @@ tdm_status tdm_dist_forward_loss(tdm_dist_stage *s, tdm_model *m, tdm_dist_forwa
     TDM_CHECK(tdm_dist_stage_dlogits(s, nb));
     return tdm_model_loss(m, logits, yd, B, grad_scale, loss_sum, s->dlogits);
 }
+
+void tdm_dist_fwd_begin(tdm_dist_fwd *f)
+{
+    f->state = TDM_DIST_FWD_NONE;
+    f->lost = NULL;
+}
+
+void tdm_dist_fwd_done(tdm_dist_fwd *f, int batch, double loss, int train)
+{
+    f->state = TDM_DIST_FWD_PENDING;
+    f->batch = batch;
+    f->loss = loss;   /* counted once its backward runs: a replaced forward is not reduced */
+    if (train) f->count++;
+}
+
+void tdm_dist_fwd_lose(tdm_dist_fwd *f, const char *what)
+{
+    if (f->state != TDM_DIST_FWD_PENDING) return;
+    f->state = TDM_DIST_FWD_LOST;
+    f->lost = what;
+}
+
+tdm_status tdm_dist_fwd_take(tdm_dist_fwd *f, const char *who, double *loss)
+{
+    TDM_REQUIRE(f->state != TDM_DIST_FWD_LOST, TDM_STATUS_INVALID_ARG,
+                "%s backward: %s ran forwards on the model since the last tdm_%s_forward and "
+                "replaced its activations; call tdm_%s_forward again before backward", who,
+                f->lost, who, who);
+    TDM_REQUIRE(f->state == TDM_DIST_FWD_PENDING, TDM_STATUS_INVALID_ARG,
+                "%s backward: no forward before it; call tdm_%s_forward first", who, who);
+    f->state = TDM_DIST_FWD_NONE;
+    *loss = f->loss;
+    return TDM_STATUS_OK;
+}

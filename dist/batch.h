@@ -62,6 +62,36 @@ tdm_status tdm_dist_stage_dummy(tdm_dist_stage *s, const tdm_model *m, const voi
 tdm_status tdm_dist_stage_dlogits(tdm_dist_stage *s, size_t nbytes);
 void tdm_dist_stage_free(tdm_dist_stage *s);
 
+/* The training forward a backward goes back through. A design runs one
+ * forward, then its backward; an evaluation between them replaces the
+ * model's activations, and the backward must then be refused rather than
+ * run on the wrong ones. */
+typedef enum tdm_dist_fwd_state {
+    TDM_DIST_FWD_NONE = 0,       /* no forward to go back through */
+    TDM_DIST_FWD_PENDING,        /* a forward awaits its backward */
+    TDM_DIST_FWD_LOST,           /* its activations were replaced (lost says by what) */
+} tdm_dist_fwd_state;
+
+typedef struct tdm_dist_fwd {
+    tdm_dist_fwd_state state;
+    const char *lost;            /* LOST: what replaced it (a static string) */
+    int batch;                   /* the pending forward's samples */
+    double loss;                 /* its loss sum, counted once its backward runs */
+    uint64_t count;              /* training forwards run (the end-of-step check's) */
+} tdm_dist_fwd;
+
+/* A forward begins: whatever was pending is gone. */
+void tdm_dist_fwd_begin(tdm_dist_fwd *f);
+/* It ended: batch samples, their loss sum; train counts it. */
+void tdm_dist_fwd_done(tdm_dist_fwd *f, int batch, double loss, int train);
+/* Something else ran forwards on the model (an evaluation): a pending
+ * forward is LOST, by what. */
+void tdm_dist_fwd_lose(tdm_dist_fwd *f, const char *what);
+/* A backward takes the pending forward (then NONE); INVALID_ARG naming
+ * what replaced it, or that none ran ("<who> backward: no forward before
+ * it; call tdm_<who>_forward first"). *loss: its loss sum. */
+tdm_status tdm_dist_fwd_take(tdm_dist_fwd *f, const char *who, double *loss);
+
 /* A forward over B samples at xd (device) writing *logits: the model's
  * own (NULL), or a design's wrapper around it (FSDP's, which gathers
  * units through the model's hooks). */

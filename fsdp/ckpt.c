@@ -56,7 +56,10 @@ static tdm_status tdm_fsdp_agree(tdm_fsdp *f, tdm_status mine, const char *what,
     return TDM_STATUS_OK;
 }
 
-static const char *tdm_fsdp_kind_name(tdm_optim_kind k) { return k == TDM_OPTIM_ADAMW ? "adamw" : "sgd"; }
+static const char *tdm_fsdp_kind_name(tdm_optim_kind k)
+{
+    return k == TDM_OPTIM_ADAMW ? "adamw" : "sgd";
+}
 
 static tdm_status tdm_fsdp_check_opt(const tdm_fsdp *f, const tdm_optim *opt)
 {
@@ -143,8 +146,8 @@ static tdm_status tdm_fsdp_place(tdm_fsdp *f, const float *src, float *stage, fl
         const tdm_fsdp_unit *x = &f->u[u];
         memset(stage, 0, (size_t)x->padded * sizeof(float));
         memcpy(stage, src + x->offset, (size_t)x->n_elem * sizeof(float));
-        if (params && f->pfull) {
-            TDM_CHECK(tdm_dev_copy_from_host(d, f->pfull + x->full_off, stage,
+        if (params && f->buf.pfull) {
+            TDM_CHECK(tdm_dev_copy_from_host(d, f->buf.pfull + x->full_off, stage,
                                              (size_t)x->padded * sizeof(float)));
             continue;   /* its shard is a slice of the full copy */
         }
@@ -294,7 +297,8 @@ static tdm_status tdm_fsdp_write_index(tdm_fsdp *f, const char *path, tdm_optim 
         st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "fsdp: staging %s", path);
         goto fail;
     }
-    if (be > 0) TDM_TRY(tdm_dev_copy_to_host(d, hb, tdm_model_buffers(m), (size_t)be * sizeof(float)));
+    if (be > 0)
+        TDM_TRY(tdm_dev_copy_to_host(d, hb, tdm_model_buffers(m), (size_t)be * sizeof(float)));
     for (int i = 0; i < nbuf; i++) {
         const tdm_tensor_info *ti = tdm_model_buffer_info(m, i);
         t[i] = (tdm_st_tensor){.name = ti->name, .dtype = TDM_ST_F32, .ndim = ti->ndim,
@@ -472,7 +476,8 @@ static tdm_status tdm_fsdp_read_shards(tdm_fsdp *f, const char *path, const char
             const tdm_fsdp_unit *x = &f->u[u];
             int64_t s_old = (x->n_elem + W - 1) / W;
             int64_t lo = (int64_t)f->rank * x->shard, hi = lo + x->shard;
-            int64_t a = q * s_old > lo ? q * s_old : lo, b = (q + 1) * s_old < hi ? (q + 1) * s_old : hi;
+            int64_t a = q * s_old > lo ? q * s_old : lo;
+            int64_t b = (q + 1) * s_old < hi ? (q + 1) * s_old : hi;
             if (b > x->n_elem) b = x->n_elem;
             if (a >= b) continue;
             free(tmp);
@@ -483,7 +488,9 @@ static tdm_status tdm_fsdp_read_shards(tdm_fsdp *f, const char *path, const char
             }
             for (int s = 0; s <= ns; s++) {
                 if (s == 0) snprintf(name, sizeof name, "unit%d.params", u);
-                else snprintf(name, sizeof name, "unit%d.optim.%s", u, tdm_optim_state_name(opt, s - 1));
+                else
+                    snprintf(name, sizeof name, "unit%d.optim.%s", u,
+                             tdm_optim_state_name(opt, s - 1));
                 TDM_TRY(tdm_st_read(sf, name, TDM_ST_F32, 1, &s_old, tmp));
                 TDM_TRY(tdm_fsdp_finite(file, name, tmp, s_old));
                 float *dst = stage + (size_t)s * (size_t)f->shard_elems + x->shard_off;
@@ -582,7 +589,8 @@ agree:
     for (int u = 0; st == TDM_STATUS_OK && u < f->nu; u++) {
         const tdm_fsdp_unit *x = &f->u[u];
         for (int s = 0; st == TDM_STATUS_OK && s <= ns; s++) {
-            float *dst = s == 0 ? tdm_fsdp_pshard(f, u) : tdm_optim_state(opt, s - 1) + x->shard_off;
+            float *dst = s == 0 ? tdm_fsdp_pshard(f, u)
+                                : tdm_optim_state(opt, s - 1) + x->shard_off;
             st = tdm_dev_copy_from_host(d, dst, stage + (size_t)s * (size_t)f->shard_elems +
                                                     x->shard_off,
                                         (size_t)x->shard * sizeof(float));
@@ -592,13 +600,14 @@ agree:
         st = tdm_dev_copy_from_host(d, tdm_model_buffers(m), hb, (size_t)be * sizeof(float));
     /* grad_op and optimizer keep full parameters: every rank's new shard
      * into every rank's copy */
-    for (int u = 0; st == TDM_STATUS_OK && f->pfull && u < f->nu; u++) {
-        f->u[u].p_state = 0;
+    for (int u = 0; st == TDM_STATUS_OK && f->buf.pfull && u < f->nu; u++) {
+        f->u[u].params = TDM_FSDP_PARAMS_ABSENT;
         st = tdm_fsdp_issue_gather(f, u, 0);
     }
-    if (st == TDM_STATUS_OK && f->pfull) st = tdm_fsdp_settle_params(f, 0);
+    if (st == TDM_STATUS_OK && f->buf.pfull) st = tdm_fsdp_settle_params(f, 0);
     if (st == TDM_STATUS_OK && opt) tdm_optim_set_steps(opt, step);
-    if (st == TDM_STATUS_OK && info) *info = (tdm_ckpt_info){.step = step, .epoch = epoch, .seed = seed};
+    if (st == TDM_STATUS_OK && info)
+        *info = (tdm_ckpt_info){.step = step, .epoch = epoch, .seed = seed};
     tdm_st_free(idx);
     free(units);
     free(stage);

@@ -15,11 +15,7 @@ tdm_status tdm_fsdp_evaluate(tdm_fsdp *f, const tdm_dataset *test, int batch, do
     tdm_model *m = f->m;
     TDM_REQUIRE(test && batch > 0 && loss_mean && accuracy, TDM_STATUS_INVALID_ARG,
                 "fsdp evaluate: test, batch > 0 and outputs are required");
-    if (f->have_fwd) {
-        f->have_fwd = 0;
-        f->fwd_lost = "tdm_fsdp_evaluate ran forwards on the model since the last "
-                      "tdm_fsdp_forward and replaced its activations";
-    }
+    tdm_dist_fwd_lose(&f->fwd, "tdm_fsdp_evaluate");
     int full = f->o.sharding == TDM_FSDP_FULL_SHARD, was_train = tdm_model_is_train(m);
     tdm_status st = tdm_fsdp_settle_params(f, full);
     if (st == TDM_STATUS_OK) st = tdm_fsdp_broadcast_buffers(f, "evaluate");
@@ -74,11 +70,7 @@ tdm_status tdm_fsdp_eval_loss(tdm_fsdp *f, const void *x, const int32_t *y, int 
     TDM_REQUIRE(loss_sum && batch >= 0 && (batch == 0 || (x && y)), TDM_STATUS_INVALID_ARG,
                 "fsdp eval_loss: bad batch %d or NULL argument", batch);
     *loss_sum = 0.0;
-    if (f->have_fwd) {
-        f->have_fwd = 0;
-        f->fwd_lost = "tdm_fsdp_eval_loss ran a forward on the model since the last "
-                      "tdm_fsdp_forward and replaced its activations";
-    }
+    tdm_dist_fwd_lose(&f->fwd, "tdm_fsdp_eval_loss");
     int full = f->o.sharding == TDM_FSDP_FULL_SHARD, was_train = tdm_model_is_train(m);
     tdm_status st = tdm_fsdp_settle_params(f, full);
     if (st == TDM_STATUS_OK) st = tdm_fsdp_broadcast_buffers(f, "eval_loss");
@@ -117,12 +109,13 @@ tdm_status tdm_fsdp_gather_params(tdm_fsdp *f, float *host_out, int root)
         tdm_status st = tdm_fsdp_settle_params(f, 0);
         if (st) return tdm_fsdp_fail(f, st);
         for (int u = 0; mine && u < f->nu; u++)
-            TDM_CHECK(tdm_dev_copy_to_host(d, host_out + f->u[u].offset, f->pfull + f->u[u].full_off,
+            TDM_CHECK(tdm_dev_copy_to_host(d, host_out + f->u[u].offset,
+                                           f->buf.pfull + f->u[u].full_off,
                                            (size_t)f->u[u].n_elem * sizeof(float)));
         return TDM_STATUS_OK;
     }
     for (int u = 0; u < f->nu; u++) {
-        int had = f->u[u].p_state == 2;
+        int had = f->u[u].params == TDM_FSDP_PARAMS_PRESENT;
         tdm_status st = tdm_fsdp_need_params(f, u, 0);
         if (st) return tdm_fsdp_fail(f, st);
         if (mine)

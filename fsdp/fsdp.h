@@ -280,7 +280,7 @@ typedef struct tdm_fsdp_times {
     tdm_phase_times last, total;
     int64_t steps;                /* synchronised backwards counted in total */
     double ag_bytes_total, ag_prefetched_bytes_total;    /* all-gathered, of which prefetched */
-    double rs_bytes_total, rs_overlapped_bytes_total;    /* reduce-scattered, of which during backward */
+    double rs_bytes_total, rs_overlapped_bytes_total;  /* reduce-scattered; during backward */
     double ag_ms_total, rs_ms_total;   /* issue to seen-complete, summed over collectives */
     int n_events;                 /* of the last step (forward to step) */
     const tdm_fsdp_event *events; /* borrowed */

@@ -27,7 +27,7 @@ tdm_status tdm_fsdp_join_forward(tdm_fsdp *f, int train, int batch, int by_activ
 {
     char label[32];
     if (train && f->world > 1 && !f->join.joined)
-        TDM_CHECK(tdm_dist_join_count(&f->join, f->hcomm, f->sync, "fsdp",
+        TDM_CHECK(tdm_dist_join_count(&f->join, f->hcomm, f->pass.sync, "fsdp",
                                       tdm_fsdp_join_label(f, label, sizeof label)));
     *scale = tdm_dist_join_scale(&f->join, f->world, batch, by_active, *scale);
     return TDM_STATUS_OK;
@@ -49,10 +49,10 @@ static tdm_status tdm_fsdp_shadow_step(void *ctx, int sync)
 {
     tdm_fsdp *f = ((tdm_fsdp_shadow *)ctx)->f;
     if (!sync) {
-        f->sync = 0;
+        f->pass.sync = 0;
         tdm_status st = tdm_fsdp_forward_scaled(f, NULL, NULL, 0, 0.0f, NULL);
         if (st == TDM_STATUS_OK) st = tdm_fsdp_backward(f);
-        f->sync = 1;
+        f->pass.sync = 1;
         return st;
     }
     TDM_CHECK(tdm_fsdp_zero_grad(f));
@@ -66,12 +66,12 @@ tdm_status tdm_fsdp_join(tdm_fsdp *f, tdm_optim *opt, int64_t *shadowed)
     TDM_REQUIRE(f->o.join, TDM_STATUS_INVALID_ARG,
                 "fsdp join: construct FSDP with opts.join = 1 (every rank counts the ranks with "
                 "data at each forward)");
-    TDM_REQUIRE(f->sync, TDM_STATUS_INVALID_ARG,
+    TDM_REQUIRE(f->pass.sync, TDM_STATUS_INVALID_ARG,
                 "fsdp join: called under no_sync; finish the accumulation first");
     TDM_REQUIRE(opt, TDM_STATUS_INVALID_ARG,
                 "fsdp join: the optimizer is required: this rank owns shards of the parameters "
                 "and optimizer state, and steps them with the others");
-    if (f->world > 1) f->have_fwd = 0;   /* the shadowed steps' forwards replace it */
+    if (f->world > 1) tdm_dist_fwd_begin(&f->fwd);   /* the shadowed steps' forwards replace it */
     tdm_fsdp_shadow s = {.f = f, .opt = opt};
     char label[32];
     tdm_status st = tdm_dist_join_shadow(&f->join, f->hcomm, f->rank, f->world, "fsdp",

@@ -35,8 +35,8 @@ tdm_status tdm_fsdp_plan(tdm_fsdp *f)
     int nl = tdm_model_n_layers(m), n = f->n_params;
     f->u = calloc((size_t)n, sizeof *f->u);
     f->param_unit = calloc((size_t)n, sizeof *f->param_unit);
-    f->ready = calloc((size_t)n, 1);
-    if (!f->u || !f->param_unit || !f->ready)
+    f->pass.ready = calloc((size_t)n, 1);
+    if (!f->u || !f->param_unit || !f->pass.ready)
         return tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "fsdp: unit plan for %d parameters", n);
     int nu = 0, block = -1, prev_last = -1;
     for (int l = 0; l < nl; l++) {
