@@ -46,47 +46,52 @@ void tdm_cmp_dev_spec(const tdm_cmp_opts *o, int n, char *buf, size_t len)
         used += (size_t)snprintf(buf + used, len - used, "%s%d", i ? "," : "", o->dl.index[i]);
 }
 
+/* A result's per-step and parameter arrays (not the timelines, which
+ * DDP and the sharded modes size themselves), in one order: what is
+ * allocated, freed, and packed for a child process. */
+#define TDM_CMP_ARRAYS 10
+static int tdm_cmp_arrays(tdm_cmp_result *r, void **ptr[TDM_CMP_ARRAYS],
+                          size_t bytes[TDM_CMP_ARRAYS])
+{
+    size_t steps = (size_t)r->steps, pe = (size_t)r->param_elems;
+    int k = 0;
+#define TDM_CMP_ARR(field, nbytes) (ptr[k] = (void **)&r->field, bytes[k] = (nbytes), k++)
+    TDM_CMP_ARR(loss, steps * sizeof(double));
+    TDM_CMP_ARR(step_ms, steps * sizeof(double));
+    TDM_CMP_ARR(step_t0_ms, steps * sizeof(double));
+    TDM_CMP_ARR(phase, steps * (size_t)r->n_dev * sizeof(tdm_phase_times));
+    TDM_CMP_ARR(wall, steps * sizeof(tdm_phase_times));
+    TDM_CMP_ARR(comm_ms, steps * sizeof(double));
+    TDM_CMP_ARR(exposed_ms, steps * sizeof(double));
+    TDM_CMP_ARR(bwd_t0_ms, steps * sizeof(double));
+    TDM_CMP_ARR(params_first, pe * sizeof(float));
+    TDM_CMP_ARR(params_last, pe * sizeof(float));
+#undef TDM_CMP_ARR
+    return k;
+}
+
 tdm_status tdm_cmp_alloc(tdm_cmp_result *r, tdm_cmp_mode mode, int n_dev, int steps,
                          int64_t param_elems)
 {
-    memset(r, 0, sizeof *r);
-    r->mode = mode;
-    r->n_dev = n_dev;
-    r->steps = steps;
-    r->param_elems = param_elems;
-    r->ranks_agree = 1;
-    r->loss = calloc((size_t)steps, sizeof(double));
-    r->step_ms = calloc((size_t)steps, sizeof(double));
-    r->step_t0_ms = calloc((size_t)steps, sizeof(double));
-    r->phase = calloc((size_t)steps * n_dev, sizeof(tdm_phase_times));
-    r->wall = calloc((size_t)steps, sizeof(tdm_phase_times));
-    r->comm_ms = calloc((size_t)steps, sizeof(double));
-    r->exposed_ms = calloc((size_t)steps, sizeof(double));
-    r->bwd_t0_ms = calloc((size_t)steps, sizeof(double));
-    r->params_first = calloc((size_t)param_elems, sizeof(float));
-    r->params_last = calloc((size_t)param_elems, sizeof(float));
-    if (!r->loss || !r->step_ms || !r->step_t0_ms || !r->phase || !r->wall || !r->comm_ms ||
-        !r->exposed_ms || !r->bwd_t0_ms || !r->params_first || !r->params_last) {
-        fprintf(stderr, "tandem compare: out of memory\n");
-        return tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "out of memory");
-    }
-    return TDM_STATUS_OK;
+    *r = (tdm_cmp_result){.mode = mode, .n_dev = n_dev, .steps = steps,
+                          .param_elems = param_elems, .ranks_agree = 1};
+    void **ptr[TDM_CMP_ARRAYS];
+    size_t bytes[TDM_CMP_ARRAYS];
+    int n = tdm_cmp_arrays(r, ptr, bytes), ok = 1;
+    for (int k = 0; k < n; k++) ok &= (*ptr[k] = calloc(1, bytes[k] ? bytes[k] : 1)) != NULL;
+    if (ok) return TDM_STATUS_OK;
+    fprintf(stderr, "tandem compare: out of memory\n");
+    return tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "out of memory");
 }
 
 void tdm_cmp_result_free(tdm_cmp_result *r)
 {
-    free(r->loss);
-    free(r->step_ms);
-    free(r->step_t0_ms);
-    free(r->phase);
-    free(r->wall);
-    free(r->comm_ms);
-    free(r->exposed_ms);
-    free(r->bwd_t0_ms);
+    void **ptr[TDM_CMP_ARRAYS];
+    size_t bytes[TDM_CMP_ARRAYS];
+    int n = tdm_cmp_arrays(r, ptr, bytes);
+    for (int k = 0; k < n; k++) free(*ptr[k]);
     free(r->bucket);
     free(r->coll);
-    free(r->params_first);
-    free(r->params_last);
     memset(r, 0, sizeof *r);
 }
 
@@ -310,43 +315,23 @@ typedef struct tdm_cmp_iso {
     unsigned char *sh;
 } tdm_cmp_iso;
 
-/* What each array of a result holds, in packing order: pointer and bytes. */
-static int tdm_cmp_iso_arrays(tdm_cmp_result *r, size_t steps, int n_dev, size_t pe,
-                              void **ptr[10], size_t bytes[10])
-{
-    int k = 0;
-#define TDM_CMP_ARR(field, nbytes) (ptr[k] = (void **)&r->field, bytes[k] = (nbytes), k++)
-    TDM_CMP_ARR(loss, steps * sizeof(double));
-    TDM_CMP_ARR(step_ms, steps * sizeof(double));
-    TDM_CMP_ARR(step_t0_ms, steps * sizeof(double));
-    TDM_CMP_ARR(phase, steps * (size_t)n_dev * sizeof(tdm_phase_times));
-    TDM_CMP_ARR(wall, steps * sizeof(tdm_phase_times));
-    TDM_CMP_ARR(comm_ms, steps * sizeof(double));
-    TDM_CMP_ARR(exposed_ms, steps * sizeof(double));
-    TDM_CMP_ARR(bwd_t0_ms, steps * sizeof(double));
-    TDM_CMP_ARR(params_first, pe * sizeof(float));
-    TDM_CMP_ARR(params_last, pe * sizeof(float));
-#undef TDM_CMP_ARR
-    return k;
-}
-
+/* The mapping: the result struct, then its arrays, 64-byte aligned. */
 static size_t tdm_cmp_iso_bytes(size_t steps, int n_dev, size_t pe)
 {
-    tdm_cmp_result r;
-    void **ptr[10];
-    size_t bytes[10], total = (sizeof r + 63) & ~(size_t)63;
-    int k = tdm_cmp_iso_arrays(&r, steps, n_dev, pe, ptr, bytes);
+    tdm_cmp_result r = {.steps = (int)steps, .n_dev = n_dev, .param_elems = (int64_t)pe};
+    void **ptr[TDM_CMP_ARRAYS];
+    size_t bytes[TDM_CMP_ARRAYS], total = (sizeof r + 63) & ~(size_t)63;
+    int k = tdm_cmp_arrays(&r, ptr, bytes);
     for (int i = 0; i < k; i++) total += (bytes[i] + 63) & ~(size_t)63;
     return total;
 }
 
 /* copy_in: mapping -> r's arrays (parent); else r's arrays -> mapping. */
-static void tdm_cmp_iso_copy(tdm_cmp_result *r, unsigned char *sh, size_t steps, int n_dev,
-                             size_t pe, int copy_in)
+static void tdm_cmp_iso_copy(tdm_cmp_result *r, unsigned char *sh, int copy_in)
 {
-    void **ptr[10];
-    size_t bytes[10], off = (sizeof *r + 63) & ~(size_t)63;
-    int k = tdm_cmp_iso_arrays(r, steps, n_dev, pe, ptr, bytes);
+    void **ptr[TDM_CMP_ARRAYS];
+    size_t bytes[TDM_CMP_ARRAYS], off = (sizeof *r + 63) & ~(size_t)63;
+    int k = tdm_cmp_arrays(r, ptr, bytes);
     for (int i = 0; i < k; i++) {
         if (copy_in) memcpy(*ptr[i], sh + off, bytes[i]);
         else memcpy(sh + off, *ptr[i], bytes[i]);
@@ -368,7 +353,7 @@ static int tdm_cmp_iso_child(tdm_comm *comm, void *argp)
         return 1;
     }
     memcpy(a->sh, &r, sizeof r);
-    tdm_cmp_iso_copy(&r, a->sh, a->steps, a->n_dev, a->param_elems, 0);
+    tdm_cmp_iso_copy(&r, a->sh, 0);
     tdm_cmp_result_free(&r);
     return 0;
 }
@@ -397,7 +382,7 @@ static tdm_status tdm_cmp_run_isolated(const tdm_cmp_opts *o, const tdm_cmp_data
     tdm_cmp_result hdr;
     memcpy(&hdr, a.sh, sizeof hdr);
     TDM_TRY(tdm_cmp_alloc(r, mode, n_dev, o->steps, pe));
-    tdm_cmp_iso_copy(r, a.sh, a.steps, n_dev, a.param_elems, 1);
+    tdm_cmp_iso_copy(r, a.sh, 1);
     memcpy(r->mem, hdr.mem, sizeof r->mem);
     r->ranks_agree = hdr.ranks_agree;
     r->overlap_bytes_frac = hdr.overlap_bytes_frac;
