@@ -59,6 +59,19 @@ tdm_status tdm_dist_backend_parse(const char *s, tdm_mpi_backend *out)
                          s);
 }
 
+tdm_status tdm_dist_backend_choose(const char *text, int in_job, const char *cmd,
+                                   tdm_mpi_backend *out)
+{
+    *out = TDM_MPI_BACKEND_AUTO;
+    if (text) TDM_CHECK(tdm_dist_backend_parse(text, out));
+    if (in_job || *out == TDM_MPI_BACKEND_AUTO || *out == TDM_MPI_BACKEND_SHM)
+        return TDM_STATUS_OK;
+    if (!tdm_dist_mpi_built()) return tdm_dist_mpi_missing("--backend mpi|hier");
+    return tdm_error_set(TDM_STATUS_USAGE, "--backend %s runs between the ranks of an MPI job: "
+                         "start them with `mpirun -np N tandem %s --backend %s ...` (or srun)",
+                         text, cmd, text);
+}
+
 tdm_status tdm_dist_mpi_rank_init(tdm_dist_mpi_rank *r, tdm_mpi_backend b, int64_t timeout_ms,
                                   const tdm_shm_opts *shm)
 {

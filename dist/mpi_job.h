@@ -33,6 +33,15 @@ const char *tdm_dist_backend_name(tdm_mpi_backend b);
  * naming s, when it is none of them. */
 tdm_status tdm_dist_backend_parse(const char *s, tdm_mpi_backend *out);
 
+/* --backend as given (NULL: auto) for a job that is (in_job) or is not
+ * an MPI launcher's: parsed into *out; outside an MPI job only auto and
+ * shm mean anything, and mpi or hier are refused: UNSUPPORTED where mpi/
+ * is not built (tdm_dist_mpi_missing), else USAGE saying how to start the
+ * ranks ("start them with `mpirun -np N tandem <cmd> --backend mpi ...`
+ * (or srun)"). A name that is no backend is INVALID_ARG. */
+tdm_status tdm_dist_backend_choose(const char *text, int in_job, const char *cmd,
+                                   tdm_mpi_backend *out);
+
 /* One rank of an MPI job. */
 typedef struct tdm_dist_mpi_rank {
     tdm_mpi_job *job;

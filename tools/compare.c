@@ -277,20 +277,13 @@ static tdm_dist_mpi_rank tdm_cmp_mr;
 static tdm_status tdm_cmp_mpi_join(tdm_cmp_job *j)
 {
     tdm_cmp_opts *o = &j->o;
-    tdm_mpi_backend b = TDM_MPI_BACKEND_AUTO;
-    if (o->backend && tdm_dist_backend_parse(o->backend, &b))
-        return tdm_tool_usage_error("tandem compare: %s\n", tdm_error_message());
-    if (!tdm_dist_mpi_launched()) {
-        if (b == TDM_MPI_BACKEND_AUTO || b == TDM_MPI_BACKEND_SHM) return TDM_STATUS_OK;
-        if (!tdm_dist_mpi_built()) {
-            tdm_status st = tdm_dist_mpi_missing("--backend mpi|hier");
-            fprintf(stderr, "tandem compare: %s\n", tdm_error_message());
-            return st;
-        }
-        return tdm_tool_usage_error("tandem compare: --backend %s runs DDP between the ranks of "
-                                    "an MPI job: start them with `mpirun -np N tandem compare "
-                                    "--backend %s ...`\n", o->backend, o->backend);
+    tdm_mpi_backend b;
+    tdm_status st = tdm_dist_backend_choose(o->backend, tdm_dist_mpi_launched(), "compare", &b);
+    if (st) {
+        fprintf(stderr, "tandem compare: %s\n", tdm_error_message());
+        return st == TDM_STATUS_UNSUPPORTED ? st : TDM_STATUS_USAGE;
     }
+    if (!tdm_dist_mpi_launched()) return TDM_STATUS_OK;
     if (o->sweep) {
         if (tdm_dist_mpi_env_rank() == 0)
             fprintf(stderr, "tandem compare: --sweep: under an MPI launcher DDP's ranks are the "
@@ -298,7 +291,7 @@ static tdm_status tdm_cmp_mpi_join(tdm_cmp_job *j)
         return TDM_STATUS_USAGE;
     }
     tdm_shm_opts so = {.arena_bytes = tdm_ddp_arena_bytes(tdm_cmp_param_elems(o))};
-    tdm_status st = tdm_dist_mpi_rank_init(&tdm_cmp_mr, b, 0, &so);
+    st = tdm_dist_mpi_rank_init(&tdm_cmp_mr, b, 0, &so);
     if (st != TDM_STATUS_OK) {
         fprintf(stderr, "tandem compare: joining the MPI job: %s\n", tdm_error_message());
         return st;

@@ -306,26 +306,6 @@ static tdm_status tdm_train_ranks_forked(tdm_train_job *j, tdm_dist_run_opts *o)
     return TDM_STATUS_OK;
 }
 
-/* --backend outside an MPI job: only shm (or auto) makes sense. */
-static tdm_status tdm_train_ranks_backend(const tdm_train_args *a, tdm_dist_start start,
-                                          tdm_mpi_backend *backend)
-{
-    *backend = TDM_MPI_BACKEND_AUTO;
-    if (a->backend && tdm_dist_backend_parse(a->backend, backend))
-        return tdm_tool_usage_error("tandem train: %s\n", tdm_error_message());
-    if (start == TDM_DIST_START_MPI || *backend == TDM_MPI_BACKEND_AUTO ||
-        *backend == TDM_MPI_BACKEND_SHM)
-        return TDM_STATUS_OK;
-    if (!tdm_dist_mpi_built()) {
-        tdm_status st = tdm_dist_mpi_missing("--backend mpi|hier");
-        fprintf(stderr, "tandem train: %s\n", tdm_error_message());
-        return st;
-    }
-    return tdm_tool_usage_error("tandem train: --backend %s runs between the ranks of an MPI "
-                                "job: start them with `mpirun -np N tandem train --mode ddp "
-                                "--backend %s ...` (or srun)\n", a->backend, a->backend);
-}
-
 /* What every rank builds, from the arguments. */
 static tdm_status tdm_train_ranks_build(tdm_train_job *j, const tdm_tool_design *design,
                                         const tdm_model_spec *spec)
@@ -387,7 +367,11 @@ tdm_status tdm_train_run_ranks(const tdm_train_args *a, const tdm_tool_design *d
     int64_t timeout_ms;
     if (tdm_dist_job_timeout(&o, start, &timeout_ms))
         return tdm_tool_usage_error("tandem train: %s\n", tdm_error_message());
-    TDM_CHECK(tdm_train_ranks_backend(a, start, &o.backend));
+    if ((st = tdm_dist_backend_choose(a->backend, start == TDM_DIST_START_MPI,
+                                      "train --mode ddp", &o.backend))) {
+        fprintf(stderr, "tandem train: %s\n", tdm_error_message());
+        return st == TDM_STATUS_UNSUPPORTED ? st : TDM_STATUS_USAGE;
+    }
     if ((st = tdm_tool_parse_devices(&dl, a->device, start == TDM_DIST_START_FORKED))) {
         fprintf(stderr, "tandem train: --device: %s\n", tdm_error_message());
         return st == TDM_STATUS_NO_DEVICE ? st : tdm_tool_usage(st);
