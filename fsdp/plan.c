@@ -118,33 +118,27 @@ static tdm_status tdm_fsdp_verify_units(const int64_t *tab, int per, int nu0, in
     return TDM_STATUS_OK;
 }
 
+/* A rank's options, as the mismatch message says them. */
+static void tdm_fsdp_describe_options(const int64_t *v, char *buf, size_t n)
+{
+    snprintf(buf, n, "sharding %s (prefetch %s, overlap %s, comm hook %s, join %s)",
+             tdm_fsdp_sharding_name((tdm_fsdp_sharding)v[TDM_FSDP_SUM_SHARDING]),
+             v[TDM_FSDP_SUM_PREFETCH] ? "off" : "on", v[TDM_FSDP_SUM_OVERLAP] ? "off" : "on",
+             tdm_fsdp_comm_hook_name((tdm_fsdp_comm_hook)v[TDM_FSDP_SUM_HOOK]),
+             v[TDM_FSDP_SUM_JOIN] ? "on" : "off");
+}
+
 /* Rank r's options against rank 0's: the collectives must match. */
 static tdm_status tdm_fsdp_verify_options(const int64_t *a, const int64_t *b, int r)
 {
-    if (a[TDM_FSDP_SUM_SHARDING] != b[TDM_FSDP_SUM_SHARDING] ||
-        a[TDM_FSDP_SUM_PREFETCH] != b[TDM_FSDP_SUM_PREFETCH] ||
-        a[TDM_FSDP_SUM_OVERLAP] != b[TDM_FSDP_SUM_OVERLAP])
-        return tdm_error_set(TDM_STATUS_MISMATCH,
-                             "fsdp: options differ between ranks: rank 0 runs sharding %s "
-                             "(prefetch %s, overlap %s), rank %d sharding %s (prefetch %s, "
-                             "overlap %s); the collectives would not match",
-                             tdm_fsdp_sharding_name((tdm_fsdp_sharding)a[TDM_FSDP_SUM_SHARDING]),
-                             a[TDM_FSDP_SUM_PREFETCH] ? "off" : "on",
-                             a[TDM_FSDP_SUM_OVERLAP] ? "off" : "on", r,
-                             tdm_fsdp_sharding_name((tdm_fsdp_sharding)b[TDM_FSDP_SUM_SHARDING]),
-                             b[TDM_FSDP_SUM_PREFETCH] ? "off" : "on",
-                             b[TDM_FSDP_SUM_OVERLAP] ? "off" : "on");
-    if (a[TDM_FSDP_SUM_HOOK] != b[TDM_FSDP_SUM_HOOK] ||
-        a[TDM_FSDP_SUM_JOIN] != b[TDM_FSDP_SUM_JOIN])
-        return tdm_error_set(TDM_STATUS_MISMATCH,
-                             "fsdp: options differ between ranks: rank 0 runs comm hook %s "
-                             "(join %s), rank %d comm hook %s (join %s); the collectives "
-                             "would not match",
-                             tdm_fsdp_comm_hook_name((tdm_fsdp_comm_hook)a[TDM_FSDP_SUM_HOOK]),
-                             a[TDM_FSDP_SUM_JOIN] ? "on" : "off", r,
-                             tdm_fsdp_comm_hook_name((tdm_fsdp_comm_hook)b[TDM_FSDP_SUM_HOOK]),
-                             b[TDM_FSDP_SUM_JOIN] ? "on" : "off");
-    return TDM_STATUS_OK;
+    if (!memcmp(a + TDM_FSDP_SUM_SHARDING, b + TDM_FSDP_SUM_SHARDING,
+                (TDM_FSDP_SUM_N - TDM_FSDP_SUM_SHARDING) * sizeof *a))
+        return TDM_STATUS_OK;
+    char oa[160], ob[160];
+    tdm_fsdp_describe_options(a, oa, sizeof oa);
+    tdm_fsdp_describe_options(b, ob, sizeof ob);
+    return tdm_error_set(TDM_STATUS_MISMATCH, "fsdp: options differ between ranks: rank 0 runs "
+                         "%s, rank %d %s; the collectives would not match", oa, r, ob);
 }
 
 tdm_status tdm_fsdp_verify(tdm_fsdp *f)
