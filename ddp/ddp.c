@@ -15,6 +15,7 @@
 #include "core/log.h"
 #include "ddp/reducer_impl.h"
 #include "dist/join.h"
+#include "dist/step.h"
 #include "models/train.h"
 
 struct tdm_ddp {
@@ -28,7 +29,7 @@ struct tdm_ddp {
     int sync;                    /* 0 under no_sync */
     int64_t steps_done;          /* optimizer steps: the flight recorder's step */
     double loss_accum, loss_global;  /* this rank's since the last sync; all ranks' */
-    tdm_dist_stage stage;        /* the batch on the device, the loss gradient */
+    tdm_train_stage stage;        /* the batch on the device, the loss gradient */
     tdm_dist_fwd fwd;            /* the forward backward goes back through (its count: the
                                     check tail's sequence) */
     int fwd_bn_empty;            /* that forward had no samples but shadowed SyncBatchNorm's sums */
@@ -122,7 +123,7 @@ void tdm_ddp_free(tdm_ddp *d)
     if (!d) return;
     if (d->o.sync_bn) tdm_model_set_sync_bn(d->m, NULL, NULL);
     tdm_ddp_reducer_free(&d->red);
-    tdm_dist_stage_free(&d->stage);
+    tdm_train_stage_free(&d->stage);
     free(d);
 }
 
@@ -235,13 +236,8 @@ static tdm_status tdm_ddp_forward_impl(tdm_ddp *d, const void *x, const int32_t 
      * with zero sums and a count of 0 (as PyTorch's SyncBatchNorm) */
     int bn_empty = d->o.sync_bn && tdm_model_is_train(m) && batch == 0 &&
                    tdm_model_n_batchnorm(m) > 0;
-    if (tdm_model_is_train(m) && !d->o.no_broadcast_buffers && d->world > 1 &&
-        tdm_model_buffer_elems(m) > 0) {
-        tdm_comm_set_label(d->comm, "ddp broadcast buffers");
-        tdm_status st = tdm_comm_broadcast(d->comm, tdm_model_buffers(m), tdm_model_buffers(m),
-                                           (size_t)tdm_model_buffer_elems(m), TDM_DTYPE_FLOAT32, 0);
-        if (st) return tdm_error_prefix(st, "ddp forward: broadcast of buffers from rank 0");
-    }
+    if (tdm_model_is_train(m) && !d->o.no_broadcast_buffers)
+        TDM_CHECK(tdm_dist_broadcast_buffers(d->comm, m, "ddp broadcast buffers", "ddp forward"));
     double ls = 0.0;
     uint64_t t1 = t0;
     d->fwd_bn_empty = 0;
@@ -257,7 +253,7 @@ static tdm_status tdm_ddp_forward_impl(tdm_ddp *d, const void *x, const int32_t 
     if (batch > 0) {
         const void *xd;
         const int32_t *yd;
-        TDM_CHECK(tdm_dist_stage_batch(&d->stage, m, x, y, batch, &xd, &yd));
+        TDM_CHECK(tdm_train_stage_batch(&d->stage, m, x, y, batch, &xd, &yd));
         TDM_CHECK(tdm_dist_forward_loss(&d->stage, m, NULL, NULL, xd, yd, batch, grad_scale, &ls,
                                         &t1));
     }
@@ -387,15 +383,10 @@ static tdm_status tdm_ddp_shadow_step(void *ctx, int sync)
 
 tdm_status tdm_ddp_join(tdm_ddp *d, tdm_optim *opt, int64_t *shadowed)
 {
-    TDM_REQUIRE(d->o.join, TDM_STATUS_INVALID_ARG,
-                "ddp join: construct DDP with opts.join = 1 (every rank counts the ranks with "
-                "data at each forward)");
-    TDM_REQUIRE(d->sync, TDM_STATUS_INVALID_ARG,
-                "ddp join: called under no_sync; finish the accumulation first");
-    if (d->world > 1) tdm_dist_fwd_begin(&d->fwd);   /* the shadowed steps' forwards replace it */
-    tdm_ddp_shadow s = {.d = d, .opt = opt};
-    tdm_status st = tdm_dist_join_shadow(&d->join, d->hcomm, d->rank, d->world, "ddp",
-                                         "ddp join count", tdm_ddp_shadow_step, &s, shadowed);
+    tdm_ddp_shadow c = {.d = d, .opt = opt};
+    tdm_dist_shadow s = {.who = "ddp", .label = "ddp join count", .enabled = d->o.join,
+                         .sync = d->sync, .fwd = &d->fwd, .fn = tdm_ddp_shadow_step, .ctx = &c};
+    tdm_status st = tdm_dist_join_shadow(&d->join, d->hcomm, d->rank, d->world, &s, shadowed);
     if (st) (void)tdm_comm_abort(d->hcomm, tdm_error_message());
     return st;
 }
@@ -436,12 +427,8 @@ tdm_status tdm_ddp_evaluate(tdm_ddp *d, const tdm_dataset *test, int batch, doub
     /* Evaluation runs forwards on this same model: a pending training
      * forward's activations are about to be overwritten. */
     tdm_dist_fwd_lose(&d->fwd, "tdm_ddp_evaluate");
-    if (d->world > 1 && tdm_model_buffer_elems(m) > 0) {
-        tdm_comm_set_label(d->comm, "ddp broadcast buffers (evaluate)");
-        tdm_status st = tdm_comm_broadcast(d->comm, tdm_model_buffers(m), tdm_model_buffers(m),
-                                           (size_t)tdm_model_buffer_elems(m), TDM_DTYPE_FLOAT32, 0);
-        if (st) return tdm_error_prefix(st, "ddp evaluate: broadcast of buffers from rank 0");
-    }
+    TDM_CHECK(tdm_dist_broadcast_buffers(d->comm, m, "ddp broadcast buffers (evaluate)",
+                                         "ddp evaluate"));
     int64_t lo, hi;
     tdm_dist_share(test->n, d->rank, d->world, &lo, &hi);
     double sums[3] = {0.0, 0.0, (double)(hi - lo)}; /* loss sum, correct, samples */
@@ -462,12 +449,7 @@ tdm_status tdm_ddp_evaluate(tdm_ddp *d, const tdm_dataset *test, int batch, doub
         sums[0] = l * (double)part.n;
         sums[1] = a * (double)part.n;
     }
-    tdm_comm_set_label(d->hcomm, "ddp evaluate sums");
-    TDM_CHECK(tdm_comm_all_reduce(d->hcomm, sums, sums, 3, TDM_DTYPE_FLOAT64, TDM_REDOP_SUM));
-    TDM_REQUIRE(sums[2] > 0, TDM_STATUS_INVALID_ARG, "ddp evaluate: the test set is empty");
-    *loss_mean = sums[0] / sums[2];
-    *accuracy = sums[1] / sums[2];
-    return TDM_STATUS_OK;
+    return tdm_dist_eval_sums(d->hcomm, "ddp", "ddp evaluate sums", sums, loss_mean, accuracy);
 }
 
 tdm_status tdm_ddp_eval_loss(tdm_ddp *d, const void *x, const int32_t *y, int batch,
@@ -484,7 +466,7 @@ tdm_status tdm_ddp_eval_loss(tdm_ddp *d, const void *x, const int32_t *y, int ba
     const float *logits;
     int was_train = tdm_model_is_train(m);
     tdm_model_set_train(m, 0);
-    tdm_status st = tdm_dist_stage_batch(&d->stage, m, x, y, batch, &xd, &yd);
+    tdm_status st = tdm_train_stage_batch(&d->stage, m, x, y, batch, &xd, &yd);
     if (st == TDM_STATUS_OK) st = tdm_model_forward(m, xd, batch, &logits);
     if (st == TDM_STATUS_OK) st = tdm_model_loss(m, logits, yd, batch, 1.0f, loss_sum, NULL);
     tdm_model_set_train(m, was_train);

@@ -22,69 +22,7 @@ void tdm_dist_share_rows(const void *x, const int32_t *y, int batch, int rank, i
     *n = (int)(hi - lo);
 }
 
-tdm_status tdm_dist_stage_batch(tdm_dist_stage *s, const tdm_model *m, const void *x,
-                                const int32_t *y, int batch, const void **xd,
-                                const int32_t **yd)
-{
-    if (tdm_dev_kind(s->dev) == TDM_DEVICE_HOST) {
-        *xd = x;
-        *yd = y;
-        return TDM_STATUS_OK;
-    }
-    /* 4-byte inputs of either dtype; out_rows targets per sample */
-    size_t feat = (size_t)tdm_model_in_features(m), rows = (size_t)tdm_model_out_rows(m);
-    if (batch > s->cap) {
-        tdm_dev_free(s->dev, s->x);
-        tdm_dev_free(s->dev, s->y);
-        s->x = NULL;
-        s->y = NULL;
-        s->cap = 0;
-        TDM_CHECK(tdm_dev_alloc(s->dev, (size_t)batch * feat * sizeof(float), &s->x));
-        TDM_CHECK(tdm_dev_alloc(s->dev, (size_t)batch * rows * sizeof(int32_t), (void **)&s->y));
-        s->cap = batch;
-    }
-    TDM_CHECK(tdm_dev_copy_from_host(s->dev, s->x, x, (size_t)batch * feat * sizeof(float)));
-    TDM_CHECK(tdm_dev_copy_from_host(s->dev, s->y, y, (size_t)batch * rows * sizeof(int32_t)));
-    *xd = s->x;
-    *yd = s->y;
-    return TDM_STATUS_OK;
-}
-
-tdm_status tdm_dist_stage_dummy(tdm_dist_stage *s, const tdm_model *m, const void **xd,
-                                const int32_t **yd)
-{
-    if (!s->dummy_x) {
-        size_t feat = (size_t)tdm_model_in_features(m), rows = (size_t)tdm_model_out_rows(m);
-        TDM_CHECK(tdm_dev_alloc_zero(s->dev, feat * sizeof(float), &s->dummy_x));
-        TDM_CHECK(tdm_dev_alloc_zero(s->dev, rows * sizeof(int32_t), (void **)&s->dummy_y));
-    }
-    *xd = s->dummy_x;
-    *yd = s->dummy_y;
-    return TDM_STATUS_OK;
-}
-
-tdm_status tdm_dist_stage_dlogits(tdm_dist_stage *s, size_t nbytes)
-{
-    if (nbytes <= s->dlogits_bytes) return TDM_STATUS_OK;
-    tdm_dev_free(s->dev, s->dlogits);
-    s->dlogits = NULL;
-    s->dlogits_bytes = 0;
-    TDM_CHECK(tdm_dev_alloc(s->dev, nbytes, (void **)&s->dlogits));
-    s->dlogits_bytes = nbytes;
-    return TDM_STATUS_OK;
-}
-
-void tdm_dist_stage_free(tdm_dist_stage *s)
-{
-    tdm_dev_free(s->dev, s->x);
-    tdm_dev_free(s->dev, s->y);
-    tdm_dev_free(s->dev, s->dlogits);
-    tdm_dev_free(s->dev, s->dummy_x);
-    tdm_dev_free(s->dev, s->dummy_y);
-    *s = (tdm_dist_stage){.dev = s->dev};
-}
-
-tdm_status tdm_dist_forward_loss(tdm_dist_stage *s, tdm_model *m, tdm_dist_forward_fn fwd,
+tdm_status tdm_dist_forward_loss(tdm_train_stage *s, tdm_model *m, tdm_dist_forward_fn fwd,
                                  void *fwd_ctx, const void *xd, const int32_t *yd, int B,
                                  float grad_scale, double *loss_sum, uint64_t *t_forward_end)
 {
@@ -95,7 +33,7 @@ tdm_status tdm_dist_forward_loss(tdm_dist_stage *s, tdm_model *m, tdm_dist_forwa
     /* logits per sample: classes of every output row */
     size_t nb = (size_t)B * (size_t)tdm_model_n_classes(m) * (size_t)tdm_model_out_rows(m) *
                 sizeof(float);
-    TDM_CHECK(tdm_dist_stage_dlogits(s, nb));
+    TDM_CHECK(tdm_train_stage_dlogits(s, nb));
     return tdm_model_loss(m, logits, yd, B, grad_scale, loss_sum, s->dlogits);
 }
 

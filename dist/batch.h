@@ -1,11 +1,12 @@
-/* dist/batch.h: a rank's part of a global batch, and that part on the
- * rank's device: the one split every multi-process design uses (DDP's
- * and the sharded modes' forwards, their evaluations, a GPT rank drawing
- * its own windows), the staging of a batch into device memory, the loss
- * gradient's buffer, and the sample of zeros that a rank without samples
- * runs so as to take part in collectives issued from inside the model's
- * forward (FSDP's gathers, a joined rank). Not a data loader: the rows
- * come from the caller (core/data.h, core/text.h). */
+/* dist/batch.h: a rank's part of a global batch and its forward: the one
+ * split every multi-process design uses (DDP's and the sharded modes'
+ * forwards, their evaluations, a GPT rank drawing its own windows), the
+ * local forward and loss around a staged batch (models/train.h's
+ * tdm_train_stage, whose sample of zeros a rank without samples runs so
+ * as to take part in collectives issued from inside the model's forward:
+ * FSDP's gathers, a joined rank), and the record of the forward a
+ * backward goes back through. Not a data loader: the rows come from the
+ * caller (core/data.h, core/text.h). */
 #ifndef TDM_DIST_BATCH_H
 #define TDM_DIST_BATCH_H
 
@@ -15,6 +16,7 @@
 #include "core/device.h"
 #include "core/status.h"
 #include "models/model.h"
+#include "models/train.h"
 
 /* Rank `rank`'s share of n items split over `world` ranks: [*lo, *hi)
  * with lo = rank * n / world and hi = (rank + 1) * n / world, contiguous,
@@ -31,36 +33,6 @@ void tdm_dist_share(int64_t n, int rank, int world, int64_t *lo, int64_t *hi);
 void tdm_dist_share_rows(const void *x, const int32_t *y, int batch, int rank, int world,
                          int64_t in_elems, int64_t out_rows, const void **xs,
                          const int32_t **ys, int *n);
-
-/* A rank's batch on its device. On a host device the caller's host
- * pointers are used as they are; elsewhere the batch is copied into
- * buffers that grow to the largest batch seen. The loss gradient buffer
- * (dlogits) grows likewise. The stage owns every buffer it allocated;
- * zero-initialise it, set dev, and free it with tdm_dist_stage_free. */
-typedef struct tdm_dist_stage {
-    tdm_device *dev;          /* borrowed: the model's */
-    void *x;                  /* device copies of the last staged batch */
-    int32_t *y;
-    int cap;                  /* samples x and y have room for */
-    float *dlogits;           /* the loss gradient of the last forward */
-    size_t dlogits_bytes;
-    void *dummy_x;            /* one sample of zeros (features, or token 0) */
-    int32_t *dummy_y;         /* its targets: zeros */
-} tdm_dist_stage;
-
-/* x, y (host; batch samples of m's input and targets) on the device:
- * *xd, *yd. */
-tdm_status tdm_dist_stage_batch(tdm_dist_stage *s, const tdm_model *m, const void *x,
-                                const int32_t *y, int batch, const void **xd,
-                                const int32_t **yd);
-/* The sample of zeros on the device (made once): what a rank without
- * samples runs, with a loss gradient scale of 0, so as to take part in
- * the collectives its forward and backward issue. */
-tdm_status tdm_dist_stage_dummy(tdm_dist_stage *s, const tdm_model *m, const void **xd,
-                                const int32_t **yd);
-/* The loss gradient buffer, at least nbytes. */
-tdm_status tdm_dist_stage_dlogits(tdm_dist_stage *s, size_t nbytes);
-void tdm_dist_stage_free(tdm_dist_stage *s);
 
 /* The training forward a backward goes back through. A design runs one
  * forward, then its backward; an evaluation between them replaces the
@@ -103,7 +75,7 @@ typedef tdm_status (*tdm_dist_forward_fn)(void *ctx, const void *xd, int B, cons
  * into s->dlogits. *loss_sum: the sum of the B per-sample losses;
  * *t_forward_end: when the forward ended (tdm_time_ns), which splits the
  * step's FORWARD and LOSS phases. */
-tdm_status tdm_dist_forward_loss(tdm_dist_stage *s, tdm_model *m, tdm_dist_forward_fn fwd,
+tdm_status tdm_dist_forward_loss(tdm_train_stage *s, tdm_model *m, tdm_dist_forward_fn fwd,
                                  void *fwd_ctx, const void *xd, const int32_t *yd, int B,
                                  float grad_scale, double *loss_sum, uint64_t *t_forward_end);
 

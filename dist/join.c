@@ -36,19 +36,25 @@ float tdm_dist_join_scale(const tdm_dist_join *j, int world, int batch, int by_a
 }
 
 tdm_status tdm_dist_join_shadow(tdm_dist_join *j, tdm_comm *comm, int rank, int world,
-                                const char *who, const char *label, tdm_dist_shadow_fn shadow,
-                                void *ctx, int64_t *shadowed)
+                                const tdm_dist_shadow *s, int64_t *shadowed)
 {
+    const char *who = s->who;
+    TDM_REQUIRE(s->enabled, TDM_STATUS_INVALID_ARG,
+                "%s join: construct the tdm_%s with opts.join = 1 (every rank counts the ranks "
+                "with data at each forward)", who, who);
+    TDM_REQUIRE(s->sync, TDM_STATUS_INVALID_ARG,
+                "%s join: called under no_sync; finish the accumulation first", who);
     int64_t n = 0;
     if (shadowed) *shadowed = 0;
     if (world == 1) return TDM_STATUS_OK;
+    tdm_dist_fwd_begin(s->fwd);   /* the shadowed steps' forwards replace it */
     j->joined = 1;
     tdm_status st = TDM_STATUS_OK;
     for (;;) {
-        if ((st = tdm_dist_join_count(j, comm, 0, who, label))) break;
+        if ((st = tdm_dist_join_count(j, comm, 0, who, s->label))) break;
         if (j->n_active == 0) break;   /* every rank has joined: all leave here */
         int sync = j->sync;
-        if ((st = shadow(ctx, sync))) break;
+        if ((st = s->fn(s->ctx, sync))) break;
         if (sync) n++;
     }
     /* a later epoch starts with every rank training again */

@@ -15,6 +15,7 @@
 
 #include "core/comm.h"
 #include "core/status.h"
+#include "dist/batch.h"
 
 typedef struct tdm_dist_join {
     int joined;      /* this rank has run out of data (inside tdm_dist_join_shadow) */
@@ -41,20 +42,28 @@ tdm_status tdm_dist_join_count(tdm_dist_join *j, tdm_comm *comm, int sync, const
 float tdm_dist_join_scale(const tdm_dist_join *j, int world, int batch, int by_active,
                           float scale);
 
-/* What a joined rank runs for one step of the others: sync 1 a
- * synchronised step (backward's collectives with zero gradients, and the
- * optimizer step), 0 a no_sync micro-batch (only what its forward and
- * backward issue). */
-typedef tdm_status (*tdm_dist_shadow_fn)(void *ctx, int sync);
+/* How a design shadows the others' steps. fn runs one step of theirs as
+ * a rank without samples: sync 1 a synchronised step (backward's
+ * collectives with zero gradients, and the optimizer step), 0 a no_sync
+ * micro-batch (only what its forward and backward issue). */
+typedef struct tdm_dist_shadow {
+    const char *who;             /* "ddp": the messages' prefix, tdm_<who>_... */
+    const char *label;           /* the count's label ("ddp join count") */
+    int enabled;                 /* the design was built with opts.join */
+    int sync;                    /* its no_sync is off */
+    tdm_dist_fwd *fwd;           /* its pending forward: the shadowed steps replace it */
+    tdm_status (*fn)(void *ctx, int sync);
+    void *ctx;
+} tdm_dist_shadow;
 
 /* A rank out of data: joins, and shadows each step of the others (the
- * count, then shadow) until every rank has joined; returns then, with
- * every rank counted as training again (a later epoch). *shadowed (may
+ * count, then s->fn) until every rank has joined; returns then, with
+ * every rank counted as training again (a later epoch). INVALID_ARG when
+ * the design was not built for join or is under no_sync. *shadowed (may
  * be NULL): the synchronised steps it shadowed. On failure the message
  * says "<who> join: rank R, after shadowing N step(s)"; aborting the
  * communicator is the design's. */
 tdm_status tdm_dist_join_shadow(tdm_dist_join *j, tdm_comm *comm, int rank, int world,
-                                const char *who, const char *label, tdm_dist_shadow_fn shadow,
-                                void *ctx, int64_t *shadowed);
+                                const tdm_dist_shadow *s, int64_t *shadowed);
 
 #endif

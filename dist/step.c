@@ -18,6 +18,27 @@ tdm_status tdm_dist_diverged(tdm_comm *comm, int rank, int64_t step, double loss
     return tdm_error_set(TDM_STATUS_NONFINITE, "rank %d: %s", rank, why);
 }
 
+tdm_status tdm_dist_broadcast_buffers(tdm_comm *comm, tdm_model *m, const char *label,
+                                      const char *what)
+{
+    if (tdm_comm_size(comm) == 1 || tdm_model_buffer_elems(m) == 0) return TDM_STATUS_OK;
+    tdm_comm_set_label(comm, "%s", label);
+    tdm_status st = tdm_comm_broadcast(comm, tdm_model_buffers(m), tdm_model_buffers(m),
+                                       (size_t)tdm_model_buffer_elems(m), TDM_DTYPE_FLOAT32, 0);
+    return st ? tdm_error_prefix(st, "%s: broadcast of buffers from rank 0", what) : st;
+}
+
+tdm_status tdm_dist_eval_sums(tdm_comm *comm, const char *who, const char *label,
+                              double sums[3], double *loss_mean, double *accuracy)
+{
+    tdm_comm_set_label(comm, "%s", label);
+    TDM_CHECK(tdm_comm_all_reduce(comm, sums, sums, 3, TDM_DTYPE_FLOAT64, TDM_REDOP_SUM));
+    TDM_REQUIRE(sums[2] > 0, TDM_STATUS_INVALID_ARG, "%s evaluate: the test set is empty", who);
+    *loss_mean = sums[0] / sums[2];
+    *accuracy = sums[1] / sums[2];
+    return TDM_STATUS_OK;
+}
+
 /* A failed step: the message names the rank, and the group is stopped. */
 static tdm_status tdm_dist_step_fail(tdm_dist_stepper *s, tdm_status st)
 {

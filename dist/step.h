@@ -25,6 +25,7 @@
 #include "core/status.h"
 #include "models/accum.h"
 #include "models/checkpoint.h"
+#include "models/model.h"
 
 typedef struct tdm_dist_ops tdm_dist_ops;
 struct tdm_dist_ops {
@@ -97,6 +98,19 @@ tdm_status tdm_dist_step(void *stepper, const void *x, const int32_t *y, int bat
  * scaled by 1/(the effective batch); the first K-1 backwards run under
  * no_sync, so only the last one reduces, the sum of all K. */
 extern const tdm_accum_ops tdm_dist_accum_ops;
+
+/* Rank 0's buffers (batchnorm's running statistics) to every rank over
+ * comm, labelled label; nothing with one rank or no buffers. On failure
+ * the message says "<what>: broadcast of buffers from rank 0". */
+tdm_status tdm_dist_broadcast_buffers(tdm_comm *comm, tdm_model *m, const char *label,
+                                      const char *what);
+
+/* The end of an evaluation spread over the ranks: sums holds this rank's
+ * loss sum, correct count and samples, all-reduced (float64 SUM over
+ * comm, labelled label) into the whole set's mean loss and accuracy;
+ * INVALID_ARG ("<who> evaluate: the test set is empty") for no samples. */
+tdm_status tdm_dist_eval_sums(tdm_comm *comm, const char *who, const char *label,
+                              double sums[3], double *loss_mean, double *accuracy);
 
 /* A rank's loss is not finite before its gradient collectives: aborts
  * the group with the reason ("loss is NaN at step S (<where>): training

@@ -7,6 +7,8 @@
  * pieces they share with training are fsdp/fsdp.c's. */
 #include "fsdp/fsdp_impl.h"
 
+#include <stdio.h>
+
 /* ---- evaluation ---- */
 
 tdm_status tdm_fsdp_evaluate(tdm_fsdp *f, const tdm_dataset *test, int batch, double *loss_mean,
@@ -20,7 +22,8 @@ tdm_status tdm_fsdp_evaluate(tdm_fsdp *f, const tdm_dataset *test, int batch, do
     tdm_status st = tdm_fsdp_settle_params(f, full);
     if (st == TDM_STATUS_OK) st = tdm_fsdp_broadcast_buffers(f, "evaluate");
     if (st) return tdm_fsdp_fail(f, st);
-    int64_t n = test->n, lo = n * f->rank / f->world, hi = n * (f->rank + 1) / f->world;
+    int64_t n = test->n, lo, hi;
+    tdm_dist_share(n, f->rank, f->world, &lo, &hi);
     /* FULL_SHARD: every rank runs as many forwards as the largest share
      * needs (the gathers are collective); the others run their own */
     int64_t rows_max = full ? (n + f->world - 1) / f->world : hi - lo;
@@ -34,11 +37,11 @@ tdm_status tdm_fsdp_evaluate(tdm_fsdp *f, const tdm_dataset *test, int batch, do
         const int32_t *yd;
         const float *logits;
         if (k <= 0) {   /* this rank's share is done: take part only */
-            st = tdm_dist_stage_dummy(&f->stage, m, &xd, &yd);
+            st = tdm_train_stage_dummy(&f->stage, m, &xd, &yd);
             if (st == TDM_STATUS_OK) st = tdm_fsdp_run_forward(f, xd, 1, 0, &logits);
             continue;
         }
-        st = tdm_dist_stage_batch(&f->stage, m, test->x + r0 * feat, test->y + r0, (int)k, &xd,
+        st = tdm_train_stage_batch(&f->stage, m, test->x + r0 * feat, test->y + r0, (int)k, &xd,
                                   &yd);
         if (st == TDM_STATUS_OK) st = tdm_fsdp_run_forward(f, xd, (int)k, 0, &logits);
         double ls = 0.0;
@@ -55,12 +58,9 @@ tdm_status tdm_fsdp_evaluate(tdm_fsdp *f, const tdm_dataset *test, int batch, do
                          (long long)hi - 1);
         return tdm_fsdp_fail(f, st);
     }
-    tdm_comm_set_label(f->hcomm, "%s evaluate sums", tdm_fsdp_tag(f));
-    TDM_CHECK(tdm_comm_all_reduce(f->hcomm, sums, sums, 3, TDM_DTYPE_FLOAT64, TDM_REDOP_SUM));
-    TDM_REQUIRE(sums[2] > 0, TDM_STATUS_INVALID_ARG, "fsdp evaluate: the test set is empty");
-    *loss_mean = sums[0] / sums[2];
-    *accuracy = sums[1] / sums[2];
-    return TDM_STATUS_OK;
+    char label[32];
+    snprintf(label, sizeof label, "%s evaluate sums", tdm_fsdp_tag(f));
+    return tdm_dist_eval_sums(f->hcomm, "fsdp", label, sums, loss_mean, accuracy);
 }
 
 tdm_status tdm_fsdp_eval_loss(tdm_fsdp *f, const void *x, const int32_t *y, int batch,
@@ -82,10 +82,10 @@ tdm_status tdm_fsdp_eval_loss(tdm_fsdp *f, const void *x, const int32_t *y, int 
     double ls = 0.0;
     tdm_model_set_train(m, 0);
     if (batch == 0) {
-        st = tdm_dist_stage_dummy(&f->stage, m, &xd, &yd);
+        st = tdm_train_stage_dummy(&f->stage, m, &xd, &yd);
         if (st == TDM_STATUS_OK) st = tdm_fsdp_run_forward(f, xd, 1, 0, &logits);
     } else {
-        st = tdm_dist_stage_batch(&f->stage, m, x, y, batch, &xd, &yd);
+        st = tdm_train_stage_batch(&f->stage, m, x, y, batch, &xd, &yd);
         if (st == TDM_STATUS_OK) st = tdm_fsdp_run_forward(f, xd, batch, 0, &logits);
         if (st == TDM_STATUS_OK) st = tdm_model_loss(m, logits, yd, batch, 1.0f, &ls, NULL);
     }

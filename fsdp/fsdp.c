@@ -261,7 +261,7 @@ void tdm_fsdp_free(tdm_fsdp *f)
     tdm_dev_free(d, f->buf.pfull);
     tdm_dev_free(d, f->buf.gfull);
     tdm_dev_free(d, f->buf.gacc);
-    tdm_dist_stage_free(&f->stage);
+    tdm_train_stage_free(&f->stage);
     tdm_dev_free(d, f->buf_save);
     free(f->u);
     free(f->param_unit);
@@ -356,13 +356,10 @@ static void tdm_fsdp_add_phase(tdm_fsdp *f, tdm_phase p, double ms)
 
 tdm_status tdm_fsdp_broadcast_buffers(tdm_fsdp *f, const char *when)
 {
-    tdm_model *m = f->m;
-    if (f->world == 1 || tdm_model_buffer_elems(m) == 0) return TDM_STATUS_OK;
-    tdm_comm_set_label(f->comm, "%s broadcast buffers (%s)", tdm_fsdp_tag(f), when);
-    tdm_status st = tdm_comm_broadcast(f->comm, tdm_model_buffers(m), tdm_model_buffers(m),
-                                       (size_t)tdm_model_buffer_elems(m), TDM_DTYPE_FLOAT32, 0);
-    if (st) return tdm_error_prefix(st, "fsdp %s: broadcast of buffers from rank 0", when);
-    return TDM_STATUS_OK;
+    char label[64], what[32];
+    snprintf(label, sizeof label, "%s broadcast buffers (%s)", tdm_fsdp_tag(f), when);
+    snprintf(what, sizeof what, "fsdp %s", when);
+    return tdm_dist_broadcast_buffers(f->comm, f->m, label, what);
 }
 
 /* The model's forward over B samples at xd; FULL_SHARD gathers through
@@ -429,14 +426,14 @@ static tdm_status tdm_fsdp_forward_impl(tdm_fsdp *f, const void *x, const int32_
         int64_t be = tdm_model_buffer_elems(m);
         int dummy = batch == 0, save = dummy && train && be > 0;
         if (dummy) {
-            st = tdm_dist_stage_dummy(&f->stage, m, &xd, &yd);
+            st = tdm_train_stage_dummy(&f->stage, m, &xd, &yd);
             if (st == TDM_STATUS_OK && save && !f->buf_save)
                 st = tdm_dev_alloc(d, (size_t)be * sizeof(float), (void **)&f->buf_save);
             /* batchnorm would learn running statistics from the zero sample */
             if (st == TDM_STATUS_OK && save)
                 st = tdm_dev_copy(d, f->buf_save, tdm_model_buffers(m), (size_t)be * sizeof(float));
         } else {
-            st = tdm_dist_stage_batch(&f->stage, m, x, y, batch, &xd, &yd);
+            st = tdm_train_stage_batch(&f->stage, m, x, y, batch, &xd, &yd);
         }
         /* the zero sample takes part with a zero loss gradient */
         tdm_dist_forward_fn fwd = train ? tdm_fsdp_forward_keep : tdm_fsdp_forward_drop;

@@ -9,6 +9,7 @@
 
 #include "dist/batch.h"
 #include "dist/join.h"
+#include "dist/step.h"
 #include "dist/timeout.h"
 #include "fsdp/fsdp.h"
 
@@ -180,7 +181,7 @@ struct tdm_fsdp {
     tdm_fsdp_pool pool;
     tdm_fsdp_pass pass;
     tdm_dist_fwd fwd;         /* the forward backward goes back through */
-    tdm_dist_stage stage;     /* the batch, or the zero sample, on the device; dlogits */
+    tdm_train_stage stage;     /* the batch, or the zero sample, on the device; dlogits */
     float *buf_save;          /* buffers saved around a zero-sample forward */
     tdm_fsdp_check check;
     tdm_fsdp_timing timing;

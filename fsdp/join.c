@@ -63,20 +63,15 @@ static tdm_status tdm_fsdp_shadow_step(void *ctx, int sync)
 
 tdm_status tdm_fsdp_join(tdm_fsdp *f, tdm_optim *opt, int64_t *shadowed)
 {
-    TDM_REQUIRE(f->o.join, TDM_STATUS_INVALID_ARG,
-                "fsdp join: construct FSDP with opts.join = 1 (every rank counts the ranks with "
-                "data at each forward)");
-    TDM_REQUIRE(f->pass.sync, TDM_STATUS_INVALID_ARG,
-                "fsdp join: called under no_sync; finish the accumulation first");
     TDM_REQUIRE(opt, TDM_STATUS_INVALID_ARG,
                 "fsdp join: the optimizer is required: this rank owns shards of the parameters "
                 "and optimizer state, and steps them with the others");
-    if (f->world > 1) tdm_dist_fwd_begin(&f->fwd);   /* the shadowed steps' forwards replace it */
-    tdm_fsdp_shadow s = {.f = f, .opt = opt};
+    tdm_fsdp_shadow c = {.f = f, .opt = opt};
     char label[32];
-    tdm_status st = tdm_dist_join_shadow(&f->join, f->hcomm, f->rank, f->world, "fsdp",
-                                         tdm_fsdp_join_label(f, label, sizeof label),
-                                         tdm_fsdp_shadow_step, &s, shadowed);
+    tdm_dist_shadow s = {.who = "fsdp", .label = tdm_fsdp_join_label(f, label, sizeof label),
+                         .enabled = f->o.join, .sync = f->pass.sync, .fwd = &f->fwd,
+                         .fn = tdm_fsdp_shadow_step, .ctx = &c};
+    tdm_status st = tdm_dist_join_shadow(&f->join, f->hcomm, f->rank, f->world, &s, shadowed);
     if (st) {
         (void)tdm_comm_abort(f->comm, tdm_error_message());
         if (f->hcomm != f->comm) (void)tdm_comm_abort(f->hcomm, tdm_error_message());

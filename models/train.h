@@ -64,15 +64,43 @@ tdm_status tdm_train_epoch(const tdm_dataset *d, const tdm_train_epoch_opts *o,
  * NaN or an infinity. */
 tdm_status tdm_train_grad_norm(tdm_model *m, double *norm);
 
+/* A batch on the model's device. On a host device the caller's host
+ * pointers are used as they are; elsewhere the batch is copied into
+ * buffers that grow to the largest batch seen. A loss-gradient buffer
+ * (dlogits) grows likewise, and one sample of zeros (features, or token
+ * 0, and target 0) is kept for a caller that must run a forward without
+ * samples of its own. The stage owns every buffer it allocated;
+ * zero-initialise it and free it with tdm_train_stage_free. */
+typedef struct tdm_train_stage {
+    tdm_device *dev;          /* borrowed: the model's (set at first use) */
+    void *x;                  /* device copies of the last staged batch */
+    int32_t *y;
+    int cap;                  /* samples x and y have room for */
+    float *dlogits;           /* a loss gradient */
+    size_t dlogits_bytes;
+    void *dummy_x;            /* one sample of zeros */
+    int32_t *dummy_y;
+} tdm_train_stage;
+
+/* x, y (host; batch samples of m's 4-byte inputs and their out_rows
+ * targets) on m's device: *xd, *yd. */
+tdm_status tdm_train_stage_batch(tdm_train_stage *s, const tdm_model *m, const void *x,
+                                 const int32_t *y, int batch, const void **xd,
+                                 const int32_t **yd);
+/* The sample of zeros on m's device (made once). */
+tdm_status tdm_train_stage_dummy(tdm_train_stage *s, const tdm_model *m, const void **xd,
+                                 const int32_t **yd);
+/* The loss gradient buffer, at least nbytes. */
+tdm_status tdm_train_stage_dlogits(tdm_train_stage *s, size_t nbytes);
+void tdm_train_stage_free(tdm_train_stage *s);
+
 /* The single-device step: zero_grad, forward, mean loss, backward,
  * optimizer step. Inputs are staged to the device when it is not the host.
  * Per-phase times of the last step are kept (forward, loss, backward, step). */
 typedef struct tdm_single {
     tdm_model *model;   /* borrowed */
     tdm_optim *opt;     /* borrowed */
-    void *x_dev;        /* staging for non-host devices */
-    int32_t *y_dev;
-    int cap;
+    tdm_train_stage stage;
     double ms[TDM_PHASE_COUNT_]; /* by tdm_phase: forward, loss, backward, step */
 } tdm_single;
 tdm_status tdm_single_step(void *single /* tdm_single */, const void *x, const int32_t *y,

@@ -104,20 +104,20 @@ Test(dist, stage_on_a_host_device_and_the_zero_sample)
     tdm_model *m = NULL;
     TU_OK(tdm_model_spec_parse(&spec, "mlp:6-5-4"));
     TU_OK(tdm_model_init(&m, dev, &spec, 7));
-    tdm_dist_stage s = {.dev = dev};
+    tdm_train_stage s = {.dev = dev};
     float x[2 * 6] = {1, 2, 3};
     int32_t y[2] = {1, 3};
     const void *xd;
     const int32_t *yd;
-    TU_OK(tdm_dist_stage_batch(&s, m, x, y, 2, &xd, &yd));
+    TU_OK(tdm_train_stage_batch(&s, m, x, y, 2, &xd, &yd));
     cr_assert_eq(xd, (const void *)x, "a host device reads the caller's batch");
     cr_assert_eq(yd, y);
-    TU_OK(tdm_dist_stage_dummy(&s, m, &xd, &yd));
+    TU_OK(tdm_train_stage_dummy(&s, m, &xd, &yd));
     for (int i = 0; i < 6; i++) cr_assert_eq(((const float *)xd)[i], 0.0f);
     cr_assert_eq(yd[0], 0);
     double ls = 0.0;
     uint64_t t1 = 0;
-    TU_OK(tdm_dist_stage_batch(&s, m, x, y, 2, &xd, &yd));
+    TU_OK(tdm_train_stage_batch(&s, m, x, y, 2, &xd, &yd));
     TU_OK(tdm_dist_forward_loss(&s, m, NULL, NULL, xd, yd, 2, 0.5f, &ls, &t1));
     cr_assert(t1 > 0 && ls > 0.0 && s.dlogits_bytes >= 2 * 4 * sizeof(float));
     /* the same loss as the model's own forward and loss */
@@ -126,7 +126,7 @@ Test(dist, stage_on_a_host_device_and_the_zero_sample)
     TU_OK(tdm_model_forward(m, x, 2, &logits));
     TU_OK(tdm_model_loss(m, logits, y, 2, 1.0f, &ref, NULL));
     cr_assert_eq(ls, ref);
-    tdm_dist_stage_free(&s);
+    tdm_train_stage_free(&s);
     cr_assert(!s.dummy_x && !s.dlogits && s.dev == dev);
     tdm_model_free(m);
     tdm_device_free(dev);
