@@ -57,6 +57,17 @@ static tdm_status tdm_ddp_allsum(void *ctx, double *v, int n)
     return st;
 }
 
+/* Defined before tdm_ddp_init, whose fail path runs it on any prefix of
+ * what it made. */
+void tdm_ddp_free(tdm_ddp *d)
+{
+    if (!d) return;
+    if (d->o.sync_bn) tdm_model_set_sync_bn(d->m, NULL, NULL);
+    tdm_ddp_reducer_free(&d->red);
+    tdm_train_stage_free(&d->stage);
+    free(d);
+}
+
 tdm_status tdm_ddp_init(tdm_ddp **out, tdm_model *m, tdm_comm *comm, const tdm_ddp_opts *opts)
 {
     tdm_status st = TDM_STATUS_OK;
@@ -116,15 +127,6 @@ fail:
      * and the Reducer gives back only what it took. */
     tdm_ddp_free(d);
     return st;
-}
-
-void tdm_ddp_free(tdm_ddp *d)
-{
-    if (!d) return;
-    if (d->o.sync_bn) tdm_model_set_sync_bn(d->m, NULL, NULL);
-    tdm_ddp_reducer_free(&d->red);
-    tdm_train_stage_free(&d->stage);
-    free(d);
 }
 
 tdm_model *tdm_ddp_model(tdm_ddp *d) { return d->m; }
@@ -519,3 +521,5 @@ tdm_status tdm_ddp_checkpoint_load(tdm_ddp *d, const char *path, tdm_optim *opt,
                 bad, path);
     return TDM_STATUS_OK;
 }
+
+TDM_DIST_OPS_DEFINE(ddp, tdm_ddp, tdm_ddp_checkpoint_save, tdm_ddp_checkpoint_load);

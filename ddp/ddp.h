@@ -47,6 +47,7 @@
 #include "core/timer.h"
 #include "ddp/hooks.h"
 #include "dist/batch.h"
+#include "dist/step.h"
 #include "models/checkpoint.h"
 #include "models/model.h"
 #include "models/optim.h"
@@ -246,6 +247,10 @@ tdm_status tdm_ddp_step(tdm_ddp *d, tdm_optim *opt);
 void tdm_ddp_no_sync(tdm_ddp *d, int enable);
 
 void tdm_ddp_get_times(const tdm_ddp *d, tdm_ddp_times *out);
+
+/* DDP's per-step ops (dist/step.h) over a tdm_ddp: what dist/ builds a
+ * training step, gradient accumulation and uneven inputs from. */
+extern const tdm_dist_ops tdm_ddp_dist_ops;
 
 /* Rank 0 writes (atomically); every rank learns whether it succeeded. */
 tdm_status tdm_ddp_checkpoint_save(tdm_ddp *d, const char *path, tdm_optim *opt,

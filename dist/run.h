@@ -177,6 +177,12 @@ tdm_status tdm_dist_run(const tdm_dist_design *d, void *ctx, const tdm_dist_run_
  * it (tests, benchmarks). Rank `rank`'s device from devices (above; one
  * BLAS thread). */
 tdm_status tdm_dist_rank_device(const tdm_device_list *devices, int rank, tdm_device **dev);
+/* tdm_device_list_parse, but when forks is set and spec names CUDA GPUs,
+ * in a short-lived child: counting GPUs initialises CUDA, and a process
+ * that has initialised CUDA cannot hand it to forked children (the ranks
+ * tdm_dist_run forks). The result (the status, message and list) comes
+ * back unchanged. */
+tdm_status tdm_dist_parse_devices(tdm_device_list *dl, const char *spec, int forks);
 /* 1 when dev is a GPU (a CUDA device that is not emulated). */
 int tdm_dist_device_is_gpu(const tdm_device *dev);
 /* The NCCL communicator of a GPU rank, bootstrapped over the shm group

@@ -71,9 +71,9 @@ static tdm_status tdm_dist_step_forward(tdm_dist_stepper *s, const void *x, cons
     const int32_t *ys;
     int n;
     tdm_dist_step_rows(s, x, y, batch, &xs, &ys, &n);
-    tdm_status st = s->ops->forward(s->self, xs, ys, n, scale, loss_sum);
+    tdm_status st = s->ops->forward(s->w, xs, ys, n, scale, loss_sum);
     if (st) {
-        if (micro > 0) s->ops->no_sync(s->self, 0);
+        if (micro > 0) s->ops->no_sync(s->w, 0);
         return tdm_dist_step_fail(s, st);
     }
     if (isfinite(*loss_sum)) return TDM_STATUS_OK;
@@ -83,7 +83,7 @@ static tdm_status tdm_dist_step_forward(tdm_dist_stepper *s, const void *x, cons
     else
         snprintf(where, sizeof where, "rank %d's %d sample%s of the batch of %d", s->rank, n,
                  n == 1 ? "" : "s", global);
-    return tdm_dist_diverged(s->comm, s->rank, s->ops->steps(s->self) + 1, *loss_sum, where);
+    return tdm_dist_diverged(s->comm, s->rank, tdm_optim_steps(s->opt) + 1, *loss_sum, where);
 }
 
 static void tdm_dist_step_begin(tdm_dist_stepper *s)
@@ -99,12 +99,12 @@ tdm_status tdm_dist_step(void *stepper, const void *x, const int32_t *y, int bat
     int global = s->own_rows ? s->global_batch : batch;
     double ls = 0.0;
     tdm_dist_step_begin(s);
-    tdm_status st = s->ops->zero_grad(s->self);
+    tdm_status st = s->ops->zero_grad(s->w);
     if (st) return tdm_dist_step_fail(s, st);
     TDM_CHECK(tdm_dist_step_forward(s, x, y, batch, global, 1.0f / (float)global, 0, &ls));
-    if ((st = s->ops->backward(s->self)) || (st = s->ops->step(s->self)))
+    if ((st = s->ops->backward(s->w)) || (st = s->ops->step(s->w, s->opt)))
         return tdm_dist_step_fail(s, st);
-    *loss_mean = s->ops->loss_sum(s->self) / global;   /* carried by the gradient collectives */
+    *loss_mean = s->ops->loss_sum(s->w) / global;   /* carried by the gradient collectives */
     return TDM_STATUS_OK;
 }
 
@@ -112,7 +112,7 @@ static tdm_status tdm_dist_accum_zero(void *ctx)
 {
     tdm_dist_stepper *s = ctx;
     tdm_dist_step_begin(s);
-    tdm_status st = s->ops->zero_grad(s->self);
+    tdm_status st = s->ops->zero_grad(s->w);
     return st ? tdm_dist_step_fail(s, st) : st;
 }
 
@@ -121,10 +121,10 @@ static tdm_status tdm_dist_accum_micro(void *ctx, const void *x, const int32_t *
 {
     tdm_dist_stepper *s = ctx;
     TDM_CHECK(tdm_dist_step_forward(s, x, y, batch, batch, grad_scale, index + 1, loss_sum));
-    s->ops->no_sync(s->self, !last);
-    tdm_status st = s->ops->backward(s->self);
+    s->ops->no_sync(s->w, !last);
+    tdm_status st = s->ops->backward(s->w);
     if (st) {
-        s->ops->no_sync(s->self, 0);
+        s->ops->no_sync(s->w, 0);
         return tdm_dist_step_fail(s, st);
     }
     return TDM_STATUS_OK;
@@ -133,9 +133,9 @@ static tdm_status tdm_dist_accum_micro(void *ctx, const void *x, const int32_t *
 static tdm_status tdm_dist_accum_opt(void *ctx, double *loss_sum)
 {
     tdm_dist_stepper *s = ctx;
-    tdm_status st = s->ops->step(s->self);
+    tdm_status st = s->ops->step(s->w, s->opt);
     if (st) return tdm_dist_step_fail(s, st);
-    *loss_sum = s->ops->loss_sum(s->self);   /* every rank's, reduced with the gradients */
+    *loss_sum = s->ops->loss_sum(s->w);   /* every rank's, reduced with the gradients */
     return TDM_STATUS_OK;
 }
 

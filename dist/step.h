@@ -8,11 +8,11 @@
  * abort of the group with the rank's message on any failure.
  *
  * The ops a design fills: a data-parallel design (DDP, FSDP/ZeRO) the
- * pieces of its step; a design whose step does not split into one
- * forward and one backward (a pipeline's schedule interleaves the
- * micro-batches of both) fills zero_grad, forward and backward with its
- * whole step's halves as it sees fit, or leaves them NULL and drives its
- * own step from its run callback. Every op is collective unless it says
+ * pieces of its step (TDM_DIST_OPS_DEFINE makes them from its calls); a
+ * design whose step does not split into one forward and one backward (a
+ * pipeline's schedule interleaves the micro-batches of both) leaves
+ * zero_grad, forward and backward NULL and drives its own step from its
+ * run callback. Every op is collective unless it says
  * otherwise, and every one may be NULL where the design or the tool does
  * not use it. */
 #ifndef TDM_DIST_STEP_H
@@ -26,47 +26,106 @@
 #include "models/accum.h"
 #include "models/checkpoint.h"
 #include "models/model.h"
+#include "models/optim.h"
 
 typedef struct tdm_dist_ops tdm_dist_ops;
+/* w is the design's wrapper (a tdm_ddp, a tdm_fsdp); opt its optimizer
+ * (over what this rank holds: the replica, or its shards). */
 struct tdm_dist_ops {
-    tdm_status (*zero_grad)(void *self);
+    tdm_status (*zero_grad)(void *w);
     /* Forward and loss over this rank's n samples (host; n may be 0: the
      * rank still takes part), the loss gradient scaled by grad_scale;
      * *loss_sum: the sum of this rank's per-sample losses. */
-    tdm_status (*forward)(void *self, const void *x, const int32_t *y, int n, float grad_scale,
+    tdm_status (*forward)(void *w, const void *x, const int32_t *y, int n, float grad_scale,
                           double *loss_sum);
     /* Uneven inputs (join): the mean-loss gradient over the ranks with
      * data in this forward; *loss_mean this rank's mean loss. */
-    tdm_status (*forward_mean)(void *self, const void *x, const int32_t *y, int n,
+    tdm_status (*forward_mean)(void *w, const void *x, const int32_t *y, int n,
                                double *loss_mean);
-    void (*no_sync)(void *self, int enable);  /* local: backward accumulates, no collective */
-    tdm_status (*backward)(void *self);
-    tdm_status (*step)(void *self);           /* the optimizer's, on what this rank holds */
+    void (*no_sync)(void *w, int enable);     /* local: backward accumulates, no collective */
+    tdm_status (*backward)(void *w);
+    tdm_status (*step)(void *w, tdm_optim *opt);
     /* Every rank's loss sum of the forwards the last synchronised
      * backward reduced (carried by its collectives). Local. */
-    double (*loss_sum)(const void *self);
-    int64_t (*steps)(const void *self);       /* optimizer steps taken. Local. */
+    double (*loss_sum)(void *w);
     /* A rank out of data shadows the others' steps until every rank has
      * joined (dist/join.h); *shadowed: the synchronised steps it shadowed. */
-    tdm_status (*join)(void *self, int64_t *shadowed);
+    tdm_status (*join)(void *w, tdm_optim *opt, int64_t *shadowed);
     /* The test set's mean loss and accuracy, spread over the ranks. */
-    tdm_status (*evaluate)(void *self, const tdm_dataset *test, int batch, double *loss_mean,
+    tdm_status (*evaluate)(void *w, const tdm_dataset *test, int batch, double *loss_mean,
                            double *accuracy);
     /* The loss sum of n samples in eval mode (n may be 0); collective
      * where the design's forward is (FSDP), local otherwise (DDP). */
-    tdm_status (*eval_loss)(void *self, const void *x, const int32_t *y, int n,
-                            double *loss_sum);
+    tdm_status (*eval_loss)(void *w, const void *x, const int32_t *y, int n, double *loss_sum);
     /* A checkpoint every rank takes part in (the full model, readable by
-     * every design and by one device). */
-    tdm_status (*save)(void *self, const char *path, const tdm_ckpt_info *info);
-    tdm_status (*load)(void *self, const char *path, tdm_ckpt_info *info);
+     * every design and by one device), and reading one. */
+    tdm_status (*save)(void *w, const char *path, tdm_optim *opt, const tdm_ckpt_info *info);
+    tdm_status (*load)(void *w, const char *path, tdm_optim *opt, tdm_ckpt_info *info);
 };
 
-/* A training step's context: the design's ops over its self, and where
+/* The ops of a design whose calls follow DDP's names and arguments
+ * (tdm_<P>_zero_grad, _forward_scaled, _forward, _no_sync, _backward,
+ * _step, _loss_sum, _join, _evaluate, _eval_loss on a T *), SAVE and LOAD
+ * being its checkpoint calls (T *, path, opt, info): defines the adapters
+ * and `const tdm_dist_ops tdm_<P>_dist_ops`, which the design's header
+ * declares. Used once, in the design's own .c file. */
+#define TDM_DIST_OPS_DEFINE(P, T, SAVE, LOAD)                                                 \
+    static tdm_status tdm_##P##_ops_zero(void *w) { return tdm_##P##_zero_grad((T *)w); }    \
+    static tdm_status tdm_##P##_ops_forward(void *w, const void *x, const int32_t *y, int n,  \
+                                            float scale, double *loss_sum)                    \
+    {                                                                                         \
+        return tdm_##P##_forward_scaled((T *)w, x, y, n, scale, loss_sum);                    \
+    }                                                                                         \
+    static tdm_status tdm_##P##_ops_forward_mean(void *w, const void *x, const int32_t *y,    \
+                                                 int n, double *loss_mean)                    \
+    {                                                                                         \
+        return tdm_##P##_forward((T *)w, x, y, n, loss_mean);                                 \
+    }                                                                                         \
+    static void tdm_##P##_ops_no_sync(void *w, int on) { tdm_##P##_no_sync((T *)w, on); }    \
+    static tdm_status tdm_##P##_ops_backward(void *w) { return tdm_##P##_backward((T *)w); } \
+    static tdm_status tdm_##P##_ops_step(void *w, tdm_optim *opt)                             \
+    {                                                                                         \
+        return tdm_##P##_step((T *)w, opt);                                                   \
+    }                                                                                         \
+    static double tdm_##P##_ops_loss_sum(void *w) { return tdm_##P##_loss_sum((T *)w); }     \
+    static tdm_status tdm_##P##_ops_join(void *w, tdm_optim *opt, int64_t *shadowed)         \
+    {                                                                                         \
+        return tdm_##P##_join((T *)w, opt, shadowed);                                         \
+    }                                                                                         \
+    static tdm_status tdm_##P##_ops_evaluate(void *w, const tdm_dataset *test, int batch,     \
+                                             double *loss_mean, double *accuracy)             \
+    {                                                                                         \
+        return tdm_##P##_evaluate((T *)w, test, batch, loss_mean, accuracy);                  \
+    }                                                                                         \
+    static tdm_status tdm_##P##_ops_eval_loss(void *w, const void *x, const int32_t *y,       \
+                                              int n, double *loss_sum)                        \
+    {                                                                                         \
+        return tdm_##P##_eval_loss((T *)w, x, y, n, loss_sum);                                \
+    }                                                                                         \
+    static tdm_status tdm_##P##_ops_save(void *w, const char *path, tdm_optim *opt,           \
+                                         const tdm_ckpt_info *info)                           \
+    {                                                                                         \
+        return SAVE((T *)w, path, opt, info);                                                 \
+    }                                                                                         \
+    static tdm_status tdm_##P##_ops_load(void *w, const char *path, tdm_optim *opt,           \
+                                         tdm_ckpt_info *info)                                 \
+    {                                                                                         \
+        return LOAD((T *)w, path, opt, info);                                                 \
+    }                                                                                         \
+    const tdm_dist_ops tdm_##P##_dist_ops = {                                                 \
+        .zero_grad = tdm_##P##_ops_zero, .forward = tdm_##P##_ops_forward,                    \
+        .forward_mean = tdm_##P##_ops_forward_mean, .no_sync = tdm_##P##_ops_no_sync,         \
+        .backward = tdm_##P##_ops_backward, .step = tdm_##P##_ops_step,                       \
+        .loss_sum = tdm_##P##_ops_loss_sum, .join = tdm_##P##_ops_join,                       \
+        .evaluate = tdm_##P##_ops_evaluate, .eval_loss = tdm_##P##_ops_eval_loss,             \
+        .save = tdm_##P##_ops_save, .load = tdm_##P##_ops_load}
+
+/* A training step's context: the design's ops over its wrapper, and where
  * the rank stands. Zero-initialise, then fill. */
 typedef struct tdm_dist_stepper {
     const tdm_dist_ops *ops;
-    void *self;
+    void *w;                     /* the design's wrapper */
+    tdm_optim *opt;
     tdm_comm *comm;              /* the process group: aborted on failure */
     int rank, world;
     int in_elems, out_rows;      /* per sample: 4-byte inputs (floats or tokens), targets */

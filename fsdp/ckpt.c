@@ -614,3 +614,33 @@ agree:
     free(hb);
     return st;
 }
+
+/* 1 when path holds a sharded checkpoint's index: its format line sits
+ * in the safetensors header's metadata, whose length grows with the
+ * units listed there (read up to 1 MiB of it; a full checkpoint is not
+ * read further). */
+static int tdm_fsdp_is_index(const char *path)
+{
+    size_t cap = 1 << 20;
+    char *buf = malloc(cap + 1);
+    FILE *fp = buf ? fopen(path, "rb") : NULL;
+    if (!fp) {
+        free(buf);
+        return 0;
+    }
+    size_t n = fread(buf, 1, cap, fp);
+    fclose(fp);
+    buf[n] = 0;
+    for (size_t i = 0; i < n; i++)
+        if (!buf[i]) buf[i] = ' ';
+    /* any version: tdm_fsdp_load_sharded names one it cannot read */
+    int found = strstr(buf, "tandem-fsdp-sharded-") != NULL;
+    free(buf);
+    return found;
+}
+
+tdm_status tdm_fsdp_load(tdm_fsdp *f, const char *path, tdm_optim *opt, tdm_ckpt_info *info)
+{
+    return tdm_fsdp_is_index(path) ? tdm_fsdp_load_sharded(f, path, opt, info)
+                                   : tdm_fsdp_load_full(f, path, opt, info);
+}

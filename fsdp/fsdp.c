@@ -120,6 +120,80 @@ static tdm_status tdm_fsdp_alloc_state(tdm_fsdp *f)
     return TDM_STATUS_OK;
 }
 
+/* Defined before tdm_fsdp_init, whose fail path runs it on any prefix of
+ * what it made. */
+void tdm_fsdp_free(tdm_fsdp *f)
+{
+    if (!f) return;
+    tdm_model *m = f->m;
+    /* A collective still running may write the unit blocks and the shards:
+     * after a bounded wait, the communicator is aborted so that it ends;
+     * one that does not even then keeps its memory (leaked, not freed
+     * under the progress thread). */
+    int aborted = 0, stuck = 0;
+    for (int u = 0; f->u && u < f->nu; u++) {
+        tdm_fsdp_unit *x = &f->u[u];
+        tdm_comm_work *w[2] = {x->ag, x->rs};
+        for (int k = 0; k < 2; k++) {
+            if (!w[k]) continue;
+            if (tdm_comm_work_wait(w[k], TDM_DIST_DRAIN_TIMEOUT_MS) == TDM_STATUS_TIMEOUT &&
+                !aborted) {
+                aborted = 1;
+                (void)tdm_comm_abort(f->comm, "fsdp free: a collective still running");
+                if (f->hcomm != f->comm)
+                    (void)tdm_comm_abort(f->hcomm, "fsdp free: a collective still running");
+                (void)tdm_comm_work_wait(w[k], TDM_DIST_DRAIN_TIMEOUT_MS);
+            }
+            if (!tdm_fsdp_work_over(w[k])) stuck = 1;
+        }
+        tdm_comm_work_free(x->ag);
+        tdm_comm_work_free(x->rs);
+        x->ag = x->rs = NULL;
+    }
+    if (stuck) {
+        TDM_WARN(FSDP, "free: a collective did not end after an abort: its memory is "
+                       "leaked rather than freed while it may still be written");
+        free(f->u);
+        f->u = NULL;
+        f->buf.pshard = f->buf.gshard = f->buf.pfull = f->buf.gfull = NULL;
+        f->pool.n_cached = 0;
+    }
+    tdm_model_set_grad_hook(m, NULL, NULL);
+    tdm_model_set_use_hook(m, NULL, NULL);
+    if (tdm_model_storage_released(m) && tdm_model_restore_storage(m) == TDM_STATUS_OK &&
+        f->buf.pfull) {
+        /* a full copy exists: the model gets it back */
+        for (int u = 0; u < f->nu; u++)
+            (void)tdm_dev_copy(f->dev, tdm_model_params(m) + f->u[u].offset,
+                                    f->buf.pfull + f->u[u].full_off,
+                                    (size_t)f->u[u].n_elem * sizeof(float));
+    }
+    for (int u = 0; f->u && u < f->nu; u++) {
+        tdm_fsdp_unit *x = &f->u[u];
+        if (f->o.sharding == TDM_FSDP_FULL_SHARD) tdm_fsdp_pool_put(f, x->pbuf, x->pbuf_bytes);
+        if (f->o.sharding != TDM_FSDP_SHARD_OPTIM) tdm_fsdp_pool_put(f, x->gbuf, x->gbuf_bytes);
+        tdm_fsdp_pool_put(f, x->rs_tmp, x->rs_tmp_bytes);
+        tdm_fsdp_hook_release(f, u);
+    }
+    tdm_fsdp_pool_trim(f);
+    tdm_device *d = f->dev;
+    tdm_dev_free(d, f->buf.pshard);
+    tdm_dev_free(d, f->buf.gshard);
+    tdm_dev_free(d, f->buf.pfull);
+    tdm_dev_free(d, f->buf.gfull);
+    tdm_dev_free(d, f->buf.gacc);
+    tdm_train_stage_free(&f->stage);
+    tdm_dev_free(d, f->buf_save);
+    free(f->u);
+    free(f->param_unit);
+    free(f->pass.ready);
+    free(f->pass.fwd.unit);
+    free(f->pass.bwd.unit);
+    free(f->timing.ev);
+    free(f->timing.ev_out);
+    free(f);
+}
+
 tdm_status tdm_fsdp_init(tdm_fsdp **out, tdm_model *m, tdm_comm *comm, const tdm_fsdp_opts *opts)
 {
     tdm_status st = TDM_STATUS_OK;
@@ -199,78 +273,6 @@ tdm_status tdm_fsdp_init(tdm_fsdp **out, tdm_model *m, tdm_comm *comm, const tdm
 fail:
     tdm_fsdp_free(f);
     return st;
-}
-
-void tdm_fsdp_free(tdm_fsdp *f)
-{
-    if (!f) return;
-    tdm_model *m = f->m;
-    /* A collective still running may write the unit blocks and the shards:
-     * after a bounded wait, the communicator is aborted so that it ends;
-     * one that does not even then keeps its memory (leaked, not freed
-     * under the progress thread). */
-    int aborted = 0, stuck = 0;
-    for (int u = 0; f->u && u < f->nu; u++) {
-        tdm_fsdp_unit *x = &f->u[u];
-        tdm_comm_work *w[2] = {x->ag, x->rs};
-        for (int k = 0; k < 2; k++) {
-            if (!w[k]) continue;
-            if (tdm_comm_work_wait(w[k], TDM_DIST_DRAIN_TIMEOUT_MS) == TDM_STATUS_TIMEOUT &&
-                !aborted) {
-                aborted = 1;
-                (void)tdm_comm_abort(f->comm, "fsdp free: a collective still running");
-                if (f->hcomm != f->comm)
-                    (void)tdm_comm_abort(f->hcomm, "fsdp free: a collective still running");
-                (void)tdm_comm_work_wait(w[k], TDM_DIST_DRAIN_TIMEOUT_MS);
-            }
-            if (!tdm_fsdp_work_over(w[k])) stuck = 1;
-        }
-        tdm_comm_work_free(x->ag);
-        tdm_comm_work_free(x->rs);
-        x->ag = x->rs = NULL;
-    }
-    if (stuck) {
-        TDM_WARN(FSDP, "free: a collective did not end after an abort: its memory is "
-                       "leaked rather than freed while it may still be written");
-        free(f->u);
-        f->u = NULL;
-        f->buf.pshard = f->buf.gshard = f->buf.pfull = f->buf.gfull = NULL;
-        f->pool.n_cached = 0;
-    }
-    tdm_model_set_grad_hook(m, NULL, NULL);
-    tdm_model_set_use_hook(m, NULL, NULL);
-    if (tdm_model_storage_released(m) && tdm_model_restore_storage(m) == TDM_STATUS_OK &&
-        f->buf.pfull) {
-        /* a full copy exists: the model gets it back */
-        for (int u = 0; u < f->nu; u++)
-            (void)tdm_dev_copy(f->dev, tdm_model_params(m) + f->u[u].offset,
-                                    f->buf.pfull + f->u[u].full_off,
-                                    (size_t)f->u[u].n_elem * sizeof(float));
-    }
-    for (int u = 0; f->u && u < f->nu; u++) {
-        tdm_fsdp_unit *x = &f->u[u];
-        if (f->o.sharding == TDM_FSDP_FULL_SHARD) tdm_fsdp_pool_put(f, x->pbuf, x->pbuf_bytes);
-        if (f->o.sharding != TDM_FSDP_SHARD_OPTIM) tdm_fsdp_pool_put(f, x->gbuf, x->gbuf_bytes);
-        tdm_fsdp_pool_put(f, x->rs_tmp, x->rs_tmp_bytes);
-        tdm_fsdp_hook_release(f, u);
-    }
-    tdm_fsdp_pool_trim(f);
-    tdm_device *d = f->dev;
-    tdm_dev_free(d, f->buf.pshard);
-    tdm_dev_free(d, f->buf.gshard);
-    tdm_dev_free(d, f->buf.pfull);
-    tdm_dev_free(d, f->buf.gfull);
-    tdm_dev_free(d, f->buf.gacc);
-    tdm_train_stage_free(&f->stage);
-    tdm_dev_free(d, f->buf_save);
-    free(f->u);
-    free(f->param_unit);
-    free(f->pass.ready);
-    free(f->pass.fwd.unit);
-    free(f->pass.bwd.unit);
-    free(f->timing.ev);
-    free(f->timing.ev_out);
-    free(f);
 }
 
 tdm_model *tdm_fsdp_model(tdm_fsdp *f) { return f->m; }
@@ -666,3 +668,5 @@ void tdm_fsdp_get_memory(const tdm_fsdp *f, const tdm_optim *opt, tdm_fsdp_memor
 }
 
 void tdm_fsdp_reset_peak(tdm_fsdp *f) { f->pool.peak = f->pool.live; }
+
+TDM_DIST_OPS_DEFINE(fsdp, tdm_fsdp, tdm_fsdp_save_full, tdm_fsdp_load);

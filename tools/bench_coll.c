@@ -820,7 +820,7 @@ static tdm_status bench_check_cfg(bench_cfg *cfg)
         /* Checked in a child when it names CUDA: this process forks the
          * ranks, and a process that has initialised CUDA cannot give it
          * to its children. */
-        tdm_status dst = tdm_tool_parse_devices(&cfg->dl, cfg->device, 1);
+        tdm_status dst = tdm_dist_parse_devices(&cfg->dl, cfg->device, 1);
         if (dst != TDM_STATUS_OK) {
             fprintf(stderr, "tandem bench: --device: %s\n", tdm_error_message());
             return dst == TDM_STATUS_NO_DEVICE ? dst : tdm_tool_usage(dst);

@@ -24,7 +24,7 @@
 #include "ddp/ddp.h"
 #include "ddp/hooks.h"
 #include "dist/mpi_job.h"
-#include "dist/spawn.h"
+#include "dist/run.h"
 #include "models/train.h"
 #include "tools/args.h"
 #include "tools/compare.h"
@@ -372,7 +372,7 @@ static tdm_status tdm_cmp_parse(int argc, char **argv, tdm_cmp_job *j)
 static tdm_status tdm_cmp_check_devices(tdm_cmp_opts *o)
 {
     tdm_device_list dl;
-    tdm_status st = tdm_tool_parse_devices(&dl, o->device, 1);
+    tdm_status st = tdm_dist_parse_devices(&dl, o->device, 1);
     if (st != TDM_STATUS_OK) {
         /* no device is a runtime condition (exit 1, as train), not usage */
         fprintf(stderr, "tandem compare: --device: %s\n", tdm_error_message());

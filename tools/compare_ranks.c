@@ -200,11 +200,11 @@ static tdm_status tdm_cmp_rank_run(void *ctx, tdm_dist_rank *d, void *self)
         if (n > 0) tdm_cmp_rows(c->data, i, o->batch, (int)lo, n, x, y);
         double loss_sum = 0.0;
         uint64_t t0 = tdm_time_ns();
-        st = ops->zero_grad(r);
-        if (st == TDM_STATUS_OK) st = ops->forward(r, x, y, n, scale, &loss_sum);
+        st = ops->zero_grad(r->w);
+        if (st == TDM_STATUS_OK) st = ops->forward(r->w, x, y, n, scale, &loss_sum);
         uint64_t tb = tdm_time_ns();
-        if (st == TDM_STATUS_OK) st = ops->backward(r);
-        if (st == TDM_STATUS_OK) st = ops->step(r);
+        if (st == TDM_STATUS_OK) st = ops->backward(r->w);
+        if (st == TDM_STATUS_OK) st = ops->step(r->w, r->opt);
         uint64_t t1 = tdm_time_ns();
         if (st == TDM_STATUS_OK && i == 0)
             st = b->design->params(r, rank == 0 ? TDM_CMP_AT(sh, off_first, float) : NULL, 0);

@@ -154,15 +154,20 @@ static void tdm_cmp_mem_model(tdm_cmp_memory *mem, tdm_model *m, size_t optim_by
     mem->optim = (double)optim_bytes;
 }
 
-/* ---- one device ---- */
+/* ---- one device and DataParallel (one process) ---- */
 
-static tdm_status tdm_cmp_run_single(const tdm_cmp_opts *o, const tdm_cmp_data *data,
-                                     tdm_cmp_result *r)
+/* Single: the first device of --device; DP: the first n_dev. */
+static tdm_status tdm_cmp_run_local(const tdm_cmp_opts *o, const tdm_cmp_data *data,
+                                    tdm_cmp_mode mode, int n_dev, tdm_cmp_result *r)
 {
     tdm_status st = TDM_STATUS_OK;
-    tdm_device *dev = NULL;
+    int dp = mode == TDM_CMP_DP, n = 0;
+    const char *what = dp ? "DP" : "one device";
+    char spec[TDM_DEVICE_LIST_MAX * 4 + 8];
+    tdm_device *devs[TDM_DP_MAX_DEVICES] = {0};
     tdm_model *m = NULL;
     tdm_optim *opt = NULL;
+    tdm_dp *dpp = NULL;
     tdm_single s = {0};
     int64_t feat = tdm_cmp_feat(data);
     float *x = malloc((size_t)o->batch * feat * sizeof(float));
@@ -171,18 +176,23 @@ static tdm_status tdm_cmp_run_single(const tdm_cmp_opts *o, const tdm_cmp_data *
         st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "a batch of %d", o->batch);
         goto fail;
     }
-    if ((st = tdm_dist_rank_device(&o->dl, 0, &dev)) || (st = tdm_cmp_make(o, dev, &m, &opt))) {
-        tdm_cmp_fail("one device", st);
+    tdm_cmp_dev_spec(o, n_dev, spec, sizeof spec);
+    if (dp) st = tdm_dp_devices_open(spec, devs, &n);
+    else if (!(st = tdm_dist_rank_device(&o->dl, 0, &devs[0]))) n = 1;
+    if (st == TDM_STATUS_OK) st = tdm_cmp_make(o, devs[0], &m, &opt);
+    if (st == TDM_STATUS_OK && dp) st = tdm_dp_init(&dpp, m, devs, n, NULL);
+    if (st) {
+        tdm_cmp_fail(what, st);
         goto fail;
     }
-    TDM_TRY(tdm_cmp_alloc(r, TDM_CMP_SINGLE, 1, o->steps, tdm_model_param_elems(m)));
+    TDM_TRY(tdm_cmp_alloc(r, mode, n, o->steps, tdm_model_param_elems(m)));
     if (o->nudge) {
         /* every other parameter one ulp up: the smallest change float can
          * make, to measure how far such a change carries over the run */
         float *p = r->params_last;
         TDM_TRY(tdm_cmp_params_out(m, p));
         for (int64_t j = 0; j < r->param_elems; j += 2) p[j] = nextafterf(p[j], INFINITY);
-        TDM_TRY(tdm_dev_copy_from_host(dev, tdm_model_params(m), p,
+        TDM_TRY(tdm_dev_copy_from_host(devs[0], tdm_model_params(m), p,
                                          (size_t)r->param_elems * sizeof(float)));
     }
     s.model = m;
@@ -191,83 +201,40 @@ static tdm_status tdm_cmp_run_single(const tdm_cmp_opts *o, const tdm_cmp_data *
     for (int i = 0; i < o->steps; i++) {
         tdm_cmp_batch(data, i, o->batch, x, y);
         uint64_t t0 = tdm_time_ns();
-        if ((st = tdm_single_step(&s, x, y, o->batch, &r->loss[i])) != TDM_STATUS_OK) {
-            tdm_cmp_fail("one device step", st);
+        st = dp ? tdm_dp_step(dpp, opt, x, y, o->batch, &r->loss[i])
+                : tdm_single_step(&s, x, y, o->batch, &r->loss[i]);
+        if (st != TDM_STATUS_OK) {
+            tdm_cmp_fail(dp ? "DP step" : "one device step", st);
             goto fail;
         }
         r->step_ms[i] = (double)(tdm_time_ns() - t0) * 1e-6;
         r->step_t0_ms[i] = (double)(t0 - t_start) * 1e-6;
-        memcpy(r->phase[i].ms, s.ms, sizeof s.ms);
-        r->wall[i] = r->phase[i];
-        if (i == 0) TDM_TRY(tdm_cmp_params_out(m, r->params_first));
-    }
-    TDM_TRY(tdm_cmp_params_out(m, r->params_last));
-    tdm_cmp_mem_model(&r->mem[0], m, tdm_optim_state_bytes(opt));
-    r->ok = 1;
-fail:
-    tdm_single_free(&s);
-    tdm_optim_free(opt);
-    tdm_model_free(m);
-    tdm_device_free(dev);
-    free(x);
-    free(y);
-    return st;
-}
-
-/* ---- DataParallel ---- */
-
-static tdm_status tdm_cmp_run_dp(const tdm_cmp_opts *o, const tdm_cmp_data *data, int n_dev,
-                                 tdm_cmp_result *r)
-{
-    tdm_status st = TDM_STATUS_OK;
-    int n = 0;
-    char spec[TDM_DEVICE_LIST_MAX * 4 + 8];
-    tdm_device *devs[TDM_DP_MAX_DEVICES] = {0};
-    tdm_model *m = NULL;
-    tdm_optim *opt = NULL;
-    tdm_dp *dp = NULL;
-    int64_t feat = tdm_cmp_feat(data);
-    float *x = malloc((size_t)o->batch * feat * sizeof(float));
-    int32_t *y = malloc((size_t)o->batch * tdm_cmp_targets(data) * sizeof(int32_t));
-    tdm_cmp_dev_spec(o, n_dev, spec, sizeof spec);
-    if (!x || !y) {
-        st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "a batch of %d", o->batch);
-        goto fail;
-    }
-    if ((st = tdm_dp_devices_open(spec, devs, &n)) || (st = tdm_cmp_make(o, devs[0], &m, &opt)) ||
-        (st = tdm_dp_init(&dp, m, devs, n, NULL))) {
-        tdm_cmp_fail("DP", st);
-        goto fail;
-    }
-    TDM_TRY(tdm_cmp_alloc(r, TDM_CMP_DP, n, o->steps, tdm_model_param_elems(m)));
-    uint64_t t_start = tdm_time_ns();
-    for (int i = 0; i < o->steps; i++) {
-        tdm_cmp_batch(data, i, o->batch, x, y);
-        uint64_t t0 = tdm_time_ns();
-        if ((st = tdm_dp_step(dp, opt, x, y, o->batch, &r->loss[i])) != TDM_STATUS_OK) {
-            tdm_cmp_fail("DP step", st);
-            goto fail;
+        if (dp) {
+            const tdm_dp_timings *t = tdm_dp_last_timings(dpp);
+            for (int d = 0; d < n; d++) r->phase[(size_t)i * n + d] = t->device[d];
+            r->wall[i] = t->wall;
+        } else {
+            memcpy(r->phase[i].ms, s.ms, sizeof s.ms);
+            r->wall[i] = r->phase[i];
         }
-        r->step_ms[i] = (double)(tdm_time_ns() - t0) * 1e-6;
-        r->step_t0_ms[i] = (double)(t0 - t_start) * 1e-6;
-        const tdm_dp_timings *t = tdm_dp_last_timings(dp);
-        for (int d = 0; d < n; d++) r->phase[(size_t)i * n + d] = t->device[d];
-        r->wall[i] = t->wall;
         if (i == 0) TDM_TRY(tdm_cmp_params_out(m, r->params_first));
     }
     TDM_TRY(tdm_cmp_params_out(m, r->params_last));
     for (int d = 0; d < n; d++)
-        tdm_cmp_mem_model(&r->mem[d], tdm_dp_replica(dp, d),
+        tdm_cmp_mem_model(&r->mem[d], dp ? tdm_dp_replica(dpp, d) : m,
                           d == 0 ? tdm_optim_state_bytes(opt) : 0);
-    /* the output device also holds the gathered logits and their gradient */
-    r->mem[0].comm = 2.0 * o->batch * tdm_model_out_rows(m) * tdm_model_n_classes(m) *
-                     sizeof(float);
+    /* DP's output device also holds the gathered logits and their gradient */
+    if (dp)
+        r->mem[0].comm = 2.0 * o->batch * tdm_model_out_rows(m) * tdm_model_n_classes(m) *
+                         sizeof(float);
     r->ok = 1;
 fail:
-    tdm_dp_free(dp);
+    tdm_dp_free(dpp);
+    tdm_single_free(&s);
     tdm_optim_free(opt);
     tdm_model_free(m);
-    tdm_dp_devices_close(devs, n);
+    if (dp) tdm_dp_devices_close(devs, n);
+    else tdm_device_free(devs[0]);
     free(x);
     free(y);
     return st;
@@ -295,8 +262,8 @@ static tdm_status tdm_cmp_run_here(const tdm_cmp_opts *o, const tdm_cmp_data *da
 {
     memset(r, 0, sizeof *r);
     switch (mode) {
-    case TDM_CMP_SINGLE: return tdm_cmp_run_single(o, data, r);
-    case TDM_CMP_DP: return tdm_cmp_run_dp(o, data, n_dev, r);
+    case TDM_CMP_SINGLE:
+    case TDM_CMP_DP: return tdm_cmp_run_local(o, data, mode, n_dev, r);
     default: return tdm_cmp_run_ranks(o, data, mode, n_dev, r);
     }
 }

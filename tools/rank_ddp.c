@@ -2,7 +2,7 @@
  * (tools/ranks.h): a rank's replica, its Reducer over the gradient
  * communicator (NCCL on a GPU, the process group elsewhere) with the
  * --comm-hook of the options, its optimizer and a resumed checkpoint;
- * the per-step ops over ddp/; the header's and the summary's words.
+ * the header's and the summary's words. Its per-step ops are ddp/'s.
  * Also what every table shares: the rank's model and its messages. */
 #include <stdio.h>
 #include <stdlib.h>
@@ -19,10 +19,21 @@ tdm_status tdm_tool_rank_fail(const tdm_tool_rank *r, const char *what, tdm_stat
     return st;
 }
 
-tdm_status tdm_tool_rank_model(tdm_tool_rank *r)
+tdm_status tdm_tool_rank_new(void *ctx, tdm_dist_rank *d, void **self)
 {
-    tdm_status st = tdm_model_init(&r->m, r->dist->dev, &r->b->spec, r->b->seed);
+    tdm_tool_rank *r = calloc(1, sizeof *r);
+    TDM_REQUIRE(r, TDM_STATUS_OUT_OF_MEMORY, "rank %d: calloc", d->env.rank);
+    *self = r;
+    *r = (tdm_tool_rank){.b = ctx, .dist = d, .rank = d->env.rank, .world = d->env.world_size};
+    tdm_status st = tdm_model_init(&r->m, d->dev, &r->b->spec, r->b->seed);
     return st ? tdm_tool_rank_fail(r, "building model", st) : st;
+}
+
+void tdm_tool_rank_free(tdm_tool_rank *r)
+{
+    tdm_optim_free(r->opt);
+    tdm_model_free(r->m);
+    free(r);
 }
 
 size_t tdm_tool_ddp_arena_bytes(const tdm_device_list *dl, int64_t param_elems)
@@ -35,13 +46,10 @@ size_t tdm_tool_ddp_arena_bytes(const tdm_device_list *dl, int64_t param_elems)
 
 static void tdm_rank_ddp_free(void *ctx, void *self)
 {
-    tdm_tool_rank *r = self;
     (void)ctx;
-    if (!r) return;
-    tdm_ddp_free(r->w);
-    tdm_optim_free(r->opt);
-    tdm_model_free(r->m);
-    free(r);
+    if (!self) return;
+    tdm_ddp_free(((tdm_tool_rank *)self)->w);
+    tdm_tool_rank_free(self);
 }
 
 /* The replica, the Reducer (gradients on the device communicator, the
@@ -50,11 +58,8 @@ static void tdm_rank_ddp_free(void *ctx, void *self)
 static tdm_status tdm_rank_ddp_setup(void *ctx, tdm_dist_rank *d, void **self)
 {
     const tdm_tool_build *b = ctx;
-    tdm_tool_rank *r = calloc(1, sizeof *r);
-    TDM_REQUIRE(r, TDM_STATUS_OUT_OF_MEMORY, "rank %d: calloc", d->env.rank);
-    *self = r;
-    *r = (tdm_tool_rank){.b = b, .dist = d, .rank = d->env.rank, .world = d->env.world_size};
-    TDM_CHECK(tdm_tool_rank_model(r));
+    TDM_CHECK(tdm_tool_rank_new(ctx, d, self));
+    tdm_tool_rank *r = *self;
     tdm_ddp_opts o = {.bucket_cap_mb = b->bucket_cap_mb, .no_overlap = b->no_overlap,
                       .join = b->join, .sync_bn = b->sync_bn,
                       .host_comm = d->dev_comm != d->comm ? d->comm : NULL};
@@ -74,81 +79,6 @@ static tdm_status tdm_rank_ddp_setup(void *ctx, tdm_dist_rank *d, void **self)
     tdm_train_print_resumed(b->resume, &info);
     return TDM_STATUS_OK;
 }
-
-/* ---- the ops ---- */
-
-#define TDM_RANK_DDP(self) ((tdm_ddp *)((tdm_tool_rank *)(self))->w)
-
-static tdm_status tdm_rank_ddp_zero(void *self) { return tdm_ddp_zero_grad(TDM_RANK_DDP(self)); }
-
-static tdm_status tdm_rank_ddp_forward(void *self, const void *x, const int32_t *y, int n,
-                                       float grad_scale, double *loss_sum)
-{
-    return tdm_ddp_forward_scaled(TDM_RANK_DDP(self), x, y, n, grad_scale, loss_sum);
-}
-
-static tdm_status tdm_rank_ddp_forward_mean(void *self, const void *x, const int32_t *y, int n,
-                                            double *loss_mean)
-{
-    return tdm_ddp_forward(TDM_RANK_DDP(self), x, y, n, loss_mean);
-}
-
-static void tdm_rank_ddp_no_sync(void *self, int enable)
-{
-    tdm_ddp_no_sync(TDM_RANK_DDP(self), enable);
-}
-
-static tdm_status tdm_rank_ddp_backward(void *self) { return tdm_ddp_backward(TDM_RANK_DDP(self)); }
-
-static tdm_status tdm_rank_ddp_step(void *self)
-{
-    return tdm_ddp_step(TDM_RANK_DDP(self), ((tdm_tool_rank *)self)->opt);
-}
-
-static double tdm_rank_ddp_loss_sum(const void *self)
-{
-    return tdm_ddp_loss_sum(TDM_RANK_DDP(self));
-}
-
-int64_t tdm_tool_rank_steps(const void *self)
-{
-    return tdm_optim_steps(((const tdm_tool_rank *)self)->opt);
-}
-
-static tdm_status tdm_rank_ddp_join(void *self, int64_t *shadowed)
-{
-    return tdm_ddp_join(TDM_RANK_DDP(self), ((tdm_tool_rank *)self)->opt, shadowed);
-}
-
-static tdm_status tdm_rank_ddp_evaluate(void *self, const tdm_dataset *test, int batch,
-                                        double *loss_mean, double *accuracy)
-{
-    return tdm_ddp_evaluate(TDM_RANK_DDP(self), test, batch, loss_mean, accuracy);
-}
-
-static tdm_status tdm_rank_ddp_eval_loss(void *self, const void *x, const int32_t *y, int n,
-                                         double *loss_sum)
-{
-    return tdm_ddp_eval_loss(TDM_RANK_DDP(self), x, y, n, loss_sum);
-}
-
-static tdm_status tdm_rank_ddp_save(void *self, const char *path, const tdm_ckpt_info *info)
-{
-    return tdm_ddp_checkpoint_save(TDM_RANK_DDP(self), path, ((tdm_tool_rank *)self)->opt, info);
-}
-
-static tdm_status tdm_rank_ddp_load(void *self, const char *path, tdm_ckpt_info *info)
-{
-    return tdm_ddp_checkpoint_load(TDM_RANK_DDP(self), path, ((tdm_tool_rank *)self)->opt, info);
-}
-
-static const tdm_dist_ops tdm_rank_ddp_ops = {
-    .zero_grad = tdm_rank_ddp_zero, .forward = tdm_rank_ddp_forward,
-    .forward_mean = tdm_rank_ddp_forward_mean, .no_sync = tdm_rank_ddp_no_sync,
-    .backward = tdm_rank_ddp_backward, .step = tdm_rank_ddp_step,
-    .loss_sum = tdm_rank_ddp_loss_sum, .steps = tdm_tool_rank_steps, .join = tdm_rank_ddp_join,
-    .evaluate = tdm_rank_ddp_evaluate, .eval_loss = tdm_rank_ddp_eval_loss,
-    .save = tdm_rank_ddp_save, .load = tdm_rank_ddp_load};
 
 /* ---- what the CLI prints ---- */
 
@@ -198,6 +128,6 @@ static tdm_status tdm_rank_ddp_params(tdm_tool_rank *r, float *host, int root)
 
 const tdm_tool_design tdm_tool_ddp_design = {
     .dist = {.name = "ddp", .caps = TDM_DIST_MPI | TDM_DIST_NCCL, .setup = tdm_rank_ddp_setup,
-             .free = tdm_rank_ddp_free, .ops = &tdm_rank_ddp_ops},
+             .free = tdm_rank_ddp_free, .ops = &tdm_ddp_dist_ops},
     .unit = "DDP rank", .save_alone = 1, .describe = tdm_rank_ddp_describe,
     .report = tdm_rank_ddp_report, .params = tdm_rank_ddp_params};

@@ -5,7 +5,9 @@
  * its per-step ops (dist/step.h), and what the CLI prints of it. `tandem
  * train` (tools/train_ranks.c) and `tandem compare`
  * (tools/compare_ranks.c) each run any design through one loop of
- * their own; neither knows which design it runs. */
+ * their own; neither knows which design it runs. The ops are the
+ * design's own (tdm_ddp_dist_ops, tdm_fsdp_dist_ops) over the rank's
+ * wrapper w and optimizer. */
 #ifndef TDM_TOOLS_RANKS_H
 #define TDM_TOOLS_RANKS_H
 
@@ -74,8 +76,10 @@ struct tdm_tool_design {
     /* Rank 0's summary after training: where the step went; overlap 1
      * adds the share of communication hidden behind backward. */
     void (*report)(const tdm_tool_rank *r, int overlap);
-    /* The form ops.save writes, for the "saved" line: NULL (the one
-     * form), "full", "sharded: a file per rank plus this index". */
+    /* The checkpoint every rank takes part in (NULL: the ops' save), and
+     * the form it writes, for the "saved" line: NULL (the one form),
+     * "full", "sharded: a file per rank plus this index". */
+    tdm_status (*save)(tdm_tool_rank *r, const char *path, const tdm_ckpt_info *info);
     const char *(*save_form)(const tdm_tool_rank *r);
     /* The full parameters into host (every rank when root < 0, else
      * root's; collective where they are sharded). */
@@ -89,11 +93,12 @@ extern const tdm_tool_design tdm_tool_fsdp_design;
  * param_elems floats: none on GPUs (their buckets live in NCCL memory). */
 size_t tdm_tool_ddp_arena_bytes(const tdm_device_list *dl, int64_t param_elems);
 
-/* The rank's model from b (on its device), and its optimizer over the
- * model (replicated designs): the pieces the tables' setups share. */
-tdm_status tdm_tool_rank_model(tdm_tool_rank *r);
-/* The optimizer steps a rank took (the ops' steps of every table). */
-int64_t tdm_tool_rank_steps(const void *self);
+/* What every table's setup begins with: a rank into *self (ctx: the
+ * tdm_tool_build), its model built on d's device. */
+tdm_status tdm_tool_rank_new(void *ctx, tdm_dist_rank *d, void **self);
+/* What every table's free ends with: the optimizer, the model, r (the
+ * table frees its wrapper first). */
+void tdm_tool_rank_free(tdm_tool_rank *r);
 /* "tandem <tool>: rank R: <what>: <message>" on stderr; returns st. */
 tdm_status tdm_tool_rank_fail(const tdm_tool_rank *r, const char *what, tdm_status st);
 

@@ -237,7 +237,7 @@ static void tdm_st_devices(tdm_st *t)
 {
     tdm_st_case *c = tdm_st_begin(t, "devices");
     /* parsed without initialising CUDA here (forks = 1) */
-    if (tdm_tool_parse_devices(&t->dl, t->device, 1)) {
+    if (tdm_dist_parse_devices(&t->dl, t->device, 1)) {
         tdm_st_fail(c, "--device %s: %s", t->device, tdm_error_message());
     } else {
         t->world = t->dl.count;

@@ -139,7 +139,7 @@ void tdm_train_text_header(const tdm_train_text_set *t, const tdm_model_spec *sp
 #define TDM_TRAIN_TEXT_EVAL_BATCH 32
 
 /* --uneven: one rank's epochs over its own samples, with join
- * (tools/train_uneven.c), through the design's ops on self: zero_grad,
+ * (tools/train_uneven.c), through the design's ops on w: zero_grad,
  * forward_mean (the mean over the ranks with data), backward, step, join
  * and (images) evaluate. eval (collective, may be NULL) replaces the test
  * set's evaluation (a gpt's validation loss); save (may be NULL) runs
@@ -147,7 +147,8 @@ void tdm_train_text_header(const tdm_train_text_set *t, const tdm_model_spec *sp
  * a gpt's windows (train and test unused). */
 typedef struct tdm_train_uneven {
     const tdm_dist_ops *ops;
-    void *self;
+    void *w;                      /* the design's wrapper */
+    tdm_optim *opt;
     tdm_model *m;
     tdm_comm *comm;
     const tdm_dataset *train, *test;

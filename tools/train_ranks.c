@@ -89,10 +89,12 @@ static tdm_status tdm_train_save(void *ctx, int64_t epoch)
     if (!t->save) return TDM_STATUS_OK;
     tdm_ckpt_info info = {.step = tdm_optim_steps(r->opt), .epoch = epoch + 1,
                           .seed = (uint64_t)t->a.seed};
-    tdm_status st = r->b->design->dist.ops->save(r, t->save, &info);
+    const tdm_tool_design *design = r->b->design;
+    tdm_status st = design->save ? design->save(r, t->save, &info)
+                                 : design->dist.ops->save(r->w, t->save, r->opt, &info);
     if (st) return tdm_tool_rank_fail(r, "saving checkpoint", st);
     if (r->rank != 0 || t->a.quiet) return TDM_STATUS_OK;
-    const char *form = r->b->design->save_form ? r->b->design->save_form(r) : NULL;
+    const char *form = design->save_form ? design->save_form(r) : NULL;
     printf("  saved %s (%s%sepoch %lld, step %lld)\n", t->save, form ? form : "",
            form ? ", " : "", (long long)epoch + 1, (long long)info.step);
     if (j->text && !r->b->save_sharded) printf("  tandem sample --resume %s\n", t->save);
@@ -105,7 +107,7 @@ static tdm_status tdm_train_eval_images(void *ctx, double *loss, double *acc)
 {
     tdm_tool_rank *r = ctx;
     const tdm_train_job *j = r->b->tool;
-    return r->b->design->dist.ops->evaluate(r, j->test, 1000, loss, acc);
+    return r->b->design->dist.ops->evaluate(r->w, j->test, 1000, loss, acc);
 }
 
 /* A gpt's validation loss: rank r evaluates its share of the windows,
@@ -132,7 +134,7 @@ static tdm_status tdm_train_eval_text(void *ctx, double *loss, double *acc)
         for (int64_t i = 0; i < k; i++)
             tdm_text_eval_window(&t->corpus->val, T, K, w0 + i, x + i * T, y + i * T);
         double ls = 0.0;
-        st = r->b->design->dist.ops->eval_loss(r, x, y, (int)k, &ls);
+        st = r->b->design->dist.ops->eval_loss(r->w, x, y, (int)k, &ls);
         s += ls;
     }
     free(x);
@@ -242,7 +244,7 @@ static tdm_status tdm_train_rank_run(void *ctx, tdm_dist_rank *d, void *self)
     t->kill_step = tdm_elastic_test_fault(r->rank, &t->kill_sig);
     int64_t lo = 0, hi = a->batch;
     if (j->text) tdm_dist_share(a->batch, r->rank, r->world, &lo, &hi);
-    t->s = (tdm_dist_stepper){.ops = design->dist.ops, .self = r, .comm = d->comm,
+    t->s = (tdm_dist_stepper){.ops = design->dist.ops, .w = r->w, .opt = r->opt, .comm = d->comm,
                               .rank = r->rank, .world = r->world,
                               .in_elems = tdm_model_in_features(r->m),
                               .out_rows = tdm_model_out_rows(r->m), .own_rows = j->text != NULL,
@@ -251,7 +253,8 @@ static tdm_status tdm_train_rank_run(void *ctx, tdm_dist_rank *d, void *self)
     tdm_train_eval_fn eval = j->text ? tdm_train_eval_text : tdm_train_eval_images;
     tdm_status st;
     if (a->uneven) {
-        tdm_train_uneven u = {.ops = design->dist.ops, .self = r, .m = r->m, .comm = d->comm,
+        tdm_train_uneven u = {.ops = design->dist.ops, .w = r->w, .opt = r->opt, .m = r->m,
+                              .comm = d->comm,
                               .train = j->train, .test = j->test, .text = j->text,
                               .eval = j->text ? eval : NULL, .save = tdm_train_save, .ctx = r,
                               .start_epoch = r->start_epoch};
@@ -372,7 +375,7 @@ tdm_status tdm_train_run_ranks(const tdm_train_args *a, const tdm_tool_design *d
         fprintf(stderr, "tandem train: %s\n", tdm_error_message());
         return st == TDM_STATUS_UNSUPPORTED ? st : TDM_STATUS_USAGE;
     }
-    if ((st = tdm_tool_parse_devices(&dl, a->device, start == TDM_DIST_START_FORKED))) {
+    if ((st = tdm_dist_parse_devices(&dl, a->device, start == TDM_DIST_START_FORKED))) {
         fprintf(stderr, "tandem train: --device: %s\n", tdm_error_message());
         return st == TDM_STATUS_NO_DEVICE ? st : tdm_tool_usage(st);
     }

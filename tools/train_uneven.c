@@ -71,7 +71,7 @@ static void tdm_uneven_print_epoch(const tdm_train_args *a, const tdm_train_unev
 tdm_status tdm_train_uneven_run(const tdm_train_args *a, const tdm_train_uneven *u)
 {
     const tdm_dist_ops *ops = u->ops;
-    void *self = u->self;
+    void *w = u->w;
     tdm_comm *comm = u->comm;
     int rank = tdm_comm_rank(comm), world = tdm_comm_size(comm);
     int b = (int)(a->batch / world > 0 ? a->batch / world : 1);
@@ -115,7 +115,7 @@ tdm_status tdm_train_uneven_run(const tdm_train_args *a, const tdm_train_uneven 
             tdm_uneven_gather(a, u, e, idx, n, x, y);
             if (++taken == kill_step) tdm_elastic_test_fault_fire(rank, kill_sig, taken);
             double lm = 0.0;
-            if ((st = ops->zero_grad(self)) || (st = ops->forward_mean(self, x, y, n, &lm)))
+            if ((st = ops->zero_grad(w)) || (st = ops->forward_mean(w, x, y, n, &lm)))
                 goto fail;
             if (!isfinite(lm)) {
                 st = tdm_error_set(TDM_STATUS_NONFINITE, "loss is %s at rank %d's step %lld of "
@@ -124,12 +124,12 @@ tdm_status tdm_train_uneven_run(const tdm_train_args *a, const tdm_train_uneven 
                                    (long long)s + 1, (long long)e + 1);
                 goto fail;
             }
-            if ((st = ops->backward(self)) || (st = ops->step(self))) goto fail;
+            if ((st = ops->backward(w)) || (st = ops->step(w, u->opt))) goto fail;
             sums[0] += lm * n;
             sums[1] += n;
         }
         int64_t shadowed = 0;
-        if ((st = ops->join(self, &shadowed))) goto fail;
+        if ((st = ops->join(w, u->opt, &shadowed))) goto fail;
         double secs = (double)(tdm_time_ns() - t0) * 1e-9;
         int64_t own[2] = {steps, shadowed};
         if ((st = tdm_comm_all_reduce(comm, sums, sums, 2, TDM_DTYPE_FLOAT64, TDM_REDOP_SUM)) ||
@@ -138,7 +138,7 @@ tdm_status tdm_train_uneven_run(const tdm_train_args *a, const tdm_train_uneven 
         double tl = NAN, acc = NAN;
         if (!a->no_eval) {
             st = u->eval ? u->eval(u->ctx, &tl, &acc)
-                         : ops->evaluate(self, u->test, 1000, &tl, &acc);
+                         : ops->evaluate(w, u->test, 1000, &tl, &acc);
             if (st) goto fail;
         }
         tdm_uneven_print_epoch(a, u, e, sums, secs, tl, acc);
