@@ -358,20 +358,14 @@ double tdm_ddp_loss_sum(const tdm_ddp *d) { return d->loss_global; }
 
 int tdm_ddp_active_ranks(const tdm_ddp *d) { return d->join.n_active; }
 
-typedef struct tdm_ddp_shadow {
-    tdm_ddp *d;
-    tdm_optim *opt;
-} tdm_ddp_shadow;
-
 /* One step of the others, as a rank without samples: sync, a
  * synchronised step (the buffer broadcast, the gradient all-reduce of
  * zeros, the optimizer step); else a no_sync micro-batch of theirs, where
  * they only accumulate: the buffer broadcast and the forward's count (the
  * sequence check), no backward, no step. */
-static tdm_status tdm_ddp_shadow_step(void *ctx, int sync)
+static tdm_status tdm_ddp_shadow_step(void *w, tdm_optim *opt, int sync)
 {
-    tdm_ddp_shadow *s = ctx;
-    tdm_ddp *d = s->d;
+    tdm_ddp *d = w;
     if (!sync) {
         TDM_CHECK(tdm_ddp_forward_impl(d, NULL, NULL, 0, 0.0f, 0, NULL));
         d->fwd.state = TDM_DIST_FWD_NONE;   /* no backward follows it */
@@ -380,14 +374,14 @@ static tdm_status tdm_ddp_shadow_step(void *ctx, int sync)
     TDM_CHECK(tdm_ddp_zero_grad(d));
     TDM_CHECK(tdm_ddp_forward_impl(d, NULL, NULL, 0, 0.0f, 0, NULL));
     TDM_CHECK(tdm_ddp_backward(d));
-    return s->opt ? tdm_ddp_step(d, s->opt) : TDM_STATUS_OK;
+    return opt ? tdm_ddp_step(d, opt) : TDM_STATUS_OK;
 }
 
 tdm_status tdm_ddp_join(tdm_ddp *d, tdm_optim *opt, int64_t *shadowed)
 {
-    tdm_ddp_shadow c = {.d = d, .opt = opt};
     tdm_dist_shadow s = {.who = "ddp", .label = "ddp join count", .enabled = d->o.join,
-                         .sync = d->sync, .fwd = &d->fwd, .fn = tdm_ddp_shadow_step, .ctx = &c};
+                         .sync = d->sync, .fwd = &d->fwd, .fn = tdm_ddp_shadow_step, .w = d,
+                         .opt = opt};
     tdm_status st = tdm_dist_join_shadow(&d->join, d->hcomm, d->rank, d->world, &s, shadowed);
     if (st) (void)tdm_comm_abort(d->hcomm, tdm_error_message());
     return st;
@@ -424,11 +418,8 @@ tdm_status tdm_ddp_evaluate(tdm_ddp *d, const tdm_dataset *test, int batch, doub
                             double *accuracy)
 {
     tdm_model *m = d->m;
-    TDM_REQUIRE(test && batch > 0 && loss_mean && accuracy, TDM_STATUS_INVALID_ARG,
-                "ddp evaluate: test, batch > 0 and outputs are required");
-    /* Evaluation runs forwards on this same model: a pending training
-     * forward's activations are about to be overwritten. */
-    tdm_dist_fwd_lose(&d->fwd, "tdm_ddp_evaluate");
+    TDM_CHECK(tdm_dist_eval_begin(&d->fwd, "ddp", "tdm_ddp_evaluate", test, batch, loss_mean,
+                                  accuracy));
     TDM_CHECK(tdm_dist_broadcast_buffers(d->comm, m, "ddp broadcast buffers (evaluate)",
                                          "ddp evaluate"));
     int64_t lo, hi;

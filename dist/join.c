@@ -54,7 +54,7 @@ tdm_status tdm_dist_join_shadow(tdm_dist_join *j, tdm_comm *comm, int rank, int 
         if ((st = tdm_dist_join_count(j, comm, 0, who, s->label))) break;
         if (j->n_active == 0) break;   /* every rank has joined: all leave here */
         int sync = j->sync;
-        if ((st = s->fn(s->ctx, sync))) break;
+        if ((st = s->fn(s->w, s->opt, sync))) break;
         if (sync) n++;
     }
     /* a later epoch starts with every rank training again */

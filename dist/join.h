@@ -16,6 +16,7 @@
 #include "core/comm.h"
 #include "core/status.h"
 #include "dist/batch.h"
+#include "models/optim.h"
 
 typedef struct tdm_dist_join {
     int joined;      /* this rank has run out of data (inside tdm_dist_join_shadow) */
@@ -52,8 +53,9 @@ typedef struct tdm_dist_shadow {
     int enabled;                 /* the design was built with opts.join */
     int sync;                    /* its no_sync is off */
     tdm_dist_fwd *fwd;           /* its pending forward: the shadowed steps replace it */
-    tdm_status (*fn)(void *ctx, int sync);
-    void *ctx;
+    tdm_status (*fn)(void *w, tdm_optim *opt, int sync);
+    void *w;                     /* the design's wrapper */
+    tdm_optim *opt;              /* its optimizer (may be NULL where the design allows) */
 } tdm_dist_shadow;
 
 /* A rank out of data: joins, and shadows each step of the others (the

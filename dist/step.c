@@ -28,6 +28,16 @@ tdm_status tdm_dist_broadcast_buffers(tdm_comm *comm, tdm_model *m, const char *
     return st ? tdm_error_prefix(st, "%s: broadcast of buffers from rank 0", what) : st;
 }
 
+tdm_status tdm_dist_eval_begin(tdm_dist_fwd *fwd, const char *who, const char *what,
+                               const tdm_dataset *test, int batch, const double *loss_mean,
+                               const double *accuracy)
+{
+    TDM_REQUIRE(test && batch > 0 && loss_mean && accuracy, TDM_STATUS_INVALID_ARG,
+                "%s evaluate: test, batch > 0 and outputs are required", who);
+    tdm_dist_fwd_lose(fwd, what);
+    return TDM_STATUS_OK;
+}
+
 tdm_status tdm_dist_eval_sums(tdm_comm *comm, const char *who, const char *label,
                               double sums[3], double *loss_mean, double *accuracy)
 {

@@ -23,6 +23,7 @@
 #include "core/comm.h"
 #include "core/data.h"
 #include "core/status.h"
+#include "dist/batch.h"
 #include "models/accum.h"
 #include "models/checkpoint.h"
 #include "models/model.h"
@@ -69,6 +70,11 @@ struct tdm_dist_ops {
  * being its checkpoint calls (T *, path, opt, info): defines the adapters
  * and `const tdm_dist_ops tdm_<P>_dist_ops`, which the design's header
  * declares. Used once, in the design's own .c file. */
+#define TDM_DIST_OPS_ROWS_(T, NAME, FN)                                                       \
+    static tdm_status NAME(void *w, const void *x, const int32_t *y, int n, double *out)     \
+    {                                                                                         \
+        return FN((T *)w, x, y, n, out);                                                      \
+    }
 #define TDM_DIST_OPS_DEFINE(P, T, SAVE, LOAD)                                                 \
     static tdm_status tdm_##P##_ops_zero(void *w) { return tdm_##P##_zero_grad((T *)w); }    \
     static tdm_status tdm_##P##_ops_forward(void *w, const void *x, const int32_t *y, int n,  \
@@ -76,11 +82,7 @@ struct tdm_dist_ops {
     {                                                                                         \
         return tdm_##P##_forward_scaled((T *)w, x, y, n, scale, loss_sum);                    \
     }                                                                                         \
-    static tdm_status tdm_##P##_ops_forward_mean(void *w, const void *x, const int32_t *y,    \
-                                                 int n, double *loss_mean)                    \
-    {                                                                                         \
-        return tdm_##P##_forward((T *)w, x, y, n, loss_mean);                                 \
-    }                                                                                         \
+    TDM_DIST_OPS_ROWS_(T, tdm_##P##_ops_forward_mean, tdm_##P##_forward)                      \
     static void tdm_##P##_ops_no_sync(void *w, int on) { tdm_##P##_no_sync((T *)w, on); }    \
     static tdm_status tdm_##P##_ops_backward(void *w) { return tdm_##P##_backward((T *)w); } \
     static tdm_status tdm_##P##_ops_step(void *w, tdm_optim *opt)                             \
@@ -97,11 +99,7 @@ struct tdm_dist_ops {
     {                                                                                         \
         return tdm_##P##_evaluate((T *)w, test, batch, loss_mean, accuracy);                  \
     }                                                                                         \
-    static tdm_status tdm_##P##_ops_eval_loss(void *w, const void *x, const int32_t *y,       \
-                                              int n, double *loss_sum)                        \
-    {                                                                                         \
-        return tdm_##P##_eval_loss((T *)w, x, y, n, loss_sum);                                \
-    }                                                                                         \
+    TDM_DIST_OPS_ROWS_(T, tdm_##P##_ops_eval_loss, tdm_##P##_eval_loss)                       \
     static tdm_status tdm_##P##_ops_save(void *w, const char *path, tdm_optim *opt,           \
                                          const tdm_ckpt_info *info)                           \
     {                                                                                         \
@@ -163,6 +161,14 @@ extern const tdm_accum_ops tdm_dist_accum_ops;
  * the message says "<what>: broadcast of buffers from rank 0". */
 tdm_status tdm_dist_broadcast_buffers(tdm_comm *comm, tdm_model *m, const char *label,
                                       const char *what);
+
+/* The start of an evaluation spread over the ranks: INVALID_ARG ("<who>
+ * evaluate: test, batch > 0 and outputs are required") unless they are
+ * given; the evaluation's forwards replace the model's activations, so a
+ * pending training forward is lost (to `what`, a static string). */
+tdm_status tdm_dist_eval_begin(tdm_dist_fwd *fwd, const char *who, const char *what,
+                               const tdm_dataset *test, int batch, const double *loss_mean,
+                               const double *accuracy);
 
 /* The end of an evaluation spread over the ranks: sums holds this rank's
  * loss sum, correct count and samples, all-reduced (float64 SUM over

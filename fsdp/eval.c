@@ -15,9 +15,8 @@ tdm_status tdm_fsdp_evaluate(tdm_fsdp *f, const tdm_dataset *test, int batch, do
                              double *accuracy)
 {
     tdm_model *m = f->m;
-    TDM_REQUIRE(test && batch > 0 && loss_mean && accuracy, TDM_STATUS_INVALID_ARG,
-                "fsdp evaluate: test, batch > 0 and outputs are required");
-    tdm_dist_fwd_lose(&f->fwd, "tdm_fsdp_evaluate");
+    TDM_CHECK(tdm_dist_eval_begin(&f->fwd, "fsdp", "tdm_fsdp_evaluate", test, batch,
+                                  loss_mean, accuracy));
     int full = f->o.sharding == TDM_FSDP_FULL_SHARD, was_train = tdm_model_is_train(m);
     tdm_status st = tdm_fsdp_settle_params(f, full);
     if (st == TDM_STATUS_OK) st = tdm_fsdp_broadcast_buffers(f, "evaluate");

@@ -40,14 +40,9 @@ int tdm_fsdp_active_ranks(const tdm_fsdp *f) { return f->join.n_active; }
  * broadcast); sync, a synchronised step (zero contributions, this rank's
  * shard of their sum, and its optimizer step); else a no_sync
  * micro-batch (zeros accumulated; no reduce-scatter, no step). */
-typedef struct tdm_fsdp_shadow {
-    tdm_fsdp *f;
-    tdm_optim *opt;
-} tdm_fsdp_shadow;
-
-static tdm_status tdm_fsdp_shadow_step(void *ctx, int sync)
+static tdm_status tdm_fsdp_shadow_step(void *w, tdm_optim *opt, int sync)
 {
-    tdm_fsdp *f = ((tdm_fsdp_shadow *)ctx)->f;
+    tdm_fsdp *f = w;
     if (!sync) {
         f->pass.sync = 0;
         tdm_status st = tdm_fsdp_forward_scaled(f, NULL, NULL, 0, 0.0f, NULL);
@@ -58,7 +53,7 @@ static tdm_status tdm_fsdp_shadow_step(void *ctx, int sync)
     TDM_CHECK(tdm_fsdp_zero_grad(f));
     TDM_CHECK(tdm_fsdp_forward_scaled(f, NULL, NULL, 0, 0.0f, NULL));
     TDM_CHECK(tdm_fsdp_backward(f));
-    return tdm_fsdp_step(f, ((tdm_fsdp_shadow *)ctx)->opt);
+    return tdm_fsdp_step(f, opt);
 }
 
 tdm_status tdm_fsdp_join(tdm_fsdp *f, tdm_optim *opt, int64_t *shadowed)
@@ -66,11 +61,10 @@ tdm_status tdm_fsdp_join(tdm_fsdp *f, tdm_optim *opt, int64_t *shadowed)
     TDM_REQUIRE(opt, TDM_STATUS_INVALID_ARG,
                 "fsdp join: the optimizer is required: this rank owns shards of the parameters "
                 "and optimizer state, and steps them with the others");
-    tdm_fsdp_shadow c = {.f = f, .opt = opt};
     char label[32];
     tdm_dist_shadow s = {.who = "fsdp", .label = tdm_fsdp_join_label(f, label, sizeof label),
                          .enabled = f->o.join, .sync = f->pass.sync, .fwd = &f->fwd,
-                         .fn = tdm_fsdp_shadow_step, .ctx = &c};
+                         .fn = tdm_fsdp_shadow_step, .w = f, .opt = opt};
     tdm_status st = tdm_dist_join_shadow(&f->join, f->hcomm, f->rank, f->world, &s, shadowed);
     if (st) {
         (void)tdm_comm_abort(f->comm, tdm_error_message());

@@ -118,6 +118,38 @@ tdm_status tdm_fsdp_wait(tdm_fsdp *f, tdm_comm_work *w, double *ms)
     return st;
 }
 
+static const char *tdm_fsdp_unit_desc(const tdm_fsdp *f, int u, char *buf, size_t n);
+
+/* Waits for unit u's collective w (what: "all_gather"), ending its event
+ * and adding the wait's ms to *acc (may be NULL). On failure the message
+ * names the step and the unit, and the status is returned with *running
+ * set when w still runs (it timed out): its handle, and the blocks it
+ * reads and writes, must then stay until tdm_fsdp_fail or tdm_fsdp_free
+ * has aborted the communicator and seen it end. */
+static tdm_status tdm_fsdp_wait_unit(tdm_fsdp *f, int u, tdm_comm_work *w, int ev, double *acc,
+                                     const char *what, int *running)
+{
+    double ms = 0.0;
+    tdm_status st = tdm_fsdp_wait(f, w, &ms);
+    tdm_fsdp_event_end(f, ev, ms);
+    if (acc) *acc += ms;
+    *running = 0;
+    if (st == TDM_STATUS_OK) return st;
+    char d[256];
+    tdm_error_prefix(st, "fsdp: step %" PRIu64 ": %s of %s", f->check.count, what,
+                     tdm_fsdp_unit_desc(f, u, d, sizeof d));
+    *running = !tdm_fsdp_work_over(w);
+    return st;
+}
+
+/* A unit's all-gather has ended: its handle goes. */
+static void tdm_fsdp_gather_done(tdm_fsdp_unit *x)
+{
+    tdm_comm_work_free(x->ag);
+    x->ag = NULL;
+    x->ag_event = -1;
+}
+
 /* After a failed wait: 1 when the work has ended (its buffers are nobody's
  * any more, the handle may go), 0 when it is still running (a timeout):
  * the progress thread may still write its buffers, so the handle stays on
@@ -226,31 +258,20 @@ tdm_status tdm_fsdp_need_params(tdm_fsdp *f, int u, int prefetch_ok)
     if (tdm_comm_work_test(x->ag, &done) == TDM_STATUS_OK && done && x->ag_event >= 0 &&
         f->timing.ev[x->ag_event].prefetch)
         f->timing.ag_ready_at_use++;
-    double ms = 0.0;
-    tdm_status st = tdm_fsdp_wait(f, x->ag, &ms);
-    tdm_fsdp_event_end(f, x->ag_event, ms);
-    f->pass.ag_wait_ms += ms;
+    int running;
+    tdm_status st = tdm_fsdp_wait_unit(f, u, x->ag, x->ag_event, &f->pass.ag_wait_ms,
+                                       "all_gather", &running);
+    if (running) return st;   /* gather, block and params GATHERING stay */
+    tdm_fsdp_gather_done(x);
     if (st) {
-        char d[256];
-        /* still running (timed out): gather, block and params GATHERING stay */
-        if (!tdm_fsdp_work_over(x->ag))
-            return tdm_error_prefix(st, "fsdp: step %" PRIu64 ": all_gather of %s", f->check.count,
-                                    tdm_fsdp_unit_desc(f, u, d, sizeof d));
-        tdm_comm_work_free(x->ag);
-        x->ag = NULL;
-        x->ag_event = -1;
         x->params = TDM_FSDP_PARAMS_ABSENT;
         if (f->o.sharding == TDM_FSDP_FULL_SHARD) {
             /* the collective ended in an error: nobody writes the block any more */
             tdm_fsdp_pool_put(f, x->pbuf, x->pbuf_bytes);
             x->pbuf = NULL;
         }
-        return tdm_error_prefix(st, "fsdp: step %" PRIu64 ": all_gather of %s", f->check.count,
-                                tdm_fsdp_unit_desc(f, u, d, sizeof d));
+        return st;
     }
-    tdm_comm_work_free(x->ag);
-    x->ag = NULL;
-    x->ag_event = -1;
     x->params = TDM_FSDP_PARAMS_PRESENT;
     if (f->o.sharding == TDM_FSDP_FULL_SHARD)
         TDM_CHECK(tdm_model_set_param_view(f->m, x->first, x->last, x->pbuf));
@@ -265,18 +286,10 @@ tdm_status tdm_fsdp_release_params(tdm_fsdp *f, int u)
     tdm_status st = TDM_STATUS_OK;
     if (x->params == TDM_FSDP_PARAMS_GATHERING) {
         /* a prefetch nobody used: the block is the collective's until it ends */
-        double ms = 0.0;
-        st = tdm_fsdp_wait(f, x->ag, &ms);
-        tdm_fsdp_event_end(f, x->ag_event, ms);
-        if (st) {
-            char d[256];
-            tdm_error_prefix(st, "fsdp: all_gather of %s", tdm_fsdp_unit_desc(f, u, d, sizeof d));
-            /* still running (timed out): gather, block and params GATHERING stay */
-            if (!tdm_fsdp_work_over(x->ag)) return st;
-        }
-        tdm_comm_work_free(x->ag);
-        x->ag = NULL;
-        x->ag_event = -1;
+        int running;
+        st = tdm_fsdp_wait_unit(f, u, x->ag, x->ag_event, NULL, "all_gather", &running);
+        if (running) return st;   /* gather, block and params GATHERING stay */
+        tdm_fsdp_gather_done(x);
     }
     (void)tdm_model_set_param_view(f->m, x->first, x->last, NULL);
     tdm_fsdp_pool_put(f, x->pbuf, x->pbuf_bytes);
@@ -532,18 +545,12 @@ static tdm_status tdm_fsdp_finish_rs(tdm_fsdp *f, int u)
 {
     tdm_fsdp_unit *x = &f->u[u];
     if (!x->rs) return TDM_STATUS_OK;
-    double ms = 0.0;
-    tdm_status st = tdm_fsdp_wait(f, x->rs, &ms);
-    tdm_fsdp_event_end(f, x->rs_event, ms);
-    f->pass.rs_wait_ms += ms;
-    if (st) {
-        char d[256];
-        tdm_error_prefix(st, "fsdp: step %" PRIu64 ": reduce_scatter of %s", f->check.count,
-                         tdm_fsdp_unit_desc(f, u, d, sizeof d));
-        /* still running (timed out): the handle stays with the blocks it
-         * reads and writes (gbuf, rs_tmp, the shard) */
-        if (!tdm_fsdp_work_over(x->rs)) return st;
-    }
+    int running;
+    tdm_status st = tdm_fsdp_wait_unit(f, u, x->rs, x->rs_event, &f->pass.rs_wait_ms,
+                                       "reduce_scatter", &running);
+    /* still running: the handle stays with the blocks it reads and writes
+     * (gbuf, rs_tmp, the shard) */
+    if (running) return st;
     tdm_comm_work_free(x->rs);
     x->rs = NULL;
     x->rs_event = -1;

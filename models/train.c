@@ -16,6 +16,25 @@ void tdm_train_epoch_order(int64_t *perm, int64_t n, uint64_t seed, int64_t epoc
     tdm_rng_permutation(&r, perm, n);
 }
 
+void tdm_train_tally(const tdm_train_epoch_opts *o, tdm_epoch_stats *out, int64_t s,
+                     int64_t steps, double loss, int samples, uint64_t t0)
+{
+    out->loss_mean += loss * samples;   /* the sum, until tdm_train_tally_end */
+    out->steps++;
+    out->samples += samples;
+    double secs = (double)(tdm_time_ns() - t0) * 1e-9;
+    if (o->progress)
+        o->progress(o->progress_ctx, s + 1, steps, loss,
+                    secs > 0 ? (double)out->samples / secs : 0);
+}
+
+void tdm_train_tally_end(tdm_epoch_stats *out, uint64_t t0)
+{
+    out->seconds = (double)(tdm_time_ns() - t0) * 1e-9;
+    out->loss_mean = out->samples ? out->loss_mean / (double)out->samples : 0.0;
+    out->samples_per_s = out->seconds > 0 ? (double)out->samples / out->seconds : 0.0;
+}
+
 tdm_status tdm_train_epoch(const tdm_dataset *d, const tdm_train_epoch_opts *o,
                            tdm_epoch_stats *out)
 {
@@ -36,7 +55,6 @@ tdm_status tdm_train_epoch(const tdm_dataset *d, const tdm_train_epoch_opts *o,
     tdm_train_epoch_order(perm, d->n, o->seed, epoch);
     int64_t steps = o->drop_last ? d->n / batch : (d->n + batch - 1) / batch;
     if (o->max_steps > 0 && o->max_steps < steps) steps = o->max_steps;
-    double loss_total = 0.0;
     uint64_t t0 = tdm_time_ns();
     for (int64_t s = 0; s < steps; s++) {
         int64_t start = s * batch;
@@ -54,17 +72,9 @@ tdm_status tdm_train_epoch(const tdm_dataset *d, const tdm_train_epoch_opts *o,
                                epoch * steps + s + 1, epoch + 1, s + 1, steps);
             goto fail;
         }
-        loss_total += loss * b;
-        out->steps++;
-        out->samples += b;
-        double secs = (double)(tdm_time_ns() - t0) * 1e-9;
-        if (o->progress)
-            o->progress(o->progress_ctx, s + 1, steps, loss,
-                        secs > 0 ? (double)out->samples / secs : 0);
+        tdm_train_tally(o, out, s, steps, loss, b, t0);
     }
-    out->seconds = (double)(tdm_time_ns() - t0) * 1e-9;
-    out->loss_mean = out->samples ? loss_total / (double)out->samples : 0.0;
-    out->samples_per_s = out->seconds > 0 ? (double)out->samples / out->seconds : 0.0;
+    tdm_train_tally_end(out, t0);
 fail:
     free(perm);
     free(x);

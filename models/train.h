@@ -58,6 +58,14 @@ typedef struct tdm_train_epoch_opts {
 tdm_status tdm_train_epoch(const tdm_dataset *d, const tdm_train_epoch_opts *o,
                            tdm_epoch_stats *out);
 
+/* The epoch loops' bookkeeping (tdm_train_epoch, tdm_train_text_epoch):
+ * step s of steps ran `samples` samples with mean loss `loss` (the
+ * progress callback is told); tally_end makes out's means. t0: the
+ * epoch's start (tdm_time_ns). */
+void tdm_train_tally(const tdm_train_epoch_opts *o, tdm_epoch_stats *out, int64_t s,
+                     int64_t steps, double loss, int samples, uint64_t t0);
+void tdm_train_tally_end(tdm_epoch_stats *out, uint64_t t0);
+
 /* The L2 norm of m's gradients, in double on the host (one copy of the
  * gradient buffer: meant for checkpoints, not every step).
  * TDM_STATUS_NONFINITE names the first parameter whose gradient holds a

@@ -32,23 +32,15 @@ tdm_status tdm_train_text_epoch(const tdm_text *train, int T, int lo, int hi,
         st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "text training: a batch of %d windows", n);
         goto fail;
     }
-    double loss_total = 0.0;
     uint64_t t0 = tdm_time_ns();
     for (int64_t s = 0; s < steps; s++) {
         tdm_text_windows(train, T, o->seed, first_step + s, lo, n, x, y);
         double loss = 0.0;
         TDM_TRY(o->step(o->step_ctx, x, y, n, &loss));
-        loss_total += loss * batch;
-        out->steps++;
-        out->samples += batch;
-        double secs = (double)(tdm_time_ns() - t0) * 1e-9;
-        if (o->progress)
-            o->progress(o->progress_ctx, s + 1, steps, loss,
-                        secs > 0 ? (double)out->samples / secs : 0);
+        /* the global batch's windows: the loss is every rank's mean */
+        tdm_train_tally(o, out, s, steps, loss, batch, t0);
     }
-    out->seconds = (double)(tdm_time_ns() - t0) * 1e-9;
-    out->loss_mean = out->samples ? loss_total / (double)out->samples : 0.0;
-    out->samples_per_s = out->seconds > 0 ? (double)out->samples / out->seconds : 0.0;
+    tdm_train_tally_end(out, t0);
 fail:
     free(x);
     free(y);

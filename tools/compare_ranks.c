@@ -66,15 +66,13 @@ static void tdm_cmp_record_ddp(tdm_cmp_shared *sh, const tdm_tool_rank *r, size_
     TDM_CMP_AT(sh, off_phase, tdm_phase_times)[k] = t.last;
     TDM_CMP_AT(sh, off_comm, double)[k] = t.comm_ms_last;
     TDM_CMP_AT(sh, off_exposed, double)[k] = t.last.ms[TDM_PHASE_ALLREDUCE_WAIT];
-    if (!line) return;
     int nb = t.n_buckets < TDM_CMP_MAX_LINE ? t.n_buckets : TDM_CMP_MAX_LINE;
-    if (nb > sh->n_line) sh->n_line = nb;
-    for (int j = 0; j < TDM_CMP_MAX_LINE; j++) {
-        double *e = line + (size_t)j * TDM_CMP_LINE_WIDTH;
-        e[0] = j < nb ? t.buckets[j].ready_ms : -1.0;
-        e[1] = j < nb ? t.buckets[j].start_ms : -1.0;
-        e[2] = j < nb ? t.buckets[j].end_ms : -1.0;
+    for (int j = 0; line && j < nb; j++) {
+        const tdm_ddp_bucket_times *b = &t.buckets[j];
+        memcpy(line + (size_t)j * TDM_CMP_LINE_WIDTH,
+               (const double[3]){b->ready_ms, b->start_ms, b->end_ms}, 3 * sizeof(double));
     }
+    if (line && nb > sh->n_line) sh->n_line = nb;
 }
 
 /* Step i of a sharded rank: its phases, the span and the exposed wait of
@@ -93,16 +91,13 @@ static void tdm_cmp_record_fsdp(tdm_cmp_shared *sh, const tdm_tool_rank *r, size
     TDM_CMP_AT(sh, off_comm, double)[k] = t.n_events ? hi_ms - lo_ms : 0.0;
     TDM_CMP_AT(sh, off_exposed, double)[k] =
         t.last.ms[TDM_PHASE_ALLGATHER_WAIT] + t.last.ms[TDM_PHASE_REDUCE_SCATTER_WAIT];
-    if (!line) return;
     int nc = t.n_events < TDM_CMP_MAX_LINE ? t.n_events : TDM_CMP_MAX_LINE;
-    if (nc > sh->n_line) sh->n_line = nc;
-    for (int j = 0; j < TDM_CMP_MAX_LINE; j++) {
-        double *c = line + (size_t)j * TDM_CMP_LINE_WIDTH;
-        c[0] = j < nc ? t.events[j].kind : -1.0;
-        c[1] = j < nc ? t.events[j].unit : -1.0;
-        c[2] = j < nc ? t.events[j].start_ms : 0.0;
-        c[3] = j < nc ? t.events[j].end_ms : 0.0;
+    for (int j = 0; line && j < nc; j++) {
+        const tdm_fsdp_event *e = &t.events[j];
+        memcpy(line + (size_t)j * TDM_CMP_LINE_WIDTH,
+               (const double[4]){e->kind, e->unit, e->start_ms, e->end_ms}, 4 * sizeof(double));
     }
+    if (line && nc > sh->n_line) sh->n_line = nc;
 }
 
 /* Rank 0 at the end: the share of the communication launched while
@@ -217,6 +212,13 @@ static tdm_status tdm_cmp_rank_run(void *ctx, tdm_dist_rank *d, void *self)
         double *line = rank == 0 ? TDM_CMP_AT(sh, off_line, double) +
                                        (size_t)i * TDM_CMP_MAX_LINE * TDM_CMP_LINE_WIDTH
                                  : NULL;
+        /* entries past this step's own: DDP -1 (not in its plan), a
+         * sharded mode's kind -1 (none) */
+        for (int j = 0; line && j < TDM_CMP_MAX_LINE; j++)
+            memcpy(line + (size_t)j * TDM_CMP_LINE_WIDTH,
+                   sharded ? (const double[4]){-1.0, -1.0, 0.0, 0.0}
+                           : (const double[4]){-1.0, -1.0, -1.0, 0.0},
+                   4 * sizeof(double));
         if (sharded) tdm_cmp_record_fsdp(sh, r, k, line);
         else tdm_cmp_record_ddp(sh, r, k, line);
     }

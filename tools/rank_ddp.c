@@ -29,6 +29,18 @@ tdm_status tdm_tool_rank_new(void *ctx, tdm_dist_rank *d, void **self)
     return st ? tdm_tool_rank_fail(r, "building model", st) : st;
 }
 
+tdm_status tdm_tool_rank_resume(tdm_tool_rank *r)
+{
+    const tdm_tool_build *b = r->b;
+    tdm_ckpt_info info;
+    if (!b->resume) return TDM_STATUS_OK;
+    tdm_status st = b->design->dist.ops->load(r->w, b->resume, r->opt, &info);
+    if (st) return tdm_tool_rank_fail(r, "resuming", st);
+    r->start_epoch = info.epoch;
+    if (r->rank == 0) tdm_train_print_resumed(b->resume, &info);
+    return TDM_STATUS_OK;
+}
+
 void tdm_tool_rank_free(tdm_tool_rank *r)
 {
     tdm_optim_free(r->opt);
@@ -71,13 +83,7 @@ static tdm_status tdm_rank_ddp_setup(void *ctx, tdm_dist_rank *d, void **self)
         return tdm_tool_rank_fail(r, "--comm-hook", st);
     if ((st = tdm_optim_init(&r->opt, r->m, &b->optim)))
         return tdm_tool_rank_fail(r, "optimizer", st);
-    if (!b->resume) return TDM_STATUS_OK;
-    tdm_ckpt_info info;
-    if ((st = tdm_ddp_checkpoint_load(ddp, b->resume, r->opt, &info)))
-        return tdm_tool_rank_fail(r, "resuming", st);
-    r->start_epoch = info.epoch;
-    tdm_train_print_resumed(b->resume, &info);
-    return TDM_STATUS_OK;
+    return tdm_tool_rank_resume(r);
 }
 
 /* ---- what the CLI prints ---- */

@@ -52,13 +52,7 @@ static tdm_status tdm_rank_fsdp_setup(void *ctx, tdm_dist_rank *d, void **self)
     r->w = f;
     if ((st = tdm_fsdp_optim_init(&r->opt, f, &b->optim)))
         return tdm_tool_rank_fail(r, "optimizer", st);
-    if (!b->resume) return TDM_STATUS_OK;
-    tdm_ckpt_info info;
-    if ((st = tdm_fsdp_load(f, b->resume, r->opt, &info)))
-        return tdm_tool_rank_fail(r, "resuming", st);
-    r->start_epoch = info.epoch;
-    if (r->rank == 0) tdm_train_print_resumed(b->resume, &info);
-    return TDM_STATUS_OK;
+    return tdm_tool_rank_resume(r);
 }
 
 /* ---- what the CLI prints ---- */

@@ -96,6 +96,9 @@ size_t tdm_tool_ddp_arena_bytes(const tdm_device_list *dl, int64_t param_elems);
 /* What every table's setup begins with: a rank into *self (ctx: the
  * tdm_tool_build), its model built on d's device. */
 tdm_status tdm_tool_rank_new(void *ctx, tdm_dist_rank *d, void **self);
+/* What every table's setup ends with: --resume through the ops' load
+ * (every rank reads the checkpoint), the epochs it had done. */
+tdm_status tdm_tool_rank_resume(tdm_tool_rank *r);
 /* What every table's free ends with: the optimizer, the model, r (the
  * table frees its wrapper first). */
 void tdm_tool_rank_free(tdm_tool_rank *r);

@@ -50,8 +50,8 @@ static tdm_status tdm_local_dp_step(void *ctx, const void *x, const int32_t *y, 
  * which adds onto the master's gradients; the optimizer steps once. */
 static tdm_status tdm_local_dp_zero(void *ctx)
 {
-    tdm_local *l = ctx;
-    return tdm_model_zero_grad(tdm_dp_replica(l->dp, tdm_dp_output_device(l->dp)));
+    /* the master's gradients: the replica on the output device */
+    return tdm_accum_single_ops.zero_grad(&((tdm_local *)ctx)->single);
 }
 
 static tdm_status tdm_local_dp_micro(void *ctx, const void *x, const int32_t *y, int batch,
@@ -68,11 +68,8 @@ static tdm_status tdm_local_dp_micro(void *ctx, const void *x, const int32_t *y,
 static tdm_status tdm_local_dp_opt(void *ctx, double *loss_sum)
 {
     tdm_local *l = ctx;
-    (void)loss_sum;
-    uint64_t t0 = tdm_time_ns();
-    TDM_CHECK(tdm_optim_step(l->opt));
-    TDM_CHECK(tdm_dev_sync(tdm_model_device(tdm_dp_replica(l->dp, tdm_dp_output_device(l->dp)))));
-    double ms = tdm_time_ms_since(t0);
+    TDM_CHECK(tdm_accum_single_ops.step(&l->single, loss_sum));   /* the master's */
+    double ms = l->single.ms[TDM_PHASE_STEP];
     l->sum.ms[TDM_PHASE_STEP] += ms;
     l->step_ms += ms;
     l->steps++;
