@@ -362,10 +362,7 @@ static tdm_status tdm_cmp_build(const tdm_cmp_opts *o, tdm_cmp_mode mode, tdm_to
                                       : mode == TDM_CMP_ZERO2 ? TDM_FSDP_SHARD_GRAD_OP
                                                               : TDM_FSDP_FULL_SHARD};
     TDM_CHECK(tdm_model_spec_parse(&b->spec, o->model));
-    tdm_optim_opts_default(&b->optim, strcmp(o->optim, "adamw") ? TDM_OPTIM_SGD : TDM_OPTIM_ADAMW);
-    b->optim.lr = (float)o->lr;
-    b->optim.weight_decay = (float)o->weight_decay;
-    if (b->optim.kind == TDM_OPTIM_SGD) b->optim.momentum = (float)o->momentum;
+    tdm_optim_opts_named(&b->optim, o->optim, o->lr, o->weight_decay, o->momentum, 0);
     return TDM_STATUS_OK;
 }
 

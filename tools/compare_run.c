@@ -108,10 +108,7 @@ static tdm_status tdm_cmp_make(const tdm_cmp_opts *o, tdm_device *dev, tdm_model
     tdm_optim_opts oo;
     TDM_CHECK(tdm_model_spec_parse(&spec, o->model));
     TDM_CHECK(tdm_model_init(m, dev, &spec, o->seed));
-    tdm_optim_opts_default(&oo, strcmp(o->optim, "adamw") ? TDM_OPTIM_SGD : TDM_OPTIM_ADAMW);
-    oo.lr = (float)o->lr;
-    oo.weight_decay = (float)o->weight_decay;
-    if (oo.kind == TDM_OPTIM_SGD) oo.momentum = (float)o->momentum;
+    tdm_optim_opts_named(&oo, o->optim, o->lr, o->weight_decay, o->momentum, 0);
     return tdm_optim_init(opt, *m, &oo);
 }
 

@@ -384,13 +384,7 @@ void tdm_train_print_resumed(const char *path, const tdm_ckpt_info *info)
 tdm_status tdm_train_make_optim(const tdm_train_args *a, tdm_model *m, tdm_optim **opt)
 {
     tdm_optim_opts o;
-    tdm_optim_opts_default(&o, strcmp(a->optim, "sgd") ? TDM_OPTIM_ADAMW : TDM_OPTIM_SGD);
-    o.lr = (float)a->lr;
-    o.weight_decay = (float)a->weight_decay;
-    if (o.kind == TDM_OPTIM_SGD) {
-        o.momentum = (float)a->momentum;
-        o.nesterov = a->nesterov;
-    }
+    tdm_optim_opts_named(&o, a->optim, a->lr, a->weight_decay, a->momentum, a->nesterov);
     tdm_status st = tdm_optim_init(opt, m, &o);
     if (st != TDM_STATUS_OK) return tdm_train_fail("optimizer", st);
     return TDM_STATUS_OK;

@@ -175,10 +175,8 @@ tdm_status tdm_train_run_local(const tdm_train_args *a, const tdm_model_spec *sp
         r.step_ctx = &acc;
     }
     if (text) {
-        r = (tdm_train_run){.m = r.m, .opt = r.opt, .start_epoch = r.start_epoch,
-                            .step = r.step, .step_ctx = r.step_ctx,
-                            .text = &text->corpus->train, .T = text->T, .lo = 0,
-                            .hi = (int)a->batch, .bigram = text->bigram,
+        r = (tdm_train_run){.m = r.m, .opt = r.opt, .start_epoch = r.start_epoch, .step = r.step,
+                            .step_ctx = r.step_ctx, .text = text, .lo = 0, .hi = (int)a->batch,
                             .eval = tdm_local_eval_text, .eval_ctx = &l};
         tdm_train_text_header(text, spec, a, tdm_model_param_elems(l.m), desc);
     } else {

@@ -89,6 +89,14 @@ void tdm_train_print_dp_phases(const tdm_phase_times *sum, double step_ms, int64
 typedef tdm_status (*tdm_train_eval_fn)(void *ctx, double *loss_mean, double *accuracy);
 typedef tdm_status (*tdm_train_after_epoch_fn)(void *ctx, int64_t epoch);
 
+/* A gpt's text (tools/train_text.c fills it): the corpus, the context
+ * T, the evaluation windows and the bigram baseline beside them. */
+typedef struct tdm_train_text_set {
+    const tdm_text_corpus *corpus;
+    int T;
+    int64_t eval_count;
+    double bigram;
+} tdm_train_text_set;
 /* One process's run as the epoch loop sees it. */
 typedef struct tdm_train_run {
     tdm_model *m;                  /* borrowed */
@@ -98,12 +106,11 @@ typedef struct tdm_train_run {
     void *step_ctx;
     /* images: the training and test sets */
     const tdm_dataset *train, *test;
-    /* text (when set): the training bytes, the context T, this process's
-     * windows [lo, hi) of each global batch, and the bigram baseline
-     * printed beside the validation loss */
-    const tdm_text *text;
-    int T, lo, hi;
-    double bigram;
+    /* text (when set): the corpus, its context and the bigram baseline
+     * printed beside the validation loss, and this process's windows
+     * [lo, hi) of each global batch */
+    const tdm_train_text_set *text;
+    int lo, hi;
     tdm_train_eval_fn eval;        /* NULL: tdm_evaluate on the test set here (images) */
     void *eval_ctx;
     tdm_train_after_epoch_fn after;    /* may be NULL */
@@ -122,15 +129,6 @@ typedef struct tdm_comm tdm_comm;
 typedef struct tdm_dist_ops tdm_dist_ops;
 typedef struct tdm_tool_design tdm_tool_design;
 
-/* A gpt's text, as its multi-process ranks need it (tools/train_text.c
- * fills it; tools/train_ranks.c runs the ranks): the corpus, the context
- * T, the evaluation windows and the bigram baseline beside them. */
-typedef struct tdm_train_text_set {
-    const tdm_text_corpus *corpus;
-    int T;
-    int64_t eval_count;
-    double bigram;
-} tdm_train_text_set;
 /* The header lines of a gpt run (tools/train_text.c). */
 void tdm_train_text_header(const tdm_train_text_set *t, const tdm_model_spec *spec,
                            const tdm_train_args *a, int64_t params, const char *devices);

@@ -264,14 +264,7 @@ static tdm_status tdm_train_rank_run(void *ctx, tdm_dist_rank *d, void *self)
                              .step = tdm_dist_step, .step_ctx = &t->s, .train = j->train,
                              .test = j->test, .eval = eval, .eval_ctx = r,
                              .after = design->save_alone ? tdm_train_barrier : tdm_train_save,
-                             .after_ctx = r};
-        if (j->text)
-            run = (tdm_train_run){.m = run.m, .opt = run.opt, .start_epoch = run.start_epoch,
-                                  .step = run.step, .step_ctx = run.step_ctx,
-                                  .text = &j->text->corpus->train, .T = j->text->T,
-                                  .lo = (int)lo, .hi = (int)hi, .bigram = j->text->bigram,
-                                  .eval = eval, .eval_ctx = r, .after = run.after,
-                                  .after_ctx = r};
+                             .after_ctx = r, .text = j->text, .lo = (int)lo, .hi = (int)hi};
         tdm_accum acc = {.ops = &tdm_dist_accum_ops, .ctx = &t->s, .micro = (int)a->batch,
                          .in_features = tdm_model_in_features(r->m),
                          .out_rows = tdm_model_out_rows(r->m)};
@@ -326,13 +319,7 @@ static tdm_status tdm_train_ranks_build(tdm_train_job *j, const tdm_tool_design 
     if (spec) b->spec = *spec;
     else if (tdm_model_spec_parse(&b->spec, a->model))
         return tdm_tool_usage_error("tandem train: --model: %s\n", tdm_error_message());
-    tdm_optim_opts_default(&b->optim, strcmp(a->optim, "sgd") ? TDM_OPTIM_ADAMW : TDM_OPTIM_SGD);
-    b->optim.lr = (float)a->lr;
-    b->optim.weight_decay = (float)a->weight_decay;
-    if (b->optim.kind == TDM_OPTIM_SGD) {
-        b->optim.momentum = (float)a->momentum;
-        b->optim.nesterov = a->nesterov;
-    }
+    tdm_optim_opts_named(&b->optim, a->optim, a->lr, a->weight_decay, a->momentum, a->nesterov);
     if (design != &tdm_tool_fsdp_design) return TDM_STATUS_OK;
     tdm_fsdp_comm_hook hook;
     if (tdm_fsdp_sharding_parse(a->sharding ? a->sharding : "full", &b->sharding))
