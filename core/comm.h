@@ -38,6 +38,10 @@
 
 #include "core/status.h"
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 typedef enum tdm_dtype {
     TDM_DTYPE_FLOAT32 = 0,
     TDM_DTYPE_FLOAT64,
@@ -219,5 +223,9 @@ tdm_status tdm_comm_work_test(tdm_comm_work *work, int *done);
 /* Releases the handle; a work still running completes in the background.
  * NULL is a no-op. */
 void tdm_comm_work_free(tdm_comm_work *work);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

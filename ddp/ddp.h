@@ -52,6 +52,10 @@
 #include "models/model.h"
 #include "models/optim.h"
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 /* Zero-initialised options are the defaults. */
 typedef struct tdm_ddp_opts {
     double bucket_cap_mb;        /* bucket cap in MiB; 0: 25 */
@@ -258,5 +262,9 @@ tdm_status tdm_ddp_checkpoint_save(tdm_ddp *d, const char *path, tdm_optim *opt,
 /* Every rank loads the file, after a barrier. */
 tdm_status tdm_ddp_checkpoint_load(tdm_ddp *d, const char *path, tdm_optim *opt,
                                    tdm_ckpt_info *info);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

@@ -18,6 +18,10 @@
 #include "models/model.h"
 #include "models/train.h"
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 /* Rank `rank`'s share of n items split over `world` ranks: [*lo, *hi)
  * with lo = rank * n / world and hi = (rank + 1) * n / world, contiguous,
  * in rank order, sizes differing by at most one (empty for some ranks
@@ -78,5 +82,9 @@ typedef tdm_status (*tdm_dist_forward_fn)(void *ctx, const void *xd, int B, cons
 tdm_status tdm_dist_forward_loss(tdm_train_stage *s, tdm_model *m, tdm_dist_forward_fn fwd,
                                  void *fwd_ctx, const void *xd, const int32_t *yd, int B,
                                  float grad_scale, double *loss_sum, uint64_t *t_forward_end);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

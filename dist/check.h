@@ -16,10 +16,15 @@
 #include "core/status.h"
 #include "models/model.h"
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 /* FNV-1a (64 bits) over n bytes, continuing from h: the one hash of the
  * checks (start from TDM_DIST_HASH_SEED). Not cryptographic: it tells
  * honest differences apart. */
 #define TDM_DIST_HASH_SEED 1469598103934665603ull
+
 uint64_t tdm_dist_hash(const void *p, size_t n, uint64_t h);
 /* A tensor's name, shape and offset in its flat buffer. */
 uint64_t tdm_dist_tensor_hash(const tdm_tensor_info *t);
@@ -50,5 +55,9 @@ tdm_status tdm_dist_check_model(tdm_comm *comm, const tdm_model *m, const char *
  * that same step. */
 tdm_status tdm_dist_check_seq(const char *who, const double *seq, int world, int rank,
                               double mine);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

@@ -18,6 +18,10 @@
 #include "dist/batch.h"
 #include "models/optim.h"
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 typedef struct tdm_dist_join {
     int joined;      /* this rank has run out of data (inside tdm_dist_join_shadow) */
     int n_active;    /* ranks with data in the last training forward */
@@ -67,5 +71,9 @@ typedef struct tdm_dist_shadow {
  * communicator is the design's. */
 tdm_status tdm_dist_join_shadow(tdm_dist_join *j, tdm_comm *comm, int rank, int world,
                                 const tdm_dist_shadow *s, int64_t *shadowed);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

@@ -12,6 +12,10 @@
 
 #include "core/status.h"
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 typedef enum tdm_dist_dim {
     TDM_DIST_DIM_DP = 0,   /* replicas: the same layers, different data */
     TDM_DIST_DIM_PP,       /* pipeline stages: consecutive runs of layers */
@@ -48,5 +52,9 @@ int tdm_dist_mesh_rank(const tdm_dist_mesh *mesh, const int coord[TDM_DIST_DIM_C
  * *key, its coordinate along dim, orders them (rank key of the split). */
 void tdm_dist_mesh_split(const tdm_dist_mesh *mesh, int rank, tdm_dist_dim dim, int *color,
                          int *key);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

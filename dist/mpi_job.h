@@ -14,6 +14,10 @@
 #include "mpi/job.h"
 #include "shm/shm_comm.h"
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 /* 1 when an MPI launcher started this process: Open MPI's mpirun
  * (OMPI_COMM_WORLD_SIZE), a PMIx launcher such as `srun --mpi=pmix`
  * (PMIX_RANK), or a PMI-1/2 one such as MPICH's or `srun --mpi=pmi2`
@@ -68,5 +72,9 @@ void tdm_dist_mpi_rank_free(tdm_dist_mpi_rank *r);
  * machine) ends the job with MPI_Abort; otherwise (OK, or a usage error
  * every rank met alike) tdm_dist_mpi_rank_free. */
 void tdm_dist_mpi_rank_end(tdm_dist_mpi_rank *r, tdm_status st);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

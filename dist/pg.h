@@ -14,6 +14,10 @@
 #include "core/status.h"
 #include "dist/timeout.h"
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 typedef struct tdm_dist_env {
     int rank, local_rank, world_size, local_world_size;
 } tdm_dist_env;
@@ -42,5 +46,9 @@ typedef struct tdm_dist_pg_opts {
 tdm_status tdm_dist_pg_init(tdm_comm **out, tdm_dist_env *env, const tdm_dist_pg_opts *opts);
 /* tdm_dist_pg_init with the default options. */
 tdm_status tdm_dist_pg_init_from_env(tdm_comm **out, tdm_dist_env *env);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

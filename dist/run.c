@@ -302,12 +302,13 @@ static tdm_status tdm_dist_run_forked(const tdm_dist_job *j, int world)
         tdm_status st = tdm_dist_spawn(world, tdm_dist_forked_rank, (void *)j, &so, &res);
         char why[TDM_ERROR_MSG_MAX];
         snprintf(why, sizeof why, "%s", st ? tdm_error_message() : "");
-        if (w && w->end) w->end(w->ctx, st, world, &res);
-        if (st == TDM_STATUS_OK) return st;
-        tdm_error_set(st, "%s", why);   /* the watch's reads may have replaced it */
         /* a rank's failure is restarted, not a signal to this process
          * (Ctrl-C reaches the ranks too: they die of it, and so do we) */
-        if (attempt >= o->max_restarts || st != TDM_STATUS_PEER_FAILED) return st;
+        int last = st != TDM_STATUS_PEER_FAILED || attempt >= o->max_restarts;
+        if (w && w->end) w->end(w->ctx, st, world, &res, last);
+        if (st == TDM_STATUS_OK) return st;
+        tdm_error_set(st, "%s", why);   /* the watch's reads may have replaced it */
+        if (last) return st;
         if (o->save && o->resume && access(o->save, F_OK) == 0) *o->resume = o->save;
         int ms = tdm_dist_backoff(attempt + 1);
         if (w && w->restart)

@@ -66,6 +66,10 @@
 #include "dist/pg.h"
 #include "shm/spawn.h"
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 /* How this process's ranks start. */
 typedef enum tdm_dist_start {
     TDM_DIST_START_FORKED = 0,   /* tdm_dist_run forks one rank per device */
@@ -119,8 +123,9 @@ typedef struct tdm_dist_watch {
      * stopped (shm/spawn.h's settled hook) */
     tdm_shm_settled_fn settled;
     /* after the attempt: st (its message set), the ranks' pids and wait
-     * statuses */
-    void (*end)(void *ctx, tdm_status st, int world, const tdm_shm_spawn_result *res);
+     * statuses; last: no restart follows (the run ends with st) */
+    void (*end)(void *ctx, tdm_status st, int world, const tdm_shm_spawn_result *res,
+                int last);
     /* before restart `attempt` (1..), after backoff_ms; resume: where the
      * ranks resume from (NULL: the start) */
     void (*restart)(void *ctx, int attempt, long long max_restarts, int backoff_ms,
@@ -199,6 +204,7 @@ tdm_status tdm_dist_gpu_comm(tdm_comm *group, tdm_device *dev, tdm_comm **nccl);
 #define TDM_DIST_ENV_RESTARTS "TANDEM_RESTART_COUNT"
 #define TDM_DIST_ENV_RESUME "TANDEM_RESUME"
 #define TDM_DIST_RESTARTS_MAX 1000
+
 /* This attempt's TANDEM_RESTART_COUNT (0 when unset or malformed). */
 int tdm_dist_restart_count(void);
 /* Sets it for the next attempt's ranks. */
@@ -207,5 +213,9 @@ void tdm_dist_restart_count_set(int attempt);
  * most 5 s (a rank that fails at once does not spin the machine; a
  * transient fault is retried soon). Returns the ms slept. */
 int tdm_dist_backoff(int attempt);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

@@ -91,8 +91,8 @@ static tdm_status tdm_dist_step_forward(tdm_dist_stepper *s, const void *x, cons
     if (micro > 0)
         snprintf(where, sizeof where, "rank %d, micro-batch %d", s->rank, micro);
     else
-        snprintf(where, sizeof where, "rank %d's %d sample%s of the batch of %d", s->rank, n,
-                 n == 1 ? "" : "s", global);
+        snprintf(where, sizeof where, "rank %d's %d %s%s of the batch of %d", s->rank, n,
+                 s->unit ? s->unit : "sample", n == 1 ? "" : "s", global);
     return tdm_dist_diverged(s->comm, s->rank, tdm_optim_steps(s->opt) + 1, *loss_sum, where);
 }
 

@@ -29,6 +29,10 @@
 #include "models/model.h"
 #include "models/optim.h"
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 typedef struct tdm_dist_ops tdm_dist_ops;
 /* w is the design's wrapper (a tdm_ddp, a tdm_fsdp); opt its optimizer
  * (over what this rank holds: the replica, or its shards). */
@@ -133,6 +137,7 @@ typedef struct tdm_dist_stepper {
      * of global_batch samples */
     int own_rows;
     int global_batch;
+    const char *unit;            /* a sample's name in messages ("window"); NULL: "sample" */
     /* Called before each optimizer step's first forward with its number
      * (from 1 over the run): a test's fault hook. May be NULL. */
     void (*before)(void *ctx, int64_t step);
@@ -184,5 +189,9 @@ tdm_status tdm_dist_eval_sums(tdm_comm *comm, const char *who, const char *label
  * and that reason. where: "rank 1's 3 samples of the batch of 8". */
 tdm_status tdm_dist_diverged(tdm_comm *comm, int rank, int64_t step, double loss,
                              const char *where);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

@@ -12,6 +12,10 @@
 
 #include "core/status.h"
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 /* The process group's timeout: a rank that waits longer for a peer fails
  * naming it. In the environment it is TANDEM_TIMEOUT, in seconds
  * (`tandem launch --timeout` and `tandem train --timeout` set it for
@@ -49,5 +53,9 @@
 tdm_status tdm_dist_timeout_parse(const char *what, const char *text, int64_t *ms);
 /* TANDEM_TIMEOUT in ms; 0 when it is unset or empty. */
 tdm_status tdm_dist_timeout_from_env(int64_t *ms);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

@@ -11,7 +11,7 @@
  *
  * The mode supplies the three operations (tdm_accum_ops): the
  * single-device one is here; DP's and DDP's live with their modes
- * (tools/train_dp.c, tools/train_ddp.c), DDP's running the first K-1
+ * (tools/train_local.c, dist/step.c), DDP's running the first K-1
  * micro-batches under no_sync. Nothing here knows of parallelism. */
 #ifndef TDM_MODELS_ACCUM_H
 #define TDM_MODELS_ACCUM_H
@@ -20,6 +20,10 @@
 
 #include "core/status.h"
 #include "models/train.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
 
 typedef struct tdm_accum_ops {
     /* Zero the gradients (before the first micro-batch). */
@@ -55,5 +59,9 @@ tdm_status tdm_accum_step(void *accum, const void *x, const int32_t *y, int batc
 /* The single-device operations over a tdm_single (its model and
  * optimizer; its staging buffers are used on non-host devices). */
 extern const tdm_accum_ops tdm_accum_single_ops;
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

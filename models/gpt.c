@@ -228,6 +228,21 @@ static tdm_status tdm_gpt_alloc(tdm_model *m, float **p, int64_t n_elem)
     return TDM_STATUS_OK;
 }
 
+size_t tdm_gpt_act_bytes(const tdm_model *m, int batch)
+{
+    const tdm_gpt *g = m->ext;
+    /* tdm_gpt_reserve's buffers, counted in floats: per block ln1, q, k,
+     * v, atty, res1, ln2, res2 (N x C each), fch and fcg (N x 4C), four
+     * means and rstds (N) and the attention (B x H x T x T); then res0,
+     * lnf, yh, dres, dln (N x C), qkv and dq/dk/dv (N x 3C each), dfc
+     * (N x 4C), lnf's mean and rstd and the ones (N), the logits and
+     * their gradient (N x V) and the attention's gradient */
+    int64_t N = (int64_t)batch * g->T, C = g->C, att = (int64_t)batch * g->H * g->T * g->T;
+    int64_t per_block = 16 * N * C + 4 * N + att;
+    int64_t floats = g->L * per_block + 15 * N * C + 3 * N + 2 * N * g->V + att;
+    return (size_t)floats * sizeof(float);
+}
+
 /* Room for `batch` windows of the full context. */
 static tdm_status tdm_gpt_reserve(tdm_model *m, int batch)
 {

@@ -501,6 +501,60 @@ tdm_status tdm_model_set_conv_chunk(tdm_model *m, int images)
     return TDM_STATUS_OK;
 }
 
+/* What tdm_model_reserve allocates for `batch` samples (model.c's layers):
+ * the same sums, without allocating. */
+static size_t tdm_model_layers_act_bytes(const tdm_model *m, int batch)
+{
+    size_t bytes = 0, col_max = 0;
+    for (int i = 0; i < m->n_layers; i++) {
+        const tdm_layer *l = &m->layers[i];
+        bytes += (size_t)batch * (size_t)l->out_elems * sizeof(float);
+        if (l->kind == TDM_LAYER_CONV) {
+            size_t nb = (size_t)l->c * l->k * l->k * (size_t)tdm_model_conv_chunk(m, l, batch) *
+                        l->oh * l->ow * sizeof(float);
+            if (nb > col_max) col_max = nb;
+        } else if (l->kind == TDM_LAYER_MAXPOOL) {
+            bytes += (size_t)batch * (size_t)l->out_elems * sizeof(int32_t);
+        }
+    }
+    bytes += 2 * (size_t)batch * (size_t)m->max_elems * sizeof(float) + col_max;
+    bytes += (size_t)batch * (size_t)tdm_model_n_classes(m) * sizeof(float) +
+             (size_t)batch * sizeof(float);   /* dlogits, ones */
+    return bytes;
+}
+
+tdm_status tdm_model_spec_footprint(const tdm_model_spec *spec, tdm_device *dev, int batch,
+                                    tdm_model_footprint *out)
+{
+    tdm_status st = TDM_STATUS_OK;
+    memset(out, 0, sizeof *out);
+    TDM_REQUIRE(spec && dev && batch >= 1, TDM_STATUS_INVALID_ARG,
+                "model footprint: a spec, a device and a batch >= 1");
+    /* the layers and the tensor table only: tdm_model_build allocates no
+     * parameters, gradients or activations */
+    tdm_model *m = calloc(1, sizeof *m);
+    if (!m) return tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "cannot allocate a model");
+    m->spec = *spec;
+    m->dev = dev;
+    m->train = 1;
+    TDM_TRY(tdm_model_build(m));
+    for (int i = 0; i < m->n_layers; i++) {
+        const tdm_layer *l = &m->layers[i];
+        if (l->in_elems > m->max_elems) m->max_elems = l->in_elems;
+        if (l->out_elems > m->max_elems) m->max_elems = l->out_elems;
+    }
+    for (int p = 0; p < m->n_params; p++)
+        if (m->params_info[p].n_elem > out->largest_param_elems)
+            out->largest_param_elems = m->params_info[p].n_elem;
+    out->param_elems = m->param_elems;
+    out->buffer_elems = m->buffer_elems;
+    out->act_bytes = spec->kind == TDM_MODEL_GPT ? tdm_gpt_act_bytes(m, batch)
+                                                 : tdm_model_layers_act_bytes(m, batch);
+fail:
+    tdm_model_free(m);
+    return st;
+}
+
 void tdm_model_get_memory(const tdm_model *m, tdm_model_memory *out)
 {
     out->params = m->released ? 0 : (size_t)m->param_elems * sizeof(float);

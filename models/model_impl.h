@@ -152,6 +152,9 @@ tdm_status tdm_model_pair_backward(tdm_model *m, tdm_layer *bn, tdm_layer *pool,
 /* models/gpt.c */
 tdm_status tdm_gpt_spec_parse(tdm_model_spec *s, const char *text);
 void tdm_gpt_spec_describe(const tdm_model_spec *s, char *buf, size_t len);
+/* The GPT's activation bytes for `batch` windows: what its reserve
+ * allocates, counted without allocating (tdm_model_spec_footprint). */
+size_t tdm_gpt_act_bytes(const tdm_model *m, int batch);
 /* Adds the GPT's tensors and layers and sets m->vt and m->ext. */
 tdm_status tdm_gpt_build(tdm_model *m);
 

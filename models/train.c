@@ -16,9 +16,15 @@ void tdm_train_epoch_order(int64_t *perm, int64_t n, uint64_t seed, int64_t epoc
     tdm_rng_permutation(&r, perm, n);
 }
 
-void tdm_train_tally(const tdm_train_epoch_opts *o, tdm_epoch_stats *out, int64_t s,
-                     int64_t steps, double loss, int samples, uint64_t t0)
+tdm_status tdm_train_tally(const tdm_train_epoch_opts *o, tdm_epoch_stats *out, int64_t s,
+                           int64_t steps, double loss, int samples, uint64_t t0)
 {
+    if (!isfinite(loss))
+        return tdm_error_set(TDM_STATUS_NONFINITE,
+                             "loss is %s at step %" PRId64 " (epoch %" PRId64 ", batch %" PRId64
+                             " of %" PRId64 "): training diverged (a lower learning rate may "
+                             "help)", isnan(loss) ? "NaN" : loss > 0 ? "+inf" : "-inf",
+                             o->epoch * steps + s + 1, o->epoch + 1, s + 1, steps);
     out->loss_mean += loss * samples;   /* the sum, until tdm_train_tally_end */
     out->steps++;
     out->samples += samples;
@@ -26,6 +32,7 @@ void tdm_train_tally(const tdm_train_epoch_opts *o, tdm_epoch_stats *out, int64_
     if (o->progress)
         o->progress(o->progress_ctx, s + 1, steps, loss,
                     secs > 0 ? (double)out->samples / secs : 0);
+    return TDM_STATUS_OK;
 }
 
 void tdm_train_tally_end(tdm_epoch_stats *out, uint64_t t0)
@@ -62,17 +69,7 @@ tdm_status tdm_train_epoch(const tdm_dataset *d, const tdm_train_epoch_opts *o,
         tdm_data_gather(d, perm + start, b, x, y);
         double loss = 0.0;
         TDM_TRY(o->step(o->step_ctx, x, y, b, &loss));
-        /* The loss is on the host already: checking it costs nothing, and
-         * a NaN or infinity here means the parameters are ruined too. */
-        if (!isfinite(loss)) {
-            st = tdm_error_set(TDM_STATUS_NONFINITE,
-                               "loss is %s at step %" PRId64 " (epoch %" PRId64 ", batch %" PRId64
-                               " of %" PRId64 "): training diverged (a lower learning rate may "
-                               "help)", isnan(loss) ? "NaN" : loss > 0 ? "+inf" : "-inf",
-                               epoch * steps + s + 1, epoch + 1, s + 1, steps);
-            goto fail;
-        }
-        tdm_train_tally(o, out, s, steps, loss, b, t0);
+        TDM_TRY(tdm_train_tally(o, out, s, steps, loss, b, t0));
     }
     tdm_train_tally_end(out, t0);
 fail:

@@ -5,8 +5,8 @@
  * for (seed, epoch) - the same permutation single-device, DP and DDP use -
  * in global batches of `batch` samples, and hands each batch (host memory)
  * to a step function: the single-device step here, tdm_dp_step (dp/) for
- * DataParallel, the CLI's DDP rank step (tools/train_ddp.c, over
- * tdm_ddp_forward_global). Nothing here knows of parallelism. */
+ * DataParallel, the ranks' step of DDP and FSDP (dist/step.c). Nothing
+ * here knows of parallelism. */
 #ifndef TDM_MODELS_TRAIN_H
 #define TDM_MODELS_TRAIN_H
 
@@ -16,6 +16,10 @@
 #include "core/timer.h"
 #include "models/model.h"
 #include "models/optim.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
 
 /* The permutation of 0..n-1 for an epoch: a pure function of (seed, epoch). */
 void tdm_train_epoch_order(int64_t *perm, int64_t n, uint64_t seed, int64_t epoch);
@@ -61,9 +65,12 @@ tdm_status tdm_train_epoch(const tdm_dataset *d, const tdm_train_epoch_opts *o,
 /* The epoch loops' bookkeeping (tdm_train_epoch, tdm_train_text_epoch):
  * step s of steps ran `samples` samples with mean loss `loss` (the
  * progress callback is told); tally_end makes out's means. t0: the
- * epoch's start (tdm_time_ns). */
-void tdm_train_tally(const tdm_train_epoch_opts *o, tdm_epoch_stats *out, int64_t s,
-                     int64_t steps, double loss, int samples, uint64_t t0);
+ * epoch's start (tdm_time_ns). A NaN or infinite loss is
+ * TDM_STATUS_NONFINITE ("training diverged"), counted nowhere: the loss is
+ * on the host already, so the check is free, and such a loss means the
+ * parameters are ruined too. */
+tdm_status tdm_train_tally(const tdm_train_epoch_opts *o, tdm_epoch_stats *out, int64_t s,
+                           int64_t steps, double loss, int samples, uint64_t t0);
 void tdm_train_tally_end(tdm_epoch_stats *out, uint64_t t0);
 
 /* The L2 norm of m's gradients, in double on the host (one copy of the
@@ -118,5 +125,9 @@ void tdm_single_free(tdm_single *s);   /* frees staging only */
 /* Mean loss and accuracy over a dataset, in eval mode (restores the mode). */
 tdm_status tdm_evaluate(tdm_model *m, const tdm_dataset *d, int batch, double *loss_mean,
                         double *accuracy);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

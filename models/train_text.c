@@ -38,7 +38,7 @@ tdm_status tdm_train_text_epoch(const tdm_text *train, int T, int lo, int hi,
         double loss = 0.0;
         TDM_TRY(o->step(o->step_ctx, x, y, n, &loss));
         /* the global batch's windows: the loss is every rank's mean */
-        tdm_train_tally(o, out, s, steps, loss, batch, t0);
+        TDM_TRY(tdm_train_tally(o, out, s, steps, loss, batch, t0));
     }
     tdm_train_tally_end(out, t0);
 fail:

@@ -575,9 +575,24 @@ static tdm_status tdm_shm_local(tdm_shm_impl *c, const tdm_comm_call *k)
     return TDM_STATUS_OK;
 }
 
+static tdm_status tdm_shm_run_call(tdm_shm_impl *c, const tdm_comm_call *k);
+
+/* The call, counted in this rank's in_call while it runs: a parent that
+ * stops a failed job tells a rank that will see the abort within its
+ * collective from one computing, which will not until its next one
+ * (shm/spawn.c). Relaxed: a hint, read by polling. */
 tdm_status tdm_shm_run(void *impl, const tdm_comm_call *k)
 {
     tdm_shm_impl *c = impl;
+    tdm_shm_ctrl *me = tdm_shm_ctrl_of(c, c->rank);
+    atomic_fetch_add_explicit(&me->in_call, 1, memory_order_relaxed);
+    tdm_status st = tdm_shm_run_call(c, k);
+    atomic_fetch_sub_explicit(&me->in_call, 1, memory_order_relaxed);
+    return st;
+}
+
+static tdm_status tdm_shm_run_call(tdm_shm_impl *c, const tdm_comm_call *k)
+{
     tdm_status st = TDM_STATUS_OK;
     int p2p = k->coll == TDM_COLL_SEND || k->coll == TDM_COLL_RECV;
     c->cur_name = tdm_coll_name(k->coll);

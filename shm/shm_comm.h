@@ -29,6 +29,10 @@
 #include "core/comm.h"
 #include "core/status.h"
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 #define TDM_SHM_ENV_FD "TANDEM_SHM_FD"
 #define TDM_SHM_MAX_RANKS 64
 
@@ -148,5 +152,9 @@ tdm_status tdm_shm_comm_alloc(tdm_comm *comm, size_t nbytes, void **ptr);
  * communicator's abort_check, so that a rank blocked in NCCL stops as soon
  * as the shm group is aborted). */
 const char *tdm_shm_comm_abort_reason(const tdm_comm *comm);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

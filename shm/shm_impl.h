@@ -27,11 +27,11 @@
 #include <sys/types.h>
 
 #include "core/comm_impl.h"
-#include "core/wait.h"
+#include "core/wait_impl.h"
 #include "shm/shm_comm.h"
 
 #define TDM_SHM_MAGIC 0x314d48534d444e54ull /* "TNDMSHM1" little endian */
-#define TDM_SHM_VERSION 3u
+#define TDM_SHM_VERSION 4u
 #define TDM_SHM_LINE 64
 #define TDM_SHM_PAGE 4096
 #define TDM_SHM_NBUF 2            /* staging buffers per rank */
@@ -40,7 +40,7 @@
 #define TDM_SHM_REASON_BYTES 512  /* one abort reason */
 
 /* A word ranks wait on: a free-running 64-bit counter, written only by
- * its owner, waited on with core/wait.h (spin, then a shared futex on its
+ * its owner, waited on with core/wait_impl.h (spin, then a shared futex on its
  * low 32 bits; sleepers count themselves in `waiters`, so that the owner
  * makes a wake syscall only when someone sleeps). Part of the segment's
  * layout: TDM_SHM_VERSION covers it. */
@@ -74,6 +74,8 @@ typedef struct tdm_shm_ctrl {
     _Atomic int32_t wstatus;
     _Atomic int32_t ended;     /* 1: the parent reported its end (wstatus) */
     _Atomic uint64_t beat;     /* heartbeat: advanced by the rank's heartbeat thread */
+    _Atomic int32_t in_call;   /* > 0: inside a collective (tdm_shm_run), where an abort
+                                * reaches it; 0: computing between collectives */
 } tdm_shm_ctrl;
 
 _Static_assert(sizeof(tdm_shm_ctrl) == 2 * TDM_SHM_LINE, "ctrl is two lines");
@@ -218,7 +220,7 @@ void tdm_shm_geom_from(const tdm_shm_header *h, tdm_shm_geom *out);
 
 /* wait.c */
 /* Publish v on f (owner only): release store, wake sleepers if any.
- * Pairs with the acquire/seq_cst loads in tdm_shm_flag_wait (core/wait.h):
+ * Pairs with the acquire/seq_cst loads in tdm_shm_flag_wait (core/wait_impl.h):
  * every write to the slots before this store is visible to a waiter that
  * sees v. */
 static inline void tdm_shm_flag_publish(tdm_shm_flag *f, uint64_t v)

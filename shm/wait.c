@@ -7,7 +7,7 @@
  * Not the collectives (shm/coll.c) and not the segment (shm/segment.c);
  * the spin, yield and futex sleep themselves, and their memory-ordering
  * pairing (publisher: store value, load waiters; sleeper: fetch_add
- * waiters, load value, futex_wait; all seq_cst), are core/wait.h's, with
+ * waiters, load value, futex_wait; all seq_cst), are core/wait_impl.h's, with
  * a shared futex: sleepers are other processes. */
 #include "shm/shm_impl.h"
 #include "shm/spawn.h"
@@ -25,7 +25,7 @@
 
 #include "core/log.h"
 #include "core/timer.h"
-#include "core/wait.h"
+#include "core/wait_impl.h"
 
 #define TDM_SHM_SLEEP_NS (100ull * 1000 * 1000)   /* liveness check period */
 #define TDM_SHM_YIELDS 16

@@ -27,6 +27,10 @@
 #define TDM_CMP_RUN_TIMEOUT_MS 3600000
 /* compare's default global batch for a gpt: windows of its context */
 #define TDM_CMP_GPT_BATCH 32
+/* Steps left out of the timing figures unless --warmup says: the first
+ * steps touch fresh memory and warm the caches; half of --steps when that
+ * is fewer. */
+#define TDM_CMP_DEFAULT_WARMUP 3
 
 typedef enum tdm_cmp_mode {
     TDM_CMP_SINGLE = 0,

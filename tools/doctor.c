@@ -17,6 +17,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -766,8 +767,22 @@ tdm_doctor_verdict tdm_doctor_job_end(tdm_doctor_job *j, int failed, int world, 
         fprintf(stderr, "%s: doctor: %s\n", j->tool, line);
     else if (strcmp(line, j->early))
         fprintf(stderr, "%s: doctor (after the teardown): %s\n", j->tool, line);
+    if (j->created && tdm_doctor_dir_dumps(j->dir) == 0) {
+        /* no rank dumped (none got as far, or the recorder is off): a
+         * directory of ours with nothing to diagnose is not left behind */
+        tdm_doctor_dir_remove(j->dir);
+        return v;
+    }
     fprintf(stderr, "%s: flight-recorder dumps in %s (tandem doctor %s for the diagnosis)\n",
             j->tool, j->dir, j->dir);
+    if (j->created) {
+        /* one directory per failed job: only the newest few stay */
+        char parent[sizeof j->dir];
+        snprintf(parent, sizeof parent, "%s", j->dir);
+        char *slash = strrchr(parent, '/');
+        if (slash && slash != parent) *slash = '\0';
+        if (slash) tdm_doctor_dirs_prune(slash == parent ? "/" : parent);
+    }
     return v;
 }
 
@@ -827,6 +842,15 @@ int tdm_tool_doctor_main(int argc, char **argv)
     }
     if (!dir) {
         tdm_doctor_usage(stderr);
+        return 2;
+    }
+    struct stat sb, lb;
+    if (stat(dir, &sb) == 0 && !S_ISDIR(sb.st_mode)) {
+        /* a FIFO, a device or a file: not "no dump in it" */
+        fprintf(stderr, "tandem doctor: %s: is %s%s, not a directory: give the directory the "
+                        "dumps are in\n", dir,
+                lstat(dir, &lb) == 0 && S_ISLNK(lb.st_mode) ? "a symbolic link to " : "",
+                tdm_file_kind(sb.st_mode));
         return 2;
     }
     return (int)tdm_doctor_diagnose(dir, stdout, NULL, 0);

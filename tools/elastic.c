@@ -55,16 +55,23 @@ static void tdm_elastic_settled(const tdm_shm_watch *sw, void *ctx)
     tdm_doctor_job_settled(sw, &((tdm_elastic_watch *)ctx)->frj);
 }
 
-static void tdm_elastic_end(void *ctx, tdm_status st, int world, const tdm_shm_spawn_result *res)
+static void tdm_elastic_end(void *ctx, tdm_status st, int world, const tdm_shm_spawn_result *res,
+                            int last)
 {
     tdm_elastic_watch *w = ctx;
     if (st == TDM_STATUS_OK) {
         tdm_doctor_job_end(&w->frj, 0, world, NULL, NULL, NULL, NULL);
+        tdm_elastic_log_free(&w->failures);
         return;
     }
     snprintf(w->why, sizeof w->why, "%s", tdm_error_message());
     fprintf(stderr, "%s: %s: %s\n", w->tool, w->mode, w->why);
     tdm_doctor_job_end(&w->frj, 1, world, res->pid, res->wstatus, NULL, w->why);
+    if (st == TDM_STATUS_PEER_FAILED) tdm_elastic_log_add(&w->failures, w->why);
+    if (!last) return;
+    if (st == TDM_STATUS_PEER_FAILED)
+        tdm_elastic_log_used_up(&w->failures, w->tool, w->max_restarts);
+    tdm_elastic_log_free(&w->failures);
 }
 
 static void tdm_elastic_restart(void *ctx, int attempt, long long max_restarts, int backoff_ms,
@@ -78,11 +85,13 @@ static void tdm_elastic_restart(void *ctx, int attempt, long long max_restarts, 
     fflush(stdout);
 }
 
-void tdm_elastic_watch_init(tdm_elastic_watch *w, const char *tool, const char *mode)
+void tdm_elastic_watch_init(tdm_elastic_watch *w, const char *tool, const char *mode,
+                            long long max_restarts)
 {
     memset(w, 0, sizeof *w);
     w->tool = tool;
     w->mode = mode;
+    w->max_restarts = max_restarts;
     w->dist = (tdm_dist_watch){.ctx = w, .begin = tdm_elastic_begin,
                                .settled = tdm_elastic_settled, .end = tdm_elastic_end,
                                .restart = tdm_elastic_restart};
@@ -154,13 +163,18 @@ int tdm_tool_launch_main(int argc, char **argv)
     rest[n] = NULL;
     if (ckpt) setenv(TDM_DIST_ENV_RESUME, ckpt, 1);
     int rc;
+    tdm_elastic_log failures = {0};
     for (int attempt = 0;; attempt++) {
         tdm_dist_restart_count_set(attempt);
         tdm_elastic_cause[0] = 0;
         rc = tdm_launch_run_once(n, rest);
         /* only a rank's failure is restarted: not success, bad usage, or
          * a signal the launcher received (Ctrl-C, SIGTERM) */
-        if (rc != 1 || attempt >= max_restarts || !tdm_elastic_cause[0]) break;
+        int rank_failed = rc == 1 && tdm_elastic_cause[0];
+        if (rank_failed) tdm_elastic_log_add(&failures, tdm_elastic_cause);
+        if (rank_failed && attempt >= max_restarts)
+            tdm_elastic_log_used_up(&failures, "tandem launch", max_restarts);
+        if (!rank_failed || attempt >= max_restarts) break;
         char from[512];
         if (ckpt) tdm_elastic_describe(ckpt, from, sizeof from);
         else snprintf(from, sizeof from, "(no --checkpoint named: each resumes from its own, "
@@ -169,6 +183,7 @@ int tdm_tool_launch_main(int argc, char **argv)
         fprintf(stderr, "tandem launch: restart %d of %lld after %d ms: %s; every rank starts "
                         "again %s\n", attempt + 1, max_restarts, ms, tdm_elastic_cause, from);
     }
+    tdm_elastic_log_free(&failures);
     free(rest);
     return rc;
 }

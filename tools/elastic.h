@@ -21,6 +21,22 @@ extern char tdm_elastic_cause[1024];
  * when ckpt exists and holds a checkpoint. */
 int tdm_elastic_describe(const char *ckpt, char *out, size_t n);
 
+/* What each attempt of a restarted job died of (tools/elastic_log.c),
+ * for the line that ends it when the restarts run out. */
+typedef struct tdm_elastic_log {
+    char **cause;    /* owned */
+    int n, cap;
+} tdm_elastic_log;
+/* The first and the last this many attempts are listed; the rest counted. */
+#define TDM_ELASTIC_LOG_SHOWN 3
+/* Records the cause of the attempt that just failed (a copy). */
+void tdm_elastic_log_add(tdm_elastic_log *l, const char *cause);
+/* "<tool>: the K restarts are used up, every attempt failed: attempt 1:
+ * ...; attempt 2: ..." on stderr, one line (nothing when max_restarts is 0:
+ * no restart was asked for). */
+void tdm_elastic_log_used_up(const tdm_elastic_log *l, const char *tool, long long max_restarts);
+void tdm_elastic_log_free(tdm_elastic_log *l);
+
 /* What `tandem train` says around its forked ranks (dist/run.h's watch):
  * the ranks' flight-recorder dumps and the doctor's verdict
  * (tools/doctor.h: as soon as the ranks that can report have, and the
@@ -32,8 +48,11 @@ typedef struct tdm_elastic_watch {
     const char *mode;      /* "ddp" */
     tdm_doctor_job frj;
     char why[1024];        /* the last attempt's root cause */
+    tdm_elastic_log failures;   /* every attempt's, for the line when restarts run out */
+    long long max_restarts;
 } tdm_elastic_watch;
-void tdm_elastic_watch_init(tdm_elastic_watch *w, const char *tool, const char *mode);
+void tdm_elastic_watch_init(tdm_elastic_watch *w, const char *tool, const char *mode,
+                            long long max_restarts);
 
 /* Test hook of tandem train's DDP ranks: TANDEM_DDP_TEST_KILL=R:S makes
  * rank R SIGKILL itself before its step S (counted from 1 over the run),

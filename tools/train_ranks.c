@@ -248,8 +248,9 @@ static tdm_status tdm_train_rank_run(void *ctx, tdm_dist_rank *d, void *self)
                               .rank = r->rank, .world = r->world,
                               .in_elems = tdm_model_in_features(r->m),
                               .out_rows = tdm_model_out_rows(r->m), .own_rows = j->text != NULL,
-                              .global_batch = (int)a->batch, .before = tdm_train_fault_hook,
-                              .before_ctx = r};
+                              .global_batch = (int)a->batch,
+                              .unit = j->text ? "window" : NULL,
+                              .before = tdm_train_fault_hook, .before_ctx = r};
     tdm_train_eval_fn eval = j->text ? tdm_train_eval_text : tdm_train_eval_images;
     tdm_status st;
     if (a->uneven) {
@@ -368,7 +369,7 @@ tdm_status tdm_train_run_ranks(const tdm_train_args *a, const tdm_tool_design *d
     }
     if (start == TDM_DIST_START_FORKED) {
         TDM_CHECK(tdm_train_ranks_forked(&j, &o));
-        tdm_elastic_watch_init(&w, "tandem train", design->dist.name);
+        tdm_elastic_watch_init(&w, "tandem train", design->dist.name, a->max_restarts);
         fflush(stdout);
     }
     st = tdm_dist_run(&d, &j.b, &o);

@@ -67,6 +67,10 @@ static tdm_status tdm_text_load_job(tdm_text_job *j, tdm_text_corpus *corpus)
         tdm_text_free(corpus);
         return tdm_tool_usage(st);
     }
+    if ((st = tdm_train_check_memory(a, &j->spec)) != TDM_STATUS_OK) {
+        tdm_text_free(corpus);
+        return st;
+    }
     j->set = (tdm_train_text_set){.corpus = corpus, .T = j->spec.n_ctx};
     j->set.eval_count = tdm_text_eval_count(&corpus->val, j->spec.n_ctx, TDM_TRAIN_TEXT_EVAL_CAP);
     if ((st = tdm_text_bigram_loss(&corpus->train, &corpus->val, j->spec.n_ctx,

@@ -7,7 +7,7 @@
  * the ranks that still have a batch, and a rank out of data shadows the
  * others' steps (tdm_ddp_join, tdm_fsdp_join) until all are done - no
  * hang, no mismatch error. Not the global-batch split of the default mode
- * (tools/train_ddp.c, tools/train_fsdp.c), which equals single-device
+ * (tools/train_ranks.c over dist/step.c), which equals single-device
  * training exactly. The loop is the same for every design: it calls the
  * design's ops (dist/step.h) through tools/train_ranks.c. --model gpt
  * runs it too: its items are the windows of the epoch that the default
