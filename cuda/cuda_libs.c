@@ -72,6 +72,9 @@
       (ncclComm_t * c, int n, ncclUniqueId id, int rank, ncclConfig_t *cfg),                    \
       (c, n, id, rank, cfg), ncclSystemError)                                                   \
     X(ncclResult_t, ncclCommFinalize, (ncclComm_t c), (c), ncclSystemError)                     \
+    X(ncclResult_t, ncclCommSplit,                                                              \
+      (ncclComm_t c, int color, int key, ncclComm_t *n, ncclConfig_t *cfg),                     \
+      (c, color, key, n, cfg), ncclSystemError)                                                 \
     X(ncclResult_t, ncclCommDestroy, (ncclComm_t c), (c), ncclSystemError)                      \
     X(ncclResult_t, ncclCommAbort, (ncclComm_t c), (c), ncclSystemError)                        \
     X(ncclResult_t, ncclCommGetAsyncError, (ncclComm_t c, ncclResult_t * e), (c, e),            \

@@ -217,6 +217,21 @@ tdm_status tdm_ddp_forward_global_scaled(tdm_ddp *d, const void *x, const int32_
  * communication error the communicator is aborted (the other ranks stop)
  * and the error names the failing rank. */
 tdm_status tdm_ddp_backward(tdm_ddp *d);
+/* For a design that runs the model's backward itself (a pipeline stage,
+ * whose backward starts from an activation's gradient rather than from a
+ * loss this wrapper computed): a synchronised backward in two halves
+ * around the caller's own tdm_model_backward (or stage backward). Between
+ * them the Reducer's grad-ready hook launches each bucket's all-reduce as
+ * the caller's backward completes it, exactly as in tdm_ddp_backward; end
+ * waits for them all and checks, through the Reducer's check tail, that
+ * every rank ran as many synchronised backwards (counted by begin).
+ * Backwards outside the halves (a pipeline's earlier micro-batches) only
+ * accumulate. loss_sum: this rank's part of the loss (0 where it has
+ * none), summed over the ranks into tdm_ddp_loss_sum. backward_status:
+ * the caller's backward's; a failure aborts the communicator (the other
+ * ranks stop) and is returned. */
+tdm_status tdm_ddp_sync_begin(tdm_ddp *d, double loss_sum);
+tdm_status tdm_ddp_sync_end(tdm_ddp *d, tdm_status backward_status);
 /* Sum over all ranks of the per-sample losses of the forwards reduced by
  * the last synchronised backward (no_sync micro-batches included), carried
  * by that backward's all-reduce: no extra collective. Divide by the

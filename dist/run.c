@@ -159,18 +159,30 @@ typedef struct tdm_dist_job {
     int64_t timeout_ms;
 } tdm_dist_job;
 
-/* The place of r in the design's layout (flat without one). */
+/* The design's layout: the mesh shape, this rank's role (rank -1: the
+ * job's check before any rank starts). No layout: all along dp. */
+static tdm_status tdm_dist_layout(const tdm_dist_job *j, int world, int rank,
+                                  tdm_mesh_shape *shape, int *role)
+{
+    *shape = (tdm_mesh_shape){.size = {world, 1, 1}};
+    *role = 0;
+    if (!j->d->layout) return TDM_STATUS_OK;
+    TDM_CHECK(j->d->layout(j->ctx, world, rank, shape, role));
+    char s[64];
+    tdm_mesh_shape_str(shape, s, sizeof s);
+    TDM_REQUIRE(tdm_mesh_shape_ranks(shape) == world, TDM_STATUS_INVALID_ARG,
+                "%s: its layout %s holds %d ranks, but the job has %d", j->d->name, s,
+                tdm_mesh_shape_ranks(shape), world);
+    return TDM_STATUS_OK;
+}
+
+/* The place of r in the design's layout, and with a layout the mesh's
+ * sub-communicators over r->comm (collective). */
 static tdm_status tdm_dist_rank_place(const tdm_dist_job *j, tdm_dist_rank *r)
 {
-    int rank = r->env.rank, world = r->env.world_size;
-    r->mesh = tdm_dist_mesh_flat(world);
-    r->place = tdm_dist_mesh_place(&r->mesh, rank);
-    if (!j->d->layout) return TDM_STATUS_OK;
-    TDM_CHECK(j->d->layout(j->ctx, world, rank, &r->mesh, &r->place));
-    TDM_REQUIRE(tdm_dist_mesh_world(&r->mesh) == world, TDM_STATUS_INTERNAL,
-                "%s: the layout's mesh holds %d ranks, the job %d", j->d->name,
-                tdm_dist_mesh_world(&r->mesh), world);
-    return TDM_STATUS_OK;
+    TDM_CHECK(tdm_dist_layout(j, r->env.world_size, r->env.rank, &r->shape, &r->role));
+    tdm_mesh_coords_of(&r->shape, r->env.rank, r->coord);
+    return j->d->layout ? tdm_mesh_init(&r->mesh, r->comm, &r->shape) : TDM_STATUS_OK;
 }
 
 /* The device of a rank: its own of the job's list (forked, given), or
@@ -230,6 +242,7 @@ static tdm_status tdm_dist_rank_main(const tdm_dist_job *j, tdm_comm *comm,
     }
     fflush(stdout);
     if (set_up && d->free) d->free(j->ctx, self);
+    tdm_mesh_free(r.mesh);
     tdm_comm_free(nccl);   /* before comm, which bootstrapped it */
     tdm_device_free(r.dev);
     return st;
@@ -284,11 +297,9 @@ static tdm_status tdm_dist_run_forked(const tdm_dist_job *j, int world)
 {
     const tdm_dist_run_opts *o = j->o;
     const tdm_dist_watch *w = o->watch;
-    if (j->d->layout) {
-        tdm_dist_mesh mesh;
-        tdm_dist_place place;
-        TDM_CHECK(j->d->layout(j->ctx, world, -1, &mesh, &place));
-    }
+    tdm_mesh_shape shape;
+    int role;
+    TDM_CHECK(tdm_dist_layout(j, world, -1, &shape, &role));
     for (int attempt = 0;; attempt++) {
         tdm_dist_restart_count_set(attempt);
         if (w && w->begin) w->begin(w->ctx, attempt);

@@ -25,17 +25,22 @@
  * parallel and a parameter server are written to it):
  *
  *   layout   optional. Says how the world's ranks are laid out: the mesh
- *            (dp x pp x tp) and each rank's place and role (a parameter
- *            server's servers and workers). Called once with rank -1
- *            before any rank starts, where it may refuse the world size
- *            (INVALID_ARG or USAGE, with a message: a pipeline of 4 stages
- *            on 6 ranks), then in every rank for its own place. NULL: one
- *            flat data-parallel group (tdm_dist_mesh_flat).
+ *            shape (dp x pp x tp, dist/mesh.h) and each rank's role (a
+ *            parameter server's servers and workers; the design's own
+ *            numbers). Called once with rank -1 before any rank starts,
+ *            where it may refuse the world size (INVALID_ARG or USAGE,
+ *            with a message: a pipeline of 4 stages on 6 ranks), then in
+ *            every rank for its own role. dist then gives each rank its
+ *            coordinates and the mesh's sub-communicators over r->comm
+ *            (r->mesh: one per dimension, split collectively before
+ *            setup). NULL: one flat data-parallel group (all along dp), no
+ *            mesh made.
  *   setup    builds the rank: its model on r->dev, its wrapper over
- *            r->comm / r->dev_comm (and any sub-communicator it splits
- *            from them along its mesh), its optimizer, a resumed
- *            checkpoint. Collective. What it makes is its own, in *self,
- *            even on failure (free runs either way).
+ *            r->comm / r->dev_comm or the sub-communicators of r->mesh
+ *            (a design that needs a dimension's group on device memory
+ *            splits r->dev_comm likewise: tdm_mesh_init), its optimizer,
+ *            a resumed checkpoint. Collective. What it makes is its own,
+ *            in *self, even on failure (free runs either way).
  *   run      the rank's work (a training loop, a comparison): drives the
  *            design through its ops (below), collectively.
  *   free     frees *self. Called once, after run or a failed setup,
@@ -47,8 +52,8 @@
  *            step, no_sync, join) from which dist/step.c builds steps,
  *            gradient accumulation and uneven inputs.
  *
- * Ownership: dist owns r->comm, r->dev_comm and r->dev (borrowed by the
- * design for the rank's life); the design owns self. Failure: a callback
+ * Ownership: dist owns r->comm, r->dev_comm, r->mesh and r->dev (borrowed
+ * by the design for the rank's life); the design owns self. Failure: a callback
  * returns a status with its message set (tdm_error_set); dist aborts the
  * group with that message (a callback may abort first, with words of its
  * own) and returns the status. Callbacks never exit(). */
@@ -89,8 +94,12 @@ typedef struct tdm_dist_rank {
     tdm_device *dev;             /* this rank's device; borrowed */
     int64_t timeout_ms;          /* the process group's timeout, as used */
     const char *job_desc;        /* an MPI job: "mpi, 4 ranks on 2 machines"; else NULL */
-    tdm_dist_mesh mesh;          /* the design's layout (flat: world x 1 x 1) */
-    tdm_dist_place place;        /* this rank's coordinates and role */
+    tdm_mesh_shape shape;        /* the design's layout (none: world x 1 x 1, all dp) */
+    int coord[TDM_MESH_NDIMS];   /* this rank's coordinates in shape */
+    int role;                    /* the design's role for this rank (0 unless its layout
+                                    says) */
+    tdm_mesh *mesh;              /* with a layout: a sub-communicator per dimension over
+                                    comm; NULL without one; borrowed */
 } tdm_dist_rank;
 
 typedef struct tdm_dist_ops tdm_dist_ops;   /* dist/step.h */
@@ -104,8 +113,7 @@ enum {
 typedef struct tdm_dist_design {
     const char *name;            /* "ddp", "fsdp": said in the job's messages */
     unsigned caps;               /* TDM_DIST_MPI | TDM_DIST_NCCL */
-    tdm_status (*layout)(void *ctx, int world, int rank, tdm_dist_mesh *mesh,
-                         tdm_dist_place *place);
+    tdm_status (*layout)(void *ctx, int world, int rank, tdm_mesh_shape *shape, int *role);
     tdm_status (*setup)(void *ctx, tdm_dist_rank *r, void **self);
     tdm_status (*run)(void *ctx, tdm_dist_rank *r, void *self);
     void (*free)(void *ctx, void *self);

@@ -114,6 +114,11 @@ void tdm_mpi_guard_begin(tdm_mpi_guard *g, int64_t ms, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 void tdm_mpi_guard_end(tdm_mpi_guard *g);
 
+/* tdm_comm_ops.split of the MPI communicator (MPI_Comm_split) and of the
+ * hierarchical one (refused, saying why): mpi/split.c. */
+tdm_status tdm_mpi_split(void *impl, const tdm_comm_split_info *in, tdm_comm **out);
+tdm_status tdm_mpi_hier_split(void *impl, const tdm_comm_split_info *in, tdm_comm **out);
+
 /* "MPI_ERR_TRUNCATE: message truncated" for an MPI error code. */
 void tdm_mpi_error_string(int rc, char *out, size_t n);
 

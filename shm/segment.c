@@ -320,6 +320,7 @@ static const tdm_comm_ops tdm_shm_ops = {
     .alloc = tdm_shm_alloc_op,
     .destroy = tdm_shm_destroy,
     .half_types = 1,
+    .split = tdm_shm_split,
 };
 
 tdm_status tdm_shm_comm_tuning(const tdm_comm *comm, tdm_shm_tuning *out)
@@ -411,6 +412,7 @@ static tdm_status tdm_shm_join(tdm_comm **out, void *base, size_t total, int unm
     c->unmap = unmap;
     c->rank = rank;
     c->world = world;
+    for (int r = 0; r < world; r++) c->job_rank[r] = r;
     c->timeout_ms = opts && opts->timeout_ms > 0 ? opts->timeout_ms : TDM_SHM_DEFAULT_TIMEOUT_MS;
     /* Spin only while the ranks fit the cores they can use together (the
      * header's, the same for every rank): not this process's affinity,

@@ -13,7 +13,8 @@
  *   reasons    per rank and one for the parent, an abort reason each
  *   slots      per rank, NBUF staging buffers of slot_bytes
  *   p2p        per ordered pair (src, dst): a sent flag line, an ack flag
- *              line, two halves of P2P bytes
+ *              line, two halves of P2P bytes, then the receiver's ready
+ *              line (a zero-copy recv posted: shm/coll.c)
  *   arena      per rank, arena_bytes of zero-copy buffers
  */
 #ifndef TDM_SHM_SHM_IMPL_H
@@ -24,6 +25,7 @@
 #include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <sys/types.h>
 
 #include "core/comm_impl.h"
@@ -159,6 +161,8 @@ typedef struct tdm_shm_impl {
     uint64_t p2p_sent[TDM_SHM_MAX_RANKS];  /* chunks sent to each peer */
     uint64_t p2p_recvd[TDM_SHM_MAX_RANKS]; /* chunks received from each */
     uint64_t p2p_msgs[TDM_SHM_MAX_RANKS];  /* messages, for error text */
+    uint64_t p2p_nsend[TDM_SHM_MAX_RANKS]; /* messages sent to each peer */
+    uint64_t p2p_nrecv[TDM_SHM_MAX_RANKS]; /* messages received from each */
     size_t arena_used;
     const char *algo;          /* last algorithm, for tdm_comm_last_algo */
     const char *logged_algo[TDM_COLL_COUNT_]; /* last one logged, per collective */
@@ -180,7 +184,26 @@ typedef struct tdm_shm_impl {
     _Atomic int raising;       /* a thread of this rank is writing its reason slot */
     tdm_status failed;         /* sticky: once a call failed, all fail */
     char failed_msg[256];      /* its message */
+    /* A communicator split from another (shm/split.c): the job's
+     * communicator (the one never split; borrowed, it outlives this one),
+     * whose abort stops this one's waits and which every abort raised here
+     * raises too, so that a failure anywhere stops the whole job; and each
+     * rank's job rank, for messages. root NULL, job_rank the identity: the
+     * job's own communicator. */
+    struct tdm_shm_impl *root;
+    int job_rank[TDM_SHM_MAX_RANKS];
 } tdm_shm_impl;
+
+/* How messages name rank r of c with its pid: "rank 3 (pid 4121)", or on a
+ * split communicator "rank 1 (job rank 3, pid 4121)". Returns buf. */
+static inline const char *tdm_shm_who(const tdm_shm_impl *c, int r, int pid, char *buf, size_t n)
+{
+    if (c->root && r >= 0 && r < c->world)
+        snprintf(buf, n, "rank %d (job rank %d, pid %d)", r, c->job_rank[r], pid);
+    else
+        snprintf(buf, n, "rank %d (pid %d)", r, pid);
+    return buf;
+}
 
 static inline tdm_shm_ctrl *tdm_shm_geom_ctrl(const tdm_shm_geom *g, uint8_t *base, int r)
 {
@@ -237,10 +260,11 @@ tdm_status tdm_shm_flag_wait(tdm_shm_impl *c, tdm_shm_flag *f, uint64_t target, 
 void tdm_shm_raise(tdm_shm_header *h, const tdm_shm_geom *g, uint8_t *base, int slot,
                    _Atomic int *raising, int culprit, tdm_status st, const char *fmt, ...)
     __attribute__((format(printf, 8, 9)));
-/* A rank's raise: its own slot. */
-#define tdm_shm_raise_rank(c, culprit, st, ...)                                \
-    tdm_shm_raise((c)->hdr, &(c)->geom, (c)->base, (c)->rank, &(c)->raising, (culprit), (st), \
-                  __VA_ARGS__)
+/* A rank's raise: its own slot; on a split communicator also the job's
+ * (shm/split.c), blaming the culprit's job rank. */
+void tdm_shm_raise_comm(tdm_shm_impl *c, int culprit, tdm_status st, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+#define tdm_shm_raise_rank(c, culprit, st, ...) tdm_shm_raise_comm((c), (culprit), (st), __VA_ARGS__)
 
 /* The group abort as published, decoded. */
 typedef struct tdm_shm_abort_info {
@@ -252,7 +276,8 @@ typedef struct tdm_shm_abort_info {
 /* 1 and *out filled when the abort has been raised, else 0. */
 int tdm_shm_abort_get(const tdm_shm_header *h, const tdm_shm_geom *g, const uint8_t *base,
                       tdm_shm_abort_info *out);
-/* TDM_STATUS_OK, or the group's abort status with this call's message. */
+/* TDM_STATUS_OK, or the group's abort status with this call's message
+ * (on a split communicator, the job's abort too). */
 tdm_status tdm_shm_check_abort(tdm_shm_impl *c);
 /* This rank's heartbeat: a thread that advances ctrl.beat every
  * TDM_SHM_BEAT_NS whatever the rank's own threads do, so that a stopped
@@ -260,6 +285,11 @@ tdm_status tdm_shm_check_abort(tdm_shm_impl *c);
 #define TDM_SHM_BEAT_NS (100ull * 1000 * 1000)
 tdm_status tdm_shm_heartbeat_start(tdm_shm_impl *c);
 void tdm_shm_heartbeat_stop(tdm_shm_impl *c);
+
+/* split.c */
+/* The backend's tdm_comm_ops.split: a new segment per group, made by the
+ * group's first rank and joined by the others through the parent. */
+tdm_status tdm_shm_split(void *impl, const tdm_comm_split_info *info, tdm_comm **out);
 
 /* coll.c */
 tdm_status tdm_shm_run(void *impl, const tdm_comm_call *call);

@@ -1,8 +1,9 @@
 /* tests/test_dist.c: the floor every multi-process design shares (dist/):
- * a rank's place in a dp x pp x tp mesh and its sub-communicators'
- * colours, the batch split and its staging, the cross-rank model and
- * step checks, and tdm_dist_run - forked ranks through a design's table
- * (setup, run, free in every rank, each with its device and place), a
+ * the batch split and its staging, the cross-rank model and step checks,
+ * and tdm_dist_run - forked ranks through a design's table (setup, run,
+ * free in every rank, each with its device, its place in the design's
+ * mesh, its role and the mesh's sub-communicators; the mesh itself is
+ * tests/test_mesh.c's), a
  * layout that refuses the world, a failing rank that stops the group
  * naming itself, and restarts after a rank's failure. Forked ranks bound
  * their run time and leave nothing behind. */
@@ -19,61 +20,6 @@
 #include "dist/run.h"
 #include "dist/spawn.h"
 #include "tests/test_util.h"
-
-/* ---- the mesh ---- */
-
-Test(dist, mesh_places_every_rank_once_and_splits_by_dimension)
-{
-    tdm_dist_mesh mesh;
-    cr_assert_eq(tdm_dist_mesh_init(&mesh, 2, 3, 2, 11), TDM_STATUS_INVALID_ARG);
-    cr_assert(strstr(tdm_error_message(), "dp 2 x pp 3 x tp 2 is not the 11 ranks"), "%s",
-              tdm_error_message());
-    cr_assert_eq(tdm_dist_mesh_init(&mesh, 0, 1, 1, 0), TDM_STATUS_INVALID_ARG);
-    TU_OK(tdm_dist_mesh_init(&mesh, 2, 3, 2, 12));
-    cr_assert_eq(tdm_dist_mesh_world(&mesh), 12);
-    int seen[12] = {0};
-    for (int r = 0; r < 12; r++) {
-        tdm_dist_place p = tdm_dist_mesh_place(&mesh, r);
-        cr_assert_eq(tdm_dist_mesh_rank(&mesh, p.coord), r);
-        /* tp fastest: consecutive ranks share dp and pp */
-        cr_assert_eq(p.coord[TDM_DIST_DIM_TP], r % 2);
-        cr_assert_eq(p.coord[TDM_DIST_DIM_PP], (r / 2) % 3);
-        cr_assert_eq(p.coord[TDM_DIST_DIM_DP], r / 6);
-        seen[r]++;
-    }
-    for (int r = 0; r < 12; r++) cr_assert_eq(seen[r], 1);
-    /* each dimension's groups: size[dim] ranks that share the other
-     * coordinates, keyed by the coordinate along it */
-    for (int dim = 0; dim < TDM_DIST_DIM_COUNT_; dim++) {
-        int members[12] = {0}, keys_of[12][12];
-        memset(keys_of, 0, sizeof keys_of);
-        for (int r = 0; r < 12; r++) {
-            int color, key;
-            tdm_dist_mesh_split(&mesh, r, (tdm_dist_dim)dim, &color, &key);
-            cr_assert(color >= 0 && color < 12 / mesh.size[dim], "dim %d rank %d color %d", dim,
-                      r, color);
-            cr_assert_eq(key, tdm_dist_mesh_place(&mesh, r).coord[dim]);
-            members[color]++;
-            keys_of[color][key]++;
-            for (int o = 0; o < 12; o++) {
-                int c2, k2;
-                tdm_dist_mesh_split(&mesh, o, (tdm_dist_dim)dim, &c2, &k2);
-                tdm_dist_place a = tdm_dist_mesh_place(&mesh, r), b = tdm_dist_mesh_place(&mesh, o);
-                int same = 1;
-                for (int d = 0; d < TDM_DIST_DIM_COUNT_; d++)
-                    if (d != dim && a.coord[d] != b.coord[d]) same = 0;
-                cr_assert_eq(c2 == color, same, "dim %d ranks %d %d", dim, r, o);
-            }
-        }
-        for (int c = 0; c < 12 / mesh.size[dim]; c++) {
-            cr_assert_eq(members[c], mesh.size[dim], "dim %d color %d", dim, c);
-            for (int k = 0; k < mesh.size[dim]; k++) cr_assert_eq(keys_of[c][k], 1);
-        }
-    }
-    mesh = tdm_dist_mesh_flat(5);
-    cr_assert_eq(tdm_dist_mesh_place(&mesh, 3).coord[TDM_DIST_DIM_DP], 3);
-    cr_assert_eq(tdm_dist_mesh_world(&mesh), 5);
-}
 
 /* ---- the batch ---- */
 
@@ -162,7 +108,7 @@ typedef struct dist_out {
     char err[4][512];
     int64_t extra[4][8];
     int setup[4], run[4], freed[4], attempts;
-    int dev_index[4], coord_dp[4], role[4], start[4];
+    int dev_index[4], coord_pp[4], role[4], start[4], pp_size[4], pp_rank[4], dp_size[4];
 } dist_out;
 
 static dist_out *dist_out_new(void)
@@ -227,17 +173,15 @@ typedef struct toy_ctx {
     int want_world;         /* the layout refuses another world (0: any) */
 } toy_ctx;
 
-static tdm_status toy_layout(void *ctx, int world, int rank, tdm_dist_mesh *mesh,
-                             tdm_dist_place *place)
+/* A pipeline of every rank, rank 0 in a role of its own (as a parameter
+ * server's server beside its workers). */
+static tdm_status toy_layout(void *ctx, int world, int rank, tdm_mesh_shape *shape, int *role)
 {
     const toy_ctx *c = ctx;
     TDM_REQUIRE(!c->want_world || world == c->want_world, TDM_STATUS_INVALID_ARG,
                 "toy: needs %d ranks, not %d", c->want_world, world);
-    *mesh = tdm_dist_mesh_flat(world);
-    if (rank >= 0) {
-        *place = tdm_dist_mesh_place(mesh, rank);
-        place->role = rank == 0 ? 7 : 1;   /* a server and its workers */
-    }
+    *shape = (tdm_mesh_shape){.size = {1, world, 1}};
+    if (rank >= 0) *role = rank == 0 ? 7 : 1;
     return TDM_STATUS_OK;
 }
 
@@ -247,8 +191,12 @@ static tdm_status toy_setup(void *ctx, tdm_dist_rank *r, void **self)
     int k = r->env.rank;
     c->o->setup[k]++;
     c->o->dev_index[k] = tdm_dev_index(r->dev);
-    c->o->coord_dp[k] = r->place.coord[TDM_DIST_DIM_DP];
-    c->o->role[k] = r->place.role;
+    c->o->coord_pp[k] = r->coord[TDM_MESH_PP];
+    c->o->role[k] = r->role;
+    /* the mesh's groups, split over the process group before setup */
+    c->o->pp_size[k] = tdm_comm_size(tdm_mesh_comm(r->mesh, TDM_MESH_PP));
+    c->o->pp_rank[k] = tdm_comm_rank(tdm_mesh_comm(r->mesh, TDM_MESH_PP));
+    c->o->dp_size[k] = tdm_comm_size(tdm_mesh_comm(r->mesh, TDM_MESH_DP));
     c->o->start[k] = r->start;
     *self = &c->o->run[k];
     return TDM_STATUS_OK;
@@ -297,7 +245,10 @@ Test(dist, run_forks_the_ranks_of_a_design_each_on_its_device, .timeout = 60)
         cr_assert_eq(o->run[r], 1, "rank %d", r);
         cr_assert_eq(o->freed[r], 1, "rank %d", r);
         cr_assert_eq(o->dev_index[r], r);
-        cr_assert_eq(o->coord_dp[r], r);
+        cr_assert_eq(o->coord_pp[r], r);
+        cr_assert_eq(o->pp_size[r], 3, "rank %d", r);
+        cr_assert_eq(o->pp_rank[r], r, "rank %d", r);
+        cr_assert_eq(o->dp_size[r], 1, "rank %d", r);
         cr_assert_eq(o->role[r], r == 0 ? 7 : 1);
         cr_assert_eq(o->start[r], TDM_DIST_START_FORKED);
     }
