@@ -334,7 +334,8 @@ static int mm_rank(tdm_comm *comm, void *p)
         fprintf(stderr, "rank %d: status %d: %s\n", rank, (int)st, g_mm_msg[rank]);
         return 1;
     }
-    if (!strstr(g_mm_msg[rank], "rank 0 runs comm hook allreduce (join off), rank 1 comm hook bf16")) {
+    if (!strstr(g_mm_msg[rank], "comm hook allreduce, join off), rank 1 sharding full "
+                                "(prefetch on, overlap on, comm hook bf16")) {
         fprintf(stderr, "rank %d: %s\n", rank, g_mm_msg[rank]);
         return 1;
     }
