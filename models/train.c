@@ -16,9 +16,12 @@ void tdm_train_epoch_order(int64_t *perm, int64_t n, uint64_t seed, int64_t epoc
     tdm_rng_permutation(&r, perm, n);
 }
 
-tdm_status tdm_train_tally(const tdm_train_epoch_opts *o, tdm_epoch_stats *out, int64_t s,
-                           int64_t steps, double loss, int samples, uint64_t t0)
+tdm_status tdm_train_step_tally(const tdm_train_epoch_opts *o, tdm_epoch_stats *out, int64_t s,
+                                int64_t steps, const void *x, const int32_t *y, int n,
+                                int samples, uint64_t t0)
 {
+    double loss = 0.0;
+    TDM_CHECK(o->step(o->step_ctx, x, y, n, &loss));
     if (!isfinite(loss))
         return tdm_error_set(TDM_STATUS_NONFINITE,
                              "loss is %s at step %" PRId64 " (epoch %" PRId64 ", batch %" PRId64
@@ -67,9 +70,7 @@ tdm_status tdm_train_epoch(const tdm_dataset *d, const tdm_train_epoch_opts *o,
         int64_t start = s * batch;
         int b = (int)(d->n - start < batch ? d->n - start : batch);
         tdm_data_gather(d, perm + start, b, x, y);
-        double loss = 0.0;
-        TDM_TRY(o->step(o->step_ctx, x, y, b, &loss));
-        TDM_TRY(tdm_train_tally(o, out, s, steps, loss, b, t0));
+        TDM_TRY(tdm_train_step_tally(o, out, s, steps, x, y, b, b, t0));
     }
     tdm_train_tally_end(out, t0);
 fail:

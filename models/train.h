@@ -62,15 +62,17 @@ typedef struct tdm_train_epoch_opts {
 tdm_status tdm_train_epoch(const tdm_dataset *d, const tdm_train_epoch_opts *o,
                            tdm_epoch_stats *out);
 
-/* The epoch loops' bookkeeping (tdm_train_epoch, tdm_train_text_epoch):
- * step s of steps ran `samples` samples with mean loss `loss` (the
- * progress callback is told); tally_end makes out's means. t0: the
- * epoch's start (tdm_time_ns). A NaN or infinite loss is
- * TDM_STATUS_NONFINITE ("training diverged"), counted nowhere: the loss is
- * on the host already, so the check is free, and such a loss means the
- * parameters are ruined too. */
-tdm_status tdm_train_tally(const tdm_train_epoch_opts *o, tdm_epoch_stats *out, int64_t s,
-                           int64_t steps, double loss, int samples, uint64_t t0);
+/* The epoch loops' step (tdm_train_epoch, tdm_train_text_epoch): step s
+ * of steps runs o->step over n rows at x, y, a batch of `samples` samples
+ * (n, or the global batch a rank's rows are part of), and tallies its
+ * mean loss into out (the progress callback is told); tally_end makes
+ * out's means. t0: the epoch's start (tdm_time_ns). A NaN or infinite
+ * loss is TDM_STATUS_NONFINITE ("training diverged"), counted nowhere: the
+ * loss is on the host already, so the check is free, and such a loss
+ * means the parameters are ruined too. */
+tdm_status tdm_train_step_tally(const tdm_train_epoch_opts *o, tdm_epoch_stats *out, int64_t s,
+                                int64_t steps, const void *x, const int32_t *y, int n,
+                                int samples, uint64_t t0);
 void tdm_train_tally_end(tdm_epoch_stats *out, uint64_t t0);
 
 /* The L2 norm of m's gradients, in double on the host (one copy of the

@@ -35,10 +35,8 @@ tdm_status tdm_train_text_epoch(const tdm_text *train, int T, int lo, int hi,
     uint64_t t0 = tdm_time_ns();
     for (int64_t s = 0; s < steps; s++) {
         tdm_text_windows(train, T, o->seed, first_step + s, lo, n, x, y);
-        double loss = 0.0;
-        TDM_TRY(o->step(o->step_ctx, x, y, n, &loss));
         /* the global batch's windows: the loss is every rank's mean */
-        TDM_TRY(tdm_train_tally(o, out, s, steps, loss, batch, t0));
+        TDM_TRY(tdm_train_step_tally(o, out, s, steps, x, y, n, batch, t0));
     }
     tdm_train_tally_end(out, t0);
 fail:
