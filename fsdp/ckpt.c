@@ -152,10 +152,11 @@ static tdm_status tdm_fsdp_place(tdm_fsdp *f, const float *src, float *stage, fl
 }
 
 /* Before a load: the optimizer fits, and what is gathered now (about to
- * be stale) is released. */
-static tdm_status tdm_fsdp_load_begin(tdm_fsdp *f, tdm_optim *opt)
+ * be stale) is released. *ns: the optimizer's state tensors (0: none). */
+static tdm_status tdm_fsdp_load_begin(tdm_fsdp *f, tdm_optim *opt, int *ns)
 {
     TDM_CHECK(tdm_fsdp_check_opt(f, opt));
+    *ns = opt ? tdm_optim_n_state(opt) : 0;
     tdm_status st = tdm_fsdp_settle_params(f, 1);
     return st ? tdm_fsdp_fail(f, st) : st;
 }
@@ -163,11 +164,10 @@ static tdm_status tdm_fsdp_load_begin(tdm_fsdp *f, tdm_optim *opt)
 tdm_status tdm_fsdp_load_full(tdm_fsdp *f, const char *path, tdm_optim *opt,
                               tdm_ckpt_info *info)
 {
+    int ns;
+    TDM_CHECK(tdm_fsdp_load_begin(f, opt, &ns));
     tdm_model *m = f->m;
-    tdm_device *d = f->dev;
-    TDM_CHECK(tdm_fsdp_load_begin(f, opt));
     tdm_status st = TDM_STATUS_OK;
-    int ns = opt ? tdm_optim_n_state(opt) : 0;
     int64_t pe = tdm_model_param_elems(m), be = tdm_model_buffer_elems(m);
     tdm_ckpt_host h = {.optim = opt ? tdm_optim_get_opts(opt) : NULL};
     tdm_ckpt_info got = {0};
@@ -187,7 +187,8 @@ tdm_status tdm_fsdp_load_full(tdm_fsdp *f, const char *path, tdm_optim *opt,
     for (int s = 0; st == TDM_STATUS_OK && s < ns; s++)
         st = tdm_fsdp_place(f, h.state[s], stage, tdm_optim_state(opt, s), 0);
     if (st == TDM_STATUS_OK && be > 0)
-        st = tdm_dev_copy_from_host(d, tdm_model_buffers(m), h.buffers, (size_t)be * sizeof(float));
+        st = tdm_dev_copy_from_host(f->dev, tdm_model_buffers(m), h.buffers,
+                                    (size_t)be * sizeof(float));
     if (st == TDM_STATUS_OK && opt) tdm_optim_set_steps(opt, h.steps);
     if (st == TDM_STATUS_OK && info) *info = got;
     tdm_ckpt_host_free(&h);
@@ -493,11 +494,11 @@ fail:
 tdm_status tdm_fsdp_load_sharded(tdm_fsdp *f, const char *path, tdm_optim *opt,
                                  tdm_ckpt_info *info)
 {
+    int ns;
+    TDM_CHECK(tdm_fsdp_load_begin(f, opt, &ns));
     tdm_model *m = f->m;
     tdm_device *d = f->dev;
-    TDM_CHECK(tdm_fsdp_load_begin(f, opt));
     tdm_status st = TDM_STATUS_OK;
-    int ns = opt ? tdm_optim_n_state(opt) : 0;
     int64_t be = tdm_model_buffer_elems(m), step = 0, epoch = 0;
     uint64_t seed = 0;
     tdm_st_file *idx = NULL;
