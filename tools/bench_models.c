@@ -178,8 +178,7 @@ typedef struct tdm_bench_gemm_args {
 static tdm_status tdm_bench_gemm_parse(int argc, char **argv, tdm_bench_gemm_args *g)
 {
     for (int i = 1; i < argc; i++) {
-        const char *v;
-        long long iv;
+        TDM_ARGS_LOCALS
         TDM_ARGS_STR("--model", g->model)
         TDM_ARGS_INT("--batch", 1, 1 << 16, g->batch)
         TDM_CHECK(tdm_args_value(argc, argv, &i, "--threads", &v));
@@ -333,8 +332,7 @@ static void tdm_bench_train_usage(void)
 static tdm_status tdm_bench_train_parse(int argc, char **argv, tdm_bench_train_args *t)
 {
     for (int i = 1; i < argc; i++) {
-        const char *v;
-        long long iv;
+        TDM_ARGS_LOCALS
         TDM_ARGS_STR("--model", t->model)
         TDM_ARGS_STR("--device", t->device)
         TDM_ARGS_INT("--batch", 1, 1 << 16, t->batch)

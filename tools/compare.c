@@ -332,13 +332,8 @@ static tdm_status tdm_cmp_parse(int argc, char **argv, tdm_cmp_job *j)
 {
     tdm_cmp_opts *o = &j->o;
     for (int i = 1; i < argc; i++) {
-        const char *v;
-        long long iv;
-        double fv;
-        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
-            j->help = 1;
-            return TDM_STATUS_OK;
-        }
+        TDM_ARGS_LOCALS
+        TDM_ARGS_HELP(j->help)
         TDM_ARGS_STR("--model", o->model)
         TDM_ARGS_STR("--device", o->device)
         TDM_ARGS_STR("--data", o->data)

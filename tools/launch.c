@@ -151,13 +151,9 @@ static tdm_status tdm_launch_parse(int argc, char **argv, tdm_launch_opts *o)
 {
     *o = (tdm_launch_opts){.arena_mb = 32, .grace_ms = 3000, .prog = -1};
     for (int i = 1; i < argc; i++) {
-        const char *v;
-        long long iv;
+        TDM_ARGS_LOCALS
         if (!strcmp(argv[i], "--")) { o->prog = i + 1; break; }
-        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
-            o->help = 1;
-            return TDM_STATUS_OK;
-        }
+        TDM_ARGS_HELP(o->help)
         TDM_CHECK(tdm_args_value2(argc, argv, &i, "-n", "--nproc", &v));
         if (v) {
             TDM_CHECK(tdm_args_int("-n", v, 1, TDM_SHM_MAX_RANKS, &o->world));

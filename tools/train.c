@@ -145,14 +145,9 @@ static void tdm_train_usage(FILE *f)
 static tdm_status tdm_train_parse(int argc, char **argv, tdm_train_args *a, int *help)
 {
     for (int i = 1; i < argc; i++) {
-        const char *v;
-        long long iv;
-        double fv;
+        TDM_ARGS_LOCALS
+        TDM_ARGS_HELP(*help)
         const char *arg = argv[i];
-        if (!strcmp(arg, "--help") || !strcmp(arg, "-h")) {
-            *help = 1;
-            return TDM_STATUS_OK;
-        }
         TDM_ARGS_STR("--mode", a->mode)
         TDM_ARGS_STR("--model", a->model)
         TDM_ARGS_STR("--device", a->device)
