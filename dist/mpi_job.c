@@ -107,14 +107,26 @@ fail:
     return st;
 }
 
-int tdm_dist_mpi_env_rank(void)
+/* The first of vars set and not empty, as an int; 0 when none is. */
+static int tdm_dist_mpi_env_int(const char *const vars[3])
 {
-    static const char *const vars[] = {"OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK"};
-    for (size_t i = 0; i < sizeof vars / sizeof vars[0]; i++) {
-        const char *v = getenv(vars[i]);
+    for (size_t i = 0; i < 3; i++) {
+        const char *v = vars[i] ? getenv(vars[i]) : NULL;
         if (v && *v) return atoi(v);
     }
     return 0;
+}
+
+int tdm_dist_mpi_env_rank(void)
+{
+    static const char *const vars[3] = {"OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK"};
+    return tdm_dist_mpi_env_int(vars);
+}
+
+int tdm_dist_mpi_env_world(void)
+{
+    static const char *const vars[3] = {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", NULL};
+    return tdm_dist_mpi_env_int(vars);
 }
 
 void tdm_dist_mpi_rank_free(tdm_dist_mpi_rank *r)

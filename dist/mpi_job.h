@@ -62,9 +62,10 @@ typedef struct tdm_dist_mpi_rank {
  * be NULL. */
 tdm_status tdm_dist_mpi_rank_init(tdm_dist_mpi_rank *r, tdm_mpi_backend b, int64_t timeout_ms,
                                   const tdm_shm_opts *shm);
-/* This rank in the job from the launcher's environment (before MPI
- * starts), 0 when none says. */
+/* This rank in the job, and the job's ranks, from the launcher's
+ * environment (before MPI starts); 0 when none says. */
 int tdm_dist_mpi_env_rank(void);
+int tdm_dist_mpi_env_world(void);
 /* Frees the communicator, then the job (MPI_Finalize). */
 void tdm_dist_mpi_rank_free(tdm_dist_mpi_rank *r);
 /* The end of a rank whose work ended with st: a runtime failure (this

@@ -7,6 +7,7 @@
 #include "dist/run.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <sys/wait.h>
@@ -17,6 +18,30 @@
 #include "cuda/cuda_weak.h"
 #include "dist/spawn.h"
 #include "shm/shm_comm.h"
+
+/* ---- a rank's output ---- */
+
+void tdm_dist_silence(int rank, int *err_fd)
+{
+    if (err_fd) *err_fd = -1;
+    if (rank == 0) return;
+    int fd = open("/dev/null", O_WRONLY | O_CLOEXEC);
+    if (fd < 0) return;
+    if (err_fd) {
+        *err_fd = dup(STDERR_FILENO);
+        dup2(fd, STDERR_FILENO);
+    }
+    dup2(fd, STDOUT_FILENO);
+    close(fd);
+}
+
+void tdm_dist_unsilence(int *err_fd)
+{
+    if (*err_fd < 0) return;
+    dup2(*err_fd, STDERR_FILENO);
+    close(*err_fd);
+    *err_fd = -1;
+}
 
 /* ---- restarts ---- */
 
@@ -32,6 +57,14 @@ void tdm_dist_restart_count_set(int attempt)
     char buf[16];
     snprintf(buf, sizeof buf, "%d", attempt);
     setenv(TDM_DIST_ENV_RESTARTS, buf, 1);
+}
+
+const char *tdm_dist_restart_resume(const char *save)
+{
+    if (tdm_dist_restart_count() == 0) return NULL;
+    const char *ck = getenv(TDM_DIST_ENV_RESUME);
+    if (!ck || !*ck) ck = save;
+    return ck && access(ck, F_OK) == 0 ? ck : NULL;
 }
 
 int tdm_dist_backoff(int attempt)

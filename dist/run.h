@@ -205,6 +205,13 @@ int tdm_dist_device_is_gpu(const tdm_device *dev);
  * over the group itself. */
 tdm_status tdm_dist_gpu_comm(tdm_comm *group, tdm_device *dev, tdm_comm **nccl);
 
+/* Rank 0 speaks for the job: on any other rank stdout goes to
+ * /dev/null, and with err_fd stderr too, its old descriptor kept in
+ * *err_fd (-1 when nothing was kept) for tdm_dist_unsilence. */
+void tdm_dist_silence(int rank, int *err_fd);
+/* stderr back from *err_fd (nothing when it is -1); *err_fd = -1. */
+void tdm_dist_unsilence(int *err_fd);
+
 /* Elastic restarts: TANDEM_RESTART_COUNT, exported to every rank, is how
  * many restarts came before this attempt (TORCHELASTIC_RESTART_COUNT);
  * TANDEM_RESUME, the checkpoint the ranks resume from on a restart
@@ -217,6 +224,11 @@ tdm_status tdm_dist_gpu_comm(tdm_comm *group, tdm_device *dev, tdm_comm **nccl);
 int tdm_dist_restart_count(void);
 /* Sets it for the next attempt's ranks. */
 void tdm_dist_restart_count_set(int attempt);
+/* What a rank restarted by a launcher (tandem launch --max-restarts)
+ * resumes from when it was given nothing to resume: NULL on the first
+ * attempt; then TANDEM_RESUME (the launcher's --checkpoint), else save
+ * (the rank's own checkpoint), if that file exists. */
+const char *tdm_dist_restart_resume(const char *save);
 /* Sleeps before restart `attempt` (1..): 200 ms doubled each time, at
  * most 5 s (a rank that fails at once does not spin the machine; a
  * transient fault is retried soon). Returns the ms slept. */

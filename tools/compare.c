@@ -303,15 +303,7 @@ static tdm_status tdm_cmp_mpi_join(tdm_cmp_job *j)
         snprintf(dev, sizeof dev, "cpu:%d", tdm_cmp_mr.env.world_size);
         o->device = dev;
     }
-    if (tdm_cmp_mr.env.rank != 0) {
-        int fd = open("/dev/null", O_WRONLY | O_CLOEXEC);
-        if (fd >= 0) {
-            j->err_fd = dup(STDERR_FILENO);
-            dup2(fd, STDOUT_FILENO);
-            dup2(fd, STDERR_FILENO);
-            close(fd);
-        }
-    }
+    tdm_dist_silence(tdm_cmp_mr.env.rank, &j->err_fd);
     return TDM_STATUS_OK;
 }
 
@@ -863,11 +855,7 @@ static tdm_status tdm_cmp_main_run(tdm_cmp_job *j)
     TDM_CHECK(tdm_cmp_check(j));
     TDM_CHECK(tdm_cmp_check_outputs(j));
     /* usage is checked: from here on every rank says what goes wrong */
-    if (j->err_fd >= 0) {
-        dup2(j->err_fd, STDERR_FILENO);
-        close(j->err_fd);
-        j->err_fd = -1;
-    }
+    tdm_dist_unsilence(&j->err_fd);
     TDM_CHECK(j->gpt ? tdm_cmp_load_text(j) : tdm_cmp_load_images(j));
     tdm_cmp_print_header(j);
     if (j->o.ddp_comm && tdm_cmp_mr.env.rank != 0) return tdm_cmp_mpi_peer(j);

@@ -10,7 +10,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 
 #include "core/data.h"
 #include "core/device.h"
@@ -263,22 +262,16 @@ static tdm_status tdm_train_check_args(tdm_train_args *a)
                         "itself; these ranks were started by a launcher, which restarts them: "
                         "`tandem launch --max-restarts K` (under mpirun or srun, rerun the job "
                         "with --resume)\n");
-    if (tdm_dist_restart_count() > 0 && !a->resume) {
-        /* restarted by tandem launch --max-restarts: resume from the
-         * launcher's --checkpoint, else from our own --save */
-        const char *ck = getenv(TDM_DIST_ENV_RESUME);
-        if (!ck || !*ck) ck = a->save;
-        if (ck && access(ck, F_OK) == 0) a->resume = ck;
-    }
+    /* restarted by tandem launch --max-restarts */
+    if (!a->resume) a->resume = tdm_dist_restart_resume(a->save);
     if (a->backend && strcmp(a->mode, "ddp"))
         return tdm_tool_usage_error("tandem train: --backend applies to --mode ddp\n");
     TDM_CHECK(tdm_train_check_ddp_next(a, gpt));
     /* N copies of one model trained side by side are never what was meant */
-    const char *mpi_n = getenv("OMPI_COMM_WORLD_SIZE");
-    if (!mpi_n) mpi_n = getenv("PMI_SIZE");
-    if (strcmp(a->mode, "ddp") && mpi_n && atoi(mpi_n) > 1)
-        return tdm_tool_usage_error("tandem train: started by an MPI launcher with %s ranks, but "
-                                    "--mode %s would train %s independent copies: use --mode "
+    int mpi_n = tdm_dist_mpi_env_world();
+    if (strcmp(a->mode, "ddp") && mpi_n > 1)
+        return tdm_tool_usage_error("tandem train: started by an MPI launcher with %d ranks, but "
+                                    "--mode %s would train %d independent copies: use --mode "
                                     "ddp\n", mpi_n, a->mode, mpi_n);
     return TDM_STATUS_OK;
 }

@@ -26,11 +26,9 @@
  * Test hook: TANDEM_DDP_TEST_KILL=R:S[:STOP] makes rank R SIGKILL
  * (SIGSTOP) itself before its global step S (tdm_elastic_test_fault,
  * tools/elastic.h), on the first attempt only. */
-#include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 
 #include "dist/batch.h"
 #include "dist/run.h"
@@ -175,12 +173,8 @@ static tdm_status tdm_train_rank_setup(void *ctx, tdm_dist_rank *d, void **self)
     t->a = *j->a;
     t->save = t->a.save;
     if (!b->design->save_alone) t->a.save = NULL;   /* the epoch loop's save is one process's */
+    tdm_dist_silence(rank, NULL);
     if (rank != 0) {
-        int fd = open("/dev/null", O_WRONLY | O_CLOEXEC);
-        if (fd >= 0) {
-            dup2(fd, STDOUT_FILENO);
-            close(fd);
-        }
         t->a.save = NULL;
         t->a.quiet = 1;
     }
