@@ -14,6 +14,7 @@
 
 #include <stdint.h>
 
+#include "core/safetensors.h"
 #include "models/model.h"
 #include "models/optim.h"
 
@@ -31,6 +32,24 @@ typedef struct tdm_ckpt_info {
     uint64_t seed;
 } tdm_ckpt_info;
 
+/* The metadata every checkpoint file carries after its own (format,
+ * model, ...): step, epoch and seed (from info; without it, steps and
+ * zeros), and with o the optimizer's kind ("sgd", "adamw"), lr and
+ * options. Appended at meta (room for 6); returns how many. Their text
+ * lives in *t. Also what fsdp/ writes in a sharded checkpoint's index. */
+typedef struct tdm_ckpt_meta_text {
+    char step[32], epoch[32], seed[32], lr[32], hyper[200];
+} tdm_ckpt_meta_text;
+int tdm_checkpoint_meta(tdm_st_meta *meta, tdm_ckpt_meta_text *t, const tdm_ckpt_info *info,
+                        int64_t steps, const tdm_optim_opts *o);
+/* "sgd" or "adamw": the optimizer metadata's value. */
+const char *tdm_checkpoint_optim_name(tdm_optim_kind k);
+/* Metadata key of f as an unsigned integer in [0, max]: FORMAT naming the
+ * file, key and value when it is missing, not a plain non-negative
+ * integer, or beyond max (clamping would hide a corrupt file). */
+tdm_status tdm_checkpoint_meta_uint(const tdm_st_file *f, const char *key, uint64_t max,
+                                    uint64_t *out);
+
 /* Host copies of what a checkpoint holds, in the model's flat layout:
  * params (tdm_model_param_elems floats), buffers (tdm_model_buffer_elems),
  * and, when optim is non-NULL, its state buffers (tdm_optim_kind_n_state
@@ -44,6 +63,10 @@ typedef struct tdm_ckpt_host {
     float *state[2];
     int64_t steps;
 } tdm_ckpt_host;
+
+/* Frees the host arrays (the caller's, as they were allocated with
+ * malloc or calloc) and zeroes them; optim is borrowed. */
+void tdm_ckpt_host_free(tdm_ckpt_host *h);
 
 /* What tdm_checkpoint_save writes, from host arrays; m gives the spec and
  * the tensor tables only (its buffers are not read). */

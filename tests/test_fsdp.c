@@ -335,6 +335,25 @@ Test(fsdp, different_unit_layout_is_named_at_construction)
     tf_shared_free(sh);
 }
 
+/* Options that change the collectives (here: rank 2 does not prefetch)
+ * are named at construction, with both ranks' settings. */
+Test(fsdp, different_options_are_named_at_construction)
+{
+    tf_cfg c = tf_cfg_default();
+    c.bad_options_rank = 2;
+    tf_shared *sh = tf_shared_new();
+    tdm_status st = tf_spawn(3, &c, &g_mlp, sh, 60000);
+    cr_assert_neq(st, TDM_STATUS_OK);
+    for (int r = 0; r < 3; r++) {
+        cr_assert_eq(sh->status[r], TDM_STATUS_MISMATCH, "rank %d: %s", r, sh->err[r]);
+        cr_assert(strstr(sh->err[r], "options differ between ranks: rank 0 runs sharding full "
+                                     "(prefetch on, overlap on, comm hook allreduce, join off), "
+                                     "rank 2 sharding full (prefetch off"),
+                  "rank %d: %s", r, sh->err[r]);
+    }
+    tf_shared_free(sh);
+}
+
 Test(fsdp, sharding_names_say_both_families)
 {
     tdm_fsdp_sharding s;

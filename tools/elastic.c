@@ -1,7 +1,8 @@
 /* tools/elastic.c: the restart loop of `tandem launch --max-restarts K`
- * around one launch (tdm_launch_run_once), and the helpers `tandem train
- * --max-restarts` shares: attempt count, backoff, what a checkpoint holds.
- * Not a rendezvous: one machine, the same world size every attempt. */
+ * around one launch (tdm_launch_run_once), what `tandem train
+ * --max-restarts` says around the restarts dist/run.c runs, what a
+ * checkpoint holds, and the test fault hook. Not a rendezvous: one
+ * machine, the same world size every attempt. */
 #include "tools/elastic.h"
 
 #include <errno.h>
@@ -18,30 +19,6 @@
 #include "tools/tools.h"
 
 char tdm_elastic_cause[1024];
-
-int tdm_elastic_attempt(void)
-{
-    const char *s = getenv(TDM_ELASTIC_ENV_COUNT);
-    int v = s ? atoi(s) : 0;
-    return v > 0 ? v : 0;
-}
-
-void tdm_elastic_set_attempt(int attempt)
-{
-    char buf[16];
-    snprintf(buf, sizeof buf, "%d", attempt);
-    setenv(TDM_ELASTIC_ENV_COUNT, buf, 1);
-}
-
-int tdm_elastic_backoff(int attempt)
-{
-    int ms = 200;
-    for (int i = 1; i < attempt && ms < 5000; i++) ms *= 2;
-    if (ms > 5000) ms = 5000;
-    struct timespec ts = {.tv_sec = ms / 1000, .tv_nsec = (long)(ms % 1000) * 1000000L};
-    while (nanosleep(&ts, &ts) == -1 && errno == EINTR) {}
-    return ms;
-}
 
 int tdm_elastic_describe(const char *ckpt, char *out, size_t n)
 {
@@ -64,49 +41,60 @@ int tdm_elastic_describe(const char *ckpt, char *out, size_t n)
     return 1;
 }
 
-tdm_status tdm_elastic_train_forked(const char *mode, int world, tdm_ddp_spawn_fn fn, void *arg,
-                                    const tdm_ddp_spawn_opts *so, long long max_restarts,
-                                    const char *save, const char **resume)
+/* ---- tandem train's forked ranks (dist/run.h's watch) ---- */
+
+static void tdm_elastic_begin(void *ctx, int attempt)
 {
-    tdm_elastic_log failures = {0};
-    for (int attempt = 0;; attempt++) {
-        tdm_elastic_set_attempt(attempt);
-        tdm_doctor_job frj;   /* the ranks' flight-recorder dumps */
-        tdm_doctor_job_begin(&frj, "tandem train", NULL);
-        tdm_ddp_spawn_opts o = *so;
-        o.on_settled = tdm_doctor_job_settled;
-        o.settled_ctx = &frj;
-        tdm_shm_spawn_result res;
-        memset(&res, 0, sizeof res);   /* a spawn that failed early fills nothing */
-        tdm_status st = tdm_ddp_spawn(world, fn, arg, &o, &res);
-        if (st == TDM_STATUS_OK) {
-            tdm_doctor_job_end(&frj, 0, world, NULL, NULL, NULL, NULL);
-            tdm_elastic_log_free(&failures);
-            return st;
-        }
-        char why[1024];
-        snprintf(why, sizeof why, "%s", tdm_error_message());
-        fprintf(stderr, "tandem train: %s: %s\n", mode, why);
-        tdm_doctor_job_end(&frj, 1, world, res.pid, res.wstatus, NULL, why);
-        tdm_error_set(st, "%s", why);   /* the doctor's reads replaced the message */
-        /* a failure of a rank is restarted, not a signal to this process
-         * (Ctrl-C reaches the ranks too: they die of it, and so do we) */
-        if (st == TDM_STATUS_PEER_FAILED) tdm_elastic_log_add(&failures, why);
-        if (attempt >= max_restarts || st != TDM_STATUS_PEER_FAILED) {
-            if (st == TDM_STATUS_PEER_FAILED) tdm_elastic_log_used_up(&failures, "tandem train",
-                                                                      max_restarts);
-            tdm_elastic_log_free(&failures);
-            tdm_error_set(st, "%s", why);
-            return st;
-        }
-        char from[512];
-        if (save && access(save, F_OK) == 0) *resume = save;
-        tdm_elastic_describe(*resume, from, sizeof from);
-        int ms = tdm_elastic_backoff(attempt + 1);
-        fprintf(stderr, "tandem train: restart %d of %lld after %d ms: %s; every rank starts "
-                        "again %s\n", attempt + 1, max_restarts, ms, why, from);
-        fflush(stdout);
+    tdm_elastic_watch *w = ctx;
+    (void)attempt;
+    tdm_doctor_job_begin(&w->frj, w->tool, NULL);
+}
+
+static void tdm_elastic_settled(const tdm_shm_watch *sw, void *ctx)
+{
+    tdm_doctor_job_settled(sw, &((tdm_elastic_watch *)ctx)->frj);
+}
+
+static void tdm_elastic_end(void *ctx, tdm_status st, int world, const tdm_shm_spawn_result *res,
+                            int last)
+{
+    tdm_elastic_watch *w = ctx;
+    if (st == TDM_STATUS_OK) {
+        tdm_doctor_job_end(&w->frj, 0, world, NULL, NULL, NULL, NULL);
+        tdm_elastic_log_free(&w->failures);
+        return;
     }
+    snprintf(w->why, sizeof w->why, "%s", tdm_error_message());
+    fprintf(stderr, "%s: %s: %s\n", w->tool, w->mode, w->why);
+    tdm_doctor_job_end(&w->frj, 1, world, res->pid, res->wstatus, NULL, w->why);
+    if (st == TDM_STATUS_PEER_FAILED) tdm_elastic_log_add(&w->failures, w->why);
+    if (!last) return;
+    if (st == TDM_STATUS_PEER_FAILED)
+        tdm_elastic_log_used_up(&w->failures, w->tool, w->max_restarts);
+    tdm_elastic_log_free(&w->failures);
+}
+
+static void tdm_elastic_restart(void *ctx, int attempt, long long max_restarts, int backoff_ms,
+                                const char *resume)
+{
+    tdm_elastic_watch *w = ctx;
+    char from[512];
+    tdm_elastic_describe(resume, from, sizeof from);
+    fprintf(stderr, "%s: restart %d of %lld after %d ms: %s; every rank starts again %s\n",
+            w->tool, attempt, max_restarts, backoff_ms, w->why, from);
+    fflush(stdout);
+}
+
+void tdm_elastic_watch_init(tdm_elastic_watch *w, const char *tool, const char *mode,
+                            long long max_restarts)
+{
+    memset(w, 0, sizeof *w);
+    w->tool = tool;
+    w->mode = mode;
+    w->max_restarts = max_restarts;
+    w->dist = (tdm_dist_watch){.ctx = w, .begin = tdm_elastic_begin,
+                               .settled = tdm_elastic_settled, .end = tdm_elastic_end,
+                               .restart = tdm_elastic_restart};
 }
 
 int64_t tdm_elastic_test_fault(int rank, int *sig)
@@ -116,7 +104,7 @@ int64_t tdm_elastic_test_fault(int rank, int *sig)
     long long ks = 0;
     char how[8] = "";
     *sig = SIGKILL;
-    if (!env || tdm_elastic_attempt() != 0 || sscanf(env, "%d:%lld:%7s", &kr, &ks, how) < 2 ||
+    if (!env || tdm_dist_restart_count() != 0 || sscanf(env, "%d:%lld:%7s", &kr, &ks, how) < 2 ||
         kr != rank || ks <= 0)
         return 0;
     *sig = strcmp(how, "STOP") ? SIGKILL : SIGSTOP;
@@ -153,7 +141,7 @@ int tdm_tool_launch_main(int argc, char **argv)
             }
             int at = i;
             if (tdm_args_value(argc, argv, &i, "--max-restarts", &v) != TDM_STATUS_OK ||
-                (v && tdm_args_int("--max-restarts", v, 0, TDM_ELASTIC_MAX, &max_restarts) !=
+                (v && tdm_args_int("--max-restarts", v, 0, TDM_DIST_RESTARTS_MAX, &max_restarts) !=
                           TDM_STATUS_OK)) {
                 free(rest);
                 return tdm_tool_exit(TDM_STATUS_USAGE);
@@ -173,11 +161,11 @@ int tdm_tool_launch_main(int argc, char **argv)
         rest[n++] = argv[i];
     }
     rest[n] = NULL;
-    if (ckpt) setenv(TDM_ELASTIC_ENV_RESUME, ckpt, 1);
+    if (ckpt) setenv(TDM_DIST_ENV_RESUME, ckpt, 1);
     int rc;
     tdm_elastic_log failures = {0};
     for (int attempt = 0;; attempt++) {
-        tdm_elastic_set_attempt(attempt);
+        tdm_dist_restart_count_set(attempt);
         tdm_elastic_cause[0] = 0;
         rc = tdm_launch_run_once(n, rest);
         /* only a rank's failure is restarted: not success, bad usage, or
@@ -191,7 +179,7 @@ int tdm_tool_launch_main(int argc, char **argv)
         if (ckpt) tdm_elastic_describe(ckpt, from, sizeof from);
         else snprintf(from, sizeof from, "(no --checkpoint named: each resumes from its own, "
                                          "tandem train from its --save)");
-        int ms = tdm_elastic_backoff(attempt + 1);
+        int ms = tdm_dist_backoff(attempt + 1);
         fprintf(stderr, "tandem launch: restart %d of %lld after %d ms: %s; every rank starts "
                         "again %s\n", attempt + 1, max_restarts, ms, tdm_elastic_cause, from);
     }
