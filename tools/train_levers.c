@@ -71,8 +71,7 @@ static void tdm_levers_plan(const tdm_train_args *a, tdm_model *m, tdm_plan *pl,
     tdm_plan_opts_default(&o, tdm_model_get_spec(m), (int)a->batch);
     o.precision = tdm_model_precision(m);
     o.ckpt = tdm_model_checkpoint(m);
-    tdm_optim_opts_default(&o.optim, strcmp(a->optim, "sgd") ? TDM_OPTIM_ADAMW : TDM_OPTIM_SGD);
-    o.optim.momentum = (float)a->momentum;
+    tdm_optim_opts_named(&o.optim, a->optim, a->lr, a->weight_decay, a->momentum, a->nesterov);
     o.optim.offload = a->offload ? TDM_OPTIM_OFFLOAD_HOST : TDM_OPTIM_OFFLOAD_NONE;
     o.device = tdm_dev_kind(tdm_model_device(m));
     o.threads = (int)a->threads;
