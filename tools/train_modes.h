@@ -1,12 +1,13 @@
 /* tools/train_modes.h: what the files of `tandem train` share: the parsed
  * arguments, one process's set-up steps, the one epoch loop that every
  * mode and model runs (tools/train_loop.c), and one entry per mode.
- * tools/train.c parses, checks and dispatches and runs --mode single;
- * train_dp.c and train_ddp.c are the other image modes (linked weakly, so
- * a build without them still trains on one device), train_text.c is
- * --model gpt in every mode. Each function below says on stderr what
- * failed and returns the status (TDM_STATUS_USAGE for a command line
- * that cannot work); tdm_tool_exit (tools/tools.h) makes the exit code. */
+ * tools/train.c parses, checks and dispatches; train_local.c runs --mode
+ * single and dp, train_ranks.c --mode ddp and fsdp (the designs' tables
+ * in rank_ddp.c and rank_fsdp.c), train_text.c holds --model gpt's text
+ * and header, train_levers.c the memory levers. Each function below
+ * says on stderr what failed and returns the status (TDM_STATUS_USAGE
+ * for a command line that cannot work); tdm_tool_exit (tools/tools.h)
+ * makes the exit code. */
 #ifndef TDM_TOOLS_TRAIN_MODES_H
 #define TDM_TOOLS_TRAIN_MODES_H
 
