@@ -225,7 +225,10 @@ tdm_status tdm_pp_evaluate(tdm_pp *p, const tdm_dataset *d, int batch, double *l
 
 /* The whole model's parameters (tdm_model_param_elems of the whole model)
  * assembled on stage root from every stage's slice, into full (host
- * memory, used on root only). Collective. */
+ * memory, used on root only). Collective. A root without a buffer
+ * (full NULL; h or h->params NULL below) is refused on every stage with
+ * TDM_STATUS_INVALID_ARG before anything is sent; the pipeline stays
+ * usable. */
 tdm_status tdm_pp_gather_params(tdm_pp *p, float *full, int root);
 /* Checkpoints. The whole model's state assembled on stage root into h
  * (host arrays in the whole model's layout, models/checkpoint.h's
