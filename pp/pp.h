@@ -218,8 +218,10 @@ tdm_status tdm_pp_step_scaled(tdm_pp *p, const void *x, const int32_t *y, int ba
  * predictions over batch * out_rows rows, on every stage. */
 tdm_status tdm_pp_eval_batch(tdm_pp *p, const void *x, const int32_t *y, int batch,
                              double *loss_sum, int64_t *correct);
-/* Mean loss and accuracy over a dataset (tdm_data_gather order, batches
- * of `batch`), on every stage. */
+/* Mean loss and accuracy over a dataset of images (tdm_data_gather
+ * order, batches of `batch`), on every stage: the MLP and the CNN, with
+ * the dataset's features those of the model's input (anything else,
+ * the GPT included, is refused on every stage). */
 tdm_status tdm_pp_evaluate(tdm_pp *p, const tdm_dataset *d, int batch, double *loss_mean,
                            double *accuracy);
 
