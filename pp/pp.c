@@ -38,6 +38,7 @@ tdm_status tdm_pp_fail(tdm_pp *p, tdm_status st, const char *fmt, ...)
     va_start(ap, fmt);
     vsnprintf(what, sizeof what, fmt, ap);
     va_end(ap);
+    p->failed = 1;
     tdm_error_prefix(st, "pp stage %d of %d: %s", p->s, p->S, what);
     /* the other stages may be waiting for this one */
     char why[TDM_ERROR_MSG_MAX];

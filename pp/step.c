@@ -390,8 +390,8 @@ tdm_status tdm_pp_step(tdm_pp *p, const void *x, const int32_t *y, int batch, do
     return TDM_STATUS_OK;
 }
 
-tdm_status tdm_pp_step_scaled(tdm_pp *p, const void *x, const int32_t *y, int batch,
-                              float grad_scale, double *loss_sum)
+static tdm_status tdm_pp_step_run(tdm_pp *p, const void *x, const int32_t *y, int batch,
+                                  float grad_scale, double *loss_sum)
 {
     tdm_pp_phases ph = {0};
     TDM_CHECK(tdm_pp_begin(p, x, y, batch, 0));
@@ -426,8 +426,20 @@ tdm_status tdm_pp_step_scaled(tdm_pp *p, const void *x, const int32_t *y, int ba
     return TDM_STATUS_OK;
 }
 
-tdm_status tdm_pp_eval_batch(tdm_pp *p, const void *x, const int32_t *y, int batch,
-                             double *loss_sum, int64_t *correct)
+/* Every failure inside a step or an evaluation aborts the pipeline (pp.h),
+ * also those returned as they are (an allocation, the schedule, zero_grad,
+ * a device copy): the other stages then stop with this one's reason
+ * instead of waiting for it until their deadline. */
+tdm_status tdm_pp_step_scaled(tdm_pp *p, const void *x, const int32_t *y, int batch,
+                              float grad_scale, double *loss_sum)
+{
+    tdm_status st = tdm_pp_step_run(p, x, y, batch, grad_scale, loss_sum);
+    if (st && !p->failed) st = tdm_pp_fail(p, st, "step");
+    return st;
+}
+
+static tdm_status tdm_pp_eval_run(tdm_pp *p, const void *x, const int32_t *y, int batch,
+                                  double *loss_sum, int64_t *correct)
 {
     tdm_pp_phases ph = {0};
     int was = tdm_model_is_train(p->m);
@@ -489,5 +501,13 @@ fail:
     free(idx);
     free(x);
     free(y);
+    return st;
+}
+
+tdm_status tdm_pp_eval_batch(tdm_pp *p, const void *x, const int32_t *y, int batch,
+                             double *loss_sum, int64_t *correct)
+{
+    tdm_status st = tdm_pp_eval_run(p, x, y, batch, loss_sum, correct);
+    if (st && !p->failed) st = tdm_pp_fail(p, st, "evaluation");
     return st;
 }
