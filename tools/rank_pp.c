@@ -47,11 +47,18 @@ static int tdm_tool_pp_layers(const tdm_model_spec *spec)
     return tdm_model_spec_n_layers(spec, &n) ? 0 : n;
 }
 
+/* USAGE with what and the library's message (copied: it is rewritten). */
+static tdm_status tdm_tool_pp_refuse(const char *what)
+{
+    char why[TDM_ERROR_MSG_MAX];
+    snprintf(why, sizeof why, "%s", tdm_error_message());
+    return tdm_error_set(TDM_STATUS_USAGE, "%s: %s", what, why);
+}
+
 tdm_status tdm_tool_pp_check(const tdm_tool_build *b, int world, tdm_mesh_shape *shape)
 {
     if (b->pp.mesh) {
-        TDM_REQUIRE(tdm_mesh_parse(b->pp.mesh, world, shape) == TDM_STATUS_OK, TDM_STATUS_USAGE,
-                    "--mesh: %s", tdm_error_message());
+        if (tdm_mesh_parse(b->pp.mesh, world, shape)) return tdm_tool_pp_refuse("--mesh");
     } else {
         int S = b->pp.stages > 0 ? b->pp.stages : world;
         TDM_REQUIRE(world % S == 0, TDM_STATUS_USAGE,
@@ -65,20 +72,16 @@ tdm_status tdm_tool_pp_check(const tdm_tool_build *b, int world, tdm_mesh_shape 
                 shape->size[TDM_MESH_TP]);
     TDM_REQUIRE(b->pp.stages <= 0 || b->pp.stages == S, TDM_STATUS_USAGE,
                 "--stages %d, but --mesh %s has pp=%d", b->pp.stages, b->pp.mesh, S);
-    TDM_REQUIRE(!(shape->size[TDM_MESH_DP] == 1 && world > S), TDM_STATUS_USAGE,
-                "--stages %d on %d devices: the other %d would be idle (--mesh dp=%d,pp=%d "
-                "runs %d replicas)", S, world, world - S, world / S, S, world / S);
     TDM_REQUIRE(b->pp.micro >= 1, TDM_STATUS_USAGE, "--microbatches %d: at least 1",
                 b->pp.micro);
     int L = tdm_tool_pp_layers(&b->spec);
-    TDM_REQUIRE(L > 0, TDM_STATUS_USAGE, "--model: %s", tdm_error_message());
+    if (L <= 0) return tdm_tool_pp_refuse("--model");
     TDM_REQUIRE(S <= L, TDM_STATUS_USAGE,
                 "%d stages but the model has %d pipeline layers: at most %d stages", S, L, L);
     if (b->pp.split) {
         int first[64];
         TDM_REQUIRE(S <= 64, TDM_STATUS_USAGE, "--split: at most 64 stages");
-        TDM_REQUIRE(tdm_pp_split_parse(b->pp.split, S, L, first) == TDM_STATUS_OK,
-                    TDM_STATUS_USAGE, "--split: %s", tdm_error_message());
+        if (tdm_pp_split_parse(b->pp.split, S, L, first)) return tdm_tool_pp_refuse("--split");
     }
     return TDM_STATUS_OK;
 }

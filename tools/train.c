@@ -277,7 +277,7 @@ static tdm_status tdm_train_check_args(tdm_train_args *a)
     if (a->timeout && !ranks)
         fprintf(stderr, "tandem train: note: --timeout applies to --mode ddp, fsdp and pp (the "
                         "process group's collectives); --mode %s has none\n", a->mode);
-    if ((a->sharding || a->save_sharded) && strcmp(a->mode, "fsdp"))
+    if ((a->sharding || a->save_sharded) && strcmp(a->mode, "fsdp") && strcmp(a->mode, "pp"))
         return tdm_tool_usage_error("tandem train: --sharding and --save-sharded apply to "
                                     "--mode fsdp, not --mode %s\n", a->mode);
     if (a->max_restarts && !ranks)
