@@ -248,9 +248,9 @@ static tdm_status tdm_rank_pp_step(void *ctx, const void *x, const int32_t *y, i
     *loss_mean = ls / (double)global;
     if (isfinite(*loss_mean)) return TDM_STATUS_OK;
     char where[96];
-    snprintf(where, sizeof where, "pipeline stage %d of replica %d, the batch of %d",
-             tdm_pp_stage(q->p), q->rep, global);
-    return tdm_dist_diverged(s->comm, s->rank, s->begun, *loss_mean, where);
+    snprintf(where, sizeof where, "the global batch of %d, seen by pipeline stage %d of "
+             "replica %d", global, tdm_pp_stage(q->p), q->rep);
+    return tdm_dist_diverged(s->comm, s->rank, tdm_optim_steps(s->opt), *loss_mean, where);
 }
 
 /* ---- evaluation ---- */
