@@ -14,7 +14,9 @@
  * - faults: a killed stage is named (and the doctor's verdict said); a
  *   NaN loss stops every stage with exit 1, the last good checkpoint
  *   kept; nothing left behind;
- * - bad configurations are one-line errors with exit 2. */
+ * - bad configurations are one-line errors with exit 2;
+ * - the ranks of `tandem launch` and of mpirun (shm and MPI backends) run
+ *   the same pipeline as forked ranks: the same checkpoint. */
 #include <criterion/criterion.h>
 
 #include <math.h>
@@ -23,6 +25,7 @@
 #include <string.h>
 
 #include "tests/cli_util.h"
+#include "tests/mpi_test_util.h"
 #include "tests/safety_util.h"
 #include "tests/test_util.h"
 
@@ -294,4 +297,33 @@ Test(pp_cli, bad_configurations_are_one_line_errors)
     }
     CLI(&r, "train", "--mode", "single", "--stages", "2", MLP, SYN);
     expect(&r, 2, "apply to --mode pp");
+}
+
+/* The ranks of `tandem launch` and of mpirun (over shm and over MPI
+ * itself) train the pipeline forked ranks train: the same bytes. */
+Test(pp_cli, launched_and_mpi_ranks_write_the_forked_runs_checkpoint)
+{
+    static cli_result r;
+    char forked[128], other[128];
+    path(forked, sizeof forked, "forked");
+    path(other, sizeof other, "other");
+#define PP_JOB "train", "--mode", "pp", "--device", "cpu:2", "--model", "mlp:20-24-16-12-5", \
+               SYN, "--batch", "32", "--epochs", "1", "--quiet"
+    CLI(&r, PP_JOB, "--save", forked);
+    expect(&r, 0, "epoch 1/1");
+    CLI(&r, "launch", "-n", "2", "--", cli_bin(), PP_JOB, "--save", other);
+    expect(&r, 0, "epoch 1/1");
+    cr_assert(cli_same_file(forked, other), "tandem launch's pipeline differs");
+    if (!tdm_comm_init_mpi || !mpi_t_have_mpirun()) return;   /* no MPI here: the rest */
+    static const char *const backends[] = {"shm", "mpi"};
+    for (int b = 0; b < 2; b++) {
+        unlink(other);
+        const char *args[] = {PP_JOB, "--backend", backends[b], "--save", other, NULL};
+        mpi_t_job j = {.np = 2, .exe = cli_bin(), .args = args, .tcp = 1, .timeout_s = 120};
+        mpi_t_run(&r, &j);
+        expect(&r, 0, "2 MPI ranks on cpu:2, pipeline of 2 stages");
+        cr_assert(cli_same_file(forked, other), "mpirun --backend %s: the pipeline differs",
+                  backends[b]);
+    }
+#undef PP_JOB
 }

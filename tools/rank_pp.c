@@ -467,7 +467,7 @@ static tdm_status tdm_rank_pp_params(tdm_tool_rank *r, float *host, int root)
 }
 
 const tdm_tool_design tdm_tool_pp_design = {
-    .dist = {.name = "pp", .caps = TDM_DIST_NCCL, .layout = tdm_rank_pp_layout,
+    .dist = {.name = "pp", .caps = TDM_DIST_MPI | TDM_DIST_NCCL, .layout = tdm_rank_pp_layout,
              .setup = tdm_rank_pp_setup, .free = tdm_rank_pp_free, .ops = &tdm_rank_pp_ops},
     .unit = "pipeline stage", .save_alone = 0, .describe = tdm_rank_pp_describe,
     .params = tdm_rank_pp_params, .step = tdm_rank_pp_step, .finish = tdm_rank_pp_finish};

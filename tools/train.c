@@ -291,15 +291,15 @@ static tdm_status tdm_train_check_args(tdm_train_args *a)
                         "with --resume)\n");
     /* restarted by tandem launch --max-restarts */
     if (!a->resume) a->resume = tdm_dist_restart_resume(a->save);
-    if (a->backend && strcmp(a->mode, "ddp"))
-        return tdm_tool_usage_error("tandem train: --backend applies to --mode ddp\n");
+    if (a->backend && strcmp(a->mode, "ddp") && strcmp(a->mode, "pp"))
+        return tdm_tool_usage_error("tandem train: --backend applies to --mode ddp and pp\n");
     TDM_CHECK(tdm_train_check_ddp_next(a, gpt));
     /* N copies of one model trained side by side are never what was meant */
     int mpi_n = tdm_dist_mpi_env_world();
-    if (strcmp(a->mode, "ddp") && mpi_n > 1)
+    if (strcmp(a->mode, "ddp") && strcmp(a->mode, "pp") && mpi_n > 1)
         return tdm_tool_usage_error("tandem train: started by an MPI launcher with %d ranks, but "
                                     "--mode %s would train %d independent copies: use --mode "
-                                    "ddp\n", mpi_n, a->mode, mpi_n);
+                                    "ddp or pp\n", mpi_n, a->mode, mpi_n);
     return TDM_STATUS_OK;
 }
 
