@@ -239,7 +239,41 @@ Test(pp_cli, a_killed_stage_is_named_with_the_doctors_verdict)
     expect(&r, 1, "rank 1 (pid");
     expect(&r, 1, "killed by signal 9");
     expect(&r, 1, "from stage 1");
-    expect(&r, 1, "tandem train: doctor: ");
+    expect(&r, 1, "tandem train: doctor: DIED: stage 1 (rank 1) never sent ");
+    expect(&r, 1, "it was killed by signal 9");
+}
+
+/* A stage that stops (SIGSTOP) is named by the doctor as the one the
+ * others waited on, though the first to time out is a stage before it. */
+Test(pp_cli, a_stopped_stage_is_named_with_the_doctors_verdict)
+{
+    static cli_result r;
+    setenv("TMPDIR", g_dir, 1);
+    setenv("TANDEM_DDP_TEST_KILL", "2:3:STOP", 1);
+    CLI(&r, "train", "--mode", "pp", "--device", "cpu:3", "--timeout", "3", MLP, SYN,
+        "--batch", "32", "--epochs", "1", "--quiet");
+    unsetenv("TANDEM_DDP_TEST_KILL");
+    unsetenv("TMPDIR");
+    expect(&r, 1, "tandem train: rank 2: test fault: SIGSTOP before step 3");
+    expect(&r, 1, "tandem train: doctor: STALLED: stage 2 (rank 2) never sent grad mb 0 to "
+                  "stage 1 (rank 1)");
+    expect(&r, 1, "behind it, stage 0 (rank 0) waited");
+}
+
+/* With two replicas, a killed stage of either is named. */
+Test(pp_cli, a_killed_stage_of_a_mesh_is_named)
+{
+    static cli_result r;
+    setenv("TMPDIR", g_dir, 1);
+    setenv("TANDEM_DDP_TEST_KILL", "2:3", 1);
+    CLI(&r, "train", "--mode", "pp", "--device", "cpu:4", "--mesh", "dp=2,pp=2", MLP, SYN,
+        "--batch", "32", "--epochs", "1", "--quiet");
+    unsetenv("TANDEM_DDP_TEST_KILL");
+    unsetenv("TMPDIR");
+    expect(&r, 1, "tandem train: rank 2: test fault: SIGKILL before step 3");
+    expect(&r, 1, "tandem train: doctor: DIED: ");
+    cr_assert(strstr(r.out, "doctor: DIED: stage 0 (rank 2) never sent act mb 0") ||
+              strstr(r.out, "doctor: DIED: rank 2 was killed"), "%s", r.out);
 }
 
 /* lr 1000 diverges: every stage stops with the step named, the good
