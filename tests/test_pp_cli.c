@@ -361,3 +361,43 @@ Test(pp_cli, launched_and_mpi_ranks_write_the_forked_runs_checkpoint)
     }
 #undef PP_JOB
 }
+
+/* compare --modes single,pp: the pipeline's section: its throughput, the
+ * per-stage phases and bubble, the bitwise verdict against one device
+ * with --grad-accum M (MLP, CNN; the GPT within its bound), the
+ * per-stage memory, and a trace with each stage's F and B of every
+ * micro-batch. */
+Test(pp_cli, compare_has_the_pipelines_section)
+{
+    static cli_result r;
+    char trace[128];
+    snprintf(trace, sizeof trace, "%s/trace.json", g_dir);
+    static const char *const models[] = {"mlp:20-24-16-12-5", "cnn"};
+    for (int k = 0; k < 2; k++) {
+        CLI(&r, "compare", "--modes", "single,pp", "--device", "cpu:2", "--model", models[k],
+            "--data", "synthetic", "--steps", "4", "--warmup", "1", "--batch", "16",
+            "--schedule", k ? "gpipe" : "1f1b", "--trace", trace);
+        expect(&r, 0, "Pipeline: pp(2)");
+        expect(&r, 0, "BITWISE IDENTICAL");
+        expect(&r, 0, "bubble share");
+        expect(&r, 0, "vs (S-1)/(M+S-1) = 20.0%");
+        expect(&r, 0, "pipeline memory per stage");
+        size_t n = 0;
+        char *t = su_slurp(trace, &n);
+        cr_assert(t && strstr(t, "\"name\": \"stage 1\"") && strstr(t, "\"name\": \"F3\"") &&
+                  strstr(t, "\"name\": \"B0\""), "%s", t ? t : "(no trace)");
+        free(t);
+    }
+    char text[128];
+    snprintf(text, sizeof text, "%s/text.txt", g_dir);
+    cli_write_words(text);
+    CLI(&r, "compare", "--modes", "single,pp", "--device", "cpu:3", "--model", "gpt:2-16-2-8",
+        "--data", text, "--steps", "3", "--warmup", "1", "--batch", "8", "--microbatches", "2");
+    expect(&r, 0, "the GPT's tied embedding");
+    expect(&r, 0, "-> PASS");
+    CLI(&r, "compare", "--modes", "single,pp", "--device", "cpu:2", "--stages", "3", "--data",
+        "synthetic");
+    expect(&r, 2, "--stages 3 but --device cpu:2 has 2 devices");
+    CLI(&r, "compare", "--device", "cpu:2", "--microbatches", "2", "--data", "synthetic");
+    expect(&r, 2, "apply to --modes ...,pp");
+}

@@ -25,7 +25,9 @@
 #include "ddp/hooks.h"
 #include "dist/mpi_job.h"
 #include "dist/run.h"
+#include "models/stage.h"
 #include "models/train.h"
+#include "pp/pp.h"
 #include "tools/args.h"
 #include "tools/compare.h"
 #include "tools/devices.h"
@@ -57,11 +59,19 @@ static void tdm_cmp_usage(FILE *f)
         "throughput, a per-phase breakdown, an equivalence verdict, memory per device\n"
         "and a reading of the figures.\n"
         "\n"
-        "  --modes LIST         any of single, dp, ddp, fsdp, zero2, zero1 (comma-separated;\n"
-        "                       single always runs, as the reference)  [single,dp,ddp,fsdp]\n"
+        "  --modes LIST         any of single, dp, ddp, fsdp, zero2, zero1, pp (comma-\n"
+        "                       separated; single always runs, as the reference)\n"
+        "                                                          [single,dp,ddp,fsdp]\n"
         "                       fsdp:  PyTorch FSDP FULL_SHARD, DeepSpeed ZeRO stage 3\n"
         "                       zero2: FSDP SHARD_GRAD_OP, ZeRO stage 2\n"
         "                       zero1: ZeroRedundancyOptimizer, ZeRO stage 1\n"
+        "                       pp:    a pipeline of the layers (GPipe or 1F1B): its\n"
+        "                       throughput, per-stage phases and bubble, memory, the\n"
+        "                       trace's F and B of each micro-batch per stage, and its\n"
+        "                       verdict against one host device with --grad-accum M\n"
+        "  --stages S           pp: stages, one device each (S <= N)    [N]\n"
+        "  --microbatches M     pp: micro-batches per global batch       [4]\n"
+        "  --schedule S         pp: gpipe or 1f1b                        [1f1b]\n"
         "  --model NAME         mlp, mlp:W0-..-Wn, cnn, gpt, gpt:L-D-H-T      [mlp]\n"
         "  --device SPEC        devices for DP and DDP: cpu:N (N >= 1), or GPUs\n"
         "                       cuda (all) / cuda:I,J,.. (single runs on the first) [cpu:2]\n"
@@ -349,6 +359,9 @@ static tdm_status tdm_cmp_parse(int argc, char **argv, tdm_cmp_job *j)
         TDM_ARGS_STR("--comm-hook", o->comm_hook)
         TDM_ARGS_INT("--powersgd-rank", 1, 1 << 16, o->powersgd_rank)
         TDM_ARGS_INT("--powersgd-start-step", 0, INT64_MAX, o->powersgd_start_step)
+        TDM_ARGS_INT("--stages", 1, TDM_CMP_MAX_DEV, o->pp_stages)
+        TDM_ARGS_INT("--microbatches", 1, 1 << 16, o->pp_micro)
+        TDM_ARGS_STR("--schedule", o->pp_schedule)
         return tdm_tool_usage_error("tandem compare: unknown option '%s' (see tandem compare "
                                     "--help)\n", argv[i]);
     }
@@ -397,6 +410,36 @@ static tdm_status tdm_cmp_check_sweep(tdm_cmp_job *j)
     return TDM_STATUS_OK;
 }
 
+/* --modes ...,pp: its options against the model and the devices. */
+static tdm_status tdm_cmp_check_pp(tdm_cmp_job *j)
+{
+    tdm_cmp_opts *o = &j->o;
+    tdm_pp_schedule_kind k;
+    int pp = (o->modes & TDM_CMP_PP_BIT) != 0, L = 0;
+    if (!pp && (o->pp_stages || o->pp_micro || o->pp_schedule))
+        return tdm_tool_usage_error("tandem compare: --stages, --microbatches and --schedule "
+                                    "apply to --modes ...,pp\n");
+    if (!pp) return TDM_STATUS_OK;
+    if (o->ddp_comm)
+        return tdm_tool_usage_error("tandem compare: --modes pp under an MPI launcher is not "
+                                    "supported (run compare on one machine)\n");
+    if (o->pp_schedule && tdm_pp_schedule_parse(o->pp_schedule, &k))
+        return tdm_tool_usage_error("tandem compare: --schedule: %s\n", tdm_error_message());
+    int S = o->pp_stages ? o->pp_stages : o->n_dev;
+    if (S > o->n_dev)
+        return tdm_tool_usage_error("tandem compare: --stages %d but --device %s has %d "
+                                    "devices: one stage per device\n", S, o->device, o->n_dev);
+    (void)tdm_model_spec_n_layers(&j->spec, &L);
+    if (S > L)
+        return tdm_tool_usage_error("tandem compare: %d stages but the model has %d pipeline "
+                                    "layers: at most %d stages\n", S, L, L);
+    int M = o->pp_micro ? o->pp_micro : 4;
+    if (M > o->batch)
+        return tdm_tool_usage_error("tandem compare: --microbatches %d is more than --batch %d: "
+                                    "every micro-batch needs a sample\n", M, o->batch);
+    return TDM_STATUS_OK;
+}
+
 /* What the options need of each other, and the defaults that follow. */
 static tdm_status tdm_cmp_check(tdm_cmp_job *j)
 {
@@ -442,6 +485,7 @@ static tdm_status tdm_cmp_check(tdm_cmp_job *j)
                                     o->warmup, o->steps);
     if (o->warmup < 0)
         o->warmup = TDM_CMP_DEFAULT_WARMUP < o->steps ? TDM_CMP_DEFAULT_WARMUP : o->steps / 2;
+    TDM_CHECK(tdm_cmp_check_pp(j));
     return tdm_cmp_check_sweep(j);
 }
 
@@ -870,6 +914,12 @@ static tdm_status tdm_cmp_main_run(tdm_cmp_job *j)
     }
     tdm_cmp_print_memory(&j->o, j->rp, j->nres);
     tdm_cmp_print_reading(j);
+    if (j->o.modes & TDM_CMP_PP_BIT) {
+        int pv = tdm_cmp_pp_section(&j->o, &j->data, &j->spec, &j->res[TDM_CMP_SINGLE],
+                                    j->ran[TDM_CMP_DDP] ? &j->res[TDM_CMP_DDP] : NULL);
+        if (pv < 0) return TDM_STATUS_PEER_FAILED;
+        if (!pv) j->verdict = 0;
+    }
     TDM_CHECK(tdm_cmp_sweep(j));
     return tdm_cmp_write_outputs(j);
 }

@@ -39,6 +39,8 @@ typedef struct tdm_tool_pp {
     uint64_t seed;
 } tdm_tool_pp;
 
+tdm_pp *tdm_tool_pp_of(const tdm_tool_rank *r) { return ((const tdm_tool_pp *)r->w)->p; }
+
 /* ---- the layout ---- */
 
 static int tdm_tool_pp_layers(const tdm_model_spec *spec)

@@ -115,6 +115,8 @@ extern const tdm_tool_design tdm_tool_pp_design;
  * layers. One line on stderr prefixed by b->cmd and USAGE when they
  * cannot work. *shape: the mesh. */
 tdm_status tdm_tool_pp_check(const tdm_tool_build *b, int world, tdm_mesh_shape *shape);
+/* A pipeline rank's stage (r of tdm_tool_pp_design). */
+tdm_pp *tdm_tool_pp_of(const tdm_tool_rank *r);
 /* The shm arena a pipeline job over dl needs: DDP's over the dp
  * dimension's replicas (none without one). */
 size_t tdm_tool_pp_arena_bytes(const tdm_tool_build *b, const tdm_device_list *dl, int world,
