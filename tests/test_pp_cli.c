@@ -16,7 +16,9 @@
  *   kept; nothing left behind;
  * - bad configurations are one-line errors with exit 2;
  * - the ranks of `tandem launch` and of mpirun (shm and MPI backends) run
- *   the same pipeline as forked ranks: the same checkpoint. */
+ *   the same pipeline as forked ranks: the same checkpoint;
+ * - CUDA-emulated devices (cuda/ built, no GPU) train the host devices'
+ *   pipeline bit for bit. What this does not test: CUDA, NCCL. */
 #include <criterion/criterion.h>
 
 #include <math.h>
@@ -25,6 +27,7 @@
 #include <string.h>
 
 #include "tests/cli_util.h"
+#include "tests/cuda_test_util.h"
 #include "tests/mpi_test_util.h"
 #include "tests/safety_util.h"
 #include "tests/test_util.h"
@@ -400,4 +403,22 @@ Test(pp_cli, compare_has_the_pipelines_section)
     expect(&r, 2, "--stages 3 but --device cpu:2 has 2 devices");
     CLI(&r, "compare", "--device", "cpu:2", "--microbatches", "2", "--data", "synthetic");
     expect(&r, 2, "apply to --modes ...,pp");
+}
+
+Test(pp_cli, emulated_cuda_stages_write_the_host_stages_checkpoint)
+{
+    CU_NEED_BACKEND();
+    static cli_result r;
+    char host[128], emu[128];
+    path(host, sizeof host, "host");
+    path(emu, sizeof emu, "emu");
+    CLI(&r, "train", "--mode", "pp", "--device", "cpu:2", MLP, SYN, "--batch", "32",
+        "--epochs", "1", "--quiet", "--save", host);
+    expect(&r, 0, "epoch 1/1");
+    cr_assert_eq(setenv("TANDEM_CUDA_EMULATOR", "2", 1), 0);
+    CLI(&r, "train", "--mode", "pp", "--device", "cuda", MLP, SYN, "--batch", "32",
+        "--epochs", "1", "--quiet", "--save", emu);
+    unsetenv("TANDEM_CUDA_EMULATOR");
+    expect(&r, 0, "CUDA EMULATOR (TANDEM_CUDA_EMULATOR=2)");
+    cr_assert(cli_same_file(host, emu), "emulated stages differ from host stages");
 }
