@@ -398,6 +398,12 @@ Test(pp_cli, compare_has_the_pipelines_section)
         "--data", text, "--steps", "3", "--warmup", "1", "--batch", "8", "--microbatches", "2");
     expect(&r, 0, "the GPT's tied embedding");
     expect(&r, 0, "-> PASS");
+    /* --sweep: a PP column, a pipeline of k stages at k devices */
+    CLI(&r, "compare", "--modes", "single,pp", "--device", "cpu:2", "--model",
+        "mlp:20-24-16-12-5", "--data", "synthetic", "--steps", "3", "--warmup", "1", "--batch",
+        "16", "--sweep", "1,2");
+    expect(&r, 0, "DDP  speed-up           PP  speed-up");
+    cr_assert(strstr(r.out, "\n  1 ") && strstr(r.out, "\n  2 "), "%s", r.out);
     CLI(&r, "compare", "--modes", "single,pp", "--device", "cpu:2", "--stages", "3", "--data",
         "synthetic");
     expect(&r, 2, "--stages 3 but --device cpu:2 has 2 devices");

@@ -89,7 +89,8 @@ static void tdm_cmp_usage(FILE *f)
         "  --csv FILE           raw per-step figures\n"
         "  --plot DIR           loss, throughput, phase (and scaling) charts, with gnuplot;\n"
         "                       DIR must be yours and not writable by others\n"
-        "  --sweep 1,2,4        also run DP and DDP at these device counts\n"
+        "  --sweep 1,2,4        also run DP and DDP (and with pp, a pipeline of as many\n"
+        "                       stages) at these device counts\n"
         "  --sync-bn            DDP with SyncBatchNorm: the CNN's DDP is then checked\n"
         "                       against one device with the MLP's tolerance\n"
         "  --comm-hook H        also run DDP with a comm hook: fp16, bf16 or powersgd,\n"
@@ -821,13 +822,28 @@ static void tdm_cmp_print_reading(const tdm_cmp_job *j)
     tdm_cmp_fsdp_reading(o, j->rp, j->nres, sps);
 }
 
-/* --sweep: DP and DDP again at each device count. */
+/* --modes ...,pp: the sweep's PP column at k devices (k stages), "-"
+ * where a pipeline of k stages cannot run (one device, more stages than
+ * layers). */
+static void tdm_cmp_sweep_pp(tdm_cmp_job *j, int k)
+{
+    int L = 0;
+    if (!(j->o.modes & TDM_CMP_PP_BIT)) return;
+    (void)tdm_model_spec_n_layers(&j->spec, &L);
+    double sps = k > 1 && k <= L ? tdm_cmp_pp_sweep_sps(&j->o, &j->data, &j->spec, k) : -1.0;
+    if (sps > 0) printf(" %12.0f %8.2fx", sps, sps / j->sps[0]);
+    else printf(" %12s %9s", "-", "");
+}
+
+/* --sweep: DP and DDP again at each device count (and the pipeline). */
 static tdm_status tdm_cmp_sweep(tdm_cmp_job *j)
 {
     const tdm_cmp_opts *o = &j->o;
     if (j->n_sweep <= 0) return TDM_STATUS_OK;
     printf("\nScaling (samples/s, median step; speed-up over one device at %.0f)\n", j->sps[0]);
-    printf("  %-8s %12s %9s %12s %9s\n", "devices", "DP", "speed-up", "DDP", "speed-up");
+    printf("  %-8s %12s %9s %12s %9s", "devices", "DP", "speed-up", "DDP", "speed-up");
+    if (j->o.modes & TDM_CMP_PP_BIT) printf(" %12s %9s", "PP", "speed-up");
+    printf("\n");
     for (int i = 0; i < j->n_sweep; i++) {
         if (j->sweep_dev[i] > o->batch) {
             printf("  %-8d skipped: more devices than samples in a batch\n", j->sweep_dev[i]);
@@ -842,8 +858,10 @@ static tdm_status tdm_cmp_sweep(tdm_cmp_job *j)
             tdm_cmp_step_stats(o, &b, &m2, &x1, &x2);
             j->sweep_dp[i] = o->batch / m1 * 1e3;
             j->sweep_ddp[i] = o->batch / m2 * 1e3;
-            printf("  %-8d %12.0f %8.2fx %12.0f %8.2fx\n", j->sweep_dev[i], j->sweep_dp[i],
+            printf("  %-8d %12.0f %8.2fx %12.0f %8.2fx", j->sweep_dev[i], j->sweep_dp[i],
                    j->sweep_dp[i] / j->sps[0], j->sweep_ddp[i], j->sweep_ddp[i] / j->sps[0]);
+            tdm_cmp_sweep_pp(j, j->sweep_dev[i]);
+            printf("\n");
             fflush(stdout);
         }
         tdm_cmp_result_free(&a);

@@ -202,6 +202,10 @@ int tdm_cmp_hook_section(const tdm_cmp_opts *o, const tdm_cmp_data *data,
 int tdm_cmp_pp_section(const tdm_cmp_opts *o, const tdm_cmp_data *data,
                        const tdm_model_spec *spec, const tdm_cmp_result *single,
                        const tdm_cmp_result *ddp);
+/* --sweep with pp: the samples/s of a pipeline of S stages (the median
+ * post-warm-up step); < 0 when the run failed (said). */
+double tdm_cmp_pp_sweep_sps(const tdm_cmp_opts *o, const tdm_cmp_data *data,
+                            const tdm_model_spec *spec, int S);
 /* Its trace events (a process of one track per stage, each micro-batch's
  * F and B), after the other modes'; nothing when it did not run. */
 void tdm_cmp_pp_trace(FILE *f, int *first, int pid, long long (*us)(double));

@@ -318,13 +318,12 @@ static int tdm_cmp_pp_verdict(const tdm_cmp_opts *o, const tdm_model_spec *spec,
 
 /* ---- the section ---- */
 
-int tdm_cmp_pp_section(const tdm_cmp_opts *o, const tdm_cmp_data *data,
-                       const tdm_model_spec *spec, const tdm_cmp_result *single,
-                       const tdm_cmp_result *ddp)
+/* Runs a pipeline of S stages over the global batches: its records, in
+ * a shared mapping (NULL on failure, said). */
+static tdm_cmp_pp_shared *tdm_cmp_pp_go(const tdm_cmp_opts *o, const tdm_cmp_data *data,
+                                        const tdm_model_spec *spec, int S, int M,
+                                        tdm_pp_schedule_kind kind)
 {
-    int S = o->pp_stages > 0 ? o->pp_stages : o->n_dev, M = o->pp_micro > 0 ? o->pp_micro : 4;
-    tdm_pp_schedule_kind kind = TDM_PP_1F1B;
-    if (o->pp_schedule) (void)tdm_pp_schedule_parse(o->pp_schedule, &kind);   /* checked */
     int64_t pe = tdm_cmp_param_elems(o);
     tdm_tool_build b = {.design = &tdm_tool_pp_design, .cmd = "tandem compare", .seed = o->seed,
                         .pp = {.stages = S, .micro = M, .schedule = kind, .batch = o->batch}};
@@ -335,7 +334,7 @@ int tdm_cmp_pp_section(const tdm_cmp_opts *o, const tdm_cmp_data *data,
                                  MAP_SHARED | MAP_ANONYMOUS, -1, 0);
     if (sh == MAP_FAILED) {
         perror("tandem compare: mmap");
-        return -1;
+        return NULL;
     }
     *sh = lay;
     tdm_cmp_pp_run c = {.o = o, .data = data, .sh = sh, .t_start = tdm_time_ns()};
@@ -346,24 +345,64 @@ int tdm_cmp_pp_section(const tdm_cmp_opts *o, const tdm_cmp_data *data,
                             .run_timeout_ms = TDM_CMP_RUN_TIMEOUT_MS};
     tdm_status st = tdm_dist_timeout_from_env(&ro.timeout_ms);
     if (!st && !ro.timeout_ms) ro.timeout_ms = TDM_DIST_TIMEOUT_DEFAULT_MS;
-    printf("\nPipeline: pp(%d), %s, %d micro-batches of %d\n  running pp...\n", S,
-           tdm_pp_schedule_name(kind), M, (o->batch + M - 1) / M);
     fflush(stdout);
     if (!st) st = tdm_dist_run(&d, &b, &ro);
+    if (st) {
+        fprintf(stderr, "tandem compare: pp: %s\n", tdm_error_message());
+        munmap(sh, lay.total);
+        return NULL;
+    }
+    return sh;
+}
+
+/* The median post-warm-up step's samples/s. */
+static double tdm_cmp_pp_sps(const tdm_cmp_opts *o, const tdm_cmp_pp_shared *sh, double *med)
+{
+    int n = 0;
+    double *t = malloc((size_t)o->steps * sizeof *t);
+    for (int i = tdm_cmp_pp_warm(o); t && i < o->steps; i++) t[n++] = tdm_cmp_pp_step_ms(sh, i);
+    *med = t ? tdm_cmp_pp_median(t, n) : 0.0;
+    free(t);
+    return *med > 0 ? o->batch / *med * 1e3 : 0.0;
+}
+
+double tdm_cmp_pp_sweep_sps(const tdm_cmp_opts *o, const tdm_cmp_data *data,
+                            const tdm_model_spec *spec, int S)
+{
+    tdm_pp_schedule_kind kind = TDM_PP_1F1B;
+    if (o->pp_schedule) (void)tdm_pp_schedule_parse(o->pp_schedule, &kind);   /* checked */
+    tdm_cmp_pp_shared *sh = tdm_cmp_pp_go(o, data, spec, S, o->pp_micro > 0 ? o->pp_micro : 4,
+                                          kind);
+    if (!sh) return -1.0;
+    double med, sps = tdm_cmp_pp_sps(o, sh, &med);
+    munmap(sh, sh->total);
+    return sps;
+}
+
+int tdm_cmp_pp_section(const tdm_cmp_opts *o, const tdm_cmp_data *data,
+                       const tdm_model_spec *spec, const tdm_cmp_result *single,
+                       const tdm_cmp_result *ddp)
+{
+    int S = o->pp_stages > 0 ? o->pp_stages : o->n_dev, M = o->pp_micro > 0 ? o->pp_micro : 4;
+    tdm_pp_schedule_kind kind = TDM_PP_1F1B;
+    if (o->pp_schedule) (void)tdm_pp_schedule_parse(o->pp_schedule, &kind);   /* checked */
+    printf("\nPipeline: pp(%d), %s, %d micro-batches of %d\n  running pp...\n", S,
+           tdm_pp_schedule_name(kind), M, (o->batch + M - 1) / M);
+    tdm_cmp_pp_shared *sh = tdm_cmp_pp_go(o, data, spec, S, M, kind);
+    if (!sh) return -1;
+    int64_t pe = sh->param_elems;
     double *ref_loss = calloc((size_t)o->steps, sizeof *ref_loss);
     float *ref_p = malloc((size_t)(pe > 0 ? pe : 1) * sizeof *ref_p);
-    if (!st && (!ref_loss || !ref_p))
-        st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "compare: pp reference");
+    tdm_status st = ref_loss && ref_p ? TDM_STATUS_OK
+                                      : tdm_error_set(TDM_STATUS_OUT_OF_MEMORY,
+                                                      "compare: pp reference");
     if (!st) st = tdm_cmp_pp_reference(o, data, spec, M, ref_loss, ref_p);
     int verdict = -1;
     if (st) {
         fprintf(stderr, "tandem compare: pp: %s\n", tdm_error_message());
     } else {
-        int n = 0, w = tdm_cmp_pp_warm(o);
-        double *t = malloc((size_t)o->steps * sizeof *t);
-        for (int i = w; t && i < o->steps; i++) t[n++] = tdm_cmp_pp_step_ms(sh, i);
-        double med = t ? tdm_cmp_pp_median(t, n) : 0.0, sps = med > 0 ? o->batch / med * 1e3 : 0;
-        free(t);
+        int w = tdm_cmp_pp_warm(o);
+        double med, sps = tdm_cmp_pp_sps(o, sh, &med);
         double s1 = 0, s1min = 0, s1max = 0, sd = 0;
         tdm_cmp_step_stats(o, single, &s1, &s1min, &s1max);
         if (ddp && ddp->ok) tdm_cmp_step_stats(o, ddp, &sd, &s1min, &s1max);
@@ -395,7 +434,7 @@ int tdm_cmp_pp_section(const tdm_cmp_opts *o, const tdm_cmp_data *data,
     if (g_pp) munmap(g_pp, g_pp->total);
     g_pp = NULL;
     if (verdict >= 0) g_pp = sh;
-    else munmap(sh, lay.total);
+    else munmap(sh, sh->total);
     return verdict;
 }
 
