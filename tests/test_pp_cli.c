@@ -428,3 +428,20 @@ Test(pp_cli, emulated_cuda_stages_write_the_host_stages_checkpoint)
     expect(&r, 0, "CUDA EMULATOR (TANDEM_CUDA_EMULATOR=2)");
     cr_assert(cli_same_file(host, emu), "emulated stages differ from host stages");
 }
+
+/* The memory plan covers a pipeline: the whole model once per replica
+ * (each stage its layers), the activations of the micro-batches a stage
+ * holds; a run that cannot fit is refused before any rank starts. */
+Test(pp_cli, the_memory_check_covers_the_pipeline)
+{
+    static cli_result r;
+    setenv("TANDEM_TEST_MEM_LIMIT", "268435456", 1);
+    CLI(&r, "train", "--mode", "pp", "--device", "cpu:2", "--model", "mlp:784-4096-4096-10",
+        SYN, "--epochs", "1");
+    expect(&r, 1, "tandem train: memory: this run needs at least ");
+    expect(&r, 1, "1 replica x (parameters 76.4");
+    CLI(&r, "train", "--mode", "pp", "--device", "cpu:2", "--model", "mlp:784-512-10", SYN,
+        "--epochs", "1", "--quiet");
+    unsetenv("TANDEM_TEST_MEM_LIMIT");
+    expect(&r, 0, "epoch 1/1");
+}
