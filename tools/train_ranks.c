@@ -200,8 +200,8 @@ static tdm_status tdm_train_rank_setup(void *ctx, tdm_dist_rank *d, void **self)
     else free(t);
     /* the forked path checked on a probe; a launched rank checks here (a
      * pipeline's first stage: the others take activations) */
-    tdm_model_stage_info si;
-    if (r) tdm_model_get_stage(r->m, &si);
+    tdm_model_stage_info si = {.is_first = 1};
+    if (r && r->m) tdm_model_get_stage(r->m, &si);
     if (st == TDM_STATUS_OK && !j->text && si.is_first)
         st = tdm_train_check_features(j->train, r->m);
     j->said = st != TDM_STATUS_OK;
