@@ -167,6 +167,13 @@ typedef struct tdm_pp_opts {
      * no chunk-by-chunk exchange). Without it, or for a larger batch,
      * they go through the links' staging. */
     int batch;
+    /* The micro-batch size (0: ceil(B / M) of each step's batch B). With
+     * it, a batch B <= micro_size * M is cut into ceil(B / micro_size)
+     * micro-batches of micro_size (the last shorter): a short last batch of
+     * an epoch is then cut as one device's --grad-accum M with micro-batches
+     * of micro_size cuts it, so the two stay the same step. Larger batches
+     * are cut as without it. */
+    int micro_size;
     /* Borrowed, optional: a communicator with the same ranks for the few
      * collectives on host memory (the configuration check, the loss,
      * gathering): needed when the pipeline's communicator only takes

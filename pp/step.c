@@ -23,9 +23,10 @@ static int tdm_pp_mb_size(const tdm_pp *p, int i)
 /* The global batch's micro-batches: models/accum.h's cut. */
 static void tdm_pp_cut(tdm_pp *p, int batch)
 {
-    int M = p->o.micro_batches;
+    int M = p->o.micro_batches, fixed = p->o.micro_size;
     p->run.batch = batch;
     p->run.micro = (batch + M - 1) / M;
+    if (fixed > 0 && batch <= (int64_t)fixed * M) p->run.micro = batch < fixed ? batch : fixed;
     p->run.n_mb = (batch + p->run.micro - 1) / p->run.micro;
 }
 

@@ -25,7 +25,9 @@
 #include "ddp/hooks.h"
 #include "dist/mpi_job.h"
 #include "dist/run.h"
+#include "models/stage.h"
 #include "models/train.h"
+#include "pp/pp.h"
 #include "tools/args.h"
 #include "tools/compare.h"
 #include "tools/devices.h"
@@ -57,11 +59,19 @@ static void tdm_cmp_usage(FILE *f)
         "throughput, a per-phase breakdown, an equivalence verdict, memory per device\n"
         "and a reading of the figures.\n"
         "\n"
-        "  --modes LIST         any of single, dp, ddp, fsdp, zero2, zero1 (comma-separated;\n"
-        "                       single always runs, as the reference)  [single,dp,ddp,fsdp]\n"
+        "  --modes LIST         any of single, dp, ddp, fsdp, zero2, zero1, pp (comma-\n"
+        "                       separated; single always runs, as the reference)\n"
+        "                                                          [single,dp,ddp,fsdp]\n"
         "                       fsdp:  PyTorch FSDP FULL_SHARD, DeepSpeed ZeRO stage 3\n"
         "                       zero2: FSDP SHARD_GRAD_OP, ZeRO stage 2\n"
         "                       zero1: ZeroRedundancyOptimizer, ZeRO stage 1\n"
+        "                       pp:    a pipeline of the layers (GPipe or 1F1B): its\n"
+        "                       throughput, per-stage phases and bubble, memory, the\n"
+        "                       trace's F and B of each micro-batch per stage, and its\n"
+        "                       verdict against one host device with --grad-accum M\n"
+        "  --stages S           pp: stages, one device each (S <= N)    [N]\n"
+        "  --microbatches M     pp: micro-batches per global batch       [4]\n"
+        "  --schedule S         pp: gpipe or 1f1b                        [1f1b]\n"
         "  --model NAME         mlp, mlp:W0-..-Wn, cnn, gpt, gpt:L-D-H-T      [mlp]\n"
         "  --device SPEC        devices for DP and DDP: cpu:N (N >= 1), or GPUs\n"
         "                       cuda (all) / cuda:I,J,.. (single runs on the first) [cpu:2]\n"
@@ -79,7 +89,8 @@ static void tdm_cmp_usage(FILE *f)
         "  --csv FILE           raw per-step figures\n"
         "  --plot DIR           loss, throughput, phase (and scaling) charts, with gnuplot;\n"
         "                       DIR must be yours and not writable by others\n"
-        "  --sweep 1,2,4        also run DP and DDP at these device counts\n"
+        "  --sweep 1,2,4        also run DP and DDP (and with pp, a pipeline of as many\n"
+        "                       stages) at these device counts\n"
         "  --sync-bn            DDP with SyncBatchNorm: the CNN's DDP is then checked\n"
         "                       against one device with the MLP's tolerance\n"
         "  --comm-hook H        also run DDP with a comm hook: fp16, bf16 or powersgd,\n"
@@ -349,6 +360,9 @@ static tdm_status tdm_cmp_parse(int argc, char **argv, tdm_cmp_job *j)
         TDM_ARGS_STR("--comm-hook", o->comm_hook)
         TDM_ARGS_INT("--powersgd-rank", 1, 1 << 16, o->powersgd_rank)
         TDM_ARGS_INT("--powersgd-start-step", 0, INT64_MAX, o->powersgd_start_step)
+        TDM_ARGS_INT("--stages", 1, TDM_CMP_MAX_DEV, o->pp_stages)
+        TDM_ARGS_INT("--microbatches", 1, 1 << 16, o->pp_micro)
+        TDM_ARGS_STR("--schedule", o->pp_schedule)
         return tdm_tool_usage_error("tandem compare: unknown option '%s' (see tandem compare "
                                     "--help)\n", argv[i]);
     }
@@ -397,6 +411,36 @@ static tdm_status tdm_cmp_check_sweep(tdm_cmp_job *j)
     return TDM_STATUS_OK;
 }
 
+/* --modes ...,pp: its options against the model and the devices. */
+static tdm_status tdm_cmp_check_pp(tdm_cmp_job *j)
+{
+    tdm_cmp_opts *o = &j->o;
+    tdm_pp_schedule_kind k;
+    int pp = (o->modes & TDM_CMP_PP_BIT) != 0, L = 0;
+    if (!pp && (o->pp_stages || o->pp_micro || o->pp_schedule))
+        return tdm_tool_usage_error("tandem compare: --stages, --microbatches and --schedule "
+                                    "apply to --modes ...,pp\n");
+    if (!pp) return TDM_STATUS_OK;
+    if (o->ddp_comm)
+        return tdm_tool_usage_error("tandem compare: --modes pp under an MPI launcher is not "
+                                    "supported (run compare on one machine)\n");
+    if (o->pp_schedule && tdm_pp_schedule_parse(o->pp_schedule, &k))
+        return tdm_tool_usage_error("tandem compare: --schedule: %s\n", tdm_error_message());
+    int S = o->pp_stages ? o->pp_stages : o->n_dev;
+    if (S > o->n_dev)
+        return tdm_tool_usage_error("tandem compare: --stages %d but --device %s has %d "
+                                    "devices: one stage per device\n", S, o->device, o->n_dev);
+    (void)tdm_model_spec_n_layers(&j->spec, &L);
+    if (S > L)
+        return tdm_tool_usage_error("tandem compare: %d stages but the model has %d pipeline "
+                                    "layers: at most %d stages\n", S, L, L);
+    int M = o->pp_micro ? o->pp_micro : 4;
+    if (M > o->batch)
+        return tdm_tool_usage_error("tandem compare: --microbatches %d is more than --batch %d: "
+                                    "every micro-batch needs a sample\n", M, o->batch);
+    return TDM_STATUS_OK;
+}
+
 /* What the options need of each other, and the defaults that follow. */
 static tdm_status tdm_cmp_check(tdm_cmp_job *j)
 {
@@ -442,6 +486,7 @@ static tdm_status tdm_cmp_check(tdm_cmp_job *j)
                                     o->warmup, o->steps);
     if (o->warmup < 0)
         o->warmup = TDM_CMP_DEFAULT_WARMUP < o->steps ? TDM_CMP_DEFAULT_WARMUP : o->steps / 2;
+    TDM_CHECK(tdm_cmp_check_pp(j));
     return tdm_cmp_check_sweep(j);
 }
 
@@ -777,13 +822,28 @@ static void tdm_cmp_print_reading(const tdm_cmp_job *j)
     tdm_cmp_fsdp_reading(o, j->rp, j->nres, sps);
 }
 
-/* --sweep: DP and DDP again at each device count. */
+/* --modes ...,pp: the sweep's PP column at k devices (k stages), "-"
+ * where a pipeline of k stages cannot run (one device, more stages than
+ * layers). */
+static void tdm_cmp_sweep_pp(tdm_cmp_job *j, int k)
+{
+    int L = 0;
+    if (!(j->o.modes & TDM_CMP_PP_BIT)) return;
+    (void)tdm_model_spec_n_layers(&j->spec, &L);
+    double sps = k > 1 && k <= L ? tdm_cmp_pp_sweep_sps(&j->o, &j->data, &j->spec, k) : -1.0;
+    if (sps > 0) printf(" %12.0f %8.2fx", sps, sps / j->sps[0]);
+    else printf(" %12s %9s", "-", "");
+}
+
+/* --sweep: DP and DDP again at each device count (and the pipeline). */
 static tdm_status tdm_cmp_sweep(tdm_cmp_job *j)
 {
     const tdm_cmp_opts *o = &j->o;
     if (j->n_sweep <= 0) return TDM_STATUS_OK;
     printf("\nScaling (samples/s, median step; speed-up over one device at %.0f)\n", j->sps[0]);
-    printf("  %-8s %12s %9s %12s %9s\n", "devices", "DP", "speed-up", "DDP", "speed-up");
+    printf("  %-8s %12s %9s %12s %9s", "devices", "DP", "speed-up", "DDP", "speed-up");
+    if (j->o.modes & TDM_CMP_PP_BIT) printf(" %12s %9s", "PP", "speed-up");
+    printf("\n");
     for (int i = 0; i < j->n_sweep; i++) {
         if (j->sweep_dev[i] > o->batch) {
             printf("  %-8d skipped: more devices than samples in a batch\n", j->sweep_dev[i]);
@@ -798,8 +858,10 @@ static tdm_status tdm_cmp_sweep(tdm_cmp_job *j)
             tdm_cmp_step_stats(o, &b, &m2, &x1, &x2);
             j->sweep_dp[i] = o->batch / m1 * 1e3;
             j->sweep_ddp[i] = o->batch / m2 * 1e3;
-            printf("  %-8d %12.0f %8.2fx %12.0f %8.2fx\n", j->sweep_dev[i], j->sweep_dp[i],
+            printf("  %-8d %12.0f %8.2fx %12.0f %8.2fx", j->sweep_dev[i], j->sweep_dp[i],
                    j->sweep_dp[i] / j->sps[0], j->sweep_ddp[i], j->sweep_ddp[i] / j->sps[0]);
+            tdm_cmp_sweep_pp(j, j->sweep_dev[i]);
+            printf("\n");
             fflush(stdout);
         }
         tdm_cmp_result_free(&a);
@@ -870,6 +932,12 @@ static tdm_status tdm_cmp_main_run(tdm_cmp_job *j)
     }
     tdm_cmp_print_memory(&j->o, j->rp, j->nres);
     tdm_cmp_print_reading(j);
+    if (j->o.modes & TDM_CMP_PP_BIT) {
+        int pv = tdm_cmp_pp_section(&j->o, &j->data, &j->spec, &j->res[TDM_CMP_SINGLE],
+                                    j->ran[TDM_CMP_DDP] ? &j->res[TDM_CMP_DDP] : NULL);
+        if (pv < 0) return TDM_STATUS_PEER_FAILED;
+        if (!pv) j->verdict = 0;
+    }
     TDM_CHECK(tdm_cmp_sweep(j));
     return tdm_cmp_write_outputs(j);
 }

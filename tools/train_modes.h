@@ -40,6 +40,10 @@ typedef struct tdm_train_args {
     long long powersgd_rank, powersgd_start_step;
     int uneven;               /* ddp: --uneven (tools/train_uneven.c) */
     int sync_bn;              /* ddp: --sync-bn */
+    /* pp: --stages (0: the devices over the mesh's dp), --microbatches,
+     * --schedule, --split, --mesh (as given) */
+    long long stages, microbatches;
+    const char *schedule, *split, *mesh;
     /* the memory levers (tools/train_levers.c): --precision, --checkpoint-activations
      * (all = 1 unit per segment), --clip-grad-norm (0: off), --offload */
     const char *precision, *ckpt, *offload;
@@ -194,6 +198,15 @@ tdm_status tdm_train_text_main(const tdm_train_args *a);
  * models, their data loaded here). Says what failed. */
 tdm_status tdm_train_run_local(const tdm_train_args *a, const tdm_model_spec *spec,
                                const tdm_train_text_set *text);
+/* The pipeline's options against the mode and the others (USAGE, said):
+ * they apply to --mode pp, which takes no --grad-accum (--microbatches is
+ * its accumulation), --uneven, --sync-bn, --comm-hook or sharding; fills
+ * the defaults of --microbatches and --schedule (tools/train_pp.c). */
+tdm_status tdm_train_check_pp(tdm_train_args *a, int gpt);
+/* --mode pp (tools/train_pp.c): checks its options and runs the ranks of
+ * the pipeline's table (tools/rank_pp.c) through tdm_train_run_ranks. */
+tdm_status tdm_train_run_pp(const tdm_train_args *a, const tdm_model_spec *spec,
+                            const tdm_train_text_set *text);
 /* --mode ddp and fsdp (tools/train_ranks.c): the ranks of a design's
  * table (tools/ranks.h) over dist/run.h, forked, launched or an MPI
  * job's. spec: the model (NULL: parsed from --model); text: a gpt's

@@ -118,9 +118,12 @@ static tdm_status tdm_train_eval_text(void *ctx, double *loss, double *acc)
     const tdm_train_text_set *t = ((const tdm_train_job *)r->b->tool)->text;
     (void)acc;
     int T = t->T, EB = TDM_TRAIN_TEXT_EVAL_BATCH;
+    /* the data-parallel replicas share the windows (every rank of a
+     * replica, as a pipeline's stages, runs the same ones) */
+    int rep = r->dist->coord[TDM_MESH_DP], reps = r->dist->shape.size[TDM_MESH_DP];
     int64_t K = t->eval_count, lo, hi;
-    tdm_dist_share(K, r->rank, r->world, &lo, &hi);
-    int64_t most = (K + r->world - 1) / r->world, nb = (most + EB - 1) / EB;
+    tdm_dist_share(K, rep, reps, &lo, &hi);
+    int64_t most = (K + reps - 1) / reps, nb = (most + EB - 1) / EB;
     size_t bytes = (size_t)EB * (size_t)T * sizeof(int32_t);
     int32_t *x = malloc(bytes), *y = malloc(bytes);
     double s = 0.0;
@@ -167,7 +170,7 @@ static tdm_status tdm_train_rank_setup(void *ctx, tdm_dist_rank *d, void **self)
 {
     tdm_tool_build *b = ctx;
     tdm_train_job *j = b->tool;
-    int rank = d->env.rank, world = d->env.world_size;
+    int rank = d->env.rank, world = d->shape.size[TDM_MESH_DP];   /* replicas */
     tdm_train_rank *t = calloc(1, sizeof *t);
     TDM_REQUIRE(t, TDM_STATUS_OUT_OF_MEMORY, "rank %d: calloc", rank);
     t->a = *j->a;
@@ -195,8 +198,12 @@ static tdm_status tdm_train_rank_setup(void *ctx, tdm_dist_rank *d, void **self)
     tdm_tool_rank *r = *self;
     if (r) r->tool = t;
     else free(t);
-    /* the forked path checked on a probe; a launched rank checks here */
-    if (st == TDM_STATUS_OK && !j->text) st = tdm_train_check_features(j->train, r->m);
+    /* the forked path checked on a probe; a launched rank checks here (a
+     * pipeline's first stage: the others take activations) */
+    tdm_model_stage_info si = {.is_first = 1};
+    if (r && r->m) tdm_model_get_stage(r->m, &si);
+    if (st == TDM_STATUS_OK && !j->text && si.is_first)
+        st = tdm_train_check_features(j->train, r->m);
     j->said = st != TDM_STATUS_OK;
     return st;
 }
@@ -217,11 +224,11 @@ static void tdm_train_rank_header(const tdm_tool_rank *r, const tdm_train_job *j
         snprintf(desc, sizeof desc, "%d processes on %s%s (%s communicator%s, timeout %g s)",
                  r->world, j->a->device, on, backend, note, (double)d->timeout_ms / 1000.0);
     const tdm_train_rank *t = r->tool;
+    int64_t params = r->model_params ? r->model_params : tdm_model_param_elems(r->m);
     if (j->text)
-        tdm_train_text_header(j->text, &r->b->spec, &t->a, tdm_model_param_elems(r->m), desc);
+        tdm_train_text_header(j->text, &r->b->spec, &t->a, params, desc);
     else
-        tdm_train_print_header(&t->a, &r->b->spec, j->train, j->test,
-                               tdm_model_param_elems(r->m), desc);
+        tdm_train_print_header(&t->a, &r->b->spec, j->train, j->test, params, desc);
 }
 
 /* The epochs: the global batch's steps (or --grad-accum's, or
@@ -237,7 +244,8 @@ static tdm_status tdm_train_rank_run(void *ctx, tdm_dist_rank *d, void *self)
     if (r->rank == 0) tdm_train_rank_header(r, j);
     t->kill_step = tdm_elastic_test_fault(r->rank, &t->kill_sig);
     int64_t lo = 0, hi = a->batch;
-    if (j->text) tdm_dist_share(a->batch, r->rank, r->world, &lo, &hi);
+    if (j->text)
+        tdm_dist_share(a->batch, d->coord[TDM_MESH_DP], d->shape.size[TDM_MESH_DP], &lo, &hi);
     t->s = (tdm_dist_stepper){.ops = design->dist.ops, .w = r->w, .opt = r->opt, .comm = d->comm,
                               .rank = r->rank, .world = r->world,
                               .in_elems = tdm_model_in_features(r->m),
@@ -256,7 +264,8 @@ static tdm_status tdm_train_rank_run(void *ctx, tdm_dist_rank *d, void *self)
         st = tdm_train_uneven_run(a, &u);
     } else {
         tdm_train_run run = {.m = r->m, .opt = r->opt, .start_epoch = r->start_epoch,
-                             .step = tdm_dist_step, .step_ctx = &t->s, .train = j->train,
+                             .step = design->step ? design->step : tdm_dist_step,
+                             .step_ctx = &t->s, .train = j->train,
                              .test = j->test, .eval = eval, .eval_ctx = r,
                              .after = design->save_alone ? tdm_train_barrier : tdm_train_save,
                              .after_ctx = r, .text = j->text, .lo = (int)lo, .hi = (int)hi};
@@ -269,6 +278,7 @@ static tdm_status tdm_train_rank_run(void *ctx, tdm_dist_rank *d, void *self)
         }
         st = tdm_train_epochs(a, &run);
     }
+    if (st == TDM_STATUS_OK && design->finish) st = design->finish(r);
     j->said = st != TDM_STATUS_OK;
     if (st == TDM_STATUS_OK && r->rank == 0 && design->report) design->report(r, !j->text);
     return st;
@@ -282,10 +292,19 @@ static tdm_status tdm_train_ranks_forked(tdm_train_job *j, tdm_dist_run_opts *o)
 {
     const tdm_train_args *a = j->a;
     int64_t param_elems = 0;
-    if (j->text && a->batch < o->devices->count)
-        return tdm_tool_usage_error("tandem train: --batch %lld is smaller than the %d ranks: "
-                                    "each rank needs at least one window of every global "
-                                    "batch\n", a->batch, o->devices->count);
+    int replicas = o->devices->count;
+    if (j->b.design == &tdm_tool_pp_design) {
+        tdm_mesh_shape shape;
+        if (tdm_tool_pp_check(&j->b, o->devices->count, &shape))
+            return tdm_tool_usage_error("tandem train: %s\n", tdm_error_message());
+        replicas = shape.size[TDM_MESH_DP];
+    }
+    if (j->text && a->batch < replicas)
+        return tdm_tool_usage_error("tandem train: --batch %lld is smaller than the %d %s: "
+                                    "each needs at least one window of every global batch\n",
+                                    a->batch, replicas,
+                                    replicas == o->devices->count ? "ranks"
+                                                                  : "pipeline replicas");
     TDM_CHECK(tdm_train_load_and_probe(a, &j->b.spec, j->text ? NULL : &j->own_train,
                                        &j->own_test, &param_elems));
     if (!j->text) {
@@ -294,6 +313,9 @@ static tdm_status tdm_train_ranks_forked(tdm_train_job *j, tdm_dist_run_opts *o)
     }
     if (j->b.design == &tdm_tool_ddp_design)
         o->arena_bytes = tdm_tool_ddp_arena_bytes(o->devices, param_elems);
+    if (j->b.design == &tdm_tool_pp_design)
+        o->arena_bytes = tdm_tool_pp_arena_bytes(&j->b, o->devices, o->devices->count,
+                                                 param_elems);
     return TDM_STATUS_OK;
 }
 
@@ -315,6 +337,13 @@ static tdm_status tdm_train_ranks_build(tdm_train_job *j, const tdm_tool_design 
     else if (tdm_model_spec_parse(&b->spec, a->model))
         return tdm_tool_usage_error("tandem train: --model: %s\n", tdm_error_message());
     tdm_optim_opts_named(&b->optim, a->optim, a->lr, a->weight_decay, a->momentum, a->nesterov);
+    b->pp.stages = (int)a->stages;
+    b->pp.micro = (int)a->microbatches;
+    b->pp.split = a->split;
+    b->pp.mesh = a->mesh;
+    b->pp.batch = (int)a->batch;
+    if (a->schedule && tdm_pp_schedule_parse(a->schedule, &b->pp.schedule))
+        return tdm_tool_usage_error("tandem train: --schedule: %s\n", tdm_error_message());
     if (design != &tdm_tool_fsdp_design) return TDM_STATUS_OK;
     tdm_fsdp_comm_hook hook;
     if (tdm_fsdp_sharding_parse(a->sharding ? a->sharding : "full", &b->sharding))
@@ -353,7 +382,9 @@ tdm_status tdm_train_run_ranks(const tdm_train_args *a, const tdm_tool_design *d
     if (tdm_dist_job_timeout(&o, start, &timeout_ms))
         return tdm_tool_usage_error("tandem train: %s\n", tdm_error_message());
     if ((st = tdm_dist_backend_choose(a->backend, start == TDM_DIST_START_MPI,
-                                      "train --mode ddp", &o.backend))) {
+                                      design == &tdm_tool_pp_design ? "train --mode pp"
+                                                                    : "train --mode ddp",
+                                      &o.backend))) {
         fprintf(stderr, "tandem train: %s\n", tdm_error_message());
         return st == TDM_STATUS_UNSUPPORTED ? st : TDM_STATUS_USAGE;
     }
