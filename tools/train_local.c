@@ -10,6 +10,7 @@
 
 #include "core/device.h"
 #include "core/timer.h"
+#include "dist/det.h"
 #include "dp/dp.h"
 #include "models/accum.h"
 #include "models/train_text.h"
@@ -137,7 +138,8 @@ tdm_status tdm_train_run_local(const tdm_train_args *a, const tdm_model_spec *sp
     tdm_dataset train = {0}, test = {0};
     tdm_local l = {.text = text};
     tdm_train_run r = {.train = &train, .test = &test};
-    char desc[128];
+    tdm_dist_det det = {0};
+    char desc[160];
     tdm_status st;
     if (!spec && (st = tdm_model_spec_parse(&own, a->model)) != TDM_STATUS_OK)
         return tdm_train_fail("--model", tdm_tool_usage(st));
@@ -174,6 +176,23 @@ tdm_status tdm_train_run_local(const tdm_train_args *a, const tdm_model_spec *sp
         r.step = tdm_accum_step;
         r.step_ctx = &acc;
     }
+    /* --deterministic K: the K virtual shards one after the other, their
+     * gradients summed in the tree every device count sums them in */
+    det = (tdm_dist_det){.ops = &tdm_dist_det_single_ops, .ctx = &l.single, .m = l.m,
+                        .rank = 0, .world = 1, .K = (int)a->deterministic,
+                        .in_elems = tdm_model_in_features(l.m),
+                        .out_rows = tdm_model_out_rows(l.m),
+                        .micro = a->grad_accum > 1 ? (int)a->batch : 0};
+    if (a->deterministic) {
+        if ((st = tdm_dist_det_init(&det)) != TDM_STATUS_OK) {
+            tdm_train_fail("--deterministic", st);
+            goto fail;
+        }
+        r.step = tdm_dist_det_step;
+        r.step_ctx = &det;
+        snprintf(desc + strlen(desc), sizeof desc - strlen(desc), ", deterministic over %d "
+                 "virtual shards", det.K);
+    }
     if (text) {
         r = (tdm_train_run){.m = r.m, .opt = r.opt, .start_epoch = r.start_epoch, .step = r.step,
                             .step_ctx = r.step_ctx, .text = text, .lo = 0, .hi = (int)a->batch,
@@ -185,6 +204,7 @@ tdm_status tdm_train_run_local(const tdm_train_args *a, const tdm_model_spec *sp
     TDM_TRY(tdm_train_epochs(a, &r));
     if (dp) tdm_train_print_dp_phases(&l.sum, l.step_ms, l.steps);
 fail:
+    tdm_dist_det_free(&det);
     tdm_dp_free(l.dp);
     tdm_single_free(&l.single);
     tdm_optim_free(l.opt);

@@ -39,6 +39,7 @@ typedef struct tdm_train_args {
     long long powersgd_rank, powersgd_start_step;
     int uneven;               /* ddp: --uneven (tools/train_uneven.c) */
     int sync_bn;              /* ddp: --sync-bn */
+    long long deterministic;  /* --deterministic K: K virtual shards (dist/det.h); 0: off */
 } tdm_train_args;
 
 /* The samples per optimizer step: batch * grad_accum. */
