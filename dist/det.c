@@ -75,9 +75,32 @@ static tdm_status tdm_det_stepper_step(void *ctx)
     return s->ops->step(s->w, s->opt);
 }
 
-const tdm_dist_det_ops tdm_dist_det_stepper_ops = {.zero_grad = tdm_det_stepper_zero,
-                                                   .shard = tdm_det_stepper_shard,
-                                                   .step = tdm_det_stepper_step};
+static tdm_status tdm_det_stepper_local(void *ctx, float *host)
+{
+    tdm_dist_stepper *s = ctx;
+    return s->ops->local_grads(s->w, host);
+}
+
+static tdm_status tdm_det_stepper_set(void *ctx, const float *host)
+{
+    tdm_dist_stepper *s = ctx;
+    return s->ops->set_grads(s->w, host);
+}
+
+static const tdm_dist_det_ops tdm_det_stepper_flat = {.zero_grad = tdm_det_stepper_zero,
+                                                      .shard = tdm_det_stepper_shard,
+                                                      .step = tdm_det_stepper_step};
+static const tdm_dist_det_ops tdm_det_stepper_own = {.zero_grad = tdm_det_stepper_zero,
+                                                     .shard = tdm_det_stepper_shard,
+                                                     .step = tdm_det_stepper_step,
+                                                     .local_grads = tdm_det_stepper_local,
+                                                     .set_grads = tdm_det_stepper_set};
+
+const tdm_dist_det_ops *tdm_dist_det_stepper_ops(const tdm_dist_stepper *s)
+{
+    return s->ops->local_grads && s->ops->set_grads ? &tdm_det_stepper_own
+                                                     : &tdm_det_stepper_flat;
+}
 
 /* ---- set-up ---- */
 
@@ -97,7 +120,8 @@ tdm_status tdm_dist_det_init(tdm_dist_det *d)
     TDM_CHECK(tdm_dist_det_check(d->K, d->world, d->own_rows ? d->global_batch : d->K));
     int m = d->K / d->world;
     int64_t pe = tdm_model_param_elems(d->m), be = tdm_model_buffer_elems(d->m);
-    TDM_REQUIRE(tdm_model_grads(d->m), TDM_STATUS_INVALID_ARG,
+    TDM_REQUIRE(tdm_model_grads(d->m) || (d->ops->local_grads && d->ops->set_grads),
+                TDM_STATUS_INVALID_ARG,
                 "deterministic step: the model's flat gradients are required (a design that "
                 "gives them up cannot honour the tree)");
     d->n_vec = pe + be;
@@ -211,8 +235,10 @@ static tdm_status tdm_det_micro(tdm_dist_det *d, const void *x, const int32_t *y
         }
         d->losses[k] = ls;
         float *leaf = d->stack + (int64_t)d->depth * d->n_vec;
-        if ((pe && (st = tdm_dev_copy_to_host(dev, leaf, tdm_model_grads(d->m),
-                                              (size_t)pe * sizeof(float)))) ||
+        if ((pe && d->ops->local_grads && (st = d->ops->local_grads(d->ctx, leaf))) ||
+            (pe && !d->ops->local_grads &&
+             (st = tdm_dev_copy_to_host(dev, leaf, tdm_model_grads(d->m),
+                                        (size_t)pe * sizeof(float)))) ||
             (be && (st = tdm_dev_copy_to_host(dev, leaf + pe, tdm_model_buffers(d->m),
                                               (size_t)be * sizeof(float)))))
             return tdm_det_fail(d, st);
@@ -275,8 +301,10 @@ tdm_status tdm_dist_det_step(void *det, const void *x, const int32_t *y, int bat
      * micro-batch (K a power of two) */
     float inv = (float)(1.0 / ((double)d->K * n_micro));
     for (int64_t i = pe; i < d->n_vec; i++) d->total[i] *= inv;
-    if ((pe && (st = tdm_dev_copy_from_host(dev, tdm_model_grads(d->m), d->total,
-                                            (size_t)pe * sizeof(float)))) ||
+    if ((pe && d->ops->set_grads && (st = d->ops->set_grads(d->ctx, d->total))) ||
+        (pe && !d->ops->set_grads &&
+         (st = tdm_dev_copy_from_host(dev, tdm_model_grads(d->m), d->total,
+                                      (size_t)pe * sizeof(float)))) ||
         (be && (st = tdm_dev_copy_from_host(dev, tdm_model_buffers(d->m), d->total + pe,
                                             (size_t)be * sizeof(float)))) ||
         (st = d->ops->step(d->ctx)))

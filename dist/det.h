@@ -68,13 +68,19 @@ typedef struct tdm_dist_det_ops {
                         double *loss_sum);
     /* The optimizer step on the summed gradients. */
     tdm_status (*step)(void *ctx);
+    /* Optional (dist/step.h's of the same names): the local gradient
+     * into host, the summed one from host, in the model's flat layout.
+     * NULL: the model's flat gradient buffer is both. */
+    tdm_status (*local_grads)(void *ctx, float *host);
+    tdm_status (*set_grads)(void *ctx, const float *host);
 } tdm_dist_det_ops;
 
 /* The ops of one device over a tdm_single (models/train.h). */
 extern const tdm_dist_det_ops tdm_dist_det_single_ops;
-/* The ops of a data-parallel design over a tdm_dist_stepper: its
- * zero_grad, forward and backward under no_sync, its step. */
-extern const tdm_dist_det_ops tdm_dist_det_stepper_ops;
+/* The ops of a data-parallel design over a tdm_dist_stepper s (their
+ * ctx): its zero_grad, forward and backward under no_sync, its step, and
+ * its local_grads and set_grads where it has them. */
+const tdm_dist_det_ops *tdm_dist_det_stepper_ops(const tdm_dist_stepper *s);
 
 /* A deterministic step's context. Fill the public part, then call
  * tdm_dist_det_init; tdm_dist_det_free frees what init made. */

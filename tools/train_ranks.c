@@ -274,7 +274,7 @@ static tdm_status tdm_train_rank_run(void *ctx, tdm_dist_rank *d, void *self)
             run.step = tdm_accum_step;
             run.step_ctx = &acc;
         }
-        t->det = (tdm_dist_det){.ops = &tdm_dist_det_stepper_ops, .ctx = &t->s, .m = r->m,
+        t->det = (tdm_dist_det){.ops = tdm_dist_det_stepper_ops(&t->s), .ctx = &t->s, .m = r->m,
                                 .comm = d->comm, .rank = r->rank, .world = r->world,
                                 .K = (int)a->deterministic, .in_elems = t->s.in_elems,
                                 .out_rows = t->s.out_rows, .own_rows = t->s.own_rows,
