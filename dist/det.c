@@ -113,10 +113,9 @@ static int tdm_det_log2(int v)
 
 tdm_status tdm_dist_det_init(tdm_dist_det *d)
 {
-    TDM_REQUIRE(d && d->ops && d->m && d->world >= 1 && d->rank >= 0 && d->rank < d->world &&
-                (d->world == 1 || d->comm), TDM_STATUS_INVALID_ARG,
-                "deterministic step: ops, model and (with several ranks) a communicator are "
-                "required");
+    TDM_REQUIRE(d && d->ops && d->m && d->world >= 1 && d->rank >= 0 && d->rank < d->world,
+                TDM_STATUS_INVALID_ARG, "deterministic step: ops, model and a rank in the world "
+                "are required");
     TDM_CHECK(tdm_dist_det_check(d->K, d->world, d->own_rows ? d->global_batch : d->K));
     int m = d->K / d->world;
     int64_t pe = tdm_model_param_elems(d->m), be = tdm_model_buffer_elems(d->m);
@@ -130,7 +129,8 @@ tdm_status tdm_dist_det_init(tdm_dist_det *d)
     d->depth = 0;
     d->level = calloc((size_t)d->max_depth, sizeof *d->level);
     d->stack = malloc((size_t)d->max_depth * (size_t)d->n_vec * sizeof(float));
-    d->gather = malloc((size_t)d->world * (size_t)d->n_send * sizeof(float));
+    if (!d->gather_borrowed)
+        d->gather = malloc((size_t)d->world * (size_t)d->n_send * sizeof(float));
     d->total = malloc((size_t)(d->n_vec ? d->n_vec : 1) * sizeof(float));
     d->snapshot = malloc((size_t)(be ? be : 1) * sizeof(float));
     d->losses = calloc((size_t)d->K, sizeof *d->losses);
@@ -148,7 +148,7 @@ void tdm_dist_det_free(tdm_dist_det *d)
     if (!d) return;
     free(d->level);
     free(d->stack);
-    free(d->gather);
+    if (!d->gather_borrowed) free(d->gather);
     free(d->total);
     free(d->snapshot);
     free(d->losses);
@@ -203,11 +203,17 @@ static void tdm_det_rows(const tdm_dist_det *d, const void *x, const int32_t *y,
     *n = (int)(hi - (lo + row0));
 }
 
-/* This rank's shards of one micro-batch of b samples, then the tree's
- * top over the ranks: the micro-batch's gradient sum and buffers' sum in
- * d->gather's first n_vec floats; *loss_sum its losses in shard order. */
-static tdm_status tdm_det_micro(tdm_dist_det *d, const void *x, const int32_t *y, int b,
-                                int64_t row0, float scale, double *loss_sum)
+tdm_status tdm_dist_det_snapshot(tdm_dist_det *d)
+{
+    int64_t be = tdm_model_buffer_elems(d->m);
+    if (!be) return TDM_STATUS_OK;
+    tdm_status st = tdm_dev_copy_to_host(tdm_model_device(d->m), d->snapshot,
+                                         tdm_model_buffers(d->m), (size_t)be * sizeof(float));
+    return st ? tdm_det_fail(d, st) : st;
+}
+
+tdm_status tdm_dist_det_local(tdm_dist_det *d, const void *x, const int32_t *y, int b,
+                              int64_t row0, float scale)
 {
     tdm_device *dev = tdm_model_device(d->m);
     int64_t pe = tdm_model_param_elems(d->m), be = tdm_model_buffer_elems(d->m);
@@ -227,7 +233,8 @@ static tdm_status tdm_det_micro(tdm_dist_det *d, const void *x, const int32_t *y
             return tdm_det_fail(d, st);
         if (!isfinite(ls)) {
             char where[96];
-            snprintf(where, sizeof where, "rank %d, virtual shard %d of %d", d->rank, k, d->K);
+            snprintf(where, sizeof where, "%s %d, virtual shard %d of %d",
+                     d->comm ? "rank" : "device", d->rank, k, d->K);
             if (d->comm) return tdm_dist_diverged(d->comm, d->rank, d->begun, ls, where);
             return tdm_error_set(TDM_STATUS_NONFINITE, "loss is %s at step %lld (%s): training "
                                  "diverged (a lower learning rate may help)",
@@ -248,9 +255,17 @@ static tdm_status tdm_det_micro(tdm_dist_det *d, const void *x, const int32_t *y
     float *mine = d->gather + (int64_t)d->rank * d->n_send;
     memcpy(mine, d->stack, (size_t)d->n_vec * sizeof(float));
     memcpy(mine + d->n_vec, d->losses + d->rank * m, (size_t)m * sizeof(double));
-    if (d->world > 1) {
+    return TDM_STATUS_OK;
+}
+
+tdm_status tdm_dist_det_top(tdm_dist_det *d, double *loss_sum)
+{
+    int m = d->K / d->world;
+    if (d->world > 1 && d->comm) {
+        float *mine = d->gather + (int64_t)d->rank * d->n_send;
         tdm_comm_set_label(d->comm, "deterministic all_gather of subtree sums");
-        st = tdm_comm_all_gather(d->comm, mine, d->gather, (size_t)d->n_send, TDM_DTYPE_FLOAT32);
+        tdm_status st = tdm_comm_all_gather(d->comm, mine, d->gather, (size_t)d->n_send,
+                                            TDM_DTYPE_FLOAT32);
         if (st) return tdm_det_fail(d, st);
     }
     /* the top log2(N) levels, the same order on every rank */
@@ -267,36 +282,17 @@ static tdm_status tdm_det_micro(tdm_dist_det *d, const void *x, const int32_t *y
     return TDM_STATUS_OK;
 }
 
-tdm_status tdm_dist_det_step(void *det, const void *x, const int32_t *y, int batch,
-                             double *loss_mean)
+void tdm_dist_det_accumulate(tdm_dist_det *d, int micro_index)
 {
-    tdm_dist_det *d = det;
+    if (micro_index == 0) memcpy(d->total, d->gather, (size_t)d->n_vec * sizeof(float));
+    else tdm_det_add(d->total, d->gather, d->n_vec);
+}
+
+tdm_status tdm_dist_det_apply(tdm_dist_det *d, int n_micro)
+{
     tdm_device *dev = tdm_model_device(d->m);
     int64_t pe = tdm_model_param_elems(d->m), be = tdm_model_buffer_elems(d->m);
-    int global = d->own_rows ? d->global_batch : batch;
-    int mb = d->micro > 0 && !d->own_rows ? d->micro : global;
-    int n_micro = (global + mb - 1) / mb;
-    int64_t row0 = 0, hi;
-    if (d->own_rows) tdm_dist_share(global, d->rank, d->world, &row0, &hi);
     tdm_status st;
-    d->begun++;
-    if (d->before) d->before(d->before_ctx, d->begun);
-    if (be && (st = tdm_dev_copy_to_host(dev, d->snapshot, tdm_model_buffers(d->m),
-                                         (size_t)be * sizeof(float))))
-        return tdm_det_fail(d, st);
-    /* 1/(the whole effective batch) for every shard: the sum is its
-     * mean-loss gradient */
-    float scale = 1.0f / (float)global;
-    double loss_total = 0.0;
-    for (int a = 0; a < n_micro; a++) {
-        int lo = a * mb, b = global - lo < mb ? global - lo : mb;
-        const char *xa = (const char *)x + (int64_t)lo * d->in_elems * (int64_t)sizeof(float);
-        double ls = 0.0;
-        TDM_CHECK(tdm_det_micro(d, xa, y + (int64_t)lo * d->out_rows, b, row0, scale, &ls));
-        loss_total += ls;
-        if (a == 0) memcpy(d->total, d->gather, (size_t)d->n_vec * sizeof(float));
-        else tdm_det_add(d->total, d->gather, d->n_vec);
-    }
     /* the mean of the shards' buffer updates; 1/K is exact for one
      * micro-batch (K a power of two) */
     float inv = (float)(1.0 / ((double)d->K * n_micro));
@@ -309,6 +305,35 @@ tdm_status tdm_dist_det_step(void *det, const void *x, const int32_t *y, int bat
                                             (size_t)be * sizeof(float)))) ||
         (st = d->ops->step(d->ctx)))
         return tdm_det_fail(d, st);
+    return TDM_STATUS_OK;
+}
+
+tdm_status tdm_dist_det_step(void *det, const void *x, const int32_t *y, int batch,
+                             double *loss_mean)
+{
+    tdm_dist_det *d = det;
+    int global = d->own_rows ? d->global_batch : batch;
+    int mb = d->micro > 0 && !d->own_rows ? d->micro : global;
+    int n_micro = (global + mb - 1) / mb;
+    int64_t row0 = 0, hi;
+    if (d->own_rows) tdm_dist_share(global, d->rank, d->world, &row0, &hi);
+    d->begun++;
+    if (d->before) d->before(d->before_ctx, d->begun);
+    TDM_CHECK(tdm_dist_det_snapshot(d));
+    /* 1/(the whole effective batch) for every shard: the sum is its
+     * mean-loss gradient */
+    float scale = 1.0f / (float)global;
+    double loss_total = 0.0;
+    for (int a = 0; a < n_micro; a++) {
+        int lo = a * mb, b = global - lo < mb ? global - lo : mb;
+        const char *xa = (const char *)x + (int64_t)lo * d->in_elems * (int64_t)sizeof(float);
+        double ls = 0.0;
+        TDM_CHECK(tdm_dist_det_local(d, xa, y + (int64_t)lo * d->out_rows, b, row0, scale));
+        TDM_CHECK(tdm_dist_det_top(d, &ls));
+        loss_total += ls;
+        tdm_dist_det_accumulate(d, a);
+    }
+    TDM_CHECK(tdm_dist_det_apply(d, n_micro));
     *loss_mean = loss_total / global;
     return TDM_STATUS_OK;
 }

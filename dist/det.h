@@ -100,6 +100,12 @@ typedef struct tdm_dist_det {
      * the run): a test's fault hook. May be NULL. */
     void (*before)(void *ctx, int64_t step);
     void *before_ctx;
+    /* Several ranks in one process (DP's devices): comm NULL, and every
+     * rank's context shares one gather buffer of world * n_send floats
+     * (set gather, and gather_borrowed 1, after tdm_dist_det_init of the
+     * first has sized it; tdm_dist_det_free leaves it). */
+    int gather_borrowed;
+    float *gather;               /* (world, n_send) the ranks' subtree sums */
     /* ---- internal ---- */
     int64_t begun;
     int64_t n_vec;               /* gradient elements + buffer elements */
@@ -107,7 +113,6 @@ typedef struct tdm_dist_det {
     int depth, max_depth;
     int *level;                  /* (max_depth) the tree level of each stacked sum */
     float *stack;                /* (max_depth, n_vec) the pending subtree sums */
-    float *gather;               /* (world, n_send) the ranks' subtree sums */
     float *total;                /* (n_vec) the step's sum over micro-batches */
     float *snapshot;             /* (buffer elements) the step's buffers */
     double *losses;              /* (K) the shards' loss sums */
@@ -122,6 +127,22 @@ void tdm_dist_det_free(tdm_dist_det *d);
  * rank and for every N. */
 tdm_status tdm_dist_det_step(void *det, const void *x, const int32_t *y, int batch,
                              double *loss_mean);
+
+/* The pieces of tdm_dist_det_step, for a design that runs several ranks
+ * in one process (DP): at the step's start, the model's buffers as every
+ * shard's starting point (snapshot); this rank's subtree of one
+ * micro-batch of b samples (row0: the global row x starts at) into its
+ * slot of gather (local); the tree's top over the slots (collective over
+ * comm when there is one) with the micro-batch's loss sum; the micro-batch
+ * added to the step's total (accumulate, in micro-batch order); the
+ * total made the model's gradient and buffers and the step taken
+ * (apply). */
+tdm_status tdm_dist_det_snapshot(tdm_dist_det *d);
+tdm_status tdm_dist_det_local(tdm_dist_det *d, const void *x, const int32_t *y, int b,
+                              int64_t row0, float scale);
+tdm_status tdm_dist_det_top(tdm_dist_det *d, double *loss_sum);
+void tdm_dist_det_accumulate(tdm_dist_det *d, int micro_index);
+tdm_status tdm_dist_det_apply(tdm_dist_det *d, int n_micro);
 
 #ifdef __cplusplus
 }

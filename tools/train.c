@@ -113,7 +113,7 @@ static void tdm_train_usage(FILE *f)
         "  --max-restarts K       ddp, fsdp: when a rank fails, stop the rest and start\n"
         "                         every rank again from the --save checkpoint, at\n"
         "                         most K times (docs/DEBUGGING.md)            [0]\n"
-        "  --deterministic K      single, ddp, fsdp: the same bits on any number of devices:\n"
+        "  --deterministic K      every mode: the same bits on any number of devices:\n"
         "                         every global batch is cut into K virtual shards (K a\n"
         "                         power of two dividing --batch, divisible by the\n"
         "                         device count), each computed alone, and their\n"
@@ -245,9 +245,10 @@ static tdm_status tdm_train_check_det(const tdm_train_args *a)
 {
     if (!a->deterministic) return TDM_STATUS_OK;
     int K = (int)a->deterministic;
-    if (strcmp(a->mode, "single") && strcmp(a->mode, "ddp") && strcmp(a->mode, "fsdp"))
+    if (strcmp(a->mode, "single") && strcmp(a->mode, "dp") && strcmp(a->mode, "ddp") &&
+        strcmp(a->mode, "fsdp"))
         return tdm_tool_usage_error("tandem train: --deterministic is not supported with --mode "
-                                    "%s yet (single, ddp and fsdp honour the fixed order)\n",
+                                    "%s yet (single, dp, ddp and fsdp honour the fixed order)\n",
                                     a->mode);
     if (a->uneven || a->sync_bn || (a->comm_hook && strcmp(a->comm_hook, "allreduce")))
         return tdm_tool_usage_error("tandem train: --deterministic cannot honour the fixed order "

@@ -139,6 +139,7 @@ tdm_status tdm_train_run_local(const tdm_train_args *a, const tdm_model_spec *sp
     tdm_local l = {.text = text};
     tdm_train_run r = {.train = &train, .test = &test};
     tdm_dist_det det = {0};
+    tdm_train_det_dp *ddet = NULL;
     char desc[160];
     tdm_status st;
     if (!spec && (st = tdm_model_spec_parse(&own, a->model)) != TDM_STATUS_OK)
@@ -183,7 +184,21 @@ tdm_status tdm_train_run_local(const tdm_train_args *a, const tdm_model_spec *sp
                         .in_elems = tdm_model_in_features(l.m),
                         .out_rows = tdm_model_out_rows(l.m),
                         .micro = a->grad_accum > 1 ? (int)a->batch : 0};
-    if (a->deterministic) {
+    if (a->deterministic && dp) {
+        if ((st = tdm_dist_det_check(det.K, n, a->batch)) != TDM_STATUS_OK) {
+            tdm_tool_usage_error("tandem train: %s\n", tdm_error_message());
+            goto fail;
+        }
+        if ((st = tdm_train_det_dp_init(&ddet, l.dp, &l.single, det.K, det.micro, det.in_elems,
+                                        det.out_rows)) != TDM_STATUS_OK) {
+            tdm_train_fail("--deterministic", st);
+            goto fail;
+        }
+        r.step = tdm_train_det_dp_step;
+        r.step_ctx = ddet;
+        snprintf(desc + strlen(desc), sizeof desc - strlen(desc), ", deterministic over %d "
+                 "virtual shards", det.K);
+    } else if (a->deterministic) {
         if ((st = tdm_dist_det_init(&det)) != TDM_STATUS_OK) {
             tdm_train_fail("--deterministic", st);
             goto fail;
@@ -205,6 +220,7 @@ tdm_status tdm_train_run_local(const tdm_train_args *a, const tdm_model_spec *sp
     if (dp) tdm_train_print_dp_phases(&l.sum, l.step_ms, l.steps);
 fail:
     tdm_dist_det_free(&det);
+    tdm_train_det_dp_free(ddet);
     tdm_dp_free(l.dp);
     tdm_single_free(&l.single);
     tdm_optim_free(l.opt);

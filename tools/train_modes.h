@@ -166,6 +166,18 @@ typedef struct tdm_train_uneven {
 } tdm_train_uneven;
 tdm_status tdm_train_uneven_run(const tdm_train_args *a, const tdm_train_uneven *u);
 
+/* --mode dp --deterministic K (tools/train_det.c): the virtual shards
+ * over DataParallel's devices, the master's single (its optimizer) the
+ * one that steps; micro: --grad-accum's micro-batch (0: none). A
+ * tdm_train_step_fn over the result. */
+typedef struct tdm_train_det_dp tdm_train_det_dp;
+typedef struct tdm_dp tdm_dp;
+tdm_status tdm_train_det_dp_init(tdm_train_det_dp **out, tdm_dp *dp, tdm_single *master, int K,
+                                 int micro, int in_elems, int out_rows);
+void tdm_train_det_dp_free(tdm_train_det_dp *p);
+tdm_status tdm_train_det_dp_step(void *ctx, const void *x, const int32_t *y, int batch,
+                                 double *loss_mean);
+
 /* --model gpt: a language model on text, in every mode (tools/train_text.c). */
 tdm_status tdm_train_text_main(const tdm_train_args *a);
 /* --mode single and dp (tools/train_local.c): one process. spec: the
