@@ -10,6 +10,7 @@
 #include <criterion/criterion.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "tests/cli_util.h"
 #include "tests/test_util.h"
@@ -211,4 +212,39 @@ Test(det, bad_combinations_are_one_line_errors)
         expect(&r, 2, cases[i].phrase);
         cr_assert_eq(strchr(r.out, '\n'), r.out + strlen(r.out) - 1, "not one line:\n%s", r.out);
     }
+}
+
+/* Elastic resize: rank 3 of 4 killed before step 8 on every attempt.
+ * With --min-devices 2 the second loss of rank 3 sends the job on to 2
+ * devices from the last checkpoint, and it ends on the bytes of an
+ * uninterrupted run; with --min-devices 4 it stops with one line saying
+ * why. */
+Test(det, elastic_resize_continues_bit_for_bit)
+{
+    static cli_result r;
+    char whole[256], el[256], el4[256], dumps[256];
+    snprintf(whole, sizeof whole, "%s", tu_tpath(g_dir, "whole.safetensors"));
+    snprintf(el, sizeof el, "%s", tu_tpath(g_dir, "elastic.safetensors"));
+    snprintf(el4, sizeof el4, "%s", tu_tpath(g_dir, "elastic4.safetensors"));
+    snprintf(dumps, sizeof dumps, "%s", tu_tpath(g_dir, "fr"));
+    cr_assert_eq(mkdir(dumps, 0700), 0, "%s", dumps);   /* the dumps of the failed attempts */
+    setenv("TANDEM_FR_DUMP", dumps, 1);
+#define EL_ARGS "--model", "mlp:784-24-10", SYN, "--batch", "32", "--deterministic", "8", \
+                "--epochs", "3", "--max-steps", "5", "--no-eval", "--quiet"
+    CLI(&r, "train", EL_ARGS, "--save", whole);
+    expect(&r, 0, "epoch 3/3");
+    setenv("TANDEM_DDP_TEST_KILL", "3:8:ALWAYS", 1);
+    CLI(&r, "train", "--mode", "ddp", "--device", "cpu:4", EL_ARGS, "--max-restarts", "3",
+        "--min-devices", "2", "--save", el);
+    expect(&r, 0, "on 2 devices instead of 4");
+    expect(&r, 0, "epoch 3/3");
+    cr_assert(cli_same_file(whole, el), "the resized run's checkpoint differs from an "
+              "uninterrupted run's:\n%s", r.out);
+    CLI(&r, "train", "--mode", "ddp", "--device", "cpu:4", EL_ARGS, "--max-restarts", "3",
+        "--min-devices", "4", "--save", el4);
+    unsetenv("TANDEM_DDP_TEST_KILL");
+    unsetenv("TANDEM_FR_DUMP");
+    expect(&r, 1, "is below --min-devices 4: stopping");
+    cr_assert_eq(cli_shm_entries(), 0, "shared memory left behind");
+#undef EL_ARGS
 }

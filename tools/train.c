@@ -120,7 +120,7 @@ static void tdm_train_usage(FILE *f)
         "                         gradients summed in one fixed binary tree; batchnorm\n"
         "                         per shard. A checkpoint resumes on any device count\n"
         "                         dividing K (docs/DETERMINISM.md)           [off]\n"
-        "  --min-devices M        ddp with --deterministic and --max-restarts: a rank\n"
+        "  --min-devices M        ddp, fsdp with --deterministic and --max-restarts: a rank\n"
         "                         that keeps failing is left out and the job goes on\n"
         "                         from the last checkpoint on fewer devices (the most\n"
         "                         that divide K), never fewer than M           [off]\n"
@@ -187,6 +187,7 @@ static tdm_status tdm_train_parse(int argc, char **argv, tdm_train_args *a, int 
         TDM_ARGS_INT("--powersgd-rank", 1, 1 << 16, a->powersgd_rank)
         TDM_ARGS_INT("--powersgd-start-step", 0, INT64_MAX, a->powersgd_start_step)
         TDM_ARGS_INT("--deterministic", 1, TDM_DIST_DET_MAX_K, a->deterministic)
+        TDM_ARGS_INT("--min-devices", 1, TDM_DIST_DET_MAX_K, a->min_devices)
         if (!strcmp(arg, "--nesterov")) { a->nesterov = 1; continue; }
         if (!strcmp(arg, "--no-eval")) { a->no_eval = 1; continue; }
         if (!strcmp(arg, "--quiet")) { a->quiet = 1; continue; }
@@ -243,6 +244,11 @@ static tdm_status tdm_train_check_ddp_next(const tdm_train_args *a, int gpt)
  * device count is checked where it is known (tools/train_ranks.c). */
 static tdm_status tdm_train_check_det(const tdm_train_args *a)
 {
+    if (a->min_devices && (!a->deterministic || !a->max_restarts ||
+                           (strcmp(a->mode, "ddp") && strcmp(a->mode, "fsdp"))))
+        return tdm_tool_usage_error("tandem train: --min-devices applies to --mode ddp and fsdp "
+                                    "with --deterministic and --max-restarts (only then does a "
+                                    "run go on, bit for bit, on fewer devices)\n");
     if (!a->deterministic) return TDM_STATUS_OK;
     int K = (int)a->deterministic;
     if (strcmp(a->mode, "single") && strcmp(a->mode, "dp") && strcmp(a->mode, "ddp") &&

@@ -39,6 +39,7 @@ typedef struct tdm_train_args {
     long long powersgd_rank, powersgd_start_step;
     int uneven;               /* ddp: --uneven (tools/train_uneven.c) */
     int sync_bn;              /* ddp: --sync-bn */
+    long long min_devices;    /* --min-devices M: elastic resize (with --deterministic) */
     long long deterministic;  /* --deterministic K: K virtual shards (dist/det.h); 0: off */
 } tdm_train_args;
 

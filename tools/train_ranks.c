@@ -359,7 +359,9 @@ tdm_status tdm_train_run_ranks(const tdm_train_args *a, const tdm_tool_design *d
      * TANDEM_TIMEOUT, so that the ranks' NCCL communicators get it too. */
     tdm_elastic_watch w;
     tdm_dist_run_opts o = {.devices = &dl, .spec = a->device, .max_restarts = a->max_restarts,
-                           .save = a->save, .resume = &j.b.resume, .watch = &w.dist};
+                           .save = a->save, .resume = &j.b.resume, .watch = &w.dist,
+                           .min_world = (int)a->min_devices,
+                           .world_divides = (int)a->deterministic};
     if (a->timeout && tdm_dist_timeout_parse("--timeout", a->timeout, &o.timeout_ms))
         return tdm_tool_usage_error("tandem train: %s\n", tdm_error_message());
     if (a->timeout) setenv(TDM_DIST_ENV_TIMEOUT, a->timeout, 1);
@@ -386,6 +388,8 @@ tdm_status tdm_train_run_ranks(const tdm_train_args *a, const tdm_tool_design *d
     if (start == TDM_DIST_START_FORKED) {
         TDM_CHECK(tdm_train_ranks_forked(&j, &o));
         tdm_elastic_watch_init(&w, "tandem train", design->dist.name, a->max_restarts);
+        w.min_devices = a->min_devices;
+        w.divides = a->deterministic;
         fflush(stdout);
     }
     st = tdm_dist_run(&d, &j.b, &o);
