@@ -196,6 +196,10 @@ Test(det, bad_combinations_are_one_line_errors)
          "cannot honour the fixed order with --uneven"},
         {{"--mode", "ddp", "--device", "cpu:2", "--deterministic", "8", "--comm-hook", "fp16",
           NULL}, "cannot honour the fixed order with --comm-hook"},
+        {{"--deterministic", "8", "--clip-grad-norm", "1", NULL},
+         "not supported with --precision"},
+        {{"--mode", "ddp", "--device", "cpu:2", "--min-devices", "2", NULL},
+         "--min-devices applies to"},
         {{"--deterministic", "0", NULL}, "--deterministic"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {

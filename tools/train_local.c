@@ -3,8 +3,9 @@
  * --threads BLAS threads) or DataParallel (dp/) with one thread per
  * device and the master model on the first device of the list. Prints
  * the usual per-epoch lines and, for DP, where a step spends its time
- * (wall-clock per phase, averaged over the run's steps). The ranks of
- * --mode ddp and fsdp are tools/train_ranks.c's. */
+ * (wall-clock per phase, averaged over the run's steps). --mode single
+ * takes the memory levers (tools/train_levers.c). The ranks of --mode ddp
+ * and fsdp are tools/train_ranks.c's. */
 #include <stdio.h>
 #include <string.h>
 
@@ -13,6 +14,7 @@
 #include "dist/det.h"
 #include "dp/dp.h"
 #include "models/accum.h"
+#include "models/precision.h"
 #include "models/train_text.h"
 #include "tools/devices.h"
 #include "tools/tools.h"
@@ -137,6 +139,7 @@ tdm_status tdm_train_run_local(const tdm_train_args *a, const tdm_model_spec *sp
     tdm_model_spec own;
     tdm_dataset train = {0}, test = {0};
     tdm_local l = {.text = text};
+    tdm_grad_scaler scaler;
     tdm_train_run r = {.train = &train, .test = &test};
     tdm_dist_det det = {0};
     tdm_train_det_dp *ddet = NULL;
@@ -216,8 +219,14 @@ tdm_status tdm_train_run_local(const tdm_train_args *a, const tdm_model_spec *sp
     } else {
         tdm_train_print_header(a, spec, &train, &test, tdm_model_param_elems(l.m), desc);
     }
+    if (!dp) {
+        /* the memory levers (tools/train_levers.c): --mode single's */
+        TDM_TRY(tdm_train_levers_apply(a, l.m, &l.single, &scaler));
+        r.single = &l.single;
+    }
     TDM_TRY(tdm_train_epochs(a, &r));
     if (dp) tdm_train_print_dp_phases(&l.sum, l.step_ms, l.steps);
+    else tdm_train_levers_report(a, l.m);
 fail:
     tdm_dist_det_free(&det);
     tdm_train_det_dp_free(ddet);

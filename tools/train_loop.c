@@ -94,6 +94,7 @@ static void tdm_train_print_epoch(const tdm_train_args *a, const tdm_train_run *
                (long long)a->epochs, es->loss_mean, es->samples_per_s, es->seconds);
         if (!a->no_eval) printf(", test loss %.4f, test accuracy %.4f", loss, acc);
     }
+    tdm_train_levers_epoch(r);
     printf("\n");
     fflush(stdout);
 }
