@@ -252,3 +252,17 @@ Test(det, elastic_resize_continues_bit_for_bit)
     cr_assert_eq(cli_shm_entries(), 0, "shared memory left behind");
 #undef EL_ARGS
 }
+
+/* tandem compare --deterministic: bytes, not a noise floor, and the cost
+ * of determinism beside each run. */
+Test(det, compare_says_bitwise_identical)
+{
+    static cli_result r;
+    CLI(&r, "compare", "--deterministic", "8", "--sweep", "1,2", "--modes", "single,dp,ddp,zero1",
+        "--model", "mlp:784-24-10", "--data", "synthetic", "--batch", "32", "--steps", "6");
+    expect(&r, 0, "verdict: bitwise identical across 7 runs");
+    cr_assert(strstr(r.out, "ZeRO-1        2"), "%s", r.out);
+    cr_assert(!strstr(r.out, "DIFFERS"), "%s", r.out);
+    CLI(&r, "compare", "--deterministic", "8", "--sweep", "1,3", "--data", "synthetic");
+    expect(&r, 2, "every device count must divide K");
+}
