@@ -266,3 +266,31 @@ Test(det, compare_says_bitwise_identical)
     CLI(&r, "compare", "--deterministic", "8", "--sweep", "1,3", "--data", "synthetic");
     expect(&r, 2, "every device count must divide K");
 }
+
+/* The CUDA backend through its emulator (cuda/emulator.c): one emulated
+ * GPU, DDP over two and FSDP over four, DP over two: the same bytes. The
+ * subtree sums leave each GPU for the host group, so no NCCL order is
+ * relied upon. */
+Test(det, cuda_emulator_same_bytes)
+{
+    static cli_result r;
+    static const char *const modes[][2] = {{"ddp", "cuda:0,1"}, {"fsdp", "cuda:0,1,2,3"},
+                                           {"dp", "cuda:0,1"}};
+    char ref[256], path[256];
+    snprintf(ref, sizeof ref, "%s", tu_tpath(g_dir, "emu1.safetensors"));
+    snprintf(path, sizeof path, "%s", tu_tpath(g_dir, "emu.safetensors"));
+    setenv("TANDEM_CUDA_EMULATOR", "4", 1);
+#define EMU_ARGS "--model", "cnn", SYN, "--batch", "16", "--deterministic", "8", "--epochs", \
+                 "1", "--max-steps", "4", "--no-eval", "--quiet"
+    CLI(&r, "train", "--device", "cuda", EMU_ARGS, "--save", ref);
+    expect(&r, 0, "epoch 1/1");
+    for (size_t i = 0; i < sizeof modes / sizeof modes[0]; i++) {
+        CLI(&r, "train", "--mode", modes[i][0], "--device", modes[i][1], EMU_ARGS, "--save",
+            path);
+        expect(&r, 0, "epoch 1/1");
+        cr_assert(cli_same_file(ref, path), "emulated %s on %s differs from one emulated GPU",
+                  modes[i][0], modes[i][1]);
+    }
+    unsetenv("TANDEM_CUDA_EMULATOR");
+#undef EMU_ARGS
+}
