@@ -13,7 +13,11 @@
  *   every sharding, at 2 and 3 ranks;
  * - optimizer offload on emulated GPUs: bitwise the same checkpoint as
  *   without it in DDP and FSDP, and DDP's peak lower by the state's bytes;
- * - refusals: --mode dp, --uneven with fp16. */
+ * - compare --precision bf16 --checkpoint-activations 1 runs single, DDP
+ *   and every sharding of the GPT in one run: the sharded modes bitwise
+ *   DDP, the verdict PASS; dp is left out of the default modes;
+ * - refusals: --mode dp, --uneven with fp16, FSDP full shard with segments
+ *   of several units (train and compare), compare in fp16. */
 #include <criterion/criterion.h>
 
 #include <math.h>
@@ -182,4 +186,33 @@ Test(levers_ranks, refuses_what_it_cannot_do)
     CLI(&g_r, "train", "--clip-grad-norm", "1", "--mode", "fsdp", "--device", "cpu:2",
         "--grad-accum", "2");
     expect(&g_r, 2, "not supported with --grad-accum");
+    CLI(&g_r, "train", "--mode", "fsdp", "--device", "cpu:2", "--checkpoint-activations", "2");
+    expect(&g_r, 2, "FSDP's backward does not do yet");
+    CLI(&g_r, "compare", "--checkpoint-activations", "2", "--modes", "single,ddp,fsdp");
+    expect(&g_r, 2, "FSDP's backward does not do yet");
+    CLI(&g_r, "compare", "--precision", "fp16");
+    expect(&g_r, 2, "needs loss scaling");
+    CLI(&g_r, "compare", "--precision", "bf16", "--modes", "single,dp");
+    expect(&g_r, 2, "leave dp out of --modes");
+}
+
+Test(levers_ranks, compare_runs_every_mode_in_bf16_with_checkpointing)
+{
+    CLI(&g_r, "compare", "--model", "gpt:2-32-2-16", "--steps", "6", "--batch", "4",
+        "--precision", "bf16", "--checkpoint-activations", "1", "--modes",
+        "single,ddp,fsdp,zero2,zero1");
+    ok("compare bf16");
+    static const char *const want[] = {"FSDP vs DDP: bitwise the same parameters",
+                                       "ZeRO-2 vs DDP: bitwise the same parameters",
+                                       "ZeRO-1 vs DDP: bitwise the same parameters",
+                                       "verdict: PASS"};
+    for (size_t i = 0; i < sizeof want / sizeof want[0]; i++)
+        cr_assert(strstr(g_r.out, want[i]), "no '%s' in:\n%s", want[i], g_r.out);
+    /* the default modes without dp */
+    CLI(&g_r, "compare", "--data", "synthetic", "--model", "mlp:784-32-10", "--steps", "4",
+        "--batch", "32", "--precision", "bf16");
+    ok("compare bf16, default modes");
+    cr_assert(!strstr(g_r.out, " DP vs single") && strstr(g_r.out, "FSDP vs DDP: bitwise"), "%s",
+              g_r.out);
+    cr_assert_eq(cli_shm_entries(), 0);
 }

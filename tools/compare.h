@@ -17,6 +17,7 @@
 #include "core/text.h"
 #include "core/timer.h"
 #include "models/model.h"
+#include "models/precision.h"
 
 #define TDM_CMP_MAX_DEV 64
 #define TDM_CMP_MAX_BUCKETS 256
@@ -63,6 +64,10 @@ typedef struct tdm_cmp_opts {
     int64_t powersgd_start_step;
     int hooked;                /* this DDP (or sharded) run registers comm_hook */
     int sync_bn;               /* --sync-bn: DDP's batchnorm over the whole global batch */
+    /* the memory levers on every mode's model (docs/MEMORY.md): not DP */
+    const char *precision_arg; /* --precision as given (NULL: fp32) */
+    tdm_precision precision;
+    int ckpt;                  /* --checkpoint-activations N; 0: off */
 } tdm_cmp_opts;
 
 /* Bytes per device (or rank) by kind. */
