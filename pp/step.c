@@ -449,8 +449,21 @@ tdm_status tdm_pp_evaluate(tdm_pp *p, const tdm_dataset *d, int batch, double *l
 {
     TDM_REQUIRE(d && d->n > 0 && batch > 0, TDM_STATUS_INVALID_ARG,
                 "pp evaluate: a non-empty dataset and batch > 0 are required");
-    tdm_status st = TDM_STATUS_OK;
+    /* a dataset holds one label per image: every stage judges from the
+     * spec, so all refuse together (before any transfer) */
+    const tdm_model_spec *spec = tdm_model_get_spec(p->m);
+    TDM_REQUIRE(spec->kind != TDM_MODEL_GPT, TDM_STATUS_INVALID_ARG,
+                "pp evaluate: the GPT predicts every position of a window, not one label per "
+                "sample of a dataset of images (evaluate text windows with "
+                "tdm_pp_eval_batch)");
     int64_t feat = tdm_data_features(d);
+    int64_t want = spec->kind == TDM_MODEL_MLP
+                       ? spec->dims[0]
+                       : (int64_t)spec->in_c * spec->in_h * spec->in_w;
+    TDM_REQUIRE(feat == want, TDM_STATUS_INVALID_ARG,
+                "pp evaluate: the dataset has %lld features per sample, the model takes %lld",
+                (long long)feat, (long long)want);
+    tdm_status st = TDM_STATUS_OK;
     int64_t *idx = malloc((size_t)batch * sizeof *idx);
     float *x = malloc((size_t)batch * (size_t)feat * sizeof *x);
     int32_t *y = malloc((size_t)batch * sizeof *y);

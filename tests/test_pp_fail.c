@@ -303,3 +303,61 @@ Test(pp_fail, every_transfer_is_labelled_in_the_flight_recorder)
         cr_assert(strstr(all, want[i]), "'%s' is in no dump of %s", want[i], dir);
     tu_rmtree(dir);
 }
+
+/* tdm_pp_evaluate over a dataset of images: a model with several target
+ * rows per sample (the GPT) or a dataset of another feature count is
+ * refused on every stage, not read past its label buffer (valgrind saw a
+ * read past the batch's labels, then labels of garbage). */
+typedef struct eval_arg {
+    fail_out *out;
+    tpp_kind kind;
+    int features;          /* the dataset's (w, with c = h = 1) */
+} eval_arg;
+
+static int eval_rank(tdm_comm *comm, void *argp)
+{
+    eval_arg *a = argp;
+    int r = tdm_comm_rank(comm);
+    tdm_device *dev = NULL;
+    tdm_pp *p = NULL;
+    tdm_model_spec spec;
+    tpp_spec(a->kind, &spec);
+    tdm_pp_opts o = opts_of(TDM_PP_1F1B, 2);
+    o.optim = tpp_optim(a->kind);
+    tdm_dataset d = {.n = 4, .c = 1, .h = 1, .w = a->features, .n_classes = 2};
+    d.x = calloc((size_t)4 * a->features, sizeof(float));
+    d.y = calloc(4, sizeof(int32_t));
+    double loss = 0, acc = 0;
+    tdm_status st = tdm_device_open(&dev, "cpu", r, 1);
+    if (!st) st = tdm_pp_init(&p, comm, dev, &spec, &o);
+    if (!st) st = tdm_pp_evaluate(p, &d, 4, &loss, &acc);
+    a->out->status[r] = st;
+    snprintf(a->out->err[r], sizeof a->out->err[r], "%s", st ? tdm_error_message() : "ok");
+    tdm_pp_free(p);
+    tdm_device_free(dev);
+    free(d.x);
+    free(d.y);
+    return 0;
+}
+
+static void expect_eval(tpp_kind kind, int features, const char *msg)
+{
+    fail_out *out = out_new();
+    eval_arg a = {.out = out, .kind = kind, .features = features};
+    tdm_shm_spawn_opts so = {.timeout_ms = tu_scaled_ms(30000)};
+    tdm_shm_spawn(2, eval_rank, &a, &so, NULL);
+    for (int r = 0; r < 2; r++) {
+        cr_assert_eq(out->status[r], TDM_STATUS_INVALID_ARG, "%s stage %d: %s",
+                     tpp_kind_name(kind), r, out->err[r]);
+        cr_assert(strstr(out->err[r], msg), "stage %d: %s (expected '%s')", r, out->err[r], msg);
+    }
+    munmap(out, sizeof *out);
+}
+
+Test(pp_fail, evaluating_a_dataset_the_model_cannot_take_is_refused)
+{
+    tdm_model_spec g;
+    tpp_spec(TPP_GPT, &g);
+    expect_eval(TPP_GPT, g.n_ctx, "a dataset of images");
+    expect_eval(TPP_MLP, 7, "7 features per sample, the model takes 20");
+}
