@@ -199,6 +199,11 @@ tdm_status tdm_fsdp_forward(tdm_fsdp *f, const void *x, const int32_t *y, int ba
  * communicator is aborted (the other ranks stop) and the error names the
  * collective, the unit and the failing rank. */
 tdm_status tdm_fsdp_backward(tdm_fsdp *f);
+/* The gradients the levers read after a synchronised backward (loss
+ * scaling, clipping: dist/step.h): this rank's gradient shard of each
+ * unit, disjoint from every other rank's (padding included, zeros).
+ * Local. */
+tdm_status tdm_fsdp_grad_bufs(tdm_fsdp *f, tdm_dist_grads *out);
 /* Sum over all ranks of the per-sample losses of the forwards reduced by
  * the last synchronised backward. */
 double tdm_fsdp_loss_sum(const tdm_fsdp *f);

@@ -445,3 +445,14 @@ Test(pp_cli, the_memory_check_covers_the_pipeline)
     unsetenv("TANDEM_TEST_MEM_LIMIT");
     expect(&r, 0, "epoch 1/1");
 }
+
+/* The memory levers and --deterministic are not the pipeline's yet:
+ * compare refuses them with pp rather than running pp in fp32 beside
+ * modes in bf16. */
+Test(pp_cli, compare_refuses_levers_with_pp)
+{
+    static cli_result r;
+    CLI(&r, "compare", "--modes", "single,pp", "--device", "cpu:2", "--model",
+        "mlp:20-24-16-12-5", "--data", "synthetic", "--steps", "2", "--precision", "bf16");
+    expect(&r, 2, "do not apply to pp yet");
+}

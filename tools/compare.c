@@ -105,6 +105,10 @@ static void tdm_cmp_usage(FILE *f)
         "                       run the sharded modes of --modes with the hook, each\n"
         "                       against hooked DDP (docs/FSDP.md)        [allreduce]\n"
         "  --powersgd-rank R    [1]   --powersgd-start-step S (plain before)   [10]\n"
+        "  --precision P        fp32 or bf16 in every mode (not dp; fp16's loss scaling:\n"
+        "                       tandem train)                             [fp32]\n"
+        "  --checkpoint-activations N  recompute segments of N blocks in backward\n"
+        "                       in every mode (not dp)\n"
         "  --perturb-rank R     testing aid: DDP rank R adds 1%% to its gradient share,\n"
         "                       which the equivalence verdict must catch (with\n"
         "                       --comm-hook: only the hooked run, for its verdict)\n"
@@ -337,6 +341,38 @@ static tdm_status tdm_cmp_check_mpi_devices(tdm_cmp_opts *o)
     return TDM_STATUS_OK;
 }
 
+/* --precision and --checkpoint-activations: every mode's model but DP's
+ * (its replicas are copied without them), which the default modes then
+ * leave out and a --modes naming it is refused for. */
+static tdm_status tdm_cmp_check_levers(tdm_cmp_job *j)
+{
+    tdm_cmp_opts *o = &j->o;
+    o->precision = TDM_PRECISION_FP32;
+    if (o->precision_arg && tdm_precision_parse(o->precision_arg, &o->precision))
+        return tdm_tool_usage_error("tandem compare: --precision: %s\n", tdm_error_message());
+    if (o->precision == TDM_PRECISION_FP16)
+        return tdm_tool_usage_error("tandem compare: --precision fp16 needs loss scaling, "
+                                    "which compare does not run: compare fp32 or bf16 (tandem "
+                                    "train --precision fp16 runs it in every mode but dp)\n");
+    if (o->ckpt > 1 && o->modes & 1u << TDM_CMP_FSDP)
+        return tdm_tool_usage_error("tandem compare: --checkpoint-activations %d with fsdp (full "
+                                    "shard): a recomputed segment of several units needs them "
+                                    "gathered at once, which FSDP's backward does not do yet: "
+                                    "use 1, or leave fsdp out of --modes\n", o->ckpt);
+    if (o->precision == TDM_PRECISION_FP32 && !o->ckpt) return TDM_STATUS_OK;
+    if (o->modes & TDM_CMP_PP_BIT)
+        return tdm_tool_usage_error("tandem compare: --precision and --checkpoint-activations "
+                                    "do not apply to pp yet (its stages run in fp32, keeping "
+                                    "their activations): leave pp out of --modes\n");
+    if (!(o->modes & 1u << TDM_CMP_DP)) return TDM_STATUS_OK;
+    if (j->modes_arg)
+        return tdm_tool_usage_error("tandem compare: --precision and --checkpoint-activations "
+                                    "do not apply to dp (its replicas are copied without "
+                                    "them): leave dp out of --modes\n");
+    o->modes &= ~(1u << TDM_CMP_DP);
+    return TDM_STATUS_OK;
+}
+
 static tdm_status tdm_cmp_parse(int argc, char **argv, tdm_cmp_job *j)
 {
     tdm_cmp_opts *o = &j->o;
@@ -364,6 +400,8 @@ static tdm_status tdm_cmp_parse(int argc, char **argv, tdm_cmp_job *j)
         if (!strcmp(argv[i], "--no-overlap")) { o->no_overlap = 1; continue; }
         if (!strcmp(argv[i], "--sync-bn")) { o->sync_bn = 1; continue; }
         TDM_ARGS_STR("--comm-hook", o->comm_hook)
+        TDM_ARGS_STR("--precision", o->precision_arg)
+        TDM_ARGS_INT("--checkpoint-activations", 1, 1 << 16, o->ckpt)
         TDM_ARGS_INT("--powersgd-rank", 1, 1 << 16, o->powersgd_rank)
         TDM_ARGS_INT("--powersgd-start-step", 0, INT64_MAX, o->powersgd_start_step)
         TDM_ARGS_INT("--stages", 1, TDM_CMP_MAX_DEV, o->pp_stages)
@@ -989,6 +1027,10 @@ int tdm_tool_compare_main(int argc, char **argv)
     }
     if (st == TDM_STATUS_OK && j->modes_arg && !tdm_cmp_parse_modes(j->modes_arg, &j->o.modes))
         st = TDM_STATUS_USAGE;
+    if (st == TDM_STATUS_OK) st = tdm_cmp_check_levers(j);
+    if (st == TDM_STATUS_OK && j->det && (j->o.precision_arg || j->o.ckpt))
+        st = tdm_tool_usage_error("tandem compare: --deterministic runs its modes in fp32 "
+                                  "without --precision or --checkpoint-activations\n");
     if (st == TDM_STATUS_OK && j->det) return tdm_cmp_det(j);
     if (st == TDM_STATUS_OK) st = tdm_cmp_main_run(j);
     tdm_cmp_result_free(&j->floor_r);

@@ -17,6 +17,7 @@
 #include "core/text.h"
 #include "core/timer.h"
 #include "models/model.h"
+#include "models/precision.h"
 
 #define TDM_CMP_MAX_DEV 64
 #define TDM_CMP_MAX_BUCKETS 256
@@ -67,6 +68,10 @@ typedef struct tdm_cmp_opts {
      * micro-batches (0: 4), schedule (NULL: 1f1b) */
     int pp_stages, pp_micro;
     const char *pp_schedule;
+    /* the memory levers on every mode's model (docs/MEMORY.md): not DP */
+    const char *precision_arg; /* --precision as given (NULL: fp32) */
+    tdm_precision precision;
+    int ckpt;                  /* --checkpoint-activations N; 0: off */
 } tdm_cmp_opts;
 
 /* --modes' bit for the pipeline, which runs in a section of its own

@@ -23,6 +23,7 @@
 #include "models/optim.h"
 #include "models/train.h"
 #include "pp/pp.h"
+#include "models/precision.h"
 
 typedef struct tdm_tool_design tdm_tool_design;
 
@@ -32,7 +33,10 @@ typedef struct tdm_tool_build {
     const char *cmd;             /* "tandem train": the messages' prefix */
     tdm_model_spec spec;
     uint64_t seed;
-    tdm_optim_opts optim;
+    tdm_optim_opts optim;        /* optim.offload: --offload optimizer */
+    /* the memory levers on every rank's model (docs/MEMORY.md) */
+    tdm_precision precision;
+    int ckpt;                    /* units per recomputed segment; 0: off */
     const char *resume;          /* a checkpoint every rank loads (full, or FSDP's sharded
                                     index); NULL: none */
     int no_overlap;              /* communication after backward, not during it */

@@ -47,6 +47,7 @@ static const struct {
 } tdm_tool_cmds[] = {
     {"train", tdm_tool_train_main, "train a model (single device, DP or DDP)"},
     {"sample", tdm_tool_sample_main, "generate text with a GPT checkpoint"},
+    {"plan", tdm_tool_plan_main, "predicted peak memory per device, before a run"},
     {"compare", tdm_tool_compare_main, "one device, DP and DDP side by side"},
     {"launch", tdm_tool_launch_main, "run N ranks of your own program (like torchrun)"},
     {"bench", tdm_tool_bench_main, "benchmarks: bench <collective> (nccl-tests columns), "

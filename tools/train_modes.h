@@ -135,6 +135,7 @@ typedef struct tdm_train_run {
     void *after_ctx;
     struct tdm_single *single;     /* --mode single's step: its lever figures go in the epoch
                                       line (tools/train_levers.c); NULL elsewhere */
+    const struct tdm_dist_stepper *ranks;  /* --mode ddp/fsdp's, the same; NULL elsewhere */
 } tdm_train_run;
 
 /* Epochs start_epoch..--epochs-1: the learning-rate schedule on the
@@ -203,6 +204,17 @@ tdm_status tdm_train_levers_apply(const tdm_train_args *a, tdm_model *m, struct 
 void tdm_train_levers_report(const tdm_train_args *a, tdm_model *m);
 /* The epoch line's lever figures (", grad norm ..., loss scale ..."). */
 void tdm_train_levers_epoch(const tdm_train_run *r);
+/* --mode ddp and fsdp: what every rank builds (precision and
+ * checkpointing on its model, the optimizer's offload) into b; then, in
+ * each rank, the clipping and (fp16) loss scaler on its stepper (scaler:
+ * storage for it) and rank 0's line saying what is on; after training
+ * rank 0's measured peak. */
+struct tdm_tool_build;
+struct tdm_tool_rank;
+void tdm_train_levers_build(const tdm_train_args *a, struct tdm_tool_build *b);
+tdm_status tdm_train_levers_rank(const tdm_train_args *a, const struct tdm_tool_rank *r,
+                                 struct tdm_dist_stepper *s, struct tdm_grad_scaler *scaler);
+void tdm_train_levers_rank_report(const tdm_train_args *a, const struct tdm_tool_rank *r);
 
 /* --model gpt: a language model on text, in every mode (tools/train_text.c). */
 tdm_status tdm_train_text_main(const tdm_train_args *a);

@@ -23,9 +23,16 @@
  * says so and stops the group with its reason; a forked job's parent
  * names the root cause and exits 1.
  *
- * Test hook: TANDEM_DDP_TEST_KILL=R:S[:STOP] makes rank R SIGKILL
+ * The memory levers (tools/train_levers.c) are set on every rank's model
+ * and stepper.
+ *
+ * Test hooks: TANDEM_DDP_TEST_KILL=R:S[:STOP] makes rank R SIGKILL
  * (SIGSTOP) itself before its global step S (tdm_elastic_test_fault,
- * tools/elastic.h), on the first attempt only. */
+ * tools/elastic.h), on the first attempt only. TANDEM_TEST_GRAD_INF=R:S
+ * makes rank R plant an infinity in the first element of the gradient
+ * it holds after step S's backward (after DDP's all-reduce, in FSDP's
+ * shard): with fp16's loss scaling every rank must skip step S. */
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -59,6 +66,8 @@ typedef struct tdm_train_rank {
     tdm_dist_det det;                /* --deterministic K */
     int64_t kill_step;               /* test hook: kill_sig before step kill_step */
     int kill_sig;
+    int64_t inf_step;                /* test hook: an inf planted after its backward */
+    tdm_grad_scaler scaler;          /* fp16's (the stepper borrows it) */
 } tdm_train_rank;
 
 static void tdm_train_fault_hook(void *ctx, int64_t step)
@@ -66,6 +75,30 @@ static void tdm_train_fault_hook(void *ctx, int64_t step)
     const tdm_tool_rank *r = ctx;
     const tdm_train_rank *t = r->tool;
     if (step == t->kill_step) tdm_elastic_test_fault_fire(r->rank, t->kill_sig, step);
+}
+
+/* TANDEM_TEST_GRAD_INF=R:S: this rank's step to plant an inf after, or 0. */
+static int64_t tdm_train_inf_step(int rank)
+{
+    const char *e = getenv("TANDEM_TEST_GRAD_INF");
+    int r = -1;
+    long long step = 0;
+    if (!e || sscanf(e, "%d:%lld", &r, &step) != 2 || r != rank || step < 1) return 0;
+    return step;
+}
+
+static void tdm_train_inf_hook(void *ctx, int64_t step, const tdm_dist_grads *g)
+{
+    const tdm_tool_rank *r = ctx;
+    const tdm_train_rank *t = r->tool;
+    float inf = INFINITY;
+    for (int i = 0; step == t->inf_step && i < g->n_bufs; i++)
+        if (g->n_elem[i] > 0) {
+            fprintf(stderr, "tandem train: rank %d: test hook: an inf planted in its gradient "
+                            "at step %lld\n", r->rank, (long long)step);
+            (void)tdm_dev_copy_from_host(g->dev, g->bufs[i], &inf, sizeof inf);
+            return;
+        }
 }
 
 /* ---- after each epoch ---- */
@@ -260,6 +293,9 @@ static tdm_status tdm_train_rank_run(void *ctx, tdm_dist_rank *d, void *self)
                               .global_batch = (int)a->batch,
                               .unit = j->text ? "window" : NULL,
                               .before = tdm_train_fault_hook, .before_ctx = r};
+    t->inf_step = tdm_train_inf_step(r->rank);
+    if (t->inf_step) t->s.after_backward = tdm_train_inf_hook;
+    TDM_CHECK(tdm_train_levers_rank(a, r, &t->s, &t->scaler));
     tdm_train_eval_fn eval = j->text ? tdm_train_eval_text : tdm_train_eval_images;
     tdm_status st;
     if (a->uneven) {
@@ -275,7 +311,8 @@ static tdm_status tdm_train_rank_run(void *ctx, tdm_dist_rank *d, void *self)
                              .step_ctx = &t->s, .train = j->train,
                              .test = j->test, .eval = eval, .eval_ctx = r,
                              .after = design->save_alone ? tdm_train_barrier : tdm_train_save,
-                             .after_ctx = r, .text = j->text, .lo = (int)lo, .hi = (int)hi};
+                             .after_ctx = r, .text = j->text, .lo = (int)lo, .hi = (int)hi,
+                             .ranks = &t->s};
         tdm_accum acc = {.ops = &tdm_dist_accum_ops, .ctx = &t->s, .micro = (int)a->batch,
                          .in_features = tdm_model_in_features(r->m),
                          .out_rows = tdm_model_out_rows(r->m)};
@@ -300,6 +337,7 @@ static tdm_status tdm_train_rank_run(void *ctx, tdm_dist_rank *d, void *self)
     if (st == TDM_STATUS_OK && design->finish) st = design->finish(r);
     j->said = st != TDM_STATUS_OK;
     if (st == TDM_STATUS_OK && r->rank == 0 && design->report) design->report(r, !j->text);
+    if (st == TDM_STATUS_OK) tdm_train_levers_rank_report(a, r);
     return st;
 }
 
@@ -363,6 +401,7 @@ static tdm_status tdm_train_ranks_build(tdm_train_job *j, const tdm_tool_design 
     b->pp.batch = (int)a->batch;
     if (a->schedule && tdm_pp_schedule_parse(a->schedule, &b->pp.schedule))
         return tdm_tool_usage_error("tandem train: --schedule: %s\n", tdm_error_message());
+    tdm_train_levers_build(a, b);
     if (design != &tdm_tool_fsdp_design) return TDM_STATUS_OK;
     tdm_fsdp_comm_hook hook;
     if (tdm_fsdp_sharding_parse(a->sharding ? a->sharding : "full", &b->sharding))
