@@ -38,6 +38,7 @@ static inline uint64_t tdm_fr_ticks(void) { return tdm_time_ns(); }
 #define TDM_FR_LABEL_WORDS (TDM_FR_LABEL_MAX / 8)
 #define TDM_FR_MAX_LIVE 16       /* recorders SIGUSR1 can reach */
 #define TDM_FR_PATH_MAX 4096
+#define TDM_FR_TMP_SUFFIX_MAX 32 /* a writer's number and ".tmp" */
 
 /* One collective. Every field is a relaxed atomic so that the writer (a
  * signal handler, or another thread) may read while the issuing and the
@@ -75,6 +76,7 @@ struct tdm_fr {
     char reason[TDM_FR_REASON_MAX];
     _Atomic int dumps;            /* dumps written */
     _Atomic int in_dump;          /* writers running now (free waits for 0) */
+    _Atomic uint64_t writer_seq;  /* numbers each writer's temporary file */
     int dump_at_end;
     int has_dir;
     char dir[TDM_FR_PATH_MAX], path[TDM_FR_PATH_MAX], tmp_path[TDM_FR_PATH_MAX];
@@ -130,9 +132,12 @@ static void tdm_fr_name(tdm_fr *fr, int primary)
     else snprintf(name, sizeof name, "fr_rank_%d.c%d.pid%d.json", fr->rank, fr->index,
                   (int)getpid());
     int a = snprintf(fr->path, sizeof fr->path, "%s/%s", fr->dir, name);
-    int b = snprintf(fr->tmp_path, sizeof fr->tmp_path, "%s/.%s.%d.tmp", fr->dir, name,
+    /* the prefix of the writers' temporary files: each appends its own
+     * number (tdm_fr_dump), so that two at once never share one */
+    int b = snprintf(fr->tmp_path, sizeof fr->tmp_path, "%s/.%s.%d.", fr->dir, name,
                      (int)getpid());
-    fr->has_dir = a > 0 && a < (int)sizeof fr->path && b > 0 && b < (int)sizeof fr->tmp_path;
+    fr->has_dir = a > 0 && a < (int)sizeof fr->path && b > 0 &&
+                  b + TDM_FR_TMP_SUFFIX_MAX < (int)sizeof fr->tmp_path;
     if (!fr->has_dir) TDM_WARN(CORE, "TANDEM_FR_DUMP: path too long; no dumps");
 }
 
@@ -436,6 +441,21 @@ static void tdm_fr_put_entry(tdm_fr_out *o, const tdm_fr_entry *e, uint64_t seq,
     tdm_fr_puts(o, "}");
 }
 
+/* This writer's temporary file: the prefix made at init, then a number
+ * of its own (by hand: async-signal-safe) and ".tmp". */
+static void tdm_fr_tmp_name(tdm_fr *fr, char *out)
+{
+    size_t n = strlen(fr->tmp_path);
+    memcpy(out, fr->tmp_path, n);
+    uint64_t k = atomic_fetch_add(&fr->writer_seq, 1);
+    char d[24];
+    int i = sizeof d;
+    do { d[--i] = (char)('0' + k % 10); k /= 10; } while (k);
+    memcpy(out + n, d + i, sizeof d - (size_t)i);
+    n += sizeof d - (size_t)i;
+    memcpy(out + n, ".tmp", 5);
+}
+
 int tdm_fr_dump(tdm_fr *fr, const char *reason)
 {
     if (!fr || !fr->has_dir) return -1;
@@ -444,10 +464,15 @@ int tdm_fr_dump(tdm_fr *fr, const char *reason)
     tdm_fr_out o;
     o.err = 0;
     o.len = 0;
-    /* Two writers at once (a failure on one thread, SIGUSR1 on another)
-     * share the temporary name; the loser's rename fails or lands the
-     * same content, and the file read is always one complete dump. */
-    o.fd = open(fr->tmp_path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600);
+    /* Two writers at once (a failure on one thread and SIGUSR1 on
+     * another, or SIGUSR1 landing inside this thread's own dump) each
+     * write a temporary file of their own, numbered here, and rename it
+     * into place: the file read is always one complete dump, the later
+     * rename's. (One shared name let the nested writer truncate and
+     * rename the file the interrupted one was still writing.) */
+    char tmp[TDM_FR_PATH_MAX];
+    tdm_fr_tmp_name(fr, tmp);
+    o.fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
     if (o.fd < 0) goto out;
     uint64_t next = atomic_load_explicit(&fr->next_seq, memory_order_relaxed);
     uint64_t first = next > fr->n ? next - fr->n : 0;
@@ -495,11 +520,11 @@ int tdm_fr_dump(tdm_fr *fr, const char *reason)
     tdm_fr_puts(&o, "\n]}\n");
     tdm_fr_flush(&o);
     if (close(o.fd) != 0) o.err = 1;
-    if (!o.err && rename(fr->tmp_path, fr->path) == 0) {
+    if (!o.err && rename(tmp, fr->path) == 0) {
         rc = 0;
         atomic_fetch_add(&fr->dumps, 1);
     } else {
-        unlink(fr->tmp_path);
+        unlink(tmp);
     }
 out:
     atomic_fetch_sub(&fr->in_dump, 1);

@@ -3,6 +3,8 @@
  * the dump on a failure (with its reason) and on SIGUSR1, a bad
  * TANDEM_FR_SIZE refused, and TANDEM_FR_SIZE=0 writing nothing. */
 #include <criterion/criterion.h>
+#include <dirent.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -299,5 +301,91 @@ Test(flight, the_composite_communicator_owns_the_rank_file, .timeout = 30)
     tdm_fr_free(part);
     tdm_fr_free(other);
     tdm_fr_free(whole);
+    fr_t_rm_dir(dir);
+}
+
+/* Two writers of one recorder's dump at once (a SIGUSR1 landing while the
+ * thread it interrupts is writing an end-of-run or failure dump): each
+ * writes its own temporary file, so the file that lands is always one
+ * complete dump. The signal is sent as soon as the first writer's
+ * temporary file exists (a dump of 60000 entries takes tens of ms), so it
+ * lands inside that write on every run. */
+typedef struct {
+    const char *dir;
+    pthread_t target;
+    atomic_int stop, sent;
+} fr_nested_ctx;
+
+static int fr_tmp_exists(const char *dir)
+{
+    DIR *d = opendir(dir);
+    int found = 0;
+    for (struct dirent *de; d && (de = readdir(d));)
+        if (de->d_name[0] == '.' && strstr(de->d_name, ".tmp")) found = 1;
+    if (d) closedir(d);
+    return found;
+}
+
+static void *fr_nested_signaller(void *arg)
+{
+    fr_nested_ctx *x = arg;
+    while (!atomic_load(&x->stop)) {
+        if (!atomic_load(&x->sent) && fr_tmp_exists(x->dir)) {
+            atomic_store(&x->sent, 1);
+            pthread_kill(x->target, SIGUSR1);
+        }
+        usleep(200);
+    }
+    return NULL;
+}
+
+/* The whole file at path, parsed (fails the test when it is not JSON). */
+static tdm_json *fr_load_big(const char *path)
+{
+    FILE *f = fopen(path, "rb");
+    cr_assert_not_null(f, "%s: no dump", path);
+    fseek(f, 0, SEEK_END);
+    long n = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    char *text = malloc((size_t)n + 1);
+    cr_assert_not_null(text);
+    cr_assert_eq(fread(text, 1, (size_t)n, f), (size_t)n);
+    fclose(f);
+    tdm_json *doc = NULL;
+    tdm_status st = tdm_json_parse(&doc, text, (size_t)n);
+    free(text);
+    cr_assert_eq(st, TDM_STATUS_OK, "%s: a dump written while another was being written does "
+                 "not parse: %s", path, tdm_error_message());
+    return doc;
+}
+
+Test(flight, a_dump_interrupted_by_another_stays_whole, .timeout = 120)
+{
+    char dir[64], path[128];
+    fr_t_dump_dir(dir, sizeof dir);
+    setenv("TANDEM_FR_SIZE", "60000", 1);
+    tdm_fr *fr = NULL;
+    cr_assert_eq(tdm_fr_init(&fr, 0, 1, "shm"), TDM_STATUS_OK);
+    tdm_comm_call k = {.coll = TDM_COLL_ALL_REDUCE, .count = 1000, .dtype = TDM_DTYPE_FLOAT32};
+    for (int i = 0; i < 60000; i++) {
+        tdm_fr_set_label(fr, "a long enough label for a big dump");
+        tdm_fr_end(fr, tdm_fr_begin(fr, &k, TDM_FR_RUNNING), TDM_STATUS_OK);
+    }
+    snprintf(path, sizeof path, "%s/fr_rank_0.json", dir);
+    for (int round = 0; round < 5; round++) {
+        fr_nested_ctx x = {.dir = dir, .target = pthread_self()};
+        pthread_t t;
+        cr_assert_eq(pthread_create(&t, NULL, fr_nested_signaller, &x), 0);
+        cr_assert_eq(tdm_fr_dump(fr, "end"), 0);
+        atomic_store(&x.stop, 1);
+        pthread_join(t, NULL);
+        cr_assert(atomic_load(&x.sent), "the dump ended before the signal could be sent");
+        tdm_json *doc = fr_load_big(path);
+        cr_expect_eq(fr_entries(doc)->n, 60000);
+        tdm_json_free(doc);
+        cr_expect(!fr_tmp_exists(dir), "a temporary file was left behind");
+    }
+    setenv("TANDEM_FR_DUMP_ON", "failure", 1);
+    tdm_fr_free(fr);
     fr_t_rm_dir(dir);
 }
