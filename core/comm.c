@@ -600,6 +600,11 @@ void tdm_comm_fr_set_inner(tdm_comm *comm)
     if (comm) tdm_fr_set_inner(comm->fr);
 }
 
+void tdm_comm_fr_set_job(tdm_comm *comm, uint64_t job)
+{
+    if (comm) tdm_fr_set_job(comm->fr, job);
+}
+
 int tdm_comm_fr_dump(tdm_comm *comm, const char *reason)
 {
     return comm && comm->fr ? tdm_fr_dump(comm->fr, reason) : -1;

@@ -75,5 +75,9 @@ void *tdm_comm_impl(const tdm_comm *comm);
  * that the composite communicator made next gets that name
  * (core/flight.h). */
 void tdm_comm_fr_set_inner(tdm_comm *comm);
+/* The job comm belongs to, written in its flight-recorder dumps for
+ * `tandem doctor` (core/flight.h), unless TANDEM_JOB_ID gave one: a
+ * backend's own id of the group (the shm segment's). */
+void tdm_comm_fr_set_job(tdm_comm *comm, uint64_t job);
 
 #endif

@@ -77,6 +77,11 @@ struct tdm_fr {
     _Atomic int dumps;            /* dumps written */
     _Atomic int in_dump;          /* writers running now (free waits for 0) */
     _Atomic uint64_t writer_seq;  /* numbers each writer's temporary file */
+    /* The job the dump belongs to (TANDEM_JOB_ID, else what the backend
+     * knows: the shm segment's id, the MPI job's agreed one); 0: none. So
+     * that `tandem doctor` reads one job's dumps out of a reused
+     * directory. */
+    _Atomic uint64_t job;
     int dump_at_end;
     int has_dir;
     char dir[TDM_FR_PATH_MAX], path[TDM_FR_PATH_MAX], tmp_path[TDM_FR_PATH_MAX];
@@ -148,6 +153,29 @@ void tdm_fr_set_inner(tdm_fr *fr)
     if (atomic_compare_exchange_strong(&tdm_fr_primary, &expect, NULL)) tdm_fr_name(fr, 0);
 }
 
+uint64_t tdm_fr_job_parse(const char *s)
+{
+    if (!s || !*s) return 0;
+    /* 1..16 hex digits: the id itself; anything else: its FNV-1a hash */
+    uint64_t v = 0, h = 1469598103934665603ull;
+    int hex = strlen(s) <= 16;
+    for (const char *p = s; *p; p++) {
+        int d = *p >= '0' && *p <= '9' ? *p - '0' : *p >= 'a' && *p <= 'f' ? *p - 'a' + 10
+                : *p >= 'A' && *p <= 'F' ? *p - 'A' + 10 : -1;
+        if (d < 0) hex = 0;
+        else v = v << 4 | (uint64_t)d;
+        h = (h ^ (unsigned char)*p) * 1099511628211ull;
+    }
+    v = hex ? v : h;
+    return v ? v : 1;
+}
+
+void tdm_fr_set_job(tdm_fr *fr, uint64_t job)
+{
+    uint64_t none = 0;
+    if (fr && job) atomic_compare_exchange_strong(&fr->job, &none, job);
+}
+
 tdm_status tdm_fr_init(tdm_fr **out, int rank, int world, const char *backend)
 {
     *out = NULL;
@@ -180,6 +208,7 @@ tdm_status tdm_fr_init(tdm_fr **out, int rank, int world, const char *backend)
     fr->index = -1;
     fr->tick0 = tdm_fr_ticks();
     fr->ns0 = tdm_time_ns();
+    atomic_init(&fr->job, tdm_fr_job_parse(getenv(TDM_FR_ENV_JOB)));
     for (int i = 0; i < TDM_FR_MAX_LIVE; i++) {
         tdm_fr *expect = NULL;
         if (atomic_compare_exchange_strong(&tdm_fr_live[i], &expect, fr)) { fr->index = i; break; }
@@ -346,6 +375,16 @@ static void tdm_fr_put_u64(tdm_fr_out *o, uint64_t v)
     tdm_fr_put(o, d + i, sizeof d - (size_t)i);
 }
 
+/* 16 hex digits; nothing for 0 (no job id). */
+static void tdm_fr_put_hex(tdm_fr_out *o, uint64_t v)
+{
+    static const char hex[] = "0123456789abcdef";
+    if (!v) return;
+    char d[16];
+    for (int i = 15; i >= 0; i--, v >>= 4) d[i] = hex[v & 15];
+    tdm_fr_put(o, d, 16);
+}
+
 static void tdm_fr_put_i64(tdm_fr_out *o, int64_t v)
 {
     if (v < 0) {
@@ -488,7 +527,9 @@ int tdm_fr_dump(tdm_fr *fr, const char *reason)
     tdm_fr_put_i64(&o, fr->world);
     tdm_fr_puts(&o, ",\"pid\":");
     tdm_fr_put_i64(&o, (int64_t)getpid());
-    tdm_fr_puts(&o, ",\"backend\":");
+    tdm_fr_puts(&o, ",\"job\":\"");
+    tdm_fr_put_hex(&o, atomic_load(&fr->job));
+    tdm_fr_puts(&o, "\",\"backend\":");
     tdm_fr_put_str(&o, fr->backend, 64);
     tdm_fr_puts(&o, ",\"trigger\":");
     tdm_fr_put_str(&o, reason ? reason : "request", 64);

@@ -14,6 +14,11 @@
  *                          fr_rank_<R>.c<K>.pid<P>.json, and those a backend
  *                          marks inner, below). Without it nothing is
  *                          written (tandem launch and tandem train set it).
+ *   TANDEM_JOB_ID=ID       the job the dumps belong to, written in each
+ *                          (16 hex digits; `tandem doctor` reads one job's
+ *                          dumps): set by tandem launch and tandem train
+ *                          for their ranks, agreed by an MPI job's ranks;
+ *                          without it, the backend's (the shm segment's).
  *   TANDEM_FR_DUMP_ON=failure   write only on failure, timeout, abort and
  *                          SIGUSR1, not at the end of a good run (what the
  *                          launchers set); default: also at the end.
@@ -41,6 +46,7 @@
 #define TDM_FR_MAX_SIZE (1 << 22)
 #define TDM_FR_LABEL_MAX 48      /* bytes kept of a label, NUL included */
 #define TDM_FR_REASON_MAX 512
+#define TDM_FR_ENV_JOB "TANDEM_JOB_ID"
 
 typedef enum tdm_fr_state {
     TDM_FR_EMPTY = 0,
@@ -75,6 +81,13 @@ void tdm_fr_set_step(tdm_fr *fr, int64_t step);
 /* Records a failure that is not a call's (a timed-out wait, an abort),
  * keeping the first as the reason, and dumps. */
 void tdm_fr_note_failure(tdm_fr *fr, tdm_status st, const char *why);
+
+/* A job id from TANDEM_JOB_ID's text: 1..16 hex digits as they are,
+ * anything else hashed; 0 for none. */
+uint64_t tdm_fr_job_parse(const char *s);
+/* The job of fr's dumps, unless it has one already (TANDEM_JOB_ID's
+ * wins): what a backend knows (the shm segment's id). */
+void tdm_fr_set_job(tdm_fr *fr, uint64_t job);
 
 /* A communicator that is a part of another (hier's shm and MPI
  * sub-communicators): it gives up the fr_rank_<R>.json name, so that the

@@ -562,7 +562,9 @@ static tdm_status tdm_shm_join(tdm_comm **out, void *base, size_t total, int unm
     TDM_INFO(SHM, "rank %d of %d joined (job %016llx, %d cores, %s waits, one-shot <= %zu "
              "bytes)", rank, world, (unsigned long long)snap.job_id, geom.cores,
              c->spin ? "spinning" : "sleeping", geom.one_shot_max);
-    return tdm_comm_create(out, &tdm_shm_ops, c, rank, world);
+    TDM_CHECK(tdm_comm_create(out, &tdm_shm_ops, c, rank, world));
+    tdm_comm_fr_set_job(*out, snap.job_id);   /* unless TANDEM_JOB_ID named the job */
+    return TDM_STATUS_OK;
 fail:
     if (c) free(c);
     if (unmap) munmap(base, total);

@@ -95,6 +95,32 @@ Test(doctor, good_run_is_ok, .timeout = 90)
     fr_t_rm_dir(dir);
 }
 
+/* A directory reused by two jobs (a fixed TANDEM_FR_DUMP, as under
+ * mpirun): job 1 (3 ranks, 4 steps) leaves fr_rank_2.json behind, which
+ * job 2 (2 ranks, 3 steps) does not overwrite. The doctor reads the
+ * newest job only, by the job id in every dump; the old file is named in
+ * a note. (Before: "3 rank(s) agree on 12 collective(s)" for a job of 2
+ * ranks and 9 collectives.) */
+Test(doctor, a_reused_directory_reads_only_the_newest_job, .timeout = 90)
+{
+    char dir[64];
+    fr_t_dump_dir(dir, sizeof dir);   /* end-of-run dumps */
+    fr_t_job j1 = {.steps = 4, .fault_rank = -1};
+    cr_assert_eq(fr_t_run(3, &j1), TDM_STATUS_OK, "%s", tdm_error_message());
+    fr_t_job j2 = {.steps = 3, .fault_rank = -1};
+    cr_assert_eq(fr_t_run(2, &j2), TDM_STATUS_OK, "%s", tdm_error_message());
+    cli_result r;
+    CLI(&r, "doctor", dir);
+    expect(&r, 0, "verdict: OK: 2 rank(s) agree on 9 collective(s), none failed");
+    expect(&r, 0, "note: fr_rank_2.json: not used: a dump of another job (job ");
+    tdm_json *doc = fr_t_load(dir, 0);
+    cr_assert_not_null(doc);
+    const tdm_json *job = tdm_json_get(doc, "job");
+    cr_expect(job && job->type == TDM_JSON_STRING && strlen(job->str) == 16, "no job id");
+    tdm_json_free(doc);
+    fr_t_rm_dir(dir);
+}
+
 /* A healthy rank left unscheduled for a while (here: stopped for 0.7 s,
  * as a loaded machine may leave it) is waited for, not named: the stall
  * bound of the fr_t jobs must be past it. */

@@ -27,11 +27,12 @@ typedef enum tdm_doctor_verdict {
  * nothing printed) and copies the one-line verdict into line. */
 tdm_doctor_verdict tdm_doctor_diagnose(const char *dir, FILE *out, char *line, size_t n);
 
-/* Writes DIR/launch.json: world, each rank's pid and waitpid status (< 0:
- * still running), and the root cause as the launcher worded it (cause may
- * be NULL). Returns 0 on success. */
-int tdm_doctor_write_summary(const char *dir, int world, const int *pid, const int *wstatus,
-                             const int *induced, const char *cause);
+/* Writes DIR/launch.json: the job id (the ranks' TANDEM_JOB_ID; NULL:
+ * none), world, each rank's pid and waitpid status (< 0: still running),
+ * and the root cause as the launcher worded it (cause may be NULL).
+ * Returns 0 on success. */
+int tdm_doctor_write_summary(const char *dir, const char *job, int world, const int *pid,
+                             const int *wstatus, const int *induced, const char *cause);
 
 /* A job whose ranks dump on failure, as tandem launch and tandem train
  * --mode ddp run them: begin before starting ranks, end after. */
@@ -42,10 +43,15 @@ typedef struct tdm_doctor_job {
     int on;                /* 0: no directory (the recorder's dumps are off) */
     int set_env, set_on;   /* 1: we exported TANDEM_FR_DUMP / TANDEM_FR_DUMP_ON */
     int early_done;        /* 1: tdm_doctor_job_settled printed `early` */
+    char job[24];          /* this job's id, exported to the ranks as TANDEM_JOB_ID */
+    char job_was[64];      /* TANDEM_JOB_ID before (restored at the end) */
+    int had_job;
     char early[1024];
 } tdm_doctor_job;
 
-/* Points the ranks' recorders at a directory (TANDEM_FR_DUMP, exported):
+/* Draws the job's id (exported as TANDEM_JOB_ID: every dump and the
+ * summary carry it, and the doctor reads only this job's), and points the
+ * ranks' recorders at a directory (TANDEM_FR_DUMP, exported):
  * the user's TANDEM_FR_DUMP if set, else dir_hint (a --log-dir) if given,
  * else a new private directory under $TMPDIR (/tmp), and asks for dumps
  * on failure only (TANDEM_FR_DUMP_ON=failure) unless the user chose. */

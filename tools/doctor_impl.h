@@ -47,6 +47,8 @@ typedef struct tdm_doc {
     tdm_json *summary;              /* launch.json, checked; NULL: none */
     const char *cause;              /* summary's cause, or NULL */
     int skipped;                    /* files not read, each with a note */
+    int other_job;                  /* of which dumps of another job */
+    char job[24];                   /* the job read ("": dumps without an id) */
     char notes[2048];               /* "  note: ..." lines */
     size_t nl;
 } tdm_doc;

@@ -11,8 +11,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
+#include <time.h>
 #include <unistd.h>
 
+#include "core/flight.h"
 #include "core/safefile.h"
 #include "shm/spawn.h"
 
@@ -29,8 +32,8 @@ static void tdm_doc_json_str(FILE *f, const char *s)
     fputc('"', f);
 }
 
-int tdm_doctor_write_summary(const char *dir, int world, const int *pid, const int *wstatus,
-                             const int *induced, const char *cause)
+int tdm_doctor_write_summary(const char *dir, const char *job, int world, const int *pid,
+                             const int *wstatus, const int *induced, const char *cause)
 {
     char path[4096];
     snprintf(path, sizeof path, "%s/%s", dir, TDM_DOCTOR_SUMMARY);
@@ -38,7 +41,9 @@ int tdm_doctor_write_summary(const char *dir, int world, const int *pid, const i
     if (tdm_file_replace_open(&o, AT_FDCWD, path)) return -1;
     FILE *f = fdopen(dup(o.fd), "w");
     if (!f) { tdm_file_replace_abort(&o); return -1; }
-    fprintf(f, "{\"version\":1,\"world\":%d,\"cause\":", world);
+    fprintf(f, "{\"version\":1,\"job\":");
+    tdm_doc_json_str(f, job ? job : "");
+    fprintf(f, ",\"world\":%d,\"cause\":", world);
     tdm_doc_json_str(f, cause ? cause : "");
     fprintf(f, ",\"ranks\":[");
     for (int r = 0; pid && wstatus && r < world; r++) {
@@ -57,10 +62,29 @@ int tdm_doctor_write_summary(const char *dir, int world, const int *pid, const i
     return tdm_file_replace_commit(&o) ? -1 : 0;
 }
 
+/* A new job id for the ranks' dumps (TANDEM_JOB_ID, core/flight.h): the
+ * doctor reads this job's dumps only, whatever else the directory holds
+ * (an earlier attempt, another run, a planted file). */
+static void tdm_doctor_job_id(tdm_doctor_job *j)
+{
+    uint64_t id = 0;
+    if (getrandom(&id, sizeof id, 0) != (ssize_t)sizeof id) {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        id = ((uint64_t)getpid() << 32) ^ (uint64_t)ts.tv_nsec ^ ((uint64_t)ts.tv_sec << 20);
+    }
+    snprintf(j->job, sizeof j->job, "%016llx", (unsigned long long)(id ? id : 1));
+    const char *was = getenv(TDM_FR_ENV_JOB);
+    j->had_job = was != NULL;
+    if (was) snprintf(j->job_was, sizeof j->job_was, "%s", was);
+    setenv(TDM_FR_ENV_JOB, j->job, 1);
+}
+
 void tdm_doctor_job_begin(tdm_doctor_job *j, const char *tool, const char *dir_hint)
 {
     memset(j, 0, sizeof *j);
     j->tool = tool;
+    tdm_doctor_job_id(j);
     const char *user = getenv("TANDEM_FR_DUMP");
     if (user && *user) {
         snprintf(j->dir, sizeof j->dir, "%s", user);
@@ -107,6 +131,9 @@ static void tdm_doctor_job_clean(tdm_doctor_job *j)
 tdm_doctor_verdict tdm_doctor_job_end(tdm_doctor_job *j, int failed, int world, const int *pid,
                                       const int *wstatus, const int *induced, const char *cause)
 {
+    /* the next job (a restart) draws its own id */
+    if (j->had_job) setenv(TDM_FR_ENV_JOB, j->job_was, 1);
+    else unsetenv(TDM_FR_ENV_JOB);
     if (!j->on) return TDM_DOCTOR_OK;
     /* the next job (a restart) picks its own directory */
     if (j->set_env) unsetenv("TANDEM_FR_DUMP");
@@ -115,7 +142,7 @@ tdm_doctor_verdict tdm_doctor_job_end(tdm_doctor_job *j, int failed, int world, 
         if (j->created) tdm_doctor_job_clean(j);
         return TDM_DOCTOR_OK;
     }
-    tdm_doctor_write_summary(j->dir, world, pid, wstatus, induced, cause);
+    tdm_doctor_write_summary(j->dir, j->job, world, pid, wstatus, induced, cause);
     char line[1024];
     tdm_doctor_verdict v = tdm_doctor_diagnose(j->dir, NULL, line, sizeof line);
     /* the verdict printed while the teardown ran stands unless the ends
@@ -141,7 +168,8 @@ void tdm_doctor_job_settled(const tdm_shm_watch *w, void *job)
     char cause[1024] = "";
     if (tdm_shm_watch_blame(w, NULL) != TDM_STATUS_OK)
         snprintf(cause, sizeof cause, "%s", tdm_error_message());
-    tdm_doctor_write_summary(j->dir, w->world, w->pid, ws, w->induced, cause[0] ? cause : NULL);
+    tdm_doctor_write_summary(j->dir, j->job, w->world, w->pid, ws, w->induced,
+                             cause[0] ? cause : NULL);
     tdm_doctor_diagnose(j->dir, NULL, j->early, sizeof j->early);
     j->early_done = 1;
     char who[256];

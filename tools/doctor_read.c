@@ -308,6 +308,42 @@ static tdm_json *tdm_doc_take_summary(tdm_doc *d, const char *dir, size_t *budge
     return NULL;
 }
 
+/* One job's dumps out of a directory that several jobs wrote to (a fixed
+ * TANDEM_FR_DUMP, a restarted launch's --log-dir): the summary's job
+ * when there is one, else the job of the newest dump (dump_real_ns);
+ * the others are left out with a note. Dumps without a job id (an older
+ * recorder) count as one job of their own. */
+static void tdm_doc_pick_job(tdm_doc *d, tdm_json **docs, char *present, int maxr)
+{
+    const char *want = d->summary ? tdm_doc_str(d->summary, "job", NULL) : NULL;
+    if (!want) {
+        int64_t newest = -1;
+        for (int r = 0; r <= maxr; r++) {
+            if (!docs[r] || docs[r]->type != TDM_JSON_OBJECT) continue;
+            int64_t t = tdm_doc_int(docs[r], "dump_real_ns", 0);
+            if (t > newest) {
+                newest = t;
+                want = tdm_doc_str(docs[r], "job", "");
+            }
+        }
+    }
+    if (!want) return;
+    snprintf(d->job, sizeof d->job, "%s", want);
+    for (int r = 0; r <= maxr; r++) {
+        if (!docs[r] || docs[r]->type != TDM_JSON_OBJECT) continue;
+        const char *job = tdm_doc_str(docs[r], "job", "");
+        if (!strcmp(job, d->job)) continue;
+        tdm_doc_note(d, "  note: fr_rank_%d.json: not used: a dump of another job (job %.20s, "
+                     "not %.20s)\n", r, job[0] ? job : "without an id",
+                     d->job[0] ? d->job : "without an id");
+        d->skipped++;
+        d->other_job++;
+        tdm_json_free(docs[r]);
+        docs[r] = NULL;
+        present[r] = 0;   /* not this job's: its rank did not leave it */
+    }
+}
+
 int tdm_doc_read(tdm_doc *d, const char *dir)
 {
     memset(d, 0, sizeof *d);
@@ -343,6 +379,7 @@ int tdm_doc_read(tdm_doc *d, const char *dir)
     }
     closedir(dp);
     d->summary = tdm_doc_take_summary(d, dir, &budget);
+    tdm_doc_pick_job(d, docs, present, maxr);
     if (d->summary) {
         d->world = (int)tdm_doc_int(d->summary, "world", 0);
         d->cause = tdm_doc_str(d->summary, "cause", NULL);
