@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include "core/log.h"
+#include "core/safefile.h"
 #include "core/timer.h"
 
 /* The time stamps of the fast path. clock_gettime costs 20 ns where the
@@ -37,7 +38,7 @@ static inline uint64_t tdm_fr_ticks(void) { return tdm_time_ns(); }
 
 #define TDM_FR_LABEL_WORDS (TDM_FR_LABEL_MAX / 8)
 #define TDM_FR_MAX_LIVE 16       /* recorders SIGUSR1 can reach */
-#define TDM_FR_PATH_MAX 4096
+#define TDM_FR_NAME_MAX 96
 #define TDM_FR_TMP_SUFFIX_MAX 32 /* a writer's number and ".tmp" */
 
 /* One collective. Every field is a relaxed atomic so that the writer (a
@@ -83,8 +84,13 @@ struct tdm_fr {
      * directory. */
     _Atomic uint64_t job;
     int dump_at_end;
-    int has_dir;
-    char dir[TDM_FR_PATH_MAX], path[TDM_FR_PATH_MAX], tmp_path[TDM_FR_PATH_MAX];
+    /* TANDEM_FR_DUMP, opened and checked once (core/safefile.h: ours or
+     * root's, not writable by group or others, a symlink only if ours):
+     * every dump is created and renamed relative to it, so the path can
+     * not be swapped under the writer. -1: no dumps. */
+    int dirfd;
+    char name[TDM_FR_NAME_MAX];      /* fr_rank_<R>[.c<K>.pid<P>].json */
+    char tmp_prefix[2 * TDM_FR_NAME_MAX];
 };
 
 static _Atomic(tdm_fr *) tdm_fr_live[TDM_FR_MAX_LIVE];
@@ -132,23 +138,18 @@ static void tdm_fr_install_signal(void)
  * ranks) to fr_rank_<R>.c<K>.pid<P>.json. */
 static void tdm_fr_name(tdm_fr *fr, int primary)
 {
-    char name[96];
-    if (primary) snprintf(name, sizeof name, "fr_rank_%d.json", fr->rank);
-    else snprintf(name, sizeof name, "fr_rank_%d.c%d.pid%d.json", fr->rank, fr->index,
+    if (primary) snprintf(fr->name, sizeof fr->name, "fr_rank_%d.json", fr->rank);
+    else snprintf(fr->name, sizeof fr->name, "fr_rank_%d.c%d.pid%d.json", fr->rank, fr->index,
                   (int)getpid());
-    int a = snprintf(fr->path, sizeof fr->path, "%s/%s", fr->dir, name);
     /* the prefix of the writers' temporary files: each appends its own
      * number (tdm_fr_dump), so that two at once never share one */
-    int b = snprintf(fr->tmp_path, sizeof fr->tmp_path, "%s/.%s.%d.", fr->dir, name,
-                     (int)getpid());
-    fr->has_dir = a > 0 && a < (int)sizeof fr->path && b > 0 &&
-                  b + TDM_FR_TMP_SUFFIX_MAX < (int)sizeof fr->tmp_path;
-    if (!fr->has_dir) TDM_WARN(CORE, "TANDEM_FR_DUMP: path too long; no dumps");
+    snprintf(fr->tmp_prefix, sizeof fr->tmp_prefix - TDM_FR_TMP_SUFFIX_MAX, ".%.64s.%d.",
+             fr->name, (int)getpid());
 }
 
 void tdm_fr_set_inner(tdm_fr *fr)
 {
-    if (!fr || !fr->dir[0]) return;
+    if (!fr || fr->dirfd < 0) return;
     tdm_fr *expect = fr;
     if (atomic_compare_exchange_strong(&tdm_fr_primary, &expect, NULL)) tdm_fr_name(fr, 0);
 }
@@ -208,16 +209,28 @@ tdm_status tdm_fr_init(tdm_fr **out, int rank, int world, const char *backend)
     fr->index = -1;
     fr->tick0 = tdm_fr_ticks();
     fr->ns0 = tdm_time_ns();
+    fr->dirfd = -1;
     atomic_init(&fr->job, tdm_fr_job_parse(getenv(TDM_FR_ENV_JOB)));
+    const char *dir = getenv("TANDEM_FR_DUMP");
+    if (dir && *dir) {
+        /* the rule of --plot and --log-dir: a directory another user could
+         * write to (or steer through a symlink of theirs) would let them
+         * replace the dumps, and with them the diagnosis */
+        tdm_status st = tdm_dir_open_safe(dir, "TANDEM_FR_DUMP", 1, &fr->dirfd);
+        if (st == TDM_STATUS_INVALID_ARG) {
+            free(ring);
+            free(fr);
+            return st;
+        }
+        if (st) TDM_WARN(CORE, "%s; no flight-recorder dumps", tdm_error_message());
+    }
     for (int i = 0; i < TDM_FR_MAX_LIVE; i++) {
         tdm_fr *expect = NULL;
         if (atomic_compare_exchange_strong(&tdm_fr_live[i], &expect, fr)) { fr->index = i; break; }
     }
-    const char *dir = getenv("TANDEM_FR_DUMP");
     const char *on = getenv("TANDEM_FR_DUMP_ON");
     fr->dump_at_end = !(on && !strcmp(on, "failure"));
-    if (dir && *dir) {
-        snprintf(fr->dir, sizeof fr->dir, "%s", dir);
+    if (fr->dirfd >= 0) {
         tdm_fr *expect = NULL;
         tdm_fr_name(fr, atomic_compare_exchange_strong(&tdm_fr_primary, &expect, fr));
     }
@@ -239,6 +252,7 @@ void tdm_fr_free(tdm_fr *fr)
         struct timespec ts = {0, 1000000};
         nanosleep(&ts, NULL);
     }
+    if (fr->dirfd >= 0) close(fr->dirfd);
     free(fr->ring);
     free(fr);
 }
@@ -484,8 +498,8 @@ static void tdm_fr_put_entry(tdm_fr_out *o, const tdm_fr_entry *e, uint64_t seq,
  * of its own (by hand: async-signal-safe) and ".tmp". */
 static void tdm_fr_tmp_name(tdm_fr *fr, char *out)
 {
-    size_t n = strlen(fr->tmp_path);
-    memcpy(out, fr->tmp_path, n);
+    size_t n = strlen(fr->tmp_prefix);
+    memcpy(out, fr->tmp_prefix, n);
     uint64_t k = atomic_fetch_add(&fr->writer_seq, 1);
     char d[24];
     int i = sizeof d;
@@ -497,7 +511,7 @@ static void tdm_fr_tmp_name(tdm_fr *fr, char *out)
 
 int tdm_fr_dump(tdm_fr *fr, const char *reason)
 {
-    if (!fr || !fr->has_dir) return -1;
+    if (!fr || fr->dirfd < 0) return -1;
     atomic_fetch_add(&fr->in_dump, 1);
     int rc = -1;
     tdm_fr_out o;
@@ -509,9 +523,10 @@ int tdm_fr_dump(tdm_fr *fr, const char *reason)
      * into place: the file read is always one complete dump, the later
      * rename's. (One shared name let the nested writer truncate and
      * rename the file the interrupted one was still writing.) */
-    char tmp[TDM_FR_PATH_MAX];
+    char tmp[2 * TDM_FR_NAME_MAX];
     tdm_fr_tmp_name(fr, tmp);
-    o.fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
+    /* openat and renameat: async-signal-safe (POSIX.1-2008) */
+    o.fd = openat(fr->dirfd, tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
     if (o.fd < 0) goto out;
     uint64_t next = atomic_load_explicit(&fr->next_seq, memory_order_relaxed);
     uint64_t first = next > fr->n ? next - fr->n : 0;
@@ -561,11 +576,11 @@ int tdm_fr_dump(tdm_fr *fr, const char *reason)
     tdm_fr_puts(&o, "\n]}\n");
     tdm_fr_flush(&o);
     if (close(o.fd) != 0) o.err = 1;
-    if (!o.err && rename(tmp, fr->path) == 0) {
+    if (!o.err && renameat(fr->dirfd, tmp, fr->dirfd, fr->name) == 0) {
         rc = 0;
         atomic_fetch_add(&fr->dumps, 1);
     } else {
-        unlink(tmp);
+        unlinkat(fr->dirfd, tmp, 0);
     }
 out:
     atomic_fetch_sub(&fr->in_dump, 1);

@@ -277,6 +277,34 @@ Test(doctor, train_fsdp_prints_the_verdict_of_a_killed_rank, .timeout = 120)
     fr_t_rm_dir(dir);
 }
 
+/* A dump directory another user can write to is refused before any rank
+ * starts (the rule of --log-dir): the launcher would write its summary
+ * there and read the verdict from there, where a planted fr_rank_1.json
+ * (here a desync labelled 'evil') steered or hung the diagnosis. */
+Test(doctor, train_and_launch_refuse_a_dump_directory_others_can_write, .timeout = 120)
+{
+    char dir[64], path[128];
+    fr_t_dump_dir(dir, sizeof dir);
+    cr_assert_eq(chmod(dir, 0777), 0);
+    snprintf(path, sizeof path, "%s/fr_rank_1.json", dir);
+    FILE *f = fopen(path, "w");
+    cr_assert_not_null(f);
+    fprintf(f, "{\"version\":1,\"rank\":1,\"world\":2,\"next_seq\":1,\"entries\":[{\"seq\":0,"
+               "\"coll\":\"broadcast\",\"label\":\"evil\"}]}\n");
+    fclose(f);
+    setenv("TANDEM_DDP_TEST_KILL", "1:3", 1);
+    cli_result r;
+    CLI(&r, DOC_TRAIN, "--device", "cpu:2");
+    expect(&r, 2, "tandem train: TANDEM_FR_DUMP ");
+    expect(&r, 2, "writable by others");
+    cr_expect(!strstr(r.out, "evil"), "%s", r.out);
+    CLI(&r, "launch", "-n", "2", "--", cli_bin(), DOC_TRAIN);
+    expect(&r, 2, "tandem launch: TANDEM_FR_DUMP ");
+    cr_expect(!doc_has(dir, "launch.json"), "the summary was written there");
+    cr_expect(!doc_has(dir, "fr_rank_0.json"), "a rank dumped there");
+    fr_t_rm_dir(dir);
+}
+
 /* A good run leaves nothing: the launcher's own directory is removed. */
 Test(doctor, good_runs_leave_no_dump_directory, .timeout = 120)
 {

@@ -389,3 +389,39 @@ Test(flight, a_dump_interrupted_by_another_stays_whole, .timeout = 120)
     tdm_fr_free(fr);
     fr_t_rm_dir(dir);
 }
+
+/* TANDEM_FR_DUMP follows the rule of --plot and --log-dir
+ * (core/safefile.h): a directory others can write to, one of another
+ * user, or a symlink of another user's is refused when the recorder is
+ * made, with the reason; a missing one is created 0755. */
+Test(flight, a_dump_directory_others_control_is_refused, .timeout = 30)
+{
+    char dir[64], sub[96], link[96];
+    fr_t_dump_dir(dir, sizeof dir);
+    tdm_fr *fr = NULL;
+    cr_assert_eq(chmod(dir, 0777), 0);
+    cr_expect_eq(tdm_fr_init(&fr, 0, 1, "shm"), TDM_STATUS_INVALID_ARG);
+    cr_expect(strstr(tdm_error_message(), "TANDEM_FR_DUMP") &&
+              strstr(tdm_error_message(), "writable by others"), "%s", tdm_error_message());
+    cr_assert_eq(chmod(dir, 0700), 0);
+    snprintf(sub, sizeof sub, "%s/new", dir);
+    setenv("TANDEM_FR_DUMP", sub, 1);
+    cr_assert_eq(tdm_fr_init(&fr, 0, 1, "shm"), TDM_STATUS_OK, "%s", tdm_error_message());
+    struct stat sb;
+    cr_expect(stat(sub, &sb) == 0 && S_ISDIR(sb.st_mode) && (sb.st_mode & 0777) == 0755);
+    tdm_fr_free(fr);
+    if (geteuid() == 0) {   /* another user's directory and symlink need root to make */
+        cr_assert_eq(chown(sub, 65534, 65534), 0);
+        cr_expect_eq(tdm_fr_init(&fr, 0, 1, "shm"), TDM_STATUS_INVALID_ARG);
+        cr_expect(strstr(tdm_error_message(), "belongs to uid 65534"), "%s", tdm_error_message());
+        cr_assert_eq(chown(sub, 0, 0), 0);
+        snprintf(link, sizeof link, "%s/link", dir);
+        cr_assert_eq(symlink(sub, link), 0);
+        cr_assert_eq(lchown(link, 65534, 65534), 0);
+        setenv("TANDEM_FR_DUMP", link, 1);
+        cr_expect_eq(tdm_fr_init(&fr, 0, 1, "shm"), TDM_STATUS_INVALID_ARG);
+        cr_expect(strstr(tdm_error_message(), "symbolic link that belongs to uid 65534"), "%s",
+                  tdm_error_message());
+    }
+    fr_t_rm_dir(dir);
+}

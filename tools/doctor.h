@@ -7,6 +7,8 @@
 
 #include <stdio.h>
 
+#include "core/status.h"
+
 #include "shm/spawn.h"
 
 /* Verdicts, which are also `tandem doctor`'s exit codes. */
@@ -54,8 +56,11 @@ typedef struct tdm_doctor_job {
  * ranks' recorders at a directory (TANDEM_FR_DUMP, exported):
  * the user's TANDEM_FR_DUMP if set, else dir_hint (a --log-dir) if given,
  * else a new private directory under $TMPDIR (/tmp), and asks for dumps
- * on failure only (TANDEM_FR_DUMP_ON=failure) unless the user chose. */
-void tdm_doctor_job_begin(tdm_doctor_job *j, const char *tool, const char *dir_hint);
+ * on failure only (TANDEM_FR_DUMP_ON=failure) unless the user chose.
+ * The user's TANDEM_FR_DUMP must pass --log-dir's rule (core/safefile.h:
+ * tdm_dir_open_safe): else the message is printed ("<tool>: ...") and
+ * TDM_STATUS_USAGE returned (the job must not start). */
+tdm_status tdm_doctor_job_begin(tdm_doctor_job *j, const char *tool, const char *dir_hint);
 /* While a failed job is torn down, once every rank still running is
  * stopped (tdm_shm_watch_only_stopped, a tdm_shm_settled_fn; job is the
  * tdm_doctor_job): every rank that could dump has, and a stopped one can

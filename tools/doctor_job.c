@@ -80,16 +80,34 @@ static void tdm_doctor_job_id(tdm_doctor_job *j)
     setenv(TDM_FR_ENV_JOB, j->job, 1);
 }
 
-void tdm_doctor_job_begin(tdm_doctor_job *j, const char *tool, const char *dir_hint)
+static void tdm_doctor_job_restore_id(const tdm_doctor_job *j)
+{
+    if (j->had_job) setenv(TDM_FR_ENV_JOB, j->job_was, 1);
+    else unsetenv(TDM_FR_ENV_JOB);
+}
+
+tdm_status tdm_doctor_job_begin(tdm_doctor_job *j, const char *tool, const char *dir_hint)
 {
     memset(j, 0, sizeof *j);
     j->tool = tool;
     tdm_doctor_job_id(j);
     const char *user = getenv("TANDEM_FR_DUMP");
     if (user && *user) {
+        /* the rule of --plot and --log-dir (core/safefile.h), before a
+         * rank starts: the summary is written there and the verdict read
+         * from there, so a directory another user can write to would let
+         * them steer (or hang) this job's diagnosis */
+        int fd = -1;
+        tdm_status st = tdm_dir_open_safe(user, "TANDEM_FR_DUMP", 1, &fd);
+        if (st) {
+            fprintf(stderr, "%s: %s\n", tool, tdm_error_message());
+            tdm_doctor_job_restore_id(j);
+            return st == TDM_STATUS_INVALID_ARG ? TDM_STATUS_USAGE : st;
+        }
+        close(fd);
         snprintf(j->dir, sizeof j->dir, "%s", user);
         j->on = 1;
-        return;
+        return TDM_STATUS_OK;
     }
     if (dir_hint) {
         snprintf(j->dir, sizeof j->dir, "%s", dir_hint);
@@ -99,7 +117,7 @@ void tdm_doctor_job_begin(tdm_doctor_job *j, const char *tool, const char *dir_h
         if (!mkdtemp(j->dir)) {
             fprintf(stderr, "%s: note: no flight-recorder dumps (mkdtemp %s: %s)\n", tool, j->dir,
                     strerror(errno));
-            return;
+            return TDM_STATUS_OK;
         }
         j->created = 1;
     }
@@ -110,6 +128,7 @@ void tdm_doctor_job_begin(tdm_doctor_job *j, const char *tool, const char *dir_h
         setenv("TANDEM_FR_DUMP_ON", "failure", 1);
         j->set_on = 1;
     }
+    return TDM_STATUS_OK;
 }
 
 static void tdm_doctor_job_clean(tdm_doctor_job *j)
@@ -132,8 +151,7 @@ tdm_doctor_verdict tdm_doctor_job_end(tdm_doctor_job *j, int failed, int world, 
                                       const int *wstatus, const int *induced, const char *cause)
 {
     /* the next job (a restart) draws its own id */
-    if (j->had_job) setenv(TDM_FR_ENV_JOB, j->job_was, 1);
-    else unsetenv(TDM_FR_ENV_JOB);
+    tdm_doctor_job_restore_id(j);
     if (!j->on) return TDM_DOCTOR_OK;
     /* the next job (a restart) picks its own directory */
     if (j->set_env) unsetenv("TANDEM_FR_DUMP");

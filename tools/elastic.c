@@ -71,7 +71,7 @@ tdm_status tdm_elastic_train_forked(const char *mode, int world, tdm_ddp_spawn_f
     for (int attempt = 0;; attempt++) {
         tdm_elastic_set_attempt(attempt);
         tdm_doctor_job frj;   /* the ranks' flight-recorder dumps */
-        tdm_doctor_job_begin(&frj, "tandem train", NULL);
+        TDM_CHECK(tdm_doctor_job_begin(&frj, "tandem train", NULL));
         tdm_ddp_spawn_opts o = *so;
         o.on_settled = tdm_doctor_job_settled;
         o.settled_ctx = &frj;
