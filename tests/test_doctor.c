@@ -63,6 +63,35 @@ Test(doctor, different_count, .timeout = 90)
         NULL});
 }
 
+/* Two ranks, and rank 0 calls an extra collective (the `if rank == 0:`
+ * bug): one against one, the records cannot say which side is wrong, and
+ * the doctor must not pick one (it named rank 1, the healthy one, as the
+ * odd one out): it says so and shows both ranks' calls. */
+Test(doctor, two_ranks_disagreeing_name_no_odd_one_out, .timeout = 90)
+{
+    char dir[64];
+    fr_t_dump_dir(dir, sizeof dir);
+    setenv("TANDEM_FR_DUMP_ON", "failure", 1);
+    fr_t_job j = {.steps = 4, .fault_step = 2, .fault_rank = 0, .fault = FR_T_EXTRA};
+    cr_assert_neq(fr_t_run(2, &j), TDM_STATUS_OK, "the extra call went unnoticed");
+    cli_result r;
+    CLI(&r, "doctor", dir);
+    expect(&r, 3, "verdict: DESYNC at collective #7: rank 0 called all_reduce(float32, sum, "
+                  "count=16) 'extra'; rank 1 called all_reduce(float32, sum, count=48) "
+                  "'ddp bucket 1'");
+    expect(&r, 3, "no majority (1 rank against 1): the records cannot tell which side went "
+                  "wrong");
+    expect(&r, 3, "    rank 0 called: #5 all_reduce(float32, sum, count=32) 'ddp bucket 2', #6 "
+                  "all_reduce(float32, sum, count=64) 'ddp bucket 0', #7 all_reduce(float32, "
+                  "sum, count=16) 'extra' (failed)");
+    expect(&r, 3, "rank 1 called: #5 all_reduce(float32, sum, count=32) 'ddp bucket 2', #6 "
+                  "all_reduce(float32, sum, count=64) 'ddp bucket 0', #7 all_reduce(float32, "
+                  "sum, count=48) 'ddp bucket 1' (failed)");
+    cr_expect(!strstr(r.out, "odd one out"), "%s", r.out);
+    cr_expect(!strstr(r.out, "stopped first"), "%s", r.out);
+    fr_t_rm_dir(dir);
+}
+
 Test(doctor, stalled_rank, .timeout = 90)
 {
     doctor_case(FR_T_STOP, 0, 5, (const char *const[]){

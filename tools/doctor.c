@@ -290,6 +290,27 @@ static int tdm_doc_skipped(const tdm_doc_diag *g, int q, const tdm_doc_entry *e,
     return 0;
 }
 
+/* 1. "  rank R called: #5 ..., #6 ..., #7 ... (failed)": rank r's last
+ * calls up to the first mismatch (and one after it, if it went on). */
+#define TDM_DOC_CALLS_SHOWN 3
+static void tdm_doc_calls_upto(tdm_doc_diag *g, int r)
+{
+    const tdm_doc_rank *rr = &g->d.r[r];
+    int at = tdm_doc_index(rr, (uint64_t)g->bad);
+    int lo = at - (TDM_DOC_CALLS_SHOWN - 1) > 0 ? at - (TDM_DOC_CALLS_SHOWN - 1) : 0;
+    int hi = at + 1 < rr->n ? at + 1 : rr->n - 1;
+    char line[1024];
+    tdm_doc_buf b = {line, sizeof line, 0};
+    line[0] = 0;
+    for (int i = lo; i <= hi; i++) {
+        char call[256];
+        tdm_doc_call_str(&rr->e[i], call, sizeof call);
+        tdm_doc_add(&b, "%s#%" PRIu64 " %s", i > lo ? ", " : "", rr->e[i].seq, call);
+        if (strcmp(rr->e[i].state, "done")) tdm_doc_add(&b, " (%.16s)", rr->e[i].state);
+    }
+    tdm_doc_detail(g, "    rank %d called: %s\n", r, line);
+}
+
 /* 1. A DESYNC: the groups, the ranks that skipped a call, the odd one out. */
 static void tdm_doc_desync(tdm_doc_diag *g)
 {
@@ -297,6 +318,13 @@ static void tdm_doc_desync(tdm_doc_diag *g)
     g->v = TDM_DOCTOR_DESYNC;
     tdm_doc_groups gr;
     tdm_doc_desync_groups(g, &gr);
+    /* A tie between the biggest groups (one rank against one: the common
+     * `if rank == 0:` bug) has no majority: an extra call on one side and
+     * a skipped one on the other leave the same records, so no side is
+     * named; each group's calls up to the mismatch are shown instead. */
+    int ties = 0;
+    for (int k = 0; k < gr.n && k < TDM_DOC_GROUPS && gr.biggest >= 0; k++)
+        ties += gr.size[k] == gr.size[gr.biggest];
     for (int k = 0; k < gr.n && k < TDM_DOC_GROUPS && gr.biggest >= 0; k++) {
         if (k == gr.biggest) continue;
         for (int r = 0; r < g->W; r++) {
@@ -305,15 +333,36 @@ static void tdm_doc_desync(tdm_doc_diag *g)
             for (int q = 0; q < g->W; q++) {
                 const tdm_doc_entry *m = tdm_doc_at(&d->r[q], (uint64_t)g->bad);
                 if (m != gr.ref[gr.biggest]) continue;
+                char call[256];
                 if (tdm_doc_skipped(g, q, e, m)) {
-                    char call[256];
                     tdm_doc_call_str(m, call, sizeof call);
-                    tdm_doc_detail(g, "  rank %d skipped %s: it went on to the call that "
-                                      "follows it\n", r, call);
+                    if (ties > 1)
+                        tdm_doc_detail(g, "  either rank %d skipped %s, or rank %d called it "
+                                          "where the others did not\n", r, call, q);
+                    else
+                        tdm_doc_detail(g, "  rank %d skipped %s: it went on to the call that "
+                                          "follows it\n", r, call);
+                } else if (ties > 1 && tdm_doc_skipped(g, r, m, e)) {
+                    tdm_doc_call_str(e, call, sizeof call);
+                    tdm_doc_detail(g, "  either rank %d skipped %s, or rank %d called it where "
+                                      "the others did not\n", q, call, r);
                 }
                 break;
             }
         }
+    }
+    if (ties > 1) {
+        tdm_doc_detail(g, "  no majority (%d rank%s against %d): the records cannot tell which "
+                          "side went wrong (one called a collective the other did not, or "
+                          "skipped one); their calls:\n", gr.size[gr.biggest],
+                       gr.size[gr.biggest] > 1 ? "s" : "", gr.size[gr.biggest]);
+        for (int k = 0; k < gr.n && k < TDM_DOC_GROUPS; k++)
+            for (int r = 0; r < g->W; r++)
+                if (tdm_doc_at(&d->r[r], (uint64_t)g->bad) == gr.ref[k]) {
+                    tdm_doc_calls_upto(g, r);
+                    break;
+                }
+        return;
     }
     /* the odd one out: the first rank of the smallest group */
     int small = gr.biggest == 0 && gr.n > 1 ? 1 : 0;
@@ -434,6 +483,8 @@ static void tdm_doc_verdict(tdm_doc_diag *g)
 static void tdm_doc_first_stop(tdm_doc_diag *g)
 {
     const tdm_doc *d = &g->d;
+    /* a desync without a majority names no one (phase 1 said why) */
+    if (g->v == TDM_DOCTOR_DESYNC && g->desync_rank < 0) return;
     int first_rank = g->desync_rank >= 0 ? g->desync_rank : g->blame.rank;
     if (first_rank < 0) {
         uint64_t best = UINT64_MAX, best_t = UINT64_MAX;
