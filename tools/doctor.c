@@ -420,6 +420,32 @@ static void tdm_doc_frontier(tdm_doc_diag *g)
             g->front = d->r[r].next_seq;
             front_rank = r;
         }
+    /* A collective that completed on any rank was entered by every rank
+     * (each waits for every other's arrival), so the ranks that stopped
+     * stopped after the last one completed anywhere: the collective the
+     * others waited in is the one after it, as any rank recorded it. Not
+     * a rank's first unfinished entry: a rank that was slow to finish
+     * collective #6 while a peer died may have failed it (its data was
+     * complete, the peer had entered #7's predecessor and left), although
+     * another rank had already entered #7. (send and recv involve two
+     * ranks only: they prove nothing of the others.) */
+    int64_t done = -1;
+    for (int r = 0; r < g->W; r++)
+        for (int i = d->r[r].have ? d->r[r].n - 1 : -1; i >= 0; i--)
+            if (!strcmp(d->r[r].e[i].state, "done") && strcmp(d->r[r].e[i].coll, "send") &&
+                strcmp(d->r[r].e[i].coll, "recv")) {
+                if ((int64_t)d->r[r].e[i].seq > done) done = (int64_t)d->r[r].e[i].seq;
+                break;
+            }
+    g->waiting = NULL;
+    for (int r = 0; r < g->W; r++) {
+        const tdm_doc_entry *e = tdm_doc_at(&d->r[r], (uint64_t)(done + 1));
+        /* prefer a rank that was still in it (its state says how it ended) */
+        if (e && (!g->waiting || !strcmp(g->waiting->state, "done"))) g->waiting = e;
+    }
+    if (g->waiting) return;
+    /* nothing recorded after the last completed collective: the last call
+     * of the rank that went furthest, or the first that did not complete */
     g->waiting = front_rank >= 0 ? tdm_doc_at(&d->r[front_rank], g->front - 1) : NULL;
     for (int r = 0; r < g->W; r++)
         for (int i = 0; d->r[r].have && i < d->r[r].n; i++)
