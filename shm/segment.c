@@ -528,6 +528,8 @@ static tdm_status tdm_shm_join(tdm_comm **out, void *base, size_t total, int unm
     const char *spin = getenv("TANDEM_SHM_SPIN_US");
     if (spin && *spin) c->spin_ns = (uint64_t)strtoull(spin, NULL, 10) * 1000;
     c->cur_name = "init";
+    const char *late = getenv("TANDEM_SHM_TEST_LATE_CHECKS");
+    c->test_late_checks = late && *late && atoi(late) == rank;
     int64_t stall_ms = opts ? opts->stall_ms : 0;
     const char *stall = getenv("TANDEM_SHM_STALL_MS");
     if (!stall_ms && stall && *stall) {

@@ -176,6 +176,11 @@ typedef struct tdm_shm_impl {
     pthread_cond_t hb_cv;
     int hb_running, hb_stop;
     _Atomic int raising;       /* a thread of this rank is writing its reason slot */
+    /* Test hook (TANDEM_SHM_TEST_LATE_CHECKS=<rank>, tests/test_shm_live.c):
+     * this rank's waits, once their spin is over, hold their failure
+     * checks until the group abort is raised, as a rank descheduled there
+     * on a loaded machine would. */
+    int test_late_checks;
     tdm_status failed;         /* sticky: once a call failed, all fail */
     char failed_msg[256];      /* its message */
 } tdm_shm_impl;
