@@ -603,6 +603,17 @@ tdm_status tdm_fsdp_backward(tdm_fsdp *f)
 
 /* ---- the optimizer step ---- */
 
+/* A step completed: counted, and told to the communicators, whose flight
+ * recorders keep it with every later call and in their dumps ("last
+ * completed step", docs/DEBUGGING.md), as DDP's step does. */
+static void tdm_fsdp_step_done(tdm_fsdp *f)
+{
+    f->steps_done++;
+    tdm_comm_set_step(f->comm, f->steps_done);
+    if (f->hcomm != f->comm) tdm_comm_set_step(f->hcomm, f->steps_done);
+    f->step_open = 0;
+}
+
 tdm_status tdm_fsdp_step(tdm_fsdp *f, tdm_optim *opt)
 {
     TDM_REQUIRE(opt && tdm_optim_n_elem(opt) == f->shard_elems, TDM_STATUS_INVALID_ARG,
@@ -623,7 +634,7 @@ tdm_status tdm_fsdp_step(tdm_fsdp *f, tdm_optim *opt)
         free(r);
         TDM_CHECK(st);
         tdm_fsdp_add_phase(f, TDM_PHASE_STEP, tdm_time_ms_since(t0));
-        f->step_open = 0;
+        tdm_fsdp_step_done(f);
         return TDM_STATUS_OK;
     }
     /* A joined rank shadows one step, with its all-gathers, per backward
@@ -680,7 +691,7 @@ tdm_status tdm_fsdp_step(tdm_fsdp *f, tdm_optim *opt)
     double wait_ms = f->ag_wait_ms - wait0;
     tdm_fsdp_add_phase(f, TDM_PHASE_STEP, tdm_time_ms_since(t0) - issue_ms - wait_ms);
     tdm_fsdp_add_phase(f, TDM_PHASE_ALLGATHER_WAIT, wait_ms);
-    f->step_open = 0;
+    tdm_fsdp_step_done(f);
     return TDM_STATUS_OK;
 }
 

@@ -125,6 +125,7 @@ struct tdm_fsdp {
     /* opts.join (fsdp/join.c) */
     int joined;               /* this rank ran out of data (tdm_fsdp_join) */
     int stepped;              /* tdm_fsdp_step ran since the last synchronised backward */
+    int64_t steps_done;       /* tdm_fsdp_step calls completed: the flight recorder's step */
     int n_active;             /* ranks with data in the last training forward */
     int join_sync;            /* that forward's backward synchronises */
 };

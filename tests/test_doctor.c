@@ -384,6 +384,10 @@ Test(doctor, train_fsdp_prints_the_verdict_of_a_killed_rank, .timeout = 120)
     cr_expect(doc_has(dir, "fr_rank_0.json") && doc_has(dir, "fr_rank_2.json") &&
               doc_has(dir, "launch.json"));
     cr_expect(!cli_shm_entries());
+    /* FSDP tells its communicator the steps, as DDP does: killed before
+     * its 3rd step, 2 were completed (it said 0) */
+    CLI(&r, "doctor", dir);
+    expect(&r, 4, "last completed step: 2 (every rank with a dump)");
     fr_t_rm_dir(dir);
 }
 
