@@ -301,12 +301,12 @@ static tdm_status tdm_fsdp_write_index(tdm_fsdp *f, const char *path, tdm_optim 
                                .data = hb + ti->offset, .nbytes = (size_t)ti->n_elem * 4};
         for (int j = 0; j < ti->ndim; j++) t[i].shape[j] = ti->shape[j];
     }
-    char world[16], step[32], epoch[32], seed[32], lr[32], hyper[200];
+    char world[16], step[32], epoch[32], seed[32], lr[32], hyper[200], osteps[32];
     snprintf(world, sizeof world, "%d", f->world);
     snprintf(step, sizeof step, "%" PRId64, info ? info->step : (opt ? tdm_optim_steps(opt) : 0));
     snprintf(epoch, sizeof epoch, "%" PRId64, info ? info->epoch : 0);
     snprintf(seed, sizeof seed, "%" PRIu64, info ? info->seed : 0);
-    tdm_st_meta meta[12] = {{"format", TDM_FSDP_INDEX_FORMAT}, {"model", model}, {"id", id},
+    tdm_st_meta meta[13] = {{"format", TDM_FSDP_INDEX_FORMAT}, {"model", model}, {"id", id},
                             {"world", world}, {"units", units}, {"step", step},
                             {"epoch", epoch}, {"seed", seed},
                             {"sharding", tdm_fsdp_sharding_name(f->o.sharding)}};
@@ -321,6 +321,10 @@ static tdm_status tdm_fsdp_write_index(tdm_fsdp *f, const char *path, tdm_optim 
         meta[nmeta++] = (tdm_st_meta){"optimizer", tdm_fsdp_kind_name(o->kind)};
         meta[nmeta++] = (tdm_st_meta){"lr", lr};
         meta[nmeta++] = (tdm_st_meta){"optimizer_options", hyper};
+        /* the optimizer's own count, apart from the caller's step (as
+         * models/checkpoint.c writes it) */
+        snprintf(osteps, sizeof osteps, "%" PRId64, tdm_optim_steps(opt));
+        meta[nmeta++] = (tdm_st_meta){"optimizer_steps", osteps};
     }
     TDM_TRY(tdm_st_save(path, t, nbuf, meta, nmeta));
 fail:
@@ -522,7 +526,7 @@ tdm_status tdm_fsdp_load_sharded(tdm_fsdp *f, const char *path, tdm_optim *opt,
     tdm_status st = tdm_fsdp_settle_params(f, 1);
     if (st) return tdm_fsdp_fail(f, st);
     int ns = opt ? tdm_optim_n_state(opt) : 0;
-    int64_t be = tdm_model_buffer_elems(m), step = 0, epoch = 0;
+    int64_t be = tdm_model_buffer_elems(m), step = 0, epoch = 0, osteps = 0;
     uint64_t seed = 0;
     tdm_st_file *idx = NULL;
     char model[160], *units = tdm_fsdp_units_text(f);
@@ -568,6 +572,10 @@ tdm_status tdm_fsdp_load_sharded(tdm_fsdp *f, const char *path, tdm_optim *opt,
         goto agree;
     }
     if ((mine = tdm_fsdp_parse_count(idx, "step", &step))) goto agree;
+    osteps = step;   /* an index without "optimizer_steps" holds only "step" */
+    if (tdm_st_meta_get(idx, "optimizer_steps") &&
+        (mine = tdm_fsdp_parse_count(idx, "optimizer_steps", &osteps)))
+        goto agree;
     if ((mine = tdm_fsdp_parse_count(idx, "epoch", &epoch))) goto agree;
     const char *sv = tdm_st_meta_get(idx, "seed");
     seed = sv ? strtoull(sv, NULL, 10) : 0;
@@ -597,7 +605,7 @@ agree:
         st = tdm_fsdp_issue_gather(f, u, 0);
     }
     if (st == TDM_STATUS_OK && f->pfull) st = tdm_fsdp_settle_params(f, 0);
-    if (st == TDM_STATUS_OK && opt) tdm_optim_set_steps(opt, step);
+    if (st == TDM_STATUS_OK && opt) tdm_optim_set_steps(opt, osteps);
     if (st == TDM_STATUS_OK && info) *info = (tdm_ckpt_info){.step = step, .epoch = epoch, .seed = seed};
     tdm_st_free(idx);
     free(units);

@@ -95,12 +95,12 @@ tdm_status tdm_checkpoint_save_host(const char *path, const tdm_model *m, const 
             goto fail;
         }
     }
-    char model_desc[160], step[32], epoch[32], seed[32], lr[32], hyper[160];
+    char model_desc[160], step[32], epoch[32], seed[32], lr[32], hyper[160], osteps[32];
     tdm_model_spec_describe(tdm_model_get_spec(m), model_desc, sizeof model_desc);
     snprintf(step, sizeof step, "%" PRId64, info ? info->step : (o ? h->steps : 0));
     snprintf(epoch, sizeof epoch, "%" PRId64, info ? info->epoch : 0);
     snprintf(seed, sizeof seed, "%" PRIu64, info ? info->seed : 0);
-    tdm_st_meta meta[8] = {
+    tdm_st_meta meta[9] = {
         {"format", TDM_CKPT_FORMAT},
         {"model", model_desc},
         {"step", step},
@@ -118,6 +118,10 @@ tdm_status tdm_checkpoint_save_host(const char *path, const tdm_model *m, const 
         meta[nmeta++] = (tdm_st_meta){"optimizer", tdm_ckpt_optim_name(o->kind)};
         meta[nmeta++] = (tdm_st_meta){"lr", lr};
         meta[nmeta++] = (tdm_st_meta){"optimizer_options", hyper};
+        /* the optimizer's own count (AdamW's bias correction), apart from
+         * the caller's step, which may count something else */
+        snprintf(osteps, sizeof osteps, "%" PRId64, h->steps);
+        meta[nmeta++] = (tdm_st_meta){"optimizer_steps", osteps};
     }
     TDM_TRY(tdm_st_save(path, t, nt, meta, nmeta));
 fail:
@@ -253,7 +257,11 @@ tdm_status tdm_checkpoint_load_host(const char *path, const tdm_model *m, tdm_ck
                 TDM_TRY(tdm_ckpt_read_finite(f, name, ti, h->state[s] + ti->offset));
             }
         }
-        h->steps = step;
+        /* files written before "optimizer_steps" hold only "step" */
+        int64_t osteps = step;
+        if (tdm_st_meta_get(f, "optimizer_steps"))
+            TDM_TRY(tdm_ckpt_parse_count(f, "optimizer_steps", &osteps));
+        h->steps = osteps;
     }
     if (info) {
         info->step = step;
