@@ -62,11 +62,15 @@ static tdm_status tdm_fsdp_distribute(tdm_fsdp *f)
     tdm_model *m = f->m;
     tdm_device *d = f->dev;
     const float *src = tdm_model_params(m);
+    /* A rank that cannot stage what it sends aborts the communicator: the
+     * others are waiting in the collective it will not join, and must
+     * learn it now, not at the communicator's timeout (tdm_fsdp_fail). */
     if (f->o.sharding != TDM_FSDP_FULL_SHARD) {
         for (int u = 0; u < f->nu; u++) {
             const tdm_fsdp_unit *x = &f->u[u];
-            TDM_CHECK(tdm_dev_copy(d, f->pfull + x->full_off, src + x->offset,
-                                   (size_t)x->n_elem * sizeof(float)));
+            tdm_status cst = tdm_dev_copy(d, f->pfull + x->full_off, src + x->offset,
+                                          (size_t)x->n_elem * sizeof(float));
+            if (cst) return tdm_fsdp_fail(f, cst);
         }
         tdm_comm_set_label(f->comm, "%s broadcast parameters", tdm_fsdp_tag(f));
         return tdm_comm_broadcast(f->comm, f->pfull, f->pfull, (size_t)f->full_elems,
@@ -75,7 +79,8 @@ static tdm_status tdm_fsdp_distribute(tdm_fsdp *f)
     tdm_status st = TDM_STATUS_OK;
     float *blk = NULL;
     size_t nb = 0;
-    TDM_CHECK(tdm_fsdp_pool_get(f, (size_t)f->max_padded * sizeof(float), 0, &blk, &nb));
+    st = tdm_fsdp_pool_get(f, (size_t)f->max_padded * sizeof(float), 0, &blk, &nb);
+    if (st) return tdm_fsdp_fail(f, st);
     for (int u = 0; st == TDM_STATUS_OK && u < f->nu; u++) {
         const tdm_fsdp_unit *x = &f->u[u];
         if (f->rank == 0) {
@@ -92,7 +97,7 @@ static tdm_status tdm_fsdp_distribute(tdm_fsdp *f)
     }
     tdm_fsdp_pool_put(f, blk, nb);
     tdm_fsdp_pool_trim(f);
-    return st;
+    return st ? tdm_fsdp_fail(f, st) : TDM_STATUS_OK;
 }
 
 static tdm_status tdm_fsdp_alloc_state(tdm_fsdp *f)
