@@ -306,7 +306,7 @@ static tdm_status tdm_fsdp_write_index(tdm_fsdp *f, const char *path, tdm_optim 
     snprintf(step, sizeof step, "%" PRId64, info ? info->step : (opt ? tdm_optim_steps(opt) : 0));
     snprintf(epoch, sizeof epoch, "%" PRId64, info ? info->epoch : 0);
     snprintf(seed, sizeof seed, "%" PRIu64, info ? info->seed : 0);
-    tdm_st_meta meta[13] = {{"format", TDM_FSDP_INDEX_FORMAT}, {"model", model}, {"id", id},
+    tdm_st_meta meta[14] = {{"format", TDM_FSDP_INDEX_FORMAT}, {"model", model}, {"id", id},
                             {"world", world}, {"units", units}, {"step", step},
                             {"epoch", epoch}, {"seed", seed},
                             {"sharding", tdm_fsdp_sharding_name(f->o.sharding)}};
@@ -326,6 +326,8 @@ static tdm_status tdm_fsdp_write_index(tdm_fsdp *f, const char *path, tdm_optim 
         snprintf(osteps, sizeof osteps, "%" PRId64, tdm_optim_steps(opt));
         meta[nmeta++] = (tdm_st_meta){"optimizer_steps", osteps};
     }
+    /* the run that wrote it, as models/checkpoint.c writes it */
+    if (tdm_checkpoint_run()[0]) meta[nmeta++] = (tdm_st_meta){"run", tdm_checkpoint_run()};
     TDM_TRY(tdm_st_save(path, t, nbuf, meta, nmeta));
 fail:
     free(hb);

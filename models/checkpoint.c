@@ -39,6 +39,15 @@ static tdm_status tdm_ckpt_stage(tdm_device *d, float **host, const float *dev, 
     return TDM_STATUS_OK;
 }
 
+static char tdm_ckpt_run[TDM_CKPT_RUN_MAX];
+
+void tdm_checkpoint_set_run(const char *run)
+{
+    snprintf(tdm_ckpt_run, sizeof tdm_ckpt_run, "%s", run ? run : "");
+}
+
+const char *tdm_checkpoint_run(void) { return tdm_ckpt_run; }
+
 tdm_status tdm_checkpoint_save_host(const char *path, const tdm_model *m, const tdm_ckpt_host *h,
                                     const tdm_ckpt_info *info)
 {
@@ -100,7 +109,7 @@ tdm_status tdm_checkpoint_save_host(const char *path, const tdm_model *m, const 
     snprintf(step, sizeof step, "%" PRId64, info ? info->step : (o ? h->steps : 0));
     snprintf(epoch, sizeof epoch, "%" PRId64, info ? info->epoch : 0);
     snprintf(seed, sizeof seed, "%" PRIu64, info ? info->seed : 0);
-    tdm_st_meta meta[9] = {
+    tdm_st_meta meta[10] = {
         {"format", TDM_CKPT_FORMAT},
         {"model", model_desc},
         {"step", step},
@@ -123,6 +132,7 @@ tdm_status tdm_checkpoint_save_host(const char *path, const tdm_model *m, const 
         snprintf(osteps, sizeof osteps, "%" PRId64, h->steps);
         meta[nmeta++] = (tdm_st_meta){"optimizer_steps", osteps};
     }
+    if (tdm_ckpt_run[0]) meta[nmeta++] = (tdm_st_meta){"run", tdm_ckpt_run};
     TDM_TRY(tdm_st_save(path, t, nt, meta, nmeta));
 fail:
     free(t);

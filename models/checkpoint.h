@@ -27,6 +27,16 @@ typedef struct tdm_ckpt_info {
     uint64_t seed;
 } tdm_ckpt_info;
 
+/* The run the checkpoints of this process belong to, written as the
+ * "run" metadata of every checkpoint saved from now on (NULL or "": none).
+ * tandem train and tandem launch set it (tools/elastic.h) so that a
+ * restart resumes only from a checkpoint its own job wrote, never from
+ * one another run left at the same path. Process-wide: forked ranks
+ * inherit it. tdm_checkpoint_run: the current one ("" when none). */
+#define TDM_CKPT_RUN_MAX 64
+void tdm_checkpoint_set_run(const char *run);
+const char *tdm_checkpoint_run(void);
+
 /* Host copies of what a checkpoint holds, in the model's flat layout:
  * params (tdm_model_param_elems floats), buffers (tdm_model_buffer_elems),
  * and, when optim is non-NULL, its state buffers (tdm_optim_kind_n_state

@@ -9,10 +9,12 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
 #include <time.h>
 #include <unistd.h>
 
 #include "core/safetensors.h"
+#include "models/checkpoint.h"
 #include "tools/args.h"
 #include "tools/doctor.h"
 #include "tools/tools.h"
@@ -64,10 +66,78 @@ int tdm_elastic_describe(const char *ckpt, char *out, size_t n)
     return 1;
 }
 
+const char *tdm_elastic_run_begin(void)
+{
+    const char *run = getenv(TDM_ELASTIC_ENV_RUN);
+    if (!run || !*run) {
+        uint64_t id = 0;
+        if (getrandom(&id, sizeof id, 0) != (ssize_t)sizeof id) {
+            struct timespec ts;
+            clock_gettime(CLOCK_REALTIME, &ts);
+            id = ((uint64_t)getpid() << 40) ^ (uint64_t)ts.tv_nsec ^ ((uint64_t)ts.tv_sec << 16);
+        }
+        char buf[24];
+        snprintf(buf, sizeof buf, "%016llx", (unsigned long long)id);
+        setenv(TDM_ELASTIC_ENV_RUN, buf, 1);
+        run = getenv(TDM_ELASTIC_ENV_RUN);
+    }
+    tdm_checkpoint_set_run(run);
+    return run;
+}
+
+int tdm_elastic_ours(const char *path, char *why, size_t n)
+{
+    const char *run = getenv(TDM_ELASTIC_ENV_RUN);
+    tdm_st_file *f = NULL;
+    if (why && n) why[0] = 0;
+    if (!path || access(path, F_OK) != 0) {
+        if (why && path) snprintf(why, n, "%s does not exist yet", path);
+        return 0;
+    }
+    if (tdm_st_load(&f, path)) {
+        if (why) snprintf(why, n, "%s is not a checkpoint: %s", path, tdm_error_message());
+        return 0;
+    }
+    const char *theirs = tdm_st_meta_get(f, "run");
+    int ours = run && *run && theirs && !strcmp(theirs, run);
+    if (!ours && why)
+        snprintf(why, n, "%s holds another run's checkpoint (%s%.24s), not one this job wrote",
+                 path, theirs ? "run " : "no run id", theirs ? theirs : "");
+    tdm_st_free(f);
+    return ours;
+}
+
+/* Where a restart of `tandem train` resumes: save once this job wrote it,
+ * else the user's own --resume, else the start; out says which and why. */
+static const char *tdm_elastic_restart_from(const char *save, const char *user_resume, char *out,
+                                            size_t n)
+{
+    char why[512] = "";
+    if (save && tdm_elastic_ours(save, why, sizeof why)) {
+        tdm_elastic_describe(save, out, n);
+        return save;
+    }
+    char from[512];
+    if (user_resume) {
+        tdm_elastic_describe(user_resume, from, sizeof from);
+        snprintf(out, n, "%s%s%s%s", from, why[0] ? " (" : "", why, why[0] ? ")" : "");
+        return user_resume;
+    }
+    if (!save)
+        snprintf(out, n, "from the start (no --save or --resume named)");
+    else if (access(save, F_OK) == 0)
+        snprintf(out, n, "from the start: %s (this job failed before its first save)", why);
+    else
+        snprintf(out, n, "from the start (this job failed before its first save to %s)", save);
+    return NULL;
+}
+
 tdm_status tdm_elastic_train_forked(const char *mode, int world, tdm_ddp_spawn_fn fn, void *arg,
                                     const tdm_ddp_spawn_opts *so, long long max_restarts,
                                     const char *save, const char **resume)
 {
+    const char *user_resume = *resume;
+    tdm_elastic_run_begin();
     for (int attempt = 0;; attempt++) {
         tdm_elastic_set_attempt(attempt);
         tdm_doctor_job frj;   /* the ranks' flight-recorder dumps */
@@ -90,9 +160,8 @@ tdm_status tdm_elastic_train_forked(const char *mode, int world, tdm_ddp_spawn_f
         /* a failure of a rank is restarted, not a signal to this process
          * (Ctrl-C reaches the ranks too: they die of it, and so do we) */
         if (attempt >= max_restarts || st != TDM_STATUS_PEER_FAILED) return st;
-        char from[512];
-        if (save && access(save, F_OK) == 0) *resume = save;
-        tdm_elastic_describe(*resume, from, sizeof from);
+        char from[1024];
+        *resume = tdm_elastic_restart_from(save, user_resume, from, sizeof from);
         int ms = tdm_elastic_backoff(attempt + 1);
         fprintf(stderr, "tandem train: restart %d of %lld after %d ms: %s; every rank starts "
                         "again %s\n", attempt + 1, max_restarts, ms, why, from);
@@ -164,7 +233,9 @@ int tdm_tool_launch_main(int argc, char **argv)
         rest[n++] = argv[i];
     }
     rest[n] = NULL;
-    if (ckpt) setenv(TDM_ELASTIC_ENV_RESUME, ckpt, 1);
+    /* the ranks learn --checkpoint on a restart, once this run wrote it */
+    unsetenv(TDM_ELASTIC_ENV_RESUME);
+    tdm_elastic_run_begin();
     int rc;
     for (int attempt = 0;; attempt++) {
         tdm_elastic_set_attempt(attempt);
@@ -173,10 +244,18 @@ int tdm_tool_launch_main(int argc, char **argv)
         /* only a rank's failure is restarted: not success, bad usage, or
          * a signal the launcher received (Ctrl-C, SIGTERM) */
         if (rc != 1 || attempt >= max_restarts || !tdm_elastic_cause[0]) break;
-        char from[512];
-        if (ckpt) tdm_elastic_describe(ckpt, from, sizeof from);
-        else snprintf(from, sizeof from, "(no --checkpoint named: each resumes from its own, "
-                                         "tandem train from its --save)");
+        char from[1024], why[512];
+        if (ckpt && tdm_elastic_ours(ckpt, why, sizeof why)) {
+            setenv(TDM_ELASTIC_ENV_RESUME, ckpt, 1);
+            tdm_elastic_describe(ckpt, from, sizeof from);
+        } else if (ckpt) {
+            unsetenv(TDM_ELASTIC_ENV_RESUME);
+            snprintf(from, sizeof from, "from the start: %s (this job failed before its first "
+                                        "save)", why);
+        } else {
+            snprintf(from, sizeof from, "(no --checkpoint named: each resumes from its own, "
+                                        "tandem train from its --save once this job wrote it)");
+        }
         int ms = tdm_elastic_backoff(attempt + 1);
         fprintf(stderr, "tandem launch: restart %d of %lld after %d ms: %s; every rank starts "
                         "again %s\n", attempt + 1, max_restarts, ms, tdm_elastic_cause, from);

@@ -16,6 +16,13 @@
  * the ranks should resume from on a restart (launch --checkpoint). */
 #define TDM_ELASTIC_ENV_COUNT "TANDEM_RESTART_COUNT"
 #define TDM_ELASTIC_ENV_RESUME "TANDEM_RESUME"
+/* The run every attempt of one `tandem train` or `tandem launch` belongs
+ * to, exported to the ranks and written in their checkpoints ("run",
+ * models/checkpoint.h): a restart resumes only from a checkpoint with
+ * this id, never from one another run left at the same path. Drawn at
+ * the start unless already set (tests that compare two runs' files byte
+ * for byte set one for both). */
+#define TDM_ELASTIC_ENV_RUN "TANDEM_RUN_ID"
 #define TDM_ELASTIC_MAX 1000
 
 /* The root cause of the attempt that just failed, as its summary worded
@@ -34,14 +41,25 @@ int tdm_elastic_backoff(int attempt);
  * when ckpt exists and holds a checkpoint. */
 int tdm_elastic_describe(const char *ckpt, char *out, size_t n);
 
+/* This process's run (TANDEM_RUN_ID): drawn and exported unless set, and
+ * given to models/checkpoint.h for every checkpoint saved from here on.
+ * Returns it. */
+const char *tdm_elastic_run_begin(void);
+/* 1 when path holds a checkpoint written by this run (its "run" is
+ * TANDEM_RUN_ID's); else 0 and, when why is given, what is there. */
+int tdm_elastic_ours(const char *path, char *why, size_t n);
+
 /* The forked ranks of `tandem train --mode ddp|fsdp` (images and gpt;
  * mode names the summary line "tandem train: MODE: ..."), with
  * restarts: runs world ranks of fn(comm, arg) (tdm_ddp_spawn with so)
  * with their flight-recorder dumps (tools/doctor.h: the verdict as soon
  * as the ranks that can report have, and the summary), and after a
  * rank's failure (PEER_FAILED: not a signal to this process) starts every
- * rank again, at most max_restarts times, from save once it exists (*resume,
- * which the ranks read through arg, is set to it), else from *resume.
+ * rank again, at most max_restarts times, from save once this job has
+ * written it (its run id, tdm_elastic_ours; *resume, which the ranks read
+ * through arg, is set to it), else from the caller's *resume (the user's
+ * --resume), else from the start; the restart line says which, and why
+ * not save when it holds another run's checkpoint.
  * Returns the last attempt's status, its message set. */
 tdm_status tdm_elastic_train_forked(const char *mode, int world, tdm_ddp_spawn_fn fn, void *arg,
                                     const tdm_ddp_spawn_opts *so, long long max_restarts,

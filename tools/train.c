@@ -261,12 +261,15 @@ static tdm_status tdm_train_check_args(tdm_train_args *a)
                         "itself; these ranks were started by a launcher, which restarts them: "
                         "`tandem launch --max-restarts K` (under mpirun or srun, rerun the job "
                         "with --resume)\n");
+    /* started by tandem launch: its run's id goes into our checkpoints */
+    if (getenv(TDM_ELASTIC_ENV_RUN)) tdm_elastic_run_begin();
     if (tdm_elastic_attempt() > 0 && !a->resume) {
         /* restarted by tandem launch --max-restarts: resume from the
-         * launcher's --checkpoint, else from our own --save */
+         * launcher's --checkpoint, else from our own --save, once this
+         * run wrote it (never another run's file at the same path) */
         const char *ck = getenv(TDM_ELASTIC_ENV_RESUME);
         if (!ck || !*ck) ck = a->save;
-        if (ck && access(ck, F_OK) == 0) a->resume = ck;
+        if (ck && tdm_elastic_ours(ck, NULL, 0)) a->resume = ck;
     }
     if (a->backend && strcmp(a->mode, "ddp"))
         return tdm_tool_usage_error("tandem train: --backend applies to --mode ddp\n");
