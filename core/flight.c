@@ -59,6 +59,7 @@ typedef struct tdm_fr_entry {
 
 struct tdm_fr {
     int rank, world, index;       /* index: slot in the live table */
+    int job_rank;                 /* the rank in the job (a part's differs: tdm_fr_set_inner) */
     const char *backend;          /* borrowed: static */
     uint64_t n;                   /* ring size */
     uint64_t tick0, ns0;          /* tdm_fr_ticks() and CLOCK_MONOTONIC ns at init */
@@ -138,8 +139,8 @@ static void tdm_fr_install_signal(void)
  * ranks) to fr_rank_<R>.c<K>.pid<P>.json. */
 static void tdm_fr_name(tdm_fr *fr, int primary)
 {
-    if (primary) snprintf(fr->name, sizeof fr->name, "fr_rank_%d.json", fr->rank);
-    else snprintf(fr->name, sizeof fr->name, "fr_rank_%d.c%d.pid%d.json", fr->rank, fr->index,
+    if (primary) snprintf(fr->name, sizeof fr->name, "fr_rank_%d.json", fr->job_rank);
+    else snprintf(fr->name, sizeof fr->name, "fr_rank_%d.c%d.pid%d.json", fr->job_rank, fr->index,
                   (int)getpid());
     /* the prefix of the writers' temporary files: each appends its own
      * number (tdm_fr_dump), so that two at once never share one */
@@ -147,11 +148,23 @@ static void tdm_fr_name(tdm_fr *fr, int primary)
              fr->name, (int)getpid());
 }
 
-void tdm_fr_set_inner(tdm_fr *fr)
+void tdm_fr_set_inner(tdm_fr *fr, int job_rank)
+{
+    if (!fr) return;
+    fr->job_rank = job_rank;
+    if (fr->dirfd < 0) return;
+    tdm_fr *expect = fr;
+    atomic_compare_exchange_strong(&tdm_fr_primary, &expect, NULL);
+    tdm_fr_name(fr, 0);
+}
+
+void tdm_fr_set_primary(tdm_fr *fr)
 {
     if (!fr || fr->dirfd < 0) return;
-    tdm_fr *expect = fr;
-    if (atomic_compare_exchange_strong(&tdm_fr_primary, &expect, NULL)) tdm_fr_name(fr, 0);
+    tdm_fr *was = atomic_exchange(&tdm_fr_primary, fr);
+    if (was == fr) return;
+    if (was) tdm_fr_name(was, 0);
+    tdm_fr_name(fr, 1);
 }
 
 uint64_t tdm_fr_job_parse(const char *s)
@@ -202,6 +215,7 @@ tdm_status tdm_fr_init(tdm_fr **out, int rank, int world, const char *backend)
                              "flight recorder: %llu entries (TANDEM_FR_SIZE)", (unsigned long long)n);
     }
     fr->rank = rank;
+    fr->job_rank = rank;
     fr->world = world;
     fr->backend = backend ? backend : "?";
     fr->n = n;
@@ -537,7 +551,11 @@ int tdm_fr_dump(tdm_fr *fr, const char *reason)
     if (TDM_FR_RAW_TICKS && tick1 > fr->tick0 && mono > fr->ns0)
         cv.ns_per_tick = (double)(mono - fr->ns0) / (double)(tick1 - fr->tick0);
     tdm_fr_puts(&o, "{\"version\":1,\"rank\":");
-    tdm_fr_put_i64(&o, fr->rank);
+    tdm_fr_put_i64(&o, fr->job_rank);
+    if (fr->job_rank != fr->rank) {   /* a part: its own numbering too */
+        tdm_fr_puts(&o, ",\"comm_rank\":");
+        tdm_fr_put_i64(&o, fr->rank);
+    }
     tdm_fr_puts(&o, ",\"world\":");
     tdm_fr_put_i64(&o, fr->world);
     tdm_fr_puts(&o, ",\"pid\":");
@@ -585,6 +603,54 @@ int tdm_fr_dump(tdm_fr *fr, const char *reason)
 out:
     atomic_fetch_sub(&fr->in_dump, 1);
     return rc;
+}
+
+void tdm_fr_fail_all(tdm_status st, const char *why)
+{
+    atomic_fetch_add(&tdm_fr_walkers, 1);
+    for (int i = 0; i < TDM_FR_MAX_LIVE; i++) {
+        tdm_fr *fr = atomic_load(&tdm_fr_live[i]);
+        if (!fr) continue;
+        /* the calls in flight end here, as the process does */
+        uint64_t next = atomic_load_explicit(&fr->next_seq, memory_order_relaxed);
+        uint64_t first = next > fr->n ? next - fr->n : 0;
+        for (uint64_t q = next; q-- > first;) {
+            tdm_fr_entry *e = &fr->ring[q % fr->n];
+            int32_t state = atomic_load_explicit(&e->state, memory_order_relaxed);
+            if (state == TDM_FR_DONE || state == TDM_FR_FAILED) break;
+            if (atomic_load_explicit(&e->seq, memory_order_relaxed) != q) continue;
+            atomic_store_explicit(&e->t_end, tdm_fr_ticks(), memory_order_relaxed);
+            atomic_store_explicit(&e->status, (int32_t)st, memory_order_relaxed);
+            atomic_store_explicit(&e->state, TDM_FR_FAILED, memory_order_relaxed);
+        }
+        tdm_fr_note_failure(fr, st, why);
+    }
+    atomic_fetch_sub(&tdm_fr_walkers, 1);
+}
+
+/* The signals installed by tdm_fr_dump_on_signal (one bit each). */
+static atomic_uint tdm_fr_term_sigs;
+
+static void tdm_fr_on_term(int sig)
+{
+    /* every recorder dumps as it stands, then the signal does what it
+     * would have done (the default action: the process ends by it) */
+    tdm_fr_dump_all(sig == SIGTERM ? "SIGTERM" : sig == SIGINT ? "SIGINT" : "signal");
+    signal(sig, SIG_DFL);
+    raise(sig);
+}
+
+void tdm_fr_dump_on_signal(int sig)
+{
+    unsigned bit = 1u << (sig & 31);
+    if (atomic_fetch_or(&tdm_fr_term_sigs, bit) & bit) return;
+    struct sigaction old;
+    if (sigaction(sig, NULL, &old) != 0 || old.sa_handler != SIG_DFL ||
+        (old.sa_flags & SA_SIGINFO))
+        return;   /* the application's own handler (or SIG_IGN) stays */
+    struct sigaction sa = {.sa_handler = tdm_fr_on_term, .sa_flags = SA_RESETHAND};
+    sigemptyset(&sa.sa_mask);
+    sigaction(sig, &sa, NULL);
 }
 
 int tdm_fr_dump_all(const char *reason)

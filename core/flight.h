@@ -90,9 +90,26 @@ uint64_t tdm_fr_job_parse(const char *s);
 void tdm_fr_set_job(tdm_fr *fr, uint64_t job);
 
 /* A communicator that is a part of another (hier's shm and MPI
- * sub-communicators): it gives up the fr_rank_<R>.json name, so that the
- * communicator made next (the composite one) gets it. */
-void tdm_fr_set_inner(tdm_fr *fr);
+ * sub-communicators), or serves the job and not its training (an MPI
+ * job's control communicator): it gives up the fr_rank_<R>.json name, so
+ * that the communicator made next (the composite, the training one) gets
+ * it, and is named and dumped with job_rank, the rank in the job (its own
+ * rank in the part is kept as "comm_rank"). */
+void tdm_fr_set_inner(tdm_fr *fr, int job_rank);
+/* fr takes the fr_rank_<R>.json name from whichever recorder has it (a
+ * communicator built over a bootstrap one, as NCCL's over the shm group,
+ * carries the training's collectives: its record is the rank's). */
+void tdm_fr_set_primary(tdm_fr *fr);
+/* Every live recorder of the process: its calls in flight marked failed
+ * with st, and the first failure noted (why: the dump's reason) and
+ * dumped. For a process about to end all at once (an MPI job's abort).
+ * Not async-signal-safe (formats the reason). */
+void tdm_fr_fail_all(tdm_status st, const char *why);
+/* On signal sig (SIGTERM: how mpirun ends a job's other ranks after a
+ * failure), every recorder dumps (trigger "SIGTERM"), then the signal
+ * takes its default action. Installed only when the application has no
+ * handler of its own; once per signal. */
+void tdm_fr_dump_on_signal(int sig);
 
 /* Writes the dump now (async-signal-safe). Returns 0 when written, -1
  * when there is no dump directory or a write failed. */

@@ -259,9 +259,9 @@ tdm_status tdm_mpi_hier_comm(tdm_mpi_job *j, const struct tdm_shm_opts *shm_opts
     }
     TDM_TRY(tdm_mpi_job_comm(j, TDM_MPI_BACKEND_MPI, NULL, &h->world));
     /* the parts' flight records are not the rank's: the hier one is */
-    tdm_comm_fr_set_inner(h->local);
-    tdm_comm_fr_set_inner(h->cross);   /* NULL-safe */
-    tdm_comm_fr_set_inner(h->world);
+    tdm_comm_fr_set_inner(h->local, t->rank);
+    tdm_comm_fr_set_inner(h->cross, t->rank);   /* NULL-safe */
+    tdm_comm_fr_set_inner(h->world, t->rank);
     MPI_Comm_free(&machine);
     TDM_INFO(MPI, "hier: rank %d of %d, local rank %d of %d on machine %d of %d, %s", t->rank,
              t->size, t->local_rank, t->local_size, t->machine, t->n_machines,

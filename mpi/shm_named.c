@@ -26,24 +26,6 @@
 #include "core/timer.h"
 #include "shm/shm_comm.h"
 
-/* A 64-bit id for this job's segments, drawn by rank 0 of the job and
- * broadcast: every rank names the same segments, and no other job (or an
- * earlier run of this one) can collide with them. */
-static uint64_t tdm_mpi_job_id(tdm_mpi_job *j)
-{
-    if (j->job_id) return j->job_id;
-    uint64_t id = 0;
-    tdm_mpi_impl *w = tdm_comm_impl(j->world);
-    if (w->rank == 0 && getrandom(&id, sizeof id, 0) != (ssize_t)sizeof id)
-        id = ((uint64_t)getpid() << 32) ^ tdm_time_ns();
-    MPI_Request req;
-    MPI_Ibcast(&id, 1, MPI_UINT64_T, 0, w->comm, &req);
-    tdm_mpi_waiter wt = {.timeout_ms = j->opts.join_timeout_ms};
-    tdm_mpi_wait_all(&wt, 1, &req, NULL, "mpi: agreeing on the job id");
-    j->job_id = id ? id : 1;
-    return j->job_id;
-}
-
 tdm_status tdm_mpi_shm_named_comm(tdm_mpi_job *j, MPI_Comm machine,
                                   const struct tdm_shm_opts *shm_opts, tdm_comm **out)
 {
@@ -52,7 +34,7 @@ tdm_status tdm_mpi_shm_named_comm(tdm_mpi_job *j, MPI_Comm machine,
     int lr = 0, ls = 0;
     MPI_Comm_rank(machine, &lr);
     MPI_Comm_size(machine, &ls);
-    uint64_t job = tdm_mpi_job_id(j);
+    uint64_t job = tdm_mpi_job_id(j);   /* agreed when the job formed (mpi/job.c) */
     /* The cores these ranks can use together decide the segment's spin
      * policy and one-shot default, written in its header by its creator:
      * the union of every local rank's affinity (gathered when the job

@@ -281,8 +281,8 @@ Test(flight, the_composite_communicator_owns_the_rank_file, .timeout = 30)
     tdm_fr *part = NULL, *other = NULL, *whole = NULL;
     cr_assert_eq(tdm_fr_init(&part, 3, 4, "shm"), TDM_STATUS_OK);
     cr_assert_eq(tdm_fr_init(&other, 0, 2, "mpi"), TDM_STATUS_OK);
-    tdm_fr_set_inner(part);
-    tdm_fr_set_inner(other);
+    tdm_fr_set_inner(part, 5);
+    tdm_fr_set_inner(other, 5);
     cr_assert_eq(tdm_fr_init(&whole, 5, 8, "hier"), TDM_STATUS_OK);
     cr_assert_eq(tdm_fr_dump(part, "request"), 0);
     cr_assert_eq(tdm_fr_dump(other, "request"), 0);
@@ -297,10 +297,44 @@ Test(flight, the_composite_communicator_owns_the_rank_file, .timeout = 30)
     cr_assert_not_null(doc);
     cr_expect_str_eq(fr_str(doc, "backend"), "hier");
     tdm_json_free(doc);
+    /* the parts' dumps carry the job's rank (5), their own (3, 0) beside */
+    int parts = 0;
+    DIR *dp = opendir(dir);
+    cr_assert_not_null(dp);
+    for (struct dirent *de; (de = readdir(dp));) {
+        if (strncmp(de->d_name, "fr_rank_", 8) || !strcmp(de->d_name, "fr_rank_5.json")) continue;
+        cr_expect(!strncmp(de->d_name, "fr_rank_5.c", 11), "a part's dump is %s", de->d_name);
+        parts++;
+    }
+    closedir(dp);
+    cr_expect_eq(parts, 2);
     setenv("TANDEM_FR_DUMP_ON", "failure", 1);
     tdm_fr_free(part);
     tdm_fr_free(other);
     tdm_fr_free(whole);
+    fr_t_rm_dir(dir);
+}
+
+/* A communicator made over a bootstrap one (NCCL's over the shm group:
+ * the shm one is made first) takes the rank's name: its collectives are
+ * the training's. */
+Test(flight, a_communicator_over_a_bootstrap_takes_the_rank_file, .timeout = 30)
+{
+    char dir[64];
+    fr_t_dump_dir(dir, sizeof dir);
+    tdm_fr *boot = NULL, *nccl = NULL;
+    cr_assert_eq(tdm_fr_init(&boot, 2, 4, "shm"), TDM_STATUS_OK);
+    cr_assert_eq(tdm_fr_init(&nccl, 2, 4, "nccl"), TDM_STATUS_OK);
+    tdm_fr_set_primary(nccl);
+    cr_assert_eq(tdm_fr_dump(boot, "request"), 0);
+    cr_assert_eq(tdm_fr_dump(nccl, "request"), 0);
+    tdm_json *doc = fr_t_load(dir, 2);
+    cr_assert_not_null(doc);
+    cr_expect_str_eq(fr_str(doc, "backend"), "nccl");
+    tdm_json_free(doc);
+    setenv("TANDEM_FR_DUMP_ON", "failure", 1);
+    tdm_fr_free(boot);
+    tdm_fr_free(nccl);
     fr_t_rm_dir(dir);
 }
 

@@ -1,0 +1,114 @@
+/* tests/test_mpi_fr.c: the flight recorder and `tandem doctor` for the
+ * ranks of an MPI job (`mpirun ... tandem train --mode ddp --backend
+ * mpi|hier`, MPI over TCP on loopback, hier on pretend machines): the
+ * rank's record (fr_rank_<R>.json) is the training communicator's, not
+ * the job's control one; a killed rank and a stopped rank each leave one
+ * dump per survivor (MPI's abort dumps, and so does mpirun's SIGTERM to
+ * the others) and the doctor names the job rank at fault, the collective
+ * and the step; hier's messages name job ranks; a stopped rank under
+ * --backend mpi is named by the job's heartbeats within seconds. */
+#include <criterion/criterion.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "core/json.h"
+#include "tests/cli_util.h"
+#include "tests/mpi_test_util.h"
+#include "tests/timeout_util.h"
+
+static cli_result res;
+
+#define MF_TRAIN "train", "--mode", "ddp", "--data", "synthetic", "--synthetic-size", "1024", \
+                 "--batch", "64", "--model", "mlp:784-32-10", "--no-eval", "--quiet", "--epochs", \
+                 "1"
+
+static void mf_dir(char *dir, size_t n)
+{
+    snprintf(dir, n, "/tmp/tdm_mpi_fr_XXXXXX");
+    cr_assert_not_null(mkdtemp(dir));
+}
+
+static void mf_rm(const char *dir)
+{
+    char cmd[256];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    cr_assert_eq(system(cmd), 0);
+}
+
+/* dir/fr_rank_<r>.json parsed, or NULL when absent. */
+static tdm_json *mf_load(const char *dir, int r)
+{
+    char path[256];
+    snprintf(path, sizeof path, "%s/fr_rank_%d.json", dir, r);
+    FILE *f = fopen(path, "rb");
+    if (!f) return NULL;
+    static char text[4 << 20];
+    size_t n = fread(text, 1, sizeof text, f);
+    fclose(f);
+    tdm_json *doc = NULL;
+    cr_assert_eq(tdm_json_parse(&doc, text, n), TDM_STATUS_OK, "%s does not parse", path);
+    return doc;
+}
+
+/* How many of doc's entries carry a label starting with prefix. */
+static int mf_labelled(const tdm_json *doc, const char *prefix)
+{
+    const tdm_json *e = tdm_json_get(doc, "entries");
+    int n = 0;
+    for (int i = 0; e && e->type == TDM_JSON_ARRAY && i < e->n; i++) {
+        const tdm_json *l = tdm_json_get(&e->items[i], "label");
+        n += l && l->type == TDM_JSON_STRING && !strncmp(l->str, prefix, strlen(prefix));
+    }
+    return n;
+}
+
+static const char *mf_str(const tdm_json *doc, const char *k)
+{
+    const tdm_json *v = tdm_json_get(doc, k);
+    return v && v->type == TDM_JSON_STRING ? v->str : "";
+}
+
+/* A good run's end-of-run dumps: fr_rank_<R>.json of every rank is the
+ * training communicator's (backend b, DDP's labelled collectives), and
+ * the doctor reads it (it read the job's control communicator's: backend
+ * mpi, 0 entries, "OK: 2 rank(s) agree on 0 collective(s)"). */
+static void mf_good_run(const char *backend, int np, const char *pretend)
+{
+    char dir[64], fr_env[128], pr_env[64];
+    mf_dir(dir, sizeof dir);
+    snprintf(fr_env, sizeof fr_env, "TANDEM_FR_DUMP=%s", dir);
+    snprintf(pr_env, sizeof pr_env, "TANDEM_PRETEND_MACHINES=%s", pretend ? pretend : "");
+    const char *env[] = {fr_env, pretend ? pr_env : NULL, NULL};
+    const char *args[] = {MF_TRAIN, "--backend", backend, NULL};
+    mpi_t_job j = {.np = np, .exe = cli_bin(), .args = args, .env = env, .tcp = 1,
+                   .timeout_s = 150};
+    mpi_t_run(&res, &j);
+    expect(&res, 0, NULL);
+    for (int r = 0; r < np; r++) {
+        tdm_json *doc = mf_load(dir, r);
+        cr_assert_not_null(doc, "--backend %s: rank %d left no fr_rank_%d.json", backend, r, r);
+        cr_expect_str_eq(mf_str(doc, "backend"), backend);
+        cr_expect(mf_labelled(doc, "ddp bucket") > 0, "--backend %s: rank %d's record has no DDP "
+                  "bucket (the control communicator's?)", backend, r);
+        cr_expect_eq(strlen(mf_str(doc, "job")), 16, "no job id");
+        tdm_json_free(doc);
+    }
+    CLI(&res, "doctor", dir);
+    expect(&res, 0, "verdict: OK: ");
+    cr_expect(!strstr(res.out, "agree on 0 collective"), "%s", res.out);
+    mf_rm(dir);
+}
+
+Test(mpi_fr, the_training_communicators_record_is_the_ranks_mpi, .timeout = 200)
+{
+    MPI_T_NEED();
+    mf_good_run("mpi", 2, NULL);
+}
+
+Test(mpi_fr, the_training_communicators_record_is_the_ranks_hier, .timeout = 200)
+{
+    MPI_T_NEED();
+    mf_good_run("hier", 4, "2");
+}
