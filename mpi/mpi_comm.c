@@ -191,9 +191,13 @@ static void tdm_mpi_finish(tdm_mpi_impl *c, const tdm_comm_call *k)
         tdm_mpi_divide(rb, k->count, k->dtype, c->size);
 }
 
+/* seq: the call's number from 1 (c->seq once counted; 0 is the
+ * watchdog's "none"); messages say it from 0, as the shm backend and the
+ * flight recorder number calls, so "#7" is entry #7 of the dump. */
 static void tdm_mpi_describe_seq(const tdm_mpi_impl *c, uint64_t seq, const tdm_comm_call *k,
                                  char *out, size_t n)
 {
+    seq = seq ? seq - 1 : 0;
     if (k->coll == TDM_COLL_BARRIER)
         snprintf(out, n, "%s: barrier #%llu on rank %d of %d", c->what,
                  (unsigned long long)seq, c->rank, c->size);
@@ -357,7 +361,7 @@ static tdm_status tdm_mpi_run(void *impl, const tdm_comm_call *k)
         MPI_Get_count(&stat, tdm_mpi_type(k->dtype), &got);
         TDM_REQUIRE(got == (int)k->count, TDM_STATUS_MISMATCH,
                     "%s: recv #%llu from rank %d expected %zu %s elements, but the peer sent %d",
-                    c->what, (unsigned long long)c->seq, k->root, k->count,
+                    c->what, (unsigned long long)(c->seq - 1), k->root, k->count,
                     tdm_dtype_name(k->dtype), got);
     }
     tdm_mpi_finish(c, k);

@@ -9,6 +9,7 @@
 
 #include <errno.h>
 #include <sched.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -18,6 +19,7 @@
 #include <unistd.h>
 
 #include "core/device.h"
+#include "core/flight.h"
 #include "core/log.h"
 #include "core/timer.h"
 
@@ -179,6 +181,10 @@ tdm_status tdm_mpi_init(void)
     }
     TDM_INFO(MPI, "MPI initialised (%s, %s)", tdm_mpi_level_name(provided),
              inited ? "by the program" : "by tandem");
+    /* When a rank fails, mpirun ends the others with SIGTERM (then
+     * SIGKILL): each dumps its flight records then, as they stand (the
+     * application's own SIGTERM handler, if any, is left alone). */
+    tdm_fr_dump_on_signal(SIGTERM);
 out:
     pthread_mutex_unlock(&tdm_mpi_init_mu);
     return st;
@@ -226,6 +232,13 @@ _Noreturn void tdm_mpi_abort_job(const char *fmt, ...)
     }
     char host[64] = "?";
     gethostname(host, sizeof host - 1);
+    /* The flight records first: every call in flight ends failed with the
+     * reason, and each recorder dumps, before MPI_Abort ends this process
+     * (mpirun then ends the others with SIGTERM, on which they dump:
+     * tdm_mpi_init installs that). */
+    tdm_fr_fail_all(strstr(reason, "did not complete within") ? TDM_STATUS_TIMEOUT
+                                                               : TDM_STATUS_ABORTED,
+                    reason);
     fflush(stdout);
     if (rank >= 0)
         fprintf(stderr, "tandem: rank %d of %d (%s, pid %d): MPI job aborted: %s\n", rank, size,

@@ -112,3 +112,68 @@ Test(mpi_fr, the_training_communicators_record_is_the_ranks_hier, .timeout = 200
     MPI_T_NEED();
     mf_good_run("hier", 4, "2");
 }
+
+/* A faulty run (TANDEM_DDP_TEST_KILL=fault): every rank but `faulty`
+ * leaves its dump with DDP's labelled collectives; r gets the doctor's
+ * output. extra: one more "NAME=value" (or NULL). */
+static void mf_fault_run(cli_result *r, const char *backend, int np, const char *pretend,
+                         const char *fault, int faulty, const char *extra)
+{
+    char dir[64], fr_env[128], pr_env[64], kill_env[64];
+    mf_dir(dir, sizeof dir);
+    snprintf(fr_env, sizeof fr_env, "TANDEM_FR_DUMP=%s", dir);
+    snprintf(kill_env, sizeof kill_env, "TANDEM_DDP_TEST_KILL=%s", fault);
+    snprintf(pr_env, sizeof pr_env, "TANDEM_PRETEND_MACHINES=%s", pretend ? pretend : "");
+    const char *env[8] = {fr_env, kill_env, "TANDEM_FR_DUMP_ON=failure"};
+    int n = 3;
+    if (extra) env[n++] = extra;
+    if (pretend) env[n++] = pr_env;
+    env[n] = NULL;
+    const char *args[] = {MF_TRAIN, "--backend", backend, NULL};
+    mpi_t_job j = {.np = np, .exe = cli_bin(), .args = args, .env = env, .tcp = 1,
+                   .timeout_s = 120};
+    mpi_t_run(&res, &j);
+    cr_assert_neq(res.code, 0, "the fault went unnoticed:\n%s", res.out);
+    for (int q = 0; q < np; q++) {
+        if (q == faulty) continue;
+        tdm_json *doc = mf_load(dir, q);
+        cr_assert_not_null(doc, "--backend %s, fault %s: rank %d left no dump; mpirun said:\n%s",
+                           backend, fault, q, res.out);
+        cr_expect(mf_labelled(doc, "ddp bucket") > 0, "--backend %s: rank %d's dump has no DDP "
+                  "bucket", backend, q);
+        tdm_json_free(doc);
+    }
+    CLI(r, "doctor", dir);
+    mf_rm(dir);
+}
+
+/* A killed rank under --backend mpi: MPI's abort (an error, a timeout)
+ * and mpirun's SIGTERM to the survivors now dump; the doctor names the
+ * dead rank, the collective and the step (the directory was empty: "no
+ * flight-recorder dump"). */
+Test(mpi_fr, a_killed_rank_leaves_a_dump_per_survivor_mpi, .timeout = 200)
+{
+    MPI_T_NEED();
+    cli_result r;
+    mf_fault_run(&r, "mpi", 2, NULL, "1:3", 1, NULL);
+    expect(&r, 4, "verdict: DIED: rank 1 ");
+    expect(&r, 4, "the others waited in all_reduce(float32, sum, count=");
+    expect(&r, 4, "'ddp bucket ");
+    expect(&r, 4, ": rank 1 (a rank without a dump counts as not entered) (rank 0 did)");
+    expect(&r, 4, "last completed step: 2 (every rank with a dump)");
+}
+
+/* A stopped rank found by the collective timeout (4 s; the job's
+ * heartbeats off): the rank that timed out dumps before MPI_Abort. */
+Test(mpi_fr, a_timed_out_wait_dumps_before_the_abort_mpi, .timeout = 200)
+{
+    MPI_T_NEED();
+    cli_result r;
+    char tmo[64];
+    snprintf(tmo, sizeof tmo, "TANDEM_TIMEOUT=%d", 4 * tu_timeout_scale());   /* seconds */
+    setenv("TANDEM_MPI_STALL_MS", "0", 1);   /* mpirun passes it on */
+    mf_fault_run(&r, "mpi", 2, NULL, "1:3:STOP", 1, tmo);
+    expect(&r, 5, "verdict: STALLED: ");
+    expect(&r, 5, "did not complete within ");
+}
+

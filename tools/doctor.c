@@ -142,7 +142,8 @@ static void tdm_doc_classify(const char *msg, int W, tdm_doc_blame *b)
         snprintf(b->what, sizeof b->what, "%.*s", k, w);
         return;
     }
-    if (strstr(msg, "timed out")) b->kind = TDM_DOCTOR_STALLED;
+    if (strstr(msg, "timed out") || strstr(msg, "did not complete within"))
+        b->kind = TDM_DOCTOR_STALLED;
 }
 
 /* "rank 3" / "ranks 0,2", cut at n. */
@@ -180,6 +181,7 @@ typedef struct tdm_doc_diag {
     int64_t bad;                            /* 1: first disagreeing seq; -1: none */
     int desync_rank;                        /* 1: the odd one out; -1: none */
     int missing[TDM_DOC_MAX_RANKS], nmissing, nfailed;   /* 2 */
+    int nterm;                              /* 2: dumps of ranks ended from outside */
     tdm_doc_blame blame;                    /* 2 */
     uint64_t front;                         /* 3: the furthest next_seq */
     const tdm_doc_entry *waiting;           /* 3: the collective the others waited in */
@@ -372,6 +374,14 @@ static void tdm_doc_desync(tdm_doc_diag *g)
         if (tdm_doc_at(&d->r[r], (uint64_t)g->bad) == gr.ref[small]) g->desync_rank = r;
 }
 
+/* A dump written because the process was ended from outside (SIGTERM
+ * from mpirun after another rank's death, or from the user), not by a
+ * failure of its own. */
+static int tdm_doc_ended_from_outside(const tdm_doc_rank *r)
+{
+    return !r->failed && (!strcmp(r->trigger, "SIGTERM") || !strcmp(r->trigger, "SIGINT"));
+}
+
 /* 2. How each rank ended, and who is blamed: the launcher's cause, else a
  * failed rank's reason, else a rank without a dump that ended by itself,
  * else (when something failed) the first rank without a dump. */
@@ -383,7 +393,10 @@ static void tdm_doc_find_blame(tdm_doc_diag *g)
     if (d->cause) tdm_doc_classify(d->cause, g->W, &g->blame);
     for (int r = 0; r < g->W; r++) {
         if (!d->r[r].have) { g->missing[g->nmissing++] = r; continue; }
-        if (!d->r[r].failed) continue;
+        if (!d->r[r].failed) {
+            g->nterm += tdm_doc_ended_from_outside(&d->r[r]);
+            continue;
+        }
         g->nfailed++;
         if (g->blame.rank < 0) {
             tdm_doc_blame b;
@@ -400,7 +413,10 @@ static void tdm_doc_find_blame(tdm_doc_diag *g)
             snprintf(g->blame.what, sizeof g->blame.what, "%s", end);
         }
     }
-    if (g->blame.rank < 0 && g->nmissing > 0 && (g->nfailed > 0 || d->cause)) {
+    /* a rank without a dump, while the others failed or were ended from
+     * outside (mpirun's SIGTERM after a rank's death): it is the one that
+     * died (a SIGKILLed rank cannot write) */
+    if (g->blame.rank < 0 && g->nmissing > 0 && (g->nfailed > 0 || d->cause || g->nterm > 0)) {
         g->blame.rank = g->missing[0];
         g->blame.kind = TDM_DOCTOR_DIED;
         snprintf(g->blame.what, sizeof g->blame.what,
@@ -482,6 +498,22 @@ static void tdm_doc_verdict(tdm_doc_diag *g)
             if (d->r[r].have && d->r[r].failed) { first = r; break; }
         tdm_doc_classify(first >= 0 ? d->r[first].reason : d->cause, g->W, &g->blame);
         g->v = g->blame.kind == TDM_DOCTOR_STALLED ? TDM_DOCTOR_STALLED : TDM_DOCTOR_FAILED;
+        /* a wait that timed out names no one; the records may: a rank
+         * whose record stops before the collective the others waited in
+         * is the one they waited for */
+        int late = -1;
+        for (int r = 0; g->v == TDM_DOCTOR_STALLED && g->waiting && r < g->W && late < 0; r++)
+            if (d->r[r].have && d->r[r].next_seq <= g->waiting->seq) late = r;
+        if (late >= 0) {
+            char call[256];
+            tdm_doc_call_str(g->waiting, call, sizeof call);
+            snprintf(g->verdict, sizeof g->verdict, "STALLED: rank %d never entered %s #%" PRIu64
+                     " (its record stops before it); the others waited for it: %.600s%s", late,
+                     call, g->waiting->seq, first >= 0 ? d->r[first].reason : d->cause,
+                     first >= 0 ? "" : " (launcher)");
+            g->blame.rank = late;
+            return;
+        }
         snprintf(g->verdict, sizeof g->verdict, "%s: %s%s",
                  g->v == TDM_DOCTOR_STALLED ? "STALLED" : "FAILED", first >= 0 ? "" : "launcher: ",
                  first >= 0 ? d->r[first].reason : d->cause);
@@ -489,6 +521,16 @@ static void tdm_doc_verdict(tdm_doc_diag *g)
             size_t l = strlen(g->verdict);
             snprintf(g->verdict + l, sizeof g->verdict - l, " (rank %d)", first);
         }
+    } else if (g->nterm > 0) {
+        char buf[512];
+        int ended[TDM_DOC_MAX_RANKS], k = 0;
+        for (int r = 0; r < g->W; r++)
+            if (d->r[r].have && tdm_doc_ended_from_outside(&d->r[r])) ended[k++] = r;
+        tdm_doc_join(buf, sizeof buf, ended, k);
+        g->v = TDM_DOCTOR_FAILED;
+        snprintf(g->verdict, sizeof g->verdict, "FAILED: %s %s ended by a signal from outside "
+                 "(%s: mpirun after a failure elsewhere, or the user) and no rank reported a "
+                 "failure", buf, k > 1 ? "were" : "was", d->r[ended[0]].trigger);
     } else if (g->nmissing > 0) {
         char buf[512];
         g->v = TDM_DOCTOR_DIED;
