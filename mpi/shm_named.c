@@ -26,6 +26,24 @@
 #include "core/timer.h"
 #include "shm/shm_comm.h"
 
+/* The shm communicator's ranks are the machine's local ones; its
+ * messages ("rank 3 (pid ...) is stopped") name the job's ranks, which
+ * tandem doctor and every other line use. */
+static void tdm_mpi_shm_job_ranks(tdm_mpi_job *j, MPI_Comm machine, tdm_comm *comm)
+{
+    int ls = 0, names[TDM_SHM_MAX_RANKS], local[TDM_SHM_MAX_RANKS];
+    MPI_Comm_size(machine, &ls);
+    if (ls > TDM_SHM_MAX_RANKS) return;
+    MPI_Group mg, wg;
+    MPI_Comm_group(machine, &mg);
+    MPI_Comm_group(((tdm_mpi_impl *)tdm_comm_impl(j->world))->comm, &wg);
+    for (int l = 0; l < ls; l++) local[l] = l;
+    if (MPI_Group_translate_ranks(mg, ls, local, wg, names) == MPI_SUCCESS)
+        tdm_shm_comm_set_rank_names(comm, names);
+    MPI_Group_free(&mg);
+    MPI_Group_free(&wg);
+}
+
 tdm_status tdm_mpi_shm_named_comm(tdm_mpi_job *j, MPI_Comm machine,
                                   const struct tdm_shm_opts *shm_opts, tdm_comm **out)
 {
@@ -71,6 +89,7 @@ tdm_status tdm_mpi_shm_named_comm(tdm_mpi_job *j, MPI_Comm machine,
                              "segment %s (see its error)", name);
     }
     st = tdm_shm_comm_attach_named(out, name, lr, ls, job, shm_opts);
+    if (st == TDM_STATUS_OK) tdm_mpi_shm_job_ranks(j, machine, *out);
     if (lr != 0) return st;
     /* local rank 0: wait for every local rank to attach, then unlink */
     if (st == TDM_STATUS_OK) {

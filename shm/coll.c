@@ -182,11 +182,11 @@ static tdm_status tdm_shm_arrive_check(tdm_shm_impl *c)
                      (unsigned long long)d->seq);
         tdm_shm_raise_rank(c, -1, TDM_STATUS_MISMATCH,
                       "collective #%llu: rank %d called %s but rank %d called %s",
-                      (unsigned long long)c->seq, c->rank, a, p, b);
+                      (unsigned long long)c->seq, c->names[c->rank], a, c->names[p], b);
         c->failed = TDM_STATUS_MISMATCH;
         return tdm_error_set(TDM_STATUS_MISMATCH,
                              "collective #%llu: rank %d called %s but rank %d called %s",
-                             (unsigned long long)c->seq, c->rank, a, p, b);
+                             (unsigned long long)c->seq, c->names[c->rank], a, c->names[p], b);
     }
     return TDM_STATUS_OK;
 }
@@ -544,13 +544,13 @@ static tdm_status tdm_shm_recv(tdm_shm_impl *c, const tdm_comm_call *k)
         if (theirs != nbytes) {
             tdm_shm_raise_rank(c, -1, TDM_STATUS_MISMATCH,
                           "recv #%llu on rank %d from rank %d: expected %zu bytes, rank %d "
-                          "sent %llu", (unsigned long long)c->cur_seq, c->rank, peer, nbytes,
-                          peer, (unsigned long long)theirs);
+                          "sent %llu", (unsigned long long)c->cur_seq, c->names[c->rank],
+                          c->names[peer], nbytes, c->names[peer], (unsigned long long)theirs);
             return tdm_error_set(TDM_STATUS_MISMATCH,
                                  "recv #%llu from rank %d: expected %zu bytes (%s, count=%zu) "
                                  "but rank %d sent %llu bytes", (unsigned long long)c->cur_seq,
-                                 peer, nbytes, tdm_dtype_name(k->dtype), k->count, peer,
-                                 (unsigned long long)theirs);
+                                 c->names[peer], nbytes, tdm_dtype_name(k->dtype), k->count,
+                                 c->names[peer], (unsigned long long)theirs);
         }
         memcpy(dst + off, half + TDM_SHM_P2P_HDR, m);
         tdm_shm_flag_publish(ack, t + 1);    /* pairs with the send's wait */

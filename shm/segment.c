@@ -372,12 +372,20 @@ tdm_status tdm_shm_group_export_env(tdm_shm_group *g)
     return TDM_STATUS_OK;
 }
 
+void tdm_shm_comm_set_rank_names(tdm_comm *comm, const int *names)
+{
+    if (!comm || !names || strcmp(tdm_comm_backend_name(comm), "shm") != 0) return;
+    tdm_shm_impl *c = tdm_comm_impl(comm);
+    for (int r = 0; r < c->world; r++) c->names[r] = names[r];
+}
+
 /* --- the backend ---------------------------------------------------------- */
 
 static tdm_status tdm_shm_abort_op(void *impl, const char *reason)
 {
     tdm_shm_impl *c = impl;
-    tdm_shm_raise_rank(c, c->rank, TDM_STATUS_ABORTED, "aborted by rank %d: %s", c->rank, reason);
+    tdm_shm_raise_rank(c, c->rank, TDM_STATUS_ABORTED, "aborted by rank %d: %s",
+                       c->names[c->rank], reason);
     return TDM_STATUS_OK;
 }
 
@@ -510,6 +518,7 @@ static tdm_status tdm_shm_join(tdm_comm **out, void *base, size_t total, int unm
     c->unmap = unmap;
     c->rank = rank;
     c->world = world;
+    for (int r = 0; r < world; r++) c->names[r] = r;
     c->timeout_ms = opts && opts->timeout_ms > 0 ? opts->timeout_ms : TDM_SHM_DEFAULT_TIMEOUT_MS;
     /* Spin only while the ranks fit the cores they can use together (the
      * header's, the same for every rank): not this process's affinity,

@@ -160,6 +160,8 @@ typedef struct tdm_shm_impl {
     size_t arena_used;
     const char *algo;          /* last algorithm, for tdm_comm_last_algo */
     const char *logged_algo[TDM_COLL_COUNT_]; /* last one logged, per collective */
+    /* the ranks messages name (tdm_shm_comm_set_rank_names): the job's */
+    int names[TDM_SHM_MAX_RANKS];
     /* the call in progress, for error messages */
     const char *cur_name;
     uint64_t cur_seq;

@@ -335,11 +335,12 @@ static tdm_status tdm_shm_check_peers(tdm_shm_impl *c, int peer, tdm_shm_flag *f
             if (!c->unsure_since_ns[r]) c->unsure_since_ns[r] = now;
             if (now - c->unsure_since_ns[r] < TDM_SHM_STATUS_GRACE_NS) continue;
         }
-        tdm_shm_raise_rank(c, r, TDM_STATUS_PEER_FAILED, "rank %d (pid %d) %s", r, (int)pid, why);
+        tdm_shm_raise_rank(c, r, TDM_STATUS_PEER_FAILED, "rank %d (pid %d) %s", c->names[r],
+                           (int)pid, why);
         tdm_status st = tdm_shm_check_abort(c);
         return st ? st : tdm_error_set(TDM_STATUS_PEER_FAILED, "%s #%llu: rank %d (pid %d) %s; "
                                        "stopping", c->cur_name, (unsigned long long)c->cur_seq,
-                                       r, (int)pid, why);
+                                       c->names[r], (int)pid, why);
     }
     return TDM_STATUS_OK;
 }
@@ -392,13 +393,13 @@ tdm_status tdm_shm_flag_wait(tdm_shm_impl *c, tdm_shm_flag *f, uint64_t target, 
             tdm_shm_ctrl *k = tdm_shm_ctrl_of(c, peer);
             tdm_shm_raise_rank(c, peer, TDM_STATUS_TIMEOUT,
                           "rank %d timed out after %lld ms in %s #%llu waiting for rank %d "
-                          "(pid %d), %s", c->rank, (long long)c->timeout_ms, c->cur_name,
-                          (unsigned long long)c->cur_seq, peer, (int)atomic_load(&k->pid),
-                          tdm_shm_alive_str(c, peer, now));
+                          "(pid %d), %s", c->names[c->rank], (long long)c->timeout_ms,
+                          c->cur_name, (unsigned long long)c->cur_seq, c->names[peer],
+                          (int)atomic_load(&k->pid), tdm_shm_alive_str(c, peer, now));
             tdm_status st = tdm_shm_check_abort(c);
             return st ? st : tdm_error_set(TDM_STATUS_TIMEOUT, "%s #%llu: timed out waiting "
                                            "for rank %d", c->cur_name,
-                                           (unsigned long long)c->cur_seq, peer);
+                                           (unsigned long long)c->cur_seq, c->names[peer]);
         }
         uint64_t left = deadline - now;
         if (tdm_wait_sleep(f, target, left < TDM_SHM_SLEEP_NS ? left : TDM_SHM_SLEEP_NS,

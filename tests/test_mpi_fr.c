@@ -177,3 +177,34 @@ Test(mpi_fr, a_timed_out_wait_dumps_before_the_abort_mpi, .timeout = 200)
     expect(&r, 5, "did not complete within ");
 }
 
+/* hier on two pretend machines of two ranks: job rank 3 is local rank 1
+ * of machine 1. Its machine's shm part names it by the job's rank, and
+ * so do the doctor and every line (they said "rank 1 (pid ...) is
+ * stopped ... (shm's ranks 0..1 on this machine are the job's ranks 2,
+ * 3)", and the doctor blamed rank 1, a healthy rank of machine 0). */
+Test(mpi_fr, hier_names_the_jobs_rank_stopped, .timeout = 200)
+{
+    MPI_T_NEED();
+    cli_result r;
+    char stall[32];
+    snprintf(stall, sizeof stall, "%d", tu_scaled_ms(1500));
+    setenv("TANDEM_SHM_STALL_MS", stall, 1);   /* mpirun passes it on */
+    mf_fault_run(&r, "hier", 4, "2", "3:3:STOP", 3, NULL);
+    cr_expect(strstr(res.out, "rank 3 (pid ") && strstr(res.out, "is stopped"), "%s", res.out);
+    cr_expect(!strstr(res.out, "rank 1 (pid ") && !strstr(res.out, "shm's ranks"), "%s",
+              res.out);
+    expect(&r, 5, "verdict: STALLED: rank 3 is stopped (process state T: SIGSTOP or job "
+                  "control); the others waited in ");
+    expect(&r, 5, "'ddp bucket ");
+    expect(&r, 5, "last completed step: 2");
+}
+
+Test(mpi_fr, hier_names_the_jobs_rank_killed, .timeout = 200)
+{
+    MPI_T_NEED();
+    cli_result r;
+    mf_fault_run(&r, "hier", 4, "2", "3:3", 3, NULL);
+    expect(&r, 4, "verdict: DIED: rank 3 ");
+    expect(&r, 4, "the others waited in all_reduce(float32, sum, count=");
+    expect(&r, 4, "last completed step: 2");
+}
