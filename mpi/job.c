@@ -202,6 +202,9 @@ tdm_status tdm_mpi_job_init(tdm_mpi_job **out, const tdm_mpi_opts *opts)
     j->topo.size = tdm_comm_size(j->world);
     TDM_TRY(tdm_mpi_job_map(j));
     tdm_mpi_job_agree_id(j);
+    /* every rank's heartbeats: a stopped or dead rank is named in
+     * seconds, not found by the collective timeout */
+    TDM_TRY(tdm_mpi_live_start(&j->live, j->opts.join_timeout_ms));
     TDM_INFO(MPI, "job: rank %d of %d, machine %d of %d%s (rank %d of %d there)",
              j->topo.rank, j->topo.size, j->topo.machine, j->topo.n_machines,
              k ? (tcp ? " (pretend, MPI over TCP on lo)" : " (pretend, MPI over shared memory)")
@@ -216,6 +219,7 @@ fail:
 void tdm_mpi_job_free(tdm_mpi_job *j)
 {
     if (!j) return;
+    tdm_mpi_live_stop(j->live);
     tdm_comm_free(j->world);
     free(j->machine_of);
     free(j->local_of);

@@ -18,6 +18,7 @@ struct tdm_mpi_job {
     int machine_cores;         /* the same for this (pretend) machine's ranks: its shm segment */
     uint64_t job_id;           /* names this job's segments; 0: not agreed yet */
     int n_segments;            /* segments named so far (each name once) */
+    tdm_mpi_live *live;        /* owned: the ranks' heartbeats (mpi/live.c); NULL: off */
 };
 
 /* The job's 64-bit id, drawn by rank 0 (TANDEM_JOB_ID's when set) and

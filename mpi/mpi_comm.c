@@ -264,6 +264,7 @@ static void *tdm_mpi_watchdog(void *arg)
         /* the same call still? (it may have ended and another begun) */
         if (atomic_load_explicit(&c->wd_call, memory_order_acquire) != call) continue;
         const char *why = c->wait.abort_check ? c->wait.abort_check(c->wait.abort_ctx) : NULL;
+        if (!why) why = tdm_mpi_live_reason();
         int late = now - seen_ns > (uint64_t)c->wait.timeout_ms * 1000000u;
         if (!why && !late) continue;
         char what[160];

@@ -114,6 +114,19 @@ void tdm_mpi_guard_begin(tdm_mpi_guard *g, int64_t ms, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 void tdm_mpi_guard_end(tdm_mpi_guard *g);
 
+/* The job's liveness (mpi/live.c): a heartbeat thread per rank beats to
+ * every other rank every TANDEM_MPI_STALL_MS/6 over a communicator of its
+ * own and publishes, once, the first peer silent for TANDEM_MPI_STALL_MS
+ * (3000 by default; 0: off), or gone from this machine without leaving
+ * the job: "rank 1 (pid 4121) is stopped (...): no heartbeat for 3.0 s".
+ * Every wait polls tdm_mpi_live_reason (NULL: all well) and ends the job
+ * with it. start: collective over MPI_COMM_WORLD (*out NULL when off or
+ * alone); stop: says goodbye to every peer, then releases. */
+typedef struct tdm_mpi_live tdm_mpi_live;
+tdm_status tdm_mpi_live_start(tdm_mpi_live **out, int64_t join_ms);
+void tdm_mpi_live_stop(tdm_mpi_live *l);
+const char *tdm_mpi_live_reason(void);
+
 /* "MPI_ERR_TRUNCATE: message truncated" for an MPI error code. */
 void tdm_mpi_error_string(int rc, char *out, size_t n);
 

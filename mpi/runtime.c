@@ -284,6 +284,8 @@ void tdm_mpi_wait_all(const tdm_mpi_waiter *w, int n, MPI_Request *reqs, MPI_Sta
             const char *why = w->abort_check(w->abort_ctx);
             if (why) tdm_mpi_abort_job("%s stopped: %s", what, why);
         }
+        const char *dead = tdm_mpi_live_reason();   /* a rank of the job stopped or died */
+        if (dead) tdm_mpi_abort_job("%s stopped: %s", what, dead);
         uint64_t el = tdm_time_ns() - t0;
         if (el > limit)
             tdm_mpi_abort_job("%s did not complete within %lld ms (a peer died, stalled or "

@@ -208,3 +208,38 @@ Test(mpi_fr, hier_names_the_jobs_rank_killed, .timeout = 200)
     expect(&r, 4, "the others waited in all_reduce(float32, sum, count=");
     expect(&r, 4, "last completed step: 2");
 }
+
+/* A stopped rank under --backend mpi, with the default 300 s collective
+ * timeout: the job's heartbeats name it within seconds (it was found
+ * after 300 s, "a peer died, stalled or issued a different call", without
+ * its name; mpirun's 60 s bound here would end that first), and the
+ * doctor says which rank, where and after which step. */
+Test(mpi_fr, a_stopped_rank_is_named_by_the_jobs_heartbeats_mpi, .timeout = 200)
+{
+    MPI_T_NEED();
+    cli_result r;
+    char stall[64];
+    tu_scaled_env(stall, sizeof stall, "TANDEM_MPI_STALL_MS", 3000);
+    char dir[64], fr_env[128];
+    mf_dir(dir, sizeof dir);
+    snprintf(fr_env, sizeof fr_env, "TANDEM_FR_DUMP=%s", dir);
+    const char *env[] = {fr_env, "TANDEM_DDP_TEST_KILL=1:3:STOP", "TANDEM_FR_DUMP_ON=failure",
+                         stall, NULL};
+    const char *args[] = {MF_TRAIN, "--backend", "mpi", NULL};
+    mpi_t_job j = {.np = 2, .exe = cli_bin(), .args = args, .env = env, .tcp = 1,
+                   .timeout_s = 60};
+    mpi_t_run(&res, &j);
+    cr_assert_neq(res.code, 0, "%s", res.out);
+    cr_expect(strstr(res.out, "rank 1 (pid ") &&
+              strstr(res.out, "is stopped (process state T: SIGSTOP or job control): no "
+                              "heartbeat for "), "%s", res.out);
+    tdm_json *doc = mf_load(dir, 0);
+    cr_assert_not_null(doc, "rank 0 left no dump:\n%s", res.out);
+    tdm_json_free(doc);
+    CLI(&r, "doctor", dir);
+    expect(&r, 5, "verdict: STALLED: rank 1 is stopped (process state T: SIGSTOP or job "
+                  "control); the others waited in all_reduce(float32, sum, count=");
+    expect(&r, 5, "'ddp bucket ");
+    expect(&r, 5, "last completed step: 2");
+    mf_rm(dir);
+}
