@@ -10,6 +10,8 @@
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include "cuda/cuda_libs.h"
+
 typedef struct tdm_cuda_buf {
     char *p;
     size_t len, used;
@@ -42,14 +44,21 @@ tdm_status tdm_cuda_describe(char *buf, size_t len)
     if (cudaDriverGetVersion(&drv) != cudaSuccess) drv = 0;
     tdm_cuda_put_version(&b, "CUDA runtime", rt);
     tdm_cuda_put_version(&b, "CUDA driver", drv);
-    if (ncclGetVersion(&nccl) == ncclSuccess)
+    /* the libraries are loaded here (cuda/cuda_libs.c): their versions,
+     * and which files they are, or why they could not be loaded */
+    if (tdm_cuda_lib_load(TDM_CUDA_LIB_NCCL) != TDM_STATUS_OK)
+        tdm_cuda_put(&b, "  %-15snot loaded: %s\n", "NCCL", tdm_error_message());
+    else if (ncclGetVersion(&nccl) == ncclSuccess)
         /* NCCL >= 2.9 encodes 10000*major + 100*minor + patch. */
-        tdm_cuda_put(&b, "  %-15s%d.%d.%d\n", "NCCL", nccl / 10000, (nccl % 10000) / 100,
-                     nccl % 100);
-    if (cublasGetProperty(MAJOR_VERSION, &maj) == CUBLAS_STATUS_SUCCESS &&
-        cublasGetProperty(MINOR_VERSION, &min) == CUBLAS_STATUS_SUCCESS &&
-        cublasGetProperty(PATCH_LEVEL, &patch) == CUBLAS_STATUS_SUCCESS)
-        tdm_cuda_put(&b, "  %-15s%d.%d.%d\n", "cuBLAS", maj, min, patch);
+        tdm_cuda_put(&b, "  %-15s%d.%d.%d (%s)\n", "NCCL", nccl / 10000, (nccl % 10000) / 100,
+                     nccl % 100, tdm_cuda_lib_path(TDM_CUDA_LIB_NCCL));
+    if (tdm_cuda_lib_load(TDM_CUDA_LIB_CUBLAS) != TDM_STATUS_OK)
+        tdm_cuda_put(&b, "  %-15snot loaded: %s\n", "cuBLAS", tdm_error_message());
+    else if (cublasGetProperty(MAJOR_VERSION, &maj) == CUBLAS_STATUS_SUCCESS &&
+             cublasGetProperty(MINOR_VERSION, &min) == CUBLAS_STATUS_SUCCESS &&
+             cublasGetProperty(PATCH_LEVEL, &patch) == CUBLAS_STATUS_SUCCESS)
+        tdm_cuda_put(&b, "  %-15s%d.%d.%d (%s)\n", "cuBLAS", maj, min, patch,
+                     tdm_cuda_lib_path(TDM_CUDA_LIB_CUBLAS));
 
     int n = 0;
     tdm_status st = tdm_cuda_device_count(&n);

@@ -29,6 +29,7 @@
 #include <nccl.h>
 
 #include "core/log.h"
+#include "cuda/cuda_libs.h"
 #include "cuda/device_cuda.h"
 
 /* --- errors --------------------------------------------------------------- */
@@ -714,6 +715,11 @@ tdm_status tdm_cuda_gpu_open(tdm_device **out, int index)
     if (e != cudaSuccess) {
         c->bad_row = NULL;
         st = tdm_cuda_fail(d->name, "cudaMalloc (4 bytes)", e);
+        goto fail;
+    }
+    /* cuBLAS is loaded now, when a GPU is opened (cuda/cuda_libs.c) */
+    if ((st = tdm_cuda_lib_load(TDM_CUDA_LIB_CUBLAS))) {
+        st = tdm_error_prefix(st, "%s", d->name);
         goto fail;
     }
     cublasStatus_t bs = cublasCreate(&c->blas);

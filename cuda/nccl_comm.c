@@ -28,6 +28,7 @@
 #include "core/comm_impl.h"
 #include "core/log.h"
 #include "cuda/cuda_impl.h"
+#include "cuda/cuda_libs.h"
 #include "cuda/nccl_impl.h"
 
 _Static_assert(sizeof(ncclUniqueId) % sizeof(int32_t) == 0, "ncclUniqueId size");
@@ -333,6 +334,9 @@ static tdm_status tdm_nccl_agree_devices(tdm_comm *bootstrap, int device_index, 
         if (e != cudaSuccess) local = tdm_nccl_cuda_fail("creating the CUDA context",
                                                          device_index, e);
     }
+    /* NCCL itself is loaded here (cuda/cuda_libs.c): a rank that cannot
+     * load it fails every rank now, as one without a GPU does */
+    if (local == TDM_STATUS_OK) local = tdm_cuda_lib_load(TDM_CUDA_LIB_NCCL);
     if (local != TDM_STATUS_OK) snprintf(local_msg, sizeof local_msg, "%s", tdm_error_message());
     int32_t *oks = calloc((size_t)size, sizeof *oks);
     if (!oks) {

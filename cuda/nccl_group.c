@@ -12,6 +12,7 @@
 
 #include "core/log.h"
 #include "cuda/cuda_impl.h"
+#include "cuda/cuda_libs.h"
 
 struct tdm_cuda_nccl_group {
     int n;
@@ -96,6 +97,7 @@ tdm_status tdm_cuda_nccl_group_init(tdm_cuda_nccl_group **out, const int *device
             TDM_REQUIRE(devices[i] != devices[j], TDM_STATUS_INVALID_ARG,
                         "tdm_cuda_nccl_group_init: cuda:%d listed twice", devices[i]);
     }
+    TDM_CHECK(tdm_cuda_lib_load(TDM_CUDA_LIB_NCCL));
     g = calloc(1, sizeof *g);
     if (!g) return tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "nccl group: calloc");
     g->n = ndev;

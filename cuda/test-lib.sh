@@ -59,7 +59,8 @@ kit_probe() {
   fi
 }
 
-# kit_versions: KIT_RT (this build's CUDA runtime, e.g. 13.0), KIT_DRV
+# kit_versions: KIT_COMMIT (the build's commit, from its version line),
+# KIT_RT (this build's CUDA runtime, e.g. 13.0), KIT_DRV
 # (the CUDA version the installed driver supports, "none" without one),
 # KIT_CUDA (tandem info's device line: the error when no GPU is usable)
 # and KIT_NEED (the driver branch this runtime needs), from `tandem info`.
@@ -68,6 +69,7 @@ kit_versions() {
   KIT_RT=$(printf '%s\n' "$info" | sed -n 's/^  CUDA runtime *//p' | head -1)
   KIT_DRV=$(printf '%s\n' "$info" | sed -n 's/^  CUDA driver *//p' | head -1)
   KIT_CUDA=$(printf '%s\n' "$info" | sed -n 's/^  cuda  *//p' | head -1)
+  KIT_COMMIT=$(printf '%s\n' "$info" | sed -n '1s/^tandem [^ ]* (\(.*\))$/\1/p')
   # NVIDIA's minimum Linux drivers: CUDA 13.x R580, 12.x R525, 11.x R450
   case "${KIT_RT%%.*}" in
     13) KIT_NEED="R580 (580.65.06) or newer" ;;

@@ -82,7 +82,7 @@ static void kit_fake_test(const kit_fake *k, const char *name, const char *gpu, 
     kit_write(path, text, 1);
 }
 
-/* A fake build (three test binaries, `tandem info`), and the driver's view:
+/* A fake build (five test binaries, `tandem info`), and the driver's view:
  * smi_gpus GPUs listed by a fake nvidia-smi (-1: no nvidia-smi), proc_gpus
  * GPUs under a fake /proc/driver/nvidia. */
 static void kit_fake_setup(kit_fake *k, const char *gpu, const char *multi, int smi_gpus,
@@ -97,6 +97,8 @@ static void kit_fake_setup(kit_fake *k, const char *gpu, const char *multi, int 
     kit_fake_test(k, "test_cuda", gpu, multi);
     kit_fake_test(k, "test_cuda_train", gpu, "SKIP");
     kit_fake_test(k, "test_bench_cuda", gpu, "SKIP");
+    kit_fake_test(k, "test_cuda_gpt", gpu, "SKIP");
+    kit_fake_test(k, "test_fsdp_cli", gpu, "SKIP");
     snprintf(p, sizeof p, "%s/build/tandem", k->dir);
     kit_write(p, "#!/bin/sh\ncat <<'EOF'\ntandem 0.1.0 (fake)\ndevices:\n"
                  "  CUDA runtime   13.0\n  CUDA driver    12.2\n  NCCL           2.28.9\n"
@@ -267,12 +269,12 @@ Test(cuda_kit, test_gpu_passes_when_every_one_gpu_test_ran_and_records_a_summary
     kit_fake_setup(&k, "PASS", "SKIP", 1, 0);
     kit_fake_run(&k, "test-gpu.sh", "TANDEM_COMPUTE_SANITIZER=none");
     cr_assert_eq(k.code, 0, "%s", k.out);
-    kit_expect(&k, "verdict          PASS: all 3 one-GPU tests ran and passed");
+    kit_expect(&k, "verdict          PASS: all 5 one-GPU tests ran and passed");
     kit_expect(&k, "device           GPU 0: NVIDIA H100");
     kit_expect(&k, "kernel 535.104.05");
     kit_expect(&k, "compute-sanitizer not installed");
     /* the two-GPU test skipped: reported, not required */
-    kit_expect(&k, "  cuda_multi            0      0       3");
+    kit_expect(&k, "  cuda_multi            0      0       5");
     kit_read_file(&k, "build/test-gpu.txt", summary, sizeof summary);
     cr_assert(strstr(summary, "verdict          PASS"), "%s", summary);
     kit_read_file(&k, "build/test-gpu.log", summary, sizeof summary);
@@ -325,5 +327,41 @@ Test(cuda_kit, test_gpu_fails_on_a_memcheck_error, .timeout = 60)
     kit_fake_run(&k, "test-gpu.sh", env);
     cr_assert_eq(k.code, 0, "%s", k.out);
     kit_expect(&k, "memcheck         test_cuda: 2 tests, 0 errors; test_cuda_train: 2 tests, 0 errors;");
+    kit_fake_free(&k);
+}
+
+/* memcheck where it starts: a compute-sanitizer that cannot start is
+ * reported, not failed; one stopped by TANDEM_MEMCHECK_TIMEOUT says what
+ * it checked; the summary and log go to TANDEM_KIT_OUT. */
+Test(cuda_kit, test_gpu_reports_a_sanitizer_that_does_not_start_or_is_stopped, .timeout = 60)
+{
+    kit_need_scripts();
+    static kit_fake k;
+    static char summary[16384];
+    char p[512], env[1200];
+    kit_fake_setup(&k, "PASS", "SKIP", 1, 0);
+    snprintf(p, sizeof p, "%s/compute-sanitizer", k.dir);
+    kit_write(p, "#!/bin/sh\necho '========= Error: Target device is not supported'\nexit 1\n", 1);
+    kit_mkdir(&k, "out");
+    snprintf(env, sizeof env, "TANDEM_COMPUTE_SANITIZER='%s' TANDEM_KIT_OUT='%s/out'", p, k.dir);
+    kit_fake_run(&k, "test-gpu.sh", env);
+    cr_assert_eq(k.code, 0, "%s", k.out);
+    kit_expect(&k, "test_cuda: compute-sanitizer did not start (exit 1: ========= Error: Target "
+                   "device is not supported), not checked;");
+    kit_read_file(&k, "out/test-gpu.txt", summary, sizeof summary);
+    cr_assert(strstr(summary, "verdict          PASS"), "%s", summary);
+    kit_read_file(&k, "out/test-gpu.log", summary, sizeof summary);
+    cr_assert(strstr(summary, "[PASS] cuda_gpu::kernels_match_host"), "%s", summary);
+    snprintf(p, sizeof p, "%s/build/test-gpu.txt", k.dir);
+    cr_assert_neq(access(p, F_OK), 0, "the summary went to the build, not TANDEM_KIT_OUT");
+    kit_fake_free(&k);
+    /* a run stopped by the timeout: what ran is reported, no failure */
+    kit_fake_setup(&k, "PASS", "SKIP", 1, 0);
+    snprintf(p, sizeof p, "%s/compute-sanitizer", k.dir);
+    kit_write(p, "#!/bin/sh\nshift 8\n\"$@\"\nexec sleep 30\n", 1);
+    snprintf(env, sizeof env, "TANDEM_COMPUTE_SANITIZER='%s' TANDEM_MEMCHECK_TIMEOUT=1", p);
+    kit_fake_run(&k, "test-gpu.sh", env);
+    cr_assert_eq(k.code, 0, "%s", k.out);
+    kit_expect(&k, "test_cuda: stopped after 1 s, 0 errors in the 2 tests it ran;");
     kit_fake_free(&k);
 }

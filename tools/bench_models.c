@@ -65,18 +65,59 @@ fail:
     return st;
 }
 
-/* The device's ceiling: the best of the MLP's own gemm shapes. */
-static tdm_status tdm_bench_gemm_ceiling(tdm_device *d, int verbose, double *best)
+/* One row-major C(m,n) = op(A) op(B) the model computes, as its layer calls it. */
+typedef struct tdm_bench_shape {
+    tdm_trans ta, tb;
+    int m, n, k;
+    char what[64];
+} tdm_bench_shape;
+#define TDM_BENCH_SHAPES_MAX 8
+
+/* The gemm shapes of a model: the default MLP's (784-1024-1024-10, batch
+ * 256) for every model but a GPT; a GPT's linear layers at `batch`
+ * windows (N = batch * T rows; weights (out, in) as nn.Linear's, so
+ * forward is A B^T). The attention's batched products are not here. */
+static int tdm_bench_gemm_shapes(const tdm_model_spec *spec, int batch, tdm_bench_shape *s)
 {
-    static const struct { tdm_trans ta, tb; int m, n, k; const char *what; } shapes[] = {
+    static const tdm_bench_shape mlp[] = {
         {TDM_TRANS_N, TDM_TRANS_T, 256, 1024, 784, "fc1 forward   (256x784)x(784x1024)"},
         {TDM_TRANS_N, TDM_TRANS_T, 256, 1024, 1024, "fc2 forward   (256x1024)x(1024x1024)"},
         {TDM_TRANS_T, TDM_TRANS_N, 1024, 1024, 256, "fc2 dW        (1024x256)x(256x1024)"},
         {TDM_TRANS_N, TDM_TRANS_N, 256, 1024, 1024, "fc2 dX        (256x1024)x(1024x1024)"},
         {TDM_TRANS_N, TDM_TRANS_N, 1024, 1024, 1024, "square 1024"},
     };
+    if (spec->kind != TDM_MODEL_GPT) {
+        memcpy(s, mlp, sizeof mlp);
+        return (int)(sizeof mlp / sizeof mlp[0]);
+    }
+    int N = batch * spec->n_ctx, C = spec->n_embd, V = spec->vocab;
+    const struct { tdm_trans ta, tb; int m, n, k; const char *what; } g[] = {
+        {TDM_TRANS_N, TDM_TRANS_T, N, 3 * C, C, "c_attn forward"},
+        {TDM_TRANS_N, TDM_TRANS_T, N, C, C, "attn.c_proj forward"},
+        {TDM_TRANS_N, TDM_TRANS_T, N, 4 * C, C, "mlp.c_fc forward"},
+        {TDM_TRANS_N, TDM_TRANS_T, N, C, 4 * C, "mlp.c_proj forward"},
+        {TDM_TRANS_N, TDM_TRANS_T, N, V, C, "head forward"},
+        {TDM_TRANS_T, TDM_TRANS_N, 4 * C, C, N, "mlp.c_fc dW"},
+        {TDM_TRANS_N, TDM_TRANS_N, N, C, 4 * C, "mlp.c_fc dX"},
+    };
+    int n = (int)(sizeof g / sizeof g[0]);
+    for (int i = 0; i < n; i++) {
+        s[i] = (tdm_bench_shape){.ta = g[i].ta, .tb = g[i].tb, .m = g[i].m, .n = g[i].n,
+                                 .k = g[i].k};
+        snprintf(s[i].what, sizeof s[i].what, "%-19s (%dx%d)x(%dx%d)", g[i].what, g[i].m,
+                 g[i].k, g[i].k, g[i].n);
+    }
+    return n;
+}
+
+/* The device's ceiling: the best of the model's own gemm shapes. */
+static tdm_status tdm_bench_gemm_ceiling(tdm_device *d, const tdm_model_spec *spec, int batch,
+                                         int verbose, double *best)
+{
+    tdm_bench_shape shapes[TDM_BENCH_SHAPES_MAX];
+    int n = tdm_bench_gemm_shapes(spec, batch, shapes);
     *best = 0.0;
-    for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++) {
+    for (int i = 0; i < n; i++) {
         double s = 0.0;
         TDM_CHECK(tdm_bench_gemm_one(d, shapes[i].ta, shapes[i].tb, shapes[i].m, shapes[i].n,
                                      shapes[i].k, 15, &s));
@@ -128,15 +169,18 @@ static void tdm_bench_cuda_what(const tdm_device *d, char *buf, size_t len)
 /* ---- bench gemm ---- */
 
 typedef struct tdm_bench_gemm_args {
-    long long threads;
+    long long threads, batch;
     int threads_set, help;
-    const char *device;
+    const char *device, *model;
 } tdm_bench_gemm_args;
 
 static tdm_status tdm_bench_gemm_parse(int argc, char **argv, tdm_bench_gemm_args *g)
 {
     for (int i = 1; i < argc; i++) {
         const char *v;
+        long long iv;
+        TDM_ARGS_STR("--model", g->model)
+        TDM_ARGS_INT("--batch", 1, 1 << 16, g->batch)
         TDM_CHECK(tdm_args_value(argc, argv, &i, "--threads", &v));
         if (v) {
             TDM_CHECK(tdm_args_int("--threads", v, 1, 256, &g->threads));
@@ -156,8 +200,19 @@ static tdm_status tdm_bench_gemm_parse(int argc, char **argv, tdm_bench_gemm_arg
     return TDM_STATUS_OK;
 }
 
-static tdm_status tdm_bench_gemm_run(const tdm_bench_gemm_args *g)
+static tdm_status tdm_bench_gemm_run(tdm_bench_gemm_args *g)
 {
+    tdm_model_spec spec;
+    if (tdm_model_spec_parse(&spec, g->model) != TDM_STATUS_OK)
+        return tdm_tool_usage_error("tandem bench gemm: %s\n", tdm_error_message());
+    if (strcmp(g->model, "mlp") && spec.kind != TDM_MODEL_GPT)
+        return tdm_tool_usage_error("tandem bench gemm: --model %s: the shapes are the default "
+                                    "mlp's or a gpt's (--model mlp, gpt or gpt:L-D-H-T)\n",
+                                    g->model);
+    if (spec.kind != TDM_MODEL_GPT && g->batch)
+        return tdm_tool_usage_error("tandem bench gemm: --batch sets a gpt's windows; the mlp's "
+                                    "shapes are fixed (batch 256)\n");
+    if (!g->batch) g->batch = 32;
     tdm_device *d;
     TDM_CHECK(tdm_bench_open_device("gemm", g->device, g->threads, g->threads_set, &d));
     if (tdm_dev_kind(d) == TDM_DEVICE_HOST) {
@@ -169,8 +224,13 @@ static tdm_status tdm_bench_gemm_run(const tdm_bench_gemm_args *g)
         printf("sgemm on %s\n", what);
         tdm_tool_print_emulated(stdout, g->device);
     }
+    if (spec.kind == TDM_MODEL_GPT) {
+        char desc[160];
+        tdm_model_spec_describe(&spec, desc, sizeof desc);
+        printf("shapes of %s, batch %lld windows\n", desc, g->batch);
+    }
     double best;
-    tdm_status st = tdm_bench_gemm_ceiling(d, 1, &best);
+    tdm_status st = tdm_bench_gemm_ceiling(d, &spec, (int)g->batch, 1, &best);
     if (st) fprintf(stderr, "tandem bench gemm: %s\n", tdm_error_message());
     else printf("ceiling: %.1f GFLOP/s\n", best);
     tdm_device_free(d);
@@ -179,11 +239,13 @@ static tdm_status tdm_bench_gemm_run(const tdm_bench_gemm_args *g)
 
 int tdm_bench_gemm_main(int argc, char **argv)
 {
-    tdm_bench_gemm_args g = {.threads = 1, .device = "cpu"};
+    tdm_bench_gemm_args g = {.threads = 1, .device = "cpu", .model = "mlp"};
     tdm_status st = tdm_bench_gemm_parse(argc, argv, &g);
     if (st == TDM_STATUS_OK && g.help) {
-        printf("usage: tandem bench gemm [--device cpu|cuda|cuda:I] [--threads T]\n\n"
-               "sgemm rate of one device at the MLP's shapes (median of 15 samples each):\n"
+        printf("usage: tandem bench gemm [--device cpu|cuda|cuda:I] [--threads T]\n"
+               "                        [--model mlp|gpt|gpt:L-D-H-T] [--batch B]\n\n"
+               "sgemm rate of one device at a model's shapes (median of 15 samples each):\n"
+               "the default MLP's, or a GPT's linear layers at B windows (default 32);\n"
                "a host device with T BLAS threads (default cpu, T = 1), or cuda:I through\n"
                "cuBLAS (cuda: GPU 0; operands in device memory; each sample is 10 calls\n"
                "ended by a sync, so the time is the GPU's; --threads is host only). With\n"
@@ -259,7 +321,8 @@ static void tdm_bench_train_usage(void)
            "Single-device training throughput on synthetic data (a gpt: random bytes,\n"
            "AdamW; the others: synthetic images, SGD) (median step after\n"
            "5 warm-up steps), and the achieved gemm rate as a fraction of the same\n"
-           "device's sgemm ceiling (tandem bench gemm). The device is a host device\n"
+           "device's sgemm ceiling (tandem bench gemm at the model's shapes: a gpt's\n"
+           "own, the default mlp's for the others). The device is a host device\n"
            "with T BLAS threads (default cpu, T = 1) or cuda:I (cuda: GPU 0; inputs\n"
            "staged to the GPU each step, every step timed until the GPU has finished\n"
            "it; --threads is host only). With TANDEM_CUDA_EMULATOR=N, cuda:I is\n"
@@ -311,6 +374,16 @@ static tdm_status tdm_bench_train_steps(const tdm_bench_train_args *t,
     return st;
 }
 
+/* The model's parameters, counted as PyTorch counts them (the flat
+ * buffer, tdm_model_param_elems, also holds each tensor's alignment
+ * padding). */
+static long long tdm_bench_param_count(const tdm_model *m)
+{
+    long long n = 0;
+    for (int i = 0; i < tdm_model_n_params(m); i++) n += tdm_model_param_info(m, i)->n_elem;
+    return n;
+}
+
 static void tdm_bench_train_print(const tdm_bench_train_args *t, const tdm_model_spec *spec,
                                   tdm_device *d, tdm_model *m, const tdm_bench_step_ctx *ctx,
                                   double ceiling)
@@ -323,12 +396,14 @@ static void tdm_bench_train_print(const tdm_bench_train_args *t, const tdm_model
     char desc[160];
     tdm_model_spec_describe(spec, desc, sizeof desc);
     if (tdm_dev_kind(d) == TDM_DEVICE_HOST) {
-        printf("model %s, batch %lld, one host device, %lld BLAS thread%s\n", desc, t->batch,
-               t->threads, t->threads > 1 ? "s" : "");
+        printf("model %s (%lld parameters), batch %lld, one host device, %lld BLAS thread%s\n",
+               desc, tdm_bench_param_count(m), t->batch, t->threads,
+               t->threads > 1 ? "s" : "");
     } else {
         char what[160];
         tdm_bench_cuda_what(d, what, sizeof what);
-        printf("model %s, batch %lld, one device: %s\n", desc, t->batch, what);
+        printf("model %s (%lld parameters), batch %lld, one device: %s\n", desc,
+               tdm_bench_param_count(m), t->batch, what);
         tdm_tool_print_emulated(stdout, t->device);
     }
     printf("  step: median %.2f ms (min %.2f, max %.2f) over %lld steps\n", med * 1e3,
@@ -373,7 +448,7 @@ static tdm_status tdm_bench_train_run(tdm_bench_train_args *t)
     }
     TDM_TRY(tdm_bench_train_steps(t, &spec, m, &ctx));
     double ceiling;
-    TDM_TRY(tdm_bench_gemm_ceiling(d, 0, &ceiling));
+    TDM_TRY(tdm_bench_gemm_ceiling(d, &spec, (int)t->batch, 0, &ceiling));
     tdm_bench_train_print(t, &spec, d, m, &ctx, ceiling);
 fail:
     if (st) fprintf(stderr, "tandem bench train: %s\n", tdm_error_message());
