@@ -66,9 +66,11 @@ int tdm_elastic_describe(const char *ckpt, char *out, size_t n)
     return 1;
 }
 
-const char *tdm_elastic_run_begin(void)
+const char *tdm_elastic_run_begin(int restarts)
 {
     const char *run = getenv(TDM_ELASTIC_ENV_RUN);
+    /* without restarts nothing reads it: the files stay as they were */
+    if ((!run || !*run) && !restarts) return NULL;
     if (!run || !*run) {
         uint64_t id = 0;
         if (getrandom(&id, sizeof id, 0) != (ssize_t)sizeof id) {
@@ -137,7 +139,7 @@ tdm_status tdm_elastic_train_forked(const char *mode, int world, tdm_ddp_spawn_f
                                     const char *save, const char **resume)
 {
     const char *user_resume = *resume;
-    tdm_elastic_run_begin();
+    tdm_elastic_run_begin(max_restarts > 0);
     for (int attempt = 0;; attempt++) {
         tdm_elastic_set_attempt(attempt);
         tdm_doctor_job frj;   /* the ranks' flight-recorder dumps */
@@ -235,7 +237,7 @@ int tdm_tool_launch_main(int argc, char **argv)
     rest[n] = NULL;
     /* the ranks learn --checkpoint on a restart, once this run wrote it */
     unsetenv(TDM_ELASTIC_ENV_RESUME);
-    tdm_elastic_run_begin();
+    tdm_elastic_run_begin(max_restarts > 0);
     int rc;
     for (int attempt = 0;; attempt++) {
         tdm_elastic_set_attempt(attempt);

@@ -20,8 +20,8 @@
  * to, exported to the ranks and written in their checkpoints ("run",
  * models/checkpoint.h): a restart resumes only from a checkpoint with
  * this id, never from one another run left at the same path. Drawn at
- * the start unless already set (tests that compare two runs' files byte
- * for byte set one for both). */
+ * the start when restarts are asked for, unless already set (tests that
+ * compare two runs' files byte for byte set one for both). */
 #define TDM_ELASTIC_ENV_RUN "TANDEM_RUN_ID"
 #define TDM_ELASTIC_MAX 1000
 
@@ -41,10 +41,12 @@ int tdm_elastic_backoff(int attempt);
  * when ckpt exists and holds a checkpoint. */
 int tdm_elastic_describe(const char *ckpt, char *out, size_t n);
 
-/* This process's run (TANDEM_RUN_ID): drawn and exported unless set, and
+/* This process's run (TANDEM_RUN_ID): the one set, else drawn and
+ * exported when restarts are asked for (without them no run id is
+ * written, and the checkpoints are the bytes they always were), and
  * given to models/checkpoint.h for every checkpoint saved from here on.
- * Returns it. */
-const char *tdm_elastic_run_begin(void);
+ * Returns it, NULL when none. */
+const char *tdm_elastic_run_begin(int restarts);
 /* 1 when path holds a checkpoint written by this run (its "run" is
  * TANDEM_RUN_ID's); else 0 and, when why is given, what is there. */
 int tdm_elastic_ours(const char *path, char *why, size_t n);

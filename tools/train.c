@@ -262,7 +262,7 @@ static tdm_status tdm_train_check_args(tdm_train_args *a)
                         "`tandem launch --max-restarts K` (under mpirun or srun, rerun the job "
                         "with --resume)\n");
     /* started by tandem launch: its run's id goes into our checkpoints */
-    if (getenv(TDM_ELASTIC_ENV_RUN)) tdm_elastic_run_begin();
+    if (getenv(TDM_ELASTIC_ENV_RUN)) tdm_elastic_run_begin(0);
     if (tdm_elastic_attempt() > 0 && !a->resume) {
         /* restarted by tandem launch --max-restarts: resume from the
          * launcher's --checkpoint, else from our own --save, once this
