@@ -240,6 +240,10 @@ tdm_status tdm_mpi_hier_comm(tdm_mpi_job *j, const struct tdm_shm_opts *shm_opts
         cross = MPI_COMM_NULL;   /* owned by the wrapper from here, even on failure */
         TDM_TRY(tdm_mpi_comm_wrap(&h->cross, c, j->node_size, j->node_cores, &o,
                                   "hier (between machines)"));
+        /* its messages say the job's rank, as every other line does */
+        tdm_mpi_impl *ci = tdm_comm_impl(h->cross);
+        ci->job_rank = t->rank;
+        ci->job_size = t->size;
     }
     TDM_TRY(tdm_mpi_job_comm(j, TDM_MPI_BACKEND_MPI, NULL, &h->world));
     /* the parts' flight records are not the rank's: the hier one is */

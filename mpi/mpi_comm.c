@@ -200,11 +200,11 @@ static void tdm_mpi_describe_seq(const tdm_mpi_impl *c, uint64_t seq, const tdm_
     seq = seq ? seq - 1 : 0;
     if (k->coll == TDM_COLL_BARRIER)
         snprintf(out, n, "%s: barrier #%llu on rank %d of %d", c->what,
-                 (unsigned long long)seq, c->rank, c->size);
+                 (unsigned long long)seq, c->job_rank, c->job_size);
     else
         snprintf(out, n, "%s: %s #%llu (%s, count=%zu) on rank %d of %d", c->what,
                  tdm_coll_name(k->coll), (unsigned long long)seq, tdm_dtype_name(k->dtype),
-                 k->count, c->rank, c->size);
+                 k->count, c->job_rank, c->job_size);
 }
 
 static void tdm_mpi_describe(const tdm_mpi_impl *c, const tdm_comm_call *k, char *out, size_t n)
@@ -436,6 +436,8 @@ tdm_status tdm_mpi_comm_wrap(tdm_comm **out, MPI_Comm comm, int local_size, int 
     MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN);
     MPI_Comm_rank(comm, &c->rank);
     MPI_Comm_size(comm, &c->size);
+    c->job_rank = c->rank;
+    c->job_size = c->size;
     if (cores <= 0) cores = tdm_mpi_cores();
     /* Spin only while this machine's ranks fit the cores they can use
      * together; a queued call waits on the progress thread while the

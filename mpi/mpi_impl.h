@@ -37,6 +37,7 @@ typedef struct tdm_mpi_waiter {
 typedef struct tdm_mpi_impl {
     MPI_Comm comm;            /* owned: a duplicate or a split */
     int rank, size;           /* in comm */
+    int job_rank, job_size;   /* what messages say: the job's (a part's differ: hier's) */
     tdm_mpi_waiter wait;
     int spin, spin_async;     /* the policy for synchronous / queued calls */
     /* Which calls use MPI's non-blocking collectives (the others its

@@ -14,11 +14,47 @@
 #include <unistd.h>
 
 #include "core/json.h"
+#include "mpi/job.h"
+#include "mpi/mpi_weak.h"
 #include "tests/cli_util.h"
 #include "tests/mpi_test_util.h"
 #include "tests/timeout_util.h"
 
 static cli_result res;
+
+/* A worker (an MPI rank of this binary): hier over the job; rank 1 is
+ * busy (alive, its heartbeats going) for 60 s before its second
+ * all_reduce, so that its peer across the machines waits for it in the
+ * network part until the collective timeout. */
+static int w_cross_late(int argc, char **argv)
+{
+    (void)argc;
+    (void)argv;
+    tdm_mpi_job *job = NULL;
+    tdm_comm *comm = NULL;
+    tdm_status st = tdm_mpi_job_init(&job, NULL);
+    if (!st) st = tdm_mpi_job_comm(job, TDM_MPI_BACKEND_HIER, NULL, &comm);
+    if (st) {
+        fprintf(stderr, "set-up: %s\n", tdm_error_message());
+        return 1;
+    }
+    int r = tdm_comm_rank(comm);
+    static float v[1000];
+    for (int i = 0; i < 3; i++) {
+        if (i == 1 && r == 1) sleep(60);
+        if (tdm_comm_all_reduce(comm, v, v, 1000, TDM_DTYPE_FLOAT32, TDM_REDOP_SUM)) {
+            char why[1200];
+            snprintf(why, sizeof why, "rank %d: %s", r, tdm_error_message());
+            tdm_mpi_abort(why);
+        }
+    }
+    tdm_comm_free(comm);
+    tdm_mpi_job_free(job);
+    return 0;
+}
+
+static const mpi_t_worker mf_workers[] = {{"cross_late", w_cross_late}};
+MPI_T_WORKERS(mf_workers)
 
 #define MF_TRAIN "train", "--mode", "ddp", "--data", "synthetic", "--synthetic-size", "1024", \
                  "--batch", "64", "--model", "mlp:784-32-10", "--no-eval", "--quiet", "--epochs", \
@@ -242,4 +278,21 @@ Test(mpi_fr, a_stopped_rank_is_named_by_the_jobs_heartbeats_mpi, .timeout = 200)
     expect(&r, 5, "'ddp bucket ");
     expect(&r, 5, "last completed step: 2");
     mf_rm(dir);
+}
+
+/* hier's network part times out waiting for a busy rank on the other
+ * machine: its message names the job's rank ("on rank 3 of 4"), not its
+ * own in the part (it said "on rank 1 of 2"). */
+Test(mpi_fr, hier_network_part_says_the_jobs_rank, .timeout = 200)
+{
+    MPI_T_NEED();
+    char tmo[64];
+    const char *env[] = {tu_scaled_env(tmo, sizeof tmo, "TANDEM_MPI_TIMEOUT_MS", 3000),
+                         "TANDEM_PRETEND_MACHINES=2", NULL};
+    mpi_t_job j = {.np = 4, .worker = "cross_late", .env = env, .tcp = 1, .timeout_s = 90};
+    mpi_t_run(&res, &j);
+    cr_assert_neq(res.code, 0, "%s", res.out);
+    cr_expect(strstr(res.out, "hier (between machines): all_reduce #"), "%s", res.out);
+    cr_expect(strstr(res.out, " of 4 did not complete within"), "%s", res.out);
+    cr_expect(!strstr(res.out, " of 2 did not complete within"), "%s", res.out);
 }
