@@ -26,12 +26,16 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "core/flight.h"
 #include "core/log.h"
 #include "core/timer.h"
 
 #define TDM_MPI_LIVE_TAG 0x7d52
 #define TDM_MPI_LIVE_BEAT 1
 #define TDM_MPI_LIVE_BYE 2
+#define TDM_MPI_LIVE_DUMP 3                  /* a rank aborts the job: dump now */
+#define TDM_MPI_LIVE_DUMPED 4                /* ... done */
+#define TDM_MPI_LIVE_DUMP_MS 2000            /* the aborting rank waits this long at most */
 #define TDM_MPI_LIVE_DEFAULT_STALL_MS 3000   /* as shm's TANDEM_SHM_STALL_MS */
 #define TDM_MPI_LIVE_MIN_STALL_MS 500
 #define TDM_MPI_LIVE_BEATS_PER_STALL 6       /* a beat every stall/6: 5 may be late */
@@ -46,6 +50,12 @@ typedef struct tdm_mpi_live_peer {
     uint64_t last_ns;          /* the last beat received (or the start) */
     MPI_Request rreq, sreq;
     int64_t rbuf, sbuf;
+    /* the job's abort: this peer asked us to dump (answered by the thread),
+     * or answered ours (dumped) */
+    int dump_asked;
+    _Atomic int dumped;
+    MPI_Request areq;
+    int64_t abuf;
 } tdm_mpi_live_peer;
 
 struct tdm_mpi_live {
@@ -127,10 +137,22 @@ static void tdm_mpi_live_round(tdm_mpi_live *l)
                 p->gone = 1;
                 break;
             }
+            if (p->rbuf == TDM_MPI_LIVE_DUMPED) atomic_store(&p->dumped, 1);
+            if (p->rbuf == TDM_MPI_LIVE_DUMP) p->dump_asked = 1;
             p->last_ns = now;
             MPI_Irecv(&p->rbuf, 1, MPI_INT64_T, q, TDM_MPI_LIVE_TAG, l->comm, &p->rreq);
         }
         if (p->gone) continue;
+        if (p->dump_asked == 1) {
+            /* that rank is ending the job (MPI_Abort, then mpirun's
+             * SIGTERM and, a second later, SIGKILL): the flight records
+             * are written now, while this process surely runs, and the
+             * rank is told (it waits for that before it aborts) */
+            tdm_fr_dump_all("job abort");
+            p->dump_asked = 2;
+            p->abuf = TDM_MPI_LIVE_DUMPED;
+            MPI_Isend(&p->abuf, 1, MPI_INT64_T, q, TDM_MPI_LIVE_TAG, l->comm, &p->areq);
+        }
         /* one beat in flight per peer: a stopped peer's never piles up */
         done = p->sreq == MPI_REQUEST_NULL;
         if (!done) MPI_Test(&p->sreq, &done, MPI_STATUS_IGNORE);
@@ -266,6 +288,43 @@ tdm_status tdm_mpi_live_start(tdm_mpi_live **out, int64_t join_ms)
              (unsigned long long)(l->period_ns / 1000000u), size - 1, (long long)stall_ms);
     *out = l;
     return TDM_STATUS_OK;
+}
+
+void tdm_mpi_live_dump_everywhere(void)
+{
+    tdm_mpi_live *l = atomic_load_explicit(&tdm_mpi_live_now, memory_order_acquire);
+    if (!l) return;
+    /* the peers' heartbeat threads dump and answer; a peer that has been
+     * silent (stopped, gone) cannot, and is not waited for */
+    MPI_Request *req = calloc((size_t)l->size, sizeof *req);
+    int64_t *ask = calloc((size_t)l->size, sizeof *ask);
+    if (!req || !ask) {
+        free(req);
+        free(ask);
+        return;
+    }
+    uint64_t t0 = tdm_time_ns();
+    for (int q = 0; q < l->size; q++) {
+        req[q] = MPI_REQUEST_NULL;
+        if (q == l->rank || l->peer[q].gone) continue;
+        ask[q] = TDM_MPI_LIVE_DUMP;
+        MPI_Isend(&ask[q], 1, MPI_INT64_T, q, TDM_MPI_LIVE_TAG, l->comm, &req[q]);
+    }
+    for (;;) {
+        int waiting = 0;
+        uint64_t now = tdm_time_ns();
+        for (int q = 0; q < l->size; q++) {
+            const tdm_mpi_live_peer *p = &l->peer[q];
+            if (q == l->rank || p->gone || atomic_load(&p->dumped)) continue;
+            /* (last_ns is the heartbeat thread's: a stale read only waits longer) */
+            if (now - p->last_ns > l->stall_ns / 2) continue;
+            waiting++;
+        }
+        if (!waiting || now - t0 > TDM_MPI_LIVE_DUMP_MS * 1000000ull) break;
+        struct timespec ts = {0, 1000000};
+        nanosleep(&ts, NULL);
+    }
+    /* the asks stay posted (the process ends now): the buffers too */
 }
 
 void tdm_mpi_live_stop(tdm_mpi_live *l)

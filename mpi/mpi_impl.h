@@ -127,6 +127,12 @@ typedef struct tdm_mpi_live tdm_mpi_live;
 tdm_status tdm_mpi_live_start(tdm_mpi_live **out, int64_t join_ms);
 void tdm_mpi_live_stop(tdm_mpi_live *l);
 const char *tdm_mpi_live_reason(void);
+/* Before this rank ends the job (tdm_mpi_abort_job): asks every other
+ * rank's heartbeat thread to dump its flight records now, and waits (2 s
+ * at most) until each that is not silent says it has: mpirun's SIGTERM
+ * to them, a second before its SIGKILL, may find a loaded machine too
+ * slow to dump. No-op without the job's heartbeats. */
+void tdm_mpi_live_dump_everywhere(void);
 
 /* "MPI_ERR_TRUNCATE: message truncated" for an MPI error code. */
 void tdm_mpi_error_string(int rc, char *out, size_t n);

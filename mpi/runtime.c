@@ -132,6 +132,8 @@ static int tdm_mpi_level_wanted(void)
     return MPI_THREAD_MULTIPLE;
 }
 
+static void tdm_mpi_dump_at_exit(void) { tdm_fr_dump_all("exit"); }
+
 tdm_status tdm_mpi_init(void)
 {
     pthread_mutex_lock(&tdm_mpi_init_mu);
@@ -185,6 +187,11 @@ tdm_status tdm_mpi_init(void)
      * SIGKILL): each dumps its flight records then, as they stand (the
      * application's own SIGTERM handler, if any, is left alone). */
     tdm_fr_dump_on_signal(SIGTERM);
+    /* Open MPI ends a process itself on some errors (a peer's connection
+     * lost as the job aborts), by exit: whatever recorder is still live
+     * then is mid-job, and dumps (a finished job has freed them all) */
+    static atomic_int at_exit_set;
+    if (!atomic_exchange(&at_exit_set, 1)) atexit(tdm_mpi_dump_at_exit);
 out:
     pthread_mutex_unlock(&tdm_mpi_init_mu);
     return st;
@@ -239,6 +246,7 @@ _Noreturn void tdm_mpi_abort_job(const char *fmt, ...)
     tdm_fr_fail_all(strstr(reason, "did not complete within") ? TDM_STATUS_TIMEOUT
                                                                : TDM_STATUS_ABORTED,
                     reason);
+    if (live) tdm_mpi_live_dump_everywhere();
     fflush(stdout);
     if (rank >= 0)
         fprintf(stderr, "tandem: rank %d of %d (%s, pid %d): MPI job aborted: %s\n", rank, size,

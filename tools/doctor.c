@@ -375,11 +375,13 @@ static void tdm_doc_desync(tdm_doc_diag *g)
 }
 
 /* A dump written because the process was ended from outside (SIGTERM
- * from mpirun after another rank's death, or from the user), not by a
- * failure of its own. */
+ * from mpirun after another rank's death, or from the user; "job abort":
+ * another rank of an MPI job asked for it before ending the job), not by
+ * a failure of its own. */
 static int tdm_doc_ended_from_outside(const tdm_doc_rank *r)
 {
-    return !r->failed && (!strcmp(r->trigger, "SIGTERM") || !strcmp(r->trigger, "SIGINT"));
+    return !r->failed && (!strcmp(r->trigger, "SIGTERM") || !strcmp(r->trigger, "SIGINT") ||
+                          !strcmp(r->trigger, "job abort") || !strcmp(r->trigger, "exit"));
 }
 
 /* 2. How each rank ended, and who is blamed: the launcher's cause, else a
