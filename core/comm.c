@@ -28,6 +28,7 @@ struct tdm_comm_work {
     atomic_int refs;          /* the caller's handle + the queue's */
     uint64_t fr_seq;          /* its flight-recorder entry */
     tdm_fr *fr;               /* borrowed from the communicator; NULL: off */
+    const tdm_comm *comm;     /* borrowed, for messages (the handle must not outlive it) */
     tdm_comm_work *next;      /* queue link, under comm->mu */
 };
 
@@ -47,6 +48,11 @@ struct tdm_comm {
     int thread_started, stop;
     pthread_t thread;
     tdm_fr *fr;               /* flight recorder (core/flight.h); NULL: off */
+    /* Sub-communicators (core/comm_split.c): each rank's job rank (NULL:
+     * the identity, a communicator that was never split), and the splits
+     * made of this one so far. */
+    int *job_ranks;
+    int splits;
 };
 
 static const char *const tdm_dtype_names[TDM_DTYPE_COUNT_] = {
@@ -212,6 +218,41 @@ fail:
 }
 
 void *tdm_comm_impl(const tdm_comm *comm) { return comm ? comm->impl : NULL; }
+
+int tdm_comm_job_rank(const tdm_comm *comm, int rank)
+{
+    if (!comm || rank < 0 || rank >= comm->size) return -1;
+    return comm->job_ranks ? comm->job_ranks[rank] : rank;
+}
+
+const char *tdm_comm_rank_str(const tdm_comm *comm, int rank, char *buf, size_t n)
+{
+    int j = tdm_comm_job_rank(comm, rank);
+    if (!comm || !comm->job_ranks || j < 0) snprintf(buf, n, "rank %d", rank);
+    else snprintf(buf, n, "rank %d (job rank %d)", rank, j);
+    return buf;
+}
+
+tdm_status tdm_comm_set_job_ranks(tdm_comm *comm, const int *job_ranks)
+{
+    int *j = malloc((size_t)comm->size * sizeof *j);
+    TDM_REQUIRE(j, TDM_STATUS_OUT_OF_MEMORY, "communicator: cannot allocate %d job ranks",
+                comm->size);
+    memcpy(j, job_ranks, (size_t)comm->size * sizeof *j);
+    free(comm->job_ranks);
+    comm->job_ranks = j;
+    return TDM_STATUS_OK;
+}
+
+int tdm_comm_next_split(tdm_comm *comm) { return comm->splits++; }
+
+tdm_status tdm_comm_backend_split(tdm_comm *comm, const tdm_comm_split_info *info,
+                                  tdm_comm **out)
+{
+    TDM_REQUIRE(comm->ops->split, TDM_STATUS_UNSUPPORTED,
+                "comm split: the %s backend cannot split a communicator", comm->ops->name);
+    return comm->ops->split(comm->impl, info, out);
+}
 int tdm_comm_rank(const tdm_comm *comm) { return comm->rank; }
 int tdm_comm_size(const tdm_comm *comm) { return comm->size; }
 const char *tdm_comm_backend_name(const tdm_comm *comm) { return comm->ops->name; }
@@ -244,6 +285,7 @@ void tdm_comm_free(tdm_comm *comm)
     }
     comm->ops->destroy(comm->impl);
     tdm_fr_free(comm->fr);
+    free(comm->job_ranks);
     pthread_mutex_destroy(&comm->mu);
     pthread_cond_destroy(&comm->cv);
     free(comm);
@@ -443,6 +485,7 @@ static tdm_status tdm_comm_queue(tdm_comm *comm, const tdm_comm_call *call, int 
     }
     /* under comm->mu, before the progress thread can see the work */
     w->fr = comm->fr;
+    w->comm = comm;
     if (comm->fr) w->fr_seq = tdm_fr_begin(comm->fr, &w->call, TDM_FR_QUEUED);
     atomic_fetch_add_explicit(&comm->pending, 1, memory_order_relaxed);
     if (comm->tail) comm->tail->next = w; else comm->head = w;
@@ -469,17 +512,16 @@ tdm_status tdm_comm_work_wait(tdm_comm_work *w, int64_t timeout_ms)
             pthread_cond_wait(&w->cv, &w->mu);
         } else if (pthread_cond_timedwait(&w->cv, &w->mu, &dl) == ETIMEDOUT && !w->done) {
             pthread_mutex_unlock(&w->mu);
-            if (w->fr) {
-                char why[256];
-                snprintf(why, sizeof why, "%s(%s, count=%zu): still running after %lld ms",
-                         tdm_coll_name(w->call.coll), tdm_dtype_name(w->call.dtype),
-                         w->call.count, (long long)timeout_ms);
-                tdm_fr_note_failure(w->fr, TDM_STATUS_TIMEOUT, why);
-            }
-            return tdm_error_set(TDM_STATUS_TIMEOUT,
-                                 "%s(%s, count=%zu): still running after %lld ms",
-                                 tdm_coll_name(w->call.coll), tdm_dtype_name(w->call.dtype),
-                                 w->call.count, (long long)timeout_ms);
+            /* a send or recv names its peer: the rank that has not matched it */
+            char peer[64] = "", who[48], why[256];
+            if (w->call.coll == TDM_COLL_SEND || w->call.coll == TDM_COLL_RECV)
+                snprintf(peer, sizeof peer, " %s %s", w->call.coll == TDM_COLL_SEND ? "to" : "from",
+                         tdm_comm_rank_str(w->comm, w->call.root, who, sizeof who));
+            snprintf(why, sizeof why, "%s(%s, count=%zu)%s: still running after %lld ms",
+                     tdm_coll_name(w->call.coll), tdm_dtype_name(w->call.dtype), w->call.count,
+                     peer, (long long)timeout_ms);
+            if (w->fr) tdm_fr_note_failure(w->fr, TDM_STATUS_TIMEOUT, why);
+            return tdm_error_set(TDM_STATUS_TIMEOUT, "%s", why);
         }
     }
     tdm_status st = w->status;
@@ -654,5 +696,17 @@ tdm_status tdm_comm_all_gather_async(tdm_comm *comm, const void *sendbuf, void *
 tdm_status tdm_comm_barrier_async(tdm_comm *comm, tdm_comm_work **out)
 {
     tdm_comm_call k = TDM_CALL(TDM_COLL_BARRIER, NULL, NULL, 0, TDM_DTYPE_FLOAT32, 0, -1);
+    return tdm_comm_submit(comm, &k, out);
+}
+tdm_status tdm_comm_isend(tdm_comm *comm, const void *buf, size_t count, tdm_dtype dtype,
+                          int peer, tdm_comm_work **out)
+{
+    tdm_comm_call k = TDM_CALL(TDM_COLL_SEND, buf, NULL, count, dtype, 0, peer);
+    return tdm_comm_submit(comm, &k, out);
+}
+tdm_status tdm_comm_irecv(tdm_comm *comm, void *buf, size_t count, tdm_dtype dtype, int peer,
+                          tdm_comm_work **out)
+{
+    tdm_comm_call k = TDM_CALL(TDM_COLL_RECV, NULL, buf, count, dtype, 0, peer);
     return tdm_comm_submit(comm, &k, out);
 }

@@ -38,6 +38,10 @@
 
 #include "core/status.h"
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 typedef enum tdm_dtype {
     TDM_DTYPE_FLOAT32 = 0,
     TDM_DTYPE_FLOAT64,
@@ -169,6 +173,45 @@ tdm_status tdm_comm_call_check(const tdm_comm *comm, const tdm_comm_call *call);
 /* Raise the group abort flag with a reason (any thread). */
 tdm_status tdm_comm_abort(tdm_comm *comm, const char *reason);
 
+/* --- sub-communicators (core/comm_split.c) -------------------------------
+ * MPI_Comm_split's semantics. Collective over comm: every rank calls it,
+ * in the same place of its sequence of calls. Ranks that pass the same
+ * color (>= 0) form one new communicator, ranked by key, ties broken by
+ * their rank in comm; a rank that passes TDM_COMM_SPLIT_UNDEFINED takes
+ * part and gets *out = NULL. The new communicator has its own sequence of
+ * calls, progress thread and flight recorder (dumped as
+ * fr_rank_<R>.c<K>.pid<P>.json); its failures name ranks with their job
+ * rank (their rank in the communicator that was never split: "rank 1
+ * (job rank 3, pid 4121)"), and a failure on it stops the whole job, as
+ * one on comm does. Backends: shm (a new segment per group, set up through
+ * comm), MPI (MPI_Comm_split), NCCL (ncclCommSplit); any other fails with
+ * TDM_STATUS_UNSUPPORTED on every rank. Free a split communicator before
+ * the one it was split from. */
+#define TDM_COMM_SPLIT_UNDEFINED (-1)
+
+/* Zero-initialised options are the defaults. */
+typedef struct tdm_comm_split_opts {
+    /* Bytes of zero-copy memory (tdm_comm_alloc) per rank; 0: as comm's
+     * (none with p2p). */
+    size_t arena_bytes;
+    /* 1: the new communicator carries mostly send/recv (a pipeline's
+     * links): the backend may give it less staging memory for collectives
+     * (shm: 4 KiB slots instead of comm's, no arena unless arena_bytes
+     * asks); every call still works. */
+    int p2p;
+} tdm_comm_split_opts;
+
+tdm_status tdm_comm_split(tdm_comm *comm, int color, int key, tdm_comm **out);
+/* The same with options (NULL: the defaults). */
+tdm_status tdm_comm_split_ex(tdm_comm *comm, int color, int key,
+                             const tdm_comm_split_opts *opts, tdm_comm **out);
+/* The job rank of comm's rank `rank`: the same number for a communicator
+ * that was not split; -1 when rank is out of range. */
+int tdm_comm_job_rank(const tdm_comm *comm, int rank);
+/* "rank 3" on a communicator that was not split, "rank 1 (job rank 3)" on
+ * one that was: how messages name comm's rank `rank`. Returns buf. */
+const char *tdm_comm_rank_str(const tdm_comm *comm, int rank, char *buf, size_t n);
+
 /* --- flight recorder (core/flight.h, docs/DEBUGGING.md) ------------------
  * Label of the next call issued on this communicator (printf format; kept
  * to 47 bytes), as it will appear in the dump and in `tandem doctor`:
@@ -207,6 +250,21 @@ tdm_status tdm_comm_all_gather_async(tdm_comm *comm, const void *sendbuf, void *
                                      size_t send_count, tdm_dtype dtype,
                                      tdm_comm_work **out);
 tdm_status tdm_comm_barrier_async(tdm_comm *comm, tdm_comm_work **out);
+/* Point to point, asynchronous: the call goes on the communicator's queue
+ * like any asynchronous call (after every earlier call of this rank, so
+ * messages between two ranks are matched in the order they were issued)
+ * and progresses while the issuing thread computes. The progress thread
+ * runs one call at a time: a send that waits for its receiver holds up
+ * what was queued behind it. Code that must send and receive at once (a
+ * pipeline stage, which sends activations downstream while it receives
+ * gradients from there) gives each direction its own communicator
+ * (tdm_comm_split with one color, once per direction). buf must stay
+ * valid and untouched (send: unmodified; recv: unread) until the work
+ * has completed. */
+tdm_status tdm_comm_isend(tdm_comm *comm, const void *buf, size_t count, tdm_dtype dtype,
+                          int peer, tdm_comm_work **out);
+tdm_status tdm_comm_irecv(tdm_comm *comm, void *buf, size_t count, tdm_dtype dtype, int peer,
+                          tdm_comm_work **out);
 
 /* Waits up to timeout_ms (< 0: without limit) for the work. Returns the
  * call's own status (and its message) once it has completed, or
@@ -219,5 +277,9 @@ tdm_status tdm_comm_work_test(tdm_comm_work *work, int *done);
 /* Releases the handle; a work still running completes in the background.
  * NULL is a no-op. */
 void tdm_comm_work_free(tdm_comm_work *work);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

@@ -25,6 +25,19 @@
 
 #include "core/comm.h"
 
+/* What core/comm_split.c hands a backend's split: the groups are decided
+ * (every rank's color and key all-gathered over the parent); the backend
+ * makes this rank's new communicator. */
+typedef struct tdm_comm_split_info {
+    tdm_comm *parent;           /* for the collectives the backend needs to set up */
+    int color, key;             /* this rank's (color may be TDM_COMM_SPLIT_UNDEFINED) */
+    int rank, size;             /* in the new communicator; size 0 when undefined */
+    const int *members;         /* size ranks of the parent, in new-rank order */
+    const int *job_ranks;       /* and their job ranks */
+    const tdm_comm_split_opts *opts;   /* never NULL */
+    int seq;                    /* splits of the parent so far (the same on every rank) */
+} tdm_comm_split_info;
+
 /* What a backend implements. `run` executes one validated call
  * synchronously on the calling thread, with the semantics at the top of
  * core/comm.h (counts, in-place forms, rank-order reductions); the
@@ -60,6 +73,13 @@ typedef struct tdm_comm_ops {
     /* 1 when `run` handles TDM_DTYPE_BFLOAT16 and TDM_DTYPE_FLOAT16; left 0,
      * the dispatcher refuses them (TDM_STATUS_UNSUPPORTED) before `run`. */
     int half_types;
+    /* Optional: the backend's part of tdm_comm_split, collective over
+     * info->parent (every rank calls it, undefined colors included): sets
+     * *out to this rank's new communicator (NULL when its color is
+     * undefined). Every rank must return the same status: a rank that
+     * fails tells the others through the parent before returning. NULL:
+     * tdm_comm_split fails with TDM_STATUS_UNSUPPORTED. */
+    tdm_status (*split)(void *impl, const tdm_comm_split_info *info, tdm_comm **out);
 } tdm_comm_ops;
 
 /* Wraps impl (owned from now on: destroyed by tdm_comm_free, or here on
@@ -84,5 +104,13 @@ void tdm_comm_fr_set_primary(tdm_comm *comm);
  * `tandem doctor` (core/flight.h), unless TANDEM_JOB_ID gave one: a
  * backend's own id of the group (the shm segment's). */
 void tdm_comm_fr_set_job(tdm_comm *comm, uint64_t job);
+
+/* For core/comm_split.c: records the job rank of each of comm's ranks
+ * (copied); the splits of comm made so far (then counts this one); the
+ * backend's split (UNSUPPORTED when it has none). */
+tdm_status tdm_comm_set_job_ranks(tdm_comm *comm, const int *job_ranks);
+int tdm_comm_next_split(tdm_comm *comm);
+tdm_status tdm_comm_backend_split(tdm_comm *comm, const tdm_comm_split_info *info,
+                                  tdm_comm **out);
 
 #endif

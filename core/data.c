@@ -328,6 +328,15 @@ tdm_status tdm_data_load_fashion_mnist(tdm_dataset *out, const char *dir, int tr
     }
     const char *split = train ? "train" : "t10k";
     char name[64];
+    struct stat sb, lb;
+    /* a FIFO, a device or a file where the directory should be: say so,
+     * rather than that the IDX files inside it are missing */
+    if (stat(dir, &sb) == 0 && !S_ISDIR(sb.st_mode))
+        return tdm_error_set(TDM_STATUS_IO, "%s: is %s%s, not a directory: give the directory "
+                             "holding the IDX files (train-images-idx3-ubyte[.gz], ...)", dir,
+                             lstat(dir, &lb) == 0 && S_ISLNK(lb.st_mode) ? "a symbolic link to "
+                                                                         : "",
+                             tdm_file_kind(sb.st_mode));
     snprintf(name, sizeof name, "%s-images-idx3-ubyte", split);
     TDM_CHECK(fmnist_find(img, sizeof img, dir, name));
     snprintf(name, sizeof name, "%s-labels-idx1-ubyte", split);

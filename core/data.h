@@ -19,6 +19,10 @@
 
 #include "core/status.h"
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 #define TDM_DATA_FMNIST_MEAN 0.2860f
 #define TDM_DATA_FMNIST_STD 0.3530f
 /* IDX label files hold classes 0..9 (MNIST and Fashion-MNIST). */
@@ -74,5 +78,9 @@ void tdm_data_free(tdm_dataset *d);   /* NULL ok, idempotent: zeroes *d */
  * y (count); y may be NULL. Indices must lie in [0, d->n) (asserted). */
 void tdm_data_gather(const tdm_dataset *d, const int64_t *idx, int64_t count, float *x,
                      int32_t *y);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

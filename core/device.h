@@ -26,6 +26,10 @@
 #include "core/geom.h"
 #include "core/status.h"
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 typedef enum tdm_device_kind {
     TDM_DEVICE_HOST = 0,
     TDM_DEVICE_CUDA,
@@ -44,9 +48,6 @@ typedef enum tdm_act {
 /* Opaque: core/device_impl.h defines it for backends. */
 typedef struct tdm_device tdm_device;
 
-/* Opens a device by kind name ("cpu", "cuda") and index. Host devices are
- * logical: any index >= 0 is valid. threads: BLAS threads for host gemm
- * (1 = the single-core unit; 0 means 1). */
 /* What a device's allocator has handed out: bytes allocated and not yet
  * freed (each allocation rounded up to 64 bytes, as the allocator hands
  * it out), the most that were live at once since the device was opened or
@@ -63,6 +64,12 @@ tdm_status tdm_dev_mem_query(const tdm_device *d, tdm_dev_mem_stats *out);
 /* Starts a new peak window: peak = live. */
 void tdm_dev_mem_reset_peak(tdm_device *d);
 
+/* Opens a device by kind name and index: "cpu" (or "host": host devices
+ * are logical, any index >= 0 is valid; threads: BLAS threads for its
+ * gemm, 1 = the single-core unit, 0 means 1) or "cuda" (GPU index, or an
+ * emulated one under TANDEM_CUDA_EMULATOR; threads unused). NO_DEVICE
+ * with a message when the CUDA backend is not built or finds no such GPU;
+ * INVALID_ARG for an unknown kind or a negative index. */
 tdm_status tdm_device_open(tdm_device **out, const char *kind, int index, int threads);
 void tdm_device_free(tdm_device *d);   /* NULL ok */
 
@@ -265,5 +272,9 @@ tdm_status tdm_dev_sgd_step(tdm_device *d, int64_t n_elem, float *param, const f
 tdm_status tdm_dev_adamw_step(tdm_device *d, int64_t n_elem, float *param, const float *grad,
                               float *m, float *v, float lr, float beta1, float beta2, float eps,
                               float weight_decay, float bias_corr1, float bias_corr2);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

@@ -42,6 +42,10 @@
 #include "core/comm.h"
 #include "core/status.h"
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 #define TDM_FR_DEFAULT_SIZE 2000
 #define TDM_FR_MAX_SIZE (1 << 22)
 #define TDM_FR_LABEL_MAX 48      /* bytes kept of a label, NUL included */
@@ -119,5 +123,9 @@ int tdm_fr_dump(tdm_fr *fr, const char *reason);
 int tdm_fr_dump_all(const char *reason);
 /* "queued", "running", "done", "failed"; "empty". */
 const char *tdm_fr_state_name(tdm_fr_state s);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

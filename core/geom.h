@@ -5,6 +5,10 @@
 #ifndef TDM_CORE_GEOM_H
 #define TDM_CORE_GEOM_H
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 typedef struct tdm_conv_geom {
     int n, c, h, w;         /* input: (C, N, H, W) */
     int kh, kw, stride, pad;
@@ -16,5 +20,9 @@ typedef struct tdm_conv_geom {
      * chunk's own (C*KH*KW, n*OH*OW). */
     int ns;
 } tdm_conv_geom;
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

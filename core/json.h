@@ -15,6 +15,10 @@
 
 #include "core/status.h"
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 #define TDM_JSON_MAX_DEPTH 64
 
 typedef enum tdm_json_type {
@@ -51,5 +55,9 @@ const tdm_json *tdm_json_get(const tdm_json *obj, const char *key);
 int tdm_json_find_duplicate(const tdm_json *obj);
 /* "null", "bool", "integer", "string", "array", "object". */
 const char *tdm_json_type_name(tdm_json_type t);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

@@ -18,6 +18,10 @@
 
 #include "core/geom.h"
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 #ifdef __CUDACC__
 /* Not __forceinline__: it expands to `__inline__ __attribute__((always_inline))`,
  * and with the `static inline` below nvcc rejects the repeated inline. */
@@ -629,5 +633,9 @@ static inline TDM_HD void tdm_k_adamw(int64_t i, float *p, const float *grad, fl
     float denom = sqrtf(vi / bc2) + eps;
     p[i] = pi - lr * mhat / denom;
 }
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

@@ -12,6 +12,10 @@
 #ifndef TDM_CORE_LOG_H
 #define TDM_CORE_LOG_H
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 typedef enum tdm_log_level {
     TDM_LOG_LEVEL_NONE = 0,
     TDM_LOG_LEVEL_WARN,
@@ -50,5 +54,9 @@ void tdm_log_reset(void);
 #define TDM_WARN(sub, ...) TDM_LOG_(TDM_LOG_LEVEL_WARN, TDM_LOG_##sub, __VA_ARGS__)
 #define TDM_INFO(sub, ...) TDM_LOG_(TDM_LOG_LEVEL_INFO, TDM_LOG_##sub, __VA_ARGS__)
 #define TDM_TRACE(sub, ...) TDM_LOG_(TDM_LOG_LEVEL_TRACE, TDM_LOG_##sub, __VA_ARGS__)
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

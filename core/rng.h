@@ -12,6 +12,10 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 typedef struct tdm_rng {
     uint32_t key[2];
     uint64_t counter;   /* index of the next 128-bit block */
@@ -40,5 +44,9 @@ enum {
     TDM_RNG_STREAM_SAMPLE = 1u << 23,   /* text generation */
     TDM_RNG_STREAM_TEXT = 1u << 24,     /* + (step << 32) + window: text windows */
 };
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

@@ -24,8 +24,11 @@
 /* ".<base>.tdm-tmp.<pid>.<16 hex>" must fit in NAME_MAX (255): the base
  * is cut to this many bytes in the temporary name. */
 #define SF_TMP_BASE_MAX 200
+/* Symbolic links followed from a target to the file it names, at most
+ * (the kernel's own limit for a path, MAXSYMLINKS). */
+#define SF_MAX_LINKS 40
 
-static const char *sf_kind(mode_t m)
+const char *tdm_file_kind(mode_t m)
 {
     if (S_ISREG(m)) return "a regular file";
     if (S_ISDIR(m)) return "a directory";
@@ -84,7 +87,7 @@ tdm_status tdm_file_open_read(const char *path, int *fd_out, size_t *nbytes)
     if (!S_ISREG(sb.st_mode)) {
         close(fd);
         return tdm_error_set(TDM_STATUS_IO, "%s: is %s, not a regular file: give the path of "
-                             "a file", path, sf_kind(sb.st_mode));
+                             "a file", path, tdm_file_kind(sb.st_mode));
     }
     if (sf_clear_nonblock(fd) != 0) {
         int e = errno;
@@ -106,7 +109,7 @@ static tdm_status sf_dir_check(int fd, const char *path, const char *what)
         return tdm_error_set(TDM_STATUS_IO, "%s %s: fstat failed: %s", what, path,
                              strerror(errno));
     TDM_REQUIRE(S_ISDIR(sb.st_mode), TDM_STATUS_IO, "%s %s: is %s, not a directory", what,
-                path, sf_kind(sb.st_mode));
+                path, tdm_file_kind(sb.st_mode));
     TDM_REQUIRE(sb.st_uid == me || sb.st_uid == 0, TDM_STATUS_INVALID_ARG,
                 "%s %s: the directory belongs to uid %u, not to you (uid %u) or root: its "
                 "owner could replace or redirect the files tandem writes there; use a "
@@ -147,6 +150,11 @@ tdm_status tdm_dir_open_safe(const char *path, const char *what, int create, int
                                  "while it was opened: refusing it", what, path);
         }
     }
+    if (fd < 0 && errno == ENOTDIR && stat(path, &l2) == 0)
+        return tdm_error_set(TDM_STATUS_IO, "%s %s: is %s%s, not a directory", what, path,
+                             lstat(path, &l1) == 0 && S_ISLNK(l1.st_mode) ? "a symbolic link to "
+                                                                          : "",
+                             tdm_file_kind(l2.st_mode));
     if (fd < 0)
         return tdm_error_set(TDM_STATUS_IO, "%s %s: %s", what, path, strerror(errno));
     TDM_TRY(sf_dir_check(fd, path, what));
@@ -173,12 +181,12 @@ tdm_status tdm_file_open_write(int dirfd, const char *name, int how, int *fd_out
                                                                   AT_SYMLINK_NOFOLLOW) == 0)
             return tdm_error_set(TDM_STATUS_IO, "%s: is %s, not a regular file: refusing to "
                                  "write to it (remove it or choose another name)", name,
-                                 sf_kind(sb.st_mode));
+                                 tdm_file_kind(sb.st_mode));
         return tdm_error_set(TDM_STATUS_IO, "%s: %s", name, strerror(e));
     }
     const char *why = NULL;
     if (fstat(fd, &sb) != 0) why = strerror(errno);
-    else if (!S_ISREG(sb.st_mode)) why = sf_kind(sb.st_mode);
+    else if (!S_ISREG(sb.st_mode)) why = tdm_file_kind(sb.st_mode);
     else if (sb.st_uid != geteuid()) why = "a file that belongs to another user";
     else if (sb.st_nlink != 1) why = "a file with several hard links";
     if (why) {
@@ -262,6 +270,76 @@ static void sf_remove_stale(int dirfd, const char *base)
  * be there for the usual case. */
 static int sf_can_link_anon(void) { return access("/proc/self/fd", X_OK) == 0; }
 
+/* The target o->dirfd/o->name is a symbolic link (*sb, from lstat): it is
+ * judged by what it points to. Only a link of ours or root's is followed
+ * (another user's, planted in a directory we share, could point anywhere),
+ * link by link, so that every link on the way passes the same test; what
+ * it ends at must be a regular file, which then becomes the target:
+ * o->dirfd is that file's directory and o->name its name there, *sb its
+ * lstat. The link itself is never replaced (as root, `--save /dev/stdin`
+ * would otherwise replace the system's /dev/stdin). */
+static tdm_status sf_follow(tdm_file_out *o, const char *path, struct stat *sb)
+{
+    struct stat to;
+    uid_t me = geteuid();
+    /* what the whole chain ends at, as the kernel resolves it (a /proc
+     * magic link such as /dev/stdin's leads to a pipe or a terminal) */
+    if (fstatat(o->dirfd, o->name, &to, 0) != 0)
+        return tdm_error_set(TDM_STATUS_IO, "%s: is a symbolic link to a path that does not "
+                             "exist (%s): refusing to replace the link; give the path of a "
+                             "file", path, strerror(errno));
+    TDM_REQUIRE(S_ISREG(to.st_mode), TDM_STATUS_IO,
+                "%s: is a symbolic link to %s, not to a regular file: refusing to write "
+                "through it or to replace the link; give the path of a file", path,
+                tdm_file_kind(to.st_mode));
+    for (int hops = 0; S_ISLNK(sb->st_mode); hops++) {
+        TDM_REQUIRE(hops < SF_MAX_LINKS, TDM_STATUS_IO,
+                    "%s: more than %d symbolic links: give the path of the file", path,
+                    SF_MAX_LINKS);
+        TDM_REQUIRE(sb->st_uid == me || sb->st_uid == 0, TDM_STATUS_IO,
+                    "%s: is (or leads through) a symbolic link that belongs to uid %u, not to "
+                    "you (uid %u) or root: refusing to follow it or to replace it; give the "
+                    "real path of the file", path, (unsigned)sb->st_uid, (unsigned)me);
+        char target[4096];
+        ssize_t n = readlinkat(o->dirfd, o->name, target, sizeof target - 1);
+        if (n < 0)
+            return tdm_error_set(TDM_STATUS_IO, "%s: cannot read the symbolic link %s: %s",
+                                 path, o->name, strerror(errno));
+        TDM_REQUIRE((size_t)n < sizeof target - 1, TDM_STATUS_IO,
+                    "%s: symbolic link target too long", path);
+        target[n] = '\0';
+        char *slash = strrchr(target, '/');
+        const char *base = slash ? slash + 1 : target;
+        size_t blen = strlen(base);
+        TDM_REQUIRE(blen > 0 && blen < sizeof o->name && strcmp(base, ".") && strcmp(base, ".."),
+                    TDM_STATUS_IO, "%s: is a symbolic link to '%s', which names a directory, "
+                    "not a file", path, target);
+        int dfd;
+        if (!slash) dfd = sf_open_at(o->dirfd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC, 0);
+        else {
+            if (slash == target) slash[1] = '\0';   /* "/name": the root directory */
+            else *slash = '\0';
+            dfd = sf_open_at(target[0] == '/' ? AT_FDCWD : o->dirfd, target,
+                             O_RDONLY | O_DIRECTORY | O_CLOEXEC, 0);
+        }
+        if (dfd < 0)
+            return tdm_error_set(TDM_STATUS_IO, "%s: cannot open the directory its symbolic "
+                                 "link leads to: %s", path, strerror(errno));
+        close(o->dirfd);
+        o->dirfd = dfd;
+        memcpy(o->name, base, blen + 1);
+        if (fstatat(o->dirfd, o->name, sb, AT_SYMLINK_NOFOLLOW) != 0)
+            return tdm_error_set(TDM_STATUS_IO, "%s: its symbolic link leads to %s, which "
+                                 "cannot be looked at: %s; give the path of a file", path,
+                                 o->name, strerror(errno));
+    }
+    /* the links moved while we followed them: the result must be the file
+     * the kernel resolved above */
+    TDM_REQUIRE(sb->st_dev == to.st_dev && sb->st_ino == to.st_ino, TDM_STATUS_IO,
+                "%s: its symbolic links changed while they were followed: refusing them", path);
+    return TDM_STATUS_OK;
+}
+
 static tdm_status sf_split(tdm_file_out *o, int dirfd, const char *path)
 {
     const char *slash = strrchr(path, '/');
@@ -290,9 +368,10 @@ static tdm_status sf_split(tdm_file_out *o, int dirfd, const char *path)
     memcpy(o->name, base, blen + 1);
     struct stat sb, db;
     if (fstatat(o->dirfd, o->name, &sb, AT_SYMLINK_NOFOLLOW) != 0) return TDM_STATUS_OK;
-    TDM_REQUIRE(S_ISREG(sb.st_mode) || S_ISLNK(sb.st_mode), TDM_STATUS_IO,
+    if (S_ISLNK(sb.st_mode)) TDM_CHECK(sf_follow(o, path, &sb));
+    TDM_REQUIRE(S_ISREG(sb.st_mode), TDM_STATUS_IO,
                 "%s: exists and is %s, not a regular file: refusing to replace it; give the "
-                "path of a file", path, sf_kind(sb.st_mode));
+                "path of a file", path, tdm_file_kind(sb.st_mode));
     /* In a sticky directory (/tmp) only the file's or the directory's owner
      * may replace it: say so now rather than when the rename fails. */
     uid_t me = geteuid();

@@ -9,9 +9,12 @@
  *   atomically: the contents go to a temporary file in the target's
  *   directory that no one else can have planted (O_TMPFILE, or O_EXCL |
  *   O_NOFOLLOW under an unpredictable name), which is fsynced and renamed
- *   over the target, and the directory fsynced. A symlink at the target is
- *   replaced, never written through; a target that is not a regular file
- *   (directory, FIFO, device) is refused. A killed writer leaves no
+ *   over the target, and the directory fsynced. A target that is not a
+ *   regular file (directory, FIFO, device) is refused. A symlink at the
+ *   target is judged by what it points to: a link of ours (or root's)
+ *   that ends at a regular file is followed and that file replaced, the
+ *   link kept; a link to anything else, a dangling one and another
+ *   user's link are refused. The link itself is never replaced. A killed writer leaves no
  *   temporary file (O_TMPFILE has no name until the rename); the few
  *   microseconds between naming and renaming are covered by removing, on
  *   the next save, temporary files of ours whose writer is dead.
@@ -32,6 +35,14 @@
 #include <sys/types.h>
 
 #include "core/status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* "a regular file", "a directory", "a FIFO", "a character device", ...:
+ * what a file of mode m is, for messages. */
+const char *tdm_file_kind(mode_t m);
 
 /* Opens path for reading: O_RDONLY | O_CLOEXEC | O_NOCTTY, refusing
  * (TDM_STATUS_IO, the message names the file type) anything but a regular
@@ -73,7 +84,8 @@ typedef struct tdm_file_out {
 /* Starts replacing path (relative to dirfd; AT_FDCWD: a path as usual).
  * Fails (TDM_STATUS_IO, with what to do) when the directory cannot be
  * opened or written, the name is too long for the file system, or path
- * exists and is not a regular file or a symlink. The file is created
+ * exists and is not a regular file, nor a symlink of ours or root's that
+ * leads to one (then that file is the one replaced). The file is created
  * 0644 less the umask: never writable by others. */
 tdm_status tdm_file_replace_open(tdm_file_out *o, int dirfd, const char *path);
 /* fsync, rename over the target, fsync the directory; closes everything.
@@ -91,5 +103,9 @@ tdm_status tdm_file_replace_check(int dirfd, const char *path);
 
 /* write(2) until done, retrying EINTR; the message names path. */
 tdm_status tdm_file_write_all(int fd, const void *data, size_t nbytes, const char *path);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

@@ -21,6 +21,10 @@
 
 #include "core/status.h"
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 #define TDM_ST_MAX_DIMS 8
 /* Headers longer than this are refused (the reference implementation's
  * limit is 100 MB as well). */
@@ -112,5 +116,9 @@ const char *tdm_st_meta_get(const tdm_st_file *f, const char *key);
  * [512, 784]". */
 tdm_status tdm_st_read(const tdm_st_file *f, const char *name, tdm_st_dtype dtype,
                        int ndim, const int64_t *shape, void *dst);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

@@ -7,6 +7,10 @@
 
 #include <stdarg.h>
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 typedef enum tdm_status {
     TDM_STATUS_OK = 0,
     TDM_STATUS_INVALID_ARG,   /* caller passed something impossible */
@@ -76,5 +80,9 @@ void tdm_error_clear(void);
     do {                                                                \
         if (!(cond)) return tdm_error_set((status), __VA_ARGS__);       \
     } while (0)
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

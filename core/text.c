@@ -9,9 +9,29 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include "core/rng.h"
+#include "core/safefile.h"
+
+/* A mapped text read from start to end gives its pages back in steps of
+ * this many bytes. */
+#define TDM_TEXT_RELEASE_BYTES ((int64_t)64 << 20)
+
+/* Drops the pages of [off, off + n) of a mapped text from this process
+ * (MADV_DONTNEED on a private read-only file mapping: the next read
+ * faults them in from the file again). Whole pages inside the range only. */
+static void tdm_text_release(const tdm_text *t, int64_t off, int64_t n)
+{
+    long pg = sysconf(_SC_PAGESIZE);
+    if (pg <= 0) return;
+    uintptr_t lo = (uintptr_t)(t->bytes + off), hi = (uintptr_t)(t->bytes + off + n);
+    lo = (lo + (uintptr_t)pg - 1) & ~((uintptr_t)pg - 1);
+    hi &= ~((uintptr_t)pg - 1);
+    if (hi > lo) madvise((void *)lo, hi - lo, MADV_DONTNEED);
+}
 
 /* A growing byte buffer. */
 typedef struct tdm_buf {
@@ -35,43 +55,45 @@ static tdm_status tdm_buf_put(tdm_buf *b, const uint8_t *src, int64_t n)
     return TDM_STATUS_OK;
 }
 
+/* The whole of a (small) file, read through core/safefile.h: only a
+ * regular file, never blocking on a FIFO. */
 static tdm_status tdm_text_read_file(const char *path, uint8_t **out, int64_t *n)
 {
     tdm_status st = TDM_STATUS_OK;
+    int fd;
+    size_t size;
     *out = NULL;
     *n = 0;
-    FILE *f = fopen(path, "rb");
-    if (!f)
-        return tdm_error_set(TDM_STATUS_IO, "%s: cannot open: %s", path, strerror(errno));
-    struct stat sb;
-    if (fstat(fileno(f), &sb) != 0) {
-        st = tdm_error_set(TDM_STATUS_IO, "%s: cannot stat: %s", path, strerror(errno));
-        goto fail;
-    }
-    if (sb.st_size > TDM_TEXT_MAX_BYTES) {
+    TDM_CHECK(tdm_file_open_read(path, &fd, &size));
+    uint8_t *p = NULL;
+    if ((int64_t)size > TDM_TEXT_MAX_BYTES) {
         st = tdm_error_set(TDM_STATUS_FORMAT, "%s: %lld bytes is more than the %lld tandem "
-                           "loads; train on a part of it", path, (long long)sb.st_size,
+                           "loads; train on a part of it", path, (long long)size,
                            (long long)TDM_TEXT_MAX_BYTES);
         goto fail;
     }
-    uint8_t *p = malloc((size_t)sb.st_size + 1);
-    if (!p) {
+    if (!(p = malloc(size + 1))) {
         st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "%s: cannot allocate %lld bytes", path,
-                           (long long)sb.st_size);
+                           (long long)size);
         goto fail;
     }
-    size_t got = fread(p, 1, (size_t)sb.st_size, f);
-    if (ferror(f) || got != (size_t)sb.st_size) {
-        free(p);
-        st = tdm_error_set(TDM_STATUS_IO, "%s: read %zu of %lld bytes%s%s", path, got,
-                           (long long)sb.st_size, ferror(f) ? ": " : "",
-                           ferror(f) ? strerror(errno) : "");
-        goto fail;
+    size_t got = 0;
+    while (got < size) {
+        ssize_t r = read(fd, p + got, size - got);
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) {
+            st = tdm_error_set(TDM_STATUS_IO, "%s: read %zu of %zu bytes%s%s", path, got, size,
+                               r < 0 ? ": " : " (the file shrank)", r < 0 ? strerror(errno) : "");
+            goto fail;
+        }
+        got += (size_t)r;
     }
     *out = p;
     *n = (int64_t)got;
+    p = NULL;
 fail:
-    fclose(f);
+    free(p);
+    close(fd);
     return st;
 }
 
@@ -204,28 +226,39 @@ fail:
     return st;
 }
 
+/* A plain file is mapped, not copied: a 2 GB text costs address space,
+ * not 2 GB of memory (the pages are the file's, which the kernel can drop
+ * and read again). Both splits point into the one read-only mapping. */
 static tdm_status tdm_text_load_plain(tdm_text_corpus *out, const char *path)
 {
-    uint8_t *p;
-    int64_t n;
-    TDM_CHECK(tdm_text_read_file(path, &p, &n));
+    int fd;
+    size_t n;
+    TDM_CHECK(tdm_file_open_read(path, &fd, &n));
+    tdm_status st = TDM_STATUS_OK;
     if (n == 0) {
-        free(p);
-        return tdm_error_set(TDM_STATUS_FORMAT, "%s is empty: there is nothing to train on", path);
+        st = tdm_error_set(TDM_STATUS_FORMAT, "%s is empty: there is nothing to train on", path);
+    } else if ((int64_t)n > TDM_TEXT_MAX_BYTES) {
+        st = tdm_error_set(TDM_STATUS_FORMAT, "%s: %lld bytes is more than the %lld tandem "
+                           "loads; train on a part of it", path, (long long)n,
+                           (long long)TDM_TEXT_MAX_BYTES);
+    } else {
+        void *map = mmap(NULL, n, PROT_READ, MAP_PRIVATE, fd, 0);
+        if (map == MAP_FAILED) {
+            st = tdm_error_set(errno == ENOMEM ? TDM_STATUS_OUT_OF_MEMORY : TDM_STATUS_IO,
+                               "%s: cannot map its %zu bytes: %s", path, n, strerror(errno));
+        } else {
+            int64_t nt = (int64_t)n * 9 / 10;
+            out->map = map;
+            out->map_nbytes = n;
+            out->train = (tdm_text){.bytes = map, .n = nt, .mapped = 1};
+            out->val = (tdm_text){.bytes = (uint8_t *)map + nt, .n = (int64_t)n - nt,
+                                  .mapped = 1};
+            out->n_files = 1;
+            snprintf(out->source, sizeof out->source, "%s (%zu bytes)", path, n);
+        }
     }
-    int64_t nt = n * 9 / 10;
-    uint8_t *v = malloc((size_t)(n - nt) + 1);
-    if (!v) {
-        free(p);
-        return tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "%s: cannot allocate %lld bytes", path,
-                             (long long)(n - nt));
-    }
-    memcpy(v, p + nt, (size_t)(n - nt));
-    out->train = (tdm_text){.bytes = p, .n = nt};
-    out->val = (tdm_text){.bytes = v, .n = n - nt};
-    out->n_files = 1;
-    snprintf(out->source, sizeof out->source, "%s (%lld bytes)", path, (long long)n);
-    return TDM_STATUS_OK;
+    close(fd);   /* the mapping keeps the file */
+    return st;
 }
 
 tdm_status tdm_text_load(tdm_text_corpus *out, const char *path)
@@ -248,8 +281,12 @@ tdm_status tdm_text_load(tdm_text_corpus *out, const char *path)
 void tdm_text_free(tdm_text_corpus *c)
 {
     if (!c) return;
-    free(c->train.bytes);
-    free(c->val.bytes);
+    if (c->map) {
+        munmap(c->map, c->map_nbytes);
+    } else {
+        free(c->train.bytes);
+        free(c->val.bytes);
+    }
     memset(c, 0, sizeof *c);
 }
 
@@ -322,7 +359,12 @@ tdm_status tdm_text_bigram_loss(const tdm_text *train, const tdm_text *eval, int
     for (int64_t i = 0; i + 1 < train->n; i++) {
         cnt[train->bytes[i] * 256 + train->bytes[i + 1]] += 1.0;
         row[train->bytes[i]] += 1.0;
+        /* a mapped file: the pages read so far leave this process's
+         * memory (the kernel reads them again when a window needs one) */
+        if (train->mapped && (i + 1) % TDM_TEXT_RELEASE_BYTES == 0)
+            tdm_text_release(train, i + 1 - TDM_TEXT_RELEASE_BYTES, TDM_TEXT_RELEASE_BYTES);
     }
+    if (train->mapped) tdm_text_release(train, 0, train->n);
     double s = 0.0;
     int32_t *y = x + T;
     for (int64_t w = 0; w < count; w++) {

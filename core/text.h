@@ -19,7 +19,11 @@
  * on either side, every file represented in both.
  *
  * Any other file: its bytes as they are; the first 90% (floor of
- * 9n/10) train, the last 10% validate.
+ * 9n/10) train, the last 10% validate. The file is mapped read-only, not
+ * copied (a large text takes address space, not memory; changing or
+ * truncating the file while it is in use is not supported). Only a
+ * regular file is read (core/safefile.h: a FIFO or a device is refused
+ * at once, never waited on).
  *
  * Training windows: global step s draws `batch` windows; window j starts
  * at an offset drawn uniformly from [0, n - T - 1] by its own Philox
@@ -39,9 +43,14 @@
 #ifndef TDM_CORE_TEXT_H
 #define TDM_CORE_TEXT_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 #include "core/status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
 
 /* Used when no path is given and TANDEM_FORTUNES_DIR is unset or empty. */
 #define TDM_TEXT_FORTUNES_DEFAULT_DIR "/usr/share/games/fortunes"
@@ -49,8 +58,9 @@
 #define TDM_TEXT_MAX_BYTES ((int64_t)1 << 31)
 
 typedef struct tdm_text {
-    uint8_t *bytes;      /* owned */
+    uint8_t *bytes;      /* owned by the corpus */
     int64_t n;
+    int mapped;          /* 1: bytes are a read-only mapping of the file */
 } tdm_text;
 
 typedef struct tdm_text_corpus {
@@ -59,6 +69,8 @@ typedef struct tdm_text_corpus {
     int64_t n_docs;      /* fortunes kept (0 for a plain file) */
     int n_files;
     char source[512];    /* what was loaded, for messages and headers */
+    void *map;           /* a plain file: its mapping, which both splits point into */
+    size_t map_nbytes;
 } tdm_text_corpus;
 
 /* path: a directory (fortunes), a file (its bytes), or NULL (the fortunes
@@ -91,5 +103,9 @@ void tdm_text_eval_window(const tdm_text *t, int T, int64_t count, int64_t i, in
  * scored on with the same T and cap). */
 tdm_status tdm_text_bigram_loss(const tdm_text *train, const tdm_text *eval, int T, int64_t cap,
                                 double *loss);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

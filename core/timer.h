@@ -7,6 +7,10 @@
 
 #include <stdint.h>
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 /* CLOCK_MONOTONIC in nanoseconds. */
 uint64_t tdm_time_ns(void);
 static inline double tdm_time_ms_since(uint64_t t0_ns)
@@ -36,5 +40,9 @@ const char *tdm_phase_name(tdm_phase p);
 typedef struct tdm_phase_times {
     double ms[TDM_PHASE_COUNT_];
 } tdm_phase_times;
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

@@ -1,7 +1,7 @@
-/* core/wait.c: the spin, yield and futex sleep of core/wait.h (see there
+/* core/wait.c: the spin, yield and futex sleep of core/wait_impl.h (see there
  * for the memory-ordering pairing). Not a waiting policy: dp/pool.c and
  * shm/wait.c decide how long to spin and what ends a wait. */
-#include "core/wait.h"
+#include "core/wait_impl.h"
 
 #include <errno.h>
 #include <limits.h>
@@ -59,7 +59,7 @@ int tdm_wait_sleep(tdm_wait_flag *f, uint64_t target, uint64_t nap_ns, tdm_wait_
                    int *timed_out)
 {
     if (timed_out) *timed_out = 0;
-    /* The sleeper's half of the Dekker pair (core/wait.h): register, then
+    /* The sleeper's half of the Dekker pair (core/wait_impl.h): register, then
      * load the value, both seq_cst, against the publisher's store, then
      * load of waiters. */
     atomic_fetch_add_explicit(&f->waiters, 1, memory_order_seq_cst);

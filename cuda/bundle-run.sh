@@ -1,6 +1,6 @@
 #!/bin/sh
 # run.sh: the tandem GPU bundle's one command (made on a Debian machine by
-# `make gpu-bundle` from cuda/bundle-run.sh; docs/CUDA.md, "Validating on
+# `make gpu-bundle` from cuda/bundle-run.sh; docs/CUDA_TESTING.md, "Validating on
 # a bare GPU machine"). On a machine with an NVIDIA driver, the CUDA
 # toolkit and (optionally) PyTorch, and nothing else: no packages, no
 # network, no root. Built and tested without a GPU (tests/test_gpu_bundle.c

@@ -25,6 +25,10 @@
 #include "core/device.h"
 #include "core/status.h"
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 /* --- devices ----------------------------------------------------------------- */
 
 /* Visible GPUs. Without a driver or a device: TDM_STATUS_NO_DEVICE, *n = 0,
@@ -148,5 +152,9 @@ tdm_status tdm_cuda_nccl_group_reduce(tdm_cuda_nccl_group *g, const void *const 
 /* In place: every bufs[i] = op over j of bufs[j]. */
 tdm_status tdm_cuda_nccl_group_all_reduce(tdm_cuda_nccl_group *g, void *const *bufs,
                                           size_t count, tdm_dtype dtype, tdm_redop op);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

@@ -59,11 +59,11 @@ CUDA_TEST_BINS := $(BUILD)/tests/test_cuda $(BUILD)/tests/test_cuda_train \
 test-cuda: $(CUDA_TEST_BINS)
 	$(Q)sh cuda/test-cuda.sh $(BUILD)
 
-# The one-GPU validation kit (docs/CUDA.md): exit 77 without a GPU.
+# The one-GPU validation kit (docs/CUDA_TESTING.md): exit 77 without a GPU.
 test-gpu: $(CUDA_TEST_BINS)
 	$(Q)sh cuda/test-gpu.sh $(BUILD)
 
-# make gpu-bundle (docs/CUDA.md, "Validating on a bare GPU machine"): the
+# make gpu-bundle (docs/CUDA_TESTING.md, "Validating on a bare GPU machine"): the
 # library and the CUDA backend as one shared object, lib/libtandem_bundle.so
 # (compiled again with -fPIC, so six binaries share one copy and the folder
 # stays under 64 MiB), tandem and the kit's test binaries linked against it

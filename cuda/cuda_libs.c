@@ -1,5 +1,5 @@
 /* cuda/cuda_libs.c: cuBLAS and NCCL loaded with dlopen when they are
- * first needed (see cuda/cuda_libs.h). The binaries are linked with no
+ * first needed (see cuda/cuda_libs_impl.h). The binaries are linked with no
  * DT_NEEDED entry for either: this file defines every cuBLAS and NCCL
  * function the backend calls, with the headers' own prototypes (so the
  * compiler checks each against cublas_v2.h and nccl.h), and each forwards
@@ -18,7 +18,7 @@
  * the lists below: the link fails with "undefined reference" otherwise.
  * Not here: the CUDA runtime (linked statically, -lcudart_static; it
  * dlopens the driver, libcuda.so.1, on the first CUDA call). */
-#include "cuda/cuda_libs.h"
+#include "cuda/cuda_libs_impl.h"
 
 #include <dlfcn.h>
 #include <link.h>
@@ -72,6 +72,9 @@
       (ncclComm_t * c, int n, ncclUniqueId id, int rank, ncclConfig_t *cfg),                    \
       (c, n, id, rank, cfg), ncclSystemError)                                                   \
     X(ncclResult_t, ncclCommFinalize, (ncclComm_t c), (c), ncclSystemError)                     \
+    X(ncclResult_t, ncclCommSplit,                                                              \
+      (ncclComm_t c, int color, int key, ncclComm_t *n, ncclConfig_t *cfg),                     \
+      (c, color, key, n, cfg), ncclSystemError)                                                 \
     X(ncclResult_t, ncclCommDestroy, (ncclComm_t c), (c), ncclSystemError)                      \
     X(ncclResult_t, ncclCommAbort, (ncclComm_t c), (c), ncclSystemError)                        \
     X(ncclResult_t, ncclCommGetAsyncError, (ncclComm_t c, ncclResult_t * e), (c, e),            \

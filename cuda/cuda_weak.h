@@ -13,6 +13,10 @@
 
 #include "cuda/cuda.h"
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 #pragma weak tdm_cuda_device_count
 #pragma weak tdm_cuda_device_check
 #pragma weak tdm_cuda_emulator_open
@@ -30,5 +34,9 @@
 #pragma weak tdm_cuda_nccl_group_broadcast
 #pragma weak tdm_cuda_nccl_group_reduce
 #pragma weak tdm_cuda_nccl_group_all_reduce
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

@@ -10,7 +10,7 @@
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
-#include "cuda/cuda_libs.h"
+#include "cuda/cuda_libs_impl.h"
 
 typedef struct tdm_cuda_buf {
     char *p;

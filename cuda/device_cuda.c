@@ -29,8 +29,8 @@
 #include <nccl.h>
 
 #include "core/log.h"
-#include "cuda/cuda_libs.h"
-#include "cuda/device_cuda.h"
+#include "cuda/cuda_libs_impl.h"
+#include "cuda/device_cuda_impl.h"
 
 /* --- errors --------------------------------------------------------------- */
 

@@ -14,7 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "cuda/device_cuda.h"
+#include "cuda/device_cuda_impl.h"
 
 int tdm_cuda_emulator_env(void)
 {

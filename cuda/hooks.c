@@ -11,7 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "cuda/device_cuda.h"
+#include "cuda/device_cuda_impl.h"
 
 static tdm_status tdm_cuda_hook_count(int *n)
 {

@@ -28,7 +28,7 @@
 #include "core/comm_impl.h"
 #include "core/log.h"
 #include "cuda/cuda_impl.h"
-#include "cuda/cuda_libs.h"
+#include "cuda/cuda_libs_impl.h"
 #include "cuda/nccl_impl.h"
 
 _Static_assert(sizeof(ncclUniqueId) % sizeof(int32_t) == 0, "ncclUniqueId size");
@@ -301,6 +301,8 @@ static void tdm_nccl_destroy(void *impl)
     free(c);
 }
 
+static tdm_status tdm_nccl_split_op(void *impl, const tdm_comm_split_info *in, tdm_comm **out);
+
 static const tdm_comm_ops tdm_nccl_ops = {
     .name = "nccl",
     .run = tdm_nccl_run,
@@ -309,6 +311,7 @@ static const tdm_comm_ops tdm_nccl_ops = {
     .alloc = tdm_nccl_alloc_op,
     .destroy = tdm_nccl_destroy,
     .prepare = tdm_nccl_prepare,
+    .split = tdm_nccl_split_op,
 };
 
 /* The id block broadcast from rank 0: ok flag, padding, the id. */
@@ -390,6 +393,44 @@ static tdm_status tdm_nccl_agree_id(tdm_comm *bootstrap, int rank, ncclUniqueId 
     return TDM_STATUS_OK;
 }
 
+/* A rank's state on its GPU, without its NCCL communicator yet: the
+ * stream its collectives run on, the completion event, the barrier's
+ * int. On failure *out holds what was made (tdm_nccl_destroy frees it),
+ * NULL when even the struct could not be. */
+static tdm_status tdm_nccl_impl_new(tdm_nccl_impl **out, int device, int rank, int size,
+                                    int64_t timeout_ms, tdm_comm *bootstrap,
+                                    const char *(*ext_check)(void *), void *ext_ctx)
+{
+    tdm_nccl_impl *c = calloc(1, sizeof *c);
+    *out = c;
+    if (!c) return tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "nccl: calloc");
+    c->device = device;
+    c->rank = rank;
+    c->size = size;
+    c->timeout_ms = timeout_ms;
+    c->bootstrap = bootstrap;
+    c->ext_check = ext_check;
+    c->ext_ctx = ext_ctx;
+    c->algo = "nccl";
+    atomic_init(&c->aborted, 0);
+    cudaError_t e = cudaSetDevice(device);
+    if (e != cudaSuccess) return tdm_nccl_cuda_fail("cudaSetDevice", device, e);
+    e = cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking);
+    if (e != cudaSuccess) {
+        c->stream = NULL;
+        return tdm_nccl_cuda_fail("cudaStreamCreateWithFlags", device, e);
+    }
+    e = cudaEventCreateWithFlags(&c->done, cudaEventDisableTiming);
+    if (e != cudaSuccess) {
+        c->done = NULL;
+        return tdm_nccl_cuda_fail("cudaEventCreateWithFlags", device, e);
+    }
+    e = cudaMalloc((void **)&c->scratch, sizeof(int32_t));
+    if (e == cudaSuccess) e = cudaMemsetAsync(c->scratch, 0, sizeof(int32_t), c->stream);
+    if (e != cudaSuccess) return tdm_nccl_cuda_fail("cudaMalloc (barrier)", device, e);
+    return TDM_STATUS_OK;
+}
+
 tdm_status tdm_comm_init_nccl_opts(tdm_comm **out, tdm_comm *bootstrap, int device_index,
                                    const tdm_nccl_opts *opts)
 {
@@ -407,39 +448,14 @@ tdm_status tdm_comm_init_nccl_opts(tdm_comm **out, tdm_comm *bootstrap, int devi
      *    device is made current again: the bootstrap's collectives may
      *    have run CUDA-free code on other threads, but this thread's
      *    resources and ncclCommInitRankConfig (cudaGetDevice) need it. */
-    c = calloc(1, sizeof *c);
-    if (!c) {
-        st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "nccl: calloc");
-        if (!(opts && opts->no_bootstrap_abort)) (void)tdm_comm_abort(bootstrap, tdm_error_message());
+    st = tdm_nccl_impl_new(&c, device_index, rank, size, tdm_nccl_timeout(opts),
+                           opts && opts->no_bootstrap_abort ? NULL : bootstrap,
+                           opts ? opts->abort_check : NULL, opts ? opts->abort_ctx : NULL);
+    if (st != TDM_STATUS_OK) {
+        if (!c && !(opts && opts->no_bootstrap_abort))
+            (void)tdm_comm_abort(bootstrap, tdm_error_message());
         goto fail;
     }
-    c->device = device_index;
-    c->rank = rank;
-    c->size = size;
-    c->timeout_ms = tdm_nccl_timeout(opts);
-    c->bootstrap = opts && opts->no_bootstrap_abort ? NULL : bootstrap;
-    c->ext_check = opts ? opts->abort_check : NULL;
-    c->ext_ctx = opts ? opts->abort_ctx : NULL;
-    c->algo = "nccl";
-    atomic_init(&c->aborted, 0);
-    cudaError_t e = cudaSetDevice(device_index);
-    if (e != cudaSuccess) { st = tdm_nccl_cuda_fail("cudaSetDevice", device_index, e); goto fail; }
-    e = cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking);
-    if (e != cudaSuccess) {
-        c->stream = NULL;
-        st = tdm_nccl_cuda_fail("cudaStreamCreateWithFlags", device_index, e);
-        goto fail;
-    }
-    e = cudaEventCreateWithFlags(&c->done, cudaEventDisableTiming);
-    if (e != cudaSuccess) {
-        c->done = NULL;
-        st = tdm_nccl_cuda_fail("cudaEventCreateWithFlags", device_index, e);
-        goto fail;
-    }
-    e = cudaMalloc((void **)&c->scratch, sizeof(int32_t));
-    if (e == cudaSuccess) e = cudaMemsetAsync(c->scratch, 0, sizeof(int32_t), c->stream);
-    if (e != cudaSuccess) { st = tdm_nccl_cuda_fail("cudaMalloc (barrier)", device_index, e); goto fail; }
-
     ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
     cfg.blocking = 0;
     tdm_nccl_watch w = tdm_nccl_watch_of(c);
@@ -477,4 +493,56 @@ fail:
 tdm_status tdm_comm_init_nccl(tdm_comm **out, tdm_comm *bootstrap, int device_index)
 {
     return tdm_comm_init_nccl_opts(out, bootstrap, device_index, NULL);
+}
+
+/* --- sub-communicators ------------------------------------------------------- */
+
+/* tdm_comm_split's NCCL half: ncclCommSplit (non-blocking, collective over
+ * the parent; an undefined color is NCCL_SPLIT_NOCOLOR), waited for with
+ * the parent's deadline on the parent and then on the new communicator,
+ * which gets its own stream and the parent's bootstrap and abort check
+ * (an abort anywhere still stops the whole job through the bootstrap's
+ * group). A failure aborts the parent, so every rank fails, not only
+ * this one. Built, not run on a GPU here. */
+static tdm_status tdm_nccl_split_op(void *impl, const tdm_comm_split_info *in, tdm_comm **out)
+{
+    tdm_nccl_impl *c = impl, *n = NULL;
+    tdm_status st = TDM_STATUS_OK;
+    *out = NULL;
+    if (c->dead)
+        return tdm_error_set(TDM_STATUS_ABORTED, "nccl: split: the communicator was aborted "
+                             "by an earlier failure or abort%s%s", c->reason[0] ? ": " : "",
+                             c->reason);
+    cudaError_t e = cudaSetDevice(c->device);
+    if (e != cudaSuccess) return tdm_nccl_cuda_fail("cudaSetDevice", c->device, e);
+    ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+    cfg.blocking = 0;
+    ncclComm_t nc = NULL;
+    tdm_nccl_watch w = tdm_nccl_watch_of(c);
+    ncclResult_t r = ncclCommSplit(c->comm, in->size > 0 ? in->color : NCCL_SPLIT_NOCOLOR,
+                                   in->key, &nc, &cfg);
+    char what[64];
+    snprintf(what, sizeof what, "ncclCommSplit #%d (color %d)", in->seq, in->color);
+    TDM_TRY(tdm_nccl_enq(&w, r, what, c->device));
+    TDM_TRY(tdm_nccl_wait(&w, 0, what));
+    if (!nc) return TDM_STATUS_OK;
+    st = tdm_nccl_impl_new(&n, c->device, in->rank, in->size, c->timeout_ms, c->bootstrap,
+                           c->ext_check, c->ext_ctx);
+    if (n) n->comm = nc;
+    else (void)ncclCommAbort(nc);
+    if (st != TDM_STATUS_OK) goto fail;
+    tdm_nccl_watch wn = tdm_nccl_watch_of(n);
+    TDM_TRY(tdm_nccl_wait(&wn, 0, what));
+    TDM_INFO(CUDA, "nccl split #%d: rank %d of %d on cuda:%d", in->seq, in->rank, in->size,
+             c->device);
+    return tdm_comm_create(out, &tdm_nccl_ops, n, in->rank, in->size);
+fail:
+    {
+        char why[sizeof c->reason];
+        snprintf(why, sizeof why, "%s", tdm_error_message());
+        (void)tdm_nccl_abort_op(c, why);
+        tdm_error_set(st, "%s", why);
+    }
+    if (n) tdm_nccl_destroy(n);
+    return st;
 }

@@ -12,7 +12,7 @@
 
 #include "core/log.h"
 #include "cuda/cuda_impl.h"
-#include "cuda/cuda_libs.h"
+#include "cuda/cuda_libs_impl.h"
 
 struct tdm_cuda_nccl_group {
     int n;

@@ -40,6 +40,9 @@ struct tdm_ddp {
     int joined;                  /* opts.join: this rank ran out of data (tdm_ddp_join) */
     int n_active;                /* ranks that contributed to the last training forward */
     int join_sync;               /* opts.join: that forward's backward synchronises (else no_sync) */
+    uint64_t ext_syncs;          /* tdm_ddp_sync_begin calls (the check tail's sequence) */
+    uint32_t ext_seq;            /* the one begun */
+    int ext_open;                /* between tdm_ddp_sync_begin and _end */
     tdm_ddp_times times;
 };
 
@@ -425,6 +428,40 @@ tdm_status tdm_ddp_backward(tdm_ddp *d)
     t->comm_ms_total += t->comm_ms_last;
     t->last.ms[TDM_PHASE_BACKWARD] = (double)(t1 - d->red.t0) * 1e-6;
     t->last.ms[TDM_PHASE_ALLREDUCE_WAIT] = (double)(t2 - t1) * 1e-6;
+    t->total.ms[TDM_PHASE_BACKWARD] += t->last.ms[TDM_PHASE_BACKWARD];
+    t->total.ms[TDM_PHASE_ALLREDUCE_WAIT] += t->last.ms[TDM_PHASE_ALLREDUCE_WAIT];
+    t->exposed_ms_total = t->total.ms[TDM_PHASE_ALLREDUCE_WAIT];
+    t->steps++;
+    return TDM_STATUS_OK;
+}
+
+tdm_status tdm_ddp_sync_begin(tdm_ddp *d, double loss_sum)
+{
+    TDM_REQUIRE(!d->ext_open, TDM_STATUS_INVALID_ARG,
+                "ddp sync_begin: the previous synchronised backward was not ended");
+    TDM_REQUIRE(d->sync && !d->o.join, TDM_STATUS_INVALID_ARG,
+                "ddp sync_begin: not under no_sync, and not with join");
+    d->ext_seq = (uint32_t)(d->ext_syncs % TDM_DDP_SEQ_MOD) + 1;
+    TDM_CHECK(tdm_ddp_reducer_begin(&d->red, d->ext_seq, loss_sum));
+    d->ext_syncs++;
+    d->ext_open = 1;
+    d->red.in_backward = 1;   /* the grad-ready hook launches buckets */
+    return TDM_STATUS_OK;
+}
+
+tdm_status tdm_ddp_sync_end(tdm_ddp *d, tdm_status backward_status)
+{
+    TDM_REQUIRE(d->ext_open, TDM_STATUS_INVALID_ARG, "ddp sync_end: no sync_begin before it");
+    d->ext_open = 0;
+    d->red.in_backward = 0;
+    if (backward_status) return tdm_ddp_reducer_abort(&d->red, backward_status);
+    uint64_t t1 = tdm_time_ns();
+    TDM_CHECK(tdm_ddp_reducer_end(&d->red, d->ext_seq, 1, &d->loss_global));
+    tdm_ddp_times *t = &d->times;
+    t->comm_ms_last = tdm_ddp_reducer_comm_ms(&d->red);
+    t->comm_ms_total += t->comm_ms_last;
+    t->last.ms[TDM_PHASE_BACKWARD] = (double)(t1 - d->red.t0) * 1e-6;
+    t->last.ms[TDM_PHASE_ALLREDUCE_WAIT] = tdm_time_ms_since(t1);
     t->total.ms[TDM_PHASE_BACKWARD] += t->last.ms[TDM_PHASE_BACKWARD];
     t->total.ms[TDM_PHASE_ALLREDUCE_WAIT] += t->last.ms[TDM_PHASE_ALLREDUCE_WAIT];
     t->exposed_ms_total = t->total.ms[TDM_PHASE_ALLREDUCE_WAIT];

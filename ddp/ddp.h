@@ -50,6 +50,10 @@
 #include "models/model.h"
 #include "models/optim.h"
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 /* Zero-initialised options are the defaults. */
 typedef struct tdm_ddp_opts {
     double bucket_cap_mb;        /* bucket cap in MiB; 0: 25 */
@@ -212,6 +216,21 @@ void tdm_ddp_share(int64_t n, int rank, int world, int64_t *lo, int64_t *hi);
  * communication error the communicator is aborted (the other ranks stop)
  * and the error names the failing rank. */
 tdm_status tdm_ddp_backward(tdm_ddp *d);
+/* For a design that runs the model's backward itself (a pipeline stage,
+ * whose backward starts from an activation's gradient rather than from a
+ * loss this wrapper computed): a synchronised backward in two halves
+ * around the caller's own tdm_model_backward (or stage backward). Between
+ * them the Reducer's grad-ready hook launches each bucket's all-reduce as
+ * the caller's backward completes it, exactly as in tdm_ddp_backward; end
+ * waits for them all and checks, through the Reducer's check tail, that
+ * every rank ran as many synchronised backwards (counted by begin).
+ * Backwards outside the halves (a pipeline's earlier micro-batches) only
+ * accumulate. loss_sum: this rank's part of the loss (0 where it has
+ * none), summed over the ranks into tdm_ddp_loss_sum. backward_status:
+ * the caller's backward's; a failure aborts the communicator (the other
+ * ranks stop) and is returned. */
+tdm_status tdm_ddp_sync_begin(tdm_ddp *d, double loss_sum);
+tdm_status tdm_ddp_sync_end(tdm_ddp *d, tdm_status backward_status);
 /* Sum over all ranks of the per-sample losses of the forwards reduced by
  * the last synchronised backward (no_sync micro-batches included), carried
  * by that backward's all-reduce: no extra collective. Divide by the
@@ -253,5 +272,9 @@ tdm_status tdm_ddp_checkpoint_save(tdm_ddp *d, const char *path, tdm_optim *opt,
 /* Every rank loads the file, after a barrier. */
 tdm_status tdm_ddp_checkpoint_load(tdm_ddp *d, const char *path, tdm_optim *opt,
                                    tdm_ckpt_info *info);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

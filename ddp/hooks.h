@@ -61,6 +61,10 @@
 #include "core/status.h"
 #include "models/model.h"
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 /* One bucket, as the Reducer hands it to a hook. */
 typedef struct tdm_ddp_hook_bucket {
     int index;                   /* bucket index; 0 is launched first */
@@ -102,5 +106,9 @@ tdm_status tdm_ddp_hook_builtin_init(tdm_ddp_comm_hook *out, const char *name,
 void tdm_ddp_hook_builtin_free(tdm_ddp_comm_hook *h);
 /* 1 when name is a built-in's. */
 int tdm_ddp_hook_known(const char *name);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

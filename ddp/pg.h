@@ -11,6 +11,10 @@
 #include "core/comm.h"
 #include "core/status.h"
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 typedef struct tdm_ddp_env {
     int rank, local_rank, world_size, local_world_size;
 } tdm_ddp_env;
@@ -51,5 +55,9 @@ typedef struct tdm_ddp_pg_opts {
 tdm_status tdm_ddp_pg_init(tdm_comm **out, tdm_ddp_env *env, const tdm_ddp_pg_opts *opts);
 /* tdm_ddp_pg_init with the default options. */
 tdm_status tdm_ddp_pg_init_from_env(tdm_comm **out, tdm_ddp_env *env);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

@@ -15,6 +15,10 @@
 
 #include "core/status.h"
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 typedef struct tdm_ddp_sampler {
     int64_t n;            /* dataset size */
     int rank, world;
@@ -32,5 +36,9 @@ void tdm_ddp_sampler_set_epoch(tdm_ddp_sampler *s, int64_t epoch);
 int64_t tdm_ddp_sampler_len(const tdm_ddp_sampler *s);
 /* Writes this rank's num_samples indices for the current epoch. */
 tdm_status tdm_ddp_sampler_indices(const tdm_ddp_sampler *s, int64_t *out);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

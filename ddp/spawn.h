@@ -14,6 +14,10 @@
 #include "core/comm.h"
 #include "shm/spawn.h"
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 typedef int (*tdm_ddp_spawn_fn)(tdm_comm *comm, void *arg);
 
 typedef struct tdm_ddp_spawn_opts {
@@ -33,5 +37,9 @@ typedef struct tdm_ddp_spawn_opts {
  * NULL. */
 tdm_status tdm_ddp_spawn(int world, tdm_ddp_spawn_fn fn, void *arg,
                          const tdm_ddp_spawn_opts *opts, tdm_shm_spawn_result *res);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

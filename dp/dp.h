@@ -33,6 +33,10 @@
 #include "models/model.h"
 #include "models/optim.h"
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 #define TDM_DP_MAX_DEVICES 64
 
 typedef struct tdm_dp tdm_dp;
@@ -180,5 +184,9 @@ tdm_status tdm_dp_step(tdm_dp *dp, tdm_optim *opt, const void *x, const int32_t 
 
 /* Timings of the last tdm_dp_step / tdm_dp_forward_backward. */
 const tdm_dp_timings *tdm_dp_last_timings(const tdm_dp *dp);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

@@ -14,7 +14,7 @@
  * (pairs with C's acquire load of done). Rounds chain these, so round k+1
  * sees everything every thread did in round k.
  *
- * The waits are core/wait.h's (spin, then a private futex), with its
+ * The waits are core/wait_impl.h's (spin, then a private futex), with its
  * Dekker pairing between a publisher and a sleeper: each flag has one
  * waiter, W on go and C on done. */
 #include "dp/pool.h"
@@ -28,7 +28,7 @@
 #include "core/device.h"
 #include "core/log.h"
 #include "core/timer.h"
-#include "core/wait.h"
+#include "core/wait_impl.h"
 
 #define TDM_DP_POOL_MSG_MAX 1024
 /* Sleep granularity: idle workers re-check the stop flag, and a caller

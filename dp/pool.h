@@ -28,6 +28,10 @@
 
 #include "core/status.h"
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 /* At most 64 slots: a round's active set is a 64-bit mask. */
 #define TDM_DP_POOL_MAX_SLOTS 64
 
@@ -65,5 +69,9 @@ double tdm_dp_pool_slot_ms(const tdm_dp_pool *p, int slot);
  * broken, or, rarely, a publish lands in the instant a full slice ends
  * (only possible in a wait already 200 ms long). */
 uint64_t tdm_dp_pool_lost_wakeups(void);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

@@ -69,6 +69,10 @@
 #include "models/model.h"
 #include "models/optim.h"
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 typedef enum tdm_fsdp_sharding {
     TDM_FSDP_FULL_SHARD = 0,   /* FSDP FULL_SHARD, ZeRO stage 3 ("full") */
     TDM_FSDP_SHARD_GRAD_OP,    /* FSDP SHARD_GRAD_OP, ZeRO stage 2 ("grad_op", "zero2") */
@@ -333,5 +337,9 @@ tdm_status tdm_fsdp_save_sharded(tdm_fsdp *f, const char *path, tdm_optim *opt,
  * differs. Collective. */
 tdm_status tdm_fsdp_load_sharded(tdm_fsdp *f, const char *path, tdm_optim *opt,
                                  tdm_ckpt_info *info);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

@@ -21,6 +21,10 @@
 #include "core/status.h"
 #include "models/train.h"
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 typedef struct tdm_accum_ops {
     /* Zero the gradients (before the first micro-batch). */
     tdm_status (*zero_grad)(void *ctx);
@@ -55,5 +59,9 @@ tdm_status tdm_accum_step(void *accum, const void *x, const int32_t *y, int batc
 /* The single-device operations over a tdm_single (its model and
  * optimizer; its staging buffers are used on non-host devices). */
 extern const tdm_accum_ops tdm_accum_single_ops;
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

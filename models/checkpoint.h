@@ -17,6 +17,10 @@
 #include "models/model.h"
 #include "models/optim.h"
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 /* Largest step and epoch a checkpoint may hold (the optimizer's limit,
  * 2^53); anything beyond is refused as corrupt, not clamped. */
 #define TDM_CKPT_MAX_COUNT TDM_OPTIM_MAX_STEPS
@@ -69,5 +73,9 @@ tdm_status tdm_checkpoint_save(const char *path, tdm_model *m, tdm_optim *opt,
  * the same kind, if opt is non-NULL: its state and step are restored). */
 tdm_status tdm_checkpoint_load(const char *path, tdm_model *m, tdm_optim *opt,
                                tdm_ckpt_info *info);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

@@ -1,9 +1,11 @@
 /* models/gpt.c: the GPT (see models/gpt.h): its spec, parameter table,
- * activations, forward and backward over the layers of
- * models/layers_gpt.c, and generation. It plugs into models/model.c
- * through tdm_model_vt: the flat buffers, tables, gradient storage and
- * hook stay model.c's. Not here: the kernels (core/kernels.h), the loss
- * (models/loss.c), text data (core/text.h), any parallelism. */
+ * activation sets, forward and backward over the layers of
+ * models/layers_gpt.c, for the whole model or a run of its pipeline
+ * layers (models/stage.h: the embeddings, blocks b0..b1-1, ln_f and the
+ * head). It plugs into models/model.c through tdm_model_vt: the flat
+ * buffers, tables, gradient storage and hook stay model.c's. Not here:
+ * the kernels (core/kernels.h), the loss (models/loss.c), generation
+ * (models/gpt_generate.c), text data (core/text.h), any parallelism. */
 #include "models/gpt.h"
 
 #include <math.h>
@@ -37,15 +39,35 @@ typedef struct tdm_gpt_block {
     float *res2;                        /* block output (N, C) */
 } tdm_gpt_block;
 
+/* One activation set: what a forward keeps for its backward. */
+typedef struct tdm_gpt_act {
+    int cap;                 /* windows it holds */
+    int seq;                 /* positions of its forward */
+    size_t bytes;
+    const int32_t *tok;      /* borrowed: its forward's tokens (device; the first stage) */
+    const float *in;         /* borrowed: its forward's input stream (a later stage) */
+    float *res0;             /* embeddings (N, C) (the first stage) */
+    tdm_gpt_block *blk;      /* the stage's blocks */
+    float *lnf, *lnf_mean, *lnf_rstd, *logits;   /* the last stage */
+} tdm_gpt_act;
+
 typedef struct tdm_gpt {
     int L, C, H, T, V;
-    int seq;                 /* positions of the last forward */
-    const int32_t *tok;      /* borrowed: the last forward's tokens (device) */
+    /* The stage: blocks [b0, b1) of L, with the embeddings (first stage)
+     * and the final LayerNorm and head (last stage); local indices of the
+     * tensors. The whole model is one stage of everything. */
+    int b0, b1, nb;
+    int has_emb, has_head;
+    int p_blk0;              /* block b0's first tensor */
+    int p_head;              /* the head's weight: wte (0), or the tied copy */
+    int layer_blk0;          /* block b0's first logical layer */
+    tdm_gpt_act *a;          /* the current set, in sets */
+    tdm_gpt_act *sets;
+    int n_sets;
     int32_t *tok_host;       /* host copy for the range check (non-host devices) */
-    float *res0;             /* embeddings (N, C) */
-    tdm_gpt_block *blk;      /* L */
-    float *lnf, *lnf_mean, *lnf_rstd, *logits;
-    /* scratch shared by the blocks */
+    /* scratch shared by the blocks and the sets */
+    int scratch_cap;
+    size_t scratch_bytes;
     float *qkv;              /* forward: c_attn output (N, 3C); backward: its gradient */
     float *yh;               /* forward: heads' outputs; backward: their gradient (N*C) */
     float *dres, *dln;       /* (N, C): the stream's gradient; a LayerNorm output's */
@@ -117,8 +139,12 @@ void tdm_gpt_spec_describe(const tdm_model_spec *s, char *buf, size_t len)
 
 /* ---- parameters ---- */
 
-static int tdm_gpt_p(int l, int j) { return 2 + TDM_GPT_PER_BLOCK * l + j; }
-static int tdm_gpt_p_lnf(int L) { return 2 + TDM_GPT_PER_BLOCK * L; }
+/* Local index of block l's tensor j, and of ln_f's weight. */
+static int tdm_gpt_p(const tdm_gpt *g, int l, int j)
+{
+    return g->p_blk0 + TDM_GPT_PER_BLOCK * (l - g->b0) + j;
+}
+static int tdm_gpt_p_lnf(const tdm_gpt *g) { return g->p_blk0 + TDM_GPT_PER_BLOCK * g->nb; }
 
 static float *tdm_gpt_param(tdm_model *m, int i) { return tdm_model_pdata(m, i); }
 static float *tdm_gpt_grad(tdm_model *m, int i) { return tdm_model_gdata(m, i); }
@@ -140,8 +166,10 @@ static void tdm_gpt_init_params(tdm_model *m, uint64_t seed, float *hp)
          * stream scaled by 1/sqrt(2L), one per residual add */
         float std = 0.02f;
         if (strstr(t->name, ".c_proj.weight")) std = 0.02f / sqrtf(2.0f * (float)L);
+        /* the whole model's stream of the tensor: a stage (and a tied
+         * copy) starts as the whole model's part of it does */
         tdm_rng r;
-        tdm_rng_init(&r, seed, TDM_RNG_STREAM_INIT + (uint64_t)i);
+        tdm_rng_init(&r, seed, TDM_RNG_STREAM_INIT + (uint64_t)tdm_model_global_param(m, i));
         for (int64_t j = 0; j < t->n_elem; j++) p[j] = std * tdm_rng_normal(&r);
     }
 }
@@ -182,20 +210,17 @@ static tdm_status tdm_gpt_ln_group(tdm_model *m, const char *prefix, int C)
 
 /* ---- activations ---- */
 
-static void tdm_gpt_free_activations(tdm_model *m)
+static void tdm_gpt_free_set(tdm_model *m, tdm_gpt_act *a)
 {
     tdm_gpt *g = m->ext;
     tdm_device *d = m->dev;
-    if (!g) return;
-    float **all[] = {&g->res0, &g->lnf, &g->lnf_mean, &g->lnf_rstd, &g->logits, &g->qkv,
-                     &g->yh, &g->dres, &g->dln, &g->dfc, &g->datt, &g->dq, &g->dk, &g->dv,
-                     &g->ones, &m->dlogits};
+    float **all[] = {&a->res0, &a->lnf, &a->lnf_mean, &a->lnf_rstd, &a->logits};
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) {
         tdm_dev_free(d, *all[i]);
         *all[i] = NULL;
     }
-    for (int l = 0; g->blk && l < g->L; l++) {
-        tdm_gpt_block *b = &g->blk[l];
+    for (int l = 0; a->blk && l < g->nb; l++) {
+        tdm_gpt_block *b = &a->blk[l];
         float **ba[] = {&b->ln1, &b->ln1_mean, &b->ln1_rstd, &b->q, &b->k, &b->v, &b->att,
                         &b->atty, &b->res1, &b->ln2, &b->ln2_mean, &b->ln2_rstd, &b->fch,
                         &b->fcg, &b->res2};
@@ -204,75 +229,126 @@ static void tdm_gpt_free_activations(tdm_model *m)
             *ba[i] = NULL;
         }
     }
+    a->cap = 0;
+    a->bytes = 0;
+}
+
+static void tdm_gpt_free_scratch(tdm_model *m)
+{
+    tdm_gpt *g = m->ext;
+    tdm_device *d = m->dev;
+    float **all[] = {&g->qkv, &g->yh, &g->dres, &g->dln, &g->dfc, &g->datt, &g->dq, &g->dk,
+                     &g->dv, &g->ones, &m->dlogits};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) {
+        tdm_dev_free(d, *all[i]);
+        *all[i] = NULL;
+    }
     free(g->tok_host);
     g->tok_host = NULL;
+    g->scratch_cap = 0;
+    g->scratch_bytes = 0;
+    m->input_grad = NULL;
+}
+
+static void tdm_gpt_free_activations(tdm_model *m)
+{
+    tdm_gpt *g = m->ext;
+    if (!g) return;
+    for (int k = 0; k < g->n_sets; k++) tdm_gpt_free_set(m, &g->sets[k]);
+    tdm_gpt_free_scratch(m);
     m->cap = 0;
+    m->batch = 0;
     m->act_bytes = 0;
+    m->set_bytes = 0;
 }
 
 static void tdm_gpt_free_ext(tdm_model *m)
 {
     tdm_gpt *g = m->ext;
     if (!g) return;
-    tdm_gpt_free_activations(m);
-    free(g->blk);
+    if (m->dev) tdm_gpt_free_activations(m);
+    for (int k = 0; k < g->n_sets; k++) free(g->sets[k].blk);
+    free(g->sets);
     free(g);
     m->ext = NULL;
 }
 
-static tdm_status tdm_gpt_alloc(tdm_model *m, float **p, int64_t n_elem)
+static tdm_status tdm_gpt_alloc(tdm_model *m, float **p, int64_t n_elem, size_t *bytes)
 {
     size_t nb = (size_t)n_elem * sizeof(float);
     TDM_CHECK(tdm_dev_alloc(m->dev, nb, (void **)p));
-    m->act_bytes += nb;
+    *bytes += nb;
     return TDM_STATUS_OK;
 }
 
-/* Room for `batch` windows of the full context. */
-static tdm_status tdm_gpt_reserve(tdm_model *m, int batch)
+size_t tdm_gpt_act_bytes(const tdm_model *m, int batch)
 {
-    if (batch <= m->cap) return TDM_STATUS_OK;
-    tdm_gpt *g = m->ext;
-    tdm_status st = TDM_STATUS_OK;
-    tdm_gpt_free_activations(m);
+    const tdm_gpt *g = m->ext;
+    /* what tdm_gpt_reserve allocates for one activation set and the
+     * scratch of a whole model, counted in floats: per block ln1, q, k,
+     * v, atty, res1, ln2, res2 (N x C each), fch and fcg (N x 4C), four
+     * means and rstds (N) and the attention (B x H x T x T); then res0,
+     * lnf, yh, dres, dln (N x C), qkv and dq/dk/dv (N x 3C each), dfc
+     * (N x 4C), lnf's mean and rstd and the ones (N), the logits and
+     * their gradient (N x V) and the attention's gradient */
     int64_t N = (int64_t)batch * g->T, C = g->C, att = (int64_t)batch * g->H * g->T * g->T;
-    TDM_REQUIRE(N * 4 * C <= INT32_MAX && N * g->V <= INT32_MAX, TDM_STATUS_INVALID_ARG,
-                "gpt: a batch of %d windows of %d is too large for one gemm (at most %lld "
-                "windows)", batch, g->T, (long long)(INT32_MAX / (4 * C * g->T)));
-    TDM_TRY(tdm_gpt_alloc(m, &g->res0, N * C));
-    for (int l = 0; l < g->L; l++) {
-        tdm_gpt_block *b = &g->blk[l];
-        TDM_TRY(tdm_gpt_alloc(m, &b->ln1, N * C));
-        TDM_TRY(tdm_gpt_alloc(m, &b->ln1_mean, N));
-        TDM_TRY(tdm_gpt_alloc(m, &b->ln1_rstd, N));
-        TDM_TRY(tdm_gpt_alloc(m, &b->q, N * C));
-        TDM_TRY(tdm_gpt_alloc(m, &b->k, N * C));
-        TDM_TRY(tdm_gpt_alloc(m, &b->v, N * C));
-        TDM_TRY(tdm_gpt_alloc(m, &b->att, att));
-        TDM_TRY(tdm_gpt_alloc(m, &b->atty, N * C));
-        TDM_TRY(tdm_gpt_alloc(m, &b->res1, N * C));
-        TDM_TRY(tdm_gpt_alloc(m, &b->ln2, N * C));
-        TDM_TRY(tdm_gpt_alloc(m, &b->ln2_mean, N));
-        TDM_TRY(tdm_gpt_alloc(m, &b->ln2_rstd, N));
-        TDM_TRY(tdm_gpt_alloc(m, &b->fch, N * 4 * C));
-        TDM_TRY(tdm_gpt_alloc(m, &b->fcg, N * 4 * C));
-        TDM_TRY(tdm_gpt_alloc(m, &b->res2, N * C));
+    int64_t per_block = 16 * N * C + 4 * N + att;
+    int64_t floats = g->L * per_block + 15 * N * C + 3 * N + 2 * N * g->V + att;
+    return (size_t)floats * sizeof(float);
+}
+
+/* Set k exists (empty) and is the current one. */
+static tdm_status tdm_gpt_select_set(tdm_model *m, int k)
+{
+    tdm_gpt *g = m->ext;
+    if (k >= g->n_sets) {
+        tdm_gpt_act *s = realloc(g->sets, (size_t)(k + 1) * sizeof *s);
+        TDM_REQUIRE(s, TDM_STATUS_OUT_OF_MEMORY, "gpt: cannot grow the activation sets to %d",
+                    k + 1);
+        g->sets = s;
+        for (int i = g->n_sets; i <= k; i++) {
+            memset(&s[i], 0, sizeof s[i]);
+            s[i].blk = calloc((size_t)(g->nb ? g->nb : 1), sizeof *s[i].blk);
+            if (!s[i].blk) {
+                g->n_sets = i;
+                g->a = &s[m->set];
+                return tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "gpt: activation set %d", i);
+            }
+        }
+        g->n_sets = k + 1;
     }
-    TDM_TRY(tdm_gpt_alloc(m, &g->lnf, N * C));
-    TDM_TRY(tdm_gpt_alloc(m, &g->lnf_mean, N));
-    TDM_TRY(tdm_gpt_alloc(m, &g->lnf_rstd, N));
-    TDM_TRY(tdm_gpt_alloc(m, &g->logits, N * g->V));
-    TDM_TRY(tdm_gpt_alloc(m, &m->dlogits, N * g->V));
-    TDM_TRY(tdm_gpt_alloc(m, &g->qkv, N * 3 * C));
-    TDM_TRY(tdm_gpt_alloc(m, &g->yh, N * C));
-    TDM_TRY(tdm_gpt_alloc(m, &g->dres, N * C));
-    TDM_TRY(tdm_gpt_alloc(m, &g->dln, N * C));
-    TDM_TRY(tdm_gpt_alloc(m, &g->dfc, N * 4 * C));
-    TDM_TRY(tdm_gpt_alloc(m, &g->datt, att));
-    TDM_TRY(tdm_gpt_alloc(m, &g->dq, N * C));
-    TDM_TRY(tdm_gpt_alloc(m, &g->dk, N * C));
-    TDM_TRY(tdm_gpt_alloc(m, &g->dv, N * C));
-    TDM_TRY(tdm_gpt_alloc(m, &g->ones, N));
+    g->a = &g->sets[k];
+    return TDM_STATUS_OK;
+}
+
+static void tdm_gpt_held_bytes(const tdm_model *m, size_t *sets, size_t *scratch)
+{
+    const tdm_gpt *g = m->ext;
+    *sets = 0;
+    for (int k = 0; k < g->n_sets; k++) *sets += g->sets[k].bytes;
+    *scratch = g->scratch_bytes;
+}
+
+/* The scratch for `batch` windows of the full context. */
+static tdm_status tdm_gpt_reserve_scratch(tdm_model *m, int batch)
+{
+    tdm_gpt *g = m->ext;
+    if (batch <= g->scratch_cap) return TDM_STATUS_OK;
+    tdm_status st = TDM_STATUS_OK;
+    tdm_gpt_free_scratch(m);
+    int64_t N = (int64_t)batch * g->T, C = g->C, att = (int64_t)batch * g->H * g->T * g->T;
+    size_t *by = &g->scratch_bytes;
+    if (g->has_head) TDM_TRY(tdm_gpt_alloc(m, &m->dlogits, N * g->V, by));
+    TDM_TRY(tdm_gpt_alloc(m, &g->qkv, N * 3 * C, by));
+    TDM_TRY(tdm_gpt_alloc(m, &g->yh, N * C, by));
+    TDM_TRY(tdm_gpt_alloc(m, &g->dres, N * C, by));
+    TDM_TRY(tdm_gpt_alloc(m, &g->dln, N * C, by));
+    TDM_TRY(tdm_gpt_alloc(m, &g->dfc, N * 4 * C, by));
+    TDM_TRY(tdm_gpt_alloc(m, &g->datt, att, by));
+    TDM_TRY(tdm_gpt_alloc(m, &g->dq, N * C, by));
+    TDM_TRY(tdm_gpt_alloc(m, &g->dk, N * C, by));
+    TDM_TRY(tdm_gpt_alloc(m, &g->dv, N * C, by));
+    TDM_TRY(tdm_gpt_alloc(m, &g->ones, N, by));
     {
         float *h = malloc((size_t)N * sizeof(float));
         if (!h) {
@@ -285,7 +361,7 @@ static tdm_status tdm_gpt_reserve(tdm_model *m, int batch)
         free(h);
         TDM_TRY(st);
     }
-    if (tdm_dev_kind(m->dev) != TDM_DEVICE_HOST) {
+    if (tdm_dev_kind(m->dev) != TDM_DEVICE_HOST && g->has_emb) {
         g->tok_host = malloc((size_t)N * sizeof(int32_t));
         if (!g->tok_host) {
             st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "gpt: cannot allocate %lld tokens",
@@ -293,11 +369,75 @@ static tdm_status tdm_gpt_reserve(tdm_model *m, int batch)
             goto fail;
         }
     }
-    m->cap = batch;
+    g->scratch_cap = batch;
     return TDM_STATUS_OK;
 fail:
-    tdm_gpt_free_activations(m);
+    tdm_gpt_free_scratch(m);
+    return tdm_error_prefix(st, "gpt: scratch for %d windows of %d", batch, g->T);
+}
+
+/* Set a's activations for `batch` windows (a is empty). */
+static tdm_status tdm_gpt_alloc_set(tdm_model *m, tdm_gpt_act *a, int batch)
+{
+    tdm_gpt *g = m->ext;
+    tdm_status st = TDM_STATUS_OK;
+    int64_t N = (int64_t)batch * g->T, C = g->C, att = (int64_t)batch * g->H * g->T * g->T;
+    size_t *by = &a->bytes;
+    if (g->has_emb) TDM_TRY(tdm_gpt_alloc(m, &a->res0, N * C, by));
+    for (int l = 0; l < g->nb; l++) {
+        tdm_gpt_block *b = &a->blk[l];
+        TDM_TRY(tdm_gpt_alloc(m, &b->ln1, N * C, by));
+        TDM_TRY(tdm_gpt_alloc(m, &b->ln1_mean, N, by));
+        TDM_TRY(tdm_gpt_alloc(m, &b->ln1_rstd, N, by));
+        TDM_TRY(tdm_gpt_alloc(m, &b->q, N * C, by));
+        TDM_TRY(tdm_gpt_alloc(m, &b->k, N * C, by));
+        TDM_TRY(tdm_gpt_alloc(m, &b->v, N * C, by));
+        TDM_TRY(tdm_gpt_alloc(m, &b->att, att, by));
+        TDM_TRY(tdm_gpt_alloc(m, &b->atty, N * C, by));
+        TDM_TRY(tdm_gpt_alloc(m, &b->res1, N * C, by));
+        TDM_TRY(tdm_gpt_alloc(m, &b->ln2, N * C, by));
+        TDM_TRY(tdm_gpt_alloc(m, &b->ln2_mean, N, by));
+        TDM_TRY(tdm_gpt_alloc(m, &b->ln2_rstd, N, by));
+        TDM_TRY(tdm_gpt_alloc(m, &b->fch, N * 4 * C, by));
+        TDM_TRY(tdm_gpt_alloc(m, &b->fcg, N * 4 * C, by));
+        TDM_TRY(tdm_gpt_alloc(m, &b->res2, N * C, by));
+    }
+    if (g->has_head) {
+        TDM_TRY(tdm_gpt_alloc(m, &a->lnf, N * C, by));
+        TDM_TRY(tdm_gpt_alloc(m, &a->lnf_mean, N, by));
+        TDM_TRY(tdm_gpt_alloc(m, &a->lnf_rstd, N, by));
+        TDM_TRY(tdm_gpt_alloc(m, &a->logits, N * g->V, by));
+    }
+    a->cap = batch;
+    return TDM_STATUS_OK;
+fail:
+    tdm_gpt_free_set(m, a);
     return tdm_error_prefix(st, "gpt: activations for %d windows of %d", batch, g->T);
+}
+
+/* The current set: room for `batch` windows of the full context. */
+static tdm_status tdm_gpt_reserve(tdm_model *m, int batch)
+{
+    tdm_gpt *g = m->ext;
+    tdm_gpt_act *a = g->a;
+    int64_t N = (int64_t)batch * g->T, C = g->C;
+    TDM_REQUIRE(N * 4 * C <= INT32_MAX && N * g->V <= INT32_MAX, TDM_STATUS_INVALID_ARG,
+                "gpt: a batch of %d windows of %d is too large for one gemm (at most %lld "
+                "windows)", batch, g->T, (long long)(INT32_MAX / (4 * C * g->T)));
+    TDM_CHECK(tdm_gpt_reserve_scratch(m, batch));
+    if (batch > a->cap) {
+        tdm_gpt_free_set(m, a);
+        tdm_status st = tdm_gpt_alloc_set(m, a, batch);
+        if (st != TDM_STATUS_OK) {
+            m->cap = 0;
+            m->set_bytes = 0;
+            return st;
+        }
+    }
+    m->cap = a->cap;
+    m->set_bytes = a->bytes;
+    m->act_bytes = a->bytes + g->scratch_bytes;
+    return TDM_STATUS_OK;
 }
 
 /* ---- forward ---- */
@@ -316,40 +456,54 @@ static tdm_status tdm_gpt_check_tokens(tdm_model *m, const int32_t *tok, int64_t
         if (h[i] < 0 || h[i] >= g->V)
             return tdm_error_set(TDM_STATUS_INVALID_ARG,
                                  "gpt: token %d at position %lld of window %lld is outside the "
-                                 "vocabulary [0, %d)", (int)h[i], (long long)(i % g->seq),
-                                 (long long)(i / g->seq), g->V);
+                                 "vocabulary [0, %d)", (int)h[i], (long long)(i % g->a->seq),
+                                 (long long)(i / g->a->seq), g->V);
     return TDM_STATUS_OK;
 }
 
-static tdm_status tdm_gpt_run_forward(tdm_model *m, const int32_t *tok, int B, int Tr,
-                                      const float **logits)
+/* The stage's forward: tokens (the first stage) or the stream entering
+ * block b0 (B, Tr, C), through its blocks, to the logits (the last stage)
+ * or the stream leaving block b1 - 1. */
+static tdm_status tdm_gpt_run_forward(tdm_model *m, const void *x, int B, int Tr,
+                                      const float **out)
 {
     tdm_gpt *g = m->ext;
     tdm_device *d = m->dev;
-    int C = g->C, L = g->L;
+    int C = g->C;
     int64_t N = (int64_t)B * Tr;
     size_t row_bytes = (size_t)N * C * sizeof(float);
     TDM_CHECK(tdm_gpt_reserve(m, B));
-    g->seq = Tr;
-    TDM_CHECK(tdm_gpt_check_tokens(m, tok, N));
-    /* parameter-use events name whole blocks: a block is the unit
-     * parameters are grouped by (tdm_model_layer_block) */
-    TDM_CHECK(tdm_model_raise_use(m, TDM_MODEL_USE_FORWARD, TDM_GPT_WTE, TDM_GPT_WPE));
-    TDM_CHECK(tdm_dev_embed_fwd(d, tok, tdm_gpt_param(m, TDM_GPT_WTE), tdm_gpt_param(m, TDM_GPT_WPE),
-                           g->res0, B, Tr, C));
-    const float *res = g->res0;
-    for (int l = 0; l < L; l++) {
-        tdm_gpt_block *b = &g->blk[l];
-        TDM_CHECK(tdm_model_raise_use(m, TDM_MODEL_USE_FORWARD, tdm_gpt_p(l, 0),
-                                tdm_gpt_p(l, TDM_GPT_PER_BLOCK - 1)));
-#define P(j) tdm_gpt_param(m, tdm_gpt_p(l, (j)))
+    tdm_gpt_act *a = g->a;
+    a->seq = Tr;
+    a->tok = NULL;
+    a->in = NULL;
+    const float *res;
+    if (g->has_emb) {
+        const int32_t *tok = x;
+        TDM_CHECK(tdm_gpt_check_tokens(m, tok, N));
+        /* parameter-use events name whole blocks: a block is the unit
+         * parameters are grouped by (tdm_model_layer_block) */
+        TDM_CHECK(tdm_model_raise_use(m, TDM_MODEL_USE_FORWARD, TDM_GPT_WTE, TDM_GPT_WPE));
+        TDM_CHECK(tdm_dev_embed_fwd(d, tok, tdm_gpt_param(m, TDM_GPT_WTE),
+                                    tdm_gpt_param(m, TDM_GPT_WPE), a->res0, B, Tr, C));
+        a->tok = tok;
+        res = a->res0;
+    } else {
+        a->in = x;   /* read again by block b0's backward */
+        res = a->in;
+    }
+    for (int l = g->b0; l < g->b1; l++) {
+        tdm_gpt_block *b = &a->blk[l - g->b0];
+        TDM_CHECK(tdm_model_raise_use(m, TDM_MODEL_USE_FORWARD, tdm_gpt_p(g, l, 0),
+                                      tdm_gpt_p(g, l, TDM_GPT_PER_BLOCK - 1)));
+#define P(j) tdm_gpt_param(m, tdm_gpt_p(g, l, (j)))
         TDM_CHECK(tdm_dev_layernorm_fwd(d, res, P(TDM_GPT_LN1_W), P(TDM_GPT_LN1_B), b->ln1,
                                         b->ln1_mean, b->ln1_rstd, N, C, TDM_GPT_LN_EPS));
         TDM_CHECK(tdm_layers_linear_fwd(d, b->ln1, P(TDM_GPT_ATTN_W), P(TDM_GPT_ATTN_B), N, C,
                                         3 * C, 0, g->qkv));
-        tdm_layers_attn a = {.B = B, .T = Tr, .H = g->H, .C = C, .q = b->q, .k = b->k,
-                             .v = b->v, .att = b->att};
-        TDM_CHECK(tdm_layers_attention_fwd(d, &a, g->qkv, g->yh, b->atty));
+        tdm_layers_attn at = {.B = B, .T = Tr, .H = g->H, .C = C, .q = b->q, .k = b->k,
+                              .v = b->v, .att = b->att};
+        TDM_CHECK(tdm_layers_attention_fwd(d, &at, g->qkv, g->yh, b->atty));
         /* x + attn(ln_1(x)): the projection adds onto a copy of the stream */
         TDM_CHECK(tdm_dev_copy(d, b->res1, res, row_bytes));
         TDM_CHECK(tdm_layers_linear_fwd(d, b->atty, P(TDM_GPT_APROJ_W), P(TDM_GPT_APROJ_B), N,
@@ -365,16 +519,19 @@ static tdm_status tdm_gpt_run_forward(tdm_model *m, const int32_t *tok, int B, i
 #undef P
         res = b->res2;
     }
-    int pf = tdm_gpt_p_lnf(L);
-    TDM_CHECK(tdm_model_raise_use(m, TDM_MODEL_USE_FORWARD, pf, pf + 1));
-    TDM_CHECK(tdm_dev_layernorm_fwd(d, res, tdm_gpt_param(m, pf), tdm_gpt_param(m, pf + 1), g->lnf,
-                               g->lnf_mean, g->lnf_rstd, N, C, TDM_GPT_LN_EPS));
-    /* the head tied to the token embedding: logits = ln_f(x) wte^T */
-    TDM_CHECK(tdm_model_raise_use(m, TDM_MODEL_USE_FORWARD, TDM_GPT_WTE, TDM_GPT_WTE));
-    TDM_CHECK(tdm_layers_linear_fwd(d, g->lnf, tdm_gpt_param(m, TDM_GPT_WTE), NULL, N, C, g->V,
-                                    0, g->logits));
-    g->tok = tok;
-    if (logits) *logits = g->logits;
+    if (g->has_head) {
+        int pf = tdm_gpt_p_lnf(g);
+        TDM_CHECK(tdm_model_raise_use(m, TDM_MODEL_USE_FORWARD, pf, pf + 1));
+        TDM_CHECK(tdm_dev_layernorm_fwd(d, res, tdm_gpt_param(m, pf), tdm_gpt_param(m, pf + 1),
+                                        a->lnf, a->lnf_mean, a->lnf_rstd, N, C, TDM_GPT_LN_EPS));
+        /* the head tied to the token embedding: logits = ln_f(x) wte^T
+         * (a later stage holds its own copy of wte for it) */
+        TDM_CHECK(tdm_model_raise_use(m, TDM_MODEL_USE_FORWARD, g->p_head, g->p_head));
+        TDM_CHECK(tdm_layers_linear_fwd(d, a->lnf, tdm_gpt_param(m, g->p_head), NULL, N, C, g->V,
+                                        0, a->logits));
+        res = a->logits;
+    }
+    if (out) *out = res;
     return TDM_STATUS_OK;
 }
 
@@ -392,6 +549,9 @@ tdm_status tdm_gpt_forward_seq(tdm_model *m, const int32_t *tokens, int batch, i
     TDM_REQUIRE(m && m->spec.kind == TDM_MODEL_GPT, TDM_STATUS_INVALID_ARG,
                 "gpt forward: not a GPT model");
     tdm_gpt *g = m->ext;
+    TDM_REQUIRE(g->has_emb && g->has_head, TDM_STATUS_INVALID_ARG,
+                "gpt forward: a pipeline stage (layers %d..%d of %d) cannot generate",
+                m->stage.lo, m->stage.hi - 1, m->stage.n);
     TDM_REQUIRE(batch > 0 && tokens, TDM_STATUS_INVALID_ARG,
                 "gpt forward: batch %d must be positive and tokens non-NULL", batch);
     TDM_REQUIRE(seq_len >= 1 && seq_len <= g->T, TDM_STATUS_INVALID_ARG,
@@ -402,7 +562,7 @@ tdm_status tdm_gpt_forward_seq(tdm_model *m, const int32_t *tokens, int batch, i
 
 static const float *tdm_gpt_last_logits(const tdm_model *m)
 {
-    return ((const tdm_gpt *)m->ext)->logits;
+    return ((const tdm_gpt *)m->ext)->a->logits;
 }
 
 /* ---- backward ---- */
@@ -413,74 +573,93 @@ static void tdm_gpt_hook(tdm_model *m, int layer)
     if (m->hook && l->np > 0) m->hook(m->hook_ctx, m, l->p0, l->p0 + l->np - 1);
 }
 
-/* Logical layers: 0 embeddings; block l's six at 1 + 6l + (ln_1, c_attn,
- * attn.c_proj, ln_2, c_fc, mlp.c_proj); ln_f at 1 + 6L; the head last. */
-static int tdm_gpt_layer(int l, int j) { return 1 + 6 * l + j; }
+/* Logical layers of the stage: the embeddings (first stage); block l's
+ * six at layer_blk0 + 6 (l - b0) + (ln_1, c_attn, attn.c_proj, ln_2,
+ * c_fc, mlp.c_proj); then ln_f and the head (last stage). */
+static int tdm_gpt_layer(const tdm_gpt *g, int l, int j) { return g->layer_blk0 + 6 * (l - g->b0) + j; }
 
-static tdm_status tdm_gpt_backward(tdm_model *m, const float *dlogits)
+/* dy: the logits' gradient (the last stage) or the gradient of the
+ * stream leaving block b1 - 1; a later stage ends with the gradient of
+ * the stream entering block b0 in dres (m->input_grad). */
+static tdm_status tdm_gpt_backward(tdm_model *m, const float *dy)
 {
     tdm_gpt *g = m->ext;
+    tdm_gpt_act *a = g->a;
     tdm_device *d = m->dev;
-    int B = m->batch, Tr = g->seq, C = g->C, L = g->L;
+    int B = m->batch, Tr = a->seq, C = g->C;
     int64_t N = (int64_t)B * Tr;
-    TDM_CHECK(tdm_dev_memset_zero(d, g->dres, (size_t)N * C * sizeof(float)));
-    /* the head: dwte += dlogits^T ln_f(x) (the first of its two shares),
-     * d ln_f(x) = dlogits wte; no hook: wte is not final yet */
-    TDM_CHECK(tdm_model_raise_use(m, TDM_MODEL_USE_BACKWARD, TDM_GPT_WTE, TDM_GPT_WTE));
-    TDM_CHECK(tdm_layers_linear_bwd(d, g->lnf, tdm_gpt_param(m, TDM_GPT_WTE), dlogits, g->ones,
-                                    N, C, g->V, tdm_gpt_grad(m, TDM_GPT_WTE), NULL, g->dln, 0));
-    int pf = tdm_gpt_p_lnf(L);
-    const float *res_last = L > 0 ? g->blk[L - 1].res2 : g->res0;
-    TDM_CHECK(tdm_model_raise_use(m, TDM_MODEL_USE_BACKWARD, pf, pf + 1));
-    TDM_CHECK(tdm_dev_layernorm_bwd(d, res_last, g->dln, tdm_gpt_param(m, pf), g->lnf_mean,
-                               g->lnf_rstd, g->dres, tdm_gpt_grad(m, pf),
-                               tdm_gpt_grad(m, pf + 1), N, C));
-    tdm_gpt_hook(m, 1 + 6 * L);
-    for (int l = L - 1; l >= 0; l--) {
-        tdm_gpt_block *b = &g->blk[l];
-        const float *res_in = l > 0 ? g->blk[l - 1].res2 : g->res0;
-        TDM_CHECK(tdm_model_raise_use(m, TDM_MODEL_USE_BACKWARD, tdm_gpt_p(l, 0),
-                                tdm_gpt_p(l, TDM_GPT_PER_BLOCK - 1)));
-#define P(j) tdm_gpt_param(m, tdm_gpt_p(l, (j)))
-#define G(j) tdm_gpt_grad(m, tdm_gpt_p(l, (j)))
+    m->input_grad = NULL;
+    const float *res_last = g->nb > 0 ? a->blk[g->nb - 1].res2 : g->has_emb ? a->res0 : a->in;
+    if (g->has_head) {
+        TDM_CHECK(tdm_dev_memset_zero(d, g->dres, (size_t)N * C * sizeof(float)));
+        /* the head: dwte += dlogits^T ln_f(x) (the first of its two shares
+         * where the embedding is on this stage, then no hook: wte is not
+         * final yet; a tied copy's whole share here, final at once),
+         * d ln_f(x) = dlogits wte */
+        TDM_CHECK(tdm_model_raise_use(m, TDM_MODEL_USE_BACKWARD, g->p_head, g->p_head));
+        TDM_CHECK(tdm_layers_linear_bwd(d, a->lnf, tdm_gpt_param(m, g->p_head), dy, g->ones, N,
+                                        C, g->V, tdm_gpt_grad(m, g->p_head), NULL, g->dln, 0));
+        int head_layer = tdm_gpt_layer(g, g->b1, 0) + 1;
+        if (!g->has_emb) tdm_gpt_hook(m, head_layer);
+        int pf = tdm_gpt_p_lnf(g);
+        TDM_CHECK(tdm_model_raise_use(m, TDM_MODEL_USE_BACKWARD, pf, pf + 1));
+        TDM_CHECK(tdm_dev_layernorm_bwd(d, res_last, g->dln, tdm_gpt_param(m, pf), a->lnf_mean,
+                                        a->lnf_rstd, g->dres, tdm_gpt_grad(m, pf),
+                                        tdm_gpt_grad(m, pf + 1), N, C));
+        tdm_gpt_hook(m, head_layer - 1);
+    } else {
+        TDM_CHECK(tdm_dev_copy(d, g->dres, dy, (size_t)N * C * sizeof(float)));
+    }
+    for (int l = g->b1 - 1; l >= g->b0; l--) {
+        tdm_gpt_block *b = &a->blk[l - g->b0];
+        const float *res_in = l > g->b0 ? a->blk[l - 1 - g->b0].res2
+                                        : g->has_emb ? a->res0 : a->in;
+        TDM_CHECK(tdm_model_raise_use(m, TDM_MODEL_USE_BACKWARD, tdm_gpt_p(g, l, 0),
+                                      tdm_gpt_p(g, l, TDM_GPT_PER_BLOCK - 1)));
+#define P(j) tdm_gpt_param(m, tdm_gpt_p(g, l, (j)))
+#define G(j) tdm_gpt_grad(m, tdm_gpt_p(g, l, (j)))
         /* x += mlp(ln_2(x)): the branch's output gradient is dres itself */
         TDM_CHECK(tdm_layers_linear_bwd(d, b->fcg, P(TDM_GPT_MPROJ_W), g->dres, g->ones, N,
                                         4 * C, C, G(TDM_GPT_MPROJ_W), G(TDM_GPT_MPROJ_B), g->dfc,
                                         0));
-        tdm_gpt_hook(m, tdm_gpt_layer(l, 5));
+        tdm_gpt_hook(m, tdm_gpt_layer(g, l, 5));
         TDM_CHECK(tdm_dev_gelu_bwd(d, b->fch, g->dfc, g->dfc, N * 4 * C));
         TDM_CHECK(tdm_layers_linear_bwd(d, b->ln2, P(TDM_GPT_FC_W), g->dfc, g->ones, N, C, 4 * C,
                                         G(TDM_GPT_FC_W), G(TDM_GPT_FC_B), g->dln, 0));
-        tdm_gpt_hook(m, tdm_gpt_layer(l, 4));
+        tdm_gpt_hook(m, tdm_gpt_layer(g, l, 4));
         TDM_CHECK(tdm_dev_layernorm_bwd(d, b->res1, g->dln, P(TDM_GPT_LN2_W), b->ln2_mean,
                                         b->ln2_rstd, g->dres, G(TDM_GPT_LN2_W),
                                         G(TDM_GPT_LN2_B), N, C));
-        tdm_gpt_hook(m, tdm_gpt_layer(l, 3));
+        tdm_gpt_hook(m, tdm_gpt_layer(g, l, 3));
         /* x += attn(ln_1(x)); dln holds the heads' output gradient until
          * c_attn's backward overwrites it */
         TDM_CHECK(tdm_layers_linear_bwd(d, b->atty, P(TDM_GPT_APROJ_W), g->dres, g->ones, N, C,
                                         C, G(TDM_GPT_APROJ_W), G(TDM_GPT_APROJ_B), g->dln, 0));
-        tdm_gpt_hook(m, tdm_gpt_layer(l, 2));
-        tdm_layers_attn a = {.B = B, .T = Tr, .H = g->H, .C = C, .q = b->q, .k = b->k,
-                             .v = b->v, .att = b->att};
-        TDM_CHECK(tdm_layers_attention_bwd(d, &a, g->dln, g->yh, g->datt, g->dq, g->dk, g->dv,
+        tdm_gpt_hook(m, tdm_gpt_layer(g, l, 2));
+        tdm_layers_attn at = {.B = B, .T = Tr, .H = g->H, .C = C, .q = b->q, .k = b->k,
+                              .v = b->v, .att = b->att};
+        TDM_CHECK(tdm_layers_attention_bwd(d, &at, g->dln, g->yh, g->datt, g->dq, g->dk, g->dv,
                                            g->qkv));
         TDM_CHECK(tdm_layers_linear_bwd(d, b->ln1, P(TDM_GPT_ATTN_W), g->qkv, g->ones, N, C,
                                         3 * C, G(TDM_GPT_ATTN_W), G(TDM_GPT_ATTN_B), g->dln, 0));
-        tdm_gpt_hook(m, tdm_gpt_layer(l, 1));
+        tdm_gpt_hook(m, tdm_gpt_layer(g, l, 1));
         TDM_CHECK(tdm_dev_layernorm_bwd(d, res_in, g->dln, P(TDM_GPT_LN1_W), b->ln1_mean,
                                         b->ln1_rstd, g->dres, G(TDM_GPT_LN1_W),
                                         G(TDM_GPT_LN1_B), N, C));
-        tdm_gpt_hook(m, tdm_gpt_layer(l, 0));
+        tdm_gpt_hook(m, tdm_gpt_layer(g, l, 0));
 #undef P
 #undef G
+    }
+    if (!g->has_emb) {
+        m->input_grad = g->dres;
+        return TDM_STATUS_OK;
     }
     /* the embeddings: wte's second share; now wte and wpe are final. The
      * embedding's backward adds rows of dres into the gradients and
      * reads neither table. */
     TDM_CHECK(tdm_model_raise_use(m, TDM_MODEL_USE_BACKWARD_GRADS, TDM_GPT_WTE, TDM_GPT_WPE));
-    TDM_CHECK(tdm_dev_embed_bwd(d, g->tok, g->dres, tdm_gpt_grad(m, TDM_GPT_WTE),
-                           tdm_gpt_grad(m, TDM_GPT_WPE), B, Tr, C));
+    TDM_CHECK(tdm_dev_embed_bwd(d, a->tok, g->dres, tdm_gpt_grad(m, TDM_GPT_WTE),
+                                tdm_gpt_grad(m, TDM_GPT_WPE), B, Tr, C));
     tdm_gpt_hook(m, 0);
     return TDM_STATUS_OK;
 }
@@ -488,15 +667,18 @@ static tdm_status tdm_gpt_backward(tdm_model *m, const float *dlogits)
 static void tdm_gpt_gemm_flops(const tdm_model *m, double *fwd, double *bwd)
 {
     const tdm_model_spec *s = &m->spec;
+    const tdm_gpt *g = m->ext;
     double C = s->n_embd, T = s->n_ctx;
     /* per position: c_attn 3C^2, attn.c_proj C^2, c_fc 4C^2, mlp.c_proj 4C^2
      * multiply-adds, attention 2 T C (scores and values over the full T),
-     * the head C V */
-    double per_pos = s->n_layer * (12.0 * C * C + 2.0 * T * C) + C * s->vocab;
+     * the head C V (the stage's blocks, and its head) */
+    double per_pos = g->nb * (12.0 * C * C + 2.0 * T * C) + (g->has_head ? C * s->vocab : 0.0);
     *fwd = 2.0 * per_pos * T;
     /* every product has a weight (or second-operand) and an input gradient */
     *bwd = 2.0 * *fwd;
 }
+
+static tdm_status tdm_gpt_select(tdm_model *m, int k) { return tdm_gpt_select_set(m, k); }
 
 static const tdm_model_vt tdm_gpt_vt = {
     .init_params = tdm_gpt_init_params,
@@ -506,8 +688,16 @@ static const tdm_model_vt tdm_gpt_vt = {
     .gemm_flops = tdm_gpt_gemm_flops,
     .free_activations = tdm_gpt_free_activations,
     .free_ext = tdm_gpt_free_ext,
+    .select_set = tdm_gpt_select,
+    .act_bytes = tdm_gpt_held_bytes,
 };
 
+/* The tables of pipeline layers m->stage.lo..hi of the L + 2: 0 the
+ * embeddings, 1 + l block l, L + 1 the final LayerNorm and the head. A
+ * stage with the head but not the embedding holds its own copy of wte for
+ * the head, last in its table ("lm_head.weight", owned by the head
+ * layer): its gradient is that stage's share of wte's, summed with the
+ * first stage's by the pipeline (Megatron's tied embeddings). */
 tdm_status tdm_gpt_build(tdm_model *m)
 {
     const tdm_model_spec *s = &m->spec;
@@ -520,31 +710,35 @@ tdm_status tdm_gpt_build(tdm_model *m)
     TDM_REQUIRE(C % H == 0, TDM_STATUS_INVALID_ARG,
                 "gpt: %d heads do not divide the width %d (each head gets width/heads features)",
                 H, C);
-    TDM_REQUIRE(tdm_dev_has_transformer(m->dev), TDM_STATUS_UNSUPPORTED,
+    TDM_REQUIRE(!m->dev || tdm_dev_has_transformer(m->dev), TDM_STATUS_UNSUPPORTED,
                 "gpt: device %s has no transformer kernels", tdm_dev_name(m->dev));
+    int lo = m->stage.lo, hi = m->stage.hi;
     tdm_gpt *g = calloc(1, sizeof *g);
     TDM_REQUIRE(g, TDM_STATUS_OUT_OF_MEMORY, "gpt: out of memory");
-    g->blk = calloc((size_t)L, sizeof *g->blk);
-    if (!g->blk) {
-        free(g);
-        return tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "gpt: out of memory");
-    }
     g->L = L;
     g->C = C;
     g->H = H;
     g->T = T;
     g->V = s->vocab;
-    g->seq = T;
+    g->has_emb = lo == 0;
+    g->has_head = hi == L + 2;
+    g->b0 = (lo > 0 ? lo : 1) - 1;
+    g->b1 = (hi < L + 1 ? hi : L + 1) - 1;
+    g->nb = g->b1 - g->b0;
+    g->p_blk0 = g->has_emb ? 2 : 0;
+    g->layer_blk0 = g->has_emb ? 1 : 0;
     m->ext = g;
     m->vt = &tdm_gpt_vt;
-    {
+    /* set 0, empty */
+    TDM_CHECK(tdm_gpt_select_set(m, 0));
+    if (g->has_emb) {
         const char *names[2] = {"transformer.wte.weight", "transformer.wpe.weight"};
         const int64_t shapes[2][2] = {{s->vocab, C}, {T, C}};
         const int nd[2] = {2, 2};
         TDM_CHECK(tdm_gpt_group(m, 2, names, shapes, nd));
     }
     char name[TDM_MODEL_NAME_MAX];
-    for (int l = 0; l < L; l++) {
+    for (int l = g->b0; l < g->b1; l++) {
 #define NAME(sfx) (snprintf(name, sizeof name, "transformer.h.%d.%s", l, sfx), name)
         TDM_CHECK(tdm_gpt_ln_group(m, NAME("ln_1"), C));
         TDM_CHECK(tdm_gpt_linear_group(m, NAME("attn.c_attn"), 3 * C, C));
@@ -554,88 +748,31 @@ tdm_status tdm_gpt_build(tdm_model *m)
         TDM_CHECK(tdm_gpt_linear_group(m, NAME("mlp.c_proj"), C, 4 * C));
 #undef NAME
     }
-    TDM_CHECK(tdm_gpt_ln_group(m, "transformer.ln_f", C));
-    tdm_model_add_layer(m, TDM_LAYER_GROUP);   /* the head: reads wte, owns nothing */
-    /* blocks: 0 the embeddings, 1 + l block l's six layers, L + 1 ln_f
-     * and the head */
-    for (int i = 0; i < m->n_layers; i++)
-        m->layers[i].block = i == 0 ? 0 : i >= 1 + 6 * L ? L + 1 : 1 + (i - 1) / 6;
+    m->stage.p_base = g->has_emb ? 0 : 2 + TDM_GPT_PER_BLOCK * g->b0;
+    g->p_head = TDM_GPT_WTE;
+    if (g->has_head) {
+        TDM_CHECK(tdm_gpt_ln_group(m, "transformer.ln_f", C));
+        int li = m->n_layers;
+        tdm_layer *head = tdm_model_add_layer(m, TDM_LAYER_GROUP);   /* reads wte */
+        m->stage.n_slice = m->n_params;
+        if (!g->has_emb) {
+            g->p_head = m->n_params;
+            TDM_CHECK(tdm_model_add_tensor(m, 0, li, "lm_head.weight", 2,
+                                           (int64_t[]){s->vocab, C}));
+            head->np = 1;
+            m->stage.tied = g->p_head;
+            m->stage.tied_source = TDM_GPT_WTE;
+        }
+    } else {
+        m->stage.n_slice = m->n_params;
+    }
+    /* blocks: the embeddings, each block's six layers, ln_f and the head,
+     * numbered from 0 on the stage */
+    for (int i = 0; i < m->n_layers; i++) {
+        int k = i - g->layer_blk0;
+        m->layers[i].block = i < g->layer_blk0 ? 0
+                           : k >= 6 * g->nb   ? g->layer_blk0 + g->nb
+                                              : g->layer_blk0 + k / 6;
+    }
     return TDM_STATUS_OK;
-}
-
-/* ---- generation ---- */
-
-tdm_status tdm_gpt_generate(tdm_model *m, const int32_t *prompt, int n_prompt, int n_new,
-                            float temperature, uint64_t seed, int32_t *out,
-                            void (*emit)(void *ctx, int32_t token), void *emit_ctx)
-{
-    tdm_status st = TDM_STATUS_OK;
-    TDM_REQUIRE(m && m->spec.kind == TDM_MODEL_GPT, TDM_STATUS_INVALID_ARG,
-                "generate: not a GPT model");
-    TDM_REQUIRE(prompt && n_prompt >= 1 && n_new >= 0, TDM_STATUS_INVALID_ARG,
-                "generate: the prompt needs at least one token (got %d) and n_new >= 0 (%d)",
-                n_prompt, n_new);
-    TDM_REQUIRE(temperature >= 0.0f && isfinite(temperature), TDM_STATUS_INVALID_ARG,
-                "generate: temperature %g must be finite and >= 0", (double)temperature);
-    tdm_gpt *g = m->ext;
-    tdm_device *d = m->dev;
-    int T = g->T, V = g->V, was_train = m->train;
-    int64_t total = (int64_t)n_prompt + n_new;
-    int32_t *seq = malloc((size_t)total * sizeof(int32_t));
-    float *row = malloc((size_t)V * sizeof(float));
-    double *p = malloc((size_t)V * sizeof(double));
-    int32_t *dtok = NULL;
-    if (!seq || !row || !p) {
-        st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "generate: out of memory");
-        goto fail;
-    }
-    if (tdm_dev_kind(d) != TDM_DEVICE_HOST)
-        TDM_TRY(tdm_dev_alloc(d, (size_t)T * sizeof(int32_t), (void **)&dtok));
-    memcpy(seq, prompt, (size_t)n_prompt * sizeof(int32_t));
-    tdm_rng r;
-    tdm_rng_init(&r, seed, TDM_RNG_STREAM_SAMPLE);
-    m->train = 0;
-    for (int64_t n = n_prompt; n < total; n++) {
-        int ctx = n < T ? (int)n : T;
-        const int32_t *window = seq + n - ctx;
-        const float *logits;
-        if (dtok) {
-            TDM_TRY(tdm_dev_copy_from_host(d, dtok, window, (size_t)ctx * sizeof(int32_t)));
-            window = dtok;
-        }
-        TDM_TRY(tdm_gpt_forward_seq(m, window, 1, ctx, &logits));
-        TDM_TRY(tdm_dev_copy_to_host(d, row, logits + (int64_t)(ctx - 1) * V,
-                                     (size_t)V * sizeof(float)));
-        int best = 0;
-        for (int j = 1; j < V; j++)
-            if (row[j] > row[best]) best = j;
-        int tok = best;
-        if (temperature > 0.0f) {
-            /* softmax(z / temperature), shifted by the max, in double */
-            double sum = 0.0;
-            for (int j = 0; j < V; j++) {
-                p[j] = exp(((double)row[j] - row[best]) / temperature);
-                sum += p[j];
-            }
-            double u = (double)(tdm_rng_u64(&r) >> 11) * 0x1.0p-53 * sum, acc = 0.0;
-            tok = V - 1;
-            for (int j = 0; j < V; j++) {
-                acc += p[j];
-                if (u < acc) {
-                    tok = j;
-                    break;
-                }
-            }
-        }
-        seq[n] = tok;
-        if (out) out[n - n_prompt] = tok;
-        if (emit) emit(emit_ctx, tok);
-    }
-fail:
-    m->train = was_train;
-    tdm_dev_free(d, dtok);
-    free(seq);
-    free(row);
-    free(p);
-    return st;
 }

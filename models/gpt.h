@@ -34,6 +34,10 @@
 
 #include "models/model.h"
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 /* The default model, small enough to learn readable text on two cores in
  * minutes. */
 #define TDM_GPT_DEFAULT_LAYERS 4
@@ -63,5 +67,9 @@ tdm_status tdm_gpt_forward_seq(tdm_model *m, const int32_t *tokens, int batch, i
 tdm_status tdm_gpt_generate(tdm_model *m, const int32_t *prompt, int n_prompt, int n_new,
                             float temperature, uint64_t seed, int32_t *out,
                             void (*emit)(void *ctx, int32_t token), void *emit_ctx);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

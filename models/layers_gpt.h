@@ -17,6 +17,10 @@
 #include "core/device.h"
 #include "core/status.h"
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 /* y (N, out) = x (N, in) W^T + b, W (out, in) as torch.nn.Linear; b may be
  * NULL. accumulate: y += instead of y = (the residual connections add
  * their branch onto the stream this way, with no extra pass). */
@@ -48,5 +52,9 @@ tdm_status tdm_layers_attention_fwd(tdm_device *d, const tdm_layers_attn *a, con
 tdm_status tdm_layers_attention_bwd(tdm_device *d, const tdm_layers_attn *a, const float *dy,
                                     float *dyh, float *datt, float *dq, float *dk, float *dv,
                                     float *dqkv);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

@@ -4,7 +4,8 @@
  * (each layer's own math is models/layers.c). Specs are models/spec.c;
  * what the parallel designs install on a model (hooks, views, borrowed
  * storage) is models/model_hooks.c; the softmax cross-entropy lives in
- * models/loss.c; the GPT in models/gpt.c (through tdm_model_vt). Not
+ * models/loss.c; the GPT in models/gpt.c (through tdm_model_vt); stages
+ * (a run of the layers) and activation sets models/stage.c. Not
  * here: optimizers (models/optim.c), checkpoints (models/checkpoint.c),
  * any parallelism. */
 #include "models/model_impl.h"
@@ -156,6 +157,13 @@ static tdm_status tdm_model_build(tdm_model *m)
     return tdm_model_linear(m, "fc", c * h * w, s->n_classes, 0);
 }
 
+tdm_status tdm_model_build_tables(tdm_model *m)
+{
+    TDM_CHECK(tdm_model_build(m));
+    if (!m->vt && (m->stage.lo > 0 || m->stage.hi < m->stage.n)) TDM_CHECK(tdm_model_crop(m));
+    return TDM_STATUS_OK;
+}
+
 static tdm_status tdm_model_alloc_state(tdm_model *m)
 {
     tdm_status st = TDM_STATUS_OK;
@@ -165,30 +173,51 @@ static tdm_status tdm_model_alloc_state(tdm_model *m)
     if (m->buffer_elems)
         TDM_TRY(tdm_dev_alloc_zero(m->dev, (size_t)m->buffer_elems * sizeof(float),
                                    (void **)&m->buffers));
-    for (int i = 0; i < m->n_layers; i++)
-        if (m->layers[i].kind == TDM_LAYER_BN) {
-            tdm_layer *l = &m->layers[i];
-            size_t nb = (size_t)l->c * sizeof(float);
-            TDM_TRY(tdm_dev_alloc_zero(m->dev, nb, (void **)&l->mean));
-            TDM_TRY(tdm_dev_alloc_zero(m->dev, nb, (void **)&l->var));
-            TDM_TRY(tdm_dev_alloc_zero(m->dev, nb, (void **)&l->invstd));
-        }
+    TDM_TRY(tdm_model_bn_stats(m));
     return TDM_STATUS_OK;
 fail:
     return st;
 }
 
-static tdm_status tdm_model_new(tdm_model **out, tdm_device *dev, const tdm_model_spec *spec)
+tdm_status tdm_model_bn_stats(tdm_model *m)
+{
+    for (int i = 0; i < m->n_layers; i++) {
+        tdm_layer *l = &m->layers[i];
+        if (l->kind != TDM_LAYER_BN || l->mean) continue;
+        size_t nb = (size_t)l->c * sizeof(float);
+        TDM_CHECK(tdm_dev_alloc_zero(m->dev, nb, (void **)&l->mean));
+        TDM_CHECK(tdm_dev_alloc_zero(m->dev, nb, (void **)&l->var));
+        TDM_CHECK(tdm_dev_alloc_zero(m->dev, nb, (void **)&l->invstd));
+    }
+    return TDM_STATUS_OK;
+}
+
+/* A model of pipeline layers [lo, hi) of spec (lo = hi = -1: all of
+ * them). */
+static tdm_status tdm_model_new(tdm_model **out, tdm_device *dev, const tdm_model_spec *spec,
+                                int lo, int hi)
 {
     tdm_status st = TDM_STATUS_OK;
     *out = NULL;
     TDM_REQUIRE(dev && spec, TDM_STATUS_INVALID_ARG, "model: NULL device or spec");
+    int n = 0;
+    TDM_CHECK(tdm_model_spec_n_layers(spec, &n));
+    if (lo < 0) {
+        lo = 0;
+        hi = n;
+    }
+    TDM_REQUIRE(lo >= 0 && lo < hi && hi <= n, TDM_STATUS_INVALID_ARG,
+                "model: layers [%d, %d) are not a non-empty range of its %d", lo, hi, n);
     tdm_model *m = calloc(1, sizeof *m);
     if (!m) return tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "cannot allocate a model");
     m->spec = *spec;
     m->dev = dev;
     m->train = 1;
-    TDM_TRY(tdm_model_build(m));
+    m->stage = (tdm_model_stage){.lo = lo, .hi = hi, .n = n, .tied = -1, .tied_source = -1,
+                                 .input_grad = lo > 0};
+    TDM_TRY(tdm_model_build_tables(m));
+    if (lo > 0 || hi < n) TDM_TRY(tdm_model_stage_place(m));
+    else m->stage.n_slice = m->n_params, m->stage.slice_elems = m->param_elems;
     TDM_TRY(tdm_model_alloc_state(m));
     for (int i = 0; i < m->n_layers; i++) {
         tdm_layer *l = &m->layers[i];
@@ -226,7 +255,7 @@ static tdm_status tdm_model_fill_host(tdm_model *m, uint64_t seed)
             int followed_by_relu = l->relu || l->kind == TDM_LAYER_CONV;
             float std = sqrtf((followed_by_relu ? 2.0f : 1.0f) / (float)fan_in);
             tdm_rng r;
-            tdm_rng_init(&r, seed, TDM_RNG_STREAM_INIT + (uint64_t)i);
+            tdm_rng_init(&r, seed, TDM_RNG_STREAM_INIT + (uint64_t)tdm_model_global_param(m, i));
             for (int64_t j = 0; j < t->n_elem; j++) p[j] = std * tdm_rng_normal(&r);
         }
         /* biases stay 0 */
@@ -252,7 +281,7 @@ tdm_status tdm_model_init(tdm_model **out, tdm_device *dev, const tdm_model_spec
                           uint64_t seed)
 {
     tdm_model *m = NULL;
-    TDM_CHECK(tdm_model_new(&m, dev, spec));
+    TDM_CHECK(tdm_model_new(&m, dev, spec, -1, -1));
     tdm_status st = tdm_model_fill_host(m, seed);
     if (st != TDM_STATUS_OK) {
         tdm_model_free(m);
@@ -262,6 +291,20 @@ tdm_status tdm_model_init(tdm_model **out, tdm_device *dev, const tdm_model_spec
     tdm_model_spec_describe(spec, desc, sizeof desc);
     TDM_INFO(MODEL, "%s on %s: %d parameter tensors, %lld floats; %d buffers", desc,
              tdm_dev_name(dev), m->n_params, (long long)m->param_elems, m->n_buffers);
+    *out = m;
+    return TDM_STATUS_OK;
+}
+
+tdm_status tdm_model_init_range(tdm_model **out, tdm_device *dev, const tdm_model_spec *spec,
+                                uint64_t seed, int lo, int hi)
+{
+    tdm_model *m = NULL;
+    TDM_CHECK(tdm_model_new(&m, dev, spec, lo, hi));
+    tdm_status st = tdm_model_fill_host(m, seed);
+    if (st != TDM_STATUS_OK) {
+        tdm_model_free(m);
+        return st;
+    }
     *out = m;
     return TDM_STATUS_OK;
 }
@@ -287,7 +330,7 @@ tdm_status tdm_model_clone(tdm_model **out, const tdm_model *src, tdm_device *de
     TDM_REQUIRE(!src->released, TDM_STATUS_INVALID_ARG,
                 "model clone: the source's parameters live in views (its storage was "
                 "released): nothing to copy from");
-    TDM_CHECK(tdm_model_new(&m, dev, &src->spec));
+    TDM_CHECK(tdm_model_new(&m, dev, &src->spec, src->stage.lo, src->stage.hi));
     tdm_status st = tdm_dev_copy_between(dev, m->params, src->dev, src->params,
                                          (size_t)m->param_elems * sizeof(float));
     if (st == TDM_STATUS_OK && m->buffer_elems)
@@ -303,41 +346,63 @@ tdm_status tdm_model_clone(tdm_model **out, const tdm_model *src, tdm_device *de
     return TDM_STATUS_OK;
 }
 
-static void tdm_model_free_activations(tdm_model *m)
+void tdm_model_free_set(tdm_model *m)
 {
     tdm_device *d = m->dev;
-    if (m->vt) {
-        m->vt->free_activations(m);
-        return;
-    }
     for (int i = 0; i < m->n_layers; i++) {
         tdm_layer *l = &m->layers[i];
         tdm_dev_free(d, l->out);
         tdm_dev_free(d, l->argmax);
-        l->out = NULL;
+        tdm_dev_free(d, l->mean);
+        tdm_dev_free(d, l->var);
+        tdm_dev_free(d, l->invstd);
+        l->out = l->mean = l->var = l->invstd = NULL;
         l->argmax = NULL;
-        l->chunk = 0;
+        l->in = NULL;
     }
+    m->act_bytes -= m->set_bytes;
+    m->set_bytes = 0;
+    m->cap = 0;
+    m->batch = 0;
+}
+
+void tdm_model_free_scratch(tdm_model *m)
+{
+    tdm_device *d = m->dev;
+    for (int i = 0; i < m->n_layers; i++) m->layers[i].chunk = 0;
     tdm_dev_free(d, m->dbuf[0]);
     tdm_dev_free(d, m->dbuf[1]);
     tdm_dev_free(d, m->col);
     tdm_dev_free(d, m->ones);
     tdm_dev_free(d, m->dlogits);
     m->dbuf[0] = m->dbuf[1] = m->col = m->ones = m->dlogits = NULL;
-    m->cap = 0;
-    m->act_bytes = 0;
+    m->scratch_cap = 0;
+    m->act_bytes = m->set_bytes;
+    m->input_grad = NULL;
+}
+
+/* Every set's activations and the scratch (the sets themselves stay). */
+static void tdm_model_free_activations(tdm_model *m)
+{
+    if (m->vt) {
+        m->vt->free_activations(m);
+        return;
+    }
+    int cur = m->set;
+    for (int k = 0; k < m->n_sets; k++) {
+        if (tdm_model_select_act_set(m, k) != TDM_STATUS_OK) continue;
+        tdm_model_free_set(m);
+    }
+    (void)tdm_model_select_act_set(m, cur);
+    tdm_model_free_set(m);
+    tdm_model_free_scratch(m);
 }
 
 void tdm_model_free(tdm_model *m)
 {
     if (!m) return;
     tdm_model_free_activations(m);
-    for (int i = 0; i < m->n_layers; i++) {
-        tdm_layer *l = &m->layers[i];
-        tdm_dev_free(m->dev, l->mean);
-        tdm_dev_free(m->dev, l->var);
-        tdm_dev_free(m->dev, l->invstd);
-    }
+    tdm_model_free_sets(m);
     if (m->vt) m->vt->free_ext(m);
     tdm_dev_free(m->dev, m->params);
     tdm_dev_free(m->dev, m->grads_owned);
@@ -373,28 +438,24 @@ static int tdm_model_conv_chunk(const tdm_model *m, const tdm_layer *l, int batc
     return nb < (size_t)batch ? (int)nb : batch;
 }
 
-/* Grows activations to hold `batch` samples. */
-static tdm_status tdm_model_reserve(tdm_model *m, int batch)
+/* The scratch every activation set shares (backward's ping-pong buffers,
+ * the convolutions' column chunk, ones, the loss gradient), grown to
+ * `batch` samples. The conv chunk follows the largest batch seen, as
+ * before there were sets: a model that saw one batch size runs the same
+ * chunks in every set. */
+static tdm_status tdm_model_reserve_scratch(tdm_model *m, int batch)
 {
-    if (batch <= m->cap) return TDM_STATUS_OK;
+    if (batch <= m->scratch_cap) return TDM_STATUS_OK;
     tdm_status st = TDM_STATUS_OK;
     tdm_device *d = m->dev;
-    tdm_model_free_activations(m);
+    tdm_model_free_scratch(m);
     size_t bytes = 0, nb, col_max = 0;
     for (int i = 0; i < m->n_layers; i++) {
         tdm_layer *l = &m->layers[i];
-        nb = (size_t)batch * (size_t)l->out_elems * sizeof(float);
-        TDM_TRY(tdm_dev_alloc(d, nb, (void **)&l->out));
-        bytes += nb;
-        if (l->kind == TDM_LAYER_CONV) {
-            l->chunk = tdm_model_conv_chunk(m, l, batch);
-            nb = (size_t)l->c * l->k * l->k * (size_t)l->chunk * l->oh * l->ow * sizeof(float);
-            if (nb > col_max) col_max = nb;
-        } else if (l->kind == TDM_LAYER_MAXPOOL) {
-            nb = (size_t)batch * (size_t)l->out_elems * sizeof(int32_t);
-            TDM_TRY(tdm_dev_alloc(d, nb, (void **)&l->argmax));
-            bytes += nb;
-        }
+        if (l->kind != TDM_LAYER_CONV) continue;
+        l->chunk = tdm_model_conv_chunk(m, l, batch);
+        nb = (size_t)l->c * l->k * l->k * (size_t)l->chunk * l->oh * l->ow * sizeof(float);
+        if (nb > col_max) col_max = nb;
     }
     nb = (size_t)batch * (size_t)m->max_elems * sizeof(float);
     TDM_TRY(tdm_dev_alloc(d, nb, (void **)&m->dbuf[0]));
@@ -406,6 +467,7 @@ static tdm_status tdm_model_reserve(tdm_model *m, int batch)
     }
     nb = (size_t)batch * sizeof(float);
     TDM_TRY(tdm_dev_alloc(d, nb, (void **)&m->ones));
+    bytes += nb;
     {
         float *h = malloc(nb);
         if (!h) {
@@ -417,14 +479,49 @@ static tdm_status tdm_model_reserve(tdm_model *m, int batch)
         free(h);
         TDM_TRY(st);
     }
-    nb = (size_t)batch * (size_t)tdm_model_n_classes(m) * sizeof(float);
-    TDM_TRY(tdm_dev_alloc(d, nb, (void **)&m->dlogits));
-    bytes += nb + (size_t)batch * sizeof(float); /* dlogits, ones */
-    m->cap = batch;
-    m->act_bytes = bytes;
+    if (m->stage.hi == m->stage.n) {   /* the loss gradient: only where the logits are */
+        nb = (size_t)batch * (size_t)tdm_model_n_classes(m) * sizeof(float);
+        TDM_TRY(tdm_dev_alloc(d, nb, (void **)&m->dlogits));
+        bytes += nb;
+    }
+    m->scratch_cap = batch;
+    m->act_bytes = m->set_bytes + bytes;
     return TDM_STATUS_OK;
 fail:
-    tdm_model_free_activations(m);
+    tdm_model_free_scratch(m);
+    return st;
+}
+
+/* Grows the current set's activations to hold `batch` samples, and the
+ * scratch. */
+static tdm_status tdm_model_reserve(tdm_model *m, int batch)
+{
+    TDM_CHECK(tdm_model_reserve_scratch(m, batch));
+    TDM_CHECK(tdm_model_bn_stats(m));
+    if (batch <= m->cap) return TDM_STATUS_OK;
+    tdm_status st = TDM_STATUS_OK;
+    tdm_device *d = m->dev;
+    tdm_model_free_set(m);
+    TDM_TRY(tdm_model_bn_stats(m));
+    size_t bytes = 0, nb;
+    for (int i = 0; i < m->n_layers; i++) {
+        tdm_layer *l = &m->layers[i];
+        nb = (size_t)batch * (size_t)l->out_elems * sizeof(float);
+        TDM_TRY(tdm_dev_alloc(d, nb, (void **)&l->out));
+        bytes += nb;
+        if (l->kind == TDM_LAYER_MAXPOOL) {
+            nb = (size_t)batch * (size_t)l->out_elems * sizeof(int32_t);
+            TDM_TRY(tdm_dev_alloc(d, nb, (void **)&l->argmax));
+            bytes += nb;
+        }
+        if (l->kind == TDM_LAYER_BN) bytes += 3 * (size_t)l->c * sizeof(float);
+    }
+    m->cap = batch;
+    m->set_bytes = bytes;
+    m->act_bytes += bytes;
+    return TDM_STATUS_OK;
+fail:
+    tdm_model_free_set(m);
     return st;
 }
 
@@ -434,13 +531,15 @@ const tdm_model_spec *tdm_model_get_spec(const tdm_model *m) { return &m->spec; 
 tdm_device *tdm_model_device(const tdm_model *m) { return m->dev; }
 int tdm_model_in_features(const tdm_model *m)
 {
+    if (m->stage.lo > 0) return (int)tdm_model_stage_in_elems(m);
     if (m->spec.kind == TDM_MODEL_GPT) return m->spec.n_ctx;
     return m->spec.kind == TDM_MODEL_MLP ? m->spec.dims[0]
                                          : m->spec.in_c * m->spec.in_h * m->spec.in_w;
 }
 tdm_model_input tdm_model_input_dtype(const tdm_model *m)
 {
-    return m->spec.kind == TDM_MODEL_GPT ? TDM_MODEL_INPUT_TOKENS : TDM_MODEL_INPUT_F32;
+    return m->spec.kind == TDM_MODEL_GPT && m->stage.lo == 0 ? TDM_MODEL_INPUT_TOKENS
+                                                             : TDM_MODEL_INPUT_F32;
 }
 int tdm_model_n_classes(const tdm_model *m)
 {
@@ -494,11 +593,70 @@ tdm_status tdm_model_set_conv_chunk(tdm_model *m, int images)
         m->conv_chunk = images;
         return TDM_STATUS_OK;
     }
-    /* the chunk sizes the scratch, fixed when activations are reserved */
+    /* the chunk sizes the scratch, fixed when it is reserved */
     tdm_model_free_activations(m);
-    m->batch = 0;
     m->conv_chunk = images;
     return TDM_STATUS_OK;
+}
+
+/* What tdm_model_reserve allocates for `batch` samples (model.c's layers):
+ * the same sums, without allocating. */
+static size_t tdm_model_layers_act_bytes(const tdm_model *m, int batch)
+{
+    size_t bytes = 0, col_max = 0;
+    for (int i = 0; i < m->n_layers; i++) {
+        const tdm_layer *l = &m->layers[i];
+        bytes += (size_t)batch * (size_t)l->out_elems * sizeof(float);
+        if (l->kind == TDM_LAYER_CONV) {
+            size_t nb = (size_t)l->c * l->k * l->k * (size_t)tdm_model_conv_chunk(m, l, batch) *
+                        l->oh * l->ow * sizeof(float);
+            if (nb > col_max) col_max = nb;
+        } else if (l->kind == TDM_LAYER_MAXPOOL) {
+            bytes += (size_t)batch * (size_t)l->out_elems * sizeof(int32_t);
+        } else if (l->kind == TDM_LAYER_BN) {
+            bytes += 3 * (size_t)l->c * sizeof(float);   /* the set's mean, var, invstd */
+        }
+    }
+    bytes += 2 * (size_t)batch * (size_t)m->max_elems * sizeof(float) + col_max;
+    bytes += (size_t)batch * (size_t)tdm_model_n_classes(m) * sizeof(float) +
+             (size_t)batch * sizeof(float);   /* dlogits, ones */
+    return bytes;
+}
+
+tdm_status tdm_model_spec_footprint(const tdm_model_spec *spec, tdm_device *dev, int batch,
+                                    tdm_model_footprint *out)
+{
+    tdm_status st = TDM_STATUS_OK;
+    memset(out, 0, sizeof *out);
+    TDM_REQUIRE(spec && dev && batch >= 1, TDM_STATUS_INVALID_ARG,
+                "model footprint: a spec, a device and a batch >= 1");
+    /* the layers and the tensor table only: tdm_model_build allocates no
+     * parameters, gradients or activations */
+    tdm_model *m = calloc(1, sizeof *m);
+    if (!m) return tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "cannot allocate a model");
+    m->spec = *spec;
+    m->dev = dev;
+    m->train = 1;
+    int n = 0;
+    TDM_TRY(tdm_model_spec_n_layers(spec, &n));
+    /* the whole model: every pipeline layer, as tdm_model_new makes it */
+    m->stage = (tdm_model_stage){.lo = 0, .hi = n, .n = n, .tied = -1, .tied_source = -1};
+    TDM_TRY(tdm_model_build(m));
+    for (int i = 0; i < m->n_layers; i++) {
+        const tdm_layer *l = &m->layers[i];
+        if (l->in_elems > m->max_elems) m->max_elems = l->in_elems;
+        if (l->out_elems > m->max_elems) m->max_elems = l->out_elems;
+    }
+    for (int p = 0; p < m->n_params; p++)
+        if (m->params_info[p].n_elem > out->largest_param_elems)
+            out->largest_param_elems = m->params_info[p].n_elem;
+    out->param_elems = m->param_elems;
+    out->buffer_elems = m->buffer_elems;
+    out->act_bytes = spec->kind == TDM_MODEL_GPT ? tdm_gpt_act_bytes(m, batch)
+                                                 : tdm_model_layers_act_bytes(m, batch);
+fail:
+    tdm_model_free(m);
+    return st;
 }
 
 void tdm_model_get_memory(const tdm_model *m, tdm_model_memory *out)
@@ -506,7 +664,9 @@ void tdm_model_get_memory(const tdm_model *m, tdm_model_memory *out)
     out->params = m->released ? 0 : (size_t)m->param_elems * sizeof(float);
     out->grads = out->params;
     out->buffers = (size_t)m->buffer_elems * sizeof(float);
-    out->activations = m->act_bytes;
+    size_t sets = 0, scratch = 0;
+    tdm_model_act_bytes(m, &sets, &scratch);
+    out->activations = sets + scratch;
 }
 
 void tdm_model_gemm_flops(const tdm_model *m, double *fwd, double *bwd)
@@ -572,14 +732,18 @@ tdm_status tdm_model_backward(tdm_model *m, const float *dlogits)
     int B = m->batch;
     tdm_device *d = m->dev;
     int cur = 0;
+    m->input_grad = NULL;
     TDM_CHECK(tdm_dev_copy(d, m->dbuf[0], dlogits,
-                           (size_t)B * (size_t)tdm_model_n_classes(m) * sizeof(float)));
+                           (size_t)B * (size_t)m->layers[m->n_layers - 1].out_elems *
+                               sizeof(float)));
     /* the input gradient of the first layer with parameters and of the
      * layers before it (input reshuffles) is never needed, nor that of
-     * the layer backward stops at */
+     * the layer backward stops at; a stage after the first needs its
+     * input's (it is the previous stage's output gradient) */
     int first = 0;
     while (first < m->n_layers - 1 && m->layers[first].np == 0) first++;
     if (first < m->bwd_stop) first = m->bwd_stop;
+    if (m->stage.input_grad && m->bwd_stop == 0) first = -1;
     for (int i = m->n_layers - 1; i >= m->bwd_stop; i--) {
         tdm_layer *l = &m->layers[i];
         float *din = i > first ? m->dbuf[1 - cur] : NULL;
@@ -601,6 +765,7 @@ tdm_status tdm_model_backward(tdm_model *m, const float *dlogits)
         if (l->np > 0 && m->hook) m->hook(m->hook_ctx, m, l->p0, l->p0 + l->np - 1);
         cur = 1 - cur;
     }
+    if (m->stage.input_grad && m->bwd_stop == 0) m->input_grad = m->dbuf[cur];
     return TDM_STATUS_OK;
 }
 

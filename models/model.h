@@ -32,6 +32,10 @@
 #include "core/device.h"
 #include "core/status.h"
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 #define TDM_MODEL_MAX_DIMS 16
 #define TDM_MODEL_NAME_MAX 48
 /* Each tensor starts on a 64-byte boundary of its flat buffer; the
@@ -303,10 +307,27 @@ tdm_status tdm_model_count_correct(tdm_model *m, const int32_t *y_host, int batc
  * products (the full T x T score matrix, masked half included). */
 void tdm_model_gemm_flops(const tdm_model *m, double *fwd_per_sample, double *bwd_per_sample);
 
+/* What a model of spec would hold, computed without allocating it (for a
+ * run's memory plan, models/mem_plan.h): its parameter and buffer counts,
+ * its largest parameter tensor, and the activation bytes its forward and
+ * backward allocate for `batch` samples (exactly what tdm_model_get_memory
+ * reports once a batch of that size has run). dev: the device it would
+ * live on (a host device's BLAS threads size the convolution chunks). */
+typedef struct tdm_model_footprint {
+    int64_t param_elems, buffer_elems, largest_param_elems;
+    size_t act_bytes;
+} tdm_model_footprint;
+tdm_status tdm_model_spec_footprint(const tdm_model_spec *spec, tdm_device *dev, int batch,
+                                    tdm_model_footprint *out);
+
 /* Bytes held per kind (for memory reports). */
 typedef struct tdm_model_memory {
     size_t params, grads, buffers, activations;
 } tdm_model_memory;
 void tdm_model_get_memory(const tdm_model *m, tdm_model_memory *out);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

@@ -22,6 +22,7 @@ tdm_status tdm_model_sync_bn_forward_empty(tdm_model *m)
                 "the statistics callback set");
     /* no activations to go back through, as after a failed forward */
     m->batch = 0;
+    TDM_CHECK(tdm_model_bn_stats(m));
     for (int i = 0; i < m->n_layers; i++) {
         tdm_layer *l = &m->layers[i];
         if (l->kind != TDM_LAYER_BN) continue;

@@ -8,6 +8,7 @@
 #define TDM_MODELS_MODEL_IMPL_H
 
 #include "models/model.h"
+#include "models/stage.h"
 
 /* A GPT with L blocks has 12 L + 4 parameter tensors and 6 L + 3 logical
  * layers (one per group of parameters backward finishes together). */
@@ -55,12 +56,36 @@ typedef struct tdm_model_vt {
     tdm_status (*backward)(tdm_model *m, const float *dlogits);
     const float *(*last_logits)(const tdm_model *m);
     void (*gemm_flops)(const tdm_model *m, double *fwd, double *bwd);
-    void (*free_activations)(tdm_model *m);   /* and zero m->cap, m->act_bytes */
+    /* Frees every activation set and the shared scratch (and zeroes
+     * m->cap, m->act_bytes). */
+    void (*free_activations)(tdm_model *m);
     void (*free_ext)(tdm_model *m);           /* m->ext itself */
+    /* Makes set k (allocated as needed, empty) the one the next forward
+     * writes and the next backward reads (models/stage.c keeps m->batch,
+     * m->cap and m->set_bytes per set around it). */
+    tdm_status (*select_set)(tdm_model *m, int k);
+    /* Bytes of every activation set, and of the shared scratch. */
+    void (*act_bytes)(const tdm_model *m, size_t *sets, size_t *scratch);
 } tdm_model_vt;
+
+/* A model is pipeline layers [lo, hi) of its spec's n (models/stage.h);
+ * the whole model is [0, n). Fixed when it is built. */
+typedef struct tdm_model_stage {
+    int lo, hi, n;
+    int p_base;                 /* the full model's index of tensor 0 */
+    int n_slice;                /* tensors of the slice of the full table; */
+    int tied;                   /* then the tied copy's index (-1: none), */
+    int tied_source;            /* a copy of the full model's tensor tied_source */
+    int64_t tied_offset;        /* which starts there in the full flat buffer */
+    int64_t elem_base, slice_elems;    /* the slice in the full flat parameter buffer */
+    int b_base;                 /* the full model's index of buffer 0 */
+    int64_t buf_base;           /* and where the buffers start in its buffer of buffers */
+    int input_grad;             /* backward computes the input's gradient (lo > 0) */
+} tdm_model_stage;
 
 struct tdm_model {
     tdm_model_spec spec;
+    tdm_model_stage stage;
     tdm_device *dev;        /* borrowed */
     const tdm_model_vt *vt; /* NULL: model.c's layers */
     void *ext;              /* the vt's state */
@@ -95,7 +120,15 @@ struct tdm_model {
     float *ones;            /* cap ones, for bias gradients via gemm */
     float *dlogits;         /* forward_backward scratch */
     int64_t max_elems;      /* largest per-sample activation */
-    size_t act_bytes;
+    size_t act_bytes;       /* the current set's and the shared scratch's */
+    size_t set_bytes;       /* the current set's */
+    int scratch_cap;        /* samples the shared scratch (dbuf, col, ones, dlogits) holds */
+    /* Activation sets (models/stage.c): what a forward keeps for its
+     * backward lives in the current set (above: layers' out, in, argmax,
+     * batchnorm statistics; cap, batch); the others are parked in `sets`. */
+    int set, n_sets;
+    void *sets;
+    const float *input_grad;   /* the last backward's input gradient (stage.input_grad) */
 };
 
 /* Parameter i's values and gradient: its view, else its place in the flat
@@ -149,9 +182,43 @@ tdm_status tdm_model_pair_forward(tdm_model *m, tdm_layer *bn, tdm_layer *pool, 
 tdm_status tdm_model_pair_backward(tdm_model *m, tdm_layer *bn, tdm_layer *pool, float *dout,
                                    float *dmid, float *din, int B);
 
+/* models/model.c: a model of pipeline layers [lo, hi) of spec
+ * (tdm_model_init_stage; lo = hi = -1: the whole model). */
+tdm_status tdm_model_init_range(tdm_model **out, tdm_device *dev, const tdm_model_spec *spec,
+                                uint64_t seed, int lo, int hi);
+/* models/model.c: the current set's batchnorm statistics (per channel,
+ * what a forward leaves for its backward), allocated where missing. */
+tdm_status tdm_model_bn_stats(tdm_model *m);
+/* The tables of m->spec's pipeline layers m->stage.lo..hi without any
+ * storage (dev may be NULL): what tdm_model_init builds before it
+ * allocates. */
+tdm_status tdm_model_build_tables(tdm_model *m);
+/* models/model.c: frees the current set's activations (layers' out,
+ * argmax, batchnorm statistics; cap and batch to 0), and the shared
+ * scratch. */
+void tdm_model_free_set(tdm_model *m);
+void tdm_model_free_scratch(tdm_model *m);
+
+/* models/stage.c */
+/* Crops the tables of a whole MLP or CNN just built to m->stage's layers
+ * (the flat offsets become the slice's own, from 0). */
+tdm_status tdm_model_crop(tdm_model *m);
+/* Where a stage's tensors sit in the whole model's tables: fills
+ * m->stage's slice fields from a table-only build of the whole model and
+ * checks that every tensor of the slice has the whole model's name, shape
+ * and relative offset. */
+tdm_status tdm_model_stage_place(tdm_model *m);
+/* The full table's index of tensor i (the tied copy: its source). */
+int tdm_model_global_param(const tdm_model *m, int i);
+/* Frees every set but the current, and the set table. */
+void tdm_model_free_sets(tdm_model *m);
+
 /* models/gpt.c */
 tdm_status tdm_gpt_spec_parse(tdm_model_spec *s, const char *text);
 void tdm_gpt_spec_describe(const tdm_model_spec *s, char *buf, size_t len);
+/* The GPT's activation bytes for `batch` windows: what its reserve
+ * allocates, counted without allocating (tdm_model_spec_footprint). */
+size_t tdm_gpt_act_bytes(const tdm_model *m, int batch);
 /* Adds the GPT's tensors and layers and sets m->vt and m->ext. */
 tdm_status tdm_gpt_build(tdm_model *m);
 

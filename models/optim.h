@@ -10,6 +10,10 @@
 
 #include "models/model.h"
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 typedef enum tdm_optim_kind {
     TDM_OPTIM_SGD = 0,
     TDM_OPTIM_ADAMW,
@@ -93,5 +97,9 @@ int tdm_optim_n_state(const tdm_optim *o);
 const char *tdm_optim_state_name(const tdm_optim *o, int i);
 float *tdm_optim_state(tdm_optim *o, int i);
 size_t tdm_optim_state_bytes(const tdm_optim *o);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

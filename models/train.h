@@ -17,6 +17,10 @@
 #include "models/model.h"
 #include "models/optim.h"
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 /* The permutation of 0..n-1 for an epoch: a pure function of (seed, epoch). */
 void tdm_train_epoch_order(int64_t *perm, int64_t n, uint64_t seed, int64_t epoch);
 
@@ -82,5 +86,9 @@ void tdm_single_free(tdm_single *s);   /* frees staging only */
 /* Mean loss and accuracy over a dataset, in eval mode (restores the mode). */
 tdm_status tdm_evaluate(tdm_model *m, const tdm_dataset *d, int batch, double *loss_mean,
                         double *accuracy);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

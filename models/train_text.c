@@ -1,6 +1,7 @@
 /* models/train_text.c: text epochs and evaluation (see models/train_text.h). */
 #include "models/train_text.h"
 
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -38,6 +39,16 @@ tdm_status tdm_train_text_epoch(const tdm_text *train, int T, int lo, int hi,
         tdm_text_windows(train, T, o->seed, first_step + s, lo, n, x, y);
         double loss = 0.0;
         TDM_TRY(o->step(o->step_ctx, x, y, n, &loss));
+        /* as tdm_train_epoch: the loss is on the host, the check is free */
+        if (!isfinite(loss)) {
+            st = tdm_error_set(TDM_STATUS_NONFINITE,
+                               "loss is %s at step %lld (epoch %lld, batch %lld of %lld): "
+                               "training diverged (a lower learning rate may help)",
+                               isnan(loss) ? "NaN" : loss > 0 ? "+inf" : "-inf",
+                               (long long)(o->epoch * steps + s + 1), (long long)o->epoch + 1,
+                               (long long)s + 1, (long long)steps);
+            goto fail;
+        }
         loss_total += loss * batch;
         out->steps++;
         out->samples += batch;

@@ -14,6 +14,10 @@
 #include "models/model.h"
 #include "models/train.h"
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 /* An epoch draws about as many target bytes as the training split holds:
  * ceil(n / (batch * T)) steps. */
 int64_t tdm_train_text_steps_per_epoch(const tdm_text *train, int T, int batch);
@@ -43,5 +47,9 @@ tdm_status tdm_train_text_eval_sum(tdm_model *m, const tdm_text *text, int64_t c
  * of text. */
 tdm_status tdm_train_text_evaluate(tdm_model *m, const tdm_text *text, int64_t cap, int batch,
                              double *loss_mean);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

@@ -205,6 +205,7 @@ static const tdm_comm_ops tdm_hier_ops = {
     .alloc = tdm_hier_alloc,
     .destroy = tdm_hier_destroy,
     .half_types = 1,
+    .split = tdm_mpi_hier_split,
 };
 
 /* The shm group's abort reason: a local rank that died or failed stops a

@@ -26,6 +26,10 @@
 #include "core/status.h"
 #include "mpi/mpi_comm.h"
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 #define TDM_MPI_ENV_PRETEND "TANDEM_PRETEND_MACHINES"
 
 typedef enum tdm_mpi_backend {
@@ -77,5 +81,9 @@ tdm_comm *tdm_mpi_job_world(tdm_mpi_job *job);
 struct tdm_shm_opts;
 tdm_status tdm_mpi_job_comm(tdm_mpi_job *job, tdm_mpi_backend b,
                             const struct tdm_shm_opts *shm_opts, tdm_comm **out);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

@@ -404,6 +404,7 @@ static const tdm_comm_ops tdm_mpi_ops = {
     .last_algo = tdm_mpi_last_algo,
     .destroy = tdm_mpi_destroy,
     .half_types = 1,
+    .split = tdm_mpi_split,
 };
 
 tdm_status tdm_mpi_comm_wrap(tdm_comm **out, MPI_Comm comm, int local_size, int cores,

@@ -45,6 +45,10 @@
 #include "core/comm.h"
 #include "core/status.h"
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 typedef struct tdm_mpi_opts {
     /* Deadline of every wait in ms; past it the job is aborted (MPI_Abort)
      * with a message naming the call. 0: $TANDEM_MPI_TIMEOUT_MS, or 300000
@@ -77,7 +81,7 @@ void tdm_mpi_finalize(void);
  * aborted: <reason>" to stderr and calls MPI_Abort (or _exit(1) before
  * MPI is up). For tools whose rank fails outside any communicator (in
  * set-up): the other ranks may be waiting for it. Never returns. */
-_Noreturn void tdm_mpi_abort(const char *reason);
+void tdm_mpi_abort(const char *reason) __attribute__((noreturn)); /* not _Noreturn: C++ reads this too */
 /* "Open MPI v4.1.4, ..." (MPI_Get_library_version; callable before
  * init), truncated to len. */
 void tdm_mpi_library_version(char *buf, size_t len);
@@ -99,5 +103,9 @@ tdm_status tdm_comm_init_mpi(tdm_comm **out, const tdm_mpi_opts *opts);
  * 16-bit types are refused (MPI has no reduction for them). No
  * deadline: for benchmarks only. */
 tdm_status tdm_mpi_peer_run(tdm_comm *comm, const tdm_comm_call *call);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

@@ -133,6 +133,10 @@ const char *tdm_mpi_live_reason(void);
  * to them, a second before its SIGKILL, may find a loaded machine too
  * slow to dump. No-op without the job's heartbeats. */
 void tdm_mpi_live_dump_everywhere(void);
+/* tdm_comm_ops.split of the MPI communicator (MPI_Comm_split) and of the
+ * hierarchical one (refused, saying why): mpi/split.c. */
+tdm_status tdm_mpi_split(void *impl, const tdm_comm_split_info *in, tdm_comm **out);
+tdm_status tdm_mpi_hier_split(void *impl, const tdm_comm_split_info *in, tdm_comm **out);
 
 /* "MPI_ERR_TRUNCATE: message truncated" for an MPI error code. */
 void tdm_mpi_error_string(int rc, char *out, size_t n);

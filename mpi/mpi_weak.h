@@ -15,6 +15,10 @@
 #include "mpi/job.h"
 #include "mpi/mpi_comm.h"
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 #pragma weak tdm_comm_init_mpi
 #pragma weak tdm_mpi_abort
 #pragma weak tdm_mpi_backend_name
@@ -29,5 +33,9 @@
 #pragma weak tdm_mpi_job_world
 #pragma weak tdm_mpi_library_version
 #pragma weak tdm_mpi_peer_run
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

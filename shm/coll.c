@@ -30,7 +30,8 @@
  *              no copy in; a final wait keeps peers' buffers untouched
  *              until everyone has read them.
  * Point-to-point send/recv use a separate two-slot channel per ordered
- * pair of ranks, so they never disturb the collective rounds.
+ * pair of ranks, so they never disturb the collective rounds; a recv into
+ * the zero-copy arena lets its sender write the payload in place.
  *
  * Not the waits (shm/wait.c) nor the arithmetic (shm/kernels.c). */
 #include "shm/shm_impl.h"
@@ -182,11 +183,11 @@ static tdm_status tdm_shm_arrive_check(tdm_shm_impl *c)
                      (unsigned long long)d->seq);
         tdm_shm_raise_rank(c, -1, TDM_STATUS_MISMATCH,
                       "collective #%llu: rank %d called %s but rank %d called %s",
-                      (unsigned long long)c->seq, c->names[c->rank], a, c->names[p], b);
+                      (unsigned long long)c->seq, tdm_shm_name(c, c->rank), a, tdm_shm_name(c, p), b);
         c->failed = TDM_STATUS_MISMATCH;
         return tdm_error_set(TDM_STATUS_MISMATCH,
                              "collective #%llu: rank %d called %s but rank %d called %s",
-                             (unsigned long long)c->seq, c->names[c->rank], a, c->names[p], b);
+                             (unsigned long long)c->seq, tdm_shm_name(c, c->rank), a, tdm_shm_name(c, p), b);
     }
     return TDM_STATUS_OK;
 }
@@ -497,10 +498,50 @@ static tdm_status tdm_shm_barrier(tdm_shm_impl *c, const tdm_comm_call *k)
 /* --- point to point -------------------------------------------------------- */
 
 /* A channel (blk): the sent flag, the ack flag (a line each), then two
- * halves of header + payload; chunk t uses half t % 2. */
+ * halves of header + payload; chunk t uses half t % 2; then the
+ * receiver's ready line.
+ *
+ * Zero copy: a recv into this rank's arena (tdm_comm_alloc) first posts
+ * its buffer on the ready line (offset and size, then the message's
+ * number, released); a sender that finds its message's number there, and
+ * the size it sends, copies the payload straight into the receiver's
+ * buffer and sends a header marked direct in one chunk: one copy instead
+ * of two, and no chunk-by-chunk exchange. A sender that looked before the
+ * recv was posted (or a recv outside the arena) uses the chunks, which
+ * the receiver reads either way. */
+#define TDM_SHM_P2P_DIRECT (1ull << 63)   /* header bit: the payload is in place */
+
+typedef struct tdm_shm_p2p_ready {
+    _Atomic uint64_t msg;      /* 1 + the message whose buffer is posted */
+    uint64_t off, bytes;       /* in the receiver's arena */
+} tdm_shm_p2p_ready;
+
+#define TDM_SHM_P2P_READY_OFF (2 * TDM_SHM_LINE + 2 * (TDM_SHM_P2P_HDR + TDM_SHM_P2P_BYTES))
+_Static_assert(TDM_SHM_P2P_READY_OFF % TDM_SHM_PAGE + TDM_SHM_LINE <= TDM_SHM_PAGE,
+               "the ready line fits the channel's last page (the layout is unchanged)");
+
 static uint8_t *tdm_shm_p2p_half(uint8_t *blk, uint64_t t)
 {
     return blk + 2 * TDM_SHM_LINE + (t % 2) * (TDM_SHM_P2P_HDR + TDM_SHM_P2P_BYTES);
+}
+
+static tdm_shm_p2p_ready *tdm_shm_p2p_ready_of(uint8_t *blk)
+{
+    return (tdm_shm_p2p_ready *)(blk + TDM_SHM_P2P_READY_OFF);
+}
+
+/* The receiver's posted buffer for message msg of nbytes, or NULL. */
+static uint8_t *tdm_shm_p2p_direct(tdm_shm_impl *c, uint8_t *blk, int peer, uint64_t msg,
+                                   size_t nbytes)
+{
+    tdm_shm_p2p_ready *rd = tdm_shm_p2p_ready_of(blk);
+    /* Acquire pairs with the receiver's release store of msg, made after
+     * off and bytes. */
+    if (!nbytes || atomic_load_explicit(&rd->msg, memory_order_acquire) != msg + 1) return NULL;
+    uint64_t off = rd->off, bytes = rd->bytes;   /* shared memory: read once, then checked */
+    if (bytes != nbytes || off > c->geom.arena_bytes || nbytes > c->geom.arena_bytes - off)
+        return NULL;
+    return tdm_shm_arena_of(c, peer) + off;
 }
 
 static tdm_status tdm_shm_send(tdm_shm_impl *c, const tdm_comm_call *k)
@@ -510,6 +551,8 @@ static tdm_status tdm_shm_send(tdm_shm_impl *c, const tdm_comm_call *k)
     uint8_t *blk = tdm_shm_p2p_of(c, c->rank, peer);
     tdm_shm_flag *sent = (tdm_shm_flag *)blk, *ack = (tdm_shm_flag *)(blk + TDM_SHM_LINE);
     const uint8_t *src = k->sendbuf;
+    uint64_t msg = c->p2p_nsend[peer]++;
+    uint8_t *dst = tdm_shm_p2p_direct(c, blk, peer, msg, nbytes);
     size_t off = 0;
     do {
         size_t m = nbytes - off < TDM_SHM_P2P_BYTES ? nbytes - off : TDM_SHM_P2P_BYTES;
@@ -517,13 +560,19 @@ static tdm_status tdm_shm_send(tdm_shm_impl *c, const tdm_comm_call *k)
         /* Half t % 2 is free once the receiver has consumed chunk t - 2. */
         if (t >= 2) TDM_CHECK(tdm_shm_flag_wait(c, ack, t - 1, peer));
         uint8_t *half = tdm_shm_p2p_half(blk, t);
-        *(uint64_t *)half = nbytes;
-        memcpy(half + TDM_SHM_P2P_HDR, src + off, m);
+        if (dst) {
+            memcpy(dst, src, nbytes);
+            *(uint64_t *)half = nbytes | TDM_SHM_P2P_DIRECT;
+            m = nbytes;
+        } else {
+            *(uint64_t *)half = nbytes;
+            memcpy(half + TDM_SHM_P2P_HDR, src + off, m);
+        }
         tdm_shm_flag_publish(sent, t + 1);   /* pairs with the recv's wait */
         c->p2p_sent[peer] = t + 1;
         off += m;
     } while (off < nbytes);
-    c->algo = "p2p";
+    c->algo = dst ? "p2p-direct" : "p2p";
     return TDM_STATUS_OK;
 }
 
@@ -534,30 +583,42 @@ static tdm_status tdm_shm_recv(tdm_shm_impl *c, const tdm_comm_call *k)
     uint8_t *blk = tdm_shm_p2p_of(c, peer, c->rank);
     tdm_shm_flag *sent = (tdm_shm_flag *)blk, *ack = (tdm_shm_flag *)(blk + TDM_SHM_LINE);
     uint8_t *dst = k->recvbuf;
+    uint64_t msg = c->p2p_nrecv[peer]++;
+    size_t zoff = nbytes ? tdm_shm_arena_offset(c, dst, nbytes, 1) : SIZE_MAX;
+    if (zoff != SIZE_MAX) {
+        tdm_shm_p2p_ready *rd = tdm_shm_p2p_ready_of(blk);
+        rd->off = zoff;
+        rd->bytes = nbytes;
+        /* Release pairs with the sender's acquire in tdm_shm_p2p_direct. */
+        atomic_store_explicit(&rd->msg, msg + 1, memory_order_release);
+    }
     size_t off = 0;
+    int direct = 0;
     do {
         size_t m = nbytes - off < TDM_SHM_P2P_BYTES ? nbytes - off : TDM_SHM_P2P_BYTES;
         uint64_t t = c->p2p_recvd[peer];
         TDM_CHECK(tdm_shm_flag_wait(c, sent, t + 1, peer));
         const uint8_t *half = tdm_shm_p2p_half(blk, t);
-        uint64_t theirs = *(const uint64_t *)half;
-        if (theirs != nbytes) {
+        uint64_t head = *(const uint64_t *)half, theirs = head & ~TDM_SHM_P2P_DIRECT;
+        direct = (head & TDM_SHM_P2P_DIRECT) != 0;
+        if (theirs != nbytes || (direct && (off || zoff == SIZE_MAX))) {
             tdm_shm_raise_rank(c, -1, TDM_STATUS_MISMATCH,
                           "recv #%llu on rank %d from rank %d: expected %zu bytes, rank %d "
-                          "sent %llu", (unsigned long long)c->cur_seq, c->names[c->rank],
-                          c->names[peer], nbytes, c->names[peer], (unsigned long long)theirs);
+                          "sent %llu", (unsigned long long)c->cur_seq, tdm_shm_name(c, c->rank),
+                          tdm_shm_name(c, peer), nbytes, tdm_shm_name(c, peer), (unsigned long long)theirs);
             return tdm_error_set(TDM_STATUS_MISMATCH,
                                  "recv #%llu from rank %d: expected %zu bytes (%s, count=%zu) "
                                  "but rank %d sent %llu bytes", (unsigned long long)c->cur_seq,
-                                 c->names[peer], nbytes, tdm_dtype_name(k->dtype), k->count,
-                                 c->names[peer], (unsigned long long)theirs);
+                                 tdm_shm_name(c, peer), nbytes, tdm_dtype_name(k->dtype), k->count,
+                                 tdm_shm_name(c, peer), (unsigned long long)theirs);
         }
-        memcpy(dst + off, half + TDM_SHM_P2P_HDR, m);
+        if (direct) m = nbytes;   /* already in place */
+        else memcpy(dst + off, half + TDM_SHM_P2P_HDR, m);
         tdm_shm_flag_publish(ack, t + 1);    /* pairs with the send's wait */
         c->p2p_recvd[peer] = t + 1;
         off += m;
     } while (off < nbytes);
-    c->algo = "p2p";
+    c->algo = direct ? "p2p-direct" : "p2p";
     return TDM_STATUS_OK;
 }
 
@@ -575,9 +636,24 @@ static tdm_status tdm_shm_local(tdm_shm_impl *c, const tdm_comm_call *k)
     return TDM_STATUS_OK;
 }
 
+static tdm_status tdm_shm_run_call(tdm_shm_impl *c, const tdm_comm_call *k);
+
+/* The call, counted in this rank's in_call while it runs: a parent that
+ * stops a failed job tells a rank that will see the abort within its
+ * collective from one computing, which will not until its next one
+ * (shm/spawn.c). Relaxed: a hint, read by polling. */
 tdm_status tdm_shm_run(void *impl, const tdm_comm_call *k)
 {
     tdm_shm_impl *c = impl;
+    tdm_shm_ctrl *me = tdm_shm_ctrl_of(c, c->rank);
+    atomic_fetch_add_explicit(&me->in_call, 1, memory_order_relaxed);
+    tdm_status st = tdm_shm_run_call(c, k);
+    atomic_fetch_sub_explicit(&me->in_call, 1, memory_order_relaxed);
+    return st;
+}
+
+static tdm_status tdm_shm_run_call(tdm_shm_impl *c, const tdm_comm_call *k)
+{
     tdm_status st = TDM_STATUS_OK;
     int p2p = k->coll == TDM_COLL_SEND || k->coll == TDM_COLL_RECV;
     c->cur_name = tdm_coll_name(k->coll);

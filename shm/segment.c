@@ -22,6 +22,7 @@
 
 #include "core/device.h"
 #include "core/log.h"
+#include "core/memavail.h"
 #include "core/timer.h"
 
 #define TDM_SHM_DEFAULT_SLOT (1u << 20)
@@ -125,106 +126,6 @@ static tdm_status tdm_shm_open_backing(const tdm_shm_opts *opts, int *fd_out)
     return TDM_STATUS_OK;
 }
 
-/* --- memory headroom ------------------------------------------------------ */
-
-/* A number from a one-line file ("max": no limit), 0 when unreadable. */
-static int tdm_shm_read_u64(const char *path, uint64_t *v)
-{
-    char buf[64];
-    FILE *f = fopen(path, "re");
-    if (!f) return 0;
-    int ok = fgets(buf, sizeof buf, f) != NULL;
-    fclose(f);
-    if (!ok) return 0;
-    if (!strncmp(buf, "max", 3)) { *v = UINT64_MAX; return 1; }
-    char *end;
-    errno = 0;
-    *v = strtoull(buf, &end, 10);
-    return !errno && end != buf;
-}
-
-/* Lowers *avail to the headroom (limit - usage) of cgroup directory dir
- * and of every ancestor up to the hierarchy's root (a parent's limit
- * holds for its children); src names the bound that applied. */
-static void tdm_shm_cgroup_headroom(const char *root, const char *rel, const char *max_name,
-                                    const char *cur_name, uint64_t *avail, char *src, size_t n)
-{
-    char dir[1024], path[1200];
-    snprintf(dir, sizeof dir, "%s%s", root, rel);
-    for (;;) {
-        uint64_t lim, cur;
-        snprintf(path, sizeof path, "%s/%s", dir, max_name);
-        int have_lim = tdm_shm_read_u64(path, &lim);
-        snprintf(path, sizeof path, "%s/%s", dir, cur_name);
-        /* v1 writes "no limit" as a page-rounded LONG_MAX */
-        if (have_lim && lim < ((uint64_t)1 << 62) && tdm_shm_read_u64(path, &cur)) {
-            uint64_t room = cur < lim ? lim - cur : 0;
-            if (room < *avail) {
-                *avail = room;
-                snprintf(src, n, "cgroup %s: %s %llu, %s %llu", dir, max_name,
-                         (unsigned long long)lim, cur_name, (unsigned long long)cur);
-            }
-        }
-        char *slash = strrchr(dir, '/');
-        if (strlen(dir) <= strlen(root) || !slash) break;
-        *slash = '\0';
-    }
-}
-
-/* Bytes of memory this process can still take: MemAvailable, lowered to
- * the headroom of its memory cgroup (v2: memory.max - memory.current; v1:
- * memory.limit_in_bytes - memory.usage_in_bytes) and its ancestors'.
- * UINT64_MAX when nothing can be read. src says which bound it is. */
-static uint64_t tdm_shm_mem_available(char *src, size_t n)
-{
-    uint64_t avail = UINT64_MAX;
-    snprintf(src, n, "no limit found");
-    FILE *f = fopen("/proc/meminfo", "re");
-    char line[512];
-    while (f && fgets(line, sizeof line, f)) {
-        unsigned long long kb;
-        if (sscanf(line, "MemAvailable: %llu kB", &kb) == 1) {
-            avail = (uint64_t)kb * 1024;
-            snprintf(src, n, "MemAvailable in /proc/meminfo");
-            break;
-        }
-    }
-    if (f) fclose(f);
-    f = fopen("/proc/self/cgroup", "re");
-    while (f && fgets(line, sizeof line, f)) {
-        line[strcspn(line, "\n")] = '\0';
-        char *a = strchr(line, ':'), *b = a ? strchr(a + 1, ':') : NULL;
-        if (!b) continue;
-        *b++ = '\0';
-        struct stat sb;
-        char probe[1024];
-        if (!strcmp(line, "0") && !a[1]) {          /* v2: "0::/path" */
-            static const char *const roots[] = {"/sys/fs/cgroup", "/sys/fs/cgroup/unified"};
-            for (int i = 0; i < 2; i++) {
-                snprintf(probe, sizeof probe, "%s%s/memory.current", roots[i], b);
-                if (stat(probe, &sb) == 0) {
-                    tdm_shm_cgroup_headroom(roots[i], b, "memory.max", "memory.current", &avail,
-                                            src, n);
-                    break;
-                }
-            }
-        } else {                                      /* v1: "N:memory,...:/path" */
-            int mem = 0;
-            char *save = NULL;
-            for (char *t = strtok_r(a + 1, ",", &save); t; t = strtok_r(NULL, ",", &save))
-                mem |= !strcmp(t, "memory");
-            if (!mem) continue;
-            snprintf(probe, sizeof probe, "/sys/fs/cgroup/memory%s/memory.usage_in_bytes", b);
-            /* inside a cgroup namespace the hierarchy's root is our own */
-            const char *rel = stat(probe, &sb) == 0 ? b : "";
-            tdm_shm_cgroup_headroom("/sys/fs/cgroup/memory", rel, "memory.limit_in_bytes",
-                                    "memory.usage_in_bytes", &avail, src, n);
-        }
-    }
-    if (f) fclose(f);
-    return avail;
-}
-
 /* A segment on memfd or tmpfs takes memory: refuse one larger than what
  * is available, naming both, rather than reserve it and be OOM-killed
  * (a cgroup's limit is enforced by killing, not by failing fallocate). */
@@ -237,7 +138,7 @@ static tdm_status tdm_shm_check_memory(size_t total, int world, const tdm_shm_op
             return TDM_STATUS_OK;   /* a disk: posix_fallocate checks its space */
     }
     char src[1200];
-    uint64_t avail = tdm_shm_mem_available(src, sizeof src);
+    uint64_t avail = tdm_mem_available(src, sizeof src);
     if ((uint64_t)total <= avail) return TDM_STATUS_OK;
     return tdm_error_set(TDM_STATUS_OUT_OF_MEMORY,
                          "shm: cannot reserve %zu bytes (%.1f MiB) for %d ranks: only %llu bytes "
@@ -376,7 +277,8 @@ void tdm_shm_comm_set_rank_names(tdm_comm *comm, const int *names)
 {
     if (!comm || !names || strcmp(tdm_comm_backend_name(comm), "shm") != 0) return;
     tdm_shm_impl *c = tdm_comm_impl(comm);
-    for (int r = 0; r < c->world; r++) c->names[r] = names[r];
+    for (int r = 0; r < c->world; r++) c->job_rank[r] = names[r];
+    c->named_by_job = 1;
 }
 
 /* --- the backend ---------------------------------------------------------- */
@@ -385,7 +287,7 @@ static tdm_status tdm_shm_abort_op(void *impl, const char *reason)
 {
     tdm_shm_impl *c = impl;
     tdm_shm_raise_rank(c, c->rank, TDM_STATUS_ABORTED, "aborted by rank %d: %s",
-                       c->names[c->rank], reason);
+                       tdm_shm_name(c, c->rank), reason);
     return TDM_STATUS_OK;
 }
 
@@ -427,6 +329,7 @@ static const tdm_comm_ops tdm_shm_ops = {
     .alloc = tdm_shm_alloc_op,
     .destroy = tdm_shm_destroy,
     .half_types = 1,
+    .split = tdm_shm_split,
 };
 
 tdm_status tdm_shm_comm_tuning(const tdm_comm *comm, tdm_shm_tuning *out)
@@ -518,7 +421,7 @@ static tdm_status tdm_shm_join(tdm_comm **out, void *base, size_t total, int unm
     c->unmap = unmap;
     c->rank = rank;
     c->world = world;
-    for (int r = 0; r < world; r++) c->names[r] = r;
+    for (int r = 0; r < world; r++) c->job_rank[r] = r;
     c->timeout_ms = opts && opts->timeout_ms > 0 ? opts->timeout_ms : TDM_SHM_DEFAULT_TIMEOUT_MS;
     /* Spin only while the ranks fit the cores they can use together (the
      * header's, the same for every rank): not this process's affinity,

@@ -29,6 +29,10 @@
 #include "core/comm.h"
 #include "core/status.h"
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 #define TDM_SHM_ENV_FD "TANDEM_SHM_FD"
 #define TDM_SHM_MAX_RANKS 64
 
@@ -155,5 +159,9 @@ const char *tdm_shm_comm_abort_reason(const tdm_comm *comm);
  * the same table, before its first collective. No-op for another
  * backend. */
 void tdm_shm_comm_set_rank_names(tdm_comm *comm, const int *names);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

@@ -13,7 +13,8 @@
  *   reasons    per rank and one for the parent, an abort reason each
  *   slots      per rank, NBUF staging buffers of slot_bytes
  *   p2p        per ordered pair (src, dst): a sent flag line, an ack flag
- *              line, two halves of P2P bytes
+ *              line, two halves of P2P bytes, then the receiver's ready
+ *              line (a zero-copy recv posted: shm/coll.c)
  *   arena      per rank, arena_bytes of zero-copy buffers
  */
 #ifndef TDM_SHM_SHM_IMPL_H
@@ -24,14 +25,15 @@
 #include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <sys/types.h>
 
 #include "core/comm_impl.h"
-#include "core/wait.h"
+#include "core/wait_impl.h"
 #include "shm/shm_comm.h"
 
 #define TDM_SHM_MAGIC 0x314d48534d444e54ull /* "TNDMSHM1" little endian */
-#define TDM_SHM_VERSION 3u
+#define TDM_SHM_VERSION 4u
 #define TDM_SHM_LINE 64
 #define TDM_SHM_PAGE 4096
 #define TDM_SHM_NBUF 2            /* staging buffers per rank */
@@ -40,7 +42,7 @@
 #define TDM_SHM_REASON_BYTES 512  /* one abort reason */
 
 /* A word ranks wait on: a free-running 64-bit counter, written only by
- * its owner, waited on with core/wait.h (spin, then a shared futex on its
+ * its owner, waited on with core/wait_impl.h (spin, then a shared futex on its
  * low 32 bits; sleepers count themselves in `waiters`, so that the owner
  * makes a wake syscall only when someone sleeps). Part of the segment's
  * layout: TDM_SHM_VERSION covers it. */
@@ -74,6 +76,8 @@ typedef struct tdm_shm_ctrl {
     _Atomic int32_t wstatus;
     _Atomic int32_t ended;     /* 1: the parent reported its end (wstatus) */
     _Atomic uint64_t beat;     /* heartbeat: advanced by the rank's heartbeat thread */
+    _Atomic int32_t in_call;   /* > 0: inside a collective (tdm_shm_run), where an abort
+                                * reaches it; 0: computing between collectives */
 } tdm_shm_ctrl;
 
 _Static_assert(sizeof(tdm_shm_ctrl) == 2 * TDM_SHM_LINE, "ctrl is two lines");
@@ -157,11 +161,11 @@ typedef struct tdm_shm_impl {
     uint64_t p2p_sent[TDM_SHM_MAX_RANKS];  /* chunks sent to each peer */
     uint64_t p2p_recvd[TDM_SHM_MAX_RANKS]; /* chunks received from each */
     uint64_t p2p_msgs[TDM_SHM_MAX_RANKS];  /* messages, for error text */
+    uint64_t p2p_nsend[TDM_SHM_MAX_RANKS]; /* messages sent to each peer */
+    uint64_t p2p_nrecv[TDM_SHM_MAX_RANKS]; /* messages received from each */
     size_t arena_used;
     const char *algo;          /* last algorithm, for tdm_comm_last_algo */
     const char *logged_algo[TDM_COLL_COUNT_]; /* last one logged, per collective */
-    /* the ranks messages name (tdm_shm_comm_set_rank_names): the job's */
-    int names[TDM_SHM_MAX_RANKS];
     /* the call in progress, for error messages */
     const char *cur_name;
     uint64_t cur_seq;
@@ -185,7 +189,37 @@ typedef struct tdm_shm_impl {
     int test_late_checks;
     tdm_status failed;         /* sticky: once a call failed, all fail */
     char failed_msg[256];      /* its message */
+    /* A communicator split from another (shm/split.c): the job's
+     * communicator (the one never split; borrowed, it outlives this one),
+     * whose abort stops this one's waits and which every abort raised here
+     * raises too, so that a failure anywhere stops the whole job; and each
+     * rank's job rank, for messages. root NULL, job_rank the identity: the
+     * job's own communicator. */
+    struct tdm_shm_impl *root;
+    int job_rank[TDM_SHM_MAX_RANKS];
+    /* 1: this communicator is a part of a larger job (one machine's ranks
+     * in MPI's hier, tdm_shm_comm_set_rank_names): its messages name
+     * ranks by job_rank alone, as every other line of the job does */
+    int named_by_job;
 } tdm_shm_impl;
+
+/* The rank messages say for rank r of c: the job's on a part of a job
+ * (named_by_job), else its own. */
+static inline int tdm_shm_name(const tdm_shm_impl *c, int r)
+{
+    return c->named_by_job && r >= 0 && r < c->world ? c->job_rank[r] : r;
+}
+
+/* How messages name rank r of c with its pid: "rank 3 (pid 4121)", or on a
+ * split communicator "rank 1 (job rank 3, pid 4121)". Returns buf. */
+static inline const char *tdm_shm_who(const tdm_shm_impl *c, int r, int pid, char *buf, size_t n)
+{
+    if (c->root && r >= 0 && r < c->world)
+        snprintf(buf, n, "rank %d (job rank %d, pid %d)", r, c->job_rank[r], pid);
+    else
+        snprintf(buf, n, "rank %d (pid %d)", tdm_shm_name(c, r), pid);
+    return buf;
+}
 
 static inline tdm_shm_ctrl *tdm_shm_geom_ctrl(const tdm_shm_geom *g, uint8_t *base, int r)
 {
@@ -225,7 +259,7 @@ void tdm_shm_geom_from(const tdm_shm_header *h, tdm_shm_geom *out);
 
 /* wait.c */
 /* Publish v on f (owner only): release store, wake sleepers if any.
- * Pairs with the acquire/seq_cst loads in tdm_shm_flag_wait (core/wait.h):
+ * Pairs with the acquire/seq_cst loads in tdm_shm_flag_wait (core/wait_impl.h):
  * every write to the slots before this store is visible to a waiter that
  * sees v. */
 static inline void tdm_shm_flag_publish(tdm_shm_flag *f, uint64_t v)
@@ -242,10 +276,11 @@ tdm_status tdm_shm_flag_wait(tdm_shm_impl *c, tdm_shm_flag *f, uint64_t target, 
 void tdm_shm_raise(tdm_shm_header *h, const tdm_shm_geom *g, uint8_t *base, int slot,
                    _Atomic int *raising, int culprit, tdm_status st, const char *fmt, ...)
     __attribute__((format(printf, 8, 9)));
-/* A rank's raise: its own slot. */
-#define tdm_shm_raise_rank(c, culprit, st, ...)                                \
-    tdm_shm_raise((c)->hdr, &(c)->geom, (c)->base, (c)->rank, &(c)->raising, (culprit), (st), \
-                  __VA_ARGS__)
+/* A rank's raise: its own slot; on a split communicator also the job's
+ * (shm/split.c), blaming the culprit's job rank. */
+void tdm_shm_raise_comm(tdm_shm_impl *c, int culprit, tdm_status st, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+#define tdm_shm_raise_rank(c, culprit, st, ...) tdm_shm_raise_comm((c), (culprit), (st), __VA_ARGS__)
 
 /* The group abort as published, decoded. */
 typedef struct tdm_shm_abort_info {
@@ -257,7 +292,8 @@ typedef struct tdm_shm_abort_info {
 /* 1 and *out filled when the abort has been raised, else 0. */
 int tdm_shm_abort_get(const tdm_shm_header *h, const tdm_shm_geom *g, const uint8_t *base,
                       tdm_shm_abort_info *out);
-/* TDM_STATUS_OK, or the group's abort status with this call's message. */
+/* TDM_STATUS_OK, or the group's abort status with this call's message
+ * (on a split communicator, the job's abort too). */
 tdm_status tdm_shm_check_abort(tdm_shm_impl *c);
 /* This rank's heartbeat: a thread that advances ctrl.beat every
  * TDM_SHM_BEAT_NS whatever the rank's own threads do, so that a stopped
@@ -265,6 +301,11 @@ tdm_status tdm_shm_check_abort(tdm_shm_impl *c);
 #define TDM_SHM_BEAT_NS (100ull * 1000 * 1000)
 tdm_status tdm_shm_heartbeat_start(tdm_shm_impl *c);
 void tdm_shm_heartbeat_stop(tdm_shm_impl *c);
+
+/* split.c */
+/* The backend's tdm_comm_ops.split: a new segment per group, made by the
+ * group's first rank and joined by the others through the parent. */
+tdm_status tdm_shm_split(void *impl, const tdm_comm_split_info *info, tdm_comm **out);
 
 /* coll.c */
 tdm_status tdm_shm_run(void *impl, const tdm_comm_call *call);

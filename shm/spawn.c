@@ -204,6 +204,79 @@ tdm_status tdm_shm_watch_blame(const tdm_shm_watch *w, tdm_shm_cause *cause)
 
 /* --- fork N ranks ----------------------------------------------------------- */
 
+/* After a failure, a rank still running that has used this much CPU time
+ * since it was last seen inside a collective (and was outside one at each
+ * of this many polls at least) is computing - an evaluation, a long
+ * forward - and will not see the group abort before its next collective,
+ * which may be seconds away: it is stopped now (SIGTERM), as a rank inside
+ * a collective stops by itself at once. CPU time, not wall time: on a
+ * loaded machine a training rank may wait for a core for longer than
+ * this between two collectives, and a rank asleep (a debugger, a test's
+ * usleep) is not computing; neither is stopped early. */
+#define TDM_SHM_BUSY_STOP_MS 300
+#define TDM_SHM_BUSY_POLLS 8
+
+/* A rank's in_call counter (shm/coll.c): > 0 while inside a collective. */
+static int tdm_shm_spawn_in_call(const tdm_shm_group *g, int r)
+{
+    const tdm_shm_ctrl *k = tdm_shm_geom_ctrl(&g->geom, g->base, r);
+    return atomic_load_explicit(&k->in_call, memory_order_relaxed) > 0;
+}
+
+/* CPU time pid has used (user + system, all its threads), in ms; -1
+ * when /proc cannot tell. */
+static int64_t tdm_shm_spawn_cpu_ms(pid_t pid)
+{
+    char path[64], buf[1024];
+    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return -1;
+    ssize_t n;
+    do n = read(fd, buf, sizeof buf - 1); while (n < 0 && errno == EINTR);
+    close(fd);
+    if (n <= 0) return -1;
+    buf[n] = '\0';
+    /* fields 14 and 15 (utime, stime) after the command name's ')' */
+    const char *p = strrchr(buf, ')');
+    unsigned long long ut, st;
+    if (!p || sscanf(p + 1, " %*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %llu %llu", &ut,
+                     &st) != 2)
+        return -1;
+    long hz = sysconf(_SC_CLK_TCK);
+    return hz > 0 ? (int64_t)((ut + st) * 1000ull / (unsigned long long)hz) : -1;
+}
+
+/* The busy-rank rule above, at one poll of the teardown. */
+typedef struct tdm_shm_busy {
+    int64_t cpu0[TDM_SHM_MAX_RANKS];     /* its CPU ms when first seen outside; -1: not */
+    int polls[TDM_SHM_MAX_RANKS];
+    int stopped[TDM_SHM_MAX_RANKS];
+} tdm_shm_busy;
+
+static void tdm_shm_spawn_stop_busy(tdm_shm_watch *w, tdm_shm_busy *b)
+{
+    for (int r = 0; r < w->world; r++) {
+        if (w->pid[r] <= 0 || w->ended[r] || b->stopped[r]) continue;
+        if (tdm_shm_spawn_in_call(w->group, r)) {
+            b->cpu0[r] = -1;
+            continue;
+        }
+        int64_t cpu = tdm_shm_spawn_cpu_ms(w->pid[r]);
+        if (cpu < 0) continue;
+        if (b->cpu0[r] < 0) {
+            b->cpu0[r] = cpu;
+            b->polls[r] = 0;
+        }
+        if (++b->polls[r] < TDM_SHM_BUSY_POLLS || cpu - b->cpu0[r] < TDM_SHM_BUSY_STOP_MS)
+            continue;
+        TDM_INFO(SHM, "rank %d (pid %d) has computed for %d ms of CPU outside any collective "
+                 "since a failure: stopping it", r, (int)w->pid[r], TDM_SHM_BUSY_STOP_MS);
+        tdm_shm_watch_stopping(w, TDM_STATUS_OK, NULL);   /* a rank failed */
+        kill(w->pid[r], SIGTERM);
+        b->stopped[r] = 1;
+    }
+}
+
 tdm_status tdm_shm_spawn(int world, tdm_shm_spawn_fn fn, void *arg,
                          const tdm_shm_spawn_opts *opts, tdm_shm_spawn_result *res)
 {
@@ -238,6 +311,9 @@ tdm_status tdm_shm_spawn(int world, tdm_shm_spawn_fn fn, void *arg,
     }
     uint64_t deadline = t0 + (uint64_t)timeout_ms * 1000000ull, grace_end = UINT64_MAX;
     int signalled = 0, settled = 0;
+    tdm_shm_busy busy;
+    memset(&busy, 0, sizeof busy);
+    for (int r = 0; r < TDM_SHM_MAX_RANKS; r++) busy.cpu0[r] = -1;
     double nap_ms = 0.5;   /* grows to 10 ms while nothing happens */
     while (running > 0) {
         int reaped = 0;
@@ -270,6 +346,7 @@ tdm_status tdm_shm_spawn(int world, tdm_shm_spawn_fn fn, void *arg,
             o.on_settled(&w, o.settled_ctx);
         }
         uint64_t now = tdm_time_ns();
+        if (grace_end != UINT64_MAX && signalled == 0) tdm_shm_spawn_stop_busy(&w, &busy);
         if (signalled == 2 && now >= deadline + 5000ull * 1000000ull) break; /* unkillable */
         if ((now >= deadline || now >= grace_end) && signalled < 2) {
             if (!signalled) {

@@ -15,6 +15,10 @@
 #include "core/comm.h"
 #include "shm/shm_comm.h"
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 /* Runs in each child; its return value is the child's exit code
  * (0: success). The communicator is freed after it returns. */
 typedef int (*tdm_shm_spawn_fn)(tdm_comm *comm, void *arg);
@@ -120,5 +124,9 @@ tdm_status tdm_shm_watch_blame(const tdm_shm_watch *w, tdm_shm_cause *cause);
 /* "was killed by signal 9 (Killed)", "exited with code 3": how a rank
  * ended, as every failure summary words it. */
 void tdm_shm_wait_status_str(int wstatus, char *out, size_t n);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

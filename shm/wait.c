@@ -7,7 +7,7 @@
  * Not the collectives (shm/coll.c) and not the segment (shm/segment.c);
  * the spin, yield and futex sleep themselves, and their memory-ordering
  * pairing (publisher: store value, load waiters; sleeper: fetch_add
- * waiters, load value, futex_wait; all seq_cst), are core/wait.h's, with
+ * waiters, load value, futex_wait; all seq_cst), are core/wait_impl.h's, with
  * a shared futex: sleepers are other processes. */
 #include "shm/shm_impl.h"
 #include "shm/spawn.h"
@@ -25,7 +25,7 @@
 
 #include "core/log.h"
 #include "core/timer.h"
-#include "core/wait.h"
+#include "core/wait_impl.h"
 
 #define TDM_SHM_SLEEP_NS (100ull * 1000 * 1000)   /* liveness check period */
 #define TDM_SHM_YIELDS 16
@@ -98,11 +98,20 @@ void tdm_shm_raise(tdm_shm_header *h, const tdm_shm_geom *g, uint8_t *base, int 
 tdm_status tdm_shm_check_abort(tdm_shm_impl *c)
 {
     tdm_shm_abort_info a;
-    if (!tdm_shm_abort_get(c->hdr, &c->geom, c->base, &a)) return TDM_STATUS_OK;
+    if (tdm_shm_abort_get(c->hdr, &c->geom, c->base, &a)) {
+        c->failed = a.status;
+        /* bounded: the slot is shared memory, its terminator not guaranteed */
+        return tdm_error_set(a.status, "%s #%llu: %.*s; stopping", c->cur_name,
+                             (unsigned long long)c->cur_seq, TDM_SHM_REASON_BYTES - 1, a.reason);
+    }
+    /* a split communicator stops with the job: its ranks are numbered
+     * there by job rank */
+    const tdm_shm_impl *r = c->root;
+    if (!r || !tdm_shm_abort_get(r->hdr, &r->geom, r->base, &a)) return TDM_STATUS_OK;
     c->failed = a.status;
-    /* bounded: the slot is shared memory, its terminator not guaranteed */
-    return tdm_error_set(a.status, "%s #%llu: %.*s; stopping", c->cur_name,
-                         (unsigned long long)c->cur_seq, TDM_SHM_REASON_BYTES - 1, a.reason);
+    return tdm_error_set(a.status, "%s #%llu: the job was aborted (ranks by job rank): %.*s; "
+                         "stopping", c->cur_name, (unsigned long long)c->cur_seq,
+                         TDM_SHM_REASON_BYTES - 1, a.reason);
 }
 
 const char *tdm_shm_comm_abort_reason(const tdm_comm *comm)
@@ -335,12 +344,12 @@ static tdm_status tdm_shm_check_peers(tdm_shm_impl *c, int peer, tdm_shm_flag *f
             if (!c->unsure_since_ns[r]) c->unsure_since_ns[r] = now;
             if (now - c->unsure_since_ns[r] < TDM_SHM_STATUS_GRACE_NS) continue;
         }
-        tdm_shm_raise_rank(c, r, TDM_STATUS_PEER_FAILED, "rank %d (pid %d) %s", c->names[r],
-                           (int)pid, why);
+        char who[64];
+        tdm_shm_who(c, r, (int)pid, who, sizeof who);
+        tdm_shm_raise_rank(c, r, TDM_STATUS_PEER_FAILED, "%s %s", who, why);
         tdm_status st = tdm_shm_check_abort(c);
-        return st ? st : tdm_error_set(TDM_STATUS_PEER_FAILED, "%s #%llu: rank %d (pid %d) %s; "
-                                       "stopping", c->cur_name, (unsigned long long)c->cur_seq,
-                                       c->names[r], (int)pid, why);
+        return st ? st : tdm_error_set(TDM_STATUS_PEER_FAILED, "%s #%llu: %s %s; stopping",
+                                       c->cur_name, (unsigned long long)c->cur_seq, who, why);
     }
     return TDM_STATUS_OK;
 }
@@ -391,15 +400,19 @@ tdm_status tdm_shm_flag_wait(tdm_shm_impl *c, tdm_shm_flag *f, uint64_t target, 
         if (now >= deadline) {
             if (tdm_wait_reached(f, target)) return TDM_STATUS_OK;
             tdm_shm_ctrl *k = tdm_shm_ctrl_of(c, peer);
+            char me[64], who[64];
+            if (c->root) snprintf(me, sizeof me, "rank %d (job rank %d)", c->rank,
+                                  c->job_rank[c->rank]);
+            else snprintf(me, sizeof me, "rank %d", tdm_shm_name(c, c->rank));
+            tdm_shm_who(c, peer, (int)atomic_load(&k->pid), who, sizeof who);
             tdm_shm_raise_rank(c, peer, TDM_STATUS_TIMEOUT,
-                          "rank %d timed out after %lld ms in %s #%llu waiting for rank %d "
-                          "(pid %d), %s", c->names[c->rank], (long long)c->timeout_ms,
-                          c->cur_name, (unsigned long long)c->cur_seq, c->names[peer],
-                          (int)atomic_load(&k->pid), tdm_shm_alive_str(c, peer, now));
+                          "%s timed out after %lld ms in %s #%llu waiting for %s, %s", me,
+                          (long long)c->timeout_ms, c->cur_name, (unsigned long long)c->cur_seq,
+                          who, tdm_shm_alive_str(c, peer, now));
             tdm_status st = tdm_shm_check_abort(c);
             return st ? st : tdm_error_set(TDM_STATUS_TIMEOUT, "%s #%llu: timed out waiting "
-                                           "for rank %d", c->cur_name,
-                                           (unsigned long long)c->cur_seq, c->names[peer]);
+                                           "for %s", c->cur_name,
+                                           (unsigned long long)c->cur_seq, who);
         }
         uint64_t left = deadline - now;
         if (tdm_wait_sleep(f, target, left < TDM_SHM_SLEEP_NS ? left : TDM_SHM_SLEEP_NS,

@@ -2,7 +2,8 @@
  * whose rank 2 is SIGKILLed at step 40 (epoch 2 of 3) and restarted once
  * from its epoch-1 checkpoint ends with the same checkpoint, bit for bit,
  * as an uninterrupted run: forked by tandem train and launched by tandem
- * launch; and likewise a gpt forked by tandem train. The budget is kept (K restarts, then exit 1), and a signal to
+ * launch; and likewise a gpt forked by tandem train. The budget is kept (K restarts, then exit 1,
+ * saying the restarts are used up and what failed each time), and a signal to
  * the launcher is never restarted. */
 #include <criterion/criterion.h>
 #include <signal.h>
@@ -238,4 +239,34 @@ Test(elastic, train_under_a_launcher_says_who_restarts, .timeout = 120)
     CLI(&r, "launch", "-n", "2", "--", cli_bin(), "train", EL_TRAIN, "--device", "cpu",
         "--epochs", "1", "--max-restarts", "2");
     expect(&r, 0, "--max-restarts restarts the ranks tandem train forks itself");
+}
+
+/* Restarts that run out end with one line saying so and what failed each
+ * time (before: exit 1 after the last restart's summary, with nothing
+ * saying that the budget was spent). A launched rank that fails every
+ * attempt, and a forked DDP job that diverges every attempt. */
+Test(elastic, restarts_used_up_are_said_with_each_failure, .timeout = 180)
+{
+    char dir[64];
+    el_dir(dir);
+    static cli_result r;
+    CLI(&r, "launch", "-n", "2", "--max-restarts", "2", "--", "sh", "-c",
+        "[ $RANK = 1 ] && exit 3; sleep 5");
+    expect(&r, 1, "tandem launch: the 2 restarts are used up, every attempt failed: attempt 1: "
+                  "rank 1 (pid ");
+    expect(&r, 1, "; attempt 2: rank 1 (pid ");
+    expect(&r, 1, "; attempt 3: rank 1 (pid ");
+    cr_assert(!strstr(r.out, "attempt 4"), "%s", r.out);
+    CLI(&r, "train", "--mode", "ddp", "--device", "cpu:2", "--data", "synthetic",
+        "--synthetic-size", "512", "--batch", "64", "--model", "mlp:784-16-10", "--epochs", "2",
+        "--lr", "1000", "--quiet", "--no-eval", "--max-restarts", "1");
+    expect(&r, 1, "tandem train: restart 1 of 1");
+    expect(&r, 1, "tandem train: the 1 restart is used up, every attempt failed: attempt 1: ");
+    expect(&r, 1, "loss is NaN at step");
+    expect(&r, 1, "; attempt 2: ");
+    /* a job that did not ask for restarts says nothing of them */
+    CLI(&r, "launch", "-n", "2", "--", "false");
+    expect(&r, 1, NULL);
+    cr_assert(!strstr(r.out, "used up"), "%s", r.out);
+    el_rm(dir);
 }

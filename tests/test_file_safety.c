@@ -1,8 +1,8 @@
 /* tests/test_file_safety.c: the file rules end to end, through the CLI:
  * compare --plot refuses directories others can write or own, feeds
  * gnuplot its script through a descriptor and reports a gnuplot that
- * failed or wrote nothing; --trace and --csv replace a symlink instead of
- * writing through it; launch --log-dir refuses unsafe directories and
+ * failed or wrote nothing; --trace and --csv write through a symlink of
+ * ours to a regular file (keeping the link) and refuse one to a FIFO; launch --log-dir refuses unsafe directories and
  * symlinked logs; train checks --save before training and refuses FIFOs as
  * --save, --resume and data files at once; TANDEM_DEBUG_FILE does not
  * follow a symlink; install.sh does not write through a symlink in the
@@ -121,26 +121,37 @@ Test(fsafe, compare_gnuplot_reads_a_pipe_and_its_failure_is_reported)
     cr_assert(!strstr(r.out, "plots: "), "%s", r.out);
 }
 
-/* --trace and --csv at a symlink: the link is replaced, the file it points
- * to is not written (before: fopen("w") followed it). */
-Test(fsafe, compare_trace_and_csv_replace_a_symlink)
+/* --trace and --csv at a symlink of ours: judged by what it points to.
+ * To a regular file: that file is written, the link kept (before: fopen
+ * ("w") followed it; then the link was replaced); to a FIFO or a device:
+ * refused before the run, without blocking, the link kept. */
+Test(fsafe, compare_trace_and_csv_write_through_our_links_to_files_only)
 {
     static cli_result r;
-    su_write(tpath("victim"), "precious\n");
-    cr_assert_eq(symlink(tpath("victim"), tpath("trace.json")), 0);
-    cr_assert_eq(symlink(tpath("victim"), tpath("run.csv")), 0);
+    su_write(tpath("trace-file"), "old\n");
+    su_write(tpath("csv-file"), "old\n");
+    cr_assert_eq(symlink(tpath("trace-file"), tpath("trace.json")), 0);
+    cr_assert_eq(symlink("csv-file", tpath("run.csv")), 0);
     CLI(&r, COMPARE_ARGS, "--trace", tpath("trace.json"), "--csv", tpath("run.csv"));
     expect(&r, 0, "Throughput");
-    assert_file_is(tpath("victim"), "precious\n");
     struct stat sb;
-    cr_assert_eq(lstat(tpath("trace.json"), &sb), 0);
-    cr_assert(S_ISREG(sb.st_mode) && sb.st_size > 100);
-    cr_assert_eq(lstat(tpath("run.csv"), &sb), 0);
-    cr_assert(S_ISREG(sb.st_mode) && sb.st_size > 100);
-    /* a FIFO is refused before the run, without blocking */
+    const char *links[] = {"trace.json", "run.csv"}, *files[] = {"trace-file", "csv-file"};
+    for (int i = 0; i < 2; i++) {
+        cr_assert_eq(lstat(tpath(links[i]), &sb), 0);
+        cr_assert(S_ISLNK(sb.st_mode), "%s was replaced", links[i]);
+        cr_assert_eq(lstat(tpath(files[i]), &sb), 0);
+        cr_assert(S_ISREG(sb.st_mode) && sb.st_size > 100, "%s holds %lld bytes", files[i],
+                  (long long)sb.st_size);
+    }
+    /* a FIFO, directly or through a link, is refused before the run */
     cr_assert_eq(mkfifo(tpath("fifo"), 0600), 0);
+    cr_assert_eq(symlink(tpath("fifo"), tpath("fifo-link")), 0);
     CLI(&r, COMPARE_ARGS, "--csv", tpath("fifo"));
     expect(&r, 2, "a FIFO, not a regular file");
+    CLI(&r, COMPARE_ARGS, "--trace", tpath("fifo-link"));
+    expect(&r, 2, "is a symbolic link to a FIFO");
+    cr_assert_eq(lstat(tpath("fifo-link"), &sb), 0);
+    cr_assert(S_ISLNK(sb.st_mode));
 }
 
 /* ---- launch ------------------------------------------------------------- */

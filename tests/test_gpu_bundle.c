@@ -1,4 +1,4 @@
-/* tests/test_gpu_bundle.c: the GPU bundle (`make gpu-bundle`, docs/CUDA.md
+/* tests/test_gpu_bundle.c: the GPU bundle (`make gpu-bundle`, docs/CUDA_TESTING.md,
  * "Validating on a bare GPU machine"), proved without a GPU:
  *  - gpu_bundle: BUILD/gpu-bundle (make test builds it) run as on a bare
  *    GPU machine: in a private mount namespace (unshare -m, as root) the

@@ -5,6 +5,7 @@
  * leaves no process behind, and the last checkpoint resumes.
  * Runs build/tandem (found next to this binary) under `timeout`. */
 #include <criterion/criterion.h>
+#include <dirent.h>
 
 #include <libgen.h>
 #include <stdarg.h>
@@ -154,6 +155,58 @@ Test(launch, killed_rank_and_term_ignoring_ranks)
     cr_assert(strstr(err, "rank 2 (pid "), "%s", err);
     cr_assert(strstr(err, "killed by signal 9"), "%s", err);
     cr_assert(!leftovers(tag));
+}
+
+/* Waits up to 2 s for the processes whose command line is exactly
+ * "sleep <arg>" (this test's, by their unique argument) to be gone; kills
+ * those left, by pid, and returns how many there were. */
+static int reap_leftovers(const char *arg)
+{
+    int left = 0;
+    for (int i = 0; i < 40; i++) {
+        left = 0;
+        DIR *d = opendir("/proc");
+        struct dirent *e;
+        while (d && (e = readdir(d))) {
+            char path[300], buf[256];
+            snprintf(path, sizeof path, "/proc/%s/cmdline", e->d_name);
+            FILE *f = fopen(path, "r");
+            if (!f) continue;
+            size_t n = fread(buf, 1, sizeof buf - 1, f);
+            fclose(f);
+            buf[n] = 0;
+            if (n > 6 && !strcmp(buf, "sleep") && !strcmp(buf + 6, arg)) {
+                left++;
+                if (i == 39) kill(atoi(e->d_name), SIGKILL);
+            }
+        }
+        if (d) closedir(d);
+        if (!left) break;
+        usleep(50000);
+    }
+    return left;
+}
+
+/* A rank's own children go with it: each rank has its own process group,
+ * signalled whole. Before, ranks shared the launcher's group and only
+ * their pids were signalled: rank 1 exited 5 and both `sleep`s (rank 1's
+ * orphan, and rank 0's behind its `wait`) were left running. */
+Test(launch, ranks_children_are_stopped_with_them)
+{
+    double el;
+    char arg[32];
+    snprintf(arg, sizeof arg, "300.7%d", (int)getpid());
+    int rc = run(60, &el, "%s launch -n 2 --grace-ms 1000 -- sh -c \"sleep %s & [ \\$RANK = 1 ] "
+                 "&& exit 5; wait\"", g_tandem, arg);
+    cr_assert_eq(rc, 1, "rc %d: %s", rc, slurp("err"));
+    cr_assert(strstr(slurp("err"), "exited with code 5"), "%s", slurp("err"));
+    /* the kills are sent before the launcher exits; the kernel finishes
+     * them a moment later */
+    cr_assert_eq(reap_leftovers(arg), 0, "the ranks' children were left running");
+    /* and after a job that succeeds, what a rank left behind goes too */
+    rc = run(60, &el, "%s launch -n 2 -- sh -c \"sleep %s & exit 0\"", g_tandem, arg);
+    cr_assert_eq(rc, 0, "rc %d: %s", rc, slurp("err"));
+    cr_assert_eq(reap_leftovers(arg), 0, "a successful job's leftovers were left running");
 }
 
 Test(launch, sigterm_is_forwarded)

@@ -272,6 +272,71 @@ static void diverge(const char *mode, const char *device)
     free(after);
 }
 
+/* --mode fsdp in each sharding (before: the same checks held only for
+ * single, dp and ddp; these passed too, and are here so that every mode
+ * stays covered) */
+static void diverge_fsdp(const char *sharding)
+{
+    static cli_result r;
+    char ckpt[128];
+    snprintf(ckpt, sizeof ckpt, "%s/fsdp-%s.safetensors", g_dir, sharding);
+    CLI(&r, TRAIN_ARGS, "--mode", "fsdp", "--sharding", sharding, "--device", "cpu:2",
+        "--epochs", "1", "--save", ckpt);
+    expect(&r, 0, "saved");
+    size_t n0 = 0, n1 = 0;
+    char *good = su_slurp(ckpt, &n0);
+    CLI(&r, TRAIN_ARGS, "--mode", "fsdp", "--sharding", sharding, "--device", "cpu:2",
+        "--epochs", "4", "--lr", "1000", "--resume", ckpt, "--save", ckpt);
+    expect(&r, 1, "loss is NaN at step ");
+    cr_assert(!strstr(r.out, "epoch 2/4:"), "epoch 2 was reported as done:\n%s", r.out);
+    char *after = su_slurp(ckpt, &n1);
+    cr_assert(n0 == n1 && !memcmp(good, after, n0), "fsdp %s: the good checkpoint was replaced",
+              sharding);
+    free(good);
+    free(after);
+}
+
+/* --model gpt: a good epoch saved, then lr 1000 until the loss is not
+ * finite. Before the fix every mode printed "train loss -nan" each epoch
+ * and exited 0. */
+static void diverge_gpt(const char *mode, const char *device, const char *sharding)
+{
+    static cli_result r;
+    char ckpt[128], text[128];
+    snprintf(text, sizeof text, "%s/words.txt", g_dir);
+    cli_write_words(text);
+    snprintf(ckpt, sizeof ckpt, "%s/gpt-%s-%s.safetensors", g_dir, mode, sharding);
+    const char *shard_flag = strcmp(mode, "fsdp") ? "--seed" : "--sharding";
+    const char *shard_val = strcmp(mode, "fsdp") ? "1" : sharding;
+#define GPT_ARGS "train", "--model", "gpt:1-16-2-16", "--data", text, "--batch", "8", \
+                 "--max-steps", "5", "--mode", mode, "--device", device, shard_flag, shard_val
+    CLI(&r, GPT_ARGS, "--epochs", "1", "--save", ckpt);
+    expect(&r, 0, "saved");
+    CLI(&r, GPT_ARGS, "--epochs", "8", "--lr", "1000", "--resume", ckpt, "--save", ckpt);
+    expect(&r, 1, "training diverged");
+    cr_assert(strstr(r.out, "loss is NaN at step ") || strstr(r.out, "loss is +inf at step ") ||
+              strstr(r.out, "loss is -inf at step "), "%s", r.out);
+    if (!strcmp(mode, "single") || !strcmp(mode, "dp"))
+        cr_assert(strstr(r.out, "(epoch "), "%s", r.out);
+    cr_assert(!strstr(r.out, "nan,") && !strstr(r.out, "8/8:"),
+              "a NaN loss was printed as an epoch's result:\n%s", r.out);
+    /* what --save holds is a good checkpoint (epochs before the loss went
+     * bad may have been saved: their values were finite) */
+    CLI(&r, GPT_ARGS, "--epochs", "1", "--resume", ckpt);
+#undef GPT_ARGS
+    expect(&r, 0, "nothing to do");
+}
+
+Test(nonfinite, lr_1000_stops_fsdp_full) { diverge_fsdp("full"); }
+Test(nonfinite, lr_1000_stops_fsdp_grad_op) { diverge_fsdp("grad_op"); }
+Test(nonfinite, lr_1000_stops_fsdp_optimizer) { diverge_fsdp("optimizer"); }
+Test(nonfinite, lr_1000_stops_gpt_single) { diverge_gpt("single", "cpu", ""); }
+Test(nonfinite, lr_1000_stops_gpt_dp) { diverge_gpt("dp", "cpu:2", ""); }
+Test(nonfinite, lr_1000_stops_gpt_ddp) { diverge_gpt("ddp", "cpu:2", ""); }
+Test(nonfinite, lr_1000_stops_gpt_fsdp_full) { diverge_gpt("fsdp", "cpu:2", "full"); }
+Test(nonfinite, lr_1000_stops_gpt_fsdp_grad_op) { diverge_gpt("fsdp", "cpu:2", "grad_op"); }
+Test(nonfinite, lr_1000_stops_gpt_fsdp_optimizer) { diverge_gpt("fsdp", "cpu:2", "optimizer"); }
+
 Test(nonfinite, lr_1000_stops_single) { diverge("single", "cpu"); }
 Test(nonfinite, lr_1000_stops_dp) { diverge("dp", "cpu:2"); }
 Test(nonfinite, lr_1000_stops_ddp_on_every_rank)

@@ -127,8 +127,9 @@ Test(sf, planted_symlink_or_file_at_the_old_temporary_name)
 }
 
 /* The same from the other user's side: a symlink planted at the final name
- * is replaced, never written through. */
-Test(sf, planted_symlink_at_the_target_is_replaced_not_followed)
+ * is neither written through nor replaced: the save is refused, saying
+ * whose link it is (before: the link was replaced by the checkpoint). */
+Test(sf, planted_symlink_at_the_target_is_refused_not_followed)
 {
     SU_NEED_ROOT();
     char shared[128], victim[160];
@@ -140,14 +141,18 @@ Test(sf, planted_symlink_at_the_target_is_replaced_not_followed)
     snprintf(p.at, sizeof p.at, "%s/ckpt.safetensors", shared);
     snprintf(p.target, sizeof p.target, "%s", victim);
     cr_assert_eq(su_as_nobody(do_plant, &p), 0);
-    TU_OK(save_floats(p.at, 10, 3.0f));
+    struct stat planted, sb;
+    cr_assert_eq(lstat(p.at, &planted), 0);
+    cr_assert_eq(save_floats(p.at, 10, 3.0f), TDM_STATUS_IO);
+    cr_assert(strstr(tdm_error_message(), "symbolic link that belongs to uid"), "%s",
+              tdm_error_message());
+    cr_assert_eq(tdm_file_replace_check(AT_FDCWD, p.at), TDM_STATUS_IO);
     char *v = su_slurp(victim, NULL);
     cr_assert_str_eq(v, "precious\n");
     free(v);
-    struct stat sb;
     cr_assert_eq(lstat(p.at, &sb), 0);
-    cr_assert(S_ISREG(sb.st_mode) && sb.st_uid == 0);
-    assert_holds(p.at, 10, 3.0f);
+    cr_assert(S_ISLNK(sb.st_mode) && sb.st_ino == planted.st_ino, "their link was replaced");
+    cr_assert_eq(su_entries(shared, NULL, 0), 1, "a temporary file was left in %s", shared);
 }
 
 /* A non-root user cannot replace another user's file in a sticky
@@ -274,16 +279,33 @@ Test(sf, long_names_and_odd_targets)
     cr_assert_eq(tdm_file_replace_check(AT_FDCWD, tpath("no/such/dir/x")), TDM_STATUS_IO);
     cr_assert(strstr(tdm_error_message(), "No such file"), "%s", tdm_error_message());
     cr_assert_eq(su_entries(g_dir, NULL, 0), 1, "a check left something behind");
-    /* a link of ours is replaced too: the file it pointed to is untouched */
-    su_write(tpath("target"), "keep\n");
-    cr_assert_eq(symlink(tpath("target"), tpath("link")), 0);
-    TU_OK(save_floats(tpath("link"), 4, 5.0f));
-    char *t = su_slurp(tpath("target"), NULL);
-    cr_assert_str_eq(t, "keep\n");
-    free(t);
+    /* a link of ours to a regular file is judged by that file: the file
+     * is replaced (atomically, in its own directory), the link kept, also
+     * through a chain of links, relative or absolute */
+    su_write(tpath("target"), "old\n");
+    cr_assert_eq(symlink("target", tpath("link")), 0);
+    cr_assert_eq(symlink(tpath("link"), tpath("link2")), 0);
+    TU_OK(save_floats(tpath("link2"), 4, 5.0f));
+    assert_holds(tpath("target"), 4, 5.0f);
     struct stat sb;
     cr_assert_eq(lstat(tpath("link"), &sb), 0);
-    cr_assert(S_ISREG(sb.st_mode));
+    cr_assert(S_ISLNK(sb.st_mode), "the link was replaced");
+    cr_assert_eq(lstat(tpath("link2"), &sb), 0);
+    cr_assert(S_ISLNK(sb.st_mode), "the link to the link was replaced");
+    /* a link of ours to anything else is refused, the link kept */
+    cr_assert_eq(mkfifo(tpath("fifo"), 0600), 0);
+    const char *odd[][2] = {{"/dev/null", "a character device"}, {"fifo", "a FIFO"},
+                            {".", "a directory"}, {"missing", "does not exist"}};
+    for (int i = 0; i < 4; i++) {
+        unlink(tpath("odd"));
+        cr_assert_eq(symlink(odd[i][0], tpath("odd")), 0);
+        cr_assert_eq(save_floats(tpath("odd"), 4, 1.0f), TDM_STATUS_IO, "%s", odd[i][0]);
+        cr_assert(strstr(tdm_error_message(), odd[i][1]), "%s: %s", odd[i][0],
+                  tdm_error_message());
+        cr_assert_eq(lstat(tpath("odd"), &sb), 0);
+        cr_assert(S_ISLNK(sb.st_mode), "%s: the link was replaced", odd[i][0]);
+    }
+    cr_assert_eq(lstat(tpath("missing"), &sb), -1, "written through a dangling link");
 }
 
 /* The file mode never lets others write, whatever the umask. */

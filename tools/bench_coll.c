@@ -128,6 +128,18 @@ bad:
                                 flag, s);
 }
 
+/* A size flag whose 0 would silently mean "the default": refused with the
+ * rule instead. */
+static tdm_status bench_parse_size_min(const char *flag, const char *s, size_t lo, size_t hi,
+                                       size_t *out)
+{
+    TDM_CHECK(bench_parse_size(flag, s, out));
+    if (*out < lo || *out > hi)
+        return tdm_tool_usage_error("tandem bench: %s %s: expected a size from %zu to %zu bytes "
+                                    "(leave it out for the default)\n", flag, s, lo, hi);
+    return TDM_STATUS_OK;
+}
+
 tdm_status tdm_tool_bench_check_ranks(const bench_cfg *cfg, int say)
 {
     if (cfg->root >= cfg->nranks) {
@@ -741,16 +753,23 @@ static tdm_status bench_parse(int argc, char **argv, bench_cfg *cfg)
             continue;
         }
         TDM_CHECK(tdm_args_value(argc, argv, &i, "--memcpy-bytes", &v));
-        if (v) { TDM_CHECK(bench_parse_size("--memcpy-bytes", v, &cfg->memcpy_bytes)); continue; }
+        if (v) {
+            TDM_CHECK(bench_parse_size_min("--memcpy-bytes", v, 1, (size_t)1 << 40,
+                                           &cfg->memcpy_bytes));
+            continue;
+        }
         TDM_CHECK(tdm_args_value(argc, argv, &i, "--slot-bytes", &v));
         if (v) {
-            TDM_CHECK(bench_parse_size("--slot-bytes", v, &cfg->slot_bytes));
+            /* shm's bounds (shm/segment.c): a slot holds at least a page */
+            TDM_CHECK(bench_parse_size_min("--slot-bytes", v, 4096, (size_t)1 << 30,
+                                           &cfg->slot_bytes));
             cfg->shm_flag = "--slot-bytes";
             continue;
         }
         TDM_CHECK(tdm_args_value(argc, argv, &i, "--one-shot-bytes", &v));
         if (v) {
-            TDM_CHECK(bench_parse_size("--one-shot-bytes", v, &cfg->one_shot_bytes));
+            TDM_CHECK(bench_parse_size_min("--one-shot-bytes", v, 1, (size_t)1 << 30,
+                                           &cfg->one_shot_bytes));
             cfg->shm_flag = "--one-shot-bytes";
             continue;
         }

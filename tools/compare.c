@@ -66,7 +66,8 @@ static void tdm_cmp_usage(FILE *f)
         "  --device SPEC        devices for DP and DDP: cpu:N (N >= 1), or GPUs\n"
         "                       cuda (all) / cuda:I,J,.. (single runs on the first) [cpu:2]\n"
         "  --steps S            training steps per mode                      [30]\n"
-        "  --warmup W           steps left out of the timing figures         [3]\n"
+        "  --warmup W           steps left out of the timing figures, below --steps\n"
+        "                       [3, or half of --steps when that is fewer]\n"
         "  --batch B            global batch size (B >= N)   [256; gpt: %d windows]\n"
         "  --data DIR|synthetic Fashion-MNIST directory or synthetic data  [Fashion-MNIST]\n"
         "  --data FILE|DIR      gpt: any file, or a fortunes directory  [Debian's fortunes]\n"
@@ -452,7 +453,14 @@ static tdm_status tdm_cmp_check(tdm_cmp_job *j)
     if (o->perturb_rank >= o->n_dev)
         return tdm_tool_usage_error("tandem compare: --perturb-rank %d: only ranks 0..%d "
                                     "exist\n", o->perturb_rank, o->n_dev - 1);
-    if (o->warmup >= o->steps) o->warmup = o->steps > 1 ? o->steps / 2 : 0;
+    /* a --warmup given that leaves no step to time is refused; the
+     * default (3) shrinks to half the steps, as --help says */
+    if (o->warmup >= o->steps)
+        return tdm_tool_usage_error("tandem compare: --warmup %d leaves none of the %d steps to "
+                                    "time: give --warmup below --steps (or raise --steps)\n",
+                                    o->warmup, o->steps);
+    if (o->warmup < 0)
+        o->warmup = TDM_CMP_DEFAULT_WARMUP < o->steps ? TDM_CMP_DEFAULT_WARMUP : o->steps / 2;
     return tdm_cmp_check_sweep(j);
 }
 
@@ -895,7 +903,7 @@ int tdm_tool_compare_main(int argc, char **argv)
     tdm_cmp_job job = {.default_device = default_device, .err_fd = -1};
     tdm_cmp_job *j = &job;
     j->o = (tdm_cmp_opts){.model = "mlp", .device = default_device, .data = NULL,
-                          .optim = "sgd", .steps = 30, .warmup = 3, .batch = 0, .lr = -1,
+                          .optim = "sgd", .steps = 30, .warmup = -1, .batch = 0, .lr = -1,
                           .momentum = 0.9, .weight_decay = 0.0, .seed = 1, .bucket_cap_mb = 25,
                           .perturb_rank = -1, .powersgd_rank = 1,
                           .powersgd_start_step = 10,

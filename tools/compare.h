@@ -22,6 +22,10 @@
 #define TDM_CMP_MAX_BUCKETS 256
 /* compare's default global batch for a gpt: windows of its context */
 #define TDM_CMP_GPT_BATCH 32
+/* Steps left out of the timing figures unless --warmup says: the first
+ * steps touch fresh memory and warm the caches; half of --steps when that
+ * is fewer. */
+#define TDM_CMP_DEFAULT_WARMUP 3
 
 typedef enum tdm_cmp_mode {
     TDM_CMP_SINGLE = 0,

@@ -14,8 +14,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 
+#include "core/safefile.h"
 #include "shm/spawn.h"
 #include "tools/doctor_impl.h"
 #include "tools/tools.h"
@@ -119,9 +121,13 @@ static void tdm_doc_classify(const char *msg, int W, tdm_doc_blame *b)
     b->what[0] = 0;
     if (!msg) return;
     for (const char *p = strstr(msg, "rank "); p; p = strstr(p + 1, "rank ")) {
-        int r, pid, len = 0;
-        if (sscanf(p, "rank %d (pid %d)%n", &r, &pid, &len) != 2 || !len || r < 0 || r >= W)
+        int r, pid, len = 0, part;
+        /* "rank R (pid P)", or on a communicator split from the job's
+         * "rank r (job rank R, pid P)": R is the job's */
+        if (sscanf(p, "rank %d (job rank %d, pid %d)%n", &part, &r, &pid, &len) != 3 &&
+            (len = 0, sscanf(p, "rank %d (pid %d)%n", &r, &pid, &len) != 2))
             continue;
+        if (!len || r < 0 || r >= W) continue;
         const char *w = p + len;
         while (*w == ' ') w++;
         if (!strncmp(w, "is stopped", 10) || !strncmp(w, "is frozen", 9))
@@ -717,6 +723,15 @@ int tdm_tool_doctor_main(int argc, char **argv)
     }
     if (!dir) {
         tdm_doctor_usage(stderr);
+        return 2;
+    }
+    struct stat sb, lb;
+    if (stat(dir, &sb) == 0 && !S_ISDIR(sb.st_mode)) {
+        /* a FIFO, a device or a file: not "no dump in it" */
+        fprintf(stderr, "tandem doctor: %s: is %s%s, not a directory: give the directory the "
+                        "dumps are in\n", dir,
+                lstat(dir, &lb) == 0 && S_ISLNK(lb.st_mode) ? "a symbolic link to " : "",
+                tdm_file_kind(sb.st_mode));
         return 2;
     }
     return (int)tdm_doctor_diagnose(dir, stdout, NULL, 0);

@@ -72,10 +72,29 @@ tdm_status tdm_doctor_job_begin(tdm_doctor_job *j, const char *tool, const char 
 void tdm_doctor_job_settled(const tdm_shm_watch *w, void *job);
 /* After the job: on failure writes the summary (pid, wstatus may be NULL;
  * induced may be NULL), prints "<tool>: doctor: <verdict>" and where the
- * dumps are, and returns the verdict; on success removes a directory of
- * ours and returns TDM_DOCTOR_OK. */
+ * dumps are, and returns the verdict; a directory of ours that no rank
+ * dumped into is removed instead (the verdict then comes from the
+ * summary alone), and one that is kept prunes the older ones
+ * (tdm_doctor_dirs_prune). On success removes a directory of ours and
+ * returns TDM_DOCTOR_OK. */
 tdm_doctor_verdict tdm_doctor_job_end(tdm_doctor_job *j, int failed, int world, const int *pid,
                                       const int *wstatus, const int *induced, const char *cause);
+
+/* The $TMPDIR/tandem-fr-* directories of failed jobs (tools/doctor_dirs.c).
+ * At most this many are kept, the newest (a new failure prunes the rest)... */
+#define TDM_DOCTOR_KEEP_DIRS 5
+/* ...and none younger than this (seconds), which whoever ran the job may
+ * still be reading. */
+#define TDM_DOCTOR_KEEP_YOUNG_S 60
+/* The ranks' dumps (fr_rank_<R>.json) in dir. */
+int tdm_doctor_dir_dumps(const char *dir);
+/* Removes dir and the files tandem wrote in it (dumps, the summary); a
+ * directory holding anything else stays. 0 when it is gone. */
+int tdm_doctor_dir_remove(const char *dir);
+/* Removes the tandem-fr-* directories of this user in tmpdir beyond the
+ * newest TDM_DOCTOR_KEEP_DIRS, older than TDM_DOCTOR_KEEP_YOUNG_S, that
+ * hold only what tandem writes there. Returns how many went. */
+int tdm_doctor_dirs_prune(const char *tmpdir);
 
 int tdm_tool_doctor_main(int argc, char **argv);
 

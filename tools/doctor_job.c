@@ -169,8 +169,22 @@ tdm_doctor_verdict tdm_doctor_job_end(tdm_doctor_job *j, int failed, int world, 
         fprintf(stderr, "%s: doctor: %s\n", j->tool, line);
     else if (strcmp(line, j->early))
         fprintf(stderr, "%s: doctor (after the teardown): %s\n", j->tool, line);
+    if (j->created && tdm_doctor_dir_dumps(j->dir) == 0) {
+        /* no rank dumped (none got as far, or the recorder is off): a
+         * directory of ours with nothing to diagnose is not left behind */
+        tdm_doctor_dir_remove(j->dir);
+        return v;
+    }
     fprintf(stderr, "%s: flight-recorder dumps in %s (tandem doctor %s for the diagnosis)\n",
             j->tool, j->dir, j->dir);
+    if (j->created) {
+        /* one directory per failed job: only the newest few stay */
+        char parent[sizeof j->dir];
+        snprintf(parent, sizeof parent, "%s", j->dir);
+        char *slash = strrchr(parent, '/');
+        if (slash && slash != parent) *slash = '\0';
+        if (slash) tdm_doctor_dirs_prune(slash == parent ? "/" : parent);
+    }
     return v;
 }
 

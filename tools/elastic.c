@@ -140,10 +140,15 @@ tdm_status tdm_elastic_train_forked(const char *mode, int world, tdm_ddp_spawn_f
 {
     const char *user_resume = *resume;
     tdm_elastic_run_begin(max_restarts > 0);
+    tdm_elastic_log failures = {0};
     for (int attempt = 0;; attempt++) {
         tdm_elastic_set_attempt(attempt);
         tdm_doctor_job frj;   /* the ranks' flight-recorder dumps */
-        TDM_CHECK(tdm_doctor_job_begin(&frj, "tandem train", NULL));
+        tdm_status bst = tdm_doctor_job_begin(&frj, "tandem train", NULL);
+        if (bst) {
+            tdm_elastic_log_free(&failures);
+            return bst;
+        }
         tdm_ddp_spawn_opts o = *so;
         o.on_settled = tdm_doctor_job_settled;
         o.settled_ctx = &frj;
@@ -152,6 +157,7 @@ tdm_status tdm_elastic_train_forked(const char *mode, int world, tdm_ddp_spawn_f
         tdm_status st = tdm_ddp_spawn(world, fn, arg, &o, &res);
         if (st == TDM_STATUS_OK) {
             tdm_doctor_job_end(&frj, 0, world, NULL, NULL, NULL, NULL);
+            tdm_elastic_log_free(&failures);
             return st;
         }
         char why[1024];
@@ -161,7 +167,14 @@ tdm_status tdm_elastic_train_forked(const char *mode, int world, tdm_ddp_spawn_f
         tdm_error_set(st, "%s", why);   /* the doctor's reads replaced the message */
         /* a failure of a rank is restarted, not a signal to this process
          * (Ctrl-C reaches the ranks too: they die of it, and so do we) */
-        if (attempt >= max_restarts || st != TDM_STATUS_PEER_FAILED) return st;
+        if (st == TDM_STATUS_PEER_FAILED) tdm_elastic_log_add(&failures, why);
+        if (attempt >= max_restarts || st != TDM_STATUS_PEER_FAILED) {
+            if (st == TDM_STATUS_PEER_FAILED) tdm_elastic_log_used_up(&failures, "tandem train",
+                                                                      max_restarts);
+            tdm_elastic_log_free(&failures);
+            tdm_error_set(st, "%s", why);
+            return st;
+        }
         char from[1024];
         *resume = tdm_elastic_restart_from(save, user_resume, from, sizeof from);
         int ms = tdm_elastic_backoff(attempt + 1);
@@ -239,13 +252,18 @@ int tdm_tool_launch_main(int argc, char **argv)
     unsetenv(TDM_ELASTIC_ENV_RESUME);
     tdm_elastic_run_begin(max_restarts > 0);
     int rc;
+    tdm_elastic_log failures = {0};
     for (int attempt = 0;; attempt++) {
         tdm_elastic_set_attempt(attempt);
         tdm_elastic_cause[0] = 0;
         rc = tdm_launch_run_once(n, rest);
         /* only a rank's failure is restarted: not success, bad usage, or
          * a signal the launcher received (Ctrl-C, SIGTERM) */
-        if (rc != 1 || attempt >= max_restarts || !tdm_elastic_cause[0]) break;
+        int rank_failed = rc == 1 && tdm_elastic_cause[0];
+        if (rank_failed) tdm_elastic_log_add(&failures, tdm_elastic_cause);
+        if (rank_failed && attempt >= max_restarts)
+            tdm_elastic_log_used_up(&failures, "tandem launch", max_restarts);
+        if (!rank_failed || attempt >= max_restarts) break;
         char from[1024], why[512];
         if (ckpt && tdm_elastic_ours(ckpt, why, sizeof why)) {
             setenv(TDM_ELASTIC_ENV_RESUME, ckpt, 1);
@@ -262,6 +280,7 @@ int tdm_tool_launch_main(int argc, char **argv)
         fprintf(stderr, "tandem launch: restart %d of %lld after %d ms: %s; every rank starts "
                         "again %s\n", attempt + 1, max_restarts, ms, tdm_elastic_cause, from);
     }
+    tdm_elastic_log_free(&failures);
     free(rest);
     return rc;
 }

@@ -77,6 +77,22 @@ int64_t tdm_elastic_test_fault(int rank, int *sig);
  * tools/fault_latency.sh measures from), then raises sig. */
 void tdm_elastic_test_fault_fire(int rank, int sig, int64_t step);
 
+/* What each attempt of a restarted job died of (tools/elastic_log.c),
+ * for the line that ends it when the restarts run out. */
+typedef struct tdm_elastic_log {
+    char **cause;    /* owned */
+    int n, cap;
+} tdm_elastic_log;
+/* The first and the last this many attempts are listed; the rest counted. */
+#define TDM_ELASTIC_LOG_SHOWN 3
+/* Records the cause of the attempt that just failed (a copy). */
+void tdm_elastic_log_add(tdm_elastic_log *l, const char *cause);
+/* "<tool>: the K restarts are used up, every attempt failed: attempt 1:
+ * ...; attempt 2: ..." on stderr, one line (nothing when max_restarts is 0:
+ * no restart was asked for). */
+void tdm_elastic_log_used_up(const tdm_elastic_log *l, const char *tool, long long max_restarts);
+void tdm_elastic_log_free(tdm_elastic_log *l);
+
 /* `tandem launch` without restarts (tools/launch.c). */
 int tdm_launch_run_once(int argc, char **argv);
 

@@ -1,8 +1,9 @@
 #!/bin/sh
 # tools/install.sh BUILD PREFIX [DESTDIR]: installs what `make` built in
 # BUILD under DESTDIR/PREFIX: bin/tandem, lib/libtandem.a, with the CUDA
-# backend lib/libtandem_cuda.a, with MPI lib/libtandem_mpi.a, the headers under include/tandem/<dir>/,
-# and lib/pkgconfig/tandem.pc, so that a program builds with
+# backend lib/libtandem_cuda.a, with MPI lib/libtandem_mpi.a, the public
+# headers (no *_impl.h) under include/tandem/<dir>/, and
+# lib/pkgconfig/tandem.pc, so that a program builds with
 #   cc prog.c $(pkg-config --cflags --libs tandem)
 # (PKG_CONFIG_PATH=PREFIX/lib/pkgconfig where PREFIX is not a system one).
 # The backend registers itself from a constructor in cuda/device_cuda.c
@@ -79,9 +80,13 @@ else
   rm -f "$root/lib/libtandem_mpi.a"
   mpi_libs=""
 fi
+# The public headers only: a folder's *.h less its *_impl.h (internal; no
+# public header includes one: tools/check-layers.sh), each with extern "C"
+# guards for C++ programs.
 for d in $dirs; do
-  set -- "$src/$d"/*.h
-  [ -e "$1" ] || { echo "install.sh: no headers in $src/$d" >&2; exit 1; }
+  set --
+  for h in "$src/$d"/*.h; do case $h in *_impl.h) ;; *) [ -e "$h" ] && set -- "$@" "$h";; esac; done
+  [ $# -gt 0 ] || { echo "install.sh: no public headers in $src/$d" >&2; exit 1; }
   check_existing "$root/include/tandem/$d"
   install -d "$root/include/tandem/$d"
   check_dir "$root/include/tandem/$d"

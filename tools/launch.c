@@ -4,7 +4,9 @@
  * (TANDEM_SHM_FD; each rank calls tdm_ddp_pg_init_from_env), sets RANK,
  * LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, execs N copies of PROGRAM,
  * prefixes every output line with "[rank N] " (or writes DIR/rank_N.log),
- * forwards SIGINT/SIGTERM/SIGHUP, and when a rank fails tells the group
+ * starts each rank in its own process group and signals the group, so
+ * that what a rank starts stops with it (nothing is left once the job
+ * ends), forwards SIGINT/SIGTERM/SIGHUP, and when a rank fails tells the group
  * (the other ranks' collectives fail at once), stops the rest (SIGTERM,
  * then SIGKILL after a grace period) and exits 1 with a summary naming
  * the root cause by the rule every parent of ranks shares
@@ -46,7 +48,10 @@ static void tdm_launch_usage(FILE *f)
         "\n"
         "Runs N copies of PROGRAM as the ranks of one DDP job on this machine.\n"
         "Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE and\n"
-        "TANDEM_SHM_FD (join with tdm_ddp_pg_init_from_env).\n"
+        "TANDEM_SHM_FD (join with tdm_ddp_pg_init_from_env). Each rank runs in its\n"
+        "own process group, which the launcher signals whole: what a rank starts\n"
+        "stops with the job (a rank is not in the terminal's foreground group, so\n"
+        "one that reads the terminal is stopped).\n"
         "\n"
         "  -n, --nproc N        number of ranks (1..%d)\n"
         "  --log-dir DIR        write each rank's output to DIR/rank_N.log (DIR must\n"
@@ -67,8 +72,10 @@ static void tdm_launch_usage(FILE *f)
         "                       restart line and exported as TANDEM_RESUME\n"
         "\n"
         "On a failure the ranks' flight recorders are dumped (in $TANDEM_FR_DUMP, else\n"
-        "--log-dir, else a new $TMPDIR/tandem-fr-* directory) and the summary ends with\n"
-        "the one-line verdict of tandem doctor.\n"
+        "--log-dir, else a new $TMPDIR/tandem-fr-* directory, removed if no rank\n"
+        "dumped, and only the newest 5 of which are kept) and the summary ends with\n"
+        "the one-line verdict of tandem doctor. When the restarts run out, one line\n"
+        "says so and what failed each time.\n"
         "\n"
         "Exit codes: 0 every rank succeeded, 1 a rank failed (summary on\n"
         "stderr), 2 bad usage, 128+S stopped by signal S.\n", TDM_SHM_MAX_RANKS);
@@ -179,6 +186,7 @@ typedef struct tdm_launch_job {
     tdm_shm_watch watch;         /* names the root cause: the rule of shm/spawn.h */
     tdm_doctor_job frj;          /* the ranks' flight-recorder dumps (tools/doctor.h) */
     pid_t pid[TDM_SHM_MAX_RANKS];   /* > 0 running, < 0 ended (-pid), 0 never started */
+    pid_t pgid[TDM_SHM_MAX_RANKS];  /* each rank's own process group (its first pid) */
     int wst[TDM_SHM_MAX_RANKS];
     int logfd[TDM_SHM_MAX_RANKS];
     tdm_launch_out *outs;
@@ -251,6 +259,9 @@ static int tdm_launch_start_rank(tdm_launch_job *j, int r, pid_t self)
         sigaction(SIGHUP, &dfl, NULL);
         prctl(PR_SET_PDEATHSIG, SIGKILL);   /* never outlive the launcher */
         if (getppid() != self) _exit(125);
+        /* its own process group, which the launcher signals whole: what
+         * the rank starts goes with it (torchrun does the same) */
+        setpgid(0, 0);
         tdm_ddp_env_export(r, j->W);
         if (log_dir) {
             dup2(j->logfd[r], STDOUT_FILENO);
@@ -275,7 +286,9 @@ static int tdm_launch_start_rank(tdm_launch_job *j, int r, pid_t self)
         if (!log_dir) { close(fds[0][0]); close(fds[1][0]); }
         return 0;
     }
+    setpgid(p, p);   /* as the child does: whichever runs first (EACCES once it has exec'd) */
     j->pid[r] = p;
+    j->pgid[r] = p;
     j->running++;
     tdm_shm_watch_started(&j->watch, r, p);
     if (!log_dir) {
@@ -283,6 +296,24 @@ static int tdm_launch_start_rank(tdm_launch_job *j, int r, pid_t self)
         j->outs[j->n_outs++] = (tdm_launch_out){.fd = fds[1][0], .rank = r, .dest = STDERR_FILENO};
     }
     return 1;
+}
+
+/* Sends sig to each rank's process group: the running ranks' (running =
+ * 1), or every rank's, ended ones too, whose children may outlive them.
+ * An ended rank's group is signalled only while no process has its pid:
+ * the group id is that pid, and once the group is empty the pid (reaped by
+ * us) may belong to someone else's new group. */
+static void tdm_launch_signal(tdm_launch_job *j, int sig, int running)
+{
+    for (int r = 0; r < j->W; r++) {
+        if (j->pgid[r] <= 0 || (running && j->pid[r] <= 0)) continue;
+        if (j->pid[r] > 0) {
+            kill(-j->pgid[r], sig);
+            kill(j->pid[r], sig);   /* in case it left its group */
+        } else if (kill(j->pgid[r], 0) != 0 && errno == ESRCH) {
+            kill(-j->pgid[r], sig);
+        }
+    }
 }
 
 /* Catches SIGINT, SIGTERM, SIGHUP (to forward them) and starts the ranks
@@ -312,7 +343,7 @@ static void tdm_launch_supervise(tdm_launch_job *j)
     uint64_t kill_at = stopping ? tdm_time_ns() + (uint64_t)grace_ms * 1000000ull : UINT64_MAX;
     if (stopping) {
         tdm_shm_watch_stopping(&j->watch, TDM_STATUS_SYSTEM, "not every rank could be started");
-        for (int r = 0; r < W; r++) if (j->pid[r] > 0) kill(j->pid[r], SIGTERM);
+        tdm_launch_signal(j, SIGTERM, 1);
     }
     uint64_t drain_until = UINT64_MAX, term_at = UINT64_MAX;
     for (;;) {
@@ -336,7 +367,7 @@ static void tdm_launch_supervise(tdm_launch_job *j)
             char why[64];
             snprintf(why, sizeof why, "received %s", strsignal(j->fwd_sig));
             tdm_shm_watch_stopping(&j->watch, TDM_STATUS_ABORTED, why);
-            for (int r = 0; r < W; r++) if (j->pid[r] > 0) kill(j->pid[r], j->fwd_sig);
+            tdm_launch_signal(j, j->fwd_sig, 0);
             if (!stopping) {
                 stopping = 1;
                 kill_at = tdm_time_ns() + (uint64_t)grace_ms * 1000000ull;
@@ -373,14 +404,17 @@ static void tdm_launch_supervise(tdm_launch_job *j)
         }
         if (stopping && j->running > 0 && tdm_time_ns() >= term_at) {
             tdm_shm_watch_stopping(&j->watch, TDM_STATUS_OK, NULL);   /* a rank failed */
-            for (int q = 0; q < W; q++) if (j->pid[q] > 0) kill(j->pid[q], SIGTERM);
+            tdm_launch_signal(j, SIGTERM, 0);   /* and a failed rank's children */
             term_at = UINT64_MAX;
         }
-        if (j->running == 0 && drain_until == UINT64_MAX)
+        if (j->running == 0 && drain_until == UINT64_MAX) {
+            /* every rank has ended: what they left running goes too */
+            tdm_launch_signal(j, SIGKILL, 0);
             drain_until = tdm_time_ns() + 500ull * 1000000ull;  /* grandchildren may hold pipes */
+        }
         if (stopping && j->running > 0 && tdm_time_ns() >= kill_at && signalled < 1) {
             tdm_shm_watch_stopping(&j->watch, TDM_STATUS_OK, NULL);
-            for (int r = 0; r < W; r++) if (j->pid[r] > 0) kill(j->pid[r], SIGKILL);
+            tdm_launch_signal(j, SIGKILL, 0);
             signalled = 1;
         }
     }

@@ -29,6 +29,7 @@
 #include "core/comm.h"
 #include "core/device.h"
 #include "core/rng.h"
+#include "core/safefile.h"
 #include "core/timer.h"
 #include "shm/spawn.h"
 #include "tools/ddp_rank.h"
@@ -716,8 +717,13 @@ static void tdm_st_killed_rank(tdm_st *t)
 
 static int tdm_st_read_baseline(const char *path, const char *device, double *v)
 {
-    FILE *f = fopen(path, "r");
-    if (!f) return -1;
+    int fd;
+    if (tdm_file_open_read(path, &fd, NULL) != TDM_STATUS_OK) return -1;
+    FILE *f = fdopen(fd, "r");
+    if (!f) {
+        close(fd);
+        return -1;
+    }
     char key[128], dev[128];
     double x;
     int found = 0;
@@ -746,7 +752,7 @@ static void tdm_st_throughput(tdm_st *t)
         if (t->baseline) {
             int br = tdm_st_read_baseline(t->baseline, t->device, &base);
             if (br < 0)
-                tdm_st_fail(c, "--baseline %s: %s", t->baseline, strerror(errno));
+                tdm_st_fail(c, "--baseline %s", tdm_error_message());
             else if (br > 0)
                 tdm_st_fail(c, "--baseline %s: no 'ddp_samples_per_s %s' line (write one with "
                             "--save-baseline)", t->baseline, t->device);
@@ -778,9 +784,36 @@ static void tdm_st_xml(FILE *f, const char *s)
     }
 }
 
+/* A file written whole and replaced atomically (core/safefile.h): the
+ * stream to write it; tdm_st_out_close commits it. */
+static FILE *tdm_st_out_open(tdm_file_out *o, const char *path)
+{
+    if (tdm_file_replace_open(o, AT_FDCWD, path) != TDM_STATUS_OK) return NULL;
+    int fd = dup(o->fd);
+    FILE *f = fd >= 0 ? fdopen(fd, "w") : NULL;
+    if (!f) {
+        if (fd >= 0) close(fd);
+        tdm_error_set(TDM_STATUS_IO, "%s: %s", path, strerror(errno));
+        tdm_file_replace_abort(o);
+    }
+    return f;
+}
+
+/* 0 when f was written and is now in place. */
+static int tdm_st_out_close(tdm_file_out *o, FILE *f, int bad)
+{
+    if (fclose(f) != 0 || bad) {
+        tdm_error_set(TDM_STATUS_IO, "%s: write failed: %s", o->path, strerror(errno));
+        tdm_file_replace_abort(o);
+        return -1;
+    }
+    return tdm_file_replace_commit(o) == TDM_STATUS_OK ? 0 : -1;
+}
+
 static int tdm_st_junit(const tdm_st *t, const char *path)
 {
-    FILE *f = fopen(path, "w");
+    tdm_file_out o;
+    FILE *f = tdm_st_out_open(&o, path);
     if (!f) return -1;
     int failures = 0, skipped = 0;
     double total = 0;
@@ -817,8 +850,8 @@ static int tdm_st_junit(const tdm_st *t, const char *path)
         tdm_st_xml(f, c->figures);
         fprintf(f, "</system-out>\n    </testcase>\n");
     }
-    fprintf(f, "  </testsuite>\n</testsuites>\n");
-    return fclose(f) == 0 ? 0 : -1;
+    int bad = fprintf(f, "  </testsuite>\n</testsuites>\n") < 0;
+    return tdm_st_out_close(&o, f, bad);
 }
 
 static void tdm_st_usage(FILE *f)
@@ -852,6 +885,24 @@ static void tdm_st_usage(FILE *f)
         100.0 * TDM_ST_TOLERANCE);
 }
 
+/* The files named on the command line, checked before minutes of checks:
+ * --baseline must be a readable regular file, --junit and --save-baseline
+ * paths that can take one (core/safefile.h: never a FIFO, a device or a
+ * directory, nor a link to one). USAGE after saying which. */
+static tdm_status tdm_st_check_paths(const tdm_st *t, const char *junit)
+{
+    const char *const out[2][2] = {{"--junit", junit}, {"--save-baseline", t->save_baseline}};
+    for (int i = 0; i < 2; i++)
+        if (out[i][1] && tdm_file_replace_check(AT_FDCWD, out[i][1]) != TDM_STATUS_OK)
+            return tdm_tool_usage_error("tandem selftest: %s: %s\n", out[i][0],
+                                        tdm_error_message());
+    int fd;
+    if (t->baseline && tdm_file_open_read(t->baseline, &fd, NULL) != TDM_STATUS_OK)
+        return tdm_tool_usage_error("tandem selftest: --baseline: %s\n", tdm_error_message());
+    if (t->baseline) close(fd);
+    return TDM_STATUS_OK;
+}
+
 int tdm_tool_selftest_main(int argc, char **argv)
 {
     tdm_st *t = calloc(1, sizeof *t);
@@ -880,6 +931,7 @@ int tdm_tool_selftest_main(int argc, char **argv)
         fprintf(stderr, "tandem selftest: --baseline and --save-baseline exclude each other\n");
         goto out;
     }
+    if (tdm_st_check_paths(t, junit) != TDM_STATUS_OK) goto out;
     rc = 1;
     static char self[4096];
     ssize_t sl = readlink("/proc/self/exe", self, sizeof self - 1);
@@ -922,15 +974,15 @@ int tdm_tool_selftest_main(int argc, char **argv)
     printf("selftest: %d passed, %d failed%s\n", passed, failed,
            t->n - passed - failed ? " (the rest skipped)" : "");
     if (junit && tdm_st_junit(t, junit) != 0) {
-        fprintf(stderr, "tandem selftest: --junit %s: %s\n", junit, strerror(errno));
+        fprintf(stderr, "tandem selftest: --junit: %s\n", tdm_error_message());
         failed++;
     }
     if (t->save_baseline && t->samples_per_s > 0) {
-        FILE *f = fopen(t->save_baseline, "w");
-        if (!f || fprintf(f, "ddp_samples_per_s %s %.1f\n", t->device, t->samples_per_s) < 0 ||
-            fclose(f) != 0) {
-            fprintf(stderr, "tandem selftest: --save-baseline %s: %s\n", t->save_baseline,
-                    strerror(errno));
+        tdm_file_out o;
+        FILE *f = tdm_st_out_open(&o, t->save_baseline);
+        if (!f || tdm_st_out_close(&o, f, fprintf(f, "ddp_samples_per_s %s %.1f\n", t->device,
+                                                  t->samples_per_s) < 0) != 0) {
+            fprintf(stderr, "tandem selftest: --save-baseline: %s\n", tdm_error_message());
             failed++;
         }
     }

@@ -79,8 +79,13 @@ int main(int argc, char **argv)
         return tdm_tool_exit(argc < 2 ? TDM_STATUS_USAGE : TDM_STATUS_OK);
     }
     for (size_t i = 0; i < TDM_TOOL_NCMDS; i++)
-        if (tdm_tool_cmds[i].fn && !strcmp(argv[1], tdm_tool_cmds[i].name))
+        if (tdm_tool_cmds[i].fn && !strcmp(argv[1], tdm_tool_cmds[i].name)) {
+            char tool[32];
+            snprintf(tool, sizeof tool, "tandem %s", argv[1]);
+            tdm_status st = tdm_tool_check_env(tool);
+            if (st != TDM_STATUS_OK) return tdm_tool_exit(st);
             return tdm_tool_cmds[i].fn(argc - 1, argv + 1);
+        }
     fprintf(stderr, "tandem: unknown command '%s'\n", argv[1]);
     tdm_tool_usage_print(stderr);
     return tdm_tool_exit(TDM_STATUS_USAGE);

@@ -24,6 +24,12 @@ tdm_status tdm_tool_usage(tdm_status st);
 /* Prints the formatted line to stderr and returns TDM_STATUS_USAGE. */
 tdm_status tdm_tool_usage_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 
+/* The TANDEM_* variables that hold a number or a directory
+ * (tools/env_check.c), checked before any command runs: USAGE, after one
+ * line "<tool>: NAME='value' ..." saying the rule, for a value the library
+ * would otherwise replace by its default or ignore. */
+tdm_status tdm_tool_check_env(const char *tool);
+
 /* Each returns the process exit code (tdm_tool_exit and the verdicts above). */
 int tdm_tool_train_main(int argc, char **argv);   /* tools/train.c */
 int tdm_tool_sample_main(int argc, char **argv);  /* tools/sample.c */

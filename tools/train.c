@@ -67,9 +67,10 @@ static void tdm_train_usage(FILE *f)
         "                         validates)  [Debian's fortunes: %s,\n"
         "                         or $TANDEM_FORTUNES_DIR]\n"
         "  --synthetic-size N     training samples of the synthetic set      [12000]\n"
-        "  --max-steps N          stop each epoch after N steps (benchmarks)  [all]\n"
+        "  --max-steps N          stop each epoch after N >= 1 steps (benchmarks) [all]\n"
         "  --save PATH            write a checkpoint (safetensors) after each epoch,\n"
         "                         atomically; the path is checked before training\n"
+        "                         (a symlink of yours to a file: that file is written)\n"
         "  --resume PATH          continue from a checkpoint\n"
         "  --bucket-cap-mb MB     ddp: gradient bucket size cap              [25]\n"
         "  --backend B            ddp under mpirun/srun: shm (shared memory, one machine),\n"
@@ -118,8 +119,13 @@ static void tdm_train_usage(FILE *f)
         "A loss that turns NaN or infinite stops the run (exit 1) naming the step;\n"
         "a checkpoint with NaN or infinite values is never written nor resumed from.\n"
         "When a ddp or fsdp rank fails, the ranks' flight recorders are dumped (in\n"
-        "$TANDEM_FR_DUMP, else a new $TMPDIR/tandem-fr-* directory) and the summary\n"
-        "ends with tandem doctor's verdict (docs/DEBUGGING.md).\n"
+        "$TANDEM_FR_DUMP, else a new $TMPDIR/tandem-fr-* directory, removed if no rank\n"
+        "dumped; the newest 5 are kept) and the summary ends with tandem doctor's\n"
+        "verdict (docs/DEBUGGING.md).\n"
+        "Before the model is built, the run's memory (parameters, gradients, optimizer\n"
+        "state and activations of every replica, the ranks, shared memory) is checked\n"
+        "against what this process can still take (MemAvailable, the memory cgroup's\n"
+        "limit): a run that cannot fit is refused with the figures (docs/SECURITY.md).\n"
         "\n"
         "A gpt epoch draws as many bytes as the training text holds, in random\n"
         "windows; after each, the validation loss in nats and bits per byte is\n"
@@ -159,13 +165,14 @@ static tdm_status tdm_train_parse(int argc, char **argv, tdm_train_args *a, int 
         TDM_ARGS_INT("--seed", 0, INT64_MAX, a->seed)
         TDM_ARGS_STR("--data", a->data)
         TDM_ARGS_INT("--synthetic-size", 1, 1 << 26, a->synthetic_size)
-        TDM_ARGS_INT("--max-steps", 0, INT64_MAX, a->max_steps)
+        /* 0 would mean "every step" (the default): refused, not taken */
+        TDM_ARGS_INT("--max-steps", 1, INT64_MAX, a->max_steps)
         TDM_ARGS_STR("--save", a->save)
         TDM_ARGS_STR("--resume", a->resume)
         TDM_ARGS_STR("--lr-schedule", a->lr_schedule)
         TDM_ARGS_STR("--timeout", a->timeout)
         TDM_ARGS_STR("--sharding", a->sharding)
-        TDM_ARGS_INT("--bucket-cap-mb", 0, 1 << 20, a->bucket_cap_mb)
+        TDM_ARGS_INT("--bucket-cap-mb", 1, 1 << 20, a->bucket_cap_mb)
         TDM_ARGS_INT("--max-restarts", 0, 1000, a->max_restarts)
         TDM_ARGS_STR("--backend", a->backend)
         TDM_ARGS_INT("--grad-accum", 1, 1 << 16, a->grad_accum)
@@ -359,6 +366,10 @@ tdm_status tdm_train_load_data(const tdm_train_args *a, const tdm_model_spec *sp
     }
     if (st != TDM_STATUS_OK) {
         tdm_train_fail("loading data", st);
+    } else if ((st = tdm_train_check_memory(a, spec)) != TDM_STATUS_OK) {
+        /* said: the run would not fit */
+    }
+    if (st != TDM_STATUS_OK) {
         tdm_data_free(train);
         tdm_data_free(test);
     }

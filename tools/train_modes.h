@@ -65,6 +65,13 @@ tdm_status tdm_train_setup(const tdm_train_args *a, const tdm_model_spec *spec, 
  * left to free. */
 tdm_status tdm_train_load_data(const tdm_train_args *a, const tdm_model_spec *spec,
                                tdm_dataset *train, tdm_dataset *test);
+/* The run's memory plan (models/mem_plan.h: parameters, gradients,
+ * optimizer state and activations of every replica, each process's own,
+ * the shared-memory segment) against the memory this process can still
+ * take (MemAvailable and the cgroup's headroom; the data, loaded by then,
+ * is in what is in use). OUT_OF_MEMORY after saying the figures
+ * (tools/train_mem.c). */
+tdm_status tdm_train_check_memory(const tdm_train_args *a, const tdm_model_spec *spec);
 /* USAGE unless the data's features per sample fit the model. */
 tdm_status tdm_train_check_features(const tdm_dataset *train, const tdm_model *m);
 /* A rank's loss turned non-finite before its gradient collectives: stops

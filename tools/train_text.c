@@ -222,6 +222,18 @@ static tdm_status tdm_text_fail(int rank, const char *what, tdm_status st)
     return st;
 }
 
+/* This rank's share of the windows gave a loss that is not finite: as
+ * the image models' ranks (tools/train_ddp.c), it stops before the
+ * gradient collectives and aborts the group with the reason, so every
+ * rank stops at the same step, the others naming this one. */
+static tdm_status tdm_text_diverged(tdm_text_proc *p, double ls, int n)
+{
+    char where[96];
+    snprintf(where, sizeof where, "rank %d's %d window%s of the batch of %d", p->rank, n,
+             n == 1 ? "" : "s", p->batch);
+    return tdm_train_rank_diverged(p->comm, p->rank, tdm_optim_steps(p->opt) + 1, ls, where);
+}
+
 static tdm_status tdm_text_ddp_step(void *ctx, const void *x, const int32_t *y, int n,
                                     double *loss)
 {
@@ -232,6 +244,7 @@ static tdm_status tdm_text_ddp_step(void *ctx, const void *x, const int32_t *y, 
     TDM_TRY(tdm_ddp_zero_grad(p->ddp));
     /* 1/B, not 1/n: the SUM over ranks is the global batch's mean gradient */
     TDM_TRY(tdm_ddp_forward_scaled(p->ddp, x, y, n, 1.0f / (float)p->batch, &ls));
+    if (!isfinite(ls)) return tdm_text_diverged(p, ls, n);
     TDM_TRY(tdm_ddp_backward(p->ddp));
     TDM_TRY(tdm_ddp_step(p->ddp, p->opt));
     *loss = tdm_ddp_loss_sum(p->ddp) / p->batch;   /* carried by the gradient all-reduce */
@@ -282,9 +295,11 @@ static tdm_status tdm_text_fsdp_step(void *ctx, const void *x, const int32_t *y,
 {
     tdm_text_proc *p = ctx;
     tdm_status st = TDM_STATUS_OK;
+    double ls = 0.0;
     if (++p->steps == p->kill_step) tdm_elastic_test_fault_fire(p->rank, p->kill_sig, p->steps);
     TDM_TRY(tdm_fsdp_zero_grad(p->f));
-    TDM_TRY(tdm_fsdp_forward_scaled(p->f, x, y, n, 1.0f / (float)p->batch, NULL));
+    TDM_TRY(tdm_fsdp_forward_scaled(p->f, x, y, n, 1.0f / (float)p->batch, &ls));
+    if (!isfinite(ls)) return tdm_text_diverged(p, ls, n);
     TDM_TRY(tdm_fsdp_backward(p->f));
     TDM_TRY(tdm_fsdp_step(p->f, p->opt));
     *loss = tdm_fsdp_loss_sum(p->f) / p->batch;   /* reduced with the end-of-backward check */
@@ -645,6 +660,10 @@ static tdm_status tdm_text_load_job(tdm_text_job *j, tdm_text_corpus *corpus)
         tdm_train_fail("--model", st);
         tdm_text_free(corpus);
         return tdm_tool_usage(st);
+    }
+    if ((st = tdm_train_check_memory(a, &j->spec)) != TDM_STATUS_OK) {
+        tdm_text_free(corpus);
+        return st;
     }
     j->corpus = corpus;
     j->eval_count = tdm_text_eval_count(&corpus->val, j->spec.n_ctx, TDM_TEXT_EVAL_CAP);

@@ -1,4 +1,4 @@
-/* core/wait.h: one thread or process waiting for a counter that another
+/* core/wait_impl.h: one thread or process waiting for a counter that another
  * publishes: spin briefly, then sleep on a futex. dp/pool.c waits this way
  * between the threads of one process (a private futex), shm/wait.c between
  * processes that share a segment (a shared futex, the flag inside the
@@ -23,9 +23,10 @@
  * written before it; every waiter's load of the value is (at least)
  * acquire, so a waiter that sees the target sees that data.
  *
- * Linux-only (futex). Not a lock, not a queue: one owner per flag. */
-#ifndef TDM_CORE_WAIT_H
-#define TDM_CORE_WAIT_H
+ * Linux-only (futex). Not a lock, not a queue: one owner per flag. Internal
+ * (not installed): its flag is a C11 _Atomic layout inside shm's segment. */
+#ifndef TDM_CORE_WAIT_IMPL_H
+#define TDM_CORE_WAIT_IMPL_H
 
 #include <stdatomic.h>
 #include <stdint.h>

@@ -1,11 +1,11 @@
-/* cuda/cuda_libs.h: the CUDA libraries the backend loads at run time
+/* cuda/cuda_libs_impl.h: the CUDA libraries the backend loads at run time
  * (cuda/cuda_libs.c): cuBLAS and NCCL are opened with dlopen the first time
  * a GPU device, an NCCL communicator or `tandem info` needs them, never at
  * program start, so a process that only uses host devices does not map
  * them (the CUDA runtime is linked statically and loads the driver only
  * when CUDA is first called). Internal to cuda/; plain C types only. */
-#ifndef TDM_CUDA_CUDA_LIBS_H
-#define TDM_CUDA_CUDA_LIBS_H
+#ifndef TDM_CUDA_CUDA_LIBS_IMPL_H
+#define TDM_CUDA_CUDA_LIBS_IMPL_H
 
 #include "core/status.h"
 

@@ -1,10 +1,10 @@
-/* cuda/device_cuda.h: what the CUDA device backend's C files share:
+/* cuda/device_cuda_impl.h: what the CUDA device backend's C files share:
  * cuda/device_cuda.c (the GPU: memory, compute entries, open), cuda/emulator.c
  * (the same compute entries on host memory) and cuda/hooks.c (what
  * core/device.c calls). Not public (it names CUDA types); not for
  * cuda/kernels_cuda.cu, which sees only cuda/cuda_impl.h. */
-#ifndef TDM_CUDA_DEVICE_CUDA_H
-#define TDM_CUDA_DEVICE_CUDA_H
+#ifndef TDM_CUDA_DEVICE_CUDA_IMPL_H
+#define TDM_CUDA_DEVICE_CUDA_IMPL_H
 
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>

@@ -1,0 +1,356 @@
+/* models/stage.c: pipeline layers of a spec, stage models (the MLP's and
+ * CNN's crop of the whole model's tables; the GPT builds its own stage in
+ * models/gpt.c), where a stage sits in the whole model's tables, and
+ * activation sets. See models/stage.h. Not a pipeline: nothing here
+ * sends, schedules or knows of ranks. */
+#include "models/model_impl.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "models/gpt.h"
+
+/* ---- the whole model's tables, without storage ---- */
+
+static tdm_status tdm_stage_full_tables(const tdm_model_spec *spec, tdm_model **out)
+{
+    *out = NULL;
+    tdm_model *m = calloc(1, sizeof *m);
+    TDM_REQUIRE(m, TDM_STATUS_OUT_OF_MEMORY, "model: cannot allocate a table");
+    m->spec = *spec;
+    m->stage = (tdm_model_stage){.lo = 0, .hi = 1 << 20, .n = 1 << 20, .tied = -1,
+                                 .tied_source = -1};
+    if (spec->kind == TDM_MODEL_GPT) m->stage.hi = m->stage.n = spec->n_layer + 2;
+    tdm_status st = tdm_model_build_tables(m);
+    if (st != TDM_STATUS_OK) {
+        if (m->vt) m->vt->free_ext(m);
+        free(m);
+        return st;
+    }
+    *out = m;
+    return TDM_STATUS_OK;
+}
+
+static void tdm_stage_tables_free(tdm_model *m)
+{
+    if (!m) return;
+    if (m->vt) m->vt->free_ext(m);
+    free(m);
+}
+
+tdm_status tdm_model_spec_n_layers(const tdm_model_spec *s, int *n)
+{
+    TDM_REQUIRE(s && n, TDM_STATUS_INVALID_ARG, "model: NULL spec");
+    if (s->kind == TDM_MODEL_GPT) {
+        TDM_REQUIRE(s->n_layer >= 1 && s->n_layer <= TDM_GPT_MAX_LAYERS, TDM_STATUS_INVALID_ARG,
+                    "gpt: %d blocks (1..%d)", s->n_layer, TDM_GPT_MAX_LAYERS);
+        *n = s->n_layer + 2;
+        return TDM_STATUS_OK;
+    }
+    tdm_model *t = NULL;
+    TDM_CHECK(tdm_stage_full_tables(s, &t));
+    *n = t->n_layers;
+    tdm_stage_tables_free(t);
+    return TDM_STATUS_OK;
+}
+
+/* Elements from tensor i to tensor j (exclusive) of a table: their
+ * aligned sizes. */
+static int64_t tdm_stage_span(const tdm_model *t, int i, int j)
+{
+    int64_t a = i < t->n_params ? t->params_info[i].offset : t->param_elems;
+    int64_t b = j < t->n_params ? t->params_info[j].offset : t->param_elems;
+    return b - a;
+}
+
+tdm_status tdm_model_spec_layer_costs(const tdm_model_spec *s, tdm_model_layer_cost *out, int n)
+{
+    int want = 0;
+    TDM_CHECK(tdm_model_spec_n_layers(s, &want));
+    TDM_REQUIRE(out && n == want, TDM_STATUS_INVALID_ARG,
+                "model: %d layer costs asked for a model of %d layers", n, want);
+    tdm_model *t = NULL;
+    TDM_CHECK(tdm_stage_full_tables(s, &t));
+    if (s->kind == TDM_MODEL_GPT) {
+        double C = s->n_embd, T = s->n_ctx, V = s->vocab;
+        int L = s->n_layer, per = 12;
+        out[0] = (tdm_model_layer_cost){.param_elems = tdm_stage_span(t, 0, 2), .flops = 0.0};
+        for (int l = 0; l < L; l++)
+            out[1 + l] = (tdm_model_layer_cost){
+                .param_elems = tdm_stage_span(t, 2 + per * l, 2 + per * (l + 1)),
+                /* per position 12 C^2 + 2 T C multiply-adds (see gpt.c) */
+                .flops = 3.0 * 2.0 * T * (12.0 * C * C + 2.0 * T * C)};
+        out[L + 1] = (tdm_model_layer_cost){.param_elems = tdm_stage_span(t, 2 + per * L, t->n_params),
+                                            .flops = 3.0 * 2.0 * T * C * V};
+    } else {
+        for (int i = 0; i < t->n_layers; i++) {
+            const tdm_layer *l = &t->layers[i];
+            double macs = 0.0;
+            if (l->kind == TDM_LAYER_LINEAR) macs = (double)l->c * l->oc;
+            else if (l->kind == TDM_LAYER_CONV)
+                macs = (double)l->oc * l->c * l->k * l->k * l->oh * l->ow;
+            out[i] = (tdm_model_layer_cost){.param_elems = tdm_stage_span(t, l->p0, l->p0 + l->np),
+                                            .flops = 3.0 * 2.0 * macs};
+        }
+    }
+    tdm_stage_tables_free(t);
+    return TDM_STATUS_OK;
+}
+
+/* ---- stages ---- */
+
+tdm_status tdm_model_crop(tdm_model *m)
+{
+    int lo = m->stage.lo, hi = m->stage.hi;
+    TDM_REQUIRE(!m->vt && hi <= m->n_layers, TDM_STATUS_INTERNAL,
+                "model: crop of layers [%d, %d) of %d", lo, hi, m->n_layers);
+    int p0 = m->layers[lo].p0, p1 = hi < m->n_layers ? m->layers[hi].p0 : m->n_params;
+    int b0 = m->layers[lo].b0, b1 = hi < m->n_layers ? m->layers[hi].b0 : m->n_buffers;
+    int64_t e0 = p0 < m->n_params ? m->params_info[p0].offset : m->param_elems;
+    int64_t e1 = p1 < m->n_params ? m->params_info[p1].offset : m->param_elems;
+    int64_t f0 = b0 < m->n_buffers ? m->buffers_info[b0].offset : m->buffer_elems;
+    int64_t f1 = b1 < m->n_buffers ? m->buffers_info[b1].offset : m->buffer_elems;
+    memmove(m->layers, m->layers + lo, (size_t)(hi - lo) * sizeof m->layers[0]);
+    m->n_layers = hi - lo;
+    for (int i = 0; i < m->n_layers; i++) {
+        m->layers[i].p0 -= p0;
+        m->layers[i].b0 -= b0;
+        m->layers[i].block = i;
+    }
+    memmove(m->params_info, m->params_info + p0, (size_t)(p1 - p0) * sizeof m->params_info[0]);
+    for (int i = 0; i < p1 - p0; i++) {
+        m->params_info[i].offset -= e0;
+        m->params_info[i].layer -= lo;
+    }
+    memmove(m->buffers_info, m->buffers_info + b0, (size_t)(b1 - b0) * sizeof m->buffers_info[0]);
+    for (int i = 0; i < b1 - b0; i++) {
+        m->buffers_info[i].offset -= f0;
+        m->buffers_info[i].layer -= lo;
+    }
+    m->n_params = p1 - p0;
+    m->n_buffers = b1 - b0;
+    m->param_elems = e1 - e0;
+    m->buffer_elems = f1 - f0;
+    m->stage.p_base = p0;
+    m->stage.b_base = b0;
+    m->stage.n_slice = m->n_params;
+    return TDM_STATUS_OK;
+}
+
+static int tdm_stage_same(const tdm_tensor_info *a, const tdm_tensor_info *b)
+{
+    if (strcmp(a->name, b->name) || a->ndim != b->ndim || a->n_elem != b->n_elem) return 0;
+    for (int d = 0; d < a->ndim; d++)
+        if (a->shape[d] != b->shape[d]) return 0;
+    return 1;
+}
+
+tdm_status tdm_model_stage_place(tdm_model *m)
+{
+    tdm_status st = TDM_STATUS_OK;
+    tdm_model *t = NULL;
+    TDM_CHECK(tdm_stage_full_tables(&m->spec, &t));
+    tdm_model_stage *g = &m->stage;
+    int p1 = g->p_base + g->n_slice;
+    TDM_REQUIRE(p1 <= t->n_params, TDM_STATUS_INTERNAL, "model: stage tensors past the table");
+    g->elem_base = g->p_base < t->n_params ? t->params_info[g->p_base].offset : t->param_elems;
+    g->slice_elems = tdm_stage_span(t, g->p_base, p1);
+    g->buf_base = g->b_base < t->n_buffers ? t->buffers_info[g->b_base].offset : t->buffer_elems;
+    for (int i = 0; i < g->n_slice; i++) {
+        const tdm_tensor_info *a = &m->params_info[i], *b = &t->params_info[g->p_base + i];
+        if (!tdm_stage_same(a, b) || a->offset != b->offset - g->elem_base) {
+            st = tdm_error_set(TDM_STATUS_INTERNAL, "model: stage tensor %d '%s' at %lld is not "
+                               "the whole model's '%s' at %lld - %lld", i, a->name,
+                               (long long)a->offset, b->name, (long long)b->offset,
+                               (long long)g->elem_base);
+            goto fail;
+        }
+    }
+    for (int i = 0; i < m->n_buffers; i++) {
+        const tdm_tensor_info *a = &m->buffers_info[i], *b = &t->buffers_info[g->b_base + i];
+        if (!tdm_stage_same(a, b) || a->offset != b->offset - g->buf_base) {
+            st = tdm_error_set(TDM_STATUS_INTERNAL, "model: stage buffer %d '%s' is not the "
+                               "whole model's '%s'", i, a->name, b->name);
+            goto fail;
+        }
+    }
+    if (g->tied >= 0) {
+        const tdm_tensor_info *a = &m->params_info[g->tied], *b = &t->params_info[g->tied_source];
+        g->tied_offset = b->offset;
+        if (a->n_elem != b->n_elem || a->offset != g->slice_elems) {
+            st = tdm_error_set(TDM_STATUS_INTERNAL, "model: tied copy '%s' does not follow the "
+                               "slice or differs from '%s'", a->name, b->name);
+            goto fail;
+        }
+    }
+fail:
+    tdm_stage_tables_free(t);
+    return st;
+}
+
+int tdm_model_global_param(const tdm_model *m, int i)
+{
+    if (i == m->stage.tied) return m->stage.tied_source;
+    return m->stage.p_base + i;
+}
+
+tdm_status tdm_model_init_stage(tdm_model **out, tdm_device *dev, const tdm_model_spec *spec,
+                                uint64_t seed, int lo, int hi)
+{
+    TDM_REQUIRE(out, TDM_STATUS_INVALID_ARG, "model stage: out is NULL");
+    *out = NULL;
+    TDM_REQUIRE(lo >= 0 && hi > lo, TDM_STATUS_INVALID_ARG,
+                "model stage: layers [%d, %d) are not a non-empty range", lo, hi);
+    return tdm_model_init_range(out, dev, spec, seed, lo, hi);
+}
+
+int64_t tdm_model_stage_in_elems(const tdm_model *m)
+{
+    if (m->spec.kind == TDM_MODEL_GPT)
+        return (int64_t)m->spec.n_ctx * (m->stage.lo == 0 ? 1 : m->spec.n_embd);
+    return m->layers[0].in_elems;
+}
+
+int64_t tdm_model_stage_out_elems(const tdm_model *m)
+{
+    if (m->spec.kind == TDM_MODEL_GPT)
+        return (int64_t)m->spec.n_ctx *
+               (m->stage.hi == m->stage.n ? m->spec.vocab : m->spec.n_embd);
+    return m->layers[m->n_layers - 1].out_elems;
+}
+
+void tdm_model_get_stage(const tdm_model *m, tdm_model_stage_info *out)
+{
+    const tdm_model_stage *g = &m->stage;
+    *out = (tdm_model_stage_info){
+        .lo = g->lo, .hi = g->hi, .n_layers = g->n, .is_first = g->lo == 0,
+        .is_last = g->hi == g->n, .param_first = g->p_base, .n_slice_params = g->n_slice,
+        .slice_offset = g->elem_base, .slice_elems = g->slice_elems,
+        .buffer_offset = g->buf_base, .tied_param = g->tied, .tied_source = g->tied_source,
+        .tied_source_offset = g->tied_offset,
+        .in_elems = tdm_model_stage_in_elems(m), .out_elems = tdm_model_stage_out_elems(m)};
+}
+
+tdm_status tdm_model_stage_forward(tdm_model *m, const void *x, int batch, const float **y)
+{
+    return tdm_model_forward(m, x, batch, y);
+}
+
+tdm_status tdm_model_stage_backward(tdm_model *m, const float *dy, const float **dx)
+{
+    TDM_CHECK(tdm_model_backward(m, dy));
+    if (dx) *dx = m->input_grad;
+    return TDM_STATUS_OK;
+}
+
+const float *tdm_model_input_grad(const tdm_model *m) { return m->input_grad; }
+
+/* ---- activation sets ---- */
+
+/* A parked set: the model-level counts, and for the MLP and CNN each
+ * layer's pointers (the GPT parks its own, in gpt.c). */
+typedef struct tdm_stage_set {
+    int cap, batch;
+    size_t bytes;
+    float **out, **mean, **var, **invstd;   /* per layer */
+    int32_t **argmax;
+    const float **in;
+} tdm_stage_set;
+
+static void tdm_stage_set_release(tdm_stage_set *s)
+{
+    free(s->out);
+    memset(s, 0, sizeof *s);
+}
+
+/* Per-layer arrays of a parked set: one allocation. */
+static tdm_status tdm_stage_set_arrays(tdm_stage_set *s, int n)
+{
+    if (s->out) return TDM_STATUS_OK;
+    void **p = calloc((size_t)n * 6, sizeof *p);
+    TDM_REQUIRE(p, TDM_STATUS_OUT_OF_MEMORY, "model: activation set of %d layers", n);
+    s->out = (float **)p;
+    s->mean = (float **)(p + n);
+    s->var = (float **)(p + 2 * n);
+    s->invstd = (float **)(p + 3 * n);
+    s->argmax = (int32_t **)(p + 4 * n);
+    s->in = (const float **)(p + 5 * n);
+    return TDM_STATUS_OK;
+}
+
+tdm_status tdm_model_select_act_set(tdm_model *m, int k)
+{
+    TDM_REQUIRE(k >= 0 && k < TDM_MODEL_MAX_ACT_SETS, TDM_STATUS_INVALID_ARG,
+                "model: activation set %d out of range 0..%d", k, TDM_MODEL_MAX_ACT_SETS - 1);
+    if (k == m->set && m->n_sets > k) return TDM_STATUS_OK;
+    if (k >= m->n_sets) {
+        tdm_stage_set *s = realloc(m->sets, (size_t)(k + 1) * sizeof *s);
+        TDM_REQUIRE(s, TDM_STATUS_OUT_OF_MEMORY, "model: %d activation sets", k + 1);
+        memset(s + m->n_sets, 0, (size_t)(k + 1 - m->n_sets) * sizeof *s);
+        m->sets = s;
+        m->n_sets = k + 1;
+    }
+    tdm_stage_set *sets = m->sets, *cur = &sets[m->set], *next = &sets[k];
+    if (!m->vt) {
+        TDM_CHECK(tdm_stage_set_arrays(cur, m->n_layers));
+        TDM_CHECK(tdm_stage_set_arrays(next, m->n_layers));
+    }
+    /* park the current set */
+    cur->cap = m->cap;
+    cur->batch = m->batch;
+    cur->bytes = m->set_bytes;
+    for (int i = 0; !m->vt && i < m->n_layers; i++) {
+        tdm_layer *l = &m->layers[i];
+        cur->out[i] = l->out;
+        cur->mean[i] = l->mean;
+        cur->var[i] = l->var;
+        cur->invstd[i] = l->invstd;
+        cur->argmax[i] = l->argmax;
+        cur->in[i] = l->in;
+    }
+    if (m->vt) TDM_CHECK(m->vt->select_set(m, k));
+    /* and bring set k */
+    for (int i = 0; !m->vt && i < m->n_layers; i++) {
+        tdm_layer *l = &m->layers[i];
+        l->out = next->out[i];
+        l->mean = next->mean[i];
+        l->var = next->var[i];
+        l->invstd = next->invstd[i];
+        l->argmax = next->argmax[i];
+        l->in = next->in[i];
+    }
+    m->act_bytes = m->act_bytes - m->set_bytes + next->bytes;
+    m->cap = next->cap;
+    m->batch = next->batch;
+    m->set_bytes = next->bytes;
+    m->set = k;
+    return TDM_STATUS_OK;
+}
+
+int tdm_model_act_set(const tdm_model *m) { return m->set; }
+size_t tdm_model_act_set_bytes(const tdm_model *m) { return m->set_bytes; }
+
+void tdm_model_act_bytes(const tdm_model *m, size_t *sets, size_t *scratch)
+{
+    if (m->vt && m->ext) {
+        m->vt->act_bytes(m, sets, scratch);
+        return;
+    }
+    const tdm_stage_set *s = m->sets;
+    size_t total = m->set_bytes;
+    for (int k = 0; k < m->n_sets; k++)
+        if (k != m->set) total += s[k].bytes;
+    *sets = total;
+    *scratch = m->act_bytes - m->set_bytes;
+}
+
+void tdm_model_free_sets(tdm_model *m)
+{
+    tdm_stage_set *s = m->sets;
+    for (int k = 0; k < m->n_sets; k++) tdm_stage_set_release(&s[k]);
+    free(m->sets);
+    m->sets = NULL;
+    m->n_sets = 0;
+    m->set = 0;
+}

@@ -1,0 +1,298 @@
+/* pp/pp.h: pipeline parallelism: one process per stage, each holding a
+ * run of consecutive layers of the model (models/stage.h); a global batch
+ * cut into micro-batches whose activations flow forward and whose
+ * gradients flow back by send/recv, in a GPipe or 1F1B schedule;
+ * gradients accumulated over the micro-batches and one optimizer step per
+ * global batch on every stage. The same training step as one device with
+ * gradient accumulation over the same micro-batches (models/accum.h):
+ * bit for bit on host devices for the MLP and CNN; for the GPT up to the
+ * rounding of its tied embedding's gradient (below).
+ *
+ * A stage (tdm_pp) is: its stage model and an optimizer over its slice of
+ * the parameters, its place in the pipeline (stage s of S: rank s of the
+ * pipeline's communicator), and its links to the stages beside it. The
+ * links are communicators split from the pipeline's (tdm_comm_split, p2p
+ * option): a stage sends activations downstream while it receives
+ * gradients from there, and one communicator's calls run one at a time,
+ * so each direction of each link has one of its own (link s -> s+1 on
+ * communicator s % 2, s+1 -> s on 2 + s % 2: every rank issues one kind
+ * of call on each), and transfers go on while the stage computes. Every
+ * send and recv is labelled in the flight recorder ("pp send act mb 3
+ * stage 0->1").
+ *
+ * Schedules are data (tdm_pp_schedule): per stage a list of actions, F i
+ * (forward of micro-batch i) and B i (its backward), printable. GPipe:
+ * every forward, then every backward (in micro-batch order, as gradient
+ * accumulation adds them). 1F1B (PipeDream-flush): min(S - s - 1, M)
+ * warm-up forwards on stage s, then one forward one backward, then the
+ * remaining backwards. A stage keeps a micro-batch's activations from its
+ * F to its B in one of the model's activation sets: GPipe holds M at
+ * once, 1F1B at most S - s.
+ *
+ * Loss and accuracy come from the last stage (the loss gradient scaled by
+ * 1/B_global, as gradient accumulation scales it) and are broadcast to
+ * every stage for the global batch. The GPT's token embedding lives on
+ * the first stage and, for the tied head, as a copy on the last: after
+ * the backwards the two stages exchange their shares of its gradient and
+ * both add first + last (Megatron's tied-embedding all-reduce), so the
+ * copies stay equal; one device adds the shares in another order, which
+ * is the only rounding difference of a GPT pipeline.
+ *
+ * Data parallelism on top (a dp x pp mesh, dist/mesh.h): pass each stage
+ * the pp communicator of its replica and, in tdm_pp_opts.grad_sync, the
+ * two halves of a synchronised backward over the dp communicator (DDP's
+ * Reducer: tdm_ddp_sync_begin/_end), run around the last micro-batch's
+ * backward. pp/ knows nothing of DDP.
+ *
+ * Not here: rank start-up, the command line, checkpoint files (a
+ * stage's slice is where tdm_model_stage_info.slice_offset says in the
+ * whole model's flat buffer: tdm_pp_gather_params assembles them). */
+#ifndef TDM_PP_PP_H
+#define TDM_PP_PP_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "core/comm.h"
+#include "core/data.h"
+#include "core/device.h"
+#include "core/status.h"
+#include "models/checkpoint.h"
+#include "models/model.h"
+#include "models/optim.h"
+#include "models/stage.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* --- schedules (pp/schedule.c) -------------------------------------------- */
+
+typedef enum tdm_pp_schedule_kind {
+    TDM_PP_GPIPE = 0,
+    TDM_PP_1F1B,
+    TDM_PP_SCHEDULE_COUNT_
+} tdm_pp_schedule_kind;
+
+typedef enum tdm_pp_op {
+    TDM_PP_FORWARD = 0,
+    TDM_PP_BACKWARD,
+} tdm_pp_op;
+
+typedef struct tdm_pp_action {
+    tdm_pp_op op;
+    int mb;                     /* micro-batch */
+} tdm_pp_action;
+
+typedef struct tdm_pp_schedule {
+    tdm_pp_schedule_kind kind;
+    int stages, micro;          /* S, M */
+    int *n_actions;             /* per stage (2M) */
+    tdm_pp_action **actions;    /* per stage, in the order it runs them */
+} tdm_pp_schedule;
+
+/* "gpipe", "1f1b"; "?" when invalid. */
+const char *tdm_pp_schedule_name(tdm_pp_schedule_kind k);
+/* "gpipe" or "1f1b" (also "GPipe", "1F1B"); one-line INVALID_ARG else. */
+tdm_status tdm_pp_schedule_parse(const char *text, tdm_pp_schedule_kind *out);
+/* The schedule of S >= 1 stages and M >= 1 micro-batches. */
+tdm_status tdm_pp_schedule_build(tdm_pp_schedule **out, tdm_pp_schedule_kind kind, int stages,
+                                 int micro);
+void tdm_pp_schedule_free(tdm_pp_schedule *s);   /* NULL ok */
+/* "F0 F1 B0 F2 B1 B2" for stage, truncated to n; returns buf. */
+const char *tdm_pp_schedule_format(const tdm_pp_schedule *s, int stage, char *buf, size_t n);
+/* The most micro-batches stage holds between their F and their B. */
+int tdm_pp_schedule_in_flight(const tdm_pp_schedule *s, int stage);
+/* Every stage runs each micro-batch's F once and then its B once, Fs and
+ * Bs each in micro-batch order (what the runtime needs). */
+tdm_status tdm_pp_schedule_check(const tdm_pp_schedule *s);
+/* Runs the schedule with every action taking one time unit and transfers
+ * none (an action waits for its input from the stage beside it):
+ * *makespan the units until the last action ends; *idle the share of
+ * stage-units spent waiting, (S - 1) / (M + S - 1) for both schedules
+ * (the bubble). */
+tdm_status tdm_pp_schedule_simulate(const tdm_pp_schedule *s, int *makespan, double *idle);
+
+/* --- splitting the layers (pp/split.c) ----------------------------------- */
+
+/* How the default split balances the stages: the gemm multiply-adds of
+ * forward and backward per layer (tdm_model_spec_layer_costs: what the
+ * stages spend their time on; layers without a gemm count nothing), or
+ * the parameter count (what the stages hold). */
+typedef enum tdm_pp_balance {
+    TDM_PP_BALANCE_FLOPS = 0,
+    TDM_PP_BALANCE_PARAMS,
+} tdm_pp_balance;
+
+/* Checks a split: first[s] is the first layer of stage s; first[0] = 0,
+ * strictly increasing, below n_layers; stages <= n_layers. One-line
+ * INVALID_ARG messages ("split 0,3,3: stage 2 starts at layer 3, where
+ * stage 1 starts (the first layers must increase)"). */
+tdm_status tdm_pp_split_check(const int *first, int stages, int n_layers);
+/* Parses "0,3,5" (the first layer of each stage) for `stages` stages of a
+ * model of n_layers layers, and checks it. */
+tdm_status tdm_pp_split_parse(const char *text, int stages, int n_layers, int *first);
+/* The split of spec into `stages` contiguous runs that makes the largest
+ * stage's cost (by b) the smallest (ties: the earliest such cut). */
+tdm_status tdm_pp_split_balance(const tdm_model_spec *spec, int stages, tdm_pp_balance b,
+                                int *first);
+/* "0,3,5" */
+const char *tdm_pp_split_str(const int *first, int stages, char *buf, size_t n);
+
+/* --- a stage ---------------------------------------------------------------- */
+
+/* Called around the last micro-batch's backward of each step (data
+ * parallelism over the stage's replicas: tdm_ddp_sync_begin/_end). */
+typedef struct tdm_pp_grad_sync {
+    tdm_status (*begin)(void *ctx);
+    tdm_status (*end)(void *ctx, tdm_status backward_status);
+    void *ctx;
+} tdm_pp_grad_sync;
+
+/* Zero-initialised options are the defaults, but for spec-related ones. */
+typedef struct tdm_pp_opts {
+    tdm_pp_schedule_kind schedule;
+    int micro_batches;          /* M >= 1: a global batch of B samples becomes
+                                   ceil(B / ceil(B / M)) micro-batches of ceil(B / M)
+                                   (the last shorter): models/accum.h's cut */
+    const int *split;           /* the first layer of each stage; NULL: balanced */
+    tdm_pp_balance balance;     /* the default split's */
+    uint64_t seed;              /* the model's initial parameters */
+    tdm_optim_opts optim;       /* the optimizer (over the stage's slice) */
+    tdm_pp_grad_sync grad_sync; /* optional */
+    /* The largest global batch the steps will take (0: not known). On
+     * host devices over shm it sizes the links' zero-copy memory and the
+     * receive buffers are placed there: activations and gradients then
+     * arrive written in place by their sender (one copy instead of two,
+     * no chunk-by-chunk exchange). Without it, or for a larger batch,
+     * they go through the links' staging. */
+    int batch;
+    /* Borrowed, optional: a communicator with the same ranks for the few
+     * collectives on host memory (the configuration check, the loss,
+     * gathering): needed when the pipeline's communicator only takes
+     * device memory (NCCL: pass the shm communicator it was bootstrapped
+     * over). NULL: the pipeline's. */
+    tdm_comm *host_comm;
+} tdm_pp_opts;
+
+typedef struct tdm_pp tdm_pp;
+
+/* Stage tdm_comm_rank(comm) of tdm_comm_size(comm): builds its stage
+ * model of spec on dev (borrowed) and its optimizer, checks that every
+ * stage has the same configuration (naming the one that differs), and
+ * splits its links. Collective over comm (borrowed; it must outlive the
+ * stage). Errors are one line: more stages than layers, M < 1, a split
+ * out of range or not increasing. Starts a new peak window of dev's
+ * allocator (what the memory report measures from). */
+tdm_status tdm_pp_init(tdm_pp **out, tdm_comm *comm, tdm_device *dev, const tdm_model_spec *spec,
+                       const tdm_pp_opts *opts);
+void tdm_pp_free(tdm_pp *p);   /* NULL ok */
+
+int tdm_pp_stage(const tdm_pp *p);
+int tdm_pp_stages(const tdm_pp *p);
+tdm_model *tdm_pp_model(tdm_pp *p);
+tdm_optim *tdm_pp_optim(tdm_pp *p);
+/* The split in use: the first layer of each of the S stages. */
+const int *tdm_pp_split(const tdm_pp *p);
+
+/* One training step over a global batch of `batch` samples in host
+ * memory, on every stage (collective): x (batch, in_features) of the
+ * model's input dtype, read by the first stage (may be NULL elsewhere);
+ * y (batch * out_rows) targets, read by the last (may be NULL elsewhere).
+ * Zeroes the gradients, runs the schedule, sums the tied embedding's
+ * shares, steps the optimizer. *loss_mean (may be NULL): the global
+ * batch's mean loss, on every stage. On any failure the pipeline's
+ * communicator is aborted, so every stage stops, and the error names the
+ * micro-batch, the transfer and the peer. */
+tdm_status tdm_pp_step(tdm_pp *p, const void *x, const int32_t *y, int batch, double *loss_mean);
+/* The same step with the loss gradient scaled by grad_scale instead of
+ * 1/batch: data parallelism over replicas of the pipeline, each running
+ * its share of a global batch of B_global, passes 1/B_global, so that the
+ * SUM all-reduce of grad_sync gives the global batch's mean-loss gradient
+ * (uneven shares included). *loss_sum (may be NULL): the sum of this
+ * replica's per-sample losses, on every stage. */
+tdm_status tdm_pp_step_scaled(tdm_pp *p, const void *x, const int32_t *y, int batch,
+                              float grad_scale, double *loss_sum);
+/* Forward only, in eval mode (restored after), through the pipeline:
+ * *loss_sum the sum of the per-sample losses, *correct the correct argmax
+ * predictions over batch * out_rows rows, on every stage. */
+tdm_status tdm_pp_eval_batch(tdm_pp *p, const void *x, const int32_t *y, int batch,
+                             double *loss_sum, int64_t *correct);
+/* Mean loss and accuracy over a dataset (tdm_data_gather order, batches
+ * of `batch`), on every stage. */
+tdm_status tdm_pp_evaluate(tdm_pp *p, const tdm_dataset *d, int batch, double *loss_mean,
+                           double *accuracy);
+
+/* The whole model's parameters (tdm_model_param_elems of the whole model)
+ * assembled on stage root from every stage's slice, into full (host
+ * memory, used on root only). Collective. */
+tdm_status tdm_pp_gather_params(tdm_pp *p, float *full, int root);
+/* Checkpoints. The whole model's state assembled on stage root into h
+ * (host arrays in the whole model's layout, models/checkpoint.h's
+ * tdm_ckpt_host; used on root only): parameters, buffers (h->buffers may
+ * be NULL) and, when h->optim is set, the optimizer's state and step
+ * count - what tdm_checkpoint_save_host writes for the whole model, a
+ * file every mode loads. Collective. */
+tdm_status tdm_pp_gather_state(tdm_pp *p, tdm_ckpt_host *h, int root);
+/* Each stage takes its slice (and the GPT's last stage its tied copy) of
+ * a whole model's state in h, on every stage (every stage reads the file:
+ * tdm_checkpoint_load_host, of any mode's checkpoint): parameters,
+ * buffers (if h->buffers) and, when h->optim is set, the optimizer's
+ * state and step count. Not collective. */
+tdm_status tdm_pp_load_state(tdm_pp *p, const tdm_ckpt_host *h);
+
+/* --- what a step did ---------------------------------------------------------- */
+
+/* One F or B of the last step, in CLOCK_MONOTONIC ns (one clock for every
+ * process of a machine, so stages line up). */
+typedef struct tdm_pp_event {
+    tdm_pp_op op;
+    int mb;
+    uint64_t t0_ns, t1_ns;
+} tdm_pp_event;
+
+/* Phases of one step on this stage, in ms. pipeline: from the step's
+ * start to its last action's end; bubble: pipeline - forward - backward
+ * - loss, the time the stage waited on the pipeline (fill, drain, and
+ * transfers it could not hide), which the ideal balanced pipeline puts at
+ * (S - 1) / (M + S - 1) of pipeline; recv_wait and send_wait: the part of
+ * it spent blocked on a transfer's completion. */
+typedef struct tdm_pp_phases {
+    double forward, backward, loss, recv_wait, send_wait, bubble, pipeline;
+    double grad_sync, tied, step, total;
+} tdm_pp_phases;
+
+typedef struct tdm_pp_stats {
+    int stage, stages, micro_batches, micro_size;
+    tdm_pp_phases last, sum;    /* the last step's, and the sums over all steps */
+    int64_t steps;
+    /* memory, bytes (tdm_dev_mem_query of the stage's device) */
+    size_t params, grads, optimizer, buffers;
+    size_t act_set;             /* one micro-batch's activations in the model (its set) */
+    size_t act_input;           /* one micro-batch's received input activation */
+    int act_inputs;             /* input slots: one more than the sets on a stage that
+                                   receives (the next input arrives while one computes),
+                                   at most the micro-batches; 0 on the first stage */
+    int zero_copy;              /* 1: the receive buffers live in the links' shared memory
+                                   (tdm_pp_opts.batch; not the device allocator's) */
+    size_t act_scratch;         /* shared by the micro-batches: backward's scratch,
+                                   the received gradients, staging */
+    int act_sets;               /* sets the schedule needs at once */
+    size_t peak_act;            /* measured: the allocator's peak since init minus what
+                                   was live at the end of init; -1 cast when the device
+                                   keeps no accounting */
+    /* transfers that were still in flight when a forward or backward began
+     * and had completed by its end: communication overlapped with compute */
+    int64_t overlapped;
+    int64_t transfers;
+} tdm_pp_stats;
+
+void tdm_pp_get_stats(const tdm_pp *p, tdm_pp_stats *out);
+/* The last step's F and B events on this stage, in the order run. */
+void tdm_pp_trace(const tdm_pp *p, const tdm_pp_event **events, int *n);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

@@ -1,0 +1,74 @@
+/* tools/train_mem.c: `tandem train`'s memory check before a run starts
+ * (models/mem_plan.h): the plan of the mode, model, devices, batch and
+ * optimizer the arguments ask for, against the memory this process can
+ * still take. A process that tandem forks its ranks from checks the whole
+ * job; a rank started by `tandem launch` or an MPI launcher checks its
+ * own share (the others are separate processes it cannot see). */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/device.h"
+#include "fsdp/fsdp.h"
+#include "models/mem_plan.h"
+#include "tools/ddp_rank.h"
+#include "tools/mpi_job.h"
+#include "tools/train_modes.h"
+
+/* The plan's input from the arguments; 0 when they are not the kind the
+ * mode's own checks accept (then those checks speak). */
+static int tdm_train_mem_in(const tdm_train_args *a, const tdm_model_spec *spec,
+                            tdm_mem_plan_in *in, tdm_device_list *dl)
+{
+    memset(in, 0, sizeof *in);
+    int single = !strcmp(a->mode, "single"), dp = !strcmp(a->mode, "dp");
+    int fsdp = !strcmp(a->mode, "fsdp");
+    if (tdm_device_list_parse(dl, single && !strcmp(a->device, "cpu") ? "cpu:1" : a->device))
+        return 0;
+    int n = dl->count > 0 ? dl->count : 1;
+    int launched = (getenv("TANDEM_SHM_FD") && getenv("WORLD_SIZE")) || tdm_tool_mpi_launched();
+    int world = n;
+    if (launched && !single && !dp) {
+        /* one rank of a job: its own share */
+        const char *w = getenv("WORLD_SIZE");
+        world = w && atoi(w) > 0 ? atoi(w) : 1;
+        n = 1;
+    }
+    in->replicas = single ? 1 : n;
+    in->processes = single || dp ? 1 : n;
+    in->forks = single || dp || launched ? 0 : n;
+    in->on_host = dl->kind == TDM_DEVICE_HOST;
+    in->optim_states = strcmp(a->optim, "sgd") ? 2 : a->momentum > 0 ? 1 : 0;
+    in->shard = TDM_MEM_SHARD_NONE;
+    if (fsdp) {
+        tdm_fsdp_sharding sh = TDM_FSDP_FULL_SHARD;
+        if (a->sharding && tdm_fsdp_sharding_parse(a->sharding, &sh)) return 0;
+        in->shard = sh == TDM_FSDP_FULL_SHARD      ? TDM_MEM_SHARD_FULL
+                    : sh == TDM_FSDP_SHARD_GRAD_OP ? TDM_MEM_SHARD_GRAD_OP
+                                                   : TDM_MEM_SHARD_OPTIMIZER;
+    }
+    /* each replica runs its share of every (micro-)batch */
+    int parts = single ? 1 : world;
+    int batch = (int)((a->batch + parts - 1) / parts);
+    tdm_device *host = NULL;
+    int ok = tdm_device_open(&host, "cpu", 0, (int)a->threads) == TDM_STATUS_OK &&
+             tdm_model_spec_footprint(spec, host, batch > 0 ? batch : 1, &in->model) ==
+                 TDM_STATUS_OK;
+    tdm_device_free(host);
+    return ok;
+}
+
+tdm_status tdm_train_check_memory(const tdm_train_args *a, const tdm_model_spec *spec)
+{
+    tdm_mem_plan_in in;
+    tdm_device_list dl;
+    /* the model's own errors are for the mode's set-up to report */
+    if (!tdm_train_mem_in(a, spec, &in, &dl)) return TDM_STATUS_OK;
+    if (!strcmp(a->mode, "ddp") && in.processes > 1 && in.on_host)
+        in.shared_bytes = tdm_tool_ddp_arena_bytes(&dl, in.model.param_elems);
+    tdm_mem_plan p;
+    tdm_mem_plan_compute(&in, &p);
+    tdm_status st = tdm_mem_plan_check(&in, &p);
+    if (st != TDM_STATUS_OK) tdm_train_fail("memory", st);
+    return st;
+}
