@@ -22,6 +22,7 @@ static const char *const tdm_log_subsys_names[TDM_LOG_SUBSYS_COUNT_] = {
     [TDM_LOG_MODEL] = "MODEL", [TDM_LOG_DATA] = "DATA",
     [TDM_LOG_DP] = "DP", [TDM_LOG_DDP] = "DDP", [TDM_LOG_SHM] = "SHM",
     [TDM_LOG_CUDA] = "CUDA", [TDM_LOG_TOOL] = "TOOL", [TDM_LOG_MPI] = "MPI",
+    [TDM_LOG_FSDP] = "FSDP",
 };
 static const char *const tdm_log_level_names[] = {
     "NONE", "WARN", "INFO", "TRACE",

@@ -34,6 +34,7 @@ typedef enum tdm_log_subsys {
     TDM_LOG_CUDA,
     TDM_LOG_TOOL,
     TDM_LOG_MPI,
+    TDM_LOG_FSDP,
     TDM_LOG_SUBSYS_COUNT_
 } tdm_log_subsys;
 

@@ -14,6 +14,8 @@
 #include "core/device.h"
 #include "core/log.h"
 #include "ddp/reducer_impl.h"
+#include "dist/join.h"
+#include "dist/step.h"
 #include "models/train.h"
 
 struct tdm_ddp {
@@ -25,21 +27,13 @@ struct tdm_ddp {
     int rank, world;
     tdm_ddp_reducer red;         /* the gradient storage, its buckets and their all-reduces */
     int sync;                    /* 0 under no_sync */
-    uint64_t fwd_count;          /* training forwards run (the check tail's sequence) */
     int64_t steps_done;          /* optimizer steps: the flight recorder's step */
     double loss_accum, loss_global;  /* this rank's since the last sync; all ranks' */
-    float *dlogits;
-    size_t dlogits_bytes;
-    void *x_dev;
-    int32_t *y_dev;
-    int stage_cap;
-    int fwd_batch, have_fwd;
+    tdm_train_stage stage;        /* the batch on the device, the loss gradient */
+    tdm_dist_fwd fwd;            /* the forward backward goes back through (its count: the
+                                    check tail's sequence) */
     int fwd_bn_empty;            /* that forward had no samples but shadowed SyncBatchNorm's sums */
-    double fwd_loss;             /* the pending forward's loss sum, added at its backward */
-    const char *fwd_lost;        /* why there is no forward to go back through, or NULL */
-    int joined;                  /* opts.join: this rank ran out of data (tdm_ddp_join) */
-    int n_active;                /* ranks that contributed to the last training forward */
-    int join_sync;               /* opts.join: that forward's backward synchronises (else no_sync) */
+    tdm_dist_join join;          /* opts.join: the ranks with data, this rank joined */
     uint64_t ext_syncs;          /* tdm_ddp_sync_begin calls (the check tail's sequence) */
     uint32_t ext_seq;            /* the one begun */
     int ext_open;                /* between tdm_ddp_sync_begin and _end */
@@ -66,6 +60,17 @@ static tdm_status tdm_ddp_allsum(void *ctx, double *v, int n)
     return st;
 }
 
+/* Defined before tdm_ddp_init, whose fail path runs it on any prefix of
+ * what it made. */
+void tdm_ddp_free(tdm_ddp *d)
+{
+    if (!d) return;
+    if (d->o.sync_bn) tdm_model_set_sync_bn(d->m, NULL, NULL);
+    tdm_ddp_reducer_free(&d->red);
+    tdm_train_stage_free(&d->stage);
+    free(d);
+}
+
 tdm_status tdm_ddp_init(tdm_ddp **out, tdm_model *m, tdm_comm *comm, const tdm_ddp_opts *opts)
 {
     tdm_status st = TDM_STATUS_OK;
@@ -79,6 +84,7 @@ tdm_status tdm_ddp_init(tdm_ddp **out, tdm_model *m, tdm_comm *comm, const tdm_d
     d->m = m;
     d->comm = comm;
     d->dev = tdm_model_device(m);
+    d->stage.dev = d->dev;
     if (opts) d->o = *opts;
     d->hcomm = d->o.host_comm ? d->o.host_comm : comm;
     if (d->hcomm != comm &&
@@ -94,7 +100,7 @@ tdm_status tdm_ddp_init(tdm_ddp **out, tdm_model *m, tdm_comm *comm, const tdm_d
     d->rank = tdm_comm_rank(comm);
     d->world = tdm_comm_size(comm);
     d->sync = 1;
-    d->n_active = d->world;
+    tdm_dist_join_init(&d->join, d->world);
     TDM_TRY(tdm_ddp_reducer_init(&d->red, m, comm, d->hcomm, &d->o));
     tdm_comm_set_label(comm, "ddp broadcast parameters");
     TDM_TRY(tdm_comm_broadcast(comm, tdm_model_params(m), tdm_model_params(m),
@@ -126,17 +132,6 @@ fail:
     return st;
 }
 
-void tdm_ddp_free(tdm_ddp *d)
-{
-    if (!d) return;
-    if (d->o.sync_bn) tdm_model_set_sync_bn(d->m, NULL, NULL);
-    tdm_ddp_reducer_free(&d->red);
-    tdm_dev_free(d->dev, d->dlogits);
-    tdm_dev_free(d->dev, d->x_dev);
-    tdm_dev_free(d->dev, d->y_dev);
-    free(d);
-}
-
 tdm_model *tdm_ddp_model(tdm_ddp *d) { return d->m; }
 tdm_comm *tdm_ddp_comm(tdm_ddp *d) { return d->comm; }
 int tdm_ddp_n_buckets(const tdm_ddp *d) { return d->red.nb; }
@@ -163,7 +158,8 @@ static tdm_status tdm_ddp_hook_check(tdm_ddp *d, const tdm_ddp_comm_hook *hook)
     TDM_REQUIRE(!d->red.hook.launch, TDM_STATUS_INVALID_ARG,
                 "ddp: a comm hook ('%s') is already registered; register one hook, once",
                 d->red.hook.name ? d->red.hook.name : "user");
-    TDM_REQUIRE(d->red.sync_count == 0 && !d->have_fwd, TDM_STATUS_INVALID_ARG,
+    TDM_REQUIRE(d->red.sync_count == 0 && d->fwd.state != TDM_DIST_FWD_PENDING,
+                TDM_STATUS_INVALID_ARG,
                 "ddp: register the comm hook before the first forward (as in PyTorch): "
                 "%llu synchronised backward(s) already ran", (unsigned long long)d->red.sync_count);
     return TDM_STATUS_OK;
@@ -211,62 +207,15 @@ void tdm_ddp_no_sync(tdm_ddp *d, int enable) { d->sync = !enable; }
 
 /* ---- forward ---- */
 
-static tdm_status tdm_ddp_stage(tdm_ddp *d, const void *x, const int32_t *y, int batch,
-                                const void **xd, const int32_t **yd)
-{
-    if (tdm_dev_kind(d->dev) == TDM_DEVICE_HOST) {
-        *xd = x;
-        *yd = y;
-        return TDM_STATUS_OK;
-    }
-    /* 4-byte inputs of either dtype; out_rows targets per sample */
-    size_t feat = (size_t)tdm_model_in_features(d->m);
-    size_t rows = (size_t)tdm_model_out_rows(d->m);
-    if (batch > d->stage_cap) {
-        tdm_dev_free(d->dev, d->x_dev);
-        tdm_dev_free(d->dev, d->y_dev);
-        d->x_dev = NULL;
-        d->y_dev = NULL;
-        d->stage_cap = 0;
-        TDM_CHECK(tdm_dev_alloc(d->dev, (size_t)batch * feat * sizeof(float), &d->x_dev));
-        TDM_CHECK(tdm_dev_alloc(d->dev, (size_t)batch * rows * sizeof(int32_t),
-                                (void **)&d->y_dev));
-        d->stage_cap = batch;
-    }
-    TDM_CHECK(tdm_dev_copy_from_host(d->dev, d->x_dev, x,
-                                          (size_t)batch * feat * sizeof(float)));
-    TDM_CHECK(tdm_dev_copy_from_host(d->dev, d->y_dev, y,
-                                          (size_t)batch * rows * sizeof(int32_t)));
-    *xd = d->x_dev;
-    *yd = d->y_dev;
-    return TDM_STATUS_OK;
-}
-
-/* opts.join, at each training forward: how many ranks still train (this
- * one contributes 1, a joined one 0) and how many of those will
- * synchronise in this forward's backward (not under no_sync), two int32
- * in one SUM over the host communicator. A joined rank shadows a
- * synchronised step only when the others synchronise: under no_sync
- * they accumulate locally, and a backward of its own would meet their
- * next forward's count (PyTorch's join hook asks the same question,
- * _check_global_requires_backward_grad_sync). */
+/* opts.join, at each training forward: how many ranks still train and
+ * how many of those synchronise in this forward's backward (dist/join.h).
+ * A joined rank shadows a synchronised step only when the others
+ * synchronise: under no_sync they accumulate locally, and a backward of
+ * its own would meet their next forward's count (PyTorch's join hook asks
+ * the same question, _check_global_requires_backward_grad_sync). */
 static tdm_status tdm_ddp_join_count(tdm_ddp *d)
 {
-    int32_t v[2] = {d->joined ? 0 : 1, !d->joined && d->sync};
-    /* named, as the buckets are: a rank that waits here while a peer
-     * never comes (a joined rank shadowing one that died) is found by
-     * `tandem doctor` in "ddp join count", not in an anonymous all_reduce */
-    tdm_comm_set_label(d->hcomm, "ddp join count");
-    tdm_status st = tdm_comm_all_reduce(d->hcomm, v, v, 2, TDM_DTYPE_INT32, TDM_REDOP_SUM);
-    if (st) return tdm_error_prefix(st, "ddp join: counting the ranks that still have data");
-    /* every rank sees the same sums, so every rank fails here alike */
-    TDM_REQUIRE(v[1] == 0 || v[1] == v[0], TDM_STATUS_INVALID_ARG,
-                "ddp join: %d of the %d ranks still training synchronise in this forward and "
-                "the others are under no_sync; call tdm_ddp_no_sync alike on every rank",
-                v[1], v[0]);
-    d->n_active = v[0];
-    d->join_sync = v[1] > 0;
-    return TDM_STATUS_OK;
+    return tdm_dist_join_count(&d->join, d->hcomm, d->sync, "ddp", "ddp join count");
 }
 
 /* by_active: the scale is 1/(batch * ranks with data this step) (join) */
@@ -275,32 +224,25 @@ static tdm_status tdm_ddp_forward_impl(tdm_ddp *d, const void *x, const int32_t 
 {
     TDM_REQUIRE(batch >= 0 && (batch == 0 || (x && y)), TDM_STATUS_INVALID_ARG,
                 "ddp forward: bad batch %d or NULL input", batch);
-    TDM_REQUIRE(!d->joined || batch == 0, TDM_STATUS_INVALID_ARG,
+    TDM_REQUIRE(!d->join.joined || batch == 0, TDM_STATUS_INVALID_ARG,
                 "ddp forward: this rank has joined (tdm_ddp_join): it has no data left");
     uint64_t t0 = tdm_time_ns();
     tdm_model *m = d->m;
-    d->have_fwd = 0;
-    d->fwd_lost = NULL;
-    if (d->o.join && tdm_model_is_train(m) && d->world > 1 && !d->joined)
+    tdm_dist_fwd_begin(&d->fwd);
+    if (d->o.join && tdm_model_is_train(m) && d->world > 1 && !d->join.joined)
         TDM_CHECK(tdm_ddp_join_count(d));
-    if (by_active)
-        grad_scale = batch > 0 ? 1.0f / ((float)batch * (float)d->n_active) : 0.0f;
-    else if (d->o.join && d->n_active > 0 && d->n_active != d->world)
-        /* an explicit scale is meant for every rank: the mean over the
-         * ranks that contribute to this step */
-        grad_scale *= (float)d->world / (float)d->n_active;
+    /* by_active: 1/(batch * the ranks with data); an explicit scale is
+     * meant for every rank: under join, the mean over those that
+     * contribute (without join every rank does) */
+    if (by_active || d->o.join)
+        grad_scale = tdm_dist_join_scale(&d->join, d->world, batch, by_active, grad_scale);
     /* SyncBatchNorm on a rank without samples (a short last global
      * batch): the others wait in this rank's statistics, so it takes part
      * with zero sums and a count of 0 (as PyTorch's SyncBatchNorm) */
     int bn_empty = d->o.sync_bn && tdm_model_is_train(m) && batch == 0 &&
                    tdm_model_n_batchnorm(m) > 0;
-    if (tdm_model_is_train(m) && !d->o.no_broadcast_buffers && d->world > 1 &&
-        tdm_model_buffer_elems(m) > 0) {
-        tdm_comm_set_label(d->comm, "ddp broadcast buffers");
-        tdm_status st = tdm_comm_broadcast(d->comm, tdm_model_buffers(m), tdm_model_buffers(m),
-                                           (size_t)tdm_model_buffer_elems(m), TDM_DTYPE_FLOAT32, 0);
-        if (st) return tdm_error_prefix(st, "ddp forward: broadcast of buffers from rank 0");
-    }
+    if (tdm_model_is_train(m) && !d->o.no_broadcast_buffers)
+        TDM_CHECK(tdm_dist_broadcast_buffers(d->comm, m, "ddp broadcast buffers", "ddp forward"));
     double ls = 0.0;
     uint64_t t1 = t0;
     d->fwd_bn_empty = 0;
@@ -315,27 +257,13 @@ static tdm_status tdm_ddp_forward_impl(tdm_ddp *d, const void *x, const int32_t 
     }
     if (batch > 0) {
         const void *xd;
-        const float *logits;
         const int32_t *yd;
-        int C = tdm_model_n_classes(m) * tdm_model_out_rows(m);   /* logits per sample */
-        size_t nb = (size_t)batch * (size_t)C * sizeof(float);
-        TDM_CHECK(tdm_ddp_stage(d, x, y, batch, &xd, &yd));
-        TDM_CHECK(tdm_model_forward(m, xd, batch, &logits));
-        t1 = tdm_time_ns();
-        if (nb > d->dlogits_bytes) {
-            tdm_dev_free(d->dev, d->dlogits);
-            d->dlogits = NULL;
-            d->dlogits_bytes = 0;
-            TDM_CHECK(tdm_dev_alloc(d->dev, nb, (void **)&d->dlogits));
-            d->dlogits_bytes = nb;
-        }
-        TDM_CHECK(tdm_model_loss(m, logits, yd, batch, grad_scale, &ls, d->dlogits));
+        TDM_CHECK(tdm_train_stage_batch(&d->stage, m, x, y, batch, &xd, &yd));
+        TDM_CHECK(tdm_dist_forward_loss(&d->stage, m, NULL, NULL, xd, yd, batch, grad_scale, &ls,
+                                        &t1));
     }
     uint64_t t2 = tdm_time_ns();
-    d->fwd_batch = batch;
-    d->have_fwd = 1;
-    d->fwd_loss = ls;   /* counted once its backward runs: a replaced forward is not reduced */
-    if (tdm_model_is_train(m)) d->fwd_count++;
+    tdm_dist_fwd_done(&d->fwd, batch, ls, tdm_model_is_train(m));
     d->times.last.ms[TDM_PHASE_FORWARD] = (double)(t1 - t0) * 1e-6;
     d->times.last.ms[TDM_PHASE_LOSS] = (double)(t2 - t1) * 1e-6;
     d->times.total.ms[TDM_PHASE_FORWARD] += (double)(t1 - t0) * 1e-6;
@@ -361,12 +289,6 @@ tdm_status tdm_ddp_forward(tdm_ddp *d, const void *x, const int32_t *y, int batc
     return TDM_STATUS_OK;
 }
 
-void tdm_ddp_share(int64_t n, int rank, int world, int64_t *lo, int64_t *hi)
-{
-    *lo = n * rank / world;
-    *hi = n * (rank + 1) / world;
-}
-
 tdm_status tdm_ddp_forward_global(tdm_ddp *d, const void *x, const int32_t *y, int batch,
                                   double *loss_sum)
 {
@@ -381,7 +303,7 @@ tdm_status tdm_ddp_forward_global_scaled(tdm_ddp *d, const void *x, const int32_
                 "ddp forward: bad global batch %d or NULL input", batch);
     if (batch == 0) return tdm_ddp_forward_scaled(d, NULL, NULL, 0, 0.0f, loss_sum);
     int64_t lo, hi;
-    tdm_ddp_share(batch, d->rank, d->world, &lo, &hi);
+    tdm_dist_share(batch, d->rank, d->world, &lo, &hi);
     /* 4-byte inputs of either dtype; out_rows targets per sample */
     const char *xs = (const char *)x + lo * tdm_model_in_features(d->m) * (int64_t)sizeof(float);
     const int32_t *ys = y + lo * tdm_model_out_rows(d->m);
@@ -394,7 +316,7 @@ tdm_status tdm_ddp_forward_global_scaled(tdm_ddp *d, const void *x, const int32_
 static tdm_status tdm_ddp_backward_local(tdm_ddp *d)
 {
     uint64_t t0 = tdm_time_ns();
-    if (d->fwd_batch > 0) TDM_CHECK(tdm_model_backward(d->m, d->dlogits));
+    if (d->fwd.batch > 0) TDM_CHECK(tdm_model_backward(d->m, d->stage.dlogits));
     else if (d->fwd_bn_empty) TDM_CHECK(tdm_model_sync_bn_backward_empty(d->m));
     d->times.last.ms[TDM_PHASE_BACKWARD] = tdm_time_ms_since(t0);
     d->times.last.ms[TDM_PHASE_ALLREDUCE_WAIT] = 0;
@@ -404,24 +326,22 @@ static tdm_status tdm_ddp_backward_local(tdm_ddp *d)
 
 tdm_status tdm_ddp_backward(tdm_ddp *d)
 {
-    TDM_REQUIRE(d->have_fwd || !d->fwd_lost, TDM_STATUS_INVALID_ARG,
-                "ddp backward: %s; call tdm_ddp_forward again before backward", d->fwd_lost);
-    TDM_REQUIRE(d->have_fwd, TDM_STATUS_INVALID_ARG, "ddp backward: no forward before it");
-    d->have_fwd = 0;
-    d->loss_accum += d->fwd_loss;
+    double fwd_loss;
+    TDM_CHECK(tdm_dist_fwd_take(&d->fwd, "ddp", &fwd_loss));
+    d->loss_accum += fwd_loss;
     if (!d->sync) return tdm_ddp_backward_local(d);
-    uint32_t seq = (uint32_t)(d->fwd_count % TDM_DDP_SEQ_MOD) + 1;
+    uint32_t seq = (uint32_t)(d->fwd.count % TDM_DDP_SEQ_MOD) + 1;
     TDM_CHECK(tdm_ddp_reducer_begin(&d->red, seq, d->loss_accum));
     d->loss_accum = 0.0;
-    if (d->fwd_batch > 0 || d->fwd_bn_empty) {
+    if (d->fwd.batch > 0 || d->fwd_bn_empty) {
         d->red.in_backward = 1;   /* the grad-ready hook launches buckets */
-        tdm_status st = d->fwd_batch > 0 ? tdm_model_backward(d->m, d->dlogits)
+        tdm_status st = d->fwd.batch > 0 ? tdm_model_backward(d->m, d->stage.dlogits)
                                          : tdm_model_sync_bn_backward_empty(d->m);
         d->red.in_backward = 0;
         if (st) return tdm_ddp_reducer_abort(&d->red, st);
     }
     uint64_t t1 = tdm_time_ns();
-    TDM_CHECK(tdm_ddp_reducer_end(&d->red, seq, d->fwd_batch > 0, &d->loss_global));
+    TDM_CHECK(tdm_ddp_reducer_end(&d->red, seq, d->fwd.batch > 0, &d->loss_global));
     uint64_t t2 = tdm_time_ns();
     tdm_ddp_times *t = &d->times;
     t->comm_ms_last = tdm_ddp_reducer_comm_ms(&d->red);
@@ -473,49 +393,34 @@ double tdm_ddp_loss_sum(const tdm_ddp *d) { return d->loss_global; }
 
 /* ---- uneven inputs (join) ---- */
 
-int tdm_ddp_active_ranks(const tdm_ddp *d) { return d->n_active; }
+int tdm_ddp_active_ranks(const tdm_ddp *d) { return d->join.n_active; }
+
+/* One step of the others, as a rank without samples: sync, a
+ * synchronised step (the buffer broadcast, the gradient all-reduce of
+ * zeros, the optimizer step); else a no_sync micro-batch of theirs, where
+ * they only accumulate: the buffer broadcast and the forward's count (the
+ * sequence check), no backward, no step. */
+static tdm_status tdm_ddp_shadow_step(void *w, tdm_optim *opt, int sync)
+{
+    tdm_ddp *d = w;
+    if (!sync) {
+        TDM_CHECK(tdm_ddp_forward_impl(d, NULL, NULL, 0, 0.0f, 0, NULL));
+        d->fwd.state = TDM_DIST_FWD_NONE;   /* no backward follows it */
+        return TDM_STATUS_OK;
+    }
+    TDM_CHECK(tdm_ddp_zero_grad(d));
+    TDM_CHECK(tdm_ddp_forward_impl(d, NULL, NULL, 0, 0.0f, 0, NULL));
+    TDM_CHECK(tdm_ddp_backward(d));
+    return opt ? tdm_ddp_step(d, opt) : TDM_STATUS_OK;
+}
 
 tdm_status tdm_ddp_join(tdm_ddp *d, tdm_optim *opt, int64_t *shadowed)
 {
-    TDM_REQUIRE(d->o.join, TDM_STATUS_INVALID_ARG,
-                "ddp join: construct DDP with opts.join = 1 (every rank counts the ranks with "
-                "data at each forward)");
-    TDM_REQUIRE(d->sync, TDM_STATUS_INVALID_ARG,
-                "ddp join: called under no_sync; finish the accumulation first");
-    int64_t n = 0;
-    if (shadowed) *shadowed = 0;
-    if (d->world == 1) return TDM_STATUS_OK;
-    d->joined = 1;
-    d->have_fwd = 0;
-    tdm_status st = TDM_STATUS_OK;
-    for (;;) {
-        if ((st = tdm_ddp_join_count(d))) break;
-        if (d->n_active == 0) break;   /* every rank has joined: all leave here */
-        if (!d->join_sync) {
-            /* a no_sync micro-batch of the others: they only accumulate;
-             * this rank takes part in the buffer broadcast and counts the
-             * forward (the sequence check), no backward, no step */
-            if ((st = tdm_ddp_forward_impl(d, NULL, NULL, 0, 0.0f, 0, NULL))) break;
-            d->have_fwd = 0;
-            continue;
-        }
-        /* one synchronised step of the others: a rank without samples
-         * takes part in the buffer broadcast and reduces zeros */
-        if ((st = tdm_ddp_zero_grad(d))) break;
-        if ((st = tdm_ddp_forward_impl(d, NULL, NULL, 0, 0.0f, 0, NULL))) break;
-        if ((st = tdm_ddp_backward(d))) break;
-        if (opt && (st = tdm_ddp_step(d, opt))) break;
-        n++;
-    }
-    /* a later epoch starts with every rank training again */
-    d->joined = 0;
-    d->n_active = d->world;
-    if (shadowed) *shadowed = n;
-    if (st) {
-        tdm_error_prefix(st, "ddp join: rank %d, after shadowing %lld step(s)", d->rank,
-                         (long long)n);
-        (void)tdm_comm_abort(d->hcomm, tdm_error_message());
-    }
+    tdm_dist_shadow s = {.who = "ddp", .label = "ddp join count", .enabled = d->o.join,
+                         .sync = d->sync, .fwd = &d->fwd, .fn = tdm_ddp_shadow_step, .w = d,
+                         .opt = opt};
+    tdm_status st = tdm_dist_join_shadow(&d->join, d->hcomm, d->rank, d->world, &s, shadowed);
+    if (st) (void)tdm_comm_abort(d->hcomm, tdm_error_message());
     return st;
 }
 
@@ -550,23 +455,12 @@ tdm_status tdm_ddp_evaluate(tdm_ddp *d, const tdm_dataset *test, int batch, doub
                             double *accuracy)
 {
     tdm_model *m = d->m;
-    TDM_REQUIRE(test && batch > 0 && loss_mean && accuracy, TDM_STATUS_INVALID_ARG,
-                "ddp evaluate: test, batch > 0 and outputs are required");
-    /* Evaluation runs forwards on this same model: a pending training
-     * forward's activations are about to be overwritten. */
-    if (d->have_fwd) {
-        d->have_fwd = 0;
-        d->fwd_lost = "tdm_ddp_evaluate ran forwards on the model since the last "
-                      "tdm_ddp_forward and replaced its activations";
-    }
-    if (d->world > 1 && tdm_model_buffer_elems(m) > 0) {
-        tdm_comm_set_label(d->comm, "ddp broadcast buffers (evaluate)");
-        tdm_status st = tdm_comm_broadcast(d->comm, tdm_model_buffers(m), tdm_model_buffers(m),
-                                           (size_t)tdm_model_buffer_elems(m), TDM_DTYPE_FLOAT32, 0);
-        if (st) return tdm_error_prefix(st, "ddp evaluate: broadcast of buffers from rank 0");
-    }
+    TDM_CHECK(tdm_dist_eval_begin(&d->fwd, "ddp", "tdm_ddp_evaluate", test, batch, loss_mean,
+                                  accuracy));
+    TDM_CHECK(tdm_dist_broadcast_buffers(d->comm, m, "ddp broadcast buffers (evaluate)",
+                                         "ddp evaluate"));
     int64_t lo, hi;
-    tdm_ddp_share(test->n, d->rank, d->world, &lo, &hi);
+    tdm_dist_share(test->n, d->rank, d->world, &lo, &hi);
     double sums[3] = {0.0, 0.0, (double)(hi - lo)}; /* loss sum, correct, samples */
     if (hi > lo) {
         tdm_dataset part = *test;
@@ -585,12 +479,28 @@ tdm_status tdm_ddp_evaluate(tdm_ddp *d, const tdm_dataset *test, int batch, doub
         sums[0] = l * (double)part.n;
         sums[1] = a * (double)part.n;
     }
-    tdm_comm_set_label(d->hcomm, "ddp evaluate sums");
-    TDM_CHECK(tdm_comm_all_reduce(d->hcomm, sums, sums, 3, TDM_DTYPE_FLOAT64, TDM_REDOP_SUM));
-    TDM_REQUIRE(sums[2] > 0, TDM_STATUS_INVALID_ARG, "ddp evaluate: the test set is empty");
-    *loss_mean = sums[0] / sums[2];
-    *accuracy = sums[1] / sums[2];
-    return TDM_STATUS_OK;
+    return tdm_dist_eval_sums(d->hcomm, "ddp", "ddp evaluate sums", sums, loss_mean, accuracy);
+}
+
+tdm_status tdm_ddp_eval_loss(tdm_ddp *d, const void *x, const int32_t *y, int batch,
+                             double *loss_sum)
+{
+    tdm_model *m = d->m;
+    TDM_REQUIRE(loss_sum && batch >= 0 && (batch == 0 || (x && y)), TDM_STATUS_INVALID_ARG,
+                "ddp eval_loss: bad batch %d or NULL argument", batch);
+    *loss_sum = 0.0;
+    if (batch == 0) return TDM_STATUS_OK;
+    tdm_dist_fwd_lose(&d->fwd, "tdm_ddp_eval_loss");
+    const void *xd;
+    const int32_t *yd;
+    const float *logits;
+    int was_train = tdm_model_is_train(m);
+    tdm_model_set_train(m, 0);
+    tdm_status st = tdm_train_stage_batch(&d->stage, m, x, y, batch, &xd, &yd);
+    if (st == TDM_STATUS_OK) st = tdm_model_forward(m, xd, batch, &logits);
+    if (st == TDM_STATUS_OK) st = tdm_model_loss(m, logits, yd, batch, 1.0f, loss_sum, NULL);
+    tdm_model_set_train(m, was_train);
+    return st;
 }
 
 /* ---- checkpoints ---- */
@@ -639,3 +549,5 @@ tdm_status tdm_ddp_checkpoint_load(tdm_ddp *d, const char *path, tdm_optim *opt,
                 bad, path);
     return TDM_STATUS_OK;
 }
+
+TDM_DIST_OPS_DEFINE(ddp, tdm_ddp, tdm_ddp_checkpoint_save, tdm_ddp_checkpoint_load);

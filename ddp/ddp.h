@@ -33,8 +33,8 @@
  * rounding, not bitwise; its algorithms reduce each element once and pass
  * the result on, so the ranks still receive the same values.
  *
- * Uses only core/comm.h: it does not create communicators (ddp/pg.h does)
- * and knows nothing of processes (ddp/spawn.h, tools/launch.c). */
+ * Uses only core/comm.h: it does not create communicators (dist/pg.h does)
+ * and knows nothing of processes (dist/spawn.h, tools/launch.c). */
 #ifndef TDM_DDP_DDP_H
 #define TDM_DDP_DDP_H
 
@@ -46,6 +46,8 @@
 #include "core/status.h"
 #include "core/timer.h"
 #include "ddp/hooks.h"
+#include "dist/batch.h"
+#include "dist/step.h"
 #include "models/checkpoint.h"
 #include "models/model.h"
 #include "models/optim.h"
@@ -155,14 +157,14 @@ const char *tdm_ddp_comm_hook_name(const tdm_ddp *d);
 /* 1 when the gradients live in communicator memory (zero-copy). */
 int tdm_ddp_zero_copy(const tdm_ddp *d);
 /* The communicator memory (tdm_comm_alloc; the shm arena of
- * tdm_ddp_spawn_opts and tandem launch --arena-mb) that zero-copy
+ * tdm_dist_spawn_opts and tandem launch --arena-mb) that zero-copy
  * gradients of a model of param_elems elements take. */
 size_t tdm_ddp_arena_bytes(int64_t param_elems);
 
 tdm_status tdm_ddp_zero_grad(tdm_ddp *d);
 
 /* Evaluation spread over the ranks (collective): each rank evaluates its
- * share of the rows of test (tdm_ddp_share) in eval mode, with rank 0's buffers
+ * share of the rows of test (tdm_dist_share) in eval mode, with rank 0's buffers
  * (broadcast first, so that batchnorm's running statistics are the same
  * on every rank), and the loss and correct counts are all-reduced: every
  * rank gets the whole set's mean loss and accuracy, in about 1/W of the
@@ -172,6 +174,13 @@ tdm_status tdm_ddp_zero_grad(tdm_ddp *d);
  * before the next tdm_ddp_forward is refused (INVALID_ARG). */
 tdm_status tdm_ddp_evaluate(tdm_ddp *d, const tdm_dataset *test, int batch, double *loss_mean,
                             double *accuracy);
+/* The loss sum of this rank's `batch` samples (host x, y as for
+ * tdm_ddp_forward; batch may be 0) in eval mode, on this replica alone:
+ * no collective, the buffers as they are (a GPT's evaluation windows,
+ * each rank its share, the sums added by the caller). Replaces a pending
+ * forward's activations as tdm_ddp_evaluate does. */
+tdm_status tdm_ddp_eval_loss(tdm_ddp *d, const void *x, const int32_t *y, int batch,
+                             double *loss_sum);
 
 /* Local forward and loss over this rank's samples (host x (batch, in) of
  * the model's input dtype, y (batch * out_rows)); broadcasts buffers from
@@ -190,7 +199,7 @@ tdm_status tdm_ddp_forward_scaled(tdm_ddp *d, const void *x, const int32_t *y, i
 /* The forward of a rank that holds the whole global batch: x holds its
  * `batch` samples (host, the model's input dtype), y their batch *
  * out_rows targets; this rank runs its share, samples [lo, hi) of
- * tdm_ddp_share(batch, rank, world), with the loss gradient scaled by
+ * tdm_dist_share(batch, rank, world), with the loss gradient scaled by
  * 1/batch (tdm_ddp_forward_scaled), so that the SUM all-reduce gives the
  * global batch's mean-loss gradient exactly, uneven shares included. A
  * rank whose share is empty (batch < world) still takes part. *loss_sum
@@ -202,14 +211,6 @@ tdm_status tdm_ddp_forward_global(tdm_ddp *d, const void *x, const int32_t *y, i
  * passes 1/(the effective batch) for each of its micro-batches. */
 tdm_status tdm_ddp_forward_global_scaled(tdm_ddp *d, const void *x, const int32_t *y, int batch,
                                          float grad_scale, double *loss_sum);
-/* Rank `rank`'s share of n items split over `world` ranks: [*lo, *hi)
- * with lo = rank * n / world and hi = (rank + 1) * n / world, contiguous,
- * in rank order, sizes differing by at most one (empty for some ranks
- * when n < world). The one split of a global batch (the rows
- * tdm_ddp_forward_global takes; a rank that draws only its own rows, as
- * a GPT's rank draws its windows, asks for them here) and of the test set
- * in tdm_ddp_evaluate. */
-void tdm_ddp_share(int64_t n, int rank, int world, int64_t *lo, int64_t *hi);
 /* Backward of the last forward (refused when there is none, or when
  * tdm_ddp_evaluate ran since); in sync mode, all-reduces the gradients
  * (bucket by bucket, overlapped) and returns once all are reduced. On a
@@ -265,6 +266,10 @@ tdm_status tdm_ddp_step(tdm_ddp *d, tdm_optim *opt);
 void tdm_ddp_no_sync(tdm_ddp *d, int enable);
 
 void tdm_ddp_get_times(const tdm_ddp *d, tdm_ddp_times *out);
+
+/* DDP's per-step ops (dist/step.h) over a tdm_ddp: what dist/ builds a
+ * training step, gradient accumulation and uneven inputs from. */
+extern const tdm_dist_ops tdm_ddp_dist_ops;
 
 /* Rank 0 writes (atomically); every rank learns whether it succeeded. */
 tdm_status tdm_ddp_checkpoint_save(tdm_ddp *d, const char *path, tdm_optim *opt,

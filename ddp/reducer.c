@@ -14,22 +14,7 @@
 
 #include "core/log.h"
 #include "core/timer.h"
-
-static uint64_t tdm_ddp_fnv(const void *p, size_t n, uint64_t h)
-{
-    const unsigned char *s = p;
-    for (size_t i = 0; i < n; i++) h = (h ^ s[i]) * 1099511628211ull;
-    return h;
-}
-
-static uint64_t tdm_ddp_tensor_hash(const tdm_tensor_info *t)
-{
-    uint64_t h = tdm_ddp_fnv(t->name, strlen(t->name), 1469598103934665603ull);
-    h = tdm_ddp_fnv(&t->ndim, sizeof t->ndim, h);
-    h = tdm_ddp_fnv(t->shape, sizeof t->shape[0] * (size_t)t->ndim, h);
-    h = tdm_ddp_fnv(&t->offset, sizeof t->offset, h);
-    return h;
-}
+#include "dist/check.h"
 
 /* ---- bucket plan ---- */
 
@@ -161,101 +146,44 @@ static tdm_status tdm_ddp_plan(tdm_ddp_reducer *r)
 
 static uint64_t tdm_ddp_plan_hash(const tdm_ddp_reducer *r)
 {
-    uint64_t h = 1469598103934665603ull;
+    uint64_t h = TDM_DIST_HASH_SEED;
     for (int i = 0; i < r->nb; i++) {
         int64_t v[3] = {r->b[i].first, r->b[i].last, r->b[i].offset};
-        h = tdm_ddp_fnv(v, sizeof v, h);
+        h = tdm_dist_hash(v, sizeof v, h);
     }
     return h;
 }
 
 /* ---- construction checks ---- */
 
-enum { TDM_DDP_SUM_NPARAMS, TDM_DDP_SUM_PELEMS, TDM_DDP_SUM_NBUF, TDM_DDP_SUM_BELEMS,
-       TDM_DDP_SUM_PLAN, TDM_DDP_SUM_NBUCKETS, TDM_DDP_SUM_ZC, TDM_DDP_SUM_N };
+/* The plan's values gathered with the model check's counts. */
+enum { TDM_DDP_PLAN_HASH, TDM_DDP_PLAN_NBUCKETS, TDM_DDP_PLAN_ZC, TDM_DDP_PLAN_N };
 
+/* Every rank the same model (dist/check.h), then the same bucket plan. */
 static tdm_status tdm_ddp_verify(tdm_ddp_reducer *r)
 {
+    int64_t mine[TDM_DDP_PLAN_N] = {[TDM_DDP_PLAN_HASH] = (int64_t)tdm_ddp_plan_hash(r),
+                                    [TDM_DDP_PLAN_NBUCKETS] = r->nb,
+                                    [TDM_DDP_PLAN_ZC] = r->zero_copy};
+    int64_t *all = NULL;
+    TDM_CHECK(tdm_dist_check_model(r->hcomm, r->m, "ddp", "ddp model check", mine,
+                                   TDM_DDP_PLAN_N, &all));
     tdm_status st = TDM_STATUS_OK;
-    tdm_model *m = r->m;
-    int W = r->world, nbuf = tdm_model_n_buffers(m);
-    int64_t mine[TDM_DDP_SUM_N] = {
-        [TDM_DDP_SUM_NPARAMS] = r->n_params, [TDM_DDP_SUM_PELEMS] = r->param_elems,
-        [TDM_DDP_SUM_NBUF] = nbuf, [TDM_DDP_SUM_BELEMS] = tdm_model_buffer_elems(m),
-        [TDM_DDP_SUM_PLAN] = (int64_t)tdm_ddp_plan_hash(r), [TDM_DDP_SUM_NBUCKETS] = r->nb,
-        [TDM_DDP_SUM_ZC] = r->zero_copy};
-    int64_t *all = calloc((size_t)W * TDM_DDP_SUM_N, sizeof *all);
-    int64_t *tens = NULL;
-    TDM_REQUIRE(all, TDM_STATUS_OUT_OF_MEMORY, "ddp: calloc");
-    memcpy(all + (size_t)r->rank * TDM_DDP_SUM_N, mine, sizeof mine);
-    tdm_comm_set_label(r->hcomm, "ddp model check (counts)");
-    TDM_TRY(tdm_comm_all_gather(r->hcomm, all + (size_t)r->rank * TDM_DDP_SUM_N, all,
-                                TDM_DDP_SUM_N, TDM_DTYPE_INT64));
-    for (int k = 1; k < W; k++) {
-        const int64_t *a = all, *b = all + (size_t)k * TDM_DDP_SUM_N;
-        /* equal counts: the per-tensor comparison below names the tensor */
-        if (a[TDM_DDP_SUM_NPARAMS] != b[TDM_DDP_SUM_NPARAMS] ||
-            a[TDM_DDP_SUM_NBUF] != b[TDM_DDP_SUM_NBUF]) {
-            st = tdm_error_set(TDM_STATUS_MISMATCH,
-                               "ddp: model layout differs between ranks: rank 0 has %lld "
-                               "parameter tensors (%lld elements) and %lld buffers (%lld "
-                               "elements), rank %d has %lld (%lld) and %lld (%lld); every rank "
-                               "must build the same model",
-                               (long long)a[0], (long long)a[1], (long long)a[2], (long long)a[3],
-                               k, (long long)b[0], (long long)b[1], (long long)b[2],
-                               (long long)b[3]);
-            goto fail;
-        }
+    for (int k = 1; k < r->world && !st; k++) {
+        const int64_t *a = all, *b = all + (size_t)k * TDM_DDP_PLAN_N;
+        if (a[TDM_DDP_PLAN_HASH] == b[TDM_DDP_PLAN_HASH] &&
+            a[TDM_DDP_PLAN_ZC] == b[TDM_DDP_PLAN_ZC])
+            continue;
+        st = tdm_error_set(TDM_STATUS_MISMATCH,
+                           "ddp: bucket plan differs between ranks: rank 0 planned %lld "
+                           "bucket(s)%s, rank %d %lld%s; use the same bucket cap (and "
+                           "communicator arena) on every rank",
+                           (long long)a[TDM_DDP_PLAN_NBUCKETS],
+                           a[TDM_DDP_PLAN_ZC] ? " (zero-copy)" : "", k,
+                           (long long)b[TDM_DDP_PLAN_NBUCKETS],
+                           b[TDM_DDP_PLAN_ZC] ? " (zero-copy)" : "");
     }
-    /* Same counts everywhere: compare per-tensor (hash, n_elem). */
-    int nt = r->n_params + nbuf;
-    tens = calloc((size_t)W * (size_t)nt * 2, sizeof *tens);
-    if (!tens) {
-        st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "ddp: calloc");
-        goto fail;
-    }
-    int64_t *own = tens + (size_t)r->rank * nt * 2;
-    for (int i = 0; i < nt; i++) {
-        const tdm_tensor_info *t = i < r->n_params ? tdm_model_param_info(m, i)
-                                                   : tdm_model_buffer_info(m, i - r->n_params);
-        own[2 * i] = (int64_t)tdm_ddp_tensor_hash(t);
-        own[2 * i + 1] = t->n_elem;
-    }
-    tdm_comm_set_label(r->hcomm, "ddp model check (tensors)");
-    TDM_TRY(tdm_comm_all_gather(r->hcomm, own, tens, (size_t)nt * 2, TDM_DTYPE_INT64));
-    for (int k = 1; k < W; k++) {
-        for (int i = 0; i < nt; i++) {
-            const int64_t *a = tens + 2 * i, *b = tens + ((size_t)k * nt + i) * 2;
-            if (a[0] == b[0] && a[1] == b[1]) continue;
-            int is_p = i < r->n_params;
-            const tdm_tensor_info *t = is_p ? tdm_model_param_info(m, i)
-                                            : tdm_model_buffer_info(m, i - r->n_params);
-            st = tdm_error_set(TDM_STATUS_MISMATCH,
-                               "ddp: %s %d differs between ranks: rank 0's has %lld elements, "
-                               "rank %d's has %lld (name, shape or offset differ; here, on rank "
-                               "%d, it is '%s'); every rank must build the same model",
-                               is_p ? "parameter" : "buffer", is_p ? i : i - r->n_params,
-                               (long long)a[1], k, (long long)b[1], r->rank, t->name);
-            goto fail;
-        }
-    }
-    for (int k = 1; k < W; k++) {
-        const int64_t *a = all, *b = all + (size_t)k * TDM_DDP_SUM_N;
-        if (a[TDM_DDP_SUM_PLAN] != b[TDM_DDP_SUM_PLAN] || a[TDM_DDP_SUM_ZC] != b[TDM_DDP_SUM_ZC]) {
-            st = tdm_error_set(TDM_STATUS_MISMATCH,
-                               "ddp: bucket plan differs between ranks: rank 0 planned %lld "
-                               "bucket(s)%s, rank %d %lld%s; use the same bucket cap (and "
-                               "communicator arena) on every rank",
-                               (long long)a[TDM_DDP_SUM_NBUCKETS],
-                               a[TDM_DDP_SUM_ZC] ? " (zero-copy)" : "", k,
-                               (long long)b[TDM_DDP_SUM_NBUCKETS],
-                               b[TDM_DDP_SUM_ZC] ? " (zero-copy)" : "");
-            goto fail;
-        }
-    }
-fail:
     free(all);
-    free(tens);
     return st;
 }
 
@@ -432,7 +360,7 @@ static tdm_status tdm_ddp_drain(tdm_ddp_reducer *r)
         tdm_status s = TDM_STATUS_OK;
         if (r->hook.launch) {
             /* the hook's wait, then the check tail's (launched after it) */
-            r->hb[i].timeout_ms = st ? 10000 : to;
+            r->hb[i].timeout_ms = st ? TDM_DIST_DRAIN_TIMEOUT_MS : to;
             s = r->hook.wait(r->hook.state, &r->hb[i]);
             if (s)
                 tdm_error_prefix(s, "comm hook '%s' (wait)", r->hook.name ? r->hook.name : "user");
@@ -445,7 +373,8 @@ static tdm_status tdm_ddp_drain(tdm_ddp_reducer *r)
             while (!st && !s && tdm_comm_work_test(bk->work, &done) == TDM_STATUS_OK && !done &&
                    tdm_time_ns() < spin_end)
                 sched_yield();
-            tdm_status s2 = tdm_comm_work_wait(bk->work, (st || s) ? 10000 : to);
+            tdm_status s2 =
+                tdm_comm_work_wait(bk->work, (st || s) ? TDM_DIST_DRAIN_TIMEOUT_MS : to);
             if (!s) s = s2;
             /* freeing a still-running work is allowed: it completes in the
              * background (core/comm.h), and the communicator is aborted */
@@ -499,18 +428,14 @@ static tdm_status tdm_ddp_unready_error(tdm_ddp_reducer *r)
 static tdm_status tdm_ddp_check_tail(tdm_ddp_reducer *r, uint32_t mine, double *loss_global)
 {
     float s[TDM_DDP_TAIL_ELEMS];
+    double seq[TDM_DDP_MAX_RANKS];
     TDM_CHECK(tdm_dev_copy_to_host(r->dev, s, r->grads + r->param_elems, sizeof s));
     double loss = 0.0;
     for (int k = 0; k < r->world; k++) {
         loss += (double)s[TDM_DDP_TAIL_LOSS_HI + k] + (double)s[TDM_DDP_TAIL_LOSS_LO + k];
-        if (s[TDM_DDP_TAIL_SEQ + k] == (float)mine) continue;
-        return tdm_error_set(TDM_STATUS_MISMATCH,
-                             "ddp: collective sequence mismatch: rank %d reduced the "
-                             "gradients of its training forward #%lld together with rank %d's "
-                             "forward #%" PRIu32 " (a rank skipped a backward or ran a "
-                             "different number of steps)",
-                             k, (long long)s[TDM_DDP_TAIL_SEQ + k] - 1, r->rank, mine - 1);
+        seq[k] = (double)s[TDM_DDP_TAIL_SEQ + k] - 1.0;   /* slots hold the count + 1 */
     }
+    TDM_CHECK(tdm_dist_check_seq("ddp", seq, r->world, r->rank, (double)mine - 1.0));
     *loss_global = loss;
     return TDM_STATUS_OK;
 }
@@ -607,10 +532,10 @@ void tdm_ddp_reducer_free(tdm_ddp_reducer *r)
 {
     for (int i = 0; i < r->nb; i++) {
         if (r->hook.launch && r->b[i].launched) {
-            r->hb[i].timeout_ms = 10000;
+            r->hb[i].timeout_ms = TDM_DIST_DRAIN_TIMEOUT_MS;
             (void)r->hook.wait(r->hook.state, &r->hb[i]);
         }
-        if (r->b[i].work) (void)tdm_comm_work_wait(r->b[i].work, 10000);
+        if (r->b[i].work) (void)tdm_comm_work_wait(r->b[i].work, TDM_DIST_DRAIN_TIMEOUT_MS);
         tdm_comm_work_free(r->b[i].work);
     }
     if (r->own_hook && r->hook.free) r->hook.free(r->hook.state);

@@ -37,6 +37,7 @@
 #include "core/status.h"
 #include "ddp/ddp.h"
 #include "ddp/hooks.h"
+#include "dist/timeout.h"
 #include "models/model.h"
 
 #define TDM_DDP_MAX_RANKS 64
@@ -104,9 +105,9 @@ tdm_status tdm_ddp_reducer_init(tdm_ddp_reducer *r, tdm_model *m, tdm_comm *comm
 /* Backs the model's gradients with the storage and installs the
  * grad-ready hook (after the parameters have been broadcast). */
 tdm_status tdm_ddp_reducer_attach(tdm_ddp_reducer *r);
-/* Waits (10 s at most each) for buckets still in flight, gives the model
- * back its own gradient storage (copying the gradients), removes the
- * hook and frees the storage. */
+/* Waits (TDM_DIST_DRAIN_TIMEOUT_MS at most each) for buckets still in
+ * flight, gives the model back its own gradient storage (copying the
+ * gradients), removes the hook and frees the storage. */
 void tdm_ddp_reducer_free(tdm_ddp_reducer *r);
 
 /* Start of a synchronised backward: rebuilds the plan when the first one

@@ -152,6 +152,20 @@ fail:
 
 /* ---- init / free ---- */
 
+/* Defined before tdm_dp_init, whose fail path runs it on any prefix of
+ * what it made. */
+void tdm_dp_free(tdm_dp *dp)
+{
+    if (!dp) return;
+    tdm_dp_pool_free(dp->pool);  /* first: no thread touches what follows */
+    tdm_dp_free_buffers(dp);
+    tdm_dev_group_free(dp->group);
+    if (dp->stage) tdm_dev_free(dp->dev[dp->out], dp->stage);
+    for (int i = 0; i < dp->n; i++)
+        if (i != dp->out) tdm_model_free(dp->rep[i]);
+    free(dp);
+}
+
 tdm_status tdm_dp_init(tdm_dp **out, tdm_model *master, tdm_device **devices, int n_devices,
                        const tdm_dp_opts *opts)
 {
@@ -240,18 +254,6 @@ tdm_status tdm_dp_init(tdm_dp **out, tdm_model *master, tdm_device **devices, in
 fail:
     tdm_dp_free(dp);
     return st;
-}
-
-void tdm_dp_free(tdm_dp *dp)
-{
-    if (!dp) return;
-    tdm_dp_pool_free(dp->pool);  /* first: no thread touches what follows */
-    tdm_dp_free_buffers(dp);
-    tdm_dev_group_free(dp->group);
-    if (dp->stage) tdm_dev_free(dp->dev[dp->out], dp->stage);
-    for (int i = 0; i < dp->n; i++)
-        if (i != dp->out) tdm_model_free(dp->rep[i]);
-    free(dp);
 }
 
 int tdm_dp_n_devices(const tdm_dp *dp) { return dp->n; }

@@ -148,6 +148,26 @@ static void *tdm_dp_pool_worker(void *argp)
     return NULL;
 }
 
+/* Defined before tdm_dp_pool_init, whose fail path runs it on any prefix
+ * of what it made. */
+void tdm_dp_pool_free(tdm_dp_pool *p)
+{
+    if (!p) return;
+    /* release: pairs with the workers' acquire load of stop after their
+     * go wait; the go store below wakes them. */
+    atomic_store_explicit(&p->stop, 1, memory_order_release);
+    p->gen++;
+    for (int s = 0; s < p->n_slots; s++)
+        if (p->slots[s].started) tdm_wait_publish(&p->slots[s].go, p->gen, TDM_WAIT_PRIVATE);
+    for (int s = 0; s < p->n_slots; s++) {
+        if (!p->slots[s].started) continue;
+        int ret = pthread_join(p->slots[s].thread, NULL);
+        if (ret != 0) TDM_WARN(DP, "thread pool: pthread_join slot %d: %s", s, strerror(ret));
+    }
+    free(p->slots);
+    free(p);
+}
+
 tdm_status tdm_dp_pool_init(tdm_dp_pool **out, int n_slots, int caller_slot, int spin_us)
 {
     tdm_status st = TDM_STATUS_OK;
@@ -195,24 +215,6 @@ tdm_status tdm_dp_pool_init(tdm_dp_pool **out, int n_slots, int caller_slot, int
 fail:
     tdm_dp_pool_free(p);
     return st;
-}
-
-void tdm_dp_pool_free(tdm_dp_pool *p)
-{
-    if (!p) return;
-    /* release: pairs with the workers' acquire load of stop after their
-     * go wait; the go store below wakes them. */
-    atomic_store_explicit(&p->stop, 1, memory_order_release);
-    p->gen++;
-    for (int s = 0; s < p->n_slots; s++)
-        if (p->slots[s].started) tdm_wait_publish(&p->slots[s].go, p->gen, TDM_WAIT_PRIVATE);
-    for (int s = 0; s < p->n_slots; s++) {
-        if (!p->slots[s].started) continue;
-        int ret = pthread_join(p->slots[s].thread, NULL);
-        if (ret != 0) TDM_WARN(DP, "thread pool: pthread_join slot %d: %s", s, strerror(ret));
-    }
-    free(p->slots);
-    free(p);
 }
 
 int tdm_dp_pool_n_slots(const tdm_dp_pool *p) { return p->n_slots; }

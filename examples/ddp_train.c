@@ -19,8 +19,8 @@
 #include "core/data.h"
 #include "core/device.h"
 #include "ddp/ddp.h"
-#include "ddp/pg.h"
-#include "ddp/sampler.h"
+#include "dist/pg.h"
+#include "dist/sampler.h"
 #include "models/model.h"
 #include "models/optim.h"
 #include "models/train.h"
@@ -45,9 +45,9 @@ int main(int argc, char **argv)
         return 2;
     }
 
-    tdm_ddp_env env;
+    tdm_dist_env env;
     tdm_comm *comm;
-    CHECK(tdm_ddp_pg_init_from_env(&comm, &env)); /* RANK, WORLD_SIZE, TANDEM_SHM_FD */
+    CHECK(tdm_dist_pg_init_from_env(&comm, &env)); /* RANK, WORLD_SIZE, TANDEM_SHM_FD */
 
     tdm_dataset train, test;
     if (!strcmp(data, "synthetic")) {
@@ -68,17 +68,17 @@ int main(int argc, char **argv)
     tdm_optim *opt;
     CHECK(tdm_sgd_init(&opt, m, 0.05f, 0.9f));
 
-    tdm_ddp_sampler sampler;
-    CHECK(tdm_ddp_sampler_init(&sampler, train.n, env.rank, env.world_size, 1, 1, 0));
-    int64_t n_mine = tdm_ddp_sampler_len(&sampler);
+    tdm_dist_sampler sampler;
+    CHECK(tdm_dist_sampler_init(&sampler, train.n, env.rank, env.world_size, 1, 1, 0));
+    int64_t n_mine = tdm_dist_sampler_len(&sampler);
     int64_t *idx = malloc((size_t)n_mine * sizeof *idx);
     float *x = malloc((size_t)batch * 784 * sizeof(float));
     int32_t *y = malloc((size_t)batch * sizeof(int32_t));
     if (!idx || !x || !y) return 1;
 
     for (int e = 0; e < epochs; e++) {
-        tdm_ddp_sampler_set_epoch(&sampler, e);
-        CHECK(tdm_ddp_sampler_indices(&sampler, idx));
+        tdm_dist_sampler_set_epoch(&sampler, e);
+        CHECK(tdm_dist_sampler_indices(&sampler, idx));
         double loss_sum = 0.0;
         int64_t seen = 0;
         /* every rank has the same number of samples, so the same steps */

@@ -56,7 +56,6 @@ static tdm_status tdm_fsdp_agree(tdm_fsdp *f, tdm_status mine, const char *what,
     return TDM_STATUS_OK;
 }
 
-static const char *tdm_fsdp_kind_name(tdm_optim_kind k) { return k == TDM_OPTIM_ADAMW ? "adamw" : "sgd"; }
 
 static tdm_status tdm_fsdp_check_opt(const tdm_fsdp *f, const tdm_optim *opt)
 {
@@ -119,10 +118,7 @@ tdm_status tdm_fsdp_save_full(tdm_fsdp *f, const char *path, tdm_optim *opt,
     if (st) return tdm_fsdp_fail(f, tdm_error_prefix(st, "fsdp: gathering %s", path));
     if (root && !mine) mine = tdm_checkpoint_save_host(path, m, &h, info);
     if (mine) snprintf(msg, sizeof msg, "%s", tdm_error_message());
-    free(h.params);
-    free(h.buffers);
-    free(h.state[0]);
-    free(h.state[1]);
+    tdm_ckpt_host_free(&h);
     /* doubles as the barrier: nobody goes on before the file is in place */
     int32_t ok = mine == TDM_STATUS_OK;
     tdm_comm_set_label(f->hcomm, "%s checkpoint saved flag", tdm_fsdp_tag(f));
@@ -143,8 +139,8 @@ static tdm_status tdm_fsdp_place(tdm_fsdp *f, const float *src, float *stage, fl
         const tdm_fsdp_unit *x = &f->u[u];
         memset(stage, 0, (size_t)x->padded * sizeof(float));
         memcpy(stage, src + x->offset, (size_t)x->n_elem * sizeof(float));
-        if (params && f->pfull) {
-            TDM_CHECK(tdm_dev_copy_from_host(d, f->pfull + x->full_off, stage,
+        if (params && f->buf.pfull) {
+            TDM_CHECK(tdm_dev_copy_from_host(d, f->buf.pfull + x->full_off, stage,
                                              (size_t)x->padded * sizeof(float)));
             continue;   /* its shard is a slice of the full copy */
         }
@@ -155,16 +151,23 @@ static tdm_status tdm_fsdp_place(tdm_fsdp *f, const float *src, float *stage, fl
     return TDM_STATUS_OK;
 }
 
+/* Before a load: the optimizer fits, and what is gathered now (about to
+ * be stale) is released. *ns: the optimizer's state tensors (0: none). */
+static tdm_status tdm_fsdp_load_begin(tdm_fsdp *f, tdm_optim *opt, int *ns)
+{
+    TDM_CHECK(tdm_fsdp_check_opt(f, opt));
+    *ns = opt ? tdm_optim_n_state(opt) : 0;
+    tdm_status st = tdm_fsdp_settle_params(f, 1);
+    return st ? tdm_fsdp_fail(f, st) : st;
+}
+
 tdm_status tdm_fsdp_load_full(tdm_fsdp *f, const char *path, tdm_optim *opt,
                               tdm_ckpt_info *info)
 {
+    int ns;
+    TDM_CHECK(tdm_fsdp_load_begin(f, opt, &ns));
     tdm_model *m = f->m;
-    tdm_device *d = f->dev;
-    TDM_CHECK(tdm_fsdp_check_opt(f, opt));
-    /* what is gathered now is about to be stale */
-    tdm_status st = tdm_fsdp_settle_params(f, 1);
-    if (st) return tdm_fsdp_fail(f, st);
-    int ns = opt ? tdm_optim_n_state(opt) : 0;
+    tdm_status st = TDM_STATUS_OK;
     int64_t pe = tdm_model_param_elems(m), be = tdm_model_buffer_elems(m);
     tdm_ckpt_host h = {.optim = opt ? tdm_optim_get_opts(opt) : NULL};
     tdm_ckpt_info got = {0};
@@ -184,13 +187,11 @@ tdm_status tdm_fsdp_load_full(tdm_fsdp *f, const char *path, tdm_optim *opt,
     for (int s = 0; st == TDM_STATUS_OK && s < ns; s++)
         st = tdm_fsdp_place(f, h.state[s], stage, tdm_optim_state(opt, s), 0);
     if (st == TDM_STATUS_OK && be > 0)
-        st = tdm_dev_copy_from_host(d, tdm_model_buffers(m), h.buffers, (size_t)be * sizeof(float));
+        st = tdm_dev_copy_from_host(f->dev, tdm_model_buffers(m), h.buffers,
+                                    (size_t)be * sizeof(float));
     if (st == TDM_STATUS_OK && opt) tdm_optim_set_steps(opt, h.steps);
     if (st == TDM_STATUS_OK && info) *info = got;
-    free(h.params);
-    free(h.buffers);
-    free(h.state[0]);
-    free(h.state[1]);
+    tdm_ckpt_host_free(&h);
     free(stage);
     return st;
 }
@@ -294,40 +295,22 @@ static tdm_status tdm_fsdp_write_index(tdm_fsdp *f, const char *path, tdm_optim 
         st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "fsdp: staging %s", path);
         goto fail;
     }
-    if (be > 0) TDM_TRY(tdm_dev_copy_to_host(d, hb, tdm_model_buffers(m), (size_t)be * sizeof(float)));
+    if (be > 0)
+        TDM_TRY(tdm_dev_copy_to_host(d, hb, tdm_model_buffers(m), (size_t)be * sizeof(float)));
     for (int i = 0; i < nbuf; i++) {
         const tdm_tensor_info *ti = tdm_model_buffer_info(m, i);
         t[i] = (tdm_st_tensor){.name = ti->name, .dtype = TDM_ST_F32, .ndim = ti->ndim,
                                .data = hb + ti->offset, .nbytes = (size_t)ti->n_elem * 4};
         for (int j = 0; j < ti->ndim; j++) t[i].shape[j] = ti->shape[j];
     }
-    char world[16], step[32], epoch[32], seed[32], lr[32], hyper[200], osteps[32];
+    char world[16];
+    tdm_ckpt_meta_text mt;
     snprintf(world, sizeof world, "%d", f->world);
-    snprintf(step, sizeof step, "%" PRId64, info ? info->step : (opt ? tdm_optim_steps(opt) : 0));
-    snprintf(epoch, sizeof epoch, "%" PRId64, info ? info->epoch : 0);
-    snprintf(seed, sizeof seed, "%" PRIu64, info ? info->seed : 0);
-    tdm_st_meta meta[14] = {{"format", TDM_FSDP_INDEX_FORMAT}, {"model", model}, {"id", id},
-                            {"world", world}, {"units", units}, {"step", step},
-                            {"epoch", epoch}, {"seed", seed},
-                            {"sharding", tdm_fsdp_sharding_name(f->o.sharding)}};
-    int nmeta = 9;
-    if (opt) {
-        const tdm_optim_opts *o = tdm_optim_get_opts(opt);
-        snprintf(lr, sizeof lr, "%.9g", (double)o->lr);
-        snprintf(hyper, sizeof hyper,
-                 "momentum=%.9g dampening=%.9g nesterov=%d weight_decay=%.9g beta1=%.9g "
-                 "beta2=%.9g eps=%.9g", (double)o->momentum, (double)o->dampening, o->nesterov,
-                 (double)o->weight_decay, (double)o->beta1, (double)o->beta2, (double)o->eps);
-        meta[nmeta++] = (tdm_st_meta){"optimizer", tdm_fsdp_kind_name(o->kind)};
-        meta[nmeta++] = (tdm_st_meta){"lr", lr};
-        meta[nmeta++] = (tdm_st_meta){"optimizer_options", hyper};
-        /* the optimizer's own count, apart from the caller's step (as
-         * models/checkpoint.c writes it) */
-        snprintf(osteps, sizeof osteps, "%" PRId64, tdm_optim_steps(opt));
-        meta[nmeta++] = (tdm_st_meta){"optimizer_steps", osteps};
-    }
-    /* the run that wrote it, as models/checkpoint.c writes it */
-    if (tdm_checkpoint_run()[0]) meta[nmeta++] = (tdm_st_meta){"run", tdm_checkpoint_run()};
+    tdm_st_meta meta[6 + TDM_CKPT_META_MAX] = {
+        {"format", TDM_FSDP_INDEX_FORMAT}, {"model", model}, {"id", id},
+        {"world", world}, {"units", units}, {"sharding", tdm_fsdp_sharding_name(f->o.sharding)}};
+    int nmeta = 6 + tdm_checkpoint_meta(meta + 6, &mt, info, opt ? tdm_optim_steps(opt) : 0,
+                                        opt ? tdm_optim_get_opts(opt) : NULL);
     TDM_TRY(tdm_st_save(path, t, nbuf, meta, nmeta));
 fail:
     free(hb);
@@ -478,7 +461,8 @@ static tdm_status tdm_fsdp_read_shards(tdm_fsdp *f, const char *path, const char
             const tdm_fsdp_unit *x = &f->u[u];
             int64_t s_old = (x->n_elem + W - 1) / W;
             int64_t lo = (int64_t)f->rank * x->shard, hi = lo + x->shard;
-            int64_t a = q * s_old > lo ? q * s_old : lo, b = (q + 1) * s_old < hi ? (q + 1) * s_old : hi;
+            int64_t a = q * s_old > lo ? q * s_old : lo;
+            int64_t b = (q + 1) * s_old < hi ? (q + 1) * s_old : hi;
             if (b > x->n_elem) b = x->n_elem;
             if (a >= b) continue;
             free(tmp);
@@ -489,7 +473,9 @@ static tdm_status tdm_fsdp_read_shards(tdm_fsdp *f, const char *path, const char
             }
             for (int s = 0; s <= ns; s++) {
                 if (s == 0) snprintf(name, sizeof name, "unit%d.params", u);
-                else snprintf(name, sizeof name, "unit%d.optim.%s", u, tdm_optim_state_name(opt, s - 1));
+                else
+                    snprintf(name, sizeof name, "unit%d.optim.%s", u,
+                             tdm_optim_state_name(opt, s - 1));
                 TDM_TRY(tdm_st_read(sf, name, TDM_ST_F32, 1, &s_old, tmp));
                 TDM_TRY(tdm_fsdp_finite(file, name, tmp, s_old));
                 float *dst = stage + (size_t)s * (size_t)f->shard_elems + x->shard_off;
@@ -505,29 +491,14 @@ fail:
     return st;
 }
 
-static tdm_status tdm_fsdp_parse_count(const tdm_st_file *f, const char *key, int64_t *out)
-{
-    const char *v = tdm_st_meta_get(f, key);
-    char *end;
-    errno = 0;
-    long long x = v ? strtoll(v, &end, 10) : -1;
-    TDM_REQUIRE(v && end != v && *end == '\0' && v[0] >= '0' && v[0] <= '9' && errno != ERANGE &&
-                    x <= TDM_CKPT_MAX_COUNT,
-                TDM_STATUS_FORMAT, "%s: metadata '%s' = '%s' is not a count in [0, 2^53]",
-                tdm_st_path(f), key, v ? v : "(none)");
-    *out = x;
-    return TDM_STATUS_OK;
-}
-
 tdm_status tdm_fsdp_load_sharded(tdm_fsdp *f, const char *path, tdm_optim *opt,
                                  tdm_ckpt_info *info)
 {
+    int ns;
+    TDM_CHECK(tdm_fsdp_load_begin(f, opt, &ns));
     tdm_model *m = f->m;
     tdm_device *d = f->dev;
-    TDM_CHECK(tdm_fsdp_check_opt(f, opt));
-    tdm_status st = tdm_fsdp_settle_params(f, 1);
-    if (st) return tdm_fsdp_fail(f, st);
-    int ns = opt ? tdm_optim_n_state(opt) : 0;
+    tdm_status st = TDM_STATUS_OK;
     int64_t be = tdm_model_buffer_elems(m), step = 0, epoch = 0, osteps = 0;
     uint64_t seed = 0;
     tdm_st_file *idx = NULL;
@@ -567,18 +538,20 @@ tdm_status tdm_fsdp_load_sharded(tdm_fsdp *f, const char *path, tdm_optim *opt,
     if ((mine = tdm_fsdp_check_units(f, path, tdm_st_meta_get(idx, "units")
                                                   ? tdm_st_meta_get(idx, "units") : "")))
         goto agree;
-    if (opt && (!ok || strcmp(ok, tdm_fsdp_kind_name(tdm_optim_get_opts(opt)->kind)))) {
+    const char *want = opt ? tdm_checkpoint_optim_name(tdm_optim_get_opts(opt)->kind) : NULL;
+    if (opt && (!ok || strcmp(ok, want))) {
         mine = tdm_error_set(TDM_STATUS_MISMATCH,
                              "%s: checkpoint holds %s optimizer state but this run uses %s", path,
-                             ok ? ok : "no", tdm_fsdp_kind_name(tdm_optim_get_opts(opt)->kind));
+                             ok ? ok : "no", want);
         goto agree;
     }
-    if ((mine = tdm_fsdp_parse_count(idx, "step", &step))) goto agree;
-    osteps = step;   /* an index without "optimizer_steps" holds only "step" */
-    if (tdm_st_meta_get(idx, "optimizer_steps") &&
-        (mine = tdm_fsdp_parse_count(idx, "optimizer_steps", &osteps)))
-        goto agree;
-    if ((mine = tdm_fsdp_parse_count(idx, "epoch", &epoch))) goto agree;
+    uint64_t count;
+    if ((mine = tdm_checkpoint_meta_uint(idx, "step", TDM_CKPT_MAX_COUNT, &count))) goto agree;
+    step = (int64_t)count;
+    if ((mine = tdm_checkpoint_optim_steps(idx, count, &count))) goto agree;
+    osteps = (int64_t)count;
+    if ((mine = tdm_checkpoint_meta_uint(idx, "epoch", TDM_CKPT_MAX_COUNT, &count))) goto agree;
+    epoch = (int64_t)count;
     const char *sv = tdm_st_meta_get(idx, "seed");
     seed = sv ? strtoull(sv, NULL, 10) : 0;
     for (int i = 0; i < tdm_model_n_buffers(m) && !mine; i++) {
@@ -592,7 +565,8 @@ agree:
     for (int u = 0; st == TDM_STATUS_OK && u < f->nu; u++) {
         const tdm_fsdp_unit *x = &f->u[u];
         for (int s = 0; st == TDM_STATUS_OK && s <= ns; s++) {
-            float *dst = s == 0 ? tdm_fsdp_pshard(f, u) : tdm_optim_state(opt, s - 1) + x->shard_off;
+            float *dst = s == 0 ? tdm_fsdp_pshard(f, u)
+                                : tdm_optim_state(opt, s - 1) + x->shard_off;
             st = tdm_dev_copy_from_host(d, dst, stage + (size_t)s * (size_t)f->shard_elems +
                                                     x->shard_off,
                                         (size_t)x->shard * sizeof(float));
@@ -602,16 +576,47 @@ agree:
         st = tdm_dev_copy_from_host(d, tdm_model_buffers(m), hb, (size_t)be * sizeof(float));
     /* grad_op and optimizer keep full parameters: every rank's new shard
      * into every rank's copy */
-    for (int u = 0; st == TDM_STATUS_OK && f->pfull && u < f->nu; u++) {
-        f->u[u].p_state = 0;
+    for (int u = 0; st == TDM_STATUS_OK && f->buf.pfull && u < f->nu; u++) {
+        f->u[u].params = TDM_FSDP_PARAMS_ABSENT;
         st = tdm_fsdp_issue_gather(f, u, 0);
     }
-    if (st == TDM_STATUS_OK && f->pfull) st = tdm_fsdp_settle_params(f, 0);
+    if (st == TDM_STATUS_OK && f->buf.pfull) st = tdm_fsdp_settle_params(f, 0);
     if (st == TDM_STATUS_OK && opt) tdm_optim_set_steps(opt, osteps);
-    if (st == TDM_STATUS_OK && info) *info = (tdm_ckpt_info){.step = step, .epoch = epoch, .seed = seed};
+    if (st == TDM_STATUS_OK && info)
+        *info = (tdm_ckpt_info){.step = step, .epoch = epoch, .seed = seed};
     tdm_st_free(idx);
     free(units);
     free(stage);
     free(hb);
     return st;
+}
+
+/* 1 when path holds a sharded checkpoint's index: its format line sits
+ * in the safetensors header's metadata, whose length grows with the
+ * units listed there (read up to 1 MiB of it; a full checkpoint is not
+ * read further). */
+static int tdm_fsdp_is_index(const char *path)
+{
+    size_t cap = 1 << 20;
+    char *buf = malloc(cap + 1);
+    FILE *fp = buf ? fopen(path, "rb") : NULL;
+    if (!fp) {
+        free(buf);
+        return 0;
+    }
+    size_t n = fread(buf, 1, cap, fp);
+    fclose(fp);
+    buf[n] = 0;
+    for (size_t i = 0; i < n; i++)
+        if (!buf[i]) buf[i] = ' ';
+    /* any version: tdm_fsdp_load_sharded names one it cannot read */
+    int found = strstr(buf, "tandem-fsdp-sharded-") != NULL;
+    free(buf);
+    return found;
+}
+
+tdm_status tdm_fsdp_load(tdm_fsdp *f, const char *path, tdm_optim *opt, tdm_ckpt_info *info)
+{
+    return tdm_fsdp_is_index(path) ? tdm_fsdp_load_sharded(f, path, opt, info)
+                                   : tdm_fsdp_load_full(f, path, opt, info);
 }

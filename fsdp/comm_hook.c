@@ -96,10 +96,11 @@ void tdm_fsdp_hook_finish(tdm_fsdp *f, int u)
     const uint16_t *h = x->hook_buf + (int64_t)f->rank * x->shard;
     float *dst;
     if (f->o.sharding == TDM_FSDP_SHARD_OPTIM)
-        dst = f->gfull + x->full_off + (int64_t)f->rank * x->shard;
+        dst = f->buf.gfull + x->full_off + (int64_t)f->rank * x->shard;
     else
-        dst = x->rs_tmp ? x->rs_tmp : f->gshard + x->shard_off;
-    for (int64_t i = 0; i < x->shard; i++) dst[i] = bf ? tdm_bf16_to_f32(h[i]) : tdm_f16_to_f32(h[i]);
+        dst = x->rs_tmp ? x->rs_tmp : f->buf.gshard + x->shard_off;
+    for (int64_t i = 0; i < x->shard; i++)
+        dst[i] = bf ? tdm_bf16_to_f32(h[i]) : tdm_f16_to_f32(h[i]);
     tdm_fsdp_hook_release(f, u);
 }
 

@@ -7,24 +7,22 @@
  * pieces they share with training are fsdp/fsdp.c's. */
 #include "fsdp/fsdp_impl.h"
 
+#include <stdio.h>
+
 /* ---- evaluation ---- */
 
 tdm_status tdm_fsdp_evaluate(tdm_fsdp *f, const tdm_dataset *test, int batch, double *loss_mean,
                              double *accuracy)
 {
     tdm_model *m = f->m;
-    TDM_REQUIRE(test && batch > 0 && loss_mean && accuracy, TDM_STATUS_INVALID_ARG,
-                "fsdp evaluate: test, batch > 0 and outputs are required");
-    if (f->have_fwd) {
-        f->have_fwd = 0;
-        f->fwd_lost = "tdm_fsdp_evaluate ran forwards on the model since the last "
-                      "tdm_fsdp_forward and replaced its activations";
-    }
+    TDM_CHECK(tdm_dist_eval_begin(&f->fwd, "fsdp", "tdm_fsdp_evaluate", test, batch,
+                                  loss_mean, accuracy));
     int full = f->o.sharding == TDM_FSDP_FULL_SHARD, was_train = tdm_model_is_train(m);
     tdm_status st = tdm_fsdp_settle_params(f, full);
     if (st == TDM_STATUS_OK) st = tdm_fsdp_broadcast_buffers(f, "evaluate");
     if (st) return tdm_fsdp_fail(f, st);
-    int64_t n = test->n, lo = n * f->rank / f->world, hi = n * (f->rank + 1) / f->world;
+    int64_t n = test->n, lo, hi;
+    tdm_dist_share(n, f->rank, f->world, &lo, &hi);
     /* FULL_SHARD: every rank runs as many forwards as the largest share
      * needs (the gathers are collective); the others run their own */
     int64_t rows_max = full ? (n + f->world - 1) / f->world : hi - lo;
@@ -38,11 +36,12 @@ tdm_status tdm_fsdp_evaluate(tdm_fsdp *f, const tdm_dataset *test, int batch, do
         const int32_t *yd;
         const float *logits;
         if (k <= 0) {   /* this rank's share is done: take part only */
-            st = tdm_fsdp_dummy(f);
-            if (st == TDM_STATUS_OK) st = tdm_fsdp_run_forward(f, f->dummy_x, 1, 0, &logits);
+            st = tdm_train_stage_dummy(&f->stage, m, &xd, &yd);
+            if (st == TDM_STATUS_OK) st = tdm_fsdp_run_forward(f, xd, 1, 0, &logits);
             continue;
         }
-        st = tdm_fsdp_stage(f, test->x + r0 * feat, test->y + r0, (int)k, &xd, &yd);
+        st = tdm_train_stage_batch(&f->stage, m, test->x + r0 * feat, test->y + r0, (int)k, &xd,
+                                  &yd);
         if (st == TDM_STATUS_OK) st = tdm_fsdp_run_forward(f, xd, (int)k, 0, &logits);
         double ls = 0.0;
         int64_t correct = 0;
@@ -58,12 +57,9 @@ tdm_status tdm_fsdp_evaluate(tdm_fsdp *f, const tdm_dataset *test, int batch, do
                          (long long)hi - 1);
         return tdm_fsdp_fail(f, st);
     }
-    tdm_comm_set_label(f->hcomm, "%s evaluate sums", tdm_fsdp_tag(f));
-    TDM_CHECK(tdm_comm_all_reduce(f->hcomm, sums, sums, 3, TDM_DTYPE_FLOAT64, TDM_REDOP_SUM));
-    TDM_REQUIRE(sums[2] > 0, TDM_STATUS_INVALID_ARG, "fsdp evaluate: the test set is empty");
-    *loss_mean = sums[0] / sums[2];
-    *accuracy = sums[1] / sums[2];
-    return TDM_STATUS_OK;
+    char label[32];
+    snprintf(label, sizeof label, "%s evaluate sums", tdm_fsdp_tag(f));
+    return tdm_dist_eval_sums(f->hcomm, "fsdp", label, sums, loss_mean, accuracy);
 }
 
 tdm_status tdm_fsdp_eval_loss(tdm_fsdp *f, const void *x, const int32_t *y, int batch,
@@ -73,11 +69,7 @@ tdm_status tdm_fsdp_eval_loss(tdm_fsdp *f, const void *x, const int32_t *y, int 
     TDM_REQUIRE(loss_sum && batch >= 0 && (batch == 0 || (x && y)), TDM_STATUS_INVALID_ARG,
                 "fsdp eval_loss: bad batch %d or NULL argument", batch);
     *loss_sum = 0.0;
-    if (f->have_fwd) {
-        f->have_fwd = 0;
-        f->fwd_lost = "tdm_fsdp_eval_loss ran a forward on the model since the last "
-                      "tdm_fsdp_forward and replaced its activations";
-    }
+    tdm_dist_fwd_lose(&f->fwd, "tdm_fsdp_eval_loss");
     int full = f->o.sharding == TDM_FSDP_FULL_SHARD, was_train = tdm_model_is_train(m);
     tdm_status st = tdm_fsdp_settle_params(f, full);
     if (st == TDM_STATUS_OK) st = tdm_fsdp_broadcast_buffers(f, "eval_loss");
@@ -89,10 +81,10 @@ tdm_status tdm_fsdp_eval_loss(tdm_fsdp *f, const void *x, const int32_t *y, int 
     double ls = 0.0;
     tdm_model_set_train(m, 0);
     if (batch == 0) {
-        st = tdm_fsdp_dummy(f);
-        if (st == TDM_STATUS_OK) st = tdm_fsdp_run_forward(f, f->dummy_x, 1, 0, &logits);
+        st = tdm_train_stage_dummy(&f->stage, m, &xd, &yd);
+        if (st == TDM_STATUS_OK) st = tdm_fsdp_run_forward(f, xd, 1, 0, &logits);
     } else {
-        st = tdm_fsdp_stage(f, x, y, batch, &xd, &yd);
+        st = tdm_train_stage_batch(&f->stage, m, x, y, batch, &xd, &yd);
         if (st == TDM_STATUS_OK) st = tdm_fsdp_run_forward(f, xd, batch, 0, &logits);
         if (st == TDM_STATUS_OK) st = tdm_model_loss(m, logits, yd, batch, 1.0f, &ls, NULL);
     }
@@ -116,12 +108,13 @@ tdm_status tdm_fsdp_gather_params(tdm_fsdp *f, float *host_out, int root)
         tdm_status st = tdm_fsdp_settle_params(f, 0);
         if (st) return tdm_fsdp_fail(f, st);
         for (int u = 0; mine && u < f->nu; u++)
-            TDM_CHECK(tdm_dev_copy_to_host(d, host_out + f->u[u].offset, f->pfull + f->u[u].full_off,
+            TDM_CHECK(tdm_dev_copy_to_host(d, host_out + f->u[u].offset,
+                                           f->buf.pfull + f->u[u].full_off,
                                            (size_t)f->u[u].n_elem * sizeof(float)));
         return TDM_STATUS_OK;
     }
     for (int u = 0; u < f->nu; u++) {
-        int had = f->u[u].p_state == 2;
+        int had = f->u[u].params == TDM_FSDP_PARAMS_PRESENT;
         tdm_status st = tdm_fsdp_need_params(f, u, 0);
         if (st) return tdm_fsdp_fail(f, st);
         if (mine)

@@ -1,5 +1,6 @@
-/* fsdp/fsdp.c: sharded data parallel's public calls: construction (shards from rank 0's parameters, the
- * model's flat buffers given up for views), forward (buffers broadcast, a
+/* fsdp/fsdp.c: sharded data parallel's public calls: construction
+ * (shards from rank 0's parameters, the model's flat buffers given up for
+ * views), forward (buffers broadcast, a
  * rank without samples still taking part), backward (its end-of-step
  * check and loss sum), the optimizer step on the local shard, and timings
  * and memory. A unit's life inside a pass (gathers, reduce-scatters,
@@ -14,6 +15,7 @@
 #include <string.h>
 
 #include "core/log.h"
+#include "dist/check.h"
 
 /* ---- names ---- */
 
@@ -68,12 +70,12 @@ static tdm_status tdm_fsdp_distribute(tdm_fsdp *f)
     if (f->o.sharding != TDM_FSDP_FULL_SHARD) {
         for (int u = 0; u < f->nu; u++) {
             const tdm_fsdp_unit *x = &f->u[u];
-            tdm_status cst = tdm_dev_copy(d, f->pfull + x->full_off, src + x->offset,
+            tdm_status cst = tdm_dev_copy(d, f->buf.pfull + x->full_off, src + x->offset,
                                           (size_t)x->n_elem * sizeof(float));
             if (cst) return tdm_fsdp_fail(f, cst);
         }
         tdm_comm_set_label(f->comm, "%s broadcast parameters", tdm_fsdp_tag(f));
-        return tdm_comm_broadcast(f->comm, f->pfull, f->pfull, (size_t)f->full_elems,
+        return tdm_comm_broadcast(f->comm, f->buf.pfull, f->buf.pfull, (size_t)f->full_elems,
                                   TDM_DTYPE_FLOAT32, 0);
     }
     tdm_status st = TDM_STATUS_OK;
@@ -91,7 +93,7 @@ static tdm_status tdm_fsdp_distribute(tdm_fsdp *f)
         }
         if (st == TDM_STATUS_OK) {
             tdm_comm_set_label(f->comm, "%s scatter parameters unit %d", tdm_fsdp_tag(f), u);
-            st = tdm_comm_scatter(f->comm, blk, f->pshard + x->shard_off, (size_t)x->shard,
+            st = tdm_comm_scatter(f->comm, blk, f->buf.pshard + x->shard_off, (size_t)x->shard,
                                   TDM_DTYPE_FLOAT32, 0);
         }
     }
@@ -107,20 +109,94 @@ static tdm_status tdm_fsdp_alloc_state(tdm_fsdp *f)
     size_t fb = (size_t)(f->full_elems ? f->full_elems : 1) * sizeof(float);
     switch (f->o.sharding) {
     case TDM_FSDP_FULL_SHARD:
-        TDM_CHECK(tdm_dev_alloc_zero(d, sb, (void **)&f->pshard));
-        TDM_CHECK(tdm_dev_alloc_zero(d, sb, (void **)&f->gshard));
+        TDM_CHECK(tdm_dev_alloc_zero(d, sb, (void **)&f->buf.pshard));
+        TDM_CHECK(tdm_dev_alloc_zero(d, sb, (void **)&f->buf.gshard));
         break;
     case TDM_FSDP_SHARD_GRAD_OP:
-        TDM_CHECK(tdm_dev_alloc_zero(d, fb, (void **)&f->pfull));
-        TDM_CHECK(tdm_dev_alloc_zero(d, sb, (void **)&f->gshard));
+        TDM_CHECK(tdm_dev_alloc_zero(d, fb, (void **)&f->buf.pfull));
+        TDM_CHECK(tdm_dev_alloc_zero(d, sb, (void **)&f->buf.gshard));
         break;
     default:
-        TDM_CHECK(tdm_dev_alloc_zero(d, fb, (void **)&f->pfull));
-        TDM_CHECK(tdm_dev_alloc_zero(d, fb, (void **)&f->gfull));
+        TDM_CHECK(tdm_dev_alloc_zero(d, fb, (void **)&f->buf.pfull));
+        TDM_CHECK(tdm_dev_alloc_zero(d, fb, (void **)&f->buf.gfull));
         break;
     }
-    f->gshard_zero = 1;
+    f->grad.zero = 1;
     return TDM_STATUS_OK;
+}
+
+/* Defined before tdm_fsdp_init, whose fail path runs it on any prefix of
+ * what it made. */
+void tdm_fsdp_free(tdm_fsdp *f)
+{
+    if (!f) return;
+    tdm_model *m = f->m;
+    /* A collective still running may write the unit blocks and the shards:
+     * after a bounded wait, the communicator is aborted so that it ends;
+     * one that does not even then keeps its memory (leaked, not freed
+     * under the progress thread). */
+    int aborted = 0, stuck = 0;
+    for (int u = 0; f->u && u < f->nu; u++) {
+        tdm_fsdp_unit *x = &f->u[u];
+        tdm_comm_work *w[2] = {x->ag, x->rs};
+        for (int k = 0; k < 2; k++) {
+            if (!w[k]) continue;
+            if (tdm_comm_work_wait(w[k], TDM_DIST_DRAIN_TIMEOUT_MS) == TDM_STATUS_TIMEOUT &&
+                !aborted) {
+                aborted = 1;
+                (void)tdm_comm_abort(f->comm, "fsdp free: a collective still running");
+                if (f->hcomm != f->comm)
+                    (void)tdm_comm_abort(f->hcomm, "fsdp free: a collective still running");
+                (void)tdm_comm_work_wait(w[k], TDM_DIST_DRAIN_TIMEOUT_MS);
+            }
+            if (!tdm_fsdp_work_over(w[k])) stuck = 1;
+        }
+        tdm_comm_work_free(x->ag);
+        tdm_comm_work_free(x->rs);
+        x->ag = x->rs = NULL;
+    }
+    if (stuck) {
+        TDM_WARN(FSDP, "free: a collective did not end after an abort: its memory is "
+                       "leaked rather than freed while it may still be written");
+        free(f->u);
+        f->u = NULL;
+        f->buf.pshard = f->buf.gshard = f->buf.pfull = f->buf.gfull = NULL;
+        f->pool.n_cached = 0;
+    }
+    tdm_model_set_grad_hook(m, NULL, NULL);
+    tdm_model_set_use_hook(m, NULL, NULL);
+    if (tdm_model_storage_released(m) && tdm_model_restore_storage(m) == TDM_STATUS_OK &&
+        f->buf.pfull) {
+        /* a full copy exists: the model gets it back */
+        for (int u = 0; u < f->nu; u++)
+            (void)tdm_dev_copy(f->dev, tdm_model_params(m) + f->u[u].offset,
+                                    f->buf.pfull + f->u[u].full_off,
+                                    (size_t)f->u[u].n_elem * sizeof(float));
+    }
+    for (int u = 0; f->u && u < f->nu; u++) {
+        tdm_fsdp_unit *x = &f->u[u];
+        if (f->o.sharding == TDM_FSDP_FULL_SHARD) tdm_fsdp_pool_put(f, x->pbuf, x->pbuf_bytes);
+        if (f->o.sharding != TDM_FSDP_SHARD_OPTIM) tdm_fsdp_pool_put(f, x->gbuf, x->gbuf_bytes);
+        tdm_fsdp_pool_put(f, x->rs_tmp, x->rs_tmp_bytes);
+        tdm_fsdp_hook_release(f, u);
+    }
+    tdm_fsdp_pool_trim(f);
+    tdm_device *d = f->dev;
+    tdm_dev_free(d, f->buf.pshard);
+    tdm_dev_free(d, f->buf.gshard);
+    tdm_dev_free(d, f->buf.pfull);
+    tdm_dev_free(d, f->buf.gfull);
+    tdm_dev_free(d, f->buf.gacc);
+    tdm_train_stage_free(&f->stage);
+    tdm_dev_free(d, f->buf_save);
+    free(f->u);
+    free(f->param_unit);
+    free(f->pass.ready);
+    free(f->pass.fwd.unit);
+    free(f->pass.bwd.unit);
+    free(f->timing.ev);
+    free(f->timing.ev_out);
+    free(f);
 }
 
 tdm_status tdm_fsdp_init(tdm_fsdp **out, tdm_model *m, tdm_comm *comm, const tdm_fsdp_opts *opts)
@@ -147,14 +223,14 @@ tdm_status tdm_fsdp_init(tdm_fsdp **out, tdm_model *m, tdm_comm *comm, const tdm
     f->m = m;
     f->comm = comm;
     f->dev = tdm_model_device(m);
+    f->stage.dev = f->dev;
     if (opts) f->o = *opts;
     f->hcomm = f->o.host_comm ? f->o.host_comm : comm;
     f->rank = tdm_comm_rank(comm);
     f->world = tdm_comm_size(comm);
     f->n_params = tdm_model_n_params(m);
-    f->sync = 1;
-    f->n_active = f->world;
-    f->cur_f = f->cur_b = -1;
+    f->pass.sync = 1;
+    tdm_dist_join_init(&f->join, f->world);
     if (f->hcomm != comm &&
         (tdm_comm_rank(f->hcomm) != f->rank || tdm_comm_size(f->hcomm) != f->world)) {
         st = tdm_error_set(TDM_STATUS_INVALID_ARG,
@@ -165,9 +241,9 @@ tdm_status tdm_fsdp_init(tdm_fsdp **out, tdm_model *m, tdm_comm *comm, const tdm
         return st;
     }
     TDM_TRY(tdm_fsdp_plan(f));
-    f->fwd_order = calloc((size_t)(2 * f->nu + 4), sizeof *f->fwd_order);
-    f->bwd_order = calloc((size_t)(2 * f->nu + 4), sizeof *f->bwd_order);
-    if (!f->fwd_order || !f->bwd_order) {
+    f->pass.fwd.unit = calloc((size_t)(2 * f->nu + 4), sizeof *f->pass.fwd.unit);
+    f->pass.bwd.unit = calloc((size_t)(2 * f->nu + 4), sizeof *f->pass.bwd.unit);
+    if (!f->pass.fwd.unit || !f->pass.bwd.unit) {
         st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "fsdp: calloc");
         goto fail;
     }
@@ -184,15 +260,15 @@ tdm_status tdm_fsdp_init(tdm_fsdp **out, tdm_model *m, tdm_comm *comm, const tdm
     for (int u = 0; u < f->nu; u++) {
         tdm_fsdp_unit *x = &f->u[u];
         if (f->o.sharding == TDM_FSDP_FULL_SHARD) continue;
-        x->pbuf = f->pfull + x->full_off;
-        x->p_state = 2;
+        x->pbuf = f->buf.pfull + x->full_off;
+        x->params = TDM_FSDP_PARAMS_PRESENT;
         TDM_TRY(tdm_model_set_param_view(m, x->first, x->last, x->pbuf));
         if (f->o.sharding == TDM_FSDP_SHARD_OPTIM)
-            TDM_TRY(tdm_model_set_grad_view(m, x->first, x->last, f->gfull + x->full_off));
+            TDM_TRY(tdm_model_set_grad_view(m, x->first, x->last, f->buf.gfull + x->full_off));
     }
     tdm_model_set_grad_hook(m, tdm_fsdp_grad_hook, f);
     tdm_model_set_use_hook(m, tdm_fsdp_use_hook, f);
-    TDM_INFO(DDP, "fsdp rank %d of %d: %s, %d unit(s), %lld parameters, shard of %lld, "
+    TDM_INFO(FSDP, "rank %d of %d: %s, %d unit(s), %lld parameters, shard of %lld, "
              "prefetch %s, overlap %s", f->rank, f->world,
              tdm_fsdp_sharding_describe(f->o.sharding), f->nu,
              (long long)tdm_model_param_elems(m), (long long)f->shard_elems,
@@ -202,81 +278,6 @@ tdm_status tdm_fsdp_init(tdm_fsdp **out, tdm_model *m, tdm_comm *comm, const tdm
 fail:
     tdm_fsdp_free(f);
     return st;
-}
-
-void tdm_fsdp_free(tdm_fsdp *f)
-{
-    if (!f) return;
-    tdm_model *m = f->m;
-    /* A collective still running may write the unit blocks and the shards:
-     * after a bounded wait, the communicator is aborted so that it ends;
-     * one that does not even then keeps its memory (leaked, not freed
-     * under the progress thread). */
-    int aborted = 0, stuck = 0;
-    for (int u = 0; f->u && u < f->nu; u++) {
-        tdm_fsdp_unit *x = &f->u[u];
-        tdm_comm_work *w[2] = {x->ag, x->rs};
-        for (int k = 0; k < 2; k++) {
-            if (!w[k]) continue;
-            if (tdm_comm_work_wait(w[k], 10000) == TDM_STATUS_TIMEOUT && !aborted) {
-                aborted = 1;
-                (void)tdm_comm_abort(f->comm, "fsdp free: a collective still running");
-                if (f->hcomm != f->comm)
-                    (void)tdm_comm_abort(f->hcomm, "fsdp free: a collective still running");
-                (void)tdm_comm_work_wait(w[k], 10000);
-            }
-            if (!tdm_fsdp_work_over(w[k])) stuck = 1;
-        }
-        tdm_comm_work_free(x->ag);
-        tdm_comm_work_free(x->rs);
-        x->ag = x->rs = NULL;
-    }
-    if (stuck) {
-        TDM_WARN(DDP, "fsdp free: a collective did not end after an abort: its memory is "
-                       "leaked rather than freed while it may still be written");
-        free(f->u);
-        f->u = NULL;
-        f->pshard = f->gshard = f->pfull = f->gfull = NULL;
-        f->n_cached = 0;
-    }
-    tdm_model_set_grad_hook(m, NULL, NULL);
-    tdm_model_set_use_hook(m, NULL, NULL);
-    if (tdm_model_storage_released(m) && tdm_model_restore_storage(m) == TDM_STATUS_OK &&
-        f->pfull) {
-        /* a full copy exists: the model gets it back */
-        for (int u = 0; u < f->nu; u++)
-            (void)tdm_dev_copy(f->dev, tdm_model_params(m) + f->u[u].offset,
-                                    f->pfull + f->u[u].full_off,
-                                    (size_t)f->u[u].n_elem * sizeof(float));
-    }
-    for (int u = 0; f->u && u < f->nu; u++) {
-        tdm_fsdp_unit *x = &f->u[u];
-        if (f->o.sharding == TDM_FSDP_FULL_SHARD) tdm_fsdp_pool_put(f, x->pbuf, x->pbuf_bytes);
-        if (f->o.sharding != TDM_FSDP_SHARD_OPTIM) tdm_fsdp_pool_put(f, x->gbuf, x->gbuf_bytes);
-        tdm_fsdp_pool_put(f, x->rs_tmp, x->rs_tmp_bytes);
-        tdm_fsdp_hook_release(f, u);
-    }
-    tdm_fsdp_pool_trim(f);
-    tdm_device *d = f->dev;
-    tdm_dev_free(d, f->pshard);
-    tdm_dev_free(d, f->gshard);
-    tdm_dev_free(d, f->pfull);
-    tdm_dev_free(d, f->gfull);
-    tdm_dev_free(d, f->gacc);
-    tdm_dev_free(d, f->dlogits);
-    tdm_dev_free(d, f->x_dev);
-    tdm_dev_free(d, f->y_dev);
-    tdm_dev_free(d, f->dummy_x);
-    tdm_dev_free(d, f->dummy_y);
-    tdm_dev_free(d, f->buf_save);
-    free(f->u);
-    free(f->param_unit);
-    free(f->ready);
-    free(f->fwd_order);
-    free(f->bwd_order);
-    free(f->ev);
-    free(f->ev_out);
-    free(f);
 }
 
 tdm_model *tdm_fsdp_model(tdm_fsdp *f) { return f->m; }
@@ -305,10 +306,9 @@ tdm_status tdm_fsdp_zero_grad(tdm_fsdp *f)
 {
     tdm_device *d = f->dev;
     if (f->o.sharding == TDM_FSDP_SHARD_OPTIM) {
-        TDM_CHECK(tdm_dev_memset_zero(d, f->gfull, (size_t)f->full_elems * sizeof(float)));
-        f->gfull_stale = 0;
-        f->gfull_reduced = 0;
-        f->gacc_live = 0;   /* what was held aside is dropped too */
+        TDM_CHECK(tdm_dev_memset_zero(d, f->buf.gfull, (size_t)f->full_elems * sizeof(float)));
+        f->grad.stale = 0;
+        f->grad.reduced = TDM_FSDP_REDUCED_NONE;   /* what was held aside is dropped too */
         return TDM_STATUS_OK;
     }
     /* accumulated full gradients (no_sync) are dropped with the shards */
@@ -319,116 +319,82 @@ tdm_status tdm_fsdp_zero_grad(tdm_fsdp *f)
         tdm_fsdp_pool_put(f, x->gbuf, x->gbuf_bytes);
         x->gbuf = NULL;
     }
-    TDM_CHECK(tdm_dev_memset_zero(d, f->gshard, (size_t)f->shard_elems * sizeof(float)));
-    f->gshard_zero = 1;
+    TDM_CHECK(tdm_dev_memset_zero(d, f->buf.gshard, (size_t)f->shard_elems * sizeof(float)));
+    f->grad.zero = 1;
     return TDM_STATUS_OK;
 }
 
-void tdm_fsdp_no_sync(tdm_fsdp *f, int enable) { f->sync = !enable; }
-double tdm_fsdp_loss_sum(const tdm_fsdp *f) { return f->loss_global; }
+void tdm_fsdp_no_sync(tdm_fsdp *f, int enable) { f->pass.sync = !enable; }
+double tdm_fsdp_loss_sum(const tdm_fsdp *f) { return f->check.loss_global; }
 
 /* ---- forward ---- */
 
-tdm_status tdm_fsdp_stage(tdm_fsdp *f, const void *x, const int32_t *y, int batch,
-                                 const void **xd, const int32_t **yd)
-{
-    tdm_device *d = f->dev;
-    if (tdm_dev_kind(d) == TDM_DEVICE_HOST) {
-        *xd = x;
-        *yd = y;
-        return TDM_STATUS_OK;
-    }
-    size_t feat = (size_t)tdm_model_in_features(f->m), rows = (size_t)tdm_model_out_rows(f->m);
-    if (batch > f->stage_cap) {
-        tdm_dev_free(d, f->x_dev);
-        tdm_dev_free(d, f->y_dev);
-        f->x_dev = NULL;
-        f->y_dev = NULL;
-        f->stage_cap = 0;
-        TDM_CHECK(tdm_dev_alloc(d, (size_t)batch * feat * sizeof(float), &f->x_dev));
-        TDM_CHECK(tdm_dev_alloc(d, (size_t)batch * rows * sizeof(int32_t), (void **)&f->y_dev));
-        f->stage_cap = batch;
-    }
-    TDM_CHECK(tdm_dev_copy_from_host(d, f->x_dev, x, (size_t)batch * feat * sizeof(float)));
-    TDM_CHECK(tdm_dev_copy_from_host(d, f->y_dev, y, (size_t)batch * rows * sizeof(int32_t)));
-    *xd = f->x_dev;
-    *yd = f->y_dev;
-    return TDM_STATUS_OK;
-}
-
-/* One sample of zeros (features or token 0) and target 0, on the device:
- * what a rank without samples runs so as to take part in the gathers. */
-tdm_status tdm_fsdp_dummy(tdm_fsdp *f)
-{
-    if (f->dummy_x) return TDM_STATUS_OK;
-    tdm_device *d = f->dev;
-    size_t feat = (size_t)tdm_model_in_features(f->m), rows = (size_t)tdm_model_out_rows(f->m);
-    TDM_CHECK(tdm_dev_alloc_zero(d, feat * sizeof(float), (void **)&f->dummy_x));
-    TDM_CHECK(tdm_dev_alloc_zero(d, rows * sizeof(int32_t), (void **)&f->dummy_y));
-    return TDM_STATUS_OK;
-}
-
 static void tdm_fsdp_step_start(tdm_fsdp *f, uint64_t now)
 {
-    if (f->step_open) return;
-    f->step_open = 1;
-    f->t_step0 = now;
-    memset(&f->times.last, 0, sizeof f->times.last);
-    f->ag_ready_at_use = 0;
+    if (f->timing.open) return;
+    f->timing.open = 1;
+    f->timing.t_step0 = now;
+    memset(&f->timing.times.last, 0, sizeof f->timing.times.last);
+    f->timing.ag_ready_at_use = 0;
     /* the new timeline keeps the collectives still in flight: moved to
      * its front in event order (so no kept entry is overwritten before
      * it moves) */
     int keep = 0;
-    for (int i = 0; i < f->n_ev; i++) {
+    for (int i = 0; i < f->timing.n_ev; i++) {
         for (int u = 0; u < f->nu; u++) {
             tdm_fsdp_unit *x = &f->u[u];
             int *es[2] = {&x->ag_event, &x->rs_event};
             for (int k = 0; k < 2; k++) {
                 if (*es[k] != i) continue;
-                f->ev[keep] = f->ev[i];
+                f->timing.ev[keep] = f->timing.ev[i];
                 *es[k] = keep++;
             }
         }
     }
-    f->n_ev = keep;
+    f->timing.n_ev = keep;
 }
 
 static void tdm_fsdp_add_phase(tdm_fsdp *f, tdm_phase p, double ms)
 {
     if (ms < 0) ms = 0;
-    f->times.last.ms[p] += ms;
-    f->times.total.ms[p] += ms;
+    f->timing.times.last.ms[p] += ms;
+    f->timing.times.total.ms[p] += ms;
 }
 
 tdm_status tdm_fsdp_broadcast_buffers(tdm_fsdp *f, const char *when)
 {
-    tdm_model *m = f->m;
-    if (f->world == 1 || tdm_model_buffer_elems(m) == 0) return TDM_STATUS_OK;
-    tdm_comm_set_label(f->comm, "%s broadcast buffers (%s)", tdm_fsdp_tag(f), when);
-    tdm_status st = tdm_comm_broadcast(f->comm, tdm_model_buffers(m), tdm_model_buffers(m),
-                                       (size_t)tdm_model_buffer_elems(m), TDM_DTYPE_FLOAT32, 0);
-    if (st) return tdm_error_prefix(st, "fsdp %s: broadcast of buffers from rank 0", when);
-    return TDM_STATUS_OK;
+    char label[64], what[32];
+    snprintf(label, sizeof label, "%s broadcast buffers (%s)", tdm_fsdp_tag(f), when);
+    snprintf(what, sizeof what, "fsdp %s", when);
+    return tdm_dist_broadcast_buffers(f->comm, f->m, label, what);
 }
 
 /* The model's forward over B samples at xd; FULL_SHARD gathers through
  * the hooks. keep: leave the unit forward ended in gathered (backward
  * starts with it). */
 tdm_status tdm_fsdp_run_forward(tdm_fsdp *f, const void *xd, int B, int keep,
-                                       const float **logits)
+                                const float **logits)
 {
-    f->cur_f = -1;
-    f->fwd_pos = -1;
-    f->fwd_rec = f->fwd_len == 0;
-    f->fwd_broken = 0;
-    f->in_forward = 1;
+    tdm_fsdp_order_begin(&f->pass.fwd);
+    f->pass.phase = TDM_FSDP_PHASE_FORWARD;
     tdm_status st = tdm_model_forward(f->m, xd, B, logits);
-    f->in_forward = 0;
-    if (f->fwd_broken) f->fwd_len = 0;
-    f->fwd_rec = 0;
+    f->pass.phase = TDM_FSDP_PHASE_IDLE;
+    tdm_fsdp_order_end(&f->pass.fwd);
     if (st == TDM_STATUS_OK && !keep && f->o.sharding == TDM_FSDP_FULL_SHARD)
         st = tdm_fsdp_settle_params(f, 1);
     return st;
+}
+
+/* tdm_fsdp_run_forward as a dist/batch.h forward: a training forward
+ * keeps the unit it ended in gathered for backward, another drops it. */
+static tdm_status tdm_fsdp_forward_keep(void *ctx, const void *xd, int B, const float **logits)
+{
+    return tdm_fsdp_run_forward(ctx, xd, B, 1, logits);
+}
+
+static tdm_status tdm_fsdp_forward_drop(void *ctx, const void *xd, int B, const float **logits)
+{
+    return tdm_fsdp_run_forward(ctx, xd, B, 0, logits);
 }
 
 /* by_active: the scale is 1/(batch * the ranks with data) (opts.join) */
@@ -437,7 +403,7 @@ static tdm_status tdm_fsdp_forward_impl(tdm_fsdp *f, const void *x, const int32_
 {
     TDM_REQUIRE(batch >= 0 && (batch == 0 || (x && y)), TDM_STATUS_INVALID_ARG,
                 "fsdp forward: bad batch %d or NULL input", batch);
-    TDM_REQUIRE(!f->joined || batch == 0, TDM_STATUS_INVALID_ARG,
+    TDM_REQUIRE(!f->join.joined || batch == 0, TDM_STATUS_INVALID_ARG,
                 "fsdp forward: this rank has joined (tdm_fsdp_join): it has no data left");
     if (f->o.join) {
         tdm_status js = tdm_fsdp_join_forward(f, tdm_model_is_train(f->m), batch, by_active,
@@ -448,9 +414,8 @@ static tdm_status tdm_fsdp_forward_impl(tdm_fsdp *f, const void *x, const int32_
     tdm_device *d = f->dev;
     uint64_t t0 = tdm_time_ns();
     tdm_fsdp_step_start(f, t0);
-    f->have_fwd = 0;
-    f->fwd_lost = NULL;
-    f->ag_wait_ms = 0.0;
+    tdm_dist_fwd_begin(&f->fwd);
+    f->pass.ag_wait_ms = 0.0;
     int train = tdm_model_is_train(m);
     int full = f->o.sharding == TDM_FSDP_FULL_SHARD;
     tdm_status st = TDM_STATUS_OK;
@@ -465,33 +430,23 @@ static tdm_status tdm_fsdp_forward_impl(tdm_fsdp *f, const void *x, const int32_
     if (run) {
         const void *xd;
         const int32_t *yd;
-        const float *logits = NULL;
         int64_t be = tdm_model_buffer_elems(m);
         int dummy = batch == 0, save = dummy && train && be > 0;
         if (dummy) {
-            st = tdm_fsdp_dummy(f);
-            xd = f->dummy_x;
-            yd = f->dummy_y;
+            st = tdm_train_stage_dummy(&f->stage, m, &xd, &yd);
             if (st == TDM_STATUS_OK && save && !f->buf_save)
                 st = tdm_dev_alloc(d, (size_t)be * sizeof(float), (void **)&f->buf_save);
             /* batchnorm would learn running statistics from the zero sample */
             if (st == TDM_STATUS_OK && save)
                 st = tdm_dev_copy(d, f->buf_save, tdm_model_buffers(m), (size_t)be * sizeof(float));
         } else {
-            st = tdm_fsdp_stage(f, x, y, batch, &xd, &yd);
+            st = tdm_train_stage_batch(&f->stage, m, x, y, batch, &xd, &yd);
         }
-        if (st == TDM_STATUS_OK) st = tdm_fsdp_run_forward(f, xd, B, train, &logits);
-        t1 = tdm_time_ns();
-        size_t nb = (size_t)B * (size_t)tdm_model_n_classes(m) * tdm_model_out_rows(m) * sizeof(float);
-        if (st == TDM_STATUS_OK && nb > f->dlogits_bytes) {
-            tdm_dev_free(d, f->dlogits);
-            f->dlogits = NULL;
-            f->dlogits_bytes = 0;
-            st = tdm_dev_alloc(d, nb, (void **)&f->dlogits);
-            if (st == TDM_STATUS_OK) f->dlogits_bytes = nb;
-        }
+        /* the zero sample takes part with a zero loss gradient */
+        tdm_dist_forward_fn fwd = train ? tdm_fsdp_forward_keep : tdm_fsdp_forward_drop;
         if (st == TDM_STATUS_OK)
-            st = tdm_model_loss(m, logits, yd, B, dummy ? 0.0f : grad_scale, &ls, f->dlogits);
+            st = tdm_dist_forward_loss(&f->stage, m, fwd, f, xd, yd, B,
+                                       dummy ? 0.0f : grad_scale, &ls, &t1);
         if (st == TDM_STATUS_OK && save)
             st = tdm_dev_copy(d, tdm_model_buffers(m), f->buf_save, (size_t)be * sizeof(float));
         if (dummy) ls = 0.0;
@@ -499,15 +454,12 @@ static tdm_status tdm_fsdp_forward_impl(tdm_fsdp *f, const void *x, const int32_
         if (st) return tdm_fsdp_fail(f, tdm_error_prefix(st, "fsdp forward (rank %d)", f->rank));
     }
     uint64_t t2 = tdm_time_ns();
-    f->fwd_batch = batch;
-    f->fwd_ran = run;
-    f->have_fwd = 1;
-    f->fwd_loss = ls;
-    if (train) f->fwd_count++;
-    tdm_fsdp_add_phase(f, TDM_PHASE_FORWARD, (double)(t1 - t0) * 1e-6 - f->ag_wait_ms);
-    tdm_fsdp_add_phase(f, TDM_PHASE_ALLGATHER_WAIT, f->ag_wait_ms);
+    f->pass.ran = run;
+    tdm_dist_fwd_done(&f->fwd, batch, ls, train);
+    tdm_fsdp_add_phase(f, TDM_PHASE_FORWARD, (double)(t1 - t0) * 1e-6 - f->pass.ag_wait_ms);
+    tdm_fsdp_add_phase(f, TDM_PHASE_ALLGATHER_WAIT, f->pass.ag_wait_ms);
     tdm_fsdp_add_phase(f, TDM_PHASE_LOSS, (double)(t2 - t1) * 1e-6);
-    f->times.ag_ready_at_use = f->ag_ready_at_use;
+    f->timing.times.ag_ready_at_use = f->timing.ag_ready_at_use;
     if (loss_sum) *loss_sum = ls;
     return TDM_STATUS_OK;
 }
@@ -536,40 +488,31 @@ tdm_status tdm_fsdp_forward(tdm_fsdp *f, const void *x, const int32_t *y, int ba
 static tdm_status tdm_fsdp_check_tail(tdm_fsdp *f)
 {
     int W = f->world;
-    memset(f->tail, 0, sizeof f->tail);
-    f->tail[f->rank] = (double)f->fwd_count;
-    f->tail[TDM_FSDP_MAX_RANKS + f->rank] = f->loss_accum;
-    f->loss_accum = 0.0;
+    memset(f->check.tail, 0, sizeof f->check.tail);
+    f->check.tail[f->rank] = (double)f->fwd.count;
+    f->check.tail[TDM_FSDP_MAX_RANKS + f->rank] = f->check.loss_accum;
+    f->check.loss_accum = 0.0;
     tdm_comm_set_label(f->hcomm, "%s end-of-backward check", tdm_fsdp_tag(f));
-    tdm_status st = tdm_comm_all_reduce(f->hcomm, f->tail, f->tail, 2 * TDM_FSDP_MAX_RANKS,
+    tdm_status st = tdm_comm_all_reduce(f->hcomm, f->check.tail, f->check.tail,
+                                        2 * TDM_FSDP_MAX_RANKS,
                                         TDM_DTYPE_FLOAT64, TDM_REDOP_SUM);
     if (st) return tdm_error_prefix(st, "fsdp: step %" PRIu64 ": the end-of-backward check",
-                                    f->sync_count);
+                                    f->check.count);
+    TDM_CHECK(tdm_dist_check_seq("fsdp", f->check.tail, W, f->rank, (double)f->fwd.count));
     double loss = 0.0;
-    for (int r = 0; r < W; r++) {
-        loss += f->tail[TDM_FSDP_MAX_RANKS + r];
-        if (f->tail[r] == (double)f->fwd_count) continue;
-        return tdm_error_set(TDM_STATUS_MISMATCH,
-                             "fsdp: collective sequence mismatch: rank %d reduced the "
-                             "gradients of its training forward #%.0f together with rank %d's "
-                             "forward #%" PRIu64 " (a rank skipped a backward or ran a "
-                             "different number of steps)", r, f->tail[r], f->rank,
-                             f->fwd_count);
-    }
-    f->loss_global = loss;
+    for (int r = 0; r < W; r++) loss += f->check.tail[TDM_FSDP_MAX_RANKS + r];
+    f->check.loss_global = loss;
     return TDM_STATUS_OK;
 }
 
 tdm_status tdm_fsdp_backward(tdm_fsdp *f)
 {
-    TDM_REQUIRE(f->have_fwd || !f->fwd_lost, TDM_STATUS_INVALID_ARG,
-                "fsdp backward: %s; call tdm_fsdp_forward again before backward", f->fwd_lost);
-    TDM_REQUIRE(f->have_fwd, TDM_STATUS_INVALID_ARG, "fsdp backward: no forward before it; call tdm_fsdp_forward first");
-    f->have_fwd = 0;
-    f->loss_accum += f->fwd_loss;
+    double fwd_loss;
+    TDM_CHECK(tdm_dist_fwd_take(&f->fwd, "fsdp", &fwd_loss));
+    f->check.loss_accum += fwd_loss;
     uint64_t t0 = tdm_time_ns();
-    f->ag_wait_ms = 0.0;
-    f->rs_wait_ms = 0.0;
+    f->pass.ag_wait_ms = 0.0;
+    f->pass.rs_wait_ms = 0.0;
     /* a backward without zero_grad since the last reduce-scatter (no_sync
      * accumulation onto reduced gradients) adds onto zeros outside the
      * owned slices, as it would after the clearing zero_grad skips */
@@ -578,30 +521,30 @@ tdm_status tdm_fsdp_backward(tdm_fsdp *f)
     if (st == TDM_STATUS_OK) st = tdm_fsdp_hold_reduced(f);
     if (st) return tdm_fsdp_fail(f, st);
     tdm_fsdp_backward_begin(f);
-    if (f->fwd_ran) {
-        f->in_backward = 1;
-        st = tdm_model_backward(f->m, f->dlogits);
-        f->in_backward = 0;
+    if (f->pass.ran) {
+        f->pass.phase = TDM_FSDP_PHASE_BACKWARD;
+        st = tdm_model_backward(f->m, f->stage.dlogits);
+        f->pass.phase = TDM_FSDP_PHASE_IDLE;
         if (st) return tdm_fsdp_fail(f, st);
     }
     uint64_t t1 = tdm_time_ns();
     /* waits inside backward (a gather not yet complete; a reduce-scatter
      * finished early to bound the full gradients alive) are
      * communication, not compute */
-    double bwd_ag = f->ag_wait_ms, bwd_rs = f->rs_wait_ms;
+    double bwd_ag = f->pass.ag_wait_ms, bwd_rs = f->pass.rs_wait_ms;
     st = tdm_fsdp_backward_end(f);
-    if (st == TDM_STATUS_OK && f->sync) st = tdm_fsdp_check_tail(f);
+    if (st == TDM_STATUS_OK && f->pass.sync) st = tdm_fsdp_check_tail(f);
     if (st) return tdm_fsdp_fail(f, st);
     uint64_t t2 = tdm_time_ns();
     tdm_fsdp_add_phase(f, TDM_PHASE_BACKWARD, (double)(t1 - t0) * 1e-6 - bwd_ag - bwd_rs);
-    tdm_fsdp_add_phase(f, TDM_PHASE_ALLGATHER_WAIT, f->ag_wait_ms);
+    tdm_fsdp_add_phase(f, TDM_PHASE_ALLGATHER_WAIT, f->pass.ag_wait_ms);
     tdm_fsdp_add_phase(f, TDM_PHASE_REDUCE_SCATTER_WAIT,
-                       (double)(t2 - t1) * 1e-6 - (f->ag_wait_ms - bwd_ag) + bwd_rs);
-    if (f->sync) {
-        f->stepped = 0;
-        f->sync_count++;
-        f->times.steps++;
-        f->times.rs_done_in_backward = f->rs_done_in_bwd;
+                       (double)(t2 - t1) * 1e-6 - (f->pass.ag_wait_ms - bwd_ag) + bwd_rs);
+    if (f->pass.sync) {
+        f->check.stepped = 0;
+        f->check.count++;
+        f->timing.times.steps++;
+        f->timing.times.rs_done_in_backward = f->timing.rs_done_in_bwd;
     }
     return TDM_STATUS_OK;
 }
@@ -613,10 +556,10 @@ tdm_status tdm_fsdp_backward(tdm_fsdp *f)
  * completed step", docs/DEBUGGING.md), as DDP's step does. */
 static void tdm_fsdp_step_done(tdm_fsdp *f)
 {
-    f->steps_done++;
-    tdm_comm_set_step(f->comm, f->steps_done);
-    if (f->hcomm != f->comm) tdm_comm_set_step(f->hcomm, f->steps_done);
-    f->step_open = 0;
+    f->timing.steps++;
+    tdm_comm_set_step(f->comm, f->timing.steps);
+    if (f->hcomm != f->comm) tdm_comm_set_step(f->hcomm, f->timing.steps);
+    f->timing.open = 0;
 }
 
 tdm_status tdm_fsdp_step(tdm_fsdp *f, tdm_optim *opt)
@@ -647,14 +590,14 @@ tdm_status tdm_fsdp_step(tdm_fsdp *f, tdm_optim *opt)
      * join count instead. Every rank still training saw the same count at
      * the forward, so all refuse alike; the abort ends the joined rank's
      * wait too. */
-    if (f->stepped && f->n_active < f->world) {
+    if (f->check.stepped && f->join.n_active < f->world) {
         free(r);
         return tdm_fsdp_fail(f, tdm_error_set(
             TDM_STATUS_INVALID_ARG, "fsdp step: a second step without a backward while %d of "
             "%d ranks have joined (tdm_fsdp_join): the joined ranks shadow one step per "
-            "backward; step once per backward under join", f->world - f->n_active, f->world));
+            "backward; step once per backward under join", f->world - f->join.n_active, f->world));
     }
-    f->stepped = 1;
+    f->check.stepped = 1;
     /* grad_op, optimizer: every rank's new shard into every rank's full
      * copy, each unit awaited where it is next used (its forward). A
      * unit's all-gather goes out as soon as its shard is stepped, in unit
@@ -665,7 +608,7 @@ tdm_status tdm_fsdp_step(tdm_fsdp *f, tdm_optim *opt)
      * every unit sees the same step number (AdamW's bias correction, the
      * schedule): each element gets what one call over all ranges gives it. */
     int64_t steps0 = tdm_optim_steps(opt);
-    double issue_ms = 0.0, wait0 = f->ag_wait_ms;
+    double issue_ms = 0.0, wait0 = f->pass.ag_wait_ms;
     for (int u = 0; st == TDM_STATUS_OK && u < f->nu; u++) {
         /* A step with no backward since the last one (PyTorch allows it:
          * the same gradients are applied again) finds the unit's gather
@@ -673,7 +616,8 @@ tdm_status tdm_fsdp_step(tdm_fsdp *f, tdm_optim *opt)
          * writes the others', so it ends before the slice is stepped
          * again and gathered anew. After a backward it has ended. */
         int comm_failed = 0;
-        if (f->u[u].p_state == 1 && (st = tdm_fsdp_need_params(f, u, 0))) comm_failed = 1;
+        if (f->u[u].params == TDM_FSDP_PARAMS_GATHERING && (st = tdm_fsdp_need_params(f, u, 0)))
+            comm_failed = 1;
         if (st == TDM_STATUS_OK) {
             tdm_optim_set_steps(opt, steps0);
             st = tdm_optim_step_ranges(opt, &r[u], 1);
@@ -681,7 +625,7 @@ tdm_status tdm_fsdp_step(tdm_fsdp *f, tdm_optim *opt)
         if (st == TDM_STATUS_OK) st = tdm_dev_sync(f->dev);
         if (st == TDM_STATUS_OK) {
             uint64_t ti = tdm_time_ns();
-            f->u[u].p_state = 0;
+            f->u[u].params = TDM_FSDP_PARAMS_ABSENT;
             st = tdm_fsdp_issue_gather(f, u, 1);
             issue_ms += tdm_time_ms_since(ti);
             comm_failed = st != TDM_STATUS_OK;
@@ -693,7 +637,7 @@ tdm_status tdm_fsdp_step(tdm_fsdp *f, tdm_optim *opt)
     }
     free(r);
     TDM_CHECK(st);
-    double wait_ms = f->ag_wait_ms - wait0;
+    double wait_ms = f->pass.ag_wait_ms - wait0;
     tdm_fsdp_add_phase(f, TDM_PHASE_STEP, tdm_time_ms_since(t0) - issue_ms - wait_ms);
     tdm_fsdp_add_phase(f, TDM_PHASE_ALLGATHER_WAIT, wait_ms);
     tdm_fsdp_step_done(f);
@@ -705,21 +649,22 @@ tdm_status tdm_fsdp_step(tdm_fsdp *f, tdm_optim *opt)
 void tdm_fsdp_get_times(const tdm_fsdp *fc, tdm_fsdp_times *out)
 {
     tdm_fsdp *f = (tdm_fsdp *)fc;   /* the event copy is a cache */
-    *out = f->times;
+    *out = f->timing.times;
     out->n_events = 0;
     out->events = NULL;
-    tdm_fsdp_event *e = realloc(f->ev_out, (size_t)(f->n_ev ? f->n_ev : 1) * sizeof *e);
+    tdm_fsdp_event *e =
+        realloc(f->timing.ev_out, (size_t)(f->timing.n_ev ? f->timing.n_ev : 1) * sizeof *e);
     if (!e) return;
-    f->ev_out = e;
-    for (int i = 0; i < f->n_ev; i++) {
-        const tdm_fsdp_ev *s = &f->ev[i];
+    f->timing.ev_out = e;
+    double t0 = (double)f->timing.t_step0;
+    for (int i = 0; i < f->timing.n_ev; i++) {
+        const tdm_fsdp_ev *s = &f->timing.ev[i];
         e[i] = (tdm_fsdp_event){.kind = s->kind, .unit = s->unit, .prefetch = s->prefetch,
-                                .start_ms = ((double)s->start_ns - (double)f->t_step0) * 1e-6,
-                                .end_ms = s->end_ns ? ((double)s->end_ns - (double)f->t_step0) * 1e-6
-                                                    : -1.0,
+                                .start_ms = ((double)s->start_ns - t0) * 1e-6,
+                                .end_ms = s->end_ns ? ((double)s->end_ns - t0) * 1e-6 : -1.0,
                                 .wait_ms = s->wait_ms, .bytes = s->bytes};
     }
-    out->n_events = f->n_ev;
+    out->n_events = f->timing.n_ev;
     out->events = e;
 }
 
@@ -728,14 +673,16 @@ void tdm_fsdp_get_memory(const tdm_fsdp *f, const tdm_optim *opt, tdm_fsdp_memor
     memset(out, 0, sizeof *out);
     size_t sb = (size_t)(f->shard_elems ? f->shard_elems : 1) * sizeof(float);
     size_t fb = (size_t)(f->full_elems ? f->full_elems : 1) * sizeof(float);
-    if (f->pshard) out->shard_params = sb;
-    if (f->gshard) out->shard_grads = sb;
-    if (f->pfull) out->full_params = fb;
-    if (f->gfull) out->full_grads = fb;
+    if (f->buf.pshard) out->shard_params = sb;
+    if (f->buf.gshard) out->shard_grads = sb;
+    if (f->buf.pfull) out->full_params = fb;
+    if (f->buf.gfull) out->full_grads = fb;
     out->optim_state = opt ? tdm_optim_state_bytes(opt) : 0;
-    out->units_live = f->pool_live;
-    out->units_peak = f->pool_peak;
+    out->units_live = f->pool.live;
+    out->units_peak = f->pool.peak;
     out->max_unit_bytes = (size_t)f->max_padded * sizeof(float);
 }
 
-void tdm_fsdp_reset_peak(tdm_fsdp *f) { f->pool_peak = f->pool_live; }
+void tdm_fsdp_reset_peak(tdm_fsdp *f) { f->pool.peak = f->pool.live; }
+
+TDM_DIST_OPS_DEFINE(fsdp, tdm_fsdp, tdm_fsdp_save_full, tdm_fsdp_load);

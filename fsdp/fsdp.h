@@ -65,6 +65,7 @@
 #include "core/data.h"
 #include "core/status.h"
 #include "core/timer.h"
+#include "dist/step.h"
 #include "models/checkpoint.h"
 #include "models/model.h"
 #include "models/optim.h"
@@ -284,7 +285,7 @@ typedef struct tdm_fsdp_times {
     tdm_phase_times last, total;
     int64_t steps;                /* synchronised backwards counted in total */
     double ag_bytes_total, ag_prefetched_bytes_total;    /* all-gathered, of which prefetched */
-    double rs_bytes_total, rs_overlapped_bytes_total;    /* reduce-scattered, of which during backward */
+    double rs_bytes_total, rs_overlapped_bytes_total;  /* reduce-scattered; during backward */
     double ag_ms_total, rs_ms_total;   /* issue to seen-complete, summed over collectives */
     int n_events;                 /* of the last step (forward to step) */
     const tdm_fsdp_event *events; /* borrowed */
@@ -312,6 +313,11 @@ typedef struct tdm_fsdp_memory {
 void tdm_fsdp_get_memory(const tdm_fsdp *f, const tdm_optim *opt, tdm_fsdp_memory *out);
 void tdm_fsdp_reset_peak(tdm_fsdp *f);
 
+/* The sharded modes' per-step ops (dist/step.h) over a tdm_fsdp: what
+ * dist/ builds a training step, gradient accumulation and uneven inputs
+ * from (save: the full form; load: either form). */
+extern const tdm_dist_ops tdm_fsdp_dist_ops;
+
 /* ---- checkpoints (fsdp/fsdp_ckpt.c) ---- */
 
 /* The full state dict: every unit's shards gathered to rank 0, which
@@ -337,6 +343,9 @@ tdm_status tdm_fsdp_save_sharded(tdm_fsdp *f, const char *path, tdm_optim *opt,
  * differs. Collective. */
 tdm_status tdm_fsdp_load_sharded(tdm_fsdp *f, const char *path, tdm_optim *opt,
                                  tdm_ckpt_info *info);
+/* Either form: a sharded checkpoint's index (recognised by its format
+ * line) or a full checkpoint. Collective. */
+tdm_status tdm_fsdp_load(tdm_fsdp *f, const char *path, tdm_optim *opt, tdm_ckpt_info *info);
 
 #ifdef __cplusplus
 }

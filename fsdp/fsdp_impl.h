@@ -7,12 +7,24 @@
 #ifndef TDM_FSDP_FSDP_IMPL_H
 #define TDM_FSDP_FSDP_IMPL_H
 
+#include "dist/batch.h"
+#include "dist/join.h"
+#include "dist/step.h"
+#include "dist/timeout.h"
 #include "fsdp/fsdp.h"
 
 #define TDM_FSDP_MAX_RANKS 64
 #define TDM_FSDP_POOL_CACHE 16
 /* per rank: forward count, loss sum (two halves of a double's worth) */
 #define TDM_FSDP_TAIL_ELEMS (3 * TDM_FSDP_MAX_RANKS)
+
+/* Where a unit's full parameters stand. */
+typedef enum tdm_fsdp_params {
+    TDM_FSDP_PARAMS_ABSENT = 0,  /* FULL_SHARD: only the shard; the others: the full copy
+                                    awaits the all-gather of a stepped shard */
+    TDM_FSDP_PARAMS_GATHERING,   /* its all-gather is in flight (ag) */
+    TDM_FSDP_PARAMS_PRESENT,     /* the full parameters are in place */
+} tdm_fsdp_params;
 
 typedef struct tdm_fsdp_unit {
     int first, last;          /* parameter indices */
@@ -24,7 +36,7 @@ typedef struct tdm_fsdp_unit {
      * them at pfull + full_off */
     float *pbuf;
     size_t pbuf_bytes;
-    int p_state;              /* 0 absent, 1 gather in flight, 2 present */
+    tdm_fsdp_params params;
     tdm_comm_work *ag;
     int ag_event;             /* index into events, or -1 */
     /* gradients: FULL_SHARD and SHARD_GRAD_OP hold a pool block from the
@@ -36,7 +48,6 @@ typedef struct tdm_fsdp_unit {
     tdm_comm_work *rs;
     int rs_event;
     int pending;              /* parameters not final yet in this backward */
-    int launched;             /* reduce-scatter issued in this backward */
     /* opts.comm_hook: the 16-bit values reduce-scattered in place (a pool
      * block of padded halves), from launch to the end of the collective */
     uint16_t *hook_buf;
@@ -56,6 +67,103 @@ typedef struct tdm_fsdp_ev {
     double wait_ms, bytes;
 } tdm_fsdp_ev;
 
+/* The persistent storage of the rank's state (which exist depends on the
+ * sharding: tdm_fsdp_alloc_state). */
+typedef struct tdm_fsdp_store {
+    float *pshard;            /* FULL_SHARD: this rank's parameter shards */
+    float *gshard;            /* FULL_SHARD, SHARD_GRAD_OP: gradient shards */
+    float *pfull;             /* SHARD_GRAD_OP, SHARD_OPTIM: padded full parameters */
+    float *gfull;             /* SHARD_OPTIM: padded full gradients */
+    float *gacc;              /* SHARD_OPTIM with a hook: the reduced gradient held aside */
+} tdm_fsdp_store;
+
+/* SHARD_OPTIM with opts.comm_hook: where the reduced gradient of the
+ * owned slices of gfull is (a reduce-scatter since the last zero_grad).
+ * The next backward moves it aside into gacc, so that only the new local
+ * gradients are rounded to 16 bits; each unit's reduce-scatter adds it
+ * back, as the other shardings add their shard to the result (rs_tmp). */
+typedef enum tdm_fsdp_reduced {
+    TDM_FSDP_REDUCED_NONE = 0,   /* no reduced gradient since zero_grad */
+    TDM_FSDP_REDUCED_IN_PLACE,   /* in the owned slices */
+    TDM_FSDP_REDUCED_HELD,       /* in gacc, until this backward's reduce-scatters end */
+} tdm_fsdp_reduced;
+
+/* What the gradient buffers are known to hold. */
+typedef struct tdm_fsdp_grads {
+    int zero;                 /* FULL_SHARD, SHARD_GRAD_OP: the shards hold zeros */
+    /* SHARD_OPTIM: gfull outside this rank's slices still holds the local
+     * gradients of the last reduce-scatter (cleared by the next zero_grad,
+     * or before the next backward adds into them) */
+    int stale;
+    tdm_fsdp_reduced reduced;
+} tdm_fsdp_grads;
+
+/* The pool of unit blocks (fsdp/units.c). */
+typedef struct tdm_fsdp_pool {
+    tdm_fsdp_block cache[TDM_FSDP_POOL_CACHE];
+    int n_cached;
+    size_t live, peak;        /* bytes allocated now, and at most since the last reset */
+} tdm_fsdp_pool;
+
+/* The order of a pass's units, recorded in the first pass and followed
+ * after (the prefetch gathers the unit expected next). A pass that
+ * leaves it stops prefetching and is recorded again next time. */
+typedef enum tdm_fsdp_order_state {
+    TDM_FSDP_ORDER_RECORDING = 0,   /* this pass records the order */
+    TDM_FSDP_ORDER_FOLLOWING,       /* this pass follows the recorded order */
+    TDM_FSDP_ORDER_BROKEN,          /* this pass left it (or overflowed it) */
+} tdm_fsdp_order_state;
+
+typedef struct tdm_fsdp_order {
+    int *unit;                /* 2 * nu + 4 entries */
+    int len;                  /* recorded entries (0: none yet) */
+    int pos;                  /* this pass's position in it */
+    int cur;                  /* the unit this pass is in (-1: none yet) */
+    tdm_fsdp_order_state state;
+} tdm_fsdp_order;
+
+/* The model's forward or backward in progress (its hooks act then). */
+typedef enum tdm_fsdp_phase {
+    TDM_FSDP_PHASE_IDLE = 0,
+    TDM_FSDP_PHASE_FORWARD,
+    TDM_FSDP_PHASE_BACKWARD,
+} tdm_fsdp_phase;
+
+/* The pass in progress. */
+typedef struct tdm_fsdp_pass {
+    tdm_fsdp_phase phase;
+    tdm_fsdp_order fwd, bwd;
+    int sync;                 /* 0 under no_sync */
+    int ran;                  /* the pending forward ran the model (its backward runs it) */
+    unsigned char *ready;     /* n_params: final in this backward */
+    int next_rs;              /* the unit whose reduce-scatter goes out next (last first) */
+    tdm_status hook_st;       /* the first failure inside the model's hooks */
+    char hook_msg[640];
+    double ag_wait_ms, rs_wait_ms;   /* waits of the current pass */
+} tdm_fsdp_pass;
+
+/* The end-of-backward check (every rank's forward count and loss sum in
+ * one SUM) and the loss sums it carries. */
+typedef struct tdm_fsdp_check {
+    uint64_t count;           /* synchronised backwards run */
+    double loss_accum;        /* this rank's since the last synchronised backward */
+    double loss_global;       /* every rank's, of the last synchronised backward */
+    double tail[TDM_FSDP_TAIL_ELEMS];
+    int stepped;              /* tdm_fsdp_step ran since the last synchronised backward */
+} tdm_fsdp_check;
+
+/* The step's timeline and phases. */
+typedef struct tdm_fsdp_timing {
+    int open;                 /* a step's timeline is open (since its first forward) */
+    int64_t steps;            /* tdm_fsdp_step calls completed: the flight recorder's step */
+    uint64_t t_step0;         /* ns: the step's start */
+    tdm_fsdp_ev *ev;
+    int n_ev, cap_ev;
+    tdm_fsdp_event *ev_out;   /* tdm_fsdp_get_times' copy */
+    int rs_done_in_bwd, ag_ready_at_use;
+    tdm_fsdp_times times;
+} tdm_fsdp_timing;
+
 struct tdm_fsdp {
     tdm_model *m;             /* borrowed */
     tdm_comm *comm;           /* borrowed */
@@ -63,82 +171,30 @@ struct tdm_fsdp {
     tdm_device *dev;          /* borrowed: the model's */
     tdm_fsdp_opts o;
     int rank, world, n_params;
+    /* the unit plan (fsdp/plan.c) */
     int nu;
     tdm_fsdp_unit *u;
     int *param_unit;          /* n_params */
-    unsigned char *ready;     /* n_params: final in this backward */
     int64_t shard_elems, full_elems;
     int64_t max_padded;
-    /* persistent storage */
-    float *pshard;            /* FULL_SHARD: this rank's parameter shards */
-    float *gshard;            /* FULL_SHARD, SHARD_GRAD_OP: gradient shards */
-    float *pfull;             /* SHARD_GRAD_OP, SHARD_OPTIM: padded full parameters */
-    float *gfull;             /* SHARD_OPTIM: padded full gradients */
-    int gshard_zero;          /* 1: the gradient shards are known to hold zeros */
-    /* SHARD_OPTIM: 1 when gfull outside this rank's slices still holds the
-     * local gradients of the last reduce-scatter (they are cleared by the
-     * next zero_grad, or before the next backward adds into them) */
-    int gfull_stale;
-    /* SHARD_OPTIM with opts.comm_hook: 1 when the owned slices hold a
-     * reduced gradient (a reduce-scatter since the last zero_grad). The
-     * next backward moves it aside into gacc (shard_elems) so that only
-     * the new local gradients are rounded to 16 bits; gacc_live until each
-     * unit's reduce-scatter has added it back, as the other shardings add
-     * their shard to the result (rs_tmp) */
-    int gfull_reduced, gacc_live;
-    float *gacc;
-    /* the pool of unit blocks */
-    tdm_fsdp_block cache[TDM_FSDP_POOL_CACHE];
-    int n_cached;
-    size_t pool_live, pool_peak;
-    /* unit order of the passes (recorded once, checked after) */
-    int *fwd_order, fwd_len, fwd_pos, fwd_rec, fwd_broken;
-    int *bwd_order, bwd_len, bwd_pos, bwd_rec, bwd_broken;
-    int cur_f, cur_b;
-    /* the pass in progress */
-    int in_forward, in_backward, sync, next_rs;
-    tdm_status hook_st;
-    char hook_msg[640];
-    uint64_t t_step0;         /* ns: the step's start (its first forward) */
-    int step_open;
-    double ag_wait_ms, rs_wait_ms;   /* waits of the current pass */
-    /* forward state, as DDP's */
-    float *dlogits;
-    size_t dlogits_bytes;
-    void *x_dev;
-    int32_t *y_dev;
-    int stage_cap;
-    float *dummy_x;           /* one zero sample (device) for a rank without samples */
-    int32_t *dummy_y;
-    float *buf_save;          /* buffers saved around a dummy forward */
-    int fwd_batch, fwd_ran, have_fwd;
-    double fwd_loss, loss_accum, loss_global;
-    const char *fwd_lost;
-    uint64_t fwd_count, sync_count;
-    double tail[TDM_FSDP_TAIL_ELEMS];
-    /* timings */
-    tdm_fsdp_ev *ev;
-    int n_ev, cap_ev;
-    tdm_fsdp_event *ev_out;   /* tdm_fsdp_get_times' copy */
-    int rs_done_in_bwd, ag_ready_at_use;
-    tdm_fsdp_times times;
-    /* opts.join (fsdp/join.c) */
-    int joined;               /* this rank ran out of data (tdm_fsdp_join) */
-    int stepped;              /* tdm_fsdp_step ran since the last synchronised backward */
-    int64_t steps_done;       /* tdm_fsdp_step calls completed: the flight recorder's step */
-    int n_active;             /* ranks with data in the last training forward */
-    int join_sync;            /* that forward's backward synchronises */
+    tdm_fsdp_store buf;
+    tdm_fsdp_grads grad;
+    tdm_fsdp_pool pool;
+    tdm_fsdp_pass pass;
+    tdm_dist_fwd fwd;         /* the forward backward goes back through */
+    tdm_train_stage stage;     /* the batch, or the zero sample, on the device; dlogits */
+    float *buf_save;          /* buffers saved around a zero-sample forward */
+    tdm_fsdp_check check;
+    tdm_fsdp_timing timing;
+    tdm_dist_join join;       /* opts.join (fsdp/join.c) */
 };
 
-/* fsdp/fsdp.c: forward pieces fsdp/eval.c shares. stage: the batch on
- * the device (host: as given). dummy: one zero sample for a rank without
- * samples. broadcast_buffers: rank 0's buffers to all (when: for the
- * message and label). run_forward: the model's forward over B samples
- * at xd (FULL_SHARD gathers through the hooks; keep: the unit forward
- * ended in stays gathered for backward). */
-tdm_status tdm_fsdp_stage(tdm_fsdp *f, const void *x, const int32_t *y, int batch,
-                          const void **xd, const int32_t **yd);
-tdm_status tdm_fsdp_dummy(tdm_fsdp *f);
+/* fsdp/fsdp.c: forward pieces fsdp/eval.c shares. broadcast_buffers:
+ * rank 0's buffers to all (when: for the message and label).
+ * run_forward: the model's forward over B samples at xd (FULL_SHARD
+ * gathers through the hooks; keep: the unit forward ended in stays
+ * gathered for backward). The batch's staging and the zero sample of a
+ * rank without samples are f->stage's (dist/batch.h). */
 tdm_status tdm_fsdp_broadcast_buffers(tdm_fsdp *f, const char *when);
 tdm_status tdm_fsdp_run_forward(tdm_fsdp *f, const void *xd, int B, int keep,
                                 const float **logits);
@@ -165,6 +221,10 @@ tdm_status tdm_fsdp_clear_stale(tdm_fsdp *f);
 /* SHARD_OPTIM with a hook, before a backward: the reduced gradient of the
  * owned slices aside into gacc (gfull_reduced). */
 tdm_status tdm_fsdp_hold_reduced(tdm_fsdp *f);
+/* A pass's unit order: begin at its start (record it, or follow the one
+ * recorded), end at its end (one that left it is recorded again). */
+void tdm_fsdp_order_begin(tdm_fsdp_order *o);
+void tdm_fsdp_order_end(tdm_fsdp_order *o);
 /* Backward's start and end (sync: reduce-scatter the rest, wait all). */
 void tdm_fsdp_backward_begin(tdm_fsdp *f);
 tdm_status tdm_fsdp_backward_end(tdm_fsdp *f);
@@ -196,14 +256,14 @@ static inline void tdm_fsdp_unlabel(tdm_fsdp *f) { tdm_comm_set_label(f->comm, "
 static inline float *tdm_fsdp_pshard(tdm_fsdp *f, int u)
 {
     const tdm_fsdp_unit *x = &f->u[u];
-    return f->o.sharding == TDM_FSDP_FULL_SHARD ? f->pshard + x->shard_off
-                                                : f->pfull + x->full_off + f->rank * x->shard;
+    return f->o.sharding == TDM_FSDP_FULL_SHARD ? f->buf.pshard + x->shard_off
+                                                : f->buf.pfull + x->full_off + f->rank * x->shard;
 }
 static inline float *tdm_fsdp_gshard(tdm_fsdp *f, int u)
 {
     const tdm_fsdp_unit *x = &f->u[u];
-    return f->o.sharding == TDM_FSDP_SHARD_OPTIM ? f->gfull + x->full_off + f->rank * x->shard
-                                                 : f->gshard + x->shard_off;
+    return f->o.sharding == TDM_FSDP_SHARD_OPTIM ? f->buf.gfull + x->full_off + f->rank * x->shard
+                                                 : f->buf.gshard + x->shard_off;
 }
 
 /* fsdp/comm_hook.c: opts.comm_hook. check: the option is valid and the

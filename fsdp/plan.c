@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "core/log.h"
+#include "dist/check.h"
 
 /* ---- the unit plan ---- */
 
@@ -34,8 +35,8 @@ tdm_status tdm_fsdp_plan(tdm_fsdp *f)
     int nl = tdm_model_n_layers(m), n = f->n_params;
     f->u = calloc((size_t)n, sizeof *f->u);
     f->param_unit = calloc((size_t)n, sizeof *f->param_unit);
-    f->ready = calloc((size_t)n, 1);
-    if (!f->u || !f->param_unit || !f->ready)
+    f->pass.ready = calloc((size_t)n, 1);
+    if (!f->u || !f->param_unit || !f->pass.ready)
         return tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "fsdp: unit plan for %d parameters", n);
     int nu = 0, block = -1, prev_last = -1;
     for (int l = 0; l < nl; l++) {
@@ -85,150 +86,97 @@ tdm_status tdm_fsdp_plan(tdm_fsdp *f)
 
 /* ---- the layout check across ranks ---- */
 
-static uint64_t tdm_fsdp_fnv(const void *p, size_t n, uint64_t h)
-{
-    const unsigned char *s = p;
-    for (size_t i = 0; i < n; i++) h = (h ^ s[i]) * 1099511628211ull;
-    return h;
-}
-
-static int64_t tdm_fsdp_tensor_hash(const tdm_tensor_info *t)
-{
-    uint64_t h = tdm_fsdp_fnv(t->name, strlen(t->name), 1469598103934665603ull);
-    h = tdm_fsdp_fnv(&t->ndim, sizeof t->ndim, h);
-    h = tdm_fsdp_fnv(t->shape, sizeof t->shape[0] * (size_t)t->ndim, h);
-    h = tdm_fsdp_fnv(&t->offset, sizeof t->offset, h);
-    return (int64_t)h;
-}
-
-enum { TDM_FSDP_SUM_NPARAMS, TDM_FSDP_SUM_NBUF, TDM_FSDP_SUM_NUNITS, TDM_FSDP_SUM_SHARDING,
-       TDM_FSDP_SUM_PREFETCH, TDM_FSDP_SUM_OVERLAP, TDM_FSDP_SUM_HOOK, TDM_FSDP_SUM_JOIN,
-       TDM_FSDP_SUM_N };
+/* The values gathered with the model check's counts (dist/check.h). */
+enum { TDM_FSDP_SUM_NUNITS, TDM_FSDP_SUM_SHARDING, TDM_FSDP_SUM_PREFETCH, TDM_FSDP_SUM_OVERLAP,
+       TDM_FSDP_SUM_HOOK, TDM_FSDP_SUM_JOIN, TDM_FSDP_SUM_N };
 #define TDM_FSDP_UNIT_FIELDS 5
+
+/* Rank r's units against rank 0's: the same parameters, offsets and
+ * shards each (units <= parameters: n_params slots of every rank). */
+static tdm_status tdm_fsdp_verify_units(const int64_t *tab, int per, int nu0, int nur, int r)
+{
+    for (int u = 0; u < nu0 || u < nur; u++) {
+        const int64_t *a = tab + TDM_FSDP_UNIT_FIELDS * u;
+        const int64_t *b = tab + (size_t)r * per + TDM_FSDP_UNIT_FIELDS * u;
+        if (u < nu0 && u < nur && !memcmp(a, b, TDM_FSDP_UNIT_FIELDS * sizeof *a)) continue;
+        if (u >= nu0 || u >= nur)
+            return tdm_error_set(TDM_STATUS_MISMATCH,
+                                 "fsdp: shard layout differs between ranks: rank 0 has %d "
+                                 "unit(s), rank %d has %d (unit %d exists on one only); use "
+                                 "the same unit options (min_unit_elems) on every rank", nu0, r,
+                                 nur, u);
+        return tdm_error_set(TDM_STATUS_MISMATCH,
+                             "fsdp: shard layout of unit %d differs between ranks: rank "
+                             "0's holds parameters %lld..%lld (%lld elements at offset "
+                             "%lld, shards of %lld), rank %d's holds %lld..%lld (%lld at "
+                             "%lld, shards of %lld); use the same model and unit options "
+                             "on every rank", u, (long long)a[0], (long long)a[1],
+                             (long long)a[3], (long long)a[2], (long long)a[4], r,
+                             (long long)b[0], (long long)b[1], (long long)b[3],
+                             (long long)b[2], (long long)b[4]);
+    }
+    return TDM_STATUS_OK;
+}
+
+/* A rank's options, as the mismatch message says them. */
+static void tdm_fsdp_describe_options(const int64_t *v, char *buf, size_t n)
+{
+    snprintf(buf, n, "sharding %s (prefetch %s, overlap %s, comm hook %s, join %s)",
+             tdm_fsdp_sharding_name((tdm_fsdp_sharding)v[TDM_FSDP_SUM_SHARDING]),
+             v[TDM_FSDP_SUM_PREFETCH] ? "off" : "on", v[TDM_FSDP_SUM_OVERLAP] ? "off" : "on",
+             tdm_fsdp_comm_hook_name((tdm_fsdp_comm_hook)v[TDM_FSDP_SUM_HOOK]),
+             v[TDM_FSDP_SUM_JOIN] ? "on" : "off");
+}
+
+/* Rank r's options against rank 0's: the collectives must match. */
+static tdm_status tdm_fsdp_verify_options(const int64_t *a, const int64_t *b, int r)
+{
+    if (!memcmp(a + TDM_FSDP_SUM_SHARDING, b + TDM_FSDP_SUM_SHARDING,
+                (TDM_FSDP_SUM_N - TDM_FSDP_SUM_SHARDING) * sizeof *a))
+        return TDM_STATUS_OK;
+    char oa[160], ob[160];
+    tdm_fsdp_describe_options(a, oa, sizeof oa);
+    tdm_fsdp_describe_options(b, ob, sizeof ob);
+    return tdm_error_set(TDM_STATUS_MISMATCH, "fsdp: options differ between ranks: rank 0 runs "
+                         "%s, rank %d %s; the collectives would not match", oa, r, ob);
+}
 
 tdm_status tdm_fsdp_verify(tdm_fsdp *f)
 {
     tdm_status st = TDM_STATUS_OK;
-    tdm_model *m = f->m;
-    int W = f->world, nbuf = tdm_model_n_buffers(m);
+    int W = f->world;
     int64_t mine[TDM_FSDP_SUM_N] = {
-        [TDM_FSDP_SUM_NPARAMS] = f->n_params, [TDM_FSDP_SUM_NBUF] = nbuf,
         [TDM_FSDP_SUM_NUNITS] = f->nu, [TDM_FSDP_SUM_SHARDING] = f->o.sharding,
         [TDM_FSDP_SUM_PREFETCH] = f->o.no_prefetch, [TDM_FSDP_SUM_OVERLAP] = f->o.no_overlap,
         [TDM_FSDP_SUM_HOOK] = f->o.comm_hook, [TDM_FSDP_SUM_JOIN] = !!f->o.join};
-    int64_t *all = calloc((size_t)W * TDM_FSDP_SUM_N, sizeof *all), *tab = NULL;
-    TDM_REQUIRE(all, TDM_STATUS_OUT_OF_MEMORY, "fsdp: calloc");
-    memcpy(all + (size_t)f->rank * TDM_FSDP_SUM_N, mine, sizeof mine);
-    tdm_comm_set_label(f->hcomm, "%s layout check", tdm_fsdp_tag(f));
-    TDM_TRY(tdm_comm_all_gather(f->hcomm, all + (size_t)f->rank * TDM_FSDP_SUM_N, all,
-                                TDM_FSDP_SUM_N, TDM_DTYPE_INT64));
-    for (int r = 1; r < W; r++) {
-        const int64_t *a = all, *b = all + (size_t)r * TDM_FSDP_SUM_N;
-        if (a[TDM_FSDP_SUM_NPARAMS] != b[TDM_FSDP_SUM_NPARAMS] ||
-            a[TDM_FSDP_SUM_NBUF] != b[TDM_FSDP_SUM_NBUF]) {
-            st = tdm_error_set(TDM_STATUS_MISMATCH,
-                               "fsdp: model layout differs between ranks: rank 0 has %lld "
-                               "parameter tensors and %lld buffers, rank %d has %lld and %lld; "
-                               "every rank must build the same model",
-                               (long long)a[0], (long long)a[1], r, (long long)b[0],
-                               (long long)b[1]);
-            goto fail;
-        }
-    }
-    /* equal counts: per tensor, then per unit */
-    int nt = f->n_params + nbuf;
-    int per = 2 * nt + TDM_FSDP_UNIT_FIELDS * f->n_params;   /* units <= parameters */
+    int64_t *all = NULL, *tab = NULL;
+    char label[64];
+    snprintf(label, sizeof label, "%s layout check", tdm_fsdp_tag(f));
+    TDM_CHECK(tdm_dist_check_model(f->hcomm, f->m, "fsdp", label, mine, TDM_FSDP_SUM_N, &all));
+    /* the same tensors everywhere: then the same units */
+    int per = TDM_FSDP_UNIT_FIELDS * f->n_params;   /* units <= parameters */
     tab = calloc((size_t)W * (size_t)per, sizeof *tab);
     if (!tab) {
-        st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "fsdp: calloc");
+        st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "fsdp: unit check of %d ranks", W);
         goto fail;
-    }
-    int64_t *own = tab + (size_t)f->rank * per;
-    for (int i = 0; i < nt; i++) {
-        const tdm_tensor_info *t = i < f->n_params ? tdm_model_param_info(m, i)
-                                                   : tdm_model_buffer_info(m, i - f->n_params);
-        own[2 * i] = tdm_fsdp_tensor_hash(t);
-        own[2 * i + 1] = t->n_elem;
     }
     for (int u = 0; u < f->nu; u++) {
         const tdm_fsdp_unit *x = &f->u[u];
-        int64_t *v = own + 2 * nt + TDM_FSDP_UNIT_FIELDS * u;
+        int64_t *v = tab + (size_t)f->rank * per + TDM_FSDP_UNIT_FIELDS * u;
         v[0] = x->first;
         v[1] = x->last;
         v[2] = x->offset;
         v[3] = x->n_elem;
         v[4] = x->shard;
     }
-    tdm_comm_set_label(f->hcomm, "%s layout check (tensors, units)", tdm_fsdp_tag(f));
-    TDM_TRY(tdm_comm_all_gather(f->hcomm, own, tab, (size_t)per, TDM_DTYPE_INT64));
+    tdm_comm_set_label(f->hcomm, "%s (units)", label);
+    TDM_TRY(tdm_comm_all_gather(f->hcomm, tab + (size_t)f->rank * per, tab, (size_t)per,
+                                TDM_DTYPE_INT64));
     for (int r = 1; r < W; r++) {
-        for (int i = 0; i < nt; i++) {
-            const int64_t *a = tab + 2 * i, *b = tab + (size_t)r * per + 2 * i;
-            if (a[0] == b[0] && a[1] == b[1]) continue;
-            int is_p = i < f->n_params;
-            const tdm_tensor_info *t = is_p ? tdm_model_param_info(m, i)
-                                            : tdm_model_buffer_info(m, i - f->n_params);
-            st = tdm_error_set(TDM_STATUS_MISMATCH,
-                               "fsdp: %s %d differs between ranks: rank 0's has %lld "
-                               "elements, rank %d's has %lld (name, shape or offset differ; "
-                               "here, on rank %d, it is '%s'); every rank must build the same "
-                               "model", is_p ? "parameter" : "buffer", is_p ? i : i - f->n_params,
-                               (long long)a[1], r, (long long)b[1], f->rank, t->name);
-            goto fail;
-        }
-        int nu0 = (int)all[TDM_FSDP_SUM_NUNITS], nur = (int)all[(size_t)r * TDM_FSDP_SUM_N +
-                                                               TDM_FSDP_SUM_NUNITS];
-        for (int u = 0; u < nu0 || u < nur; u++) {
-            const int64_t *a = tab + 2 * nt + TDM_FSDP_UNIT_FIELDS * u;
-            const int64_t *b = tab + (size_t)r * per + 2 * nt + TDM_FSDP_UNIT_FIELDS * u;
-            if (u < nu0 && u < nur && !memcmp(a, b, TDM_FSDP_UNIT_FIELDS * sizeof *a)) continue;
-            if (u >= nu0 || u >= nur) {
-                st = tdm_error_set(TDM_STATUS_MISMATCH,
-                                   "fsdp: shard layout differs between ranks: rank 0 has %d "
-                                   "unit(s), rank %d has %d (unit %d exists on one only); use "
-                                   "the same unit options (min_unit_elems) on every rank", nu0,
-                                   r, nur, u);
-            } else {
-                st = tdm_error_set(TDM_STATUS_MISMATCH,
-                                   "fsdp: shard layout of unit %d differs between ranks: rank "
-                                   "0's holds parameters %lld..%lld (%lld elements at offset "
-                                   "%lld, shards of %lld), rank %d's holds %lld..%lld (%lld at "
-                                   "%lld, shards of %lld); use the same model and unit options "
-                                   "on every rank", u, (long long)a[0], (long long)a[1],
-                                   (long long)a[3], (long long)a[2], (long long)a[4], r,
-                                   (long long)b[0], (long long)b[1], (long long)b[3],
-                                   (long long)b[2], (long long)b[4]);
-            }
-            goto fail;
-        }
         const int64_t *a = all, *b = all + (size_t)r * TDM_FSDP_SUM_N;
-        if (a[TDM_FSDP_SUM_SHARDING] != b[TDM_FSDP_SUM_SHARDING] ||
-            a[TDM_FSDP_SUM_PREFETCH] != b[TDM_FSDP_SUM_PREFETCH] ||
-            a[TDM_FSDP_SUM_OVERLAP] != b[TDM_FSDP_SUM_OVERLAP]) {
-            st = tdm_error_set(TDM_STATUS_MISMATCH,
-                               "fsdp: options differ between ranks: rank 0 runs sharding %s "
-                               "(prefetch %s, overlap %s), rank %d sharding %s (prefetch %s, "
-                               "overlap %s); the collectives would not match",
-                               tdm_fsdp_sharding_name((tdm_fsdp_sharding)a[TDM_FSDP_SUM_SHARDING]),
-                               a[TDM_FSDP_SUM_PREFETCH] ? "off" : "on",
-                               a[TDM_FSDP_SUM_OVERLAP] ? "off" : "on", r,
-                               tdm_fsdp_sharding_name((tdm_fsdp_sharding)b[TDM_FSDP_SUM_SHARDING]),
-                               b[TDM_FSDP_SUM_PREFETCH] ? "off" : "on",
-                               b[TDM_FSDP_SUM_OVERLAP] ? "off" : "on");
-            goto fail;
-        }
-        if (a[TDM_FSDP_SUM_HOOK] != b[TDM_FSDP_SUM_HOOK] ||
-            a[TDM_FSDP_SUM_JOIN] != b[TDM_FSDP_SUM_JOIN]) {
-            st = tdm_error_set(TDM_STATUS_MISMATCH,
-                               "fsdp: options differ between ranks: rank 0 runs comm hook %s "
-                               "(join %s), rank %d comm hook %s (join %s); the collectives "
-                               "would not match",
-                               tdm_fsdp_comm_hook_name((tdm_fsdp_comm_hook)a[TDM_FSDP_SUM_HOOK]),
-                               a[TDM_FSDP_SUM_JOIN] ? "on" : "off", r,
-                               tdm_fsdp_comm_hook_name((tdm_fsdp_comm_hook)b[TDM_FSDP_SUM_HOOK]),
-                               b[TDM_FSDP_SUM_JOIN] ? "on" : "off");
-            goto fail;
-        }
+        TDM_TRY(tdm_fsdp_verify_units(tab, per, (int)a[TDM_FSDP_SUM_NUNITS],
+                                      (int)b[TDM_FSDP_SUM_NUNITS], r));
+        TDM_TRY(tdm_fsdp_verify_options(a, b, r));
     }
 fail:
     free(all);

@@ -27,35 +27,35 @@
 
 static void tdm_fsdp_pool_note(tdm_fsdp *f)
 {
-    if (f->pool_live > f->pool_peak) f->pool_peak = f->pool_live;
+    if (f->pool.live > f->pool.peak) f->pool.peak = f->pool.live;
 }
 
 void tdm_fsdp_pool_trim(tdm_fsdp *f)
 {
-    for (int i = 0; i < f->n_cached; i++) {
-        tdm_dev_free(f->dev, f->cache[i].p);
-        f->pool_live -= f->cache[i].nbytes;
+    for (int i = 0; i < f->pool.n_cached; i++) {
+        tdm_dev_free(f->dev, f->pool.cache[i].p);
+        f->pool.live -= f->pool.cache[i].nbytes;
     }
-    f->n_cached = 0;
+    f->pool.n_cached = 0;
 }
 
 tdm_status tdm_fsdp_pool_get(tdm_fsdp *f, size_t nbytes, int zero, float **out, size_t *got)
 {
     int best = -1;
-    for (int i = 0; i < f->n_cached; i++)
-        if (f->cache[i].nbytes >= nbytes &&
-            (best < 0 || f->cache[i].nbytes < f->cache[best].nbytes))
+    for (int i = 0; i < f->pool.n_cached; i++)
+        if (f->pool.cache[i].nbytes >= nbytes &&
+            (best < 0 || f->pool.cache[i].nbytes < f->pool.cache[best].nbytes))
             best = i;
     void *p = NULL;
     size_t sz = nbytes;
     if (best >= 0) {
-        p = f->cache[best].p;
-        sz = f->cache[best].nbytes;
-        f->cache[best] = f->cache[--f->n_cached];
+        p = f->pool.cache[best].p;
+        sz = f->pool.cache[best].nbytes;
+        f->pool.cache[best] = f->pool.cache[--f->pool.n_cached];
     } else {
         tdm_fsdp_pool_trim(f);
         TDM_CHECK(tdm_dev_alloc(f->dev, nbytes, &p));
-        f->pool_live += sz;
+        f->pool.live += sz;
         tdm_fsdp_pool_note(f);
     }
     if (zero) {
@@ -73,35 +73,35 @@ tdm_status tdm_fsdp_pool_get(tdm_fsdp *f, size_t nbytes, int zero, float **out, 
 void tdm_fsdp_pool_put(tdm_fsdp *f, float *p, size_t nbytes)
 {
     if (!p) return;
-    if (f->n_cached < TDM_FSDP_POOL_CACHE) {
-        f->cache[f->n_cached++] = (tdm_fsdp_block){p, nbytes};
+    if (f->pool.n_cached < TDM_FSDP_POOL_CACHE) {
+        f->pool.cache[f->pool.n_cached++] = (tdm_fsdp_block){p, nbytes};
         return;
     }
     tdm_dev_free(f->dev, p);
-    f->pool_live -= nbytes;
+    f->pool.live -= nbytes;
 }
 
 /* ---- events and waits ---- */
 
 int tdm_fsdp_new_event(tdm_fsdp *f, int kind, int unit, int prefetch, double bytes)
 {
-    if (f->n_ev == f->cap_ev) {
-        int cap = f->cap_ev ? 2 * f->cap_ev : 64;
-        tdm_fsdp_ev *e = realloc(f->ev, (size_t)cap * sizeof *e);
+    if (f->timing.n_ev == f->timing.cap_ev) {
+        int cap = f->timing.cap_ev ? 2 * f->timing.cap_ev : 64;
+        tdm_fsdp_ev *e = realloc(f->timing.ev, (size_t)cap * sizeof *e);
         if (!e) return -1;   /* the timeline loses an entry; the step goes on */
-        f->ev = e;
-        f->cap_ev = cap;
+        f->timing.ev = e;
+        f->timing.cap_ev = cap;
     }
-    f->ev[f->n_ev] = (tdm_fsdp_ev){.kind = kind, .unit = unit, .prefetch = prefetch,
+    f->timing.ev[f->timing.n_ev] = (tdm_fsdp_ev){.kind = kind, .unit = unit, .prefetch = prefetch,
                                    .start_ns = tdm_time_ns(), .bytes = bytes};
-    return f->n_ev++;
+    return f->timing.n_ev++;
 }
 
 static void tdm_fsdp_event_end(tdm_fsdp *f, int e, double wait_ms)
 {
-    if (e < 0 || e >= f->n_ev) return;
-    if (!f->ev[e].end_ns) f->ev[e].end_ns = tdm_time_ns();
-    f->ev[e].wait_ms += wait_ms;
+    if (e < 0 || e >= f->timing.n_ev) return;
+    if (!f->timing.ev[e].end_ns) f->timing.ev[e].end_ns = tdm_time_ns();
+    f->timing.ev[e].wait_ms += wait_ms;
 }
 
 tdm_status tdm_fsdp_wait(tdm_fsdp *f, tdm_comm_work *w, double *ms)
@@ -116,6 +116,38 @@ tdm_status tdm_fsdp_wait(tdm_fsdp *f, tdm_comm_work *w, double *ms)
     tdm_status st = tdm_comm_work_wait(w, f->o.timeout_ms > 0 ? f->o.timeout_ms : -1);
     *ms = tdm_time_ms_since(t0);
     return st;
+}
+
+static const char *tdm_fsdp_unit_desc(const tdm_fsdp *f, int u, char *buf, size_t n);
+
+/* Waits for unit u's collective w (what: "all_gather"), ending its event
+ * and adding the wait's ms to *acc (may be NULL). On failure the message
+ * names the step and the unit, and the status is returned with *running
+ * set when w still runs (it timed out): its handle, and the blocks it
+ * reads and writes, must then stay until tdm_fsdp_fail or tdm_fsdp_free
+ * has aborted the communicator and seen it end. */
+static tdm_status tdm_fsdp_wait_unit(tdm_fsdp *f, int u, tdm_comm_work *w, int ev, double *acc,
+                                     const char *what, int *running)
+{
+    double ms = 0.0;
+    tdm_status st = tdm_fsdp_wait(f, w, &ms);
+    tdm_fsdp_event_end(f, ev, ms);
+    if (acc) *acc += ms;
+    *running = 0;
+    if (st == TDM_STATUS_OK) return st;
+    char d[256];
+    tdm_error_prefix(st, "fsdp: step %" PRIu64 ": %s of %s", f->check.count, what,
+                     tdm_fsdp_unit_desc(f, u, d, sizeof d));
+    *running = !tdm_fsdp_work_over(w);
+    return st;
+}
+
+/* A unit's all-gather has ended: its handle goes. */
+static void tdm_fsdp_gather_done(tdm_fsdp_unit *x)
+{
+    tdm_comm_work_free(x->ag);
+    x->ag = NULL;
+    x->ag_event = -1;
 }
 
 /* After a failed wait: 1 when the work has ended (its buffers are nobody's
@@ -140,14 +172,14 @@ static void tdm_fsdp_poll(tdm_fsdp *f)
     for (int u = 0; u < f->nu; u++) {
         tdm_fsdp_unit *x = &f->u[u];
         int done = 0;
-        if (x->ag && x->ag_event >= 0 && !f->ev[x->ag_event].end_ns &&
+        if (x->ag && x->ag_event >= 0 && !f->timing.ev[x->ag_event].end_ns &&
             tdm_comm_work_test(x->ag, &done) == TDM_STATUS_OK && done)
             tdm_fsdp_event_end(f, x->ag_event, 0.0);
         done = 0;
         if (x->rs && tdm_comm_work_test(x->rs, &done) == TDM_STATUS_OK && done) {
             tdm_fsdp_event_end(f, x->rs_event, 0.0);
-            if (f->in_backward) {
-                f->rs_done_in_bwd++;
+            if (f->pass.phase == TDM_FSDP_PHASE_BACKWARD) {
+                f->timing.rs_done_in_bwd++;
                 tdm_status st = tdm_fsdp_finish_rs(f, u);
                 if (st) tdm_fsdp_hook_fail(f, st);
             }
@@ -183,16 +215,16 @@ static const char *tdm_fsdp_unit_desc(const tdm_fsdp *f, int u, char *buf, size_
 tdm_status tdm_fsdp_issue_gather(tdm_fsdp *f, int u, int prefetch)
 {
     tdm_fsdp_unit *x = &f->u[u];
-    if (x->p_state != 0) return TDM_STATUS_OK;
+    if (x->params != TDM_FSDP_PARAMS_ABSENT) return TDM_STATUS_OK;
     float *recv, *send;
     if (f->o.sharding == TDM_FSDP_FULL_SHARD) {
         TDM_CHECK(tdm_fsdp_pool_get(f, (size_t)x->padded * sizeof(float), 0, &x->pbuf,
                                     &x->pbuf_bytes));
         recv = x->pbuf;
-        send = f->pshard + x->shard_off;
+        send = f->buf.pshard + x->shard_off;
     } else {
         /* in place: this rank's shard is its slice of the full copy */
-        recv = f->pfull + x->full_off;
+        recv = f->buf.pfull + x->full_off;
         send = recv + (int64_t)f->rank * x->shard;
     }
     tdm_comm_set_label(f->comm, "%s all_gather unit %d", tdm_fsdp_tag(f), u);
@@ -205,13 +237,14 @@ tdm_status tdm_fsdp_issue_gather(tdm_fsdp *f, int u, int prefetch)
             x->pbuf = NULL;
         }
         char d[256];
-        return tdm_error_prefix(st, "fsdp: all_gather of %s", tdm_fsdp_unit_desc(f, u, d, sizeof d));
+        return tdm_error_prefix(st, "fsdp: all_gather of %s",
+                                tdm_fsdp_unit_desc(f, u, d, sizeof d));
     }
-    x->p_state = 1;
+    x->params = TDM_FSDP_PARAMS_GATHERING;
     double bytes = (double)x->padded * sizeof(float);
     x->ag_event = tdm_fsdp_new_event(f, 0, u, prefetch, bytes);
-    f->times.ag_bytes_total += bytes;
-    if (prefetch) f->times.ag_prefetched_bytes_total += bytes;
+    f->timing.times.ag_bytes_total += bytes;
+    if (prefetch) f->timing.times.ag_prefetched_bytes_total += bytes;
     return TDM_STATUS_OK;
 }
 
@@ -219,38 +252,27 @@ tdm_status tdm_fsdp_need_params(tdm_fsdp *f, int u, int prefetch_ok)
 {
     tdm_fsdp_unit *x = &f->u[u];
     (void)prefetch_ok;
-    if (x->p_state == 2) return TDM_STATUS_OK;
-    if (x->p_state == 0) TDM_CHECK(tdm_fsdp_issue_gather(f, u, 0));
+    if (x->params == TDM_FSDP_PARAMS_PRESENT) return TDM_STATUS_OK;
+    if (x->params == TDM_FSDP_PARAMS_ABSENT) TDM_CHECK(tdm_fsdp_issue_gather(f, u, 0));
     int done = 0;
     if (tdm_comm_work_test(x->ag, &done) == TDM_STATUS_OK && done && x->ag_event >= 0 &&
-        f->ev[x->ag_event].prefetch)
-        f->ag_ready_at_use++;
-    double ms = 0.0;
-    tdm_status st = tdm_fsdp_wait(f, x->ag, &ms);
-    tdm_fsdp_event_end(f, x->ag_event, ms);
-    f->ag_wait_ms += ms;
+        f->timing.ev[x->ag_event].prefetch)
+        f->timing.ag_ready_at_use++;
+    int running;
+    tdm_status st = tdm_fsdp_wait_unit(f, u, x->ag, x->ag_event, &f->pass.ag_wait_ms,
+                                       "all_gather", &running);
+    if (running) return st;   /* gather, block and params GATHERING stay */
+    tdm_fsdp_gather_done(x);
     if (st) {
-        char d[256];
-        /* still running (timed out): gather, block and p_state 1 stay */
-        if (!tdm_fsdp_work_over(x->ag))
-            return tdm_error_prefix(st, "fsdp: step %" PRIu64 ": all_gather of %s", f->sync_count,
-                                    tdm_fsdp_unit_desc(f, u, d, sizeof d));
-        tdm_comm_work_free(x->ag);
-        x->ag = NULL;
-        x->ag_event = -1;
-        x->p_state = 0;
+        x->params = TDM_FSDP_PARAMS_ABSENT;
         if (f->o.sharding == TDM_FSDP_FULL_SHARD) {
             /* the collective ended in an error: nobody writes the block any more */
             tdm_fsdp_pool_put(f, x->pbuf, x->pbuf_bytes);
             x->pbuf = NULL;
         }
-        return tdm_error_prefix(st, "fsdp: step %" PRIu64 ": all_gather of %s", f->sync_count,
-                                tdm_fsdp_unit_desc(f, u, d, sizeof d));
+        return st;
     }
-    tdm_comm_work_free(x->ag);
-    x->ag = NULL;
-    x->ag_event = -1;
-    x->p_state = 2;
+    x->params = TDM_FSDP_PARAMS_PRESENT;
     if (f->o.sharding == TDM_FSDP_FULL_SHARD)
         TDM_CHECK(tdm_model_set_param_view(f->m, x->first, x->last, x->pbuf));
     return TDM_STATUS_OK;
@@ -259,27 +281,20 @@ tdm_status tdm_fsdp_need_params(tdm_fsdp *f, int u, int prefetch_ok)
 tdm_status tdm_fsdp_release_params(tdm_fsdp *f, int u)
 {
     tdm_fsdp_unit *x = &f->u[u];
-    if (f->o.sharding != TDM_FSDP_FULL_SHARD || x->p_state == 0) return TDM_STATUS_OK;
+    if (f->o.sharding != TDM_FSDP_FULL_SHARD || x->params == TDM_FSDP_PARAMS_ABSENT)
+        return TDM_STATUS_OK;
     tdm_status st = TDM_STATUS_OK;
-    if (x->p_state == 1) {
+    if (x->params == TDM_FSDP_PARAMS_GATHERING) {
         /* a prefetch nobody used: the block is the collective's until it ends */
-        double ms = 0.0;
-        st = tdm_fsdp_wait(f, x->ag, &ms);
-        tdm_fsdp_event_end(f, x->ag_event, ms);
-        if (st) {
-            char d[256];
-            tdm_error_prefix(st, "fsdp: all_gather of %s", tdm_fsdp_unit_desc(f, u, d, sizeof d));
-            /* still running (timed out): gather, block and p_state 1 stay */
-            if (!tdm_fsdp_work_over(x->ag)) return st;
-        }
-        tdm_comm_work_free(x->ag);
-        x->ag = NULL;
-        x->ag_event = -1;
+        int running;
+        st = tdm_fsdp_wait_unit(f, u, x->ag, x->ag_event, NULL, "all_gather", &running);
+        if (running) return st;   /* gather, block and params GATHERING stay */
+        tdm_fsdp_gather_done(x);
     }
     (void)tdm_model_set_param_view(f->m, x->first, x->last, NULL);
     tdm_fsdp_pool_put(f, x->pbuf, x->pbuf_bytes);
     x->pbuf = NULL;
-    x->p_state = 0;
+    x->params = TDM_FSDP_PARAMS_ABSENT;
     return st;
 }
 
@@ -290,7 +305,7 @@ tdm_status tdm_fsdp_settle_params(tdm_fsdp *f, int release)
     for (int u = 0; u < f->nu; u++) {
         tdm_status st;
         if (f->o.sharding == TDM_FSDP_FULL_SHARD && release) st = tdm_fsdp_release_params(f, u);
-        else if (f->u[u].p_state == 1) st = tdm_fsdp_need_params(f, u, 0);
+        else if (f->u[u].params == TDM_FSDP_PARAMS_GATHERING) st = tdm_fsdp_need_params(f, u, 0);
         else continue;
         if (st && !first) {
             first = st;
@@ -303,37 +318,54 @@ tdm_status tdm_fsdp_settle_params(tdm_fsdp *f, int release)
 
 /* ---- the order of a pass ---- */
 
-/* The pass moved on to unit u: records the order in the first pass, checks
- * it in later ones, and returns the unit expected next (-1: none, or the
- * order is not known). A pass that differs from the recorded one stops
- * prefetching and is recorded again next time. Every rank runs the same
- * layers, so every rank decides the same and issues the same gathers. */
-static int tdm_fsdp_order_step(int *order, int *len, int *pos, int rec, int *broken, int cap, int u)
+/* Entries an order holds: each unit once per pass, and in backward a
+ * grads-only use of a tied unit besides (u + nu), with room to spare. */
+static int tdm_fsdp_order_cap(const tdm_fsdp *f) { return 2 * f->nu + 4; }
+
+void tdm_fsdp_order_begin(tdm_fsdp_order *o)
 {
-    (*pos)++;
-    if (rec) {
-        if (*len < cap) order[(*len)++] = u;
-        else *broken = 1;
+    o->pos = -1;
+    o->cur = -1;
+    o->state = o->len == 0 ? TDM_FSDP_ORDER_RECORDING : TDM_FSDP_ORDER_FOLLOWING;
+}
+
+void tdm_fsdp_order_end(tdm_fsdp_order *o)
+{
+    if (o->state == TDM_FSDP_ORDER_BROKEN) o->len = 0;   /* record it again next time */
+}
+
+/* The pass moved on to unit u: records the order in the first pass,
+ * checks it in later ones, and returns the unit expected next (-1: none,
+ * or the order is not known). A pass that differs from the recorded one
+ * stops prefetching. Every rank runs the same layers, so every rank
+ * decides the same and issues the same gathers. */
+static int tdm_fsdp_order_step(tdm_fsdp_order *o, int cap, int u)
+{
+    o->pos++;
+    switch (o->state) {
+    case TDM_FSDP_ORDER_RECORDING:
+        if (o->len < cap) o->unit[o->len++] = u;
+        else o->state = TDM_FSDP_ORDER_BROKEN;
+        return -1;
+    case TDM_FSDP_ORDER_FOLLOWING:
+        if (o->pos < o->len && o->unit[o->pos] == u)
+            return o->pos + 1 < o->len ? o->unit[o->pos + 1] : -1;
+        o->state = TDM_FSDP_ORDER_BROKEN;
+        return -1;
+    default:
         return -1;
     }
-    if (*broken) return -1;
-    if (*pos >= *len || order[*pos] != u) {
-        *broken = 1;
-        return -1;
-    }
-    return *pos + 1 < *len ? order[*pos + 1] : -1;
 }
 
 /* ---- the model's hooks ---- */
 
 static tdm_status tdm_fsdp_enter_forward(tdm_fsdp *f, int u)
 {
-    if (u == f->cur_f) return TDM_STATUS_OK;
+    if (u == f->pass.fwd.cur) return TDM_STATUS_OK;
     int full = f->o.sharding == TDM_FSDP_FULL_SHARD;
-    if (full && f->cur_f >= 0) TDM_CHECK(tdm_fsdp_release_params(f, f->cur_f));
-    int next = tdm_fsdp_order_step(f->fwd_order, &f->fwd_len, &f->fwd_pos, f->fwd_rec,
-                                   &f->fwd_broken, 2 * f->nu + 4, u);
-    f->cur_f = u;
+    if (full && f->pass.fwd.cur >= 0) TDM_CHECK(tdm_fsdp_release_params(f, f->pass.fwd.cur));
+    int next = tdm_fsdp_order_step(&f->pass.fwd, tdm_fsdp_order_cap(f), u);
+    f->pass.fwd.cur = u;
     TDM_CHECK(tdm_fsdp_need_params(f, u, 1));
     if (full && !f->o.no_prefetch && next >= 0 && next != u)
         TDM_CHECK(tdm_fsdp_issue_gather(f, next, 1));
@@ -348,10 +380,10 @@ static tdm_status tdm_fsdp_enter_backward(tdm_fsdp *f, int u, int params)
 {
     tdm_fsdp_unit *x = &f->u[u];
     int full = f->o.sharding == TDM_FSDP_FULL_SHARD;
-    if (u != f->cur_b) {
-        int next = tdm_fsdp_order_step(f->bwd_order, &f->bwd_len, &f->bwd_pos, f->bwd_rec,
-                                       &f->bwd_broken, 2 * f->nu + 4, params ? u : u + f->nu);
-        f->cur_b = u;
+    if (u != f->pass.bwd.cur) {
+        int next = tdm_fsdp_order_step(&f->pass.bwd, tdm_fsdp_order_cap(f),
+                                       params ? u : u + f->nu);
+        f->pass.bwd.cur = u;
         if (params) TDM_CHECK(tdm_fsdp_need_params(f, u, 1));
         if (full && !f->o.no_prefetch && next >= 0 && next < f->nu && next != u)
             TDM_CHECK(tdm_fsdp_issue_gather(f, next, 1));
@@ -379,7 +411,7 @@ tdm_status tdm_fsdp_use_hook(void *ctx, tdm_model *m, tdm_model_use use, int fir
 {
     tdm_fsdp *f = ctx;
     (void)m;
-    int lo = f->param_unit[first], hi = f->param_unit[last], prev = f->cur_b;
+    int lo = f->param_unit[first], hi = f->param_unit[last], prev = f->pass.bwd.cur;
     if (use != TDM_MODEL_USE_FORWARD && f->o.sharding == TDM_FSDP_FULL_SHARD && prev >= 0 &&
         (prev < lo || prev > hi) && f->u[prev].pending > 0) {
         /* Backward leaves a unit whose gradients are not final: a tied
@@ -406,9 +438,9 @@ tdm_status tdm_fsdp_use_hook(void *ctx, tdm_model *m, tdm_model_use use, int fir
 
 static void tdm_fsdp_hook_fail(tdm_fsdp *f, tdm_status st)
 {
-    if (f->hook_st) return;
-    f->hook_st = st;
-    snprintf(f->hook_msg, sizeof f->hook_msg, "%s", tdm_error_message());
+    if (f->pass.hook_st) return;
+    f->pass.hook_st = st;
+    snprintf(f->pass.hook_msg, sizeof f->pass.hook_msg, "%s", tdm_error_message());
 }
 
 /* Unit u's reduce-scatter: every rank's full gradient of the unit summed,
@@ -419,9 +451,9 @@ static tdm_status tdm_fsdp_launch_rs(tdm_fsdp *f, int u)
     tdm_fsdp_unit *x = &f->u[u];
     tdm_status st;
     if (f->o.comm_hook && f->o.sharding == TDM_FSDP_SHARD_OPTIM) {
-        st = tdm_fsdp_hook_launch(f, u, f->gfull + x->full_off);   /* labels it */
+        st = tdm_fsdp_hook_launch(f, u, f->buf.gfull + x->full_off);   /* labels it */
     } else if (f->o.sharding == TDM_FSDP_SHARD_OPTIM) {
-        float *g = f->gfull + x->full_off;   /* in place */
+        float *g = f->buf.gfull + x->full_off;   /* in place */
         tdm_comm_set_label(f->comm, "%s reduce_scatter unit %d", tdm_fsdp_tag(f), u);
         st = tdm_comm_reduce_scatter_async(f->comm, g, g + (int64_t)f->rank * x->shard,
                                            (size_t)x->shard, TDM_DTYPE_FLOAT32, TDM_REDOP_SUM,
@@ -430,8 +462,8 @@ static tdm_status tdm_fsdp_launch_rs(tdm_fsdp *f, int u)
         if (!x->gbuf)   /* no layer of the unit ran backward here: its gradient is zero */
             TDM_CHECK(tdm_fsdp_pool_get(f, (size_t)x->padded * sizeof(float), 1, &x->gbuf,
                                         &x->gbuf_bytes));
-        float *recv = f->gshard + x->shard_off;
-        if (!f->gshard_zero) {
+        float *recv = f->buf.gshard + x->shard_off;
+        if (!f->grad.zero) {
             /* the shard holds earlier gradients: receive aside, then add */
             TDM_CHECK(tdm_fsdp_pool_get(f, (size_t)x->shard * sizeof(float), 0, &x->rs_tmp,
                                         &x->rs_tmp_bytes));
@@ -451,11 +483,11 @@ static tdm_status tdm_fsdp_launch_rs(tdm_fsdp *f, int u)
         return tdm_error_prefix(st, "fsdp: reduce_scatter of %s",
                                 tdm_fsdp_unit_desc(f, u, d, sizeof d));
     }
-    x->launched = 1;
     double bytes = (double)x->padded * (f->o.comm_hook ? 2.0 : (double)sizeof(float));
     x->rs_event = tdm_fsdp_new_event(f, 1, u, 0, bytes);
-    f->times.rs_bytes_total += bytes;
-    if (f->in_backward) f->times.rs_overlapped_bytes_total += bytes;
+    f->timing.times.rs_bytes_total += bytes;
+    if (f->pass.phase == TDM_FSDP_PHASE_BACKWARD)
+        f->timing.times.rs_overlapped_bytes_total += bytes;
     return TDM_STATUS_OK;
 }
 
@@ -464,13 +496,13 @@ static tdm_status tdm_fsdp_launch_rs(tdm_fsdp *f, int u)
  * finish in. */
 static void tdm_fsdp_launch_ready(tdm_fsdp *f)
 {
-    while (f->next_rs >= 0 && !f->hook_st && f->u[f->next_rs].pending == 0) {
-        tdm_status st = tdm_fsdp_launch_rs(f, f->next_rs);
+    while (f->pass.next_rs >= 0 && !f->pass.hook_st && f->u[f->pass.next_rs].pending == 0) {
+        tdm_status st = tdm_fsdp_launch_rs(f, f->pass.next_rs);
         if (st) {
             tdm_fsdp_hook_fail(f, st);
             return;
         }
-        f->next_rs--;
+        f->pass.next_rs--;
     }
 }
 
@@ -485,14 +517,14 @@ void tdm_fsdp_grad_hook(void *ctx, tdm_model *m, int first, int last)
 {
     tdm_fsdp *f = ctx;
     (void)m;
-    if (!f->in_backward) return;
+    if (f->pass.phase != TDM_FSDP_PHASE_BACKWARD) return;
     for (int p = last; p >= first; p--) {
-        if (f->ready[p]) continue;
-        f->ready[p] = 1;
+        if (f->pass.ready[p]) continue;
+        f->pass.ready[p] = 1;
         int u = f->param_unit[p];
         if (--f->u[u].pending == 0) tdm_fsdp_unit_done(f, u);
     }
-    if (f->sync && !f->o.no_overlap) tdm_fsdp_launch_ready(f);
+    if (f->pass.sync && !f->o.no_overlap) tdm_fsdp_launch_ready(f);
     tdm_fsdp_poll(f);
 }
 
@@ -500,24 +532,12 @@ void tdm_fsdp_grad_hook(void *ctx, tdm_model *m, int first, int last)
 
 void tdm_fsdp_backward_begin(tdm_fsdp *f)
 {
-    for (int u = 0; u < f->nu; u++) {
-        f->u[u].pending = f->u[u].last - f->u[u].first + 1;
-        f->u[u].launched = 0;
-    }
-    memset(f->ready, 0, (size_t)f->n_params);
-    f->next_rs = f->nu - 1;
-    f->cur_b = -1;
-    f->bwd_pos = -1;
-    f->bwd_rec = f->bwd_len == 0;
-    f->bwd_broken = 0;
-    f->hook_st = TDM_STATUS_OK;
-    f->rs_done_in_bwd = 0;
-}
-
-static void tdm_fsdp_pass_done(int *len, int *rec, int broken)
-{
-    if (broken) *len = 0;   /* record it again next time */
-    *rec = 0;
+    for (int u = 0; u < f->nu; u++) f->u[u].pending = f->u[u].last - f->u[u].first + 1;
+    memset(f->pass.ready, 0, (size_t)f->n_params);
+    f->pass.next_rs = f->nu - 1;
+    tdm_fsdp_order_begin(&f->pass.bwd);
+    f->pass.hook_st = TDM_STATUS_OK;
+    f->timing.rs_done_in_bwd = 0;
 }
 
 /* Waits for unit u's reduce-scatter and puts its result in place. */
@@ -525,18 +545,12 @@ static tdm_status tdm_fsdp_finish_rs(tdm_fsdp *f, int u)
 {
     tdm_fsdp_unit *x = &f->u[u];
     if (!x->rs) return TDM_STATUS_OK;
-    double ms = 0.0;
-    tdm_status st = tdm_fsdp_wait(f, x->rs, &ms);
-    tdm_fsdp_event_end(f, x->rs_event, ms);
-    f->rs_wait_ms += ms;
-    if (st) {
-        char d[256];
-        tdm_error_prefix(st, "fsdp: step %" PRIu64 ": reduce_scatter of %s", f->sync_count,
-                         tdm_fsdp_unit_desc(f, u, d, sizeof d));
-        /* still running (timed out): the handle stays with the blocks it
-         * reads and writes (gbuf, rs_tmp, the shard) */
-        if (!tdm_fsdp_work_over(x->rs)) return st;
-    }
+    int running;
+    tdm_status st = tdm_fsdp_wait_unit(f, u, x->rs, x->rs_event, &f->pass.rs_wait_ms,
+                                       "reduce_scatter", &running);
+    /* still running: the handle stays with the blocks it reads and writes
+     * (gbuf, rs_tmp, the shard) */
+    if (running) return st;
     tdm_comm_work_free(x->rs);
     x->rs = NULL;
     x->rs_event = -1;
@@ -554,15 +568,15 @@ static tdm_status tdm_fsdp_finish_rs(tdm_fsdp *f, int u)
          * or before a backward that comes without one
          * (tdm_fsdp_clear_stale). Clearing them here as well cost a pass
          * over (N-1)/N of the gradients every step (issue 14). */
-        f->gfull_stale = 1;
-        f->gfull_reduced = 1;
-        if (f->gacc_live)   /* the reduced gradient held aside by tdm_fsdp_hold_reduced */
-            TDM_CHECK(tdm_dev_axpy(d, x->shard, 1.0f, f->gacc + x->shard_off,
+        f->grad.stale = 1;
+        if (f->grad.reduced != TDM_FSDP_REDUCED_HELD) f->grad.reduced = TDM_FSDP_REDUCED_IN_PLACE;
+        else   /* the reduced gradient held aside by tdm_fsdp_hold_reduced */
+            TDM_CHECK(tdm_dev_axpy(d, x->shard, 1.0f, f->buf.gacc + x->shard_off,
                                    tdm_fsdp_gshard(f, u)));
         return TDM_STATUS_OK;
     }
     if (x->rs_tmp) {
-        TDM_CHECK(tdm_dev_axpy(d, x->shard, 1.0f, x->rs_tmp, f->gshard + x->shard_off));
+        TDM_CHECK(tdm_dev_axpy(d, x->shard, 1.0f, x->rs_tmp, f->buf.gshard + x->shard_off));
         tdm_fsdp_pool_put(f, x->rs_tmp, x->rs_tmp_bytes);
         x->rs_tmp = NULL;
     }
@@ -574,48 +588,48 @@ static tdm_status tdm_fsdp_finish_rs(tdm_fsdp *f, int u)
 
 tdm_status tdm_fsdp_clear_stale(tdm_fsdp *f)
 {
-    if (!f->gfull_stale) return TDM_STATUS_OK;
+    if (!f->grad.stale) return TDM_STATUS_OK;
     for (int u = 0; u < f->nu; u++) {
         const tdm_fsdp_unit *x = &f->u[u];
-        float *g = f->gfull + x->full_off;
+        float *g = f->buf.gfull + x->full_off;
         int64_t lo = (int64_t)f->rank * x->shard, hi = lo + x->shard;
         if (lo > 0) TDM_CHECK(tdm_dev_memset_zero(f->dev, g, (size_t)lo * sizeof(float)));
         if (hi < x->padded)
             TDM_CHECK(tdm_dev_memset_zero(f->dev, g + hi,
                                           (size_t)(x->padded - hi) * sizeof(float)));
     }
-    f->gfull_stale = 0;
+    f->grad.stale = 0;
     return TDM_STATUS_OK;
 }
 
 tdm_status tdm_fsdp_hold_reduced(tdm_fsdp *f)
 {
-    if (f->o.sharding != TDM_FSDP_SHARD_OPTIM || !f->o.comm_hook || !f->gfull_reduced)
+    if (f->o.sharding != TDM_FSDP_SHARD_OPTIM || !f->o.comm_hook ||
+        f->grad.reduced != TDM_FSDP_REDUCED_IN_PLACE)
         return TDM_STATUS_OK;
-    if (!f->gacc)
+    if (!f->buf.gacc)
         TDM_CHECK(tdm_dev_alloc(f->dev, (size_t)(f->shard_elems ? f->shard_elems : 1) *
-                                            sizeof(float), (void **)&f->gacc));
+                                            sizeof(float), (void **)&f->buf.gacc));
     for (int u = 0; u < f->nu; u++) {
         const tdm_fsdp_unit *x = &f->u[u];
         float *own = tdm_fsdp_gshard(f, u);
-        TDM_CHECK(tdm_dev_copy(f->dev, f->gacc + x->shard_off, own,
+        TDM_CHECK(tdm_dev_copy(f->dev, f->buf.gacc + x->shard_off, own,
                                (size_t)x->shard * sizeof(float)));
         TDM_CHECK(tdm_dev_memset_zero(f->dev, own, (size_t)x->shard * sizeof(float)));
     }
-    f->gfull_reduced = 0;
-    f->gacc_live = 1;
+    f->grad.reduced = TDM_FSDP_REDUCED_HELD;
     return TDM_STATUS_OK;
 }
 
 tdm_status tdm_fsdp_backward_end(tdm_fsdp *f)
 {
-    tdm_fsdp_pass_done(&f->bwd_len, &f->bwd_rec, f->bwd_broken);
-    if (!f->sync) {
+    tdm_fsdp_order_end(&f->pass.bwd);
+    if (!f->pass.sync) {
         /* gradients stay in the units' full buffers for the next sync */
         TDM_CHECK(tdm_fsdp_settle_params(f, 1));
         return TDM_STATUS_OK;
     }
-    if (f->hook_st) return tdm_error_set(f->hook_st, "%s", f->hook_msg);
+    if (f->pass.hook_st) return tdm_error_set(f->pass.hook_st, "%s", f->pass.hook_msg);
     /* A unit whose hook did not fire (this rank had no samples, or its
      * layers did not run backward) takes part with the gradient it holds:
      * zeros, or what no_sync backwards accumulated. */
@@ -625,10 +639,11 @@ tdm_status tdm_fsdp_backward_end(tdm_fsdp *f)
         TDM_CHECK(tdm_fsdp_release_params(f, u));
     }
     tdm_fsdp_launch_ready(f);
-    if (f->hook_st) return tdm_error_set(f->hook_st, "%s", f->hook_msg);
+    if (f->pass.hook_st) return tdm_error_set(f->pass.hook_st, "%s", f->pass.hook_msg);
     for (int u = f->nu - 1; u >= 0; u--) TDM_CHECK(tdm_fsdp_finish_rs(f, u));
-    f->gacc_live = 0;   /* every unit has added it back */
-    f->gshard_zero = 0;
+    /* every unit has added back what was held: it is in place again */
+    if (f->grad.reduced == TDM_FSDP_REDUCED_HELD) f->grad.reduced = TDM_FSDP_REDUCED_IN_PLACE;
+    f->grad.zero = 0;
     TDM_CHECK(tdm_fsdp_settle_params(f, 1));
     tdm_fsdp_pool_trim(f);
     return TDM_STATUS_OK;
@@ -646,8 +661,8 @@ tdm_status tdm_fsdp_fail(tdm_fsdp *f, tdm_status st)
      * error), each wait bounded all the same. */
     for (int u = 0; u < f->nu; u++) {
         tdm_fsdp_unit *x = &f->u[u];
-        if (x->ag) (void)tdm_comm_work_wait(x->ag, 10000);
-        if (x->rs) (void)tdm_comm_work_wait(x->rs, 10000);
+        if (x->ag) (void)tdm_comm_work_wait(x->ag, TDM_DIST_DRAIN_TIMEOUT_MS);
+        if (x->rs) (void)tdm_comm_work_wait(x->rs, TDM_DIST_DRAIN_TIMEOUT_MS);
         /* A work still running after that keeps its handle and its blocks
          * (tdm_fsdp_free waits again, and leaks them if it must). */
         if (tdm_fsdp_work_over(x->rs)) {
@@ -657,13 +672,14 @@ tdm_status tdm_fsdp_fail(tdm_fsdp *f, tdm_status st)
         if (!tdm_fsdp_work_over(x->ag)) continue;
         tdm_comm_work_free(x->ag);
         x->ag = NULL;
-        if (x->p_state == 1 && f->o.sharding == TDM_FSDP_FULL_SHARD) {
+        if (x->params == TDM_FSDP_PARAMS_GATHERING && f->o.sharding == TDM_FSDP_FULL_SHARD) {
             (void)tdm_model_set_param_view(f->m, x->first, x->last, NULL);
             tdm_fsdp_pool_put(f, x->pbuf, x->pbuf_bytes);
             x->pbuf = NULL;
-            x->p_state = 0;
-        } else if (x->p_state == 1) {
-            x->p_state = 2;   /* what the full copy holds now is not known; it stays */
+            x->params = TDM_FSDP_PARAMS_ABSENT;
+        } else if (x->params == TDM_FSDP_PARAMS_GATHERING) {
+            /* what the full copy holds now is not known; it stays */
+            x->params = TDM_FSDP_PARAMS_PRESENT;
         }
     }
     return tdm_error_set(st, "%s", msg);

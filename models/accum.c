@@ -42,36 +42,6 @@ static tdm_status tdm_accum_single_zero(void *ctx)
     return tdm_model_zero_grad(s->model);
 }
 
-/* Inputs to the device (a copy of tdm_single's staging: the host device
- * reads them in place). */
-static tdm_status tdm_accum_single_stage(tdm_single *s, const void *x, const int32_t *y,
-                                         int batch, const void **xd, const int32_t **yd)
-{
-    tdm_model *m = s->model;
-    tdm_device *dev = tdm_model_device(m);
-    size_t feat = (size_t)tdm_model_in_features(m), rows = (size_t)tdm_model_out_rows(m);
-    if (tdm_dev_kind(dev) == TDM_DEVICE_HOST) {
-        *xd = x;
-        *yd = y;
-        return TDM_STATUS_OK;
-    }
-    if (batch > s->cap) {
-        tdm_dev_free(dev, s->x_dev);
-        tdm_dev_free(dev, s->y_dev);
-        s->x_dev = NULL;
-        s->y_dev = NULL;
-        s->cap = 0;
-        TDM_CHECK(tdm_dev_alloc(dev, (size_t)batch * feat * 4, &s->x_dev));
-        TDM_CHECK(tdm_dev_alloc(dev, (size_t)batch * rows * 4, (void **)&s->y_dev));
-        s->cap = batch;
-    }
-    TDM_CHECK(tdm_dev_copy_from_host(dev, s->x_dev, x, (size_t)batch * feat * 4));
-    TDM_CHECK(tdm_dev_copy_from_host(dev, s->y_dev, y, (size_t)batch * rows * 4));
-    *xd = s->x_dev;
-    *yd = s->y_dev;
-    return TDM_STATUS_OK;
-}
-
 static tdm_status tdm_accum_single_micro(void *ctx, const void *x, const int32_t *y, int batch,
                                          float grad_scale, int index, int last, double *loss_sum)
 {
@@ -83,7 +53,7 @@ static tdm_status tdm_accum_single_micro(void *ctx, const void *x, const int32_t
     (void)index;
     (void)last;
     uint64_t t0 = tdm_time_ns();
-    TDM_CHECK(tdm_accum_single_stage(s, x, y, batch, &xd, &yd));
+    TDM_CHECK(tdm_train_stage_batch(&s->stage, m, x, y, batch, &xd, &yd));
     TDM_CHECK(tdm_model_forward(m, xd, batch, &logits));
     uint64_t t1 = tdm_time_ns();
     float *dlogits = tdm_model_loss_grad(m);

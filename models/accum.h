@@ -11,7 +11,7 @@
  *
  * The mode supplies the three operations (tdm_accum_ops): the
  * single-device one is here; DP's and DDP's live with their modes
- * (tools/train_dp.c, tools/train_ddp.c), DDP's running the first K-1
+ * (tools/train_local.c, dist/step.c), DDP's running the first K-1
  * micro-batches under no_sync. Nothing here knows of parallelism. */
 #ifndef TDM_MODELS_ACCUM_H
 #define TDM_MODELS_ACCUM_H

@@ -16,9 +16,46 @@
 #define TDM_CKPT_FORMAT "tandem-checkpoint-1"
 #define TDM_CKPT_MAX_TENSORS 256
 
-static const char *tdm_ckpt_optim_name(tdm_optim_kind k)
+static char tdm_ckpt_run[TDM_CKPT_RUN_MAX];
+
+void tdm_checkpoint_set_run(const char *run)
+{
+    snprintf(tdm_ckpt_run, sizeof tdm_ckpt_run, "%s", run ? run : "");
+}
+
+const char *tdm_checkpoint_run(void) { return tdm_ckpt_run; }
+
+const char *tdm_checkpoint_optim_name(tdm_optim_kind k)
 {
     return k == TDM_OPTIM_ADAMW ? "adamw" : "sgd";
+}
+
+int tdm_checkpoint_meta(tdm_st_meta *meta, tdm_ckpt_meta_text *t, const tdm_ckpt_info *info,
+                        int64_t steps, const tdm_optim_opts *o)
+{
+    snprintf(t->step, sizeof t->step, "%" PRId64, info ? info->step : steps);
+    snprintf(t->epoch, sizeof t->epoch, "%" PRId64, info ? info->epoch : 0);
+    snprintf(t->seed, sizeof t->seed, "%" PRIu64, info ? info->seed : 0);
+    int n = 0;
+    meta[n++] = (tdm_st_meta){"step", t->step};
+    meta[n++] = (tdm_st_meta){"epoch", t->epoch};
+    meta[n++] = (tdm_st_meta){"seed", t->seed};
+    if (o) {
+        snprintf(t->lr, sizeof t->lr, "%.9g", (double)o->lr);
+        snprintf(t->hyper, sizeof t->hyper,
+                 "momentum=%.9g dampening=%.9g nesterov=%d weight_decay=%.9g beta1=%.9g "
+                 "beta2=%.9g eps=%.9g", (double)o->momentum, (double)o->dampening, o->nesterov,
+                 (double)o->weight_decay, (double)o->beta1, (double)o->beta2, (double)o->eps);
+        meta[n++] = (tdm_st_meta){"optimizer", tdm_checkpoint_optim_name(o->kind)};
+        meta[n++] = (tdm_st_meta){"lr", t->lr};
+        meta[n++] = (tdm_st_meta){"optimizer_options", t->hyper};
+        /* the optimizer's own count (AdamW's bias correction), apart from
+         * the caller's step, which may count something else */
+        snprintf(t->osteps, sizeof t->osteps, "%" PRId64, steps);
+        meta[n++] = (tdm_st_meta){"optimizer_steps", t->osteps};
+    }
+    if (tdm_ckpt_run[0]) meta[n++] = (tdm_st_meta){"run", tdm_ckpt_run};
+    return n;
 }
 
 /* Non-finite values among n floats; *first: the index of the first. */
@@ -39,14 +76,14 @@ static tdm_status tdm_ckpt_stage(tdm_device *d, float **host, const float *dev, 
     return TDM_STATUS_OK;
 }
 
-static char tdm_ckpt_run[TDM_CKPT_RUN_MAX];
-
-void tdm_checkpoint_set_run(const char *run)
+void tdm_ckpt_host_free(tdm_ckpt_host *h)
 {
-    snprintf(tdm_ckpt_run, sizeof tdm_ckpt_run, "%s", run ? run : "");
+    free(h->params);
+    free(h->buffers);
+    free(h->state[0]);
+    free(h->state[1]);
+    *h = (tdm_ckpt_host){.optim = h->optim};
 }
-
-const char *tdm_checkpoint_run(void) { return tdm_ckpt_run; }
 
 tdm_status tdm_checkpoint_save_host(const char *path, const tdm_model *m, const tdm_ckpt_host *h,
                                     const tdm_ckpt_info *info)
@@ -104,35 +141,11 @@ tdm_status tdm_checkpoint_save_host(const char *path, const tdm_model *m, const 
             goto fail;
         }
     }
-    char model_desc[160], step[32], epoch[32], seed[32], lr[32], hyper[160], osteps[32];
+    char model_desc[160];
+    tdm_ckpt_meta_text mt;
     tdm_model_spec_describe(tdm_model_get_spec(m), model_desc, sizeof model_desc);
-    snprintf(step, sizeof step, "%" PRId64, info ? info->step : (o ? h->steps : 0));
-    snprintf(epoch, sizeof epoch, "%" PRId64, info ? info->epoch : 0);
-    snprintf(seed, sizeof seed, "%" PRIu64, info ? info->seed : 0);
-    tdm_st_meta meta[10] = {
-        {"format", TDM_CKPT_FORMAT},
-        {"model", model_desc},
-        {"step", step},
-        {"epoch", epoch},
-        {"seed", seed},
-    };
-    int nmeta = 5;
-    if (o) {
-        snprintf(lr, sizeof lr, "%.9g", (double)o->lr);
-        snprintf(hyper, sizeof hyper,
-                 "momentum=%.9g dampening=%.9g nesterov=%d weight_decay=%.9g beta1=%.9g "
-                 "beta2=%.9g eps=%.9g",
-                 (double)o->momentum, (double)o->dampening, o->nesterov,
-                 (double)o->weight_decay, (double)o->beta1, (double)o->beta2, (double)o->eps);
-        meta[nmeta++] = (tdm_st_meta){"optimizer", tdm_ckpt_optim_name(o->kind)};
-        meta[nmeta++] = (tdm_st_meta){"lr", lr};
-        meta[nmeta++] = (tdm_st_meta){"optimizer_options", hyper};
-        /* the optimizer's own count (AdamW's bias correction), apart from
-         * the caller's step, which may count something else */
-        snprintf(osteps, sizeof osteps, "%" PRId64, h->steps);
-        meta[nmeta++] = (tdm_st_meta){"optimizer_steps", osteps};
-    }
-    if (tdm_ckpt_run[0]) meta[nmeta++] = (tdm_st_meta){"run", tdm_ckpt_run};
+    tdm_st_meta meta[2 + TDM_CKPT_META_MAX] = {{"format", TDM_CKPT_FORMAT}, {"model", model_desc}};
+    int nmeta = 2 + tdm_checkpoint_meta(meta + 2, &mt, info, o ? h->steps : 0, o);
     TDM_TRY(tdm_st_save(path, t, nt, meta, nmeta));
 fail:
     free(t);
@@ -158,29 +171,37 @@ tdm_status tdm_checkpoint_save(const char *path, tdm_model *m, tdm_optim *opt,
         TDM_TRY(tdm_ckpt_stage(d, &h.state[s], tdm_optim_state(opt, s), tdm_model_param_elems(m)));
     TDM_TRY(tdm_checkpoint_save_host(path, m, &h, info));
 fail:
-    free(h.params);
-    free(h.buffers);
-    free(h.state[0]);
-    free(h.state[1]);
+    tdm_ckpt_host_free(&h);
     return st;
 }
 
-/* A count in [0, TDM_CKPT_MAX_COUNT]. strtoll alone clamped
- * "99999999999999999999" to INT64_MAX and took it. */
-static tdm_status tdm_ckpt_parse_count(const tdm_st_file *f, const char *key, int64_t *out)
+/* strtoll alone clamped "99999999999999999999" to INT64_MAX and took
+ * it; a seed is a u64 written with PRIu64, which strtoll would clamp from
+ * 2^63 on. */
+tdm_status tdm_checkpoint_meta_uint(const tdm_st_file *f, const char *key, uint64_t max,
+                                    uint64_t *out)
 {
     const char *v = tdm_st_meta_get(f, key);
     char *end;
     TDM_REQUIRE(v, TDM_STATUS_FORMAT, "%s: metadata has no '%s'", tdm_st_path(f), key);
     errno = 0;
-    long long x = strtoll(v, &end, 10);
+    unsigned long long x = strtoull(v, &end, 10);
     TDM_REQUIRE(end != v && *end == '\0' && v[0] >= '0' && v[0] <= '9', TDM_STATUS_FORMAT,
                 "%s: metadata '%s' = '%s' is not a non-negative integer", tdm_st_path(f), key, v);
-    TDM_REQUIRE(errno != ERANGE && x <= TDM_CKPT_MAX_COUNT, TDM_STATUS_FORMAT,
-                "%s: metadata '%s' = '%s' is out of range (at most %" PRId64 "): a corrupt "
-                "checkpoint?", tdm_st_path(f), key, v, (int64_t)TDM_CKPT_MAX_COUNT);
+    TDM_REQUIRE(errno != ERANGE && x <= max, TDM_STATUS_FORMAT,
+                "%s: metadata '%s' = '%s' is out of range (at most %" PRIu64 "): a corrupt "
+                "checkpoint?", tdm_st_path(f), key, v, max);
     *out = x;
     return TDM_STATUS_OK;
+}
+
+tdm_status tdm_checkpoint_optim_steps(const tdm_st_file *f, uint64_t step, uint64_t *out)
+{
+    if (!tdm_st_meta_get(f, "optimizer_steps")) {
+        *out = step;
+        return TDM_STATUS_OK;
+    }
+    return tdm_checkpoint_meta_uint(f, "optimizer_steps", TDM_CKPT_MAX_COUNT, out);
 }
 
 /* Reads tensor ti into dst (staging) and refuses NaN or infinite values:
@@ -196,21 +217,6 @@ static tdm_status tdm_ckpt_read_finite(const tdm_st_file *f, const char *name,
                 PRId64 ", the first at index %" PRId64 ": the checkpoint was saved from a run "
                 "that had gone bad; resume from an earlier one", tdm_st_path(f), name, bad,
                 bad == 1 ? "" : "s", ti->n_elem, first);
-    return TDM_STATUS_OK;
-}
-
-/* The seed is a u64 written with PRIu64: strtoll would clamp seeds >= 2^63. */
-static tdm_status tdm_ckpt_parse_u64(const tdm_st_file *f, const char *key, uint64_t *out)
-{
-    const char *v = tdm_st_meta_get(f, key);
-    char *end;
-    TDM_REQUIRE(v, TDM_STATUS_FORMAT, "%s: metadata has no '%s'", tdm_st_path(f), key);
-    errno = 0;
-    unsigned long long x = strtoull(v, &end, 10);
-    TDM_REQUIRE(end != v && *end == '\0' && v[0] >= '0' && v[0] <= '9' && errno != ERANGE,
-                TDM_STATUS_FORMAT, "%s: metadata '%s' = '%s' is not an unsigned 64-bit integer",
-                tdm_st_path(f), key, v);
-    *out = x;
     return TDM_STATUS_OK;
 }
 
@@ -244,14 +250,13 @@ tdm_status tdm_checkpoint_load_host(const char *path, const tdm_model *m, tdm_ck
         const tdm_tensor_info *ti = tdm_model_buffer_info(m, i);
         TDM_TRY(tdm_ckpt_read_finite(f, ti->name, ti, h->buffers + ti->offset));
     }
-    int64_t step = 0, epoch = 0;
-    uint64_t seed = 0;
-    TDM_TRY(tdm_ckpt_parse_count(f, "step", &step));
-    TDM_TRY(tdm_ckpt_parse_count(f, "epoch", &epoch));
-    TDM_TRY(tdm_ckpt_parse_u64(f, "seed", &seed));
+    uint64_t step = 0, epoch = 0, seed = 0;
+    TDM_TRY(tdm_checkpoint_meta_uint(f, "step", TDM_CKPT_MAX_COUNT, &step));
+    TDM_TRY(tdm_checkpoint_meta_uint(f, "epoch", TDM_CKPT_MAX_COUNT, &epoch));
+    TDM_TRY(tdm_checkpoint_meta_uint(f, "seed", UINT64_MAX, &seed));
     if (h->optim) {
         const char *ok = tdm_st_meta_get(f, "optimizer");
-        const char *wantk = tdm_ckpt_optim_name(h->optim->kind);
+        const char *wantk = tdm_checkpoint_optim_name(h->optim->kind);
         if (!ok || strcmp(ok, wantk)) {
             st = tdm_error_set(TDM_STATUS_MISMATCH,
                                "%s: checkpoint holds %s optimizer state but this run uses %s",
@@ -267,17 +272,11 @@ tdm_status tdm_checkpoint_load_host(const char *path, const tdm_model *m, tdm_ck
                 TDM_TRY(tdm_ckpt_read_finite(f, name, ti, h->state[s] + ti->offset));
             }
         }
-        /* files written before "optimizer_steps" hold only "step" */
-        int64_t osteps = step;
-        if (tdm_st_meta_get(f, "optimizer_steps"))
-            TDM_TRY(tdm_ckpt_parse_count(f, "optimizer_steps", &osteps));
-        h->steps = osteps;
+        uint64_t osteps = 0;
+        TDM_TRY(tdm_checkpoint_optim_steps(f, step, &osteps));
+        h->steps = (int64_t)osteps;
     }
-    if (info) {
-        info->step = step;
-        info->epoch = epoch;
-        info->seed = seed;
-    }
+    if (info) *info = (tdm_ckpt_info){.step = (int64_t)step, .epoch = (int64_t)epoch, .seed = seed};
 fail:
     tdm_st_free(f);
     return st;
@@ -321,9 +320,6 @@ tdm_status tdm_checkpoint_load(const char *path, tdm_model *m, tdm_optim *opt,
     }
     if (info) *info = got;
 fail:
-    free(h.params);
-    free(h.buffers);
-    free(h.state[0]);
-    free(h.state[1]);
+    tdm_ckpt_host_free(&h);
     return st;
 }

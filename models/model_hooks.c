@@ -101,22 +101,26 @@ static tdm_status tdm_model_view_range(const tdm_model *m, int first, int last, 
     return TDM_STATUS_OK;
 }
 
-tdm_status tdm_model_set_param_view(tdm_model *m, int first, int last, float *base)
+/* Points view[first..last] into base, each tensor at its offset from the
+ * range's first (NULL: back to the flat buffers). */
+static tdm_status tdm_model_set_view(tdm_model *m, float **view, int first, int last,
+                                     float *base, const char *what)
 {
-    TDM_CHECK(tdm_model_view_range(m, first, last, "parameter"));
+    TDM_CHECK(tdm_model_view_range(m, first, last, what));
     int64_t o0 = m->params_info[first].offset;
     for (int i = first; i <= last; i++)
-        m->pview[i] = base ? base + (m->params_info[i].offset - o0) : NULL;
+        view[i] = base ? base + (m->params_info[i].offset - o0) : NULL;
     return TDM_STATUS_OK;
+}
+
+tdm_status tdm_model_set_param_view(tdm_model *m, int first, int last, float *base)
+{
+    return tdm_model_set_view(m, m->pview, first, last, base, "parameter");
 }
 
 tdm_status tdm_model_set_grad_view(tdm_model *m, int first, int last, float *base)
 {
-    TDM_CHECK(tdm_model_view_range(m, first, last, "gradient"));
-    int64_t o0 = m->params_info[first].offset;
-    for (int i = first; i <= last; i++)
-        m->gview[i] = base ? base + (m->params_info[i].offset - o0) : NULL;
-    return TDM_STATUS_OK;
+    return tdm_model_set_view(m, m->gview, first, last, base, "gradient");
 }
 
 tdm_status tdm_model_release_storage(tdm_model *m)

@@ -36,6 +36,17 @@ void tdm_optim_opts_default(tdm_optim_opts *o, tdm_optim_kind kind)
     }
 }
 
+void tdm_optim_opts_named(tdm_optim_opts *o, const char *name, double lr, double weight_decay,
+                          double momentum, int nesterov)
+{
+    tdm_optim_opts_default(o, strcmp(name, "adamw") ? TDM_OPTIM_SGD : TDM_OPTIM_ADAMW);
+    o->lr = (float)lr;
+    o->weight_decay = (float)weight_decay;
+    if (o->kind != TDM_OPTIM_SGD) return;
+    o->momentum = (float)momentum;
+    o->nesterov = nesterov;
+}
+
 static tdm_status tdm_optim_check(const tdm_optim_opts *o)
 {
     TDM_REQUIRE(o->kind == TDM_OPTIM_SGD || o->kind == TDM_OPTIM_ADAMW, TDM_STATUS_INVALID_ARG,

@@ -33,6 +33,11 @@ typedef struct tdm_optim tdm_optim;
 
 /* Defaults: SGD lr 0.01; AdamW lr 1e-3, betas (0.9, 0.999), eps 1e-8, wd 0.01. */
 void tdm_optim_opts_default(tdm_optim_opts *o, tdm_optim_kind kind);
+/* The options of the optimizer named `name` ("adamw": AdamW; otherwise
+ * SGD, with momentum and nesterov) with these hyper-parameters: what the
+ * CLI's --optim, --lr, --weight-decay, --momentum and --nesterov say. */
+void tdm_optim_opts_named(tdm_optim_opts *o, const char *name, double lr, double weight_decay,
+                          double momentum, int nesterov);
 tdm_status tdm_optim_init(tdm_optim **out, tdm_model *m /* borrowed */,
                           const tdm_optim_opts *opts);
 tdm_status tdm_sgd_init(tdm_optim **out, tdm_model *m, float lr, float momentum);

@@ -16,6 +16,35 @@ void tdm_train_epoch_order(int64_t *perm, int64_t n, uint64_t seed, int64_t epoc
     tdm_rng_permutation(&r, perm, n);
 }
 
+tdm_status tdm_train_step_tally(const tdm_train_epoch_opts *o, tdm_epoch_stats *out, int64_t s,
+                                int64_t steps, const void *x, const int32_t *y, int n,
+                                int samples, uint64_t t0)
+{
+    double loss = 0.0;
+    TDM_CHECK(o->step(o->step_ctx, x, y, n, &loss));
+    if (!isfinite(loss))
+        return tdm_error_set(TDM_STATUS_NONFINITE,
+                             "loss is %s at step %" PRId64 " (epoch %" PRId64 ", batch %" PRId64
+                             " of %" PRId64 "): training diverged (a lower learning rate may "
+                             "help)", isnan(loss) ? "NaN" : loss > 0 ? "+inf" : "-inf",
+                             o->epoch * steps + s + 1, o->epoch + 1, s + 1, steps);
+    out->loss_mean += loss * samples;   /* the sum, until tdm_train_tally_end */
+    out->steps++;
+    out->samples += samples;
+    double secs = (double)(tdm_time_ns() - t0) * 1e-9;
+    if (o->progress)
+        o->progress(o->progress_ctx, s + 1, steps, loss,
+                    secs > 0 ? (double)out->samples / secs : 0);
+    return TDM_STATUS_OK;
+}
+
+void tdm_train_tally_end(tdm_epoch_stats *out, uint64_t t0)
+{
+    out->seconds = (double)(tdm_time_ns() - t0) * 1e-9;
+    out->loss_mean = out->samples ? out->loss_mean / (double)out->samples : 0.0;
+    out->samples_per_s = out->seconds > 0 ? (double)out->samples / out->seconds : 0.0;
+}
+
 tdm_status tdm_train_epoch(const tdm_dataset *d, const tdm_train_epoch_opts *o,
                            tdm_epoch_stats *out)
 {
@@ -36,35 +65,14 @@ tdm_status tdm_train_epoch(const tdm_dataset *d, const tdm_train_epoch_opts *o,
     tdm_train_epoch_order(perm, d->n, o->seed, epoch);
     int64_t steps = o->drop_last ? d->n / batch : (d->n + batch - 1) / batch;
     if (o->max_steps > 0 && o->max_steps < steps) steps = o->max_steps;
-    double loss_total = 0.0;
     uint64_t t0 = tdm_time_ns();
     for (int64_t s = 0; s < steps; s++) {
         int64_t start = s * batch;
         int b = (int)(d->n - start < batch ? d->n - start : batch);
         tdm_data_gather(d, perm + start, b, x, y);
-        double loss = 0.0;
-        TDM_TRY(o->step(o->step_ctx, x, y, b, &loss));
-        /* The loss is on the host already: checking it costs nothing, and
-         * a NaN or infinity here means the parameters are ruined too. */
-        if (!isfinite(loss)) {
-            st = tdm_error_set(TDM_STATUS_NONFINITE,
-                               "loss is %s at step %" PRId64 " (epoch %" PRId64 ", batch %" PRId64
-                               " of %" PRId64 "): training diverged (a lower learning rate may "
-                               "help)", isnan(loss) ? "NaN" : loss > 0 ? "+inf" : "-inf",
-                               epoch * steps + s + 1, epoch + 1, s + 1, steps);
-            goto fail;
-        }
-        loss_total += loss * b;
-        out->steps++;
-        out->samples += b;
-        double secs = (double)(tdm_time_ns() - t0) * 1e-9;
-        if (o->progress)
-            o->progress(o->progress_ctx, s + 1, steps, loss,
-                        secs > 0 ? (double)out->samples / secs : 0);
+        TDM_TRY(tdm_train_step_tally(o, out, s, steps, x, y, b, b, t0));
     }
-    out->seconds = (double)(tdm_time_ns() - t0) * 1e-9;
-    out->loss_mean = out->samples ? loss_total / (double)out->samples : 0.0;
-    out->samples_per_s = out->seconds > 0 ? (double)out->samples / out->seconds : 0.0;
+    tdm_train_tally_end(out, t0);
 fail:
     free(perm);
     free(x);
@@ -100,32 +108,71 @@ tdm_status tdm_train_grad_norm(tdm_model *m, double *norm)
     return st;
 }
 
-/* Inputs are 4-byte elements of either dtype (models/model.h); y holds
- * `rows` targets per sample. */
-static tdm_status tdm_single_stage(tdm_single *s, tdm_device *dev, const void *x,
-                                   const int32_t *y, int batch, int feat, int rows,
-                                   const void **xd, const int32_t **yd)
+/* ---- a batch on the device ---- */
+
+tdm_status tdm_train_stage_batch(tdm_train_stage *s, const tdm_model *m, const void *x,
+                                 const int32_t *y, int batch, const void **xd,
+                                 const int32_t **yd)
 {
-    if (tdm_dev_kind(dev) == TDM_DEVICE_HOST) {
+    s->dev = tdm_model_device(m);
+    if (tdm_dev_kind(s->dev) == TDM_DEVICE_HOST) {
         *xd = x;
         *yd = y;
         return TDM_STATUS_OK;
     }
+    /* 4-byte inputs of either dtype (models/model.h); out_rows targets per sample */
+    size_t feat = (size_t)tdm_model_in_features(m), rows = (size_t)tdm_model_out_rows(m);
     if (batch > s->cap) {
-        tdm_dev_free(dev, s->x_dev);
-        tdm_dev_free(dev, s->y_dev);
-        s->x_dev = NULL;
-        s->y_dev = NULL;
+        tdm_dev_free(s->dev, s->x);
+        tdm_dev_free(s->dev, s->y);
+        s->x = NULL;
+        s->y = NULL;
         s->cap = 0;
-        TDM_CHECK(tdm_dev_alloc(dev, (size_t)batch * feat * sizeof(float), &s->x_dev));
-        TDM_CHECK(tdm_dev_alloc(dev, (size_t)batch * rows * sizeof(int32_t), (void **)&s->y_dev));
+        TDM_CHECK(tdm_dev_alloc(s->dev, (size_t)batch * feat * sizeof(float), &s->x));
+        TDM_CHECK(tdm_dev_alloc(s->dev, (size_t)batch * rows * sizeof(int32_t), (void **)&s->y));
         s->cap = batch;
     }
-    TDM_CHECK(tdm_dev_copy_from_host(dev, s->x_dev, x, (size_t)batch * feat * sizeof(float)));
-    TDM_CHECK(tdm_dev_copy_from_host(dev, s->y_dev, y, (size_t)batch * rows * sizeof(int32_t)));
-    *xd = s->x_dev;
-    *yd = s->y_dev;
+    TDM_CHECK(tdm_dev_copy_from_host(s->dev, s->x, x, (size_t)batch * feat * sizeof(float)));
+    TDM_CHECK(tdm_dev_copy_from_host(s->dev, s->y, y, (size_t)batch * rows * sizeof(int32_t)));
+    *xd = s->x;
+    *yd = s->y;
     return TDM_STATUS_OK;
+}
+
+tdm_status tdm_train_stage_dummy(tdm_train_stage *s, const tdm_model *m, const void **xd,
+                                 const int32_t **yd)
+{
+    s->dev = tdm_model_device(m);
+    if (!s->dummy_x) {
+        size_t feat = (size_t)tdm_model_in_features(m), rows = (size_t)tdm_model_out_rows(m);
+        TDM_CHECK(tdm_dev_alloc_zero(s->dev, feat * sizeof(float), &s->dummy_x));
+        TDM_CHECK(tdm_dev_alloc_zero(s->dev, rows * sizeof(int32_t), (void **)&s->dummy_y));
+    }
+    *xd = s->dummy_x;
+    *yd = s->dummy_y;
+    return TDM_STATUS_OK;
+}
+
+tdm_status tdm_train_stage_dlogits(tdm_train_stage *s, size_t nbytes)
+{
+    if (nbytes <= s->dlogits_bytes) return TDM_STATUS_OK;
+    tdm_dev_free(s->dev, s->dlogits);
+    s->dlogits = NULL;
+    s->dlogits_bytes = 0;
+    TDM_CHECK(tdm_dev_alloc(s->dev, nbytes, (void **)&s->dlogits));
+    s->dlogits_bytes = nbytes;
+    return TDM_STATUS_OK;
+}
+
+void tdm_train_stage_free(tdm_train_stage *s)
+{
+    if (!s->dev) return;
+    tdm_dev_free(s->dev, s->x);
+    tdm_dev_free(s->dev, s->y);
+    tdm_dev_free(s->dev, s->dlogits);
+    tdm_dev_free(s->dev, s->dummy_x);
+    tdm_dev_free(s->dev, s->dummy_y);
+    *s = (tdm_train_stage){.dev = s->dev};
 }
 
 tdm_status tdm_single_step(void *ctx, const void *x, const int32_t *y, int batch,
@@ -139,8 +186,7 @@ tdm_status tdm_single_step(void *ctx, const void *x, const int32_t *y, int batch
     const int32_t *yd;
     double loss_sum = 0.0;
     uint64_t t0 = tdm_time_ns(), t1, t2, t3;
-    TDM_CHECK(tdm_single_stage(s, dev, x, y, batch, tdm_model_in_features(m),
-                               tdm_model_out_rows(m), &xd, &yd));
+    TDM_CHECK(tdm_train_stage_batch(&s->stage, m, x, y, batch, &xd, &yd));
     TDM_CHECK(tdm_model_zero_grad(m));
     TDM_CHECK(tdm_model_forward(m, xd, batch, &logits));
     t1 = tdm_time_ns();
@@ -163,20 +209,14 @@ tdm_status tdm_single_step(void *ctx, const void *x, const int32_t *y, int batch
 
 void tdm_single_free(tdm_single *s)
 {
-    if (!s || !s->model) return;
-    tdm_device *dev = tdm_model_device(s->model);
-    tdm_dev_free(dev, s->x_dev);
-    tdm_dev_free(dev, s->y_dev);
-    s->x_dev = NULL;
-    s->y_dev = NULL;
-    s->cap = 0;
+    if (s) tdm_train_stage_free(&s->stage);
 }
 
 tdm_status tdm_evaluate(tdm_model *m, const tdm_dataset *d, int batch, double *loss_mean,
                         double *accuracy)
 {
     tdm_status st = TDM_STATUS_OK;
-    tdm_single stage = {.model = m};
+    tdm_train_stage stage = {0};
     TDM_REQUIRE(batch > 0, TDM_STATUS_INVALID_ARG, "batch size %d must be positive", batch);
     TDM_REQUIRE(d && d->n > 0, TDM_STATUS_INVALID_ARG, "evaluate: empty dataset");
     TDM_REQUIRE(tdm_model_out_rows(m) == 1 && tdm_model_input_dtype(m) == TDM_MODEL_INPUT_F32,
@@ -199,8 +239,8 @@ tdm_status tdm_evaluate(tdm_model *m, const tdm_dataset *d, int batch, double *l
         const int32_t *yd;
         double ls = 0.0;
         int64_t c = 0;
-        TDM_TRY(tdm_single_stage(&stage, dev, d->x + start * feat, d->y + start, b, (int)feat, 1,
-                                 &xd, &yd));
+        TDM_TRY(tdm_train_stage_batch(&stage, m, d->x + start * feat, d->y + start, b, &xd,
+                                      &yd));
         TDM_TRY(tdm_model_forward(m, xd, b, &logits));
         TDM_TRY(tdm_loss_softmax_xent(dev, logits, yd, b, tdm_model_n_classes(m), 1.0f, &ls,
                                       NULL));
@@ -212,6 +252,6 @@ tdm_status tdm_evaluate(tdm_model *m, const tdm_dataset *d, int batch, double *l
     if (accuracy) *accuracy = (double)correct / (double)d->n;
 fail:
     tdm_model_set_train(m, was_train);
-    tdm_single_free(&stage);
+    tdm_train_stage_free(&stage);
     return st;
 }

@@ -5,8 +5,8 @@
  * for (seed, epoch) - the same permutation single-device, DP and DDP use -
  * in global batches of `batch` samples, and hands each batch (host memory)
  * to a step function: the single-device step here, tdm_dp_step (dp/) for
- * DataParallel, the CLI's DDP rank step (tools/train_ddp.c, over
- * tdm_ddp_forward_global). Nothing here knows of parallelism. */
+ * DataParallel, the ranks' step of DDP and FSDP (dist/step.c). Nothing
+ * here knows of parallelism. */
 #ifndef TDM_MODELS_TRAIN_H
 #define TDM_MODELS_TRAIN_H
 
@@ -62,11 +62,54 @@ typedef struct tdm_train_epoch_opts {
 tdm_status tdm_train_epoch(const tdm_dataset *d, const tdm_train_epoch_opts *o,
                            tdm_epoch_stats *out);
 
+/* The epoch loops' step (tdm_train_epoch, tdm_train_text_epoch): step s
+ * of steps runs o->step over n rows at x, y, a batch of `samples` samples
+ * (n, or the global batch a rank's rows are part of), and tallies its
+ * mean loss into out (the progress callback is told); tally_end makes
+ * out's means. t0: the epoch's start (tdm_time_ns). A NaN or infinite
+ * loss is TDM_STATUS_NONFINITE ("training diverged"), counted nowhere: the
+ * loss is on the host already, so the check is free, and such a loss
+ * means the parameters are ruined too. */
+tdm_status tdm_train_step_tally(const tdm_train_epoch_opts *o, tdm_epoch_stats *out, int64_t s,
+                                int64_t steps, const void *x, const int32_t *y, int n,
+                                int samples, uint64_t t0);
+void tdm_train_tally_end(tdm_epoch_stats *out, uint64_t t0);
+
 /* The L2 norm of m's gradients, in double on the host (one copy of the
  * gradient buffer: meant for checkpoints, not every step).
  * TDM_STATUS_NONFINITE names the first parameter whose gradient holds a
  * NaN or an infinity. */
 tdm_status tdm_train_grad_norm(tdm_model *m, double *norm);
+
+/* A batch on the model's device. On a host device the caller's host
+ * pointers are used as they are; elsewhere the batch is copied into
+ * buffers that grow to the largest batch seen. A loss-gradient buffer
+ * (dlogits) grows likewise, and one sample of zeros (features, or token
+ * 0, and target 0) is kept for a caller that must run a forward without
+ * samples of its own. The stage owns every buffer it allocated;
+ * zero-initialise it and free it with tdm_train_stage_free. */
+typedef struct tdm_train_stage {
+    tdm_device *dev;          /* borrowed: the model's (set at first use) */
+    void *x;                  /* device copies of the last staged batch */
+    int32_t *y;
+    int cap;                  /* samples x and y have room for */
+    float *dlogits;           /* a loss gradient */
+    size_t dlogits_bytes;
+    void *dummy_x;            /* one sample of zeros */
+    int32_t *dummy_y;
+} tdm_train_stage;
+
+/* x, y (host; batch samples of m's 4-byte inputs and their out_rows
+ * targets) on m's device: *xd, *yd. */
+tdm_status tdm_train_stage_batch(tdm_train_stage *s, const tdm_model *m, const void *x,
+                                 const int32_t *y, int batch, const void **xd,
+                                 const int32_t **yd);
+/* The sample of zeros on m's device (made once). */
+tdm_status tdm_train_stage_dummy(tdm_train_stage *s, const tdm_model *m, const void **xd,
+                                 const int32_t **yd);
+/* The loss gradient buffer, at least nbytes. */
+tdm_status tdm_train_stage_dlogits(tdm_train_stage *s, size_t nbytes);
+void tdm_train_stage_free(tdm_train_stage *s);
 
 /* The single-device step: zero_grad, forward, mean loss, backward,
  * optimizer step. Inputs are staged to the device when it is not the host.
@@ -74,9 +117,7 @@ tdm_status tdm_train_grad_norm(tdm_model *m, double *norm);
 typedef struct tdm_single {
     tdm_model *model;   /* borrowed */
     tdm_optim *opt;     /* borrowed */
-    void *x_dev;        /* staging for non-host devices */
-    int32_t *y_dev;
-    int cap;
+    tdm_train_stage stage;
     double ms[TDM_PHASE_COUNT_]; /* by tdm_phase: forward, loss, backward, step */
 } tdm_single;
 tdm_status tdm_single_step(void *single /* tdm_single */, const void *x, const int32_t *y,

@@ -1,7 +1,6 @@
 /* models/train_text.c: text epochs and evaluation (see models/train_text.h). */
 #include "models/train_text.h"
 
-#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -33,33 +32,13 @@ tdm_status tdm_train_text_epoch(const tdm_text *train, int T, int lo, int hi,
         st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "text training: a batch of %d windows", n);
         goto fail;
     }
-    double loss_total = 0.0;
     uint64_t t0 = tdm_time_ns();
     for (int64_t s = 0; s < steps; s++) {
         tdm_text_windows(train, T, o->seed, first_step + s, lo, n, x, y);
-        double loss = 0.0;
-        TDM_TRY(o->step(o->step_ctx, x, y, n, &loss));
-        /* as tdm_train_epoch: the loss is on the host, the check is free */
-        if (!isfinite(loss)) {
-            st = tdm_error_set(TDM_STATUS_NONFINITE,
-                               "loss is %s at step %lld (epoch %lld, batch %lld of %lld): "
-                               "training diverged (a lower learning rate may help)",
-                               isnan(loss) ? "NaN" : loss > 0 ? "+inf" : "-inf",
-                               (long long)(o->epoch * steps + s + 1), (long long)o->epoch + 1,
-                               (long long)s + 1, (long long)steps);
-            goto fail;
-        }
-        loss_total += loss * batch;
-        out->steps++;
-        out->samples += batch;
-        double secs = (double)(tdm_time_ns() - t0) * 1e-9;
-        if (o->progress)
-            o->progress(o->progress_ctx, s + 1, steps, loss,
-                        secs > 0 ? (double)out->samples / secs : 0);
+        /* the global batch's windows: the loss is every rank's mean */
+        TDM_TRY(tdm_train_step_tally(o, out, s, steps, x, y, n, batch, t0));
     }
-    out->seconds = (double)(tdm_time_ns() - t0) * 1e-9;
-    out->loss_mean = out->samples ? loss_total / (double)out->samples : 0.0;
-    out->samples_per_s = out->seconds > 0 ? (double)out->samples / out->seconds : 0.0;
+    tdm_train_tally_end(out, t0);
 fail:
     free(x);
     free(y);

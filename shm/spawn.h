@@ -56,7 +56,7 @@ tdm_status tdm_shm_spawn(int world, tdm_shm_spawn_fn fn, void *arg,
                          const tdm_shm_spawn_opts *opts, tdm_shm_spawn_result *res);
 
 /* --- naming the root cause: one rule for every parent of ranks -------------
- * tdm_shm_spawn, tdm_ddp_spawn (through it), `tandem launch` and
+ * tdm_shm_spawn, tdm_dist_spawn (through it), `tandem launch` and
  * `tandem train --mode ddp` all watch their ranks through this, so that
  * every failure summary names the same culprit:
  *

@@ -18,7 +18,7 @@
 #include "core/device.h"
 #include "core/status.h"
 #include "ddp/ddp.h"
-#include "ddp/spawn.h"
+#include "dist/spawn.h"
 #include "models/model.h"
 #include "models/optim.h"
 #include "models/train.h"
@@ -152,6 +152,6 @@ int main()
                 last < first ? "ok" : "did not fall");
     if (!(last < first)) return 1;
     std::fflush(stdout);  // the ranks are forked
-    if (!ok(tdm_ddp_spawn(2, ddp_rank, &params, nullptr, nullptr), "tdm_ddp_spawn")) return 1;
+    if (!ok(tdm_dist_spawn(2, ddp_rank, &params, nullptr, nullptr), "tdm_dist_spawn")) return 1;
     return 0;
 }

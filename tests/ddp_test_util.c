@@ -163,7 +163,7 @@ int tddp_rank_main(tdm_comm *comm, void *arg)
             int mb0 = (int)((int64_t)k * c->batch / micro), mb1 = (int)((int64_t)(k + 1) * c->batch / micro);
             int mb = mb1 - mb0;
             int64_t lo64, hi64;
-            tdm_ddp_share(mb, rank, world, &lo64, &hi64);
+            tdm_dist_share(mb, rank, world, &lo64, &hi64);
             int lo = (int)lo64, hi = (int)hi64;
             if (c->gpt)
                 tdm_text_windows(tddp_text(), TDDP_GPT_T, 1, s, mb0 + lo, hi - lo, (int32_t *)x, y);
@@ -244,9 +244,9 @@ tdm_status tddp_spawn(int world, const tddp_cfg *cfg, const tdm_dataset *data,
                              tddp_shared *sh, int64_t timeout_ms)
 {
     tddp_run run = {.cfg = cfg, .data = data, .sh = sh};
-    tdm_ddp_spawn_opts o = {.timeout_ms = timeout_ms, .arena_bytes = cfg->no_arena ? 0 : 1 << 20,
+    tdm_dist_spawn_opts o = {.timeout_ms = timeout_ms, .arena_bytes = cfg->no_arena ? 0 : 1 << 20,
                             .comm_timeout_ms = 20000};
-    return tdm_ddp_spawn(world, tddp_rank_main, &run, &o, NULL);
+    return tdm_dist_spawn(world, tddp_rank_main, &run, &o, NULL);
 }
 
 

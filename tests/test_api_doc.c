@@ -13,7 +13,7 @@
 
 #include "tests/test_util.h"
 
-static char out[1 << 17];
+static char out[1 << 20];   /* every page at once: ~150 KB */
 
 static int sh(const char *cmd)
 {

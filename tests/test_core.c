@@ -68,6 +68,7 @@ static char *log_capture(const char *level, const char *subsys)
     TDM_INFO(SHM, "info-shm");
     TDM_TRACE(SHM, "trace-shm");
     TDM_INFO(DP, "info-dp");
+    TDM_INFO(FSDP, "info-fsdp");
     tdm_log_reset(); /* closes the file */
     static char buf[4096];
     FILE *f = fopen(path, "r");
@@ -89,6 +90,11 @@ Test(core_log, levels_subsystems_and_file)
     cr_assert(strstr(out, "trace-shm") && !strstr(out, "info-dp"), "%s", out);
     out = log_capture("INFO", "^SHM");
     cr_assert(!strstr(out, "shm") && strstr(out, "info-dp"), "%s", out);
+    /* the sharded modes log under their own name, not DDP's */
+    out = log_capture("INFO", "DDP");
+    cr_assert(!strstr(out, "info-fsdp"), "%s", out);
+    out = log_capture("INFO", "FSDP");
+    cr_assert(strstr(out, "FSDP INFO: info-fsdp") && !strstr(out, "info-dp"), "%s", out);
     out = log_capture("NONE", NULL);
     cr_assert_str_eq(out, "");
     tdm_log_set_rank(3);

@@ -3,7 +3,7 @@
  * and off bit for bit, no_sync, collective-sequence and layout mismatches,
  * evaluation spread over the ranks, the share of a global batch and
  * tdm_ddp_forward_global. Each test forks its ranks through
- * tdm_ddp_spawn (bounded run time, nothing left behind). Bucket plans,
+ * tdm_dist_spawn (bounded run time, nothing left behind). Bucket plans,
  * overlap on large buckets and unused parameters: test_ddp_reducer.c. */
 #include <criterion/criterion.h>
 
@@ -63,7 +63,7 @@ static void run_to(tddp_cfg *c, int world, tddp_shared *sh)
     cr_assert_eq(st, TDM_STATUS_OK, "%s / %s", tdm_error_message(), sh->err[0]);
 }
 
-/* tdm_ddp_share: contiguous shares in rank order that cover [0, n), sizes
+/* tdm_dist_share: contiguous shares in rank order that cover [0, n), sizes
  * differing by at most one. */
 Test(ddp_mlp, share_splits_n_contiguously_in_rank_order)
 {
@@ -72,7 +72,7 @@ Test(ddp_mlp, share_splits_n_contiguously_in_rank_order)
             int64_t next = 0, smallest = n, largest = 0;
             for (int r = 0; r < world; r++) {
                 int64_t lo, hi;
-                tdm_ddp_share(n, r, world, &lo, &hi);
+                tdm_dist_share(n, r, world, &lo, &hi);
                 cr_assert_eq(lo, next, "n %lld world %d rank %d: starts at %lld, not %lld",
                              (long long)n, world, r, (long long)lo, (long long)next);
                 cr_assert_geq(hi, lo);
@@ -160,9 +160,9 @@ Test(ddp_mlp, forward_global_equals_own_share_scaled_bitwise)
         int world = cases[k][0];
         memset(out, 0, sizeof *out);
         global_arg a = {.batch = cases[k][1], .steps = cases[k][2], .out = out};
-        tdm_ddp_spawn_opts so = {.timeout_ms = 60000, .arena_bytes = 1 << 20,
+        tdm_dist_spawn_opts so = {.timeout_ms = 60000, .arena_bytes = 1 << 20,
                                  .comm_timeout_ms = 20000};
-        cr_assert_eq(tdm_ddp_spawn(world, global_rank, &a, &so, NULL), TDM_STATUS_OK, "%s",
+        cr_assert_eq(tdm_dist_spawn(world, global_rank, &a, &so, NULL), TDM_STATUS_OK, "%s",
                      tdm_error_message());
         tddp_cfg c = tddp_cfg_default();
         c.batch = a.batch;
@@ -278,7 +278,7 @@ Test(ddp_cnn, gradient_is_weighted_mean_of_per_shard_gradients)
             double *expect = calloc((size_t)n, sizeof *expect);
             for (int r = 0; r < w; r++) {
                 int64_t lo, hi;
-                tdm_ddp_share(batch, r, w, &lo, &hi);
+                tdm_dist_share(batch, r, w, &lo, &hi);
                 if (hi == lo) continue;
                 tdm_model *m;
                 cr_assert_eq(tdm_model_init(&m, dev, &spec, 5), TDM_STATUS_OK);
@@ -380,8 +380,8 @@ Test(ddp_cnn, evaluate_spread_over_ranks_equals_rank0_alone)
                          -1, 0);
     cr_assert_neq(out, MAP_FAILED);
     memset(out, 0, sizeof *out);
-    tdm_ddp_spawn_opts so = {.timeout_ms = 60000};
-    cr_assert_eq(tdm_ddp_spawn(3, eval_rank, out, &so, NULL), TDM_STATUS_OK, "%s",
+    tdm_dist_spawn_opts so = {.timeout_ms = 60000};
+    cr_assert_eq(tdm_dist_spawn(3, eval_rank, out, &so, NULL), TDM_STATUS_OK, "%s",
                  tdm_error_message());
     cr_assert(out->ref_acc > 0.0 && out->ref_loss > 0.0);
     for (int r = 0; r < 3; r++) {
@@ -451,8 +451,8 @@ Test(ddp_mlp, backward_after_evaluate_is_refused)
                              MAP_SHARED | MAP_ANONYMOUS, -1, 0);
     cr_assert_neq(out, MAP_FAILED);
     memset(out, 0, sizeof *out);
-    tdm_ddp_spawn_opts so = {.timeout_ms = 60000, .arena_bytes = 1 << 20};
-    cr_assert_eq(tdm_ddp_spawn(2, eval_bwd_rank, out, &so, NULL), TDM_STATUS_OK, "%s",
+    tdm_dist_spawn_opts so = {.timeout_ms = 60000, .arena_bytes = 1 << 20};
+    cr_assert_eq(tdm_dist_spawn(2, eval_bwd_rank, out, &so, NULL), TDM_STATUS_OK, "%s",
                  tdm_error_message());
     for (int r = 0; r < 2; r++) {
         cr_assert_eq(out->refused[r], 2, "rank %d: backward after evaluate accepted (%d of 2 "

@@ -142,9 +142,9 @@ static tdm_status fail_spawn(int world, const fail_cfg *c, fail_shared *sh, int6
     g_fc = c;
     g_fs = sh;
     memset(sh, 0, sizeof *sh);
-    tdm_ddp_spawn_opts o = {.timeout_ms = 60000, .grace_ms = 5000, .arena_bytes = 1 << 20,
+    tdm_dist_spawn_opts o = {.timeout_ms = 60000, .grace_ms = 5000, .arena_bytes = 1 << 20,
                             .comm_timeout_ms = comm_to};
-    return tdm_ddp_spawn(world, fail_rank, NULL, &o, NULL);
+    return tdm_dist_spawn(world, fail_rank, NULL, &o, NULL);
 }
 
 static fail_shared *shared_new(void)

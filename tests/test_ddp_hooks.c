@@ -101,8 +101,8 @@ Test(ddp_hooks, fp16_bf16_equal_an_all_reduce_of_the_rounded_values)
             for (int si = 0; si < 3; si++) {
                 memset(res, 0, sizeof *res);
                 half_arg a = {.hook = hooks[hi], .n = sizes[si], .res = res};
-                tdm_ddp_spawn_opts o = {.timeout_ms = 60000, .comm_timeout_ms = 20000};
-                tdm_status st = tdm_ddp_spawn(world, half_rank, &a, &o, NULL);
+                tdm_dist_spawn_opts o = {.timeout_ms = 60000, .comm_timeout_ms = 20000};
+                tdm_status st = tdm_dist_spawn(world, half_rank, &a, &o, NULL);
                 cr_assert_eq(st, TDM_STATUS_OK, "%s world %d n %lld: %s / %s", hooks[hi], world,
                              (long long)sizes[si], tdm_error_message(), res->err[0]);
                 for (int r = 0; r < world; r++) {
@@ -212,8 +212,8 @@ Test(ddp_hooks, powersgd_error_feedback_converges_on_a_fixed_gradient)
     cr_assert(res != MAP_FAILED);
     memset(res, 0, sizeof *res);
     ps_arg a = {.res = res};
-    tdm_ddp_spawn_opts o = {.timeout_ms = 120000, .comm_timeout_ms = 20000};
-    cr_assert_eq(tdm_ddp_spawn(2, ps_rank, &a, &o, NULL), TDM_STATUS_OK, "%s / %s",
+    tdm_dist_spawn_opts o = {.timeout_ms = 120000, .comm_timeout_ms = 20000};
+    cr_assert_eq(tdm_dist_spawn(2, ps_rank, &a, &o, NULL), TDM_STATUS_OK, "%s / %s",
                  tdm_error_message(), res->err[0]);
     double *on = res->rel_err[1], *off = res->rel_err[0];
     /* one step: a rank-1 approximation of random matrices misses most */

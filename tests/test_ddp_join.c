@@ -107,8 +107,8 @@ static void j_check_uneven(int scaled)
     cr_assert(sh != MAP_FAILED);
     memset(sh, 0, sizeof *sh);
     j_arg a = {.sh = sh, .join = 1, .scaled = scaled};
-    tdm_ddp_spawn_opts so = {.timeout_ms = 60000, .comm_timeout_ms = 20000};
-    tdm_status st = tdm_ddp_spawn(J_WORLD, j_rank, &a, &so, NULL);
+    tdm_dist_spawn_opts so = {.timeout_ms = 60000, .comm_timeout_ms = 20000};
+    tdm_status st = tdm_dist_spawn(J_WORLD, j_rank, &a, &so, NULL);
     cr_assert_eq(st, TDM_STATUS_OK, "%s / %s / %s / %s", tdm_error_message(), sh->err[0],
                  sh->err[1], sh->err[2]);
     for (int r = 0; r < J_WORLD; r++) {
@@ -155,8 +155,8 @@ Test(ddp_join, join_without_the_option_is_refused_and_nobody_hangs)
     cr_assert(sh != MAP_FAILED);
     memset(sh, 0, sizeof *sh);
     j_arg a = {.sh = sh, .join = 0};
-    tdm_ddp_spawn_opts so = {.timeout_ms = 60000, .comm_timeout_ms = tu_scaled_ms(5000)};
-    tdm_status st = tdm_ddp_spawn(J_WORLD, j_rank, &a, &so, NULL);
+    tdm_dist_spawn_opts so = {.timeout_ms = 60000, .comm_timeout_ms = tu_scaled_ms(5000)};
+    tdm_status st = tdm_dist_spawn(J_WORLD, j_rank, &a, &so, NULL);
     cr_assert_neq(st, TDM_STATUS_OK);
     cr_assert(strstr(sh->err[0], "opts.join"), "rank 0: %s", sh->err[0]);
     cr_assert(sh->status[2] != 0, "rank 2 (8 batches) finished without its peers");
@@ -231,9 +231,9 @@ Test(ddp_join, joined_rank_shadows_only_the_synchronised_steps_of_no_sync_accumu
                  0);
     cr_assert(g_jns != MAP_FAILED);
     memset(g_jns, 0, sizeof *g_jns);
-    tdm_ddp_spawn_opts so = {.timeout_ms = tu_scaled_ms(60000),
+    tdm_dist_spawn_opts so = {.timeout_ms = tu_scaled_ms(60000),
                              .comm_timeout_ms = tu_scaled_ms(10000)};
-    tdm_status st = tdm_ddp_spawn(2, jns_rank, NULL, &so, NULL);
+    tdm_status st = tdm_dist_spawn(2, jns_rank, NULL, &so, NULL);
     cr_expect_eq(st, TDM_STATUS_OK, "spawn: %s", tdm_error_message());
     cr_expect_eq(g_jns->status[0], 0, "rank 0: %s", g_jns->err[0]);
     cr_expect_eq(g_jns->status[1], 0, "rank 1: %s", g_jns->err[1]);
@@ -287,8 +287,8 @@ Test(ddp_join, every_collective_of_a_joined_run_is_labelled)
         cr_assert(sh != MAP_FAILED);
         memset(sh, 0, sizeof *sh);
         j_arg a = {.sh = sh, .join = 1, .cnn = cnn};
-        tdm_ddp_spawn_opts so = {.timeout_ms = 60000, .comm_timeout_ms = 20000};
-        tdm_status st = tdm_ddp_spawn(J_WORLD, j_rank, &a, &so, NULL);
+        tdm_dist_spawn_opts so = {.timeout_ms = 60000, .comm_timeout_ms = 20000};
+        tdm_status st = tdm_dist_spawn(J_WORLD, j_rank, &a, &so, NULL);
         unsetenv("TANDEM_FR_DUMP");
         cr_assert_eq(st, TDM_STATUS_OK, "cnn %d: %s / %s / %s / %s", cnn, tdm_error_message(),
                      sh->err[0], sh->err[1], sh->err[2]);
@@ -356,8 +356,8 @@ Test(ddp_join, a_rank_stuck_in_the_join_count_is_named_by_its_dump)
     char dir[64];
     fr_t_dump_dir(dir, sizeof dir);
     /* the death is seen by the spawner at once: no timeout is waited for */
-    tdm_ddp_spawn_opts so = {.timeout_ms = 60000, .comm_timeout_ms = 60000};
-    tdm_status st = tdm_ddp_spawn(2, jst_rank, NULL, &so, NULL);
+    tdm_dist_spawn_opts so = {.timeout_ms = 60000, .comm_timeout_ms = 60000};
+    tdm_status st = tdm_dist_spawn(2, jst_rank, NULL, &so, NULL);
     unsetenv("TANDEM_FR_DUMP");
     cr_assert_neq(st, TDM_STATUS_OK, "rank 0 was killed, yet the job succeeded");
     char last[128], state[128];

@@ -9,7 +9,7 @@
  * parameters are bit-identical either way. find_unused_parameters finds
  * a layer whose backward did not run and reduces its zeros, and never
  * zeroes what no_sync accumulated. Each test forks its ranks through
- * tdm_ddp_spawn (bounded run time, nothing left behind). */
+ * tdm_dist_spawn (bounded run time, nothing left behind). */
 #include <criterion/criterion.h>
 
 #include "tests/test_ddp_util.h"

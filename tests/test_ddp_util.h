@@ -18,7 +18,7 @@
 #include "core/rng.h"
 #include "core/text.h"
 #include "ddp/ddp.h"
-#include "ddp/spawn.h"
+#include "dist/spawn.h"
 #include "models/gpt.h"
 #include "models/model.h"
 #include "models/optim.h"

@@ -385,9 +385,9 @@ Test(fsdp, rank_0_failing_to_stage_the_parameters_stops_the_others_at_once)
         c.open_dev = tfx_open_failing_rank0;
         tf_shared *sh = tf_shared_new();
         tf_run run = {.cfg = &c, .data = &g_mlp, .sh = sh};
-        tdm_ddp_spawn_opts o = {.timeout_ms = 240000, .comm_timeout_ms = 120000};
+        tdm_dist_spawn_opts o = {.timeout_ms = 240000, .comm_timeout_ms = 120000};
         uint64_t t0 = tdm_time_ns();
-        tdm_status st = tdm_ddp_spawn(3, tfx_rank, &run, &o, NULL);
+        tdm_status st = tdm_dist_spawn(3, tfx_rank, &run, &o, NULL);
         double ms = tdm_time_ms_since(t0);
         cr_assert_neq(st, TDM_STATUS_OK);
         cr_expect(ms < 60000, "%s: the others waited %.0f ms", tdm_fsdp_sharding_name(c.sharding),
@@ -397,6 +397,25 @@ Test(fsdp, rank_0_failing_to_stage_the_parameters_stops_the_others_at_once)
                       tdm_fsdp_sharding_name(c.sharding), r, sh->err[r]);
         tf_shared_free(sh);
     }
+}
+
+/* Options that change the collectives (here: rank 2 does not prefetch)
+ * are named at construction, with both ranks' settings. */
+Test(fsdp, different_options_are_named_at_construction)
+{
+    tf_cfg c = tf_cfg_default();
+    c.bad_options_rank = 2;
+    tf_shared *sh = tf_shared_new();
+    tdm_status st = tf_spawn(3, &c, &g_mlp, sh, 60000);
+    cr_assert_neq(st, TDM_STATUS_OK);
+    for (int r = 0; r < 3; r++) {
+        cr_assert_eq(sh->status[r], TDM_STATUS_MISMATCH, "rank %d: %s", r, sh->err[r]);
+        cr_assert(strstr(sh->err[r], "options differ between ranks: rank 0 runs sharding full "
+                                     "(prefetch on, overlap on, comm hook allreduce, join off), "
+                                     "rank 2 sharding full (prefetch off"),
+                  "rank %d: %s", r, sh->err[r]);
+    }
+    tf_shared_free(sh);
 }
 
 Test(fsdp, sharding_names_say_both_families)

@@ -130,8 +130,8 @@ static ck_shared *ck_new(void)
 static tdm_status ck_spawn(int world, const ck_cfg *c, ck_shared *sh)
 {
     ck_run run = {.cfg = c, .sh = sh};
-    tdm_ddp_spawn_opts o = {.timeout_ms = 120000, .comm_timeout_ms = 20000};
-    return tdm_ddp_spawn(world, ck_rank, &run, &o, NULL);
+    tdm_dist_spawn_opts o = {.timeout_ms = 120000, .comm_timeout_ms = 20000};
+    return tdm_dist_spawn(world, ck_rank, &run, &o, NULL);
 }
 
 static void ck_ok(int world, const ck_cfg *c, ck_shared *sh, const char *what)

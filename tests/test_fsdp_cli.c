@@ -294,7 +294,7 @@ Test(fsdp_cli, gpt_restart_after_a_killed_rank_is_bit_identical, .timeout = 240)
     tu_rmtree(dir);
 }
 
-/* The images' --mode fsdp likewise (its ranks are tools/train_fsdp.c's):
+/* The images' --mode fsdp likewise (its ranks are tools/rank_fsdp.c's):
  * rank 1 killed before step 20 (16 steps an epoch). */
 Test(fsdp_cli, image_restart_after_a_killed_rank_is_bit_identical, .timeout = 240)
 {

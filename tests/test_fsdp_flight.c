@@ -197,8 +197,8 @@ Test(fsdp_flight, a_reduce_scatter_that_failed_to_launch_leaves_no_label)
                          -1, 0);
     cr_assert(sh != MAP_FAILED);
     memset(sh, 0, 2 * sizeof *sh);
-    tdm_ddp_spawn_opts so = {.timeout_ms = 60000, .comm_timeout_ms = 20000};
-    (void)tdm_ddp_spawn(2, lf_rank, sh, &so, NULL);
+    tdm_dist_spawn_opts so = {.timeout_ms = 60000, .comm_timeout_ms = 20000};
+    (void)tdm_dist_spawn(2, lf_rank, sh, &so, NULL);
     unsetenv("TANDEM_FR_DUMP");
     for (int r = 0; r < 2; r++) {
         cr_assert_eq(sh[r].backward_st, TDM_STATUS_OUT_OF_MEMORY, "rank %d: %s", r, sh[r].msg);

@@ -61,7 +61,7 @@ static int h_rank(tdm_comm *comm, void *p)
     int32_t y[H_BATCH];
     int64_t perm[H_BATCH], lo, hi;
     for (int i = 0; i < H_BATCH; i++) perm[i] = 3 * i + 1;
-    tdm_ddp_share(H_BATCH, rank, world, &lo, &hi);
+    tdm_dist_share(H_BATCH, rank, world, &lo, &hi);
     if (!x) return 1;
     tdm_data_gather(&g_data, perm + lo, (int)(hi - lo), x, y);
     TDM_TRY(tdm_device_open(&dev, "cpu", rank, 1));
@@ -125,8 +125,8 @@ static void h_check(const int *dims, int ndims, int world, tdm_fsdp_sharding s,
     cr_assert(sh != MAP_FAILED);
     memset(sh, 0, sizeof *sh);
     h_arg a = {.sh = sh, .dims = dims, .ndims = ndims, .sharding = s, .hook = hook};
-    tdm_ddp_spawn_opts so = {.timeout_ms = 60000, .comm_timeout_ms = 20000};
-    tdm_status st = tdm_ddp_spawn(world, h_rank, &a, &so, NULL);
+    tdm_dist_spawn_opts so = {.timeout_ms = 60000, .comm_timeout_ms = 20000};
+    tdm_status st = tdm_dist_spawn(world, h_rank, &a, &so, NULL);
     const char *what = tdm_fsdp_sharding_name(s), *hn = tdm_fsdp_comm_hook_name(hook);
     cr_assert_eq(st, TDM_STATUS_OK, "%s %s world %d: %s / %s / %s", what, hn, world,
                  tdm_error_message(), sh->err[0], sh->err[1]);
@@ -300,9 +300,9 @@ done:
 
 Test(fsdp_hooks, bad_hook_value_refused_at_init)
 {
-    tdm_ddp_spawn_opts so = {.timeout_ms = tu_scaled_ms(30000),
+    tdm_dist_spawn_opts so = {.timeout_ms = tu_scaled_ms(30000),
                              .comm_timeout_ms = tu_scaled_ms(10000)};
-    cr_assert_eq(tdm_ddp_spawn(1, bad_rank, NULL, &so, NULL), TDM_STATUS_OK, "%s",
+    cr_assert_eq(tdm_dist_spawn(1, bad_rank, NULL, &so, NULL), TDM_STATUS_OK, "%s",
                  tdm_error_message());
 }
 
@@ -334,7 +334,8 @@ static int mm_rank(tdm_comm *comm, void *p)
         fprintf(stderr, "rank %d: status %d: %s\n", rank, (int)st, g_mm_msg[rank]);
         return 1;
     }
-    if (!strstr(g_mm_msg[rank], "rank 0 runs comm hook allreduce (join off), rank 1 comm hook bf16")) {
+    if (!strstr(g_mm_msg[rank], "comm hook allreduce, join off), rank 1 sharding full "
+                                "(prefetch on, overlap on, comm hook bf16")) {
         fprintf(stderr, "rank %d: %s\n", rank, g_mm_msg[rank]);
         return 1;
     }
@@ -346,8 +347,8 @@ static int mm_rank(tdm_comm *comm, void *p)
 Test(fsdp_hooks, a_rank_with_another_hook_is_named_at_init)
 {
     cr_assert_str_eq(tdm_fsdp_comm_hook_name(TDM_FSDP_HOOK_NONE), "allreduce");
-    tdm_ddp_spawn_opts so = {.timeout_ms = tu_scaled_ms(30000),
+    tdm_dist_spawn_opts so = {.timeout_ms = tu_scaled_ms(30000),
                              .comm_timeout_ms = tu_scaled_ms(10000)};
-    cr_assert_eq(tdm_ddp_spawn(2, mm_rank, NULL, &so, NULL), TDM_STATUS_OK, "%s",
+    cr_assert_eq(tdm_dist_spawn(2, mm_rank, NULL, &so, NULL), TDM_STATUS_OK, "%s",
                  tdm_error_message());
 }

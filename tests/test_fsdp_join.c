@@ -126,8 +126,8 @@ static void j_check(j_arg a, double tol)
     a.sh = sh;
     a.join = 1;
     const char *what = tdm_fsdp_sharding_name(a.sharding);
-    tdm_ddp_spawn_opts so = {.timeout_ms = 60000, .comm_timeout_ms = 20000};
-    tdm_status st = tdm_ddp_spawn(J_WORLD, j_rank, &a, &so, NULL);
+    tdm_dist_spawn_opts so = {.timeout_ms = 60000, .comm_timeout_ms = 20000};
+    tdm_status st = tdm_dist_spawn(J_WORLD, j_rank, &a, &so, NULL);
     cr_assert_eq(st, TDM_STATUS_OK, "%s: %s / %s / %s / %s", what, tdm_error_message(),
                  sh->err[0], sh->err[1], sh->err[2]);
     for (int r = 0; r < J_WORLD; r++) {
@@ -231,8 +231,8 @@ Test(fsdp_join, join_without_the_option_is_refused_and_nobody_hangs)
     cr_assert(sh != MAP_FAILED);
     memset(sh, 0, sizeof *sh);
     j_arg a = {.sh = sh, .join = 0};
-    tdm_ddp_spawn_opts so = {.timeout_ms = 60000, .comm_timeout_ms = tu_scaled_ms(5000)};
-    tdm_status st = tdm_ddp_spawn(J_WORLD, j_rank, &a, &so, NULL);
+    tdm_dist_spawn_opts so = {.timeout_ms = 60000, .comm_timeout_ms = tu_scaled_ms(5000)};
+    tdm_status st = tdm_dist_spawn(J_WORLD, j_rank, &a, &so, NULL);
     cr_assert_neq(st, TDM_STATUS_OK);
     cr_assert(strstr(sh->err[0], "opts.join"), "rank 0: %s", sh->err[0]);
     cr_assert(sh->status[2] != 0, "rank 2 (8 batches) finished without its peers");
@@ -256,8 +256,8 @@ Test(fsdp_join, a_step_without_backward_while_a_rank_has_joined_is_refused)
         memset(sh, 0, sizeof *sh);
         j_arg a = {.sh = sh, .join = 1, .double_step = 1,
                    .sharding = (tdm_fsdp_sharding)sh_i};
-        tdm_ddp_spawn_opts so = {.timeout_ms = 60000, .comm_timeout_ms = tu_scaled_ms(30000)};
-        tdm_status st = tdm_ddp_spawn(J_WORLD, j_rank, &a, &so, NULL);
+        tdm_dist_spawn_opts so = {.timeout_ms = 60000, .comm_timeout_ms = tu_scaled_ms(30000)};
+        tdm_status st = tdm_dist_spawn(J_WORLD, j_rank, &a, &so, NULL);
         cr_assert_neq(st, TDM_STATUS_OK);
         cr_assert(strstr(sh->err[2], "without a backward"), "sharding %d, rank 2: %s", sh_i,
                   sh->err[2]);
@@ -389,9 +389,9 @@ Test(fsdp_join, joined_rank_shadows_no_sync_micro_batches)
         cr_assert(sh != MAP_FAILED);
         memset(sh, 0, sizeof *sh);
         jns_arg a = {.sh = sh, .sharding = (tdm_fsdp_sharding)s};
-        tdm_ddp_spawn_opts so = {.timeout_ms = tu_scaled_ms(60000),
+        tdm_dist_spawn_opts so = {.timeout_ms = tu_scaled_ms(60000),
                                  .comm_timeout_ms = tu_scaled_ms(10000)};
-        tdm_status st = tdm_ddp_spawn(2, jns_rank, &a, &so, NULL);
+        tdm_status st = tdm_dist_spawn(2, jns_rank, &a, &so, NULL);
         cr_assert_eq(st, TDM_STATUS_OK, "%s: %s / %s / %s", tdm_fsdp_sharding_name(a.sharding),
                      tdm_error_message(), sh->err[0], sh->err[1]);
         cr_assert_eq(sh->shadowed[0], 0);

@@ -192,8 +192,8 @@ static mem_shared *mem_run(int world, mem_cfg c, tdm_status *st)
     memset(sh, 0, sizeof *sh);
     g_mc = &cfg;
     g_ms = sh;
-    tdm_ddp_spawn_opts o = {.timeout_ms = 120000, .grace_ms = 5000, .comm_timeout_ms = 20000};
-    *st = tdm_ddp_spawn(world, mem_rank, NULL, &o, NULL);
+    tdm_dist_spawn_opts o = {.timeout_ms = 120000, .grace_ms = 5000, .comm_timeout_ms = 20000};
+    *st = tdm_dist_spawn(world, mem_rank, NULL, &o, NULL);
     return sh;
 }
 
@@ -400,8 +400,8 @@ Test(fsdp_mem, bad_calls_are_refused_saying_what_to_do)
     cr_assert_neq(sh, MAP_FAILED);
     memset(sh, 0, sizeof *sh);
     g_ms = sh;
-    tdm_ddp_spawn_opts o = {.timeout_ms = 60000, .comm_timeout_ms = 20000};
-    tdm_status st = tdm_ddp_spawn(2, bad_calls_rank, NULL, &o, NULL);
+    tdm_dist_spawn_opts o = {.timeout_ms = 60000, .comm_timeout_ms = 20000};
+    tdm_status st = tdm_dist_spawn(2, bad_calls_rank, NULL, &o, NULL);
     cr_assert_eq(st, TDM_STATUS_OK, "%s / %s", tdm_error_message(), sh->err[0]);
     cr_log_info("%s", sh->err[0]);
     /* each refusal: INVALID_ARG and a message naming the value or the call */
@@ -469,9 +469,9 @@ Test(fsdp_mem, a_gather_past_timeout_ms_fails_the_forward_and_free_waits_for_it)
     memset(g_to, 0, sizeof *g_to);
     /* the grace after rank 0's failure outlasts rank 1's sleep: rank 1
      * must fail on its own, not be stopped by the teardown while asleep */
-    tdm_ddp_spawn_opts so = {.timeout_ms = 60000, .comm_timeout_ms = 20000,
+    tdm_dist_spawn_opts so = {.timeout_ms = 60000, .comm_timeout_ms = 20000,
                              .grace_ms = tu_scaled_ms(1500) + 10000};
-    (void)tdm_ddp_spawn(2, timeout_rank, NULL, &so, NULL);
+    (void)tdm_dist_spawn(2, timeout_rank, NULL, &so, NULL);
     cr_assert_eq(g_to->status[0], TDM_STATUS_TIMEOUT, "rank 0: %d: %s", g_to->status[0],
                  g_to->err[0]);
     cr_assert(strstr(g_to->err[0], "all_gather of unit"), "rank 0: %s", g_to->err[0]);
@@ -542,8 +542,8 @@ Test(fsdp_mem, gpt_tied_unit_full_shard_pool_peak_within_documented_bound, .time
     g_tied = mmap(NULL, sizeof *g_tied, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
     cr_assert(g_tied != MAP_FAILED);
     memset(g_tied, 0, sizeof *g_tied);
-    tdm_ddp_spawn_opts so = {.timeout_ms = 60000, .comm_timeout_ms = 20000};
-    tdm_status st = tdm_ddp_spawn(2, tied_rank, NULL, &so, NULL);
+    tdm_dist_spawn_opts so = {.timeout_ms = 60000, .comm_timeout_ms = 20000};
+    tdm_status st = tdm_dist_spawn(2, tied_rank, NULL, &so, NULL);
     cr_assert_eq(st, TDM_STATUS_OK, "%s", tdm_error_message());
     for (int r = 0; r < 2; r++) {
         cr_assert_eq(g_tied->status[r], 0);

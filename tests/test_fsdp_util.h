@@ -18,7 +18,7 @@
 #include "core/rng.h"
 #include "core/text.h"
 #include "ddp/ddp.h"
-#include "ddp/spawn.h"
+#include "dist/spawn.h"
 #include "fsdp/fsdp.h"
 #include "models/gpt.h"
 #include "models/model.h"
@@ -46,6 +46,7 @@ typedef struct tf_cfg {
     int double_step;         /* 1: the optimizer steps twice after each backward (the
                               * second with the same gradients, as PyTorch allows) */
     int bad_layout_rank;     /* >= 0: this rank groups units differently */
+    int bad_options_rank;    /* >= 0: this rank prefetches where the others do not */
     int seed_by_rank;
     const char *hook;        /* comm hook (fp16, bf16): DDP's, or fsdp's opts.comm_hook */
     tdm_status (*open_dev)(tdm_device **out, int rank);
@@ -172,7 +173,9 @@ static inline int tf_rank_main(tdm_comm *comm, void *arg)
         if (c->hook) TDM_TRY(tdm_ddp_set_comm_hook(ddp, c->hook, NULL));
         TDM_TRY(tdm_optim_init(&opt, m, &oo));
     } else {
-        tdm_fsdp_opts o = {.sharding = c->sharding, .no_prefetch = c->no_prefetch,
+        tdm_fsdp_opts o = {.sharding = c->sharding,
+                           .no_prefetch = c->bad_options_rank == rank ? !c->no_prefetch
+                                                                      : c->no_prefetch,
                            .no_overlap = c->no_overlap, .timeout_ms = 20000,
                            .min_unit_elems = c->bad_layout_rank == rank ? 1 << 20
                                                                          : c->min_unit_elems,
@@ -269,8 +272,8 @@ static inline tdm_status tf_spawn(int world, const tf_cfg *cfg, const tdm_datase
                                   tf_shared *sh, int64_t timeout_ms)
 {
     tf_run run = {.cfg = cfg, .data = data, .sh = sh};
-    tdm_ddp_spawn_opts o = {.timeout_ms = timeout_ms, .comm_timeout_ms = 20000};
-    return tdm_ddp_spawn(world, tf_rank_main, &run, &o, NULL);
+    tdm_dist_spawn_opts o = {.timeout_ms = timeout_ms, .comm_timeout_ms = 20000};
+    return tdm_dist_spawn(world, tf_rank_main, &run, &o, NULL);
 }
 
 /* One device: losses, gradient after step 0, final parameters. */
@@ -333,7 +336,7 @@ static inline double tf_excess(const float *a, const float *b, int64_t n, double
 
 static inline tf_cfg tf_cfg_default(void)
 {
-    return (tf_cfg){.batch = 24, .steps = 1, .bad_layout_rank = -1};
+    return (tf_cfg){.batch = 24, .steps = 1, .bad_layout_rank = -1, .bad_options_rank = -1};
 }
 
 #endif

@@ -19,6 +19,7 @@
 
 #include "core/timer.h"
 #include "ddp/ddp.h"
+#include "dist/batch.h"
 #include "dist/mesh.h"
 #include "shm/spawn.h"
 #include "tests/shm_test_util.h"
@@ -85,7 +86,7 @@ static int mix_rank(tdm_comm *comm, void *argp)
         }
         tpp_batch(&spec, in, rows, classes, s, GB, x, y);
         int64_t lo, hi;
-        tdm_ddp_share(GB, d, 2, &lo, &hi);
+        tdm_dist_share(GB, d, 2, &lo, &hi);
         double ls = 0.0;
         st = tdm_pp_step_scaled(p, x + lo * in * 4, y + lo * rows, (int)(hi - lo),
                                 1.0f / (float)GB, &ls);

@@ -84,7 +84,7 @@ Test(pp_schedule, check_refuses_bad_orders_and_names)
 
 Test(pp_split, explicit_splits_and_one_line_errors)
 {
-    int f[4];
+    int f[8];   /* the longest case below names 5 stages */
     cr_assert_eq(tdm_pp_split_parse("0,2,3", 3, 4, f), TDM_STATUS_OK, "%s", tdm_error_message());
     cr_assert(f[0] == 0 && f[1] == 2 && f[2] == 3);
     static const struct { const char *text; int S, n; const char *msg; } bad[] = {

@@ -6,6 +6,7 @@
 #define TDM_TOOLS_ARGS_H
 
 #include <stdint.h>
+#include <string.h>
 
 #include "core/status.h"
 
@@ -21,9 +22,21 @@ tdm_status tdm_args_value2(int argc, char **argv, int *i, const char *flag, cons
                            const char **v);
 
 /* A flag loop's cases (inside `for (i = 1; i < argc; i++)` of a function
- * returning tdm_status, with locals `const char *v; long long iv; double
- * fv;`): store the flag's value in dst and go to the next argument, or
- * return the usage status after a one-line message. */
+ * returning tdm_status, after TDM_ARGS_LOCALS): store the flag's value
+ * in dst and go to the next argument, or return the usage status after a
+ * one-line message. */
+#define TDM_ARGS_LOCALS                                                          \
+    const char *v;                                                               \
+    long long iv;                                                                \
+    double fv;                                                                   \
+    (void)iv;                                                                    \
+    (void)fv;
+/* --help or -h: sets flag and ends the parse (the caller prints the help). */
+#define TDM_ARGS_HELP(flag)                                                      \
+    if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {                 \
+        flag = 1;                                                                \
+        return TDM_STATUS_OK;                                                    \
+    }
 #define TDM_ARGS_STR(name, dst)                                                  \
     TDM_CHECK(tdm_args_value(argc, argv, &i, name, &v));                         \
     if (v) {                                                                     \

@@ -25,16 +25,16 @@
 #include "core/comm.h"
 #include "core/device.h"
 #include "core/timer.h"
+#include "dist/mpi_job.h"
+#include "dist/run.h"
+#include "mpi/mpi_weak.h"
 #include "shm/shm_comm.h"
 #include "shm/spawn.h"
 #include "tools/args.h"
 #include "tools/bench_check.h"
 #include "tools/bench_coll.h"
-#include "tools/ddp_rank.h"
 #include "tools/devices.h"
-#include "tools/mpi_job.h"
 #include "tools/tools.h"
-#include "mpi/mpi_weak.h"
 
 static void bench_usage(FILE *f)
 {
@@ -170,7 +170,8 @@ static tdm_status bench_parse_backends(const char *v, bench_cfg *cfg)
     for (char *save = NULL, *tok = strtok_r(buf, ",", &save); tok;
          tok = strtok_r(NULL, ",", &save)) {
         tdm_mpi_backend b;
-        TDM_CHECK(tdm_tool_backend_parse("bench", tok, &b));
+        if (tdm_dist_backend_parse(tok, &b))
+            return tdm_tool_usage_error("tandem bench: %s\n", tdm_error_message());
         for (int i = 0; i < cfg->nbackends; i++)
             if (cfg->backends[i] == b)
                 return tdm_tool_usage_error("tandem bench: --backend '%s' names %s twice\n", v,
@@ -501,7 +502,7 @@ static tdm_status bench_setup_cuda(bench_state *s)
     tdm_status st;
     const bench_cfg *cfg = s->cfg;
     TDM_CHECK(tdm_device_open(&s->dev, "cuda", cfg->dl.index[s->r], 1));
-    TDM_CHECK(tdm_tool_rank_nccl(s->ctl, s->dev, &s->nccl));
+    TDM_CHECK(tdm_dist_gpu_comm(s->ctl, s->dev, &s->nccl));
     if (s->nccl) s->targets[0].comm = s->nccl;
     tdm_device *dev = s->dev;
     s->b.dev = dev;
@@ -838,7 +839,7 @@ static tdm_status bench_check_cfg(bench_cfg *cfg)
         /* Checked in a child when it names CUDA: this process forks the
          * ranks, and a process that has initialised CUDA cannot give it
          * to its children. */
-        tdm_status dst = tdm_tool_parse_devices(&cfg->dl, cfg->device, 1);
+        tdm_status dst = tdm_dist_parse_devices(&cfg->dl, cfg->device, 1);
         if (dst != TDM_STATUS_OK) {
             fprintf(stderr, "tandem bench: --device: %s\n", tdm_error_message());
             return dst == TDM_STATUS_NO_DEVICE ? dst : tdm_tool_usage(dst);
@@ -850,7 +851,7 @@ static tdm_status bench_check_cfg(bench_cfg *cfg)
         return tdm_tool_usage_error("tandem bench: need 0 < -b (%zu) <= -e (%zu)\n",
                                     cfg->min_bytes, cfg->max_bytes);
     /* under a launcher the job's size is known once it has started */
-    if (tdm_tool_mpi_launched() && !cfg->nranks_set) cfg->nranks = 0;
+    if (tdm_dist_mpi_launched() && !cfg->nranks_set) cfg->nranks = 0;
     if (cfg->nranks) TDM_CHECK(tdm_tool_bench_check_ranks(cfg, 1));
     if (!cfg->memcpy_bytes)
         cfg->memcpy_bytes = cfg->max_bytes > ((size_t)64 << 20) ? cfg->max_bytes
@@ -899,7 +900,7 @@ int tdm_bench_coll_main(int argc, char **argv)
         mpi_needed |= cfg.backends[i] != TDM_MPI_BACKEND_SHM &&
                       cfg.backends[i] != TDM_MPI_BACKEND_AUTO;
     cfg.table = cfg.nbackends > 1 || cfg.peer;
-    if (mpi_needed || tdm_tool_mpi_launched()) {
+    if (mpi_needed || tdm_dist_mpi_launched()) {
         if (cfg.zero_copy)
             return tdm_tool_exit(tdm_tool_usage_error(
                 "tandem bench: --zero-copy applies to forked ranks over shm only, not to an MPI "

@@ -132,12 +132,8 @@ typedef struct tdm_bench_dp_args {
 static tdm_status tdm_bench_dp_parse(int argc, char **argv, tdm_bench_dp_args *g)
 {
     for (int i = 1; i < argc; i++) {
-        const char *v;
-        long long iv;
-        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
-            g->help = 1;
-            return TDM_STATUS_OK;
-        }
+        TDM_ARGS_LOCALS
+        TDM_ARGS_HELP(g->help)
         TDM_ARGS_STR("--model", g->model)
         TDM_ARGS_STR("--device", g->device)
         TDM_ARGS_INT("--batch", 1, 1 << 20, g->batch)

@@ -12,6 +12,7 @@
 #include "core/device.h"
 #include "core/rng.h"
 #include "core/timer.h"
+#include "dist/run.h"
 #include "models/model.h"
 #include "models/optim.h"
 #include "models/train.h"
@@ -33,7 +34,7 @@ static tdm_status tdm_bench_gemm_one(tdm_device *d, tdm_trans ta, tdm_trans tb, 
     tdm_status st = TDM_STATUS_OK;
     size_t a_bytes = (size_t)m * k * sizeof(float), b_bytes = (size_t)k * n * sizeof(float);
     size_t c_bytes = (size_t)m * n * sizeof(float);
-    int per = tdm_tool_device_is_gpu(d) ? 10 : 1;
+    int per = tdm_dist_device_is_gpu(d) ? 10 : 1;
     float *ha = malloc(a_bytes), *hb = malloc(b_bytes), *a = NULL, *b = NULL, *c = NULL;
     double *t = malloc((size_t)reps * sizeof(double));
     if (!ha || !hb || !t) {
@@ -158,7 +159,7 @@ static tdm_status tdm_bench_open_device(const char *tool, const char *spec, long
 /* "cuda:0 (cuBLAS, FP32)": what computes the gemm on a CUDA device. */
 static void tdm_bench_cuda_what(const tdm_device *d, char *buf, size_t len)
 {
-    if (!tdm_tool_device_is_gpu(d))
+    if (!tdm_dist_device_is_gpu(d))
         snprintf(buf, len, "%s (emulated: the host's gemm, not cuBLAS)", tdm_dev_name(d));
     else if (tdm_tool_device_tf32(d))
         snprintf(buf, len, "%s (cuBLAS, TF32 tensor cores: TANDEM_CUDA_TF32=1)", tdm_dev_name(d));
@@ -177,8 +178,7 @@ typedef struct tdm_bench_gemm_args {
 static tdm_status tdm_bench_gemm_parse(int argc, char **argv, tdm_bench_gemm_args *g)
 {
     for (int i = 1; i < argc; i++) {
-        const char *v;
-        long long iv;
+        TDM_ARGS_LOCALS
         TDM_ARGS_STR("--model", g->model)
         TDM_ARGS_INT("--batch", 1, 1 << 16, g->batch)
         TDM_CHECK(tdm_args_value(argc, argv, &i, "--threads", &v));
@@ -332,8 +332,7 @@ static void tdm_bench_train_usage(void)
 static tdm_status tdm_bench_train_parse(int argc, char **argv, tdm_bench_train_args *t)
 {
     for (int i = 1; i < argc; i++) {
-        const char *v;
-        long long iv;
+        TDM_ARGS_LOCALS
         TDM_ARGS_STR("--model", t->model)
         TDM_ARGS_STR("--device", t->device)
         TDM_ARGS_INT("--batch", 1, 1 << 16, t->batch)

@@ -11,11 +11,11 @@
 #include <unistd.h>
 
 #include "core/device.h"
-#include "tools/bench_coll.h"
-#include "tools/mpi_job.h"
+#include "dist/mpi_job.h"
 #include "mpi/mpi_weak.h"
+#include "tools/bench_coll.h"
 
-/* mpi/ is optional (tools/mpi_job.c checks that it is built first). */
+/* mpi/ is optional (dist/mpi_job.c checks that it is built first). */
 
 /* Not under a launcher: the same command, under mpirun. */
 static tdm_status bench_mpi_relaunch(const bench_cfg *cfg, int argc, char **argv)
@@ -60,14 +60,14 @@ static tdm_status bench_mpi_relaunch(const bench_cfg *cfg, int argc, char **argv
 
 tdm_status tdm_tool_bench_mpi(bench_cfg *cfg, int argc, char **argv)
 {
-    if (!tdm_tool_mpi_built()) {
-        tdm_status st = tdm_tool_mpi_missing(tdm_tool_mpi_launched()
+    if (!tdm_dist_mpi_built()) {
+        tdm_status st = tdm_dist_mpi_missing(tdm_dist_mpi_launched()
                                                  ? "tandem bench under an MPI launcher"
                                                  : "tandem bench --backend mpi|hier, --peer mpi");
         fprintf(stderr, "tandem bench: %s\n", tdm_error_message());
         return st;
     }
-    if (!tdm_tool_mpi_launched()) return bench_mpi_relaunch(cfg, argc, argv);
+    if (!tdm_dist_mpi_launched()) return bench_mpi_relaunch(cfg, argc, argv);
     tdm_mpi_job *job = NULL;
     tdm_comm *comms[TDM_MPI_BACKEND_COUNT_] = {0};
     bench_target targets[TDM_MPI_BACKEND_COUNT_ + 1];
@@ -128,10 +128,10 @@ tdm_status tdm_tool_bench_mpi(bench_cfg *cfg, int argc, char **argv)
             if (tdm_mpi_job_comm(job, cfg->backends[i], &so, &comms[i]) != TDM_STATUS_OK) {
                 char why[1200];
                 snprintf(why, sizeof why, "tandem bench: --backend %s: %s",
-                         tdm_tool_backend_name(cfg->backends[i]), tdm_error_message());
+                         tdm_dist_backend_name(cfg->backends[i]), tdm_error_message());
                 tdm_mpi_abort(why);
             }
-            targets[nt++] = (bench_target){.name = tdm_tool_backend_name(cfg->backends[i]),
+            targets[nt++] = (bench_target){.name = tdm_dist_backend_name(cfg->backends[i]),
                                            .comm = comms[i]};
         }
         if (cfg->peer)
@@ -141,7 +141,7 @@ tdm_status tdm_tool_bench_mpi(bench_cfg *cfg, int argc, char **argv)
     char desc[200], list[64] = "";
     for (int i = 0; i < cfg->nbackends && !cfg->cuda; i++)
         snprintf(list + strlen(list), sizeof list - strlen(list), "%s%s", i ? "," : "",
-                 tdm_tool_backend_name(cfg->backends[i]));
+                 tdm_dist_backend_name(cfg->backends[i]));
     snprintf(desc, sizeof desc, "MPI job on %d %smachine%s%s, backend%s %s", t->n_machines,
              t->pretend ? "pretend " : "", t->n_machines == 1 ? "" : "s",
              t->pretend ? (t->pretend_tcp ? " (MPI over TCP on lo)" : " (MPI over shared memory)")

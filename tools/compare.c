@@ -23,12 +23,12 @@
 #include "core/safefile.h"
 #include "ddp/ddp.h"
 #include "ddp/hooks.h"
-#include "ddp/spawn.h"
+#include "dist/mpi_job.h"
+#include "dist/run.h"
 #include "models/train.h"
 #include "tools/args.h"
 #include "tools/compare.h"
 #include "tools/devices.h"
-#include "tools/mpi_job.h"
 #include "tools/tools.h"
 
 /* Float tolerances of the equivalence verdict, |a - b| <= atol + rtol |b|.
@@ -269,7 +269,7 @@ typedef struct tdm_cmp_job {
 } tdm_cmp_job;
 
 /* An MPI job's rank (tdm_tool_compare_main releases it). */
-static tdm_tool_mpi_rank tdm_cmp_mr;
+static tdm_dist_mpi_rank tdm_cmp_mr;
 
 /* Under an MPI launcher: joins the job (collective) and makes DDP's
  * communicator. Ranks other than 0 print nothing to stdout, and nothing
@@ -278,27 +278,21 @@ static tdm_tool_mpi_rank tdm_cmp_mr;
 static tdm_status tdm_cmp_mpi_join(tdm_cmp_job *j)
 {
     tdm_cmp_opts *o = &j->o;
-    tdm_mpi_backend b = TDM_MPI_BACKEND_AUTO;
-    if (o->backend) TDM_CHECK(tdm_tool_backend_parse("compare", o->backend, &b));
-    if (!tdm_tool_mpi_launched()) {
-        if (b == TDM_MPI_BACKEND_AUTO || b == TDM_MPI_BACKEND_SHM) return TDM_STATUS_OK;
-        if (!tdm_tool_mpi_built()) {
-            tdm_status st = tdm_tool_mpi_missing("--backend mpi|hier");
-            fprintf(stderr, "tandem compare: %s\n", tdm_error_message());
-            return st;
-        }
-        return tdm_tool_usage_error("tandem compare: --backend %s runs DDP between the ranks of "
-                                    "an MPI job: start them with `mpirun -np N tandem compare "
-                                    "--backend %s ...`\n", o->backend, o->backend);
+    tdm_mpi_backend b;
+    tdm_status st = tdm_dist_backend_choose(o->backend, tdm_dist_mpi_launched(), "compare", &b);
+    if (st) {
+        fprintf(stderr, "tandem compare: %s\n", tdm_error_message());
+        return st == TDM_STATUS_UNSUPPORTED ? st : TDM_STATUS_USAGE;
     }
+    if (!tdm_dist_mpi_launched()) return TDM_STATUS_OK;
     if (o->sweep) {
-        if (tdm_tool_mpi_env_rank() == 0)
+        if (tdm_dist_mpi_env_rank() == 0)
             fprintf(stderr, "tandem compare: --sweep: under an MPI launcher DDP's ranks are the "
                     "job's; run one job per size instead\n");
         return TDM_STATUS_USAGE;
     }
     tdm_shm_opts so = {.arena_bytes = tdm_ddp_arena_bytes(tdm_cmp_param_elems(o))};
-    tdm_status st = tdm_tool_mpi_rank_init(&tdm_cmp_mr, b, 0, &so);
+    st = tdm_dist_mpi_rank_init(&tdm_cmp_mr, b, 0, &so);
     if (st != TDM_STATUS_OK) {
         fprintf(stderr, "tandem compare: joining the MPI job: %s\n", tdm_error_message());
         return st;
@@ -309,15 +303,7 @@ static tdm_status tdm_cmp_mpi_join(tdm_cmp_job *j)
         snprintf(dev, sizeof dev, "cpu:%d", tdm_cmp_mr.env.world_size);
         o->device = dev;
     }
-    if (tdm_cmp_mr.env.rank != 0) {
-        int fd = open("/dev/null", O_WRONLY | O_CLOEXEC);
-        if (fd >= 0) {
-            j->err_fd = dup(STDERR_FILENO);
-            dup2(fd, STDOUT_FILENO);
-            dup2(fd, STDERR_FILENO);
-            close(fd);
-        }
-    }
+    tdm_dist_silence(tdm_cmp_mr.env.rank, &j->err_fd);
     return TDM_STATUS_OK;
 }
 
@@ -325,7 +311,7 @@ static tdm_status tdm_cmp_mpi_join(tdm_cmp_job *j)
  * and a GPU rank uses its machine's GPU of its rank there. */
 static tdm_status tdm_cmp_check_mpi_devices(tdm_cmp_opts *o)
 {
-    const tdm_ddp_env *e = &tdm_cmp_mr.env;
+    const tdm_dist_env *e = &tdm_cmp_mr.env;
     if (o->n_dev != e->world_size)
         return tdm_tool_usage_error("tandem compare: --device %s names %d devices, but the MPI "
                                     "job has %d ranks (DDP's; omit --device for cpu:%d)\n",
@@ -338,13 +324,8 @@ static tdm_status tdm_cmp_parse(int argc, char **argv, tdm_cmp_job *j)
 {
     tdm_cmp_opts *o = &j->o;
     for (int i = 1; i < argc; i++) {
-        const char *v;
-        long long iv;
-        double fv;
-        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
-            j->help = 1;
-            return TDM_STATUS_OK;
-        }
+        TDM_ARGS_LOCALS
+        TDM_ARGS_HELP(j->help)
         TDM_ARGS_STR("--model", o->model)
         TDM_ARGS_STR("--device", o->device)
         TDM_ARGS_STR("--data", o->data)
@@ -379,7 +360,7 @@ static tdm_status tdm_cmp_parse(int argc, char **argv, tdm_cmp_job *j)
 static tdm_status tdm_cmp_check_devices(tdm_cmp_opts *o)
 {
     tdm_device_list dl;
-    tdm_status st = tdm_tool_parse_devices(&dl, o->device, 1);
+    tdm_status st = tdm_dist_parse_devices(&dl, o->device, 1);
     if (st != TDM_STATUS_OK) {
         /* no device is a runtime condition (exit 1, as train), not usage */
         fprintf(stderr, "tandem compare: --device: %s\n", tdm_error_message());
@@ -874,11 +855,7 @@ static tdm_status tdm_cmp_main_run(tdm_cmp_job *j)
     TDM_CHECK(tdm_cmp_check(j));
     TDM_CHECK(tdm_cmp_check_outputs(j));
     /* usage is checked: from here on every rank says what goes wrong */
-    if (j->err_fd >= 0) {
-        dup2(j->err_fd, STDERR_FILENO);
-        close(j->err_fd);
-        j->err_fd = -1;
-    }
+    tdm_dist_unsilence(&j->err_fd);
     TDM_CHECK(j->gpt ? tdm_cmp_load_text(j) : tdm_cmp_load_images(j));
     tdm_cmp_print_header(j);
     if (j->o.ddp_comm && tdm_cmp_mr.env.rank != 0) return tdm_cmp_mpi_peer(j);
@@ -928,6 +905,6 @@ int tdm_tool_compare_main(int argc, char **argv)
     /* a run that failed here ends the job (others may wait for this rank);
      * usage errors, alike everywhere, and the verdict, rank 0's alone
      * after the runs, do not */
-    if (tdm_cmp_mr.job) tdm_tool_mpi_rank_end(&tdm_cmp_mr, rc);
+    if (tdm_cmp_mr.job) tdm_dist_mpi_rank_end(&tdm_cmp_mr, st);
     return rc;
 }

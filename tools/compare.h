@@ -20,6 +20,11 @@
 
 #define TDM_CMP_MAX_DEV 64
 #define TDM_CMP_MAX_BUCKETS 256
+/* The bound on one mode's run in child processes (DDP's and the sharded
+ * modes' ranks, single and DP on GPUs): an hour, far above any run
+ * --steps asks of the CLI's models, so it fires only on a run that hangs
+ * in a way its process group's timeout cannot see. */
+#define TDM_CMP_RUN_TIMEOUT_MS 3600000
 /* compare's default global batch for a gpt: windows of its context */
 #define TDM_CMP_GPT_BATCH 32
 /* Steps left out of the timing figures unless --warmup says: the first
@@ -110,7 +115,7 @@ void tdm_cmp_dev_spec(const tdm_cmp_opts *o, int n, char *buf, size_t len);
 /* The global batches: rows of the dataset for step s are
  * order[s * batch .. +batch); for a gpt (text set), windows 0..batch-1 of
  * tdm_text_windows(text, T, seed, s). A DDP rank draws only its share
- * (tdm_ddp_share) of either. */
+ * (tdm_dist_share) of either. */
 typedef struct tdm_cmp_data {
     tdm_dataset train;
     int64_t *order;
@@ -138,9 +143,6 @@ tdm_status tdm_cmp_run(const tdm_cmp_opts *o, const tdm_cmp_data *data, tdm_cmp_
                        int n_dev, tdm_cmp_result *r);
 /* Parameters of o's model (a probe on a host device); 0 on failure. */
 int64_t tdm_cmp_param_elems(const tdm_cmp_opts *o);
-/* An MPI job: every rank's records summed onto rank 0's (compare_run.c). */
-tdm_status tdm_cmp_gather_records(tdm_comm *comm, double *per_rank, size_t doubles, int *agree,
-                                  tdm_cmp_memory *mem);
 void tdm_cmp_result_free(tdm_cmp_result *r);
 /* r's arrays for a run of `steps` on n_dev devices (0 on failure, said). */
 tdm_status tdm_cmp_alloc(tdm_cmp_result *r, tdm_cmp_mode mode, int n_dev, int steps,
@@ -151,8 +153,9 @@ int tdm_cmp_is_sharded(tdm_cmp_mode m);
 /* --modes single,dp,ddp,fsdp,zero2,zero1 into a bit mask (single always
  * runs: the reference); 0 with a message on a bad name. */
 int tdm_cmp_parse_modes(const char *s, unsigned *mask);
-tdm_status tdm_cmp_run_fsdp(const tdm_cmp_opts *o, const tdm_cmp_data *data,
-                            tdm_cmp_mode mode, int world, tdm_cmp_result *r);
+/* DDP or a sharded mode on `world` ranks (tools/compare_ranks.c). */
+tdm_status tdm_cmp_run_ranks(const tdm_cmp_opts *o, const tdm_cmp_data *data,
+                             tdm_cmp_mode mode, int world, tdm_cmp_result *r);
 void tdm_cmp_fsdp_print_phases(const tdm_cmp_opts *o, tdm_cmp_result *const *res, int n);
 /* The verdict's pairs among the modes that ran (ran[mode]): each vs
  * single, DDP vs DP, each sharded mode vs DDP. */

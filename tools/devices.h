@@ -1,9 +1,9 @@
 /* tools/devices.h: device handling the subcommands share: parsing
- * --device without initialising CUDA in a process that will fork ranks,
- * and the CUDA emulator (TANDEM_CUDA_EMULATOR, see cuda/cuda.h). cuda/ is
- * reached through weak symbols, so builds without the CUDA backend link
- * and refuse CUDA. A DDP rank's device and communicators:
- * tools/ddp_rank.h. */
+ * --device where one device runs, and the CUDA emulator
+ * (TANDEM_CUDA_EMULATOR, see cuda/cuda.h). cuda/ is reached through weak
+ * symbols, so builds without the CUDA backend link and refuse CUDA. A
+ * rank's device and communicators, and --device parsed without
+ * initialising CUDA in a process that forks ranks: dist/run.h. */
 #ifndef TDM_TOOLS_DEVICES_H
 #define TDM_TOOLS_DEVICES_H
 
@@ -12,12 +12,6 @@
 #include <stdint.h>
 
 #include "core/device.h"
-
-/* tdm_device_list_parse, but when forks is set and spec names CUDA, in a
- * short-lived child: counting GPUs initialises CUDA, and a process that
- * has initialised CUDA cannot hand it to forked children. The result (the
- * status, message and list) comes back unchanged. */
-tdm_status tdm_tool_parse_devices(tdm_device_list *dl, const char *spec, int forks);
 
 /* --device where one device runs (train --mode single, bench gemm|train):
  * tdm_device_list_parse, except that a bare "cuda" means GPU 0, as
@@ -31,9 +25,6 @@ int tdm_tool_cuda_emulated(void);
 /* With the emulator in effect and spec naming CUDA devices, prints to f
  * the line saying that they are emulated on the host, not GPUs. */
 void tdm_tool_print_emulated(FILE *f, const char *spec);
-
-/* 1 when d is a GPU (a CUDA device that is not emulated). */
-int tdm_tool_device_is_gpu(const tdm_device *d);
 
 /* 1 when d is a GPU computing gemm in TF32 (TANDEM_CUDA_TF32=1). */
 int tdm_tool_device_tf32(const tdm_device *d);

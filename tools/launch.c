@@ -1,7 +1,7 @@
 /* tools/launch.c: `tandem launch -n N [--log-dir DIR] -- PROGRAM ARGS...`,
  * a torchrun-like launcher for DDP programs on one machine. It creates the
  * shared-memory group, exports what the ranks need to join it
- * (TANDEM_SHM_FD; each rank calls tdm_ddp_pg_init_from_env), sets RANK,
+ * (TANDEM_SHM_FD; each rank calls tdm_dist_pg_init_from_env), sets RANK,
  * LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, execs N copies of PROGRAM,
  * prefixes every output line with "[rank N] " (or writes DIR/rank_N.log),
  * starts each rank in its own process group and signals the group, so
@@ -27,7 +27,7 @@
 
 #include "core/safefile.h"
 #include "core/timer.h"
-#include "ddp/pg.h"
+#include "dist/pg.h"
 #include "shm/shm_comm.h"
 #include "shm/spawn.h"
 #include "tools/args.h"
@@ -48,7 +48,7 @@ static void tdm_launch_usage(FILE *f)
         "\n"
         "Runs N copies of PROGRAM as the ranks of one DDP job on this machine.\n"
         "Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE and\n"
-        "TANDEM_SHM_FD (join with tdm_ddp_pg_init_from_env). Each rank runs in its\n"
+        "TANDEM_SHM_FD (join with tdm_dist_pg_init_from_env). Each rank runs in its\n"
         "own process group, which the launcher signals whole: what a rank starts\n"
         "stops with the job (a rank is not in the terminal's foreground group, so\n"
         "one that reads the terminal is stopped).\n"
@@ -151,13 +151,9 @@ static tdm_status tdm_launch_parse(int argc, char **argv, tdm_launch_opts *o)
 {
     *o = (tdm_launch_opts){.arena_mb = 32, .grace_ms = 3000, .prog = -1};
     for (int i = 1; i < argc; i++) {
-        const char *v;
-        long long iv;
+        TDM_ARGS_LOCALS
         if (!strcmp(argv[i], "--")) { o->prog = i + 1; break; }
-        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
-            o->help = 1;
-            return TDM_STATUS_OK;
-        }
+        TDM_ARGS_HELP(o->help)
         TDM_CHECK(tdm_args_value2(argc, argv, &i, "-n", "--nproc", &v));
         if (v) {
             TDM_CHECK(tdm_args_int("-n", v, 1, TDM_SHM_MAX_RANKS, &o->world));
@@ -195,15 +191,15 @@ typedef struct tdm_launch_job {
 } tdm_launch_job;
 
 /* --timeout, else TANDEM_TIMEOUT: the ranks read it from TANDEM_TIMEOUT
- * (tdm_ddp_pg_init), so a bad value is refused here, once, rather than by
+ * (tdm_dist_pg_init), so a bad value is refused here, once, rather than by
  * every rank. */
 static tdm_status tdm_launch_check_timeout(const tdm_launch_opts *o)
 {
     int64_t timeout_ms = 0;
-    if (o->timeout ? tdm_ddp_timeout_parse("--timeout", o->timeout, &timeout_ms)
-                   : tdm_ddp_timeout_from_env(&timeout_ms))
+    if (o->timeout ? tdm_dist_timeout_parse("--timeout", o->timeout, &timeout_ms)
+                   : tdm_dist_timeout_from_env(&timeout_ms))
         return tdm_tool_usage_error("tandem launch: %s\n", tdm_error_message());
-    if (o->timeout) setenv(TDM_DDP_ENV_TIMEOUT, o->timeout, 1);
+    if (o->timeout) setenv(TDM_DIST_ENV_TIMEOUT, o->timeout, 1);
     return TDM_STATUS_OK;
 }
 
@@ -262,7 +258,7 @@ static int tdm_launch_start_rank(tdm_launch_job *j, int r, pid_t self)
         /* its own process group, which the launcher signals whole: what
          * the rank starts goes with it (torchrun does the same) */
         setpgid(0, 0);
-        tdm_ddp_env_export(r, j->W);
+        tdm_dist_env_export(r, j->W);
         if (log_dir) {
             dup2(j->logfd[r], STDOUT_FILENO);
             dup2(j->logfd[r], STDERR_FILENO);

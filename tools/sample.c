@@ -79,13 +79,8 @@ typedef struct tdm_sample_opts {
 static tdm_status tdm_sample_parse(int argc, char **argv, tdm_sample_opts *o)
 {
     for (int i = 1; i < argc; i++) {
-        const char *v;
-        long long iv;
-        double fv;
-        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
-            o->help = 1;
-            return TDM_STATUS_OK;
-        }
+        TDM_ARGS_LOCALS
+        TDM_ARGS_HELP(o->help)
         TDM_ARGS_STR("--resume", o->resume)
         TDM_ARGS_STR("--device", o->device)
         TDM_ARGS_INT("--tokens", 0, 1 << 24, o->tokens)

@@ -31,8 +31,8 @@
 #include "core/rng.h"
 #include "core/safefile.h"
 #include "core/timer.h"
+#include "dist/run.h"
 #include "shm/spawn.h"
-#include "tools/ddp_rank.h"
 #include "tools/devices.h"
 #include "tools/tools.h"
 
@@ -238,7 +238,7 @@ static void tdm_st_devices(tdm_st *t)
 {
     tdm_st_case *c = tdm_st_begin(t, "devices");
     /* parsed without initialising CUDA here (forks = 1) */
-    if (tdm_tool_parse_devices(&t->dl, t->device, 1)) {
+    if (tdm_dist_parse_devices(&t->dl, t->device, 1)) {
         tdm_st_fail(c, "--device %s: %s", t->device, tdm_error_message());
     } else {
         t->world = t->dl.count;
@@ -543,11 +543,11 @@ static int tdm_st_coll_rank(tdm_comm *comm, void *arg)
         goto fail;
     }
     if (a->cuda) {
-        TDM_TRY(tdm_tool_rank_device(&a->dl, me, &b.dev));
+        TDM_TRY(tdm_dist_rank_device(&a->dl, me, &b.dev));
         TDM_TRY(tdm_dev_alloc(b.dev, b.cap * sizeof(float), &b.ds));
         TDM_TRY(tdm_dev_alloc(b.dev, b.cap * sizeof(float), &b.dr));
         /* NCCL on a GPU; emulated GPUs (host memory) reduce over shm */
-        TDM_TRY(tdm_tool_rank_nccl(comm, b.dev, &nccl));
+        TDM_TRY(tdm_dist_gpu_comm(comm, b.dev, &nccl));
     }
     TDM_TRY(tdm_st_coll_run(nccl ? nccl : comm, comm, &b, a, &wrong));
 fail:

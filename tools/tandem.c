@@ -68,7 +68,8 @@ static void tdm_tool_usage_print(FILE *f)
     for (size_t i = 0; i < TDM_TOOL_NCMDS; i++)
         if (tdm_tool_cmds[i].fn)
             fprintf(f, "  %-9s %s\n", tdm_tool_cmds[i].name, tdm_tool_cmds[i].help);
-    fprintf(f, "\nenvironment: TANDEM_DEBUG=WARN|INFO|TRACE, TANDEM_DEBUG_SUBSYS=SHM,DP,DDP,...\n");
+    fprintf(f, "\nenvironment: TANDEM_DEBUG=WARN|INFO|TRACE, "
+               "TANDEM_DEBUG_SUBSYS=SHM,DP,DDP,FSDP,...\n");
 }
 
 int main(int argc, char **argv)

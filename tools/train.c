@@ -10,7 +10,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 
 #include "core/data.h"
 #include "core/device.h"
@@ -19,6 +18,7 @@
 #include "core/timer.h"
 #include "core/text.h"
 #include "ddp/hooks.h"
+#include "dist/run.h"
 #include "fsdp/fsdp.h"
 #include "models/accum.h"
 #include "models/checkpoint.h"
@@ -29,7 +29,7 @@
 #include "tools/args.h"
 #include "tools/devices.h"
 #include "tools/elastic.h"
-#include "tools/mpi_job.h"
+#include "tools/ranks.h"
 #include "tools/tools.h"
 #include "tools/train_modes.h"
 
@@ -144,14 +144,9 @@ static void tdm_train_usage(FILE *f)
 static tdm_status tdm_train_parse(int argc, char **argv, tdm_train_args *a, int *help)
 {
     for (int i = 1; i < argc; i++) {
-        const char *v;
-        long long iv;
-        double fv;
+        TDM_ARGS_LOCALS
+        TDM_ARGS_HELP(*help)
         const char *arg = argv[i];
-        if (!strcmp(arg, "--help") || !strcmp(arg, "-h")) {
-            *help = 1;
-            return TDM_STATUS_OK;
-        }
         TDM_ARGS_STR("--mode", a->mode)
         TDM_ARGS_STR("--model", a->model)
         TDM_ARGS_STR("--device", a->device)
@@ -262,31 +257,25 @@ static tdm_status tdm_train_check_args(tdm_train_args *a)
     if (a->max_restarts && strcmp(a->mode, "ddp") && strcmp(a->mode, "fsdp"))
         return tdm_tool_usage_error("tandem train: --max-restarts applies to --mode ddp and "
                                     "fsdp (ranks that can fail one by one)\n");
-    if (a->max_restarts && ((getenv("TANDEM_SHM_FD") && getenv("WORLD_SIZE")) ||
-                            tdm_tool_mpi_launched()))
+    if (a->max_restarts && (tdm_dist_launched() || tdm_dist_mpi_launched()))
         fprintf(stderr, "tandem train: note: --max-restarts restarts the ranks tandem train forks "
                         "itself; these ranks were started by a launcher, which restarts them: "
                         "`tandem launch --max-restarts K` (under mpirun or srun, rerun the job "
                         "with --resume)\n");
-    /* started by tandem launch: its run's id goes into our checkpoints */
-    if (getenv(TDM_ELASTIC_ENV_RUN)) tdm_elastic_run_begin(0);
-    if (tdm_elastic_attempt() > 0 && !a->resume) {
-        /* restarted by tandem launch --max-restarts: resume from the
-         * launcher's --checkpoint, else from our own --save, once this
-         * run wrote it (never another run's file at the same path) */
-        const char *ck = getenv(TDM_ELASTIC_ENV_RESUME);
-        if (!ck || !*ck) ck = a->save;
-        if (ck && tdm_elastic_ours(ck, NULL, 0)) a->resume = ck;
-    }
+    /* started by tandem launch with restarts: its run's id goes into our
+     * checkpoints (forked ranks get it from tdm_dist_run) */
+    tdm_dist_run_id_begin(0);
+    /* restarted by tandem launch --max-restarts: from the launcher's
+     * --checkpoint, else our own --save, once this run wrote it */
+    if (!a->resume) a->resume = tdm_dist_restart_resume(a->save);
     if (a->backend && strcmp(a->mode, "ddp"))
         return tdm_tool_usage_error("tandem train: --backend applies to --mode ddp\n");
     TDM_CHECK(tdm_train_check_ddp_next(a, gpt));
     /* N copies of one model trained side by side are never what was meant */
-    const char *mpi_n = getenv("OMPI_COMM_WORLD_SIZE");
-    if (!mpi_n) mpi_n = getenv("PMI_SIZE");
-    if (strcmp(a->mode, "ddp") && mpi_n && atoi(mpi_n) > 1)
-        return tdm_tool_usage_error("tandem train: started by an MPI launcher with %s ranks, but "
-                                    "--mode %s would train %s independent copies: use --mode "
+    int mpi_n = tdm_dist_mpi_env_world();
+    if (strcmp(a->mode, "ddp") && mpi_n > 1)
+        return tdm_tool_usage_error("tandem train: started by an MPI launcher with %d ranks, but "
+                                    "--mode %s would train %d independent copies: use --mode "
                                     "ddp\n", mpi_n, a->mode, mpi_n);
     return TDM_STATUS_OK;
 }
@@ -294,13 +283,11 @@ static tdm_status tdm_train_check_args(tdm_train_args *a)
 static tdm_status tdm_train_dispatch(const tdm_train_args *a)
 {
     if (!strncmp(a->model, "gpt", 3)) return tdm_train_text_main(a);
-    if (!strcmp(a->mode, "single")) return tdm_train_run_single(a);
-    if (!strcmp(a->mode, "dp"))
-        return tdm_train_run_dp ? tdm_train_run_dp(a) : tdm_train_mode_absent("dp");
-    if (!strcmp(a->mode, "ddp"))
-        return tdm_train_run_ddp ? tdm_train_run_ddp(a) : tdm_train_mode_absent("ddp");
+    if (!strcmp(a->mode, "single") || !strcmp(a->mode, "dp"))
+        return tdm_train_run_local(a, NULL, NULL);
+    if (!strcmp(a->mode, "ddp")) return tdm_train_run_ranks(a, &tdm_tool_ddp_design, NULL, NULL);
     if (!strcmp(a->mode, "fsdp"))
-        return tdm_train_run_fsdp ? tdm_train_run_fsdp(a) : tdm_train_mode_absent("fsdp");
+        return tdm_train_run_ranks(a, &tdm_tool_fsdp_design, NULL, NULL);
     return tdm_tool_usage_error("tandem train: --mode '%s': expected single, dp, ddp or fsdp\n",
                                 a->mode);
 }
@@ -331,12 +318,6 @@ tdm_status tdm_train_fail(const char *what, tdm_status st)
     fprintf(stderr, "tandem train: %s: %s\n", what,
             tdm_error_message()[0] ? tdm_error_message() : tdm_status_name(st));
     return st;
-}
-
-tdm_status tdm_train_mode_absent(const char *mode)
-{
-    return tdm_tool_usage_error("tandem train: --mode %s is not built into this tandem yet\n",
-                                mode);
 }
 
 void tdm_train_note_threads(const tdm_train_args *a, const char *unit)
@@ -406,13 +387,7 @@ void tdm_train_print_resumed(const char *path, const tdm_ckpt_info *info)
 tdm_status tdm_train_make_optim(const tdm_train_args *a, tdm_model *m, tdm_optim **opt)
 {
     tdm_optim_opts o;
-    tdm_optim_opts_default(&o, strcmp(a->optim, "sgd") ? TDM_OPTIM_ADAMW : TDM_OPTIM_SGD);
-    o.lr = (float)a->lr;
-    o.weight_decay = (float)a->weight_decay;
-    if (o.kind == TDM_OPTIM_SGD) {
-        o.momentum = (float)a->momentum;
-        o.nesterov = a->nesterov;
-    }
+    tdm_optim_opts_named(&o, a->optim, a->lr, a->weight_decay, a->momentum, a->nesterov);
     tdm_status st = tdm_optim_init(opt, m, &o);
     if (st != TDM_STATUS_OK) return tdm_train_fail("optimizer", st);
     return TDM_STATUS_OK;
@@ -452,17 +427,6 @@ void tdm_train_print_dp_phases(const tdm_phase_times *sum, double step_ms, int64
     }
 }
 
-tdm_status tdm_train_rank_diverged(tdm_comm *comm, int rank, int64_t step, double loss,
-                                   const char *where)
-{
-    char why[256];
-    snprintf(why, sizeof why, "loss is %s at step %lld (%s): training diverged (a lower "
-             "learning rate may help)", isnan(loss) ? "NaN" : loss > 0 ? "+inf" : "-inf",
-             (long long)step, where);
-    tdm_comm_abort(comm, why);
-    return tdm_error_set(TDM_STATUS_NONFINITE, "rank %d: %s", rank, why);
-}
-
 tdm_status tdm_train_load_and_probe(const tdm_train_args *a, const tdm_model_spec *spec,
                                     tdm_dataset *train, tdm_dataset *test,
                                     int64_t *param_elems)
@@ -470,89 +434,17 @@ tdm_status tdm_train_load_and_probe(const tdm_train_args *a, const tdm_model_spe
     tdm_device *dev = NULL;
     tdm_model *probe = NULL;
     tdm_status st;
-    TDM_CHECK(tdm_train_load_data(a, spec, train, test));
+    if (train) TDM_CHECK(tdm_train_load_data(a, spec, train, test));
     if ((st = tdm_device_open(&dev, "cpu", 0, 1)) ||
         (st = tdm_model_init(&probe, dev, spec, (uint64_t)a->seed)))
         fprintf(stderr, "tandem train: building model: %s\n", tdm_error_message());
-    else st = tdm_train_check_features(train, probe);
+    else if (train) st = tdm_train_check_features(train, probe);
     if (st == TDM_STATUS_OK && param_elems) *param_elems = tdm_model_param_elems(probe);
     tdm_model_free(probe);
     tdm_device_free(dev);
-    if (st) {
+    if (st && train) {
         tdm_data_free(train);
         tdm_data_free(test);
     }
-    return st;
-}
-
-tdm_status tdm_train_setup(const tdm_train_args *a, const tdm_model_spec *spec, tdm_device *dev,
-                           tdm_dataset *train, tdm_dataset *test, tdm_model **m,
-                           tdm_optim **opt, int64_t *start_epoch)
-{
-    tdm_status st;
-    *start_epoch = 0;
-    TDM_CHECK(tdm_train_load_data(a, spec, train, test));
-    if ((st = tdm_model_init(m, dev, spec, (uint64_t)a->seed)) != TDM_STATUS_OK)
-        return tdm_train_fail("building model", st);
-    TDM_CHECK(tdm_train_check_features(train, *m));
-    TDM_CHECK(tdm_train_make_optim(a, *m, opt));
-    return tdm_train_resume(a, *m, *opt, start_epoch);
-}
-
-/* ---- --mode single ---- */
-
-/* The one device of --device, opened with --threads BLAS threads. */
-static tdm_status tdm_train_open_single(const tdm_train_args *a, tdm_device **dev)
-{
-    tdm_device_list dl;
-    tdm_status st;
-    if ((st = tdm_tool_parse_one_device(&dl, a->device)) != TDM_STATUS_OK)
-        return tdm_train_fail("--device", st == TDM_STATUS_NO_DEVICE ? st : tdm_tool_usage(st));
-    if (dl.count != 1)
-        return tdm_tool_usage_error("tandem train: --mode single uses one device, but '%s' "
-                                    "names %d (use --mode dp or --mode ddp for several)\n",
-                                    a->device, dl.count);
-    if ((st = tdm_device_open(dev, dl.kind == TDM_DEVICE_CUDA ? "cuda" : "cpu", dl.index[0],
-                              (int)a->threads)) != TDM_STATUS_OK)
-        return tdm_train_fail("opening device", st);
-    return TDM_STATUS_OK;
-}
-
-tdm_status tdm_train_run_single(const tdm_train_args *a)
-{
-    tdm_model_spec spec;
-    tdm_device *dev = NULL;
-    tdm_model *m = NULL;
-    tdm_optim *opt = NULL;
-    tdm_dataset train = {0}, test = {0};
-    tdm_single single = {0};
-    tdm_status st;
-    if ((st = tdm_model_spec_parse(&spec, a->model)) != TDM_STATUS_OK)
-        return tdm_train_fail("--model", tdm_tool_usage(st));
-    TDM_CHECK(tdm_train_open_single(a, &dev));
-    tdm_train_run r = {0};
-    TDM_TRY(tdm_train_setup(a, &spec, dev, &train, &test, &m, &opt, &r.start_epoch));
-    char devdesc[64];
-    snprintf(devdesc, sizeof devdesc, "device %s, %lld BLAS thread%s", tdm_dev_name(dev),
-             (long long)a->threads, a->threads > 1 ? "s" : "");
-    tdm_train_print_header(a, &spec, &train, &test, tdm_model_param_elems(m), devdesc);
-    single.model = m;
-    single.opt = opt;
-    r.m = m;
-    r.opt = opt;
-    tdm_accum acc = {.ops = &tdm_accum_single_ops, .ctx = &single, .micro = (int)a->batch,
-                     .in_features = tdm_model_in_features(m), .out_rows = tdm_model_out_rows(m)};
-    r.step = a->grad_accum > 1 ? tdm_accum_step : tdm_single_step;
-    r.step_ctx = a->grad_accum > 1 ? (void *)&acc : (void *)&single;
-    r.train = &train;
-    r.test = &test;
-    st = tdm_train_epochs(a, &r);
-fail:
-    tdm_single_free(&single);
-    tdm_optim_free(opt);
-    tdm_model_free(m);
-    tdm_device_free(dev);
-    tdm_data_free(&train);
-    tdm_data_free(&test);
     return st;
 }

@@ -51,7 +51,8 @@ static void tdm_train_progress(void *ctx, int64_t step, int64_t steps, double lo
  * text), --max-steps at most. */
 static int64_t tdm_train_epoch_steps(const tdm_train_args *a, const tdm_train_run *r)
 {
-    int64_t full = r->text ? tdm_train_text_steps_per_epoch(r->text, r->T, (int)a->batch)
+    int64_t full = r->text ? tdm_train_text_steps_per_epoch(&r->text->corpus->train, r->text->T,
+                                                            (int)a->batch)
                            : (r->train->n + tdm_train_effective_batch(a) - 1) /
                                  tdm_train_effective_batch(a);
     return a->max_steps > 0 && a->max_steps < full ? a->max_steps : full;
@@ -67,7 +68,8 @@ static tdm_status tdm_train_one_epoch(const tdm_train_args *a, const tdm_train_r
                               .step_ctx = r->step_ctx, .progress = tdm_train_progress,
                               .progress_ctx = p};
     tdm_model_set_train(r->m, 1);
-    if (r->text) return tdm_train_text_epoch(r->text, r->T, r->lo, r->hi, &o, es);
+    if (r->text)
+        return tdm_train_text_epoch(&r->text->corpus->train, r->text->T, r->lo, r->hi, &o, es);
     return tdm_train_epoch(r->train, &o, es);
 }
 
@@ -83,10 +85,10 @@ static void tdm_train_print_epoch(const tdm_train_args *a, const tdm_train_run *
     if (r->text) {
         printf("epoch %lld/%lld: train loss %.4f, %.0f windows/s = %.0f tokens/s (%.1f s)",
                (long long)e + 1, (long long)a->epochs, es->loss_mean, es->samples_per_s,
-               es->samples_per_s * r->T, es->seconds);
+               es->samples_per_s * r->text->T, es->seconds);
         if (!a->no_eval)
             printf(", val loss %.4f nats = %.3f bits per byte (bigram %.4f)", loss, loss / M_LN2,
-                   r->bigram);
+                   r->text->bigram);
     } else {
         printf("epoch %lld/%lld: train loss %.4f, %.0f samples/s (%.1f s)", (long long)e + 1,
                (long long)a->epochs, es->loss_mean, es->samples_per_s, es->seconds);

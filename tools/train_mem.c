@@ -11,8 +11,9 @@
 #include "core/device.h"
 #include "fsdp/fsdp.h"
 #include "models/mem_plan.h"
-#include "tools/ddp_rank.h"
-#include "tools/mpi_job.h"
+#include "dist/mpi_job.h"
+#include "dist/timeout.h"
+#include "tools/ranks.h"
 #include "tools/train_modes.h"
 
 /* The plan's input from the arguments; 0 when they are not the kind the
@@ -26,7 +27,7 @@ static int tdm_train_mem_in(const tdm_train_args *a, const tdm_model_spec *spec,
     if (tdm_device_list_parse(dl, single && !strcmp(a->device, "cpu") ? "cpu:1" : a->device))
         return 0;
     int n = dl->count > 0 ? dl->count : 1;
-    int launched = (getenv("TANDEM_SHM_FD") && getenv("WORLD_SIZE")) || tdm_tool_mpi_launched();
+    int launched = tdm_dist_launched() || tdm_dist_mpi_launched();
     int world = n;
     if (launched && !single && !dp) {
         /* one rank of a job: its own share */

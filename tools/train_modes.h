@@ -52,15 +52,6 @@ static inline long long tdm_train_effective_batch(const tdm_train_args *a)
 /* "tandem train: <what>: <the error message, or the status's name>" on
  * stderr; returns st. */
 tdm_status tdm_train_fail(const char *what, tdm_status st);
-/* A mode this build does not have: USAGE. */
-tdm_status tdm_train_mode_absent(const char *mode);
-/* A process's training set-up on dev (single and DP): loads the data,
- * builds the model, checks that the data fits it, makes the optimizer
- * and applies --resume. What it made is in *m / *opt / train / test
- * either way, for the caller to free. */
-tdm_status tdm_train_setup(const tdm_train_args *a, const tdm_model_spec *spec, tdm_device *dev,
-                           tdm_dataset *train, tdm_dataset *test, tdm_model **m,
-                           tdm_optim **opt, int64_t *start_epoch);
 /* Fashion-MNIST (--data DIR) or the synthetic set; on failure nothing is
  * left to free. */
 tdm_status tdm_train_load_data(const tdm_train_args *a, const tdm_model_spec *spec,
@@ -74,17 +65,11 @@ tdm_status tdm_train_load_data(const tdm_train_args *a, const tdm_model_spec *sp
 tdm_status tdm_train_check_memory(const tdm_train_args *a, const tdm_model_spec *spec);
 /* USAGE unless the data's features per sample fit the model. */
 tdm_status tdm_train_check_features(const tdm_dataset *train, const tdm_model *m);
-/* A rank's loss turned non-finite before its gradient collectives: stops
- * the group now with the reason ("loss is NaN at step S (<where>):
- * training diverged ..."; every other rank leaves its next collective
- * naming it) and returns NONFINITE with that message. where: e.g.
- * "rank 1's 3 samples of the batch of 8" or "rank 1, micro-batch 2". */
-tdm_status tdm_train_rank_diverged(tdm_comm *comm, int rank, int64_t step, double loss,
-                                   const char *where);
 /* What a parent of forked ranks checks before forking: loads the data and
  * checks it against a probe model built on a host device (and freed);
- * *param_elems (NULL: not wanted) is the model's parameter count. On
- * failure the message is printed or set and nothing is left to free. */
+ * train NULL (a gpt's text): the probe alone. *param_elems (NULL: not
+ * wanted) is the model's parameter count. On failure the message is
+ * printed or set and nothing is left to free. */
 tdm_status tdm_train_load_and_probe(const tdm_train_args *a, const tdm_model_spec *spec,
                                     tdm_dataset *train, tdm_dataset *test,
                                     int64_t *param_elems);
@@ -111,6 +96,14 @@ void tdm_train_print_dp_phases(const tdm_phase_times *sum, double step_ms, int64
 typedef tdm_status (*tdm_train_eval_fn)(void *ctx, double *loss_mean, double *accuracy);
 typedef tdm_status (*tdm_train_after_epoch_fn)(void *ctx, int64_t epoch);
 
+/* A gpt's text (tools/train_text.c fills it): the corpus, the context
+ * T, the evaluation windows and the bigram baseline beside them. */
+typedef struct tdm_train_text_set {
+    const tdm_text_corpus *corpus;
+    int T;
+    int64_t eval_count;
+    double bigram;
+} tdm_train_text_set;
 /* One process's run as the epoch loop sees it. */
 typedef struct tdm_train_run {
     tdm_model *m;                  /* borrowed */
@@ -120,12 +113,11 @@ typedef struct tdm_train_run {
     void *step_ctx;
     /* images: the training and test sets */
     const tdm_dataset *train, *test;
-    /* text (when set): the training bytes, the context T, this process's
-     * windows [lo, hi) of each global batch, and the bigram baseline
-     * printed beside the validation loss */
-    const tdm_text *text;
-    int T, lo, hi;
-    double bigram;
+    /* text (when set): the corpus, its context and the bigram baseline
+     * printed beside the validation loss, and this process's windows
+     * [lo, hi) of each global batch */
+    const tdm_train_text_set *text;
+    int lo, hi;
     tdm_train_eval_fn eval;        /* NULL: tdm_evaluate on the test set here (images) */
     void *eval_ctx;
     tdm_train_after_epoch_fn after;    /* may be NULL */
@@ -140,76 +132,51 @@ tdm_status tdm_train_epochs(const tdm_train_args *a, const tdm_train_run *r);
 
 /* ---- the modes ---- */
 
-typedef struct tdm_ddp tdm_ddp;
 typedef struct tdm_comm tdm_comm;
-/* --uneven with --model gpt: the epoch's windows instead of a training
- * set's samples (tools/train_uneven.c says which), and the validation
- * loss in place of the test set's. */
-typedef struct tdm_train_uneven_text {
-    const tdm_text *train;
-    int T;                        /* the context: bytes per window */
-    double bigram;                /* printed beside the validation loss */
-    tdm_train_eval_fn eval;       /* collective: every rank, after each epoch */
-    void *eval_ctx;
-} tdm_train_uneven_text;
+typedef struct tdm_dist_ops tdm_dist_ops;
+typedef struct tdm_tool_design tdm_tool_design;
+
+/* The header lines of a gpt run (tools/train_text.c). */
+void tdm_train_text_header(const tdm_train_text_set *t, const tdm_model_spec *spec,
+                           const tdm_train_args *a, int64_t params, const char *devices);
+/* Evaluation windows at most, and windows per evaluation forward. */
+#define TDM_TRAIN_TEXT_EVAL_CAP 512
+#define TDM_TRAIN_TEXT_EVAL_BATCH 32
 
 /* --uneven: one rank's epochs over its own samples, with join
- * (tools/train_uneven.c): the mode's calls, on ctx. save (may be NULL)
- * runs after each epoch, collectively. text: NULL for the image models
- * (then evaluate runs on the test set), else a gpt's windows. */
-typedef struct tdm_train_uneven_ops {
-    void *ctx;
+ * (tools/train_uneven.c), through the design's ops on w: zero_grad,
+ * forward_mean (the mean over the ranks with data), backward, step, join
+ * and (images) evaluate. eval (collective, may be NULL) replaces the test
+ * set's evaluation (a gpt's validation loss); save (may be NULL) runs
+ * after each epoch, collectively. text: NULL for the image models, else
+ * a gpt's windows (train and test unused). */
+typedef struct tdm_train_uneven {
+    const tdm_dist_ops *ops;
+    void *w;                      /* the design's wrapper */
+    tdm_optim *opt;
     tdm_model *m;
-    const tdm_train_uneven_text *text;
-    tdm_status (*zero_grad)(void *ctx);
-    /* the mean over the ranks with data (opts.join's tdm_*_forward); x:
-     * floats (images) or int32 tokens (text) */
-    tdm_status (*forward)(void *ctx, const void *x, const int32_t *y, int n, double *loss_mean);
-    tdm_status (*backward_step)(void *ctx);   /* backward and the optimizer step */
-    tdm_status (*join)(void *ctx, int64_t *shadowed);
-    tdm_status (*evaluate)(void *ctx, const tdm_dataset *test, double *loss_mean,
-                           double *accuracy);
-    tdm_status (*save)(void *ctx, int64_t epoch);
-} tdm_train_uneven_ops;
-tdm_status tdm_train_uneven_run(const tdm_train_args *a, const tdm_train_uneven_ops *ops,
-                                tdm_comm *comm, const tdm_dataset *train,
-                                const tdm_dataset *test, int64_t start_epoch);
-/* --mode ddp --uneven: tdm_train_uneven_run with DDP's calls; ddp built
- * with opts.join. save: the job's --save (NULL: none), the same on every
- * rank (every rank takes part in tdm_ddp_checkpoint_save; rank 0
- * writes). text: NULL for images (train, test), else a gpt's (train and
- * test unused). Says what failed. */
-tdm_status tdm_train_uneven_epochs(const tdm_train_args *a, tdm_ddp *ddp, tdm_optim *opt,
-                                   tdm_comm *comm, const tdm_dataset *train,
-                                   const tdm_dataset *test, const tdm_train_uneven_text *text,
-                                   const char *save, int64_t start_epoch);
+    tdm_comm *comm;
+    const tdm_dataset *train, *test;
+    const tdm_train_text_set *text;
+    tdm_train_eval_fn eval;
+    tdm_train_after_epoch_fn save;
+    void *ctx;                    /* eval's and save's */
+    int64_t start_epoch;
+} tdm_train_uneven;
+tdm_status tdm_train_uneven_run(const tdm_train_args *a, const tdm_train_uneven *u);
 
-tdm_status tdm_train_run_single(const tdm_train_args *a);
 /* --model gpt: a language model on text, in every mode (tools/train_text.c). */
 tdm_status tdm_train_text_main(const tdm_train_args *a);
-tdm_status tdm_train_run_dp(const tdm_train_args *a) __attribute__((weak));
-tdm_status tdm_train_run_ddp(const tdm_train_args *a) __attribute__((weak));
-/* --mode fsdp (tools/train_fsdp.c): sharded data parallel, fsdp/. */
-tdm_status tdm_train_run_fsdp(const tdm_train_args *a) __attribute__((weak));
-/* The process-group timeout of --mode fsdp and of --model gpt's --mode
- * ddp and fsdp ranks (tools/train_fsdp.c): --timeout (also exported as
- * TANDEM_TIMEOUT for the ranks' NCCL communicators), else the
- * environment's, else the default of a launched (launched = 1) or forked
- * job. USAGE if bad. */
-tdm_status tdm_train_pg_timeout(const tdm_train_args *a, int launched, int64_t *timeout_ms);
-/* The pieces of --mode fsdp that --model gpt --mode fsdp
- * (tools/train_text.c) shares. Each says on stderr what failed
- * ("tandem train: rank R: ..."). */
-typedef struct tdm_fsdp tdm_fsdp;
-/* The optimizer over f's shard from the arguments, then --resume (a full
- * checkpoint, or a sharded one's index) into f and *opt. Collective. */
-tdm_status tdm_train_fsdp_optim_resume(const tdm_train_args *a, tdm_fsdp *f, int rank,
-                                       tdm_optim **opt, int64_t *start_epoch);
-/* After epoch `epoch`: every rank saves path together (full, or sharded);
- * nothing when path is NULL. Collective. */
-tdm_status tdm_train_fsdp_save(tdm_fsdp *f, tdm_optim *opt, const char *path, int sharded,
-                               int64_t epoch, uint64_t seed, int rank);
-/* Rank 0's summary after training: phases, communication, memory. */
-void tdm_train_fsdp_report(tdm_fsdp *f, tdm_optim *opt, int world);
+/* --mode single and dp (tools/train_local.c): one process. spec: the
+ * model (NULL: parsed from --model); text: a gpt's (NULL: the image
+ * models, their data loaded here). Says what failed. */
+tdm_status tdm_train_run_local(const tdm_train_args *a, const tdm_model_spec *spec,
+                               const tdm_train_text_set *text);
+/* --mode ddp and fsdp (tools/train_ranks.c): the ranks of a design's
+ * table (tools/ranks.h) over dist/run.h, forked, launched or an MPI
+ * job's. spec: the model (NULL: parsed from --model); text: a gpt's
+ * (NULL: the image models, their data loaded here). Says what failed. */
+tdm_status tdm_train_run_ranks(const tdm_train_args *a, const tdm_tool_design *design,
+                               const tdm_model_spec *spec, const tdm_train_text_set *text);
 
 #endif

@@ -1,4 +1,4 @@
-/* ddp/sampler.h: DistributedSampler with torch.utils.data's semantics.
+/* dist/sampler.h: DistributedSampler with torch.utils.data's semantics.
  * Every rank draws the same permutation from (seed, epoch) (the one
  * tdm_train_epoch_order gives, so a single-device run visits the same
  * order), then:
@@ -8,8 +8,8 @@
  *   floor(n / world));
  * and rank r takes indices[r], indices[r + world], ... (a strided share).
  * Not a data loader: it only yields indices for tdm_data_gather. */
-#ifndef TDM_DDP_SAMPLER_H
-#define TDM_DDP_SAMPLER_H
+#ifndef TDM_DIST_SAMPLER_H
+#define TDM_DIST_SAMPLER_H
 
 #include <stdint.h>
 
@@ -19,7 +19,7 @@
 extern "C" {
 #endif
 
-typedef struct tdm_ddp_sampler {
+typedef struct tdm_dist_sampler {
     int64_t n;            /* dataset size */
     int rank, world;
     int shuffle, drop_last;
@@ -27,15 +27,15 @@ typedef struct tdm_ddp_sampler {
     int64_t epoch;
     int64_t num_samples;  /* per rank */
     int64_t total_size;   /* num_samples * world */
-} tdm_ddp_sampler;
+} tdm_dist_sampler;
 
-tdm_status tdm_ddp_sampler_init(tdm_ddp_sampler *s, int64_t n, int rank, int world, int shuffle,
+tdm_status tdm_dist_sampler_init(tdm_dist_sampler *s, int64_t n, int rank, int world, int shuffle,
                                 uint64_t seed, int drop_last);
 /* Call before each epoch, as with PyTorch's set_epoch. */
-void tdm_ddp_sampler_set_epoch(tdm_ddp_sampler *s, int64_t epoch);
-int64_t tdm_ddp_sampler_len(const tdm_ddp_sampler *s);
+void tdm_dist_sampler_set_epoch(tdm_dist_sampler *s, int64_t epoch);
+int64_t tdm_dist_sampler_len(const tdm_dist_sampler *s);
 /* Writes this rank's num_samples indices for the current epoch. */
-tdm_status tdm_ddp_sampler_indices(const tdm_ddp_sampler *s, int64_t *out);
+tdm_status tdm_dist_sampler_indices(const tdm_dist_sampler *s, int64_t *out);
 
 #ifdef __cplusplus
 }

@@ -1,6 +1,6 @@
-/* tests/test_ddp_pg.c: the process group's timeout (PyTorch's
+/* tests/test_dist_pg.c: the process group's timeout (PyTorch's
  * init_process_group(timeout=)): parsing, the API value, TANDEM_TIMEOUT
- * and their precedence in tdm_ddp_pg_init and tdm_ddp_spawn (a rank that
+ * and their precedence in tdm_dist_pg_init and tdm_dist_spawn (a rank that
  * waits for a stalled peer fails after exactly that timeout, which the
  * shm communicator's message states), and the --timeout flags of
  * `tandem launch` and `tandem train --mode ddp`, bad values included.
@@ -10,26 +10,26 @@
 #include <signal.h>
 #include <sys/mman.h>
 
-#include "ddp/pg.h"
-#include "ddp/spawn.h"
+#include "dist/pg.h"
+#include "dist/spawn.h"
 #include "shm/shm_comm.h"
 #include "tests/cli_util.h"
 
-Test(ddp_pg, timeout_parse_takes_seconds_and_refuses_the_rest)
+Test(dist_pg, timeout_parse_takes_seconds_and_refuses_the_rest)
 {
     struct { const char *text; int64_t ms; } good[] = {
         {"600", 600000}, {"2.5", 2500}, {"0.001", 1}, {"604800", 604800000LL}, {"1e2", 100000},
     };
     for (size_t i = 0; i < sizeof good / sizeof good[0]; i++) {
         int64_t ms = -1;
-        cr_assert_eq(tdm_ddp_timeout_parse("--timeout", good[i].text, &ms), TDM_STATUS_OK, "%s",
+        cr_assert_eq(tdm_dist_timeout_parse("--timeout", good[i].text, &ms), TDM_STATUS_OK, "%s",
                      good[i].text);
         cr_assert_eq(ms, good[i].ms, "'%s': %lld ms", good[i].text, (long long)ms);
     }
     const char *bad[] = {"", "0", "-1", "abc", "5s", "nan", "inf", "1e9", "0.0001", " 5 "};
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         int64_t ms = 7;
-        cr_assert_eq(tdm_ddp_timeout_parse("--timeout", bad[i], &ms), TDM_STATUS_INVALID_ARG,
+        cr_assert_eq(tdm_dist_timeout_parse("--timeout", bad[i], &ms), TDM_STATUS_INVALID_ARG,
                      "'%s' accepted", bad[i]);
         cr_assert_eq(ms, 7, "'%s' changed the output", bad[i]);
         char want[64];
@@ -38,14 +38,14 @@ Test(ddp_pg, timeout_parse_takes_seconds_and_refuses_the_rest)
                   "%s", tdm_error_message());
     }
     int64_t ms = 7;
-    cr_assert_eq(unsetenv(TDM_DDP_ENV_TIMEOUT), 0);
-    cr_assert_eq(tdm_ddp_timeout_from_env(&ms), TDM_STATUS_OK);
+    cr_assert_eq(unsetenv(TDM_DIST_ENV_TIMEOUT), 0);
+    cr_assert_eq(tdm_dist_timeout_from_env(&ms), TDM_STATUS_OK);
     cr_assert_eq(ms, 0);
-    cr_assert_eq(setenv(TDM_DDP_ENV_TIMEOUT, "12", 1), 0);
-    cr_assert_eq(tdm_ddp_timeout_from_env(&ms), TDM_STATUS_OK);
+    cr_assert_eq(setenv(TDM_DIST_ENV_TIMEOUT, "12", 1), 0);
+    cr_assert_eq(tdm_dist_timeout_from_env(&ms), TDM_STATUS_OK);
     cr_assert_eq(ms, 12000);
-    cr_assert_eq(setenv(TDM_DDP_ENV_TIMEOUT, "soon", 1), 0);
-    cr_assert_eq(tdm_ddp_timeout_from_env(&ms), TDM_STATUS_INVALID_ARG);
+    cr_assert_eq(setenv(TDM_DIST_ENV_TIMEOUT, "soon", 1), 0);
+    cr_assert_eq(tdm_dist_timeout_from_env(&ms), TDM_STATUS_INVALID_ARG);
     cr_assert(strstr(tdm_error_message(), "TANDEM_TIMEOUT='soon'"), "%s", tdm_error_message());
 }
 
@@ -83,7 +83,7 @@ static int stall_or_wait(tdm_comm *comm, pg_out *o)
 
 /* Exec'd ranks' way in, without the exec: the parent creates the group
  * and exports its fd as a launcher does; each child sets RANK and
- * WORLD_SIZE and joins with tdm_ddp_pg_init. */
+ * WORLD_SIZE and joins with tdm_dist_pg_init. */
 static void run_pg(int64_t api_ms, const char *env, pg_out *o)
 {
     tdm_shm_group *g = NULL;
@@ -95,12 +95,12 @@ static void run_pg(int64_t api_ms, const char *env, pg_out *o)
         cr_assert(pid[r] >= 0);
         if (pid[r] == 0) {
             alarm(60);
-            tdm_ddp_env_export(r, 2);
-            if (env) setenv(TDM_DDP_ENV_TIMEOUT, env, 1);
-            else unsetenv(TDM_DDP_ENV_TIMEOUT);
+            tdm_dist_env_export(r, 2);
+            if (env) setenv(TDM_DIST_ENV_TIMEOUT, env, 1);
+            else unsetenv(TDM_DIST_ENV_TIMEOUT);
             tdm_comm *comm = NULL;
-            tdm_ddp_pg_opts po = {.timeout_ms = api_ms};
-            tdm_status st = tdm_ddp_pg_init(&comm, NULL, &po);
+            tdm_dist_pg_opts po = {.timeout_ms = api_ms};
+            tdm_status st = tdm_dist_pg_init(&comm, NULL, &po);
             if (st) {
                 o->status[r] = st;
                 snprintf(o->err[r], sizeof o->err[r], "%s", tdm_error_message());
@@ -120,7 +120,7 @@ static void run_pg(int64_t api_ms, const char *env, pg_out *o)
     tdm_shm_group_free(g);
 }
 
-Test(ddp_pg, pg_init_timeout_from_the_api_then_the_environment, .timeout = 60)
+Test(dist_pg, pg_init_timeout_from_the_api_then_the_environment, .timeout = 60)
 {
     struct { int64_t api_ms; const char *env; const char *want; } cases[] = {
         {1000, NULL, "after 1000 ms"},
@@ -147,25 +147,25 @@ Test(ddp_pg, pg_init_timeout_from_the_api_then_the_environment, .timeout = 60)
 
 static int spawn_rank(tdm_comm *comm, void *arg) { return stall_or_wait(comm, arg); }
 
-Test(ddp_pg, spawn_takes_TANDEM_TIMEOUT_when_no_timeout_is_given, .timeout = 60)
+Test(dist_pg, spawn_takes_TANDEM_TIMEOUT_when_no_timeout_is_given, .timeout = 60)
 {
     pg_out *o = pg_out_new();
-    cr_assert_eq(setenv(TDM_DDP_ENV_TIMEOUT, "1.5", 1), 0);
-    tdm_ddp_spawn_opts so = {.timeout_ms = 30000};
-    cr_assert_eq(tdm_ddp_spawn(2, spawn_rank, o, &so, NULL), TDM_STATUS_OK, "%s",
+    cr_assert_eq(setenv(TDM_DIST_ENV_TIMEOUT, "1.5", 1), 0);
+    tdm_dist_spawn_opts so = {.timeout_ms = 30000};
+    cr_assert_eq(tdm_dist_spawn(2, spawn_rank, o, &so, NULL), TDM_STATUS_OK, "%s",
                  tdm_error_message());
     cr_assert_eq(o->status[0], TDM_STATUS_TIMEOUT, "%s", o->err[0]);
     cr_assert(strstr(o->err[0], "after 1500 ms"), "%s", o->err[0]);
     /* an explicit comm_timeout_ms wins */
     memset(o, 0, sizeof *o);
     so.comm_timeout_ms = 800;
-    cr_assert_eq(tdm_ddp_spawn(2, spawn_rank, o, &so, NULL), TDM_STATUS_OK);
+    cr_assert_eq(tdm_dist_spawn(2, spawn_rank, o, &so, NULL), TDM_STATUS_OK);
     cr_assert(strstr(o->err[0], "after 800 ms"), "%s", o->err[0]);
     /* a bad value is refused before any rank starts */
     memset(o, 0, sizeof *o);
     so.comm_timeout_ms = 0;
-    cr_assert_eq(setenv(TDM_DDP_ENV_TIMEOUT, "-2", 1), 0);
-    cr_assert_eq(tdm_ddp_spawn(2, spawn_rank, o, &so, NULL), TDM_STATUS_INVALID_ARG);
+    cr_assert_eq(setenv(TDM_DIST_ENV_TIMEOUT, "-2", 1), 0);
+    cr_assert_eq(tdm_dist_spawn(2, spawn_rank, o, &so, NULL), TDM_STATUS_INVALID_ARG);
     cr_assert(strstr(tdm_error_message(), "TANDEM_TIMEOUT='-2'"), "%s", tdm_error_message());
     cr_assert_eq(o->done, 0, "a rank ran");
     munmap(o, sizeof *o);
@@ -173,10 +173,10 @@ Test(ddp_pg, spawn_takes_TANDEM_TIMEOUT_when_no_timeout_is_given, .timeout = 60)
 
 /* ---- the CLI ---- */
 
-Test(ddp_pg, cli_timeout_flags_refuse_bad_values, .timeout = 60)
+Test(dist_pg, cli_timeout_flags_refuse_bad_values, .timeout = 60)
 {
     static cli_result r;
-    unsetenv(TDM_DDP_ENV_TIMEOUT);
+    unsetenv(TDM_DIST_ENV_TIMEOUT);
     const char *bad[] = {"0", "abc", "-5", "1e9"};
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         char want[64];
@@ -186,7 +186,7 @@ Test(ddp_pg, cli_timeout_flags_refuse_bad_values, .timeout = 60)
         CLI(&r, "train", "--mode", "ddp", "--device", "cpu:2", "--timeout", bad[i]);
         expect(&r, 2, want);
     }
-    cr_assert_eq(setenv(TDM_DDP_ENV_TIMEOUT, "later", 1), 0);
+    cr_assert_eq(setenv(TDM_DIST_ENV_TIMEOUT, "later", 1), 0);
     CLI(&r, "launch", "-n", "1", "--", "true");
     expect(&r, 2, "TANDEM_TIMEOUT='later'");
     CLI(&r, "train", "--mode", "ddp", "--device", "cpu:2");
@@ -194,17 +194,17 @@ Test(ddp_pg, cli_timeout_flags_refuse_bad_values, .timeout = 60)
     /* the flag overrides the environment */
     CLI(&r, "launch", "-n", "1", "--timeout", "2.5", "--", "sh", "-c", "echo T=$TANDEM_TIMEOUT");
     expect(&r, 0, "[rank 0] T=2.5");
-    unsetenv(TDM_DDP_ENV_TIMEOUT);
+    unsetenv(TDM_DIST_ENV_TIMEOUT);
     CLI(&r, "launch", "--help");
     expect(&r, 0, "--timeout SECONDS");
     CLI(&r, "train", "--help");
     expect(&r, 0, "--timeout SECONDS");
 }
 
-Test(ddp_pg, cli_timeout_reaches_the_ranks, .timeout = 120)
+Test(dist_pg, cli_timeout_reaches_the_ranks, .timeout = 120)
 {
     static cli_result r;
-    unsetenv(TDM_DDP_ENV_TIMEOUT);
+    unsetenv(TDM_DIST_ENV_TIMEOUT);
     /* forked ranks: the flag, else 60 s (a run that must succeed: not a
      * bound a loaded machine's set-up could reach, as 2 s could) */
     CLI(&r, "train", "--mode", "ddp", "--device", "cpu:2", "--data", "synthetic",

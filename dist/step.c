@@ -1,0 +1,154 @@
+/* dist/step.c: the training steps of a data-parallel design, built from
+ * its ops (see dist/step.h). */
+#include "dist/step.h"
+
+#include <math.h>
+#include <stdio.h>
+
+#include "dist/batch.h"
+
+tdm_status tdm_dist_diverged(tdm_comm *comm, int rank, int64_t step, double loss,
+                             const char *where)
+{
+    char why[256];
+    snprintf(why, sizeof why, "loss is %s at step %lld (%s): training diverged (a lower "
+             "learning rate may help)", isnan(loss) ? "NaN" : loss > 0 ? "+inf" : "-inf",
+             (long long)step, where);
+    tdm_comm_abort(comm, why);
+    return tdm_error_set(TDM_STATUS_NONFINITE, "rank %d: %s", rank, why);
+}
+
+tdm_status tdm_dist_broadcast_buffers(tdm_comm *comm, tdm_model *m, const char *label,
+                                      const char *what)
+{
+    if (tdm_comm_size(comm) == 1 || tdm_model_buffer_elems(m) == 0) return TDM_STATUS_OK;
+    tdm_comm_set_label(comm, "%s", label);
+    tdm_status st = tdm_comm_broadcast(comm, tdm_model_buffers(m), tdm_model_buffers(m),
+                                       (size_t)tdm_model_buffer_elems(m), TDM_DTYPE_FLOAT32, 0);
+    return st ? tdm_error_prefix(st, "%s: broadcast of buffers from rank 0", what) : st;
+}
+
+tdm_status tdm_dist_eval_begin(tdm_dist_fwd *fwd, const char *who, const char *what,
+                               const tdm_dataset *test, int batch, const double *loss_mean,
+                               const double *accuracy)
+{
+    TDM_REQUIRE(test && batch > 0 && loss_mean && accuracy, TDM_STATUS_INVALID_ARG,
+                "%s evaluate: test, batch > 0 and outputs are required", who);
+    tdm_dist_fwd_lose(fwd, what);
+    return TDM_STATUS_OK;
+}
+
+tdm_status tdm_dist_eval_sums(tdm_comm *comm, const char *who, const char *label,
+                              double sums[3], double *loss_mean, double *accuracy)
+{
+    tdm_comm_set_label(comm, "%s", label);
+    TDM_CHECK(tdm_comm_all_reduce(comm, sums, sums, 3, TDM_DTYPE_FLOAT64, TDM_REDOP_SUM));
+    TDM_REQUIRE(sums[2] > 0, TDM_STATUS_INVALID_ARG, "%s evaluate: the test set is empty", who);
+    *loss_mean = sums[0] / sums[2];
+    *accuracy = sums[1] / sums[2];
+    return TDM_STATUS_OK;
+}
+
+/* A failed step: the message names the rank, and the group is stopped. */
+static tdm_status tdm_dist_step_fail(tdm_dist_stepper *s, tdm_status st)
+{
+    tdm_error_prefix(st, "rank %d", s->rank);
+    tdm_comm_abort(s->comm, tdm_error_message());
+    return st;
+}
+
+/* This rank's rows of a global batch of `batch` at x, y. */
+static void tdm_dist_step_rows(const tdm_dist_stepper *s, const void *x, const int32_t *y,
+                               int batch, const void **xs, const int32_t **ys, int *n)
+{
+    if (s->own_rows) {
+        *xs = x;
+        *ys = y;
+        *n = batch;
+        return;
+    }
+    tdm_dist_share_rows(x, y, batch, s->rank, s->world, s->in_elems, s->out_rows, xs, ys, n);
+}
+
+/* The forward of this rank's rows, stopping the group on a loss that is
+ * not finite; what, for the message: "rank 1's 3 samples of the batch of
+ * 8" or "rank 1, micro-batch 2". */
+static tdm_status tdm_dist_step_forward(tdm_dist_stepper *s, const void *x, const int32_t *y,
+                                        int batch, int global, float scale, int micro,
+                                        double *loss_sum)
+{
+    const void *xs;
+    const int32_t *ys;
+    int n;
+    tdm_dist_step_rows(s, x, y, batch, &xs, &ys, &n);
+    tdm_status st = s->ops->forward(s->w, xs, ys, n, scale, loss_sum);
+    if (st) {
+        if (micro > 0) s->ops->no_sync(s->w, 0);
+        return tdm_dist_step_fail(s, st);
+    }
+    if (isfinite(*loss_sum)) return TDM_STATUS_OK;
+    char where[96];
+    if (micro > 0)
+        snprintf(where, sizeof where, "rank %d, micro-batch %d", s->rank, micro);
+    else
+        snprintf(where, sizeof where, "rank %d's %d %s%s of the batch of %d", s->rank, n,
+                 s->unit ? s->unit : "sample", n == 1 ? "" : "s", global);
+    return tdm_dist_diverged(s->comm, s->rank, tdm_optim_steps(s->opt) + 1, *loss_sum, where);
+}
+
+static void tdm_dist_step_begin(tdm_dist_stepper *s)
+{
+    s->begun++;
+    if (s->before) s->before(s->before_ctx, s->begun);
+}
+
+tdm_status tdm_dist_step(void *stepper, const void *x, const int32_t *y, int batch,
+                         double *loss_mean)
+{
+    tdm_dist_stepper *s = stepper;
+    int global = s->own_rows ? s->global_batch : batch;
+    double ls = 0.0;
+    tdm_dist_step_begin(s);
+    tdm_status st = s->ops->zero_grad(s->w);
+    if (st) return tdm_dist_step_fail(s, st);
+    TDM_CHECK(tdm_dist_step_forward(s, x, y, batch, global, 1.0f / (float)global, 0, &ls));
+    if ((st = s->ops->backward(s->w)) || (st = s->ops->step(s->w, s->opt)))
+        return tdm_dist_step_fail(s, st);
+    *loss_mean = s->ops->loss_sum(s->w) / global;   /* carried by the gradient collectives */
+    return TDM_STATUS_OK;
+}
+
+static tdm_status tdm_dist_accum_zero(void *ctx)
+{
+    tdm_dist_stepper *s = ctx;
+    tdm_dist_step_begin(s);
+    tdm_status st = s->ops->zero_grad(s->w);
+    return st ? tdm_dist_step_fail(s, st) : st;
+}
+
+static tdm_status tdm_dist_accum_micro(void *ctx, const void *x, const int32_t *y, int batch,
+                                       float grad_scale, int index, int last, double *loss_sum)
+{
+    tdm_dist_stepper *s = ctx;
+    TDM_CHECK(tdm_dist_step_forward(s, x, y, batch, batch, grad_scale, index + 1, loss_sum));
+    s->ops->no_sync(s->w, !last);
+    tdm_status st = s->ops->backward(s->w);
+    if (st) {
+        s->ops->no_sync(s->w, 0);
+        return tdm_dist_step_fail(s, st);
+    }
+    return TDM_STATUS_OK;
+}
+
+static tdm_status tdm_dist_accum_opt(void *ctx, double *loss_sum)
+{
+    tdm_dist_stepper *s = ctx;
+    tdm_status st = s->ops->step(s->w, s->opt);
+    if (st) return tdm_dist_step_fail(s, st);
+    *loss_sum = s->ops->loss_sum(s->w);   /* every rank's, reduced with the gradients */
+    return TDM_STATUS_OK;
+}
+
+const tdm_accum_ops tdm_dist_accum_ops = {.zero_grad = tdm_dist_accum_zero,
+                                          .micro = tdm_dist_accum_micro,
+                                          .step = tdm_dist_accum_opt};

@@ -1,0 +1,196 @@
+/* tools/train_local.c: `tandem train --mode single|dp`, the image models
+ * and --model gpt alike: one process, the model on one device (with
+ * --threads BLAS threads) or DataParallel (dp/) with one thread per
+ * device and the master model on the first device of the list. Prints
+ * the usual per-epoch lines and, for DP, where a step spends its time
+ * (wall-clock per phase, averaged over the run's steps). The ranks of
+ * --mode ddp and fsdp are tools/train_ranks.c's. */
+#include <stdio.h>
+#include <string.h>
+
+#include "core/device.h"
+#include "core/timer.h"
+#include "dp/dp.h"
+#include "models/accum.h"
+#include "models/train_text.h"
+#include "tools/devices.h"
+#include "tools/tools.h"
+#include "tools/train_modes.h"
+
+/* The process's run: its model and optimizer, DP's and its sums. */
+typedef struct tdm_local {
+    const tdm_train_text_set *text;  /* a gpt's; NULL: the image models */
+    tdm_model *m;
+    tdm_optim *opt;
+    tdm_single single;
+    tdm_dp *dp;
+    tdm_phase_times sum;             /* DP: wall per phase, summed over the steps */
+    double step_ms;
+    int64_t steps;
+} tdm_local;
+
+static void tdm_local_add(tdm_local *l, int step)
+{
+    const tdm_dp_timings *t = tdm_dp_last_timings(l->dp);
+    for (int p = 0; p < TDM_PHASE_COUNT_; p++) l->sum.ms[p] += t->wall.ms[p];
+    l->step_ms += t->step_ms;
+    l->steps += step;
+}
+
+static tdm_status tdm_local_dp_step(void *ctx, const void *x, const int32_t *y, int batch,
+                                    double *loss)
+{
+    tdm_local *l = ctx;
+    TDM_CHECK(tdm_dp_step(l->dp, l->opt, x, y, batch, loss));
+    tdm_local_add(l, 1);
+    return TDM_STATUS_OK;
+}
+
+/* --grad-accum: DP's micro-batch is tdm_dp_forward_backward_scaled,
+ * which adds onto the master's gradients; the optimizer steps once. */
+static tdm_status tdm_local_dp_zero(void *ctx)
+{
+    /* the master's gradients: the replica on the output device */
+    return tdm_accum_single_ops.zero_grad(&((tdm_local *)ctx)->single);
+}
+
+static tdm_status tdm_local_dp_micro(void *ctx, const void *x, const int32_t *y, int batch,
+                                     float grad_scale, int index, int last, double *loss_sum)
+{
+    tdm_local *l = ctx;
+    (void)index;
+    (void)last;
+    TDM_CHECK(tdm_dp_forward_backward_scaled(l->dp, x, y, batch, grad_scale, loss_sum));
+    tdm_local_add(l, 0);
+    return TDM_STATUS_OK;
+}
+
+static tdm_status tdm_local_dp_opt(void *ctx, double *loss_sum)
+{
+    tdm_local *l = ctx;
+    TDM_CHECK(tdm_accum_single_ops.step(&l->single, loss_sum));   /* the master's */
+    double ms = l->single.ms[TDM_PHASE_STEP];
+    l->sum.ms[TDM_PHASE_STEP] += ms;
+    l->step_ms += ms;
+    l->steps++;
+    return TDM_STATUS_OK;
+}
+
+static const tdm_accum_ops tdm_local_dp_accum_ops = {
+    .zero_grad = tdm_local_dp_zero, .micro = tdm_local_dp_micro, .step = tdm_local_dp_opt};
+
+/* A gpt's validation loss, on the fixed evaluation windows. */
+static tdm_status tdm_local_eval_text(void *ctx, double *loss, double *acc)
+{
+    tdm_local *l = ctx;
+    (void)acc;
+    return tdm_train_text_evaluate(l->m, &l->text->corpus->val, TDM_TRAIN_TEXT_EVAL_CAP,
+                                   TDM_TRAIN_TEXT_EVAL_BATCH, loss);
+}
+
+/* The devices of --mode dp, or the one device of --mode single (with
+ * --threads BLAS threads; a bare "cuda" is GPU 0, as PyTorch's). */
+static tdm_status tdm_local_devices(const tdm_train_args *a, int dp, tdm_device **devs, int *n)
+{
+    tdm_device_list dl;
+    tdm_status st;
+    if (dp) {
+        tdm_train_note_threads(a, "DP device");
+        if ((st = tdm_dp_devices_open(a->device, devs, n)) != TDM_STATUS_OK)
+            return tdm_train_fail("--device",
+                                  st == TDM_STATUS_INVALID_ARG ? tdm_tool_usage(st) : st);
+        return TDM_STATUS_OK;
+    }
+    if ((st = tdm_tool_parse_one_device(&dl, a->device)) != TDM_STATUS_OK)
+        return tdm_train_fail("--device", st == TDM_STATUS_NO_DEVICE ? st : tdm_tool_usage(st));
+    if (dl.count != 1)
+        return tdm_tool_usage_error("tandem train: --mode single uses one device, but '%s' "
+                                    "names %d (use --mode dp or --mode ddp for several)\n",
+                                    a->device, dl.count);
+    if ((st = tdm_device_open(&devs[0], dl.kind == TDM_DEVICE_CUDA ? "cuda" : "cpu", dl.index[0],
+                              (int)a->threads)) != TDM_STATUS_OK)
+        return tdm_train_fail("opening device", st);
+    *n = 1;
+    return TDM_STATUS_OK;
+}
+
+/* The data (images), the model on dev, its optimizer, --resume. */
+static tdm_status tdm_local_setup(const tdm_train_args *a, const tdm_model_spec *spec,
+                                  tdm_device *dev, tdm_local *l, tdm_dataset *train,
+                                  tdm_dataset *test, int64_t *start_epoch)
+{
+    tdm_status st;
+    if (!l->text) TDM_CHECK(tdm_train_load_data(a, spec, train, test));
+    if ((st = tdm_model_init(&l->m, dev, spec, (uint64_t)a->seed)) != TDM_STATUS_OK)
+        return tdm_train_fail("building model", st);
+    if (!l->text) TDM_CHECK(tdm_train_check_features(train, l->m));
+    TDM_CHECK(tdm_train_make_optim(a, l->m, &l->opt));
+    return tdm_train_resume(a, l->m, l->opt, start_epoch);
+}
+
+tdm_status tdm_train_run_local(const tdm_train_args *a, const tdm_model_spec *spec,
+                               const tdm_train_text_set *text)
+{
+    int dp = !strcmp(a->mode, "dp"), n = 0;
+    tdm_device *devs[TDM_DP_MAX_DEVICES] = {0};
+    tdm_model_spec own;
+    tdm_dataset train = {0}, test = {0};
+    tdm_local l = {.text = text};
+    tdm_train_run r = {.train = &train, .test = &test};
+    char desc[128];
+    tdm_status st;
+    if (!spec && (st = tdm_model_spec_parse(&own, a->model)) != TDM_STATUS_OK)
+        return tdm_train_fail("--model", tdm_tool_usage(st));
+    if (!spec) spec = &own;
+    TDM_CHECK(tdm_local_devices(a, dp, devs, &n));
+    TDM_TRY(tdm_local_setup(a, spec, devs[0], &l, &train, &test, &r.start_epoch));
+    l.single = (tdm_single){.model = l.m, .opt = l.opt};
+    tdm_accum acc = {.ops = &tdm_accum_single_ops, .ctx = &l.single, .micro = (int)a->batch,
+                     .in_features = tdm_model_in_features(l.m),
+                     .out_rows = tdm_model_out_rows(l.m)};
+    r.m = l.m;
+    r.opt = l.opt;
+    r.step = tdm_single_step;
+    r.step_ctx = &l.single;
+    snprintf(desc, sizeof desc, "device %s, %lld BLAS thread%s", tdm_dev_name(devs[0]),
+             (long long)a->threads, a->threads > 1 ? "s" : "");
+    if (dp) {
+        if ((st = tdm_dp_init(&l.dp, l.m, devs, n, NULL)) != TDM_STATUS_OK) {
+            tdm_train_fail("DataParallel", st);
+            goto fail;
+        }
+        if (a->batch < n)
+            fprintf(stderr, "tandem train: note: batch %lld is smaller than %d devices: DP "
+                            "splits it into %lld chunks of 1 and leaves the other devices idle, "
+                            "as torch.nn.DataParallel does\n", a->batch, n, a->batch);
+        snprintf(desc, sizeof desc, "DataParallel over %d device%s (%s), output device %s", n,
+                 n > 1 ? "s" : "", a->device, tdm_dev_name(devs[0]));
+        acc.ops = &tdm_local_dp_accum_ops;
+        acc.ctx = &l;
+        r.step = tdm_local_dp_step;
+        r.step_ctx = &l;
+    }
+    if (a->grad_accum > 1) {
+        r.step = tdm_accum_step;
+        r.step_ctx = &acc;
+    }
+    if (text) {
+        r = (tdm_train_run){.m = r.m, .opt = r.opt, .start_epoch = r.start_epoch, .step = r.step,
+                            .step_ctx = r.step_ctx, .text = text, .lo = 0, .hi = (int)a->batch,
+                            .eval = tdm_local_eval_text, .eval_ctx = &l};
+        tdm_train_text_header(text, spec, a, tdm_model_param_elems(l.m), desc);
+    } else {
+        tdm_train_print_header(a, spec, &train, &test, tdm_model_param_elems(l.m), desc);
+    }
+    TDM_TRY(tdm_train_epochs(a, &r));
+    if (dp) tdm_train_print_dp_phases(&l.sum, l.step_ms, l.steps);
+fail:
+    tdm_dp_free(l.dp);
+    tdm_single_free(&l.single);
+    tdm_optim_free(l.opt);
+    tdm_model_free(l.m);
+    tdm_dp_devices_close(devs, n);
+    tdm_data_free(&train);
+    tdm_data_free(&test);
+    return st;
+}
