@@ -216,6 +216,45 @@ Test(fsdp_ckpt, the_optimizer_keeps_its_own_step_count)
     munmap(d, sizeof *d);
 }
 
+static void expect_meta(const char *path, const char *key, const char *want)
+{
+    tdm_st_file *f = NULL;
+    cr_assert_eq(tdm_st_load(&f, path), TDM_STATUS_OK, "%s: %s", path, tdm_error_message());
+    const char *v = tdm_st_meta_get(f, key);
+    if (want) cr_expect(v && !strcmp(v, want), "%s: '%s' is '%s', not '%s'", path, key,
+                        v ? v : "(none)", want);
+    else cr_expect(!v, "%s: '%s' is '%s' with no run set", path, key, v ? v : "");
+    tdm_st_free(f);
+}
+
+/* The full file and the sharded form's index carry the same metadata
+ * (tdm_checkpoint_meta): the caller's step, the optimizer's own count,
+ * and the run the process belongs to (tdm_checkpoint_set_run, inherited
+ * by the forked ranks), which a restart checks; none without a run. */
+Test(fsdp_ckpt, both_forms_carry_the_step_counts_and_the_run)
+{
+    ck_cfg c = {.base = tf_cfg_default(), .steps = 2, .info_step = 100};
+    c.base.adamw = 1;
+    for (int with_run = 1; with_run >= 0; with_run--) {
+        char full[256], shard[256];
+        snprintf(full, sizeof full, "%s/run%d.safetensors", g_dir, with_run);
+        snprintf(shard, sizeof shard, "%s/run%d.index", g_dir, with_run);
+        c.save_full = full;
+        c.save_sharded = shard;
+        tdm_checkpoint_set_run(with_run ? "00000000000000c3" : NULL);
+        ck_shared *a = ck_new();
+        ck_ok(2, &c, a, "saved");
+        for (int form = 0; form < 2; form++) {
+            const char *p = form ? shard : full;
+            expect_meta(p, "step", "100");
+            expect_meta(p, "optimizer_steps", "2");
+            expect_meta(p, "run", with_run ? "00000000000000c3" : NULL);
+        }
+        munmap(a, sizeof *a);
+    }
+    tdm_checkpoint_set_run(NULL);
+}
+
 Test(fsdp_ckpt, full_form_is_the_file_every_mode_reads_at_any_n)
 {
     char full[256], back[256];
