@@ -62,10 +62,10 @@ tdm_status tdm_checkpoint_optim_steps(const tdm_st_file *f, uint64_t step, uint6
 
 /* The run the checkpoints of this process belong to, written as the
  * "run" metadata of every checkpoint saved from now on (NULL or "": none).
- * tandem train and tandem launch set it (tools/elastic.h) so that a
- * restart resumes only from a checkpoint its own job wrote, never from
- * one another run left at the same path. Process-wide: forked ranks
- * inherit it. tdm_checkpoint_run: the current one ("" when none). */
+ * tandem train and tandem launch set it (tdm_dist_run_id_begin,
+ * dist/run.h) so that a restart resumes only from a checkpoint its own
+ * job wrote, never from one another run left at the same path.
+ * Process-wide: forked ranks inherit it. tdm_checkpoint_run: the current one ("" when none). */
 #define TDM_CKPT_RUN_MAX 64
 void tdm_checkpoint_set_run(const char *run);
 const char *tdm_checkpoint_run(void);
