@@ -637,9 +637,19 @@ void tdm_comm_set_step(tdm_comm *comm, int64_t step)
     if (comm && comm->fr) tdm_fr_set_step(comm->fr, step);
 }
 
-void tdm_comm_fr_set_inner(tdm_comm *comm)
+void tdm_comm_fr_set_inner(tdm_comm *comm, int job_rank)
 {
-    if (comm) tdm_fr_set_inner(comm->fr);
+    if (comm) tdm_fr_set_inner(comm->fr, job_rank);
+}
+
+void tdm_comm_fr_set_primary(tdm_comm *comm)
+{
+    if (comm) tdm_fr_set_primary(comm->fr);
+}
+
+void tdm_comm_fr_set_job(tdm_comm *comm, uint64_t job)
+{
+    if (comm) tdm_fr_set_job(comm->fr, job);
 }
 
 int tdm_comm_fr_dump(tdm_comm *comm, const char *reason)

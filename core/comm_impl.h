@@ -98,11 +98,20 @@ tdm_status tdm_comm_create(tdm_comm **out, const tdm_comm_ops *ops,
  * a tdm_comm (check the backend's name first: tdm_comm_backend_name). */
 void *tdm_comm_impl(const tdm_comm *comm);
 
-/* For backends built of other communicators (MPI's hier): marks comm as a
- * part, whose flight-recorder dump is not the rank's fr_rank_<R>.json, so
- * that the composite communicator made next gets that name
- * (core/flight.h). */
-void tdm_comm_fr_set_inner(tdm_comm *comm);
+/* For backends built of other communicators (MPI's hier) and an MPI
+ * job's control communicator: marks comm as a part, whose flight-recorder
+ * dump is not the rank's fr_rank_<R>.json, so that the communicator made
+ * next (the composite, the training one) gets that name; its dump is
+ * named and numbered with job_rank, the rank in the job (core/flight.h). */
+void tdm_comm_fr_set_inner(tdm_comm *comm, int job_rank);
+/* comm's record becomes the rank's fr_rank_<R>.json, taken from whichever
+ * communicator had it: a communicator bootstrapped over another (NCCL's
+ * over the shm group) carries the training's collectives. */
+void tdm_comm_fr_set_primary(tdm_comm *comm);
+/* The job comm belongs to, written in its flight-recorder dumps for
+ * `tandem doctor` (core/flight.h), unless TANDEM_JOB_ID gave one: a
+ * backend's own id of the group (the shm segment's). */
+void tdm_comm_fr_set_job(tdm_comm *comm, uint64_t job);
 
 /* For core/comm_split.c: records the job rank of each of comm's ranks
  * (copied); the splits of comm made so far (then counts this one); the

@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include "core/log.h"
+#include "core/safefile.h"
 #include "core/timer.h"
 
 /* The time stamps of the fast path. clock_gettime costs 20 ns where the
@@ -37,7 +38,8 @@ static inline uint64_t tdm_fr_ticks(void) { return tdm_time_ns(); }
 
 #define TDM_FR_LABEL_WORDS (TDM_FR_LABEL_MAX / 8)
 #define TDM_FR_MAX_LIVE 16       /* recorders SIGUSR1 can reach */
-#define TDM_FR_PATH_MAX 4096
+#define TDM_FR_NAME_MAX 96
+#define TDM_FR_TMP_SUFFIX_MAX 32 /* a writer's number and ".tmp" */
 
 /* One collective. Every field is a relaxed atomic so that the writer (a
  * signal handler, or another thread) may read while the issuing and the
@@ -57,6 +59,7 @@ typedef struct tdm_fr_entry {
 
 struct tdm_fr {
     int rank, world, index;       /* index: slot in the live table */
+    int job_rank;                 /* the rank in the job (a part's differs: tdm_fr_set_inner) */
     const char *backend;          /* borrowed: static */
     uint64_t n;                   /* ring size */
     uint64_t tick0, ns0;          /* tdm_fr_ticks() and CLOCK_MONOTONIC ns at init */
@@ -75,9 +78,20 @@ struct tdm_fr {
     char reason[TDM_FR_REASON_MAX];
     _Atomic int dumps;            /* dumps written */
     _Atomic int in_dump;          /* writers running now (free waits for 0) */
+    _Atomic uint64_t writer_seq;  /* numbers each writer's temporary file */
+    /* The job the dump belongs to (TANDEM_JOB_ID, else what the backend
+     * knows: the shm segment's id, the MPI job's agreed one); 0: none. So
+     * that `tandem doctor` reads one job's dumps out of a reused
+     * directory. */
+    _Atomic uint64_t job;
     int dump_at_end;
-    int has_dir;
-    char dir[TDM_FR_PATH_MAX], path[TDM_FR_PATH_MAX], tmp_path[TDM_FR_PATH_MAX];
+    /* TANDEM_FR_DUMP, opened and checked once (core/safefile.h: ours or
+     * root's, not writable by group or others, a symlink only if ours):
+     * every dump is created and renamed relative to it, so the path can
+     * not be swapped under the writer. -1: no dumps. */
+    int dirfd;
+    char name[TDM_FR_NAME_MAX];      /* fr_rank_<R>[.c<K>.pid<P>].json */
+    char tmp_prefix[2 * TDM_FR_NAME_MAX];
 };
 
 static _Atomic(tdm_fr *) tdm_fr_live[TDM_FR_MAX_LIVE];
@@ -125,22 +139,55 @@ static void tdm_fr_install_signal(void)
  * ranks) to fr_rank_<R>.c<K>.pid<P>.json. */
 static void tdm_fr_name(tdm_fr *fr, int primary)
 {
-    char name[96];
-    if (primary) snprintf(name, sizeof name, "fr_rank_%d.json", fr->rank);
-    else snprintf(name, sizeof name, "fr_rank_%d.c%d.pid%d.json", fr->rank, fr->index,
+    if (primary) snprintf(fr->name, sizeof fr->name, "fr_rank_%d.json", fr->job_rank);
+    else snprintf(fr->name, sizeof fr->name, "fr_rank_%d.c%d.pid%d.json", fr->job_rank, fr->index,
                   (int)getpid());
-    int a = snprintf(fr->path, sizeof fr->path, "%s/%s", fr->dir, name);
-    int b = snprintf(fr->tmp_path, sizeof fr->tmp_path, "%s/.%s.%d.tmp", fr->dir, name,
-                     (int)getpid());
-    fr->has_dir = a > 0 && a < (int)sizeof fr->path && b > 0 && b < (int)sizeof fr->tmp_path;
-    if (!fr->has_dir) TDM_WARN(CORE, "TANDEM_FR_DUMP: path too long; no dumps");
+    /* the prefix of the writers' temporary files: each appends its own
+     * number (tdm_fr_dump), so that two at once never share one */
+    snprintf(fr->tmp_prefix, sizeof fr->tmp_prefix - TDM_FR_TMP_SUFFIX_MAX, ".%.64s.%d.",
+             fr->name, (int)getpid());
 }
 
-void tdm_fr_set_inner(tdm_fr *fr)
+void tdm_fr_set_inner(tdm_fr *fr, int job_rank)
 {
-    if (!fr || !fr->dir[0]) return;
+    if (!fr) return;
+    fr->job_rank = job_rank;
+    if (fr->dirfd < 0) return;
     tdm_fr *expect = fr;
-    if (atomic_compare_exchange_strong(&tdm_fr_primary, &expect, NULL)) tdm_fr_name(fr, 0);
+    atomic_compare_exchange_strong(&tdm_fr_primary, &expect, NULL);
+    tdm_fr_name(fr, 0);
+}
+
+void tdm_fr_set_primary(tdm_fr *fr)
+{
+    if (!fr || fr->dirfd < 0) return;
+    tdm_fr *was = atomic_exchange(&tdm_fr_primary, fr);
+    if (was == fr) return;
+    if (was) tdm_fr_name(was, 0);
+    tdm_fr_name(fr, 1);
+}
+
+uint64_t tdm_fr_job_parse(const char *s)
+{
+    if (!s || !*s) return 0;
+    /* 1..16 hex digits: the id itself; anything else: its FNV-1a hash */
+    uint64_t v = 0, h = 1469598103934665603ull;
+    int hex = strlen(s) <= 16;
+    for (const char *p = s; *p; p++) {
+        int d = *p >= '0' && *p <= '9' ? *p - '0' : *p >= 'a' && *p <= 'f' ? *p - 'a' + 10
+                : *p >= 'A' && *p <= 'F' ? *p - 'A' + 10 : -1;
+        if (d < 0) hex = 0;
+        else v = v << 4 | (uint64_t)d;
+        h = (h ^ (unsigned char)*p) * 1099511628211ull;
+    }
+    v = hex ? v : h;
+    return v ? v : 1;
+}
+
+void tdm_fr_set_job(tdm_fr *fr, uint64_t job)
+{
+    uint64_t none = 0;
+    if (fr && job) atomic_compare_exchange_strong(&fr->job, &none, job);
 }
 
 tdm_status tdm_fr_init(tdm_fr **out, int rank, int world, const char *backend)
@@ -168,6 +215,7 @@ tdm_status tdm_fr_init(tdm_fr **out, int rank, int world, const char *backend)
                              "flight recorder: %llu entries (TANDEM_FR_SIZE)", (unsigned long long)n);
     }
     fr->rank = rank;
+    fr->job_rank = rank;
     fr->world = world;
     fr->backend = backend ? backend : "?";
     fr->n = n;
@@ -175,15 +223,28 @@ tdm_status tdm_fr_init(tdm_fr **out, int rank, int world, const char *backend)
     fr->index = -1;
     fr->tick0 = tdm_fr_ticks();
     fr->ns0 = tdm_time_ns();
+    fr->dirfd = -1;
+    atomic_init(&fr->job, tdm_fr_job_parse(getenv(TDM_FR_ENV_JOB)));
+    const char *dir = getenv("TANDEM_FR_DUMP");
+    if (dir && *dir) {
+        /* the rule of --plot and --log-dir: a directory another user could
+         * write to (or steer through a symlink of theirs) would let them
+         * replace the dumps, and with them the diagnosis */
+        tdm_status st = tdm_dir_open_safe(dir, "TANDEM_FR_DUMP", 1, &fr->dirfd);
+        if (st == TDM_STATUS_INVALID_ARG) {
+            free(ring);
+            free(fr);
+            return st;
+        }
+        if (st) TDM_WARN(CORE, "%s; no flight-recorder dumps", tdm_error_message());
+    }
     for (int i = 0; i < TDM_FR_MAX_LIVE; i++) {
         tdm_fr *expect = NULL;
         if (atomic_compare_exchange_strong(&tdm_fr_live[i], &expect, fr)) { fr->index = i; break; }
     }
-    const char *dir = getenv("TANDEM_FR_DUMP");
     const char *on = getenv("TANDEM_FR_DUMP_ON");
     fr->dump_at_end = !(on && !strcmp(on, "failure"));
-    if (dir && *dir) {
-        snprintf(fr->dir, sizeof fr->dir, "%s", dir);
+    if (fr->dirfd >= 0) {
         tdm_fr *expect = NULL;
         tdm_fr_name(fr, atomic_compare_exchange_strong(&tdm_fr_primary, &expect, fr));
     }
@@ -205,6 +266,7 @@ void tdm_fr_free(tdm_fr *fr)
         struct timespec ts = {0, 1000000};
         nanosleep(&ts, NULL);
     }
+    if (fr->dirfd >= 0) close(fr->dirfd);
     free(fr->ring);
     free(fr);
 }
@@ -341,6 +403,16 @@ static void tdm_fr_put_u64(tdm_fr_out *o, uint64_t v)
     tdm_fr_put(o, d + i, sizeof d - (size_t)i);
 }
 
+/* 16 hex digits; nothing for 0 (no job id). */
+static void tdm_fr_put_hex(tdm_fr_out *o, uint64_t v)
+{
+    static const char hex[] = "0123456789abcdef";
+    if (!v) return;
+    char d[16];
+    for (int i = 15; i >= 0; i--, v >>= 4) d[i] = hex[v & 15];
+    tdm_fr_put(o, d, 16);
+}
+
 static void tdm_fr_put_i64(tdm_fr_out *o, int64_t v)
 {
     if (v < 0) {
@@ -436,18 +508,39 @@ static void tdm_fr_put_entry(tdm_fr_out *o, const tdm_fr_entry *e, uint64_t seq,
     tdm_fr_puts(o, "}");
 }
 
+/* This writer's temporary file: the prefix made at init, then a number
+ * of its own (by hand: async-signal-safe) and ".tmp". */
+static void tdm_fr_tmp_name(tdm_fr *fr, char *out)
+{
+    size_t n = strlen(fr->tmp_prefix);
+    memcpy(out, fr->tmp_prefix, n);
+    uint64_t k = atomic_fetch_add(&fr->writer_seq, 1);
+    char d[24];
+    int i = sizeof d;
+    do { d[--i] = (char)('0' + k % 10); k /= 10; } while (k);
+    memcpy(out + n, d + i, sizeof d - (size_t)i);
+    n += sizeof d - (size_t)i;
+    memcpy(out + n, ".tmp", 5);
+}
+
 int tdm_fr_dump(tdm_fr *fr, const char *reason)
 {
-    if (!fr || !fr->has_dir) return -1;
+    if (!fr || fr->dirfd < 0) return -1;
     atomic_fetch_add(&fr->in_dump, 1);
     int rc = -1;
     tdm_fr_out o;
     o.err = 0;
     o.len = 0;
-    /* Two writers at once (a failure on one thread, SIGUSR1 on another)
-     * share the temporary name; the loser's rename fails or lands the
-     * same content, and the file read is always one complete dump. */
-    o.fd = open(fr->tmp_path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600);
+    /* Two writers at once (a failure on one thread and SIGUSR1 on
+     * another, or SIGUSR1 landing inside this thread's own dump) each
+     * write a temporary file of their own, numbered here, and rename it
+     * into place: the file read is always one complete dump, the later
+     * rename's. (One shared name let the nested writer truncate and
+     * rename the file the interrupted one was still writing.) */
+    char tmp[2 * TDM_FR_NAME_MAX];
+    tdm_fr_tmp_name(fr, tmp);
+    /* openat and renameat: async-signal-safe (POSIX.1-2008) */
+    o.fd = openat(fr->dirfd, tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
     if (o.fd < 0) goto out;
     uint64_t next = atomic_load_explicit(&fr->next_seq, memory_order_relaxed);
     uint64_t first = next > fr->n ? next - fr->n : 0;
@@ -458,12 +551,18 @@ int tdm_fr_dump(tdm_fr *fr, const char *reason)
     if (TDM_FR_RAW_TICKS && tick1 > fr->tick0 && mono > fr->ns0)
         cv.ns_per_tick = (double)(mono - fr->ns0) / (double)(tick1 - fr->tick0);
     tdm_fr_puts(&o, "{\"version\":1,\"rank\":");
-    tdm_fr_put_i64(&o, fr->rank);
+    tdm_fr_put_i64(&o, fr->job_rank);
+    if (fr->job_rank != fr->rank) {   /* a part: its own numbering too */
+        tdm_fr_puts(&o, ",\"comm_rank\":");
+        tdm_fr_put_i64(&o, fr->rank);
+    }
     tdm_fr_puts(&o, ",\"world\":");
     tdm_fr_put_i64(&o, fr->world);
     tdm_fr_puts(&o, ",\"pid\":");
     tdm_fr_put_i64(&o, (int64_t)getpid());
-    tdm_fr_puts(&o, ",\"backend\":");
+    tdm_fr_puts(&o, ",\"job\":\"");
+    tdm_fr_put_hex(&o, atomic_load(&fr->job));
+    tdm_fr_puts(&o, "\",\"backend\":");
     tdm_fr_put_str(&o, fr->backend, 64);
     tdm_fr_puts(&o, ",\"trigger\":");
     tdm_fr_put_str(&o, reason ? reason : "request", 64);
@@ -495,15 +594,63 @@ int tdm_fr_dump(tdm_fr *fr, const char *reason)
     tdm_fr_puts(&o, "\n]}\n");
     tdm_fr_flush(&o);
     if (close(o.fd) != 0) o.err = 1;
-    if (!o.err && rename(fr->tmp_path, fr->path) == 0) {
+    if (!o.err && renameat(fr->dirfd, tmp, fr->dirfd, fr->name) == 0) {
         rc = 0;
         atomic_fetch_add(&fr->dumps, 1);
     } else {
-        unlink(fr->tmp_path);
+        unlinkat(fr->dirfd, tmp, 0);
     }
 out:
     atomic_fetch_sub(&fr->in_dump, 1);
     return rc;
+}
+
+void tdm_fr_fail_all(tdm_status st, const char *why)
+{
+    atomic_fetch_add(&tdm_fr_walkers, 1);
+    for (int i = 0; i < TDM_FR_MAX_LIVE; i++) {
+        tdm_fr *fr = atomic_load(&tdm_fr_live[i]);
+        if (!fr) continue;
+        /* the calls in flight end here, as the process does */
+        uint64_t next = atomic_load_explicit(&fr->next_seq, memory_order_relaxed);
+        uint64_t first = next > fr->n ? next - fr->n : 0;
+        for (uint64_t q = next; q-- > first;) {
+            tdm_fr_entry *e = &fr->ring[q % fr->n];
+            int32_t state = atomic_load_explicit(&e->state, memory_order_relaxed);
+            if (state == TDM_FR_DONE || state == TDM_FR_FAILED) break;
+            if (atomic_load_explicit(&e->seq, memory_order_relaxed) != q) continue;
+            atomic_store_explicit(&e->t_end, tdm_fr_ticks(), memory_order_relaxed);
+            atomic_store_explicit(&e->status, (int32_t)st, memory_order_relaxed);
+            atomic_store_explicit(&e->state, TDM_FR_FAILED, memory_order_relaxed);
+        }
+        tdm_fr_note_failure(fr, st, why);
+    }
+    atomic_fetch_sub(&tdm_fr_walkers, 1);
+}
+
+/* The signals installed by tdm_fr_dump_on_signal (one bit each). */
+static atomic_uint tdm_fr_term_sigs;
+
+static void tdm_fr_on_term(int sig)
+{
+    /* every recorder dumps as it stands, then the signal does what it
+     * would have done (the default action: the process ends by it) */
+    tdm_fr_dump_all(sig == SIGTERM ? "SIGTERM" : sig == SIGINT ? "SIGINT" : "signal");
+    signal(sig, SIG_DFL);
+    raise(sig);
+}
+
+void tdm_fr_dump_on_signal(int sig)
+{
+    unsigned bit = 1u << (sig & 31);
+    if (atomic_fetch_or(&tdm_fr_term_sigs, bit) & bit) return;
+    struct sigaction old;
+    if (sigaction(sig, NULL, &old) != 0 || old.sa_handler != SIG_DFL ||
+        (old.sa_flags & SA_SIGINFO))
+        return;   /* the application's own handler (or SIG_IGN) stays */
+    struct sigaction sa = {.sa_handler = tdm_fr_on_term, .sa_flags = SA_RESETHAND};
+    sigemptyset(&sa.sa_mask);
+    sigaction(sig, &sa, NULL);
 }
 
 int tdm_fr_dump_all(const char *reason)

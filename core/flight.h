@@ -14,6 +14,11 @@
  *                          fr_rank_<R>.c<K>.pid<P>.json, and those a backend
  *                          marks inner, below). Without it nothing is
  *                          written (tandem launch and tandem train set it).
+ *   TANDEM_JOB_ID=ID       the job the dumps belong to, written in each
+ *                          (16 hex digits; `tandem doctor` reads one job's
+ *                          dumps): set by tandem launch and tandem train
+ *                          for their ranks, agreed by an MPI job's ranks;
+ *                          without it, the backend's (the shm segment's).
  *   TANDEM_FR_DUMP_ON=failure   write only on failure, timeout, abort and
  *                          SIGUSR1, not at the end of a good run (what the
  *                          launchers set); default: also at the end.
@@ -45,6 +50,7 @@ extern "C" {
 #define TDM_FR_MAX_SIZE (1 << 22)
 #define TDM_FR_LABEL_MAX 48      /* bytes kept of a label, NUL included */
 #define TDM_FR_REASON_MAX 512
+#define TDM_FR_ENV_JOB "TANDEM_JOB_ID"
 
 typedef enum tdm_fr_state {
     TDM_FR_EMPTY = 0,
@@ -80,10 +86,34 @@ void tdm_fr_set_step(tdm_fr *fr, int64_t step);
  * keeping the first as the reason, and dumps. */
 void tdm_fr_note_failure(tdm_fr *fr, tdm_status st, const char *why);
 
+/* A job id from TANDEM_JOB_ID's text: 1..16 hex digits as they are,
+ * anything else hashed; 0 for none. */
+uint64_t tdm_fr_job_parse(const char *s);
+/* The job of fr's dumps, unless it has one already (TANDEM_JOB_ID's
+ * wins): what a backend knows (the shm segment's id). */
+void tdm_fr_set_job(tdm_fr *fr, uint64_t job);
+
 /* A communicator that is a part of another (hier's shm and MPI
- * sub-communicators): it gives up the fr_rank_<R>.json name, so that the
- * communicator made next (the composite one) gets it. */
-void tdm_fr_set_inner(tdm_fr *fr);
+ * sub-communicators), or serves the job and not its training (an MPI
+ * job's control communicator): it gives up the fr_rank_<R>.json name, so
+ * that the communicator made next (the composite, the training one) gets
+ * it, and is named and dumped with job_rank, the rank in the job (its own
+ * rank in the part is kept as "comm_rank"). */
+void tdm_fr_set_inner(tdm_fr *fr, int job_rank);
+/* fr takes the fr_rank_<R>.json name from whichever recorder has it (a
+ * communicator built over a bootstrap one, as NCCL's over the shm group,
+ * carries the training's collectives: its record is the rank's). */
+void tdm_fr_set_primary(tdm_fr *fr);
+/* Every live recorder of the process: its calls in flight marked failed
+ * with st, and the first failure noted (why: the dump's reason) and
+ * dumped. For a process about to end all at once (an MPI job's abort).
+ * Not async-signal-safe (formats the reason). */
+void tdm_fr_fail_all(tdm_status st, const char *why);
+/* On signal sig (SIGTERM: how mpirun ends a job's other ranks after a
+ * failure), every recorder dumps (trigger "SIGTERM"), then the signal
+ * takes its default action. Installed only when the application has no
+ * handler of its own; once per signal. */
+void tdm_fr_dump_on_signal(int sig);
 
 /* Writes the dump now (async-signal-safe). Returns 0 when written, -1
  * when there is no dump directory or a write failed. */

@@ -493,7 +493,11 @@ tdm_status tdm_comm_init_nccl_opts(tdm_comm **out, tdm_comm *bootstrap, int devi
     TDM_TRY(tdm_nccl_wait(&w, 0, "ncclCommInitRankConfig"));
     TDM_INFO(CUDA, "nccl communicator: rank %d of %d on cuda:%d, timeout %lld ms", rank, size,
              device_index, (long long)c->timeout_ms);
-    return tdm_comm_create(out, &tdm_nccl_ops, c, rank, size);
+    TDM_CHECK(tdm_comm_create(out, &tdm_nccl_ops, c, rank, size));
+    /* The bootstrap (the shm group, made first) had the rank's flight
+     * record; the training's collectives run here: this record is it. */
+    tdm_comm_fr_set_primary(*out);
+    return TDM_STATUS_OK;
 fail:
     if (c) {
         /* past the id exchange the others may be waiting in NCCL's init for

@@ -12,11 +12,14 @@
 #include <stdlib.h>
 #include <sys/wait.h>
 #include <string.h>
+#include <sys/random.h>
 #include <time.h>
 #include <unistd.h>
 
+#include "core/safetensors.h"
 #include "cuda/cuda_weak.h"
 #include "dist/spawn.h"
+#include "models/checkpoint.h"
 #include "shm/shm_comm.h"
 
 /* ---- a rank's output ---- */
@@ -59,12 +62,54 @@ void tdm_dist_restart_count_set(int attempt)
     setenv(TDM_DIST_ENV_RESTARTS, buf, 1);
 }
 
+const char *tdm_dist_run_id_begin(int restarts)
+{
+    const char *run = getenv(TDM_DIST_ENV_RUN);
+    if ((!run || !*run) && !restarts) return NULL;
+    if (!run || !*run) {
+        uint64_t id = 0;
+        if (getrandom(&id, sizeof id, 0) != (ssize_t)sizeof id) {
+            struct timespec ts;
+            clock_gettime(CLOCK_REALTIME, &ts);
+            id = ((uint64_t)getpid() << 40) ^ (uint64_t)ts.tv_nsec ^ ((uint64_t)ts.tv_sec << 16);
+        }
+        char buf[24];
+        snprintf(buf, sizeof buf, "%016llx", (unsigned long long)id);
+        setenv(TDM_DIST_ENV_RUN, buf, 1);
+        run = getenv(TDM_DIST_ENV_RUN);
+    }
+    tdm_checkpoint_set_run(run);
+    return run;
+}
+
+int tdm_dist_restart_ours(const char *path, char *why, size_t n)
+{
+    const char *run = getenv(TDM_DIST_ENV_RUN);
+    tdm_st_file *f = NULL;
+    if (why && n) why[0] = 0;
+    if (!path || access(path, F_OK) != 0) {
+        if (why && path) snprintf(why, n, "%s does not exist yet", path);
+        return 0;
+    }
+    if (tdm_st_load(&f, path)) {
+        if (why) snprintf(why, n, "%s is not a checkpoint: %s", path, tdm_error_message());
+        return 0;
+    }
+    const char *theirs = tdm_st_meta_get(f, "run");
+    int ours = run && *run && theirs && !strcmp(theirs, run);
+    if (!ours && why)
+        snprintf(why, n, "%s holds another run's checkpoint (%s%.24s), not one this job wrote",
+                 path, theirs ? "run " : "no run id", theirs ? theirs : "");
+    tdm_st_free(f);
+    return ours;
+}
+
 const char *tdm_dist_restart_resume(const char *save)
 {
     if (tdm_dist_restart_count() == 0) return NULL;
     const char *ck = getenv(TDM_DIST_ENV_RESUME);
     if (!ck || !*ck) ck = save;
-    return ck && access(ck, F_OK) == 0 ? ck : NULL;
+    return ck && tdm_dist_restart_ours(ck, NULL, 0) ? ck : NULL;
 }
 
 int tdm_dist_backoff(int attempt)
@@ -356,9 +401,10 @@ static tdm_status tdm_dist_run_forked(const tdm_dist_job *j0, int world)
     tdm_mesh_shape shape;
     int role, last_culprit = -1;
     TDM_CHECK(tdm_dist_layout(j, world, -1, &shape, &role));
+    tdm_dist_run_id_begin(o->max_restarts > 0);
     for (int attempt = 0;; attempt++) {
         tdm_dist_restart_count_set(attempt);
-        if (w && w->begin) w->begin(w->ctx, attempt);
+        if (w && w->begin) TDM_CHECK(w->begin(w->ctx, attempt));
         tdm_dist_spawn_opts so = {
             .timeout_ms = o->run_timeout_ms > 0 ? o->run_timeout_ms : TDM_DIST_RUN_UNBOUNDED_MS,
             .comm_timeout_ms = j->timeout_ms, .arena_bytes = o->arena_bytes,
@@ -394,7 +440,9 @@ static tdm_status tdm_dist_run_forked(const tdm_dist_job *j0, int world)
             last_culprit = -1;
             TDM_CHECK(tdm_dist_layout(j, world, -1, &shape, &role));
         }
-        if (o->save && o->resume && access(o->save, F_OK) == 0) *o->resume = o->save;
+        /* from save once this run wrote it, never from another run's file
+         * at the same path; else from where the caller's ranks began */
+        if (o->save && o->resume && tdm_dist_restart_ours(o->save, NULL, 0)) *o->resume = o->save;
         int ms = tdm_dist_backoff(attempt + 1);
         if (w && w->restart)
             w->restart(w->ctx, attempt + 1, o->max_restarts, ms, o->resume ? *o->resume : NULL);

@@ -19,7 +19,8 @@
  *   - the flight recorder's dumps and their diagnosis (the watch hooks,
  *     which the CLI fills with `tandem doctor`'s) and restarts: after a
  *     rank's failure every forked rank starts again, from the last
- *     checkpoint, at most max_restarts times (torchrun's --max-restarts).
+ *     checkpoint this run wrote, at most max_restarts times (torchrun's
+ *     --max-restarts).
  *
  * The contract with a design (DDP and FSDP today; pipeline, tensor
  * parallel and a parameter server are written to it):
@@ -125,8 +126,10 @@ typedef struct tdm_dist_design {
  * it prints. Every entry may be NULL. */
 typedef struct tdm_dist_watch {
     void *ctx;
-    /* before an attempt's ranks start (attempt 0, then each restart) */
-    void (*begin)(void *ctx, int attempt);
+    /* before an attempt's ranks start (attempt 0, then each restart); a
+     * failure (its message said by the hook) ends the run with that
+     * status before any rank starts */
+    tdm_status (*begin)(void *ctx, int attempt);
     /* a failed attempt's teardown, once every rank still running is
      * stopped (shm/spawn.h's settled hook) */
     tdm_shm_settled_fn settled;
@@ -169,9 +172,10 @@ typedef struct tdm_dist_run_opts {
      * ends). min_world 0: never. */
     int min_world;
     int world_divides;
-    const char *save;            /* a checkpoint the ranks write: once it exists, a restart
-                                    resumes from it */
-    const char **resume;         /* set to save before such a restart (the ranks read it) */
+    const char *save;            /* a checkpoint the ranks write: once this run wrote it
+                                    (tdm_dist_restart_ours), a restart resumes from it */
+    const char **resume;         /* set to save before such a restart (the ranks read it);
+                                    else left as the caller's (the start when NULL) */
     const tdm_dist_watch *watch; /* may be NULL */
     /* an MPI job */
     tdm_mpi_backend backend;     /* the communicator over its ranks (AUTO: shm on one
@@ -232,15 +236,34 @@ void tdm_dist_unsilence(int *err_fd);
 #define TDM_DIST_ENV_RESTARTS "TANDEM_RESTART_COUNT"
 #define TDM_DIST_ENV_RESUME "TANDEM_RESUME"
 #define TDM_DIST_RESTARTS_MAX 1000
+/* TANDEM_RUN_ID: the run every attempt of one `tandem train` or `tandem
+ * launch` belongs to, exported to the ranks and written in their
+ * checkpoints ("run", models/checkpoint.h): a restart resumes only from a
+ * checkpoint with this id, never from one another run left at the same
+ * path. Tests that compare two runs' files byte for byte set one for
+ * both. */
+#define TDM_DIST_ENV_RUN "TANDEM_RUN_ID"
 
 /* This attempt's TANDEM_RESTART_COUNT (0 when unset or malformed). */
 int tdm_dist_restart_count(void);
 /* Sets it for the next attempt's ranks. */
 void tdm_dist_restart_count_set(int attempt);
+/* This process's run: TANDEM_RUN_ID when set, else one drawn and
+ * exported when restarts are asked for (without them nothing reads it: no
+ * run id is written, and the checkpoints are the bytes they always were);
+ * given to tdm_checkpoint_set_run for every checkpoint saved from here
+ * on (forked ranks inherit it). Returns it, NULL when none. */
+const char *tdm_dist_run_id_begin(int restarts);
+/* 1 when path holds a checkpoint this run wrote (its "run" metadata is
+ * TANDEM_RUN_ID's); else 0 and, when why is given, what is there instead
+ * ("ck does not exist yet", "ck holds another run's checkpoint (run ...),
+ * not one this job wrote"). */
+int tdm_dist_restart_ours(const char *path, char *why, size_t n);
 /* What a rank restarted by a launcher (tandem launch --max-restarts)
  * resumes from when it was given nothing to resume: NULL on the first
  * attempt; then TANDEM_RESUME (the launcher's --checkpoint), else save
- * (the rank's own checkpoint), if that file exists. */
+ * (the rank's own checkpoint), once this run wrote it
+ * (tdm_dist_restart_ours: never another run's file at the same path). */
 const char *tdm_dist_restart_resume(const char *save);
 /* Sleeps before restart `attempt` (1..): 200 ms doubled each time, at
  * most 5 s (a rank that fails at once does not spin the machine; a

@@ -306,9 +306,9 @@ static tdm_status tdm_fsdp_write_index(tdm_fsdp *f, const char *path, tdm_optim 
     char world[16];
     tdm_ckpt_meta_text mt;
     snprintf(world, sizeof world, "%d", f->world);
-    tdm_st_meta meta[12] = {{"format", TDM_FSDP_INDEX_FORMAT}, {"model", model}, {"id", id},
-                            {"world", world}, {"units", units},
-                            {"sharding", tdm_fsdp_sharding_name(f->o.sharding)}};
+    tdm_st_meta meta[6 + TDM_CKPT_META_MAX] = {
+        {"format", TDM_FSDP_INDEX_FORMAT}, {"model", model}, {"id", id},
+        {"world", world}, {"units", units}, {"sharding", tdm_fsdp_sharding_name(f->o.sharding)}};
     int nmeta = 6 + tdm_checkpoint_meta(meta + 6, &mt, info, opt ? tdm_optim_steps(opt) : 0,
                                         opt ? tdm_optim_get_opts(opt) : NULL);
     TDM_TRY(tdm_st_save(path, t, nbuf, meta, nmeta));
@@ -499,7 +499,7 @@ tdm_status tdm_fsdp_load_sharded(tdm_fsdp *f, const char *path, tdm_optim *opt,
     tdm_model *m = f->m;
     tdm_device *d = f->dev;
     tdm_status st = TDM_STATUS_OK;
-    int64_t be = tdm_model_buffer_elems(m), step = 0, epoch = 0;
+    int64_t be = tdm_model_buffer_elems(m), step = 0, epoch = 0, osteps = 0;
     uint64_t seed = 0;
     tdm_st_file *idx = NULL;
     char model[160], *units = tdm_fsdp_units_text(f);
@@ -548,6 +548,8 @@ tdm_status tdm_fsdp_load_sharded(tdm_fsdp *f, const char *path, tdm_optim *opt,
     uint64_t count;
     if ((mine = tdm_checkpoint_meta_uint(idx, "step", TDM_CKPT_MAX_COUNT, &count))) goto agree;
     step = (int64_t)count;
+    if ((mine = tdm_checkpoint_optim_steps(idx, count, &count))) goto agree;
+    osteps = (int64_t)count;
     if ((mine = tdm_checkpoint_meta_uint(idx, "epoch", TDM_CKPT_MAX_COUNT, &count))) goto agree;
     epoch = (int64_t)count;
     const char *sv = tdm_st_meta_get(idx, "seed");
@@ -579,7 +581,7 @@ agree:
         st = tdm_fsdp_issue_gather(f, u, 0);
     }
     if (st == TDM_STATUS_OK && f->buf.pfull) st = tdm_fsdp_settle_params(f, 0);
-    if (st == TDM_STATUS_OK && opt) tdm_optim_set_steps(opt, step);
+    if (st == TDM_STATUS_OK && opt) tdm_optim_set_steps(opt, osteps);
     if (st == TDM_STATUS_OK && info)
         *info = (tdm_ckpt_info){.step = step, .epoch = epoch, .seed = seed};
     tdm_st_free(idx);

@@ -64,11 +64,15 @@ static tdm_status tdm_fsdp_distribute(tdm_fsdp *f)
     tdm_model *m = f->m;
     tdm_device *d = f->dev;
     const float *src = tdm_model_params(m);
+    /* A rank that cannot stage what it sends aborts the communicator: the
+     * others are waiting in the collective it will not join, and must
+     * learn it now, not at the communicator's timeout (tdm_fsdp_fail). */
     if (f->o.sharding != TDM_FSDP_FULL_SHARD) {
         for (int u = 0; u < f->nu; u++) {
             const tdm_fsdp_unit *x = &f->u[u];
-            TDM_CHECK(tdm_dev_copy(d, f->buf.pfull + x->full_off, src + x->offset,
-                                   (size_t)x->n_elem * sizeof(float)));
+            tdm_status cst = tdm_dev_copy(d, f->buf.pfull + x->full_off, src + x->offset,
+                                          (size_t)x->n_elem * sizeof(float));
+            if (cst) return tdm_fsdp_fail(f, cst);
         }
         tdm_comm_set_label(f->comm, "%s broadcast parameters", tdm_fsdp_tag(f));
         return tdm_comm_broadcast(f->comm, f->buf.pfull, f->buf.pfull, (size_t)f->full_elems,
@@ -77,7 +81,8 @@ static tdm_status tdm_fsdp_distribute(tdm_fsdp *f)
     tdm_status st = TDM_STATUS_OK;
     float *blk = NULL;
     size_t nb = 0;
-    TDM_CHECK(tdm_fsdp_pool_get(f, (size_t)f->max_padded * sizeof(float), 0, &blk, &nb));
+    st = tdm_fsdp_pool_get(f, (size_t)f->max_padded * sizeof(float), 0, &blk, &nb);
+    if (st) return tdm_fsdp_fail(f, st);
     for (int u = 0; st == TDM_STATUS_OK && u < f->nu; u++) {
         const tdm_fsdp_unit *x = &f->u[u];
         if (f->rank == 0) {
@@ -94,7 +99,7 @@ static tdm_status tdm_fsdp_distribute(tdm_fsdp *f)
     }
     tdm_fsdp_pool_put(f, blk, nb);
     tdm_fsdp_pool_trim(f);
-    return st;
+    return st ? tdm_fsdp_fail(f, st) : TDM_STATUS_OK;
 }
 
 static tdm_status tdm_fsdp_alloc_state(tdm_fsdp *f)
@@ -563,6 +568,17 @@ tdm_status tdm_fsdp_grad_bufs(tdm_fsdp *f, tdm_dist_grads *out)
     return TDM_STATUS_OK;
 }
 
+/* A step completed: counted, and told to the communicators, whose flight
+ * recorders keep it with every later call and in their dumps ("last
+ * completed step", docs/DEBUGGING.md), as DDP's step does. */
+static void tdm_fsdp_step_done(tdm_fsdp *f)
+{
+    f->timing.steps++;
+    tdm_comm_set_step(f->comm, f->timing.steps);
+    if (f->hcomm != f->comm) tdm_comm_set_step(f->hcomm, f->timing.steps);
+    f->timing.open = 0;
+}
+
 tdm_status tdm_fsdp_step(tdm_fsdp *f, tdm_optim *opt)
 {
     TDM_REQUIRE(opt && tdm_optim_n_elem(opt) == f->shard_elems, TDM_STATUS_INVALID_ARG,
@@ -583,7 +599,7 @@ tdm_status tdm_fsdp_step(tdm_fsdp *f, tdm_optim *opt)
         free(r);
         TDM_CHECK(st);
         tdm_fsdp_add_phase(f, TDM_PHASE_STEP, tdm_time_ms_since(t0));
-        f->timing.open = 0;
+        tdm_fsdp_step_done(f);
         return TDM_STATUS_OK;
     }
     /* A joined rank shadows one step, with its all-gathers, per backward
@@ -641,7 +657,7 @@ tdm_status tdm_fsdp_step(tdm_fsdp *f, tdm_optim *opt)
     double wait_ms = f->pass.ag_wait_ms - wait0;
     tdm_fsdp_add_phase(f, TDM_PHASE_STEP, tdm_time_ms_since(t0) - issue_ms - wait_ms);
     tdm_fsdp_add_phase(f, TDM_PHASE_ALLGATHER_WAIT, wait_ms);
-    f->timing.open = 0;
+    tdm_fsdp_step_done(f);
     return TDM_STATUS_OK;
 }
 

@@ -155,6 +155,7 @@ typedef struct tdm_fsdp_check {
 /* The step's timeline and phases. */
 typedef struct tdm_fsdp_timing {
     int open;                 /* a step's timeline is open (since its first forward) */
+    int64_t steps;            /* tdm_fsdp_step calls completed: the flight recorder's step */
     uint64_t t_step0;         /* ns: the step's start */
     tdm_fsdp_ev *ev;
     int n_ev, cap_ev;

@@ -16,6 +16,15 @@
 #define TDM_CKPT_FORMAT "tandem-checkpoint-1"
 #define TDM_CKPT_MAX_TENSORS 256
 
+static char tdm_ckpt_run[TDM_CKPT_RUN_MAX];
+
+void tdm_checkpoint_set_run(const char *run)
+{
+    snprintf(tdm_ckpt_run, sizeof tdm_ckpt_run, "%s", run ? run : "");
+}
+
+const char *tdm_checkpoint_run(void) { return tdm_ckpt_run; }
+
 const char *tdm_checkpoint_optim_name(tdm_optim_kind k)
 {
     return k == TDM_OPTIM_ADAMW ? "adamw" : "sgd";
@@ -31,15 +40,21 @@ int tdm_checkpoint_meta(tdm_st_meta *meta, tdm_ckpt_meta_text *t, const tdm_ckpt
     meta[n++] = (tdm_st_meta){"step", t->step};
     meta[n++] = (tdm_st_meta){"epoch", t->epoch};
     meta[n++] = (tdm_st_meta){"seed", t->seed};
-    if (!o) return n;
-    snprintf(t->lr, sizeof t->lr, "%.9g", (double)o->lr);
-    snprintf(t->hyper, sizeof t->hyper,
-             "momentum=%.9g dampening=%.9g nesterov=%d weight_decay=%.9g beta1=%.9g "
-             "beta2=%.9g eps=%.9g", (double)o->momentum, (double)o->dampening, o->nesterov,
-             (double)o->weight_decay, (double)o->beta1, (double)o->beta2, (double)o->eps);
-    meta[n++] = (tdm_st_meta){"optimizer", tdm_checkpoint_optim_name(o->kind)};
-    meta[n++] = (tdm_st_meta){"lr", t->lr};
-    meta[n++] = (tdm_st_meta){"optimizer_options", t->hyper};
+    if (o) {
+        snprintf(t->lr, sizeof t->lr, "%.9g", (double)o->lr);
+        snprintf(t->hyper, sizeof t->hyper,
+                 "momentum=%.9g dampening=%.9g nesterov=%d weight_decay=%.9g beta1=%.9g "
+                 "beta2=%.9g eps=%.9g", (double)o->momentum, (double)o->dampening, o->nesterov,
+                 (double)o->weight_decay, (double)o->beta1, (double)o->beta2, (double)o->eps);
+        meta[n++] = (tdm_st_meta){"optimizer", tdm_checkpoint_optim_name(o->kind)};
+        meta[n++] = (tdm_st_meta){"lr", t->lr};
+        meta[n++] = (tdm_st_meta){"optimizer_options", t->hyper};
+        /* the optimizer's own count (AdamW's bias correction), apart from
+         * the caller's step, which may count something else */
+        snprintf(t->osteps, sizeof t->osteps, "%" PRId64, steps);
+        meta[n++] = (tdm_st_meta){"optimizer_steps", t->osteps};
+    }
+    if (tdm_ckpt_run[0]) meta[n++] = (tdm_st_meta){"run", tdm_ckpt_run};
     return n;
 }
 
@@ -129,7 +144,7 @@ tdm_status tdm_checkpoint_save_host(const char *path, const tdm_model *m, const 
     char model_desc[160];
     tdm_ckpt_meta_text mt;
     tdm_model_spec_describe(tdm_model_get_spec(m), model_desc, sizeof model_desc);
-    tdm_st_meta meta[8] = {{"format", TDM_CKPT_FORMAT}, {"model", model_desc}};
+    tdm_st_meta meta[2 + TDM_CKPT_META_MAX] = {{"format", TDM_CKPT_FORMAT}, {"model", model_desc}};
     int nmeta = 2 + tdm_checkpoint_meta(meta + 2, &mt, info, o ? h->steps : 0, o);
     TDM_TRY(tdm_st_save(path, t, nt, meta, nmeta));
 fail:
@@ -179,6 +194,15 @@ tdm_status tdm_checkpoint_meta_uint(const tdm_st_file *f, const char *key, uint6
                 "checkpoint?", tdm_st_path(f), key, v, max);
     *out = x;
     return TDM_STATUS_OK;
+}
+
+tdm_status tdm_checkpoint_optim_steps(const tdm_st_file *f, uint64_t step, uint64_t *out)
+{
+    if (!tdm_st_meta_get(f, "optimizer_steps")) {
+        *out = step;
+        return TDM_STATUS_OK;
+    }
+    return tdm_checkpoint_meta_uint(f, "optimizer_steps", TDM_CKPT_MAX_COUNT, out);
 }
 
 /* Reads tensor ti into dst (staging) and refuses NaN or infinite values:
@@ -249,7 +273,9 @@ tdm_status tdm_checkpoint_load_host(const char *path, const tdm_model *m, tdm_ck
                 TDM_TRY(tdm_ckpt_read_finite(f, name, ti, h->state[s] + ti->offset));
             }
         }
-        h->steps = (int64_t)step;
+        uint64_t osteps = 0;
+        TDM_TRY(tdm_checkpoint_optim_steps(f, step, &osteps));
+        h->steps = (int64_t)osteps;
     }
     if (info) *info = (tdm_ckpt_info){.step = (int64_t)step, .epoch = (int64_t)epoch, .seed = seed};
 fail:

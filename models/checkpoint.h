@@ -1,7 +1,8 @@
 /* models/checkpoint.h: checkpoints of a model (and optimizer) in the
  * safetensors format: parameters under their names, buffers under theirs,
  * optimizer state as "optim.<state>.<param name>", and __metadata__ with
- * the model spec, optimizer kind and hyper-parameters, step, epoch, seed.
+ * the model spec, optimizer kind and hyper-parameters, step, epoch, seed,
+ * the optimizer's own step count and the run that wrote it.
  * Written atomically (core/safetensors.h). Loading checks that every
  * expected tensor is present with the right dtype and shape and names the
  * first that is not. Non-finite values (NaN, infinities) are refused both
@@ -34,11 +35,16 @@ typedef struct tdm_ckpt_info {
 
 /* The metadata every checkpoint file carries after its own (format,
  * model, ...): step, epoch and seed (from info; without it, steps and
- * zeros), and with o the optimizer's kind ("sgd", "adamw"), lr and
- * options. Appended at meta (room for 6); returns how many. Their text
- * lives in *t. Also what fsdp/ writes in a sharded checkpoint's index. */
+ * zeros); with o the optimizer's kind ("sgd", "adamw"), lr and options,
+ * and its own step count, steps, as "optimizer_steps" (apart from the
+ * caller's step, which may count something else: AdamW's bias correction
+ * resumes from it); and the run (tdm_checkpoint_set_run) when one is set.
+ * Appended at meta (room for TDM_CKPT_META_MAX); returns how many. Their
+ * text lives in *t. Also what fsdp/ writes in a sharded checkpoint's
+ * index. */
+#define TDM_CKPT_META_MAX 8
 typedef struct tdm_ckpt_meta_text {
-    char step[32], epoch[32], seed[32], lr[32], hyper[200];
+    char step[32], epoch[32], seed[32], lr[32], hyper[200], osteps[32];
 } tdm_ckpt_meta_text;
 int tdm_checkpoint_meta(tdm_st_meta *meta, tdm_ckpt_meta_text *t, const tdm_ckpt_info *info,
                         int64_t steps, const tdm_optim_opts *o);
@@ -49,6 +55,20 @@ const char *tdm_checkpoint_optim_name(tdm_optim_kind k);
  * integer, or beyond max (clamping would hide a corrupt file). */
 tdm_status tdm_checkpoint_meta_uint(const tdm_st_file *f, const char *key, uint64_t max,
                                     uint64_t *out);
+/* The optimizer's step count f holds: its "optimizer_steps", checked as
+ * tdm_checkpoint_meta_uint does; a file written without it holds only
+ * "step", which is then the count (step: that value). */
+tdm_status tdm_checkpoint_optim_steps(const tdm_st_file *f, uint64_t step, uint64_t *out);
+
+/* The run the checkpoints of this process belong to, written as the
+ * "run" metadata of every checkpoint saved from now on (NULL or "": none).
+ * tandem train and tandem launch set it (tdm_dist_run_id_begin,
+ * dist/run.h) so that a restart resumes only from a checkpoint its own
+ * job wrote, never from one another run left at the same path.
+ * Process-wide: forked ranks inherit it. tdm_checkpoint_run: the current one ("" when none). */
+#define TDM_CKPT_RUN_MAX 64
+void tdm_checkpoint_set_run(const char *run);
+const char *tdm_checkpoint_run(void);
 
 /* Host copies of what a checkpoint holds, in the model's flat layout:
  * params (tdm_model_param_elems floats), buffers (tdm_model_buffer_elems),

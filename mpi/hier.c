@@ -44,7 +44,6 @@ typedef struct tdm_hier_impl {
                                  machine; else the machines' local rank 0 (NULL on others) */
     tdm_comm *world;          /* owned, MPI: every rank, for what goes to MPI as it is */
     int rank, size, local_rank, local_size, n_machines, uniform;
-    char local_names[160];    /* "shm's ranks 0, 1 here are the job's ranks 2, 3" */
     char algo[80];
     int algo_is_local;        /* the last call was shm's: algo is "shm:" + its algorithm */
     void *scratch;            /* float32 staging of the 16-bit floats */
@@ -55,16 +54,11 @@ static tdm_status tdm_hier_inner(tdm_hier_impl *h, tdm_comm *c, tdm_coll coll, c
                                  void *recv, size_t n, tdm_dtype dt, tdm_redop op, int root,
                                  int async)
 {
+    (void)h;
     tdm_comm_call k = {.coll = coll, .sendbuf = send, .recvbuf = recv, .count = n, .dtype = dt,
                        .op = op, .root = root};
-    tdm_status st = tdm_comm_run_inner(c, &k, async);
-    /* shm names its own (local) ranks: say which of the job's they are */
-    if (st != TDM_STATUS_OK && c == h->local) {
-        char msg[TDM_ERROR_MSG_MAX];   /* the message is the buffer written next */
-        snprintf(msg, sizeof msg, "%s", tdm_error_message());
-        tdm_error_set(st, "%s (%s)", msg, h->local_names);
-    }
-    return st;
+    /* the shm part's messages name the job's ranks (mpi/shm_named.c) */
+    return tdm_comm_run_inner(c, &k, async);
 }
 
 /* send -> recv, n elements, op not AVG; the three steps (or the leaders'). */
@@ -233,16 +227,6 @@ tdm_status tdm_mpi_hier_comm(tdm_mpi_job *j, const struct tdm_shm_opts *shm_opts
     h->n_machines = t->n_machines;
     h->uniform = t->uniform;
     snprintf(h->algo, sizeof h->algo, "none");
-    size_t used = (size_t)snprintf(h->local_names, sizeof h->local_names,
-                                   "shm's ranks 0..%d on this machine are the job's ranks",
-                                   t->local_size - 1);
-    for (int l = 0; l < t->local_size && used < sizeof h->local_names; l++)
-        for (int q = 0; q < t->size; q++)
-            if (j->machine_of[q] == t->machine && j->local_of[q] == l) {
-                int k = snprintf(h->local_names + used, sizeof h->local_names - used, "%s %d",
-                                 l ? "," : "", q);
-                if (k > 0) used += (size_t)k;
-            }
     /* every rank takes part in every split, in the same order (n_machines
      * is the same everywhere: one machine has no cross-machine part) */
     TDM_TRY(tdm_mpi_job_split(j, t->machine, t->local_rank, &machine));
@@ -257,12 +241,16 @@ tdm_status tdm_mpi_hier_comm(tdm_mpi_job *j, const struct tdm_shm_opts *shm_opts
         cross = MPI_COMM_NULL;   /* owned by the wrapper from here, even on failure */
         TDM_TRY(tdm_mpi_comm_wrap(&h->cross, c, j->node_size, j->node_cores, &o,
                                   "hier (between machines)"));
+        /* its messages say the job's rank, as every other line does */
+        tdm_mpi_impl *ci = tdm_comm_impl(h->cross);
+        ci->job_rank = t->rank;
+        ci->job_size = t->size;
     }
     TDM_TRY(tdm_mpi_job_comm(j, TDM_MPI_BACKEND_MPI, NULL, &h->world));
     /* the parts' flight records are not the rank's: the hier one is */
-    tdm_comm_fr_set_inner(h->local);
-    tdm_comm_fr_set_inner(h->cross);   /* NULL-safe */
-    tdm_comm_fr_set_inner(h->world);
+    tdm_comm_fr_set_inner(h->local, t->rank);
+    tdm_comm_fr_set_inner(h->cross, t->rank);   /* NULL-safe */
+    tdm_comm_fr_set_inner(h->world, t->rank);
     MPI_Comm_free(&machine);
     TDM_INFO(MPI, "hier: rank %d of %d, local rank %d of %d on machine %d of %d, %s", t->rank,
              t->size, t->local_rank, t->local_size, t->machine, t->n_machines,

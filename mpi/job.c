@@ -9,8 +9,12 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
+#include <unistd.h>
 
+#include "core/flight.h"
 #include "core/log.h"
+#include "core/timer.h"
 #include "mpi/job_impl.h"
 
 static const char *const tdm_mpi_backend_names[TDM_MPI_BACKEND_COUNT_] = {
@@ -171,6 +175,8 @@ fail:
     return st;
 }
 
+static void tdm_mpi_job_agree_id(tdm_mpi_job *j);
+
 tdm_status tdm_mpi_job_init(tdm_mpi_job **out, const tdm_mpi_opts *opts)
 {
     tdm_status st = TDM_STATUS_OK;
@@ -185,6 +191,9 @@ tdm_status tdm_mpi_job_init(tdm_mpi_job **out, const tdm_mpi_opts *opts)
     j->topo.pretend = k;
     j->topo.pretend_tcp = tcp;
     TDM_TRY(tdm_comm_init_mpi(&j->world, &j->opts));
+    /* control traffic: the rank's flight record (fr_rank_<R>.json, what
+     * tandem doctor reads) is the training communicator's, made next */
+    tdm_comm_fr_set_inner(j->world, tdm_comm_rank(j->world));
     /* Control traffic only, often a rank waiting for rank 0's long work
      * (compare runs one device and DP there first): non-blocking calls,
      * whose waits sleep, rather than MPI's blocking ones, which spin. */
@@ -192,6 +201,10 @@ tdm_status tdm_mpi_job_init(tdm_mpi_job **out, const tdm_mpi_opts *opts)
     j->topo.rank = tdm_comm_rank(j->world);
     j->topo.size = tdm_comm_size(j->world);
     TDM_TRY(tdm_mpi_job_map(j));
+    tdm_mpi_job_agree_id(j);
+    /* every rank's heartbeats: a stopped or dead rank is named in
+     * seconds, not found by the collective timeout */
+    TDM_TRY(tdm_mpi_live_start(&j->live, j->opts.join_timeout_ms));
     TDM_INFO(MPI, "job: rank %d of %d, machine %d of %d%s (rank %d of %d there)",
              j->topo.rank, j->topo.size, j->topo.machine, j->topo.n_machines,
              k ? (tcp ? " (pretend, MPI over TCP on lo)" : " (pretend, MPI over shared memory)")
@@ -206,12 +219,40 @@ fail:
 void tdm_mpi_job_free(tdm_mpi_job *j)
 {
     if (!j) return;
+    tdm_mpi_live_stop(j->live);
     tdm_comm_free(j->world);
     free(j->machine_of);
     free(j->local_of);
     free(j);
     tdm_mpi_finalize();
 }
+
+/* Rank 0 draws the id (or takes TANDEM_JOB_ID's) and every rank learns
+ * it: the job's segments are named by it, and every communicator's
+ * flight-recorder dumps carry it (TANDEM_JOB_ID, exported here before
+ * the job's other communicators are made), so that `tandem doctor` reads
+ * this job's dumps only in a directory that others wrote to too. */
+static void tdm_mpi_job_agree_id(tdm_mpi_job *j)
+{
+    uint64_t id = 0;
+    tdm_mpi_impl *w = tdm_comm_impl(j->world);
+    if (w->rank == 0) {
+        id = tdm_fr_job_parse(getenv(TDM_FR_ENV_JOB));
+        if (!id && getrandom(&id, sizeof id, 0) != (ssize_t)sizeof id)
+            id = ((uint64_t)getpid() << 32) ^ tdm_time_ns();
+    }
+    MPI_Request req;
+    MPI_Ibcast(&id, 1, MPI_UINT64_T, 0, w->comm, &req);
+    tdm_mpi_waiter wt = {.timeout_ms = j->opts.join_timeout_ms};
+    tdm_mpi_wait_all(&wt, 1, &req, NULL, "mpi: agreeing on the job id");
+    j->job_id = id ? id : 1;
+    char hex[24];
+    snprintf(hex, sizeof hex, "%016llx", (unsigned long long)j->job_id);
+    setenv(TDM_FR_ENV_JOB, hex, 1);
+    tdm_comm_fr_set_job(j->world, j->job_id);
+}
+
+uint64_t tdm_mpi_job_id(tdm_mpi_job *j) { return j->job_id; }
 
 const tdm_mpi_topo *tdm_mpi_job_topo(const tdm_mpi_job *j) { return &j->topo; }
 tdm_comm *tdm_mpi_job_world(tdm_mpi_job *j) { return j->world; }

@@ -18,7 +18,13 @@ struct tdm_mpi_job {
     int machine_cores;         /* the same for this (pretend) machine's ranks: its shm segment */
     uint64_t job_id;           /* names this job's segments; 0: not agreed yet */
     int n_segments;            /* segments named so far (each name once) */
+    tdm_mpi_live *live;        /* owned: the ranks' heartbeats (mpi/live.c); NULL: off */
 };
+
+/* The job's 64-bit id, drawn by rank 0 (TANDEM_JOB_ID's when set) and
+ * agreed when the job formed: it names the job's shared segments and is
+ * every flight-recorder dump's "job". */
+uint64_t tdm_mpi_job_id(tdm_mpi_job *j);
 
 /* MPI_Comm_split of the job's communicator, bounded by the watchdog. */
 tdm_status tdm_mpi_job_split(tdm_mpi_job *j, int color, int key, MPI_Comm *out);

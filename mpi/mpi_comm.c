@@ -191,16 +191,20 @@ static void tdm_mpi_finish(tdm_mpi_impl *c, const tdm_comm_call *k)
         tdm_mpi_divide(rb, k->count, k->dtype, c->size);
 }
 
+/* seq: the call's number from 1 (c->seq once counted; 0 is the
+ * watchdog's "none"); messages say it from 0, as the shm backend and the
+ * flight recorder number calls, so "#7" is entry #7 of the dump. */
 static void tdm_mpi_describe_seq(const tdm_mpi_impl *c, uint64_t seq, const tdm_comm_call *k,
                                  char *out, size_t n)
 {
+    seq = seq ? seq - 1 : 0;
     if (k->coll == TDM_COLL_BARRIER)
         snprintf(out, n, "%s: barrier #%llu on rank %d of %d", c->what,
-                 (unsigned long long)seq, c->rank, c->size);
+                 (unsigned long long)seq, c->job_rank, c->job_size);
     else
         snprintf(out, n, "%s: %s #%llu (%s, count=%zu) on rank %d of %d", c->what,
                  tdm_coll_name(k->coll), (unsigned long long)seq, tdm_dtype_name(k->dtype),
-                 k->count, c->rank, c->size);
+                 k->count, c->job_rank, c->job_size);
 }
 
 static void tdm_mpi_describe(const tdm_mpi_impl *c, const tdm_comm_call *k, char *out, size_t n)
@@ -260,6 +264,7 @@ static void *tdm_mpi_watchdog(void *arg)
         /* the same call still? (it may have ended and another begun) */
         if (atomic_load_explicit(&c->wd_call, memory_order_acquire) != call) continue;
         const char *why = c->wait.abort_check ? c->wait.abort_check(c->wait.abort_ctx) : NULL;
+        if (!why) why = tdm_mpi_live_reason();
         int late = now - seen_ns > (uint64_t)c->wait.timeout_ms * 1000000u;
         if (!why && !late) continue;
         char what[160];
@@ -357,7 +362,7 @@ static tdm_status tdm_mpi_run(void *impl, const tdm_comm_call *k)
         MPI_Get_count(&stat, tdm_mpi_type(k->dtype), &got);
         TDM_REQUIRE(got == (int)k->count, TDM_STATUS_MISMATCH,
                     "%s: recv #%llu from rank %d expected %zu %s elements, but the peer sent %d",
-                    c->what, (unsigned long long)c->seq, k->root, k->count,
+                    c->what, (unsigned long long)(c->seq - 1), k->root, k->count,
                     tdm_dtype_name(k->dtype), got);
     }
     tdm_mpi_finish(c, k);
@@ -432,6 +437,8 @@ tdm_status tdm_mpi_comm_wrap(tdm_comm **out, MPI_Comm comm, int local_size, int 
     MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN);
     MPI_Comm_rank(comm, &c->rank);
     MPI_Comm_size(comm, &c->size);
+    c->job_rank = c->rank;
+    c->job_size = c->size;
     if (cores <= 0) cores = tdm_mpi_cores();
     /* Spin only while this machine's ranks fit the cores they can use
      * together; a queued call waits on the progress thread while the

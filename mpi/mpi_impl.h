@@ -37,6 +37,7 @@ typedef struct tdm_mpi_waiter {
 typedef struct tdm_mpi_impl {
     MPI_Comm comm;            /* owned: a duplicate or a split */
     int rank, size;           /* in comm */
+    int job_rank, job_size;   /* what messages say: the job's (a part's differ: hier's) */
     tdm_mpi_waiter wait;
     int spin, spin_async;     /* the policy for synchronous / queued calls */
     /* Which calls use MPI's non-blocking collectives (the others its
@@ -114,6 +115,24 @@ void tdm_mpi_guard_begin(tdm_mpi_guard *g, int64_t ms, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 void tdm_mpi_guard_end(tdm_mpi_guard *g);
 
+/* The job's liveness (mpi/live.c): a heartbeat thread per rank beats to
+ * every other rank every TANDEM_MPI_STALL_MS/6 over a communicator of its
+ * own and publishes, once, the first peer silent for TANDEM_MPI_STALL_MS
+ * (3000 by default; 0: off), or gone from this machine without leaving
+ * the job: "rank 1 (pid 4121) is stopped (...): no heartbeat for 3.0 s".
+ * Every wait polls tdm_mpi_live_reason (NULL: all well) and ends the job
+ * with it. start: collective over MPI_COMM_WORLD (*out NULL when off or
+ * alone); stop: says goodbye to every peer, then releases. */
+typedef struct tdm_mpi_live tdm_mpi_live;
+tdm_status tdm_mpi_live_start(tdm_mpi_live **out, int64_t join_ms);
+void tdm_mpi_live_stop(tdm_mpi_live *l);
+const char *tdm_mpi_live_reason(void);
+/* Before this rank ends the job (tdm_mpi_abort_job): asks every other
+ * rank's heartbeat thread to dump its flight records now, and waits (2 s
+ * at most) until each that is not silent says it has: mpirun's SIGTERM
+ * to them, a second before its SIGKILL, may find a loaded machine too
+ * slow to dump. No-op without the job's heartbeats. */
+void tdm_mpi_live_dump_everywhere(void);
 /* tdm_comm_ops.split of the MPI communicator (MPI_Comm_split) and of the
  * hierarchical one (refused, saying why): mpi/split.c. */
 tdm_status tdm_mpi_split(void *impl, const tdm_comm_split_info *in, tdm_comm **out);

@@ -9,6 +9,7 @@
 
 #include <errno.h>
 #include <sched.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -18,6 +19,7 @@
 #include <unistd.h>
 
 #include "core/device.h"
+#include "core/flight.h"
 #include "core/log.h"
 #include "core/timer.h"
 
@@ -130,6 +132,8 @@ static int tdm_mpi_level_wanted(void)
     return MPI_THREAD_MULTIPLE;
 }
 
+static void tdm_mpi_dump_at_exit(void) { tdm_fr_dump_all("exit"); }
+
 tdm_status tdm_mpi_init(void)
 {
     pthread_mutex_lock(&tdm_mpi_init_mu);
@@ -179,6 +183,15 @@ tdm_status tdm_mpi_init(void)
     }
     TDM_INFO(MPI, "MPI initialised (%s, %s)", tdm_mpi_level_name(provided),
              inited ? "by the program" : "by tandem");
+    /* When a rank fails, mpirun ends the others with SIGTERM (then
+     * SIGKILL): each dumps its flight records then, as they stand (the
+     * application's own SIGTERM handler, if any, is left alone). */
+    tdm_fr_dump_on_signal(SIGTERM);
+    /* Open MPI ends a process itself on some errors (a peer's connection
+     * lost as the job aborts), by exit: whatever recorder is still live
+     * then is mid-job, and dumps (a finished job has freed them all) */
+    static atomic_int at_exit_set;
+    if (!atomic_exchange(&at_exit_set, 1)) atexit(tdm_mpi_dump_at_exit);
 out:
     pthread_mutex_unlock(&tdm_mpi_init_mu);
     return st;
@@ -226,6 +239,14 @@ _Noreturn void tdm_mpi_abort_job(const char *fmt, ...)
     }
     char host[64] = "?";
     gethostname(host, sizeof host - 1);
+    /* The flight records first: every call in flight ends failed with the
+     * reason, and each recorder dumps, before MPI_Abort ends this process
+     * (mpirun then ends the others with SIGTERM, on which they dump:
+     * tdm_mpi_init installs that). */
+    tdm_fr_fail_all(strstr(reason, "did not complete within") ? TDM_STATUS_TIMEOUT
+                                                               : TDM_STATUS_ABORTED,
+                    reason);
+    if (live) tdm_mpi_live_dump_everywhere();
     fflush(stdout);
     if (rank >= 0)
         fprintf(stderr, "tandem: rank %d of %d (%s, pid %d): MPI job aborted: %s\n", rank, size,
@@ -271,6 +292,8 @@ void tdm_mpi_wait_all(const tdm_mpi_waiter *w, int n, MPI_Request *reqs, MPI_Sta
             const char *why = w->abort_check(w->abort_ctx);
             if (why) tdm_mpi_abort_job("%s stopped: %s", what, why);
         }
+        const char *dead = tdm_mpi_live_reason();   /* a rank of the job stopped or died */
+        if (dead) tdm_mpi_abort_job("%s stopped: %s", what, dead);
         uint64_t el = tdm_time_ns() - t0;
         if (el > limit)
             tdm_mpi_abort_job("%s did not complete within %lld ms (a peer died, stalled or "

@@ -26,22 +26,22 @@
 #include "core/timer.h"
 #include "shm/shm_comm.h"
 
-/* A 64-bit id for this job's segments, drawn by rank 0 of the job and
- * broadcast: every rank names the same segments, and no other job (or an
- * earlier run of this one) can collide with them. */
-static uint64_t tdm_mpi_job_id(tdm_mpi_job *j)
+/* The shm communicator's ranks are the machine's local ones; its
+ * messages ("rank 3 (pid ...) is stopped") name the job's ranks, which
+ * tandem doctor and every other line use. */
+static void tdm_mpi_shm_job_ranks(tdm_mpi_job *j, MPI_Comm machine, tdm_comm *comm)
 {
-    if (j->job_id) return j->job_id;
-    uint64_t id = 0;
-    tdm_mpi_impl *w = tdm_comm_impl(j->world);
-    if (w->rank == 0 && getrandom(&id, sizeof id, 0) != (ssize_t)sizeof id)
-        id = ((uint64_t)getpid() << 32) ^ tdm_time_ns();
-    MPI_Request req;
-    MPI_Ibcast(&id, 1, MPI_UINT64_T, 0, w->comm, &req);
-    tdm_mpi_waiter wt = {.timeout_ms = j->opts.join_timeout_ms};
-    tdm_mpi_wait_all(&wt, 1, &req, NULL, "mpi: agreeing on the job id");
-    j->job_id = id ? id : 1;
-    return j->job_id;
+    int ls = 0, names[TDM_SHM_MAX_RANKS], local[TDM_SHM_MAX_RANKS];
+    MPI_Comm_size(machine, &ls);
+    if (ls > TDM_SHM_MAX_RANKS) return;
+    MPI_Group mg, wg;
+    MPI_Comm_group(machine, &mg);
+    MPI_Comm_group(((tdm_mpi_impl *)tdm_comm_impl(j->world))->comm, &wg);
+    for (int l = 0; l < ls; l++) local[l] = l;
+    if (MPI_Group_translate_ranks(mg, ls, local, wg, names) == MPI_SUCCESS)
+        tdm_shm_comm_set_rank_names(comm, names);
+    MPI_Group_free(&mg);
+    MPI_Group_free(&wg);
 }
 
 tdm_status tdm_mpi_shm_named_comm(tdm_mpi_job *j, MPI_Comm machine,
@@ -52,7 +52,7 @@ tdm_status tdm_mpi_shm_named_comm(tdm_mpi_job *j, MPI_Comm machine,
     int lr = 0, ls = 0;
     MPI_Comm_rank(machine, &lr);
     MPI_Comm_size(machine, &ls);
-    uint64_t job = tdm_mpi_job_id(j);
+    uint64_t job = tdm_mpi_job_id(j);   /* agreed when the job formed (mpi/job.c) */
     /* The cores these ranks can use together decide the segment's spin
      * policy and one-shot default, written in its header by its creator:
      * the union of every local rank's affinity (gathered when the job
@@ -89,6 +89,7 @@ tdm_status tdm_mpi_shm_named_comm(tdm_mpi_job *j, MPI_Comm machine,
                              "segment %s (see its error)", name);
     }
     st = tdm_shm_comm_attach_named(out, name, lr, ls, job, shm_opts);
+    if (st == TDM_STATUS_OK) tdm_mpi_shm_job_ranks(j, machine, *out);
     if (lr != 0) return st;
     /* local rank 0: wait for every local rank to attach, then unlink */
     if (st == TDM_STATUS_OK) {

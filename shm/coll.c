@@ -183,11 +183,11 @@ static tdm_status tdm_shm_arrive_check(tdm_shm_impl *c)
                      (unsigned long long)d->seq);
         tdm_shm_raise_rank(c, -1, TDM_STATUS_MISMATCH,
                       "collective #%llu: rank %d called %s but rank %d called %s",
-                      (unsigned long long)c->seq, c->rank, a, p, b);
+                      (unsigned long long)c->seq, tdm_shm_name(c, c->rank), a, tdm_shm_name(c, p), b);
         c->failed = TDM_STATUS_MISMATCH;
         return tdm_error_set(TDM_STATUS_MISMATCH,
                              "collective #%llu: rank %d called %s but rank %d called %s",
-                             (unsigned long long)c->seq, c->rank, a, p, b);
+                             (unsigned long long)c->seq, tdm_shm_name(c, c->rank), a, tdm_shm_name(c, p), b);
     }
     return TDM_STATUS_OK;
 }
@@ -604,13 +604,13 @@ static tdm_status tdm_shm_recv(tdm_shm_impl *c, const tdm_comm_call *k)
         if (theirs != nbytes || (direct && (off || zoff == SIZE_MAX))) {
             tdm_shm_raise_rank(c, -1, TDM_STATUS_MISMATCH,
                           "recv #%llu on rank %d from rank %d: expected %zu bytes, rank %d "
-                          "sent %llu", (unsigned long long)c->cur_seq, c->rank, peer, nbytes,
-                          peer, (unsigned long long)theirs);
+                          "sent %llu", (unsigned long long)c->cur_seq, tdm_shm_name(c, c->rank),
+                          tdm_shm_name(c, peer), nbytes, tdm_shm_name(c, peer), (unsigned long long)theirs);
             return tdm_error_set(TDM_STATUS_MISMATCH,
                                  "recv #%llu from rank %d: expected %zu bytes (%s, count=%zu) "
                                  "but rank %d sent %llu bytes", (unsigned long long)c->cur_seq,
-                                 peer, nbytes, tdm_dtype_name(k->dtype), k->count, peer,
-                                 (unsigned long long)theirs);
+                                 tdm_shm_name(c, peer), nbytes, tdm_dtype_name(k->dtype), k->count,
+                                 tdm_shm_name(c, peer), (unsigned long long)theirs);
         }
         if (direct) m = nbytes;   /* already in place */
         else memcpy(dst + off, half + TDM_SHM_P2P_HDR, m);

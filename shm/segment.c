@@ -273,12 +273,21 @@ tdm_status tdm_shm_group_export_env(tdm_shm_group *g)
     return TDM_STATUS_OK;
 }
 
+void tdm_shm_comm_set_rank_names(tdm_comm *comm, const int *names)
+{
+    if (!comm || !names || strcmp(tdm_comm_backend_name(comm), "shm") != 0) return;
+    tdm_shm_impl *c = tdm_comm_impl(comm);
+    for (int r = 0; r < c->world; r++) c->job_rank[r] = names[r];
+    c->named_by_job = 1;
+}
+
 /* --- the backend ---------------------------------------------------------- */
 
 static tdm_status tdm_shm_abort_op(void *impl, const char *reason)
 {
     tdm_shm_impl *c = impl;
-    tdm_shm_raise_rank(c, c->rank, TDM_STATUS_ABORTED, "aborted by rank %d: %s", c->rank, reason);
+    tdm_shm_raise_rank(c, c->rank, TDM_STATUS_ABORTED, "aborted by rank %d: %s",
+                       tdm_shm_name(c, c->rank), reason);
     return TDM_STATUS_OK;
 }
 
@@ -431,6 +440,8 @@ static tdm_status tdm_shm_join(tdm_comm **out, void *base, size_t total, int unm
     const char *spin = getenv("TANDEM_SHM_SPIN_US");
     if (spin && *spin) c->spin_ns = (uint64_t)strtoull(spin, NULL, 10) * 1000;
     c->cur_name = "init";
+    const char *late = getenv("TANDEM_SHM_TEST_LATE_CHECKS");
+    c->test_late_checks = late && *late && atoi(late) == rank;
     int64_t stall_ms = opts ? opts->stall_ms : 0;
     const char *stall = getenv("TANDEM_SHM_STALL_MS");
     if (!stall_ms && stall && *stall) {
@@ -465,7 +476,9 @@ static tdm_status tdm_shm_join(tdm_comm **out, void *base, size_t total, int unm
     TDM_INFO(SHM, "rank %d of %d joined (job %016llx, %d cores, %s waits, one-shot <= %zu "
              "bytes)", rank, world, (unsigned long long)snap.job_id, geom.cores,
              c->spin ? "spinning" : "sleeping", geom.one_shot_max);
-    return tdm_comm_create(out, &tdm_shm_ops, c, rank, world);
+    TDM_CHECK(tdm_comm_create(out, &tdm_shm_ops, c, rank, world));
+    tdm_comm_fr_set_job(*out, snap.job_id);   /* unless TANDEM_JOB_ID named the job */
+    return TDM_STATUS_OK;
 fail:
     if (c) free(c);
     if (unmap) munmap(base, total);

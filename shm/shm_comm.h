@@ -152,6 +152,13 @@ tdm_status tdm_shm_comm_alloc(tdm_comm *comm, size_t nbytes, void **ptr);
  * communicator's abort_check, so that a rank blocked in NCCL stops as soon
  * as the shm group is aborted). */
 const char *tdm_shm_comm_abort_reason(const tdm_comm *comm);
+/* The ranks this communicator's messages name: names[r] for its rank r
+ * (world entries), when its ranks are a part of a larger job (MPI's hier:
+ * one machine's ranks), so that "rank 3 (pid ...) is stopped" is the
+ * job's rank 3. Default: its own ranks. Every rank of the group must set
+ * the same table, before its first collective. No-op for another
+ * backend. */
+void tdm_shm_comm_set_rank_names(tdm_comm *comm, const int *names);
 
 #ifdef __cplusplus
 }

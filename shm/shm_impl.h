@@ -182,6 +182,11 @@ typedef struct tdm_shm_impl {
     pthread_cond_t hb_cv;
     int hb_running, hb_stop;
     _Atomic int raising;       /* a thread of this rank is writing its reason slot */
+    /* Test hook (TANDEM_SHM_TEST_LATE_CHECKS=<rank>, tests/test_shm_live.c):
+     * this rank's waits, once their spin is over, hold their failure
+     * checks until the group abort is raised, as a rank descheduled there
+     * on a loaded machine would. */
+    int test_late_checks;
     tdm_status failed;         /* sticky: once a call failed, all fail */
     char failed_msg[256];      /* its message */
     /* A communicator split from another (shm/split.c): the job's
@@ -192,7 +197,18 @@ typedef struct tdm_shm_impl {
      * job's own communicator. */
     struct tdm_shm_impl *root;
     int job_rank[TDM_SHM_MAX_RANKS];
+    /* 1: this communicator is a part of a larger job (one machine's ranks
+     * in MPI's hier, tdm_shm_comm_set_rank_names): its messages name
+     * ranks by job_rank alone, as every other line of the job does */
+    int named_by_job;
 } tdm_shm_impl;
+
+/* The rank messages say for rank r of c: the job's on a part of a job
+ * (named_by_job), else its own. */
+static inline int tdm_shm_name(const tdm_shm_impl *c, int r)
+{
+    return c->named_by_job && r >= 0 && r < c->world ? c->job_rank[r] : r;
+}
 
 /* How messages name rank r of c with its pid: "rank 3 (pid 4121)", or on a
  * split communicator "rank 1 (job rank 3, pid 4121)". Returns buf. */
@@ -201,7 +217,7 @@ static inline const char *tdm_shm_who(const tdm_shm_impl *c, int r, int pid, cha
     if (c->root && r >= 0 && r < c->world)
         snprintf(buf, n, "rank %d (job rank %d, pid %d)", r, c->job_rank[r], pid);
     else
-        snprintf(buf, n, "rank %d (pid %d)", r, pid);
+        snprintf(buf, n, "rank %d (pid %d)", tdm_shm_name(c, r), pid);
     return buf;
 }
 

@@ -354,6 +354,24 @@ static tdm_status tdm_shm_check_peers(tdm_shm_impl *c, int peer, tdm_shm_flag *f
     return TDM_STATUS_OK;
 }
 
+/* The test hook's pause (tdm_shm_impl.test_late_checks): until the
+ * group abort is raised, 30 s at most. */
+static void tdm_shm_test_late(tdm_shm_impl *c)
+{
+    tdm_shm_abort_info a;
+    for (int i = 0; i < 30000 && !tdm_shm_abort_get(c->hdr, &c->geom, c->base, &a); i++) {
+        struct timespec ts = {.tv_nsec = 1000000};
+        nanosleep(&ts, NULL);
+    }
+}
+
+/* Every failure path below looks at the flag first: a wait whose peer has
+ * published what it waits for has what it needs, whatever happened since
+ * (the peer may have finished the collective, left and been reported
+ * failed, raising the group abort, while this rank was descheduled after
+ * its last look). Only a wait still missing its data fails, so a peer
+ * that leaves after a completed collective cannot turn the others'
+ * completed work into a failure. */
 tdm_status tdm_shm_flag_wait(tdm_shm_impl *c, tdm_shm_flag *f, uint64_t target, int peer)
 {
     if (tdm_wait_reached(f, target)) return TDM_STATUS_OK;
@@ -367,21 +385,25 @@ tdm_status tdm_shm_flag_wait(tdm_shm_impl *c, tdm_shm_flag *f, uint64_t target, 
     if (c->spin_now ? tdm_wait_spin(f, target, t0, c->spin_ns, TDM_SHM_PURE_SPIN_NS)
                     : tdm_wait_yield(f, target, TDM_SHM_YIELDS))
         return TDM_STATUS_OK;
+    if (c->test_late_checks) tdm_shm_test_late(c);
+    if (tdm_wait_reached(f, target)) return TDM_STATUS_OK;
     TDM_CHECK(tdm_shm_check_abort(c));
 
     uint64_t deadline = t0 + (uint64_t)c->timeout_ms * 1000000ull;
     for (;;) {
         uint64_t now = tdm_time_ns();
         if (now >= c->next_live_ns) {
+            if (tdm_wait_reached(f, target)) return TDM_STATUS_OK;
             TDM_CHECK(tdm_shm_check_peers(c, peer, f, target, now));
             c->next_live_ns = now + TDM_SHM_SLEEP_NS;
         }
         if (now >= deadline) {
+            if (tdm_wait_reached(f, target)) return TDM_STATUS_OK;
             tdm_shm_ctrl *k = tdm_shm_ctrl_of(c, peer);
             char me[64], who[64];
             if (c->root) snprintf(me, sizeof me, "rank %d (job rank %d)", c->rank,
                                   c->job_rank[c->rank]);
-            else snprintf(me, sizeof me, "rank %d", c->rank);
+            else snprintf(me, sizeof me, "rank %d", tdm_shm_name(c, c->rank));
             tdm_shm_who(c, peer, (int)atomic_load(&k->pid), who, sizeof who);
             tdm_shm_raise_rank(c, peer, TDM_STATUS_TIMEOUT,
                           "%s timed out after %lld ms in %s #%llu waiting for %s, %s", me,
@@ -396,6 +418,7 @@ tdm_status tdm_shm_flag_wait(tdm_shm_impl *c, tdm_shm_flag *f, uint64_t target, 
         if (tdm_wait_sleep(f, target, left < TDM_SHM_SLEEP_NS ? left : TDM_SHM_SLEEP_NS,
                            TDM_WAIT_SHARED, NULL))
             return TDM_STATUS_OK;
+        if (tdm_wait_reached(f, target)) return TDM_STATUS_OK;
         TDM_CHECK(tdm_shm_check_abort(c));
     }
 }

@@ -27,6 +27,8 @@ typedef enum fr_t_fault {
     FR_T_KILL,      /* it dies (SIGKILL) before bucket 1 */
     FR_T_PAUSE,     /* no fault: it is stopped for FR_T_PAUSE_MS before bucket 1,
                        as a loaded machine may leave a healthy rank unscheduled */
+    FR_T_EXTRA,     /* it calls an extra all_reduce (16 floats, 'extra') before
+                       bucket 1: the `if rank == 0:` bug */
 } fr_t_fault;
 
 #define FR_T_PAUSE_MS 700
@@ -78,6 +80,11 @@ static inline int fr_t_rank(tdm_comm *comm, void *arg)
                 if (j->fault == FR_T_KILL) raise(SIGKILL);
                 if (j->fault == FR_T_PAUSE) fr_t_pause(FR_T_PAUSE_MS);
                 if (j->fault == FR_T_COUNT) n++;
+                if (j->fault == FR_T_EXTRA) {
+                    tdm_comm_set_label(comm, "extra");
+                    if (tdm_comm_all_reduce(comm, buf, buf, 16, TDM_DTYPE_FLOAT32, TDM_REDOP_SUM))
+                        return 1;
+                }
             }
             tdm_comm_set_label(comm, "ddp bucket %d", b);
             tdm_status st;

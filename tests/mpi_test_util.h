@@ -35,6 +35,7 @@
 #include "core/comm.h"
 #include "mpi/mpi_weak.h"
 #include "tests/cli_util.h"
+#include "tests/timeout_util.h"
 
 #define MPI_T_ENV_WORKER "TDM_MPI_TEST_WORKER"
 #define MPI_T_ENV_TAG "TDM_MPI_TEST_TAG"
@@ -195,6 +196,14 @@ static inline void mpi_t_run(cli_result *r, const mpi_t_job *j)
             setenv("ASAN_OPTIONS", opts, 1);
         }
         setenv("TMPDIR", tmp, 1);
+        /* the job's heartbeats (mpi/live.c) name a rank silent for 3 s:
+         * stretched as every bound a healthy rank must not hit (a
+         * sanitized rank on a loaded machine can be starved that long) */
+        if (!getenv("TANDEM_MPI_STALL_MS")) {
+            char stall[32];
+            snprintf(stall, sizeof stall, "%d", 3000 * tu_timeout_scale());
+            setenv("TANDEM_MPI_STALL_MS", stall, 1);
+        }
         if (!j->exe) setenv(MPI_T_ENV_WORKER, j->worker, 1);
         setenv(MPI_T_ENV_TAG, tag, 1);
         for (int i = 0; j->env && j->env[i]; i++) putenv((char *)j->env[i]);

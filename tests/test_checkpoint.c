@@ -148,6 +148,36 @@ Test(ckpt, round_trip_bit_for_bit)
         }
 }
 
+/* The optimizer's own step count (AdamW's bias correction) is kept as it
+ * is, whatever the caller's info.step says: a library caller counting
+ * steps its own way (micro-batches, steps since a restart) must not
+ * change the optimizer's arithmetic on resume (it was restored from
+ * info.step: 100 here). info.step itself comes back as given. */
+Test(ckpt, the_optimizer_keeps_its_own_step_count)
+{
+    tdm_model_spec s;
+    spec_small_mlp(&s);
+    tdm_model *a, *b;
+    tdm_optim *oa, *ob;
+    make(&s, TDM_OPTIM_ADAMW, 1, &a, &oa);
+    train_steps(a, oa, 3, 5);
+    cr_assert_eq(tdm_optim_steps(oa), 3);
+    const char *p = tpath("caller_steps.safetensors");
+    tdm_ckpt_info in = {.step = 100, .epoch = 2, .seed = 9};
+    TU_OK(tdm_checkpoint_save(p, a, oa, &in));
+    make(&s, TDM_OPTIM_ADAMW, 2, &b, &ob);
+    tdm_ckpt_info out = {0};
+    TU_OK(tdm_checkpoint_load(p, b, ob, &out));
+    cr_expect_eq(tdm_optim_steps(ob), 3, "the optimizer's step count became %lld",
+                 (long long)tdm_optim_steps(ob));
+    cr_expect_eq(out.step, 100);
+    assert_same_state(a, oa, b, ob, "caller's own step count");
+    tdm_optim_free(oa);
+    tdm_optim_free(ob);
+    tdm_model_free(a);
+    tdm_model_free(b);
+}
+
 /* On any refusal the live model keeps its values. */
 static float *snapshot(tdm_model *m)
 {

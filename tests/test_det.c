@@ -235,6 +235,9 @@ Test(det, elastic_resize_continues_bit_for_bit)
     setenv("TANDEM_FR_DUMP", dumps, 1);
 #define EL_ARGS "--model", "mlp:784-24-10", SYN, "--batch", "32", "--deterministic", "8", \
                 "--epochs", "3", "--max-steps", "5", "--no-eval", "--quiet"
+    /* one run id for every run: a checkpoint records its run's
+     * (docs/DEBUGGING.md), and only the restarted ones would carry one */
+    setenv("TANDEM_RUN_ID", "det-elastic", 1);
     CLI(&r, "train", EL_ARGS, "--save", whole);
     expect(&r, 0, "epoch 3/3");
     setenv("TANDEM_DDP_TEST_KILL", "3:8:ALWAYS", 1);
@@ -248,6 +251,7 @@ Test(det, elastic_resize_continues_bit_for_bit)
         "--min-devices", "4", "--save", el4);
     unsetenv("TANDEM_DDP_TEST_KILL");
     unsetenv("TANDEM_FR_DUMP");
+    unsetenv("TANDEM_RUN_ID");
     expect(&r, 1, "is below --min-devices 4: stopping");
     cr_assert_eq(cli_shm_entries(), 0, "shared memory left behind");
 #undef EL_ARGS

@@ -39,6 +39,9 @@ Test(elastic, train_restart_after_sigkill_is_bit_identical, .timeout = 240)
     snprintf(straight, sizeof straight, "%s/straight.safetensors", dir);
     snprintf(restarted, sizeof restarted, "%s/restarted.safetensors", dir);
     cli_result r;
+    /* one run id for both: their checkpoints must be the same bytes (the
+     * "run" metadata included) */
+    setenv("TANDEM_RUN_ID", "00000000000000e1", 1);
     CLI(&r, "train", EL_TRAIN, "--device", "cpu:3", "--save", straight);
     expect(&r, 0, NULL);
     setenv("TANDEM_DDP_TEST_KILL", "2:40", 1);
@@ -68,6 +71,9 @@ Test(elastic, gpt_train_restart_after_sigkill_is_bit_identical, .timeout = 240)
                "--device", "cpu:3", "--epochs", "3", "--max-steps", "4", "--batch", "6", \
                "--lr", "0.01", "--no-eval", "--quiet"
     cli_result r;
+    /* one run id for both: their checkpoints must be the same bytes (the
+     * "run" metadata included) */
+    setenv("TANDEM_RUN_ID", "00000000000000e1", 1);
     CLI(&r, EL_GPT, "--save", straight);
     expect(&r, 0, NULL);
     setenv("TANDEM_DDP_TEST_KILL", "1:6", 1);
@@ -92,6 +98,9 @@ Test(elastic, launch_restart_after_sigkill_is_bit_identical, .timeout = 240)
     snprintf(straight, sizeof straight, "%s/straight.safetensors", dir);
     snprintf(restarted, sizeof restarted, "%s/restarted.safetensors", dir);
     cli_result r;
+    /* one run id for both: their checkpoints must be the same bytes (the
+     * "run" metadata included) */
+    setenv("TANDEM_RUN_ID", "00000000000000e1", 1);
     CLI(&r, "train", EL_TRAIN, "--device", "cpu:3", "--save", straight);
     expect(&r, 0, NULL);
     setenv("TANDEM_DDP_TEST_KILL", "2:40", 1);
@@ -104,6 +113,60 @@ Test(elastic, launch_restart_after_sigkill_is_bit_identical, .timeout = 240)
     expect(&r, 0, "[rank 0] resumed ");
     cr_expect(cli_same_file(straight, restarted),
               "the restarted run's parameters differ from the uninterrupted run's");
+    cr_expect(!cli_shm_entries());
+    el_rm(dir);
+}
+
+/* Run A (seed 7) leaves ck.st; run B (seed 1, same --save) loses a rank
+ * at step 3, before its own first save. B must not resume from A's file
+ * (it did: "starts again from ck.st (epoch 2, step 64)", then "nothing
+ * to do", exit 0, and A's bytes were B's result): it starts again from
+ * the start, says why, and ends with what an uninterrupted B writes. The
+ * same under tandem launch --checkpoint. */
+#define EL_SHORT "--mode", "ddp", "--data", "synthetic", "--synthetic-size", "2048", "--batch", \
+                 "64", "--model", "mlp:784-64-10", "--no-eval", "--quiet", "--epochs", "2", \
+                 "--device", "cpu:3"
+
+Test(elastic, a_restart_never_resumes_another_runs_checkpoint, .timeout = 240)
+{
+    char dir[64], ck[128], straight[128];
+    el_dir(dir);
+    snprintf(ck, sizeof ck, "%s/ck.st", dir);
+    snprintf(straight, sizeof straight, "%s/straight.st", dir);
+    cli_result r;
+    setenv("TANDEM_RUN_ID", "00000000000000a1", 1);   /* run A */
+    CLI(&r, "train", EL_SHORT, "--seed", "7", "--save", ck);
+    expect(&r, 0, NULL);
+    setenv("TANDEM_RUN_ID", "00000000000000b2", 1);   /* B, and B uninterrupted */
+    CLI(&r, "train", EL_SHORT, "--seed", "1", "--save", straight);
+    expect(&r, 0, NULL);
+    setenv("TANDEM_DDP_TEST_KILL", "1:3", 1);
+    CLI(&r, "train", EL_SHORT, "--seed", "1", "--save", ck, "--max-restarts", "1");
+    expect(&r, 0, "tandem train: restart 1 of 1 after 200 ms: rank 1 (pid ");
+    expect(&r, 0, "every rank starts again from the start: ");
+    expect(&r, 0, "ck.st holds another run's checkpoint (run 00000000000000a1), not one this job "
+                  "wrote (this job failed before its first save)");
+    expect(&r, 0, "epoch 2/2: train loss");
+    cr_expect(!strstr(r.out, "nothing to do"), "%s", r.out);
+    cr_expect(cli_same_file(straight, ck), "run B ended with another run's checkpoint:\n%s",
+              r.out);
+    unsetenv("TANDEM_DDP_TEST_KILL");
+    /* launched: the ranks' own --save and the launcher's --checkpoint */
+    setenv("TANDEM_RUN_ID", "00000000000000a1", 1);
+    CLI(&r, "train", EL_SHORT, "--seed", "7", "--save", ck);
+    expect(&r, 0, NULL);
+    setenv("TANDEM_RUN_ID", "00000000000000b2", 1);
+    setenv("TANDEM_DDP_TEST_KILL", "1:3", 1);
+    CLI(&r, "launch", "-n", "3", "--max-restarts", "1", "--checkpoint", ck, "--", cli_bin(),
+        "train", "--mode", "ddp", "--data", "synthetic", "--synthetic-size", "2048", "--batch",
+        "64", "--model", "mlp:784-64-10", "--no-eval", "--quiet", "--epochs", "2", "--seed", "1",
+        "--save", ck);
+    expect(&r, 0, "tandem launch: restart 1 of 1 after 200 ms: rank 1 (pid ");
+    expect(&r, 0, "every rank starts again from the start: ");
+    expect(&r, 0, "holds another run's checkpoint (run 00000000000000a1)");
+    cr_expect(!strstr(r.out, "resumed"), "%s", r.out);
+    cr_expect(cli_same_file(straight, ck), "launched run B ended with another run's "
+              "checkpoint:\n%s", r.out);
     cr_expect(!cli_shm_entries());
     el_rm(dir);
 }

@@ -3,6 +3,8 @@
  * the dump on a failure (with its reason) and on SIGUSR1, a bad
  * TANDEM_FR_SIZE refused, and TANDEM_FR_SIZE=0 writing nothing. */
 #include <criterion/criterion.h>
+#include <dirent.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -279,8 +281,8 @@ Test(flight, the_composite_communicator_owns_the_rank_file, .timeout = 30)
     tdm_fr *part = NULL, *other = NULL, *whole = NULL;
     cr_assert_eq(tdm_fr_init(&part, 3, 4, "shm"), TDM_STATUS_OK);
     cr_assert_eq(tdm_fr_init(&other, 0, 2, "mpi"), TDM_STATUS_OK);
-    tdm_fr_set_inner(part);
-    tdm_fr_set_inner(other);
+    tdm_fr_set_inner(part, 5);
+    tdm_fr_set_inner(other, 5);
     cr_assert_eq(tdm_fr_init(&whole, 5, 8, "hier"), TDM_STATUS_OK);
     cr_assert_eq(tdm_fr_dump(part, "request"), 0);
     cr_assert_eq(tdm_fr_dump(other, "request"), 0);
@@ -295,9 +297,165 @@ Test(flight, the_composite_communicator_owns_the_rank_file, .timeout = 30)
     cr_assert_not_null(doc);
     cr_expect_str_eq(fr_str(doc, "backend"), "hier");
     tdm_json_free(doc);
+    /* the parts' dumps carry the job's rank (5), their own (3, 0) beside */
+    int parts = 0;
+    DIR *dp = opendir(dir);
+    cr_assert_not_null(dp);
+    for (struct dirent *de; (de = readdir(dp));) {
+        if (strncmp(de->d_name, "fr_rank_", 8) || !strcmp(de->d_name, "fr_rank_5.json")) continue;
+        cr_expect(!strncmp(de->d_name, "fr_rank_5.c", 11), "a part's dump is %s", de->d_name);
+        parts++;
+    }
+    closedir(dp);
+    cr_expect_eq(parts, 2);
     setenv("TANDEM_FR_DUMP_ON", "failure", 1);
     tdm_fr_free(part);
     tdm_fr_free(other);
     tdm_fr_free(whole);
+    fr_t_rm_dir(dir);
+}
+
+/* A communicator made over a bootstrap one (NCCL's over the shm group:
+ * the shm one is made first) takes the rank's name: its collectives are
+ * the training's. */
+Test(flight, a_communicator_over_a_bootstrap_takes_the_rank_file, .timeout = 30)
+{
+    char dir[64];
+    fr_t_dump_dir(dir, sizeof dir);
+    tdm_fr *boot = NULL, *nccl = NULL;
+    cr_assert_eq(tdm_fr_init(&boot, 2, 4, "shm"), TDM_STATUS_OK);
+    cr_assert_eq(tdm_fr_init(&nccl, 2, 4, "nccl"), TDM_STATUS_OK);
+    tdm_fr_set_primary(nccl);
+    cr_assert_eq(tdm_fr_dump(boot, "request"), 0);
+    cr_assert_eq(tdm_fr_dump(nccl, "request"), 0);
+    tdm_json *doc = fr_t_load(dir, 2);
+    cr_assert_not_null(doc);
+    cr_expect_str_eq(fr_str(doc, "backend"), "nccl");
+    tdm_json_free(doc);
+    setenv("TANDEM_FR_DUMP_ON", "failure", 1);
+    tdm_fr_free(boot);
+    tdm_fr_free(nccl);
+    fr_t_rm_dir(dir);
+}
+
+/* Two writers of one recorder's dump at once (a SIGUSR1 landing while the
+ * thread it interrupts is writing an end-of-run or failure dump): each
+ * writes its own temporary file, so the file that lands is always one
+ * complete dump. The signal is sent as soon as the first writer's
+ * temporary file exists (a dump of 60000 entries takes tens of ms), so it
+ * lands inside that write on every run. */
+typedef struct {
+    const char *dir;
+    pthread_t target;
+    atomic_int stop, sent;
+} fr_nested_ctx;
+
+static int fr_tmp_exists(const char *dir)
+{
+    DIR *d = opendir(dir);
+    int found = 0;
+    for (struct dirent *de; d && (de = readdir(d));)
+        if (de->d_name[0] == '.' && strstr(de->d_name, ".tmp")) found = 1;
+    if (d) closedir(d);
+    return found;
+}
+
+static void *fr_nested_signaller(void *arg)
+{
+    fr_nested_ctx *x = arg;
+    while (!atomic_load(&x->stop)) {
+        if (!atomic_load(&x->sent) && fr_tmp_exists(x->dir)) {
+            atomic_store(&x->sent, 1);
+            pthread_kill(x->target, SIGUSR1);
+        }
+        usleep(200);
+    }
+    return NULL;
+}
+
+/* The whole file at path, parsed (fails the test when it is not JSON). */
+static tdm_json *fr_load_big(const char *path)
+{
+    FILE *f = fopen(path, "rb");
+    cr_assert_not_null(f, "%s: no dump", path);
+    fseek(f, 0, SEEK_END);
+    long n = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    char *text = malloc((size_t)n + 1);
+    cr_assert_not_null(text);
+    cr_assert_eq(fread(text, 1, (size_t)n, f), (size_t)n);
+    fclose(f);
+    tdm_json *doc = NULL;
+    tdm_status st = tdm_json_parse(&doc, text, (size_t)n);
+    free(text);
+    cr_assert_eq(st, TDM_STATUS_OK, "%s: a dump written while another was being written does "
+                 "not parse: %s", path, tdm_error_message());
+    return doc;
+}
+
+Test(flight, a_dump_interrupted_by_another_stays_whole, .timeout = 120)
+{
+    char dir[64], path[128];
+    fr_t_dump_dir(dir, sizeof dir);
+    setenv("TANDEM_FR_SIZE", "60000", 1);
+    tdm_fr *fr = NULL;
+    cr_assert_eq(tdm_fr_init(&fr, 0, 1, "shm"), TDM_STATUS_OK);
+    tdm_comm_call k = {.coll = TDM_COLL_ALL_REDUCE, .count = 1000, .dtype = TDM_DTYPE_FLOAT32};
+    for (int i = 0; i < 60000; i++) {
+        tdm_fr_set_label(fr, "a long enough label for a big dump");
+        tdm_fr_end(fr, tdm_fr_begin(fr, &k, TDM_FR_RUNNING), TDM_STATUS_OK);
+    }
+    snprintf(path, sizeof path, "%s/fr_rank_0.json", dir);
+    for (int round = 0; round < 5; round++) {
+        fr_nested_ctx x = {.dir = dir, .target = pthread_self()};
+        pthread_t t;
+        cr_assert_eq(pthread_create(&t, NULL, fr_nested_signaller, &x), 0);
+        cr_assert_eq(tdm_fr_dump(fr, "end"), 0);
+        atomic_store(&x.stop, 1);
+        pthread_join(t, NULL);
+        cr_assert(atomic_load(&x.sent), "the dump ended before the signal could be sent");
+        tdm_json *doc = fr_load_big(path);
+        cr_expect_eq(fr_entries(doc)->n, 60000);
+        tdm_json_free(doc);
+        cr_expect(!fr_tmp_exists(dir), "a temporary file was left behind");
+    }
+    setenv("TANDEM_FR_DUMP_ON", "failure", 1);
+    tdm_fr_free(fr);
+    fr_t_rm_dir(dir);
+}
+
+/* TANDEM_FR_DUMP follows the rule of --plot and --log-dir
+ * (core/safefile.h): a directory others can write to, one of another
+ * user, or a symlink of another user's is refused when the recorder is
+ * made, with the reason; a missing one is created 0755. */
+Test(flight, a_dump_directory_others_control_is_refused, .timeout = 30)
+{
+    char dir[64], sub[96], link[96];
+    fr_t_dump_dir(dir, sizeof dir);
+    tdm_fr *fr = NULL;
+    cr_assert_eq(chmod(dir, 0777), 0);
+    cr_expect_eq(tdm_fr_init(&fr, 0, 1, "shm"), TDM_STATUS_INVALID_ARG);
+    cr_expect(strstr(tdm_error_message(), "TANDEM_FR_DUMP") &&
+              strstr(tdm_error_message(), "writable by others"), "%s", tdm_error_message());
+    cr_assert_eq(chmod(dir, 0700), 0);
+    snprintf(sub, sizeof sub, "%s/new", dir);
+    setenv("TANDEM_FR_DUMP", sub, 1);
+    cr_assert_eq(tdm_fr_init(&fr, 0, 1, "shm"), TDM_STATUS_OK, "%s", tdm_error_message());
+    struct stat sb;
+    cr_expect(stat(sub, &sb) == 0 && S_ISDIR(sb.st_mode) && (sb.st_mode & 0777) == 0755);
+    tdm_fr_free(fr);
+    if (geteuid() == 0) {   /* another user's directory and symlink need root to make */
+        cr_assert_eq(chown(sub, 65534, 65534), 0);
+        cr_expect_eq(tdm_fr_init(&fr, 0, 1, "shm"), TDM_STATUS_INVALID_ARG);
+        cr_expect(strstr(tdm_error_message(), "belongs to uid 65534"), "%s", tdm_error_message());
+        cr_assert_eq(chown(sub, 0, 0), 0);
+        snprintf(link, sizeof link, "%s/link", dir);
+        cr_assert_eq(symlink(sub, link), 0);
+        cr_assert_eq(lchown(link, 65534, 65534), 0);
+        setenv("TANDEM_FR_DUMP", link, 1);
+        cr_expect_eq(tdm_fr_init(&fr, 0, 1, "shm"), TDM_STATUS_INVALID_ARG);
+        cr_expect(strstr(tdm_error_message(), "symbolic link that belongs to uid 65534"), "%s",
+                  tdm_error_message());
+    }
     fr_t_rm_dir(dir);
 }

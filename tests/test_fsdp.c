@@ -6,6 +6,10 @@
  * ranks than a unit has elements, and the layout check across ranks. */
 #include <criterion/criterion.h>
 
+#include <unistd.h>
+
+#include "core/device_impl.h"
+#include "core/timer.h"
 #include "tests/test_fsdp_util.h"
 
 static tdm_dataset g_mlp, g_cnn;
@@ -333,6 +337,66 @@ Test(fsdp, different_unit_layout_is_named_at_construction)
         cr_assert(strstr(sh->err[r], "unit"), "rank %d: %s", r, sh->err[r]);
     }
     tf_shared_free(sh);
+}
+
+/* Rank 0 cannot stage the parameters it scatters (or, with full copies,
+ * broadcasts) at construction: the others are told at once (the abort,
+ * with rank 0's reason), not after the communicator's timeout (120 s
+ * here; they waited for it before). */
+static tdm_status tfx_copy_fails(tdm_device *d, void *dst, const void *src, size_t nbytes)
+{
+    (void)d;
+    (void)dst;
+    (void)src;
+    return tdm_error_set(TDM_STATUS_IO, "injected copy failure of %zu bytes", nbytes);
+}
+
+static tdm_device_ops tfx_ops;
+
+static tdm_status tfx_open_failing_rank0(tdm_device **out, int rank)
+{
+    TDM_CHECK(tdm_device_open(out, "cpu", rank, 1));
+    if (rank == 0) {
+        tfx_ops = *(*out)->ops;
+        tfx_ops.copy = tfx_copy_fails;
+        (*out)->ops = &tfx_ops;
+    }
+    return TDM_STATUS_OK;
+}
+
+/* Rank 0 stays (a caller that handles the error and goes on, or a rank
+ * whose exit its peers cannot see, as under MPI) until the others have
+ * ended. */
+static int tfx_rank(tdm_comm *comm, void *arg)
+{
+    tf_run *run = arg;
+    int rc = tf_rank_main(comm, arg);
+    if (tdm_comm_rank(comm) == 0)
+        for (int i = 0; i < 1500 && !(run->sh->err[1][0] && run->sh->err[2][0]); i++)
+            usleep(100 * 1000);
+    return rc;
+}
+
+Test(fsdp, rank_0_failing_to_stage_the_parameters_stops_the_others_at_once)
+{
+    for (int shd = 0; shd < 2; shd++) {
+        tf_cfg c = tf_cfg_default();
+        c.sharding = shd ? TDM_FSDP_SHARD_GRAD_OP : TDM_FSDP_FULL_SHARD;
+        c.open_dev = tfx_open_failing_rank0;
+        tf_shared *sh = tf_shared_new();
+        tf_run run = {.cfg = &c, .data = &g_mlp, .sh = sh};
+        tdm_dist_spawn_opts o = {.timeout_ms = 240000, .comm_timeout_ms = 120000};
+        uint64_t t0 = tdm_time_ns();
+        tdm_status st = tdm_dist_spawn(3, tfx_rank, &run, &o, NULL);
+        double ms = tdm_time_ms_since(t0);
+        cr_assert_neq(st, TDM_STATUS_OK);
+        cr_expect(ms < 60000, "%s: the others waited %.0f ms", tdm_fsdp_sharding_name(c.sharding),
+                  ms);
+        for (int r = 0; r < 3; r++)
+            cr_expect(strstr(sh->err[r], "injected copy failure"), "%s: rank %d: %s",
+                      tdm_fsdp_sharding_name(c.sharding), r, sh->err[r]);
+        tf_shared_free(sh);
+    }
 }
 
 /* Options that change the collectives (here: rank 2 does not prefetch)

@@ -36,6 +36,7 @@ typedef struct ck_cfg {
     const char *load_full, *load_sharded;
     int first_step, steps;       /* data steps first_step .. first_step + steps - 1 */
     const char *save_full, *save_sharded;
+    int64_t info_step;           /* > 0: the step the caller saves with (else the optimizer's) */
 } ck_cfg;
 
 typedef struct ck_shared {
@@ -92,7 +93,8 @@ static int ck_rank(tdm_comm *comm, void *arg)
         TDM_TRY(tdm_fsdp_backward(f));
         TDM_TRY(tdm_fsdp_step(f, opt));
     }
-    tdm_ckpt_info out = {.step = tdm_optim_steps(opt), .epoch = 0, .seed = 5};
+    tdm_ckpt_info out = {.step = c->info_step > 0 ? c->info_step : tdm_optim_steps(opt),
+                         .epoch = 0, .seed = 5};
     if (c->save_full) TDM_TRY(tdm_fsdp_save_full(f, c->save_full, opt, &out));
     if (c->save_sharded) TDM_TRY(tdm_fsdp_save_sharded(f, c->save_sharded, opt, &out));
     TDM_TRY(tdm_fsdp_gather_params(f, h, 0));
@@ -183,6 +185,74 @@ Test(fsdp_ckpt, resume_is_bit_exact_in_both_forms_every_sharding)
             munmap(d, sizeof *d);
         }
     }
+}
+
+/* A caller's own step count (100) is saved and returned as the caller's,
+ * and the optimizer resumes with its own (2: AdamW's bias correction), in
+ * both forms; it was restored from the caller's. */
+Test(fsdp_ckpt, the_optimizer_keeps_its_own_step_count)
+{
+    ck_cfg c = {.base = tf_cfg_default(), .steps = 2, .info_step = 100};
+    c.base.adamw = 1;
+    char full[256], shard[256];
+    snprintf(full, sizeof full, "%s", P("steps.safetensors"));
+    snprintf(shard, sizeof shard, "%s", P("steps.index"));
+    c.save_full = full;
+    c.save_sharded = shard;
+    ck_shared *a = ck_new(), *b = ck_new(), *d = ck_new();
+    ck_ok(2, &c, a, "saved");
+    ck_cfg c2 = {.base = c.base, .steps = 0, .load_full = full};
+    ck_ok(2, &c2, b, "loaded (full form)");
+    ck_cfg c3 = {.base = c.base, .steps = 0, .load_sharded = shard};
+    ck_ok(2, &c3, d, "loaded (sharded form)");
+    cr_expect_eq(b->info_step, 100);
+    cr_expect_eq(d->info_step, 100);
+    cr_expect_eq(b->opt_steps, 2, "full form: the optimizer resumed at step %lld",
+                 (long long)b->opt_steps);
+    cr_expect_eq(d->opt_steps, 2, "sharded form: the optimizer resumed at step %lld",
+                 (long long)d->opt_steps);
+    munmap(a, sizeof *a);
+    munmap(b, sizeof *b);
+    munmap(d, sizeof *d);
+}
+
+static void expect_meta(const char *path, const char *key, const char *want)
+{
+    tdm_st_file *f = NULL;
+    cr_assert_eq(tdm_st_load(&f, path), TDM_STATUS_OK, "%s: %s", path, tdm_error_message());
+    const char *v = tdm_st_meta_get(f, key);
+    if (want) cr_expect(v && !strcmp(v, want), "%s: '%s' is '%s', not '%s'", path, key,
+                        v ? v : "(none)", want);
+    else cr_expect(!v, "%s: '%s' is '%s' with no run set", path, key, v ? v : "");
+    tdm_st_free(f);
+}
+
+/* The full file and the sharded form's index carry the same metadata
+ * (tdm_checkpoint_meta): the caller's step, the optimizer's own count,
+ * and the run the process belongs to (tdm_checkpoint_set_run, inherited
+ * by the forked ranks), which a restart checks; none without a run. */
+Test(fsdp_ckpt, both_forms_carry_the_step_counts_and_the_run)
+{
+    ck_cfg c = {.base = tf_cfg_default(), .steps = 2, .info_step = 100};
+    c.base.adamw = 1;
+    for (int with_run = 1; with_run >= 0; with_run--) {
+        char full[256], shard[256];
+        snprintf(full, sizeof full, "%s/run%d.safetensors", g_dir, with_run);
+        snprintf(shard, sizeof shard, "%s/run%d.index", g_dir, with_run);
+        c.save_full = full;
+        c.save_sharded = shard;
+        tdm_checkpoint_set_run(with_run ? "00000000000000c3" : NULL);
+        ck_shared *a = ck_new();
+        ck_ok(2, &c, a, "saved");
+        for (int form = 0; form < 2; form++) {
+            const char *p = form ? shard : full;
+            expect_meta(p, "step", "100");
+            expect_meta(p, "optimizer_steps", "2");
+            expect_meta(p, "run", with_run ? "00000000000000c3" : NULL);
+        }
+        munmap(a, sizeof *a);
+    }
+    tdm_checkpoint_set_run(NULL);
 }
 
 Test(fsdp_ckpt, full_form_is_the_file_every_mode_reads_at_any_n)

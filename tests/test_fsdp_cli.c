@@ -272,6 +272,9 @@ Test(fsdp_cli, gpt_restart_after_a_killed_rank_is_bit_identical, .timeout = 240)
 #define EL_GPT "train", "--model", GPT_TINY, "--data", text, "--mode", "fsdp", "--sharding", \
                "grad_op", "--device", "cpu:2", "--epochs", "3", "--max-steps", "4", "--batch", \
                "6", "--lr", "0.01", "--no-eval", "--quiet"
+    /* one run id for both: their checkpoints must be the same bytes (the
+     * "run" metadata included) */
+    setenv("TANDEM_RUN_ID", "00000000000000e1", 1);
     CLI(&r, EL_GPT, "--save", straight);
     expect(&r, 0, NULL);
     setenv("TANDEM_DDP_TEST_KILL", "1:6", 1);
@@ -304,6 +307,9 @@ Test(fsdp_cli, image_restart_after_a_killed_rank_is_bit_identical, .timeout = 24
 #define EL_IMG "train", "--mode", "fsdp", "--device", "cpu:2", "--data", "synthetic", \
                "--synthetic-size", "1024", "--batch", "64", "--model", "mlp:784-32-10", \
                "--no-eval", "--quiet", "--epochs", "3"
+    /* one run id for both: their checkpoints must be the same bytes (the
+     * "run" metadata included) */
+    setenv("TANDEM_RUN_ID", "00000000000000e1", 1);
     CLI(&r, EL_IMG, "--save", straight);
     expect(&r, 0, NULL);
     setenv("TANDEM_DDP_TEST_KILL", "1:20", 1);

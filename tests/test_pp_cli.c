@@ -189,6 +189,8 @@ Test(pp_cli, max_restarts_resumes_a_killed_stage_bit_for_bit)
     char a[128], b[128];
     path(a, sizeof a, "restarted");
     path(b, sizeof b, "straight");
+    /* one run id for both: a checkpoint records its run's (docs/DEBUGGING.md) */
+    setenv("TANDEM_RUN_ID", "pp-cli-restart", 1);
     setenv("TMPDIR", g_dir, 1);
     setenv("TANDEM_DDP_TEST_KILL", "1:10", 1);
     CLI(&r, "train", "--mode", "pp", "--device", "cpu:3", MLP, SYN, "--batch", "32",
@@ -199,6 +201,7 @@ Test(pp_cli, max_restarts_resumes_a_killed_stage_bit_for_bit)
     expect(&r, 0, "epoch 2/2");
     CLI(&r, "train", "--mode", "pp", "--device", "cpu:3", MLP, SYN, "--batch", "32",
         "--epochs", "2", "--quiet", "--save", b);
+    unsetenv("TANDEM_RUN_ID");
     expect(&r, 0, "epoch 2/2");
     cr_assert(cli_same_file(a, b));
 }

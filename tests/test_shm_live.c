@@ -12,7 +12,9 @@
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <stdatomic.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -21,6 +23,57 @@
 #include "shm/shm_comm.h"
 #include "shm/spawn.h"
 #include "tests/timeout_util.h"
+
+/* --- a peer that leaves after a completed collective ------------------------ */
+
+/* Rank 1 publishes its part of an all_gather and waits for rank 0's;
+ * rank 0 arrives late, completes the all_gather (rank 1's part was
+ * there), and exits with an error; its parent raises the group abort.
+ * Rank 1 held its failure checks until then (the test hook: as a rank
+ * descheduled after its spin on a loaded machine) - yet rank 0's part is
+ * there, so its all_gather is complete and must succeed with the data
+ * (it failed with "all_gather #0: rank 0 ... exited with code 1"). Seen
+ * in DDP: ranks 0 and 1 found a layout mismatch after an all_gather and
+ * exited; rank 2, still reading that all_gather, reported the exit
+ * instead of the mismatch. */
+typedef struct {
+    _Atomic int status[2];
+    int32_t got[2][2];
+} late_shared;
+
+static int late_checks_rank(tdm_comm *comm, void *arg)
+{
+    late_shared *sh = arg;
+    int r = tdm_comm_rank(comm);
+    if (r == 0) usleep(300 * 1000);   /* rank 1 waits for this rank: spin, then the hook */
+    int32_t mine = 10 + r;
+    tdm_status st = tdm_comm_all_gather(comm, &mine, sh->got[r], 1, TDM_DTYPE_INT32);
+    atomic_store(&sh->status[r], st == TDM_STATUS_OK ? 1 : 2);
+    if (st) fprintf(stderr, "rank %d: %s\n", r, tdm_error_message());
+    return r == 0 ? 1 : (st ? 2 : 0);   /* rank 0 leaves with an error once done */
+}
+
+Test(shm_live, a_wait_whose_data_came_ignores_a_peer_that_left_after, .timeout = 60)
+{
+    late_shared *sh = mmap(NULL, sizeof *sh, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS,
+                           -1, 0);
+    cr_assert(sh != MAP_FAILED);
+    memset(sh, 0, sizeof *sh);
+    setenv("TANDEM_SHM_TEST_LATE_CHECKS", "1", 1);
+    tdm_shm_spawn_opts o = {.shm = {.timeout_ms = tu_scaled_ms(30000)},
+                            .timeout_ms = tu_scaled_ms(30000), .grace_ms = tu_scaled_ms(10000)};
+    tdm_shm_spawn_result res;
+    tdm_status st = tdm_shm_spawn(2, late_checks_rank, sh, &o, &res);
+    cr_assert_eq(st, TDM_STATUS_PEER_FAILED, "%s", tdm_error_message());
+    cr_expect(strstr(tdm_error_message(), "rank 0 (pid"), "%s", tdm_error_message());
+    cr_assert_eq(atomic_load(&sh->status[0]), 1, "rank 0's all_gather failed");
+    cr_assert_eq(atomic_load(&sh->status[1]), 1, "rank 1's all_gather failed although rank 0's "
+                 "part had come");
+    cr_expect_eq(sh->got[1][0], 10);
+    cr_expect_eq(sh->got[1][1], 11);
+    cr_expect(WIFEXITED(res.wstatus[1]) && WEXITSTATUS(res.wstatus[1]) == 0);
+    munmap(sh, sizeof *sh);
+}
 
 /* --- gone: exit 0, free then fail ------------------------------------------ */
 

@@ -8,9 +8,6 @@
  * not a live debugger (it never attaches to a process). */
 #include "tools/doctor.h"
 
-#include <dirent.h>
-#include <errno.h>
-#include <fcntl.h>
 #include <inttypes.h>
 #include <stdarg.h>
 #include <stdint.h>
@@ -19,119 +16,29 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
-#include <unistd.h>
 
-#include "core/json.h"
 #include "core/safefile.h"
 #include "shm/spawn.h"
+#include "tools/doctor_impl.h"
 #include "tools/tools.h"
 
-#define TDM_DOC_MAX_RANKS 1024
+/* A string being built in a fixed buffer: appends stop at its end
+ * (truncating), never past it, whatever the dumps hold. */
+typedef struct tdm_doc_buf {
+    char *p;
+    size_t n, len;
+} tdm_doc_buf;
 
-typedef struct tdm_doc_entry {
-    uint64_t seq, count;
-    int64_t root, step;
-    const char *coll, *dtype, *op, *label, *state, *status;
-    uint64_t t_enq, t_start, t_end;
-} tdm_doc_entry;
-
-typedef struct tdm_doc_rank {
-    int have;
-    tdm_json *doc;
-    int failed;
-    const char *reason, *status, *trigger;
-    int64_t last_step, pid;
-    uint64_t next_seq, first_seq;   /* entries hold seqs [first_seq, next_seq) */
-    int n;
-    tdm_doc_entry *e;               /* (n), by seq */
-    uint64_t last_activity;         /* latest time stamp of any entry */
-} tdm_doc_rank;
-
-typedef struct tdm_doc {
-    int world;
-    tdm_doc_rank *r;                /* (world) */
-    tdm_json *summary;
-    const char *cause;              /* summary's cause, or NULL */
-} tdm_doc;
-
-static const char *tdm_doc_str(const tdm_json *o, const char *k, const char *dflt)
+static void tdm_doc_add(tdm_doc_buf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void tdm_doc_add(tdm_doc_buf *b, const char *fmt, ...)
 {
-    const tdm_json *v = tdm_json_get(o, k);
-    return v && v->type == TDM_JSON_STRING ? v->str : dflt;
-}
-
-static int64_t tdm_doc_int(const tdm_json *o, const char *k, int64_t dflt)
-{
-    const tdm_json *v = tdm_json_get(o, k);
-    return v && (v->type == TDM_JSON_INT || v->type == TDM_JSON_BOOL) ? v->i : dflt;
-}
-
-static tdm_json *tdm_doc_load(const char *dir, const char *name)
-{
-    char path[4096];
-    snprintf(path, sizeof path, "%s/%s", dir, name);
-    int fd = -1;
-    size_t nbytes = 0;
-    if (tdm_file_open_read(path, &fd, &nbytes)) return NULL;
-    char *buf = malloc(nbytes + 1);
-    size_t got = 0;
-    while (buf && got < nbytes) {
-        ssize_t k = read(fd, buf + got, nbytes - got);
-        if (k < 0 && errno == EINTR) continue;
-        if (k <= 0) break;
-        got += (size_t)k;
-    }
-    close(fd);
-    tdm_json *doc = NULL;
-    if (buf && got == nbytes && tdm_json_parse(&doc, buf, nbytes)) doc = NULL;
-    free(buf);
-    return doc;
-}
-
-tdm_json *tdm_doctor_load(const char *dir, const char *name) { return tdm_doc_load(dir, name); }
-
-static int tdm_doc_cmp_seq(const void *a, const void *b)
-{
-    const tdm_doc_entry *x = a, *y = b;
-    return x->seq < y->seq ? -1 : x->seq > y->seq;
-}
-
-static void tdm_doc_take(tdm_doc_rank *r, tdm_json *doc)
-{
-    r->have = 1;
-    r->doc = doc;
-    r->failed = (int)tdm_doc_int(doc, "failed", 0);
-    r->reason = tdm_doc_str(doc, "reason", "");
-    r->status = tdm_doc_str(doc, "status", "ok");
-    r->trigger = tdm_doc_str(doc, "trigger", "?");
-    r->last_step = tdm_doc_int(doc, "last_step", 0);
-    r->pid = tdm_doc_int(doc, "pid", 0);
-    r->next_seq = (uint64_t)tdm_doc_int(doc, "next_seq", 0);
-    const tdm_json *ents = tdm_json_get(doc, "entries");
-    int n = ents && ents->type == TDM_JSON_ARRAY ? ents->n : 0;
-    r->e = calloc((size_t)n + 1, sizeof *r->e);
-    for (int i = 0; r->e && i < n; i++) {
-        const tdm_json *o = &ents->items[i];
-        tdm_doc_entry *e = &r->e[r->n++];
-        e->seq = (uint64_t)tdm_doc_int(o, "seq", 0);
-        e->count = (uint64_t)tdm_doc_int(o, "count", 0);
-        e->root = tdm_doc_int(o, "root", -1);
-        e->step = tdm_doc_int(o, "step", 0);
-        e->coll = tdm_doc_str(o, "coll", "?");
-        e->dtype = tdm_doc_str(o, "dtype", "?");
-        e->op = tdm_doc_str(o, "op", "-");
-        e->label = tdm_doc_str(o, "label", "");
-        e->state = tdm_doc_str(o, "state", "?");
-        e->status = tdm_doc_str(o, "status", "?");
-        e->t_enq = (uint64_t)tdm_doc_int(o, "t_enqueue_ns", 0);
-        e->t_start = (uint64_t)tdm_doc_int(o, "t_start_ns", 0);
-        e->t_end = (uint64_t)tdm_doc_int(o, "t_end_ns", 0);
-        uint64_t t = e->t_end > e->t_start ? e->t_end : e->t_start;
-        if (e->t_enq > t) t = e->t_enq;
-        if (t > r->last_activity) r->last_activity = t;
-    }
-    if (r->n) qsort(r->e, (size_t)r->n, sizeof *r->e, tdm_doc_cmp_seq);
-    r->first_seq = r->n ? r->e[0].seq : r->next_seq;
+    if (!b->n || b->len >= b->n - 1) return;
+    va_list ap;
+    va_start(ap, fmt);
+    int k = vsnprintf(b->p + b->len, b->n - b->len, fmt, ap);
+    va_end(ap);
+    if (k > 0) b->len += (size_t)k;
+    if (b->len > b->n - 1) b->len = b->n - 1;
 }
 
 static const tdm_doc_entry *tdm_doc_at(const tdm_doc_rank *r, uint64_t seq)
@@ -139,11 +46,22 @@ static const tdm_doc_entry *tdm_doc_at(const tdm_doc_rank *r, uint64_t seq)
     if (!r->have || seq < r->first_seq || seq >= r->next_seq) return NULL;
     int lo = 0, hi = r->n - 1;
     while (lo <= hi) {
-        int mid = (lo + hi) / 2;
+        int mid = lo + (hi - lo) / 2;
         if (r->e[mid].seq == seq) return &r->e[mid];
         if (r->e[mid].seq < seq) lo = mid + 1; else hi = mid - 1;
     }
     return NULL;
+}
+
+/* The index of seq in r's entries, or of the first entry after it. */
+static int tdm_doc_index(const tdm_doc_rank *r, uint64_t seq)
+{
+    int lo = 0, hi = r->n;
+    while (lo < hi) {
+        int mid = lo + (hi - lo) / 2;
+        if (r->e[mid].seq < seq) lo = mid + 1; else hi = mid;
+    }
+    return lo;
 }
 
 /* What must agree between ranks: collective, dtype, op, count, root. */
@@ -156,69 +74,19 @@ static int tdm_doc_same(const tdm_doc_entry *a, const tdm_doc_entry *b)
            (!a->label[0] || !b->label[0] || !strcmp(a->label, b->label));
 }
 
+/* "all_reduce(float32, sum, count=48) 'ddp bucket 1'"; each string cut
+ * to what the recorder can write (its label: 47 bytes), so that a
+ * damaged dump cannot crowd out the rest of the line. */
 static void tdm_doc_call_str(const tdm_doc_entry *e, char *out, size_t n)
 {
-    int len = snprintf(out, n, "%s(%s", e->coll, e->dtype);
-    if (strcmp(e->op, "-")) len += snprintf(out + len, n - (size_t)len, ", %s", e->op);
-    len += snprintf(out + len, n - (size_t)len, ", count=%" PRIu64, e->count);
-    if (e->root >= 0) len += snprintf(out + len, n - (size_t)len, ", root=%" PRId64, e->root);
-    len += snprintf(out + len, n - (size_t)len, ")");
-    if (e->label[0]) snprintf(out + len, n - (size_t)len, " '%s'", e->label);
-}
-
-static void tdm_doc_free(tdm_doc *d)
-{
-    for (int i = 0; d->r && i < d->world; i++) {
-        free(d->r[i].e);
-        tdm_json_free(d->r[i].doc);
-    }
-    free(d->r);
-    tdm_json_free(d->summary);
-}
-
-/* Loads DIR: returns the number of dumps read. */
-static int tdm_doc_read(tdm_doc *d, const char *dir)
-{
-    memset(d, 0, sizeof *d);
-    DIR *dp = opendir(dir);
-    if (!dp) return -1;
-    tdm_json *docs[TDM_DOC_MAX_RANKS] = {0};
-    int maxr = -1, got = 0;
-    struct dirent *de;
-    while ((de = readdir(dp))) {
-        int r = -1, len = 0;
-        /* fr_rank_<R>.json only: the first communicator of each rank */
-        if (sscanf(de->d_name, "fr_rank_%d.json%n", &r, &len) != 1 ||
-            len != (int)strlen(de->d_name) || r < 0 || r >= TDM_DOC_MAX_RANKS)
-            continue;
-        tdm_json *doc = tdm_doc_load(dir, de->d_name);
-        if (!doc) {
-            fprintf(stderr, "tandem doctor: %s/%s: not a readable dump (skipped)\n", dir,
-                    de->d_name);
-            continue;
-        }
-        tdm_json_free(docs[r]);
-        docs[r] = doc;
-        if (r > maxr) maxr = r;
-        int64_t w = tdm_doc_int(doc, "world", 0);
-        if (w > d->world && w <= TDM_DOC_MAX_RANKS) d->world = (int)w;
-        got++;
-    }
-    closedir(dp);
-    d->summary = tdm_doc_load(dir, TDM_DOCTOR_SUMMARY);
-    if (d->summary) {
-        int64_t w = tdm_doc_int(d->summary, "world", 0);
-        if (w > d->world && w <= TDM_DOC_MAX_RANKS) d->world = (int)w;
-        d->cause = tdm_doc_str(d->summary, "cause", NULL);
-        if (d->cause && !d->cause[0]) d->cause = NULL;
-    }
-    if (maxr + 1 > d->world) d->world = maxr + 1;
-    d->r = calloc((size_t)(d->world > 0 ? d->world : 1), sizeof *d->r);
-    for (int r = 0; r <= maxr; r++) {
-        if (!docs[r]) continue;
-        if (d->r) tdm_doc_take(&d->r[r], docs[r]); else tdm_json_free(docs[r]);
-    }
-    return got;
+    tdm_doc_buf b = {out, n, 0};
+    out[0] = 0;
+    tdm_doc_add(&b, "%.24s(%.24s", e->coll, e->dtype);
+    if (strcmp(e->op, "-")) tdm_doc_add(&b, ", %.24s", e->op);
+    tdm_doc_add(&b, ", count=%" PRIu64, e->count);
+    if (e->root >= 0) tdm_doc_add(&b, ", root=%" PRId64, e->root);
+    tdm_doc_add(&b, ")");
+    if (e->label[0]) tdm_doc_add(&b, " '%.64s'", e->label);
 }
 
 /* The summary's word on rank r: "was killed by signal 9 (Killed)", or
@@ -244,28 +112,35 @@ typedef struct tdm_doc_blame {
     char what[256];
 } tdm_doc_blame;
 
-static void tdm_doc_classify(const char *msg, tdm_doc_blame *b)
+/* Whom msg blames: the first "rank R (pid P) <how>" with R one of the
+ * job's W ranks (a message naming another is not this job's word). */
+static void tdm_doc_classify(const char *msg, int W, tdm_doc_blame *b)
 {
     b->rank = -1;
     b->kind = TDM_DOCTOR_FAILED;
     b->what[0] = 0;
     if (!msg) return;
     for (const char *p = strstr(msg, "rank "); p; p = strstr(p + 1, "rank ")) {
-        int r, pid, len = 0;
-        if (sscanf(p, "rank %d (pid %d)%n", &r, &pid, &len) != 2 || !len) continue;
+        int r, pid, len = 0, part;
+        /* "rank R (pid P)", or on a communicator split from the job's
+         * "rank r (job rank R, pid P)": R is the job's */
+        if (sscanf(p, "rank %d (job rank %d, pid %d)%n", &part, &r, &pid, &len) != 3 &&
+            (len = 0, sscanf(p, "rank %d (pid %d)%n", &r, &pid, &len) != 2))
+            continue;
+        if (!len || r < 0 || r >= W) continue;
         const char *w = p + len;
         while (*w == ' ') w++;
         if (!strncmp(w, "is stopped", 10) || !strncmp(w, "is frozen", 9))
             b->kind = TDM_DOCTOR_STALLED;
         else if (!strncmp(w, "was killed", 10) || !strncmp(w, "exited", 6) ||
-                 !strncmp(w, "died", 4))
+                 !strncmp(w, "died", 4) || !strncmp(w, "ended", 5))
             b->kind = TDM_DOCTOR_DIED;
         else
             continue;
         b->rank = r;
         /* up to the first ';', newline or ':' outside parentheses */
         int depth = 0, k = 0;
-        for (; w[k] && w[k] != ';' && w[k] != '\n'; k++) {
+        for (; w[k] && w[k] != ';' && w[k] != '\n' && k < (int)sizeof b->what - 1; k++) {
             if (w[k] == '(') depth++;
             else if (w[k] == ')' && depth > 0) depth--;
             else if (w[k] == ':' && depth == 0) break;
@@ -273,15 +148,17 @@ static void tdm_doc_classify(const char *msg, tdm_doc_blame *b)
         snprintf(b->what, sizeof b->what, "%.*s", k, w);
         return;
     }
-    if (strstr(msg, "timed out")) b->kind = TDM_DOCTOR_STALLED;
+    if (strstr(msg, "timed out") || strstr(msg, "did not complete within"))
+        b->kind = TDM_DOCTOR_STALLED;
 }
 
-static int tdm_doc_join(char *out, size_t n, const int *ranks, int k)
+/* "rank 3" / "ranks 0,2", cut at n. */
+static void tdm_doc_join(char *out, size_t n, const int *ranks, int k)
 {
-    int len = snprintf(out, n, "%s", k > 1 ? "ranks " : "rank ");
-    for (int i = 0; i < k && len < (int)n; i++)
-        len += snprintf(out + len, n - (size_t)len, "%s%d", i ? "," : "", ranks[i]);
-    return len;
+    tdm_doc_buf b = {out, n, 0};
+    out[0] = 0;
+    tdm_doc_add(&b, "%s", k > 1 ? "ranks " : "rank ");
+    for (int i = 0; i < k && b.len < n - 1; i++) tdm_doc_add(&b, "%s%d", i ? "," : "", ranks[i]);
 }
 
 /* --- the diagnosis, phase by phase ---------------------------------------------
@@ -310,6 +187,7 @@ typedef struct tdm_doc_diag {
     int64_t bad;                            /* 1: first disagreeing seq; -1: none */
     int desync_rank;                        /* 1: the odd one out; -1: none */
     int missing[TDM_DOC_MAX_RANKS], nmissing, nfailed;   /* 2 */
+    int nterm;                              /* 2: dumps of ranks ended from outside */
     tdm_doc_blame blame;                    /* 2 */
     uint64_t front;                         /* 3: the furthest next_seq */
     const tdm_doc_entry *waiting;           /* 3: the collective the others waited in */
@@ -329,26 +207,43 @@ static void tdm_doc_detail(tdm_doc_diag *g, const char *fmt, ...)
 }
 
 /* 1. The first seq at which two ranks' calls differ (send/recv are not
- * compared: only two ranks take part). */
+ * compared: only two ranks take part). Every rank's entries, sorted by
+ * seq, then compared within each seq: the work is bounded by the entries
+ * the dumps hold, whatever numbers they claim. */
+typedef struct tdm_doc_ref {
+    uint64_t seq;
+    const tdm_doc_entry *e;
+} tdm_doc_ref;
+
+static int tdm_doc_cmp_ref(const void *a, const void *b)
+{
+    const tdm_doc_ref *x = a, *y = b;
+    return x->seq < y->seq ? -1 : x->seq > y->seq;
+}
+
 static void tdm_doc_first_mismatch(tdm_doc_diag *g)
 {
     const tdm_doc *d = &g->d;
-    uint64_t lo = UINT64_MAX, hi = 0;
-    for (int r = 0; r < g->W; r++) {
-        if (!d->r[r].have) continue;
-        if (d->r[r].first_seq < lo) lo = d->r[r].first_seq;
-        if (d->r[r].next_seq > hi) hi = d->r[r].next_seq;
-    }
+    size_t total = 0, k = 0;
     g->bad = -1;
-    for (uint64_t s = lo; s < hi && g->bad < 0; s++) {
-        const tdm_doc_entry *ref = NULL;
-        for (int r = 0; r < g->W; r++) {
-            const tdm_doc_entry *e = tdm_doc_at(&d->r[r], s);
-            if (!e || !strcmp(e->coll, "send") || !strcmp(e->coll, "recv")) continue;
-            if (!ref) ref = e;
-            else if (!tdm_doc_same(ref, e)) { g->bad = (int64_t)s; break; }
+    for (int r = 0; r < g->W; r++) total += d->r[r].have ? (size_t)d->r[r].n : 0;
+    tdm_doc_ref *all = calloc(total + 1, sizeof *all);
+    if (!all) return;
+    for (int r = 0; r < g->W; r++)
+        for (int i = 0; d->r[r].have && i < d->r[r].n; i++) {
+            const tdm_doc_entry *e = &d->r[r].e[i];
+            if (!strcmp(e->coll, "send") || !strcmp(e->coll, "recv")) continue;
+            all[k++] = (tdm_doc_ref){e->seq, e};
         }
+    /* qsort is not stable, but any member of a seq's group is a fine
+     * reference: the group disagrees if any two differ from each other,
+     * and then some member differs from any chosen one */
+    if (k) qsort(all, k, sizeof *all, tdm_doc_cmp_ref);
+    for (size_t i = 0, j; i < k && g->bad < 0; i = j) {
+        for (j = i + 1; j < k && all[j].seq == all[i].seq; j++)
+            if (!tdm_doc_same(all[i].e, all[j].e)) g->bad = (int64_t)all[i].seq;
     }
+    free(all);
 }
 
 /* 1. The ranks grouped by what they called at seq bad, and the verdict
@@ -372,9 +267,11 @@ static void tdm_doc_desync_groups(tdm_doc_diag *g, tdm_doc_groups *gr)
         char who[256], call[256];
         tdm_doc_join(who, sizeof who, members, k);
         tdm_doc_call_str(e, call, sizeof call);
-        gl += (size_t)snprintf(groups + gl, gl < sizeof groups ? sizeof groups - gl : 0,
-                               "%s%s called %s", gr->n ? "; " : "", who, call);
-        if (gl > sizeof groups) gl = sizeof groups;
+        if (gl < sizeof groups - 1) {
+            gl += (size_t)snprintf(groups + gl, sizeof groups - gl, "%s%s called %s",
+                                   gr->n ? "; " : "", who, call);
+            if (gl > sizeof groups - 1) gl = sizeof groups - 1;
+        }
         if (gr->n < TDM_DOC_GROUPS) { gr->ref[gr->n] = e; gr->size[gr->n] = k; }
         if (k > bigsize) { bigsize = k; gr->biggest = gr->n; }
         gr->n++;
@@ -392,12 +289,34 @@ static int tdm_doc_skipped(const tdm_doc_diag *g, int q, const tdm_doc_entry *e,
     const tdm_doc_rank *rq = &g->d.r[q];
     const tdm_doc_entry *m1 = tdm_doc_at(rq, (uint64_t)g->bad + 1);
     if (m1 && tdm_doc_same(e, m1)) return 1;
-    for (int64_t p = g->bad - 1; p > (int64_t)rq->first_seq; p--) {
-        const tdm_doc_entry *hp = tdm_doc_at(rq, (uint64_t)p);
-        const tdm_doc_entry *hp0 = tdm_doc_at(rq, (uint64_t)p - 1);
-        if (hp && hp0 && tdm_doc_same(e, hp)) return tdm_doc_same(m, hp0);
+    /* back through q's history, entry by entry (not seq by seq: a damaged
+     * dump's numbers must not set the work) */
+    for (int i = tdm_doc_index(rq, (uint64_t)g->bad) - 1; i > 0; i--) {
+        const tdm_doc_entry *hp = &rq->e[i], *hp0 = &rq->e[i - 1];
+        if (hp0->seq + 1 == hp->seq && tdm_doc_same(e, hp)) return tdm_doc_same(m, hp0);
     }
     return 0;
+}
+
+/* 1. "  rank R called: #5 ..., #6 ..., #7 ... (failed)": rank r's last
+ * calls up to the first mismatch (and one after it, if it went on). */
+#define TDM_DOC_CALLS_SHOWN 3
+static void tdm_doc_calls_upto(tdm_doc_diag *g, int r)
+{
+    const tdm_doc_rank *rr = &g->d.r[r];
+    int at = tdm_doc_index(rr, (uint64_t)g->bad);
+    int lo = at - (TDM_DOC_CALLS_SHOWN - 1) > 0 ? at - (TDM_DOC_CALLS_SHOWN - 1) : 0;
+    int hi = at + 1 < rr->n ? at + 1 : rr->n - 1;
+    char line[1024];
+    tdm_doc_buf b = {line, sizeof line, 0};
+    line[0] = 0;
+    for (int i = lo; i <= hi; i++) {
+        char call[256];
+        tdm_doc_call_str(&rr->e[i], call, sizeof call);
+        tdm_doc_add(&b, "%s#%" PRIu64 " %s", i > lo ? ", " : "", rr->e[i].seq, call);
+        if (strcmp(rr->e[i].state, "done")) tdm_doc_add(&b, " (%.16s)", rr->e[i].state);
+    }
+    tdm_doc_detail(g, "    rank %d called: %s\n", r, line);
 }
 
 /* 1. A DESYNC: the groups, the ranks that skipped a call, the odd one out. */
@@ -407,6 +326,13 @@ static void tdm_doc_desync(tdm_doc_diag *g)
     g->v = TDM_DOCTOR_DESYNC;
     tdm_doc_groups gr;
     tdm_doc_desync_groups(g, &gr);
+    /* A tie between the biggest groups (one rank against one: the common
+     * `if rank == 0:` bug) has no majority: an extra call on one side and
+     * a skipped one on the other leave the same records, so no side is
+     * named; each group's calls up to the mismatch are shown instead. */
+    int ties = 0;
+    for (int k = 0; k < gr.n && k < TDM_DOC_GROUPS && gr.biggest >= 0; k++)
+        ties += gr.size[k] == gr.size[gr.biggest];
     for (int k = 0; k < gr.n && k < TDM_DOC_GROUPS && gr.biggest >= 0; k++) {
         if (k == gr.biggest) continue;
         for (int r = 0; r < g->W; r++) {
@@ -415,15 +341,36 @@ static void tdm_doc_desync(tdm_doc_diag *g)
             for (int q = 0; q < g->W; q++) {
                 const tdm_doc_entry *m = tdm_doc_at(&d->r[q], (uint64_t)g->bad);
                 if (m != gr.ref[gr.biggest]) continue;
+                char call[256];
                 if (tdm_doc_skipped(g, q, e, m)) {
-                    char call[256];
                     tdm_doc_call_str(m, call, sizeof call);
-                    tdm_doc_detail(g, "  rank %d skipped %s: it went on to the call that "
-                                      "follows it\n", r, call);
+                    if (ties > 1)
+                        tdm_doc_detail(g, "  either rank %d skipped %s, or rank %d called it "
+                                          "where the others did not\n", r, call, q);
+                    else
+                        tdm_doc_detail(g, "  rank %d skipped %s: it went on to the call that "
+                                          "follows it\n", r, call);
+                } else if (ties > 1 && tdm_doc_skipped(g, r, m, e)) {
+                    tdm_doc_call_str(e, call, sizeof call);
+                    tdm_doc_detail(g, "  either rank %d skipped %s, or rank %d called it where "
+                                      "the others did not\n", q, call, r);
                 }
                 break;
             }
         }
+    }
+    if (ties > 1) {
+        tdm_doc_detail(g, "  no majority (%d rank%s against %d): the records cannot tell which "
+                          "side went wrong (one called a collective the other did not, or "
+                          "skipped one); their calls:\n", gr.size[gr.biggest],
+                       gr.size[gr.biggest] > 1 ? "s" : "", gr.size[gr.biggest]);
+        for (int k = 0; k < gr.n && k < TDM_DOC_GROUPS; k++)
+            for (int r = 0; r < g->W; r++)
+                if (tdm_doc_at(&d->r[r], (uint64_t)g->bad) == gr.ref[k]) {
+                    tdm_doc_calls_upto(g, r);
+                    break;
+                }
+        return;
     }
     /* the odd one out: the first rank of the smallest group */
     int small = gr.biggest == 0 && gr.n > 1 ? 1 : 0;
@@ -431,6 +378,16 @@ static void tdm_doc_desync(tdm_doc_diag *g)
         if (k != gr.biggest && gr.size[k] < gr.size[small]) small = k;
     for (int r = 0; r < g->W && g->desync_rank < 0; r++)
         if (tdm_doc_at(&d->r[r], (uint64_t)g->bad) == gr.ref[small]) g->desync_rank = r;
+}
+
+/* A dump written because the process was ended from outside (SIGTERM
+ * from mpirun after another rank's death, or from the user; "job abort":
+ * another rank of an MPI job asked for it before ending the job), not by
+ * a failure of its own. */
+static int tdm_doc_ended_from_outside(const tdm_doc_rank *r)
+{
+    return !r->failed && (!strcmp(r->trigger, "SIGTERM") || !strcmp(r->trigger, "SIGINT") ||
+                          !strcmp(r->trigger, "job abort") || !strcmp(r->trigger, "exit"));
 }
 
 /* 2. How each rank ended, and who is blamed: the launcher's cause, else a
@@ -441,14 +398,17 @@ static void tdm_doc_find_blame(tdm_doc_diag *g)
     const tdm_doc *d = &g->d;
     char buf[sizeof g->blame.what];
     g->blame = (tdm_doc_blame){.rank = -1, .kind = TDM_DOCTOR_OK};
-    if (d->cause) tdm_doc_classify(d->cause, &g->blame);
+    if (d->cause) tdm_doc_classify(d->cause, g->W, &g->blame);
     for (int r = 0; r < g->W; r++) {
         if (!d->r[r].have) { g->missing[g->nmissing++] = r; continue; }
-        if (!d->r[r].failed) continue;
+        if (!d->r[r].failed) {
+            g->nterm += tdm_doc_ended_from_outside(&d->r[r]);
+            continue;
+        }
         g->nfailed++;
         if (g->blame.rank < 0) {
             tdm_doc_blame b;
-            tdm_doc_classify(d->r[r].reason, &b);
+            tdm_doc_classify(d->r[r].reason, g->W, &b);
             if (b.rank >= 0 || g->blame.kind == TDM_DOCTOR_OK) g->blame = b;
         }
     }
@@ -461,7 +421,10 @@ static void tdm_doc_find_blame(tdm_doc_diag *g)
             snprintf(g->blame.what, sizeof g->blame.what, "%s", end);
         }
     }
-    if (g->blame.rank < 0 && g->nmissing > 0 && (g->nfailed > 0 || d->cause)) {
+    /* a rank without a dump, while the others failed or were ended from
+     * outside (mpirun's SIGTERM after a rank's death): it is the one that
+     * died (a SIGKILLed rank cannot write) */
+    if (g->blame.rank < 0 && g->nmissing > 0 && (g->nfailed > 0 || d->cause || g->nterm > 0)) {
         g->blame.rank = g->missing[0];
         g->blame.kind = TDM_DOCTOR_DIED;
         snprintf(g->blame.what, sizeof g->blame.what,
@@ -481,6 +444,32 @@ static void tdm_doc_frontier(tdm_doc_diag *g)
             g->front = d->r[r].next_seq;
             front_rank = r;
         }
+    /* A collective that completed on any rank was entered by every rank
+     * (each waits for every other's arrival), so the ranks that stopped
+     * stopped after the last one completed anywhere: the collective the
+     * others waited in is the one after it, as any rank recorded it. Not
+     * a rank's first unfinished entry: a rank that was slow to finish
+     * collective #6 while a peer died may have failed it (its data was
+     * complete, the peer had entered #7's predecessor and left), although
+     * another rank had already entered #7. (send and recv involve two
+     * ranks only: they prove nothing of the others.) */
+    int64_t done = -1;
+    for (int r = 0; r < g->W; r++)
+        for (int i = d->r[r].have ? d->r[r].n - 1 : -1; i >= 0; i--)
+            if (!strcmp(d->r[r].e[i].state, "done") && strcmp(d->r[r].e[i].coll, "send") &&
+                strcmp(d->r[r].e[i].coll, "recv")) {
+                if ((int64_t)d->r[r].e[i].seq > done) done = (int64_t)d->r[r].e[i].seq;
+                break;
+            }
+    g->waiting = NULL;
+    for (int r = 0; r < g->W; r++) {
+        const tdm_doc_entry *e = tdm_doc_at(&d->r[r], (uint64_t)(done + 1));
+        /* prefer a rank that was still in it (its state says how it ended) */
+        if (e && (!g->waiting || !strcmp(g->waiting->state, "done"))) g->waiting = e;
+    }
+    if (g->waiting) return;
+    /* nothing recorded after the last completed collective: the last call
+     * of the rank that went furthest, or the first that did not complete */
     g->waiting = front_rank >= 0 ? tdm_doc_at(&d->r[front_rank], g->front - 1) : NULL;
     for (int r = 0; r < g->W; r++)
         for (int i = 0; d->r[r].have && i < d->r[r].n; i++)
@@ -515,8 +504,24 @@ static void tdm_doc_verdict(tdm_doc_diag *g)
         int first = -1;
         for (int r = 0; r < g->W; r++)
             if (d->r[r].have && d->r[r].failed) { first = r; break; }
-        tdm_doc_classify(first >= 0 ? d->r[first].reason : d->cause, &g->blame);
+        tdm_doc_classify(first >= 0 ? d->r[first].reason : d->cause, g->W, &g->blame);
         g->v = g->blame.kind == TDM_DOCTOR_STALLED ? TDM_DOCTOR_STALLED : TDM_DOCTOR_FAILED;
+        /* a wait that timed out names no one; the records may: a rank
+         * whose record stops before the collective the others waited in
+         * is the one they waited for */
+        int late = -1;
+        for (int r = 0; g->v == TDM_DOCTOR_STALLED && g->waiting && r < g->W && late < 0; r++)
+            if (d->r[r].have && d->r[r].next_seq <= g->waiting->seq) late = r;
+        if (late >= 0) {
+            char call[256];
+            tdm_doc_call_str(g->waiting, call, sizeof call);
+            snprintf(g->verdict, sizeof g->verdict, "STALLED: rank %d never entered %s #%" PRIu64
+                     " (its record stops before it); the others waited for it: %.600s%s", late,
+                     call, g->waiting->seq, first >= 0 ? d->r[first].reason : d->cause,
+                     first >= 0 ? "" : " (launcher)");
+            g->blame.rank = late;
+            return;
+        }
         snprintf(g->verdict, sizeof g->verdict, "%s: %s%s",
                  g->v == TDM_DOCTOR_STALLED ? "STALLED" : "FAILED", first >= 0 ? "" : "launcher: ",
                  first >= 0 ? d->r[first].reason : d->cause);
@@ -524,12 +529,25 @@ static void tdm_doc_verdict(tdm_doc_diag *g)
             size_t l = strlen(g->verdict);
             snprintf(g->verdict + l, sizeof g->verdict - l, " (rank %d)", first);
         }
+    } else if (g->nterm > 0) {
+        char buf[512];
+        int ended[TDM_DOC_MAX_RANKS], k = 0;
+        for (int r = 0; r < g->W; r++)
+            if (d->r[r].have && tdm_doc_ended_from_outside(&d->r[r])) ended[k++] = r;
+        tdm_doc_join(buf, sizeof buf, ended, k);
+        g->v = TDM_DOCTOR_FAILED;
+        snprintf(g->verdict, sizeof g->verdict, "FAILED: %s %s ended by a signal from outside "
+                 "(%s: mpirun after a failure elsewhere, or the user) and no rank reported a "
+                 "failure", buf, k > 1 ? "were" : "was", d->r[ended[0]].trigger);
     } else if (g->nmissing > 0) {
         char buf[512];
         g->v = TDM_DOCTOR_DIED;
         tdm_doc_join(buf, sizeof buf, g->missing, g->nmissing);
+        int unusable = 0;
+        for (int i = 0; i < g->nmissing; i++) unusable |= d->r[g->missing[i]].unusable;
         snprintf(g->verdict, sizeof g->verdict,
-                 "DIED: %s left no dump and no rank reported a failure", buf);
+                 "DIED: %s left no %sdump and no rank reported a failure", buf,
+                 unusable ? "usable " : "");
     } else {
         snprintf(g->verdict, sizeof g->verdict, "OK: %d rank(s) agree on %" PRIu64
                  " collective(s), none failed", g->W, g->front);
@@ -541,6 +559,8 @@ static void tdm_doc_verdict(tdm_doc_diag *g)
 static void tdm_doc_first_stop(tdm_doc_diag *g)
 {
     const tdm_doc *d = &g->d;
+    /* a desync without a majority names no one (phase 1 said why) */
+    if (g->v == TDM_DOCTOR_DESYNC && g->desync_rank < 0) return;
     int first_rank = g->desync_rank >= 0 ? g->desync_rank : g->blame.rank;
     if (first_rank < 0) {
         uint64_t best = UINT64_MAX, best_t = UINT64_MAX;
@@ -613,7 +633,8 @@ static void tdm_doc_steps_and_ends(tdm_doc_diag *g)
             char buf[512];
             int induced;
             const char *end = tdm_doc_summary_end(d, r, &induced, buf, sizeof buf);
-            tdm_doc_detail(g, "  rank %d: no dump%s%s%s\n", r, end ? "; " : "", end ? end : "",
+            tdm_doc_detail(g, "  rank %d: no %sdump%s%s%s\n", r,
+                           d->r[r].unusable ? "usable " : "", end ? "; " : "", end ? end : "",
                            end && induced ? " (by the launcher's teardown)" : "");
         } else if (d->r[r].failed) {
             tdm_doc_detail(g, "  rank %d: %s: %s\n", r, d->r[r].status, d->r[r].reason);
@@ -659,8 +680,15 @@ tdm_doctor_verdict tdm_doctor_diagnose(const char *dir, FILE *out, char *line, s
     /* the launcher's summary alone still names who failed (a program
      * without a communicator, or one that died before making it) */
     if ((got <= 0 && !g->d.summary) || !g->d.r || g->d.world <= 0) {
-        snprintf(g->verdict, sizeof g->verdict, "no flight-recorder dump in %s%s", dir,
-                 got < 0 ? " (cannot open the directory)" : " (no fr_rank_<R>.json)");
+        if (got < 0)
+            snprintf(g->verdict, sizeof g->verdict, "no flight-recorder dump in %s (cannot open "
+                     "the directory)", dir);
+        else if (g->d.skipped)
+            snprintf(g->verdict, sizeof g->verdict, "no flight-recorder dump in %s (%d file(s) "
+                     "not usable, below)", dir, g->d.skipped);
+        else
+            snprintf(g->verdict, sizeof g->verdict, "no flight-recorder dump in %s (no "
+                     "fr_rank_<R>.json)", dir);
         v = TDM_DOCTOR_UNREADABLE;
     } else {
         g->W = g->d.world;
@@ -677,160 +705,11 @@ tdm_doctor_verdict tdm_doctor_diagnose(const char *dir, FILE *out, char *line, s
         tdm_doc_pipeline(g, dir);
         v = g->v;
     }
-    if (out) fprintf(out, "verdict: %s\n%s", g->verdict, g->details);
+    if (out) fprintf(out, "verdict: %s\n%s%s", g->verdict, g->details, g->d.notes);
     if (line) snprintf(line, n, "%s", g->verdict);
     tdm_doc_free(&g->d);
     free(g);
     return v;
-}
-
-/* JSON string for the summary (stdio is fine here: not a signal handler) */
-static void tdm_doc_json_str(FILE *f, const char *s)
-{
-    fputc('"', f);
-    for (; s && *s; s++) {
-        unsigned char c = (unsigned char)*s;
-        if (c == '"' || c == '\\') fprintf(f, "\\%c", c);
-        else if (c < 0x20) fprintf(f, "\\u%04x", c);
-        else fputc(c, f);
-    }
-    fputc('"', f);
-}
-
-int tdm_doctor_write_summary(const char *dir, int world, const int *pid, const int *wstatus,
-                             const int *induced, const char *cause)
-{
-    char path[4096];
-    snprintf(path, sizeof path, "%s/%s", dir, TDM_DOCTOR_SUMMARY);
-    tdm_file_out o;
-    if (tdm_file_replace_open(&o, AT_FDCWD, path)) return -1;
-    FILE *f = fdopen(dup(o.fd), "w");
-    if (!f) { tdm_file_replace_abort(&o); return -1; }
-    fprintf(f, "{\"version\":1,\"world\":%d,\"cause\":", world);
-    tdm_doc_json_str(f, cause ? cause : "");
-    fprintf(f, ",\"ranks\":[");
-    for (int r = 0; pid && wstatus && r < world; r++) {
-        char end[128] = "";
-        int ws = pid[r] > 0 ? wstatus[r] : -1;
-        if (ws >= 0) tdm_shm_wait_status_str(ws, end, sizeof end);
-        else if (pid[r] > 0) snprintf(end, sizeof end, "still running");
-        fprintf(f, "%s{\"rank\":%d,\"pid\":%d,\"wstatus\":%d,\"induced\":%s,\"end\":", r ? "," : "",
-                r, pid[r], ws, induced && induced[r] ? "true" : "false");
-        tdm_doc_json_str(f, end);
-        fputc('}', f);
-    }
-    fprintf(f, "]}\n");
-    int bad = fclose(f) != 0;
-    if (bad) { tdm_file_replace_abort(&o); return -1; }
-    return tdm_file_replace_commit(&o) ? -1 : 0;
-}
-
-void tdm_doctor_job_begin(tdm_doctor_job *j, const char *tool, const char *dir_hint)
-{
-    memset(j, 0, sizeof *j);
-    j->tool = tool;
-    const char *user = getenv("TANDEM_FR_DUMP");
-    if (user && *user) {
-        snprintf(j->dir, sizeof j->dir, "%s", user);
-        j->on = 1;
-        return;
-    }
-    if (dir_hint) {
-        snprintf(j->dir, sizeof j->dir, "%s", dir_hint);
-    } else {
-        const char *tmp = getenv("TMPDIR");
-        snprintf(j->dir, sizeof j->dir, "%s/tandem-fr-XXXXXX", tmp && *tmp ? tmp : "/tmp");
-        if (!mkdtemp(j->dir)) {
-            fprintf(stderr, "%s: note: no flight-recorder dumps (mkdtemp %s: %s)\n", tool, j->dir,
-                    strerror(errno));
-            return;
-        }
-        j->created = 1;
-    }
-    j->on = 1;
-    j->set_env = 1;
-    setenv("TANDEM_FR_DUMP", j->dir, 1);
-    if (!getenv("TANDEM_FR_DUMP_ON")) {
-        setenv("TANDEM_FR_DUMP_ON", "failure", 1);
-        j->set_on = 1;
-    }
-}
-
-static void tdm_doctor_job_clean(tdm_doctor_job *j)
-{
-    DIR *dp = opendir(j->dir);
-    if (!dp) return;
-    struct dirent *de;
-    int dfd = dirfd(dp);
-    while ((de = readdir(dp))) {
-        int r, len = 0;
-        if ((sscanf(de->d_name, "fr_rank_%d%n", &r, &len) == 1 && len > 0) ||
-            !strcmp(de->d_name, TDM_DOCTOR_SUMMARY))
-            unlinkat(dfd, de->d_name, 0);
-    }
-    closedir(dp);
-    rmdir(j->dir);   /* fails, keeping it, if anything else is there */
-}
-
-tdm_doctor_verdict tdm_doctor_job_end(tdm_doctor_job *j, int failed, int world, const int *pid,
-                                      const int *wstatus, const int *induced, const char *cause)
-{
-    if (!j->on) return TDM_DOCTOR_OK;
-    /* the next job (a restart) picks its own directory */
-    if (j->set_env) unsetenv("TANDEM_FR_DUMP");
-    if (j->set_on) unsetenv("TANDEM_FR_DUMP_ON");
-    if (!failed) {
-        if (j->created) tdm_doctor_job_clean(j);
-        return TDM_DOCTOR_OK;
-    }
-    tdm_doctor_write_summary(j->dir, world, pid, wstatus, induced, cause);
-    char line[1024];
-    tdm_doctor_verdict v = tdm_doctor_diagnose(j->dir, NULL, line, sizeof line);
-    /* the verdict printed while the teardown ran stands unless the ends
-     * of the stopped ranks changed it */
-    if (!j->early_done)
-        fprintf(stderr, "%s: doctor: %s\n", j->tool, line);
-    else if (strcmp(line, j->early))
-        fprintf(stderr, "%s: doctor (after the teardown): %s\n", j->tool, line);
-    if (j->created && tdm_doctor_dir_dumps(j->dir) == 0) {
-        /* no rank dumped (none got as far, or the recorder is off): a
-         * directory of ours with nothing to diagnose is not left behind */
-        tdm_doctor_dir_remove(j->dir);
-        return v;
-    }
-    fprintf(stderr, "%s: flight-recorder dumps in %s (tandem doctor %s for the diagnosis)\n",
-            j->tool, j->dir, j->dir);
-    if (j->created) {
-        /* one directory per failed job: only the newest few stay */
-        char parent[sizeof j->dir];
-        snprintf(parent, sizeof parent, "%s", j->dir);
-        char *slash = strrchr(parent, '/');
-        if (slash && slash != parent) *slash = '\0';
-        if (slash) tdm_doctor_dirs_prune(slash == parent ? "/" : parent);
-    }
-    return v;
-}
-
-void tdm_doctor_job_settled(const tdm_shm_watch *w, void *job)
-{
-    tdm_doctor_job *j = job;
-    if (!j->on || j->early_done) return;
-    int ws[TDM_SHM_MAX_RANKS], stopped[TDM_SHM_MAX_RANKS], ns = 0;
-    for (int r = 0; r < w->world; r++) {
-        ws[r] = w->ended[r] ? w->wstatus[r] : -1;
-        if (w->pid[r] > 0 && !w->ended[r]) stopped[ns++] = r;
-    }
-    char cause[1024] = "";
-    if (tdm_shm_watch_blame(w, NULL) != TDM_STATUS_OK)
-        snprintf(cause, sizeof cause, "%s", tdm_error_message());
-    tdm_doctor_write_summary(j->dir, w->world, w->pid, ws, w->induced, cause[0] ? cause : NULL);
-    tdm_doctor_diagnose(j->dir, NULL, j->early, sizeof j->early);
-    j->early_done = 1;
-    char who[256];
-    tdm_doc_join(who, sizeof who, stopped, ns);
-    fprintf(stderr, "%s: doctor: %s\n%s: %s %s stopped (no dump, no exit of %s own): the "
-                    "teardown kills %s after its grace period\n", j->tool, j->early, j->tool,
-            who, ns > 1 ? "are" : "is", ns > 1 ? "their" : "its", ns > 1 ? "them" : "it");
 }
 
 static void tdm_doctor_usage(FILE *f)

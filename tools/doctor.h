@@ -8,6 +8,8 @@
 #include <stddef.h>
 #include <stdio.h>
 
+#include "core/status.h"
+
 #include "shm/spawn.h"
 
 /* Verdicts, which are also `tandem doctor`'s exit codes. */
@@ -44,11 +46,12 @@ struct tdm_json *tdm_doctor_load(const char *dir, const char *name);
  * nothing printed) and copies the one-line verdict into line. */
 tdm_doctor_verdict tdm_doctor_diagnose(const char *dir, FILE *out, char *line, size_t n);
 
-/* Writes DIR/launch.json: world, each rank's pid and waitpid status (< 0:
- * still running), and the root cause as the launcher worded it (cause may
- * be NULL). Returns 0 on success. */
-int tdm_doctor_write_summary(const char *dir, int world, const int *pid, const int *wstatus,
-                             const int *induced, const char *cause);
+/* Writes DIR/launch.json: the job id (the ranks' TANDEM_JOB_ID; NULL:
+ * none), world, each rank's pid and waitpid status (< 0: still running),
+ * and the root cause as the launcher worded it (cause may be NULL).
+ * Returns 0 on success. */
+int tdm_doctor_write_summary(const char *dir, const char *job, int world, const int *pid,
+                             const int *wstatus, const int *induced, const char *cause);
 
 /* A job whose ranks dump on failure, as tandem launch and tandem train
  * --mode ddp run them: begin before starting ranks, end after. */
@@ -59,14 +62,22 @@ typedef struct tdm_doctor_job {
     int on;                /* 0: no directory (the recorder's dumps are off) */
     int set_env, set_on;   /* 1: we exported TANDEM_FR_DUMP / TANDEM_FR_DUMP_ON */
     int early_done;        /* 1: tdm_doctor_job_settled printed `early` */
+    char job[24];          /* this job's id, exported to the ranks as TANDEM_JOB_ID */
+    char job_was[64];      /* TANDEM_JOB_ID before (restored at the end) */
+    int had_job;
     char early[1024];
 } tdm_doctor_job;
 
-/* Points the ranks' recorders at a directory (TANDEM_FR_DUMP, exported):
+/* Draws the job's id (exported as TANDEM_JOB_ID: every dump and the
+ * summary carry it, and the doctor reads only this job's), and points the
+ * ranks' recorders at a directory (TANDEM_FR_DUMP, exported):
  * the user's TANDEM_FR_DUMP if set, else dir_hint (a --log-dir) if given,
  * else a new private directory under $TMPDIR (/tmp), and asks for dumps
- * on failure only (TANDEM_FR_DUMP_ON=failure) unless the user chose. */
-void tdm_doctor_job_begin(tdm_doctor_job *j, const char *tool, const char *dir_hint);
+ * on failure only (TANDEM_FR_DUMP_ON=failure) unless the user chose.
+ * The user's TANDEM_FR_DUMP must pass --log-dir's rule (core/safefile.h:
+ * tdm_dir_open_safe): else the message is printed ("<tool>: ...") and
+ * TDM_STATUS_USAGE returned (the job must not start). */
+tdm_status tdm_doctor_job_begin(tdm_doctor_job *j, const char *tool, const char *dir_hint);
 /* While a failed job is torn down, once every rank still running is
  * stopped (tdm_shm_watch_only_stopped, a tdm_shm_settled_fn; job is the
  * tdm_doctor_job): every rank that could dump has, and a stopped one can

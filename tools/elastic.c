@@ -43,11 +43,15 @@ int tdm_elastic_describe(const char *ckpt, char *out, size_t n)
 
 /* ---- tandem train's forked ranks (dist/run.h's watch) ---- */
 
-static void tdm_elastic_begin(void *ctx, int attempt)
+/* An unsafe TANDEM_FR_DUMP (tools/doctor.h) stops the run before any
+ * rank starts: said, and USAGE. */
+static tdm_status tdm_elastic_begin(void *ctx, int attempt)
 {
     tdm_elastic_watch *w = ctx;
     (void)attempt;
-    tdm_doctor_job_begin(&w->frj, w->tool, NULL);
+    tdm_status st = tdm_doctor_job_begin(&w->frj, w->tool, NULL);
+    if (st) tdm_elastic_log_free(&w->failures);
+    return st;
 }
 
 static void tdm_elastic_settled(const tdm_shm_watch *sw, void *ctx)
@@ -76,12 +80,35 @@ static void tdm_elastic_end(void *ctx, tdm_status st, int world, const tdm_shm_s
     tdm_elastic_log_free(&w->failures);
 }
 
+/* Where a restart of `tandem train` resumes (dist/run.c chose resume:
+ * save once this job wrote it, else the user's own --resume, else the
+ * start), and why not from save. */
+static void tdm_elastic_restart_from(const char *save, const char *resume, char *out, size_t n)
+{
+    char why[512] = "", from[512];
+    if (resume && save && !strcmp(resume, save)) {
+        tdm_elastic_describe(save, out, n);
+        return;
+    }
+    if (save) tdm_dist_restart_ours(save, why, sizeof why);
+    if (resume) {
+        tdm_elastic_describe(resume, from, sizeof from);
+        snprintf(out, n, "%s%s%s%s", from, why[0] ? " (" : "", why, why[0] ? ")" : "");
+    } else if (!save) {
+        snprintf(out, n, "from the start (no --save or --resume named)");
+    } else if (access(save, F_OK) == 0) {
+        snprintf(out, n, "from the start: %s (this job failed before its first save)", why);
+    } else {
+        snprintf(out, n, "from the start (this job failed before its first save to %s)", save);
+    }
+}
+
 static void tdm_elastic_restart(void *ctx, int attempt, long long max_restarts, int backoff_ms,
                                 const char *resume)
 {
     tdm_elastic_watch *w = ctx;
-    char from[512];
-    tdm_elastic_describe(resume, from, sizeof from);
+    char from[1200];
+    tdm_elastic_restart_from(w->save, resume, from, sizeof from);
     fprintf(stderr, "%s: restart %d of %lld after %d ms: %s; every rank starts again %s\n",
             w->tool, attempt, max_restarts, backoff_ms, w->why, from);
     fflush(stdout);
@@ -180,7 +207,9 @@ int tdm_tool_launch_main(int argc, char **argv)
         rest[n++] = argv[i];
     }
     rest[n] = NULL;
-    if (ckpt) setenv(TDM_DIST_ENV_RESUME, ckpt, 1);
+    /* the ranks learn --checkpoint on a restart, once this run wrote it */
+    unsetenv(TDM_DIST_ENV_RESUME);
+    tdm_dist_run_id_begin(max_restarts > 0);
     int rc;
     tdm_elastic_log failures = {0};
     for (int attempt = 0;; attempt++) {
@@ -194,10 +223,18 @@ int tdm_tool_launch_main(int argc, char **argv)
         if (rank_failed && attempt >= max_restarts)
             tdm_elastic_log_used_up(&failures, "tandem launch", max_restarts);
         if (!rank_failed || attempt >= max_restarts) break;
-        char from[512];
-        if (ckpt) tdm_elastic_describe(ckpt, from, sizeof from);
-        else snprintf(from, sizeof from, "(no --checkpoint named: each resumes from its own, "
-                                         "tandem train from its --save)");
+        char from[1024], why[512];
+        if (ckpt && tdm_dist_restart_ours(ckpt, why, sizeof why)) {
+            setenv(TDM_DIST_ENV_RESUME, ckpt, 1);
+            tdm_elastic_describe(ckpt, from, sizeof from);
+        } else if (ckpt) {
+            unsetenv(TDM_DIST_ENV_RESUME);
+            snprintf(from, sizeof from, "from the start: %s (this job failed before its first "
+                                        "save)", why);
+        } else {
+            snprintf(from, sizeof from, "(no --checkpoint named: each resumes from its own, "
+                                        "tandem train from its --save once this job wrote it)");
+        }
         int ms = tdm_dist_backoff(attempt + 1);
         fprintf(stderr, "tandem launch: restart %d of %lld after %d ms: %s; every rank starts "
                         "again %s\n", attempt + 1, max_restarts, ms, tdm_elastic_cause, from);

@@ -46,6 +46,8 @@ typedef struct tdm_elastic_watch {
     tdm_dist_watch dist;   /* the hooks; dist.ctx is this struct */
     const char *tool;      /* "tandem train" */
     const char *mode;      /* "ddp" */
+    const char *save;      /* the ranks' --save: the restart line says why a restart
+                              does not resume from it (another run's, or none yet) */
     tdm_doctor_job frj;
     char why[1024];        /* the last attempt's root cause */
     tdm_elastic_log failures;   /* every attempt's, for the line when restarts run out */

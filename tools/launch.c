@@ -484,9 +484,10 @@ int tdm_launch_run_once(int argc, char **argv)
                (st = tdm_shm_group_export_env(j->g))) {
         fprintf(stderr, "tandem launch: shared memory: %s\n", tdm_error_message());
         rc = tdm_tool_exit(st);
+    } else if ((st = tdm_doctor_job_begin(&j->frj, "tandem launch", j->o.log_dir))) {
+        rc = tdm_tool_exit(st);
     } else {
         tdm_shm_watch_init(&j->watch, j->g, j->W);
-        tdm_doctor_job_begin(&j->frj, "tandem launch", j->o.log_dir);
         tdm_launch_start(j);
         tdm_launch_supervise(j);
         rc = tdm_launch_report(j);

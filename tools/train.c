@@ -360,7 +360,11 @@ static tdm_status tdm_train_check_args(tdm_train_args *a)
                         "itself; these ranks were started by a launcher, which restarts them: "
                         "`tandem launch --max-restarts K` (under mpirun or srun, rerun the job "
                         "with --resume)\n");
-    /* restarted by tandem launch --max-restarts */
+    /* started by tandem launch with restarts: its run's id goes into our
+     * checkpoints (forked ranks get it from tdm_dist_run) */
+    tdm_dist_run_id_begin(0);
+    /* restarted by tandem launch --max-restarts: from the launcher's
+     * --checkpoint, else our own --save, once this run wrote it */
     if (!a->resume) a->resume = tdm_dist_restart_resume(a->save);
     if (a->backend && strcmp(a->mode, "ddp") && strcmp(a->mode, "pp"))
         return tdm_tool_usage_error("tandem train: --backend applies to --mode ddp and pp\n");

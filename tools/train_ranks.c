@@ -460,6 +460,7 @@ tdm_status tdm_train_run_ranks(const tdm_train_args *a, const tdm_tool_design *d
         tdm_elastic_watch_init(&w, "tandem train", design->dist.name, a->max_restarts);
         w.min_devices = a->min_devices;
         w.divides = a->deterministic;
+        w.save = a->save;
         fflush(stdout);
     }
     st = tdm_dist_run(&d, &j.b, &o);
