@@ -66,6 +66,14 @@ struct tdm_dist_ops {
      * every design and by one device), and reading one. */
     tdm_status (*save)(void *w, const char *path, tdm_optim *opt, const tdm_ckpt_info *info);
     tdm_status (*load)(void *w, const char *path, tdm_optim *opt, tdm_ckpt_info *info);
+    /* --deterministic (dist/det.h), for a design whose gradients are not
+     * the model's flat buffer (the sharded ones): this rank's local
+     * gradient of the backwards since zero_grad, in the model's flat
+     * layout, into host (tdm_model_param_elems floats); and the reduced
+     * gradient at host (the same layout) made what the next step applies
+     * (the local one dropped). Local. NULL: the model's flat gradients. */
+    tdm_status (*local_grads)(void *w, float *host);
+    tdm_status (*set_grads)(void *w, const float *host);
 };
 
 /* The ops of a design whose calls follow DDP's names and arguments
@@ -80,6 +88,9 @@ struct tdm_dist_ops {
         return FN((T *)w, x, y, n, out);                                                      \
     }
 #define TDM_DIST_OPS_DEFINE(P, T, SAVE, LOAD)                                                 \
+    TDM_DIST_OPS_DEFINE_WITH(P, T, SAVE, LOAD, .local_grads = NULL)
+/* The same, with more of the ops (designated initializers) after them. */
+#define TDM_DIST_OPS_DEFINE_WITH(P, T, SAVE, LOAD, ...)                                       \
     static tdm_status tdm_##P##_ops_zero(void *w) { return tdm_##P##_zero_grad((T *)w); }    \
     static tdm_status tdm_##P##_ops_forward(void *w, const void *x, const int32_t *y, int n,  \
                                             float scale, double *loss_sum)                    \
@@ -120,7 +131,7 @@ struct tdm_dist_ops {
         .backward = tdm_##P##_ops_backward, .step = tdm_##P##_ops_step,                       \
         .loss_sum = tdm_##P##_ops_loss_sum, .join = tdm_##P##_ops_join,                       \
         .evaluate = tdm_##P##_ops_evaluate, .eval_loss = tdm_##P##_ops_eval_loss,             \
-        .save = tdm_##P##_ops_save, .load = tdm_##P##_ops_load}
+        .save = tdm_##P##_ops_save, .load = tdm_##P##_ops_load, __VA_ARGS__}
 
 /* A training step's context: the design's ops over its wrapper, and where
  * the rank stands. Zero-initialise, then fill. */

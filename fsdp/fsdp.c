@@ -669,4 +669,14 @@ void tdm_fsdp_get_memory(const tdm_fsdp *f, const tdm_optim *opt, tdm_fsdp_memor
 
 void tdm_fsdp_reset_peak(tdm_fsdp *f) { f->pool.peak = f->pool.live; }
 
-TDM_DIST_OPS_DEFINE(fsdp, tdm_fsdp, tdm_fsdp_save_full, tdm_fsdp_load);
+static tdm_status tdm_fsdp_ops_local_grads(void *w, float *host)
+{
+    return tdm_fsdp_local_grads((tdm_fsdp *)w, host);
+}
+static tdm_status tdm_fsdp_ops_set_grads(void *w, const float *host)
+{
+    return tdm_fsdp_set_grads((tdm_fsdp *)w, host);
+}
+TDM_DIST_OPS_DEFINE_WITH(fsdp, tdm_fsdp, tdm_fsdp_save_full, tdm_fsdp_load,
+                         .local_grads = tdm_fsdp_ops_local_grads,
+                         .set_grads = tdm_fsdp_ops_set_grads);

@@ -264,6 +264,14 @@ tdm_status tdm_fsdp_gather_params(tdm_fsdp *f, float *host_out, int root);
  * every rank when root < 0. Collective. */
 tdm_status tdm_fsdp_gather_grads(tdm_fsdp *f, float *host_out, int root);
 
+/* --deterministic K (dist/det.h): the local gradient the no_sync
+ * backwards since zero_grad accumulated, in the model's flat layout, into
+ * host (tdm_model_param_elems floats); and a gradient reduced elsewhere
+ * (host, the same layout) written into this rank's shards as what the
+ * next tdm_fsdp_step applies, the local one dropped. Not collective. */
+tdm_status tdm_fsdp_local_grads(tdm_fsdp *f, float *host);
+tdm_status tdm_fsdp_set_grads(tdm_fsdp *f, const float *host);
+
 /* ---- timings ---- */
 
 /* One collective of the last step: an all-gather (kind 0) or a

@@ -91,6 +91,11 @@ static void tdm_cmp_usage(FILE *f)
         "                       DIR must be yours and not writable by others\n"
         "  --sweep 1,2,4        also run DP and DDP (and with pp, a pipeline of as many\n"
         "                       stages) at these device counts\n"
+        "  --deterministic K    instead: every mode of --modes at every count of --sweep\n"
+        "                       (else 1 and --device's) with tandem train --deterministic\n"
+        "                       K, each final checkpoint against one device's byte for\n"
+        "                       byte (\"bitwise identical\"), and each run's throughput\n"
+        "                       against the default mode's (docs/DETERMINISM.md)\n"
         "  --sync-bn            DDP with SyncBatchNorm: the CNN's DDP is then checked\n"
         "                       against one device with the MLP's tolerance\n"
         "  --comm-hook H        also run DDP with a comm hook: fp16, bf16 or powersgd,\n"
@@ -274,6 +279,7 @@ typedef struct tdm_cmp_job {
     double sweep_dp[16], sweep_ddp[16];
     int verdict;                     /* 1: the modes computed the same training */
     const char *modes_arg;           /* --modes as given */
+    long long det;                   /* --deterministic K (tools/compare_det.c); 0: off */
     int ran[TDM_CMP_NMODES];         /* 1: the mode ran */
     const char *default_device;      /* o.device until --device is given */
     int err_fd;                      /* an MPI job's rank > 0: its stderr, kept aside */
@@ -363,6 +369,7 @@ static tdm_status tdm_cmp_parse(int argc, char **argv, tdm_cmp_job *j)
         TDM_ARGS_INT("--stages", 1, TDM_CMP_MAX_DEV, o->pp_stages)
         TDM_ARGS_INT("--microbatches", 1, 1 << 16, o->pp_micro)
         TDM_ARGS_STR("--schedule", o->pp_schedule)
+        TDM_ARGS_INT("--deterministic", 1, 1024, j->det)
         return tdm_tool_usage_error("tandem compare: unknown option '%s' (see tandem compare "
                                     "--help)\n", argv[i]);
     }
@@ -942,6 +949,26 @@ static tdm_status tdm_cmp_main_run(tdm_cmp_job *j)
     return tdm_cmp_write_outputs(j);
 }
 
+/* --deterministic K: bytes across device counts and modes instead of a
+ * noise floor (tools/compare_det.c); --sweep's counts, else 1 and
+ * --device's. */
+static int tdm_cmp_det(tdm_cmp_job *j)
+{
+    tdm_cmp_opts *o = &j->o;
+    int counts[16], n = 0, identical = 0;
+    tdm_status st = tdm_cmp_check_devices(o);
+    if (st == TDM_STATUS_OK && o->sweep &&
+        (n = tdm_cmp_parse_sweep(o->sweep, counts, 16)) <= 0)
+        st = tdm_tool_usage_error("tandem compare: --sweep '%s': expected device counts like "
+                                  "1,2,4\n", o->sweep);
+    if (st == TDM_STATUS_OK && !o->sweep) {
+        counts[n++] = 1;
+        if (o->n_dev > 1) counts[n++] = o->n_dev;
+    }
+    if (st == TDM_STATUS_OK) st = tdm_cmp_det_main(o, (int)j->det, counts, n, &identical);
+    return st == TDM_STATUS_OK && !identical ? 3 : tdm_tool_exit(st);
+}
+
 int tdm_tool_compare_main(int argc, char **argv)
 {
     static const char default_device[] = "cpu:2";
@@ -962,6 +989,7 @@ int tdm_tool_compare_main(int argc, char **argv)
     }
     if (st == TDM_STATUS_OK && j->modes_arg && !tdm_cmp_parse_modes(j->modes_arg, &j->o.modes))
         st = TDM_STATUS_USAGE;
+    if (st == TDM_STATUS_OK && j->det) return tdm_cmp_det(j);
     if (st == TDM_STATUS_OK) st = tdm_cmp_main_run(j);
     tdm_cmp_result_free(&j->floor_r);
     for (int k = 0; k < TDM_CMP_NMODES; k++) tdm_cmp_result_free(&j->res[k]);

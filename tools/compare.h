@@ -114,6 +114,14 @@ typedef struct tdm_cmp_result {
 
 const char *tdm_cmp_mode_name(tdm_cmp_mode m);
 
+/* --deterministic K (tools/compare_det.c): every mode of o->modes at each
+ * of the n_counts device counts (single once), each a `tandem train
+ * --deterministic K` of this binary and a default one; prints the table
+ * and the verdict; *identical 1 when every final checkpoint held one
+ * device's bytes. Says what failed. */
+tdm_status tdm_cmp_det_main(const tdm_cmp_opts *o, int K, const int *counts, int n_counts,
+                            int *identical);
+
 /* The i-th device of --device: "cpu:3", "cuda:1" ("cuda-emu:1" under the
  * CUDA emulator). */
 void tdm_cmp_dev_name(const tdm_cmp_opts *o, int i, char *buf, size_t len);

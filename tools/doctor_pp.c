@@ -117,6 +117,23 @@ static int tdm_doc_pp_sent(const tdm_doc_pp_rank *r, const tdm_doc_pp_xfer *w)
     return 0;
 }
 
+/* 1 when the chain of waits from stuck rank w ends at a rank that was
+ * not waiting (within the ranks there are), 0 when it comes back to one
+ * of its own. */
+static int tdm_doc_pp_chain_ends(const tdm_doc_pp_rank *rk, int w)
+{
+    int seen[TDM_DOC_PP_MAX_RANKS] = {0};
+    for (;;) {
+        const tdm_doc_pp_xfer *x = tdm_doc_pp_stuck(&rk[w]);
+        seen[w] = 1;
+        int q = w + (x->from - x->to);
+        if (q < 0 || q >= TDM_DOC_PP_MAX_RANKS) return 1;
+        if (seen[q]) return 0;
+        if (!tdm_doc_pp_stuck(&rk[q])) return 1;
+        w = q;
+    }
+}
+
 int tdm_doctor_pipeline(const char *dir, tdm_doctor_end_fn end_of, void *ctx,
                         tdm_doctor_verdict *v, char *line, size_t n)
 {
@@ -165,10 +182,19 @@ int tdm_doctor_pipeline(const char *dir, tdm_doctor_end_fn end_of, void *ctx,
         }
     }
     closedir(dp);
-    /* the first waiting receiver, by rank */
+    /* the first waiting receiver, by rank, whose chain of waits ends at a
+     * stage that was not waiting; else the first (the stages of one
+     * replica may wait for each other once an abort from another replica
+     * of a mesh has stopped them) */
     int w = -1;
-    for (int r = 0; r < world && w < 0; r++)
-        if (tdm_doc_pp_stuck(&rk[r])) w = r;
+    for (int r = 0; r < world; r++) {
+        if (!tdm_doc_pp_stuck(&rk[r])) continue;
+        if (w < 0) w = r;
+        if (tdm_doc_pp_chain_ends(rk, r)) {
+            w = r;
+            break;
+        }
+    }
     if (w >= 0) {
         /* follow the chain of waits to a stage that was not waiting */
         int seen[TDM_DOC_PP_MAX_RANKS] = {0}, chain[TDM_DOC_PP_MAX_RANKS], k = 0;

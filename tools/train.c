@@ -18,6 +18,7 @@
 #include "core/timer.h"
 #include "core/text.h"
 #include "ddp/hooks.h"
+#include "dist/det.h"
 #include "dist/run.h"
 #include "fsdp/fsdp.h"
 #include "models/accum.h"
@@ -128,6 +129,17 @@ static void tdm_train_usage(FILE *f)
         "  --max-restarts K       ddp, fsdp, pp: when a rank fails, stop the rest and start\n"
         "                         every rank again from the --save checkpoint, at\n"
         "                         most K times (docs/DEBUGGING.md)            [0]\n"
+        "  --deterministic K      every mode: the same bits on any number of devices:\n"
+        "                         every global batch is cut into K virtual shards (K a\n"
+        "                         power of two dividing --batch, divisible by the\n"
+        "                         device count), each computed alone, and their\n"
+        "                         gradients summed in one fixed binary tree; batchnorm\n"
+        "                         per shard. A checkpoint resumes on any device count\n"
+        "                         dividing K (docs/DETERMINISM.md)           [off]\n"
+        "  --min-devices M        ddp, fsdp with --deterministic and --max-restarts: a rank\n"
+        "                         that keeps failing is left out and the job goes on\n"
+        "                         from the last checkpoint on fewer devices (the most\n"
+        "                         that divide K), never fewer than M           [off]\n"
         "  --precision P          single: fp32, bf16 or fp16: products in 16-bit with\n"
         "                         float32 sums, activations kept in 16 bits, master\n"
         "                         weights, gradients and optimizer float32; fp16 with\n"
@@ -213,6 +225,8 @@ static tdm_status tdm_train_parse(int argc, char **argv, tdm_train_args *a, int 
         TDM_ARGS_STR("--schedule", a->schedule)
         TDM_ARGS_STR("--split", a->split)
         TDM_ARGS_STR("--mesh", a->mesh)
+        TDM_ARGS_INT("--deterministic", 1, TDM_DIST_DET_MAX_K, a->deterministic)
+        TDM_ARGS_INT("--min-devices", 1, TDM_DIST_DET_MAX_K, a->min_devices)
         TDM_ARGS_STR("--precision", a->precision)
         TDM_ARGS_STR("--offload", a->offload)
         TDM_ARGS_FLOAT("--clip-grad-norm", 1e-30, 1e30, a->clip_grad_norm)
@@ -274,6 +288,40 @@ static tdm_status tdm_train_check_ddp_next(const tdm_train_args *a, int gpt)
     return TDM_STATUS_OK;
 }
 
+/* --deterministic K: what can honour one fixed order of the sums. The
+ * device count is checked where it is known (tools/train_ranks.c). */
+static tdm_status tdm_train_check_det(const tdm_train_args *a)
+{
+    if (a->min_devices && (!a->deterministic || !a->max_restarts ||
+                           (strcmp(a->mode, "ddp") && strcmp(a->mode, "fsdp"))))
+        return tdm_tool_usage_error("tandem train: --min-devices applies to --mode ddp and fsdp "
+                                    "with --deterministic and --max-restarts (only then does a "
+                                    "run go on, bit for bit, on fewer devices)\n");
+    if (!a->deterministic) return TDM_STATUS_OK;
+    int K = (int)a->deterministic;
+    if (strcmp(a->mode, "single") && strcmp(a->mode, "dp") && strcmp(a->mode, "ddp") &&
+        strcmp(a->mode, "fsdp"))
+        return tdm_tool_usage_error("tandem train: --deterministic is not supported with --mode "
+                                    "%s yet (single, dp, ddp and fsdp honour the fixed order)\n",
+                                    a->mode);
+    if ((a->precision && strcmp(a->precision, "fp32")) || a->ckpt || a->clip_grad_norm > 0.0 ||
+        a->offload)
+        return tdm_tool_usage_error("tandem train: --deterministic is not supported with "
+                                    "--precision, --checkpoint-activations, --clip-grad-norm or "
+                                    "--offload yet\n");
+    if (a->uneven || a->sync_bn || (a->comm_hook && strcmp(a->comm_hook, "allreduce")))
+        return tdm_tool_usage_error("tandem train: --deterministic cannot honour the fixed order "
+                                    "with %s\n", a->uneven ? "--uneven (ranks train on their own "
+                                    "samples)" : a->sync_bn ? "--sync-bn (batchnorm statistics are "
+                                    "per virtual shard)" : "--comm-hook (the tree is the only "
+                                    "gradient reduction)");
+    if (tdm_dist_det_check(K, 1, a->batch))
+        return tdm_tool_usage_error("tandem train: %s%s\n", tdm_error_message(),
+                                    a->grad_accum > 1 ? " (with --grad-accum: the micro-batch "
+                                    "--batch)" : "");
+    return TDM_STATUS_OK;
+}
+
 /* The defaults that depend on the model and the optimizer, and the checks
  * that need no data: a language model trains with AdamW on windows of
  * text, the image models with SGD on batches of 256 images. */
@@ -317,6 +365,7 @@ static tdm_status tdm_train_check_args(tdm_train_args *a)
     if (a->backend && strcmp(a->mode, "ddp") && strcmp(a->mode, "pp"))
         return tdm_tool_usage_error("tandem train: --backend applies to --mode ddp and pp\n");
     TDM_CHECK(tdm_train_check_ddp_next(a, gpt));
+    TDM_CHECK(tdm_train_check_det(a));
     TDM_CHECK(tdm_train_levers_check(a));
     /* N copies of one model trained side by side are never what was meant */
     int mpi_n = tdm_dist_mpi_env_world();

@@ -44,6 +44,8 @@ typedef struct tdm_train_args {
      * --schedule, --split, --mesh (as given) */
     long long stages, microbatches;
     const char *schedule, *split, *mesh;
+    long long min_devices;    /* --min-devices M: elastic resize (with --deterministic) */
+    long long deterministic;  /* --deterministic K: K virtual shards (dist/det.h); 0: off */
     /* the memory levers (tools/train_levers.c): --precision, --checkpoint-activations
      * (all = 1 unit per segment), --clip-grad-norm (0: off), --offload */
     const char *precision, *ckpt, *offload;
@@ -176,6 +178,17 @@ typedef struct tdm_train_uneven {
 } tdm_train_uneven;
 tdm_status tdm_train_uneven_run(const tdm_train_args *a, const tdm_train_uneven *u);
 
+/* --mode dp --deterministic K (tools/train_det.c): the virtual shards
+ * over DataParallel's devices, the master's single (its optimizer) the
+ * one that steps; micro: --grad-accum's micro-batch (0: none). A
+ * tdm_train_step_fn over the result. */
+typedef struct tdm_train_det_dp tdm_train_det_dp;
+typedef struct tdm_dp tdm_dp;
+tdm_status tdm_train_det_dp_init(tdm_train_det_dp **out, tdm_dp *dp, tdm_single *master, int K,
+                                 int micro, int in_elems, int out_rows);
+void tdm_train_det_dp_free(tdm_train_det_dp *p);
+tdm_status tdm_train_det_dp_step(void *ctx, const void *x, const int32_t *y, int batch,
+                                 double *loss_mean);
 /* ---- the memory levers (tools/train_levers.c) ---- */
 
 /* The checks of --precision, --checkpoint-activations, --clip-grad-norm

@@ -31,6 +31,7 @@
 #include <string.h>
 
 #include "dist/batch.h"
+#include "dist/det.h"
 #include "dist/run.h"
 #include "dist/step.h"
 #include "models/accum.h"
@@ -55,6 +56,7 @@ typedef struct tdm_train_rank {
     tdm_train_args a;                /* rank 0's; the others quiet, without --save */
     const char *save;                /* --save, on every rank (collective saves) */
     tdm_dist_stepper s;
+    tdm_dist_det det;                /* --deterministic K */
     int64_t kill_step;               /* test hook: kill_sig before step kill_step */
     int kill_sig;
 } tdm_train_rank;
@@ -160,6 +162,7 @@ static void tdm_train_rank_free(void *ctx, void *self)
     tdm_tool_rank *r = self;
     tdm_train_rank *t = r ? r->tool : NULL;
     b->design->dist.free(ctx, self);
+    if (t) tdm_dist_det_free(&t->det);
     free(t);
 }
 
@@ -189,6 +192,10 @@ static tdm_status tdm_train_rank_setup(void *ctx, tdm_dist_rank *d, void **self)
                     "rank needs at least one window of every global batch\n", t->a.batch, world);
         st = tdm_error_set(TDM_STATUS_USAGE, "--batch %lld is smaller than the %d ranks",
                            t->a.batch, world);
+    } else if (t->a.deterministic &&
+               tdm_dist_det_check((int)t->a.deterministic, world, t->a.batch)) {
+        if (rank == 0) fprintf(stderr, "tandem train: %s\n", tdm_error_message());
+        st = TDM_STATUS_USAGE;
     } else if (!j->text && !j->train) {
         st = tdm_train_load_data(j->a, &b->spec, &j->own_train, &j->own_test);
         j->train = &j->own_train;
@@ -276,7 +283,19 @@ static tdm_status tdm_train_rank_run(void *ctx, tdm_dist_rank *d, void *self)
             run.step = tdm_accum_step;
             run.step_ctx = &acc;
         }
-        st = tdm_train_epochs(a, &run);
+        t->det = (tdm_dist_det){.ops = tdm_dist_det_stepper_ops(&t->s), .ctx = &t->s, .m = r->m,
+                                .comm = d->comm, .rank = r->rank, .world = r->world,
+                                .K = (int)a->deterministic, .in_elems = t->s.in_elems,
+                                .out_rows = t->s.out_rows, .own_rows = t->s.own_rows,
+                                .global_batch = (int)a->batch,
+                                .micro = a->grad_accum > 1 ? (int)a->batch : 0,
+                                .before = tdm_train_fault_hook, .before_ctx = r};
+        st = TDM_STATUS_OK;
+        if (a->deterministic && (st = tdm_dist_det_init(&t->det)) != TDM_STATUS_OK)
+            tdm_tool_rank_fail(r, "--deterministic", st);
+        run.step = a->deterministic ? tdm_dist_det_step : run.step;
+        run.step_ctx = a->deterministic ? (void *)&t->det : run.step_ctx;
+        if (st == TDM_STATUS_OK) st = tdm_train_epochs(a, &run);
     }
     if (st == TDM_STATUS_OK && design->finish) st = design->finish(r);
     j->said = st != TDM_STATUS_OK;
@@ -370,7 +389,9 @@ tdm_status tdm_train_run_ranks(const tdm_train_args *a, const tdm_tool_design *d
      * TANDEM_TIMEOUT, so that the ranks' NCCL communicators get it too. */
     tdm_elastic_watch w;
     tdm_dist_run_opts o = {.devices = &dl, .spec = a->device, .max_restarts = a->max_restarts,
-                           .save = a->save, .resume = &j.b.resume, .watch = &w.dist};
+                           .save = a->save, .resume = &j.b.resume, .watch = &w.dist,
+                           .min_world = (int)a->min_devices,
+                           .world_divides = (int)a->deterministic};
     if (a->timeout && tdm_dist_timeout_parse("--timeout", a->timeout, &o.timeout_ms))
         return tdm_tool_usage_error("tandem train: %s\n", tdm_error_message());
     if (a->timeout) setenv(TDM_DIST_ENV_TIMEOUT, a->timeout, 1);
@@ -393,9 +414,14 @@ tdm_status tdm_train_run_ranks(const tdm_train_args *a, const tdm_tool_design *d
         fprintf(stderr, "tandem train: --device: %s\n", tdm_error_message());
         return st == TDM_STATUS_NO_DEVICE ? st : tdm_tool_usage(st);
     }
+    if (start == TDM_DIST_START_FORKED && a->deterministic &&
+        tdm_dist_det_check((int)a->deterministic, dl.count, a->batch))
+        return tdm_tool_usage_error("tandem train: %s\n", tdm_error_message());
     if (start == TDM_DIST_START_FORKED) {
         TDM_CHECK(tdm_train_ranks_forked(&j, &o));
         tdm_elastic_watch_init(&w, "tandem train", design->dist.name, a->max_restarts);
+        w.min_devices = a->min_devices;
+        w.divides = a->deterministic;
         fflush(stdout);
     }
     st = tdm_dist_run(&d, &j.b, &o);
