@@ -81,6 +81,10 @@ tdm_status tdm_pp_gather_state(tdm_pp *p, tdm_ckpt_host *h, int root)
     TDM_REQUIRE(want[0], TDM_STATUS_INVALID_ARG,
                 "pp gather: %s no host arrays for the state; nothing was sent",
                 p->s == root ? "the root (this stage) has" : "the root stage has");
+    /* every stage has the same optim_step (the configuration check) */
+    TDM_REQUIRE(!want[2] || p->opt, TDM_STATUS_UNSUPPORTED,
+                "pp gather: this stage's optimizer is its optim_step's, whose state the "
+                "pipeline does not hold; nothing was sent");
     int me = p->s == root;
     TDM_CHECK(tdm_pp_gather_one(p, tdm_model_params(p->m), p->info.slice_elems,
                                 p->info.slice_offset, me ? h->params : NULL, root, "parameters"));
@@ -98,6 +102,15 @@ tdm_status tdm_pp_gather_state(tdm_pp *p, tdm_ckpt_host *h, int root)
     return TDM_STATUS_OK;
 }
 
+tdm_status tdm_pp_gather_stage(tdm_pp *p, const float *stage, float *full, int root,
+                               const char *what)
+{
+    TDM_REQUIRE(root >= 0 && root < p->S, TDM_STATUS_INVALID_ARG,
+                "pp gather: root %d out of range (%d stages)", root, p->S);
+    return tdm_pp_gather_one(p, stage, p->info.slice_elems, p->info.slice_offset,
+                             p->s == root ? full : NULL, root, what);
+}
+
 /* dst (device, n floats) = src (host). */
 static tdm_status tdm_pp_put(tdm_pp *p, float *dst, const float *src, int64_t n)
 {
@@ -107,6 +120,9 @@ static tdm_status tdm_pp_put(tdm_pp *p, float *dst, const float *src, int64_t n)
 tdm_status tdm_pp_load_state(tdm_pp *p, const tdm_ckpt_host *h)
 {
     TDM_REQUIRE(h && h->params, TDM_STATUS_INVALID_ARG, "pp load: no parameters to load");
+    TDM_REQUIRE(!h->optim || p->opt, TDM_STATUS_UNSUPPORTED,
+                "pp load: this stage's optimizer is its optim_step's, whose state the pipeline "
+                "does not hold");
     const tdm_model_stage_info *si = &p->info;
     const tdm_tensor_info *tied = si->tied_param >= 0 ? tdm_model_param_info(p->m, si->tied_param)
                                                       : NULL;

@@ -63,7 +63,7 @@ static tdm_status tdm_pp_check_config(tdm_pp *p)
                                                  0xcbf29ce484222325ull);
     mine[TDM_PP_CFG_OPTIM] = (int64_t)tdm_pp_fnv(&p->o.optim, sizeof p->o.optim,
                                                  0xcbf29ce484222325ull);
-    mine[TDM_PP_CFG_SYNC] = p->o.grad_sync.begin != NULL;
+    mine[TDM_PP_CFG_SYNC] = (p->o.grad_sync.begin != NULL) | (p->o.optim_step.fn != NULL) << 1;
     int64_t *all = calloc((size_t)p->S * TDM_PP_CFG_COUNT_, sizeof *all);
     if (!all) {
         st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "pp: configuration check");
@@ -222,7 +222,7 @@ tdm_status tdm_pp_init(tdm_pp **out, tdm_comm *comm, tdm_device *dev, const tdm_
     TDM_TRY(tdm_pp_check_config(p));
     int lo = p->first[p->s], hi = p->s + 1 < S ? p->first[p->s + 1] : n;
     st = tdm_model_init_stage(&p->m, dev, spec, opts->seed, lo, hi);
-    if (!st) st = tdm_optim_init(&p->opt, p->m, &opts->optim);
+    if (!st && !opts->optim_step.fn) st = tdm_optim_init(&p->opt, p->m, &opts->optim);
     /* every stage learns whether every other built its part before the
      * links' splits, which would wait for a stage that gave up */
     TDM_TRY(tdm_pp_agree(p, st));
@@ -393,7 +393,7 @@ void tdm_pp_get_stats(const tdm_pp *p, tdm_pp_stats *out)
     out->params = mm.params;
     out->grads = mm.grads;
     out->buffers = mm.buffers;
-    out->optimizer = tdm_optim_state_bytes(p->opt);
+    out->optimizer = p->opt ? tdm_optim_state_bytes(p->opt) : 0;
     size_t sets = 0, scratch = 0;
     tdm_model_act_bytes(p->m, &sets, &scratch);
     out->act_sets = p->sched ? tdm_pp_schedule_in_flight(p->sched, p->s) : 0;

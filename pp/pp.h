@@ -149,6 +149,19 @@ typedef struct tdm_pp_grad_sync {
     void *ctx;
 } tdm_pp_grad_sync;
 
+/* The stage's optimizer step, replacing the pipeline's own optimizer
+ * (ZeRO-1 over the replicas: each steps its slice of the stage's flat
+ * parameters from the all-reduced gradients and the slices are gathered
+ * back). Called once per step after the tied gradient is summed; the
+ * stage then builds no optimizer: tdm_pp_optim is NULL, the stats'
+ * optimizer bytes are 0 (the hook's owner says its own), and checkpoints
+ * of optimizer state (tdm_pp_gather_state, tdm_pp_load_state with
+ * h->optim) are refused. */
+typedef struct tdm_pp_optim_step {
+    tdm_status (*fn)(void *ctx, tdm_model *m);
+    void *ctx;
+} tdm_pp_optim_step;
+
 /* Zero-initialised options are the defaults, but for spec-related ones. */
 typedef struct tdm_pp_opts {
     tdm_pp_schedule_kind schedule;
@@ -160,6 +173,7 @@ typedef struct tdm_pp_opts {
     uint64_t seed;              /* the model's initial parameters */
     tdm_optim_opts optim;       /* the optimizer (over the stage's slice) */
     tdm_pp_grad_sync grad_sync; /* optional */
+    tdm_pp_optim_step optim_step; /* optional: instead of the stage's own optimizer */
     /* The largest global batch the steps will take (0: not known). On
      * host devices over shm it sizes the links' zero-copy memory and the
      * receive buffers are placed there: activations and gradients then
@@ -246,6 +260,12 @@ tdm_status tdm_pp_gather_params(tdm_pp *p, float *full, int root);
  * count - what tdm_checkpoint_save_host writes for the whole model, a
  * file every mode loads. Collective. */
 tdm_status tdm_pp_gather_state(tdm_pp *p, tdm_ckpt_host *h, int root);
+/* A buffer in the stage's parameter layout (device memory, e.g. the
+ * state of an optim_step's optimizer gathered over the replicas) put
+ * into the whole model's layout on stage root, into full (host; used on
+ * root only, which must pass one). what names it in errors. Collective. */
+tdm_status tdm_pp_gather_stage(tdm_pp *p, const float *stage, float *full, int root,
+                               const char *what);
 /* Each stage takes its slice (and the GPT's last stage its tied copy) of
  * a whole model's state in h, on every stage (every stage reads the file:
  * tdm_checkpoint_load_host, of any mode's checkpoint): parameters,

@@ -410,7 +410,8 @@ static tdm_status tdm_pp_step_run(tdm_pp *p, const void *x, const int32_t *y, in
     TDM_CHECK(tdm_pp_tied(p));
     uint64_t t2 = tdm_time_ns();
     ph.tied = tdm_pp_ms(t1, t2);
-    tdm_status st = tdm_optim_step(p->opt);
+    tdm_status st = p->opt ? tdm_optim_step(p->opt)
+                           : p->o.optim_step.fn(p->o.optim_step.ctx, p->m);
     if (!st) st = tdm_dev_sync(p->dev);
     if (st) return tdm_pp_fail(p, st, "optimizer step");
     uint64_t t3 = tdm_time_ns();

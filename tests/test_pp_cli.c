@@ -3,7 +3,8 @@
  *   very checkpoint (bit for bit) that --mode single --batch B/M
  *   --grad-accum M writes, for the MLP and the CNN, S = 2..4, M = 1..4,
  *   GPipe and 1F1B, a short last batch included; --mesh dp=2,pp=2 ends
- *   its epochs as one device does (the printed losses);
+ *   its epochs as one device does (the printed losses), and with ZeRO-1
+ *   on the dp dimension writes DDP x pp's checkpoint bit for bit;
  * - checkpoints: a pipeline's file resumes in single (bit for bit as an
  *   uninterrupted single run), ddp and fsdp; a ddp file resumes in a
  *   pipeline; a pipeline resumes at another S and schedule bit for bit
@@ -112,6 +113,64 @@ Test(pp_cli, mesh_dp2_pp2_ends_the_epochs_as_one_device)
     epoch_result(r.out, "epoch 2/2", mesh[1], sizeof mesh[1]);
     cr_assert_str_eq(mesh[0], one[0]);
     cr_assert_str_eq(mesh[1], one[1]);
+}
+
+/* stage s's optimizer MiB as the summary prints it */
+static double stage_optim_mib(const char *out, int s)
+{
+    char want[64];
+    snprintf(want, sizeof want, "  stage %d memory: ", s);
+    const char *l = strstr(out, want);
+    cr_assert(l, "no %s in:\n%s", want, out);
+    const char *o = strstr(l, "optimizer ");
+    cr_assert(o, "%s", l);
+    return atof(o + strlen("optimizer "));
+}
+
+/* ZeRO-1 over the dp dimension (--sharding optimizer): each replica of
+ * a stage steps its half of the stage from the all-reduced gradients
+ * and the halves are gathered back, which is the step DDP x pp takes:
+ * the same checkpoint bit for bit (parameters and the optimizer state
+ * gathered from the replicas' slices), SGD with momentum and AdamW, a
+ * stage whose parameter count is odd (the padded chunk) included; each
+ * rank holds half the optimizer state. */
+Test(pp_cli, zero1_on_the_dp_dimension_is_ddp_x_pp_bit_for_bit)
+{
+    static cli_result r;
+    static const char *const optims[] = {"sgd", "adamw"};
+    for (int i = 0; i < 2; i++) {
+        char ddp[128], z1[128];
+        path(ddp, sizeof ddp, "mesh-ddp");
+        path(z1, sizeof z1, "mesh-zero1");
+        /* stage 1 of mlp:20-24-16-12-5 has 669 parameters: an odd count */
+        CLI(&r, "train", "--mode", "pp", "--device", "cpu:4", "--mesh", "dp=2,pp=2", MLP, SYN,
+            "--batch", "32", "--microbatches", "4", "--epochs", "2", "--optim", optims[i],
+            "--quiet", "--save", ddp);
+        expect(&r, 0, "epoch 2/2");
+        CLI(&r, "train", "--mode", "pp", "--device", "cpu:4", "--mesh", "dp=2,pp=2", MLP, SYN,
+            "--batch", "32", "--microbatches", "4", "--epochs", "2", "--optim", optims[i],
+            "--sharding", "optimizer", "--quiet", "--save", z1);
+        expect(&r, 0, "ZeRO-1: each replica steps 1/D of a stage");
+        cr_assert(cli_same_file(ddp, z1), "%s: ZeRO-1's checkpoint differs from DDP x pp's",
+                  optims[i]);
+    }
+    /* a model large enough for the printed MiB: half the state per rank */
+    double full[2], half[2];
+    const char *big[] = {"--model", "mlp:200-256-128-10", "--optim", "adamw"};
+    CLI(&r, "train", "--mode", "pp", "--device", "cpu:4", "--mesh", "dp=2,pp=2", big[0], big[1],
+        big[2], big[3], SYN, "--batch", "32", "--epochs", "1", "--max-steps", "1");
+    expect(&r, 0, "epoch 1/1");
+    for (int s = 0; s < 2; s++) full[s] = stage_optim_mib(r.out, s);
+    CLI(&r, "train", "--mode", "pp", "--device", "cpu:4", "--mesh", "dp=2,pp=2", big[0], big[1],
+        big[2], big[3], SYN, "--batch", "32", "--epochs", "1", "--max-steps", "1", "--sharding",
+        "optimizer");
+    expect(&r, 0, "optimizer state per stage and replica is 1/D");
+    for (int s = 0; s < 2; s++) {
+        half[s] = stage_optim_mib(r.out, s);
+        cr_assert(full[s] > 0.1 && fabs(half[s] - full[s] / 2) <= 0.0015,
+                  "stage %d: optimizer %.3f MiB with ZeRO-1, %.3f MiB without", s, half[s],
+                  full[s]);
+    }
 }
 
 /* The summary has every stage's phases and memory. */
@@ -311,7 +370,7 @@ Test(pp_cli, bad_configurations_are_one_line_errors)
 {
     static cli_result r;
     static const struct {
-        const char *a[6];
+        const char *a[8];
         const char *says;
     } bad[] = {
         {{"--device", "cpu:4", "--stages", "4", "--model", "mlp:20-12-5"},
@@ -324,13 +383,16 @@ Test(pp_cli, bad_configurations_are_one_line_errors)
         {{"--device", "cpu:4", "--stages", "3", MLP}, "does not divide the 4 devices"},
         {{"--device", "cpu:2", "--schedule", "zigzag", MLP}, "--schedule"},
         {{"--device", "cpu:2", "--grad-accum", "2", MLP}, "--microbatches 2 instead"},
-        {{"--device", "cpu:4", "--mesh", "dp=2,pp=2", "--sharding", "optimizer"},
-         "--mode pp --sharding: not supported"},
+        {{"--device", "cpu:4", "--mesh", "dp=2,pp=2", "--sharding", "full"},
+         "--mode pp shards only the optimizer"},
+        {{"--device", "cpu:2", "--sharding", "optimizer", MLP}, "with D >= 2 (dp is 1)"},
+        {{"--device", "cpu:4", "--mesh", "dp=2,pp=2", "--sharding", "optimizer", "--resume",
+          "x.safetensors"}, "--resume and --max-restarts are not supported"},
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         const char *const *a = bad[i].a;
         CLI(&r, "train", "--mode", "pp", SYN, a[0], a[1], a[2], a[3], a[4] ? a[4] : "--quiet",
-            a[5] ? a[5] : "--quiet");
+            a[5] ? a[5] : "--quiet", a[6] ? a[6] : "--quiet", a[7] ? a[7] : "--quiet");
         expect(&r, 2, bad[i].says);
         cr_assert(strchr(r.out, '\n') == r.out + strlen(r.out) - 1, "more than one line:\n%s",
                   r.out);

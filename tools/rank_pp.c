@@ -10,9 +10,14 @@
  * mode's file loaded by every stage) and the summary (every stage's
  * phases and memory, gathered on rank 0).
  *
- * ZeRO-1 over the dp dimension is refused: a stage's optimizer is pp/'s
- * own, stepped inside tdm_pp_step over the whole stage, so sharding its
- * state would need the step split open (tdm_pp_opts has no hook for it). */
+ * With --sharding optimizer (ZeRO-1 over the dp dimension) the stage
+ * builds no optimizer of its own: pp/'s optim_step hook steps, on each of
+ * the D replicas of a stage, the replica's 1/D slice of the stage's flat
+ * parameters (padded to D equal chunks) from the all-reduced gradients,
+ * with optimizer state for that slice only, and all-gathers the slices
+ * over the dp dimension back into the stage's parameters. The update is
+ * elementwise, so the run is DDP x pp's bit for bit. --save gathers the
+ * state slices into the file DDP x pp writes; --resume is refused. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -33,6 +38,13 @@ typedef struct tdm_tool_pp {
     tdm_mesh *dev_mesh;          /* a GPU's: the mesh over the device communicator */
     tdm_comm *pcomm;             /* the pipeline's host communicator (borrowed) */
     tdm_comm *dcomm;             /* the dp dimension's host communicator (borrowed) */
+    /* ZeRO-1 (--sharding optimizer) */
+    tdm_optim *zopt;             /* the optimizer of this replica's slice of the stage */
+    tdm_comm *zcomm;             /* the dp dimension's device communicator (borrowed) */
+    tdm_device *zdev;            /* the stage's device (borrowed) */
+    float *zbuf;                 /* the stage's parameters padded to reps chunks; NULL when
+                                    they divide evenly (gathered in place) */
+    int64_t zchunk;              /* elements per replica's slice */
     int rep, reps;               /* this replica, of how many */
     int in_elems, out_rows;      /* per sample of the whole model */
     tdm_model_spec spec;
@@ -72,6 +84,9 @@ tdm_status tdm_tool_pp_check(const tdm_tool_build *b, int world, tdm_mesh_shape 
     TDM_REQUIRE(shape->size[TDM_MESH_TP] == 1, TDM_STATUS_USAGE,
                 "--mesh: tp=%d: --mode pp splits layers, not tensors (tp=1)",
                 shape->size[TDM_MESH_TP]);
+    TDM_REQUIRE(!b->pp.zero1 || shape->size[TDM_MESH_DP] >= 2, TDM_STATUS_USAGE,
+                "--sharding optimizer shards each stage's optimizer over the dp dimension: it "
+                "needs --mesh dp=D,pp=S with D >= 2 (dp is %d)", shape->size[TDM_MESH_DP]);
     TDM_REQUIRE(b->pp.stages <= 0 || b->pp.stages == S, TDM_STATUS_USAGE,
                 "--stages %d, but --mesh %s has pp=%d", b->pp.stages, b->pp.mesh, S);
     TDM_REQUIRE(b->pp.micro >= 1, TDM_STATUS_USAGE, "--microbatches %d: at least 1",
@@ -114,7 +129,9 @@ static void tdm_rank_pp_free(void *ctx, void *self)
     tdm_tool_pp *q = r->w;
     if (q) {
         tdm_ddp_free(q->ddp);
-        tdm_pp_free(q->p);   /* owns r->m and r->opt */
+        tdm_optim_free(q->zopt);
+        if (q->zbuf) tdm_dev_free(q->zdev, q->zbuf);
+        tdm_pp_free(q->p);   /* owns r->m (and r->opt without ZeRO-1) */
         tdm_mesh_free(q->dev_mesh);
         free(q);
     }
@@ -131,6 +148,45 @@ static tdm_status tdm_rank_pp_sync_begin(void *ctx)
 static tdm_status tdm_rank_pp_sync_end(void *ctx, tdm_status st)
 {
     return tdm_ddp_sync_end(((tdm_tool_pp *)ctx)->ddp, st);
+}
+
+/* ZeRO-1's step of the stage (pp/'s optim_step): this replica's slice
+ * of the all-reduced gradients steps its slice of the parameters, then
+ * every replica's slice is gathered into every replica's parameters. */
+static tdm_status tdm_rank_pp_zero1_step(void *ctx, tdm_model *m)
+{
+    tdm_tool_pp *q = ctx;
+    float *param = tdm_model_params(m);
+    int64_t n = tdm_model_param_elems(m), c = q->zchunk, lo = q->rep * c;
+    int64_t k = lo >= n ? 0 : n - lo < c ? n - lo : c;
+    tdm_optim_range rg = {.param = param + lo, .grad = tdm_model_grads(m) + lo,
+                          .state_offset = 0, .n_elem = k};
+    TDM_CHECK(tdm_optim_step_ranges(q->zopt, &rg, k > 0));
+    float *all = q->zbuf ? q->zbuf : param;
+    if (q->zbuf && k) TDM_CHECK(tdm_dev_copy(q->zdev, all + lo, param + lo, (size_t)k * 4));
+    TDM_CHECK(tdm_dev_sync(q->zdev));
+    tdm_comm_set_label(q->zcomm, "pp zero1 gather of the stage's parameters");
+    tdm_status st = tdm_comm_all_gather(q->zcomm, all + lo, all, c, TDM_DTYPE_FLOAT32);
+    if (st) {
+        /* the other replicas of the stage are in (or about to enter) the gather */
+        tdm_error_prefix(st, "ZeRO-1 over the dp dimension (replica %d)", q->rep);
+        tdm_comm_abort(q->zcomm, tdm_error_message());
+        return st;
+    }
+    if (q->zbuf) TDM_CHECK(tdm_dev_copy(q->zdev, param, all, (size_t)n * 4));
+    return TDM_STATUS_OK;
+}
+
+/* ZeRO-1's optimizer over this replica's slice of the stage (rounded up
+ * to equal chunks) and the padded buffer for the gather. */
+static tdm_status tdm_rank_pp_zero1_init(tdm_tool_pp *q, const tdm_optim_opts *o)
+{
+    int64_t n = tdm_model_param_elems(tdm_pp_model(q->p));
+    q->zchunk = (n + q->reps - 1) / q->reps;
+    TDM_CHECK(tdm_optim_init_flat(&q->zopt, q->zdev, q->zchunk, o));
+    if (q->zchunk * q->reps == n) return TDM_STATUS_OK;
+    return tdm_dev_alloc_zero(q->zdev, (size_t)(q->zchunk * q->reps) * sizeof(float),
+                              (void **)&q->zbuf);
 }
 
 static void tdm_rank_pp_shape(const tdm_model_spec *s, int *in, int *rows)
@@ -192,10 +248,17 @@ static tdm_status tdm_rank_pp_setup(void *ctx, tdm_dist_rank *d, void **self)
     if (q->reps > 1)
         o.grad_sync = (tdm_pp_grad_sync){.begin = tdm_rank_pp_sync_begin,
                                          .end = tdm_rank_pp_sync_end, .ctx = q};
+    if (b->pp.zero1) {
+        q->zcomm = dp_dev;
+        q->zdev = d->dev;
+        o.optim_step = (tdm_pp_optim_step){.fn = tdm_rank_pp_zero1_step, .ctx = q};
+    }
     if ((st = tdm_pp_init(&q->p, pp_dev, d->dev, &b->spec, &o)))
         return tdm_tool_rank_fail(r, "pipeline set-up", st);
     r->m = tdm_pp_model(q->p);
-    r->opt = tdm_pp_optim(q->p);
+    if (b->pp.zero1 && (st = tdm_rank_pp_zero1_init(q, &b->optim)))
+        return tdm_tool_rank_fail(r, "ZeRO-1 optimizer over the dp dimension", st);
+    r->opt = b->pp.zero1 ? q->zopt : tdm_pp_optim(q->p);
     if (q->reps > 1) {
         tdm_ddp_opts dopt = {.bucket_cap_mb = b->bucket_cap_mb, .no_overlap = b->no_overlap,
                              .host_comm = dp_dev != tdm_mesh_comm(d->mesh, TDM_MESH_DP)
@@ -311,12 +374,58 @@ static void tdm_rank_pp_whole_free(tdm_device *host, tdm_model *whole, tdm_ckpt_
     tdm_device_free(host);
 }
 
+/* ZeRO-1's file: replica 0 gathers the parameters and buffers over the
+ * pipeline; each optimizer state is first all-gathered over the dp
+ * dimension (every replica's slice, into the stage's layout), then over
+ * the pipeline onto rank 0: the file DDP x pp writes. */
+static tdm_status tdm_rank_pp_zero1_save(tdm_tool_pp *q, const char *path,
+                                         const tdm_ckpt_info *info)
+{
+    int root = q->rep == 0 && tdm_pp_stage(q->p) == 0;
+    tdm_device *host = NULL;
+    tdm_model *whole = NULL;
+    float *all = NULL;
+    tdm_ckpt_host h;
+    memset(&h, 0, sizeof h);
+    tdm_status st = root ? tdm_rank_pp_whole(q, q->zopt, &host, &whole, &h) : TDM_STATUS_OK;
+    if (!st) st = tdm_dev_alloc(q->zdev, (size_t)(q->zchunk * q->reps) * sizeof(float),
+                                (void **)&all);
+    if (st) goto fail;
+    if (q->rep == 0) {
+        tdm_ckpt_host hp = h;
+        hp.optim = NULL;
+        if ((st = tdm_pp_gather_state(q->p, root ? &hp : NULL, 0))) goto fail;
+    }
+    for (int i = 0; i < tdm_optim_n_state(q->zopt); i++) {
+        tdm_comm_set_label(q->zcomm, "pp zero1 gather of the optimizer state");
+        if ((st = tdm_comm_all_gather(q->zcomm, tdm_optim_state(q->zopt, i), all, q->zchunk,
+                                      TDM_DTYPE_FLOAT32)))
+            goto fail;
+        if (q->rep == 0 &&
+            (st = tdm_pp_gather_stage(q->p, all, root ? h.state[i] : NULL, 0,
+                                      tdm_optim_state_name(q->zopt, i))))
+            goto fail;
+    }
+    h.steps = tdm_optim_steps(q->zopt);
+    if (root) st = tdm_checkpoint_save_host(path, whole, &h, info);
+    goto done;
+fail:
+    /* the other stages and replicas may wait in a gather for this one */
+    tdm_comm_abort(q->pcomm, tdm_error_message());
+    tdm_comm_abort(q->dcomm, tdm_error_message());
+done:
+    if (all) tdm_dev_free(q->zdev, all);
+    tdm_rank_pp_whole_free(host, whole, &h);
+    return st;
+}
+
 /* The whole model's state gathered on replica 0's first stage (rank 0),
  * written there as the file every mode writes. */
 static tdm_status tdm_rank_pp_save(void *w, const char *path, tdm_optim *opt,
                                    const tdm_ckpt_info *info)
 {
     tdm_tool_pp *q = w;
+    if (q->zopt) return tdm_rank_pp_zero1_save(q, path, info);
     if (q->rep != 0) return TDM_STATUS_OK;
     int root = tdm_pp_stage(q->p) == 0;
     tdm_device *host = NULL;
@@ -366,8 +475,8 @@ static void tdm_rank_pp_describe(const tdm_tool_rank *r, char *on, size_t n_on, 
                      "micro-batches", tdm_pp_stages(q->p), split,
                      tdm_pp_schedule_name(r->b->pp.schedule), r->b->pp.micro);
     if (q->reps > 1 && n >= 0 && (size_t)n < n_on)
-        snprintf(on + n, n_on - (size_t)n, ", x %d replicas (DDP over the dp dimension)",
-                 q->reps);
+        snprintf(on + n, n_on - (size_t)n, ", x %d replicas (DDP over the dp dimension%s)",
+                 q->reps, q->zopt ? "; ZeRO-1: each replica steps 1/D of a stage" : "");
     snprintf(note, n_note, "%s", "");
 }
 
@@ -394,7 +503,7 @@ static void tdm_rank_pp_figures(const tdm_tool_pp *q, double f[TDM_PPF_COUNT_])
     for (int i = 0; i <= TDM_PPF_TOTAL; i++) f[i] = ph[i] / n;
     f[TDM_PPF_PARAMS] = (double)s.params;
     f[TDM_PPF_GRADS] = (double)s.grads;
-    f[TDM_PPF_OPTIM] = (double)s.optimizer;
+    f[TDM_PPF_OPTIM] = q->zopt ? (double)tdm_optim_state_bytes(q->zopt) : (double)s.optimizer;
     f[TDM_PPF_PEAK] = s.peak_act == (size_t)-1 ? -1.0 : (double)s.peak_act;
     f[TDM_PPF_SETS] = s.act_sets;
     f[TDM_PPF_SET] = (double)s.act_set;
@@ -437,8 +546,11 @@ static void tdm_rank_pp_print(const tdm_tool_rank *r, const double *all, int S)
         overlapped += f[TDM_PPF_OVERLAPPED];
         transfers += f[TDM_PPF_TRANSFERS];
     }
-    printf("pp transfers: %.0f of %.0f completed while a stage computed%s\n", overlapped,
-           transfers, q->reps > 1 ? "; gradients summed over the replicas by DDP" : "");
+    printf("pp transfers: %.0f of %.0f completed while a stage computed%s%s\n", overlapped,
+           transfers, q->reps > 1 ? "; gradients summed over the replicas by DDP" : "",
+           q->zopt ? "; ZeRO-1: optimizer state per stage and replica is 1/D of the stage's "
+                     "(replica 0's shown), the slices gathered over the dp dimension"
+                   : "");
 }
 
 /* Every stage's figures to rank 0, which prints them (collective). */

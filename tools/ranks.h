@@ -57,6 +57,7 @@ typedef struct tdm_tool_build {
         const char *split;       /* --split L1,L2,..; NULL: balanced */
         const char *mesh;        /* --mesh dp=D,pp=S; NULL: pp over every rank */
         int batch;               /* the global batch (sizes the links' zero-copy memory) */
+        int zero1;               /* --sharding optimizer: ZeRO-1 over the dp dimension */
     } pp;
     /* the tool's own context, for the callbacks it composes around the
      * design's (dist/run.h's ctx is this struct) */

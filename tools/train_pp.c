@@ -11,7 +11,8 @@
  * single --batch ceil(B/M) --grad-accum M on the same samples (bit for
  * bit on host devices for the MLP and CNN). With --mesh dp=D,pp=S, D
  * pipelines each take their share of the global batch and DDP sums their
- * gradients over the dp dimension. */
+ * gradients over the dp dimension; with --sharding optimizer (ZeRO-1)
+ * each replica of a stage steps 1/D of it and the slices are gathered. */
 #include <stdio.h>
 #include <string.h>
 
@@ -45,11 +46,18 @@ tdm_status tdm_train_check_pp(tdm_train_args *a, int gpt)
     if (a->uneven || a->sync_bn || (a->comm_hook && strcmp(a->comm_hook, "allreduce")))
         return tdm_tool_usage_error("tandem train: --uneven, --sync-bn and --comm-hook apply "
                                     "to --mode ddp and fsdp, not to --mode pp\n");
-    if (a->sharding || a->save_sharded)
-        return tdm_tool_usage_error("tandem train: --mode pp --sharding: not supported: a "
-                                    "stage's optimizer is the pipeline's own, stepped inside "
-                                    "its schedule over the whole stage, so ZeRO cannot shard "
-                                    "it over the dp dimension (use --mesh dp=D,pp=S: DDP)\n");
+    tdm_fsdp_sharding sh = TDM_FSDP_SHARD_OPTIM;
+    if (a->sharding && tdm_fsdp_sharding_parse(a->sharding, &sh))
+        return tdm_tool_usage_error("tandem train: --sharding: %s\n", tdm_error_message());
+    if (sh != TDM_FSDP_SHARD_OPTIM || a->save_sharded)
+        return tdm_tool_usage_error("tandem train: --mode pp shards only the optimizer over "
+                                    "the dp dimension (--sharding optimizer, ZeRO-1): a stage "
+                                    "keeps its parameters and gradients whole%s\n",
+                                    a->save_sharded ? "; --save-sharded is fsdp's" : "");
+    if (a->sharding && (a->resume || a->max_restarts))
+        return tdm_tool_usage_error("tandem train: --mode pp --sharding optimizer: --resume "
+                                    "and --max-restarts are not supported (a checkpoint is not "
+                                    "split into the replicas' optimizer slices; --save works)\n");
     if (a->microbatches > a->batch)
         return tdm_tool_usage_error("tandem train: --microbatches %lld is more than --batch "
                                     "%lld: every micro-batch needs a sample\n", a->microbatches,

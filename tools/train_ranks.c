@@ -399,6 +399,7 @@ static tdm_status tdm_train_ranks_build(tdm_train_job *j, const tdm_tool_design 
     b->pp.split = a->split;
     b->pp.mesh = a->mesh;
     b->pp.batch = (int)a->batch;
+    b->pp.zero1 = design == &tdm_tool_pp_design && a->sharding;   /* checked: "optimizer" */
     if (a->schedule && tdm_pp_schedule_parse(a->schedule, &b->pp.schedule))
         return tdm_tool_usage_error("tandem train: --schedule: %s\n", tdm_error_message());
     tdm_train_levers_build(a, b);
