@@ -71,7 +71,8 @@ static void tdm_cmp_usage(FILE *f)
         "  --batch B            global batch size (B >= N)   [256; gpt: %d windows]\n"
         "  --data DIR|synthetic Fashion-MNIST directory or synthetic data  [Fashion-MNIST]\n"
         "  --data FILE|DIR      gpt: any file, or a fortunes directory  [Debian's fortunes]\n"
-        "  --optim sgd|adamw    [sgd]   --lr LR [sgd 0.05, adamw 0.001]   --momentum M [0.9]\n"
+        "  --optim sgd|adamw    [sgd; gpt: adamw]                    --momentum M [0.9]\n"
+        "  --lr LR              [sgd: 0.05, adamw: 0.001 (gpt: 0.002)], as train's\n"
         "  --seed S             initial parameters and data order            [1]\n"
         "  --bucket-cap-mb MB   DDP bucket cap                               [25]\n"
         "  --no-overlap         DDP all-reduces after backward (to see what overlap buys)\n"
@@ -88,7 +89,7 @@ static void tdm_cmp_usage(FILE *f)
         "                       bounded difference (docs/DDP.md); fp16 and bf16 also\n"
         "                       run the sharded modes of --modes with the hook, each\n"
         "                       against hooked DDP (docs/FSDP.md)        [allreduce]\n"
-        "  --powersgd-rank R    [1]   --powersgd-start-step S (plain before)   [10]\n"
+        "  --powersgd-rank R    [4]   --powersgd-start-step S (plain before)   [10]\n"
         "  --perturb-rank R     testing aid: DDP rank R adds 1%% to its gradient share,\n"
         "                       which the equivalence verdict must catch (with\n"
         "                       --comm-hook: only the hooked run, for its verdict)\n"
@@ -401,14 +402,17 @@ static tdm_status tdm_cmp_check_sweep(tdm_cmp_job *j)
 static tdm_status tdm_cmp_check(tdm_cmp_job *j)
 {
     tdm_cmp_opts *o = &j->o;
-    if (strcmp(o->optim, "sgd") && strcmp(o->optim, "adamw"))
-        return tdm_tool_usage_error("tandem compare: --optim '%s': expected sgd or adamw\n",
-                                    o->optim);
-    if (o->lr < 0) o->lr = strcmp(o->optim, "sgd") ? 1e-3 : 0.05;
-    if (!strcmp(o->optim, "adamw")) o->weight_decay = 0.01;
     if (tdm_model_spec_parse(&j->spec, o->model) != TDM_STATUS_OK)
         return tdm_tool_usage_error("tandem compare: --model: %s\n", tdm_error_message());
     j->gpt = j->spec.kind == TDM_MODEL_GPT;
+    /* train's defaults, so that the two agree: a gpt trains with AdamW at
+     * 2e-3 (tools/train.c) */
+    if (!o->optim) o->optim = j->gpt ? "adamw" : "sgd";
+    if (strcmp(o->optim, "sgd") && strcmp(o->optim, "adamw"))
+        return tdm_tool_usage_error("tandem compare: --optim '%s': expected sgd or adamw\n",
+                                    o->optim);
+    if (o->lr < 0) o->lr = strcmp(o->optim, "sgd") ? (j->gpt ? 2e-3 : 1e-3) : 0.05;
+    if (!strcmp(o->optim, "adamw")) o->weight_decay = 0.01;
     if (!o->batch) o->batch = j->gpt ? TDM_CMP_GPT_BATCH : 256;
     if (j->gpt && o->data && !strcmp(o->data, "synthetic"))
         return tdm_tool_usage_error("tandem compare: a gpt trains on text: --data FILE (any "
@@ -880,9 +884,9 @@ int tdm_tool_compare_main(int argc, char **argv)
     tdm_cmp_job job = {.default_device = default_device, .err_fd = -1};
     tdm_cmp_job *j = &job;
     j->o = (tdm_cmp_opts){.model = "mlp", .device = default_device, .data = NULL,
-                          .optim = "sgd", .steps = 30, .warmup = -1, .batch = 0, .lr = -1,
+                          .optim = NULL, .steps = 30, .warmup = -1, .batch = 0, .lr = -1,
                           .momentum = 0.9, .weight_decay = 0.0, .seed = 1, .bucket_cap_mb = 25,
-                          .perturb_rank = -1, .powersgd_rank = 1,
+                          .perturb_rank = -1, .powersgd_rank = TDM_POWERSGD_DEFAULT_RANK,
                           .powersgd_start_step = 10,
                           .modes = 1u << TDM_CMP_SINGLE | 1u << TDM_CMP_DP |
                                    1u << TDM_CMP_DDP | 1u << TDM_CMP_FSDP};

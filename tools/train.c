@@ -102,7 +102,7 @@ static void tdm_train_usage(FILE *f)
         "                         error feedback); fsdp: fp16 or bf16 compress the\n"
         "                         reduce-scatters (no powersgd); all but allreduce\n"
         "                         need host devices                [allreduce]\n"
-        "  --powersgd-rank R      powersgd: rank of the approximation          [1]\n"
+        "  --powersgd-rank R      powersgd: rank of the approximation          [4]\n"
         "  --powersgd-start-step S  powersgd: plain all-reduce for the first S\n"
         "                         optimizer steps (PyTorch's default is 1000)  [10]\n"
         "  --timeout SECONDS      ddp, fsdp: process-group timeout: a rank that waits\n"
@@ -167,7 +167,7 @@ static tdm_status tdm_train_parse(int argc, char **argv, tdm_train_args *a, int 
         TDM_ARGS_STR("--lr-schedule", a->lr_schedule)
         TDM_ARGS_STR("--timeout", a->timeout)
         TDM_ARGS_STR("--sharding", a->sharding)
-        TDM_ARGS_INT("--bucket-cap-mb", 1, 1 << 20, a->bucket_cap_mb)
+        TDM_ARGS_FLOAT("--bucket-cap-mb", 1e-6, 1 << 20, a->bucket_cap_mb)
         TDM_ARGS_INT("--max-restarts", 0, 1000, a->max_restarts)
         TDM_ARGS_STR("--backend", a->backend)
         TDM_ARGS_INT("--grad-accum", 1, 1 << 16, a->grad_accum)
@@ -294,7 +294,7 @@ int tdm_tool_train_main(int argc, char **argv)
         .mode = "single", .model = "mlp", .device = "cpu", .threads = 1, .epochs = 2,
         .batch = 0, .optim = NULL, .lr = -1, .momentum = 0.9, .weight_decay = -1, .seed = 1,
         .data = NULL, .synthetic_size = 12000, .max_steps = 0, .lr_schedule = "const",
-        .grad_accum = 1, .powersgd_rank = 1, .powersgd_start_step = 10,
+        .grad_accum = 1, .powersgd_rank = TDM_POWERSGD_DEFAULT_RANK, .powersgd_start_step = 10,
     };
     int help = 0;
     tdm_status st = tdm_train_parse(argc, argv, &a, &help);

@@ -25,7 +25,8 @@
 
 typedef struct tdm_train_args {
     const char *mode, *model, *device, *optim, *data, *save, *resume;
-    long long threads, epochs, batch, seed, synthetic_size, max_steps, bucket_cap_mb;
+    long long threads, epochs, batch, seed, synthetic_size, max_steps;
+    double bucket_cap_mb;     /* ddp: MiB, a float as PyTorch's (0: the default 25) */
     long long max_restarts;   /* ddp: elastic restarts (tools/elastic.h) */
     double lr, momentum, weight_decay;
     const char *lr_schedule;  /* "const" or "cosine" */
