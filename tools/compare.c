@@ -154,10 +154,6 @@ static int tdm_cmp_parse_sweep(const char *s, int *out, int max)
 
 static void tdm_cmp_print_phase_table(const tdm_cmp_opts *o, tdm_cmp_result *const *res, int n)
 {
-    static const tdm_phase rows[] = {
-        TDM_PHASE_REPLICATE, TDM_PHASE_SCATTER, TDM_PHASE_FORWARD, TDM_PHASE_GATHER,
-        TDM_PHASE_LOSS, TDM_PHASE_BACKWARD, TDM_PHASE_REDUCE, TDM_PHASE_ALLREDUCE_WAIT,
-        TDM_PHASE_ALLGATHER_WAIT, TDM_PHASE_REDUCE_SCATTER_WAIT, TDM_PHASE_STEP};
     tdm_phase_times pm[TDM_CMP_NMODES];
     double mean[TDM_CMP_NMODES];
     printf("\nWhere the time goes (ms per step and share of the step, means after warm-up)\n");
@@ -171,12 +167,9 @@ static void tdm_cmp_print_phase_table(const tdm_cmp_opts *o, tdm_cmp_result *con
         tdm_cmp_means(o, res[k], &mean[k], NULL, NULL);
     }
     printf("\n");
-    for (size_t q = 0; q < sizeof rows / sizeof rows[0]; q++) {
-        tdm_phase p = rows[q];
-        printf("  %-22s", p == TDM_PHASE_ALLREDUCE_WAIT        ? "all-reduce (exposed)"
-                          : p == TDM_PHASE_ALLGATHER_WAIT      ? "all-gather (exposed)"
-                          : p == TDM_PHASE_REDUCE_SCATTER_WAIT ? "reduce-scatter (exp.)"
-                                                               : tdm_phase_name(p));
+    for (int q = 0; q < tdm_cmp_n_phase_rows; q++) {
+        tdm_phase p = tdm_cmp_phase_rows[q];
+        printf("  %-22s", tdm_cmp_phase_label(p));
         for (int k = 0; k < n; k++) {
             double v = pm[k].ms[p];
             if (v <= 0.0) printf(" %18s", "-");
@@ -261,7 +254,7 @@ typedef struct tdm_cmp_job {
     tdm_cmp_result *rp[TDM_CMP_NMODES];
     int nres;
     double sps[TDM_CMP_NMODES];      /* samples/s of the median step, by mode */
-    double sweep_dp[16], sweep_ddp[16];
+    tdm_cmp_sweep_point sweep[16];
     int verdict;                     /* 1: the modes computed the same training */
     const char *modes_arg;           /* --modes as given */
     int ran[TDM_CMP_NMODES];         /* 1: the mode ran */
@@ -789,6 +782,8 @@ static tdm_status tdm_cmp_sweep(tdm_cmp_job *j)
     printf("\nScaling (samples/s, median step; speed-up over one device at %.0f)\n", j->sps[0]);
     printf("  %-8s %12s %9s %12s %9s\n", "devices", "DP", "speed-up", "DDP", "speed-up");
     for (int i = 0; i < j->n_sweep; i++) {
+        j->sweep[i] = (tdm_cmp_sweep_point){.devices = j->sweep_dev[i],
+                                            .ideal = j->sps[0] * j->sweep_dev[i]};
         if (j->sweep_dev[i] > o->batch) {
             printf("  %-8d skipped: more devices than samples in a batch\n", j->sweep_dev[i]);
             continue;
@@ -798,12 +793,17 @@ static tdm_status tdm_cmp_sweep(tdm_cmp_job *j)
         tdm_status st = tdm_cmp_run(o, &j->data, TDM_CMP_DP, j->sweep_dev[i], &a);
         if (st == TDM_STATUS_OK) st = tdm_cmp_run(o, &j->data, TDM_CMP_DDP, j->sweep_dev[i], &b);
         if (st == TDM_STATUS_OK) {
+            tdm_cmp_sweep_point *sp = &j->sweep[i];
             tdm_cmp_step_stats(o, &a, &m1, &x1, &x2);
+            sp->dp[0] = o->batch / m1 * 1e3;
+            sp->dp[1] = o->batch / x2 * 1e3;
+            sp->dp[2] = o->batch / x1 * 1e3;
             tdm_cmp_step_stats(o, &b, &m2, &x1, &x2);
-            j->sweep_dp[i] = o->batch / m1 * 1e3;
-            j->sweep_ddp[i] = o->batch / m2 * 1e3;
-            printf("  %-8d %12.0f %8.2fx %12.0f %8.2fx\n", j->sweep_dev[i], j->sweep_dp[i],
-                   j->sweep_dp[i] / j->sps[0], j->sweep_ddp[i], j->sweep_ddp[i] / j->sps[0]);
+            sp->ddp[0] = o->batch / m2 * 1e3;
+            sp->ddp[1] = o->batch / x2 * 1e3;
+            sp->ddp[2] = o->batch / x1 * 1e3;
+            printf("  %-8d %12.0f %8.2fx %12.0f %8.2fx\n", j->sweep_dev[i], sp->dp[0],
+                   sp->dp[0] / j->sps[0], sp->ddp[0], sp->ddp[0] / j->sps[0]);
             fflush(stdout);
         }
         tdm_cmp_result_free(&a);
@@ -831,8 +831,8 @@ static tdm_status tdm_cmp_write_outputs(tdm_cmp_job *j)
         }
     }
     if (o->plot &&
-        (s = tdm_cmp_write_plots(o->plot, o, j->rp, j->nres, j->sweep_dev, j->sweep_dp,
-                                 j->sweep_ddp, j->n_sweep, j->sps[0])) != TDM_STATUS_OK &&
+        (s = tdm_cmp_write_plots(o->plot, o, j->rp, j->nres, j->sweep, j->n_sweep)) !=
+            TDM_STATUS_OK &&
         !st)
         st = s;
     return st;

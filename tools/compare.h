@@ -190,10 +190,20 @@ tdm_status tdm_cmp_write_trace(const char *path, const tdm_cmp_opts *o,
                                tdm_cmp_result *const *res, int n);
 tdm_status tdm_cmp_write_csv(const char *path, const tdm_cmp_opts *o, tdm_cmp_result *const *res,
                              int n);
-/* sweep: n_sweep entries of (devices, dp samples/s, ddp samples/s); may be 0. */
+/* --sweep: one device count's samples/s, each {median, min, max} (from
+ * the post-warm-up steps' median, max and min time); dp[0] <= 0: skipped. */
+typedef struct tdm_cmp_sweep_point {
+    int devices;
+    double dp[3], ddp[3];
+    double ideal;   /* one device's median x devices */
+} tdm_cmp_sweep_point;
+/* --plot DIR (tools/compare_plot.c): data files, plots.gp and the charts. */
 tdm_status tdm_cmp_write_plots(const char *dir, const tdm_cmp_opts *o,
-                               tdm_cmp_result *const *res, int n, const int *sweep_dev,
-                               const double *sweep_dp, const double *sweep_ddp, int n_sweep,
-                               double single_sps);
-
+                               tdm_cmp_result *const *res, int n,
+                               const tdm_cmp_sweep_point *sweep, int n_sweep);
+/* The phase table's rows, in order, and their names (the text table's,
+ * the charts' and the JSON's). */
+extern const tdm_phase tdm_cmp_phase_rows[];
+extern const int tdm_cmp_n_phase_rows;
+const char *tdm_cmp_phase_label(tdm_phase p);
 #endif
