@@ -4,12 +4,15 @@
  * used to be 0 or negative) and its own dash; each phase its own colour;
  * phases.dat's legend holds only phases some mode has, named as in the
  * text table; throughput and scaling carry min <= median <= max and the
- * ideal line; memory.dat's persistent part is at most its peak. */
+ * ideal line; memory.dat's persistent part is at most its peak. And the
+ * report's load warnings and the sharded headline (peak first). */
 #include <criterion/criterion.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/device.h"
 #include "tests/cli_util.h"
 
 static char *cp_slurp(const char *dir, const char *name)
@@ -152,5 +155,42 @@ Test(compare_plot, six_modes_every_curve_colour_and_legend_entry_shows, .timeout
     char cmd[128];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
     cr_assert_eq(system(cmd), 0);
+    cr_expect(!cli_shm_entries());
+}
+
+/* The report says what the machine did meanwhile: two busy loops make
+ * every mode's run "busy", and more devices than cores is said too; the
+ * sharded headline gives the peak before the persistent state. */
+Test(compare_plot, busy_or_oversubscribed_runs_are_flagged_and_peak_comes_first,
+     .timeout = 600)
+{
+    pid_t busy[2];
+    for (int i = 0; i < 2; i++) {
+        busy[i] = fork();
+        cr_assert(busy[i] >= 0);
+        if (busy[i] == 0) {
+            alarm(600);   /* never outlives the test */
+            for (volatile unsigned long x = 0;; x++) {}
+        }
+    }
+    char dev[16];
+    int cores = tdm_device_host_cores();
+    snprintf(dev, sizeof dev, "cpu:%d", cores + 1);
+    cli_result r;
+    CLI(&r, "compare", "--modes", "single,ddp,fsdp", "--data", "synthetic", "--model",
+        "mlp:784-64-10", "--batch", "64", "--steps", "4", "--warmup", "1", "--device", dev);
+    for (int i = 0; i < 2; i++) {
+        kill(busy[i], SIGKILL);
+        waitpid(busy[i], NULL, 0);
+    }
+    expect(&r, 0, "verdict: PASS");
+    char want[96];
+    snprintf(want, sizeof want, "warning: DDP(%d): %d devices on %d cores share them", cores + 1,
+             cores + 1, cores);
+    cr_expect(strstr(r.out, want), "no '%s':\n%s", want, r.out);
+    cr_expect(strstr(r.out, "warning: single(1): other processes used "), "%s", r.out);
+    const char *peak = strstr(r.out, "FSDP peaks at ");
+    const char *keeps = peak ? strstr(peak, "it keeps ") : NULL;
+    cr_expect(peak && keeps && strstr(peak, "x DDP's") < keeps, "%s", r.out);
     cr_expect(!cli_shm_entries());
 }

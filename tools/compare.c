@@ -254,6 +254,8 @@ typedef struct tdm_cmp_job {
     tdm_cmp_result *rp[TDM_CMP_NMODES];
     int nres;
     double sps[TDM_CMP_NMODES];      /* samples/s of the median step, by mode */
+    double other_cores[TDM_CMP_NMODES]; /* other processes' CPU during each mode, in
+                                          cores (tools/compare_load.c; -1: unknown) */
     tdm_cmp_sweep_point sweep[16];
     int verdict;                     /* 1: the modes computed the same training */
     const char *modes_arg;           /* --modes as given */
@@ -583,8 +585,12 @@ static tdm_status tdm_cmp_run_modes(tdm_cmp_job *j)
                 return st;
             }
         }
+        tdm_cmp_load l0, l1;
+        tdm_cmp_load_sample(&l0);
         TDM_CHECK(tdm_cmp_run(&j->o, &j->data, (tdm_cmp_mode)k,
                               k == TDM_CMP_SINGLE ? 1 : j->o.n_dev, &j->res[k]));
+        tdm_cmp_load_sample(&l1);
+        j->other_cores[k] = tdm_cmp_load_other(&l0, &l1);
         j->rp[j->nres++] = &j->res[k];
         j->ran[k] = 1;
     }
@@ -874,6 +880,7 @@ static tdm_status tdm_cmp_main_run(tdm_cmp_job *j)
     }
     tdm_cmp_print_memory(&j->o, j->rp, j->nres);
     tdm_cmp_print_reading(j);
+    tdm_cmp_load_print(&j->o, j->rp, j->nres, j->other_cores);
     TDM_CHECK(tdm_cmp_sweep(j));
     return tdm_cmp_write_outputs(j);
 }

@@ -206,4 +206,19 @@ tdm_status tdm_cmp_write_plots(const char *dir, const tdm_cmp_opts *o,
 extern const tdm_phase tdm_cmp_phase_rows[];
 extern const int tdm_cmp_n_phase_rows;
 const char *tdm_cmp_phase_label(tdm_phase p);
+/* The machine's load during a run (tools/compare_load.c): samples before
+ * and after; the other processes' CPU between them in cores' worth (-1:
+ * not measurable, no /proc/stat). */
+typedef struct tdm_cmp_load {
+    double busy_s, self_s, wall_s;
+    int valid;
+} tdm_cmp_load;
+/* other processes using this many cores' worth during a mode: "busy" */
+#define TDM_CMP_BUSY_CORES 0.25
+void tdm_cmp_load_sample(tdm_cmp_load *c);
+double tdm_cmp_load_other(const tdm_cmp_load *a, const tdm_cmp_load *b);
+/* Warnings for the modes that ran on a busy or oversubscribed machine;
+ * 1 when any was printed. other_of: by mode. */
+int tdm_cmp_load_print(const tdm_cmp_opts *o, tdm_cmp_result *const *res, int n,
+                       const double *other_of);
 #endif
