@@ -29,6 +29,7 @@
 #include "tools/args.h"
 #include "tools/compare.h"
 #include "tools/devices.h"
+#include "tools/compare_json.h"
 #include "tools/tools.h"
 
 /* Float tolerances of the equivalence verdict, |a - b| <= atol + rtol |b|.
@@ -77,7 +78,11 @@ static void tdm_cmp_usage(FILE *f)
         "  --bucket-cap-mb MB   DDP bucket cap                               [25]\n"
         "  --no-overlap         DDP all-reduces after backward (to see what overlap buys)\n"
         "  --trace FILE         Chrome trace-event JSON (Perfetto, chrome://tracing)\n"
-        "  --csv FILE           raw per-step figures\n"
+        "  --csv FILE           raw per-step figures, the sweep's runs too (columns:\n"
+        "                       docs/OUTPUTS.md)\n"
+        "  --json FILE          the results for a program: per mode throughput (median,\n"
+        "                       min, max), phases, memory, bytes, the verdict and its\n"
+        "                       bounds (schema: docs/OUTPUTS.md)\n"
         "  --plot DIR           loss, throughput, phase (and scaling) charts, with gnuplot;\n"
         "                       DIR must be yours and not writable by others\n"
         "  --sweep 1,2,4        also run DP and DDP at these device counts\n"
@@ -257,6 +262,9 @@ typedef struct tdm_cmp_job {
     double other_cores[TDM_CMP_NMODES]; /* other processes' CPU during each mode, in
                                           cores (tools/compare_load.c; -1: unknown) */
     tdm_cmp_sweep_point sweep[16];
+    tdm_cmp_result sweep_res[32];    /* the sweep's DP and DDP runs, for --csv */
+    int n_sweep_res;
+    tdm_cmp_report rep;              /* the verdict's pairs and bounds, for --json */
     int verdict;                     /* 1: the modes computed the same training */
     const char *modes_arg;           /* --modes as given */
     int ran[TDM_CMP_NMODES];         /* 1: the mode ran */
@@ -323,6 +331,7 @@ static tdm_status tdm_cmp_parse(int argc, char **argv, tdm_cmp_job *j)
         TDM_ARGS_LOCALS
         TDM_ARGS_HELP(j->help)
         TDM_ARGS_STR("--model", o->model)
+        TDM_ARGS_STR("--json", o->json)
         TDM_ARGS_STR("--device", o->device)
         TDM_ARGS_STR("--data", o->data)
         TDM_ARGS_STR("--optim", o->optim)
@@ -710,12 +719,18 @@ static tdm_status tdm_cmp_print_equivalence(tdm_cmp_job *j)
            "started one ulp off ends %.2e away (loss rel %.1e))\n", TDM_CMP_ATOL_FIRST,
            TDM_CMP_RTOL_FIRST, o->steps, TDM_CMP_ATOL_LAST, TDM_CMP_RTOL_LAST,
            TDM_CMP_FLOOR_FACTOR, fl.max_abs, fl_loss);
-    int pairs[16][2];
-    int n_pairs = tdm_cmp_fsdp_pairs(j->ran, pairs, 16);
+    tdm_cmp_report *rep = &j->rep;
+    *rep = (tdm_cmp_report){.atol_first = TDM_CMP_ATOL_FIRST, .rtol_first = TDM_CMP_RTOL_FIRST,
+                            .atol_last = TDM_CMP_ATOL_LAST, .rtol_last = TDM_CMP_RTOL_LAST,
+                            .loss_rtol = TDM_CMP_LOSS_RTOL, .floor_factor = TDM_CMP_FLOOR_FACTOR,
+                            .floor_max_abs = fl.max_abs, .floor_loss_rel = fl_loss};
+    int n_pairs = rep->n_pairs = tdm_cmp_fsdp_pairs(j->ran, rep->pairs, 16);
     j->verdict = 1;
-    for (int q = 0; q < n_pairs; q++)
-        j->verdict &= tdm_cmp_print_pair(j, ref, (tdm_cmp_mode)pairs[q][0],
-                                         (tdm_cmp_mode)pairs[q][1], &fl, fl_loss);
+    for (int q = 0; q < n_pairs; q++) {
+        rep->pair_ok[q] = tdm_cmp_print_pair(j, ref, (tdm_cmp_mode)rep->pairs[q][0],
+                                             (tdm_cmp_mode)rep->pairs[q][1], &fl, fl_loss);
+        j->verdict &= rep->pair_ok[q];
+    }
     if (j->ran[TDM_CMP_DDP] && !j->res[TDM_CMP_DDP].ranks_agree) {
         printf("  DDP ranks ended with different parameters -> FAIL\n");
         j->verdict = 0;
@@ -812,8 +827,14 @@ static tdm_status tdm_cmp_sweep(tdm_cmp_job *j)
                    sp->dp[0] / j->sps[0], sp->ddp[0], sp->ddp[0] / j->sps[0]);
             fflush(stdout);
         }
-        tdm_cmp_result_free(&a);
-        tdm_cmp_result_free(&b);
+        if (st == TDM_STATUS_OK && j->n_sweep_res + 2 <= 32) {
+            /* kept for --csv */
+            j->sweep_res[j->n_sweep_res++] = a;
+            j->sweep_res[j->n_sweep_res++] = b;
+        } else {
+            tdm_cmp_result_free(&a);
+            tdm_cmp_result_free(&b);
+        }
         TDM_CHECK(st);
     }
     return TDM_STATUS_OK;
@@ -829,8 +850,23 @@ static tdm_status tdm_cmp_write_outputs(tdm_cmp_job *j)
         if ((s = tdm_cmp_write_trace(o->trace, o, j->rp, j->nres)) != TDM_STATUS_OK) st = s;
         else printf("trace: %s (open in https://ui.perfetto.dev or chrome://tracing)\n", o->trace);
     }
+    if (o->json) {
+        j->rep.verdict = j->verdict;
+        j->rep.other_cores = j->other_cores;
+        j->rep.sweep = j->sweep;
+        j->rep.n_sweep = j->n_sweep;
+        if ((s = tdm_cmp_write_json_file(o->json, o, j->rp, j->nres, &j->rep)) != TDM_STATUS_OK) {
+            if (!st) st = s;
+        } else {
+            printf("json: %s\n", o->json);
+        }
+    }
     if (o->csv) {
-        if ((s = tdm_cmp_write_csv(o->csv, o, j->rp, j->nres)) != TDM_STATUS_OK) {
+        tdm_cmp_result *all[TDM_CMP_NMODES + 32];
+        int n_all = 0;
+        for (int k = 0; k < j->nres; k++) all[n_all++] = j->rp[k];
+        for (int k = 0; k < j->n_sweep_res; k++) all[n_all++] = &j->sweep_res[k];
+        if ((s = tdm_cmp_write_csv(o->csv, o, all, j->nres, n_all)) != TDM_STATUS_OK) {
             if (!st) st = s;
         } else {
             printf("csv: %s\n", o->csv);
@@ -877,6 +913,8 @@ static tdm_status tdm_cmp_main_run(tdm_cmp_job *j)
         int hv = tdm_cmp_hook_section(&j->o, &j->data, &j->spec, &j->res[TDM_CMP_DDP]);
         if (hv < 0) return TDM_STATUS_PEER_FAILED;
         if (!hv) j->verdict = 0;
+        j->rep.hook = j->o.comm_hook;
+        j->rep.hook_pass = hv == 1;
     }
     tdm_cmp_print_memory(&j->o, j->rp, j->nres);
     tdm_cmp_print_reading(j);
@@ -908,6 +946,7 @@ int tdm_tool_compare_main(int argc, char **argv)
     if (st == TDM_STATUS_OK) st = tdm_cmp_main_run(j);
     tdm_cmp_result_free(&j->floor_r);
     for (int k = 0; k < TDM_CMP_NMODES; k++) tdm_cmp_result_free(&j->res[k]);
+    for (int k = 0; k < j->n_sweep_res; k++) tdm_cmp_result_free(&j->sweep_res[k]);
     free(j->data.order);
     tdm_data_free(&j->data.train);
     tdm_text_free(&j->data.text);

@@ -44,6 +44,7 @@ typedef enum tdm_cmp_mode {
 
 typedef struct tdm_cmp_opts {
     const char *model, *device, *data, *optim, *trace, *plot, *csv, *sweep;
+    const char *json;          /* --json FILE (NULL: none) */
     int n_dev;                 /* devices in --device */
     tdm_device_list dl;        /* --device parsed: host (cpu:0..N-1) or CUDA GPUs */
     int steps, warmup, batch;
@@ -188,8 +189,10 @@ int tdm_cmp_hook_section(const tdm_cmp_opts *o, const tdm_cmp_data *data,
 /* Writers (tools/compare_out.c); on failure a message is printed. */
 tdm_status tdm_cmp_write_trace(const char *path, const tdm_cmp_opts *o,
                                tdm_cmp_result *const *res, int n);
+/* res[0..n_main) are the modes' runs (run "main"), res[n_main..n) the
+ * sweep's (run "sweep"); columns in docs/OUTPUTS.md. */
 tdm_status tdm_cmp_write_csv(const char *path, const tdm_cmp_opts *o, tdm_cmp_result *const *res,
-                             int n);
+                             int n_main, int n);
 /* --sweep: one device count's samples/s, each {median, min, max} (from
  * the post-warm-up steps' median, max and min time); dp[0] <= 0: skipped. */
 typedef struct tdm_cmp_sweep_point {

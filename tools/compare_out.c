@@ -149,7 +149,7 @@ tdm_status tdm_cmp_write_trace(const char *path, const tdm_cmp_opts *o,
 }
 
 tdm_status tdm_cmp_write_csv(const char *path, const tdm_cmp_opts *o, tdm_cmp_result *const *res,
-                             int n)
+                             int n_main, int n)
 {
     (void)o;
     tdm_cmp_file cf;
@@ -162,14 +162,16 @@ tdm_status tdm_cmp_write_csv(const char *path, const tdm_cmp_opts *o, tdm_cmp_re
             fputc(*c == ' ' || *c == '-' ? '_' : *c, f);
         fputs("_ms", f);
     }
-    fprintf(f, ",allreduce_ms\n");
+    /* the all-reduce's whole span (first bucket's start to last's end),
+     * not only the exposed all_reduce_wait_ms; then main or sweep */
+    fprintf(f, ",allreduce_span_ms,run\n");
     for (int k = 0; k < n; k++) {
         const tdm_cmp_result *r = res[k];
         for (int i = 0; i < r->steps; i++) {
             fprintf(f, "%s,%d,%d,%.9g,%.4f", tdm_cmp_mode_name(r->mode), r->n_dev, i + 1,
                     r->loss[i], r->step_ms[i]);
             for (int p = 0; p < TDM_PHASE_COUNT_; p++) fprintf(f, ",%.4f", r->wall[i].ms[p]);
-            fprintf(f, ",%.4f\n", r->comm_ms[i]);
+            fprintf(f, ",%.4f,%s\n", r->comm_ms[i], k < n_main ? "main" : "sweep");
         }
     }
     return tdm_cmp_close(&cf);

@@ -115,6 +115,10 @@ static void tdm_train_usage(FILE *f)
         "  --no-eval              skip the test-set evaluation after each epoch\n"
         "                         (ddp spreads it over the ranks)\n"
         "  --quiet                only the per-epoch lines\n"
+        "  --json FILE            each epoch's figures for a program (loss, samples/s,\n"
+        "                         seconds, evaluation), rewritten after every epoch\n"
+        "                         (schema: docs/OUTPUTS.md); not with --uneven\n"
+        "  --csv FILE             the same as CSV, one row per epoch\n"
         "\n"
         "A loss that turns NaN or infinite stops the run (exit 1) naming the step;\n"
         "a checkpoint with NaN or infinite values is never written nor resumed from.\n"
@@ -163,6 +167,8 @@ static tdm_status tdm_train_parse(int argc, char **argv, tdm_train_args *a, int 
         /* 0 would mean "every step" (the default): refused, not taken */
         TDM_ARGS_INT("--max-steps", 1, INT64_MAX, a->max_steps)
         TDM_ARGS_STR("--save", a->save)
+        TDM_ARGS_STR("--json", a->json)
+        TDM_ARGS_STR("--csv", a->csv)
         TDM_ARGS_STR("--resume", a->resume)
         TDM_ARGS_STR("--lr-schedule", a->lr_schedule)
         TDM_ARGS_STR("--timeout", a->timeout)
@@ -215,6 +221,9 @@ static tdm_status tdm_train_check_ddp_next(const tdm_train_args *a, int gpt)
                       strcmp(a->lr_schedule, "const")))
         return tdm_tool_usage_error("tandem train: --uneven applies to --mode ddp and fsdp, "
                                     "without --grad-accum and with --lr-schedule const\n");
+    if (a->uneven && (a->json || a->csv))
+        return tdm_tool_usage_error("tandem train: --json and --csv do not apply to --uneven "
+                                    "(its epochs are per rank); read its epoch lines\n");
     if (gpt && a->grad_accum > 1)
         return tdm_tool_usage_error("tandem train: --grad-accum is not supported with --model "
                                     "gpt yet; raise --batch instead\n");

@@ -210,6 +210,10 @@ tdm_status tdm_train_epochs(const tdm_train_args *a, const tdm_train_run *r)
         if (!a->no_eval && (st = tdm_train_evaluate(r, &loss, &acc)) != TDM_STATUS_OK)
             return tdm_train_fail("evaluation", st);
         tdm_train_print_epoch(a, r, e, &es, loss, acc);
+        if ((st = tdm_train_out_epoch(a, r->text ? r->text->T : 0, e + 1, es.loss_mean,
+                                      es.samples_per_s, es.seconds, loss,
+                                      r->text ? loss / M_LN2 : acc)) != TDM_STATUS_OK)
+            return st;
         if (a->save) {
             if ((st = tdm_train_save(a, r, e)) != TDM_STATUS_OK) {
                 tdm_train_fail("saving checkpoint", st);

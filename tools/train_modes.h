@@ -25,6 +25,7 @@
 
 typedef struct tdm_train_args {
     const char *mode, *model, *device, *optim, *data, *save, *resume;
+    const char *json, *csv;   /* --json, --csv: per-epoch records (tools/train_out.c) */
     long long threads, epochs, batch, seed, synthetic_size, max_steps;
     double bucket_cap_mb;     /* ddp: MiB, a float as PyTorch's (0: the default 25) */
     long long max_restarts;   /* ddp: elastic restarts (tools/elastic.h) */
@@ -124,6 +125,13 @@ typedef struct tdm_train_run {
     tdm_train_after_epoch_fn after;    /* may be NULL */
     void *after_ctx;
 } tdm_train_run;
+
+/* --json / --csv (tools/train_out.c): epoch's record appended and the
+ * files rewritten; nothing when neither is given. T: a gpt's window (0:
+ * images); eval_metric: test accuracy, or a gpt's validation bits per byte. */
+tdm_status tdm_train_out_epoch(const tdm_train_args *a, int64_t T, int64_t epoch,
+                               double train_loss, double samples_per_s, double seconds,
+                               double eval_loss, double eval_metric);
 
 /* Epochs start_epoch..--epochs-1: the learning-rate schedule on the
  * optimizer, each epoch (with the progress line), evaluation, the epoch's

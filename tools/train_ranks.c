@@ -177,6 +177,7 @@ static tdm_status tdm_train_rank_setup(void *ctx, tdm_dist_rank *d, void **self)
     if (rank != 0) {
         t->a.save = NULL;
         t->a.quiet = 1;
+        t->a.json = t->a.csv = NULL;   /* rank 0 writes the run's records */
     }
     tdm_status st = TDM_STATUS_OK;
     if (j->text && t->a.batch < world) {
