@@ -15,6 +15,7 @@
 #pragma weak tdm_tool_launch_main
 #pragma weak tdm_tool_compare_main
 #pragma weak tdm_tool_sample_main
+#pragma weak tdm_tool_eval_main
 #pragma weak tdm_tool_doctor_main
 #pragma weak tdm_tool_selftest_main
 
@@ -47,6 +48,7 @@ static const struct {
 } tdm_tool_cmds[] = {
     {"train", tdm_tool_train_main, "train a model: one device, DP, DDP or FSDP/ZeRO (--mode)"},
     {"sample", tdm_tool_sample_main, "generate text with a GPT checkpoint"},
+    {"eval", tdm_tool_eval_main, "a checkpoint's loss and accuracy (bits per byte) on data"},
     {"compare", tdm_tool_compare_main, "one device, DP, DDP, FSDP, ZeRO-2 and ZeRO-1 side "
                                        "by side"},
     {"launch", tdm_tool_launch_main, "run N ranks of your own program (like torchrun)"},

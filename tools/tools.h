@@ -43,6 +43,7 @@ tdm_status tdm_tool_check_env(const char *tool);
 /* Each returns the process exit code (tdm_tool_exit and the verdicts above). */
 int tdm_tool_train_main(int argc, char **argv);   /* tools/train.c */
 int tdm_tool_sample_main(int argc, char **argv);  /* tools/sample.c */
+int tdm_tool_eval_main(int argc, char **argv);    /* tools/eval.c */
 int tdm_tool_compare_main(int argc, char **argv); /* tools/compare.c */
 int tdm_tool_launch_main(int argc, char **argv);  /* tools/elastic.c: restarts around launch.c */
 int tdm_tool_bench_main(int argc, char **argv);   /* tools/bench.c: every benchmark */

@@ -115,6 +115,8 @@ static void tdm_train_usage(FILE *f)
         "  --no-eval              skip the test-set evaluation after each epoch\n"
         "                         (ddp spreads it over the ranks)\n"
         "  --quiet                only the per-epoch lines\n"
+        "  --precise              the epoch line's losses (and accuracy) with 9\n"
+        "                         significant digits, not 4 decimals\n"
         "  --json FILE            each epoch's figures for a program (loss, samples/s,\n"
         "                         seconds, evaluation), rewritten after every epoch\n"
         "                         (schema: docs/OUTPUTS.md); not with --uneven\n"
@@ -183,6 +185,7 @@ static tdm_status tdm_train_parse(int argc, char **argv, tdm_train_args *a, int 
         if (!strcmp(arg, "--nesterov")) { a->nesterov = 1; continue; }
         if (!strcmp(arg, "--no-eval")) { a->no_eval = 1; continue; }
         if (!strcmp(arg, "--quiet")) { a->quiet = 1; continue; }
+        if (!strcmp(arg, "--precise")) { a->precise = 1; continue; }
         if (!strcmp(arg, "--no-overlap")) { a->no_overlap = 1; continue; }
         if (!strcmp(arg, "--save-sharded")) { a->save_sharded = 1; continue; }
         if (!strcmp(arg, "--uneven")) { a->uneven = 1; continue; }

@@ -133,17 +133,29 @@ static tdm_status tdm_train_evaluate(const tdm_train_run *r, double *loss, doubl
 static void tdm_train_print_epoch(const tdm_train_args *a, const tdm_train_run *r, int64_t e,
                                   const tdm_epoch_stats *es, double loss, double acc)
 {
+    /* --precise: 9 significant digits, to compare with another
+     * implementation (tandem eval prints those too) */
+    const char *lf = a->precise ? "%.9g" : "%.4f";
+    printf("epoch %lld/%lld: train loss ", (long long)e + 1, (long long)a->epochs);
+    printf(lf, es->loss_mean);
     if (r->text) {
-        printf("epoch %lld/%lld: train loss %.4f, %.0f windows/s = %.0f tokens/s (%.1f s)",
-               (long long)e + 1, (long long)a->epochs, es->loss_mean, es->samples_per_s,
+        printf(", %.0f windows/s = %.0f tokens/s (%.1f s)", es->samples_per_s,
                es->samples_per_s * r->text->T, es->seconds);
-        if (!a->no_eval)
-            printf(", val loss %.4f nats = %.3f bits per byte (bigram %.4f)", loss, loss / M_LN2,
-                   r->text->bigram);
+        if (!a->no_eval) {
+            printf(", val loss ");
+            printf(lf, loss);
+            printf(" nats = ");
+            printf(a->precise ? "%.9g" : "%.3f", loss / M_LN2);
+            printf(" bits per byte (bigram %.4f)", r->text->bigram);
+        }
     } else {
-        printf("epoch %lld/%lld: train loss %.4f, %.0f samples/s (%.1f s)", (long long)e + 1,
-               (long long)a->epochs, es->loss_mean, es->samples_per_s, es->seconds);
-        if (!a->no_eval) printf(", test loss %.4f, test accuracy %.4f", loss, acc);
+        printf(", %.0f samples/s (%.1f s)", es->samples_per_s, es->seconds);
+        if (!a->no_eval) {
+            printf(", test loss ");
+            printf(lf, loss);
+            printf(", test accuracy ");
+            printf(lf, acc);
+        }
     }
     printf("\n");
     fflush(stdout);

@@ -35,6 +35,7 @@ typedef struct tdm_train_args {
     const char *timeout;      /* ddp: --timeout SECONDS as given (checked by the ddp mode) */
     const char *sharding;     /* fsdp: --sharding as given (NULL: full) */
     int nesterov, no_eval, quiet, no_overlap;
+    int precise;              /* --precise: the epoch line's losses with 9 significant digits */
     int save_sharded;         /* fsdp: --save writes the sharded form */
     long long grad_accum;     /* micro-batches of `batch` per optimizer step (>= 1) */
     const char *comm_hook;    /* ddp: --comm-hook (NULL: allreduce) */
