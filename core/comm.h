@@ -36,21 +36,12 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "core/dtype.h"
 #include "core/status.h"
 
 #ifdef __cplusplus
 extern "C" {
 #endif
-
-typedef enum tdm_dtype {
-    TDM_DTYPE_FLOAT32 = 0,
-    TDM_DTYPE_FLOAT64,
-    TDM_DTYPE_INT32,
-    TDM_DTYPE_INT64,
-    TDM_DTYPE_BFLOAT16,   /* reduced in float32, rounded once (to nearest even) */
-    TDM_DTYPE_FLOAT16,    /* IEEE binary16, idem */
-    TDM_DTYPE_COUNT_
-} tdm_dtype;
 
 /* Reduction operators. (Named TDM_REDOP_* so as not to collide with the
  * device interface's gemm transpose flags.) */
@@ -77,23 +68,12 @@ typedef enum tdm_coll {
     TDM_COLL_COUNT_
 } tdm_coll;
 
-/* Bytes per element; 0 for an invalid dtype. */
-size_t tdm_dtype_size(tdm_dtype dt);
-/* "float32", "float64", "int32", "int64", "bfloat16", "float16"; "?" when
- * invalid. */
-const char *tdm_dtype_name(tdm_dtype dt);
-/* Conversions of the 16-bit types (round to nearest even; NaN stays NaN). */
-float tdm_bf16_to_f32(uint16_t h);
-uint16_t tdm_f32_to_bf16(float f);
-float tdm_f16_to_f32(uint16_t h);
-uint16_t tdm_f32_to_f16(float f);
 /* "sum", "prod", "min", "max", "avg"; "?" when invalid. */
 const char *tdm_redop_name(tdm_redop op);
 /* "all_reduce", "broadcast", ...; "?" when invalid. */
 const char *tdm_coll_name(tdm_coll c);
-/* Parse the names above (also "float"/"double", "bf16", "fp16"/"half").
+/* Parse the names above (tdm_dtype_parse: core/dtype.h).
  * Return TDM_STATUS_INVALID_ARG with a message listing the valid names. */
-tdm_status tdm_dtype_parse(const char *s, tdm_dtype *out);
 tdm_status tdm_redop_parse(const char *s, tdm_redop *out);
 tdm_status tdm_coll_parse(const char *s, tdm_coll *out);
 

@@ -23,6 +23,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "core/dtype.h"
 #include "core/geom.h"
 #include "core/status.h"
 
@@ -177,6 +178,64 @@ tdm_status tdm_dev_gemm_rm_strided_batched(tdm_device *d, tdm_trans ta, tdm_tran
                                            long long stride_a, const float *b,
                                            long long stride_b, float beta, float *c,
                                            long long stride_c, int batch);
+
+/* --- mixed precision (core/kernels.h; docs/MEMORY.md) --- */
+/* C = alpha op(A) op(B) + beta C, column-major, cublasGemmEx's arguments
+ * with CUBLAS_COMPUTE_32F: A and B are elements of `in` (float32,
+ * bfloat16 or float16, both the same), every product is summed in float32,
+ * C is float32. Checked as tdm_dev_gemm, and `in` must be one of the
+ * three. float32 runs tdm_dev_gemm's very call (the same bits). On a host
+ * device bfloat16 is oneDNN's matmul (brgemm on AVX512-BF16/AMX CPUs, one
+ * OpenMP thread per device unless opened with more, primitives cached by
+ * shape; without libdnnl or a bfloat16 kernel for the CPU the device
+ * warns once and widens as for float16); float16 is widened to float32
+ * in the backend's scratch (counted
+ * in the device's memory) and run by OpenBLAS: a product of two halfs is
+ * exact in float32, so this sums what a half gemm with float32
+ * accumulation sums (oneDNN 2.6 has no half matmul without AVX512-FP16).
+ * CUDA: cublasGemmEx. */
+tdm_status tdm_dev_gemm_ex(tdm_device *d, tdm_trans ta, tdm_trans tb, int m, int n, int k,
+                           float alpha, const void *a, int lda, const void *b, int ldb,
+                           float beta, float *c, int ldc, tdm_dtype in);
+/* The batched form (cublasGemmStridedBatchedEx); strides in elements. */
+tdm_status tdm_dev_gemm_strided_batched_ex(tdm_device *d, tdm_trans ta, tdm_trans tb, int m,
+                                           int n, int k, float alpha, const void *a, int lda,
+                                           long long stride_a, const void *b, int ldb,
+                                           long long stride_b, float beta, float *c, int ldc,
+                                           long long stride_c, int batch, tdm_dtype in);
+/* Row-major forms, as tdm_dev_gemm_rm and tdm_dev_gemm_rm_strided_batched
+ * but with leading dimensions (row strides, in elements) given:
+ * C (m, n, row stride ldc) = alpha op(A) op(B) + beta C, A stored with
+ * row stride lda (m x k, or k x m when transposed), B with ldb. */
+tdm_status tdm_dev_gemm_rm_ex(tdm_device *d, tdm_trans ta, tdm_trans tb, int m, int n, int k,
+                              float alpha, const void *a, int lda, const void *b, int ldb,
+                              float beta, float *c, int ldc, tdm_dtype in);
+tdm_status tdm_dev_gemm_rm_strided_batched_ex(tdm_device *d, tdm_trans ta, tdm_trans tb, int m,
+                                              int n, int k, float alpha, const void *a, int lda,
+                                              long long stride_a, const void *b, int ldb,
+                                              long long stride_b, float beta, float *c,
+                                              int ldc, long long stride_c, int batch,
+                                              tdm_dtype in);
+/* dst (n_elem of dst_type) = src (n_elem of src_type): float32 to and from
+ * bfloat16 and float16, rounded to nearest even (PyTorch's .to()); the
+ * same type is a copy. Other pairs: INVALID_ARG. */
+tdm_status tdm_dev_convert(tdm_device *d, void *dst, tdm_dtype dst_type, const void *src,
+                           tdm_dtype src_type, int64_t n_elem);
+/* x *= inv_scale over n_elem floats, and *found_inf (one float in d's
+ * memory) set to 1 when any of them was NaN or infinite before, left as
+ * it was otherwise: torch._amp_foreach_non_finite_check_and_unscale_. */
+tdm_status tdm_dev_unscale_check(tdm_device *d, float *x, int64_t n_elem, float inv_scale,
+                                 float *found_inf);
+/* The squared L2 norm of x in pieces: partials[c] (double, in d's memory)
+ * = the sum in double of x[i]^2 over chunk c of TDM_DEV_SUMSQ_CHUNK
+ * elements, in a fixed order (core/kernels.h's tdm_k_sumsq_chunk), for c
+ * < tdm_dev_sumsq_chunks(n_elem). The caller adds the chunks in order. */
+#define TDM_DEV_SUMSQ_CHUNK 4096
+static inline int64_t tdm_dev_sumsq_chunks(int64_t n_elem)
+{
+    return (n_elem + TDM_DEV_SUMSQ_CHUNK - 1) / TDM_DEV_SUMSQ_CHUNK;
+}
+tdm_status tdm_dev_sumsq(tdm_device *d, const float *x, int64_t n_elem, double *partials);
 
 /* --- compute: the layers' kernels (core/kernels.h); counts are elements --- */
 /* y[r][c] = act(y[r][c] + bias[c]) over (rows, cols); bias may be NULL. */

@@ -14,6 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/dnnl_impl.h"
 #include "core/kernels.h"
 #include "core/log.h"
 
@@ -52,7 +53,25 @@ static tdm_status host_sync(tdm_device *d)
     return TDM_STATUS_OK;
 }
 
-static void host_close(tdm_device *d) { (void)d; }
+/* A host device's own state (d->impl): its oneDNN primitives (made on
+ * the first bfloat16 product) and the float32 copies of float16
+ * operands, in memory counted as the device's. */
+typedef struct tdm_host_impl {
+    tdm_dnnl *dnnl;
+    int bf16_widen;         /* oneDNN could not run a bfloat16 product: widen them too */
+    float *wide;            /* 16-bit operands widened; wide_elems floats */
+    int64_t wide_elems;
+} tdm_host_impl;
+
+static void host_close(tdm_device *d)
+{
+    tdm_host_impl *h = d->impl;
+    if (!h) return;
+    tdm_dnnl_free(h->dnnl);
+    tdm_device_host_mem_free(d, h->wide);
+    free(h);
+    d->impl = NULL;
+}
 
 static tdm_status host_gemm(tdm_device *d, tdm_trans ta, tdm_trans tb, int m, int n, int k,
                             float alpha, const float *a, int lda, const float *b, int ldb,
@@ -573,6 +592,136 @@ static tdm_status host_adamw_step(tdm_device *d, int64_t n_elem, float *param, c
     return TDM_STATUS_OK;
 }
 
+/* ---- mixed precision ---- */
+
+/* The conversions are pure bandwidth: built for AVX-512 too, where 16
+ * floats narrow to 16 halves in one register. Integer arithmetic only:
+ * every version computes the same bits. */
+#ifdef __SANITIZE_THREAD__
+#define TDM_HOST_CONV
+#else
+#define TDM_HOST_CONV __attribute__((target_clones("arch=skylake-avx512", "avx2", "default")))
+#endif
+
+/* Elements a strided batch of column-major matrices spans (rows x cols,
+ * leading dimension ld): from the first element of the first matrix to
+ * the last of the last. */
+static int64_t host_span(int rows, int cols, int ld, long long stride, int batch)
+{
+    return (int64_t)stride * (batch - 1) + (int64_t)ld * (cols - 1) + rows;
+}
+
+TDM_HOST_CONV static void host_widen_f16(float *dst, const uint16_t *src, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++) dst[i] = tdm_k_f16_to_f32(src[i]);
+}
+
+TDM_HOST_CONV static void host_to_bf16(uint16_t *dst, const float *src, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++) dst[i] = tdm_k_f32_to_bf16(src[i]);
+}
+TDM_HOST_CONV static void host_to_f16(uint16_t *dst, const float *src, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++) dst[i] = tdm_k_f32_to_f16(src[i]);
+}
+TDM_HOST_CONV static void host_from_bf16(float *dst, const uint16_t *src, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++) dst[i] = tdm_k_bf16_to_f32(src[i]);
+}
+
+static tdm_status host_gemm_strided_batched_ex(tdm_device *d, tdm_trans ta, tdm_trans tb, int m,
+                                               int n, int k, float alpha, const void *a, int lda,
+                                               long long stride_a, const void *b, int ldb,
+                                               long long stride_b, float beta, float *c, int ldc,
+                                               long long stride_c, int batch, tdm_dtype in)
+{
+    tdm_host_impl *h = d->impl;
+    /* k = 0: C = beta C, no operand read (oneDNN refuses empty products) */
+    if (k == 0)
+        return host_gemm_strided_batched(d, ta, tb, m, n, k, alpha, a, lda, stride_a, b, ldb,
+                                         stride_b, beta, c, ldc, stride_c, batch);
+    if (in == TDM_DTYPE_BFLOAT16 && !h->bf16_widen) {
+        tdm_status st = tdm_dnnl_gemm_bf16(&h->dnnl, d->name, d->threads, ta, tb, m, n, k, alpha,
+                                           a, lda, stride_a, b, ldb, stride_b, beta, c, ldc,
+                                           stride_c, batch);
+        if (st != TDM_STATUS_UNSUPPORTED) return st;
+        /* no libdnnl, or no bfloat16 kernel for this CPU (AVX-512 is
+         * needed): every later product of this device widens, so its
+         * results do not depend on which shapes oneDNN would take */
+        TDM_WARN(DEVICE, "%s; bfloat16 products widen to float32 from now on (the same sums, "
+                 "no speed-up)", tdm_error_message());
+        h->bf16_widen = 1;
+    }
+    /* float16 (and bfloat16 without oneDNN): no half matmul on CPUs
+     * without AVX512-FP16. Both operands widened (exactly) to float32,
+     * then OpenBLAS: every product of two halfs (or two bfloat16s) is
+     * exact in float32, so C gets the float32 sums of exact products
+     * that a 16-bit gemm with float32 accumulation computes. */
+    int64_t na = host_span(ta == TDM_TRANS_N ? m : k, ta == TDM_TRANS_N ? k : m, lda, stride_a,
+                           batch);
+    int64_t nb = host_span(tb == TDM_TRANS_N ? k : n, tb == TDM_TRANS_N ? n : k, ldb, stride_b,
+                           batch);
+    if (na + nb > h->wide_elems) {
+        tdm_device_host_mem_free(d, h->wide);
+        h->wide = NULL;
+        h->wide_elems = 0;
+        TDM_CHECK(tdm_device_host_mem_alloc(d, (size_t)(na + nb) * sizeof(float),
+                                            (void **)&h->wide));
+        h->wide_elems = na + nb;
+    }
+    float *wa = h->wide, *wb = h->wide + na;
+    if (in == TDM_DTYPE_BFLOAT16) {
+        host_from_bf16(wa, a, na);
+        host_from_bf16(wb, b, nb);
+    } else {
+        host_widen_f16(wa, a, na);
+        host_widen_f16(wb, b, nb);
+    }
+    return host_gemm_strided_batched(d, ta, tb, m, n, k, alpha, wa, lda, stride_a, wb, ldb,
+                                     stride_b, beta, c, ldc, stride_c, batch);
+}
+
+static tdm_status host_gemm_ex(tdm_device *d, tdm_trans ta, tdm_trans tb, int m, int n, int k,
+                               float alpha, const void *a, int lda, const void *b, int ldb,
+                               float beta, float *c, int ldc, tdm_dtype in)
+{
+    return host_gemm_strided_batched_ex(d, ta, tb, m, n, k, alpha, a, lda, 0, b, ldb, 0, beta, c,
+                                        ldc, 0, 1, in);
+}
+
+static tdm_status host_convert(tdm_device *d, void *dst, tdm_dtype dst_type, const void *src,
+                               tdm_dtype src_type, int64_t n_elem)
+{
+    (void)d;
+    if (src_type == TDM_DTYPE_FLOAT32 && dst_type == TDM_DTYPE_BFLOAT16)
+        host_to_bf16(dst, src, n_elem);
+    else if (src_type == TDM_DTYPE_FLOAT32)
+        host_to_f16(dst, src, n_elem);
+    else if (src_type == TDM_DTYPE_BFLOAT16)
+        host_from_bf16(dst, src, n_elem);
+    else
+        host_widen_f16(dst, src, n_elem);
+    return TDM_STATUS_OK;
+}
+
+TDM_HOST_WIDE static tdm_status host_unscale_check(tdm_device *d, float *x, int64_t n_elem,
+                                                  float inv_scale, float *found_inf)
+{
+    (void)d;
+    int bad = 0;
+    for (int64_t i = 0; i < n_elem; i++) bad |= tdm_k_unscale(i, x, inv_scale);
+    if (bad) *found_inf = 1.0f;
+    return TDM_STATUS_OK;
+}
+
+static tdm_status host_sumsq(tdm_device *d, const float *x, int64_t n_elem, double *partials)
+{
+    (void)d;
+    int64_t chunks = tdm_dev_sumsq_chunks(n_elem);
+    for (int64_t c = 0; c < chunks; c++) partials[c] = tdm_k_sumsq_chunk(c, x, n_elem);
+    return TDM_STATUS_OK;
+}
+
 static const tdm_device_ops tdm_device_host_ops = {
     .alloc = host_alloc,
     .free = host_free,
@@ -611,12 +760,22 @@ static const tdm_device_ops tdm_device_host_ops = {
     .gemm_strided_batched = host_gemm_strided_batched,
     .sgd_step = host_sgd_step,
     .adamw_step = host_adamw_step,
+    .gemm_ex = host_gemm_ex,
+    .gemm_strided_batched_ex = host_gemm_strided_batched_ex,
+    .convert = host_convert,
+    .unscale_check = host_unscale_check,
+    .sumsq = host_sumsq,
 };
 
 tdm_status tdm_device_host_open(tdm_device **out, int index, int threads)
 {
     tdm_device *d = calloc(1, sizeof *d);
     if (!d) return tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "cannot allocate a host device");
+    d->impl = calloc(1, sizeof(tdm_host_impl));
+    if (!d->impl) {
+        free(d);
+        return tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "cannot allocate a host device");
+    }
     d->ops = &tdm_device_host_ops;
     d->kind = TDM_DEVICE_HOST;
     d->index = index;

@@ -96,6 +96,23 @@ typedef struct tdm_device_ops {
                                        long long stride_a, const float *b, int ldb,
                                        long long stride_b, float beta, float *c, int ldc,
                                        long long stride_c, int batch);
+    /* --- mixed precision (tdm_dev_gemm_ex and the rest; arguments
+     * checked, m, n > 0, `in` one of float32/bfloat16/float16) --- */
+    tdm_status (*gemm_ex)(tdm_device *d, tdm_trans ta, tdm_trans tb, int m, int n, int k,
+                          float alpha, const void *a, int lda, const void *b, int ldb,
+                          float beta, float *c, int ldc, tdm_dtype in);
+    /* Optional (NULL: a loop of gemm_ex). */
+    tdm_status (*gemm_strided_batched_ex)(tdm_device *d, tdm_trans ta, tdm_trans tb, int m,
+                                          int n, int k, float alpha, const void *a, int lda,
+                                          long long stride_a, const void *b, int ldb,
+                                          long long stride_b, float beta, float *c, int ldc,
+                                          long long stride_c, int batch, tdm_dtype in);
+    /* A supported pair of different types (the dispatcher copies same to same). */
+    tdm_status (*convert)(tdm_device *d, void *dst, tdm_dtype dst_type, const void *src,
+                          tdm_dtype src_type, int64_t n_elem);
+    tdm_status (*unscale_check)(tdm_device *d, float *x, int64_t n_elem, float inv_scale,
+                                float *found_inf);
+    tdm_status (*sumsq)(tdm_device *d, const float *x, int64_t n_elem, double *partials);
     /* Fused optimizer loops over flat buffers (see core/kernels.h). */
     tdm_status (*sgd_step)(tdm_device *d, int64_t n_elem, float *param, const float *grad,
                            float *mom, float lr, float momentum, float dampening,

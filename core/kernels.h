@@ -634,6 +634,110 @@ static inline TDM_HD void tdm_k_adamw(int64_t i, float *p, const float *grad, fl
     p[i] = pi - lr * mhat / denom;
 }
 
+/* ---- mixed precision: 16-bit floats, loss-scale unscaling, norms ---- */
+
+static inline TDM_HD uint32_t tdm_k_f32_bits(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+
+static inline TDM_HD float tdm_k_bits_f32(uint32_t u)
+{
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* bfloat16 is float32's upper half: widening is exact. */
+static inline TDM_HD float tdm_k_bf16_to_f32(uint16_t h) { return tdm_k_bits_f32((uint32_t)h << 16); }
+
+/* Round to nearest, ties to even, as PyTorch's c10::BFloat16 (and
+ * core/comm.c's tdm_f32_to_bf16): add 0x7fff plus the kept half's lowest
+ * bit, keep the upper half. A NaN stays a (quiet) NaN; values past the
+ * largest bfloat16 round to infinity by the same carry. */
+static inline TDM_HD uint16_t tdm_k_f32_to_bf16(float f)
+{
+    uint32_t u = tdm_k_f32_bits(f);
+    uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1)) >> 16, nan = (u >> 16) | 0x40;
+    /* a select, not a branch: host loops over it vectorise */
+    return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
+}
+
+/* IEEE binary16 -> float32, exact (subnormal halfs are normal floats). */
+static inline TDM_HD float tdm_k_f16_to_f32(uint16_t h)
+{
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff;
+    if (e == 0x1f) return tdm_k_bits_f32(sign | 0x7f800000u | (m << 13));
+    if (e != 0) return tdm_k_bits_f32(sign | ((e + 112) << 23) | (m << 13));
+    /* zero or subnormal: m * 2^-24, exact in float32 */
+    float v = (float)m * 5.9604644775390625e-8f;   /* 2^-24, exact */
+    return sign ? -v : v;
+}
+
+/* float32 -> binary16, round to nearest even, overflow to infinity, in
+ * integer arithmetic only (the same results as core/comm.c's
+ * tdm_f32_to_f16, which tests/test_mixed.c checks over every float). */
+static inline TDM_HD uint16_t tdm_k_f32_to_f16(float f)
+{
+    uint32_t u = tdm_k_f32_bits(f);
+    uint16_t sign = (uint16_t)((u >> 16) & 0x8000);
+    uint32_t a = u & 0x7fffffffu;
+    if (a > 0x7f800000u) return sign | 0x7e00;            /* NaN */
+    if (a >= 0x477ff000u) return sign | 0x7c00;            /* rounds to infinity */
+    if (a >= 0x38800000u) {                                /* a normal half */
+        uint32_t h = (((a >> 23) - 112) << 10) | ((a >> 13) & 0x3ffu);
+        uint32_t rest = a & 0x1fffu;
+        h += rest > 0x1000u || (rest == 0x1000u && (h & 1)); /* may carry into the exponent */
+        return sign | (uint16_t)h;
+    }
+    uint32_t e = a >> 23;                                  /* biased float exponent */
+    if (e < 102) return sign;                              /* below 2^-25: rounds to 0 */
+    /* subnormal half: the value in units of 2^-24 is mant >> (126 - e) */
+    uint32_t mant = (a & 0x7fffffu) | 0x800000u, shift = 126 - e;
+    uint32_t h = mant >> shift, rest = mant & ((1u << shift) - 1), half = 1u << (shift - 1);
+    h += rest > half || (rest == half && (h & 1));         /* 0x400 is the smallest normal */
+    return sign | (uint16_t)h;
+}
+
+/* torch._amp_foreach_non_finite_check_and_unscale_'s element: x *= inv;
+ * returns 1 when x was NaN or infinite before (PyTorch checks the value
+ * before unscaling too). Written without a branch so host loops vectorise. */
+static inline TDM_HD int tdm_k_unscale(int64_t i, float *x, float inv)
+{
+    float v = x[i];
+    x[i] = v * inv;
+    return !(fabsf(v) <= 3.402823466e38f);
+}
+
+/* The squared L2 norm in fixed pieces, so every device and every launch
+ * shape sums the same way: chunk c covers x[c*CHUNK, min(n, (c+1)*CHUNK)),
+ * summed in double over TDM_K_SUMSQ_LANES interleaved lanes (lane j takes
+ * the elements j, j+LANES, ... of the chunk, in order) that are then added
+ * pairwise. The chunks are added in order by the caller. */
+#define TDM_K_SUMSQ_CHUNK 4096
+#define TDM_K_SUMSQ_LANES 8
+static inline TDM_HD double tdm_k_sumsq_chunk(int64_t c, const float *x, int64_t n)
+{
+    int64_t lo = c * TDM_K_SUMSQ_CHUNK, hi = lo + TDM_K_SUMSQ_CHUNK;
+    if (hi > n) hi = n;
+    double acc[TDM_K_SUMSQ_LANES] = {0};
+    int64_t i = lo;
+    for (; i + TDM_K_SUMSQ_LANES <= hi; i += TDM_K_SUMSQ_LANES)
+        for (int j = 0; j < TDM_K_SUMSQ_LANES; j++) {
+            double v = (double)x[i + j];
+            acc[j] += v * v;
+        }
+    for (int j = 0; i + j < hi; j++) {
+        double v = (double)x[i + j];
+        acc[j] += v * v;
+    }
+    for (int w = TDM_K_SUMSQ_LANES / 2; w > 0; w /= 2)
+        for (int j = 0; j < w; j++) acc[j] += acc[j + w];
+    return acc[0];
+}
+
 #ifdef __cplusplus
 }
 #endif

@@ -42,6 +42,10 @@ keep_out() {
   return 1
 }
 compat_lib() { case $1 in libstdc++.so.*|libgcc_s.so.*) return 0 ;; esac; return 1; }
+# oneDNN is not copied: tandem loads libdnnl.so.2 with dlopen on a host
+# device's first bfloat16 product (ldd does not list it), and its 38 MiB
+# would take the folder over MAX_MIB; without it those products warn once
+# and widen to float32 (core/device_host.c).
 # lib/ holds libtandem_bundle.so (the make rule's); the copies are redone
 find "$bundle/lib" -mindepth 1 ! -name libtandem_bundle.so -exec rm -rf {} +
 mkdir -p "$bundle/lib/compat"
@@ -85,6 +89,7 @@ commit=$(cd "$src" && git rev-parse --short HEAD 2>/dev/null || echo unknown)
   echo "glibc_needed_compat=${glibc_compat:-?}"
   echo "libs=$(cd "$bundle/lib" && ls -d *.so* | tr '\n' ' ' | sed 's/ $//')"
   echo "libs_compat=$(cd "$bundle/lib/compat" && ls | tr '\n' ' ' | sed 's/ $//')"
+  echo "onednn=not bundled (libdnnl.so.2 loaded at need from the GPU machine; without it host bfloat16 products widen to float32)"
 } > "$bundle/BUNDLE.txt"
 
 # nothing missing: every binary and library resolves with the CUDA

@@ -9,7 +9,7 @@
 # stubs are left out, the toolkit's nvcc makes its own), looks each up in
 # the exported symbols of TOOLKIT/lib64 (or lib) libcudart.so and
 # libcublas.so and NCCL_ROOT's libnccl.so (default: the toolkit's, then
-# the system's), and checks nccl.h for NCCL >= 2.14 (non-blocking
+# the system's), and checks nccl.h for NCCL >= 2.18.1 (ncclCommSplit; non-blocking
 # communicators, ncclCommFinalize). Exit 0 when everything is there.
 root=${1:?usage: sh cuda/check-api.sh TOOLKIT_ROOT [NCCL_ROOT] [BUILD]}
 nccl=${2:-$root}
@@ -41,7 +41,7 @@ h=$(ls "$nccl/include/nccl.h" /usr/include/nccl.h 2>/dev/null | head -1)
 if [ -n "$h" ]; then
   v=$(sed -n 's/^#define NCCL_VERSION_CODE *\([0-9]*\).*/\1/p' "$h")
   echo "check-api: $h: NCCL_VERSION_CODE ${v:-?}"
-  [ "${v:-0}" -ge 21403 ] || { echo "check-api: NCCL older than 2.14.3"; bad=1; }
+  [ "${v:-0}" -ge 21801 ] || { echo "check-api: NCCL older than 2.18.1 (ncclCommSplit)"; bad=1; }
 else
   echo "check-api: nccl.h not found under $nccl/include or /usr/include"; bad=1
 fi

@@ -118,6 +118,20 @@ cudaError_t tdm_cuda_launch_attn_softmax_fwd(const tdm_cuda_exec *x, float *att,
 cudaError_t tdm_cuda_launch_attn_softmax_bwd(const tdm_cuda_exec *x, const float *p, float *dp,
                                              int64_t rows, int T);
 
+/* Mixed precision (core/device.h's convert, unscale_check, sumsq). The
+ * element types as plain ints, so that this header needs no core/dtype.h
+ * in the .cu file: the C side maps tdm_dtype onto them. A pair the kernel
+ * does not convert returns cudaErrorInvalidValue. */
+enum { TDM_CUDA_T_F32 = 0, TDM_CUDA_T_BF16 = 1, TDM_CUDA_T_F16 = 2 };
+cudaError_t tdm_cuda_launch_convert(const tdm_cuda_exec *x, void *dst, int dst_type,
+                                    const void *src, int src_type, int64_t n_elem);
+/* found_inf: one float in device memory (host memory for x->host). */
+cudaError_t tdm_cuda_launch_unscale(const tdm_cuda_exec *x, float *v, int64_t n_elem, float inv,
+                                    float *found_inf);
+/* partials: ceil(n_elem / TDM_K_SUMSQ_CHUNK) doubles. */
+cudaError_t tdm_cuda_launch_sumsq(const tdm_cuda_exec *x, const float *v, int64_t n_elem,
+                                  double *partials);
+
 /* --- open devices (cuda/device_cuda.c) ------------------------------------
  * The NCCL communicator runs on its own stream; before a collective it
  * makes that stream wait for everything already enqueued on the compute

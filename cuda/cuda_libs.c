@@ -61,6 +61,22 @@
        const float *alpha, const float *a, int lda, long long int sa, const float *b, int ldb,  \
        long long int sb, const float *beta, float *c, int ldc, long long int sc, int count),    \
       (h, ta, tb, m, n, k, alpha, a, lda, sa, b, ldb, sb, beta, c, ldc, sc, count),             \
+      CUBLAS_STATUS_NOT_INITIALIZED)                                                            \
+    X(cublasStatus_t, cublasGemmEx,                                                             \
+      (cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k,       \
+       const void *alpha, const void *a, cudaDataType at, int lda, const void *b,               \
+       cudaDataType bt, int ldb, const void *beta, void *c, cudaDataType ct, int ldc,           \
+       cublasComputeType_t comp, cublasGemmAlgo_t algo),                                        \
+      (h, ta, tb, m, n, k, alpha, a, at, lda, b, bt, ldb, beta, c, ct, ldc, comp, algo),        \
+      CUBLAS_STATUS_NOT_INITIALIZED)                                                            \
+    X(cublasStatus_t, cublasGemmStridedBatchedEx,                                               \
+      (cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k,       \
+       const void *alpha, const void *a, cudaDataType at, int lda, long long int sa,            \
+       const void *b, cudaDataType bt, int ldb, long long int sb, const void *beta, void *c,    \
+       cudaDataType ct, int ldc, long long int sc, int count, cublasComputeType_t comp,         \
+       cublasGemmAlgo_t algo),                                                                  \
+      (h, ta, tb, m, n, k, alpha, a, at, lda, sa, b, bt, ldb, sb, beta, c, ct, ldc, sc, count,  \
+       comp, algo),                                                                             \
       CUBLAS_STATUS_NOT_INITIALIZED)
 
 #define TDM_NCCL_FNS(X)                                                                         \

@@ -393,6 +393,51 @@ tdm_status tdm_cuda_gemm(tdm_device *d, tdm_trans ta, tdm_trans tb, int m, int n
     return TDM_STATUS_OK;
 }
 
+/* cuBLAS's names for the input types gemm_ex takes (float32 never comes
+ * here: the dispatcher runs tdm_dev_gemm's path for it). */
+static cudaDataType_t tdm_cuda_ex_type(tdm_dtype in)
+{
+    return in == TDM_DTYPE_BFLOAT16 ? CUDA_R_16BF : in == TDM_DTYPE_FLOAT16 ? CUDA_R_16F : CUDA_R_32F;
+}
+
+tdm_status tdm_cuda_gemm_ex(tdm_device *d, tdm_trans ta, tdm_trans tb, int m, int n, int k,
+                            float alpha, const void *a, int lda, const void *b, int ldb,
+                            float beta, float *c, int ldc, tdm_dtype in)
+{
+    tdm_device *h = tdm_cuda_impl(d)->host;
+    if (h) return h->ops->gemm_ex(h, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, in);
+    TDM_CHECK(tdm_cuda_enter(d));
+    cudaDataType_t t = tdm_cuda_ex_type(in);
+    cublasStatus_t s = cublasGemmEx(tdm_cuda_impl(d)->blas,
+                                    ta == TDM_TRANS_T ? CUBLAS_OP_T : CUBLAS_OP_N,
+                                    tb == TDM_TRANS_T ? CUBLAS_OP_T : CUBLAS_OP_N, m, n, k, &alpha,
+                                    a, t, lda, b, t, ldb, &beta, c, CUDA_R_32F, ldc,
+                                    CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+    if (s != CUBLAS_STATUS_SUCCESS) return tdm_cublas_fail(d, "cublasGemmEx", s);
+    return TDM_STATUS_OK;
+}
+
+tdm_status tdm_cuda_gemm_strided_batched_ex(tdm_device *d, tdm_trans ta, tdm_trans tb, int m,
+                                            int n, int k, float alpha, const void *a, int lda,
+                                            long long stride_a, const void *b, int ldb,
+                                            long long stride_b, float beta, float *c, int ldc,
+                                            long long stride_c, int batch, tdm_dtype in)
+{
+    tdm_device *h = tdm_cuda_impl(d)->host;
+    if (h)
+        return h->ops->gemm_strided_batched_ex(h, ta, tb, m, n, k, alpha, a, lda, stride_a, b,
+                                               ldb, stride_b, beta, c, ldc, stride_c, batch, in);
+    TDM_CHECK(tdm_cuda_enter(d));
+    cudaDataType_t t = tdm_cuda_ex_type(in);
+    cublasStatus_t s = cublasGemmStridedBatchedEx(
+        tdm_cuda_impl(d)->blas, ta == TDM_TRANS_T ? CUBLAS_OP_T : CUBLAS_OP_N,
+        tb == TDM_TRANS_T ? CUBLAS_OP_T : CUBLAS_OP_N, m, n, k, &alpha, a, t, lda, stride_a, b, t,
+        ldb, stride_b, &beta, c, CUDA_R_32F, ldc, stride_c, batch, CUBLAS_COMPUTE_32F,
+        CUBLAS_GEMM_DEFAULT);
+    if (s != CUBLAS_STATUS_SUCCESS) return tdm_cublas_fail(d, "cublasGemmStridedBatchedEx", s);
+    return TDM_STATUS_OK;
+}
+
 /* Every kernel entry: make the device current, launch on its stream,
  * check the launch (cudaGetLastError, returned by the launcher). */
 #define TDM_CUDA_RUN(d, what, launch)                                     \
@@ -636,6 +681,31 @@ tdm_status tdm_cuda_attn_softmax_bwd(tdm_device *d, const float *p, float *dp, i
                                      int T)
 {
     TDM_CUDA_RUN(d, "attn_softmax_bwd", tdm_cuda_launch_attn_softmax_bwd(s_, p, dp, rows, T));
+}
+
+static int tdm_cuda_t(tdm_dtype t)
+{
+    return t == TDM_DTYPE_BFLOAT16 ? TDM_CUDA_T_BF16 : t == TDM_DTYPE_FLOAT16 ? TDM_CUDA_T_F16
+                                                                              : TDM_CUDA_T_F32;
+}
+
+tdm_status tdm_cuda_convert(tdm_device *d, void *dst, tdm_dtype dst_type, const void *src,
+                            tdm_dtype src_type, int64_t n_elem)
+{
+    TDM_CUDA_RUN(d, "convert",
+                 tdm_cuda_launch_convert(s_, dst, tdm_cuda_t(dst_type), src, tdm_cuda_t(src_type),
+                                         n_elem));
+}
+
+tdm_status tdm_cuda_unscale_check(tdm_device *d, float *x, int64_t n_elem, float inv_scale,
+                                  float *found_inf)
+{
+    TDM_CUDA_RUN(d, "unscale", tdm_cuda_launch_unscale(s_, x, n_elem, inv_scale, found_inf));
+}
+
+tdm_status tdm_cuda_sumsq(tdm_device *d, const float *x, int64_t n_elem, double *partials)
+{
+    TDM_CUDA_RUN(d, "sumsq", tdm_cuda_launch_sumsq(s_, x, n_elem, partials));
 }
 
 const tdm_device_ops tdm_cuda_ops = {

@@ -106,6 +106,24 @@ tdm_status tdm_cuda_attn_softmax_fwd(tdm_device *d, float *att, int64_t rows, in
 tdm_status tdm_cuda_attn_softmax_bwd(tdm_device *d, const float *p, float *dp, int64_t rows,
                                      int T);
 
+/* Mixed precision (core/device.h): cublasGemmEx / cublasGemmStridedBatchedEx
+ * with CUBLAS_COMPUTE_32F (the emulator: the host backend's gemm_ex, same
+ * rounding of the same 16-bit inputs), and the conversion, unscale and
+ * norm kernels of core/kernels.h. */
+tdm_status tdm_cuda_gemm_ex(tdm_device *d, tdm_trans ta, tdm_trans tb, int m, int n, int k,
+                            float alpha, const void *a, int lda, const void *b, int ldb,
+                            float beta, float *c, int ldc, tdm_dtype in);
+tdm_status tdm_cuda_gemm_strided_batched_ex(tdm_device *d, tdm_trans ta, tdm_trans tb, int m,
+                                            int n, int k, float alpha, const void *a, int lda,
+                                            long long stride_a, const void *b, int ldb,
+                                            long long stride_b, float beta, float *c, int ldc,
+                                            long long stride_c, int batch, tdm_dtype in);
+tdm_status tdm_cuda_convert(tdm_device *d, void *dst, tdm_dtype dst_type, const void *src,
+                            tdm_dtype src_type, int64_t n_elem);
+tdm_status tdm_cuda_unscale_check(tdm_device *d, float *x, int64_t n_elem, float inv_scale,
+                                  float *found_inf);
+tdm_status tdm_cuda_sumsq(tdm_device *d, const float *x, int64_t n_elem, double *partials);
+
 #define TDM_CUDA_COMPUTE_OPS                                                          \
     .gemm = tdm_cuda_gemm, .bias_act = tdm_cuda_bias_act, .relu_bwd = tdm_cuda_relu_bwd, \
     .softmax_xent = tdm_cuda_softmax_xent, .axpy = tdm_cuda_axpy,                     \
@@ -114,7 +132,14 @@ tdm_status tdm_cuda_attn_softmax_bwd(tdm_device *d, const float *p, float *dp, i
     .bn_stats = tdm_cuda_bn_stats, .bn_prep = tdm_cuda_bn_prep,                       \
     .bn_fwd = tdm_cuda_bn_fwd, .bn_bwd = tdm_cuda_bn_bwd,                             \
     .cnhw_to_nchw = tdm_cuda_cnhw_to_nchw, .nchw_to_cnhw = tdm_cuda_nchw_to_cnhw,     \
-    .sgd_step = tdm_cuda_sgd_step, .adamw_step = tdm_cuda_adamw_step, TDM_CUDA_GPT_OPS
+    .sgd_step = tdm_cuda_sgd_step, .adamw_step = tdm_cuda_adamw_step, TDM_CUDA_GPT_OPS,   \
+    TDM_CUDA_MIXED_OPS
+
+/* Mixed precision, in the same two tables. */
+#define TDM_CUDA_MIXED_OPS                                                            \
+    .gemm_ex = tdm_cuda_gemm_ex, .gemm_strided_batched_ex = tdm_cuda_gemm_strided_batched_ex, \
+    .convert = tdm_cuda_convert, .unscale_check = tdm_cuda_unscale_check,             \
+    .sumsq = tdm_cuda_sumsq
 
 /* The transformer's (core/device.h), in the same two tables. */
 #define TDM_CUDA_GPT_OPS                                                              \

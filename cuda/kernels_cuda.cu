@@ -471,6 +471,56 @@ struct AttnSoftmaxBwd {
     }
 };
 
+/* ---- mixed precision ---- */
+
+struct ToBf16 {
+    uint16_t *dst;
+    const float *src;
+    __host__ __device__ void operator()(int64_t i) const { dst[i] = tdm_k_f32_to_bf16(src[i]); }
+};
+
+struct ToF16 {
+    uint16_t *dst;
+    const float *src;
+    __host__ __device__ void operator()(int64_t i) const { dst[i] = tdm_k_f32_to_f16(src[i]); }
+};
+
+struct FromBf16 {
+    float *dst;
+    const uint16_t *src;
+    __host__ __device__ void operator()(int64_t i) const { dst[i] = tdm_k_bf16_to_f32(src[i]); }
+};
+
+struct FromF16 {
+    float *dst;
+    const uint16_t *src;
+    __host__ __device__ void operator()(int64_t i) const { dst[i] = tdm_k_f16_to_f32(src[i]); }
+};
+
+/* Every thread that meets a non-finite value stores 1: the same value,
+ * so the race is benign (as PyTorch's kernel). */
+struct Unscale {
+    float *x;
+    float inv;
+    float *found;
+    __host__ __device__ void operator()(int64_t i) const
+    {
+        if (tdm_k_unscale(i, x, inv)) *found = 1.0f;
+    }
+};
+
+/* One thread per chunk, summing it in core/kernels.h's fixed order: the
+ * host's partial sums, not the fastest reduction. */
+struct SumsqChunk {
+    const float *x;
+    int64_t n;
+    double *partials;
+    __host__ __device__ void operator()(int64_t c) const
+    {
+        partials[c] = tdm_k_sumsq_chunk(c, x, n);
+    }
+};
+
 } // namespace
 
 extern "C" {
@@ -679,6 +729,33 @@ cudaError_t tdm_cuda_launch_adamw(const tdm_cuda_exec *x, int64_t n_elem, float 
 {
     return run(x, n_elem, kThreads,
                Adamw{param, grad, m, v, lr, beta1, beta2, eps, weight_decay, bc1, bc2});
+}
+
+cudaError_t tdm_cuda_launch_convert(const tdm_cuda_exec *x, void *dst, int dst_type,
+                                    const void *src, int src_type, int64_t n_elem)
+{
+    if (src_type == TDM_CUDA_T_F32 && dst_type == TDM_CUDA_T_BF16)
+        return run(x, n_elem, kThreads, ToBf16{(uint16_t *)dst, (const float *)src});
+    if (src_type == TDM_CUDA_T_F32 && dst_type == TDM_CUDA_T_F16)
+        return run(x, n_elem, kThreads, ToF16{(uint16_t *)dst, (const float *)src});
+    if (src_type == TDM_CUDA_T_BF16 && dst_type == TDM_CUDA_T_F32)
+        return run(x, n_elem, kThreads, FromBf16{(float *)dst, (const uint16_t *)src});
+    if (src_type == TDM_CUDA_T_F16 && dst_type == TDM_CUDA_T_F32)
+        return run(x, n_elem, kThreads, FromF16{(float *)dst, (const uint16_t *)src});
+    return cudaErrorInvalidValue;
+}
+
+cudaError_t tdm_cuda_launch_unscale(const tdm_cuda_exec *x, float *v, int64_t n_elem, float inv,
+                                    float *found_inf)
+{
+    return run(x, n_elem, kThreads, Unscale{v, inv, found_inf});
+}
+
+cudaError_t tdm_cuda_launch_sumsq(const tdm_cuda_exec *x, const float *v, int64_t n_elem,
+                                  double *partials)
+{
+    int64_t chunks = (n_elem + TDM_K_SUMSQ_CHUNK - 1) / TDM_K_SUMSQ_CHUNK;
+    return run(x, chunks, kRowThreads, SumsqChunk{v, n_elem, partials});
 }
 
 } // extern "C"

@@ -153,7 +153,8 @@ tdm_status tdm_checkpoint_save(const char *path, tdm_model *m, tdm_optim *opt,
     TDM_TRY(tdm_ckpt_stage(d, &h.params, tdm_model_params(m), tdm_model_param_elems(m)));
     TDM_TRY(tdm_ckpt_stage(d, &h.buffers, tdm_model_buffers(m), tdm_model_buffer_elems(m)));
     for (int s = 0; s < nstate; s++)
-        TDM_TRY(tdm_ckpt_stage(d, &h.state[s], tdm_optim_state(opt, s), tdm_model_param_elems(m)));
+        TDM_TRY(tdm_ckpt_stage(tdm_optim_device(opt), &h.state[s], tdm_optim_state(opt, s),
+                               tdm_model_param_elems(m)));
     TDM_TRY(tdm_checkpoint_save_host(path, m, &h, info));
 fail:
     tdm_ckpt_host_free(&h);
@@ -288,8 +289,8 @@ tdm_status tdm_checkpoint_load(const char *path, tdm_model *m, tdm_optim *opt,
                                        (size_t)be * sizeof(float)));
     if (opt) {
         for (int s = 0; s < tdm_optim_n_state(opt); s++)
-            TDM_TRY(tdm_dev_copy_from_host(d, tdm_optim_state(opt, s), h.state[s],
-                                           (size_t)pe * sizeof(float)));
+            TDM_TRY(tdm_dev_copy_from_host(tdm_optim_device(opt), tdm_optim_state(opt, s),
+                                           h.state[s], (size_t)pe * sizeof(float)));
         tdm_optim_set_steps(opt, h.steps);
     }
     if (info) *info = got;

@@ -6,76 +6,14 @@
  * buffers, tables, gradient storage and hook stay model.c's. Not here:
  * the kernels (core/kernels.h), the loss (models/loss.c), generation
  * (models/gpt_generate.c), text data (core/text.h), any parallelism. */
-#include "models/gpt.h"
-
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "core/rng.h"
+#include "models/gpt_impl.h"
 #include "models/layers_gpt.h"
-#include "models/model_impl.h"
-
-#define TDM_GPT_LN_EPS 1e-5f
-/* parameters per block, and their order inside it */
-#define TDM_GPT_PER_BLOCK 12
-enum {
-    TDM_GPT_LN1_W = 0, TDM_GPT_LN1_B, TDM_GPT_ATTN_W, TDM_GPT_ATTN_B, TDM_GPT_APROJ_W,
-    TDM_GPT_APROJ_B, TDM_GPT_LN2_W, TDM_GPT_LN2_B, TDM_GPT_FC_W, TDM_GPT_FC_B,
-    TDM_GPT_MPROJ_W, TDM_GPT_MPROJ_B,
-};
-#define TDM_GPT_WTE 0
-#define TDM_GPT_WPE 1
-
-/* What one block keeps for backward (room for cap windows of T). */
-typedef struct tdm_gpt_block {
-    float *ln1, *ln1_mean, *ln1_rstd;   /* ln_1 output (N, C) and its statistics */
-    float *q, *k, *v, *att;             /* attention's (B, H, T, hd) and (B, H, T, T) */
-    float *atty;                        /* heads merged (N, C): attn.c_proj's input */
-    float *res1;                        /* stream after attention (N, C) */
-    float *ln2, *ln2_mean, *ln2_rstd;
-    float *fch, *fcg;                   /* mlp.c_fc output, and its gelu (N, 4C) */
-    float *res2;                        /* block output (N, C) */
-} tdm_gpt_block;
-
-/* One activation set: what a forward keeps for its backward. */
-typedef struct tdm_gpt_act {
-    int cap;                 /* windows it holds */
-    int seq;                 /* positions of its forward */
-    size_t bytes;
-    const int32_t *tok;      /* borrowed: its forward's tokens (device; the first stage) */
-    const float *in;         /* borrowed: its forward's input stream (a later stage) */
-    float *res0;             /* embeddings (N, C) (the first stage) */
-    tdm_gpt_block *blk;      /* the stage's blocks */
-    float *lnf, *lnf_mean, *lnf_rstd, *logits;   /* the last stage */
-} tdm_gpt_act;
-
-typedef struct tdm_gpt {
-    int L, C, H, T, V;
-    /* The stage: blocks [b0, b1) of L, with the embeddings (first stage)
-     * and the final LayerNorm and head (last stage); local indices of the
-     * tensors. The whole model is one stage of everything. */
-    int b0, b1, nb;
-    int has_emb, has_head;
-    int p_blk0;              /* block b0's first tensor */
-    int p_head;              /* the head's weight: wte (0), or the tied copy */
-    int layer_blk0;          /* block b0's first logical layer */
-    tdm_gpt_act *a;          /* the current set, in sets */
-    tdm_gpt_act *sets;
-    int n_sets;
-    int32_t *tok_host;       /* host copy for the range check (non-host devices) */
-    /* scratch shared by the blocks and the sets */
-    int scratch_cap;
-    size_t scratch_bytes;
-    float *qkv;              /* forward: c_attn output (N, 3C); backward: its gradient */
-    float *yh;               /* forward: heads' outputs; backward: their gradient (N*C) */
-    float *dres, *dln;       /* (N, C): the stream's gradient; a LayerNorm output's */
-    float *dfc;              /* (N, 4C) */
-    float *datt;             /* (B, H, T, T) */
-    float *dq, *dk, *dv;     /* (B, H, T, hd) */
-    float *ones;             /* N ones: bias gradients as gemms */
-} tdm_gpt;
 
 /* ---- spec ---- */
 
@@ -139,12 +77,6 @@ void tdm_gpt_spec_describe(const tdm_model_spec *s, char *buf, size_t len)
 
 /* ---- parameters ---- */
 
-/* Local index of block l's tensor j, and of ln_f's weight. */
-static int tdm_gpt_p(const tdm_gpt *g, int l, int j)
-{
-    return g->p_blk0 + TDM_GPT_PER_BLOCK * (l - g->b0) + j;
-}
-static int tdm_gpt_p_lnf(const tdm_gpt *g) { return g->p_blk0 + TDM_GPT_PER_BLOCK * g->nb; }
 
 static float *tdm_gpt_param(tdm_model *m, int i) { return tdm_model_pdata(m, i); }
 static float *tdm_gpt_grad(tdm_model *m, int i) { return tdm_model_gdata(m, i); }
@@ -213,22 +145,10 @@ static tdm_status tdm_gpt_ln_group(tdm_model *m, const char *prefix, int C)
 static void tdm_gpt_free_set(tdm_model *m, tdm_gpt_act *a)
 {
     tdm_gpt *g = m->ext;
-    tdm_device *d = m->dev;
-    float **all[] = {&a->res0, &a->lnf, &a->lnf_mean, &a->lnf_rstd, &a->logits};
-    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) {
-        tdm_dev_free(d, *all[i]);
-        *all[i] = NULL;
-    }
-    for (int l = 0; a->blk && l < g->nb; l++) {
-        tdm_gpt_block *b = &a->blk[l];
-        float **ba[] = {&b->ln1, &b->ln1_mean, &b->ln1_rstd, &b->q, &b->k, &b->v, &b->att,
-                        &b->atty, &b->res1, &b->ln2, &b->ln2_mean, &b->ln2_rstd, &b->fch,
-                        &b->fcg, &b->res2};
-        for (size_t i = 0; i < sizeof ba / sizeof ba[0]; i++) {
-            tdm_dev_free(d, *ba[i]);
-            *ba[i] = NULL;
-        }
-    }
+    tdm_act_free(m, &a->act, &a->arena);   /* every buffer its layout allocated */
+    for (int l = 0; a->blk && l < g->nb; l++) memset(&a->blk[l], 0, sizeof a->blk[l]);
+    a->res0 = a->lnf = a->lnf_mean = a->lnf_rstd = a->logits = NULL;
+    a->lnfh = NULL;
     a->cap = 0;
     a->bytes = 0;
 }
@@ -236,13 +156,11 @@ static void tdm_gpt_free_set(tdm_model *m, tdm_gpt_act *a)
 static void tdm_gpt_free_scratch(tdm_model *m)
 {
     tdm_gpt *g = m->ext;
-    tdm_device *d = m->dev;
+    tdm_act_free(m, &g->act_scratch, NULL);
     float **all[] = {&g->qkv, &g->yh, &g->dres, &g->dln, &g->dfc, &g->datt, &g->dq, &g->dk,
-                     &g->dv, &g->ones, &m->dlogits};
-    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) {
-        tdm_dev_free(d, *all[i]);
-        *all[i] = NULL;
-    }
+                     &g->dv, &g->ones, &g->wide, &m->dlogits};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) *all[i] = NULL;
+    g->low = NULL;
     free(g->tok_host);
     g->tok_host = NULL;
     g->scratch_cap = 0;
@@ -271,14 +189,6 @@ static void tdm_gpt_free_ext(tdm_model *m)
     free(g->sets);
     free(g);
     m->ext = NULL;
-}
-
-static tdm_status tdm_gpt_alloc(tdm_model *m, float **p, int64_t n_elem, size_t *bytes)
-{
-    size_t nb = (size_t)n_elem * sizeof(float);
-    TDM_CHECK(tdm_dev_alloc(m->dev, nb, (void **)p));
-    *bytes += nb;
-    return TDM_STATUS_OK;
 }
 
 size_t tdm_gpt_act_bytes(const tdm_model *m, int batch)
@@ -329,26 +239,121 @@ static void tdm_gpt_held_bytes(const tdm_model *m, size_t *sets, size_t *scratch
     *scratch = g->scratch_bytes;
 }
 
+/* 1 when the stage's block l ends its checkpoint segment (keeps its
+ * output); segments count from the stage's first block. */
+static int tdm_gpt_seg_last(const tdm_model *m, int l)
+{
+    const tdm_gpt *g = m->ext;
+    int N = m->lev.ckpt, k = l - g->b0;
+    return N > 0 && (k % N == N - 1 || l == g->b1 - 1);
+}
+
+/* The buffers of the current set and of the scratch for `batch` windows:
+ * FP32 or 16-bit tensors, checkpointed blocks' in the set's arena (block
+ * l at slot (l - b0) % N; its output only there when the segment goes on
+ * past it), then what the blocks and sets share. */
+static void tdm_gpt_layout(tdm_model *m, int batch, tdm_act_layout *lay, tdm_act_layout *scr)
+{
+    tdm_gpt *g = m->ext;
+    tdm_gpt_act *a = g->a;
+    size_t N = (size_t)batch * g->T, C = g->C, att = (size_t)batch * g->H * g->T * g->T;
+    size_t f = sizeof(float), es = tdm_dtype_size(m->lev.adt), off = 0, slot = 0;
+    int low = tdm_model_low(m), ck = m->lev.ckpt > 0;
+    memset(lay, 0, sizeof *lay);
+    memset(scr, 0, sizeof *scr);
+    if (g->has_emb) tdm_act_add(lay, (void **)&a->res0, N * C * f, 0, 0, &off);
+    for (int pass = 0; pass < 2 && g->nb > 0; pass++) {
+        /* pass 0 measures one block's slot (offsets from 0), pass 1 lays
+         * every block out */
+        for (int k = 0; k < (pass ? g->nb : 1); k++) {
+            tdm_gpt_block *b = &a->blk[k];
+            tdm_act_layout *to = pass ? lay : scr;   /* pass 0 only measures */
+            int layer = tdm_gpt_layer(g, g->b0 + k, 0), ar = ck;
+            off = pass ? (size_t)(k % (ck ? m->lev.ckpt : 1)) * slot : 0;
+            if (low) {
+                tdm_act_add(to, &b->ln1h, N * C * es, layer, ar, &off);
+                tdm_act_add(to, (void **)&b->ln1_mean, N * f, layer, ar, &off);
+                tdm_act_add(to, (void **)&b->ln1_rstd, N * f, layer, ar, &off);
+                tdm_act_add(to, &b->qkvh, 3 * N * C * es, layer, ar, &off);
+                tdm_act_add(to, &b->atth, att * es, layer, ar, &off);
+                tdm_act_add(to, &b->attyh, N * C * es, layer, ar, &off);
+                tdm_act_add(to, (void **)&b->res1, N * C * f, layer, ar, &off);
+                tdm_act_add(to, &b->ln2h, N * C * es, layer, ar, &off);
+                tdm_act_add(to, (void **)&b->ln2_mean, N * f, layer, ar, &off);
+                tdm_act_add(to, (void **)&b->ln2_rstd, N * f, layer, ar, &off);
+                tdm_act_add(to, &b->fchh, 4 * N * C * es, layer, ar, &off);
+                tdm_act_add(to, &b->fcgh, 4 * N * C * es, layer, ar, &off);
+            } else {
+                tdm_act_add(to, (void **)&b->ln1, N * C * f, layer, ar, &off);
+                tdm_act_add(to, (void **)&b->ln1_mean, N * f, layer, ar, &off);
+                tdm_act_add(to, (void **)&b->ln1_rstd, N * f, layer, ar, &off);
+                tdm_act_add(to, (void **)&b->q, N * C * f, layer, ar, &off);
+                tdm_act_add(to, (void **)&b->k, N * C * f, layer, ar, &off);
+                tdm_act_add(to, (void **)&b->v, N * C * f, layer, ar, &off);
+                tdm_act_add(to, (void **)&b->att, att * f, layer, ar, &off);
+                tdm_act_add(to, (void **)&b->atty, N * C * f, layer, ar, &off);
+                tdm_act_add(to, (void **)&b->res1, N * C * f, layer, ar, &off);
+                tdm_act_add(to, (void **)&b->ln2, N * C * f, layer, ar, &off);
+                tdm_act_add(to, (void **)&b->ln2_mean, N * f, layer, ar, &off);
+                tdm_act_add(to, (void **)&b->ln2_rstd, N * f, layer, ar, &off);
+                tdm_act_add(to, (void **)&b->fch, 4 * N * C * f, layer, ar, &off);
+                tdm_act_add(to, (void **)&b->fcg, 4 * N * C * f, layer, ar, &off);
+            }
+            int keep_out = !ck || tdm_gpt_seg_last(m, g->b0 + k);
+            tdm_act_add(to, (void **)&b->res2, N * C * f, layer, pass ? !keep_out : 1, &off);
+            if (!pass) slot = off;
+        }
+    }
+    memset(scr, 0, sizeof *scr);
+    off = 0;
+    if (g->has_head) {
+        int head = tdm_gpt_layer(g, g->b1, 0);
+        if (low) tdm_act_add(lay, &a->lnfh, N * C * es, head, 0, &off);
+        else tdm_act_add(lay, (void **)&a->lnf, N * C * f, head, 0, &off);
+        tdm_act_add(lay, (void **)&a->lnf_mean, N * f, head, 0, &off);
+        tdm_act_add(lay, (void **)&a->lnf_rstd, N * f, head, 0, &off);
+        tdm_act_add(lay, (void **)&a->logits, N * g->V * f, head + 1, 0, &off);
+        tdm_act_add(scr, (void **)&m->dlogits, N * g->V * f, -1, 0, &off);
+    }
+    tdm_act_add(scr, (void **)&g->qkv, 3 * N * C * f, -1, 0, &off);
+    tdm_act_add(scr, (void **)&g->yh, N * C * f, -1, 0, &off);
+    tdm_act_add(scr, (void **)&g->dres, N * C * f, -1, 0, &off);
+    tdm_act_add(scr, (void **)&g->dln, N * C * f, -1, 0, &off);
+    tdm_act_add(scr, (void **)&g->dfc, 4 * N * C * f, -1, 0, &off);
+    tdm_act_add(scr, (void **)&g->datt, att * f, -1, 0, &off);
+    if (!low) {
+        tdm_act_add(scr, (void **)&g->dq, N * C * f, -1, 0, &off);
+        tdm_act_add(scr, (void **)&g->dk, N * C * f, -1, 0, &off);
+        tdm_act_add(scr, (void **)&g->dv, N * C * f, -1, 0, &off);
+    }
+    tdm_act_add(scr, (void **)&g->ones, N * f, -1, 0, &off);
+    if (low) {
+        size_t lo = 4 * N * C, wi = 4 * N * C;
+        if (att > lo) lo = att;
+        if (g->has_head && N * g->V > lo) lo = N * g->V;
+        if (att > wi) wi = att;
+        tdm_act_add(scr, &g->low, lo * es, -1, 0, &off);
+        tdm_act_add(scr, (void **)&g->wide, wi * f, -1, 0, &off);
+    }
+}
+
 /* The scratch for `batch` windows of the full context. */
 static tdm_status tdm_gpt_reserve_scratch(tdm_model *m, int batch)
 {
     tdm_gpt *g = m->ext;
     if (batch <= g->scratch_cap) return TDM_STATUS_OK;
     tdm_status st = TDM_STATUS_OK;
+    tdm_act_layout *lay = NULL, *scr = NULL;
     tdm_gpt_free_scratch(m);
-    int64_t N = (int64_t)batch * g->T, C = g->C, att = (int64_t)batch * g->H * g->T * g->T;
-    size_t *by = &g->scratch_bytes;
-    if (g->has_head) TDM_TRY(tdm_gpt_alloc(m, &m->dlogits, N * g->V, by));
-    TDM_TRY(tdm_gpt_alloc(m, &g->qkv, N * 3 * C, by));
-    TDM_TRY(tdm_gpt_alloc(m, &g->yh, N * C, by));
-    TDM_TRY(tdm_gpt_alloc(m, &g->dres, N * C, by));
-    TDM_TRY(tdm_gpt_alloc(m, &g->dln, N * C, by));
-    TDM_TRY(tdm_gpt_alloc(m, &g->dfc, N * 4 * C, by));
-    TDM_TRY(tdm_gpt_alloc(m, &g->datt, att, by));
-    TDM_TRY(tdm_gpt_alloc(m, &g->dq, N * C, by));
-    TDM_TRY(tdm_gpt_alloc(m, &g->dk, N * C, by));
-    TDM_TRY(tdm_gpt_alloc(m, &g->dv, N * C, by));
-    TDM_TRY(tdm_gpt_alloc(m, &g->ones, N, by));
+    int64_t N = (int64_t)batch * g->T;
+    lay = malloc(sizeof *lay);
+    scr = malloc(sizeof *scr);
+    if (!lay || !scr) {
+        st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "gpt: cannot allocate a layout");
+        goto fail;
+    }
+    tdm_gpt_layout(m, batch, lay, scr);
+    TDM_TRY(tdm_act_alloc(m, scr, &g->act_scratch, NULL, &g->scratch_bytes));
     {
         float *h = malloc((size_t)N * sizeof(float));
         if (!h) {
@@ -369,48 +374,36 @@ static tdm_status tdm_gpt_reserve_scratch(tdm_model *m, int batch)
             goto fail;
         }
     }
+    free(lay);
+    free(scr);
     g->scratch_cap = batch;
     return TDM_STATUS_OK;
 fail:
+    free(lay);
+    free(scr);
     tdm_gpt_free_scratch(m);
     return tdm_error_prefix(st, "gpt: scratch for %d windows of %d", batch, g->T);
 }
 
-/* Set a's activations for `batch` windows (a is empty). */
+/* Set a (the current one, empty): its activations for `batch` windows. */
 static tdm_status tdm_gpt_alloc_set(tdm_model *m, tdm_gpt_act *a, int batch)
 {
     tdm_gpt *g = m->ext;
     tdm_status st = TDM_STATUS_OK;
-    int64_t N = (int64_t)batch * g->T, C = g->C, att = (int64_t)batch * g->H * g->T * g->T;
-    size_t *by = &a->bytes;
-    if (g->has_emb) TDM_TRY(tdm_gpt_alloc(m, &a->res0, N * C, by));
-    for (int l = 0; l < g->nb; l++) {
-        tdm_gpt_block *b = &a->blk[l];
-        TDM_TRY(tdm_gpt_alloc(m, &b->ln1, N * C, by));
-        TDM_TRY(tdm_gpt_alloc(m, &b->ln1_mean, N, by));
-        TDM_TRY(tdm_gpt_alloc(m, &b->ln1_rstd, N, by));
-        TDM_TRY(tdm_gpt_alloc(m, &b->q, N * C, by));
-        TDM_TRY(tdm_gpt_alloc(m, &b->k, N * C, by));
-        TDM_TRY(tdm_gpt_alloc(m, &b->v, N * C, by));
-        TDM_TRY(tdm_gpt_alloc(m, &b->att, att, by));
-        TDM_TRY(tdm_gpt_alloc(m, &b->atty, N * C, by));
-        TDM_TRY(tdm_gpt_alloc(m, &b->res1, N * C, by));
-        TDM_TRY(tdm_gpt_alloc(m, &b->ln2, N * C, by));
-        TDM_TRY(tdm_gpt_alloc(m, &b->ln2_mean, N, by));
-        TDM_TRY(tdm_gpt_alloc(m, &b->ln2_rstd, N, by));
-        TDM_TRY(tdm_gpt_alloc(m, &b->fch, N * 4 * C, by));
-        TDM_TRY(tdm_gpt_alloc(m, &b->fcg, N * 4 * C, by));
-        TDM_TRY(tdm_gpt_alloc(m, &b->res2, N * C, by));
+    tdm_act_layout *lay = malloc(sizeof *lay), *scr = malloc(sizeof *scr);
+    if (!lay || !scr) {
+        st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "gpt: cannot allocate a layout");
+        goto fail;
     }
-    if (g->has_head) {
-        TDM_TRY(tdm_gpt_alloc(m, &a->lnf, N * C, by));
-        TDM_TRY(tdm_gpt_alloc(m, &a->lnf_mean, N, by));
-        TDM_TRY(tdm_gpt_alloc(m, &a->lnf_rstd, N, by));
-        TDM_TRY(tdm_gpt_alloc(m, &a->logits, N * g->V, by));
-    }
+    tdm_gpt_layout(m, batch, lay, scr);
+    TDM_TRY(tdm_act_alloc(m, lay, &a->act, &a->arena, &a->bytes));
+    free(lay);
+    free(scr);
     a->cap = batch;
     return TDM_STATUS_OK;
 fail:
+    free(lay);
+    free(scr);
     tdm_gpt_free_set(m, a);
     return tdm_error_prefix(st, "gpt: activations for %d windows of %d", batch, g->T);
 }
@@ -461,6 +454,46 @@ static tdm_status tdm_gpt_check_tokens(tdm_model *m, const int32_t *tok, int64_t
     return TDM_STATUS_OK;
 }
 
+/* Block l's FP32 forward from the stream res (B windows of Tr), into the
+ * current set. */
+static tdm_status tdm_gpt_block_forward(tdm_model *m, int l, const float *res, int B, int Tr)
+{
+    tdm_gpt *g = m->ext;
+    tdm_device *d = m->dev;
+    tdm_gpt_block *b = &g->a->blk[l - g->b0];
+    int C = g->C;
+    int64_t N = (int64_t)B * Tr;
+    size_t row_bytes = (size_t)N * C * sizeof(float);
+#define P(j) tdm_gpt_param(m, tdm_gpt_p(g, l, (j)))
+    TDM_CHECK(tdm_dev_layernorm_fwd(d, res, P(TDM_GPT_LN1_W), P(TDM_GPT_LN1_B), b->ln1,
+                                    b->ln1_mean, b->ln1_rstd, N, C, TDM_GPT_LN_EPS));
+    TDM_CHECK(tdm_layers_linear_fwd(d, b->ln1, P(TDM_GPT_ATTN_W), P(TDM_GPT_ATTN_B), N, C,
+                                    3 * C, 0, g->qkv));
+    tdm_layers_attn at = {.B = B, .T = Tr, .H = g->H, .C = C, .q = b->q, .k = b->k,
+                          .v = b->v, .att = b->att};
+    TDM_CHECK(tdm_layers_attention_fwd(d, &at, g->qkv, g->yh, b->atty));
+    /* x + attn(ln_1(x)): the projection adds onto a copy of the stream */
+    TDM_CHECK(tdm_dev_copy(d, b->res1, res, row_bytes));
+    TDM_CHECK(tdm_layers_linear_fwd(d, b->atty, P(TDM_GPT_APROJ_W), P(TDM_GPT_APROJ_B), N,
+                                    C, C, 1, b->res1));
+    TDM_CHECK(tdm_dev_layernorm_fwd(d, b->res1, P(TDM_GPT_LN2_W), P(TDM_GPT_LN2_B), b->ln2,
+                                    b->ln2_mean, b->ln2_rstd, N, C, TDM_GPT_LN_EPS));
+    TDM_CHECK(tdm_layers_linear_fwd(d, b->ln2, P(TDM_GPT_FC_W), P(TDM_GPT_FC_B), N, C,
+                                    4 * C, 0, b->fch));
+    TDM_CHECK(tdm_dev_gelu_fwd(d, b->fch, b->fcg, N * 4 * C));
+    TDM_CHECK(tdm_dev_copy(d, b->res2, b->res1, row_bytes));
+    TDM_CHECK(tdm_layers_linear_fwd(d, b->fcg, P(TDM_GPT_MPROJ_W), P(TDM_GPT_MPROJ_B), N,
+                                    4 * C, C, 1, b->res2));
+#undef P
+    return TDM_STATUS_OK;
+}
+
+static tdm_status tdm_gpt_block_fwd(tdm_model *m, int l, const float *res, int B, int Tr)
+{
+    if (tdm_model_low(m)) return tdm_gpt_block_forward_low(m, l, res, B, Tr);
+    return tdm_gpt_block_forward(m, l, res, B, Tr);
+}
+
 /* The stage's forward: tokens (the first stage) or the stream entering
  * block b0 (B, Tr, C), through its blocks, to the logits (the last stage)
  * or the stream leaving block b1 - 1. */
@@ -471,7 +504,6 @@ static tdm_status tdm_gpt_run_forward(tdm_model *m, const void *x, int B, int Tr
     tdm_device *d = m->dev;
     int C = g->C;
     int64_t N = (int64_t)B * Tr;
-    size_t row_bytes = (size_t)N * C * sizeof(float);
     TDM_CHECK(tdm_gpt_reserve(m, B));
     tdm_gpt_act *a = g->a;
     a->seq = Tr;
@@ -493,42 +525,29 @@ static tdm_status tdm_gpt_run_forward(tdm_model *m, const void *x, int B, int Tr
         res = a->in;
     }
     for (int l = g->b0; l < g->b1; l++) {
-        tdm_gpt_block *b = &a->blk[l - g->b0];
-        TDM_CHECK(tdm_model_raise_use(m, TDM_MODEL_USE_FORWARD, tdm_gpt_p(g, l, 0),
-                                      tdm_gpt_p(g, l, TDM_GPT_PER_BLOCK - 1)));
-#define P(j) tdm_gpt_param(m, tdm_gpt_p(g, l, (j)))
-        TDM_CHECK(tdm_dev_layernorm_fwd(d, res, P(TDM_GPT_LN1_W), P(TDM_GPT_LN1_B), b->ln1,
-                                        b->ln1_mean, b->ln1_rstd, N, C, TDM_GPT_LN_EPS));
-        TDM_CHECK(tdm_layers_linear_fwd(d, b->ln1, P(TDM_GPT_ATTN_W), P(TDM_GPT_ATTN_B), N, C,
-                                        3 * C, 0, g->qkv));
-        tdm_layers_attn at = {.B = B, .T = Tr, .H = g->H, .C = C, .q = b->q, .k = b->k,
-                              .v = b->v, .att = b->att};
-        TDM_CHECK(tdm_layers_attention_fwd(d, &at, g->qkv, g->yh, b->atty));
-        /* x + attn(ln_1(x)): the projection adds onto a copy of the stream */
-        TDM_CHECK(tdm_dev_copy(d, b->res1, res, row_bytes));
-        TDM_CHECK(tdm_layers_linear_fwd(d, b->atty, P(TDM_GPT_APROJ_W), P(TDM_GPT_APROJ_B), N,
-                                        C, C, 1, b->res1));
-        TDM_CHECK(tdm_dev_layernorm_fwd(d, b->res1, P(TDM_GPT_LN2_W), P(TDM_GPT_LN2_B), b->ln2,
-                                        b->ln2_mean, b->ln2_rstd, N, C, TDM_GPT_LN_EPS));
-        TDM_CHECK(tdm_layers_linear_fwd(d, b->ln2, P(TDM_GPT_FC_W), P(TDM_GPT_FC_B), N, C,
-                                        4 * C, 0, b->fch));
-        TDM_CHECK(tdm_dev_gelu_fwd(d, b->fch, b->fcg, N * 4 * C));
-        TDM_CHECK(tdm_dev_copy(d, b->res2, b->res1, row_bytes));
-        TDM_CHECK(tdm_layers_linear_fwd(d, b->fcg, P(TDM_GPT_MPROJ_W), P(TDM_GPT_MPROJ_B), N,
-                                        4 * C, C, 1, b->res2));
-#undef P
-        res = b->res2;
+        int p0 = tdm_gpt_p(g, l, 0), p1 = tdm_gpt_p(g, l, TDM_GPT_PER_BLOCK - 1);
+        TDM_CHECK(tdm_model_raise_use(m, TDM_MODEL_USE_FORWARD, p0, p1));
+        TDM_CHECK(tdm_model_cast_params(m, p0, p1));
+        TDM_CHECK(tdm_gpt_block_fwd(m, l, res, B, Tr));
+        res = a->blk[l - g->b0].res2;
     }
     if (g->has_head) {
         int pf = tdm_gpt_p_lnf(g);
         TDM_CHECK(tdm_model_raise_use(m, TDM_MODEL_USE_FORWARD, pf, pf + 1));
-        TDM_CHECK(tdm_dev_layernorm_fwd(d, res, tdm_gpt_param(m, pf), tdm_gpt_param(m, pf + 1),
-                                        a->lnf, a->lnf_mean, a->lnf_rstd, N, C, TDM_GPT_LN_EPS));
-        /* the head tied to the token embedding: logits = ln_f(x) wte^T
-         * (a later stage holds its own copy of wte for it) */
-        TDM_CHECK(tdm_model_raise_use(m, TDM_MODEL_USE_FORWARD, g->p_head, g->p_head));
-        TDM_CHECK(tdm_layers_linear_fwd(d, a->lnf, tdm_gpt_param(m, g->p_head), NULL, N, C, g->V,
-                                        0, a->logits));
+        if (tdm_model_low(m)) {
+            TDM_CHECK(tdm_model_raise_use(m, TDM_MODEL_USE_FORWARD, g->p_head, g->p_head));
+            TDM_CHECK(tdm_model_cast_params(m, g->p_head, g->p_head));
+            TDM_CHECK(tdm_gpt_head_forward_low(m, res, B, Tr));
+        } else {
+            TDM_CHECK(tdm_dev_layernorm_fwd(d, res, tdm_gpt_param(m, pf),
+                                            tdm_gpt_param(m, pf + 1), a->lnf, a->lnf_mean,
+                                            a->lnf_rstd, N, C, TDM_GPT_LN_EPS));
+            /* the head tied to the token embedding: logits = ln_f(x) wte^T
+             * (a later stage holds its own copy of wte for it) */
+            TDM_CHECK(tdm_model_raise_use(m, TDM_MODEL_USE_FORWARD, g->p_head, g->p_head));
+            TDM_CHECK(tdm_layers_linear_fwd(d, a->lnf, tdm_gpt_param(m, g->p_head), NULL, N, C,
+                                            g->V, 0, a->logits));
+        }
         res = a->logits;
     }
     if (out) *out = res;
@@ -567,16 +586,83 @@ static const float *tdm_gpt_last_logits(const tdm_model *m)
 
 /* ---- backward ---- */
 
-static void tdm_gpt_hook(tdm_model *m, int layer)
+void tdm_gpt_hook(tdm_model *m, int layer)
 {
     const tdm_layer *l = &m->layers[layer];
     if (m->hook && l->np > 0) m->hook(m->hook_ctx, m, l->p0, l->p0 + l->np - 1);
 }
 
-/* Logical layers of the stage: the embeddings (first stage); block l's
- * six at layer_blk0 + 6 (l - b0) + (ln_1, c_attn, attn.c_proj, ln_2,
- * c_fc, mlp.c_proj); then ln_f and the head (last stage). */
-static int tdm_gpt_layer(const tdm_gpt *g, int l, int j) { return g->layer_blk0 + 6 * (l - g->b0) + j; }
+/* Block l's FP32 backward: from g->dres (the gradient of its output) to
+ * the gradient of its input res_in, left in g->dres. */
+static tdm_status tdm_gpt_block_backward(tdm_model *m, int l, const float *res_in, int B, int Tr)
+{
+    tdm_gpt *g = m->ext;
+    tdm_device *d = m->dev;
+    tdm_gpt_block *b = &g->a->blk[l - g->b0];
+    int C = g->C;
+    int64_t N = (int64_t)B * Tr;
+#define P(j) tdm_gpt_param(m, tdm_gpt_p(g, l, (j)))
+#define G(j) tdm_gpt_grad(m, tdm_gpt_p(g, l, (j)))
+    /* x += mlp(ln_2(x)): the branch's output gradient is dres itself */
+    TDM_CHECK(tdm_layers_linear_bwd(d, b->fcg, P(TDM_GPT_MPROJ_W), g->dres, g->ones, N,
+                                    4 * C, C, G(TDM_GPT_MPROJ_W), G(TDM_GPT_MPROJ_B), g->dfc,
+                                    0));
+    tdm_gpt_hook(m, tdm_gpt_layer(g, l, 5));
+    TDM_CHECK(tdm_dev_gelu_bwd(d, b->fch, g->dfc, g->dfc, N * 4 * C));
+    TDM_CHECK(tdm_layers_linear_bwd(d, b->ln2, P(TDM_GPT_FC_W), g->dfc, g->ones, N, C, 4 * C,
+                                    G(TDM_GPT_FC_W), G(TDM_GPT_FC_B), g->dln, 0));
+    tdm_gpt_hook(m, tdm_gpt_layer(g, l, 4));
+    TDM_CHECK(tdm_dev_layernorm_bwd(d, b->res1, g->dln, P(TDM_GPT_LN2_W), b->ln2_mean,
+                                    b->ln2_rstd, g->dres, G(TDM_GPT_LN2_W),
+                                    G(TDM_GPT_LN2_B), N, C));
+    tdm_gpt_hook(m, tdm_gpt_layer(g, l, 3));
+    /* x += attn(ln_1(x)); dln holds the heads' output gradient until
+     * c_attn's backward overwrites it */
+    TDM_CHECK(tdm_layers_linear_bwd(d, b->atty, P(TDM_GPT_APROJ_W), g->dres, g->ones, N, C,
+                                    C, G(TDM_GPT_APROJ_W), G(TDM_GPT_APROJ_B), g->dln, 0));
+    tdm_gpt_hook(m, tdm_gpt_layer(g, l, 2));
+    tdm_layers_attn at = {.B = B, .T = Tr, .H = g->H, .C = C, .q = b->q, .k = b->k,
+                          .v = b->v, .att = b->att};
+    TDM_CHECK(tdm_layers_attention_bwd(d, &at, g->dln, g->yh, g->datt, g->dq, g->dk, g->dv,
+                                       g->qkv));
+    TDM_CHECK(tdm_layers_linear_bwd(d, b->ln1, P(TDM_GPT_ATTN_W), g->qkv, g->ones, N, C,
+                                    3 * C, G(TDM_GPT_ATTN_W), G(TDM_GPT_ATTN_B), g->dln, 0));
+    tdm_gpt_hook(m, tdm_gpt_layer(g, l, 1));
+    TDM_CHECK(tdm_dev_layernorm_bwd(d, res_in, g->dln, P(TDM_GPT_LN1_W), b->ln1_mean,
+                                    b->ln1_rstd, g->dres, G(TDM_GPT_LN1_W),
+                                    G(TDM_GPT_LN1_B), N, C));
+    tdm_gpt_hook(m, tdm_gpt_layer(g, l, 0));
+#undef P
+#undef G
+    return TDM_STATUS_OK;
+}
+
+/* The stream entering the stage's block l: the embeddings, the block
+ * before's output, or (block b0 of a later stage) the stage's input. */
+static const float *tdm_gpt_block_in(const tdm_gpt *g, int l)
+{
+    const tdm_gpt_act *a = g->a;
+    return l > g->b0 ? a->blk[l - 1 - g->b0].res2 : g->has_emb ? a->res0 : a->in;
+}
+
+/* Checkpointing (models/recompute.h): backward reached block l, the last
+ * of its segment; the segment's blocks run forward again from the
+ * segment's input, into the set's arena. */
+static tdm_status tdm_gpt_recompute(tdm_model *m, int l, int B, int Tr)
+{
+    tdm_gpt *g = m->ext;
+    int first = l - (l - g->b0) % m->lev.ckpt;
+    tdm_status st = TDM_STATUS_OK;
+    m->lev.recomputing = 1;
+    for (int j = first; j <= l && st == TDM_STATUS_OK; j++) {
+        if (j < l)
+            st = tdm_model_raise_use(m, TDM_MODEL_USE_BACKWARD, tdm_gpt_p(g, j, 0),
+                                     tdm_gpt_p(g, j, TDM_GPT_PER_BLOCK - 1));
+        if (st == TDM_STATUS_OK) st = tdm_gpt_block_fwd(m, j, tdm_gpt_block_in(g, j), B, Tr);
+    }
+    m->lev.recomputing = 0;
+    return st;
+}
 
 /* dy: the logits' gradient (the last stage) or the gradient of the
  * stream leaving block b1 - 1; a later stage ends with the gradient of
@@ -586,10 +672,10 @@ static tdm_status tdm_gpt_backward(tdm_model *m, const float *dy)
     tdm_gpt *g = m->ext;
     tdm_gpt_act *a = g->a;
     tdm_device *d = m->dev;
-    int B = m->batch, Tr = a->seq, C = g->C;
+    int B = m->batch, Tr = a->seq, C = g->C, low = tdm_model_low(m);
     int64_t N = (int64_t)B * Tr;
     m->input_grad = NULL;
-    const float *res_last = g->nb > 0 ? a->blk[g->nb - 1].res2 : g->has_emb ? a->res0 : a->in;
+    const float *res_last = tdm_gpt_block_in(g, g->b1);
     if (g->has_head) {
         TDM_CHECK(tdm_dev_memset_zero(d, g->dres, (size_t)N * C * sizeof(float)));
         /* the head: dwte += dlogits^T ln_f(x) (the first of its two shares
@@ -597,58 +683,32 @@ static tdm_status tdm_gpt_backward(tdm_model *m, const float *dy)
          * final yet; a tied copy's whole share here, final at once),
          * d ln_f(x) = dlogits wte */
         TDM_CHECK(tdm_model_raise_use(m, TDM_MODEL_USE_BACKWARD, g->p_head, g->p_head));
-        TDM_CHECK(tdm_layers_linear_bwd(d, a->lnf, tdm_gpt_param(m, g->p_head), dy, g->ones, N,
-                                        C, g->V, tdm_gpt_grad(m, g->p_head), NULL, g->dln, 0));
         int head_layer = tdm_gpt_layer(g, g->b1, 0) + 1;
-        if (!g->has_emb) tdm_gpt_hook(m, head_layer);
         int pf = tdm_gpt_p_lnf(g);
-        TDM_CHECK(tdm_model_raise_use(m, TDM_MODEL_USE_BACKWARD, pf, pf + 1));
-        TDM_CHECK(tdm_dev_layernorm_bwd(d, res_last, g->dln, tdm_gpt_param(m, pf), a->lnf_mean,
-                                        a->lnf_rstd, g->dres, tdm_gpt_grad(m, pf),
-                                        tdm_gpt_grad(m, pf + 1), N, C));
+        if (low) {
+            TDM_CHECK(tdm_model_raise_use(m, TDM_MODEL_USE_BACKWARD, pf, pf + 1));
+            TDM_CHECK(tdm_gpt_head_backward_low(m, res_last, dy, B, Tr));
+            if (!g->has_emb) tdm_gpt_hook(m, head_layer);
+        } else {
+            TDM_CHECK(tdm_layers_linear_bwd(d, a->lnf, tdm_gpt_param(m, g->p_head), dy, g->ones,
+                                            N, C, g->V, tdm_gpt_grad(m, g->p_head), NULL, g->dln,
+                                            0));
+            if (!g->has_emb) tdm_gpt_hook(m, head_layer);
+            TDM_CHECK(tdm_model_raise_use(m, TDM_MODEL_USE_BACKWARD, pf, pf + 1));
+            TDM_CHECK(tdm_dev_layernorm_bwd(d, res_last, g->dln, tdm_gpt_param(m, pf),
+                                            a->lnf_mean, a->lnf_rstd, g->dres,
+                                            tdm_gpt_grad(m, pf), tdm_gpt_grad(m, pf + 1), N, C));
+        }
         tdm_gpt_hook(m, head_layer - 1);
     } else {
         TDM_CHECK(tdm_dev_copy(d, g->dres, dy, (size_t)N * C * sizeof(float)));
     }
     for (int l = g->b1 - 1; l >= g->b0; l--) {
-        tdm_gpt_block *b = &a->blk[l - g->b0];
-        const float *res_in = l > g->b0 ? a->blk[l - 1 - g->b0].res2
-                                        : g->has_emb ? a->res0 : a->in;
         TDM_CHECK(tdm_model_raise_use(m, TDM_MODEL_USE_BACKWARD, tdm_gpt_p(g, l, 0),
                                       tdm_gpt_p(g, l, TDM_GPT_PER_BLOCK - 1)));
-#define P(j) tdm_gpt_param(m, tdm_gpt_p(g, l, (j)))
-#define G(j) tdm_gpt_grad(m, tdm_gpt_p(g, l, (j)))
-        /* x += mlp(ln_2(x)): the branch's output gradient is dres itself */
-        TDM_CHECK(tdm_layers_linear_bwd(d, b->fcg, P(TDM_GPT_MPROJ_W), g->dres, g->ones, N,
-                                        4 * C, C, G(TDM_GPT_MPROJ_W), G(TDM_GPT_MPROJ_B), g->dfc,
-                                        0));
-        tdm_gpt_hook(m, tdm_gpt_layer(g, l, 5));
-        TDM_CHECK(tdm_dev_gelu_bwd(d, b->fch, g->dfc, g->dfc, N * 4 * C));
-        TDM_CHECK(tdm_layers_linear_bwd(d, b->ln2, P(TDM_GPT_FC_W), g->dfc, g->ones, N, C, 4 * C,
-                                        G(TDM_GPT_FC_W), G(TDM_GPT_FC_B), g->dln, 0));
-        tdm_gpt_hook(m, tdm_gpt_layer(g, l, 4));
-        TDM_CHECK(tdm_dev_layernorm_bwd(d, b->res1, g->dln, P(TDM_GPT_LN2_W), b->ln2_mean,
-                                        b->ln2_rstd, g->dres, G(TDM_GPT_LN2_W),
-                                        G(TDM_GPT_LN2_B), N, C));
-        tdm_gpt_hook(m, tdm_gpt_layer(g, l, 3));
-        /* x += attn(ln_1(x)); dln holds the heads' output gradient until
-         * c_attn's backward overwrites it */
-        TDM_CHECK(tdm_layers_linear_bwd(d, b->atty, P(TDM_GPT_APROJ_W), g->dres, g->ones, N, C,
-                                        C, G(TDM_GPT_APROJ_W), G(TDM_GPT_APROJ_B), g->dln, 0));
-        tdm_gpt_hook(m, tdm_gpt_layer(g, l, 2));
-        tdm_layers_attn at = {.B = B, .T = Tr, .H = g->H, .C = C, .q = b->q, .k = b->k,
-                              .v = b->v, .att = b->att};
-        TDM_CHECK(tdm_layers_attention_bwd(d, &at, g->dln, g->yh, g->datt, g->dq, g->dk, g->dv,
-                                           g->qkv));
-        TDM_CHECK(tdm_layers_linear_bwd(d, b->ln1, P(TDM_GPT_ATTN_W), g->qkv, g->ones, N, C,
-                                        3 * C, G(TDM_GPT_ATTN_W), G(TDM_GPT_ATTN_B), g->dln, 0));
-        tdm_gpt_hook(m, tdm_gpt_layer(g, l, 1));
-        TDM_CHECK(tdm_dev_layernorm_bwd(d, res_in, g->dln, P(TDM_GPT_LN1_W), b->ln1_mean,
-                                        b->ln1_rstd, g->dres, G(TDM_GPT_LN1_W),
-                                        G(TDM_GPT_LN1_B), N, C));
-        tdm_gpt_hook(m, tdm_gpt_layer(g, l, 0));
-#undef P
-#undef G
+        if (tdm_gpt_seg_last(m, l)) TDM_CHECK(tdm_gpt_recompute(m, l, B, Tr));
+        if (low) TDM_CHECK(tdm_gpt_block_backward_low(m, l, tdm_gpt_block_in(g, l), B, Tr));
+        else TDM_CHECK(tdm_gpt_block_backward(m, l, tdm_gpt_block_in(g, l), B, Tr));
     }
     if (!g->has_emb) {
         m->input_grad = g->dres;
@@ -690,6 +750,7 @@ static const tdm_model_vt tdm_gpt_vt = {
     .free_ext = tdm_gpt_free_ext,
     .select_set = tdm_gpt_select,
     .act_bytes = tdm_gpt_held_bytes,
+    .layout = tdm_gpt_layout,
 };
 
 /* The tables of pipeline layers m->stage.lo..hi of the L + 2: 0 the
@@ -773,6 +834,9 @@ tdm_status tdm_gpt_build(tdm_model *m)
         m->layers[i].block = i < g->layer_blk0 ? 0
                            : k >= 6 * g->nb   ? g->layer_blk0 + g->nb
                                               : g->layer_blk0 + k / 6;
+        /* the checkpoint units are the stage's transformer blocks */
+        m->layers[i].unit = i >= g->layer_blk0 && k < 6 * g->nb ? k / 6 : -1;
     }
+    m->lev.n_units = g->nb;
     return TDM_STATUS_OK;
 }

@@ -51,16 +51,76 @@ static tdm_status tdm_layer_conv_forward(tdm_model *m, tdm_layer *l, const float
         tdm_conv_geom g = tdm_layer_chunk_geom(l, nb, B);
         TDM_CHECK(tdm_dev_im2col(d, &g, x + n0 * in_plane, m->col));
         /* out[:, chunk] (oc, cn) = W (oc, kk) col (kk, cn), i.e.
-         * out^T (cn, oc) = col^T (cn, kk) W^T (kk, oc) */
+         * out^T (cn, oc) = col^T (cn, kk) W^T (kk, oc); 16-bit
+         * precisions: the chunk's col rounded, the weights' copy */
+        if (tdm_model_low(m)) {
+            TDM_CHECK(tdm_dev_convert(d, m->col16, m->lev.adt, m->col, TDM_DTYPE_FLOAT32,
+                                      (int64_t)cn * kk));
+            TDM_CHECK(tdm_dev_gemm_ex(d, TDM_TRANS_N, TDM_TRANS_N, cn, l->oc, kk, 1.0f, m->col16,
+                                      cn, tdm_model_wlow(m, l->p0), kk, 0.0f,
+                                      l->out + (int64_t)n0 * per, np, m->lev.adt));
+            continue;
+        }
         TDM_CHECK(tdm_dev_gemm(d, TDM_TRANS_N, TDM_TRANS_N, cn, l->oc, kk, 1.0f, m->col, cn, w,
                                kk, 0.0f, l->out + (int64_t)n0 * per, np));
     }
     return TDM_STATUS_OK;
 }
 
+/* The conv backward of 16-bit precisions: dout rounded once for the
+ * products (whole, since chunks are column slices of it), each chunk's
+ * col rounded from the widened input (l->in, restored by the caller),
+ * the weight gradient summed in float32 straight into dW. */
+static tdm_status tdm_layer_conv_backward_low(tdm_model *m, tdm_layer *l, const float *dout,
+                                              float *din, int B)
+{
+    tdm_device *d = m->dev;
+    int kk = l->c * l->k * l->k, per = l->oh * l->ow, np = B * per;
+    int64_t in_plane = (int64_t)l->h * l->w;
+    size_t es = tdm_dtype_size(m->lev.adt);
+    const void *w16 = tdm_model_wlow(m, l->p0);
+    float *dw = tdm_grad(m, l->p0);
+    TDM_CHECK(tdm_dev_convert(d, m->d16, m->lev.adt, dout, TDM_DTYPE_FLOAT32, (int64_t)l->oc * np));
+    for (int n0 = 0; n0 < B; n0 += l->chunk) {
+        int nb = B - n0 < l->chunk ? B - n0 : l->chunk, cn = nb * per;
+        const char *d16 = (const char *)m->d16 + (size_t)n0 * per * es;
+        tdm_conv_geom g = tdm_layer_chunk_geom(l, nb, B);
+        TDM_CHECK(tdm_dev_im2col(d, &g, l->in + n0 * in_plane, m->col));
+        TDM_CHECK(tdm_dev_convert(d, m->col16, m->lev.adt, m->col, TDM_DTYPE_FLOAT32,
+                                  (int64_t)cn * kk));
+        TDM_CHECK(tdm_dev_gemm_ex(d, TDM_TRANS_T, TDM_TRANS_N, kk, l->oc, cn, 1.0f, m->col16, cn,
+                                  d16, np, 1.0f, dw, kk, m->lev.adt));
+        if (!din) continue;
+        TDM_CHECK(tdm_dev_gemm_ex(d, TDM_TRANS_N, TDM_TRANS_T, cn, kk, l->oc, 1.0f, d16, np, w16,
+                                  kk, 0.0f, m->col, cn, m->lev.adt));
+        TDM_CHECK(tdm_dev_col2im(d, &g, m->col, din + n0 * in_plane));
+    }
+    return TDM_STATUS_OK;
+}
+
+/* The linear backward of 16-bit precisions, after the relu mask: dout
+ * rounded for the two products (dW summed in float32 into the gradient),
+ * the bias gradient from the float32 dout as in FP32. */
+static tdm_status tdm_layer_linear_backward_low(tdm_model *m, tdm_layer *l, const float *dout,
+                                                float *din, int B)
+{
+    tdm_device *d = m->dev;
+    tdm_dtype t = m->lev.adt;
+    TDM_CHECK(tdm_dev_convert(d, m->d16, t, dout, TDM_DTYPE_FLOAT32, (int64_t)B * l->oc));
+    TDM_CHECK(tdm_dev_gemm_rm_ex(d, TDM_TRANS_T, TDM_TRANS_N, l->oc, l->c, B, 1.0f, m->d16, l->oc,
+                                 l->in16, l->c, 1.0f, tdm_grad(m, l->p0), l->c, t));
+    TDM_CHECK(tdm_dev_gemm_rm(d, TDM_TRANS_N, TDM_TRANS_N, 1, l->oc, B, 1.0f, m->ones, dout, 1.0f,
+                              tdm_grad(m, l->p0 + 1)));
+    if (din)
+        TDM_CHECK(tdm_dev_gemm_rm_ex(d, TDM_TRANS_N, TDM_TRANS_N, B, l->c, l->oc, 1.0f, m->d16,
+                                     l->oc, tdm_model_wlow(m, l->p0), l->c, 0.0f, din, l->c, t));
+    return TDM_STATUS_OK;
+}
+
 static tdm_status tdm_layer_conv_backward(tdm_model *m, tdm_layer *l, const float *dout,
                                           float *din, int B)
 {
+    if (tdm_model_low(m)) return tdm_layer_conv_backward_low(m, l, dout, din, B);
     tdm_device *d = m->dev;
     int kk = l->c * l->k * l->k, per = l->oh * l->ow, np = B * per;
     int64_t in_plane = (int64_t)l->h * l->w;
@@ -113,10 +173,15 @@ static tdm_status tdm_layer_bn_forward(tdm_model *m, tdm_layer *l, const float *
     tdm_device *d = m->dev;
     int nc = c1 - c0;
     int64_t len = (int64_t)B * l->h * l->w, off = (int64_t)c0 * len;
-    if (m->train) TDM_CHECK(tdm_dev_bn_stats(d, x + off, nc, len, l->mean + c0, l->var + c0));
-    TDM_CHECK(tdm_dev_bn_prep(d, nc, l->mean + c0, l->var + c0, l->invstd + c0,
-                              tdm_buffer(m, l->b0) + c0, tdm_buffer(m, l->b0 + 1) + c0,
-                              TDM_BN_EPS, TDM_BN_MOMENTUM, len, m->train));
+    /* a checkpointed segment's forward again (models/recompute.c): the
+     * statistics of this batch are those its forward computed, and the
+     * running ones were updated then */
+    if (!m->lev.recomputing) {
+        if (m->train) TDM_CHECK(tdm_dev_bn_stats(d, x + off, nc, len, l->mean + c0, l->var + c0));
+        TDM_CHECK(tdm_dev_bn_prep(d, nc, l->mean + c0, l->var + c0, l->invstd + c0,
+                                  tdm_buffer(m, l->b0) + c0, tdm_buffer(m, l->b0 + 1) + c0,
+                                  TDM_BN_EPS, TDM_BN_MOMENTUM, len, m->train));
+    }
     TDM_CHECK(tdm_dev_bn_fwd(d, x + off, nc, len, l->mean + c0, l->invstd + c0,
                              tdm_param(m, l->p0) + c0, tdm_param(m, l->p0 + 1) + c0,
                              l->out + off));
@@ -166,7 +231,9 @@ int tdm_model_pair_fuses(const tdm_model *m, int i)
     const tdm_layer *bn = &m->layers[i], *pool = &m->layers[i + 1];
     /* on GPUs one kernel over all channels beats one per channel; a
      * SyncBatchNorm's statistics are all-reduced for all channels at once */
-    return tdm_dev_kind(m->dev) == TDM_DEVICE_HOST && bn->kind == TDM_LAYER_BN &&
+    /* in 16-bit precisions the batchnorm's output is rounded before the
+     * pooling reads it: one layer after the other */
+    return tdm_dev_kind(m->dev) == TDM_DEVICE_HOST && !tdm_model_low(m) && bn->kind == TDM_LAYER_BN &&
            pool->kind == TDM_LAYER_MAXPOOL && pool->c == bn->c && !(m->train && m->sync_bn);
 }
 
@@ -214,16 +281,22 @@ tdm_status tdm_model_layer_forward(tdm_model *m, tdm_layer *l, const float *x, i
     l->in = x;
     switch (l->kind) {
     case TDM_LAYER_LINEAR:
-        /* out (B, oc) = x (B, c) W^T, W (oc, c) */
-        TDM_CHECK(tdm_dev_gemm_rm(d, TDM_TRANS_N, TDM_TRANS_T, B, l->oc, l->c, 1.0f, x,
-                                  tdm_param(m, l->p0), 0.0f, l->out));
+        /* out (B, oc) = x (B, c) W^T, W (oc, c); in 16-bit precisions
+         * from the rounded input and weights */
+        if (tdm_model_low(m))
+            TDM_CHECK(tdm_dev_gemm_rm_ex(d, TDM_TRANS_N, TDM_TRANS_T, B, l->oc, l->c, 1.0f, l->in16,
+                                         l->c, tdm_model_wlow(m, l->p0), l->c, 0.0f, l->out, l->oc,
+                                         m->lev.adt));
+        else
+            TDM_CHECK(tdm_dev_gemm_rm(d, TDM_TRANS_N, TDM_TRANS_T, B, l->oc, l->c, 1.0f, x,
+                                      tdm_param(m, l->p0), 0.0f, l->out));
         return tdm_dev_bias_act(d, l->out, tdm_param(m, l->p0 + 1), B, l->oc,
                                 l->relu ? TDM_ACT_RELU : TDM_ACT_NONE);
     case TDM_LAYER_CONV:
         /* out (oc, B*oh*ow) = W (oc, c*k*k) col (c*k*k, B*oh*ow), by chunks */
         return tdm_layer_conv_forward(m, l, x, B);
     case TDM_LAYER_BN:
-        if (m->train && m->sync_bn) return tdm_syncbn_forward(m, l, x, B);
+        if (m->train && m->sync_bn && !m->lev.recomputing) return tdm_syncbn_forward(m, l, x, B);
         TDM_CHECK(tdm_layer_bn_check(m, l, B));
         return tdm_layer_bn_forward(m, l, x, B, 0, l->c);
     case TDM_LAYER_MAXPOOL:
@@ -248,6 +321,7 @@ tdm_status tdm_model_layer_backward(tdm_model *m, tdm_layer *l, float *dout, flo
     switch (l->kind) {
     case TDM_LAYER_LINEAR:
         if (l->relu) TDM_CHECK(tdm_dev_relu_bwd(d, dout, l->out, (int64_t)B * l->oc));
+        if (tdm_model_low(m)) return tdm_layer_linear_backward_low(m, l, dout, din, B);
         /* dW (oc, c) += dout^T (oc, B) x (B, c) */
         TDM_CHECK(tdm_dev_gemm_rm(d, TDM_TRANS_T, TDM_TRANS_N, l->oc, l->c, B, 1.0f, dout, l->in,
                                   1.0f, tdm_grad(m, l->p0)));

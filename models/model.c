@@ -5,7 +5,8 @@
  * what the parallel designs install on a model (hooks, views, borrowed
  * storage) is models/model_hooks.c; the softmax cross-entropy lives in
  * models/loss.c; the GPT in models/gpt.c (through tdm_model_vt); stages
- * (a run of the layers) and activation sets models/stage.c. Not
+ * (a run of the layers) and activation sets models/stage.c; accessors
+ * and memory accounting models/model_info.c. Not
  * here: optimizers (models/optim.c), checkpoints (models/checkpoint.c),
  * any parallelism. */
 #include "models/model_impl.h"
@@ -17,6 +18,7 @@
 
 #include "core/log.h"
 #include "core/rng.h"
+#include "models/recompute.h"
 
 /* ---- building ---- */
 
@@ -212,13 +214,46 @@ static tdm_status tdm_model_new(tdm_model **out, tdm_device *dev, const tdm_mode
     if (!m) return tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "cannot allocate a model");
     m->spec = *spec;
     m->dev = dev;
+    m->dev_kind = tdm_dev_kind(dev);
+    m->dev_threads = tdm_dev_threads(dev);
     m->train = 1;
     m->stage = (tdm_model_stage){.lo = lo, .hi = hi, .n = n, .tied = -1, .tied_source = -1,
                                  .input_grad = lo > 0};
     TDM_TRY(tdm_model_build_tables(m));
+    if (!m->vt) tdm_model_chain_units(m);
     if (lo > 0 || hi < n) TDM_TRY(tdm_model_stage_place(m));
     else m->stage.n_slice = m->n_params, m->stage.slice_elems = m->param_elems;
     TDM_TRY(tdm_model_alloc_state(m));
+    for (int i = 0; i < m->n_layers; i++) {
+        tdm_layer *l = &m->layers[i];
+        if (l->in_elems > m->max_elems) m->max_elems = l->in_elems;
+        if (l->out_elems > m->max_elems) m->max_elems = l->out_elems;
+    }
+    *out = m;
+    return TDM_STATUS_OK;
+fail:
+    tdm_model_free(m);
+    return st;
+}
+
+tdm_status tdm_model_skeleton(tdm_model **out, const tdm_model_spec *spec, tdm_device_kind kind,
+                              int threads)
+{
+    tdm_status st = TDM_STATUS_OK;
+    *out = NULL;
+    int n = 0;
+    TDM_CHECK(tdm_model_spec_n_layers(spec, &n));
+    tdm_model *m = calloc(1, sizeof *m);
+    if (!m) return tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "cannot allocate a model");
+    m->spec = *spec;
+    m->dev_kind = kind;
+    m->dev_threads = threads > 0 ? threads : 1;
+    m->train = 1;
+    m->stage = (tdm_model_stage){.lo = 0, .hi = n, .n = n, .tied = -1, .tied_source = -1};
+    TDM_TRY(tdm_model_build_tables(m));
+    m->stage.n_slice = m->n_params;
+    m->stage.slice_elems = m->param_elems;
+    if (!m->vt) tdm_model_chain_units(m);
     for (int i = 0; i < m->n_layers; i++) {
         tdm_layer *l = &m->layers[i];
         if (l->in_elems > m->max_elems) m->max_elems = l->in_elems;
@@ -342,6 +377,12 @@ tdm_status tdm_model_clone(tdm_model **out, const tdm_model *src, tdm_device *de
     }
     m->train = src->train;
     m->conv_chunk = src->conv_chunk;
+    st = tdm_model_set_precision(m, src->lev.prec);
+    if (st == TDM_STATUS_OK) st = tdm_model_set_checkpoint(m, src->lev.ckpt);
+    if (st != TDM_STATUS_OK) {
+        tdm_model_free(m);
+        return st;
+    }
     *out = m;
     return TDM_STATUS_OK;
 }
@@ -349,17 +390,21 @@ tdm_status tdm_model_clone(tdm_model **out, const tdm_model *src, tdm_device *de
 void tdm_model_free_set(tdm_model *m)
 {
     tdm_device *d = m->dev;
+    /* the outputs (or their 16-bit copies), winners, rounded input and
+     * arena, as the set's layout allocated them */
+    tdm_act_free(m, &m->act_set, &m->arena);
     for (int i = 0; i < m->n_layers; i++) {
         tdm_layer *l = &m->layers[i];
-        tdm_dev_free(d, l->out);
-        tdm_dev_free(d, l->argmax);
         tdm_dev_free(d, l->mean);
         tdm_dev_free(d, l->var);
         tdm_dev_free(d, l->invstd);
-        l->out = l->mean = l->var = l->invstd = NULL;
+        l->out = l->mean = l->var = l->invstd = NULL;   /* 16-bit precisions: pointed at f32s */
         l->argmax = NULL;
+        l->out16 = NULL;
         l->in = NULL;
+        l->in16 = NULL;
     }
+    m->x16 = NULL;
     m->act_bytes -= m->set_bytes;
     m->set_bytes = 0;
     m->cap = 0;
@@ -369,13 +414,12 @@ void tdm_model_free_set(tdm_model *m)
 void tdm_model_free_scratch(tdm_model *m)
 {
     tdm_device *d = m->dev;
+    (void)d;
     for (int i = 0; i < m->n_layers; i++) m->layers[i].chunk = 0;
-    tdm_dev_free(d, m->dbuf[0]);
-    tdm_dev_free(d, m->dbuf[1]);
-    tdm_dev_free(d, m->col);
-    tdm_dev_free(d, m->ones);
-    tdm_dev_free(d, m->dlogits);
+    tdm_act_free(m, &m->act_scratch, NULL);   /* dbuf, col, ones, dlogits, the 16-bit ones */
     m->dbuf[0] = m->dbuf[1] = m->col = m->ones = m->dlogits = NULL;
+    m->f32s[0] = m->f32s[1] = NULL;
+    m->d16 = m->col16 = NULL;
     m->scratch_cap = 0;
     m->act_bytes = m->set_bytes;
     m->input_grad = NULL;
@@ -404,6 +448,7 @@ void tdm_model_free(tdm_model *m)
     tdm_model_free_activations(m);
     tdm_model_free_sets(m);
     if (m->vt) m->vt->free_ext(m);
+    tdm_dev_free(m->dev, m->lev.wlow);
     tdm_dev_free(m->dev, m->params);
     tdm_dev_free(m->dev, m->grads_owned);
     tdm_dev_free(m->dev, m->buffers);
@@ -423,16 +468,16 @@ void tdm_model_free(tdm_model *m)
  * col within TDM_MODEL_CONV_CHUNK_BYTES per BLAS thread on a host device
  * (at least one image), and the whole batch on other devices, where one
  * large kernel beats many small ones and memory is not the limit. */
-static int tdm_model_conv_chunk(const tdm_model *m, const tdm_layer *l, int batch)
+int tdm_model_conv_chunk(const tdm_model *m, const tdm_layer *l, int batch)
 {
     size_t nb;
     if (m->conv_chunk > 0) {
         nb = (size_t)m->conv_chunk;
-    } else if (tdm_dev_kind(m->dev) != TDM_DEVICE_HOST) {
+    } else if (m->dev_kind != TDM_DEVICE_HOST) {
         nb = (size_t)batch;
     } else {
         size_t per_image = (size_t)l->c * l->k * l->k * l->oh * l->ow * sizeof(float);
-        nb = TDM_MODEL_CONV_CHUNK_BYTES * (size_t)tdm_dev_threads(m->dev) / per_image;
+        nb = TDM_MODEL_CONV_CHUNK_BYTES * (size_t)m->dev_threads / per_image;
         if (nb < 1) nb = 1;
     }
     return nb < (size_t)batch ? (int)nb : batch;
@@ -448,26 +493,22 @@ static tdm_status tdm_model_reserve_scratch(tdm_model *m, int batch)
     if (batch <= m->scratch_cap) return TDM_STATUS_OK;
     tdm_status st = TDM_STATUS_OK;
     tdm_device *d = m->dev;
+    tdm_act_layout *set = NULL, *scr = NULL;
+    size_t bytes = 0;
     tdm_model_free_scratch(m);
-    size_t bytes = 0, nb, col_max = 0;
     for (int i = 0; i < m->n_layers; i++) {
         tdm_layer *l = &m->layers[i];
-        if (l->kind != TDM_LAYER_CONV) continue;
-        l->chunk = tdm_model_conv_chunk(m, l, batch);
-        nb = (size_t)l->c * l->k * l->k * (size_t)l->chunk * l->oh * l->ow * sizeof(float);
-        if (nb > col_max) col_max = nb;
+        if (l->kind == TDM_LAYER_CONV) l->chunk = tdm_model_conv_chunk(m, l, batch);
     }
-    nb = (size_t)batch * (size_t)m->max_elems * sizeof(float);
-    TDM_TRY(tdm_dev_alloc(d, nb, (void **)&m->dbuf[0]));
-    TDM_TRY(tdm_dev_alloc(d, nb, (void **)&m->dbuf[1]));
-    bytes += 2 * nb;
-    if (col_max) {
-        TDM_TRY(tdm_dev_alloc(d, col_max, (void **)&m->col));
-        bytes += col_max;
+    set = malloc(sizeof *set);
+    scr = malloc(sizeof *scr);
+    if (!set || !scr) {
+        st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "cannot allocate an activation layout");
+        goto fail;
     }
-    nb = (size_t)batch * sizeof(float);
-    TDM_TRY(tdm_dev_alloc(d, nb, (void **)&m->ones));
-    bytes += nb;
+    tdm_model_chain_layout(m, batch, set, scr);
+    TDM_TRY(tdm_act_alloc(m, scr, &m->act_scratch, NULL, &bytes));
+    size_t nb = (size_t)batch * sizeof(float);
     {
         float *h = malloc(nb);
         if (!h) {
@@ -479,111 +520,68 @@ static tdm_status tdm_model_reserve_scratch(tdm_model *m, int batch)
         free(h);
         TDM_TRY(st);
     }
-    if (m->stage.hi == m->stage.n) {   /* the loss gradient: only where the logits are */
-        nb = (size_t)batch * (size_t)tdm_model_n_classes(m) * sizeof(float);
-        TDM_TRY(tdm_dev_alloc(d, nb, (void **)&m->dlogits));
-        bytes += nb;
-    }
+    free(set);
+    free(scr);
     m->scratch_cap = batch;
     m->act_bytes = m->set_bytes + bytes;
     return TDM_STATUS_OK;
 fail:
+    free(set);
+    free(scr);
     tdm_model_free_scratch(m);
     return st;
 }
 
-/* Grows the current set's activations to hold `batch` samples, and the
- * scratch. */
+/* Grows the current set's activations to hold `batch` samples (the set's
+ * part of the layout: models/recompute.c), and the scratch. */
 static tdm_status tdm_model_reserve(tdm_model *m, int batch)
 {
     TDM_CHECK(tdm_model_reserve_scratch(m, batch));
     TDM_CHECK(tdm_model_bn_stats(m));
     if (batch <= m->cap) return TDM_STATUS_OK;
     tdm_status st = TDM_STATUS_OK;
-    tdm_device *d = m->dev;
+    tdm_act_layout *set = NULL, *scr = NULL;
     tdm_model_free_set(m);
     TDM_TRY(tdm_model_bn_stats(m));
-    size_t bytes = 0, nb;
-    for (int i = 0; i < m->n_layers; i++) {
-        tdm_layer *l = &m->layers[i];
-        nb = (size_t)batch * (size_t)l->out_elems * sizeof(float);
-        TDM_TRY(tdm_dev_alloc(d, nb, (void **)&l->out));
-        bytes += nb;
-        if (l->kind == TDM_LAYER_MAXPOOL) {
-            nb = (size_t)batch * (size_t)l->out_elems * sizeof(int32_t);
-            TDM_TRY(tdm_dev_alloc(d, nb, (void **)&l->argmax));
-            bytes += nb;
-        }
-        if (l->kind == TDM_LAYER_BN) bytes += 3 * (size_t)l->c * sizeof(float);
+    set = malloc(sizeof *set);
+    scr = malloc(sizeof *scr);
+    if (!set || !scr) {
+        st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "cannot allocate an activation layout");
+        goto fail;
     }
+    tdm_model_chain_layout(m, batch, set, scr);
+    size_t bytes = 0;
+    TDM_TRY(tdm_act_alloc(m, set, &m->act_set, &m->arena, &bytes));
+    for (int i = 0; i < m->n_layers; i++)
+        if (m->layers[i].kind == TDM_LAYER_BN) bytes += 3 * (size_t)m->layers[i].c * sizeof(float);
+    free(set);
+    free(scr);
     m->cap = batch;
     m->set_bytes = bytes;
     m->act_bytes += bytes;
     return TDM_STATUS_OK;
 fail:
+    free(set);
+    free(scr);
     tdm_model_free_set(m);
     return st;
 }
 
-/* ---- accessors ---- */
+void tdm_model_drop_activations(tdm_model *m)
+{
+    tdm_model_free_activations(m);
+    m->batch = 0;
+}
 
-const tdm_model_spec *tdm_model_get_spec(const tdm_model *m) { return &m->spec; }
-tdm_device *tdm_model_device(const tdm_model *m) { return m->dev; }
-int tdm_model_in_features(const tdm_model *m)
+/* 16-bit precisions: the forward's outputs go to the scratch's ping-pong
+ * buffers (bound at each pass: the scratch may have grown since). */
+static void tdm_model_bind_low(tdm_model *m)
 {
-    if (m->stage.lo > 0) return (int)tdm_model_stage_in_elems(m);
-    if (m->spec.kind == TDM_MODEL_GPT) return m->spec.n_ctx;
-    return m->spec.kind == TDM_MODEL_MLP ? m->spec.dims[0]
-                                         : m->spec.in_c * m->spec.in_h * m->spec.in_w;
+    if (!tdm_model_low(m)) return;
+    for (int i = 0; i + 1 < m->n_layers; i++) m->layers[i].out = m->f32s[i & 1];
 }
-tdm_model_input tdm_model_input_dtype(const tdm_model *m)
-{
-    return m->spec.kind == TDM_MODEL_GPT && m->stage.lo == 0 ? TDM_MODEL_INPUT_TOKENS
-                                                             : TDM_MODEL_INPUT_F32;
-}
-int tdm_model_n_classes(const tdm_model *m)
-{
-    if (m->spec.kind == TDM_MODEL_GPT) return m->spec.vocab;
-    return m->spec.kind == TDM_MODEL_MLP ? m->spec.dims[m->spec.ndims - 1] : m->spec.n_classes;
-}
-int tdm_model_out_rows(const tdm_model *m)
-{
-    return m->spec.kind == TDM_MODEL_GPT ? m->spec.n_ctx : 1;
-}
-int tdm_model_n_params(const tdm_model *m) { return m->n_params; }
-const tdm_tensor_info *tdm_model_param_info(const tdm_model *m, int i)
-{
-    return i >= 0 && i < m->n_params ? &m->params_info[i] : NULL;
-}
-int tdm_model_n_buffers(const tdm_model *m) { return m->n_buffers; }
-const tdm_tensor_info *tdm_model_buffer_info(const tdm_model *m, int i)
-{
-    return i >= 0 && i < m->n_buffers ? &m->buffers_info[i] : NULL;
-}
-int tdm_model_n_layers(const tdm_model *m) { return m->n_layers; }
-void tdm_model_layer_params(const tdm_model *m, int layer, int *first, int *last)
-{
-    const tdm_layer *l = &m->layers[layer];
-    *first = l->p0;
-    *last = l->p0 + l->np - 1;
-}
-float *tdm_model_params(tdm_model *m) { return m->params; }
-float *tdm_model_grads(tdm_model *m) { return m->grads; }
-float *tdm_model_buffers(tdm_model *m) { return m->buffers; }
-int64_t tdm_model_param_elems(const tdm_model *m) { return m->param_elems; }
-int64_t tdm_model_buffer_elems(const tdm_model *m) { return m->buffer_elems; }
-void tdm_model_set_train(tdm_model *m, int train) { m->train = train != 0; }
-int tdm_model_is_train(const tdm_model *m) { return m->train; }
-tdm_status tdm_model_set_backward_stop(tdm_model *m, int layer)
-{
-    TDM_REQUIRE(layer >= 0 && layer <= m->n_layers, TDM_STATUS_INVALID_ARG,
-                "backward stop: layer %d out of range 0..%d", layer, m->n_layers);
-    TDM_REQUIRE(!m->vt || layer == 0, TDM_STATUS_INVALID_ARG,
-                "backward stop: not supported by this model (its backward is not a chain of "
-                "layers)");
-    m->bwd_stop = layer;
-    return TDM_STATUS_OK;
-}
+
+/* ---- settings ---- */
 
 tdm_status tdm_model_set_conv_chunk(tdm_model *m, int images)
 {
@@ -599,98 +597,6 @@ tdm_status tdm_model_set_conv_chunk(tdm_model *m, int images)
     return TDM_STATUS_OK;
 }
 
-/* What tdm_model_reserve allocates for `batch` samples (model.c's layers):
- * the same sums, without allocating. */
-static size_t tdm_model_layers_act_bytes(const tdm_model *m, int batch)
-{
-    size_t bytes = 0, col_max = 0;
-    for (int i = 0; i < m->n_layers; i++) {
-        const tdm_layer *l = &m->layers[i];
-        bytes += (size_t)batch * (size_t)l->out_elems * sizeof(float);
-        if (l->kind == TDM_LAYER_CONV) {
-            size_t nb = (size_t)l->c * l->k * l->k * (size_t)tdm_model_conv_chunk(m, l, batch) *
-                        l->oh * l->ow * sizeof(float);
-            if (nb > col_max) col_max = nb;
-        } else if (l->kind == TDM_LAYER_MAXPOOL) {
-            bytes += (size_t)batch * (size_t)l->out_elems * sizeof(int32_t);
-        } else if (l->kind == TDM_LAYER_BN) {
-            bytes += 3 * (size_t)l->c * sizeof(float);   /* the set's mean, var, invstd */
-        }
-    }
-    bytes += 2 * (size_t)batch * (size_t)m->max_elems * sizeof(float) + col_max;
-    bytes += (size_t)batch * (size_t)tdm_model_n_classes(m) * sizeof(float) +
-             (size_t)batch * sizeof(float);   /* dlogits, ones */
-    return bytes;
-}
-
-tdm_status tdm_model_spec_footprint(const tdm_model_spec *spec, tdm_device *dev, int batch,
-                                    tdm_model_footprint *out)
-{
-    tdm_status st = TDM_STATUS_OK;
-    memset(out, 0, sizeof *out);
-    TDM_REQUIRE(spec && dev && batch >= 1, TDM_STATUS_INVALID_ARG,
-                "model footprint: a spec, a device and a batch >= 1");
-    /* the layers and the tensor table only: tdm_model_build allocates no
-     * parameters, gradients or activations */
-    tdm_model *m = calloc(1, sizeof *m);
-    if (!m) return tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "cannot allocate a model");
-    m->spec = *spec;
-    m->dev = dev;
-    m->train = 1;
-    int n = 0;
-    TDM_TRY(tdm_model_spec_n_layers(spec, &n));
-    /* the whole model: every pipeline layer, as tdm_model_new makes it */
-    m->stage = (tdm_model_stage){.lo = 0, .hi = n, .n = n, .tied = -1, .tied_source = -1};
-    TDM_TRY(tdm_model_build(m));
-    for (int i = 0; i < m->n_layers; i++) {
-        const tdm_layer *l = &m->layers[i];
-        if (l->in_elems > m->max_elems) m->max_elems = l->in_elems;
-        if (l->out_elems > m->max_elems) m->max_elems = l->out_elems;
-    }
-    for (int p = 0; p < m->n_params; p++)
-        if (m->params_info[p].n_elem > out->largest_param_elems)
-            out->largest_param_elems = m->params_info[p].n_elem;
-    out->param_elems = m->param_elems;
-    out->buffer_elems = m->buffer_elems;
-    out->act_bytes = spec->kind == TDM_MODEL_GPT ? tdm_gpt_act_bytes(m, batch)
-                                                 : tdm_model_layers_act_bytes(m, batch);
-fail:
-    tdm_model_free(m);
-    return st;
-}
-
-void tdm_model_get_memory(const tdm_model *m, tdm_model_memory *out)
-{
-    out->params = m->released ? 0 : (size_t)m->param_elems * sizeof(float);
-    out->grads = out->params;
-    out->buffers = (size_t)m->buffer_elems * sizeof(float);
-    size_t sets = 0, scratch = 0;
-    tdm_model_act_bytes(m, &sets, &scratch);
-    out->activations = sets + scratch;
-}
-
-void tdm_model_gemm_flops(const tdm_model *m, double *fwd, double *bwd)
-{
-    if (m->vt) {
-        m->vt->gemm_flops(m, fwd, bwd);
-        return;
-    }
-    double f = 0.0, b = 0.0;
-    int first = 1;
-    for (int i = 0; i < m->n_layers; i++) {
-        const tdm_layer *l = &m->layers[i];
-        double macs;
-        if (l->kind == TDM_LAYER_LINEAR) macs = (double)l->c * l->oc;
-        else if (l->kind == TDM_LAYER_CONV) macs = (double)l->oc * l->c * l->k * l->k * l->oh * l->ow;
-        else continue;
-        f += 2.0 * macs;
-        b += 2.0 * macs * (first ? 1.0 : 2.0);
-        first = 0;
-    }
-    *fwd = f;
-    *bwd = b;
-}
-
 /* ---- forward ---- */
 
 tdm_status tdm_model_forward(tdm_model *m, const void *x, int batch, const float **logits)
@@ -702,23 +608,65 @@ tdm_status tdm_model_forward(tdm_model *m, const void *x, int batch, const float
     m->batch = 0;
     if (m->vt) return m->vt->forward(m, x, batch, logits);
     TDM_CHECK(tdm_model_reserve(m, batch));
+    tdm_model_bind_low(m);
     const float *cur = x;
-    for (int i = 0; i < m->n_layers; i++) {
+    if (tdm_model_low(m)) {
+        /* the input rounded as every activation is; layer 0 reads it
+         * from the ping-pong buffer before its own output's */
+        int64_t n = (int64_t)batch * m->layers[0].in_elems;
+        TDM_CHECK(tdm_dev_convert(m->dev, m->x16, m->lev.adt, x, TDM_DTYPE_FLOAT32, n));
+        TDM_CHECK(tdm_dev_convert(m->dev, m->f32s[1], TDM_DTYPE_FLOAT32, m->x16, m->lev.adt, n));
+        cur = m->f32s[1];
+    }
+    TDM_CHECK(tdm_model_run_layers(m, 0, m->n_layers - 1, cur, batch));
+    m->batch = batch;
+    if (logits) *logits = m->layers[m->n_layers - 1].out;
+    return TDM_STATUS_OK;
+}
+
+tdm_status tdm_model_run_layers(tdm_model *m, int first, int last, const float *cur, int batch)
+{
+    int low = tdm_model_low(m);
+    for (int i = first; i <= last; i++) {
         tdm_layer *l = &m->layers[i];
-        if (l->np > 0)
+        if (l->np > 0 && !m->lev.recomputing) {
             TDM_CHECK(tdm_model_raise_use(m, TDM_MODEL_USE_FORWARD, l->p0, l->p0 + l->np - 1));
-        if (tdm_model_pair_fuses(m, i)) {
+            TDM_CHECK(tdm_model_cast_params(m, l->p0, l->p0 + l->np - 1));
+        }
+        if (i < last && tdm_model_pair_fuses(m, i)) {
             /* the pooling has no parameters: no use event of its own */
             TDM_CHECK(tdm_model_pair_forward(m, l, l + 1, cur, batch));
             cur = (++l)->out;
             i++;
             continue;
         }
+        if (low) l->in16 = i == 0 ? m->x16 : m->layers[i - 1].out16;
         TDM_CHECK(tdm_model_layer_forward(m, l, cur, batch));
+        if (low && i + 1 < m->n_layers)
+            TDM_CHECK(tdm_model_round(m, l->out, l->out16, (int64_t)batch * l->out_elems));
         cur = l->out;
     }
-    m->batch = batch;
-    if (logits) *logits = cur;
+    return TDM_STATUS_OK;
+}
+
+/* 16-bit precisions: before layer i's backward, the float32 values its
+ * forward read and wrote, widened from what it kept, back in the buffers
+ * its forward used (l->in: the other ping-pong buffer; l->out: its own),
+ * where the layer kinds that read them look. */
+static tdm_status tdm_model_restore_low(tdm_model *m, int i, int B)
+{
+    tdm_layer *l = &m->layers[i];
+    int need_in = l->kind == TDM_LAYER_CONV || l->kind == TDM_LAYER_BN;
+    int need_out = i + 1 < m->n_layers && (l->relu || l->kind == TDM_LAYER_BN);
+    if (need_in) {
+        float *x = m->f32s[(i + 1) & 1];
+        TDM_CHECK(tdm_dev_convert(m->dev, x, TDM_DTYPE_FLOAT32, l->in16, m->lev.adt,
+                                  (int64_t)B * l->in_elems));
+        l->in = x;
+    }
+    if (need_out)
+        TDM_CHECK(tdm_dev_convert(m->dev, l->out, TDM_DTYPE_FLOAT32, l->out16, m->lev.adt,
+                                  (int64_t)B * l->out_elems));
     return TDM_STATUS_OK;
 }
 
@@ -733,6 +681,7 @@ tdm_status tdm_model_backward(tdm_model *m, const float *dlogits)
     tdm_device *d = m->dev;
     int cur = 0;
     m->input_grad = NULL;
+    tdm_model_bind_low(m);
     TDM_CHECK(tdm_dev_copy(d, m->dbuf[0], dlogits,
                            (size_t)B * (size_t)m->layers[m->n_layers - 1].out_elems *
                                sizeof(float)));
@@ -754,6 +703,7 @@ tdm_status tdm_model_backward(tdm_model *m, const float *dlogits)
             tdm_layer *bn = l - 1;
             float *bn_din = i - 1 > first ? m->dbuf[cur] : NULL;
             TDM_CHECK(tdm_model_raise_use(m, TDM_MODEL_USE_BACKWARD, bn->p0, bn->p0 + bn->np - 1));
+            if (l->seg_last && m->lev.ckpt > 0) TDM_CHECK(tdm_model_chain_recompute(m, i, B));
             TDM_CHECK(tdm_model_pair_backward(m, bn, l, m->dbuf[cur], din, bn_din, B));
             if (m->hook) m->hook(m->hook_ctx, m, bn->p0, bn->p0 + bn->np - 1);
             i--;
@@ -761,6 +711,8 @@ tdm_status tdm_model_backward(tdm_model *m, const float *dlogits)
         }
         if (l->np > 0)
             TDM_CHECK(tdm_model_raise_use(m, TDM_MODEL_USE_BACKWARD, l->p0, l->p0 + l->np - 1));
+        if (l->seg_last && m->lev.ckpt > 0) TDM_CHECK(tdm_model_chain_recompute(m, i, B));
+        if (tdm_model_low(m)) TDM_CHECK(tdm_model_restore_low(m, i, B));
         TDM_CHECK(tdm_model_layer_backward(m, l, m->dbuf[cur], din, B));
         if (l->np > 0 && m->hook) m->hook(m->hook_ctx, m, l->p0, l->p0 + l->np - 1);
         cur = 1 - cur;

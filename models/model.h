@@ -323,6 +323,7 @@ tdm_status tdm_model_spec_footprint(const tdm_model_spec *spec, tdm_device *dev,
 /* Bytes held per kind (for memory reports). */
 typedef struct tdm_model_memory {
     size_t params, grads, buffers, activations;
+    size_t params_low;   /* 16-bit precisions: the weights' 16-bit copy (models/precision.h) */
 } tdm_model_memory;
 void tdm_model_get_memory(const tdm_model *m, tdm_model_memory *out);
 

@@ -8,6 +8,7 @@
 #define TDM_MODELS_MODEL_IMPL_H
 
 #include "models/model.h"
+#include "models/precision.h"
 #include "models/stage.h"
 
 /* A GPT with L blocks has 12 L + 4 parameter tensors and 6 L + 3 logical
@@ -41,7 +42,14 @@ typedef struct tdm_layer {
     int32_t *argmax;        /* maxpool */
     float *mean, *var, *invstd; /* bn, per channel */
     const float *in;        /* input of the last forward (borrowed) */
+    /* the memory levers (models/precision.c, models/recompute.c) */
+    int unit;               /* checkpoint unit (tdm_model_layer_unit), -1: none */
+    int seg_last;           /* 1: the last layer of its checkpoint segment (keeps its output) */
+    const void *in16;       /* 16-bit precisions: the input as kept (borrowed) */
+    void *out16;            /* 16-bit precisions: the output as kept (not the last layer's) */
 } tdm_layer;
+
+struct tdm_act_layout;   /* models/recompute.c's, below */
 
 /* What a model kind that is not a list of model.c's layers supplies
  * (the GPT). model.c keeps the tables, flat buffers, gradient storage,
@@ -66,6 +74,10 @@ typedef struct tdm_model_vt {
     tdm_status (*select_set)(tdm_model *m, int k);
     /* Bytes of every activation set, and of the shared scratch. */
     void (*act_bytes)(const tdm_model *m, size_t *sets, size_t *scratch);
+    /* The buffers of one activation set and of the shared scratch for
+     * `batch` (models/recompute.c's layout; what the planner sums). */
+    void (*layout)(tdm_model *m, int batch, struct tdm_act_layout *set,
+                   struct tdm_act_layout *scratch);
 } tdm_model_vt;
 
 /* A model is pipeline layers [lo, hi) of its spec's n (models/stage.h);
@@ -86,7 +98,9 @@ typedef struct tdm_model_stage {
 struct tdm_model {
     tdm_model_spec spec;
     tdm_model_stage stage;
-    tdm_device *dev;        /* borrowed */
+    tdm_device *dev;        /* borrowed; NULL in a skeleton (models/plan.c) */
+    tdm_device_kind dev_kind;  /* the device's kind and threads (a skeleton's: as planned) */
+    int dev_threads;
     const tdm_model_vt *vt; /* NULL: model.c's layers */
     void *ext;              /* the vt's state */
     int n_layers;
@@ -109,6 +123,17 @@ struct tdm_model {
     int released;           /* tdm_model_release_storage: params and grads_owned freed */
     tdm_model_allsum_fn sync_bn;   /* SyncBatchNorm: sums batch statistics over replicas */
     void *sync_bn_ctx;
+    /* the memory levers: precision (models/precision.c) and activation
+     * checkpointing (models/recompute.c) */
+    struct {
+        tdm_precision prec;
+        tdm_dtype adt;      /* activations and product inputs: float32 or the 16-bit type */
+        void *wlow;         /* product weights in adt, param_elems (same offsets), cast at
+                               each forward use of their layer; NULL in FP32 */
+        int ckpt;           /* 0: every activation kept; N: segments of N units */
+        int n_units;
+        int recomputing;    /* a segment's forward again, inside backward */
+    } lev;
     /* activations */
     int cap;                /* samples the activations hold */
     int batch;              /* batch of the last forward */
@@ -129,6 +154,16 @@ struct tdm_model {
     int set, n_sets;
     void *sets;
     const float *input_grad;   /* the last backward's input gradient (stage.input_grad) */
+    /* the layer chain's buffers for 16-bit precisions and checkpointing
+     * (models/recompute.c's layouts) */
+    float *f32s[2];         /* scratch: forward's outputs, ping-pong, before and after
+                               rounding; backward: kept 16-bit tensors widened */
+    void *d16;              /* scratch: an output gradient rounded for a product */
+    void *col16;            /* scratch: a conv chunk's col, rounded */
+    struct tdm_act_layout *act_scratch;   /* what reserve_scratch allocated */
+    void *x16;              /* the current set's: the input, rounded (in16 of layer 0) */
+    void *arena;            /* the current set's: one checkpoint segment's inner activations */
+    struct tdm_act_layout *act_set;       /* what the current set's reserve allocated */
 };
 
 /* Parameter i's values and gradient: its view, else its place in the flat
@@ -212,6 +247,79 @@ tdm_status tdm_model_stage_place(tdm_model *m);
 int tdm_model_global_param(const tdm_model *m, int i);
 /* Frees every set but the current, and the set table. */
 void tdm_model_free_sets(tdm_model *m);
+
+/* models/precision.c: the 16-bit copy of parameters first..last that
+ * products read (those of the layer's weights: every tensor of two or more
+ * dimensions), from their current values (views included). No-op in FP32. */
+tdm_status tdm_model_cast_params(tdm_model *m, int first, int last);
+/* Parameter i's 16-bit copy (lev.wlow + its offset). */
+static inline void *tdm_model_wlow(const tdm_model *m, int i)
+{
+    return (char *)m->lev.wlow + (size_t)m->params_info[i].offset * tdm_dtype_size(m->lev.adt);
+}
+/* 1 in BF16 and FP16. */
+static inline int tdm_model_low(const tdm_model *m) { return m->lev.adt != TDM_DTYPE_FLOAT32; }
+/* Rounds n floats of x to the activation type into dst, then x to the
+ * rounded values (the next reader sees what backward will). */
+tdm_status tdm_model_round(tdm_model *m, float *x, void *dst, int64_t n);
+
+/* models/recompute.c: a model's activation buffers for a batch
+ * (precision and checkpointing included) as lists - one activation set's,
+ * and the shared scratch's - which reserve allocates and models/plan.c
+ * sums without allocating. */
+#define TDM_ACT_MAX_BUFS 1024
+typedef struct tdm_act_buf {
+    void **ptr;             /* where the allocation goes (only written when allocating:
+                               a GPT set's fields move when the set table grows) */
+    void *got;              /* what was allocated (own allocations; tdm_act_free frees it) */
+    size_t nbytes;
+    int layer;              /* the layer it belongs to, -1: the model's scratch */
+    int64_t arena_off;      /* >= 0: carved from the arena at this byte offset, no allocation */
+} tdm_act_buf;
+typedef struct tdm_act_layout {
+    int n;
+    tdm_act_buf b[TDM_ACT_MAX_BUFS];
+    size_t arena_bytes;     /* checkpointing: the shared segment buffer (0: none) */
+} tdm_act_layout;
+/* Appends a buffer: its own allocation, or (arena: 1) a slot of the
+ * arena at the next 64-byte boundary of *arena_off. */
+void tdm_act_add(tdm_act_layout *lay, void **ptr, size_t nbytes, int layer, int arena,
+                 size_t *arena_off);
+/* The MLP/CNN chain's layouts for `batch` samples: one set's (outputs or
+ * their 16-bit copies, the pooling's winners, the rounded input, the
+ * arena) and the scratch's (gradient ping-pong, col, ones, dlogits, and
+ * the 16-bit precisions' working buffers). The conv chunks must be set. */
+void tdm_model_chain_layout(tdm_model *m, int batch, tdm_act_layout *set,
+                            tdm_act_layout *scratch);
+/* Allocates a layout (its arena once, the slots carved out) and keeps
+ * the table in *keep (freed through it), the arena in *arena (may be
+ * NULL when the layout has none); *bytes gets what was allocated. On
+ * failure what was allocated stays for tdm_act_free. */
+tdm_status tdm_act_alloc(tdm_model *m, const tdm_act_layout *lay, tdm_act_layout **keep,
+                         void **arena, size_t *bytes);
+/* Frees what tdm_act_alloc allocated into *keep and *arena (NULL ok).
+ * The pointers it set are the caller's to clear. */
+void tdm_act_free(tdm_model *m, tdm_act_layout **keep, void **arena);
+/* Sets unit and seg_last of every layer of the chain (MLP, CNN) from
+ * lev.ckpt. */
+void tdm_model_chain_units(tdm_model *m);
+/* Backward of the chain reaches layer i, the last of a checkpointed
+ * segment: runs the segment's forward again (its input kept). */
+tdm_status tdm_model_chain_recompute(tdm_model *m, int i, int batch);
+
+/* models/model.c: a model's layers, tables and units without a device or
+ * memory, for planning (models/plan.c): the whole model, as if on a
+ * device of `kind` with `threads` BLAS threads. Free with tdm_model_free. */
+tdm_status tdm_model_skeleton(tdm_model **out, const tdm_model_spec *spec, tdm_device_kind kind,
+                              int threads);
+/* Images per chunk of conv layer l at `batch` (tdm_model_set_conv_chunk). */
+int tdm_model_conv_chunk(const tdm_model *m, const tdm_layer *l, int batch);
+/* Forward through layers first..last of the chain from x (float32; in
+ * 16-bit precisions the rounded values), with use events and weight
+ * casts unless lev.recomputing. */
+tdm_status tdm_model_run_layers(tdm_model *m, int first, int last, const float *x, int batch);
+/* Frees the activations (they are reserved again by the next forward). */
+void tdm_model_drop_activations(tdm_model *m);
 
 /* models/gpt.c */
 tdm_status tdm_gpt_spec_parse(tdm_model_spec *s, const char *text);

@@ -1,6 +1,7 @@
 /* models/optim.c: SGD and AdamW as one fused device loop each over the
  * model's whole flat parameter buffer (padding included: its gradient is
- * zero, so padding stays zero under SGD and AdamW alike). */
+ * zero, so padding stays zero under SGD and AdamW alike), on the model's
+ * device or, offloaded, on a host device of the optimizer's own. */
 #include "models/optim.h"
 
 #include <inttypes.h>
@@ -18,7 +19,12 @@ struct tdm_optim {
     double base_lr;          /* COSINE: the rate at step 0 */
     int64_t total_steps;     /* COSINE: where the rate reaches 0 */
     int n_state;
-    float *state[2];
+    float *state[2];        /* on sdev */
+    /* ZeRO-Offload (opts.offload): the state, the update and the staged
+     * parameters and gradients of a range live on a host device */
+    tdm_device *sdev;       /* borrowed dev, or owned: the host device of an offload */
+    float *h_param, *h_grad; /* staging on sdev, h_elems each */
+    int64_t h_elems;
 };
 
 void tdm_optim_opts_default(tdm_optim_opts *o, tdm_optim_kind kind)
@@ -51,6 +57,8 @@ static tdm_status tdm_optim_check(const tdm_optim_opts *o)
 {
     TDM_REQUIRE(o->kind == TDM_OPTIM_SGD || o->kind == TDM_OPTIM_ADAMW, TDM_STATUS_INVALID_ARG,
                 "unknown optimizer kind %d", (int)o->kind);
+    TDM_REQUIRE(o->offload == TDM_OPTIM_OFFLOAD_NONE || o->offload == TDM_OPTIM_OFFLOAD_HOST,
+                TDM_STATUS_INVALID_ARG, "unknown optimizer offload %d", (int)o->offload);
     TDM_REQUIRE(isfinite(o->lr) && o->lr >= 0.0f, TDM_STATUS_INVALID_ARG,
                 "learning rate %g must be finite and >= 0", (double)o->lr);
     TDM_REQUIRE(isfinite(o->weight_decay) && o->weight_decay >= 0.0f, TDM_STATUS_INVALID_ARG,
@@ -92,18 +100,28 @@ static tdm_status tdm_optim_new(tdm_optim **out, tdm_model *m, tdm_device *d, in
     o->opts = *opts;
     o->model = m;
     o->dev = d;
+    o->sdev = d;
     o->n_elem = n_elem;
     o->n_state = tdm_optim_kind_n_state(opts);
-    size_t nb = (size_t)(n_elem > 0 ? n_elem : 1) * sizeof(float);
-    for (int i = 0; i < o->n_state; i++) {
-        tdm_status st = tdm_dev_alloc_zero(d, nb, (void **)&o->state[i]);
-        if (st != TDM_STATUS_OK) {
-            tdm_optim_free(o);
-            return st;
+    tdm_status st = TDM_STATUS_OK;
+    if (opts->offload == TDM_OPTIM_OFFLOAD_HOST) {
+        o->sdev = NULL;
+        if (tdm_dev_kind(d) == TDM_DEVICE_HOST) {
+            st = tdm_error_set(TDM_STATUS_INVALID_ARG,
+                               "optimizer offload: %s's memory is host memory already; offload "
+                               "is for accelerators (cuda)", tdm_dev_name(d));
+            goto fail;
         }
+        TDM_TRY(tdm_device_open(&o->sdev, "cpu", 0, 1));
     }
+    size_t nb = (size_t)(n_elem > 0 ? n_elem : 1) * sizeof(float);
+    for (int i = 0; i < o->n_state; i++)
+        TDM_TRY(tdm_dev_alloc_zero(o->sdev, nb, (void **)&o->state[i]));
     *out = o;
     return TDM_STATUS_OK;
+fail:
+    tdm_optim_free(o);
+    return st;
 }
 
 tdm_status tdm_optim_init(tdm_optim **out, tdm_model *m, const tdm_optim_opts *opts)
@@ -131,7 +149,12 @@ tdm_status tdm_sgd_init(tdm_optim **out, tdm_model *m, float lr, float momentum)
 void tdm_optim_free(tdm_optim *o)
 {
     if (!o) return;
-    for (int i = 0; i < o->n_state; i++) tdm_dev_free(o->dev, o->state[i]);
+    if (o->sdev) {
+        for (int i = 0; i < o->n_state; i++) tdm_dev_free(o->sdev, o->state[i]);
+        tdm_dev_free(o->sdev, o->h_param);
+        tdm_dev_free(o->sdev, o->h_grad);
+    }
+    if (o->sdev != o->dev) tdm_device_free(o->sdev);
     free(o);
 }
 
@@ -145,10 +168,11 @@ static void tdm_optim_apply_schedule(tdm_optim *o)
     o->opts.lr = (float)(o->base_lr * 0.5 * (1.0 + cos(M_PI * t)));
 }
 
-/* The update of one range, at step count o->steps (not counted here). */
-static tdm_status tdm_optim_update(tdm_optim *o, const tdm_optim_range *r)
+/* The update of one range, at step count o->steps (not counted here),
+ * on the state's device. */
+static tdm_status tdm_optim_update_on(tdm_optim *o, const tdm_optim_range *r)
 {
-    tdm_device *d = o->dev;
+    tdm_device *d = o->sdev;
     const tdm_optim_opts *p = &o->opts;
     if (r->n_elem == 0) return TDM_STATUS_OK;
     float *s0 = o->n_state > 0 ? o->state[0] + r->state_offset : NULL;
@@ -160,6 +184,30 @@ static tdm_status tdm_optim_update(tdm_optim *o, const tdm_optim_range *r)
     float bc2 = (float)(1.0 - pow(p->beta2, t));
     return tdm_dev_adamw_step(d, r->n_elem, r->param, r->grad, s0, o->state[1] + r->state_offset,
                               p->lr, p->beta1, p->beta2, p->eps, p->weight_decay, bc1, bc2);
+}
+
+/* ZeRO-Offload's step of one range: gradients and parameters down to
+ * host staging, the update there, parameters back up. */
+static tdm_status tdm_optim_update(tdm_optim *o, const tdm_optim_range *r)
+{
+    if (o->sdev == o->dev) return tdm_optim_update_on(o, r);
+    if (r->n_elem == 0) return TDM_STATUS_OK;
+    size_t nb = (size_t)r->n_elem * sizeof(float);
+    if (r->n_elem > o->h_elems) {
+        tdm_dev_free(o->sdev, o->h_param);
+        tdm_dev_free(o->sdev, o->h_grad);
+        o->h_param = o->h_grad = NULL;
+        o->h_elems = 0;
+        TDM_CHECK(tdm_dev_alloc(o->sdev, nb, (void **)&o->h_param));
+        TDM_CHECK(tdm_dev_alloc(o->sdev, nb, (void **)&o->h_grad));
+        o->h_elems = r->n_elem;
+    }
+    TDM_CHECK(tdm_dev_copy_to_host(o->dev, o->h_grad, r->grad, nb));
+    TDM_CHECK(tdm_dev_copy_to_host(o->dev, o->h_param, r->param, nb));
+    tdm_optim_range h = {.param = o->h_param, .grad = o->h_grad, .state_offset = r->state_offset,
+                         .n_elem = r->n_elem};
+    TDM_CHECK(tdm_optim_update_on(o, &h));
+    return tdm_dev_copy_from_host(o->dev, r->param, o->h_param, nb);
 }
 
 static tdm_status tdm_optim_check_steps(const tdm_optim *o)
@@ -246,6 +294,8 @@ float *tdm_optim_state(tdm_optim *o, int i)
 {
     return i >= 0 && i < o->n_state ? o->state[i] : NULL;
 }
+
+tdm_device *tdm_optim_device(const tdm_optim *o) { return o->sdev; }
 
 size_t tdm_optim_state_bytes(const tdm_optim *o)
 {

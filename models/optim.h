@@ -19,8 +19,26 @@ typedef enum tdm_optim_kind {
     TDM_OPTIM_ADAMW,
 } tdm_optim_kind;
 
+/* Where the optimizer's state and step live (ZeRO-Offload, DeepSpeed's
+ * offload_optimizer to "cpu"). HOST, for a model on an accelerator: the
+ * state buffers are in host memory (a host device of the optimizer's
+ * own), and each step copies the gradients and parameters down, runs the
+ * same fused update on the host, and copies the parameters up. The
+ * accelerator's memory then holds no optimizer state; the update is the
+ * same per-element function (core/kernels.h), so the bits equal a step on
+ * the device wherever the device computes it without contracting
+ * multiply-adds differently (the emulator, here; a GPU: built, not run).
+ * The parameters are copied down too, so that the device's copy stays
+ * the master (a checkpoint load or a broadcast into the model needs
+ * nothing more): three copies per step. */
+typedef enum tdm_optim_offload {
+    TDM_OPTIM_OFFLOAD_NONE = 0,
+    TDM_OPTIM_OFFLOAD_HOST,
+} tdm_optim_offload;
+
 typedef struct tdm_optim_opts {
     tdm_optim_kind kind;
+    tdm_optim_offload offload;   /* where the state lives (above) */
     float lr;
     float momentum;      /* SGD */
     float dampening;     /* SGD */
@@ -102,6 +120,9 @@ int tdm_optim_n_state(const tdm_optim *o);
 const char *tdm_optim_state_name(const tdm_optim *o, int i);
 float *tdm_optim_state(tdm_optim *o, int i);
 size_t tdm_optim_state_bytes(const tdm_optim *o);
+/* The device whose memory holds the state buffers: the model's (or the
+ * flat optimizer's), or with offload the optimizer's host device. */
+tdm_device *tdm_optim_device(const tdm_optim *o);
 
 #ifdef __cplusplus
 }

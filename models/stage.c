@@ -256,6 +256,10 @@ typedef struct tdm_stage_set {
     float **out, **mean, **var, **invstd;   /* per layer */
     int32_t **argmax;
     const float **in;
+    void **out16;                           /* per layer: 16-bit precisions */
+    const void **in16;
+    void *x16, *arena;                      /* the set's rounded input, checkpoint arena */
+    struct tdm_act_layout *act;             /* and its layout (models/recompute.c) */
 } tdm_stage_set;
 
 static void tdm_stage_set_release(tdm_stage_set *s)
@@ -268,7 +272,7 @@ static void tdm_stage_set_release(tdm_stage_set *s)
 static tdm_status tdm_stage_set_arrays(tdm_stage_set *s, int n)
 {
     if (s->out) return TDM_STATUS_OK;
-    void **p = calloc((size_t)n * 6, sizeof *p);
+    void **p = calloc((size_t)n * 8, sizeof *p);
     TDM_REQUIRE(p, TDM_STATUS_OUT_OF_MEMORY, "model: activation set of %d layers", n);
     s->out = (float **)p;
     s->mean = (float **)(p + n);
@@ -276,6 +280,8 @@ static tdm_status tdm_stage_set_arrays(tdm_stage_set *s, int n)
     s->invstd = (float **)(p + 3 * n);
     s->argmax = (int32_t **)(p + 4 * n);
     s->in = (const float **)(p + 5 * n);
+    s->out16 = p + 6 * n;
+    s->in16 = (const void **)(p + 7 * n);
     return TDM_STATUS_OK;
 }
 
@@ -300,6 +306,9 @@ tdm_status tdm_model_select_act_set(tdm_model *m, int k)
     cur->cap = m->cap;
     cur->batch = m->batch;
     cur->bytes = m->set_bytes;
+    cur->x16 = m->x16;
+    cur->arena = m->arena;
+    cur->act = m->act_set;
     for (int i = 0; !m->vt && i < m->n_layers; i++) {
         tdm_layer *l = &m->layers[i];
         cur->out[i] = l->out;
@@ -308,6 +317,8 @@ tdm_status tdm_model_select_act_set(tdm_model *m, int k)
         cur->invstd[i] = l->invstd;
         cur->argmax[i] = l->argmax;
         cur->in[i] = l->in;
+        cur->out16[i] = l->out16;
+        cur->in16[i] = l->in16;
     }
     if (m->vt) TDM_CHECK(m->vt->select_set(m, k));
     /* and bring set k */
@@ -319,6 +330,13 @@ tdm_status tdm_model_select_act_set(tdm_model *m, int k)
         l->invstd = next->invstd[i];
         l->argmax = next->argmax[i];
         l->in = next->in[i];
+        l->out16 = next->out16[i];
+        l->in16 = next->in16[i];
+    }
+    if (!m->vt) {
+        m->x16 = next->x16;
+        m->arena = next->arena;
+        m->act_set = next->act;
     }
     m->act_bytes = m->act_bytes - m->set_bytes + next->bytes;
     m->cap = next->cap;

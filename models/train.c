@@ -8,6 +8,8 @@
 
 #include "core/rng.h"
 #include "core/timer.h"
+#include "models/clip.h"
+#include "models/precision.h"
 
 void tdm_train_epoch_order(int64_t *perm, int64_t n, uint64_t seed, int64_t epoch)
 {
@@ -191,11 +193,22 @@ tdm_status tdm_single_step(void *ctx, const void *x, const int32_t *y, int batch
     TDM_CHECK(tdm_model_forward(m, xd, batch, &logits));
     t1 = tdm_time_ns();
     float *dlogits = tdm_model_loss_grad(m);
-    TDM_CHECK(tdm_model_loss(m, logits, yd, batch, 1.0f / (float)batch, &loss_sum, dlogits));
+    /* loss scaling: the scale times 1/B, one rounding (exact for the
+     * scaler's powers of two) */
+    float lscale = s->scaler ? tdm_grad_scaler_scale(s->scaler) : 1.0f;
+    TDM_CHECK(tdm_model_loss(m, logits, yd, batch, lscale / (float)batch, &loss_sum, dlogits));
     t2 = tdm_time_ns();
     TDM_CHECK(tdm_model_backward(m, dlogits));
     t3 = tdm_time_ns();
-    TDM_CHECK(tdm_optim_step(s->opt));
+    int found_inf = 0;
+    if (s->scaler)
+        TDM_CHECK(tdm_grad_scaler_unscale(s->scaler, dev, tdm_model_grads(m),
+                                          tdm_model_param_elems(m), &found_inf));
+    if (!found_inf && (s->clip_norm > 0.0 || s->measure_norm))
+        TDM_CHECK(tdm_clip_grad_norm(m, s->clip_norm, &s->last_norm));
+    if (!found_inf) TDM_CHECK(tdm_optim_step(s->opt));
+    if (s->scaler) tdm_grad_scaler_update(s->scaler, found_inf);
+    s->last_skipped = found_inf;
     TDM_CHECK(tdm_dev_sync(dev));
     uint64_t t4 = tdm_time_ns();
     memset(s->ms, 0, sizeof s->ms);

@@ -112,13 +112,23 @@ tdm_status tdm_train_stage_dlogits(tdm_train_stage *s, size_t nbytes);
 void tdm_train_stage_free(tdm_train_stage *s);
 
 /* The single-device step: zero_grad, forward, mean loss, backward,
- * optimizer step. Inputs are staged to the device when it is not the host.
+ * [unscale, skip on non-finite], [clip], optimizer step, [scaler update]. Inputs are staged to the device when it is not the host.
  * Per-phase times of the last step are kept (forward, loss, backward, step). */
 typedef struct tdm_single {
     tdm_model *model;   /* borrowed */
     tdm_optim *opt;     /* borrowed */
     tdm_train_stage stage;
     double ms[TDM_PHASE_COUNT_]; /* by tdm_phase: forward, loss, backward, step */
+    /* the memory levers (zero: off): with a scaler the loss gradient is
+     * scaled, the gradients unscaled after backward and the step skipped
+     * when any is NaN or infinite (models/precision.h); clip_norm > 0
+     * clips the gradient norm to it before the step (models/clip.h),
+     * measure_norm measures the norm without clipping */
+    struct tdm_grad_scaler *scaler;   /* borrowed */
+    double clip_norm;
+    int measure_norm;
+    double last_norm;   /* the last step's gradient norm (clipping or measuring) */
+    int last_skipped;   /* 1: the last step was skipped (non-finite gradients) */
 } tdm_single;
 tdm_status tdm_single_step(void *single /* tdm_single */, const void *x, const int32_t *y,
                            int batch, double *loss_mean);

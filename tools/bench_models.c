@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "core/data.h"
 #include "core/device.h"
@@ -15,6 +16,8 @@
 #include "dist/run.h"
 #include "models/model.h"
 #include "models/optim.h"
+#include "models/precision.h"
+#include "models/recompute.h"
 #include "models/train.h"
 #include "tools/args.h"
 #include "tools/bench.h"
@@ -266,17 +269,26 @@ static void tdm_bench_nop_progress(void *ctx, int64_t s, int64_t n, double l, do
 typedef struct tdm_bench_step_ctx {
     tdm_single single;
     double *times;
+    double *cpu;            /* the step's CPU time on this thread (the device's only thread) */
     int64_t n;
     uint64_t last;
+    double loss;            /* the last step's */
+    tdm_dev_mem_stats mem;  /* the device's after the steps (before the gemm ceiling's) */
+    int mem_counted;
 } tdm_bench_step_ctx;
 
 static tdm_status tdm_bench_step(void *ctx, const void *x, const int32_t *y, int batch,
                                  double *loss)
 {
     tdm_bench_step_ctx *c = ctx;
+    struct timespec c0, c1;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &c0);
     uint64_t t0 = tdm_time_ns();
     tdm_status st = tdm_single_step(&c->single, x, y, batch, loss);
-    c->times[c->n++] = (double)(tdm_time_ns() - t0) * 1e-9;
+    c->times[c->n] = (double)(tdm_time_ns() - t0) * 1e-9;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &c1);
+    c->cpu[c->n++] = (double)(c1.tv_sec - c0.tv_sec) + (double)(c1.tv_nsec - c0.tv_nsec) * 1e-9;
+    c->loss = *loss;
     return st;
 }
 
@@ -308,8 +320,8 @@ fail:
 }
 
 typedef struct tdm_bench_train_args {
-    const char *model, *device;
-    long long batch, steps, threads;
+    const char *model, *device, *precision;
+    long long batch, steps, threads, ckpt;
     int threads_set, help;
 } tdm_bench_train_args;
 
@@ -317,7 +329,8 @@ static void tdm_bench_train_usage(void)
 {
     printf("usage: tandem bench train [--model mlp|cnn|gpt|mlp:...|gpt:L-D-H-T] [--batch B]\n"
            "                         [--steps S]"
-           " [--device cpu|cuda|cuda:I] [--threads T]\n\n"
+           " [--device cpu|cuda|cuda:I] [--threads T]\n"
+           "                         [--precision fp32|bf16|fp16] [--checkpoint-activations N]\n\n"
            "Single-device training throughput on synthetic data (a gpt: random bytes,\n"
            "AdamW; the others: synthetic images, SGD) (median step after\n"
            "5 warm-up steps), and the achieved gemm rate as a fraction of the same\n"
@@ -326,7 +339,13 @@ static void tdm_bench_train_usage(void)
            "with T BLAS threads (default cpu, T = 1) or cuda:I (cuda: GPU 0; inputs\n"
            "staged to the GPU each step, every step timed until the GPU has finished\n"
            "it; --threads is host only). With TANDEM_CUDA_EMULATOR=N, cuda:I is\n"
-           "emulated on the host, not a GPU.\nDefaults: batch 256 (mlp), 128 (cnn), 32 windows (gpt); 60 steps.\n");
+           "emulated on the host, not a GPU.\n"
+           "--precision: the products' inputs and the kept activations in bf16 or fp16\n"
+           "(float32 sums, master weights and optimizer; fp16 with dynamic loss scaling);\n"
+           "--checkpoint-activations N: segments of N blocks keep only their input and\n"
+           "are recomputed in backward (docs/MEMORY.md). The device's peak memory is\n"
+           "printed where its allocator counts it (host and emulated devices).\n"
+           "Defaults: batch 256 (mlp), 128 (cnn), 32 windows (gpt); 60 steps.\n");
 }
 
 static tdm_status tdm_bench_train_parse(int argc, char **argv, tdm_bench_train_args *t)
@@ -335,6 +354,8 @@ static tdm_status tdm_bench_train_parse(int argc, char **argv, tdm_bench_train_a
         TDM_ARGS_LOCALS
         TDM_ARGS_STR("--model", t->model)
         TDM_ARGS_STR("--device", t->device)
+        TDM_ARGS_STR("--precision", t->precision)
+        TDM_ARGS_INT("--checkpoint-activations", 0, 1 << 16, t->ckpt)
         TDM_ARGS_INT("--batch", 1, 1 << 16, t->batch)
         TDM_ARGS_INT("--steps", 5, 100000, t->steps)
         TDM_CHECK(tdm_args_value(argc, argv, &i, "--threads", &v));
@@ -387,6 +408,7 @@ static void tdm_bench_train_print(const tdm_bench_train_args *t, const tdm_model
                                   tdm_device *d, tdm_model *m, const tdm_bench_step_ctx *ctx,
                                   double ceiling)
 {
+    tdm_model_memory mm;
     double *times = ctx->times + 5;
     double med = tdm_tool_median(times, (int)t->steps);   /* sorts times */
     double fwd, bwd;
@@ -407,6 +429,15 @@ static void tdm_bench_train_print(const tdm_bench_train_args *t, const tdm_model
     }
     printf("  step: median %.2f ms (min %.2f, max %.2f) over %lld steps\n", med * 1e3,
            times[0] * 1e3, times[t->steps - 1] * 1e3, t->steps);
+    if (tdm_dev_kind(d) == TDM_DEVICE_HOST && t->threads == 1) {
+        /* a host device computes on this thread alone: its CPU time is the
+         * step's work, whatever else the machine runs at the same time */
+        double cmed = tdm_tool_median(ctx->cpu + 5, (int)t->steps);
+        printf("  step CPU time (this thread): median %.2f ms", cmed * 1e3);
+        if (spec->kind == TDM_MODEL_GPT)
+            printf(" = %.0f tokens per CPU second", (double)t->batch * spec->n_ctx / cmed);
+        printf("\n");
+    }
     if (spec->kind == TDM_MODEL_GPT)
         printf("  throughput: %.0f windows/s = %.0f tokens/s\n", (double)t->batch / med,
                (double)t->batch * spec->n_ctx / med);
@@ -417,6 +448,18 @@ static void tdm_bench_train_print(const tdm_bench_train_args *t, const tdm_model
     printf("  phases of the last step (ms): forward %.2f, loss %.2f, backward %.2f, "
            "optimizer %.2f\n", ctx->single.ms[TDM_PHASE_FORWARD], ctx->single.ms[TDM_PHASE_LOSS],
            ctx->single.ms[TDM_PHASE_BACKWARD], ctx->single.ms[TDM_PHASE_STEP]);
+    tdm_model_get_memory(m, &mm);
+    printf("  precision %s, activation checkpointing %s", tdm_precision_name(tdm_model_precision(m)),
+           t->ckpt ? "on" : "off");
+    if (t->ckpt) printf(" (segments of %lld block%s)", t->ckpt, t->ckpt > 1 ? "s" : "");
+    printf("\n  memory: activations %.2f MiB (the model's own count)", mm.activations / 1048576.0);
+    if (ctx->mem_counted)
+        printf(", device peak %.2f MiB (allocator)", ctx->mem.peak_bytes / 1048576.0);
+    printf("\n  loss of the last step %.4f\n", ctx->loss);
+    if (ctx->single.scaler)
+        printf("  loss scale %g after the run (%lld step%s skipped)\n",
+               (double)ctx->single.scaler->scale, (long long)ctx->single.scaler->skipped,
+               ctx->single.scaler->skipped == 1 ? "" : "s");
 }
 
 static tdm_status tdm_bench_train_run(tdm_bench_train_args *t)
@@ -430,28 +473,41 @@ static tdm_status tdm_bench_train_run(tdm_bench_train_args *t)
     tdm_model *m = NULL;
     tdm_optim *opt = NULL;
     tdm_bench_step_ctx ctx = {0};
+    tdm_grad_scaler scaler;
+    tdm_precision prec = TDM_PRECISION_FP32;
     tdm_optim_opts adamw;
     tdm_optim_opts_default(&adamw, TDM_OPTIM_ADAMW);
     tdm_status st = TDM_STATUS_OK;
+    if (t->precision && tdm_precision_parse(t->precision, &prec) != TDM_STATUS_OK)
+        return tdm_tool_usage_error("tandem bench train: --precision: %s\n", tdm_error_message());
     TDM_CHECK(tdm_bench_open_device("train", t->device, t->threads, t->threads_set, &d));
     /* a gpt trains with AdamW on random bytes (speed does not depend on
      * the text); the image models with SGD on synthetic images */
     TDM_TRY(tdm_model_init(&m, d, &spec, 1));
+    TDM_TRY(tdm_model_set_precision(m, prec));
+    TDM_TRY(tdm_model_set_checkpoint(m, (int)t->ckpt));
     TDM_TRY(gpt ? tdm_optim_init(&opt, m, &adamw) : tdm_sgd_init(&opt, m, 0.01f, 0.9f));
     ctx.single.model = m;
     ctx.single.opt = opt;
+    if (prec == TDM_PRECISION_FP16) {
+        TDM_TRY(tdm_grad_scaler_init(&scaler, NULL));
+        ctx.single.scaler = &scaler;
+    }
     ctx.times = calloc((size_t)t->steps + 5, sizeof(double));
-    if (!ctx.times) {
+    ctx.cpu = calloc((size_t)t->steps + 5, sizeof(double));
+    if (!ctx.times || !ctx.cpu) {
         st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "out of memory");
         goto fail;
     }
     TDM_TRY(tdm_bench_train_steps(t, &spec, m, &ctx));
+    ctx.mem_counted = tdm_dev_mem_query(d, &ctx.mem) == TDM_STATUS_OK;
     double ceiling;
     TDM_TRY(tdm_bench_gemm_ceiling(d, &spec, (int)t->batch, 0, &ceiling));
     tdm_bench_train_print(t, &spec, d, m, &ctx, ceiling);
 fail:
     if (st) fprintf(stderr, "tandem bench train: %s\n", tdm_error_message());
     free(ctx.times);
+    free(ctx.cpu);
     tdm_single_free(&ctx.single);   /* its staging, on the model's device */
     tdm_optim_free(opt);
     tdm_model_free(m);

@@ -112,6 +112,19 @@ static void tdm_train_usage(FILE *f)
         "  --max-restarts K       ddp, fsdp: when a rank fails, stop the rest and start\n"
         "                         every rank again from the --save checkpoint, at\n"
         "                         most K times (docs/DEBUGGING.md)            [0]\n"
+        "  --precision P          single: fp32, bf16 or fp16: products in 16-bit with\n"
+        "                         float32 sums, activations kept in 16 bits, master\n"
+        "                         weights, gradients and optimizer float32; fp16 with\n"
+        "                         dynamic loss scaling (docs/MEMORY.md)       [fp32]\n"
+        "  --checkpoint-activations [all|N]  single: keep only the input of each\n"
+        "                         segment of N blocks (gpt blocks, cnn conv blocks, mlp\n"
+        "                         layers) and recompute it in backward; all = 1\n"
+        "  --clip-grad-norm X     single: scale the gradients so that their global L2\n"
+        "                         norm is at most X (torch's clip_grad_norm_); the\n"
+        "                         last step's norm is printed with each epoch\n"
+        "  --offload optimizer    single, --device cuda: optimizer state and step in\n"
+        "                         host memory (ZeRO-Offload)\n"
+        "                         (these four: --mode single in this build)\n"
         "  --no-eval              skip the test-set evaluation after each epoch\n"
         "                         (ddp spreads it over the ranks)\n"
         "  --quiet                only the per-epoch lines\n"
@@ -182,6 +195,15 @@ static tdm_status tdm_train_parse(int argc, char **argv, tdm_train_args *a, int 
         TDM_ARGS_STR("--comm-hook", a->comm_hook)
         TDM_ARGS_INT("--powersgd-rank", 1, 1 << 16, a->powersgd_rank)
         TDM_ARGS_INT("--powersgd-start-step", 0, INT64_MAX, a->powersgd_start_step)
+        TDM_ARGS_STR("--precision", a->precision)
+        TDM_ARGS_STR("--offload", a->offload)
+        TDM_ARGS_FLOAT("--clip-grad-norm", 1e-30, 1e30, a->clip_grad_norm)
+        if (!strncmp(arg, "--checkpoint-activations", 24) && (arg[24] == '=' || !arg[24])) {
+            /* the value is optional: all (every unit its own segment) */
+            a->ckpt = arg[24] == '=' ? arg + 25
+                      : i + 1 < argc && argv[i + 1][0] != '-' ? argv[++i] : "all";
+            continue;
+        }
         if (!strcmp(arg, "--nesterov")) { a->nesterov = 1; continue; }
         if (!strcmp(arg, "--no-eval")) { a->no_eval = 1; continue; }
         if (!strcmp(arg, "--quiet")) { a->quiet = 1; continue; }
@@ -279,6 +301,7 @@ static tdm_status tdm_train_check_args(tdm_train_args *a)
     if (a->backend && strcmp(a->mode, "ddp"))
         return tdm_tool_usage_error("tandem train: --backend applies to --mode ddp\n");
     TDM_CHECK(tdm_train_check_ddp_next(a, gpt));
+    TDM_CHECK(tdm_train_levers_check(a));
     /* N copies of one model trained side by side are never what was meant */
     int mpi_n = tdm_dist_mpi_env_world();
     if (strcmp(a->mode, "ddp") && mpi_n > 1)
@@ -396,6 +419,7 @@ tdm_status tdm_train_make_optim(const tdm_train_args *a, tdm_model *m, tdm_optim
 {
     tdm_optim_opts o;
     tdm_optim_opts_named(&o, a->optim, a->lr, a->weight_decay, a->momentum, a->nesterov);
+    if (a->offload) o.offload = TDM_OPTIM_OFFLOAD_HOST;   /* --offload optimizer */
     tdm_status st = tdm_optim_init(opt, m, &o);
     if (st != TDM_STATUS_OK) return tdm_train_fail("optimizer", st);
     return TDM_STATUS_OK;

@@ -3,8 +3,9 @@
  * --threads BLAS threads) or DataParallel (dp/) with one thread per
  * device and the master model on the first device of the list. Prints
  * the usual per-epoch lines and, for DP, where a step spends its time
- * (wall-clock per phase, averaged over the run's steps). The ranks of
- * --mode ddp and fsdp are tools/train_ranks.c's. */
+ * (wall-clock per phase, averaged over the run's steps). --mode single
+ * takes the memory levers (tools/train_levers.c). The ranks of --mode ddp
+ * and fsdp are tools/train_ranks.c's. */
 #include <stdio.h>
 #include <string.h>
 
@@ -12,6 +13,7 @@
 #include "core/timer.h"
 #include "dp/dp.h"
 #include "models/accum.h"
+#include "models/precision.h"
 #include "models/train_text.h"
 #include "tools/devices.h"
 #include "tools/tools.h"
@@ -136,6 +138,7 @@ tdm_status tdm_train_run_local(const tdm_train_args *a, const tdm_model_spec *sp
     tdm_model_spec own;
     tdm_dataset train = {0}, test = {0};
     tdm_local l = {.text = text};
+    tdm_grad_scaler scaler;
     tdm_train_run r = {.train = &train, .test = &test};
     char desc[128];
     tdm_status st;
@@ -182,8 +185,14 @@ tdm_status tdm_train_run_local(const tdm_train_args *a, const tdm_model_spec *sp
     } else {
         tdm_train_print_header(a, spec, &train, &test, tdm_model_param_elems(l.m), desc);
     }
+    if (!dp) {
+        /* the memory levers (tools/train_levers.c): --mode single's */
+        TDM_TRY(tdm_train_levers_apply(a, l.m, &l.single, &scaler));
+        r.single = &l.single;
+    }
     TDM_TRY(tdm_train_epochs(a, &r));
     if (dp) tdm_train_print_dp_phases(&l.sum, l.step_ms, l.steps);
+    else tdm_train_levers_report(a, l.m);
 fail:
     tdm_dp_free(l.dp);
     tdm_single_free(&l.single);

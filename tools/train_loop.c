@@ -157,6 +157,7 @@ static void tdm_train_print_epoch(const tdm_train_args *a, const tdm_train_run *
             printf(lf, acc);
         }
     }
+    tdm_train_levers_epoch(r);
     printf("\n");
     fflush(stdout);
 }

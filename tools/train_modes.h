@@ -1,12 +1,13 @@
 /* tools/train_modes.h: what the files of `tandem train` share: the parsed
  * arguments, one process's set-up steps, the one epoch loop that every
  * mode and model runs (tools/train_loop.c), and one entry per mode.
- * tools/train.c parses, checks and dispatches and runs --mode single;
- * train_dp.c and train_ddp.c are the other image modes (linked weakly, so
- * a build without them still trains on one device), train_text.c is
- * --model gpt in every mode. Each function below says on stderr what
- * failed and returns the status (TDM_STATUS_USAGE for a command line
- * that cannot work); tdm_tool_exit (tools/tools.h) makes the exit code. */
+ * tools/train.c parses, checks and dispatches; train_local.c runs --mode
+ * single and dp, train_ranks.c --mode ddp and fsdp (the designs' tables
+ * in rank_ddp.c and rank_fsdp.c), train_text.c holds --model gpt's text
+ * and header, train_levers.c the memory levers. Each function below
+ * says on stderr what failed and returns the status (TDM_STATUS_USAGE
+ * for a command line that cannot work); tdm_tool_exit (tools/tools.h)
+ * makes the exit code. */
 #ifndef TDM_TOOLS_TRAIN_MODES_H
 #define TDM_TOOLS_TRAIN_MODES_H
 
@@ -42,6 +43,10 @@ typedef struct tdm_train_args {
     long long powersgd_rank, powersgd_start_step;
     int uneven;               /* ddp: --uneven (tools/train_uneven.c) */
     int sync_bn;              /* ddp: --sync-bn */
+    /* the memory levers (tools/train_levers.c): --precision, --checkpoint-activations
+     * (all = 1 unit per segment), --clip-grad-norm (0: off), --offload */
+    const char *precision, *ckpt, *offload;
+    double clip_grad_norm;
 } tdm_train_args;
 
 /* The samples per optimizer step: batch * grad_accum. */
@@ -125,6 +130,8 @@ typedef struct tdm_train_run {
     void *eval_ctx;
     tdm_train_after_epoch_fn after;    /* may be NULL */
     void *after_ctx;
+    struct tdm_single *single;     /* --mode single's step: its lever figures go in the epoch
+                                      line (tools/train_levers.c); NULL elsewhere */
 } tdm_train_run;
 
 /* --json / --csv (tools/train_out.c): epoch's record appended and the
@@ -174,6 +181,21 @@ typedef struct tdm_train_uneven {
     int64_t start_epoch;
 } tdm_train_uneven;
 tdm_status tdm_train_uneven_run(const tdm_train_args *a, const tdm_train_uneven *u);
+
+/* ---- the memory levers (tools/train_levers.c) ---- */
+
+/* The checks of --precision, --checkpoint-activations, --clip-grad-norm
+ * and --offload that need no model (USAGE, said on stderr). */
+tdm_status tdm_train_levers_check(const tdm_train_args *a);
+/* --mode single: the precision and checkpointing on m, the clipping and
+ * (fp16) the loss scaler on the step; scaler: storage for it. Then the
+ * line that says what is on and the planner's peak for this run. */
+tdm_status tdm_train_levers_apply(const tdm_train_args *a, tdm_model *m, struct tdm_single *s,
+                                  struct tdm_grad_scaler *scaler);
+/* After training: the device's measured peak beside the planned one. */
+void tdm_train_levers_report(const tdm_train_args *a, tdm_model *m);
+/* The epoch line's lever figures (", grad norm ..., loss scale ..."). */
+void tdm_train_levers_epoch(const tdm_train_run *r);
 
 /* --model gpt: a language model on text, in every mode (tools/train_text.c). */
 tdm_status tdm_train_text_main(const tdm_train_args *a);

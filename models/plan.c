@@ -1,0 +1,188 @@
+/* models/plan.c: the single-device memory planner (models/plan.h). It
+ * builds the model's skeleton (layers and tables, no memory), lays its
+ * activations out with the model's own layout functions, and adds every
+ * other allocation a training step makes, each rounded as the device
+ * allocator rounds it. */
+#include "models/plan.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "models/model_impl.h"
+
+/* What the host allocator (core/device.c) counts for a request: 64-byte
+ * multiples, at least 64. */
+static size_t tdm_plan_round(size_t n)
+{
+    size_t sz = (n + 63) & ~(size_t)63;
+    return sz ? sz : 64;
+}
+
+void tdm_plan_opts_default(tdm_plan_opts *o, const tdm_model_spec *spec, int batch)
+{
+    memset(o, 0, sizeof *o);
+    o->spec = *spec;
+    o->batch = batch;
+    tdm_optim_opts_default(&o->optim, spec->kind == TDM_MODEL_GPT ? TDM_OPTIM_ADAMW
+                                                                  : TDM_OPTIM_SGD);
+    o->device = TDM_DEVICE_HOST;
+    o->threads = 1;
+}
+
+static size_t tdm_plan_max(size_t a, size_t b) { return a > b ? a : b; }
+
+/* The float16 widening buffer of a host device (core/device_host.c): the
+ * largest sum of the two operands' spans over the products of one step,
+ * in elements. The spans follow each product's column-major arguments. */
+static size_t tdm_plan_widen(const tdm_model *m, int batch)
+{
+    size_t w = 0, B = (size_t)batch;
+    if (m->spec.kind == TDM_MODEL_GPT) {
+        size_t C = m->spec.n_embd, T = m->spec.n_ctx, H = m->spec.n_head, V = m->spec.vocab;
+        size_t N = B * T, hd = C / H;
+        const size_t lin[4][2] = {{C, 3 * C}, {C, C}, {C, 4 * C}, {4 * C, C}};
+        for (int i = 0; i < 4; i++) {
+            size_t in = lin[i][0], out = lin[i][1];
+            w = tdm_plan_max(w, in * (out + N));   /* forward */
+            w = tdm_plan_max(w, N * (in + out));   /* dW */
+            w = tdm_plan_max(w, out * (in + N));   /* dx */
+        }
+        w = tdm_plan_max(w, C * (V + N));
+        w = tdm_plan_max(w, N * (C + V));
+        w = tdm_plan_max(w, V * (C + N));
+        /* a window's heads read out of qkv (row stride 3C) or the merged
+         * (N, C) gradient (row stride C), probabilities H T T */
+        size_t s3 = hd * (H - 1) + 3 * C * (T - 1) + hd, s1 = hd * (H - 1) + C * (T - 1) + hd;
+        size_t att = H * T * T;
+        w = tdm_plan_max(w, 2 * s3);
+        w = tdm_plan_max(w, s3 + att);
+        w = tdm_plan_max(w, s3 + s1);
+        w = tdm_plan_max(w, s1 + att);
+        return w;
+    }
+    int first = 0;
+    while (first < m->n_layers - 1 && m->layers[first].np == 0) first++;
+    for (int i = 0; i < m->n_layers; i++) {
+        const tdm_layer *l = &m->layers[i];
+        int din = i > first;
+        if (l->kind == TDM_LAYER_LINEAR) {
+            size_t c = l->c, oc = l->oc;
+            w = tdm_plan_max(w, c * (oc + B));
+            w = tdm_plan_max(w, B * (c + oc));
+            if (din) w = tdm_plan_max(w, oc * (c + B));
+        } else if (l->kind == TDM_LAYER_CONV) {
+            size_t per = (size_t)l->oh * l->ow, cn = (size_t)l->chunk * per, np = B * per;
+            size_t kk = (size_t)l->c * l->k * l->k, oc = l->oc;
+            w = tdm_plan_max(w, kk * (cn + oc));
+            w = tdm_plan_max(w, cn * kk + np * (oc - 1) + cn);
+            if (din) w = tdm_plan_max(w, np * (oc - 1) + cn + kk * oc);
+        }
+    }
+    return w;
+}
+
+/* The device scratch (tdm_dev_scratch) through one step: the loss rows,
+ * the scaler's flag, the norm's partial sums, grown as core/device.c
+ * grows it (at least double, at least 256 bytes; the new buffer is
+ * allocated before the old one is freed). Returns its peak. */
+static size_t tdm_plan_scratch(const size_t *needs, int n)
+{
+    size_t cur = 0, peak = 0;
+    for (int i = 0; i < n; i++) {
+        if (cur && needs[i] <= cur) continue;
+        size_t want = needs[i] > 2 * cur ? needs[i] : 2 * cur;
+        if (want < 256) want = 256;
+        size_t during = tdm_plan_round(want) + (cur ? tdm_plan_round(cur) : 0);
+        peak = tdm_plan_max(peak, during);
+        cur = want;
+    }
+    return peak;
+}
+
+tdm_status tdm_plan_single(const tdm_plan_opts *o, tdm_plan *out)
+{
+    memset(out, 0, sizeof *out);
+    TDM_REQUIRE(o->batch > 0 && o->ckpt >= 0, TDM_STATUS_INVALID_ARG,
+                "plan: batch %d and checkpoint segment %d", o->batch, o->ckpt);
+    TDM_REQUIRE(o->optim.offload == TDM_OPTIM_OFFLOAD_NONE || o->device != TDM_DEVICE_HOST,
+                TDM_STATUS_INVALID_ARG, "plan: optimizer offload is for accelerators");
+    tdm_model *m = NULL;
+    tdm_act_layout *lay = NULL, *scr = NULL;
+    tdm_status st = TDM_STATUS_OK;
+    TDM_TRY(tdm_model_skeleton(&m, &o->spec, o->device, o->threads));
+    m->conv_chunk = o->conv_chunk;
+    m->lev.prec = o->precision;
+    m->lev.adt = tdm_precision_dtype(o->precision);
+    m->lev.ckpt = o->ckpt;
+    if (!m->vt) tdm_model_chain_units(m);
+    size_t es = tdm_dtype_size(m->lev.adt), pe = (size_t)m->param_elems, B = (size_t)o->batch;
+    int low = tdm_model_low(m);
+
+    out->params = tdm_plan_round(pe * sizeof(float));
+    out->grads = out->params;
+    out->buffers = m->buffer_elems ? tdm_plan_round((size_t)m->buffer_elems * sizeof(float)) : 0;
+    for (int i = 0; i < m->n_layers; i++)
+        if (m->layers[i].kind == TDM_LAYER_BN)   /* mean, var, invstd */
+            out->buffers += 3 * tdm_plan_round((size_t)m->layers[i].c * sizeof(float));
+    out->params_low = low ? tdm_plan_round(pe * es) : 0;
+    size_t state = (size_t)tdm_optim_kind_n_state(&o->optim) *
+                   tdm_plan_round((pe > 0 ? pe : 1) * sizeof(float));
+    if (o->optim.offload == TDM_OPTIM_OFFLOAD_HOST)
+        out->optim_host = state + 2 * tdm_plan_round(pe * sizeof(float));
+    else
+        out->optim = state;
+
+    lay = malloc(sizeof *lay);
+    scr = malloc(sizeof *scr);
+    if (!lay || !scr) {
+        st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "plan: cannot allocate a layout");
+        goto fail;
+    }
+    if (m->vt) {
+        m->vt->layout(m, o->batch, lay, scr);
+    } else {
+        for (int i = 0; i < m->n_layers; i++)
+            if (m->layers[i].kind == TDM_LAYER_CONV)
+                m->layers[i].chunk = tdm_model_conv_chunk(m, &m->layers[i], o->batch);
+        tdm_model_chain_layout(m, o->batch, lay, scr);
+    }
+    if (lay->n > TDM_ACT_MAX_BUFS || scr->n > TDM_ACT_MAX_BUFS) {
+        st = tdm_error_set(TDM_STATUS_INTERNAL, "plan: %d + %d activation buffers (at most %d)",
+                           lay->n, scr->n, TDM_ACT_MAX_BUFS);
+        goto fail;
+    }
+    out->n_layers = m->n_layers < TDM_PLAN_MAX_LAYERS ? m->n_layers : TDM_PLAN_MAX_LAYERS;
+    for (int i = 0; i < lay->n; i++) {
+        const tdm_act_buf *b = &lay->b[i];
+        if (b->arena_off >= 0) continue;
+        size_t nb = tdm_plan_round(b->nbytes);
+        if (b->layer < 0) {
+            out->act_scratch += nb;   /* the set's rounded input */
+        } else {
+            out->activations += nb;
+            if (b->layer < out->n_layers) out->layer_bytes[b->layer] += nb;
+        }
+    }
+    for (int i = 0; i < scr->n; i++) out->act_scratch += tdm_plan_round(scr->b[i].nbytes);
+    out->arena = lay->arena_bytes ? tdm_plan_round(lay->arena_bytes) : 0;
+    out->activations += out->arena;
+
+    size_t rows = (size_t)tdm_model_out_rows(m), needs[3];
+    int n_needs = 0;
+    needs[n_needs++] = B * rows * sizeof(float);
+    if (o->loss_scaling) needs[n_needs++] = sizeof(float);
+    if (o->grad_norm) needs[n_needs++] = (size_t)tdm_dev_sumsq_chunks((int64_t)pe) * sizeof(double);
+    out->step_scratch = tdm_plan_scratch(needs, n_needs);
+    if (o->device == TDM_DEVICE_HOST && m->lev.adt == TDM_DTYPE_FLOAT16)
+        out->step_scratch += tdm_plan_round(tdm_plan_widen(m, o->batch) * sizeof(float));
+    if (o->device != TDM_DEVICE_HOST)   /* tdm_single's input staging */
+        out->step_scratch += tdm_plan_round(B * (size_t)tdm_model_in_features(m) * sizeof(float)) +
+                             tdm_plan_round(B * rows * sizeof(int32_t));
+    out->peak = out->params + out->grads + out->buffers + out->params_low + out->optim +
+                out->activations + out->act_scratch + out->step_scratch;
+fail:
+    free(lay);
+    free(scr);
+    tdm_model_free(m);
+    return st;
+}

@@ -1,0 +1,69 @@
+/* models/plan.h: the memory planner: what one device will hold at its
+ * peak while a configuration trains, before anything is allocated,
+ * computed from the same activation layout the model allocates from
+ * (models/recompute.c) plus every other allocation a training step makes
+ * on the device: parameters, gradients, batchnorm buffers, the 16-bit
+ * weight copy, optimizer state (unless offloaded), activations per layer
+ * (precision and checkpointing included), the step's scratch (the loss
+ * rows, the loss scaler's flag and the norm's partial sums, grown as the
+ * device scratch grows), the float16 widening buffer of a host device's
+ * products, and the input staging of an accelerator. Each allocation is
+ * counted as the allocator hands it out (rounded up to 64 bytes). What is
+ * not counted: oneDNN's and cuBLAS's own workspaces, host memory (an
+ * offloaded optimizer's state and staging are listed separately).
+ *
+ * This is the single-device plan (--mode single, a DP replica's or a DDP
+ * rank's model and optimizer); the multi-process modes' communication
+ * buffers and FSDP's gathered units are theirs to add. */
+#ifndef TDM_MODELS_PLAN_H
+#define TDM_MODELS_PLAN_H
+
+#include <stddef.h>
+
+#include "core/device.h"
+#include "models/model.h"
+#include "models/optim.h"
+#include "models/precision.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct tdm_plan_opts {
+    tdm_model_spec spec;
+    int batch;                   /* samples (gpt: windows) per step on the device */
+    tdm_precision precision;
+    int ckpt;                    /* units per checkpoint segment; 0: none */
+    tdm_optim_opts optim;        /* kind, momentum (SGD keeps no state without it), offload */
+    tdm_device_kind device;      /* host devices chunk convolutions and widen fp16 products */
+    int threads;                 /* a host device's BLAS threads (conv chunks); 0: 1 */
+    int conv_chunk;              /* tdm_model_set_conv_chunk's; 0: the default */
+    int loss_scaling;            /* a loss scaler unscales (its flag in the scratch) */
+    int grad_norm;               /* the gradient norm is measured or clipped */
+} tdm_plan_opts;
+
+#define TDM_PLAN_MAX_LAYERS 300
+typedef struct tdm_plan {
+    /* bytes on the device, by kind */
+    size_t params, grads, buffers;   /* buffers: batchnorm statistics, running and per batch */
+    size_t params_low;               /* the 16-bit weight copy */
+    size_t optim;                    /* optimizer state on the device (0 when offloaded) */
+    size_t activations;              /* kept for backward (the checkpoint arena included) */
+    size_t act_scratch;              /* the model's scratch: gradient ping-pong, col, dlogits, ... */
+    size_t step_scratch;             /* the device scratch at its peak, the fp16 widening, staging */
+    size_t peak;                     /* the sum: the device's peak */
+    size_t optim_host;               /* offloaded: state and staging in host memory */
+    /* kept activations per layer (checkpointed units' arena not included) */
+    int n_layers;
+    size_t layer_bytes[TDM_PLAN_MAX_LAYERS];
+    size_t arena;                    /* checkpointing: one segment's shared buffer */
+} tdm_plan;
+
+void tdm_plan_opts_default(tdm_plan_opts *o, const tdm_model_spec *spec, int batch);
+tdm_status tdm_plan_single(const tdm_plan_opts *o, tdm_plan *out);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

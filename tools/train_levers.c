@@ -1,0 +1,143 @@
+/* tools/train_levers.c: `tandem train`'s memory levers (docs/MEMORY.md):
+ * --precision fp32|bf16|fp16, --checkpoint-activations [all|N],
+ * --clip-grad-norm X and --offload optimizer, their checks, what they set
+ * on --mode single's model and step, and the lines they print (the
+ * planner's peak before training, the measured one after, the gradient
+ * norm and loss scale with each epoch). The multi-process modes take
+ * them once they run on the shared rank runtime; until then they are
+ * refused there with a message. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "models/plan.h"
+#include "models/precision.h"
+#include "models/recompute.h"
+#include "models/train.h"
+#include "tools/tools.h"
+#include "tools/train_modes.h"
+
+static int tdm_levers_set(const tdm_train_args *a)
+{
+    return a->precision || a->ckpt || a->clip_grad_norm > 0.0 || a->offload;
+}
+
+/* --checkpoint-activations all | N: units per segment */
+static int tdm_levers_ckpt(const tdm_train_args *a)
+{
+    if (!a->ckpt) return 0;
+    return !strcmp(a->ckpt, "all") ? 1 : atoi(a->ckpt);
+}
+
+tdm_status tdm_train_levers_check(const tdm_train_args *a)
+{
+    tdm_precision p;
+    if (a->precision && tdm_precision_parse(a->precision, &p) != TDM_STATUS_OK)
+        return tdm_tool_usage_error("tandem train: --precision: %s\n", tdm_error_message());
+    if (a->ckpt && strcmp(a->ckpt, "all")) {
+        char *end;
+        long n = strtol(a->ckpt, &end, 10);
+        if (*end || n < 1 || n > 1 << 16)
+            return tdm_tool_usage_error("tandem train: --checkpoint-activations '%s': expected "
+                                        "all, or N >= 1 blocks per recomputed segment\n", a->ckpt);
+    }
+    if (a->offload && !strcmp(a->offload, "params"))
+        return tdm_tool_usage_error("tandem train: --offload params keeps FSDP's parameter "
+                                    "shards in host memory: not built yet (--offload optimizer "
+                                    "is)\n");
+    if (a->offload && strcmp(a->offload, "optimizer"))
+        return tdm_tool_usage_error("tandem train: --offload '%s': expected optimizer (or "
+                                    "params, with fsdp, once built)\n", a->offload);
+    if (a->offload && strncmp(a->device, "cuda", 4))
+        return tdm_tool_usage_error("tandem train: --offload optimizer moves the optimizer "
+                                    "state from a GPU to host memory; --device %s is host "
+                                    "memory already\n", a->device);
+    if (tdm_levers_set(a) && strcmp(a->mode, "single"))
+        return tdm_tool_usage_error("tandem train: --precision, --checkpoint-activations, "
+                                    "--clip-grad-norm and --offload run with --mode single in "
+                                    "this build, not yet with --mode %s\n", a->mode);
+    int fp16 = a->precision && p == TDM_PRECISION_FP16;
+    if (a->grad_accum > 1 && (fp16 || a->clip_grad_norm > 0.0))
+        return tdm_tool_usage_error("tandem train: --precision fp16 (its loss scaling) and "
+                                    "--clip-grad-norm are not supported with --grad-accum "
+                                    "yet\n");
+    return TDM_STATUS_OK;
+}
+
+static void tdm_levers_plan(const tdm_train_args *a, tdm_model *m, tdm_plan *pl, int *ok)
+{
+    tdm_plan_opts o;
+    tdm_plan_opts_default(&o, tdm_model_get_spec(m), (int)a->batch);
+    o.precision = tdm_model_precision(m);
+    o.ckpt = tdm_model_checkpoint(m);
+    tdm_optim_opts_named(&o.optim, a->optim, a->lr, a->weight_decay, a->momentum, a->nesterov);
+    o.optim.offload = a->offload ? TDM_OPTIM_OFFLOAD_HOST : TDM_OPTIM_OFFLOAD_NONE;
+    o.device = tdm_dev_kind(tdm_model_device(m));
+    o.threads = (int)a->threads;
+    o.loss_scaling = o.precision == TDM_PRECISION_FP16;
+    o.grad_norm = a->clip_grad_norm > 0.0;
+    *ok = tdm_plan_single(&o, pl) == TDM_STATUS_OK;
+}
+
+tdm_status tdm_train_levers_apply(const tdm_train_args *a, tdm_model *m, tdm_single *s,
+                                  tdm_grad_scaler *scaler)
+{
+    tdm_precision p = TDM_PRECISION_FP32;
+    if (a->precision) (void)tdm_precision_parse(a->precision, &p);
+    tdm_status st;
+    if ((st = tdm_model_set_precision(m, p)) || (st = tdm_model_set_checkpoint(m, tdm_levers_ckpt(a))))
+        return tdm_train_fail("memory levers", st);
+    s->clip_norm = a->clip_grad_norm;
+    if (p == TDM_PRECISION_FP16) {
+        if ((st = tdm_grad_scaler_init(scaler, NULL))) return tdm_train_fail("loss scaler", st);
+        s->scaler = scaler;
+    }
+    if (!tdm_levers_set(a)) return TDM_STATUS_OK;
+    printf("  memory levers: precision %s", tdm_precision_name(p));
+    if (p == TDM_PRECISION_FP16) printf(" (dynamic loss scaling from 65536)");
+    if (tdm_levers_ckpt(a)) printf(", activation checkpointing (segments of %d)", tdm_levers_ckpt(a));
+    if (a->clip_grad_norm > 0.0) printf(", gradient norm clipped to %g", a->clip_grad_norm);
+    if (a->offload) printf(", optimizer offloaded to host memory");
+    tdm_plan pl;
+    int ok;
+    tdm_levers_plan(a, m, &pl, &ok);
+    if (ok)
+        printf("\n  planned peak %.2f MiB on %s: parameters %.2f, gradients %.2f, optimizer %.2f, "
+               "activations %.2f, scratch %.2f MiB", pl.peak / 1048576.0,
+               tdm_dev_name(tdm_model_device(m)), (pl.params + pl.params_low) / 1048576.0,
+               pl.grads / 1048576.0, pl.optim / 1048576.0, pl.activations / 1048576.0,
+               (pl.act_scratch + pl.step_scratch + pl.buffers) / 1048576.0);
+    printf("\n");
+    fflush(stdout);
+    return TDM_STATUS_OK;
+}
+
+void tdm_train_levers_report(const tdm_train_args *a, tdm_model *m)
+{
+    tdm_dev_mem_stats ms;
+    if (!tdm_levers_set(a) || tdm_dev_mem_query(tdm_model_device(m), &ms) != TDM_STATUS_OK)
+        return;
+    tdm_plan pl;
+    int ok;
+    tdm_levers_plan(a, m, &pl, &ok);
+    printf("peak memory on %s: %.2f MiB measured (allocator)", tdm_dev_name(tdm_model_device(m)),
+           ms.peak_bytes / 1048576.0);
+    if (ok) printf(", %.2f MiB planned for the training step", pl.peak / 1048576.0);
+    /* tdm_evaluate reserves activations for its own batches of 1000 */
+    if (ok && ms.peak_bytes > pl.peak && !a->no_eval &&
+        tdm_model_get_spec(m)->kind != TDM_MODEL_GPT && a->batch < 1000)
+        printf(" (the test-set evaluation's batches of 1000 are larger: --no-eval leaves the "
+               "training step's)");
+    printf("\n");
+}
+
+void tdm_train_levers_epoch(const tdm_train_run *r)
+{
+    const tdm_single *s = r->single;
+    if (!s) return;
+    if (s->clip_norm > 0.0) printf(", grad norm %.4g (last step)", s->last_norm);
+    if (s->scaler)
+        printf(", loss scale %g (%lld step%s skipped)", (double)s->scaler->scale,
+               (long long)s->scaler->skipped, s->scaler->skipped == 1 ? "" : "s");
+}
