@@ -101,7 +101,8 @@ Test(compare_plot, six_modes_every_curve_colour_and_legend_entry_shows, .timeout
         if (strcmp(name, "other (outside phases)")) {
             /* the column has a value above zero in some mode's row */
             int some = 0;
-            for (const char *line = strchr(phases, '\n'); line && line[1]; line = strchr(line + 1, '\n')) {
+            for (const char *line = strchr(phases, '\n'); line && line[1];
+                 line = strchr(line + 1, '\n')) {
                 const char *c = strchr(line + 2, '"') + 1;   /* after the mode's name */
                 double v = 0;
                 for (int k = 0; k <= col; k++) v = strtod(c, (char **)&c);

@@ -55,7 +55,8 @@ static const char *dx_find(const char *s)
             size_t w = strcspn(q, " ");
             const char *eq = memchr(q, '=', w);
             int env = eq && eq > q;
-            for (const char *c = q; env && c < eq; c++) env = isupper((unsigned char)*c) || *c == '_';
+            for (const char *c = q; env && c < eq; c++)
+                env = isupper((unsigned char)*c) || *c == '_';
             if (!env) break;
             q += w;
             while (*q == ' ') q++;
@@ -249,7 +250,8 @@ Test(doc_examples, every_documented_command_runs_and_does_what_it_says, .timeout
         dx_resolve(cmds[i].text, root, resolved, sizeof resolved);
         snprintf(sh, sizeof sh,
                  "cd '%s' && export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 && "
-                 "exec 2>&1 && %s%s", dir, resolved, !strcmp(r->rule, "short") ? dx_short(cmds[i].text) : "");
+                 "exec 2>&1 && %s%s", dir, resolved,
+                 !strcmp(r->rule, "short") ? dx_short(cmds[i].text) : "");
         FILE *p = popen(sh, "r");
         cr_assert_not_null(p);
         static char out[1 << 20];

@@ -865,7 +865,8 @@ static void tdm_st_throughput(tdm_st *t)
     double spread = (w[m] - w[1]) / med;
     t->samples_per_s = med;
     t->spread = spread;
-    tdm_st_fig(c, "DDP " TDM_ST_WINDOW_MODEL " on %s: median %.0f samples/s of %d windows of %s samples "
+    tdm_st_fig(c, "DDP " TDM_ST_WINDOW_MODEL " on %s: median %.0f samples/s of %d windows of "
+               "%s samples "
                "(min %.0f, max %.0f, spread %.1f%%)", t->device, med, m, TDM_ST_WINDOW_SAMPLES,
                w[1], w[m], 100.0 * spread);
     if (t->baseline) {
