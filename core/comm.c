@@ -655,6 +655,19 @@ tdm_status tdm_comm_alloc(tdm_comm *comm, size_t nbytes, void **ptr)
     return comm->ops->alloc(comm->impl, nbytes, ptr);
 }
 
+tdm_status tdm_comm_all_gather_host(tdm_comm *comm, const int32_t *mine, int32_t *all, size_t n)
+{
+    TDM_REQUIRE(comm && mine && all, TDM_STATUS_INVALID_ARG, "all-gather (host): NULL argument");
+    if (!comm->ops->host_copy) return tdm_comm_all_gather(comm, mine, all, n, TDM_DTYPE_INT32);
+    size_t bytes = n * sizeof *mine, total = bytes * (size_t)comm->size;
+    void *block = NULL;
+    TDM_CHECK(tdm_comm_alloc(comm, total + bytes, &block));
+    char *dev_all = block, *dev_mine = dev_all + total;
+    TDM_CHECK(comm->ops->host_copy(comm->impl, dev_mine, mine, bytes, 1));
+    TDM_CHECK(tdm_comm_all_gather(comm, dev_mine, dev_all, n, TDM_DTYPE_INT32));
+    return comm->ops->host_copy(comm->impl, all, dev_all, total, 0);
+}
+
 tdm_status tdm_comm_all_reduce_async(tdm_comm *comm, const void *sendbuf, void *recvbuf,
                                      size_t count, tdm_dtype dtype, tdm_redop op,
                                      tdm_comm_work **out)

@@ -80,6 +80,14 @@ typedef struct tdm_comm_ops {
      * fails tells the others through the parent before returning. NULL:
      * tdm_comm_split fails with TDM_STATUS_UNSUPPORTED. */
     tdm_status (*split)(void *impl, const tdm_comm_split_info *info, tdm_comm **out);
+    /* Optional, and required of a backend whose `run` takes device memory
+     * only (NCCL): copies nbytes between host memory and memory of its
+     * `alloc` (to_device 1: host src to dst; 0: src to host dst),
+     * complete when it returns. core/'s own exchanges of host values
+     * (tdm_comm_split's colors and keys) stage through it. NULL: `run`
+     * takes host memory. */
+    tdm_status (*host_copy)(void *impl, void *dst, const void *src, size_t nbytes,
+                            int to_device);
 } tdm_comm_ops;
 
 /* Wraps impl (owned from now on: destroyed by tdm_comm_free, or here on
@@ -103,5 +111,10 @@ tdm_status tdm_comm_set_job_ranks(tdm_comm *comm, const int *job_ranks);
 int tdm_comm_next_split(tdm_comm *comm);
 tdm_status tdm_comm_backend_split(tdm_comm *comm, const tdm_comm_split_info *info,
                                   tdm_comm **out);
+/* An all-gather of n int32 per rank in host memory (mine -> all, n * size
+ * values) on any backend: through the backend's host_copy and alloc'd
+ * memory where it has one (the staging block stays the backend's until
+ * the communicator is freed), else as tdm_comm_all_gather. */
+tdm_status tdm_comm_all_gather_host(tdm_comm *comm, const int32_t *mine, int32_t *all, size_t n);
 
 #endif

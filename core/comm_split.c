@@ -60,7 +60,8 @@ tdm_status tdm_comm_split_ex(tdm_comm *comm, int color, int key, const tdm_comm_
     }
     tdm_split_entry mine = {.color = color, .key = key};
     tdm_comm_set_label(comm, "comm split: colors and keys");
-    TDM_TRY(tdm_comm_all_gather(comm, &mine, all, 2, TDM_DTYPE_INT32));
+    /* host values: staged through a device-memory backend's own memory */
+    TDM_TRY(tdm_comm_all_gather_host(comm, (const int32_t *)&mine, (int32_t *)all, 2));
     int n = 0, new_rank = -1;
     if (color != TDM_COMM_SPLIT_UNDEFINED) {
         for (int r = 0; r < size; r++)

@@ -303,6 +303,28 @@ static void tdm_nccl_destroy(void *impl)
 
 static tdm_status tdm_nccl_split_op(void *impl, const tdm_comm_split_info *in, tdm_comm **out);
 
+/* Host values to or from the communicator's device memory, complete on
+ * return (on c->stream, then synchronised: a plain cudaMemcpy from
+ * pageable memory may return before its DMA lands, and the legacy stream
+ * orders nothing against a non-blocking one). Built, not run on a GPU. */
+static tdm_status tdm_nccl_host_copy_op(void *impl, void *dst, const void *src, size_t nbytes,
+                                        int to_device)
+{
+    tdm_nccl_impl *c = impl;
+    if (!nbytes) return TDM_STATUS_OK;
+    cudaError_t e = cudaSetDevice(c->device);
+    if (e == cudaSuccess)
+        e = cudaMemcpyAsync(dst, src, nbytes,
+                            to_device ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost,
+                            c->stream);
+    if (e == cudaSuccess) e = cudaStreamSynchronize(c->stream);
+    if (e != cudaSuccess)
+        return tdm_nccl_cuda_fail(to_device ? "cudaMemcpyAsync (host values to the device)"
+                                            : "cudaMemcpyAsync (host values from the device)",
+                                  c->device, e);
+    return TDM_STATUS_OK;
+}
+
 static const tdm_comm_ops tdm_nccl_ops = {
     .name = "nccl",
     .run = tdm_nccl_run,
@@ -312,6 +334,7 @@ static const tdm_comm_ops tdm_nccl_ops = {
     .destroy = tdm_nccl_destroy,
     .prepare = tdm_nccl_prepare,
     .split = tdm_nccl_split_op,
+    .host_copy = tdm_nccl_host_copy_op,
 };
 
 /* The id block broadcast from rank 0: ok flag, padding, the id. */

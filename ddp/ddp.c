@@ -426,6 +426,22 @@ tdm_status tdm_ddp_join(tdm_ddp *d, tdm_optim *opt, int64_t *shadowed)
 
 /* ---- optimizer step ---- */
 
+tdm_status tdm_ddp_grad_bufs(tdm_ddp *d, tdm_dist_grads *out)
+{
+    float *g = tdm_model_grads(d->m);
+    TDM_REQUIRE(g, TDM_STATUS_INVALID_ARG, "ddp grads: the model's flat gradient buffer was "
+                "released");
+    *out = (tdm_dist_grads){.bufs = malloc(sizeof(float *)), .n_elem = malloc(sizeof(int64_t)),
+                            .n_bufs = 1, .replicated = 1, .dev = d->dev, .comm = d->comm};
+    if (!out->bufs || !out->n_elem) {
+        tdm_dist_grads_free(out);
+        return tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "ddp grads: malloc");
+    }
+    out->bufs[0] = g;
+    out->n_elem[0] = tdm_model_param_elems(d->m);
+    return TDM_STATUS_OK;
+}
+
 tdm_status tdm_ddp_step(tdm_ddp *d, tdm_optim *opt)
 {
     uint64_t t0 = tdm_time_ns();

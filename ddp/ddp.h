@@ -217,6 +217,10 @@ tdm_status tdm_ddp_forward_global_scaled(tdm_ddp *d, const void *x, const int32_
  * communication error the communicator is aborted (the other ranks stop)
  * and the error names the failing rank. */
 tdm_status tdm_ddp_backward(tdm_ddp *d);
+/* The gradients the levers read after a synchronised backward (loss
+ * scaling, clipping: dist/step.h): the replica's whole flat gradient,
+ * alike on every rank (replicated). Local. */
+tdm_status tdm_ddp_grad_bufs(tdm_ddp *d, tdm_dist_grads *out);
 /* For a design that runs the model's backward itself (a pipeline stage,
  * whose backward starts from an activation's gradient rather than from a
  * loss this wrapper computed): a synchronised backward in two halves

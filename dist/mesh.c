@@ -113,8 +113,13 @@ tdm_status tdm_mesh_init(tdm_mesh **out, tdm_comm *world, const tdm_mesh_shape *
         int c[TDM_MESH_NDIMS];
         memcpy(c, m->coord, sizeof c);
         c[d] = 0;
+        /* shared memory where the dimension's use needs it: dp's (and
+         * tp's) collectives reduce in the parent's zero-copy arena; a
+         * pipeline's links and a group of one carry little (p2p: small
+         * slots, no arena) */
+        tdm_comm_split_opts so = {.p2p = d == TDM_MESH_PP || shape->size[d] == 1};
         tdm_comm_set_label(world, "mesh: %s groups", tdm_mesh_names[d]);
-        st = tdm_comm_split(world, tdm_mesh_rank_at(shape, c), m->coord[d], &m->comm[d]);
+        st = tdm_comm_split_ex(world, tdm_mesh_rank_at(shape, c), m->coord[d], &so, &m->comm[d]);
         if (st != TDM_STATUS_OK) {
             tdm_error_prefix(st, "mesh %s: the %s groups", buf, tdm_mesh_names[d]);
             goto fail;

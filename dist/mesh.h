@@ -58,7 +58,10 @@ typedef struct tdm_mesh tdm_mesh;
 
 /* Lays out world's ranks as shape (whose product must be world's size)
  * and splits world once per dimension. Collective over world. world is
- * borrowed: it must outlive the mesh. */
+ * borrowed: it must outlive the mesh. The dp and tp groups get world's
+ * collective staging and zero-copy arena; the pp groups and any group of
+ * one rank the split's p2p options (small slots, no arena: every call
+ * still works). */
 tdm_status tdm_mesh_init(tdm_mesh **out, tdm_comm *world, const tdm_mesh_shape *shape);
 /* Frees the sub-communicators. NULL is a no-op. */
 void tdm_mesh_free(tdm_mesh *m);

@@ -324,14 +324,37 @@ static int tdm_dist_forked_rank(tdm_comm *comm, void *arg)
     return st == TDM_STATUS_OK ? 0 : st == TDM_STATUS_USAGE ? 2 : 1;
 }
 
-/* world forked ranks, attempt after attempt while a rank's failure may
- * be restarted. */
-static tdm_status tdm_dist_run_forked(const tdm_dist_job *j, int world)
+/* The rank an attempt lost: the lowest one that ended by a signal (its
+ * own SIGKILL, a crash); -1 when every rank exited. */
+static int tdm_dist_culprit(const tdm_shm_spawn_result *res, int world)
 {
-    const tdm_dist_run_opts *o = j->o;
+    for (int r = 0; r < world; r++)
+        if (res->pid[r] > 0 && WIFSIGNALED(res->wstatus[r])) return r;
+    return -1;
+}
+
+/* The most ranks, at most left, that divide divides (a power of two). */
+static int tdm_dist_fit_world(int left, int divides)
+{
+    int to = 1;
+    while (to * 2 <= left && divides % (to * 2) == 0) to *= 2;
+    return to;
+}
+
+/* world forked ranks, attempt after attempt while a rank's failure may
+ * be restarted (on fewer ranks, with opts.min_world). */
+static tdm_status tdm_dist_run_forked(const tdm_dist_job *j0, int world)
+{
+    const tdm_dist_run_opts *o = j0->o;
     const tdm_dist_watch *w = o->watch;
+    tdm_device_list dl = *o->devices;   /* a resize leaves the failed rank's device out */
+    tdm_dist_run_opts oo = *o;
+    oo.devices = &dl;
+    tdm_dist_job jj = *j0;
+    jj.o = &oo;
+    const tdm_dist_job *j = &jj;
     tdm_mesh_shape shape;
-    int role;
+    int role, last_culprit = -1;
     TDM_CHECK(tdm_dist_layout(j, world, -1, &shape, &role));
     for (int attempt = 0;; attempt++) {
         tdm_dist_restart_count_set(attempt);
@@ -346,13 +369,31 @@ static tdm_status tdm_dist_run_forked(const tdm_dist_job *j, int world)
         tdm_status st = tdm_dist_spawn(world, tdm_dist_forked_rank, (void *)j, &so, &res);
         char why[TDM_ERROR_MSG_MAX];
         snprintf(why, sizeof why, "%s", st ? tdm_error_message() : "");
+        /* the same rank lost twice in a row: resize, or stop */
+        int culprit = st == TDM_STATUS_PEER_FAILED ? tdm_dist_culprit(&res, world) : -1;
+        int resize = o->min_world > 0 && culprit >= 0 && culprit == last_culprit;
+        int left = world - 1, to = resize ? tdm_dist_fit_world(left, o->world_divides) : world;
+        int too_few = resize && to < o->min_world;
         /* a rank's failure is restarted, not a signal to this process
          * (Ctrl-C reaches the ranks too: they die of it, and so do we) */
-        int last = st != TDM_STATUS_PEER_FAILED || attempt >= o->max_restarts;
+        int last = st != TDM_STATUS_PEER_FAILED || attempt >= o->max_restarts || too_few;
+        if (too_few && !(attempt >= o->max_restarts) && w && w->resize)
+            w->resize(w->ctx, culprit, world, 0, left);   /* said at the end */
         if (w && w->end) w->end(w->ctx, st, world, &res, last);
         if (st == TDM_STATUS_OK) return st;
         tdm_error_set(st, "%s", why);   /* the watch's reads may have replaced it */
         if (last) return st;
+        last_culprit = culprit;
+        if (resize) {
+            if (w && w->resize) w->resize(w->ctx, culprit, world, to, left);
+            if (dl.count > 1) {
+                for (int r = culprit; r + 1 < dl.count; r++) dl.index[r] = dl.index[r + 1];
+                dl.count--;
+            }
+            world = to;
+            last_culprit = -1;
+            TDM_CHECK(tdm_dist_layout(j, world, -1, &shape, &role));
+        }
         if (o->save && o->resume && access(o->save, F_OK) == 0) *o->resume = o->save;
         int ms = tdm_dist_backoff(attempt + 1);
         if (w && w->restart)

@@ -138,6 +138,11 @@ typedef struct tdm_dist_watch {
      * ranks resume from (NULL: the start) */
     void (*restart)(void *ctx, int attempt, long long max_restarts, int backoff_ms,
                     const char *resume);
+    /* elastic resize (opts.min_world): rank `failed` failed on two
+     * attempts in a row; the next runs on `to` ranks instead of `from`
+     * without its device, or (to == 0) none can: left ranks were left,
+     * below opts.min_world, and the run ends. May be NULL. */
+    void (*resize)(void *ctx, int failed, int from, int to, int left);
 } tdm_dist_watch;
 
 typedef struct tdm_dist_run_opts {
@@ -156,6 +161,14 @@ typedef struct tdm_dist_run_opts {
     size_t arena_bytes;          /* shm arena per rank (zero-copy gradients; also an MPI
                                     job's shm segment) */
     long long max_restarts;      /* restarts after a rank's failure (PEER_FAILED) */
+    /* Elastic resize of forked ranks: when the same rank (the lowest one
+     * killed by a signal) fails on two attempts in a row, the next
+     * attempt leaves its device out and runs on the most ranks that are
+     * at most those left and divide world_divides (a power of two:
+     * --deterministic's K), never fewer than min_world (else the run
+     * ends). min_world 0: never. */
+    int min_world;
+    int world_divides;
     const char *save;            /* a checkpoint the ranks write: once it exists, a restart
                                     resumes from it */
     const char **resume;         /* set to save before such a restart (the ranks read it) */

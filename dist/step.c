@@ -4,8 +4,18 @@
 
 #include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 
 #include "dist/batch.h"
+#include "models/clip.h"
+#include "models/precision.h"
+
+void tdm_dist_grads_free(tdm_dist_grads *g)
+{
+    free(g->bufs);
+    free(g->n_elem);
+    *g = (tdm_dist_grads){0};
+}
 
 tdm_status tdm_dist_diverged(tdm_comm *comm, int rank, int64_t step, double loss,
                              const char *where)
@@ -102,6 +112,39 @@ static void tdm_dist_step_begin(tdm_dist_stepper *s)
     if (s->before) s->before(s->before_ctx, s->begun);
 }
 
+/* The levers between the backward's collectives and the step: the
+ * gradients this rank holds unscaled, found-inf ORed over the ranks,
+ * the global norm clipped; *found_inf: every rank's verdict. */
+static tdm_status tdm_dist_step_levers(tdm_dist_stepper *s, int *found_inf)
+{
+    *found_inf = 0;
+    int clip = s->clip_norm > 0.0 || s->measure_norm;
+    if (!s->scaler && !clip && !s->after_backward) return TDM_STATUS_OK;
+    TDM_REQUIRE(s->ops->grads, TDM_STATUS_UNSUPPORTED,
+                "loss scaling and gradient clipping need the design's gradients (its grads op)");
+    tdm_dist_grads g = {0};
+    TDM_CHECK(s->ops->grads(s->w, &g));
+    tdm_status st = TDM_STATUS_OK;
+    if (s->after_backward) s->after_backward(s->before_ctx, s->begun, &g);
+    for (int i = 0; s->scaler && st == TDM_STATUS_OK && i < g.n_bufs; i++) {
+        int inf = 0;
+        if (g.n_elem[i] > 0)
+            st = tdm_grad_scaler_unscale(s->scaler, g.dev, g.bufs[i], g.n_elem[i], &inf);
+        *found_inf |= inf;
+    }
+    /* replicas agree already when the inf came through the all-reduce;
+     * one planted after it (or a shard's) must still stop every rank */
+    if (s->scaler && st == TDM_STATUS_OK)
+        st = tdm_grad_scaler_sync_found_inf(g.comm, g.dev, found_inf);
+    if (clip && st == TDM_STATUS_OK && !*found_inf)
+        st = g.replicated ? tdm_clip_grad_norm_bufs(g.dev, g.bufs, g.n_elem, g.n_bufs,
+                                                    s->clip_norm, &s->last_norm)
+                          : tdm_clip_grad_norm_comm(g.comm, g.dev, g.bufs, g.n_elem, g.n_bufs,
+                                                    s->clip_norm, &s->last_norm);
+    tdm_dist_grads_free(&g);
+    return st;
+}
+
 tdm_status tdm_dist_step(void *stepper, const void *x, const int32_t *y, int batch,
                          double *loss_mean)
 {
@@ -111,9 +154,21 @@ tdm_status tdm_dist_step(void *stepper, const void *x, const int32_t *y, int bat
     tdm_dist_step_begin(s);
     tdm_status st = s->ops->zero_grad(s->w);
     if (st) return tdm_dist_step_fail(s, st);
-    TDM_CHECK(tdm_dist_step_forward(s, x, y, batch, global, 1.0f / (float)global, 0, &ls));
-    if ((st = s->ops->backward(s->w)) || (st = s->ops->step(s->w, s->opt)))
+    /* the loss scale times 1/B, one rounding (exact for the scaler's
+     * powers of two), as tdm_single_step */
+    float lscale = s->scaler ? tdm_grad_scaler_scale(s->scaler) : 1.0f;
+    TDM_CHECK(tdm_dist_step_forward(s, x, y, batch, global, lscale / (float)global, 0, &ls));
+    int found_inf = 0;
+    if ((st = s->ops->backward(s->w)) || (st = tdm_dist_step_levers(s, &found_inf)))
         return tdm_dist_step_fail(s, st);
+    /* a skipped step still runs the design's step (its gathers of the
+     * unchanged shards), around an update that does not happen */
+    tdm_optim_set_skip(s->opt, found_inf);
+    st = s->ops->step(s->w, s->opt);
+    tdm_optim_set_skip(s->opt, 0);
+    if (st) return tdm_dist_step_fail(s, st);
+    if (s->scaler) tdm_grad_scaler_update(s->scaler, found_inf);
+    s->last_skipped = found_inf;
     *loss_mean = s->ops->loss_sum(s->w) / global;   /* carried by the gradient collectives */
     return TDM_STATUS_OK;
 }

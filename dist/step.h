@@ -34,6 +34,24 @@ extern "C" {
 #endif
 
 typedef struct tdm_dist_ops tdm_dist_ops;
+
+/* The gradients a rank holds after a synchronised backward, which the
+ * memory levers read and scale (loss scaling's unscale and found-inf
+ * check, clipping): n_bufs buffers of dev's memory. replicated: every
+ * rank holds the same whole gradient (DDP after its all-reduce); else
+ * each holds a disjoint part, together the whole (FSDP/ZeRO shards).
+ * comm: the design's collectives on dev's memory. bufs and n_elem are
+ * malloc'd by the design's grads op; tdm_dist_grads_free frees them. */
+typedef struct tdm_dist_grads {
+    float **bufs;
+    int64_t *n_elem;
+    int n_bufs;
+    int replicated;
+    tdm_device *dev;
+    tdm_comm *comm;
+} tdm_dist_grads;
+void tdm_dist_grads_free(tdm_dist_grads *g);
+
 /* w is the design's wrapper (a tdm_ddp, a tdm_fsdp); opt its optimizer
  * (over what this rank holds: the replica, or its shards). */
 struct tdm_dist_ops {
@@ -49,6 +67,9 @@ struct tdm_dist_ops {
                                double *loss_mean);
     void (*no_sync)(void *w, int enable);     /* local: backward accumulates, no collective */
     tdm_status (*backward)(void *w);
+    /* The gradients this rank holds after the last synchronised backward
+     * (above). Local. */
+    tdm_status (*grads)(void *w, tdm_dist_grads *out);
     tdm_status (*step)(void *w, tdm_optim *opt);
     /* Every rank's loss sum of the forwards the last synchronised
      * backward reduced (carried by its collectives). Local. */
@@ -66,12 +87,20 @@ struct tdm_dist_ops {
      * every design and by one device), and reading one. */
     tdm_status (*save)(void *w, const char *path, tdm_optim *opt, const tdm_ckpt_info *info);
     tdm_status (*load)(void *w, const char *path, tdm_optim *opt, tdm_ckpt_info *info);
+    /* --deterministic (dist/det.h), for a design whose gradients are not
+     * the model's flat buffer (the sharded ones): this rank's local
+     * gradient of the backwards since zero_grad, in the model's flat
+     * layout, into host (tdm_model_param_elems floats); and the reduced
+     * gradient at host (the same layout) made what the next step applies
+     * (the local one dropped). Local. NULL: the model's flat gradients. */
+    tdm_status (*local_grads)(void *w, float *host);
+    tdm_status (*set_grads)(void *w, const float *host);
 };
 
 /* The ops of a design whose calls follow DDP's names and arguments
  * (tdm_<P>_zero_grad, _forward_scaled, _forward, _no_sync, _backward,
- * _step, _loss_sum, _join, _evaluate, _eval_loss on a T *), SAVE and LOAD
- * being its checkpoint calls (T *, path, opt, info): defines the adapters
+ * _grad_bufs, _step, _loss_sum, _join, _evaluate, _eval_loss on a T *),
+ * SAVE and LOAD being its checkpoint calls (T *, path, opt, info): defines the adapters
  * and `const tdm_dist_ops tdm_<P>_dist_ops`, which the design's header
  * declares. Used once, in the design's own .c file. */
 #define TDM_DIST_OPS_ROWS_(T, NAME, FN)                                                       \
@@ -80,6 +109,9 @@ struct tdm_dist_ops {
         return FN((T *)w, x, y, n, out);                                                      \
     }
 #define TDM_DIST_OPS_DEFINE(P, T, SAVE, LOAD)                                                 \
+    TDM_DIST_OPS_DEFINE_WITH(P, T, SAVE, LOAD, .local_grads = NULL)
+/* The same, with more of the ops (designated initializers) after them. */
+#define TDM_DIST_OPS_DEFINE_WITH(P, T, SAVE, LOAD, ...)                                       \
     static tdm_status tdm_##P##_ops_zero(void *w) { return tdm_##P##_zero_grad((T *)w); }    \
     static tdm_status tdm_##P##_ops_forward(void *w, const void *x, const int32_t *y, int n,  \
                                             float scale, double *loss_sum)                    \
@@ -89,6 +121,10 @@ struct tdm_dist_ops {
     TDM_DIST_OPS_ROWS_(T, tdm_##P##_ops_forward_mean, tdm_##P##_forward)                      \
     static void tdm_##P##_ops_no_sync(void *w, int on) { tdm_##P##_no_sync((T *)w, on); }    \
     static tdm_status tdm_##P##_ops_backward(void *w) { return tdm_##P##_backward((T *)w); } \
+    static tdm_status tdm_##P##_ops_grads(void *w, tdm_dist_grads *g)                         \
+    {                                                                                         \
+        return tdm_##P##_grad_bufs((T *)w, g);                                                \
+    }                                                                                         \
     static tdm_status tdm_##P##_ops_step(void *w, tdm_optim *opt)                             \
     {                                                                                         \
         return tdm_##P##_step((T *)w, opt);                                                   \
@@ -117,10 +153,11 @@ struct tdm_dist_ops {
     const tdm_dist_ops tdm_##P##_dist_ops = {                                                 \
         .zero_grad = tdm_##P##_ops_zero, .forward = tdm_##P##_ops_forward,                    \
         .forward_mean = tdm_##P##_ops_forward_mean, .no_sync = tdm_##P##_ops_no_sync,         \
-        .backward = tdm_##P##_ops_backward, .step = tdm_##P##_ops_step,                       \
+        .backward = tdm_##P##_ops_backward, .grads = tdm_##P##_ops_grads,                     \
+        .step = tdm_##P##_ops_step,                                                           \
         .loss_sum = tdm_##P##_ops_loss_sum, .join = tdm_##P##_ops_join,                       \
         .evaluate = tdm_##P##_ops_evaluate, .eval_loss = tdm_##P##_ops_eval_loss,             \
-        .save = tdm_##P##_ops_save, .load = tdm_##P##_ops_load}
+        .save = tdm_##P##_ops_save, .load = tdm_##P##_ops_load, __VA_ARGS__}
 
 /* A training step's context: the design's ops over its wrapper, and where
  * the rank stands. Zero-initialise, then fill. */
@@ -143,14 +180,31 @@ typedef struct tdm_dist_stepper {
     void (*before)(void *ctx, int64_t step);
     void *before_ctx;
     int64_t begun;               /* optimizer steps begun (before's count) */
+    /* The memory levers (zero: off), as tdm_single's (models/train.h):
+     * with a scaler the loss gradient is scaled, the gradients this rank
+     * holds are unscaled after the backward's collectives, the found-inf
+     * flag ORed over every rank (tdm_grad_scaler_sync_found_inf) and the
+     * step skipped on all of them alike; clip_norm > 0 clips the global
+     * norm (a replica alone, shards through one all-reduce: models/clip.h)
+     * before the step; measure_norm measures it without clipping. */
+    struct tdm_grad_scaler *scaler;   /* borrowed */
+    double clip_norm;
+    int measure_norm;
+    double last_norm;            /* the last step's global gradient norm */
+    int last_skipped;            /* 1: the last step was skipped on every rank */
+    /* Test hook, after the backward and before the levers read the
+     * gradients (a planted inf); ctx: before_ctx. May be NULL. */
+    void (*after_backward)(void *ctx, int64_t step, const tdm_dist_grads *g);
 } tdm_dist_stepper;
 
 /* A tdm_train_step_fn (models/train.h) over a tdm_dist_stepper: one
  * optimizer step over a global batch of `batch` samples at x, y (see
  * own_rows): zero_grad; the forward of this rank's rows, the loss
- * gradient scaled by 1/batch so that the sum over ranks is exactly the
- * global batch's mean-loss gradient, uneven shares included; the finite
- * check; backward; the optimizer step. *loss_mean: the global batch's
+ * gradient scaled by 1/batch (times the loss scale) so that the sum over
+ * ranks is exactly the global batch's mean-loss gradient, uneven shares
+ * included; the finite check; backward; the levers (unscale, found-inf
+ * over the ranks, clipping); the optimizer step (skipped, the design's
+ * step still run, when found-inf). *loss_mean: the global batch's
  * mean loss (every rank's, carried by the gradients' collectives). */
 tdm_status tdm_dist_step(void *stepper, const void *x, const int32_t *y, int batch,
                          double *loss_mean);

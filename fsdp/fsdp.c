@@ -546,6 +546,23 @@ tdm_status tdm_fsdp_backward(tdm_fsdp *f)
 
 /* ---- the optimizer step ---- */
 
+tdm_status tdm_fsdp_grad_bufs(tdm_fsdp *f, tdm_dist_grads *out)
+{
+    int n = f->nu > 0 ? f->nu : 1;
+    *out = (tdm_dist_grads){.bufs = calloc((size_t)n, sizeof(float *)),
+                            .n_elem = calloc((size_t)n, sizeof(int64_t)), .n_bufs = f->nu,
+                            .replicated = 0, .dev = f->dev, .comm = f->comm};
+    if (!out->bufs || !out->n_elem) {
+        tdm_dist_grads_free(out);
+        return tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "fsdp grads: %d units", f->nu);
+    }
+    for (int u = 0; u < f->nu; u++) {
+        out->bufs[u] = tdm_fsdp_gshard(f, u);
+        out->n_elem[u] = f->u[u].shard;
+    }
+    return TDM_STATUS_OK;
+}
+
 tdm_status tdm_fsdp_step(tdm_fsdp *f, tdm_optim *opt)
 {
     TDM_REQUIRE(opt && tdm_optim_n_elem(opt) == f->shard_elems, TDM_STATUS_INVALID_ARG,
@@ -669,4 +686,14 @@ void tdm_fsdp_get_memory(const tdm_fsdp *f, const tdm_optim *opt, tdm_fsdp_memor
 
 void tdm_fsdp_reset_peak(tdm_fsdp *f) { f->pool.peak = f->pool.live; }
 
-TDM_DIST_OPS_DEFINE(fsdp, tdm_fsdp, tdm_fsdp_save_full, tdm_fsdp_load);
+static tdm_status tdm_fsdp_ops_local_grads(void *w, float *host)
+{
+    return tdm_fsdp_local_grads((tdm_fsdp *)w, host);
+}
+static tdm_status tdm_fsdp_ops_set_grads(void *w, const float *host)
+{
+    return tdm_fsdp_set_grads((tdm_fsdp *)w, host);
+}
+TDM_DIST_OPS_DEFINE_WITH(fsdp, tdm_fsdp, tdm_fsdp_save_full, tdm_fsdp_load,
+                         .local_grads = tdm_fsdp_ops_local_grads,
+                         .set_grads = tdm_fsdp_ops_set_grads);

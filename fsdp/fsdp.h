@@ -199,6 +199,11 @@ tdm_status tdm_fsdp_forward(tdm_fsdp *f, const void *x, const int32_t *y, int ba
  * communicator is aborted (the other ranks stop) and the error names the
  * collective, the unit and the failing rank. */
 tdm_status tdm_fsdp_backward(tdm_fsdp *f);
+/* The gradients the levers read after a synchronised backward (loss
+ * scaling, clipping: dist/step.h): this rank's gradient shard of each
+ * unit, disjoint from every other rank's (padding included, zeros).
+ * Local. */
+tdm_status tdm_fsdp_grad_bufs(tdm_fsdp *f, tdm_dist_grads *out);
 /* Sum over all ranks of the per-sample losses of the forwards reduced by
  * the last synchronised backward. */
 double tdm_fsdp_loss_sum(const tdm_fsdp *f);
@@ -263,6 +268,14 @@ tdm_status tdm_fsdp_gather_params(tdm_fsdp *f, float *host_out, int root);
  * the shards, in the model's flat layout (host memory) on root, or on
  * every rank when root < 0. Collective. */
 tdm_status tdm_fsdp_gather_grads(tdm_fsdp *f, float *host_out, int root);
+
+/* --deterministic K (dist/det.h): the local gradient the no_sync
+ * backwards since zero_grad accumulated, in the model's flat layout, into
+ * host (tdm_model_param_elems floats); and a gradient reduced elsewhere
+ * (host, the same layout) written into this rank's shards as what the
+ * next tdm_fsdp_step applies, the local one dropped. Not collective. */
+tdm_status tdm_fsdp_local_grads(tdm_fsdp *f, float *host);
+tdm_status tdm_fsdp_set_grads(tdm_fsdp *f, const float *host);
 
 /* ---- timings ---- */
 

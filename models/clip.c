@@ -84,6 +84,19 @@ tdm_status tdm_clip_grad_norm(tdm_model *m, double max_norm, double *total_norm)
     return st;
 }
 
+tdm_status tdm_clip_grad_norm_bufs(tdm_device *dev, float *const *grads, const int64_t *n_elem,
+                                   int n_bufs, double max_norm, double *total_norm)
+{
+    double sq = 0.0, part;
+    for (int i = 0; i < n_bufs; i++) {
+        TDM_CHECK(tdm_clip_sumsq(dev, grads[i], n_elem[i], &part));
+        sq += part;
+    }
+    double total = sqrt(sq);
+    if (total_norm) *total_norm = total;
+    return tdm_clip_apply(dev, grads, n_elem, n_bufs, max_norm, total);
+}
+
 tdm_status tdm_clip_grad_norm_comm(tdm_comm *comm, tdm_device *dev, float *const *grads,
                                    const int64_t *n_elem, int n_bufs, double max_norm,
                                    double *total_norm)

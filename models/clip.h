@@ -33,6 +33,10 @@ tdm_status tdm_clip_sumsq(tdm_device *dev, const float *x, int64_t n_elem, doubl
  * m's gradients (max_norm <= 0: only measured, nothing scaled). */
 tdm_status tdm_clip_grad_norm(tdm_model *m, double max_norm, double *total_norm);
 
+/* tdm_clip_grad_norm over n_bufs buffers of dev's memory instead of a
+ * model's: the whole gradient, held here (one device, or a replica). */
+tdm_status tdm_clip_grad_norm_bufs(tdm_device *dev, float *const *grads, const int64_t *n_elem,
+                                   int n_bufs, double max_norm, double *total_norm);
 /* Ranks that each hold a disjoint part of the gradient (ZeRO-2/FSDP
  * shards, pipeline stages, tensor-parallel slices): the local sum of
  * squares over the n_bufs buffers (device memory of dev), one all-reduce

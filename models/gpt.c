@@ -535,8 +535,6 @@ static tdm_status tdm_gpt_run_forward(tdm_model *m, const void *x, int B, int Tr
         int pf = tdm_gpt_p_lnf(g);
         TDM_CHECK(tdm_model_raise_use(m, TDM_MODEL_USE_FORWARD, pf, pf + 1));
         if (tdm_model_low(m)) {
-            TDM_CHECK(tdm_model_raise_use(m, TDM_MODEL_USE_FORWARD, g->p_head, g->p_head));
-            TDM_CHECK(tdm_model_cast_params(m, g->p_head, g->p_head));
             TDM_CHECK(tdm_gpt_head_forward_low(m, res, B, Tr));
         } else {
             TDM_CHECK(tdm_dev_layernorm_fwd(d, res, tdm_gpt_param(m, pf),
@@ -685,20 +683,19 @@ static tdm_status tdm_gpt_backward(tdm_model *m, const float *dy)
         TDM_CHECK(tdm_model_raise_use(m, TDM_MODEL_USE_BACKWARD, g->p_head, g->p_head));
         int head_layer = tdm_gpt_layer(g, g->b1, 0) + 1;
         int pf = tdm_gpt_p_lnf(g);
-        if (low) {
-            TDM_CHECK(tdm_model_raise_use(m, TDM_MODEL_USE_BACKWARD, pf, pf + 1));
-            TDM_CHECK(tdm_gpt_head_backward_low(m, res_last, dy, B, Tr));
-            if (!g->has_emb) tdm_gpt_hook(m, head_layer);
-        } else {
+        /* in both precisions the head is done with before ln_f's use is
+         * raised (a sharded model gathers one unit at a time) */
+        if (low)
+            TDM_CHECK(tdm_gpt_head_backward_low(m, dy, B, Tr));
+        else
             TDM_CHECK(tdm_layers_linear_bwd(d, a->lnf, tdm_gpt_param(m, g->p_head), dy, g->ones,
                                             N, C, g->V, tdm_gpt_grad(m, g->p_head), NULL, g->dln,
                                             0));
-            if (!g->has_emb) tdm_gpt_hook(m, head_layer);
-            TDM_CHECK(tdm_model_raise_use(m, TDM_MODEL_USE_BACKWARD, pf, pf + 1));
-            TDM_CHECK(tdm_dev_layernorm_bwd(d, res_last, g->dln, tdm_gpt_param(m, pf),
-                                            a->lnf_mean, a->lnf_rstd, g->dres,
-                                            tdm_gpt_grad(m, pf), tdm_gpt_grad(m, pf + 1), N, C));
-        }
+        if (!g->has_emb) tdm_gpt_hook(m, head_layer);
+        TDM_CHECK(tdm_model_raise_use(m, TDM_MODEL_USE_BACKWARD, pf, pf + 1));
+        TDM_CHECK(tdm_dev_layernorm_bwd(d, res_last, g->dln, tdm_gpt_param(m, pf), a->lnf_mean,
+                                        a->lnf_rstd, g->dres, tdm_gpt_grad(m, pf),
+                                        tdm_gpt_grad(m, pf + 1), N, C));
         tdm_gpt_hook(m, head_layer - 1);
     } else {
         TDM_CHECK(tdm_dev_copy(d, g->dres, dy, (size_t)N * C * sizeof(float)));

@@ -101,12 +101,12 @@ void tdm_gpt_hook(tdm_model *m, int layer);
  * the stream res (B windows of Tr), writing its kept tensors and res2;
  * its backward from g->dres (the gradient of res2), leaving the gradient
  * of its input in g->dres, calling the hooks; the final LayerNorm and the
- * head: forward (the set's logits) and backward (from dlogits, leaving
- * the stream's gradient in g->dres). */
+ * head: forward (the set's logits; raises the head's use after ln_f's)
+ * and the head's backward (from dlogits, leaving ln_f's output gradient
+ * in g->dln: the caller runs ln_f's backward, as in float32). */
 tdm_status tdm_gpt_block_forward_low(tdm_model *m, int l, const float *res, int B, int Tr);
 tdm_status tdm_gpt_block_backward_low(tdm_model *m, int l, const float *res_in, int B, int Tr);
 tdm_status tdm_gpt_head_forward_low(tdm_model *m, const float *res, int B, int Tr);
-tdm_status tdm_gpt_head_backward_low(tdm_model *m, const float *res, const float *dlogits, int B,
-                                     int Tr);
+tdm_status tdm_gpt_head_backward_low(tdm_model *m, const float *dlogits, int B, int Tr);
 
 #endif

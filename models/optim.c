@@ -25,6 +25,7 @@ struct tdm_optim {
     tdm_device *sdev;       /* borrowed dev, or owned: the host device of an offload */
     float *h_param, *h_grad; /* staging on sdev, h_elems each */
     int64_t h_elems;
+    int skip;               /* tdm_optim_set_skip: steps leave everything as it is */
 };
 
 void tdm_optim_opts_default(tdm_optim_opts *o, tdm_optim_kind kind)
@@ -227,6 +228,7 @@ tdm_status tdm_optim_step(tdm_optim *o)
                 "optimizer: this one covers a shard, not a model: step it with "
                 "tdm_optim_step_ranges");
     TDM_CHECK(tdm_optim_check_steps(o));
+    if (o->skip) return TDM_STATUS_OK;
     tdm_optim_apply_schedule(o);
     tdm_optim_range r = {.param = tdm_model_params(m), .grad = tdm_model_grads(m),
                          .state_offset = 0, .n_elem = tdm_model_param_elems(m)};
@@ -241,6 +243,7 @@ tdm_status tdm_optim_step(tdm_optim *o)
 tdm_status tdm_optim_step_ranges(tdm_optim *o, const tdm_optim_range *ranges, int n_ranges)
 {
     TDM_CHECK(tdm_optim_check_steps(o));
+    if (o->skip) return TDM_STATUS_OK;
     tdm_optim_apply_schedule(o);
     TDM_REQUIRE(n_ranges >= 0 && (n_ranges == 0 || ranges), TDM_STATUS_INVALID_ARG,
                 "optimizer: %d ranges", n_ranges);
@@ -301,3 +304,6 @@ size_t tdm_optim_state_bytes(const tdm_optim *o)
 {
     return (size_t)o->n_state * (size_t)o->n_elem * sizeof(float);
 }
+
+void tdm_optim_set_skip(tdm_optim *o, int skip) { o->skip = skip != 0; }
+int tdm_optim_skipping(const tdm_optim *o) { return o->skip; }

@@ -92,6 +92,14 @@ int64_t tdm_optim_n_elem(const tdm_optim *o);
 int64_t tdm_optim_steps(const tdm_optim *o);
 void tdm_optim_set_steps(tdm_optim *o, int64_t steps);
 void tdm_optim_set_lr(tdm_optim *o, float lr);
+/* A step skipped as a whole (a loss scaler found inf or NaN gradients,
+ * models/precision.h): while skip is 1, tdm_optim_step and
+ * tdm_optim_step_ranges change nothing - parameters, state, step count
+ * and learning rate stay as they are - so that a design's step (which
+ * may gather its shards after the update) runs unchanged around an
+ * update that does not happen. */
+void tdm_optim_set_skip(tdm_optim *o, int skip);
+int tdm_optim_skipping(const tdm_optim *o);
 
 /* Learning-rate schedules. tdm_optim_step sets the rate of each step from
  * the step count before it (so a resumed run, whose count comes from the

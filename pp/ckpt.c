@@ -18,7 +18,10 @@ static tdm_status tdm_pp_gather_one(tdm_pp *p, const float *dev_src, int64_t n, 
 {
     tdm_status st = TDM_STATUS_OK;
     float *mine = malloc((size_t)(n ? n : 1) * sizeof *mine);
-    TDM_REQUIRE(mine, TDM_STATUS_OUT_OF_MEMORY, "pp gather: %lld floats", (long long)n);
+    if (!mine) {
+        st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "pp gather: %lld floats", (long long)n);
+        goto fail;
+    }
     if (n) TDM_TRY(tdm_dev_copy_to_host(p->dev, mine, dev_src, (size_t)n * sizeof *mine));
     for (int r = 0; r < p->S; r++) {
         int64_t meta[2] = {off, n};
@@ -42,11 +45,25 @@ fail:
     return st;
 }
 
+/* Whether the root can take a gather (ok on the root; the others pass 1),
+ * agreed before anything is sent: a gather the root refuses is refused on
+ * every stage, and leaves no message queued for the next one. */
+static tdm_status tdm_pp_gather_agree(tdm_pp *p, int ok, int root, const char *what)
+{
+    int32_t v = ok;
+    tdm_comm_set_label(p->hcomm, "pp gather: root ready");
+    tdm_status st = tdm_comm_broadcast(p->hcomm, &v, &v, 1, TDM_DTYPE_INT32, root);
+    if (st) return tdm_pp_fail(p, st, "gathering");
+    TDM_REQUIRE(v, TDM_STATUS_INVALID_ARG, "pp gather: %s %s; nothing was sent",
+                p->s == root ? "the root (this stage) has no" : "the root stage has no", what);
+    return TDM_STATUS_OK;
+}
+
 tdm_status tdm_pp_gather_params(tdm_pp *p, float *full, int root)
 {
     TDM_REQUIRE(root >= 0 && root < p->S, TDM_STATUS_INVALID_ARG,
                 "pp gather: root %d out of range (%d stages)", root, p->S);
-    TDM_REQUIRE(p->s != root || full, TDM_STATUS_INVALID_ARG, "pp gather: root needs a buffer");
+    TDM_CHECK(tdm_pp_gather_agree(p, p->s != root || full, root, "a buffer"));
     return tdm_pp_gather_one(p, tdm_model_params(p->m), p->info.slice_elems,
                              p->info.slice_offset, full, root, "parameters");
 }
@@ -55,22 +72,23 @@ tdm_status tdm_pp_gather_state(tdm_pp *p, tdm_ckpt_host *h, int root)
 {
     TDM_REQUIRE(root >= 0 && root < p->S, TDM_STATUS_INVALID_ARG,
                 "pp gather: root %d out of range (%d stages)", root, p->S);
-    TDM_REQUIRE(p->s != root || (h && h->params), TDM_STATUS_INVALID_ARG,
-                "pp gather: root needs host arrays");
     /* every stage runs the same gathers: the root's h decides which, so
-     * the others learn it first */
-    int32_t want[2] = {h && h->buffers, h && h->optim};
+     * the others learn it first, with whether the root can take them */
+    int32_t want[3] = {p->s != root || (h && h->params), h && h->buffers, h && h->optim};
     tdm_comm_set_label(p->hcomm, "pp gather: what");
-    tdm_status st = tdm_comm_broadcast(p->hcomm, want, want, 2, TDM_DTYPE_INT32, root);
+    tdm_status st = tdm_comm_broadcast(p->hcomm, want, want, 3, TDM_DTYPE_INT32, root);
     if (st) return tdm_pp_fail(p, st, "gathering the state");
+    TDM_REQUIRE(want[0], TDM_STATUS_INVALID_ARG,
+                "pp gather: %s no host arrays for the state; nothing was sent",
+                p->s == root ? "the root (this stage) has" : "the root stage has");
     int me = p->s == root;
     TDM_CHECK(tdm_pp_gather_one(p, tdm_model_params(p->m), p->info.slice_elems,
                                 p->info.slice_offset, me ? h->params : NULL, root, "parameters"));
-    if (want[0])
+    if (want[1])
         TDM_CHECK(tdm_pp_gather_one(p, tdm_model_buffers(p->m), tdm_model_buffer_elems(p->m),
                                     p->info.buffer_offset, me ? h->buffers : NULL, root,
                                     "buffers"));
-    if (want[1]) {
+    if (want[2]) {
         for (int i = 0; i < tdm_optim_n_state(p->opt); i++)
             TDM_CHECK(tdm_pp_gather_one(p, tdm_optim_state(p->opt, i), p->info.slice_elems,
                                         p->info.slice_offset, me ? h->state[i] : NULL, root,

@@ -38,6 +38,7 @@ tdm_status tdm_pp_fail(tdm_pp *p, tdm_status st, const char *fmt, ...)
     va_start(ap, fmt);
     vsnprintf(what, sizeof what, fmt, ap);
     va_end(ap);
+    p->failed = 1;
     tdm_error_prefix(st, "pp stage %d of %d: %s", p->s, p->S, what);
     /* the other stages may be waiting for this one */
     char why[TDM_ERROR_MSG_MAX];
@@ -180,6 +181,11 @@ tdm_status tdm_pp_init(tdm_pp **out, tdm_comm *comm, tdm_device *dev, const tdm_
                 "pp: unknown schedule %d", (int)opts->schedule);
     TDM_REQUIRE(!opts->grad_sync.begin == !opts->grad_sync.end, TDM_STATUS_INVALID_ARG,
                 "pp: grad_sync needs both begin and end");
+    /* pp/ckpt.c gathers and loads the optimizer's state with the stage's
+     * device, which host-offloaded state is not */
+    TDM_REQUIRE(opts->optim.offload == TDM_OPTIM_OFFLOAD_NONE, TDM_STATUS_UNSUPPORTED,
+                "pp: optimizer offload is not supported by the pipeline (its stages hold only "
+                "their own layers' state already)");
     int S = tdm_comm_size(comm), n = 0;
     TDM_REQUIRE(!opts->host_comm || (tdm_comm_size(opts->host_comm) == S &&
                                      tdm_comm_rank(opts->host_comm) == tdm_comm_rank(comm)),

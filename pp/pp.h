@@ -167,6 +167,13 @@ typedef struct tdm_pp_opts {
      * no chunk-by-chunk exchange). Without it, or for a larger batch,
      * they go through the links' staging. */
     int batch;
+    /* The micro-batch size (0: ceil(B / M) of each step's batch B). With
+     * it, a batch B <= micro_size * M is cut into ceil(B / micro_size)
+     * micro-batches of micro_size (the last shorter): a short last batch of
+     * an epoch is then cut as one device's --grad-accum M with micro-batches
+     * of micro_size cuts it, so the two stay the same step. Larger batches
+     * are cut as without it. */
+    int micro_size;
     /* Borrowed, optional: a communicator with the same ranks for the few
      * collectives on host memory (the configuration check, the loss,
      * gathering): needed when the pipeline's communicator only takes
@@ -218,14 +225,19 @@ tdm_status tdm_pp_step_scaled(tdm_pp *p, const void *x, const int32_t *y, int ba
  * predictions over batch * out_rows rows, on every stage. */
 tdm_status tdm_pp_eval_batch(tdm_pp *p, const void *x, const int32_t *y, int batch,
                              double *loss_sum, int64_t *correct);
-/* Mean loss and accuracy over a dataset (tdm_data_gather order, batches
- * of `batch`), on every stage. */
+/* Mean loss and accuracy over a dataset of images (tdm_data_gather
+ * order, batches of `batch`), on every stage: the MLP and the CNN, with
+ * the dataset's features those of the model's input (anything else,
+ * the GPT included, is refused on every stage). */
 tdm_status tdm_pp_evaluate(tdm_pp *p, const tdm_dataset *d, int batch, double *loss_mean,
                            double *accuracy);
 
 /* The whole model's parameters (tdm_model_param_elems of the whole model)
  * assembled on stage root from every stage's slice, into full (host
- * memory, used on root only). Collective. */
+ * memory, used on root only). Collective. A root without a buffer
+ * (full NULL; h or h->params NULL below) is refused on every stage with
+ * TDM_STATUS_INVALID_ARG before anything is sent; the pipeline stays
+ * usable. */
 tdm_status tdm_pp_gather_params(tdm_pp *p, float *full, int root);
 /* Checkpoints. The whole model's state assembled on stage root into h
  * (host arrays in the whole model's layout, models/checkpoint.h's

@@ -32,6 +32,7 @@ struct tdm_pp {
     tdm_optim *opt;
     tdm_model_stage_info info;
     int host;                   /* the device reads host memory: no staging */
+    int failed;                 /* tdm_pp_fail ran: the communicators are aborted */
 
     struct {                    /* links; NULL where there is no neighbour */
         tdm_comm *lane[TDM_PP_MAX_LANES];   /* owned */

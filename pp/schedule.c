@@ -11,9 +11,11 @@
 #include <string.h>
 #include <strings.h>
 
-/* Bounds that keep every count and table in an int. */
+/* Bounds that keep every count and table in an int: the simulation's
+ * tables hold S * M entries and count 2 * S * M actions. */
 #define TDM_PP_MAX_STAGES 4096
 #define TDM_PP_MAX_MICRO (1 << 20)
+#define TDM_PP_MAX_ACTIONS (1 << 26)
 
 static const char *const tdm_pp_schedule_names[TDM_PP_SCHEDULE_COUNT_] = {
     [TDM_PP_GPIPE] = "gpipe", [TDM_PP_1F1B] = "1f1b",
@@ -54,6 +56,9 @@ tdm_status tdm_pp_schedule_build(tdm_pp_schedule **out, tdm_pp_schedule_kind kin
                 "pp schedule: %d stages (expected 1..%d)", S, TDM_PP_MAX_STAGES);
     TDM_REQUIRE(M >= 1 && M <= TDM_PP_MAX_MICRO, TDM_STATUS_INVALID_ARG,
                 "pp schedule: %d micro-batches (expected 1..%d)", M, TDM_PP_MAX_MICRO);
+    TDM_REQUIRE(2 * (int64_t)S * M <= TDM_PP_MAX_ACTIONS, TDM_STATUS_INVALID_ARG,
+                "pp schedule: %d stages x %d micro-batches is %lld actions (at most %d)", S, M,
+                2 * (long long)S * M, TDM_PP_MAX_ACTIONS);
     tdm_pp_schedule *s = calloc(1, sizeof *s);
     TDM_REQUIRE(s, TDM_STATUS_OUT_OF_MEMORY, "pp schedule: calloc");
     s->kind = kind;

@@ -23,9 +23,10 @@ static int tdm_pp_mb_size(const tdm_pp *p, int i)
 /* The global batch's micro-batches: models/accum.h's cut. */
 static void tdm_pp_cut(tdm_pp *p, int batch)
 {
-    int M = p->o.micro_batches;
+    int M = p->o.micro_batches, fixed = p->o.micro_size;
     p->run.batch = batch;
     p->run.micro = (batch + M - 1) / M;
+    if (fixed > 0 && batch <= (int64_t)fixed * M) p->run.micro = batch < fixed ? batch : fixed;
     p->run.n_mb = (batch + p->run.micro - 1) / p->run.micro;
 }
 
@@ -390,8 +391,8 @@ tdm_status tdm_pp_step(tdm_pp *p, const void *x, const int32_t *y, int batch, do
     return TDM_STATUS_OK;
 }
 
-tdm_status tdm_pp_step_scaled(tdm_pp *p, const void *x, const int32_t *y, int batch,
-                              float grad_scale, double *loss_sum)
+static tdm_status tdm_pp_step_run(tdm_pp *p, const void *x, const int32_t *y, int batch,
+                                  float grad_scale, double *loss_sum)
 {
     tdm_pp_phases ph = {0};
     TDM_CHECK(tdm_pp_begin(p, x, y, batch, 0));
@@ -426,8 +427,20 @@ tdm_status tdm_pp_step_scaled(tdm_pp *p, const void *x, const int32_t *y, int ba
     return TDM_STATUS_OK;
 }
 
-tdm_status tdm_pp_eval_batch(tdm_pp *p, const void *x, const int32_t *y, int batch,
-                             double *loss_sum, int64_t *correct)
+/* Every failure inside a step or an evaluation aborts the pipeline (pp.h),
+ * also those returned as they are (an allocation, the schedule, zero_grad,
+ * a device copy): the other stages then stop with this one's reason
+ * instead of waiting for it until their deadline. */
+tdm_status tdm_pp_step_scaled(tdm_pp *p, const void *x, const int32_t *y, int batch,
+                              float grad_scale, double *loss_sum)
+{
+    tdm_status st = tdm_pp_step_run(p, x, y, batch, grad_scale, loss_sum);
+    if (st && !p->failed) st = tdm_pp_fail(p, st, "step");
+    return st;
+}
+
+static tdm_status tdm_pp_eval_run(tdm_pp *p, const void *x, const int32_t *y, int batch,
+                                  double *loss_sum, int64_t *correct)
 {
     tdm_pp_phases ph = {0};
     int was = tdm_model_is_train(p->m);
@@ -449,8 +462,21 @@ tdm_status tdm_pp_evaluate(tdm_pp *p, const tdm_dataset *d, int batch, double *l
 {
     TDM_REQUIRE(d && d->n > 0 && batch > 0, TDM_STATUS_INVALID_ARG,
                 "pp evaluate: a non-empty dataset and batch > 0 are required");
-    tdm_status st = TDM_STATUS_OK;
+    /* a dataset holds one label per image: every stage judges from the
+     * spec, so all refuse together (before any transfer) */
+    const tdm_model_spec *spec = tdm_model_get_spec(p->m);
+    TDM_REQUIRE(spec->kind != TDM_MODEL_GPT, TDM_STATUS_INVALID_ARG,
+                "pp evaluate: the GPT predicts every position of a window, not one label per "
+                "sample of a dataset of images (evaluate text windows with "
+                "tdm_pp_eval_batch)");
     int64_t feat = tdm_data_features(d);
+    int64_t want = spec->kind == TDM_MODEL_MLP
+                       ? spec->dims[0]
+                       : (int64_t)spec->in_c * spec->in_h * spec->in_w;
+    TDM_REQUIRE(feat == want, TDM_STATUS_INVALID_ARG,
+                "pp evaluate: the dataset has %lld features per sample, the model takes %lld",
+                (long long)feat, (long long)want);
+    tdm_status st = TDM_STATUS_OK;
     int64_t *idx = malloc((size_t)batch * sizeof *idx);
     float *x = malloc((size_t)batch * (size_t)feat * sizeof *x);
     int32_t *y = malloc((size_t)batch * sizeof *y);
@@ -476,5 +502,13 @@ fail:
     free(idx);
     free(x);
     free(y);
+    return st;
+}
+
+tdm_status tdm_pp_eval_batch(tdm_pp *p, const void *x, const int32_t *y, int batch,
+                             double *loss_sum, int64_t *correct)
+{
+    tdm_status st = tdm_pp_eval_run(p, x, y, batch, loss_sum, correct);
+    if (st && !p->failed) st = tdm_pp_fail(p, st, "evaluation");
     return st;
 }

@@ -70,8 +70,8 @@ Test(cli_levers, refuses_what_it_cannot_do)
         {{"train", "--checkpoint-activations", "0"}, "--checkpoint-activations '0': expected all"},
         {{"train", "--offload", "params"}, "not built yet"},
         {{"train", "--offload", "optimizer"}, "is host memory already"},
-        {{"train", "--precision", "bf16", "--mode", "ddp", "--device", "cpu:2"},
-         "not yet with --mode ddp"},
+        {{"train", "--precision", "bf16", "--mode", "dp", "--device", "cpu:2"},
+         "not yet with --mode dp"},
         {{"train", "--precision", "fp16", "--grad-accum", "2"}, "not supported with --grad-accum"},
         {{"train", "--clip-grad-norm", "-1"}, "--clip-grad-norm"},
     };

@@ -315,3 +315,102 @@ Test(comm_split, deadline_names_the_peer_and_its_job_rank)
               "%s", o->err[0]);
     out_free(o);
 }
+
+/* --- a backend that takes device memory only ----------------------------------
+ * NCCL's `run` takes device memory: the colors and keys tdm_comm_split
+ * all-gathers over the parent must reach it staged through the backend's
+ * own memory (host_copy), never as host pointers (an illegal address on
+ * a GPU). "devonly" wraps an shm communicator and refuses any buffer
+ * outside the pool its alloc hands out, as a GPU would fault on one. */
+#include "core/comm_impl.h"
+
+typedef struct devonly {
+    tdm_comm *inner;
+    char pool[4096];
+    size_t used;
+    int host_calls;           /* calls refused for a host pointer */
+} devonly;
+
+static int devonly_owns(const devonly *d, const void *p)
+{
+    return (const char *)p >= d->pool && (const char *)p < d->pool + sizeof d->pool;
+}
+
+static tdm_status devonly_run(void *impl, const tdm_comm_call *k)
+{
+    devonly *d = impl;
+    if ((k->sendbuf && !devonly_owns(d, k->sendbuf)) || (k->recvbuf && !devonly_owns(d, k->recvbuf))) {
+        d->host_calls++;
+        return tdm_error_set(TDM_STATUS_INVALID_ARG, "devonly: %s on a host pointer",
+                             tdm_coll_name(k->coll));
+    }
+    if (k->coll != TDM_COLL_ALL_GATHER)
+        return tdm_error_set(TDM_STATUS_UNSUPPORTED, "devonly: only all-gather");
+    return tdm_comm_all_gather(d->inner, k->sendbuf, k->recvbuf, k->count, k->dtype);
+}
+
+static tdm_status devonly_abort(void *impl, const char *why)
+{
+    return tdm_comm_abort(((devonly *)impl)->inner, why);
+}
+
+static tdm_status devonly_alloc(void *impl, size_t n, void **ptr)
+{
+    devonly *d = impl;
+    if (d->used + n > sizeof d->pool) return tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "devonly");
+    *ptr = d->pool + d->used;
+    d->used += (n + 15) & ~(size_t)15;
+    return TDM_STATUS_OK;
+}
+
+static tdm_status devonly_host_copy(void *impl, void *dst, const void *src, size_t n, int to_dev)
+{
+    devonly *d = impl;
+    if (!devonly_owns(d, to_dev ? dst : src))
+        return tdm_error_set(TDM_STATUS_INVALID_ARG, "devonly: host copy outside the pool");
+    memcpy(dst, src, n);
+    return TDM_STATUS_OK;
+}
+
+static tdm_status devonly_split(void *impl, const tdm_comm_split_info *in, tdm_comm **out)
+{
+    return tdm_comm_split(((devonly *)impl)->inner, in->color, in->key, out);
+}
+
+static void devonly_destroy(void *impl) { (void)impl; }
+
+static const tdm_comm_ops devonly_ops = {.name = "devonly", .run = devonly_run,
+                                         .abort = devonly_abort, .alloc = devonly_alloc,
+                                         .host_copy = devonly_host_copy,
+                                         .split = devonly_split, .destroy = devonly_destroy};
+
+static int devonly_rank(tdm_comm *comm, void *argp)
+{
+    split_out *o = argp;
+    int r = tdm_comm_rank(comm);
+    static devonly d;
+    d = (devonly){.inner = comm};
+    tdm_comm *dc = NULL, *sub = NULL;
+    tdm_status st = tdm_comm_create(&dc, &devonly_ops, &d, r, tdm_comm_size(comm));
+    if (!st) st = tdm_comm_split(dc, r % 2, 0, &sub);
+    if (!st && (tdm_comm_size(sub) != 2 || tdm_comm_rank(sub) != r / 2))
+        st = tdm_error_set(TDM_STATUS_INTERNAL, "rank %d of %d, expected %d of 2",
+                           tdm_comm_rank(sub), tdm_comm_size(sub), r / 2);
+    o->status[r] = st;
+    snprintf(o->err[r], sizeof o->err[r], "%s (host calls %d)", st ? tdm_error_message() : "ok",
+             d.host_calls);
+    tdm_comm_free(sub);
+    tdm_comm_free(dc);
+    return st ? 3 : 0;
+}
+
+Test(comm_split, a_device_memory_backend_gets_no_host_pointer)
+{
+    split_out *o = out_new();
+    tdm_shm_spawn_opts so = {.timeout_ms = tu_scaled_ms(30000)};
+    tdm_status st = tdm_shm_spawn(4, devonly_rank, o, &so, NULL);
+    for (int r = 0; r < 4; r++)
+        cr_assert_eq(o->status[r], TDM_STATUS_OK, "rank %d: %s", r, o->err[r]);
+    cr_assert_eq(st, TDM_STATUS_OK);
+    out_free(o);
+}

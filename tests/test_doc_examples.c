@@ -30,7 +30,7 @@ typedef struct dx_cmd {
 
 static int dx_sub_known(const char *w, size_t n)
 {
-    static const char *const subs[] = {"train", "sample", "eval", "compare", "launch", "bench",
+    static const char *const subs[] = {"train", "sample", "eval", "plan", "compare", "launch", "bench",
                                        "doctor", "selftest", "info", "--help", "--version"};
     for (size_t i = 0; i < sizeof subs / sizeof subs[0]; i++)
         if (strlen(subs[i]) == n && !strncmp(w, subs[i], n)) return 1;
@@ -215,7 +215,9 @@ static void dx_resolve(const char *cmd, const char *root, char *out, size_t len)
     out[o < len ? o : len - 1] = 0;
 }
 
-Test(doc_examples, every_documented_command_runs_and_does_what_it_says, .timeout = 2400)
+/* Each documented command has its line in docs/examples.list, and each
+ * line there is still documented. */
+Test(doc_examples, every_documented_command_is_listed)
 {
     static dx_cmd cmds[DX_MAX];
     static dx_rule rules[DX_MAX];
@@ -236,7 +238,13 @@ Test(doc_examples, every_documented_command_runs_and_does_what_it_says, .timeout
     for (int k = 0; k < nr; k++)
         cr_expect(rules[k].used, "docs/examples.list has a command no doc shows: %s",
                   rules[k].text);
+}
 
+Test(doc_examples, every_listed_command_runs_and_does_what_it_says, .timeout = 2400)
+{
+    static dx_cmd cmds[DX_MAX];
+    static dx_rule rules[DX_MAX];
+    int n = dx_extract(cmds), nr = dx_rules(rules);
     char root[4096], dir[] = "/tmp/tdm_docex_XXXXXX";
     cr_assert_not_null(getcwd(root, sizeof root));
     cr_assert_not_null(mkdtemp(dir));

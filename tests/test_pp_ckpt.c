@@ -21,7 +21,7 @@
 typedef struct ck_shared {
     float params[TPP_MAX_ELEMS], state[2][TPP_MAX_ELEMS], buffers[1024];
     int64_t steps;
-    int status[4];
+    int status[4], refused[4];
     char err[4][512];
 } ck_shared;
 
@@ -32,6 +32,7 @@ typedef struct ck_arg {
     int load;           /* 1: load path first */
     int steps;          /* steps to run (from the loaded step on) */
     int save;           /* 1: gather and save to path at the end */
+    int refuse;         /* 1: a gather the root refuses (no buffer) before the last step */
 } ck_arg;
 
 static int ck_rank(tdm_comm *comm, void *argp)
@@ -63,6 +64,10 @@ static int ck_rank(tdm_comm *comm, void *argp)
         first = (int)info.step;
     }
     for (int s = first; !st && s < first + a->steps; s++) {
+        if (a->refuse && s == first + a->steps - 1) {
+            a->sh->refused[r] = tdm_pp_gather_params(p, NULL, 0);
+            if (a->sh->refused[r] == TDM_STATUS_OK) a->sh->refused[r] = -1;
+        }
         tpp_batch(&spec, in, rows, classes, s, CB, x, y);
         st = tdm_pp_step(p, x, y, CB, NULL);
     }
@@ -149,6 +154,31 @@ static void check_ckpt(tpp_kind kind, int S, double tol)
     tdm_device_free(dev);
     munmap(sh, sizeof *sh);
     tu_rmtree(dir);
+}
+
+/* A gather the root refuses (it passed no buffer) is refused on every
+ * stage before anything is sent: before, the other stages sent their
+ * slices anyway, and the root's next gather received those stale
+ * messages, so a checkpoint taken after a caught error held the last
+ * step's weights of the other stages. */
+Test(pp_ckpt, a_gather_the_root_refuses_sends_nothing, .timeout = 120)
+{
+    ck_shared *sh = mmap(NULL, sizeof *sh, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS,
+                         -1, 0);
+    cr_assert_neq(sh, MAP_FAILED);
+    static float plain[TPP_MAX_ELEMS];
+    ck_arg a = {.sh = sh, .kind = TPP_MLP, .steps = 2};
+    run(&a, 3);
+    memcpy(plain, sh->params, sizeof plain);
+    ck_arg b = {.sh = sh, .kind = TPP_MLP, .steps = 2, .refuse = 1};
+    run(&b, 3);
+    for (int r = 0; r < 3; r++)
+        cr_assert_eq(sh->refused[r], TDM_STATUS_INVALID_ARG,
+                     "stage %d: the refused gather returned %d, not INVALID_ARG", r,
+                     sh->refused[r]);
+    cr_assert(!memcmp(plain, sh->params, sizeof plain),
+              "the root's gathered parameters are stale after a refused gather");
+    munmap(sh, sizeof *sh);
 }
 
 /* the GPT's bound: test_pp.c's (the tied embedding's rounding, after 8

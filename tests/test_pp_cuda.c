@@ -127,6 +127,45 @@ Test(pp_cuda_emu, mlp_stages_on_emulated_gpus_equal_one_host_device) { check_emu
 Test(pp_cuda_emu, cnn_stages_on_emulated_gpus_equal_one_host_device) { check_emu(TPP_CNN); }
 Test(pp_cuda_emu, gpt_stages_on_emulated_gpus_equal_one_host_device) { check_emu(TPP_GPT); }
 
+/* The optimizer's state offloaded to host memory (tdm_optim_opts.offload)
+ * is refused by the pipeline on every stage: its checkpoints copy the
+ * state with the stage's device, which on a GPU would hand host pointers
+ * to cudaMemcpy as device memory (the emulator's copies would hide it). */
+static int offload_rank(tdm_comm *comm, void *argp)
+{
+    tpp_out *out = argp;
+    int r = tdm_comm_rank(comm);
+    tdm_device *dev = NULL;
+    tdm_pp *p = NULL;
+    tdm_model_spec spec;
+    tpp_spec(TPP_MLP, &spec);
+    tdm_pp_opts o = {.schedule = TDM_PP_1F1B, .micro_batches = 2, .seed = TPP_SEED,
+                     .optim = tpp_optim(TPP_MLP)};
+    o.optim.offload = TDM_OPTIM_OFFLOAD_HOST;
+    tdm_status st = tdm_cuda_emulator_open_accel(&dev, r);
+    if (!st) st = tdm_pp_init(&p, comm, dev, &spec, &o);
+    out->status[r] = st;
+    snprintf(out->err[r], sizeof out->err[r], "%s", st ? tdm_error_message() : "ok");
+    tdm_pp_free(p);
+    tdm_device_free(dev);
+    return 0;
+}
+
+Test(pp_cuda_emu, optimizer_offload_is_refused_on_every_stage)
+{
+    CU_NEED_BACKEND();
+    cr_assert_not_null(tdm_cuda_emulator_open_accel);
+    tpp_out *o = tpp_out_new();
+    tdm_shm_spawn_opts so = {.timeout_ms = tu_scaled_ms(30000)};
+    tdm_shm_spawn(2, offload_rank, o, &so, NULL);
+    for (int r = 0; r < 2; r++) {
+        cr_assert_eq(o->status[r], TDM_STATUS_UNSUPPORTED, "stage %d: %s", r, o->err[r]);
+        cr_assert(strstr(o->err[r], "optimizer offload is not supported by the pipeline"),
+                  "stage %d: %s", r, o->err[r]);
+    }
+    tpp_out_free(o);
+}
+
 /* --- a GPU ------------------------------------------------------------------- */
 
 typedef struct gpu_arg {

@@ -303,3 +303,137 @@ Test(pp_fail, every_transfer_is_labelled_in_the_flight_recorder)
         cr_assert(strstr(all, want[i]), "'%s' is in no dump of %s", want[i], dir);
     tu_rmtree(dir);
 }
+
+/* tdm_pp_evaluate over a dataset of images: a model with several target
+ * rows per sample (the GPT) or a dataset of another feature count is
+ * refused on every stage, not read past its label buffer (valgrind saw a
+ * read past the batch's labels, then labels of garbage). */
+typedef struct eval_arg {
+    fail_out *out;
+    tpp_kind kind;
+    int features;          /* the dataset's (w, with c = h = 1) */
+} eval_arg;
+
+static int eval_rank(tdm_comm *comm, void *argp)
+{
+    eval_arg *a = argp;
+    int r = tdm_comm_rank(comm);
+    tdm_device *dev = NULL;
+    tdm_pp *p = NULL;
+    tdm_model_spec spec;
+    tpp_spec(a->kind, &spec);
+    tdm_pp_opts o = opts_of(TDM_PP_1F1B, 2);
+    o.optim = tpp_optim(a->kind);
+    tdm_dataset d = {.n = 4, .c = 1, .h = 1, .w = a->features, .n_classes = 2};
+    d.x = calloc((size_t)4 * a->features, sizeof(float));
+    d.y = calloc(4, sizeof(int32_t));
+    double loss = 0, acc = 0;
+    tdm_status st = tdm_device_open(&dev, "cpu", r, 1);
+    if (!st) st = tdm_pp_init(&p, comm, dev, &spec, &o);
+    if (!st) st = tdm_pp_evaluate(p, &d, 4, &loss, &acc);
+    a->out->status[r] = st;
+    snprintf(a->out->err[r], sizeof a->out->err[r], "%s", st ? tdm_error_message() : "ok");
+    tdm_pp_free(p);
+    tdm_device_free(dev);
+    free(d.x);
+    free(d.y);
+    return 0;
+}
+
+static void expect_eval(tpp_kind kind, int features, const char *msg)
+{
+    fail_out *out = out_new();
+    eval_arg a = {.out = out, .kind = kind, .features = features};
+    tdm_shm_spawn_opts so = {.timeout_ms = tu_scaled_ms(30000)};
+    tdm_shm_spawn(2, eval_rank, &a, &so, NULL);
+    for (int r = 0; r < 2; r++) {
+        cr_assert_eq(out->status[r], TDM_STATUS_INVALID_ARG, "%s stage %d: %s",
+                     tpp_kind_name(kind), r, out->err[r]);
+        cr_assert(strstr(out->err[r], msg), "stage %d: %s (expected '%s')", r, out->err[r], msg);
+    }
+    munmap(out, sizeof *out);
+}
+
+Test(pp_fail, evaluating_a_dataset_the_model_cannot_take_is_refused)
+{
+    tdm_model_spec g;
+    tpp_spec(TPP_GPT, &g);
+    expect_eval(TPP_GPT, g.n_ctx, "a dataset of images");
+    expect_eval(TPP_MLP, 7, "7 features per sample, the model takes 20");
+}
+
+/* A stage that cannot allocate its buffers for a larger batch stops the
+ * others at once with its reason: every failure inside a step aborts the
+ * pipeline (pp.h), not only those of the transfers, the forward and the
+ * backward. Before, an allocation failure in the buffers, the schedule,
+ * zero_grad, the tied gradient's buffer or a device copy returned on its
+ * own stage only, and the others waited for it until their deadline and
+ * then reported a timeout. Stage 1's address space is capped a few MiB
+ * above what it uses after a first small step. */
+#include <malloc.h>
+#include <sys/resource.h>
+
+static long long vm_bytes(void)
+{
+    long long pages = 0;
+    FILE *f = fopen("/proc/self/statm", "r");
+    if (f && fscanf(f, "%lld", &pages) != 1) pages = 0;
+    if (f) fclose(f);
+    return pages * sysconf(_SC_PAGESIZE);
+}
+
+static int oom_rank(tdm_comm *comm, void *argp)
+{
+    fail_out *o = argp;
+    int r = tdm_comm_rank(comm);
+    enum { BIG = 1 << 18 };
+    /* a fixed threshold: blocks of 64 KiB and more are mapped each time
+     * (glibc would raise it after a large free and serve them from space
+     * its heaps hold already, out of the cap's reach) */
+    mallopt(M_MMAP_THRESHOLD, 64 << 10);
+    tdm_device *dev = NULL;
+    tdm_pp *p = NULL;
+    tdm_model_spec spec;
+    tpp_spec(TPP_MLP, &spec);
+    float *x = calloc((size_t)BIG * 20, sizeof *x);
+    int32_t *y = calloc(BIG, sizeof *y);
+    tdm_pp_opts opts = opts_of(TDM_PP_1F1B, 2);
+    tdm_status st = x && y ? tdm_device_open(&dev, "cpu", r, 1) : TDM_STATUS_OUT_OF_MEMORY;
+    if (!st) st = tdm_pp_init(&p, comm, dev, &spec, &opts);
+    if (!st) st = tdm_pp_step(p, x, y, 8, NULL);
+    if (!st && r == 1) {
+        struct rlimit rl = {.rlim_cur = (rlim_t)(vm_bytes() + (4 << 20)),
+                            .rlim_max = RLIM_INFINITY};
+        if (setrlimit(RLIMIT_AS, &rl)) st = TDM_STATUS_SYSTEM;
+    }
+    uint64_t t0 = tdm_time_ns();
+    long long vm0 = vm_bytes();
+    if (!st) st = tdm_pp_step(p, x, y, BIG, NULL);
+    if (getenv("TANDEM_TEST_VERBOSE"))
+        fprintf(stderr, "stage %d: vm %lld -> %lld MiB\n", r, vm0 >> 20, vm_bytes() >> 20);
+    o->fail_ms[r] = (double)(tdm_time_ns() - t0) * 1e-6;
+    o->status[r] = st;
+    snprintf(o->err[r], sizeof o->err[r], "%s", st ? tdm_error_message() : "ok");
+    tdm_pp_free(p);
+    tdm_device_free(dev);
+    free(x);
+    free(y);
+    return st ? 3 : 0;
+}
+
+Test(pp_fail, a_stage_out_of_memory_stops_the_others_with_its_reason)
+{
+    fail_out *o = out_new();
+    tdm_shm_spawn_opts so = {.timeout_ms = tu_scaled_ms(20000)};
+    tdm_status st = tdm_shm_spawn(3, oom_rank, o, &so, NULL);
+    cr_assert_neq(st, TDM_STATUS_OK, "the job went on: %s / %s / %s", o->err[0], o->err[1],
+                  o->err[2]);
+    cr_assert_eq(o->status[1], TDM_STATUS_OUT_OF_MEMORY, "stage 1: %s", o->err[1]);
+    for (int r = 0; r < 3; r += 2) {
+        cr_assert_neq(o->status[r], TDM_STATUS_OK, "stage %d went on", r);
+        cr_assert(strstr(o->err[r], "pp stage 1 of 3"), "stage %d: %s", r, o->err[r]);
+        cr_assert(!strstr(o->err[r], "timed out") && !strstr(o->err[r], "deadline"),
+                  "stage %d waited for its deadline: %s", r, o->err[r]);
+    }
+    munmap(o, sizeof *o);
+}

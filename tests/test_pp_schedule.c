@@ -80,6 +80,10 @@ Test(pp_schedule, check_refuses_bad_orders_and_names)
     cr_assert(strstr(tdm_error_message(), "expected gpipe or 1f1b"));
     cr_assert_eq(tdm_pp_schedule_build(&s, TDM_PP_GPIPE, 2, 0), TDM_STATUS_INVALID_ARG);
     cr_assert_eq(tdm_pp_schedule_build(&s, TDM_PP_GPIPE, 0, 2), TDM_STATUS_INVALID_ARG);
+    /* each bound alone allowed 4096 x 2^20: 2^33 actions, counted in an int */
+    cr_assert_eq(tdm_pp_schedule_build(&s, TDM_PP_1F1B, 4096, 1 << 20), TDM_STATUS_INVALID_ARG);
+    cr_assert(strstr(tdm_error_message(), "4096 stages x 1048576 micro-batches"), "%s",
+              tdm_error_message());
 }
 
 Test(pp_split, explicit_splits_and_one_line_errors)

@@ -25,7 +25,9 @@
 #include "ddp/hooks.h"
 #include "dist/mpi_job.h"
 #include "dist/run.h"
+#include "models/stage.h"
 #include "models/train.h"
+#include "pp/pp.h"
 #include "tools/args.h"
 #include "tools/compare.h"
 #include "tools/devices.h"
@@ -58,11 +60,19 @@ static void tdm_cmp_usage(FILE *f)
         "throughput, a per-phase breakdown, an equivalence verdict, memory per device\n"
         "and a reading of the figures.\n"
         "\n"
-        "  --modes LIST         any of single, dp, ddp, fsdp, zero2, zero1 (comma-separated;\n"
-        "                       single always runs, as the reference)  [single,dp,ddp,fsdp]\n"
+        "  --modes LIST         any of single, dp, ddp, fsdp, zero2, zero1, pp (comma-\n"
+        "                       separated; single always runs, as the reference)\n"
+        "                                                          [single,dp,ddp,fsdp]\n"
         "                       fsdp:  PyTorch FSDP FULL_SHARD, DeepSpeed ZeRO stage 3\n"
         "                       zero2: FSDP SHARD_GRAD_OP, ZeRO stage 2\n"
         "                       zero1: ZeroRedundancyOptimizer, ZeRO stage 1\n"
+        "                       pp:    a pipeline of the layers (GPipe or 1F1B): its\n"
+        "                       throughput, per-stage phases and bubble, memory, the\n"
+        "                       trace's F and B of each micro-batch per stage, and its\n"
+        "                       verdict against one host device with --grad-accum M\n"
+        "  --stages S           pp: stages, one device each (S <= N)    [N]\n"
+        "  --microbatches M     pp: micro-batches per global batch       [4]\n"
+        "  --schedule S         pp: gpipe or 1f1b                        [1f1b]\n"
         "  --model NAME         mlp, mlp:W0-..-Wn, cnn, gpt, gpt:L-D-H-T      [mlp]\n"
         "  --device SPEC        devices for DP and DDP: cpu:N (N >= 1), or GPUs\n"
         "                       cuda (all) / cuda:I,J,.. (single runs on the first) [cpu:2]\n"
@@ -85,7 +95,13 @@ static void tdm_cmp_usage(FILE *f)
         "                       bounds (schema: docs/OUTPUTS.md)\n"
         "  --plot DIR           loss, throughput, phase (and scaling) charts, with gnuplot;\n"
         "                       DIR must be yours and not writable by others\n"
-        "  --sweep 1,2,4        also run DP and DDP at these device counts\n"
+        "  --sweep 1,2,4        also run DP and DDP (and with pp, a pipeline of as many\n"
+        "                       stages) at these device counts\n"
+        "  --deterministic K    instead: every mode of --modes at every count of --sweep\n"
+        "                       (else 1 and --device's) with tandem train --deterministic\n"
+        "                       K, each final checkpoint against one device's byte for\n"
+        "                       byte (\"bitwise identical\"), and each run's throughput\n"
+        "                       against the default mode's (docs/DETERMINISM.md)\n"
         "  --sync-bn            DDP with SyncBatchNorm: the CNN's DDP is then checked\n"
         "                       against one device with the MLP's tolerance\n"
         "  --comm-hook H        also run DDP with a comm hook: fp16, bf16 or powersgd,\n"
@@ -95,6 +111,10 @@ static void tdm_cmp_usage(FILE *f)
         "                       run the sharded modes of --modes with the hook, each\n"
         "                       against hooked DDP (docs/FSDP.md)        [allreduce]\n"
         "  --powersgd-rank R    [4]   --powersgd-start-step S (plain before)   [10]\n"
+        "  --precision P        fp32 or bf16 in every mode (not dp; fp16's loss scaling:\n"
+        "                       tandem train)                             [fp32]\n"
+        "  --checkpoint-activations N  recompute segments of N blocks in backward\n"
+        "                       in every mode (not dp)\n"
         "  --perturb-rank R     testing aid: DDP rank R adds 1%% to its gradient share,\n"
         "                       which the equivalence verdict must catch (with\n"
         "                       --comm-hook: only the hooked run, for its verdict)\n"
@@ -267,6 +287,7 @@ typedef struct tdm_cmp_job {
     tdm_cmp_report rep;              /* the verdict's pairs and bounds, for --json */
     int verdict;                     /* 1: the modes computed the same training */
     const char *modes_arg;           /* --modes as given */
+    long long det;                   /* --deterministic K (tools/compare_det.c); 0: off */
     int ran[TDM_CMP_NMODES];         /* 1: the mode ran */
     const char *default_device;      /* o.device until --device is given */
     int err_fd;                      /* an MPI job's rank > 0: its stderr, kept aside */
@@ -324,6 +345,38 @@ static tdm_status tdm_cmp_check_mpi_devices(tdm_cmp_opts *o)
     return TDM_STATUS_OK;
 }
 
+/* --precision and --checkpoint-activations: every mode's model but DP's
+ * (its replicas are copied without them), which the default modes then
+ * leave out and a --modes naming it is refused for. */
+static tdm_status tdm_cmp_check_levers(tdm_cmp_job *j)
+{
+    tdm_cmp_opts *o = &j->o;
+    o->precision = TDM_PRECISION_FP32;
+    if (o->precision_arg && tdm_precision_parse(o->precision_arg, &o->precision))
+        return tdm_tool_usage_error("tandem compare: --precision: %s\n", tdm_error_message());
+    if (o->precision == TDM_PRECISION_FP16)
+        return tdm_tool_usage_error("tandem compare: --precision fp16 needs loss scaling, "
+                                    "which compare does not run: compare fp32 or bf16 (tandem "
+                                    "train --precision fp16 runs it in every mode but dp)\n");
+    if (o->ckpt > 1 && o->modes & 1u << TDM_CMP_FSDP)
+        return tdm_tool_usage_error("tandem compare: --checkpoint-activations %d with fsdp (full "
+                                    "shard): a recomputed segment of several units needs them "
+                                    "gathered at once, which FSDP's backward does not do yet: "
+                                    "use 1, or leave fsdp out of --modes\n", o->ckpt);
+    if (o->precision == TDM_PRECISION_FP32 && !o->ckpt) return TDM_STATUS_OK;
+    if (o->modes & TDM_CMP_PP_BIT)
+        return tdm_tool_usage_error("tandem compare: --precision and --checkpoint-activations "
+                                    "do not apply to pp yet (its stages run in fp32, keeping "
+                                    "their activations): leave pp out of --modes\n");
+    if (!(o->modes & 1u << TDM_CMP_DP)) return TDM_STATUS_OK;
+    if (j->modes_arg)
+        return tdm_tool_usage_error("tandem compare: --precision and --checkpoint-activations "
+                                    "do not apply to dp (its replicas are copied without "
+                                    "them): leave dp out of --modes\n");
+    o->modes &= ~(1u << TDM_CMP_DP);
+    return TDM_STATUS_OK;
+}
+
 static tdm_status tdm_cmp_parse(int argc, char **argv, tdm_cmp_job *j)
 {
     tdm_cmp_opts *o = &j->o;
@@ -352,8 +405,14 @@ static tdm_status tdm_cmp_parse(int argc, char **argv, tdm_cmp_job *j)
         if (!strcmp(argv[i], "--no-overlap")) { o->no_overlap = 1; continue; }
         if (!strcmp(argv[i], "--sync-bn")) { o->sync_bn = 1; continue; }
         TDM_ARGS_STR("--comm-hook", o->comm_hook)
+        TDM_ARGS_STR("--precision", o->precision_arg)
+        TDM_ARGS_INT("--checkpoint-activations", 1, 1 << 16, o->ckpt)
         TDM_ARGS_INT("--powersgd-rank", 1, 1 << 16, o->powersgd_rank)
         TDM_ARGS_INT("--powersgd-start-step", 0, INT64_MAX, o->powersgd_start_step)
+        TDM_ARGS_INT("--stages", 1, TDM_CMP_MAX_DEV, o->pp_stages)
+        TDM_ARGS_INT("--microbatches", 1, 1 << 16, o->pp_micro)
+        TDM_ARGS_STR("--schedule", o->pp_schedule)
+        TDM_ARGS_INT("--deterministic", 1, 1024, j->det)
         return tdm_tool_usage_error("tandem compare: unknown option '%s' (see tandem compare "
                                     "--help)\n", argv[i]);
     }
@@ -399,6 +458,36 @@ static tdm_status tdm_cmp_check_sweep(tdm_cmp_job *j)
                                         "GPU%s (a sweep uses the first k of them)\n",
                                         j->sweep_dev[i], o->device, o->dl.count,
                                         o->dl.count == 1 ? "" : "s");
+    return TDM_STATUS_OK;
+}
+
+/* --modes ...,pp: its options against the model and the devices. */
+static tdm_status tdm_cmp_check_pp(tdm_cmp_job *j)
+{
+    tdm_cmp_opts *o = &j->o;
+    tdm_pp_schedule_kind k;
+    int pp = (o->modes & TDM_CMP_PP_BIT) != 0, L = 0;
+    if (!pp && (o->pp_stages || o->pp_micro || o->pp_schedule))
+        return tdm_tool_usage_error("tandem compare: --stages, --microbatches and --schedule "
+                                    "apply to --modes ...,pp\n");
+    if (!pp) return TDM_STATUS_OK;
+    if (o->ddp_comm)
+        return tdm_tool_usage_error("tandem compare: --modes pp under an MPI launcher is not "
+                                    "supported (run compare on one machine)\n");
+    if (o->pp_schedule && tdm_pp_schedule_parse(o->pp_schedule, &k))
+        return tdm_tool_usage_error("tandem compare: --schedule: %s\n", tdm_error_message());
+    int S = o->pp_stages ? o->pp_stages : o->n_dev;
+    if (S > o->n_dev)
+        return tdm_tool_usage_error("tandem compare: --stages %d but --device %s has %d "
+                                    "devices: one stage per device\n", S, o->device, o->n_dev);
+    (void)tdm_model_spec_n_layers(&j->spec, &L);
+    if (S > L)
+        return tdm_tool_usage_error("tandem compare: %d stages but the model has %d pipeline "
+                                    "layers: at most %d stages\n", S, L, L);
+    int M = o->pp_micro ? o->pp_micro : 4;
+    if (M > o->batch)
+        return tdm_tool_usage_error("tandem compare: --microbatches %d is more than --batch %d: "
+                                    "every micro-batch needs a sample\n", M, o->batch);
     return TDM_STATUS_OK;
 }
 
@@ -450,6 +539,7 @@ static tdm_status tdm_cmp_check(tdm_cmp_job *j)
                                     o->warmup, o->steps);
     if (o->warmup < 0)
         o->warmup = TDM_CMP_DEFAULT_WARMUP < o->steps ? TDM_CMP_DEFAULT_WARMUP : o->steps / 2;
+    TDM_CHECK(tdm_cmp_check_pp(j));
     return tdm_cmp_check_sweep(j);
 }
 
@@ -795,13 +885,28 @@ static void tdm_cmp_print_reading(const tdm_cmp_job *j)
     tdm_cmp_fsdp_reading(o, j->rp, j->nres, sps);
 }
 
-/* --sweep: DP and DDP again at each device count. */
+/* --modes ...,pp: the sweep's PP column at k devices (k stages), "-"
+ * where a pipeline of k stages cannot run (one device, more stages than
+ * layers). */
+static void tdm_cmp_sweep_pp(tdm_cmp_job *j, int k)
+{
+    int L = 0;
+    if (!(j->o.modes & TDM_CMP_PP_BIT)) return;
+    (void)tdm_model_spec_n_layers(&j->spec, &L);
+    double sps = k > 1 && k <= L ? tdm_cmp_pp_sweep_sps(&j->o, &j->data, &j->spec, k) : -1.0;
+    if (sps > 0) printf(" %12.0f %8.2fx", sps, sps / j->sps[0]);
+    else printf(" %12s %9s", "-", "");
+}
+
+/* --sweep: DP and DDP again at each device count (and the pipeline). */
 static tdm_status tdm_cmp_sweep(tdm_cmp_job *j)
 {
     const tdm_cmp_opts *o = &j->o;
     if (j->n_sweep <= 0) return TDM_STATUS_OK;
     printf("\nScaling (samples/s, median step; speed-up over one device at %.0f)\n", j->sps[0]);
-    printf("  %-8s %12s %9s %12s %9s\n", "devices", "DP", "speed-up", "DDP", "speed-up");
+    printf("  %-8s %12s %9s %12s %9s", "devices", "DP", "speed-up", "DDP", "speed-up");
+    if (j->o.modes & TDM_CMP_PP_BIT) printf(" %12s %9s", "PP", "speed-up");
+    printf("\n");
     for (int i = 0; i < j->n_sweep; i++) {
         j->sweep[i] = (tdm_cmp_sweep_point){.devices = j->sweep_dev[i],
                                             .ideal = j->sps[0] * j->sweep_dev[i]};
@@ -823,8 +928,10 @@ static tdm_status tdm_cmp_sweep(tdm_cmp_job *j)
             sp->ddp[0] = o->batch / m2 * 1e3;
             sp->ddp[1] = o->batch / x2 * 1e3;
             sp->ddp[2] = o->batch / x1 * 1e3;
-            printf("  %-8d %12.0f %8.2fx %12.0f %8.2fx\n", j->sweep_dev[i], sp->dp[0],
+            printf("  %-8d %12.0f %8.2fx %12.0f %8.2fx", j->sweep_dev[i], sp->dp[0],
                    sp->dp[0] / j->sps[0], sp->ddp[0], sp->ddp[0] / j->sps[0]);
+            tdm_cmp_sweep_pp(j, j->sweep_dev[i]);
+            printf("\n");
             fflush(stdout);
         }
         if (st == TDM_STATUS_OK && j->n_sweep_res + 2 <= 32) {
@@ -918,9 +1025,35 @@ static tdm_status tdm_cmp_main_run(tdm_cmp_job *j)
     }
     tdm_cmp_print_memory(&j->o, j->rp, j->nres);
     tdm_cmp_print_reading(j);
+    if (j->o.modes & TDM_CMP_PP_BIT) {
+        int pv = tdm_cmp_pp_section(&j->o, &j->data, &j->spec, &j->res[TDM_CMP_SINGLE],
+                                    j->ran[TDM_CMP_DDP] ? &j->res[TDM_CMP_DDP] : NULL);
+        if (pv < 0) return TDM_STATUS_PEER_FAILED;
+        if (!pv) j->verdict = 0;
+    }
     tdm_cmp_load_print(&j->o, j->rp, j->nres, j->other_cores);
     TDM_CHECK(tdm_cmp_sweep(j));
     return tdm_cmp_write_outputs(j);
+}
+
+/* --deterministic K: bytes across device counts and modes instead of a
+ * noise floor (tools/compare_det.c); --sweep's counts, else 1 and
+ * --device's. */
+static int tdm_cmp_det(tdm_cmp_job *j)
+{
+    tdm_cmp_opts *o = &j->o;
+    int counts[16], n = 0, identical = 0;
+    tdm_status st = tdm_cmp_check_devices(o);
+    if (st == TDM_STATUS_OK && o->sweep &&
+        (n = tdm_cmp_parse_sweep(o->sweep, counts, 16)) <= 0)
+        st = tdm_tool_usage_error("tandem compare: --sweep '%s': expected device counts like "
+                                  "1,2,4\n", o->sweep);
+    if (st == TDM_STATUS_OK && !o->sweep) {
+        counts[n++] = 1;
+        if (o->n_dev > 1) counts[n++] = o->n_dev;
+    }
+    if (st == TDM_STATUS_OK) st = tdm_cmp_det_main(o, (int)j->det, counts, n, &identical);
+    return st == TDM_STATUS_OK && !identical ? 3 : tdm_tool_exit(st);
 }
 
 int tdm_tool_compare_main(int argc, char **argv)
@@ -943,6 +1076,11 @@ int tdm_tool_compare_main(int argc, char **argv)
     }
     if (st == TDM_STATUS_OK && j->modes_arg && !tdm_cmp_parse_modes(j->modes_arg, &j->o.modes))
         st = TDM_STATUS_USAGE;
+    if (st == TDM_STATUS_OK) st = tdm_cmp_check_levers(j);
+    if (st == TDM_STATUS_OK && j->det && (j->o.precision_arg || j->o.ckpt))
+        st = tdm_tool_usage_error("tandem compare: --deterministic runs its modes in fp32 "
+                                  "without --precision or --checkpoint-activations\n");
+    if (st == TDM_STATUS_OK && j->det) return tdm_cmp_det(j);
     if (st == TDM_STATUS_OK) st = tdm_cmp_main_run(j);
     tdm_cmp_result_free(&j->floor_r);
     for (int k = 0; k < TDM_CMP_NMODES; k++) tdm_cmp_result_free(&j->res[k]);

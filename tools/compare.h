@@ -17,6 +17,7 @@
 #include "core/text.h"
 #include "core/timer.h"
 #include "models/model.h"
+#include "models/precision.h"
 
 #define TDM_CMP_MAX_DEV 64
 #define TDM_CMP_MAX_BUCKETS 256
@@ -64,7 +65,19 @@ typedef struct tdm_cmp_opts {
     int64_t powersgd_start_step;
     int hooked;                /* this DDP (or sharded) run registers comm_hook */
     int sync_bn;               /* --sync-bn: DDP's batchnorm over the whole global batch */
+    /* --modes ...,pp (tools/compare_pp.c): stages (0: the devices),
+     * micro-batches (0: 4), schedule (NULL: 1f1b) */
+    int pp_stages, pp_micro;
+    const char *pp_schedule;
+    /* the memory levers on every mode's model (docs/MEMORY.md): not DP */
+    const char *precision_arg; /* --precision as given (NULL: fp32) */
+    tdm_precision precision;
+    int ckpt;                  /* --checkpoint-activations N; 0: off */
 } tdm_cmp_opts;
+
+/* --modes' bit for the pipeline, which runs in a section of its own
+ * (tools/compare_pp.c) after the modes above. */
+#define TDM_CMP_PP_BIT (1u << TDM_CMP_NMODES)
 
 /* Bytes per device (or rank) by kind. */
 typedef struct tdm_cmp_memory {
@@ -106,6 +119,14 @@ typedef struct tdm_cmp_result {
 } tdm_cmp_result;
 
 const char *tdm_cmp_mode_name(tdm_cmp_mode m);
+
+/* --deterministic K (tools/compare_det.c): every mode of o->modes at each
+ * of the n_counts device counts (single once), each a `tandem train
+ * --deterministic K` of this binary and a default one; prints the table
+ * and the verdict; *identical 1 when every final checkpoint held one
+ * device's bytes. Says what failed. */
+tdm_status tdm_cmp_det_main(const tdm_cmp_opts *o, int K, const int *counts, int n_counts,
+                            int *identical);
 
 /* The i-th device of --device: "cpu:3", "cuda:1" ("cuda-emu:1" under the
  * CUDA emulator). */
@@ -185,6 +206,23 @@ void tdm_cmp_phase_mean(const tdm_cmp_opts *o, const tdm_cmp_result *r, tdm_phas
  * expected bound, 0: beyond it, -1: the run failed (message printed). */
 int tdm_cmp_hook_section(const tdm_cmp_opts *o, const tdm_cmp_data *data,
                          const tdm_model_spec *spec, const tdm_cmp_result *plain);
+
+/* The pipeline's section (tools/compare_pp.c): runs pp over the same
+ * global batches and prints its throughput beside single's (and DDP's:
+ * ddp may be NULL), its per-stage phases and bubble, its equivalence
+ * verdict against one host device with gradient accumulation over the
+ * same micro-batches, its per-stage memory and the reading. 1: the
+ * verdict holds, 0: it does not, -1: the run failed (said). */
+int tdm_cmp_pp_section(const tdm_cmp_opts *o, const tdm_cmp_data *data,
+                       const tdm_model_spec *spec, const tdm_cmp_result *single,
+                       const tdm_cmp_result *ddp);
+/* --sweep with pp: the samples/s of a pipeline of S stages (the median
+ * post-warm-up step); < 0 when the run failed (said). */
+double tdm_cmp_pp_sweep_sps(const tdm_cmp_opts *o, const tdm_cmp_data *data,
+                            const tdm_model_spec *spec, int S);
+/* Its trace events (a process of one track per stage, each micro-batch's
+ * F and B), after the other modes'; nothing when it did not run. */
+void tdm_cmp_pp_trace(FILE *f, int *first, int pid, long long (*us)(double));
 
 /* Writers (tools/compare_out.c); on failure a message is printed. */
 tdm_status tdm_cmp_write_trace(const char *path, const tdm_cmp_opts *o,

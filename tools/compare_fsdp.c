@@ -34,6 +34,10 @@ int tdm_cmp_parse_modes(const char *s, unsigned *mask)
     while (*p) {
         size_t n = strcspn(p, ",");
         int found = 0;
+        if (n == 2 && !strncmp(p, "pp", 2)) {
+            *mask |= TDM_CMP_PP_BIT;
+            found = 1;
+        }
         for (size_t i = 0; i < sizeof t / sizeof t[0]; i++)
             if (strlen(t[i].name) == n && !strncmp(p, t[i].name, n)) {
                 *mask |= 1u << t[i].m;
@@ -41,7 +45,7 @@ int tdm_cmp_parse_modes(const char *s, unsigned *mask)
             }
         if (!found) {
             fprintf(stderr, "tandem compare: --modes '%s': '%.*s' is not a mode; choose from "
-                            "single, dp, ddp, fsdp (zero3), zero2, zero1, comma-separated\n",
+                            "single, dp, ddp, fsdp (zero3), zero2, zero1, pp, comma-separated\n",
                     s, (int)n, p);
             return 0;
         }

@@ -143,6 +143,7 @@ tdm_status tdm_cmp_write_trace(const char *path, const tdm_cmp_opts *o,
                 }
         }
     }
+    tdm_cmp_pp_trace(f, &first, n + 1, tdm_cmp_us);   /* --modes ...,pp */
     fprintf(f, "\n]}\n");
 #undef TDM_EV
     return tdm_cmp_close(&cf);

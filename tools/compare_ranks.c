@@ -363,6 +363,8 @@ static tdm_status tdm_cmp_build(const tdm_cmp_opts *o, tdm_cmp_mode mode, tdm_to
                                                               : TDM_FSDP_FULL_SHARD};
     TDM_CHECK(tdm_model_spec_parse(&b->spec, o->model));
     tdm_optim_opts_named(&b->optim, o->optim, o->lr, o->weight_decay, o->momentum, 0);
+    b->precision = o->precision;
+    b->ckpt = o->ckpt;
     return TDM_STATUS_OK;
 }
 

@@ -16,6 +16,7 @@
 #include "dp/dp.h"
 #include "models/optim.h"
 #include "models/train.h"
+#include "models/recompute.h"
 #include "tools/compare.h"
 #include "tools/devices.h"
 #include "tools/stats.h"
@@ -108,6 +109,8 @@ static tdm_status tdm_cmp_make(const tdm_cmp_opts *o, tdm_device *dev, tdm_model
     tdm_optim_opts oo;
     TDM_CHECK(tdm_model_spec_parse(&spec, o->model));
     TDM_CHECK(tdm_model_init(m, dev, &spec, o->seed));
+    TDM_CHECK(tdm_model_set_precision(*m, o->precision));
+    TDM_CHECK(tdm_model_set_checkpoint(*m, o->ckpt));
     tdm_optim_opts_named(&oo, o->optim, o->lr, o->weight_decay, o->momentum, 0);
     return tdm_optim_init(opt, *m, &oo);
 }

@@ -88,6 +88,8 @@ static tdm_json *tdm_doc_load(const char *dir, const char *name)
     return doc;
 }
 
+tdm_json *tdm_doctor_load(const char *dir, const char *name) { return tdm_doc_load(dir, name); }
+
 static int tdm_doc_cmp_seq(const void *a, const void *b)
 {
     const tdm_doc_entry *x = a, *y = b;
@@ -622,6 +624,28 @@ static void tdm_doc_steps_and_ends(tdm_doc_diag *g)
     if (d->cause) tdm_doc_detail(g, "  launcher: %s\n", d->cause);
 }
 
+static const char *tdm_doc_end_of(void *ctx, int rank, int *induced, char *buf, size_t n)
+{
+    return tdm_doc_summary_end(ctx, rank, induced, buf, n);
+}
+
+/* A pipeline's transfers left waiting: its verdict (who never sent what)
+ * replaces the collectives' one, which stays among the details. */
+static void tdm_doc_pipeline(tdm_doc_diag *g, const char *dir)
+{
+    char line[sizeof g->verdict];
+    tdm_doctor_verdict v;
+    if (!tdm_doctor_pipeline(dir, tdm_doc_end_of, &g->d, &v, line, sizeof line)) return;
+    if (v == TDM_DOCTOR_FAILED && (g->v == TDM_DOCTOR_DIED || g->v == TDM_DOCTOR_STALLED)) {
+        /* the stage that never sent failed of another's death: that one */
+        tdm_doc_detail(g, "  pipeline: %s\n", line);
+        return;
+    }
+    tdm_doc_detail(g, "  collectives: %s\n", g->verdict);
+    snprintf(g->verdict, sizeof g->verdict, "%s", line);
+    g->v = v;
+}
+
 tdm_doctor_verdict tdm_doctor_diagnose(const char *dir, FILE *out, char *line, size_t n)
 {
     tdm_doc_diag *g = calloc(1, sizeof *g);
@@ -650,6 +674,7 @@ tdm_doctor_verdict tdm_doctor_diagnose(const char *dir, FILE *out, char *line, s
         tdm_doc_first_stop(g);
         tdm_doc_never_entered(g);
         tdm_doc_steps_and_ends(g);
+        tdm_doc_pipeline(g, dir);
         v = g->v;
     }
     if (out) fprintf(out, "verdict: %s\n%s", g->verdict, g->details);

@@ -5,6 +5,7 @@
 #ifndef TDM_TOOLS_DOCTOR_H
 #define TDM_TOOLS_DOCTOR_H
 
+#include <stddef.h>
 #include <stdio.h>
 
 #include "shm/spawn.h"
@@ -22,6 +23,22 @@ typedef enum tdm_doctor_verdict {
 
 /* The launcher's summary, written next to the dumps (DIR/launch.json). */
 #define TDM_DOCTOR_SUMMARY "launch.json"
+
+/* How rank `rank` ended, in the launcher's summary's words ("was killed
+ * by signal 9 (Killed)", in buf), NULL when it says nothing or the rank
+ * exited 0; *induced: the launcher's teardown ended it. */
+typedef const char *(*tdm_doctor_end_fn)(void *ctx, int rank, int *induced, char *buf,
+                                         size_t n);
+/* A pipeline job's verdict (tools/doctor_pp.c), from every dump in DIR
+ * (each rank's communicators, the stages' links among them): the stage
+ * the waiting stages waited on, what it never sent and how it ended -
+ * "STALLED: stage 2 (rank 2) never sent grad mb 0 to stage 1 (rank 1):
+ * ...". Returns 1 with *v and line set, 0 when no pipeline transfer was
+ * left waiting. */
+int tdm_doctor_pipeline(const char *dir, tdm_doctor_end_fn end_of, void *ctx,
+                        tdm_doctor_verdict *v, char *line, size_t n);
+/* DIR/name parsed (NULL when unreadable or not JSON). */
+struct tdm_json *tdm_doctor_load(const char *dir, const char *name);
 
 /* Reads DIR's dumps (and summary), prints the diagnosis on out (NULL:
  * nothing printed) and copies the one-line verdict into line. */

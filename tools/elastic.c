@@ -69,7 +69,9 @@ static void tdm_elastic_end(void *ctx, tdm_status st, int world, const tdm_shm_s
     tdm_doctor_job_end(&w->frj, 1, world, res->pid, res->wstatus, NULL, w->why);
     if (st == TDM_STATUS_PEER_FAILED) tdm_elastic_log_add(&w->failures, w->why);
     if (!last) return;
-    if (st == TDM_STATUS_PEER_FAILED)
+    if (w->stop[0])
+        fprintf(stderr, "%s: %s\n", w->tool, w->stop);
+    else if (st == TDM_STATUS_PEER_FAILED)
         tdm_elastic_log_used_up(&w->failures, w->tool, w->max_restarts);
     tdm_elastic_log_free(&w->failures);
 }
@@ -85,6 +87,23 @@ static void tdm_elastic_restart(void *ctx, int attempt, long long max_restarts, 
     fflush(stdout);
 }
 
+/* --min-devices: the job goes on with fewer ranks, or cannot. */
+static void tdm_elastic_resize(void *ctx, int failed, int from, int to, int left)
+{
+    tdm_elastic_watch *w = ctx;
+    if (to == 0) {
+        snprintf(w->stop, sizeof w->stop, "rank %d failed on two attempts in a row; without its "
+                 "device %d device%s are left, and the most of them that divide --deterministic "
+                 "%lld is below --min-devices %lld: stopping", failed, left, left == 1 ? "" : "s",
+                 w->divides, w->min_devices);
+        return;
+    }
+    fprintf(stderr, "%s: rank %d failed on two attempts in a row: going on without its device, "
+            "on %d devices instead of %d (the most of the %d left that divide --deterministic "
+            "%lld), from the last checkpoint, bit for bit\n", w->tool, failed, to, from, left,
+            w->divides);
+}
+
 void tdm_elastic_watch_init(tdm_elastic_watch *w, const char *tool, const char *mode,
                             long long max_restarts)
 {
@@ -94,7 +113,7 @@ void tdm_elastic_watch_init(tdm_elastic_watch *w, const char *tool, const char *
     w->max_restarts = max_restarts;
     w->dist = (tdm_dist_watch){.ctx = w, .begin = tdm_elastic_begin,
                                .settled = tdm_elastic_settled, .end = tdm_elastic_end,
-                               .restart = tdm_elastic_restart};
+                               .restart = tdm_elastic_restart, .resize = tdm_elastic_resize};
 }
 
 int64_t tdm_elastic_test_fault(int rank, int *sig)
@@ -104,8 +123,8 @@ int64_t tdm_elastic_test_fault(int rank, int *sig)
     long long ks = 0;
     char how[8] = "";
     *sig = SIGKILL;
-    if (!env || tdm_dist_restart_count() != 0 || sscanf(env, "%d:%lld:%7s", &kr, &ks, how) < 2 ||
-        kr != rank || ks <= 0)
+    if (!env || sscanf(env, "%d:%lld:%7s", &kr, &ks, how) < 2 || kr != rank || ks <= 0 ||
+        (tdm_dist_restart_count() != 0 && strcmp(how, "ALWAYS")))
         return 0;
     *sig = strcmp(how, "STOP") ? SIGKILL : SIGSTOP;
     return ks;

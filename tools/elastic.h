@@ -50,13 +50,16 @@ typedef struct tdm_elastic_watch {
     char why[1024];        /* the last attempt's root cause */
     tdm_elastic_log failures;   /* every attempt's, for the line when restarts run out */
     long long max_restarts;
+    long long min_devices, divides;   /* --min-devices, --deterministic (resize lines) */
+    char stop[512];        /* a resize that cannot be: said instead of "used up" */
 } tdm_elastic_watch;
 void tdm_elastic_watch_init(tdm_elastic_watch *w, const char *tool, const char *mode,
                             long long max_restarts);
 
 /* Test hook of tandem train's DDP ranks: TANDEM_DDP_TEST_KILL=R:S makes
  * rank R SIGKILL itself before its step S (counted from 1 over the run),
- * R:S:STOP stop itself (SIGSTOP) there; on the first attempt only, so
+ * R:S:STOP stop itself (SIGSTOP) there, R:S:ALWAYS SIGKILL itself there
+ * on every attempt (a rank that keeps failing: elastic resize); else
  * that a restarted job can finish. The step for `rank` (0: none) and the
  * signal. */
 int64_t tdm_elastic_test_fault(int rank, int *sig);

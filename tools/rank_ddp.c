@@ -8,6 +8,7 @@
 #include <stdlib.h>
 
 #include "ddp/ddp.h"
+#include "models/recompute.h"
 #include "tools/devices.h"
 #include "tools/ranks.h"
 #include "tools/train_modes.h"
@@ -26,7 +27,11 @@ tdm_status tdm_tool_rank_new(void *ctx, tdm_dist_rank *d, void **self)
     *self = r;
     *r = (tdm_tool_rank){.b = ctx, .dist = d, .rank = d->env.rank, .world = d->env.world_size};
     tdm_status st = tdm_model_init(&r->m, d->dev, &r->b->spec, r->b->seed);
-    return st ? tdm_tool_rank_fail(r, "building model", st) : st;
+    if (st) return tdm_tool_rank_fail(r, "building model", st);
+    if ((st = tdm_model_set_precision(r->m, r->b->precision)) ||
+        (st = tdm_model_set_checkpoint(r->m, r->b->ckpt)))
+        return tdm_tool_rank_fail(r, "memory levers", st);
+    return TDM_STATUS_OK;
 }
 
 tdm_status tdm_tool_rank_resume(tdm_tool_rank *r)

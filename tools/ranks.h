@@ -21,6 +21,9 @@
 #include "fsdp/fsdp.h"
 #include "models/model.h"
 #include "models/optim.h"
+#include "models/train.h"
+#include "pp/pp.h"
+#include "models/precision.h"
 
 typedef struct tdm_tool_design tdm_tool_design;
 
@@ -30,7 +33,10 @@ typedef struct tdm_tool_build {
     const char *cmd;             /* "tandem train": the messages' prefix */
     tdm_model_spec spec;
     uint64_t seed;
-    tdm_optim_opts optim;
+    tdm_optim_opts optim;        /* optim.offload: --offload optimizer */
+    /* the memory levers on every rank's model (docs/MEMORY.md) */
+    tdm_precision precision;
+    int ckpt;                    /* units per recomputed segment; 0: off */
     const char *resume;          /* a checkpoint every rank loads (full, or FSDP's sharded
                                     index); NULL: none */
     int no_overlap;              /* communication after backward, not during it */
@@ -43,6 +49,15 @@ typedef struct tdm_tool_build {
     /* FSDP */
     tdm_fsdp_sharding sharding;
     int save_sharded;            /* ops.save writes a file per rank plus an index */
+    /* pipeline (tools/rank_pp.c) */
+    struct {
+        int stages;              /* 0: the device count over the mesh's dp */
+        int micro;               /* micro-batches per global batch (>= 1) */
+        tdm_pp_schedule_kind schedule;
+        const char *split;       /* --split L1,L2,..; NULL: balanced */
+        const char *mesh;        /* --mesh dp=D,pp=S; NULL: pp over every rank */
+        int batch;               /* the global batch (sizes the links' zero-copy memory) */
+    } pp;
     /* the tool's own context, for the callbacks it composes around the
      * design's (dist/run.h's ctx is this struct) */
     void *tool;
@@ -57,6 +72,8 @@ typedef struct tdm_tool_rank {
     tdm_optim *opt;
     void *w;                     /* the design's wrapper (tdm_ddp, tdm_fsdp) */
     int64_t start_epoch;         /* epochs the resumed checkpoint had done */
+    int64_t model_params;        /* the whole model's parameters when m is a part of it
+                                    (a pipeline stage); 0: m's */
     void *tool;                  /* the tool's per-rank state */
 } tdm_tool_rank;
 
@@ -84,10 +101,30 @@ struct tdm_tool_design {
     /* The full parameters into host (every rank when root < 0, else
      * root's; collective where they are sharded). */
     tdm_status (*params)(tdm_tool_rank *r, float *host, int root);
+    /* A design whose step is not dist/step.h's (a pipeline's schedule):
+     * the optimizer step, a tdm_train_step_fn over the rank's
+     * tdm_dist_stepper (its w the design's wrapper). NULL: tdm_dist_step. */
+    tdm_train_step_fn step;
+    /* Collective, on every rank after a successful run, before rank 0's
+     * report (a pipeline gathers every stage's figures). May be NULL. */
+    tdm_status (*finish)(tdm_tool_rank *r);
 };
 
 extern const tdm_tool_design tdm_tool_ddp_design;
 extern const tdm_tool_design tdm_tool_fsdp_design;
+extern const tdm_tool_design tdm_tool_pp_design;
+
+/* A pipeline job's checks before any rank starts (tools/rank_pp.c): the
+ * mesh against the world's ranks, --stages, --split against the model's
+ * layers. One line on stderr prefixed by b->cmd and USAGE when they
+ * cannot work. *shape: the mesh. */
+tdm_status tdm_tool_pp_check(const tdm_tool_build *b, int world, tdm_mesh_shape *shape);
+/* A pipeline rank's stage (r of tdm_tool_pp_design). */
+tdm_pp *tdm_tool_pp_of(const tdm_tool_rank *r);
+/* The shm arena a pipeline job over dl needs: DDP's over the dp
+ * dimension's replicas (none without one). */
+size_t tdm_tool_pp_arena_bytes(const tdm_tool_build *b, const tdm_device_list *dl, int world,
+                               int64_t param_elems);
 
 /* The shm arena a DDP job over dl needs for zero-copy gradients of
  * param_elems floats: none on GPUs (their buckets live in NCCL memory). */

@@ -48,6 +48,7 @@ int tdm_tool_compare_main(int argc, char **argv); /* tools/compare.c */
 int tdm_tool_launch_main(int argc, char **argv);  /* tools/elastic.c: restarts around launch.c */
 int tdm_tool_bench_main(int argc, char **argv);   /* tools/bench.c: every benchmark */
 int tdm_tool_info_main(int argc, char **argv);    /* tools/info.c */
+int tdm_tool_plan_main(int argc, char **argv);    /* tools/plan.c */
 int tdm_tool_doctor_main(int argc, char **argv);  /* tools/doctor.c: exit code = verdict */
 int tdm_tool_selftest_main(int argc, char **argv);/* tools/selftest.c */
 

@@ -18,6 +18,7 @@
 #include "core/timer.h"
 #include "core/text.h"
 #include "ddp/hooks.h"
+#include "dist/det.h"
 #include "dist/run.h"
 #include "fsdp/fsdp.h"
 #include "models/accum.h"
@@ -38,13 +39,15 @@ static void tdm_train_usage(FILE *f)
     fprintf(f,
         "usage: tandem train [options]\n"
         "\n"
-        "  --mode single|dp|ddp|fsdp  one device, DataParallel (threads),\n"
-        "                         DistributedDataParallel (processes) or sharded\n"
-        "                         data parallel (processes, see --sharding)  [single]\n"
+        "  --mode single|dp|ddp|fsdp|pp  one device, DataParallel (threads),\n"
+        "                         DistributedDataParallel (processes), sharded\n"
+        "                         data parallel (processes, see --sharding) or a\n"
+        "                         pipeline of the model's layers (processes, one\n"
+        "                         stage each, see --stages)                 [single]\n"
         "  --model NAME           mlp (784-1024-1024-10), mlp:W0-W1-..-Wn, cnn, or\n"
         "                         gpt (a byte-level GPT, gpt:%d-%d-%d-%d) or gpt:L-D-H-T\n"
         "                         (L blocks, width D, H heads, context T)      [mlp]\n"
-        "  --device SPEC          single: cpu, cuda (GPU 0) or cuda:I; dp, ddp, fsdp: cpu:N,\n"
+        "  --device SPEC          single: cpu, cuda (GPU 0) or cuda:I; dp, ddp, fsdp, pp: cpu:N,\n"
         "                         cpu:I,J,.., cuda (every GPU) or cuda:I,J,.. [cpu]\n"
         "  --threads T            BLAS threads of a single host device       [1]\n"
         "  --epochs E             epochs to train (in all, when resuming)     [2]\n"
@@ -105,26 +108,51 @@ static void tdm_train_usage(FILE *f)
         "  --powersgd-rank R      powersgd: rank of the approximation          [4]\n"
         "  --powersgd-start-step S  powersgd: plain all-reduce for the first S\n"
         "                         optimizer steps (PyTorch's default is 1000)  [10]\n"
-        "  --timeout SECONDS      ddp, fsdp: process-group timeout: a rank that waits\n"
+        "  --stages S             pp: pipeline stages, one device each    [the devices]\n"
+        "  --microbatches M       pp: micro-batches per global batch (each of\n"
+        "                         ceil(B/M) samples); one optimizer step per global\n"
+        "                         batch: the step of --mode single --batch B/M\n"
+        "                         --grad-accum M                                 [4]\n"
+        "  --schedule S           pp: gpipe (every forward, then every backward) or\n"
+        "                         1f1b (PipeDream-flush: at most S-s micro-batches'\n"
+        "                         activations held on stage s)                [1f1b]\n"
+        "  --split L1,L2,..       pp: the first pipeline layer of each stage (0 first;\n"
+        "                         the MLP's linear layers, the CNN's layers, the GPT's\n"
+        "                         embeddings, blocks and head)  [balanced by gemm flops]\n"
+        "  --mesh dp=D,pp=S       pp: D pipeline replicas of S stages on D*S devices,\n"
+        "                         their gradients summed by DDP over the dp dimension\n"
+        "  --timeout SECONDS      ddp, fsdp, pp: process-group timeout: a rank that waits\n"
         "                         longer for a peer in a collective fails, naming\n"
         "                         it [$TANDEM_TIMEOUT, else 60 for forked ranks,\n"
         "                         300 under tandem launch]\n"
-        "  --max-restarts K       ddp, fsdp: when a rank fails, stop the rest and start\n"
+        "  --max-restarts K       ddp, fsdp, pp: when a rank fails, stop the rest and start\n"
         "                         every rank again from the --save checkpoint, at\n"
         "                         most K times (docs/DEBUGGING.md)            [0]\n"
-        "  --precision P          single: fp32, bf16 or fp16: products in 16-bit with\n"
+        "  --deterministic K      every mode: the same bits on any number of devices:\n"
+        "                         every global batch is cut into K virtual shards (K a\n"
+        "                         power of two dividing --batch, divisible by the\n"
+        "                         device count), each computed alone, and their\n"
+        "                         gradients summed in one fixed binary tree; batchnorm\n"
+        "                         per shard. A checkpoint resumes on any device count\n"
+        "                         dividing K (docs/DETERMINISM.md)           [off]\n"
+        "  --min-devices M        ddp, fsdp with --deterministic and --max-restarts: a rank\n"
+        "                         that keeps failing is left out and the job goes on\n"
+        "                         from the last checkpoint on fewer devices (the most\n"
+        "                         that divide K), never fewer than M           [off]\n"
+                "  --precision P          fp32, bf16 or fp16: products in 16-bit with\n"
         "                         float32 sums, activations kept in 16 bits, master\n"
         "                         weights, gradients and optimizer float32; fp16 with\n"
-        "                         dynamic loss scaling (docs/MEMORY.md)       [fp32]\n"
-        "  --checkpoint-activations [all|N]  single: keep only the input of each\n"
+        "                         dynamic loss scaling, the skip decided for every\n"
+        "                         rank at once (docs/MEMORY.md)               [fp32]\n"
+        "  --checkpoint-activations [all|N]  keep only the input of each\n"
         "                         segment of N blocks (gpt blocks, cnn conv blocks, mlp\n"
         "                         layers) and recompute it in backward; all = 1\n"
-        "  --clip-grad-norm X     single: scale the gradients so that their global L2\n"
+        "  --clip-grad-norm X     scale the gradients so that their global L2\n"
         "                         norm is at most X (torch's clip_grad_norm_); the\n"
         "                         last step's norm is printed with each epoch\n"
-        "  --offload optimizer    single, --device cuda: optimizer state and step in\n"
+        "  --offload optimizer    --device cuda: optimizer state and step in\n"
         "                         host memory (ZeRO-Offload)\n"
-        "                         (these four: --mode single in this build)\n"
+        "                         (these four: --mode single, ddp and fsdp; not dp)\n"
         "  --no-eval              skip the test-set evaluation after each epoch\n"
         "                         (ddp spreads it over the ranks)\n"
         "  --quiet                only the per-epoch lines\n"
@@ -149,6 +177,11 @@ static void tdm_train_usage(FILE *f)
         "A gpt epoch draws as many bytes as the training text holds, in random\n"
         "windows; after each, the validation loss in nats and bits per byte is\n"
         "printed beside a bigram model's. tandem sample --resume CK generates text.\n"
+        "\n"
+        "--mode pp forks one stage per device: stage s holds a run of the model's\n"
+        "layers and passes activations forward and their gradients back by send/recv\n"
+        "(docs/PIPELINE.md); the checkpoint it writes is the whole model's, the file\n"
+        "every mode reads, and it resumes from any mode's.\n"
         "\n"
         "--mode ddp forks one rank per device, or, started by an MPI launcher\n"
         "(mpirun -np N tandem train --mode ddp ..., srun), takes its ranks from it\n"
@@ -195,6 +228,13 @@ static tdm_status tdm_train_parse(int argc, char **argv, tdm_train_args *a, int 
         TDM_ARGS_STR("--comm-hook", a->comm_hook)
         TDM_ARGS_INT("--powersgd-rank", 1, 1 << 16, a->powersgd_rank)
         TDM_ARGS_INT("--powersgd-start-step", 0, INT64_MAX, a->powersgd_start_step)
+        TDM_ARGS_INT("--stages", 1, 64, a->stages)
+        TDM_ARGS_INT("--microbatches", 1, 1 << 16, a->microbatches)
+        TDM_ARGS_STR("--schedule", a->schedule)
+        TDM_ARGS_STR("--split", a->split)
+        TDM_ARGS_STR("--mesh", a->mesh)
+        TDM_ARGS_INT("--deterministic", 1, TDM_DIST_DET_MAX_K, a->deterministic)
+        TDM_ARGS_INT("--min-devices", 1, TDM_DIST_DET_MAX_K, a->min_devices)
         TDM_ARGS_STR("--precision", a->precision)
         TDM_ARGS_STR("--offload", a->offload)
         TDM_ARGS_FLOAT("--clip-grad-norm", 1e-30, 1e30, a->clip_grad_norm)
@@ -260,6 +300,40 @@ static tdm_status tdm_train_check_ddp_next(const tdm_train_args *a, int gpt)
     return TDM_STATUS_OK;
 }
 
+/* --deterministic K: what can honour one fixed order of the sums. The
+ * device count is checked where it is known (tools/train_ranks.c). */
+static tdm_status tdm_train_check_det(const tdm_train_args *a)
+{
+    if (a->min_devices && (!a->deterministic || !a->max_restarts ||
+                           (strcmp(a->mode, "ddp") && strcmp(a->mode, "fsdp"))))
+        return tdm_tool_usage_error("tandem train: --min-devices applies to --mode ddp and fsdp "
+                                    "with --deterministic and --max-restarts (only then does a "
+                                    "run go on, bit for bit, on fewer devices)\n");
+    if (!a->deterministic) return TDM_STATUS_OK;
+    int K = (int)a->deterministic;
+    if (strcmp(a->mode, "single") && strcmp(a->mode, "dp") && strcmp(a->mode, "ddp") &&
+        strcmp(a->mode, "fsdp"))
+        return tdm_tool_usage_error("tandem train: --deterministic is not supported with --mode "
+                                    "%s yet (single, dp, ddp and fsdp honour the fixed order)\n",
+                                    a->mode);
+    if ((a->precision && strcmp(a->precision, "fp32")) || a->ckpt || a->clip_grad_norm > 0.0 ||
+        a->offload)
+        return tdm_tool_usage_error("tandem train: --deterministic is not supported with "
+                                    "--precision, --checkpoint-activations, --clip-grad-norm or "
+                                    "--offload yet\n");
+    if (a->uneven || a->sync_bn || (a->comm_hook && strcmp(a->comm_hook, "allreduce")))
+        return tdm_tool_usage_error("tandem train: --deterministic cannot honour the fixed order "
+                                    "with %s\n", a->uneven ? "--uneven (ranks train on their own "
+                                    "samples)" : a->sync_bn ? "--sync-bn (batchnorm statistics are "
+                                    "per virtual shard)" : "--comm-hook (the tree is the only "
+                                    "gradient reduction)");
+    if (tdm_dist_det_check(K, 1, a->batch))
+        return tdm_tool_usage_error("tandem train: %s%s\n", tdm_error_message(),
+                                    a->grad_accum > 1 ? " (with --grad-accum: the micro-batch "
+                                    "--batch)" : "");
+    return TDM_STATUS_OK;
+}
+
 /* The defaults that depend on the model and the optimizer, and the checks
  * that need no data: a language model trains with AdamW on windows of
  * text, the image models with SGD on batches of 256 images. */
@@ -282,15 +356,17 @@ static tdm_status tdm_train_check_args(tdm_train_args *a)
      * (docs/GPT.md) */
     if (a->lr < 0) a->lr = strcmp(a->optim, "sgd") ? (gpt ? 2e-3 : 1e-3) : 0.05;
     if (a->weight_decay < 0) a->weight_decay = strcmp(a->optim, "sgd") ? 0.01 : 0.0;
-    if (a->timeout && strcmp(a->mode, "ddp") && strcmp(a->mode, "fsdp"))
-        fprintf(stderr, "tandem train: note: --timeout applies to --mode ddp and fsdp (the "
+    int ranks = !strcmp(a->mode, "ddp") || !strcmp(a->mode, "fsdp") || !strcmp(a->mode, "pp");
+    if (a->timeout && !ranks)
+        fprintf(stderr, "tandem train: note: --timeout applies to --mode ddp, fsdp and pp (the "
                         "process group's collectives); --mode %s has none\n", a->mode);
-    if ((a->sharding || a->save_sharded) && strcmp(a->mode, "fsdp"))
+    if ((a->sharding || a->save_sharded) && strcmp(a->mode, "fsdp") && strcmp(a->mode, "pp"))
         return tdm_tool_usage_error("tandem train: --sharding and --save-sharded apply to "
                                     "--mode fsdp, not --mode %s\n", a->mode);
-    if (a->max_restarts && strcmp(a->mode, "ddp") && strcmp(a->mode, "fsdp"))
-        return tdm_tool_usage_error("tandem train: --max-restarts applies to --mode ddp and "
-                                    "fsdp (ranks that can fail one by one)\n");
+    if (a->max_restarts && !ranks)
+        return tdm_tool_usage_error("tandem train: --max-restarts applies to --mode ddp, fsdp "
+                                    "and pp (ranks that can fail one by one)\n");
+    TDM_CHECK(tdm_train_check_pp(a, gpt));
     if (a->max_restarts && (tdm_dist_launched() || tdm_dist_mpi_launched()))
         fprintf(stderr, "tandem train: note: --max-restarts restarts the ranks tandem train forks "
                         "itself; these ranks were started by a launcher, which restarts them: "
@@ -298,16 +374,17 @@ static tdm_status tdm_train_check_args(tdm_train_args *a)
                         "with --resume)\n");
     /* restarted by tandem launch --max-restarts */
     if (!a->resume) a->resume = tdm_dist_restart_resume(a->save);
-    if (a->backend && strcmp(a->mode, "ddp"))
-        return tdm_tool_usage_error("tandem train: --backend applies to --mode ddp\n");
+    if (a->backend && strcmp(a->mode, "ddp") && strcmp(a->mode, "pp"))
+        return tdm_tool_usage_error("tandem train: --backend applies to --mode ddp and pp\n");
     TDM_CHECK(tdm_train_check_ddp_next(a, gpt));
+    TDM_CHECK(tdm_train_check_det(a));
     TDM_CHECK(tdm_train_levers_check(a));
     /* N copies of one model trained side by side are never what was meant */
     int mpi_n = tdm_dist_mpi_env_world();
-    if (strcmp(a->mode, "ddp") && mpi_n > 1)
+    if (strcmp(a->mode, "ddp") && strcmp(a->mode, "pp") && mpi_n > 1)
         return tdm_tool_usage_error("tandem train: started by an MPI launcher with %d ranks, but "
                                     "--mode %s would train %d independent copies: use --mode "
-                                    "ddp\n", mpi_n, a->mode, mpi_n);
+                                    "ddp or pp\n", mpi_n, a->mode, mpi_n);
     return TDM_STATUS_OK;
 }
 
@@ -319,8 +396,9 @@ static tdm_status tdm_train_dispatch(const tdm_train_args *a)
     if (!strcmp(a->mode, "ddp")) return tdm_train_run_ranks(a, &tdm_tool_ddp_design, NULL, NULL);
     if (!strcmp(a->mode, "fsdp"))
         return tdm_train_run_ranks(a, &tdm_tool_fsdp_design, NULL, NULL);
-    return tdm_tool_usage_error("tandem train: --mode '%s': expected single, dp, ddp or fsdp\n",
-                                a->mode);
+    if (!strcmp(a->mode, "pp")) return tdm_train_run_pp(a, NULL, NULL);
+    return tdm_tool_usage_error("tandem train: --mode '%s': expected single, dp, ddp, fsdp or "
+                                "pp\n", a->mode);
 }
 
 int tdm_tool_train_main(int argc, char **argv)

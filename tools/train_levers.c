@@ -1,11 +1,12 @@
 /* tools/train_levers.c: `tandem train`'s memory levers (docs/MEMORY.md):
  * --precision fp32|bf16|fp16, --checkpoint-activations [all|N],
  * --clip-grad-norm X and --offload optimizer, their checks, what they set
- * on --mode single's model and step, and the lines they print (the
- * planner's peak before training, the measured one after, the gradient
- * norm and loss scale with each epoch). The multi-process modes take
- * them once they run on the shared rank runtime; until then they are
- * refused there with a message. */
+ * on --mode single's model and step and on every rank of --mode ddp and
+ * fsdp (each rank's model, the design's optimizer, dist/step.h's
+ * stepper), and the lines they print (the planner's peak before
+ * training, the measured one after, the gradient norm and loss scale
+ * with each epoch). --mode dp refuses them (its replicas are copied per
+ * step without them). */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -15,8 +16,16 @@
 #include "models/precision.h"
 #include "models/recompute.h"
 #include "models/train.h"
+#include "tools/ranks.h"
 #include "tools/tools.h"
 #include "tools/train_modes.h"
+
+/* --sharding names FULL_SHARD (an unparsable one is refused elsewhere) */
+static int tdm_fsdp_full(const char *sharding)
+{
+    tdm_fsdp_sharding sh;
+    return tdm_fsdp_sharding_parse(sharding, &sh) == TDM_STATUS_OK && sh == TDM_FSDP_FULL_SHARD;
+}
 
 static int tdm_levers_set(const tdm_train_args *a)
 {
@@ -53,11 +62,24 @@ tdm_status tdm_train_levers_check(const tdm_train_args *a)
         return tdm_tool_usage_error("tandem train: --offload optimizer moves the optimizer "
                                     "state from a GPU to host memory; --device %s is host "
                                     "memory already\n", a->device);
-    if (tdm_levers_set(a) && strcmp(a->mode, "single"))
+    if (tdm_levers_set(a) && strcmp(a->mode, "single") && strcmp(a->mode, "ddp") &&
+        strcmp(a->mode, "fsdp"))
         return tdm_tool_usage_error("tandem train: --precision, --checkpoint-activations, "
-                                    "--clip-grad-norm and --offload run with --mode single in "
-                                    "this build, not yet with --mode %s\n", a->mode);
+                                    "--clip-grad-norm and --offload run with --mode single, ddp "
+                                    "and fsdp in this build, not yet with --mode %s\n", a->mode);
+    if (tdm_levers_ckpt(a) > 1 && !strcmp(a->mode, "fsdp") &&
+        (!a->sharding || tdm_fsdp_full(a->sharding)))
+        return tdm_tool_usage_error("tandem train: --checkpoint-activations %s with --mode fsdp "
+                                    "--sharding full: a recomputed segment of several units "
+                                    "needs them gathered at once, which FSDP's backward does "
+                                    "not do yet; use segments of 1 (all), or --sharding "
+                                    "grad_op or optimizer\n", a->ckpt);
     int fp16 = a->precision && p == TDM_PRECISION_FP16;
+    if (a->uneven && (fp16 || a->clip_grad_norm > 0.0))
+        return tdm_tool_usage_error("tandem train: --precision fp16 (its loss scaling) and "
+                                    "--clip-grad-norm are not supported with --uneven yet (a "
+                                    "joined rank's shadow steps do not take part in their "
+                                    "collectives)\n");
     if (a->grad_accum > 1 && (fp16 || a->clip_grad_norm > 0.0))
         return tdm_tool_usage_error("tandem train: --precision fp16 (its loss scaling) and "
                                     "--clip-grad-norm are not supported with --grad-accum "
@@ -132,12 +154,54 @@ void tdm_train_levers_report(const tdm_train_args *a, tdm_model *m)
     printf("\n");
 }
 
+static void tdm_levers_figures(double clip_norm, double last_norm, const tdm_grad_scaler *sc)
+{
+    if (clip_norm > 0.0) printf(", grad norm %.4g (last step)", last_norm);
+    if (sc)
+        printf(", loss scale %g (%lld step%s skipped)", (double)sc->scale,
+               (long long)sc->skipped, sc->skipped == 1 ? "" : "s");
+}
+
 void tdm_train_levers_epoch(const tdm_train_run *r)
 {
-    const tdm_single *s = r->single;
-    if (!s) return;
-    if (s->clip_norm > 0.0) printf(", grad norm %.4g (last step)", s->last_norm);
-    if (s->scaler)
-        printf(", loss scale %g (%lld step%s skipped)", (double)s->scaler->scale,
-               (long long)s->scaler->skipped, s->scaler->skipped == 1 ? "" : "s");
+    if (r->single) tdm_levers_figures(r->single->clip_norm, r->single->last_norm, r->single->scaler);
+    if (r->ranks) tdm_levers_figures(r->ranks->clip_norm, r->ranks->last_norm, r->ranks->scaler);
+}
+
+void tdm_train_levers_build(const tdm_train_args *a, tdm_tool_build *b)
+{
+    b->precision = TDM_PRECISION_FP32;
+    if (a->precision) (void)tdm_precision_parse(a->precision, &b->precision);
+    b->ckpt = tdm_levers_ckpt(a);
+    if (a->offload) b->optim.offload = TDM_OPTIM_OFFLOAD_HOST;
+}
+
+tdm_status tdm_train_levers_rank(const tdm_train_args *a, const tdm_tool_rank *r,
+                                 tdm_dist_stepper *s, tdm_grad_scaler *scaler)
+{
+    s->clip_norm = a->clip_grad_norm;
+    if (r->b->precision == TDM_PRECISION_FP16) {
+        tdm_status st = tdm_grad_scaler_init(scaler, NULL);
+        if (st) return tdm_tool_rank_fail(r, "loss scaler", st);
+        s->scaler = scaler;
+    }
+    if (!tdm_levers_set(a) || r->rank != 0) return TDM_STATUS_OK;
+    printf("  memory levers on every rank: precision %s", tdm_precision_name(r->b->precision));
+    if (s->scaler) printf(" (dynamic loss scaling from 65536, found-inf synced over the ranks)");
+    if (r->b->ckpt) printf(", activation checkpointing (segments of %d)", r->b->ckpt);
+    if (a->clip_grad_norm > 0.0) printf(", global gradient norm clipped to %g", a->clip_grad_norm);
+    if (a->offload) printf(", optimizer offloaded to host memory");
+    printf("\n");
+    fflush(stdout);
+    return TDM_STATUS_OK;
+}
+
+void tdm_train_levers_rank_report(const tdm_train_args *a, const tdm_tool_rank *r)
+{
+    tdm_dev_mem_stats ms;
+    if (!tdm_levers_set(a) || r->rank != 0 ||
+        tdm_dev_mem_query(tdm_model_device(r->m), &ms) != TDM_STATUS_OK)
+        return;
+    printf("peak memory on rank 0's %s: %.2f MiB measured (allocator)\n",
+           tdm_dev_name(tdm_model_device(r->m)), ms.peak_bytes / 1048576.0);
 }

@@ -11,6 +11,7 @@
 
 #include "core/device.h"
 #include "core/timer.h"
+#include "dist/det.h"
 #include "dp/dp.h"
 #include "models/accum.h"
 #include "models/precision.h"
@@ -140,7 +141,9 @@ tdm_status tdm_train_run_local(const tdm_train_args *a, const tdm_model_spec *sp
     tdm_local l = {.text = text};
     tdm_grad_scaler scaler;
     tdm_train_run r = {.train = &train, .test = &test};
-    char desc[128];
+    tdm_dist_det det = {0};
+    tdm_train_det_dp *ddet = NULL;
+    char desc[160];
     tdm_status st;
     if (!spec && (st = tdm_model_spec_parse(&own, a->model)) != TDM_STATUS_OK)
         return tdm_train_fail("--model", tdm_tool_usage(st));
@@ -177,6 +180,37 @@ tdm_status tdm_train_run_local(const tdm_train_args *a, const tdm_model_spec *sp
         r.step = tdm_accum_step;
         r.step_ctx = &acc;
     }
+    /* --deterministic K: the K virtual shards one after the other, their
+     * gradients summed in the tree every device count sums them in */
+    det = (tdm_dist_det){.ops = &tdm_dist_det_single_ops, .ctx = &l.single, .m = l.m,
+                        .rank = 0, .world = 1, .K = (int)a->deterministic,
+                        .in_elems = tdm_model_in_features(l.m),
+                        .out_rows = tdm_model_out_rows(l.m),
+                        .micro = a->grad_accum > 1 ? (int)a->batch : 0};
+    if (a->deterministic && dp) {
+        if ((st = tdm_dist_det_check(det.K, n, a->batch)) != TDM_STATUS_OK) {
+            tdm_tool_usage_error("tandem train: %s\n", tdm_error_message());
+            goto fail;
+        }
+        if ((st = tdm_train_det_dp_init(&ddet, l.dp, &l.single, det.K, det.micro, det.in_elems,
+                                        det.out_rows)) != TDM_STATUS_OK) {
+            tdm_train_fail("--deterministic", st);
+            goto fail;
+        }
+        r.step = tdm_train_det_dp_step;
+        r.step_ctx = ddet;
+        snprintf(desc + strlen(desc), sizeof desc - strlen(desc), ", deterministic over %d "
+                 "virtual shards", det.K);
+    } else if (a->deterministic) {
+        if ((st = tdm_dist_det_init(&det)) != TDM_STATUS_OK) {
+            tdm_train_fail("--deterministic", st);
+            goto fail;
+        }
+        r.step = tdm_dist_det_step;
+        r.step_ctx = &det;
+        snprintf(desc + strlen(desc), sizeof desc - strlen(desc), ", deterministic over %d "
+                 "virtual shards", det.K);
+    }
     if (text) {
         r = (tdm_train_run){.m = r.m, .opt = r.opt, .start_epoch = r.start_epoch, .step = r.step,
                             .step_ctx = r.step_ctx, .text = text, .lo = 0, .hi = (int)a->batch,
@@ -194,6 +228,8 @@ tdm_status tdm_train_run_local(const tdm_train_args *a, const tdm_model_spec *sp
     if (dp) tdm_train_print_dp_phases(&l.sum, l.step_ms, l.steps);
     else tdm_train_levers_report(a, l.m);
 fail:
+    tdm_dist_det_free(&det);
+    tdm_train_det_dp_free(ddet);
     tdm_dp_free(l.dp);
     tdm_single_free(&l.single);
     tdm_optim_free(l.opt);

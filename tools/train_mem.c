@@ -11,6 +11,7 @@
 #include "core/device.h"
 #include "fsdp/fsdp.h"
 #include "models/mem_plan.h"
+#include "dist/mesh.h"
 #include "dist/mpi_job.h"
 #include "dist/timeout.h"
 #include "tools/ranks.h"
@@ -51,6 +52,24 @@ static int tdm_train_mem_in(const tdm_train_args *a, const tdm_model_spec *spec,
     /* each replica runs its share of every (micro-)batch */
     int parts = single ? 1 : world;
     int batch = (int)((a->batch + parts - 1) / parts);
+    if (!strcmp(a->mode, "pp")) {
+        /* a pipeline's stages hold the whole model once per replica
+         * (each stage its layers' parameters, gradients and optimizer
+         * state), and each stage the activations of the micro-batches
+         * between their forward and backward: all M under GPipe, at most
+         * S - s under 1F1B (S - s <= S: the plan takes S on every stage) */
+        tdm_mesh_shape sh;
+        const char *sched = a->schedule ? a->schedule : "1f1b";
+        if (tdm_mesh_parse(a->mesh, 0, &sh)) return 0;
+        int S = a->mesh ? sh.size[TDM_MESH_PP] : a->stages > 0 ? (int)a->stages : world;
+        int reps = S > 0 && world % S == 0 ? world / S : 1;
+        long long M = a->microbatches > 0 ? a->microbatches : 4;
+        long long rows = (a->batch + reps - 1) / reps, micro = (rows + M - 1) / M;
+        long long held = !strcmp(sched, "gpipe") || M < S ? M : S;
+        in->replicas = reps;
+        in->processes = reps;
+        batch = (int)(micro * held);
+    }
     tdm_device *host = NULL;
     int ok = tdm_device_open(&host, "cpu", 0, (int)a->threads) == TDM_STATUS_OK &&
              tdm_model_spec_footprint(spec, host, batch > 0 ? batch : 1, &in->model) ==

@@ -43,6 +43,12 @@ typedef struct tdm_train_args {
     long long powersgd_rank, powersgd_start_step;
     int uneven;               /* ddp: --uneven (tools/train_uneven.c) */
     int sync_bn;              /* ddp: --sync-bn */
+    /* pp: --stages (0: the devices over the mesh's dp), --microbatches,
+     * --schedule, --split, --mesh (as given) */
+    long long stages, microbatches;
+    const char *schedule, *split, *mesh;
+    long long min_devices;    /* --min-devices M: elastic resize (with --deterministic) */
+    long long deterministic;  /* --deterministic K: K virtual shards (dist/det.h); 0: off */
     /* the memory levers (tools/train_levers.c): --precision, --checkpoint-activations
      * (all = 1 unit per segment), --clip-grad-norm (0: off), --offload */
     const char *precision, *ckpt, *offload;
@@ -132,6 +138,7 @@ typedef struct tdm_train_run {
     void *after_ctx;
     struct tdm_single *single;     /* --mode single's step: its lever figures go in the epoch
                                       line (tools/train_levers.c); NULL elsewhere */
+    const struct tdm_dist_stepper *ranks;  /* --mode ddp/fsdp's, the same; NULL elsewhere */
 } tdm_train_run;
 
 /* --json / --csv (tools/train_out.c): epoch's record appended and the
@@ -182,6 +189,17 @@ typedef struct tdm_train_uneven {
 } tdm_train_uneven;
 tdm_status tdm_train_uneven_run(const tdm_train_args *a, const tdm_train_uneven *u);
 
+/* --mode dp --deterministic K (tools/train_det.c): the virtual shards
+ * over DataParallel's devices, the master's single (its optimizer) the
+ * one that steps; micro: --grad-accum's micro-batch (0: none). A
+ * tdm_train_step_fn over the result. */
+typedef struct tdm_train_det_dp tdm_train_det_dp;
+typedef struct tdm_dp tdm_dp;
+tdm_status tdm_train_det_dp_init(tdm_train_det_dp **out, tdm_dp *dp, tdm_single *master, int K,
+                                 int micro, int in_elems, int out_rows);
+void tdm_train_det_dp_free(tdm_train_det_dp *p);
+tdm_status tdm_train_det_dp_step(void *ctx, const void *x, const int32_t *y, int batch,
+                                 double *loss_mean);
 /* ---- the memory levers (tools/train_levers.c) ---- */
 
 /* The checks of --precision, --checkpoint-activations, --clip-grad-norm
@@ -196,6 +214,17 @@ tdm_status tdm_train_levers_apply(const tdm_train_args *a, tdm_model *m, struct 
 void tdm_train_levers_report(const tdm_train_args *a, tdm_model *m);
 /* The epoch line's lever figures (", grad norm ..., loss scale ..."). */
 void tdm_train_levers_epoch(const tdm_train_run *r);
+/* --mode ddp and fsdp: what every rank builds (precision and
+ * checkpointing on its model, the optimizer's offload) into b; then, in
+ * each rank, the clipping and (fp16) loss scaler on its stepper (scaler:
+ * storage for it) and rank 0's line saying what is on; after training
+ * rank 0's measured peak. */
+struct tdm_tool_build;
+struct tdm_tool_rank;
+void tdm_train_levers_build(const tdm_train_args *a, struct tdm_tool_build *b);
+tdm_status tdm_train_levers_rank(const tdm_train_args *a, const struct tdm_tool_rank *r,
+                                 struct tdm_dist_stepper *s, struct tdm_grad_scaler *scaler);
+void tdm_train_levers_rank_report(const tdm_train_args *a, const struct tdm_tool_rank *r);
 
 /* --model gpt: a language model on text, in every mode (tools/train_text.c). */
 tdm_status tdm_train_text_main(const tdm_train_args *a);
@@ -204,6 +233,15 @@ tdm_status tdm_train_text_main(const tdm_train_args *a);
  * models, their data loaded here). Says what failed. */
 tdm_status tdm_train_run_local(const tdm_train_args *a, const tdm_model_spec *spec,
                                const tdm_train_text_set *text);
+/* The pipeline's options against the mode and the others (USAGE, said):
+ * they apply to --mode pp, which takes no --grad-accum (--microbatches is
+ * its accumulation), --uneven, --sync-bn, --comm-hook or sharding; fills
+ * the defaults of --microbatches and --schedule (tools/train_pp.c). */
+tdm_status tdm_train_check_pp(tdm_train_args *a, int gpt);
+/* --mode pp (tools/train_pp.c): checks its options and runs the ranks of
+ * the pipeline's table (tools/rank_pp.c) through tdm_train_run_ranks. */
+tdm_status tdm_train_run_pp(const tdm_train_args *a, const tdm_model_spec *spec,
+                            const tdm_train_text_set *text);
 /* --mode ddp and fsdp (tools/train_ranks.c): the ranks of a design's
  * table (tools/ranks.h) over dist/run.h, forked, launched or an MPI
  * job's. spec: the model (NULL: parsed from --model); text: a gpt's

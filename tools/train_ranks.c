@@ -23,14 +23,22 @@
  * says so and stops the group with its reason; a forked job's parent
  * names the root cause and exits 1.
  *
- * Test hook: TANDEM_DDP_TEST_KILL=R:S[:STOP] makes rank R SIGKILL
+ * The memory levers (tools/train_levers.c) are set on every rank's model
+ * and stepper.
+ *
+ * Test hooks: TANDEM_DDP_TEST_KILL=R:S[:STOP] makes rank R SIGKILL
  * (SIGSTOP) itself before its global step S (tdm_elastic_test_fault,
- * tools/elastic.h), on the first attempt only. */
+ * tools/elastic.h), on the first attempt only. TANDEM_TEST_GRAD_INF=R:S
+ * makes rank R plant an infinity in the first element of the gradient
+ * it holds after step S's backward (after DDP's all-reduce, in FSDP's
+ * shard): with fp16's loss scaling every rank must skip step S. */
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "dist/batch.h"
+#include "dist/det.h"
 #include "dist/run.h"
 #include "dist/step.h"
 #include "models/accum.h"
@@ -55,8 +63,11 @@ typedef struct tdm_train_rank {
     tdm_train_args a;                /* rank 0's; the others quiet, without --save */
     const char *save;                /* --save, on every rank (collective saves) */
     tdm_dist_stepper s;
+    tdm_dist_det det;                /* --deterministic K */
     int64_t kill_step;               /* test hook: kill_sig before step kill_step */
     int kill_sig;
+    int64_t inf_step;                /* test hook: an inf planted after its backward */
+    tdm_grad_scaler scaler;          /* fp16's (the stepper borrows it) */
 } tdm_train_rank;
 
 static void tdm_train_fault_hook(void *ctx, int64_t step)
@@ -64,6 +75,30 @@ static void tdm_train_fault_hook(void *ctx, int64_t step)
     const tdm_tool_rank *r = ctx;
     const tdm_train_rank *t = r->tool;
     if (step == t->kill_step) tdm_elastic_test_fault_fire(r->rank, t->kill_sig, step);
+}
+
+/* TANDEM_TEST_GRAD_INF=R:S: this rank's step to plant an inf after, or 0. */
+static int64_t tdm_train_inf_step(int rank)
+{
+    const char *e = getenv("TANDEM_TEST_GRAD_INF");
+    int r = -1;
+    long long step = 0;
+    if (!e || sscanf(e, "%d:%lld", &r, &step) != 2 || r != rank || step < 1) return 0;
+    return step;
+}
+
+static void tdm_train_inf_hook(void *ctx, int64_t step, const tdm_dist_grads *g)
+{
+    const tdm_tool_rank *r = ctx;
+    const tdm_train_rank *t = r->tool;
+    float inf = INFINITY;
+    for (int i = 0; step == t->inf_step && i < g->n_bufs; i++)
+        if (g->n_elem[i] > 0) {
+            fprintf(stderr, "tandem train: rank %d: test hook: an inf planted in its gradient "
+                            "at step %lld\n", r->rank, (long long)step);
+            (void)tdm_dev_copy_from_host(g->dev, g->bufs[i], &inf, sizeof inf);
+            return;
+        }
 }
 
 /* ---- after each epoch ---- */
@@ -118,9 +153,12 @@ static tdm_status tdm_train_eval_text(void *ctx, double *loss, double *acc)
     const tdm_train_text_set *t = ((const tdm_train_job *)r->b->tool)->text;
     (void)acc;
     int T = t->T, EB = TDM_TRAIN_TEXT_EVAL_BATCH;
+    /* the data-parallel replicas share the windows (every rank of a
+     * replica, as a pipeline's stages, runs the same ones) */
+    int rep = r->dist->coord[TDM_MESH_DP], reps = r->dist->shape.size[TDM_MESH_DP];
     int64_t K = t->eval_count, lo, hi;
-    tdm_dist_share(K, r->rank, r->world, &lo, &hi);
-    int64_t most = (K + r->world - 1) / r->world, nb = (most + EB - 1) / EB;
+    tdm_dist_share(K, rep, reps, &lo, &hi);
+    int64_t most = (K + reps - 1) / reps, nb = (most + EB - 1) / EB;
     size_t bytes = (size_t)EB * (size_t)T * sizeof(int32_t);
     int32_t *x = malloc(bytes), *y = malloc(bytes);
     double s = 0.0;
@@ -157,6 +195,7 @@ static void tdm_train_rank_free(void *ctx, void *self)
     tdm_tool_rank *r = self;
     tdm_train_rank *t = r ? r->tool : NULL;
     b->design->dist.free(ctx, self);
+    if (t) tdm_dist_det_free(&t->det);
     free(t);
 }
 
@@ -167,7 +206,7 @@ static tdm_status tdm_train_rank_setup(void *ctx, tdm_dist_rank *d, void **self)
 {
     tdm_tool_build *b = ctx;
     tdm_train_job *j = b->tool;
-    int rank = d->env.rank, world = d->env.world_size;
+    int rank = d->env.rank, world = d->shape.size[TDM_MESH_DP];   /* replicas */
     tdm_train_rank *t = calloc(1, sizeof *t);
     TDM_REQUIRE(t, TDM_STATUS_OUT_OF_MEMORY, "rank %d: calloc", rank);
     t->a = *j->a;
@@ -187,6 +226,10 @@ static tdm_status tdm_train_rank_setup(void *ctx, tdm_dist_rank *d, void **self)
                     "rank needs at least one window of every global batch\n", t->a.batch, world);
         st = tdm_error_set(TDM_STATUS_USAGE, "--batch %lld is smaller than the %d ranks",
                            t->a.batch, world);
+    } else if (t->a.deterministic &&
+               tdm_dist_det_check((int)t->a.deterministic, world, t->a.batch)) {
+        if (rank == 0) fprintf(stderr, "tandem train: %s\n", tdm_error_message());
+        st = TDM_STATUS_USAGE;
     } else if (!j->text && !j->train) {
         st = tdm_train_load_data(j->a, &b->spec, &j->own_train, &j->own_test);
         j->train = &j->own_train;
@@ -196,8 +239,12 @@ static tdm_status tdm_train_rank_setup(void *ctx, tdm_dist_rank *d, void **self)
     tdm_tool_rank *r = *self;
     if (r) r->tool = t;
     else free(t);
-    /* the forked path checked on a probe; a launched rank checks here */
-    if (st == TDM_STATUS_OK && !j->text) st = tdm_train_check_features(j->train, r->m);
+    /* the forked path checked on a probe; a launched rank checks here (a
+     * pipeline's first stage: the others take activations) */
+    tdm_model_stage_info si = {.is_first = 1};
+    if (r && r->m) tdm_model_get_stage(r->m, &si);
+    if (st == TDM_STATUS_OK && !j->text && si.is_first)
+        st = tdm_train_check_features(j->train, r->m);
     j->said = st != TDM_STATUS_OK;
     return st;
 }
@@ -218,11 +265,11 @@ static void tdm_train_rank_header(const tdm_tool_rank *r, const tdm_train_job *j
         snprintf(desc, sizeof desc, "%d processes on %s%s (%s communicator%s, timeout %g s)",
                  r->world, j->a->device, on, backend, note, (double)d->timeout_ms / 1000.0);
     const tdm_train_rank *t = r->tool;
+    int64_t params = r->model_params ? r->model_params : tdm_model_param_elems(r->m);
     if (j->text)
-        tdm_train_text_header(j->text, &r->b->spec, &t->a, tdm_model_param_elems(r->m), desc);
+        tdm_train_text_header(j->text, &r->b->spec, &t->a, params, desc);
     else
-        tdm_train_print_header(&t->a, &r->b->spec, j->train, j->test,
-                               tdm_model_param_elems(r->m), desc);
+        tdm_train_print_header(&t->a, &r->b->spec, j->train, j->test, params, desc);
 }
 
 /* The epochs: the global batch's steps (or --grad-accum's, or
@@ -238,7 +285,8 @@ static tdm_status tdm_train_rank_run(void *ctx, tdm_dist_rank *d, void *self)
     if (r->rank == 0) tdm_train_rank_header(r, j);
     t->kill_step = tdm_elastic_test_fault(r->rank, &t->kill_sig);
     int64_t lo = 0, hi = a->batch;
-    if (j->text) tdm_dist_share(a->batch, r->rank, r->world, &lo, &hi);
+    if (j->text)
+        tdm_dist_share(a->batch, d->coord[TDM_MESH_DP], d->shape.size[TDM_MESH_DP], &lo, &hi);
     t->s = (tdm_dist_stepper){.ops = design->dist.ops, .w = r->w, .opt = r->opt, .comm = d->comm,
                               .rank = r->rank, .world = r->world,
                               .in_elems = tdm_model_in_features(r->m),
@@ -246,6 +294,9 @@ static tdm_status tdm_train_rank_run(void *ctx, tdm_dist_rank *d, void *self)
                               .global_batch = (int)a->batch,
                               .unit = j->text ? "window" : NULL,
                               .before = tdm_train_fault_hook, .before_ctx = r};
+    t->inf_step = tdm_train_inf_step(r->rank);
+    if (t->inf_step) t->s.after_backward = tdm_train_inf_hook;
+    TDM_CHECK(tdm_train_levers_rank(a, r, &t->s, &t->scaler));
     tdm_train_eval_fn eval = j->text ? tdm_train_eval_text : tdm_train_eval_images;
     tdm_status st;
     if (a->uneven) {
@@ -257,10 +308,12 @@ static tdm_status tdm_train_rank_run(void *ctx, tdm_dist_rank *d, void *self)
         st = tdm_train_uneven_run(a, &u);
     } else {
         tdm_train_run run = {.m = r->m, .opt = r->opt, .start_epoch = r->start_epoch,
-                             .step = tdm_dist_step, .step_ctx = &t->s, .train = j->train,
+                             .step = design->step ? design->step : tdm_dist_step,
+                             .step_ctx = &t->s, .train = j->train,
                              .test = j->test, .eval = eval, .eval_ctx = r,
                              .after = design->save_alone ? tdm_train_barrier : tdm_train_save,
-                             .after_ctx = r, .text = j->text, .lo = (int)lo, .hi = (int)hi};
+                             .after_ctx = r, .text = j->text, .lo = (int)lo, .hi = (int)hi,
+                             .ranks = &t->s};
         tdm_accum acc = {.ops = &tdm_dist_accum_ops, .ctx = &t->s, .micro = (int)a->batch,
                          .in_features = tdm_model_in_features(r->m),
                          .out_rows = tdm_model_out_rows(r->m)};
@@ -268,10 +321,24 @@ static tdm_status tdm_train_rank_run(void *ctx, tdm_dist_rank *d, void *self)
             run.step = tdm_accum_step;
             run.step_ctx = &acc;
         }
-        st = tdm_train_epochs(a, &run);
+        t->det = (tdm_dist_det){.ops = tdm_dist_det_stepper_ops(&t->s), .ctx = &t->s, .m = r->m,
+                                .comm = d->comm, .rank = r->rank, .world = r->world,
+                                .K = (int)a->deterministic, .in_elems = t->s.in_elems,
+                                .out_rows = t->s.out_rows, .own_rows = t->s.own_rows,
+                                .global_batch = (int)a->batch,
+                                .micro = a->grad_accum > 1 ? (int)a->batch : 0,
+                                .before = tdm_train_fault_hook, .before_ctx = r};
+        st = TDM_STATUS_OK;
+        if (a->deterministic && (st = tdm_dist_det_init(&t->det)) != TDM_STATUS_OK)
+            tdm_tool_rank_fail(r, "--deterministic", st);
+        run.step = a->deterministic ? tdm_dist_det_step : run.step;
+        run.step_ctx = a->deterministic ? (void *)&t->det : run.step_ctx;
+        if (st == TDM_STATUS_OK) st = tdm_train_epochs(a, &run);
     }
+    if (st == TDM_STATUS_OK && design->finish) st = design->finish(r);
     j->said = st != TDM_STATUS_OK;
     if (st == TDM_STATUS_OK && r->rank == 0 && design->report) design->report(r, !j->text);
+    if (st == TDM_STATUS_OK) tdm_train_levers_rank_report(a, r);
     return st;
 }
 
@@ -283,10 +350,19 @@ static tdm_status tdm_train_ranks_forked(tdm_train_job *j, tdm_dist_run_opts *o)
 {
     const tdm_train_args *a = j->a;
     int64_t param_elems = 0;
-    if (j->text && a->batch < o->devices->count)
-        return tdm_tool_usage_error("tandem train: --batch %lld is smaller than the %d ranks: "
-                                    "each rank needs at least one window of every global "
-                                    "batch\n", a->batch, o->devices->count);
+    int replicas = o->devices->count;
+    if (j->b.design == &tdm_tool_pp_design) {
+        tdm_mesh_shape shape;
+        if (tdm_tool_pp_check(&j->b, o->devices->count, &shape))
+            return tdm_tool_usage_error("tandem train: %s\n", tdm_error_message());
+        replicas = shape.size[TDM_MESH_DP];
+    }
+    if (j->text && a->batch < replicas)
+        return tdm_tool_usage_error("tandem train: --batch %lld is smaller than the %d %s: "
+                                    "each needs at least one window of every global batch\n",
+                                    a->batch, replicas,
+                                    replicas == o->devices->count ? "ranks"
+                                                                  : "pipeline replicas");
     TDM_CHECK(tdm_train_load_and_probe(a, &j->b.spec, j->text ? NULL : &j->own_train,
                                        &j->own_test, &param_elems));
     if (!j->text) {
@@ -295,6 +371,9 @@ static tdm_status tdm_train_ranks_forked(tdm_train_job *j, tdm_dist_run_opts *o)
     }
     if (j->b.design == &tdm_tool_ddp_design)
         o->arena_bytes = tdm_tool_ddp_arena_bytes(o->devices, param_elems);
+    if (j->b.design == &tdm_tool_pp_design)
+        o->arena_bytes = tdm_tool_pp_arena_bytes(&j->b, o->devices, o->devices->count,
+                                                 param_elems);
     return TDM_STATUS_OK;
 }
 
@@ -316,6 +395,14 @@ static tdm_status tdm_train_ranks_build(tdm_train_job *j, const tdm_tool_design 
     else if (tdm_model_spec_parse(&b->spec, a->model))
         return tdm_tool_usage_error("tandem train: --model: %s\n", tdm_error_message());
     tdm_optim_opts_named(&b->optim, a->optim, a->lr, a->weight_decay, a->momentum, a->nesterov);
+    b->pp.stages = (int)a->stages;
+    b->pp.micro = (int)a->microbatches;
+    b->pp.split = a->split;
+    b->pp.mesh = a->mesh;
+    b->pp.batch = (int)a->batch;
+    if (a->schedule && tdm_pp_schedule_parse(a->schedule, &b->pp.schedule))
+        return tdm_tool_usage_error("tandem train: --schedule: %s\n", tdm_error_message());
+    tdm_train_levers_build(a, b);
     if (design != &tdm_tool_fsdp_design) return TDM_STATUS_OK;
     tdm_fsdp_comm_hook hook;
     if (tdm_fsdp_sharding_parse(a->sharding ? a->sharding : "full", &b->sharding))
@@ -341,7 +428,9 @@ tdm_status tdm_train_run_ranks(const tdm_train_args *a, const tdm_tool_design *d
      * TANDEM_TIMEOUT, so that the ranks' NCCL communicators get it too. */
     tdm_elastic_watch w;
     tdm_dist_run_opts o = {.devices = &dl, .spec = a->device, .max_restarts = a->max_restarts,
-                           .save = a->save, .resume = &j.b.resume, .watch = &w.dist};
+                           .save = a->save, .resume = &j.b.resume, .watch = &w.dist,
+                           .min_world = (int)a->min_devices,
+                           .world_divides = (int)a->deterministic};
     if (a->timeout && tdm_dist_timeout_parse("--timeout", a->timeout, &o.timeout_ms))
         return tdm_tool_usage_error("tandem train: %s\n", tdm_error_message());
     if (a->timeout) setenv(TDM_DIST_ENV_TIMEOUT, a->timeout, 1);
@@ -354,7 +443,9 @@ tdm_status tdm_train_run_ranks(const tdm_train_args *a, const tdm_tool_design *d
     if (tdm_dist_job_timeout(&o, start, &timeout_ms))
         return tdm_tool_usage_error("tandem train: %s\n", tdm_error_message());
     if ((st = tdm_dist_backend_choose(a->backend, start == TDM_DIST_START_MPI,
-                                      "train --mode ddp", &o.backend))) {
+                                      design == &tdm_tool_pp_design ? "train --mode pp"
+                                                                    : "train --mode ddp",
+                                      &o.backend))) {
         fprintf(stderr, "tandem train: %s\n", tdm_error_message());
         return st == TDM_STATUS_UNSUPPORTED ? st : TDM_STATUS_USAGE;
     }
@@ -362,9 +453,14 @@ tdm_status tdm_train_run_ranks(const tdm_train_args *a, const tdm_tool_design *d
         fprintf(stderr, "tandem train: --device: %s\n", tdm_error_message());
         return st == TDM_STATUS_NO_DEVICE ? st : tdm_tool_usage(st);
     }
+    if (start == TDM_DIST_START_FORKED && a->deterministic &&
+        tdm_dist_det_check((int)a->deterministic, dl.count, a->batch))
+        return tdm_tool_usage_error("tandem train: %s\n", tdm_error_message());
     if (start == TDM_DIST_START_FORKED) {
         TDM_CHECK(tdm_train_ranks_forked(&j, &o));
         tdm_elastic_watch_init(&w, "tandem train", design->dist.name, a->max_restarts);
+        w.min_devices = a->min_devices;
+        w.divides = a->deterministic;
         fflush(stdout);
     }
     st = tdm_dist_run(&d, &j.b, &o);

@@ -1,0 +1,339 @@
+/* dist/det.c: world-size-invariant steps (see dist/det.h): K virtual
+ * shards per global batch, one fixed binary tree over their gradients. */
+#include "dist/det.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "dist/batch.h"
+#include "models/accum.h"
+
+tdm_status tdm_dist_det_check(int K, int world, int64_t batch)
+{
+    if (K < 1 || K > TDM_DIST_DET_MAX_K || (K & (K - 1)) != 0)
+        return tdm_error_set(TDM_STATUS_USAGE, "--deterministic %d: K must be a power of two "
+                             "from 1 to %d (1, 2, 4, 8, ...)", K, TDM_DIST_DET_MAX_K);
+    if (world < 1 || K % world != 0)
+        return tdm_error_set(TDM_STATUS_USAGE, "--deterministic %d: K must be divisible by the "
+                             "%d devices (each computes K/N whole virtual shards); use %s", K,
+                             world, world > K ? "fewer devices or a larger K"
+                                              : "a power-of-two device count");
+    if (batch % K != 0)
+        return tdm_error_set(TDM_STATUS_USAGE, "--deterministic %d: the global batch %lld is not "
+                             "divisible by K (every virtual shard holds batch/K samples)", K,
+                             (long long)batch);
+    return TDM_STATUS_OK;
+}
+
+/* ---- the ops ---- */
+
+static tdm_status tdm_det_single_zero(void *ctx)
+{
+    return tdm_accum_single_ops.zero_grad(ctx);
+}
+
+static tdm_status tdm_det_single_shard(void *ctx, const void *x, const int32_t *y, int n,
+                                       float scale, double *loss_sum)
+{
+    *loss_sum = 0.0;
+    if (n == 0) return TDM_STATUS_OK;   /* a shard without samples adds nothing */
+    return tdm_accum_single_ops.micro(ctx, x, y, n, scale, 0, 1, loss_sum);
+}
+
+static tdm_status tdm_det_single_step(void *ctx)
+{
+    double unused = 0.0;
+    return tdm_accum_single_ops.step(ctx, &unused);
+}
+
+const tdm_dist_det_ops tdm_dist_det_single_ops = {.zero_grad = tdm_det_single_zero,
+                                                  .shard = tdm_det_single_shard,
+                                                  .step = tdm_det_single_step};
+
+static tdm_status tdm_det_stepper_zero(void *ctx)
+{
+    tdm_dist_stepper *s = ctx;
+    return s->ops->zero_grad(s->w);
+}
+
+static tdm_status tdm_det_stepper_shard(void *ctx, const void *x, const int32_t *y, int n,
+                                        float scale, double *loss_sum)
+{
+    tdm_dist_stepper *s = ctx;
+    s->ops->no_sync(s->w, 1);
+    tdm_status st = s->ops->forward(s->w, x, y, n, scale, loss_sum);
+    if (st == TDM_STATUS_OK) st = s->ops->backward(s->w);
+    s->ops->no_sync(s->w, 0);
+    return st;
+}
+
+static tdm_status tdm_det_stepper_step(void *ctx)
+{
+    tdm_dist_stepper *s = ctx;
+    return s->ops->step(s->w, s->opt);
+}
+
+static tdm_status tdm_det_stepper_local(void *ctx, float *host)
+{
+    tdm_dist_stepper *s = ctx;
+    return s->ops->local_grads(s->w, host);
+}
+
+static tdm_status tdm_det_stepper_set(void *ctx, const float *host)
+{
+    tdm_dist_stepper *s = ctx;
+    return s->ops->set_grads(s->w, host);
+}
+
+static const tdm_dist_det_ops tdm_det_stepper_flat = {.zero_grad = tdm_det_stepper_zero,
+                                                      .shard = tdm_det_stepper_shard,
+                                                      .step = tdm_det_stepper_step};
+static const tdm_dist_det_ops tdm_det_stepper_own = {.zero_grad = tdm_det_stepper_zero,
+                                                     .shard = tdm_det_stepper_shard,
+                                                     .step = tdm_det_stepper_step,
+                                                     .local_grads = tdm_det_stepper_local,
+                                                     .set_grads = tdm_det_stepper_set};
+
+const tdm_dist_det_ops *tdm_dist_det_stepper_ops(const tdm_dist_stepper *s)
+{
+    return s->ops->local_grads && s->ops->set_grads ? &tdm_det_stepper_own
+                                                     : &tdm_det_stepper_flat;
+}
+
+/* ---- set-up ---- */
+
+static int tdm_det_log2(int v)
+{
+    int l = 0;
+    while ((1 << l) < v) l++;
+    return l;
+}
+
+tdm_status tdm_dist_det_init(tdm_dist_det *d)
+{
+    TDM_REQUIRE(d && d->ops && d->m && d->world >= 1 && d->rank >= 0 && d->rank < d->world,
+                TDM_STATUS_INVALID_ARG, "deterministic step: ops, model and a rank in the world "
+                "are required");
+    TDM_CHECK(tdm_dist_det_check(d->K, d->world, d->own_rows ? d->global_batch : d->K));
+    int m = d->K / d->world;
+    int64_t pe = tdm_model_param_elems(d->m), be = tdm_model_buffer_elems(d->m);
+    TDM_REQUIRE(tdm_model_grads(d->m) || (d->ops->local_grads && d->ops->set_grads),
+                TDM_STATUS_INVALID_ARG,
+                "deterministic step: the model's flat gradients are required (a design that "
+                "gives them up cannot honour the tree)");
+    d->n_vec = pe + be;
+    d->n_send = d->n_vec + 2 * (int64_t)m;   /* the shards' losses, a double in 2 floats */
+    d->max_depth = tdm_det_log2(m) + 1;
+    d->depth = 0;
+    d->level = calloc((size_t)d->max_depth, sizeof *d->level);
+    d->stack = malloc((size_t)d->max_depth * (size_t)d->n_vec * sizeof(float));
+    if (!d->gather_borrowed)
+        d->gather = malloc((size_t)d->world * (size_t)d->n_send * sizeof(float));
+    d->total = malloc((size_t)(d->n_vec ? d->n_vec : 1) * sizeof(float));
+    d->snapshot = malloc((size_t)(be ? be : 1) * sizeof(float));
+    d->losses = calloc((size_t)d->K, sizeof *d->losses);
+    if (!d->level || !d->stack || !d->gather || !d->total || !d->snapshot || !d->losses) {
+        tdm_dist_det_free(d);
+        return tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "deterministic step: %d subtree sums of "
+                             "%lld floats and %d ranks' of them do not fit in memory",
+                             d->max_depth, (long long)d->n_vec, d->world);
+    }
+    return TDM_STATUS_OK;
+}
+
+void tdm_dist_det_free(tdm_dist_det *d)
+{
+    if (!d) return;
+    free(d->level);
+    free(d->stack);
+    if (!d->gather_borrowed) free(d->gather);
+    free(d->total);
+    free(d->snapshot);
+    free(d->losses);
+    d->level = NULL;
+    d->stack = d->gather = d->total = d->snapshot = NULL;
+    d->losses = NULL;
+}
+
+/* ---- the tree ---- */
+
+/* dst = dst + src, element by element: a node of the tree, dst its left
+ * child (the earlier shards). */
+static void tdm_det_add(float *restrict dst, const float *restrict src, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++) dst[i] = dst[i] + src[i];
+}
+
+/* The leaf just written at the top of the stack joins the tree: while
+ * the sum below it is of the same level, they become their parent (a
+ * binary counter: with leaves arriving in order this builds the perfect
+ * tree over them). */
+static void tdm_det_push(tdm_dist_det *d)
+{
+    d->level[d->depth++] = 0;
+    while (d->depth >= 2 && d->level[d->depth - 2] == d->level[d->depth - 1]) {
+        float *left = d->stack + (int64_t)(d->depth - 2) * d->n_vec;
+        tdm_det_add(left, left + d->n_vec, d->n_vec);
+        d->level[d->depth - 2]++;
+        d->depth--;
+    }
+}
+
+/* A failure: the rank's message, and the group stopped with it. */
+static tdm_status tdm_det_fail(tdm_dist_det *d, tdm_status st)
+{
+    if (!d->comm) return st;
+    tdm_error_prefix(st, "rank %d", d->rank);
+    tdm_comm_abort(d->comm, tdm_error_message());
+    return st;
+}
+
+/* Shard k's rows of the micro-batch at x, y of b samples (the global
+ * batch's rows from row0; own_rows: x starts at this rank's first row). */
+static void tdm_det_rows(const tdm_dist_det *d, const void *x, const int32_t *y, int b, int k,
+                         int64_t row0, const void **xs, const int32_t **ys, int *n)
+{
+    int64_t lo, hi;
+    tdm_dist_share(b, k, d->K, &lo, &hi);
+    lo -= row0;
+    *xs = (const char *)x + lo * d->in_elems * (int64_t)sizeof(float);
+    *ys = y + lo * d->out_rows;
+    *n = (int)(hi - (lo + row0));
+}
+
+tdm_status tdm_dist_det_snapshot(tdm_dist_det *d)
+{
+    int64_t be = tdm_model_buffer_elems(d->m);
+    if (!be) return TDM_STATUS_OK;
+    tdm_status st = tdm_dev_copy_to_host(tdm_model_device(d->m), d->snapshot,
+                                         tdm_model_buffers(d->m), (size_t)be * sizeof(float));
+    return st ? tdm_det_fail(d, st) : st;
+}
+
+tdm_status tdm_dist_det_local(tdm_dist_det *d, const void *x, const int32_t *y, int b,
+                              int64_t row0, float scale)
+{
+    tdm_device *dev = tdm_model_device(d->m);
+    int64_t pe = tdm_model_param_elems(d->m), be = tdm_model_buffer_elems(d->m);
+    int m = d->K / d->world;
+    tdm_status st;
+    d->depth = 0;
+    for (int j = 0; j < m; j++) {
+        int k = d->rank * m + j, n;
+        const void *xs;
+        const int32_t *ys;
+        tdm_det_rows(d, x, y, b, k, row0, &xs, &ys, &n);
+        if (be && (st = tdm_dev_copy_from_host(dev, tdm_model_buffers(d->m), d->snapshot,
+                                               (size_t)be * sizeof(float))))
+            return tdm_det_fail(d, st);
+        double ls = 0.0;
+        if ((st = d->ops->zero_grad(d->ctx)) || (st = d->ops->shard(d->ctx, xs, ys, n, scale, &ls)))
+            return tdm_det_fail(d, st);
+        if (!isfinite(ls)) {
+            char where[96];
+            snprintf(where, sizeof where, "%s %d, virtual shard %d of %d",
+                     d->comm ? "rank" : "device", d->rank, k, d->K);
+            if (d->comm) return tdm_dist_diverged(d->comm, d->rank, d->begun, ls, where);
+            return tdm_error_set(TDM_STATUS_NONFINITE, "loss is %s at step %lld (%s): training "
+                                 "diverged (a lower learning rate may help)",
+                                 isnan(ls) ? "NaN" : "inf", (long long)d->begun, where);
+        }
+        d->losses[k] = ls;
+        float *leaf = d->stack + (int64_t)d->depth * d->n_vec;
+        if ((pe && d->ops->local_grads && (st = d->ops->local_grads(d->ctx, leaf))) ||
+            (pe && !d->ops->local_grads &&
+             (st = tdm_dev_copy_to_host(dev, leaf, tdm_model_grads(d->m),
+                                        (size_t)pe * sizeof(float)))) ||
+            (be && (st = tdm_dev_copy_to_host(dev, leaf + pe, tdm_model_buffers(d->m),
+                                              (size_t)be * sizeof(float)))))
+            return tdm_det_fail(d, st);
+        tdm_det_push(d);
+    }
+    /* this rank's subtree and its shards' losses, in its slot */
+    float *mine = d->gather + (int64_t)d->rank * d->n_send;
+    memcpy(mine, d->stack, (size_t)d->n_vec * sizeof(float));
+    memcpy(mine + d->n_vec, d->losses + d->rank * m, (size_t)m * sizeof(double));
+    return TDM_STATUS_OK;
+}
+
+tdm_status tdm_dist_det_top(tdm_dist_det *d, double *loss_sum)
+{
+    int m = d->K / d->world;
+    if (d->world > 1 && d->comm) {
+        float *mine = d->gather + (int64_t)d->rank * d->n_send;
+        tdm_comm_set_label(d->comm, "deterministic all_gather of subtree sums");
+        tdm_status st = tdm_comm_all_gather(d->comm, mine, d->gather, (size_t)d->n_send,
+                                            TDM_DTYPE_FLOAT32);
+        if (st) return tdm_det_fail(d, st);
+    }
+    /* the top log2(N) levels, the same order on every rank */
+    for (int s = 1; s < d->world; s *= 2)
+        for (int i = 0; i + s < d->world; i += 2 * s)
+            tdm_det_add(d->gather + (int64_t)i * d->n_send,
+                        d->gather + (int64_t)(i + s) * d->n_send, d->n_vec);
+    for (int r = 0; r < d->world; r++)
+        memcpy(d->losses + r * m, d->gather + (int64_t)r * d->n_send + d->n_vec,
+               (size_t)m * sizeof(double));
+    double sum = 0.0;
+    for (int k = 0; k < d->K; k++) sum += d->losses[k];
+    *loss_sum = sum;
+    return TDM_STATUS_OK;
+}
+
+void tdm_dist_det_accumulate(tdm_dist_det *d, int micro_index)
+{
+    if (micro_index == 0) memcpy(d->total, d->gather, (size_t)d->n_vec * sizeof(float));
+    else tdm_det_add(d->total, d->gather, d->n_vec);
+}
+
+tdm_status tdm_dist_det_apply(tdm_dist_det *d, int n_micro)
+{
+    tdm_device *dev = tdm_model_device(d->m);
+    int64_t pe = tdm_model_param_elems(d->m), be = tdm_model_buffer_elems(d->m);
+    tdm_status st;
+    /* the mean of the shards' buffer updates; 1/K is exact for one
+     * micro-batch (K a power of two) */
+    float inv = (float)(1.0 / ((double)d->K * n_micro));
+    for (int64_t i = pe; i < d->n_vec; i++) d->total[i] *= inv;
+    if ((pe && d->ops->set_grads && (st = d->ops->set_grads(d->ctx, d->total))) ||
+        (pe && !d->ops->set_grads &&
+         (st = tdm_dev_copy_from_host(dev, tdm_model_grads(d->m), d->total,
+                                      (size_t)pe * sizeof(float)))) ||
+        (be && (st = tdm_dev_copy_from_host(dev, tdm_model_buffers(d->m), d->total + pe,
+                                            (size_t)be * sizeof(float)))) ||
+        (st = d->ops->step(d->ctx)))
+        return tdm_det_fail(d, st);
+    return TDM_STATUS_OK;
+}
+
+tdm_status tdm_dist_det_step(void *det, const void *x, const int32_t *y, int batch,
+                             double *loss_mean)
+{
+    tdm_dist_det *d = det;
+    int global = d->own_rows ? d->global_batch : batch;
+    int mb = d->micro > 0 && !d->own_rows ? d->micro : global;
+    int n_micro = (global + mb - 1) / mb;
+    int64_t row0 = 0, hi;
+    if (d->own_rows) tdm_dist_share(global, d->rank, d->world, &row0, &hi);
+    d->begun++;
+    if (d->before) d->before(d->before_ctx, d->begun);
+    TDM_CHECK(tdm_dist_det_snapshot(d));
+    /* 1/(the whole effective batch) for every shard: the sum is its
+     * mean-loss gradient */
+    float scale = 1.0f / (float)global;
+    double loss_total = 0.0;
+    for (int a = 0; a < n_micro; a++) {
+        int lo = a * mb, b = global - lo < mb ? global - lo : mb;
+        const char *xa = (const char *)x + (int64_t)lo * d->in_elems * (int64_t)sizeof(float);
+        double ls = 0.0;
+        TDM_CHECK(tdm_dist_det_local(d, xa, y + (int64_t)lo * d->out_rows, b, row0, scale));
+        TDM_CHECK(tdm_dist_det_top(d, &ls));
+        loss_total += ls;
+        tdm_dist_det_accumulate(d, a);
+    }
+    TDM_CHECK(tdm_dist_det_apply(d, n_micro));
+    *loss_mean = loss_total / global;
+    return TDM_STATUS_OK;
+}

@@ -1,0 +1,471 @@
+/* tools/compare_pp.c: `tandem compare --modes ...,pp`: the pipeline's
+ * section. A pipeline of --stages S (default: the devices) with
+ * --microbatches M in --schedule's order runs the same global batches
+ * from the same initial parameters (pipeline stages through
+ * tools/rank_pp.c's table over dist/run.h: forked ranks); each stage
+ * writes what it measured into one shared anonymous mapping: the loss,
+ * its step times, its phases (forward, backward, loss, send and recv
+ * waits, the bubble), every micro-batch's F and B (the trace's tracks),
+ * its memory; rank 0 the whole model's final parameters. Printed: the
+ * throughput beside one device's (and DDP's), the per-stage phase table
+ * with the measured bubble beside the ideal (S-1)/(M+S-1), the
+ * equivalence verdict against one host device training with
+ * --grad-accum M on the same micro-batches (bit for bit for the MLP and
+ * CNN on host devices; the GPT within the bound of its tied embedding's
+ * rounding), the per-stage memory, and the reading. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+
+#include "models/accum.h"
+#include "models/optim.h"
+#include "models/train.h"
+#include "pp/pp.h"
+#include "tools/compare.h"
+#include "tools/ranks.h"
+
+/* The GPT's bounds (pp/pp.h: its tied embedding's shares add in another
+ * order than on one device): parameters 1e-4, losses 1e-5, as
+ * tests/test_pp.c measures them. */
+#define TDM_CMP_PP_GPT_PARAM_TOL 1e-4
+#define TDM_CMP_PP_GPT_LOSS_TOL 1e-5
+#define TDM_CMP_PP_PHASES 7   /* forward, backward, loss, recv, send, bubble, pipeline */
+
+typedef struct tdm_cmp_pp_shared {
+    int S, M, steps, n_ev;    /* n_ev: events per stage per step (2M) */
+    int64_t param_elems;
+    int lo[TDM_CMP_MAX_DEV], hi[TDM_CMP_MAX_DEV];
+    double mem[TDM_CMP_MAX_DEV][6];   /* params, grads, optimizer, peak act, sets, set bytes */
+    double overlapped, transfers;
+    size_t off_loss, off_step, off_t0, off_phase, off_ev, off_params, total;
+} tdm_cmp_pp_shared;
+
+#define TDM_CMP_PP_AT(sh, off, type) ((type *)((char *)(sh) + (sh)->off))
+
+typedef struct tdm_cmp_pp_run {
+    const tdm_cmp_opts *o;
+    const tdm_cmp_data *data;
+    tdm_cmp_pp_shared *sh;
+    uint64_t t_start;
+} tdm_cmp_pp_run;
+
+/* The last section's records, for the trace writer (tdm_cmp_pp_trace). */
+static tdm_cmp_pp_shared *g_pp;
+
+/* ---- a stage ---- */
+
+static tdm_status tdm_cmp_pp_rank_run(void *ctx, tdm_dist_rank *d, void *self)
+{
+    const tdm_tool_build *b = ctx;
+    const tdm_cmp_pp_run *c = b->tool;
+    tdm_cmp_pp_shared *sh = c->sh;
+    tdm_tool_rank *r = self;
+    tdm_pp *p = tdm_tool_pp_of(r);
+    int s = tdm_pp_stage(p), S = sh->S, B = c->o->batch;
+    (void)d;
+    float *x = malloc((size_t)B * (size_t)tdm_cmp_feat(c->data) * sizeof(float));
+    int32_t *y = malloc((size_t)B * (size_t)tdm_cmp_targets(c->data) * sizeof(int32_t));
+    tdm_status st = x && y ? TDM_STATUS_OK
+                           : tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "compare: pp stage %d: a "
+                                           "batch of %d", s, B);
+    for (int i = 0; st == TDM_STATUS_OK && i < sh->steps; i++) {
+        tdm_cmp_rows(c->data, i, B, 0, B, x, y);
+        double loss = 0.0;
+        uint64_t t0 = tdm_time_ns();
+        st = tdm_pp_step(p, x, y, B, &loss);
+        uint64_t t1 = tdm_time_ns();
+        if (st) break;
+        size_t k = (size_t)i * (size_t)S + (size_t)s;
+        if (s == 0) TDM_CMP_PP_AT(sh, off_loss, double)[i] = loss;
+        TDM_CMP_PP_AT(sh, off_step, double)[k] = (double)(t1 - t0) * 1e-6;
+        TDM_CMP_PP_AT(sh, off_t0, double)[k] = (double)(t0 - c->t_start) * 1e-6;
+        tdm_pp_stats ps;
+        tdm_pp_get_stats(p, &ps);
+        const tdm_pp_phases *ph = &ps.last;
+        double v[TDM_CMP_PP_PHASES] = {ph->forward, ph->backward, ph->loss, ph->recv_wait,
+                                       ph->send_wait, ph->bubble, ph->pipeline};
+        memcpy(TDM_CMP_PP_AT(sh, off_phase, double) + k * TDM_CMP_PP_PHASES, v, sizeof v);
+        const tdm_pp_event *ev;
+        int n;
+        tdm_pp_trace(p, &ev, &n);
+        double *out = TDM_CMP_PP_AT(sh, off_ev, double) + k * (size_t)sh->n_ev * 4;
+        for (int e = 0; e < sh->n_ev; e++) {
+            double row[4] = {-1, -1, 0, 0};
+            if (e < n)
+                memcpy(row, (double[4]){ev[e].op, ev[e].mb,
+                                        (double)(ev[e].t0_ns - c->t_start) * 1e-6,
+                                        (double)(ev[e].t1_ns - c->t_start) * 1e-6},
+                       sizeof row);
+            memcpy(out + (size_t)e * 4, row, sizeof row);
+        }
+    }
+    if (st == TDM_STATUS_OK)
+        st = tdm_pp_gather_params(p, s == 0 ? TDM_CMP_PP_AT(sh, off_params, float) : NULL, 0);
+    if (st == TDM_STATUS_OK) {
+        tdm_pp_stats ps;
+        tdm_pp_get_stats(p, &ps);
+        tdm_model_stage_info si;
+        tdm_model_get_stage(tdm_pp_model(p), &si);
+        sh->lo[s] = si.lo;
+        sh->hi[s] = si.hi;
+        double m[6] = {(double)ps.params, (double)ps.grads, (double)ps.optimizer,
+                       ps.peak_act == (size_t)-1 ? -1.0 : (double)ps.peak_act, ps.act_sets,
+                       (double)ps.act_set};
+        memcpy(sh->mem[s], m, sizeof m);
+        if (s == 0) {
+            sh->overlapped = (double)ps.overlapped;
+            sh->transfers = (double)ps.transfers;
+        }
+    } else {
+        fprintf(stderr, "tandem compare: pp stage %d: %s\n", s, tdm_error_message());
+    }
+    free(x);
+    free(y);
+    return st;
+}
+
+static tdm_cmp_pp_shared tdm_cmp_pp_layout(int S, int M, int steps, int64_t pe)
+{
+    size_t n = (size_t)steps * (size_t)S;
+    tdm_cmp_pp_shared lay = {.S = S, .M = M, .steps = steps, .n_ev = 2 * M, .param_elems = pe};
+    size_t off = (sizeof lay + 63) & ~(size_t)63;
+#define TDM_CMP_PP_PLACE(field, bytes) (lay.field = off, off = (off + (bytes) + 63) & ~(size_t)63)
+    TDM_CMP_PP_PLACE(off_loss, (size_t)steps * sizeof(double));
+    TDM_CMP_PP_PLACE(off_step, n * sizeof(double));
+    TDM_CMP_PP_PLACE(off_t0, n * sizeof(double));
+    TDM_CMP_PP_PLACE(off_phase, n * TDM_CMP_PP_PHASES * sizeof(double));
+    TDM_CMP_PP_PLACE(off_ev, n * (size_t)lay.n_ev * 4 * sizeof(double));
+    TDM_CMP_PP_PLACE(off_params, (size_t)pe * sizeof(float));
+#undef TDM_CMP_PP_PLACE
+    lay.total = off;
+    return lay;
+}
+
+/* ---- one device with gradient accumulation over the same micro-batches ---- */
+
+static tdm_status tdm_cmp_pp_reference(const tdm_cmp_opts *o, const tdm_cmp_data *data,
+                                       const tdm_model_spec *spec, int M, double *loss,
+                                       float *params)
+{
+    tdm_device *dev = NULL;
+    tdm_model *m = NULL;
+    tdm_optim *opt = NULL;
+    tdm_single one = {0};
+    int B = o->batch;
+    float *x = malloc((size_t)B * (size_t)tdm_cmp_feat(data) * sizeof(float));
+    int32_t *y = malloc((size_t)B * (size_t)tdm_cmp_targets(data) * sizeof(int32_t));
+    tdm_optim_opts oo;
+    tdm_optim_opts_named(&oo, o->optim, o->lr, o->weight_decay, o->momentum, 0);
+    tdm_status st = x && y ? TDM_STATUS_OK
+                           : tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "compare: a batch of %d", B);
+    if (!st) st = tdm_device_open(&dev, "cpu", 0, 1);
+    if (!st) st = tdm_model_init(&m, dev, spec, o->seed);
+    if (!st) st = tdm_optim_init(&opt, m, &oo);
+    one = (tdm_single){.model = m, .opt = opt};
+    tdm_accum a = {.ops = &tdm_accum_single_ops, .ctx = &one, .micro = (B + M - 1) / M,
+                   .in_features = m ? tdm_model_in_features(m) : 0,
+                   .out_rows = m ? tdm_model_out_rows(m) : 0};
+    for (int i = 0; !st && i < o->steps; i++) {
+        tdm_cmp_rows(data, i, B, 0, B, x, y);
+        st = tdm_accum_step(&a, x, y, B, &loss[i]);
+    }
+    if (!st) memcpy(params, tdm_model_params(m), (size_t)tdm_model_param_elems(m) * 4);
+    if (m) tdm_single_free(&one);
+    tdm_optim_free(opt);
+    tdm_model_free(m);
+    tdm_device_free(dev);
+    free(x);
+    free(y);
+    return st;
+}
+
+/* ---- printing ---- */
+
+static double tdm_cmp_pp_median(double *v, int n)
+{
+    for (int i = 1; i < n; i++)
+        for (int j = i; j > 0 && v[j - 1] > v[j]; j--) {
+            double t = v[j];
+            v[j] = v[j - 1];
+            v[j - 1] = t;
+        }
+    return n ? (n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2])) : 0.0;
+}
+
+/* The step time of step i: the slowest stage's. */
+static double tdm_cmp_pp_step_ms(const tdm_cmp_pp_shared *sh, int i)
+{
+    double most = 0.0;
+    for (int s = 0; s < sh->S; s++) {
+        double t = TDM_CMP_PP_AT(sh, off_step, double)[(size_t)i * (size_t)sh->S + (size_t)s];
+        if (t > most) most = t;
+    }
+    return most;
+}
+
+static int tdm_cmp_pp_warm(const tdm_cmp_opts *o)
+{
+    return o->warmup < o->steps ? o->warmup : 0;
+}
+
+/* Post-warm-up mean of phase f of stage s. */
+static double tdm_cmp_pp_phase(const tdm_cmp_opts *o, const tdm_cmp_pp_shared *sh, int s, int f)
+{
+    int w = tdm_cmp_pp_warm(o), n = 0;
+    double sum = 0.0;
+    for (int i = w; i < sh->steps; i++, n++)
+        sum += TDM_CMP_PP_AT(sh, off_phase, double)[((size_t)i * (size_t)sh->S + (size_t)s) *
+                                                    TDM_CMP_PP_PHASES + (size_t)f];
+    return n ? sum / n : 0.0;
+}
+
+static void tdm_cmp_pp_print_phases(const tdm_cmp_opts *o, const tdm_cmp_pp_shared *sh,
+                                    double *bubble_mean)
+{
+    static const char *const name[TDM_CMP_PP_PHASES] = {"forward", "backward", "loss",
+                                                         "recv wait", "send wait", "bubble",
+                                                         "pipeline"};
+    printf("\npipeline phases (ms per step, mean over steps %d..%d; bubble = pipeline - "
+           "forward - backward - loss: the time a stage waited on the pipeline, of which send "
+           "and recv wait are the part blocked on a transfer):\n",
+           tdm_cmp_pp_warm(o) + 1, o->steps);
+    printf("  %-12s", "");
+    for (int s = 0; s < sh->S; s++) printf("   stage %-3d", s);
+    printf("\n  %-12s", "layers");
+    for (int s = 0; s < sh->S; s++) {
+        char l[24];
+        snprintf(l, sizeof l, "%d-%d", sh->lo[s], sh->hi[s] - 1);
+        printf("  %10s", l);
+    }
+    printf("\n");
+    for (int f = 0; f < TDM_CMP_PP_PHASES; f++) {
+        printf("  %-12s", name[f]);
+        for (int s = 0; s < sh->S; s++) printf("  %10.3f", tdm_cmp_pp_phase(o, sh, s, f));
+        printf("\n");
+    }
+    double ideal = (double)(sh->S - 1) / (double)(sh->M + sh->S - 1), mean = 0.0;
+    printf("  %-12s", "bubble share");
+    for (int s = 0; s < sh->S; s++) {
+        double pl = tdm_cmp_pp_phase(o, sh, s, 6), bu = tdm_cmp_pp_phase(o, sh, s, 5);
+        double share = pl > 0 ? bu / pl : 0.0;
+        mean += share / sh->S;
+        printf("  %9.1f%%", 100.0 * share);
+    }
+    printf("\n  bubble: %.1f%% measured (mean over the stages) vs (S-1)/(M+S-1) = %.1f%% for "
+           "S = %d, M = %d of a balanced pipeline whose transfers cost nothing\n",
+           100.0 * mean, 100.0 * ideal, sh->S, sh->M);
+    *bubble_mean = mean;
+}
+
+static void tdm_cmp_pp_print_memory(const tdm_cmp_pp_shared *sh, tdm_pp_schedule_kind k)
+{
+    const double mib = 1.0 / (1024.0 * 1024.0);
+    printf("\npipeline memory per stage (MiB; peak activations measured from the allocator "
+           "since set-up):\n");
+    printf("  %-8s %10s %10s %10s %12s %s\n", "stage", "params", "grads", "optimizer",
+           "peak act", "(sets held at once)");
+    for (int s = 0; s < sh->S; s++) {
+        const double *m = sh->mem[s];
+        char peak[24];
+        if (m[3] < 0) snprintf(peak, sizeof peak, "%12s", "-");
+        else snprintf(peak, sizeof peak, "%12.3f", m[3] * mib);
+        printf("  %-8d %10.3f %10.3f %10.3f %s (%.0f of %.3f MiB; %s bounds it by %d)\n", s,
+               m[0] * mib, m[1] * mib, m[2] * mib, peak, m[4], m[5] * mib,
+               tdm_pp_schedule_name(k), k == TDM_PP_1F1B ? (sh->S - s < sh->M ? sh->S - s : sh->M)
+                                                          : sh->M);
+    }
+}
+
+/* Equivalence: every step's loss and the final parameters against one
+ * host device with gradient accumulation over the same micro-batches. */
+static int tdm_cmp_pp_verdict(const tdm_cmp_opts *o, const tdm_model_spec *spec,
+                              const tdm_cmp_pp_shared *sh, const double *ref_loss,
+                              const float *ref_p)
+{
+    const float *p = TDM_CMP_PP_AT(sh, off_params, float);
+    const double *loss = TDM_CMP_PP_AT(sh, off_loss, double);
+    int64_t n = sh->param_elems, diff = 0;
+    double pd = 0.0, ld = 0.0;
+    for (int64_t i = 0; i < n; i++) {
+        double d = fabs((double)p[i] - (double)ref_p[i]);
+        if (memcmp(&p[i], &ref_p[i], sizeof *p)) diff++;
+        if (d > pd) pd = d;
+    }
+    for (int i = 0; i < o->steps; i++)
+        if (fabs(loss[i] - ref_loss[i]) > ld) ld = fabs(loss[i] - ref_loss[i]);
+    int host = o->dl.kind == TDM_DEVICE_HOST, gpt = spec->kind == TDM_MODEL_GPT;
+    printf("\npipeline equivalence (vs one host device, --grad-accum %d over the same "
+           "micro-batches of %d):\n", sh->M, (o->batch + sh->M - 1) / sh->M);
+    if (host && !gpt) {
+        int ok = diff == 0 && ld == 0.0;
+        printf("  pp(%d): %lld of %lld parameters differ, largest loss difference %.3g over %d "
+               "steps -> %s (bit for bit expected: the same micro-batches added in the same "
+               "order)\n", sh->S, (long long)diff, (long long)n, ld, o->steps,
+               ok ? "BITWISE IDENTICAL" : "FAIL");
+        return ok;
+    }
+    double ptol = TDM_CMP_PP_GPT_PARAM_TOL, ltol = TDM_CMP_PP_GPT_LOSS_TOL;
+    int ok = pd <= ptol && ld <= ltol;
+    printf("  pp(%d): largest parameter difference %.3g (bound %.0e), loss %.3g (bound %.0e) "
+           "-> %s (%s)\n", sh->S, pd, ptol, ld, ltol, ok ? "PASS" : "FAIL",
+           gpt ? "the GPT's tied embedding: its two shares add in another order than on one "
+                 "device"
+               : "devices that are not the reference's host");
+    return ok;
+}
+
+/* ---- the section ---- */
+
+/* Runs a pipeline of S stages over the global batches: its records, in
+ * a shared mapping (NULL on failure, said). */
+static tdm_cmp_pp_shared *tdm_cmp_pp_go(const tdm_cmp_opts *o, const tdm_cmp_data *data,
+                                        const tdm_model_spec *spec, int S, int M,
+                                        tdm_pp_schedule_kind kind)
+{
+    int64_t pe = tdm_cmp_param_elems(o);
+    tdm_tool_build b = {.design = &tdm_tool_pp_design, .cmd = "tandem compare", .seed = o->seed,
+                        .pp = {.stages = S, .micro = M, .schedule = kind, .batch = o->batch}};
+    b.spec = *spec;
+    tdm_optim_opts_named(&b.optim, o->optim, o->lr, o->weight_decay, o->momentum, 0);
+    tdm_cmp_pp_shared lay = tdm_cmp_pp_layout(S, M, o->steps, pe);
+    tdm_cmp_pp_shared *sh = mmap(NULL, lay.total, PROT_READ | PROT_WRITE,
+                                 MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    if (sh == MAP_FAILED) {
+        perror("tandem compare: mmap");
+        return NULL;
+    }
+    *sh = lay;
+    tdm_cmp_pp_run c = {.o = o, .data = data, .sh = sh, .t_start = tdm_time_ns()};
+    b.tool = &c;
+    tdm_dist_design d = b.design->dist;
+    d.run = tdm_cmp_pp_rank_run;
+    tdm_dist_run_opts ro = {.devices = &o->dl, .spec = o->device, .world = S,
+                            .run_timeout_ms = TDM_CMP_RUN_TIMEOUT_MS};
+    tdm_status st = tdm_dist_timeout_from_env(&ro.timeout_ms);
+    if (!st && !ro.timeout_ms) ro.timeout_ms = TDM_DIST_TIMEOUT_DEFAULT_MS;
+    fflush(stdout);
+    if (!st) st = tdm_dist_run(&d, &b, &ro);
+    if (st) {
+        fprintf(stderr, "tandem compare: pp: %s\n", tdm_error_message());
+        munmap(sh, lay.total);
+        return NULL;
+    }
+    return sh;
+}
+
+/* The median post-warm-up step's samples/s. */
+static double tdm_cmp_pp_sps(const tdm_cmp_opts *o, const tdm_cmp_pp_shared *sh, double *med)
+{
+    int n = 0;
+    double *t = malloc((size_t)o->steps * sizeof *t);
+    for (int i = tdm_cmp_pp_warm(o); t && i < o->steps; i++) t[n++] = tdm_cmp_pp_step_ms(sh, i);
+    *med = t ? tdm_cmp_pp_median(t, n) : 0.0;
+    free(t);
+    return *med > 0 ? o->batch / *med * 1e3 : 0.0;
+}
+
+double tdm_cmp_pp_sweep_sps(const tdm_cmp_opts *o, const tdm_cmp_data *data,
+                            const tdm_model_spec *spec, int S)
+{
+    tdm_pp_schedule_kind kind = TDM_PP_1F1B;
+    if (o->pp_schedule) (void)tdm_pp_schedule_parse(o->pp_schedule, &kind);   /* checked */
+    tdm_cmp_pp_shared *sh = tdm_cmp_pp_go(o, data, spec, S, o->pp_micro > 0 ? o->pp_micro : 4,
+                                          kind);
+    if (!sh) return -1.0;
+    double med, sps = tdm_cmp_pp_sps(o, sh, &med);
+    munmap(sh, sh->total);
+    return sps;
+}
+
+int tdm_cmp_pp_section(const tdm_cmp_opts *o, const tdm_cmp_data *data,
+                       const tdm_model_spec *spec, const tdm_cmp_result *single,
+                       const tdm_cmp_result *ddp)
+{
+    int S = o->pp_stages > 0 ? o->pp_stages : o->n_dev, M = o->pp_micro > 0 ? o->pp_micro : 4;
+    tdm_pp_schedule_kind kind = TDM_PP_1F1B;
+    if (o->pp_schedule) (void)tdm_pp_schedule_parse(o->pp_schedule, &kind);   /* checked */
+    printf("\nPipeline: pp(%d), %s, %d micro-batches of %d\n  running pp...\n", S,
+           tdm_pp_schedule_name(kind), M, (o->batch + M - 1) / M);
+    tdm_cmp_pp_shared *sh = tdm_cmp_pp_go(o, data, spec, S, M, kind);
+    if (!sh) return -1;
+    int64_t pe = sh->param_elems;
+    double *ref_loss = calloc((size_t)o->steps, sizeof *ref_loss);
+    float *ref_p = malloc((size_t)(pe > 0 ? pe : 1) * sizeof *ref_p);
+    tdm_status st = ref_loss && ref_p ? TDM_STATUS_OK
+                                      : tdm_error_set(TDM_STATUS_OUT_OF_MEMORY,
+                                                      "compare: pp reference");
+    if (!st) st = tdm_cmp_pp_reference(o, data, spec, M, ref_loss, ref_p);
+    int verdict = -1;
+    if (st) {
+        fprintf(stderr, "tandem compare: pp: %s\n", tdm_error_message());
+    } else {
+        int w = tdm_cmp_pp_warm(o);
+        double med, sps = tdm_cmp_pp_sps(o, sh, &med);
+        double s1 = 0, s1min = 0, s1max = 0, sd = 0;
+        tdm_cmp_step_stats(o, single, &s1, &s1min, &s1max);
+        if (ddp && ddp->ok) tdm_cmp_step_stats(o, ddp, &sd, &s1min, &s1max);
+        printf("\npipeline throughput (median step over steps %d..%d; a step is the slowest "
+               "stage's):\n  pp(%d) %s M=%d: %.3f ms/step = %.0f samples/s = %.2fx one device "
+               "(%.0f samples/s)", w + 1, o->steps, S, tdm_pp_schedule_name(kind), M, med, sps,
+               s1 > 0 ? s1 / med : 0.0, s1 > 0 ? o->batch / s1 * 1e3 : 0.0);
+        if (sd > 0) printf(", %.2fx DDP(%d)", sd / med, ddp->n_dev);
+        printf("\n");
+        double bubble = 0.0;
+        tdm_cmp_pp_print_phases(o, sh, &bubble);
+        verdict = tdm_cmp_pp_verdict(o, spec, sh, ref_loss, ref_p);
+        tdm_cmp_pp_print_memory(sh, kind);
+        double ideal = (double)(S - 1) / (double)(M + S - 1);
+        printf("\npipeline reading: each stage computes its layers of every micro-batch; with "
+               "%d stages and %d micro-batches a balanced pipeline idles (S-1)/(M+S-1) = %.0f%% "
+               "of a step filling and draining, measured %.0f%% here%s. More micro-batches "
+               "shrink the bubble (M=%d: %.0f%%) at the cost of smaller gemms; 1F1B holds at "
+               "most S-s micro-batches' activations on stage s, GPipe all M. %d of %.0f "
+               "transfers completed while stage 0 computed.\n", S, M, 100.0 * ideal,
+               100.0 * bubble,
+               bubble > ideal + 0.05 ? " (above it: unequal stages, transfers and the "
+                                       "per-action overhead of small micro-batches)"
+                                     : "",
+               4 * M, 100.0 * (S - 1) / (4.0 * M + S - 1), (int)sh->overlapped, sh->transfers);
+    }
+    free(ref_loss);
+    free(ref_p);
+    if (g_pp) munmap(g_pp, g_pp->total);
+    g_pp = NULL;
+    if (verdict >= 0) g_pp = sh;
+    else munmap(sh, sh->total);
+    return verdict;
+}
+
+/* The trace: one track per stage, each micro-batch's F and B. */
+void tdm_cmp_pp_trace(FILE *f, int *first, int pid, long long (*us)(double))
+{
+    const tdm_cmp_pp_shared *sh = g_pp;
+    if (!sh) return;
+#define TDM_PP_EV(...)                                                                        \
+    do {                                                                                      \
+        fprintf(f, "%s\n  ", *first ? "" : ",");                                              \
+        *first = 0;                                                                           \
+        fprintf(f, __VA_ARGS__);                                                              \
+    } while (0)
+    TDM_PP_EV("{\"ph\": \"M\", \"pid\": %d, \"name\": \"process_name\", \"args\": {\"name\": "
+              "\"pp (%d stages, %d micro-batches)\"}}", pid, sh->S, sh->M);
+    for (int s = 0; s < sh->S; s++) {
+        TDM_PP_EV("{\"ph\": \"M\", \"pid\": %d, \"tid\": %d, \"name\": \"thread_name\", "
+                  "\"args\": {\"name\": \"stage %d\"}}", pid, s, s);
+        for (int i = 0; i < sh->steps; i++) {
+            const double *e = TDM_CMP_PP_AT(sh, off_ev, double) +
+                              ((size_t)i * (size_t)sh->S + (size_t)s) * (size_t)sh->n_ev * 4;
+            for (int k = 0; k < sh->n_ev; k++, e += 4) {
+                if (e[0] < 0) continue;
+                long long d = us(e[3]) - us(e[2]);
+                TDM_PP_EV("{\"ph\": \"X\", \"pid\": %d, \"tid\": %d, \"name\": \"%c%d\", "
+                          "\"ts\": %lld, \"dur\": %lld, \"args\": {\"step\": %d}}", pid, s,
+                          e[0] == TDM_PP_FORWARD ? 'F' : 'B', (int)e[1], us(e[2]),
+                          d > 0 ? d : 1, i + 1);
+            }
+        }
+    }
+#undef TDM_PP_EV
+}

@@ -1,0 +1,197 @@
+/* tools/plan.c: `tandem plan`: the memory one device (one rank) will
+ * hold at its peak while a configuration trains, before anything runs:
+ * models/plan.h's single-device plan, split into parameters, gradients,
+ * optimizer state, activations and scratch, for --mode single and for
+ * each rank of --mode ddp (its model at its share of the global batch;
+ * on host devices DDP's gradient buckets live in the job's shared-memory
+ * arena, listed beside the device's bytes). --mode fsdp (shards and
+ * gathered units) is not planned in this build. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/device.h"
+#include "ddp/ddp.h"
+#include "dist/run.h"
+#include "models/plan.h"
+#include "tools/tools.h"
+#include "tools/train_modes.h"
+
+typedef struct tdm_plan_args {
+    const char *model, *mode, *device, *precision, *ckpt, *offload, *optim;
+    long long batch;
+    double clip, momentum;
+} tdm_plan_args;
+
+static void tdm_plan_usage(FILE *f)
+{
+    fprintf(f,
+        "usage: tandem plan [--model M] [--mode single|ddp] [--device D] [--batch B]\n"
+        "                   [--precision fp32|bf16|fp16] [--checkpoint-activations [all|N]]\n"
+        "                   [--clip-grad-norm X] [--offload optimizer] [--optim sgd|adamw]\n"
+        "\n"
+        "Prints the peak memory of one device (one rank) while the configuration\n"
+        "trains, before anything is allocated: parameters, gradients, optimizer\n"
+        "state, kept activations and scratch, as `tandem train` with the same\n"
+        "options allocates them (exact for a training step: the allocator's peak\n"
+        "with --no-eval; docs/MEMORY.md). ddp: each rank's model at its share of\n"
+        "the global batch (the largest share), plus DDP's gradient buckets in the\n"
+        "job's shared memory on host devices. --mode fsdp is not planned yet.\n"
+        "  --model M      as tandem train                          [mlp]\n"
+        "  --mode M       single or ddp                            [single]\n"
+        "  --device D     cpu, cpu:N, cuda, cuda:N (ddp: one rank per device) [cpu]\n"
+        "  --batch B      the global batch                 [256; gpt: %d]\n"
+        "  --momentum M   SGD momentum (0: no optimizer state)    [0.9]\n",
+        TDM_TRAIN_GPT_BATCH);
+}
+
+/* *help: --help was asked for (printed). */
+static tdm_status tdm_plan_parse(int argc, char **argv, tdm_plan_args *a, int *help)
+{
+    *help = 0;
+    *a = (tdm_plan_args){.model = "mlp", .mode = "single", .device = "cpu", .momentum = 0.9};
+    for (int i = 1; i < argc; i++) {
+        const char *s = argv[i];
+        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!strcmp(s, "--help") || !strcmp(s, "-h")) {
+            tdm_plan_usage(stdout);
+            *help = 1;
+            return TDM_STATUS_OK;
+        }
+        const char **str = !strcmp(s, "--model")       ? &a->model
+                           : !strcmp(s, "--mode")      ? &a->mode
+                           : !strcmp(s, "--device")    ? &a->device
+                           : !strcmp(s, "--precision") ? &a->precision
+                           : !strcmp(s, "--offload")   ? &a->offload
+                           : !strcmp(s, "--optim")     ? &a->optim
+                                                       : NULL;
+        if (str || !strcmp(s, "--batch") || !strcmp(s, "--clip-grad-norm") ||
+            !strcmp(s, "--momentum")) {
+            if (!v) return tdm_tool_usage_error("tandem plan: %s needs a value\n", s);
+            i++;
+            char *end = NULL;
+            if (str) *str = v;
+            else if (!strcmp(s, "--batch")) a->batch = strtoll(v, &end, 10);
+            else if (!strcmp(s, "--clip-grad-norm")) a->clip = strtod(v, &end);
+            else a->momentum = strtod(v, &end);
+            if (end && (*end || end == v))
+                return tdm_tool_usage_error("tandem plan: %s '%s': expected a number\n", s, v);
+            continue;
+        }
+        if (!strcmp(s, "--checkpoint-activations")) {
+            a->ckpt = "all";
+            if (v && v[0] != '-') a->ckpt = argv[++i];
+            continue;
+        }
+        if (!strncmp(s, "--checkpoint-activations=", 25)) {
+            a->ckpt = s + 25;
+            continue;
+        }
+        return tdm_tool_usage_error("tandem plan: unknown option '%s' (tandem plan --help)\n", s);
+    }
+    return TDM_STATUS_OK;
+}
+
+static void tdm_plan_line(const char *what, size_t bytes)
+{
+    printf("  %-22s %10.2f MiB\n", what, bytes / 1048576.0);
+}
+
+int tdm_tool_plan_main(int argc, char **argv)
+{
+    tdm_plan_args a;
+    int help;
+    tdm_status st = tdm_plan_parse(argc, argv, &a, &help);
+    if (st || help) return tdm_tool_exit(st);
+    int ddp = !strcmp(a.mode, "ddp");
+    if (!ddp && strcmp(a.mode, "single"))
+        return tdm_tool_exit(tdm_tool_usage_error(
+            "tandem plan: --mode %s: this build plans single and ddp (fsdp's shards and "
+            "gathered units, and dp, are not planned yet)\n", a.mode));
+    tdm_model_spec spec;
+    if (tdm_model_spec_parse(&spec, a.model))
+        return tdm_tool_exit(tdm_tool_usage_error("tandem plan: --model: %s\n",
+                                                  tdm_error_message()));
+    int gpt = spec.kind == TDM_MODEL_GPT;
+    if (!a.batch) a.batch = gpt ? TDM_TRAIN_GPT_BATCH : 256;
+    if (a.batch < 1 || a.batch > 1 << 24)
+        return tdm_tool_exit(tdm_tool_usage_error("tandem plan: --batch %lld: expected 1.."
+                                                  "16777216\n", a.batch));
+    if (!a.optim) a.optim = gpt ? "adamw" : "sgd";
+    if (strcmp(a.optim, "sgd") && strcmp(a.optim, "adamw"))
+        return tdm_tool_exit(tdm_tool_usage_error("tandem plan: --optim '%s': expected sgd or "
+                                                  "adamw\n", a.optim));
+    /* the levers' checks are train's */
+    tdm_train_args ta = {.mode = a.mode, .device = a.device, .precision = a.precision,
+                         .ckpt = a.ckpt, .offload = a.offload, .clip_grad_norm = a.clip,
+                         .grad_accum = 1};
+    if ((st = tdm_train_levers_check(&ta))) return tdm_tool_exit(st);
+    tdm_device_list dl;
+    if ((st = tdm_device_list_parse(&dl, a.device)))
+        return tdm_tool_exit(tdm_tool_usage_error("tandem plan: --device: %s\n",
+                                                  tdm_error_message()));
+    int world = ddp ? dl.count : 1;
+    if (world < 1) world = 1;
+    if (ddp && a.batch < world)
+        return tdm_tool_exit(tdm_tool_usage_error("tandem plan: --batch %lld is smaller than the "
+                                                  "%d ranks\n", a.batch, world));
+    int share = (int)((a.batch + world - 1) / world);   /* the largest rank's */
+    tdm_plan_opts o;
+    tdm_plan_opts_default(&o, &spec, share);
+    o.precision = TDM_PRECISION_FP32;
+    if (a.precision) (void)tdm_precision_parse(a.precision, &o.precision);
+    o.ckpt = !a.ckpt ? 0 : !strcmp(a.ckpt, "all") ? 1 : atoi(a.ckpt);
+    double lr = strcmp(a.optim, "sgd") ? (gpt ? 2e-3 : 1e-3) : 0.05;
+    tdm_optim_opts_named(&o.optim, a.optim, lr, strcmp(a.optim, "sgd") ? 0.01 : 0.0, a.momentum,
+                         0);
+    o.optim.offload = a.offload ? TDM_OPTIM_OFFLOAD_HOST : TDM_OPTIM_OFFLOAD_NONE;
+    o.device = dl.kind;
+    o.threads = 1;
+    o.loss_scaling = o.precision == TDM_PRECISION_FP16;
+    o.grad_norm = a.clip > 0.0;
+    tdm_plan p;
+    if ((st = tdm_plan_single(&o, &p))) {
+        fprintf(stderr, "tandem plan: %s\n", tdm_error_message());
+        return tdm_tool_exit(st);
+    }
+    /* a DDP rank's loss gradient goes to its stage's buffer (dist/batch.c),
+     * beside the model's own: rows x classes floats, as the allocator
+     * rounds them */
+    size_t dl_bytes = 0;
+    if (ddp) {
+        int c, h, w, classes, rows = 1;
+        if (gpt) {
+            classes = spec.vocab;
+            rows = spec.n_ctx;
+        } else {
+            tdm_model_spec_sample_shape(&spec, &c, &h, &w, &classes);
+        }
+        dl_bytes = ((size_t)share * (size_t)rows * (size_t)classes * sizeof(float) + 63) / 64 * 64;
+        p.act_scratch += dl_bytes;
+        p.peak += dl_bytes;
+    }
+    printf("tandem plan: %s, mode %s on %s (%d rank%s), batch %lld (%d per device at most), "
+           "precision %s%s%s\n", a.model, a.mode, a.device, world, world == 1 ? "" : "s",
+           a.batch, share, tdm_precision_name(o.precision), o.ckpt ? ", checkpointing" : "",
+           a.offload ? ", optimizer offloaded" : "");
+    printf("peak per device: %.2f MiB\n", p.peak / 1048576.0);
+    tdm_plan_line("parameters", p.params);
+    if (p.params_low) tdm_plan_line("16-bit weights", p.params_low);
+    tdm_plan_line("gradients", p.grads);
+    if (p.buffers) tdm_plan_line("buffers", p.buffers);
+    tdm_plan_line("optimizer state", p.optim);
+    tdm_plan_line("activations", p.activations);
+    tdm_plan_line("scratch", p.act_scratch + p.step_scratch);
+    if (p.optim_host) tdm_plan_line("host: offloaded state", p.optim_host);
+    tdm_model_footprint fp = {0};
+    tdm_device *host = NULL;
+    if (ddp && dl.kind == TDM_DEVICE_HOST && tdm_device_open(&host, "cpu", 0, 1) == TDM_STATUS_OK &&
+        tdm_model_spec_footprint(&spec, host, 1, &fp) == TDM_STATUS_OK)
+        printf("  comm buffers: DDP's gradient buckets, %.2f MiB of the job's shared memory "
+               "(not the device's)\n",
+               tdm_ddp_arena_bytes(fp.param_elems) / 1048576.0);
+    else if (ddp)
+        printf("  comm buffers: DDP's gradient buckets in NCCL's memory (not planned)\n");
+    tdm_device_free(host);
+    return tdm_tool_exit(TDM_STATUS_OK);
+}

@@ -1,0 +1,475 @@
+/* tools/rank_pp.c: pipeline parallelism's table for the CLI
+ * (tools/ranks.h): a rank is one stage of a pipeline (pp/pp.h), and with
+ * --mesh dp=D,pp=S one stage of one of D replicas, whose gradients DDP's
+ * Reducer sums over the dp dimension's sub-communicator (pp/'s grad_sync
+ * around the last micro-batch's backward). The layout (the mesh and the
+ * checks of --stages and --split before any rank starts), the rank's
+ * stage, its step (the schedule over this replica's share of the global
+ * batch), evaluation through the pipeline, checkpoints (the whole model's
+ * state gathered on rank 0 into the one file every mode reads, and any
+ * mode's file loaded by every stage) and the summary (every stage's
+ * phases and memory, gathered on rank 0).
+ *
+ * ZeRO-1 over the dp dimension is refused: a stage's optimizer is pp/'s
+ * own, stepped inside tdm_pp_step over the whole stage, so sharding its
+ * state would need the step split open (tdm_pp_opts has no hook for it). */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ddp/ddp.h"
+#include "dist/batch.h"
+#include "dist/mesh.h"
+#include "dist/step.h"
+#include "pp/pp.h"
+#include "tools/ranks.h"
+#include "tools/train_modes.h"
+
+/* A rank's pipeline state: r->w. */
+typedef struct tdm_tool_pp {
+    tdm_pp *p;
+    tdm_ddp *ddp;                /* with dp > 1: the Reducer over the dp dimension */
+    tdm_mesh *dev_mesh;          /* a GPU's: the mesh over the device communicator */
+    tdm_comm *pcomm;             /* the pipeline's host communicator (borrowed) */
+    tdm_comm *dcomm;             /* the dp dimension's host communicator (borrowed) */
+    int rep, reps;               /* this replica, of how many */
+    int in_elems, out_rows;      /* per sample of the whole model */
+    tdm_model_spec spec;
+    uint64_t seed;
+} tdm_tool_pp;
+
+tdm_pp *tdm_tool_pp_of(const tdm_tool_rank *r) { return ((const tdm_tool_pp *)r->w)->p; }
+
+/* ---- the layout ---- */
+
+static int tdm_tool_pp_layers(const tdm_model_spec *spec)
+{
+    int n = 0;
+    return tdm_model_spec_n_layers(spec, &n) ? 0 : n;
+}
+
+/* USAGE with what and the library's message (copied: it is rewritten). */
+static tdm_status tdm_tool_pp_refuse(const char *what)
+{
+    char why[TDM_ERROR_MSG_MAX];
+    snprintf(why, sizeof why, "%s", tdm_error_message());
+    return tdm_error_set(TDM_STATUS_USAGE, "%s: %s", what, why);
+}
+
+tdm_status tdm_tool_pp_check(const tdm_tool_build *b, int world, tdm_mesh_shape *shape)
+{
+    if (b->pp.mesh) {
+        if (tdm_mesh_parse(b->pp.mesh, world, shape)) return tdm_tool_pp_refuse("--mesh");
+    } else {
+        int S = b->pp.stages > 0 ? b->pp.stages : world;
+        TDM_REQUIRE(world % S == 0, TDM_STATUS_USAGE,
+                    "--stages %d does not divide the %d devices: a pipeline of S stages runs "
+                    "on S devices (or D*S with --mesh dp=D,pp=S)", S, world);
+        *shape = (tdm_mesh_shape){.size = {world / S, S, 1}};
+    }
+    int S = shape->size[TDM_MESH_PP];
+    TDM_REQUIRE(shape->size[TDM_MESH_TP] == 1, TDM_STATUS_USAGE,
+                "--mesh: tp=%d: --mode pp splits layers, not tensors (tp=1)",
+                shape->size[TDM_MESH_TP]);
+    TDM_REQUIRE(b->pp.stages <= 0 || b->pp.stages == S, TDM_STATUS_USAGE,
+                "--stages %d, but --mesh %s has pp=%d", b->pp.stages, b->pp.mesh, S);
+    TDM_REQUIRE(b->pp.micro >= 1, TDM_STATUS_USAGE, "--microbatches %d: at least 1",
+                b->pp.micro);
+    int L = tdm_tool_pp_layers(&b->spec);
+    if (L <= 0) return tdm_tool_pp_refuse("--model");
+    TDM_REQUIRE(S <= L, TDM_STATUS_USAGE,
+                "%d stages but the model has %d pipeline layers: at most %d stages", S, L, L);
+    if (b->pp.split) {
+        int first[64];
+        TDM_REQUIRE(S <= 64, TDM_STATUS_USAGE, "--split: at most 64 stages");
+        if (tdm_pp_split_parse(b->pp.split, S, L, first)) return tdm_tool_pp_refuse("--split");
+    }
+    return TDM_STATUS_OK;
+}
+
+size_t tdm_tool_pp_arena_bytes(const tdm_tool_build *b, const tdm_device_list *dl, int world,
+                               int64_t param_elems)
+{
+    tdm_mesh_shape shape;
+    if (tdm_tool_pp_check(b, world, &shape) || shape.size[TDM_MESH_DP] < 2) return 0;
+    return tdm_tool_ddp_arena_bytes(dl, param_elems);
+}
+
+static tdm_status tdm_rank_pp_layout(void *ctx, int world, int rank, tdm_mesh_shape *shape,
+                                     int *role)
+{
+    (void)rank;
+    *role = 0;
+    return tdm_tool_pp_check(ctx, world, shape);
+}
+
+/* ---- set-up ---- */
+
+static void tdm_rank_pp_free(void *ctx, void *self)
+{
+    (void)ctx;
+    tdm_tool_rank *r = self;
+    if (!r) return;
+    tdm_tool_pp *q = r->w;
+    if (q) {
+        tdm_ddp_free(q->ddp);
+        tdm_pp_free(q->p);   /* owns r->m and r->opt */
+        tdm_mesh_free(q->dev_mesh);
+        free(q);
+    }
+    r->m = NULL;
+    r->opt = NULL;
+    tdm_tool_rank_free(r);
+}
+
+static tdm_status tdm_rank_pp_sync_begin(void *ctx)
+{
+    return tdm_ddp_sync_begin(((tdm_tool_pp *)ctx)->ddp, 0.0);
+}
+
+static tdm_status tdm_rank_pp_sync_end(void *ctx, tdm_status st)
+{
+    return tdm_ddp_sync_end(((tdm_tool_pp *)ctx)->ddp, st);
+}
+
+static void tdm_rank_pp_shape(const tdm_model_spec *s, int *in, int *rows)
+{
+    int c, h, w, classes;
+    if (s->kind == TDM_MODEL_GPT) {
+        *in = *rows = s->n_ctx;
+        return;
+    }
+    tdm_model_spec_sample_shape(s, &c, &h, &w, &classes);
+    *in = c * h * w;
+    *rows = 1;
+}
+
+/* The stage of this rank (pipeline d->coord[pp] of the replica
+ * d->coord[dp]), the Reducer over the dp dimension, --resume. */
+static tdm_status tdm_rank_pp_setup(void *ctx, tdm_dist_rank *d, void **self)
+{
+    const tdm_tool_build *b = ctx;
+    tdm_tool_rank *r = calloc(1, sizeof *r);
+    tdm_tool_pp *q = calloc(1, sizeof *q);
+    if (!r || !q) {
+        free(r);
+        free(q);
+        return tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "rank %d: calloc", d->env.rank);
+    }
+    *self = r;
+    *r = (tdm_tool_rank){.b = b, .dist = d, .rank = d->env.rank, .world = d->env.world_size,
+                         .w = q};
+    q->spec = b->spec;
+    q->seed = b->seed;
+    q->rep = d->coord[TDM_MESH_DP];
+    q->reps = d->shape.size[TDM_MESH_DP];
+    tdm_rank_pp_shape(&b->spec, &q->in_elems, &q->out_rows);
+    /* on a GPU the pipeline and the Reducer run over NCCL (the device
+     * communicator's own mesh), their host collectives over the group's */
+    tdm_comm *pp_dev = tdm_mesh_comm(d->mesh, TDM_MESH_PP);
+    tdm_comm *dp_dev = tdm_mesh_comm(d->mesh, TDM_MESH_DP);
+    q->pcomm = pp_dev;
+    q->dcomm = dp_dev;
+    tdm_status st;
+    if (d->dev_comm != d->comm) {
+        if ((st = tdm_mesh_init(&q->dev_mesh, d->dev_comm, &d->shape)))
+            return tdm_tool_rank_fail(r, "device mesh", st);
+        pp_dev = tdm_mesh_comm(q->dev_mesh, TDM_MESH_PP);
+        dp_dev = tdm_mesh_comm(q->dev_mesh, TDM_MESH_DP);
+    }
+    int first[64];
+    int S = d->shape.size[TDM_MESH_PP];
+    if (b->pp.split &&
+        (st = tdm_pp_split_parse(b->pp.split, S, tdm_tool_pp_layers(&b->spec), first)))
+        return tdm_tool_rank_fail(r, "--split", st);
+    tdm_pp_opts o = {.schedule = b->pp.schedule, .micro_batches = b->pp.micro,
+                     .split = b->pp.split ? first : NULL, .seed = b->seed, .optim = b->optim,
+                     .batch = b->pp.batch > 0 ? (b->pp.batch + q->reps - 1) / q->reps : 0,
+                     .micro_size = b->pp.batch > 0 ? ((b->pp.batch + q->reps - 1) / q->reps +
+                                                      b->pp.micro - 1) / b->pp.micro : 0,
+                     .host_comm = pp_dev != q->pcomm ? q->pcomm : NULL};
+    if (q->reps > 1)
+        o.grad_sync = (tdm_pp_grad_sync){.begin = tdm_rank_pp_sync_begin,
+                                         .end = tdm_rank_pp_sync_end, .ctx = q};
+    if ((st = tdm_pp_init(&q->p, pp_dev, d->dev, &b->spec, &o)))
+        return tdm_tool_rank_fail(r, "pipeline set-up", st);
+    r->m = tdm_pp_model(q->p);
+    r->opt = tdm_pp_optim(q->p);
+    if (q->reps > 1) {
+        tdm_ddp_opts dopt = {.bucket_cap_mb = b->bucket_cap_mb, .no_overlap = b->no_overlap,
+                             .host_comm = dp_dev != tdm_mesh_comm(d->mesh, TDM_MESH_DP)
+                                              ? tdm_mesh_comm(d->mesh, TDM_MESH_DP) : NULL};
+        if ((st = tdm_ddp_init(&q->ddp, r->m, dp_dev, &dopt)))
+            return tdm_tool_rank_fail(r, "ddp over the dp dimension", st);
+    }
+    int64_t whole = 0;
+    tdm_model_footprint fp;
+    tdm_device *host = NULL;
+    if (tdm_device_open(&host, "cpu", 0, 1) == TDM_STATUS_OK &&
+        tdm_model_spec_footprint(&b->spec, host, 1, &fp) == TDM_STATUS_OK)
+        whole = fp.param_elems;
+    tdm_device_free(host);
+    r->model_params = whole;
+    return tdm_tool_rank_resume(r);
+}
+
+/* ---- the step ---- */
+
+/* One optimizer step of the global batch (a tdm_train_step_fn over the
+ * rank's tdm_dist_stepper): this replica's share through the pipeline,
+ * the loss gradient scaled by 1/B so that DDP's sum over the replicas is
+ * the global batch's mean-loss gradient, as one device's. The loss is
+ * complete only on the last stage once backwards have begun, so it is
+ * checked after the step, on every stage (all stop at the same step; a
+ * checkpoint is never written from it). */
+static tdm_status tdm_rank_pp_step(void *ctx, const void *x, const int32_t *y, int batch,
+                                   double *loss_mean)
+{
+    tdm_dist_stepper *s = ctx;
+    tdm_tool_pp *q = s->w;
+    s->begun++;
+    if (s->before) s->before(s->before_ctx, s->begun);
+    int global = s->own_rows ? s->global_batch : batch;
+    int64_t lo = 0, hi = batch;
+    if (!s->own_rows) tdm_dist_share(batch, q->rep, q->reps, &lo, &hi);
+    const char *xs = (const char *)x + lo * q->in_elems * 4;
+    const int32_t *ys = y + lo * q->out_rows;
+    double ls = 0.0;
+    tdm_status st = tdm_pp_step_scaled(q->p, xs, ys, (int)(hi - lo), 1.0f / (float)global, &ls);
+    if (st) return st;
+    if (q->reps > 1) {
+        /* the replicas' sums, on every rank of the dp group */
+        tdm_comm_set_label(q->dcomm, "pp loss over the replicas");
+        if ((st = tdm_comm_all_reduce(q->dcomm, &ls, &ls, 1, TDM_DTYPE_FLOAT64, TDM_REDOP_SUM))) {
+            tdm_error_prefix(st, "rank %d: the loss over the dp dimension", s->rank);
+            tdm_comm_abort(s->comm, tdm_error_message());
+            return st;
+        }
+    }
+    *loss_mean = ls / (double)global;
+    if (isfinite(*loss_mean)) return TDM_STATUS_OK;
+    char where[96];
+    snprintf(where, sizeof where, "the global batch of %d, seen by pipeline stage %d of "
+             "replica %d", global, tdm_pp_stage(q->p), q->rep);
+    return tdm_dist_diverged(s->comm, s->rank, tdm_optim_steps(s->opt), *loss_mean, where);
+}
+
+/* ---- evaluation ---- */
+
+static tdm_status tdm_rank_pp_evaluate(void *w, const tdm_dataset *test, int batch,
+                                       double *loss_mean, double *accuracy)
+{
+    return tdm_pp_evaluate(((tdm_tool_pp *)w)->p, test, batch, loss_mean, accuracy);
+}
+
+/* Through the pipeline; the sum said by the first stage alone, so that a
+ * sum over every rank counts each replica's windows once. */
+static tdm_status tdm_rank_pp_eval_loss(void *w, const void *x, const int32_t *y, int n,
+                                        double *loss_sum)
+{
+    tdm_tool_pp *q = w;
+    double ls = 0.0;
+    int64_t correct = 0;
+    *loss_sum = 0.0;
+    if (n == 0) return TDM_STATUS_OK;   /* every stage of the replica has the same n */
+    TDM_CHECK(tdm_pp_eval_batch(q->p, x, y, n, &ls, &correct));
+    if (tdm_pp_stage(q->p) == 0) *loss_sum = ls;
+    return TDM_STATUS_OK;
+}
+
+/* ---- checkpoints ---- */
+
+/* The whole model's tables (on a host device: never trained, only its
+ * names and shapes) and host arrays for its state. */
+static tdm_status tdm_rank_pp_whole(tdm_tool_pp *q, const tdm_optim *opt, tdm_device **host,
+                                    tdm_model **whole, tdm_ckpt_host *h)
+{
+    memset(h, 0, sizeof *h);
+    TDM_CHECK(tdm_device_open(host, "cpu", 0, 1));
+    TDM_CHECK(tdm_model_init(whole, *host, &q->spec, q->seed));
+    size_t n = (size_t)tdm_model_param_elems(*whole), nb = (size_t)tdm_model_buffer_elems(*whole);
+    h->params = malloc(n * sizeof(float));
+    TDM_REQUIRE(h->params, TDM_STATUS_OUT_OF_MEMORY, "checkpoint: %zu floats", n);
+    if (nb) {
+        h->buffers = malloc(nb * sizeof(float));
+        TDM_REQUIRE(h->buffers, TDM_STATUS_OUT_OF_MEMORY, "checkpoint: %zu floats", nb);
+    }
+    if (!opt) return TDM_STATUS_OK;
+    h->optim = tdm_optim_get_opts(opt);
+    for (int i = 0; i < tdm_optim_n_state(opt); i++) {
+        h->state[i] = malloc(n * sizeof(float));
+        TDM_REQUIRE(h->state[i], TDM_STATUS_OUT_OF_MEMORY, "checkpoint: %zu floats", n);
+    }
+    return TDM_STATUS_OK;
+}
+
+static void tdm_rank_pp_whole_free(tdm_device *host, tdm_model *whole, tdm_ckpt_host *h)
+{
+    tdm_ckpt_host_free(h);
+    tdm_model_free(whole);
+    tdm_device_free(host);
+}
+
+/* The whole model's state gathered on replica 0's first stage (rank 0),
+ * written there as the file every mode writes. */
+static tdm_status tdm_rank_pp_save(void *w, const char *path, tdm_optim *opt,
+                                   const tdm_ckpt_info *info)
+{
+    tdm_tool_pp *q = w;
+    if (q->rep != 0) return TDM_STATUS_OK;
+    int root = tdm_pp_stage(q->p) == 0;
+    tdm_device *host = NULL;
+    tdm_model *whole = NULL;
+    tdm_ckpt_host h;
+    memset(&h, 0, sizeof h);
+    tdm_status st = root ? tdm_rank_pp_whole(q, opt, &host, &whole, &h) : TDM_STATUS_OK;
+    if (st) {
+        /* the other stages are about to send their slices here */
+        tdm_comm_abort(q->pcomm, tdm_error_message());
+    } else {
+        st = tdm_pp_gather_state(q->p, root ? &h : NULL, 0);
+    }
+    if (st == TDM_STATUS_OK && root) st = tdm_checkpoint_save_host(path, whole, &h, info);
+    tdm_rank_pp_whole_free(host, whole, &h);
+    return st;
+}
+
+/* Any mode's file, read by every stage, which keeps its slice. */
+static tdm_status tdm_rank_pp_load(void *w, const char *path, tdm_optim *opt,
+                                   tdm_ckpt_info *info)
+{
+    tdm_tool_pp *q = w;
+    tdm_device *host = NULL;
+    tdm_model *whole = NULL;
+    tdm_ckpt_host h;
+    tdm_status st = tdm_rank_pp_whole(q, opt, &host, &whole, &h);
+    if (st == TDM_STATUS_OK) st = tdm_checkpoint_load_host(path, whole, &h, info);
+    if (st == TDM_STATUS_OK) st = tdm_pp_load_state(q->p, &h);
+    tdm_rank_pp_whole_free(host, whole, &h);
+    return st;
+}
+
+static const tdm_dist_ops tdm_rank_pp_ops = {
+    .evaluate = tdm_rank_pp_evaluate, .eval_loss = tdm_rank_pp_eval_loss,
+    .save = tdm_rank_pp_save, .load = tdm_rank_pp_load};
+
+/* ---- what the CLI prints ---- */
+
+static void tdm_rank_pp_describe(const tdm_tool_rank *r, char *on, size_t n_on, char *note,
+                                 size_t n_note)
+{
+    const tdm_tool_pp *q = r->w;
+    char split[160];
+    tdm_pp_split_str(tdm_pp_split(q->p), tdm_pp_stages(q->p), split, sizeof split);
+    int n = snprintf(on, n_on, ", pipeline of %d stages (first layers %s), %s, %d "
+                     "micro-batches", tdm_pp_stages(q->p), split,
+                     tdm_pp_schedule_name(r->b->pp.schedule), r->b->pp.micro);
+    if (q->reps > 1 && n >= 0 && (size_t)n < n_on)
+        snprintf(on + n, n_on - (size_t)n, ", x %d replicas (DDP over the dp dimension)",
+                 q->reps);
+    snprintf(note, n_note, "%s", "");
+}
+
+/* Per stage, what rank 0 prints: the mean phases, the memory, the
+ * transfers (doubles, all-gathered over the pipeline). */
+enum {
+    TDM_PPF_FORWARD = 0, TDM_PPF_BACKWARD, TDM_PPF_LOSS, TDM_PPF_RECV, TDM_PPF_SEND,
+    TDM_PPF_BUBBLE, TDM_PPF_PIPELINE, TDM_PPF_SYNC, TDM_PPF_TIED, TDM_PPF_STEP, TDM_PPF_TOTAL,
+    TDM_PPF_PARAMS, TDM_PPF_GRADS, TDM_PPF_OPTIM, TDM_PPF_PEAK, TDM_PPF_SETS, TDM_PPF_SET,
+    TDM_PPF_OVERLAPPED, TDM_PPF_TRANSFERS, TDM_PPF_LO, TDM_PPF_HI, TDM_PPF_STEPS,
+    TDM_PPF_MICRO, TDM_PPF_COUNT_
+};
+
+static void tdm_rank_pp_figures(const tdm_tool_pp *q, double f[TDM_PPF_COUNT_])
+{
+    tdm_pp_stats s;
+    tdm_pp_get_stats(q->p, &s);
+    tdm_model_stage_info si;
+    tdm_model_get_stage(tdm_pp_model(q->p), &si);
+    double n = s.steps > 0 ? (double)s.steps : 1.0;
+    const tdm_pp_phases *p = &s.sum;
+    double ph[] = {p->forward, p->backward, p->loss, p->recv_wait, p->send_wait, p->bubble,
+                   p->pipeline, p->grad_sync, p->tied, p->step, p->total};
+    for (int i = 0; i <= TDM_PPF_TOTAL; i++) f[i] = ph[i] / n;
+    f[TDM_PPF_PARAMS] = (double)s.params;
+    f[TDM_PPF_GRADS] = (double)s.grads;
+    f[TDM_PPF_OPTIM] = (double)s.optimizer;
+    f[TDM_PPF_PEAK] = s.peak_act == (size_t)-1 ? -1.0 : (double)s.peak_act;
+    f[TDM_PPF_SETS] = s.act_sets;
+    f[TDM_PPF_SET] = (double)s.act_set;
+    f[TDM_PPF_OVERLAPPED] = (double)s.overlapped;
+    f[TDM_PPF_TRANSFERS] = (double)s.transfers;
+    f[TDM_PPF_LO] = si.lo;
+    f[TDM_PPF_HI] = si.hi;
+    f[TDM_PPF_STEPS] = (double)s.steps;
+    f[TDM_PPF_MICRO] = s.micro_size;
+}
+
+static void tdm_rank_pp_print(const tdm_tool_rank *r, const double *all, int S)
+{
+    const double mib = 1.0 / (1024.0 * 1024.0);
+    const tdm_tool_pp *q = r->w;
+    int M = r->b->pp.micro;
+    double ideal = 100.0 * (S - 1) / (double)(M + S - 1);
+    int rows = (r->b->pp.batch + q->reps - 1) / q->reps;
+    printf("pp %s, %d stages, %d micro-batches of %d (replica 0, per step, mean over %.0f "
+           "steps; ideal bubble (S-1)/(M+S-1) = %.1f%%):\n",
+           tdm_pp_schedule_name(r->b->pp.schedule), S, M, (rows + M - 1) / M,
+           all[TDM_PPF_STEPS], ideal);
+    double overlapped = 0, transfers = 0;
+    for (int s = 0; s < S; s++) {
+        const double *f = all + s * TDM_PPF_COUNT_;
+        char peak[48];
+        if (f[TDM_PPF_PEAK] < 0) snprintf(peak, sizeof peak, "not measured on this device");
+        else snprintf(peak, sizeof peak, "%.3f MiB", f[TDM_PPF_PEAK] * mib);
+        printf("  stage %d (layers %.0f-%.0f): forward %.3f ms, backward %.3f ms, loss %.3f "
+               "ms, recv wait %.3f ms, send wait %.3f ms, bubble %.3f ms = %.1f%% of the "
+               "pipeline's %.3f ms, tied %.3f ms, grad sync %.3f ms, optimizer %.3f ms\n",
+               s, f[TDM_PPF_LO], f[TDM_PPF_HI] - 1, f[TDM_PPF_FORWARD], f[TDM_PPF_BACKWARD],
+               f[TDM_PPF_LOSS], f[TDM_PPF_RECV], f[TDM_PPF_SEND], f[TDM_PPF_BUBBLE],
+               f[TDM_PPF_PIPELINE] > 0 ? 100.0 * f[TDM_PPF_BUBBLE] / f[TDM_PPF_PIPELINE] : 0.0,
+               f[TDM_PPF_PIPELINE], f[TDM_PPF_TIED], f[TDM_PPF_SYNC], f[TDM_PPF_STEP]);
+        printf("  stage %d memory: parameters %.3f MiB, gradients %.3f MiB, optimizer %.3f "
+               "MiB, peak activations %s (%.0f set%s of %.3f MiB held at once)\n", s,
+               f[TDM_PPF_PARAMS] * mib, f[TDM_PPF_GRADS] * mib, f[TDM_PPF_OPTIM] * mib, peak,
+               f[TDM_PPF_SETS], f[TDM_PPF_SETS] == 1 ? "" : "s", f[TDM_PPF_SET] * mib);
+        overlapped += f[TDM_PPF_OVERLAPPED];
+        transfers += f[TDM_PPF_TRANSFERS];
+    }
+    printf("pp transfers: %.0f of %.0f completed while a stage computed%s\n", overlapped,
+           transfers, q->reps > 1 ? "; gradients summed over the replicas by DDP" : "");
+}
+
+/* Every stage's figures to rank 0, which prints them (collective). */
+static tdm_status tdm_rank_pp_finish(tdm_tool_rank *r)
+{
+    tdm_tool_pp *q = r->w;
+    int S = tdm_pp_stages(q->p);
+    double mine[TDM_PPF_COUNT_];
+    double *all = calloc((size_t)S * TDM_PPF_COUNT_, sizeof *all);
+    TDM_REQUIRE(all, TDM_STATUS_OUT_OF_MEMORY, "pp summary: %d stages", S);
+    tdm_rank_pp_figures(q, mine);
+    tdm_comm_set_label(q->pcomm, "pp summary");
+    tdm_status st = tdm_comm_all_gather(q->pcomm, mine, all, TDM_PPF_COUNT_, TDM_DTYPE_FLOAT64);
+    if (st == TDM_STATUS_OK && r->rank == 0) tdm_rank_pp_print(r, all, S);
+    free(all);
+    return st ? tdm_tool_rank_fail(r, "pp summary", st) : st;
+}
+
+/* Replica 0's stages gather the whole model on rank 0 (collective over
+ * the pipeline; only root 0 is served). */
+static tdm_status tdm_rank_pp_params(tdm_tool_rank *r, float *host, int root)
+{
+    tdm_tool_pp *q = r->w;
+    TDM_REQUIRE(root == 0, TDM_STATUS_UNSUPPORTED,
+                "pp: the whole model's parameters are gathered on rank 0 only");
+    if (q->rep != 0) return TDM_STATUS_OK;
+    return tdm_pp_gather_params(q->p, r->rank == 0 ? host : NULL, 0);
+}
+
+const tdm_tool_design tdm_tool_pp_design = {
+    .dist = {.name = "pp", .caps = TDM_DIST_MPI | TDM_DIST_NCCL, .layout = tdm_rank_pp_layout,
+             .setup = tdm_rank_pp_setup, .free = tdm_rank_pp_free, .ops = &tdm_rank_pp_ops},
+    .unit = "pipeline stage", .save_alone = 0, .describe = tdm_rank_pp_describe,
+    .params = tdm_rank_pp_params, .step = tdm_rank_pp_step, .finish = tdm_rank_pp_finish};

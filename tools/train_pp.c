@@ -1,0 +1,64 @@
+/* tools/train_pp.c: `tandem train --mode pp`: pipeline parallelism, the
+ * image models and --model gpt alike. Each rank is one stage of the
+ * model's layers (pp/pp.h; the rank's table is tools/rank_pp.c), run by
+ * tools/train_ranks.c's loop over dist/run.h like every multi-process
+ * mode: forked here one per device (with --max-restarts), or the ranks of
+ * `tandem launch`. Here: the options' checks and defaults.
+ *
+ * A global batch of --batch B is cut into --microbatches M micro-batches
+ * of ceil(B/M) samples that flow through the stages in the --schedule's
+ * order; the optimizer steps once per global batch: the step of --mode
+ * single --batch ceil(B/M) --grad-accum M on the same samples (bit for
+ * bit on host devices for the MLP and CNN). With --mesh dp=D,pp=S, D
+ * pipelines each take their share of the global batch and DDP sums their
+ * gradients over the dp dimension. */
+#include <stdio.h>
+#include <string.h>
+
+#include "pp/pp.h"
+#include "tools/ranks.h"
+#include "tools/tools.h"
+#include "tools/train_modes.h"
+
+#define TDM_TRAIN_PP_MICRO_DEFAULT 4
+
+tdm_status tdm_train_check_pp(tdm_train_args *a, int gpt)
+{
+    (void)gpt;
+    int pp = !strcmp(a->mode, "pp");
+    if (!pp) {
+        if (a->stages || a->microbatches || a->schedule || a->split || a->mesh)
+            return tdm_tool_usage_error("tandem train: --stages, --microbatches, --schedule, "
+                                        "--split and --mesh apply to --mode pp, not --mode "
+                                        "%s\n", a->mode);
+        return TDM_STATUS_OK;
+    }
+    if (!a->microbatches) a->microbatches = TDM_TRAIN_PP_MICRO_DEFAULT;
+    if (!a->schedule) a->schedule = "1f1b";
+    tdm_pp_schedule_kind k;
+    if (tdm_pp_schedule_parse(a->schedule, &k))
+        return tdm_tool_usage_error("tandem train: --schedule: %s\n", tdm_error_message());
+    if (a->grad_accum > 1)
+        return tdm_tool_usage_error("tandem train: --mode pp accumulates over its "
+                                    "--microbatches: use --microbatches %lld instead of "
+                                    "--grad-accum %lld\n", a->grad_accum, a->grad_accum);
+    if (a->uneven || a->sync_bn || (a->comm_hook && strcmp(a->comm_hook, "allreduce")))
+        return tdm_tool_usage_error("tandem train: --uneven, --sync-bn and --comm-hook apply "
+                                    "to --mode ddp and fsdp, not to --mode pp\n");
+    if (a->sharding || a->save_sharded)
+        return tdm_tool_usage_error("tandem train: --mode pp --sharding: not supported: a "
+                                    "stage's optimizer is the pipeline's own, stepped inside "
+                                    "its schedule over the whole stage, so ZeRO cannot shard "
+                                    "it over the dp dimension (use --mesh dp=D,pp=S: DDP)\n");
+    if (a->microbatches > a->batch)
+        return tdm_tool_usage_error("tandem train: --microbatches %lld is more than --batch "
+                                    "%lld: every micro-batch needs a sample\n", a->microbatches,
+                                    a->batch);
+    return TDM_STATUS_OK;
+}
+
+tdm_status tdm_train_run_pp(const tdm_train_args *a, const tdm_model_spec *spec,
+                            const tdm_train_text_set *text)
+{
+    return tdm_train_run_ranks(a, &tdm_tool_pp_design, spec, text);
+}
