@@ -16,6 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "tests/cli_util.h"
@@ -185,7 +186,7 @@ static const char *dx_short(const char *cmd)
 {
     const char *t = dx_find(cmd);
     t += !strncmp(t, "build/", 6) ? 13 : 7;
-    if (!strncmp(t, "train ", 6)) return " --max-steps 2";
+    if (!strncmp(t, "train ", 6)) return " --max-steps 2 --no-eval";
     if (!strncmp(t, "compare", 7)) return " --steps 4 --warmup 1";
     if (!strncmp(t, "sample ", 7)) return " --tokens 16";
     if (!strncmp(t, "bench train", 11)) return " --steps 5";   /* its least */
@@ -260,6 +261,8 @@ Test(doc_examples, every_listed_command_runs_and_does_what_it_says, .timeout = 2
                  "cd '%s' && export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 && "
                  "exec 2>&1 && %s%s", dir, resolved,
                  !strcmp(r->rule, "short") ? dx_short(cmds[i].text) : "");
+        struct timespec t0, t1;
+        clock_gettime(CLOCK_MONOTONIC, &t0);
         FILE *p = popen(sh, "r");
         cr_assert_not_null(p);
         static char out[1 << 20];
@@ -269,9 +272,11 @@ Test(doc_examples, every_listed_command_runs_and_does_what_it_says, .timeout = 2
         int ws = pclose(p);
         int code = WIFEXITED(ws) ? WEXITSTATUS(ws) : 128 + WTERMSIG(ws);
         int ok = code == 0 && (!r->phrase[0] || strstr(out, r->phrase));
+        clock_gettime(CLOCK_MONOTONIC, &t1);
         ran++;
-        fprintf(stderr, "doc example %s: %s (%s): exit %d%s\n", ok ? "ok" : "FAILED",
-                cmds[i].text, r->rule, code, ok ? "" : "");
+        fprintf(stderr, "doc example %s: %s (%s): exit %d, %.1f s\n", ok ? "ok" : "FAILED",
+                cmds[i].text, r->rule, code,
+                (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) * 1e-9);
         if (!ok) {
             failed++;
             cr_log_error("%s: `%s` (%s%s) exited %d%s%s:\n%.4000s", cmds[i].file, cmds[i].text,
