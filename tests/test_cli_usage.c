@@ -18,7 +18,7 @@ Test(cli_usage, help_names_every_design_and_version_is_printed, .timeout = 30)
     cli_result r;
     CLI(&r, "--help");
     expect(&r, 0, "train     train a model: one device, DP, DDP or FSDP/ZeRO (--mode)");
-    cr_expect(strstr(r.out, "compare   one device, DP, DDP, FSDP, ZeRO-2 and ZeRO-1"), "%s",
+    cr_expect(strstr(r.out, "compare   one device, DP, DDP, FSDP, ZeRO-2, ZeRO-1 and PP"), "%s",
               r.out);
     cr_expect(strstr(r.out, "--version"), "%s", r.out);
     CLI(&r, "--version");

@@ -50,8 +50,8 @@ static const struct {
     {"sample", tdm_tool_sample_main, "generate text with a GPT checkpoint"},
     {"eval", tdm_tool_eval_main, "a checkpoint's loss and accuracy (bits per byte) on data"},
     {"plan", tdm_tool_plan_main, "predicted peak memory per device, before a run"},
-    {"compare", tdm_tool_compare_main, "one device, DP, DDP, FSDP/ZeRO and PP side "
-                                       "by side"},
+    {"compare", tdm_tool_compare_main, "one device, DP, DDP, FSDP, ZeRO-2, ZeRO-1 and "
+                                       "PP side by side"},
     {"launch", tdm_tool_launch_main, "run N ranks of your own program (like torchrun)"},
     {"bench", tdm_tool_bench_main, "benchmarks: bench <collective> (nccl-tests columns), "
                                    "bench gemm, bench train, bench dp"},
