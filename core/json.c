@@ -5,6 +5,7 @@
 #include "core/json.h"
 
 #include <stdio.h>
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -12,6 +13,7 @@ typedef struct json_parser {
     const unsigned char *s;
     size_t len;
     size_t pos;
+    int reals;   /* tdm_json_parse_reals: fractions and exponents allowed */
 } json_parser;
 
 static tdm_status json_err(const json_parser *p, const char *why)
@@ -191,7 +193,9 @@ static tdm_status json_parse_string(json_parser *p, char **out, size_t *out_len)
     return TDM_STATUS_OK;
 }
 
-static tdm_status json_parse_int(json_parser *p, int64_t *out)
+/* *real: set when a fraction or exponent follows (only with p->reals;
+ * the caller then parses the whole number as a real). */
+static tdm_status json_parse_int(json_parser *p, int64_t *out, int *real)
 {
     int neg = 0;
     if (p->s[p->pos] == '-') { neg = 1; p->pos++; }
@@ -210,12 +214,46 @@ static tdm_status json_parse_int(json_parser *p, int64_t *out)
     }
     if (p->pos < p->len && (p->s[p->pos] == '.' || p->s[p->pos] == 'e' ||
                             p->s[p->pos] == 'E'))
-        return json_err(p, "only integers are supported");
+    {
+        if (!p->reals) return json_err(p, "only integers are supported");
+        *real = 1;
+        return TDM_STATUS_OK;
+    }
     if (!neg) {
         if (v == INT64_MIN) return json_err(p, "integer out of range");
         v = -v;
     }
     *out = v;
+    return TDM_STATUS_OK;
+}
+
+/* The fraction and exponent after an integer part (RFC 8259's grammar),
+ * then the whole number from start, as a double. */
+static int json_digits(json_parser *p)
+{
+    size_t from = p->pos;
+    while (p->pos < p->len && p->s[p->pos] >= '0' && p->s[p->pos] <= '9') p->pos++;
+    return p->pos > from;
+}
+
+static tdm_status json_parse_real(json_parser *p, size_t start, double *out)
+{
+    if (p->pos < p->len && p->s[p->pos] == '.') {
+        p->pos++;
+        if (!json_digits(p)) return json_err(p, "expected a digit after '.'");
+    }
+    if (p->pos < p->len && (p->s[p->pos] == 'e' || p->s[p->pos] == 'E')) {
+        p->pos++;
+        if (p->pos < p->len && (p->s[p->pos] == '+' || p->s[p->pos] == '-')) p->pos++;
+        if (!json_digits(p)) return json_err(p, "expected a digit in the exponent");
+    }
+    char buf[64];
+    size_t n = p->pos - start;
+    if (n >= sizeof buf) return json_err(p, "number too long");
+    memcpy(buf, p->s + start, n);
+    buf[n] = '\0';
+    *out = strtod(buf, NULL);
+    if (!isfinite(*out)) return json_err(p, "number out of range");
     return TDM_STATUS_OK;
 }
 
@@ -307,8 +345,16 @@ static tdm_status json_parse_value(json_parser *p, tdm_json *v, int depth)
         return json_parse_string(p, &v->str, &v->str_len);
     }
     if (c == '-' || (c >= '0' && c <= '9')) {
+        size_t start = p->pos;
         v->type = TDM_JSON_INT;
-        return json_parse_int(p, &v->i);
+        int real = 0;
+        tdm_status st = json_parse_int(p, &v->i, &real);
+        if (st != TDM_STATUS_OK || !real) {
+            v->d = (double)v->i;
+            return st;
+        }
+        v->type = TDM_JSON_REAL;
+        return json_parse_real(p, start, &v->d);
     }
     if (json_literal(p, "true")) { v->type = TDM_JSON_BOOL; v->i = 1; return TDM_STATUS_OK; }
     if (json_literal(p, "false")) { v->type = TDM_JSON_BOOL; v->i = 0; return TDM_STATUS_OK; }
@@ -321,10 +367,11 @@ static tdm_status json_parse_value(json_parser *p, tdm_json *v, int depth)
     return json_err(p, "unexpected character");
 }
 
-tdm_status tdm_json_parse(tdm_json **out, const char *text, size_t nbytes)
+static tdm_status json_parse_all(tdm_json **out, const char *text, size_t nbytes, int reals)
 {
     tdm_status st = TDM_STATUS_OK;
-    json_parser p = { .s = (const unsigned char *)text, .len = nbytes, .pos = 0 };
+    json_parser p = { .s = (const unsigned char *)text, .len = nbytes, .pos = 0,
+                      .reals = reals };
     tdm_json *v = calloc(1, sizeof *v);
     *out = NULL;
     if (!v) return json_oom();
@@ -339,6 +386,16 @@ tdm_status tdm_json_parse(tdm_json **out, const char *text, size_t nbytes)
 fail:
     tdm_json_free(v);
     return st;
+}
+
+tdm_status tdm_json_parse(tdm_json **out, const char *text, size_t nbytes)
+{
+    return json_parse_all(out, text, nbytes, 0);
+}
+
+tdm_status tdm_json_parse_reals(tdm_json **out, const char *text, size_t nbytes)
+{
+    return json_parse_all(out, text, nbytes, 1);
 }
 
 const tdm_json *tdm_json_get(const tdm_json *obj, const char *key)
@@ -389,6 +446,7 @@ const char *tdm_json_type_name(tdm_json_type t)
     case TDM_JSON_NULL: return "null";
     case TDM_JSON_BOOL: return "bool";
     case TDM_JSON_INT: return "integer";
+    case TDM_JSON_REAL: return "number";
     case TDM_JSON_STRING: return "string";
     case TDM_JSON_ARRAY: return "array";
     case TDM_JSON_OBJECT: return "object";

@@ -28,11 +28,13 @@ typedef enum tdm_json_type {
     TDM_JSON_STRING,
     TDM_JSON_ARRAY,
     TDM_JSON_OBJECT,
+    TDM_JSON_REAL,          /* a number with a fraction or exponent (tdm_json_parse_reals) */
 } tdm_json_type;
 
 typedef struct tdm_json {
     tdm_json_type type;
     int64_t i;              /* INT value; BOOL: 0 or 1 */
+    double d;               /* REAL value; INT: the same as i */
     char *str;              /* STRING value, NUL-terminated */
     size_t str_len;         /* STRING length in bytes */
     int n;                  /* ARRAY/OBJECT: number of items */
@@ -46,6 +48,10 @@ typedef struct tdm_json {
  * failed); *out is then NULL. Duplicate object keys are kept: the caller
  * decides whether they matter (tdm_json_find_duplicate). */
 tdm_status tdm_json_parse(tdm_json **out, const char *text, size_t nbytes);
+/* The same, where numbers may also have a fraction and an exponent
+ * (TDM_JSON_REAL; integers stay TDM_JSON_INT): for tandem's own result
+ * files (compare --json), not for untrusted headers. */
+tdm_status tdm_json_parse_reals(tdm_json **out, const char *text, size_t nbytes);
 void tdm_json_free(tdm_json *v);   /* NULL ok */
 
 /* The value of key in an object, NULL if absent or v is not an object

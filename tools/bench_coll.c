@@ -21,6 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <unistd.h>
 
 #include "core/comm.h"
 #include "core/device.h"
@@ -542,7 +543,7 @@ static tdm_status bench_setup_host(bench_state *s)
 static void bench_print_preamble(const bench_state *s, const char *ref)
 {
     const bench_cfg *cfg = s->cfg;
-    int n = s->n, ncores = tdm_device_host_cores();
+    int n = s->n, ncores = cfg->host_cores;
     if (cfg->cuda) {
         char names[512];
         bench_device_names(cfg, s->dev, names, sizeof names);
@@ -882,11 +883,23 @@ static tdm_status bench_run_forked(const bench_cfg *cfg)
     return st;
 }
 
+int bench_host_cores(void)
+{
+    const char *v = getenv(TDM_BENCH_CORES_ENV);
+    int n = v ? atoi(v) : 0;
+    if (n > 0) return n;
+    if (tdm_dist_mpi_launched()) {
+        long online = sysconf(_SC_NPROCESSORS_ONLN);
+        if (online > 0) return (int)online;
+    }
+    return tdm_device_host_cores();
+}
+
 int tdm_bench_coll_main(int argc, char **argv)
 {
     bench_cfg cfg = {.nranks = 2, .min_bytes = 8, .max_bytes = (size_t)64 << 20, .factor = 2,
                      .dtype = TDM_DTYPE_FLOAT32, .op = TDM_REDOP_SUM, .warmup = 5, .iters = 20,
-                     .bind = 1};
+                     .bind = 1, .host_cores = bench_host_cores()};
     tdm_status st = bench_parse(argc, argv, &cfg);
     if (st == TDM_STATUS_OK && cfg.help) {
         bench_usage(stdout);

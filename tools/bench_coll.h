@@ -26,6 +26,8 @@ typedef struct bench_cfg {
     size_t slot_bytes;
     size_t one_shot_bytes;
     int bind;
+    int host_cores;          /* cores this job may use, counted before any pinning
+                              * (bench_host_cores) */
     const char *device;      /* --device as given (NULL: not given) */
     tdm_device_list dl;      /* CUDA: rank r runs on cuda:<dl.index[r]> */
     int cuda;                /* ranks on CUDA devices (or emulated ones) */
@@ -39,6 +41,12 @@ typedef struct bench_cfg {
     int help, have_coll, nranks_set;
     const char *shm_flag;    /* the last shm-only flag given (NULL: none) */
 } bench_cfg;
+
+/* The job's cores, for the header: counted before a rank is pinned. An
+ * MPI rank (mpirun binds it before it starts) reads what the relaunch
+ * counted (TDM_BENCH_CORES_ENV), else the machine's online CPUs. */
+#define TDM_BENCH_CORES_ENV "TANDEM_BENCH_HOST_CORES"
+int bench_host_cores(void);
 
 /* One communicator benchmarked; peer: its calls go to MPI's blocking
  * collectives (tdm_mpi_peer_run) instead. */

@@ -30,7 +30,7 @@ static tdm_status bench_mpi_relaunch(const bench_cfg *cfg, int argc, char **argv
     }
     self[n] = '\0';
     snprintf(np, sizeof np, "%d", cfg->nranks);
-    int cores = tdm_device_host_cores();
+    int cores = cfg->host_cores;
     const char **av = calloc((size_t)argc + 16, sizeof *av);
     if (!av) return tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "mpirun's arguments");
     int k = 0;
@@ -46,6 +46,19 @@ static tdm_status bench_mpi_relaunch(const bench_cfg *cfg, int argc, char **argv
     av[k++] = "bench";
     for (int i = 1; i < argc; i++) av[k++] = argv[i];
     av[k] = NULL;
+    /* the ranks' header counts the cores as seen here, before mpirun binds
+     * each rank to one */
+    char ncores[16];
+    snprintf(ncores, sizeof ncores, "%d", cores);
+    setenv(TDM_BENCH_CORES_ENV, ncores, 1);
+    /* Open MPI refuses to start as root unless told, twice: this is the
+     * user's own command, run as they ran it */
+    if (geteuid() == 0) {
+        setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 1);
+        setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);
+        printf("# running as root: OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 "
+               "set for mpirun (Open MPI refuses root otherwise)\n");
+    }
     printf("# not started by an MPI launcher: running");
     for (int i = 0; i < k; i++) printf(" %s", av[i]);
     printf("\n");

@@ -31,6 +31,7 @@
 #include "tools/args.h"
 #include "tools/compare.h"
 #include "tools/devices.h"
+#include "tools/compare_json.h"
 #include "tools/tools.h"
 
 /* Float tolerances of the equivalence verdict, |a - b| <= atol + rtol |b|.
@@ -81,12 +82,17 @@ static void tdm_cmp_usage(FILE *f)
         "  --batch B            global batch size (B >= N)   [256; gpt: %d windows]\n"
         "  --data DIR|synthetic Fashion-MNIST directory or synthetic data  [Fashion-MNIST]\n"
         "  --data FILE|DIR      gpt: any file, or a fortunes directory  [Debian's fortunes]\n"
-        "  --optim sgd|adamw    [sgd]   --lr LR [sgd 0.05, adamw 0.001]   --momentum M [0.9]\n"
+        "  --optim sgd|adamw    [sgd; gpt: adamw]                    --momentum M [0.9]\n"
+        "  --lr LR              [sgd: 0.05, adamw: 0.001 (gpt: 0.002)], as train's\n"
         "  --seed S             initial parameters and data order            [1]\n"
         "  --bucket-cap-mb MB   DDP bucket cap                               [25]\n"
         "  --no-overlap         DDP all-reduces after backward (to see what overlap buys)\n"
         "  --trace FILE         Chrome trace-event JSON (Perfetto, chrome://tracing)\n"
-        "  --csv FILE           raw per-step figures\n"
+        "  --csv FILE           raw per-step figures, the sweep's runs too (columns:\n"
+        "                       docs/OUTPUTS.md)\n"
+        "  --json FILE          the results for a program: per mode throughput (median,\n"
+        "                       min, max), phases, memory, bytes, the verdict and its\n"
+        "                       bounds (schema: docs/OUTPUTS.md)\n"
         "  --plot DIR           loss, throughput, phase (and scaling) charts, with gnuplot;\n"
         "                       DIR must be yours and not writable by others\n"
         "  --sweep 1,2,4        also run DP and DDP (and with pp, a pipeline of as many\n"
@@ -104,7 +110,7 @@ static void tdm_cmp_usage(FILE *f)
         "                       bounded difference (docs/DDP.md); fp16 and bf16 also\n"
         "                       run the sharded modes of --modes with the hook, each\n"
         "                       against hooked DDP (docs/FSDP.md)        [allreduce]\n"
-        "  --powersgd-rank R    [1]   --powersgd-start-step S (plain before)   [10]\n"
+        "  --powersgd-rank R    [4]   --powersgd-start-step S (plain before)   [10]\n"
         "  --precision P        fp32 or bf16 in every mode (not dp; fp16's loss scaling:\n"
         "                       tandem train)                             [fp32]\n"
         "  --checkpoint-activations N  recompute segments of N blocks in backward\n"
@@ -173,10 +179,6 @@ static int tdm_cmp_parse_sweep(const char *s, int *out, int max)
 
 static void tdm_cmp_print_phase_table(const tdm_cmp_opts *o, tdm_cmp_result *const *res, int n)
 {
-    static const tdm_phase rows[] = {
-        TDM_PHASE_REPLICATE, TDM_PHASE_SCATTER, TDM_PHASE_FORWARD, TDM_PHASE_GATHER,
-        TDM_PHASE_LOSS, TDM_PHASE_BACKWARD, TDM_PHASE_REDUCE, TDM_PHASE_ALLREDUCE_WAIT,
-        TDM_PHASE_ALLGATHER_WAIT, TDM_PHASE_REDUCE_SCATTER_WAIT, TDM_PHASE_STEP};
     tdm_phase_times pm[TDM_CMP_NMODES];
     double mean[TDM_CMP_NMODES];
     printf("\nWhere the time goes (ms per step and share of the step, means after warm-up)\n");
@@ -190,12 +192,9 @@ static void tdm_cmp_print_phase_table(const tdm_cmp_opts *o, tdm_cmp_result *con
         tdm_cmp_means(o, res[k], &mean[k], NULL, NULL);
     }
     printf("\n");
-    for (size_t q = 0; q < sizeof rows / sizeof rows[0]; q++) {
-        tdm_phase p = rows[q];
-        printf("  %-22s", p == TDM_PHASE_ALLREDUCE_WAIT        ? "all-reduce (exposed)"
-                          : p == TDM_PHASE_ALLGATHER_WAIT      ? "all-gather (exposed)"
-                          : p == TDM_PHASE_REDUCE_SCATTER_WAIT ? "reduce-scatter (exp.)"
-                                                               : tdm_phase_name(p));
+    for (int q = 0; q < tdm_cmp_n_phase_rows; q++) {
+        tdm_phase p = tdm_cmp_phase_rows[q];
+        printf("  %-22s", tdm_cmp_phase_label(p));
         for (int k = 0; k < n; k++) {
             double v = pm[k].ms[p];
             if (v <= 0.0) printf(" %18s", "-");
@@ -280,7 +279,12 @@ typedef struct tdm_cmp_job {
     tdm_cmp_result *rp[TDM_CMP_NMODES];
     int nres;
     double sps[TDM_CMP_NMODES];      /* samples/s of the median step, by mode */
-    double sweep_dp[16], sweep_ddp[16];
+    double other_cores[TDM_CMP_NMODES]; /* other processes' CPU during each mode, in
+                                          cores (tools/compare_load.c; -1: unknown) */
+    tdm_cmp_sweep_point sweep[16];
+    tdm_cmp_result sweep_res[32];    /* the sweep's DP and DDP runs, for --csv */
+    int n_sweep_res;
+    tdm_cmp_report rep;              /* the verdict's pairs and bounds, for --json */
     int verdict;                     /* 1: the modes computed the same training */
     const char *modes_arg;           /* --modes as given */
     long long det;                   /* --deterministic K (tools/compare_det.c); 0: off */
@@ -380,6 +384,7 @@ static tdm_status tdm_cmp_parse(int argc, char **argv, tdm_cmp_job *j)
         TDM_ARGS_LOCALS
         TDM_ARGS_HELP(j->help)
         TDM_ARGS_STR("--model", o->model)
+        TDM_ARGS_STR("--json", o->json)
         TDM_ARGS_STR("--device", o->device)
         TDM_ARGS_STR("--data", o->data)
         TDM_ARGS_STR("--optim", o->optim)
@@ -490,14 +495,17 @@ static tdm_status tdm_cmp_check_pp(tdm_cmp_job *j)
 static tdm_status tdm_cmp_check(tdm_cmp_job *j)
 {
     tdm_cmp_opts *o = &j->o;
-    if (strcmp(o->optim, "sgd") && strcmp(o->optim, "adamw"))
-        return tdm_tool_usage_error("tandem compare: --optim '%s': expected sgd or adamw\n",
-                                    o->optim);
-    if (o->lr < 0) o->lr = strcmp(o->optim, "sgd") ? 1e-3 : 0.05;
-    if (!strcmp(o->optim, "adamw")) o->weight_decay = 0.01;
     if (tdm_model_spec_parse(&j->spec, o->model) != TDM_STATUS_OK)
         return tdm_tool_usage_error("tandem compare: --model: %s\n", tdm_error_message());
     j->gpt = j->spec.kind == TDM_MODEL_GPT;
+    /* train's defaults, so that the two agree: a gpt trains with AdamW at
+     * 2e-3 (tools/train.c) */
+    if (!o->optim) o->optim = j->gpt ? "adamw" : "sgd";
+    if (strcmp(o->optim, "sgd") && strcmp(o->optim, "adamw"))
+        return tdm_tool_usage_error("tandem compare: --optim '%s': expected sgd or adamw\n",
+                                    o->optim);
+    if (o->lr < 0) o->lr = strcmp(o->optim, "sgd") ? (j->gpt ? 2e-3 : 1e-3) : 0.05;
+    if (!strcmp(o->optim, "adamw")) o->weight_decay = 0.01;
     if (!o->batch) o->batch = j->gpt ? TDM_CMP_GPT_BATCH : 256;
     if (j->gpt && o->data && !strcmp(o->data, "synthetic"))
         return tdm_tool_usage_error("tandem compare: a gpt trains on text: --data FILE (any "
@@ -676,8 +684,12 @@ static tdm_status tdm_cmp_run_modes(tdm_cmp_job *j)
                 return st;
             }
         }
+        tdm_cmp_load l0, l1;
+        tdm_cmp_load_sample(&l0);
         TDM_CHECK(tdm_cmp_run(&j->o, &j->data, (tdm_cmp_mode)k,
                               k == TDM_CMP_SINGLE ? 1 : j->o.n_dev, &j->res[k]));
+        tdm_cmp_load_sample(&l1);
+        j->other_cores[k] = tdm_cmp_load_other(&l0, &l1);
         j->rp[j->nres++] = &j->res[k];
         j->ran[k] = 1;
     }
@@ -797,12 +809,18 @@ static tdm_status tdm_cmp_print_equivalence(tdm_cmp_job *j)
            "started one ulp off ends %.2e away (loss rel %.1e))\n", TDM_CMP_ATOL_FIRST,
            TDM_CMP_RTOL_FIRST, o->steps, TDM_CMP_ATOL_LAST, TDM_CMP_RTOL_LAST,
            TDM_CMP_FLOOR_FACTOR, fl.max_abs, fl_loss);
-    int pairs[16][2];
-    int n_pairs = tdm_cmp_fsdp_pairs(j->ran, pairs, 16);
+    tdm_cmp_report *rep = &j->rep;
+    *rep = (tdm_cmp_report){.atol_first = TDM_CMP_ATOL_FIRST, .rtol_first = TDM_CMP_RTOL_FIRST,
+                            .atol_last = TDM_CMP_ATOL_LAST, .rtol_last = TDM_CMP_RTOL_LAST,
+                            .loss_rtol = TDM_CMP_LOSS_RTOL, .floor_factor = TDM_CMP_FLOOR_FACTOR,
+                            .floor_max_abs = fl.max_abs, .floor_loss_rel = fl_loss};
+    int n_pairs = rep->n_pairs = tdm_cmp_fsdp_pairs(j->ran, rep->pairs, 16);
     j->verdict = 1;
-    for (int q = 0; q < n_pairs; q++)
-        j->verdict &= tdm_cmp_print_pair(j, ref, (tdm_cmp_mode)pairs[q][0],
-                                         (tdm_cmp_mode)pairs[q][1], &fl, fl_loss);
+    for (int q = 0; q < n_pairs; q++) {
+        rep->pair_ok[q] = tdm_cmp_print_pair(j, ref, (tdm_cmp_mode)rep->pairs[q][0],
+                                             (tdm_cmp_mode)rep->pairs[q][1], &fl, fl_loss);
+        j->verdict &= rep->pair_ok[q];
+    }
     if (j->ran[TDM_CMP_DDP] && !j->res[TDM_CMP_DDP].ranks_agree) {
         printf("  DDP ranks ended with different parameters -> FAIL\n");
         j->verdict = 0;
@@ -890,6 +908,8 @@ static tdm_status tdm_cmp_sweep(tdm_cmp_job *j)
     if (j->o.modes & TDM_CMP_PP_BIT) printf(" %12s %9s", "PP", "speed-up");
     printf("\n");
     for (int i = 0; i < j->n_sweep; i++) {
+        j->sweep[i] = (tdm_cmp_sweep_point){.devices = j->sweep_dev[i],
+                                            .ideal = j->sps[0] * j->sweep_dev[i]};
         if (j->sweep_dev[i] > o->batch) {
             printf("  %-8d skipped: more devices than samples in a batch\n", j->sweep_dev[i]);
             continue;
@@ -899,18 +919,29 @@ static tdm_status tdm_cmp_sweep(tdm_cmp_job *j)
         tdm_status st = tdm_cmp_run(o, &j->data, TDM_CMP_DP, j->sweep_dev[i], &a);
         if (st == TDM_STATUS_OK) st = tdm_cmp_run(o, &j->data, TDM_CMP_DDP, j->sweep_dev[i], &b);
         if (st == TDM_STATUS_OK) {
+            tdm_cmp_sweep_point *sp = &j->sweep[i];
             tdm_cmp_step_stats(o, &a, &m1, &x1, &x2);
+            sp->dp[0] = o->batch / m1 * 1e3;
+            sp->dp[1] = o->batch / x2 * 1e3;
+            sp->dp[2] = o->batch / x1 * 1e3;
             tdm_cmp_step_stats(o, &b, &m2, &x1, &x2);
-            j->sweep_dp[i] = o->batch / m1 * 1e3;
-            j->sweep_ddp[i] = o->batch / m2 * 1e3;
-            printf("  %-8d %12.0f %8.2fx %12.0f %8.2fx", j->sweep_dev[i], j->sweep_dp[i],
-                   j->sweep_dp[i] / j->sps[0], j->sweep_ddp[i], j->sweep_ddp[i] / j->sps[0]);
+            sp->ddp[0] = o->batch / m2 * 1e3;
+            sp->ddp[1] = o->batch / x2 * 1e3;
+            sp->ddp[2] = o->batch / x1 * 1e3;
+            printf("  %-8d %12.0f %8.2fx %12.0f %8.2fx", j->sweep_dev[i], sp->dp[0],
+                   sp->dp[0] / j->sps[0], sp->ddp[0], sp->ddp[0] / j->sps[0]);
             tdm_cmp_sweep_pp(j, j->sweep_dev[i]);
             printf("\n");
             fflush(stdout);
         }
-        tdm_cmp_result_free(&a);
-        tdm_cmp_result_free(&b);
+        if (st == TDM_STATUS_OK && j->n_sweep_res + 2 <= 32) {
+            /* kept for --csv */
+            j->sweep_res[j->n_sweep_res++] = a;
+            j->sweep_res[j->n_sweep_res++] = b;
+        } else {
+            tdm_cmp_result_free(&a);
+            tdm_cmp_result_free(&b);
+        }
         TDM_CHECK(st);
     }
     return TDM_STATUS_OK;
@@ -926,16 +957,31 @@ static tdm_status tdm_cmp_write_outputs(tdm_cmp_job *j)
         if ((s = tdm_cmp_write_trace(o->trace, o, j->rp, j->nres)) != TDM_STATUS_OK) st = s;
         else printf("trace: %s (open in https://ui.perfetto.dev or chrome://tracing)\n", o->trace);
     }
+    if (o->json) {
+        j->rep.verdict = j->verdict;
+        j->rep.other_cores = j->other_cores;
+        j->rep.sweep = j->sweep;
+        j->rep.n_sweep = j->n_sweep;
+        if ((s = tdm_cmp_write_json_file(o->json, o, j->rp, j->nres, &j->rep)) != TDM_STATUS_OK) {
+            if (!st) st = s;
+        } else {
+            printf("json: %s\n", o->json);
+        }
+    }
     if (o->csv) {
-        if ((s = tdm_cmp_write_csv(o->csv, o, j->rp, j->nres)) != TDM_STATUS_OK) {
+        tdm_cmp_result *all[TDM_CMP_NMODES + 32];
+        int n_all = 0;
+        for (int k = 0; k < j->nres; k++) all[n_all++] = j->rp[k];
+        for (int k = 0; k < j->n_sweep_res; k++) all[n_all++] = &j->sweep_res[k];
+        if ((s = tdm_cmp_write_csv(o->csv, o, all, j->nres, n_all)) != TDM_STATUS_OK) {
             if (!st) st = s;
         } else {
             printf("csv: %s\n", o->csv);
         }
     }
     if (o->plot &&
-        (s = tdm_cmp_write_plots(o->plot, o, j->rp, j->nres, j->sweep_dev, j->sweep_dp,
-                                 j->sweep_ddp, j->n_sweep, j->sps[0])) != TDM_STATUS_OK &&
+        (s = tdm_cmp_write_plots(o->plot, o, j->rp, j->nres, j->sweep, j->n_sweep)) !=
+            TDM_STATUS_OK &&
         !st)
         st = s;
     return st;
@@ -974,6 +1020,8 @@ static tdm_status tdm_cmp_main_run(tdm_cmp_job *j)
         int hv = tdm_cmp_hook_section(&j->o, &j->data, &j->spec, &j->res[TDM_CMP_DDP]);
         if (hv < 0) return TDM_STATUS_PEER_FAILED;
         if (!hv) j->verdict = 0;
+        j->rep.hook = j->o.comm_hook;
+        j->rep.hook_pass = hv == 1;
     }
     tdm_cmp_print_memory(&j->o, j->rp, j->nres);
     tdm_cmp_print_reading(j);
@@ -983,6 +1031,7 @@ static tdm_status tdm_cmp_main_run(tdm_cmp_job *j)
         if (pv < 0) return TDM_STATUS_PEER_FAILED;
         if (!pv) j->verdict = 0;
     }
+    tdm_cmp_load_print(&j->o, j->rp, j->nres, j->other_cores);
     TDM_CHECK(tdm_cmp_sweep(j));
     return tdm_cmp_write_outputs(j);
 }
@@ -1013,9 +1062,9 @@ int tdm_tool_compare_main(int argc, char **argv)
     tdm_cmp_job job = {.default_device = default_device, .err_fd = -1};
     tdm_cmp_job *j = &job;
     j->o = (tdm_cmp_opts){.model = "mlp", .device = default_device, .data = NULL,
-                          .optim = "sgd", .steps = 30, .warmup = -1, .batch = 0, .lr = -1,
+                          .optim = NULL, .steps = 30, .warmup = -1, .batch = 0, .lr = -1,
                           .momentum = 0.9, .weight_decay = 0.0, .seed = 1, .bucket_cap_mb = 25,
-                          .perturb_rank = -1, .powersgd_rank = 1,
+                          .perturb_rank = -1, .powersgd_rank = TDM_POWERSGD_DEFAULT_RANK,
                           .powersgd_start_step = 10,
                           .modes = 1u << TDM_CMP_SINGLE | 1u << TDM_CMP_DP |
                                    1u << TDM_CMP_DDP | 1u << TDM_CMP_FSDP};
@@ -1035,6 +1084,7 @@ int tdm_tool_compare_main(int argc, char **argv)
     if (st == TDM_STATUS_OK) st = tdm_cmp_main_run(j);
     tdm_cmp_result_free(&j->floor_r);
     for (int k = 0; k < TDM_CMP_NMODES; k++) tdm_cmp_result_free(&j->res[k]);
+    for (int k = 0; k < j->n_sweep_res; k++) tdm_cmp_result_free(&j->sweep_res[k]);
     free(j->data.order);
     tdm_data_free(&j->data.train);
     tdm_text_free(&j->data.text);

@@ -45,6 +45,7 @@ typedef enum tdm_cmp_mode {
 
 typedef struct tdm_cmp_opts {
     const char *model, *device, *data, *optim, *trace, *plot, *csv, *sweep;
+    const char *json;          /* --json FILE (NULL: none) */
     int n_dev;                 /* devices in --device */
     tdm_device_list dl;        /* --device parsed: host (cpu:0..N-1) or CUDA GPUs */
     int steps, warmup, batch;
@@ -226,12 +227,39 @@ void tdm_cmp_pp_trace(FILE *f, int *first, int pid, long long (*us)(double));
 /* Writers (tools/compare_out.c); on failure a message is printed. */
 tdm_status tdm_cmp_write_trace(const char *path, const tdm_cmp_opts *o,
                                tdm_cmp_result *const *res, int n);
+/* res[0..n_main) are the modes' runs (run "main"), res[n_main..n) the
+ * sweep's (run "sweep"); columns in docs/OUTPUTS.md. */
 tdm_status tdm_cmp_write_csv(const char *path, const tdm_cmp_opts *o, tdm_cmp_result *const *res,
-                             int n);
-/* sweep: n_sweep entries of (devices, dp samples/s, ddp samples/s); may be 0. */
+                             int n_main, int n);
+/* --sweep: one device count's samples/s, each {median, min, max} (from
+ * the post-warm-up steps' median, max and min time); dp[0] <= 0: skipped. */
+typedef struct tdm_cmp_sweep_point {
+    int devices;
+    double dp[3], ddp[3];
+    double ideal;   /* one device's median x devices */
+} tdm_cmp_sweep_point;
+/* --plot DIR (tools/compare_plot.c): data files, plots.gp and the charts. */
 tdm_status tdm_cmp_write_plots(const char *dir, const tdm_cmp_opts *o,
-                               tdm_cmp_result *const *res, int n, const int *sweep_dev,
-                               const double *sweep_dp, const double *sweep_ddp, int n_sweep,
-                               double single_sps);
-
+                               tdm_cmp_result *const *res, int n,
+                               const tdm_cmp_sweep_point *sweep, int n_sweep);
+/* The phase table's rows, in order, and their names (the text table's,
+ * the charts' and the JSON's). */
+extern const tdm_phase tdm_cmp_phase_rows[];
+extern const int tdm_cmp_n_phase_rows;
+const char *tdm_cmp_phase_label(tdm_phase p);
+/* The machine's load during a run (tools/compare_load.c): samples before
+ * and after; the other processes' CPU between them in cores' worth (-1:
+ * not measurable, no /proc/stat). */
+typedef struct tdm_cmp_load {
+    double busy_s, self_s, wall_s;
+    int valid;
+} tdm_cmp_load;
+/* other processes using this many cores' worth during a mode: "busy" */
+#define TDM_CMP_BUSY_CORES 0.25
+void tdm_cmp_load_sample(tdm_cmp_load *c);
+double tdm_cmp_load_other(const tdm_cmp_load *a, const tdm_cmp_load *b);
+/* Warnings for the modes that ran on a busy or oversubscribed machine;
+ * 1 when any was printed. other_of: by mode. */
+int tdm_cmp_load_print(const tdm_cmp_opts *o, tdm_cmp_result *const *res, int n,
+                       const double *other_of);
 #endif

@@ -105,8 +105,10 @@ static void tdm_cmp_det_train(const tdm_cmp_opts *o, tdm_cmp_mode m, int n, int 
         argv[a++] = "--data";
         argv[a++] = o->data;
     }
-    argv[a++] = "--optim";
-    argv[a++] = o->optim;
+    if (o->optim) {   /* else train's default for the model, as compare's */
+        argv[a++] = "--optim";
+        argv[a++] = o->optim;
+    }
     if (o->lr >= 0) {
         argv[a++] = "--lr";
         argv[a++] = lr;

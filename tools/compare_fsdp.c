@@ -132,6 +132,13 @@ static double tdm_cmp_pgo(const tdm_cmp_result *r, int d)
     return r->mem[d].params + r->mem[d].grads + r->mem[d].optim;
 }
 
+/* the rank's peak: every kind the memory table adds into its total */
+static double tdm_cmp_peak(const tdm_cmp_result *r, int d)
+{
+    const tdm_cmp_memory *m = &r->mem[d];
+    return m->params + m->grads + m->optim + m->buffers + m->activations + m->comm;
+}
+
 void tdm_cmp_fsdp_print_memory_note(tdm_cmp_result *const *res, int n)
 {
     for (int k = 0; k < n; k++)
@@ -153,14 +160,22 @@ void tdm_cmp_fsdp_reading(const tdm_cmp_opts *o, tdm_cmp_result *const *res, int
         const tdm_cmp_result *r = res[k];
         if (!tdm_cmp_is_sharded(r->mode)) continue;
         double mib = 1.0 / (1024.0 * 1024.0), mine = tdm_cmp_pgo(r, 0);
+        double peak = tdm_cmp_peak(r, 0);
         double step, comm, exposed;
         tdm_cmp_means(o, r, &step, &comm, &exposed);
-        printf("  %s keeps %.2f MiB of parameters, gradients and optimizer state per rank (plus "
-               "up to %.2f MiB of units during a step)", tdm_cmp_mode_name(r->mode), mine * mib,
-               r->mem[0].comm * mib);
+        /* the peak first: what a rank needs; then what persists between
+         * steps, the figure sharding divides */
+        printf("  %s peaks at %.2f MiB per rank", tdm_cmp_mode_name(r->mode), peak * mib);
+        if (ddp && tdm_cmp_peak(ddp, 0) > 0)
+            printf(" (%.2fx DDP's %.2f MiB)", peak / tdm_cmp_peak(ddp, 0),
+                   tdm_cmp_peak(ddp, 0) * mib);
+        printf(", with up to %.2f MiB of units during a step; it keeps %.2f MiB of parameters, "
+               "gradients and optimizer state between steps", r->mem[0].comm * mib,
+               mine * mib);
         if (ddp && tdm_cmp_pgo(ddp, 0) > 0)
-            printf(", %.2fx DDP's %.2f MiB, and runs at %.2fx DDP's speed", mine / tdm_cmp_pgo(ddp, 0),
-                   tdm_cmp_pgo(ddp, 0) * mib, sps_of[r->mode] / sps_of[TDM_CMP_DDP]);
+            printf(" (%.2fx DDP's %.2f MiB), and runs at %.2fx DDP's speed",
+                   mine / tdm_cmp_pgo(ddp, 0), tdm_cmp_pgo(ddp, 0) * mib,
+                   sps_of[r->mode] / sps_of[TDM_CMP_DDP]);
         else
             printf(", and runs at %.2fx one device's speed", sps_of[r->mode] / sps_of[TDM_CMP_SINGLE]);
         printf("; it waits %.1f%% of each step for all-gathers and reduce-scatters.\n",

@@ -18,6 +18,11 @@
 #define TDM_NVCC ""
 #endif
 
+const char *tdm_tool_version(void)
+{
+    return TDM_VERSION;
+}
+
 int tdm_tool_info_main(int argc, char **argv)
 {
     for (int i = 1; i < argc; i++) {
@@ -28,7 +33,7 @@ int tdm_tool_info_main(int argc, char **argv)
         }
         return tdm_tool_exit(tdm_tool_usage_error("tandem info: unknown option '%s'\n", argv[i]));
     }
-    printf("tandem %s\n", TDM_VERSION);
+    printf("tandem %s\n", tdm_tool_version());
     printf("build:\n");
     printf("  compiler       gcc %s\n", __VERSION__);
     printf("  host backend   yes (OpenBLAS: %s)\n", tdm_device_host_blas_info());

@@ -15,6 +15,7 @@
 #pragma weak tdm_tool_launch_main
 #pragma weak tdm_tool_compare_main
 #pragma weak tdm_tool_sample_main
+#pragma weak tdm_tool_eval_main
 #pragma weak tdm_tool_doctor_main
 #pragma weak tdm_tool_selftest_main
 
@@ -45,10 +46,12 @@ static const struct {
     tdm_tool_main_fn fn;
     const char *help;
 } tdm_tool_cmds[] = {
-    {"train", tdm_tool_train_main, "train a model (single device, DP or DDP)"},
+    {"train", tdm_tool_train_main, "train a model: one device, DP, DDP or FSDP/ZeRO (--mode)"},
     {"sample", tdm_tool_sample_main, "generate text with a GPT checkpoint"},
+    {"eval", tdm_tool_eval_main, "a checkpoint's loss and accuracy (bits per byte) on data"},
     {"plan", tdm_tool_plan_main, "predicted peak memory per device, before a run"},
-    {"compare", tdm_tool_compare_main, "one device, DP and DDP side by side"},
+    {"compare", tdm_tool_compare_main, "one device, DP, DDP, FSDP, ZeRO-2, ZeRO-1 and "
+                                       "PP side by side"},
     {"launch", tdm_tool_launch_main, "run N ranks of your own program (like torchrun)"},
     {"bench", tdm_tool_bench_main, "benchmarks: bench <collective> (nccl-tests columns), "
                                    "bench gemm, bench train, bench dp"},
@@ -62,13 +65,15 @@ static void tdm_tool_usage_print(FILE *f)
 {
     fprintf(f, "usage: tandem <command> [options]   (tandem <command> --help for details)\n\n"
                "tandem trains neural networks on several devices of one machine, with\n"
-               "DataParallel (threads) and DistributedDataParallel (processes) side by side.\n"
+               "DataParallel (threads), DistributedDataParallel (processes) and sharded data\n"
+               "parallel (FSDP, ZeRO-2, ZeRO-1) side by side.\n"
                "Started by mpirun or srun, train --mode ddp, compare and bench <collective>\n"
                "run across machines (--backend shm|mpi|hier; docs/MULTINODE.md).\n\n"
                "commands:\n");
     for (size_t i = 0; i < TDM_TOOL_NCMDS; i++)
         if (tdm_tool_cmds[i].fn)
             fprintf(f, "  %-9s %s\n", tdm_tool_cmds[i].name, tdm_tool_cmds[i].help);
+    fprintf(f, "\n  --version print tandem's version (tandem info: the whole build)\n");
     fprintf(f, "\nenvironment: TANDEM_DEBUG=WARN|INFO|TRACE, "
                "TANDEM_DEBUG_SUBSYS=SHM,DP,DDP,FSDP,...\n");
 }
@@ -79,6 +84,10 @@ int main(int argc, char **argv)
         !strcmp(argv[1], "help")) {
         tdm_tool_usage_print(argc < 2 ? stderr : stdout);
         return tdm_tool_exit(argc < 2 ? TDM_STATUS_USAGE : TDM_STATUS_OK);
+    }
+    if (!strcmp(argv[1], "--version") || !strcmp(argv[1], "-V")) {
+        printf("tandem %s\n", tdm_tool_version());
+        return tdm_tool_exit(TDM_STATUS_OK);
     }
     for (size_t i = 0; i < TDM_TOOL_NCMDS; i++)
         if (tdm_tool_cmds[i].fn && !strcmp(argv[1], tdm_tool_cmds[i].name)) {

@@ -106,7 +106,7 @@ static void tdm_train_usage(FILE *f)
         "                         error feedback); fsdp: fp16 or bf16 compress the\n"
         "                         reduce-scatters (no powersgd); all but allreduce\n"
         "                         need host devices                [allreduce]\n"
-        "  --powersgd-rank R      powersgd: rank of the approximation          [1]\n"
+        "  --powersgd-rank R      powersgd: rank of the approximation          [4]\n"
         "  --powersgd-start-step S  powersgd: plain all-reduce for the first S\n"
         "                         optimizer steps (PyTorch's default is 1000)  [10]\n"
         "  --stages S             pp: pipeline stages, one device each    [the devices]\n"
@@ -157,6 +157,12 @@ static void tdm_train_usage(FILE *f)
         "  --no-eval              skip the test-set evaluation after each epoch\n"
         "                         (ddp spreads it over the ranks)\n"
         "  --quiet                only the per-epoch lines\n"
+        "  --precise              the epoch line's losses (and accuracy) with 9\n"
+        "                         significant digits, not 4 decimals\n"
+        "  --json FILE            each epoch's figures for a program (loss, samples/s,\n"
+        "                         seconds, evaluation), rewritten after every epoch\n"
+        "                         (schema: docs/OUTPUTS.md); not with --uneven\n"
+        "  --csv FILE             the same as CSV, one row per epoch\n"
         "\n"
         "A loss that turns NaN or infinite stops the run (exit 1) naming the step;\n"
         "a checkpoint with NaN or infinite values is never written nor resumed from.\n"
@@ -210,11 +216,13 @@ static tdm_status tdm_train_parse(int argc, char **argv, tdm_train_args *a, int 
         /* 0 would mean "every step" (the default): refused, not taken */
         TDM_ARGS_INT("--max-steps", 1, INT64_MAX, a->max_steps)
         TDM_ARGS_STR("--save", a->save)
+        TDM_ARGS_STR("--json", a->json)
+        TDM_ARGS_STR("--csv", a->csv)
         TDM_ARGS_STR("--resume", a->resume)
         TDM_ARGS_STR("--lr-schedule", a->lr_schedule)
         TDM_ARGS_STR("--timeout", a->timeout)
         TDM_ARGS_STR("--sharding", a->sharding)
-        TDM_ARGS_INT("--bucket-cap-mb", 1, 1 << 20, a->bucket_cap_mb)
+        TDM_ARGS_FLOAT("--bucket-cap-mb", 1e-6, 1 << 20, a->bucket_cap_mb)
         TDM_ARGS_INT("--max-restarts", 0, 1000, a->max_restarts)
         TDM_ARGS_STR("--backend", a->backend)
         TDM_ARGS_INT("--grad-accum", 1, 1 << 16, a->grad_accum)
@@ -240,6 +248,7 @@ static tdm_status tdm_train_parse(int argc, char **argv, tdm_train_args *a, int 
         if (!strcmp(arg, "--nesterov")) { a->nesterov = 1; continue; }
         if (!strcmp(arg, "--no-eval")) { a->no_eval = 1; continue; }
         if (!strcmp(arg, "--quiet")) { a->quiet = 1; continue; }
+        if (!strcmp(arg, "--precise")) { a->precise = 1; continue; }
         if (!strcmp(arg, "--no-overlap")) { a->no_overlap = 1; continue; }
         if (!strcmp(arg, "--save-sharded")) { a->save_sharded = 1; continue; }
         if (!strcmp(arg, "--uneven")) { a->uneven = 1; continue; }
@@ -278,6 +287,9 @@ static tdm_status tdm_train_check_ddp_next(const tdm_train_args *a, int gpt)
                       strcmp(a->lr_schedule, "const")))
         return tdm_tool_usage_error("tandem train: --uneven applies to --mode ddp and fsdp, "
                                     "without --grad-accum and with --lr-schedule const\n");
+    if (a->uneven && (a->json || a->csv))
+        return tdm_tool_usage_error("tandem train: --json and --csv do not apply to --uneven "
+                                    "(its epochs are per rank); read its epoch lines\n");
     if (gpt && a->grad_accum > 1)
         return tdm_tool_usage_error("tandem train: --grad-accum is not supported with --model "
                                     "gpt yet; raise --batch instead\n");
@@ -400,7 +412,7 @@ int tdm_tool_train_main(int argc, char **argv)
         .mode = "single", .model = "mlp", .device = "cpu", .threads = 1, .epochs = 2,
         .batch = 0, .optim = NULL, .lr = -1, .momentum = 0.9, .weight_decay = -1, .seed = 1,
         .data = NULL, .synthetic_size = 12000, .max_steps = 0, .lr_schedule = "const",
-        .grad_accum = 1, .powersgd_rank = 1, .powersgd_start_step = 10,
+        .grad_accum = 1, .powersgd_rank = TDM_POWERSGD_DEFAULT_RANK, .powersgd_start_step = 10,
     };
     int help = 0;
     tdm_status st = tdm_train_parse(argc, argv, &a, &help);

@@ -6,11 +6,15 @@
  * tdm_train_run (tools/train_modes.h): the step, the evaluation, the
  * hook; what differs between images and text is the data, the epoch's
  * line and the saved line. */
+#include <errno.h>
 #include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
+#include "core/timer.h"
 #include "models/checkpoint.h"
 #include "models/train_text.h"
 #include "tools/train_modes.h"
@@ -21,7 +25,15 @@ typedef struct tdm_progress {
     int tty, quiet;
     int64_t epoch, epochs;
     int64_t last_tenth;
+    int64_t T;   /* a gpt's window in tokens (0: images): the same unit as the epoch's line */
 } tdm_progress;
+
+/* "N samples/s", or for text "N windows/s = M tokens/s" as the epoch's line */
+static void tdm_progress_rate(FILE *f, const tdm_progress *p, double sps)
+{
+    if (p->T > 0) fprintf(f, "%.0f windows/s = %.0f tokens/s", sps, sps * (double)p->T);
+    else fprintf(f, "%.0f samples/s", sps);
+}
 
 static void tdm_train_progress(void *ctx, int64_t step, int64_t steps, double loss, double sps)
 {
@@ -31,16 +43,18 @@ static void tdm_train_progress(void *ctx, int64_t step, int64_t steps, double lo
         int width = 30, filled = (int)(width * step / steps);
         fprintf(stderr, "\r  epoch %lld/%lld [", (long long)p->epoch + 1, (long long)p->epochs);
         for (int i = 0; i < width; i++) fputc(i < filled ? '=' : (i == filled ? '>' : ' '), stderr);
-        fprintf(stderr, "] %lld/%lld loss %.4f  %.0f samples/s   ", (long long)step,
-                (long long)steps, loss, sps);
+        fprintf(stderr, "] %lld/%lld loss %.4f  ", (long long)step, (long long)steps, loss);
+        tdm_progress_rate(stderr, p, sps);
+        fputs("   ", stderr);
         if (step == steps) fputs("\r\033[K", stderr);
         fflush(stderr);
     } else {
         int64_t tenth = step * 10 / steps;
         if (tenth != p->last_tenth && (tenth < 10)) {
-            printf("  epoch %lld/%lld step %lld/%lld loss %.4f %.0f samples/s\n",
-                   (long long)p->epoch + 1, (long long)p->epochs, (long long)step,
-                   (long long)steps, loss, sps);
+            printf("  epoch %lld/%lld step %lld/%lld loss %.4f ", (long long)p->epoch + 1,
+                   (long long)p->epochs, (long long)step, (long long)steps, loss);
+            tdm_progress_rate(stdout, p, sps);
+            printf("\n");
             fflush(stdout);
         }
         p->last_tenth = tenth;
@@ -58,6 +72,38 @@ static int64_t tdm_train_epoch_steps(const tdm_train_args *a, const tdm_train_ru
     return a->max_steps > 0 && a->max_steps < full ? a->max_steps : full;
 }
 
+/* Test hook, read nowhere else and not for users: TANDEM_TEST_SLOWDOWN=F
+ * (1 < F <= 100) makes every step take F times as long (it sleeps F - 1
+ * times the step's own time after it): the planted slowdown that
+ * tests/test_selftest.c's baseline gate must catch. */
+#define TDM_TRAIN_SLOWDOWN_ENV "TANDEM_TEST_SLOWDOWN"
+
+typedef struct tdm_train_slow {
+    tdm_train_step_fn step;
+    void *ctx;
+    double factor;
+} tdm_train_slow;
+
+static tdm_status tdm_train_slow_step(void *ctx, const void *x, const int32_t *y, int batch,
+                                      double *loss)
+{
+    const tdm_train_slow *s = ctx;
+    uint64_t t0 = tdm_time_ns();
+    tdm_status st = s->step(s->ctx, x, y, batch, loss);
+    double extra_ns = (double)(tdm_time_ns() - t0) * (s->factor - 1.0);
+    struct timespec ts = {.tv_sec = (time_t)(extra_ns / 1e9),
+                          .tv_nsec = (long)fmod(extra_ns, 1e9)};
+    while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {}
+    return st;
+}
+
+static double tdm_train_slowdown(void)
+{
+    const char *v = getenv(TDM_TRAIN_SLOWDOWN_ENV);
+    double f = v ? strtod(v, NULL) : 0.0;
+    return f > 1.0 && f <= 100.0 ? f : 0.0;
+}
+
 static tdm_status tdm_train_one_epoch(const tdm_train_args *a, const tdm_train_run *r,
                                       int64_t e, tdm_progress *p, tdm_epoch_stats *es)
 {
@@ -67,6 +113,11 @@ static tdm_status tdm_train_one_epoch(const tdm_train_args *a, const tdm_train_r
                               .max_steps = a->max_steps, .step = r->step,
                               .step_ctx = r->step_ctx, .progress = tdm_train_progress,
                               .progress_ctx = p};
+    tdm_train_slow slow = {.step = r->step, .ctx = r->step_ctx, .factor = tdm_train_slowdown()};
+    if (slow.factor > 0) {
+        o.step = tdm_train_slow_step;
+        o.step_ctx = &slow;
+    }
     tdm_model_set_train(r->m, 1);
     if (r->text)
         return tdm_train_text_epoch(&r->text->corpus->train, r->text->T, r->lo, r->hi, &o, es);
@@ -82,17 +133,29 @@ static tdm_status tdm_train_evaluate(const tdm_train_run *r, double *loss, doubl
 static void tdm_train_print_epoch(const tdm_train_args *a, const tdm_train_run *r, int64_t e,
                                   const tdm_epoch_stats *es, double loss, double acc)
 {
+    /* --precise: 9 significant digits, to compare with another
+     * implementation (tandem eval prints those too) */
+    const char *lf = a->precise ? "%.9g" : "%.4f";
+    printf("epoch %lld/%lld: train loss ", (long long)e + 1, (long long)a->epochs);
+    printf(lf, es->loss_mean);
     if (r->text) {
-        printf("epoch %lld/%lld: train loss %.4f, %.0f windows/s = %.0f tokens/s (%.1f s)",
-               (long long)e + 1, (long long)a->epochs, es->loss_mean, es->samples_per_s,
+        printf(", %.0f windows/s = %.0f tokens/s (%.1f s)", es->samples_per_s,
                es->samples_per_s * r->text->T, es->seconds);
-        if (!a->no_eval)
-            printf(", val loss %.4f nats = %.3f bits per byte (bigram %.4f)", loss, loss / M_LN2,
-                   r->text->bigram);
+        if (!a->no_eval) {
+            printf(", val loss ");
+            printf(lf, loss);
+            printf(" nats = ");
+            printf(a->precise ? "%.9g" : "%.3f", loss / M_LN2);
+            printf(" bits per byte (bigram %.4f)", r->text->bigram);
+        }
     } else {
-        printf("epoch %lld/%lld: train loss %.4f, %.0f samples/s (%.1f s)", (long long)e + 1,
-               (long long)a->epochs, es->loss_mean, es->samples_per_s, es->seconds);
-        if (!a->no_eval) printf(", test loss %.4f, test accuracy %.4f", loss, acc);
+        printf(", %.0f samples/s (%.1f s)", es->samples_per_s, es->seconds);
+        if (!a->no_eval) {
+            printf(", test loss ");
+            printf(lf, loss);
+            printf(", test accuracy ");
+            printf(lf, acc);
+        }
     }
     tdm_train_levers_epoch(r);
     printf("\n");
@@ -143,7 +206,8 @@ tdm_status tdm_train_epochs(const tdm_train_args *a, const tdm_train_run *r)
         fflush(stdout);
         return TDM_STATUS_OK;
     }
-    tdm_progress p = {.tty = isatty(STDERR_FILENO), .quiet = a->quiet, .epochs = a->epochs};
+    tdm_progress p = {.tty = isatty(STDERR_FILENO), .quiet = a->quiet, .epochs = a->epochs,
+                      .T = r->text ? r->text->T : 0};
     int64_t saved_epoch = -1;   /* the last epoch this run saved */
     for (int64_t e = r->start_epoch; e < a->epochs; e++) {
         tdm_epoch_stats es;
@@ -159,6 +223,10 @@ tdm_status tdm_train_epochs(const tdm_train_args *a, const tdm_train_run *r)
         if (!a->no_eval && (st = tdm_train_evaluate(r, &loss, &acc)) != TDM_STATUS_OK)
             return tdm_train_fail("evaluation", st);
         tdm_train_print_epoch(a, r, e, &es, loss, acc);
+        if ((st = tdm_train_out_epoch(a, r->text ? r->text->T : 0, e + 1, es.loss_mean,
+                                      es.samples_per_s, es.seconds, loss,
+                                      r->text ? loss / M_LN2 : acc)) != TDM_STATUS_OK)
+            return st;
         if (a->save) {
             if ((st = tdm_train_save(a, r, e)) != TDM_STATUS_OK) {
                 tdm_train_fail("saving checkpoint", st);

@@ -26,7 +26,9 @@
 
 typedef struct tdm_train_args {
     const char *mode, *model, *device, *optim, *data, *save, *resume;
-    long long threads, epochs, batch, seed, synthetic_size, max_steps, bucket_cap_mb;
+    const char *json, *csv;   /* --json, --csv: per-epoch records (tools/train_out.c) */
+    long long threads, epochs, batch, seed, synthetic_size, max_steps;
+    double bucket_cap_mb;     /* ddp: MiB, a float as PyTorch's (0: the default 25) */
     long long max_restarts;   /* ddp: elastic restarts (tools/elastic.h) */
     double lr, momentum, weight_decay;
     const char *lr_schedule;  /* "const" or "cosine" */
@@ -34,6 +36,7 @@ typedef struct tdm_train_args {
     const char *timeout;      /* ddp: --timeout SECONDS as given (checked by the ddp mode) */
     const char *sharding;     /* fsdp: --sharding as given (NULL: full) */
     int nesterov, no_eval, quiet, no_overlap;
+    int precise;              /* --precise: the epoch line's losses with 9 significant digits */
     int save_sharded;         /* fsdp: --save writes the sharded form */
     long long grad_accum;     /* micro-batches of `batch` per optimizer step (>= 1) */
     const char *comm_hook;    /* ddp: --comm-hook (NULL: allreduce) */
@@ -137,6 +140,13 @@ typedef struct tdm_train_run {
                                       line (tools/train_levers.c); NULL elsewhere */
     const struct tdm_dist_stepper *ranks;  /* --mode ddp/fsdp's, the same; NULL elsewhere */
 } tdm_train_run;
+
+/* --json / --csv (tools/train_out.c): epoch's record appended and the
+ * files rewritten; nothing when neither is given. T: a gpt's window (0:
+ * images); eval_metric: test accuracy, or a gpt's validation bits per byte. */
+tdm_status tdm_train_out_epoch(const tdm_train_args *a, int64_t T, int64_t epoch,
+                               double train_loss, double samples_per_s, double seconds,
+                               double eval_loss, double eval_metric);
 
 /* Epochs start_epoch..--epochs-1: the learning-rate schedule on the
  * optimizer, each epoch (with the progress line), evaluation, the epoch's

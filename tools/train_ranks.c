@@ -216,6 +216,7 @@ static tdm_status tdm_train_rank_setup(void *ctx, tdm_dist_rank *d, void **self)
     if (rank != 0) {
         t->a.save = NULL;
         t->a.quiet = 1;
+        t->a.json = t->a.csv = NULL;   /* rank 0 writes the run's records */
     }
     tdm_status st = TDM_STATUS_OK;
     if (j->text && t->a.batch < world) {
@@ -384,7 +385,7 @@ static tdm_status tdm_train_ranks_build(tdm_train_job *j, const tdm_tool_design 
     tdm_tool_build *b = &j->b;
     *b = (tdm_tool_build){.design = design, .cmd = "tandem train", .seed = (uint64_t)a->seed,
                           .resume = a->resume, .no_overlap = a->no_overlap, .join = a->uneven,
-                          .bucket_cap_mb = a->bucket_cap_mb > 0 ? (double)a->bucket_cap_mb : 0,
+                          .bucket_cap_mb = a->bucket_cap_mb > 0 ? a->bucket_cap_mb : 0,
                           .sync_bn = a->sync_bn, .comm_hook = a->comm_hook,
                           .powersgd = {.rank = (int)a->powersgd_rank,
                                        .start_step = a->powersgd_start_step,
@@ -409,7 +410,7 @@ static tdm_status tdm_train_ranks_build(tdm_train_job *j, const tdm_tool_design 
         return tdm_tool_usage_error("tandem train: --sharding: %s\n", tdm_error_message());
     if (a->comm_hook && tdm_fsdp_comm_hook_parse(a->comm_hook, &hook))
         return tdm_tool_usage_error("tandem train: --comm-hook: %s\n", tdm_error_message());
-    if (a->bucket_cap_mb)
+    if (a->bucket_cap_mb > 0)
         fprintf(stderr, "tandem train: note: --bucket-cap-mb applies to --mode ddp; FSDP "
                         "communicates per unit (a layer with parameters)\n");
     return TDM_STATUS_OK;
