@@ -442,6 +442,8 @@ static tdm_status tdm_shm_join(tdm_comm **out, void *base, size_t total, int unm
     c->cur_name = "init";
     const char *late = getenv("TANDEM_SHM_TEST_LATE_CHECKS");
     c->test_late_checks = late && *late && atoi(late) == rank;
+    const char *gone = getenv("TANDEM_SHM_TEST_GONE_PAUSE");
+    c->test_gone_pause = gone && *gone && atoi(gone) == rank;
     int64_t stall_ms = opts ? opts->stall_ms : 0;
     const char *stall = getenv("TANDEM_SHM_STALL_MS");
     if (!stall_ms && stall && *stall) {

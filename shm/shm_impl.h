@@ -187,6 +187,12 @@ typedef struct tdm_shm_impl {
      * checks until the group abort is raised, as a rank descheduled there
      * on a loaded machine would. */
     int test_late_checks;
+    /* Test hook (TANDEM_SHM_TEST_GONE_PAUSE=<rank>, tests/test_shm_live.c):
+     * the first time this rank's liveness check looks for signs that the
+     * peer it waits for is gone, it first waits (30 s at most) until the
+     * parent has reported that peer ended, as a rank descheduled just
+     * there on a loaded machine would. */
+    int test_gone_pause;
     tdm_status failed;         /* sticky: once a call failed, all fail */
     char failed_msg[256];      /* its message */
     /* A communicator split from another (shm/split.c): the job's

@@ -286,6 +286,17 @@ static const char *tdm_shm_alive_str(const tdm_shm_impl *c, int peer, uint64_t n
     return "whose heartbeat has stopped";
 }
 
+/* The test hook's pause (tdm_shm_impl.test_gone_pause): until the
+ * parent has reported peer k ended, 30 s at most; once per rank. */
+static void tdm_shm_test_gone(tdm_shm_impl *c, const tdm_shm_ctrl *k)
+{
+    c->test_gone_pause = 0;
+    for (int i = 0; i < 30000 && !atomic_load(&((tdm_shm_ctrl *)k)->ended); i++) {
+        struct timespec ts = {.tv_nsec = 1000000};
+        nanosleep(&ts, NULL);
+    }
+}
+
 #define TDM_SHM_STATUS_GRACE_NS (1000ull * 1000 * 1000)
 
 /* Fails (and raises the group flag) if a peer that matters is gone.
@@ -308,28 +319,40 @@ static tdm_status tdm_shm_check_peers(tdm_shm_impl *c, int peer, tdm_shm_flag *f
     for (int r = 0; r < c->world; r++) {
         if (r == c->rank) continue;
         tdm_shm_ctrl *k = tdm_shm_ctrl_of(c, r);
-        int32_t state = atomic_load_explicit(&k->state, memory_order_acquire);
-        pid_t pid = atomic_load_explicit(&k->pid, memory_order_relaxed);
         char why[256];
-        int ws = -1, unsure = 0;
-        char pstate;
-        /* Acquire on state above pairs with the release store of LEFT in
-         * segment.c, which follows the peer's last publish; those on
-         * `ended` and DEAD, with the parent's, which follow its wstatus. */
+        int unsure = 0;
+        if (r == peer && c->test_gone_pause) tdm_shm_test_gone(c, k);
+        /* First the signs that the peer is gone (the parent's report, its
+         * process), then its state and flag: a peer that publishes, frees
+         * its communicator and exits between a look at its flag and the
+         * look at its process must not pass for one that never came (nor
+         * for one that never joined, by a state read before it did).
+         * Acquire on `ended` pairs with the parent's release, which follows
+         * the peer's end; a process seen ended through /proc has made all
+         * its stores, and the fence orders the loads below after that look.
+         * Acquire on state pairs with the release store of LEFT in
+         * segment.c, which follows the peer's last publish. */
+        int ended = atomic_load_explicit(&k->ended, memory_order_acquire);
+        pid_t pid = atomic_load_explicit(&k->pid, memory_order_relaxed);
+        int ws = -1;
+        char pstate = '?';
+        int gone = ended || tdm_shm_proc(pid, &ws, &pstate);
+        atomic_thread_fence(memory_order_seq_cst);
+        int32_t state = atomic_load_explicit(&k->state, memory_order_acquire);
         if (r == peer && atomic_load_explicit(&f->value, memory_order_acquire) >= target)
             continue;
-        int ended = atomic_load_explicit(&k->ended, memory_order_acquire);
+        if (!pid) pid = atomic_load_explicit(&k->pid, memory_order_relaxed);   /* for the message */
         if (state == TDM_SHM_STATE_DEAD) {
             tdm_shm_ended_str(c, state, atomic_load(&k->wstatus), why, sizeof why);
         } else if (r != peer) {
             /* only a failure shown by its zombie (no parent reports it) */
-            if (ended || state == TDM_SHM_STATE_LEFT || !tdm_shm_proc(pid, &ws, &pstate) ||
-                ws < 0 || (WIFEXITED(ws) && WEXITSTATUS(ws) == 0))
+            if (ended || state == TDM_SHM_STATE_LEFT || !gone || ws < 0 ||
+                (WIFEXITED(ws) && WEXITSTATUS(ws) == 0))
                 continue;
             tdm_shm_ended_str(c, state, ws, why, sizeof why);
         } else if (ended) {
             tdm_shm_ended_str(c, state, atomic_load(&k->wstatus), why, sizeof why);
-        } else if (tdm_shm_proc(pid, &ws, &pstate)) {
+        } else if (gone) {
             unsure = ws < 0;   /* reaped: wait for the parent's report */
             tdm_shm_ended_str(c, state, ws, why, sizeof why);
         } else if (state == TDM_SHM_STATE_LEFT) {

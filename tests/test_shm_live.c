@@ -75,6 +75,39 @@ Test(shm_live, a_wait_whose_data_came_ignores_a_peer_that_left_after, .timeout =
     munmap(sh, sizeof *sh);
 }
 
+/* --- gone after arriving ------------------------------------------------- */
+
+/* Rank 0 waits in a barrier for rank 1, which comes late, then frees its
+ * communicator and exits 0. Rank 0's liveness check is paused (the test
+ * hook) just before it looks for signs that rank 1 is gone, until the
+ * parent has reported rank 1 ended, as a rank descheduled there on a
+ * loaded machine would be. Rank 1 did its part: the barrier succeeds.
+ * (Seen in CI: "rank 0 exited with code 0 before barrier #63 without
+ * freeing its communicator" from a rank that had done both.) */
+static int gone_after_arriving_rank(tdm_comm *comm, void *arg)
+{
+    (void)arg;
+    int r = tdm_comm_rank(comm);
+    if (r == 1) usleep(300 * 1000);
+    tdm_status st = tdm_comm_barrier(comm);
+    if (st) fprintf(stderr, "rank %d: %s\n", r, tdm_error_message());
+    return st ? 1 : 0;
+}
+
+Test(shm_live, a_peer_gone_after_arriving_has_done_its_part, .timeout = 90)
+{
+    setenv("TANDEM_SHM_TEST_GONE_PAUSE", "0", 1);
+    tdm_shm_spawn_opts o = {.shm = {.timeout_ms = tu_scaled_ms(30000), .no_spin = 1},
+                            .timeout_ms = tu_scaled_ms(40000)};
+    tdm_shm_spawn_result res;
+    tdm_status st = tdm_shm_spawn(2, gone_after_arriving_rank, NULL, &o, &res);
+    unsetenv("TANDEM_SHM_TEST_GONE_PAUSE");
+    cr_assert_eq(st, TDM_STATUS_OK, "%s", tdm_error_message());
+    for (int r = 0; r < 2; r++)
+        cr_expect(WIFEXITED(res.wstatus[r]) && WEXITSTATUS(res.wstatus[r]) == 0,
+                  "rank %d: status 0x%x", r, res.wstatus[r]);
+}
+
 /* --- gone: exit 0, free then fail ------------------------------------------ */
 
 /* A rank that exits 0 without freeing its communicator has done nothing
