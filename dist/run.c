@@ -369,12 +369,13 @@ static int tdm_dist_forked_rank(tdm_comm *comm, void *arg)
     return st == TDM_STATUS_OK ? 0 : st == TDM_STATUS_USAGE ? 2 : 1;
 }
 
-/* The rank an attempt lost: the lowest one that ended by a signal (its
- * own SIGKILL, a crash); -1 when every rank exited. */
+/* The rank an attempt lost: the lowest one that ended by a signal of its
+ * own (its SIGKILL, a crash), never one the teardown's SIGTERM or
+ * SIGKILL ended (a healthy survivor too slow to stop); -1 when none. */
 static int tdm_dist_culprit(const tdm_shm_spawn_result *res, int world)
 {
     for (int r = 0; r < world; r++)
-        if (res->pid[r] > 0 && WIFSIGNALED(res->wstatus[r])) return r;
+        if (res->pid[r] > 0 && WIFSIGNALED(res->wstatus[r]) && !res->induced[r]) return r;
     return -1;
 }
 

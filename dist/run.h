@@ -165,11 +165,11 @@ typedef struct tdm_dist_run_opts {
                                     job's shm segment) */
     long long max_restarts;      /* restarts after a rank's failure (PEER_FAILED) */
     /* Elastic resize of forked ranks: when the same rank (the lowest one
-     * killed by a signal) fails on two attempts in a row, the next
-     * attempt leaves its device out and runs on the most ranks that are
-     * at most those left and divide world_divides (a power of two:
-     * --deterministic's K), never fewer than min_world (else the run
-     * ends). min_world 0: never. */
+     * killed by a signal the teardown did not send) fails on two attempts
+     * in a row, the next attempt leaves its device out and runs on the
+     * most ranks that are at most those left and divide world_divides (a
+     * power of two: --deterministic's K), never fewer than min_world
+     * (else the run ends). min_world 0: never. */
     int min_world;
     int world_divides;
     const char *save;            /* a checkpoint the ranks write: once this run wrote it

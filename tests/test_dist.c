@@ -109,6 +109,7 @@ typedef struct dist_out {
     int64_t extra[4][8];
     int setup[4], run[4], freed[4], attempts;
     int dev_index[4], coord_pp[4], role[4], start[4], pp_size[4], pp_rank[4], dp_size[4];
+    int resized_failed, resized_from, resized_to;
 } dist_out;
 
 static dist_out *dist_out_new(void)
@@ -171,6 +172,9 @@ typedef struct toy_ctx {
     int fail_rank;          /* -1: none */
     int fail_attempts;      /* attempts on which fail_rank fails */
     int want_world;         /* the layout refuses another world (0: any) */
+    int fail_by_signal;     /* fail_rank SIGKILLs itself, and the others
+                               do not stop on their own: the teardown
+                               SIGTERMs them */
 } toy_ctx;
 
 /* A pipeline of every rank, rank 0 in a role of its own (as a parameter
@@ -206,6 +210,11 @@ static tdm_status toy_run(void *ctx, tdm_dist_rank *r, void *self)
 {
     toy_ctx *c = ctx;
     (*(int *)self)++;
+    int failing = c->fail_rank < r->env.world_size && tdm_dist_restart_count() < c->fail_attempts;
+    if (failing && c->fail_by_signal) {
+        if (r->env.rank == c->fail_rank) raise(SIGKILL);
+        for (;;) pause();   /* deaf to the group's abort: the teardown's signal ends it */
+    }
     if (r->env.rank == c->fail_rank && tdm_dist_restart_count() < c->fail_attempts)
         return tdm_error_set(TDM_STATUS_INVALID_ARG, "toy rank %d gives up", r->env.rank);
     /* a collective: the others wait here for a rank that failed */
@@ -284,6 +293,41 @@ Test(dist, a_failing_rank_stops_the_group_and_a_restart_finishes, .timeout = 90)
     TU_OK(tdm_dist_run(&toy_design, &c, &ro));
     cr_assert_eq(o->attempts, 1);
     for (int r = 0; r < 3; r++) cr_assert_eq(o->run[r], 2, "rank %d ran again", r);
+    munmap(o, sizeof *o);
+    unsetenv(TDM_DIST_ENV_RESTARTS);
+}
+
+static void toy_resize(void *ctx, int failed, int from, int to, int left)
+{
+    dist_out *o = ctx;
+    (void)left;
+    o->resized_failed = failed;
+    o->resized_from = from;
+    o->resized_to = to;
+}
+
+/* Rank 2 of 3 dies by SIGKILL on two attempts in a row; ranks 0 and 1 do
+ * not stop on their own and are SIGTERMed by the teardown. The rank lost
+ * is 2, not the lowest rank that ended by a signal (0, by the teardown's):
+ * the resize leaves device 2 out, and the two healthy devices finish. */
+Test(dist, resize_drops_the_rank_that_died_not_one_the_teardown_killed, .timeout = 90)
+{
+    dist_out *o = dist_out_new();
+    toy_ctx c = {.o = o, .fail_rank = 2, .fail_attempts = 2, .fail_by_signal = 1};
+    tdm_device_list dl;
+    TU_OK(tdm_device_list_parse(&dl, "cpu:3"));
+    tdm_dist_watch w = {.ctx = o, .restart = toy_restart, .resize = toy_resize};
+    tdm_dist_run_opts ro = {.devices = &dl, .run_timeout_ms = 60000, .timeout_ms = 20000,
+                            .watch = &w, .max_restarts = 2, .min_world = 1};
+    o->resized_failed = -1;
+    TU_OK(tdm_dist_run(&toy_design, &c, &ro));
+    cr_assert_eq(o->attempts, 2);
+    cr_assert_eq(o->resized_failed, 2, "the resize dropped rank %d, not rank 2 (the one that "
+                 "died of SIGKILL)", o->resized_failed);
+    cr_assert_eq(o->resized_from, 3);
+    cr_assert_eq(o->resized_to, 2);
+    cr_assert_eq(o->dev_index[0], 0, "rank 0 kept device cpu:0");
+    cr_assert_eq(o->dev_index[1], 1, "rank 1 kept device cpu:1");
     munmap(o, sizeof *o);
     unsetenv(TDM_DIST_ENV_RESTARTS);
 }
