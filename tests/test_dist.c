@@ -9,10 +9,14 @@
  * their run time and leave nothing behind. */
 #include <criterion/criterion.h>
 
+#include <fcntl.h>
 #include <signal.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "dist/batch.h"
 #include "dist/check.h"
@@ -330,6 +334,69 @@ Test(dist, resize_drops_the_rank_that_died_not_one_the_teardown_killed, .timeout
     cr_assert_eq(o->dev_index[1], 1, "rank 1 kept device cpu:1");
     munmap(o, sizeof *o);
     unsetenv(TDM_DIST_ENV_RESTARTS);
+}
+
+/* A checkpoint of `data_nbytes` zero bytes (one U8 tensor) whose "run"
+ * metadata is run; sparse, so a terabyte costs no disk. */
+static void write_sparse_checkpoint(const char *path, const char *run, uint64_t data_nbytes)
+{
+    char hdr[256];
+    int n = snprintf(hdr, sizeof hdr, "{\"__metadata__\":{\"run\":\"%s\"},\"w\":{\"dtype\":"
+                     "\"U8\",\"shape\":[%llu],\"data_offsets\":[0,%llu]}}", run,
+                     (unsigned long long)data_nbytes, (unsigned long long)data_nbytes);
+    while (n % 8) hdr[n++] = ' ';
+    unsigned char len8[8];
+    for (int k = 0; k < 8; k++) len8[k] = (unsigned char)((uint64_t)n >> (8 * k));
+    int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    cr_assert(fd >= 0);
+    cr_assert_eq(write(fd, len8, 8), 8);
+    cr_assert_eq(write(fd, hdr, (size_t)n), n);
+    cr_assert_eq(ftruncate(fd, (off_t)(8 + (uint64_t)n + data_nbytes)), 0);
+    close(fd);
+}
+
+/* Whether a checkpoint is this run's is read from its header: a
+ * checkpoint larger than memory (a sparse terabyte: loading it whole
+ * cannot be allocated) is still this run's, so a restart resumes from it
+ * rather than from step 0; one that cannot be read at all is an error, not
+ * "another run's". */
+Test(dist, restart_ours_reads_the_header_and_an_unreadable_file_is_an_error)
+{
+    char dir[] = "/tmp/tdm_dist_ours_XXXXXX", big[64], other[64], sub[64];
+    cr_assert(mkdtemp(dir));
+    snprintf(big, sizeof big, "%s/big.safetensors", dir);
+    snprintf(other, sizeof other, "%s/other.safetensors", dir);
+    snprintf(sub, sizeof sub, "%s/sub", dir);
+    write_sparse_checkpoint(big, "run-a", (uint64_t)1 << 40);
+    write_sparse_checkpoint(other, "run-b", 16);
+    cr_assert_eq(mkdir(sub, 0700), 0);
+    cr_assert_eq(setenv(TDM_DIST_ENV_RUN, "run-a", 1), 0);
+    char why[512];
+    int ours = -1;
+    tdm_status st = tdm_dist_restart_ours(big, &ours, why, sizeof why);
+    cr_expect_eq(st, TDM_STATUS_OK, "%s", why);
+    cr_expect_eq(ours, 1, "a 1 TiB checkpoint of this run taken for not ours: %s", why);
+    TU_OK(tdm_dist_restart_ours(other, &ours, why, sizeof why));
+    cr_expect_eq(ours, 0);
+    cr_expect(strstr(why, "holds another run's checkpoint (run run-b)"), "%s", why);
+    /* a directory where the checkpoint should be: cannot be read */
+    st = tdm_dist_restart_ours(sub, &ours, why, sizeof why);
+    cr_expect_eq(st, TDM_STATUS_IO, "%s", why);
+    cr_expect_eq(ours, 0);
+    cr_expect(strstr(why, "cannot tell whether") && strstr(why, "not a regular file"), "%s", why);
+    /* a restarted rank resumes from it, and stops on the unreadable one */
+    tdm_dist_restart_count_set(1);
+    const char *resume = NULL;
+    TU_OK(tdm_dist_restart_resume(big, &resume));
+    cr_expect(resume && !strcmp(resume, big));
+    cr_expect_eq(tdm_dist_restart_resume(sub, &resume), TDM_STATUS_IO);
+    cr_expect_null(resume);
+    unsetenv(TDM_DIST_ENV_RESTARTS);
+    unsetenv(TDM_DIST_ENV_RUN);
+    unlink(big);
+    unlink(other);
+    rmdir(sub);
+    rmdir(dir);
 }
 
 Test(dist, run_starts_as_a_launched_rank_under_tandem_launch)

@@ -378,7 +378,7 @@ static tdm_status tdm_train_check_args(tdm_train_args *a)
     tdm_dist_run_id_begin(0);
     /* restarted by tandem launch --max-restarts: from the launcher's
      * --checkpoint, else our own --save, once this run wrote it */
-    if (!a->resume) a->resume = tdm_dist_restart_resume(a->save);
+    if (!a->resume) TDM_CHECK(tdm_dist_restart_resume(a->save, &a->resume));
     if (a->backend && strcmp(a->mode, "ddp") && strcmp(a->mode, "pp"))
         return tdm_tool_usage_error("tandem train: --backend applies to --mode ddp and pp\n");
     TDM_CHECK(tdm_train_check_ddp_next(a, gpt));
