@@ -122,6 +122,10 @@ static tdm_status tdm_train_save(void *ctx, int64_t epoch)
     if (!t->save) return TDM_STATUS_OK;
     tdm_ckpt_info info = {.step = tdm_optim_steps(r->opt), .epoch = epoch + 1,
                           .seed = (uint64_t)t->a.seed};
+    if (t->s.scaler) {   /* a resumed run goes on from it (tools/train_levers.c) */
+        info.loss_scale = t->s.scaler->scale;
+        info.loss_scale_growth = t->s.scaler->growth_tracker;
+    }
     const tdm_tool_design *design = r->b->design;
     tdm_status st = design->save ? design->save(r, t->save, &info)
                                  : design->dist.ops->save(r->w, t->save, r->opt, &info);
