@@ -70,7 +70,7 @@ static void tdm_elastic_end(void *ctx, tdm_status st, int world, const tdm_shm_s
     }
     snprintf(w->why, sizeof w->why, "%s", tdm_error_message());
     fprintf(stderr, "%s: %s: %s\n", w->tool, w->mode, w->why);
-    tdm_doctor_job_end(&w->frj, 1, world, res->pid, res->wstatus, NULL, w->why);
+    tdm_doctor_job_end(&w->frj, 1, world, res->pid, res->wstatus, res->induced, w->why);
     if (st == TDM_STATUS_PEER_FAILED) tdm_elastic_log_add(&w->failures, w->why);
     if (!last) return;
     if (w->stop[0])
