@@ -114,6 +114,13 @@ struct tdm_tool_design {
 extern const tdm_tool_design tdm_tool_ddp_design;
 extern const tdm_tool_design tdm_tool_fsdp_design;
 extern const tdm_tool_design tdm_tool_pp_design;
+extern const tdm_tool_design tdm_tool_tp_design;
+
+/* A tensor-parallel job's checks before any rank starts (tools/rank_tp.c):
+ * --mesh (dp and tp only; none: tp over every rank) against the world's
+ * ranks and the plan of the model (tp/tp.h). One-line USAGE messages.
+ * *shape: the mesh. */
+tdm_status tdm_tool_tp_check(const tdm_tool_build *b, int world, tdm_mesh_shape *shape);
 
 /* A pipeline job's checks before any rank starts (tools/rank_pp.c): the
  * mesh against the world's ranks, --stages, --split against the model's
