@@ -8,6 +8,7 @@
  *   another N, and each goes on as the uninterrupted run within the bound;
  * - faults: a killed rank of a dp x tp mesh is named with its
  *   coordinates (dp, pp, tp), exit 1, nothing left behind;
+ * - compare --modes ...,tp: its section, the bytes per step the plan's;
  * - bad input (the CNN, the GPT, a width the ranks do not divide, a
  *   pipeline in the mesh, one linear layer, pp's and the levers' options)
  *   is one line and exit 2. */
@@ -177,4 +178,24 @@ Test(tp_cli, bad_input_is_one_line_and_exit_2)
     }
     CLI(&r, "train", "--help");
     expect(&r, 0, "--mesh dp=D,tp=N");
+}
+
+/* compare's section: the verdict, the all-reduces as phases, and the bytes
+ * the communicator counted per step equal to the plan's. */
+Test(tp_cli, compare_has_the_tensor_parallel_section)
+{
+    static cli_result r;
+    CLI(&r, "compare", "--modes", "single,ddp,tp", "--device", "cpu:2", MLP, "--data",
+        "synthetic", "--batch", "32", "--steps", "6");
+    expect(&r, 0, "tensor-parallel throughput");
+    expect(&r, 0, "fwd all-reduce");
+    expect(&r, 0, "bwd all-reduce");
+    expect(&r, 0, "tp(2): largest parameter difference");
+    expect(&r, 0, "(bound 1e-05) -> PASS");
+    /* 20-24-16-12-5 at a batch of 32: 32 * (16 + 5 + 16) floats in 3 */
+    expect(&r, 0, "all-reduced 4736 bytes per step in 3.0 calls (counted by the communicator; "
+                  "the plan: 4736 bytes in 3)");
+    CLI(&r, "compare", "--modes", "single,tp", "--device", "cpu:3", "--model", "mlp:20-100-5",
+        "--data", "synthetic");
+    expect(&r, 2, "is not divisible by the 3 tensor-parallel ranks");
 }

@@ -272,6 +272,11 @@ static void tdm_rank_tp_report(const tdm_tool_rank *r, int overlap)
            tdm_tp_step_allreduces(&r->b->spec, tdm_tp_size(q->p)));
 }
 
+void tdm_tool_tp_stats(const tdm_tool_rank *r, tdm_tp_stats *out)
+{
+    tdm_tp_get_stats(((const tdm_tool_tp *)r->w)->p, out);
+}
+
 /* Replica 0's group gathers the whole model on rank 0. */
 static tdm_status tdm_rank_tp_params(tdm_tool_rank *r, float *host, int root)
 {
