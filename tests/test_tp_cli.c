@@ -8,6 +8,8 @@
  *   another N, and each goes on as the uninterrupted run within the bound;
  * - faults: a killed rank of a dp x tp mesh is named with its
  *   coordinates (dp, pp, tp), exit 1, nothing left behind;
+ * - CUDA-emulated devices (cuda/ built, no GPU) write the host ranks'
+ *   checkpoint bit for bit (what this does not test: CUDA, NCCL);
  * - compare --modes ...,tp: its section, the bytes per step the plan's;
  * - bad input (the CNN, the GPT, a width the ranks do not divide, a
  *   pipeline in the mesh, one linear layer, pp's and the levers' options)
@@ -23,6 +25,7 @@
 #include "models/checkpoint.h"
 #include "models/model.h"
 #include "tests/cli_util.h"
+#include "tests/cuda_test_util.h"
 #include "tests/test_util.h"
 
 #define MODEL "mlp:20-24-16-12-5"
@@ -191,11 +194,31 @@ Test(tp_cli, compare_has_the_tensor_parallel_section)
     expect(&r, 0, "fwd all-reduce");
     expect(&r, 0, "bwd all-reduce");
     expect(&r, 0, "tp(2): largest parameter difference");
-    expect(&r, 0, "(bound 1e-05) -> PASS");
+    expect(&r, 0, "over 6 steps -> PASS");
     /* 20-24-16-12-5 at a batch of 32: 32 * (16 + 5 + 16) floats in 3 */
     expect(&r, 0, "all-reduced 4736 bytes per step in 3.0 calls (counted by the communicator; "
                   "the plan: 4736 bytes in 3)");
     CLI(&r, "compare", "--modes", "single,tp", "--device", "cpu:3", "--model", "mlp:20-100-5",
         "--data", "synthetic");
     expect(&r, 2, "is not divisible by the 3 tensor-parallel ranks");
+}
+
+/* The ranks' device path (device buffers, the device communicator) on
+ * the CUDA emulator: the host ranks' checkpoint, the same bytes. */
+Test(tp_cli, emulated_cuda_ranks_write_the_host_ranks_checkpoint)
+{
+    CU_NEED_BACKEND();
+    static cli_result r;
+    char host[128], emu[128];
+    path(host, sizeof host, "host");
+    path(emu, sizeof emu, "emu");
+    CLI(&r, "train", "--mode", "tp", "--device", "cpu:2", MLP, SYN, "--batch", "32",
+        "--epochs", "1", "--quiet", "--save", host);
+    expect(&r, 0, "epoch 1/1");
+    cr_assert_eq(setenv("TANDEM_CUDA_EMULATOR", "2", 1), 0);
+    CLI(&r, "train", "--mode", "tp", "--device", "cuda", MLP, SYN, "--batch", "32",
+        "--epochs", "1", "--quiet", "--save", emu);
+    unsetenv("TANDEM_CUDA_EMULATOR");
+    expect(&r, 0, "CUDA EMULATOR (TANDEM_CUDA_EMULATOR=2)");
+    cr_assert(cli_same_file(host, emu), "emulated ranks differ from host ranks");
 }

@@ -226,7 +226,7 @@ double tdm_cmp_pp_sweep_sps(const tdm_cmp_opts *o, const tdm_cmp_data *data,
  * the N devices runs the same global batches; its throughput beside
  * single's (and DDP's: ddp may be NULL), the phases with the
  * tensor-parallel all-reduces, the verdict against one host device within
- * the bound of tests/test_tp.c, memory and bytes per rank against the
+ * compare's bound after the last step, memory and bytes per rank against the
  * plan's. 1: the verdict holds, 0: it does not, -1: the run failed
  * (said). */
 int tdm_cmp_tp_section(const tdm_cmp_opts *o, const tdm_cmp_data *data,

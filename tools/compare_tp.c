@@ -10,7 +10,7 @@
  * throughput beside one device's (and DDP's), the phase table with the
  * tensor-parallel all-reduces as phases of their own (exposed: nothing
  * overlaps them), the equivalence verdict against one host device within
- * the bound of tests/test_tp.c, memory per rank, the bytes per step
+ * compare's bound after the last step, memory per rank, the bytes per step
  * against the plan's, and the reading. */
 #include <math.h>
 #include <stdio.h>
@@ -24,9 +24,15 @@
 #include "tools/ranks.h"
 #include "tp/tp.h"
 
-/* Row-parallel sums add in another order than one device's gemm: the
- * bound tests/test_tp.c checks (measured within 1.2e-7 there). */
-#define TDM_CMP_TP_TOL 1e-5
+/* Row-parallel sums add in another order than one device's gemm, and
+ * SGD carries the rounding on: the verdict is compare's bound after the
+ * last step (tools/compare.c): every parameter within atol + rtol |b| of
+ * one device's, every loss within a relative LOSS. On Fashion-MNIST's
+ * default MLP one device started one ulp off ends 2.5e-5 away after 4
+ * steps, and TP(2) as far. */
+#define TDM_CMP_TP_ATOL 1e-4
+#define TDM_CMP_TP_RTOL 1e-3
+#define TDM_CMP_TP_LOSS 1e-3
 #define TDM_CMP_TP_PHASES 6   /* forward, fwd all-reduce, loss, backward, bwd all-reduce, step */
 
 typedef struct tdm_cmp_tp_shared {
@@ -171,6 +177,27 @@ static double tdm_cmp_tp_mean(const tdm_cmp_opts *o, const tdm_cmp_tp_shared *sh
     return n ? sum / n : 0.0;
 }
 
+/* The median post-warm-up step, a step being its slowest rank's. */
+static double tdm_cmp_tp_median_step(const tdm_cmp_opts *o, const tdm_cmp_tp_shared *sh)
+{
+    int n = 0;
+    double *t = malloc((size_t)sh->steps * sizeof *t);
+    if (!t) return 0.0;
+    for (int i = tdm_cmp_tp_warm(o); i < sh->steps; i++) {
+        double most = 0.0;
+        for (int k = 0; k < sh->N; k++) {
+            double v = TDM_CMP_TP_AT(sh, off_step, double)[(size_t)i * (size_t)sh->N + (size_t)k];
+            most = v > most ? v : most;
+        }
+        int j = n++;
+        for (; j > 0 && t[j - 1] > most; j--) t[j] = t[j - 1];
+        t[j] = most;
+    }
+    double med = n ? (n % 2 ? t[n / 2] : 0.5 * (t[n / 2 - 1] + t[n / 2])) : 0.0;
+    free(t);
+    return med;
+}
+
 static void tdm_cmp_tp_print(const tdm_cmp_opts *o, const tdm_model_spec *spec,
                              const tdm_cmp_tp_shared *sh)
 {
@@ -208,21 +235,25 @@ static int tdm_cmp_tp_verdict(const tdm_cmp_opts *o, const tdm_cmp_tp_shared *sh
 {
     const float *p = TDM_CMP_TP_AT(sh, off_params, float);
     const double *loss = TDM_CMP_TP_AT(sh, off_loss, double);
-    double pd = 0.0, ld = 0.0;
+    double pd = 0.0, ld = 0.0, worst = 0.0;
     for (int64_t i = 0; i < sh->param_elems; i++) {
         double d = fabs((double)p[i] - (double)ref_p[i]);
+        double ratio = d / (TDM_CMP_TP_ATOL + TDM_CMP_TP_RTOL * fabs((double)ref_p[i]));
         if (!(d <= pd)) pd = d;
+        if (!(ratio <= worst)) worst = ratio;
     }
     for (int i = 0; i < o->steps; i++) {
-        double d = fabs(loss[i] - ref_loss[i]);
+        double d = fabs(loss[i] - ref_loss[i]) / fabs(ref_loss[i]);
         if (!(d <= ld)) ld = d;
     }
-    int ok = pd <= TDM_CMP_TP_TOL && ld <= TDM_CMP_TP_TOL;
-    printf("\ntensor-parallel equivalence (vs one host device on the same batches): tp(%d): "
-           "largest parameter difference %.3g, loss %.3g over %d steps (bound %.0e) -> %s "
+    int ok = worst <= 1.0 && ld <= TDM_CMP_TP_LOSS;
+    printf("\ntensor-parallel equivalence (vs one host device on the same batches, |a-b| <= "
+           "atol %.0e + rtol %.0e |b|, losses within rel %.0e): tp(%d): largest parameter "
+           "difference %.3g (%.2f of the allowed), loss rel %.3g over %d steps -> %s "
            "(row-parallel sums add the ranks' partial products in another order than one "
-           "device's gemm: float rounding, not bit for bit)\n", sh->N, pd, ld, o->steps,
-           TDM_CMP_TP_TOL, ok ? "PASS" : "FAIL");
+           "device's gemm: float rounding, not bit for bit)\n", TDM_CMP_TP_ATOL,
+           TDM_CMP_TP_RTOL, TDM_CMP_TP_LOSS, sh->N, pd, worst, ld, o->steps,
+           ok ? "PASS" : "FAIL");
     return ok;
 }
 
@@ -266,10 +297,11 @@ int tdm_cmp_tp_section(const tdm_cmp_opts *o, const tdm_cmp_data *data,
     if (st) {
         fprintf(stderr, "tandem compare: tp: %s\n", tdm_error_message());
     } else {
-        double med = tdm_cmp_tp_mean(o, sh, 0, -1), s1 = 0, lo = 0, hi = 0, sd = 0;
+        double med = tdm_cmp_tp_median_step(o, sh), s1 = 0, lo = 0, hi = 0, sd = 0;
         tdm_cmp_step_stats(o, single, &s1, &lo, &hi);
         if (ddp && ddp->ok) tdm_cmp_step_stats(o, ddp, &sd, &lo, &hi);
-        printf("\ntensor-parallel throughput (rank 0's mean step over steps %d..%d):\n  tp(%d): "
+        printf("\ntensor-parallel throughput (median step over steps %d..%d; a step is the "
+               "slowest rank's):\n  tp(%d): "
                "%.3f ms/step = %.0f samples/s = %.2fx one device (%.0f samples/s)",
                tdm_cmp_tp_warm(o) + 1, o->steps, N, med, med > 0 ? o->batch / med * 1e3 : 0.0,
                s1 > 0 && med > 0 ? s1 / med : 0.0, s1 > 0 ? o->batch / s1 * 1e3 : 0.0);
