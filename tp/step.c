@@ -21,14 +21,13 @@ tdm_status tdm_tp_fail(tdm_tp *p, tdm_status st)
     return st;
 }
 
-/* buf (n floats on the device) summed over the group, in place. */
-static tdm_status tdm_tp_allreduce(tdm_tp *p, float *buf, int64_t n, const char *what, int l)
+tdm_status tdm_tp_allreduce(tdm_tp *p, float *buf, int64_t n, const char *what, int l)
 {
     TDM_CHECK(tdm_dev_sync(p->dev));
-    tdm_comm_set_label(p->comm, "tp %s all-reduce fc%d", what, l + 1);
+    tdm_comm_set_label(p->comm, "tp all-reduce %s%d", what, l);
     tdm_status st = tdm_comm_all_reduce(p->comm, buf, buf, (size_t)n, TDM_DTYPE_FLOAT32,
                                         TDM_REDOP_SUM);
-    if (st) tdm_error_prefix(st, "tp rank %d: the %s all-reduce of fc%d", p->rank, what, l + 1);
+    if (st) tdm_error_prefix(st, "tp rank %d: the all-reduce %s%d", p->rank, what, l);
     return st;
 }
 
@@ -45,7 +44,7 @@ static tdm_status tdm_tp_forward(tdm_tp *p, int B, double *ar_ms)
                                   p->params + L->w_off, 0.0f, L->act));
         if (L->split == TDM_TP_ROW && p->size > 1) {
             uint64_t t0 = tdm_time_ns();
-            TDM_CHECK(tdm_tp_allreduce(p, L->act, (int64_t)B * L->lout, "forward", l));
+            TDM_CHECK(tdm_tp_allreduce(p, L->act, (int64_t)B * L->lout, "forward fc", l + 1));
             *ar_ms += tdm_time_ms_since(t0);
         }
         TDM_CHECK(tdm_dev_bias_act(p->dev, L->act, p->params + L->b_off, B, L->lout,
@@ -75,7 +74,7 @@ static tdm_status tdm_tp_backward(tdm_tp *p, int B, double *ar_ms)
                                   p->params + L->w_off, 0.0f, din));
         if (L->split == TDM_TP_COLUMN && p->size > 1) {
             uint64_t t0 = tdm_time_ns();
-            TDM_CHECK(tdm_tp_allreduce(p, din, (int64_t)B * L->lin, "backward", l));
+            TDM_CHECK(tdm_tp_allreduce(p, din, (int64_t)B * L->lin, "backward fc", l + 1));
             *ar_ms += tdm_time_ms_since(t0);
         }
         cur = 1 - cur;
@@ -83,32 +82,76 @@ static tdm_status tdm_tp_backward(tdm_tp *p, int B, double *ar_ms)
     return TDM_STATUS_OK;
 }
 
-static tdm_status tdm_tp_inputs(tdm_tp *p, const float *x, const int32_t *y, int B)
+/* Input elements (4 bytes: features or tokens) and target rows per sample. */
+static int tdm_tp_in_elems(const tdm_tp *p)
+{
+    return p->gpt ? p->spec.n_ctx : p->spec.dims[0];
+}
+static int tdm_tp_rows(const tdm_tp *p) { return p->gpt ? p->spec.n_ctx : 1; }
+static int tdm_tp_classes(const tdm_tp *p)
+{
+    return p->gpt ? p->spec.vocab : p->spec.dims[p->n_layers];
+}
+
+static tdm_status tdm_tp_inputs(tdm_tp *p, const void *x, const int32_t *y, int B)
 {
     TDM_REQUIRE(B >= 1 && x && y, TDM_STATUS_INVALID_ARG,
                 "tp: a batch needs x, y and at least one sample (got %d)", B);
+    if (p->gpt) {
+        const int32_t *tok = x;
+        for (int64_t i = 0; i < (int64_t)B * p->spec.n_ctx; i++)
+            TDM_REQUIRE(tok[i] >= 0 && tok[i] < p->spec.vocab, TDM_STATUS_INVALID_ARG,
+                        "tp: token %d at position %lld of window %lld is outside the "
+                        "vocabulary [0, %d)", (int)tok[i], (long long)(i % p->spec.n_ctx),
+                        (long long)(i / p->spec.n_ctx), p->spec.vocab);
+    }
     TDM_CHECK(tdm_tp_reserve(p, B));
+    size_t n = (size_t)B * (size_t)tdm_tp_rows(p);
     TDM_CHECK(tdm_dev_copy_from_host(p->dev, p->x, x,
-                                     (size_t)B * (size_t)p->spec.dims[0] * sizeof(float)));
-    return tdm_dev_copy_from_host(p->dev, p->y, y, (size_t)B * sizeof(int32_t));
+                                     (size_t)B * (size_t)tdm_tp_in_elems(p) * sizeof(float)));
+    return tdm_dev_copy_from_host(p->dev, p->y, y, n * sizeof(int32_t));
 }
 
-static tdm_status tdm_tp_fwd_bwd(tdm_tp *p, const float *x, const int32_t *y, int B,
+/* The logits of the B samples at p->x (B * rows, classes). */
+static tdm_status tdm_tp_logits(tdm_tp *p, int B, const float **logits, double *ar_ms)
+{
+    if (p->gpt) return tdm_tp_gpt_forward(p, B, logits, ar_ms);
+    TDM_CHECK(tdm_tp_forward(p, B, ar_ms));
+    *logits = p->layers[p->n_layers - 1].act;
+    return TDM_STATUS_OK;
+}
+
+/* The loss of the logits (a sample's: the mean over its rows) and, with
+ * dlogits, its gradient times grad_scale, as tdm_model_loss. */
+static tdm_status tdm_tp_loss(tdm_tp *p, const float *logits, int B, float grad_scale,
+                              double *loss_sum, float *dlogits)
+{
+    int rows = tdm_tp_rows(p);
+    double s = 0.0;
+    TDM_CHECK(tdm_loss_softmax_xent(p->dev, logits, p->y, B * rows, tdm_tp_classes(p),
+                                    rows == 1 ? grad_scale : grad_scale / (float)rows, &s,
+                                    dlogits));
+    *loss_sum = rows == 1 ? s : s / rows;
+    return TDM_STATUS_OK;
+}
+
+static tdm_status tdm_tp_fwd_bwd(tdm_tp *p, const void *x, const int32_t *y, int B,
                                  float grad_scale, double *loss_sum, tdm_tp_phases *ph)
 {
     uint64_t t0 = tdm_time_ns();
+    const float *logits = NULL;
     TDM_CHECK(tdm_tp_inputs(p, x, y, B));
-    TDM_CHECK(tdm_tp_forward(p, B, &ph->fwd_allreduce));
+    TDM_CHECK(tdm_tp_logits(p, B, &logits, &ph->fwd_allreduce));
     ph->forward += tdm_time_ms_since(t0) - ph->fwd_allreduce;
     t0 = tdm_time_ns();
-    const tdm_tp_layer *last = &p->layers[p->n_layers - 1];
+    float *dlogits = p->gpt ? tdm_tp_gpt_dlogits(p) : p->dbuf[0];
     double ls = 0.0;
-    TDM_CHECK(tdm_loss_softmax_xent(p->dev, last->act, p->y, B, last->lout, grad_scale, &ls,
-                                    p->dbuf[0]));
+    TDM_CHECK(tdm_tp_loss(p, logits, B, grad_scale, &ls, dlogits));
     if (loss_sum) *loss_sum = ls;
     ph->loss += tdm_time_ms_since(t0);
     t0 = tdm_time_ns();
-    TDM_CHECK(tdm_tp_backward(p, B, &ph->bwd_allreduce));
+    if (p->gpt) TDM_CHECK(tdm_tp_gpt_backward(p, B, dlogits, &ph->bwd_allreduce));
+    else TDM_CHECK(tdm_tp_backward(p, B, &ph->bwd_allreduce));
     ph->backward += tdm_time_ms_since(t0) - ph->bwd_allreduce;
     if (!p->gcomm || tdm_comm_size(p->gcomm) < 2) return TDM_STATUS_OK;
     t0 = tdm_time_ns();
@@ -133,7 +176,7 @@ tdm_status tdm_tp_optim_step(tdm_tp *p)
     return tdm_optim_step_ranges(p->opt, &rg, 1);
 }
 
-tdm_status tdm_tp_forward_backward(tdm_tp *p, const float *x, const int32_t *y, int batch,
+tdm_status tdm_tp_forward_backward(tdm_tp *p, const void *x, const int32_t *y, int batch,
                                    float grad_scale, double *loss_sum)
 {
     tdm_tp_phases ph = {0};
@@ -141,7 +184,7 @@ tdm_status tdm_tp_forward_backward(tdm_tp *p, const float *x, const int32_t *y, 
     return st ? tdm_tp_fail(p, st) : st;
 }
 
-tdm_status tdm_tp_step_scaled(tdm_tp *p, const float *x, const int32_t *y, int batch,
+tdm_status tdm_tp_step_scaled(tdm_tp *p, const void *x, const int32_t *y, int batch,
                               float grad_scale, double *loss_sum)
 {
     uint64_t t0 = tdm_time_ns();
@@ -167,20 +210,20 @@ tdm_status tdm_tp_step_scaled(tdm_tp *p, const float *x, const int32_t *y, int b
     return TDM_STATUS_OK;
 }
 
-tdm_status tdm_tp_eval_batch(tdm_tp *p, const float *x, const int32_t *y, int batch,
+tdm_status tdm_tp_eval_batch(tdm_tp *p, const void *x, const int32_t *y, int batch,
                              double *loss_sum, int64_t *correct)
 {
     double ar = 0.0, ls = 0.0;
+    const float *logits = NULL;
+    int C = tdm_tp_classes(p), R = batch * tdm_tp_rows(p);
     tdm_status st = tdm_tp_inputs(p, x, y, batch);
-    if (!st) st = tdm_tp_forward(p, batch, &ar);
-    const tdm_tp_layer *last = &p->layers[p->n_layers - 1];
-    int C = last->lout;
-    if (!st) st = tdm_loss_softmax_xent(p->dev, last->act, p->y, batch, C, 1.0f, &ls, NULL);
-    if (!st) st = tdm_dev_copy_to_host(p->dev, p->host_logits, last->act,
-                                       (size_t)batch * (size_t)C * sizeof(float));
+    if (!st) st = tdm_tp_logits(p, batch, &logits, &ar);
+    if (!st) st = tdm_tp_loss(p, logits, batch, 1.0f, &ls, NULL);
+    if (!st) st = tdm_dev_copy_to_host(p->dev, p->host_logits, logits,
+                                       (size_t)R * (size_t)C * sizeof(float));
     if (st) return tdm_tp_fail(p, st);
     int64_t ok = 0;
-    for (int i = 0; i < batch; i++) {
+    for (int i = 0; i < R; i++) {
         const float *row = p->host_logits + (int64_t)i * C;
         int best = 0;
         for (int c = 1; c < C; c++)
@@ -197,6 +240,7 @@ tdm_status tdm_tp_evaluate(tdm_tp *p, const tdm_dataset *d, int batch, double *l
 {
     TDM_REQUIRE(d && batch > 0 && loss_mean && accuracy && d->n > 0, TDM_STATUS_INVALID_ARG,
                 "tp evaluate: a non-empty test set, batch > 0 and outputs are required");
+    TDM_REQUIRE(!p->gpt, TDM_STATUS_INVALID_ARG, "tp evaluate: image data, not the GPT's");
     TDM_REQUIRE(tdm_data_features(d) == p->spec.dims[0], TDM_STATUS_INVALID_ARG,
                 "tp evaluate: the data has %lld features per sample, the model reads %d",
                 (long long)tdm_data_features(d), p->spec.dims[0]);

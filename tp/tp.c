@@ -23,8 +23,13 @@ tdm_status tdm_tp_plan(const tdm_model_spec *spec, int ranks, tdm_tp_split *spli
     static const char *const kinds[] = {"mlp", "cnn", "gpt"};
     TDM_REQUIRE(ranks >= 1, TDM_STATUS_USAGE, "tensor parallelism needs at least 1 rank, got %d",
                 ranks);
+    if (spec->kind == TDM_MODEL_GPT) {
+        TDM_CHECK(tdm_tp_gpt_plan(spec, ranks));
+        *n_layers = 0;
+        return TDM_STATUS_OK;
+    }
     TDM_REQUIRE(spec->kind == TDM_MODEL_MLP, TDM_STATUS_USAGE,
-                "--mode tp supports the MLP only; the %s is not supported",
+                "--mode tp supports the MLP and the GPT; the %s is not supported",
                 (unsigned)spec->kind <= TDM_MODEL_GPT ? kinds[spec->kind] : "model");
     int L = spec->ndims - 1;
     TDM_REQUIRE(L >= 2 && L <= TDM_MODEL_MAX_DIMS, TDM_STATUS_USAGE,
@@ -54,6 +59,7 @@ int tdm_tp_step_allreduces(const tdm_model_spec *spec, int ranks)
     tdm_tp_split split[TDM_MODEL_MAX_DIMS];
     int L = 0, n = 0;
     if (ranks < 2 || tdm_tp_plan(spec, ranks, split, &L)) return 0;
+    if (spec->kind == TDM_MODEL_GPT) return 4 * spec->n_layer;
     for (int l = 0; l < L; l++)
         n += split[l] == TDM_TP_ROW || (split[l] == TDM_TP_COLUMN && l > 0);
     return n;
@@ -65,6 +71,12 @@ int64_t tdm_tp_step_bytes(const tdm_model_spec *spec, int ranks, int batch)
     int L = 0;
     int64_t floats = 0;
     if (ranks < 2 || tdm_tp_plan(spec, ranks, split, &L)) return 0;
+    /* the GPT: per block two all-reduces of the stream forward (after
+     * attn.c_proj and mlp.c_proj) and two backward (c_attn's and c_fc's
+     * input gradients) */
+    if (spec->kind == TDM_MODEL_GPT)
+        return (int64_t)4 * spec->n_layer * batch * spec->n_ctx * spec->n_embd *
+               (int64_t)sizeof(float);
     for (int l = 0; l < L; l++) {
         if (split[l] == TDM_TP_ROW) floats += (int64_t)batch * spec->dims[l + 1];
         if (split[l] == TDM_TP_COLUMN && l > 0) floats += (int64_t)batch * spec->dims[l];
@@ -74,58 +86,68 @@ int64_t tdm_tp_step_bytes(const tdm_model_spec *spec, int ranks, int batch)
 
 /* ---- slices ---- */
 
+void tdm_tp_add_tensor(tdm_tp *p, int wp, tdm_tp_cut cut, int parts, int64_t rows, int64_t cols)
+{
+    int64_t whole = rows * cols, n = cut == TDM_TP_CUT_REPL ? whole : whole / p->size;
+    p->tensors[p->n_tensors++] = (tdm_tp_tensor){.wp = wp, .cut = cut, .parts = parts,
+                                                 .rows = rows, .cols = cols, .off = p->n_elem,
+                                                 .n_elem = n};
+    p->n_elem += n;
+    if (cut == TDM_TP_CUT_REPL) {
+        p->stats.replicated_elems += n;
+    } else {
+        p->stats.split_elems += n;
+        p->stats.whole_split_elems += whole;
+    }
+}
+
+/* Rank r's slice of t between the whole array w and the rank's l; out:
+ * 1 copies whole -> local, 0 local -> whole. */
+static void tdm_tp_cut_copy(const tdm_tp *p, const tdm_tp_tensor *t, int r, float *w, float *l,
+                            int out)
+{
+    size_t f = sizeof(float);
+    if (t->cut == TDM_TP_CUT_REPL) {
+        if (out) memcpy(l, w, (size_t)t->n_elem * f);
+        else memcpy(w, l, (size_t)t->n_elem * f);
+        return;
+    }
+    if (t->cut == TDM_TP_CUT_ROWS) {
+        int64_t block = t->rows / t->parts, k = block / p->size;
+        for (int q = 0; q < t->parts; q++) {
+            float *wq = w + (q * block + (int64_t)r * k) * t->cols, *lq = l + q * k * t->cols;
+            if (out) memcpy(lq, wq, (size_t)(k * t->cols) * f);
+            else memcpy(wq, lq, (size_t)(k * t->cols) * f);
+        }
+        return;
+    }
+    int64_t k = t->cols / p->size;
+    for (int64_t o = 0; o < t->rows; o++) {
+        float *wo = w + o * t->cols + (int64_t)r * k, *lo = l + o * k;
+        if (out) memcpy(lo, wo, (size_t)k * f);
+        else memcpy(wo, lo, (size_t)k * f);
+    }
+}
+
 void tdm_tp_slice(const tdm_tp *p, int r, const float *whole, float *local)
 {
-    for (int l = 0; l < p->n_layers; l++) {
-        const tdm_tp_layer *L = &p->layers[l];
-        const float *w = whole + tdm_model_param_info(p->tables, L->wp)->offset;
-        const float *b = whole + tdm_model_param_info(p->tables, L->bp)->offset;
-        float *lw = local + L->w_off, *lb = local + L->b_off;
-        switch (L->split) {
-        case TDM_TP_COLUMN:
-            memcpy(lw, w + (int64_t)r * L->lout * L->in, (size_t)L->lout * L->in * sizeof(float));
-            memcpy(lb, b + (int64_t)r * L->lout, (size_t)L->lout * sizeof(float));
-            break;
-        case TDM_TP_ROW:
-            for (int o = 0; o < L->out; o++)
-                memcpy(lw + (int64_t)o * L->lin, w + (int64_t)o * L->in + (int64_t)r * L->lin,
-                       (size_t)L->lin * sizeof(float));
-            memcpy(lb, b, (size_t)L->out * sizeof(float));
-            break;
-        case TDM_TP_REPLICATED:
-            memcpy(lw, w, (size_t)L->out * L->in * sizeof(float));
-            memcpy(lb, b, (size_t)L->out * sizeof(float));
-            break;
-        }
+    for (int i = 0; i < p->n_tensors; i++) {
+        const tdm_tp_tensor *t = &p->tensors[i];
+        tdm_tp_cut_copy(p, t, r, (float *)whole + tdm_model_param_info(p->tables, t->wp)->offset,
+                        local + t->off, 1);
     }
 }
 
 /* Replicated tensors come from rank 0's slice (every rank holds the same). */
 void tdm_tp_unslice(const tdm_tp *p, const float *locals, float *whole)
 {
-    for (int r = 0; r < p->size; r++) {
-        const float *local = locals + (int64_t)r * p->n_elem;
-        for (int l = 0; l < p->n_layers; l++) {
-            const tdm_tp_layer *L = &p->layers[l];
-            float *w = whole + tdm_model_param_info(p->tables, L->wp)->offset;
-            float *b = whole + tdm_model_param_info(p->tables, L->bp)->offset;
-            const float *lw = local + L->w_off, *lb = local + L->b_off;
-            if (L->split == TDM_TP_COLUMN) {
-                memcpy(w + (int64_t)r * L->lout * L->in, lw,
-                       (size_t)L->lout * L->in * sizeof(float));
-                memcpy(b + (int64_t)r * L->lout, lb, (size_t)L->lout * sizeof(float));
-                continue;
-            }
-            if (L->split == TDM_TP_ROW)
-                for (int o = 0; o < L->out; o++)
-                    memcpy(w + (int64_t)o * L->in + (int64_t)r * L->lin, lw + (int64_t)o * L->lin,
-                           (size_t)L->lin * sizeof(float));
-            if (r != 0) continue;
-            if (L->split == TDM_TP_REPLICATED)
-                memcpy(w, lw, (size_t)L->out * L->in * sizeof(float));
-            memcpy(b, lb, (size_t)L->out * sizeof(float));
+    for (int r = 0; r < p->size; r++)
+        for (int i = 0; i < p->n_tensors; i++) {
+            const tdm_tp_tensor *t = &p->tensors[i];
+            if (t->cut == TDM_TP_CUT_REPL && r != 0) continue;
+            tdm_tp_cut_copy(p, t, r, whole + tdm_model_param_info(p->tables, t->wp)->offset,
+                            (float *)locals + (int64_t)r * p->n_elem + t->off, 0);
         }
-    }
 }
 
 /* ---- set-up ---- */
@@ -134,7 +156,6 @@ void tdm_tp_unslice(const tdm_tp *p, const float *locals, float *whole)
  * tensor are exactly 1/N of it). */
 static void tdm_tp_layout(tdm_tp *p, const tdm_tp_split *split)
 {
-    int64_t off = 0;
     p->max_width = p->spec.dims[0];
     for (int l = 0; l < p->n_layers; l++) {
         tdm_tp_layer *L = &p->layers[l];
@@ -144,24 +165,16 @@ static void tdm_tp_layout(tdm_tp *p, const tdm_tp_split *split)
         if (L->split == TDM_TP_COLUMN) L->lout = out / p->size;
         if (L->split == TDM_TP_ROW) L->lin = in / p->size;
         L->b_elems = L->lout;
-        L->w_off = off;
-        off += (int64_t)L->lout * L->lin;
-        L->b_off = off;
-        off += L->b_elems;
-        int64_t we = (int64_t)L->lout * L->lin;
-        if (L->split == TDM_TP_COLUMN) {
-            p->stats.split_elems += we + L->b_elems;
-            p->stats.whole_split_elems += (int64_t)in * out + out;
-        } else if (L->split == TDM_TP_ROW) {
-            p->stats.split_elems += we;
-            p->stats.whole_split_elems += (int64_t)in * out;
-            p->stats.replicated_elems += L->b_elems;
-        } else {
-            p->stats.replicated_elems += we + L->b_elems;
-        }
+        L->w_off = p->n_elem;
+        tdm_tp_cut wc = L->split == TDM_TP_COLUMN ? TDM_TP_CUT_ROWS
+                      : L->split == TDM_TP_ROW    ? TDM_TP_CUT_COLS
+                                                  : TDM_TP_CUT_REPL;
+        tdm_tp_add_tensor(p, L->wp, wc, 1, out, in);
+        L->b_off = p->n_elem;
+        tdm_tp_add_tensor(p, L->bp, L->split == TDM_TP_COLUMN ? TDM_TP_CUT_ROWS : TDM_TP_CUT_REPL,
+                          1, out, 1);
         if (out > p->max_width) p->max_width = out;
     }
-    p->n_elem = off;
 }
 
 /* Every rank the same model, seed, optimizer and group size; a rank that
@@ -272,10 +285,11 @@ tdm_status tdm_tp_init(tdm_tp **out, tdm_comm *comm, tdm_device *dev, const tdm_
     *p = (tdm_tp){.comm = comm, .hcomm = opts->host_comm ? opts->host_comm : comm,
                   .gcomm = opts->grad_comm, .dev = dev, .rank = tdm_comm_rank(comm),
                   .size = tdm_comm_size(comm), .spec = *spec, .n_layers = L};
-    tdm_tp_layout(p, split);
+    TDM_TRY(tdm_model_init_tables(&p->tables, spec));
+    if (spec->kind == TDM_MODEL_GPT) TDM_TRY(tdm_tp_gpt_layout(p));
+    else tdm_tp_layout(p, split);
     TDM_TRY(tdm_tp_check_config(p, opts));
-    st = tdm_model_init_tables(&p->tables, spec);
-    if (!st) st = tdm_tp_alloc_state(p, &opts->optim);
+    st = tdm_tp_alloc_state(p, &opts->optim);
     if (!st) st = tdm_tp_init_params(p, opts->seed);
     TDM_TRY(tdm_tp_agree(p, st));
     *out = p;
@@ -307,6 +321,7 @@ void tdm_tp_free(tdm_tp *p)
 {
     if (!p) return;
     tdm_tp_free_acts(p);
+    tdm_tp_gpt_free(p);
     tdm_optim_free(p->opt);
     tdm_dev_free(p->dev, p->params);
     tdm_dev_free(p->dev, p->grads);
@@ -318,6 +333,7 @@ tdm_status tdm_tp_reserve(tdm_tp *p, int B)
 {
     if (B <= p->cap) return TDM_STATUS_OK;
     tdm_tp_free_acts(p);
+    if (p->gpt) return tdm_tp_gpt_reserve(p, B);
     size_t f = sizeof(float), bytes = 0, n;
     for (int l = 0; l < p->n_layers; l++) {
         n = (size_t)B * (size_t)p->layers[l].lout * f;
@@ -357,6 +373,13 @@ float *tdm_tp_params(tdm_tp *p) { return p->params; }
 float *tdm_tp_grads(tdm_tp *p) { return p->grads; }
 int64_t tdm_tp_elems(const tdm_tp *p) { return p->n_elem; }
 void tdm_tp_get_stats(const tdm_tp *p, tdm_tp_stats *out) { *out = p->stats; }
+int tdm_tp_n_tensors(const tdm_tp *p) { return p->n_tensors; }
+void tdm_tp_tensor_get(const tdm_tp *p, int i, tdm_tp_tensor_info *out)
+{
+    const tdm_tp_tensor *t = &p->tensors[i];
+    *out = (tdm_tp_tensor_info){.whole_index = t->wp, .split = t->cut != TDM_TP_CUT_REPL,
+                                .offset = t->off, .n_elem = t->n_elem};
+}
 
 /* ---- checkpoints ---- */
 

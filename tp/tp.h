@@ -129,18 +129,18 @@ int64_t tdm_tp_elems(const tdm_tp *p);
  * mean), backward, the sum over grad_comm, the optimizer step.
  * *loss_sum (may be NULL): the sum of the per-sample losses. On failure
  * the group (and grad_comm) is aborted with the message. */
-tdm_status tdm_tp_step_scaled(tdm_tp *p, const float *x, const int32_t *y, int batch,
+tdm_status tdm_tp_step_scaled(tdm_tp *p, const void *x, const int32_t *y, int batch,
                               float grad_scale, double *loss_sum);
 /* The same without the optimizer step nor the zeroing: forward, loss,
  * backward (adding into the gradients), the sum over grad_comm. */
-tdm_status tdm_tp_forward_backward(tdm_tp *p, const float *x, const int32_t *y, int batch,
+tdm_status tdm_tp_forward_backward(tdm_tp *p, const void *x, const int32_t *y, int batch,
                                    float grad_scale, double *loss_sum);
 tdm_status tdm_tp_zero_grad(tdm_tp *p);
 /* The optimizer step over the rank's slices. */
 tdm_status tdm_tp_optim_step(tdm_tp *p);
 /* Forward only: *loss_sum over the batch and *correct argmax predictions
  * (host y). Collective. */
-tdm_status tdm_tp_eval_batch(tdm_tp *p, const float *x, const int32_t *y, int batch,
+tdm_status tdm_tp_eval_batch(tdm_tp *p, const void *x, const int32_t *y, int batch,
                              double *loss_sum, int64_t *correct);
 /* Mean loss and accuracy over a dataset in batches of `batch`
  * (tdm_data_gather order). Collective. */
@@ -159,6 +159,17 @@ tdm_status tdm_tp_gather_grads(tdm_tp *p, float *whole, int root);
  * checkpoint, read by every rank): parameters and, with h->optim, the
  * optimizer state and step count. Not collective. */
 tdm_status tdm_tp_load_state(tdm_tp *p, const tdm_ckpt_host *h);
+
+/* The rank's tensors: which of the whole model's (its parameter index),
+ * whether it is split (else replicated: whole on every rank), and where
+ * the rank's slice lies in its flat buffers. */
+typedef struct tdm_tp_tensor_info {
+    int whole_index;
+    int split;
+    int64_t offset, n_elem;
+} tdm_tp_tensor_info;
+int tdm_tp_n_tensors(const tdm_tp *p);
+void tdm_tp_tensor_get(const tdm_tp *p, int i, tdm_tp_tensor_info *out);
 
 /* What the steps did and what the rank holds. */
 typedef struct tdm_tp_phases {
