@@ -4,6 +4,9 @@
  *   batches, within the float bound of tests/test_tp.c (row-parallel
  *   sums add in another order: measured here within 7.5e-8, checked at
  *   1e-5; tp on 1 device: the same bytes);
+ * - the GPT (attention split by heads) on 2 ranks and on dp=2 x tp=2
+ *   writes single's checkpoint within 1e-4 (AdamW; tests/test_tp.c's
+ *   bound) and its file samples;
  * - checkpoints: a tp file resumes in single and a single file in tp at
  *   another N, and each goes on as the uninterrupted run within the bound;
  * - faults: a killed rank of a dp x tp mesh is named with its
@@ -50,10 +53,10 @@ static void path(char *buf, size_t n, const char *name)
 }
 
 /* The largest difference between two checkpoints' parameters. */
-static double ck_diff(const char *a, const char *b)
+static double ck_diff_of(const char *model, const char *a, const char *b)
 {
     tdm_model_spec s;
-    cr_assert_eq(tdm_model_spec_parse(&s, MODEL), TDM_STATUS_OK);
+    cr_assert_eq(tdm_model_spec_parse(&s, model), TDM_STATUS_OK);
     tdm_device *dev = NULL;
     tdm_model *ma = NULL, *mb = NULL;
     tdm_ckpt_info ia, ib;
@@ -75,6 +78,8 @@ static double ck_diff(const char *a, const char *b)
     if (getenv("TANDEM_TEST_VERBOSE")) fprintf(stderr, "%s vs %s: %g\n", a, b, w);
     return w;
 }
+
+static double ck_diff(const char *a, const char *b) { return ck_diff_of(MODEL, a, b); }
 
 static void single(const char *save, const char *epochs, const char *resume)
 {
@@ -160,7 +165,6 @@ Test(tp_cli, bad_input_is_one_line_and_exit_2)
         const char *says;
     } bad[] = {
         {{"--device", "cpu:2", "--model", "cnn"}, "--model cnn is not supported"},
-        {{"--device", "cpu:2", "--model", "gpt"}, "--model gpt is not supported"},
         {{"--device", "cpu:3", "--model", "mlp:20-100-5"},
          "layer fc1's output width 100 (fc2's input) is not divisible by the 3"},
         {{"--device", "cpu:4", "--mesh", "dp=2,pp=2", MLP}, "combines with dp only"},
@@ -179,6 +183,13 @@ Test(tp_cli, bad_input_is_one_line_and_exit_2)
         cr_assert(strchr(r.out, '\n') == r.out + strlen(r.out) - 1, "more than one line:\n%s",
                   r.out);
     }
+    char text[128];
+    snprintf(text, sizeof text, "%s/text.txt", g_dir);
+    cli_write_words(text);
+    CLI(&r, "train", "--mode", "tp", "--device", "cpu:3", "--model", "gpt:2-16-2-8", "--data",
+        text);
+    expect(&r, 2, "the GPT's 2 heads are not divisible by the 3 tensor-parallel ranks");
+    cr_assert(strchr(r.out, '\n') == r.out + strlen(r.out) - 1, "more than one line:\n%s", r.out);
     CLI(&r, "train", "--help");
     expect(&r, 0, "--mesh dp=D,tp=N");
 }
@@ -221,4 +232,37 @@ Test(tp_cli, emulated_cuda_ranks_write_the_host_ranks_checkpoint)
     unsetenv("TANDEM_CUDA_EMULATOR");
     expect(&r, 0, "CUDA EMULATOR (TANDEM_CUDA_EMULATOR=2)");
     cr_assert(cli_same_file(host, emu), "emulated ranks differ from host ranks");
+}
+
+/* The GPT split by heads: tp on 2 ranks and dp=2 x tp=2 end where one
+ * device ends, within tests/test_tp.c's GPT bound; the file samples. */
+Test(tp_cli, gpt_split_by_heads_writes_single_devices_checkpoint_within_the_bound)
+{
+    static cli_result r;
+    char text[128], one[128], t2[128], m[128];
+    snprintf(text, sizeof text, "%s/text.txt", g_dir);
+    path(one, sizeof one, "gpt_single");
+    path(t2, sizeof t2, "gpt_tp2");
+    path(m, sizeof m, "gpt_mesh");
+    cli_write_words(text);
+    CLI(&r, "train", "--model", "gpt:2-16-2-8", "--data", text, "--mode", "single", "--batch",
+        "8", "--epochs", "1", "--max-steps", "6", "--quiet", "--save", one);
+    expect(&r, 0, "val loss");
+    CLI(&r, "train", "--model", "gpt:2-16-2-8", "--data", text, "--mode", "tp", "--device",
+        "cpu:2", "--batch", "8", "--epochs", "1", "--max-steps", "6", "--quiet", "--save", t2);
+    expect(&r, 0, "attention split by heads, 1 of 2 per rank");
+    CLI(&r, "train", "--model", "gpt:2-16-2-8", "--data", text, "--mode", "tp", "--device",
+        "cpu:4", "--mesh", "dp=2,tp=2", "--batch", "8", "--epochs", "1", "--max-steps", "6",
+        "--quiet", "--save", m);
+    expect(&r, 0, "val loss");
+    double d2 = ck_diff_of("gpt:2-16-2-8", one, t2), dm = ck_diff_of("gpt:2-16-2-8", one, m);
+    cr_assert(d2 <= 1e-4 && dm <= 1e-4, "tp 2: %g, dp=2,tp=2: %g", d2, dm);
+    CLI(&r, "sample", "--resume", t2, "--tokens", "8", "--prompt", "a");
+    cr_assert_eq(r.code, 0, "%s", r.out);
+    /* compare's section: 4 all-reduces per block of 8 windows x 8 x 16 */
+    CLI(&r, "compare", "--modes", "single,tp", "--device", "cpu:2", "--model", "gpt:2-16-2-8",
+        "--data", text, "--batch", "8", "--steps", "4");
+    expect(&r, 0, "all-reduced 32768 bytes per step in 8.0 calls (counted by the communicator; "
+                  "the plan: 32768 bytes in 8)");
+    expect(&r, 0, "over 4 steps -> PASS");
 }

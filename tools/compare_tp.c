@@ -1,6 +1,6 @@
 /* tools/compare_tp.c: `tandem compare --modes ...,tp`: tensor
- * parallelism's section. The MLP split over the N devices as
- * column/row-parallel pairs (tp/tp.h, through tools/rank_tp.c's table
+ * parallelism's section. The MLP (column/row-parallel pairs) or the GPT
+ * (attention split by heads) split over the N devices (tp/tp.h, through tools/rank_tp.c's table
  * over dist/run.h: forked ranks) runs the same global batches from the
  * same initial parameters; each rank writes what it measured into one
  * shared anonymous mapping: its step times and phases (forward, the
@@ -65,7 +65,7 @@ static tdm_status tdm_cmp_tp_rank_run(void *ctx, tdm_dist_rank *d, void *self)
                           .world = r->world, .global_batch = c->o->batch};
     int k = r->rank, B = c->o->batch;
     float *x = malloc((size_t)B * (size_t)tdm_cmp_feat(c->data) * sizeof(float));
-    int32_t *y = malloc((size_t)B * sizeof(int32_t));
+    int32_t *y = malloc((size_t)B * (size_t)tdm_cmp_targets(c->data) * sizeof(int32_t));
     tdm_status st = x && y ? TDM_STATUS_OK
                            : tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "compare: tp rank %d: a "
                                            "batch of %d", k, B);
@@ -138,7 +138,7 @@ static tdm_status tdm_cmp_tp_reference(const tdm_cmp_opts *o, const tdm_cmp_data
     tdm_optim *opt = NULL;
     int B = o->batch;
     float *x = malloc((size_t)B * (size_t)tdm_cmp_feat(data) * sizeof(float));
-    int32_t *y = malloc((size_t)B * sizeof(int32_t));
+    int32_t *y = malloc((size_t)B * (size_t)tdm_cmp_targets(data) * sizeof(int32_t));
     tdm_optim_opts oo;
     tdm_optim_opts_named(&oo, o->optim, o->lr, o->weight_decay, o->momentum, 0);
     tdm_status st = x && y ? TDM_STATUS_OK
@@ -265,8 +265,9 @@ int tdm_cmp_tp_section(const tdm_cmp_opts *o, const tdm_cmp_data *data,
 {
     int N = o->n_dev;
     int64_t pe = tdm_cmp_param_elems(o);
-    printf("\nTensor parallel: tp(%d), the MLP's layers as column/row-parallel pairs\n  running "
-           "tp...\n", N);
+    printf("\nTensor parallel: tp(%d), %s\n  running tp...\n", N,
+           spec->kind == TDM_MODEL_GPT ? "the GPT's attention split by heads, its MLP column/row"
+                                       : "the MLP's layers as column/row-parallel pairs");
     tdm_tool_build b = {.design = &tdm_tool_tp_design, .cmd = "tandem compare", .seed = o->seed};
     b.spec = *spec;
     tdm_optim_opts_named(&b.optim, o->optim, o->lr, o->weight_decay, o->momentum, 0);
@@ -311,8 +312,9 @@ int tdm_cmp_tp_section(const tdm_cmp_opts *o, const tdm_cmp_data *data,
         verdict = tdm_cmp_tp_verdict(o, sh, ref_loss, ref_p);
         printf("\ntensor-parallel reading: each rank computes 1/%d of every split layer's "
                "gemms, so compute per rank drops by about %d; in exchange every step "
-               "all-reduces activations (batch x width floats per pair and direction), on the "
-               "critical path. Where the gemms are small or the link slow, the all-reduces "
+               "all-reduces activations (the bytes above: the MLP's batch x width floats per "
+               "pair and direction, the GPT's batch x context x width floats four times per "
+               "block), on the critical path. Where the gemms are small or the link slow, the all-reduces "
                "dominate and DDP (one gradient all-reduce per step, overlapped with backward) "
                "wins; TP pays off when a layer's weights are too large for one device or the "
                "gemms are large beside the activations moved.\n", N, N);

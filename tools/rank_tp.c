@@ -1,6 +1,6 @@
 /* tools/rank_tp.c: tensor parallelism's table for the CLI (tools/ranks.h):
  * a rank is one rank of a tensor-parallel group (tp/tp.h: Megatron's
- * column/row split of the MLP), and with --mesh dp=D,tp=N one rank of one
+ * column/row split of the MLP and the GPT), and with --mesh dp=D,tp=N one rank of one
  * of D replicas of the group, whose gradients are summed over the dp
  * dimension's sub-communicator after backward. The layout (the mesh and
  * the plan's checks before any rank starts), the rank's step (its
@@ -9,6 +9,9 @@
  * state gathered on rank 0 into the one file every mode reads; any mode's
  * file sliced by every rank) and the summary (rank 0's phases, memory and
  * the bytes its communicator counted).
+ *
+ * A GPT's rank trains on its replica's windows (every rank of a group
+ * draws the same) and evaluates the validation windows through the group.
  *
  * The rank's r->m is the whole model's tables without storage
  * (tdm_model_init_tables): what the CLI reads of a model (its input and
@@ -32,7 +35,7 @@ typedef struct tdm_tool_tp {
     tdm_comm *dcomm;             /* the dp dimension's host communicator (borrowed) */
     tdm_comm *tdev;              /* the group's device communicator (borrowed) */
     int rep, reps;
-    int in_elems;
+    int in_elems, out_rows;      /* per sample: 4-byte inputs, target rows */
 } tdm_tool_tp;
 
 /* ---- the layout ---- */
@@ -112,6 +115,7 @@ static tdm_status tdm_rank_tp_setup(void *ctx, tdm_dist_rank *d, void **self)
     if ((st = tdm_model_init_tables(&r->m, &b->spec)))
         return tdm_tool_rank_fail(r, "model tables", st);
     q->in_elems = tdm_model_in_features(r->m);
+    q->out_rows = tdm_model_out_rows(r->m);
     tdm_tp_opts o = {.seed = b->seed, .optim = b->optim,
                      .grad_comm = q->reps > 1 ? dp_dev : NULL,
                      .host_comm = tp_dev != q->tcomm ? q->tcomm : NULL};
@@ -135,11 +139,16 @@ static tdm_status tdm_rank_tp_step(void *ctx, const void *x, const int32_t *y, i
     tdm_tool_tp *q = s->w;
     s->begun++;
     if (s->before) s->before(s->before_ctx, s->begun);
+    /* images: x, y hold the global batch, of which this replica runs its
+     * share; a GPT's: only this replica's windows (drawn alike by every
+     * rank of its group) of a global batch of s->global_batch */
+    int global = s->own_rows ? s->global_batch : batch;
     int64_t lo = 0, hi = batch;
-    tdm_dist_share(batch, q->rep, q->reps, &lo, &hi);
+    if (!s->own_rows) tdm_dist_share(batch, q->rep, q->reps, &lo, &hi);
     double ls = 0.0;
-    tdm_status st = tdm_tp_step_scaled(q->p, (const float *)x + lo * q->in_elems, y + lo,
-                                       (int)(hi - lo), 1.0f / (float)batch, &ls);
+    tdm_status st = tdm_tp_step_scaled(q->p, (const int32_t *)x + lo * q->in_elems,
+                                       y + lo * q->out_rows, (int)(hi - lo),
+                                       1.0f / (float)global, &ls);
     if (st) return st;
     if (q->reps > 1) {
         tdm_comm_set_label(q->dcomm, "tp loss over the replicas");
@@ -149,11 +158,11 @@ static tdm_status tdm_rank_tp_step(void *ctx, const void *x, const int32_t *y, i
             return st;
         }
     }
-    *loss_mean = ls / (double)batch;
+    *loss_mean = ls / (double)global;
     if (isfinite(*loss_mean)) return TDM_STATUS_OK;
     char where[96];
     snprintf(where, sizeof where, "the global batch of %d, seen by tensor-parallel rank %d of "
-             "replica %d", batch, tdm_tp_rank(q->p), q->rep);
+             "replica %d", global, tdm_tp_rank(q->p), q->rep);
     return tdm_dist_diverged(s->comm, s->rank, tdm_optim_steps(s->opt), *loss_mean, where);
 }
 
@@ -219,8 +228,25 @@ static tdm_status tdm_rank_tp_load(void *w, const char *path, tdm_optim *opt,
     return st;
 }
 
+/* A GPT's validation windows through the group; the sum said by the
+ * group's rank 0 alone, so that a sum over every rank counts each
+ * replica's windows once. */
+static tdm_status tdm_rank_tp_eval_loss(void *w, const void *x, const int32_t *y, int n,
+                                        double *loss_sum)
+{
+    tdm_tool_tp *q = w;
+    double ls = 0.0;
+    int64_t correct = 0;
+    *loss_sum = 0.0;
+    if (n == 0) return TDM_STATUS_OK;   /* every rank of the group has the same n */
+    TDM_CHECK(tdm_tp_eval_batch(q->p, x, y, n, &ls, &correct));
+    if (tdm_tp_rank(q->p) == 0) *loss_sum = ls;
+    return TDM_STATUS_OK;
+}
+
 static const tdm_dist_ops tdm_rank_tp_ops = {
-    .evaluate = tdm_rank_tp_evaluate, .save = tdm_rank_tp_save, .load = tdm_rank_tp_load};
+    .evaluate = tdm_rank_tp_evaluate, .eval_loss = tdm_rank_tp_eval_loss,
+    .save = tdm_rank_tp_save, .load = tdm_rank_tp_load};
 
 /* ---- what the CLI prints ---- */
 
@@ -230,7 +256,12 @@ static void tdm_rank_tp_describe(const tdm_tool_rank *r, char *on, size_t n_on, 
     const tdm_tool_tp *q = r->w;
     char plan[160] = "";
     size_t k = 0;
-    int L = tdm_model_get_spec(r->m)->ndims - 1;
+    const tdm_model_spec *sp = tdm_model_get_spec(r->m);
+    int L = sp->kind == TDM_MODEL_GPT ? 0 : sp->ndims - 1;
+    if (sp->kind == TDM_MODEL_GPT)
+        snprintf(plan, sizeof plan, "attention split by heads, %d of %d per rank; mlp c_fc "
+                 "column, c_proj row; LayerNorms and embeddings replicated",
+                 sp->n_head / tdm_tp_size(q->p), sp->n_head);
     for (int l = 0; l < L && k < sizeof plan; l++) {
         int n = snprintf(plan + k, sizeof plan - k, "%sfc%d %s", l ? ", " : "", l + 1,
                          tdm_tp_split_name(tdm_tp_layer_split(q->p, l)));

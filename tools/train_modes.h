@@ -242,7 +242,7 @@ tdm_status tdm_train_check_pp(tdm_train_args *a, int gpt);
  * the pipeline's table (tools/rank_pp.c) through tdm_train_run_ranks. */
 tdm_status tdm_train_run_pp(const tdm_train_args *a, const tdm_model_spec *spec,
                             const tdm_train_text_set *text);
-/* --mode tp's options against the others (USAGE, said): the MLP only,
+/* --mode tp's options against the others (USAGE, said): the MLP and GPT,
  * none of the data-parallel designs' or the memory levers' options
  * (tools/train_tp.c). */
 tdm_status tdm_train_check_tp(const tdm_train_args *a);

@@ -1,5 +1,6 @@
 /* tools/train_tp.c: `tandem train --mode tp`: tensor parallelism of the
- * MLP (tp/tp.h: Megatron's column-parallel / row-parallel pairs). Each
+ * MLP and the GPT (tp/tp.h: Megatron's column-parallel / row-parallel
+ * pairs; the GPT's attention split by heads). Each
  * rank holds a slice of every split layer (its table is
  * tools/rank_tp.c), run by tools/train_ranks.c's loop over dist/run.h
  * like every multi-process mode. With --mesh dp=D,tp=N, D groups of N
@@ -15,9 +16,9 @@
 tdm_status tdm_train_check_tp(const tdm_train_args *a)
 {
     if (strcmp(a->mode, "tp")) return TDM_STATUS_OK;
-    if (strncmp(a->model, "mlp", 3))
-        return tdm_tool_usage_error("tandem train: --mode tp supports the MLP only; --model %s "
-                                    "is not supported\n", a->model);
+    if (strncmp(a->model, "mlp", 3) && strncmp(a->model, "gpt", 3))
+        return tdm_tool_usage_error("tandem train: --mode tp supports the MLP and the GPT; "
+                                    "--model %s is not supported\n", a->model);
     if (a->grad_accum > 1 || a->uneven || a->sync_bn || a->deterministic || a->sharding ||
         a->save_sharded || (a->comm_hook && strcmp(a->comm_hook, "allreduce")) ||
         a->max_restarts || a->backend)
