@@ -232,6 +232,19 @@ Test(tp_cli, emulated_cuda_ranks_write_the_host_ranks_checkpoint)
     unsetenv("TANDEM_CUDA_EMULATOR");
     expect(&r, 0, "CUDA EMULATOR (TANDEM_CUDA_EMULATOR=2)");
     cr_assert(cli_same_file(host, emu), "emulated ranks differ from host ranks");
+    /* the GPT's kernels too */
+    char text[128];
+    snprintf(text, sizeof text, "%s/text.txt", g_dir);
+    cli_write_words(text);
+    CLI(&r, "train", "--mode", "tp", "--device", "cpu:2", "--model", "gpt:2-16-2-8", "--data",
+        text, "--batch", "8", "--epochs", "1", "--max-steps", "4", "--quiet", "--save", host);
+    expect(&r, 0, "val loss");
+    cr_assert_eq(setenv("TANDEM_CUDA_EMULATOR", "2", 1), 0);
+    CLI(&r, "train", "--mode", "tp", "--device", "cuda", "--model", "gpt:2-16-2-8", "--data",
+        text, "--batch", "8", "--epochs", "1", "--max-steps", "4", "--quiet", "--save", emu);
+    unsetenv("TANDEM_CUDA_EMULATOR");
+    expect(&r, 0, "val loss");
+    cr_assert(cli_same_file(host, emu), "emulated GPT ranks differ from host ranks");
 }
 
 /* The GPT split by heads: tp on 2 ranks and dp=2 x tp=2 end where one

@@ -285,6 +285,11 @@ tdm_status tdm_tp_init(tdm_tp **out, tdm_comm *comm, tdm_device *dev, const tdm_
     *p = (tdm_tp){.comm = comm, .hcomm = opts->host_comm ? opts->host_comm : comm,
                   .gcomm = opts->grad_comm, .dev = dev, .rank = tdm_comm_rank(comm),
                   .size = tdm_comm_size(comm), .spec = *spec, .n_layers = L};
+    if (spec->kind == TDM_MODEL_GPT && !tdm_dev_has_transformer(dev)) {
+        st = tdm_error_set(TDM_STATUS_UNSUPPORTED, "tp: device %s has no transformer kernels",
+                           tdm_dev_name(dev));
+        goto fail;
+    }
     TDM_TRY(tdm_model_init_tables(&p->tables, spec));
     if (spec->kind == TDM_MODEL_GPT) TDM_TRY(tdm_tp_gpt_layout(p));
     else tdm_tp_layout(p, split);
