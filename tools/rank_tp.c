@@ -319,8 +319,27 @@ static tdm_status tdm_rank_tp_params(tdm_tool_rank *r, float *host, int root)
     return tdm_tp_gather_state(q->p, r->rank == 0 ? &h : NULL, 0);
 }
 
+/* train --trace: the last step's forward (its all-reduces apart), loss,
+ * backward, the all-reduces (forward, backward and the dp sum: every one
+ * exposed) and the optimizer. */
+static int tdm_rank_tp_phases(const tdm_tool_rank *r, tdm_phase_times *out)
+{
+    tdm_tp_stats s;
+    tdm_tp_get_stats(((const tdm_tool_tp *)r->w)->p, &s);
+    memset(out, 0, sizeof *out);
+    if (s.steps == 0) return 0;
+    out->ms[TDM_PHASE_FORWARD] = s.last.forward;
+    out->ms[TDM_PHASE_LOSS] = s.last.loss;
+    out->ms[TDM_PHASE_BACKWARD] = s.last.backward;
+    out->ms[TDM_PHASE_ALLREDUCE_WAIT] = s.last.fwd_allreduce + s.last.bwd_allreduce +
+                                        s.last.grad_sync;
+    out->ms[TDM_PHASE_STEP] = s.last.step;
+    return 1;
+}
+
 const tdm_tool_design tdm_tool_tp_design = {
     .dist = {.name = "tp", .caps = TDM_DIST_NCCL, .layout = tdm_rank_tp_layout,
              .setup = tdm_rank_tp_setup, .free = tdm_rank_tp_free, .ops = &tdm_rank_tp_ops},
     .unit = "tensor-parallel rank", .save_alone = 0, .describe = tdm_rank_tp_describe,
-    .report = tdm_rank_tp_report, .params = tdm_rank_tp_params, .step = tdm_rank_tp_step};
+    .report = tdm_rank_tp_report, .params = tdm_rank_tp_params, .step = tdm_rank_tp_step,
+    .phases = tdm_rank_tp_phases};

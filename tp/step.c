@@ -197,6 +197,7 @@ tdm_status tdm_tp_step_scaled(tdm_tp *p, const void *x, const int32_t *y, int ba
     if (st) return tdm_tp_fail(p, st);
     ph.step = tdm_time_ms_since(t1);
     ph.total = tdm_time_ms_since(t0);
+    p->stats.last = ph;
     tdm_tp_phases *s = &p->stats.sum;
     s->forward += ph.forward;
     s->fwd_allreduce += ph.fwd_allreduce;

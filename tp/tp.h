@@ -177,7 +177,7 @@ typedef struct tdm_tp_phases {
 } tdm_tp_phases;                /* ms, summed over the steps */
 typedef struct tdm_tp_stats {
     int64_t steps;
-    tdm_tp_phases sum;
+    tdm_tp_phases sum, last;     /* over the steps, and the last one's */
     /* elements of the rank's split and replicated tensors, and of one
      * device's split tensors (the whole model's) */
     int64_t split_elems, replicated_elems, whole_split_elems;
