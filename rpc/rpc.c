@@ -819,6 +819,7 @@ void tdm_rpc_free(tdm_rpc *rpc)
     }
     pthread_mutex_unlock(&rpc->mu);
     if (rpc->ops) rpc->ops->close(rpc);
+    tdm_rref_table_free(rpc);
     for (int i = 0; i < TDM_RPC_MAX_RANKS; i++) {
         free(rpc->dec[i].body);
         pthread_mutex_destroy(&rpc->send_mu[i]);

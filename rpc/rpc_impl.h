@@ -119,6 +119,7 @@ struct tdm_rpc {
         uint64_t entered;          /* barriers this rank entered */
     } barrier;
     tdm_rpc_stats stats;
+    struct tdm_rref_table *rrefs;  /* rpc/rref.c: objects owned here; NULL: none yet */
     /* threads */
     pthread_t reader, server;
     int reader_running, server_running;
@@ -143,6 +144,9 @@ void tdm_rpc_peer_lost(tdm_rpc *rpc, int src, tdm_rpc_peer_state state, const ch
 /* A wire header for kind. */
 void tdm_rpc_wire_fill(tdm_rpc_wire *w, tdm_rpc_kind kind, int src, int32_t status,
                        uint64_t id, uint32_t name_len, uint64_t body_len);
+/* rpc/rref.c: frees the objects still owned (tdm_rpc_free, after the
+ * threads have stopped). */
+void tdm_rref_table_free(tdm_rpc *rpc);
 /* The time bound for the transport's setup. */
 int64_t tdm_rpc_setup_ms(const tdm_rpc *rpc);
 
