@@ -616,6 +616,22 @@ tdm_status tdm_rpc_call(tdm_rpc *rpc, int dst, const char *name, const void *arg
     return st;
 }
 
+int tdm_rpc_peer_alive(tdm_rpc *rpc, int rank, char *why, size_t n)
+{
+    if (rank < 0 || rank >= rpc->world) {
+        snprintf(why, n, "rank %d is not in the job", rank);
+        return 0;
+    }
+    if (rank == rpc->rank) return 1;
+    char w[160];
+    if (rpc->ops->peer_gone(rpc, rank, w, sizeof w)) tdm_rpc_peer_lost(rpc, rank, TDM_RPC_PEER_GONE, w);
+    pthread_mutex_lock(&rpc->mu);
+    int up = rpc->peers.state[rank] == TDM_RPC_PEER_UP;
+    if (!up) snprintf(why, n, "%s", rpc->peers.why[rank]);
+    pthread_mutex_unlock(&rpc->mu);
+    return up;
+}
+
 /* --- barrier ------------------------------------------------------------ */
 
 static tdm_status barrier_arrive(tdm_rpc_req *req, void *ctx)

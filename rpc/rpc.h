@@ -148,6 +148,10 @@ typedef struct tdm_rpc_stats {
 } tdm_rpc_stats;
 void tdm_rpc_get_stats(const tdm_rpc *rpc, tdm_rpc_stats *out);
 
+/* 1 when rank is up as far as this endpoint knows (it has not left, its
+ * process exists, its connection is open); else 0 and why (n bytes). */
+int tdm_rpc_peer_alive(tdm_rpc *rpc, int rank, char *why, size_t n);
+
 /* TCP: the port this rank listens on (rank 0: the rendezvous port); 0
  * for SHM. */
 int tdm_rpc_port(const tdm_rpc *rpc);
