@@ -5,18 +5,21 @@
  * compute the gradient of their share of a global batch and push each
  * shard of it to its server. Three ways to keep time (--ps-sync):
  *
- *   sync        step t: every worker pulls version t, computes, pushes;
- *               a server, once it holds all W gradients of step t, sums
- *               them in worker order, scales the sum by 1/W (the mean of
- *               the workers' means: DDP's averaged all-reduce), steps its
- *               optimizer and publishes version t+1.
+ *   sync        step t: every worker pulls version t, computes the
+ *               gradient of its share with the loss scaled by 1/B (B the
+ *               global batch), pushes; a server, once it holds all W
+ *               gradients of step t, sums them in worker order (the
+ *               global batch's mean-loss gradient, as DDP's all-reduce
+ *               sum gives it), steps its optimizer and publishes version
+ *               t+1.
  *   bounded:K   stale synchronous parallel: gradients of step t are still
  *               summed and applied as in sync, but a worker may start step
  *               c on any version >= c - K, so it runs at most K steps
  *               ahead of the slowest. bounded:0 is sync, bit for bit.
  *   async       HogWild-style: a server applies each push as it arrives
- *               (its gradient scaled by 1/W, one optimizer step per push)
- *               and workers never wait for each other.
+ *               (one optimizer step per push, of a share's gradient: about
+ *               1/W of a global step) and workers never wait for each
+ *               other.
  *
  * Each applied gradient's staleness (the server's version when applied
  * minus the version the worker computed it on) is counted in a
@@ -109,11 +112,12 @@ tdm_status tdm_ps_worker_init(tdm_ps_worker **out, tdm_rpc *rpc, tdm_model *m,
                               const tdm_ps_layout *l, const tdm_ps_sync_mode *mode,
                               int64_t timeout_ms);
 void tdm_ps_worker_free(tdm_ps_worker *w);
-/* One step on this worker's share (x, y) of the global batch: pull (as
- * fresh as the mode needs), forward and backward, push. *loss_mean: the
- * share's mean loss (may be NULL). */
-tdm_status tdm_ps_worker_step(tdm_ps_worker *w, const void *x, const int32_t *y, int batch,
-                              double *loss_mean);
+/* One step on this worker's share (x, y: n samples) of a global batch
+ * of global_batch samples: pull (as fresh as the mode needs), forward,
+ * the loss gradient scaled by 1/global_batch, backward, push. *loss_sum:
+ * the sum of the share's per-sample losses (may be NULL). */
+tdm_status tdm_ps_worker_step(tdm_ps_worker *w, const void *x, const int32_t *y, int n,
+                              int global_batch, double *loss_sum);
 /* The latest parameters into the model (a pull of whatever version the
  * servers hold; after every worker's last step: the final ones). */
 tdm_status tdm_ps_worker_pull_latest(tdm_ps_worker *w);

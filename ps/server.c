@@ -71,7 +71,7 @@ static tdm_status apply(tdm_ps_server *s, const float *grad)
 
 /* sync and bounded: applies every complete step in clock order (mu held).
  * The sum runs over the workers in index order whatever order their
- * pushes came in, then is scaled by 1/W: the same bits every run. */
+ * pushes came in: the same bits every run. */
 static tdm_status apply_ready(tdm_ps_server *s)
 {
     for (;;) {
@@ -83,8 +83,6 @@ static tdm_status apply_ready(tdm_ps_server *s)
             const float *g = sl->grads + (size_t)w * (size_t)s->n;
             for (int64_t i = 0; i < s->n; i++) s->acc[i] += g[i];
         }
-        const float scale = 1.0f / (float)W;
-        for (int64_t i = 0; i < s->n; i++) s->acc[i] *= scale;
         for (int w = 0; w < W; w++) count_stale(s, s->st.version - sl->used[w]);
         sl->clock = -1;
         sl->count = 0;
@@ -132,10 +130,8 @@ static tdm_status fn_push(tdm_rpc_req *req, void *ctx)
     pthread_mutex_lock(&s->mu);
     s->st.pushes++;
     if (s->mode.kind == TDM_PS_ASYNC) {
-        const float scale = 1.0f / (float)s->l.workers;
-        for (int64_t i = 0; i < s->n; i++) s->acc[i] = g[i] * scale;
         count_stale(s, s->st.version - h.version_used);
-        st = apply(s, s->acc);
+        st = apply(s, g);
     } else {
         /* a worker at clock c pulled a version >= c - K, so every clock
          * below c - K is applied and c lies within nslots of version */

@@ -2,7 +2,9 @@
  * the mode needs: sync, the version of this step; bounded:K, at most K
  * behind it; async, any), forward and backward on its share of the batch,
  * push each shard of the gradient to its server; and the parsing of the
- * modes. Pulls and pushes go to all servers at once (futures). A server
+ * modes. The loss gradient is scaled by 1/B (B the global batch), so
+ * that the W gradients of a step sum to the global batch's mean-loss
+ * gradient. Pulls and pushes go to all servers at once (futures). A server
  * answers a pull it cannot serve yet with its version, and the worker
  * asks again after a short sleep (doubling up to PS_POLL_MAX_US).
  * Not the server's side: ps/server.c. */
@@ -157,17 +159,26 @@ static tdm_status pull(tdm_ps_worker *w, int64_t min)
 
 tdm_status tdm_ps_worker_pull_latest(tdm_ps_worker *w) { return pull(w, 0); }
 
-tdm_status tdm_ps_worker_step(tdm_ps_worker *w, const void *x, const int32_t *y, int batch,
-                              double *loss_mean)
+tdm_status tdm_ps_worker_step(tdm_ps_worker *w, const void *x, const int32_t *y, int n,
+                              int global_batch, double *loss_sum)
 {
+    TDM_REQUIRE(n >= 1 && global_batch >= n, TDM_STATUS_INVALID_ARG,
+                "ps: worker %d: a share of %d samples of a global batch of %d", w->index, n, global_batch);
     int64_t min = 0;
     if (w->mode.kind == TDM_PS_SYNC) min = w->clock;
     else if (w->mode.kind == TDM_PS_BOUNDED) min = w->clock > w->mode.bound ? w->clock - w->mode.bound : 0;
     TDM_CHECK(pull(w, min));
     TDM_CHECK(tdm_model_zero_grad(w->m));
+    /* the loss gradient scaled by 1/B: the workers' gradients summed are
+     * the global batch's mean-loss gradient (dist/step.h's rule) */
+    const float *logits = NULL;
     double loss = 0;
-    TDM_CHECK(tdm_model_forward_backward(w->m, x, y, batch, &loss));
-    if (loss_mean) *loss_mean = loss;
+    float *dlogits = NULL;
+    TDM_CHECK(tdm_model_forward(w->m, x, n, &logits));
+    dlogits = tdm_model_loss_grad(w->m);
+    TDM_CHECK(tdm_model_loss(w->m, logits, y, n, 1.0f / (float)global_batch, &loss, dlogits));
+    TDM_CHECK(tdm_model_backward(w->m, dlogits));
+    if (loss_sum) *loss_sum = loss;
     const float *grads = tdm_model_grads(w->m);
     /* one push per server, in turn: each copies its shard into the
      * message before the next is built */

@@ -112,7 +112,7 @@ static int ps_rank(tdm_comm *comm, void *arg)
             int64_t first;
             int count;
             share(t, w, k->workers, ds.n, &first, &count);
-            if (tdm_ps_worker_step(pw, ds.x + first * FEATURES, ds.y + first, count, &o->loss[r][t]))
+            if (tdm_ps_worker_step(pw, ds.x + first * FEATURES, ds.y + first, count, BATCH, &o->loss[r][t]))
                 return fail(o, r, 8, "step");
         }
         if (tdm_ps_worker_done(pw)) return fail(o, r, 9, "done");
@@ -151,14 +151,17 @@ static void reference(int W, int steps, float *out, int64_t *n_out)
             share(t, w, W, ds.n, &first, &count);
             memcpy(tdm_model_params(m), P, (size_t)n * sizeof *P);
             cr_assert_eq(tdm_model_zero_grad(m), 0);
-            cr_assert_eq(tdm_model_forward_backward(m, ds.x + first * FEATURES, ds.y + first, count, &loss), 0);
+            const float *logits = NULL;
+            float *dl = NULL;
+            cr_assert_eq(tdm_model_forward(m, ds.x + first * FEATURES, count, &logits), 0);
+            dl = tdm_model_loss_grad(m);
+            cr_assert_eq(tdm_model_loss(m, logits, ds.y + first, count, 1.0f / BATCH, &loss, dl), 0);
+            cr_assert_eq(tdm_model_backward(m, dl), 0);
             const float *g = tdm_model_grads(m);
             if (w == 0) memcpy(acc, g, (size_t)n * sizeof *acc);
             else
                 for (int64_t i = 0; i < n; i++) acc[i] += g[i];
         }
-        const float scale = 1.0f / (float)W;
-        for (int64_t i = 0; i < n; i++) acc[i] *= scale;
         tdm_optim_range rg = {.param = P, .grad = acc, .state_offset = 0, .n_elem = n};
         cr_assert_eq(tdm_optim_step_ranges(opt, &rg, 1), 0);
     }
