@@ -1,8 +1,8 @@
 /* tests/test_ps.c: the parameter server (ps/) in forked ranks over rpc/:
  *  - sync gives, bit for bit, the step computed here in one process on
- *    the same global batch in the server's order (each worker's mean
- *    gradient of its share, summed in worker order, times 1/W, one
- *    optimizer step over the flat parameters), for 1-2 servers and 2-3
+ *    the same global batch in the server's order (each worker's gradient
+ *    of its share with the loss scaled by 1/B, summed in worker order,
+ *    one optimizer step over the flat parameters), for 1-2 servers and 2-3
  *    workers (3..5 ranks), over shm and TCP;
  *  - bounded:0 gives the same bits; bounded:2 keeps every applied
  *    gradient's staleness within 2;
