@@ -94,13 +94,23 @@ tdm_status tdm_ps_server_init(tdm_ps_server **out, tdm_rpc *rpc, tdm_device *dev
                               const tdm_optim_opts *optim, const float *params);
 void tdm_ps_server_free(tdm_ps_server *s);
 /* Serves until every worker has said it is done, a worker dies (async
- * goes on without it, said on stderr once: *lost counts them; sync and
- * bounded stop, naming it) or timeout_ms passes (< 0: none). */
-tdm_status tdm_ps_server_wait(tdm_ps_server *s, int64_t timeout_ms, int *lost);
+ * goes on without it, with a warning in the log (core/log.h): *lost
+ * counts them, lost_why says which and why; sync and bounded stop,
+ * naming it) or timeout_ms passes (< 0: none). lost_why may be NULL. */
+tdm_status tdm_ps_server_wait(tdm_ps_server *s, int64_t timeout_ms, int *lost, char *lost_why,
+                              size_t n);
 void tdm_ps_server_get_stats(tdm_ps_server *s, tdm_ps_server_stats *out);
 /* The shard's parameters (host, hi - lo elements; borrowed, valid while
  * the server lives; read them after tdm_ps_server_wait). */
 const float *tdm_ps_server_params(const tdm_ps_server *s, int64_t *lo, int64_t *hi);
+
+/* Any rank: every server's shard of the parameters into params (host,
+ * n_elem) and, when state is given, of the optimizer's n_state state
+ * buffers into state[i] (host, n_elem each); *optim_steps: the steps the
+ * servers' optimizers took (the first server's). For a checkpoint after
+ * training (the servers' latest values, whatever their version). */
+tdm_status tdm_ps_gather(tdm_rpc *rpc, const tdm_ps_layout *l, float *params, float **state,
+                         int n_state, int64_t *optim_steps, int64_t timeout_ms);
 
 /* --- a worker ----------------------------------------------------------- */
 

@@ -10,6 +10,7 @@
 #define TDM_PS_FN_PULL "ps.pull"
 #define TDM_PS_FN_PUSH "ps.push"
 #define TDM_PS_FN_DONE "ps.done"
+#define TDM_PS_FN_STATE "ps.state"
 /* Most workers (a server keeps a gradient slot per worker). */
 #define TDM_PS_MAX_WORKERS 64
 

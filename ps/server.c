@@ -11,6 +11,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "core/log.h"
 #include "core/timer.h"
 #include "ps/ps_impl.h"
 
@@ -162,6 +163,27 @@ static tdm_status fn_push(tdm_rpc_req *req, void *ctx)
     return st;
 }
 
+static tdm_status fn_state(tdm_rpc_req *req, void *ctx)
+{
+    tdm_ps_server *s = ctx;
+    int ns = tdm_optim_n_state(s->opt);
+    int64_t *out = NULL;
+    pthread_mutex_lock(&s->mu);
+    tdm_status st = tdm_rpc_req_reply(req, 3 * sizeof(int64_t) + (size_t)(1 + ns) * (size_t)s->n * sizeof(float),
+                                      (void **)&out);
+    if (st == TDM_STATUS_OK) {
+        out[0] = s->st.version;
+        out[1] = tdm_optim_steps(s->opt);
+        out[2] = ns;
+        float *p = (float *)(out + 3);
+        memcpy(p, s->params, (size_t)s->n * sizeof(float));
+        for (int i = 0; i < ns; i++)
+            memcpy(p + (size_t)(1 + i) * (size_t)s->n, tdm_optim_state(s->opt, i), (size_t)s->n * sizeof(float));
+    }
+    pthread_mutex_unlock(&s->mu);
+    return st;
+}
+
 static tdm_status fn_done(tdm_rpc_req *req, void *ctx)
 {
     tdm_ps_server *s = ctx;
@@ -223,6 +245,7 @@ tdm_status tdm_ps_server_init(tdm_ps_server **out, tdm_rpc *rpc, tdm_device *dev
     TDM_TRY(tdm_rpc_register(rpc, TDM_PS_FN_PULL, fn_pull, s));
     TDM_TRY(tdm_rpc_register(rpc, TDM_PS_FN_PUSH, fn_push, s));
     TDM_TRY(tdm_rpc_register(rpc, TDM_PS_FN_DONE, fn_done, s));
+    TDM_TRY(tdm_rpc_register(rpc, TDM_PS_FN_STATE, fn_state, s));
     *out = s;
     return TDM_STATUS_OK;
 fail:
@@ -243,8 +266,10 @@ void tdm_ps_server_free(tdm_ps_server *s)
     free(s);
 }
 
-tdm_status tdm_ps_server_wait(tdm_ps_server *s, int64_t timeout_ms, int *lost)
+tdm_status tdm_ps_server_wait(tdm_ps_server *s, int64_t timeout_ms, int *lost, char *lost_why,
+                              size_t n)
 {
+    if (lost_why && n) lost_why[0] = '\0';
     uint64_t t0 = tdm_time_ns();
     int n_lost = 0;
     pthread_mutex_lock(&s->mu);
@@ -277,8 +302,13 @@ tdm_status tdm_ps_server_wait(tdm_ps_server *s, int64_t timeout_ms, int *lost)
             s->lost[w] = 1;
             pthread_mutex_unlock(&s->mu);
             n_lost++;
-            fprintf(stderr, "tandem: ps server %d: worker %d (rank %d) %s; async training goes on with the "
-                    "others\n", s->index, w, s->l.servers + w, why);
+            TDM_WARN(CORE, "ps server %d: worker %d (rank %d) %s; async training goes on with the others",
+                     s->index, w, s->l.servers + w, why);
+            if (lost_why && n) {
+                size_t len = strlen(lost_why);
+                snprintf(lost_why + len, n - len, "%sworker %d (rank %d) %s", len ? "; " : "", w,
+                         s->l.servers + w, why);
+            }
         }
         pthread_mutex_lock(&s->mu);
         struct timespec ts;
@@ -307,4 +337,30 @@ const float *tdm_ps_server_params(const tdm_ps_server *s, int64_t *lo, int64_t *
     *lo = s->lo;
     *hi = s->hi;
     return s->params;
+}
+
+tdm_status tdm_ps_gather(tdm_rpc *rpc, const tdm_ps_layout *l, float *params, float **state,
+                         int n_state, int64_t *optim_steps, int64_t timeout_ms)
+{
+    for (int sv = 0; sv < l->servers; sv++) {
+        void *rep = NULL;
+        size_t rn = 0;
+        TDM_CHECK(tdm_rpc_call(rpc, sv, TDM_PS_FN_STATE, NULL, 0, &rep, &rn, timeout_ms));
+        int64_t lo, hi, hdr[3] = {0, 0, 0};
+        tdm_ps_shard(l, sv, &lo, &hi);
+        size_t n = (size_t)(hi - lo);
+        if (rn >= sizeof hdr) memcpy(hdr, rep, sizeof hdr);
+        if (rn < sizeof hdr || hdr[2] < 0 || hdr[2] > 4 ||
+            rn != sizeof hdr + (size_t)(1 + hdr[2]) * n * sizeof(float) || (state && hdr[2] != n_state)) {
+            free(rep);
+            return tdm_error_set(TDM_STATUS_FORMAT, "ps: server %d's state is %zu bytes with %lld state buffers "
+                                 "(expected %d)", sv, rn, (long long)hdr[2], n_state);
+        }
+        const float *p = (const float *)((const uint8_t *)rep + sizeof hdr);
+        memcpy(params + lo, p, n * sizeof(float));
+        for (int i = 0; state && i < n_state; i++) memcpy(state[i] + lo, p + (size_t)(1 + i) * n, n * sizeof(float));
+        if (sv == 0 && optim_steps) *optim_steps = hdr[1];
+        free(rep);
+    }
+    return TDM_STATUS_OK;
 }

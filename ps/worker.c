@@ -162,7 +162,7 @@ tdm_status tdm_ps_worker_pull_latest(tdm_ps_worker *w) { return pull(w, 0); }
 tdm_status tdm_ps_worker_step(tdm_ps_worker *w, const void *x, const int32_t *y, int n,
                               int global_batch, double *loss_sum)
 {
-    TDM_REQUIRE(n >= 1 && global_batch >= n, TDM_STATUS_INVALID_ARG,
+    TDM_REQUIRE(n >= 0 && global_batch >= 1 && global_batch >= n, TDM_STATUS_INVALID_ARG,
                 "ps: worker %d: a share of %d samples of a global batch of %d", w->index, n, global_batch);
     int64_t min = 0;
     if (w->mode.kind == TDM_PS_SYNC) min = w->clock;
@@ -174,10 +174,14 @@ tdm_status tdm_ps_worker_step(tdm_ps_worker *w, const void *x, const int32_t *y,
     const float *logits = NULL;
     double loss = 0;
     float *dlogits = NULL;
-    TDM_CHECK(tdm_model_forward(w->m, x, n, &logits));
-    dlogits = tdm_model_loss_grad(w->m);
-    TDM_CHECK(tdm_model_loss(w->m, logits, y, n, 1.0f / (float)global_batch, &loss, dlogits));
-    TDM_CHECK(tdm_model_backward(w->m, dlogits));
+    if (n > 0) {
+        /* an empty share (a short last batch) pushes zeros: a sync step
+         * needs every worker's gradient */
+        TDM_CHECK(tdm_model_forward(w->m, x, n, &logits));
+        dlogits = tdm_model_loss_grad(w->m);
+        TDM_CHECK(tdm_model_loss(w->m, logits, y, n, 1.0f / (float)global_batch, &loss, dlogits));
+        TDM_CHECK(tdm_model_backward(w->m, dlogits));
+    }
     if (loss_sum) *loss_sum = loss;
     const float *grads = tdm_model_grads(w->m);
     /* one push per server, in turn: each copies its shard into the

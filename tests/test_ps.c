@@ -95,7 +95,7 @@ static int ps_rank(tdm_comm *comm, void *arg)
         if (tdm_ps_server_init(&s, rpc, dev, &l, &k->mode, &oo, tdm_model_params(m)))
             return fail(o, r, 3, "server");
         if (tdm_rpc_barrier(rpc, tmo())) return fail(o, r, 4, "barrier");
-        if (tdm_ps_server_wait(s, tmo(), &o->lost[r])) return fail(o, r, 5, "server wait");
+        if (tdm_ps_server_wait(s, tmo(), &o->lost[r], NULL, 0)) return fail(o, r, 5, "server wait");
         int64_t lo, hi;
         const float *p = tdm_ps_server_params(s, &lo, &hi);
         memcpy(o->params + lo, p, (size_t)(hi - lo) * sizeof(float));
@@ -190,7 +190,9 @@ static tdm_status run(ps_case *k, tdm_shm_spawn_result *res)
     int world = k->servers + k->workers;
     memset(k->o, 0, sizeof *k->o);
     for (int r = 0; r < world; r++) k->o->status[r] = -1;
-    tdm_shm_spawn_opts so = {.timeout_ms = tu_scaled_ms(120000), .grace_ms = tu_scaled_ms(60000)};
+    /* async survives a lost worker: the others are not stopped */
+    tdm_shm_spawn_opts so = {.timeout_ms = tu_scaled_ms(120000), .grace_ms = tu_scaled_ms(60000),
+                             .outlive_failures = k->mode.kind == TDM_PS_ASYNC};
     return tdm_shm_spawn(world, ps_rank, k, &so, res);
 }
 
