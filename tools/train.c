@@ -39,11 +39,12 @@ static void tdm_train_usage(FILE *f)
     fprintf(f,
         "usage: tandem train [options]\n"
         "\n"
-        "  --mode single|dp|ddp|fsdp|pp  one device, DataParallel (threads),\n"
+        "  --mode single|dp|ddp|fsdp|pp|ps  one device, DataParallel (threads),\n"
         "                         DistributedDataParallel (processes), sharded\n"
-        "                         data parallel (processes, see --sharding) or a\n"
+        "                         data parallel (processes, see --sharding), a\n"
         "                         pipeline of the model's layers (processes, one\n"
-        "                         stage each, see --stages)                 [single]\n"
+        "                         stage each, see --stages) or a parameter server\n"
+        "                         (processes: see --servers; mlp only)      [single]\n"
         "  --model NAME           mlp (784-1024-1024-10), mlp:W0-W1-..-Wn, cnn, or\n"
         "                         gpt (a byte-level GPT, gpt:%d-%d-%d-%d) or gpt:L-D-H-T\n"
         "                         (L blocks, width D, H heads, context T)      [mlp]\n"
@@ -122,6 +123,14 @@ static void tdm_train_usage(FILE *f)
         "                         embeddings, blocks and head)  [balanced by gemm flops]\n"
         "  --mesh dp=D,pp=S       pp: D pipeline replicas of S stages on D*S devices,\n"
         "                         their gradients summed by DDP over the dp dimension\n"
+        "  --servers S            ps: the first S devices serve shards of the parameters\n"
+        "                         and optimizer state; the others are workers    [1]\n"
+        "  --ps-sync MODE         ps: sync (every step waits for every worker: DDP's\n"
+        "                         step), bounded:K (a worker at most K steps ahead\n"
+        "                         of the slowest; bounded:0 is sync) or async\n"
+        "                         (HogWild: each push applied as it comes)    [sync]\n"
+        "  --ps-transport shm|tcp ps: the RPC transport (tcp: loopback rendezvous at\n"
+        "                         MASTER_ADDR, a port rank 0 picks)           [shm]\n"
         "  --timeout SECONDS      ddp, fsdp, pp: process-group timeout: a rank that waits\n"
         "                         longer for a peer in a collective fails, naming\n"
         "                         it [$TANDEM_TIMEOUT, else 60 for forked ranks,\n"
@@ -234,6 +243,9 @@ static tdm_status tdm_train_parse(int argc, char **argv, tdm_train_args *a, int 
         TDM_ARGS_STR("--schedule", a->schedule)
         TDM_ARGS_STR("--split", a->split)
         TDM_ARGS_STR("--mesh", a->mesh)
+        TDM_ARGS_INT("--servers", 1, 63, a->servers)
+        TDM_ARGS_STR("--ps-sync", a->ps_sync)
+        TDM_ARGS_STR("--ps-transport", a->ps_transport)
         TDM_ARGS_INT("--deterministic", 1, TDM_DIST_DET_MAX_K, a->deterministic)
         TDM_ARGS_INT("--min-devices", 1, TDM_DIST_DET_MAX_K, a->min_devices)
         TDM_ARGS_STR("--precision", a->precision)
@@ -368,6 +380,9 @@ static tdm_status tdm_train_check_args(tdm_train_args *a)
         return tdm_tool_usage_error("tandem train: --max-restarts applies to --mode ddp, fsdp "
                                     "and pp (ranks that can fail one by one)\n");
     TDM_CHECK(tdm_train_check_pp(a, gpt));
+    if ((a->servers || a->ps_sync || a->ps_transport) && strcmp(a->mode, "ps"))
+        return tdm_tool_usage_error("tandem train: --servers, --ps-sync and --ps-transport apply to "
+                                    "--mode ps, not --mode %s\n", a->mode);
     if (a->max_restarts && (tdm_dist_launched() || tdm_dist_mpi_launched()))
         fprintf(stderr, "tandem train: note: --max-restarts restarts the ranks tandem train forks "
                         "itself; these ranks were started by a launcher, which restarts them: "
@@ -395,6 +410,7 @@ static tdm_status tdm_train_check_args(tdm_train_args *a)
 
 static tdm_status tdm_train_dispatch(const tdm_train_args *a)
 {
+    if (!strcmp(a->mode, "ps")) return tdm_train_run_ps(a);   /* it refuses gpt */
     if (!strncmp(a->model, "gpt", 3)) return tdm_train_text_main(a);
     if (!strcmp(a->mode, "single") || !strcmp(a->mode, "dp"))
         return tdm_train_run_local(a, NULL, NULL);
@@ -402,8 +418,8 @@ static tdm_status tdm_train_dispatch(const tdm_train_args *a)
     if (!strcmp(a->mode, "fsdp"))
         return tdm_train_run_ranks(a, &tdm_tool_fsdp_design, NULL, NULL);
     if (!strcmp(a->mode, "pp")) return tdm_train_run_pp(a, NULL, NULL);
-    return tdm_tool_usage_error("tandem train: --mode '%s': expected single, dp, ddp, fsdp or "
-                                "pp\n", a->mode);
+    return tdm_tool_usage_error("tandem train: --mode '%s': expected single, dp, ddp, fsdp, pp "
+                                "or ps\n", a->mode);
 }
 
 int tdm_tool_train_main(int argc, char **argv)
