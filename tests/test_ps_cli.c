@@ -192,3 +192,22 @@ Test(ps_cli, bad_options_say_why, .timeout = 60)
     expect(r, 2, "--mode ps trains --model mlp");
     free(r);
 }
+
+Test(ps_cli, compare_prints_the_servers_rows, .timeout = 240)
+{
+    cli_result *r = malloc(sizeof *r);
+    CLI(r, "compare", "--modes", "ddp,ps,ps-async", "--device", "cpu:3", "--model", "mlp:784-32-10", "--steps",
+        "6", "--batch", "48", "--data", "synthetic");
+    expect(r, 0, "ps (sync), 1 server");
+    cr_assert(strstr(r->out, "ps-async, 1 server"), "%s", r->out);
+    cr_assert(strstr(r->out, "KiB all-reduced per rank per step"), "%s", r->out);
+    /* sync: every gradient applied fresh */
+    const char *row = strstr(r->out, "ps (sync), 1 server");
+    const char *nl = strchr(row, '\n');
+    const char *z = strstr(row, " 0:12");
+    cr_assert(z && z < nl, "sync row: %.*s", (int)(nl - row), row);
+    CLI(r, "compare", "--modes", "ps", "--device", "cpu:2", "--model", "cnn", "--steps", "2", "--data",
+        "synthetic");
+    expect(r, 0, "skipped: --mode ps trains --model mlp only");
+    free(r);
+}
