@@ -147,6 +147,8 @@ void tdm_rpc_wire_fill(tdm_rpc_wire *w, tdm_rpc_kind kind, int src, int32_t stat
 /* rpc/rref.c: frees the objects still owned (tdm_rpc_free, after the
  * threads have stopped). */
 void tdm_rref_table_free(tdm_rpc *rpc);
+/* rpc/barrier.c: registers the barrier's two functions (tdm_rpc_init). */
+tdm_status tdm_rpc_barrier_register(tdm_rpc *rpc);
 /* The time bound for the transport's setup. */
 int64_t tdm_rpc_setup_ms(const tdm_rpc *rpc);
 
