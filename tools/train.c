@@ -131,7 +131,7 @@ static void tdm_train_usage(FILE *f)
         "                         (HogWild: each push applied as it comes)    [sync]\n"
         "  --ps-transport shm|tcp ps: the RPC transport (tcp: loopback rendezvous at\n"
         "                         MASTER_ADDR, a port rank 0 picks)           [shm]\n"
-        "  --timeout SECONDS      ddp, fsdp, pp: process-group timeout: a rank that waits\n"
+        "  --timeout SECONDS      ddp, fsdp, pp, ps: process-group timeout: a rank that waits\n"
         "                         longer for a peer in a collective fails, naming\n"
         "                         it [$TANDEM_TIMEOUT, else 60 for forked ranks,\n"
         "                         300 under tandem launch]\n"
@@ -377,9 +377,9 @@ static tdm_status tdm_train_check_args(tdm_train_args *a)
     if (a->lr < 0) a->lr = strcmp(a->optim, "sgd") ? (gpt ? 2e-3 : 1e-3) : 0.05;
     if (a->weight_decay < 0) a->weight_decay = strcmp(a->optim, "sgd") ? 0.01 : 0.0;
     int ranks = !strcmp(a->mode, "ddp") || !strcmp(a->mode, "fsdp") || !strcmp(a->mode, "pp");
-    if (a->timeout && !ranks)
-        fprintf(stderr, "tandem train: note: --timeout applies to --mode ddp, fsdp and pp (the "
-                        "process group's collectives); --mode %s has none\n", a->mode);
+    if (a->timeout && !ranks && strcmp(a->mode, "ps"))
+        fprintf(stderr, "tandem train: note: --timeout applies to --mode ddp, fsdp, pp and ps (the "
+                        "process group's collectives, ps's calls); --mode %s has none\n", a->mode);
     if ((a->sharding || a->save_sharded) && strcmp(a->mode, "fsdp") && strcmp(a->mode, "pp"))
         return tdm_tool_usage_error("tandem train: --sharding and --save-sharded apply to "
                                     "--mode fsdp, not --mode %s\n", a->mode);
