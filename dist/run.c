@@ -423,7 +423,8 @@ static tdm_status tdm_dist_run_forked(const tdm_dist_job *j0, int world)
         tdm_dist_spawn_opts so = {
             .timeout_ms = o->run_timeout_ms > 0 ? o->run_timeout_ms : TDM_DIST_RUN_UNBOUNDED_MS,
             .comm_timeout_ms = j->timeout_ms, .arena_bytes = o->arena_bytes,
-            .on_settled = w ? w->settled : NULL, .settled_ctx = w ? w->ctx : NULL};
+            .on_settled = w ? w->settled : NULL, .settled_ctx = w ? w->ctx : NULL,
+            .outlive_failures = o->outlive_failures};
         tdm_shm_spawn_result res;
         memset(&res, 0, sizeof res);   /* a spawn that failed early fills nothing */
         fflush(stdout);

@@ -163,6 +163,11 @@ typedef struct tdm_dist_run_opts {
     int64_t run_timeout_ms;      /* bound on the whole run; 0: TDM_DIST_RUN_UNBOUNDED_MS */
     size_t arena_bytes;          /* shm arena per rank (zero-copy gradients; also an MPI
                                     job's shm segment) */
+    /* 1: a forked rank's failure stops no other rank (shm/spawn.h's
+     * outlive_failures): a design whose ranks go on without a lost one
+     * (a parameter server's asynchronous workers); the run still fails,
+     * naming it, once the others have ended */
+    int outlive_failures;
     long long max_restarts;      /* restarts after a rank's failure (PEER_FAILED) */
     /* Elastic resize of forked ranks: when the same rank (the lowest one
      * killed by a signal the teardown did not send) fails on two attempts

@@ -29,7 +29,8 @@ tdm_status tdm_dist_spawn(int world, tdm_dist_spawn_fn fn, void *arg,
     tdm_dist_spawn_opts o = opts ? *opts : (tdm_dist_spawn_opts){0};
     if (o.comm_timeout_ms <= 0) TDM_CHECK(tdm_dist_timeout_from_env(&o.comm_timeout_ms));
     tdm_shm_spawn_opts so = {.timeout_ms = o.timeout_ms, .grace_ms = o.grace_ms,
-                             .on_settled = o.on_settled, .settled_ctx = o.settled_ctx};
+                             .on_settled = o.on_settled, .settled_ctx = o.settled_ctx,
+                             .outlive_failures = o.outlive_failures};
     so.shm.arena_bytes = o.arena_bytes;
     so.shm.timeout_ms = o.comm_timeout_ms;
     tdm_dist_spawn_ctx c = {.fn = fn, .arg = arg};

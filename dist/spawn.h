@@ -29,6 +29,7 @@ typedef struct tdm_dist_spawn_opts {
                                  ddp/ddp.h); 0: none */
     tdm_shm_settled_fn on_settled;   /* as in tdm_shm_spawn_opts; NULL: none */
     void *settled_ctx;
+    int outlive_failures;     /* as in tdm_shm_spawn_opts */
 } tdm_dist_spawn_opts;
 
 /* Returns OK when every rank exited 0, else the root cause by the rule of

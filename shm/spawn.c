@@ -333,7 +333,7 @@ tdm_status tdm_shm_spawn(int world, tdm_shm_spawn_fn fn, void *arg,
             }
             if (res) res->wstatus[r] = ws;
             /* after a failure the others get grace_ms to stop on their own */
-            if (tdm_shm_watch_ended(&w, r, ws) && grace_end == UINT64_MAX)
+            if (tdm_shm_watch_ended(&w, r, ws) && grace_end == UINT64_MAX && !o.outlive_failures)
                 grace_end = tdm_time_ns() + (uint64_t)grace_ms * 1000000ull;
             if (res) res->induced[r] = w.induced[r];
         }

@@ -39,6 +39,12 @@ typedef struct tdm_shm_spawn_opts {
      * as it stands (the stopped ranks not ended). NULL: none. */
     tdm_shm_settled_fn on_settled;
     void *settled_ctx;
+    /* 1: a rank's failure stops nobody: the others run on until they end
+     * by themselves or timeout_ms (a parameter server's asynchronous
+     * workers train on without a lost one). The failure is still
+     * reported to the group and in the result. 0: the others are
+     * stopped after grace_ms. */
+    int outlive_failures;
 } tdm_shm_spawn_opts;
 
 typedef struct tdm_shm_spawn_result {

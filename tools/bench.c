@@ -16,6 +16,7 @@ int tdm_tool_bench_main(int argc, char **argv)
         {"gemm", tdm_bench_gemm_main},
         {"train", tdm_bench_train_main},
         {"dp", tdm_bench_dp_main},
+        {"rpc", tdm_bench_rpc_main},
     };
     for (size_t i = 0; argc > 1 && i < sizeof named / sizeof named[0]; i++)
         if (!strcmp(argv[1], named[i].name)) return named[i].fn(argc - 1, argv + 1);

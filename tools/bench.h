@@ -14,5 +14,8 @@ int tdm_bench_gemm_main(int argc, char **argv);
 int tdm_bench_train_main(int argc, char **argv);
 /* `bench dp`: one device against DataParallel (tools/bench_dp.c). */
 int tdm_bench_dp_main(int argc, char **argv);
+/* `bench rpc`: rpc/'s round trip over shm and TCP beside a plain TCP
+ * ping-pong (tools/bench_rpc.c). */
+int tdm_bench_rpc_main(int argc, char **argv);
 
 #endif

@@ -61,7 +61,8 @@ static void tdm_cmp_usage(FILE *f)
         "throughput, a per-phase breakdown, an equivalence verdict, memory per device\n"
         "and a reading of the figures.\n"
         "\n"
-        "  --modes LIST         any of single, dp, ddp, fsdp, zero2, zero1, pp, tp (comma-\n"
+        "  --modes LIST         any of single, dp, ddp, fsdp, zero2, zero1, pp, tp, ps,\n"
+        "                       ps-async (comma-\n"
         "                       separated; single always runs, as the reference)\n"
         "                                                          [single,dp,ddp,fsdp]\n"
         "                       fsdp:  PyTorch FSDP FULL_SHARD, DeepSpeed ZeRO stage 3\n"
@@ -76,6 +77,11 @@ static void tdm_cmp_usage(FILE *f)
         "                       with the all-reduces, memory and bytes per rank, and\n"
         "                       its verdict against one host device (compare's\n"
         "                       bound after the last step)\n"
+        "                       ps, ps-async: a parameter server (tandem train --mode\n"
+        "                       ps, mlp, host devices), sync or async, with 1 server\n"
+        "                       (and 2 from 4 devices): samples/s against DDP, each\n"
+        "                       server's bytes in and out per step against DDP's\n"
+        "                       all-reduced bytes, the staleness of applied gradients\n"
         "  --stages S           pp: stages, one device each (S <= N)    [N]\n"
         "  --microbatches M     pp: micro-batches per global batch       [4]\n"
         "  --schedule S         pp: gpipe or 1f1b                        [1f1b]\n"
@@ -1061,6 +1067,13 @@ static tdm_status tdm_cmp_main_run(tdm_cmp_job *j)
                                     j->ran[TDM_CMP_DDP] ? &j->res[TDM_CMP_DDP] : NULL);
         if (pv < 0) return TDM_STATUS_PEER_FAILED;
         if (!pv) j->verdict = 0;
+    }
+    if (j->o.modes & (TDM_CMP_PS_BIT | TDM_CMP_PS_ASYNC_BIT)) {
+        const tdm_cmp_result *ddp = j->ran[TDM_CMP_DDP] ? &j->res[TDM_CMP_DDP] : NULL;
+        double med = 0, mn = 0, mx = 0;
+        if (ddp) tdm_cmp_step_stats(&j->o, ddp, &med, &mn, &mx);
+        if (tdm_cmp_ps_section(&j->o, ddp, med > 0 ? j->o.batch / (med / 1000.0) : 0) < 0)
+            return TDM_STATUS_PEER_FAILED;
     }
     tdm_cmp_load_print(&j->o, j->rp, j->nres, j->other_cores);
     TDM_CHECK(tdm_cmp_sweep(j));

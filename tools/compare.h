@@ -80,6 +80,10 @@ typedef struct tdm_cmp_opts {
 #define TDM_CMP_PP_BIT (1u << TDM_CMP_NMODES)
 /* And tensor parallelism's (tools/compare_tp.c). */
 #define TDM_CMP_TP_BIT (1u << (TDM_CMP_NMODES + 1))
+/* --modes' bits for the parameter server's variants, which run as
+ * `tandem train --mode ps` in a section of their own (tools/compare_ps.c) */
+#define TDM_CMP_PS_BIT (1u << (TDM_CMP_NMODES + 2))
+#define TDM_CMP_PS_ASYNC_BIT (1u << (TDM_CMP_NMODES + 3))
 
 /* Bytes per device (or rank) by kind. */
 typedef struct tdm_cmp_memory {
@@ -218,6 +222,13 @@ int tdm_cmp_hook_section(const tdm_cmp_opts *o, const tdm_cmp_data *data,
 int tdm_cmp_pp_section(const tdm_cmp_opts *o, const tdm_cmp_data *data,
                        const tdm_model_spec *spec, const tdm_cmp_result *single,
                        const tdm_cmp_result *ddp);
+/* The parameter server's section (tools/compare_ps.c): ps (sync) and
+ * ps-async as --modes asks, each with 1 server (and 2 on 4 devices or
+ * more): samples/s beside DDP's (ddp_sps, <= 0: none), each server's
+ * bytes in and out per step beside DDP's all-reduced bytes per rank (ddp
+ * may be NULL), the staleness histogram, the reading. 1: ran (or
+ * skipped, said), -1: a run failed (said). */
+int tdm_cmp_ps_section(const tdm_cmp_opts *o, const tdm_cmp_result *ddp, double ddp_sps);
 /* --sweep with pp: the samples/s of a pipeline of S stages (the median
  * post-warm-up step); < 0 when the run failed (said). */
 double tdm_cmp_pp_sweep_sps(const tdm_cmp_opts *o, const tdm_cmp_data *data,

@@ -42,6 +42,14 @@ int tdm_cmp_parse_modes(const char *s, unsigned *mask)
             *mask |= TDM_CMP_TP_BIT;
             found = 1;
         }
+        if (n == 2 && !strncmp(p, "ps", 2)) {
+            *mask |= TDM_CMP_PS_BIT;
+            found = 1;
+        }
+        if (n == 8 && !strncmp(p, "ps-async", 8)) {
+            *mask |= TDM_CMP_PS_ASYNC_BIT;
+            found = 1;
+        }
         for (size_t i = 0; i < sizeof t / sizeof t[0]; i++)
             if (strlen(t[i].name) == n && !strncmp(p, t[i].name, n)) {
                 *mask |= 1u << t[i].m;
@@ -49,7 +57,8 @@ int tdm_cmp_parse_modes(const char *s, unsigned *mask)
             }
         if (!found) {
             fprintf(stderr, "tandem compare: --modes '%s': '%.*s' is not a mode; choose from "
-                            "single, dp, ddp, fsdp (zero3), zero2, zero1, pp, tp, comma-separated\n",
+                            "single, dp, ddp, fsdp (zero3), zero2, zero1, pp, tp, ps, "
+                            "ps-async, comma-separated\n",
                     s, (int)n, p);
             return 0;
         }

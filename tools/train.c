@@ -39,13 +39,14 @@ static void tdm_train_usage(FILE *f)
     fprintf(f,
         "usage: tandem train [options]\n"
         "\n"
-        "  --mode single|dp|ddp|fsdp|pp|tp  one device, DataParallel (threads),\n"
-        "                         DistributedDataParallel (processes), sharded\n"
-        "                         data parallel (processes, see --sharding), a\n"
-        "                         pipeline of the model's layers (processes, one\n"
-        "                         stage each, see --stages) or tensor parallel\n"
+        "  --mode single|dp|ddp|fsdp|pp|tp|ps  one device, DataParallel\n"
+        "                         (threads), DistributedDataParallel (processes),\n"
+        "                         sharded data parallel (processes, see --sharding),\n"
+        "                         a pipeline of the model's layers (processes, one\n"
+        "                         stage each, see --stages), tensor parallel\n"
         "                         (processes, each a slice of every layer; the\n"
-        "                         MLP and the GPT)                          [single]\n"
+        "                         MLP and the GPT) or a parameter server\n"
+        "                         (processes: see --servers; mlp only)      [single]\n"
         "  --model NAME           mlp (784-1024-1024-10), mlp:W0-W1-..-Wn, cnn, or\n"
         "                         gpt (a byte-level GPT, gpt:%d-%d-%d-%d) or gpt:L-D-H-T\n"
         "                         (L blocks, width D, H heads, context T)      [mlp]\n"
@@ -126,9 +127,18 @@ static void tdm_train_usage(FILE *f)
         "                         their gradients summed by DDP over the dp dimension\n"
         "  --mesh dp=D,tp=N       tp: D replicas of a tensor-parallel group of N on\n"
         "                         D*N devices, gradients summed over the dp dimension\n"
-        "  --timeout SECONDS      ddp, fsdp, pp: process-group timeout: a rank that waits\n"
-        "                         longer for a peer in a collective fails, naming\n"
-        "                         it [$TANDEM_TIMEOUT, else 60 for forked ranks,\n"
+        "  --servers S            ps: the first S devices serve shards of the parameters\n"
+        "                         and optimizer state; the others are workers    [1]\n"
+        "  --ps-sync MODE         ps: sync (every step waits for every worker: DDP's\n"
+        "                         step), bounded:K (a worker at most K steps ahead\n"
+        "                         of the slowest; bounded:0 is sync) or async\n"
+        "                         (HogWild: each push applied as it comes)    [sync]\n"
+        "  --ps-transport shm|tcp ps: the RPC transport (tcp: loopback rendezvous at\n"
+        "                         MASTER_ADDR, a port rank 0 picks)           [shm]\n"
+        "  --timeout SECONDS      ddp, fsdp, pp, tp, ps: process-group timeout: a\n"
+        "                         rank that waits longer for a peer in a\n"
+        "                         collective fails, naming it [$TANDEM_TIMEOUT,\n"
+        "                         else 60 for forked ranks,\n"
         "                         300 under tandem launch]\n"
         "  --max-restarts K       ddp, fsdp, pp: when a rank fails, stop the rest and start\n"
         "                         every rank again from the --save checkpoint, at\n"
@@ -250,6 +260,9 @@ static tdm_status tdm_train_parse(int argc, char **argv, tdm_train_args *a, int 
         TDM_ARGS_STR("--schedule", a->schedule)
         TDM_ARGS_STR("--split", a->split)
         TDM_ARGS_STR("--mesh", a->mesh)
+        TDM_ARGS_INT("--servers", 1, 63, a->servers)
+        TDM_ARGS_STR("--ps-sync", a->ps_sync)
+        TDM_ARGS_STR("--ps-transport", a->ps_transport)
         TDM_ARGS_INT("--deterministic", 1, TDM_DIST_DET_MAX_K, a->deterministic)
         TDM_ARGS_INT("--min-devices", 1, TDM_DIST_DET_MAX_K, a->min_devices)
         TDM_ARGS_STR("--precision", a->precision)
@@ -378,9 +391,10 @@ static tdm_status tdm_train_check_args(tdm_train_args *a)
     if (a->weight_decay < 0) a->weight_decay = strcmp(a->optim, "sgd") ? 0.01 : 0.0;
     int ranks = !strcmp(a->mode, "ddp") || !strcmp(a->mode, "fsdp") || !strcmp(a->mode, "pp") ||
                 !strcmp(a->mode, "tp");
-    if (a->timeout && !ranks)
-        fprintf(stderr, "tandem train: note: --timeout applies to --mode ddp, fsdp and pp (the "
-                        "process group's collectives); --mode %s has none\n", a->mode);
+    if (a->timeout && !ranks && strcmp(a->mode, "ps"))
+        fprintf(stderr, "tandem train: note: --timeout applies to --mode ddp, fsdp, pp, tp and ps "
+                        "(the process group's collectives, ps's calls); --mode %s has none\n",
+                a->mode);
     if ((a->sharding || a->save_sharded) && strcmp(a->mode, "fsdp") && strcmp(a->mode, "pp"))
         return tdm_tool_usage_error("tandem train: --sharding and --save-sharded apply to "
                                     "--mode fsdp, not --mode %s\n", a->mode);
@@ -389,6 +403,9 @@ static tdm_status tdm_train_check_args(tdm_train_args *a)
                                     "and pp (ranks that can fail one by one)\n");
     TDM_CHECK(tdm_train_check_tp(a));
     TDM_CHECK(tdm_train_check_pp(a, gpt));
+    if ((a->servers || a->ps_sync || a->ps_transport) && strcmp(a->mode, "ps"))
+        return tdm_tool_usage_error("tandem train: --servers, --ps-sync and --ps-transport apply to "
+                                    "--mode ps, not --mode %s\n", a->mode);
     if (a->max_restarts && (tdm_dist_launched() || tdm_dist_mpi_launched()))
         fprintf(stderr, "tandem train: note: --max-restarts restarts the ranks tandem train forks "
                         "itself; these ranks were started by a launcher, which restarts them: "
@@ -416,6 +433,7 @@ static tdm_status tdm_train_check_args(tdm_train_args *a)
 
 static tdm_status tdm_train_dispatch(const tdm_train_args *a)
 {
+    if (!strcmp(a->mode, "ps")) return tdm_train_run_ps(a);   /* it refuses gpt */
     if (!strncmp(a->model, "gpt", 3)) return tdm_train_text_main(a);
     if (!strcmp(a->mode, "single") || !strcmp(a->mode, "dp"))
         return tdm_train_run_local(a, NULL, NULL);
@@ -424,8 +442,8 @@ static tdm_status tdm_train_dispatch(const tdm_train_args *a)
         return tdm_train_run_ranks(a, &tdm_tool_fsdp_design, NULL, NULL);
     if (!strcmp(a->mode, "pp")) return tdm_train_run_pp(a, NULL, NULL);
     if (!strcmp(a->mode, "tp")) return tdm_train_run_tp(a);
-    return tdm_tool_usage_error("tandem train: --mode '%s': expected single, dp, ddp, fsdp, pp "
-                                "or tp\n", a->mode);
+    return tdm_tool_usage_error("tandem train: --mode '%s': expected single, dp, ddp, fsdp, pp, "
+                                "tp or ps\n", a->mode);
 }
 
 int tdm_tool_train_main(int argc, char **argv)

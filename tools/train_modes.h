@@ -54,6 +54,9 @@ typedef struct tdm_train_args {
      * (all = 1 unit per segment), --clip-grad-norm (0: off), --offload */
     const char *precision, *ckpt, *offload;
     double clip_grad_norm;
+    /* ps (tools/train_ps.c): --servers S (0: 1), --ps-sync, --ps-transport (as given) */
+    long long servers;
+    const char *ps_sync, *ps_transport;
 } tdm_train_args;
 
 /* The samples per optimizer step: batch * grad_accum. */
@@ -258,6 +261,9 @@ tdm_status tdm_train_check_tp(const tdm_train_args *a);
 /* --mode tp (tools/train_tp.c): the ranks of tensor parallelism's table
  * (tools/rank_tp.c) through tdm_train_run_ranks. */
 tdm_status tdm_train_run_tp(const tdm_train_args *a);
+/* --mode ps (tools/train_ps.c): a parameter server's ranks over dist/run.h.
+ * Checks its options (USAGE, said) and says what failed. */
+tdm_status tdm_train_run_ps(const tdm_train_args *a);
 /* --mode ddp and fsdp (tools/train_ranks.c): the ranks of a design's
  * table (tools/ranks.h) over dist/run.h, forked, launched or an MPI
  * job's. spec: the model (NULL: parsed from --model); text: a gpt's

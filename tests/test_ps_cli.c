@@ -1,0 +1,213 @@
+/* tests/test_ps_cli.c: `tandem train --mode ps` end to end (a small
+ * MLP, a few steps):
+ *  - sync with 2 workers writes the very checkpoint --mode ddp on 2
+ *    ranks writes, byte for byte (the sum of two gradients is the same
+ *    in any order), with 1 and 2 servers, and bounded:0 too;
+ *  - sync with 3 workers (4 and 5 ranks) against ddp on 3 ranks: every
+ *    parameter within compare's last-step bound (|a-b| <= 1e-4 +
+ *    1e-3|b|): the server sums in worker order, the shm all-reduce in its
+ *    own, so the bits may differ;
+ *  - async and bounded:2 train and save a checkpoint;
+ *  - a worker SIGKILLed in async: the job finishes (exit 0), names the
+ *    worker, and its checkpoint loads; in sync the job stops (exit 1);
+ *    a killed server stops the job naming it;
+ *  - bad options get a one-line error and exit 2. */
+#include <criterion/criterion.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "core/safetensors.h"
+#include "tests/cli_util.h"
+
+static char g_dir[64];
+
+static void setup_dir(void)
+{
+    snprintf(g_dir, sizeof g_dir, "/tmp/tandem-ps-cli-XXXXXX");
+    cr_assert_not_null(mkdtemp(g_dir));
+}
+
+static void teardown_dir(void)
+{
+    char cmd[128];
+    snprintf(cmd, sizeof cmd, "rm -rf %s", g_dir);
+    cr_assert_eq(system(cmd), 0);
+}
+
+static const char *path(char *buf, const char *name)
+{
+    snprintf(buf, 128, "%s/%s", g_dir, name);
+    return buf;
+}
+
+#define SMALL "--model", "mlp:784-32-10", "--epochs", "2", "--max-steps", "12", "--batch", "48", \
+              "--data", "synthetic", "--synthetic-size", "2000", "--no-eval"
+
+static long file_size(const char *p)
+{
+    FILE *f = fopen(p, "rb");
+    cr_assert_not_null(f, "%s", p);
+    fseek(f, 0, SEEK_END);
+    long n = ftell(f);
+    fclose(f);
+    return n;
+}
+
+static int same_bytes(const char *a, const char *b)
+{
+    long n = file_size(a);
+    if (n != file_size(b)) return 0;
+    FILE *fa = fopen(a, "rb"), *fb = fopen(b, "rb");
+    int same = 1;
+    for (long i = 0; i < n && same; i++) same = fgetc(fa) == fgetc(fb);
+    fclose(fa);
+    fclose(fb);
+    return same;
+}
+
+Test(ps_cli, sync_with_two_workers_is_ddp_byte_for_byte, .init = setup_dir, .fini = teardown_dir,
+     .timeout = 240)
+{
+    cli_result *r = malloc(sizeof *r);
+    char ddp[128], ps[128];
+    CLI(r, "train", "--mode", "ddp", "--device", "cpu:2", SMALL, "--save", path(ddp, "ddp.st"));
+    expect(r, 0, "saved");
+    CLI(r, "train", "--mode", "ps", "--device", "cpu:3", SMALL, "--save", path(ps, "ps1.st"));
+    expect(r, 0, "1 server, 2 workers");
+    cr_assert(same_bytes(ddp, ps), "ps (1 server) and ddp checkpoints differ");
+    CLI(r, "train", "--mode", "ps", "--device", "cpu:4", "--servers", "2", SMALL, "--save",
+        path(ps, "ps2.st"));
+    expect(r, 0, "2 servers, 2 workers");
+    cr_assert(same_bytes(ddp, ps), "ps (2 servers) and ddp checkpoints differ");
+    CLI(r, "train", "--mode", "ps", "--device", "cpu:3", "--ps-sync", "bounded:0", SMALL, "--save",
+        path(ps, "psb0.st"));
+    expect(r, 0, "bounded:0");
+    cr_assert(same_bytes(ddp, ps), "ps bounded:0 and ddp checkpoints differ");
+    cr_assert_eq(cli_shm_entries(), 0);
+    free(r);
+}
+
+/* Every parameter of a within |a-b| <= atol + rtol|b| of b's. */
+static void expect_close(const char *a, const char *b, double atol, double rtol)
+{
+    tdm_st_file *fa = NULL, *fb = NULL;
+    cr_assert_eq(tdm_st_load(&fa, a), 0, "%s", tdm_error_message());
+    cr_assert_eq(tdm_st_load(&fb, b), 0, "%s", tdm_error_message());
+    int checked = 0;
+    for (int i = 0; i < tdm_st_count(fb); i++) {
+        const tdm_st_tensor *tb = tdm_st_get(fb, i);
+        if (strncmp(tb->name, "optim", 5) == 0 || tb->dtype != TDM_ST_F32) continue;
+        const tdm_st_tensor *ta = tdm_st_find(fa, tb->name);
+        cr_assert_not_null(ta, "%s lacks %s", a, tb->name);
+        cr_assert_eq(ta->nbytes, tb->nbytes);
+        for (size_t k = 0; k < tb->nbytes / 4; k++) {
+            float x, y;
+            memcpy(&x, (const char *)ta->data + 4 * k, 4);
+            memcpy(&y, (const char *)tb->data + 4 * k, 4);
+            cr_assert(fabs((double)x - y) <= atol + rtol * fabs((double)y), "%s[%zu]: %.9g vs %.9g", tb->name,
+                      k, x, y);
+        }
+        checked++;
+    }
+    cr_assert_gt(checked, 0);
+    tdm_st_free(fa);
+    tdm_st_free(fb);
+}
+
+Test(ps_cli, sync_with_three_workers_is_ddp_within_bounds, .init = setup_dir, .fini = teardown_dir,
+     .timeout = 240)
+{
+    cli_result *r = malloc(sizeof *r);
+    char ddp[128], ps[128];
+    CLI(r, "train", "--mode", "ddp", "--device", "cpu:3", SMALL, "--save", path(ddp, "ddp.st"));
+    expect(r, 0, "saved");
+    CLI(r, "train", "--mode", "ps", "--device", "cpu:4", SMALL, "--save", path(ps, "ps1.st"));
+    expect(r, 0, "1 server, 3 workers");
+    expect_close(ps, ddp, 1e-4, 1e-3);
+    CLI(r, "train", "--mode", "ps", "--device", "cpu:5", "--servers", "2", "--ps-transport", "tcp", SMALL,
+        "--save", path(ps, "ps2.st"));
+    expect(r, 0, "rpc over tcp");
+    expect_close(ps, ddp, 1e-4, 1e-3);
+    free(r);
+}
+
+Test(ps_cli, async_and_bounded_train_and_save, .init = setup_dir, .fini = teardown_dir, .timeout = 240)
+{
+    cli_result *r = malloc(sizeof *r);
+    char ck[128];
+    CLI(r, "train", "--mode", "ps", "--device", "cpu:4", "--ps-sync", "async", SMALL, "--save",
+        path(ck, "a.st"));
+    expect(r, 0, "staleness");
+    cr_assert(strstr(r->out, "async"), "%s", r->out);
+    CLI(r, "eval", "--resume", ck, "--data", "synthetic", "--synthetic-size", "2000");
+    expect(r, 0, NULL);
+    CLI(r, "train", "--mode", "ps", "--device", "cpu:4", "--servers", "2", "--ps-sync", "bounded:2", SMALL);
+    expect(r, 0, "bounded:2");
+    /* no staleness above the bound in either server's histogram */
+    cr_assert_null(strstr(r->out, " 3:"), "%s", r->out);
+    free(r);
+}
+
+Test(ps_cli, a_killed_worker_async_goes_on_sync_stops, .init = setup_dir, .fini = teardown_dir,
+     .timeout = 240)
+{
+    cli_result *r = malloc(sizeof *r);
+    char ck[128];
+    setenv("TANDEM_PS_TEST_KILL", "worker:1:5", 1);
+    CLI(r, "train", "--mode", "ps", "--device", "cpu:4", "--ps-sync", "async", SMALL, "--save",
+        path(ck, "k.st"));
+    expect(r, 0, "worker 1 (rank 2)");
+    cr_assert(strstr(r->out, "async training finished with the other workers"), "%s", r->out);
+    cr_assert(strstr(r->out, "saved"), "%s", r->out);
+    CLI(r, "eval", "--resume", ck, "--data", "synthetic", "--synthetic-size", "2000");
+    expect(r, 0, NULL);
+    CLI(r, "train", "--mode", "ps", "--device", "cpu:4", SMALL);
+    expect(r, 1, "rank 2");
+    setenv("TANDEM_PS_TEST_KILL", "server:1:4", 1);
+    CLI(r, "train", "--mode", "ps", "--device", "cpu:4", "--servers", "2", "--ps-sync", "async", SMALL);
+    expect(r, 1, "rank 1");
+    cr_assert(strstr(r->out, "server 1"), "%s", r->out);
+    unsetenv("TANDEM_PS_TEST_KILL");
+    cr_assert_eq(cli_shm_entries(), 0);
+    free(r);
+}
+
+Test(ps_cli, bad_options_say_why, .timeout = 60)
+{
+    cli_result *r = malloc(sizeof *r);
+    CLI(r, "train", "--mode", "ps", "--device", "cpu:2", "--servers", "2", SMALL);
+    expect(r, 2, "--servers 2 needs at least 3 devices");
+    CLI(r, "train", "--mode", "ps", "--device", "cpu:3", "--ps-sync", "fast", SMALL);
+    expect(r, 2, "expected sync, async or bounded:K");
+    CLI(r, "train", "--mode", "ps", "--device", "cpu:3", "--ps-transport", "udp", SMALL);
+    expect(r, 2, "unknown transport 'udp'");
+    CLI(r, "train", "--mode", "ddp", "--device", "cpu:2", "--servers", "1", SMALL);
+    expect(r, 2, "apply to --mode ps");
+    CLI(r, "train", "--mode", "ps", "--device", "cpu:3", "--model", "cnn", "--epochs", "1");
+    expect(r, 2, "--mode ps trains --model mlp");
+    CLI(r, "train", "--mode", "ps", "--device", "cpu:3", "--model", "gpt", "--epochs", "1");
+    expect(r, 2, "--mode ps trains --model mlp");
+    free(r);
+}
+
+Test(ps_cli, compare_prints_the_servers_rows, .timeout = 240)
+{
+    cli_result *r = malloc(sizeof *r);
+    CLI(r, "compare", "--modes", "ddp,ps,ps-async", "--device", "cpu:3", "--model", "mlp:784-32-10", "--steps",
+        "6", "--batch", "48", "--data", "synthetic");
+    expect(r, 0, "ps (sync), 1 server");
+    cr_assert(strstr(r->out, "ps-async, 1 server"), "%s", r->out);
+    cr_assert(strstr(r->out, "KiB all-reduced per rank per step"), "%s", r->out);
+    /* sync: every gradient applied fresh */
+    const char *row = strstr(r->out, "ps (sync), 1 server");
+    const char *nl = strchr(row, '\n');
+    const char *z = strstr(row, " 0:12");
+    cr_assert(z && z < nl, "sync row: %.*s", (int)(nl - row), row);
+    CLI(r, "compare", "--modes", "ps", "--device", "cpu:2", "--model", "cnn", "--steps", "2", "--data",
+        "synthetic");
+    expect(r, 0, "skipped: --mode ps trains --model mlp only");
+    free(r);
+}
