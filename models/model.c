@@ -84,6 +84,7 @@ static tdm_status tdm_model_build(tdm_model *m)
     const tdm_model_spec *s = &m->spec;
     char name[TDM_MODEL_NAME_MAX];
     if (s->kind == TDM_MODEL_GPT) return tdm_gpt_build(m);
+    if (s->kind == TDM_MODEL_SEQ) return tdm_seq_build(m);
     if (s->kind == TDM_MODEL_MLP) {
         TDM_REQUIRE(s->ndims >= 2 && s->ndims <= TDM_MODEL_MAX_DIMS, TDM_STATUS_INVALID_ARG,
                     "an MLP needs 2 to %d widths (input ... output), got %d", TDM_MODEL_MAX_DIMS,
@@ -498,7 +499,7 @@ static tdm_status tdm_model_reserve_scratch(tdm_model *m, int batch)
     tdm_model_free_scratch(m);
     for (int i = 0; i < m->n_layers; i++) {
         tdm_layer *l = &m->layers[i];
-        if (l->kind == TDM_LAYER_CONV) l->chunk = tdm_model_conv_chunk(m, l, batch);
+        if (tdm_layer_convs(l)) l->chunk = tdm_model_conv_chunk(m, l, batch);
     }
     set = malloc(sizeof *set);
     scr = malloc(sizeof *scr);
@@ -705,6 +706,7 @@ tdm_status tdm_model_backward(tdm_model *m, const float *dlogits)
             TDM_CHECK(tdm_model_raise_use(m, TDM_MODEL_USE_BACKWARD, bn->p0, bn->p0 + bn->np - 1));
             if (l->seg_last && m->lev.ckpt > 0) TDM_CHECK(tdm_model_chain_recompute(m, i, B));
             TDM_CHECK(tdm_model_pair_backward(m, bn, l, m->dbuf[cur], din, bn_din, B));
+            TDM_CHECK(tdm_seq_skip_add(m, i - 1, bn_din, B));
             if (m->hook) m->hook(m->hook_ctx, m, bn->p0, bn->p0 + bn->np - 1);
             i--;
             continue;
@@ -714,6 +716,7 @@ tdm_status tdm_model_backward(tdm_model *m, const float *dlogits)
         if (l->seg_last && m->lev.ckpt > 0) TDM_CHECK(tdm_model_chain_recompute(m, i, B));
         if (tdm_model_low(m)) TDM_CHECK(tdm_model_restore_low(m, i, B));
         TDM_CHECK(tdm_model_layer_backward(m, l, m->dbuf[cur], din, B));
+        TDM_CHECK(tdm_seq_skip_add(m, i, din, B));
         if (l->np > 0 && m->hook) m->hook(m->hook_ctx, m, l->p0, l->p0 + l->np - 1);
         cur = 1 - cur;
     }

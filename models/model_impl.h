@@ -24,6 +24,10 @@ typedef enum tdm_layer_kind {
     TDM_LAYER_FLATTEN,   /* CNHW -> (N, C*H*W) */
     TDM_LAYER_TO_CNHW,   /* (N, C, H, W) input -> CNHW */
     TDM_LAYER_GROUP,     /* a model with its own vt: only names a parameter range */
+    /* model files and the C builder (models/builder.c, models/layers_seq.c) */
+    TDM_LAYER_ACT,       /* elementwise relu, gelu, tanh or sigmoid (l->act) */
+    TDM_LAYER_AVGPOOL,   /* k x kw windows at stride k, CNHW */
+    TDM_LAYER_RES,       /* out = previous layer's out + (projected) output of layer skip */
 } tdm_layer_kind;
 
 typedef struct tdm_layer {
@@ -34,6 +38,15 @@ typedef struct tdm_layer {
     int c, h, w;            /* input shape per sample (linear: c = in features) */
     int oc, oh, ow;         /* output shape per sample (linear: oc = out features) */
     int k, stride, pad;     /* conv / pool */
+    int kw;                 /* avgpool: window width (k: its height) */
+    tdm_act act;            /* TDM_LAYER_ACT */
+    /* TDM_LAYER_RES: c, h, w is the block input's shape (layer skip's
+     * output; -1: the model's input), in_elems = out_elems the block's
+     * output; proj: a 1x1 conv of stride `stride` (images: weight only)
+     * (k = 1) or a linear layer (features, k = 0: weight, bias) on the skip path */
+    int skip, proj;
+    int64_t skip_elems;
+    float *skipg;           /* backward: the skip path's input gradient (scratch) */
     int64_t in_elems, out_elems; /* per sample */
     int block;              /* tdm_model_layer_block */
     /* activations (capacity m->cap samples) */
@@ -216,6 +229,28 @@ tdm_status tdm_model_pair_forward(tdm_model *m, tdm_layer *bn, tdm_layer *pool, 
                                   int B);
 tdm_status tdm_model_pair_backward(tdm_model *m, tdm_layer *bn, tdm_layer *pool, float *dout,
                                    float *dmid, float *din, int B);
+
+/* 1 when layer l runs a convolution through im2col chunks (m->col): a
+ * conv layer, a residual projection over images. */
+static inline int tdm_layer_convs(const tdm_layer *l)
+{
+    return l->kind == TDM_LAYER_CONV || (l->kind == TDM_LAYER_RES && l->proj && l->k == 1);
+}
+
+/* models/layers.c: a conv layer's forward (l->out = W * x) and backward
+ * (adds dW; writes din unless NULL), for the residual projection too. */
+tdm_status tdm_layer_conv_fwd(tdm_model *m, tdm_layer *l, const float *x, int B);
+tdm_status tdm_layer_conv_bwd(tdm_model *m, tdm_layer *l, const float *dout, float *din, int B);
+
+/* models/layers_seq.c: the forward and backward of the builder's layers
+ * (act, avgpool, residual), and the residual blocks' skip gradients added
+ * into the input gradient of a block's first layer (lowest: the lowest
+ * layer whose backward just ran; din: its input gradient, NULL: none). */
+tdm_status tdm_seq_layer_forward(tdm_model *m, tdm_layer *l, const float *x, int B);
+tdm_status tdm_seq_layer_backward(tdm_model *m, tdm_layer *l, float *dout, float *din, int B);
+tdm_status tdm_seq_skip_add(tdm_model *m, int lowest, float *din, int B);
+/* models/builder.c: a SEQ spec's layers and tensors. */
+tdm_status tdm_seq_build(tdm_model *m);
 
 /* models/model.c: a model of pipeline layers [lo, hi) of spec
  * (tdm_model_init_stage; lo = hi = -1: the whole model). */
