@@ -359,14 +359,14 @@ tdm_status tdm_seq_build(tdm_model *m)
     tdm_seq_counts n = {0};
     tdm_seq_shape cur = {.c = s->in_c, .h = s->in_h, .w = s->in_w, .flat = s->in_flat};
     int cnhw = s->in_flat, fuse = -1;     /* fuse: a linear or batchnorm a relu may join */
-    int open[TDM_MODEL_MAX_NEST], n_open = 0;
+    int open[TDM_MODEL_MAX_NEST], open_line[TDM_MODEL_MAX_NEST], n_open = 0;
     tdm_seq_shape open_sh[TDM_MODEL_MAX_NEST];
     for (int i = 0; i < s->n_ops; i++) {
         const tdm_model_op *o = &s->ops[i];
         tdm_seq_shape out = {.c = o->c, .h = o->h, .w = o->w, .flat = o->flat};
         TDM_REQUIRE(m->n_layers + 2 < TDM_MODEL_MAX_LAYERS, TDM_STATUS_INVALID_ARG,
                     "model has more than %d layers", TDM_MODEL_MAX_LAYERS);
-        int li = m->n_layers, next_fuse = -1;
+        int li = m->n_layers, first_new = m->n_layers, next_fuse = -1;
         tdm_layer *l;
         switch (o->kind) {
         case TDM_MODEL_OP_LINEAR:
@@ -442,6 +442,7 @@ tdm_status tdm_seq_build(tdm_model *m)
         case TDM_MODEL_OP_RES_OPEN:
             TDM_CHECK(tdm_seq_need_cnhw(m, &cur, &cnhw));
             open_sh[n_open] = cur;
+            open_line[n_open] = o->line;
             open[n_open++] = m->n_layers - 1;
             break;
         case TDM_MODEL_OP_RES_CLOSE: {
@@ -473,6 +474,8 @@ tdm_status tdm_seq_build(tdm_model *m)
             break;
         }
         }
+        for (int j = first_new; j < m->n_layers; j++)
+            m->layers[j].line = o->kind == TDM_MODEL_OP_RES_CLOSE ? open_line[n_open] : o->line;
         fuse = next_fuse;
         cur = out;
     }

@@ -49,6 +49,7 @@ typedef struct tdm_layer {
     float *skipg;           /* backward: the skip path's input gradient (scratch) */
     int64_t in_elems, out_elems; /* per sample */
     int block;              /* tdm_model_layer_block */
+    int line;               /* model file line of its op (residual: where the block opens) */
     /* activations (capacity m->cap samples) */
     float *out;
     int chunk;              /* conv: images per chunk (tdm_model_set_conv_chunk) */

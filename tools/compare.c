@@ -25,6 +25,7 @@
 #include "ddp/hooks.h"
 #include "dist/mpi_job.h"
 #include "dist/run.h"
+#include "models/builder.h"
 #include "models/stage.h"
 #include "models/train.h"
 #include "pp/pp.h"
@@ -726,7 +727,7 @@ static int tdm_cmp_print_pair(const tdm_cmp_job *j, const tdm_model *ref, tdm_cm
 {
     const tdm_cmp_opts *o = &j->o;
     const tdm_cmp_result *a = &j->res[ma], *b = &j->res[mb];
-    int bn = j->spec.kind == TDM_MODEL_CNN;
+    int bn = tdm_model_spec_has_batchnorm(&j->spec);
     char label[40];
     snprintf(label, sizeof label, "%s vs %s", tdm_cmp_mode_name(a->mode),
              tdm_cmp_mode_name(b->mode));
