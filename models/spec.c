@@ -107,14 +107,10 @@ void tdm_model_spec_describe(const tdm_model_spec *s, char *buf, size_t len)
         return;
     }
     if (s->kind == TDM_MODEL_SEQ) {
-        int nl = 0;
-        for (int i = 0; i < s->n_ops; i++)
-            nl += s->ops[i].kind != TDM_MODEL_OP_RES_CLOSE && s->ops[i].kind != TDM_MODEL_OP_FLATTEN;
-        if (s->in_flat)
-            snprintf(buf, len, "%s (%d -> %d, %d layers)", s->name, s->in_w, s->n_classes, nl);
+        if (s->in_flat) snprintf(buf, len, "%s (%d -> %d)", s->name, s->in_w, s->n_classes);
         else
-            snprintf(buf, len, "%s (%dx%dx%d -> %d, %d layers)", s->name, s->in_c, s->in_h,
-                     s->in_w, s->n_classes, nl);
+            snprintf(buf, len, "%s (%dx%dx%d -> %d)", s->name, s->in_c, s->in_h, s->in_w,
+                     s->n_classes);
         return;
     }
     if (s->kind == TDM_MODEL_CNN) {
