@@ -25,6 +25,7 @@
 #include "ddp/hooks.h"
 #include "dist/mpi_job.h"
 #include "dist/run.h"
+#include "core/npy.h"
 #include "models/builder.h"
 #include "models/stage.h"
 #include "models/train.h"
@@ -83,6 +84,7 @@ static void tdm_cmp_usage(FILE *f)
         "                       [3, or half of --steps when that is fewer]\n"
         "  --batch B            global batch size (B >= N)   [256; gpt: %d windows]\n"
         "  --data DIR|synthetic Fashion-MNIST directory or synthetic data  [Fashion-MNIST]\n"
+        "  --data X.npy,Y.npy   NumPy arrays: inputs (n, ...), labels (n,) (docs/MODELS.md)\n"
         "  --data FILE|DIR      gpt: any file, or a fortunes directory  [Debian's fortunes]\n"
         "  --optim sgd|adamw    [sgd; gpt: adamw]                    --momentum M [0.9]\n"
         "  --lr LR              [sgd: 0.05, adamw: 0.001 (gpt: 0.002)], as train's\n"
@@ -597,6 +599,8 @@ static tdm_status tdm_cmp_load_images(tdm_cmp_job *j)
         tdm_model_spec_sample_shape(&j->spec, &c, &h, &w, &classes);
         int64_t n = (int64_t)o->batch * (o->steps < 50 ? o->steps : 50);
         st = tdm_data_synthetic(&data->train, n, c, h, w, classes, 1234, 0);
+    } else if (tdm_data_is_npy(o->data)) {
+        st = tdm_data_load_npy(&data->train, o->data);
     } else {
         st = tdm_data_load_fashion_mnist(&data->train, o->data, 1);
     }

@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "core/device.h"
+#include "core/npy.h"
 #include "core/safetensors.h"
 #include "core/text.h"
 #include "models/checkpoint.h"
@@ -48,6 +49,7 @@ static void tdm_eval_usage(FILE *f)
         "                         checkpoint)\n"
         "  --data FILE|DIR        as train's: Fashion-MNIST directory, synthetic, or\n"
         "                         text for a gpt                  [train's default]\n"
+        "  --data X.npy,Y.npy     NumPy arrays: all of them are the test set\n"
         "  --synthetic-size N     with --data synthetic: the training set's size; the\n"
         "                         test set is N/6, as train's              [60000]\n"
         "  --mode single          evaluation runs on one device (the figures do not\n"
@@ -157,7 +159,7 @@ static tdm_status tdm_eval_images(const tdm_eval_opts *o, tdm_model *m,
                                   const tdm_model_spec *spec, const char *desc)
 {
     /* train's loader (and its memory check) with train's one-device defaults */
-    tdm_train_args a = {.data = o->data, .synthetic_size = o->synthetic_size,
+    tdm_train_args a = {.data = o->data, .val_data = tdm_data_is_npy(o->data) ? o->data : NULL, .synthetic_size = o->synthetic_size,
                         .batch = TDM_EVAL_BATCH, .mode = "single", .device = "cpu",
                         .model = desc, .optim = "sgd", .threads = 1, .grad_accum = 1};
     tdm_dataset train, test;
