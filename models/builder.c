@@ -17,6 +17,7 @@ static const char *const tdm_op_names[] = {
     [TDM_MODEL_OP_SIGMOID] = "sigmoid", [TDM_MODEL_OP_MAXPOOL] = "maxpool",
     [TDM_MODEL_OP_AVGPOOL] = "avgpool", [TDM_MODEL_OP_FLATTEN] = "flatten",
     [TDM_MODEL_OP_RES_OPEN] = "residual {", [TDM_MODEL_OP_RES_CLOSE] = "}",
+    [TDM_MODEL_OP_DROPOUT] = "dropout",
 };
 
 const char *tdm_model_op_name(tdm_model_op_kind kind)
@@ -131,6 +132,10 @@ static tdm_status tdm_seq_infer(const tdm_model_spec *s, const tdm_model_op *o,
     case TDM_MODEL_OP_GELU:
     case TDM_MODEL_OP_TANH:
     case TDM_MODEL_OP_SIGMOID:
+        return TDM_STATUS_OK;
+    case TDM_MODEL_OP_DROPOUT:
+        TDM_REQUIRE(o->p >= 0.0f && o->p < 1.0f, TDM_STATUS_INVALID_ARG,
+                    "dropout: probability %g (expected 0 <= p < 1)", (double)o->p);
         return TDM_STATUS_OK;
     case TDM_MODEL_OP_MAXPOOL:
     case TDM_MODEL_OP_AVGPOOL:
@@ -248,6 +253,11 @@ tdm_status tdm_model_seq_avgpool_global(tdm_model_spec *s)
                 "avgpool global needs an image, got %d features", in.w);
     return tdm_model_seq_add(s, &(tdm_model_op){.kind = TDM_MODEL_OP_AVGPOOL, .k = in.h,
                                                 .kw = in.w});
+}
+
+tdm_status tdm_model_seq_dropout(tdm_model_spec *s, float p)
+{
+    return tdm_model_seq_add(s, &(tdm_model_op){.kind = TDM_MODEL_OP_DROPOUT, .p = p});
 }
 
 tdm_status tdm_model_seq_flatten(tdm_model_spec *s)
@@ -430,6 +440,18 @@ tdm_status tdm_seq_build(tdm_model *m)
             l->k = o->k;
             l->kw = o->kw;
             l->stride = o->stride;
+            break;
+        case TDM_MODEL_OP_DROPOUT:
+            /* its mask indexes each sample's values in (C, H, W) order,
+             * whatever the layout: the element's channel and plane */
+            TDM_CHECK(tdm_seq_need_cnhw(m, &cur, &cnhw));
+            l = tdm_seq_layer(m, TDM_LAYER_DROPOUT, &cur, &out);
+            if (cur.flat) {
+                l->c = l->oc = 1;
+                l->h = l->oh = 1;
+            }
+            l->p = o->p;
+            l->op = i;
             break;
         case TDM_MODEL_OP_FLATTEN:
             /* CNHW back to each sample's (C, H, W) order; an input never

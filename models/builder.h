@@ -58,6 +58,14 @@ tdm_status tdm_model_seq_pool(tdm_model_spec *s, tdm_model_op_kind kind, int k);
 /* Average over each channel's whole plane: (C, H, W) -> (C, 1, 1). */
 tdm_status tdm_model_seq_avgpool_global(tdm_model_spec *s);
 tdm_status tdm_model_seq_flatten(tdm_model_spec *s);
+/* Dropout with probability p (0 <= p < 1): in training, each value is
+ * zeroed with probability p and the others scaled by 1 / (1 - p), with a
+ * mask that depends on the model's seed, how many training forwards the
+ * model has run, the sample's input bytes and the value's place in the
+ * sample - not on the rank, the batch or the sample's place in it, so
+ * every parallel design drops the same values (docs/MODELS.md). The
+ * identity in evaluation. */
+tdm_status tdm_model_seq_dropout(tdm_model_spec *s, float p);
 /* A residual block: output = block(x) + x, or + proj(x) when proj is 1
  * (a 1x1 convolution of the stride that maps x's plane onto the block's
  * output, or a linear layer for features). Without proj the block must

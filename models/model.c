@@ -318,6 +318,7 @@ tdm_status tdm_model_init(tdm_model **out, tdm_device *dev, const tdm_model_spec
 {
     tdm_model *m = NULL;
     TDM_CHECK(tdm_model_new(&m, dev, spec, -1, -1));
+    m->seed = seed;
     tdm_status st = tdm_model_fill_host(m, seed);
     if (st != TDM_STATUS_OK) {
         tdm_model_free(m);
@@ -336,6 +337,7 @@ tdm_status tdm_model_init_range(tdm_model **out, tdm_device *dev, const tdm_mode
 {
     tdm_model *m = NULL;
     TDM_CHECK(tdm_model_new(&m, dev, spec, lo, hi));
+    m->seed = seed;
     tdm_status st = tdm_model_fill_host(m, seed);
     if (st != TDM_STATUS_OK) {
         tdm_model_free(m);
@@ -378,6 +380,8 @@ tdm_status tdm_model_clone(tdm_model **out, const tdm_model *src, tdm_device *de
     }
     m->train = src->train;
     m->conv_chunk = src->conv_chunk;
+    m->seed = src->seed;
+    m->n_train_fwd = src->n_train_fwd;
     st = tdm_model_set_precision(m, src->lev.prec);
     if (st == TDM_STATUS_OK) st = tdm_model_set_checkpoint(m, src->lev.ckpt);
     if (st != TDM_STATUS_OK) {
@@ -453,6 +457,7 @@ void tdm_model_free(tdm_model *m)
     tdm_dev_free(m->dev, m->params);
     tdm_dev_free(m->dev, m->grads_owned);
     tdm_dev_free(m->dev, m->buffers);
+    free(m->drop_keys);
     free(m);
 }
 
@@ -609,6 +614,7 @@ tdm_status tdm_model_forward(tdm_model *m, const void *x, int batch, const float
     m->batch = 0;
     if (m->vt) return m->vt->forward(m, x, batch, logits);
     TDM_CHECK(tdm_model_reserve(m, batch));
+    TDM_CHECK(tdm_seq_drop_keys(m, x, batch));
     tdm_model_bind_low(m);
     const float *cur = x;
     if (tdm_model_low(m)) {

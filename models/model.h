@@ -71,12 +71,14 @@ typedef enum tdm_model_op_kind {
     TDM_MODEL_OP_FLATTEN,
     TDM_MODEL_OP_RES_OPEN,      /* a residual block's input */
     TDM_MODEL_OP_RES_CLOSE,     /* output = block + input (proj: through a projection) */
+    TDM_MODEL_OP_DROPOUT,       /* p: drop probability (training only) */
 } tdm_model_op_kind;
 
 typedef struct tdm_model_op {
     tdm_model_op_kind kind;
     int n, k, kw, stride, pad;
     int proj;                   /* RES_CLOSE: 1x1 conv (images) or linear (features) */
+    float p;                    /* DROPOUT */
     int line;                   /* the model file's line (0: built in C) */
     int c, h, w, flat;          /* the shape after this op (flat: features in w) */
 } tdm_model_op;

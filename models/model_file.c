@@ -150,6 +150,18 @@ static tdm_status tdm_mf_op(const tdm_mf_line *l, tdm_model_op *o, int *global)
         o->kw = o->k;
         return TDM_STATUS_OK;
     }
+    if (!strcmp(w, "dropout")) {
+        if (n != 2) return tdm_mf_err(l, "expected `dropout P` (0 <= P < 1)");
+        char *end = NULL;
+        errno = 0;
+        double p = strtod(l->tok[1], &end);
+        if (end == l->tok[1] || *end || errno || !(p >= 0.0 && p < 1.0))
+            return tdm_mf_err(l, "dropout probability '%s' is not a number in [0, 1)",
+                              l->tok[1]);
+        o->kind = TDM_MODEL_OP_DROPOUT;
+        o->p = (float)p;
+        return TDM_STATUS_OK;
+    }
     if (!strcmp(w, "residual")) {
         if (n != 2 || strcmp(l->tok[1], "{"))
             return tdm_mf_err(l, "expected `residual {` (the block ends with `}` or `} proj`)");
@@ -165,7 +177,7 @@ static tdm_status tdm_mf_op(const tdm_mf_line *l, tdm_model_op *o, int *global)
     }
     if (!strcmp(w, "input")) return tdm_mf_err(l, "`input` must be the first layer line");
     return tdm_mf_err(l, "unknown layer '%s' (expected input, linear, conv, batchnorm, relu, gelu, "
-                         "tanh, sigmoid, maxpool, avgpool, flatten, residual {, })", w);
+                         "tanh, sigmoid, maxpool, avgpool, flatten, dropout, residual {, })", w);
 }
 
 /* Splits line text (len bytes, no newline) into tokens; 0 tokens: blank

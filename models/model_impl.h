@@ -28,6 +28,7 @@ typedef enum tdm_layer_kind {
     TDM_LAYER_ACT,       /* elementwise relu, gelu, tanh or sigmoid (l->act) */
     TDM_LAYER_AVGPOOL,   /* k x kw windows at stride k, CNHW */
     TDM_LAYER_RES,       /* out = previous layer's out + (projected) output of layer skip */
+    TDM_LAYER_DROPOUT,   /* training: x * mask / (1 - p), the mask keyed on each sample */
 } tdm_layer_kind;
 
 typedef struct tdm_layer {
@@ -47,6 +48,8 @@ typedef struct tdm_layer {
     int skip, proj;
     int64_t skip_elems;
     float *skipg;           /* backward: the skip path's input gradient (scratch) */
+    float p;                /* TDM_LAYER_DROPOUT: drop probability */
+    int op;                 /* TDM_LAYER_DROPOUT: its op's index in the spec (keys its mask) */
     int64_t in_elems, out_elems; /* per sample */
     int block;              /* tdm_model_layer_block */
     int line;               /* model file line of its op (residual: where the block opens) */
@@ -126,6 +129,12 @@ struct tdm_model {
     float *params, *grads, *buffers;
     float *grads_owned;     /* NULL while grads are borrowed */
     int train;
+    /* dropout (models/layers_seq.c): the init seed, training forwards so
+     * far, and the last training forward's per-sample keys (host) */
+    uint64_t seed;
+    int64_t n_train_fwd;
+    uint64_t *drop_keys;
+    int drop_cap;
     int bwd_stop;           /* backward runs layers n_layers-1 .. bwd_stop */
     tdm_grad_ready_fn hook;
     void *hook_ctx;
@@ -250,6 +259,9 @@ tdm_status tdm_layer_conv_bwd(tdm_model *m, tdm_layer *l, const float *dout, flo
 tdm_status tdm_seq_layer_forward(tdm_model *m, tdm_layer *l, const float *x, int B);
 tdm_status tdm_seq_layer_backward(tdm_model *m, tdm_layer *l, float *dout, float *din, int B);
 tdm_status tdm_seq_skip_add(tdm_model *m, int lowest, float *din, int B);
+/* Before a training forward of a model with dropout: each sample's key
+ * from (seed, training forwards so far, the sample's input bytes). */
+tdm_status tdm_seq_drop_keys(tdm_model *m, const void *x, int B);
 /* models/builder.c: a SEQ spec's layers and tensors. */
 tdm_status tdm_seq_build(tdm_model *m);
 

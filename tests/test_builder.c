@@ -34,6 +34,8 @@ typedef struct ref_ctx {
     const float *x;
     const int32_t *y;
     int B, train;
+    uint64_t seed;      /* the model's, for dropout's masks */
+    int64_t fwd;        /* training forwards the model ran before */
     int pi, bi;         /* the next parameter / buffer tensor */
 } ref_ctx;
 
@@ -151,6 +153,39 @@ static ref_t ref_pool(const ref_t *in, int max, int kh, int kw)
     return o;
 }
 
+/* docs/MODELS.md's dropout mask, written again: a sample's key from
+ * (seed, training forwards before this one, its input bytes), value j
+ * of op `op` kept when splitmix64(key ^ mix(op) + (j + 1) golden) >> 40
+ * >= p 2^24. */
+#define GOLDEN 0x9e3779b97f4a7c15ull
+static uint64_t mix(uint64_t z)
+{
+    z += GOLDEN;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+static void ref_dropout(ref_ctx *c, ref_t *t, float p, int op)
+{
+    if (!c->train) return;
+    const tdm_model_spec *s = tdm_model_get_spec(c->m);
+    size_t row = (size_t)s->in_c * s->in_h * s->in_w * sizeof(float);
+    uint64_t base = mix(c->seed ^ mix((uint64_t)c->fwd));
+    uint64_t thr = (uint64_t)((double)p * (double)(1 << 24));
+    int per = t->c * t->h * t->w;
+    for (int n = 0; n < c->B; n++) {
+        uint64_t f = 0xcbf29ce484222325ull;
+        const unsigned char *b = (const unsigned char *)c->x + n * row;
+        for (size_t i = 0; i < row; i++) f = (f ^ b[i]) * 0x100000001b3ull;
+        uint64_t k = mix(base ^ f) ^ mix((uint64_t)op);
+        for (int j = 0; j < per; j++) {
+            int keep = (mix(k + ((uint64_t)j + 1) * GOLDEN) >> 40) >= thr;
+            t->x[(size_t)n * per + j] = keep ? t->x[(size_t)n * per + j] / (1.0 - (double)p) : 0.0;
+        }
+    }
+}
+
 static double ref_loss(ref_ctx *c)
 {
     const tdm_model_spec *s = tdm_model_get_spec(c->m);
@@ -180,6 +215,9 @@ static double ref_loss(ref_ctx *c)
         case TDM_MODEL_OP_MAXPOOL:
         case TDM_MODEL_OP_AVGPOOL:
             nt = ref_pool(&t, o->kind == TDM_MODEL_OP_MAXPOOL, o->k, o->kw);
+            break;
+        case TDM_MODEL_OP_DROPOUT:
+            ref_dropout(c, &t, o->p, i);
             break;
         case TDM_MODEL_OP_FLATTEN:
             t.w = t.c * t.h * t.w;
@@ -278,7 +316,7 @@ static void check_fd(const char *what, const char *text, int B, int train)
     for (int i = 0; i < B; i++) y[i] = (int32_t)tdm_rng_below(&r, (uint64_t)K);
     double *P = to_double(tdm_model_params(m), tdm_model_param_elems(m));
     double *Bu = to_double(tdm_model_buffers(m), tdm_model_buffer_elems(m));
-    ref_ctx c = {.m = m, .P = P, .Bu = Bu, .x = x, .y = y, .B = B, .train = train};
+    ref_ctx c = {.m = m, .P = P, .Bu = Bu, .x = x, .y = y, .B = B, .train = train, .seed = 5};
     double ref = ref_loss(&c), loss = 0.0;
     TU_OK(tdm_model_zero_grad(m));
     TU_OK(tdm_model_forward_backward(m, x, y, B, &loss));
@@ -340,6 +378,26 @@ Test(builder, activations_and_pooling_match_finite_differences)
              "avgpool global\n"
              "flatten\n"
              "linear 3\n", 4, 1);
+}
+
+Test(builder, dropout_with_its_fixed_mask_matches_finite_differences)
+{
+    static const char *txt =
+        "input 2x5x5\n"
+        "conv 3x3 4 pad 1\n"
+        "dropout 0.3                # on an image (CNHW inside): the mask in (C, H, W) order\n"
+        "relu\n"
+        "residual {\n"
+        "  conv 3x3 4 pad 1\n"
+        "  dropout 0.5\n"
+        "}\n"
+        "flatten\n"
+        "linear 6\n"
+        "tanh\n"
+        "dropout 0.25               # on features\n"
+        "linear 3\n";
+    check_fd("dropout", txt, 6, 1);
+    check_fd("dropout", txt, 6, 0);   /* the identity in evaluation */
 }
 
 Test(builder, residual_blocks_match_finite_differences)

@@ -278,8 +278,12 @@ Test(model_file, mutations_never_crash)
         /* small enough to build and run once */
         tdm_model *mdl = NULL;
         int64_t in = (int64_t)s.in_c * s.in_h * s.in_w;
-        if (in > 4096 || tdm_model_init(&mdl, tu_host(), &s, 1) != TDM_STATUS_OK) continue;
-        if (tdm_model_param_elems(mdl) < (1 << 22)) {
+        tdm_model_footprint fp;
+        if (in > 4096 || tdm_model_spec_footprint(&s, tu_host(), 2, &fp) != TDM_STATUS_OK ||
+            fp.param_elems > (1 << 18) || fp.act_bytes > ((size_t)16 << 20))
+            continue;
+        if (tdm_model_init(&mdl, tu_host(), &s, 1) != TDM_STATUS_OK) continue;
+        {
             float *x = calloc((size_t)in * 2, sizeof(float));
             int32_t y[2] = {0, 1};
             double loss;
