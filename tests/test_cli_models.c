@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "core/device.h"
 #include "tests/cli_util.h"
 #include "tests/test_util.h"
 
@@ -144,4 +145,20 @@ Test(cli_models, numpy_data_trains_and_bad_arrays_stop_in_one_line)
     CLI(&r, "train", "--model", g_examples[0], "--data", pair, "--epochs", "1");
     expect(&r, 2, "truncated");
     one_line(&r);
+}
+
+/* On emulated GPUs (cuda/emulator.c) the new layers run their host
+ * fallbacks through device copies: the same verdict. */
+Test(cli_models, examples_on_emulated_gpus)
+{
+    static cli_result r;
+    if (!tdm_device_cuda_linked()) cr_skip_test("CUDA backend not built (no nvcc)");
+    cr_assert_eq(setenv("TANDEM_CUDA_EMULATOR", "2", 1), 0);
+    CLI(&r, "compare", "--device", "cuda:0,1", "--model", g_examples[2], "--data", "synthetic",
+        "--steps", "2", "--batch", "16", "--modes", "single,ddp");
+    expect(&r, 0, "verdict: PASS");
+    CLI(&r, "train", "--device", "cuda", "--model", g_examples[0], "--data", "synthetic",
+        "--synthetic-size", "64", "--epochs", "1", "--max-steps", "1", "--batch", "16");
+    expect(&r, 0, "epoch 1/1");
+    unsetenv("TANDEM_CUDA_EMULATOR");
 }
