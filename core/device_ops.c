@@ -446,13 +446,21 @@ tdm_status tdm_dev_act_bwd(tdm_device *d, tdm_act act, const float *x, const flo
     return st;
 }
 
+static tdm_status tdm_dev_avgpool_check(const tdm_conv_geom *g)
+{
+    /* windows that do not overlap (backward writes each input once) and fit */
+    TDM_REQUIRE(g->kh > 0 && g->kw > 0 && g->oh > 0 && g->ow > 0 && g->stride >= g->kh &&
+                    (g->ow == 1 || g->stride >= g->kw) &&
+                    (int64_t)(g->oh - 1) * g->stride + g->kh <= g->h &&
+                    (int64_t)(g->ow - 1) * g->stride + g->kw <= g->w,
+                TDM_STATUS_INVALID_ARG, "avgpool: window %dx%d stride %d does not fit %dx%d -> %dx%d",
+                g->kh, g->kw, g->stride, g->h, g->w, g->oh, g->ow);
+    return TDM_STATUS_OK;
+}
+
 static tdm_status tdm_dev_avgpool(tdm_device *d, const tdm_conv_geom *g, const float *in,
                                   float *out, int bwd)
 {
-    TDM_REQUIRE(g->kh > 0 && g->kw > 0 && g->oh > 0 && g->ow > 0 &&
-                    (g->oh - 1) * g->stride + g->kh <= g->h && (g->ow - 1) * g->stride + g->kw <= g->w,
-                TDM_STATUS_INVALID_ARG, "avgpool: window %dx%d stride %d does not fit %dx%d -> %dx%d",
-                g->kh, g->kw, g->stride, g->h, g->w, g->oh, g->ow);
     if (tdm_dev_kind(d) == TDM_DEVICE_HOST) {
         tdm_ops_avgpool(g, in, out, bwd);
         return TDM_STATUS_OK;
@@ -472,12 +480,14 @@ static tdm_status tdm_dev_avgpool(tdm_device *d, const tdm_conv_geom *g, const f
 
 tdm_status tdm_dev_avgpool_fwd(tdm_device *d, const tdm_conv_geom *g, const float *x, float *y)
 {
+    TDM_CHECK(tdm_dev_avgpool_check(g));
     if (d->ops->avgpool_fwd) return d->ops->avgpool_fwd(d, g, x, y);
     return tdm_dev_avgpool(d, g, x, y, 0);
 }
 
 tdm_status tdm_dev_avgpool_bwd(tdm_device *d, const tdm_conv_geom *g, const float *dy, float *dx)
 {
+    TDM_CHECK(tdm_dev_avgpool_check(g));
     if (d->ops->avgpool_bwd) return d->ops->avgpool_bwd(d, g, dy, dx);
     return tdm_dev_avgpool(d, g, dy, dx, 1);
 }
