@@ -273,17 +273,30 @@ static int tdm_shm_stalled(tdm_shm_impl *c, int r, const tdm_shm_ctrl *k, char p
     return 1;
 }
 
-/* For the deadline's message: is the awaited peer alive? */
-static const char *tdm_shm_alive_str(const tdm_shm_impl *c, int peer, uint64_t now)
+/* A heartbeat seen advancing within this long is current (the thread
+ * beats every TDM_SHM_BEAT_NS). */
+#define TDM_SHM_BEAT_CURRENT_NS (10 * TDM_SHM_BEAT_NS)
+
+/* For the deadline's message: is the awaited peer alive? How long its
+ * heartbeat has stood still is counted from this rank's first look at it
+ * in this wait at the latest (tdm_shm_stalled keeps beat_seen_ns): a
+ * beat that stopped before the wait began shows as stopped since then. */
+static void tdm_shm_alive_str(const tdm_shm_impl *c, int peer, uint64_t now, char *out,
+                              size_t n)
 {
     const tdm_shm_ctrl *k = tdm_shm_ctrl_of(c, peer);
     uint64_t b = atomic_load_explicit(&((tdm_shm_ctrl *)k)->beat, memory_order_relaxed);
-    if (!b) return "which has no heartbeat (has it joined?)";
-    uint64_t fresh = c->stall_ns > 10 * TDM_SHM_BEAT_NS ? c->stall_ns : 10 * TDM_SHM_BEAT_NS;
-    if (c->beat_seen_ns[peer] && now - c->beat_seen_ns[peer] < fresh)
-        return "which is alive (its heartbeat is current) but has not arrived: it is busy, "
-               "slow or waiting elsewhere; raise the timeout if that is expected";
-    return "whose heartbeat has stopped";
+    if (!b) {
+        snprintf(out, n, "which has no heartbeat (has it joined?)");
+    } else if (c->beat_seen_ns[peer] && now - c->beat_seen_ns[peer] < TDM_SHM_BEAT_CURRENT_NS) {
+        snprintf(out, n, "which is alive (its heartbeat is current) but has not arrived: it is "
+                 "busy, slow or waiting elsewhere; raise the timeout if that is expected");
+    } else if (c->beat_seen_ns[peer]) {
+        snprintf(out, n, "whose heartbeat has not advanced for %.1f s: it is stopped, frozen or "
+                 "starved of CPU", (double)(now - c->beat_seen_ns[peer]) * 1e-9);
+    } else {
+        snprintf(out, n, "whose heartbeat has stopped");
+    }
 }
 
 /* The test hook's pause (tdm_shm_impl.test_gone_pause): until the
@@ -428,10 +441,12 @@ tdm_status tdm_shm_flag_wait(tdm_shm_impl *c, tdm_shm_flag *f, uint64_t target, 
                                   c->job_rank[c->rank]);
             else snprintf(me, sizeof me, "rank %d", tdm_shm_name(c, c->rank));
             tdm_shm_who(c, peer, (int)atomic_load(&k->pid), who, sizeof who);
+            char alive[160];
+            tdm_shm_alive_str(c, peer, now, alive, sizeof alive);
             tdm_shm_raise_rank(c, peer, TDM_STATUS_TIMEOUT,
                           "%s timed out after %lld ms in %s #%llu waiting for %s, %s", me,
                           (long long)c->timeout_ms, c->cur_name, (unsigned long long)c->cur_seq,
-                          who, tdm_shm_alive_str(c, peer, now));
+                          who, alive);
             tdm_status st = tdm_shm_check_abort(c);
             return st ? st : tdm_error_set(TDM_STATUS_TIMEOUT, "%s #%llu: timed out waiting "
                                            "for %s", c->cur_name,

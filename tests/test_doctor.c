@@ -340,6 +340,24 @@ Test(doctor, train_prints_the_verdict_of_a_stopped_rank, .timeout = 120)
     fr_t_rm_dir(dir);
 }
 
+/* A stopped rank found by the others' timeout rather than by the stall
+ * bound (--timeout 3 against the 3 s default bound: either may come
+ * first): it is STALLED before and after the teardown kills it, never
+ * "DIED" (the SIGKILL was the teardown's, not how it failed). */
+Test(doctor, a_stopped_rank_is_stalled_before_and_after_the_teardown, .timeout = 120)
+{
+    char dir[64];
+    fr_t_dump_dir(dir, sizeof dir);
+    setenv("TANDEM_DDP_TEST_KILL", "1:3:STOP", 1);
+    unsetenv("TANDEM_SHM_STALL_MS");
+    cli_result r;
+    CLI(&r, DOC_TRAIN, "--device", "cpu:2", "--timeout", "3");
+    expect(&r, 1, "tandem train: doctor: STALLED: rank 1 ");
+    cr_expect(!strstr(r.out, "DIED"), "a stopped rank called dead:\n%s", r.out);
+    cr_expect(!cli_shm_entries());
+    fr_t_rm_dir(dir);
+}
+
 Test(doctor, launch_prints_the_verdict_of_a_stopped_rank_before_killing_it, .timeout = 120)
 {
     char dir[64];

@@ -137,8 +137,18 @@ static tdm_status tdm_rank_ddp_params(tdm_tool_rank *r, float *host, int root)
                                 (size_t)tdm_model_param_elems(r->m) * sizeof(float));
 }
 
+/* forward, loss, backward, the exposed all-reduce wait, step */
+static int tdm_rank_ddp_phases(const tdm_tool_rank *r, tdm_phase_times *out)
+{
+    tdm_ddp_times t;
+    tdm_ddp_get_times(r->w, &t);
+    *out = t.last;
+    return 1;
+}
+
 const tdm_tool_design tdm_tool_ddp_design = {
     .dist = {.name = "ddp", .caps = TDM_DIST_MPI | TDM_DIST_NCCL, .setup = tdm_rank_ddp_setup,
              .free = tdm_rank_ddp_free, .ops = &tdm_ddp_dist_ops},
     .unit = "DDP rank", .save_alone = 1, .describe = tdm_rank_ddp_describe,
-    .report = tdm_rank_ddp_report, .params = tdm_rank_ddp_params};
+    .report = tdm_rank_ddp_report, .params = tdm_rank_ddp_params,
+    .phases = tdm_rank_ddp_phases};

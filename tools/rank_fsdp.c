@@ -117,10 +117,19 @@ static tdm_status tdm_rank_fsdp_params(tdm_tool_rank *r, float *host, int root)
     return tdm_fsdp_gather_params(r->w, host, root);
 }
 
+/* forward, backward, the exposed all-gather and reduce-scatter waits, step */
+static int tdm_rank_fsdp_phases(const tdm_tool_rank *r, tdm_phase_times *out)
+{
+    tdm_fsdp_times t;
+    tdm_fsdp_get_times(r->w, &t);
+    *out = t.last;
+    return 1;
+}
+
 const tdm_tool_design tdm_tool_fsdp_design = {
     .dist = {.name = "fsdp", .caps = TDM_DIST_NCCL, .setup = tdm_rank_fsdp_setup,
              .free = tdm_rank_fsdp_free, .ops = &tdm_fsdp_dist_ops},
     .unit = "FSDP rank", .save_alone = 0, .describe = tdm_rank_fsdp_describe,
     .save = tdm_rank_fsdp_save, .save_form = tdm_rank_fsdp_save_form,
     .report = tdm_rank_fsdp_report,
-    .params = tdm_rank_fsdp_params};
+    .params = tdm_rank_fsdp_params, .phases = tdm_rank_fsdp_phases};

@@ -109,6 +109,9 @@ struct tdm_tool_design {
     /* Collective, on every rank after a successful run, before rank 0's
      * report (a pipeline gathers every stage's figures). May be NULL. */
     tdm_status (*finish)(tdm_tool_rank *r);
+    /* The last step's phases on this rank (train --trace); 0 when none.
+     * May be NULL. */
+    int (*phases)(const tdm_tool_rank *r, tdm_phase_times *out);
 };
 
 extern const tdm_tool_design tdm_tool_ddp_design;

@@ -169,6 +169,9 @@ static void tdm_train_usage(FILE *f)
         "                         seconds, evaluation), rewritten after every epoch\n"
         "                         (schema: docs/OUTPUTS.md); not with --uneven\n"
         "  --csv FILE             the same as CSV, one row per epoch\n"
+        "  --trace FILE           a Chrome trace of the run (Perfetto, chrome://tracing):\n"
+        "                         a track per process or rank with every step, its\n"
+        "                         phases, evaluations and saves; not with --uneven\n"
         "\n"
         "A loss that turns NaN or infinite stops the run (exit 1) naming the step;\n"
         "a checkpoint with NaN or infinite values is never written nor resumed from.\n"
@@ -225,6 +228,7 @@ static tdm_status tdm_train_parse(int argc, char **argv, tdm_train_args *a, int 
         TDM_ARGS_STR("--save", a->save)
         TDM_ARGS_STR("--json", a->json)
         TDM_ARGS_STR("--csv", a->csv)
+        TDM_ARGS_STR("--trace", a->trace)
         TDM_ARGS_STR("--resume", a->resume)
         TDM_ARGS_STR("--lr-schedule", a->lr_schedule)
         TDM_ARGS_STR("--timeout", a->timeout)
@@ -294,9 +298,10 @@ static tdm_status tdm_train_check_ddp_next(const tdm_train_args *a, int gpt)
                       strcmp(a->lr_schedule, "const")))
         return tdm_tool_usage_error("tandem train: --uneven applies to --mode ddp and fsdp, "
                                     "without --grad-accum and with --lr-schedule const\n");
-    if (a->uneven && (a->json || a->csv))
-        return tdm_tool_usage_error("tandem train: --json and --csv do not apply to --uneven "
-                                    "(its epochs are per rank); read its epoch lines\n");
+    if (a->uneven && (a->json || a->csv || a->trace))
+        return tdm_tool_usage_error("tandem train: --json, --csv and --trace do not apply to "
+                                    "--uneven (its epochs are per rank); read its epoch "
+                                    "lines\n");
     if (gpt && a->grad_accum > 1)
         return tdm_tool_usage_error("tandem train: --grad-accum is not supported with --model "
                                     "gpt yet; raise --batch instead\n");
@@ -360,6 +365,8 @@ static tdm_status tdm_train_check_args(tdm_train_args *a)
      * epoch; nothing is left behind by the check */
     if (a->save && tdm_file_replace_check(AT_FDCWD, a->save) != TDM_STATUS_OK)
         return tdm_tool_usage_error("tandem train: --save: %s\n", tdm_error_message());
+    if (a->trace && tdm_file_replace_check(AT_FDCWD, a->trace) != TDM_STATUS_OK)
+        return tdm_tool_usage_error("tandem train: --trace: %s\n", tdm_error_message());
     /* a small GPT learns faster at 2e-3 than at AdamW's usual 1e-3
      * (docs/GPT.md) */
     if (a->lr < 0) a->lr = strcmp(a->optim, "sgd") ? (gpt ? 2e-3 : 1e-3) : 0.05;

@@ -19,6 +19,7 @@
 #include "tools/devices.h"
 #include "tools/tools.h"
 #include "tools/train_modes.h"
+#include "tools/train_trace.h"
 
 /* The process's run: its model and optimizer, DP's and its sums. */
 typedef struct tdm_local {
@@ -38,6 +39,19 @@ static void tdm_local_add(tdm_local *l, int step)
     for (int p = 0; p < TDM_PHASE_COUNT_; p++) l->sum.ms[p] += t->wall.ms[p];
     l->step_ms += t->step_ms;
     l->steps += step;
+}
+
+/* --trace's phases: the last step's (DP's wall-clock, the critical path
+ * over its devices). */
+static int tdm_local_phases(void *ctx, tdm_phase_times *out)
+{
+    const tdm_local *l = ctx;
+    if (l->dp) {
+        *out = tdm_dp_last_timings(l->dp)->wall;
+    } else {
+        for (int p = 0; p < TDM_PHASE_COUNT_; p++) out->ms[p] = l->single.ms[p];
+    }
+    return 1;
 }
 
 static tdm_status tdm_local_dp_step(void *ctx, const void *x, const int32_t *y, int batch,
@@ -143,6 +157,7 @@ tdm_status tdm_train_run_local(const tdm_train_args *a, const tdm_model_spec *sp
     tdm_train_run r = {.train = &train, .test = &test};
     tdm_dist_det det = {0};
     tdm_train_det_dp *ddet = NULL;
+    tdm_train_trace *trace = NULL;
     char desc[160];
     tdm_status st;
     if (!spec && (st = tdm_model_spec_parse(&own, a->model)) != TDM_STATUS_OK)
@@ -224,10 +239,31 @@ tdm_status tdm_train_run_local(const tdm_train_args *a, const tdm_model_spec *sp
         TDM_TRY(tdm_train_levers_apply(a, l.m, &l.single, &scaler));
         r.single = &l.single;
     }
+    if (a->trace) {
+        char track[48];
+        if (dp) snprintf(track, sizeof track, "DataParallel, %d devices (wall)", n);
+        else snprintf(track, sizeof track, "device %s", tdm_dev_name(devs[0]));
+        TDM_TRY(tdm_train_trace_new(&trace, a->trace, 0, 1, track));
+        r.trace = trace;
+        /* a step's phases are its own only with one pass per step */
+        if (a->grad_accum <= 1 && !a->deterministic) {
+            r.phases = tdm_local_phases;
+            r.phases_ctx = &l;
+        }
+    }
     TDM_TRY(tdm_train_epochs(a, &r));
+    if (trace) {
+        char process[64];
+        snprintf(process, sizeof process, "tandem train --mode %s", a->mode);
+        if ((st = tdm_train_trace_write(trace, NULL, process)) != TDM_STATUS_OK) {
+            tdm_train_fail("--trace", st);
+            goto fail;
+        }
+    }
     if (dp) tdm_train_print_dp_phases(&l.sum, l.step_ms, l.steps);
     else tdm_train_levers_report(a, l.m);
 fail:
+    tdm_train_trace_free(trace);
     tdm_dist_det_free(&det);
     tdm_train_det_dp_free(ddet);
     tdm_dp_free(l.dp);

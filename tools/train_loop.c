@@ -18,6 +18,7 @@
 #include "models/checkpoint.h"
 #include "models/train_text.h"
 #include "tools/train_modes.h"
+#include "tools/train_trace.h"
 
 /* The progress line: a bar on a terminal, else a line every tenth of the
  * epoch; a tdm_train_progress_fn over a tdm_progress. */
@@ -104,6 +105,26 @@ static double tdm_train_slowdown(void)
     return f > 1.0 && f <= 100.0 ? f : 0.0;
 }
 
+/* --trace: each step's span and phases into the run's recorder. */
+typedef struct tdm_train_traced {
+    tdm_train_step_fn step;
+    void *ctx;
+    const tdm_train_run *r;
+} tdm_train_traced;
+
+static tdm_status tdm_train_traced_step(void *ctx, const void *x, const int32_t *y, int batch,
+                                        double *loss)
+{
+    const tdm_train_traced *s = ctx;
+    uint64_t t0 = tdm_time_ns();
+    tdm_status st = s->step(s->ctx, x, y, batch, loss);
+    uint64_t t1 = tdm_time_ns();
+    tdm_phase_times ph;
+    int have = st == TDM_STATUS_OK && s->r->phases && s->r->phases(s->r->phases_ctx, &ph);
+    tdm_train_trace_step(s->r->trace, tdm_optim_steps(s->r->opt), t0, t1, have ? &ph : NULL);
+    return st;
+}
+
 static tdm_status tdm_train_one_epoch(const tdm_train_args *a, const tdm_train_run *r,
                                       int64_t e, tdm_progress *p, tdm_epoch_stats *es)
 {
@@ -117,6 +138,11 @@ static tdm_status tdm_train_one_epoch(const tdm_train_args *a, const tdm_train_r
     if (slow.factor > 0) {
         o.step = tdm_train_slow_step;
         o.step_ctx = &slow;
+    }
+    tdm_train_traced traced = {.step = o.step, .ctx = o.step_ctx, .r = r};
+    if (r->trace) {
+        o.step = tdm_train_traced_step;
+        o.step_ctx = &traced;
     }
     tdm_model_set_train(r->m, 1);
     if (r->text)
@@ -220,22 +246,30 @@ tdm_status tdm_train_epochs(const tdm_train_args *a, const tdm_train_run *r)
             return st;
         }
         double loss = NAN, acc = NAN;
+        uint64_t t0 = tdm_time_ns();
         if (!a->no_eval && (st = tdm_train_evaluate(r, &loss, &acc)) != TDM_STATUS_OK)
             return tdm_train_fail("evaluation", st);
+        if (!a->no_eval) tdm_train_trace_span(r->trace, TDM_TRAIN_TRACE_EVAL, e + 1, t0,
+                                              tdm_time_ns());
         tdm_train_print_epoch(a, r, e, &es, loss, acc);
         if ((st = tdm_train_out_epoch(a, r->text ? r->text->T : 0, e + 1, es.loss_mean,
                                       es.samples_per_s, es.seconds, loss,
                                       r->text ? loss / M_LN2 : acc)) != TDM_STATUS_OK)
             return st;
         if (a->save) {
+            t0 = tdm_time_ns();
             if ((st = tdm_train_save(a, r, e)) != TDM_STATUS_OK) {
                 tdm_train_fail("saving checkpoint", st);
                 tdm_train_note_kept(a, saved_epoch);
                 return st;
             }
             saved_epoch = e + 1;
+            tdm_train_trace_span(r->trace, TDM_TRAIN_TRACE_SAVE, e + 1, t0, tdm_time_ns());
         }
+        t0 = tdm_time_ns();
         if (r->after && (st = r->after(r->after_ctx, e)) != TDM_STATUS_OK) return st;
+        if (r->after) tdm_train_trace_span(r->trace, TDM_TRAIN_TRACE_AFTER, e + 1, t0,
+                                           tdm_time_ns());
     }
     return TDM_STATUS_OK;
 }

@@ -28,6 +28,7 @@ typedef struct tdm_train_args {
     const char *mode, *model, *device, *optim, *data, *save, *resume;
     const char *val_data;     /* --val-data X.npy,Y.npy (tools/train_npy.c) */
     const char *json, *csv;   /* --json, --csv: per-epoch records (tools/train_out.c) */
+    const char *trace;        /* --trace: a Chrome trace of the run (tools/train_trace.h) */
     long long threads, epochs, batch, seed, synthetic_size, max_steps;
     double bucket_cap_mb;     /* ddp: MiB, a float as PyTorch's (0: the default 25) */
     long long max_restarts;   /* ddp: elastic restarts (tools/elastic.h) */
@@ -145,6 +146,11 @@ typedef struct tdm_train_run {
     struct tdm_single *single;     /* --mode single's step: its lever figures go in the epoch
                                       line (tools/train_levers.c); NULL elsewhere */
     const struct tdm_dist_stepper *ranks;  /* --mode ddp/fsdp's, the same; NULL elsewhere */
+    /* --trace: this process's recorder (NULL: none), and the last step's
+     * phases where the mode measures them (NULL: steps without phases) */
+    struct tdm_train_trace *trace;
+    int (*phases)(void *ctx, tdm_phase_times *out);
+    void *phases_ctx;
 } tdm_train_run;
 
 /* --json / --csv (tools/train_out.c): epoch's record appended and the

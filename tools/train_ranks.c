@@ -47,6 +47,7 @@
 #include "tools/ranks.h"
 #include "tools/tools.h"
 #include "tools/train_modes.h"
+#include "tools/train_trace.h"
 
 /* The job, shared by every rank (the ranks' dist ctx is its build). */
 typedef struct tdm_train_job {
@@ -274,6 +275,25 @@ static void tdm_train_rank_header(const tdm_tool_rank *r, const tdm_train_job *j
 
 /* The epochs: the global batch's steps (or --grad-accum's, or
  * --uneven's), evaluation, the saves; then rank 0's summary. */
+/* --trace: the design's phases of the rank's last step. */
+static int tdm_train_rank_phases(void *ctx, tdm_phase_times *out)
+{
+    const tdm_tool_rank *r = ctx;
+    return r->b->design->phases(r, out);
+}
+
+/* --trace: every rank's events to rank 0, which writes the file. */
+static tdm_status tdm_train_rank_trace(const tdm_tool_rank *r, const tdm_dist_rank *d,
+                                       tdm_train_trace *trace)
+{
+    char process[96];
+    snprintf(process, sizeof process, "tandem train --mode %s, %d ranks", r->b->design->dist.name,
+             d->env.world_size);
+    tdm_status st = tdm_train_trace_write(trace, d->comm, process);
+    if (st != TDM_STATUS_OK) tdm_tool_rank_fail(r, "--trace", st);
+    return st;
+}
+
 static tdm_status tdm_train_rank_run(void *ctx, tdm_dist_rank *d, void *self)
 {
     tdm_tool_build *b = ctx;
@@ -282,6 +302,7 @@ static tdm_status tdm_train_rank_run(void *ctx, tdm_dist_rank *d, void *self)
     tdm_train_rank *t = r->tool;
     const tdm_tool_design *design = b->design;
     const tdm_train_args *a = &t->a;
+    tdm_train_trace *trace = NULL;
     if (r->rank == 0) tdm_train_rank_header(r, j);
     t->kill_step = tdm_elastic_test_fault(r->rank, &t->kill_sig);
     int64_t lo = 0, hi = a->batch;
@@ -333,9 +354,22 @@ static tdm_status tdm_train_rank_run(void *ctx, tdm_dist_rank *d, void *self)
             tdm_tool_rank_fail(r, "--deterministic", st);
         run.step = a->deterministic ? tdm_dist_det_step : run.step;
         run.step_ctx = a->deterministic ? (void *)&t->det : run.step_ctx;
+        if (st == TDM_STATUS_OK && a->trace) {
+            char track[32];
+            snprintf(track, sizeof track, "rank %d", d->env.rank);
+            st = tdm_train_trace_new(&trace, a->trace, d->env.rank, d->env.world_size, track);
+            run.trace = trace;
+            /* a step's phases are its own only with one pass per step */
+            if (design->phases && a->grad_accum <= 1 && !a->deterministic) {
+                run.phases = tdm_train_rank_phases;
+                run.phases_ctx = r;
+            }
+        }
         if (st == TDM_STATUS_OK) st = tdm_train_epochs(a, &run);
     }
     if (st == TDM_STATUS_OK && design->finish) st = design->finish(r);
+    if (st == TDM_STATUS_OK && trace) st = tdm_train_rank_trace(r, d, trace);
+    tdm_train_trace_free(trace);
     j->said = st != TDM_STATUS_OK;
     if (st == TDM_STATUS_OK && r->rank == 0 && design->report) design->report(r, !j->text);
     if (st == TDM_STATUS_OK) tdm_train_levers_rank_report(a, r);
