@@ -106,6 +106,10 @@ tdm_status tdm_plan_single(const tdm_plan_opts *o, tdm_plan *out)
                 "plan: batch %d and checkpoint segment %d", o->batch, o->ckpt);
     TDM_REQUIRE(o->optim.offload == TDM_OPTIM_OFFLOAD_NONE || o->device != TDM_DEVICE_HOST,
                 TDM_STATUS_INVALID_ARG, "plan: optimizer offload is for accelerators");
+    TDM_REQUIRE(o->spec.kind != TDM_MODEL_SEQ ||
+                    (o->precision == TDM_PRECISION_FP32 && o->ckpt == 0),
+                TDM_STATUS_INVALID_ARG, "plan: a model file trains in float32 without activation "
+                "checkpointing (no --precision or --checkpoint-activations)");
     tdm_model *m = NULL;
     tdm_act_layout *lay = NULL, *scr = NULL;
     tdm_status st = TDM_STATUS_OK;

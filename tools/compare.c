@@ -615,6 +615,14 @@ static tdm_status tdm_cmp_load_images(tdm_cmp_job *j)
                                     "model %s expects %lld\n",
                                     (long long)tdm_data_features(&data->train), o->model,
                                     (long long)want);
+    {
+        int sc, sh, sw, classes;
+        tdm_model_spec_sample_shape(&j->spec, &sc, &sh, &sw, &classes);
+        if (data->train.n_classes > classes)
+            return tdm_tool_usage_error("tandem compare: the data has label %d but model %s has "
+                                        "%d classes (0..%d)\n", data->train.n_classes - 1,
+                                        o->model, classes, classes - 1);
+    }
     if (data->train.n < o->batch)
         return tdm_tool_usage_error("tandem compare: --batch %d is larger than the %lld "
                                     "training samples\n", o->batch, (long long)data->train.n);
