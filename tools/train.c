@@ -462,6 +462,7 @@ tdm_status tdm_train_load_data(const tdm_train_args *a, const tdm_model_spec *sp
     int synthetic = a->data && !strcmp(a->data, "synthetic");
     memset(train, 0, sizeof *train);
     memset(test, 0, sizeof *test);
+    TDM_CHECK(tdm_train_check_seq(a, spec));
     if (tdm_data_is_npy(a->data)) {
         return tdm_train_load_npy(a, spec, train, test);
     } else if (synthetic) {

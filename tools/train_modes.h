@@ -73,6 +73,9 @@ tdm_status tdm_train_fail(const char *what, tdm_status st);
 /* tools/train_npy.c: --data X.npy,Y.npy (and --val-data): the training
  * set, and the validation set (--val-data, else the last 10% of --data's
  * samples); labels checked against the model's classes. */
+/* A model file's refusals before any work: 16-bit precision, activation
+ * checkpointing (exit 2). */
+tdm_status tdm_train_check_seq(const tdm_train_args *a, const tdm_model_spec *spec);
 tdm_status tdm_train_load_npy(const tdm_train_args *a, const tdm_model_spec *spec,
                               tdm_dataset *train, tdm_dataset *test);
 tdm_status tdm_train_load_data(const tdm_train_args *a, const tdm_model_spec *spec,

@@ -51,6 +51,16 @@ static tdm_status tdm_npy_fits(const char *what, const tdm_dataset *d, const tdm
     return TDM_STATUS_OK;
 }
 
+tdm_status tdm_train_check_seq(const tdm_train_args *a, const tdm_model_spec *spec)
+{
+    if (spec->kind != TDM_MODEL_SEQ) return TDM_STATUS_OK;
+    if ((a->precision && strcmp(a->precision, "fp32")) || a->ckpt)
+        return tdm_tool_usage_error("tandem train: --model %s: a model file trains in float32 "
+                                    "with every activation kept (leave out --precision and "
+                                    "--checkpoint-activations)\n", a->model);
+    return TDM_STATUS_OK;
+}
+
 tdm_status tdm_train_load_npy(const tdm_train_args *a, const tdm_model_spec *spec,
                               tdm_dataset *train, tdm_dataset *test)
 {
