@@ -300,7 +300,9 @@ static void tdm_shm_alive_str(const tdm_shm_impl *c, int peer, uint64_t now, cha
 }
 
 /* The test hook's pause (tdm_shm_impl.test_gone_pause): until the
- * parent has reported peer k ended, 30 s at most; once per rank. */
+ * parent has reported peer k ended, 30 s at most; once per rank. It sits
+ * after every read the liveness check acts on, so that a check deciding
+ * from reads made before the peer ended is caught whatever their order. */
 static void tdm_shm_test_gone(tdm_shm_impl *c, const tdm_shm_ctrl *k)
 {
     c->test_gone_pause = 0;
@@ -334,7 +336,6 @@ static tdm_status tdm_shm_check_peers(tdm_shm_impl *c, int peer, tdm_shm_flag *f
         tdm_shm_ctrl *k = tdm_shm_ctrl_of(c, r);
         char why[256];
         int unsure = 0;
-        if (r == peer && c->test_gone_pause) tdm_shm_test_gone(c, k);
         /* First the signs that the peer is gone (the parent's report, its
          * process), then its state and flag: a peer that publishes, frees
          * its communicator and exits between a look at its flag and the
@@ -354,6 +355,9 @@ static tdm_status tdm_shm_check_peers(tdm_shm_impl *c, int peer, tdm_shm_flag *f
         int32_t state = atomic_load_explicit(&k->state, memory_order_acquire);
         if (r == peer && atomic_load_explicit(&f->value, memory_order_acquire) >= target)
             continue;
+        /* the hook pauses here, between what was read and what is made
+         * of it: the peer may end meanwhile, as on a loaded machine */
+        if (r == peer && c->test_gone_pause) tdm_shm_test_gone(c, k);
         if (!pid) pid = atomic_load_explicit(&k->pid, memory_order_relaxed);   /* for the message */
         if (state == TDM_SHM_STATE_DEAD) {
             tdm_shm_ended_str(c, state, atomic_load(&k->wstatus), why, sizeof why);

@@ -336,6 +336,18 @@ Test(doctor, train_prints_the_verdict_of_a_stopped_rank, .timeout = 120)
               r.out);
     cr_expect(doc_has(dir, "fr_rank_0.json") && doc_has(dir, "fr_rank_2.json") &&
               doc_has(dir, "launch.json"));
+    /* the summary says the teardown ended the stopped rank (and that it
+     * had stalled), as tandem launch's does */
+    char path[128], sum[4096] = "";
+    snprintf(path, sizeof path, "%s/launch.json", dir);
+    FILE *f = fopen(path, "r");
+    cr_assert_not_null(f);
+    size_t got = fread(sum, 1, sizeof sum - 1, f);
+    sum[got] = 0;
+    fclose(f);
+    const char *r1 = strstr(sum, "{\"rank\":1,");
+    cr_expect(r1 && strstr(r1, "\"induced\":true,\"stalled\":true"),
+              "rank 1 not marked ended by the teardown:\n%s", sum);
     cr_expect(!cli_shm_entries());
     fr_t_rm_dir(dir);
 }
@@ -474,5 +486,38 @@ Test(doctor, summary_alone_names_the_rank, .timeout = 60)
     expect(&r, 4, "rank 0: no dump; was killed by signal 15 (Terminated) (by the launcher's "
                   "teardown)");
     expect(&r, 4, "last completed step: unknown (no dump)");
+    fr_t_rm_dir(dir);
+}
+
+/* A deadline that came before the waiter ever sampled the peer's
+ * heartbeat says "whose heartbeat has stopped" (shm/wait.c): it proves
+ * nothing about the peer, which is not blamed for it; "has not advanced
+ * for X s" (a beat seen standing still) is what names it STALLED. */
+Test(doctor, an_unsampled_heartbeat_blames_no_one, .timeout = 60)
+{
+    char dir[64];
+    fr_t_dump_dir(dir, sizeof dir);
+    static const char *const cause[] = {
+        "rank 0 timed out after 50 ms in all_reduce #3 waiting for rank 1 (pid 101), whose "
+        "heartbeat has stopped",
+        "rank 0 timed out after 3000 ms in all_reduce #3 waiting for rank 1 (pid 101), whose "
+        "heartbeat has not advanced for 3.0 s: it is stopped, frozen or starved of CPU"};
+    for (int k = 0; k < 2; k++) {
+        char path[128];
+        snprintf(path, sizeof path, "%s/launch.json", dir);
+        FILE *f = fopen(path, "w");
+        cr_assert_not_null(f);
+        fprintf(f, "{\"version\":1,\"job\":\"00000000000000ab\",\"world\":2,\"cause\":\"%s\","
+                   "\"ranks\":[{\"rank\":0,\"pid\":100,\"wstatus\":256},{\"rank\":1,\"pid\":101,"
+                   "\"wstatus\":256}]}\n", cause[k]);
+        fclose(f);
+        cli_result r;
+        CLI(&r, "doctor", dir);
+        if (k == 0)
+            cr_expect(!strstr(r.out, "rank 1 was not heard from"), "blamed on an unsampled "
+                      "heartbeat:\n%s", r.out);
+        else
+            cr_expect(strstr(r.out, "verdict: STALLED: rank 1 was not heard from"), "%s", r.out);
+    }
     fr_t_rm_dir(dir);
 }

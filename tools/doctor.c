@@ -143,7 +143,7 @@ static void tdm_doc_classify(const char *msg, int W, tdm_doc_blame *b)
         const char *w = p + len;
         while (*w == ' ') w++;
         /* the deadline's word on the awaited peer (shm/wait.c) */
-        static const char beat[] = ", whose heartbeat has";
+        static const char beat[] = ", whose heartbeat has not advanced";
         if (!strncmp(w, beat, sizeof beat - 1)) {
             b->kind = TDM_DOCTOR_STALLED;
             b->rank = r;

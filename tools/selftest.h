@@ -34,10 +34,6 @@ typedef struct tdm_st {
     double spread;          /* its windows' (max - min) / median */
 } tdm_st;
 
-/* Runs this binary with args (NULL-terminated) and env (NAME=VALUE
- * strings, NULL-terminated; may be NULL), output captured into out,
- * killed after secs. Returns the exit code, 128+S for a signal, -1 when
- * it could not run, 124 when it ran past the bound. */
 /* Optional: the moments (seconds since the start) at which two strings
  * first appeared in the output; < 0 when they did not. */
 typedef struct tdm_st_marks {
@@ -62,6 +58,10 @@ void tdm_st_end(tdm_st_case *c);
 void tdm_st_fail(tdm_st_case *c, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 void tdm_st_skip(tdm_st_case *c, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 void tdm_st_fig(tdm_st_case *c, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* Runs this binary with args (NULL-terminated) and env (NAME=VALUE
+ * strings, NULL-terminated; may be NULL), output captured into out,
+ * killed after secs. Returns the exit code, 128+S for a signal, -1 when
+ * it could not run, 124 when it ran past the bound. */
 int tdm_st_exec_marked(const tdm_st *t, int secs, const char *const *env, char *out, size_t cap,
                        double *elapsed, tdm_st_marks *marks, const char *const *args);
 int tdm_st_exec(const tdm_st *t, int secs, const char *const *env, char *out, size_t cap,
