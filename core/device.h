@@ -44,6 +44,9 @@ typedef enum tdm_trans {
 typedef enum tdm_act {
     TDM_ACT_NONE = 0,
     TDM_ACT_RELU,
+    TDM_ACT_GELU,       /* tanh form, as the GPT's */
+    TDM_ACT_TANH,
+    TDM_ACT_SIGMOID,
 } tdm_act;
 
 /* Opaque: core/device_impl.h defines it for backends. */
@@ -266,6 +269,17 @@ tdm_status tdm_dev_maxpool_fwd(tdm_device *d, const tdm_conv_geom *g, const floa
 /* dx written (not added) from dy through argmax. */
 tdm_status tdm_dev_maxpool_bwd(tdm_device *d, const tdm_conv_geom *g, const float *dy,
                                const int32_t *argmax, float *dx);
+/* y = act(x) elementwise (relu, gelu, tanh, sigmoid; y may be x), and
+ * dx = dy * act'(x) from x (gelu) or y (the others; dx may be dy). A
+ * backend without its own kernels gets them through host copies. */
+tdm_status tdm_dev_act_fwd(tdm_device *d, tdm_act act, const float *x, float *y, int64_t n_elem);
+tdm_status tdm_dev_act_bwd(tdm_device *d, tdm_act act, const float *x, const float *y,
+                           const float *dy, float *dx, int64_t n_elem);
+/* Average pooling over CNHW, non-overlapping windows (g->kh x g->kw at
+ * g->stride = the window), no padding; backward writes (not adds) dx, 0
+ * past the last window. Same fallback as above. */
+tdm_status tdm_dev_avgpool_fwd(tdm_device *d, const tdm_conv_geom *g, const float *x, float *y);
+tdm_status tdm_dev_avgpool_bwd(tdm_device *d, const tdm_conv_geom *g, const float *dy, float *dx);
 /* Batchnorm over CNHW rows: channel ch owns row ch of length len = N*H*W. */
 tdm_status tdm_dev_bn_stats(tdm_device *d, const float *x, int channels, int64_t len,
                             float *mean, float *var /* biased */);

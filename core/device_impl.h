@@ -54,6 +54,12 @@ typedef struct tdm_device_ops {
                               int32_t *argmax);
     tdm_status (*maxpool_bwd)(tdm_device *d, const tdm_conv_geom *g, const float *dy,
                               const int32_t *argmax, float *dx);
+    /* optional (NULL: tdm_dev_* runs the kernels on host copies) */
+    tdm_status (*act_fwd)(tdm_device *d, tdm_act act, const float *x, float *y, int64_t n_elem);
+    tdm_status (*act_bwd)(tdm_device *d, tdm_act act, const float *x, const float *y,
+                          const float *dy, float *dx, int64_t n_elem);
+    tdm_status (*avgpool_fwd)(tdm_device *d, const tdm_conv_geom *g, const float *x, float *y);
+    tdm_status (*avgpool_bwd)(tdm_device *d, const tdm_conv_geom *g, const float *dy, float *dx);
     tdm_status (*bn_stats)(tdm_device *d, const float *x, int channels, int64_t len,
                            float *mean, float *var /* biased */);
     tdm_status (*bn_prep)(tdm_device *d, int channels, float *mean, const float *var,

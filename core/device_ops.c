@@ -7,6 +7,9 @@
 #include "core/device_impl.h"
 
 #include <stdlib.h>
+#include <string.h>
+
+#include "core/kernels.h"
 
 /* --- memory --------------------------------------------------------------- */
 
@@ -342,4 +345,149 @@ tdm_status tdm_dev_adamw_step(tdm_device *d, int64_t n_elem, float *param, const
 {
     return d->ops->adamw_step(d, n_elem, param, grad, m, v, lr, beta1, beta2, eps, weight_decay,
                               bias_corr1, bias_corr2);
+}
+
+/* --- activations and average pooling: the table's, else the kernels on
+ * the host (a host device's memory is the host's; any other device's is
+ * staged through host copies: correct everywhere, fast on the host) --- */
+
+static void tdm_ops_act_fwd(tdm_act act, const float *x, float *y, int64_t n_elem)
+{
+    for (int64_t i = 0; i < n_elem; i++) tdm_k_act_fwd(i, (int)act, x, y);
+}
+
+static void tdm_ops_act_bwd(tdm_act act, const float *x, const float *y, const float *dy,
+                            float *dx, int64_t n_elem)
+{
+    for (int64_t i = 0; i < n_elem; i++) tdm_k_act_bwd(i, (int)act, x, y, dy, dx);
+}
+
+static void tdm_ops_avgpool(const tdm_conv_geom *gp, const float *in, float *out, int bwd)
+{
+    const tdm_conv_geom g = *gp;
+    int64_t planes = (int64_t)g.c * g.n, i = 0;
+    if (bwd) memset(out, 0, (size_t)(planes * g.h * g.w) * sizeof(float));
+    for (int64_t p = 0; p < planes; p++)
+        for (int oy = 0; oy < g.oh; oy++)
+            for (int ox = 0; ox < g.ow; ox++, i++) {
+                if (bwd) tdm_k_avgpool_bwd(i, p, oy, ox, g, in, out);
+                else tdm_k_avgpool_fwd(i, p, oy, ox, g, in, out);
+            }
+}
+
+/* Host copies of up to three device arrays of n_in[k] floats (NULL
+ * entries stay NULL) and an output of n_out floats. */
+typedef struct tdm_ops_stage {
+    float *in[3], *out;
+} tdm_ops_stage;
+
+static void tdm_ops_stage_free(tdm_ops_stage *s)
+{
+    for (int k = 0; k < 3; k++) free(s->in[k]);
+    free(s->out);
+}
+
+static tdm_status tdm_ops_stage_in(tdm_device *d, tdm_ops_stage *s, const float *const src[3],
+                                   const int64_t n_in[3], int64_t n_out)
+{
+    memset(s, 0, sizeof *s);
+    for (int k = 0; k < 3; k++) {
+        if (!src[k]) continue;
+        size_t nb = (size_t)n_in[k] * sizeof(float);
+        s->in[k] = malloc(nb ? nb : 1);
+        TDM_REQUIRE(s->in[k], TDM_STATUS_OUT_OF_MEMORY, "device staging: cannot allocate %zu "
+                    "bytes", nb);
+        TDM_CHECK(tdm_dev_copy_to_host(d, s->in[k], src[k], nb));
+    }
+    s->out = malloc((size_t)(n_out ? n_out : 1) * sizeof(float));
+    TDM_REQUIRE(s->out, TDM_STATUS_OUT_OF_MEMORY, "device staging: cannot allocate %lld floats",
+                (long long)n_out);
+    return TDM_STATUS_OK;
+}
+
+tdm_status tdm_dev_act_fwd(tdm_device *d, tdm_act act, const float *x, float *y, int64_t n_elem)
+{
+    TDM_REQUIRE(act >= TDM_ACT_RELU && act <= TDM_ACT_SIGMOID, TDM_STATUS_INVALID_ARG,
+                "act_fwd: unknown activation %d", (int)act);
+    if (d->ops->act_fwd) return d->ops->act_fwd(d, act, x, y, n_elem);
+    if (tdm_dev_kind(d) == TDM_DEVICE_HOST) {
+        tdm_ops_act_fwd(act, x, y, n_elem);
+        return TDM_STATUS_OK;
+    }
+    tdm_ops_stage s;
+    tdm_status st = tdm_ops_stage_in(d, &s, (const float *const[3]){x, NULL, NULL},
+                                     (const int64_t[3]){n_elem, 0, 0}, n_elem);
+    if (st == TDM_STATUS_OK) {
+        tdm_ops_act_fwd(act, s.in[0], s.out, n_elem);
+        st = tdm_dev_copy_from_host(d, y, s.out, (size_t)n_elem * sizeof(float));
+    }
+    tdm_ops_stage_free(&s);
+    return st;
+}
+
+tdm_status tdm_dev_act_bwd(tdm_device *d, tdm_act act, const float *x, const float *y,
+                           const float *dy, float *dx, int64_t n_elem)
+{
+    TDM_REQUIRE(act >= TDM_ACT_RELU && act <= TDM_ACT_SIGMOID, TDM_STATUS_INVALID_ARG,
+                "act_bwd: unknown activation %d", (int)act);
+    if (d->ops->act_bwd) return d->ops->act_bwd(d, act, x, y, dy, dx, n_elem);
+    if (tdm_dev_kind(d) == TDM_DEVICE_HOST) {
+        tdm_ops_act_bwd(act, x, y, dy, dx, n_elem);
+        return TDM_STATUS_OK;
+    }
+    tdm_ops_stage s;
+    tdm_status st = tdm_ops_stage_in(d, &s, (const float *const[3]){x, y, dy},
+                                     (const int64_t[3]){n_elem, n_elem, n_elem}, n_elem);
+    if (st == TDM_STATUS_OK) {
+        tdm_ops_act_bwd(act, s.in[0], s.in[1], s.in[2], s.out, n_elem);
+        st = tdm_dev_copy_from_host(d, dx, s.out, (size_t)n_elem * sizeof(float));
+    }
+    tdm_ops_stage_free(&s);
+    return st;
+}
+
+static tdm_status tdm_dev_avgpool_check(const tdm_conv_geom *g)
+{
+    /* windows that do not overlap (backward writes each input once) and fit */
+    TDM_REQUIRE(g->kh > 0 && g->kw > 0 && g->oh > 0 && g->ow > 0 && g->stride >= g->kh &&
+                    (g->ow == 1 || g->stride >= g->kw) &&
+                    (int64_t)(g->oh - 1) * g->stride + g->kh <= g->h &&
+                    (int64_t)(g->ow - 1) * g->stride + g->kw <= g->w,
+                TDM_STATUS_INVALID_ARG, "avgpool: window %dx%d stride %d does not fit %dx%d -> %dx%d",
+                g->kh, g->kw, g->stride, g->h, g->w, g->oh, g->ow);
+    return TDM_STATUS_OK;
+}
+
+static tdm_status tdm_dev_avgpool(tdm_device *d, const tdm_conv_geom *g, const float *in,
+                                  float *out, int bwd)
+{
+    if (tdm_dev_kind(d) == TDM_DEVICE_HOST) {
+        tdm_ops_avgpool(g, in, out, bwd);
+        return TDM_STATUS_OK;
+    }
+    int64_t planes = (int64_t)g->c * g->n, big = planes * g->h * g->w, small = planes * g->oh * g->ow;
+    tdm_ops_stage s;
+    tdm_status st = tdm_ops_stage_in(d, &s, (const float *const[3]){in, NULL, NULL},
+                                     (const int64_t[3]){bwd ? small : big, 0, 0},
+                                     bwd ? big : small);
+    if (st == TDM_STATUS_OK) {
+        tdm_ops_avgpool(g, s.in[0], s.out, bwd);
+        st = tdm_dev_copy_from_host(d, out, s.out, (size_t)(bwd ? big : small) * sizeof(float));
+    }
+    tdm_ops_stage_free(&s);
+    return st;
+}
+
+tdm_status tdm_dev_avgpool_fwd(tdm_device *d, const tdm_conv_geom *g, const float *x, float *y)
+{
+    TDM_CHECK(tdm_dev_avgpool_check(g));
+    if (d->ops->avgpool_fwd) return d->ops->avgpool_fwd(d, g, x, y);
+    return tdm_dev_avgpool(d, g, x, y, 0);
+}
+
+tdm_status tdm_dev_avgpool_bwd(tdm_device *d, const tdm_conv_geom *g, const float *dy, float *dx)
+{
+    TDM_CHECK(tdm_dev_avgpool_check(g));
+    if (d->ops->avgpool_bwd) return d->ops->avgpool_bwd(d, g, dy, dx);
+    return tdm_dev_avgpool(d, g, dy, dx, 1);
 }

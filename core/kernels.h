@@ -551,6 +551,58 @@ static inline TDM_HD void tdm_k_gelu_bwd(int64_t i, const float *x, const float 
     dx[i] = dy[i] * (0.5f * (1.0f + t) + 0.5f * v * (1.0f - t * t) * du);
 }
 
+/* ---- standalone activations and average pooling (model files) ---- */
+
+/* Element i of an activation layer: act 2 gelu, 3 tanh, 4 sigmoid (the
+ * values of tdm_act). tanh and sigmoid use the libm functions: unlike
+ * GELU, a tanh layer's output near 0 is used directly, where
+ * tdm_k_tanh's relative error grows. */
+static inline TDM_HD void tdm_k_act_fwd(int64_t i, int act, const float *x, float *y)
+{
+    float v = x[i];
+    if (act == 1) y[i] = v > 0.0f ? v : 0.0f;
+    else if (act == 2) tdm_k_gelu_fwd(i, x, y);
+    else if (act == 3) y[i] = tanhf(v);
+    else y[i] = 1.0f / (1.0f + expf(-v));
+}
+
+/* dx = dy * act'(x), from the input x (gelu) or the output y (relu, tanh,
+ * sigmoid); dx may be dy. */
+static inline TDM_HD void tdm_k_act_bwd(int64_t i, int act, const float *x, const float *y,
+                                        const float *dy, float *dx)
+{
+    float o = y[i];
+    if (act == 1) dx[i] = o > 0.0f ? dy[i] : 0.0f;
+    else if (act == 2) tdm_k_gelu_bwd(i, x, dy, dx);
+    else if (act == 3) dx[i] = dy[i] * (1.0f - o * o);
+    else dx[i] = dy[i] * o * (1.0f - o);
+}
+
+/* Output element i of plane `plane` (ci * N + n) of an average pooling
+ * over CNHW, window kh x kw at stride (non-overlapping windows, no pad):
+ * the window's mean, summed in window order. */
+static inline TDM_HD void tdm_k_avgpool_fwd(int64_t i, int64_t plane, int oy, int ox,
+                                            const tdm_conv_geom g, const float *x, float *y)
+{
+    const float *xp = x + plane * g.h * g.w;
+    float s = 0.0f;
+    for (int ki = 0; ki < g.kh; ki++)
+        for (int kj = 0; kj < g.kw; kj++) s += xp[(oy * g.stride + ki) * g.w + ox * g.stride + kj];
+    y[i] = s / (float)(g.kh * g.kw);
+}
+
+/* dx of output element i's window: dy / (kh * kw) at each input of the
+ * window; windows do not overlap, so dx is written once per element (the
+ * caller zeroes dx first for rows and columns past the last window). */
+static inline TDM_HD void tdm_k_avgpool_bwd(int64_t i, int64_t plane, int oy, int ox,
+                                            const tdm_conv_geom g, const float *dy, float *dx)
+{
+    float *dp = dx + plane * g.h * g.w;
+    float v = dy[i] / (float)(g.kh * g.kw);
+    for (int ki = 0; ki < g.kh; ki++)
+        for (int kj = 0; kj < g.kw; kj++) dp[(oy * g.stride + ki) * g.w + ox * g.stride + kj] = v;
+}
+
 /* Element i = (b, h, t, e) of dst (B, H, T, hd) from the row-major src
  * (B*T, ld) at columns off + h*hd + e: one head's slice of q, k or v out of
  * the fused qkv projection (ld = 3C, off = 0, C, 2C), or of a gradient. */

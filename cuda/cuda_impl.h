@@ -59,6 +59,15 @@ cudaError_t tdm_cuda_launch_col2im(const tdm_cuda_exec *x, tdm_conv_geom g, cons
                                    float *dx);
 cudaError_t tdm_cuda_launch_maxpool_fwd(const tdm_cuda_exec *x, tdm_conv_geom g, const float *in,
                                         float *y, int32_t *argmax);
+/* act: tdm_act's value (relu 1, gelu 2, tanh 3, sigmoid 4). */
+cudaError_t tdm_cuda_launch_act_fwd(const tdm_cuda_exec *x, int act, const float *in, float *y,
+                                    int64_t n_elem);
+cudaError_t tdm_cuda_launch_act_bwd(const tdm_cuda_exec *x, int act, const float *in,
+                                    const float *y, const float *dy, float *dx, int64_t n_elem);
+cudaError_t tdm_cuda_launch_avgpool_fwd(const tdm_cuda_exec *x, tdm_conv_geom g, const float *in,
+                                        float *y);
+cudaError_t tdm_cuda_launch_avgpool_bwd(const tdm_cuda_exec *x, tdm_conv_geom g, const float *dy,
+                                        float *dx);
 cudaError_t tdm_cuda_launch_maxpool_bwd(const tdm_cuda_exec *x, tdm_conv_geom g, const float *dy,
                                         const int32_t *argmax, float *dx);
 cudaError_t tdm_cuda_launch_bn_stats(const tdm_cuda_exec *x, const float *in, int channels,

@@ -536,6 +536,27 @@ tdm_status tdm_cuda_maxpool_bwd(tdm_device *d, const tdm_conv_geom *g, const flo
                  tdm_cuda_launch_maxpool_bwd(s_, *g, dy, argmax, dx));
 }
 
+tdm_status tdm_cuda_act_fwd(tdm_device *d, tdm_act act, const float *x, float *y, int64_t n_elem)
+{
+    TDM_CUDA_RUN(d, "act_fwd", tdm_cuda_launch_act_fwd(s_, (int)act, x, y, n_elem));
+}
+
+tdm_status tdm_cuda_act_bwd(tdm_device *d, tdm_act act, const float *x, const float *y,
+                            const float *dy, float *dx, int64_t n_elem)
+{
+    TDM_CUDA_RUN(d, "act_bwd", tdm_cuda_launch_act_bwd(s_, (int)act, x, y, dy, dx, n_elem));
+}
+
+tdm_status tdm_cuda_avgpool_fwd(tdm_device *d, const tdm_conv_geom *g, const float *x, float *y)
+{
+    TDM_CUDA_RUN(d, "avgpool_fwd", tdm_cuda_launch_avgpool_fwd(s_, *g, x, y));
+}
+
+tdm_status tdm_cuda_avgpool_bwd(tdm_device *d, const tdm_conv_geom *g, const float *dy, float *dx)
+{
+    TDM_CUDA_RUN(d, "avgpool_bwd", tdm_cuda_launch_avgpool_bwd(s_, *g, dy, dx));
+}
+
 tdm_status tdm_cuda_bn_stats(tdm_device *d, const float *x, int channels, int64_t len,
                              float *mean, float *var)
 {

@@ -58,6 +58,11 @@ tdm_status tdm_cuda_maxpool_fwd(tdm_device *d, const tdm_conv_geom *g, const flo
                                 float *y, int32_t *argmax);
 tdm_status tdm_cuda_maxpool_bwd(tdm_device *d, const tdm_conv_geom *g, const float *dy,
                                 const int32_t *argmax, float *dx);
+tdm_status tdm_cuda_act_fwd(tdm_device *d, tdm_act act, const float *x, float *y, int64_t n_elem);
+tdm_status tdm_cuda_act_bwd(tdm_device *d, tdm_act act, const float *x, const float *y,
+                            const float *dy, float *dx, int64_t n_elem);
+tdm_status tdm_cuda_avgpool_fwd(tdm_device *d, const tdm_conv_geom *g, const float *x, float *y);
+tdm_status tdm_cuda_avgpool_bwd(tdm_device *d, const tdm_conv_geom *g, const float *dy, float *dx);
 tdm_status tdm_cuda_bn_stats(tdm_device *d, const float *x, int channels, int64_t len,
                              float *mean, float *var);
 tdm_status tdm_cuda_bn_prep(tdm_device *d, int channels, float *mean, const float *var,
@@ -129,6 +134,8 @@ tdm_status tdm_cuda_sumsq(tdm_device *d, const float *x, int64_t n_elem, double 
     .softmax_xent = tdm_cuda_softmax_xent, .axpy = tdm_cuda_axpy,                     \
     .scale = tdm_cuda_scale, .im2col = tdm_cuda_im2col, .col2im = tdm_cuda_col2im,    \
     .maxpool_fwd = tdm_cuda_maxpool_fwd, .maxpool_bwd = tdm_cuda_maxpool_bwd,         \
+    .act_fwd = tdm_cuda_act_fwd, .act_bwd = tdm_cuda_act_bwd,                         \
+    .avgpool_fwd = tdm_cuda_avgpool_fwd, .avgpool_bwd = tdm_cuda_avgpool_bwd,         \
     .bn_stats = tdm_cuda_bn_stats, .bn_prep = tdm_cuda_bn_prep,                       \
     .bn_fwd = tdm_cuda_bn_fwd, .bn_bwd = tdm_cuda_bn_bwd,                             \
     .cnhw_to_nchw = tdm_cuda_cnhw_to_nchw, .nchw_to_cnhw = tdm_cuda_nchw_to_cnhw,     \

@@ -166,6 +166,48 @@ struct MaxpoolBwd {
     }
 };
 
+/* Standalone activations and average pooling (model files). */
+struct ActFwd {
+    int act;
+    const float *x;
+    float *y;
+    __host__ __device__ void operator()(int64_t i) const { tdm_k_act_fwd(i, act, x, y); }
+};
+
+struct ActBwd {
+    int act;
+    const float *x, *y, *dy;
+    float *dx;
+    __host__ __device__ void operator()(int64_t i) const { tdm_k_act_bwd(i, act, x, y, dy, dx); }
+};
+
+/* y / dy (C*N planes, OH, OW): host nesting plane, oy, ox. */
+struct AvgpoolFwd {
+    tdm_conv_geom g;
+    const float *x;
+    float *y;
+    __host__ __device__ void operator()(int64_t i) const
+    {
+        int64_t t = i;
+        int ox = (int)(t % g.ow); t /= g.ow;
+        int oy = (int)(t % g.oh); t /= g.oh;
+        tdm_k_avgpool_fwd(i, t, oy, ox, g, x, y);
+    }
+};
+
+struct AvgpoolBwd {
+    tdm_conv_geom g;
+    const float *dy;
+    float *dx;
+    __host__ __device__ void operator()(int64_t i) const
+    {
+        int64_t t = i;
+        int ox = (int)(t % g.ow); t /= g.ow;
+        int oy = (int)(t % g.oh); t /= g.oh;
+        tdm_k_avgpool_bwd(i, t, oy, ox, g, dy, dx);
+    }
+};
+
 struct BnPrep {
     float *mean;
     const float *var;
@@ -586,6 +628,38 @@ cudaError_t tdm_cuda_launch_maxpool_bwd(const tdm_cuda_exec *x, tdm_conv_geom g,
         if (e != cudaSuccess) return e;
     }
     return run(x, (int64_t)g.c * g.n * g.oh * g.ow, kThreads, MaxpoolBwd{g, dy, argmax, dx});
+}
+
+cudaError_t tdm_cuda_launch_act_fwd(const tdm_cuda_exec *x, int act, const float *in, float *y,
+                                    int64_t n_elem)
+{
+    return run(x, n_elem, kThreads, ActFwd{act, in, y});
+}
+
+cudaError_t tdm_cuda_launch_act_bwd(const tdm_cuda_exec *x, int act, const float *in,
+                                    const float *y, const float *dy, float *dx, int64_t n_elem)
+{
+    return run(x, n_elem, kThreads, ActBwd{act, in, y, dy, dx});
+}
+
+cudaError_t tdm_cuda_launch_avgpool_fwd(const tdm_cuda_exec *x, tdm_conv_geom g, const float *in,
+                                        float *y)
+{
+    return run(x, (int64_t)g.c * g.n * g.oh * g.ow, kThreads, AvgpoolFwd{g, in, y});
+}
+
+cudaError_t tdm_cuda_launch_avgpool_bwd(const tdm_cuda_exec *x, tdm_conv_geom g, const float *dy,
+                                        float *dx)
+{
+    /* zero dx (past the last window), then each output writes its window */
+    size_t bytes = (size_t)g.c * g.n * g.h * g.w * sizeof(float);
+    if (x->host) {
+        memset(dx, 0, bytes);
+    } else {
+        cudaError_t e = cudaMemsetAsync(dx, 0, bytes, x->stream);
+        if (e != cudaSuccess) return e;
+    }
+    return run(x, (int64_t)g.c * g.n * g.oh * g.ow, kThreads, AvgpoolBwd{g, dy, dx});
 }
 
 cudaError_t tdm_cuda_launch_bn_stats(const tdm_cuda_exec *x, const float *in, int channels,

@@ -40,7 +40,7 @@ static float *tdm_buffer(tdm_model *m, int i) { return m->buffers + m->buffers_i
  * column-major is (np, oc) with ld np, and the chunk starts n0*oh*ow in.
  * col (kk, cn) row-major is (cn, kk) column-major with ld cn, W (oc, kk)
  * is (kk, oc) with ld kk. */
-static tdm_status tdm_layer_conv_forward(tdm_model *m, tdm_layer *l, const float *x, int B)
+tdm_status tdm_layer_conv_fwd(tdm_model *m, tdm_layer *l, const float *x, int B)
 {
     tdm_device *d = m->dev;
     int kk = l->c * l->k * l->k, per = l->oh * l->ow, np = B * per;
@@ -117,8 +117,7 @@ static tdm_status tdm_layer_linear_backward_low(tdm_model *m, tdm_layer *l, cons
     return TDM_STATUS_OK;
 }
 
-static tdm_status tdm_layer_conv_backward(tdm_model *m, tdm_layer *l, const float *dout,
-                                          float *din, int B)
+tdm_status tdm_layer_conv_bwd(tdm_model *m, tdm_layer *l, const float *dout, float *din, int B)
 {
     if (tdm_model_low(m)) return tdm_layer_conv_backward_low(m, l, dout, din, B);
     tdm_device *d = m->dev;
@@ -294,7 +293,7 @@ tdm_status tdm_model_layer_forward(tdm_model *m, tdm_layer *l, const float *x, i
                                 l->relu ? TDM_ACT_RELU : TDM_ACT_NONE);
     case TDM_LAYER_CONV:
         /* out (oc, B*oh*ow) = W (oc, c*k*k) col (c*k*k, B*oh*ow), by chunks */
-        return tdm_layer_conv_forward(m, l, x, B);
+        return tdm_layer_conv_fwd(m, l, x, B);
     case TDM_LAYER_BN:
         if (m->train && m->sync_bn && !m->lev.recomputing) return tdm_syncbn_forward(m, l, x, B);
         TDM_CHECK(tdm_layer_bn_check(m, l, B));
@@ -305,6 +304,11 @@ tdm_status tdm_model_layer_forward(tdm_model *m, tdm_layer *l, const float *x, i
         return tdm_dev_cnhw_to_nchw(d, x, l->out, l->c, B, (int64_t)l->h * l->w);
     case TDM_LAYER_TO_CNHW:
         return tdm_dev_nchw_to_cnhw(d, x, l->out, l->c, B, (int64_t)l->h * l->w);
+    case TDM_LAYER_ACT:
+    case TDM_LAYER_AVGPOOL:
+    case TDM_LAYER_RES:
+    case TDM_LAYER_DROPOUT:
+        return tdm_seq_layer_forward(m, l, x, B);
     case TDM_LAYER_GROUP:
         break;   /* a vt model's: never run here */
     }
@@ -335,7 +339,7 @@ tdm_status tdm_model_layer_backward(tdm_model *m, tdm_layer *l, float *dout, flo
         return TDM_STATUS_OK;
     case TDM_LAYER_CONV:
         /* dW (oc, kk) += dout (oc, np) col^T (np, kk); din = col2im(W^T dout) */
-        return tdm_layer_conv_backward(m, l, dout, din, B);
+        return tdm_layer_conv_bwd(m, l, dout, din, B);
     case TDM_LAYER_BN:
         if (m->train && m->sync_bn) {
             int64_t len = (int64_t)B * l->h * l->w;
@@ -352,6 +356,11 @@ tdm_status tdm_model_layer_backward(tdm_model *m, tdm_layer *l, float *dout, flo
     case TDM_LAYER_TO_CNHW:
         if (!din) return TDM_STATUS_OK;
         return tdm_dev_cnhw_to_nchw(d, dout, din, l->c, B, (int64_t)l->h * l->w);
+    case TDM_LAYER_ACT:
+    case TDM_LAYER_AVGPOOL:
+    case TDM_LAYER_RES:
+    case TDM_LAYER_DROPOUT:
+        return tdm_seq_layer_backward(m, l, dout, din, B);
     case TDM_LAYER_GROUP:
         break;
     }

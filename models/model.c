@@ -84,6 +84,7 @@ static tdm_status tdm_model_build(tdm_model *m)
     const tdm_model_spec *s = &m->spec;
     char name[TDM_MODEL_NAME_MAX];
     if (s->kind == TDM_MODEL_GPT) return tdm_gpt_build(m);
+    if (s->kind == TDM_MODEL_SEQ) return tdm_seq_build(m);
     if (s->kind == TDM_MODEL_MLP) {
         TDM_REQUIRE(s->ndims >= 2 && s->ndims <= TDM_MODEL_MAX_DIMS, TDM_STATUS_INVALID_ARG,
                     "an MLP needs 2 to %d widths (input ... output), got %d", TDM_MODEL_MAX_DIMS,
@@ -322,6 +323,7 @@ tdm_status tdm_model_init(tdm_model **out, tdm_device *dev, const tdm_model_spec
 {
     tdm_model *m = NULL;
     TDM_CHECK(tdm_model_new(&m, dev, spec, -1, -1));
+    m->seed = seed;
     tdm_status st = tdm_model_fill_host(m, seed);
     if (st != TDM_STATUS_OK) {
         tdm_model_free(m);
@@ -340,6 +342,7 @@ tdm_status tdm_model_init_range(tdm_model **out, tdm_device *dev, const tdm_mode
 {
     tdm_model *m = NULL;
     TDM_CHECK(tdm_model_new(&m, dev, spec, lo, hi));
+    m->seed = seed;
     tdm_status st = tdm_model_fill_host(m, seed);
     if (st != TDM_STATUS_OK) {
         tdm_model_free(m);
@@ -382,6 +385,8 @@ tdm_status tdm_model_clone(tdm_model **out, const tdm_model *src, tdm_device *de
     }
     m->train = src->train;
     m->conv_chunk = src->conv_chunk;
+    m->seed = src->seed;
+    m->n_train_fwd = src->n_train_fwd;
     st = tdm_model_set_precision(m, src->lev.prec);
     if (st == TDM_STATUS_OK) st = tdm_model_set_checkpoint(m, src->lev.ckpt);
     if (st != TDM_STATUS_OK) {
@@ -457,6 +462,7 @@ void tdm_model_free(tdm_model *m)
     tdm_dev_free(m->dev, m->params);
     tdm_dev_free(m->dev, m->grads_owned);
     tdm_dev_free(m->dev, m->buffers);
+    free(m->drop_keys);
     free(m);
 }
 
@@ -503,7 +509,7 @@ static tdm_status tdm_model_reserve_scratch(tdm_model *m, int batch)
     tdm_model_free_scratch(m);
     for (int i = 0; i < m->n_layers; i++) {
         tdm_layer *l = &m->layers[i];
-        if (l->kind == TDM_LAYER_CONV) l->chunk = tdm_model_conv_chunk(m, l, batch);
+        if (tdm_layer_convs(l)) l->chunk = tdm_model_conv_chunk(m, l, batch);
     }
     set = malloc(sizeof *set);
     scr = malloc(sizeof *scr);
@@ -613,6 +619,7 @@ tdm_status tdm_model_forward(tdm_model *m, const void *x, int batch, const float
     m->batch = 0;
     if (m->vt) return m->vt->forward(m, x, batch, logits);
     TDM_CHECK(tdm_model_reserve(m, batch));
+    TDM_CHECK(tdm_seq_drop_keys(m, x, batch));
     tdm_model_bind_low(m);
     const float *cur = x;
     if (tdm_model_low(m)) {
@@ -710,6 +717,7 @@ tdm_status tdm_model_backward(tdm_model *m, const float *dlogits)
             TDM_CHECK(tdm_model_raise_use(m, TDM_MODEL_USE_BACKWARD, bn->p0, bn->p0 + bn->np - 1));
             if (l->seg_last && m->lev.ckpt > 0) TDM_CHECK(tdm_model_chain_recompute(m, i, B));
             TDM_CHECK(tdm_model_pair_backward(m, bn, l, m->dbuf[cur], din, bn_din, B));
+            TDM_CHECK(tdm_seq_skip_add(m, i - 1, bn_din, B));
             if (m->hook) m->hook(m->hook_ctx, m, bn->p0, bn->p0 + bn->np - 1);
             i--;
             continue;
@@ -719,6 +727,7 @@ tdm_status tdm_model_backward(tdm_model *m, const float *dlogits)
         if (l->seg_last && m->lev.ckpt > 0) TDM_CHECK(tdm_model_chain_recompute(m, i, B));
         if (tdm_model_low(m)) TDM_CHECK(tdm_model_restore_low(m, i, B));
         TDM_CHECK(tdm_model_layer_backward(m, l, m->dbuf[cur], din, B));
+        TDM_CHECK(tdm_seq_skip_add(m, i, din, B));
         if (l->np > 0 && m->hook) m->hook(m->hook_ctx, m, l->p0, l->p0 + l->np - 1);
         cur = 1 - cur;
     }

@@ -46,6 +46,7 @@ typedef enum tdm_model_kind {
     TDM_MODEL_MLP = 0,
     TDM_MODEL_CNN,
     TDM_MODEL_GPT,
+    TDM_MODEL_SEQ,      /* a list of layers: the C builder (models/builder.h), a model file */
 } tdm_model_kind;
 
 /* The element type of a model's inputs (4 bytes either way). */
@@ -53,6 +54,34 @@ typedef enum tdm_model_input {
     TDM_MODEL_INPUT_F32 = 0,     /* float32 features */
     TDM_MODEL_INPUT_TOKENS,      /* int32 token ids in [0, n_classes) */
 } tdm_model_input;
+
+/* One entry of a TDM_MODEL_SEQ spec (models/builder.h). */
+#define TDM_MODEL_MAX_OPS 160
+#define TDM_MODEL_MAX_NEST 8      /* residual blocks open at once */
+typedef enum tdm_model_op_kind {
+    TDM_MODEL_OP_LINEAR = 0,    /* n: out features (weight, bias) */
+    TDM_MODEL_OP_CONV,          /* n: out channels; k x k, stride, pad (weight, no bias) */
+    TDM_MODEL_OP_BATCHNORM,     /* per channel (weight, bias; running_mean, running_var) */
+    TDM_MODEL_OP_RELU,
+    TDM_MODEL_OP_GELU,
+    TDM_MODEL_OP_TANH,
+    TDM_MODEL_OP_SIGMOID,
+    TDM_MODEL_OP_MAXPOOL,       /* k x k window, stride k */
+    TDM_MODEL_OP_AVGPOOL,       /* k x kw window, stride k (kw = k; global: the plane) */
+    TDM_MODEL_OP_FLATTEN,
+    TDM_MODEL_OP_RES_OPEN,      /* a residual block's input */
+    TDM_MODEL_OP_RES_CLOSE,     /* output = block + input (proj: through a projection) */
+    TDM_MODEL_OP_DROPOUT,       /* p: drop probability (training only) */
+} tdm_model_op_kind;
+
+typedef struct tdm_model_op {
+    tdm_model_op_kind kind;
+    int n, k, kw, stride, pad;
+    int proj;                   /* RES_CLOSE: 1x1 conv (images) or linear (features) */
+    float p;                    /* DROPOUT */
+    int line;                   /* the model file's line (0: built in C) */
+    int c, h, w, flat;          /* the shape after this op (flat: features in w) */
+} tdm_model_op;
 
 typedef struct tdm_model_spec {
     tdm_model_kind kind;
@@ -66,6 +95,12 @@ typedef struct tdm_model_spec {
     /* GPT (GPT-2's config names): blocks, width, heads, context, vocabulary
      * (256: bytes). See models/gpt.h. */
     int n_layer, n_embd, n_head, n_ctx, vocab;
+    /* SEQ: the layers, the input shape above (in_c x in_h x in_w; flat
+     * input: 1 x 1 x features), n_classes the last op's width. */
+    int n_ops, in_flat;
+    int open[TDM_MODEL_MAX_NEST], n_open;   /* the builder's open residual blocks */
+    char name[64];              /* what describe prints ("file:lenet.tdm") */
+    tdm_model_op ops[TDM_MODEL_MAX_OPS];
 } tdm_model_spec;
 
 /* tdm_model_spec_mlp(s, NULL, 0) is the default MLP; other dims must hold
@@ -75,7 +110,8 @@ typedef struct tdm_model_spec {
  * shape of Fashion-MNIST's "2 Conv+pooling" baseline). */
 void tdm_model_spec_mlp(tdm_model_spec *s, const int *dims, int ndims);
 void tdm_model_spec_cnn(tdm_model_spec *s);
-/* Parses "mlp", "mlp:784-128-10", "cnn", "gpt", "gpt:L-D-H-T". */
+/* Parses "mlp", "mlp:784-128-10", "cnn", "gpt", "gpt:L-D-H-T" and
+ * "file:PATH" (a model file: models/builder.h). */
 tdm_status tdm_model_spec_parse(tdm_model_spec *s, const char *text);
 /* The sample shape a model reads and its class count, for building
  * matching (e.g. synthetic) data: the CNN's image; an MLP with 784 inputs

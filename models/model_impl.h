@@ -24,6 +24,11 @@ typedef enum tdm_layer_kind {
     TDM_LAYER_FLATTEN,   /* CNHW -> (N, C*H*W) */
     TDM_LAYER_TO_CNHW,   /* (N, C, H, W) input -> CNHW */
     TDM_LAYER_GROUP,     /* a model with its own vt: only names a parameter range */
+    /* model files and the C builder (models/builder.c, models/layers_seq.c) */
+    TDM_LAYER_ACT,       /* elementwise relu, gelu, tanh or sigmoid (l->act) */
+    TDM_LAYER_AVGPOOL,   /* k x kw windows at stride k, CNHW */
+    TDM_LAYER_RES,       /* out = previous layer's out + (projected) output of layer skip */
+    TDM_LAYER_DROPOUT,   /* training: x * mask / (1 - p), the mask keyed on each sample */
 } tdm_layer_kind;
 
 typedef struct tdm_layer {
@@ -34,8 +39,20 @@ typedef struct tdm_layer {
     int c, h, w;            /* input shape per sample (linear: c = in features) */
     int oc, oh, ow;         /* output shape per sample (linear: oc = out features) */
     int k, stride, pad;     /* conv / pool */
+    int kw;                 /* avgpool: window width (k: its height) */
+    tdm_act act;            /* TDM_LAYER_ACT */
+    /* TDM_LAYER_RES: c, h, w is the block input's shape (layer skip's
+     * output; -1: the model's input), in_elems = out_elems the block's
+     * output; proj: a 1x1 conv of stride `stride` (images: weight only)
+     * (k = 1) or a linear layer (features, k = 0: weight, bias) on the skip path */
+    int skip, proj;
+    int64_t skip_elems;
+    float *skipg;           /* backward: the skip path's input gradient (scratch) */
+    float p;                /* TDM_LAYER_DROPOUT: drop probability */
+    int op;                 /* TDM_LAYER_DROPOUT: its op's index in the spec (keys its mask) */
     int64_t in_elems, out_elems; /* per sample */
     int block;              /* tdm_model_layer_block */
+    int line;               /* model file line of its op (residual: where the block opens) */
     /* activations (capacity m->cap samples) */
     float *out;
     int chunk;              /* conv: images per chunk (tdm_model_set_conv_chunk) */
@@ -112,6 +129,12 @@ struct tdm_model {
     float *params, *grads, *buffers;
     float *grads_owned;     /* NULL while grads are borrowed */
     int train;
+    /* dropout (models/layers_seq.c): the init seed, training forwards so
+     * far, and the last training forward's per-sample keys (host) */
+    uint64_t seed;
+    int64_t n_train_fwd;
+    uint64_t *drop_keys;
+    int drop_cap;
     int bwd_stop;           /* backward runs layers n_layers-1 .. bwd_stop */
     tdm_grad_ready_fn hook;
     void *hook_ctx;
@@ -216,6 +239,31 @@ tdm_status tdm_model_pair_forward(tdm_model *m, tdm_layer *bn, tdm_layer *pool, 
                                   int B);
 tdm_status tdm_model_pair_backward(tdm_model *m, tdm_layer *bn, tdm_layer *pool, float *dout,
                                    float *dmid, float *din, int B);
+
+/* 1 when layer l runs a convolution through im2col chunks (m->col): a
+ * conv layer, a residual projection over images. */
+static inline int tdm_layer_convs(const tdm_layer *l)
+{
+    return l->kind == TDM_LAYER_CONV || (l->kind == TDM_LAYER_RES && l->proj && l->k == 1);
+}
+
+/* models/layers.c: a conv layer's forward (l->out = W * x) and backward
+ * (adds dW; writes din unless NULL), for the residual projection too. */
+tdm_status tdm_layer_conv_fwd(tdm_model *m, tdm_layer *l, const float *x, int B);
+tdm_status tdm_layer_conv_bwd(tdm_model *m, tdm_layer *l, const float *dout, float *din, int B);
+
+/* models/layers_seq.c: the forward and backward of the builder's layers
+ * (act, avgpool, residual), and the residual blocks' skip gradients added
+ * into the input gradient of a block's first layer (lowest: the lowest
+ * layer whose backward just ran; din: its input gradient, NULL: none). */
+tdm_status tdm_seq_layer_forward(tdm_model *m, tdm_layer *l, const float *x, int B);
+tdm_status tdm_seq_layer_backward(tdm_model *m, tdm_layer *l, float *dout, float *din, int B);
+tdm_status tdm_seq_skip_add(tdm_model *m, int lowest, float *din, int B);
+/* Before a training forward of a model with dropout: each sample's key
+ * from (seed, training forwards so far, the sample's input bytes). */
+tdm_status tdm_seq_drop_keys(tdm_model *m, const void *x, int B);
+/* models/builder.c: a SEQ spec's layers and tensors. */
+tdm_status tdm_seq_build(tdm_model *m);
 
 /* models/model.c: a model of pipeline layers [lo, hi) of spec
  * (tdm_model_init_stage; lo = hi = -1: the whole model). */

@@ -79,7 +79,9 @@ static size_t tdm_model_layers_act_bytes(const tdm_model *m, int batch)
     for (int i = 0; i < m->n_layers; i++) {
         const tdm_layer *l = &m->layers[i];
         bytes += (size_t)batch * (size_t)l->out_elems * sizeof(float);
-        if (l->kind == TDM_LAYER_CONV) {
+        if (l->kind == TDM_LAYER_RES)
+            bytes += (size_t)batch * (size_t)l->skip_elems * sizeof(float);
+        if (tdm_layer_convs(l)) {
             size_t nb = (size_t)l->c * l->k * l->k * (size_t)tdm_model_conv_chunk(m, l, batch) *
                         l->oh * l->ow * sizeof(float);
             if (nb > col_max) col_max = nb;
@@ -156,7 +158,8 @@ void tdm_model_gemm_flops(const tdm_model *m, double *fwd, double *bwd)
         const tdm_layer *l = &m->layers[i];
         double macs;
         if (l->kind == TDM_LAYER_LINEAR) macs = (double)l->c * l->oc;
-        else if (l->kind == TDM_LAYER_CONV) macs = (double)l->oc * l->c * l->k * l->k * l->oh * l->ow;
+        else if (tdm_layer_convs(l)) macs = (double)l->oc * l->c * l->k * l->k * l->oh * l->ow;
+        else if (l->kind == TDM_LAYER_RES && l->proj) macs = (double)l->c * l->oc;
         else continue;
         f += 2.0 * macs;
         b += 2.0 * macs * (first ? 1.0 : 2.0);

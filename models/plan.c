@@ -70,7 +70,7 @@ static size_t tdm_plan_widen(const tdm_model *m, int batch)
             w = tdm_plan_max(w, c * (oc + B));
             w = tdm_plan_max(w, B * (c + oc));
             if (din) w = tdm_plan_max(w, oc * (c + B));
-        } else if (l->kind == TDM_LAYER_CONV) {
+        } else if (tdm_layer_convs(l)) {
             size_t per = (size_t)l->oh * l->ow, cn = (size_t)l->chunk * per, np = B * per;
             size_t kk = (size_t)l->c * l->k * l->k, oc = l->oc;
             w = tdm_plan_max(w, kk * (cn + oc));
@@ -106,6 +106,10 @@ tdm_status tdm_plan_single(const tdm_plan_opts *o, tdm_plan *out)
                 "plan: batch %d and checkpoint segment %d", o->batch, o->ckpt);
     TDM_REQUIRE(o->optim.offload == TDM_OPTIM_OFFLOAD_NONE || o->device != TDM_DEVICE_HOST,
                 TDM_STATUS_INVALID_ARG, "plan: optimizer offload is for accelerators");
+    TDM_REQUIRE(o->spec.kind != TDM_MODEL_SEQ ||
+                    (o->precision == TDM_PRECISION_FP32 && o->ckpt == 0),
+                TDM_STATUS_INVALID_ARG, "plan: a model file trains in float32 without activation "
+                "checkpointing (no --precision or --checkpoint-activations)");
     tdm_model *m = NULL;
     tdm_act_layout *lay = NULL, *scr = NULL;
     tdm_status st = TDM_STATUS_OK;
@@ -142,7 +146,7 @@ tdm_status tdm_plan_single(const tdm_plan_opts *o, tdm_plan *out)
         m->vt->layout(m, o->batch, lay, scr);
     } else {
         for (int i = 0; i < m->n_layers; i++)
-            if (m->layers[i].kind == TDM_LAYER_CONV)
+            if (tdm_layer_convs(&m->layers[i]))
                 m->layers[i].chunk = tdm_model_conv_chunk(m, &m->layers[i], o->batch);
         tdm_model_chain_layout(m, o->batch, lay, scr);
     }

@@ -42,6 +42,9 @@ tdm_status tdm_model_set_precision(tdm_model *m, tdm_precision p)
     TDM_REQUIRE(p == TDM_PRECISION_FP32 || p == TDM_PRECISION_BF16 || p == TDM_PRECISION_FP16,
                 TDM_STATUS_INVALID_ARG, "unknown precision %d", (int)p);
     if (p == m->lev.prec) return TDM_STATUS_OK;
+    TDM_REQUIRE(m->spec.kind != TDM_MODEL_SEQ, TDM_STATUS_INVALID_ARG,
+                "precision %s: a model file's layers train in float32 only (use --precision "
+                "fp32)", p == TDM_PRECISION_BF16 ? "bf16" : "fp16");
     tdm_model_drop_activations(m);
     tdm_dev_free(m->dev, m->lev.wlow);
     m->lev.wlow = NULL;

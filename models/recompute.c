@@ -132,7 +132,10 @@ void tdm_model_chain_layout(tdm_model *m, int batch, tdm_act_layout *set,
                         i != last && tdm_chain_in_arena(m, l), &off);
         else   /* l->out is a ping-pong buffer of the forward (f32s) */
             tdm_act_add(set, &l->out16, out * es, i, tdm_chain_in_arena(m, l), &off);
-        if (l->kind == TDM_LAYER_CONV) {
+        if (l->kind == TDM_LAYER_RES)   /* the skip path's gradient, kept through the block */
+            tdm_act_add(scratch, (void **)&l->skipg, B * (size_t)l->skip_elems * sizeof(float),
+                        i, 0, &off);
+        if (tdm_layer_convs(l)) {
             size_t nb = (size_t)l->c * l->k * l->k * (size_t)l->chunk * l->oh * l->ow * sizeof(float);
             if (nb > col_max) col_max = nb;
         } else if (l->kind == TDM_LAYER_MAXPOOL) {
@@ -165,6 +168,9 @@ tdm_status tdm_model_set_checkpoint(tdm_model *m, int units_per_segment)
                 "activation checkpointing: %d units per segment (expected 0 for none, or >= 1)",
                 units_per_segment);
     if (units_per_segment == m->lev.ckpt) return TDM_STATUS_OK;
+    TDM_REQUIRE(m->spec.kind != TDM_MODEL_SEQ, TDM_STATUS_INVALID_ARG,
+                "activation checkpointing: not available for a model file's layers (leave "
+                "--checkpoint out)");
     tdm_model_drop_activations(m);
     m->lev.ckpt = units_per_segment;
     if (!m->vt) tdm_model_chain_units(m);

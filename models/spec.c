@@ -3,6 +3,8 @@
  * words. Not here: building a model from a spec (models/model.c). */
 #include "models/model_impl.h"
 
+#include "models/builder.h"
+
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -46,6 +48,7 @@ tdm_status tdm_model_spec_parse(tdm_model_spec *s, const char *text)
     TDM_REQUIRE(text && *text, TDM_STATUS_INVALID_ARG,
                 "empty model name (expected mlp, cnn or gpt)");
     if (!strncmp(text, "gpt", 3)) return tdm_gpt_spec_parse(s, text);
+    if (!strncmp(text, "file:", 5)) return tdm_model_seq_load(s, text + 5);
     if (!strcmp(text, "cnn")) {
         tdm_model_spec_cnn(s);
         return TDM_STATUS_OK;
@@ -80,8 +83,8 @@ tdm_status tdm_model_spec_parse(tdm_model_spec *s, const char *text)
         return TDM_STATUS_OK;
     }
     return tdm_error_set(TDM_STATUS_INVALID_ARG,
-                         "unknown model '%s' (expected mlp, mlp:W0-W1-...-Wn, cnn, gpt or "
-                         "gpt:L-D-H-T)", text);
+                         "unknown model '%s' (expected mlp, mlp:W0-W1-...-Wn, cnn, gpt, "
+                         "gpt:L-D-H-T or file:PATH)", text);
 }
 
 void tdm_model_spec_sample_shape(const tdm_model_spec *s, int *c, int *h, int *w, int *classes)
@@ -101,6 +104,13 @@ void tdm_model_spec_describe(const tdm_model_spec *s, char *buf, size_t len)
 {
     if (s->kind == TDM_MODEL_GPT) {
         tdm_gpt_spec_describe(s, buf, len);
+        return;
+    }
+    if (s->kind == TDM_MODEL_SEQ) {
+        if (s->in_flat) snprintf(buf, len, "%s (%d -> %d)", s->name, s->in_w, s->n_classes);
+        else
+            snprintf(buf, len, "%s (%dx%dx%d -> %d)", s->name, s->in_c, s->in_h, s->in_w,
+                     s->n_classes);
         return;
     }
     if (s->kind == TDM_MODEL_CNN) {

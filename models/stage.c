@@ -55,6 +55,36 @@ tdm_status tdm_model_spec_n_layers(const tdm_model_spec *s, int *n)
     return TDM_STATUS_OK;
 }
 
+/* A stage starting at layer `cut` of a whole model's table: 0 when
+ * allowed, else the model file's line of the residual block the cut
+ * falls in (a block's skip path stays inside one stage; a block whose
+ * input is the stage's input is fine). */
+static int tdm_stage_cut_line(const tdm_model *t, int cut)
+{
+    for (int r = cut; cut > 0 && r < t->n_layers; r++) {
+        const tdm_layer *l = &t->layers[r];
+        if (l->kind == TDM_LAYER_RES && l->skip < cut - 1) return l->line > 0 ? l->line : 1;
+        /* a dropout mask is keyed on the model's input: the first stage's */
+        if (l->kind == TDM_LAYER_DROPOUT) return l->line > 0 ? l->line : 1;
+    }
+    return 0;
+}
+
+tdm_status tdm_model_spec_check_split(const tdm_model_spec *s, const int *first, int stages)
+{
+    if (s->kind != TDM_MODEL_SEQ) return TDM_STATUS_OK;
+    tdm_model *t = NULL;
+    TDM_CHECK(tdm_stage_full_tables(s, &t));
+    int bad = 0, at = 0;
+    for (int k = 1; k < stages && !bad; k++) bad = tdm_stage_cut_line(t, at = first[k]);
+    tdm_stage_tables_free(t);
+    TDM_REQUIRE(!bad, TDM_STATUS_INVALID_ARG,
+                "pipeline: a stage starting at layer %d splits the residual block or comes before "
+                "the dropout of %s line %d (a block stays within one stage; dropout stays in "
+                "the first: pick another --split)", at, s->name, bad);
+    return TDM_STATUS_OK;
+}
+
 /* Elements from tensor i to tensor j (exclusive) of a table: their
  * aligned sizes. */
 static int64_t tdm_stage_span(const tdm_model *t, int i, int j)
@@ -91,7 +121,8 @@ tdm_status tdm_model_spec_layer_costs(const tdm_model_spec *s, tdm_model_layer_c
             else if (l->kind == TDM_LAYER_CONV)
                 macs = (double)l->oc * l->c * l->k * l->k * l->oh * l->ow;
             out[i] = (tdm_model_layer_cost){.param_elems = tdm_stage_span(t, l->p0, l->p0 + l->np),
-                                            .flops = 3.0 * 2.0 * macs};
+                                            .flops = 3.0 * 2.0 * macs,
+                                            .no_cut = tdm_stage_cut_line(t, i) > 0};
         }
     }
     tdm_stage_tables_free(t);
@@ -105,6 +136,12 @@ tdm_status tdm_model_crop(tdm_model *m)
     int lo = m->stage.lo, hi = m->stage.hi;
     TDM_REQUIRE(!m->vt && hi <= m->n_layers, TDM_STATUS_INTERNAL,
                 "model: crop of layers [%d, %d) of %d", lo, hi, m->n_layers);
+    int bad = tdm_stage_cut_line(m, lo), bad_cut = lo;
+    if (!bad && hi < m->n_layers) bad = tdm_stage_cut_line(m, hi), bad_cut = hi;
+    TDM_REQUIRE(!bad, TDM_STATUS_INVALID_ARG,
+                "pipeline: a stage starting at layer %d splits the residual block or comes before "
+                "the dropout of %s line %d (a block stays within one stage; dropout stays in "
+                "the first: pick another --split)", bad_cut, m->spec.name, bad);
     int p0 = m->layers[lo].p0, p1 = hi < m->n_layers ? m->layers[hi].p0 : m->n_params;
     int b0 = m->layers[lo].b0, b1 = hi < m->n_layers ? m->layers[hi].b0 : m->n_buffers;
     int64_t e0 = p0 < m->n_params ? m->params_info[p0].offset : m->param_elems;
@@ -117,6 +154,7 @@ tdm_status tdm_model_crop(tdm_model *m)
         m->layers[i].p0 -= p0;
         m->layers[i].b0 -= b0;
         m->layers[i].block = i;
+        if (m->layers[i].kind == TDM_LAYER_RES) m->layers[i].skip -= lo;
     }
     memmove(m->params_info, m->params_info + p0, (size_t)(p1 - p0) * sizeof m->params_info[0]);
     for (int i = 0; i < p1 - p0; i++) {
@@ -260,11 +298,14 @@ typedef struct tdm_stage_set {
     const void **in16;
     void *x16, *arena;                      /* the set's rounded input, checkpoint arena */
     struct tdm_act_layout *act;             /* and its layout (models/recompute.c) */
+    uint64_t *drop_keys;                    /* its forward's dropout keys (owned while parked) */
+    int drop_cap;
 } tdm_stage_set;
 
 static void tdm_stage_set_release(tdm_stage_set *s)
 {
     free(s->out);
+    free(s->drop_keys);
     memset(s, 0, sizeof *s);
 }
 
@@ -309,6 +350,8 @@ tdm_status tdm_model_select_act_set(tdm_model *m, int k)
     cur->x16 = m->x16;
     cur->arena = m->arena;
     cur->act = m->act_set;
+    cur->drop_keys = m->drop_keys;
+    cur->drop_cap = m->drop_cap;
     for (int i = 0; !m->vt && i < m->n_layers; i++) {
         tdm_layer *l = &m->layers[i];
         cur->out[i] = l->out;
@@ -338,6 +381,10 @@ tdm_status tdm_model_select_act_set(tdm_model *m, int k)
         m->arena = next->arena;
         m->act_set = next->act;
     }
+    m->drop_keys = next->drop_keys;   /* the model owns the current set's keys */
+    m->drop_cap = next->drop_cap;
+    next->drop_keys = NULL;
+    next->drop_cap = 0;
     m->act_bytes = m->act_bytes - m->set_bytes + next->bytes;
     m->cap = next->cap;
     m->batch = next->batch;

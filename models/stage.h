@@ -53,7 +53,11 @@ tdm_status tdm_model_spec_n_layers(const tdm_model_spec *s, int *n);
 typedef struct tdm_model_layer_cost {
     int64_t param_elems;
     double flops;
+    int no_cut;     /* 1: no stage may start here (inside a model file's residual block) */
 } tdm_model_layer_cost;
+/* A split (the first layer of each of `stages` stages) that cuts no
+ * model file's residual block: else INVALID_ARG naming the block's line. */
+tdm_status tdm_model_spec_check_split(const tdm_model_spec *s, const int *first, int stages);
 /* out: n entries (n from tdm_model_spec_n_layers). */
 tdm_status tdm_model_spec_layer_costs(const tdm_model_spec *s, tdm_model_layer_cost *out, int n);
 

@@ -98,7 +98,7 @@ tdm_status tdm_pp_split_balance(const tdm_model_spec *spec, int stages, tdm_pp_b
     for (int k = 1; k <= stages; k++)
         for (int j = k; j <= n; j++)
             for (int i = k - 1; i < j; i++) {
-                if (BEST(k - 1, i) == DBL_MAX) continue;
+                if (BEST(k - 1, i) == DBL_MAX || (i > 0 && c[i].no_cut)) continue;
                 double cost = pre[j] - pre[i];
                 double worst = cost > BEST(k - 1, i) ? cost : BEST(k - 1, i);
                 /* strictly better only: ties keep the earliest cut */
@@ -107,6 +107,12 @@ tdm_status tdm_pp_split_balance(const tdm_model_spec *spec, int stages, tdm_pp_b
                     FROM(k, j) = i;
                 }
             }
+    if (BEST(stages, n) == DBL_MAX) {
+        st = tdm_error_set(TDM_STATUS_INVALID_ARG,
+                           "pipeline: %d stages cannot be cut between the model's residual "
+                           "blocks (a block stays within one stage): use fewer stages", stages);
+        goto done;
+    }
     for (int k = stages, j = n; k >= 1; k--) {
         first[k - 1] = FROM(k, j);
         j = FROM(k, j);

@@ -195,8 +195,8 @@ static const char *dx_short(const char *cmd)
     return "";
 }
 
-/* cmd with build/tandem (or a bare tandem) and build/examples/ made
- * absolute. */
+/* cmd with build/tandem (or a bare tandem), build/examples/ and
+ * file:examples/ (model files) made absolute. */
 static void dx_resolve(const char *cmd, const char *root, char *out, size_t len)
 {
     const char *at = dx_find(cmd);
@@ -209,6 +209,10 @@ static void dx_resolve(const char *cmd, const char *root, char *out, size_t len)
         } else if (!strncmp(p, "build/examples/", 15) && (p == cmd || p[-1] == ' ')) {
             o += (size_t)snprintf(out + o, len - o, "%s/build/examples/", root);
             p += 15;
+        } else if (!strncmp(p, "file:examples/", 14) && p > cmd && p[-1] == ' ') {
+            /* a model file of examples/models/, run from the temporary directory */
+            o += (size_t)snprintf(out + o, len - o, "file:%s/examples/", root);
+            p += 14;
         } else {
             out[o++] = *p++;
         }

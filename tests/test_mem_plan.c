@@ -41,7 +41,8 @@ Test(memplan, footprint_from_the_spec_equals_what_the_model_allocates)
 {
     tdm_device *dev = tu_host();
     const char *specs[] = {"mlp:784-64-10", "mlp:20-30-40-5", "cnn", "gpt:1-16-2-16",
-                           "gpt:2-32-4-24"};
+                           "gpt:2-32-4-24", "file:examples/models/resnet_small.tdm",
+                           "file:examples/models/lenet5.tdm", "file:examples/models/mlp_dropout.tdm"};
     const int batches[] = {1, 7, 32};
     tdm_rng r = tu_rng(3);
     for (size_t i = 0; i < sizeof specs / sizeof specs[0]; i++) {

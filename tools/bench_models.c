@@ -327,8 +327,8 @@ typedef struct tdm_bench_train_args {
 
 static void tdm_bench_train_usage(void)
 {
-    printf("usage: tandem bench train [--model mlp|cnn|gpt|mlp:...|gpt:L-D-H-T] [--batch B]\n"
-           "                         [--steps S]"
+    printf("usage: tandem bench train [--model mlp|cnn|gpt|mlp:...|gpt:L-D-H-T|file:PATH]\n"
+           "                         [--batch B] [--steps S]"
            " [--device cpu|cuda|cuda:I] [--threads T]\n"
            "                         [--precision fp32|bf16|fp16] [--checkpoint-activations N]\n\n"
            "Single-device training throughput on synthetic data (a gpt: random bytes,\n"

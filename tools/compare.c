@@ -25,6 +25,8 @@
 #include "ddp/hooks.h"
 #include "dist/mpi_job.h"
 #include "dist/run.h"
+#include "core/npy.h"
+#include "models/builder.h"
 #include "models/stage.h"
 #include "models/train.h"
 #include "pp/pp.h"
@@ -85,7 +87,8 @@ static void tdm_cmp_usage(FILE *f)
         "  --stages S           pp: stages, one device each (S <= N)    [N]\n"
         "  --microbatches M     pp: micro-batches per global batch       [4]\n"
         "  --schedule S         pp: gpipe or 1f1b                        [1f1b]\n"
-        "  --model NAME         mlp, mlp:W0-..-Wn, cnn, gpt, gpt:L-D-H-T      [mlp]\n"
+        "  --model NAME         mlp, mlp:W0-..-Wn, cnn, gpt, gpt:L-D-H-T or\n"
+        "                       file:PATH (a model file, docs/MODELS.md)      [mlp]\n"
         "  --device SPEC        devices for DP and DDP: cpu:N (N >= 1), or GPUs\n"
         "                       cuda (all) / cuda:I,J,.. (single runs on the first) [cpu:2]\n"
         "  --steps S            training steps per mode                      [30]\n"
@@ -93,6 +96,7 @@ static void tdm_cmp_usage(FILE *f)
         "                       [3, or half of --steps when that is fewer]\n"
         "  --batch B            global batch size (B >= N)   [256; gpt: %d windows]\n"
         "  --data DIR|synthetic Fashion-MNIST directory or synthetic data  [Fashion-MNIST]\n"
+        "  --data X.npy,Y.npy   NumPy arrays: inputs (n, ...), labels (n,) (docs/MODELS.md)\n"
         "  --data FILE|DIR      gpt: any file, or a fortunes directory  [Debian's fortunes]\n"
         "  --optim sgd|adamw    [sgd; gpt: adamw]                    --momentum M [0.9]\n"
         "  --lr LR              [sgd: 0.05, adamw: 0.001 (gpt: 0.002)], as train's\n"
@@ -626,6 +630,8 @@ static tdm_status tdm_cmp_load_images(tdm_cmp_job *j)
         tdm_model_spec_sample_shape(&j->spec, &c, &h, &w, &classes);
         int64_t n = (int64_t)o->batch * (o->steps < 50 ? o->steps : 50);
         st = tdm_data_synthetic(&data->train, n, c, h, w, classes, 1234, 0);
+    } else if (tdm_data_is_npy(o->data)) {
+        st = tdm_data_load_npy(&data->train, o->data);
     } else {
         st = tdm_data_load_fashion_mnist(&data->train, o->data, 1);
     }
@@ -640,6 +646,14 @@ static tdm_status tdm_cmp_load_images(tdm_cmp_job *j)
                                     "model %s expects %lld\n",
                                     (long long)tdm_data_features(&data->train), o->model,
                                     (long long)want);
+    {
+        int sc, sh, sw, classes;
+        tdm_model_spec_sample_shape(&j->spec, &sc, &sh, &sw, &classes);
+        if (data->train.n_classes > classes)
+            return tdm_tool_usage_error("tandem compare: the data has label %d but model %s has "
+                                        "%d classes (0..%d)\n", data->train.n_classes - 1,
+                                        o->model, classes, classes - 1);
+    }
     if (data->train.n < o->batch)
         return tdm_tool_usage_error("tandem compare: --batch %d is larger than the %lld "
                                     "training samples\n", o->batch, (long long)data->train.n);
@@ -757,7 +771,7 @@ static int tdm_cmp_print_pair(const tdm_cmp_job *j, const tdm_model *ref, tdm_cm
 {
     const tdm_cmp_opts *o = &j->o;
     const tdm_cmp_result *a = &j->res[ma], *b = &j->res[mb];
-    int bn = j->spec.kind == TDM_MODEL_CNN;
+    int bn = tdm_model_spec_has_batchnorm(&j->spec);
     char label[40];
     snprintf(label, sizeof label, "%s vs %s", tdm_cmp_mode_name(a->mode),
              tdm_cmp_mode_name(b->mode));

@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "core/device.h"
+#include "core/npy.h"
 #include "core/safetensors.h"
 #include "core/text.h"
 #include "models/checkpoint.h"
@@ -27,7 +28,7 @@
 #define TDM_EVAL_BATCH 1000
 
 typedef struct tdm_eval_opts {
-    const char *resume, *data, *mode, *dump;
+    const char *resume, *data, *mode, *dump, *model;
     long long synthetic_size, dump_n;
     int help;
 } tdm_eval_opts;
@@ -43,8 +44,12 @@ static void tdm_eval_usage(FILE *f)
         "nats and bits per byte, as train's val loss. Losses have 9 significant digits.\n"
         "\n"
         "  --resume CK            the checkpoint (required)\n"
+        "  --model file:PATH      the model file the checkpoint was trained from\n"
+        "                         (required for one; other models are named in the\n"
+        "                         checkpoint)\n"
         "  --data FILE|DIR        as train's: Fashion-MNIST directory, synthetic, or\n"
         "                         text for a gpt                  [train's default]\n"
+        "  --data X.npy,Y.npy     NumPy arrays: all of them are the test set\n"
         "  --synthetic-size N     with --data synthetic: the training set's size; the\n"
         "                         test set is N/6, as train's              [60000]\n"
         "  --mode single          evaluation runs on one device (the figures do not\n"
@@ -66,6 +71,7 @@ static tdm_status tdm_eval_parse(int argc, char **argv, tdm_eval_opts *o)
         TDM_ARGS_LOCALS
         TDM_ARGS_HELP(o->help)
         TDM_ARGS_STR("--resume", o->resume)
+        TDM_ARGS_STR("--model", o->model)
         TDM_ARGS_STR("--data", o->data)
         TDM_ARGS_STR("--mode", o->mode)
         TDM_ARGS_STR("--dump-logits", o->dump)
@@ -86,7 +92,8 @@ static tdm_status tdm_eval_parse(int argc, char **argv, tdm_eval_opts *o)
 }
 
 /* The spec a checkpoint was written for, from its metadata. */
-static tdm_status tdm_eval_spec(const char *path, tdm_model_spec *spec, char *desc, size_t len)
+static tdm_status tdm_eval_spec(const char *path, const char *given, tdm_model_spec *spec,
+                                char *desc, size_t len)
 {
     tdm_st_file *f = NULL;
     TDM_CHECK(tdm_st_load(&f, path));
@@ -100,14 +107,25 @@ static tdm_status tdm_eval_spec(const char *path, tdm_model_spec *spec, char *de
          * CNN's layers, "gpt:L-D-H-T"): the --model text that builds it,
          * checked by describing the parsed spec again */
         char text[256], again[256];
-        if (!strncmp(model, "mlp ", 4)) snprintf(text, sizeof text, "mlp:%s", model + 4);
+        if (!strncmp(model, "file:", 5) && !given)
+            st = tdm_error_set(TDM_STATUS_INVALID_ARG, "%s was trained from the model file "
+                               "'%s': give it as --model file:PATH", path, model);
+        if (st) {
+            tdm_st_free(f);
+            return st;
+        }
+        if (given) snprintf(text, sizeof text, "%s", given);
+        else if (!strncmp(model, "mlp ", 4)) snprintf(text, sizeof text, "mlp:%s", model + 4);
         else if (!strncmp(model, "cnn ", 4)) snprintf(text, sizeof text, "cnn");
         else snprintf(text, sizeof text, "%s", model);
         snprintf(desc, len, "%s", model);
         st = tdm_model_spec_parse(spec, text);
         if (st == TDM_STATUS_OK) {
             tdm_model_spec_describe(spec, again, sizeof again);
-            if (strcmp(again, model))
+            if (strcmp(again, model) && given)
+                st = tdm_error_set(TDM_STATUS_INVALID_ARG, "it was trained as '%s', but --model "
+                                   "%s is '%s'", model, given, again);
+            else if (strcmp(again, model))
                 st = tdm_error_set(TDM_STATUS_FORMAT, "model '%s': this tandem builds no such "
                                    "model (its nearest is '%s')", model, again);
         }
@@ -141,7 +159,7 @@ static tdm_status tdm_eval_images(const tdm_eval_opts *o, tdm_model *m,
                                   const tdm_model_spec *spec, const char *desc)
 {
     /* train's loader (and its memory check) with train's one-device defaults */
-    tdm_train_args a = {.data = o->data, .synthetic_size = o->synthetic_size,
+    tdm_train_args a = {.data = o->data, .val_data = tdm_data_is_npy(o->data) ? o->data : NULL, .synthetic_size = o->synthetic_size,
                         .batch = TDM_EVAL_BATCH, .mode = "single", .device = "cpu",
                         .model = desc, .optim = "sgd", .threads = 1, .grad_accum = 1};
     tdm_dataset train, test;
@@ -231,7 +249,7 @@ static tdm_status tdm_eval_run(const tdm_eval_opts *o)
 {
     tdm_model_spec spec;
     char desc[256];
-    tdm_status st = tdm_eval_spec(o->resume, &spec, desc, sizeof desc);
+    tdm_status st = tdm_eval_spec(o->resume, o->model, &spec, desc, sizeof desc);
     if (st) {
         fprintf(stderr, "tandem eval: --resume: %s\n", tdm_error_message());
         return st == TDM_STATUS_INVALID_ARG ? TDM_STATUS_USAGE : st;

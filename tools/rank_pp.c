@@ -100,6 +100,7 @@ tdm_status tdm_tool_pp_check(const tdm_tool_build *b, int world, tdm_mesh_shape 
         int first[64];
         TDM_REQUIRE(S <= 64, TDM_STATUS_USAGE, "--split: at most 64 stages");
         if (tdm_pp_split_parse(b->pp.split, S, L, first)) return tdm_tool_pp_refuse("--split");
+        if (tdm_model_spec_check_split(&b->spec, first, S)) return tdm_tool_pp_refuse("--split");
     }
     return TDM_STATUS_OK;
 }

@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "core/data.h"
+#include "core/npy.h"
 #include "core/device.h"
 #include "core/log.h"
 #include "core/safefile.h"
@@ -49,7 +50,8 @@ static void tdm_train_usage(FILE *f)
         "                         (processes: see --servers; mlp only)      [single]\n"
         "  --model NAME           mlp (784-1024-1024-10), mlp:W0-W1-..-Wn, cnn, or\n"
         "                         gpt (a byte-level GPT, gpt:%d-%d-%d-%d) or gpt:L-D-H-T\n"
-        "                         (L blocks, width D, H heads, context T)      [mlp]\n"
+        "                         (L blocks, width D, H heads, context T), or\n"
+        "                         file:PATH, a model file (docs/MODELS.md)     [mlp]\n"
         "  --device SPEC          single: cpu, cuda (GPU 0) or cuda:I; dp, ddp, fsdp, pp: cpu:N,\n"
         "                         cpu:I,J,.., cuda (every GPU) or cuda:I,J,.. [cpu]\n"
         "  --threads T            BLAS threads of a single host device       [1]\n"
@@ -68,6 +70,10 @@ static void tdm_train_usage(FILE *f)
         "  --seed S               parameters and data order                   [1]\n"
         "  --data DIR|synthetic   IDX files (train-images-idx3-ubyte[.gz], ...)\n"
         "                         [/usr/share/datasets/fashion-mnist, or $TANDEM_DATA_DIR]\n"
+        "  --data X.npy,Y.npy     NumPy arrays: inputs (n, ...) float32 or uint8,\n"
+        "                         integer labels (n,) (docs/MODELS.md)\n"
+        "  --val-data X.npy,Y.npy the validation set for --data X.npy,Y.npy\n"
+        "                         [the last 10%% of --data's samples]\n"
         "  --data FILE|DIR        gpt: any file (bytes; the last 10%% validate) or a\n"
         "                         directory of fortune files (every 10th fortune\n"
         "                         validates)  [Debian's fortunes: %s,\n"
@@ -237,6 +243,7 @@ static tdm_status tdm_train_parse(int argc, char **argv, tdm_train_args *a, int 
         TDM_ARGS_FLOAT("--weight-decay", 0.0, 1e3, a->weight_decay)
         TDM_ARGS_INT("--seed", 0, INT64_MAX, a->seed)
         TDM_ARGS_STR("--data", a->data)
+        TDM_ARGS_STR("--val-data", a->val_data)
         TDM_ARGS_INT("--synthetic-size", 1, 1 << 26, a->synthetic_size)
         /* 0 would mean "every step" (the default): refused, not taken */
         TDM_ARGS_INT("--max-steps", 1, INT64_MAX, a->max_steps)
@@ -488,7 +495,10 @@ tdm_status tdm_train_load_data(const tdm_train_args *a, const tdm_model_spec *sp
     int synthetic = a->data && !strcmp(a->data, "synthetic");
     memset(train, 0, sizeof *train);
     memset(test, 0, sizeof *test);
-    if (synthetic) {
+    TDM_CHECK(tdm_train_check_seq(a, spec));
+    if (tdm_data_is_npy(a->data)) {
+        return tdm_train_load_npy(a, spec, train, test);
+    } else if (synthetic) {
         int c, h, w, classes;
         tdm_model_spec_sample_shape(spec, &c, &h, &w, &classes);
         st = tdm_data_synthetic(train, a->synthetic_size, c, h, w, classes, 1234, 0);
@@ -555,7 +565,9 @@ void tdm_train_print_header(const tdm_train_args *a, const tdm_model_spec *spec,
     printf("tandem train: mode %s, model %s (%lld parameters), %s\n", a->mode, desc,
            (long long)params, devices);
     printf("  data: %s (%lld train, %lld test), batch %lld, %s lr %g", 
-           a->data && !strcmp(a->data, "synthetic") ? "synthetic" : "Fashion-MNIST",
+           a->data && !strcmp(a->data, "synthetic") ? "synthetic"
+           : tdm_data_is_npy(a->data)               ? a->data
+                                                    : "Fashion-MNIST",
            (long long)train->n, (long long)test->n, (long long)a->batch, a->optim, a->lr);
     if (!strcmp(a->optim, "sgd")) printf(" momentum %g%s", a->momentum, a->nesterov ? " nesterov" : "");
     printf(" weight decay %g%s, seed %lld\n", a->weight_decay,

@@ -26,6 +26,7 @@
 
 typedef struct tdm_train_args {
     const char *mode, *model, *device, *optim, *data, *save, *resume;
+    const char *val_data;     /* --val-data X.npy,Y.npy (tools/train_npy.c) */
     const char *json, *csv;   /* --json, --csv: per-epoch records (tools/train_out.c) */
     const char *trace;        /* --trace: a Chrome trace of the run (tools/train_trace.h) */
     long long threads, epochs, batch, seed, synthetic_size, max_steps;
@@ -72,6 +73,14 @@ static inline long long tdm_train_effective_batch(const tdm_train_args *a)
 tdm_status tdm_train_fail(const char *what, tdm_status st);
 /* Fashion-MNIST (--data DIR) or the synthetic set; on failure nothing is
  * left to free. */
+/* tools/train_npy.c: --data X.npy,Y.npy (and --val-data): the training
+ * set, and the validation set (--val-data, else the last 10% of --data's
+ * samples); labels checked against the model's classes. */
+/* A model file's refusals before any work: 16-bit precision, activation
+ * checkpointing (exit 2). */
+tdm_status tdm_train_check_seq(const tdm_train_args *a, const tdm_model_spec *spec);
+tdm_status tdm_train_load_npy(const tdm_train_args *a, const tdm_model_spec *spec,
+                              tdm_dataset *train, tdm_dataset *test);
 tdm_status tdm_train_load_data(const tdm_train_args *a, const tdm_model_spec *spec,
                                tdm_dataset *train, tdm_dataset *test);
 /* The run's memory plan (models/mem_plan.h: parameters, gradients,

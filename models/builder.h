@@ -1,0 +1,99 @@
+/* models/builder.h: models as a list of layers, in C (the builder) and
+ * as a plain-text model file parsed into the same calls.
+ *
+ * A builder spec starts from its input shape, and each call appends one
+ * layer whose output shape is inferred from the current one; a call that
+ * does not fit the current shape fails naming both, and leaves the spec
+ * as it was. tdm_model_seq_finish checks the whole (blocks closed, the
+ * output a vector of at least 2 classes); tdm_model_init takes the
+ * result. The spec is plain data (no pointers): it can be copied, and
+ * every process of a parallel run parses the same file into the same
+ * bytes.
+ *
+ *     tdm_model_spec s;
+ *     tdm_model_seq_init(&s, 1, 28, 28);          // (C, H, W) input
+ *     tdm_model_seq_conv(&s, 32, 3, 1, 1);        // 32 channels, 3x3, stride 1, pad 1
+ *     tdm_model_seq_batchnorm(&s);
+ *     tdm_model_seq_act(&s, TDM_MODEL_OP_RELU);
+ *     tdm_model_seq_residual_open(&s);
+ *     ...
+ *     tdm_model_seq_residual_close(&s, 0);        // 1: through a projection
+ *     tdm_model_seq_pool(&s, TDM_MODEL_OP_MAXPOOL, 2);
+ *     tdm_model_seq_flatten(&s);
+ *     tdm_model_seq_linear(&s, 10);
+ *     tdm_model_seq_finish(&s);
+ *     tdm_model_init(&m, dev, &s, seed);
+ *
+ * Layers and their tensors (named by kind and count, in file order:
+ * conv1, bn1, fc1, res1.proj): docs/MODELS.md. Layouts: images are
+ * (C, H, W) per sample, features a vector; linear needs features
+ * (flatten first). */
+#ifndef TDM_MODELS_BUILDER_H
+#define TDM_MODELS_BUILDER_H
+
+#include "models/model.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Largest width, channel count or image side a builder accepts. */
+#define TDM_MODEL_SEQ_MAX_DIM (1 << 20)
+/* Largest per-sample activation (elements) a layer may produce. */
+#define TDM_MODEL_SEQ_MAX_ELEMS ((int64_t)1 << 28)
+
+/* An empty spec reading images of c x h x w (c, h, w >= 1) ... */
+tdm_status tdm_model_seq_init(tdm_model_spec *s, int c, int h, int w);
+/* ... or vectors of `features`. */
+tdm_status tdm_model_seq_init_flat(tdm_model_spec *s, int features);
+
+tdm_status tdm_model_seq_linear(tdm_model_spec *s, int out_features);
+tdm_status tdm_model_seq_conv(tdm_model_spec *s, int out_channels, int k, int stride, int pad);
+tdm_status tdm_model_seq_batchnorm(tdm_model_spec *s);
+/* kind: TDM_MODEL_OP_RELU, _GELU, _TANH or _SIGMOID. */
+tdm_status tdm_model_seq_act(tdm_model_spec *s, tdm_model_op_kind kind);
+/* kind: TDM_MODEL_OP_MAXPOOL or _AVGPOOL; k x k windows at stride k
+ * (a partial last window is dropped, as PyTorch's floor mode does). */
+tdm_status tdm_model_seq_pool(tdm_model_spec *s, tdm_model_op_kind kind, int k);
+/* Average over each channel's whole plane: (C, H, W) -> (C, 1, 1). */
+tdm_status tdm_model_seq_avgpool_global(tdm_model_spec *s);
+tdm_status tdm_model_seq_flatten(tdm_model_spec *s);
+/* Dropout with probability p (0 <= p < 1): in training, each value is
+ * zeroed with probability p and the others scaled by 1 / (1 - p), with a
+ * mask that depends on the model's seed, how many training forwards the
+ * model has run, the sample's input bytes and the value's place in the
+ * sample - not on the rank, the batch or the sample's place in it, so
+ * every parallel design drops the same values (docs/MODELS.md). The
+ * identity in evaluation. */
+tdm_status tdm_model_seq_dropout(tdm_model_spec *s, float p);
+/* A residual block: output = block(x) + x, or + proj(x) when proj is 1
+ * (a 1x1 convolution of the stride that maps x's plane onto the block's
+ * output, or a linear layer for features). Without proj the block must
+ * keep the shape. At most TDM_MODEL_MAX_NEST open at once. */
+tdm_status tdm_model_seq_residual_open(tdm_model_spec *s);
+tdm_status tdm_model_seq_residual_close(tdm_model_spec *s, int proj);
+/* Any op by its fields (kind, n, k, kw, stride, pad, proj, line); the
+ * calls above fill one. The shape fields are the builder's. */
+tdm_status tdm_model_seq_add(tdm_model_spec *s, const tdm_model_op *op);
+/* The spec is complete: no block open, output a vector of >= 2 classes,
+ * at least one layer with parameters. */
+tdm_status tdm_model_seq_finish(tdm_model_spec *s);
+
+/* Parses a model file (docs/MODELS.md) into s: each line one layer,
+ * errors as "PATH:LINE: `text`: what is wrong". What "file:PATH" in
+ * tdm_model_spec_parse does. */
+tdm_status tdm_model_seq_load(tdm_model_spec *s, const char *path);
+/* The same from text in memory (name: what messages call it). */
+tdm_status tdm_model_seq_parse_text(tdm_model_spec *s, const char *name, const char *text,
+                                    size_t len);
+
+/* "conv", "linear", ...: an op kind's name in model files. */
+const char *tdm_model_op_name(tdm_model_op_kind kind);
+/* 1 when the spec has a batchnorm layer (the CNN, a SEQ with one). */
+int tdm_model_spec_has_batchnorm(const tdm_model_spec *s);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif
