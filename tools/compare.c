@@ -358,11 +358,6 @@ static tdm_status tdm_cmp_check_levers(tdm_cmp_job *j)
         return tdm_tool_usage_error("tandem compare: --precision fp16 needs loss scaling, "
                                     "which compare does not run: compare fp32 or bf16 (tandem "
                                     "train --precision fp16 runs it in every mode but dp)\n");
-    if (o->ckpt > 1 && o->modes & 1u << TDM_CMP_FSDP)
-        return tdm_tool_usage_error("tandem compare: --checkpoint-activations %d with fsdp (full "
-                                    "shard): a recomputed segment of several units needs them "
-                                    "gathered at once, which FSDP's backward does not do yet: "
-                                    "use 1, or leave fsdp out of --modes\n", o->ckpt);
     if (o->precision == TDM_PRECISION_FP32 && !o->ckpt) return TDM_STATUS_OK;
     if (o->modes & TDM_CMP_PP_BIT)
         return tdm_tool_usage_error("tandem compare: --precision and --checkpoint-activations "

@@ -20,13 +20,6 @@
 #include "tools/tools.h"
 #include "tools/train_modes.h"
 
-/* --sharding names FULL_SHARD (an unparsable one is refused elsewhere) */
-static int tdm_fsdp_full(const char *sharding)
-{
-    tdm_fsdp_sharding sh;
-    return tdm_fsdp_sharding_parse(sharding, &sh) == TDM_STATUS_OK && sh == TDM_FSDP_FULL_SHARD;
-}
-
 static int tdm_levers_set(const tdm_train_args *a)
 {
     return a->precision || a->ckpt || a->clip_grad_norm > 0.0 || a->offload;
@@ -67,13 +60,6 @@ tdm_status tdm_train_levers_check(const tdm_train_args *a)
         return tdm_tool_usage_error("tandem train: --precision, --checkpoint-activations, "
                                     "--clip-grad-norm and --offload run with --mode single, ddp "
                                     "and fsdp in this build, not yet with --mode %s\n", a->mode);
-    if (tdm_levers_ckpt(a) > 1 && !strcmp(a->mode, "fsdp") &&
-        (!a->sharding || tdm_fsdp_full(a->sharding)))
-        return tdm_tool_usage_error("tandem train: --checkpoint-activations %s with --mode fsdp "
-                                    "--sharding full: a recomputed segment of several units "
-                                    "needs them gathered at once, which FSDP's backward does "
-                                    "not do yet; use segments of 1 (all), or --sharding "
-                                    "grad_op or optimizer\n", a->ckpt);
     int fp16 = a->precision && p == TDM_PRECISION_FP16;
     if (a->uneven && (fp16 || a->clip_grad_norm > 0.0))
         return tdm_tool_usage_error("tandem train: --precision fp16 (its loss scaling) and "
