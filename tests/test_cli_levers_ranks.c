@@ -15,10 +15,12 @@
  *   without it in DDP and FSDP, and DDP's peak lower by the state's bytes;
  * - compare --precision bf16 --checkpoint-activations 2 runs single, DDP
  *   and every sharding of the GPT in one run: the sharded modes bitwise
- *   DDP, the verdict PASS; dp is left out of the default modes;
+ *   DDP, the verdict PASS; the default modes (dp among them) pass in bf16
+ *   with checkpointing;
  * - FSDP (full shard) with segments of 2 units (train and compare):
  *   bitwise DDP's;
- * - refusals: --mode dp, --uneven with fp16, compare in fp16. */
+ * - refusals: --uneven with fp16, compare in fp16, compare's pp with a
+ *   lever. */
 #include <criterion/criterion.h>
 
 #include <math.h>
@@ -185,8 +187,6 @@ Test(levers_ranks, optimizer_offload_on_emulated_gpus)
 
 Test(levers_ranks, refuses_what_it_cannot_do)
 {
-    CLI(&g_r, "train", "--precision", "bf16", "--mode", "dp", "--device", "cpu:2");
-    expect(&g_r, 2, "not yet with --mode dp");
     CLI(&g_r, "train", "--precision", "fp16", "--mode", "ddp", "--device", "cpu:2", "--uneven");
     expect(&g_r, 2, "not supported with --uneven");
     CLI(&g_r, "train", "--clip-grad-norm", "1", "--mode", "fsdp", "--device", "cpu:2",
@@ -194,8 +194,8 @@ Test(levers_ranks, refuses_what_it_cannot_do)
     expect(&g_r, 2, "not supported with --grad-accum");
     CLI(&g_r, "compare", "--precision", "fp16");
     expect(&g_r, 2, "needs loss scaling");
-    CLI(&g_r, "compare", "--precision", "bf16", "--modes", "single,dp");
-    expect(&g_r, 2, "leave dp out of --modes");
+    CLI(&g_r, "compare", "--precision", "bf16", "--modes", "single,pp");
+    expect(&g_r, 2, "leave pp out of --modes");
 }
 
 Test(levers_ranks, compare_runs_every_mode_in_bf16_with_checkpointing)
@@ -210,11 +210,12 @@ Test(levers_ranks, compare_runs_every_mode_in_bf16_with_checkpointing)
                                        "verdict: PASS"};
     for (size_t i = 0; i < sizeof want / sizeof want[0]; i++)
         cr_assert(strstr(g_r.out, want[i]), "no '%s' in:\n%s", want[i], g_r.out);
-    /* the default modes without dp */
+    /* the default modes, dp among them (its replicas follow the master) */
     CLI(&g_r, "compare", "--data", "synthetic", "--model", "mlp:784-32-10", "--steps", "4",
-        "--batch", "32", "--precision", "bf16");
+        "--batch", "32", "--precision", "bf16", "--checkpoint-activations", "2");
     ok("compare bf16, default modes");
-    cr_assert(!strstr(g_r.out, " DP vs single") && strstr(g_r.out, "FSDP vs DDP: bitwise"), "%s",
-              g_r.out);
+    cr_assert(strstr(g_r.out, " DP vs single") && strstr(g_r.out, "DDP vs DP") &&
+              strstr(g_r.out, "FSDP vs DDP: bitwise") && strstr(g_r.out, "verdict: PASS"),
+              "%s", g_r.out);
     cr_assert_eq(cli_shm_entries(), 0);
 }

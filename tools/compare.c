@@ -111,10 +111,10 @@ static void tdm_cmp_usage(FILE *f)
         "                       run the sharded modes of --modes with the hook, each\n"
         "                       against hooked DDP (docs/FSDP.md)        [allreduce]\n"
         "  --powersgd-rank R    [4]   --powersgd-start-step S (plain before)   [10]\n"
-        "  --precision P        fp32 or bf16 in every mode (not dp; fp16's loss scaling:\n"
+        "  --precision P        fp32 or bf16 in every mode but pp (fp16's loss scaling:\n"
         "                       tandem train)                             [fp32]\n"
         "  --checkpoint-activations N  recompute segments of N blocks in backward\n"
-        "                       in every mode (not dp)\n"
+        "                       in every mode but pp\n"
         "  --perturb-rank R     testing aid: DDP rank R adds 1%% to its gradient share,\n"
         "                       which the equivalence verdict must catch (with\n"
         "                       --comm-hook: only the hooked run, for its verdict)\n"
@@ -345,9 +345,8 @@ static tdm_status tdm_cmp_check_mpi_devices(tdm_cmp_opts *o)
     return TDM_STATUS_OK;
 }
 
-/* --precision and --checkpoint-activations: every mode's model but DP's
- * (its replicas are copied without them), which the default modes then
- * leave out and a --modes naming it is refused for. */
+/* --precision and --checkpoint-activations: every mode's model (DP's
+ * replicas follow its master's, dp/dp.h) but the pipeline's stages. */
 static tdm_status tdm_cmp_check_levers(tdm_cmp_job *j)
 {
     tdm_cmp_opts *o = &j->o;
@@ -357,18 +356,12 @@ static tdm_status tdm_cmp_check_levers(tdm_cmp_job *j)
     if (o->precision == TDM_PRECISION_FP16)
         return tdm_tool_usage_error("tandem compare: --precision fp16 needs loss scaling, "
                                     "which compare does not run: compare fp32 or bf16 (tandem "
-                                    "train --precision fp16 runs it in every mode but dp)\n");
+                                    "train --precision fp16 runs it in every mode)\n");
     if (o->precision == TDM_PRECISION_FP32 && !o->ckpt) return TDM_STATUS_OK;
     if (o->modes & TDM_CMP_PP_BIT)
         return tdm_tool_usage_error("tandem compare: --precision and --checkpoint-activations "
                                     "do not apply to pp yet (its stages run in fp32, keeping "
                                     "their activations): leave pp out of --modes\n");
-    if (!(o->modes & 1u << TDM_CMP_DP)) return TDM_STATUS_OK;
-    if (j->modes_arg)
-        return tdm_tool_usage_error("tandem compare: --precision and --checkpoint-activations "
-                                    "do not apply to dp (its replicas are copied without "
-                                    "them): leave dp out of --modes\n");
-    o->modes &= ~(1u << TDM_CMP_DP);
     return TDM_STATUS_OK;
 }
 

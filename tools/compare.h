@@ -69,7 +69,7 @@ typedef struct tdm_cmp_opts {
      * micro-batches (0: 4), schedule (NULL: 1f1b) */
     int pp_stages, pp_micro;
     const char *pp_schedule;
-    /* the memory levers on every mode's model (docs/MEMORY.md): not DP */
+    /* the memory levers on every mode's model (docs/MEMORY.md): not pp */
     const char *precision_arg; /* --precision as given (NULL: fp32) */
     tdm_precision precision;
     int ckpt;                  /* --checkpoint-activations N; 0: off */

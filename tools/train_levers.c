@@ -5,8 +5,8 @@
  * fsdp (each rank's model, the design's optimizer, dist/step.h's
  * stepper), and the lines they print (the planner's peak before
  * training, the measured one after, the gradient norm and loss scale
- * with each epoch). --mode dp refuses them (its replicas are copied per
- * step without them). */
+ * with each epoch). Under --mode dp they are set on the master (its
+ * replicas follow it, dp/dp.h) and its step (tdm_dp_step_levers). */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -55,11 +55,16 @@ tdm_status tdm_train_levers_check(const tdm_train_args *a)
         return tdm_tool_usage_error("tandem train: --offload optimizer moves the optimizer "
                                     "state from a GPU to host memory; --device %s is host "
                                     "memory already\n", a->device);
+    int dp = !strcmp(a->mode, "dp");
     if (tdm_levers_set(a) && strcmp(a->mode, "single") && strcmp(a->mode, "ddp") &&
-        strcmp(a->mode, "fsdp"))
+        strcmp(a->mode, "fsdp") && !dp)
         return tdm_tool_usage_error("tandem train: --precision, --checkpoint-activations, "
-                                    "--clip-grad-norm and --offload run with --mode single, ddp "
-                                    "and fsdp in this build, not yet with --mode %s\n", a->mode);
+                                    "--clip-grad-norm and --offload run with --mode single, dp, "
+                                    "ddp and fsdp in this build, not yet with --mode %s\n",
+                                    a->mode);
+    if (a->offload && dp)
+        return tdm_tool_usage_error("tandem train: --offload optimizer runs with --mode single, "
+                                    "ddp and fsdp, not yet with --mode dp\n");
     int fp16 = a->precision && p == TDM_PRECISION_FP16;
     if (a->uneven && (fp16 || a->clip_grad_norm > 0.0))
         return tdm_tool_usage_error("tandem train: --precision fp16 (its loss scaling) and "
@@ -107,6 +112,12 @@ tdm_status tdm_train_levers_apply(const tdm_train_args *a, tdm_model *m, tdm_sin
     if (tdm_levers_ckpt(a)) printf(", activation checkpointing (segments of %d)", tdm_levers_ckpt(a));
     if (a->clip_grad_norm > 0.0) printf(", gradient norm clipped to %g", a->clip_grad_norm);
     if (a->offload) printf(", optimizer offloaded to host memory");
+    if (!strcmp(a->mode, "dp")) {
+        /* the planner covers one device's step, not DP's (tools/plan.c) */
+        printf(" (the master's; every replica follows it)\n");
+        fflush(stdout);
+        return TDM_STATUS_OK;
+    }
     tdm_plan pl;
     int ok;
     tdm_levers_plan(a, m, &pl, &ok);
@@ -126,6 +137,11 @@ void tdm_train_levers_report(const tdm_train_args *a, tdm_model *m)
     tdm_dev_mem_stats ms;
     if (!tdm_levers_set(a) || tdm_dev_mem_query(tdm_model_device(m), &ms) != TDM_STATUS_OK)
         return;
+    if (!strcmp(a->mode, "dp")) {
+        printf("peak memory on the master's %s: %.2f MiB measured (allocator)\n",
+               tdm_dev_name(tdm_model_device(m)), ms.peak_bytes / 1048576.0);
+        return;
+    }
     tdm_plan pl;
     int ok;
     tdm_levers_plan(a, m, &pl, &ok);
