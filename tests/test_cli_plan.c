@@ -5,10 +5,14 @@
  * fp16 with clipping: equal as printed (to 0.01 MiB; the single-device
  * plan is exact to the byte, tests/test_plan.c, and a DDP rank on a host
  * device holds its model at its share of the batch, DDP's buckets being
- * in the job's shared memory). Modes not planned are refused (exit 2). */
+ * in the job's shared memory); --mode fsdp, every sharding at 1, 2 and 4
+ * ranks with and without levers, within 5% of rank 0's measured peak.
+ * Modes not planned are refused (exit 2). */
 #include <criterion/criterion.h>
 
+#include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "tests/cli_util.h"
@@ -77,10 +81,77 @@ Test(cli_plan, planned_equals_measured_single_and_ddp)
     cr_assert_eq(cli_shm_entries(), 0);
 }
 
+/* The figure printed as "<key><number>" (MiB), as a double. */
+static double figure_mib(const char *key)
+{
+    char buf[32];
+    figure(key, buf, sizeof buf);
+    return strtod(buf, NULL);
+}
+
+/* --mode fsdp, every sharding, at 1, 2 and 4 ranks, without levers and
+ * with bf16, segments of 2 and clipping: planned within 5% of rank 0's
+ * measured peak (the set-up's peak included: the model's flat buffers
+ * beside the new shards). Measured on this machine: equal as printed in
+ * every case of this matrix but one rank's full shard of the MLP (+2.5%:
+ * with one rank a reduce-scatter may end before the next unit's gradient
+ * is asked for, which the plan does not count on); that timing-bound
+ * term moves a figure by one unit's block at most. */
+Test(cli_plan, planned_fsdp_within_5_percent_of_measured, .timeout = 600)
+{
+    static const struct { const char *model, *batch; } models[] = {
+        {"mlp:784-256-128-10", "64"}, {"cnn", "32"}, {"gpt:2-32-2-16", "4"}};
+    static const char *const shardings[] = {"full", "grad_op", "optimizer"};
+    static const char *const devices[] = {"cpu", "cpu:2", "cpu:4"};
+    static const char *const levers[2][7] = {
+        {"--precision", "fp32"},
+        {"--precision", "bf16", "--checkpoint-activations", "2", "--clip-grad-norm", "1"}};
+    double worst = 0.0;
+    for (int mo = 0; mo < 3; mo++)
+        for (int sh = 0; sh < 3; sh++)
+            for (int d = 0; d < 3; d++)
+                for (int lv = 0; lv < 2; lv++) {
+                    const char *args[32] = {"plan", "--model", models[mo].model, "--batch",
+                                            models[mo].batch, "--mode", "fsdp", "--sharding",
+                                            shardings[sh], "--device", devices[d]};
+                    int n = 11;
+                    for (int i = 0; i < 6 && levers[lv][i]; i++) args[n++] = levers[lv][i];
+                    args[n] = NULL;
+                    cli_run(&g_r, args);
+                    cr_assert_eq(g_r.code, 0, "%s", g_r.out);
+                    double planned = figure_mib("peak per device: ");
+                    args[0] = "train";
+                    static const char *const tail_img[] = {"--data", "synthetic",
+                                                           "--synthetic-size", "128", NULL};
+                    static const char *const tail_gpt[] = {"--max-steps", "3", NULL};
+                    const char *const *tail = mo == 2 ? tail_gpt : tail_img;
+                    args[n++] = "--epochs";
+                    args[n++] = "1";
+                    args[n++] = "--no-eval";
+                    args[n++] = "--quiet";
+                    for (int i = 0; tail[i]; i++) args[n++] = tail[i];
+                    args[n] = NULL;
+                    cli_run(&g_r, args);
+                    cr_assert_eq(g_r.code, 0, "%s", g_r.out);
+                    double measured = figure_mib("peak memory on rank 0's cpu:0: ");
+                    double err = (planned - measured) / measured;
+                    if (fabs(err) > fabs(worst)) worst = err;
+                    cr_assert(fabs(err) <= 0.05, "%s %s %s %s: planned %.2f MiB, measured "
+                              "%.2f MiB (%+.1f%%)", models[mo].model, shardings[sh],
+                              devices[d], levers[lv][1], planned, measured, 100.0 * err);
+                }
+    cr_log_info("fsdp plan vs measured: worst %+.2f%%", 100.0 * worst);
+    cr_assert_eq(cli_shm_entries(), 0);
+}
+
 Test(cli_plan, refuses_what_it_does_not_plan)
 {
-    CLI(&g_r, "plan", "--mode", "fsdp", "--device", "cpu:2");
-    expect(&g_r, 2, "fsdp's shards and gathered units");
+    CLI(&g_r, "plan", "--mode", "dp", "--device", "cpu:2");
+    expect(&g_r, 2, "dp and the pipeline are not planned yet");
+    CLI(&g_r, "plan", "--mode", "ddp", "--sharding", "full", "--device", "cpu:2");
+    expect(&g_r, 2, "--sharding applies to --mode fsdp");
+    CLI(&g_r, "plan", "--mode", "fsdp", "--sharding", "zero9", "--device", "cpu:2");
+    expect(&g_r, 2, "--sharding");
     CLI(&g_r, "plan", "--precision", "fp8");
     expect(&g_r, 2, "--precision");
     CLI(&g_r, "plan", "--bogus");
