@@ -16,6 +16,7 @@
 #include <string.h>
 
 #include "tests/cli_util.h"
+#include "tests/test_util.h"
 
 TestSuite(cli_plan, .timeout = 240);
 
@@ -141,6 +142,72 @@ Test(cli_plan, planned_fsdp_within_5_percent_of_measured, .timeout = 600)
                               devices[d], levers[lv][1], planned, measured, 100.0 * err);
                 }
     cr_log_info("fsdp plan vs measured: worst %+.2f%%", 100.0 * worst);
+    cr_assert_eq(cli_shm_entries(), 0);
+}
+
+/* Every "peak planned" pair of compare's memory table rows that start with
+ * `label`: within 5% (measured on this machine: equal as printed). */
+static int compare_rows_within(const char *label)
+{
+    int rows = 0;
+    const char *p = g_r.out;
+    while ((p = strstr(p, label))) {
+        const char *end = strchr(p, '\n');
+        char line[256];
+        snprintf(line, sizeof line, "%.*s", end ? (int)(end - p) : (int)strlen(p), p);
+        p = end ? end : p + strlen(p);
+        double v[9];
+        const char *q = line + strlen(label);
+        while (*q == ' ') q++;
+        while (*q && *q != ' ') q++;   /* the rank or device */
+        int n = 0;
+        for (char *e; n < 9; n++, q = e) {
+            v[n] = strtod(q, &e);
+            if (e == q) break;
+        }
+        if (n != 9) continue;   /* not a memory row */
+        double measured = v[7], planned = v[8];
+        cr_assert(measured > 0 && fabs(planned - measured) <= 0.05 * measured,
+                  "%s: planned %.3f MiB, measured %.3f MiB:\n%s", line, planned, measured,
+                  g_r.out);
+        rows++;
+    }
+    return rows;
+}
+
+/* compare prints, for every mode it runs, the allocator's peak beside the
+ * planner's (the memory table's last two columns, and --json's
+ * peak_measured and peak_planned); DP's is not planned ("-", null). */
+Test(cli_plan, compare_prints_planned_beside_measured)
+{
+    char dir[128];
+    tu_mkdtemp(dir, sizeof dir, "planc");
+    const char *json = tu_tpath(dir, "c.json");
+    CLI(&g_r, "compare", "--model", "mlp:784-256-128-10", "--data", "synthetic", "--batch", "64",
+        "--steps", "3", "--modes", "single,dp,ddp,fsdp,zero2,zero1", "--json", json);
+    cr_assert_eq(g_r.code, 0, "%s", g_r.out);
+    cr_assert(strstr(g_r.out, "total      peak   planned"), "%s", g_r.out);
+    static const char *const rows[] = {"single cpu", "DDP rank", "FSDP rank", "ZeRO-2 rank",
+                                       "ZeRO-1 rank"};
+    for (int i = 0; i < 5; i++)
+        cr_assert(compare_rows_within(rows[i]) >= 1, "no '%s' row:\n%s", rows[i], g_r.out);
+    cr_assert(strstr(g_r.out, "DP cpu:0") && strstr(strstr(g_r.out, "DP cpu:0"), "        -"),
+              "%s", g_r.out);
+    FILE *f = fopen(json, "r");
+    cr_assert_not_null(f);
+    static char text[1 << 20];
+    size_t n = fread(text, 1, sizeof text - 1, f);
+    fclose(f);
+    text[n] = 0;
+    cr_assert(strstr(text, "\"peak_measured\": ") && strstr(text, "\"peak_planned\": null") &&
+              strstr(text, "\"peak_planned\": 3"), "%s", text);
+    /* the GPT in bf16 with checkpointing: single, DDP and FSDP */
+    CLI(&g_r, "compare", "--model", "gpt:2-32-2-16", "--batch", "4", "--steps", "3", "--modes",
+        "single,ddp,fsdp", "--precision", "bf16", "--checkpoint-activations", "2");
+    cr_assert_eq(g_r.code, 0, "%s", g_r.out);
+    for (int i = 0; i < 3; i++)
+        cr_assert(compare_rows_within(rows[i]) >= 1, "no '%s' row:\n%s", rows[i], g_r.out);
+    tu_rmtree(dir);
     cr_assert_eq(cli_shm_entries(), 0);
 }
 

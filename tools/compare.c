@@ -228,8 +228,8 @@ static void tdm_cmp_print_phase_table(const tdm_cmp_opts *o, tdm_cmp_result *con
 static void tdm_cmp_print_memory(const tdm_cmp_opts *o, tdm_cmp_result *const *res, int n)
 {
     printf("\nMemory per device (MiB)\n");
-    printf("  %-18s %9s %9s %9s %9s %11s %9s %9s\n", "mode/device", "params", "grads",
-           "optimizer", "buffers", "activations", "comm", "total");
+    printf("  %-18s %9s %9s %9s %9s %11s %9s %9s %9s %9s\n", "mode/device", "params",
+           "grads", "optimizer", "buffers", "activations", "comm", "total", "peak", "planned");
     for (int k = 0; k < n; k++) {
         const tdm_cmp_result *r = res[k];
         int shown = r->n_dev < 2 ? r->n_dev : 2;
@@ -245,9 +245,14 @@ static void tdm_cmp_print_memory(const tdm_cmp_opts *o, tdm_cmp_result *const *r
                          d == 1 && r->n_dev > 2 ? ".." : "");
             double mib = 1.0 / (1024.0 * 1024.0);
             double total = m->params + m->grads + m->optim + m->buffers + m->activations + m->comm;
-            printf("  %-18s %9.3f %9.3f %9.3f %9.3f %11.3f %9.3f %9.3f\n", name, m->params * mib,
-                   m->grads * mib, m->optim * mib, m->buffers * mib, m->activations * mib,
-                   m->comm * mib, total * mib);
+            /* the allocator's peak over the run beside the planner's
+             * (tools/compare_mem.c; "-": DP, not planned) */
+            char planned[16] = "        -";
+            double pl = tdm_cmp_planned_peak(o, r->mode, r->n_dev);
+            if (pl >= 0) snprintf(planned, sizeof planned, "%9.3f", pl * mib);
+            printf("  %-18s %9.3f %9.3f %9.3f %9.3f %11.3f %9.3f %9.3f %9.3f %s\n", name,
+                   m->params * mib, m->grads * mib, m->optim * mib, m->buffers * mib,
+                   m->activations * mib, m->comm * mib, total * mib, m->peak * mib, planned);
         }
     }
     if (o->dl.kind == TDM_DEVICE_CUDA && !tdm_tool_cuda_emulated())

@@ -15,6 +15,7 @@
 #include "fsdp/fsdp.h"
 #include "dist/run.h"
 #include "models/plan.h"
+#include "tools/plan_peak.h"
 #include "tools/tools.h"
 #include "tools/train_modes.h"
 
@@ -104,6 +105,37 @@ static tdm_status tdm_plan_parse(int argc, char **argv, tdm_plan_args *a, int *h
 static void tdm_plan_line(const char *what, size_t bytes)
 {
     printf("  %-22s %10.2f MiB\n", what, bytes / 1048576.0);
+}
+
+/* A DDP rank's loss gradient goes to its stage's buffer (dist/batch.c),
+ * beside the model's own: rows x classes floats of its share, as the
+ * allocator rounds them. */
+static size_t tdm_plan_stage_bytes(const tdm_plan_opts *o)
+{
+    int c, h, w, classes, rows = 1;
+    if (o->spec.kind == TDM_MODEL_GPT) {
+        classes = o->spec.vocab;
+        rows = o->spec.n_ctx;
+    } else {
+        tdm_model_spec_sample_shape(&o->spec, &c, &h, &w, &classes);
+    }
+    return ((size_t)o->batch * (size_t)rows * (size_t)classes * sizeof(float) + 63) / 64 * 64;
+}
+
+tdm_status tdm_tool_plan_peak(const tdm_plan_opts *o, tdm_tool_plan_mode mode, int world,
+                              tdm_fsdp_sharding sharding, size_t *peak)
+{
+    *peak = 0;
+    if (mode == TDM_TOOL_PLAN_FSDP) {
+        tdm_fsdp_mem_plan f;
+        TDM_CHECK(tdm_fsdp_plan_memory(o, world, sharding, 0, &f));
+        *peak = f.peak;
+        return TDM_STATUS_OK;
+    }
+    tdm_plan p;
+    TDM_CHECK(tdm_plan_single(o, &p));
+    *peak = p.peak + (mode == TDM_TOOL_PLAN_DDP ? tdm_plan_stage_bytes(o) : 0);
+    return TDM_STATUS_OK;
 }
 
 /* --mode fsdp: fsdp/mem.c's plan of one rank (rank 0: the largest share) */
@@ -208,19 +240,8 @@ int tdm_tool_plan_main(int argc, char **argv)
         fprintf(stderr, "tandem plan: %s\n", tdm_error_message());
         return tdm_tool_exit(st);
     }
-    /* a DDP rank's loss gradient goes to its stage's buffer (dist/batch.c),
-     * beside the model's own: rows x classes floats, as the allocator
-     * rounds them */
-    size_t dl_bytes = 0;
     if (ddp) {
-        int c, h, w, classes, rows = 1;
-        if (gpt) {
-            classes = spec.vocab;
-            rows = spec.n_ctx;
-        } else {
-            tdm_model_spec_sample_shape(&spec, &c, &h, &w, &classes);
-        }
-        dl_bytes = ((size_t)share * (size_t)rows * (size_t)classes * sizeof(float) + 63) / 64 * 64;
+        size_t dl_bytes = tdm_plan_stage_bytes(&o);
         p.act_scratch += dl_bytes;
         p.peak += dl_bytes;
     }
