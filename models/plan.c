@@ -179,6 +179,9 @@ tdm_status tdm_plan_single(const tdm_plan_opts *o, tdm_plan *out)
         out->step_scratch += tdm_plan_round(B * (size_t)tdm_model_in_features(m) * sizeof(float)) +
                              tdm_plan_round(B * rows * sizeof(int32_t));
     out->param_elems = m->param_elems;
+    for (int i = 0; i < m->n_params; i++)
+        if (m->params_info[i].n_elem > out->largest_param_elems)
+            out->largest_param_elems = m->params_info[i].n_elem;
     out->buffer_elems = m->buffer_elems;
     out->out_rows = (int)rows;
     out->n_classes = tdm_model_n_classes(m);

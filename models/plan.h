@@ -63,7 +63,7 @@ typedef struct tdm_plan {
      * running-statistics elements, and each layer with parameters: its
      * block (tdm_model_layer_block) and its elements [off, end) of the
      * flat buffer (end: the next tensor's offset, alignment included) */
-    int64_t param_elems, buffer_elems;
+    int64_t param_elems, buffer_elems, largest_param_elems;
     int n_players;
     int player_block[TDM_PLAN_MAX_LAYERS];
     int player_unit[TDM_PLAN_MAX_LAYERS];   /* its checkpoint unit (MLP, CNN; -1: none) */
