@@ -16,6 +16,7 @@
 #include "models/precision.h"
 #include "models/recompute.h"
 #include "models/train.h"
+#include "tools/plan_peak.h"
 #include "tools/ranks.h"
 #include "tools/tools.h"
 #include "tools/train_modes.h"
@@ -204,6 +205,25 @@ void tdm_train_levers_rank_report(const tdm_train_args *a, const tdm_tool_rank *
     if (!tdm_levers_set(a) || r->rank != 0 ||
         tdm_dev_mem_query(tdm_model_device(r->m), &ms) != TDM_STATUS_OK)
         return;
-    printf("peak memory on rank 0's %s: %.2f MiB measured (allocator)\n",
+    printf("peak memory on rank 0's %s: %.2f MiB measured (allocator)",
            tdm_dev_name(tdm_model_device(r->m)), ms.peak_bytes / 1048576.0);
+    /* the plan of a rank at the largest share (tools/plan_peak.h), where
+     * every step is one pass over that share */
+    tdm_plan_opts o;
+    size_t planned = 0;
+    int fsdp = !strcmp(a->mode, "fsdp");
+    tdm_plan_opts_default(&o, &r->b->spec, (int)((a->batch + r->world - 1) / r->world));
+    o.precision = r->b->precision;
+    o.ckpt = r->b->ckpt;
+    o.optim = r->b->optim;
+    o.device = tdm_dev_kind(tdm_model_device(r->m));
+    o.threads = (int)a->threads;
+    o.loss_scaling = o.precision == TDM_PRECISION_FP16;
+    o.grad_norm = a->clip_grad_norm > 0.0;
+    if (a->grad_accum <= 1 && !a->uneven && !a->no_overlap &&
+        (!a->comm_hook || !strcmp(a->comm_hook, "allreduce")) &&
+        tdm_tool_plan_peak(&o, fsdp ? TDM_TOOL_PLAN_FSDP : TDM_TOOL_PLAN_DDP, r->world,
+                           r->b->sharding, &planned) == TDM_STATUS_OK)
+        printf(", %.2f MiB planned (tandem plan)", planned / 1048576.0);
+    printf("\n");
 }
