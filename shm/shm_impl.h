@@ -188,10 +188,10 @@ typedef struct tdm_shm_impl {
      * on a loaded machine would. */
     int test_late_checks;
     /* Test hook (TANDEM_SHM_TEST_GONE_PAUSE=<rank>, tests/test_shm_live.c):
-     * the first time this rank's liveness check looks for signs that the
-     * peer it waits for is gone, it first waits (30 s at most) until the
-     * parent has reported that peer ended, as a rank descheduled just
-     * there on a loaded machine would. */
+     * the first time this rank's liveness check has read how the peer it
+     * waits for stands, it waits (30 s at most) until the parent has
+     * reported that peer ended before acting on what it read, as a rank
+     * descheduled just there on a loaded machine would. */
     int test_gone_pause;
     tdm_status failed;         /* sticky: once a call failed, all fail */
     char failed_msg[256];      /* its message */

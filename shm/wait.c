@@ -273,21 +273,36 @@ static int tdm_shm_stalled(tdm_shm_impl *c, int r, const tdm_shm_ctrl *k, char p
     return 1;
 }
 
-/* For the deadline's message: is the awaited peer alive? */
-static const char *tdm_shm_alive_str(const tdm_shm_impl *c, int peer, uint64_t now)
+/* A heartbeat seen advancing within this long is current (the thread
+ * beats every TDM_SHM_BEAT_NS). */
+#define TDM_SHM_BEAT_CURRENT_NS (10 * TDM_SHM_BEAT_NS)
+
+/* For the deadline's message: is the awaited peer alive? How long its
+ * heartbeat has stood still is counted from this rank's first look at it
+ * in this wait at the latest (tdm_shm_stalled keeps beat_seen_ns): a
+ * beat that stopped before the wait began shows as stopped since then. */
+static void tdm_shm_alive_str(const tdm_shm_impl *c, int peer, uint64_t now, char *out,
+                              size_t n)
 {
     const tdm_shm_ctrl *k = tdm_shm_ctrl_of(c, peer);
     uint64_t b = atomic_load_explicit(&((tdm_shm_ctrl *)k)->beat, memory_order_relaxed);
-    if (!b) return "which has no heartbeat (has it joined?)";
-    uint64_t fresh = c->stall_ns > 10 * TDM_SHM_BEAT_NS ? c->stall_ns : 10 * TDM_SHM_BEAT_NS;
-    if (c->beat_seen_ns[peer] && now - c->beat_seen_ns[peer] < fresh)
-        return "which is alive (its heartbeat is current) but has not arrived: it is busy, "
-               "slow or waiting elsewhere; raise the timeout if that is expected";
-    return "whose heartbeat has stopped";
+    if (!b) {
+        snprintf(out, n, "which has no heartbeat (has it joined?)");
+    } else if (c->beat_seen_ns[peer] && now - c->beat_seen_ns[peer] < TDM_SHM_BEAT_CURRENT_NS) {
+        snprintf(out, n, "which is alive (its heartbeat is current) but has not arrived: it is "
+                 "busy, slow or waiting elsewhere; raise the timeout if that is expected");
+    } else if (c->beat_seen_ns[peer]) {
+        snprintf(out, n, "whose heartbeat has not advanced for %.1f s: it is stopped, frozen or "
+                 "starved of CPU", (double)(now - c->beat_seen_ns[peer]) * 1e-9);
+    } else {
+        snprintf(out, n, "whose heartbeat has stopped");
+    }
 }
 
 /* The test hook's pause (tdm_shm_impl.test_gone_pause): until the
- * parent has reported peer k ended, 30 s at most; once per rank. */
+ * parent has reported peer k ended, 30 s at most; once per rank. It sits
+ * after every read the liveness check acts on, so that a check deciding
+ * from reads made before the peer ended is caught whatever their order. */
 static void tdm_shm_test_gone(tdm_shm_impl *c, const tdm_shm_ctrl *k)
 {
     c->test_gone_pause = 0;
@@ -321,7 +336,6 @@ static tdm_status tdm_shm_check_peers(tdm_shm_impl *c, int peer, tdm_shm_flag *f
         tdm_shm_ctrl *k = tdm_shm_ctrl_of(c, r);
         char why[256];
         int unsure = 0;
-        if (r == peer && c->test_gone_pause) tdm_shm_test_gone(c, k);
         /* First the signs that the peer is gone (the parent's report, its
          * process), then its state and flag: a peer that publishes, frees
          * its communicator and exits between a look at its flag and the
@@ -341,6 +355,9 @@ static tdm_status tdm_shm_check_peers(tdm_shm_impl *c, int peer, tdm_shm_flag *f
         int32_t state = atomic_load_explicit(&k->state, memory_order_acquire);
         if (r == peer && atomic_load_explicit(&f->value, memory_order_acquire) >= target)
             continue;
+        /* the hook pauses here, between what was read and what is made
+         * of it: the peer may end meanwhile, as on a loaded machine */
+        if (r == peer && c->test_gone_pause) tdm_shm_test_gone(c, k);
         if (!pid) pid = atomic_load_explicit(&k->pid, memory_order_relaxed);   /* for the message */
         if (state == TDM_SHM_STATE_DEAD) {
             tdm_shm_ended_str(c, state, atomic_load(&k->wstatus), why, sizeof why);
@@ -428,10 +445,12 @@ tdm_status tdm_shm_flag_wait(tdm_shm_impl *c, tdm_shm_flag *f, uint64_t target, 
                                   c->job_rank[c->rank]);
             else snprintf(me, sizeof me, "rank %d", tdm_shm_name(c, c->rank));
             tdm_shm_who(c, peer, (int)atomic_load(&k->pid), who, sizeof who);
+            char alive[160];
+            tdm_shm_alive_str(c, peer, now, alive, sizeof alive);
             tdm_shm_raise_rank(c, peer, TDM_STATUS_TIMEOUT,
                           "%s timed out after %lld ms in %s #%llu waiting for %s, %s", me,
                           (long long)c->timeout_ms, c->cur_name, (unsigned long long)c->cur_seq,
-                          who, tdm_shm_alive_str(c, peer, now));
+                          who, alive);
             tdm_status st = tdm_shm_check_abort(c);
             return st ? st : tdm_error_set(TDM_STATUS_TIMEOUT, "%s #%llu: timed out waiting "
                                            "for %s", c->cur_name,

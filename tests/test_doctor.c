@@ -340,6 +340,24 @@ Test(doctor, train_prints_the_verdict_of_a_stopped_rank, .timeout = 120)
     fr_t_rm_dir(dir);
 }
 
+/* A stopped rank found by the others' timeout rather than by the stall
+ * bound (--timeout 3 against the 3 s default bound: either may come
+ * first): it is STALLED before and after the teardown kills it, never
+ * "DIED" (the SIGKILL was the teardown's, not how it failed). */
+Test(doctor, a_stopped_rank_is_stalled_before_and_after_the_teardown, .timeout = 120)
+{
+    char dir[64];
+    fr_t_dump_dir(dir, sizeof dir);
+    setenv("TANDEM_DDP_TEST_KILL", "1:3:STOP", 1);
+    unsetenv("TANDEM_SHM_STALL_MS");
+    cli_result r;
+    CLI(&r, DOC_TRAIN, "--device", "cpu:2", "--timeout", "3");
+    expect(&r, 1, "tandem train: doctor: STALLED: rank 1 ");
+    cr_expect(!strstr(r.out, "DIED"), "a stopped rank called dead:\n%s", r.out);
+    cr_expect(!cli_shm_entries());
+    fr_t_rm_dir(dir);
+}
+
 Test(doctor, launch_prints_the_verdict_of_a_stopped_rank_before_killing_it, .timeout = 120)
 {
     char dir[64];
@@ -456,5 +474,38 @@ Test(doctor, summary_alone_names_the_rank, .timeout = 60)
     expect(&r, 4, "rank 0: no dump; was killed by signal 15 (Terminated) (by the launcher's "
                   "teardown)");
     expect(&r, 4, "last completed step: unknown (no dump)");
+    fr_t_rm_dir(dir);
+}
+
+/* A deadline that came before the waiter ever sampled the peer's
+ * heartbeat says "whose heartbeat has stopped" (shm/wait.c): it proves
+ * nothing about the peer, which is not blamed for it; "has not advanced
+ * for X s" (a beat seen standing still) is what names it STALLED. */
+Test(doctor, an_unsampled_heartbeat_blames_no_one, .timeout = 60)
+{
+    char dir[64];
+    fr_t_dump_dir(dir, sizeof dir);
+    static const char *const cause[] = {
+        "rank 0 timed out after 50 ms in all_reduce #3 waiting for rank 1 (pid 101), whose "
+        "heartbeat has stopped",
+        "rank 0 timed out after 3000 ms in all_reduce #3 waiting for rank 1 (pid 101), whose "
+        "heartbeat has not advanced for 3.0 s: it is stopped, frozen or starved of CPU"};
+    for (int k = 0; k < 2; k++) {
+        char path[128];
+        snprintf(path, sizeof path, "%s/launch.json", dir);
+        FILE *f = fopen(path, "w");
+        cr_assert_not_null(f);
+        fprintf(f, "{\"version\":1,\"job\":\"00000000000000ab\",\"world\":2,\"cause\":\"%s\","
+                   "\"ranks\":[{\"rank\":0,\"pid\":100,\"wstatus\":256},{\"rank\":1,\"pid\":101,"
+                   "\"wstatus\":256}]}\n", cause[k]);
+        fclose(f);
+        cli_result r;
+        CLI(&r, "doctor", dir);
+        if (k == 0)
+            cr_expect(!strstr(r.out, "rank 1 was not heard from"), "blamed on an unsampled "
+                      "heartbeat:\n%s", r.out);
+        else
+            cr_expect(strstr(r.out, "verdict: STALLED: rank 1 was not heard from"), "%s", r.out);
+    }
     fr_t_rm_dir(dir);
 }

@@ -323,6 +323,8 @@ Test(pp_cli, a_stopped_stage_is_named_with_the_doctors_verdict)
     expect(&r, 1, "tandem train: doctor: STALLED: stage 2 (rank 2) never sent grad mb 0 to "
                   "stage 1 (rank 1)");
     expect(&r, 1, "behind it, stage 0 (rank 0) waited");
+    /* the SIGKILL after the grace period was the teardown's */
+    cr_expect(!strstr(r.out, "DIED"), "a stopped stage called dead:\n%s", r.out);
 }
 
 /* With two replicas, a killed stage of either is named. */

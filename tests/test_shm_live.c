@@ -22,6 +22,7 @@
 #include "core/timer.h"
 #include "shm/shm_comm.h"
 #include "shm/spawn.h"
+#include "tests/shm_test_util.h"
 #include "tests/timeout_util.h"
 
 /* --- a peer that leaves after a completed collective ------------------------ */
@@ -96,6 +97,7 @@ static int gone_after_arriving_rank(tdm_comm *comm, void *arg)
 
 Test(shm_live, a_peer_gone_after_arriving_has_done_its_part, .timeout = 90)
 {
+    shm_t_adopt_orphans();
     setenv("TANDEM_SHM_TEST_GONE_PAUSE", "0", 1);
     tdm_shm_spawn_opts o = {.shm = {.timeout_ms = tu_scaled_ms(30000), .no_spin = 1},
                             .timeout_ms = tu_scaled_ms(40000)};
@@ -106,6 +108,7 @@ Test(shm_live, a_peer_gone_after_arriving_has_done_its_part, .timeout = 90)
     for (int r = 0; r < 2; r++)
         cr_expect(WIFEXITED(res.wstatus[r]) && WEXITSTATUS(res.wstatus[r]) == 0,
                   "rank %d: status 0x%x", r, res.wstatus[r]);
+    cr_expect_eq(shm_t_segments_held(), 0, "a segment was left held");
 }
 
 /* --- gone: exit 0, free then fail ------------------------------------------ */

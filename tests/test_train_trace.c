@@ -3,8 +3,11 @@
  * process or rank, each with one "step N" slice per optimizer step (N
  * from 1, in order, not overlapping), the phases the mode measures inside
  * their step, and each epoch's evaluation; DDP's tracks show the exposed
- * all-reduce wait, FSDP's the all-gather wait. Bad uses fail before any
- * training: --trace with --uneven, and a path that cannot take a file. */
+ * all-reduce wait in every step, FSDP's their phases (its exposed waits
+ * may be 0, hidden behind compute: no slice then). Under mpirun on
+ * pretend machines the file says each rank has its own clock. Bad uses
+ * fail before any training: --trace with --uneven, and a path that
+ * cannot take a file. */
 #include <criterion/criterion.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -13,6 +16,7 @@
 
 #include "core/json.h"
 #include "tests/cli_util.h"
+#include "tests/mpi_test_util.h"
 
 static char g_dir[] = "/tmp/tdm_train_trace_XXXXXX";
 
@@ -108,6 +112,17 @@ static void trace_check(const char *path, const char *process, int tracks, int s
     tdm_json_free(root);
 }
 
+/* otherData.clock's words */
+static void trace_clock(const char *path, const char *want)
+{
+    tdm_json *root = trace_load(path);
+    const tdm_json *o = tdm_json_get(root, "otherData");
+    const tdm_json *c = o ? tdm_json_get(o, "clock") : NULL;
+    cr_assert(c && c->type == TDM_JSON_STRING, "no otherData.clock");
+    cr_expect(strstr(c->str, want), "clock '%s' lacks '%s'", c->str, want);
+    tdm_json_free(root);
+}
+
 static void trace_run(const char *mode, const char *device, const char *path)
 {
     cli_result r;
@@ -135,10 +150,31 @@ Test(train_trace, ddp_and_fsdp_ranks, .timeout = 240)
     snprintf(path, sizeof path, "%s/ddp.json", g_dir);
     trace_run("ddp", "cpu:2", path);
     trace_check(path, "--mode ddp, 2 ranks", 2, 6, 2, "all-reduce wait");
+    trace_clock(path, "one for every rank (one machine)");
     snprintf(path, sizeof path, "%s/fsdp.json", g_dir);
     trace_run("fsdp", "cpu:2", path);
     trace_check(path, "--mode fsdp, 2 ranks", 2, 6, 2, "forward");
     cr_expect_eq(cli_shm_entries(), 0, "shared memory left behind");
+}
+
+/* Ranks on two pretend machines under mpirun: their clocks are taken to
+ * differ, each track counts from the start's barrier, and the file says
+ * so. */
+Test(train_trace, ranks_on_several_machines_keep_their_own_clocks, .timeout = 240)
+{
+    MPI_T_NEED();
+    char path[96];
+    snprintf(path, sizeof path, "%s/mpi.json", g_dir);
+    const char *args[] = {"train", "--mode", "ddp", "--device", "cpu:2", "--backend", "mpi",
+                          "--data", "synthetic", "--synthetic-size", "600", "--batch", "100",
+                          "--epochs", "1", "--max-steps", "2", "--trace", path, NULL};
+    const char *env[] = {"TANDEM_PRETEND_MACHINES=2:shm", NULL};
+    mpi_t_job j = {.np = 2, .exe = cli_bin(), .args = args, .env = env, .timeout_s = 180};
+    static cli_result r;
+    mpi_t_run(&r, &j);
+    expect(&r, 0, "trace: ");
+    trace_check(path, "--mode ddp, 2 ranks", 2, 2, 1, "all-reduce wait");
+    trace_clock(path, "each rank's own CLOCK_MONOTONIC (the ranks are on several machines)");
 }
 
 Test(train_trace, pipeline_ranks_have_steps, .timeout = 240)

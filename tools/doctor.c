@@ -105,6 +105,18 @@ static const char *tdm_doc_summary_end(const tdm_doc *d, int r, int *induced, ch
     return buf;
 }
 
+/* 1 when the summary says rank r was stalled: still running, with no dump
+ * and no exit of its own, when the others had ended (a stopped or frozen
+ * process; whatever ended it later was the teardown). */
+static int tdm_doc_summary_stalled(const tdm_doc *d, int r)
+{
+    const tdm_json *ranks = d->summary ? tdm_json_get(d->summary, "ranks") : NULL;
+    if (!ranks || ranks->type != TDM_JSON_ARRAY || r >= ranks->n) return 0;
+    const tdm_json *o = &ranks->items[r];
+    const tdm_json *v = o->type == TDM_JSON_OBJECT ? tdm_json_get(o, "stalled") : NULL;
+    return v && v->type == TDM_JSON_BOOL && v->i;
+}
+
 /* Who the ranks' messages blame, and how: from "rank R (pid P) <what>". */
 typedef struct tdm_doc_blame {
     int rank;                  /* -1: none found */
@@ -130,6 +142,16 @@ static void tdm_doc_classify(const char *msg, int W, tdm_doc_blame *b)
         if (!len || r < 0 || r >= W) continue;
         const char *w = p + len;
         while (*w == ' ') w++;
+        /* the deadline's word on the awaited peer (shm/wait.c) */
+        static const char beat[] = ", whose heartbeat has not advanced";
+        if (!strncmp(w, beat, sizeof beat - 1)) {
+            b->kind = TDM_DOCTOR_STALLED;
+            b->rank = r;
+            snprintf(b->what, sizeof b->what, "was not heard from: the others timed out "
+                     "waiting for it, its heartbeat standing still (stopped, frozen or starved "
+                     "of CPU)");
+            return;
+        }
         if (!strncmp(w, "is stopped", 10) || !strncmp(w, "is frozen", 9))
             b->kind = TDM_DOCTOR_STALLED;
         else if (!strncmp(w, "was killed", 10) || !strncmp(w, "exited", 6) ||
@@ -412,6 +434,17 @@ static void tdm_doc_find_blame(tdm_doc_diag *g)
             if (b.rank >= 0 || g->blame.kind == TDM_DOCTOR_OK) g->blame = b;
         }
     }
+    /* a rank that never ended by itself while the others did: stopped or
+     * frozen, however the teardown ended it after */
+    for (int i = 0; i < g->nmissing && (g->blame.rank < 0 || g->blame.kind == TDM_DOCTOR_DIED);
+         i++) {
+        if (!tdm_doc_summary_stalled(d, g->missing[i])) continue;
+        if (g->blame.rank >= 0 && g->blame.rank != g->missing[i]) continue;
+        g->blame.rank = g->missing[i];
+        g->blame.kind = TDM_DOCTOR_STALLED;
+        snprintf(g->blame.what, sizeof g->blame.what, "was stopped or frozen: it left no dump "
+                 "and did not end by itself while the others did");
+    }
     for (int i = 0; i < g->nmissing && g->blame.rank < 0; i++) {
         int induced;
         const char *end = tdm_doc_summary_end(d, g->missing[i], &induced, buf, sizeof buf);
@@ -645,9 +678,12 @@ static void tdm_doc_steps_and_ends(tdm_doc_diag *g)
     if (d->cause) tdm_doc_detail(g, "  launcher: %s\n", d->cause);
 }
 
+/* A stalled rank's end, whatever it was, was the teardown's. */
 static const char *tdm_doc_end_of(void *ctx, int rank, int *induced, char *buf, size_t n)
 {
-    return tdm_doc_summary_end(ctx, rank, induced, buf, n);
+    const char *end = tdm_doc_summary_end(ctx, rank, induced, buf, n);
+    if (end && tdm_doc_summary_stalled(ctx, rank)) *induced = 1;
+    return end;
 }
 
 /* A pipeline's transfers left waiting: its verdict (who never sent what)

@@ -52,6 +52,13 @@ tdm_doctor_verdict tdm_doctor_diagnose(const char *dir, FILE *out, char *line, s
  * Returns 0 on success. */
 int tdm_doctor_write_summary(const char *dir, const char *job, int world, const int *pid,
                              const int *wstatus, const int *induced, const char *cause);
+/* The same, with stalled (may be NULL): 1 for a rank that was still
+ * running, with no dump and no exit of its own, when every other rank had
+ * ended or was waiting (stopped or frozen: a later SIGKILL of it was the
+ * teardown's, not how it failed). */
+int tdm_doctor_write_summary_stalled(const char *dir, const char *job, int world,
+                                     const int *pid, const int *wstatus, const int *induced,
+                                     const int *stalled, const char *cause);
 
 /* A job whose ranks dump on failure, as tandem launch and tandem train
  * --mode ddp run them: begin before starting ranks, end after. */
@@ -66,6 +73,7 @@ typedef struct tdm_doctor_job {
     char job_was[64];      /* TANDEM_JOB_ID before (restored at the end) */
     int had_job;
     char early[1024];
+    int stalled[TDM_SHM_MAX_RANKS];   /* still running (stopped) when the job settled */
 } tdm_doctor_job;
 
 /* Draws the job's id (exported as TANDEM_JOB_ID: every dump and the

@@ -35,6 +35,13 @@ static void tdm_doc_json_str(FILE *f, const char *s)
 int tdm_doctor_write_summary(const char *dir, const char *job, int world, const int *pid,
                              const int *wstatus, const int *induced, const char *cause)
 {
+    return tdm_doctor_write_summary_stalled(dir, job, world, pid, wstatus, induced, NULL, cause);
+}
+
+int tdm_doctor_write_summary_stalled(const char *dir, const char *job, int world,
+                                     const int *pid, const int *wstatus, const int *induced,
+                                     const int *stalled, const char *cause)
+{
     char path[4096];
     snprintf(path, sizeof path, "%s/%s", dir, TDM_DOCTOR_SUMMARY);
     tdm_file_out o;
@@ -51,8 +58,9 @@ int tdm_doctor_write_summary(const char *dir, const char *job, int world, const 
         int ws = pid[r] > 0 ? wstatus[r] : -1;
         if (ws >= 0) tdm_shm_wait_status_str(ws, end, sizeof end);
         else if (pid[r] > 0) snprintf(end, sizeof end, "still running");
-        fprintf(f, "%s{\"rank\":%d,\"pid\":%d,\"wstatus\":%d,\"induced\":%s,\"end\":", r ? "," : "",
-                r, pid[r], ws, induced && induced[r] ? "true" : "false");
+        fprintf(f, "%s{\"rank\":%d,\"pid\":%d,\"wstatus\":%d,\"induced\":%s,\"stalled\":%s,"
+                "\"end\":", r ? "," : "", r, pid[r], ws, induced && induced[r] ? "true" : "false",
+                stalled && stalled[r] ? "true" : "false");
         tdm_doc_json_str(f, end);
         fputc('}', f);
     }
@@ -160,7 +168,8 @@ tdm_doctor_verdict tdm_doctor_job_end(tdm_doctor_job *j, int failed, int world, 
         if (j->created) tdm_doctor_job_clean(j);
         return TDM_DOCTOR_OK;
     }
-    tdm_doctor_write_summary(j->dir, j->job, world, pid, wstatus, induced, cause);
+    tdm_doctor_write_summary_stalled(j->dir, j->job, world, pid, wstatus, induced,
+                                     j->early_done ? j->stalled : NULL, cause);
     char line[1024];
     tdm_doctor_verdict v = tdm_doctor_diagnose(j->dir, NULL, line, sizeof line);
     /* the verdict printed while the teardown ran stands unless the ends
@@ -196,12 +205,13 @@ void tdm_doctor_job_settled(const tdm_shm_watch *w, void *job)
     for (int r = 0; r < w->world; r++) {
         ws[r] = w->ended[r] ? w->wstatus[r] : -1;
         if (w->pid[r] > 0 && !w->ended[r]) stopped[ns++] = r;
+        j->stalled[r] = w->pid[r] > 0 && !w->ended[r];
     }
     char cause[1024] = "";
     if (tdm_shm_watch_blame(w, NULL) != TDM_STATUS_OK)
         snprintf(cause, sizeof cause, "%s", tdm_error_message());
-    tdm_doctor_write_summary(j->dir, j->job, w->world, w->pid, ws, w->induced,
-                             cause[0] ? cause : NULL);
+    tdm_doctor_write_summary_stalled(j->dir, j->job, w->world, w->pid, ws, w->induced,
+                                     j->stalled, cause[0] ? cause : NULL);
     tdm_doctor_diagnose(j->dir, NULL, j->early, sizeof j->early);
     j->early_done = 1;
     char who[256];

@@ -34,33 +34,10 @@
 #include "dist/run.h"
 #include "shm/spawn.h"
 #include "tools/devices.h"
+#include "tools/selftest.h"
 #include "tools/tools.h"
 
-#define TDM_ST_MAX_CASES 16
-#define TDM_ST_OUT_MAX (1 << 16)
-#define TDM_ST_EXIT_NOTHING_CHECKED 77
-
-typedef struct tdm_st_case {
-    const char *name;
-    int failed, skipped;
-    double secs;
-    char figures[512];
-    char message[1024];
-} tdm_st_case;
-
-typedef struct tdm_st {
-    const char *device, *self, *baseline, *save_baseline;
-    const char *only;       /* --only: comma-separated checks (NULL: all) */
-    char tmp[256];
-    int quick, world, cuda;
-    tdm_device_list dl;   /* --device, parsed */
-    tdm_st_case c[TDM_ST_MAX_CASES];
-    int n;
-    double samples_per_s;   /* the throughput check's median */
-    double spread;          /* its windows' (max - min) / median */
-} tdm_st;
-
-static tdm_st_case *tdm_st_begin(tdm_st *t, const char *name)
+tdm_st_case *tdm_st_begin(tdm_st *t, const char *name)
 {
     tdm_st_case *c = &t->c[t->n++];
     memset(c, 0, sizeof *c);
@@ -70,10 +47,9 @@ static tdm_st_case *tdm_st_begin(tdm_st *t, const char *name)
     return c;
 }
 
-static void tdm_st_end(tdm_st_case *c) { c->secs = ((double)tdm_time_ns() - c->secs) * 1e-9; }
+void tdm_st_end(tdm_st_case *c) { c->secs = ((double)tdm_time_ns() - c->secs) * 1e-9; }
 
-static void tdm_st_fail(tdm_st_case *c, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static void tdm_st_fail(tdm_st_case *c, const char *fmt, ...)
+void tdm_st_fail(tdm_st_case *c, const char *fmt, ...)
 {
     if (c->failed) return;   /* the first reason stands */
     c->failed = 1;
@@ -84,8 +60,7 @@ static void tdm_st_fail(tdm_st_case *c, const char *fmt, ...)
 }
 
 /* A skipped check, with the reason (JUnit's <skipped message>). */
-static void tdm_st_skip(tdm_st_case *c, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static void tdm_st_skip(tdm_st_case *c, const char *fmt, ...)
+void tdm_st_skip(tdm_st_case *c, const char *fmt, ...)
 {
     c->skipped = 1;
     va_list ap;
@@ -94,8 +69,7 @@ static void tdm_st_skip(tdm_st_case *c, const char *fmt, ...)
     va_end(ap);
 }
 
-static void tdm_st_fig(tdm_st_case *c, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static void tdm_st_fig(tdm_st_case *c, const char *fmt, ...)
+void tdm_st_fig(tdm_st_case *c, const char *fmt, ...)
 {
     size_t l = strlen(c->figures);
     va_list ap;
@@ -104,20 +78,8 @@ static void tdm_st_fig(tdm_st_case *c, const char *fmt, ...)
     va_end(ap);
 }
 
-/* Runs this binary with args (NULL-terminated) and env (NAME=VALUE
- * strings, NULL-terminated; may be NULL), output captured into out,
- * killed after secs. Returns the exit code, 128+S for a signal, -1 when
- * it could not run, 124 when it ran past the bound. */
-/* Optional: the moments (seconds since the start) at which two strings
- * first appeared in the output; < 0 when they did not. */
-typedef struct tdm_st_marks {
-    const char *a, *b;
-    double at_a, at_b;
-} tdm_st_marks;
-
-static int tdm_st_exec_marked(const tdm_st *t, int secs, const char *const *env, char *out,
-                              size_t cap, double *elapsed, tdm_st_marks *mk,
-                              const char *const *args)
+int tdm_st_exec_marked(const tdm_st *t, int secs, const char *const *env, char *out,
+                       size_t cap, double *elapsed, tdm_st_marks *mk, const char *const *args)
 {
     if (mk) mk->at_a = mk->at_b = -1;
     int fds[2];
@@ -168,14 +130,14 @@ static int tdm_st_exec_marked(const tdm_st *t, int secs, const char *const *env,
     return WIFEXITED(ws) ? WEXITSTATUS(ws) : 128 + WTERMSIG(ws);
 }
 
-static int tdm_st_exec(const tdm_st *t, int secs, const char *const *env, char *out,
-                       size_t cap, double *elapsed, const char *const *args)
+int tdm_st_exec(const tdm_st *t, int secs, const char *const *env, char *out, size_t cap,
+                double *elapsed, const char *const *args)
 {
     return tdm_st_exec_marked(t, secs, env, out, cap, elapsed, NULL, args);
 }
 
 /* The last line of out that contains key (for messages). */
-static void tdm_st_line(const char *out, const char *key, char *dst, size_t n)
+void tdm_st_line(const char *out, const char *key, char *dst, size_t n)
 {
     const char *p = NULL, *q = out;
     while ((q = strstr(q, key))) p = q++;
@@ -383,510 +345,6 @@ static void tdm_st_gemm(tdm_st *t)
 {
     tdm_st_case *c = tdm_st_begin(t, "gemm");
     tdm_st_isolated(t, c, tdm_st_gemm_run);   /* CUDA is not initialised here */
-    tdm_st_end(c);
-}
-
-/* --- 3. collectives ------------------------------------------------------------ */
-
-typedef struct tdm_st_coll {
-    int quick, cuda;
-    tdm_device_list dl;   /* cuda: the ranks' devices */
-    /* written by rank 0 */
-    double busbw_gbs;     /* all_reduce busbw at the largest size */
-    double copy_gbs;      /* cuda: its device's device-to-device copy bandwidth */
-    long long wrong;      /* elements wrong, summed over the ranks */
-    char comm[16];        /* the communicator the collectives ran on */
-} tdm_st_coll;
-
-/* Rank r's value at element j: small integers, so every op is exact in
- * float32 whatever the order. */
-static float tdm_st_val(size_t j, int r) { return (float)((j + 3 * (size_t)r) % 5 + 1); }
-
-/* A rank's buffers: values are written and checked in host memory; on a
- * device (cuda) the collectives run on device copies, staged in and out
- * outside the calls, every copy checked. */
-typedef struct tdm_st_bufs {
-    tdm_device *dev;      /* NULL: the host buffers are the collectives' own */
-    float *hs, *hr;       /* (cap) each */
-    void *ds, *dr;        /* dev: (cap) floats each */
-    size_t cap;
-} tdm_st_bufs;
-
-static void *tdm_st_send(const tdm_st_bufs *b) { return b->dev ? b->ds : (void *)b->hs; }
-static void *tdm_st_recv(const tdm_st_bufs *b) { return b->dev ? b->dr : (void *)b->hr; }
-
-/* Host values hs[0, n) into the send buffer. */
-static tdm_status tdm_st_put(const tdm_st_bufs *b, size_t n)
-{
-    if (!b->dev) return TDM_STATUS_OK;
-    return tdm_dev_copy_from_host(b->dev, b->ds, b->hs, n * sizeof(float));
-}
-
-/* The first n results of the receive buffer (from_send: of the send
- * buffer, for an in-place call) into host memory: hr, or hs. */
-static tdm_status tdm_st_get(const tdm_st_bufs *b, size_t n, int from_send)
-{
-    if (!b->dev) return TDM_STATUS_OK;
-    TDM_CHECK(tdm_dev_copy_to_host(b->dev, from_send ? b->hs : b->hr,
-                                   from_send ? b->ds : b->dr, n * sizeof(float)));
-    return tdm_dev_sync(b->dev);
-}
-
-/* Every op of all_reduce at n elements; counts the wrong ones. */
-static tdm_status tdm_st_coll_all_reduce(tdm_comm *comm, const tdm_st_bufs *b, size_t n,
-                                         long long *wrong)
-{
-    int me = tdm_comm_rank(comm), W = tdm_comm_size(comm);
-    for (int op = 0; op < TDM_REDOP_COUNT_; op++) {
-        if (op == TDM_REDOP_PROD && n > 1000) continue;   /* 5^W stays exact; small sizes do */
-        for (size_t j = 0; j < n; j++) b->hs[j] = tdm_st_val(j, me);
-        TDM_CHECK(tdm_st_put(b, n));
-        tdm_comm_set_label(comm, "selftest all_reduce %s", tdm_redop_name((tdm_redop)op));
-        TDM_CHECK(tdm_comm_all_reduce(comm, tdm_st_send(b), tdm_st_recv(b), n,
-                                      TDM_DTYPE_FLOAT32, (tdm_redop)op));
-        TDM_CHECK(tdm_st_get(b, n, 0));
-        for (size_t j = 0; j < n; j++) {
-            double want = op == TDM_REDOP_PROD ? 1 : op == TDM_REDOP_MIN ? 1e30 :
-                          op == TDM_REDOP_MAX ? -1e30 : 0;
-            for (int q = 0; q < W; q++) {
-                double v = tdm_st_val(j, q);
-                if (op == TDM_REDOP_PROD) want *= v;
-                else if (op == TDM_REDOP_MIN) want = v < want ? v : want;
-                else if (op == TDM_REDOP_MAX) want = v > want ? v : want;
-                else want += v;
-            }
-            if (op == TDM_REDOP_AVG) want /= W;
-            if (fabs(b->hr[j] - want) > 1e-6 * fabs(want)) (*wrong)++;
-        }
-    }
-    return TDM_STATUS_OK;
-}
-
-/* broadcast (in place, from the first and the last rank), all_gather,
- * reduce_scatter, gather, scatter, reduce at n elements a rank. */
-static tdm_status tdm_st_coll_others(tdm_comm *comm, const tdm_st_bufs *b, size_t n,
-                                     long long *wrong)
-{
-    int me = tdm_comm_rank(comm), W = tdm_comm_size(comm);
-    size_t nw = n * (size_t)W;
-    for (int root = 0; root < W; root += W > 1 ? W - 1 : 1) {
-        for (size_t j = 0; j < n; j++) b->hs[j] = me == root ? tdm_st_val(j, root) : -1.0f;
-        TDM_CHECK(tdm_st_put(b, n));
-        TDM_CHECK(tdm_comm_broadcast(comm, tdm_st_send(b), tdm_st_send(b), n, TDM_DTYPE_FLOAT32,
-                                     root));
-        TDM_CHECK(tdm_st_get(b, n, 1));
-        for (size_t j = 0; j < n; j++) *wrong += b->hs[j] != tdm_st_val(j, root);
-    }
-    for (size_t j = 0; j < n; j++) b->hs[j] = tdm_st_val(j, me);
-    TDM_CHECK(tdm_st_put(b, n));
-    TDM_CHECK(tdm_comm_all_gather(comm, tdm_st_send(b), tdm_st_recv(b), n, TDM_DTYPE_FLOAT32));
-    TDM_CHECK(tdm_st_get(b, nw, 0));
-    for (int q = 0; q < W; q++)
-        for (size_t j = 0; j < n; j++) *wrong += b->hr[(size_t)q * n + j] != tdm_st_val(j, q);
-    for (size_t j = 0; j < nw; j++) b->hs[j] = tdm_st_val(j, me);
-    TDM_CHECK(tdm_st_put(b, nw));
-    TDM_CHECK(tdm_comm_reduce_scatter(comm, tdm_st_send(b), tdm_st_recv(b), n, TDM_DTYPE_FLOAT32,
-                                      TDM_REDOP_SUM));
-    TDM_CHECK(tdm_st_get(b, n, 0));
-    for (size_t j = 0; j < n; j++) {
-        float want = 0;
-        for (int q = 0; q < W; q++) want += tdm_st_val((size_t)me * n + j, q);
-        *wrong += b->hr[j] != want;
-    }
-    for (size_t j = 0; j < n; j++) b->hs[j] = tdm_st_val(j, me);
-    TDM_CHECK(tdm_st_put(b, n));
-    TDM_CHECK(tdm_comm_gather(comm, tdm_st_send(b), tdm_st_recv(b), n, TDM_DTYPE_FLOAT32, 0));
-    if (me == 0) {
-        TDM_CHECK(tdm_st_get(b, nw, 0));
-        for (int q = 0; q < W; q++)
-            for (size_t j = 0; j < n; j++) *wrong += b->hr[(size_t)q * n + j] != tdm_st_val(j, q);
-    }
-    for (size_t j = 0; j < nw; j++) b->hs[j] = tdm_st_val(j, 0);
-    TDM_CHECK(tdm_st_put(b, nw));
-    TDM_CHECK(tdm_comm_scatter(comm, tdm_st_send(b), tdm_st_recv(b), n, TDM_DTYPE_FLOAT32, 0));
-    TDM_CHECK(tdm_st_get(b, n, 0));
-    for (size_t j = 0; j < n; j++) *wrong += b->hr[j] != tdm_st_val((size_t)me * n + j, 0);
-    for (size_t j = 0; j < n; j++) b->hs[j] = tdm_st_val(j, me);
-    TDM_CHECK(tdm_st_put(b, n));
-    TDM_CHECK(tdm_comm_reduce(comm, tdm_st_send(b), tdm_st_recv(b), n, TDM_DTYPE_FLOAT32,
-                              TDM_REDOP_MAX, 0));
-    if (me == 0) {
-        TDM_CHECK(tdm_st_get(b, n, 0));
-        for (size_t j = 0; j < n; j++) {
-            float want = 0;
-            for (int q = 0; q < W; q++) want = tdm_st_val(j, q) > want ? tdm_st_val(j, q) : want;
-            *wrong += b->hr[j] != want;
-        }
-    }
-    return tdm_comm_barrier(comm);
-}
-
-/* Seconds per all_reduce of n elements (busbw), and on a device its
- * device-to-device copy bandwidth of 64 MiB, every rank copying at once
- * (the ceiling, as `tandem bench` measures it). */
-static tdm_status tdm_st_coll_speed(tdm_comm *comm, tdm_comm *host, const tdm_st_bufs *b,
-                                    size_t n, int iters, double *secs, double *copy_gbs)
-{
-    TDM_CHECK(tdm_comm_barrier(comm));
-    uint64_t t0 = tdm_time_ns();
-    for (int i = 0; i < iters; i++)
-        TDM_CHECK(tdm_comm_all_reduce(comm, tdm_st_send(b), tdm_st_send(b), n, TDM_DTYPE_FLOAT32,
-                                      TDM_REDOP_SUM));
-    if (b->dev) TDM_CHECK(tdm_dev_sync(b->dev));
-    *secs = (double)(tdm_time_ns() - t0) * 1e-9 / iters;
-    *copy_gbs = 0;
-    if (!b->dev) return TDM_STATUS_OK;
-    tdm_status st = TDM_STATUS_OK;
-    size_t bytes = (size_t)64 << 20;
-    void *src = NULL, *dst = NULL;
-    TDM_TRY(tdm_dev_alloc(b->dev, bytes, &src));
-    TDM_TRY(tdm_dev_alloc(b->dev, bytes, &dst));
-    TDM_TRY(tdm_dev_memset_zero(b->dev, src, bytes));
-    TDM_TRY(tdm_dev_copy(b->dev, dst, src, bytes));
-    TDM_TRY(tdm_dev_sync(b->dev));
-    TDM_TRY(tdm_comm_barrier(host));
-    t0 = tdm_time_ns();
-    for (int i = 0; i < 4; i++) TDM_TRY(tdm_dev_copy(b->dev, dst, src, bytes));
-    TDM_TRY(tdm_dev_sync(b->dev));
-    *copy_gbs = 4.0 * (double)bytes / (double)(tdm_time_ns() - t0);   /* bytes/ns = GB/s */
-fail:
-    if (src) tdm_dev_free(b->dev, src);
-    if (dst) tdm_dev_free(b->dev, dst);
-    return st;
-}
-
-/* The checks of one rank over comm (the device's communicator: NCCL on a
- * GPU, else host, the shm one); host is the shm group, for the sums. */
-static tdm_status tdm_st_coll_run(tdm_comm *comm, tdm_comm *host, const tdm_st_bufs *b,
-                                  tdm_st_coll *a, long long *all)
-{
-    size_t sizes[] = {1, 1000, (size_t)1 << 18};   /* the last (1 MiB) is also timed */
-    int nsizes = a->quick ? 2 : 3;
-    long long wrong = 0;
-    for (int si = 0; si < nsizes; si++) {
-        TDM_CHECK(tdm_st_coll_all_reduce(comm, b, sizes[si], &wrong));
-        TDM_CHECK(tdm_st_coll_others(comm, b, sizes[si], &wrong));
-    }
-    double secs = 0, copy = 0;
-    TDM_CHECK(tdm_st_coll_speed(comm, host, b, sizes[2], a->quick ? 5 : 20, &secs, &copy));
-    int64_t mine = wrong, sum = 0;
-    TDM_CHECK(tdm_comm_all_reduce(host, &mine, &sum, 1, TDM_DTYPE_INT64, TDM_REDOP_SUM));
-    *all = sum;
-    if (tdm_comm_rank(comm) == 0) {
-        int W = tdm_comm_size(comm);
-        /* busbw: 2(W-1)/W x bytes / time (nccl-tests) */
-        a->busbw_gbs = W > 1 ? 2.0 * (W - 1) / W * (double)sizes[2] * 4 / secs / 1e9 : 0;
-        a->copy_gbs = copy;
-        a->wrong = sum;
-        snprintf(a->comm, sizeof a->comm, "%s", tdm_comm_backend_name(comm));
-    }
-    return TDM_STATUS_OK;
-}
-
-/* A forked rank: its device and communicator (cuda), its buffers, the
- * checks. Exit 0, 3 when a value was wrong, 2 when a call failed. */
-static int tdm_st_coll_rank(tdm_comm *comm, void *arg)
-{
-    tdm_st_coll *a = arg;
-    int me = tdm_comm_rank(comm), W = tdm_comm_size(comm);
-    tdm_comm *nccl = NULL;
-    tdm_st_bufs b = {.cap = ((size_t)1 << 18) * (size_t)W};
-    tdm_status st = TDM_STATUS_OK;
-    long long wrong = 0;
-    b.hs = malloc(b.cap * sizeof(float));
-    b.hr = malloc(b.cap * sizeof(float));
-    if (!b.hs || !b.hr) {
-        st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "2 x %zu floats", b.cap);
-        goto fail;
-    }
-    if (a->cuda) {
-        TDM_TRY(tdm_dist_rank_device(&a->dl, me, &b.dev));
-        TDM_TRY(tdm_dev_alloc(b.dev, b.cap * sizeof(float), &b.ds));
-        TDM_TRY(tdm_dev_alloc(b.dev, b.cap * sizeof(float), &b.dr));
-        /* NCCL on a GPU; emulated GPUs (host memory) reduce over shm */
-        TDM_TRY(tdm_dist_gpu_comm(comm, b.dev, &nccl));
-    }
-    TDM_TRY(tdm_st_coll_run(nccl ? nccl : comm, comm, &b, a, &wrong));
-fail:
-    if (st) {
-        fprintf(stderr, "selftest: collectives: rank %d: %s\n", me, tdm_error_message());
-        tdm_comm_abort(comm, tdm_error_message());
-    }
-    tdm_comm_free(nccl);   /* before the shm communicator, which bootstrapped it */
-    if (b.ds) tdm_dev_free(b.dev, b.ds);
-    if (b.dr) tdm_dev_free(b.dev, b.dr);
-    tdm_device_free(b.dev);
-    free(b.hs);
-    free(b.hr);
-    if (st) return 2;
-    return wrong ? 3 : 0;
-}
-
-/* The host's copy ceiling: memcpy bandwidth of a 64 MiB buffer. */
-static double tdm_st_copy_gbs(void)
-{
-    size_t n = (size_t)64 << 20;
-    char *a = malloc(n), *b = malloc(n);
-    if (!a || !b) { free(a); free(b); return 0; }
-    memset(a, 1, n);
-    memset(b, 2, n);
-    double best = 0;
-    for (int i = 0; i < 3; i++) {
-        uint64_t t0 = tdm_time_ns();
-        memcpy(b, a, n);
-        double s = (double)(tdm_time_ns() - t0) * 1e-9;
-        if (s > 0 && (double)n / s / 1e9 > best) best = (double)n / s / 1e9;
-    }
-    volatile char sink = b[n / 2];
-    (void)sink;
-    free(a);
-    free(b);
-    return best;
-}
-
-static void tdm_st_collectives(tdm_st *t)
-{
-    tdm_st_case *c = tdm_st_begin(t, "collectives");
-    /* shared with the forked ranks: rank 0 writes its figures here */
-    tdm_st_coll *a = mmap(NULL, sizeof *a, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS,
-                          -1, 0);
-    if (a == MAP_FAILED) {
-        tdm_st_fail(c, "mmap: %s", strerror(errno));
-        tdm_st_end(c);
-        return;
-    }
-    a->quick = t->quick;
-    a->cuda = t->cuda;
-    a->dl = t->dl;
-    snprintf(a->comm, sizeof a->comm, "?");
-    tdm_shm_spawn_opts so = {.timeout_ms = 120000};
-    tdm_shm_spawn_result res;
-    tdm_status st = tdm_shm_spawn(t->world, tdm_st_coll_rank, a, &so, &res);
-    if (st) {
-        int code = 0;
-        for (int r = 0; r < t->world; r++)
-            if (WIFEXITED(res.wstatus[r]) && WEXITSTATUS(res.wstatus[r]) == 3) code = 3;
-        tdm_st_fail(c, "%s", code == 3 ? "#wrong > 0: a collective returned a wrong value"
-                                      : tdm_error_message());
-    }
-    tdm_st_fig(c, "%d ranks over %s%s; all_reduce (5 ops), broadcast, all_gather, "
-               "reduce_scatter, gather, scatter, reduce, barrier at %s elements; #wrong = %lld",
-               t->world, a->comm, t->cuda && tdm_tool_cuda_emulated() ? " (emulated GPUs)" : "",
-               t->quick ? "1, 1000" : "1, 1000, 262144", a->wrong);
-    double ceil = t->cuda ? a->copy_gbs : tdm_st_copy_gbs();
-    if (!c->failed && t->world > 1)
-        tdm_st_fig(c, "; all_reduce 1 MiB busbw %.2f GB/s = %.0f%% of the %s copy ceiling "
-                   "(%.1f GB/s)", a->busbw_gbs, ceil > 0 ? 100.0 * a->busbw_gbs / ceil : 0,
-                   t->cuda ? "device-to-device" : "host", ceil);
-    munmap(a, sizeof *a);
-    tdm_st_end(c);
-}
-
-/* --- 4..7: whole runs of this binary ------------------------------------------ */
-
-static void tdm_st_compare(tdm_st *t)
-{
-    tdm_st_case *c = tdm_st_begin(t, "dp_ddp_vs_one_device");
-    char out[TDM_ST_OUT_MAX], line[512];
-    int rc = tdm_st_exec(t, 300, NULL, out, sizeof out, NULL, (const char *const[]){
-        "compare", "--device", t->device, "--data", "synthetic", "--model", "mlp:784-64-10",
-        "--steps", t->quick ? "6" : "20", "--warmup", "1", "--batch", "64", NULL});
-    tdm_st_line(out, "verdict", line, sizeof line);
-    tdm_st_fig(c, "%s", line[0] ? line : "(no verdict line)");
-    if (rc != 0) tdm_st_fail(c, "tandem compare exited %d (3: not equivalent):\n%s", rc, out);
-    tdm_st_end(c);
-}
-
-static int tdm_st_same_file(const char *a, const char *b)
-{
-    FILE *fa = fopen(a, "rb"), *fb = fopen(b, "rb");
-    int same = fa && fb;
-    while (same) {
-        int x = fgetc(fa), y = fgetc(fb);
-        if (x != y) same = 0;
-        if (x == EOF || y == EOF) break;
-    }
-    if (fa) fclose(fa);
-    if (fb) fclose(fb);
-    return same;
-}
-
-#define TDM_ST_TRAIN(t) "train", "--mode", "ddp", "--device", (t)->device, "--data", "synthetic", \
-                        "--synthetic-size", "2048", "--batch", "64", "--model", "mlp:784-64-10", \
-                        "--no-eval", "--quiet"
-
-static void tdm_st_checkpoint(tdm_st *t)
-{
-    tdm_st_case *c = tdm_st_begin(t, "checkpoint_resume_bit_exact");
-    char a[320], b[320], out[TDM_ST_OUT_MAX];
-    snprintf(a, sizeof a, "%s/straight.safetensors", t->tmp);
-    snprintf(b, sizeof b, "%s/resumed.safetensors", t->tmp);
-    int rc = tdm_st_exec(t, 300, NULL, out, sizeof out, NULL, (const char *const[]){
-        TDM_ST_TRAIN(t), "--epochs", "2", "--save", a, NULL});
-    if (rc) tdm_st_fail(c, "two epochs straight exited %d:\n%s", rc, out);
-    if (!rc) rc = tdm_st_exec(t, 300, NULL, out, sizeof out, NULL, (const char *const[]){
-        TDM_ST_TRAIN(t), "--epochs", "1", "--save", b, NULL});
-    if (!rc) rc = tdm_st_exec(t, 300, NULL, out, sizeof out, NULL, (const char *const[]){
-        TDM_ST_TRAIN(t), "--epochs", "2", "--resume", b, "--save", b, NULL});
-    if (rc) tdm_st_fail(c, "one epoch, then resume for the second, exited %d:\n%s", rc, out);
-    else if (!tdm_st_same_file(a, b))
-        tdm_st_fail(c, "the checkpoint after 1 epoch + resume differs from 2 epochs straight");
-    tdm_st_fig(c, "DDP on %s, 2 epochs of 32 steps: %s", t->device,
-               c->failed ? "differs or failed" : "bit-identical");
-    unlink(a);
-    unlink(b);
-    tdm_st_end(c);
-}
-
-static void tdm_st_killed_rank(tdm_st *t)
-{
-    tdm_st_case *c = tdm_st_begin(t, "killed_rank_named");
-    if (t->world < 2) {
-        c->skipped = 1;
-        snprintf(c->message, sizeof c->message, "needs 2 devices or more");
-        tdm_st_end(c);
-        return;
-    }
-    const double bound_s = 10.0;
-    char out[TDM_ST_OUT_MAX], env[64], line[512];
-    snprintf(env, sizeof env, "TANDEM_DDP_TEST_KILL=%d:3", t->world - 1);
-    double el = 0;
-    /* from the fault (the test hook says when) to the doctor's verdict */
-    tdm_st_marks mk = {.a = "test fault", .b = "doctor:"};
-    int rc = tdm_st_exec_marked(t, 120, (const char *const[]){env, NULL}, out, sizeof out, NULL,
-                                &mk, (const char *const[]){TDM_ST_TRAIN(t), "--epochs", "1", NULL});
-    el = mk.at_a >= 0 && mk.at_b >= 0 ? mk.at_b - mk.at_a : -1;
-    char want[64];
-    snprintf(want, sizeof want, "rank %d (pid ", t->world - 1);
-    tdm_st_line(out, "doctor:", line, sizeof line);
-    if (rc != 1) tdm_st_fail(c, "exit %d (expected 1):\n%s", rc, out);
-    else if (!strstr(out, want) || !strstr(out, "signal 9"))
-        tdm_st_fail(c, "the failure summary does not name rank %d killed by signal 9:\n%s",
-                    t->world - 1, out);
-    else if (el < 0)
-        tdm_st_fail(c, "no 'test fault' or no 'doctor:' line:\n%s", out);
-    else if (el > bound_s)
-        tdm_st_fail(c, "named %.1f s after the fault (bound %.0f s)", el, bound_s);
-    tdm_st_fig(c, "rank %d SIGKILLed at step 3: verdict %.2f s after the fault (bound %.0f s); %s",
-               t->world - 1, el, bound_s, line);
-    tdm_st_end(c);
-}
-
-/* The throughput gate. One DDP run of TDM_ST_WINDOWS epochs (windows) of
- * TDM_ST_WINDOW_SAMPLES samples each (about a second each on 2 host
- * devices); the first is left out (start-up: pages, threads, caches),
- * the figure is the median of the others' samples/s and the spread their
- * (max - min) / median. A check fails when the median is below
- * (1 - tolerance) x the baseline's, the tolerance growing with the wider
- * of the two spreads (this run's, the baseline's):
- *   tolerance = min(MAX, FLOOR + SPREAD_K x spread)
- * Measured on the 2-core VM (docs/PERFORMANCE.md, "selftest's gate"). MAX
- * stays below 50%: a build twice as slow always fails. */
-#define TDM_ST_WINDOWS 6
-#define TDM_ST_WINDOWS_QUICK 4
-#define TDM_ST_WINDOW_SAMPLES "16384"
-#define TDM_ST_WINDOW_MODEL "mlp:784-256-10"
-#define TDM_ST_TOL_FLOOR 0.15
-#define TDM_ST_TOL_SPREAD_K 2.0
-#define TDM_ST_TOL_MAX 0.40
-
-static double tdm_st_tolerance(double spread)
-{
-    double tol = TDM_ST_TOL_FLOOR + TDM_ST_TOL_SPREAD_K * spread;
-    return tol < TDM_ST_TOL_MAX ? tol : TDM_ST_TOL_MAX;
-}
-
-/* The baseline's figures for device: 0 found, 1 not there, -1 unreadable.
- * A file of an older tandem has no spread line (*spread stays 0). */
-static int tdm_st_read_baseline(const char *path, const char *device, double *v,
-                                double *spread)
-{
-    int fd;
-    if (tdm_file_open_read(path, &fd, NULL) != TDM_STATUS_OK) return -1;
-    FILE *f = fdopen(fd, "r");
-    if (!f) {
-        close(fd);
-        return -1;
-    }
-    char key[128], dev[128];
-    double x;
-    int found = 0;
-    while (fscanf(f, "%127s %127s %lf", key, dev, &x) == 3) {
-        if (strcmp(dev, device)) continue;
-        if (!strcmp(key, "ddp_samples_per_s")) { *v = x; found = 1; }
-        else if (!strcmp(key, "ddp_spread")) *spread = x;
-    }
-    fclose(f);
-    return found ? 0 : 1;
-}
-
-static int tdm_st_cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
-/* The windows' samples/s from the run's epoch lines ("epoch k/N: train
- * loss L, S samples/s"); returns how many were found. */
-static int tdm_st_windows(const char *out, double *sps, int max)
-{
-    int n = 0;
-    for (const char *p = out; n < max && (p = strstr(p, "epoch ")); p++) {
-        long long k, of;
-        double loss, v;
-        if (sscanf(p, "epoch %lld/%lld: train loss %lf, %lf samples/s", &k, &of, &loss, &v) == 4)
-            sps[n++] = v;
-    }
-    return n;
-}
-
-static void tdm_st_throughput(tdm_st *t)
-{
-    tdm_st_case *c = tdm_st_begin(t, "throughput");
-    char out[TDM_ST_OUT_MAX], epochs[16];
-    int nw = t->quick ? TDM_ST_WINDOWS_QUICK : TDM_ST_WINDOWS;
-    snprintf(epochs, sizeof epochs, "%d", nw);
-    int rc = tdm_st_exec(t, 300, NULL, out, sizeof out, NULL, (const char *const[]){
-        "train", "--mode", "ddp", "--device", t->device, "--data", "synthetic",
-        "--synthetic-size", TDM_ST_WINDOW_SAMPLES, "--batch", "64", "--model", TDM_ST_WINDOW_MODEL,
-        "--no-eval", "--quiet", "--epochs", epochs, NULL});
-    double w[TDM_ST_WINDOWS];
-    int got = tdm_st_windows(out, w, nw);
-    if (rc || got != nw) {
-        tdm_st_fail(c, "the DDP run exited %d and printed %d of %d epoch lines with "
-                    "samples/s:\n%s", rc, got, nw, out);
-        tdm_st_end(c);
-        return;
-    }
-    /* the first window is start-up; the rest, sorted */
-    int m = nw - 1;
-    qsort(w + 1, (size_t)m, sizeof *w, tdm_st_cmp_double);
-    double med = m % 2 ? w[1 + m / 2] : 0.5 * (w[m / 2] + w[1 + m / 2]);
-    double spread = (w[m] - w[1]) / med;
-    t->samples_per_s = med;
-    t->spread = spread;
-    tdm_st_fig(c, "DDP " TDM_ST_WINDOW_MODEL " on %s: median %.0f samples/s of %d windows of "
-               "%s samples "
-               "(min %.0f, max %.0f, spread %.1f%%)", t->device, med, m, TDM_ST_WINDOW_SAMPLES,
-               w[1], w[m], 100.0 * spread);
-    if (t->baseline) {
-        double base = 0, base_spread = 0;
-        int br = tdm_st_read_baseline(t->baseline, t->device, &base, &base_spread);
-        if (br < 0) {
-            tdm_st_fail(c, "--baseline %s", tdm_error_message());
-        } else if (br > 0) {
-            tdm_st_fail(c, "--baseline %s: no 'ddp_samples_per_s %s' line (write one with "
-                        "--save-baseline)", t->baseline, t->device);
-        } else {
-            double tol = tdm_st_tolerance(spread > base_spread ? spread : base_spread);
-            tdm_st_fig(c, "; baseline %.0f (spread %.1f%%): %.0f%% of it, tolerance -%.0f%%",
-                       base, 100.0 * base_spread, 100.0 * med / base, 100.0 * tol);
-            if (med < (1.0 - tol) * base)
-                tdm_st_fail(c, "%.0f samples/s is %.0f%% below the baseline's %.0f "
-                            "(tolerance %.0f%%)", med, 100.0 * (1 - med / base), base,
-                            100.0 * tol);
-        }
-    }
     tdm_st_end(c);
 }
 

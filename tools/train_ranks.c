@@ -358,6 +358,11 @@ static tdm_status tdm_train_rank_run(void *ctx, tdm_dist_rank *d, void *self)
             char track[32];
             snprintf(track, sizeof track, "rank %d", d->env.rank);
             st = tdm_train_trace_new(&trace, a->trace, d->env.rank, d->env.world_size, track);
+            /* one clock when every rank is on this machine */
+            if (st == TDM_STATUS_OK)
+                st = tdm_train_trace_start(trace, d->comm,
+                                           d->env.local_world_size == d->env.world_size);
+            if (st != TDM_STATUS_OK) tdm_tool_rank_fail(r, "--trace", st);
             run.trace = trace;
             /* a step's phases are its own only with one pass per step */
             if (design->phases && a->grad_accum <= 1 && !a->deterministic) {

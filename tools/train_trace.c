@@ -19,16 +19,14 @@ typedef struct tdm_train_trace_ev {
 _Static_assert(sizeof(tdm_train_trace_ev) == 4 * sizeof(int64_t), "sent as 4 int64s");
 #define TDM_TRAIN_TRACE_EV_I64 4
 
-/* Clocks further apart than this between the ranks' first steps are
- * taken for different machines' */
-#define TDM_TRAIN_TRACE_SKEW_NS (60ull * 1000 * 1000 * 1000)
-
 struct tdm_train_trace {
     char *path;
     int rank, world;
     char track[48];
     tdm_train_trace_ev *ev;
     int64_t n, cap, dropped;
+    int one_clock;        /* every rank on this machine's clock (tdm_train_trace_start) */
+    int64_t sync_ns;      /* this rank's clock right after the start's barrier */
 };
 
 /* The phases in the order a step runs them (compare's order). */
@@ -137,16 +135,17 @@ typedef struct tdm_train_trace_file {
     int64_t stride;
     const int64_t *origin;           /* per rank: subtracted from its timestamps */
     const char *process;
-    int aligned;                     /* 1: each rank at its own first step */
+    int aligned;                     /* 1: each rank at its own sync point */
 } tdm_train_trace_file;
 
 static tdm_status tdm_train_trace_body(FILE *f, const void *ctx)
 {
     const tdm_train_trace_file *c = ctx;
     fputs("{\"displayTimeUnit\": \"ms\", \"otherData\": {\"clock\": ", f);
-    tdm_json_put_str(f, c->aligned ? "each rank's own, its track starting at its first step "
-                                     "(the ranks' clocks differ: several machines)"
-                                   : "CLOCK_MONOTONIC, one for every rank");
+    tdm_json_put_str(f, c->aligned ? "each rank's own CLOCK_MONOTONIC (the ranks are on several "
+                                     "machines), 0 where every rank left the barrier before "
+                                     "the first epoch"
+                                   : "CLOCK_MONOTONIC, one for every rank (one machine)");
     fputs("}, \"traceEvents\": [\n  {\"ph\": \"M\", \"pid\": 1, \"name\": \"process_name\", "
           "\"args\": {\"name\": ", f);
     tdm_json_put_str(f, c->process);
@@ -176,29 +175,24 @@ static tdm_status tdm_train_trace_body(FILE *f, const void *ctx)
     return ferror(f) ? TDM_STATUS_IO : TDM_STATUS_OK;
 }
 
-/* Rank 0: the origins (the earliest event of all, or each rank's own when
- * their clocks differ) and the file. */
+/* Rank 0: the origins (the earliest event of all on one clock, else each
+ * rank's sync point) and the file. sync: per rank, its clock right after
+ * the start's barrier (NULL: one clock). */
 static tdm_status tdm_train_trace_emit(tdm_train_trace *t, const tdm_train_trace_ev *all,
                                        const int64_t *count, int64_t stride, int64_t dropped,
-                                       const char *process)
+                                       const int64_t *sync, const char *process)
 {
     int64_t *origin = calloc((size_t)t->world, sizeof *origin);
     TDM_REQUIRE(origin, TDM_STATUS_OUT_OF_MEMORY, "--trace: out of memory");
-    int64_t lo = INT64_MAX, hi = INT64_MIN;
-    for (int r = 0; r < t->world; r++) {
-        origin[r] = count[r] ? all[(size_t)r * (size_t)stride].t0_ns : 0;
+    int64_t lo = INT64_MAX;
+    for (int r = 0; r < t->world; r++)
         for (int64_t i = 0; i < count[r]; i++) {
             int64_t v = all[(size_t)r * (size_t)stride + (size_t)i].t0_ns;
-            if (v < origin[r]) origin[r] = v;
+            if (v < lo) lo = v;
         }
-        if (!count[r]) continue;
-        if (origin[r] < lo) lo = origin[r];
-        if (origin[r] > hi) hi = origin[r];
-    }
-    int aligned = lo != INT64_MAX && (uint64_t)(hi - lo) > TDM_TRAIN_TRACE_SKEW_NS;
-    for (int r = 0; r < t->world && !aligned; r++) origin[r] = lo == INT64_MAX ? 0 : lo;
+    for (int r = 0; r < t->world; r++) origin[r] = sync ? sync[r] : lo == INT64_MAX ? 0 : lo;
     tdm_train_trace_file c = {.t = t, .all = all, .count = count, .stride = stride,
-                              .origin = origin, .process = process, .aligned = aligned};
+                              .origin = origin, .process = process, .aligned = sync != NULL};
     tdm_status st = tdm_json_write_file(t->path, "tandem train", tdm_train_trace_body, &c);
     free(origin);
     if (st != TDM_STATUS_OK) return st;
@@ -212,51 +206,71 @@ static tdm_status tdm_train_trace_emit(tdm_train_trace *t, const tdm_train_trace
     return TDM_STATUS_OK;
 }
 
+tdm_status tdm_train_trace_start(tdm_train_trace *t, tdm_comm *comm, int one_clock)
+{
+    if (!t) return TDM_STATUS_OK;
+    t->one_clock = one_clock || !comm || t->world == 1;
+    if (!t->one_clock) TDM_CHECK(tdm_comm_barrier(comm));
+    t->sync_ns = (int64_t)tdm_time_ns();
+    return TDM_STATUS_OK;
+}
+
+/* A rank short of memory while the others are in (or on their way to)
+ * the trace's collectives: stops them, naming why. */
+static tdm_status tdm_train_trace_oom(const tdm_train_trace *t, tdm_comm *comm, int64_t what)
+{
+    char why[112];
+    snprintf(why, sizeof why, "--trace: rank %d has no memory for %lld events' exchange",
+             t->rank, (long long)what);
+    (void)tdm_comm_abort(comm, why);
+    return tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "%s", why);
+}
+
 tdm_status tdm_train_trace_write(tdm_train_trace *t, tdm_comm *comm, const char *process)
 {
     if (!t) return TDM_STATUS_OK;
     if (!comm || t->world == 1) {
         int64_t count = t->n;
-        return tdm_train_trace_emit(t, t->ev, &count, t->n, t->dropped, process);
+        return tdm_train_trace_emit(t, t->ev, &count, t->n, t->dropped, NULL, process);
     }
-    /* counts and drops of every rank, then the events to rank 0, each
-     * rank's padded to the longest */
-    int64_t mine[2] = {t->n, t->dropped};
-    int64_t *cd = calloc((size_t)t->world * 2, sizeof *cd);
-    TDM_REQUIRE(cd, TDM_STATUS_OUT_OF_MEMORY, "--trace: out of memory");
-    tdm_status st = tdm_comm_all_gather(comm, mine, cd, 2, TDM_DTYPE_INT64);
-    int64_t stride = 0, dropped = 0;
+    /* counts, drops and sync points of every rank, then the events to
+     * rank 0, each rank's padded to the longest */
+    enum { TDM_TT_N = 0, TDM_TT_DROPPED, TDM_TT_SYNC, TDM_TT_HEAD };
+    int64_t mine[TDM_TT_HEAD] = {t->n, t->dropped, t->sync_ns};
+    int64_t *head = calloc((size_t)t->world * TDM_TT_HEAD, sizeof *head);
     int64_t *count = calloc((size_t)t->world, sizeof *count);
-    if (!count && st == TDM_STATUS_OK)
-        st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "--trace: out of memory");
-    for (int r = 0; st == TDM_STATUS_OK && r < t->world; r++) {
-        count[r] = cd[2 * r];
-        dropped += cd[2 * r + 1];
+    int64_t *sync = calloc((size_t)t->world, sizeof *sync);
+    tdm_train_trace_ev *send = NULL, *all = NULL;
+    int64_t stride = 0, dropped = 0;
+    tdm_status st;
+    if (!head || !count || !sync) {
+        st = tdm_train_trace_oom(t, comm, t->n);
+        goto done;
+    }
+    st = tdm_comm_all_gather(comm, mine, head, TDM_TT_HEAD, TDM_DTYPE_INT64);
+    if (st != TDM_STATUS_OK) goto done;
+    for (int r = 0; r < t->world; r++) {
+        count[r] = head[TDM_TT_HEAD * r + TDM_TT_N];
+        dropped += head[TDM_TT_HEAD * r + TDM_TT_DROPPED];
+        sync[r] = head[TDM_TT_HEAD * r + TDM_TT_SYNC];
         if (count[r] > stride) stride = count[r];
     }
-    free(cd);
-    if (st != TDM_STATUS_OK) {
-        free(count);
-        return st;
-    }
     if (!stride) stride = 1;
-    tdm_train_trace_ev *send = calloc((size_t)stride, sizeof *send);
-    tdm_train_trace_ev *all = t->rank == 0 ? calloc((size_t)stride * (size_t)t->world,
-                                                    sizeof *all) : NULL;
-    if (send && t->n) memcpy(send, t->ev, (size_t)t->n * sizeof *send);
+    send = calloc((size_t)stride, sizeof *send);
+    all = t->rank == 0 ? calloc((size_t)stride * (size_t)t->world, sizeof *all) : NULL;
     if (!send || (t->rank == 0 && !all)) {
-        /* the others are in the gather already: stop them, naming why */
-        char why[96];
-        snprintf(why, sizeof why, "--trace: rank %d has no memory for its %lld events", t->rank,
-                 (long long)stride);
-        (void)tdm_comm_abort(comm, why);
-        st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "%s", why);
-    } else {
-        st = tdm_comm_gather(comm, send, all, (size_t)(stride * TDM_TRAIN_TRACE_EV_I64),
-                             TDM_DTYPE_INT64, 0);
+        st = tdm_train_trace_oom(t, comm, stride);
+        goto done;
     }
+    if (t->n) memcpy(send, t->ev, (size_t)t->n * sizeof *send);
+    st = tdm_comm_gather(comm, send, all, (size_t)(stride * TDM_TRAIN_TRACE_EV_I64),
+                         TDM_DTYPE_INT64, 0);
     if (st == TDM_STATUS_OK && t->rank == 0)
-        st = tdm_train_trace_emit(t, all, count, stride, dropped, process);
+        st = tdm_train_trace_emit(t, all, count, stride, dropped, t->one_clock ? NULL : sync,
+                                  process);
+done:
+    free(head);
+    free(sync);
     free(send);
     free(all);
     free(count);

@@ -12,10 +12,12 @@
  * Every process records in memory (at most TDM_TRAIN_TRACE_CAP events,
  * the rest counted and said); at the end the ranks gather their events to
  * rank 0 over the job's communicator, and rank 0 writes FILE (replaced
- * atomically, core/safefile.h). Timestamps are CLOCK_MONOTONIC, one clock
- * on one machine; when the ranks' first steps are more than a minute
- * apart their clocks are taken to differ (ranks on several machines) and
- * each track starts at its own first step, which the file says. */
+ * atomically, core/safefile.h). Timestamps are CLOCK_MONOTONIC: one
+ * clock when every rank is on this machine (0 at the job's first event);
+ * for ranks on several machines (an MPI job), each rank's time from the
+ * moment it left a barrier before the first epoch, which the file says:
+ * the machines' clocks differ, the barrier's exit is the one moment they
+ * share (within its own skew). */
 #ifndef TDM_TOOLS_TRAIN_TRACE_H
 #define TDM_TOOLS_TRAIN_TRACE_H
 
@@ -47,6 +49,11 @@ typedef int (*tdm_train_phases_fn)(void *ctx, tdm_phase_times *out);
 tdm_status tdm_train_trace_new(tdm_train_trace **t, const char *path, int rank, int world,
                                const char *track);
 void tdm_train_trace_free(tdm_train_trace *t);
+
+/* Before the first epoch: with one_clock 0 (ranks on several machines)
+ * a barrier over comm, collective, and this rank's sync point after it;
+ * nothing to agree on otherwise (comm may be NULL). */
+tdm_status tdm_train_trace_start(tdm_train_trace *t, tdm_comm *comm, int one_clock);
 
 /* A slice [t0_ns, t1_ns) of kind (not PHASE) in step/epoch `index`. */
 void tdm_train_trace_span(tdm_train_trace *t, tdm_train_trace_kind kind, int64_t index,
