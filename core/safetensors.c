@@ -248,8 +248,10 @@ fail:
 
 struct tdm_st_file {
     char *path;
-    unsigned char *buf;     /* (nbytes) the whole file */
-    size_t nbytes;
+    unsigned char *buf;     /* (buf_nbytes) the whole file, or its header only
+                               (tdm_st_load_header) */
+    size_t buf_nbytes;
+    size_t nbytes;          /* the file's size */
     tdm_json *header;       /* names, keys and values point into it */
     tdm_st_tensor *tensors; /* (n_tensors) in header order */
     int n_tensors;
@@ -268,33 +270,62 @@ void tdm_st_free(tdm_st_file *f)
     free(f);
 }
 
-static tdm_status st_read_file(tdm_st_file *f)
+/* Which part of a file tdm_st_load and tdm_st_load_header read. */
+typedef enum st_part {
+    ST_PART_FILE,       /* all of it */
+    ST_PART_HEADER      /* the length and the JSON header: never the data */
+} st_part;
+
+/* Reads n bytes from fd at its position into dst; done: bytes of the
+ * file read before (for the message when the file shrank). */
+static tdm_status st_read_exact(const tdm_st_file *f, int fd, unsigned char *dst, size_t n,
+                                size_t done)
 {
-    tdm_status st = TDM_STATUS_OK;
-    int fd;
-    TDM_CHECK(tdm_file_open_read(f->path, &fd, &f->nbytes));
-    f->buf = malloc(f->nbytes ? f->nbytes : 1);
-    if (!f->buf) {
-        st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "%s: cannot allocate %zu bytes",
-                           f->path, f->nbytes);
-        goto fail;
-    }
     size_t got = 0;
-    while (got < f->nbytes) {
-        size_t want = f->nbytes - got;
-        ssize_t r = read(fd, f->buf + got, want > (1u << 30) ? (1u << 30) : want);
+    while (got < n) {
+        size_t want = n - got;
+        ssize_t r = read(fd, dst + got, want > (1u << 30) ? (1u << 30) : want);
         if (r < 0) {
             if (errno == EINTR) continue;
-            st = tdm_error_set(TDM_STATUS_IO, "%s: read failed: %s", f->path, strerror(errno));
-            goto fail;
+            return tdm_error_set(TDM_STATUS_IO, "%s: read failed: %s", f->path, strerror(errno));
         }
-        if (r == 0) {
-            st = tdm_error_set(TDM_STATUS_IO, "%s: file shrank while reading (%zu of %zu bytes)",
-                               f->path, got, f->nbytes);
-            goto fail;
-        }
+        if (r == 0)
+            return tdm_error_set(TDM_STATUS_IO, "%s: file shrank while reading (%zu of %zu "
+                                 "bytes)", f->path, done + got, f->nbytes);
         got += (size_t)r;
     }
+    return TDM_STATUS_OK;
+}
+
+/* f->nbytes: the file's size; f->buf: its first f->buf_nbytes bytes,
+ * all of them for ST_PART_FILE, else the length and the header when the
+ * length is within the file and the limit (tdm_st_load's checks refuse
+ * the others before reading the header). */
+static tdm_status st_read_file(tdm_st_file *f, st_part part)
+{
+    tdm_status st = TDM_STATUS_OK;
+    unsigned char len8[8];
+    size_t want, done = 0;
+    int fd;
+    TDM_CHECK(tdm_file_open_read(f->path, &fd, &f->nbytes));
+    want = f->nbytes;
+    if (part == ST_PART_HEADER && f->nbytes >= sizeof len8) {
+        TDM_TRY(st_read_exact(f, fd, len8, sizeof len8, 0));
+        done = sizeof len8;
+        uint64_t hlen = 0;
+        for (int k = 7; k >= 0; k--) hlen = (hlen << 8) | len8[k];
+        int fits = hlen <= TDM_ST_MAX_HEADER_NBYTES && hlen <= f->nbytes - sizeof len8;
+        want = sizeof len8 + (fits ? (size_t)hlen : 0);
+    }
+    f->buf = malloc(want ? want : 1);
+    if (!f->buf) {
+        st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "%s: cannot allocate %zu bytes",
+                           f->path, want);
+        goto fail;
+    }
+    if (done) memcpy(f->buf, len8, done);
+    TDM_TRY(st_read_exact(f, fd, f->buf + done, want - done, done));
+    f->buf_nbytes = want;
     close(fd);
     return TDM_STATUS_OK;
 fail:
@@ -438,7 +469,7 @@ fail:
     return st;
 }
 
-tdm_status tdm_st_load(tdm_st_file **out, const char *path)
+static tdm_status st_load(tdm_st_file **out, const char *path, st_part part)
 {
     tdm_status st = TDM_STATUS_OK;
     tdm_st_file *f = NULL;
@@ -449,7 +480,7 @@ tdm_status tdm_st_load(tdm_st_file **out, const char *path)
         st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "%s: out of memory", path);
         goto fail;
     }
-    TDM_TRY(st_read_file(f));
+    TDM_TRY(st_read_file(f, part));
     if (f->nbytes < 8) {
         st = tdm_error_set(TDM_STATUS_FORMAT,
                            "%s: file is %zu bytes, too short for a safetensors header "
@@ -511,6 +542,7 @@ tdm_status tdm_st_load(tdm_st_file **out, const char *path)
         const char *name = root->keys[k];
         const tdm_json *v = &root->items[k];
         if (strcmp(name, ST_META_KEY) != 0) {
+            if (part == ST_PART_HEADER) continue;
             TDM_TRY(st_parse_tensor(f, name, v, data, data_nbytes, &f->tensors[f->n_tensors]));
             f->n_tensors++;
             continue;
@@ -542,13 +574,26 @@ tdm_status tdm_st_load(tdm_st_file **out, const char *path)
         }
         f->n_meta = v->n;
     }
-    TDM_TRY(st_check_coverage(f, data, data_nbytes));
-    TDM_INFO(DATA, "loaded %s: %d tensors, %zu data bytes", path, f->n_tensors, data_nbytes);
+    if (part == ST_PART_FILE) {
+        TDM_TRY(st_check_coverage(f, data, data_nbytes));
+        TDM_INFO(DATA, "loaded %s: %d tensors, %zu data bytes", path, f->n_tensors,
+                 data_nbytes);
+    }
     *out = f;
     return TDM_STATUS_OK;
 fail:
     tdm_st_free(f);
     return st;
+}
+
+tdm_status tdm_st_load(tdm_st_file **out, const char *path)
+{
+    return st_load(out, path, ST_PART_FILE);
+}
+
+tdm_status tdm_st_load_header(tdm_st_file **out, const char *path)
+{
+    return st_load(out, path, ST_PART_HEADER);
 }
 
 const char *tdm_st_path(const tdm_st_file *f) { return f->path; }

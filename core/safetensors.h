@@ -12,7 +12,8 @@
  * This module is generic: it knows nothing of models or optimisers
  * (checkpoint naming lives with the callers). It assumes a little-endian
  * host and does no byte swapping. Loading reads the whole file into
- * memory; it is not meant for files larger than memory. */
+ * memory (tdm_st_load_header: its header only); it is not meant for files
+ * larger than memory. */
 #ifndef TDM_CORE_SAFETENSORS_H
 #define TDM_CORE_SAFETENSORS_H
 
@@ -95,6 +96,12 @@ typedef struct tdm_st_file tdm_st_file;
  * involved, the tensor; TDM_STATUS_FORMAT for content, TDM_STATUS_IO for
  * system errors. */
 tdm_status tdm_st_load(tdm_st_file **out, const char *path);
+/* Reads the 8-byte length and the JSON header only, never the data
+ * section (memory: the header's size, whatever the file's): the same
+ * checks of the length, the JSON and the metadata as tdm_st_load, but
+ * the tensors are neither read nor checked, and tdm_st_count is 0. For
+ * reading a checkpoint's metadata (its run id, its step) cheaply. */
+tdm_status tdm_st_load_header(tdm_st_file **out, const char *path);
 void tdm_st_free(tdm_st_file *f);   /* NULL ok */
 
 /* The path given to tdm_st_load. */

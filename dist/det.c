@@ -129,12 +129,23 @@ tdm_status tdm_dist_det_init(tdm_dist_det *d)
     d->depth = 0;
     d->level = calloc((size_t)d->max_depth, sizeof *d->level);
     d->stack = malloc((size_t)d->max_depth * (size_t)d->n_vec * sizeof(float));
+    /* over a comm the ranks' sums arrive a chunk at a time (tdm_det_top_chunked) */
+    d->chunk = 0;
+    if (d->comm && d->world > 1 && !d->gather_borrowed) {
+        int64_t c = d->chunk_elems > 0 ? d->chunk_elems
+                                       : TDM_DIST_DET_CHUNK_BYTES / (int64_t)sizeof(float);
+        d->chunk = c < d->n_send ? c : d->n_send;
+        d->sum = malloc((size_t)(d->n_vec ? d->n_vec : 1) * sizeof(float));
+        d->stage = malloc((size_t)d->chunk * sizeof(float));
+    }
     if (!d->gather_borrowed)
-        d->gather = malloc((size_t)d->world * (size_t)d->n_send * sizeof(float));
+        d->gather = malloc((size_t)d->world * (size_t)(d->chunk ? d->chunk : d->n_send) *
+                           sizeof(float));
     d->total = malloc((size_t)(d->n_vec ? d->n_vec : 1) * sizeof(float));
     d->snapshot = malloc((size_t)(be ? be : 1) * sizeof(float));
     d->losses = calloc((size_t)d->K, sizeof *d->losses);
-    if (!d->level || !d->stack || !d->gather || !d->total || !d->snapshot || !d->losses) {
+    if (!d->level || !d->stack || !d->gather || !d->total || !d->snapshot || !d->losses ||
+        (d->chunk && (!d->sum || !d->stage))) {
         tdm_dist_det_free(d);
         return tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "deterministic step: %d subtree sums of "
                              "%lld floats and %d ranks' of them do not fit in memory",
@@ -152,8 +163,10 @@ void tdm_dist_det_free(tdm_dist_det *d)
     free(d->total);
     free(d->snapshot);
     free(d->losses);
+    free(d->sum);
+    free(d->stage);
     d->level = NULL;
-    d->stack = d->gather = d->total = d->snapshot = NULL;
+    d->stack = d->gather = d->total = d->snapshot = d->sum = d->stage = NULL;
     d->losses = NULL;
 }
 
@@ -251,16 +264,58 @@ tdm_status tdm_dist_det_local(tdm_dist_det *d, const void *x, const int32_t *y, 
             return tdm_det_fail(d, st);
         tdm_det_push(d);
     }
-    /* this rank's subtree and its shards' losses, in its slot */
+    /* this rank's subtree and its shards' losses, in its slot (over a
+     * comm they are sent from the stack and the losses, a chunk at a time) */
+    if (d->chunk) return TDM_STATUS_OK;
     float *mine = d->gather + (int64_t)d->rank * d->n_send;
     memcpy(mine, d->stack, (size_t)d->n_vec * sizeof(float));
     memcpy(mine + d->n_vec, d->losses + d->rank * m, (size_t)m * sizeof(double));
     return TDM_STATUS_OK;
 }
 
+/* The top over a comm, chunk by chunk: this rank's part of the logical
+ * vector [subtree sum (n_vec), shard losses (2m floats)] all-gathered,
+ * the top levels added over the chunk's slots (the same elementwise
+ * additions as over whole slots) into sum, the losses unpacked. */
+static tdm_status tdm_det_top_chunked(tdm_dist_det *d)
+{
+    int m = d->K / d->world;
+    const float *mine_losses = (const float *)(d->losses + d->rank * m);
+    for (int64_t c0 = 0; c0 < d->n_send; c0 += d->chunk) {
+        int64_t cc = d->n_send - c0 < d->chunk ? d->n_send - c0 : d->chunk;
+        int64_t nv = c0 >= d->n_vec ? 0 : d->n_vec - c0 < cc ? d->n_vec - c0 : cc;
+        const float *send = d->stack + c0;
+        if (nv < cc) {   /* the chunk with the losses */
+            memcpy(d->stage, d->stack + c0, (size_t)nv * sizeof(float));
+            memcpy(d->stage + nv, mine_losses + (c0 + nv - d->n_vec),
+                   (size_t)(cc - nv) * sizeof(float));
+            send = d->stage;
+        }
+        tdm_comm_set_label(d->comm, "deterministic all_gather of subtree sums");
+        tdm_status st = tdm_comm_all_gather(d->comm, send, d->gather, (size_t)cc,
+                                            TDM_DTYPE_FLOAT32);
+        if (st) return tdm_det_fail(d, st);
+        for (int s = 1; s < d->world; s *= 2)
+            for (int i = 0; i + s < d->world; i += 2 * s)
+                tdm_det_add(d->gather + (int64_t)i * cc, d->gather + (int64_t)(i + s) * cc, nv);
+        memcpy(d->sum + c0, d->gather, (size_t)nv * sizeof(float));
+        for (int r = 0; r < d->world && nv < cc; r++)
+            memcpy((float *)(d->losses + r * m) + (c0 + nv - d->n_vec),
+                   d->gather + (int64_t)r * cc + nv, (size_t)(cc - nv) * sizeof(float));
+    }
+    return TDM_STATUS_OK;
+}
+
 tdm_status tdm_dist_det_top(tdm_dist_det *d, double *loss_sum)
 {
     int m = d->K / d->world;
+    if (d->chunk) {
+        TDM_CHECK(tdm_det_top_chunked(d));
+        double sum = 0.0;
+        for (int k = 0; k < d->K; k++) sum += d->losses[k];
+        *loss_sum = sum;
+        return TDM_STATUS_OK;
+    }
     if (d->world > 1 && d->comm) {
         float *mine = d->gather + (int64_t)d->rank * d->n_send;
         tdm_comm_set_label(d->comm, "deterministic all_gather of subtree sums");
@@ -284,8 +339,9 @@ tdm_status tdm_dist_det_top(tdm_dist_det *d, double *loss_sum)
 
 void tdm_dist_det_accumulate(tdm_dist_det *d, int micro_index)
 {
-    if (micro_index == 0) memcpy(d->total, d->gather, (size_t)d->n_vec * sizeof(float));
-    else tdm_det_add(d->total, d->gather, d->n_vec);
+    const float *top = d->chunk ? d->sum : d->gather;
+    if (micro_index == 0) memcpy(d->total, top, (size_t)d->n_vec * sizeof(float));
+    else tdm_det_add(d->total, top, d->n_vec);
 }
 
 tdm_status tdm_dist_det_apply(tdm_dist_det *d, int n_micro)

@@ -7,7 +7,10 @@
  * one fixed binary tree over the K shards: each rank reduces its subtree
  * (K/N leaves, left + right at every node) on the host, the subtree sums
  * are all-gathered over the process group, and every rank adds the top
- * log2(N) levels in the same order. The sum is then the very bits one
+ * log2(N) levels in the same order. The all-gather goes in chunks of at
+ * most chunk_elems floats per rank, each added up as it arrives: the
+ * host memory it needs is N chunks (N MiB by default), not N models,
+ * and the additions, elementwise, are the same. The sum is then the very bits one
  * device gets running the K shards one after the other, so the whole
  * trajectory (losses, parameters, optimizer state, checkpoints) depends
  * on the seed, the data, the hyper-parameters and K only.
@@ -49,6 +52,11 @@ extern "C" {
 
 /* The most virtual shards (and the most ranks of a deterministic job). */
 #define TDM_DIST_DET_MAX_K 1024
+/* The most bytes per rank one all-gather of the subtree sums carries: the
+ * gather buffer is world times this, whatever the model (the whole
+ * model's sums per rank made it N x the model on every rank); 1 MiB keeps
+ * each collective's fixed cost small beside its transfer. */
+#define TDM_DIST_DET_CHUNK_BYTES ((int64_t)1 << 20)
 
 /* USAGE with a one-line reason unless K is a power of two in
  * [1, TDM_DIST_DET_MAX_K], world (> 0) divides K and K divides batch:
@@ -105,7 +113,11 @@ typedef struct tdm_dist_det {
      * (set gather, and gather_borrowed 1, after tdm_dist_det_init of the
      * first has sized it; tdm_dist_det_free leaves it). */
     int gather_borrowed;
-    float *gather;               /* (world, n_send) the ranks' subtree sums */
+    float *gather;               /* (world, n_send) the ranks' subtree sums; over a
+                                    comm: (world, chunk) one chunk of them */
+    /* Floats per rank in one all-gather over comm; 0:
+     * TDM_DIST_DET_CHUNK_BYTES' worth. Any value gives the same bits. */
+    int64_t chunk_elems;
     /* ---- internal ---- */
     int64_t begun;
     int64_t n_vec;               /* gradient elements + buffer elements */
@@ -114,6 +126,9 @@ typedef struct tdm_dist_det {
     int *level;                  /* (max_depth) the tree level of each stacked sum */
     float *stack;                /* (max_depth, n_vec) the pending subtree sums */
     float *total;                /* (n_vec) the step's sum over micro-batches */
+    int64_t chunk;               /* over a comm: floats per rank per all-gather; 0: none */
+    float *sum;                  /* over a comm: (n_vec) the tree's top over the ranks */
+    float *stage;                /* over a comm: (chunk) a chunk with this rank's losses */
     float *snapshot;             /* (buffer elements) the step's buffers */
     double *losses;              /* (K) the shards' loss sums */
 } tdm_dist_det;

@@ -82,34 +82,48 @@ const char *tdm_dist_run_id_begin(int restarts)
     return run;
 }
 
-int tdm_dist_restart_ours(const char *path, char *why, size_t n)
+tdm_status tdm_dist_restart_ours(const char *path, int *ours, char *why, size_t n)
 {
     const char *run = getenv(TDM_DIST_ENV_RUN);
     tdm_st_file *f = NULL;
+    *ours = 0;
     if (why && n) why[0] = 0;
     if (!path || access(path, F_OK) != 0) {
         if (why && path) snprintf(why, n, "%s does not exist yet", path);
-        return 0;
+        return TDM_STATUS_OK;
     }
-    if (tdm_st_load(&f, path)) {
+    /* the header only: a checkpoint larger than memory is still ours */
+    tdm_status st = tdm_st_load_header(&f, path);
+    if (st == TDM_STATUS_FORMAT) {
         if (why) snprintf(why, n, "%s is not a checkpoint: %s", path, tdm_error_message());
-        return 0;
+        return TDM_STATUS_OK;
+    }
+    if (st) {
+        /* a file that cannot be read is not proof that it is not ours */
+        tdm_error_prefix(st, "cannot tell whether %s is this run's checkpoint", path);
+        if (why) snprintf(why, n, "%s", tdm_error_message());
+        return st;
     }
     const char *theirs = tdm_st_meta_get(f, "run");
-    int ours = run && *run && theirs && !strcmp(theirs, run);
-    if (!ours && why)
+    *ours = run && *run && theirs && !strcmp(theirs, run);
+    if (!*ours && why)
         snprintf(why, n, "%s holds another run's checkpoint (%s%.24s), not one this job wrote",
                  path, theirs ? "run " : "no run id", theirs ? theirs : "");
     tdm_st_free(f);
-    return ours;
+    return TDM_STATUS_OK;
 }
 
-const char *tdm_dist_restart_resume(const char *save)
+tdm_status tdm_dist_restart_resume(const char *save, const char **resume)
 {
-    if (tdm_dist_restart_count() == 0) return NULL;
+    int ours = 0;
+    *resume = NULL;
+    if (tdm_dist_restart_count() == 0) return TDM_STATUS_OK;
     const char *ck = getenv(TDM_DIST_ENV_RESUME);
     if (!ck || !*ck) ck = save;
-    return ck && tdm_dist_restart_ours(ck, NULL, 0) ? ck : NULL;
+    if (!ck) return TDM_STATUS_OK;
+    TDM_CHECK(tdm_dist_restart_ours(ck, &ours, NULL, 0));
+    if (ours) *resume = ck;
+    return TDM_STATUS_OK;
 }
 
 int tdm_dist_backoff(int attempt)
@@ -369,12 +383,13 @@ static int tdm_dist_forked_rank(tdm_comm *comm, void *arg)
     return st == TDM_STATUS_OK ? 0 : st == TDM_STATUS_USAGE ? 2 : 1;
 }
 
-/* The rank an attempt lost: the lowest one that ended by a signal (its
- * own SIGKILL, a crash); -1 when every rank exited. */
+/* The rank an attempt lost: the lowest one that ended by a signal of its
+ * own (its SIGKILL, a crash), never one the teardown's SIGTERM or
+ * SIGKILL ended (a healthy survivor too slow to stop); -1 when none. */
 static int tdm_dist_culprit(const tdm_shm_spawn_result *res, int world)
 {
     for (int r = 0; r < world; r++)
-        if (res->pid[r] > 0 && WIFSIGNALED(res->wstatus[r])) return r;
+        if (res->pid[r] > 0 && WIFSIGNALED(res->wstatus[r]) && !res->induced[r]) return r;
     return -1;
 }
 
@@ -442,7 +457,11 @@ static tdm_status tdm_dist_run_forked(const tdm_dist_job *j0, int world)
         }
         /* from save once this run wrote it, never from another run's file
          * at the same path; else from where the caller's ranks began */
-        if (o->save && o->resume && tdm_dist_restart_ours(o->save, NULL, 0)) *o->resume = o->save;
+        if (o->save && o->resume) {
+            int ours = 0;
+            TDM_CHECK(tdm_dist_restart_ours(o->save, &ours, NULL, 0));
+            if (ours) *o->resume = o->save;
+        }
         int ms = tdm_dist_backoff(attempt + 1);
         if (w && w->restart)
             w->restart(w->ctx, attempt + 1, o->max_restarts, ms, o->resume ? *o->resume : NULL);

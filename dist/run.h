@@ -165,11 +165,11 @@ typedef struct tdm_dist_run_opts {
                                     job's shm segment) */
     long long max_restarts;      /* restarts after a rank's failure (PEER_FAILED) */
     /* Elastic resize of forked ranks: when the same rank (the lowest one
-     * killed by a signal) fails on two attempts in a row, the next
-     * attempt leaves its device out and runs on the most ranks that are
-     * at most those left and divide world_divides (a power of two:
-     * --deterministic's K), never fewer than min_world (else the run
-     * ends). min_world 0: never. */
+     * killed by a signal the teardown did not send) fails on two attempts
+     * in a row, the next attempt leaves its device out and runs on the
+     * most ranks that are at most those left and divide world_divides (a
+     * power of two: --deterministic's K), never fewer than min_world
+     * (else the run ends). min_world 0: never. */
     int min_world;
     int world_divides;
     const char *save;            /* a checkpoint the ranks write: once this run wrote it
@@ -254,17 +254,22 @@ void tdm_dist_restart_count_set(int attempt);
  * given to tdm_checkpoint_set_run for every checkpoint saved from here
  * on (forked ranks inherit it). Returns it, NULL when none. */
 const char *tdm_dist_run_id_begin(int restarts);
-/* 1 when path holds a checkpoint this run wrote (its "run" metadata is
- * TANDEM_RUN_ID's); else 0 and, when why is given, what is there instead
- * ("ck does not exist yet", "ck holds another run's checkpoint (run ...),
- * not one this job wrote"). */
-int tdm_dist_restart_ours(const char *path, char *why, size_t n);
+/* *ours = 1 when path holds a checkpoint this run wrote (its "run"
+ * metadata is TANDEM_RUN_ID's); else 0 and, when why is given, what is
+ * there instead ("ck does not exist yet", "ck is not a checkpoint: ...",
+ * "ck holds another run's checkpoint (run ...), not one this job
+ * wrote"). Reads the file's header only. A file that exists but cannot
+ * be read (TDM_STATUS_IO, TDM_STATUS_OUT_OF_MEMORY) is an error, its
+ * message also in why: never taken for "not ours", which would restart
+ * the job from the start. */
+tdm_status tdm_dist_restart_ours(const char *path, int *ours, char *why, size_t n);
 /* What a rank restarted by a launcher (tandem launch --max-restarts)
- * resumes from when it was given nothing to resume: NULL on the first
- * attempt; then TANDEM_RESUME (the launcher's --checkpoint), else save
- * (the rank's own checkpoint), once this run wrote it
- * (tdm_dist_restart_ours: never another run's file at the same path). */
-const char *tdm_dist_restart_resume(const char *save);
+ * resumes from when it was given nothing to resume: *resume = NULL on the
+ * first attempt; then TANDEM_RESUME (the launcher's --checkpoint), else
+ * save (the rank's own checkpoint), once this run wrote it
+ * (tdm_dist_restart_ours: never another run's file at the same path;
+ * its errors are returned). */
+tdm_status tdm_dist_restart_resume(const char *save, const char **resume);
 /* Sleeps before restart `attempt` (1..): 200 ms doubled each time, at
  * most 5 s (a rank that fails at once does not spin the machine; a
  * transient fault is retried soon). Returns the ms slept. */

@@ -501,6 +501,7 @@ tdm_status tdm_fsdp_load_sharded(tdm_fsdp *f, const char *path, tdm_optim *opt,
     tdm_status st = TDM_STATUS_OK;
     int64_t be = tdm_model_buffer_elems(m), step = 0, epoch = 0, osteps = 0;
     uint64_t seed = 0;
+    tdm_ckpt_info scaler = {0};   /* its loss scaler's fields */
     tdm_st_file *idx = NULL;
     char model[160], *units = tdm_fsdp_units_text(f);
     float *stage = calloc((size_t)(f->shard_elems ? f->shard_elems : 1) * (size_t)(1 + ns),
@@ -554,6 +555,7 @@ tdm_status tdm_fsdp_load_sharded(tdm_fsdp *f, const char *path, tdm_optim *opt,
     epoch = (int64_t)count;
     const char *sv = tdm_st_meta_get(idx, "seed");
     seed = sv ? strtoull(sv, NULL, 10) : 0;
+    if ((mine = tdm_checkpoint_meta_scaler(idx, &scaler))) goto agree;
     for (int i = 0; i < tdm_model_n_buffers(m) && !mine; i++) {
         const tdm_tensor_info *ti = tdm_model_buffer_info(m, i);
         mine = tdm_st_read(idx, ti->name, TDM_ST_F32, ti->ndim, ti->shape, hb + ti->offset);
@@ -583,7 +585,9 @@ agree:
     if (st == TDM_STATUS_OK && f->buf.pfull) st = tdm_fsdp_settle_params(f, 0);
     if (st == TDM_STATUS_OK && opt) tdm_optim_set_steps(opt, osteps);
     if (st == TDM_STATUS_OK && info)
-        *info = (tdm_ckpt_info){.step = step, .epoch = epoch, .seed = seed};
+        *info = (tdm_ckpt_info){.step = step, .epoch = epoch, .seed = seed,
+                                .loss_scale = scaler.loss_scale,
+                                .loss_scale_growth = scaler.loss_scale_growth};
     tdm_st_free(idx);
     free(units);
     free(stage);

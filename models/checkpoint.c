@@ -5,6 +5,7 @@
 #include "models/checkpoint.h"
 
 #include <errno.h>
+#include <float.h>
 #include <inttypes.h>
 #include <math.h>
 #include <stdio.h>
@@ -53,6 +54,14 @@ int tdm_checkpoint_meta(tdm_st_meta *meta, tdm_ckpt_meta_text *t, const tdm_ckpt
          * the caller's step, which may count something else */
         snprintf(t->osteps, sizeof t->osteps, "%" PRId64, steps);
         meta[n++] = (tdm_st_meta){"optimizer_steps", t->osteps};
+    }
+    if (info && info->loss_scale > 0.0) {
+        /* %.9g: a float's scale reads back as the same float */
+        snprintf(t->loss_scale, sizeof t->loss_scale, "%.9g", info->loss_scale);
+        snprintf(t->loss_scale_growth, sizeof t->loss_scale_growth, "%" PRId64,
+                 info->loss_scale_growth);
+        meta[n++] = (tdm_st_meta){"loss_scale", t->loss_scale};
+        meta[n++] = (tdm_st_meta){"loss_scale_growth_tracker", t->loss_scale_growth};
     }
     if (tdm_ckpt_run[0]) meta[n++] = (tdm_st_meta){"run", tdm_ckpt_run};
     return n;
@@ -196,6 +205,27 @@ tdm_status tdm_checkpoint_meta_uint(const tdm_st_file *f, const char *key, uint6
     return TDM_STATUS_OK;
 }
 
+tdm_status tdm_checkpoint_meta_scaler(const tdm_st_file *f, tdm_ckpt_info *info)
+{
+    info->loss_scale = 0.0;
+    info->loss_scale_growth = 0;
+    const char *v = tdm_st_meta_get(f, "loss_scale");
+    if (!v) return TDM_STATUS_OK;
+    char *end;
+    errno = 0;
+    double scale = strtod(v, &end);
+    TDM_REQUIRE(end != v && *end == '\0' && errno != ERANGE && isfinite(scale) && scale > 0.0 &&
+                    scale <= FLT_MAX,
+                TDM_STATUS_FORMAT, "%s: metadata 'loss_scale' = '%s' is not a positive finite "
+                "float: a corrupt checkpoint?", tdm_st_path(f), v);
+    uint64_t growth = 0;
+    TDM_CHECK(tdm_checkpoint_meta_uint(f, "loss_scale_growth_tracker", TDM_CKPT_MAX_COUNT,
+                                       &growth));
+    info->loss_scale = scale;
+    info->loss_scale_growth = (int64_t)growth;
+    return TDM_STATUS_OK;
+}
+
 tdm_status tdm_checkpoint_optim_steps(const tdm_st_file *f, uint64_t step, uint64_t *out)
 {
     if (!tdm_st_meta_get(f, "optimizer_steps")) {
@@ -277,7 +307,9 @@ tdm_status tdm_checkpoint_load_host(const char *path, const tdm_model *m, tdm_ck
         TDM_TRY(tdm_checkpoint_optim_steps(f, step, &osteps));
         h->steps = (int64_t)osteps;
     }
-    if (info) *info = (tdm_ckpt_info){.step = (int64_t)step, .epoch = (int64_t)epoch, .seed = seed};
+    tdm_ckpt_info got = {.step = (int64_t)step, .epoch = (int64_t)epoch, .seed = seed};
+    TDM_TRY(tdm_checkpoint_meta_scaler(f, &got));
+    if (info) *info = got;
 fail:
     tdm_st_free(f);
     return st;

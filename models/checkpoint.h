@@ -31,6 +31,11 @@ typedef struct tdm_ckpt_info {
     int64_t step;      /* optimizer steps taken */
     int64_t epoch;     /* epochs completed */
     uint64_t seed;
+    /* fp16's dynamic loss scaler (models/precision.h): its scale and
+     * growth tracker, so that a resumed run goes on from them rather than
+     * from 2^16; loss_scale 0: none (not written, or not in the file) */
+    double loss_scale;
+    int64_t loss_scale_growth;
 } tdm_ckpt_info;
 
 /* The metadata every checkpoint file carries after its own (format,
@@ -38,13 +43,16 @@ typedef struct tdm_ckpt_info {
  * zeros); with o the optimizer's kind ("sgd", "adamw"), lr and options,
  * and its own step count, steps, as "optimizer_steps" (apart from the
  * caller's step, which may count something else: AdamW's bias correction
- * resumes from it); and the run (tdm_checkpoint_set_run) when one is set.
+ * resumes from it); the loss scaler's "loss_scale" and
+ * "loss_scale_growth_tracker" when info has one (loss_scale > 0); and the
+ * run (tdm_checkpoint_set_run) when one is set.
  * Appended at meta (room for TDM_CKPT_META_MAX); returns how many. Their
  * text lives in *t. Also what fsdp/ writes in a sharded checkpoint's
  * index. */
-#define TDM_CKPT_META_MAX 8
+#define TDM_CKPT_META_MAX 10
 typedef struct tdm_ckpt_meta_text {
     char step[32], epoch[32], seed[32], lr[32], hyper[200], osteps[32];
+    char loss_scale[32], loss_scale_growth[32];
 } tdm_ckpt_meta_text;
 int tdm_checkpoint_meta(tdm_st_meta *meta, tdm_ckpt_meta_text *t, const tdm_ckpt_info *info,
                         int64_t steps, const tdm_optim_opts *o);
@@ -55,6 +63,10 @@ const char *tdm_checkpoint_optim_name(tdm_optim_kind k);
  * integer, or beyond max (clamping would hide a corrupt file). */
 tdm_status tdm_checkpoint_meta_uint(const tdm_st_file *f, const char *key, uint64_t max,
                                     uint64_t *out);
+/* The loss scaler f holds into info's loss_scale and loss_scale_growth
+ * (0 and 0 when f has none): FORMAT naming the file when "loss_scale" is
+ * not a positive finite number or the growth tracker not a count. */
+tdm_status tdm_checkpoint_meta_scaler(const tdm_st_file *f, tdm_ckpt_info *info);
 /* The optimizer's step count f holds: its "optimizer_steps", checked as
  * tdm_checkpoint_meta_uint does; a file written without it holds only
  * "step", which is then the count (step: that value). */

@@ -204,14 +204,48 @@ static tdm_status tdm_mpi_live_stall_ms(int64_t *ms)
     return TDM_STATUS_OK;
 }
 
+/* Rank 0's bound, for every rank: whether to watch at all decides a
+ * collective (MPI_Comm_dup), so ranks that disagree (an environment set
+ * on one machine only) would call it on some ranks and not on others and
+ * hang. A rank whose own setting differs says so and follows rank 0; an
+ * invalid setting on rank 0 fails every rank. Collective over
+ * MPI_COMM_WORLD. */
+static tdm_status tdm_mpi_live_agree_stall_ms(int rank, int64_t join_ms, int64_t *ms)
+{
+    int64_t mine = 0, agreed = -1;
+    tdm_status own = tdm_mpi_live_stall_ms(&mine);
+    char own_msg[TDM_ERROR_MSG_MAX];
+    snprintf(own_msg, sizeof own_msg, "%s", own ? tdm_error_message() : "");
+    if (rank == 0) agreed = own ? -1 : mine;
+    MPI_Request req;
+    MPI_Ibcast(&agreed, 1, MPI_INT64_T, 0, MPI_COMM_WORLD, &req);
+    tdm_mpi_waiter w = {.timeout_ms = join_ms};
+    tdm_mpi_wait_all(&w, 1, &req, NULL, "mpi: agreeing on TANDEM_MPI_STALL_MS");
+    if (agreed < 0)
+        return rank == 0 ? tdm_error_set(own, "%s", own_msg)
+                         : tdm_error_set(TDM_STATUS_INVALID_ARG,
+                                         "rank 0's TANDEM_MPI_STALL_MS is not an integer (see "
+                                         "rank 0's error): the job cannot agree on its "
+                                         "liveness bound");
+    if (own || mine != agreed)
+        TDM_WARN(MPI, "rank %d: TANDEM_MPI_STALL_MS=%s (%s) differs from rank 0's: every rank "
+                 "uses rank 0's, %lld ms%s", rank, getenv("TANDEM_MPI_STALL_MS") ?
+                 getenv("TANDEM_MPI_STALL_MS") : "unset", own ? "invalid" : "its bound",
+                 (long long)agreed, agreed ? "" : " (no liveness checks)");
+    *ms = agreed;
+    return TDM_STATUS_OK;
+}
+
 tdm_status tdm_mpi_live_start(tdm_mpi_live **out, int64_t join_ms)
 {
     *out = NULL;
     int64_t stall_ms = 0;
-    TDM_CHECK(tdm_mpi_live_stall_ms(&stall_ms));
-    int size = 1;
+    int size = 1, rank = 0;
     MPI_Comm_size(MPI_COMM_WORLD, &size);
-    if (!stall_ms || size < 2) return TDM_STATUS_OK;
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    if (size < 2) return tdm_mpi_live_stall_ms(&stall_ms);   /* a bad value still said */
+    TDM_CHECK(tdm_mpi_live_agree_stall_ms(rank, join_ms, &stall_ms));
+    if (!stall_ms) return TDM_STATUS_OK;
     tdm_mpi_live *l = calloc(1, sizeof *l);
     TDM_REQUIRE(l, TDM_STATUS_OUT_OF_MEMORY, "mpi: liveness: calloc");
     l->peer = calloc((size_t)size, sizeof *l->peer);

@@ -122,7 +122,8 @@ void tdm_mpi_guard_end(tdm_mpi_guard *g);
  * the job: "rank 1 (pid 4121) is stopped (...): no heartbeat for 3.0 s".
  * Every wait polls tdm_mpi_live_reason (NULL: all well) and ends the job
  * with it. start: collective over MPI_COMM_WORLD (*out NULL when off or
- * alone); stop: says goodbye to every peer, then releases. */
+ * alone), with rank 0's TANDEM_MPI_STALL_MS for every rank (a rank whose
+ * own differs says so); stop: says goodbye to every peer, then releases. */
 typedef struct tdm_mpi_live tdm_mpi_live;
 tdm_status tdm_mpi_live_start(tdm_mpi_live **out, int64_t join_ms);
 void tdm_mpi_live_stop(tdm_mpi_live *l);

@@ -286,8 +286,16 @@ void tdm_shm_comm_set_rank_names(tdm_comm *comm, const int *names)
 static tdm_status tdm_shm_abort_op(void *impl, const char *reason)
 {
     tdm_shm_impl *c = impl;
-    tdm_shm_raise_rank(c, c->rank, TDM_STATUS_ABORTED, "aborted by rank %d: %s",
-                       tdm_shm_name(c, c->rank), reason);
+    /* on a split communicator the reason also stops the job (its root),
+     * whose ranks read it "by job rank": the raiser is named by job rank
+     * there and here, never by its rank in the split (rank 0 of a
+     * pipeline's replica 1 is not the job's rank 0) */
+    if (c->root && !c->named_by_job)
+        tdm_shm_raise_rank(c, c->rank, TDM_STATUS_ABORTED, "aborted by job rank %d: %s",
+                           c->job_rank[c->rank], reason);
+    else
+        tdm_shm_raise_rank(c, c->rank, TDM_STATUS_ABORTED, "aborted by rank %d: %s",
+                           tdm_shm_name(c, c->rank), reason);
     return TDM_STATUS_OK;
 }
 

@@ -335,6 +335,7 @@ tdm_status tdm_shm_spawn(int world, tdm_shm_spawn_fn fn, void *arg,
             /* after a failure the others get grace_ms to stop on their own */
             if (tdm_shm_watch_ended(&w, r, ws) && grace_end == UINT64_MAX)
                 grace_end = tdm_time_ns() + (uint64_t)grace_ms * 1000000ull;
+            if (res) res->induced[r] = w.induced[r];
         }
         if (running == 0) break;
         /* a rank failed and the rest are stopped: nothing more will come

@@ -44,6 +44,9 @@ typedef struct tdm_shm_spawn_opts {
 typedef struct tdm_shm_spawn_result {
     pid_t pid[TDM_SHM_MAX_RANKS];
     int wstatus[TDM_SHM_MAX_RANKS];   /* as from waitpid */
+    int induced[TDM_SHM_MAX_RANKS];   /* 1: it ended after the parent began
+                                         stopping ranks (SIGTERM, then SIGKILL):
+                                         its end is the teardown's, not a cause */
     double elapsed_ms;
 } tdm_shm_spawn_result;
 

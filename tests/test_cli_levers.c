@@ -2,13 +2,17 @@
  * levers: --precision bf16 with --checkpoint-activations (its value
  * optional) and --clip-grad-norm trains the MLP and prints what is on,
  * the gradient norm and the planned and measured peaks (equal with
- * --no-eval); the GPT in fp16 prints its loss scale; --offload optimizer
+ * --no-eval); the GPT in fp16 prints its loss scale; an fp16 run resumed
+ * from its checkpoint goes on from the saved loss scale and growth
+ * tracker and ends on the uninterrupted run's bytes; --offload optimizer
  * runs on an emulated GPU; bad values and modes that do not take the
  * levers yet are refused with exit 2 and a message. */
 #include <criterion/criterion.h>
 
 #include "core/device.h"
+#include "core/safetensors.h"
 #include "tests/cli_util.h"
+#include "tests/test_util.h"
 
 TestSuite(cli_levers, .timeout = 240);
 
@@ -46,6 +50,54 @@ Test(cli_levers, gpt_fp16_reports_its_loss_scale)
     cli_run(r, args);
     want(r, 0, "precision fp16 (dynamic loss scaling from 65536)");
     want(r, 0, "loss scale 65536 (0 steps skipped)");
+    free(r);
+}
+
+/* The "loss_scale" metadata of the checkpoint at path (NULL: none). */
+static char *ckpt_loss_scale(const char *path, char *buf, size_t n)
+{
+    tdm_st_file *f = NULL;
+    cr_assert_eq(tdm_st_load_header(&f, path), TDM_STATUS_OK, "%s", tdm_error_message());
+    const char *v = tdm_st_meta_get(f, "loss_scale");
+    if (v) snprintf(buf, n, "%s", v);
+    tdm_st_free(f);
+    return v ? buf : NULL;
+}
+
+/* At batch 1 the MLP in fp16 overflows once in epoch 1 (the scale halves
+ * to 32768) and again in epoch 2. Saved after epoch 1 and resumed, the
+ * run goes on from 32768 and its growth tracker, not from 65536: its
+ * checkpoint after epoch 2 is the uninterrupted run's, bytes and all
+ * (the loss scaler's metadata included). */
+Test(cli_levers, fp16_resume_goes_on_from_the_saved_loss_scaler)
+{
+    cli_result *r = malloc(sizeof *r);
+    char dir[128], straight[192], first[192], resumed[192], scale[32];
+    tu_mkdtemp(dir, sizeof dir, "lv16");
+    snprintf(straight, sizeof straight, "%s", tu_tpath(dir, "straight"));
+    snprintf(first, sizeof first, "%s", tu_tpath(dir, "first"));
+    snprintf(resumed, sizeof resumed, "%s", tu_tpath(dir, "resumed"));
+    setenv("TANDEM_RUN_ID", "levers-fp16-resume", 1);   /* the same "run" in every file */
+#define FP16_RUN "train", "--data", "synthetic", "--synthetic-size", "1200", "--batch", "1", \
+                 "--model", "mlp:784-8-10", "--lr", "0.002", "--no-eval", "--quiet", \
+                 "--precision", "fp16"
+    const char *a[] = {FP16_RUN, "--epochs", "2", "--save", straight, NULL};
+    cli_run(r, a);
+    want(r, 0, "epoch 2/2");
+    const char *b[] = {FP16_RUN, "--epochs", "1", "--save", first, NULL};
+    cli_run(r, b);
+    want(r, 0, "loss scale 32768 (1 step skipped)");
+    cr_assert_str_eq(ckpt_loss_scale(first, scale, sizeof scale), "32768");
+    const char *c[] = {FP16_RUN, "--epochs", "2", "--resume", first, "--save", resumed, NULL};
+    cli_run(r, c);
+    unsetenv("TANDEM_RUN_ID");
+    want(r, 0, "precision fp16 (dynamic loss scaling from 32768)");
+    cr_assert(cli_same_file(straight, resumed),
+              "the resumed fp16 run differs from the uninterrupted one (loss scale %s, "
+              "uninterrupted %s)", ckpt_loss_scale(resumed, scale, sizeof scale),
+              ckpt_loss_scale(straight, dir, sizeof dir));
+#undef FP16_RUN
+    tu_rmtree(dir);
     free(r);
 }
 

@@ -7,8 +7,11 @@
  * - fp16: an inf planted in rank 1's gradient at step 3 (after DDP's
  *   all-reduce, in FSDP's shard) makes rank 0 skip that step too (its
  *   loss scale halves, "1 step skipped"), the parameters and optimizer
- *   state bitwise those of a run that stopped before step 3, and DDP and
- *   FSDP agree bitwise;
+ *   state bitwise those of a run that stopped before step 3 (its saved
+ *   loss scale halved), and DDP and FSDP agree bitwise;
+ * - fp16 resume: saved after epoch 1 (its loss scale halved by the
+ *   planted inf) and resumed, DDP and FSDP go on from the saved loss
+ *   scale and end on the uninterrupted run's bytes;
  * - clipping: the printed global norm equals one device's in DDP and
  *   every sharding, at 2 and 3 ranks;
  * - optimizer offload on emulated GPUs: bitwise the same checkpoint as
@@ -29,6 +32,7 @@
 #include <string.h>
 
 #include "core/device.h"
+#include "core/safetensors.h"
 #include "tests/cli_util.h"
 #include "tests/test_util.h"
 
@@ -97,6 +101,44 @@ Test(levers_ranks, bf16_ddp_equals_every_sharding_and_checkpointing_changes_no_b
     cr_assert_eq(cli_shm_entries(), 0);
 }
 
+/* The checkpoint's "loss_scale" metadata as a number (0: none). */
+static double ckpt_loss_scale(const char *path)
+{
+    tdm_st_file *f = NULL;
+    cr_assert_eq(tdm_st_load_header(&f, path), TDM_STATUS_OK, "%s", tdm_error_message());
+    const char *v = tdm_st_meta_get(f, "loss_scale");
+    double x = v ? strtod(v, NULL) : 0.0;
+    tdm_st_free(f);
+    return x;
+}
+
+/* 1 when the checkpoints at a and b hold the same tensors (names, shapes,
+ * bytes) and the same metadata apart from the loss scaler's. */
+static int same_but_loss_scaler(const char *a, const char *b)
+{
+    tdm_st_file *fa = NULL, *fb = NULL;
+    cr_assert_eq(tdm_st_load(&fa, a), TDM_STATUS_OK, "%s", tdm_error_message());
+    cr_assert_eq(tdm_st_load(&fb, b), TDM_STATUS_OK, "%s", tdm_error_message());
+    int same = tdm_st_count(fa) == tdm_st_count(fb);
+    for (int i = 0; same && i < tdm_st_count(fa); i++) {
+        const tdm_st_tensor *x = tdm_st_get(fa, i), *y = tdm_st_find(fb, x->name);
+        same = y && x->dtype == y->dtype && x->nbytes == y->nbytes &&
+               !memcmp(x->data, y->data, x->nbytes);
+    }
+    for (int pass = 0; pass < 2; pass++) {
+        tdm_st_file *f = pass ? fb : fa, *g = pass ? fa : fb;
+        for (int i = 0; same && i < tdm_st_meta_count(f); i++) {
+            const tdm_st_meta *m = tdm_st_meta_at(f, i);
+            if (!strncmp(m->key, "loss_scale", 10)) continue;
+            const char *v = tdm_st_meta_get(g, m->key);
+            same = v && !strcmp(v, m->value);
+        }
+    }
+    tdm_st_free(fa);
+    tdm_st_free(fb);
+    return same;
+}
+
 Test(levers_ranks, an_inf_on_one_rank_makes_every_rank_skip)
 {
     char dir[128];
@@ -112,8 +154,11 @@ Test(levers_ranks, an_inf_on_one_rank_makes_every_rank_skip)
     /* rank 0 speaks: its own gradient was finite */
     cr_assert(strstr(g_r.out, "rank 1: test hook: an inf planted in its gradient at step 3") &&
                   strstr(g_r.out, "loss scale 32768 (1 step skipped)"), "%s", g_r.out);
-    cr_assert(cli_same_file(tu_tpath(dir, "two"), tu_tpath(dir, "ddp")),
+    /* the same tensors and metadata, but the loss scaler's: halved */
+    cr_assert(same_but_loss_scaler(tu_tpath(dir, "two"), tu_tpath(dir, "ddp")),
               "the skipped step changed the parameters or the optimizer");
+    cr_assert_eq(ckpt_loss_scale(tu_tpath(dir, "two")), 65536.0);
+    cr_assert_eq(ckpt_loss_scale(tu_tpath(dir, "ddp")), 32768.0);
     CLI(&g_r, IMG, "--mode", "fsdp", "--device", "cpu:2", "--precision", "fp16", "--save",
         tu_tpath(dir, "fsdp"));
     ok("fsdp fp16, an inf at step 3");
@@ -123,6 +168,47 @@ Test(levers_ranks, an_inf_on_one_rank_makes_every_rank_skip)
     ok("ddp fp16, whole epoch");
     unsetenv("TANDEM_TEST_GRAD_INF");
     cr_assert(cli_same_file(tu_tpath(dir, "fsdp"), tu_tpath(dir, "ddp_all")));
+    tu_rmtree(dir);
+    cr_assert_eq(cli_shm_entries(), 0);
+}
+
+Test(levers_ranks, fp16_resume_goes_on_from_the_saved_loss_scale)
+{
+    char dir[128], straight[192], first[192], resumed[192];
+    tu_mkdtemp(dir, sizeof dir, "lvr");
+    static const char *const modes[] = {"ddp", "fsdp"};
+    setenv("TANDEM_RUN_ID", "levers-ranks-fp16-resume", 1);   /* the same "run" in each file */
+    setenv("TANDEM_TEST_GRAD_INF", "1:3", 1);   /* epoch 1 halves the scale */
+#define FP16_RANKS "train", "--data", "synthetic", "--synthetic-size", "1536", "--batch", "64", \
+                   "--model", "mlp:784-48-24-10", "--no-eval", "--quiet", "--device", "cpu:2", \
+                   "--precision", "fp16"
+    for (int i = 0; i < 2; i++) {
+        snprintf(straight, sizeof straight, "%s", tu_tpath(dir, "straight"));
+        snprintf(first, sizeof first, "%s", tu_tpath(dir, "first"));
+        snprintf(resumed, sizeof resumed, "%s", tu_tpath(dir, "resumed"));
+        CLI(&g_r, FP16_RANKS, "--mode", modes[i], "--epochs", "2", "--save", straight);
+        ok(modes[i]);
+        CLI(&g_r, FP16_RANKS, "--mode", modes[i], "--epochs", "1", "--save", first);
+        ok(modes[i]);
+        cr_assert(strstr(g_r.out, "loss scale 32768 (1 step skipped)"), "%s", g_r.out);
+        cr_assert_eq(ckpt_loss_scale(first), 32768.0, "%s: %g", modes[i],
+                     ckpt_loss_scale(first));
+        /* the hook counts this process's steps: it would plant again at
+         * the resumed run's third, the uninterrupted run's 27th */
+        unsetenv("TANDEM_TEST_GRAD_INF");
+        CLI(&g_r, FP16_RANKS, "--mode", modes[i], "--epochs", "2", "--resume", first, "--save",
+            resumed);
+        setenv("TANDEM_TEST_GRAD_INF", "1:3", 1);
+        ok(modes[i]);
+        cr_assert(strstr(g_r.out, "dynamic loss scaling from 32768, found-inf synced"), "%s: %s",
+                  modes[i], g_r.out);
+        cr_assert(cli_same_file(straight, resumed), "%s: the resumed fp16 run differs from the "
+                  "uninterrupted one (loss scale %g, uninterrupted %g)", modes[i],
+                  ckpt_loss_scale(resumed), ckpt_loss_scale(straight));
+    }
+#undef FP16_RANKS
+    unsetenv("TANDEM_TEST_GRAD_INF");
+    unsetenv("TANDEM_RUN_ID");
     tu_rmtree(dir);
     cr_assert_eq(cli_shm_entries(), 0);
 }

@@ -138,6 +138,30 @@ Test(det, gpt_same_bytes)
     det_same_everywhere(&s, 1, 0);
 }
 
+/* The all-gather of the subtree sums goes in chunks (1 MiB per rank by
+ * default, dist/det.h); chunks of 1000 floats (the losses' chunk holds
+ * gradient elements too) and of 4776 (19104 / 4: the losses alone in the
+ * last chunk) split the MLP's 19104 parameters into many, through the
+ * test hook TANDEM_TEST_DET_CHUNK_ELEMS: the same bytes as one device. */
+Test(det, chunked_all_gather_same_bytes)
+{
+    det_case c = {"mlp sgd", {"--model", "mlp:784-24-10", SYN, "--batch", "32", NULL}};
+    char ref[256], path[256];
+    snprintf(ref, sizeof ref, "%s", tu_tpath(g_dir, "ref.safetensors"));
+    snprintf(path, sizeof path, "%s", tu_tpath(g_dir, "run.safetensors"));
+    det_train(&c, NULL, 1, 8, ref);
+    static const char *const chunks[] = {"1000", "4776"};
+    static const det_mode ddp = {"ddp", NULL}, full = {"fsdp", "full"};
+    for (int i = 0; i < 2; i++) {
+        setenv("TANDEM_TEST_DET_CHUNK_ELEMS", chunks[i], 1);
+        det_train(&c, &ddp, 2, 8, path);
+        cr_assert(cli_same_file(ref, path), "ddp on 2, chunks of %s: differs", chunks[i]);
+        det_train(&c, &full, 4, 8, path);
+        cr_assert(cli_same_file(ref, path), "fsdp on 4, chunks of %s: differs", chunks[i]);
+        unsetenv("TANDEM_TEST_DET_CHUNK_ELEMS");
+    }
+}
+
 /* What the test above would miss if sums did not depend on N: without
  * --deterministic, one device and two differ. */
 Test(det, without_it_device_counts_differ)

@@ -9,10 +9,14 @@
  * their run time and leave nothing behind. */
 #include <criterion/criterion.h>
 
+#include <fcntl.h>
 #include <signal.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "dist/batch.h"
 #include "dist/check.h"
@@ -109,6 +113,7 @@ typedef struct dist_out {
     int64_t extra[4][8];
     int setup[4], run[4], freed[4], attempts;
     int dev_index[4], coord_pp[4], role[4], start[4], pp_size[4], pp_rank[4], dp_size[4];
+    int resized_failed, resized_from, resized_to;
 } dist_out;
 
 static dist_out *dist_out_new(void)
@@ -171,6 +176,9 @@ typedef struct toy_ctx {
     int fail_rank;          /* -1: none */
     int fail_attempts;      /* attempts on which fail_rank fails */
     int want_world;         /* the layout refuses another world (0: any) */
+    int fail_by_signal;     /* fail_rank SIGKILLs itself, and the others
+                               do not stop on their own: the teardown
+                               SIGTERMs them */
 } toy_ctx;
 
 /* A pipeline of every rank, rank 0 in a role of its own (as a parameter
@@ -206,6 +214,11 @@ static tdm_status toy_run(void *ctx, tdm_dist_rank *r, void *self)
 {
     toy_ctx *c = ctx;
     (*(int *)self)++;
+    int failing = c->fail_rank < r->env.world_size && tdm_dist_restart_count() < c->fail_attempts;
+    if (failing && c->fail_by_signal) {
+        if (r->env.rank == c->fail_rank) raise(SIGKILL);
+        for (;;) pause();   /* deaf to the group's abort: the teardown's signal ends it */
+    }
     if (r->env.rank == c->fail_rank && tdm_dist_restart_count() < c->fail_attempts)
         return tdm_error_set(TDM_STATUS_INVALID_ARG, "toy rank %d gives up", r->env.rank);
     /* a collective: the others wait here for a rank that failed */
@@ -286,6 +299,104 @@ Test(dist, a_failing_rank_stops_the_group_and_a_restart_finishes, .timeout = 90)
     for (int r = 0; r < 3; r++) cr_assert_eq(o->run[r], 2, "rank %d ran again", r);
     munmap(o, sizeof *o);
     unsetenv(TDM_DIST_ENV_RESTARTS);
+}
+
+static void toy_resize(void *ctx, int failed, int from, int to, int left)
+{
+    dist_out *o = ctx;
+    (void)left;
+    o->resized_failed = failed;
+    o->resized_from = from;
+    o->resized_to = to;
+}
+
+/* Rank 2 of 3 dies by SIGKILL on two attempts in a row; ranks 0 and 1 do
+ * not stop on their own and are SIGTERMed by the teardown. The rank lost
+ * is 2, not the lowest rank that ended by a signal (0, by the teardown's):
+ * the resize leaves device 2 out, and the two healthy devices finish. */
+Test(dist, resize_drops_the_rank_that_died_not_one_the_teardown_killed, .timeout = 90)
+{
+    dist_out *o = dist_out_new();
+    toy_ctx c = {.o = o, .fail_rank = 2, .fail_attempts = 2, .fail_by_signal = 1};
+    tdm_device_list dl;
+    TU_OK(tdm_device_list_parse(&dl, "cpu:3"));
+    tdm_dist_watch w = {.ctx = o, .restart = toy_restart, .resize = toy_resize};
+    tdm_dist_run_opts ro = {.devices = &dl, .run_timeout_ms = 60000, .timeout_ms = 20000,
+                            .watch = &w, .max_restarts = 2, .min_world = 1};
+    o->resized_failed = -1;
+    TU_OK(tdm_dist_run(&toy_design, &c, &ro));
+    cr_assert_eq(o->attempts, 2);
+    cr_assert_eq(o->resized_failed, 2, "the resize dropped rank %d, not rank 2 (the one that "
+                 "died of SIGKILL)", o->resized_failed);
+    cr_assert_eq(o->resized_from, 3);
+    cr_assert_eq(o->resized_to, 2);
+    cr_assert_eq(o->dev_index[0], 0, "rank 0 kept device cpu:0");
+    cr_assert_eq(o->dev_index[1], 1, "rank 1 kept device cpu:1");
+    munmap(o, sizeof *o);
+    unsetenv(TDM_DIST_ENV_RESTARTS);
+}
+
+/* A checkpoint of `data_nbytes` zero bytes (one U8 tensor) whose "run"
+ * metadata is run; sparse, so a terabyte costs no disk. */
+static void write_sparse_checkpoint(const char *path, const char *run, uint64_t data_nbytes)
+{
+    char hdr[256];
+    int n = snprintf(hdr, sizeof hdr, "{\"__metadata__\":{\"run\":\"%s\"},\"w\":{\"dtype\":"
+                     "\"U8\",\"shape\":[%llu],\"data_offsets\":[0,%llu]}}", run,
+                     (unsigned long long)data_nbytes, (unsigned long long)data_nbytes);
+    while (n % 8) hdr[n++] = ' ';
+    unsigned char len8[8];
+    for (int k = 0; k < 8; k++) len8[k] = (unsigned char)((uint64_t)n >> (8 * k));
+    int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    cr_assert(fd >= 0);
+    cr_assert_eq(write(fd, len8, 8), 8);
+    cr_assert_eq(write(fd, hdr, (size_t)n), n);
+    cr_assert_eq(ftruncate(fd, (off_t)(8 + (uint64_t)n + data_nbytes)), 0);
+    close(fd);
+}
+
+/* Whether a checkpoint is this run's is read from its header: a
+ * checkpoint larger than memory (a sparse terabyte: loading it whole
+ * cannot be allocated) is still this run's, so a restart resumes from it
+ * rather than from step 0; one that cannot be read at all is an error, not
+ * "another run's". */
+Test(dist, restart_ours_reads_the_header_and_an_unreadable_file_is_an_error)
+{
+    char dir[] = "/tmp/tdm_dist_ours_XXXXXX", big[64], other[64], sub[64];
+    cr_assert(mkdtemp(dir));
+    snprintf(big, sizeof big, "%s/big.safetensors", dir);
+    snprintf(other, sizeof other, "%s/other.safetensors", dir);
+    snprintf(sub, sizeof sub, "%s/sub", dir);
+    write_sparse_checkpoint(big, "run-a", (uint64_t)1 << 40);
+    write_sparse_checkpoint(other, "run-b", 16);
+    cr_assert_eq(mkdir(sub, 0700), 0);
+    cr_assert_eq(setenv(TDM_DIST_ENV_RUN, "run-a", 1), 0);
+    char why[512];
+    int ours = -1;
+    tdm_status st = tdm_dist_restart_ours(big, &ours, why, sizeof why);
+    cr_expect_eq(st, TDM_STATUS_OK, "%s", why);
+    cr_expect_eq(ours, 1, "a 1 TiB checkpoint of this run taken for not ours: %s", why);
+    TU_OK(tdm_dist_restart_ours(other, &ours, why, sizeof why));
+    cr_expect_eq(ours, 0);
+    cr_expect(strstr(why, "holds another run's checkpoint (run run-b)"), "%s", why);
+    /* a directory where the checkpoint should be: cannot be read */
+    st = tdm_dist_restart_ours(sub, &ours, why, sizeof why);
+    cr_expect_eq(st, TDM_STATUS_IO, "%s", why);
+    cr_expect_eq(ours, 0);
+    cr_expect(strstr(why, "cannot tell whether") && strstr(why, "not a regular file"), "%s", why);
+    /* a restarted rank resumes from it, and stops on the unreadable one */
+    tdm_dist_restart_count_set(1);
+    const char *resume = NULL;
+    TU_OK(tdm_dist_restart_resume(big, &resume));
+    cr_expect(resume && !strcmp(resume, big));
+    cr_expect_eq(tdm_dist_restart_resume(sub, &resume), TDM_STATUS_IO);
+    cr_expect_null(resume);
+    unsetenv(TDM_DIST_ENV_RESTARTS);
+    unsetenv(TDM_DIST_ENV_RUN);
+    unlink(big);
+    unlink(other);
+    rmdir(sub);
+    rmdir(dir);
 }
 
 Test(dist, run_starts_as_a_launched_rank_under_tandem_launch)

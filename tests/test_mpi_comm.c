@@ -401,6 +401,26 @@ static int w_fail_job(int argc, char **argv)
     return 0;
 }
 
+/* argv[0]: a rank, argv[1]: its own TANDEM_MPI_STALL_MS (the others keep
+ * theirs): the job starts, the ranks run collectives, and leave. */
+static int w_stall_env(int argc, char **argv)
+{
+    if (argc > 1 && w_env_rank() == atoi(argv[0])) setenv("TANDEM_MPI_STALL_MS", argv[1], 1);
+    tdm_mpi_job *job = NULL;
+    tdm_status st = tdm_mpi_job_init(&job, NULL);
+    if (st) return w_fail(NULL, "tdm_mpi_job_init", st);
+    tdm_comm *world = tdm_mpi_job_world(job);
+    float v[4] = {1, 2, 3, 4};
+    for (int i = 0; i < 3 && st == TDM_STATUS_OK; i++)
+        st = tdm_comm_all_reduce(world, v, v, 4, TDM_DTYPE_FLOAT32, TDM_REDOP_SUM);
+    if (st) return w_fail(world, "all_reduce", st);
+    printf("stall env rank %d ok\n", tdm_comm_rank(world));
+    fflush(stdout);
+    tdm_mpi_job_free(job);
+    tdm_mpi_finalize();
+    return 0;
+}
+
 /* Local rank 1 starts the job but never joins its shared segment. */
 static int w_no_attach(int argc, char **argv)
 {
@@ -554,7 +574,7 @@ static const mpi_t_worker workers[] = {
     {"matrix", w_matrix},       {"async", w_async},           {"p2p", w_p2p},
     {"checks", w_checks},       {"thread_level", w_thread_level},
     {"no_join", w_no_join},     {"fail_job", w_fail_job},     {"no_attach", w_no_attach},
-    {"tuning", w_tuning},       {"one_machine", w_one_machine},
+    {"tuning", w_tuning},       {"one_machine", w_one_machine}, {"stall_env", w_stall_env},
 };
 MPI_T_WORKERS(workers)
 
@@ -771,6 +791,47 @@ Test(mpi_comm, abort_ends_the_job_with_the_reason, .timeout = 120)
     cr_assert_neq(res.code, 0, "mpirun exited 0:\n%s", res.out);
     cr_assert(strstr(res.out, "rank 1 of 3"), "%s", res.out);
     cr_assert(strstr(res.out, "aborted on rank 1: rank 1 found bad input"), "%s", res.out);
+}
+
+/* Ranks that disagree on TANDEM_MPI_STALL_MS (0 on one rank: no
+ * heartbeats there, whose set-up is a collective) follow rank 0's: the
+ * job runs rather than hanging in the heartbeats' MPI_Comm_dup, and the
+ * rank that differs says so; an invalid value on rank 0 fails every rank
+ * at once. */
+Test(mpi_comm, ranks_that_disagree_on_the_stall_bound_follow_rank_0, .timeout = 200)
+{
+    MPI_T_NEED();
+    static const char *const cases[][2] = {{"1", "0"}, {"0", "0"}, {"2", "700"}};
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        char join[64];   /* a bound on healthy joins: must not fire, so scaled */
+        const char *env[] = {tu_scaled_env(join, sizeof join, "TANDEM_MPI_JOIN_TIMEOUT_MS",
+                                           20000), NULL};
+        mpi_t_job j = {.np = 3, .worker = "stall_env", .args = cases[c], .env = env,
+                       .timeout_s = 60};
+        mpi_t_run(&res, &j);
+        cr_assert_eq(res.code, 0, "rank %s with TANDEM_MPI_STALL_MS=%s: exit %d:\n%s",
+                     cases[c][0], cases[c][1], res.code, res.out);
+        for (int r = 0; r < 3; r++) {
+            char want[64];
+            snprintf(want, sizeof want, "stall env rank %d ok", r);
+            cr_assert(strstr(res.out, want), "rank %s with %s: %s", cases[c][0], cases[c][1],
+                      res.out);
+        }
+        char want[160];
+        if (atoi(cases[c][0]))
+            snprintf(want, sizeof want, "rank %s: TANDEM_MPI_STALL_MS=%s (its bound) differs "
+                     "from rank 0's: every rank uses rank 0's", cases[c][0], cases[c][1]);
+        else
+            snprintf(want, sizeof want, "differs from rank 0's: every rank uses rank 0's, 0 ms "
+                     "(no liveness checks)");
+        cr_assert(strstr(res.out, want), "no '%s' in:\n%s", want, res.out);
+    }
+    const char *bad[] = {"0", "soon", NULL};
+    mpi_t_job j = {.np = 3, .worker = "stall_env", .args = bad, .timeout_s = 60};
+    mpi_t_run(&res, &j);
+    cr_assert_neq(res.code, 0, "%s", res.out);
+    cr_assert(strstr(res.out, "TANDEM_MPI_STALL_MS='soon' is not an integer"), "%s", res.out);
+    cr_assert(strstr(res.out, "rank 0's TANDEM_MPI_STALL_MS is not an integer"), "%s", res.out);
 }
 
 /* shm and hier: the others learn of the death through the segment (or

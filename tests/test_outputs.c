@@ -162,7 +162,7 @@ Test(outputs, train_json_and_csv_per_epoch, .timeout = 300)
     for (char *p = text; (p = strchr(p, '\n')) && p[1]; p++) rows++;
     cr_expect_eq(rows, 3, "%s", text);
     CLI(&r, "train", "--mode", "ddp", "--uneven", "--json", json);
-    expect(&r, 2, "--json and --csv do not apply to --uneven");
+    expect(&r, 2, "--json, --csv and --trace do not apply to --uneven");
     char cmd[128];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
     cr_assert_eq(system(cmd), 0);

@@ -32,6 +32,7 @@
 #include "tests/mpi_test_util.h"
 #include "tests/safety_util.h"
 #include "tests/test_util.h"
+#include "tests/timeout_util.h"
 
 #define MLP "--model", "mlp:20-24-16-12-5"
 #define SYN "--data", "synthetic", "--synthetic-size", "200"
@@ -171,6 +172,66 @@ Test(pp_cli, zero1_on_the_dp_dimension_is_ddp_x_pp_bit_for_bit)
                   "stage %d: optimizer %.3f MiB with ZeRO-1, %.3f MiB without", s, half[s],
                   full[s]);
     }
+}
+
+/* 1 when some "aborted by [job ]rank N: ..." of out carries the test
+ * hook's reason directly (the next "aborted by" or the line's end comes
+ * after "test hook") and every such one has N == rank. */
+static int hook_aborts_name(const char *out, int rank)
+{
+    int seen = 0;
+    for (const char *p = strstr(out, "aborted by "); p; p = strstr(p + 1, "aborted by ")) {
+        const char *q = p + strlen("aborted by ");
+        if (!strncmp(q, "job ", 4)) q += 4;
+        int n = -1;
+        if (sscanf(q, "rank %d: ", &n) != 1) continue;
+        const char *eol = strchr(q, '\n'), *next = strstr(q, "aborted by ");
+        const char *hook = strstr(q, "test hook");
+        if (!hook || (eol && hook > eol) || (next && hook > next)) continue;
+        if (n != rank) return 0;
+        seen = 1;
+    }
+    return seen;
+}
+
+/* A ZeRO-1 rank that fails in its step (before the gather over the dp
+ * dimension) or in its save (before the state gathers) stops every stage
+ * and replica at once, naming itself: none waits for it until the
+ * collective timeout (300 s here; the bound below, scaled for the
+ * sanitizers, stays under it). Planted through the test hook
+ * TANDEM_TEST_PP_ZERO1_FAIL (tools/rank_pp.c). */
+Test(pp_cli, a_zero1_failure_stops_the_dp_peers_at_once)
+{
+    static cli_result r;
+    static const struct { const char *hook; int rank; const char *said; } cases[] = {
+        {"step:1:3", 1, "test hook: ZeRO-1 step 3 fails"},
+        {"step:2:3", 2, "test hook: ZeRO-1 step 3 fails"},
+        {"save:3", 3, "test hook: ZeRO-1 save fails"},
+        {"save:0", 0, "test hook: ZeRO-1 save fails"},
+    };
+    char z1[128];
+    path(z1, sizeof z1, "zero1-fail");
+    setenv("TMPDIR", g_dir, 1);   /* the flight-recorder dumps */
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        setenv("TANDEM_TEST_PP_ZERO1_FAIL", cases[i].hook, 1);
+        int64_t t0 = mpi_t_now_ms();
+        CLI(&r, "train", "--mode", "pp", "--device", "cpu:4", "--mesh", "dp=2,pp=2", MLP, SYN,
+            "--batch", "32", "--microbatches", "4", "--epochs", "1", "--max-steps", "4",
+            "--sharding", "optimizer", "--timeout", "300", "--quiet", "--save", z1);
+        int64_t ms = mpi_t_now_ms() - t0;
+        unsetenv("TANDEM_TEST_PP_ZERO1_FAIL");
+        char said[128];
+        snprintf(said, sizeof said, "rank %d: %s", cases[i].rank, cases[i].said);
+        expect(&r, 1, said);
+        /* the others stopped with its reason, not a timeout of their own,
+         * and every abort that carries it names it (by job rank) */
+        cr_assert(hook_aborts_name(r.out, cases[i].rank), "%s: an abort names another rank "
+                  "than %d, or none names it:\n%s", cases[i].hook, cases[i].rank, r.out);
+        cr_assert(!strstr(r.out, "did not complete within"), "%s: %s", cases[i].hook, r.out);
+        cr_assert_lt(ms, tu_scaled_ms(10000), "%s: the run took %lld ms to stop:\n%s",
+                     cases[i].hook, (long long)ms, r.out);
+    }
+    unsetenv("TMPDIR");
 }
 
 /* The summary has every stage's phases and memory. */

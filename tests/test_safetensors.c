@@ -328,6 +328,57 @@ Test(st, truncated_file)
     rt_free(&c);
 }
 
+/* The header alone: the metadata as tdm_st_load reads it, no tensors,
+ * the data section never read (a cut in it goes unseen), the header's
+ * own faults refused as tdm_st_load refuses them. */
+Test(st, load_header_reads_the_metadata_only)
+{
+    rt_case c;
+    rt_build(&c);
+    const char *path = tpath("h.safetensors");
+    cr_assert_eq(tdm_st_save(path, c.t, c.n, rt_meta, 2), TDM_STATUS_OK);
+    tdm_st_file *f = NULL;
+    cr_assert_eq(tdm_st_load_header(&f, path), TDM_STATUS_OK, "%s", tdm_error_message());
+    cr_assert_eq(tdm_st_count(f), 0);
+    cr_assert_null(tdm_st_find(f, "fc1.weight"));
+    cr_assert_eq(tdm_st_meta_count(f), 2);
+    cr_assert_str_eq(tdm_st_meta_get(f, "format"), "pt");
+    cr_assert_str_eq(tdm_st_meta_get(f, "tandem.note"), rt_meta[1].value);
+    tdm_st_free(f);
+    struct stat sb;
+    cr_assert_eq(stat(path, &sb), 0);
+    cr_assert_eq(truncate(path, sb.st_size - 1), 0);
+    expect_load_fail(path, TDM_STATUS_FORMAT, "beyond the data section", "truncated");
+    cr_assert_eq(tdm_st_load_header(&f, path), TDM_STATUS_OK, "%s", tdm_error_message());
+    cr_assert_str_eq(tdm_st_meta_get(f, "format"), "pt");
+    tdm_st_free(f);
+    struct { const char *file, *header; int64_t hlen; const char *want; } bad[] = {
+        {"cut", NULL, 0, "exceeds the file size"},
+        {"short", "", 3, "too short"},
+        {"huge", "{}", (int64_t)1 << 40, "exceeds the limit of 100000000"},
+        {"json", "{\"a\":", -1, "header"},
+        {"meta", "{\"__metadata__\":{\"k\":1}}", -1, "expected a string"},
+    };
+    cr_assert_eq(truncate(path, 40), 0);
+    for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) {
+        const char *p = k == 0 ? path : tpath(bad[k].file);
+        if (k == 1) {
+            FILE *fp = fopen(p, "wb");
+            fwrite("abc", 1, 3, fp);
+            fclose(fp);
+        } else if (k > 1) {
+            write_raw(p, bad[k].header, bad[k].hlen, 0);
+        }
+        f = (tdm_st_file *)0x1;
+        cr_assert_eq(tdm_st_load_header(&f, p), TDM_STATUS_FORMAT, "%s: %s", bad[k].file,
+                     tdm_error_message());
+        cr_assert_null(f);
+        cr_assert(strstr(tdm_error_message(), bad[k].want), "%s: %s", bad[k].file,
+                  tdm_error_message());
+    }
+    rt_free(&c);
+}
+
 Test(st, missing_file_and_directory)
 {
     expect_load_fail(tpath("nope.safetensors"), TDM_STATUS_IO, "No such file or directory",

@@ -31,7 +31,7 @@ int tdm_elastic_describe(const char *ckpt, char *out, size_t n)
         return 0;
     }
     tdm_st_file *f = NULL;
-    if (tdm_st_load(&f, ckpt)) {
+    if (tdm_st_load_header(&f, ckpt)) {   /* its epoch and step: never its data */
         snprintf(out, n, "from the start (%s is not a checkpoint: %s)", ckpt, tdm_error_message());
         return 0;
     }
@@ -90,7 +90,8 @@ static void tdm_elastic_restart_from(const char *save, const char *resume, char 
         tdm_elastic_describe(save, out, n);
         return;
     }
-    if (save) tdm_dist_restart_ours(save, why, sizeof why);
+    int ours = 0;
+    if (save) (void)tdm_dist_restart_ours(save, &ours, why, sizeof why);  /* why says it */
     if (resume) {
         tdm_elastic_describe(resume, from, sizeof from);
         snprintf(out, n, "%s%s%s%s", from, why[0] ? " (" : "", why, why[0] ? ")" : "");
@@ -224,7 +225,12 @@ int tdm_tool_launch_main(int argc, char **argv)
             tdm_elastic_log_used_up(&failures, "tandem launch", max_restarts);
         if (!rank_failed || attempt >= max_restarts) break;
         char from[1024], why[512];
-        if (ckpt && tdm_dist_restart_ours(ckpt, why, sizeof why)) {
+        int ours = 0;
+        if (ckpt && tdm_dist_restart_ours(ckpt, &ours, why, sizeof why)) {
+            fprintf(stderr, "tandem launch: not restarting: %s\n", why);
+            break;
+        }
+        if (ours) {
             setenv(TDM_DIST_ENV_RESUME, ckpt, 1);
             tdm_elastic_describe(ckpt, from, sizeof from);
         } else if (ckpt) {

@@ -42,6 +42,7 @@ tdm_status tdm_tool_rank_resume(tdm_tool_rank *r)
     tdm_status st = b->design->dist.ops->load(r->w, b->resume, r->opt, &info);
     if (st) return tdm_tool_rank_fail(r, "resuming", st);
     r->start_epoch = info.epoch;
+    r->resumed = info;
     if (r->rank == 0) tdm_train_print_resumed(b->resume, &info);
     return TDM_STATUS_OK;
 }

@@ -46,6 +46,7 @@ typedef struct tdm_tool_pp {
                                     they divide evenly (gathered in place) */
     int64_t zchunk;              /* elements per replica's slice */
     int rep, reps;               /* this replica, of how many */
+    int rank;                    /* in the job (the test hook's) */
     int in_elems, out_rows;      /* per sample of the whole model */
     tdm_model_spec spec;
     uint64_t seed;
@@ -150,6 +151,21 @@ static tdm_status tdm_rank_pp_sync_end(void *ctx, tdm_status st)
     return tdm_ddp_sync_end(((tdm_tool_pp *)ctx)->ddp, st);
 }
 
+/* TANDEM_TEST_PP_ZERO1_FAIL=step:R:S (rank R's ZeRO-1 step at optimizer
+ * step S fails before its gather) or save:R (rank R's ZeRO-1 save fails
+ * before its gathers): a test hook, read only by tests/test_pp_cli.c, for
+ * the failure paths that must stop the dp peers too. */
+static int tdm_rank_pp_zero1_planted(const tdm_tool_pp *q, const char *what, int64_t step)
+{
+    const char *e = getenv("TANDEM_TEST_PP_ZERO1_FAIL");
+    char kind[8];
+    int r = -1;
+    long long s = 0;
+    if (!e || sscanf(e, "%7[a-z]:%d:%lld", kind, &r, &s) < 2 || strcmp(kind, what) || r != q->rank)
+        return 0;
+    return !strcmp(what, "save") || s == step;
+}
+
 /* ZeRO-1's step of the stage (pp/'s optim_step): this replica's slice
  * of the all-reduced gradients steps its slice of the parameters, then
  * every replica's slice is gathered into every replica's parameters. */
@@ -161,6 +177,9 @@ static tdm_status tdm_rank_pp_zero1_step(void *ctx, tdm_model *m)
     int64_t k = lo >= n ? 0 : n - lo < c ? n - lo : c;
     tdm_optim_range rg = {.param = param + lo, .grad = tdm_model_grads(m) + lo,
                           .state_offset = 0, .n_elem = k};
+    if (tdm_rank_pp_zero1_planted(q, "step", tdm_optim_steps(q->zopt) + 1))
+        return tdm_error_set(TDM_STATUS_INTERNAL, "rank %d: test hook: ZeRO-1 step %lld fails",
+                             q->rank, (long long)tdm_optim_steps(q->zopt) + 1);
     TDM_CHECK(tdm_optim_step_ranges(q->zopt, &rg, k > 0));
     float *all = q->zbuf ? q->zbuf : param;
     if (q->zbuf && k) TDM_CHECK(tdm_dev_copy(q->zdev, all + lo, param + lo, (size_t)k * 4));
@@ -219,6 +238,7 @@ static tdm_status tdm_rank_pp_setup(void *ctx, tdm_dist_rank *d, void **self)
     q->spec = b->spec;
     q->seed = b->seed;
     q->rep = d->coord[TDM_MESH_DP];
+    q->rank = d->env.rank;
     q->reps = d->shape.size[TDM_MESH_DP];
     tdm_rank_pp_shape(&b->spec, &q->in_elems, &q->out_rows);
     /* on a GPU the pipeline and the Reducer run over NCCL (the device
@@ -388,6 +408,9 @@ static tdm_status tdm_rank_pp_zero1_save(tdm_tool_pp *q, const char *path,
     tdm_ckpt_host h;
     memset(&h, 0, sizeof h);
     tdm_status st = root ? tdm_rank_pp_whole(q, q->zopt, &host, &whole, &h) : TDM_STATUS_OK;
+    if (!st && tdm_rank_pp_zero1_planted(q, "save", 0))
+        st = tdm_error_set(TDM_STATUS_INTERNAL, "rank %d: test hook: ZeRO-1 save fails",
+                           q->rank);
     if (!st) st = tdm_dev_alloc(q->zdev, (size_t)(q->zchunk * q->reps) * sizeof(float),
                                 (void **)&all);
     if (st) goto fail;

@@ -73,6 +73,7 @@ typedef struct tdm_tool_rank {
     tdm_optim *opt;
     void *w;                     /* the design's wrapper (tdm_ddp, tdm_fsdp) */
     int64_t start_epoch;         /* epochs the resumed checkpoint had done */
+    tdm_ckpt_info resumed;       /* what it said (all zero: none) */
     int64_t model_params;        /* the whole model's parameters when m is a part of it
                                     (a pipeline stage); 0: m's */
     void *tool;                  /* the tool's per-rank state */

@@ -386,7 +386,7 @@ static tdm_status tdm_train_check_args(tdm_train_args *a)
     tdm_dist_run_id_begin(0);
     /* restarted by tandem launch --max-restarts: from the launcher's
      * --checkpoint, else our own --save, once this run wrote it */
-    if (!a->resume) a->resume = tdm_dist_restart_resume(a->save);
+    if (!a->resume) TDM_CHECK(tdm_dist_restart_resume(a->save, &a->resume));
     if (a->backend && strcmp(a->mode, "ddp") && strcmp(a->mode, "pp"))
         return tdm_tool_usage_error("tandem train: --backend applies to --mode ddp and pp\n");
     TDM_CHECK(tdm_train_check_ddp_next(a, gpt));
@@ -488,15 +488,13 @@ tdm_status tdm_train_check_features(const tdm_dataset *train, const tdm_model *m
 }
 
 tdm_status tdm_train_resume(const tdm_train_args *a, tdm_model *m, tdm_optim *opt,
-                            int64_t *start_epoch)
+                            tdm_ckpt_info *resumed)
 {
-    tdm_ckpt_info info;
-    *start_epoch = 0;
+    memset(resumed, 0, sizeof *resumed);
     if (!a->resume) return TDM_STATUS_OK;
-    tdm_status st = tdm_checkpoint_load(a->resume, m, opt, &info);
+    tdm_status st = tdm_checkpoint_load(a->resume, m, opt, resumed);
     if (st != TDM_STATUS_OK) return tdm_train_fail("resuming", st);
-    *start_epoch = info.epoch;
-    tdm_train_print_resumed(a->resume, &info);
+    tdm_train_print_resumed(a->resume, resumed);
     return TDM_STATUS_OK;
 }
 

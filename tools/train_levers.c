@@ -94,8 +94,18 @@ static void tdm_levers_plan(const tdm_train_args *a, tdm_model *m, tdm_plan *pl,
     *ok = tdm_plan_single(&o, pl) == TDM_STATUS_OK;
 }
 
+/* A resumed run's loss scaler goes on from the checkpoint's (its scale
+ * and growth tracker), not from 2^16: the same steps as a run never
+ * interrupted. */
+static void tdm_levers_scaler_resume(tdm_grad_scaler *sc, const tdm_ckpt_info *resumed)
+{
+    if (!resumed || resumed->loss_scale <= 0.0) return;
+    sc->scale = (float)resumed->loss_scale;
+    sc->growth_tracker = resumed->loss_scale_growth;
+}
+
 tdm_status tdm_train_levers_apply(const tdm_train_args *a, tdm_model *m, tdm_single *s,
-                                  tdm_grad_scaler *scaler)
+                                  tdm_grad_scaler *scaler, const tdm_ckpt_info *resumed)
 {
     tdm_precision p = TDM_PRECISION_FP32;
     if (a->precision) (void)tdm_precision_parse(a->precision, &p);
@@ -105,11 +115,12 @@ tdm_status tdm_train_levers_apply(const tdm_train_args *a, tdm_model *m, tdm_sin
     s->clip_norm = a->clip_grad_norm;
     if (p == TDM_PRECISION_FP16) {
         if ((st = tdm_grad_scaler_init(scaler, NULL))) return tdm_train_fail("loss scaler", st);
+        tdm_levers_scaler_resume(scaler, resumed);
         s->scaler = scaler;
     }
     if (!tdm_levers_set(a)) return TDM_STATUS_OK;
     printf("  memory levers: precision %s", tdm_precision_name(p));
-    if (p == TDM_PRECISION_FP16) printf(" (dynamic loss scaling from 65536)");
+    if (p == TDM_PRECISION_FP16) printf(" (dynamic loss scaling from %g)", (double)scaler->scale);
     if (tdm_levers_ckpt(a)) printf(", activation checkpointing (segments of %d)", tdm_levers_ckpt(a));
     if (a->clip_grad_norm > 0.0) printf(", gradient norm clipped to %g", a->clip_grad_norm);
     if (a->offload) printf(", optimizer offloaded to host memory");
@@ -186,11 +197,14 @@ tdm_status tdm_train_levers_rank(const tdm_train_args *a, const tdm_tool_rank *r
     if (r->b->precision == TDM_PRECISION_FP16) {
         tdm_status st = tdm_grad_scaler_init(scaler, NULL);
         if (st) return tdm_tool_rank_fail(r, "loss scaler", st);
+        tdm_levers_scaler_resume(scaler, &r->resumed);
         s->scaler = scaler;
     }
     if (!tdm_levers_set(a) || r->rank != 0) return TDM_STATUS_OK;
     printf("  memory levers on every rank: precision %s", tdm_precision_name(r->b->precision));
-    if (s->scaler) printf(" (dynamic loss scaling from 65536, found-inf synced over the ranks)");
+    if (s->scaler)
+        printf(" (dynamic loss scaling from %g, found-inf synced over the ranks)",
+               (double)s->scaler->scale);
     if (r->b->ckpt) printf(", activation checkpointing (segments of %d)", r->b->ckpt);
     if (a->clip_grad_norm > 0.0) printf(", global gradient norm clipped to %g", a->clip_grad_norm);
     if (a->offload) printf(", optimizer offloaded to host memory");

@@ -134,7 +134,7 @@ static tdm_status tdm_local_devices(const tdm_train_args *a, int dp, tdm_device 
 /* The data (images), the model on dev, its optimizer, --resume. */
 static tdm_status tdm_local_setup(const tdm_train_args *a, const tdm_model_spec *spec,
                                   tdm_device *dev, tdm_local *l, tdm_dataset *train,
-                                  tdm_dataset *test, int64_t *start_epoch)
+                                  tdm_dataset *test, tdm_ckpt_info *resumed)
 {
     tdm_status st;
     if (!l->text) TDM_CHECK(tdm_train_load_data(a, spec, train, test));
@@ -142,7 +142,7 @@ static tdm_status tdm_local_setup(const tdm_train_args *a, const tdm_model_spec 
         return tdm_train_fail("building model", st);
     if (!l->text) TDM_CHECK(tdm_train_check_features(train, l->m));
     TDM_CHECK(tdm_train_make_optim(a, l->m, &l->opt));
-    return tdm_train_resume(a, l->m, l->opt, start_epoch);
+    return tdm_train_resume(a, l->m, l->opt, resumed);
 }
 
 tdm_status tdm_train_run_local(const tdm_train_args *a, const tdm_model_spec *spec,
@@ -154,6 +154,7 @@ tdm_status tdm_train_run_local(const tdm_train_args *a, const tdm_model_spec *sp
     tdm_dataset train = {0}, test = {0};
     tdm_local l = {.text = text};
     tdm_grad_scaler scaler;
+    tdm_ckpt_info resumed;
     tdm_train_run r = {.train = &train, .test = &test};
     tdm_dist_det det = {0};
     tdm_train_det_dp *ddet = NULL;
@@ -164,7 +165,8 @@ tdm_status tdm_train_run_local(const tdm_train_args *a, const tdm_model_spec *sp
         return tdm_train_fail("--model", tdm_tool_usage(st));
     if (!spec) spec = &own;
     TDM_CHECK(tdm_local_devices(a, dp, devs, &n));
-    TDM_TRY(tdm_local_setup(a, spec, devs[0], &l, &train, &test, &r.start_epoch));
+    TDM_TRY(tdm_local_setup(a, spec, devs[0], &l, &train, &test, &resumed));
+    r.start_epoch = resumed.epoch;
     l.single = (tdm_single){.model = l.m, .opt = l.opt};
     tdm_accum acc = {.ops = &tdm_accum_single_ops, .ctx = &l.single, .micro = (int)a->batch,
                      .in_features = tdm_model_in_features(l.m),
@@ -236,7 +238,7 @@ tdm_status tdm_train_run_local(const tdm_train_args *a, const tdm_model_spec *sp
     }
     /* the memory levers (tools/train_levers.c): on the model (DP's
      * master, whose replicas follow it) and its step */
-    TDM_TRY(tdm_train_levers_apply(a, l.m, &l.single, &scaler));
+    TDM_TRY(tdm_train_levers_apply(a, l.m, &l.single, &scaler, &resumed));
     r.single = &l.single;
     if (a->trace) {
         char track[48];

@@ -15,7 +15,9 @@
 #include <unistd.h>
 
 #include "core/timer.h"
+#include "dist/step.h"
 #include "models/checkpoint.h"
+#include "models/precision.h"
 #include "models/train_text.h"
 #include "tools/train_modes.h"
 #include "tools/train_trace.h"
@@ -194,6 +196,12 @@ static tdm_status tdm_train_save(const tdm_train_args *a, const tdm_train_run *r
 {
     tdm_ckpt_info info = {.step = tdm_optim_steps(r->opt), .epoch = e + 1,
                           .seed = (uint64_t)a->seed};
+    const tdm_grad_scaler *sc = r->single ? r->single->scaler
+                                : r->ranks ? r->ranks->scaler : NULL;
+    if (sc) {   /* a resumed run goes on from it (tools/train_levers.c) */
+        info.loss_scale = sc->scale;
+        info.loss_scale_growth = sc->growth_tracker;
+    }
     double gnorm = 0.0;
     tdm_status st = tdm_train_grad_norm(r->m, &gnorm);
     if (st == TDM_STATUS_OK) st = tdm_checkpoint_save(a->save, r->m, r->opt, &info);

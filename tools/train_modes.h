@@ -88,10 +88,11 @@ tdm_status tdm_train_check_features(const tdm_dataset *train, const tdm_model *m
 tdm_status tdm_train_load_and_probe(const tdm_train_args *a, const tdm_model_spec *spec,
                                     tdm_dataset *train, tdm_dataset *test,
                                     int64_t *param_elems);
-/* With --resume, loads the checkpoint into m and opt and sets *start_epoch
- * (0 without). */
+/* With --resume, loads the checkpoint into m and opt and sets *resumed
+ * to what it says (its epoch is where training goes on; its loss scaler,
+ * tdm_train_levers_apply's); all zero without. */
 tdm_status tdm_train_resume(const tdm_train_args *a, tdm_model *m, tdm_optim *opt,
-                            int64_t *start_epoch);
+                            tdm_ckpt_info *resumed);
 void tdm_train_print_resumed(const char *path, const tdm_ckpt_info *info);
 tdm_status tdm_train_make_optim(const tdm_train_args *a, tdm_model *m, tdm_optim **opt);
 /* The two header lines of an image run. */
@@ -212,10 +213,11 @@ tdm_status tdm_train_det_dp_step(void *ctx, const void *x, const int32_t *y, int
  * and --offload that need no model (USAGE, said on stderr). */
 tdm_status tdm_train_levers_check(const tdm_train_args *a);
 /* --mode single: the precision and checkpointing on m, the clipping and
- * (fp16) the loss scaler on the step; scaler: storage for it. Then the
- * line that says what is on and the planner's peak for this run. */
+ * (fp16) the loss scaler on the step; scaler: storage for it, going on
+ * from the resumed checkpoint's scaler when it has one (resumed may be
+ * NULL). Then the line that says what is on and the planner's peak. */
 tdm_status tdm_train_levers_apply(const tdm_train_args *a, tdm_model *m, struct tdm_single *s,
-                                  struct tdm_grad_scaler *scaler);
+                                  struct tdm_grad_scaler *scaler, const tdm_ckpt_info *resumed);
 /* After training: the device's measured peak beside the planned one. */
 void tdm_train_levers_report(const tdm_train_args *a, tdm_model *m);
 /* The epoch line's lever figures (", grad norm ..., loss scale ..."). */
@@ -223,7 +225,8 @@ void tdm_train_levers_epoch(const tdm_train_run *r);
 /* --mode ddp and fsdp: what every rank builds (precision and
  * checkpointing on its model, the optimizer's offload) into b; then, in
  * each rank, the clipping and (fp16) loss scaler on its stepper (scaler:
- * storage for it) and rank 0's line saying what is on; after training
+ * storage for it; from r->resumed's scaler when it has one) and rank 0's
+ * line saying what is on; after training
  * rank 0's measured peak. */
 struct tdm_tool_build;
 struct tdm_tool_rank;

@@ -78,6 +78,16 @@ static void tdm_train_fault_hook(void *ctx, int64_t step)
     if (step == t->kill_step) tdm_elastic_test_fault_fire(r->rank, t->kill_sig, step);
 }
 
+/* TANDEM_TEST_DET_CHUNK_ELEMS=N: --deterministic's all-gather in chunks
+ * of N floats per rank (0: the default), a test hook read only by
+ * tests/test_det.c: small chunks cross every boundary on a small model. */
+static int64_t tdm_train_det_chunk(void)
+{
+    const char *e = getenv("TANDEM_TEST_DET_CHUNK_ELEMS");
+    long long n = e ? atoll(e) : 0;
+    return n > 0 ? n : 0;
+}
+
 /* TANDEM_TEST_GRAD_INF=R:S: this rank's step to plant an inf after, or 0. */
 static int64_t tdm_train_inf_step(int rank)
 {
@@ -123,6 +133,10 @@ static tdm_status tdm_train_save(void *ctx, int64_t epoch)
     if (!t->save) return TDM_STATUS_OK;
     tdm_ckpt_info info = {.step = tdm_optim_steps(r->opt), .epoch = epoch + 1,
                           .seed = (uint64_t)t->a.seed};
+    if (t->s.scaler) {   /* a resumed run goes on from it (tools/train_levers.c) */
+        info.loss_scale = t->s.scaler->scale;
+        info.loss_scale_growth = t->s.scaler->growth_tracker;
+    }
     const tdm_tool_design *design = r->b->design;
     tdm_status st = design->save ? design->save(r, t->save, &info)
                                  : design->dist.ops->save(r->w, t->save, r->opt, &info);
@@ -348,7 +362,8 @@ static tdm_status tdm_train_rank_run(void *ctx, tdm_dist_rank *d, void *self)
                                 .out_rows = t->s.out_rows, .own_rows = t->s.own_rows,
                                 .global_batch = (int)a->batch,
                                 .micro = a->grad_accum > 1 ? (int)a->batch : 0,
-                                .before = tdm_train_fault_hook, .before_ctx = r};
+                                .before = tdm_train_fault_hook, .before_ctx = r,
+                                .chunk_elems = tdm_train_det_chunk()};
         st = TDM_STATUS_OK;
         if (a->deterministic && (st = tdm_dist_det_init(&t->det)) != TDM_STATUS_OK)
             tdm_tool_rank_fail(r, "--deterministic", st);
