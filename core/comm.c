@@ -53,6 +53,11 @@ struct tdm_comm {
      * made of this one so far. */
     int *job_ranks;
     int splits;
+    /* What this rank handed each kind of call (tdm_comm_traffic_get):
+     * completed calls and their payload bytes. Written by the one thread
+     * that runs calls at a time, read by any: relaxed atomics. */
+    atomic_llong traffic_calls[TDM_COLL_COUNT_];
+    atomic_llong traffic_bytes[TDM_COLL_COUNT_];
 };
 
 static const char *const tdm_dtype_names[TDM_DTYPE_COUNT_] = {
@@ -219,6 +224,26 @@ fail:
 
 void *tdm_comm_impl(const tdm_comm *comm) { return comm ? comm->impl : NULL; }
 
+void tdm_comm_traffic_get(const tdm_comm *comm, tdm_comm_traffic *out)
+{
+    memset(out, 0, sizeof *out);
+    if (!comm) return;
+    tdm_comm *c = (tdm_comm *)comm;
+    for (int i = 0; i < TDM_COLL_COUNT_; i++) {
+        out->calls[i] = atomic_load_explicit(&c->traffic_calls[i], memory_order_relaxed);
+        out->bytes[i] = atomic_load_explicit(&c->traffic_bytes[i], memory_order_relaxed);
+    }
+}
+
+int64_t tdm_comm_traffic_ring_sent(const tdm_comm_traffic *t, int size)
+{
+    if (size < 2) return 0;
+    int64_t n = size;
+    return 2 * (n - 1) * t->bytes[TDM_COLL_ALL_REDUCE] / n +
+           (n - 1) * (t->bytes[TDM_COLL_REDUCE_SCATTER] + t->bytes[TDM_COLL_ALL_GATHER]) / n +
+           t->bytes[TDM_COLL_SEND];
+}
+
 int tdm_comm_job_rank(const tdm_comm *comm, int rank)
 {
     if (!comm || rank < 0 || rank >= comm->size) return -1;
@@ -353,9 +378,32 @@ tdm_status tdm_comm_call_check(const tdm_comm *comm, const tdm_comm_call *k)
     return TDM_STATUS_OK;
 }
 
+/* The payload of a call in bytes (tdm_comm_traffic): the buffer it
+ * reduces, gathers or moves, whole. */
+static long long tdm_comm_payload(const tdm_comm *comm, const tdm_comm_call *k)
+{
+    long long b = (long long)k->count * (long long)tdm_dtype_size(k->dtype);
+    switch (k->coll) {
+    case TDM_COLL_REDUCE_SCATTER:
+    case TDM_COLL_ALL_GATHER:
+    case TDM_COLL_GATHER:
+    case TDM_COLL_SCATTER:
+        return b * comm->size;
+    case TDM_COLL_BARRIER:
+        return 0;
+    default:
+        return b;
+    }
+}
+
 static tdm_status tdm_comm_exec(tdm_comm *comm, const tdm_comm_call *k)
 {
     tdm_status st = comm->ops->run(comm->impl, k);
+    if (st == TDM_STATUS_OK && (unsigned)k->coll < TDM_COLL_COUNT_) {
+        atomic_fetch_add_explicit(&comm->traffic_calls[k->coll], 1, memory_order_relaxed);
+        atomic_fetch_add_explicit(&comm->traffic_bytes[k->coll], tdm_comm_payload(comm, k),
+                                  memory_order_relaxed);
+    }
     TDM_TRACE(CORE, "%s %s(%s, count=%zu) -> %s", comm->ops->name, tdm_coll_name(k->coll),
               tdm_dtype_name(k->dtype), k->count, tdm_status_name(st));
     return st;

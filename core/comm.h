@@ -116,6 +116,25 @@ const char *tdm_comm_backend_name(const tdm_comm *comm);
 /* Algorithm of the last completed call (bench output, debug). */
 const char *tdm_comm_last_algo(const tdm_comm *comm);
 
+/* What this rank has handed the communicator since it was made, counted
+ * by the dispatcher for every backend: per kind of call, the calls that
+ * completed and their payload bytes - the whole buffer a call reduces,
+ * gathers or moves (all_reduce and broadcast: count elements;
+ * reduce_scatter, all_gather, gather, scatter: size * count; send and
+ * recv: count; barrier: 0). What a design's step moves, to compare with
+ * its theoretical volume. */
+typedef struct tdm_comm_traffic {
+    int64_t calls[TDM_COLL_COUNT_];
+    int64_t bytes[TDM_COLL_COUNT_];
+} tdm_comm_traffic;
+void tdm_comm_traffic_get(const tdm_comm *comm, tdm_comm_traffic *out);
+/* The bytes one rank of `size` sends for t's collectives under the
+ * bandwidth-optimal ring algorithms (NCCL's busbw convention): an
+ * all-reduce of S bytes 2(size-1)/size * S, a reduce-scatter or
+ * all-gather of S bytes (size-1)/size * S, plus what it sent
+ * point-to-point. 0 for one rank. */
+int64_t tdm_comm_traffic_ring_sent(const tdm_comm_traffic *t, int size);
+
 /* --- synchronous collectives ------------------------------------------ */
 tdm_status tdm_comm_broadcast(tdm_comm *comm, const void *sendbuf, void *recvbuf,
                               size_t count, tdm_dtype dtype, int root);

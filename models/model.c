@@ -236,6 +236,11 @@ fail:
     return st;
 }
 
+tdm_status tdm_model_init_tables(tdm_model **out, const tdm_model_spec *spec)
+{
+    return tdm_model_skeleton(out, spec, TDM_DEVICE_HOST, 1);
+}
+
 tdm_status tdm_model_skeleton(tdm_model **out, const tdm_model_spec *spec, tdm_device_kind kind,
                               int threads)
 {

@@ -116,6 +116,13 @@ tdm_status tdm_model_init(tdm_model **out, tdm_device *dev, const tdm_model_spec
 tdm_status tdm_mlp_init(tdm_model **out, tdm_device *dev, const int *dims, int ndims,
                         uint64_t seed);
 tdm_status tdm_cnn_init(tdm_model **out, tdm_device *dev, uint64_t seed);
+/* The tables of spec's whole model (names, shapes, offsets, layers, in
+ * and out sizes) without a device or any storage: for a design that keeps
+ * the parameters in a layout of its own (tensor parallel) and reads and
+ * writes checkpoints in the whole model's (tdm_checkpoint_save_host with
+ * it). Its flat buffers are NULL; forward, backward and anything that
+ * touches storage must not be called. Free with tdm_model_free. */
+tdm_status tdm_model_init_tables(tdm_model **out, const tdm_model_spec *spec);
 /* A model with src's spec on dev, parameters and buffers copied from src
  * (a replica). Gradients zero. */
 tdm_status tdm_model_clone(tdm_model **out, const tdm_model *src, tdm_device *dev);

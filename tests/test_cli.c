@@ -39,7 +39,7 @@ Test(cli, usage_errors)
     CLI(&r, "train", "--optim", "rmsprop");
     expect(&r, 2, "expected sgd or adamw");
     CLI(&r, "train", "--mode", "zero");
-    expect(&r, 2, "expected single, dp, ddp, fsdp or pp");
+    expect(&r, 2, "expected single, dp, ddp, fsdp, pp or tp");
     CLI(&r, "train", "--device", "tpu:3");
     expect(&r, 2, "device spec 'tpu:3'");
     CLI(&r, "train", "--device", "cpu:2");

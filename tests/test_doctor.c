@@ -336,6 +336,18 @@ Test(doctor, train_prints_the_verdict_of_a_stopped_rank, .timeout = 120)
               r.out);
     cr_expect(doc_has(dir, "fr_rank_0.json") && doc_has(dir, "fr_rank_2.json") &&
               doc_has(dir, "launch.json"));
+    /* the summary says the teardown ended the stopped rank (and that it
+     * had stalled), as tandem launch's does */
+    char path[128], sum[4096] = "";
+    snprintf(path, sizeof path, "%s/launch.json", dir);
+    FILE *f = fopen(path, "r");
+    cr_assert_not_null(f);
+    size_t got = fread(sum, 1, sizeof sum - 1, f);
+    sum[got] = 0;
+    fclose(f);
+    const char *r1 = strstr(sum, "{\"rank\":1,");
+    cr_expect(r1 && strstr(r1, "\"induced\":true,\"stalled\":true"),
+              "rank 1 not marked ended by the teardown:\n%s", sum);
     cr_expect(!cli_shm_entries());
     fr_t_rm_dir(dir);
 }

@@ -28,6 +28,7 @@
 #include "models/stage.h"
 #include "models/train.h"
 #include "pp/pp.h"
+#include "tp/tp.h"
 #include "tools/args.h"
 #include "tools/compare.h"
 #include "tools/devices.h"
@@ -60,7 +61,7 @@ static void tdm_cmp_usage(FILE *f)
         "throughput, a per-phase breakdown, an equivalence verdict, memory per device\n"
         "and a reading of the figures.\n"
         "\n"
-        "  --modes LIST         any of single, dp, ddp, fsdp, zero2, zero1, pp (comma-\n"
+        "  --modes LIST         any of single, dp, ddp, fsdp, zero2, zero1, pp, tp (comma-\n"
         "                       separated; single always runs, as the reference)\n"
         "                                                          [single,dp,ddp,fsdp]\n"
         "                       fsdp:  PyTorch FSDP FULL_SHARD, DeepSpeed ZeRO stage 3\n"
@@ -70,6 +71,11 @@ static void tdm_cmp_usage(FILE *f)
         "                       throughput, per-stage phases and bubble, memory, the\n"
         "                       trace's F and B of each micro-batch per stage, and its\n"
         "                       verdict against one host device with --grad-accum M\n"
+        "                       tp:    tensor parallel over the N devices (the MLP's\n"
+        "                       column/row pairs, the GPT's heads): its throughput, phases\n"
+        "                       with the all-reduces, memory and bytes per rank, and\n"
+        "                       its verdict against one host device (compare's\n"
+        "                       bound after the last step)\n"
         "  --stages S           pp: stages, one device each (S <= N)    [N]\n"
         "  --microbatches M     pp: micro-batches per global batch       [4]\n"
         "  --schedule S         pp: gpipe or 1f1b                        [1f1b]\n"
@@ -454,6 +460,24 @@ static tdm_status tdm_cmp_check_sweep(tdm_cmp_job *j)
     return TDM_STATUS_OK;
 }
 
+/* --modes ...,tp: the plan of the model over the devices. */
+static tdm_status tdm_cmp_check_tp(tdm_cmp_job *j)
+{
+    tdm_cmp_opts *o = &j->o;
+    if (!(o->modes & TDM_CMP_TP_BIT)) return TDM_STATUS_OK;
+    if (o->ddp_comm)
+        return tdm_tool_usage_error("tandem compare: --modes tp under an MPI launcher is not "
+                                    "supported (run compare on one machine)\n");
+    if ((o->precision_arg && o->precision != TDM_PRECISION_FP32) || o->ckpt)
+        return tdm_tool_usage_error("tandem compare: --precision and --checkpoint-activations "
+                                    "do not apply to tp yet: leave tp out of --modes\n");
+    tdm_tp_split split[TDM_MODEL_MAX_DIMS];
+    int L;
+    if (tdm_tp_plan(&j->spec, o->n_dev, split, &L))
+        return tdm_tool_usage_error("tandem compare: --modes tp: %s\n", tdm_error_message());
+    return TDM_STATUS_OK;
+}
+
 /* --modes ...,pp: its options against the model and the devices. */
 static tdm_status tdm_cmp_check_pp(tdm_cmp_job *j)
 {
@@ -533,6 +557,7 @@ static tdm_status tdm_cmp_check(tdm_cmp_job *j)
     if (o->warmup < 0)
         o->warmup = TDM_CMP_DEFAULT_WARMUP < o->steps ? TDM_CMP_DEFAULT_WARMUP : o->steps / 2;
     TDM_CHECK(tdm_cmp_check_pp(j));
+    TDM_CHECK(tdm_cmp_check_tp(j));
     return tdm_cmp_check_sweep(j);
 }
 
@@ -1018,6 +1043,12 @@ static tdm_status tdm_cmp_main_run(tdm_cmp_job *j)
     }
     tdm_cmp_print_memory(&j->o, j->rp, j->nres);
     tdm_cmp_print_reading(j);
+    if (j->o.modes & TDM_CMP_TP_BIT) {
+        int tv = tdm_cmp_tp_section(&j->o, &j->data, &j->spec, &j->res[TDM_CMP_SINGLE],
+                                    j->ran[TDM_CMP_DDP] ? &j->res[TDM_CMP_DDP] : NULL);
+        if (tv < 0) return TDM_STATUS_PEER_FAILED;
+        if (!tv) j->verdict = 0;
+    }
     if (j->o.modes & TDM_CMP_PP_BIT) {
         int pv = tdm_cmp_pp_section(&j->o, &j->data, &j->spec, &j->res[TDM_CMP_SINGLE],
                                     j->ran[TDM_CMP_DDP] ? &j->res[TDM_CMP_DDP] : NULL);

@@ -78,6 +78,8 @@ typedef struct tdm_cmp_opts {
 /* --modes' bit for the pipeline, which runs in a section of its own
  * (tools/compare_pp.c) after the modes above. */
 #define TDM_CMP_PP_BIT (1u << TDM_CMP_NMODES)
+/* And tensor parallelism's (tools/compare_tp.c). */
+#define TDM_CMP_TP_BIT (1u << (TDM_CMP_NMODES + 1))
 
 /* Bytes per device (or rank) by kind. */
 typedef struct tdm_cmp_memory {
@@ -221,6 +223,16 @@ int tdm_cmp_pp_section(const tdm_cmp_opts *o, const tdm_cmp_data *data,
  * post-warm-up step); < 0 when the run failed (said). */
 double tdm_cmp_pp_sweep_sps(const tdm_cmp_opts *o, const tdm_cmp_data *data,
                             const tdm_model_spec *spec, int S);
+/* Tensor parallelism's section (tools/compare_tp.c): the MLP split over
+ * the N devices runs the same global batches; its throughput beside
+ * single's (and DDP's: ddp may be NULL), the phases with the
+ * tensor-parallel all-reduces, the verdict against one host device within
+ * compare's bound after the last step, memory and bytes per rank against the
+ * plan's. 1: the verdict holds, 0: it does not, -1: the run failed
+ * (said). */
+int tdm_cmp_tp_section(const tdm_cmp_opts *o, const tdm_cmp_data *data,
+                       const tdm_model_spec *spec, const tdm_cmp_result *single,
+                       const tdm_cmp_result *ddp);
 /* Its trace events (a process of one track per stage, each micro-batch's
  * F and B), after the other modes'; nothing when it did not run. */
 void tdm_cmp_pp_trace(FILE *f, int *first, int pid, long long (*us)(double));

@@ -38,6 +38,10 @@ int tdm_cmp_parse_modes(const char *s, unsigned *mask)
             *mask |= TDM_CMP_PP_BIT;
             found = 1;
         }
+        if (n == 2 && !strncmp(p, "tp", 2)) {
+            *mask |= TDM_CMP_TP_BIT;
+            found = 1;
+        }
         for (size_t i = 0; i < sizeof t / sizeof t[0]; i++)
             if (strlen(t[i].name) == n && !strncmp(p, t[i].name, n)) {
                 *mask |= 1u << t[i].m;
@@ -45,7 +49,7 @@ int tdm_cmp_parse_modes(const char *s, unsigned *mask)
             }
         if (!found) {
             fprintf(stderr, "tandem compare: --modes '%s': '%.*s' is not a mode; choose from "
-                            "single, dp, ddp, fsdp (zero3), zero2, zero1, pp, comma-separated\n",
+                            "single, dp, ddp, fsdp (zero3), zero2, zero1, pp, tp, comma-separated\n",
                     s, (int)n, p);
             return 0;
         }

@@ -10,6 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -70,7 +71,19 @@ static void tdm_elastic_end(void *ctx, tdm_status st, int world, const tdm_shm_s
     }
     snprintf(w->why, sizeof w->why, "%s", tdm_error_message());
     fprintf(stderr, "%s: %s: %s\n", w->tool, w->mode, w->why);
-    tdm_doctor_job_end(&w->frj, 1, world, res->pid, res->wstatus, NULL, w->why);
+    for (int r = 0; w->has_shape && res && r < world; r++) {
+        if (!WIFSIGNALED(res->wstatus[r]) || WTERMSIG(res->wstatus[r]) == SIGTERM ||
+            res->induced[r])
+            continue;
+        int c[TDM_MESH_NDIMS];
+        char s[64];
+        tdm_mesh_coords_of(&w->shape, r, c);
+        tdm_mesh_shape_str(&w->shape, s, sizeof s);
+        fprintf(stderr, "%s: rank %d (killed by signal %d) is at dp %d, pp %d, tp %d of the "
+                "mesh %s\n", w->tool, r, WTERMSIG(res->wstatus[r]), c[TDM_MESH_DP],
+                c[TDM_MESH_PP], c[TDM_MESH_TP], s);
+    }
+    tdm_doctor_job_end(&w->frj, 1, world, res->pid, res->wstatus, res->induced, w->why);
     if (st == TDM_STATUS_PEER_FAILED) tdm_elastic_log_add(&w->failures, w->why);
     if (!last) return;
     if (w->stop[0])

@@ -54,6 +54,10 @@ typedef struct tdm_elastic_watch {
     long long max_restarts;
     long long min_devices, divides;   /* --min-devices, --deterministic (resize lines) */
     char stop[512];        /* a resize that cannot be: said instead of "used up" */
+    /* the job's mesh (has_shape): a rank killed by a signal is named
+     * with its coordinates */
+    tdm_mesh_shape shape;
+    int has_shape;
 } tdm_elastic_watch;
 void tdm_elastic_watch_init(tdm_elastic_watch *w, const char *tool, const char *mode,
                             long long max_restarts);

@@ -23,6 +23,7 @@
 #include "models/optim.h"
 #include "models/train.h"
 #include "pp/pp.h"
+#include "tp/tp.h"
 #include "models/precision.h"
 
 typedef struct tdm_tool_design tdm_tool_design;
@@ -118,6 +119,15 @@ struct tdm_tool_design {
 extern const tdm_tool_design tdm_tool_ddp_design;
 extern const tdm_tool_design tdm_tool_fsdp_design;
 extern const tdm_tool_design tdm_tool_pp_design;
+extern const tdm_tool_design tdm_tool_tp_design;
+
+/* A tensor-parallel job's checks before any rank starts (tools/rank_tp.c):
+ * --mesh (dp and tp only; none: tp over every rank) against the world's
+ * ranks and the plan of the model (tp/tp.h). One-line USAGE messages.
+ * *shape: the mesh. */
+tdm_status tdm_tool_tp_check(const tdm_tool_build *b, int world, tdm_mesh_shape *shape);
+/* A tensor-parallel rank's figures (r of tdm_tool_tp_design). */
+void tdm_tool_tp_stats(const tdm_tool_rank *r, tdm_tp_stats *out);
 
 /* A pipeline job's checks before any rank starts (tools/rank_pp.c): the
  * mesh against the world's ranks, --stages, --split against the model's

@@ -39,11 +39,13 @@ static void tdm_train_usage(FILE *f)
     fprintf(f,
         "usage: tandem train [options]\n"
         "\n"
-        "  --mode single|dp|ddp|fsdp|pp  one device, DataParallel (threads),\n"
+        "  --mode single|dp|ddp|fsdp|pp|tp  one device, DataParallel (threads),\n"
         "                         DistributedDataParallel (processes), sharded\n"
-        "                         data parallel (processes, see --sharding) or a\n"
+        "                         data parallel (processes, see --sharding), a\n"
         "                         pipeline of the model's layers (processes, one\n"
-        "                         stage each, see --stages)                 [single]\n"
+        "                         stage each, see --stages) or tensor parallel\n"
+        "                         (processes, each a slice of every layer; the\n"
+        "                         MLP and the GPT)                          [single]\n"
         "  --model NAME           mlp (784-1024-1024-10), mlp:W0-W1-..-Wn, cnn, or\n"
         "                         gpt (a byte-level GPT, gpt:%d-%d-%d-%d) or gpt:L-D-H-T\n"
         "                         (L blocks, width D, H heads, context T)      [mlp]\n"
@@ -122,6 +124,8 @@ static void tdm_train_usage(FILE *f)
         "                         embeddings, blocks and head)  [balanced by gemm flops]\n"
         "  --mesh dp=D,pp=S       pp: D pipeline replicas of S stages on D*S devices,\n"
         "                         their gradients summed by DDP over the dp dimension\n"
+        "  --mesh dp=D,tp=N       tp: D replicas of a tensor-parallel group of N on\n"
+        "                         D*N devices, gradients summed over the dp dimension\n"
         "  --timeout SECONDS      ddp, fsdp, pp: process-group timeout: a rank that waits\n"
         "                         longer for a peer in a collective fails, naming\n"
         "                         it [$TANDEM_TIMEOUT, else 60 for forked ranks,\n"
@@ -187,6 +191,14 @@ static void tdm_train_usage(FILE *f)
         "layers and passes activations forward and their gradients back by send/recv\n"
         "(docs/PIPELINE.md); the checkpoint it writes is the whole model's, the file\n"
         "every mode reads, and it resumes from any mode's.\n"
+        "\n"
+        "--mode tp forks one rank per device: the MLP's linear layers pair up,\n"
+        "the first column-parallel (output features split), the second\n"
+        "row-parallel (input features split, partial outputs all-reduced); an odd\n"
+        "last layer is replicated. The GPT's attention is split by heads and its\n"
+        "MLP column/row; LayerNorms and embeddings are replicated\n"
+        "(docs/TENSOR_PARALLEL.md). Its checkpoint is the whole model's, and it\n"
+        "resumes from any mode's.\n"
         "\n"
         "--mode ddp forks one rank per device, or, started by an MPI launcher\n"
         "(mpirun -np N tandem train --mode ddp ..., srun), takes its ranks from it\n"
@@ -365,7 +377,8 @@ static tdm_status tdm_train_check_args(tdm_train_args *a)
      * (docs/GPT.md) */
     if (a->lr < 0) a->lr = strcmp(a->optim, "sgd") ? (gpt ? 2e-3 : 1e-3) : 0.05;
     if (a->weight_decay < 0) a->weight_decay = strcmp(a->optim, "sgd") ? 0.01 : 0.0;
-    int ranks = !strcmp(a->mode, "ddp") || !strcmp(a->mode, "fsdp") || !strcmp(a->mode, "pp");
+    int ranks = !strcmp(a->mode, "ddp") || !strcmp(a->mode, "fsdp") || !strcmp(a->mode, "pp") ||
+                !strcmp(a->mode, "tp");
     if (a->timeout && !ranks)
         fprintf(stderr, "tandem train: note: --timeout applies to --mode ddp, fsdp and pp (the "
                         "process group's collectives); --mode %s has none\n", a->mode);
@@ -375,6 +388,7 @@ static tdm_status tdm_train_check_args(tdm_train_args *a)
     if (a->max_restarts && !ranks)
         return tdm_tool_usage_error("tandem train: --max-restarts applies to --mode ddp, fsdp "
                                     "and pp (ranks that can fail one by one)\n");
+    TDM_CHECK(tdm_train_check_tp(a));
     TDM_CHECK(tdm_train_check_pp(a, gpt));
     if (a->max_restarts && (tdm_dist_launched() || tdm_dist_mpi_launched()))
         fprintf(stderr, "tandem train: note: --max-restarts restarts the ranks tandem train forks "
@@ -410,8 +424,9 @@ static tdm_status tdm_train_dispatch(const tdm_train_args *a)
     if (!strcmp(a->mode, "fsdp"))
         return tdm_train_run_ranks(a, &tdm_tool_fsdp_design, NULL, NULL);
     if (!strcmp(a->mode, "pp")) return tdm_train_run_pp(a, NULL, NULL);
-    return tdm_tool_usage_error("tandem train: --mode '%s': expected single, dp, ddp, fsdp or "
-                                "pp\n", a->mode);
+    if (!strcmp(a->mode, "tp")) return tdm_train_run_tp(a);
+    return tdm_tool_usage_error("tandem train: --mode '%s': expected single, dp, ddp, fsdp, pp "
+                                "or tp\n", a->mode);
 }
 
 int tdm_tool_train_main(int argc, char **argv)

@@ -251,6 +251,13 @@ tdm_status tdm_train_check_pp(tdm_train_args *a, int gpt);
  * the pipeline's table (tools/rank_pp.c) through tdm_train_run_ranks. */
 tdm_status tdm_train_run_pp(const tdm_train_args *a, const tdm_model_spec *spec,
                             const tdm_train_text_set *text);
+/* --mode tp's options against the others (USAGE, said): the MLP and GPT,
+ * none of the data-parallel designs' or the memory levers' options
+ * (tools/train_tp.c). */
+tdm_status tdm_train_check_tp(const tdm_train_args *a);
+/* --mode tp (tools/train_tp.c): the ranks of tensor parallelism's table
+ * (tools/rank_tp.c) through tdm_train_run_ranks. */
+tdm_status tdm_train_run_tp(const tdm_train_args *a);
 /* --mode ddp and fsdp (tools/train_ranks.c): the ranks of a design's
  * table (tools/ranks.h) over dist/run.h, forked, launched or an MPI
  * job's. spec: the model (NULL: parsed from --model); text: a gpt's

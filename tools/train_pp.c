@@ -28,7 +28,9 @@ tdm_status tdm_train_check_pp(tdm_train_args *a, int gpt)
     (void)gpt;
     int pp = !strcmp(a->mode, "pp");
     if (!pp) {
-        if (a->stages || a->microbatches || a->schedule || a->split || a->mesh)
+        /* --mesh is --mode tp's too (tools/train_tp.c checks the rest) */
+        if (a->stages || a->microbatches || a->schedule || a->split ||
+            (a->mesh && strcmp(a->mode, "tp")))
             return tdm_tool_usage_error("tandem train: --stages, --microbatches, --schedule, "
                                         "--split and --mesh apply to --mode pp, not --mode "
                                         "%s\n", a->mode);

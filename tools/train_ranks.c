@@ -411,6 +411,12 @@ static tdm_status tdm_train_ranks_forked(tdm_train_job *j, tdm_dist_run_opts *o)
             return tdm_tool_usage_error("tandem train: %s\n", tdm_error_message());
         replicas = shape.size[TDM_MESH_DP];
     }
+    if (j->b.design == &tdm_tool_tp_design) {
+        tdm_mesh_shape shape;
+        if (tdm_tool_tp_check(&j->b, o->devices->count, &shape))
+            return tdm_tool_usage_error("tandem train: %s\n", tdm_error_message());
+        replicas = shape.size[TDM_MESH_DP];
+    }
     if (j->text && a->batch < replicas)
         return tdm_tool_usage_error("tandem train: --batch %lld is smaller than the %d %s: "
                                     "each needs at least one window of every global batch\n",
@@ -517,6 +523,13 @@ tdm_status tdm_train_run_ranks(const tdm_train_args *a, const tdm_tool_design *d
         w.min_devices = a->min_devices;
         w.divides = a->deterministic;
         w.save = a->save;
+        /* a mesh's failed rank is named with its coordinates too */
+        tdm_mesh_shape shape;
+        if ((design == &tdm_tool_tp_design && !tdm_tool_tp_check(&j.b, dl.count, &shape)) ||
+            (design == &tdm_tool_pp_design && !tdm_tool_pp_check(&j.b, dl.count, &shape))) {
+            w.shape = shape;
+            w.has_shape = 1;
+        }
         fflush(stdout);
     }
     st = tdm_dist_run(&d, &j.b, &o);

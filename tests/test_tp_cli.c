@@ -1,0 +1,281 @@
+/* tests/test_tp_cli.c: `tandem train --mode tp` end to end.
+ * - equivalence: tp on 2 and 4 devices and --mesh dp=2,tp=2 write, after
+ *   2 epochs, the checkpoint --mode single writes on the same global
+ *   batches, within the float bound of tests/test_tp.c (row-parallel
+ *   sums add in another order: measured here within 7.5e-8, checked at
+ *   1e-5; tp on 1 device: the same bytes);
+ * - the GPT (attention split by heads) on 2 ranks and on dp=2 x tp=2
+ *   writes single's checkpoint within 1e-4 (AdamW; tests/test_tp.c's
+ *   bound) and its file samples;
+ * - checkpoints: a tp file resumes in single and a single file in tp at
+ *   another N, and each goes on as the uninterrupted run within the bound;
+ * - faults: a killed rank of a dp x tp mesh is named with its
+ *   coordinates (dp, pp, tp), exit 1, nothing left behind;
+ * - CUDA-emulated devices (cuda/ built, no GPU) write the host ranks'
+ *   checkpoint bit for bit (what this does not test: CUDA, NCCL);
+ * - compare --modes ...,tp: its section, the bytes per step the plan's;
+ * - bad input (the CNN, the GPT, a width the ranks do not divide, a
+ *   pipeline in the mesh, one linear layer, pp's and the levers' options)
+ *   is one line and exit 2. */
+#include <criterion/criterion.h>
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/device.h"
+#include "models/checkpoint.h"
+#include "models/model.h"
+#include "tests/cli_util.h"
+#include "tests/cuda_test_util.h"
+#include "tests/test_util.h"
+
+#define MODEL "mlp:20-24-16-12-5"
+#define MLP "--model", MODEL
+#define SYN "--data", "synthetic", "--synthetic-size", "200"
+#define TOL 1e-5
+
+static char g_dir[64];
+
+static void setup(void) { tu_mkdtemp(g_dir, sizeof g_dir, "tp_cli"); }
+static void teardown(void)
+{
+    tu_rmtree(g_dir);
+    cr_expect_eq(cli_shm_entries(), 0, "shared memory left behind");
+}
+
+TestSuite(tp_cli, .init = setup, .fini = teardown, .timeout = 240);
+
+static void path(char *buf, size_t n, const char *name)
+{
+    snprintf(buf, n, "%s/%s.safetensors", g_dir, name);
+}
+
+/* The largest difference between two checkpoints' parameters. */
+static double ck_diff_of(const char *model, const char *a, const char *b)
+{
+    tdm_model_spec s;
+    cr_assert_eq(tdm_model_spec_parse(&s, model), TDM_STATUS_OK);
+    tdm_device *dev = NULL;
+    tdm_model *ma = NULL, *mb = NULL;
+    tdm_ckpt_info ia, ib;
+    cr_assert_eq(tdm_device_open(&dev, "cpu", 0, 1), TDM_STATUS_OK);
+    cr_assert_eq(tdm_model_init(&ma, dev, &s, 1), TDM_STATUS_OK);
+    cr_assert_eq(tdm_model_init(&mb, dev, &s, 2), TDM_STATUS_OK);
+    cr_assert_eq(tdm_checkpoint_load(a, ma, NULL, &ia), TDM_STATUS_OK, "%s", tdm_error_message());
+    cr_assert_eq(tdm_checkpoint_load(b, mb, NULL, &ib), TDM_STATUS_OK, "%s", tdm_error_message());
+    cr_assert_eq(ia.step, ib.step);
+    double w = 0.0;
+    const float *pa = tdm_model_params(ma), *pb = tdm_model_params(mb);
+    for (int64_t i = 0; i < tdm_model_param_elems(ma); i++) {
+        double d = fabs((double)pa[i] - (double)pb[i]);
+        if (!(d <= w)) w = d;
+    }
+    tdm_model_free(ma);
+    tdm_model_free(mb);
+    tdm_device_free(dev);
+    if (getenv("TANDEM_TEST_VERBOSE")) fprintf(stderr, "%s vs %s: %g\n", a, b, w);
+    return w;
+}
+
+static double ck_diff(const char *a, const char *b) { return ck_diff_of(MODEL, a, b); }
+
+static void single(const char *save, const char *epochs, const char *resume)
+{
+    static cli_result r;
+    if (resume)
+        CLI(&r, "train", "--mode", "single", MLP, SYN, "--batch", "32", "--epochs", epochs,
+            "--no-eval", "--quiet", "--save", save, "--resume", resume);
+    else
+        CLI(&r, "train", "--mode", "single", MLP, SYN, "--batch", "32", "--epochs", epochs,
+            "--no-eval", "--quiet", "--save", save);
+    expect(&r, 0, "/");
+}
+
+static void tp(const char *save, const char *dev, const char *mesh, const char *epochs,
+               const char *resume)
+{
+    static cli_result r;
+    const char *m = mesh ? "--mesh" : "--quiet", *mv = mesh ? mesh : "--quiet";
+    const char *rs = resume ? "--resume" : "--quiet", *rv = resume ? resume : "--quiet";
+    CLI(&r, "train", "--mode", "tp", "--device", dev, m, mv, MLP, SYN, "--batch", "32",
+        "--epochs", epochs, "--no-eval", "--quiet", "--save", save, rs, rv);
+    expect(&r, 0, "/");
+}
+
+Test(tp_cli, tp_and_dp_x_tp_write_single_devices_checkpoint_within_the_bound)
+{
+    char one[128], t1[128], t2[128], t4[128], m[128];
+    path(one, sizeof one, "single");
+    path(t1, sizeof t1, "tp1");
+    path(t2, sizeof t2, "tp2");
+    path(t4, sizeof t4, "tp4");
+    path(m, sizeof m, "mesh");
+    single(one, "2", NULL);
+    tp(t1, "cpu:1", NULL, "2", NULL);
+    tp(t2, "cpu:2", NULL, "2", NULL);
+    tp(t4, "cpu:4", NULL, "2", NULL);
+    tp(m, "cpu:4", "dp=2,tp=2", "2", NULL);
+    cr_assert(cli_same_file(one, t1), "tp on one device is not single's checkpoint");
+    double d2 = ck_diff(one, t2), d4 = ck_diff(one, t4), dm = ck_diff(one, m);
+    cr_assert(d2 <= TOL && d4 <= TOL && dm <= TOL, "tp 2: %g, tp 4: %g, dp=2,tp=2: %g", d2, d4,
+              dm);
+    cr_assert(d2 > 0 || d4 > 0, "bit for bit: the stated rounding no longer happens");
+}
+
+Test(tp_cli, checkpoints_go_between_tp_and_single)
+{
+    char one1[128], one3[128], tp1[128], tp3[128], a[128], b[128];
+    path(one1, sizeof one1, "one1");
+    path(one3, sizeof one3, "one3");
+    path(tp1, sizeof tp1, "tp1");
+    path(tp3, sizeof tp3, "tp3");
+    path(a, sizeof a, "single_from_tp");
+    path(b, sizeof b, "tp_from_single");
+    single(one1, "1", NULL);
+    single(one3, "3", NULL);
+    tp(tp1, "cpu:2", NULL, "1", NULL);
+    tp(tp3, "cpu:2", NULL, "3", NULL);
+    single(a, "3", tp1);                  /* a tp file in single */
+    tp(b, "cpu:4", NULL, "3", one1);      /* a single file in tp at N = 4 */
+    double da = ck_diff(one3, a), db = ck_diff(one3, b), dt = ck_diff(tp3, a);
+    cr_assert(da <= TOL && db <= TOL && dt <= TOL, "%g %g %g", da, db, dt);
+}
+
+Test(tp_cli, a_killed_rank_is_named_with_its_coordinates)
+{
+    static cli_result r;
+    setenv("TMPDIR", g_dir, 1);
+    setenv("TANDEM_DDP_TEST_KILL", "3:3", 1);
+    CLI(&r, "train", "--mode", "tp", "--device", "cpu:4", "--mesh", "dp=2,tp=2", MLP, SYN,
+        "--batch", "32", "--epochs", "1", "--quiet");
+    unsetenv("TANDEM_DDP_TEST_KILL");
+    unsetenv("TMPDIR");
+    expect(&r, 1, "tandem train: rank 3: test fault: SIGKILL before step 3");
+    expect(&r, 1, "tandem train: rank 3 (killed by signal 9) is at dp 1, pp 0, tp 1 of the "
+                  "mesh dp=2 x pp=1 x tp=2");
+}
+
+Test(tp_cli, bad_input_is_one_line_and_exit_2)
+{
+    static cli_result r;
+    static const struct {
+        const char *a[6];
+        const char *says;
+    } bad[] = {
+        {{"--device", "cpu:2", "--model", "cnn"}, "--model cnn is not supported"},
+        {{"--device", "cpu:3", "--model", "mlp:20-100-5"},
+         "layer fc1's output width 100 (fc2's input) is not divisible by the 3"},
+        {{"--device", "cpu:4", "--mesh", "dp=2,pp=2", MLP}, "combines with dp only"},
+        {{"--device", "cpu:4", "--mesh", "dp=3,tp=2", MLP}, "6 ranks"},
+        {{"--device", "cpu:2", "--model", "mlp:20-5"}, "the MLP has 1 linear layer"},
+        {{"--device", "cpu:2", "--stages", "2", MLP}, "apply to --mode pp"},
+        {{"--device", "cpu:2", "--precision", "bf16", MLP}, "does not support --precision"},
+        {{"--device", "cpu:2", "--grad-accum", "2", MLP}, "--mode tp takes none of"},
+        {{"--device", "cpu:2", "--sharding", "optimizer", MLP}, "apply to --mode fsdp"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        const char *const *a = bad[i].a;
+        CLI(&r, "train", "--mode", "tp", SYN, a[0], a[1], a[2] ? a[2] : "--quiet",
+            a[3] ? a[3] : "--quiet", a[4] ? a[4] : "--quiet", a[5] ? a[5] : "--quiet");
+        expect(&r, 2, bad[i].says);
+        cr_assert(strchr(r.out, '\n') == r.out + strlen(r.out) - 1, "more than one line:\n%s",
+                  r.out);
+    }
+    char text[128];
+    snprintf(text, sizeof text, "%s/text.txt", g_dir);
+    cli_write_words(text);
+    CLI(&r, "train", "--mode", "tp", "--device", "cpu:3", "--model", "gpt:2-16-2-8", "--data",
+        text);
+    expect(&r, 2, "the GPT's 2 heads are not divisible by the 3 tensor-parallel ranks");
+    cr_assert(strchr(r.out, '\n') == r.out + strlen(r.out) - 1, "more than one line:\n%s", r.out);
+    CLI(&r, "train", "--help");
+    expect(&r, 0, "--mesh dp=D,tp=N");
+}
+
+/* compare's section: the verdict, the all-reduces as phases, and the bytes
+ * the communicator counted per step equal to the plan's. */
+Test(tp_cli, compare_has_the_tensor_parallel_section)
+{
+    static cli_result r;
+    CLI(&r, "compare", "--modes", "single,ddp,tp", "--device", "cpu:2", MLP, "--data",
+        "synthetic", "--batch", "32", "--steps", "6");
+    expect(&r, 0, "tensor-parallel throughput");
+    expect(&r, 0, "fwd all-reduce");
+    expect(&r, 0, "bwd all-reduce");
+    expect(&r, 0, "tp(2): largest parameter difference");
+    expect(&r, 0, "over 6 steps -> PASS");
+    /* 20-24-16-12-5 at a batch of 32: 32 * (16 + 5 + 16) floats in 3 */
+    expect(&r, 0, "all-reduced 4736 bytes per step in 3.0 calls (counted by the communicator; "
+                  "the plan: 4736 bytes in 3)");
+    CLI(&r, "compare", "--modes", "single,tp", "--device", "cpu:3", "--model", "mlp:20-100-5",
+        "--data", "synthetic");
+    expect(&r, 2, "is not divisible by the 3 tensor-parallel ranks");
+}
+
+/* The ranks' device path (device buffers, the device communicator) on
+ * the CUDA emulator: the host ranks' checkpoint, the same bytes. */
+Test(tp_cli, emulated_cuda_ranks_write_the_host_ranks_checkpoint)
+{
+    CU_NEED_BACKEND();
+    static cli_result r;
+    char host[128], emu[128];
+    path(host, sizeof host, "host");
+    path(emu, sizeof emu, "emu");
+    CLI(&r, "train", "--mode", "tp", "--device", "cpu:2", MLP, SYN, "--batch", "32",
+        "--epochs", "1", "--quiet", "--save", host);
+    expect(&r, 0, "epoch 1/1");
+    cr_assert_eq(setenv("TANDEM_CUDA_EMULATOR", "2", 1), 0);
+    CLI(&r, "train", "--mode", "tp", "--device", "cuda", MLP, SYN, "--batch", "32",
+        "--epochs", "1", "--quiet", "--save", emu);
+    unsetenv("TANDEM_CUDA_EMULATOR");
+    expect(&r, 0, "CUDA EMULATOR (TANDEM_CUDA_EMULATOR=2)");
+    cr_assert(cli_same_file(host, emu), "emulated ranks differ from host ranks");
+    /* the GPT's kernels too */
+    char text[128];
+    snprintf(text, sizeof text, "%s/text.txt", g_dir);
+    cli_write_words(text);
+    CLI(&r, "train", "--mode", "tp", "--device", "cpu:2", "--model", "gpt:2-16-2-8", "--data",
+        text, "--batch", "8", "--epochs", "1", "--max-steps", "4", "--quiet", "--save", host);
+    expect(&r, 0, "val loss");
+    cr_assert_eq(setenv("TANDEM_CUDA_EMULATOR", "2", 1), 0);
+    CLI(&r, "train", "--mode", "tp", "--device", "cuda", "--model", "gpt:2-16-2-8", "--data",
+        text, "--batch", "8", "--epochs", "1", "--max-steps", "4", "--quiet", "--save", emu);
+    unsetenv("TANDEM_CUDA_EMULATOR");
+    expect(&r, 0, "val loss");
+    cr_assert(cli_same_file(host, emu), "emulated GPT ranks differ from host ranks");
+}
+
+/* The GPT split by heads: tp on 2 ranks and dp=2 x tp=2 end where one
+ * device ends, within tests/test_tp.c's GPT bound; the file samples. */
+Test(tp_cli, gpt_split_by_heads_writes_single_devices_checkpoint_within_the_bound)
+{
+    static cli_result r;
+    char text[128], one[128], t2[128], m[128];
+    snprintf(text, sizeof text, "%s/text.txt", g_dir);
+    path(one, sizeof one, "gpt_single");
+    path(t2, sizeof t2, "gpt_tp2");
+    path(m, sizeof m, "gpt_mesh");
+    cli_write_words(text);
+    CLI(&r, "train", "--model", "gpt:2-16-2-8", "--data", text, "--mode", "single", "--batch",
+        "8", "--epochs", "1", "--max-steps", "6", "--quiet", "--save", one);
+    expect(&r, 0, "val loss");
+    CLI(&r, "train", "--model", "gpt:2-16-2-8", "--data", text, "--mode", "tp", "--device",
+        "cpu:2", "--batch", "8", "--epochs", "1", "--max-steps", "6", "--quiet", "--save", t2);
+    expect(&r, 0, "attention split by heads, 1 of 2 per rank");
+    CLI(&r, "train", "--model", "gpt:2-16-2-8", "--data", text, "--mode", "tp", "--device",
+        "cpu:4", "--mesh", "dp=2,tp=2", "--batch", "8", "--epochs", "1", "--max-steps", "6",
+        "--quiet", "--save", m);
+    expect(&r, 0, "val loss");
+    double d2 = ck_diff_of("gpt:2-16-2-8", one, t2), dm = ck_diff_of("gpt:2-16-2-8", one, m);
+    cr_assert(d2 <= 1e-4 && dm <= 1e-4, "tp 2: %g, dp=2,tp=2: %g", d2, dm);
+    CLI(&r, "sample", "--resume", t2, "--tokens", "8", "--prompt", "a");
+    cr_assert_eq(r.code, 0, "%s", r.out);
+    /* compare's section: 4 all-reduces per block of 8 windows x 8 x 16 */
+    CLI(&r, "compare", "--modes", "single,tp", "--device", "cpu:2", "--model", "gpt:2-16-2-8",
+        "--data", text, "--batch", "8", "--steps", "4");
+    expect(&r, 0, "all-reduced 32768 bytes per step in 8.0 calls (counted by the communicator; "
+                  "the plan: 32768 bytes in 8)");
+    expect(&r, 0, "over 4 steps -> PASS");
+}

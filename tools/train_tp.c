@@ -1,0 +1,42 @@
+/* tools/train_tp.c: `tandem train --mode tp`: tensor parallelism of the
+ * MLP and the GPT (tp/tp.h: Megatron's column-parallel / row-parallel
+ * pairs; the GPT's attention split by heads). Each
+ * rank holds a slice of every split layer (its table is
+ * tools/rank_tp.c), run by tools/train_ranks.c's loop over dist/run.h
+ * like every multi-process mode. With --mesh dp=D,tp=N, D groups of N
+ * each take their share of the global batch and their gradients are
+ * summed over the dp dimension. Here: the options' checks. */
+#include <stdio.h>
+#include <string.h>
+
+#include "tools/ranks.h"
+#include "tools/tools.h"
+#include "tools/train_modes.h"
+
+tdm_status tdm_train_check_tp(const tdm_train_args *a)
+{
+    if (strcmp(a->mode, "tp")) return TDM_STATUS_OK;
+    if (strncmp(a->model, "mlp", 3) && strncmp(a->model, "gpt", 3))
+        return tdm_tool_usage_error("tandem train: --mode tp supports the MLP and the GPT; "
+                                    "--model %s is not supported\n", a->model);
+    if (a->grad_accum > 1 || a->uneven || a->sync_bn || a->deterministic || a->sharding ||
+        a->save_sharded || (a->comm_hook && strcmp(a->comm_hook, "allreduce")) ||
+        a->max_restarts || a->backend)
+        return tdm_tool_usage_error("tandem train: --mode tp takes none of --grad-accum, "
+                                    "--uneven, --sync-bn, --deterministic, --sharding, "
+                                    "--save-sharded, --comm-hook, --max-restarts, --backend\n");
+    if ((a->precision && strcmp(a->precision, "fp32")) || a->ckpt || a->clip_grad_norm > 0.0 ||
+        a->offload)
+        return tdm_tool_usage_error("tandem train: --mode tp does not support --precision, "
+                                    "--checkpoint-activations, --clip-grad-norm or --offload "
+                                    "yet\n");
+    if (a->stages || a->microbatches || a->schedule || a->split)
+        return tdm_tool_usage_error("tandem train: --stages, --microbatches, --schedule and "
+                                    "--split apply to --mode pp, not --mode tp\n");
+    return TDM_STATUS_OK;
+}
+
+tdm_status tdm_train_run_tp(const tdm_train_args *a)
+{
+    return tdm_train_run_ranks(a, &tdm_tool_tp_design, NULL, NULL);
+}

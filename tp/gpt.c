@@ -1,0 +1,357 @@
+/* tp/gpt.c: the GPT split over a tensor-parallel group, Megatron's way.
+ * Per block, rank r of N holds:
+ *   attn.c_attn  column-parallel by heads: the rows of its H/N heads in
+ *                each of the q, k and v thirds of the weight and bias
+ *                (3C/N, C); attention runs on its heads alone;
+ *   attn.c_proj  row-parallel: the columns of its heads (C, C/N); the
+ *                bias whole, added once after the all-reduce;
+ *   mlp.c_fc     column-parallel (4C/N, C) and its bias;
+ *   mlp.c_proj   row-parallel (C, 4C/N); the bias whole;
+ *   ln_1, ln_2, ln_f, wte, wpe whole (replicated).
+ * Forward all-reduces the stream's two partial sums per block (after
+ * attn.c_proj and mlp.c_proj: B*T*C floats each); backward the input
+ * gradients of c_attn and c_fc (B*T*C each), whose inputs (ln_1's and
+ * ln_2's outputs) are replicated. Everything else - LayerNorms, the
+ * embeddings, the tied head, the loss - runs on the same bits on every
+ * rank, so their gradients agree without communication. The layers are
+ * models/layers_gpt.h's and the device's kernels, as one device's GPT
+ * (models/gpt.c) runs them, in fp32. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/timer.h"
+#include "models/gpt.h"
+#include "models/layers_gpt.h"
+#include "tp/tp_impl.h"
+
+#define TDM_TP_GPT_LN_EPS 1e-5f   /* models/gpt.c's */
+#define TDM_TP_GPT_PER_BLOCK 12   /* a block's tensors in the whole model's table */
+
+enum { TB_LN1_W = 0, TB_LN1_B, TB_ATTN_W, TB_ATTN_B, TB_APROJ_W, TB_APROJ_B, TB_LN2_W, TB_LN2_B,
+       TB_FC_W, TB_FC_B, TB_MPROJ_W, TB_MPROJ_B };
+
+typedef struct tdm_tp_gpt_block {
+    int64_t off[TDM_TP_GPT_PER_BLOCK];   /* the rank's slices in its flat buffers */
+    float *ln1, *ln1_mean, *ln1_rstd, *q, *k, *v, *att, *atty, *res1;
+    float *ln2, *ln2_mean, *ln2_rstd, *fch, *fcg, *res2;
+} tdm_tp_gpt_block;
+
+struct tdm_tp_gpt {
+    int L, C, H, T, V;
+    int Hl, Cl, Fl;                      /* this rank's heads, their width, c_fc's rows */
+    int64_t wte, wpe, lnf_w, lnf_b;      /* offsets */
+    tdm_tp_gpt_block *blk;
+    int cap;
+    float *res0, *lnf, *lnf_mean, *lnf_rstd, *logits;
+    /* scratch */
+    float *qkv, *yh, *part, *dres, *dln, *dfc, *datt, *dq, *dk, *dv, *dlogits;
+    float **allocs;
+    int n_allocs, max_allocs;
+};
+
+tdm_status tdm_tp_gpt_plan(const tdm_model_spec *spec, int ranks)
+{
+    TDM_REQUIRE(spec->n_head % ranks == 0, TDM_STATUS_USAGE,
+                "the GPT's %d heads are not divisible by the %d tensor-parallel ranks (attention "
+                "is split by heads)", spec->n_head, ranks);
+    return TDM_STATUS_OK;
+}
+
+/* ---- layout ---- */
+
+/* The whole model's index of `name`, checked. */
+static int tdm_tp_gpt_index(const tdm_tp *p, int want, const char *name)
+{
+    const tdm_tensor_info *t = tdm_model_param_info(p->tables, want);
+    return t && !strcmp(t->name, name) ? want : -1;
+}
+
+tdm_status tdm_tp_gpt_layout(tdm_tp *p)
+{
+    const tdm_model_spec *s = &p->spec;
+    tdm_tp_gpt *g = calloc(1, sizeof *g);
+    TDM_REQUIRE(g, TDM_STATUS_OUT_OF_MEMORY, "tp gpt: calloc");
+    p->gpt = g;
+    *g = (tdm_tp_gpt){.L = s->n_layer, .C = s->n_embd, .H = s->n_head, .T = s->n_ctx,
+                      .V = s->vocab};
+    g->Hl = g->H / p->size;
+    g->Cl = g->C / p->size;
+    g->Fl = 4 * g->C / p->size;
+    g->blk = calloc((size_t)g->L, sizeof *g->blk);
+    TDM_REQUIRE(g->blk, TDM_STATUS_OUT_OF_MEMORY, "tp gpt: %d blocks", g->L);
+    int C = g->C;
+    char name[TDM_MODEL_NAME_MAX];
+    TDM_REQUIRE(tdm_tp_gpt_index(p, 0, "transformer.wte.weight") == 0 &&
+                    tdm_tp_gpt_index(p, 1, "transformer.wpe.weight") == 1,
+                TDM_STATUS_INTERNAL, "tp gpt: the whole model's table is not the GPT's");
+    g->wte = p->n_elem;
+    tdm_tp_add_tensor(p, 0, TDM_TP_CUT_REPL, 1, g->V, C);
+    g->wpe = p->n_elem;
+    tdm_tp_add_tensor(p, 1, TDM_TP_CUT_REPL, 1, g->T, C);
+    static const char *const sfx[TDM_TP_GPT_PER_BLOCK] = {
+        "ln_1.weight", "ln_1.bias", "attn.c_attn.weight", "attn.c_attn.bias",
+        "attn.c_proj.weight", "attn.c_proj.bias", "ln_2.weight", "ln_2.bias",
+        "mlp.c_fc.weight", "mlp.c_fc.bias", "mlp.c_proj.weight", "mlp.c_proj.bias"};
+    const struct {
+        tdm_tp_cut cut;
+        int parts;
+        int64_t rows, cols;
+    } shape[TDM_TP_GPT_PER_BLOCK] = {
+        {TDM_TP_CUT_REPL, 1, C, 1},      {TDM_TP_CUT_REPL, 1, C, 1},
+        {TDM_TP_CUT_ROWS, 3, 3 * C, C},  {TDM_TP_CUT_ROWS, 3, 3 * C, 1},
+        {TDM_TP_CUT_COLS, 1, C, C},      {TDM_TP_CUT_REPL, 1, C, 1},
+        {TDM_TP_CUT_REPL, 1, C, 1},      {TDM_TP_CUT_REPL, 1, C, 1},
+        {TDM_TP_CUT_ROWS, 1, 4 * C, C},  {TDM_TP_CUT_ROWS, 1, 4 * C, 1},
+        {TDM_TP_CUT_COLS, 1, C, 4 * C},  {TDM_TP_CUT_REPL, 1, C, 1}};
+    for (int l = 0; l < g->L; l++)
+        for (int j = 0; j < TDM_TP_GPT_PER_BLOCK; j++) {
+            int want = 2 + TDM_TP_GPT_PER_BLOCK * l + j;
+            snprintf(name, sizeof name, "transformer.h.%d.%s", l, sfx[j]);
+            TDM_REQUIRE(tdm_tp_gpt_index(p, want, name) == want, TDM_STATUS_INTERNAL,
+                        "tp gpt: tensor %d of the whole model is not %s", want, name);
+            g->blk[l].off[j] = p->n_elem;
+            tdm_tp_add_tensor(p, want, shape[j].cut, shape[j].parts, shape[j].rows,
+                              shape[j].cols);
+        }
+    int pf = 2 + TDM_TP_GPT_PER_BLOCK * g->L;
+    TDM_REQUIRE(tdm_tp_gpt_index(p, pf, "transformer.ln_f.weight") == pf, TDM_STATUS_INTERNAL,
+                "tp gpt: tensor %d of the whole model is not transformer.ln_f.weight", pf);
+    g->lnf_w = p->n_elem;
+    tdm_tp_add_tensor(p, pf, TDM_TP_CUT_REPL, 1, C, 1);
+    g->lnf_b = p->n_elem;
+    tdm_tp_add_tensor(p, pf + 1, TDM_TP_CUT_REPL, 1, C, 1);
+    return TDM_STATUS_OK;
+}
+
+/* ---- activations ---- */
+
+static void tdm_tp_gpt_free_acts(tdm_tp *p)
+{
+    tdm_tp_gpt *g = p->gpt;
+    for (int i = 0; i < g->n_allocs; i++) tdm_dev_free(p->dev, g->allocs[i]);
+    free(g->allocs);
+    g->allocs = NULL;
+    g->n_allocs = g->max_allocs = 0;
+    g->cap = 0;
+}
+
+void tdm_tp_gpt_free(tdm_tp *p)
+{
+    if (!p->gpt) return;
+    tdm_tp_gpt_free_acts(p);
+    free(p->gpt->blk);
+    free(p->gpt);
+    p->gpt = NULL;
+}
+
+/* n floats of device memory, remembered for freeing, counted. */
+static tdm_status tdm_tp_gpt_alloc(tdm_tp *p, int64_t n, float **out)
+{
+    tdm_tp_gpt *g = p->gpt;
+    if (g->n_allocs == g->max_allocs) {
+        int m = g->max_allocs ? 2 * g->max_allocs : 64;
+        float **a = realloc(g->allocs, (size_t)m * sizeof *a);
+        TDM_REQUIRE(a, TDM_STATUS_OUT_OF_MEMORY, "tp gpt: activations");
+        g->allocs = a;
+        g->max_allocs = m;
+    }
+    size_t bytes = (size_t)(n > 0 ? n : 1) * sizeof(float);
+    TDM_CHECK(tdm_dev_alloc(p->dev, bytes, (void **)out));
+    g->allocs[g->n_allocs++] = *out;
+    p->stats.activations += bytes;
+    return TDM_STATUS_OK;
+}
+
+tdm_status tdm_tp_gpt_reserve(tdm_tp *p, int B)
+{
+    tdm_tp_gpt *g = p->gpt;
+    tdm_tp_gpt_free_acts(p);
+    int64_t N = (int64_t)B * g->T, C = g->C, Cl = g->Cl, Fl = g->Fl;
+    int64_t att = (int64_t)B * g->Hl * g->T * g->T;
+#define A(ptr, n) TDM_CHECK(tdm_tp_gpt_alloc(p, (n), &(ptr)))
+    for (int l = 0; l < g->L; l++) {
+        tdm_tp_gpt_block *b = &g->blk[l];
+        A(b->ln1, N * C);
+        A(b->ln1_mean, N);
+        A(b->ln1_rstd, N);
+        A(b->q, N * Cl);
+        A(b->k, N * Cl);
+        A(b->v, N * Cl);
+        A(b->att, att);
+        A(b->atty, N * Cl);
+        A(b->res1, N * C);
+        A(b->ln2, N * C);
+        A(b->ln2_mean, N);
+        A(b->ln2_rstd, N);
+        A(b->fch, N * Fl);
+        A(b->fcg, N * Fl);
+        A(b->res2, N * C);
+    }
+    A(g->res0, N * C);
+    A(g->lnf, N * C);
+    A(g->lnf_mean, N);
+    A(g->lnf_rstd, N);
+    A(g->logits, N * g->V);
+    A(g->qkv, N * 3 * Cl);
+    A(g->yh, N * Cl);
+    A(g->part, N * C);
+    A(g->dres, N * C);
+    A(g->dln, N * C);
+    A(g->dfc, N * Fl);
+    A(g->datt, att);
+    A(g->dq, N * Cl);
+    A(g->dk, N * Cl);
+    A(g->dv, N * Cl);
+    A(g->dlogits, N * g->V);
+    /* what tp/step.c reads and writes: the tokens, the targets, ones for
+     * the bias gradients, the logits on the host for evaluation */
+    float *x, *y, *ones;
+    A(x, N);
+    A(y, N);
+    A(ones, N);
+#undef A
+    p->x = x;
+    p->y = (int32_t *)y;
+    p->ones = ones;
+    float *h1 = malloc((size_t)N * sizeof(float));
+    TDM_REQUIRE(h1, TDM_STATUS_OUT_OF_MEMORY, "tp gpt: %lld floats", (long long)N);
+    for (int64_t i = 0; i < N; i++) h1[i] = 1.0f;
+    tdm_status st = tdm_dev_copy_from_host(p->dev, ones, h1, (size_t)N * sizeof(float));
+    free(h1);
+    TDM_CHECK(st);
+    p->host_logits = malloc((size_t)N * (size_t)g->V * sizeof(float));
+    TDM_REQUIRE(p->host_logits, TDM_STATUS_OUT_OF_MEMORY, "tp gpt: logits of %d windows", B);
+    /* tp/tp.c frees p->x, p->y and p->ones itself: keep them out of ours */
+    g->n_allocs -= 3;
+    g->cap = B;
+    p->cap = B;
+    return TDM_STATUS_OK;
+}
+
+float *tdm_tp_gpt_dlogits(tdm_tp *p) { return p->gpt->dlogits; }
+
+/* ---- forward ---- */
+
+/* y = res + x w^T + bias, w (C, in) this rank's columns of a row-parallel
+ * projection: the partial products summed over the group (an all-reduce
+ * of part), then added to the stream. One rank: one device's very
+ * calls (the stream copied, the projection accumulated onto it). */
+static tdm_status tdm_tp_gpt_row(tdm_tp *p, const float *x, const float *w, const float *bias,
+                                 int in, const float *res, float *y, int64_t N, const char *what,
+                                 int l, double *ar_ms)
+{
+    int C = p->gpt->C;
+    float *part = p->gpt->part;
+    if (p->size == 1) {
+        TDM_CHECK(tdm_dev_copy(p->dev, y, res, (size_t)N * C * sizeof(float)));
+        return tdm_layers_linear_fwd(p->dev, x, w, bias, N, in, C, 1, y);
+    }
+    TDM_CHECK(tdm_layers_linear_fwd(p->dev, x, w, NULL, N, in, C, 0, part));
+    uint64_t t0 = tdm_time_ns();
+    TDM_CHECK(tdm_tp_allreduce(p, part, N * C, what, l));
+    *ar_ms += tdm_time_ms_since(t0);
+    TDM_CHECK(tdm_dev_copy(p->dev, y, res, (size_t)N * C * sizeof(float)));
+    TDM_CHECK(tdm_dev_axpy(p->dev, N * C, 1.0f, part, y));
+    return tdm_dev_bias_act(p->dev, y, bias, N, C, TDM_ACT_NONE);
+}
+
+tdm_status tdm_tp_gpt_forward(tdm_tp *p, int B, const float **logits, double *ar_ms)
+{
+    tdm_tp_gpt *g = p->gpt;
+    tdm_device *d = p->dev;
+    float *W = p->params;
+    int C = g->C, Cl = g->Cl, Fl = g->Fl;
+    int64_t N = (int64_t)B * g->T;
+    TDM_CHECK(tdm_dev_embed_fwd(d, (const int32_t *)p->x, W + g->wte, W + g->wpe, g->res0, B,
+                                g->T, C));
+    const float *res = g->res0;
+    for (int l = 0; l < g->L; l++) {
+        tdm_tp_gpt_block *b = &g->blk[l];
+#define P(j) (W + b->off[j])
+        TDM_CHECK(tdm_dev_layernorm_fwd(d, res, P(TB_LN1_W), P(TB_LN1_B), b->ln1, b->ln1_mean,
+                                        b->ln1_rstd, N, C, TDM_TP_GPT_LN_EPS));
+        /* this rank's heads: q, k, v of H/N heads side by side, (N, 3C/N) */
+        TDM_CHECK(tdm_layers_linear_fwd(d, b->ln1, P(TB_ATTN_W), P(TB_ATTN_B), N, C, 3 * Cl, 0,
+                                        g->qkv));
+        tdm_layers_attn at = {.B = B, .T = g->T, .H = g->Hl, .C = Cl, .q = b->q, .k = b->k,
+                              .v = b->v, .att = b->att};
+        TDM_CHECK(tdm_layers_attention_fwd(d, &at, g->qkv, g->yh, b->atty));
+        TDM_CHECK(tdm_tp_gpt_row(p, b->atty, P(TB_APROJ_W), P(TB_APROJ_B), Cl, res, b->res1, N,
+                                 "forward attn.c_proj of block ", l, ar_ms));
+        TDM_CHECK(tdm_dev_layernorm_fwd(d, b->res1, P(TB_LN2_W), P(TB_LN2_B), b->ln2,
+                                        b->ln2_mean, b->ln2_rstd, N, C, TDM_TP_GPT_LN_EPS));
+        TDM_CHECK(tdm_layers_linear_fwd(d, b->ln2, P(TB_FC_W), P(TB_FC_B), N, C, Fl, 0, b->fch));
+        TDM_CHECK(tdm_dev_gelu_fwd(d, b->fch, b->fcg, N * Fl));
+        TDM_CHECK(tdm_tp_gpt_row(p, b->fcg, P(TB_MPROJ_W), P(TB_MPROJ_B), Fl, b->res1, b->res2,
+                                 N, "forward mlp.c_proj of block ", l, ar_ms));
+#undef P
+        res = b->res2;
+    }
+    TDM_CHECK(tdm_dev_layernorm_fwd(d, res, W + g->lnf_w, W + g->lnf_b, g->lnf, g->lnf_mean,
+                                    g->lnf_rstd, N, C, TDM_TP_GPT_LN_EPS));
+    TDM_CHECK(tdm_layers_linear_fwd(d, g->lnf, W + g->wte, NULL, N, C, g->V, 0, g->logits));
+    *logits = g->logits;
+    return TDM_STATUS_OK;
+}
+
+/* ---- backward ---- */
+
+/* The input gradient of a column-parallel layer summed over the group. */
+static tdm_status tdm_tp_gpt_col_in(tdm_tp *p, float *dx, int64_t N, const char *what, int l,
+                                    double *ar_ms)
+{
+    if (p->size < 2) return TDM_STATUS_OK;
+    uint64_t t0 = tdm_time_ns();
+    tdm_status st = tdm_tp_allreduce(p, dx, N * p->gpt->C, what, l);
+    *ar_ms += tdm_time_ms_since(t0);
+    return st;
+}
+
+tdm_status tdm_tp_gpt_backward(tdm_tp *p, int B, const float *dlogits, double *ar_ms)
+{
+    tdm_tp_gpt *g = p->gpt;
+    tdm_device *d = p->dev;
+    float *W = p->params, *G = p->grads;
+    int C = g->C, Cl = g->Cl, Fl = g->Fl;
+    int64_t N = (int64_t)B * g->T;
+    const float *res_last = g->L ? g->blk[g->L - 1].res2 : g->res0;
+    TDM_CHECK(tdm_dev_memset_zero(d, g->dres, (size_t)N * C * sizeof(float)));
+    /* the tied head: dwte += dlogits^T ln_f(x), d ln_f(x) = dlogits wte */
+    TDM_CHECK(tdm_layers_linear_bwd(d, g->lnf, W + g->wte, dlogits, p->ones, N, C, g->V,
+                                    G + g->wte, NULL, g->dln, 0));
+    TDM_CHECK(tdm_dev_layernorm_bwd(d, res_last, g->dln, W + g->lnf_w, g->lnf_mean, g->lnf_rstd,
+                                    g->dres, G + g->lnf_w, G + g->lnf_b, N, C));
+    for (int l = g->L - 1; l >= 0; l--) {
+        tdm_tp_gpt_block *b = &g->blk[l];
+        const float *res_in = l > 0 ? g->blk[l - 1].res2 : g->res0;
+#define P(j) (W + b->off[j])
+#define D(j) (G + b->off[j])
+        /* x += mlp(ln_2(x)): the branch's output gradient is dres */
+        TDM_CHECK(tdm_layers_linear_bwd(d, b->fcg, P(TB_MPROJ_W), g->dres, p->ones, N, Fl, C,
+                                        D(TB_MPROJ_W), D(TB_MPROJ_B), g->dfc, 0));
+        TDM_CHECK(tdm_dev_gelu_bwd(d, b->fch, g->dfc, g->dfc, N * Fl));
+        TDM_CHECK(tdm_layers_linear_bwd(d, b->ln2, P(TB_FC_W), g->dfc, p->ones, N, C, Fl,
+                                        D(TB_FC_W), D(TB_FC_B), g->dln, 0));
+        TDM_CHECK(tdm_tp_gpt_col_in(p, g->dln, N, "backward mlp.c_fc of block ", l, ar_ms));
+        TDM_CHECK(tdm_dev_layernorm_bwd(d, b->res1, g->dln, P(TB_LN2_W), b->ln2_mean,
+                                        b->ln2_rstd, g->dres, D(TB_LN2_W), D(TB_LN2_B), N, C));
+        /* x += attn(ln_1(x)); dln holds the heads' output gradient (N, C/N) */
+        TDM_CHECK(tdm_layers_linear_bwd(d, b->atty, P(TB_APROJ_W), g->dres, p->ones, N, Cl, C,
+                                        D(TB_APROJ_W), D(TB_APROJ_B), g->dln, 0));
+        tdm_layers_attn at = {.B = B, .T = g->T, .H = g->Hl, .C = Cl, .q = b->q, .k = b->k,
+                              .v = b->v, .att = b->att};
+        TDM_CHECK(tdm_layers_attention_bwd(d, &at, g->dln, g->yh, g->datt, g->dq, g->dk, g->dv,
+                                           g->qkv));
+        TDM_CHECK(tdm_layers_linear_bwd(d, b->ln1, P(TB_ATTN_W), g->qkv, p->ones, N, C, 3 * Cl,
+                                        D(TB_ATTN_W), D(TB_ATTN_B), g->dln, 0));
+        TDM_CHECK(tdm_tp_gpt_col_in(p, g->dln, N, "backward attn.c_attn of block ", l, ar_ms));
+        TDM_CHECK(tdm_dev_layernorm_bwd(d, res_in, g->dln, P(TB_LN1_W), b->ln1_mean,
+                                        b->ln1_rstd, g->dres, D(TB_LN1_W), D(TB_LN1_B), N, C));
+#undef P
+#undef D
+    }
+    return tdm_dev_embed_bwd(d, (const int32_t *)p->x, g->dres, G + g->wte, G + g->wpe, B,
+                             g->T, C);
+}

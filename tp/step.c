@@ -1,0 +1,272 @@
+/* tp/step.c: a tensor-parallel rank's forward (the row-parallel partial
+ * outputs all-reduced), loss, backward (the column-parallel input
+ * gradients all-reduced), the sum over the dp dimension, the optimizer
+ * step, and evaluation. The data flow is tp/tp.h's. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/timer.h"
+#include "tp/tp_impl.h"
+
+tdm_status tdm_tp_fail(tdm_tp *p, tdm_status st)
+{
+    if (p->failed) return st;
+    p->failed = 1;
+    /* the other ranks wait in (or are about to enter) a collective */
+    tdm_comm_abort(p->comm, tdm_error_message());
+    if (p->hcomm != p->comm) tdm_comm_abort(p->hcomm, tdm_error_message());
+    if (p->gcomm) tdm_comm_abort(p->gcomm, tdm_error_message());
+    return st;
+}
+
+tdm_status tdm_tp_allreduce(tdm_tp *p, float *buf, int64_t n, const char *what, int l)
+{
+    TDM_CHECK(tdm_dev_sync(p->dev));
+    tdm_comm_set_label(p->comm, "tp all-reduce %s%d", what, l);
+    tdm_status st = tdm_comm_all_reduce(p->comm, buf, buf, (size_t)n, TDM_DTYPE_FLOAT32,
+                                        TDM_REDOP_SUM);
+    if (st) tdm_error_prefix(st, "tp rank %d: the all-reduce %s%d", p->rank, what, l);
+    return st;
+}
+
+/* Forward of B samples already at p->x: the logits in the last layer's
+ * act. Times the all-reduces into *ar_ms. */
+static tdm_status tdm_tp_forward(tdm_tp *p, int B, double *ar_ms)
+{
+    const float *cur = p->x;
+    for (int l = 0; l < p->n_layers; l++) {
+        tdm_tp_layer *L = &p->layers[l];
+        L->in_act = cur;
+        /* act (B, lout) = cur (B, lin) W^T, W (lout, lin) */
+        TDM_CHECK(tdm_dev_gemm_rm(p->dev, TDM_TRANS_N, TDM_TRANS_T, B, L->lout, L->lin, 1.0f, cur,
+                                  p->params + L->w_off, 0.0f, L->act));
+        if (L->split == TDM_TP_ROW && p->size > 1) {
+            uint64_t t0 = tdm_time_ns();
+            TDM_CHECK(tdm_tp_allreduce(p, L->act, (int64_t)B * L->lout, "forward fc", l + 1));
+            *ar_ms += tdm_time_ms_since(t0);
+        }
+        TDM_CHECK(tdm_dev_bias_act(p->dev, L->act, p->params + L->b_off, B, L->lout,
+                                   L->relu ? TDM_ACT_RELU : TDM_ACT_NONE));
+        cur = L->act;
+    }
+    return TDM_STATUS_OK;
+}
+
+/* Backward from the loss gradient in dbuf[0] (B, classes). */
+static tdm_status tdm_tp_backward(tdm_tp *p, int B, double *ar_ms)
+{
+    int cur = 0;
+    for (int l = p->n_layers - 1; l >= 0; l--) {
+        tdm_tp_layer *L = &p->layers[l];
+        float *dout = p->dbuf[cur], *din = p->dbuf[1 - cur];
+        if (L->relu) TDM_CHECK(tdm_dev_relu_bwd(p->dev, dout, L->act, (int64_t)B * L->lout));
+        /* dW (lout, lin) += dout^T x; db (1, lout) += ones (1, B) dout */
+        TDM_CHECK(tdm_dev_gemm_rm(p->dev, TDM_TRANS_T, TDM_TRANS_N, L->lout, L->lin, B, 1.0f,
+                                  dout, L->in_act, 1.0f, p->grads + L->w_off));
+        TDM_CHECK(tdm_dev_gemm_rm(p->dev, TDM_TRANS_N, TDM_TRANS_N, 1, L->lout, B, 1.0f, p->ones,
+                                  dout, 1.0f, p->grads + L->b_off));
+        if (l == 0) break;   /* the data needs no gradient */
+        /* din (B, lin) = dout (B, lout) W (lout, lin): a partial sum on a
+         * column-parallel layer, whose input is replicated */
+        TDM_CHECK(tdm_dev_gemm_rm(p->dev, TDM_TRANS_N, TDM_TRANS_N, B, L->lin, L->lout, 1.0f, dout,
+                                  p->params + L->w_off, 0.0f, din));
+        if (L->split == TDM_TP_COLUMN && p->size > 1) {
+            uint64_t t0 = tdm_time_ns();
+            TDM_CHECK(tdm_tp_allreduce(p, din, (int64_t)B * L->lin, "backward fc", l + 1));
+            *ar_ms += tdm_time_ms_since(t0);
+        }
+        cur = 1 - cur;
+    }
+    return TDM_STATUS_OK;
+}
+
+/* Input elements (4 bytes: features or tokens) and target rows per sample. */
+static int tdm_tp_in_elems(const tdm_tp *p)
+{
+    return p->gpt ? p->spec.n_ctx : p->spec.dims[0];
+}
+static int tdm_tp_rows(const tdm_tp *p) { return p->gpt ? p->spec.n_ctx : 1; }
+static int tdm_tp_classes(const tdm_tp *p)
+{
+    return p->gpt ? p->spec.vocab : p->spec.dims[p->n_layers];
+}
+
+static tdm_status tdm_tp_inputs(tdm_tp *p, const void *x, const int32_t *y, int B)
+{
+    TDM_REQUIRE(B >= 1 && x && y, TDM_STATUS_INVALID_ARG,
+                "tp: a batch needs x, y and at least one sample (got %d)", B);
+    if (p->gpt) {
+        const int32_t *tok = x;
+        for (int64_t i = 0; i < (int64_t)B * p->spec.n_ctx; i++)
+            TDM_REQUIRE(tok[i] >= 0 && tok[i] < p->spec.vocab, TDM_STATUS_INVALID_ARG,
+                        "tp: token %d at position %lld of window %lld is outside the "
+                        "vocabulary [0, %d)", (int)tok[i], (long long)(i % p->spec.n_ctx),
+                        (long long)(i / p->spec.n_ctx), p->spec.vocab);
+    }
+    TDM_CHECK(tdm_tp_reserve(p, B));
+    size_t n = (size_t)B * (size_t)tdm_tp_rows(p);
+    TDM_CHECK(tdm_dev_copy_from_host(p->dev, p->x, x,
+                                     (size_t)B * (size_t)tdm_tp_in_elems(p) * sizeof(float)));
+    return tdm_dev_copy_from_host(p->dev, p->y, y, n * sizeof(int32_t));
+}
+
+/* The logits of the B samples at p->x (B * rows, classes). */
+static tdm_status tdm_tp_logits(tdm_tp *p, int B, const float **logits, double *ar_ms)
+{
+    if (p->gpt) return tdm_tp_gpt_forward(p, B, logits, ar_ms);
+    TDM_CHECK(tdm_tp_forward(p, B, ar_ms));
+    *logits = p->layers[p->n_layers - 1].act;
+    return TDM_STATUS_OK;
+}
+
+/* The loss of the logits (a sample's: the mean over its rows) and, with
+ * dlogits, its gradient times grad_scale, as tdm_model_loss. */
+static tdm_status tdm_tp_loss(tdm_tp *p, const float *logits, int B, float grad_scale,
+                              double *loss_sum, float *dlogits)
+{
+    int rows = tdm_tp_rows(p);
+    double s = 0.0;
+    TDM_CHECK(tdm_loss_softmax_xent(p->dev, logits, p->y, B * rows, tdm_tp_classes(p),
+                                    rows == 1 ? grad_scale : grad_scale / (float)rows, &s,
+                                    dlogits));
+    *loss_sum = rows == 1 ? s : s / rows;
+    return TDM_STATUS_OK;
+}
+
+static tdm_status tdm_tp_fwd_bwd(tdm_tp *p, const void *x, const int32_t *y, int B,
+                                 float grad_scale, double *loss_sum, tdm_tp_phases *ph)
+{
+    uint64_t t0 = tdm_time_ns();
+    const float *logits = NULL;
+    TDM_CHECK(tdm_tp_inputs(p, x, y, B));
+    TDM_CHECK(tdm_tp_logits(p, B, &logits, &ph->fwd_allreduce));
+    ph->forward += tdm_time_ms_since(t0) - ph->fwd_allreduce;
+    t0 = tdm_time_ns();
+    float *dlogits = p->gpt ? tdm_tp_gpt_dlogits(p) : p->dbuf[0];
+    double ls = 0.0;
+    TDM_CHECK(tdm_tp_loss(p, logits, B, grad_scale, &ls, dlogits));
+    if (loss_sum) *loss_sum = ls;
+    ph->loss += tdm_time_ms_since(t0);
+    t0 = tdm_time_ns();
+    if (p->gpt) TDM_CHECK(tdm_tp_gpt_backward(p, B, dlogits, &ph->bwd_allreduce));
+    else TDM_CHECK(tdm_tp_backward(p, B, &ph->bwd_allreduce));
+    ph->backward += tdm_time_ms_since(t0) - ph->bwd_allreduce;
+    if (!p->gcomm || tdm_comm_size(p->gcomm) < 2) return TDM_STATUS_OK;
+    t0 = tdm_time_ns();
+    TDM_CHECK(tdm_dev_sync(p->dev));
+    tdm_comm_set_label(p->gcomm, "tp gradients over the dp dimension");
+    tdm_status st = tdm_comm_all_reduce(p->gcomm, p->grads, p->grads, (size_t)p->n_elem,
+                                        TDM_DTYPE_FLOAT32, TDM_REDOP_SUM);
+    if (st) tdm_error_prefix(st, "tp rank %d: gradients over the dp dimension", p->rank);
+    ph->grad_sync += tdm_time_ms_since(t0);
+    return st;
+}
+
+tdm_status tdm_tp_zero_grad(tdm_tp *p)
+{
+    return tdm_dev_memset_zero(p->dev, p->grads, (size_t)p->n_elem * sizeof(float));
+}
+
+tdm_status tdm_tp_optim_step(tdm_tp *p)
+{
+    tdm_optim_range rg = {.param = p->params, .grad = p->grads, .state_offset = 0,
+                          .n_elem = p->n_elem};
+    return tdm_optim_step_ranges(p->opt, &rg, 1);
+}
+
+tdm_status tdm_tp_forward_backward(tdm_tp *p, const void *x, const int32_t *y, int batch,
+                                   float grad_scale, double *loss_sum)
+{
+    tdm_tp_phases ph = {0};
+    tdm_status st = tdm_tp_fwd_bwd(p, x, y, batch, grad_scale, loss_sum, &ph);
+    return st ? tdm_tp_fail(p, st) : st;
+}
+
+tdm_status tdm_tp_step_scaled(tdm_tp *p, const void *x, const int32_t *y, int batch,
+                              float grad_scale, double *loss_sum)
+{
+    uint64_t t0 = tdm_time_ns();
+    tdm_tp_phases ph = {0};
+    tdm_status st = tdm_tp_zero_grad(p);
+    if (!st) st = tdm_tp_fwd_bwd(p, x, y, batch, grad_scale, loss_sum, &ph);
+    uint64_t t1 = tdm_time_ns();
+    if (!st) st = tdm_tp_optim_step(p);
+    if (!st) st = tdm_dev_sync(p->dev);
+    if (st) return tdm_tp_fail(p, st);
+    ph.step = tdm_time_ms_since(t1);
+    ph.total = tdm_time_ms_since(t0);
+    p->stats.last = ph;
+    tdm_tp_phases *s = &p->stats.sum;
+    s->forward += ph.forward;
+    s->fwd_allreduce += ph.fwd_allreduce;
+    s->loss += ph.loss;
+    s->backward += ph.backward;
+    s->bwd_allreduce += ph.bwd_allreduce;
+    s->grad_sync += ph.grad_sync;
+    s->step += ph.step;
+    s->total += ph.total;
+    p->stats.steps++;
+    return TDM_STATUS_OK;
+}
+
+tdm_status tdm_tp_eval_batch(tdm_tp *p, const void *x, const int32_t *y, int batch,
+                             double *loss_sum, int64_t *correct)
+{
+    double ar = 0.0, ls = 0.0;
+    const float *logits = NULL;
+    int C = tdm_tp_classes(p), R = batch * tdm_tp_rows(p);
+    tdm_status st = tdm_tp_inputs(p, x, y, batch);
+    if (!st) st = tdm_tp_logits(p, batch, &logits, &ar);
+    if (!st) st = tdm_tp_loss(p, logits, batch, 1.0f, &ls, NULL);
+    if (!st) st = tdm_dev_copy_to_host(p->dev, p->host_logits, logits,
+                                       (size_t)R * (size_t)C * sizeof(float));
+    if (st) return tdm_tp_fail(p, st);
+    int64_t ok = 0;
+    for (int i = 0; i < R; i++) {
+        const float *row = p->host_logits + (int64_t)i * C;
+        int best = 0;
+        for (int c = 1; c < C; c++)
+            if (row[c] > row[best]) best = c;
+        ok += best == y[i];
+    }
+    *loss_sum = ls;
+    *correct = ok;
+    return TDM_STATUS_OK;
+}
+
+tdm_status tdm_tp_evaluate(tdm_tp *p, const tdm_dataset *d, int batch, double *loss_mean,
+                           double *accuracy)
+{
+    TDM_REQUIRE(d && batch > 0 && loss_mean && accuracy && d->n > 0, TDM_STATUS_INVALID_ARG,
+                "tp evaluate: a non-empty test set, batch > 0 and outputs are required");
+    TDM_REQUIRE(!p->gpt, TDM_STATUS_INVALID_ARG, "tp evaluate: image data, not the GPT's");
+    TDM_REQUIRE(tdm_data_features(d) == p->spec.dims[0], TDM_STATUS_INVALID_ARG,
+                "tp evaluate: the data has %lld features per sample, the model reads %d",
+                (long long)tdm_data_features(d), p->spec.dims[0]);
+    int64_t F = tdm_data_features(d), *idx = malloc((size_t)batch * sizeof *idx);
+    float *x = malloc((size_t)batch * (size_t)F * sizeof(float));
+    int32_t *y = malloc((size_t)batch * sizeof *y);
+    double loss = 0.0;
+    int64_t correct = 0;
+    tdm_status st = idx && x && y ? TDM_STATUS_OK
+                                  : tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "tp evaluate: malloc");
+    for (int64_t i0 = 0; st == TDM_STATUS_OK && i0 < d->n; i0 += batch) {
+        int n = (int)(d->n - i0 < batch ? d->n - i0 : batch);
+        for (int i = 0; i < n; i++) idx[i] = i0 + i;
+        tdm_data_gather(d, idx, n, x, y);
+        double ls = 0.0;
+        int64_t c = 0;
+        st = tdm_tp_eval_batch(p, x, y, n, &ls, &c);
+        loss += ls;
+        correct += c;
+    }
+    free(idx);
+    free(x);
+    free(y);
+    if (st) return st;
+    *loss_mean = loss / (double)d->n;
+    *accuracy = (double)correct / (double)d->n;
+    return TDM_STATUS_OK;
+}

@@ -1,0 +1,457 @@
+/* tp/tp.c: a tensor-parallel rank's plan, set-up and memory, and its
+ * slices of the whole model's layout (initial parameters, checkpoints).
+ * The step is tp/step.c's. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "tp/tp_impl.h"
+
+static const char *const tdm_tp_split_names[] = {
+    [TDM_TP_COLUMN] = "column", [TDM_TP_ROW] = "row", [TDM_TP_REPLICATED] = "replicated"};
+
+const char *tdm_tp_split_name(tdm_tp_split s)
+{
+    return (unsigned)s <= TDM_TP_REPLICATED ? tdm_tp_split_names[s] : "?";
+}
+
+/* ---- the plan ---- */
+
+tdm_status tdm_tp_plan(const tdm_model_spec *spec, int ranks, tdm_tp_split *split,
+                       int *n_layers)
+{
+    static const char *const kinds[] = {"mlp", "cnn", "gpt"};
+    TDM_REQUIRE(ranks >= 1, TDM_STATUS_USAGE, "tensor parallelism needs at least 1 rank, got %d",
+                ranks);
+    if (spec->kind == TDM_MODEL_GPT) {
+        TDM_CHECK(tdm_tp_gpt_plan(spec, ranks));
+        *n_layers = 0;
+        return TDM_STATUS_OK;
+    }
+    TDM_REQUIRE(spec->kind == TDM_MODEL_MLP, TDM_STATUS_USAGE,
+                "--mode tp supports the MLP and the GPT; the %s is not supported",
+                (unsigned)spec->kind <= TDM_MODEL_GPT ? kinds[spec->kind] : "model");
+    int L = spec->ndims - 1;
+    TDM_REQUIRE(L >= 2 && L <= TDM_MODEL_MAX_DIMS, TDM_STATUS_USAGE,
+                "tensor parallelism splits pairs of linear layers: the MLP has %d linear "
+                "layer%s (give it a hidden layer, e.g. mlp:784-256-10)", L, L == 1 ? "" : "s");
+    for (int l = 0; l < L; l++) {
+        if (l % 2 == 1) {
+            split[l] = TDM_TP_ROW;
+            continue;
+        }
+        if (l + 1 == L) {
+            split[l] = TDM_TP_REPLICATED;
+            continue;
+        }
+        split[l] = TDM_TP_COLUMN;
+        int w = spec->dims[l + 1];
+        TDM_REQUIRE(w % ranks == 0, TDM_STATUS_USAGE,
+                    "layer fc%d's output width %d (fc%d's input) is not divisible by the %d "
+                    "tensor-parallel ranks", l + 1, w, l + 2, ranks);
+    }
+    *n_layers = L;
+    return TDM_STATUS_OK;
+}
+
+int tdm_tp_step_allreduces(const tdm_model_spec *spec, int ranks)
+{
+    tdm_tp_split split[TDM_MODEL_MAX_DIMS];
+    int L = 0, n = 0;
+    if (ranks < 2 || tdm_tp_plan(spec, ranks, split, &L)) return 0;
+    if (spec->kind == TDM_MODEL_GPT) return 4 * spec->n_layer;
+    for (int l = 0; l < L; l++)
+        n += split[l] == TDM_TP_ROW || (split[l] == TDM_TP_COLUMN && l > 0);
+    return n;
+}
+
+int64_t tdm_tp_step_bytes(const tdm_model_spec *spec, int ranks, int batch)
+{
+    tdm_tp_split split[TDM_MODEL_MAX_DIMS];
+    int L = 0;
+    int64_t floats = 0;
+    if (ranks < 2 || tdm_tp_plan(spec, ranks, split, &L)) return 0;
+    /* the GPT: per block two all-reduces of the stream forward (after
+     * attn.c_proj and mlp.c_proj) and two backward (c_attn's and c_fc's
+     * input gradients) */
+    if (spec->kind == TDM_MODEL_GPT)
+        return (int64_t)4 * spec->n_layer * batch * spec->n_ctx * spec->n_embd *
+               (int64_t)sizeof(float);
+    for (int l = 0; l < L; l++) {
+        if (split[l] == TDM_TP_ROW) floats += (int64_t)batch * spec->dims[l + 1];
+        if (split[l] == TDM_TP_COLUMN && l > 0) floats += (int64_t)batch * spec->dims[l];
+    }
+    return floats * (int64_t)sizeof(float);
+}
+
+/* ---- slices ---- */
+
+void tdm_tp_add_tensor(tdm_tp *p, int wp, tdm_tp_cut cut, int parts, int64_t rows, int64_t cols)
+{
+    int64_t whole = rows * cols, n = cut == TDM_TP_CUT_REPL ? whole : whole / p->size;
+    p->tensors[p->n_tensors++] = (tdm_tp_tensor){.wp = wp, .cut = cut, .parts = parts,
+                                                 .rows = rows, .cols = cols, .off = p->n_elem,
+                                                 .n_elem = n};
+    p->n_elem += n;
+    if (cut == TDM_TP_CUT_REPL) {
+        p->stats.replicated_elems += n;
+    } else {
+        p->stats.split_elems += n;
+        p->stats.whole_split_elems += whole;
+    }
+}
+
+/* Rank r's slice of t between the whole array w and the rank's l; out:
+ * 1 copies whole -> local, 0 local -> whole. */
+static void tdm_tp_cut_copy(const tdm_tp *p, const tdm_tp_tensor *t, int r, float *w, float *l,
+                            int out)
+{
+    size_t f = sizeof(float);
+    if (t->cut == TDM_TP_CUT_REPL) {
+        if (out) memcpy(l, w, (size_t)t->n_elem * f);
+        else memcpy(w, l, (size_t)t->n_elem * f);
+        return;
+    }
+    if (t->cut == TDM_TP_CUT_ROWS) {
+        int64_t block = t->rows / t->parts, k = block / p->size;
+        for (int q = 0; q < t->parts; q++) {
+            float *wq = w + (q * block + (int64_t)r * k) * t->cols, *lq = l + q * k * t->cols;
+            if (out) memcpy(lq, wq, (size_t)(k * t->cols) * f);
+            else memcpy(wq, lq, (size_t)(k * t->cols) * f);
+        }
+        return;
+    }
+    int64_t k = t->cols / p->size;
+    for (int64_t o = 0; o < t->rows; o++) {
+        float *wo = w + o * t->cols + (int64_t)r * k, *lo = l + o * k;
+        if (out) memcpy(lo, wo, (size_t)k * f);
+        else memcpy(wo, lo, (size_t)k * f);
+    }
+}
+
+void tdm_tp_slice(const tdm_tp *p, int r, const float *whole, float *local)
+{
+    for (int i = 0; i < p->n_tensors; i++) {
+        const tdm_tp_tensor *t = &p->tensors[i];
+        tdm_tp_cut_copy(p, t, r, (float *)whole + tdm_model_param_info(p->tables, t->wp)->offset,
+                        local + t->off, 1);
+    }
+}
+
+/* Replicated tensors come from rank 0's slice (every rank holds the same). */
+void tdm_tp_unslice(const tdm_tp *p, const float *locals, float *whole)
+{
+    for (int r = 0; r < p->size; r++)
+        for (int i = 0; i < p->n_tensors; i++) {
+            const tdm_tp_tensor *t = &p->tensors[i];
+            if (t->cut == TDM_TP_CUT_REPL && r != 0) continue;
+            tdm_tp_cut_copy(p, t, r, whole + tdm_model_param_info(p->tables, t->wp)->offset,
+                            (float *)locals + (int64_t)r * p->n_elem + t->off, 0);
+        }
+}
+
+/* ---- set-up ---- */
+
+/* The rank's layers and flat layout (no padding: the slices of a split
+ * tensor are exactly 1/N of it). */
+static void tdm_tp_layout(tdm_tp *p, const tdm_tp_split *split)
+{
+    p->max_width = p->spec.dims[0];
+    for (int l = 0; l < p->n_layers; l++) {
+        tdm_tp_layer *L = &p->layers[l];
+        int in = p->spec.dims[l], out = p->spec.dims[l + 1];
+        *L = (tdm_tp_layer){.split = split[l], .in = in, .out = out, .lin = in, .lout = out,
+                            .relu = l + 1 < p->n_layers, .wp = 2 * l, .bp = 2 * l + 1};
+        if (L->split == TDM_TP_COLUMN) L->lout = out / p->size;
+        if (L->split == TDM_TP_ROW) L->lin = in / p->size;
+        L->b_elems = L->lout;
+        L->w_off = p->n_elem;
+        tdm_tp_cut wc = L->split == TDM_TP_COLUMN ? TDM_TP_CUT_ROWS
+                      : L->split == TDM_TP_ROW    ? TDM_TP_CUT_COLS
+                                                  : TDM_TP_CUT_REPL;
+        tdm_tp_add_tensor(p, L->wp, wc, 1, out, in);
+        L->b_off = p->n_elem;
+        tdm_tp_add_tensor(p, L->bp, L->split == TDM_TP_COLUMN ? TDM_TP_CUT_ROWS : TDM_TP_CUT_REPL,
+                          1, out, 1);
+        if (out > p->max_width) p->max_width = out;
+    }
+}
+
+/* Every rank the same model, seed, optimizer and group size; a rank that
+ * differs is named. */
+static tdm_status tdm_tp_check_config(tdm_tp *p, const tdm_tp_opts *o)
+{
+    enum { CFG_SIZE = 0, CFG_SEED, CFG_SPEC, CFG_OPTIM, CFG_GRAD, CFG_COUNT_ };
+    static const char *const names[] = {"group size", "seed", "model", "optimizer",
+                                        "dp gradient sum"};
+    uint64_t h = 0xcbf29ce484222325ull, g = h;
+    const unsigned char *s = (const unsigned char *)&p->spec;
+    for (size_t i = 0; i < sizeof p->spec; i++) h = (h ^ s[i]) * 0x100000001b3ull;
+    s = (const unsigned char *)&o->optim;
+    for (size_t i = 0; i < sizeof o->optim; i++) g = (g ^ s[i]) * 0x100000001b3ull;
+    int64_t mine[CFG_COUNT_] = {p->size, (int64_t)o->seed, (int64_t)h, (int64_t)g,
+                                o->grad_comm != NULL};
+    int64_t *all = calloc((size_t)p->size * CFG_COUNT_, sizeof *all);
+    TDM_REQUIRE(all, TDM_STATUS_OUT_OF_MEMORY, "tp: configuration check");
+    tdm_comm_set_label(p->hcomm, "tp configuration check");
+    tdm_status st = tdm_comm_all_gather(p->hcomm, mine, all, CFG_COUNT_, TDM_DTYPE_INT64);
+    for (int r = 1; st == TDM_STATUS_OK && r < p->size; r++)
+        for (int f = 0; f < CFG_COUNT_; f++)
+            if (all[r * CFG_COUNT_ + f] != all[f]) {
+                st = tdm_error_set(TDM_STATUS_MISMATCH, "tp: rank %d of the tensor-parallel "
+                                   "group was configured with another %s than rank 0", r,
+                                   names[f]);
+                break;
+            }
+    free(all);
+    return st;
+}
+
+/* The whole model from the seed on a host device, this rank's slices of
+ * it onto p->params. */
+static tdm_status tdm_tp_init_params(tdm_tp *p, uint64_t seed)
+{
+    tdm_device *host = NULL;
+    tdm_model *whole = NULL;
+    float *hw = NULL, *hl = NULL;
+    tdm_status st = tdm_device_open(&host, "cpu", 0, 1);
+    if (!st) st = tdm_model_init(&whole, host, &p->spec, seed);
+    size_t nw = whole ? (size_t)tdm_model_param_elems(whole) : 0;
+    if (!st) {
+        hw = malloc(nw * sizeof(float));
+        hl = malloc((size_t)p->n_elem * sizeof(float));
+        if (!hw || !hl) st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "tp: %zu floats", nw);
+    }
+    if (!st) st = tdm_dev_copy_to_host(host, hw, tdm_model_params(whole), nw * sizeof(float));
+    if (!st) {
+        tdm_tp_slice(p, p->rank, hw, hl);
+        st = tdm_dev_copy_from_host(p->dev, p->params, hl, (size_t)p->n_elem * sizeof(float));
+    }
+    free(hw);
+    free(hl);
+    tdm_model_free(whole);
+    tdm_device_free(host);
+    return st;
+}
+
+/* Parameters, gradients and optimizer, measured by the allocator. */
+static tdm_status tdm_tp_alloc_state(tdm_tp *p, const tdm_optim_opts *optim)
+{
+    tdm_dev_mem_stats a, b;
+    int measured = tdm_dev_mem_query(p->dev, &a) == TDM_STATUS_OK;
+    size_t bytes = (size_t)p->n_elem * sizeof(float);
+    TDM_CHECK(tdm_dev_alloc_zero(p->dev, bytes, (void **)&p->params));
+    TDM_CHECK(tdm_dev_alloc_zero(p->dev, bytes, (void **)&p->grads));
+    TDM_CHECK(tdm_optim_init_flat(&p->opt, p->dev, p->n_elem, optim));
+    if (measured && tdm_dev_mem_query(p->dev, &b) == TDM_STATUS_OK)
+        p->stats.state_alloc_bytes = b.live_bytes - a.live_bytes;
+    p->stats.params = p->stats.grads = bytes;
+    p->stats.optimizer = tdm_optim_state_bytes(p->opt);
+    return TDM_STATUS_OK;
+}
+
+/* Every rank's outcome of its set-up: this rank's st, or the first other
+ * rank's failure, named (nobody waits for a rank that gave up). */
+static tdm_status tdm_tp_agree(tdm_tp *p, tdm_status st)
+{
+    int32_t mine = (int32_t)st, *all = calloc((size_t)p->size, sizeof *all);
+    TDM_REQUIRE(all, TDM_STATUS_OUT_OF_MEMORY, "tp: set-up");
+    char msg[TDM_ERROR_MSG_MAX];
+    snprintf(msg, sizeof msg, "%s", st ? tdm_error_message() : "");
+    tdm_comm_set_label(p->hcomm, "tp set-up outcome");
+    tdm_status cs = tdm_comm_all_gather(p->hcomm, &mine, all, 1, TDM_DTYPE_INT32);
+    tdm_status out = cs ? cs : st;
+    for (int r = 0; !cs && !st && r < p->size; r++)
+        if (all[r]) {
+            out = tdm_error_set((tdm_status)all[r], "tp: rank %d of the tensor-parallel group "
+                                "failed its set-up", r);
+            break;
+        }
+    if (st && !cs) tdm_error_set(st, "%s", msg);
+    free(all);
+    return out;
+}
+
+tdm_status tdm_tp_init(tdm_tp **out, tdm_comm *comm, tdm_device *dev, const tdm_model_spec *spec,
+                       const tdm_tp_opts *opts)
+{
+    tdm_status st = TDM_STATUS_OK;
+    *out = NULL;
+    tdm_tp_split split[TDM_MODEL_MAX_DIMS];
+    int L = 0;
+    TDM_CHECK(tdm_tp_plan(spec, tdm_comm_size(comm), split, &L));
+    tdm_tp *p = calloc(1, sizeof *p);
+    TDM_REQUIRE(p, TDM_STATUS_OUT_OF_MEMORY, "tp: calloc");
+    *p = (tdm_tp){.comm = comm, .hcomm = opts->host_comm ? opts->host_comm : comm,
+                  .gcomm = opts->grad_comm, .dev = dev, .rank = tdm_comm_rank(comm),
+                  .size = tdm_comm_size(comm), .spec = *spec, .n_layers = L};
+    if (spec->kind == TDM_MODEL_GPT && !tdm_dev_has_transformer(dev)) {
+        st = tdm_error_set(TDM_STATUS_UNSUPPORTED, "tp: device %s has no transformer kernels",
+                           tdm_dev_name(dev));
+        goto fail;
+    }
+    TDM_TRY(tdm_model_init_tables(&p->tables, spec));
+    if (spec->kind == TDM_MODEL_GPT) TDM_TRY(tdm_tp_gpt_layout(p));
+    else tdm_tp_layout(p, split);
+    TDM_TRY(tdm_tp_check_config(p, opts));
+    st = tdm_tp_alloc_state(p, &opts->optim);
+    if (!st) st = tdm_tp_init_params(p, opts->seed);
+    TDM_TRY(tdm_tp_agree(p, st));
+    *out = p;
+    return TDM_STATUS_OK;
+fail:
+    tdm_tp_free(p);
+    return st;
+}
+
+static void tdm_tp_free_acts(tdm_tp *p)
+{
+    for (int l = 0; l < p->n_layers; l++) {
+        tdm_dev_free(p->dev, p->layers[l].act);
+        p->layers[l].act = NULL;
+    }
+    tdm_dev_free(p->dev, p->x);
+    tdm_dev_free(p->dev, p->y);
+    tdm_dev_free(p->dev, p->ones);
+    tdm_dev_free(p->dev, p->dbuf[0]);
+    tdm_dev_free(p->dev, p->dbuf[1]);
+    free(p->host_logits);
+    p->x = p->ones = p->dbuf[0] = p->dbuf[1] = p->host_logits = NULL;
+    p->y = NULL;
+    p->cap = 0;
+    p->stats.activations = 0;
+}
+
+void tdm_tp_free(tdm_tp *p)
+{
+    if (!p) return;
+    tdm_tp_free_acts(p);
+    tdm_tp_gpt_free(p);
+    tdm_optim_free(p->opt);
+    tdm_dev_free(p->dev, p->params);
+    tdm_dev_free(p->dev, p->grads);
+    tdm_model_free(p->tables);
+    free(p);
+}
+
+tdm_status tdm_tp_reserve(tdm_tp *p, int B)
+{
+    if (B <= p->cap) return TDM_STATUS_OK;
+    tdm_tp_free_acts(p);
+    if (p->gpt) return tdm_tp_gpt_reserve(p, B);
+    size_t f = sizeof(float), bytes = 0, n;
+    for (int l = 0; l < p->n_layers; l++) {
+        n = (size_t)B * (size_t)p->layers[l].lout * f;
+        TDM_CHECK(tdm_dev_alloc(p->dev, n, (void **)&p->layers[l].act));
+        bytes += n;
+    }
+    n = (size_t)B * (size_t)p->spec.dims[0] * f;
+    TDM_CHECK(tdm_dev_alloc(p->dev, n, (void **)&p->x));
+    bytes += n;
+    TDM_CHECK(tdm_dev_alloc(p->dev, (size_t)B * sizeof(int32_t), (void **)&p->y));
+    bytes += (size_t)B * sizeof(int32_t);
+    float *ones = malloc((size_t)B * f);
+    TDM_REQUIRE(ones, TDM_STATUS_OUT_OF_MEMORY, "tp: %d floats", B);
+    for (int i = 0; i < B; i++) ones[i] = 1.0f;
+    tdm_status st = tdm_dev_alloc(p->dev, (size_t)B * f, (void **)&p->ones);
+    if (!st) st = tdm_dev_copy_from_host(p->dev, p->ones, ones, (size_t)B * f);
+    free(ones);
+    TDM_CHECK(st);
+    bytes += (size_t)B * f;
+    n = (size_t)B * (size_t)p->max_width * f;
+    TDM_CHECK(tdm_dev_alloc(p->dev, n, (void **)&p->dbuf[0]));
+    TDM_CHECK(tdm_dev_alloc(p->dev, n, (void **)&p->dbuf[1]));
+    bytes += 2 * n;
+    p->host_logits = malloc((size_t)B * (size_t)p->spec.dims[p->n_layers] * f);
+    TDM_REQUIRE(p->host_logits, TDM_STATUS_OUT_OF_MEMORY, "tp: logits of %d samples", B);
+    p->cap = B;
+    p->stats.activations = bytes;
+    return TDM_STATUS_OK;
+}
+
+int tdm_tp_rank(const tdm_tp *p) { return p->rank; }
+int tdm_tp_size(const tdm_tp *p) { return p->size; }
+tdm_optim *tdm_tp_optim(tdm_tp *p) { return p->opt; }
+const tdm_model *tdm_tp_tables(const tdm_tp *p) { return p->tables; }
+tdm_tp_split tdm_tp_layer_split(const tdm_tp *p, int l) { return p->layers[l].split; }
+float *tdm_tp_params(tdm_tp *p) { return p->params; }
+float *tdm_tp_grads(tdm_tp *p) { return p->grads; }
+int64_t tdm_tp_elems(const tdm_tp *p) { return p->n_elem; }
+void tdm_tp_get_stats(const tdm_tp *p, tdm_tp_stats *out) { *out = p->stats; }
+int tdm_tp_n_tensors(const tdm_tp *p) { return p->n_tensors; }
+void tdm_tp_tensor_get(const tdm_tp *p, int i, tdm_tp_tensor_info *out)
+{
+    const tdm_tp_tensor *t = &p->tensors[i];
+    *out = (tdm_tp_tensor_info){.whole_index = t->wp, .split = t->cut != TDM_TP_CUT_REPL,
+                                .offset = t->off, .n_elem = t->n_elem};
+}
+
+/* ---- checkpoints ---- */
+
+/* A rank-layout device buffer gathered into the whole layout on root. */
+static tdm_status tdm_tp_gather_buf(tdm_tp *p, const float *dev_buf, float *whole, int root,
+                                    const char *what)
+{
+    size_t bytes = (size_t)p->n_elem * sizeof(float);
+    float *mine = malloc(bytes);
+    float *all = p->rank == root ? malloc(bytes * (size_t)p->size) : NULL;
+    tdm_status st = mine && (all || p->rank != root)
+                        ? TDM_STATUS_OK
+                        : tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "tp: gathering %s", what);
+    if (!st) st = tdm_dev_copy_to_host(p->dev, mine, dev_buf, bytes);
+    if (st) {
+        /* the others are about to wait in the gather */
+        tdm_comm_abort(p->hcomm, tdm_error_message());
+    } else {
+        tdm_comm_set_label(p->hcomm, "tp gather of the %s", what);
+        st = tdm_comm_gather(p->hcomm, mine, all, (size_t)p->n_elem, TDM_DTYPE_FLOAT32, root);
+    }
+    if (!st && all) tdm_tp_unslice(p, all, whole);
+    free(mine);
+    free(all);
+    return st;
+}
+
+tdm_status tdm_tp_gather_state(tdm_tp *p, tdm_ckpt_host *h, int root)
+{
+    TDM_CHECK(tdm_tp_gather_buf(p, p->params, h ? h->params : NULL, root, "parameters"));
+    if (!h || !h->optim) {
+        if (h) h->steps = tdm_optim_steps(p->opt);
+        return TDM_STATUS_OK;
+    }
+    for (int i = 0; i < tdm_optim_n_state(p->opt); i++)
+        TDM_CHECK(tdm_tp_gather_buf(p, tdm_optim_state(p->opt, i), h->state[i], root,
+                                    tdm_optim_state_name(p->opt, i)));
+    h->steps = tdm_optim_steps(p->opt);
+    return TDM_STATUS_OK;
+}
+
+tdm_status tdm_tp_gather_grads(tdm_tp *p, float *whole, int root)
+{
+    return tdm_tp_gather_buf(p, p->grads, whole, root, "gradients");
+}
+
+/* A whole-layout host array's slice onto a rank-layout device buffer. */
+static tdm_status tdm_tp_load_buf(tdm_tp *p, const float *whole, float *dev_buf)
+{
+    size_t bytes = (size_t)p->n_elem * sizeof(float);
+    float *mine = malloc(bytes);
+    TDM_REQUIRE(mine, TDM_STATUS_OUT_OF_MEMORY, "tp: loading %zu bytes", bytes);
+    tdm_tp_slice(p, p->rank, whole, mine);
+    tdm_status st = tdm_dev_copy_from_host(p->dev, dev_buf, mine, bytes);
+    free(mine);
+    return st;
+}
+
+tdm_status tdm_tp_load_state(tdm_tp *p, const tdm_ckpt_host *h)
+{
+    TDM_CHECK(tdm_tp_load_buf(p, h->params, p->params));
+    if (!h->optim) return TDM_STATUS_OK;
+    TDM_REQUIRE(tdm_optim_n_state(p->opt) == tdm_optim_kind_n_state(h->optim),
+                TDM_STATUS_MISMATCH, "tp: the checkpoint's optimizer keeps %d state buffers, "
+                "this run's %d", tdm_optim_kind_n_state(h->optim), tdm_optim_n_state(p->opt));
+    for (int i = 0; i < tdm_optim_n_state(p->opt); i++)
+        TDM_CHECK(tdm_tp_load_buf(p, h->state[i], tdm_optim_state(p->opt, i)));
+    tdm_optim_set_steps(p->opt, h->steps);
+    return TDM_STATUS_OK;
+}

@@ -1,0 +1,197 @@
+/* tp/tp.h: tensor parallelism (Megatron-LM's feature split) of the MLP:
+ * every rank of a tensor-parallel group holds a slice of each split
+ * linear layer and the ranks all-reduce partial results inside the step.
+ *
+ * The plan (tdm_tp_plan): the MLP's consecutive linear layers pair up,
+ * fc1+fc2, fc3+fc4, ...; the first of a pair is column-parallel (its
+ * output features split: rank r holds rows [r*out/N, (r+1)*out/N) of the
+ * weight and of the bias; its input is replicated), the second
+ * row-parallel (its input features split: rank r holds columns
+ * [r*in/N, (r+1)*in/N) of the weight; its bias is whole). An odd last
+ * layer (fc3 of 784-W1-W2-10) is replicated: every rank holds it whole.
+ * The width between the two layers of a pair must divide by N.
+ *
+ * The data flow of one pair, B samples (x replicated on every rank):
+ *   column  h_r = relu(x W1_r^T + b1_r)            (B, W/N), no communication
+ *   row     p_r = h_r W2_r^T                        (B, out) a partial sum
+ *           z   = all-reduce(sum over r of p_r)     forward all-reduce
+ *           y   = act(z + b2)                       replicated on every rank
+ * backward, dy replicated:
+ *   row     dW2_r += dy^T h_r, db2 += colsum(dy), dh_r = dy W2_r (local)
+ *   column  dW1_r += dh_r^T x, db1_r += colsum(dh_r),
+ *           dx = all-reduce(sum over r of dh_r W1_r)  backward all-reduce
+ *           (skipped for fc1, whose input is the data: no gradient needed)
+ * So a step all-reduces B * (the row layer's output width) floats per pair
+ * in forward and B * (the column layer's input width) floats per pair but
+ * the first in backward, and nothing else (tdm_tp_step_bytes).
+ *
+ * Replicated parameters (row-parallel biases, the replicated last layer)
+ * get the same gradient on every rank without communication: their
+ * inputs (the all-reduced z, its relu, the loss gradient) are the same
+ * bits on every rank, because an all-reduce hands every rank the same
+ * result, and every rank runs the same kernels on them.
+ *
+ * Row-parallel sums add the N partial products in another order than one
+ * device's single gemm, so TP equals one device within float rounding,
+ * not bit for bit (tests/test_tp.c measures the bound).
+ *
+ * Data parallelism on top (a dp x tp mesh): pass grad_comm, the dp
+ * dimension's communicator; after backward the rank's whole flat gradient
+ * is all-reduced (SUM) over it, the loss gradient being scaled by
+ * 1/B_global (tdm_tp_step_scaled), so the sum is the global batch's
+ * mean-loss gradient.
+ *
+ * Not here: the GPT (refused), sequence parallelism, rank start-up, the
+ * command line. */
+#ifndef TDM_TP_TP_H
+#define TDM_TP_TP_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "core/comm.h"
+#include "core/data.h"
+#include "core/device.h"
+#include "core/status.h"
+#include "models/checkpoint.h"
+#include "models/model.h"
+#include "models/optim.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum tdm_tp_split {
+    TDM_TP_COLUMN = 0,          /* output features split */
+    TDM_TP_ROW,                 /* input features split, partial outputs all-reduced */
+    TDM_TP_REPLICATED,          /* whole on every rank */
+} tdm_tp_split;
+
+/* "column", "row", "replicated"; "?" else. */
+const char *tdm_tp_split_name(tdm_tp_split s);
+
+/* The split of each of spec's linear layers on `ranks` tensor-parallel
+ * ranks into split[0..*n_layers) (room for TDM_MODEL_MAX_DIMS). One-line
+ * USAGE errors: a model other than the MLP ("--mode tp supports the MLP
+ * only; the cnn is not supported"), an MLP of one linear layer, a width
+ * that does not divide ("layer fc1's output width 100 (fc2's input) is not
+ * divisible by the 3 tensor-parallel ranks"). */
+tdm_status tdm_tp_plan(const tdm_model_spec *spec, int ranks, tdm_tp_split *split,
+                       int *n_layers);
+
+/* The payload bytes one rank all-reduces over the tensor-parallel group
+ * in one training step of `batch` samples (the plan's theoretical volume,
+ * above); 0 for one rank. */
+int64_t tdm_tp_step_bytes(const tdm_model_spec *spec, int ranks, int batch);
+/* And the number of those all-reduces. */
+int tdm_tp_step_allreduces(const tdm_model_spec *spec, int ranks);
+
+typedef struct tdm_tp_opts {
+    uint64_t seed;              /* the whole model's initial parameters */
+    tdm_optim_opts optim;       /* the optimizer over the rank's flat slice */
+    /* Borrowed, optional: gradients summed (SUM) over it after each
+     * backward: the dp dimension of a dp x tp mesh. */
+    tdm_comm *grad_comm;
+    /* Borrowed, optional: a communicator with comm's ranks for host
+     * memory (checkpoints); needed when comm takes device memory only
+     * (NCCL). NULL: comm. */
+    tdm_comm *host_comm;
+} tdm_tp_opts;
+
+typedef struct tdm_tp tdm_tp;
+
+/* Rank tdm_comm_rank(comm) of the tensor-parallel group comm (borrowed,
+ * outliving the rank): plans spec (errors above), builds the whole model
+ * on a host device from opts->seed, keeps this rank's slices on dev
+ * (borrowed) and an optimizer over them, and checks that every rank has
+ * the same model and group size. Collective over comm. */
+tdm_status tdm_tp_init(tdm_tp **out, tdm_comm *comm, tdm_device *dev, const tdm_model_spec *spec,
+                       const tdm_tp_opts *opts);
+void tdm_tp_free(tdm_tp *p);   /* NULL ok */
+
+int tdm_tp_rank(const tdm_tp *p);
+int tdm_tp_size(const tdm_tp *p);
+tdm_optim *tdm_tp_optim(tdm_tp *p);
+/* The whole model's tables (no storage; tdm_model_init_tables). */
+const tdm_model *tdm_tp_tables(const tdm_tp *p);
+/* The split of linear layer l (0-based). */
+tdm_tp_split tdm_tp_layer_split(const tdm_tp *p, int l);
+/* The rank's flat parameters and gradients (device memory) and their
+ * length in elements. */
+float *tdm_tp_params(tdm_tp *p);
+float *tdm_tp_grads(tdm_tp *p);
+int64_t tdm_tp_elems(const tdm_tp *p);
+
+/* One training step on every rank of the group (collective): x (batch,
+ * in) float32 and y (batch) targets in host memory, the same on every
+ * rank of the group. Zeroes the gradients, forward, softmax
+ * cross-entropy with its gradient scaled by grad_scale (1/batch: the
+ * mean), backward, the sum over grad_comm, the optimizer step.
+ * *loss_sum (may be NULL): the sum of the per-sample losses. On failure
+ * the group (and grad_comm) is aborted with the message. */
+tdm_status tdm_tp_step_scaled(tdm_tp *p, const void *x, const int32_t *y, int batch,
+                              float grad_scale, double *loss_sum);
+/* The same without the optimizer step nor the zeroing: forward, loss,
+ * backward (adding into the gradients), the sum over grad_comm. */
+tdm_status tdm_tp_forward_backward(tdm_tp *p, const void *x, const int32_t *y, int batch,
+                                   float grad_scale, double *loss_sum);
+tdm_status tdm_tp_zero_grad(tdm_tp *p);
+/* The optimizer step over the rank's slices. */
+tdm_status tdm_tp_optim_step(tdm_tp *p);
+/* Forward only: *loss_sum over the batch and *correct argmax predictions
+ * (host y). Collective. */
+tdm_status tdm_tp_eval_batch(tdm_tp *p, const void *x, const int32_t *y, int batch,
+                             double *loss_sum, int64_t *correct);
+/* Mean loss and accuracy over a dataset in batches of `batch`
+ * (tdm_data_gather order). Collective. */
+tdm_status tdm_tp_evaluate(tdm_tp *p, const tdm_dataset *d, int batch, double *loss_mean,
+                           double *accuracy);
+
+/* The whole model's state assembled on group rank root into h (host
+ * arrays in the whole model's layout, tdm_tp_tables; used on root only):
+ * parameters and, when h->optim is set, the optimizer's state and step
+ * count: what tdm_checkpoint_save_host writes, the file every mode reads.
+ * Collective. */
+tdm_status tdm_tp_gather_state(tdm_tp *p, tdm_ckpt_host *h, int root);
+/* The whole model's gradient (host, whole layout) on root. Collective. */
+tdm_status tdm_tp_gather_grads(tdm_tp *p, float *whole, int root);
+/* This rank's slices of a whole model's state in h (any mode's
+ * checkpoint, read by every rank): parameters and, with h->optim, the
+ * optimizer state and step count. Not collective. */
+tdm_status tdm_tp_load_state(tdm_tp *p, const tdm_ckpt_host *h);
+
+/* The rank's tensors: which of the whole model's (its parameter index),
+ * whether it is split (else replicated: whole on every rank), and where
+ * the rank's slice lies in its flat buffers. */
+typedef struct tdm_tp_tensor_info {
+    int whole_index;
+    int split;
+    int64_t offset, n_elem;
+} tdm_tp_tensor_info;
+int tdm_tp_n_tensors(const tdm_tp *p);
+void tdm_tp_tensor_get(const tdm_tp *p, int i, tdm_tp_tensor_info *out);
+
+/* What the steps did and what the rank holds. */
+typedef struct tdm_tp_phases {
+    double forward, fwd_allreduce, loss, backward, bwd_allreduce, grad_sync, step, total;
+} tdm_tp_phases;                /* ms, summed over the steps */
+typedef struct tdm_tp_stats {
+    int64_t steps;
+    tdm_tp_phases sum, last;     /* over the steps, and the last one's */
+    /* elements of the rank's split and replicated tensors, and of one
+     * device's split tensors (the whole model's) */
+    int64_t split_elems, replicated_elems, whole_split_elems;
+    /* bytes the device's allocator handed out for the rank's parameters,
+     * gradients and optimizer state (measured around their allocation;
+     * 0 where the device keeps no accounting) */
+    size_t state_alloc_bytes;
+    size_t params, grads, optimizer;   /* bytes of each */
+    size_t activations;                /* bytes of the forward's kept outputs and scratch */
+} tdm_tp_stats;
+void tdm_tp_get_stats(const tdm_tp *p, tdm_tp_stats *out);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

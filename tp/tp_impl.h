@@ -1,0 +1,97 @@
+/* tp/tp_impl.h: the inside of a tensor-parallel rank, shared by tp/tp.c
+ * (the plan, set-up, slicing to and from the whole model's layout) and
+ * tp/step.c (forward, backward, the step, evaluation). Not a public
+ * header: users include tp/tp.h. */
+#ifndef TDM_TP_TP_IMPL_H
+#define TDM_TP_TP_IMPL_H
+
+#include "tp/tp.h"
+
+/* One linear layer as this rank holds it. */
+typedef struct tdm_tp_layer {
+    tdm_tp_split split;
+    int in, out;                /* the whole layer's widths */
+    int lin, lout;              /* this rank's: the gemm's k and n */
+    int relu;                   /* fused relu on the (all-reduced) output */
+    int wp, bp;                 /* the whole model's parameter indices */
+    int64_t w_off, b_off;       /* in the rank's flat buffers */
+    int64_t b_elems;            /* lout (column) or out */
+    float *act;                 /* forward output (cap, lout): kept for backward */
+    const float *in_act;        /* the input of the last forward (borrowed) */
+} tdm_tp_layer;
+
+/* How one tensor of the whole model is cut (tdm_tp_slice): whole is
+ * (rows, cols) row-major, seen as `parts` blocks of rows/parts rows
+ * (c_attn's q, k and v thirds). ROWS: rank r takes rows
+ * [r*k, (r+1)*k) of each block, k = rows/parts/N; COLS: columns
+ * [r*cols/N, (r+1)*cols/N) of every row; REPL: all of it. */
+typedef enum tdm_tp_cut { TDM_TP_CUT_REPL = 0, TDM_TP_CUT_ROWS, TDM_TP_CUT_COLS } tdm_tp_cut;
+typedef struct tdm_tp_tensor {
+    int wp;                     /* the whole model's parameter index */
+    tdm_tp_cut cut;
+    int parts;
+    int64_t rows, cols;         /* the whole tensor's */
+    int64_t off, n_elem;        /* the rank's slice in its flat buffers */
+} tdm_tp_tensor;
+
+#define TDM_TP_MAX_TENSORS 512
+
+typedef struct tdm_tp_gpt tdm_tp_gpt;   /* tp/gpt.c */
+
+struct tdm_tp {
+    tdm_comm *comm;             /* borrowed: the tensor-parallel group */
+    tdm_comm *hcomm;            /* borrowed: host-memory collectives */
+    tdm_comm *gcomm;            /* borrowed, may be NULL: gradients summed over it */
+    tdm_device *dev;            /* borrowed */
+    int rank, size;
+    tdm_model_spec spec;
+    tdm_model *tables;          /* the whole model's tables, no storage */
+    int n_layers;                /* the MLP's linear layers */
+    tdm_tp_layer layers[TDM_MODEL_MAX_DIMS];
+    tdm_tp_gpt *gpt;             /* the GPT's blocks and activations; NULL: an MLP */
+    int n_tensors;
+    tdm_tp_tensor tensors[TDM_TP_MAX_TENSORS];
+    float *params, *grads;      /* flat, n_elem each, on dev */
+    int64_t n_elem;
+    tdm_optim *opt;
+    /* activations and scratch for cap samples */
+    int cap, max_width;
+    float *x, *ones, *dbuf[2];
+    int32_t *y;
+    float *host_logits;         /* evaluation's argmax (host) */
+    tdm_tp_stats stats;
+    int failed;                 /* the group was aborted */
+};
+
+/* The local slice of a whole-layout host array (the whole model's flat
+ * layout) into a rank-layout host array, for rank r (tp/tp.c). */
+void tdm_tp_slice(const tdm_tp *p, int r, const float *whole, float *local);
+/* The whole layout from the N ranks' local arrays (size * n_elem). */
+void tdm_tp_unslice(const tdm_tp *p, const float *locals, float *whole);
+
+/* Appends tensor wp's cut to p->tensors at the end of the rank's flat
+ * layout (p->n_elem grows), counting it in the stats (tp/tp.c). */
+void tdm_tp_add_tensor(tdm_tp *p, int wp, tdm_tp_cut cut, int parts, int64_t rows, int64_t cols);
+
+/* The GPT (tp/gpt.c): its plan's checks (USAGE), its layout into p's
+ * tensors, its activations for B windows, forward (logits of the
+ * windows at p->x as tokens), backward from the logits' gradient at
+ * dlogits, and freeing. */
+tdm_status tdm_tp_gpt_plan(const tdm_model_spec *spec, int ranks);
+tdm_status tdm_tp_gpt_layout(tdm_tp *p);
+tdm_status tdm_tp_gpt_reserve(tdm_tp *p, int B);
+tdm_status tdm_tp_gpt_forward(tdm_tp *p, int B, const float **logits, double *ar_ms);
+tdm_status tdm_tp_gpt_backward(tdm_tp *p, int B, const float *dlogits, double *ar_ms);
+float *tdm_tp_gpt_dlogits(tdm_tp *p);
+void tdm_tp_gpt_free(tdm_tp *p);
+/* buf (n floats on the device) summed over the group, in place (tp/step.c). */
+tdm_status tdm_tp_allreduce(tdm_tp *p, float *buf, int64_t n, const char *what, int l);
+
+/* Activations and scratch for B samples (grown, never shrunk; tp/tp.c). */
+tdm_status tdm_tp_reserve(tdm_tp *p, int B);
+
+/* Aborts the group (and grad_comm) with the current message once;
+ * returns st (tp/step.c). */
+tdm_status tdm_tp_fail(tdm_tp *p, tdm_status st);
+
+#endif
