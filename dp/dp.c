@@ -17,6 +17,8 @@
 
 #include "core/log.h"
 #include "dp/pool.h"
+#include "models/precision.h"
+#include "models/recompute.h"
 
 struct tdm_dp {
     int n;                                   /* devices */
@@ -663,11 +665,24 @@ typedef struct tdm_dp_step_ctx {
     int64_t offset[TDM_DP_MAX_DEVICES];
 } tdm_dp_step_ctx;
 
+/* Replica r takes the master's memory levers (precision, activation
+ * checkpointing), set on the master before or after tdm_dp_init; on r's
+ * own thread, as its activations are dropped and allocated there. Each
+ * call is a no-op when r has them already. */
+static tdm_status tdm_dp_follow_levers(tdm_model *r, const tdm_model *master)
+{
+    TDM_CHECK(tdm_model_set_precision(r, tdm_model_precision(master)));
+    return tdm_model_set_checkpoint(r, tdm_model_checkpoint(master));
+}
+
 static tdm_status tdm_dp_forward_task(void *ctx, int i)
 {
     tdm_dp_step_ctx *s = ctx;
     tdm_dp *dp = s->dp;
-    tdm_status st = tdm_model_forward(dp->rep[i], dp->x_chunk[i], s->sizes[i], &dp->logits[i]);
+    tdm_status st = TDM_STATUS_OK;
+    if (i != dp->out) st = tdm_dp_follow_levers(dp->rep[i], dp->rep[dp->out]);
+    if (st != TDM_STATUS_OK) return tdm_error_prefix(st, "the master's memory levers");
+    st = tdm_model_forward(dp->rep[i], dp->x_chunk[i], s->sizes[i], &dp->logits[i]);
     if (st != TDM_STATUS_OK) return tdm_error_prefix(st, "forward of %d rows", s->sizes[i]);
     return TDM_STATUS_OK;
 }
@@ -783,14 +798,31 @@ tdm_status tdm_dp_step(tdm_dp *dp, tdm_optim *opt, const void *x, const int32_t 
                        double *loss_mean)
 {
     TDM_REQUIRE(opt, TDM_STATUS_INVALID_ARG, "DataParallel step: NULL optimizer");
+    tdm_single s = {.model = dp->rep[dp->out], .opt = opt};
+    return tdm_dp_step_levers(dp, &s, x, y, batch, loss_mean);
+}
+
+tdm_status tdm_dp_step_levers(tdm_dp *dp, tdm_single *s, const void *x, const int32_t *y,
+                              int batch, double *loss_mean)
+{
+    TDM_REQUIRE(s && s->opt && s->model == dp->rep[dp->out], TDM_STATUS_INVALID_ARG,
+                "DataParallel step: %s", !s || !s->opt ? "NULL optimizer"
+                                                       : "the levers' model is not the master");
     uint64_t t0 = tdm_time_ns();
     /* optimizer.zero_grad() on the master, done inside the replicate
-     * round by all the step's threads (so timed as replicate) */
+     * round by all the step's threads (so timed as replicate); fp16's
+     * loss scale times 1/B, one rounding, as on one device */
+    float lscale = s->scaler ? tdm_grad_scaler_scale(s->scaler) : 1.0f;
     double ls = 0.0;
-    TDM_CHECK(tdm_dp_fb(dp, x, y, batch, NULL, 1, batch > 0 ? 1.0f / (float)batch : 0.0f, &ls));
+    TDM_CHECK(tdm_dp_fb(dp, x, y, batch, NULL, 1, batch > 0 ? lscale / (float)batch : 0.0f,
+                        &ls));
     if (loss_mean) *loss_mean = ls / batch;
     uint64_t t1 = tdm_time_ns();
-    TDM_CHECK(tdm_optim_step(opt));
+    /* The master holds the sum of every replica's gradients: an inf or
+     * NaN in any of them is in the sum (non-finite values absorb under
+     * addition), so one check there decides the skip for all replicas,
+     * and the next replicate hands every replica the same parameters. */
+    TDM_CHECK(tdm_single_finish(s));
     /* an accelerator's optimizer kernels are only queued: wait, so that
      * the step (and its timing) ends when the master is updated, as the
      * single-device step and DDP's do */

@@ -20,6 +20,12 @@
  * and one of the flat buffer buffer. Each replica's batchnorm normalises
  * with its own chunk's statistics, exactly as in PyTorch DP.
  *
+ * The memory levers (docs/MEMORY.md) are the master's: the replicas take
+ * its precision and activation checkpointing at every forward (set them
+ * on the master, before or after tdm_dp_init); tdm_dp_step_levers adds
+ * fp16's loss scaling and gradient clipping on the master's summed
+ * gradients, so that one decision covers every replica.
+ *
  * The four operations are public for users' own programs. Not here: the
  * multiprocess DDP (ddp/), data loading, the CLI. */
 #ifndef TDM_DP_DP_H
@@ -32,6 +38,7 @@
 #include "core/timer.h"
 #include "models/model.h"
 #include "models/optim.h"
+#include "models/train.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -181,6 +188,18 @@ tdm_status tdm_dp_forward_backward_scaled(tdm_dp *dp, const void *x, const int32
  * accelerators it returns once the master's update has completed. */
 tdm_status tdm_dp_step(tdm_dp *dp, tdm_optim *opt, const void *x, const int32_t *y, int batch,
                        double *loss_mean);
+
+/* tdm_dp_step with the levers of s (models/train.h; s->model must be the
+ * master, s->opt its optimizer): with s->scaler the loss gradient is
+ * multiplied by the loss scale, and after the reduce the master's
+ * gradients (every replica's sum: a NaN or infinity in any replica's
+ * gradient is in it) are unscaled and checked once, the step skipped on
+ * every replica alike when one is found; s->clip_norm > 0 clips the
+ * global norm of that sum (s->measure_norm: measures it); s->last_norm
+ * and s->last_skipped are set, as tdm_single_step sets them. Bitwise the
+ * single-device step's arithmetic after the reduce. */
+tdm_status tdm_dp_step_levers(tdm_dp *dp, tdm_single *s, const void *x,
+                              const int32_t *y, int batch, double *loss_mean);
 
 /* Timings of the last tdm_dp_step / tdm_dp_forward_backward. */
 const tdm_dp_timings *tdm_dp_last_timings(const tdm_dp *dp);

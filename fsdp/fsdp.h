@@ -69,6 +69,7 @@
 #include "models/checkpoint.h"
 #include "models/model.h"
 #include "models/optim.h"
+#include "models/plan.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -88,6 +89,30 @@ const char *tdm_fsdp_sharding_describe(tdm_fsdp_sharding s);
 /* Parses full|grad_op|optimizer, and the aliases full_shard, shard_grad_op,
  * zero3, zero2, zero1, 3, 2, 1; INVALID_ARG listing them otherwise. */
 tdm_status tdm_fsdp_sharding_parse(const char *text, tdm_fsdp_sharding *out);
+
+/* What one rank will hold on its device at its peak (fsdp/mem.c), before
+ * anything is allocated: o describes the rank's model at its share of the
+ * global batch (models/plan.h: its model-side figures in `model`), world
+ * the ranks, min_unit_elems as tdm_fsdp_opts'. The step's peak is the
+ * model's buffers, 16-bit weights, activations and scratch, the shards
+ * (or full copies) the sharding keeps, the optimizer state over the
+ * shard, the stage's loss gradient (comm) and the gathered units and full
+ * gradients at their most (gathered; timing-bound: it counts a unit's
+ * full gradient still being reduce-scattered beside the next one's, and
+ * the next unit's parameters prefetched); the set-up's peak is the
+ * model's flat buffers beside the new shards. */
+typedef struct tdm_fsdp_mem_plan {
+    tdm_plan model;               /* the single-device plan of the rank's model */
+    size_t shards;                /* parameter/gradient shards or full copies */
+    size_t optim;                 /* optimizer state over the shard (0: offloaded) */
+    size_t comm;                  /* the loss gradient staged for the collectives' step */
+    size_t gathered;              /* gathered units and full gradients at their most */
+    size_t step_peak, init_peak, peak;
+    int n_units;
+    int64_t shard_elems, full_elems;
+} tdm_fsdp_mem_plan;
+tdm_status tdm_fsdp_plan_memory(const tdm_plan_opts *o, int world, tdm_fsdp_sharding sharding,
+                                int64_t min_unit_elems, tdm_fsdp_mem_plan *out);
 
 /* Compression of the gradient reduce-scatters (fsdp/comm_hook.c; PyTorch's
  * fp16_compress_hook / bf16_compress_hook registered on a sharded FSDP):

@@ -650,14 +650,14 @@ static tdm_status tdm_gpt_recompute(tdm_model *m, int l, int B, int Tr)
 {
     tdm_gpt *g = m->ext;
     int first = l - (l - g->b0) % m->lev.ckpt;
+    /* every block of the segment at once, until its own backward
+     * (models/recompute.c says why) */
+    TDM_CHECK(tdm_model_raise_use(m, TDM_MODEL_USE_BACKWARD, tdm_gpt_p(g, first, 0),
+                                  tdm_gpt_p(g, l, TDM_GPT_PER_BLOCK - 1)));
     tdm_status st = TDM_STATUS_OK;
     m->lev.recomputing = 1;
-    for (int j = first; j <= l && st == TDM_STATUS_OK; j++) {
-        if (j < l)
-            st = tdm_model_raise_use(m, TDM_MODEL_USE_BACKWARD, tdm_gpt_p(g, j, 0),
-                                     tdm_gpt_p(g, j, TDM_GPT_PER_BLOCK - 1));
-        if (st == TDM_STATUS_OK) st = tdm_gpt_block_fwd(m, j, tdm_gpt_block_in(g, j), B, Tr);
-    }
+    for (int j = first; j <= l && st == TDM_STATUS_OK; j++)
+        st = tdm_gpt_block_fwd(m, j, tdm_gpt_block_in(g, j), B, Tr);
     m->lev.recomputing = 0;
     return st;
 }

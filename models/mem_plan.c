@@ -37,6 +37,17 @@ void tdm_mem_plan_compute(const tdm_mem_plan_in *in, tdm_mem_plan *out)
                  in->data_bytes + in->shared_bytes;
 }
 
+tdm_status tdm_mem_plan_model(const tdm_plan_opts *o, tdm_model_footprint *out)
+{
+    tdm_plan p;
+    TDM_CHECK(tdm_plan_single(o, &p));
+    size_t running = p.buffer_elems ? ((size_t)p.buffer_elems * sizeof(float) + 63) / 64 * 64 : 0;
+    *out = (tdm_model_footprint){.param_elems = p.param_elems, .buffer_elems = p.buffer_elems,
+                                 .largest_param_elems = p.largest_param_elems,
+                                 .act_bytes = p.peak - p.params - p.grads - p.optim - running};
+    return TDM_STATUS_OK;
+}
+
 static double tdm_mem_mib(uint64_t b) { return (double)b / (1 << 20); }
 
 tdm_status tdm_mem_plan_check(const tdm_mem_plan_in *in, const tdm_mem_plan *p)

@@ -182,6 +182,24 @@ tdm_status tdm_plan_single(const tdm_plan_opts *o, tdm_plan *out)
     if (o->device != TDM_DEVICE_HOST)   /* tdm_single's input staging */
         out->step_scratch += tdm_plan_round(B * (size_t)tdm_model_in_features(m) * sizeof(float)) +
                              tdm_plan_round(B * rows * sizeof(int32_t));
+    out->param_elems = m->param_elems;
+    for (int i = 0; i < m->n_params; i++)
+        if (m->params_info[i].n_elem > out->largest_param_elems)
+            out->largest_param_elems = m->params_info[i].n_elem;
+    out->buffer_elems = m->buffer_elems;
+    out->out_rows = (int)rows;
+    out->n_classes = tdm_model_n_classes(m);
+    for (int i = 0; i < m->n_layers && out->n_players < TDM_PLAN_MAX_LAYERS; i++) {
+        const tdm_layer *l = &m->layers[i];
+        if (l->np <= 0) continue;
+        int last = l->p0 + l->np - 1, k = out->n_players++;
+        out->player_block[k] = l->block;
+        out->player_unit[k] = m->vt ? -1 : l->unit;
+        out->player_np[k] = l->np;
+        out->player_off[k] = m->params_info[l->p0].offset;
+        out->player_end[k] = last + 1 < m->n_params ? m->params_info[last + 1].offset
+                                                    : m->param_elems;
+    }
     out->peak = out->params + out->grads + out->buffers + out->params_low + out->optim +
                 out->activations + out->act_scratch + out->step_scratch;
 fail:

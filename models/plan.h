@@ -14,7 +14,9 @@
  *
  * This is the single-device plan (--mode single, a DP replica's or a DDP
  * rank's model and optimizer); the multi-process modes' communication
- * buffers and FSDP's gathered units are theirs to add. */
+ * buffers and FSDP's shards and gathered units are theirs to add
+ * (fsdp/fsdp.h's tdm_fsdp_plan_memory adds FSDP's and ZeRO's from the
+ * parameter table this plan describes). */
 #ifndef TDM_MODELS_PLAN_H
 #define TDM_MODELS_PLAN_H
 
@@ -57,6 +59,17 @@ typedef struct tdm_plan {
     int n_layers;
     size_t layer_bytes[TDM_PLAN_MAX_LAYERS];
     size_t arena;                    /* checkpointing: one segment's shared buffer */
+    /* what a sharded design plans its units from: the model's elements,
+     * running-statistics elements, and each layer with parameters: its
+     * block (tdm_model_layer_block) and its elements [off, end) of the
+     * flat buffer (end: the next tensor's offset, alignment included) */
+    int64_t param_elems, buffer_elems, largest_param_elems;
+    int n_players;
+    int player_block[TDM_PLAN_MAX_LAYERS];
+    int player_unit[TDM_PLAN_MAX_LAYERS];   /* its checkpoint unit (MLP, CNN; -1: none) */
+    int player_np[TDM_PLAN_MAX_LAYERS];     /* its parameter tensors */
+    int64_t player_off[TDM_PLAN_MAX_LAYERS], player_end[TDM_PLAN_MAX_LAYERS];
+    int out_rows, n_classes;         /* targets per sample, classes: the loss gradient's shape */
 } tdm_plan;
 
 void tdm_plan_opts_default(tdm_plan_opts *o, const tdm_model_spec *spec, int batch);

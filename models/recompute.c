@@ -191,14 +191,20 @@ tdm_status tdm_model_chain_recompute(tdm_model *m, int i, int batch)
     int N = m->lev.ckpt, seg = m->layers[i].unit / N, first = i;
     while (first > 0 && m->layers[first - 1].unit >= 0 && m->layers[first - 1].unit / N == seg)
         first--;
-    /* the parameters of the segment's layers are needed now (layer i's
-     * backward use was raised by the caller; the others raise theirs
-     * again when backward reaches them) */
-    for (int j = first; j < i; j++) {
+    /* The parameters of every layer of the segment are needed now, and
+     * stay needed until each layer's own backward: one event over the
+     * whole range (models/recompute.h), so that a sharded model gathers
+     * them together. One event per layer read as backward leaving each
+     * layer in turn, and FSDP freed the units it left before the
+     * segment's forward had read them. */
+    int p_lo = -1, p_hi = -1;
+    for (int j = first; j <= i; j++) {
         const tdm_layer *l = &m->layers[j];
-        if (l->np > 0)
-            TDM_CHECK(tdm_model_raise_use(m, TDM_MODEL_USE_BACKWARD, l->p0, l->p0 + l->np - 1));
+        if (l->np <= 0) continue;
+        if (p_lo < 0) p_lo = l->p0;
+        p_hi = l->p0 + l->np - 1;
     }
+    if (p_lo >= 0) TDM_CHECK(tdm_model_raise_use(m, TDM_MODEL_USE_BACKWARD, p_lo, p_hi));
     const float *x = m->layers[first].in;
     if (tdm_model_low(m)) {
         /* the forward read the rounded input from the other ping-pong

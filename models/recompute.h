@@ -14,9 +14,12 @@
  * gradients are bitwise those of a run without checkpointing; batchnorm
  * reuses the batch statistics its forward computed (its running
  * statistics are updated once, as without checkpointing; torch's
- * checkpoint updates them twice). With N > 1, backward raises the
- * parameter-use event TDM_MODEL_USE_BACKWARD for every unit of a segment
- * before recomputing it (a unit's own backward raises it again).
+ * checkpoint updates them twice). Before recomputing a segment, backward
+ * raises one parameter-use event TDM_MODEL_USE_BACKWARD over the
+ * parameters of all its layers: they are all read by the recomputation
+ * and again by each layer's own backward (which raises its own event
+ * too), so a sharded model (FSDP) gathers the segment's units together
+ * and keeps each until its backward is done.
  *
  * The MLP's linear layers keep only their output, which is the next
  * layer's input: with N = 1 nothing can be dropped there; N >= 2 keeps

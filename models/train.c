@@ -177,6 +177,21 @@ void tdm_train_stage_free(tdm_train_stage *s)
     *s = (tdm_train_stage){.dev = s->dev};
 }
 
+tdm_status tdm_single_finish(tdm_single *s)
+{
+    tdm_model *m = s->model;
+    int found_inf = 0;
+    if (s->scaler)
+        TDM_CHECK(tdm_grad_scaler_unscale(s->scaler, tdm_model_device(m), tdm_model_grads(m),
+                                          tdm_model_param_elems(m), &found_inf));
+    if (!found_inf && (s->clip_norm > 0.0 || s->measure_norm))
+        TDM_CHECK(tdm_clip_grad_norm(m, s->clip_norm, &s->last_norm));
+    if (!found_inf) TDM_CHECK(tdm_optim_step(s->opt));
+    if (s->scaler) tdm_grad_scaler_update(s->scaler, found_inf);
+    s->last_skipped = found_inf;
+    return TDM_STATUS_OK;
+}
+
 tdm_status tdm_single_step(void *ctx, const void *x, const int32_t *y, int batch,
                            double *loss_mean)
 {
@@ -200,15 +215,7 @@ tdm_status tdm_single_step(void *ctx, const void *x, const int32_t *y, int batch
     t2 = tdm_time_ns();
     TDM_CHECK(tdm_model_backward(m, dlogits));
     t3 = tdm_time_ns();
-    int found_inf = 0;
-    if (s->scaler)
-        TDM_CHECK(tdm_grad_scaler_unscale(s->scaler, dev, tdm_model_grads(m),
-                                          tdm_model_param_elems(m), &found_inf));
-    if (!found_inf && (s->clip_norm > 0.0 || s->measure_norm))
-        TDM_CHECK(tdm_clip_grad_norm(m, s->clip_norm, &s->last_norm));
-    if (!found_inf) TDM_CHECK(tdm_optim_step(s->opt));
-    if (s->scaler) tdm_grad_scaler_update(s->scaler, found_inf);
-    s->last_skipped = found_inf;
+    TDM_CHECK(tdm_single_finish(s));
     TDM_CHECK(tdm_dev_sync(dev));
     uint64_t t4 = tdm_time_ns();
     memset(s->ms, 0, sizeof s->ms);

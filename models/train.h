@@ -132,6 +132,11 @@ typedef struct tdm_single {
 } tdm_single;
 tdm_status tdm_single_step(void *single /* tdm_single */, const void *x, const int32_t *y,
                            int batch, double *loss_mean);
+/* The step's end after backward, on s->model's gradients (DataParallel's
+ * master holds the replicas' sum there): [unscale, skip on non-finite],
+ * [clip], optimizer step, [scaler update]; sets last_norm and
+ * last_skipped. Queues the device's work without waiting for it. */
+tdm_status tdm_single_finish(tdm_single *s);
 void tdm_single_free(tdm_single *s);   /* frees staging only */
 
 /* Mean loss and accuracy over a dataset, in eval mode (restores the mode). */

@@ -122,8 +122,10 @@ Test(cli_levers, refuses_what_it_cannot_do)
         {{"train", "--checkpoint-activations", "0"}, "--checkpoint-activations '0': expected all"},
         {{"train", "--offload", "params"}, "not built yet"},
         {{"train", "--offload", "optimizer"}, "is host memory already"},
-        {{"train", "--precision", "bf16", "--mode", "dp", "--device", "cpu:2"},
+        {{"train", "--offload", "optimizer", "--mode", "dp", "--device", "cuda:0,1"},
          "not yet with --mode dp"},
+        {{"train", "--precision", "bf16", "--mode", "pp", "--device", "cpu:2"},
+         "not yet with --mode pp"},
         {{"train", "--precision", "fp16", "--grad-accum", "2"}, "not supported with --grad-accum"},
         {{"train", "--clip-grad-norm", "-1"}, "--clip-grad-norm"},
     };

@@ -16,11 +16,14 @@
  *   every sharding, at 2 and 3 ranks;
  * - optimizer offload on emulated GPUs: bitwise the same checkpoint as
  *   without it in DDP and FSDP, and DDP's peak lower by the state's bytes;
- * - compare --precision bf16 --checkpoint-activations 1 runs single, DDP
+ * - compare --precision bf16 --checkpoint-activations 2 runs single, DDP
  *   and every sharding of the GPT in one run: the sharded modes bitwise
- *   DDP, the verdict PASS; dp is left out of the default modes;
- * - refusals: --mode dp, --uneven with fp16, FSDP full shard with segments
- *   of several units (train and compare), compare in fp16. */
+ *   DDP, the verdict PASS; the default modes (dp among them) pass in bf16
+ *   with checkpointing;
+ * - FSDP (full shard) with segments of 2 units (train and compare):
+ *   bitwise DDP's;
+ * - refusals: --uneven with fp16, compare in fp16, compare's pp with a
+ *   lever. */
 #include <criterion/criterion.h>
 
 #include <math.h>
@@ -81,12 +84,17 @@ Test(levers_ranks, bf16_ddp_equals_every_sharding_and_checkpointing_changes_no_b
     ok("ddp bf16 checkpointed");
     cr_assert(strstr(g_r.out, "activation checkpointing (segments of 2)"), "%s", g_r.out);
     cr_assert(cli_same_file(tu_tpath(dir, "ddp"), tu_tpath(dir, "ddp_ckpt")));
+    /* full shard: a segment of two layers gathers both units at once */
+    CLI(&g_r, IMG, "--mode", "fsdp", "--device", "cpu:2", "--precision", "bf16",
+        "--checkpoint-activations", "2", "--save", tu_tpath(dir, "fsdp_ckpt"));
+    ok("fsdp bf16 checkpointed in segments of 2");
+    cr_assert(cli_same_file(tu_tpath(dir, "ddp"), tu_tpath(dir, "fsdp_ckpt")));
     /* the GPT: tied head, LayerNorms; FSDP gathers unit by unit */
     CLI(&g_r, GPT, "--mode", "ddp", "--device", "cpu:2", "--precision", "bf16", "--save",
         tu_tpath(dir, "gpt_ddp"));
     ok("gpt ddp bf16");
     CLI(&g_r, GPT, "--mode", "fsdp", "--device", "cpu:2", "--precision", "bf16",
-        "--checkpoint-activations", "--save", tu_tpath(dir, "gpt_fsdp"));
+        "--checkpoint-activations", "2", "--save", tu_tpath(dir, "gpt_fsdp"));
     ok("gpt fsdp bf16 checkpointed");
     cr_assert(cli_same_file(tu_tpath(dir, "gpt_ddp"), tu_tpath(dir, "gpt_fsdp")));
     tu_rmtree(dir);
@@ -265,27 +273,21 @@ Test(levers_ranks, optimizer_offload_on_emulated_gpus)
 
 Test(levers_ranks, refuses_what_it_cannot_do)
 {
-    CLI(&g_r, "train", "--precision", "bf16", "--mode", "dp", "--device", "cpu:2");
-    expect(&g_r, 2, "not yet with --mode dp");
     CLI(&g_r, "train", "--precision", "fp16", "--mode", "ddp", "--device", "cpu:2", "--uneven");
     expect(&g_r, 2, "not supported with --uneven");
     CLI(&g_r, "train", "--clip-grad-norm", "1", "--mode", "fsdp", "--device", "cpu:2",
         "--grad-accum", "2");
     expect(&g_r, 2, "not supported with --grad-accum");
-    CLI(&g_r, "train", "--mode", "fsdp", "--device", "cpu:2", "--checkpoint-activations", "2");
-    expect(&g_r, 2, "FSDP's backward does not do yet");
-    CLI(&g_r, "compare", "--checkpoint-activations", "2", "--modes", "single,ddp,fsdp");
-    expect(&g_r, 2, "FSDP's backward does not do yet");
     CLI(&g_r, "compare", "--precision", "fp16");
     expect(&g_r, 2, "needs loss scaling");
-    CLI(&g_r, "compare", "--precision", "bf16", "--modes", "single,dp");
-    expect(&g_r, 2, "leave dp out of --modes");
+    CLI(&g_r, "compare", "--precision", "bf16", "--modes", "single,pp");
+    expect(&g_r, 2, "leave pp out of --modes");
 }
 
 Test(levers_ranks, compare_runs_every_mode_in_bf16_with_checkpointing)
 {
     CLI(&g_r, "compare", "--model", "gpt:2-32-2-16", "--steps", "6", "--batch", "4",
-        "--precision", "bf16", "--checkpoint-activations", "1", "--modes",
+        "--precision", "bf16", "--checkpoint-activations", "2", "--modes",
         "single,ddp,fsdp,zero2,zero1");
     ok("compare bf16");
     static const char *const want[] = {"FSDP vs DDP: bitwise the same parameters",
@@ -294,11 +296,12 @@ Test(levers_ranks, compare_runs_every_mode_in_bf16_with_checkpointing)
                                        "verdict: PASS"};
     for (size_t i = 0; i < sizeof want / sizeof want[0]; i++)
         cr_assert(strstr(g_r.out, want[i]), "no '%s' in:\n%s", want[i], g_r.out);
-    /* the default modes without dp */
+    /* the default modes, dp among them (its replicas follow the master) */
     CLI(&g_r, "compare", "--data", "synthetic", "--model", "mlp:784-32-10", "--steps", "4",
-        "--batch", "32", "--precision", "bf16");
+        "--batch", "32", "--precision", "bf16", "--checkpoint-activations", "2");
     ok("compare bf16, default modes");
-    cr_assert(!strstr(g_r.out, " DP vs single") && strstr(g_r.out, "FSDP vs DDP: bitwise"), "%s",
-              g_r.out);
+    cr_assert(strstr(g_r.out, " DP vs single") && strstr(g_r.out, "DDP vs DP") &&
+              strstr(g_r.out, "FSDP vs DDP: bitwise") && strstr(g_r.out, "verdict: PASS"),
+              "%s", g_r.out);
     cr_assert_eq(cli_shm_entries(), 0);
 }

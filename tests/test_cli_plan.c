@@ -5,13 +5,18 @@
  * fp16 with clipping: equal as printed (to 0.01 MiB; the single-device
  * plan is exact to the byte, tests/test_plan.c, and a DDP rank on a host
  * device holds its model at its share of the batch, DDP's buckets being
- * in the job's shared memory). Modes not planned are refused (exit 2). */
+ * in the job's shared memory); --mode fsdp, every sharding at 1, 2 and 4
+ * ranks with and without levers, within 5% of rank 0's measured peak.
+ * Modes not planned are refused (exit 2). */
 #include <criterion/criterion.h>
 
+#include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "tests/cli_util.h"
+#include "tests/test_util.h"
 
 TestSuite(cli_plan, .timeout = 240);
 
@@ -77,10 +82,143 @@ Test(cli_plan, planned_equals_measured_single_and_ddp)
     cr_assert_eq(cli_shm_entries(), 0);
 }
 
+/* The figure printed as "<key><number>" (MiB), as a double. */
+static double figure_mib(const char *key)
+{
+    char buf[32];
+    figure(key, buf, sizeof buf);
+    return strtod(buf, NULL);
+}
+
+/* --mode fsdp, every sharding, at 1, 2 and 4 ranks, without levers and
+ * with bf16, segments of 2 and clipping: planned within 5% of rank 0's
+ * measured peak (the set-up's peak included: the model's flat buffers
+ * beside the new shards). Measured on this machine: equal as printed in
+ * every case of this matrix but one rank's full shard of the MLP (+2.5%:
+ * with one rank a reduce-scatter may end before the next unit's gradient
+ * is asked for, which the plan does not count on); that timing-bound
+ * term moves a figure by one unit's block at most. */
+Test(cli_plan, planned_fsdp_within_5_percent_of_measured, .timeout = 600)
+{
+    static const struct { const char *model, *batch; } models[] = {
+        {"mlp:784-256-128-10", "64"}, {"cnn", "32"}, {"gpt:2-32-2-16", "4"}};
+    static const char *const shardings[] = {"full", "grad_op", "optimizer"};
+    static const char *const devices[] = {"cpu", "cpu:2", "cpu:4"};
+    static const char *const levers[2][7] = {
+        {"--precision", "fp32"},
+        {"--precision", "bf16", "--checkpoint-activations", "2", "--clip-grad-norm", "1"}};
+    double worst = 0.0;
+    for (int mo = 0; mo < 3; mo++)
+        for (int sh = 0; sh < 3; sh++)
+            for (int d = 0; d < 3; d++)
+                for (int lv = 0; lv < 2; lv++) {
+                    const char *args[32] = {"plan", "--model", models[mo].model, "--batch",
+                                            models[mo].batch, "--mode", "fsdp", "--sharding",
+                                            shardings[sh], "--device", devices[d]};
+                    int n = 11;
+                    for (int i = 0; i < 6 && levers[lv][i]; i++) args[n++] = levers[lv][i];
+                    args[n] = NULL;
+                    cli_run(&g_r, args);
+                    cr_assert_eq(g_r.code, 0, "%s", g_r.out);
+                    double planned = figure_mib("peak per device: ");
+                    args[0] = "train";
+                    static const char *const tail_img[] = {"--data", "synthetic",
+                                                           "--synthetic-size", "128", NULL};
+                    static const char *const tail_gpt[] = {"--max-steps", "3", NULL};
+                    const char *const *tail = mo == 2 ? tail_gpt : tail_img;
+                    args[n++] = "--epochs";
+                    args[n++] = "1";
+                    args[n++] = "--no-eval";
+                    args[n++] = "--quiet";
+                    for (int i = 0; tail[i]; i++) args[n++] = tail[i];
+                    args[n] = NULL;
+                    cli_run(&g_r, args);
+                    cr_assert_eq(g_r.code, 0, "%s", g_r.out);
+                    double measured = figure_mib("peak memory on rank 0's cpu:0: ");
+                    double err = (planned - measured) / measured;
+                    if (fabs(err) > fabs(worst)) worst = err;
+                    cr_assert(fabs(err) <= 0.05, "%s %s %s %s: planned %.2f MiB, measured "
+                              "%.2f MiB (%+.1f%%)", models[mo].model, shardings[sh],
+                              devices[d], levers[lv][1], planned, measured, 100.0 * err);
+                }
+    cr_log_info("fsdp plan vs measured: worst %+.2f%%", 100.0 * worst);
+    cr_assert_eq(cli_shm_entries(), 0);
+}
+
+/* Every "peak planned" pair of compare's memory table rows that start with
+ * `label`: within 5% (measured on this machine: equal as printed). */
+static int compare_rows_within(const char *label)
+{
+    int rows = 0;
+    const char *p = g_r.out;
+    while ((p = strstr(p, label))) {
+        const char *end = strchr(p, '\n');
+        char line[256];
+        snprintf(line, sizeof line, "%.*s", end ? (int)(end - p) : (int)strlen(p), p);
+        p = end ? end : p + strlen(p);
+        double v[9];
+        const char *q = line + strlen(label);
+        while (*q == ' ') q++;
+        while (*q && *q != ' ') q++;   /* the rank or device */
+        int n = 0;
+        for (char *e; n < 9; n++, q = e) {
+            v[n] = strtod(q, &e);
+            if (e == q) break;
+        }
+        if (n != 9) continue;   /* not a memory row */
+        double measured = v[7], planned = v[8];
+        cr_assert(measured > 0 && fabs(planned - measured) <= 0.05 * measured,
+                  "%s: planned %.3f MiB, measured %.3f MiB:\n%s", line, planned, measured,
+                  g_r.out);
+        rows++;
+    }
+    return rows;
+}
+
+/* compare prints, for every mode it runs, the allocator's peak beside the
+ * planner's (the memory table's last two columns, and --json's
+ * peak_measured and peak_planned); DP's is not planned ("-", null). */
+Test(cli_plan, compare_prints_planned_beside_measured)
+{
+    char dir[128];
+    tu_mkdtemp(dir, sizeof dir, "planc");
+    const char *json = tu_tpath(dir, "c.json");
+    CLI(&g_r, "compare", "--model", "mlp:784-256-128-10", "--data", "synthetic", "--batch", "64",
+        "--steps", "3", "--modes", "single,dp,ddp,fsdp,zero2,zero1", "--json", json);
+    cr_assert_eq(g_r.code, 0, "%s", g_r.out);
+    cr_assert(strstr(g_r.out, "total      peak   planned"), "%s", g_r.out);
+    static const char *const rows[] = {"single cpu", "DDP rank", "FSDP rank", "ZeRO-2 rank",
+                                       "ZeRO-1 rank"};
+    for (int i = 0; i < 5; i++)
+        cr_assert(compare_rows_within(rows[i]) >= 1, "no '%s' row:\n%s", rows[i], g_r.out);
+    cr_assert(strstr(g_r.out, "DP cpu:0") && strstr(strstr(g_r.out, "DP cpu:0"), "        -"),
+              "%s", g_r.out);
+    FILE *f = fopen(json, "r");
+    cr_assert_not_null(f);
+    static char text[1 << 20];
+    size_t n = fread(text, 1, sizeof text - 1, f);
+    fclose(f);
+    text[n] = 0;
+    cr_assert(strstr(text, "\"peak_measured\": ") && strstr(text, "\"peak_planned\": null") &&
+              strstr(text, "\"peak_planned\": 3"), "%s", text);
+    /* the GPT in bf16 with checkpointing: single, DDP and FSDP */
+    CLI(&g_r, "compare", "--model", "gpt:2-32-2-16", "--batch", "4", "--steps", "3", "--modes",
+        "single,ddp,fsdp", "--precision", "bf16", "--checkpoint-activations", "2");
+    cr_assert_eq(g_r.code, 0, "%s", g_r.out);
+    for (int i = 0; i < 3; i++)
+        cr_assert(compare_rows_within(rows[i]) >= 1, "no '%s' row:\n%s", rows[i], g_r.out);
+    tu_rmtree(dir);
+    cr_assert_eq(cli_shm_entries(), 0);
+}
+
 Test(cli_plan, refuses_what_it_does_not_plan)
 {
-    CLI(&g_r, "plan", "--mode", "fsdp", "--device", "cpu:2");
-    expect(&g_r, 2, "fsdp's shards and gathered units");
+    CLI(&g_r, "plan", "--mode", "dp", "--device", "cpu:2");
+    expect(&g_r, 2, "dp and the pipeline are not planned yet");
+    CLI(&g_r, "plan", "--mode", "ddp", "--sharding", "full", "--device", "cpu:2");
+    expect(&g_r, 2, "--sharding applies to --mode fsdp");
+    CLI(&g_r, "plan", "--mode", "fsdp", "--sharding", "zero9", "--device", "cpu:2");
+    expect(&g_r, 2, "--sharding");
     CLI(&g_r, "plan", "--precision", "fp8");
     expect(&g_r, 2, "--precision");
     CLI(&g_r, "plan", "--bogus");

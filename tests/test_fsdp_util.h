@@ -23,6 +23,8 @@
 #include "models/gpt.h"
 #include "models/model.h"
 #include "models/optim.h"
+#include "models/precision.h"
+#include "models/recompute.h"
 #include "models/train.h"
 #include "tests/test_ddp_util.h"
 
@@ -48,6 +50,9 @@ typedef struct tf_cfg {
     int bad_layout_rank;     /* >= 0: this rank groups units differently */
     int bad_options_rank;    /* >= 0: this rank prefetches where the others do not */
     int seed_by_rank;
+    int gpt_layers;          /* the GPT's blocks (0: 2) */
+    int ckpt;                /* activation checkpointing: units per segment (0: none) */
+    tdm_precision prec;      /* the model's precision (0: fp32) */
     const char *hook;        /* comm hook (fp16, bf16): DDP's, or fsdp's opts.comm_hook */
     tdm_status (*open_dev)(tdm_device **out, int rank);
     /* optional: the communicator FSDP shards over (NCCL), bootstrapped
@@ -59,6 +64,7 @@ typedef struct tf_shared {
     double loss[TF_MAX_STEPS];
     float grads0[TF_MAX_ELEMS];      /* rank 0: the reduced gradient of step 0 */
     float grads0_r1[TF_MAX_ELEMS];   /* rank world-1's */
+    float grads_last[TF_MAX_ELEMS];  /* rank 0: the reduced gradient of the last step */
     float params[TF_MAX_ELEMS];      /* rank 0: the parameters at the end */
     float params_r1[TF_MAX_ELEMS];
     int64_t n_elem;
@@ -82,7 +88,7 @@ static inline void tf_shared_free(tf_shared *s) { if (s) munmap(s, sizeof *s); }
 static inline void tf_spec(tdm_model_spec *s, const tf_cfg *c)
 {
     if (c->model == 2) {
-        tdm_model_spec_gpt(s, 2, 16, 2, TF_GPT_T);
+        tdm_model_spec_gpt(s, c->gpt_layers ? c->gpt_layers : 2, 16, 2, TF_GPT_T);
     } else if (c->model == 1) {
         tdm_model_spec_cnn(s);
         s->in_h = s->in_w = 8;
@@ -163,6 +169,8 @@ static inline int tf_rank_main(tdm_comm *comm, void *arg)
     if (c->open_dev) TDM_TRY(c->open_dev(&dev, rank));
     else TDM_TRY(tdm_device_open(&dev, "cpu", rank, 1));
     TDM_TRY(tdm_model_init(&m, dev, &spec, 5 + (c->seed_by_rank ? (uint64_t)rank : 0)));
+    TDM_TRY(tdm_model_set_precision(m, c->prec));
+    TDM_TRY(tdm_model_set_checkpoint(m, c->ckpt));
     if (c->make_comm) TDM_TRY(c->make_comm(&dcomm, comm, dev));
     int64_t n_elem = tdm_model_param_elems(m);
     tdm_optim_opts oo;
@@ -217,8 +225,9 @@ static inline int tf_rank_main(tdm_comm *comm, void *arg)
         }
         double ls = ddp ? tdm_ddp_loss_sum(ddp) : tdm_fsdp_loss_sum(f);
         if (rank == 0 && s < TF_MAX_STEPS) sh->loss[s] = ls / c->batch;
-        if (s == 0 && n_elem <= TF_MAX_ELEMS) {
+        if ((s == 0 || s == c->steps - 1) && n_elem <= TF_MAX_ELEMS) {
             float *dst = rank == 0 ? sh->grads0 : rank == world - 1 ? sh->grads0_r1 : NULL;
+            if (s > 0) dst = rank == 0 ? sh->grads_last : NULL;
             if (ddp) {
                 if (dst)
                     TDM_TRY(tdm_dev_copy_to_host(dev, dst, tdm_model_grads(m),

@@ -14,6 +14,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <linux/magic.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -77,6 +78,50 @@ Test(memplan, footprint_from_the_spec_equals_what_the_model_allocates)
             tdm_model_free(m);
         }
     }
+    tdm_device_free(dev);
+}
+
+/* ---- a replica's figures: the device planner's ----------------------------- */
+
+/* tdm_mem_plan_model: the footprint's figures in fp32 without
+ * checkpointing (activations within 0.2% from batch 32 on: the planner
+ * rounds each allocation as the allocator does, and counts the step's
+ * scratch), and what checkpointing and bf16 make of them on the GPT. */
+Test(memplan, a_replicas_figures_are_the_planners)
+{
+    tdm_device *dev = tu_host();
+    const char *specs[] = {"mlp:784-64-10", "mlp", "cnn", "gpt:2-32-2-16"};
+    for (size_t i = 0; i < sizeof specs / sizeof specs[0]; i++) {
+        tdm_model_spec s;
+        TU_OK(tdm_model_spec_parse(&s, specs[i]));
+        for (int B = 32; B <= 256; B *= 8) {
+            tdm_model_footprint fp, pl;
+            TU_OK(tdm_model_spec_footprint(&s, dev, B, &fp));
+            tdm_plan_opts o;
+            tdm_plan_opts_default(&o, &s, B);
+            TU_OK(tdm_mem_plan_model(&o, &pl));
+            cr_assert_eq(pl.param_elems, fp.param_elems, "%s", specs[i]);
+            cr_assert_eq(pl.buffer_elems, fp.buffer_elems, "%s", specs[i]);
+            cr_assert_eq(pl.largest_param_elems, fp.largest_param_elems, "%s", specs[i]);
+            double d = ((double)pl.act_bytes - (double)fp.act_bytes) / (double)fp.act_bytes;
+            cr_assert(fabs(d) <= 0.002, "%s batch %d: planner %zu, footprint %zu", specs[i], B,
+                      pl.act_bytes, fp.act_bytes);
+        }
+    }
+    tdm_model_spec g;
+    TU_OK(tdm_model_spec_parse(&g, "gpt:4-64-4-64"));
+    tdm_plan_opts o;
+    tdm_plan_opts_default(&o, &g, 16);
+    tdm_model_footprint base, ck, bf;
+    TU_OK(tdm_mem_plan_model(&o, &base));
+    o.ckpt = 1;
+    TU_OK(tdm_mem_plan_model(&o, &ck));
+    o.ckpt = 0;
+    o.precision = TDM_PRECISION_BF16;
+    TU_OK(tdm_mem_plan_model(&o, &bf));
+    cr_assert(ck.act_bytes < base.act_bytes / 2, "checkpointed %zu vs %zu", ck.act_bytes,
+              base.act_bytes);
+    cr_assert(bf.act_bytes < base.act_bytes, "bf16 %zu vs %zu", bf.act_bytes, base.act_bytes);
     tdm_device_free(dev);
 }
 

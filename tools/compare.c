@@ -127,10 +127,10 @@ static void tdm_cmp_usage(FILE *f)
         "                       run the sharded modes of --modes with the hook, each\n"
         "                       against hooked DDP (docs/FSDP.md)        [allreduce]\n"
         "  --powersgd-rank R    [4]   --powersgd-start-step S (plain before)   [10]\n"
-        "  --precision P        fp32 or bf16 in every mode (not dp; fp16's loss scaling:\n"
+        "  --precision P        fp32 or bf16 in every mode but pp (fp16's loss scaling:\n"
         "                       tandem train)                             [fp32]\n"
         "  --checkpoint-activations N  recompute segments of N blocks in backward\n"
-        "                       in every mode (not dp)\n"
+        "                       in every mode but pp\n"
         "  --perturb-rank R     testing aid: DDP rank R adds 1%% to its gradient share,\n"
         "                       which the equivalence verdict must catch (with\n"
         "                       --comm-hook: only the hooked run, for its verdict)\n"
@@ -244,8 +244,8 @@ static void tdm_cmp_print_phase_table(const tdm_cmp_opts *o, tdm_cmp_result *con
 static void tdm_cmp_print_memory(const tdm_cmp_opts *o, tdm_cmp_result *const *res, int n)
 {
     printf("\nMemory per device (MiB)\n");
-    printf("  %-18s %9s %9s %9s %9s %11s %9s %9s\n", "mode/device", "params", "grads",
-           "optimizer", "buffers", "activations", "comm", "total");
+    printf("  %-18s %9s %9s %9s %9s %11s %9s %9s %9s %9s\n", "mode/device", "params",
+           "grads", "optimizer", "buffers", "activations", "comm", "total", "peak", "planned");
     for (int k = 0; k < n; k++) {
         const tdm_cmp_result *r = res[k];
         int shown = r->n_dev < 2 ? r->n_dev : 2;
@@ -261,9 +261,14 @@ static void tdm_cmp_print_memory(const tdm_cmp_opts *o, tdm_cmp_result *const *r
                          d == 1 && r->n_dev > 2 ? ".." : "");
             double mib = 1.0 / (1024.0 * 1024.0);
             double total = m->params + m->grads + m->optim + m->buffers + m->activations + m->comm;
-            printf("  %-18s %9.3f %9.3f %9.3f %9.3f %11.3f %9.3f %9.3f\n", name, m->params * mib,
-                   m->grads * mib, m->optim * mib, m->buffers * mib, m->activations * mib,
-                   m->comm * mib, total * mib);
+            /* the allocator's peak over the run beside the planner's
+             * (tools/compare_mem.c; "-": DP, not planned) */
+            char planned[16] = "        -";
+            double pl = tdm_cmp_planned_peak(o, r->mode, r->n_dev);
+            if (pl >= 0) snprintf(planned, sizeof planned, "%9.3f", pl * mib);
+            printf("  %-18s %9.3f %9.3f %9.3f %9.3f %11.3f %9.3f %9.3f %9.3f %s\n", name,
+                   m->params * mib, m->grads * mib, m->optim * mib, m->buffers * mib,
+                   m->activations * mib, m->comm * mib, total * mib, m->peak * mib, planned);
         }
     }
     if (o->dl.kind == TDM_DEVICE_CUDA && !tdm_tool_cuda_emulated())
@@ -361,9 +366,8 @@ static tdm_status tdm_cmp_check_mpi_devices(tdm_cmp_opts *o)
     return TDM_STATUS_OK;
 }
 
-/* --precision and --checkpoint-activations: every mode's model but DP's
- * (its replicas are copied without them), which the default modes then
- * leave out and a --modes naming it is refused for. */
+/* --precision and --checkpoint-activations: every mode's model (DP's
+ * replicas follow its master's, dp/dp.h) but the pipeline's stages. */
 static tdm_status tdm_cmp_check_levers(tdm_cmp_job *j)
 {
     tdm_cmp_opts *o = &j->o;
@@ -373,23 +377,12 @@ static tdm_status tdm_cmp_check_levers(tdm_cmp_job *j)
     if (o->precision == TDM_PRECISION_FP16)
         return tdm_tool_usage_error("tandem compare: --precision fp16 needs loss scaling, "
                                     "which compare does not run: compare fp32 or bf16 (tandem "
-                                    "train --precision fp16 runs it in every mode but dp)\n");
-    if (o->ckpt > 1 && o->modes & 1u << TDM_CMP_FSDP)
-        return tdm_tool_usage_error("tandem compare: --checkpoint-activations %d with fsdp (full "
-                                    "shard): a recomputed segment of several units needs them "
-                                    "gathered at once, which FSDP's backward does not do yet: "
-                                    "use 1, or leave fsdp out of --modes\n", o->ckpt);
+                                    "train --precision fp16 runs it in every mode)\n");
     if (o->precision == TDM_PRECISION_FP32 && !o->ckpt) return TDM_STATUS_OK;
     if (o->modes & TDM_CMP_PP_BIT)
         return tdm_tool_usage_error("tandem compare: --precision and --checkpoint-activations "
                                     "do not apply to pp yet (its stages run in fp32, keeping "
                                     "their activations): leave pp out of --modes\n");
-    if (!(o->modes & 1u << TDM_CMP_DP)) return TDM_STATUS_OK;
-    if (j->modes_arg)
-        return tdm_tool_usage_error("tandem compare: --precision and --checkpoint-activations "
-                                    "do not apply to dp (its replicas are copied without "
-                                    "them): leave dp out of --modes\n");
-    o->modes &= ~(1u << TDM_CMP_DP);
     return TDM_STATUS_OK;
 }
 

@@ -69,7 +69,7 @@ typedef struct tdm_cmp_opts {
      * micro-batches (0: 4), schedule (NULL: 1f1b) */
     int pp_stages, pp_micro;
     const char *pp_schedule;
-    /* the memory levers on every mode's model (docs/MEMORY.md): not DP */
+    /* the memory levers on every mode's model (docs/MEMORY.md): not pp */
     const char *precision_arg; /* --precision as given (NULL: fp32) */
     tdm_precision precision;
     int ckpt;                  /* --checkpoint-activations N; 0: off */
@@ -88,6 +88,7 @@ typedef struct tdm_cmp_opts {
 /* Bytes per device (or rank) by kind. */
 typedef struct tdm_cmp_memory {
     double params, grads, optim, buffers, activations, comm;
+    double peak;               /* the device allocator's peak over the run (bytes; 0: unknown) */
 } tdm_cmp_memory;
 
 typedef struct tdm_cmp_result {
@@ -285,4 +286,9 @@ double tdm_cmp_load_other(const tdm_cmp_load *a, const tdm_cmp_load *b);
  * 1 when any was printed. other_of: by mode. */
 int tdm_cmp_load_print(const tdm_cmp_opts *o, tdm_cmp_result *const *res, int n,
                        const double *other_of);
+/* tools/compare_mem.c: the planned peak of mode's device (rank 0's), in
+ * bytes, for the configuration compare runs; -1 where it is not planned
+ * (DP). */
+double tdm_cmp_planned_peak(const tdm_cmp_opts *o, tdm_cmp_mode mode, int n_dev);
+
 #endif

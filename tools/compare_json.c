@@ -92,9 +92,13 @@ static void tdm_cmp_json_mode(FILE *f, const tdm_cmp_opts *o, const tdm_cmp_resu
         double persist = m->params + m->grads + m->optim + m->buffers;
         fprintf(f, "%s\n        {\"device\": %d, \"params\": %.0f, \"grads\": %.0f, "
                    "\"optimizer\": %.0f, \"buffers\": %.0f, \"activations\": %.0f, "
-                   "\"comm\": %.0f, \"persistent\": %.0f, \"peak\": %.0f}",
+                   "\"comm\": %.0f, \"persistent\": %.0f, \"peak\": %.0f, "
+                   "\"peak_measured\": %.0f, \"peak_planned\": ",
                 d ? "," : "", d, m->params, m->grads, m->optim, m->buffers, m->activations,
-                m->comm, persist, persist + m->activations + m->comm);
+                m->comm, persist, persist + m->activations + m->comm, m->peak);
+        double pl = tdm_cmp_planned_peak(o, r->mode, r->n_dev);
+        if (pl >= 0) fprintf(f, "%.0f}", pl);
+        else fputs("null}", f);
     }
     fputs("],\n      \"loss\": [", f);
     for (int i = 0; i < r->steps; i++) {

@@ -132,6 +132,9 @@ static void tdm_cmp_memory_of(tdm_cmp_memory *cm, const tdm_tool_rank *r, int sh
 {
     tdm_model_memory mm;
     tdm_model_get_memory(r->m, &mm);
+    tdm_dev_mem_stats ms;
+    if (tdm_dev_mem_query(tdm_model_device(r->m), &ms) == TDM_STATUS_OK)
+        cm->peak = (double)ms.peak_bytes;
     cm->buffers = (double)mm.buffers;
     cm->activations = (double)mm.activations;
     if (sharded) {

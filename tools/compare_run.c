@@ -223,6 +223,10 @@ static tdm_status tdm_cmp_run_local(const tdm_cmp_opts *o, const tdm_cmp_data *d
     for (int d = 0; d < n; d++)
         tdm_cmp_mem_model(&r->mem[d], dp ? tdm_dp_replica(dpp, d) : m,
                           d == 0 ? tdm_optim_state_bytes(opt) : 0);
+    for (int d = 0; d < n; d++) {
+        tdm_dev_mem_stats ms;
+        if (tdm_dev_mem_query(devs[d], &ms) == TDM_STATUS_OK) r->mem[d].peak = (double)ms.peak_bytes;
+    }
     /* DP's output device also holds the gathered logits and their gradient */
     if (dp)
         r->mem[0].comm = 2.0 * o->batch * tdm_model_out_rows(m) * tdm_model_n_classes(m) *

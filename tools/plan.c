@@ -4,21 +4,23 @@
  * optimizer state, activations and scratch, for --mode single and for
  * each rank of --mode ddp (its model at its share of the global batch;
  * on host devices DDP's gradient buckets live in the job's shared-memory
- * arena, listed beside the device's bytes). --mode fsdp (shards and
- * gathered units) is not planned in this build. */
+ * arena, listed beside the device's bytes), and for each rank of --mode
+ * fsdp (fsdp/mem.c: its shards, gathered units and set-up). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "core/device.h"
 #include "ddp/ddp.h"
+#include "fsdp/fsdp.h"
 #include "dist/run.h"
 #include "models/plan.h"
+#include "tools/plan_peak.h"
 #include "tools/tools.h"
 #include "tools/train_modes.h"
 
 typedef struct tdm_plan_args {
-    const char *model, *mode, *device, *precision, *ckpt, *offload, *optim;
+    const char *model, *mode, *device, *precision, *ckpt, *offload, *optim, *sharding;
     long long batch;
     double clip, momentum;
 } tdm_plan_args;
@@ -26,8 +28,9 @@ typedef struct tdm_plan_args {
 static void tdm_plan_usage(FILE *f)
 {
     fprintf(f,
-        "usage: tandem plan [--model M] [--mode single|ddp] [--device D] [--batch B]\n"
-        "                   [--precision fp32|bf16|fp16] [--checkpoint-activations [all|N]]\n"
+        "usage: tandem plan [--model M] [--mode single|ddp|fsdp] [--sharding S] [--device D]\n"
+        "                   [--batch B] [--precision fp32|bf16|fp16]\n"
+        "                   [--checkpoint-activations [all|N]]\n"
         "                   [--clip-grad-norm X] [--offload optimizer] [--optim sgd|adamw]\n"
         "\n"
         "Prints the peak memory of one device (one rank) while the configuration\n"
@@ -36,9 +39,15 @@ static void tdm_plan_usage(FILE *f)
         "options allocates them (exact for a training step: the allocator's peak\n"
         "with --no-eval; docs/MEMORY.md). ddp: each rank's model at its share of\n"
         "the global batch (the largest share), plus DDP's gradient buckets in the\n"
-        "job's shared memory on host devices. --mode fsdp is not planned yet.\n"
+        "job's shared memory on host devices. fsdp: each rank's model at its share,\n"
+        "less the flat buffers it releases, plus its shards (or full copies), the\n"
+        "optimizer over the shard, the loss gradient, and the gathered units and full\n"
+        "gradients at their most; or the set-up's peak (the model's buffers beside the\n"
+        "new shards) where that is higher.\n"
         "  --model M      as tandem train                          [mlp]\n"
-        "  --mode M       single or ddp                            [single]\n"
+        "  --mode M       single, ddp or fsdp                      [single]\n"
+        "  --sharding S   fsdp: full (ZeRO-3), grad_op (ZeRO-2), optimizer (ZeRO-1)\n"
+        "                                                           [full]\n"
         "  --device D     cpu, cpu:N, cuda, cuda:N (ddp: one rank per device) [cpu]\n"
         "  --batch B      the global batch                 [256; gpt: %d]\n"
         "  --momentum M   SGD momentum (0: no optimizer state)    [0.9]\n",
@@ -64,6 +73,7 @@ static tdm_status tdm_plan_parse(int argc, char **argv, tdm_plan_args *a, int *h
                            : !strcmp(s, "--precision") ? &a->precision
                            : !strcmp(s, "--offload")   ? &a->offload
                            : !strcmp(s, "--optim")     ? &a->optim
+                           : !strcmp(s, "--sharding")  ? &a->sharding
                                                        : NULL;
         if (str || !strcmp(s, "--batch") || !strcmp(s, "--clip-grad-norm") ||
             !strcmp(s, "--momentum")) {
@@ -97,17 +107,92 @@ static void tdm_plan_line(const char *what, size_t bytes)
     printf("  %-22s %10.2f MiB\n", what, bytes / 1048576.0);
 }
 
+/* A DDP rank's loss gradient goes to its stage's buffer (dist/batch.c),
+ * beside the model's own: rows x classes floats of its share, as the
+ * allocator rounds them. */
+static size_t tdm_plan_stage_bytes(const tdm_plan_opts *o)
+{
+    int c, h, w, classes, rows = 1;
+    if (o->spec.kind == TDM_MODEL_GPT) {
+        classes = o->spec.vocab;
+        rows = o->spec.n_ctx;
+    } else {
+        tdm_model_spec_sample_shape(&o->spec, &c, &h, &w, &classes);
+    }
+    return ((size_t)o->batch * (size_t)rows * (size_t)classes * sizeof(float) + 63) / 64 * 64;
+}
+
+tdm_status tdm_tool_plan_peak(const tdm_plan_opts *o, tdm_tool_plan_mode mode, int world,
+                              tdm_fsdp_sharding sharding, size_t *peak)
+{
+    *peak = 0;
+    if (mode == TDM_TOOL_PLAN_FSDP) {
+        tdm_fsdp_mem_plan f;
+        TDM_CHECK(tdm_fsdp_plan_memory(o, world, sharding, 0, &f));
+        *peak = f.peak;
+        return TDM_STATUS_OK;
+    }
+    tdm_plan p;
+    TDM_CHECK(tdm_plan_single(o, &p));
+    *peak = p.peak + (mode == TDM_TOOL_PLAN_DDP ? tdm_plan_stage_bytes(o) : 0);
+    return TDM_STATUS_OK;
+}
+
+/* --mode fsdp: fsdp/mem.c's plan of one rank (rank 0: the largest share) */
+static tdm_status tdm_plan_fsdp_print(const tdm_plan_args *a, const tdm_plan_opts *o, int world,
+                                      tdm_fsdp_sharding sharding)
+{
+    tdm_fsdp_mem_plan f;
+    tdm_status st = tdm_fsdp_plan_memory(o, world, sharding, 0, &f);
+    if (st) {
+        fprintf(stderr, "tandem plan: %s\n", tdm_error_message());
+        return st;
+    }
+    const tdm_plan *p = &f.model;
+    printf("tandem plan: %s, mode fsdp (%s) on %s (%d rank%s), batch %lld (%d per device at "
+           "most), precision %s%s%s\n", a->model, tdm_fsdp_sharding_describe(sharding),
+           a->device, world, world == 1 ? "" : "s", a->batch, o->batch,
+           tdm_precision_name(o->precision), o->ckpt ? ", checkpointing" : "",
+           a->offload ? ", optimizer offloaded" : "");
+    printf("peak per device: %.2f MiB (%s)\n", f.peak / 1048576.0,
+           f.peak == f.step_peak ? "during a step" : "at set-up, before the first step");
+    printf("  %d units, a shard of %lld elements of %lld\n", f.n_units,
+           (long long)f.shard_elems, (long long)p->param_elems);
+    tdm_plan_line(sharding == TDM_FSDP_FULL_SHARD      ? "shards (params, grads)"
+                  : sharding == TDM_FSDP_SHARD_GRAD_OP ? "full params, grad shard"
+                                                       : "full params and grads",
+                  f.shards);
+    if (p->params_low) tdm_plan_line("16-bit weights", p->params_low);
+    if (p->buffers) tdm_plan_line("buffers", p->buffers);
+    tdm_plan_line("optimizer state", f.optim);
+    tdm_plan_line("activations", p->activations);
+    tdm_plan_line("scratch", p->act_scratch + p->step_scratch);
+    tdm_plan_line("gathered units, grads", f.gathered);
+    tdm_plan_line("comm: loss gradient", f.comm);
+    tdm_plan_line("step peak", f.step_peak);
+    tdm_plan_line("set-up peak", f.init_peak);
+    if (p->optim_host) tdm_plan_line("host: offloaded state", p->optim_host);
+    return TDM_STATUS_OK;
+}
+
 int tdm_tool_plan_main(int argc, char **argv)
 {
     tdm_plan_args a;
     int help;
     tdm_status st = tdm_plan_parse(argc, argv, &a, &help);
     if (st || help) return tdm_tool_exit(st);
-    int ddp = !strcmp(a.mode, "ddp");
+    int fsdp = !strcmp(a.mode, "fsdp"), ddp = !strcmp(a.mode, "ddp") || fsdp;
     if (!ddp && strcmp(a.mode, "single"))
         return tdm_tool_exit(tdm_tool_usage_error(
-            "tandem plan: --mode %s: this build plans single and ddp (fsdp's shards and "
-            "gathered units, and dp, are not planned yet)\n", a.mode));
+            "tandem plan: --mode %s: this build plans single, ddp and fsdp (dp and the "
+            "pipeline are not planned yet)\n", a.mode));
+    tdm_fsdp_sharding sharding = TDM_FSDP_FULL_SHARD;
+    if (a.sharding && !fsdp)
+        return tdm_tool_exit(tdm_tool_usage_error("tandem plan: --sharding applies to --mode "
+                                                  "fsdp\n"));
+    if (a.sharding && tdm_fsdp_sharding_parse(a.sharding, &sharding))
+        return tdm_tool_exit(tdm_tool_usage_error("tandem plan: --sharding: %s\n",
+                                                  tdm_error_message()));
     tdm_model_spec spec;
     if (tdm_model_spec_parse(&spec, a.model))
         return tdm_tool_exit(tdm_tool_usage_error("tandem plan: --model: %s\n",
@@ -154,24 +239,14 @@ int tdm_tool_plan_main(int argc, char **argv)
     o.threads = 1;
     o.loss_scaling = o.precision == TDM_PRECISION_FP16;
     o.grad_norm = a.clip > 0.0;
+    if (fsdp) return tdm_tool_exit(tdm_plan_fsdp_print(&a, &o, world, sharding));
     tdm_plan p;
     if ((st = tdm_plan_single(&o, &p))) {
         fprintf(stderr, "tandem plan: %s\n", tdm_error_message());
         return tdm_tool_exit(st);
     }
-    /* a DDP rank's loss gradient goes to its stage's buffer (dist/batch.c),
-     * beside the model's own: rows x classes floats, as the allocator
-     * rounds them */
-    size_t dl_bytes = 0;
     if (ddp) {
-        int c, h, w, classes, rows = 1;
-        if (gpt) {
-            classes = spec.vocab;
-            rows = spec.n_ctx;
-        } else {
-            tdm_model_spec_sample_shape(&spec, &c, &h, &w, &classes);
-        }
-        dl_bytes = ((size_t)share * (size_t)rows * (size_t)classes * sizeof(float) + 63) / 64 * 64;
+        size_t dl_bytes = tdm_plan_stage_bytes(&o);
         p.act_scratch += dl_bytes;
         p.peak += dl_bytes;
     }

@@ -5,8 +5,8 @@
  * fsdp (each rank's model, the design's optimizer, dist/step.h's
  * stepper), and the lines they print (the planner's peak before
  * training, the measured one after, the gradient norm and loss scale
- * with each epoch). --mode dp refuses them (its replicas are copied per
- * step without them). */
+ * with each epoch). Under --mode dp they are set on the master (its
+ * replicas follow it, dp/dp.h) and its step (tdm_dp_step_levers). */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -16,16 +16,10 @@
 #include "models/precision.h"
 #include "models/recompute.h"
 #include "models/train.h"
+#include "tools/plan_peak.h"
 #include "tools/ranks.h"
 #include "tools/tools.h"
 #include "tools/train_modes.h"
-
-/* --sharding names FULL_SHARD (an unparsable one is refused elsewhere) */
-static int tdm_fsdp_full(const char *sharding)
-{
-    tdm_fsdp_sharding sh;
-    return tdm_fsdp_sharding_parse(sharding, &sh) == TDM_STATUS_OK && sh == TDM_FSDP_FULL_SHARD;
-}
 
 static int tdm_levers_set(const tdm_train_args *a)
 {
@@ -62,18 +56,16 @@ tdm_status tdm_train_levers_check(const tdm_train_args *a)
         return tdm_tool_usage_error("tandem train: --offload optimizer moves the optimizer "
                                     "state from a GPU to host memory; --device %s is host "
                                     "memory already\n", a->device);
+    int dp = !strcmp(a->mode, "dp");
     if (tdm_levers_set(a) && strcmp(a->mode, "single") && strcmp(a->mode, "ddp") &&
-        strcmp(a->mode, "fsdp"))
+        strcmp(a->mode, "fsdp") && !dp)
         return tdm_tool_usage_error("tandem train: --precision, --checkpoint-activations, "
-                                    "--clip-grad-norm and --offload run with --mode single, ddp "
-                                    "and fsdp in this build, not yet with --mode %s\n", a->mode);
-    if (tdm_levers_ckpt(a) > 1 && !strcmp(a->mode, "fsdp") &&
-        (!a->sharding || tdm_fsdp_full(a->sharding)))
-        return tdm_tool_usage_error("tandem train: --checkpoint-activations %s with --mode fsdp "
-                                    "--sharding full: a recomputed segment of several units "
-                                    "needs them gathered at once, which FSDP's backward does "
-                                    "not do yet; use segments of 1 (all), or --sharding "
-                                    "grad_op or optimizer\n", a->ckpt);
+                                    "--clip-grad-norm and --offload run with --mode single, dp, "
+                                    "ddp and fsdp in this build, not yet with --mode %s\n",
+                                    a->mode);
+    if (a->offload && dp)
+        return tdm_tool_usage_error("tandem train: --offload optimizer runs with --mode single, "
+                                    "ddp and fsdp, not yet with --mode dp\n");
     int fp16 = a->precision && p == TDM_PRECISION_FP16;
     if (a->uneven && (fp16 || a->clip_grad_norm > 0.0))
         return tdm_tool_usage_error("tandem train: --precision fp16 (its loss scaling) and "
@@ -132,6 +124,12 @@ tdm_status tdm_train_levers_apply(const tdm_train_args *a, tdm_model *m, tdm_sin
     if (tdm_levers_ckpt(a)) printf(", activation checkpointing (segments of %d)", tdm_levers_ckpt(a));
     if (a->clip_grad_norm > 0.0) printf(", gradient norm clipped to %g", a->clip_grad_norm);
     if (a->offload) printf(", optimizer offloaded to host memory");
+    if (!strcmp(a->mode, "dp")) {
+        /* the planner covers one device's step, not DP's (tools/plan.c) */
+        printf(" (the master's; every replica follows it)\n");
+        fflush(stdout);
+        return TDM_STATUS_OK;
+    }
     tdm_plan pl;
     int ok;
     tdm_levers_plan(a, m, &pl, &ok);
@@ -151,6 +149,11 @@ void tdm_train_levers_report(const tdm_train_args *a, tdm_model *m)
     tdm_dev_mem_stats ms;
     if (!tdm_levers_set(a) || tdm_dev_mem_query(tdm_model_device(m), &ms) != TDM_STATUS_OK)
         return;
+    if (!strcmp(a->mode, "dp")) {
+        printf("peak memory on the master's %s: %.2f MiB measured (allocator)\n",
+               tdm_dev_name(tdm_model_device(m)), ms.peak_bytes / 1048576.0);
+        return;
+    }
     tdm_plan pl;
     int ok;
     tdm_levers_plan(a, m, &pl, &ok);
@@ -216,6 +219,25 @@ void tdm_train_levers_rank_report(const tdm_train_args *a, const tdm_tool_rank *
     if (!tdm_levers_set(a) || r->rank != 0 ||
         tdm_dev_mem_query(tdm_model_device(r->m), &ms) != TDM_STATUS_OK)
         return;
-    printf("peak memory on rank 0's %s: %.2f MiB measured (allocator)\n",
+    printf("peak memory on rank 0's %s: %.2f MiB measured (allocator)",
            tdm_dev_name(tdm_model_device(r->m)), ms.peak_bytes / 1048576.0);
+    /* the plan of a rank at the largest share (tools/plan_peak.h), where
+     * every step is one pass over that share */
+    tdm_plan_opts o;
+    size_t planned = 0;
+    int fsdp = !strcmp(a->mode, "fsdp");
+    tdm_plan_opts_default(&o, &r->b->spec, (int)((a->batch + r->world - 1) / r->world));
+    o.precision = r->b->precision;
+    o.ckpt = r->b->ckpt;
+    o.optim = r->b->optim;
+    o.device = tdm_dev_kind(tdm_model_device(r->m));
+    o.threads = (int)a->threads;
+    o.loss_scaling = o.precision == TDM_PRECISION_FP16;
+    o.grad_norm = a->clip_grad_norm > 0.0;
+    if (a->grad_accum <= 1 && !a->uneven && !a->no_overlap &&
+        (!a->comm_hook || !strcmp(a->comm_hook, "allreduce")) &&
+        tdm_tool_plan_peak(&o, fsdp ? TDM_TOOL_PLAN_FSDP : TDM_TOOL_PLAN_DDP, r->world,
+                           r->b->sharding, &planned) == TDM_STATUS_OK)
+        printf(", %.2f MiB planned (tandem plan)", planned / 1048576.0);
+    printf("\n");
 }

@@ -3,8 +3,8 @@
  * --threads BLAS threads) or DataParallel (dp/) with one thread per
  * device and the master model on the first device of the list. Prints
  * the usual per-epoch lines and, for DP, where a step spends its time
- * (wall-clock per phase, averaged over the run's steps). --mode single
- * takes the memory levers (tools/train_levers.c). The ranks of --mode ddp
+ * (wall-clock per phase, averaged over the run's steps). Both take the
+ * memory levers (tools/train_levers.c). The ranks of --mode ddp
  * and fsdp are tools/train_ranks.c's. */
 #include <stdio.h>
 #include <string.h>
@@ -58,7 +58,7 @@ static tdm_status tdm_local_dp_step(void *ctx, const void *x, const int32_t *y, 
                                     double *loss)
 {
     tdm_local *l = ctx;
-    TDM_CHECK(tdm_dp_step(l->dp, l->opt, x, y, batch, loss));
+    TDM_CHECK(tdm_dp_step_levers(l->dp, &l->single, x, y, batch, loss));
     tdm_local_add(l, 1);
     return TDM_STATUS_OK;
 }
@@ -236,11 +236,10 @@ tdm_status tdm_train_run_local(const tdm_train_args *a, const tdm_model_spec *sp
     } else {
         tdm_train_print_header(a, spec, &train, &test, tdm_model_param_elems(l.m), desc);
     }
-    if (!dp) {
-        /* the memory levers (tools/train_levers.c): --mode single's */
-        TDM_TRY(tdm_train_levers_apply(a, l.m, &l.single, &scaler, &resumed));
-        r.single = &l.single;
-    }
+    /* the memory levers (tools/train_levers.c): on the model (DP's
+     * master, whose replicas follow it) and its step */
+    TDM_TRY(tdm_train_levers_apply(a, l.m, &l.single, &scaler, &resumed));
+    r.single = &l.single;
     if (a->trace) {
         char track[48];
         if (dp) snprintf(track, sizeof track, "DataParallel, %d devices (wall)", n);
@@ -263,7 +262,7 @@ tdm_status tdm_train_run_local(const tdm_train_args *a, const tdm_model_spec *sp
         }
     }
     if (dp) tdm_train_print_dp_phases(&l.sum, l.step_ms, l.steps);
-    else tdm_train_levers_report(a, l.m);
+    tdm_train_levers_report(a, l.m);
 fail:
     tdm_train_trace_free(trace);
     tdm_dist_det_free(&det);

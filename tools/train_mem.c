@@ -70,12 +70,19 @@ static int tdm_train_mem_in(const tdm_train_args *a, const tdm_model_spec *spec,
         in->processes = reps;
         batch = (int)(micro * held);
     }
-    tdm_device *host = NULL;
-    int ok = tdm_device_open(&host, "cpu", 0, (int)a->threads) == TDM_STATUS_OK &&
-             tdm_model_spec_footprint(spec, host, batch > 0 ? batch : 1, &in->model) ==
-                 TDM_STATUS_OK;
-    tdm_device_free(host);
-    return ok;
+    /* a replica's figures: the device planner's, with the run's levers */
+    tdm_plan_opts po;
+    tdm_plan_opts_default(&po, spec, batch > 0 ? batch : 1);
+    if (a->precision && tdm_precision_parse(a->precision, &po.precision)) return 0;
+    po.ckpt = !a->ckpt ? 0 : !strcmp(a->ckpt, "all") ? 1 : atoi(a->ckpt);
+    tdm_optim_opts_named(&po.optim, a->optim, a->lr, a->weight_decay, a->momentum, a->nesterov);
+    po.optim.offload = a->offload && dl->kind != TDM_DEVICE_HOST ? TDM_OPTIM_OFFLOAD_HOST
+                                                                 : TDM_OPTIM_OFFLOAD_NONE;
+    po.device = dl->kind;
+    po.threads = a->threads > 0 ? (int)a->threads : 1;
+    po.loss_scaling = po.precision == TDM_PRECISION_FP16;
+    po.grad_norm = a->clip_grad_norm > 0.0;
+    return po.ckpt >= 0 && tdm_mem_plan_model(&po, &in->model) == TDM_STATUS_OK;
 }
 
 tdm_status tdm_train_check_memory(const tdm_train_args *a, const tdm_model_spec *spec)

@@ -1,0 +1,25 @@
+/* tools/plan_peak.h: the planned peak of one device or rank of a mode,
+ * which `tandem plan` prints and `tandem compare` prints beside the
+ * measured one (tools/plan.c): --mode single's models/plan.h plan, a DDP
+ * rank's (its model at its share plus the loss gradient its stage holds),
+ * an FSDP/ZeRO rank's (fsdp/fsdp.h's tdm_fsdp_plan_memory). */
+#ifndef TDM_TOOLS_PLAN_PEAK_H
+#define TDM_TOOLS_PLAN_PEAK_H
+
+#include <stddef.h>
+
+#include "fsdp/fsdp.h"
+#include "models/plan.h"
+
+typedef enum tdm_tool_plan_mode {
+    TDM_TOOL_PLAN_SINGLE = 0,
+    TDM_TOOL_PLAN_DDP,
+    TDM_TOOL_PLAN_FSDP,
+} tdm_tool_plan_mode;
+
+/* o: the device's (rank's) model at its share of the batch; world and
+ * sharding: the ranks and the sharding of TDM_TOOL_PLAN_FSDP. */
+tdm_status tdm_tool_plan_peak(const tdm_plan_opts *o, tdm_tool_plan_mode mode, int world,
+                              tdm_fsdp_sharding sharding, size_t *peak);
+
+#endif
