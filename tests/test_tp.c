@@ -63,7 +63,7 @@ typedef struct out {
 } out;
 
 typedef struct ref {
-    int which, dp;
+    int which, dp, accum;   /* accum: two forward_backward calls per step */
     double loss[STEPS];
     float p1[16384], pn[16384];
     int64_t n;
@@ -199,7 +199,19 @@ static int tp_rank(tdm_comm *world, void *arg)
         tdm_comm_traffic t0, t1;
         tdm_comm_traffic_get(comm, &t0);
         double ls = 0.0;
-        if (tdm_tp_step_scaled(p, x + lo * in, y + lo * rows, hi - lo, 1.0f / B, &ls))
+        if (g_ref.accum) {
+            /* gradient accumulation: the replica's share in two
+             * micro-batches, then one step */
+            int mid = (lo + hi) / 2;
+            double l0 = 0.0, l1 = 0.0;
+            if (tdm_tp_zero_grad(p) ||
+                tdm_tp_forward_backward(p, x + lo * in, y + lo * rows, mid - lo, 1.0f / B, &l0) ||
+                tdm_tp_forward_backward(p, x + mid * in, y + mid * rows, hi - mid, 1.0f / B,
+                                        &l1) ||
+                tdm_tp_optim_step(p))
+                RFAIL("accumulated step %d: %s", s, tdm_error_message());
+            ls = l0 + l1;
+        } else if (tdm_tp_step_scaled(p, x + lo * in, y + lo * rows, hi - lo, 1.0f / B, &ls))
             RFAIL("step %d: %s", s, tdm_error_message());
         tdm_comm_traffic_get(comm, &t1);
         if (dp > 1 && tdm_comm_all_reduce(dcomm, &ls, &ls, 1, TDM_DTYPE_FLOAT64, TDM_REDOP_SUM))
@@ -215,7 +227,7 @@ static int tp_rank(tdm_comm *world, void *arg)
                                                    : g_bytes[g_ref.which] * (hi - lo) / B)
                              : 0;
         int calls = N > 1 ? (g_ref.which == GPT ? 8 : g_calls[g_ref.which]) : 0;
-        for (int c = 0; c < TDM_COLL_COUNT_; c++) {
+        for (int c = 0; !g_ref.accum && c < TDM_COLL_COUNT_; c++) {
             int64_t db = t1.bytes[c] - t0.bytes[c], dc = t1.calls[c] - t0.calls[c];
             int64_t wb = c == TDM_COLL_ALL_REDUCE ? want : 0, wc = c == TDM_COLL_ALL_REDUCE
                                                                    ? calls : 0;
@@ -293,6 +305,16 @@ Test(tp, one_rank_is_one_device_bit_for_bit) { check(0, 1, 1); check(1, 1, 1); }
 Test(tp, two_ranks_equal_one_device) { check(0, 1, 2); check(1, 1, 2); }
 Test(tp, four_ranks_equal_one_device) { check(0, 1, 4); check(1, 1, 4); }
 Test(tp, dp2_tp2_equals_one_device_on_the_global_batch) { check(0, 2, 2); check(1, 2, 2); }
+
+/* Gradient accumulation on a dp x tp mesh: each replica's share in two
+ * forward_backward calls, then tdm_tp_optim_step, equals one device's
+ * step on the whole batch (the dp sum happens once per step). */
+Test(tp, dp2_tp2_accumulated_micro_batches_equal_one_device)
+{
+    g_ref.accum = 1;
+    check(1, 2, 2);
+    g_ref.accum = 0;
+}
 
 Test(tp, gpt_split_by_heads_equals_one_device)
 {

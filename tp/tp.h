@@ -131,12 +131,17 @@ int64_t tdm_tp_elems(const tdm_tp *p);
  * the group (and grad_comm) is aborted with the message. */
 tdm_status tdm_tp_step_scaled(tdm_tp *p, const void *x, const int32_t *y, int batch,
                               float grad_scale, double *loss_sum);
-/* The same without the optimizer step nor the zeroing: forward, loss,
- * backward (adding into the gradients), the sum over grad_comm. */
+/* The same without the zeroing, the sum over grad_comm nor the
+ * optimizer step: forward, loss, backward (adding into the gradients).
+ * Calls may follow each other (gradient accumulation); the sum over
+ * grad_comm happens once, in tdm_tp_optim_step. Collective over the
+ * group. */
 tdm_status tdm_tp_forward_backward(tdm_tp *p, const void *x, const int32_t *y, int batch,
                                    float grad_scale, double *loss_sum);
 tdm_status tdm_tp_zero_grad(tdm_tp *p);
-/* The optimizer step over the rank's slices. */
+/* The sum of the accumulated gradients over grad_comm (once: the dp
+ * dimension's replicas' micro-batches), then the optimizer step over
+ * the rank's slices. Collective over grad_comm. */
 tdm_status tdm_tp_optim_step(tdm_tp *p);
 /* Forward only: *loss_sum over the batch and *correct argmax predictions
  * (host y). Collective. */
