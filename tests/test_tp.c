@@ -23,8 +23,11 @@
  * wrongly scaled gradient from the parameter check); the replicated
  * tensors' gradients are the same bits on every rank of the group (no communication: identical inputs, identical
  * kernels); the bytes a step hands the communicator are exactly the
- * plan's all-reduces, counted by the communicator; each rank's split
- * tensors hold 1/N of one device's elements and the allocator's bytes
+ * plan's all-reduces, counted by the communicator; against one device's
+ * model (must_split, written out): a group's split elements plus the
+ * replicated ones are one device's, each rank's split ones 1/N of one
+ * device's tensors that must be split; each rank's split
+ * tensors hold 1/N of its layout's whole elements and the allocator's bytes
  * for parameters, gradients and optimizer state are what that layout
  * needs; the plan's errors. */
 #include <criterion/criterion.h>
@@ -70,6 +73,8 @@ typedef struct ref {
     double loss[STEPS];
     float p1[16384], pn[16384], g1[16384];   /* g1: step 0's gradient */
     int64_t n;
+    int64_t must_split;   /* one device's elements of the tensors tp must split */
+    int64_t elems;        /* one device's tensors' elements (param_elems less padding) */
 } ref;
 
 static ref g_ref;
@@ -104,6 +109,31 @@ static void batch_of(const tdm_model_spec *s, int step, void *x, int32_t *y)
               step, B, x, y);
 }
 
+/* The tensors tensor parallelism must split, written out: the MLPs'
+ * column/row pairs (20-24-16-12-5: fc1-fc2 and fc3-fc4; 20-32-16-5:
+ * fc1-fc2, fc3 replicated), a column layer's weight and bias, a row
+ * layer's weight (its bias is added once, after the sum: replicated);
+ * the GPT's attn.c_attn and mlp.c_fc (weight and bias), attn.c_proj and
+ * mlp.c_proj (weight) of every block. */
+static int must_split(int which, const char *name)
+{
+    static const char *const mlp[2][7] = {
+        {"fc1.weight", "fc1.bias", "fc2.weight", "fc3.weight", "fc3.bias", "fc4.weight", NULL},
+        {"fc1.weight", "fc1.bias", "fc2.weight", NULL}};
+    static const char *const gpt[] = {".attn.c_attn.weight", ".attn.c_attn.bias",
+                                      ".attn.c_proj.weight", ".mlp.c_fc.weight",
+                                      ".mlp.c_fc.bias",      ".mlp.c_proj.weight", NULL};
+    size_t n = strlen(name);
+    if (which == GPT) {
+        for (int i = 0; gpt[i]; i++)
+            if (n > strlen(gpt[i]) && !strcmp(name + n - strlen(gpt[i]), gpt[i])) return 1;
+        return 0;
+    }
+    for (int i = 0; mlp[which][i]; i++)
+        if (!strcmp(name, mlp[which][i])) return 1;
+    return 0;
+}
+
 /* One device, plain steps. */
 static void ref_make(int which)
 {
@@ -120,6 +150,14 @@ static void ref_make(int which)
     float x[B * 20];
     int32_t y[B * 8];
     g_ref.n = tdm_model_param_elems(m);
+    g_ref.must_split = g_ref.elems = 0;
+    for (int i = 0; i < tdm_model_n_params(m); i++)
+        g_ref.elems += tdm_model_param_info(m, i)->n_elem;
+    cr_assert(g_ref.elems <= g_ref.n && g_ref.elems > g_ref.n - 16 * tdm_model_n_params(m));
+    for (int i = 0; i < tdm_model_n_params(m); i++)
+        if (must_split(which, tdm_model_param_info(m, i)->name))
+            g_ref.must_split += tdm_model_param_info(m, i)->n_elem;
+    cr_assert(g_ref.must_split > 0);
     cr_assert(g_ref.n <= 16384, "%lld", (long long)g_ref.n);
     for (int s = 0; s < STEPS; s++) {
         batch_of(&spec, s, x, y);
@@ -287,6 +325,21 @@ static void check(int which, int dp, int tp)
                      o->err[r]);
     cr_assert_eq(st, TDM_STATUS_OK, "%s", tdm_error_message());
     double pd = 0, ld = 0, gd = 0;
+    /* memory, against one device's model (not the tp layout): the
+     * group's split elements plus the replicated ones (once) are one
+     * device's elements, each rank's split ones 1/N of one device's
+     * tensors that must be split */
+    int64_t split_sum = 0;
+    for (int r = 0; r < W; r++) split_sum += o->split[r];
+    cr_assert_eq(split_sum / dp + o->repl[0], g_ref.elems, "a group holds %lld split + %lld "
+                 "replicated elements, one device %lld", (long long)(split_sum / dp),
+                 (long long)o->repl[0], (long long)g_ref.elems);
+    for (int r = 0; r < W; r++) {
+        cr_assert_eq(o->split[r] * tp, g_ref.must_split, "rank %d: %lld split elements, one "
+                     "device's split tensors %lld / %d", r, (long long)o->split[r],
+                     (long long)g_ref.must_split, tp);
+        cr_assert_eq(o->repl[r], g_ref.elems - g_ref.must_split);
+    }
     for (int r = 0; r < W; r++) {
         gd = o->gdiff[r] > gd ? o->gdiff[r] : gd;
         pd = o->pdiff[r] > pd ? o->pdiff[r] : pd;
