@@ -21,15 +21,15 @@
  * Also: step 0's whole gradient (gathered) within 1e-6 absolute of one
  * device's (measured: 5.3e-8; AdamW's normalised step would hide a
  * wrongly scaled gradient from the parameter check); the replicated
- * tensors' gradients are the same bits on every rank of the group (no communication: identical inputs, identical
- * kernels); the bytes a step hands the communicator are exactly the
- * plan's all-reduces, counted by the communicator; against one device's
- * model (must_split, written out): a group's split elements plus the
- * replicated ones are one device's, each rank's split ones 1/N of one
- * device's tensors that must be split; each rank's split
- * tensors hold 1/N of its layout's whole elements and the allocator's bytes
- * for parameters, gradients and optimizer state are what that layout
- * needs; the plan's errors. */
+ * tensors' gradients are the same bits on every rank of the group (no
+ * communication: identical inputs, identical kernels); the all-reduce
+ * payload a step hands the communicator (per rank) is exactly the
+ * plan's, and tdm_comm_traffic_ring_sent makes it 2(N-1)/N of that sent
+ * under a ring; against one device's model (must_split, written out): a
+ * group's split elements plus the replicated ones are one device's,
+ * each rank's split ones 1/N of one device's tensors that must be
+ * split; the allocator's bytes for parameters, gradients and optimizer
+ * state are what the rank's layout needs; the plan's errors. */
 #include <criterion/criterion.h>
 #include <math.h>
 #include <stdio.h>
@@ -278,6 +278,15 @@ static int tp_rank(tdm_comm *world, void *arg)
                       "%lld", s, tdm_coll_name((tdm_coll)c), (long long)dc, (long long)db,
                       (long long)wc, (long long)wb);
         }
+        /* what a ring sends for that payload: 2(N-1)/N of it per rank */
+        tdm_comm_traffic ar = {0};
+        ar.bytes[TDM_COLL_ALL_REDUCE] =
+            t1.bytes[TDM_COLL_ALL_REDUCE] - t0.bytes[TDM_COLL_ALL_REDUCE];
+        int64_t ring = tdm_comm_traffic_ring_sent(&ar, N);
+        if (!g_ref.accum && ring != 2 * (N - 1) * want / N)
+            RFAIL("step %d: a ring sends %lld bytes for %lld of payload over %d ranks, expected "
+                  "%lld", s, (long long)ring, (long long)want, N,
+                  (long long)(2 * (N - 1) * want / N));
         if (tdm_tp_step_bytes(&spec, N, hi - lo) != want)
             RFAIL("tdm_tp_step_bytes %lld, the plan %lld",
                   (long long)tdm_tp_step_bytes(&spec, N, hi - lo), (long long)want);
