@@ -400,6 +400,55 @@ Test(tp, gpt_split_by_heads_equals_one_device)
     check(GPT, 2, 2);
 }
 
+/* Replica 1 of a dp=2 x tp=2 mesh given another seed than replica 0:
+ * every rank's init fails with the same one-line message naming the
+ * seed (the dp dimension is checked too), and nobody hangs. */
+static int seed_rank(tdm_comm *world, void *arg)
+{
+    out *o = arg;
+    int r = tdm_comm_rank(world), rc = 0;
+    tdm_device *dev = NULL;
+    tdm_mesh *mesh = NULL;
+    tdm_tp *p = NULL;
+    tdm_model_spec spec;
+    spec_of(1, &spec);
+    if (tdm_device_open(&dev, "cpu", r, 1)) RFAIL("device: %s", tdm_error_message());
+    tdm_mesh_shape shape = {.size = {2, 1, 2}};
+    if (tdm_mesh_init(&mesh, world, &shape)) RFAIL("mesh: %s", tdm_error_message());
+    int rep = tdm_mesh_coord(mesh, TDM_MESH_DP);
+    tdm_tp_opts to = {.seed = TPP_SEED + (uint64_t)rep, .optim = optim(),
+                      .grad_comm = tdm_mesh_comm(mesh, TDM_MESH_DP)};
+    tdm_status st = tdm_tp_init(&p, tdm_mesh_comm(mesh, TDM_MESH_TP), dev, &spec, &to);
+    o->status[r] = (int)st;
+    snprintf(o->err[r], sizeof o->err[r], "%s", st ? tdm_error_message() : "");
+done:
+    tdm_tp_free(p);
+    tdm_mesh_free(mesh);
+    tdm_device_free(dev);
+    return rc;
+}
+
+Test(tp, replicas_with_another_seed_are_refused_on_every_rank)
+{
+    shm_t_adopt_orphans();
+    int before = shm_t_segments_held();
+    g_ref.which = 1;
+    out *o = mmap(NULL, sizeof *o, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    cr_assert(o != MAP_FAILED);
+    memset(o, 0, sizeof *o);
+    tdm_shm_spawn_opts so = {.timeout_ms = tu_scaled_ms(60000)};
+    tdm_status st = tdm_shm_spawn(4, seed_rank, o, &so, NULL);
+    cr_assert_eq(st, TDM_STATUS_OK, "%s", tdm_error_message());
+    for (int r = 0; r < 4; r++) {
+        cr_assert_eq(o->status[r], TDM_STATUS_MISMATCH, "rank %d: status %d: %s", r,
+                     o->status[r], o->err[r]);
+        cr_assert_str_eq(o->err[r], "tp: rank 1 of the dp dimension (another replica) was "
+                         "configured with another seed than rank 0", "rank %d", r);
+    }
+    munmap(o, sizeof *o);
+    cr_assert_eq(shm_t_segments_held(), before, "segments left behind");
+}
+
 Test(tp, plan_refuses_what_it_cannot_split)
 {
     tdm_model_spec s;
