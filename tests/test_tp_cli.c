@@ -207,8 +207,10 @@ Test(tp_cli, compare_has_the_tensor_parallel_section)
     expect(&r, 0, "tp(2): largest parameter difference");
     expect(&r, 0, "over 6 steps -> PASS");
     /* 20-24-16-12-5 at a batch of 32: 32 * (16 + 5 + 16) floats in 3 */
-    expect(&r, 0, "all-reduced 4736 bytes per step in 3.0 calls (counted by the communicator; "
-                  "the plan: 4736 bytes in 3)");
+    /* the payload, and what a ring sends for it: 2(N-1)/N of it, N = 2 */
+    expect(&r, 0, "all-reduce payload handed to the communicator 4736 bytes per step in 3.0 "
+                  "calls (the plan: 4736 bytes in 3), which a ring algorithm sends as 4736 bytes "
+                  "per step");
     CLI(&r, "compare", "--modes", "single,tp", "--device", "cpu:3", "--model", "mlp:20-100-5",
         "--data", "synthetic");
     expect(&r, 2, "is not divisible by the 3 tensor-parallel ranks");
@@ -275,7 +277,9 @@ Test(tp_cli, gpt_split_by_heads_writes_single_devices_checkpoint_within_the_boun
     /* compare's section: 4 all-reduces per block of 8 windows x 8 x 16 */
     CLI(&r, "compare", "--modes", "single,tp", "--device", "cpu:2", "--model", "gpt:2-16-2-8",
         "--data", text, "--batch", "8", "--steps", "4");
-    expect(&r, 0, "all-reduced 32768 bytes per step in 8.0 calls (counted by the communicator; "
-                  "the plan: 32768 bytes in 8)");
+    /* the payload, and what a ring sends for it: 2(N-1)/N of it, N = 2 */
+    expect(&r, 0, "all-reduce payload handed to the communicator 32768 bytes per step in 8.0 "
+                  "calls (the plan: 32768 bytes in 8), which a ring algorithm sends as 32768 bytes "
+                  "per step");
     expect(&r, 0, "over 4 steps -> PASS");
 }

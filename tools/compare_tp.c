@@ -10,8 +10,10 @@
  * throughput beside one device's (and DDP's), the phase table with the
  * tensor-parallel all-reduces as phases of their own (exposed: nothing
  * overlaps them), the equivalence verdict against one host device within
- * compare's bound after the last step, memory per rank, the bytes per step
- * against the plan's, and the reading. */
+ * compare's bound after the last step, memory per rank, the all-reduce
+ * payload handed to the communicator per step against the plan's and
+ * what a ring algorithm sends for it (tdm_comm_traffic_ring_sent), and
+ * the reading. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -41,6 +43,7 @@ typedef struct tdm_cmp_tp_shared {
     double mem[TDM_CMP_MAX_DEV][4];      /* params, grads, optimizer, activations */
     double split[TDM_CMP_MAX_DEV][2];    /* split elements, one device's */
     double bytes[TDM_CMP_MAX_DEV];       /* all-reduce payload bytes over the steps */
+    double sent[TDM_CMP_MAX_DEV];        /* what a ring sends for them (ring_sent) */
     double calls[TDM_CMP_MAX_DEV];
     size_t off_loss, off_step, off_phase, off_params, total;
 } tdm_cmp_tp_shared;
@@ -105,6 +108,9 @@ static tdm_status tdm_cmp_tp_rank_run(void *ctx, tdm_dist_rank *d, void *self)
         sh->split[k][1] = (double)ts.whole_split_elems;
         sh->bytes[k] = (double)(t1.bytes[TDM_COLL_ALL_REDUCE] - t0.bytes[TDM_COLL_ALL_REDUCE]);
         sh->calls[k] = (double)(t1.calls[TDM_COLL_ALL_REDUCE] - t0.calls[TDM_COLL_ALL_REDUCE]);
+        tdm_comm_traffic ar = {0};
+        ar.bytes[TDM_COLL_ALL_REDUCE] = (int64_t)sh->bytes[k];
+        sh->sent[k] = (double)tdm_comm_traffic_ring_sent(&ar, tdm_comm_size(tc));
     } else {
         fprintf(stderr, "tandem compare: tp rank %d: %s\n", k, tdm_error_message());
     }
@@ -222,12 +228,13 @@ static void tdm_cmp_tp_print(const tdm_cmp_opts *o, const tdm_model_spec *spec,
            "rank's elements of one device's):\n");
     for (int k = 0; k < sh->N; k++)
         printf("  rank %d: params %.3f, grads %.3f, optimizer %.3f, activations %.3f; split "
-               "tensors %.0f of %.0f elements; all-reduced %.0f bytes per step in %.1f calls "
-               "(counted by the communicator; the plan: %lld bytes in %d)\n", k,
+               "tensors %.0f of %.0f elements; all-reduce payload handed to the communicator "
+               "%.0f bytes per step in %.1f calls (the plan: %lld bytes in %d), which a ring "
+               "algorithm sends as %.0f bytes per step\n", k,
                sh->mem[k][0] * mib, sh->mem[k][1] * mib, sh->mem[k][2] * mib,
                sh->mem[k][3] * mib, sh->split[k][0], sh->split[k][1],
                sh->bytes[k] / sh->steps, sh->calls[k] / sh->steps, (long long)plan,
-               tdm_tp_step_allreduces(spec, sh->N));
+               tdm_tp_step_allreduces(spec, sh->N), sh->sent[k] / sh->steps);
 }
 
 static int tdm_cmp_tp_verdict(const tdm_cmp_opts *o, const tdm_cmp_tp_shared *sh,

@@ -153,8 +153,17 @@ static tdm_status tdm_tp_fwd_bwd(tdm_tp *p, const void *x, const int32_t *y, int
     if (p->gpt) TDM_CHECK(tdm_tp_gpt_backward(p, B, dlogits, &ph->bwd_allreduce));
     else TDM_CHECK(tdm_tp_backward(p, B, &ph->bwd_allreduce));
     ph->backward += tdm_time_ms_since(t0) - ph->bwd_allreduce;
+    return TDM_STATUS_OK;
+}
+
+/* The sum of the accumulated gradients over grad_comm (the dp
+ * dimension), once per optimizer step: summing on every
+ * forward_backward would count an earlier micro-batch's gradient once
+ * per replica again at each later call. */
+static tdm_status tdm_tp_sync(tdm_tp *p, tdm_tp_phases *ph)
+{
     if (!p->gcomm || tdm_comm_size(p->gcomm) < 2) return TDM_STATUS_OK;
-    t0 = tdm_time_ns();
+    uint64_t t0 = tdm_time_ns();
     TDM_CHECK(tdm_dev_sync(p->dev));
     tdm_comm_set_label(p->gcomm, "tp gradients over the dp dimension");
     tdm_status st = tdm_comm_all_reduce(p->gcomm, p->grads, p->grads, (size_t)p->n_elem,
@@ -169,11 +178,19 @@ tdm_status tdm_tp_zero_grad(tdm_tp *p)
     return tdm_dev_memset_zero(p->dev, p->grads, (size_t)p->n_elem * sizeof(float));
 }
 
-tdm_status tdm_tp_optim_step(tdm_tp *p)
+static tdm_status tdm_tp_step_only(tdm_tp *p)
 {
     tdm_optim_range rg = {.param = p->params, .grad = p->grads, .state_offset = 0,
                           .n_elem = p->n_elem};
     return tdm_optim_step_ranges(p->opt, &rg, 1);
+}
+
+tdm_status tdm_tp_optim_step(tdm_tp *p)
+{
+    tdm_tp_phases ph = {0};
+    tdm_status st = tdm_tp_sync(p, &ph);
+    if (!st) st = tdm_tp_step_only(p);
+    return st ? tdm_tp_fail(p, st) : st;
 }
 
 tdm_status tdm_tp_forward_backward(tdm_tp *p, const void *x, const int32_t *y, int batch,
@@ -191,8 +208,9 @@ tdm_status tdm_tp_step_scaled(tdm_tp *p, const void *x, const int32_t *y, int ba
     tdm_tp_phases ph = {0};
     tdm_status st = tdm_tp_zero_grad(p);
     if (!st) st = tdm_tp_fwd_bwd(p, x, y, batch, grad_scale, loss_sum, &ph);
+    if (!st) st = tdm_tp_sync(p, &ph);
     uint64_t t1 = tdm_time_ns();
-    if (!st) st = tdm_tp_optim_step(p);
+    if (!st) st = tdm_tp_step_only(p);
     if (!st) st = tdm_dev_sync(p->dev);
     if (st) return tdm_tp_fail(p, st);
     ph.step = tdm_time_ms_since(t1);

@@ -177,8 +177,32 @@ static void tdm_tp_layout(tdm_tp *p, const tdm_tp_split *split)
     }
 }
 
-/* Every rank the same model, seed, optimizer and group size; a rank that
- * differs is named. */
+/* The configuration words of every rank of comm against rank 0's: a
+ * rank that differs is named. Collective over comm whatever came
+ * before (prior: an earlier check's failure, kept). */
+static tdm_status tdm_tp_check_over(tdm_comm *comm, const char *group, const int64_t *mine,
+                                    int n, const char *const *names, tdm_status prior)
+{
+    int size = tdm_comm_size(comm);
+    int64_t *all = calloc((size_t)size * (size_t)n, sizeof *all);
+    TDM_REQUIRE(all, TDM_STATUS_OUT_OF_MEMORY, "tp: configuration check");
+    tdm_comm_set_label(comm, "tp configuration check");
+    tdm_status st = tdm_comm_all_gather(comm, mine, all, (size_t)n, TDM_DTYPE_INT64);
+    for (int r = 1; !prior && st == TDM_STATUS_OK && r < size; r++)
+        for (int f = 0; f < n; f++)
+            if (all[r * n + f] != all[f]) {
+                st = tdm_error_set(TDM_STATUS_MISMATCH, "tp: rank %d of the %s was configured "
+                                   "with another %s than rank 0", r, group, names[f]);
+                break;
+            }
+    free(all);
+    return prior ? prior : st;
+}
+
+/* Every rank of the job the same model, seed, optimizer and group size:
+ * the tensor-parallel group, then (with grad_comm) the dp dimension, so
+ * that replicas configured apart are refused too. Both all-gathers run on
+ * every rank whatever the first found (no rank is left waiting). */
 static tdm_status tdm_tp_check_config(tdm_tp *p, const tdm_tp_opts *o)
 {
     enum { CFG_SIZE = 0, CFG_SEED, CFG_SPEC, CFG_OPTIM, CFG_GRAD, CFG_COUNT_ };
@@ -191,19 +215,11 @@ static tdm_status tdm_tp_check_config(tdm_tp *p, const tdm_tp_opts *o)
     for (size_t i = 0; i < sizeof o->optim; i++) g = (g ^ s[i]) * 0x100000001b3ull;
     int64_t mine[CFG_COUNT_] = {p->size, (int64_t)o->seed, (int64_t)h, (int64_t)g,
                                 o->grad_comm != NULL};
-    int64_t *all = calloc((size_t)p->size * CFG_COUNT_, sizeof *all);
-    TDM_REQUIRE(all, TDM_STATUS_OUT_OF_MEMORY, "tp: configuration check");
-    tdm_comm_set_label(p->hcomm, "tp configuration check");
-    tdm_status st = tdm_comm_all_gather(p->hcomm, mine, all, CFG_COUNT_, TDM_DTYPE_INT64);
-    for (int r = 1; st == TDM_STATUS_OK && r < p->size; r++)
-        for (int f = 0; f < CFG_COUNT_; f++)
-            if (all[r * CFG_COUNT_ + f] != all[f]) {
-                st = tdm_error_set(TDM_STATUS_MISMATCH, "tp: rank %d of the tensor-parallel "
-                                   "group was configured with another %s than rank 0", r,
-                                   names[f]);
-                break;
-            }
-    free(all);
+    tdm_status st = tdm_tp_check_over(p->hcomm, "tensor-parallel group", mine, CFG_COUNT_,
+                                      names, TDM_STATUS_OK);
+    if (p->gcomm && tdm_comm_size(p->gcomm) > 1)
+        st = tdm_tp_check_over(p->gcomm, "dp dimension (another replica)", mine, CFG_COUNT_,
+                               names, st);
     return st;
 }
 
@@ -293,8 +309,8 @@ tdm_status tdm_tp_init(tdm_tp **out, tdm_comm *comm, tdm_device *dev, const tdm_
     TDM_TRY(tdm_model_init_tables(&p->tables, spec));
     if (spec->kind == TDM_MODEL_GPT) TDM_TRY(tdm_tp_gpt_layout(p));
     else tdm_tp_layout(p, split);
-    TDM_TRY(tdm_tp_check_config(p, opts));
-    st = tdm_tp_alloc_state(p, &opts->optim);
+    st = tdm_tp_check_config(p, opts);
+    if (!st) st = tdm_tp_alloc_state(p, &opts->optim);
     if (!st) st = tdm_tp_init_params(p, opts->seed);
     TDM_TRY(tdm_tp_agree(p, st));
     *out = p;

@@ -36,13 +36,15 @@
  * not bit for bit (tests/test_tp.c measures the bound).
  *
  * Data parallelism on top (a dp x tp mesh): pass grad_comm, the dp
- * dimension's communicator; after backward the rank's whole flat gradient
- * is all-reduced (SUM) over it, the loss gradient being scaled by
- * 1/B_global (tdm_tp_step_scaled), so the sum is the global batch's
+ * dimension's communicator; once per optimizer step the rank's whole flat
+ * gradient is all-reduced (SUM) over it, the loss gradient being scaled
+ * by 1/B_global (tdm_tp_step_scaled), so the sum is the global batch's
  * mean-loss gradient.
  *
- * Not here: the GPT (refused), sequence parallelism, rank start-up, the
- * command line. */
+ * The GPT is split too (tp/gpt.c: attention by heads, the MLP column/row;
+ * LayerNorms, embeddings and the tied head replicated). Not here:
+ * sequence parallelism, dp x pp x tp, ZeRO over the dp dimension, rank
+ * start-up, the command line (tools/rank_tp.c). */
 #ifndef TDM_TP_TP_H
 #define TDM_TP_TP_H
 
@@ -72,10 +74,12 @@ const char *tdm_tp_split_name(tdm_tp_split s);
 
 /* The split of each of spec's linear layers on `ranks` tensor-parallel
  * ranks into split[0..*n_layers) (room for TDM_MODEL_MAX_DIMS). One-line
- * USAGE errors: a model other than the MLP ("--mode tp supports the MLP
- * only; the cnn is not supported"), an MLP of one linear layer, a width
- * that does not divide ("layer fc1's output width 100 (fc2's input) is not
- * divisible by the 3 tensor-parallel ranks"). */
+ * USAGE errors: a model other than the MLP and the GPT ("--mode tp
+ * supports the MLP and the GPT; the cnn is not supported"), an MLP of one
+ * linear layer, a width that does not divide ("layer fc1's output width
+ * 100 (fc2's input) is not divisible by the 3 tensor-parallel ranks"), a
+ * GPT whose heads do not divide ("the GPT's 4 heads are not divisible by
+ * the 3 tensor-parallel ranks (attention is split by heads)"). */
 tdm_status tdm_tp_plan(const tdm_model_spec *spec, int ranks, tdm_tp_split *split,
                        int *n_layers);
 
@@ -131,12 +135,17 @@ int64_t tdm_tp_elems(const tdm_tp *p);
  * the group (and grad_comm) is aborted with the message. */
 tdm_status tdm_tp_step_scaled(tdm_tp *p, const void *x, const int32_t *y, int batch,
                               float grad_scale, double *loss_sum);
-/* The same without the optimizer step nor the zeroing: forward, loss,
- * backward (adding into the gradients), the sum over grad_comm. */
+/* The same without the zeroing, the sum over grad_comm nor the
+ * optimizer step: forward, loss, backward (adding into the gradients).
+ * Calls may follow each other (gradient accumulation); the sum over
+ * grad_comm happens once, in tdm_tp_optim_step. Collective over the
+ * group. */
 tdm_status tdm_tp_forward_backward(tdm_tp *p, const void *x, const int32_t *y, int batch,
                                    float grad_scale, double *loss_sum);
 tdm_status tdm_tp_zero_grad(tdm_tp *p);
-/* The optimizer step over the rank's slices. */
+/* The sum of the accumulated gradients over grad_comm (once: the dp
+ * dimension's replicas' micro-batches), then the optimizer step over
+ * the rank's slices. Collective over grad_comm. */
 tdm_status tdm_tp_optim_step(tdm_tp *p);
 /* Forward only: *loss_sum over the batch and *correct argmax predictions
  * (host y). Collective. */
