@@ -96,7 +96,10 @@ void tdm_ps_server_free(tdm_ps_server *s);
 /* Serves until every worker has said it is done, a worker dies (async
  * goes on without it, with a warning in the log (core/log.h): *lost
  * counts them, lost_why says which and why; sync and bounded stop,
- * naming it) or timeout_ms passes (< 0: none). lost_why may be NULL. */
+ * naming it), a worker reports its failure (tdm_ps_worker_fail: an
+ * error with its message, in every mode) or timeout_ms passes (< 0:
+ * none). Async with every worker lost and none done is an error too.
+ * lost_why may be NULL. */
 tdm_status tdm_ps_server_wait(tdm_ps_server *s, int64_t timeout_ms, int *lost, char *lost_why,
                               size_t n);
 void tdm_ps_server_get_stats(tdm_ps_server *s, tdm_ps_server_stats *out);
@@ -133,6 +136,11 @@ tdm_status tdm_ps_worker_step(tdm_ps_worker *w, const void *x, const int32_t *y,
 tdm_status tdm_ps_worker_pull_latest(tdm_ps_worker *w);
 /* Tells every server this worker is done (no more pushes). */
 tdm_status tdm_ps_worker_done(tdm_ps_worker *w);
+/* Tells every server this worker stops on an error (why: its message),
+ * before it leaves: the servers stop the job with it, in every mode (a
+ * worker that leaves without done or fail was killed: async goes on
+ * without it). Best effort; changes the thread's error message. */
+void tdm_ps_worker_fail(tdm_ps_worker *w, const char *why);
 /* Steps taken; time spent waiting for fresh enough parameters (ms). */
 int64_t tdm_ps_worker_steps(const tdm_ps_worker *w);
 double tdm_ps_worker_wait_ms(const tdm_ps_worker *w);

@@ -3,7 +3,8 @@
  * and the gradient slots that sync and bounded:K sum in worker order.
  * Wire (host order): pull {i64 min_version} -> {i64 version, i64 ready}
  * [+ the shard's floats when ready]; push {i32 worker, i32 0, i64 clock,
- * i64 version_used} + the shard's gradient; done {i32 worker}.
+ * i64 version_used} + the shard's gradient; done {i32 worker}; fail
+ * {i32 worker, i32 0} + the worker's error message.
  * Not the worker's side: ps/worker.c. */
 #include <pthread.h>
 #include <stdio.h>
@@ -184,6 +185,26 @@ static tdm_status fn_state(tdm_rpc_req *req, void *ctx)
     return st;
 }
 
+/* A worker stopped on an error: the job stops with it, in every mode (a
+ * worker's NaN is the model's, not the worker's: as DDP does). */
+static tdm_status fn_fail(tdm_rpc_req *req, void *ctx)
+{
+    tdm_ps_server *s = ctx;
+    int32_t hdr[2] = {-1, 0};
+    if (req->nbytes >= sizeof hdr) memcpy(hdr, req->args, sizeof hdr);
+    if (hdr[0] < 0 || hdr[0] >= s->l.workers)
+        return tdm_rpc_req_fail(req, TDM_STATUS_INVALID_ARG, "ps.fail: worker %d of %d", hdr[0], s->l.workers);
+    int len = (int)(req->nbytes - sizeof hdr);
+    if (len > 400) len = 400;
+    pthread_mutex_lock(&s->mu);
+    if (!s->failed[0])
+        snprintf(s->failed, sizeof s->failed, "worker %d (rank %d) failed: %.*s", hdr[0], s->l.servers + hdr[0],
+                 len, (const char *)req->args + sizeof hdr);
+    pthread_cond_broadcast(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+    return TDM_STATUS_OK;
+}
+
 static tdm_status fn_done(tdm_rpc_req *req, void *ctx)
 {
     tdm_ps_server *s = ctx;
@@ -246,6 +267,7 @@ tdm_status tdm_ps_server_init(tdm_ps_server **out, tdm_rpc *rpc, tdm_device *dev
     TDM_TRY(tdm_rpc_register(rpc, TDM_PS_FN_PUSH, fn_push, s));
     TDM_TRY(tdm_rpc_register(rpc, TDM_PS_FN_DONE, fn_done, s));
     TDM_TRY(tdm_rpc_register(rpc, TDM_PS_FN_STATE, fn_state, s));
+    TDM_TRY(tdm_rpc_register(rpc, TDM_PS_FN_FAIL, fn_fail, s));
     *out = s;
     return TDM_STATUS_OK;
 fail:
@@ -320,8 +342,13 @@ tdm_status tdm_ps_server_wait(tdm_ps_server *s, int64_t timeout_ms, int *lost, c
         }
         pthread_cond_timedwait(&s->cv, &s->mu, &ts);
     }
+    int done = s->st.workers_done;
     pthread_mutex_unlock(&s->mu);
     if (lost) *lost = n_lost;
+    /* async outlives lost workers, but not all of them: nothing trained */
+    if (done == 0)
+        return tdm_error_set(TDM_STATUS_PEER_FAILED, "ps: server %d: no worker finished (%s)", s->index,
+                             lost_why && n && lost_why[0] ? lost_why : "every worker was lost");
     return TDM_STATUS_OK;
 }
 
