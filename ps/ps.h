@@ -83,6 +83,10 @@ typedef struct tdm_ps_server_stats {
     int64_t pushes, pulls, pulls_early;  /* pulls_early: answered "not yet" */
     int64_t stale[TDM_PS_STALE_BUCKETS];
     int workers_done;
+    /* the most steps a pushing worker was ahead of the slowest worker
+     * (its step minus the fewest steps any worker had pushed): bounded:K
+     * keeps it <= K, sync 0 */
+    int64_t clock_gap_max;
 } tdm_ps_server_stats;
 
 /* Server `index` (= its rank) over rpc: registers its functions (call

@@ -44,6 +44,7 @@ struct tdm_ps_server {
     tdm_ps_server_stats st;
     int done[TDM_PS_MAX_WORKERS];
     int lost[TDM_PS_MAX_WORKERS];
+    int64_t pushed[TDM_PS_MAX_WORKERS];   /* per worker: steps pushed */
     char failed[512];             /* a push that could not be applied */
 };
 
@@ -131,6 +132,11 @@ static tdm_status fn_push(tdm_rpc_req *req, void *ctx)
     tdm_status st = TDM_STATUS_OK;
     pthread_mutex_lock(&s->mu);
     s->st.pushes++;
+    int64_t slowest = h.clock;
+    for (int w = 0; w < s->l.workers; w++)
+        if (s->pushed[w] < slowest) slowest = s->pushed[w];
+    if (h.clock - slowest > s->st.clock_gap_max) s->st.clock_gap_max = h.clock - slowest;
+    if (h.clock + 1 > s->pushed[h.worker]) s->pushed[h.worker] = h.clock + 1;
     if (s->mode.kind == TDM_PS_ASYNC) {
         count_stale(s, s->st.version - h.version_used);
         st = apply(s, g);

@@ -4,8 +4,9 @@
  *    of its share with the loss scaled by 1/B, summed in worker order,
  *    one optimizer step over the flat parameters), for 1-2 servers and 2-3
  *    workers (3..5 ranks), over shm and TCP;
- *  - bounded:0 gives the same bits; bounded:2 keeps every applied
- *    gradient's staleness within 2;
+ *  - bounded:0 gives the same bits; bounded:2 with worker 0 slow (a
+ *    sleep per step): pushes 1..2 stale, pulls answered "not yet", the
+ *    workers never more than 2 steps apart, staleness never above 2;
  *  - async applies every push (W per step), and its training loss falls;
  *  - a worker killed mid-run: async goes on with the others and finishes;
  *    sync stops, the server naming the worker.
@@ -18,6 +19,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include "core/data.h"
 #include "ps/ps.h"
@@ -45,6 +47,8 @@ typedef struct ps_case {
     tdm_ps_sync_mode mode;
     int kill_worker;                  /* >= 0: this worker dies at step kill_step */
     int kill_step;
+    int slow_worker;                  /* >= 0: this worker sleeps slow_us per step */
+    int slow_us;
     ps_out *o;
 } ps_case;
 
@@ -109,6 +113,7 @@ static int ps_rank(tdm_comm *comm, void *arg)
         if (tdm_rpc_barrier(rpc, tmo())) return fail(o, r, 7, "barrier");
         for (int t = 0; t < k->steps; t++) {
             if (w == k->kill_worker && t == k->kill_step) raise(SIGKILL);
+            if (w == k->slow_worker && k->slow_us > 0) usleep((useconds_t)k->slow_us);
             int64_t first;
             int count;
             share(t, w, k->workers, ds.n, &first, &count);
@@ -224,7 +229,7 @@ static void expect_reference(ps_case *k)
 
 Test(ps, sync_is_the_reference_step_bit_for_bit, .timeout = 240)
 {
-    ps_case k = {.steps = 6, .tp = TDM_RPC_SHM, .kill_worker = -1, .o = shared_out()};
+    ps_case k = {.steps = 6, .tp = TDM_RPC_SHM, .kill_worker = -1, .slow_worker = -1, .o = shared_out()};
     static const int sw[][2] = {{1, 2}, {2, 2}, {1, 3}, {2, 3}};
     for (size_t i = 0; i < sizeof sw / sizeof sw[0]; i++) {
         k.servers = sw[i][0];
@@ -241,20 +246,33 @@ Test(ps, sync_is_the_reference_step_bit_for_bit, .timeout = 240)
 
 Test(ps, bounded_0_is_sync_and_bounded_k_keeps_its_bound, .timeout = 240)
 {
-    ps_case k = {.servers = 2, .workers = 3, .steps = 8, .tp = TDM_RPC_SHM, .kill_worker = -1, .o = shared_out()};
+    ps_case k = {.servers = 2, .workers = 3, .steps = 8, .tp = TDM_RPC_SHM, .kill_worker = -1, .slow_worker = -1,
+                 .o = shared_out()};
     cr_assert_eq(tdm_ps_sync_parse("bounded:0", &k.mode), 0);
     expect_ok(&k, run(&k, NULL));
     expect_reference(&k);
+    for (int s = 0; s < k.servers; s++) cr_assert_eq(k.o->stats[s].clock_gap_max, 0, "server %d", s);
+    /* worker 0 slow: the others run ahead as far as the bound lets them,
+     * and no further */
+    const int K = 2;
     cr_assert_eq(tdm_ps_sync_parse("bounded:2", &k.mode), 0);
+    k.steps = 12;
+    k.slow_worker = 0;
+    k.slow_us = 50000;
     expect_ok(&k, run(&k, NULL));
     for (int s = 0; s < k.servers; s++) {
-        int64_t total = 0;
+        int64_t total = 0, stale_in_bound = 0;
         for (int b = 0; b < TDM_PS_STALE_BUCKETS; b++) {
             total += k.o->stats[s].stale[b];
-            if (b > 2) cr_assert_eq(k.o->stats[s].stale[b], 0, "server %d: staleness %d", s, b);
+            if (b >= 1 && b <= K) stale_in_bound += k.o->stats[s].stale[b];
+            if (b > K) cr_assert_eq(k.o->stats[s].stale[b], 0, "server %d: staleness %d", s, b);
         }
         cr_assert_eq(total, k.steps * k.workers);
         cr_assert_eq(k.o->stats[s].version, k.steps);
+        cr_assert_gt(stale_in_bound, 0, "server %d: no push 1..%d stale with a slow worker", s, K);
+        cr_assert_gt(k.o->stats[s].pulls_early, 0, "server %d: no pull answered 'not yet'", s);
+        cr_assert_leq(k.o->stats[s].clock_gap_max, K, "server %d: workers %lld steps apart", s,
+                      (long long)k.o->stats[s].clock_gap_max);
     }
     for (int64_t i = 0; i < 1042; i++) cr_assert(isfinite(k.o->params[i]));
     munmap(k.o, sizeof *k.o);
@@ -262,7 +280,8 @@ Test(ps, bounded_0_is_sync_and_bounded_k_keeps_its_bound, .timeout = 240)
 
 Test(ps, async_applies_every_push_and_trains, .timeout = 240)
 {
-    ps_case k = {.servers = 2, .workers = 3, .steps = 40, .tp = TDM_RPC_SHM, .kill_worker = -1, .o = shared_out()};
+    ps_case k = {.servers = 2, .workers = 3, .steps = 40, .tp = TDM_RPC_SHM, .kill_worker = -1, .slow_worker = -1,
+                 .o = shared_out()};
     cr_assert_eq(tdm_ps_sync_parse("async", &k.mode), 0);
     expect_ok(&k, run(&k, NULL));
     double first = 0, last = 0;
@@ -284,7 +303,7 @@ Test(ps, async_applies_every_push_and_trains, .timeout = 240)
 Test(ps, async_goes_on_without_a_killed_worker, .timeout = 240)
 {
     ps_case k = {.servers = 1, .workers = 3, .steps = 12, .tp = TDM_RPC_SHM, .kill_worker = 1, .kill_step = 4,
-                 .o = shared_out()};
+                 .slow_worker = -1, .o = shared_out()};
     cr_assert_eq(tdm_ps_sync_parse("async", &k.mode), 0);
     tdm_shm_spawn_result res;
     tdm_status st = run(&k, &res);
@@ -301,7 +320,7 @@ Test(ps, async_goes_on_without_a_killed_worker, .timeout = 240)
 Test(ps, sync_stops_naming_a_killed_worker, .timeout = 240)
 {
     ps_case k = {.servers = 1, .workers = 2, .steps = 12, .tp = TDM_RPC_SHM, .kill_worker = 1, .kill_step = 3,
-                 .o = shared_out()};
+                 .slow_worker = -1, .o = shared_out()};
     tdm_shm_spawn_result res;
     tdm_status st = run(&k, &res);
     cr_assert_neq(st, TDM_STATUS_OK);
