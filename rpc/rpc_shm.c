@@ -284,6 +284,10 @@ tdm_status tdm_rpc_shm_open(tdm_rpc *rpc)
     s->ring_bytes = rpc->opts.ring_bytes ? rpc->opts.ring_bytes : RPC_SHM_DEFAULT_RING;
     s->ring_bytes = (s->ring_bytes + RPC_SHM_LINE - 1) / RPC_SHM_LINE * RPC_SHM_LINE;
     s->total = layout_total(s->world, s->ring_bytes);
+    /* every rank here before the name exists: it then lives only as long
+     * as the others take to open and map it, not as long as the slowest
+     * takes to arrive (a rank killed meanwhile would leave it behind) */
+    TDM_TRY(agree(rpc, TDM_STATUS_OK, "arrive at the RPC set-up"));
     if (rpc->rank == 0) {
         snprintf(name, sizeof name, "/tandem-rpc-%d-%llx", (int)getpid(),
                  (unsigned long long)tdm_time_ns());
