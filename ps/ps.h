@@ -17,9 +17,10 @@
  *               c on any version >= c - K, so it runs at most K steps
  *               ahead of the slowest. bounded:0 is sync, bit for bit.
  *   async       HogWild-style: a server applies each push as it arrives
- *               (one optimizer step per push, of a share's gradient: about
- *               1/W of a global step) and workers never wait for each
- *               other.
+ *               (one optimizer step per push, of a share's gradient: with
+ *               SGD about 1/W of a global step; Adam ignores the scale,
+ *               so each push is a whole Adam step: tools refuse adamw)
+ *               and workers never wait for each other.
  *
  * Each applied gradient's staleness (the server's version when applied
  * minus the version the worker computed it on) is counted in a
@@ -113,9 +114,12 @@ const float *tdm_ps_server_params(const tdm_ps_server *s, int64_t *lo, int64_t *
 
 /* Any rank: every server's shard of the parameters into params (host,
  * n_elem) and, when state is given, of the optimizer's n_state state
- * buffers into state[i] (host, n_elem each); *optim_steps: the steps the
- * servers' optimizers took (the first server's). For a checkpoint after
- * training (the servers' latest values, whatever their version). */
+ * buffers into state[i] (host, n_elem each); *optim_steps: one count for
+ * every shard: sync and bounded, the global steps every server applied;
+ * async, the pushes that reached every server (a worker killed between
+ * its pushes to two servers leaves one shard a push ahead: not counted).
+ * For a checkpoint after training (the servers' latest values, whatever
+ * their version). */
 tdm_status tdm_ps_gather(tdm_rpc *rpc, const tdm_ps_layout *l, float *params, float **state,
                          int n_state, int64_t *optim_steps, int64_t timeout_ms);
 

@@ -170,19 +170,25 @@ static tdm_status fn_push(tdm_rpc_req *req, void *ctx)
     return st;
 }
 
+/* state -> {i64 version, i64 sync kind, i64 n_state, i64 workers,
+ * i64 pushed[workers]} + the shard's parameters and state buffers */
 static tdm_status fn_state(tdm_rpc_req *req, void *ctx)
 {
     tdm_ps_server *s = ctx;
     int ns = tdm_optim_n_state(s->opt);
+    int W = s->l.workers;
     int64_t *out = NULL;
     pthread_mutex_lock(&s->mu);
-    tdm_status st = tdm_rpc_req_reply(req, 3 * sizeof(int64_t) + (size_t)(1 + ns) * (size_t)s->n * sizeof(float),
+    tdm_status st = tdm_rpc_req_reply(req, (size_t)(4 + W) * sizeof(int64_t) +
+                                               (size_t)(1 + ns) * (size_t)s->n * sizeof(float),
                                       (void **)&out);
     if (st == TDM_STATUS_OK) {
         out[0] = s->st.version;
-        out[1] = tdm_optim_steps(s->opt);
+        out[1] = s->mode.kind;
         out[2] = ns;
-        float *p = (float *)(out + 3);
+        out[3] = W;
+        memcpy(out + 4, s->pushed, (size_t)W * sizeof(int64_t));
+        float *p = (float *)(out + 4 + W);
         memcpy(p, s->params, (size_t)s->n * sizeof(float));
         for (int i = 0; i < ns; i++)
             memcpy(p + (size_t)(1 + i) * (size_t)s->n, tdm_optim_state(s->opt, i), (size_t)s->n * sizeof(float));
@@ -375,25 +381,45 @@ const float *tdm_ps_server_params(const tdm_ps_server *s, int64_t *lo, int64_t *
 tdm_status tdm_ps_gather(tdm_rpc *rpc, const tdm_ps_layout *l, float *params, float **state,
                          int n_state, int64_t *optim_steps, int64_t timeout_ms)
 {
+    int W = l->workers;
+    int64_t complete[TDM_PS_MAX_WORKERS];   /* per worker: steps every server took */
+    int64_t version = 0;                    /* sync, bounded: the fewest any server applied */
+    int async = 0;
+    TDM_REQUIRE(W >= 1 && W <= TDM_PS_MAX_WORKERS, TDM_STATUS_INVALID_ARG, "ps: gather: %d workers", W);
     for (int sv = 0; sv < l->servers; sv++) {
         void *rep = NULL;
         size_t rn = 0;
         TDM_CHECK(tdm_rpc_call(rpc, sv, TDM_PS_FN_STATE, NULL, 0, &rep, &rn, timeout_ms));
-        int64_t lo, hi, hdr[3] = {0, 0, 0};
+        int64_t lo, hi, hdr[4] = {0, 0, 0, 0};
         tdm_ps_shard(l, sv, &lo, &hi);
         size_t n = (size_t)(hi - lo);
         if (rn >= sizeof hdr) memcpy(hdr, rep, sizeof hdr);
-        if (rn < sizeof hdr || hdr[2] < 0 || hdr[2] > 4 ||
-            rn != sizeof hdr + (size_t)(1 + hdr[2]) * n * sizeof(float) || (state && hdr[2] != n_state)) {
+        size_t head = sizeof hdr + (size_t)W * sizeof(int64_t);
+        if (rn < sizeof hdr || hdr[2] < 0 || hdr[2] > 4 || hdr[3] != W ||
+            rn != head + (size_t)(1 + hdr[2]) * n * sizeof(float) || (state && hdr[2] != n_state)) {
             free(rep);
             return tdm_error_set(TDM_STATUS_FORMAT, "ps: server %d's state is %zu bytes with %lld state buffers "
-                                 "(expected %d)", sv, rn, (long long)hdr[2], n_state);
+                                 "and %lld workers (expected %d and %d)", sv, rn, (long long)hdr[2],
+                                 (long long)hdr[3], n_state, W);
         }
-        const float *p = (const float *)((const uint8_t *)rep + sizeof hdr);
+        const int64_t *pushed = (const int64_t *)((const uint8_t *)rep + sizeof hdr);
+        for (int w = 0; w < W; w++)
+            if (sv == 0 || pushed[w] < complete[w]) complete[w] = pushed[w];
+        if (sv == 0 || hdr[0] < version) version = hdr[0];
+        async = hdr[1] == TDM_PS_ASYNC;
+        const float *p = (const float *)((const uint8_t *)rep + head);
         memcpy(params + lo, p, n * sizeof(float));
         for (int i = 0; state && i < n_state; i++) memcpy(state[i] + lo, p + (size_t)(1 + i) * n, n * sizeof(float));
-        if (sv == 0 && optim_steps) *optim_steps = hdr[1];
         free(rep);
+    }
+    if (optim_steps) {
+        /* one count for every shard: async, the pushes that reached every
+         * server (a worker killed between its pushes to two servers left
+         * one shard a step ahead); sync and bounded, the global steps
+         * every server applied */
+        int64_t steps = 0;
+        for (int w = 0; w < W; w++) steps += complete[w];
+        *optim_steps = async ? steps : version;
     }
     return TDM_STATUS_OK;
 }

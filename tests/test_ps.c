@@ -23,6 +23,7 @@
 
 #include "core/data.h"
 #include "ps/ps.h"
+#include "ps/ps_impl.h"
 #include "shm/spawn.h"
 #include "tests/timeout_util.h"
 
@@ -38,6 +39,8 @@ typedef struct ps_out {
     float params[MAX_ELEMS];          /* the servers' final shards */
     tdm_ps_server_stats stats[MAX_RANKS];
     int lost[MAX_RANKS];
+    int64_t gathered_steps;           /* rank 0's tdm_ps_gather, when asked */
+    volatile int gathered;
     double loss[MAX_RANKS][MAX_STEPS];
 } ps_out;
 
@@ -49,6 +52,8 @@ typedef struct ps_case {
     int kill_step;
     int slow_worker;                  /* >= 0: this worker sleeps slow_us per step */
     int slow_us;
+    int kill_between_pushes;          /* the killed worker pushes to server 0 only, then dies */
+    int gather;                       /* rank 0 gathers after the wait (others wait for it) */
     ps_out *o;
 } ps_case;
 
@@ -100,6 +105,12 @@ static int ps_rank(tdm_comm *comm, void *arg)
             return fail(o, r, 3, "server");
         if (tdm_rpc_barrier(rpc, tmo())) return fail(o, r, 4, "barrier");
         if (tdm_ps_server_wait(s, tmo(), &o->lost[r], NULL, 0)) return fail(o, r, 5, "server wait");
+        if (k->gather && r == 0) {
+            static float all[MAX_ELEMS];
+            if (tdm_ps_gather(rpc, &l, all, NULL, 0, &o->gathered_steps, tmo())) return fail(o, r, 11, "gather");
+            __atomic_store_n(&o->gathered, 1, __ATOMIC_RELEASE);
+        }
+        while (k->gather && !__atomic_load_n(&o->gathered, __ATOMIC_ACQUIRE)) usleep(1000);
         int64_t lo, hi;
         const float *p = tdm_ps_server_params(s, &lo, &hi);
         memcpy(o->params + lo, p, (size_t)(hi - lo) * sizeof(float));
@@ -112,6 +123,18 @@ static int ps_rank(tdm_comm *comm, void *arg)
         if (tdm_ps_worker_init(&pw, rpc, m, &l, &k->mode, tmo())) return fail(o, r, 6, "worker");
         if (tdm_rpc_barrier(rpc, tmo())) return fail(o, r, 7, "barrier");
         for (int t = 0; t < k->steps; t++) {
+            if (w == k->kill_worker && t == k->kill_step && k->kill_between_pushes) {
+                /* its step's push reaches server 0 only (server.c's wire) */
+                int64_t lo, hi;
+                tdm_ps_shard(&l, 0, &lo, &hi);
+                size_t nb = sizeof(tdm_ps_push_hdr) + (size_t)(hi - lo) * sizeof(float);
+                uint8_t *msg = calloc(1, nb);
+                tdm_ps_push_hdr h = {.worker = w, .clock = t, .version_used = 0};
+                memcpy(msg, &h, sizeof h);
+                if (!msg || tdm_rpc_call(rpc, 0, "ps.push", msg, nb, NULL, NULL, tmo())) return fail(o, r, 10, "push");
+                free(msg);
+                raise(SIGKILL);
+            }
             if (w == k->kill_worker && t == k->kill_step) raise(SIGKILL);
             if (w == k->slow_worker && k->slow_us > 0) usleep((useconds_t)k->slow_us);
             int64_t first;
@@ -327,5 +350,26 @@ Test(ps, sync_stops_naming_a_killed_worker, .timeout = 240)
     cr_assert_eq(k.o->status[0], 5, "the server: %s", k.o->err[0]);
     cr_assert(strstr(k.o->err[0], "worker 1 (rank 2)"), "%s", k.o->err[0]);
     cr_assert(strstr(k.o->err[0], "stopping"), "%s", k.o->err[0]);
+    munmap(k.o, sizeof *k.o);
+}
+
+/* A worker killed between its pushes to two servers leaves server 0 a
+ * push ahead: the gathered step count (the checkpoint's) counts only the
+ * pushes every server took, the same whichever shard is asked first. */
+Test(ps, async_gathered_steps_count_pushes_every_server_took, .timeout = 240)
+{
+    ps_case k = {.servers = 2, .workers = 2, .steps = 6, .tp = TDM_RPC_SHM, .kill_worker = 1, .kill_step = 3,
+                 .kill_between_pushes = 1, .gather = 1, .slow_worker = -1, .o = shared_out()};
+    cr_assert_eq(tdm_ps_sync_parse("async", &k.mode), 0);
+    tdm_shm_spawn_result res;
+    tdm_status st = run(&k, &res);
+    cr_assert_neq(st, TDM_STATUS_OK);
+    cr_assert(WIFSIGNALED(res.wstatus[3]) && WTERMSIG(res.wstatus[3]) == SIGKILL);
+    for (int r = 0; r < 3; r++) cr_assert_eq(k.o->status[r], 0, "rank %d: %s", r, k.o->err[r]);
+    /* server 0 took 6 + 4 pushes, server 1 6 + 3 */
+    cr_assert_eq(k.o->stats[0].pushes, 10);
+    cr_assert_eq(k.o->stats[1].pushes, 9);
+    cr_assert_eq(k.o->gathered_steps, 9, "gathered %lld steps (the pushes both servers took: 9)",
+                 (long long)k.o->gathered_steps);
     munmap(k.o, sizeof *k.o);
 }

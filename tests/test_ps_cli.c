@@ -203,6 +203,8 @@ Test(ps_cli, bad_options_say_why, .timeout = 60)
     expect(r, 2, "expected sync, async or bounded:K");
     CLI(r, "train", "--mode", "ps", "--device", "cpu:3", "--ps-transport", "udp", SMALL);
     expect(r, 2, "unknown transport 'udp'");
+    CLI(r, "train", "--mode", "ps", "--device", "cpu:3", "--ps-sync", "async", "--optim", "adamw", SMALL);
+    expect(r, 2, "--optim adamw with --ps-sync async");
     CLI(r, "train", "--mode", "ddp", "--device", "cpu:2", "--servers", "1", SMALL);
     expect(r, 2, "apply to --mode ps");
     CLI(r, "train", "--mode", "ps", "--device", "cpu:3", "--model", "cnn", "--epochs", "1");

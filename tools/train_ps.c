@@ -417,6 +417,10 @@ static tdm_status ps_check(const tdm_train_args *a, ps_job *j, const tdm_device_
                                     "memory levers\n");
     if (tdm_ps_sync_parse(a->ps_sync ? a->ps_sync : "sync", &j->mode))
         return tdm_tool_usage_error("tandem train: %s\n", tdm_error_message());
+    if (j->mode.kind == TDM_PS_ASYNC && a->optim && !strcmp(a->optim, "adamw"))
+        return tdm_tool_usage_error("tandem train: --optim adamw with --ps-sync async would take a whole Adam "
+                                    "step (and its weight decay) per push, W per global step: use --optim sgd, "
+                                    "or --ps-sync sync or bounded:K\n");
     if (tdm_rpc_transport_parse(a->ps_transport ? a->ps_transport : "shm", &j->tp))
         return tdm_tool_usage_error("tandem train: --ps-transport: %s\n", tdm_error_message());
     j->servers = a->servers > 0 ? (int)a->servers : 1;
