@@ -186,11 +186,13 @@ tdm_status tdm_npy_parse(tdm_npy *out, const char *name, const void *bytes, size
         if ((unsigned char)*q < 0x20 && *q != '\n' && *q != '\t')
             return tdm_npy_bad(&l, "a control byte in the header");
     TDM_CHECK(tdm_npy_header(&l, &a));
+    /* the element count is below 2^62 but times the element size it may
+     * wrap: compared before multiplying */
+    if ((uint64_t)a.n_elem > TDM_NPY_MAX_BYTES / (uint64_t)a.itemsize)
+        return tdm_error_set(TDM_STATUS_FORMAT, "%s: %lld elements of %d bytes are above "
+                             "tandem's limit of %llu bytes of data", name, (long long)a.n_elem,
+                             (int)a.itemsize, (unsigned long long)TDM_NPY_MAX_BYTES);
     uint64_t data_bytes = (uint64_t)a.n_elem * a.itemsize, have = nbytes - pre - hlen;
-    if (data_bytes > TDM_NPY_MAX_BYTES)
-        return tdm_error_set(TDM_STATUS_FORMAT, "%s: %llu bytes of data is above tandem's "
-                             "limit of %llu", name, (unsigned long long)data_bytes,
-                             (unsigned long long)TDM_NPY_MAX_BYTES);
     if (have != data_bytes)
         return tdm_error_set(TDM_STATUS_FORMAT, "%s: %s: the shape needs %llu bytes of data, "
                              "the file has %llu", name, have < data_bytes ? "truncated" :

@@ -747,6 +747,16 @@ static tdm_status tdm_dp_fb(tdm_dp *dp, const void *x, const int32_t *y, int bat
     TDM_TRY(tdm_dp_scatter(dp, NULL, (const float *)x, batch, dp->in_features, sizes,
                            dp->x_chunk));
     TDM_TRY(tdm_dp_round(dp, TDM_PHASE_FORWARD, active, tdm_dp_forward_task, &s));
+    /* a replica left idle (fewer rows than devices) ran no forward: it
+     * takes the count of those that ran one, so that its dropout masks
+     * stay those one device draws */
+    int64_t fwd = 0;
+    for (int i = 0; i < dp->n; i++)
+        if ((active >> i) & 1) {
+            int64_t f = tdm_model_train_forwards(dp->rep[i]);
+            if (f > fwd) fwd = f;
+        }
+    for (int i = 0; i < dp->n; i++) tdm_model_set_train_forwards(dp->rep[i], fwd);
     TDM_TRY(tdm_dp_gather(dp, dp->logits, sizes, C, dp->logits_all));
 
     /* loss over the whole batch on the output device: mean, so scale 1/B

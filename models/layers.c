@@ -232,8 +232,16 @@ int tdm_model_pair_fuses(const tdm_model *m, int i)
      * SyncBatchNorm's statistics are all-reduced for all channels at once */
     /* in 16-bit precisions the batchnorm's output is rounded before the
      * pooling reads it: one layer after the other */
-    return tdm_dev_kind(m->dev) == TDM_DEVICE_HOST && !tdm_model_low(m) && bn->kind == TDM_LAYER_BN &&
-           pool->kind == TDM_LAYER_MAXPOOL && pool->c == bn->c && !(m->train && m->sync_bn);
+    if (!(tdm_dev_kind(m->dev) == TDM_DEVICE_HOST && !tdm_model_low(m) &&
+          bn->kind == TDM_LAYER_BN && pool->kind == TDM_LAYER_MAXPOOL && pool->c == bn->c &&
+          !(m->train && m->sync_bn)))
+        return 0;
+    /* a residual block whose input is the batchnorm's output (the
+     * pooling's input) needs that gradient on its own, which the fused
+     * backward never forms: one layer after the other then */
+    for (int r = i + 1; r < m->n_layers; r++)
+        if (m->layers[r].kind == TDM_LAYER_RES && m->layers[r].skip == i) return 0;
+    return 1;
 }
 
 tdm_status tdm_model_pair_forward(tdm_model *m, tdm_layer *bn, tdm_layer *pool, const float *x,

@@ -190,6 +190,12 @@ float *tdm_model_params(tdm_model *m);
 float *tdm_model_grads(tdm_model *m);
 float *tdm_model_buffers(tdm_model *m);
 int64_t tdm_model_param_elems(const tdm_model *m);
+/* Training forwards run so far: the count dropout's masks are keyed on
+ * (with the seed and the sample's bytes). A copy that ran fewer (a
+ * DataParallel replica left idle by a short batch) takes the master's,
+ * so that its next masks are the ones one device draws. */
+int64_t tdm_model_train_forwards(const tdm_model *m);
+void tdm_model_set_train_forwards(tdm_model *m, int64_t n);
 int64_t tdm_model_buffer_elems(const tdm_model *m);
 
 /* Replaces the gradient storage with caller-owned device memory of

@@ -57,6 +57,8 @@ float *tdm_model_params(tdm_model *m) { return m->params; }
 float *tdm_model_grads(tdm_model *m) { return m->grads; }
 float *tdm_model_buffers(tdm_model *m) { return m->buffers; }
 int64_t tdm_model_param_elems(const tdm_model *m) { return m->param_elems; }
+int64_t tdm_model_train_forwards(const tdm_model *m) { return m->n_train_fwd; }
+void tdm_model_set_train_forwards(tdm_model *m, int64_t n) { m->n_train_fwd = n; }
 int64_t tdm_model_buffer_elems(const tdm_model *m) { return m->buffer_elems; }
 void tdm_model_set_train(tdm_model *m, int train) { m->train = train != 0; }
 int tdm_model_is_train(const tdm_model *m) { return m->train; }

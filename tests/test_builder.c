@@ -592,3 +592,36 @@ Test(builder, shapes_are_inferred_line_by_line)
     cr_assert(t->shape[0] == 8 && t->shape[1] == 16 && t->shape[2] == 1 && t->shape[3] == 1);
     tdm_model_free(m);
 }
+
+/* A block whose input is a batchnorm's output that a maxpool reads: on
+ * host devices the pair fuses, and the fused backward had no place for
+ * the block's skip gradient (analytic 0.0437 against 0.2347); the same
+ * block after an activation (nothing fuses) is the control. */
+Test(builder, a_block_opening_between_batchnorm_and_maxpool)
+{
+    check_fd("bn|res{maxpool} host-fused",
+             "input 2x6x6\n"
+             "conv 3x3 3 pad 1\n"
+             "batchnorm\n"
+             "residual {\n"
+             "  maxpool 2\n"
+             "  conv 3x3 4 pad 1\n"
+             "} proj\n"
+             "flatten\n"
+             "linear 3\n", 4, 1);
+}
+
+Test(builder, the_same_block_after_an_activation)
+{
+    check_fd("bn|tanh|res{maxpool}",
+             "input 2x6x6\n"
+             "conv 3x3 3 pad 1\n"
+             "batchnorm\n"
+             "tanh\n"
+             "residual {\n"
+             "  maxpool 2\n"
+             "  conv 3x3 4 pad 1\n"
+             "} proj\n"
+             "flatten\n"
+             "linear 3\n", 4, 1);
+}
