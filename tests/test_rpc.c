@@ -469,7 +469,8 @@ Test(rpc, dead_callee_named_within_bound_tcp, .timeout = 90) { dead_on(TDM_RPC_T
 
 /* A killed rank leaves no segment name behind: rank 0 is SIGKILLed 1 s
  * into set-up while rank 1 arrives 3 s late (a slow start on a loaded
- * machine); the name must not exist while rank 0 waits for it. */
+ * machine); no /dev/shm name of rank 0's may remain (the segment is a
+ * memfd: it has none). */
 static pid_t *g_rank0_pid;
 
 static void *kill_self_later(void *arg)
