@@ -179,13 +179,12 @@ typedef struct slow_out {
 } slow_out;
 
 static slow_out *g_slow;
-static volatile int g_slow_create;
 
 static tdm_status slow_create(const void *args, size_t nbytes, void **obj)
 {
     (void)args;
     (void)nbytes;
-    if (g_slow_create) usleep(300000);
+    usleep(300000);   /* the caller's 50 ms wait times out */
     *obj = malloc(8);
     TDM_REQUIRE(*obj, TDM_STATUS_OUT_OF_MEMORY, "slow: no memory");
     return TDM_STATUS_OK;
@@ -224,7 +223,6 @@ static int slow_rank(tdm_comm *comm, void *arg)
     tdm_rpc_opts ro = {.transport = TDM_RPC_SHM, .comm = comm, .setup_ms = tmo()};
     if (tdm_rpc_init(&rpc, &ro)) return slow_fail(r, 1, "init");
     if (tdm_rref_register_type(rpc, &g_slow_type)) return slow_fail(r, 2, "register");
-    g_slow_create = 1;
     if (tdm_rpc_barrier(rpc, tmo())) return slow_fail(r, 3, "barrier");
     if (r == 0) {
         tdm_rref *a = NULL, *b = NULL, *c = NULL;
