@@ -17,9 +17,10 @@
  *               c on any version >= c - K, so it runs at most K steps
  *               ahead of the slowest. bounded:0 is sync, bit for bit.
  *   async       HogWild-style: a server applies each push as it arrives
- *               (one optimizer step per push, of a share's gradient: about
- *               1/W of a global step) and workers never wait for each
- *               other.
+ *               (one optimizer step per push, of a share's gradient: with
+ *               SGD about 1/W of a global step; Adam ignores the scale,
+ *               so each push is a whole Adam step: tools refuse adamw)
+ *               and workers never wait for each other.
  *
  * Each applied gradient's staleness (the server's version when applied
  * minus the version the worker computed it on) is counted in a
@@ -83,6 +84,10 @@ typedef struct tdm_ps_server_stats {
     int64_t pushes, pulls, pulls_early;  /* pulls_early: answered "not yet" */
     int64_t stale[TDM_PS_STALE_BUCKETS];
     int workers_done;
+    /* the most steps a pushing worker was ahead of the slowest worker
+     * (its step minus the fewest steps any worker had pushed): bounded:K
+     * keeps it <= K, sync 0 */
+    int64_t clock_gap_max;
 } tdm_ps_server_stats;
 
 /* Server `index` (= its rank) over rpc: registers its functions (call
@@ -96,7 +101,10 @@ void tdm_ps_server_free(tdm_ps_server *s);
 /* Serves until every worker has said it is done, a worker dies (async
  * goes on without it, with a warning in the log (core/log.h): *lost
  * counts them, lost_why says which and why; sync and bounded stop,
- * naming it) or timeout_ms passes (< 0: none). lost_why may be NULL. */
+ * naming it), a worker reports its failure (tdm_ps_worker_fail: an
+ * error with its message, in every mode) or timeout_ms passes (< 0:
+ * none). Async with every worker lost and none done is an error too.
+ * lost_why may be NULL. */
 tdm_status tdm_ps_server_wait(tdm_ps_server *s, int64_t timeout_ms, int *lost, char *lost_why,
                               size_t n);
 void tdm_ps_server_get_stats(tdm_ps_server *s, tdm_ps_server_stats *out);
@@ -106,9 +114,12 @@ const float *tdm_ps_server_params(const tdm_ps_server *s, int64_t *lo, int64_t *
 
 /* Any rank: every server's shard of the parameters into params (host,
  * n_elem) and, when state is given, of the optimizer's n_state state
- * buffers into state[i] (host, n_elem each); *optim_steps: the steps the
- * servers' optimizers took (the first server's). For a checkpoint after
- * training (the servers' latest values, whatever their version). */
+ * buffers into state[i] (host, n_elem each); *optim_steps: one count for
+ * every shard: sync and bounded, the global steps every server applied;
+ * async, the pushes that reached every server (a worker killed between
+ * its pushes to two servers leaves one shard a push ahead: not counted).
+ * For a checkpoint after training (the servers' latest values, whatever
+ * their version). */
 tdm_status tdm_ps_gather(tdm_rpc *rpc, const tdm_ps_layout *l, float *params, float **state,
                          int n_state, int64_t *optim_steps, int64_t timeout_ms);
 
@@ -133,6 +144,11 @@ tdm_status tdm_ps_worker_step(tdm_ps_worker *w, const void *x, const int32_t *y,
 tdm_status tdm_ps_worker_pull_latest(tdm_ps_worker *w);
 /* Tells every server this worker is done (no more pushes). */
 tdm_status tdm_ps_worker_done(tdm_ps_worker *w);
+/* Tells every server this worker stops on an error (why: its message),
+ * before it leaves: the servers stop the job with it, in every mode (a
+ * worker that leaves without done or fail was killed: async goes on
+ * without it). Best effort; changes the thread's error message. */
+void tdm_ps_worker_fail(tdm_ps_worker *w, const char *why);
 /* Steps taken; time spent waiting for fresh enough parameters (ms). */
 int64_t tdm_ps_worker_steps(const tdm_ps_worker *w);
 double tdm_ps_worker_wait_ms(const tdm_ps_worker *w);

@@ -11,6 +11,11 @@
 #define TDM_PS_FN_PUSH "ps.push"
 #define TDM_PS_FN_DONE "ps.done"
 #define TDM_PS_FN_STATE "ps.state"
+/* A worker that stops on an error says so before it leaves: {i32 worker,
+ * i32 0} + its message (not NUL-terminated). */
+#define TDM_PS_FN_FAIL "ps.fail"
+/* How long a failing worker waits for each server to take its message. */
+#define TDM_PS_FAIL_TIMEOUT_MS 2000
 /* Most workers (a server keeps a gradient slot per worker). */
 #define TDM_PS_MAX_WORKERS 64
 

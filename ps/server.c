@@ -3,7 +3,8 @@
  * and the gradient slots that sync and bounded:K sum in worker order.
  * Wire (host order): pull {i64 min_version} -> {i64 version, i64 ready}
  * [+ the shard's floats when ready]; push {i32 worker, i32 0, i64 clock,
- * i64 version_used} + the shard's gradient; done {i32 worker}.
+ * i64 version_used} + the shard's gradient; done {i32 worker}; fail
+ * {i32 worker, i32 0} + the worker's error message.
  * Not the worker's side: ps/worker.c. */
 #include <pthread.h>
 #include <stdio.h>
@@ -43,6 +44,7 @@ struct tdm_ps_server {
     tdm_ps_server_stats st;
     int done[TDM_PS_MAX_WORKERS];
     int lost[TDM_PS_MAX_WORKERS];
+    int64_t pushed[TDM_PS_MAX_WORKERS];   /* per worker: steps pushed */
     char failed[512];             /* a push that could not be applied */
 };
 
@@ -130,6 +132,11 @@ static tdm_status fn_push(tdm_rpc_req *req, void *ctx)
     tdm_status st = TDM_STATUS_OK;
     pthread_mutex_lock(&s->mu);
     s->st.pushes++;
+    int64_t slowest = h.clock;
+    for (int w = 0; w < s->l.workers; w++)
+        if (s->pushed[w] < slowest) slowest = s->pushed[w];
+    if (h.clock - slowest > s->st.clock_gap_max) s->st.clock_gap_max = h.clock - slowest;
+    if (h.clock + 1 > s->pushed[h.worker]) s->pushed[h.worker] = h.clock + 1;
     if (s->mode.kind == TDM_PS_ASYNC) {
         count_stale(s, s->st.version - h.version_used);
         st = apply(s, g);
@@ -163,25 +170,51 @@ static tdm_status fn_push(tdm_rpc_req *req, void *ctx)
     return st;
 }
 
+/* state -> {i64 version, i64 sync kind, i64 n_state, i64 workers,
+ * i64 pushed[workers]} + the shard's parameters and state buffers */
 static tdm_status fn_state(tdm_rpc_req *req, void *ctx)
 {
     tdm_ps_server *s = ctx;
     int ns = tdm_optim_n_state(s->opt);
+    int W = s->l.workers;
     int64_t *out = NULL;
     pthread_mutex_lock(&s->mu);
-    tdm_status st = tdm_rpc_req_reply(req, 3 * sizeof(int64_t) + (size_t)(1 + ns) * (size_t)s->n * sizeof(float),
+    tdm_status st = tdm_rpc_req_reply(req, (size_t)(4 + W) * sizeof(int64_t) +
+                                               (size_t)(1 + ns) * (size_t)s->n * sizeof(float),
                                       (void **)&out);
     if (st == TDM_STATUS_OK) {
         out[0] = s->st.version;
-        out[1] = tdm_optim_steps(s->opt);
+        out[1] = s->mode.kind;
         out[2] = ns;
-        float *p = (float *)(out + 3);
+        out[3] = W;
+        memcpy(out + 4, s->pushed, (size_t)W * sizeof(int64_t));
+        float *p = (float *)(out + 4 + W);
         memcpy(p, s->params, (size_t)s->n * sizeof(float));
         for (int i = 0; i < ns; i++)
             memcpy(p + (size_t)(1 + i) * (size_t)s->n, tdm_optim_state(s->opt, i), (size_t)s->n * sizeof(float));
     }
     pthread_mutex_unlock(&s->mu);
     return st;
+}
+
+/* A worker stopped on an error: the job stops with it, in every mode (a
+ * worker's NaN is the model's, not the worker's: as DDP does). */
+static tdm_status fn_fail(tdm_rpc_req *req, void *ctx)
+{
+    tdm_ps_server *s = ctx;
+    int32_t hdr[2] = {-1, 0};
+    if (req->nbytes >= sizeof hdr) memcpy(hdr, req->args, sizeof hdr);
+    if (hdr[0] < 0 || hdr[0] >= s->l.workers)
+        return tdm_rpc_req_fail(req, TDM_STATUS_INVALID_ARG, "ps.fail: worker %d of %d", hdr[0], s->l.workers);
+    int len = (int)(req->nbytes - sizeof hdr);
+    if (len > 400) len = 400;
+    pthread_mutex_lock(&s->mu);
+    if (!s->failed[0])
+        snprintf(s->failed, sizeof s->failed, "worker %d (rank %d) failed: %.*s", hdr[0], s->l.servers + hdr[0],
+                 len, (const char *)req->args + sizeof hdr);
+    pthread_cond_broadcast(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+    return TDM_STATUS_OK;
 }
 
 static tdm_status fn_done(tdm_rpc_req *req, void *ctx)
@@ -246,6 +279,7 @@ tdm_status tdm_ps_server_init(tdm_ps_server **out, tdm_rpc *rpc, tdm_device *dev
     TDM_TRY(tdm_rpc_register(rpc, TDM_PS_FN_PUSH, fn_push, s));
     TDM_TRY(tdm_rpc_register(rpc, TDM_PS_FN_DONE, fn_done, s));
     TDM_TRY(tdm_rpc_register(rpc, TDM_PS_FN_STATE, fn_state, s));
+    TDM_TRY(tdm_rpc_register(rpc, TDM_PS_FN_FAIL, fn_fail, s));
     *out = s;
     return TDM_STATUS_OK;
 fail:
@@ -320,8 +354,13 @@ tdm_status tdm_ps_server_wait(tdm_ps_server *s, int64_t timeout_ms, int *lost, c
         }
         pthread_cond_timedwait(&s->cv, &s->mu, &ts);
     }
+    int done = s->st.workers_done;
     pthread_mutex_unlock(&s->mu);
     if (lost) *lost = n_lost;
+    /* async outlives lost workers, but not all of them: nothing trained */
+    if (done == 0)
+        return tdm_error_set(TDM_STATUS_PEER_FAILED, "ps: server %d: no worker finished (%s)", s->index,
+                             lost_why && n && lost_why[0] ? lost_why : "every worker was lost");
     return TDM_STATUS_OK;
 }
 
@@ -342,25 +381,45 @@ const float *tdm_ps_server_params(const tdm_ps_server *s, int64_t *lo, int64_t *
 tdm_status tdm_ps_gather(tdm_rpc *rpc, const tdm_ps_layout *l, float *params, float **state,
                          int n_state, int64_t *optim_steps, int64_t timeout_ms)
 {
+    int W = l->workers;
+    int64_t complete[TDM_PS_MAX_WORKERS];   /* per worker: steps every server took */
+    int64_t version = 0;                    /* sync, bounded: the fewest any server applied */
+    int async = 0;
+    TDM_REQUIRE(W >= 1 && W <= TDM_PS_MAX_WORKERS, TDM_STATUS_INVALID_ARG, "ps: gather: %d workers", W);
     for (int sv = 0; sv < l->servers; sv++) {
         void *rep = NULL;
         size_t rn = 0;
         TDM_CHECK(tdm_rpc_call(rpc, sv, TDM_PS_FN_STATE, NULL, 0, &rep, &rn, timeout_ms));
-        int64_t lo, hi, hdr[3] = {0, 0, 0};
+        int64_t lo, hi, hdr[4] = {0, 0, 0, 0};
         tdm_ps_shard(l, sv, &lo, &hi);
         size_t n = (size_t)(hi - lo);
         if (rn >= sizeof hdr) memcpy(hdr, rep, sizeof hdr);
-        if (rn < sizeof hdr || hdr[2] < 0 || hdr[2] > 4 ||
-            rn != sizeof hdr + (size_t)(1 + hdr[2]) * n * sizeof(float) || (state && hdr[2] != n_state)) {
+        size_t head = sizeof hdr + (size_t)W * sizeof(int64_t);
+        if (rn < sizeof hdr || hdr[2] < 0 || hdr[2] > 4 || hdr[3] != W ||
+            rn != head + (size_t)(1 + hdr[2]) * n * sizeof(float) || (state && hdr[2] != n_state)) {
             free(rep);
             return tdm_error_set(TDM_STATUS_FORMAT, "ps: server %d's state is %zu bytes with %lld state buffers "
-                                 "(expected %d)", sv, rn, (long long)hdr[2], n_state);
+                                 "and %lld workers (expected %d and %d)", sv, rn, (long long)hdr[2],
+                                 (long long)hdr[3], n_state, W);
         }
-        const float *p = (const float *)((const uint8_t *)rep + sizeof hdr);
+        const int64_t *pushed = (const int64_t *)((const uint8_t *)rep + sizeof hdr);
+        for (int w = 0; w < W; w++)
+            if (sv == 0 || pushed[w] < complete[w]) complete[w] = pushed[w];
+        if (sv == 0 || hdr[0] < version) version = hdr[0];
+        async = hdr[1] == TDM_PS_ASYNC;
+        const float *p = (const float *)((const uint8_t *)rep + head);
         memcpy(params + lo, p, n * sizeof(float));
         for (int i = 0; state && i < n_state; i++) memcpy(state[i] + lo, p + (size_t)(1 + i) * n, n * sizeof(float));
-        if (sv == 0 && optim_steps) *optim_steps = hdr[1];
         free(rep);
+    }
+    if (optim_steps) {
+        /* one count for every shard: async, the pushes that reached every
+         * server (a worker killed between its pushes to two servers left
+         * one shard a step ahead); sync and bounded, the global steps
+         * every server applied */
+        int64_t steps = 0;
+        for (int w = 0; w < W; w++) steps += complete[w];
+        *optim_steps = async ? steps : version;
     }
     return TDM_STATUS_OK;
 }

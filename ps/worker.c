@@ -217,3 +217,17 @@ tdm_status tdm_ps_worker_done(tdm_ps_worker *w)
         TDM_CHECK(tdm_rpc_call(w->rpc, s, TDM_PS_FN_DONE, &idx, sizeof idx, NULL, NULL, w->timeout_ms));
     return TDM_STATUS_OK;
 }
+
+void tdm_ps_worker_fail(tdm_ps_worker *w, const char *why)
+{
+    char buf[2 * sizeof(int32_t) + 400];
+    int32_t hdr[2] = {w->index, 0};
+    size_t len = strlen(why ? why : "");
+    if (len > sizeof buf - sizeof hdr) len = sizeof buf - sizeof hdr;
+    memcpy(buf, hdr, sizeof hdr);
+    memcpy(buf + sizeof hdr, why ? why : "", len);
+    /* best effort: a server that cannot take it learns of the worker's
+     * exit from rpc/'s liveness check */
+    for (int s = 0; s < w->l.servers; s++)
+        (void)tdm_rpc_call(w->rpc, s, TDM_PS_FN_FAIL, buf, sizeof hdr + len, NULL, NULL, TDM_PS_FAIL_TIMEOUT_MS);
+}

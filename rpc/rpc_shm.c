@@ -13,12 +13,13 @@
  * publishes the tail, which the sender sleeps on when the ring is full.
  * So a message of any size passes through a ring of any size.
  *
- * The segment is a POSIX shared-memory name that lives only during
- * tdm_rpc_init: rank 0 creates it (0600, O_EXCL, space reserved with
- * posix_fallocate so that a full /dev/shm fails here and not with a
- * SIGBUS later), broadcasts the name over the job's communicator, every
- * rank maps it, and rank 0 unlinks it once all have: nothing is left
- * behind after the job, whatever way it ends after set-up.
+ * The segment is a memfd, with no name anywhere (as shm/split.c's):
+ * rank 0 creates it (space reserved with posix_fallocate so that a full
+ * shared memory fails here and not with a SIGBUS later), broadcasts its
+ * pid and descriptor over the job's communicator, every other rank opens
+ * /proc/<pid>/fd/<fd>, and rank 0 keeps its descriptor until all have
+ * mapped it: nothing can be left behind, whatever way the job ends, even
+ * a rank killed during set-up.
  *
  * A peer is gone when its process no longer exists (or is a zombie), or
  * when it marked itself as left. Not a collective transport: the
@@ -46,8 +47,6 @@
 #define RPC_SHM_DEFAULT_RING ((size_t)256 << 10)
 /* Longest sleep of a sender on a full ring between liveness checks. */
 #define RPC_SHM_SEND_NAP_NS 2000000ull
-/* Shared-memory name length */
-#define RPC_SHM_NAME_BYTES 64
 
 enum { RPC_SHM_ALIVE = 1, RPC_SHM_LEFT = 2 };
 
@@ -274,8 +273,7 @@ static tdm_status agree(tdm_rpc *rpc, tdm_status mine, const char *what)
 tdm_status tdm_rpc_shm_open(tdm_rpc *rpc)
 {
     tdm_status st = TDM_STATUS_OK, mine = TDM_STATUS_OK;
-    int fd = -1, created = 0;
-    char name[RPC_SHM_NAME_BYTES] = {0};
+    int fd = -1;
     rpc_shm *s = calloc(1, sizeof *s);
     TDM_REQUIRE(s, TDM_STATUS_OUT_OF_MEMORY, "rpc shm: no memory");
     rpc->tp = s;
@@ -284,38 +282,36 @@ tdm_status tdm_rpc_shm_open(tdm_rpc *rpc)
     s->ring_bytes = rpc->opts.ring_bytes ? rpc->opts.ring_bytes : RPC_SHM_DEFAULT_RING;
     s->ring_bytes = (s->ring_bytes + RPC_SHM_LINE - 1) / RPC_SHM_LINE * RPC_SHM_LINE;
     s->total = layout_total(s->world, s->ring_bytes);
+    /* rank 0's pid and descriptor: the others open /proc/<pid>/fd/<fd> */
+    int64_t where[2] = {(int64_t)getpid(), -1};
     if (rpc->rank == 0) {
-        snprintf(name, sizeof name, "/tandem-rpc-%d-%llx", (int)getpid(),
-                 (unsigned long long)tdm_time_ns());
-        do fd = shm_open(name, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-        while (fd < 0 && errno == EINTR);
+        fd = memfd_create("tandem-rpc", MFD_CLOEXEC);
         if (fd < 0) {
-            mine = tdm_error_set(TDM_STATUS_SYSTEM, "rpc shm: shm_open(%s): %s", name, strerror(errno));
+            mine = tdm_error_set(TDM_STATUS_SYSTEM, "rpc shm: memfd_create: %s", strerror(errno));
         } else {
-            created = 1;
+            where[1] = fd;
             int e = ftruncate(fd, (off_t)s->total) ? errno : posix_fallocate(fd, 0, (off_t)s->total);
             if (e)
                 mine = tdm_error_set(TDM_STATUS_SYSTEM,
-                                     "rpc shm: reserving %zu bytes for %s: %s (is /dev/shm full? "
-                                     "a smaller ring: tdm_rpc_opts.ring_bytes)",
-                                     s->total, name, strerror(e));
+                                     "rpc shm: reserving %zu bytes for the RPC segment: %s (is shared memory "
+                                     "full? a smaller ring: tdm_rpc_opts.ring_bytes)", s->total, strerror(e));
         }
     }
-    /* the name, as int64 words, from rank 0 */
-    int64_t words[RPC_SHM_NAME_BYTES / 8];
-    memcpy(words, name, sizeof words);
     TDM_TRY(agree(rpc, mine, "create the RPC segment"));
-    TDM_TRY(tdm_comm_broadcast(rpc->opts.comm, words, words, RPC_SHM_NAME_BYTES / 8, TDM_DTYPE_INT64, 0));
-    memcpy(name, words, sizeof name);
-    name[sizeof name - 1] = '\0';
+    TDM_TRY(tdm_comm_broadcast(rpc->opts.comm, where, where, 2, TDM_DTYPE_INT64, 0));
     if (rpc->rank != 0) {
-        do fd = shm_open(name, O_RDWR | O_CLOEXEC, 0);
+        char path[64];
+        snprintf(path, sizeof path, "/proc/%lld/fd/%lld", (long long)where[0], (long long)where[1]);
+        do fd = open(path, O_RDWR | O_CLOEXEC);
         while (fd < 0 && errno == EINTR);
-        if (fd < 0) mine = tdm_error_set(TDM_STATUS_SYSTEM, "rpc shm: shm_open(%s): %s", name, strerror(errno));
-        else {
+        if (fd < 0) {
+            mine = tdm_error_set(TDM_STATUS_SYSTEM, "rpc shm: cannot open rank 0's segment through %s: %s (the "
+                                 "ranks must be processes of one user that may read each other's /proc "
+                                 "entries)", path, strerror(errno));
+        } else {
             struct stat sb;
             if (fstat(fd, &sb) || (size_t)sb.st_size != s->total)
-                mine = tdm_error_set(TDM_STATUS_FORMAT, "rpc shm: %s is %lld bytes (expected %zu)", name,
+                mine = tdm_error_set(TDM_STATUS_FORMAT, "rpc shm: %s is %lld bytes (expected %zu)", path,
                                      (long long)sb.st_size, s->total);
         }
     }
@@ -336,13 +332,10 @@ tdm_status tdm_rpc_shm_open(tdm_rpc *rpc)
             }
         }
     }
+    /* rank 0's descriptor stays open until every rank has opened its own */
+    TDM_TRY(agree(rpc, mine, "map the RPC segment"));
     if (fd >= 0) close(fd);
     fd = -1;
-    TDM_TRY(agree(rpc, mine, "map the RPC segment"));
-    if (rpc->rank == 0) {
-        shm_unlink(name);
-        created = 0;
-    }
     {
         const rpc_shm_header *h = (const rpc_shm_header *)s->base;
         if (h->magic != RPC_SHM_MAGIC || h->version != RPC_SHM_VERSION || h->world != s->world ||
@@ -361,6 +354,5 @@ tdm_status tdm_rpc_shm_open(tdm_rpc *rpc)
     return TDM_STATUS_OK;
 fail:
     if (fd >= 0) close(fd);
-    if (created) shm_unlink(name);
     return st;
 }

@@ -1,11 +1,18 @@
 /* rpc/rref.c: remote references: the owner's table of objects with their
  * reference counts, served by five internal functions (create, addref,
  * fetch, call, release), and the handles that other ranks hold.
- * Arguments on the wire: create [u32 type length][type][args]; call
- * [u64 id][u32 method length][method][args]; the others [u64 id].
+ * Arguments on the wire: create [u64 id][u32 type length][type][args];
+ * call [u64 id][u32 method length][method][args]; the others [u64 id].
+ * The caller names a new object's id (its rank in the top bits, its own
+ * count below): a create or clone whose wait times out then sends a drop
+ * of that id, which the owner applies as a release when it arrives, or,
+ * when it finds no such object yet, keeps as a tombstone that the create
+ * consumes (rpc/ serves one caller's calls in order, so a drop follows
+ * its create today; the tombstone keeps that from being a requirement).
  * Not a distributed garbage collector: counts are explicit (clone,
  * release), and a dead holder's references are never released. */
 #include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -17,7 +24,16 @@
 #define RREF_FETCH "tdm.rref.fetch"
 #define RREF_CALL "tdm.rref.call"
 #define RREF_RELEASE "tdm.rref.release"
+#define RREF_DROP "tdm.rref.drop"
+/* A caller-made id: (caller rank + 1) << RREF_ID_RANK_SHIFT | its count. */
+#define RREF_ID_RANK_SHIFT 40
 #define RREF_MAX_TYPES 16
+
+/* A drop that came before its create. */
+typedef struct rref_tomb {
+    uint64_t id;
+    struct rref_tomb *next;
+} rref_tomb;
 
 typedef struct rref_obj {
     uint64_t id;
@@ -32,7 +48,8 @@ struct tdm_rref_table {
     const tdm_rref_type *types[RREF_MAX_TYPES];
     int n_types;
     rref_obj *objs;
-    uint64_t next_id;
+    rref_tomb *tombs;
+    uint64_t next_id;            /* this rank's count of the ids it named */
     int64_t live;
 };
 
@@ -76,49 +93,65 @@ static tdm_status lookup(tdm_rpc_req *req, uint64_t id, rref_obj **out)
     return TDM_STATUS_OK;
 }
 
+/* Takes id's tombstone (mu held): 1 when a drop came before. */
+static int take_tomb(struct tdm_rref_table *t, uint64_t id)
+{
+    for (rref_tomb **pp = &t->tombs; *pp; pp = &(*pp)->next) {
+        if ((*pp)->id != id) continue;
+        rref_tomb *dead = *pp;
+        *pp = dead->next;
+        free(dead);
+        return 1;
+    }
+    return 0;
+}
+
 static tdm_status srv_create(tdm_rpc_req *req, void *ctx)
 {
     struct tdm_rref_table *t = ctx;
+    uint64_t id = 0;
     uint32_t tl = 0;
-    if (req->nbytes < sizeof tl) return tdm_rpc_req_fail(req, TDM_STATUS_INVALID_ARG, "create: no type name");
-    memcpy(&tl, req->args, sizeof tl);
-    if (tl == 0 || tl > TDM_RPC_NAME_MAX || req->nbytes < sizeof tl + tl)
+    if (req->nbytes < sizeof id + sizeof tl)
+        return tdm_rpc_req_fail(req, TDM_STATUS_INVALID_ARG, "create: no id and type name");
+    memcpy(&id, req->args, sizeof id);
+    const uint8_t *p = (const uint8_t *)req->args + sizeof id;
+    size_t left = req->nbytes - sizeof id;
+    memcpy(&tl, p, sizeof tl);
+    if (tl == 0 || tl > TDM_RPC_NAME_MAX || left < sizeof tl + tl)
         return tdm_rpc_req_fail(req, TDM_STATUS_INVALID_ARG, "create: a type name of %u bytes", tl);
     char name[TDM_RPC_NAME_MAX + 1];
-    memcpy(name, (const uint8_t *)req->args + sizeof tl, tl);
+    memcpy(name, p + sizeof tl, tl);
     name[tl] = '\0';
     const tdm_rref_type *type = NULL;
     pthread_mutex_lock(&t->mu);
     for (int i = 0; i < t->n_types; i++)
         if (!strcmp(t->types[i]->name, name)) type = t->types[i];
+    int exists = find_obj(t, id) != NULL, dropped = exists ? 0 : take_tomb(t, id);
     pthread_mutex_unlock(&t->mu);
     if (!type)
         return tdm_rpc_req_fail(req, TDM_STATUS_INVALID_ARG, "create: no type '%s' is registered on rank %d",
                                 name, req->rpc->rank);
+    if (exists)
+        return tdm_rpc_req_fail(req, TDM_STATUS_INVALID_ARG, "create '%s': object #%llu exists on rank %d", name,
+                                (unsigned long long)id, req->rpc->rank);
+    if (dropped)
+        return tdm_rpc_req_fail(req, TDM_STATUS_TIMEOUT, "create '%s': object #%llu was dropped by its caller "
+                                "(its wait timed out) before it was made", name, (unsigned long long)id);
     rref_obj *o = calloc(1, sizeof *o);
     if (!o) return tdm_rpc_req_fail(req, TDM_STATUS_OUT_OF_MEMORY, "create '%s': no memory", name);
-    tdm_status st = type->create((const uint8_t *)req->args + sizeof tl + tl, req->nbytes - sizeof tl - tl,
-                                 &o->obj);
+    tdm_status st = type->create(p + sizeof tl + tl, left - sizeof tl - tl, &o->obj);
     if (st != TDM_STATUS_OK) {
         free(o);
         return tdm_rpc_req_fail(req, st, "create '%s': %s", name, tdm_error_message());
     }
-    uint64_t *out = NULL;
-    st = tdm_rpc_req_reply(req, sizeof *out, (void **)&out);
-    if (st != TDM_STATUS_OK) {
-        type->destroy(o->obj);
-        free(o);
-        return st;
-    }
     o->type = type;
     o->refs = 1;
+    o->id = id;
     pthread_mutex_lock(&t->mu);
-    o->id = ++t->next_id;
     o->next = t->objs;
     t->objs = o;
     t->live++;
     pthread_mutex_unlock(&t->mu);
-    *out = o->id;
     return TDM_STATUS_OK;
 }
 
@@ -172,6 +205,18 @@ static tdm_status srv_call(tdm_rpc_req *req, void *ctx)
     return tdm_rpc_req_fail(req, TDM_STATUS_INVALID_ARG, "type '%s' has no method '%s'", o->type->name, method);
 }
 
+/* One reference to o less (mu held); the object to destroy, if it was
+ * the last. */
+static rref_obj *unref(struct tdm_rref_table *t, rref_obj *o)
+{
+    if (--o->refs > 0) return NULL;
+    rref_obj **pp = &t->objs;
+    while (*pp != o) pp = &(*pp)->next;
+    *pp = o->next;
+    t->live--;
+    return o;
+}
+
 static tdm_status srv_release(tdm_rpc_req *req, void *ctx)
 {
     struct tdm_rref_table *t = ctx;
@@ -180,19 +225,41 @@ static tdm_status srv_release(tdm_rpc_req *req, void *ctx)
     TDM_CHECK(read_id(req, &id));
     TDM_CHECK(lookup(req, id, &o));
     pthread_mutex_lock(&t->mu);
-    rref_obj *dead = NULL;
-    if (--o->refs == 0) {
-        rref_obj **pp = &t->objs;
-        while (*pp != o) pp = &(*pp)->next;
-        *pp = o->next;
-        t->live--;
-        dead = o;
+    rref_obj *dead = unref(t, o);
+    pthread_mutex_unlock(&t->mu);
+    if (dead) {
+        dead->type->destroy(dead->obj);
+        free(dead);
+    }
+    return TDM_STATUS_OK;
+}
+
+/* A timed-out create or clone's reference: released, or, when the object
+ * is not there yet, a tombstone its create will find. */
+static tdm_status srv_drop(tdm_rpc_req *req, void *ctx)
+{
+    struct tdm_rref_table *t = ctx;
+    uint64_t id = 0;
+    TDM_CHECK(read_id(req, &id));
+    rref_tomb *tomb = malloc(sizeof *tomb);
+    pthread_mutex_lock(&t->mu);
+    rref_obj *o = find_obj(t, id), *dead = NULL;
+    if (o) {
+        dead = unref(t, o);
+    } else if (tomb) {
+        tomb->id = id;
+        tomb->next = t->tombs;
+        t->tombs = tomb;
+        tomb = NULL;
     }
     pthread_mutex_unlock(&t->mu);
     if (dead) {
         dead->type->destroy(dead->obj);
         free(dead);
     }
+    if (tomb && !o) return tdm_rpc_req_fail(req, TDM_STATUS_OUT_OF_MEMORY, "drop #%llu: no memory",
+                                            (unsigned long long)id);
+    free(tomb);
     return TDM_STATUS_OK;
 }
 
@@ -217,6 +284,7 @@ static tdm_status table_get(tdm_rpc *rpc, struct tdm_rref_table **out)
     TDM_CHECK(tdm_rpc_register(rpc, RREF_FETCH, srv_fetch, t));
     TDM_CHECK(tdm_rpc_register(rpc, RREF_CALL, srv_call, t));
     TDM_CHECK(tdm_rpc_register(rpc, RREF_RELEASE, srv_release, t));
+    TDM_CHECK(tdm_rpc_register(rpc, RREF_DROP, srv_drop, t));
     *out = t;
     return TDM_STATUS_OK;
 }
@@ -230,6 +298,11 @@ void tdm_rref_table_free(tdm_rpc *rpc)
         t->objs = o->next;
         o->type->destroy(o->obj);
         free(o);
+    }
+    while (t->tombs) {
+        rref_tomb *d = t->tombs;
+        t->tombs = d->next;
+        free(d);
     }
     pthread_mutex_destroy(&t->mu);
     free(t);
@@ -268,6 +341,17 @@ static tdm_status new_handle(tdm_rpc *rpc, int owner, uint64_t id, tdm_rref **ou
     return TDM_STATUS_OK;
 }
 
+/* After a create or clone timed out: its reference dropped on the owner
+ * whenever the call arrives (not waited for: the owner may be busy). */
+static tdm_status send_drop(tdm_rpc *rpc, int owner, uint64_t id, tdm_status st)
+{
+    char msg[TDM_ERROR_MSG_MAX];
+    snprintf(msg, sizeof msg, "%s", tdm_error_message());
+    tdm_rpc_future *f = NULL;
+    if (tdm_rpc_call_async(rpc, owner, RREF_DROP, &id, sizeof id, &f) == TDM_STATUS_OK) tdm_rpc_future_free(f);
+    return tdm_error_set(st, "%s", msg);   /* the timeout's message, whatever the drop's send did */
+}
+
 tdm_status tdm_rref_create(tdm_rpc *rpc, int owner, const char *type_name, const void *args,
                            size_t nbytes, int64_t timeout_ms, tdm_rref **out)
 {
@@ -276,21 +360,21 @@ tdm_status tdm_rref_create(tdm_rpc *rpc, int owner, const char *type_name, const
     uint32_t tl = (uint32_t)strlen(type_name);
     TDM_REQUIRE(tl > 0 && tl <= TDM_RPC_NAME_MAX, TDM_STATUS_INVALID_ARG, "rref_create: type name '%s'",
                 type_name);
-    size_t n = sizeof tl + tl + nbytes;
+    struct tdm_rref_table *t = NULL;
+    TDM_CHECK(table_get(rpc, &t));
+    pthread_mutex_lock(&t->mu);
+    uint64_t id = ((uint64_t)(rpc->rank + 1) << RREF_ID_RANK_SHIFT) | ++t->next_id;
+    pthread_mutex_unlock(&t->mu);
+    size_t n = sizeof id + sizeof tl + tl + nbytes;
     uint8_t *buf = malloc(n);
     TDM_REQUIRE(buf, TDM_STATUS_OUT_OF_MEMORY, "rref_create: %zu bytes", n);
-    memcpy(buf, &tl, sizeof tl);
-    memcpy(buf + sizeof tl, type_name, tl);
-    if (nbytes) memcpy(buf + sizeof tl + tl, args, nbytes);
-    void *rep = NULL;
-    size_t rn = 0;
-    tdm_status st = tdm_rpc_call(rpc, owner, RREF_CREATE, buf, n, &rep, &rn, timeout_ms);
+    memcpy(buf, &id, sizeof id);
+    memcpy(buf + sizeof id, &tl, sizeof tl);
+    memcpy(buf + sizeof id + sizeof tl, type_name, tl);
+    if (nbytes) memcpy(buf + sizeof id + sizeof tl + tl, args, nbytes);
+    tdm_status st = tdm_rpc_call(rpc, owner, RREF_CREATE, buf, n, NULL, NULL, timeout_ms);
     free(buf);
-    if (st == TDM_STATUS_OK && rn != sizeof(uint64_t))
-        st = tdm_error_set(TDM_STATUS_FORMAT, "rref_create: a reply of %zu bytes (expected an id)", rn);
-    uint64_t id = 0;
-    if (st == TDM_STATUS_OK) memcpy(&id, rep, sizeof id);
-    free(rep);
+    if (st == TDM_STATUS_TIMEOUT) st = send_drop(rpc, owner, id, st);
     TDM_CHECK(st);
     return new_handle(rpc, owner, id, out);
 }
@@ -298,7 +382,11 @@ tdm_status tdm_rref_create(tdm_rpc *rpc, int owner, const char *type_name, const
 tdm_status tdm_rref_clone(const tdm_rref *ref, int64_t timeout_ms, tdm_rref **out)
 {
     *out = NULL;
-    TDM_CHECK(tdm_rpc_call(ref->rpc, ref->owner, RREF_ADDREF, &ref->id, sizeof ref->id, NULL, NULL, timeout_ms));
+    tdm_status st =
+        tdm_rpc_call(ref->rpc, ref->owner, RREF_ADDREF, &ref->id, sizeof ref->id, NULL, NULL, timeout_ms);
+    /* rpc/ serves one caller's calls in order: the drop follows the addref */
+    if (st == TDM_STATUS_TIMEOUT) st = send_drop(ref->rpc, ref->owner, ref->id, st);
+    TDM_CHECK(st);
     return new_handle(ref->rpc, ref->owner, ref->id, out);
 }
 

@@ -52,7 +52,10 @@ typedef struct tdm_rref tdm_rref;
 tdm_status tdm_rref_register_type(tdm_rpc *rpc, const tdm_rref_type *type);
 
 /* Creates an object of type_name on rank owner (this rank too) from
- * args; *out is the first reference to it. */
+ * args; *out is the first reference to it. This rank names the object's
+ * id, so a create (or a clone) whose wait times out leaves nothing
+ * behind: it sends the owner a drop of that reference, applied whenever
+ * the create arrives. */
 tdm_status tdm_rref_create(tdm_rpc *rpc, int owner, const char *type_name, const void *args,
                            size_t nbytes, int64_t timeout_ms, tdm_rref **out);
 /* Another reference to the same object (the owner counts it). */

@@ -4,8 +4,9 @@
  *    of its share with the loss scaled by 1/B, summed in worker order,
  *    one optimizer step over the flat parameters), for 1-2 servers and 2-3
  *    workers (3..5 ranks), over shm and TCP;
- *  - bounded:0 gives the same bits; bounded:2 keeps every applied
- *    gradient's staleness within 2;
+ *  - bounded:0 gives the same bits; bounded:2 with worker 0 slow (a
+ *    sleep per step): pushes 1..2 stale, pulls answered "not yet", the
+ *    workers never more than 2 steps apart, staleness never above 2;
  *  - async applies every push (W per step), and its training loss falls;
  *  - a worker killed mid-run: async goes on with the others and finishes;
  *    sync stops, the server naming the worker.
@@ -18,9 +19,11 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include "core/data.h"
 #include "ps/ps.h"
+#include "ps/ps_impl.h"
 #include "shm/spawn.h"
 #include "tests/timeout_util.h"
 
@@ -36,6 +39,8 @@ typedef struct ps_out {
     float params[MAX_ELEMS];          /* the servers' final shards */
     tdm_ps_server_stats stats[MAX_RANKS];
     int lost[MAX_RANKS];
+    int64_t gathered_steps;           /* rank 0's tdm_ps_gather, when asked */
+    volatile int gathered;
     double loss[MAX_RANKS][MAX_STEPS];
 } ps_out;
 
@@ -45,6 +50,10 @@ typedef struct ps_case {
     tdm_ps_sync_mode mode;
     int kill_worker;                  /* >= 0: this worker dies at step kill_step */
     int kill_step;
+    int slow_worker;                  /* >= 0: this worker sleeps slow_us per step */
+    int slow_us;
+    int kill_between_pushes;          /* the killed worker pushes to server 0 only, then dies */
+    int gather;                       /* rank 0 gathers after the wait (others wait for it) */
     ps_out *o;
 } ps_case;
 
@@ -96,6 +105,12 @@ static int ps_rank(tdm_comm *comm, void *arg)
             return fail(o, r, 3, "server");
         if (tdm_rpc_barrier(rpc, tmo())) return fail(o, r, 4, "barrier");
         if (tdm_ps_server_wait(s, tmo(), &o->lost[r], NULL, 0)) return fail(o, r, 5, "server wait");
+        if (k->gather && r == 0) {
+            static float all[MAX_ELEMS];
+            if (tdm_ps_gather(rpc, &l, all, NULL, 0, &o->gathered_steps, tmo())) return fail(o, r, 11, "gather");
+            __atomic_store_n(&o->gathered, 1, __ATOMIC_RELEASE);
+        }
+        while (k->gather && !__atomic_load_n(&o->gathered, __ATOMIC_ACQUIRE)) usleep(1000);
         int64_t lo, hi;
         const float *p = tdm_ps_server_params(s, &lo, &hi);
         memcpy(o->params + lo, p, (size_t)(hi - lo) * sizeof(float));
@@ -108,7 +123,20 @@ static int ps_rank(tdm_comm *comm, void *arg)
         if (tdm_ps_worker_init(&pw, rpc, m, &l, &k->mode, tmo())) return fail(o, r, 6, "worker");
         if (tdm_rpc_barrier(rpc, tmo())) return fail(o, r, 7, "barrier");
         for (int t = 0; t < k->steps; t++) {
+            if (w == k->kill_worker && t == k->kill_step && k->kill_between_pushes) {
+                /* its step's push reaches server 0 only (server.c's wire) */
+                int64_t lo, hi;
+                tdm_ps_shard(&l, 0, &lo, &hi);
+                size_t nb = sizeof(tdm_ps_push_hdr) + (size_t)(hi - lo) * sizeof(float);
+                uint8_t *msg = calloc(1, nb);
+                tdm_ps_push_hdr h = {.worker = w, .clock = t, .version_used = 0};
+                memcpy(msg, &h, sizeof h);
+                if (!msg || tdm_rpc_call(rpc, 0, "ps.push", msg, nb, NULL, NULL, tmo())) return fail(o, r, 10, "push");
+                free(msg);
+                raise(SIGKILL);
+            }
             if (w == k->kill_worker && t == k->kill_step) raise(SIGKILL);
+            if (w == k->slow_worker && k->slow_us > 0) usleep((useconds_t)k->slow_us);
             int64_t first;
             int count;
             share(t, w, k->workers, ds.n, &first, &count);
@@ -224,7 +252,7 @@ static void expect_reference(ps_case *k)
 
 Test(ps, sync_is_the_reference_step_bit_for_bit, .timeout = 240)
 {
-    ps_case k = {.steps = 6, .tp = TDM_RPC_SHM, .kill_worker = -1, .o = shared_out()};
+    ps_case k = {.steps = 6, .tp = TDM_RPC_SHM, .kill_worker = -1, .slow_worker = -1, .o = shared_out()};
     static const int sw[][2] = {{1, 2}, {2, 2}, {1, 3}, {2, 3}};
     for (size_t i = 0; i < sizeof sw / sizeof sw[0]; i++) {
         k.servers = sw[i][0];
@@ -241,20 +269,33 @@ Test(ps, sync_is_the_reference_step_bit_for_bit, .timeout = 240)
 
 Test(ps, bounded_0_is_sync_and_bounded_k_keeps_its_bound, .timeout = 240)
 {
-    ps_case k = {.servers = 2, .workers = 3, .steps = 8, .tp = TDM_RPC_SHM, .kill_worker = -1, .o = shared_out()};
+    ps_case k = {.servers = 2, .workers = 3, .steps = 8, .tp = TDM_RPC_SHM, .kill_worker = -1, .slow_worker = -1,
+                 .o = shared_out()};
     cr_assert_eq(tdm_ps_sync_parse("bounded:0", &k.mode), 0);
     expect_ok(&k, run(&k, NULL));
     expect_reference(&k);
+    for (int s = 0; s < k.servers; s++) cr_assert_eq(k.o->stats[s].clock_gap_max, 0, "server %d", s);
+    /* worker 0 slow: the others run ahead as far as the bound lets them,
+     * and no further */
+    const int K = 2;
     cr_assert_eq(tdm_ps_sync_parse("bounded:2", &k.mode), 0);
+    k.steps = 12;
+    k.slow_worker = 0;
+    k.slow_us = 50000;
     expect_ok(&k, run(&k, NULL));
     for (int s = 0; s < k.servers; s++) {
-        int64_t total = 0;
+        int64_t total = 0, stale_in_bound = 0;
         for (int b = 0; b < TDM_PS_STALE_BUCKETS; b++) {
             total += k.o->stats[s].stale[b];
-            if (b > 2) cr_assert_eq(k.o->stats[s].stale[b], 0, "server %d: staleness %d", s, b);
+            if (b >= 1 && b <= K) stale_in_bound += k.o->stats[s].stale[b];
+            if (b > K) cr_assert_eq(k.o->stats[s].stale[b], 0, "server %d: staleness %d", s, b);
         }
         cr_assert_eq(total, k.steps * k.workers);
         cr_assert_eq(k.o->stats[s].version, k.steps);
+        cr_assert_gt(stale_in_bound, 0, "server %d: no push 1..%d stale with a slow worker", s, K);
+        cr_assert_gt(k.o->stats[s].pulls_early, 0, "server %d: no pull answered 'not yet'", s);
+        cr_assert_leq(k.o->stats[s].clock_gap_max, K, "server %d: workers %lld steps apart", s,
+                      (long long)k.o->stats[s].clock_gap_max);
     }
     for (int64_t i = 0; i < 1042; i++) cr_assert(isfinite(k.o->params[i]));
     munmap(k.o, sizeof *k.o);
@@ -262,7 +303,8 @@ Test(ps, bounded_0_is_sync_and_bounded_k_keeps_its_bound, .timeout = 240)
 
 Test(ps, async_applies_every_push_and_trains, .timeout = 240)
 {
-    ps_case k = {.servers = 2, .workers = 3, .steps = 40, .tp = TDM_RPC_SHM, .kill_worker = -1, .o = shared_out()};
+    ps_case k = {.servers = 2, .workers = 3, .steps = 40, .tp = TDM_RPC_SHM, .kill_worker = -1, .slow_worker = -1,
+                 .o = shared_out()};
     cr_assert_eq(tdm_ps_sync_parse("async", &k.mode), 0);
     expect_ok(&k, run(&k, NULL));
     double first = 0, last = 0;
@@ -284,7 +326,7 @@ Test(ps, async_applies_every_push_and_trains, .timeout = 240)
 Test(ps, async_goes_on_without_a_killed_worker, .timeout = 240)
 {
     ps_case k = {.servers = 1, .workers = 3, .steps = 12, .tp = TDM_RPC_SHM, .kill_worker = 1, .kill_step = 4,
-                 .o = shared_out()};
+                 .slow_worker = -1, .o = shared_out()};
     cr_assert_eq(tdm_ps_sync_parse("async", &k.mode), 0);
     tdm_shm_spawn_result res;
     tdm_status st = run(&k, &res);
@@ -301,12 +343,33 @@ Test(ps, async_goes_on_without_a_killed_worker, .timeout = 240)
 Test(ps, sync_stops_naming_a_killed_worker, .timeout = 240)
 {
     ps_case k = {.servers = 1, .workers = 2, .steps = 12, .tp = TDM_RPC_SHM, .kill_worker = 1, .kill_step = 3,
-                 .o = shared_out()};
+                 .slow_worker = -1, .o = shared_out()};
     tdm_shm_spawn_result res;
     tdm_status st = run(&k, &res);
     cr_assert_neq(st, TDM_STATUS_OK);
     cr_assert_eq(k.o->status[0], 5, "the server: %s", k.o->err[0]);
     cr_assert(strstr(k.o->err[0], "worker 1 (rank 2)"), "%s", k.o->err[0]);
     cr_assert(strstr(k.o->err[0], "stopping"), "%s", k.o->err[0]);
+    munmap(k.o, sizeof *k.o);
+}
+
+/* A worker killed between its pushes to two servers leaves server 0 a
+ * push ahead: the gathered step count (the checkpoint's) counts only the
+ * pushes every server took, the same whichever shard is asked first. */
+Test(ps, async_gathered_steps_count_pushes_every_server_took, .timeout = 240)
+{
+    ps_case k = {.servers = 2, .workers = 2, .steps = 6, .tp = TDM_RPC_SHM, .kill_worker = 1, .kill_step = 3,
+                 .kill_between_pushes = 1, .gather = 1, .slow_worker = -1, .o = shared_out()};
+    cr_assert_eq(tdm_ps_sync_parse("async", &k.mode), 0);
+    tdm_shm_spawn_result res;
+    tdm_status st = run(&k, &res);
+    cr_assert_neq(st, TDM_STATUS_OK);
+    cr_assert(WIFSIGNALED(res.wstatus[3]) && WTERMSIG(res.wstatus[3]) == SIGKILL);
+    for (int r = 0; r < 3; r++) cr_assert_eq(k.o->status[r], 0, "rank %d: %s", r, k.o->err[r]);
+    /* server 0 took 6 + 4 pushes, server 1 6 + 3 */
+    cr_assert_eq(k.o->stats[0].pushes, 10);
+    cr_assert_eq(k.o->stats[1].pushes, 9);
+    cr_assert_eq(k.o->gathered_steps, 9, "gathered %lld steps (the pushes both servers took: 9)",
+                 (long long)k.o->gathered_steps);
     munmap(k.o, sizeof *k.o);
 }

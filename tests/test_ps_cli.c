@@ -10,7 +10,8 @@
  *  - async and bounded:2 train and save a checkpoint;
  *  - a worker SIGKILLed in async: the job finishes (exit 0), names the
  *    worker, and its checkpoint loads; in sync the job stops (exit 1);
- *    a killed server stops the job naming it;
+ *    a killed server stops the job naming it; async with no worker
+ *    finished, or with a worker that failed (a NaN loss), exits 1;
  *  - bad options get a one-line error and exit 2. */
 #include <criterion/criterion.h>
 #include <math.h>
@@ -175,6 +176,24 @@ Test(ps_cli, a_killed_worker_async_goes_on_sync_stops, .init = setup_dir, .fini 
     free(r);
 }
 
+/* async: a worker that fails (not killed) stops the job with its own
+ * error, and a job in which no worker finished fails */
+Test(ps_cli, async_fails_when_no_worker_finished_or_one_failed, .timeout = 240)
+{
+    cli_result *r = malloc(sizeof *r);
+    setenv("TANDEM_PS_TEST_KILL", "worker:0:1", 1);
+    CLI(r, "train", "--mode", "ps", "--device", "cpu:2", "--ps-sync", "async", SMALL);
+    unsetenv("TANDEM_PS_TEST_KILL");
+    expect(r, 1, "no worker finished");
+    cr_assert(strstr(r->out, "worker 0 (rank 1)"), "%s", r->out);
+    CLI(r, "train", "--mode", "ps", "--device", "cpu:3", "--ps-sync", "async", "--lr", "1000", SMALL);
+    expect(r, 1, "training diverged");
+    cr_assert(strstr(r->out, "worker"), "%s", r->out);
+    cr_assert_null(strstr(r->out, "async training finished"), "%s", r->out);
+    cr_assert_eq(cli_shm_entries(), 0);
+    free(r);
+}
+
 Test(ps_cli, bad_options_say_why, .timeout = 60)
 {
     cli_result *r = malloc(sizeof *r);
@@ -184,6 +203,8 @@ Test(ps_cli, bad_options_say_why, .timeout = 60)
     expect(r, 2, "expected sync, async or bounded:K");
     CLI(r, "train", "--mode", "ps", "--device", "cpu:3", "--ps-transport", "udp", SMALL);
     expect(r, 2, "unknown transport 'udp'");
+    CLI(r, "train", "--mode", "ps", "--device", "cpu:3", "--ps-sync", "async", "--optim", "adamw", SMALL);
+    expect(r, 2, "--optim adamw with --ps-sync async");
     CLI(r, "train", "--mode", "ddp", "--device", "cpu:2", "--servers", "1", SMALL);
     expect(r, 2, "apply to --mode ps");
     CLI(r, "train", "--mode", "ps", "--device", "cpu:3", "--model", "cnn", "--epochs", "1");

@@ -4,7 +4,8 @@
  * rank at once, a callee's error and its message reaching the caller,
  * unknown names and oversized arguments refused with a clear error while
  * the callee goes on serving, and a callee killed in the middle of a call
- * named to its caller within a bound. The malformed-input (fuzz) tests of
+ * named to its caller within a bound, and a rank killed in set-up while
+ * another is late leaving no /dev/shm name. The malformed-input (fuzz) tests of
  * the TCP port are in tests/test_rpc_fuzz.c. */
 #include <criterion/criterion.h>
 #include <pthread.h>
@@ -465,3 +466,53 @@ static void dead_on(tdm_rpc_transport tp)
 
 Test(rpc, dead_callee_named_within_bound_shm, .timeout = 90) { dead_on(TDM_RPC_SHM); }
 Test(rpc, dead_callee_named_within_bound_tcp, .timeout = 90) { dead_on(TDM_RPC_TCP); }
+
+/* A killed rank leaves no segment name behind: rank 0 is SIGKILLed 1 s
+ * into set-up while rank 1 arrives 3 s late (a slow start on a loaded
+ * machine); no /dev/shm name of rank 0's may remain (the segment is a
+ * memfd: it has none). */
+static pid_t *g_rank0_pid;
+
+static void *kill_self_later(void *arg)
+{
+    (void)arg;
+    sleep(1);
+    raise(SIGKILL);
+    return NULL;
+}
+
+static int late_rank(tdm_comm *comm, void *arg)
+{
+    (void)arg;
+    int r = tdm_comm_rank(comm);
+    tdm_rpc *rpc = NULL;
+    if (r == 1) {
+        sleep(3);
+    } else {
+        *g_rank0_pid = getpid();
+        pthread_t t;
+        if (pthread_create(&t, NULL, kill_self_later, NULL)) return 1;
+    }
+    tdm_rpc_opts ro = {.transport = TDM_RPC_SHM, .comm = comm, .setup_ms = tu_scaled_ms(20000)};
+    if (tdm_rpc_init(&rpc, &ro)) return 1;
+    tdm_rpc_free(rpc);
+    return 0;
+}
+
+Test(rpc, a_rank_killed_in_setup_leaves_no_shm_name, .timeout = 90)
+{
+    g_rank0_pid = mmap(NULL, sizeof *g_rank0_pid, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    cr_assert_neq(g_rank0_pid, MAP_FAILED);
+    *g_rank0_pid = 0;
+    tdm_shm_spawn_opts so = {.timeout_ms = tu_scaled_ms(30000)};
+    tdm_status st = tdm_shm_spawn(2, late_rank, NULL, &so, NULL);
+    cr_assert_neq(st, TDM_STATUS_OK, "rank 0 was killed: the spawn must fail");
+    cr_assert_gt(*g_rank0_pid, 0);
+    char cmd[128];
+    snprintf(cmd, sizeof cmd, "ls /dev/shm | grep -q '^tandem-rpc-%d-'", (int)*g_rank0_pid);
+    int left = system(cmd) == 0;
+    snprintf(cmd, sizeof cmd, "rm -f /dev/shm/tandem-rpc-%d-*", (int)*g_rank0_pid);
+    if (left) cr_assert_eq(system(cmd), 0);   /* clean up before failing */
+    cr_assert(!left, "/dev/shm/tandem-rpc-%d-* was left behind", (int)*g_rank0_pid);
+    munmap(g_rank0_pid, sizeof *g_rank0_pid);
+}

@@ -3,12 +3,14 @@
  * methods, fetches copies, clones and releases references; the owners'
  * counts prove that nothing leaks once every reference is released, and a
  * call through a released reference is refused by its owner with a clear
- * error while the object another reference holds lives on. */
+ * error while the object another reference holds lives on; a create and
+ * a clone whose waits time out leave no object on the owner. */
 #include <criterion/criterion.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include "rpc/rref.h"
 #include "shm/spawn.h"
@@ -166,3 +168,105 @@ static void run_on(tdm_rpc_transport tp)
 
 Test(rref, lifetimes_counted_by_the_owner_shm, .timeout = 120) { run_on(TDM_RPC_SHM); }
 Test(rref, lifetimes_counted_by_the_owner_tcp, .timeout = 120) { run_on(TDM_RPC_TCP); }
+
+/* A create and a clone whose waits time out leave nothing on the owner
+ * once every handle the caller got is released: the caller names the
+ * object's id, and a timed-out create or clone sends its release. */
+typedef struct slow_out {
+    int st_create, st_clone, status[2];
+    int64_t live;
+    char err[2][600];
+} slow_out;
+
+static slow_out *g_slow;
+
+static tdm_status slow_create(const void *args, size_t nbytes, void **obj)
+{
+    (void)args;
+    (void)nbytes;
+    usleep(300000);   /* the caller's 50 ms wait times out */
+    *obj = malloc(8);
+    TDM_REQUIRE(*obj, TDM_STATUS_OUT_OF_MEMORY, "slow: no memory");
+    return TDM_STATUS_OK;
+}
+
+static tdm_status slow_fetch(void *obj, tdm_rpc_req *req)
+{
+    void *out = NULL;
+    (void)obj;
+    return tdm_rpc_req_reply(req, 0, &out);
+}
+
+static tdm_status slow_method(void *obj, tdm_rpc_req *req)
+{
+    (void)obj;
+    (void)req;
+    usleep(300000);
+    return TDM_STATUS_OK;
+}
+
+static const tdm_rref_type g_slow_type = {.name = "slow", .create = slow_create, .fetch = slow_fetch,
+                                          .destroy = free, .methods = {{"sleep", slow_method}}};
+
+static int slow_fail(int r, int code, const char *what)
+{
+    snprintf(g_slow->err[r], sizeof g_slow->err[r], "%s: %s", what, tdm_error_message());
+    g_slow->status[r] = code;
+    return code;
+}
+
+static int slow_rank(tdm_comm *comm, void *arg)
+{
+    (void)arg;
+    int r = tdm_comm_rank(comm);
+    tdm_rpc *rpc = NULL;
+    tdm_rpc_opts ro = {.transport = TDM_RPC_SHM, .comm = comm, .setup_ms = tmo()};
+    if (tdm_rpc_init(&rpc, &ro)) return slow_fail(r, 1, "init");
+    if (tdm_rref_register_type(rpc, &g_slow_type)) return slow_fail(r, 2, "register");
+    if (tdm_rpc_barrier(rpc, tmo())) return slow_fail(r, 3, "barrier");
+    if (r == 0) {
+        tdm_rref *a = NULL, *b = NULL, *c = NULL;
+        g_slow->st_create = tdm_rref_create(rpc, 1, "slow", NULL, 0, 50, &a);
+        if (a) return slow_fail(r, 4, "a timed-out create returned a handle");
+        if (tdm_rref_create(rpc, 1, "slow", NULL, 0, tmo(), &b)) return slow_fail(r, 5, "create");
+        /* a method occupies the owner 300 ms: the clone behind it times out */
+        /* (rref.c's wire: [u64 id][u32 method length][method]) */
+        tdm_rpc_future *f = NULL;
+        uint64_t id = tdm_rref_id(b);
+        uint32_t ml = 5;
+        uint8_t buf[sizeof id + sizeof ml + 5];
+        memcpy(buf, &id, sizeof id);
+        memcpy(buf + sizeof id, &ml, sizeof ml);
+        memcpy(buf + sizeof id + sizeof ml, "sleep", 5);
+        if (tdm_rpc_call_async(rpc, 1, "tdm.rref.call", buf, sizeof buf, &f)) return slow_fail(r, 6, "call");
+        g_slow->st_clone = tdm_rref_clone(b, 50, &c);
+        if (c) return slow_fail(r, 7, "a timed-out clone returned a handle");
+        if (tdm_rpc_future_wait(f, tmo(), NULL, NULL)) return slow_fail(r, 8, "sleep");
+        tdm_rpc_future_free(f);
+        if (tdm_rref_release(b, tmo())) return slow_fail(r, 9, "release");
+    }
+    if (tdm_rpc_barrier(rpc, tmo())) return slow_fail(r, 10, "barrier");
+    if (r == 1) g_slow->live = tdm_rref_live_objects(rpc);
+    if (tdm_rpc_barrier(rpc, tmo())) return slow_fail(r, 11, "barrier");
+    tdm_rpc_free(rpc);
+    g_slow->status[r] = 0;
+    return 0;
+}
+
+Test(rref, timed_out_create_and_clone_leak_nothing, .timeout = 120)
+{
+    g_slow = mmap(NULL, sizeof *g_slow, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    cr_assert_neq(g_slow, MAP_FAILED);
+    memset(g_slow, 0, sizeof *g_slow);
+    g_slow->status[0] = g_slow->status[1] = -1;
+    g_slow->live = -1;
+    tdm_shm_spawn_opts so = {.timeout_ms = tu_scaled_ms(60000), .grace_ms = tu_scaled_ms(20000)};
+    tdm_status st = tdm_shm_spawn(2, slow_rank, NULL, &so, NULL);
+    for (int r = 0; r < 2; r++) cr_assert_eq(g_slow->status[r], 0, "rank %d: %s", r, g_slow->err[r]);
+    cr_assert_eq(st, TDM_STATUS_OK, "%s", tdm_error_message());
+    cr_assert_eq(g_slow->st_create, TDM_STATUS_TIMEOUT);
+    cr_assert_eq(g_slow->st_clone, TDM_STATUS_TIMEOUT);
+    cr_assert_eq(g_slow->live, 0, "the owner holds %lld objects after every handle was released",
+                 (long long)g_slow->live);
+    munmap(g_slow, sizeof *g_slow);
+}

@@ -21,7 +21,10 @@
  *
  * Faults: in async mode a worker's death stops nobody (dist's
  * outlive_failures): the servers go on with the others, the job
- * finishes, and the CLI names the lost worker and exits 0. In sync and
+ * finishes, and the CLI names the lost worker and exits 0, unless no
+ * worker finished (exit 1). A worker whose step fails (a NaN loss, a
+ * push refused) tells the servers why (tdm_ps_worker_fail) and the job
+ * stops with that error in every mode, as DDP does. In sync and
  * bounded mode the servers stop, naming it; a server's death stops the
  * job with its name (dist's watch). Test hook: TANDEM_PS_TEST_KILL=
  * worker:W:S makes worker W SIGKILL itself before its step S (from 1),
@@ -82,6 +85,7 @@ typedef struct ps_job {
     struct ps_shared {
         int servers_ok;           /* every server finished its work */
         char lost[512];           /* the workers async lost, as rank 0 saw them */
+        char failed[600];         /* why a server stopped, as the first saw it */
     } *shared;
 } ps_job;
 
@@ -258,7 +262,15 @@ static tdm_status ps_run_worker(ps_rank *p)
         tdm_train_epoch_opts eo = {.batch = (int)a->batch, .seed = (uint64_t)a->seed, .epoch = e,
                                    .max_steps = a->max_steps, .step = ps_worker_step, .step_ctx = p};
         tdm_epoch_stats es;
-        TDM_CHECK(tdm_train_epoch(&p->j->train, &eo, &es));
+        tdm_status st = tdm_train_epoch(&p->j->train, &eo, &es);
+        if (st != TDM_STATUS_OK) {
+            /* the servers stop the job with this error: a worker that
+             * just leaves would read as a killed one, which async outlives */
+            char why[400];
+            snprintf(why, sizeof why, "%s", tdm_error_message());
+            tdm_ps_worker_fail(p->wk, why);
+            return tdm_error_set(st, "%s", why);
+        }
         ps_report r = {.worker = w, .epoch = e, .loss_sum = p->loss_sum, .samples = p->samples,
                        .seconds = (double)(tdm_time_ns() - t0) / 1e9};
         TDM_CHECK(tdm_rpc_call(p->rpc, 0, PS_FN_REPORT, &r, sizeof r, NULL, NULL, p->d->timeout_ms));
@@ -358,7 +370,13 @@ static tdm_status ps_rank_run(void *ctx, tdm_dist_rank *d, void *self)
             nanosleep(&(struct timespec){.tv_nsec = 1000000}, NULL);
         } while (s.workers_done < p->l.workers);
     }
-    TDM_CHECK(tdm_ps_server_wait(p->srv, -1, &lost, why, sizeof why));
+    tdm_status ws = tdm_ps_server_wait(p->srv, -1, &lost, why, sizeof why);
+    if (ws != TDM_STATUS_OK) {
+        /* the parent names this cause, not only the first rank that died */
+        if (!j->shared->failed[0])
+            snprintf(j->shared->failed, sizeof j->shared->failed, "%s", tdm_error_message());
+        return ws;
+    }
     if (p->rank != 0) {
         /* rank 0 gathers this shard, then releases it */
         pthread_mutex_lock(&p->mu);
@@ -399,6 +417,10 @@ static tdm_status ps_check(const tdm_train_args *a, ps_job *j, const tdm_device_
                                     "memory levers\n");
     if (tdm_ps_sync_parse(a->ps_sync ? a->ps_sync : "sync", &j->mode))
         return tdm_tool_usage_error("tandem train: %s\n", tdm_error_message());
+    if (j->mode.kind == TDM_PS_ASYNC && a->optim && !strcmp(a->optim, "adamw"))
+        return tdm_tool_usage_error("tandem train: --optim adamw with --ps-sync async would take a whole Adam "
+                                    "step (and its weight decay) per push, W per global step: use --optim sgd, "
+                                    "or --ps-sync sync or bounded:K\n");
     if (tdm_rpc_transport_parse(a->ps_transport ? a->ps_transport : "shm", &j->tp))
         return tdm_tool_usage_error("tandem train: --ps-transport: %s\n", tdm_error_message());
     j->servers = a->servers > 0 ? (int)a->servers : 1;
@@ -461,6 +483,8 @@ tdm_status tdm_train_run_ps(const tdm_train_args *a)
         fprintf(stderr, "tandem train: %s; async training finished with the other workers\n",
                 j.shared->lost[0] ? j.shared->lost : tdm_error_message());
         st = TDM_STATUS_OK;
+    } else if (st != TDM_STATUS_OK && j.shared->failed[0] && !strstr(tdm_error_message(), j.shared->failed)) {
+        fprintf(stderr, "tandem train: %s (%s)\n", j.shared->failed, tdm_error_message());
     } else if (st != TDM_STATUS_OK) {
         fprintf(stderr, "tandem train: ps: %s\n", tdm_error_message());
     }
