@@ -6,6 +6,7 @@
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <stddef.h>
 #include <string.h>
 #include <time.h>
 
@@ -379,6 +380,13 @@ static void serve(tdm_rpc *rpc, tdm_rpc_msg *m)
                               "no function named '%s' is registered on rank %d (%d registered)", shown,
                               rpc->rank, nfns);
     } else {
+        /* the arguments follow the name: at any offset of the malloc'd
+         * body. Functions read them as their types (floats, int64s):
+         * moved to the body's start, aligned as malloc aligns */
+        if (((uintptr_t)req.args & (sizeof(max_align_t) - 1)) && req.nbytes) {
+            memmove(m->body, req.args, req.nbytes);
+            req.args = m->body;
+        }
         tdm_error_clear();
         st = fn(&req, ctx);
         if (st != TDM_STATUS_OK && !req.err[0])
