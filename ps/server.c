@@ -300,12 +300,18 @@ void tdm_ps_server_free(tdm_ps_server *s)
     free(s);
 }
 
+/* A worker seen gone is taken for lost (or failed) only after this long
+ * without its done: its last calls may still be on their way to the
+ * server's thread. */
+#define PS_SERVER_GONE_GRACE_NS (1000ull * 1000 * 1000)
+
 tdm_status tdm_ps_server_wait(tdm_ps_server *s, int64_t timeout_ms, int *lost, char *lost_why,
                               size_t n)
 {
     if (lost_why && n) lost_why[0] = '\0';
     uint64_t t0 = tdm_time_ns();
     int n_lost = 0;
+    uint64_t gone_ns[TDM_PS_MAX_WORKERS] = {0};   /* when each worker was first seen gone */
     pthread_mutex_lock(&s->mu);
     for (;;) {
         if (s->failed[0]) {
@@ -325,8 +331,24 @@ tdm_status tdm_ps_server_wait(tdm_ps_server *s, int64_t timeout_ms, int *lost, c
         pthread_mutex_unlock(&s->mu);
         for (int w = 0; w < s->l.workers; w++) {
             char why[200];
-            if (s->done[w] || s->lost[w] || tdm_rpc_peer_alive(s->rpc, s->l.servers + w, why, sizeof why))
+            pthread_mutex_lock(&s->mu);
+            int settled = s->done[w] || s->lost[w];
+            pthread_mutex_unlock(&s->mu);
+            if (settled || tdm_rpc_peer_alive(s->rpc, s->l.servers + w, why, sizeof why)) {
+                gone_ns[w] = 0;
                 continue;
+            }
+            /* its last calls (the last push, done) may be read from its
+             * ring and still queued for this server's thread: gone
+             * counts once they had the time to run, and done is read
+             * again after */
+            uint64_t now = tdm_time_ns();
+            if (!gone_ns[w]) gone_ns[w] = now;
+            if (now - gone_ns[w] < PS_SERVER_GONE_GRACE_NS) continue;
+            pthread_mutex_lock(&s->mu);
+            settled = s->done[w] || s->lost[w];
+            pthread_mutex_unlock(&s->mu);
+            if (settled) continue;
             if (s->mode.kind != TDM_PS_ASYNC)
                 return tdm_error_set(TDM_STATUS_PEER_FAILED,
                                      "ps: server %d: worker %d (rank %d) %s: a %s step needs every worker's "
