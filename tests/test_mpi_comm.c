@@ -801,7 +801,10 @@ Test(mpi_comm, abort_ends_the_job_with_the_reason, .timeout = 120)
 Test(mpi_comm, ranks_that_disagree_on_the_stall_bound_follow_rank_0, .timeout = 200)
 {
     MPI_T_NEED();
-    static const char *const cases[][2] = {{"1", "0"}, {"0", "0"}, {"2", "700"}};
+    /* each case is the worker's argv: NULL-terminated (mpi_t_run reads
+     * args up to the NULL) */
+    static const char *const cases[][3] = {{"1", "0", NULL}, {"0", "0", NULL},
+                                           {"2", "700", NULL}};
     for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
         char join[64];   /* a bound on healthy joins: must not fire, so scaled */
         const char *env[] = {tu_scaled_env(join, sizeof join, "TANDEM_MPI_JOIN_TIMEOUT_MS",
