@@ -834,7 +834,10 @@ Test(mpi_comm, ranks_that_disagree_on_the_stall_bound_follow_rank_0, .timeout = 
     mpi_t_run(&res, &j);
     cr_assert_neq(res.code, 0, "%s", res.out);
     cr_assert(strstr(res.out, "TANDEM_MPI_STALL_MS='soon' is not an integer"), "%s", res.out);
-    cr_assert(strstr(res.out, "rank 0's TANDEM_MPI_STALL_MS is not an integer"), "%s", res.out);
+    /* the other ranks say "rank 0's TANDEM_MPI_STALL_MS is not an
+     * integer" when they get that far; mpirun may end them first, as
+     * soon as rank 0 exits 1: either outcome stops every rank, which is
+     * what this asserts (the exit status above) */
 }
 
 /* shm and hier: the others learn of the death through the segment (or
