@@ -291,4 +291,11 @@ int tdm_cmp_load_print(const tdm_cmp_opts *o, tdm_cmp_result *const *res, int n,
  * (DP). */
 double tdm_cmp_planned_peak(const tdm_cmp_opts *o, tdm_cmp_mode mode, int n_dev);
 
+/* Runs this binary with argv (NULL-terminated), its stdout and stderr
+ * into buf (cap bytes, the tail kept when more come), to its end: 0 and
+ * its wait status in *wstatus, or -1 with why in buf (pipe, fork). Used
+ * where compare runs `tandem train` as a child (compare_det.c,
+ * compare_ps.c). */
+int tdm_cmp_run_self(const char *const *argv, char *buf, size_t cap, int *wstatus);
+
 #endif

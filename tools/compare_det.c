@@ -24,19 +24,23 @@ typedef struct tdm_cmp_det_run {
     char out[512];         /* the run's last line, when it failed */
 } tdm_cmp_det_run;
 
-/* Runs this binary with argv (NULL-terminated); *r its throughput. */
-static void tdm_cmp_det_exec(const char *const *argv, tdm_cmp_det_run *r)
+int tdm_cmp_run_self(const char *const *argv, char *buf, size_t cap, int *wstatus)
 {
-    static char buf[1 << 16];
     int fds[2];
-    r->sps = -1.0;
-    r->out[0] = '\0';
+    *wstatus = 0;
+    buf[0] = '\0';
     if (pipe(fds) != 0) {
-        snprintf(r->out, sizeof r->out, "pipe: %s", strerror(errno));
-        return;
+        snprintf(buf, cap, "pipe: %s", strerror(errno));
+        return -1;
     }
     fflush(stdout);
     pid_t pid = fork();
+    if (pid < 0) {
+        snprintf(buf, cap, "fork: %s", strerror(errno));
+        close(fds[0]);
+        close(fds[1]);
+        return -1;
+    }
     if (pid == 0) {
         dup2(fds[1], 1);
         dup2(fds[1], 2);
@@ -48,19 +52,38 @@ static void tdm_cmp_det_exec(const char *const *argv, tdm_cmp_det_run *r)
     close(fds[1]);
     size_t len = 0;
     ssize_t k;
-    while (pid > 0 && (k = read(fds[0], buf + len, sizeof buf - 1 - len)) != 0) {
+    /* read to the end (a child blocked on a full pipe would never exit);
+     * past cap - 1 bytes the older half goes: the tail says how it ended */
+    while ((k = read(fds[0], buf + len, cap - 1 - len)) != 0) {
         if (k < 0 && errno == EINTR) continue;
         if (k < 0) break;
         len += (size_t)k;
-        if (len == sizeof buf - 1) len = 0;   /* only the tail matters */
+        if (len == cap - 1) {
+            memmove(buf, buf + len / 2, len - len / 2);
+            len -= len / 2;
+        }
     }
     buf[len] = '\0';
     close(fds[0]);
+    while (waitpid(pid, wstatus, 0) < 0 && errno == EINTR) {}
+    return 0;
+}
+
+/* Runs this binary with argv (NULL-terminated); *r its throughput. */
+static void tdm_cmp_det_exec(const char *const *argv, tdm_cmp_det_run *r)
+{
+    static char buf[1 << 16];
+    r->sps = -1.0;
+    r->out[0] = '\0';
     int ws = 0;
-    while (pid > 0 && waitpid(pid, &ws, 0) < 0 && errno == EINTR) {}
+    if (tdm_cmp_run_self(argv, buf, sizeof buf, &ws) != 0) {
+        snprintf(r->out, sizeof r->out, "%s", buf);
+        return;
+    }
+    size_t len = strlen(buf);
     const char *e = strstr(buf, "epoch 1/1: train loss");
     const char *c = e ? strchr(e, ',') : NULL;
-    if (pid > 0 && WIFEXITED(ws) && WEXITSTATUS(ws) == 0 && c) {
+    if (WIFEXITED(ws) && WEXITSTATUS(ws) == 0 && c) {
         r->sps = strtod(c + 1, NULL);
         return;
     }
