@@ -207,3 +207,22 @@ static tdm_status tdm_dist_accum_opt(void *ctx, double *loss_sum)
 const tdm_accum_ops tdm_dist_accum_ops = {.zero_grad = tdm_dist_accum_zero,
                                           .micro = tdm_dist_accum_micro,
                                           .step = tdm_dist_accum_opt};
+
+tdm_status tdm_dist_replicas_loss(tdm_comm *comm, tdm_comm *dcomm, int reps, int rank,
+                                  const char *label, double loss_sum, int global, int64_t step,
+                                  const char *where, double *loss_mean)
+{
+    double ls = loss_sum;
+    if (reps > 1) {
+        tdm_comm_set_label(dcomm, label);
+        tdm_status st = tdm_comm_all_reduce(dcomm, &ls, &ls, 1, TDM_DTYPE_FLOAT64, TDM_REDOP_SUM);
+        if (st) {
+            tdm_error_prefix(st, "rank %d: the loss over the dp dimension", rank);
+            tdm_comm_abort(comm, tdm_error_message());
+            return st;
+        }
+    }
+    *loss_mean = ls / (double)global;
+    if (isfinite(*loss_mean)) return TDM_STATUS_OK;
+    return tdm_dist_diverged(comm, rank, step, *loss_mean, where);
+}

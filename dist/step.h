@@ -244,6 +244,16 @@ tdm_status tdm_dist_eval_sums(tdm_comm *comm, const char *who, const char *label
 tdm_status tdm_dist_diverged(tdm_comm *comm, int rank, int64_t step, double loss,
                              const char *where);
 
+/* The end of a mesh design's step (a pipeline's, tensor parallelism's):
+ * the loss sum of this replica summed over the reps replicas on dcomm
+ * (the dp group, the call labelled label; nothing with one replica), its
+ * mean over the global batch into *loss_mean, then the finite check as
+ * tdm_dist_diverged (step, where). A failed sum aborts comm ("rank R:
+ * the loss over the dp dimension"). */
+tdm_status tdm_dist_replicas_loss(tdm_comm *comm, tdm_comm *dcomm, int reps, int rank,
+                                  const char *label, double loss_sum, int global, int64_t step,
+                                  const char *where, double *loss_mean);
+
 #ifdef __cplusplus
 }
 #endif

@@ -322,21 +322,11 @@ static tdm_status tdm_rank_pp_step(void *ctx, const void *x, const int32_t *y, i
     double ls = 0.0;
     tdm_status st = tdm_pp_step_scaled(q->p, xs, ys, (int)(hi - lo), 1.0f / (float)global, &ls);
     if (st) return st;
-    if (q->reps > 1) {
-        /* the replicas' sums, on every rank of the dp group */
-        tdm_comm_set_label(q->dcomm, "pp loss over the replicas");
-        if ((st = tdm_comm_all_reduce(q->dcomm, &ls, &ls, 1, TDM_DTYPE_FLOAT64, TDM_REDOP_SUM))) {
-            tdm_error_prefix(st, "rank %d: the loss over the dp dimension", s->rank);
-            tdm_comm_abort(s->comm, tdm_error_message());
-            return st;
-        }
-    }
-    *loss_mean = ls / (double)global;
-    if (isfinite(*loss_mean)) return TDM_STATUS_OK;
     char where[96];
     snprintf(where, sizeof where, "the global batch of %d, seen by pipeline stage %d of "
              "replica %d", global, tdm_pp_stage(q->p), q->rep);
-    return tdm_dist_diverged(s->comm, s->rank, tdm_optim_steps(s->opt), *loss_mean, where);
+    return tdm_dist_replicas_loss(s->comm, q->dcomm, q->reps, s->rank, "pp loss over the replicas",
+                                  ls, global, tdm_optim_steps(s->opt), where, loss_mean);
 }
 
 /* ---- evaluation ---- */

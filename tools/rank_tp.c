@@ -150,20 +150,11 @@ static tdm_status tdm_rank_tp_step(void *ctx, const void *x, const int32_t *y, i
                                        y + lo * q->out_rows, (int)(hi - lo),
                                        1.0f / (float)global, &ls);
     if (st) return st;
-    if (q->reps > 1) {
-        tdm_comm_set_label(q->dcomm, "tp loss over the replicas");
-        if ((st = tdm_comm_all_reduce(q->dcomm, &ls, &ls, 1, TDM_DTYPE_FLOAT64, TDM_REDOP_SUM))) {
-            tdm_error_prefix(st, "rank %d: the loss over the dp dimension", s->rank);
-            tdm_comm_abort(s->comm, tdm_error_message());
-            return st;
-        }
-    }
-    *loss_mean = ls / (double)global;
-    if (isfinite(*loss_mean)) return TDM_STATUS_OK;
     char where[96];
     snprintf(where, sizeof where, "the global batch of %d, seen by tensor-parallel rank %d of "
              "replica %d", global, tdm_tp_rank(q->p), q->rep);
-    return tdm_dist_diverged(s->comm, s->rank, tdm_optim_steps(s->opt), *loss_mean, where);
+    return tdm_dist_replicas_loss(s->comm, q->dcomm, q->reps, s->rank, "tp loss over the replicas",
+                                  ls, global, tdm_optim_steps(s->opt), where, loss_mean);
 }
 
 /* ---- evaluation and checkpoints ---- */
