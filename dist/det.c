@@ -113,13 +113,13 @@ static int tdm_det_log2(int v)
 
 tdm_status tdm_dist_det_init(tdm_dist_det *d)
 {
-    TDM_REQUIRE(d && d->ops && d->m && d->world >= 1 && d->rank >= 0 && d->rank < d->world,
-                TDM_STATUS_INVALID_ARG, "deterministic step: ops, model and a rank in the world "
+    TDM_REQUIRE(d && d->m && d->world >= 1 && d->rank >= 0 && d->rank < d->world,
+                TDM_STATUS_INVALID_ARG, "deterministic step: a model and a rank in the world "
                 "are required");
     TDM_CHECK(tdm_dist_det_check(d->K, d->world, d->own_rows ? d->global_batch : d->K));
     int m = d->K / d->world;
     int64_t pe = tdm_model_param_elems(d->m), be = tdm_model_buffer_elems(d->m);
-    TDM_REQUIRE(tdm_model_grads(d->m) || (d->ops->local_grads && d->ops->set_grads),
+    TDM_REQUIRE(tdm_model_grads(d->m) || (d->ops && d->ops->local_grads && d->ops->set_grads),
                 TDM_STATUS_INVALID_ARG,
                 "deterministic step: the model's flat gradients are required (a design that "
                 "gives them up cannot honour the tree)");
@@ -225,11 +225,46 @@ tdm_status tdm_dist_det_snapshot(tdm_dist_det *d)
     return st ? tdm_det_fail(d, st) : st;
 }
 
+/* Shard k's gradients and buffers, now the model's, as the next leaf of
+ * this rank's subtree, and its loss sum. */
+static tdm_status tdm_det_leaf(tdm_dist_det *d, int k, double loss)
+{
+    tdm_device *dev = tdm_model_device(d->m);
+    int64_t pe = tdm_model_param_elems(d->m), be = tdm_model_buffer_elems(d->m);
+    tdm_status st;
+    d->losses[k] = loss;
+    float *leaf = d->stack + (int64_t)d->depth * d->n_vec;
+    int own = d->ops && d->ops->local_grads;
+    if ((pe && own && (st = d->ops->local_grads(d->ctx, leaf))) ||
+        (pe && !own && (st = tdm_dev_copy_to_host(dev, leaf, tdm_model_grads(d->m),
+                                                  (size_t)pe * sizeof(float)))) ||
+        (be && (st = tdm_dev_copy_to_host(dev, leaf + pe, tdm_model_buffers(d->m),
+                                          (size_t)be * sizeof(float)))))
+        return tdm_det_fail(d, st);
+    tdm_det_push(d);
+    return TDM_STATUS_OK;
+}
+
+tdm_status tdm_dist_det_feed(tdm_dist_det *d, int j, double loss)
+{
+    int m = d->K / d->world;
+    if (j < 0 || j >= m || (j > 0 && d->depth == 0))
+        return tdm_det_fail(d, tdm_error_set(TDM_STATUS_INTERNAL, "deterministic step: leaf %d "
+                                             "of %d fed out of order", j, m));
+    if (j == 0) d->depth = 0;
+    TDM_CHECK(tdm_det_leaf(d, d->rank * m + j, loss));
+    if (j < m - 1 || d->chunk) return TDM_STATUS_OK;
+    float *mine = d->gather + (int64_t)d->rank * d->n_send;
+    memcpy(mine, d->stack, (size_t)d->n_vec * sizeof(float));
+    memcpy(mine + d->n_vec, d->losses + d->rank * m, (size_t)m * sizeof(double));
+    return TDM_STATUS_OK;
+}
+
 tdm_status tdm_dist_det_local(tdm_dist_det *d, const void *x, const int32_t *y, int b,
                               int64_t row0, float scale)
 {
     tdm_device *dev = tdm_model_device(d->m);
-    int64_t pe = tdm_model_param_elems(d->m), be = tdm_model_buffer_elems(d->m);
+    int64_t be = tdm_model_buffer_elems(d->m);
     int m = d->K / d->world;
     tdm_status st;
     d->depth = 0;
@@ -253,16 +288,7 @@ tdm_status tdm_dist_det_local(tdm_dist_det *d, const void *x, const int32_t *y, 
                                  "diverged (a lower learning rate may help)",
                                  isnan(ls) ? "NaN" : "inf", (long long)d->begun, where);
         }
-        d->losses[k] = ls;
-        float *leaf = d->stack + (int64_t)d->depth * d->n_vec;
-        if ((pe && d->ops->local_grads && (st = d->ops->local_grads(d->ctx, leaf))) ||
-            (pe && !d->ops->local_grads &&
-             (st = tdm_dev_copy_to_host(dev, leaf, tdm_model_grads(d->m),
-                                        (size_t)pe * sizeof(float)))) ||
-            (be && (st = tdm_dev_copy_to_host(dev, leaf + pe, tdm_model_buffers(d->m),
-                                              (size_t)be * sizeof(float)))))
-            return tdm_det_fail(d, st);
-        tdm_det_push(d);
+        if ((st = tdm_det_leaf(d, k, ls))) return st;
     }
     /* this rank's subtree and its shards' losses, in its slot (over a
      * comm they are sent from the stack and the losses, a chunk at a time) */
@@ -344,7 +370,7 @@ void tdm_dist_det_accumulate(tdm_dist_det *d, int micro_index)
     else tdm_det_add(d->total, top, d->n_vec);
 }
 
-tdm_status tdm_dist_det_apply(tdm_dist_det *d, int n_micro)
+tdm_status tdm_dist_det_write(tdm_dist_det *d, int n_micro)
 {
     tdm_device *dev = tdm_model_device(d->m);
     int64_t pe = tdm_model_param_elems(d->m), be = tdm_model_buffer_elems(d->m);
@@ -353,15 +379,21 @@ tdm_status tdm_dist_det_apply(tdm_dist_det *d, int n_micro)
      * micro-batch (K a power of two) */
     float inv = (float)(1.0 / ((double)d->K * n_micro));
     for (int64_t i = pe; i < d->n_vec; i++) d->total[i] *= inv;
-    if ((pe && d->ops->set_grads && (st = d->ops->set_grads(d->ctx, d->total))) ||
-        (pe && !d->ops->set_grads &&
-         (st = tdm_dev_copy_from_host(dev, tdm_model_grads(d->m), d->total,
-                                      (size_t)pe * sizeof(float)))) ||
+    int own = d->ops && d->ops->set_grads;
+    if ((pe && own && (st = d->ops->set_grads(d->ctx, d->total))) ||
+        (pe && !own && (st = tdm_dev_copy_from_host(dev, tdm_model_grads(d->m), d->total,
+                                                    (size_t)pe * sizeof(float)))) ||
         (be && (st = tdm_dev_copy_from_host(dev, tdm_model_buffers(d->m), d->total + pe,
-                                            (size_t)be * sizeof(float)))) ||
-        (st = d->ops->step(d->ctx)))
+                                            (size_t)be * sizeof(float)))))
         return tdm_det_fail(d, st);
     return TDM_STATUS_OK;
+}
+
+tdm_status tdm_dist_det_apply(tdm_dist_det *d, int n_micro)
+{
+    TDM_CHECK(tdm_dist_det_write(d, n_micro));
+    tdm_status st = d->ops->step(d->ctx);
+    return st ? tdm_det_fail(d, st) : st;
 }
 
 tdm_status tdm_dist_det_step(void *det, const void *x, const int32_t *y, int batch,

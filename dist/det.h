@@ -93,7 +93,7 @@ const tdm_dist_det_ops *tdm_dist_det_stepper_ops(const tdm_dist_stepper *s);
 /* A deterministic step's context. Fill the public part, then call
  * tdm_dist_det_init; tdm_dist_det_free frees what init made. */
 typedef struct tdm_dist_det {
-    const tdm_dist_det_ops *ops;
+    const tdm_dist_det_ops *ops;  /* NULL: leaves are fed (tdm_dist_det_feed) */
     void *ctx;                   /* the ops' */
     tdm_model *m;                /* the replica whose gradients and buffers are summed */
     tdm_comm *comm;              /* the host process group; NULL with one rank */
@@ -158,6 +158,21 @@ tdm_status tdm_dist_det_local(tdm_dist_det *d, const void *x, const int32_t *y, 
 tdm_status tdm_dist_det_top(tdm_dist_det *d, double *loss_sum);
 void tdm_dist_det_accumulate(tdm_dist_det *d, int micro_index);
 tdm_status tdm_dist_det_apply(tdm_dist_det *d, int n_micro);
+/* apply without the optimizer step: the step's sum written into the
+ * model's gradients and buffers (those through set_grads where the ops
+ * have it). */
+tdm_status tdm_dist_det_write(tdm_dist_det *d, int n_micro);
+
+/* A design that runs the shards itself (a pipeline's micro-batches are
+ * its virtual shards): ops may then be NULL (the model's flat gradients
+ * are read and written). After the forward and backward of this rank's
+ * j-th shard (j = 0 .. K/world - 1, in order; shard rank*K/world + j),
+ * from zeroed gradients, the model's gradients and buffers are that
+ * shard's alone: feed takes them as the next leaf of the rank's subtree,
+ * with the shard's loss sum (0 where it is not known: a pipeline's first
+ * stages; the caller checks that the step's sum is finite). Then tdm_dist_det_top, tdm_dist_det_accumulate and tdm_dist_det_write
+ * (or apply) as for tdm_dist_det_local's. */
+tdm_status tdm_dist_det_feed(tdm_dist_det *d, int j, double loss);
 
 #ifdef __cplusplus
 }

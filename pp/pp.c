@@ -63,7 +63,8 @@ static tdm_status tdm_pp_check_config(tdm_pp *p)
                                                  0xcbf29ce484222325ull);
     mine[TDM_PP_CFG_OPTIM] = (int64_t)tdm_pp_fnv(&p->o.optim, sizeof p->o.optim,
                                                  0xcbf29ce484222325ull);
-    mine[TDM_PP_CFG_SYNC] = (p->o.grad_sync.begin != NULL) | (p->o.optim_step.fn != NULL) << 1;
+    mine[TDM_PP_CFG_SYNC] = (p->o.grad_sync.begin != NULL) | (p->o.optim_step.fn != NULL) << 1 |
+                            (p->o.shards.leaf != NULL) << 2;
     int64_t *all = calloc((size_t)p->S * TDM_PP_CFG_COUNT_, sizeof *all);
     if (!all) {
         st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "pp: configuration check");
@@ -181,6 +182,11 @@ tdm_status tdm_pp_init(tdm_pp **out, tdm_comm *comm, tdm_device *dev, const tdm_
                 "pp: unknown schedule %d", (int)opts->schedule);
     TDM_REQUIRE(!opts->grad_sync.begin == !opts->grad_sync.end, TDM_STATUS_INVALID_ARG,
                 "pp: grad_sync needs both begin and end");
+    TDM_REQUIRE(!opts->shards.leaf == !opts->shards.reduce &&
+                    !opts->shards.leaf == !opts->shards.cut &&
+                    !(opts->shards.leaf && opts->grad_sync.begin),
+                TDM_STATUS_INVALID_ARG, "pp: shards needs cut, leaf and reduce, and no "
+                "grad_sync (the shards' sum is the only gradient reduction)");
     /* pp/ckpt.c gathers and loads the optimizer's state with the stage's
      * device, which host-offloaded state is not */
     TDM_REQUIRE(opts->optim.offload == TDM_OPTIM_OFFLOAD_NONE, TDM_STATUS_UNSUPPORTED,
@@ -283,6 +289,7 @@ void tdm_pp_free(tdm_pp *p)
     /* the links drain anything still queued before the buffers go */
     for (int k = 0; k < TDM_PP_MAX_LANES; k++) tdm_comm_free(p->link.lane[k]);
     tdm_pp_free_buffers(p);
+    tdm_pp_shards_free(p);
     tdm_dev_free(p->dev, p->buf.tied);
     tdm_pp_schedule_free(p->sched);
     tdm_optim_free(p->opt);

@@ -162,6 +162,30 @@ typedef struct tdm_pp_optim_step {
     void *ctx;
 } tdm_pp_optim_step;
 
+/* The micro-batches as virtual shards (--deterministic K, dist/det.h):
+ * each micro-batch's forward starts from the step's buffers and its
+ * backward from zeroed gradients, so that after it the stage's gradients
+ * (and, restored, the buffers its forward left) are that micro-batch's
+ * alone, exactly as one device computes that shard: leaf takes them (the
+ * gradients are zeroed after it). The GPT's tied embedding: the last
+ * stage sends each micro-batch's head share of its gradient to the first
+ * stage, whose backward of that micro-batch starts from it (one device's
+ * order of the two shares), and keeps zero in its own copy's leaf. After
+ * the schedule, reduce writes the step's summed gradients and buffers
+ * into the stage's model (*loss_sum: the global batch's loss sum, used on
+ * the last stage), and the first stage's summed token-embedding gradient
+ * replaces the last stage's copy's; then the optimizer steps. grad_sync
+ * is not used with it. */
+typedef struct tdm_pp_shards {
+    /* Micro-batch mb's rows [*lo, *hi) of this replica's batch of `batch`
+     * rows, each micro-batch at least one row, in order, covering it. */
+    void (*cut)(void *ctx, int batch, int mb, int *lo, int *hi);
+    /* loss: the micro-batch's loss sum on the last stage, 0 elsewhere */
+    tdm_status (*leaf)(void *ctx, tdm_model *m, int mb, double loss);
+    tdm_status (*reduce)(void *ctx, tdm_model *m, double *loss_sum);
+    void *ctx;
+} tdm_pp_shards;
+
 /* Zero-initialised options are the defaults, but for spec-related ones. */
 typedef struct tdm_pp_opts {
     tdm_pp_schedule_kind schedule;
@@ -174,6 +198,8 @@ typedef struct tdm_pp_opts {
     tdm_optim_opts optim;       /* the optimizer (over the stage's slice) */
     tdm_pp_grad_sync grad_sync; /* optional */
     tdm_pp_optim_step optim_step; /* optional: instead of the stage's own optimizer */
+    tdm_pp_shards shards;       /* optional: micro-batches as virtual shards (micro_size
+                                   is then unused: cut says the rows) */
     /* The largest global batch the steps will take (0: not known). On
      * host devices over shm it sizes the links' zero-copy memory and the
      * receive buffers are placed there: activations and gradients then

@@ -25,6 +25,7 @@
 
 #include "ddp/ddp.h"
 #include "dist/batch.h"
+#include "dist/det.h"
 #include "dist/mesh.h"
 #include "dist/step.h"
 #include "pp/pp.h"
@@ -50,6 +51,13 @@ typedef struct tdm_tool_pp {
     int in_elems, out_rows;      /* per sample of the whole model */
     tdm_model_spec spec;
     uint64_t seed;
+    int micro;                   /* micro-batches per replica and step */
+    /* --deterministic K: the replica's K/D micro-batches are its virtual
+     * shards, summed by dist/det.h's tree over the dp dimension */
+    int det_on;
+    tdm_dist_det det;
+    int det_global;              /* the step's global batch */
+    int64_t det_row0;            /* and this replica's first row in it */
 } tdm_tool_pp;
 
 tdm_pp *tdm_tool_pp_of(const tdm_tool_rank *r) { return ((const tdm_tool_pp *)r->w)->p; }
@@ -68,6 +76,26 @@ static tdm_status tdm_tool_pp_refuse(const char *what)
     char why[TDM_ERROR_MSG_MAX];
     snprintf(why, sizeof why, "%s", tdm_error_message());
     return tdm_error_set(TDM_STATUS_USAGE, "%s: %s", what, why);
+}
+
+/* --deterministic K: each of the D replicas runs K/D virtual shards as
+ * its micro-batches (one device's shards, same shapes, same bits). */
+static tdm_status tdm_tool_pp_check_det(const tdm_tool_build *b, const tdm_mesh_shape *shape)
+{
+    int K = b->deterministic, D = shape->size[TDM_MESH_DP];
+    if (!K) return TDM_STATUS_OK;
+    if (tdm_dist_det_check(K, 1, b->pp.batch)) return tdm_tool_pp_refuse("--mode pp");
+    TDM_REQUIRE(K % D == 0, TDM_STATUS_USAGE,
+                "--deterministic %d: K must be divisible by the %d pipeline replicas (--mesh "
+                "dp=%d): each runs K/D whole virtual shards as its micro-batches", K, D, D);
+    TDM_REQUIRE(!b->pp.micro || b->pp.micro == K / D, TDM_STATUS_USAGE,
+                "--microbatches %d: with --deterministic %d over %d pipeline replica%s the "
+                "micro-batches are a replica's K/D = %d virtual shards (omit --microbatches)",
+                b->pp.micro, K, D, D == 1 ? "" : "s", K / D);
+    TDM_REQUIRE(!b->pp.zero1, TDM_STATUS_USAGE,
+                "--deterministic with --mode pp --sharding optimizer is not supported yet (the "
+                "tree sums a stage's whole gradients over the replicas)");
+    return TDM_STATUS_OK;
 }
 
 tdm_status tdm_tool_pp_check(const tdm_tool_build *b, int world, tdm_mesh_shape *shape)
@@ -90,8 +118,9 @@ tdm_status tdm_tool_pp_check(const tdm_tool_build *b, int world, tdm_mesh_shape 
                 "needs --mesh dp=D,pp=S with D >= 2 (dp is %d)", shape->size[TDM_MESH_DP]);
     TDM_REQUIRE(b->pp.stages <= 0 || b->pp.stages == S, TDM_STATUS_USAGE,
                 "--stages %d, but --mesh %s has pp=%d", b->pp.stages, b->pp.mesh, S);
-    TDM_REQUIRE(b->pp.micro >= 1, TDM_STATUS_USAGE, "--microbatches %d: at least 1",
-                b->pp.micro);
+    TDM_REQUIRE(b->pp.micro >= 1 || b->deterministic, TDM_STATUS_USAGE,
+                "--microbatches %d: at least 1", b->pp.micro);
+    TDM_CHECK(tdm_tool_pp_check_det(b, shape));
     int L = tdm_tool_pp_layers(&b->spec);
     if (L <= 0) return tdm_tool_pp_refuse("--model");
     TDM_REQUIRE(S <= L, TDM_STATUS_USAGE,
@@ -131,6 +160,7 @@ static void tdm_rank_pp_free(void *ctx, void *self)
     tdm_tool_pp *q = r->w;
     if (q) {
         tdm_ddp_free(q->ddp);
+        tdm_dist_det_free(&q->det);
         tdm_optim_free(q->zopt);
         if (q->zbuf) tdm_dev_free(q->zdev, q->zbuf);
         tdm_pp_free(q->p);   /* owns r->m (and r->opt without ZeRO-1) */
@@ -209,6 +239,35 @@ static tdm_status tdm_rank_pp_zero1_init(tdm_tool_pp *q, const tdm_optim_opts *o
                               (void **)&q->zbuf);
 }
 
+/* ---- --deterministic K (pp/'s shards hooks over dist/det.h's tree) ---- */
+
+/* Micro-batch mb of this replica is virtual shard rep * K/D + mb of the
+ * global batch: its rows, from this replica's first. */
+static void tdm_rank_pp_det_cut(void *ctx, int batch, int mb, int *lo, int *hi)
+{
+    tdm_tool_pp *q = ctx;
+    int64_t a, z;
+    (void)batch;
+    tdm_dist_share(q->det_global, q->rep * q->micro + mb, q->det.K, &a, &z);
+    *lo = (int)(a - q->det_row0);
+    *hi = (int)(z - q->det_row0);
+}
+
+static tdm_status tdm_rank_pp_det_leaf(void *ctx, tdm_model *m, int mb, double loss)
+{
+    (void)m;
+    return tdm_dist_det_feed(&((tdm_tool_pp *)ctx)->det, mb, loss);
+}
+
+static tdm_status tdm_rank_pp_det_reduce(void *ctx, tdm_model *m, double *loss_sum)
+{
+    tdm_tool_pp *q = ctx;
+    (void)m;
+    TDM_CHECK(tdm_dist_det_top(&q->det, loss_sum));
+    tdm_dist_det_accumulate(&q->det, 0);
+    return tdm_dist_det_write(&q->det, 1);
+}
+
 static void tdm_rank_pp_shape(const tdm_model_spec *s, int *in, int *rows)
 {
     int c, h, w, classes;
@@ -260,13 +319,18 @@ static tdm_status tdm_rank_pp_setup(void *ctx, tdm_dist_rank *d, void **self)
     if (b->pp.split &&
         (st = tdm_pp_split_parse(b->pp.split, S, tdm_tool_pp_layers(&b->spec), first)))
         return tdm_tool_rank_fail(r, "--split", st);
-    tdm_pp_opts o = {.schedule = b->pp.schedule, .micro_batches = b->pp.micro,
+    q->det_on = b->deterministic > 0;
+    q->micro = q->det_on ? b->deterministic / q->reps : b->pp.micro;
+    tdm_pp_opts o = {.schedule = b->pp.schedule, .micro_batches = q->micro,
                      .split = b->pp.split ? first : NULL, .seed = b->seed, .optim = b->optim,
                      .batch = b->pp.batch > 0 ? (b->pp.batch + q->reps - 1) / q->reps : 0,
                      .micro_size = b->pp.batch > 0 ? ((b->pp.batch + q->reps - 1) / q->reps +
-                                                      b->pp.micro - 1) / b->pp.micro : 0,
+                                                      q->micro - 1) / q->micro : 0,
                      .host_comm = pp_dev != q->pcomm ? q->pcomm : NULL};
-    if (q->reps > 1)
+    if (q->det_on)
+        o.shards = (tdm_pp_shards){.cut = tdm_rank_pp_det_cut, .leaf = tdm_rank_pp_det_leaf,
+                                   .reduce = tdm_rank_pp_det_reduce, .ctx = q};
+    else if (q->reps > 1)
         o.grad_sync = (tdm_pp_grad_sync){.begin = tdm_rank_pp_sync_begin,
                                          .end = tdm_rank_pp_sync_end, .ctx = q};
     if (b->pp.zero1) {
@@ -280,7 +344,13 @@ static tdm_status tdm_rank_pp_setup(void *ctx, tdm_dist_rank *d, void **self)
     if (b->pp.zero1 && (st = tdm_rank_pp_zero1_init(q, &b->optim)))
         return tdm_tool_rank_fail(r, "ZeRO-1 optimizer over the dp dimension", st);
     r->opt = b->pp.zero1 ? q->zopt : tdm_pp_optim(q->p);
-    if (q->reps > 1) {
+    if (q->det_on) {
+        /* the dp dimension's host group: the tree's top over the replicas */
+        q->det = (tdm_dist_det){.m = r->m, .comm = q->reps > 1 ? q->dcomm : NULL,
+                                .rank = q->rep, .world = q->reps, .K = b->deterministic};
+        if ((st = tdm_dist_det_init(&q->det)))
+            return tdm_tool_rank_fail(r, "--deterministic", st);
+    } else if (q->reps > 1) {
         tdm_ddp_opts dopt = {.bucket_cap_mb = b->bucket_cap_mb, .no_overlap = b->no_overlap,
                              .host_comm = dp_dev != tdm_mesh_comm(d->mesh, TDM_MESH_DP)
                                               ? tdm_mesh_comm(d->mesh, TDM_MESH_DP) : NULL};
@@ -320,12 +390,18 @@ static tdm_status tdm_rank_pp_step(void *ctx, const void *x, const int32_t *y, i
     const char *xs = (const char *)x + lo * q->in_elems * 4;
     const int32_t *ys = y + lo * q->out_rows;
     double ls = 0.0;
+    int64_t row0 = lo, end;
+    if (s->own_rows) tdm_dist_share(global, q->rep, q->reps, &row0, &end);
+    q->det_global = global;
+    q->det_row0 = row0;
     tdm_status st = tdm_pp_step_scaled(q->p, xs, ys, (int)(hi - lo), 1.0f / (float)global, &ls);
     if (st) return st;
     char where[96];
     snprintf(where, sizeof where, "the global batch of %d, seen by pipeline stage %d of "
              "replica %d", global, tdm_pp_stage(q->p), q->rep);
-    return tdm_dist_replicas_loss(s->comm, q->dcomm, q->reps, s->rank, "pp loss over the replicas",
+    /* --deterministic: the tree's sum over every replica's shards already */
+    return tdm_dist_replicas_loss(s->comm, q->dcomm, q->det_on ? 1 : q->reps, s->rank,
+                                  "pp loss over the replicas",
                                   ls, global, tdm_optim_steps(s->opt), where, loss_mean);
 }
 
@@ -487,10 +563,11 @@ static void tdm_rank_pp_describe(const tdm_tool_rank *r, char *on, size_t n_on, 
     tdm_pp_split_str(tdm_pp_split(q->p), tdm_pp_stages(q->p), split, sizeof split);
     int n = snprintf(on, n_on, ", pipeline of %d stages (first layers %s), %s, %d "
                      "micro-batches", tdm_pp_stages(q->p), split,
-                     tdm_pp_schedule_name(r->b->pp.schedule), r->b->pp.micro);
+                     tdm_pp_schedule_name(r->b->pp.schedule), q->micro);
     if (q->reps > 1 && n >= 0 && (size_t)n < n_on)
-        snprintf(on + n, n_on - (size_t)n, ", x %d replicas (DDP over the dp dimension%s)",
-                 q->reps, q->zopt ? "; ZeRO-1: each replica steps 1/D of a stage" : "");
+        snprintf(on + n, n_on - (size_t)n, ", x %d replicas (%s over the dp dimension%s)",
+                 q->reps, q->det_on ? "the fixed tree" : "DDP",
+                 q->zopt ? "; ZeRO-1: each replica steps 1/D of a stage" : "");
     snprintf(note, n_note, "%s", "");
 }
 
@@ -533,7 +610,7 @@ static void tdm_rank_pp_print(const tdm_tool_rank *r, const double *all, int S)
 {
     const double mib = 1.0 / (1024.0 * 1024.0);
     const tdm_tool_pp *q = r->w;
-    int M = r->b->pp.micro;
+    int M = q->micro;
     double ideal = 100.0 * (S - 1) / (double)(M + S - 1);
     int rows = (r->b->pp.batch + q->reps - 1) / q->reps;
     printf("pp %s, %d stages, %d micro-batches of %d (replica 0, per step, mean over %.0f "
@@ -561,7 +638,9 @@ static void tdm_rank_pp_print(const tdm_tool_rank *r, const double *all, int S)
         transfers += f[TDM_PPF_TRANSFERS];
     }
     printf("pp transfers: %.0f of %.0f completed while a stage computed%s%s\n", overlapped,
-           transfers, q->reps > 1 ? "; gradients summed over the replicas by DDP" : "",
+           transfers, q->reps > 1 ? (q->det_on ? "; gradients summed over the replicas by "
+                                                 "the fixed tree" : "; gradients summed over "
+                                                 "the replicas by DDP") : "",
            q->zopt ? "; ZeRO-1: optimizer state per stage and replica is 1/D of the stage's "
                      "(replica 0's shown), the slices gathered over the dp dimension"
                    : "");
