@@ -104,6 +104,24 @@ const tdm_dist_det_ops *tdm_dist_det_stepper_ops(const tdm_dist_stepper *s)
 
 /* ---- set-up ---- */
 
+/* The model's, or (m NULL) the design's flat gradients without buffers. */
+static int64_t tdm_det_pe(const tdm_dist_det *d)
+{
+    return d->m ? tdm_model_param_elems(d->m) : d->flat_elems;
+}
+static int64_t tdm_det_be(const tdm_dist_det *d)
+{
+    return d->m ? tdm_model_buffer_elems(d->m) : 0;
+}
+static tdm_device *tdm_det_dev(const tdm_dist_det *d)
+{
+    return d->m ? tdm_model_device(d->m) : d->flat_dev;
+}
+static float *tdm_det_grads(const tdm_dist_det *d)
+{
+    return d->m ? tdm_model_grads(d->m) : d->flat_grads;
+}
+
 static int tdm_det_log2(int v)
 {
     int l = 0;
@@ -113,13 +131,14 @@ static int tdm_det_log2(int v)
 
 tdm_status tdm_dist_det_init(tdm_dist_det *d)
 {
-    TDM_REQUIRE(d && d->m && d->world >= 1 && d->rank >= 0 && d->rank < d->world,
-                TDM_STATUS_INVALID_ARG, "deterministic step: a model and a rank in the world "
-                "are required");
+    TDM_REQUIRE(d && (d->m || (d->flat_dev && d->flat_elems > 0 && !d->ops)) && d->world >= 1 &&
+                    d->rank >= 0 && d->rank < d->world,
+                TDM_STATUS_INVALID_ARG, "deterministic step: a model (or fed flat gradients) "
+                "and a rank in the world are required");
     TDM_CHECK(tdm_dist_det_check(d->K, d->world, d->own_rows ? d->global_batch : d->K));
     int m = d->K / d->world;
-    int64_t pe = tdm_model_param_elems(d->m), be = tdm_model_buffer_elems(d->m);
-    TDM_REQUIRE(tdm_model_grads(d->m) || (d->ops && d->ops->local_grads && d->ops->set_grads),
+    int64_t pe = tdm_det_pe(d), be = tdm_det_be(d);
+    TDM_REQUIRE(tdm_det_grads(d) || (d->ops && d->ops->local_grads && d->ops->set_grads),
                 TDM_STATUS_INVALID_ARG,
                 "deterministic step: the model's flat gradients are required (a design that "
                 "gives them up cannot honour the tree)");
@@ -218,9 +237,9 @@ static void tdm_det_rows(const tdm_dist_det *d, const void *x, const int32_t *y,
 
 tdm_status tdm_dist_det_snapshot(tdm_dist_det *d)
 {
-    int64_t be = tdm_model_buffer_elems(d->m);
+    int64_t be = tdm_det_be(d);
     if (!be) return TDM_STATUS_OK;
-    tdm_status st = tdm_dev_copy_to_host(tdm_model_device(d->m), d->snapshot,
+    tdm_status st = tdm_dev_copy_to_host(tdm_det_dev(d), d->snapshot,
                                          tdm_model_buffers(d->m), (size_t)be * sizeof(float));
     return st ? tdm_det_fail(d, st) : st;
 }
@@ -229,14 +248,14 @@ tdm_status tdm_dist_det_snapshot(tdm_dist_det *d)
  * this rank's subtree, and its loss sum. */
 static tdm_status tdm_det_leaf(tdm_dist_det *d, int k, double loss)
 {
-    tdm_device *dev = tdm_model_device(d->m);
-    int64_t pe = tdm_model_param_elems(d->m), be = tdm_model_buffer_elems(d->m);
+    tdm_device *dev = tdm_det_dev(d);
+    int64_t pe = tdm_det_pe(d), be = tdm_det_be(d);
     tdm_status st;
     d->losses[k] = loss;
     float *leaf = d->stack + (int64_t)d->depth * d->n_vec;
     int own = d->ops && d->ops->local_grads;
     if ((pe && own && (st = d->ops->local_grads(d->ctx, leaf))) ||
-        (pe && !own && (st = tdm_dev_copy_to_host(dev, leaf, tdm_model_grads(d->m),
+        (pe && !own && (st = tdm_dev_copy_to_host(dev, leaf, tdm_det_grads(d),
                                                   (size_t)pe * sizeof(float)))) ||
         (be && (st = tdm_dev_copy_to_host(dev, leaf + pe, tdm_model_buffers(d->m),
                                           (size_t)be * sizeof(float)))))
@@ -263,8 +282,8 @@ tdm_status tdm_dist_det_feed(tdm_dist_det *d, int j, double loss)
 tdm_status tdm_dist_det_local(tdm_dist_det *d, const void *x, const int32_t *y, int b,
                               int64_t row0, float scale)
 {
-    tdm_device *dev = tdm_model_device(d->m);
-    int64_t be = tdm_model_buffer_elems(d->m);
+    tdm_device *dev = tdm_det_dev(d);
+    int64_t be = tdm_det_be(d);
     int m = d->K / d->world;
     tdm_status st;
     d->depth = 0;
@@ -372,8 +391,8 @@ void tdm_dist_det_accumulate(tdm_dist_det *d, int micro_index)
 
 tdm_status tdm_dist_det_write(tdm_dist_det *d, int n_micro)
 {
-    tdm_device *dev = tdm_model_device(d->m);
-    int64_t pe = tdm_model_param_elems(d->m), be = tdm_model_buffer_elems(d->m);
+    tdm_device *dev = tdm_det_dev(d);
+    int64_t pe = tdm_det_pe(d), be = tdm_det_be(d);
     tdm_status st;
     /* the mean of the shards' buffer updates; 1/K is exact for one
      * micro-batch (K a power of two) */
@@ -381,7 +400,7 @@ tdm_status tdm_dist_det_write(tdm_dist_det *d, int n_micro)
     for (int64_t i = pe; i < d->n_vec; i++) d->total[i] *= inv;
     int own = d->ops && d->ops->set_grads;
     if ((pe && own && (st = d->ops->set_grads(d->ctx, d->total))) ||
-        (pe && !own && (st = tdm_dev_copy_from_host(dev, tdm_model_grads(d->m), d->total,
+        (pe && !own && (st = tdm_dev_copy_from_host(dev, tdm_det_grads(d), d->total,
                                                     (size_t)pe * sizeof(float)))) ||
         (be && (st = tdm_dev_copy_from_host(dev, tdm_model_buffers(d->m), d->total + pe,
                                             (size_t)be * sizeof(float)))))

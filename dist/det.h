@@ -96,6 +96,11 @@ typedef struct tdm_dist_det {
     const tdm_dist_det_ops *ops;  /* NULL: leaves are fed (tdm_dist_det_feed) */
     void *ctx;                   /* the ops' */
     tdm_model *m;                /* the replica whose gradients and buffers are summed */
+    /* m NULL (fed leaves only): a design's own flat gradients, flat_elems
+     * floats of device memory on flat_dev, and no buffers */
+    float *flat_grads;
+    int64_t flat_elems;
+    tdm_device *flat_dev;
     tdm_comm *comm;              /* the host process group; NULL with one rank */
     int rank, world, K;
     int in_elems, out_rows;      /* per sample: 4-byte inputs, targets */

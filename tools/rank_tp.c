@@ -22,6 +22,7 @@
 #include <string.h>
 
 #include "dist/batch.h"
+#include "dist/det.h"
 #include "dist/mesh.h"
 #include "dist/step.h"
 #include "tools/ranks.h"
@@ -36,6 +37,7 @@ typedef struct tdm_tool_tp {
     tdm_comm *tdev;              /* the group's device communicator (borrowed) */
     int rep, reps;
     int in_elems, out_rows;      /* per sample: 4-byte inputs, target rows */
+    tdm_dist_det det;            /* --deterministic K: the tree over the dp dimension */
 } tdm_tool_tp;
 
 /* ---- the layout ---- */
@@ -54,6 +56,10 @@ tdm_status tdm_tool_tp_check(const tdm_tool_build *b, int world, tdm_mesh_shape 
     TDM_REQUIRE(shape->size[TDM_MESH_PP] == 1, TDM_STATUS_USAGE,
                 "--mesh: pp=%d: --mode tp combines with dp only (dp=D,tp=N); a pipeline of "
                 "tensor-parallel stages is not built", shape->size[TDM_MESH_PP]);
+    int D = shape->size[TDM_MESH_DP];
+    TDM_REQUIRE(!b->deterministic || b->deterministic % D == 0, TDM_STATUS_USAGE,
+                "--deterministic %d: K must be divisible by the %d tensor-parallel replicas "
+                "(--mesh dp=%d): each runs K/D whole virtual shards", b->deterministic, D, D);
     tdm_tp_split split[TDM_MODEL_MAX_DIMS];
     int L;
     return tdm_tp_plan(&b->spec, shape->size[TDM_MESH_TP], split, &L);
@@ -76,6 +82,7 @@ static void tdm_rank_tp_free(void *ctx, void *self)
     if (!r) return;
     tdm_tool_tp *q = r->w;
     if (q) {
+        tdm_dist_det_free(&q->det);
         tdm_tp_free(q->p);   /* owns r->opt */
         tdm_mesh_free(q->dev_mesh);
         free(q);
@@ -117,12 +124,18 @@ static tdm_status tdm_rank_tp_setup(void *ctx, tdm_dist_rank *d, void **self)
     q->in_elems = tdm_model_in_features(r->m);
     q->out_rows = tdm_model_out_rows(r->m);
     tdm_tp_opts o = {.seed = b->seed, .optim = b->optim,
-                     .grad_comm = q->reps > 1 ? dp_dev : NULL,
+                     .grad_comm = q->reps > 1 && !b->deterministic ? dp_dev : NULL,
                      .host_comm = tp_dev != q->tcomm ? q->tcomm : NULL};
     if ((st = tdm_tp_init(&q->p, tp_dev, d->dev, &b->spec, &o)))
         return tdm_tool_rank_fail(r, "tensor-parallel set-up", st);
     r->opt = tdm_tp_optim(q->p);
     r->model_params = tdm_model_param_elems(r->m);
+    q->det = (tdm_dist_det){.comm = q->reps > 1 ? q->dcomm : NULL, .rank = q->rep,
+                            .world = q->reps, .K = b->deterministic, .in_elems = q->in_elems,
+                            .out_rows = q->out_rows, .flat_grads = tdm_tp_grads(q->p),
+                            .flat_elems = tdm_tp_elems(q->p), .flat_dev = d->dev};
+    if (b->deterministic && (st = tdm_dist_det_init(&q->det)))
+        return tdm_tool_rank_fail(r, "--deterministic", st);
     return tdm_tool_rank_resume(r);
 }
 
@@ -146,14 +159,20 @@ static tdm_status tdm_rank_tp_step(void *ctx, const void *x, const int32_t *y, i
     int64_t lo = 0, hi = batch;
     if (!s->own_rows) tdm_dist_share(batch, q->rep, q->reps, &lo, &hi);
     double ls = 0.0;
-    tdm_status st = tdm_tp_step_scaled(q->p, (const int32_t *)x + lo * q->in_elems,
-                                       y + lo * q->out_rows, (int)(hi - lo),
-                                       1.0f / (float)global, &ls);
+    int64_t row0 = lo, end;
+    if (s->own_rows) tdm_dist_share(global, q->rep, q->reps, &row0, &end);
+    tdm_status st = q->det.K
+        ? tdm_train_det_tp_step(q->p, &q->det, (const int32_t *)x + lo * q->in_elems,
+                                y + lo * q->out_rows, global, row0, &ls)
+        : tdm_tp_step_scaled(q->p, (const int32_t *)x + lo * q->in_elems, y + lo * q->out_rows,
+                             (int)(hi - lo), 1.0f / (float)global, &ls);
     if (st) return st;
     char where[96];
     snprintf(where, sizeof where, "the global batch of %d, seen by tensor-parallel rank %d of "
              "replica %d", global, tdm_tp_rank(q->p), q->rep);
-    return tdm_dist_replicas_loss(s->comm, q->dcomm, q->reps, s->rank, "tp loss over the replicas",
+    /* --deterministic: the tree's sum over every replica's shards already */
+    return tdm_dist_replicas_loss(s->comm, q->dcomm, q->det.K ? 1 : q->reps, s->rank,
+                                  "tp loss over the replicas",
                                   ls, global, tdm_optim_steps(s->opt), where, loss_mean);
 }
 
@@ -262,7 +281,12 @@ static void tdm_rank_tp_describe(const tdm_tool_rank *r, char *on, size_t n_on, 
     int n = snprintf(on, n_on, ", tensor parallel over %d ranks (%s)", tdm_tp_size(q->p), plan);
     if (q->reps > 1 && n >= 0 && (size_t)n < n_on)
         snprintf(on + n, n_on - (size_t)n, ", x %d replicas (gradients summed over the dp "
-                 "dimension)", q->reps);
+                 "dimension%s)", q->reps, q->det.K ? " by the fixed tree" : "");
+    size_t used = strlen(on);
+    if (q->det.K && used < n_on)
+        snprintf(on + used, n_on - used, ", deterministic over %d virtual shards: the same bits "
+                 "for any dp dimension at tp size %d only (another tp size adds the "
+                 "row-parallel partial sums in another order)", q->det.K, tdm_tp_size(q->p));
     snprintf(note, n_note, "%s", "");
 }
 

@@ -150,7 +150,8 @@ static void tdm_train_usage(FILE *f)
         "  --max-restarts K       ddp, fsdp, pp: when a rank fails, stop the rest and start\n"
         "                         every rank again from the --save checkpoint, at\n"
         "                         most K times (docs/DEBUGGING.md)            [0]\n"
-        "  --deterministic K      single, dp, ddp, fsdp, pp: the same bits on any number\n"
+        "  --deterministic K      single, dp, ddp, fsdp, pp (tp: at a fixed tp size):\n"
+        "                         the same bits on any number\n"
         "                         of devices: every global batch is cut into K virtual\n"
         "                         shards (K a power of two dividing --batch, divisible\n"
         "                         by the device count; pp: by the dp dimension, whose\n"
@@ -354,9 +355,9 @@ static tdm_status tdm_train_check_det(const tdm_train_args *a)
     if (!a->deterministic) return TDM_STATUS_OK;
     int K = (int)a->deterministic;
     if (strcmp(a->mode, "single") && strcmp(a->mode, "dp") && strcmp(a->mode, "ddp") &&
-        strcmp(a->mode, "fsdp") && strcmp(a->mode, "pp"))
+        strcmp(a->mode, "fsdp") && strcmp(a->mode, "pp") && strcmp(a->mode, "tp"))
         return tdm_tool_usage_error("tandem train: --deterministic is not supported with --mode "
-                                    "%s yet (single, dp, ddp, fsdp and pp honour the fixed "
+                                    "%s yet (single, dp, ddp, fsdp, pp and tp honour the fixed "
                                     "order)\n", a->mode);
     if ((a->precision && strcmp(a->precision, "fp32")) || a->ckpt || a->clip_grad_norm > 0.0 ||
         a->offload)

@@ -219,6 +219,19 @@ tdm_status tdm_train_det_dp_init(tdm_train_det_dp **out, tdm_dp *dp, tdm_single 
 void tdm_train_det_dp_free(tdm_train_det_dp *p);
 tdm_status tdm_train_det_dp_step(void *ctx, const void *x, const int32_t *y, int batch,
                                  double *loss_mean);
+/* --mode tp --deterministic K (tools/train_det.c): one optimizer step of
+ * a tensor-parallel rank whose replica holds rows [row0, row0 + its
+ * share) of a global batch of `global` at x, y: the replica's shards of
+ * the K (dist/batch.h's cut, virtual shards rep*K/D ..) through the group
+ * one at a time from zeroed gradients, each fed to det (over the rank's
+ * flat gradients, its comm the dp dimension's), the tree's top over the
+ * replicas, the sum written back and the optimizer stepped (the tp rank
+ * built without grad_comm). *loss_sum: the global batch's. Collective. */
+typedef struct tdm_tp tdm_tp;
+typedef struct tdm_dist_det tdm_dist_det;
+tdm_status tdm_train_det_tp_step(tdm_tp *p, tdm_dist_det *det, const void *x, const int32_t *y,
+                                 int global, int64_t row0, double *loss_sum);
+
 /* ---- the memory levers (tools/train_levers.c) ---- */
 
 /* The checks of --precision, --checkpoint-activations, --clip-grad-norm

@@ -214,12 +214,12 @@ static void tdm_train_rank_free(void *ctx, void *self)
     free(t);
 }
 
-/* --deterministic K with a design of its own step (a pipeline, whose
- * micro-batches are its virtual shards): an epoch's short last batch
- * must give each shard a sample too. USAGE with the message. */
+/* --deterministic K with a pipeline, whose micro-batches are its virtual
+ * shards: an epoch's short last batch must give each shard a sample too.
+ * USAGE with the message. */
 static tdm_status tdm_train_det_last(const tdm_train_job *j, const tdm_train_args *a)
 {
-    int64_t left = a->deterministic && j->b.design->step && j->train && !j->text
+    int64_t left = a->deterministic && j->b.design == &tdm_tool_pp_design && j->train && !j->text
                        ? j->train->n % a->batch : 0;
     if (!left || left >= a->deterministic) return TDM_STATUS_OK;
     return tdm_error_set(TDM_STATUS_USAGE, "--deterministic %lld --mode %s: each epoch ends on "
@@ -287,7 +287,7 @@ static tdm_status tdm_train_rank_setup(void *ctx, tdm_dist_rank *d, void **self)
 static void tdm_train_rank_header(const tdm_tool_rank *r, const tdm_train_job *j)
 {
     const tdm_dist_rank *d = r->dist;
-    char on[160] = "", note[64] = "", desc[400];
+    char on[400] = "", note[64] = "", desc[640];
     if (r->b->design->describe) r->b->design->describe(r, on, sizeof on, note, sizeof note);
     const char *backend = tdm_comm_backend_name(d->dev_comm);
     if (d->job_desc)

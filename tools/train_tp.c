@@ -19,12 +19,12 @@ tdm_status tdm_train_check_tp(const tdm_train_args *a)
     if (strncmp(a->model, "mlp", 3) && strncmp(a->model, "gpt", 3))
         return tdm_tool_usage_error("tandem train: --mode tp supports the MLP and the GPT; "
                                     "--model %s is not supported\n", a->model);
-    if (a->grad_accum > 1 || a->uneven || a->sync_bn || a->deterministic || a->sharding ||
+    if (a->grad_accum > 1 || a->uneven || a->sync_bn || a->sharding ||
         a->save_sharded || (a->comm_hook && strcmp(a->comm_hook, "allreduce")) ||
         a->max_restarts || a->backend)
         return tdm_tool_usage_error("tandem train: --mode tp takes none of --grad-accum, "
-                                    "--uneven, --sync-bn, --deterministic, --sharding, "
-                                    "--save-sharded, --comm-hook, --max-restarts, --backend\n");
+                                    "--uneven, --sync-bn, --sharding, --save-sharded, "
+                                    "--comm-hook, --max-restarts, --backend\n");
     if ((a->precision && strcmp(a->precision, "fp32")) || a->ckpt || a->clip_grad_norm > 0.0 ||
         a->offload)
         return tdm_tool_usage_error("tandem train: --mode tp does not support --precision, "
