@@ -157,6 +157,17 @@ tdm_status tdm_dist_det_init(tdm_dist_det *d)
         d->sum = malloc((size_t)(d->n_vec ? d->n_vec : 1) * sizeof(float));
         d->stage = malloc((size_t)d->chunk * sizeof(float));
     }
+    tdm_status dst = TDM_STATUS_OK;
+    if (d->chunk && d->dev_comm) {
+        tdm_device *dev = tdm_det_dev(d);
+        dst = tdm_dev_alloc(dev, (size_t)d->chunk * sizeof(float), (void **)&d->dstage);
+        if (!dst) dst = tdm_dev_alloc(dev, (size_t)d->world * (size_t)d->chunk * sizeof(float),
+                                      (void **)&d->dgather);
+        if (dst) {
+            tdm_dist_det_free(d);
+            return dst;
+        }
+    }
     if (!d->gather_borrowed)
         d->gather = malloc((size_t)d->world * (size_t)(d->chunk ? d->chunk : d->n_send) *
                            sizeof(float));
@@ -184,6 +195,9 @@ void tdm_dist_det_free(tdm_dist_det *d)
     free(d->losses);
     free(d->sum);
     free(d->stage);
+    if (d->dstage) tdm_dev_free(tdm_det_dev(d), d->dstage);
+    if (d->dgather) tdm_dev_free(tdm_det_dev(d), d->dgather);
+    d->dstage = d->dgather = NULL;
     d->level = NULL;
     d->stack = d->gather = d->total = d->snapshot = d->sum = d->stage = NULL;
     d->losses = NULL;
@@ -318,6 +332,40 @@ tdm_status tdm_dist_det_local(tdm_dist_det *d, const void *x, const int32_t *y, 
     return TDM_STATUS_OK;
 }
 
+/* One chunk of cc floats at send (host; its first nv the subtree sum's,
+ * from element c0) through the device communicator: all-gathered on the
+ * device, the top levels added there in the host's order, the sum's part
+ * and every rank's losses copied back. */
+static tdm_status tdm_det_top_dev(tdm_dist_det *d, const float *send, int64_t cc, int64_t nv,
+                                  int64_t c0)
+{
+    tdm_device *dev = tdm_det_dev(d);
+    int m = d->K / d->world;
+    tdm_status st = tdm_dev_copy_from_host(dev, d->dstage, send, (size_t)cc * sizeof(float));
+    if (!st) {
+        tdm_comm_set_label(d->dev_comm, "deterministic all_gather of subtree sums (device)");
+        st = tdm_comm_all_gather(d->dev_comm, d->dstage, d->dgather, (size_t)cc,
+                                 TDM_DTYPE_FLOAT32);
+    }
+    /* dst = 1 * src + dst: left + right, the one rounding of a host add */
+    for (int s = 1; s < d->world && !st && nv; s *= 2)
+        for (int i = 0; i + s < d->world && !st; i += 2 * s)
+            st = tdm_dev_axpy(dev, nv, 1.0f, d->dgather + (int64_t)(i + s) * cc,
+                              d->dgather + (int64_t)i * cc);
+    if (!st && nv)
+        st = tdm_dev_copy_to_host(dev, d->sum + c0, d->dgather, (size_t)nv * sizeof(float));
+    for (int r = 0; r < d->world && nv < cc && !st; r++)
+        st = tdm_dev_copy_to_host(dev, (float *)(d->losses + r * m) + (c0 + nv - d->n_vec),
+                                  d->dgather + (int64_t)r * cc + nv,
+                                  (size_t)(cc - nv) * sizeof(float));
+    if (st) {
+        /* the others may wait in the device collective, or the host's */
+        if (d->dev_comm != d->comm) tdm_comm_abort(d->dev_comm, tdm_error_message());
+        return tdm_det_fail(d, st);
+    }
+    return TDM_STATUS_OK;
+}
+
 /* The top over a comm, chunk by chunk: this rank's part of the logical
  * vector [subtree sum (n_vec), shard losses (2m floats)] all-gathered,
  * the top levels added over the chunk's slots (the same elementwise
@@ -335,6 +383,10 @@ static tdm_status tdm_det_top_chunked(tdm_dist_det *d)
             memcpy(d->stage + nv, mine_losses + (c0 + nv - d->n_vec),
                    (size_t)(cc - nv) * sizeof(float));
             send = d->stage;
+        }
+        if (d->dev_comm) {
+            TDM_CHECK(tdm_det_top_dev(d, send, cc, nv, c0));
+            continue;
         }
         tdm_comm_set_label(d->comm, "deterministic all_gather of subtree sums");
         tdm_status st = tdm_comm_all_gather(d->comm, send, d->gather, (size_t)cc,

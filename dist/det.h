@@ -32,8 +32,9 @@
  * What it is not: a replacement for a design's collectives in general.
  * The ops run a shard's forward and backward with no collective of
  * gradients (DDP under no_sync, one device as is); the tree here is the
- * only gradient reduction, over the host group, so on GPUs every subtree
- * sum goes through host memory (no NCCL order is relied upon). */
+ * only gradient reduction: over the host group, or with dev_comm over
+ * NCCL as an all-gather with the top levels added in the same order on
+ * the device (no NCCL reduction order is relied upon). */
 #ifndef TDM_DIST_DET_H
 #define TDM_DIST_DET_H
 
@@ -102,6 +103,13 @@ typedef struct tdm_dist_det {
     int64_t flat_elems;
     tdm_device *flat_dev;
     tdm_comm *comm;              /* the host process group; NULL with one rank */
+    /* Optional, with comm: a communicator on device memory (NCCL on a
+     * GPU) with comm's ranks. The subtree sums then go through it: each
+     * chunk copied to the device, all-gathered there, the top levels
+     * added there (tdm_dev_axpy with alpha 1: one rounding per addition,
+     * the host's bits) and the sum copied back. NULL: all-gathered over
+     * comm in host memory. Either way the same bits. */
+    tdm_comm *dev_comm;
     int rank, world, K;
     int in_elems, out_rows;      /* per sample: 4-byte inputs, targets */
     /* 0: a step's x, y hold the whole global batch; 1: only this rank's
@@ -134,6 +142,7 @@ typedef struct tdm_dist_det {
     int64_t chunk;               /* over a comm: floats per rank per all-gather; 0: none */
     float *sum;                  /* over a comm: (n_vec) the tree's top over the ranks */
     float *stage;                /* over a comm: (chunk) a chunk with this rank's losses */
+    float *dstage, *dgather;     /* over dev_comm, device memory: (chunk), (world, chunk) */
     float *snapshot;             /* (buffer elements) the step's buffers */
     double *losses;              /* (K) the shards' loss sums */
 } tdm_dist_det;

@@ -155,3 +155,45 @@ Test(cuda_emu, det_two_ranks_on_one_emulated_device_same_bytes, .timeout = 300)
     dg_one_vs_two(0, "mlp:784-24-10");
     dg_one_vs_two(0, "cnn");
 }
+
+/* The tree's top on the device (dist/det.h's dev_comm: NCCL on a GPU,
+ * where it is the default), forced on host devices and on the emulator
+ * by the test hook TANDEM_TEST_DET_DEV_COMM=1, in chunks that split the
+ * losses' chunk: the bytes of the host path's one device. */
+static void dg_dev_path(const char *device, const char *mode, const char *ref, const char *path)
+{
+    static cli_result r;
+#define DEV_ARGS "--model", "cnn", "--data", "synthetic", "--synthetic-size", "1200", "--batch", \
+                 "16", "--deterministic", "8", "--epochs", "1", "--max-steps", "6", "--no-eval", \
+                 "--quiet"
+    unsetenv("TANDEM_TEST_DET_DEV_COMM");
+    CLI(&r, "train", "--device", device, DEV_ARGS, "--save", ref);
+    expect(&r, 0, "epoch 1/1");
+    setenv("TANDEM_TEST_DET_DEV_COMM", "1", 1);
+    setenv("TANDEM_TEST_DET_CHUNK_ELEMS", "100000", 1);
+    CLI(&r, "train", "--mode", mode, "--device", device[0] == 'c' && device[1] == 'p'
+                                                      ? "cpu:2" : "cuda:0,1",
+        DEV_ARGS, "--save", path);
+    unsetenv("TANDEM_TEST_DET_DEV_COMM");
+    unsetenv("TANDEM_TEST_DET_CHUNK_ELEMS");
+    expect(&r, 0, "epoch 1/1");
+    cr_assert(cli_same_file(ref, path), "%s %s: the tree's top on the device differs from one "
+              "device's", mode, device);
+    cr_assert_eq(cli_shm_entries(), 0, "shared memory left behind");
+#undef DEV_ARGS
+}
+
+Test(cuda_emu, det_tree_top_on_the_device_same_bytes, .timeout = 300)
+{
+    CU_NEED_BACKEND();
+    char dir[64], ref[128], path[128];
+    tu_mkdtemp(dir, sizeof dir, "detdev");
+    snprintf(ref, sizeof ref, "%s/ref.safetensors", dir);
+    snprintf(path, sizeof path, "%s/dev.safetensors", dir);
+    dg_dev_path("cpu", "ddp", ref, path);
+    dg_dev_path("cpu", "fsdp", ref, path);
+    setenv("TANDEM_CUDA_EMULATOR", "2", 1);
+    dg_dev_path("cuda", "ddp", ref, path);
+    unsetenv("TANDEM_CUDA_EMULATOR");
+    tu_rmtree(dir);
+}
