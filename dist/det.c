@@ -212,19 +212,41 @@ static void tdm_det_add(float *restrict dst, const float *restrict src, int64_t 
     for (int64_t i = 0; i < n; i++) dst[i] = dst[i] + src[i];
 }
 
+/* out = a + b, element by element: a node written elsewhere. */
+static void tdm_det_add3(float *restrict out, const float *restrict a, const float *restrict b,
+                         int64_t n)
+{
+    for (int64_t i = 0; i < n; i++) out[i] = a[i] + b[i];
+}
+
 /* The leaf just written at the top of the stack joins the tree: while
  * the sum below it is of the same level, they become their parent (a
  * binary counter: with leaves arriving in order this builds the perfect
  * tree over them). */
-static void tdm_det_push(tdm_dist_det *d)
+static void tdm_det_carry(tdm_dist_det *d)
 {
-    d->level[d->depth++] = 0;
     while (d->depth >= 2 && d->level[d->depth - 2] == d->level[d->depth - 1]) {
         float *left = d->stack + (int64_t)(d->depth - 2) * d->n_vec;
         tdm_det_add(left, left + d->n_vec, d->n_vec);
         d->level[d->depth - 2]++;
         d->depth--;
     }
+}
+
+static void tdm_det_push(tdm_dist_det *d)
+{
+    d->level[d->depth++] = 0;
+    tdm_det_carry(d);
+}
+
+/* One rank alone (no gather buffer shared with others): its subtree is
+ * the whole tree, read where it is (the stack's bottom). */
+static int tdm_det_alone(const tdm_dist_det *d) { return d->world == 1 && !d->gather_borrowed; }
+
+/* Where the tree's top (the micro-batch's sum) is after tdm_dist_det_top. */
+static float *tdm_det_top_vec(tdm_dist_det *d)
+{
+    return d->chunk ? d->sum : tdm_det_alone(d) ? d->stack : d->gather;
 }
 
 /* A failure: the rank's message, and the group stopped with it. */
@@ -266,8 +288,20 @@ static tdm_status tdm_det_leaf(tdm_dist_det *d, int k, double loss)
     int64_t pe = tdm_det_pe(d), be = tdm_det_be(d);
     tdm_status st;
     d->losses[k] = loss;
-    float *leaf = d->stack + (int64_t)d->depth * d->n_vec;
     int own = d->ops && d->ops->local_grads;
+    if (!own && d->depth >= 1 && d->level[d->depth - 1] == 0 &&
+        tdm_dev_kind(dev) == TDM_DEVICE_HOST) {
+        /* a right leaf whose left sibling waits, in host memory: added
+         * straight from the model into its parent (the same additions,
+         * without a copy of the leaf) */
+        float *left = d->stack + (int64_t)(d->depth - 1) * d->n_vec;
+        if (pe) tdm_det_add(left, tdm_det_grads(d), pe);
+        if (be) tdm_det_add(left + pe, tdm_model_buffers(d->m), be);
+        d->level[d->depth - 1] = 1;
+        tdm_det_carry(d);
+        return TDM_STATUS_OK;
+    }
+    float *leaf = d->stack + (int64_t)d->depth * d->n_vec;
     if ((pe && own && (st = d->ops->local_grads(d->ctx, leaf))) ||
         (pe && !own && (st = tdm_dev_copy_to_host(dev, leaf, tdm_det_grads(d),
                                                   (size_t)pe * sizeof(float)))) ||
@@ -286,7 +320,7 @@ tdm_status tdm_dist_det_feed(tdm_dist_det *d, int j, double loss)
                                              "of %d fed out of order", j, m));
     if (j == 0) d->depth = 0;
     TDM_CHECK(tdm_det_leaf(d, d->rank * m + j, loss));
-    if (j < m - 1 || d->chunk) return TDM_STATUS_OK;
+    if (j < m - 1 || d->chunk || tdm_det_alone(d)) return TDM_STATUS_OK;
     float *mine = d->gather + (int64_t)d->rank * d->n_send;
     memcpy(mine, d->stack, (size_t)d->n_vec * sizeof(float));
     memcpy(mine + d->n_vec, d->losses + d->rank * m, (size_t)m * sizeof(double));
@@ -325,7 +359,7 @@ tdm_status tdm_dist_det_local(tdm_dist_det *d, const void *x, const int32_t *y, 
     }
     /* this rank's subtree and its shards' losses, in its slot (over a
      * comm they are sent from the stack and the losses, a chunk at a time) */
-    if (d->chunk) return TDM_STATUS_OK;
+    if (d->chunk || tdm_det_alone(d)) return TDM_STATUS_OK;
     float *mine = d->gather + (int64_t)d->rank * d->n_send;
     memcpy(mine, d->stack, (size_t)d->n_vec * sizeof(float));
     memcpy(mine + d->n_vec, d->losses + d->rank * m, (size_t)m * sizeof(double));
@@ -392,10 +426,15 @@ static tdm_status tdm_det_top_chunked(tdm_dist_det *d)
         tdm_status st = tdm_comm_all_gather(d->comm, send, d->gather, (size_t)cc,
                                             TDM_DTYPE_FLOAT32);
         if (st) return tdm_det_fail(d, st);
+        /* the top levels; the last one's single addition (the world is a
+         * power of two) written straight into the sum */
         for (int s = 1; s < d->world; s *= 2)
-            for (int i = 0; i + s < d->world; i += 2 * s)
-                tdm_det_add(d->gather + (int64_t)i * cc, d->gather + (int64_t)(i + s) * cc, nv);
-        memcpy(d->sum + c0, d->gather, (size_t)nv * sizeof(float));
+            for (int i = 0; i + s < d->world; i += 2 * s) {
+                float *l = d->gather + (int64_t)i * cc;
+                const float *r = d->gather + (int64_t)(i + s) * cc;
+                if (2 * s >= d->world) tdm_det_add3(d->sum + c0, l, r, nv);
+                else tdm_det_add(l, r, nv);
+            }
         for (int r = 0; r < d->world && nv < cc; r++)
             memcpy((float *)(d->losses + r * m) + (c0 + nv - d->n_vec),
                    d->gather + (int64_t)r * cc + nv, (size_t)(cc - nv) * sizeof(float));
@@ -408,6 +447,12 @@ tdm_status tdm_dist_det_top(tdm_dist_det *d, double *loss_sum)
     int m = d->K / d->world;
     if (d->chunk) {
         TDM_CHECK(tdm_det_top_chunked(d));
+        double sum = 0.0;
+        for (int k = 0; k < d->K; k++) sum += d->losses[k];
+        *loss_sum = sum;
+        return TDM_STATUS_OK;
+    }
+    if (tdm_det_alone(d)) {
         double sum = 0.0;
         for (int k = 0; k < d->K; k++) sum += d->losses[k];
         *loss_sum = sum;
@@ -436,12 +481,14 @@ tdm_status tdm_dist_det_top(tdm_dist_det *d, double *loss_sum)
 
 void tdm_dist_det_accumulate(tdm_dist_det *d, int micro_index)
 {
-    const float *top = d->chunk ? d->sum : d->gather;
+    const float *top = tdm_det_top_vec(d);
     if (micro_index == 0) memcpy(d->total, top, (size_t)d->n_vec * sizeof(float));
     else tdm_det_add(d->total, top, d->n_vec);
 }
 
-tdm_status tdm_dist_det_write(tdm_dist_det *d, int n_micro)
+/* The step's sum at src (its buffer part scaled in place) into the
+ * model's gradients and buffers. */
+static tdm_status tdm_det_write_from(tdm_dist_det *d, float *src, int n_micro)
 {
     tdm_device *dev = tdm_det_dev(d);
     int64_t pe = tdm_det_pe(d), be = tdm_det_be(d);
@@ -449,20 +496,31 @@ tdm_status tdm_dist_det_write(tdm_dist_det *d, int n_micro)
     /* the mean of the shards' buffer updates; 1/K is exact for one
      * micro-batch (K a power of two) */
     float inv = (float)(1.0 / ((double)d->K * n_micro));
-    for (int64_t i = pe; i < d->n_vec; i++) d->total[i] *= inv;
+    for (int64_t i = pe; i < d->n_vec; i++) src[i] *= inv;
     int own = d->ops && d->ops->set_grads;
-    if ((pe && own && (st = d->ops->set_grads(d->ctx, d->total))) ||
-        (pe && !own && (st = tdm_dev_copy_from_host(dev, tdm_det_grads(d), d->total,
+    if ((pe && own && (st = d->ops->set_grads(d->ctx, src))) ||
+        (pe && !own && (st = tdm_dev_copy_from_host(dev, tdm_det_grads(d), src,
                                                     (size_t)pe * sizeof(float)))) ||
-        (be && (st = tdm_dev_copy_from_host(dev, tdm_model_buffers(d->m), d->total + pe,
+        (be && (st = tdm_dev_copy_from_host(dev, tdm_model_buffers(d->m), src + pe,
                                             (size_t)be * sizeof(float)))))
         return tdm_det_fail(d, st);
     return TDM_STATUS_OK;
 }
 
+tdm_status tdm_dist_det_write(tdm_dist_det *d, int n_micro)
+{
+    return tdm_det_write_from(d, d->total, n_micro);
+}
+
+tdm_status tdm_dist_det_write_top(tdm_dist_det *d)
+{
+    return tdm_det_write_from(d, tdm_det_top_vec(d), 1);
+}
+
 tdm_status tdm_dist_det_apply(tdm_dist_det *d, int n_micro)
 {
-    TDM_CHECK(tdm_dist_det_write(d, n_micro));
+    /* one micro-batch: its top is the step's sum, written from where it is */
+    TDM_CHECK(n_micro == 1 ? tdm_dist_det_write_top(d) : tdm_dist_det_write(d, n_micro));
     tdm_status st = d->ops->step(d->ctx);
     return st ? tdm_det_fail(d, st) : st;
 }
@@ -490,7 +548,7 @@ tdm_status tdm_dist_det_step(void *det, const void *x, const int32_t *y, int bat
         TDM_CHECK(tdm_dist_det_local(d, xa, y + (int64_t)lo * d->out_rows, b, row0, scale));
         TDM_CHECK(tdm_dist_det_top(d, &ls));
         loss_total += ls;
-        tdm_dist_det_accumulate(d, a);
+        if (n_micro > 1) tdm_dist_det_accumulate(d, a);
     }
     TDM_CHECK(tdm_dist_det_apply(d, n_micro));
     *loss_mean = loss_total / global;

@@ -176,6 +176,10 @@ tdm_status tdm_dist_det_apply(tdm_dist_det *d, int n_micro);
  * model's gradients and buffers (those through set_grads where the ops
  * have it). */
 tdm_status tdm_dist_det_write(tdm_dist_det *d, int n_micro);
+/* A step of one micro-batch: its top written as tdm_dist_det_write
+ * writes the step's sum, straight from where tdm_dist_det_top left it
+ * (no tdm_dist_det_accumulate, no copy). */
+tdm_status tdm_dist_det_write_top(tdm_dist_det *d);
 
 /* A design that runs the shards itself (a pipeline's micro-batches are
  * its virtual shards): ops may then be NULL (the model's flat gradients

@@ -264,8 +264,7 @@ static tdm_status tdm_rank_pp_det_reduce(void *ctx, tdm_model *m, double *loss_s
     tdm_tool_pp *q = ctx;
     (void)m;
     TDM_CHECK(tdm_dist_det_top(&q->det, loss_sum));
-    tdm_dist_det_accumulate(&q->det, 0);
-    return tdm_dist_det_write(&q->det, 1);
+    return tdm_dist_det_write_top(&q->det);
 }
 
 static void tdm_rank_pp_shape(const tdm_model_spec *s, int *in, int *rows)

@@ -129,7 +129,6 @@ tdm_status tdm_train_det_tp_step(tdm_tp *p, tdm_dist_det *det, const void *x, co
         TDM_CHECK(tdm_dist_det_feed(det, j, ls));
     }
     TDM_CHECK(tdm_dist_det_top(det, loss_sum));
-    tdm_dist_det_accumulate(det, 0);
-    TDM_CHECK(tdm_dist_det_write(det, 1));
+    TDM_CHECK(tdm_dist_det_write_top(det));
     return tdm_tp_optim_step(p);
 }
