@@ -6,7 +6,8 @@
  * D x S = 2 x 2, both schedules, on the MLP, the CNN (per-shard
  * batchnorm) and the GPT (its tied embedding's gradient added in one
  * device's order); a short last batch of an epoch is cut the same way; a
- * checkpoint of a 2 x 2 mesh resumes on another shape. Bad combinations
+ * checkpoint of a 2 x 2 mesh resumes on another shape; ZeRO-1 over the
+ * dp dimension keeps the bytes. Bad combinations
  * get one line and exit 2. */
 #include <criterion/criterion.h>
 #include <stdio.h>
@@ -129,6 +130,36 @@ Test(det_pp, gpt_tied_embedding_same_bytes)
     cr_assert(cli_same_file(ref, path), "gpt on 4 stages differs from one device");
 }
 
+/* ZeRO-1 over the dp dimension (--sharding optimizer): each replica
+ * steps its slice of a stage from the tree's sum; the same bytes, the
+ * GPT's tied embedding included. */
+Test(det_pp, zero1_on_the_dp_dimension_same_bytes)
+{
+    char text[256], ref[256], path[256];
+    snprintf(text, sizeof text, "%s", tu_tpath(g_dir, "words.txt"));
+    snprintf(ref, sizeof ref, "%s", tu_tpath(g_dir, "ref.safetensors"));
+    snprintf(path, sizeof path, "%s", tu_tpath(g_dir, "zero1.safetensors"));
+    const char *cnn[] = {"--model", "cnn", SYN, "--batch", "16", "--optim", "adamw", STEPS,
+                         NULL};
+    const char *gpt[] = {"--model", "gpt:1-16-2-16", "--data", text, "--batch", "16", STEPS,
+                         NULL};
+    const char *const *cases[] = {cnn, gpt};
+    for (int i = 0; i < 2; i++) {
+        const char *args[24];
+        int a = 0;
+        args[a++] = cases[i][0];
+        args[a++] = cases[i][1];
+        args[a++] = "--sharding";
+        args[a++] = "optimizer";
+        for (int j = 2; cases[i][j]; j++) args[a++] = cases[i][j];
+        args[a] = NULL;
+        pp_train(cases[i], NULL, ref);
+        pp_train(args, &k_shapes[3], path);
+        cr_assert(cli_same_file(ref, path), "%s: ZeRO-1 on a 2 x 2 mesh differs from one device",
+                  cases[i][1]);
+    }
+}
+
 /* Two whole epochs of 1204 samples: each ends on a batch of 20, whose 8
  * shards are of 2 and 3 samples (dist/batch.h's cut, not a pipeline's
  * even one). */
@@ -185,9 +216,6 @@ Test(det_pp, bad_combinations_are_one_line_errors)
         {{"--device", "cpu:2", "--deterministic", "8", "--microbatches", "4", NULL},
          "--microbatches 4: with --deterministic 8 over 1 pipeline replica the micro-batches "
          "are a replica's K/D = 8"},
-        {{"--device", "cpu:4", "--mesh", "dp=2,pp=2", "--deterministic", "8", "--sharding",
-          "optimizer", NULL},
-         "--sharding optimizer is not supported yet"},
         {{"--device", "cpu:2", "--deterministic", "8", "--synthetic-size", "37", "--batch", "32",
           NULL},
          "each epoch ends on a batch of 5 samples, fewer than the K virtual shards"},

@@ -92,9 +92,6 @@ static tdm_status tdm_tool_pp_check_det(const tdm_tool_build *b, const tdm_mesh_
                 "--microbatches %d: with --deterministic %d over %d pipeline replica%s the "
                 "micro-batches are a replica's K/D = %d virtual shards (omit --microbatches)",
                 b->pp.micro, K, D, D == 1 ? "" : "s", K / D);
-    TDM_REQUIRE(!b->pp.zero1, TDM_STATUS_USAGE,
-                "--deterministic with --mode pp --sharding optimizer is not supported yet (the "
-                "tree sums a stage's whole gradients over the replicas)");
     return TDM_STATUS_OK;
 }
 
