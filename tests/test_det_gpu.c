@@ -197,3 +197,36 @@ Test(cuda_emu, det_tree_top_on_the_device_same_bytes, .timeout = 300)
     unsetenv("TANDEM_CUDA_EMULATOR");
     tu_rmtree(dir);
 }
+
+/* The same for the dp dimension of a mesh: a pipeline's replicas against
+ * one device, tensor parallelism's against its group alone. */
+Test(cuda_emu, det_mesh_tree_top_on_the_device_same_bytes, .timeout = 300)
+{
+    static cli_result r;
+    char dir[64], ref[128], path[128];
+    tu_mkdtemp(dir, sizeof dir, "detdevm");
+    snprintf(ref, sizeof ref, "%s/ref.safetensors", dir);
+    snprintf(path, sizeof path, "%s/dev.safetensors", dir);
+#define MESH_ARGS "--model", "mlp:784-24-10", "--data", "synthetic", "--synthetic-size", "1200", \
+                  "--batch", "32", "--deterministic", "8", "--epochs", "1", "--max-steps", "6", \
+                  "--no-eval", "--quiet"
+    CLI(&r, "train", MESH_ARGS, "--save", ref);
+    expect(&r, 0, "epoch 1/1");
+    setenv("TANDEM_TEST_DET_DEV_COMM", "1", 1);
+    CLI(&r, "train", "--mode", "pp", "--device", "cpu:4", "--mesh", "dp=2,pp=2", MESH_ARGS,
+        "--save", path);
+    unsetenv("TANDEM_TEST_DET_DEV_COMM");
+    expect(&r, 0, "epoch 1/1");
+    cr_assert(cli_same_file(ref, path), "pp 2 x 2: the tree's top on the device differs");
+    CLI(&r, "train", "--mode", "tp", "--device", "cpu:2", MESH_ARGS, "--save", ref);
+    expect(&r, 0, "epoch 1/1");
+    setenv("TANDEM_TEST_DET_DEV_COMM", "1", 1);
+    CLI(&r, "train", "--mode", "tp", "--device", "cpu:4", "--mesh", "dp=2,tp=2", MESH_ARGS,
+        "--save", path);
+    unsetenv("TANDEM_TEST_DET_DEV_COMM");
+    expect(&r, 0, "epoch 1/1");
+    cr_assert(cli_same_file(ref, path), "tp dp=2,tp=2: the tree's top on the device differs");
+    cr_assert_eq(cli_shm_entries(), 0, "shared memory left behind");
+#undef MESH_ARGS
+    tu_rmtree(dir);
+}

@@ -343,7 +343,9 @@ static tdm_status tdm_rank_pp_setup(void *ctx, tdm_dist_rank *d, void **self)
     if (q->det_on) {
         /* the dp dimension's host group: the tree's top over the replicas */
         q->det = (tdm_dist_det){.m = r->m, .comm = q->reps > 1 ? q->dcomm : NULL,
-                                .rank = q->rep, .world = q->reps, .K = b->deterministic};
+                                .rank = q->rep, .world = q->reps, .K = b->deterministic,
+                                .dev_comm = q->reps > 1 ? tdm_train_det_dev_comm(q->dcomm, dp_dev)
+                                                        : NULL};
         if ((st = tdm_dist_det_init(&q->det)))
             return tdm_tool_rank_fail(r, "--deterministic", st);
     } else if (q->reps > 1) {

@@ -133,7 +133,9 @@ static tdm_status tdm_rank_tp_setup(void *ctx, tdm_dist_rank *d, void **self)
     q->det = (tdm_dist_det){.comm = q->reps > 1 ? q->dcomm : NULL, .rank = q->rep,
                             .world = q->reps, .K = b->deterministic, .in_elems = q->in_elems,
                             .out_rows = q->out_rows, .flat_grads = tdm_tp_grads(q->p),
-                            .flat_elems = tdm_tp_elems(q->p), .flat_dev = d->dev};
+                            .flat_elems = tdm_tp_elems(q->p), .flat_dev = d->dev,
+                            .dev_comm = q->reps > 1 ? tdm_train_det_dev_comm(q->dcomm, dp_dev)
+                                                    : NULL};
     if (b->deterministic && (st = tdm_dist_det_init(&q->det)))
         return tdm_tool_rank_fail(r, "--deterministic", st);
     return tdm_tool_rank_resume(r);

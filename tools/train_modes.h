@@ -229,6 +229,13 @@ tdm_status tdm_train_det_dp_step(void *ctx, const void *x, const int32_t *y, int
  * built without grad_comm). *loss_sum: the global batch's. Collective. */
 typedef struct tdm_tp tdm_tp;
 typedef struct tdm_dist_det tdm_dist_det;
+/* The device communicator for --deterministic's tree top (dist/det.h's
+ * dev_comm) of a group whose host communicator is host and device one
+ * dev: dev where it differs (NCCL on a GPU), else NULL (the host path);
+ * TANDEM_TEST_DET_DEV_COMM=1, a test hook read only by
+ * tests/test_det_gpu.c, takes the device path over dev even when it is
+ * host, so that host devices and the emulator run it. */
+tdm_comm *tdm_train_det_dev_comm(tdm_comm *host, tdm_comm *dev);
 tdm_status tdm_train_det_tp_step(tdm_tp *p, tdm_dist_det *det, const void *x, const int32_t *y,
                                  int global, int64_t row0, double *loss_sum);
 

@@ -88,18 +88,6 @@ static int64_t tdm_train_det_chunk(void)
     return n > 0 ? n : 0;
 }
 
-/* --deterministic's device path (dist/det.h's dev_comm): NCCL's
- * communicator where the rank has one (a GPU), else none (the host
- * group's all-gather); TANDEM_TEST_DET_DEV_COMM=1, a test hook read only
- * by tests/test_det_gpu.c, takes the device path over the group's own
- * communicator too, so that host devices and the emulator run it. */
-static tdm_comm *tdm_train_det_dev_comm(const tdm_dist_rank *d)
-{
-    const char *e = getenv("TANDEM_TEST_DET_DEV_COMM");
-    if (d->dev_comm != d->comm || (e && !strcmp(e, "1"))) return d->dev_comm;
-    return NULL;
-}
-
 /* TANDEM_TEST_GRAD_INF=R:S: this rank's step to plant an inf after, or 0. */
 static int64_t tdm_train_inf_step(int rank)
 {
@@ -394,7 +382,7 @@ static tdm_status tdm_train_rank_run(void *ctx, tdm_dist_rank *d, void *self)
                                 .micro = a->grad_accum > 1 ? (int)a->batch : 0,
                                 .before = tdm_train_fault_hook, .before_ctx = r,
                                 .chunk_elems = tdm_train_det_chunk(),
-                                .dev_comm = tdm_train_det_dev_comm(d)};
+                                .dev_comm = tdm_train_det_dev_comm(d->comm, d->dev_comm)};
         st = TDM_STATUS_OK;
         /* a design with a step of its own (a pipeline) runs the tree itself */
         int det = a->deterministic && !design->step;
