@@ -19,11 +19,10 @@
 #include <string.h>
 #include <sys/mman.h>
 
-#include "models/accum.h"
 #include "models/optim.h"
-#include "models/train.h"
 #include "pp/pp.h"
 #include "tools/compare.h"
+#include "tools/compare_mesh.h"
 #include "tools/ranks.h"
 
 /* The GPT's bounds (pp/pp.h: its tied embedding's shares add in another
@@ -41,8 +40,6 @@ typedef struct tdm_cmp_pp_shared {
     double overlapped, transfers;
     size_t off_loss, off_step, off_t0, off_phase, off_ev, off_params, total;
 } tdm_cmp_pp_shared;
-
-#define TDM_CMP_PP_AT(sh, off, type) ((type *)((char *)(sh) + (sh)->off))
 
 typedef struct tdm_cmp_pp_run {
     const tdm_cmp_opts *o;
@@ -65,11 +62,11 @@ static tdm_status tdm_cmp_pp_rank_run(void *ctx, tdm_dist_rank *d, void *self)
     tdm_pp *p = tdm_tool_pp_of(r);
     int s = tdm_pp_stage(p), S = sh->S, B = c->o->batch;
     (void)d;
-    float *x = malloc((size_t)B * (size_t)tdm_cmp_feat(c->data) * sizeof(float));
-    int32_t *y = malloc((size_t)B * (size_t)tdm_cmp_targets(c->data) * sizeof(int32_t));
-    tdm_status st = x && y ? TDM_STATUS_OK
-                           : tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "compare: pp stage %d: a "
-                                           "batch of %d", s, B);
+    float *x = NULL;
+    int32_t *y = NULL;
+    char who[32];
+    snprintf(who, sizeof who, "pp stage %d", s);
+    tdm_status st = tdm_cmp_batch_new(c->data, B, who, &x, &y);
     for (int i = 0; st == TDM_STATUS_OK && i < sh->steps; i++) {
         tdm_cmp_rows(c->data, i, B, 0, B, x, y);
         double loss = 0.0;
@@ -78,19 +75,19 @@ static tdm_status tdm_cmp_pp_rank_run(void *ctx, tdm_dist_rank *d, void *self)
         uint64_t t1 = tdm_time_ns();
         if (st) break;
         size_t k = (size_t)i * (size_t)S + (size_t)s;
-        if (s == 0) TDM_CMP_PP_AT(sh, off_loss, double)[i] = loss;
-        TDM_CMP_PP_AT(sh, off_step, double)[k] = (double)(t1 - t0) * 1e-6;
-        TDM_CMP_PP_AT(sh, off_t0, double)[k] = (double)(t0 - c->t_start) * 1e-6;
+        if (s == 0) TDM_CMP_SHARED_AT(sh, off_loss, double)[i] = loss;
+        TDM_CMP_SHARED_AT(sh, off_step, double)[k] = (double)(t1 - t0) * 1e-6;
+        TDM_CMP_SHARED_AT(sh, off_t0, double)[k] = (double)(t0 - c->t_start) * 1e-6;
         tdm_pp_stats ps;
         tdm_pp_get_stats(p, &ps);
         const tdm_pp_phases *ph = &ps.last;
         double v[TDM_CMP_PP_PHASES] = {ph->forward, ph->backward, ph->loss, ph->recv_wait,
                                        ph->send_wait, ph->bubble, ph->pipeline};
-        memcpy(TDM_CMP_PP_AT(sh, off_phase, double) + k * TDM_CMP_PP_PHASES, v, sizeof v);
+        memcpy(TDM_CMP_SHARED_AT(sh, off_phase, double) + k * TDM_CMP_PP_PHASES, v, sizeof v);
         const tdm_pp_event *ev;
         int n;
         tdm_pp_trace(p, &ev, &n);
-        double *out = TDM_CMP_PP_AT(sh, off_ev, double) + k * (size_t)sh->n_ev * 4;
+        double *out = TDM_CMP_SHARED_AT(sh, off_ev, double) + k * (size_t)sh->n_ev * 4;
         for (int e = 0; e < sh->n_ev; e++) {
             double row[4] = {-1, -1, 0, 0};
             if (e < n)
@@ -102,7 +99,7 @@ static tdm_status tdm_cmp_pp_rank_run(void *ctx, tdm_dist_rank *d, void *self)
         }
     }
     if (st == TDM_STATUS_OK)
-        st = tdm_pp_gather_params(p, s == 0 ? TDM_CMP_PP_AT(sh, off_params, float) : NULL, 0);
+        st = tdm_pp_gather_params(p, s == 0 ? TDM_CMP_SHARED_AT(sh, off_params, float) : NULL, 0);
     if (st == TDM_STATUS_OK) {
         tdm_pp_stats ps;
         tdm_pp_get_stats(p, &ps);
@@ -130,93 +127,24 @@ static tdm_cmp_pp_shared tdm_cmp_pp_layout(int S, int M, int steps, int64_t pe)
 {
     size_t n = (size_t)steps * (size_t)S;
     tdm_cmp_pp_shared lay = {.S = S, .M = M, .steps = steps, .n_ev = 2 * M, .param_elems = pe};
-    size_t off = (sizeof lay + 63) & ~(size_t)63;
-#define TDM_CMP_PP_PLACE(field, bytes) (lay.field = off, off = (off + (bytes) + 63) & ~(size_t)63)
-    TDM_CMP_PP_PLACE(off_loss, (size_t)steps * sizeof(double));
-    TDM_CMP_PP_PLACE(off_step, n * sizeof(double));
-    TDM_CMP_PP_PLACE(off_t0, n * sizeof(double));
-    TDM_CMP_PP_PLACE(off_phase, n * TDM_CMP_PP_PHASES * sizeof(double));
-    TDM_CMP_PP_PLACE(off_ev, n * (size_t)lay.n_ev * 4 * sizeof(double));
-    TDM_CMP_PP_PLACE(off_params, (size_t)pe * sizeof(float));
-#undef TDM_CMP_PP_PLACE
+    size_t off = tdm_cmp_place_start(sizeof lay);
+    lay.off_loss = tdm_cmp_place(&off, (size_t)steps * sizeof(double));
+    lay.off_step = tdm_cmp_place(&off, n * sizeof(double));
+    lay.off_t0 = tdm_cmp_place(&off, n * sizeof(double));
+    lay.off_phase = tdm_cmp_place(&off, n * TDM_CMP_PP_PHASES * sizeof(double));
+    lay.off_ev = tdm_cmp_place(&off, n * (size_t)lay.n_ev * 4 * sizeof(double));
+    lay.off_params = tdm_cmp_place(&off, (size_t)pe * sizeof(float));
     lay.total = off;
     return lay;
-}
-
-/* ---- one device with gradient accumulation over the same micro-batches ---- */
-
-static tdm_status tdm_cmp_pp_reference(const tdm_cmp_opts *o, const tdm_cmp_data *data,
-                                       const tdm_model_spec *spec, int M, double *loss,
-                                       float *params)
-{
-    tdm_device *dev = NULL;
-    tdm_model *m = NULL;
-    tdm_optim *opt = NULL;
-    tdm_single one = {0};
-    int B = o->batch;
-    float *x = malloc((size_t)B * (size_t)tdm_cmp_feat(data) * sizeof(float));
-    int32_t *y = malloc((size_t)B * (size_t)tdm_cmp_targets(data) * sizeof(int32_t));
-    tdm_optim_opts oo;
-    tdm_optim_opts_named(&oo, o->optim, o->lr, o->weight_decay, o->momentum, 0);
-    tdm_status st = x && y ? TDM_STATUS_OK
-                           : tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "compare: a batch of %d", B);
-    if (!st) st = tdm_device_open(&dev, "cpu", 0, 1);
-    if (!st) st = tdm_model_init(&m, dev, spec, o->seed);
-    if (!st) st = tdm_optim_init(&opt, m, &oo);
-    one = (tdm_single){.model = m, .opt = opt};
-    tdm_accum a = {.ops = &tdm_accum_single_ops, .ctx = &one, .micro = (B + M - 1) / M,
-                   .in_features = m ? tdm_model_in_features(m) : 0,
-                   .out_rows = m ? tdm_model_out_rows(m) : 0};
-    for (int i = 0; !st && i < o->steps; i++) {
-        tdm_cmp_rows(data, i, B, 0, B, x, y);
-        st = tdm_accum_step(&a, x, y, B, &loss[i]);
-    }
-    if (!st) memcpy(params, tdm_model_params(m), (size_t)tdm_model_param_elems(m) * 4);
-    if (m) tdm_single_free(&one);
-    tdm_optim_free(opt);
-    tdm_model_free(m);
-    tdm_device_free(dev);
-    free(x);
-    free(y);
-    return st;
-}
-
-/* ---- printing ---- */
-
-static double tdm_cmp_pp_median(double *v, int n)
-{
-    for (int i = 1; i < n; i++)
-        for (int j = i; j > 0 && v[j - 1] > v[j]; j--) {
-            double t = v[j];
-            v[j] = v[j - 1];
-            v[j - 1] = t;
-        }
-    return n ? (n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2])) : 0.0;
-}
-
-/* The step time of step i: the slowest stage's. */
-static double tdm_cmp_pp_step_ms(const tdm_cmp_pp_shared *sh, int i)
-{
-    double most = 0.0;
-    for (int s = 0; s < sh->S; s++) {
-        double t = TDM_CMP_PP_AT(sh, off_step, double)[(size_t)i * (size_t)sh->S + (size_t)s];
-        if (t > most) most = t;
-    }
-    return most;
-}
-
-static int tdm_cmp_pp_warm(const tdm_cmp_opts *o)
-{
-    return o->warmup < o->steps ? o->warmup : 0;
 }
 
 /* Post-warm-up mean of phase f of stage s. */
 static double tdm_cmp_pp_phase(const tdm_cmp_opts *o, const tdm_cmp_pp_shared *sh, int s, int f)
 {
-    int w = tdm_cmp_pp_warm(o), n = 0;
+    int w = tdm_cmp_warm(o), n = 0;
     double sum = 0.0;
     for (int i = w; i < sh->steps; i++, n++)
-        sum += TDM_CMP_PP_AT(sh, off_phase, double)[((size_t)i * (size_t)sh->S + (size_t)s) *
+        sum += TDM_CMP_SHARED_AT(sh, off_phase, double)[((size_t)i * (size_t)sh->S + (size_t)s) *
                                                     TDM_CMP_PP_PHASES + (size_t)f];
     return n ? sum / n : 0.0;
 }
@@ -230,7 +158,7 @@ static void tdm_cmp_pp_print_phases(const tdm_cmp_opts *o, const tdm_cmp_pp_shar
     printf("\npipeline phases (ms per step, mean over steps %d..%d; bubble = pipeline - "
            "forward - backward - loss: the time a stage waited on the pipeline, of which send "
            "and recv wait are the part blocked on a transfer):\n",
-           tdm_cmp_pp_warm(o) + 1, o->steps);
+           tdm_cmp_warm(o) + 1, o->steps);
     printf("  %-12s", "");
     for (int s = 0; s < sh->S; s++) printf("   stage %-3d", s);
     printf("\n  %-12s", "layers");
@@ -284,8 +212,8 @@ static int tdm_cmp_pp_verdict(const tdm_cmp_opts *o, const tdm_model_spec *spec,
                               const tdm_cmp_pp_shared *sh, const double *ref_loss,
                               const float *ref_p)
 {
-    const float *p = TDM_CMP_PP_AT(sh, off_params, float);
-    const double *loss = TDM_CMP_PP_AT(sh, off_loss, double);
+    const float *p = TDM_CMP_SHARED_AT(sh, off_params, float);
+    const double *loss = TDM_CMP_SHARED_AT(sh, off_loss, double);
     int64_t n = sh->param_elems, diff = 0;
     double pd = 0.0, ld = 0.0;
     for (int64_t i = 0; i < n; i++) {
@@ -330,23 +258,12 @@ static tdm_cmp_pp_shared *tdm_cmp_pp_go(const tdm_cmp_opts *o, const tdm_cmp_dat
     b.spec = *spec;
     tdm_optim_opts_named(&b.optim, o->optim, o->lr, o->weight_decay, o->momentum, 0);
     tdm_cmp_pp_shared lay = tdm_cmp_pp_layout(S, M, o->steps, pe);
-    tdm_cmp_pp_shared *sh = mmap(NULL, lay.total, PROT_READ | PROT_WRITE,
-                                 MAP_SHARED | MAP_ANONYMOUS, -1, 0);
-    if (sh == MAP_FAILED) {
-        perror("tandem compare: mmap");
-        return NULL;
-    }
+    tdm_cmp_pp_shared *sh = tdm_cmp_map_shared(lay.total);
+    if (!sh) return NULL;
     *sh = lay;
     tdm_cmp_pp_run c = {.o = o, .data = data, .sh = sh, .t_start = tdm_time_ns()};
     b.tool = &c;
-    tdm_dist_design d = b.design->dist;
-    d.run = tdm_cmp_pp_rank_run;
-    tdm_dist_run_opts ro = {.devices = &o->dl, .spec = o->device, .world = S,
-                            .run_timeout_ms = TDM_CMP_RUN_TIMEOUT_MS};
-    tdm_status st = tdm_dist_timeout_from_env(&ro.timeout_ms);
-    if (!st && !ro.timeout_ms) ro.timeout_ms = TDM_DIST_TIMEOUT_DEFAULT_MS;
-    fflush(stdout);
-    if (!st) st = tdm_dist_run(&d, &b, &ro);
+    tdm_status st = tdm_cmp_mesh_run(o, &b, tdm_cmp_pp_rank_run, S);
     if (st) {
         fprintf(stderr, "tandem compare: pp: %s\n", tdm_error_message());
         munmap(sh, lay.total);
@@ -358,11 +275,7 @@ static tdm_cmp_pp_shared *tdm_cmp_pp_go(const tdm_cmp_opts *o, const tdm_cmp_dat
 /* The median post-warm-up step's samples/s. */
 static double tdm_cmp_pp_sps(const tdm_cmp_opts *o, const tdm_cmp_pp_shared *sh, double *med)
 {
-    int n = 0;
-    double *t = malloc((size_t)o->steps * sizeof *t);
-    for (int i = tdm_cmp_pp_warm(o); t && i < o->steps; i++) t[n++] = tdm_cmp_pp_step_ms(sh, i);
-    *med = t ? tdm_cmp_pp_median(t, n) : 0.0;
-    free(t);
+    *med = tdm_cmp_slowest_median(o, TDM_CMP_SHARED_AT(sh, off_step, double), sh->steps, sh->S);
     return *med > 0 ? o->batch / *med * 1e3 : 0.0;
 }
 
@@ -396,22 +309,16 @@ int tdm_cmp_pp_section(const tdm_cmp_opts *o, const tdm_cmp_data *data,
     tdm_status st = ref_loss && ref_p ? TDM_STATUS_OK
                                       : tdm_error_set(TDM_STATUS_OUT_OF_MEMORY,
                                                       "compare: pp reference");
-    if (!st) st = tdm_cmp_pp_reference(o, data, spec, M, ref_loss, ref_p);
+    if (!st) st = tdm_cmp_reference(o, data, spec, M, ref_loss, ref_p);
     int verdict = -1;
     if (st) {
         fprintf(stderr, "tandem compare: pp: %s\n", tdm_error_message());
     } else {
-        int w = tdm_cmp_pp_warm(o);
-        double med, sps = tdm_cmp_pp_sps(o, sh, &med);
-        double s1 = 0, s1min = 0, s1max = 0, sd = 0;
-        tdm_cmp_step_stats(o, single, &s1, &s1min, &s1max);
-        if (ddp && ddp->ok) tdm_cmp_step_stats(o, ddp, &sd, &s1min, &s1max);
-        printf("\npipeline throughput (median step over steps %d..%d; a step is the slowest "
-               "stage's):\n  pp(%d) %s M=%d: %.3f ms/step = %.0f samples/s = %.2fx one device "
-               "(%.0f samples/s)", w + 1, o->steps, S, tdm_pp_schedule_name(kind), M, med, sps,
-               s1 > 0 ? s1 / med : 0.0, s1 > 0 ? o->batch / s1 * 1e3 : 0.0);
-        if (sd > 0) printf(", %.2fx DDP(%d)", sd / med, ddp->n_dev);
-        printf("\n");
+        double med;
+        (void)tdm_cmp_pp_sps(o, sh, &med);
+        char what[48];
+        snprintf(what, sizeof what, "pp(%d) %s M=%d", S, tdm_pp_schedule_name(kind), M);
+        tdm_cmp_mesh_speed(o, "pipeline", "stage", what, med, single, ddp);
         double bubble = 0.0;
         tdm_cmp_pp_print_phases(o, sh, &bubble);
         verdict = tdm_cmp_pp_verdict(o, spec, sh, ref_loss, ref_p);
@@ -455,7 +362,7 @@ void tdm_cmp_pp_trace(FILE *f, int *first, int pid, long long (*us)(double))
         TDM_PP_EV("{\"ph\": \"M\", \"pid\": %d, \"tid\": %d, \"name\": \"thread_name\", "
                   "\"args\": {\"name\": \"stage %d\"}}", pid, s, s);
         for (int i = 0; i < sh->steps; i++) {
-            const double *e = TDM_CMP_PP_AT(sh, off_ev, double) +
+            const double *e = TDM_CMP_SHARED_AT(sh, off_ev, double) +
                               ((size_t)i * (size_t)sh->S + (size_t)s) * (size_t)sh->n_ev * 4;
             for (int k = 0; k < sh->n_ev; k++, e += 4) {
                 if (e[0] < 0) continue;

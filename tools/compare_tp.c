@@ -21,8 +21,8 @@
 #include <sys/mman.h>
 
 #include "models/optim.h"
-#include "models/train.h"
 #include "tools/compare.h"
+#include "tools/compare_mesh.h"
 #include "tools/ranks.h"
 #include "tp/tp.h"
 
@@ -48,7 +48,6 @@ typedef struct tdm_cmp_tp_shared {
     size_t off_loss, off_step, off_phase, off_params, total;
 } tdm_cmp_tp_shared;
 
-#define TDM_CMP_TP_AT(sh, off, type) ((type *)((char *)(sh) + (sh)->off))
 
 typedef struct tdm_cmp_tp_run {
     const tdm_cmp_opts *o;
@@ -67,11 +66,11 @@ static tdm_status tdm_cmp_tp_rank_run(void *ctx, tdm_dist_rank *d, void *self)
     tdm_dist_stepper s = {.w = r->w, .opt = r->opt, .comm = d->comm, .rank = r->rank,
                           .world = r->world, .global_batch = c->o->batch};
     int k = r->rank, B = c->o->batch;
-    float *x = malloc((size_t)B * (size_t)tdm_cmp_feat(c->data) * sizeof(float));
-    int32_t *y = malloc((size_t)B * (size_t)tdm_cmp_targets(c->data) * sizeof(int32_t));
-    tdm_status st = x && y ? TDM_STATUS_OK
-                           : tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "compare: tp rank %d: a "
-                                           "batch of %d", k, B);
+    float *x = NULL;
+    int32_t *y = NULL;
+    char who[32];
+    snprintf(who, sizeof who, "tp rank %d", k);
+    tdm_status st = tdm_cmp_batch_new(c->data, B, who, &x, &y);
     tdm_comm *tc = tdm_mesh_comm(d->mesh, TDM_MESH_TP);
     tdm_comm_traffic t0, t1;
     tdm_comm_traffic_get(tc, &t0);
@@ -84,20 +83,20 @@ static tdm_status tdm_cmp_tp_rank_run(void *ctx, tdm_dist_rank *d, void *self)
         uint64_t e = tdm_time_ns();
         if (st) break;
         size_t at = (size_t)i * (size_t)sh->N + (size_t)k;
-        if (k == 0) TDM_CMP_TP_AT(sh, off_loss, double)[i] = loss;
-        TDM_CMP_TP_AT(sh, off_step, double)[at] = (double)(e - a) * 1e-6;
+        if (k == 0) TDM_CMP_SHARED_AT(sh, off_loss, double)[i] = loss;
+        TDM_CMP_SHARED_AT(sh, off_step, double)[at] = (double)(e - a) * 1e-6;
         tdm_tp_stats ts;
         tdm_tool_tp_stats(r, &ts);
         double v[TDM_CMP_TP_PHASES] = {
             ts.sum.forward - prev.sum.forward, ts.sum.fwd_allreduce - prev.sum.fwd_allreduce,
             ts.sum.loss - prev.sum.loss, ts.sum.backward - prev.sum.backward,
             ts.sum.bwd_allreduce - prev.sum.bwd_allreduce, ts.sum.step - prev.sum.step};
-        memcpy(TDM_CMP_TP_AT(sh, off_phase, double) + at * TDM_CMP_TP_PHASES, v, sizeof v);
+        memcpy(TDM_CMP_SHARED_AT(sh, off_phase, double) + at * TDM_CMP_TP_PHASES, v, sizeof v);
         prev = ts;
     }
     tdm_comm_traffic_get(tc, &t1);
     if (st == TDM_STATUS_OK)
-        st = b->design->params(r, k == 0 ? TDM_CMP_TP_AT(sh, off_params, float) : NULL, 0);
+        st = b->design->params(r, k == 0 ? TDM_CMP_SHARED_AT(sh, off_params, float) : NULL, 0);
     if (st == TDM_STATUS_OK) {
         tdm_tp_stats ts;
         tdm_tool_tp_stats(r, &ts);
@@ -123,85 +122,27 @@ static tdm_cmp_tp_shared tdm_cmp_tp_layout(int N, int steps, int64_t pe)
 {
     size_t n = (size_t)steps * (size_t)N;
     tdm_cmp_tp_shared lay = {.N = N, .steps = steps, .param_elems = pe};
-    size_t off = (sizeof lay + 63) & ~(size_t)63;
-#define TDM_CMP_TP_PLACE(field, bytes) (lay.field = off, off = (off + (bytes) + 63) & ~(size_t)63)
-    TDM_CMP_TP_PLACE(off_loss, (size_t)steps * sizeof(double));
-    TDM_CMP_TP_PLACE(off_step, n * sizeof(double));
-    TDM_CMP_TP_PLACE(off_phase, n * TDM_CMP_TP_PHASES * sizeof(double));
-    TDM_CMP_TP_PLACE(off_params, (size_t)pe * sizeof(float));
-#undef TDM_CMP_TP_PLACE
+    size_t off = tdm_cmp_place_start(sizeof lay);
+    lay.off_loss = tdm_cmp_place(&off, (size_t)steps * sizeof(double));
+    lay.off_step = tdm_cmp_place(&off, n * sizeof(double));
+    lay.off_phase = tdm_cmp_place(&off, n * TDM_CMP_TP_PHASES * sizeof(double));
+    lay.off_params = tdm_cmp_place(&off, (size_t)pe * sizeof(float));
     lay.total = off;
     return lay;
 }
 
-/* ---- one device, plain steps ---- */
-
-static tdm_status tdm_cmp_tp_reference(const tdm_cmp_opts *o, const tdm_cmp_data *data,
-                                       const tdm_model_spec *spec, double *loss, float *params)
-{
-    tdm_device *dev = NULL;
-    tdm_model *m = NULL;
-    tdm_optim *opt = NULL;
-    int B = o->batch;
-    float *x = malloc((size_t)B * (size_t)tdm_cmp_feat(data) * sizeof(float));
-    int32_t *y = malloc((size_t)B * (size_t)tdm_cmp_targets(data) * sizeof(int32_t));
-    tdm_optim_opts oo;
-    tdm_optim_opts_named(&oo, o->optim, o->lr, o->weight_decay, o->momentum, 0);
-    tdm_status st = x && y ? TDM_STATUS_OK
-                           : tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "compare: a batch of %d", B);
-    if (!st) st = tdm_device_open(&dev, "cpu", 0, 1);
-    if (!st) st = tdm_model_init(&m, dev, spec, o->seed);
-    if (!st) st = tdm_optim_init(&opt, m, &oo);
-    for (int i = 0; !st && i < o->steps; i++) {
-        tdm_cmp_rows(data, i, B, 0, B, x, y);
-        st = tdm_model_zero_grad(m);
-        if (!st) st = tdm_model_forward_backward(m, x, y, B, &loss[i]);
-        if (!st) st = tdm_optim_step(opt);
-    }
-    if (!st) memcpy(params, tdm_model_params(m), (size_t)tdm_model_param_elems(m) * 4);
-    tdm_optim_free(opt);
-    tdm_model_free(m);
-    tdm_device_free(dev);
-    free(x);
-    free(y);
-    return st;
-}
-
 /* ---- printing ---- */
-
-static int tdm_cmp_tp_warm(const tdm_cmp_opts *o) { return o->warmup < o->steps ? o->warmup : 0; }
 
 static double tdm_cmp_tp_mean(const tdm_cmp_opts *o, const tdm_cmp_tp_shared *sh, int k, int f)
 {
     int n = 0;
     double sum = 0.0;
-    for (int i = tdm_cmp_tp_warm(o); i < sh->steps; i++, n++) {
+    for (int i = tdm_cmp_warm(o); i < sh->steps; i++, n++) {
         size_t at = (size_t)i * (size_t)sh->N + (size_t)k;
-        sum += f < 0 ? TDM_CMP_TP_AT(sh, off_step, double)[at]
-                     : TDM_CMP_TP_AT(sh, off_phase, double)[at * TDM_CMP_TP_PHASES + (size_t)f];
+        sum += f < 0 ? TDM_CMP_SHARED_AT(sh, off_step, double)[at]
+                     : TDM_CMP_SHARED_AT(sh, off_phase, double)[at * TDM_CMP_TP_PHASES + (size_t)f];
     }
     return n ? sum / n : 0.0;
-}
-
-/* The median post-warm-up step, a step being its slowest rank's. */
-static double tdm_cmp_tp_median_step(const tdm_cmp_opts *o, const tdm_cmp_tp_shared *sh)
-{
-    int n = 0;
-    double *t = malloc((size_t)sh->steps * sizeof *t);
-    if (!t) return 0.0;
-    for (int i = tdm_cmp_tp_warm(o); i < sh->steps; i++) {
-        double most = 0.0;
-        for (int k = 0; k < sh->N; k++) {
-            double v = TDM_CMP_TP_AT(sh, off_step, double)[(size_t)i * (size_t)sh->N + (size_t)k];
-            most = v > most ? v : most;
-        }
-        int j = n++;
-        for (; j > 0 && t[j - 1] > most; j--) t[j] = t[j - 1];
-        t[j] = most;
-    }
-    double med = n ? (n % 2 ? t[n / 2] : 0.5 * (t[n / 2 - 1] + t[n / 2])) : 0.0;
-    free(t);
-    return med;
 }
 
 static void tdm_cmp_tp_print(const tdm_cmp_opts *o, const tdm_model_spec *spec,
@@ -212,7 +153,7 @@ static void tdm_cmp_tp_print(const tdm_cmp_opts *o, const tdm_model_spec *spec,
                                                          "optimizer"};
     const double mib = 1.0 / (1024.0 * 1024.0);
     printf("\ntensor-parallel phases (ms per step, mean over steps %d..%d; the all-reduces are "
-           "exposed: the next layer needs their result):\n  %-16s", tdm_cmp_tp_warm(o) + 1,
+           "exposed: the next layer needs their result):\n  %-16s", tdm_cmp_warm(o) + 1,
            o->steps, "");
     for (int k = 0; k < sh->N; k++) printf("    rank %-3d", k);
     printf("\n");
@@ -240,8 +181,8 @@ static void tdm_cmp_tp_print(const tdm_cmp_opts *o, const tdm_model_spec *spec,
 static int tdm_cmp_tp_verdict(const tdm_cmp_opts *o, const tdm_cmp_tp_shared *sh,
                               const double *ref_loss, const float *ref_p)
 {
-    const float *p = TDM_CMP_TP_AT(sh, off_params, float);
-    const double *loss = TDM_CMP_TP_AT(sh, off_loss, double);
+    const float *p = TDM_CMP_SHARED_AT(sh, off_params, float);
+    const double *loss = TDM_CMP_SHARED_AT(sh, off_loss, double);
     double pd = 0.0, ld = 0.0, worst = 0.0;
     for (int64_t i = 0; i < sh->param_elems; i++) {
         double d = fabs((double)p[i] - (double)ref_p[i]);
@@ -279,42 +220,26 @@ int tdm_cmp_tp_section(const tdm_cmp_opts *o, const tdm_cmp_data *data,
     b.spec = *spec;
     tdm_optim_opts_named(&b.optim, o->optim, o->lr, o->weight_decay, o->momentum, 0);
     tdm_cmp_tp_shared lay = tdm_cmp_tp_layout(N, o->steps, pe);
-    tdm_cmp_tp_shared *sh = mmap(NULL, lay.total, PROT_READ | PROT_WRITE,
-                                 MAP_SHARED | MAP_ANONYMOUS, -1, 0);
-    if (sh == MAP_FAILED) {
-        perror("tandem compare: mmap");
-        return -1;
-    }
+    tdm_cmp_tp_shared *sh = tdm_cmp_map_shared(lay.total);
+    if (!sh) return -1;
     *sh = lay;
     tdm_cmp_tp_run c = {.o = o, .data = data, .sh = sh};
     b.tool = &c;
-    tdm_dist_design d = b.design->dist;
-    d.run = tdm_cmp_tp_rank_run;
-    tdm_dist_run_opts ro = {.devices = &o->dl, .spec = o->device, .world = N,
-                            .run_timeout_ms = TDM_CMP_RUN_TIMEOUT_MS};
-    tdm_status st = tdm_dist_timeout_from_env(&ro.timeout_ms);
-    if (!st && !ro.timeout_ms) ro.timeout_ms = TDM_DIST_TIMEOUT_DEFAULT_MS;
-    fflush(stdout);
-    if (!st) st = tdm_dist_run(&d, &b, &ro);
+    tdm_status st = tdm_cmp_mesh_run(o, &b, tdm_cmp_tp_rank_run, N);
     double *ref_loss = calloc((size_t)o->steps, sizeof *ref_loss);
     float *ref_p = malloc((size_t)(pe > 0 ? pe : 1) * sizeof *ref_p);
     if (!st && (!ref_loss || !ref_p))
         st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "compare: tp reference");
-    if (!st) st = tdm_cmp_tp_reference(o, data, spec, ref_loss, ref_p);
+    if (!st) st = tdm_cmp_reference(o, data, spec, 0, ref_loss, ref_p);
     int verdict = -1;
     if (st) {
         fprintf(stderr, "tandem compare: tp: %s\n", tdm_error_message());
     } else {
-        double med = tdm_cmp_tp_median_step(o, sh), s1 = 0, lo = 0, hi = 0, sd = 0;
-        tdm_cmp_step_stats(o, single, &s1, &lo, &hi);
-        if (ddp && ddp->ok) tdm_cmp_step_stats(o, ddp, &sd, &lo, &hi);
-        printf("\ntensor-parallel throughput (median step over steps %d..%d; a step is the "
-               "slowest rank's):\n  tp(%d): "
-               "%.3f ms/step = %.0f samples/s = %.2fx one device (%.0f samples/s)",
-               tdm_cmp_tp_warm(o) + 1, o->steps, N, med, med > 0 ? o->batch / med * 1e3 : 0.0,
-               s1 > 0 && med > 0 ? s1 / med : 0.0, s1 > 0 ? o->batch / s1 * 1e3 : 0.0);
-        if (sd > 0 && med > 0) printf(", %.2fx DDP(%d)", sd / med, ddp->n_dev);
-        printf("\n");
+        double med = tdm_cmp_slowest_median(o, TDM_CMP_SHARED_AT(sh, off_step, double), sh->steps,
+                                            sh->N);
+        char what[24];
+        snprintf(what, sizeof what, "tp(%d)", N);
+        tdm_cmp_mesh_speed(o, "tensor-parallel", "rank", what, med, single, ddp);
         tdm_cmp_tp_print(o, spec, sh);
         verdict = tdm_cmp_tp_verdict(o, sh, ref_loss, ref_p);
         printf("\ntensor-parallel reading: each rank computes 1/%d of every split layer's "
