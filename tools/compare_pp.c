@@ -30,10 +30,14 @@
  * tests/test_pp.c measures them. */
 #define TDM_CMP_PP_GPT_PARAM_TOL 1e-4
 #define TDM_CMP_PP_GPT_LOSS_TOL 1e-5
-#define TDM_CMP_PP_PHASES 7   /* forward, backward, loss, recv, send, bubble, pipeline */
+/* forward, backward, loss, recv, send, bubble, pipeline, and with replicas
+ * DDP's gradient sync over the dp dimension */
+#define TDM_CMP_PP_PHASES 8
 
 typedef struct tdm_cmp_pp_shared {
     int S, M, steps, n_ev;    /* n_ev: events per stage per step (2M) */
+    int D, W;                 /* replicas (--mesh dp=D,pp=S) and ranks, D * S: the step
+                                 times are every rank's, the rest replica 0's stages' */
     int64_t param_elems;
     int lo[TDM_CMP_MAX_DEV], hi[TDM_CMP_MAX_DEV];
     double mem[TDM_CMP_MAX_DEV][6];   /* params, grads, optimizer, peak act, sets, set bytes */
@@ -60,8 +64,11 @@ static tdm_status tdm_cmp_pp_rank_run(void *ctx, tdm_dist_rank *d, void *self)
     tdm_cmp_pp_shared *sh = c->sh;
     tdm_tool_rank *r = self;
     tdm_pp *p = tdm_tool_pp_of(r);
-    int s = tdm_pp_stage(p), S = sh->S, B = c->o->batch;
-    (void)d;
+    int s = tdm_pp_stage(p), S = sh->S, B = c->o->batch, rep0 = d->coord[TDM_MESH_DP] == 0;
+    /* the design's step: this replica's share of the global batch, DDP
+     * over the replicas */
+    tdm_dist_stepper stp = {.w = r->w, .opt = r->opt, .comm = d->comm, .rank = r->rank,
+                            .world = r->world, .global_batch = B};
     float *x = NULL;
     int32_t *y = NULL;
     char who[32];
@@ -71,18 +78,21 @@ static tdm_status tdm_cmp_pp_rank_run(void *ctx, tdm_dist_rank *d, void *self)
         tdm_cmp_rows(c->data, i, B, 0, B, x, y);
         double loss = 0.0;
         uint64_t t0 = tdm_time_ns();
-        st = tdm_pp_step(p, x, y, B, &loss);
+        st = b->design->step(&stp, x, y, B, &loss);
         uint64_t t1 = tdm_time_ns();
         if (st) break;
         size_t k = (size_t)i * (size_t)S + (size_t)s;
-        if (s == 0) TDM_CMP_SHARED_AT(sh, off_loss, double)[i] = loss;
-        TDM_CMP_SHARED_AT(sh, off_step, double)[k] = (double)(t1 - t0) * 1e-6;
+        if (r->rank == 0) TDM_CMP_SHARED_AT(sh, off_loss, double)[i] = loss;
+        TDM_CMP_SHARED_AT(sh, off_step, double)[(size_t)i * (size_t)sh->W + (size_t)r->rank] =
+            (double)(t1 - t0) * 1e-6;
+        if (!rep0) continue;
         TDM_CMP_SHARED_AT(sh, off_t0, double)[k] = (double)(t0 - c->t_start) * 1e-6;
         tdm_pp_stats ps;
         tdm_pp_get_stats(p, &ps);
         const tdm_pp_phases *ph = &ps.last;
         double v[TDM_CMP_PP_PHASES] = {ph->forward, ph->backward, ph->loss, ph->recv_wait,
-                                       ph->send_wait, ph->bubble, ph->pipeline};
+                                       ph->send_wait, ph->bubble, ph->pipeline,
+                                       ph->grad_sync};
         memcpy(TDM_CMP_SHARED_AT(sh, off_phase, double) + k * TDM_CMP_PP_PHASES, v, sizeof v);
         const tdm_pp_event *ev;
         int n;
@@ -99,8 +109,11 @@ static tdm_status tdm_cmp_pp_rank_run(void *ctx, tdm_dist_rank *d, void *self)
         }
     }
     if (st == TDM_STATUS_OK)
-        st = tdm_pp_gather_params(p, s == 0 ? TDM_CMP_SHARED_AT(sh, off_params, float) : NULL, 0);
-    if (st == TDM_STATUS_OK) {
+        st = b->design->params(r, r->rank == 0 ? TDM_CMP_SHARED_AT(sh, off_params, float) : NULL,
+                               0);
+    if (st == TDM_STATUS_OK && !rep0) {
+        /* replica 0's stages speak for the pipeline */
+    } else if (st == TDM_STATUS_OK) {
         tdm_pp_stats ps;
         tdm_pp_get_stats(p, &ps);
         tdm_model_stage_info si;
@@ -116,20 +129,22 @@ static tdm_status tdm_cmp_pp_rank_run(void *ctx, tdm_dist_rank *d, void *self)
             sh->transfers = (double)ps.transfers;
         }
     } else {
-        fprintf(stderr, "tandem compare: pp stage %d: %s\n", s, tdm_error_message());
+        fprintf(stderr, "tandem compare: pp stage %d of replica %d: %s\n", s,
+                d->coord[TDM_MESH_DP], tdm_error_message());
     }
     free(x);
     free(y);
     return st;
 }
 
-static tdm_cmp_pp_shared tdm_cmp_pp_layout(int S, int M, int steps, int64_t pe)
+static tdm_cmp_pp_shared tdm_cmp_pp_layout(int D, int S, int M, int steps, int64_t pe)
 {
     size_t n = (size_t)steps * (size_t)S;
-    tdm_cmp_pp_shared lay = {.S = S, .M = M, .steps = steps, .n_ev = 2 * M, .param_elems = pe};
+    tdm_cmp_pp_shared lay = {.S = S, .M = M, .steps = steps, .n_ev = 2 * M, .param_elems = pe,
+                             .D = D, .W = D * S};
     size_t off = tdm_cmp_place_start(sizeof lay);
     lay.off_loss = tdm_cmp_place(&off, (size_t)steps * sizeof(double));
-    lay.off_step = tdm_cmp_place(&off, n * sizeof(double));
+    lay.off_step = tdm_cmp_place(&off, (size_t)steps * (size_t)lay.W * sizeof(double));
     lay.off_t0 = tdm_cmp_place(&off, n * sizeof(double));
     lay.off_phase = tdm_cmp_place(&off, n * TDM_CMP_PP_PHASES * sizeof(double));
     lay.off_ev = tdm_cmp_place(&off, n * (size_t)lay.n_ev * 4 * sizeof(double));
@@ -154,11 +169,13 @@ static void tdm_cmp_pp_print_phases(const tdm_cmp_opts *o, const tdm_cmp_pp_shar
 {
     static const char *const name[TDM_CMP_PP_PHASES] = {"forward", "backward", "loss",
                                                          "recv wait", "send wait", "bubble",
-                                                         "pipeline"};
-    printf("\npipeline phases (ms per step, mean over steps %d..%d; bubble = pipeline - "
+                                                         "pipeline", "grad sync"};
+    printf("\npipeline phases (ms per step, mean over steps %d..%d%s; bubble = pipeline - "
            "forward - backward - loss: the time a stage waited on the pipeline, of which send "
-           "and recv wait are the part blocked on a transfer):\n",
-           tdm_cmp_warm(o) + 1, o->steps);
+           "and recv wait are the part blocked on a transfer%s):\n",
+           tdm_cmp_warm(o) + 1, o->steps, sh->D > 1 ? ", replica 0's stages" : "",
+           sh->D > 1 ? "; grad sync: DDP's sum over the dp dimension, begun with the last "
+                       "micro-batch's backward" : "");
     printf("  %-12s", "");
     for (int s = 0; s < sh->S; s++) printf("   stage %-3d", s);
     printf("\n  %-12s", "layers");
@@ -168,7 +185,7 @@ static void tdm_cmp_pp_print_phases(const tdm_cmp_opts *o, const tdm_cmp_pp_shar
         printf("  %10s", l);
     }
     printf("\n");
-    for (int f = 0; f < TDM_CMP_PP_PHASES; f++) {
+    for (int f = 0; f < TDM_CMP_PP_PHASES - (sh->D > 1 ? 0 : 1); f++) {
         printf("  %-12s", name[f]);
         for (int s = 0; s < sh->S; s++) printf("  %10.3f", tdm_cmp_pp_phase(o, sh, s, f));
         printf("\n");
@@ -206,6 +223,13 @@ static void tdm_cmp_pp_print_memory(const tdm_cmp_pp_shared *sh, tdm_pp_schedule
     }
 }
 
+/* "pp(2)", or with replicas "dp(2) x pp(2)". */
+static void tdm_cmp_pp_label(const tdm_cmp_pp_shared *sh, char *buf, size_t n)
+{
+    if (sh->D > 1) snprintf(buf, n, "dp(%d) x pp(%d)", sh->D, sh->S);
+    else snprintf(buf, n, "pp(%d)", sh->S);
+}
+
 /* Equivalence: every step's loss and the final parameters against one
  * host device with gradient accumulation over the same micro-batches. */
 static int tdm_cmp_pp_verdict(const tdm_cmp_opts *o, const tdm_model_spec *spec,
@@ -224,46 +248,53 @@ static int tdm_cmp_pp_verdict(const tdm_cmp_opts *o, const tdm_model_spec *spec,
     for (int i = 0; i < o->steps; i++)
         if (fabs(loss[i] - ref_loss[i]) > ld) ld = fabs(loss[i] - ref_loss[i]);
     int host = o->dl.kind == TDM_DEVICE_HOST, gpt = spec->kind == TDM_MODEL_GPT;
+    int K = sh->M * sh->D;   /* the replicas' micro-batches, in order: one device's */
+    char who[48];
+    tdm_cmp_pp_label(sh, who, sizeof who);
     printf("\npipeline equivalence (vs one host device, --grad-accum %d over the same "
-           "micro-batches of %d):\n", sh->M, (o->batch + sh->M - 1) / sh->M);
-    if (host && !gpt) {
+           "micro-batches of %d):\n", K, (o->batch + K - 1) / K);
+    if (host && !gpt && sh->D == 1) {
         int ok = diff == 0 && ld == 0.0;
-        printf("  pp(%d): %lld of %lld parameters differ, largest loss difference %.3g over %d "
+        printf("  %s: %lld of %lld parameters differ, largest loss difference %.3g over %d "
                "steps -> %s (bit for bit expected: the same micro-batches added in the same "
-               "order)\n", sh->S, (long long)diff, (long long)n, ld, o->steps,
+               "order)\n", who, (long long)diff, (long long)n, ld, o->steps,
                ok ? "BITWISE IDENTICAL" : "FAIL");
         return ok;
     }
     double ptol = TDM_CMP_PP_GPT_PARAM_TOL, ltol = TDM_CMP_PP_GPT_LOSS_TOL;
     int ok = pd <= ptol && ld <= ltol;
-    printf("  pp(%d): largest parameter difference %.3g (bound %.0e), loss %.3g (bound %.0e) "
-           "-> %s (%s)\n", sh->S, pd, ptol, ld, ltol, ok ? "PASS" : "FAIL",
-           gpt ? "the GPT's tied embedding: its two shares add in another order than on one "
-                 "device"
-               : "devices that are not the reference's host");
+    printf("  %s: largest parameter difference %.3g (bound %.0e), loss %.3g (bound %.0e) "
+           "-> %s (%s)\n", who, pd, ptol, ld, ltol, ok ? "PASS" : "FAIL",
+           sh->D > 1 ? "DDP adds each replica's sum of its micro-batches' gradients, one device "
+                       "all of them in one sequence: the same additions in another order"
+           : gpt ? "the GPT's tied embedding: its two shares add in another order than on one "
+                   "device"
+                 : "devices that are not the reference's host");
     return ok;
 }
 
 /* ---- the section ---- */
 
-/* Runs a pipeline of S stages over the global batches: its records, in
- * a shared mapping (NULL on failure, said). */
+/* Runs D replicas of a pipeline of S stages (--mesh dp=D,pp=S; D = 1:
+ * one pipeline) over the global batches: its records, in a shared
+ * mapping (NULL on failure, said). */
 static tdm_cmp_pp_shared *tdm_cmp_pp_go(const tdm_cmp_opts *o, const tdm_cmp_data *data,
-                                        const tdm_model_spec *spec, int S, int M,
+                                        const tdm_model_spec *spec, int D, int S, int M,
                                         tdm_pp_schedule_kind kind)
 {
     int64_t pe = tdm_cmp_param_elems(o);
     tdm_tool_build b = {.design = &tdm_tool_pp_design, .cmd = "tandem compare", .seed = o->seed,
-                        .pp = {.stages = S, .micro = M, .schedule = kind, .batch = o->batch}};
+                        .pp = {.stages = S, .micro = M, .schedule = kind, .batch = o->batch,
+                               .mesh = D > 1 ? o->mesh : NULL}};
     b.spec = *spec;
     tdm_optim_opts_named(&b.optim, o->optim, o->lr, o->weight_decay, o->momentum, 0);
-    tdm_cmp_pp_shared lay = tdm_cmp_pp_layout(S, M, o->steps, pe);
+    tdm_cmp_pp_shared lay = tdm_cmp_pp_layout(D, S, M, o->steps, pe);
     tdm_cmp_pp_shared *sh = tdm_cmp_map_shared(lay.total);
     if (!sh) return NULL;
     *sh = lay;
     tdm_cmp_pp_run c = {.o = o, .data = data, .sh = sh, .t_start = tdm_time_ns()};
     b.tool = &c;
-    tdm_status st = tdm_cmp_mesh_run(o, &b, tdm_cmp_pp_rank_run, S);
+    tdm_status st = tdm_cmp_mesh_run(o, &b, tdm_cmp_pp_rank_run, D * S);
     if (st) {
         fprintf(stderr, "tandem compare: pp: %s\n", tdm_error_message());
         munmap(sh, lay.total);
@@ -275,7 +306,7 @@ static tdm_cmp_pp_shared *tdm_cmp_pp_go(const tdm_cmp_opts *o, const tdm_cmp_dat
 /* The median post-warm-up step's samples/s. */
 static double tdm_cmp_pp_sps(const tdm_cmp_opts *o, const tdm_cmp_pp_shared *sh, double *med)
 {
-    *med = tdm_cmp_slowest_median(o, TDM_CMP_SHARED_AT(sh, off_step, double), sh->steps, sh->S);
+    *med = tdm_cmp_slowest_median(o, TDM_CMP_SHARED_AT(sh, off_step, double), sh->steps, sh->W);
     return *med > 0 ? o->batch / *med * 1e3 : 0.0;
 }
 
@@ -284,8 +315,8 @@ double tdm_cmp_pp_sweep_sps(const tdm_cmp_opts *o, const tdm_cmp_data *data,
 {
     tdm_pp_schedule_kind kind = TDM_PP_1F1B;
     if (o->pp_schedule) (void)tdm_pp_schedule_parse(o->pp_schedule, &kind);   /* checked */
-    tdm_cmp_pp_shared *sh = tdm_cmp_pp_go(o, data, spec, S, o->pp_micro > 0 ? o->pp_micro : 4,
-                                          kind);
+    tdm_cmp_pp_shared *sh = tdm_cmp_pp_go(o, data, spec, 1, S,
+                                          o->pp_micro > 0 ? o->pp_micro : 4, kind);
     if (!sh) return -1.0;
     double med, sps = tdm_cmp_pp_sps(o, sh, &med);
     munmap(sh, sh->total);
@@ -297,11 +328,14 @@ int tdm_cmp_pp_section(const tdm_cmp_opts *o, const tdm_cmp_data *data,
                        const tdm_cmp_result *ddp)
 {
     int S = o->pp_stages > 0 ? o->pp_stages : o->n_dev, M = o->pp_micro > 0 ? o->pp_micro : 4;
+    int D = o->mesh_pp > 1 ? o->mesh_dp : 1, rows = (o->batch + D - 1) / D;
     tdm_pp_schedule_kind kind = TDM_PP_1F1B;
     if (o->pp_schedule) (void)tdm_pp_schedule_parse(o->pp_schedule, &kind);   /* checked */
-    printf("\nPipeline: pp(%d), %s, %d micro-batches of %d\n  running pp...\n", S,
-           tdm_pp_schedule_name(kind), M, (o->batch + M - 1) / M);
-    tdm_cmp_pp_shared *sh = tdm_cmp_pp_go(o, data, spec, S, M, kind);
+    char rep[40] = "";
+    if (D > 1) snprintf(rep, sizeof rep, "dp(%d) x ", D);
+    printf("\nPipeline: %spp(%d), %s, %d micro-batches of %d%s\n  running pp...\n", rep, S,
+           tdm_pp_schedule_name(kind), M, (rows + M - 1) / M, D > 1 ? " per replica" : "");
+    tdm_cmp_pp_shared *sh = tdm_cmp_pp_go(o, data, spec, D, S, M, kind);
     if (!sh) return -1;
     int64_t pe = sh->param_elems;
     double *ref_loss = calloc((size_t)o->steps, sizeof *ref_loss);
@@ -309,7 +343,7 @@ int tdm_cmp_pp_section(const tdm_cmp_opts *o, const tdm_cmp_data *data,
     tdm_status st = ref_loss && ref_p ? TDM_STATUS_OK
                                       : tdm_error_set(TDM_STATUS_OUT_OF_MEMORY,
                                                       "compare: pp reference");
-    if (!st) st = tdm_cmp_reference(o, data, spec, M, ref_loss, ref_p);
+    if (!st) st = tdm_cmp_reference(o, data, spec, D * M, ref_loss, ref_p);
     int verdict = -1;
     if (st) {
         fprintf(stderr, "tandem compare: pp: %s\n", tdm_error_message());
@@ -317,7 +351,7 @@ int tdm_cmp_pp_section(const tdm_cmp_opts *o, const tdm_cmp_data *data,
         double med;
         (void)tdm_cmp_pp_sps(o, sh, &med);
         char what[48];
-        snprintf(what, sizeof what, "pp(%d) %s M=%d", S, tdm_pp_schedule_name(kind), M);
+        snprintf(what, sizeof what, "%spp(%d) %s M=%d", rep, S, tdm_pp_schedule_name(kind), M);
         tdm_cmp_mesh_speed(o, "pipeline", "stage", what, med, single, ddp);
         double bubble = 0.0;
         tdm_cmp_pp_print_phases(o, sh, &bubble);

@@ -20,6 +20,7 @@
 #include <string.h>
 #include <sys/mman.h>
 
+#include "dist/batch.h"
 #include "models/optim.h"
 #include "tools/compare.h"
 #include "tools/compare_mesh.h"
@@ -35,10 +36,13 @@
 #define TDM_CMP_TP_ATOL 1e-4
 #define TDM_CMP_TP_RTOL 1e-3
 #define TDM_CMP_TP_LOSS 1e-3
-#define TDM_CMP_TP_PHASES 6   /* forward, fwd all-reduce, loss, backward, bwd all-reduce, step */
+/* forward, fwd all-reduce, loss, backward, bwd all-reduce, optimizer, and
+ * with replicas the gradients' sum over the dp dimension */
+#define TDM_CMP_TP_PHASES 7
 
 typedef struct tdm_cmp_tp_shared {
-    int N, steps;
+    int N, steps;                        /* N: every rank (D * T) */
+    int D, T;                            /* replicas (--mesh dp=D,tp=T) and the group's size */
     int64_t param_elems;
     double mem[TDM_CMP_MAX_DEV][4];      /* params, grads, optimizer, activations */
     double split[TDM_CMP_MAX_DEV][2];    /* split elements, one device's */
@@ -90,7 +94,8 @@ static tdm_status tdm_cmp_tp_rank_run(void *ctx, tdm_dist_rank *d, void *self)
         double v[TDM_CMP_TP_PHASES] = {
             ts.sum.forward - prev.sum.forward, ts.sum.fwd_allreduce - prev.sum.fwd_allreduce,
             ts.sum.loss - prev.sum.loss, ts.sum.backward - prev.sum.backward,
-            ts.sum.bwd_allreduce - prev.sum.bwd_allreduce, ts.sum.step - prev.sum.step};
+            ts.sum.bwd_allreduce - prev.sum.bwd_allreduce, ts.sum.step - prev.sum.step,
+            ts.sum.grad_sync - prev.sum.grad_sync};
         memcpy(TDM_CMP_SHARED_AT(sh, off_phase, double) + at * TDM_CMP_TP_PHASES, v, sizeof v);
         prev = ts;
     }
@@ -118,10 +123,11 @@ static tdm_status tdm_cmp_tp_rank_run(void *ctx, tdm_dist_rank *d, void *self)
     return st;
 }
 
-static tdm_cmp_tp_shared tdm_cmp_tp_layout(int N, int steps, int64_t pe)
+static tdm_cmp_tp_shared tdm_cmp_tp_layout(int D, int T, int steps, int64_t pe)
 {
+    int N = D * T;
     size_t n = (size_t)steps * (size_t)N;
-    tdm_cmp_tp_shared lay = {.N = N, .steps = steps, .param_elems = pe};
+    tdm_cmp_tp_shared lay = {.N = N, .D = D, .T = T, .steps = steps, .param_elems = pe};
     size_t off = tdm_cmp_place_start(sizeof lay);
     lay.off_loss = tdm_cmp_place(&off, (size_t)steps * sizeof(double));
     lay.off_step = tdm_cmp_place(&off, n * sizeof(double));
@@ -150,24 +156,28 @@ static void tdm_cmp_tp_print(const tdm_cmp_opts *o, const tdm_model_spec *spec,
 {
     static const char *const name[TDM_CMP_TP_PHASES] = {"forward", "fwd all-reduce", "loss",
                                                          "backward", "bwd all-reduce",
-                                                         "optimizer"};
+                                                         "optimizer", "dp grad sum"};
     const double mib = 1.0 / (1024.0 * 1024.0);
     printf("\ntensor-parallel phases (ms per step, mean over steps %d..%d; the all-reduces are "
            "exposed: the next layer needs their result):\n  %-16s", tdm_cmp_warm(o) + 1,
            o->steps, "");
     for (int k = 0; k < sh->N; k++) printf("    rank %-3d", k);
     printf("\n");
-    for (int f = 0; f < TDM_CMP_TP_PHASES; f++) {
+    for (int f = 0; f < TDM_CMP_TP_PHASES - (sh->D > 1 ? 0 : 1); f++) {
         printf("  %-16s", name[f]);
         for (int k = 0; k < sh->N; k++) printf("  %10.3f", tdm_cmp_tp_mean(o, sh, k, f));
         printf("\n");
     }
     printf("  %-16s", "step");
     for (int k = 0; k < sh->N; k++) printf("  %10.3f", tdm_cmp_tp_mean(o, sh, k, -1));
-    int64_t plan = tdm_tp_step_bytes(spec, sh->N, o->batch);
     printf("\n\ntensor-parallel memory and communication per rank (MiB; split tensors: the "
-           "rank's elements of one device's):\n");
-    for (int k = 0; k < sh->N; k++)
+           "rank's elements of one device's%s):\n",
+           sh->D > 1 ? "; the all-reduces of its group over its replica's share of the batch"
+                     : "");
+    for (int k = 0; k < sh->N; k++) {
+        int64_t lo = 0, hi = o->batch;
+        tdm_dist_share(o->batch, k / sh->T, sh->D, &lo, &hi);
+        int64_t plan = tdm_tp_step_bytes(spec, sh->T, (int)(hi - lo));
         printf("  rank %d: params %.3f, grads %.3f, optimizer %.3f, activations %.3f; split "
                "tensors %.0f of %.0f elements; all-reduce payload handed to the communicator "
                "%.0f bytes per step in %.1f calls (the plan: %lld bytes in %d), which a ring "
@@ -175,7 +185,15 @@ static void tdm_cmp_tp_print(const tdm_cmp_opts *o, const tdm_model_spec *spec,
                sh->mem[k][0] * mib, sh->mem[k][1] * mib, sh->mem[k][2] * mib,
                sh->mem[k][3] * mib, sh->split[k][0], sh->split[k][1],
                sh->bytes[k] / sh->steps, sh->calls[k] / sh->steps, (long long)plan,
-               tdm_tp_step_allreduces(spec, sh->N), sh->sent[k] / sh->steps);
+               tdm_tp_step_allreduces(spec, sh->T), sh->sent[k] / sh->steps);
+    }
+}
+
+/* "tp(2)", or with replicas "dp(2) x tp(2)". */
+static void tdm_cmp_tp_label(const tdm_cmp_tp_shared *sh, char *buf, size_t n)
+{
+    if (sh->D > 1) snprintf(buf, n, "dp(%d) x tp(%d)", sh->D, sh->T);
+    else snprintf(buf, n, "tp(%d)", sh->T);
 }
 
 static int tdm_cmp_tp_verdict(const tdm_cmp_opts *o, const tdm_cmp_tp_shared *sh,
@@ -195,13 +213,15 @@ static int tdm_cmp_tp_verdict(const tdm_cmp_opts *o, const tdm_cmp_tp_shared *sh
         if (!(d <= ld)) ld = d;
     }
     int ok = worst <= 1.0 && ld <= TDM_CMP_TP_LOSS;
+    char who[40];
+    tdm_cmp_tp_label(sh, who, sizeof who);
     printf("\ntensor-parallel equivalence (vs one host device on the same batches, |a-b| <= "
-           "atol %.0e + rtol %.0e |b|, losses within rel %.0e): tp(%d): largest parameter "
+           "atol %.0e + rtol %.0e |b|, losses within rel %.0e): %s: largest parameter "
            "difference %.3g (%.2f of the allowed), loss rel %.3g over %d steps -> %s "
            "(row-parallel sums add the ranks' partial products in another order than one "
-           "device's gemm: float rounding, not bit for bit)\n", TDM_CMP_TP_ATOL,
-           TDM_CMP_TP_RTOL, TDM_CMP_TP_LOSS, sh->N, pd, worst, ld, o->steps,
-           ok ? "PASS" : "FAIL");
+           "device's gemm%s: float rounding, not bit for bit)\n", TDM_CMP_TP_ATOL,
+           TDM_CMP_TP_RTOL, TDM_CMP_TP_LOSS, who, pd, worst, ld, o->steps, ok ? "PASS" : "FAIL",
+           sh->D > 1 ? ", and the replicas' gradients are summed" : "");
     return ok;
 }
 
@@ -211,21 +231,24 @@ int tdm_cmp_tp_section(const tdm_cmp_opts *o, const tdm_cmp_data *data,
                        const tdm_model_spec *spec, const tdm_cmp_result *single,
                        const tdm_cmp_result *ddp)
 {
-    int N = o->n_dev;
+    int T = o->mesh_tp > 1 ? o->mesh_tp : o->n_dev, D = o->mesh_tp > 1 ? o->mesh_dp : 1;
     int64_t pe = tdm_cmp_param_elems(o);
-    printf("\nTensor parallel: tp(%d), %s\n  running tp...\n", N,
+    char rep[40] = "";
+    if (D > 1) snprintf(rep, sizeof rep, "dp(%d) x ", D);
+    printf("\nTensor parallel: %stp(%d), %s\n  running tp...\n", rep, T,
            spec->kind == TDM_MODEL_GPT ? "the GPT's attention split by heads, its MLP column/row"
                                        : "the MLP's layers as column/row-parallel pairs");
-    tdm_tool_build b = {.design = &tdm_tool_tp_design, .cmd = "tandem compare", .seed = o->seed};
+    tdm_tool_build b = {.design = &tdm_tool_tp_design, .cmd = "tandem compare", .seed = o->seed,
+                        .pp = {.mesh = o->mesh_tp > 1 ? o->mesh : NULL}};
     b.spec = *spec;
     tdm_optim_opts_named(&b.optim, o->optim, o->lr, o->weight_decay, o->momentum, 0);
-    tdm_cmp_tp_shared lay = tdm_cmp_tp_layout(N, o->steps, pe);
+    tdm_cmp_tp_shared lay = tdm_cmp_tp_layout(D, T, o->steps, pe);
     tdm_cmp_tp_shared *sh = tdm_cmp_map_shared(lay.total);
     if (!sh) return -1;
     *sh = lay;
     tdm_cmp_tp_run c = {.o = o, .data = data, .sh = sh};
     b.tool = &c;
-    tdm_status st = tdm_cmp_mesh_run(o, &b, tdm_cmp_tp_rank_run, N);
+    tdm_status st = tdm_cmp_mesh_run(o, &b, tdm_cmp_tp_rank_run, D * T);
     double *ref_loss = calloc((size_t)o->steps, sizeof *ref_loss);
     float *ref_p = malloc((size_t)(pe > 0 ? pe : 1) * sizeof *ref_p);
     if (!st && (!ref_loss || !ref_p))
@@ -237,8 +260,8 @@ int tdm_cmp_tp_section(const tdm_cmp_opts *o, const tdm_cmp_data *data,
     } else {
         double med = tdm_cmp_slowest_median(o, TDM_CMP_SHARED_AT(sh, off_step, double), sh->steps,
                                             sh->N);
-        char what[24];
-        snprintf(what, sizeof what, "tp(%d)", N);
+        char what[40];
+        tdm_cmp_tp_label(sh, what, sizeof what);
         tdm_cmp_mesh_speed(o, "tensor-parallel", "rank", what, med, single, ddp);
         tdm_cmp_tp_print(o, spec, sh);
         verdict = tdm_cmp_tp_verdict(o, sh, ref_loss, ref_p);
@@ -249,7 +272,7 @@ int tdm_cmp_tp_section(const tdm_cmp_opts *o, const tdm_cmp_data *data,
                "block), on the critical path. Where the gemms are small or the link slow, the all-reduces "
                "dominate and DDP (one gradient all-reduce per step, overlapped with backward) "
                "wins; TP pays off when a layer's weights are too large for one device or the "
-               "gemms are large beside the activations moved.\n", N, N);
+               "gemms are large beside the activations moved.\n", T, T);
     }
     free(ref_loss);
     free(ref_p);
