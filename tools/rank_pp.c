@@ -29,6 +29,7 @@
 #include "dist/step.h"
 #include "pp/pp.h"
 #include "tools/rank_mesh.h"
+#include "tools/rank_pptp.h"
 #include "tools/ranks.h"
 #include "tools/train_modes.h"
 
@@ -47,6 +48,10 @@ typedef struct tdm_tool_pp {
     int64_t zchunk;              /* elements per replica's slice */
     int rep, reps;               /* this replica, of how many */
     int in_elems, out_rows;      /* per sample of the whole model */
+    /* --mesh dp=D,pp=S,tp=N, N > 1: the stage is tensor-parallel
+     * (tools/rank_pptp.h) */
+    int tpn;
+    tdm_pptp tp;
 } tdm_tool_pp;
 
 tdm_pp *tdm_tool_pp_of(const tdm_tool_rank *r) { return ((const tdm_tool_pp *)r->w)->p; }
@@ -67,6 +72,15 @@ static tdm_status tdm_tool_pp_refuse(const char *what)
     return tdm_error_set(TDM_STATUS_USAGE, "%s: %s", what, why);
 }
 
+/* The first layer of each of S stages: --split, else pp/'s default
+ * balance of the whole model (what tdm_pp_init would choose). */
+static tdm_status tdm_tool_pp_first(const tdm_tool_build *b, int S, int *first)
+{
+    if (b->pp.split)
+        return tdm_pp_split_parse(b->pp.split, S, tdm_tool_pp_layers(&b->spec), first);
+    return tdm_pp_split_balance(&b->spec, S, TDM_PP_BALANCE_FLOPS, first);
+}
+
 tdm_status tdm_tool_pp_check(const tdm_tool_build *b, int world, tdm_mesh_shape *shape)
 {
     /* without --mesh: --stages S (default: every device) times the replicas */
@@ -76,10 +90,10 @@ tdm_status tdm_tool_pp_check(const tdm_tool_build *b, int world, tdm_mesh_shape 
                 "devices (or D*S with --mesh dp=D,pp=S)", S0, world);
     tdm_mesh_shape dflt = {.size = {world / S0, S0, 1}};
     TDM_CHECK(tdm_tool_mesh_parse(b, world, &dflt, shape));
-    int S = shape->size[TDM_MESH_PP];
-    TDM_REQUIRE(shape->size[TDM_MESH_TP] == 1, TDM_STATUS_USAGE,
-                "--mesh: tp=%d: --mode pp splits layers, not tensors (tp=1)",
-                shape->size[TDM_MESH_TP]);
+    int S = shape->size[TDM_MESH_PP], N = shape->size[TDM_MESH_TP];
+    TDM_REQUIRE(N == 1 || !b->pp.zero1, TDM_STATUS_USAGE,
+                "--sharding optimizer: not with tp=%d in the mesh (ZeRO-1 over the dp dimension "
+                "of tensor-parallel stages is not built)", N);
     TDM_REQUIRE(!b->pp.zero1 || shape->size[TDM_MESH_DP] >= 2, TDM_STATUS_USAGE,
                 "--sharding optimizer shards each stage's optimizer over the dp dimension: it "
                 "needs --mesh dp=D,pp=S with D >= 2 (dp is %d)", shape->size[TDM_MESH_DP]);
@@ -91,13 +105,17 @@ tdm_status tdm_tool_pp_check(const tdm_tool_build *b, int world, tdm_mesh_shape 
     if (L <= 0) return tdm_tool_pp_refuse("--model");
     TDM_REQUIRE(S <= L, TDM_STATUS_USAGE,
                 "%d stages but the model has %d pipeline layers: at most %d stages", S, L, L);
+    TDM_REQUIRE(S <= 64, TDM_STATUS_USAGE, "at most 64 stages (%d)", S);
+    int first[64];
     if (b->pp.split) {
-        int first[64];
-        TDM_REQUIRE(S <= 64, TDM_STATUS_USAGE, "--split: at most 64 stages");
         if (tdm_pp_split_parse(b->pp.split, S, L, first)) return tdm_tool_pp_refuse("--split");
         if (tdm_model_spec_check_split(&b->spec, first, S)) return tdm_tool_pp_refuse("--split");
     }
-    return TDM_STATUS_OK;
+    if (N == 1) return TDM_STATUS_OK;
+    tdm_pptp_cut cut[TDM_MODEL_MAX_DIMS];
+    tdm_model_spec narrow;
+    if (!b->pp.split && tdm_tool_pp_first(b, S, first)) return tdm_tool_pp_refuse("--model");
+    return tdm_pptp_plan(&b->spec, S, first, N, cut, &narrow);
 }
 
 size_t tdm_tool_pp_arena_bytes(const tdm_tool_build *b, const tdm_device_list *dl, int world,
@@ -129,6 +147,7 @@ static void tdm_rank_pp_free(void *ctx, void *self)
         tdm_optim_free(q->zopt);
         if (q->zbuf) tdm_dev_free(q->zdev, q->zbuf);
         tdm_pp_free(q->p);   /* owns r->m (and r->opt without ZeRO-1) */
+        tdm_pptp_fini(&q->tp);
         tdm_model_free(q->tables);
         tdm_tool_mesh_fini(&q->mesh);
         free(q);
@@ -227,11 +246,21 @@ static tdm_status tdm_rank_pp_setup(void *ctx, tdm_dist_rank *d, void **self)
     q->out_rows = tdm_model_out_rows(q->tables);
     int first[64];
     int S = d->shape.size[TDM_MESH_PP];
-    if (b->pp.split &&
-        (st = tdm_pp_split_parse(b->pp.split, S, tdm_tool_pp_layers(&b->spec), first)))
+    q->tpn = q->mesh.size[TDM_MESH_TP];
+    if ((b->pp.split || q->tpn > 1) && (st = tdm_tool_pp_first(b, S, first)))
         return tdm_tool_rank_fail(r, "--split", st);
+    /* tensor-parallel stages: pp/ builds the narrow model's stage */
+    const tdm_model_spec *spec = &b->spec;
+    if (q->tpn > 1) {
+        if ((st = tdm_pptp_init(&q->tp, &b->spec, S, first, q->tpn, q->mesh.coord[TDM_MESH_TP],
+                                q->mesh.dev[TDM_MESH_TP], q->mesh.host[TDM_MESH_TP], d->dev)))
+            return tdm_tool_rank_fail(r, "tensor-parallel stages", st);
+        q->tp.phost = pp_host;
+        spec = &q->tp.narrow;
+    }
     tdm_pp_opts o = {.schedule = b->pp.schedule, .micro_batches = b->pp.micro,
-                     .split = b->pp.split ? first : NULL, .seed = b->seed, .optim = b->optim,
+                     .split = b->pp.split || q->tpn > 1 ? first : NULL, .seed = b->seed,
+                     .optim = b->optim,
                      .batch = b->pp.batch > 0 ? (b->pp.batch + q->reps - 1) / q->reps : 0,
                      .micro_size = b->pp.batch > 0 ? ((b->pp.batch + q->reps - 1) / q->reps +
                                                       b->pp.micro - 1) / b->pp.micro : 0,
@@ -244,8 +273,10 @@ static tdm_status tdm_rank_pp_setup(void *ctx, tdm_dist_rank *d, void **self)
         q->zdev = d->dev;
         o.optim_step = (tdm_pp_optim_step){.fn = tdm_rank_pp_zero1_step, .ctx = q};
     }
-    if ((st = tdm_pp_init(&q->p, pp_dev, d->dev, &b->spec, &o)))
+    if ((st = tdm_pp_init(&q->p, pp_dev, d->dev, spec, &o)))
         return tdm_tool_rank_fail(r, "pipeline set-up", st);
+    if (q->tpn > 1 && (st = tdm_pptp_attach(&q->tp, q->p, b->seed)))
+        return tdm_tool_rank_fail(r, "tensor-parallel stage", st);
     r->m = tdm_pp_model(q->p);
     if (b->pp.zero1 && (st = tdm_rank_pp_zero1_init(q, &b->optim)))
         return tdm_tool_rank_fail(r, "ZeRO-1 optimizer over the dp dimension", st);
@@ -272,7 +303,14 @@ static tdm_status tdm_rank_pp_setup(void *ctx, tdm_dist_rank *d, void **self)
 static tdm_status tdm_rank_pp_step_fn(void *ctx, const void *x, const int32_t *y, int n,
                                       float grad_scale, double *loss_sum)
 {
-    return tdm_pp_step_scaled(((tdm_tool_pp *)ctx)->p, x, y, n, grad_scale, loss_sum);
+    tdm_tool_pp *q = ctx;
+    tdm_status st = tdm_pp_step_scaled(q->p, x, y, n, grad_scale, loss_sum);
+    if (st && q->tpn > 1) {
+        /* the stage's group may wait in a partial sum for this rank */
+        tdm_comm_abort(q->tp.thost, tdm_error_message());
+        if (q->tp.tdev != q->tp.thost) tdm_comm_abort(q->tp.tdev, tdm_error_message());
+    }
+    return st;
 }
 
 static tdm_status tdm_rank_pp_step(void *ctx, const void *x, const int32_t *y, int batch,
@@ -280,8 +318,12 @@ static tdm_status tdm_rank_pp_step(void *ctx, const void *x, const int32_t *y, i
 {
     tdm_dist_stepper *s = ctx;
     tdm_tool_pp *q = s->w;
-    char who[48];
-    snprintf(who, sizeof who, "pipeline stage %d", tdm_pp_stage(q->p));
+    char who[64];
+    if (q->tpn > 1)
+        snprintf(who, sizeof who, "tensor-parallel rank %d of pipeline stage %d",
+                 q->mesh.coord[TDM_MESH_TP], tdm_pp_stage(q->p));
+    else
+        snprintf(who, sizeof who, "pipeline stage %d", tdm_pp_stage(q->p));
     return tdm_tool_mesh_step(s, &q->mesh, q->in_elems, q->out_rows, tdm_rank_pp_step_fn, q, who,
                               "pp loss over the replicas", x, y, batch, loss_mean);
 }
@@ -306,8 +348,9 @@ static tdm_status tdm_rank_pp_eval_loss(void *w, const void *x, const int32_t *y
                                         double *loss_sum)
 {
     tdm_tool_pp *q = w;
-    return tdm_tool_mesh_eval_loss(tdm_rank_pp_eval_fn, q->p, tdm_pp_stage(q->p) == 0, x, y, n,
-                                   loss_sum);
+    return tdm_tool_mesh_eval_loss(tdm_rank_pp_eval_fn, q->p,
+                                   tdm_pp_stage(q->p) == 0 && q->mesh.coord[TDM_MESH_TP] == 0, x,
+                                   y, n, loss_sum);
 }
 
 /* ---- checkpoints ---- */
@@ -360,12 +403,18 @@ done:
 
 static tdm_status tdm_rank_pp_gather(void *ctx, tdm_ckpt_host *h, int root)
 {
-    return tdm_pp_gather_state(((tdm_tool_pp *)ctx)->p, root ? h : NULL, 0);
+    tdm_tool_pp *q = ctx;
+    if (q->tpn > 1)
+        return tdm_pptp_gather(&q->tp, q->p, h->optim ? tdm_pp_optim(q->p) : NULL,
+                               root ? h : NULL, root);
+    return tdm_pp_gather_state(q->p, root ? h : NULL, 0);
 }
 
 static tdm_status tdm_rank_pp_take(void *ctx, const tdm_ckpt_host *h)
 {
-    return tdm_pp_load_state(((tdm_tool_pp *)ctx)->p, h);
+    tdm_tool_pp *q = ctx;
+    if (q->tpn > 1) return tdm_pptp_load(&q->tp, q->p, h);
+    return tdm_pp_load_state(q->p, h);
 }
 
 /* The whole model's state gathered on replica 0's first stage (rank 0),
@@ -375,7 +424,8 @@ static tdm_status tdm_rank_pp_save(void *w, const char *path, tdm_optim *opt,
 {
     tdm_tool_pp *q = w;
     if (q->zopt) return tdm_rank_pp_zero1_save(q, path, info);
-    return tdm_tool_mesh_save(&q->mesh, q->mesh.host[TDM_MESH_PP], tdm_pp_stage(q->p) == 0,
+    return tdm_tool_mesh_save(&q->mesh, q->mesh.host[TDM_MESH_PP],
+                              tdm_pp_stage(q->p) == 0 && q->mesh.coord[TDM_MESH_TP] == 0,
                               q->tables, opt, tdm_rank_pp_gather, q, path, info);
 }
 
@@ -404,8 +454,18 @@ static void tdm_rank_pp_describe(const tdm_tool_rank *r, char *on, size_t n_on, 
                                                    "replica steps 1/D of a stage"
                                                  : "DDP over the dp dimension",
                                reps, sizeof reps);
-    snprintf(on, n_on, ", pipeline of %d stages (first layers %s), %s, %d micro-batches%s",
-             tdm_pp_stages(q->p), split, tdm_pp_schedule_name(r->b->pp.schedule),
+    char tp[200] = "";
+    if (q->tpn > 1) {
+        int k = snprintf(tp, sizeof tp, " x tp %d (", q->tpn);
+        static const char *const cut[] = {"replicated", "column", "row"};
+        int L = q->tp.narrow.ndims - 1;
+        for (int l = 0; l < L && k > 0 && (size_t)k < sizeof tp; l++)
+            k += snprintf(tp + k, sizeof tp - (size_t)k, "%sfc%d %s", l ? ", " : "", l + 1,
+                          cut[q->tp.cut[l]]);
+        if (k > 0 && (size_t)k < sizeof tp) snprintf(tp + k, sizeof tp - (size_t)k, ")");
+    }
+    snprintf(on, n_on, ", pipeline of %d stages (first layers %s)%s, %s, %d micro-batches%s",
+             tdm_pp_stages(q->p), split, tp, tdm_pp_schedule_name(r->b->pp.schedule),
              r->b->pp.micro, reps);
     snprintf(note, n_note, "%s", "");
 }
@@ -481,6 +541,11 @@ static void tdm_rank_pp_print(const tdm_tool_rank *r, const double *all, int S)
            q->zopt ? "; ZeRO-1: optimizer state per stage and replica is 1/D of the stage's "
                      "(replica 0's shown), the slices gathered over the dp dimension"
                    : "");
+    if (q->tpn > 1)
+        printf("pp-tp: each stage's %d ranks hold 1/%d of its paired layers (tp rank 0's shown); "
+               "rank 0 all-reduced %lld partial sums of %.3f MiB in %.3f ms over the run\n",
+               q->tpn, q->tpn, (long long)q->tp.sums, (double)q->tp.sum_bytes * mib,
+               q->tp.sum_ms);
 }
 
 /* Every stage's figures to rank 0, which prints them (collective). */
@@ -508,6 +573,10 @@ static tdm_status tdm_rank_pp_params(tdm_tool_rank *r, float *host, int root)
     TDM_REQUIRE(root == 0, TDM_STATUS_UNSUPPORTED,
                 "pp: the whole model's parameters are gathered on rank 0 only");
     if (q->rep != 0) return TDM_STATUS_OK;
+    if (q->tpn > 1) {
+        tdm_ckpt_host h = {.params = host};
+        return tdm_pptp_gather(&q->tp, q->p, NULL, r->rank == 0 ? &h : NULL, r->rank == 0);
+    }
     return tdm_pp_gather_params(q->p, r->rank == 0 ? host : NULL, 0);
 }
 

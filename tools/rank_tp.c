@@ -44,7 +44,8 @@ tdm_status tdm_tool_tp_check(const tdm_tool_build *b, int world, tdm_mesh_shape 
     TDM_CHECK(tdm_tool_mesh_parse(b, world, &dflt, shape));
     TDM_REQUIRE(shape->size[TDM_MESH_PP] == 1, TDM_STATUS_USAGE,
                 "--mesh: pp=%d: --mode tp combines with dp only (dp=D,tp=N); a pipeline of "
-                "tensor-parallel stages is not built", shape->size[TDM_MESH_PP]);
+                "tensor-parallel stages is --mode pp --mesh dp=D,pp=S,tp=N",
+                shape->size[TDM_MESH_PP]);
     tdm_tp_split split[TDM_MODEL_MAX_DIMS];
     int L;
     return tdm_tp_plan(&b->spec, shape->size[TDM_MESH_TP], split, &L);
