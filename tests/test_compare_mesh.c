@@ -1,12 +1,14 @@
 /* tests/test_compare_mesh.c: `tandem compare --mesh`: the pp row as
- * dp=D x pp=S (DDP over the replicas of each stage) and the tp row as
- * dp=D x tp=N, on 4 host devices, each judged against one host device on
- * the same global batches within the row's bound (the replicas' sum adds
+ * dp=D x pp=S (DDP over the replicas of each stage) and as dp=2 x pp=2 x
+ * tp=2 on 8 host devices (tensor-parallel stages), the tp row as dp=D x
+ * tp=N, each judged against one host device on the same global batches
+ * within the row's bound (the replicas' sum and the row-parallel sums add
  * in another order: not bit for bit); the tp row's all-reduce bytes per
- * rank equal the plan's for its replica's share of the batch; and the
- * meshes it cannot run (dp x pp x tp, a product that is not the device
- * count, a mesh for a row not in --modes, --stages against the mesh) are
- * one line and exit 2. */
+ * rank equal the plan's for its replica's share of the batch, the
+ * tensor-parallel stages' the partial sums of their pairs; and the meshes
+ * it cannot run (a product that is not the device count, a mesh for a row
+ * not in --modes, --stages against the mesh, widths the group does not
+ * divide) are one line and exit 2. */
 #include <criterion/criterion.h>
 
 #include <stdio.h>
@@ -64,12 +66,27 @@ Test(compare_mesh, the_pp_row_runs_dp_x_pp)
     expect(&r, 0, "BITWISE IDENTICAL");
 }
 
+Test(compare_mesh, the_pp_row_runs_dp_x_pp_x_tp)
+{
+    static cli_result r;
+    CLI(&r, "compare", "--modes", "single,pp", "--device", "cpu:8", "--mesh", "dp=2,pp=2,tp=2",
+        MLP, SYN, "--batch", "32", "--steps", "4", "--warmup", "1");
+    expect(&r, 0, "Pipeline: dp(2) x pp(2) x tp(2) (each stage tensor-parallel)");
+    expect(&r, 0, "tp sums");
+    /* the balanced split: stage 1 is fc2 (column) fc3 (row) fc4: per
+     * micro-batch of 4, fc3's product 4 x 12 and fc2's input gradient
+     * 4 x 24 floats, 4 micro-batches */
+    expect(&r, 0, "stage 1's tp sums: 8.0 all-reduces of 2304 bytes per step");
+    expect(&r, 0, "dp(2) x pp(2) x tp(2): largest parameter difference");
+    expect(&r, 0, "-> PASS (the stages' row-parallel products");
+}
+
 Test(compare_mesh, meshes_it_cannot_run_are_one_line)
 {
     static cli_result r;
-    CLI(&r, "compare", "--modes", "single,pp,tp", "--device", "cpu:8", "--mesh",
-        "dp=2,pp=2,tp=2", SYN);
-    expect(&r, 2, "a pipeline of tensor-parallel stages (dp x pp x tp) is not built");
+    CLI(&r, "compare", "--modes", "single,pp", "--device", "cpu:8", "--mesh", "dp=2,pp=2,tp=2",
+        "--model", "mlp:20-24-15-12-5", SYN);
+    expect(&r, 2, "stage 1: layer fc2's output width 15 (fc3's input) is not divisible by the 2");
     CLI(&r, "compare", "--modes", "single,tp", "--device", "cpu:4", "--mesh", "dp=3,tp=2", SYN);
     expect(&r, 2, "6 ranks (dp x pp x tp), but the job has 4");
     CLI(&r, "compare", "--modes", "single,ddp", "--device", "cpu:4", "--mesh", "dp=2,tp=2", SYN);

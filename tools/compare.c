@@ -34,6 +34,7 @@
 #include "tools/args.h"
 #include "tools/compare.h"
 #include "tools/devices.h"
+#include "tools/rank_pptp.h"
 #include "tools/compare_json.h"
 #include "tools/tools.h"
 
@@ -88,8 +89,9 @@ static void tdm_cmp_usage(FILE *f)
         "  --microbatches M     pp: micro-batches per global batch       [4]\n"
         "  --schedule S         pp: gpipe or 1f1b                        [1f1b]\n"
         "  --mesh dp=D,pp=S     the pp row as D replicas of S stages, or\n"
-        "  --mesh dp=D,tp=N     the tp row as D replicas of N ranks (D*S or D*N:\n"
-        "                       the devices); dp=D,pp=S,tp=N is not built\n"
+        "  --mesh dp=D,tp=N     the tp row as D replicas of N ranks, or\n"
+        "  --mesh dp=D,pp=S,tp=N the pp row with stages tensor-parallel over N\n"
+        "                       ranks (the MLP; the product: the devices)\n"
         "  --model NAME         mlp, mlp:W0-..-Wn, cnn, gpt, gpt:L-D-H-T or\n"
         "                       file:PATH (a model file, docs/MODELS.md)      [mlp]\n"
         "  --device SPEC        devices for DP and DDP: cpu:N (N >= 1), or GPUs\n"
@@ -485,10 +487,15 @@ static tdm_status tdm_cmp_check_mesh(tdm_cmp_job *j)
         return tdm_tool_usage_error("tandem compare: --mesh: %s (--device %s)\n",
                                     tdm_error_message(), o->device);
     int D = m.size[TDM_MESH_DP], S = m.size[TDM_MESH_PP], N = m.size[TDM_MESH_TP];
-    if (S > 1 && N > 1)
-        return tdm_tool_usage_error("tandem compare: --mesh %s: a pipeline of tensor-parallel "
-                                    "stages (dp x pp x tp) is not built; use dp=D,pp=S or "
-                                    "dp=D,tp=N\n", o->mesh);
+    int first[64];
+    tdm_pptp_cut cut[TDM_MODEL_MAX_DIMS];
+    tdm_model_spec narrow;
+    /* a pipeline of tensor-parallel stages: the pp row, the default split */
+    if (S > 1 && N > 1 &&
+        (S > 64 || tdm_pp_split_balance(&j->spec, S, TDM_PP_BALANCE_FLOPS, first) ||
+         tdm_pptp_plan(&j->spec, S, first, N, cut, &narrow)))
+        return tdm_tool_usage_error("tandem compare: --mesh %s: %s\n", o->mesh,
+                                    tdm_error_message());
     unsigned want = S > 1 ? TDM_CMP_PP_BIT : N > 1 ? TDM_CMP_TP_BIT : 0;
     if (!want)
         return tdm_tool_usage_error("tandem compare: --mesh %s names neither pp nor tp: it lays "
@@ -521,7 +528,8 @@ static tdm_status tdm_cmp_check_tp(tdm_cmp_job *j)
                                     "do not apply to tp yet: leave tp out of --modes\n");
     tdm_tp_split split[TDM_MODEL_MAX_DIMS];
     int L;
-    if (tdm_tp_plan(&j->spec, o->mesh_tp > 1 ? o->mesh_tp : o->n_dev, split, &L))
+    if (tdm_tp_plan(&j->spec, o->mesh_tp > 1 && o->mesh_pp <= 1 ? o->mesh_tp : o->n_dev, split,
+                    &L))
         return tdm_tool_usage_error("tandem compare: --modes tp: %s\n", tdm_error_message());
     return TDM_STATUS_OK;
 }

@@ -31,13 +31,19 @@
 #define TDM_CMP_PP_GPT_PARAM_TOL 1e-4
 #define TDM_CMP_PP_GPT_LOSS_TOL 1e-5
 /* forward, backward, loss, recv, send, bubble, pipeline, and with replicas
- * DDP's gradient sync over the dp dimension */
-#define TDM_CMP_PP_PHASES 8
+ * DDP's gradient sync over the dp dimension, with tensor-parallel stages
+ * their partial sums' all-reduces (inside forward and backward) */
+#define TDM_CMP_PP_PHASES 9
+#define TDM_CMP_PP_SYNC 7
+#define TDM_CMP_PP_TPSUM 8
 
 typedef struct tdm_cmp_pp_shared {
     int S, M, steps, n_ev;    /* n_ev: events per stage per step (2M) */
-    int D, W;                 /* replicas (--mesh dp=D,pp=S) and ranks, D * S: the step
-                                 times are every rank's, the rest replica 0's stages' */
+    int D, T, W;              /* replicas and tensor-parallel ranks per stage (--mesh
+                                 dp=D,pp=S,tp=T) and ranks, D * S * T: the step times are
+                                 every rank's, the rest replica 0's stages' (tp rank 0's) */
+    double tp_calls[TDM_CMP_MAX_DEV], tp_bytes[TDM_CMP_MAX_DEV];   /* each stage's partial
+                                                                      sums over the run */
     int64_t param_elems;
     int lo[TDM_CMP_MAX_DEV], hi[TDM_CMP_MAX_DEV];
     double mem[TDM_CMP_MAX_DEV][6];   /* params, grads, optimizer, peak act, sets, set bytes */
@@ -64,7 +70,9 @@ static tdm_status tdm_cmp_pp_rank_run(void *ctx, tdm_dist_rank *d, void *self)
     tdm_cmp_pp_shared *sh = c->sh;
     tdm_tool_rank *r = self;
     tdm_pp *p = tdm_tool_pp_of(r);
-    int s = tdm_pp_stage(p), S = sh->S, B = c->o->batch, rep0 = d->coord[TDM_MESH_DP] == 0;
+    int s = tdm_pp_stage(p), S = sh->S, B = c->o->batch;
+    int rep0 = d->coord[TDM_MESH_DP] == 0 && d->coord[TDM_MESH_TP] == 0;
+    double tp_ms0 = 0.0;
     /* the design's step: this replica's share of the global batch, DDP
      * over the replicas */
     tdm_dist_stepper stp = {.w = r->w, .opt = r->opt, .comm = d->comm, .rank = r->rank,
@@ -90,9 +98,17 @@ static tdm_status tdm_cmp_pp_rank_run(void *ctx, tdm_dist_rank *d, void *self)
         tdm_pp_stats ps;
         tdm_pp_get_stats(p, &ps);
         const tdm_pp_phases *ph = &ps.last;
+        int64_t calls, bytes;
+        double tp_ms;
+        tdm_tool_pp_tp_sums(r, &calls, &bytes, &tp_ms);
         double v[TDM_CMP_PP_PHASES] = {ph->forward, ph->backward, ph->loss, ph->recv_wait,
                                        ph->send_wait, ph->bubble, ph->pipeline,
-                                       ph->grad_sync};
+                                       ph->grad_sync, tp_ms - tp_ms0};
+        tp_ms0 = tp_ms;
+        if (rep0) {
+            sh->tp_calls[s] = (double)calls;
+            sh->tp_bytes[s] = (double)bytes;
+        }
         memcpy(TDM_CMP_SHARED_AT(sh, off_phase, double) + k * TDM_CMP_PP_PHASES, v, sizeof v);
         const tdm_pp_event *ev;
         int n;
@@ -137,11 +153,11 @@ static tdm_status tdm_cmp_pp_rank_run(void *ctx, tdm_dist_rank *d, void *self)
     return st;
 }
 
-static tdm_cmp_pp_shared tdm_cmp_pp_layout(int D, int S, int M, int steps, int64_t pe)
+static tdm_cmp_pp_shared tdm_cmp_pp_layout(int D, int S, int T, int M, int steps, int64_t pe)
 {
     size_t n = (size_t)steps * (size_t)S;
     tdm_cmp_pp_shared lay = {.S = S, .M = M, .steps = steps, .n_ev = 2 * M, .param_elems = pe,
-                             .D = D, .W = D * S};
+                             .D = D, .T = T, .W = D * S * T};
     size_t off = tdm_cmp_place_start(sizeof lay);
     lay.off_loss = tdm_cmp_place(&off, (size_t)steps * sizeof(double));
     lay.off_step = tdm_cmp_place(&off, (size_t)steps * (size_t)lay.W * sizeof(double));
@@ -169,13 +185,18 @@ static void tdm_cmp_pp_print_phases(const tdm_cmp_opts *o, const tdm_cmp_pp_shar
 {
     static const char *const name[TDM_CMP_PP_PHASES] = {"forward", "backward", "loss",
                                                          "recv wait", "send wait", "bubble",
-                                                         "pipeline", "grad sync"};
+                                                         "pipeline", "grad sync",
+                                                         "tp sums"};
     printf("\npipeline phases (ms per step, mean over steps %d..%d%s; bubble = pipeline - "
            "forward - backward - loss: the time a stage waited on the pipeline, of which send "
            "and recv wait are the part blocked on a transfer%s):\n",
-           tdm_cmp_warm(o) + 1, o->steps, sh->D > 1 ? ", replica 0's stages" : "",
+           tdm_cmp_warm(o) + 1, o->steps,
+           sh->D > 1 || sh->T > 1 ? ", replica 0's stages (tp rank 0's)" : "",
            sh->D > 1 ? "; grad sync: DDP's sum over the dp dimension, begun with the last "
                        "micro-batch's backward" : "");
+    if (sh->T > 1)
+        printf("  (tp sums: the all-reduces of the stage's partial sums over its %d "
+               "tensor-parallel ranks, inside forward and backward)\n", sh->T);
     printf("  %-12s", "");
     for (int s = 0; s < sh->S; s++) printf("   stage %-3d", s);
     printf("\n  %-12s", "layers");
@@ -185,7 +206,8 @@ static void tdm_cmp_pp_print_phases(const tdm_cmp_opts *o, const tdm_cmp_pp_shar
         printf("  %10s", l);
     }
     printf("\n");
-    for (int f = 0; f < TDM_CMP_PP_PHASES - (sh->D > 1 ? 0 : 1); f++) {
+    for (int f = 0; f < TDM_CMP_PP_PHASES; f++) {
+        if ((f == TDM_CMP_PP_SYNC && sh->D < 2) || (f == TDM_CMP_PP_TPSUM && sh->T < 2)) continue;
         printf("  %-12s", name[f]);
         for (int s = 0; s < sh->S; s++) printf("  %10.3f", tdm_cmp_pp_phase(o, sh, s, f));
         printf("\n");
@@ -201,6 +223,10 @@ static void tdm_cmp_pp_print_phases(const tdm_cmp_opts *o, const tdm_cmp_pp_shar
     printf("\n  bubble: %.1f%% measured (mean over the stages) vs (S-1)/(M+S-1) = %.1f%% for "
            "S = %d, M = %d of a balanced pipeline whose transfers cost nothing\n",
            100.0 * mean, 100.0 * ideal, sh->S, sh->M);
+    for (int s = 0; sh->T > 1 && s < sh->S; s++)
+        printf("  stage %d's tp sums: %.1f all-reduces of %.0f bytes per step (counted; 0: its "
+               "layers are replicated, no pair in the stage)\n", s, sh->tp_calls[s] / sh->steps,
+               sh->tp_bytes[s] / sh->steps);
     *bubble_mean = mean;
 }
 
@@ -226,8 +252,10 @@ static void tdm_cmp_pp_print_memory(const tdm_cmp_pp_shared *sh, tdm_pp_schedule
 /* "pp(2)", or with replicas "dp(2) x pp(2)". */
 static void tdm_cmp_pp_label(const tdm_cmp_pp_shared *sh, char *buf, size_t n)
 {
-    if (sh->D > 1) snprintf(buf, n, "dp(%d) x pp(%d)", sh->D, sh->S);
-    else snprintf(buf, n, "pp(%d)", sh->S);
+    int k = sh->D > 1 ? snprintf(buf, n, "dp(%d) x ", sh->D) : 0;
+    if (k < 0 || (size_t)k >= n) return;
+    k += snprintf(buf + k, n - (size_t)k, "pp(%d)", sh->S);
+    if (sh->T > 1 && k > 0 && (size_t)k < n) snprintf(buf + k, n - (size_t)k, " x tp(%d)", sh->T);
 }
 
 /* Equivalence: every step's loss and the final parameters against one
@@ -253,7 +281,7 @@ static int tdm_cmp_pp_verdict(const tdm_cmp_opts *o, const tdm_model_spec *spec,
     tdm_cmp_pp_label(sh, who, sizeof who);
     printf("\npipeline equivalence (vs one host device, --grad-accum %d over the same "
            "micro-batches of %d):\n", K, (o->batch + K - 1) / K);
-    if (host && !gpt && sh->D == 1) {
+    if (host && !gpt && sh->D == 1 && sh->T == 1) {
         int ok = diff == 0 && ld == 0.0;
         printf("  %s: %lld of %lld parameters differ, largest loss difference %.3g over %d "
                "steps -> %s (bit for bit expected: the same micro-batches added in the same "
@@ -265,8 +293,10 @@ static int tdm_cmp_pp_verdict(const tdm_cmp_opts *o, const tdm_model_spec *spec,
     int ok = pd <= ptol && ld <= ltol;
     printf("  %s: largest parameter difference %.3g (bound %.0e), loss %.3g (bound %.0e) "
            "-> %s (%s)\n", who, pd, ptol, ld, ltol, ok ? "PASS" : "FAIL",
-           sh->D > 1 ? "DDP adds each replica's sum of its micro-batches' gradients, one device "
-                       "all of them in one sequence: the same additions in another order"
+           sh->T > 1 ? "the stages' row-parallel products are sums of the tensor-parallel ranks' "
+                       "partial products, added in another order than one device's gemm"
+           : sh->D > 1 ? "DDP adds each replica's sum of its micro-batches' gradients, one device "
+                         "all of them in one sequence: the same additions in another order"
            : gpt ? "the GPT's tied embedding: its two shares add in another order than on one "
                    "device"
                  : "devices that are not the reference's host");
@@ -279,22 +309,22 @@ static int tdm_cmp_pp_verdict(const tdm_cmp_opts *o, const tdm_model_spec *spec,
  * one pipeline) over the global batches: its records, in a shared
  * mapping (NULL on failure, said). */
 static tdm_cmp_pp_shared *tdm_cmp_pp_go(const tdm_cmp_opts *o, const tdm_cmp_data *data,
-                                        const tdm_model_spec *spec, int D, int S, int M,
-                                        tdm_pp_schedule_kind kind)
+                                        const tdm_model_spec *spec, int D, int S, int T,
+                                        int M, tdm_pp_schedule_kind kind)
 {
     int64_t pe = tdm_cmp_param_elems(o);
     tdm_tool_build b = {.design = &tdm_tool_pp_design, .cmd = "tandem compare", .seed = o->seed,
                         .pp = {.stages = S, .micro = M, .schedule = kind, .batch = o->batch,
-                               .mesh = D > 1 ? o->mesh : NULL}};
+                               .mesh = D > 1 || T > 1 ? o->mesh : NULL}};
     b.spec = *spec;
     tdm_optim_opts_named(&b.optim, o->optim, o->lr, o->weight_decay, o->momentum, 0);
-    tdm_cmp_pp_shared lay = tdm_cmp_pp_layout(D, S, M, o->steps, pe);
+    tdm_cmp_pp_shared lay = tdm_cmp_pp_layout(D, S, T, M, o->steps, pe);
     tdm_cmp_pp_shared *sh = tdm_cmp_map_shared(lay.total);
     if (!sh) return NULL;
     *sh = lay;
     tdm_cmp_pp_run c = {.o = o, .data = data, .sh = sh, .t_start = tdm_time_ns()};
     b.tool = &c;
-    tdm_status st = tdm_cmp_mesh_run(o, &b, tdm_cmp_pp_rank_run, D * S);
+    tdm_status st = tdm_cmp_mesh_run(o, &b, tdm_cmp_pp_rank_run, D * S * T);
     if (st) {
         fprintf(stderr, "tandem compare: pp: %s\n", tdm_error_message());
         munmap(sh, lay.total);
@@ -315,7 +345,7 @@ double tdm_cmp_pp_sweep_sps(const tdm_cmp_opts *o, const tdm_cmp_data *data,
 {
     tdm_pp_schedule_kind kind = TDM_PP_1F1B;
     if (o->pp_schedule) (void)tdm_pp_schedule_parse(o->pp_schedule, &kind);   /* checked */
-    tdm_cmp_pp_shared *sh = tdm_cmp_pp_go(o, data, spec, 1, S,
+    tdm_cmp_pp_shared *sh = tdm_cmp_pp_go(o, data, spec, 1, S, 1,
                                           o->pp_micro > 0 ? o->pp_micro : 4, kind);
     if (!sh) return -1.0;
     double med, sps = tdm_cmp_pp_sps(o, sh, &med);
@@ -329,13 +359,15 @@ int tdm_cmp_pp_section(const tdm_cmp_opts *o, const tdm_cmp_data *data,
 {
     int S = o->pp_stages > 0 ? o->pp_stages : o->n_dev, M = o->pp_micro > 0 ? o->pp_micro : 4;
     int D = o->mesh_pp > 1 ? o->mesh_dp : 1, rows = (o->batch + D - 1) / D;
+    int T = o->mesh_pp > 1 && o->mesh_tp > 1 ? o->mesh_tp : 1;
     tdm_pp_schedule_kind kind = TDM_PP_1F1B;
     if (o->pp_schedule) (void)tdm_pp_schedule_parse(o->pp_schedule, &kind);   /* checked */
-    char rep[40] = "";
+    char rep[40] = "", tps[64] = "";
     if (D > 1) snprintf(rep, sizeof rep, "dp(%d) x ", D);
-    printf("\nPipeline: %spp(%d), %s, %d micro-batches of %d%s\n  running pp...\n", rep, S,
-           tdm_pp_schedule_name(kind), M, (rows + M - 1) / M, D > 1 ? " per replica" : "");
-    tdm_cmp_pp_shared *sh = tdm_cmp_pp_go(o, data, spec, D, S, M, kind);
+    if (T > 1) snprintf(tps, sizeof tps, " x tp(%d) (each stage tensor-parallel)", T);
+    printf("\nPipeline: %spp(%d)%s, %s, %d micro-batches of %d%s\n  running pp...\n", rep, S,
+           tps, tdm_pp_schedule_name(kind), M, (rows + M - 1) / M, D > 1 ? " per replica" : "");
+    tdm_cmp_pp_shared *sh = tdm_cmp_pp_go(o, data, spec, D, S, T, M, kind);
     if (!sh) return -1;
     int64_t pe = sh->param_elems;
     double *ref_loss = calloc((size_t)o->steps, sizeof *ref_loss);
@@ -350,8 +382,9 @@ int tdm_cmp_pp_section(const tdm_cmp_opts *o, const tdm_cmp_data *data,
     } else {
         double med;
         (void)tdm_cmp_pp_sps(o, sh, &med);
-        char what[48];
-        snprintf(what, sizeof what, "%spp(%d) %s M=%d", rep, S, tdm_pp_schedule_name(kind), M);
+        char what[80], lab[48];
+        tdm_cmp_pp_label(sh, lab, sizeof lab);
+        snprintf(what, sizeof what, "%s %s M=%d", lab, tdm_pp_schedule_name(kind), M);
         tdm_cmp_mesh_speed(o, "pipeline", "stage", what, med, single, ddp);
         double bubble = 0.0;
         tdm_cmp_pp_print_phases(o, sh, &bubble);

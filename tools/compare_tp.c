@@ -231,7 +231,8 @@ int tdm_cmp_tp_section(const tdm_cmp_opts *o, const tdm_cmp_data *data,
                        const tdm_model_spec *spec, const tdm_cmp_result *single,
                        const tdm_cmp_result *ddp)
 {
-    int T = o->mesh_tp > 1 ? o->mesh_tp : o->n_dev, D = o->mesh_tp > 1 ? o->mesh_dp : 1;
+    int tp_row = o->mesh_tp > 1 && o->mesh_pp <= 1;   /* --mesh dp=D,tp=N */
+    int T = tp_row ? o->mesh_tp : o->n_dev, D = tp_row ? o->mesh_dp : 1;
     int64_t pe = tdm_cmp_param_elems(o);
     char rep[40] = "";
     if (D > 1) snprintf(rep, sizeof rep, "dp(%d) x ", D);
@@ -239,7 +240,7 @@ int tdm_cmp_tp_section(const tdm_cmp_opts *o, const tdm_cmp_data *data,
            spec->kind == TDM_MODEL_GPT ? "the GPT's attention split by heads, its MLP column/row"
                                        : "the MLP's layers as column/row-parallel pairs");
     tdm_tool_build b = {.design = &tdm_tool_tp_design, .cmd = "tandem compare", .seed = o->seed,
-                        .pp = {.mesh = o->mesh_tp > 1 ? o->mesh : NULL}};
+                        .pp = {.mesh = tp_row ? o->mesh : NULL}};
     b.spec = *spec;
     tdm_optim_opts_named(&b.optim, o->optim, o->lr, o->weight_decay, o->momentum, 0);
     tdm_cmp_tp_shared lay = tdm_cmp_tp_layout(D, T, o->steps, pe);

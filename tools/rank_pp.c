@@ -56,6 +56,14 @@ typedef struct tdm_tool_pp {
 
 tdm_pp *tdm_tool_pp_of(const tdm_tool_rank *r) { return ((const tdm_tool_pp *)r->w)->p; }
 
+void tdm_tool_pp_tp_sums(const tdm_tool_rank *r, int64_t *calls, int64_t *bytes, double *ms)
+{
+    const tdm_tool_pp *q = r->w;
+    *calls = q->tpn > 1 ? q->tp.sums : 0;
+    *bytes = q->tpn > 1 ? q->tp.sum_bytes : 0;
+    *ms = q->tpn > 1 ? q->tp.sum_ms : 0.0;
+}
+
 /* ---- the layout ---- */
 
 static int tdm_tool_pp_layers(const tdm_model_spec *spec)
