@@ -11,6 +11,8 @@
  *   pp-tp, each as the uninterrupted run within TOL;
  * - faults: a killed rank is named with its (dp, pp, tp) coordinates,
  *   exit 1, nothing left behind;
+ * - CUDA-emulated devices (cuda/ built, no GPU) write the host ranks'
+ *   checkpoint bit for bit (what this does not test: CUDA, NCCL);
  * - bad meshes (a product that is not the device count, a width the
  *   group does not divide, the GPT, more stages than layers, ZeRO-1, a
  *   pipeline under --mode tp) are one line and exit 2. */
@@ -24,7 +26,9 @@
 #include "core/device.h"
 #include "models/checkpoint.h"
 #include "models/model.h"
+#include "tests/ckpt_diff_util.h"
 #include "tests/cli_util.h"
+#include "tests/cuda_test_util.h"
 #include "tests/test_util.h"
 
 #define MODEL "mlp:20-24-16-12-5"
@@ -48,34 +52,7 @@ static void path(char *buf, size_t n, const char *name)
     snprintf(buf, n, "%s/%s.safetensors", g_dir, name);
 }
 
-/* The largest difference between two checkpoints' parameters (their
- * steps equal). */
-static double ck_diff(const char *a, const char *b)
-{
-    tdm_model_spec s;
-    cr_assert_eq(tdm_model_spec_parse(&s, MODEL), TDM_STATUS_OK);
-    tdm_device *dev = NULL;
-    tdm_model *ma = NULL, *mb = NULL;
-    tdm_ckpt_info ia, ib;
-    cr_assert_eq(tdm_device_open(&dev, "cpu", 0, 1), TDM_STATUS_OK);
-    cr_assert_eq(tdm_model_init(&ma, dev, &s, 1), TDM_STATUS_OK);
-    cr_assert_eq(tdm_model_init(&mb, dev, &s, 2), TDM_STATUS_OK);
-    cr_assert_eq(tdm_checkpoint_load(a, ma, NULL, &ia), TDM_STATUS_OK, "%s", tdm_error_message());
-    cr_assert_eq(tdm_checkpoint_load(b, mb, NULL, &ib), TDM_STATUS_OK, "%s", tdm_error_message());
-    cr_assert_eq(ia.step, ib.step, "%s at step %lld, %s at %lld", a, (long long)ia.step, b,
-                 (long long)ib.step);
-    double w = 0.0;
-    const float *pa = tdm_model_params(ma), *pb = tdm_model_params(mb);
-    for (int64_t i = 0; i < tdm_model_param_elems(ma); i++) {
-        double d = fabs((double)pa[i] - (double)pb[i]);
-        if (!(d <= w)) w = d;
-    }
-    tdm_model_free(ma);
-    tdm_model_free(mb);
-    tdm_device_free(dev);
-    if (getenv("TANDEM_TEST_VERBOSE")) fprintf(stderr, "%s vs %s: %g\n", a, b, w);
-    return w;
-}
+static double ck_diff(const char *a, const char *b) { return ck_diff_of(MODEL, a, b); }
 
 /* One device: the pipeline's step is --batch 32 cut into 4 micro-batches
  * of 8, which is --batch 8 --grad-accum 4. --max-steps caps each epoch. */
@@ -149,6 +126,19 @@ Test(pp_tp_cli, a_killed_rank_is_named_with_its_coordinates)
     expect(&r, 1, "tandem train: rank 5: test fault: SIGKILL before step 3");
     expect(&r, 1, "tandem train: rank 5 (killed by signal 9) is at dp 1, pp 0, tp 1 of the "
                   "mesh dp=2 x pp=2 x tp=2");
+}
+
+Test(pp_tp_cli, emulated_cuda_ranks_write_the_host_ranks_checkpoint)
+{
+    CU_NEED_BACKEND();
+    char host[128], emu[128];
+    path(host, sizeof host, "host");
+    path(emu, sizeof emu, "emu");
+    pptp(host, "cpu:8", "dp=2,pp=2,tp=2", "1", "3", NULL);
+    cr_assert_eq(setenv("TANDEM_CUDA_EMULATOR", "8", 1), 0);
+    pptp(emu, "cuda", "dp=2,pp=2,tp=2", "1", "3", NULL);
+    unsetenv("TANDEM_CUDA_EMULATOR");
+    cr_assert(cli_same_file(host, emu), "emulated ranks differ from host ranks");
 }
 
 Test(pp_tp_cli, bad_meshes_are_one_line_and_exit_2)

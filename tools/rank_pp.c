@@ -432,9 +432,13 @@ static tdm_status tdm_rank_pp_save(void *w, const char *path, tdm_optim *opt,
 {
     tdm_tool_pp *q = w;
     if (q->zopt) return tdm_rank_pp_zero1_save(q, path, info);
-    return tdm_tool_mesh_save(&q->mesh, q->mesh.host[TDM_MESH_PP],
-                              tdm_pp_stage(q->p) == 0 && q->mesh.coord[TDM_MESH_TP] == 0,
-                              q->tables, opt, tdm_rank_pp_gather, q, path, info);
+    tdm_status st = tdm_tool_mesh_save(&q->mesh, q->mesh.host[TDM_MESH_PP],
+                                       tdm_pp_stage(q->p) == 0 &&
+                                           q->mesh.coord[TDM_MESH_TP] == 0,
+                                       q->tables, opt, tdm_rank_pp_gather, q, path, info);
+    /* stage 0's group gathers after the pipeline: it may wait for this rank */
+    if (st && q->tpn > 1) tdm_comm_abort(q->tp.thost, tdm_error_message());
+    return st;
 }
 
 /* Any mode's file, read by every stage, which keeps its slice. */
