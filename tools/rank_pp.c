@@ -113,7 +113,8 @@ tdm_status tdm_tool_pp_check(const tdm_tool_build *b, int world, tdm_mesh_shape 
     if (L <= 0) return tdm_tool_pp_refuse("--model");
     TDM_REQUIRE(S <= L, TDM_STATUS_USAGE,
                 "%d stages but the model has %d pipeline layers: at most %d stages", S, L, L);
-    TDM_REQUIRE(S <= 64, TDM_STATUS_USAGE, "at most 64 stages (%d)", S);
+    TDM_REQUIRE(S <= 64 || (!b->pp.split && N == 1), TDM_STATUS_USAGE,
+                "%s: at most 64 stages (%d)", b->pp.split ? "--split" : "--mesh with tp", S);
     int first[64];
     if (b->pp.split) {
         if (tdm_pp_split_parse(b->pp.split, S, L, first)) return tdm_tool_pp_refuse("--split");
