@@ -10,6 +10,12 @@
  * mode's file loaded by every stage) and the summary (every stage's
  * phases and memory, gathered on rank 0).
  *
+ * With --mesh dp=D,pp=S,tp=N (N > 1) each stage is tensor-parallel over
+ * its N ranks (tools/rank_pptp.h: pp/'s stage model of a narrow spec, the
+ * partial sums all-reduced over the stage's tp group through models/'
+ * callback); each tp index is a pipeline of its own, and checkpoints go
+ * through the whole model's layout by slicing.
+ *
  * With --sharding optimizer (ZeRO-1 over the dp dimension) the stage
  * builds no optimizer of its own: pp/'s optim_step hook steps, on each of
  * the D replicas of a stage, the replica's 1/D slice of the stage's flat
