@@ -221,6 +221,8 @@ Test(det_pp, bad_combinations_are_one_line_errors)
          "each epoch ends on a batch of 5 samples, fewer than the K virtual shards"},
         {{"--device", "cpu:2", "--deterministic", "8", "--batch", "12", NULL},
          "global batch 12 is not divisible"},
+        {{"--device", "cpu:4", "--mesh", "dp=1,pp=2,tp=2", "--deterministic", "8", NULL},
+         "--deterministic 8 with tensor-parallel stages (--mesh ...,tp=2) is not supported"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         const char *argv[32];
