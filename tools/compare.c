@@ -51,7 +51,6 @@
 #define TDM_CMP_ATOL_LAST 1e-4
 #define TDM_CMP_RTOL_LAST 1e-3
 #define TDM_CMP_LOSS_RTOL 1e-4
-#define TDM_CMP_FLOOR_FACTOR 10.0
 
 static void tdm_cmp_usage(FILE *f)
 {
@@ -302,6 +301,7 @@ typedef struct tdm_cmp_job {
     char plot_dir[4096];             /* --plot without trailing slashes */
     tdm_cmp_data data;
     tdm_cmp_result res[TDM_CMP_NMODES], floor_r;
+    tdm_cmp_floor floor;   /* floor_r against single, for the design sections */
     tdm_cmp_result *rp[TDM_CMP_NMODES];
     int nres;
     double sps[TDM_CMP_NMODES];      /* samples/s of the median step, by mode */
@@ -889,6 +889,7 @@ static tdm_status tdm_cmp_print_equivalence(tdm_cmp_job *j)
                     TDM_CMP_RTOL_LAST, &fl);
     double fl_loss = fabs(j->floor_r.loss[o->steps - 1] - single->loss[o->steps - 1]) /
                      fabs(single->loss[o->steps - 1]);
+    j->floor = (tdm_cmp_floor){.max_abs = fl.max_abs, .loss_rel = fl_loss};
     printf("\nEquivalence (|a-b| <= atol + rtol*|b|: after step 1 atol %.0e rtol %.0e; after "
            "step %d atol %.0e rtol %.0e,\n  or within %.0fx the float-noise floor: one device "
            "started one ulp off ends %.2e away (loss rel %.1e))\n", TDM_CMP_ATOL_FIRST,
@@ -1112,13 +1113,13 @@ static tdm_status tdm_cmp_main_run(tdm_cmp_job *j)
     tdm_cmp_print_reading(j);
     if (j->o.modes & TDM_CMP_TP_BIT) {
         int tv = tdm_cmp_tp_section(&j->o, &j->data, &j->spec, &j->res[TDM_CMP_SINGLE],
-                                    j->ran[TDM_CMP_DDP] ? &j->res[TDM_CMP_DDP] : NULL);
+                                    j->ran[TDM_CMP_DDP] ? &j->res[TDM_CMP_DDP] : NULL, &j->floor);
         if (tv < 0) return TDM_STATUS_PEER_FAILED;
         if (!tv) j->verdict = 0;
     }
     if (j->o.modes & TDM_CMP_PP_BIT) {
         int pv = tdm_cmp_pp_section(&j->o, &j->data, &j->spec, &j->res[TDM_CMP_SINGLE],
-                                    j->ran[TDM_CMP_DDP] ? &j->res[TDM_CMP_DDP] : NULL);
+                                    j->ran[TDM_CMP_DDP] ? &j->res[TDM_CMP_DDP] : NULL, &j->floor);
         if (pv < 0) return TDM_STATUS_PEER_FAILED;
         if (!pv) j->verdict = 0;
     }

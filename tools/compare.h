@@ -97,6 +97,14 @@ typedef struct tdm_cmp_memory {
     double peak;               /* the device allocator's peak over the run (bytes; 0: unknown) */
 } tdm_cmp_memory;
 
+/* The float-noise floor the verdicts allow beside their fixed bound: one
+ * device started one ulp off, after the last step (tools/compare.c). */
+#define TDM_CMP_FLOOR_FACTOR 10.0
+typedef struct tdm_cmp_floor {
+    double max_abs;    /* its largest parameter difference from one device's */
+    double loss_rel;   /* its last loss's relative difference */
+} tdm_cmp_floor;
+
 typedef struct tdm_cmp_result {
     tdm_cmp_mode mode;
     int n_dev;
@@ -228,7 +236,7 @@ int tdm_cmp_hook_section(const tdm_cmp_opts *o, const tdm_cmp_data *data,
  * verdict holds, 0: it does not, -1: the run failed (said). */
 int tdm_cmp_pp_section(const tdm_cmp_opts *o, const tdm_cmp_data *data,
                        const tdm_model_spec *spec, const tdm_cmp_result *single,
-                       const tdm_cmp_result *ddp);
+                       const tdm_cmp_result *ddp, const tdm_cmp_floor *floor);
 /* The parameter server's section (tools/compare_ps.c): ps (sync) and
  * ps-async as --modes asks, each with 1 server (and 2 on 4 devices or
  * more): samples/s beside DDP's (ddp_sps, <= 0: none), each server's
@@ -249,7 +257,7 @@ double tdm_cmp_pp_sweep_sps(const tdm_cmp_opts *o, const tdm_cmp_data *data,
  * (said). */
 int tdm_cmp_tp_section(const tdm_cmp_opts *o, const tdm_cmp_data *data,
                        const tdm_model_spec *spec, const tdm_cmp_result *single,
-                       const tdm_cmp_result *ddp);
+                       const tdm_cmp_result *ddp, const tdm_cmp_floor *floor);
 /* Its trace events (a process of one track per stage, each micro-batch's
  * F and B), after the other modes'; nothing when it did not run. */
 void tdm_cmp_pp_trace(FILE *f, int *first, int pid, long long (*us)(double));
