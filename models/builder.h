@@ -24,6 +24,8 @@
  *     tdm_model_seq_finish(&s);
  *     tdm_model_init(&m, dev, &s, seed);
  *
+ * A GPT is written the same way from tdm_model_seq_init_tokens (below).
+ *
  * Layers and their tensors (named by kind and count, in file order:
  * conv1, bn1, fc1, res1.proj): docs/MODELS.md. Layouts: images are
  * (C, H, W) per sample, features a vector; linear needs features
@@ -72,6 +74,30 @@ tdm_status tdm_model_seq_dropout(tdm_model_spec *s, float p);
  * keep the shape. At most TDM_MODEL_MAX_NEST open at once. */
 tdm_status tdm_model_seq_residual_open(tdm_model_spec *s);
 tdm_status tdm_model_seq_residual_close(tdm_model_spec *s, int proj);
+/* A GPT written as layers (docs/MODELS.md): an input of `context` token
+ * ids (1..65536), then the token embedding (vocabulary 256: bytes), the
+ * learned positions, blocks of two residuals - { layernorm, attention },
+ * { layernorm, gptmlp } - and a final layernorm and the output head. A
+ * model of tokens must follow this arrangement (each call checks that it
+ * may come next); tdm_model_seq_finish makes it the TDM_MODEL_GPT spec
+ * it is, so it trains bitwise as the built-in gpt:L-D-H-T, whose tensor
+ * names it has (transformer.h.<i>.attn.c_attn.weight, ...). */
+tdm_status tdm_model_seq_init_tokens(tdm_model_spec *s, int context);
+/* (T tokens) -> (T, width) rows; vocab must be 256. */
+tdm_status tdm_model_seq_embedding(tdm_model_spec *s, int vocab, int width);
+/* Adds a learned vector per position (T, C) to the rows. */
+tdm_status tdm_model_seq_pos_embedding(tdm_model_spec *s);
+/* Each row over its C features (eps 1e-5; weight, bias). */
+tdm_status tdm_model_seq_layernorm(tdm_model_spec *s);
+/* Causal multi-head self-attention: the fused q, k, v projection (3C),
+ * `heads` heads of C/heads, the output projection (C). heads must
+ * divide C and be the same in every block. */
+tdm_status tdm_model_seq_attention(tdm_model_spec *s, int heads);
+/* linear 4C, gelu (tanh form), linear C. */
+tdm_status tdm_model_seq_gptmlp(tdm_model_spec *s);
+/* The logits over the vocabulary at every position; tied: the token
+ * embedding is the weight (only tied is built: tied 0 is refused). */
+tdm_status tdm_model_seq_lmhead(tdm_model_spec *s, int tied);
 /* Any op by its fields (kind, n, k, kw, stride, pad, proj, line); the
  * calls above fill one. The shape fields are the builder's. */
 tdm_status tdm_model_seq_add(tdm_model_spec *s, const tdm_model_op *op);

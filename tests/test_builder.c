@@ -247,6 +247,8 @@ static double ref_loss(ref_ctx *c)
             free(sk.x);
             break;
         }
+        default:   /* the GPT's layers: tests/test_gpt.c's reference */
+            cr_assert_fail("op %s has no reference here", tdm_model_op_name(o->kind));
         }
         if (nt.x) {
             free(t.x);

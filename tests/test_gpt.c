@@ -16,6 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "models/builder.h"
 #include "models/gpt.h"
 #include "models/model.h"
 #include "models/optim.h"
@@ -173,10 +174,12 @@ static tdm_model *make_gpt(tdm_device *d, int L, int C, int H, int T, uint64_t s
     return m;
 }
 
-static void check_against_reference(int L, int C, int H, int T, int B, uint64_t seed)
+static void check_spec_against_reference(const tdm_model_spec *s, int B, uint64_t seed)
 {
     tdm_device *d = tu_host();
-    tdm_model *m = make_gpt(d, L, C, H, T, 3);
+    int L = s->n_layer, C = s->n_embd, H = s->n_head, T = s->n_ctx;
+    tdm_model *m = NULL;
+    TU_OK(tdm_model_init(&m, d, s, 3));
     randomize(m, seed);
     int64_t N = (int64_t)B * T, pe = tdm_model_param_elems(m);
     int32_t *tok = tu_malloc((size_t)N * 4), *tgt = tu_malloc((size_t)N * 4);
@@ -245,6 +248,13 @@ static void check_against_reference(int L, int C, int H, int T, int B, uint64_t 
     tdm_device_free(d);
 }
 
+static void check_against_reference(int L, int C, int H, int T, int B, uint64_t seed)
+{
+    tdm_model_spec s;
+    tdm_model_spec_gpt(&s, L, C, H, T);
+    check_spec_against_reference(&s, B, seed);
+}
+
 Test(gpt, one_step_matches_the_double_reference, .timeout = 300)
 {
     check_against_reference(2, 12, 3, 7, 2, 11);   /* T prime, hd 4 */
@@ -258,6 +268,24 @@ Test(gpt, one_step_matches_the_double_reference_batch_1_one_head, .timeout = 300
 Test(gpt, one_step_matches_the_double_reference_head_per_feature, .timeout = 300)
 {
     check_against_reference(1, 6, 6, 3, 3, 13);   /* hd 1, T 3 */
+}
+
+/* The GPT written as layers in a model file (models/builder_gpt.c): its
+ * token embedding, positions, layernorms, attention, gptmlp and tied
+ * head against the reference, every gradient against finite differences. */
+Test(gpt, a_model_file_of_its_layers_matches_the_double_reference, .timeout = 300)
+{
+    const char *text = "input tokens 5\n"
+                       "embedding vocab 256 dim 8\n"
+                       "embedding positions\n"
+                       "residual {\n layernorm\n attention heads 2\n}\n"
+                       "residual {\n layernorm\n gptmlp\n}\n"
+                       "layernorm\n"
+                       "lmhead tied\n";
+    tdm_model_spec s;
+    TU_OK(tdm_model_seq_parse_text(&s, "gpt.tdm", text, strlen(text)));
+    cr_assert_eq(s.kind, TDM_MODEL_GPT);
+    check_spec_against_reference(&s, 2, 14);
 }
 
 /* ---- structure ---- */

@@ -61,6 +61,18 @@ tdm_status tdm_train_check_seq(const tdm_train_args *a, const tdm_model_spec *sp
     return TDM_STATUS_OK;
 }
 
+int tdm_train_model_is_gpt(const char *model)
+{
+    if (!strncmp(model, "gpt", 3)) return 1;
+    if (strncmp(model, "file:", 5)) return 0;
+    tdm_model_spec s;
+    if (tdm_model_spec_parse(&s, model) != TDM_STATUS_OK) {
+        tdm_error_clear();
+        return 0;
+    }
+    return s.kind == TDM_MODEL_GPT;
+}
+
 tdm_status tdm_train_load_npy(const tdm_train_args *a, const tdm_model_spec *spec,
                               tdm_dataset *train, tdm_dataset *test)
 {
