@@ -9,7 +9,9 @@
  * start, with its final gradient - the tied embedding last), backward
  * adds, a shorter forward equals the full one's prefix, generation, and
  * bad input (heads that do not divide the width, tokens outside the
- * vocabulary). The layers one by one are tests/test_gpt_layers.c. */
+ * vocabulary); the same check of a GPT written as a model file
+ * (models/builder_gpt.c). The layers one by one are
+ * tests/test_gpt_layers.c. */
 #include <criterion/criterion.h>
 #include <math.h>
 #include <stdio.h>
