@@ -317,6 +317,37 @@ tdm_status tdm_model_seq_finish(tdm_model_spec *s)
     return TDM_STATUS_OK;
 }
 
+int tdm_model_spec_lever_op(const tdm_model_spec *s)
+{
+    if (s->kind != TDM_MODEL_SEQ) return -1;
+    for (int i = 0; i < s->n_ops; i++) {
+        tdm_model_op_kind k = s->ops[i].kind;
+        tdm_model_op_kind prev = i > 0 ? s->ops[i - 1].kind : TDM_MODEL_OP_RELU;
+        int fused_relu = k == TDM_MODEL_OP_RELU &&
+                         (prev == TDM_MODEL_OP_LINEAR || prev == TDM_MODEL_OP_BATCHNORM);
+        if (k != TDM_MODEL_OP_LINEAR && k != TDM_MODEL_OP_CONV && k != TDM_MODEL_OP_BATCHNORM &&
+            k != TDM_MODEL_OP_MAXPOOL && k != TDM_MODEL_OP_FLATTEN && !fused_relu)
+            return i;
+    }
+    return -1;
+}
+
+void tdm_model_spec_lever_refusal(const tdm_model_spec *s, char *buf, size_t len)
+{
+    int i = tdm_model_spec_lever_op(s);
+    if (i < 0) {
+        snprintf(buf, len, "%s", "");
+        return;
+    }
+    const tdm_model_op *o = &s->ops[i];
+    char where[32] = "";
+    if (o->line) snprintf(where, sizeof where, " (line %d)", o->line);
+    snprintf(buf, len, "%s's `%s`%s runs in float32 with its activations kept: 16-bit "
+             "precision and activation checkpointing take a model file of the built-in MLP's "
+             "and CNN's layers (linear, conv, batchnorm, relu right after a linear or "
+             "batchnorm, maxpool, flatten)", s->name, tdm_model_op_name(o->kind), where);
+}
+
 int tdm_model_spec_has_batchnorm(const tdm_model_spec *s)
 {
     if (s->kind == TDM_MODEL_CNN) return 1;

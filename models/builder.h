@@ -115,6 +115,15 @@ tdm_status tdm_model_seq_parse_text(tdm_model_spec *s, const char *name, const c
 
 /* "conv", "linear", ...: an op kind's name in model files. */
 const char *tdm_model_op_name(tdm_model_op_kind kind);
+/* The memory levers (--precision bf16|fp16, --checkpoint-activations)
+ * take a SEQ spec made of the built-in MLP's and CNN's layers only
+ * (linear, conv, batchnorm, a relu right after a linear or batchnorm,
+ * maxpool, flatten): such a model trains with them bitwise as the built-in
+ * model of the same layers. The index of the spec's first op they cannot
+ * take, -1 when none (and for every kind but SEQ); and that refusal in
+ * words, naming the op and its line ("" when none). */
+int tdm_model_spec_lever_op(const tdm_model_spec *s);
+void tdm_model_spec_lever_refusal(const tdm_model_spec *s, char *buf, size_t len);
 /* 1 when the spec has a batchnorm layer (the CNN, a SEQ with one). */
 int tdm_model_spec_has_batchnorm(const tdm_model_spec *s);
 

@@ -13,6 +13,8 @@
 #include <string.h>
 
 #include "models/builder.h"
+#include "models/precision.h"
+#include "models/recompute.h"
 #include "tests/test_util.h"
 
 #define FD_ATOL 1e-4
@@ -460,11 +462,20 @@ Test(builder, residual_blocks_match_finite_differences)
 
 /* ---- the built-ins, written with the builder ------------------------------ */
 
-static void same_bits(const tdm_model_spec *a, const tdm_model_spec *b, int B, const char *what)
+static void same_bits_levers(const tdm_model_spec *a, const tdm_model_spec *b, int B,
+                             tdm_precision prec, int ckpt, const char *what)
 {
     tdm_model *ma = NULL, *mb = NULL;
     TU_OK(tdm_model_init(&ma, tu_host(), a, 3));
     TU_OK(tdm_model_init(&mb, tu_host(), b, 3));
+    TU_OK(tdm_model_set_precision(ma, prec));
+    TU_OK(tdm_model_set_precision(mb, prec));
+    TU_OK(tdm_model_set_checkpoint(ma, ckpt));
+    TU_OK(tdm_model_set_checkpoint(mb, ckpt));
+    cr_assert_eq(tdm_model_n_units(ma), tdm_model_n_units(mb), "%s: checkpoint units", what);
+    for (int i = 0; i < tdm_model_n_layers(ma) && i < tdm_model_n_layers(mb); i++)
+        cr_assert_eq(tdm_model_layer_unit(ma, i), tdm_model_layer_unit(mb, i),
+                     "%s: layer %d's unit", what, i);
     cr_assert_eq(tdm_model_n_params(ma), tdm_model_n_params(mb), "%s: tensor count", what);
     cr_assert_eq(tdm_model_param_elems(ma), tdm_model_param_elems(mb), "%s: elements", what);
     for (int i = 0; i < tdm_model_n_params(ma); i++)
@@ -504,6 +515,11 @@ static void same_bits(const tdm_model_spec *a, const tdm_model_spec *b, int B, c
     tdm_model_free(mb);
 }
 
+static void same_bits(const tdm_model_spec *a, const tdm_model_spec *b, int B, const char *what)
+{
+    same_bits_levers(a, b, B, TDM_PRECISION_FP32, 0, what);
+}
+
 Test(builder, builtin_cnn_and_mlp_written_with_the_builder_train_the_same_bits)
 {
     tdm_model_spec cnn, seq;
@@ -528,6 +544,57 @@ Test(builder, builtin_cnn_and_mlp_written_with_the_builder_train_the_same_bits)
     const char *text = "input 784\nlinear 64\nrelu\nlinear 32\nrelu\nlinear 10\n";
     TU_OK(tdm_model_seq_parse_text(&seq, "mlp.tdm", text, strlen(text)));
     same_bits(&mlp, &seq, 32, "mlp");
+}
+
+/* The memory levers take a model file of the built-in layers, and train
+ * it bitwise as the built-in model with the same levers. */
+Test(builder, the_levers_train_builtin_layers_written_as_a_file_the_same_bits)
+{
+    tdm_model_spec cnn, seq, mlp;
+    tdm_model_spec_cnn(&cnn);
+    const char *ctext = "input 1x28x28\n"
+                        "conv 3x3 32 pad 1\nbatchnorm\nrelu\nmaxpool 2\n"
+                        "conv 3x3 64 pad 1\nbatchnorm\nrelu\nmaxpool 2\n"
+                        "flatten\nlinear 128\nrelu\nlinear 10\n";
+    TU_OK(tdm_model_seq_parse_text(&seq, "cnn.tdm", ctext, strlen(ctext)));
+    cr_assert_eq(tdm_model_spec_lever_op(&seq), -1);
+    same_bits_levers(&cnn, &seq, 8, TDM_PRECISION_BF16, 1, "cnn bf16 ckpt 1");
+    same_bits_levers(&cnn, &seq, 8, TDM_PRECISION_FP16, 0, "cnn fp16");
+    static const int dims[] = {784, 64, 32, 10};
+    tdm_model_spec_mlp(&mlp, dims, 4);
+    const char *mtext = "input 784\nlinear 64\nrelu\nlinear 32\nrelu\nlinear 10\n";
+    TU_OK(tdm_model_seq_parse_text(&seq, "mlp.tdm", mtext, strlen(mtext)));
+    same_bits_levers(&mlp, &seq, 16, TDM_PRECISION_BF16, 2, "mlp bf16 ckpt 2");
+    same_bits_levers(&mlp, &seq, 16, TDM_PRECISION_FP32, 1, "mlp ckpt 1");
+}
+
+/* Any other layer keeps them out, naming its line. */
+Test(builder, the_levers_refuse_other_layers_naming_the_line)
+{
+    static const struct { const char *text, *want; } cases[] = {
+        {"input 4\nlinear 8\ntanh\nlinear 2\n", "`tanh` (line 3)"},
+        {"input 4\nlinear 8\nrelu\nrelu\nlinear 2\n", "`relu` (line 4)"},
+        {"input 1x4x4\nconv 3x3 2\nrelu\nflatten\nlinear 2\n", "`relu` (line 3)"},
+        {"input 4\nresidual {\nlinear 4\n}\nlinear 2\n", "`residual {` (line 2)"},
+        {"input 4\nlinear 8\ndropout 0.5\nlinear 2\n", "`dropout` (line 3)"},
+        {"input 1x4x4\navgpool 2\nflatten\nlinear 2\n", "`avgpool` (line 2)"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+        tdm_model_spec s;
+        TU_OK(tdm_model_seq_parse_text(&s, "x.tdm", cases[i].text, strlen(cases[i].text)));
+        cr_assert_geq(tdm_model_spec_lever_op(&s), 0, "%s", cases[i].text);
+        tdm_model *m = NULL;
+        TU_OK(tdm_model_init(&m, tu_host(), &s, 1));
+        cr_assert_eq(tdm_model_set_precision(m, TDM_PRECISION_BF16), TDM_STATUS_INVALID_ARG);
+        cr_assert(strstr(tdm_error_message(), cases[i].want) &&
+                      strstr(tdm_error_message(), "file:x.tdm's"),
+                  "'%s' lacks '%s'", tdm_error_message(), cases[i].want);
+        cr_assert_eq(tdm_model_set_checkpoint(m, 1), TDM_STATUS_INVALID_ARG);
+        cr_assert(strstr(tdm_error_message(), cases[i].want), "%s", tdm_error_message());
+        TU_OK(tdm_model_set_checkpoint(m, 0));
+        TU_OK(tdm_model_set_precision(m, TDM_PRECISION_FP32));
+        tdm_model_free(m);
+    }
 }
 
 /* ---- shapes and errors ------------------------------------------------------ */
