@@ -96,7 +96,10 @@ tdm_status tdm_model_seq_attention(tdm_model_spec *s, int heads);
 /* linear 4C, gelu (tanh form), linear C. */
 tdm_status tdm_model_seq_gptmlp(tdm_model_spec *s);
 /* The logits over the vocabulary at every position; tied: the token
- * embedding is the weight (only tied is built: tied 0 is refused). */
+ * embedding is the weight (the built-in GPT's), else a weight of its own,
+ * lm_head.weight (256, C), N(0, 0.02) at init: that model is described as
+ * its file ("file:x.tdm (gpt:L-D-H-T, untied head)") and runs whole (not
+ * in pipeline stages or tensor parallel). */
 tdm_status tdm_model_seq_lmhead(tdm_model_spec *s, int tied);
 /* Any op by its fields (kind, n, k, kw, stride, pad, proj, line); the
  * calls above fill one. The shape fields are the builder's. */

@@ -103,9 +103,6 @@ tdm_status tdm_seq_infer_gpt(const tdm_model_spec *s, const tdm_model_op *o,
         return TDM_STATUS_OK;
     }
     case TDM_MODEL_OP_LM_HEAD:
-        TDM_REQUIRE(!o->proj, TDM_STATUS_INVALID_ARG,
-                    "lmhead: an untied head (a weight of its own) is not built: the head "
-                    "reads the token embedding (write `lmhead tied`)");
         out->w = TDM_GPT_VOCAB;
         return TDM_STATUS_OK;
     default:
@@ -140,7 +137,7 @@ static void tdm_seq_gpt_expect(const tdm_model_spec *s, int *k1, int *k2, const 
     case TDM_MODEL_OP_LAYERNORM:
         if (s->n_open == 0) {
             *k1 = TDM_MODEL_OP_LM_HEAD;
-            *what = "`lmhead tied` (the output head after the final layernorm)";
+            *what = "`lmhead tied` or `lmhead` (the output head after the final layernorm)";
         } else if (!odd) {
             *k1 = TDM_MODEL_OP_ATTENTION;
             *what = "`attention heads H` (a block's first residual is its attention)";
@@ -192,7 +189,7 @@ tdm_status tdm_seq_gpt_finish(tdm_model_spec *s)
         tdm_seq_gpt_expect(s, &k1, &k2, &what);
         return tdm_error_set(TDM_STATUS_INVALID_ARG,
                              "the model of tokens ends too early: expected %s (it ends with "
-                             "`layernorm` and `lmhead tied`)", what);
+                             "`layernorm` and `lmhead tied` or `lmhead`)", what);
     }
     int L = tdm_seq_count(s, TDM_MODEL_OP_RES_CLOSE) / 2;
     TDM_REQUIRE(L >= 1 && L <= TDM_GPT_MAX_LAYERS, TDM_STATUS_INVALID_ARG,
@@ -206,6 +203,7 @@ tdm_status tdm_seq_gpt_finish(tdm_model_spec *s)
     s->n_ctx = s->in_w;
     s->vocab = emb->k;
     s->n_classes = emb->k;
+    s->head_untied = last->proj;
     return TDM_STATUS_OK;
 }
 

@@ -108,6 +108,8 @@ typedef struct tdm_model_spec {
     /* GPT (GPT-2's config names): blocks, width, heads, context, vocabulary
      * (256: bytes). See models/gpt.h. */
     int n_layer, n_embd, n_head, n_ctx, vocab;
+    int head_untied;            /* 1: the output head has a weight of its own,
+                                   lm_head.weight (a model file's `lmhead`) */
     /* SEQ: the layers, the input shape above (in_c x in_h x in_w; flat
      * input: 1 x 1 x features), n_classes the last op's width. */
     int n_ops, in_flat;

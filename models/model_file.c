@@ -203,9 +203,10 @@ static tdm_status tdm_mf_op(const tdm_mf_line *l, tdm_model_op *o, int *global)
     }
     if (!strcmp(w, "lmhead")) {
         if (n > 2 || (n == 2 && strcmp(l->tok[1], "tied")))
-            return tdm_mf_err(l, "expected `lmhead tied` (the head reads the token embedding)");
+            return tdm_mf_err(l, "expected `lmhead tied` (the head reads the token embedding) "
+                                 "or `lmhead` (a weight of its own)");
         o->kind = TDM_MODEL_OP_LM_HEAD;
-        o->proj = n == 1;   /* untied: refused by the builder, naming the line */
+        o->proj = n == 1;   /* untied */
         return TDM_STATUS_OK;
     }
     if (!strcmp(w, "residual")) {

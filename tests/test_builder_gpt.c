@@ -3,7 +3,8 @@
  * spec with every shape inferred line by line; the model trains bitwise
  * as `--model gpt:L-D-H-T` (same tensor names, shapes, initial values,
  * losses and values after AdamW steps); examples/models/gpt.tdm is the
- * default GPT; every layer that does not fit, and every line out of the
+ * default GPT; an untied head (`lmhead`) has a weight of its own; every
+ * layer that does not fit, and every line out of the
  * GPT's arrangement, is refused in one line naming the line. Gradients
  * against finite differences of a double reference: tests/test_gpt.c
  * (which runs a file-built GPT too). */
@@ -15,6 +16,7 @@
 #include "models/gpt.h"
 #include "models/model.h"
 #include "models/optim.h"
+#include "models/stage.h"
 #include "models/train.h"
 #include "tests/test_util.h"
 
@@ -137,6 +139,68 @@ Test(builder_gpt, trains_bitwise_as_the_builtin_gpt, .timeout = 120)
     same_training(&f, &b, 3, 4);
 }
 
+/* `lmhead` alone: a head of its own, lm_head.weight, last in the table;
+ * described by its file; trains (the same steps as the tied one, other
+ * values). */
+Test(builder_gpt, an_untied_head_has_a_weight_of_its_own, .timeout = 120)
+{
+    char text[sizeof g_small];
+    snprintf(text, sizeof text, "%s", g_small);
+    char *tied = strstr(text, "lmhead tied");
+    cr_assert_not_null(tied);
+    strcpy(tied, "lmhead\n");
+    tdm_model_spec s;
+    TU_OK(tdm_model_seq_parse_text(&s, "untied.tdm", text, strlen(text)));
+    cr_assert(s.kind == TDM_MODEL_GPT && s.head_untied);
+    char d[96];
+    tdm_model_spec_describe(&s, d, sizeof d);
+    cr_assert_str_eq(d, "file:untied.tdm (gpt:2-12-3-7, untied head)");
+    tdm_model *m = NULL, *t = NULL;
+    tdm_model_spec ts;
+    tdm_model_spec_gpt(&ts, 2, 12, 3, 7);
+    TU_OK(tdm_model_init(&m, tu_host(), &s, 1));
+    TU_OK(tdm_model_init(&t, tu_host(), &ts, 1));
+    int n = tdm_model_n_params(m);
+    cr_assert_eq(n, tdm_model_n_params(t) + 1);
+    const tdm_tensor_info *h = tdm_model_param_info(m, n - 1);
+    cr_assert_str_eq(h->name, "lm_head.weight");
+    cr_assert(h->ndim == 2 && h->shape[0] == 256 && h->shape[1] == 12);
+    /* every other tensor starts as the tied model's */
+    for (int i = 0; i < n - 1; i++) {
+        const tdm_tensor_info *a = tdm_model_param_info(m, i), *b = tdm_model_param_info(t, i);
+        cr_assert_str_eq(a->name, b->name);
+        cr_assert(!memcmp(tdm_model_params(m) + a->offset, tdm_model_params(t) + b->offset,
+                          (size_t)a->n_elem * 4), "%s", a->name);
+    }
+    /* the head is announced by the grad-ready hook at the head, first */
+    int first, last;
+    tdm_model_layer_params(m, tdm_model_n_layers(m) - 1, &first, &last);
+    cr_assert(first == n - 1 && last == n - 1, "the head layer owns tensors %d..%d", first, last);
+    /* a pipeline stage of it is not built */
+    tdm_model *st = NULL;
+    cr_assert_neq(tdm_model_init_stage(&st, tu_host(), &s, 1, 0, 2), TDM_STATUS_OK);
+    cr_assert(strstr(tdm_error_message(), "untied head runs whole"), "%s", tdm_error_message());
+    tdm_model_free(m);
+    tdm_model_free(t);
+    /* the C call */
+    tdm_model_spec c;
+    TU_OK(tdm_model_seq_init_tokens(&c, 7));
+    TU_OK(tdm_model_seq_embedding(&c, 256, 12));
+    TU_OK(tdm_model_seq_pos_embedding(&c));
+    TU_OK(tdm_model_seq_residual_open(&c));
+    TU_OK(tdm_model_seq_layernorm(&c));
+    TU_OK(tdm_model_seq_attention(&c, 3));
+    TU_OK(tdm_model_seq_residual_close(&c, 0));
+    TU_OK(tdm_model_seq_residual_open(&c));
+    TU_OK(tdm_model_seq_layernorm(&c));
+    TU_OK(tdm_model_seq_gptmlp(&c));
+    TU_OK(tdm_model_seq_residual_close(&c, 0));
+    TU_OK(tdm_model_seq_layernorm(&c));
+    TU_OK(tdm_model_seq_lmhead(&c, 0));
+    TU_OK(tdm_model_seq_finish(&c));
+    cr_assert(c.head_untied && c.n_layer == 1);
+}
+
 static void refused(const char *text, const char *want)
 {
     tdm_model_spec s;
@@ -164,7 +228,6 @@ Test(builder_gpt, every_layer_that_does_not_fit_is_refused_naming_its_line)
     refused(HEAD "residual {\nlayernorm\nattention 3\n", "expected `attention heads H`");
     refused(HEAD ATT(3) MLP ATT(4), "bad.tdm:14: `attention heads 4`: attention: 4 heads, but "
                                     "the first block's (line 6) has 3");
-    refused(HEAD ATT(3) MLP "layernorm\nlmhead\n", "bad.tdm:13: `lmhead`: lmhead: an untied head");
     refused(HEAD ATT(3) MLP "layernorm\nlmhead shared\n", "expected `lmhead tied`");
     refused(HEAD "residual {\nlayernorm\nattention heads 3\n} proj\n",
             "bad.tdm:7: `} proj`: a transformer block keeps its width");

@@ -4,7 +4,9 @@
  * DP, DDP and FSDP, with the memory levers (--precision bf16|fp16,
  * --checkpoint-activations, --clip-grad-norm) too; compare passes in
  * every data-parallel mode and the pipeline; sample and eval read its
- * checkpoint. */
+ * checkpoint. The same file with an untied head (`lmhead`) passes compare
+ * in every data-parallel mode, and the pipeline and tensor parallelism
+ * refuse it in one line. */
 #include <criterion/criterion.h>
 #include <stdio.h>
 #include <string.h>
@@ -100,4 +102,44 @@ Test(cli_gpt_file, sample_and_eval_read_its_checkpoint)
     expect(&r, 0, "loss");
     CLI(&r, "eval", "--resume", ck, "--model", "file:examples/models/lenet5.tdm");
     expect(&r, 2, "it was trained as 'gpt:4-128-4-128'");
+}
+
+Test(cli_gpt_file, an_untied_head_in_every_data_parallel_mode)
+{
+    static cli_result r;
+    const char *words = tu_tpath(g_dir, "words.txt");
+    char file[256], model[300], ck[256];
+    cli_write_words(words);
+    snprintf(file, sizeof file, "%s", tu_tpath(g_dir, "untied.tdm"));
+    snprintf(ck, sizeof ck, "%s", tu_tpath(g_dir, "untied.safetensors"));
+    snprintf(model, sizeof model, "file:%s", file);
+    FILE *f = fopen(file, "w");
+    cr_assert_not_null(f);
+    fputs("input tokens 32\nembedding vocab 256 dim 32\nembedding positions\n"
+          "residual {\nlayernorm\nattention heads 2\n}\nresidual {\nlayernorm\ngptmlp\n}\n"
+          "residual {\nlayernorm\nattention heads 2\n}\nresidual {\nlayernorm\ngptmlp\n}\n"
+          "layernorm\nlmhead\n", f);
+    cr_assert_eq(fclose(f), 0);
+    CLI(&r, "compare", "--model", model, "--data", words, "--steps", "2", "--batch", "4",
+        "--device", "cpu:2", "--modes", "single,dp,ddp,fsdp,zero2,zero1");
+    expect(&r, 0, "verdict: PASS");
+    cr_assert(strstr(r.out, "FSDP vs DDP: bitwise the same parameters"), "%s", r.out);
+    cr_assert(strstr(r.out, "DDP vs DP      step 1: params max |diff| 0.00e+00"), "%s", r.out);
+    CLI(&r, "train", "--mode", "pp", "--device", "cpu:2", "--model", model, "--data", words,
+        "--epochs", "1", "--max-steps", "1", "--batch", "4");
+    expect(&r, 2, "untied.tdm: a GPT with an untied head runs whole");
+    cr_assert(strchr(r.out, '\n') && !strchr(r.out, '\n')[1], "more than one line:\n%s", r.out);
+    CLI(&r, "compare", "--model", model, "--data", words, "--steps", "1", "--batch", "4",
+        "--device", "cpu:2", "--modes", "tp");
+    expect(&r, 2, "has an untied head");
+    CLI(&r, "train", "--model", model, "--data", words, "--epochs", "1", "--max-steps", "1",
+        "--batch", "4", "--save", ck);
+    expect(&r, 0, "--model file:");
+    CLI(&r, "sample", "--resume", ck, "--tokens", "8");
+    expect(&r, 2, "give it as --model file:PATH");
+    CLI(&r, "sample", "--resume", ck, "--tokens", "8", "--model", model);
+    expect(&r, 0, "untied head) from");
+    CLI(&r, "eval", "--resume", ck, "--model", model, "--data", words);
+    expect(&r, 0, "loss");
+    cr_assert_eq(cli_shm_entries(), 0);
 }

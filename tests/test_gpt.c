@@ -123,13 +123,15 @@ static double ref_loss(ref_gpt *r)
               rp(r, "transformer.h.%d.mlp.c_proj.bias", l), N, 4 * C, C, 1, x);
     }
     r_ln(x, rp(r, "transformer.ln_f.weight", 0), rp(r, "transformer.ln_f.bias", 0), N, C, h);
+    /* the head: tied (wte), or an untied model file's own weight */
+    const double *head = s->head_untied ? rp(r, "lm_head.weight", 0) : wte;
     double loss = 0.0;
     double *z = tu_malloc((size_t)V * 8);
     for (int64_t n = 0; n < N; n++) {
         double mx = -INFINITY, se = 0;
         for (int v = 0; v < V; v++) {
             double a = 0;
-            for (int j = 0; j < C; j++) a += h[n * C + j] * wte[(int64_t)v * C + j];
+            for (int j = 0; j < C; j++) a += h[n * C + j] * head[(int64_t)v * C + j];
             z[v] = a;
             if (a > mx) mx = a;
         }
@@ -288,6 +290,22 @@ Test(gpt, a_model_file_of_its_layers_matches_the_double_reference, .timeout = 30
     TU_OK(tdm_model_seq_parse_text(&s, "gpt.tdm", text, strlen(text)));
     cr_assert_eq(s.kind, TDM_MODEL_GPT);
     check_spec_against_reference(&s, 2, 14);
+}
+
+/* The same with an untied head (`lmhead`: lm_head.weight of its own). */
+Test(gpt, a_model_file_with_an_untied_head_matches_the_double_reference, .timeout = 300)
+{
+    const char *text = "input tokens 4\n"
+                       "embedding vocab 256 dim 6\n"
+                       "embedding positions\n"
+                       "residual {\n layernorm\n attention heads 3\n}\n"
+                       "residual {\n layernorm\n gptmlp\n}\n"
+                       "layernorm\n"
+                       "lmhead\n";
+    tdm_model_spec s;
+    TU_OK(tdm_model_seq_parse_text(&s, "gpt_untied.tdm", text, strlen(text)));
+    cr_assert(s.kind == TDM_MODEL_GPT && s.head_untied);
+    check_spec_against_reference(&s, 2, 15);
 }
 
 /* ---- structure ---- */
