@@ -304,7 +304,7 @@ tdm_status tdm_model_seq_finish(tdm_model_spec *s)
     for (int i = 0; i < s->n_ops; i++) {
         tdm_model_op_kind k = s->ops[i].kind;
         params |= k == TDM_MODEL_OP_LINEAR || k == TDM_MODEL_OP_CONV ||
-                  k == TDM_MODEL_OP_BATCHNORM || (k == TDM_MODEL_OP_RES_CLOSE && s->ops[i].proj);
+                  k == TDM_MODEL_OP_BATCHNORM || k == TDM_MODEL_OP_LAYERNORM || (k == TDM_MODEL_OP_RES_CLOSE && s->ops[i].proj);
     }
     TDM_REQUIRE(params, TDM_STATUS_INVALID_ARG, "the model has no layer with parameters");
     tdm_seq_shape out = tdm_seq_cur(s);
@@ -360,7 +360,7 @@ int tdm_model_spec_has_batchnorm(const tdm_model_spec *s)
 /* ---- the model's layers ---- */
 
 typedef struct tdm_seq_counts {
-    int fc, conv, bn, res;
+    int fc, conv, bn, res, ln;
 } tdm_seq_counts;
 
 static tdm_layer *tdm_seq_layer(tdm_model *m, tdm_layer_kind kind, const tdm_seq_shape *in,
@@ -473,6 +473,16 @@ tdm_status tdm_seq_build(tdm_model *m)
                      : o->kind == TDM_MODEL_OP_GELU ? TDM_ACT_GELU
                      : o->kind == TDM_MODEL_OP_TANH ? TDM_ACT_TANH
                                                     : TDM_ACT_SIGMOID;
+            break;
+        case TDM_MODEL_OP_LAYERNORM:
+            /* features only (the builder checked): (B, c) rows */
+            l = tdm_seq_layer(m, TDM_LAYER_LN, &cur, &out);
+            l->c = l->oc = cur.w;
+            l->h = l->w = l->oh = l->ow = 1;
+            n.ln++;
+            TDM_CHECK(tdm_seq_param(m, 0, "ln", n.ln, "weight", 1, (int64_t[]){cur.w}));
+            TDM_CHECK(tdm_seq_param(m, 0, "ln", n.ln, "bias", 1, (int64_t[]){cur.w}));
+            l->np = 2;
             break;
         case TDM_MODEL_OP_MAXPOOL:
         case TDM_MODEL_OP_AVGPOOL:

@@ -87,7 +87,9 @@ tdm_status tdm_model_seq_init_tokens(tdm_model_spec *s, int context);
 tdm_status tdm_model_seq_embedding(tdm_model_spec *s, int vocab, int width);
 /* Adds a learned vector per position (T, C) to the rows. */
 tdm_status tdm_model_seq_pos_embedding(tdm_model_spec *s);
-/* Each row over its C features (eps 1e-5; weight, bias). */
+/* LayerNorm (eps 1e-5; weight 1, bias 0 at init): of each position's C
+ * features in a model of tokens, of each sample's vector of features in
+ * any other (lnK.weight, lnK.bias; not of an image: flatten first). */
 tdm_status tdm_model_seq_layernorm(tdm_model_spec *s);
 /* Causal multi-head self-attention: the fused q, k, v projection (3C),
  * `heads` heads of C/heads, the output projection (C). heads must

@@ -81,6 +81,13 @@ tdm_status tdm_seq_infer_gpt(const tdm_model_spec *s, const tdm_model_op *o,
                     "sample in the MLP", out->h, out->w, (long long)TDM_MODEL_SEQ_MAX_ELEMS);
         return TDM_STATUS_OK;
     }
+    if (o->kind == TDM_MODEL_OP_LAYERNORM && !in->seq) {
+        /* a model of images or features: each sample's vector */
+        TDM_REQUIRE(in->flat, TDM_STATUS_INVALID_ARG,
+                    "layernorm normalises a vector of features (or a token model's rows), got "
+                    "an image of %s (add `flatten` before it)", sh);
+        return TDM_STATUS_OK;
+    }
     TDM_REQUIRE(in->seq == TDM_MODEL_SEQ_ROWS, TDM_STATUS_INVALID_ARG,
                 "%s works on the (positions x features) rows of a token model, got %s (start "
                 "the model with `input tokens T` and `embedding vocab %d dim WIDTH`)", name, sh,

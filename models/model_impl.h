@@ -29,6 +29,8 @@ typedef enum tdm_layer_kind {
     TDM_LAYER_AVGPOOL,   /* k x kw windows at stride k, CNHW */
     TDM_LAYER_RES,       /* out = previous layer's out + (projected) output of layer skip */
     TDM_LAYER_DROPOUT,   /* training: x * mask / (1 - p), the mask keyed on each sample */
+    TDM_LAYER_LN,        /* layernorm of each sample's c features; its output buffer holds
+                            B means and B rstds after the B x c values */
 } tdm_layer_kind;
 
 typedef struct tdm_layer {

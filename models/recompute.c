@@ -130,6 +130,7 @@ void tdm_model_chain_layout(tdm_model *m, int batch, tdm_act_layout *set,
     for (int i = 0; i < m->n_layers; i++) {
         tdm_layer *l = &m->layers[i];
         size_t out = B * (size_t)l->out_elems;
+        if (l->kind == TDM_LAYER_LN) out += 2 * B;   /* its means and rstds */
         /* every segment's inner activations start at the arena's start */
         if (m->lev.ckpt > 0 && l->unit >= 0 && l->unit / m->lev.ckpt != seg) {
             seg = l->unit / m->lev.ckpt;

@@ -123,6 +123,23 @@ static void ref_bn(ref_ctx *c, ref_t *t)
     }
 }
 
+/* Each sample's vector over its features: (x - mean) / sqrt(var + 1e-5)
+ * g + b, var biased. */
+static void ref_ln(ref_ctx *c, ref_t *t)
+{
+    const double *g = ref_next(c), *b = ref_next(c);
+    int F = t->c * t->h * t->w;
+    for (int n = 0; n < t->B; n++) {
+        double *x = t->x + (size_t)n * F, mean = 0, var = 0;
+        for (int j = 0; j < F; j++) mean += x[j];
+        mean /= F;
+        for (int j = 0; j < F; j++) var += (x[j] - mean) * (x[j] - mean);
+        var /= F;
+        double rs = 1.0 / sqrt(var + 1e-5);
+        for (int j = 0; j < F; j++) x[j] = (x[j] - mean) * rs * g[j] + b[j];
+    }
+}
+
 static void ref_act(ref_t *t, tdm_model_op_kind k)
 {
     size_t n = (size_t)t->B * t->c * t->h * t->w;
@@ -210,6 +227,7 @@ static double ref_loss(ref_ctx *c)
             nt = ref_conv(&t, ref_next(c), o->n, o->k, o->stride, o->pad);
             break;
         case TDM_MODEL_OP_BATCHNORM: ref_bn(c, &t); break;
+        case TDM_MODEL_OP_LAYERNORM: ref_ln(c, &t); break;
         case TDM_MODEL_OP_RELU:
         case TDM_MODEL_OP_GELU:
         case TDM_MODEL_OP_TANH:
@@ -279,7 +297,9 @@ static void perturb(tdm_model *m, tdm_rng *r)
     float *p = tdm_model_params(m);
     for (int i = 0; i < tdm_model_n_params(m); i++) {
         const tdm_tensor_info *t = tdm_model_param_info(m, i);
-        int bn = !strncmp(t->name, "bn", 2), weight = strstr(t->name, ".weight") != NULL;
+        /* the norms' weights near 1 */
+        int bn = !strncmp(t->name, "bn", 2) || !strncmp(t->name, "ln", 2);
+        int weight = strstr(t->name, ".weight") != NULL;
         if (bn && weight) tu_fill(r, p + t->offset, t->n_elem, 0.5f, 1.5f);
         else if (bn || !weight) tu_fill(r, p + t->offset, t->n_elem, -0.5f, 0.5f);
         else {
@@ -595,6 +615,28 @@ Test(builder, the_levers_refuse_other_layers_naming_the_line)
         TU_OK(tdm_model_set_precision(m, TDM_PRECISION_FP32));
         tdm_model_free(m);
     }
+}
+
+/* layernorm of feature vectors: after a linear, first (no input gradient
+ * needed: backward's scratch takes it), inside a residual block. */
+Test(builder, layernorm_matches_finite_differences)
+{
+    check_fd("layernorm",
+             "input 6\n"
+             "linear 8\n"
+             "layernorm\n"
+             "gelu\n"
+             "residual {\n"
+             "  layernorm\n"
+             "  linear 8\n"
+             "  tanh\n"
+             "}\n"
+             "linear 3\n", 4, 1);
+    check_fd("layernorm first",
+             "input 1x3x3\n"
+             "flatten\n"
+             "layernorm\n"
+             "linear 4\n", 3, 1);
 }
 
 /* ---- shapes and errors ------------------------------------------------------ */

@@ -251,9 +251,9 @@ Test(builder_gpt, every_layer_that_does_not_fit_is_refused_naming_its_line)
     refused("input tokens\n", "expected `input tokens T`");
     refused("input 4 4\n", "expected `input CxHxW`, `input FEATURES` or `input tokens T`");
     /* the GPT's layers outside a model of tokens, and the others inside one */
-    refused("input 4\nlayernorm\nlinear 2\n",
-            "bad.tdm:2: `layernorm`: layernorm works on the (positions x features) rows of a "
-            "token model, got 4 features");
+    refused("input 1x4x4\nlayernorm\nflatten\nlinear 2\n",
+            "bad.tdm:2: `layernorm`: layernorm normalises a vector of features (or a token "
+            "model's rows), got an image of 1x4x4 (add `flatten` before it)");
     refused("input 4\nembedding vocab 256 dim 4\nlinear 2\n",
             "embedding reads token ids, got 4 features");
     refused("input 1x4x4\nattention heads 2\n", "got 1x4x4");
