@@ -381,7 +381,7 @@ static tdm_status tdm_train_check_det(const tdm_train_args *a)
  * text, the image models with SGD on batches of 256 images. */
 static tdm_status tdm_train_check_args(tdm_train_args *a)
 {
-    int gpt = !strncmp(a->model, "gpt", 3);
+    int gpt = tdm_train_model_is_gpt(a->model);
     if (!a->optim) a->optim = gpt ? "adamw" : "sgd";
     if (!a->batch) a->batch = gpt ? TDM_TRAIN_GPT_BATCH : 256;
     if (strcmp(a->optim, "sgd") && strcmp(a->optim, "adamw"))
@@ -445,7 +445,7 @@ static tdm_status tdm_train_check_args(tdm_train_args *a)
 static tdm_status tdm_train_dispatch(const tdm_train_args *a)
 {
     if (!strcmp(a->mode, "ps")) return tdm_train_run_ps(a);   /* it refuses gpt */
-    if (!strncmp(a->model, "gpt", 3)) return tdm_train_text_main(a);
+    if (tdm_train_model_is_gpt(a->model)) return tdm_train_text_main(a);
     if (!strcmp(a->mode, "single") || !strcmp(a->mode, "dp"))
         return tdm_train_run_local(a, NULL, NULL);
     if (!strcmp(a->mode, "ddp")) return tdm_train_run_ranks(a, &tdm_tool_ddp_design, NULL, NULL);

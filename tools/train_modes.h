@@ -79,6 +79,10 @@ tdm_status tdm_train_fail(const char *what, tdm_status st);
 /* A model file's refusals before any work: 16-bit precision, activation
  * checkpointing (exit 2). */
 tdm_status tdm_train_check_seq(const tdm_train_args *a, const tdm_model_spec *spec);
+/* 1 when --model names a language model: gpt, gpt:L-D-H-T, or a model
+ * file of tokens (a GPT written as layers); 0 otherwise, and for a name
+ * that does not parse (its parse says why, later). */
+int tdm_train_model_is_gpt(const char *model);
 tdm_status tdm_train_load_npy(const tdm_train_args *a, const tdm_model_spec *spec,
                               tdm_dataset *train, tdm_dataset *test);
 tdm_status tdm_train_load_data(const tdm_train_args *a, const tdm_model_spec *spec,

@@ -145,7 +145,9 @@ static tdm_status tdm_train_save(void *ctx, int64_t epoch)
     const char *form = design->save_form ? design->save_form(r) : NULL;
     printf("  saved %s (%s%sepoch %lld, step %lld)\n", t->save, form ? form : "",
            form ? ", " : "", (long long)epoch + 1, (long long)info.step);
-    if (j->text && !r->b->save_sharded) printf("  tandem sample --resume %s\n", t->save);
+    if (j->text && !r->b->save_sharded)
+        printf("  tandem sample --resume %s%s%s\n", t->save,
+               r->b->spec.head_untied ? " --model " : "", r->b->spec.head_untied ? t->a.model : "");
     return TDM_STATUS_OK;
 }
 

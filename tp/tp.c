@@ -24,6 +24,9 @@ tdm_status tdm_tp_plan(const tdm_model_spec *spec, int ranks, tdm_tp_split *spli
     TDM_REQUIRE(ranks >= 1, TDM_STATUS_USAGE, "tensor parallelism needs at least 1 rank, got %d",
                 ranks);
     if (spec->kind == TDM_MODEL_GPT) {
+        TDM_REQUIRE(!spec->head_untied, TDM_STATUS_USAGE,
+                    "--mode tp splits the GPT with its head tied to the token embedding; %s has "
+                    "an untied head", spec->name);
         TDM_CHECK(tdm_tp_gpt_plan(spec, ranks));
         *n_layers = 0;
         return TDM_STATUS_OK;
