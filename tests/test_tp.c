@@ -64,12 +64,13 @@ typedef struct out {
     char err[8][512];
     double pdiff[8], ldiff[8], gdiff[8];
     int64_t split[8], repl[8], whole_split[8], n_elem[8];
-    size_t alloc[8];
+    size_t alloc[8], act_alloc[8];
     int n_state;
 } out;
 
 typedef struct ref {
     int which, dp, accum;   /* accum: two forward_backward calls per step */
+    int sp;                 /* sequence parallelism (the GPT) */
     double loss[STEPS];
     float p1[16384], pn[16384], g1[16384];   /* g1: step 0's gradient */
     int64_t n;
@@ -78,6 +79,7 @@ typedef struct ref {
 } ref;
 
 static ref g_ref;
+static size_t g_act_alloc;   /* rank 0's activation bytes, by the allocator, of the last check */
 
 static void spec_of(int which, tdm_model_spec *s)
 {
@@ -225,7 +227,8 @@ static int tp_rank(tdm_comm *world, void *arg)
     if (tdm_mesh_init(&mesh, world, &shape)) RFAIL("mesh: %s", tdm_error_message());
     tdm_comm *comm = tdm_mesh_comm(mesh, TDM_MESH_TP), *dcomm = tdm_mesh_comm(mesh, TDM_MESH_DP);
     int N = tdm_comm_size(comm), rep = tdm_mesh_coord(mesh, TDM_MESH_DP);
-    tdm_tp_opts to = {.seed = TPP_SEED, .optim = optim(), .grad_comm = dp > 1 ? dcomm : NULL};
+    tdm_tp_opts to = {.seed = TPP_SEED, .optim = optim(), .grad_comm = dp > 1 ? dcomm : NULL,
+                      .sequence_parallel = g_ref.sp};
     if (tdm_tp_init(&p, comm, dev, &spec, &to)) RFAIL("init: %s", tdm_error_message());
     tdm_tp_stats st;
     tdm_tp_get_stats(p, &st);
@@ -264,24 +267,41 @@ static int tp_rank(tdm_comm *world, void *arg)
                                                 ls / B, g_ref.loss[s]);
         /* the communicator's count of this step: the plan's all-reduces */
         /* the GPT: per block 2 all-reduces of the stream forward and 2 of
-         * it backward, (hi - lo) * T * C floats each */
-        int64_t want = N > 1 ? (g_ref.which == GPT ? (int64_t)4 * 2 * (hi - lo) * 8 * 16 * 4
+         * it backward, (hi - lo) * T * C floats each; sequence parallel:
+         * each all-reduce a reduce-scatter and an all-gather of the same
+         * stream (4 of each per block), and one all-reduce of the
+         * LayerNorms' gradients, 2 blocks x (ln_1, ln_2) x (weight,
+         * bias) x C floats */
+        int64_t stream = (int64_t)(hi - lo) * 8 * 16 * 4;
+        int64_t want = N > 1 ? (g_ref.which == GPT ? 4 * 2 * stream
                                                    : g_bytes[g_ref.which] * (hi - lo) / B)
                              : 0;
         int calls = N > 1 ? (g_ref.which == GPT ? 8 : g_calls[g_ref.which]) : 0;
-        for (int c = 0; !g_ref.accum && c < TDM_COLL_COUNT_; c++) {
+        int sp = g_ref.sp && N > 1;
+        int64_t wb[TDM_COLL_COUNT_] = {0}, wc[TDM_COLL_COUNT_] = {0};
+        wb[TDM_COLL_ALL_REDUCE] = sp ? 2 * 2 * 2 * 16 * 4 : want;
+        wc[TDM_COLL_ALL_REDUCE] = sp ? 1 : calls;
+        wb[TDM_COLL_REDUCE_SCATTER] = wb[TDM_COLL_ALL_GATHER] = sp ? want : 0;
+        wc[TDM_COLL_REDUCE_SCATTER] = wc[TDM_COLL_ALL_GATHER] = sp ? calls : 0;
+        tdm_comm_traffic plan;
+        tdm_tp_step_traffic(&spec, N, hi - lo, g_ref.sp, &plan);
+        for (int c = 0; c < TDM_COLL_COUNT_; c++) {
             int64_t db = t1.bytes[c] - t0.bytes[c], dc = t1.calls[c] - t0.calls[c];
-            int64_t wb = c == TDM_COLL_ALL_REDUCE ? want : 0, wc = c == TDM_COLL_ALL_REDUCE
-                                                                   ? calls : 0;
-            if (db != wb || dc != wc)
+            if (!g_ref.accum && (db != wb[c] || dc != wc[c]))
                 RFAIL("step %d: %s: %lld calls of %lld bytes counted, the plan says %lld of "
                       "%lld", s, tdm_coll_name((tdm_coll)c), (long long)dc, (long long)db,
-                      (long long)wc, (long long)wb);
+                      (long long)wc[c], (long long)wb[c]);
+            if (plan.bytes[c] != wb[c] || plan.calls[c] != wc[c])
+                RFAIL("tdm_tp_step_traffic: %s: %lld calls of %lld bytes, the test's plan %lld "
+                      "of %lld", tdm_coll_name((tdm_coll)c), (long long)plan.calls[c],
+                      (long long)plan.bytes[c], (long long)wc[c], (long long)wb[c]);
         }
-        /* what a ring sends for that payload: 2(N-1)/N of it per rank */
+        /* what a ring sends for the stream's payload: 2(N-1)/N of it per
+         * rank, all-reduced or (sequence parallel) reduce-scattered and
+         * all-gathered alike */
         tdm_comm_traffic ar = {0};
-        ar.bytes[TDM_COLL_ALL_REDUCE] =
-            t1.bytes[TDM_COLL_ALL_REDUCE] - t0.bytes[TDM_COLL_ALL_REDUCE];
+        for (int c = 0; c < TDM_COLL_COUNT_; c++)
+            if (c != TDM_COLL_ALL_REDUCE || !sp) ar.bytes[c] = t1.bytes[c] - t0.bytes[c];
         int64_t ring = tdm_comm_traffic_ring_sent(&ar, N);
         if (!g_ref.accum && ring != 2 * (N - 1) * want / N)
             RFAIL("step %d: a ring sends %lld bytes for %lld of payload over %d ranks, expected "
@@ -290,6 +310,11 @@ static int tp_rank(tdm_comm *world, void *arg)
         if (tdm_tp_step_bytes(&spec, N, hi - lo) != want)
             RFAIL("tdm_tp_step_bytes %lld, the plan %lld",
                   (long long)tdm_tp_step_bytes(&spec, N, hi - lo), (long long)want);
+        if (s == 0) {
+            tdm_tp_stats as;
+            tdm_tp_get_stats(p, &as);
+            o->act_alloc[r] = as.act_alloc_bytes;
+        }
         char why[160];
         if (!repl_grads_agree(p, comm, why, sizeof why)) RFAIL("step %d: %s", s, why);
         if (s == 0) {
@@ -364,13 +389,15 @@ static void check(int which, int dp, int tp)
                      o->alloc[r], need);
     }
     if (getenv("TANDEM_TEST_VERBOSE"))
-        fprintf(stderr, "mlp %d dp=%d tp=%d: parameters within %g, losses within %g, step 0's "
-                "gradient within %g\n", which, dp, tp, pd, ld, gd);
+        fprintf(stderr, "model %d dp=%d tp=%d sp=%d: parameters within %g, losses within %g, "
+                "step 0's gradient within %g, activations %zu bytes\n", which, dp, tp, g_ref.sp, pd, ld, gd,
+                o->act_alloc[0]);
     cr_assert(gd <= GRAD_TOL, "model %d dp=%d tp=%d: step 0's whole gradient within %g of one "
               "device's", which, dp, tp, gd);
     double tol = which == GPT ? GPT_TOL : TOL;
     cr_assert(pd <= tol && ld <= tol, "model %d dp=%d tp=%d: parameters within %g, losses "
               "within %g of one device", which, dp, tp, pd, ld);
+    g_act_alloc = o->act_alloc[0];
     munmap(o, sizeof *o);
     cr_assert_eq(shm_t_segments_held(), before, "segments left behind");
 }
@@ -399,6 +426,40 @@ Test(tp, gpt_split_by_heads_equals_one_device)
     check(GPT, 1, 4);
     check(GPT, 2, 2);
 }
+
+/* Sequence parallelism (the GPT): the same run with it and without;
+ * check() holds it to one device within GPT_TOL (N = 1: bit for bit),
+ * its traffic to the reduce-scatters and all-gathers of the stream plus
+ * the LayerNorms' gradient sum, and every replicated gradient (the
+ * LayerNorms' summed ones too) to the same bits on every rank. Here:
+ * the activation bytes the allocator handed out drop by what the
+ * stream's split predicts. Per rank of N, on the replica's B*T tokens:
+ * res1 of every block, res2 of every block but the last (gathered
+ * whole for ln_f), the stream's gradient: 2L tensors of B*T*C floats;
+ * the LayerNorms' mean and rstd, 2 each per block but block 0's ln_1
+ * (it runs on the whole, replicated embeddings): 4L-2 of B*T floats;
+ * each held for B*T/N of the tokens instead of all of them. (Every
+ * size is a multiple of 16 floats: the allocator's 64-byte rounding
+ * adds nothing.) */
+static void check_sp(int dp, int tp)
+{
+    check(GPT, dp, tp);
+    size_t plain = g_act_alloc;
+    g_ref.sp = 1;
+    check(GPT, dp, tp);
+    g_ref.sp = 0;
+    size_t sp = g_act_alloc;
+    int64_t L = 2, T = 8, C = 16, BT = (int64_t)(B / dp) * T;
+    int64_t drop = (2 * L * BT * C + (4 * L - 2) * BT) * 4 * (tp - 1) / tp;
+    cr_assert(plain > 0 && sp > 0, "the host allocator keeps no accounting");
+    cr_assert_eq((int64_t)plain - (int64_t)sp, drop, "dp=%d tp=%d: activations %zu bytes "
+                 "without sequence parallelism, %zu with: a drop of %lld, predicted %lld", dp, tp,
+                 plain, sp, (long long)((int64_t)plain - (int64_t)sp), (long long)drop);
+}
+
+Test(tp, gpt_sequence_parallel_one_rank_is_one_device) { check_sp(1, 1); }
+Test(tp, gpt_sequence_parallel_equals_one_device) { check_sp(1, 2); check_sp(1, 4); }
+Test(tp, gpt_sequence_parallel_dp2_tp2) { check_sp(2, 2); }
 
 /* Replica 1 of a dp=2 x tp=2 mesh given another seed than replica 0:
  * every rank's init fails with the same one-line message naming the
@@ -466,6 +527,9 @@ Test(tp, plan_refuses_what_it_cannot_split)
     cr_assert(L == 3 && sp[2] == TDM_TP_REPLICATED);
     tdm_model_spec_mlp(&s, (int[]){784, 10}, 2);
     cr_assert_eq(tdm_tp_plan(&s, 2, sp, &L), TDM_STATUS_USAGE);
+    cr_assert_eq(tdm_tp_check_seq(&s, 2), TDM_STATUS_USAGE);
+    cr_assert_str_eq(tdm_error_message(),
+                     "--sequence-parallel applies to the GPT; the mlp has no sequence");
     tdm_model_spec_cnn(&s);
     cr_assert_eq(tdm_tp_plan(&s, 2, sp, &L), TDM_STATUS_USAGE);
     cr_assert_str_eq(tdm_error_message(),
@@ -475,6 +539,14 @@ Test(tp, plan_refuses_what_it_cannot_split)
     cr_assert_str_eq(tdm_error_message(), "the GPT's 4 heads are not divisible by the 3 "
                      "tensor-parallel ranks (attention is split by heads)");
     cr_assert_eq(tdm_tp_plan(&s, 4, sp, &L), TDM_STATUS_OK);
+    cr_assert_eq(tdm_tp_check_seq(&s, 4), TDM_STATUS_OK);
+    tdm_model_spec_gpt(&s, 2, 16, 4, 12);
+    cr_assert_eq(tdm_tp_check_seq(&s, 4), TDM_STATUS_OK);
+    cr_assert_eq(tdm_tp_check_seq(&s, 5), TDM_STATUS_USAGE);
+    cr_assert_str_eq(tdm_error_message(), "the GPT's context of 12 tokens is not divisible by "
+                     "the 5 tensor-parallel ranks (--sequence-parallel splits every window's "
+                     "tokens)");
+    tdm_model_spec_gpt(&s, 2, 16, 4, 8);
     cr_assert_eq(tdm_tp_step_bytes(&s, 4, 3), (int64_t)4 * 2 * 3 * 8 * 16 * 4);
     tdm_model_spec_mlp(&s, (int[]){20, 24, 16, 12, 5}, 5);
     cr_assert_eq(tdm_tp_step_bytes(&s, 2, B), g_bytes[0]);

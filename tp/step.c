@@ -162,6 +162,10 @@ static tdm_status tdm_tp_fwd_bwd(tdm_tp *p, const void *x, const int32_t *y, int
  * per replica again at each later call. */
 static tdm_status tdm_tp_sync(tdm_tp *p, tdm_tp_phases *ph)
 {
+    /* sequence parallel: the LayerNorms' partial gradients over the
+     * group first (once per step too: the sum of the micro-batches'
+     * partial sums) */
+    if (p->gpt) TDM_CHECK(tdm_tp_gpt_sum_ln(p, &ph->grad_sync));
     if (!p->gcomm || tdm_comm_size(p->gcomm) < 2) return TDM_STATUS_OK;
     uint64_t t0 = tdm_time_ns();
     TDM_CHECK(tdm_dev_sync(p->dev));

@@ -84,6 +84,36 @@ int64_t tdm_tp_step_bytes(const tdm_model_spec *spec, int ranks, int batch)
     return floats * (int64_t)sizeof(float);
 }
 
+tdm_status tdm_tp_check_seq(const tdm_model_spec *spec, int ranks)
+{
+    static const char *const kinds[] = {"mlp", "cnn", "gpt"};
+    TDM_REQUIRE(spec->kind == TDM_MODEL_GPT, TDM_STATUS_USAGE,
+                "--sequence-parallel applies to the GPT; the %s has no sequence",
+                (unsigned)spec->kind <= TDM_MODEL_GPT ? kinds[spec->kind] : "model");
+    TDM_REQUIRE(ranks >= 1 && spec->n_ctx % ranks == 0, TDM_STATUS_USAGE,
+                "the GPT's context of %d tokens is not divisible by the %d tensor-parallel ranks "
+                "(--sequence-parallel splits every window's tokens)", spec->n_ctx, ranks);
+    return TDM_STATUS_OK;
+}
+
+void tdm_tp_step_traffic(const tdm_model_spec *spec, int ranks, int batch, int seq_par,
+                         tdm_comm_traffic *out)
+{
+    memset(out, 0, sizeof *out);
+    if (!seq_par || spec->kind != TDM_MODEL_GPT || ranks < 2 ||
+        tdm_tp_check_seq(spec, ranks) || tdm_tp_gpt_plan(spec, ranks)) {
+        out->calls[TDM_COLL_ALL_REDUCE] = tdm_tp_step_allreduces(spec, ranks);
+        out->bytes[TDM_COLL_ALL_REDUCE] = tdm_tp_step_bytes(spec, ranks, batch);
+        return;
+    }
+    int64_t L = spec->n_layer, f = (int64_t)sizeof(float);
+    int64_t stream = (int64_t)batch * spec->n_ctx * spec->n_embd * f;
+    out->calls[TDM_COLL_REDUCE_SCATTER] = out->calls[TDM_COLL_ALL_GATHER] = 4 * L;
+    out->bytes[TDM_COLL_REDUCE_SCATTER] = out->bytes[TDM_COLL_ALL_GATHER] = 4 * L * stream;
+    out->calls[TDM_COLL_ALL_REDUCE] = L > 0;
+    out->bytes[TDM_COLL_ALL_REDUCE] = 4 * L * spec->n_embd * f;
+}
+
 /* ---- slices ---- */
 
 void tdm_tp_add_tensor(tdm_tp *p, int wp, tdm_tp_cut cut, int parts, int64_t rows, int64_t cols)
@@ -205,16 +235,16 @@ static tdm_status tdm_tp_check_over(tdm_comm *comm, const char *group, const int
  * every rank whatever the first found (no rank is left waiting). */
 static tdm_status tdm_tp_check_config(tdm_tp *p, const tdm_tp_opts *o)
 {
-    enum { CFG_SIZE = 0, CFG_SEED, CFG_SPEC, CFG_OPTIM, CFG_GRAD, CFG_COUNT_ };
+    enum { CFG_SIZE = 0, CFG_SEED, CFG_SPEC, CFG_OPTIM, CFG_GRAD, CFG_SEQ, CFG_COUNT_ };
     static const char *const names[] = {"group size", "seed", "model", "optimizer",
-                                        "dp gradient sum"};
+                                        "dp gradient sum", "sequence parallelism"};
     uint64_t h = 0xcbf29ce484222325ull, g = h;
     const unsigned char *s = (const unsigned char *)&p->spec;
     for (size_t i = 0; i < sizeof p->spec; i++) h = (h ^ s[i]) * 0x100000001b3ull;
     s = (const unsigned char *)&o->optim;
     for (size_t i = 0; i < sizeof o->optim; i++) g = (g ^ s[i]) * 0x100000001b3ull;
     int64_t mine[CFG_COUNT_] = {p->size, (int64_t)o->seed, (int64_t)h, (int64_t)g,
-                                o->grad_comm != NULL};
+                                o->grad_comm != NULL, p->seq_par};
     tdm_status st = tdm_tp_check_over(p->hcomm, "tensor-parallel group", mine, CFG_COUNT_,
                                       names, TDM_STATUS_OK);
     if (p->gcomm && tdm_comm_size(p->gcomm) > 1)
@@ -296,11 +326,13 @@ tdm_status tdm_tp_init(tdm_tp **out, tdm_comm *comm, tdm_device *dev, const tdm_
     tdm_tp_split split[TDM_MODEL_MAX_DIMS];
     int L = 0;
     TDM_CHECK(tdm_tp_plan(spec, tdm_comm_size(comm), split, &L));
+    if (opts->sequence_parallel) TDM_CHECK(tdm_tp_check_seq(spec, tdm_comm_size(comm)));
     tdm_tp *p = calloc(1, sizeof *p);
     TDM_REQUIRE(p, TDM_STATUS_OUT_OF_MEMORY, "tp: calloc");
     *p = (tdm_tp){.comm = comm, .hcomm = opts->host_comm ? opts->host_comm : comm,
                   .gcomm = opts->grad_comm, .dev = dev, .rank = tdm_comm_rank(comm),
-                  .size = tdm_comm_size(comm), .spec = *spec, .n_layers = L};
+                  .size = tdm_comm_size(comm), .spec = *spec, .n_layers = L,
+                  .seq_par = opts->sequence_parallel && tdm_comm_size(comm) > 1};
     if (spec->kind == TDM_MODEL_GPT && !tdm_dev_has_transformer(dev)) {
         st = tdm_error_set(TDM_STATUS_UNSUPPORTED, "tp: device %s has no transformer kernels",
                            tdm_dev_name(dev));
@@ -350,11 +382,8 @@ void tdm_tp_free(tdm_tp *p)
     free(p);
 }
 
-tdm_status tdm_tp_reserve(tdm_tp *p, int B)
+static tdm_status tdm_tp_reserve_mlp(tdm_tp *p, int B)
 {
-    if (B <= p->cap) return TDM_STATUS_OK;
-    tdm_tp_free_acts(p);
-    if (p->gpt) return tdm_tp_gpt_reserve(p, B);
     size_t f = sizeof(float), bytes = 0, n;
     for (int l = 0; l < p->n_layers; l++) {
         n = (size_t)B * (size_t)p->layers[l].lout * f;
@@ -382,6 +411,21 @@ tdm_status tdm_tp_reserve(tdm_tp *p, int B)
     TDM_REQUIRE(p->host_logits, TDM_STATUS_OUT_OF_MEMORY, "tp: logits of %d samples", B);
     p->cap = B;
     p->stats.activations = bytes;
+    return TDM_STATUS_OK;
+}
+
+/* Activations for B samples, their bytes measured by the allocator
+ * (what it handed out, as tdm_tp_alloc_state measures the state). */
+tdm_status tdm_tp_reserve(tdm_tp *p, int B)
+{
+    if (B <= p->cap) return TDM_STATUS_OK;
+    tdm_tp_free_acts(p);
+    tdm_dev_mem_stats a, b;
+    int measured = tdm_dev_mem_query(p->dev, &a) == TDM_STATUS_OK;
+    TDM_CHECK(p->gpt ? tdm_tp_gpt_reserve(p, B) : tdm_tp_reserve_mlp(p, B));
+    p->stats.act_alloc_bytes = measured && tdm_dev_mem_query(p->dev, &b) == TDM_STATUS_OK
+                                   ? b.live_bytes - a.live_bytes
+                                   : 0;
     return TDM_STATUS_OK;
 }
 

@@ -42,9 +42,10 @@
  * mean-loss gradient.
  *
  * The GPT is split too (tp/gpt.c: attention by heads, the MLP column/row;
- * LayerNorms, embeddings and the tied head replicated). Not here:
- * sequence parallelism, dp x pp x tp, ZeRO over the dp dimension, rank
- * start-up, the command line (tools/rank_tp.c). */
+ * LayerNorms, embeddings and the tied head replicated), optionally
+ * sequence parallel (tdm_tp_check_seq). Not here: dp x pp x tp, ZeRO
+ * over the dp dimension, rank start-up, the command line
+ * (tools/rank_tp.c). */
 #ifndef TDM_TP_TP_H
 #define TDM_TP_TP_H
 
@@ -90,6 +91,32 @@ int64_t tdm_tp_step_bytes(const tdm_model_spec *spec, int ranks, int batch);
 /* And the number of those all-reduces. */
 int tdm_tp_step_allreduces(const tdm_model_spec *spec, int ranks);
 
+/* Sequence parallelism (Megatron-LM's, the GPT only): the all-reduce
+ * after each row-parallel projection becomes a reduce-scatter along the
+ * tokens, the LayerNorms and residual adds run on the rank's 1/N of the
+ * B*T tokens (rows [r*BT/N, (r+1)*BT/N): window after window, the
+ * sequence of the batch's windows cut in N runs), and an all-gather along
+ * the tokens precedes each column-parallel layer; backward swaps them.
+ * The ranks' partial gradients of every block's ln_1 and ln_2 are summed
+ * over the group once per optimizer step (one all-reduce). USAGE errors:
+ * a model other than the GPT ("--sequence-parallel applies to the GPT;
+ * the mlp has no sequence"), a context that does not divide ("the GPT's
+ * context of 12 tokens is not divisible by the 5 tensor-parallel ranks
+ * (--sequence-parallel splits every window's tokens)"). */
+tdm_status tdm_tp_check_seq(const tdm_model_spec *spec, int ranks);
+
+/* The payload one rank hands the tensor-parallel group's communicator
+ * in one optimizer step of `batch` samples, per kind of call (calls and
+ * bytes, as tdm_comm_traffic_get counts them), with or without sequence
+ * parallelism (seq_par; ignored but for the GPT on more than one rank).
+ * Without it: tdm_tp_step_allreduces all-reduces of tdm_tp_step_bytes.
+ * With it, the GPT of L blocks, C wide, on B*T tokens: 4L reduce-scatters
+ * and 4L all-gathers of B*T*C floats each (so what a ring sends for them,
+ * 2 * 4L * (N-1)/N of it, is what it sends for the 4L all-reduces
+ * without), and one all-reduce of the LayerNorms' 4LC gradients. */
+void tdm_tp_step_traffic(const tdm_model_spec *spec, int ranks, int batch, int seq_par,
+                         tdm_comm_traffic *out);
+
 typedef struct tdm_tp_opts {
     uint64_t seed;              /* the whole model's initial parameters */
     tdm_optim_opts optim;       /* the optimizer over the rank's flat slice */
@@ -100,6 +127,9 @@ typedef struct tdm_tp_opts {
      * memory (checkpoints); needed when comm takes device memory only
      * (NCCL). NULL: comm. */
     tdm_comm *host_comm;
+    /* 1: sequence parallelism (tdm_tp_check_seq); one rank has nothing
+     * to split and runs as without it */
+    int sequence_parallel;
 } tdm_tp_opts;
 
 typedef struct tdm_tp tdm_tp;
@@ -182,6 +212,11 @@ void tdm_tp_tensor_get(const tdm_tp *p, int i, tdm_tp_tensor_info *out);
 
 /* What the steps did and what the rank holds. */
 typedef struct tdm_tp_phases {
+    /* fwd_allreduce, bwd_allreduce: the group's collectives inside the
+     * step (all-reduces, or reduce-scatters and all-gathers under
+     * sequence parallelism); grad_sync: the gradient sums after backward
+     * (the sequence-parallel LayerNorms' over the group, the dp
+     * dimension's) */
     double forward, fwd_allreduce, loss, backward, bwd_allreduce, grad_sync, step, total;
 } tdm_tp_phases;                /* ms, summed over the steps */
 typedef struct tdm_tp_stats {
@@ -196,6 +231,8 @@ typedef struct tdm_tp_stats {
     size_t state_alloc_bytes;
     size_t params, grads, optimizer;   /* bytes of each */
     size_t activations;                /* bytes of the forward's kept outputs and scratch */
+    size_t act_alloc_bytes;            /* and what the allocator handed out for them
+                                          (measured; 0 where it keeps no accounting) */
 } tdm_tp_stats;
 void tdm_tp_get_stats(const tdm_tp *p, tdm_tp_stats *out);
 

@@ -44,6 +44,7 @@ struct tdm_tp {
     tdm_comm *gcomm;            /* borrowed, may be NULL: gradients summed over it */
     tdm_device *dev;            /* borrowed */
     int rank, size;
+    int seq_par;                /* sequence parallelism (the GPT, more than one rank) */
     tdm_model_spec spec;
     tdm_model *tables;          /* the whole model's tables, no storage */
     int n_layers;                /* the MLP's linear layers */
@@ -83,6 +84,10 @@ tdm_status tdm_tp_gpt_reserve(tdm_tp *p, int B);
 tdm_status tdm_tp_gpt_forward(tdm_tp *p, int B, const float **logits, double *ar_ms);
 tdm_status tdm_tp_gpt_backward(tdm_tp *p, int B, const float *dlogits, double *ar_ms);
 float *tdm_tp_gpt_dlogits(tdm_tp *p);
+/* Sequence parallelism: the ranks' partial gradients of every block's
+ * LayerNorms summed over the group (one all-reduce, in place; nothing
+ * without it). Its time added to *ms. */
+tdm_status tdm_tp_gpt_sum_ln(tdm_tp *p, double *ms);
 void tdm_tp_gpt_free(tdm_tp *p);
 /* buf (n floats on the device) summed over the group, in place (tp/step.c). */
 tdm_status tdm_tp_allreduce(tdm_tp *p, float *buf, int64_t n, const char *what, int l);
