@@ -106,10 +106,18 @@ static tdm_status tdm_cmp_tp_rank_run(void *ctx, tdm_dist_rank *d, void *self)
         memcpy(sh->mem[k], m, sizeof m);
         sh->split[k][0] = (double)ts.split_elems;
         sh->split[k][1] = (double)ts.whole_split_elems;
-        sh->bytes[k] = (double)(t1.bytes[TDM_COLL_ALL_REDUCE] - t0.bytes[TDM_COLL_ALL_REDUCE]);
-        sh->calls[k] = (double)(t1.calls[TDM_COLL_ALL_REDUCE] - t0.calls[TDM_COLL_ALL_REDUCE]);
+        /* all-reduces, and (sequence parallel) reduce-scatters and
+         * all-gathers */
         tdm_comm_traffic ar = {0};
-        ar.bytes[TDM_COLL_ALL_REDUCE] = (int64_t)sh->bytes[k];
+        sh->bytes[k] = sh->calls[k] = 0;
+        for (int kind = 0; kind < TDM_COLL_COUNT_; kind++) {
+            if (kind != TDM_COLL_ALL_REDUCE && kind != TDM_COLL_REDUCE_SCATTER &&
+                kind != TDM_COLL_ALL_GATHER)
+                continue;
+            ar.bytes[kind] = t1.bytes[kind] - t0.bytes[kind];
+            sh->bytes[k] += (double)ar.bytes[kind];
+            sh->calls[k] += (double)(t1.calls[kind] - t0.calls[kind]);
+        }
         sh->sent[k] = (double)tdm_comm_traffic_ring_sent(&ar, tdm_comm_size(tc));
     } else {
         fprintf(stderr, "tandem compare: tp rank %d: %s\n", k, tdm_error_message());
@@ -205,7 +213,7 @@ static double tdm_cmp_tp_median_step(const tdm_cmp_opts *o, const tdm_cmp_tp_sha
 }
 
 static void tdm_cmp_tp_print(const tdm_cmp_opts *o, const tdm_model_spec *spec,
-                             const tdm_cmp_tp_shared *sh)
+                             const tdm_cmp_tp_shared *sh, int seq_par)
 {
     static const char *const name[TDM_CMP_TP_PHASES] = {"forward", "fwd all-reduce", "loss",
                                                          "backward", "bwd all-reduce",
@@ -223,22 +231,30 @@ static void tdm_cmp_tp_print(const tdm_cmp_opts *o, const tdm_model_spec *spec,
     }
     printf("  %-16s", "step");
     for (int k = 0; k < sh->N; k++) printf("  %10.3f", tdm_cmp_tp_mean(o, sh, k, -1));
-    int64_t plan = tdm_tp_step_bytes(spec, sh->N, o->batch);
+    tdm_comm_traffic pt;
+    tdm_tp_step_traffic(spec, sh->N, o->batch, seq_par, &pt);
+    int64_t plan = 0, plan_calls = 0;
+    for (int c = 0; c < TDM_COLL_COUNT_; c++) {
+        plan += pt.bytes[c];
+        plan_calls += pt.calls[c];
+    }
+    int sp = pt.calls[TDM_COLL_REDUCE_SCATTER] > 0;
     printf("\n\ntensor-parallel memory and communication per rank (MiB; split tensors: the "
            "rank's elements of one device's):\n");
     for (int k = 0; k < sh->N; k++)
         printf("  rank %d: params %.3f, grads %.3f, optimizer %.3f, activations %.3f; split "
-               "tensors %.0f of %.0f elements; all-reduce payload handed to the communicator "
-               "%.0f bytes per step in %.1f calls (the plan: %lld bytes in %d), which a ring "
+               "tensors %.0f of %.0f elements; %s payload handed to the communicator "
+               "%.0f bytes per step in %.1f calls (the plan: %lld bytes in %lld), which a ring "
                "algorithm sends as %.0f bytes per step\n", k,
                sh->mem[k][0] * mib, sh->mem[k][1] * mib, sh->mem[k][2] * mib,
                sh->mem[k][3] * mib, sh->split[k][0], sh->split[k][1],
+               sp ? "reduce-scatter, all-gather and all-reduce" : "all-reduce",
                sh->bytes[k] / sh->steps, sh->calls[k] / sh->steps, (long long)plan,
-               tdm_tp_step_allreduces(spec, sh->N), sh->sent[k] / sh->steps);
+               (long long)plan_calls, sh->sent[k] / sh->steps);
 }
 
 static int tdm_cmp_tp_verdict(const tdm_cmp_opts *o, const tdm_cmp_tp_shared *sh,
-                              const double *ref_loss, const float *ref_p)
+                              const double *ref_loss, const float *ref_p, const char *tag)
 {
     const float *p = TDM_CMP_TP_AT(sh, off_params, float);
     const double *loss = TDM_CMP_TP_AT(sh, off_loss, double);
@@ -255,11 +271,11 @@ static int tdm_cmp_tp_verdict(const tdm_cmp_opts *o, const tdm_cmp_tp_shared *sh
     }
     int ok = worst <= 1.0 && ld <= TDM_CMP_TP_LOSS;
     printf("\ntensor-parallel equivalence (vs one host device on the same batches, |a-b| <= "
-           "atol %.0e + rtol %.0e |b|, losses within rel %.0e): tp(%d): largest parameter "
+           "atol %.0e + rtol %.0e |b|, losses within rel %.0e): %s(%d): largest parameter "
            "difference %.3g (%.2f of the allowed), loss rel %.3g over %d steps -> %s "
            "(row-parallel sums add the ranks' partial products in another order than one "
            "device's gemm: float rounding, not bit for bit)\n", TDM_CMP_TP_ATOL,
-           TDM_CMP_TP_RTOL, TDM_CMP_TP_LOSS, sh->N, pd, worst, ld, o->steps,
+           TDM_CMP_TP_RTOL, TDM_CMP_TP_LOSS, tag, sh->N, pd, worst, ld, o->steps,
            ok ? "PASS" : "FAIL");
     return ok;
 }
@@ -268,14 +284,19 @@ static int tdm_cmp_tp_verdict(const tdm_cmp_opts *o, const tdm_cmp_tp_shared *sh
 
 int tdm_cmp_tp_section(const tdm_cmp_opts *o, const tdm_cmp_data *data,
                        const tdm_model_spec *spec, const tdm_cmp_result *single,
-                       const tdm_cmp_result *ddp)
+                       const tdm_cmp_result *ddp, int seq_par)
 {
     int N = o->n_dev;
     int64_t pe = tdm_cmp_param_elems(o);
-    printf("\nTensor parallel: tp(%d), %s\n  running tp...\n", N,
+    const char *tag = seq_par ? "tp-sp" : "tp";
+    printf("\nTensor parallel: %s(%d), %s%s\n  running %s...\n", tag, N,
            spec->kind == TDM_MODEL_GPT ? "the GPT's attention split by heads, its MLP column/row"
-                                       : "the MLP's layers as column/row-parallel pairs");
-    tdm_tool_build b = {.design = &tdm_tool_tp_design, .cmd = "tandem compare", .seed = o->seed};
+                                       : "the MLP's layers as column/row-parallel pairs",
+           seq_par ? "; sequence parallel: LayerNorms and residual adds on 1/N of the tokens, "
+                     "reduce-scatters and all-gathers along them"
+                   : "", tag);
+    tdm_tool_build b = {.design = &tdm_tool_tp_design, .cmd = "tandem compare", .seed = o->seed,
+                        .tp = {.seq_par = seq_par}};
     b.spec = *spec;
     tdm_optim_opts_named(&b.optim, o->optim, o->lr, o->weight_decay, o->momentum, 0);
     tdm_cmp_tp_shared lay = tdm_cmp_tp_layout(N, o->steps, pe);
@@ -309,14 +330,14 @@ int tdm_cmp_tp_section(const tdm_cmp_opts *o, const tdm_cmp_data *data,
         tdm_cmp_step_stats(o, single, &s1, &lo, &hi);
         if (ddp && ddp->ok) tdm_cmp_step_stats(o, ddp, &sd, &lo, &hi);
         printf("\ntensor-parallel throughput (median step over steps %d..%d; a step is the "
-               "slowest rank's):\n  tp(%d): "
+               "slowest rank's):\n  %s(%d): "
                "%.3f ms/step = %.0f samples/s = %.2fx one device (%.0f samples/s)",
-               tdm_cmp_tp_warm(o) + 1, o->steps, N, med, med > 0 ? o->batch / med * 1e3 : 0.0,
+               tdm_cmp_tp_warm(o) + 1, o->steps, tag, N, med, med > 0 ? o->batch / med * 1e3 : 0.0,
                s1 > 0 && med > 0 ? s1 / med : 0.0, s1 > 0 ? o->batch / s1 * 1e3 : 0.0);
         if (sd > 0 && med > 0) printf(", %.2fx DDP(%d)", sd / med, ddp->n_dev);
         printf("\n");
-        tdm_cmp_tp_print(o, spec, sh);
-        verdict = tdm_cmp_tp_verdict(o, sh, ref_loss, ref_p);
+        tdm_cmp_tp_print(o, spec, sh, seq_par);
+        verdict = tdm_cmp_tp_verdict(o, sh, ref_loss, ref_p, tag);
         printf("\ntensor-parallel reading: each rank computes 1/%d of every split layer's "
                "gemms, so compute per rank drops by about %d; in exchange every step "
                "all-reduces activations (the bytes above: the MLP's batch x width floats per "

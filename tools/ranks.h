@@ -60,6 +60,11 @@ typedef struct tdm_tool_build {
         int batch;               /* the global batch (sizes the links' zero-copy memory) */
         int zero1;               /* --sharding optimizer: ZeRO-1 over the dp dimension */
     } pp;
+    /* tensor parallelism (tools/rank_tp.c) */
+    struct {
+        int seq_par;             /* --sequence-parallel (tp/tp.h) */
+        int zero1;               /* --sharding optimizer: ZeRO-1 over the dp dimension */
+    } tp;
     /* the tool's own context, for the callbacks it composes around the
      * design's (dist/run.h's ctx is this struct) */
     void *tool;

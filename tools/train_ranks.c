@@ -269,7 +269,7 @@ static tdm_status tdm_train_rank_setup(void *ctx, tdm_dist_rank *d, void **self)
 static void tdm_train_rank_header(const tdm_tool_rank *r, const tdm_train_job *j)
 {
     const tdm_dist_rank *d = r->dist;
-    char on[160] = "", note[64] = "", desc[400];
+    char on[320] = "", note[64] = "", desc[560];
     if (r->b->design->describe) r->b->design->describe(r, on, sizeof on, note, sizeof note);
     const char *backend = tdm_comm_backend_name(d->dev_comm);
     if (d->job_desc)
@@ -459,6 +459,8 @@ static tdm_status tdm_train_ranks_build(tdm_train_job *j, const tdm_tool_design 
     b->pp.micro = (int)a->microbatches;
     b->pp.split = a->split;
     b->pp.mesh = a->mesh;
+    b->tp.seq_par = a->sequence_parallel;
+    b->tp.zero1 = design == &tdm_tool_tp_design && a->sharding;   /* checked: "optimizer" */
     b->pp.batch = (int)a->batch;
     b->pp.zero1 = design == &tdm_tool_pp_design && a->sharding;   /* checked: "optimizer" */
     if (a->schedule && tdm_pp_schedule_parse(a->schedule, &b->pp.schedule))

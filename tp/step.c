@@ -182,8 +182,38 @@ tdm_status tdm_tp_zero_grad(tdm_tp *p)
     return tdm_dev_memset_zero(p->dev, p->grads, (size_t)p->n_elem * sizeof(float));
 }
 
+/* ZeRO-1's step: the replica's chunk of the summed gradients steps its
+ * chunk of the parameters (the optimizer holds that chunk's state
+ * only), then every replica's chunk is all-gathered over the dp
+ * dimension into every replica's parameters. SGD and AdamW update each
+ * element from its own gradient and state: the plain step's bits. */
+static tdm_status tdm_tp_step_zero(tdm_tp *p)
+{
+    int64_t lo, k, c = p->zchunk;
+    tdm_tp_zero_range(p, &lo, &k);
+    tdm_optim_range rg = {.param = p->params + lo, .grad = p->grads + lo, .state_offset = 0,
+                          .n_elem = k};
+    TDM_CHECK(tdm_optim_step_ranges(p->opt, &rg, k > 0));
+    float *all = p->zbuf ? p->zbuf : p->params;
+    if (p->zbuf && k)
+        TDM_CHECK(tdm_dev_copy(p->dev, all + lo, p->params + lo, (size_t)k * sizeof(float)));
+    TDM_CHECK(tdm_dev_sync(p->dev));
+    tdm_comm_set_label(p->gcomm, "tp zero1 gather of the parameters over the dp dimension");
+    tdm_status st = tdm_comm_all_gather(p->gcomm, all + (int64_t)p->zrep * c, all, (size_t)c,
+                                        TDM_DTYPE_FLOAT32);
+    if (st) {
+        tdm_error_prefix(st, "tp rank %d: ZeRO-1's gather over the dp dimension (replica %d)",
+                         p->rank, p->zrep);
+        return st;
+    }
+    if (p->zbuf)
+        TDM_CHECK(tdm_dev_copy(p->dev, p->params, all, (size_t)p->n_elem * sizeof(float)));
+    return TDM_STATUS_OK;
+}
+
 static tdm_status tdm_tp_step_only(tdm_tp *p)
 {
+    if (p->zero == TDM_TP_ZERO_OPTIMIZER) return tdm_tp_step_zero(p);
     tdm_optim_range rg = {.param = p->params, .grad = p->grads, .state_offset = 0,
                           .n_elem = p->n_elem};
     return tdm_optim_step_ranges(p->opt, &rg, 1);

@@ -235,16 +235,16 @@ static tdm_status tdm_tp_check_over(tdm_comm *comm, const char *group, const int
  * every rank whatever the first found (no rank is left waiting). */
 static tdm_status tdm_tp_check_config(tdm_tp *p, const tdm_tp_opts *o)
 {
-    enum { CFG_SIZE = 0, CFG_SEED, CFG_SPEC, CFG_OPTIM, CFG_GRAD, CFG_SEQ, CFG_COUNT_ };
+    enum { CFG_SIZE = 0, CFG_SEED, CFG_SPEC, CFG_OPTIM, CFG_GRAD, CFG_SEQ, CFG_ZERO, CFG_COUNT_ };
     static const char *const names[] = {"group size", "seed", "model", "optimizer",
-                                        "dp gradient sum", "sequence parallelism"};
+                                        "dp gradient sum", "sequence parallelism", "ZeRO"};
     uint64_t h = 0xcbf29ce484222325ull, g = h;
     const unsigned char *s = (const unsigned char *)&p->spec;
     for (size_t i = 0; i < sizeof p->spec; i++) h = (h ^ s[i]) * 0x100000001b3ull;
     s = (const unsigned char *)&o->optim;
     for (size_t i = 0; i < sizeof o->optim; i++) g = (g ^ s[i]) * 0x100000001b3ull;
     int64_t mine[CFG_COUNT_] = {p->size, (int64_t)o->seed, (int64_t)h, (int64_t)g,
-                                o->grad_comm != NULL, p->seq_par};
+                                o->grad_comm != NULL, p->seq_par, p->zero};
     tdm_status st = tdm_tp_check_over(p->hcomm, "tensor-parallel group", mine, CFG_COUNT_,
                                       names, TDM_STATUS_OK);
     if (p->gcomm && tdm_comm_size(p->gcomm) > 1)
@@ -288,9 +288,13 @@ static tdm_status tdm_tp_alloc_state(tdm_tp *p, const tdm_optim_opts *optim)
     size_t bytes = (size_t)p->n_elem * sizeof(float);
     TDM_CHECK(tdm_dev_alloc_zero(p->dev, bytes, (void **)&p->params));
     TDM_CHECK(tdm_dev_alloc_zero(p->dev, bytes, (void **)&p->grads));
-    TDM_CHECK(tdm_optim_init_flat(&p->opt, p->dev, p->n_elem, optim));
+    /* ZeRO-1: state for the replica's chunk only */
+    TDM_CHECK(tdm_optim_init_flat(&p->opt, p->dev, p->zero ? p->zchunk : p->n_elem, optim));
     if (measured && tdm_dev_mem_query(p->dev, &b) == TDM_STATUS_OK)
         p->stats.state_alloc_bytes = b.live_bytes - a.live_bytes;
+    if (p->zero && p->zchunk * p->zreps != p->n_elem)
+        TDM_CHECK(tdm_dev_alloc_zero(p->dev, (size_t)(p->zchunk * p->zreps) * sizeof(float),
+                                     (void **)&p->zbuf));
     p->stats.params = p->stats.grads = bytes;
     p->stats.optimizer = tdm_optim_state_bytes(p->opt);
     return TDM_STATUS_OK;
@@ -332,7 +336,18 @@ tdm_status tdm_tp_init(tdm_tp **out, tdm_comm *comm, tdm_device *dev, const tdm_
     *p = (tdm_tp){.comm = comm, .hcomm = opts->host_comm ? opts->host_comm : comm,
                   .gcomm = opts->grad_comm, .dev = dev, .rank = tdm_comm_rank(comm),
                   .size = tdm_comm_size(comm), .spec = *spec, .n_layers = L,
-                  .seq_par = opts->sequence_parallel && tdm_comm_size(comm) > 1};
+                  .seq_par = opts->sequence_parallel && tdm_comm_size(comm) > 1,
+                  .zero = opts->zero};
+    if (p->zero) {
+        if (!p->gcomm || tdm_comm_size(p->gcomm) < 2) {
+            st = tdm_error_set(TDM_STATUS_USAGE, "tp: ZeRO-1 shards the optimizer over the dp "
+                               "dimension, which needs at least 2 replicas (--mesh dp=D,tp=N "
+                               "with D >= 2)");
+            goto fail;
+        }
+        p->zrep = tdm_comm_rank(p->gcomm);
+        p->zreps = tdm_comm_size(p->gcomm);
+    }
     if (spec->kind == TDM_MODEL_GPT && !tdm_dev_has_transformer(dev)) {
         st = tdm_error_set(TDM_STATUS_UNSUPPORTED, "tp: device %s has no transformer kernels",
                            tdm_dev_name(dev));
@@ -341,6 +356,7 @@ tdm_status tdm_tp_init(tdm_tp **out, tdm_comm *comm, tdm_device *dev, const tdm_
     TDM_TRY(tdm_model_init_tables(&p->tables, spec));
     if (spec->kind == TDM_MODEL_GPT) TDM_TRY(tdm_tp_gpt_layout(p));
     else tdm_tp_layout(p, split);
+    if (p->zero) p->zchunk = (p->n_elem + p->zreps - 1) / p->zreps;
     st = tdm_tp_check_config(p, opts);
     if (!st) st = tdm_tp_alloc_state(p, &opts->optim);
     if (!st) st = tdm_tp_init_params(p, opts->seed);
@@ -376,6 +392,7 @@ void tdm_tp_free(tdm_tp *p)
     tdm_tp_free_acts(p);
     tdm_tp_gpt_free(p);
     tdm_optim_free(p->opt);
+    tdm_dev_free(p->dev, p->zbuf);
     tdm_dev_free(p->dev, p->params);
     tdm_dev_free(p->dev, p->grads);
     tdm_model_free(p->tables);
@@ -472,6 +489,46 @@ static tdm_status tdm_tp_gather_buf(tdm_tp *p, const float *dev_buf, float *whol
     return st;
 }
 
+void tdm_tp_zero_range(const tdm_tp *p, int64_t *lo, int64_t *k)
+{
+    *lo = (int64_t)p->zrep * p->zchunk;
+    *k = *lo >= p->n_elem ? 0 : p->n_elem - *lo < p->zchunk ? p->n_elem - *lo : p->zchunk;
+}
+
+/* ZeRO-1: optimizer state i's chunks all-gathered over the dp dimension
+ * into *whole (zreps * zchunk on dev, allocated here; the rank's flat
+ * layout in its first n_elem). */
+static tdm_status tdm_tp_zero_unshard(tdm_tp *p, int i, float **whole)
+{
+    size_t c = (size_t)p->zchunk;
+    TDM_CHECK(tdm_dev_alloc_zero(p->dev, c * (size_t)p->zreps * sizeof(float),
+                                 (void **)whole));
+    TDM_CHECK(tdm_dev_copy(p->dev, *whole + (size_t)p->zrep * c, tdm_optim_state(p->opt, i),
+                           c * sizeof(float)));
+    TDM_CHECK(tdm_dev_sync(p->dev));
+    tdm_comm_set_label(p->gcomm, "tp zero1 gather of the %s over the dp dimension",
+                       tdm_optim_state_name(p->opt, i));
+    tdm_status st = tdm_comm_all_gather(p->gcomm, *whole + (size_t)p->zrep * c, *whole, c,
+                                        TDM_DTYPE_FLOAT32);
+    if (st) {
+        tdm_error_prefix(st, "tp rank %d: ZeRO-1's gather of the %s (replica %d)", p->rank,
+                         tdm_optim_state_name(p->opt, i), p->zrep);
+        tdm_comm_abort(p->gcomm, tdm_error_message());
+    }
+    return st;
+}
+
+tdm_status tdm_tp_zero_join_gather(tdm_tp *p)
+{
+    for (int i = 0; p->zero && i < tdm_optim_n_state(p->opt); i++) {
+        float *whole = NULL;
+        tdm_status st = tdm_tp_zero_unshard(p, i, &whole);
+        tdm_dev_free(p->dev, whole);
+        TDM_CHECK(st);
+    }
+    return TDM_STATUS_OK;
+}
+
 tdm_status tdm_tp_gather_state(tdm_tp *p, tdm_ckpt_host *h, int root)
 {
     TDM_CHECK(tdm_tp_gather_buf(p, p->params, h ? h->params : NULL, root, "parameters"));
@@ -479,9 +536,15 @@ tdm_status tdm_tp_gather_state(tdm_tp *p, tdm_ckpt_host *h, int root)
         if (h) h->steps = tdm_optim_steps(p->opt);
         return TDM_STATUS_OK;
     }
-    for (int i = 0; i < tdm_optim_n_state(p->opt); i++)
-        TDM_CHECK(tdm_tp_gather_buf(p, tdm_optim_state(p->opt, i), h->state[i], root,
-                                    tdm_optim_state_name(p->opt, i)));
+    for (int i = 0; i < tdm_optim_n_state(p->opt); i++) {
+        float *whole = NULL;
+        tdm_status st = p->zero ? tdm_tp_zero_unshard(p, i, &whole) : TDM_STATUS_OK;
+        if (!st)
+            st = tdm_tp_gather_buf(p, whole ? whole : tdm_optim_state(p->opt, i), h->state[i],
+                                   root, tdm_optim_state_name(p->opt, i));
+        tdm_dev_free(p->dev, whole);
+        TDM_CHECK(st);
+    }
     h->steps = tdm_optim_steps(p->opt);
     return TDM_STATUS_OK;
 }
@@ -491,27 +554,34 @@ tdm_status tdm_tp_gather_grads(tdm_tp *p, float *whole, int root)
     return tdm_tp_gather_buf(p, p->grads, whole, root, "gradients");
 }
 
-/* A whole-layout host array's slice onto a rank-layout device buffer. */
-static tdm_status tdm_tp_load_buf(tdm_tp *p, const float *whole, float *dev_buf)
+/* A whole-layout host array's slice onto a rank-layout device buffer:
+ * all n_elem of it, or (chunk: ZeRO-1's optimizer state) the replica's
+ * chunk of it. */
+static tdm_status tdm_tp_load_buf(tdm_tp *p, const float *whole, float *dev_buf, int chunk)
 {
     size_t bytes = (size_t)p->n_elem * sizeof(float);
     float *mine = malloc(bytes);
     TDM_REQUIRE(mine, TDM_STATUS_OUT_OF_MEMORY, "tp: loading %zu bytes", bytes);
     tdm_tp_slice(p, p->rank, whole, mine);
-    tdm_status st = tdm_dev_copy_from_host(p->dev, dev_buf, mine, bytes);
+    int64_t lo = 0, k = p->n_elem;
+    if (chunk) tdm_tp_zero_range(p, &lo, &k);
+    tdm_status st = k ? tdm_dev_copy_from_host(p->dev, dev_buf, mine + lo,
+                                               (size_t)k * sizeof(float))
+                      : TDM_STATUS_OK;
     free(mine);
     return st;
 }
 
 tdm_status tdm_tp_load_state(tdm_tp *p, const tdm_ckpt_host *h)
 {
-    TDM_CHECK(tdm_tp_load_buf(p, h->params, p->params));
+    TDM_CHECK(tdm_tp_load_buf(p, h->params, p->params, 0));
     if (!h->optim) return TDM_STATUS_OK;
     TDM_REQUIRE(tdm_optim_n_state(p->opt) == tdm_optim_kind_n_state(h->optim),
                 TDM_STATUS_MISMATCH, "tp: the checkpoint's optimizer keeps %d state buffers, "
                 "this run's %d", tdm_optim_kind_n_state(h->optim), tdm_optim_n_state(p->opt));
     for (int i = 0; i < tdm_optim_n_state(p->opt); i++)
-        TDM_CHECK(tdm_tp_load_buf(p, h->state[i], tdm_optim_state(p->opt, i)));
+        TDM_CHECK(tdm_tp_load_buf(p, h->state[i], tdm_optim_state(p->opt, i),
+                                  p->zero == TDM_TP_ZERO_OPTIMIZER));
     tdm_optim_set_steps(p->opt, h->steps);
     return TDM_STATUS_OK;
 }

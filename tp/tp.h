@@ -117,6 +117,16 @@ tdm_status tdm_tp_check_seq(const tdm_model_spec *spec, int ranks);
 void tdm_tp_step_traffic(const tdm_model_spec *spec, int ranks, int batch, int seq_par,
                          tdm_comm_traffic *out);
 
+/* What the dp dimension of a dp x tp mesh shards (grad_comm's replicas). */
+typedef enum tdm_tp_zero {
+    TDM_TP_ZERO_NONE = 0,       /* every replica keeps its slices' whole state */
+    /* ZeRO-1: replica d of D keeps the optimizer state of elements
+     * [d*c, (d+1)*c) of the rank's flat slice, c = ceil(n/D), steps
+     * those after the gradients' sum and all-gathers the parameters over
+     * grad_comm: the plain step's bits, 1/D of its optimizer state */
+    TDM_TP_ZERO_OPTIMIZER,
+} tdm_tp_zero;
+
 typedef struct tdm_tp_opts {
     uint64_t seed;              /* the whole model's initial parameters */
     tdm_optim_opts optim;       /* the optimizer over the rank's flat slice */
@@ -130,6 +140,8 @@ typedef struct tdm_tp_opts {
     /* 1: sequence parallelism (tdm_tp_check_seq); one rank has nothing
      * to split and runs as without it */
     int sequence_parallel;
+    /* ZeRO over grad_comm (needs one of at least 2 ranks) */
+    tdm_tp_zero zero;
 } tdm_tp_opts;
 
 typedef struct tdm_tp tdm_tp;
@@ -190,10 +202,17 @@ tdm_status tdm_tp_evaluate(tdm_tp *p, const tdm_dataset *d, int batch, double *l
  * arrays in the whole model's layout, tdm_tp_tables; used on root only):
  * parameters and, when h->optim is set, the optimizer's state and step
  * count: what tdm_checkpoint_save_host writes, the file every mode reads.
- * Collective. */
+ * Collective (with ZeRO-1 over grad_comm too: every other replica calls
+ * tdm_tp_zero_join_gather). */
 tdm_status tdm_tp_gather_state(tdm_tp *p, tdm_ckpt_host *h, int root);
 /* The whole model's gradient (host, whole layout) on root. Collective. */
 tdm_status tdm_tp_gather_grads(tdm_tp *p, float *whole, int root);
+/* ZeRO-1 (tdm_tp_opts.zero), a replica other than the one that gathers
+ * (which calls tdm_tp_gather_state): its part of the gathers over the dp
+ * dimension that assemble each optimizer state for the checkpoint, in
+ * tdm_tp_gather_state's order. Nothing without ZeRO. Collective over
+ * grad_comm. */
+tdm_status tdm_tp_zero_join_gather(tdm_tp *p);
 /* This rank's slices of a whole model's state in h (any mode's
  * checkpoint, read by every rank): parameters and, with h->optim, the
  * optimizer state and step count. Not collective. */

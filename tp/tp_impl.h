@@ -54,7 +54,15 @@ struct tdm_tp {
     tdm_tp_tensor tensors[TDM_TP_MAX_TENSORS];
     float *params, *grads;      /* flat, n_elem each, on dev */
     int64_t n_elem;
-    tdm_optim *opt;
+    tdm_optim *opt;             /* over n_elem, or (ZeRO-1) the replica's zchunk */
+    /* ZeRO-1 over gcomm: replica zrep of zreps holds the optimizer state
+     * of elements [zrep*zchunk, ...) of the flat slice; zbuf (zreps *
+     * zchunk, on dev) takes the parameters' gather when that overhangs
+     * n_elem (NULL: they gather in place) */
+    tdm_tp_zero zero;
+    int zrep, zreps;
+    int64_t zchunk;
+    float *zbuf;
     /* activations and scratch for cap samples */
     int cap, max_width;
     float *x, *ones, *dbuf[2];
@@ -94,6 +102,9 @@ tdm_status tdm_tp_allreduce(tdm_tp *p, float *buf, int64_t n, const char *what, 
 
 /* Activations and scratch for B samples (grown, never shrunk; tp/tp.c). */
 tdm_status tdm_tp_reserve(tdm_tp *p, int B);
+
+/* ZeRO-1: the replica's elements [*lo, *lo + *k) of the flat slice. */
+void tdm_tp_zero_range(const tdm_tp *p, int64_t *lo, int64_t *k);
 
 /* Aborts the group (and grad_comm) with the current message once;
  * returns st (tp/step.c). */
