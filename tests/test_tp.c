@@ -330,6 +330,15 @@ static int tp_rank(tdm_comm *world, void *arg)
             tdm_tp_stats as;
             tdm_tp_get_stats(p, &as);
             o->act_alloc[r] = as.act_alloc_bytes;
+            /* the pre-run memory check's figures: what the rank holds */
+            tdm_tp_rank_footprint fp;
+            int held = g_ref.accum ? hi - (lo + hi) / 2 : hi - lo;   /* the largest call's */
+            if (tdm_tp_footprint(&spec, N, held, g_ref.sp, &fp))
+                RFAIL("footprint: %s", tdm_error_message());
+            if (fp.elems != tdm_tp_elems(p) || fp.act_bytes != as.activations)
+                RFAIL("footprint: %lld elements and %zu activation bytes, the rank holds %lld "
+                      "and %zu", (long long)fp.elems, fp.act_bytes, (long long)tdm_tp_elems(p),
+                      as.activations);
         }
         char why[160];
         if (!repl_grads_agree(p, comm, why, sizeof why)) RFAIL("step %d: %s", s, why);

@@ -170,9 +170,11 @@ static tdm_status tdm_tp_gpt_alloc(tdm_tp *p, int64_t n, float **out)
         g->max_allocs = m;
     }
     size_t bytes = (size_t)(n > 0 ? n : 1) * sizeof(float);
+    p->stats.activations += bytes;
+    *out = NULL;
+    if (!p->dev) return TDM_STATUS_OK;   /* tdm_tp_footprint: counted only */
     TDM_CHECK(tdm_dev_alloc(p->dev, bytes, (void **)out));
     g->allocs[g->n_allocs++] = *out;
-    p->stats.activations += bytes;
     return TDM_STATUS_OK;
 }
 
@@ -245,6 +247,7 @@ tdm_status tdm_tp_gpt_reserve(tdm_tp *p, int B)
     p->x = x;
     p->y = (int32_t *)y;
     p->ones = ones;
+    if (!p->dev) return TDM_STATUS_OK;
     float *h1 = malloc((size_t)N * sizeof(float));
     TDM_REQUIRE(h1, TDM_STATUS_OUT_OF_MEMORY, "tp gpt: %lld floats", (long long)N);
     for (int64_t i = 0; i < N; i++) h1[i] = 1.0f;

@@ -399,35 +399,37 @@ void tdm_tp_free(tdm_tp *p)
     free(p);
 }
 
+/* n bytes of activations into *out, counted into *bytes; without a
+ * device (tdm_tp_footprint) only counted. */
+static tdm_status tdm_tp_act(tdm_tp *p, size_t n, void **out, size_t *bytes)
+{
+    *bytes += n;
+    *out = NULL;
+    return p->dev ? tdm_dev_alloc(p->dev, n, out) : TDM_STATUS_OK;
+}
+
 static tdm_status tdm_tp_reserve_mlp(tdm_tp *p, int B)
 {
-    size_t f = sizeof(float), bytes = 0, n;
-    for (int l = 0; l < p->n_layers; l++) {
-        n = (size_t)B * (size_t)p->layers[l].lout * f;
-        TDM_CHECK(tdm_dev_alloc(p->dev, n, (void **)&p->layers[l].act));
-        bytes += n;
-    }
-    n = (size_t)B * (size_t)p->spec.dims[0] * f;
-    TDM_CHECK(tdm_dev_alloc(p->dev, n, (void **)&p->x));
-    bytes += n;
-    TDM_CHECK(tdm_dev_alloc(p->dev, (size_t)B * sizeof(int32_t), (void **)&p->y));
-    bytes += (size_t)B * sizeof(int32_t);
-    float *ones = malloc((size_t)B * f);
+    size_t f = sizeof(float), bytes = 0, b = (size_t)B;
+    for (int l = 0; l < p->n_layers; l++)
+        TDM_CHECK(tdm_tp_act(p, b * (size_t)p->layers[l].lout * f, (void **)&p->layers[l].act,
+                             &bytes));
+    TDM_CHECK(tdm_tp_act(p, b * (size_t)p->spec.dims[0] * f, (void **)&p->x, &bytes));
+    TDM_CHECK(tdm_tp_act(p, b * sizeof(int32_t), (void **)&p->y, &bytes));
+    TDM_CHECK(tdm_tp_act(p, b * f, (void **)&p->ones, &bytes));
+    TDM_CHECK(tdm_tp_act(p, b * (size_t)p->max_width * f, (void **)&p->dbuf[0], &bytes));
+    TDM_CHECK(tdm_tp_act(p, b * (size_t)p->max_width * f, (void **)&p->dbuf[1], &bytes));
+    p->stats.activations = bytes;
+    if (!p->dev) return TDM_STATUS_OK;
+    float *ones = malloc(b * f);
     TDM_REQUIRE(ones, TDM_STATUS_OUT_OF_MEMORY, "tp: %d floats", B);
     for (int i = 0; i < B; i++) ones[i] = 1.0f;
-    tdm_status st = tdm_dev_alloc(p->dev, (size_t)B * f, (void **)&p->ones);
-    if (!st) st = tdm_dev_copy_from_host(p->dev, p->ones, ones, (size_t)B * f);
+    tdm_status st = tdm_dev_copy_from_host(p->dev, p->ones, ones, b * f);
     free(ones);
     TDM_CHECK(st);
-    bytes += (size_t)B * f;
-    n = (size_t)B * (size_t)p->max_width * f;
-    TDM_CHECK(tdm_dev_alloc(p->dev, n, (void **)&p->dbuf[0]));
-    TDM_CHECK(tdm_dev_alloc(p->dev, n, (void **)&p->dbuf[1]));
-    bytes += 2 * n;
-    p->host_logits = malloc((size_t)B * (size_t)p->spec.dims[p->n_layers] * f);
+    p->host_logits = malloc(b * (size_t)p->spec.dims[p->n_layers] * f);
     TDM_REQUIRE(p->host_logits, TDM_STATUS_OUT_OF_MEMORY, "tp: logits of %d samples", B);
     p->cap = B;
-    p->stats.activations = bytes;
     return TDM_STATUS_OK;
 }
 
@@ -461,6 +463,40 @@ void tdm_tp_tensor_get(const tdm_tp *p, int i, tdm_tp_tensor_info *out)
     const tdm_tp_tensor *t = &p->tensors[i];
     *out = (tdm_tp_tensor_info){.whole_index = t->wp, .split = t->cut != TDM_TP_CUT_REPL,
                                 .offset = t->off, .n_elem = t->n_elem};
+}
+
+/* ---- what a rank will take ---- */
+
+tdm_status tdm_tp_footprint(const tdm_model_spec *spec, int ranks, int batch, int seq_par,
+                            tdm_tp_rank_footprint *out)
+{
+    tdm_tp_split split[TDM_MODEL_MAX_DIMS];
+    int L = 0;
+    memset(out, 0, sizeof *out);
+    TDM_CHECK(tdm_tp_plan(spec, ranks, split, &L));
+    if (seq_par) TDM_CHECK(tdm_tp_check_seq(spec, ranks));
+    TDM_REQUIRE(batch >= 1, TDM_STATUS_INVALID_ARG, "tp footprint: a batch of %d", batch);
+    /* rank 0's layout and activations without a device (every rank's
+     * slices have the same sizes): the set-up's and tdm_tp_reserve's own
+     * code, counting instead of allocating */
+    tdm_tp *p = calloc(1, sizeof *p);
+    TDM_REQUIRE(p, TDM_STATUS_OUT_OF_MEMORY, "tp footprint: calloc");
+    *p = (tdm_tp){.size = ranks, .spec = *spec, .n_layers = L, .seq_par = seq_par && ranks > 1};
+    tdm_status st = tdm_model_init_tables(&p->tables, spec);
+    if (!st && spec->kind == TDM_MODEL_GPT) st = tdm_tp_gpt_layout(p);
+    else if (!st) tdm_tp_layout(p, split);
+    if (!st) st = p->gpt ? tdm_tp_gpt_reserve(p, batch) : tdm_tp_reserve_mlp(p, batch);
+    if (!st) {
+        out->elems = p->n_elem;
+        out->act_bytes = p->stats.activations;
+        for (int i = 0; i < p->n_tensors; i++)
+            if (p->tensors[i].n_elem > out->largest_elems)
+                out->largest_elems = p->tensors[i].n_elem;
+    }
+    tdm_tp_gpt_free(p);   /* nothing was allocated on a device */
+    tdm_model_free(p->tables);
+    free(p);
+    return st;
 }
 
 /* ---- checkpoints ---- */

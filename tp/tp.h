@@ -229,6 +229,20 @@ typedef struct tdm_tp_tensor_info {
 int tdm_tp_n_tensors(const tdm_tp *p);
 void tdm_tp_tensor_get(const tdm_tp *p, int i, tdm_tp_tensor_info *out);
 
+/* What one rank of `ranks` will take for `batch` samples per step,
+ * before any is started (the pre-run memory check): its flat slice's
+ * elements (each of parameters, gradients and every optimizer state
+ * holds that many floats), its largest tensor's, and the bytes of the
+ * activations and scratch it allocates (tdm_tp_stats.activations), all
+ * from the set-up's own layout and allocation code, counted. The plan's
+ * and tdm_tp_check_seq's USAGE errors. */
+typedef struct tdm_tp_rank_footprint {
+    int64_t elems, largest_elems;
+    size_t act_bytes;
+} tdm_tp_rank_footprint;
+tdm_status tdm_tp_footprint(const tdm_model_spec *spec, int ranks, int batch, int seq_par,
+                            tdm_tp_rank_footprint *out);
+
 /* What the steps did and what the rank holds. */
 typedef struct tdm_tp_phases {
     /* fwd_allreduce, bwd_allreduce: the group's collectives inside the
