@@ -163,6 +163,53 @@ static tdm_status tdm_rank_tp_step(void *ctx, const void *x, const int32_t *y, i
                                   ls, global, tdm_optim_steps(s->opt), where, loss_mean);
 }
 
+/* --grad-accum (the MLP): each micro-batch is a global one, this
+ * replica's share of it through the group (tdm_tp_forward_backward,
+ * adding into the gradients, the loss gradient scaled by 1/the
+ * effective batch); one sum over the dp dimension and one optimizer
+ * step after the last (tdm_tp_optim_step). */
+static tdm_status tdm_rank_tp_accum_zero(void *ctx)
+{
+    tdm_dist_stepper *s = ctx;
+    s->begun++;
+    if (s->before) s->before(s->before_ctx, s->begun);
+    return tdm_tp_zero_grad(((tdm_tool_tp *)s->w)->p);
+}
+
+static tdm_status tdm_rank_tp_accum_micro(void *ctx, const void *x, const int32_t *y, int batch,
+                                          float grad_scale, int index, int last,
+                                          double *loss_sum)
+{
+    (void)index;
+    (void)last;
+    tdm_dist_stepper *s = ctx;
+    tdm_tool_tp *q = s->w;
+    int64_t lo = 0, hi = batch;
+    tdm_dist_share(batch, q->rep, q->reps, &lo, &hi);
+    *loss_sum = 0.0;
+    if (hi == lo) return TDM_STATUS_OK;   /* a short micro-batch: the whole group has none */
+    return tdm_tp_forward_backward(q->p, (const int32_t *)x + lo * q->in_elems,
+                                   y + lo * q->out_rows, (int)(hi - lo), grad_scale, loss_sum);
+}
+
+static tdm_status tdm_rank_tp_accum_step(void *ctx, double *loss_sum)
+{
+    tdm_dist_stepper *s = ctx;
+    tdm_tool_tp *q = s->w;
+    TDM_CHECK(tdm_tp_optim_step(q->p));
+    /* every replica's part of the loss */
+    double mean = 0.0;
+    TDM_CHECK(tdm_dist_replicas_loss(s->comm, q->dcomm, q->reps, s->rank,
+                                     "tp loss over the replicas", *loss_sum, 1,
+                                     tdm_optim_steps(s->opt), "an accumulated step", &mean));
+    *loss_sum = mean;
+    return TDM_STATUS_OK;
+}
+
+static const tdm_accum_ops tdm_rank_tp_accum_ops = {.zero_grad = tdm_rank_tp_accum_zero,
+                                                    .micro = tdm_rank_tp_accum_micro,
+                                                    .step = tdm_rank_tp_accum_step};
+
 /* ---- evaluation and checkpoints ---- */
 
 static tdm_status tdm_rank_tp_evaluate(void *w, const tdm_dataset *test, int batch,
@@ -353,4 +400,5 @@ const tdm_tool_design tdm_tool_tp_design = {
              .setup = tdm_rank_tp_setup, .free = tdm_rank_tp_free, .ops = &tdm_rank_tp_ops},
     .unit = "tensor-parallel rank", .save_alone = 0, .describe = tdm_rank_tp_describe,
     .report = tdm_rank_tp_report, .params = tdm_rank_tp_params, .step = tdm_rank_tp_step,
+    .accum = &tdm_rank_tp_accum_ops,
     .phases = tdm_rank_tp_phases};

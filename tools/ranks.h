@@ -113,6 +113,10 @@ struct tdm_tool_design {
      * the optimizer step, a tdm_train_step_fn over the rank's
      * tdm_dist_stepper (its w the design's wrapper). NULL: tdm_dist_step. */
     tdm_train_step_fn step;
+    /* --grad-accum's micro-batches and step over the rank's
+     * tdm_dist_stepper (its w the design's wrapper), for a design with a
+     * step of its own. NULL: tdm_dist_accum_ops (the dist ops'). */
+    const tdm_accum_ops *accum;
     /* Collective, on every rank after a successful run, before rank 0's
      * report (a pipeline gathers every stage's figures). May be NULL. */
     tdm_status (*finish)(tdm_tool_rank *r);

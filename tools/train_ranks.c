@@ -349,7 +349,8 @@ static tdm_status tdm_train_rank_run(void *ctx, tdm_dist_rank *d, void *self)
                              .after = design->save_alone ? tdm_train_barrier : tdm_train_save,
                              .after_ctx = r, .text = j->text, .lo = (int)lo, .hi = (int)hi,
                              .ranks = &t->s};
-        tdm_accum acc = {.ops = &tdm_dist_accum_ops, .ctx = &t->s, .micro = (int)a->batch,
+        tdm_accum acc = {.ops = design->accum ? design->accum : &tdm_dist_accum_ops,
+                         .ctx = &t->s, .micro = (int)a->batch,
                          .in_features = tdm_model_in_features(r->m),
                          .out_rows = tdm_model_out_rows(r->m)};
         if (a->grad_accum > 1) {

@@ -25,12 +25,11 @@ tdm_status tdm_train_check_tp(const tdm_train_args *a)
     if (a->sequence_parallel && strncmp(a->model, "gpt", 3))
         return tdm_tool_usage_error("tandem train: --sequence-parallel applies to the GPT; "
                                     "--model %s has no sequence\n", a->model);
-    if (a->grad_accum > 1 || a->uneven || a->sync_bn || a->deterministic ||
-        a->save_sharded || (a->comm_hook && strcmp(a->comm_hook, "allreduce")) ||
-        a->max_restarts || a->backend)
-        return tdm_tool_usage_error("tandem train: --mode tp takes none of --grad-accum, "
-                                    "--uneven, --sync-bn, --deterministic, --save-sharded, "
-                                    "--comm-hook, --max-restarts, --backend\n");
+    if (a->uneven || a->sync_bn || a->deterministic || a->save_sharded ||
+        (a->comm_hook && strcmp(a->comm_hook, "allreduce")) || a->max_restarts || a->backend)
+        return tdm_tool_usage_error("tandem train: --mode tp takes none of --uneven, "
+                                    "--sync-bn, --deterministic, --save-sharded, --comm-hook, "
+                                    "--max-restarts, --backend\n");
     tdm_fsdp_sharding sh = TDM_FSDP_SHARD_OPTIM;
     if (a->sharding && tdm_fsdp_sharding_parse(a->sharding, &sh))
         return tdm_tool_usage_error("tandem train: --sharding: %s\n", tdm_error_message());

@@ -219,20 +219,47 @@ static tdm_status tdm_tp_step_only(tdm_tp *p)
     return tdm_optim_step_ranges(p->opt, &rg, 1);
 }
 
+/* The phases of a step (or of an accumulated step's part) into the
+ * stats; steps: optimizer steps it completes (0 or 1). */
+static void tdm_tp_count(tdm_tp *p, const tdm_tp_phases *ph, int steps)
+{
+    tdm_tp_phases *s = &p->stats.sum;
+    s->forward += ph->forward;
+    s->fwd_allreduce += ph->fwd_allreduce;
+    s->loss += ph->loss;
+    s->backward += ph->backward;
+    s->bwd_allreduce += ph->bwd_allreduce;
+    s->grad_sync += ph->grad_sync;
+    s->step += ph->step;
+    s->total += ph->total;
+    p->stats.steps += steps;
+}
+
 tdm_status tdm_tp_optim_step(tdm_tp *p)
 {
     tdm_tp_phases ph = {0};
+    uint64_t t0 = tdm_time_ns();
     tdm_status st = tdm_tp_sync(p, &ph);
+    uint64_t t1 = tdm_time_ns();
     if (!st) st = tdm_tp_step_only(p);
-    return st ? tdm_tp_fail(p, st) : st;
+    if (!st) st = tdm_dev_sync(p->dev);
+    if (st) return tdm_tp_fail(p, st);
+    ph.step = tdm_time_ms_since(t1);
+    ph.total = tdm_time_ms_since(t0);
+    tdm_tp_count(p, &ph, 1);
+    return TDM_STATUS_OK;
 }
 
 tdm_status tdm_tp_forward_backward(tdm_tp *p, const void *x, const int32_t *y, int batch,
                                    float grad_scale, double *loss_sum)
 {
     tdm_tp_phases ph = {0};
+    uint64_t t0 = tdm_time_ns();
     tdm_status st = tdm_tp_fwd_bwd(p, x, y, batch, grad_scale, loss_sum, &ph);
-    return st ? tdm_tp_fail(p, st) : st;
+    if (st) return tdm_tp_fail(p, st);
+    ph.total = tdm_time_ms_since(t0);
+    tdm_tp_count(p, &ph, 0);
+    return TDM_STATUS_OK;
 }
 
 tdm_status tdm_tp_step_scaled(tdm_tp *p, const void *x, const int32_t *y, int batch,
@@ -250,16 +277,7 @@ tdm_status tdm_tp_step_scaled(tdm_tp *p, const void *x, const int32_t *y, int ba
     ph.step = tdm_time_ms_since(t1);
     ph.total = tdm_time_ms_since(t0);
     p->stats.last = ph;
-    tdm_tp_phases *s = &p->stats.sum;
-    s->forward += ph.forward;
-    s->fwd_allreduce += ph.fwd_allreduce;
-    s->loss += ph.loss;
-    s->backward += ph.backward;
-    s->bwd_allreduce += ph.bwd_allreduce;
-    s->grad_sync += ph.grad_sync;
-    s->step += ph.step;
-    s->total += ph.total;
-    p->stats.steps++;
+    tdm_tp_count(p, &ph, 1);
     return TDM_STATUS_OK;
 }
 
