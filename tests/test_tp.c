@@ -421,8 +421,8 @@ static void check(int which, int dp, int tp)
     }
     if (getenv("TANDEM_TEST_VERBOSE"))
         fprintf(stderr, "model %d dp=%d tp=%d sp=%d: parameters within %g, losses within %g, "
-                "step 0's gradient within %g, activations %zu bytes\n", which, dp, tp, g_ref.sp, pd, ld, gd,
-                o->act_alloc[0]);
+                "step 0's gradient within %g, activations %zu bytes\n", which, dp, tp, g_ref.sp,
+                pd, ld, gd, o->act_alloc[0]);
     cr_assert(gd <= GRAD_TOL, "model %d dp=%d tp=%d: step 0's whole gradient within %g of one "
               "device's", which, dp, tp, gd);
     double tol = which == GPT ? GPT_TOL : TOL;
