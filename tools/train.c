@@ -139,6 +139,8 @@ static void tdm_train_usage(FILE *f)
         "                         tokens, each all-reduce becomes a reduce-scatter and\n"
         "                         an all-gather along the tokens (the context must\n"
         "                         divide by N)\n"
+        "  --mesh dp=D,pp=S,tp=N  pp: as dp=D,pp=S with each stage's layers\n"
+        "                         tensor-parallel over N devices (the MLP; D*S*N)\n"
         "  --servers S            ps: the first S devices serve shards of the parameters\n"
         "                         and optimizer state; the others are workers    [1]\n"
         "  --ps-sync MODE         ps: sync (every step waits for every worker: DDP's\n"
