@@ -537,16 +537,20 @@ void tdm_tp_zero_range(const tdm_tp *p, int64_t *lo, int64_t *k)
 static tdm_status tdm_tp_zero_unshard(tdm_tp *p, int i, float **whole)
 {
     size_t c = (size_t)p->zchunk;
-    TDM_CHECK(tdm_dev_alloc_zero(p->dev, c * (size_t)p->zreps * sizeof(float),
-                                 (void **)whole));
-    TDM_CHECK(tdm_dev_copy(p->dev, *whole + (size_t)p->zrep * c, tdm_optim_state(p->opt, i),
-                           c * sizeof(float)));
-    TDM_CHECK(tdm_dev_sync(p->dev));
-    tdm_comm_set_label(p->gcomm, "tp zero1 gather of the %s over the dp dimension",
-                       tdm_optim_state_name(p->opt, i));
-    tdm_status st = tdm_comm_all_gather(p->gcomm, *whole + (size_t)p->zrep * c, *whole, c,
-                                        TDM_DTYPE_FLOAT32);
+    tdm_status st = tdm_dev_alloc_zero(p->dev, c * (size_t)p->zreps * sizeof(float),
+                                       (void **)whole);
+    if (!st)
+        st = tdm_dev_copy(p->dev, *whole + (size_t)p->zrep * c, tdm_optim_state(p->opt, i),
+                          c * sizeof(float));
+    if (!st) st = tdm_dev_sync(p->dev);
+    if (!st) {
+        tdm_comm_set_label(p->gcomm, "tp zero1 gather of the %s over the dp dimension",
+                           tdm_optim_state_name(p->opt, i));
+        st = tdm_comm_all_gather(p->gcomm, *whole + (size_t)p->zrep * c, *whole, c,
+                                 TDM_DTYPE_FLOAT32);
+    }
     if (st) {
+        /* the other replicas are in (or about to enter) the gather */
         tdm_error_prefix(st, "tp rank %d: ZeRO-1's gather of the %s (replica %d)", p->rank,
                          tdm_optim_state_name(p->opt, i), p->zrep);
         tdm_comm_abort(p->gcomm, tdm_error_message());
@@ -575,6 +579,8 @@ tdm_status tdm_tp_gather_state(tdm_tp *p, tdm_ckpt_host *h, int root)
     for (int i = 0; i < tdm_optim_n_state(p->opt); i++) {
         float *whole = NULL;
         tdm_status st = p->zero ? tdm_tp_zero_unshard(p, i, &whole) : TDM_STATUS_OK;
+        /* the group's others are about to wait in the gather over it */
+        if (st) tdm_comm_abort(p->hcomm, tdm_error_message());
         if (!st)
             st = tdm_tp_gather_buf(p, whole ? whole : tdm_optim_state(p->opt, i), h->state[i],
                                    root, tdm_optim_state_name(p->opt, i));
