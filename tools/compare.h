@@ -90,6 +90,9 @@ typedef struct tdm_cmp_opts {
  * `tandem train --mode ps` in a section of their own (tools/compare_ps.c) */
 #define TDM_CMP_PS_BIT (1u << (TDM_CMP_NMODES + 2))
 #define TDM_CMP_PS_ASYNC_BIT (1u << (TDM_CMP_NMODES + 3))
+/* tp-sp: tensor parallelism with sequence parallelism (the GPT), a
+ * second tp section */
+#define TDM_CMP_TP_SP_BIT (1u << (TDM_CMP_NMODES + 4))
 
 /* Bytes per device (or rank) by kind. */
 typedef struct tdm_cmp_memory {
@@ -257,7 +260,8 @@ double tdm_cmp_pp_sweep_sps(const tdm_cmp_opts *o, const tdm_cmp_data *data,
  * (said). */
 int tdm_cmp_tp_section(const tdm_cmp_opts *o, const tdm_cmp_data *data,
                        const tdm_model_spec *spec, const tdm_cmp_result *single,
-                       const tdm_cmp_result *ddp, const tdm_cmp_floor *floor);
+                       const tdm_cmp_result *ddp, int seq_par,
+                       const tdm_cmp_floor *floor);
 /* Its trace events (a process of one track per stage, each micro-batch's
  * F and B), after the other modes'; nothing when it did not run. */
 void tdm_cmp_pp_trace(FILE *f, int *first, int pid, long long (*us)(double));

@@ -39,10 +39,12 @@
 typedef struct tdm_cmp_tp_shared {
     int N, steps;                        /* N: every rank (D * T) */
     int D, T;                            /* replicas (--mesh dp=D,tp=T) and the group's size */
+    int sp;                              /* sequence parallelism (tp-sp) */
     int64_t param_elems;
     double mem[TDM_CMP_MAX_DEV][4];      /* params, grads, optimizer, activations */
     double split[TDM_CMP_MAX_DEV][2];    /* split elements, one device's */
-    double bytes[TDM_CMP_MAX_DEV];       /* all-reduce payload bytes over the steps */
+    double bytes[TDM_CMP_MAX_DEV];       /* all-reduce (and, tp-sp, reduce-scatter and
+                                            all-gather) payload bytes over the steps */
     double sent[TDM_CMP_MAX_DEV];        /* what a ring sends for them (ring_sent) */
     double calls[TDM_CMP_MAX_DEV];
     size_t off_loss, off_step, off_phase, off_params, total;
@@ -106,10 +108,18 @@ static tdm_status tdm_cmp_tp_rank_run(void *ctx, tdm_dist_rank *d, void *self)
         memcpy(sh->mem[k], m, sizeof m);
         sh->split[k][0] = (double)ts.split_elems;
         sh->split[k][1] = (double)ts.whole_split_elems;
-        sh->bytes[k] = (double)(t1.bytes[TDM_COLL_ALL_REDUCE] - t0.bytes[TDM_COLL_ALL_REDUCE]);
-        sh->calls[k] = (double)(t1.calls[TDM_COLL_ALL_REDUCE] - t0.calls[TDM_COLL_ALL_REDUCE]);
+        /* all-reduces, and (sequence parallel) reduce-scatters and
+         * all-gathers */
         tdm_comm_traffic ar = {0};
-        ar.bytes[TDM_COLL_ALL_REDUCE] = (int64_t)sh->bytes[k];
+        sh->bytes[k] = sh->calls[k] = 0;
+        for (int kind = 0; kind < TDM_COLL_COUNT_; kind++) {
+            if (kind != TDM_COLL_ALL_REDUCE && kind != TDM_COLL_REDUCE_SCATTER &&
+                kind != TDM_COLL_ALL_GATHER)
+                continue;
+            ar.bytes[kind] = t1.bytes[kind] - t0.bytes[kind];
+            sh->bytes[k] += (double)ar.bytes[kind];
+            sh->calls[k] += (double)(t1.calls[kind] - t0.calls[kind]);
+        }
         sh->sent[k] = (double)tdm_comm_traffic_ring_sent(&ar, tdm_comm_size(tc));
     } else {
         fprintf(stderr, "tandem compare: tp rank %d: %s\n", k, tdm_error_message());
@@ -173,23 +183,33 @@ static void tdm_cmp_tp_print(const tdm_cmp_opts *o, const tdm_model_spec *spec,
     for (int k = 0; k < sh->N; k++) {
         int64_t lo = 0, hi = o->batch;
         tdm_dist_share(o->batch, k / sh->T, sh->D, &lo, &hi);
-        int64_t plan = tdm_tp_step_bytes(spec, sh->T, (int)(hi - lo));
+        tdm_comm_traffic pt;
+        tdm_tp_step_traffic(spec, sh->T, (int)(hi - lo), sh->sp, &pt);
+        int64_t plan = 0, plan_calls = 0;
+        for (int c = 0; c < TDM_COLL_COUNT_; c++) {
+            plan += pt.bytes[c];
+            plan_calls += pt.calls[c];
+        }
         printf("  rank %d: params %.3f, grads %.3f, optimizer %.3f, activations %.3f; split "
-               "tensors %.0f of %.0f elements; all-reduce payload handed to the communicator "
-               "%.0f bytes per step in %.1f calls (the plan: %lld bytes in %d), which a ring "
+               "tensors %.0f of %.0f elements; %s payload handed to the communicator "
+               "%.0f bytes per step in %.1f calls (the plan: %lld bytes in %lld), which a ring "
                "algorithm sends as %.0f bytes per step\n", k,
                sh->mem[k][0] * mib, sh->mem[k][1] * mib, sh->mem[k][2] * mib,
                sh->mem[k][3] * mib, sh->split[k][0], sh->split[k][1],
+               pt.calls[TDM_COLL_REDUCE_SCATTER] ? "reduce-scatter, all-gather and all-reduce"
+                                                 : "all-reduce",
                sh->bytes[k] / sh->steps, sh->calls[k] / sh->steps, (long long)plan,
-               tdm_tp_step_allreduces(spec, sh->T), sh->sent[k] / sh->steps);
+               (long long)plan_calls, sh->sent[k] / sh->steps);
     }
 }
 
-/* "tp(2)", or with replicas "dp(2) x tp(2)". */
+/* "tp(2)", or with replicas "dp(2) x tp(2)"; tp-sp(2) with sequence
+ * parallelism. */
 static void tdm_cmp_tp_label(const tdm_cmp_tp_shared *sh, char *buf, size_t n)
 {
-    if (sh->D > 1) snprintf(buf, n, "dp(%d) x tp(%d)", sh->D, sh->T);
-    else snprintf(buf, n, "tp(%d)", sh->T);
+    const char *tag = sh->sp ? "tp-sp" : "tp";
+    if (sh->D > 1) snprintf(buf, n, "dp(%d) x %s(%d)", sh->D, tag, sh->T);
+    else snprintf(buf, n, "%s(%d)", tag, sh->T);
 }
 
 static int tdm_cmp_tp_verdict(const tdm_cmp_opts *o, const tdm_cmp_tp_shared *sh,
@@ -219,21 +239,27 @@ static int tdm_cmp_tp_verdict(const tdm_cmp_opts *o, const tdm_cmp_tp_shared *sh
 
 int tdm_cmp_tp_section(const tdm_cmp_opts *o, const tdm_cmp_data *data,
                        const tdm_model_spec *spec, const tdm_cmp_result *single,
-                       const tdm_cmp_result *ddp, const tdm_cmp_floor *floor)
+                       const tdm_cmp_result *ddp, int seq_par,
+                       const tdm_cmp_floor *floor)
 {
     int tp_row = o->mesh_tp > 1 && o->mesh_pp <= 1;   /* --mesh dp=D,tp=N */
     int T = tp_row ? o->mesh_tp : o->n_dev, D = tp_row ? o->mesh_dp : 1;
     int64_t pe = tdm_cmp_param_elems(o);
     char rep[40] = "";
     if (D > 1) snprintf(rep, sizeof rep, "dp(%d) x ", D);
-    printf("\nTensor parallel: %stp(%d), %s\n  running tp...\n", rep, T,
+    const char *tag = seq_par ? "tp-sp" : "tp";
+    printf("\nTensor parallel: %s%s(%d), %s%s\n  running %s...\n", rep, tag, T,
            spec->kind == TDM_MODEL_GPT ? "the GPT's attention split by heads, its MLP column/row"
-                                       : "the MLP's layers as column/row-parallel pairs");
+                                       : "the MLP's layers as column/row-parallel pairs",
+           seq_par ? "; sequence parallel: LayerNorms and residual adds on 1/N of the tokens, "
+                     "reduce-scatters and all-gathers along them"
+                   : "", tag);
     tdm_tool_build b = {.design = &tdm_tool_tp_design, .cmd = "tandem compare", .seed = o->seed,
-                        .pp = {.mesh = tp_row ? o->mesh : NULL}};
+                        .pp = {.mesh = tp_row ? o->mesh : NULL}, .tp = {.seq_par = seq_par}};
     b.spec = *spec;
     tdm_optim_opts_named(&b.optim, o->optim, o->lr, o->weight_decay, o->momentum, 0);
     tdm_cmp_tp_shared lay = tdm_cmp_tp_layout(D, T, o->steps, pe);
+    lay.sp = seq_par;
     tdm_cmp_tp_shared *sh = tdm_cmp_map_shared(lay.total);
     if (!sh) return -1;
     *sh = lay;

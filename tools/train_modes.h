@@ -45,6 +45,7 @@ typedef struct tdm_train_args {
     long long powersgd_rank, powersgd_start_step;
     int uneven;               /* ddp: --uneven (tools/train_uneven.c) */
     int sync_bn;              /* ddp: --sync-bn */
+    int sequence_parallel;    /* tp (the GPT): --sequence-parallel */
     /* pp: --stages (0: the devices over the mesh's dp), --microbatches,
      * --schedule, --split, --mesh (as given) */
     long long stages, microbatches;
