@@ -97,5 +97,10 @@ Test(det_tp, bad_combinations_are_one_line_errors)
     CLI(&r, "train", "--mode", "tp", "--device", "cpu:2", "--deterministic", "8", "--batch",
         "12", "--model", "mlp:784-24-10", "--data", "synthetic", "--synthetic-size", "64");
     expect(&r, 2, "global batch 12 is not divisible");
+    CLI(&r, "train", "--mode", "tp", "--device", "cpu:4", "--mesh", "dp=2,tp=2",
+        "--deterministic", "8", "--sharding", "optimizer", "--model", "mlp:784-24-10", "--data",
+        "synthetic", "--synthetic-size", "64");
+    expect(&r, 2, "--deterministic with --mode tp is not supported with --grad-accum");
+    cr_assert_eq(strchr(r.out, '\n'), r.out + strlen(r.out) - 1, "not one line:\n%s", r.out);
     cr_assert_eq(cli_shm_entries(), 0, "shared memory left behind");
 }
