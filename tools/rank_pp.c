@@ -38,6 +38,7 @@ typedef struct tdm_tool_pp {
     tdm_mesh *dev_mesh;          /* a GPU's: the mesh over the device communicator */
     tdm_comm *pcomm;             /* the pipeline's host communicator (borrowed) */
     tdm_comm *dcomm;             /* the dp dimension's host communicator (borrowed) */
+    tdm_comm *jcomm;             /* the whole job's device communicator (the levers') */
     /* ZeRO-1 (--sharding optimizer) */
     tdm_optim *zopt;             /* the optimizer of this replica's slice of the stage */
     tdm_comm *zcomm;             /* the dp dimension's device communicator (borrowed) */
@@ -265,7 +266,9 @@ static tdm_status tdm_rank_pp_setup(void *ctx, tdm_dist_rank *d, void **self)
                      .batch = b->pp.batch > 0 ? (b->pp.batch + q->reps - 1) / q->reps : 0,
                      .micro_size = b->pp.batch > 0 ? ((b->pp.batch + q->reps - 1) / q->reps +
                                                       b->pp.micro - 1) / b->pp.micro : 0,
-                     .host_comm = pp_dev != q->pcomm ? q->pcomm : NULL};
+                     .host_comm = pp_dev != q->pcomm ? q->pcomm : NULL,
+                     .precision = b->precision, .ckpt = b->ckpt};
+    q->jcomm = d->dev_comm;
     if (q->reps > 1)
         o.grad_sync = (tdm_pp_grad_sync){.begin = tdm_rank_pp_sync_begin,
                                          .end = tdm_rank_pp_sync_end, .ctx = q};
@@ -320,8 +323,10 @@ static tdm_status tdm_rank_pp_step(void *ctx, const void *x, const int32_t *y, i
     const char *xs = (const char *)x + lo * q->in_elems * 4;
     const int32_t *ys = y + lo * q->out_rows;
     double ls = 0.0;
+    tdm_train_levers_pp_begin(s, q->p, q->jcomm, q->rep);
     tdm_status st = tdm_pp_step_scaled(q->p, xs, ys, (int)(hi - lo), 1.0f / (float)global, &ls);
     if (st) return st;
+    tdm_train_levers_pp_end(s, q->p);
     char where[96];
     snprintf(where, sizeof where, "the global batch of %d, seen by pipeline stage %d of "
              "replica %d", global, tdm_pp_stage(q->p), q->rep);

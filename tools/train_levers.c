@@ -6,12 +6,14 @@
  * stepper), and the lines they print (the planner's peak before
  * training, the measured one after, the gradient norm and loss scale
  * with each epoch). Under --mode dp they are set on the master (its
- * replicas follow it, dp/dp.h) and its step (tdm_dp_step_levers). */
+ * replicas follow it, dp/dp.h) and its step (tdm_dp_step_levers); under
+ * --mode pp on every stage (pp/pp.h: tdm_pp_opts, tdm_pp_set_levers). */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "dist/step.h"
 #include "models/plan.h"
 #include "models/precision.h"
 #include "models/recompute.h"
@@ -56,26 +58,28 @@ tdm_status tdm_train_levers_check(const tdm_train_args *a)
         return tdm_tool_usage_error("tandem train: --offload optimizer moves the optimizer "
                                     "state from a GPU to host memory; --device %s is host "
                                     "memory already\n", a->device);
-    int dp = !strcmp(a->mode, "dp");
+    int dp = !strcmp(a->mode, "dp"), pp = !strcmp(a->mode, "pp");
     if (tdm_levers_set(a) && strcmp(a->mode, "single") && strcmp(a->mode, "ddp") &&
-        strcmp(a->mode, "fsdp") && !dp)
+        strcmp(a->mode, "fsdp") && !dp && !pp)
         return tdm_tool_usage_error("tandem train: --precision, --checkpoint-activations, "
                                     "--clip-grad-norm and --offload run with --mode single, dp, "
-                                    "ddp and fsdp in this build, not yet with --mode %s\n",
+                                    "ddp, fsdp and pp in this build, not yet with --mode %s\n",
                                     a->mode);
-    if (a->offload && dp)
+    if (a->offload && (dp || pp))
         return tdm_tool_usage_error("tandem train: --offload optimizer runs with --mode single, "
-                                    "ddp and fsdp, not yet with --mode dp\n");
+                                    "ddp and fsdp, not with --mode %s%s\n", a->mode,
+                                    pp ? " (a stage holds only its own layers' state)" : "");
     int fp16 = a->precision && p == TDM_PRECISION_FP16;
     if (a->uneven && (fp16 || a->clip_grad_norm > 0.0))
         return tdm_tool_usage_error("tandem train: --precision fp16 (its loss scaling) and "
                                     "--clip-grad-norm are not supported with --uneven yet (a "
                                     "joined rank's shadow steps do not take part in their "
                                     "collectives)\n");
-    if (a->grad_accum > 1 && (fp16 || a->clip_grad_norm > 0.0))
+    if (a->grad_accum > 1 && (fp16 || a->clip_grad_norm > 0.0) && strcmp(a->mode, "single"))
         return tdm_tool_usage_error("tandem train: --precision fp16 (its loss scaling) and "
                                     "--clip-grad-norm are not supported with --grad-accum "
-                                    "yet\n");
+                                    "yet, but with --mode single (and --mode pp's "
+                                    "--microbatches)\n");
     return TDM_STATUS_OK;
 }
 
@@ -226,6 +230,10 @@ void tdm_train_levers_rank_report(const tdm_train_args *a, const tdm_tool_rank *
     tdm_plan_opts o;
     size_t planned = 0;
     int fsdp = !strcmp(a->mode, "fsdp");
+    if (strcmp(a->mode, "ddp") && !fsdp) {   /* a pipeline's stage: not planned */
+        printf("\n");
+        return;
+    }
     tdm_plan_opts_default(&o, &r->b->spec, (int)((a->batch + r->world - 1) / r->world));
     o.precision = r->b->precision;
     o.ckpt = r->b->ckpt;
@@ -240,4 +248,34 @@ void tdm_train_levers_rank_report(const tdm_train_args *a, const tdm_tool_rank *
                            r->b->sharding, &planned) == TDM_STATUS_OK)
         printf(", %.2f MiB planned (tandem plan)", planned / 1048576.0);
     printf("\n");
+}
+
+static void tdm_levers_pp_hook(void *ctx, tdm_model *m, int64_t step)
+{
+    tdm_dist_stepper *s = ctx;
+    float *g = tdm_model_grads(m);
+    int64_t n = tdm_model_param_elems(m);
+    tdm_dist_grads dg = {.bufs = &g, .n_elem = &n, .n_bufs = 1, .dev = tdm_model_device(m)};
+    (void)step;   /* the stepper's count, as every design's hook */
+    s->after_backward(s->before_ctx, s->begun, &dg);
+}
+
+void tdm_train_levers_pp_begin(tdm_dist_stepper *s, tdm_pp *p, tdm_comm *job, int replica)
+{
+    tdm_pp_levers l = {.scaler = s->scaler, .clip_norm = s->clip_norm,
+                       .measure_norm = s->measure_norm, .comm = job,
+                       .norm_counted = replica == 0};
+    if (s->after_backward) {
+        l.after_backward = tdm_levers_pp_hook;
+        l.ctx = s;
+    }
+    tdm_pp_set_levers(p, &l);
+}
+
+void tdm_train_levers_pp_end(tdm_dist_stepper *s, const tdm_pp *p)
+{
+    tdm_pp_stats st;
+    tdm_pp_get_stats(p, &st);
+    s->last_norm = st.last_norm;
+    s->last_skipped = st.last_skipped;
 }
