@@ -173,7 +173,7 @@ tdm_status tdm_plan_single(const tdm_plan_opts *o, tdm_plan *out)
 
     size_t rows = (size_t)tdm_model_out_rows(m), needs[3];
     int n_needs = 0;
-    needs[n_needs++] = B * rows * sizeof(float);
+    needs[n_needs++] = (o->loss_batch > 0 ? (size_t)o->loss_batch : B) * rows * sizeof(float);
     if (o->loss_scaling) needs[n_needs++] = sizeof(float);
     if (o->grad_norm) needs[n_needs++] = (size_t)tdm_dev_sumsq_chunks((int64_t)pe) * sizeof(double);
     out->step_scratch = tdm_plan_scratch(needs, n_needs);

@@ -42,6 +42,8 @@ typedef struct tdm_plan_opts {
     int conv_chunk;              /* tdm_model_set_conv_chunk's; 0: the default */
     int loss_scaling;            /* a loss scaler unscales (its flag in the scratch) */
     int grad_norm;               /* the gradient norm is measured or clipped */
+    int loss_batch;              /* the rows whose loss the device computes (DataParallel's
+                                    output device: the whole batch); 0: batch */
 } tdm_plan_opts;
 
 #define TDM_PLAN_MAX_LAYERS 300

@@ -5,7 +5,8 @@
  * each rank of --mode ddp (its model at its share of the global batch;
  * on host devices DDP's gradient buckets live in the job's shared-memory
  * arena, listed beside the device's bytes), and for each rank of --mode
- * fsdp (fsdp/mem.c: its shards, gathered units and set-up). */
+ * fsdp (fsdp/mem.c: its shards, gathered units and set-up), and for
+ * --mode dp's output device (the master and the whole batch's buffers). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -28,7 +29,8 @@ typedef struct tdm_plan_args {
 static void tdm_plan_usage(FILE *f)
 {
     fprintf(f,
-        "usage: tandem plan [--model M] [--mode single|ddp|fsdp] [--sharding S] [--device D]\n"
+        "usage: tandem plan [--model M] [--mode single|dp|ddp|fsdp] [--sharding S]\n"
+        "                   [--device D]\n"
         "                   [--batch B] [--precision fp32|bf16|fp16]\n"
         "                   [--checkpoint-activations [all|N]]\n"
         "                   [--clip-grad-norm X] [--offload optimizer] [--optim sgd|adamw]\n"
@@ -43,12 +45,15 @@ static void tdm_plan_usage(FILE *f)
         "less the flat buffers it releases, plus its shards (or full copies), the\n"
         "optimizer over the shard, the loss gradient, and the gathered units and full\n"
         "gradients at their most; or the set-up's peak (the model's buffers beside the\n"
-        "new shards) where that is higher.\n"
+        "new shards) where that is higher. dp: the output device, which holds the\n"
+        "master (replica 0, at the largest chunk) with the optimizer, and the whole\n"
+        "batch's inputs, logits, their gradient and labels (its loss is the batch's).\n"
         "  --model M      as tandem train                          [mlp]\n"
-        "  --mode M       single, ddp or fsdp                      [single]\n"
+        "  --mode M       single, dp, ddp or fsdp                  [single]\n"
         "  --sharding S   fsdp: full (ZeRO-3), grad_op (ZeRO-2), optimizer (ZeRO-1)\n"
         "                                                           [full]\n"
-        "  --device D     cpu, cpu:N, cuda, cuda:N (ddp: one rank per device) [cpu]\n"
+        "  --device D     cpu, cpu:N, cuda, cuda:N (ddp: one rank per device; dp:\n"
+        "                 one replica per device)                   [cpu]\n"
         "  --batch B      the global batch                 [256; gpt: %d]\n"
         "  --momentum M   SGD momentum (0: no optimizer state)    [0.9]\n",
         TDM_TRAIN_GPT_BATCH);
@@ -122,6 +127,26 @@ static size_t tdm_plan_stage_bytes(const tdm_plan_opts *o)
     return ((size_t)o->batch * (size_t)rows * (size_t)classes * sizeof(float) + 63) / 64 * 64;
 }
 
+/* DataParallel's buffers on its output device beside the master model
+ * (dp/dp.c's reserve, for the whole batch o->loss_batch): the inputs,
+ * the gathered logits and their gradient, the labels; with a device that
+ * is not the host, the parameters' staging. */
+static size_t tdm_plan_dp_bytes(const tdm_plan_opts *o, const tdm_plan *p)
+{
+    int c = 1, h = 1, w = 1, classes;
+    size_t in = (size_t)o->spec.n_ctx;
+    if (o->spec.kind != TDM_MODEL_GPT) {
+        tdm_model_spec_sample_shape(&o->spec, &c, &h, &w, &classes);
+        in = (size_t)c * (size_t)h * (size_t)w;
+    }
+    size_t B = (size_t)o->loss_batch, rows = (size_t)p->out_rows;
+    size_t x = (B * in * sizeof(float) + 63) / 64 * 64;
+    size_t y = (B * rows * (size_t)p->n_classes * sizeof(float) + 63) / 64 * 64;
+    size_t lab = (B * rows * sizeof(int32_t) + 63) / 64 * 64;
+    size_t stage = o->device == TDM_DEVICE_HOST ? 0 : (p->param_elems * sizeof(float) + 63) / 64 * 64;
+    return x + 2 * y + lab + stage;
+}
+
 tdm_status tdm_tool_plan_peak(const tdm_plan_opts *o, tdm_tool_plan_mode mode, int world,
                               tdm_fsdp_sharding sharding, size_t *peak)
 {
@@ -134,7 +159,8 @@ tdm_status tdm_tool_plan_peak(const tdm_plan_opts *o, tdm_tool_plan_mode mode, i
     }
     tdm_plan p;
     TDM_CHECK(tdm_plan_single(o, &p));
-    *peak = p.peak + (mode == TDM_TOOL_PLAN_DDP ? tdm_plan_stage_bytes(o) : 0);
+    *peak = p.peak + (mode == TDM_TOOL_PLAN_DDP ? tdm_plan_stage_bytes(o) : 0) +
+            (mode == TDM_TOOL_PLAN_DP ? tdm_plan_dp_bytes(o, &p) : 0);
     return TDM_STATUS_OK;
 }
 
@@ -182,10 +208,11 @@ int tdm_tool_plan_main(int argc, char **argv)
     tdm_status st = tdm_plan_parse(argc, argv, &a, &help);
     if (st || help) return tdm_tool_exit(st);
     int fsdp = !strcmp(a.mode, "fsdp"), ddp = !strcmp(a.mode, "ddp") || fsdp;
-    if (!ddp && strcmp(a.mode, "single"))
+    int dp = !strcmp(a.mode, "dp");
+    if (!ddp && !dp && strcmp(a.mode, "single"))
         return tdm_tool_exit(tdm_tool_usage_error(
-            "tandem plan: --mode %s: this build plans single, ddp and fsdp (dp and the "
-            "pipeline are not planned yet)\n", a.mode));
+            "tandem plan: --mode %s: this build plans single, dp, ddp and fsdp (the pipeline "
+            "and tensor parallelism are not planned yet)\n", a.mode));
     tdm_fsdp_sharding sharding = TDM_FSDP_FULL_SHARD;
     if (a.sharding && !fsdp)
         return tdm_tool_exit(tdm_tool_usage_error("tandem plan: --sharding applies to --mode "
@@ -220,9 +247,9 @@ int tdm_tool_plan_main(int argc, char **argv)
     if ((st = tdm_device_list_parse(&dl, a.device)))
         return tdm_tool_exit(tdm_tool_usage_error("tandem plan: --device: %s\n",
                                                   tdm_error_message()));
-    int world = ddp ? dl.count : 1;
+    int world = ddp || dp ? dl.count : 1;
     if (world < 1) world = 1;
-    if (ddp && a.batch < world)
+    if ((ddp || dp) && a.batch < world)
         return tdm_tool_exit(tdm_tool_usage_error("tandem plan: --batch %lld is smaller than the "
                                                   "%d ranks\n", a.batch, world));
     int share = (int)((a.batch + world - 1) / world);   /* the largest rank's */
@@ -250,11 +277,24 @@ int tdm_tool_plan_main(int argc, char **argv)
         p.act_scratch += dl_bytes;
         p.peak += dl_bytes;
     }
-    printf("tandem plan: %s, mode %s on %s (%d rank%s), batch %lld (%d per device at most), "
-           "precision %s%s%s\n", a.model, a.mode, a.device, world, world == 1 ? "" : "s",
+    size_t dp_bytes = 0;
+    if (dp) {
+        /* the master's device: its loss is the whole batch's */
+        o.loss_batch = (int)a.batch;
+        if ((st = tdm_plan_single(&o, &p))) {
+            fprintf(stderr, "tandem plan: %s\n", tdm_error_message());
+            return tdm_tool_exit(st);
+        }
+        dp_bytes = tdm_plan_dp_bytes(&o, &p);
+        p.peak += dp_bytes;
+    }
+    printf("tandem plan: %s, mode %s on %s (%d %s), batch %lld (%d per device at most), "
+           "precision %s%s%s\n", a.model, a.mode, a.device, world,
+           dp ? (world == 1 ? "device" : "devices") : (world == 1 ? "rank" : "ranks"),
            a.batch, share, tdm_precision_name(o.precision), o.ckpt ? ", checkpointing" : "",
            a.offload ? ", optimizer offloaded" : "");
-    printf("peak per device: %.2f MiB\n", p.peak / 1048576.0);
+    printf("peak per device: %.2f MiB%s\n", p.peak / 1048576.0,
+           dp ? " (the output device's: the master, at the largest chunk)" : "");
     tdm_plan_line("parameters", p.params);
     if (p.params_low) tdm_plan_line("16-bit weights", p.params_low);
     tdm_plan_line("gradients", p.grads);
@@ -263,6 +303,7 @@ int tdm_tool_plan_main(int argc, char **argv)
     tdm_plan_line("activations", p.activations);
     tdm_plan_line("scratch", p.act_scratch + p.step_scratch);
     if (p.optim_host) tdm_plan_line("host: offloaded state", p.optim_host);
+    if (dp) tdm_plan_line("dp: batch, logits", dp_bytes);
     tdm_model_footprint fp = {0};
     tdm_device *host = NULL;
     if (ddp && dl.kind == TDM_DEVICE_HOST && tdm_device_open(&host, "cpu", 0, 1) == TDM_STATUS_OK &&

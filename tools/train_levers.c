@@ -129,7 +129,8 @@ tdm_status tdm_train_levers_apply(const tdm_train_args *a, tdm_model *m, tdm_sin
     if (a->clip_grad_norm > 0.0) printf(", gradient norm clipped to %g", a->clip_grad_norm);
     if (a->offload) printf(", optimizer offloaded to host memory");
     if (!strcmp(a->mode, "dp")) {
-        /* the planner covers one device's step, not DP's (tools/plan.c) */
+        /* DP's plan (its output device's) is printed after training,
+         * beside the measured peak (tdm_train_levers_report) */
         printf(" (the master's; every replica follows it)\n");
         fflush(stdout);
         return TDM_STATUS_OK;
@@ -154,8 +155,30 @@ void tdm_train_levers_report(const tdm_train_args *a, tdm_model *m)
     if (!tdm_levers_set(a) || tdm_dev_mem_query(tdm_model_device(m), &ms) != TDM_STATUS_OK)
         return;
     if (!strcmp(a->mode, "dp")) {
-        printf("peak memory on the master's %s: %.2f MiB measured (allocator)\n",
+        /* the output device's plan (tandem plan --mode dp): the master at
+         * the largest chunk, the whole batch's loss and buffers */
+        tdm_device_list dl;
+        tdm_plan_opts o;
+        size_t planned = 0;
+        int n = tdm_device_list_parse(&dl, a->device) == TDM_STATUS_OK ? dl.count : 0;
+        printf("peak memory on the master's %s: %.2f MiB measured (allocator)",
                tdm_dev_name(tdm_model_device(m)), ms.peak_bytes / 1048576.0);
+        if (n >= 1 && a->grad_accum <= 1) {
+            tdm_plan_opts_default(&o, tdm_model_get_spec(m), (int)((a->batch + n - 1) / n));
+            o.precision = tdm_model_precision(m);
+            o.ckpt = tdm_model_checkpoint(m);
+            tdm_optim_opts_named(&o.optim, a->optim, a->lr, a->weight_decay, a->momentum,
+                                 a->nesterov);
+            o.device = tdm_dev_kind(tdm_model_device(m));
+            o.threads = (int)a->threads;
+            o.loss_scaling = o.precision == TDM_PRECISION_FP16;
+            o.grad_norm = a->clip_grad_norm > 0.0;
+            o.loss_batch = (int)a->batch;
+            if (tdm_tool_plan_peak(&o, TDM_TOOL_PLAN_DP, n, TDM_FSDP_FULL_SHARD, &planned) ==
+                TDM_STATUS_OK)
+                printf(", %.2f MiB planned (tandem plan)", planned / 1048576.0);
+        }
+        printf("\n");
         return;
     }
     tdm_plan pl;
