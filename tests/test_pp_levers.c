@@ -112,6 +112,7 @@ typedef struct lv_out {
     float params[TPP_MAX_ELEMS];      /* the stages' slices, at their whole-model offsets */
     float before[TPP_MAX_ELEMS];      /* the same, before the planted step */
     size_t peak_act[TPP_MAX_RANKS];
+    size_t act_set[TPP_MAX_RANKS];    /* one micro-batch's activation set, the largest */
 } lv_out;
 
 typedef struct lv_arg {
@@ -188,6 +189,7 @@ static int lv_rank(tdm_comm *comm, void *argp)
     tdm_pp_stats st;
     tdm_pp_get_stats(p, &st);
     a->out->peak_act[r] = st.peak_act;
+    a->out->act_set[r] = st.act_set;
 done:
     tdm_pp_free(p);
     tdm_device_free(dev);
@@ -301,9 +303,18 @@ Test(pp_levers, checkpointing_changes_no_bit)
                       "%s %s: checkpointing changed the run", tpp_kind_name(kinds[i]),
                       tdm_precision_name(off.prec));
             if (getenv("TANDEM_TEST_VERBOSE"))
-                fprintf(stderr, "%s %s: peak activations %zu/%zu without, %zu/%zu with\n",
-                        tpp_kind_name(kinds[i]), tdm_precision_name(off.prec), a->peak_act[0],
-                        a->peak_act[1], b->peak_act[0], b->peak_act[1]);
+                fprintf(stderr, "%s %s: activation sets %zu/%zu bytes without, %zu/%zu with\n",
+                        tpp_kind_name(kinds[i]), tdm_precision_name(off.prec), a->act_set[0],
+                        a->act_set[1], b->act_set[0], b->act_set[1]);
+            /* the GPT's first stage holds its embeddings and a block: with
+             * segments of 1 block a micro-batch keeps the block's input
+             * and one recompute buffer */
+            for (int r = 0; r < 2; r++)
+                cr_assert(b->act_set[r] <= a->act_set[r], "%s stage %d: a set of %zu bytes "
+                          "with checkpointing, %zu without", tpp_kind_name(kinds[i]), r,
+                          b->act_set[r], a->act_set[r]);
+            if (kinds[i] == TPP_GPT)
+                cr_assert(b->act_set[0] < a->act_set[0], "gpt stage 0: no fewer bytes kept");
             lv_free(a);
             lv_free(b);
         }
