@@ -65,6 +65,11 @@ tdm_status tdm_train_levers_check(const tdm_train_args *a)
                                     "--clip-grad-norm and --offload run with --mode single, dp, "
                                     "ddp, fsdp and pp in this build, not yet with --mode %s\n",
                                     a->mode);
+    const char *tp = pp && a->mesh ? strstr(a->mesh, "tp=") : NULL;
+    if (tdm_levers_set(a) && tp && atoi(tp + 3) > 1)
+        return tdm_tool_usage_error("tandem train: --mesh %s: the memory levers run in "
+                                    "pipelines of whole stages (tp=1), not yet with "
+                                    "tensor-parallel stages\n", a->mesh);
     if (a->offload && (dp || pp))
         return tdm_tool_usage_error("tandem train: --offload optimizer runs with --mode single, "
                                     "ddp and fsdp, not with --mode %s%s\n", a->mode,
