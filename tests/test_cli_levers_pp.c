@@ -13,6 +13,8 @@
  *   replica) at step 3 makes every rank skip that step: the parameters
  *   and optimizer state bitwise those of a run that stopped after step 2,
  *   the loss scale halved ("1 step skipped" and the saved scale);
+ * - fp16 resume goes on from the saved loss scale, bit for bit as the
+ *   uninterrupted run;
  * - the GPT trains through the pipeline in fp16 with checkpointing and
  *   clipping as on one device (the printed loss and norm);
  * - --offload with pp, and the levers with tensor-parallel stages (--mesh
@@ -257,4 +259,29 @@ Test(levers_pp, offload_and_tensor_parallel_stages_are_refused_in_one_line)
         "--precision", "bf16");
     cr_assert_eq(g_r.code, 2, "%s", g_r.out);
     cr_assert(strstr(g_r.out, "not yet with tensor-parallel stages"), "%s", g_r.out);
+}
+
+/* fp16 resume: saved after epoch 1 (its scale halved by a planted inf)
+ * and resumed, the pipeline goes on from the saved scale and ends on the
+ * uninterrupted run's bytes. */
+Test(levers_pp, fp16_resume_goes_on_from_the_saved_loss_scale)
+{
+#define FP16_PP "train", "--mode", "pp", "--device", "cpu:2", MLP, SYN, "--batch", "32", \
+                "--no-eval", "--quiet", "--precision", "fp16", "--clip-grad-norm", "0.05"
+    setenv("TANDEM_RUN_ID", "levers-pp-fp16-resume", 1);   /* the same "run" in each file */
+    setenv("TANDEM_TEST_GRAD_INF", "1:3", 1);
+    CLI(&g_r, FP16_PP, "--epochs", "2", "--save", path("straight"));
+    ok("straight");
+    CLI(&g_r, FP16_PP, "--epochs", "1", "--save", path("first"));
+    ok("first epoch");
+    cr_assert_eq(ckpt_loss_scale(path("first")), 32768.0);
+    /* the hook counts this process's steps: it would plant again */
+    unsetenv("TANDEM_TEST_GRAD_INF");
+    CLI(&g_r, FP16_PP, "--epochs", "2", "--resume", path("first"), "--save", path("resumed"));
+    unsetenv("TANDEM_RUN_ID");
+    ok("resumed");
+    cr_assert(strstr(g_r.out, "dynamic loss scaling from 32768"), "%s", g_r.out);
+    cr_assert(cli_same_file(path("straight"), path("resumed")), "the resumed fp16 pipeline "
+              "differs from the uninterrupted one");
+#undef FP16_PP
 }
