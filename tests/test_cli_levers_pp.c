@@ -17,6 +17,8 @@
  *   uninterrupted run;
  * - the GPT trains through the pipeline in fp16 with checkpointing and
  *   clipping as on one device (the printed loss and norm);
+ * - emulated CUDA stages (TANDEM_CUDA_EMULATOR) write the host stages'
+ *   checkpoint bit for bit in fp16 and bf16;
  * - --offload with pp, and the levers with tensor-parallel stages (--mesh
  *   ...,tp=N), are one-line refusals (exit 2). */
 #include <criterion/criterion.h>
@@ -25,6 +27,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/device.h"
 #include "core/safetensors.h"
 #include "tests/cli_util.h"
 #include "tests/test_util.h"
@@ -284,4 +287,29 @@ Test(levers_pp, fp16_resume_goes_on_from_the_saved_loss_scale)
     cr_assert(cli_same_file(path("straight"), path("resumed")), "the resumed fp16 pipeline "
               "differs from the uninterrupted one");
 #undef FP16_PP
+}
+
+/* Emulated GPUs (cuda/emulator.c): the stages' levers on device memory
+ * (the found-inf flag and the norm staged through it, the all-reduces
+ * over the device communicator) write the host stages' checkpoint bit for
+ * bit. What this does not test: CUDA, NCCL. */
+Test(levers_pp, emulated_cuda_stages_write_the_host_stages_checkpoint)
+{
+    if (!tdm_device_cuda_linked()) cr_skip_test("CUDA backend not built (no nvcc)");
+    static const char *const prec[] = {"fp16", "bf16"};
+    for (int i = 0; i < 2; i++) {
+#define EMU_PP "train", "--mode", "pp", MLP, SYN, "--batch", "32", "--microbatches", "4", \
+               "--epochs", "2", "--no-eval", "--quiet", "--clip-grad-norm", "0.05",      \
+               "--checkpoint-activations", "1", "--precision", prec[i]
+        CLI(&g_r, EMU_PP, "--device", "cpu:2", "--save", path("host"));
+        ok("host stages");
+        cr_assert_eq(setenv("TANDEM_CUDA_EMULATOR", "2", 1), 0);
+        CLI(&g_r, EMU_PP, "--device", "cuda:0,1", "--save", path("emu"));
+        unsetenv("TANDEM_CUDA_EMULATOR");
+        ok("emulated stages");
+        cr_assert(strstr(g_r.out, "cuda-emu:0"), "%s", g_r.out);
+        cr_assert(cli_same_file(path("host"), path("emu")), "%s: emulated stages differ from "
+                  "host stages", prec[i]);
+#undef EMU_PP
+    }
 }
