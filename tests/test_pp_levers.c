@@ -19,8 +19,10 @@
  * Every model trains with SGD and momentum here (lv_optim says why). Checkpointing changes no bit of a pipeline's run (every model,
  * fp32 and bf16). An inf planted in one stage's gradient makes every
  * stage skip that step: parameters bitwise those before it, the scale
- * halved on every stage, and the steps after it go on. */
+ * halved on every stage, and the steps after it go on. The levers' two
+ * all-reduces are labelled in the flight recorder. */
 #include <criterion/criterion.h>
+#include <dirent.h>
 
 #include "models/clip.h"
 #include "models/precision.h"
@@ -28,6 +30,7 @@
 #include "shm/spawn.h"
 #include "tests/shm_test_util.h"
 #include "tests/test_pp_util.h"
+#include "tests/test_util.h"
 #include "tests/timeout_util.h"
 
 #define STEPS 6
@@ -341,4 +344,66 @@ Test(pp_levers, an_inf_in_one_stage_skips_the_step_on_every_stage)
                   "the steps after the skipped one were not taken");
         lv_free(o);
     }
+}
+
+/* The levers' two all-reduces are labelled in the flight recorder of the
+ * communicator they run on (here a job communicator of their own, split
+ * after TANDEM_FR_DUMP is set, so that its recorder dumps when freed). */
+static int fr_rank(tdm_comm *comm, void *argp)
+{
+    setenv("TANDEM_FR_DUMP", (const char *)argp, 1);
+    unsetenv("TANDEM_FR_DUMP_ON");
+    int r = tdm_comm_rank(comm);
+    tdm_device *dev = NULL;
+    tdm_pp *p = NULL;
+    tdm_comm *job = NULL;
+    tdm_model_spec spec;
+    tpp_spec(TPP_MLP, &spec);
+    float x[8 * 20];
+    int32_t y[8];
+    tpp_batch(&spec, 20, 1, 5, 0, 8, x, y);
+    tdm_pp_opts o = {.schedule = TDM_PP_GPIPE, .micro_batches = 2, .seed = TPP_SEED,
+                     .optim = lv_optim(TPP_MLP), .precision = TDM_PRECISION_FP16};
+    tdm_grad_scaler sc;
+    tdm_status st = tdm_grad_scaler_init(&sc, NULL);
+    if (!st) st = tdm_comm_split(comm, 0, r, &job);
+    if (!st) st = tdm_device_open(&dev, "cpu", r, 1);
+    if (!st) st = tdm_pp_init(&p, comm, dev, &spec, &o);
+    if (!st) {
+        tdm_pp_levers l = {.scaler = &sc, .clip_norm = 0.05, .comm = job, .norm_counted = 1};
+        tdm_pp_set_levers(p, &l);
+        st = tdm_pp_step(p, x, y, 8, NULL);
+    }
+    tdm_pp_free(p);
+    tdm_comm_free(job);
+    tdm_device_free(dev);
+    return st ? 1 : 0;
+}
+
+Test(pp_levers, the_levers_collectives_are_labelled_in_the_flight_recorder)
+{
+    char dir[128];
+    tu_mkdtemp(dir, sizeof dir, "tdm_pplv_fr");
+    tdm_shm_spawn_opts so = {.timeout_ms = tu_scaled_ms(30000)};
+    cr_assert_eq(tdm_shm_spawn(2, fr_rank, dir, &so, NULL), TDM_STATUS_OK, "%s",
+                 tdm_error_message());
+    static char all[1 << 20];
+    size_t len = 0;
+    DIR *d = opendir(dir);
+    cr_assert_not_null(d);
+    for (struct dirent *e; (e = readdir(d));) {
+        if (e->d_name[0] == '.') continue;
+        char path[512];
+        snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
+        FILE *f = fopen(path, "r");
+        if (!f) continue;
+        len += fread(all + len, 1, sizeof all - 1 - len, f);
+        fclose(f);
+    }
+    closedir(d);
+    all[len] = '\0';
+    cr_assert(strstr(all, "grad scaler found inf"), "no found-inf all-reduce in %s", dir);
+    cr_assert(strstr(all, "pp clip grad norm over every stage and replica"),
+              "no norm all-reduce in %s", dir);
+    tu_rmtree(dir);
 }
