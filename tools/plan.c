@@ -6,7 +6,8 @@
  * on host devices DDP's gradient buckets live in the job's shared-memory
  * arena, listed beside the device's bytes), and for each rank of --mode
  * fsdp (fsdp/mem.c: its shards, gathered units and set-up), and for
- * --mode dp's output device (the master and the whole batch's buffers). */
+ * --mode dp's output device (the master and the whole batch's buffers),
+ * and for each stage of --mode pp on host devices. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -16,21 +17,25 @@
 #include "fsdp/fsdp.h"
 #include "dist/run.h"
 #include "models/plan.h"
+#include "models/stage.h"
+#include "pp/pp.h"
 #include "tools/plan_peak.h"
 #include "tools/tools.h"
 #include "tools/train_modes.h"
 
 typedef struct tdm_plan_args {
     const char *model, *mode, *device, *precision, *ckpt, *offload, *optim, *sharding;
-    long long batch;
+    const char *schedule;
+    long long batch, stages, micro;
     double clip, momentum;
 } tdm_plan_args;
 
 static void tdm_plan_usage(FILE *f)
 {
     fprintf(f,
-        "usage: tandem plan [--model M] [--mode single|dp|ddp|fsdp] [--sharding S]\n"
-        "                   [--device D]\n"
+        "usage: tandem plan [--model M] [--mode single|dp|ddp|fsdp|pp] [--sharding S]\n"
+        "                   [--device D] [--stages S] [--microbatches M]\n"
+        "                   [--schedule gpipe|1f1b]\n"
         "                   [--batch B] [--precision fp32|bf16|fp16]\n"
         "                   [--checkpoint-activations [all|N]]\n"
         "                   [--clip-grad-norm X] [--offload optimizer] [--optim sgd|adamw]\n"
@@ -48,8 +53,14 @@ static void tdm_plan_usage(FILE *f)
         "new shards) where that is higher. dp: the output device, which holds the\n"
         "master (replica 0, at the largest chunk) with the optimizer, and the whole\n"
         "batch's inputs, logits, their gradient and labels (its loss is the batch's).\n"
+        "pp (host devices, one pipeline of --stages S, the balanced split): each\n"
+        "stage's model slice, the schedule's activation sets at ceil(B/M) samples,\n"
+        "the shared scratch and the GPT's tied-gradient buffer (the received\n"
+        "activations and gradients are in the links' shared memory).\n"
         "  --model M      as tandem train                          [mlp]\n"
-        "  --mode M       single, dp, ddp or fsdp                  [single]\n"
+        "  --mode M       single, dp, ddp, fsdp or pp              [single]\n"
+        "  --stages S, --microbatches M, --schedule K   pp's, as tandem train's\n"
+        "                                        [the devices, 4, 1f1b]\n"
         "  --sharding S   fsdp: full (ZeRO-3), grad_op (ZeRO-2), optimizer (ZeRO-1)\n"
         "                                                           [full]\n"
         "  --device D     cpu, cpu:N, cuda, cuda:N (ddp: one rank per device; dp:\n"
@@ -79,14 +90,17 @@ static tdm_status tdm_plan_parse(int argc, char **argv, tdm_plan_args *a, int *h
                            : !strcmp(s, "--offload")   ? &a->offload
                            : !strcmp(s, "--optim")     ? &a->optim
                            : !strcmp(s, "--sharding")  ? &a->sharding
+                           : !strcmp(s, "--schedule")  ? &a->schedule
                                                        : NULL;
         if (str || !strcmp(s, "--batch") || !strcmp(s, "--clip-grad-norm") ||
-            !strcmp(s, "--momentum")) {
+            !strcmp(s, "--momentum") || !strcmp(s, "--stages") || !strcmp(s, "--microbatches")) {
             if (!v) return tdm_tool_usage_error("tandem plan: %s needs a value\n", s);
             i++;
             char *end = NULL;
             if (str) *str = v;
             else if (!strcmp(s, "--batch")) a->batch = strtoll(v, &end, 10);
+            else if (!strcmp(s, "--stages")) a->stages = strtoll(v, &end, 10);
+            else if (!strcmp(s, "--microbatches")) a->micro = strtoll(v, &end, 10);
             else if (!strcmp(s, "--clip-grad-norm")) a->clip = strtod(v, &end);
             else a->momentum = strtod(v, &end);
             if (end && (*end || end == v))
@@ -164,6 +178,83 @@ tdm_status tdm_tool_plan_peak(const tdm_plan_opts *o, tdm_tool_plan_mode mode, i
     return TDM_STATUS_OK;
 }
 
+tdm_status tdm_tool_plan_pp_stage(const tdm_plan_opts *o, int S, const int *first, int s,
+                                  int sets, size_t *peak, tdm_plan *p)
+{
+    int n = 0;
+    TDM_CHECK(tdm_model_spec_n_layers(&o->spec, &n));
+    tdm_plan_opts so = *o;
+    so.stage_lo = first[s];
+    so.stage_hi = s + 1 < S ? first[s + 1] : n;
+    TDM_CHECK(tdm_plan_single(&so, p));
+    /* the set's rounded input is in act_scratch once: per set here */
+    size_t x16 = p->act_set - p->activations, shared = p->act_scratch - x16;
+    size_t tied = 0;
+    if (o->spec.kind == TDM_MODEL_GPT && S > 1 && (s == 0 || s == S - 1))
+        tied = ((size_t)o->spec.vocab * (size_t)o->spec.n_embd * sizeof(float) + 63) / 64 * 64;
+    *peak = p->params + p->grads + p->buffers + p->params_low + p->optim +
+            (size_t)(sets > 0 ? sets : 1) * p->act_set + shared + p->step_scratch + tied;
+    return TDM_STATUS_OK;
+}
+
+/* --mode pp on host devices: every stage's plan (one pipeline over the
+ * devices, the balanced split), the micro-batches of ceil(B/M). */
+static tdm_status tdm_plan_pp_print(const tdm_plan_args *a, tdm_plan_opts *o, int devices)
+{
+    int S = a->stages > 0 ? (int)a->stages : devices, M = a->micro > 0 ? (int)a->micro : 4, n = 0;
+    tdm_pp_schedule_kind kind = TDM_PP_1F1B;
+    if (a->schedule && tdm_pp_schedule_parse(a->schedule, &kind))
+        return tdm_tool_usage_error("tandem plan: --schedule: %s\n", tdm_error_message());
+    if (o->device != TDM_DEVICE_HOST)
+        return tdm_tool_usage_error("tandem plan: --mode pp is planned on host devices (cpu:N): "
+                                    "on a GPU its links' buffers are device memory, not "
+                                    "planned yet\n");
+    TDM_CHECK(tdm_model_spec_n_layers(&o->spec, &n));
+    if (S < 1 || S > 64 || S > n || devices % S || M < 1 || M > a->batch)
+        return tdm_tool_usage_error("tandem plan: --mode pp: %d stages of a model of %d "
+                                    "pipeline layers on %d devices, %d micro-batches of a batch "
+                                    "of %lld: expected 1 <= S <= layers, S dividing the devices "
+                                    "(one pipeline), 1 <= M <= batch\n", S, n, devices, M,
+                                    a->batch);
+    if (devices != S)
+        return tdm_tool_usage_error("tandem plan: --mode pp plans one pipeline (--stages %d on "
+                                    "%d devices: a dp x pp mesh is not planned yet)\n", S,
+                                    devices);
+    int first[64];
+    tdm_pp_schedule *sched = NULL;
+    TDM_CHECK(tdm_pp_split_balance(&o->spec, S, TDM_PP_BALANCE_FLOPS, first));
+    TDM_CHECK(tdm_pp_schedule_build(&sched, kind, S, M));
+    o->batch = (int)((a->batch + M - 1) / M);
+    size_t peak[64], most = 0;
+    tdm_plan st[1];
+    tdm_status rc = TDM_STATUS_OK;
+    for (int s = 0; s < S && !rc; s++) {
+        rc = tdm_tool_plan_pp_stage(o, S, first, s, tdm_pp_schedule_in_flight(sched, s), &peak[s],
+                                    st);
+        if (!rc && peak[s] > most) most = peak[s];
+    }
+    if (rc) {
+        tdm_pp_schedule_free(sched);
+        fprintf(stderr, "tandem plan: %s\n", tdm_error_message());
+        return rc;
+    }
+    char split[160];
+    printf("tandem plan: %s, mode pp on %s (%d stages, %s, %d micro-batches of %d), precision "
+           "%s%s\n", a->model, a->device, S, tdm_pp_schedule_name(kind), M, o->batch,
+           tdm_precision_name(o->precision), o->ckpt ? ", checkpointing" : "");
+    printf("peak per device: %.2f MiB (the largest stage's; first layers %s)\n",
+           most / 1048576.0, tdm_pp_split_str(first, S, split, sizeof split));
+    for (int s = 0; s < S; s++)
+        printf("  stage %d (layers %d-%d): %.2f MiB, %d activation set%s\n", s, first[s],
+               (s + 1 < S ? first[s + 1] : n) - 1, peak[s] / 1048576.0,
+               tdm_pp_schedule_in_flight(sched, s), tdm_pp_schedule_in_flight(sched, s) == 1
+               ? "" : "s");
+    printf("  the received activations and gradients: in the links' shared memory (not the "
+           "devices')\n");
+    tdm_pp_schedule_free(sched);
+    return TDM_STATUS_OK;
+}
+
 /* --mode fsdp: fsdp/mem.c's plan of one rank (rank 0: the largest share) */
 static tdm_status tdm_plan_fsdp_print(const tdm_plan_args *a, const tdm_plan_opts *o, int world,
                                       tdm_fsdp_sharding sharding)
@@ -208,11 +299,14 @@ int tdm_tool_plan_main(int argc, char **argv)
     tdm_status st = tdm_plan_parse(argc, argv, &a, &help);
     if (st || help) return tdm_tool_exit(st);
     int fsdp = !strcmp(a.mode, "fsdp"), ddp = !strcmp(a.mode, "ddp") || fsdp;
-    int dp = !strcmp(a.mode, "dp");
-    if (!ddp && !dp && strcmp(a.mode, "single"))
+    int dp = !strcmp(a.mode, "dp"), pp = !strcmp(a.mode, "pp");
+    if (!ddp && !dp && !pp && strcmp(a.mode, "single"))
         return tdm_tool_exit(tdm_tool_usage_error(
-            "tandem plan: --mode %s: this build plans single, dp, ddp and fsdp (the pipeline "
-            "and tensor parallelism are not planned yet)\n", a.mode));
+            "tandem plan: --mode %s: this build plans single, dp, ddp, fsdp and pp (tensor "
+            "parallelism is not planned yet)\n", a.mode));
+    if ((a.stages || a.micro || a.schedule) && !pp)
+        return tdm_tool_exit(tdm_tool_usage_error("tandem plan: --stages, --microbatches and "
+                                                  "--schedule apply to --mode pp\n"));
     tdm_fsdp_sharding sharding = TDM_FSDP_FULL_SHARD;
     if (a.sharding && !fsdp)
         return tdm_tool_exit(tdm_tool_usage_error("tandem plan: --sharding applies to --mode "
@@ -267,6 +361,7 @@ int tdm_tool_plan_main(int argc, char **argv)
     o.loss_scaling = o.precision == TDM_PRECISION_FP16;
     o.grad_norm = a.clip > 0.0;
     if (fsdp) return tdm_tool_exit(tdm_plan_fsdp_print(&a, &o, world, sharding));
+    if (pp) return tdm_tool_exit(tdm_plan_pp_print(&a, &o, dl.count));
     tdm_plan p;
     if ((st = tdm_plan_single(&o, &p))) {
         fprintf(stderr, "tandem plan: %s\n", tdm_error_message());

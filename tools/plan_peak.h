@@ -27,4 +27,13 @@ typedef enum tdm_tool_plan_mode {
 tdm_status tdm_tool_plan_peak(const tdm_plan_opts *o, tdm_tool_plan_mode mode, int world,
                               tdm_fsdp_sharding sharding, size_t *peak);
 
+/* A pipeline's stage s of S on host devices (pp/pp.h; `tandem train
+ * --mode pp`, whose links carry the received activations and gradients
+ * in their shared memory, not the device's): o at the micro-batch size
+ * (o->stage_lo/hi are set here from first[], the split), its model with
+ * the schedule's in-flight activation sets, the shared scratch, the
+ * loss and levers' scratch, and the GPT's tied-gradient buffer. */
+tdm_status tdm_tool_plan_pp_stage(const tdm_plan_opts *o, int S, const int *first, int s,
+                                  int sets, size_t *peak, tdm_plan *stage);
+
 #endif

@@ -17,6 +17,7 @@
 #include "models/plan.h"
 #include "models/precision.h"
 #include "models/recompute.h"
+#include "models/stage.h"
 #include "models/train.h"
 #include "tools/plan_peak.h"
 #include "tools/ranks.h"
@@ -245,6 +246,43 @@ tdm_status tdm_train_levers_rank(const tdm_train_args *a, const tdm_tool_rank *r
     return TDM_STATUS_OK;
 }
 
+/* Rank 0's stage (stage 0 of replica 0) as tandem plan --mode pp plans
+ * it, on host devices with whole stages. */
+static void tdm_levers_pp_planned(const tdm_train_args *a, const tdm_tool_rank *r)
+{
+    const tdm_tool_build *b = r->b;
+    int S = r->dist->shape.size[TDM_MESH_PP], reps = r->dist->shape.size[TDM_MESH_DP], n = 0;
+    int first[64];
+    tdm_pp_schedule *sched = NULL;
+    if (r->dist->shape.size[TDM_MESH_TP] > 1 || S > 64 ||
+        tdm_dev_kind(tdm_model_device(r->m)) != TDM_DEVICE_HOST ||
+        tdm_model_spec_n_layers(&b->spec, &n) ||
+        (b->pp.split ? tdm_pp_split_parse(b->pp.split, S, n, first)
+                     : tdm_pp_split_balance(&b->spec, S, TDM_PP_BALANCE_FLOPS, first)) ||
+        tdm_pp_schedule_build(&sched, b->pp.schedule, S, b->pp.micro)) {
+        tdm_error_clear();
+        return;
+    }
+    int share = (int)((a->batch + reps - 1) / reps);
+    tdm_plan_opts o;
+    tdm_plan stage;
+    size_t planned = 0;
+    tdm_plan_opts_default(&o, &b->spec, (share + b->pp.micro - 1) / b->pp.micro);
+    o.precision = b->precision;
+    o.ckpt = b->ckpt;
+    o.optim = b->optim;
+    o.device = TDM_DEVICE_HOST;
+    o.threads = (int)a->threads;
+    o.loss_scaling = o.precision == TDM_PRECISION_FP16;
+    o.grad_norm = a->clip_grad_norm > 0.0;
+    if (tdm_tool_plan_pp_stage(&o, S, first, 0, tdm_pp_schedule_in_flight(sched, 0), &planned,
+                               &stage) == TDM_STATUS_OK)
+        printf(", %.2f MiB planned (tandem plan)", planned / 1048576.0);
+    else
+        tdm_error_clear();
+    tdm_pp_schedule_free(sched);
+}
+
 void tdm_train_levers_rank_report(const tdm_train_args *a, const tdm_tool_rank *r)
 {
     tdm_dev_mem_stats ms;
@@ -258,7 +296,12 @@ void tdm_train_levers_rank_report(const tdm_train_args *a, const tdm_tool_rank *
     tdm_plan_opts o;
     size_t planned = 0;
     int fsdp = !strcmp(a->mode, "fsdp");
-    if (strcmp(a->mode, "ddp") && !fsdp) {   /* a pipeline's stage: not planned */
+    if (!strcmp(a->mode, "pp")) {
+        tdm_levers_pp_planned(a, r);
+        printf("\n");
+        return;
+    }
+    if (strcmp(a->mode, "ddp") && !fsdp) {
         printf("\n");
         return;
     }
