@@ -90,6 +90,13 @@ struct tdm_pp {
         double mb_loss;         /* the last stage: the last loss computed */
     } shards;
 
+    struct {                    /* the step's levers (pp/levers.c) */
+        tdm_pp_levers set;
+        double last_norm;
+        int last_skipped;
+        int64_t skipped;
+    } lev;
+
     struct {                    /* what steps did */
         tdm_pp_phases last, sum;
         int64_t steps;
@@ -127,6 +134,15 @@ tdm_status tdm_pp_shards_after_backward(tdm_pp *p, int mb);
 /* After the schedule: the sum, and the tied copy made the first stage's. */
 tdm_status tdm_pp_shards_end(tdm_pp *p);
 void tdm_pp_shards_free(tdm_pp *p);
+
+/* pp/levers.c */
+/* What the loss gradient is multiplied by besides 1/B: the loss scale. */
+float tdm_pp_loss_scale(const tdm_pp *p);
+/* After the backwards and the tied sum: unscale, found-inf over the job,
+ * the norm and clipping; *skip: the optimizer step is to be skipped. */
+tdm_status tdm_pp_levers_apply(tdm_pp *p, int *skip);
+/* After the (possibly skipped) step: the scaler's update. */
+void tdm_pp_levers_done(tdm_pp *p, int skipped);
 
 /* pp/step.c */
 /* Waits for and releases every transfer still in flight (after a failure:
