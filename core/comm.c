@@ -695,6 +695,19 @@ void tdm_comm_fr_set_primary(tdm_comm *comm)
     if (comm) tdm_fr_set_primary(comm->fr);
 }
 
+void tdm_comm_fr_set_group(tdm_comm *comm, const tdm_comm *parent, int seq, int color)
+{
+    if (!comm || !comm->fr || !comm->job_ranks) return;
+    /* FNV-1a of (the parent's id, the split's number, the color): the
+     * same on every member, another for every other split of the job */
+    uint64_t h = 1469598103934665603ull;
+    const uint64_t parts[3] = {parent && parent->fr ? tdm_fr_group(parent->fr) : 0,
+                               (uint64_t)(int64_t)seq, (uint64_t)(int64_t)color};
+    for (int i = 0; i < 3; i++)
+        for (int b = 0; b < 8; b++) h = (h ^ ((parts[i] >> (8 * b)) & 0xff)) * 1099511628211ull;
+    tdm_fr_set_group(comm->fr, h, comm->job_ranks, comm->size);
+}
+
 void tdm_comm_fr_set_job(tdm_comm *comm, uint64_t job)
 {
     if (comm) tdm_fr_set_job(comm->fr, job);

@@ -108,6 +108,11 @@ void tdm_comm_fr_set_inner(tdm_comm *comm, int job_rank);
  * communicator had it: a communicator bootstrapped over another (NCCL's
  * over the shm group) carries the training's collectives. */
 void tdm_comm_fr_set_primary(tdm_comm *comm);
+/* For core/comm_split.c: comm, made by split number seq of parent with
+ * color, records in its dumps an id its members share and its ranks' job
+ * ranks (comm's, set before: tdm_comm_set_job_ranks): core/flight.h's
+ * tdm_fr_set_group. */
+void tdm_comm_fr_set_group(tdm_comm *comm, const tdm_comm *parent, int seq, int color);
 /* The job comm belongs to, written in its flight-recorder dumps for
  * `tandem doctor` (core/flight.h), unless TANDEM_JOB_ID gave one: a
  * backend's own id of the group (the shm segment's). */

@@ -85,6 +85,7 @@ tdm_status tdm_comm_split_ex(tdm_comm *comm, int color, int key, const tdm_comm_
             goto fail;
         }
         TDM_TRY(tdm_comm_set_job_ranks(*out, jobs));
+        tdm_comm_fr_set_group(*out, comm, info.seq, color);
         char was[48], now[48];
         TDM_INFO(CORE, "comm split #%d of %s: color %d key %d -> %s of %d", info.seq,
                  tdm_comm_rank_str(comm, me, was, sizeof was), color, key,

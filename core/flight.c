@@ -60,6 +60,8 @@ typedef struct tdm_fr_entry {
 struct tdm_fr {
     int rank, world, index;       /* index: slot in the live table */
     int job_rank;                 /* the rank in the job (a part's differs: tdm_fr_set_inner) */
+    uint64_t group;               /* a split communicator's id (tdm_fr_set_group); 0: none */
+    int *members, nmembers;       /* its ranks' job ranks; NULL: not a split's */
     const char *backend;          /* borrowed: static */
     uint64_t n;                   /* ring size */
     uint64_t tick0, ns0;          /* tdm_fr_ticks() and CLOCK_MONOTONIC ns at init */
@@ -167,6 +169,21 @@ void tdm_fr_set_primary(tdm_fr *fr)
     tdm_fr_name(fr, 1);
 }
 
+void tdm_fr_set_group(tdm_fr *fr, uint64_t id, const int *members, int n)
+{
+    if (!fr || !members || n <= 0 || fr->rank < 0 || fr->rank >= n) return;
+    int *m = malloc((size_t)n * sizeof *m);
+    if (!m) return;   /* the dumps then say less, nothing else changes */
+    memcpy(m, members, (size_t)n * sizeof *m);
+    free(fr->members);
+    fr->members = m;
+    fr->nmembers = n;
+    fr->group = id ? id : 1;
+    tdm_fr_set_inner(fr, members[fr->rank]);
+}
+
+uint64_t tdm_fr_group(const tdm_fr *fr) { return fr ? fr->group : 0; }
+
 uint64_t tdm_fr_job_parse(const char *s)
 {
     if (!s || !*s) return 0;
@@ -267,6 +284,7 @@ void tdm_fr_free(tdm_fr *fr)
         nanosleep(&ts, NULL);
     }
     if (fr->dirfd >= 0) close(fr->dirfd);
+    free(fr->members);
     free(fr->ring);
     free(fr);
 }
@@ -552,12 +570,22 @@ int tdm_fr_dump(tdm_fr *fr, const char *reason)
         cv.ns_per_tick = (double)(mono - fr->ns0) / (double)(tick1 - fr->tick0);
     tdm_fr_puts(&o, "{\"version\":1,\"rank\":");
     tdm_fr_put_i64(&o, fr->job_rank);
-    if (fr->job_rank != fr->rank) {   /* a part: its own numbering too */
+    if (fr->job_rank != fr->rank || fr->members) {   /* a part: its own numbering too */
         tdm_fr_puts(&o, ",\"comm_rank\":");
         tdm_fr_put_i64(&o, fr->rank);
     }
     tdm_fr_puts(&o, ",\"world\":");
     tdm_fr_put_i64(&o, fr->world);
+    if (fr->members) {   /* a split's: which communicator, and its ranks in the job */
+        tdm_fr_puts(&o, ",\"comm\":\"");
+        tdm_fr_put_hex(&o, fr->group);
+        tdm_fr_puts(&o, "\",\"members\":[");
+        for (int i = 0; i < fr->nmembers; i++) {
+            if (i) tdm_fr_puts(&o, ",");
+            tdm_fr_put_i64(&o, fr->members[i]);
+        }
+        tdm_fr_puts(&o, "]");
+    }
     tdm_fr_puts(&o, ",\"pid\":");
     tdm_fr_put_i64(&o, (int64_t)getpid());
     tdm_fr_puts(&o, ",\"job\":\"");

@@ -104,6 +104,18 @@ void tdm_fr_set_inner(tdm_fr *fr, int job_rank);
  * communicator built over a bootstrap one, as NCCL's over the shm group,
  * carries the training's collectives: its record is the rank's). */
 void tdm_fr_set_primary(tdm_fr *fr);
+/* A communicator split from another (core/comm_split.c): id, the same on
+ * every member and different from every other communicator of the job,
+ * and members, the job rank of each of its n ranks (copied), are written
+ * in its dumps ("comm", "members") for `tandem doctor` to tell which
+ * dumps are of one communicator and who belongs to it, also the members
+ * that left no dump; its dumps are named and numbered with its job rank
+ * (members[rank]), as tdm_fr_set_inner's. Not for a signal handler
+ * (allocates). */
+void tdm_fr_set_group(tdm_fr *fr, uint64_t id, const int *members, int n);
+/* The id tdm_fr_set_group gave fr; 0: none (a job's first communicator)
+ * or NULL. */
+uint64_t tdm_fr_group(const tdm_fr *fr);
 /* Every live recorder of the process: its calls in flight marked failed
  * with st, and the first failure noted (why: the dump's reason) and
  * dumped. For a process about to end all at once (an MPI job's abort).

@@ -90,8 +90,9 @@ static void fake(const char *name, int age_s, const char *extra)
     char path[256];
     snprintf(path, sizeof path, "%s/%s", g_dir, name);
     cr_assert_eq(mkdir(path, 0700), 0, "%s", path);
-    const char *files[] = {"fr_rank_0.json", "launch.json", extra};
-    for (int i = 0; i < 3 && files[i]; i++) {
+    /* a mesh job's: a split communicator's dump too (core/flight.h) */
+    const char *files[] = {"fr_rank_0.json", "fr_rank_1.c3.pid4242.json", "launch.json", extra};
+    for (int i = 0; i < 4 && files[i]; i++) {
         char f[320];
         snprintf(f, sizeof f, "%s/%s", path, files[i]);
         FILE *fp = fopen(f, "w");

@@ -29,6 +29,7 @@
 
 #include "tests/cli_util.h"
 #include "tests/cuda_test_util.h"
+#include "tests/mesh_doctor_util.h"
 #include "tests/mpi_test_util.h"
 #include "tests/safety_util.h"
 #include "tests/test_util.h"
@@ -402,6 +403,33 @@ Test(pp_cli, a_killed_stage_of_a_mesh_is_named)
     expect(&r, 1, "tandem train: doctor: DIED: ");
     cr_assert(strstr(r.out, "doctor: DIED: stage 0 (rank 2) never sent act mb 0") ||
               strstr(r.out, "doctor: DIED: rank 2 was killed"), "%s", r.out);
+}
+
+/* A stopped stage of a mesh is STALLED, named with its coordinates: not
+ * the stage that exited after its dump said why (the abort that followed
+ * the others' timeouts waiting, through it, for the stopped one). */
+Test(pp_cli, a_stopped_stage_of_a_mesh_is_named_stalled_with_its_coordinates)
+{
+    static cli_result r;
+    setenv("TMPDIR", g_dir, 1);
+    setenv("TANDEM_DDP_TEST_KILL", "2:3:STOP", 1);
+    CLI(&r, "train", "--mode", "pp", "--device", "cpu:4", "--mesh", "dp=2,pp=2", "--timeout",
+        "3", MLP, SYN, "--batch", "32", "--epochs", "1", "--quiet");
+    unsetenv("TANDEM_DDP_TEST_KILL");
+    unsetenv("TMPDIR");
+    expect(&r, 1, "tandem train: rank 2: test fault: SIGSTOP before step 3");
+    expect(&r, 1, "tandem train: rank 2 (stopped) is at dp 1, pp 0, tp 0 of the mesh dp=2 x "
+                  "pp=2 x tp=1");
+    expect(&r, 1, "tandem train: doctor: STALLED: ");
+    cr_expect(!strstr(r.out, "doctor: DIED") && !strstr(r.out, "doctor (after the teardown): "
+                                                               "DIED"), "%s", r.out);
+    mesh_expect_stages(r.out, 2, 1);
+    static cli_result d;
+    mesh_doctor(&r, &d);
+    expect(&d, 5, "verdict: STALLED: ");
+    expect(&d, 5, "(rank 2)");
+    mesh_expect_stages(d.out, 2, 1);
+    cr_expect(!strstr(d.out, "comm split"), "%s", d.out);
 }
 
 /* lr 1000 diverges: every stage stops with the step named, the good

@@ -10,7 +10,9 @@
  * - checkpoints: the pp-tp file resumes in single, a single file in
  *   pp-tp, each as the uninterrupted run within TOL;
  * - faults: a killed rank is named with its (dp, pp, tp) coordinates,
- *   exit 1, nothing left behind;
+ *   exit 1, nothing left behind, and by the doctor with its own stage,
+ *   never at the splits' all_gather; a stopped one (SIGSTOP) is named
+ *   STALLED, with its coordinates;
  * - CUDA-emulated devices (cuda/ built, no GPU) write the host ranks'
  *   checkpoint bit for bit (what this does not test: CUDA, NCCL);
  * - bad meshes (a product that is not the device count, a width the
@@ -29,6 +31,7 @@
 #include "tests/ckpt_diff_util.h"
 #include "tests/cli_util.h"
 #include "tests/cuda_test_util.h"
+#include "tests/mesh_doctor_util.h"
 #include "tests/test_util.h"
 
 #define MODEL "mlp:20-24-16-12-5"
@@ -126,6 +129,40 @@ Test(pp_tp_cli, a_killed_rank_is_named_with_its_coordinates)
     expect(&r, 1, "tandem train: rank 5: test fault: SIGKILL before step 3");
     expect(&r, 1, "tandem train: rank 5 (killed by signal 9) is at dp 1, pp 0, tp 1 of the "
                   "mesh dp=2 x pp=2 x tp=2");
+    expect(&r, 1, "tandem train: doctor: DIED: ");
+    mesh_expect_stages(r.out, 2, 2);
+    /* the ranks train on the mesh's groups: the splits' all_gather on the
+     * job's communicator, which every rank completed, is not where any
+     * waited */
+    static cli_result d;
+    mesh_doctor(&r, &d);
+    expect(&d, 4, "(rank 5)");
+    mesh_expect_stages(d.out, 2, 2);
+    cr_expect(!strstr(d.out, "comm split"), "%s", d.out);
+}
+
+/* A stopped rank (SIGSTOP) is STALLED, named with its coordinates. */
+Test(pp_tp_cli, a_stopped_rank_is_named_stalled_with_its_coordinates)
+{
+    static cli_result r;
+    setenv("TMPDIR", g_dir, 1);
+    setenv("TANDEM_DDP_TEST_KILL", "5:3:STOP", 1);
+    CLI(&r, "train", "--mode", "pp", "--device", "cpu:8", "--mesh", "dp=2,pp=2,tp=2", "--split",
+        "0,2", "--timeout", "3", MLP, SYN, "--batch", "32", "--epochs", "1", "--quiet");
+    unsetenv("TANDEM_DDP_TEST_KILL");
+    unsetenv("TMPDIR");
+    expect(&r, 1, "tandem train: rank 5: test fault: SIGSTOP before step 3");
+    expect(&r, 1, "tandem train: rank 5 (stopped) is at dp 1, pp 0, tp 1 of the mesh dp=2 x "
+                  "pp=2 x tp=2");
+    expect(&r, 1, "tandem train: doctor: STALLED: ");
+    cr_expect(!strstr(r.out, "doctor: DIED") && !strstr(r.out, "doctor (after the teardown): "
+                                                               "DIED"), "%s", r.out);
+    mesh_expect_stages(r.out, 2, 2);
+    static cli_result d;
+    mesh_doctor(&r, &d);
+    expect(&d, 5, "(rank 5)");
+    mesh_expect_stages(d.out, 2, 2);
+    cr_expect(!strstr(d.out, "comm split"), "%s", d.out);
 }
 
 Test(pp_tp_cli, emulated_cuda_ranks_write_the_host_ranks_checkpoint)

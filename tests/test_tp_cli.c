@@ -34,6 +34,7 @@
 #include "tests/ckpt_diff_util.h"
 #include "tests/cli_util.h"
 #include "tests/cuda_test_util.h"
+#include "tests/mesh_doctor_util.h"
 #include "tests/test_util.h"
 
 #define MODEL "mlp:20-24-16-12-5"
@@ -133,6 +134,33 @@ Test(tp_cli, a_killed_rank_is_named_with_its_coordinates)
     expect(&r, 1, "tandem train: rank 3: test fault: SIGKILL before step 3");
     expect(&r, 1, "tandem train: rank 3 (killed by signal 9) is at dp 1, pp 0, tp 1 of the "
                   "mesh dp=2 x pp=1 x tp=2");
+    expect(&r, 1, "tandem train: doctor: DIED: rank 3 was killed by signal 9");
+    static cli_result d;
+    mesh_doctor(&r, &d);
+    expect(&d, 4, "verdict: DIED: rank 3 was killed by signal 9");
+    cr_expect(!strstr(d.out, "comm split"), "%s", d.out);
+}
+
+/* A stopped rank (SIGSTOP) is STALLED, named with its coordinates. */
+Test(tp_cli, a_stopped_rank_is_named_stalled_with_its_coordinates)
+{
+    static cli_result r;
+    setenv("TMPDIR", g_dir, 1);
+    setenv("TANDEM_DDP_TEST_KILL", "3:3:STOP", 1);
+    CLI(&r, "train", "--mode", "tp", "--device", "cpu:4", "--mesh", "dp=2,tp=2", "--timeout",
+        "3", MLP, SYN, "--batch", "32", "--epochs", "1", "--quiet");
+    unsetenv("TANDEM_DDP_TEST_KILL");
+    unsetenv("TMPDIR");
+    expect(&r, 1, "tandem train: rank 3: test fault: SIGSTOP before step 3");
+    expect(&r, 1, "tandem train: rank 3 (stopped) is at dp 1, pp 0, tp 1 of the mesh dp=2 x "
+                  "pp=1 x tp=2");
+    expect(&r, 1, "tandem train: doctor: STALLED: rank 3 ");
+    cr_expect(!strstr(r.out, "doctor: DIED") && !strstr(r.out, "doctor (after the teardown): "
+                                                               "DIED"), "%s", r.out);
+    static cli_result d;
+    mesh_doctor(&r, &d);
+    expect(&d, 5, "stopped first: rank 3 (stopped or frozen");
+    cr_expect(!strstr(d.out, "comm split"), "%s", d.out);
 }
 
 Test(tp_cli, bad_input_is_one_line_and_exit_2)

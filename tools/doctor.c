@@ -77,7 +77,7 @@ static int tdm_doc_same(const tdm_doc_entry *a, const tdm_doc_entry *b)
 /* "all_reduce(float32, sum, count=48) 'ddp bucket 1'"; each string cut
  * to what the recorder can write (its label: 47 bytes), so that a
  * damaged dump cannot crowd out the rest of the line. */
-static void tdm_doc_call_str(const tdm_doc_entry *e, char *out, size_t n)
+void tdm_doc_call_str(const tdm_doc_entry *e, char *out, size_t n)
 {
     tdm_doc_buf b = {out, n, 0};
     out[0] = 0;
@@ -213,6 +213,7 @@ typedef struct tdm_doc_diag {
     tdm_doc_blame blame;                    /* 2 */
     uint64_t front;                         /* 3: the furthest next_seq */
     const tdm_doc_entry *waiting;           /* 3: the collective the others waited in */
+    const char *dir;
 } tdm_doc_diag;
 
 static void tdm_doc_detail(tdm_doc_diag *g, const char *fmt, ...)
@@ -439,7 +440,12 @@ static void tdm_doc_find_blame(tdm_doc_diag *g)
     for (int i = 0; i < g->nmissing && (g->blame.rank < 0 || g->blame.kind == TDM_DOCTOR_DIED);
          i++) {
         if (!tdm_doc_summary_stalled(d, g->missing[i])) continue;
-        if (g->blame.rank >= 0 && g->blame.rank != g->missing[i]) continue;
+        /* a rank that exited after its dump said why (the abort that
+         * followed a timeout waiting, through others, for the stopped
+         * one: the launcher saw its exit first) did not die of itself */
+        if (g->blame.rank >= 0 && g->blame.rank != g->missing[i] &&
+            (g->blame.rank >= g->W || !d->r[g->blame.rank].have))
+            continue;
         g->blame.rank = g->missing[i];
         g->blame.kind = TDM_DOCTOR_STALLED;
         snprintf(g->blame.what, sizeof g->blame.what, "was stopped or frozen: it left no dump "
@@ -512,6 +518,10 @@ static void tdm_doc_frontier(tdm_doc_diag *g)
                     g->waiting = &d->r[r].e[i];
                 break;
             }
+    /* a collective every rank completed is not one they waited in (nor
+     * one a rank never entered): a job that went on to train on
+     * communicators split from this one (tools/doctor_sub.c) */
+    if (g->waiting && !strcmp(g->waiting->state, "done")) g->waiting = NULL;
 }
 
 /* The verdict line, unless phase 1 made it: the blamed rank, a failure
@@ -532,6 +542,11 @@ static void tdm_doc_verdict(tdm_doc_diag *g)
             size_t l = strlen(g->verdict);
             snprintf(g->verdict + l, sizeof g->verdict - l, "; the others waited in %s #%" PRIu64,
                      call, g->waiting->seq);
+        } else {
+            char sub[512];
+            size_t l = strlen(g->verdict);
+            if (tdm_doc_sub_wait(g->dir, g->d.job[0] ? g->d.job : NULL, g->blame.rank, sub, sizeof sub))
+                snprintf(g->verdict + l, sizeof g->verdict - l, "; the others waited in %s", sub);
         }
     } else if (g->nfailed > 0 || d->cause) {
         int first = -1;
@@ -607,7 +622,14 @@ static void tdm_doc_first_stop(tdm_doc_diag *g)
     }
     if (g->v == TDM_DOCTOR_OK || first_rank < 0) return;
     const tdm_doc_rank *fr = &d->r[first_rank];
-    if (fr->have && fr->n) {
+    char sub[512];
+    if (fr->have && fr->n && !strcmp(fr->e[fr->n - 1].state, "done") &&
+        tdm_doc_sub_stop(g->dir, g->d.job[0] ? g->d.job : NULL, first_rank, sub, sizeof sub)) {
+        /* its first communicator ended with the splits: it stopped in one
+         * of those (tools/doctor_sub.c) */
+        tdm_doc_detail(g, "  %s: rank %d, in %s\n",
+                       g->desync_rank >= 0 ? "odd one out" : "stopped first", first_rank, sub);
+    } else if (fr->have && fr->n) {
         const tdm_doc_entry *e = &fr->e[fr->n - 1];
         char call[256];
         tdm_doc_call_str(e, call, sizeof call);
@@ -618,6 +640,8 @@ static void tdm_doc_first_stop(tdm_doc_diag *g)
         char buf[512];
         int induced;
         const char *end = tdm_doc_summary_end(d, first_rank, &induced, buf, sizeof buf);
+        if (tdm_doc_summary_stalled(d, first_rank))   /* its SIGKILL was the teardown's */
+            end = "stopped or frozen; the launcher's teardown killed it after";
         tdm_doc_detail(g, "  stopped first: rank %d (%s), no flight record of its own\n",
                        first_rank, end ? end : g->blame.what[0] ? g->blame.what : "no dump");
     }
@@ -728,6 +752,7 @@ tdm_doctor_verdict tdm_doctor_diagnose(const char *dir, FILE *out, char *line, s
         v = TDM_DOCTOR_UNREADABLE;
     } else {
         g->W = g->d.world;
+        g->dir = dir;
         g->v = TDM_DOCTOR_OK;
         g->desync_rank = -1;
         tdm_doc_first_mismatch(g);

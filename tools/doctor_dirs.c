@@ -20,16 +20,22 @@
 #define TDM_FR_DIR_SUFFIX_LEN 6
 
 /* A file tandem writes into a dump directory: a rank's dump
- * (fr_rank_<R>.json, or its temporary .tmp) or the launcher's summary. */
+ * (fr_rank_<R>.json, or its temporary .tmp), one of its other
+ * communicators' (fr_rank_<R>.c<K>.pid<P>.json: a mesh's groups, a
+ * pipeline's links) or the launcher's summary. */
 static int tdm_fr_dir_ours(const char *name, int *is_dump)
 {
-    int r, len = 0;
+    int r, k, pid, len = 0;
     *is_dump = 0;
     if (sscanf(name, "fr_rank_%d%n", &r, &len) == 1 && len > 0 &&
         (!strcmp(name + len, ".json") || !strcmp(name + len, ".json.tmp"))) {
         *is_dump = !strcmp(name + len, ".json");
         return 1;
     }
+    len = 0;
+    if (sscanf(name, "fr_rank_%d.c%d.pid%d.json%n", &r, &k, &pid, &len) == 3 &&
+        len == (int)strlen(name))
+        return 1;
     return !strcmp(name, TDM_DOCTOR_SUMMARY);
 }
 

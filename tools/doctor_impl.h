@@ -62,6 +62,21 @@ typedef struct tdm_doc {
 int tdm_doc_read(tdm_doc *d, const char *dir);
 void tdm_doc_free(tdm_doc *d);
 
+/* "all_reduce(float32, sum, count=48) 'ddp bucket 1'" (tools/doctor.c). */
+void tdm_doc_call_str(const tdm_doc_entry *e, char *out, size_t n);
+/* The collective the ranks waited in on the communicators split from the
+ * job's first one (tools/doctor_sub.c): of the dumps of job (NULL: any)
+ * of a split communicator that blamed (-1: any) belongs to, other than
+ * blamed's own, the first call not done of each, the earliest started:
+ * "all_reduce(...) 'label' #8 of the communicator of ranks 4,5 (...)"
+ * in out. Returns 1 when there is one. */
+int tdm_doc_sub_wait(const char *dir, const char *job, int blamed, char *out, size_t n);
+/* Where rank stopped on those communicators: its first call not done
+ * there (sends and receives too), the earliest started, in out
+ * ("recv(...) 'pp recv act mb 0 stage 0->1' #8 of the communicator of
+ * ranks 2,3 (...)"). Returns 1 when there is one. */
+int tdm_doc_sub_stop(const char *dir, const char *job, int rank, char *out, size_t n);
+
 /* The value of o's key k: a string (else dflt) / an integer or a boolean
  * (else dflt). */
 const char *tdm_doc_str(const tdm_json *o, const char *k, const char *dflt);

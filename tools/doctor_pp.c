@@ -6,9 +6,11 @@
  * on the stage that should have sent; if that one was itself waiting on
  * a recv, the chain is followed to the stage that was not: the root
  * cause, named with what it never sent and how it ended (killed, stopped,
- * its own failure). Ranks of a pipeline are consecutive job ranks
- * (dist/mesh.h's layout: rank = dp * S + stage), so the sender of stage
- * a for a receiver of stage b at rank R is rank R - (b - a). */
+ * its own failure). Each link's dump names its two ranks in the job
+ * ("members", core/flight.h): the sender is the receiver's peer there,
+ * whatever the mesh (with tensor-parallel stages a stage's ranks are not
+ * consecutive: dist/mesh.h). A dump without them (an older recorder) is
+ * read with the layout of a pipeline alone, rank = dp * S + stage. */
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -24,6 +26,7 @@ typedef struct tdm_doc_pp_xfer {
     int send;                  /* 1: send, 0: recv */
     char kind[8];              /* "act", "grad" */
     int mb, from, to;
+    int peer;                  /* the link's other rank in the job; -1: unknown */
     int done;                  /* state "done" */
     int64_t step;
     uint64_t t_start;
@@ -65,9 +68,16 @@ static int64_t tdm_doc_pp_int(const tdm_json *o, const char *k, int64_t dflt)
 
 /* One dump of rank r: its pipeline transfers; the first communicator's
  * (main) also says whether and why the rank failed. */
-static void tdm_doc_pp_take(tdm_doc_pp_rank *r, const tdm_json *doc, int main)
+static void tdm_doc_pp_take(tdm_doc_pp_rank *r, int rank, const tdm_json *doc, int main)
 {
     r->dumped = 1;
+    /* a link's members (core/flight.h): the rank at its other end */
+    const tdm_json *mem = tdm_json_get(doc, "members");
+    int peer = -1;
+    for (int i = 0; mem && mem->type == TDM_JSON_ARRAY && mem->n == 2 && i < 2; i++)
+        if (mem->items[i].type == TDM_JSON_INT && mem->items[i].i != rank &&
+            mem->items[i].i >= 0 && mem->items[i].i < TDM_DOC_PP_MAX_RANKS)
+            peer = (int)mem->items[i].i;
     if (main && tdm_doc_pp_int(doc, "failed", 0)) {
         r->failed = 1;
         snprintf(r->reason, sizeof r->reason, "%s", tdm_doc_pp_str(doc, "reason", ""));
@@ -84,6 +94,7 @@ static void tdm_doc_pp_take(tdm_doc_pp_rank *r, const tdm_json *doc, int main)
             (strcmp(op, "send") && strcmp(op, "recv")))
             continue;
         x.send = !strcmp(op, "send");
+        x.peer = peer;
         snprintf(x.kind, sizeof x.kind, "%s", kind);
         x.done = !strcmp(tdm_doc_pp_str(o, "state", ""), "done");
         x.step = tdm_doc_pp_int(o, "step", 0);
@@ -117,16 +128,25 @@ static int tdm_doc_pp_sent(const tdm_doc_pp_rank *r, const tdm_doc_pp_xfer *w)
     return 0;
 }
 
+/* The rank that should have sent receiver w its recv x: the link's other
+ * member, as its dump says; without one (an older recorder), by the
+ * layout of a pipeline without tensor-parallel stages. */
+static int tdm_doc_pp_sender(int w, const tdm_doc_pp_xfer *x)
+{
+    return x->peer >= 0 ? x->peer : w + (x->from - x->to);
+}
+
 /* 1 when the chain of waits from stuck rank w ends at a rank that was
  * not waiting (within the ranks there are), 0 when it comes back to one
  * of its own. */
-static int tdm_doc_pp_chain_ends(const tdm_doc_pp_rank *rk, int w)
+static int tdm_doc_pp_chain_ends(const tdm_doc_pp_rank *rk, int w, int *end)
 {
     int seen[TDM_DOC_PP_MAX_RANKS] = {0};
     for (;;) {
         const tdm_doc_pp_xfer *x = tdm_doc_pp_stuck(&rk[w]);
         seen[w] = 1;
-        int q = w + (x->from - x->to);
+        int q = tdm_doc_pp_sender(w, x);
+        *end = q;
         if (q < 0 || q >= TDM_DOC_PP_MAX_RANKS) return 1;
         if (seen[q]) return 0;
         if (!tdm_doc_pp_stuck(&rk[q])) return 1;
@@ -176,30 +196,38 @@ int tdm_doctor_pipeline(const char *dir, tdm_doctor_end_fn end_of, void *ctx,
                 for (int q = 0; q < TDM_DOC_PP_MAX_RANKS; q++)
                     if (pid > 0 && pid_of[q] == pid) { r = q; break; }
             }
-            tdm_doc_pp_take(&rk[r], doc, main);
+            tdm_doc_pp_take(&rk[r], r, doc, main);
             tdm_json_free(doc);
             if (r + 1 > world) world = r + 1;
         }
     }
     closedir(dp);
     /* the first waiting receiver, by rank, whose chain of waits ends at a
-     * stage that was not waiting; else the first (the stages of one
+     * stage that was not waiting (one without a dump first); else the first (the stages of one
      * replica may wait for each other once an abort from another replica
      * of a mesh has stopped them) */
-    int w = -1;
+    int w = -1, ends = -1;
     for (int r = 0; r < world; r++) {
         if (!tdm_doc_pp_stuck(&rk[r])) continue;
         if (w < 0) w = r;
-        if (tdm_doc_pp_chain_ends(rk, r)) {
-            w = r;
+        int end;
+        if (!tdm_doc_pp_chain_ends(rk, r, &end)) continue;
+        /* a chain that ends at a rank without a dump (killed, stopped)
+         * before one that ends at a rank that failed and said why: that
+         * one may have been waiting elsewhere (a dp or tp group's
+         * collective) on the rank without one */
+        if (end >= 0 && end < TDM_DOC_PP_MAX_RANKS && !rk[end].dumped) {
+            ends = r;
             break;
         }
+        if (ends < 0) ends = r;
     }
+    if (ends >= 0) w = ends;
     if (w >= 0) {
         /* follow the chain of waits to a stage that was not waiting */
         int seen[TDM_DOC_PP_MAX_RANKS] = {0}, chain[TDM_DOC_PP_MAX_RANKS], k = 0;
         const tdm_doc_pp_xfer *x = tdm_doc_pp_stuck(&rk[w]);
-        int q = w + (x->from - x->to);
+        int q = tdm_doc_pp_sender(w, x);
         seen[w] = 1;
         chain[k++] = w;
         while (q >= 0 && q < TDM_DOC_PP_MAX_RANKS && !seen[q] && tdm_doc_pp_stuck(&rk[q])) {
@@ -207,7 +235,7 @@ int tdm_doctor_pipeline(const char *dir, tdm_doctor_end_fn end_of, void *ctx,
             chain[k++] = q;
             w = q;
             x = tdm_doc_pp_stuck(&rk[w]);
-            q = w + (x->from - x->to);
+            q = tdm_doc_pp_sender(w, x);
         }
         found = 1;
         int induced = 0;

@@ -72,16 +72,19 @@ static void tdm_elastic_end(void *ctx, tdm_status st, int world, const tdm_shm_s
     snprintf(w->why, sizeof w->why, "%s", tdm_error_message());
     fprintf(stderr, "%s: %s: %s\n", w->tool, w->mode, w->why);
     for (int r = 0; w->has_shape && res && r < world; r++) {
-        if (!WIFSIGNALED(res->wstatus[r]) || WTERMSIG(res->wstatus[r]) == SIGTERM ||
-            res->induced[r])
+        /* a stopped rank (the teardown's SIGKILL ended it) is named too */
+        int stopped = r < TDM_SHM_MAX_RANKS && w->frj.stalled[r];
+        if (!stopped && (!WIFSIGNALED(res->wstatus[r]) || WTERMSIG(res->wstatus[r]) == SIGTERM ||
+                         res->induced[r]))
             continue;
         int c[TDM_MESH_NDIMS];
-        char s[64];
+        char s[64], how[48];
         tdm_mesh_coords_of(&w->shape, r, c);
         tdm_mesh_shape_str(&w->shape, s, sizeof s);
-        fprintf(stderr, "%s: rank %d (killed by signal %d) is at dp %d, pp %d, tp %d of the "
-                "mesh %s\n", w->tool, r, WTERMSIG(res->wstatus[r]), c[TDM_MESH_DP],
-                c[TDM_MESH_PP], c[TDM_MESH_TP], s);
+        if (stopped) snprintf(how, sizeof how, "stopped");
+        else snprintf(how, sizeof how, "killed by signal %d", WTERMSIG(res->wstatus[r]));
+        fprintf(stderr, "%s: rank %d (%s) is at dp %d, pp %d, tp %d of the mesh %s\n", w->tool,
+                r, how, c[TDM_MESH_DP], c[TDM_MESH_PP], c[TDM_MESH_TP], s);
     }
     tdm_doctor_job_end(&w->frj, 1, world, res->pid, res->wstatus, res->induced, w->why);
     if (st == TDM_STATUS_PEER_FAILED) tdm_elastic_log_add(&w->failures, w->why);
