@@ -129,6 +129,17 @@ const char *tdm_model_op_name(tdm_model_op_kind kind);
  * words, naming the op and its line ("" when none). */
 int tdm_model_spec_lever_op(const tdm_model_spec *s);
 void tdm_model_spec_lever_refusal(const tdm_model_spec *s, char *buf, size_t len);
+/* Dropout's masks outside a tdm_model (tensor parallelism holds slices
+ * of a layer's output; the mask is docs/MODELS.md's, the same bits as the
+ * model's): the key of each of B samples of row_bytes input bytes at x
+ * (host) in a model of `seed` that has run `forwards` training forwards;
+ * then dst = src * mask / (1 - p) over values [j0, j0 + n) of each
+ * sample's vector, B x n row-major on the host (dst may be src); op: the
+ * dropout's index in the spec's ops. */
+void tdm_model_drop_keys_host(uint64_t seed, int64_t forwards, const void *x,
+                              size_t row_bytes, int B, uint64_t *keys);
+void tdm_model_drop_cols(const uint64_t *keys, int op, float p, int B, int64_t j0, int64_t n,
+                         const float *src, float *dst);
 /* 1 when the spec has a batchnorm layer (the CNN, a SEQ with one). */
 int tdm_model_spec_has_batchnorm(const tdm_model_spec *s);
 

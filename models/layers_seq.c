@@ -7,6 +7,7 @@
  * kept in the layer's scratch until backward reaches the block's first
  * layer, where tdm_seq_skip_add adds it into that layer's input gradient.
  * Not here: the layers of the built-in models (models/layers.c). */
+#include "models/builder.h"
 #include "models/model_impl.h"
 
 #include <stdlib.h>
@@ -220,16 +221,38 @@ tdm_status tdm_seq_drop_keys(tdm_model *m, const void *x, int B)
         }
         h = copy;
     }
-    uint64_t base = tdm_drop_mix(m->seed ^ tdm_drop_mix((uint64_t)m->n_train_fwd));
-    for (int b = 0; b < B; b++) {
-        uint64_t f = 0xcbf29ce484222325ull;   /* FNV-1a over the sample's bytes */
-        const unsigned char *p = h + (size_t)b * row;
-        for (size_t i = 0; i < row; i++) f = (f ^ p[i]) * 0x100000001b3ull;
-        m->drop_keys[b] = tdm_drop_mix(base ^ f);
-    }
+    tdm_model_drop_keys_host(m->seed, m->n_train_fwd, h, row, B, m->drop_keys);
     free(copy);
     m->n_train_fwd++;
     return TDM_STATUS_OK;
+}
+
+void tdm_model_drop_keys_host(uint64_t seed, int64_t forwards, const void *x,
+                              size_t row_bytes, int B, uint64_t *keys)
+{
+    const unsigned char *h = x;
+    uint64_t base = tdm_drop_mix(seed ^ tdm_drop_mix((uint64_t)forwards));
+    for (int b = 0; b < B; b++) {
+        uint64_t f = 0xcbf29ce484222325ull;   /* FNV-1a over the sample's bytes */
+        const unsigned char *p = h + (size_t)b * row_bytes;
+        for (size_t i = 0; i < row_bytes; i++) f = (f ^ p[i]) * 0x100000001b3ull;
+        keys[b] = tdm_drop_mix(base ^ f);
+    }
+}
+
+void tdm_model_drop_cols(const uint64_t *keys, int op, float p, int B, int64_t j0, int64_t n,
+                         const float *src, float *dst)
+{
+    uint64_t thr = (uint64_t)((double)p * (double)(1 << 24));
+    float scale = 1.0f / (1.0f - p);
+    for (int b = 0; b < B; b++) {
+        uint64_t k = keys[b] ^ tdm_drop_mix((uint64_t)op);
+        for (int64_t q = 0; q < n; q++) {
+            uint64_t j = (uint64_t)(j0 + q);
+            int keep = (tdm_drop_mix(k + (j + 1) * TDM_DROP_GOLDEN) >> 40) >= thr;
+            dst[b * n + q] = keep ? src[b * n + q] * scale : 0.0f;
+        }
+    }
 }
 
 /* dst = src * mask / (1 - p) over a (C, B, HW) tensor; the op's index

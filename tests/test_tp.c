@@ -604,7 +604,8 @@ Test(tp, plan_refuses_what_it_cannot_split)
     tdm_model_spec_cnn(&s);
     cr_assert_eq(tdm_tp_plan(&s, 2, sp, &L), TDM_STATUS_USAGE);
     cr_assert_str_eq(tdm_error_message(),
-                     "--mode tp supports the MLP and the GPT; the cnn is not supported");
+                     "--mode tp supports the MLP, the GPT and model files of linear layers; "
+                     "the cnn is not supported");
     tdm_model_spec_gpt(&s, 2, 16, 4, 8);
     cr_assert_eq(tdm_tp_plan(&s, 3, sp, &L), TDM_STATUS_USAGE);
     cr_assert_str_eq(tdm_error_message(), "the GPT's 4 heads are not divisible by the 3 "

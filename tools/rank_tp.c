@@ -275,7 +275,7 @@ static void tdm_rank_tp_describe(const tdm_tool_rank *r, char *on, size_t n_on, 
     char plan[160] = "";
     size_t k = 0;
     const tdm_model_spec *sp = tdm_model_get_spec(r->m);
-    int L = sp->kind == TDM_MODEL_GPT ? 0 : sp->ndims - 1;
+    int L = tdm_tp_n_layers(q->p);
     if (sp->kind == TDM_MODEL_GPT)
         snprintf(plan, sizeof plan, "attention split by heads, %d of %d per rank; mlp c_fc "
                  "column, c_proj row; %s", sp->n_head / tdm_tp_size(q->p), sp->n_head,

@@ -1,5 +1,5 @@
 /* tools/train_tp.c: `tandem train --mode tp`: tensor parallelism of the
- * MLP and the GPT (tp/tp.h: Megatron's column-parallel / row-parallel
+ * MLP, the GPT and model files of linear layers (tp/tp.h: Megatron's column-parallel / row-parallel
  * pairs; the GPT's attention split by heads). Each
  * rank holds a slice of every split layer (its table is
  * tools/rank_tp.c), run by tools/train_ranks.c's loop over dist/run.h
@@ -19,10 +19,14 @@ tdm_status tdm_train_check_tp(const tdm_train_args *a)
         return tdm_tool_usage_error("tandem train: --sequence-parallel applies to --mode tp "
                                     "(the GPT), not --mode %s\n", a->mode);
     if (strcmp(a->mode, "tp")) return TDM_STATUS_OK;
-    if (strncmp(a->model, "mlp", 3) && strncmp(a->model, "gpt", 3))
-        return tdm_tool_usage_error("tandem train: --mode tp supports the MLP and the GPT; "
-                                    "--model %s is not supported\n", a->model);
-    if (a->sequence_parallel && strncmp(a->model, "gpt", 3))
+    /* a model file's layers are checked by the plan (tp/seq.c), naming
+     * the line it cannot split */
+    if (strncmp(a->model, "mlp", 3) && strncmp(a->model, "gpt", 3) &&
+        strncmp(a->model, "file:", 5))
+        return tdm_tool_usage_error("tandem train: --mode tp supports the MLP, the GPT and "
+                                    "model files of linear layers; --model %s is not "
+                                    "supported\n", a->model);
+    if (a->sequence_parallel && !strncmp(a->model, "mlp", 3))
         return tdm_tool_usage_error("tandem train: --sequence-parallel applies to the GPT; "
                                     "--model %s has no sequence\n", a->model);
     if (a->uneven || a->sync_bn || a->save_sharded ||

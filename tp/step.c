@@ -33,9 +33,10 @@ tdm_status tdm_tp_allreduce(tdm_tp *p, float *buf, int64_t n, const char *what, 
 
 /* Forward of B samples already at p->x: the logits in the last layer's
  * act. Times the all-reduces into *ar_ms. */
-static tdm_status tdm_tp_forward(tdm_tp *p, int B, double *ar_ms)
+static tdm_status tdm_tp_forward(tdm_tp *p, int B, int train, double *ar_ms)
 {
     const float *cur = p->x;
+    TDM_CHECK(tdm_tp_post_forward(p, 0, B, p->shape.dims[0], 0, train, &cur));
     for (int l = 0; l < p->n_layers; l++) {
         tdm_tp_layer *L = &p->layers[l];
         L->in_act = cur;
@@ -50,6 +51,8 @@ static tdm_status tdm_tp_forward(tdm_tp *p, int B, double *ar_ms)
         TDM_CHECK(tdm_dev_bias_act(p->dev, L->act, p->params + L->b_off, B, L->lout,
                                    L->relu ? TDM_ACT_RELU : TDM_ACT_NONE));
         cur = L->act;
+        int64_t j0 = L->split == TDM_TP_COLUMN ? (int64_t)p->rank * L->lout : 0;
+        TDM_CHECK(tdm_tp_post_forward(p, l + 1, B, L->lout, j0, train, &cur));
     }
     return TDM_STATUS_OK;
 }
@@ -61,6 +64,8 @@ static tdm_status tdm_tp_backward(tdm_tp *p, int B, double *ar_ms)
     for (int l = p->n_layers - 1; l >= 0; l--) {
         tdm_tp_layer *L = &p->layers[l];
         float *dout = p->dbuf[cur], *din = p->dbuf[1 - cur];
+        int64_t j0 = L->split == TDM_TP_COLUMN ? (int64_t)p->rank * L->lout : 0;
+        TDM_CHECK(tdm_tp_post_backward(p, l + 1, B, L->lout, j0, L->act, dout));
         if (L->relu) TDM_CHECK(tdm_dev_relu_bwd(p->dev, dout, L->act, (int64_t)B * L->lout));
         /* dW (lout, lin) += dout^T x; db (1, lout) += ones (1, B) dout */
         TDM_CHECK(tdm_dev_gemm_rm(p->dev, TDM_TRANS_T, TDM_TRANS_N, L->lout, L->lin, B, 1.0f,
@@ -85,15 +90,15 @@ static tdm_status tdm_tp_backward(tdm_tp *p, int B, double *ar_ms)
 /* Input elements (4 bytes: features or tokens) and target rows per sample. */
 static int tdm_tp_in_elems(const tdm_tp *p)
 {
-    return p->gpt ? p->spec.n_ctx : p->spec.dims[0];
+    return p->gpt ? p->spec.n_ctx : p->shape.dims[0];
 }
 static int tdm_tp_rows(const tdm_tp *p) { return p->gpt ? p->spec.n_ctx : 1; }
 static int tdm_tp_classes(const tdm_tp *p)
 {
-    return p->gpt ? p->spec.vocab : p->spec.dims[p->n_layers];
+    return p->gpt ? p->spec.vocab : p->shape.dims[p->n_layers];
 }
 
-static tdm_status tdm_tp_inputs(tdm_tp *p, const void *x, const int32_t *y, int B)
+static tdm_status tdm_tp_inputs(tdm_tp *p, const void *x, const int32_t *y, int B, int train)
 {
     TDM_REQUIRE(B >= 1 && x && y, TDM_STATUS_INVALID_ARG,
                 "tp: a batch needs x, y and at least one sample (got %d)", B);
@@ -106,6 +111,7 @@ static tdm_status tdm_tp_inputs(tdm_tp *p, const void *x, const int32_t *y, int 
                         (long long)(i / p->spec.n_ctx), p->spec.vocab);
     }
     TDM_CHECK(tdm_tp_reserve(p, B));
+    if (train && !p->gpt) TDM_CHECK(tdm_tp_drop_keys(p, x, B));
     size_t n = (size_t)B * (size_t)tdm_tp_rows(p);
     TDM_CHECK(tdm_dev_copy_from_host(p->dev, p->x, x,
                                      (size_t)B * (size_t)tdm_tp_in_elems(p) * sizeof(float)));
@@ -113,11 +119,14 @@ static tdm_status tdm_tp_inputs(tdm_tp *p, const void *x, const int32_t *y, int 
 }
 
 /* The logits of the B samples at p->x (B * rows, classes). */
-static tdm_status tdm_tp_logits(tdm_tp *p, int B, const float **logits, double *ar_ms)
+static tdm_status tdm_tp_logits(tdm_tp *p, int B, int train, const float **logits,
+                                double *ar_ms)
 {
     if (p->gpt) return tdm_tp_gpt_forward(p, B, logits, ar_ms);
-    TDM_CHECK(tdm_tp_forward(p, B, ar_ms));
-    *logits = p->layers[p->n_layers - 1].act;
+    TDM_CHECK(tdm_tp_forward(p, B, train, ar_ms));
+    const tdm_tp_layer *L = &p->layers[p->n_layers - 1];
+    int k = p->shape.n_post[p->n_layers];
+    *logits = k ? p->shape.post[p->n_layers][k - 1].out : L->act;
     return TDM_STATUS_OK;
 }
 
@@ -140,8 +149,8 @@ static tdm_status tdm_tp_fwd_bwd(tdm_tp *p, const void *x, const int32_t *y, int
 {
     uint64_t t0 = tdm_time_ns();
     const float *logits = NULL;
-    TDM_CHECK(tdm_tp_inputs(p, x, y, B));
-    TDM_CHECK(tdm_tp_logits(p, B, &logits, &ph->fwd_allreduce));
+    TDM_CHECK(tdm_tp_inputs(p, x, y, B, 1));
+    TDM_CHECK(tdm_tp_logits(p, B, 1, &logits, &ph->fwd_allreduce));
     ph->forward += tdm_time_ms_since(t0) - ph->fwd_allreduce;
     t0 = tdm_time_ns();
     float *dlogits = p->gpt ? tdm_tp_gpt_dlogits(p) : p->dbuf[0];
@@ -287,8 +296,8 @@ tdm_status tdm_tp_eval_batch(tdm_tp *p, const void *x, const int32_t *y, int bat
     double ar = 0.0, ls = 0.0;
     const float *logits = NULL;
     int C = tdm_tp_classes(p), R = batch * tdm_tp_rows(p);
-    tdm_status st = tdm_tp_inputs(p, x, y, batch);
-    if (!st) st = tdm_tp_logits(p, batch, &logits, &ar);
+    tdm_status st = tdm_tp_inputs(p, x, y, batch, 0);
+    if (!st) st = tdm_tp_logits(p, batch, 0, &logits, &ar);
     if (!st) st = tdm_tp_loss(p, logits, batch, 1.0f, &ls, NULL);
     if (!st) st = tdm_dev_copy_to_host(p->dev, p->host_logits, logits,
                                        (size_t)R * (size_t)C * sizeof(float));
@@ -312,9 +321,9 @@ tdm_status tdm_tp_evaluate(tdm_tp *p, const tdm_dataset *d, int batch, double *l
     TDM_REQUIRE(d && batch > 0 && loss_mean && accuracy && d->n > 0, TDM_STATUS_INVALID_ARG,
                 "tp evaluate: a non-empty test set, batch > 0 and outputs are required");
     TDM_REQUIRE(!p->gpt, TDM_STATUS_INVALID_ARG, "tp evaluate: image data, not the GPT's");
-    TDM_REQUIRE(tdm_data_features(d) == p->spec.dims[0], TDM_STATUS_INVALID_ARG,
+    TDM_REQUIRE(tdm_data_features(d) == p->shape.dims[0], TDM_STATUS_INVALID_ARG,
                 "tp evaluate: the data has %lld features per sample, the model reads %d",
-                (long long)tdm_data_features(d), p->spec.dims[0]);
+                (long long)tdm_data_features(d), p->shape.dims[0]);
     int64_t F = tdm_data_features(d), *idx = malloc((size_t)batch * sizeof *idx);
     float *x = malloc((size_t)batch * (size_t)F * sizeof(float));
     int32_t *y = malloc((size_t)batch * sizeof *y);

@@ -20,7 +20,6 @@ const char *tdm_tp_split_name(tdm_tp_split s)
 tdm_status tdm_tp_plan(const tdm_model_spec *spec, int ranks, tdm_tp_split *split,
                        int *n_layers)
 {
-    static const char *const kinds[] = {"mlp", "cnn", "gpt"};
     TDM_REQUIRE(ranks >= 1, TDM_STATUS_USAGE, "tensor parallelism needs at least 1 rank, got %d",
                 ranks);
     if (spec->kind == TDM_MODEL_GPT) {
@@ -31,13 +30,13 @@ tdm_status tdm_tp_plan(const tdm_model_spec *spec, int ranks, tdm_tp_split *spli
         *n_layers = 0;
         return TDM_STATUS_OK;
     }
-    TDM_REQUIRE(spec->kind == TDM_MODEL_MLP, TDM_STATUS_USAGE,
-                "--mode tp supports the MLP and the GPT; the %s is not supported",
-                (unsigned)spec->kind <= TDM_MODEL_GPT ? kinds[spec->kind] : "model");
-    int L = spec->ndims - 1;
+    tdm_tp_shape sh;
+    TDM_CHECK(tdm_tp_shape_of(spec, &sh));
+    int L = sh.ndims - 1;
     TDM_REQUIRE(L >= 2 && L <= TDM_MODEL_MAX_DIMS, TDM_STATUS_USAGE,
-                "tensor parallelism splits pairs of linear layers: the MLP has %d linear "
-                "layer%s (give it a hidden layer, e.g. mlp:784-256-10)", L, L == 1 ? "" : "s");
+                "tensor parallelism splits pairs of linear layers: %s has %d linear "
+                "layer%s (give it a hidden layer, e.g. mlp:784-256-10)",
+                spec->kind == TDM_MODEL_MLP ? "the MLP" : spec->name, L, L == 1 ? "" : "s");
     for (int l = 0; l < L; l++) {
         if (l % 2 == 1) {
             split[l] = TDM_TP_ROW;
@@ -48,7 +47,11 @@ tdm_status tdm_tp_plan(const tdm_model_spec *spec, int ranks, tdm_tp_split *spli
             continue;
         }
         split[l] = TDM_TP_COLUMN;
-        int w = spec->dims[l + 1];
+        int w = sh.dims[l + 1];
+        if (w % ranks && sh.line[l] > 0)
+            return tdm_error_set(TDM_STATUS_USAGE, "%s line %d: layer fc%d's output width %d "
+                                 "(fc%d's input) is not divisible by the %d tensor-parallel "
+                                 "ranks", spec->name, sh.line[l], l + 1, w, l + 2, ranks);
         TDM_REQUIRE(w % ranks == 0, TDM_STATUS_USAGE,
                     "layer fc%d's output width %d (fc%d's input) is not divisible by the %d "
                     "tensor-parallel ranks", l + 1, w, l + 2, ranks);
@@ -73,6 +76,7 @@ int64_t tdm_tp_step_bytes(const tdm_model_spec *spec, int ranks, int batch)
     tdm_tp_split split[TDM_MODEL_MAX_DIMS];
     int L = 0;
     int64_t floats = 0;
+    tdm_tp_shape sh;
     if (ranks < 2 || tdm_tp_plan(spec, ranks, split, &L)) return 0;
     /* the GPT: per block two all-reduces of the stream forward (after
      * attn.c_proj and mlp.c_proj) and two backward (c_attn's and c_fc's
@@ -80,9 +84,10 @@ int64_t tdm_tp_step_bytes(const tdm_model_spec *spec, int ranks, int batch)
     if (spec->kind == TDM_MODEL_GPT)
         return (int64_t)4 * spec->n_layer * batch * spec->n_ctx * spec->n_embd *
                (int64_t)sizeof(float);
+    tdm_tp_shape_of(spec, &sh);
     for (int l = 0; l < L; l++) {
-        if (split[l] == TDM_TP_ROW) floats += (int64_t)batch * spec->dims[l + 1];
-        if (split[l] == TDM_TP_COLUMN && l > 0) floats += (int64_t)batch * spec->dims[l];
+        if (split[l] == TDM_TP_ROW) floats += (int64_t)batch * sh.dims[l + 1];
+        if (split[l] == TDM_TP_COLUMN && l > 0) floats += (int64_t)batch * sh.dims[l];
     }
     return floats * (int64_t)sizeof(float);
 }
@@ -189,12 +194,12 @@ void tdm_tp_unslice(const tdm_tp *p, const float *locals, float *whole)
  * tensor are exactly 1/N of it). */
 static void tdm_tp_layout(tdm_tp *p, const tdm_tp_split *split)
 {
-    p->max_width = p->spec.dims[0];
+    p->max_width = p->shape.dims[0];
     for (int l = 0; l < p->n_layers; l++) {
         tdm_tp_layer *L = &p->layers[l];
-        int in = p->spec.dims[l], out = p->spec.dims[l + 1];
+        int in = p->shape.dims[l], out = p->shape.dims[l + 1];
         *L = (tdm_tp_layer){.split = split[l], .in = in, .out = out, .lin = in, .lout = out,
-                            .relu = l + 1 < p->n_layers, .wp = 2 * l, .bp = 2 * l + 1};
+                            .relu = p->shape.relu[l], .wp = 2 * l, .bp = 2 * l + 1};
         if (L->split == TDM_TP_COLUMN) L->lout = out / p->size;
         if (L->split == TDM_TP_ROW) L->lin = in / p->size;
         L->b_elems = L->lout;
@@ -340,7 +345,8 @@ tdm_status tdm_tp_init(tdm_tp **out, tdm_comm *comm, tdm_device *dev, const tdm_
                   .gcomm = opts->grad_comm, .dev = dev, .rank = tdm_comm_rank(comm),
                   .size = tdm_comm_size(comm), .spec = *spec, .n_layers = L,
                   .seq_par = opts->sequence_parallel && tdm_comm_size(comm) > 1,
-                  .zero = opts->zero};
+                  .zero = opts->zero, .seed = opts->seed};
+    if (spec->kind != TDM_MODEL_GPT) TDM_TRY(tdm_tp_shape_of(spec, &p->shape));
     if (p->zero) {
         if (!p->gcomm || tdm_comm_size(p->gcomm) < 2) {
             st = tdm_error_set(TDM_STATUS_USAGE, "tp: ZeRO-1 shards the optimizer over the dp "
@@ -376,7 +382,13 @@ static void tdm_tp_free_acts(tdm_tp *p)
     for (int l = 0; l < p->n_layers; l++) {
         tdm_dev_free(p->dev, p->layers[l].act);
         p->layers[l].act = NULL;
+        for (int k = 0; k < p->shape.n_post[l + 1]; k++) {
+            tdm_dev_free(p->dev, p->shape.post[l + 1][k].out);
+            p->shape.post[l + 1][k].out = NULL;
+        }
     }
+    free(p->drop_keys);
+    p->drop_keys = NULL;
     tdm_dev_free(p->dev, p->x);
     tdm_dev_free(p->dev, p->y);
     tdm_dev_free(p->dev, p->ones);
@@ -414,10 +426,13 @@ static tdm_status tdm_tp_act(tdm_tp *p, size_t n, void **out, size_t *bytes)
 static tdm_status tdm_tp_reserve_mlp(tdm_tp *p, int B)
 {
     size_t f = sizeof(float), bytes = 0, b = (size_t)B;
-    for (int l = 0; l < p->n_layers; l++)
-        TDM_CHECK(tdm_tp_act(p, b * (size_t)p->layers[l].lout * f, (void **)&p->layers[l].act,
-                             &bytes));
-    TDM_CHECK(tdm_tp_act(p, b * (size_t)p->spec.dims[0] * f, (void **)&p->x, &bytes));
+    for (int l = 0; l < p->n_layers; l++) {
+        size_t n = b * (size_t)p->layers[l].lout * f;
+        TDM_CHECK(tdm_tp_act(p, n, (void **)&p->layers[l].act, &bytes));
+        for (int k = 0; k < p->shape.n_post[l + 1]; k++)
+            TDM_CHECK(tdm_tp_act(p, n, (void **)&p->shape.post[l + 1][k].out, &bytes));
+    }
+    TDM_CHECK(tdm_tp_act(p, b * (size_t)p->shape.dims[0] * f, (void **)&p->x, &bytes));
     TDM_CHECK(tdm_tp_act(p, b * sizeof(int32_t), (void **)&p->y, &bytes));
     TDM_CHECK(tdm_tp_act(p, b * f, (void **)&p->ones, &bytes));
     TDM_CHECK(tdm_tp_act(p, b * (size_t)p->max_width * f, (void **)&p->dbuf[0], &bytes));
@@ -430,8 +445,12 @@ static tdm_status tdm_tp_reserve_mlp(tdm_tp *p, int B)
     tdm_status st = tdm_dev_copy_from_host(p->dev, p->ones, ones, b * f);
     free(ones);
     TDM_CHECK(st);
-    p->host_logits = malloc(b * (size_t)p->spec.dims[p->n_layers] * f);
+    p->host_logits = malloc(b * (size_t)p->shape.dims[p->n_layers] * f);
     TDM_REQUIRE(p->host_logits, TDM_STATUS_OUT_OF_MEMORY, "tp: logits of %d samples", B);
+    if (p->shape.dropout) {
+        p->drop_keys = malloc(b * sizeof *p->drop_keys);
+        TDM_REQUIRE(p->drop_keys, TDM_STATUS_OUT_OF_MEMORY, "tp: dropout keys of %d samples", B);
+    }
     p->cap = B;
     return TDM_STATUS_OK;
 }
@@ -456,6 +475,7 @@ int tdm_tp_size(const tdm_tp *p) { return p->size; }
 tdm_optim *tdm_tp_optim(tdm_tp *p) { return p->opt; }
 const tdm_model *tdm_tp_tables(const tdm_tp *p) { return p->tables; }
 tdm_tp_split tdm_tp_layer_split(const tdm_tp *p, int l) { return p->layers[l].split; }
+int tdm_tp_n_layers(const tdm_tp *p) { return p->n_layers; }
 float *tdm_tp_params(tdm_tp *p) { return p->params; }
 float *tdm_tp_grads(tdm_tp *p) { return p->grads; }
 int64_t tdm_tp_elems(const tdm_tp *p) { return p->n_elem; }
@@ -485,7 +505,8 @@ tdm_status tdm_tp_footprint(const tdm_model_spec *spec, int ranks, int batch, in
     tdm_tp *p = calloc(1, sizeof *p);
     TDM_REQUIRE(p, TDM_STATUS_OUT_OF_MEMORY, "tp footprint: calloc");
     *p = (tdm_tp){.size = ranks, .spec = *spec, .n_layers = L, .seq_par = seq_par && ranks > 1};
-    tdm_status st = tdm_model_init_tables(&p->tables, spec);
+    tdm_status st = spec->kind == TDM_MODEL_GPT ? TDM_STATUS_OK : tdm_tp_shape_of(spec, &p->shape);
+    if (!st) st = tdm_model_init_tables(&p->tables, spec);
     if (!st && spec->kind == TDM_MODEL_GPT) st = tdm_tp_gpt_layout(p);
     else if (!st) tdm_tp_layout(p, split);
     if (!st) st = p->gpt ? tdm_tp_gpt_reserve(p, batch) : tdm_tp_reserve_mlp(p, batch);

@@ -75,8 +75,11 @@ const char *tdm_tp_split_name(tdm_tp_split s);
 
 /* The split of each of spec's linear layers on `ranks` tensor-parallel
  * ranks into split[0..*n_layers) (room for TDM_MODEL_MAX_DIMS). One-line
- * USAGE errors: a model other than the MLP and the GPT ("--mode tp
- * supports the MLP and the GPT; the cnn is not supported"), an MLP of one
+ * USAGE errors: a model other than the MLP, the GPT and a model file of
+ * linear layers with elementwise layers between them ("--mode tp supports
+ * the MLP, the GPT and model files of linear layers; the cnn is not
+ * supported"; a file's other layer named by its line: "file:x.tdm line 3:
+ * `conv`: --mode tp cannot split it: ..."), an MLP of one
  * linear layer, a width that does not divide ("layer fc1's output width
  * 100 (fc2's input) is not divisible by the 3 tensor-parallel ranks"), a
  * GPT whose heads do not divide ("the GPT's 4 heads are not divisible by
@@ -160,8 +163,10 @@ int tdm_tp_size(const tdm_tp *p);
 tdm_optim *tdm_tp_optim(tdm_tp *p);
 /* The whole model's tables (no storage; tdm_model_init_tables). */
 const tdm_model *tdm_tp_tables(const tdm_tp *p);
-/* The split of linear layer l (0-based). */
+/* The split of linear layer l (0-based), of the rank's n_layers linear
+ * layers (0: the GPT). */
 tdm_tp_split tdm_tp_layer_split(const tdm_tp *p, int l);
+int tdm_tp_n_layers(const tdm_tp *p);
 /* The rank's flat parameters and gradients (device memory) and their
  * length in elements. */
 float *tdm_tp_params(tdm_tp *p);

@@ -7,6 +7,36 @@
 
 #include "tp/tp.h"
 
+/* An elementwise layer of a model file between (or before) its linear
+ * layers (tp/seq.c): an activation, or dropout with the model's
+ * rank-independent mask; out: its output (cap rows of the layer's width
+ * on this rank), NULL before the first linear layer (run in place). */
+#define TDM_TP_MAX_POST 8
+typedef struct tdm_tp_post {
+    tdm_model_op_kind kind;     /* TDM_MODEL_OP_DROPOUT or an activation */
+    tdm_act act;
+    float p;
+    int op;                     /* its index in the spec (dropout's mask) */
+    float *out;
+} tdm_tp_post;
+
+/* The linear layers of the MLP or of a model file of linear layers and
+ * elementwise layers (tp/seq.c): widths (input first), a relu fused
+ * into linear l, and the elementwise layers before the first linear
+ * (post[0]) and after linear l (post[l + 1]); line: the file's line of
+ * each linear layer (0: the built-in MLP). */
+typedef struct tdm_tp_shape {
+    int ndims, dims[TDM_MODEL_MAX_DIMS];
+    int relu[TDM_MODEL_MAX_DIMS], line[TDM_MODEL_MAX_DIMS];
+    int n_post[TDM_MODEL_MAX_DIMS];
+    tdm_tp_post post[TDM_MODEL_MAX_DIMS][TDM_TP_MAX_POST];
+    int dropout;                /* any dropout */
+} tdm_tp_shape;
+
+/* spec's shape for the MLP path; USAGE naming the file's line for a
+ * layer the tensor-parallel MLP path cannot run (tp/seq.c). */
+tdm_status tdm_tp_shape_of(const tdm_model_spec *spec, tdm_tp_shape *out);
+
 /* One linear layer as this rank holds it. */
 typedef struct tdm_tp_layer {
     tdm_tp_split split;
@@ -49,6 +79,10 @@ struct tdm_tp {
     tdm_model *tables;          /* the whole model's tables, no storage */
     int n_layers;                /* the MLP's linear layers */
     tdm_tp_layer layers[TDM_MODEL_MAX_DIMS];
+    tdm_tp_shape shape;          /* the MLP path's widths and elementwise layers */
+    uint64_t seed;               /* dropout's masks: the model's seed, */
+    int64_t n_train_fwd;         /* training forwards run, */
+    uint64_t *drop_keys;         /* the current batch's keys (host, cap) */
     tdm_tp_gpt *gpt;             /* the GPT's blocks and activations; NULL: an MLP */
     int n_tensors;
     tdm_tp_tensor tensors[TDM_TP_MAX_TENSORS];
@@ -99,6 +133,20 @@ tdm_status tdm_tp_gpt_sum_ln(tdm_tp *p, double *ms);
 void tdm_tp_gpt_free(tdm_tp *p);
 /* buf (n floats on the device) summed over the group, in place (tp/step.c). */
 tdm_status tdm_tp_allreduce(tdm_tp *p, float *buf, int64_t n, const char *what, int l);
+
+/* The elementwise layers after linear l (post[l + 1]) forward on its
+ * output at *cur (B rows of width w, this rank's columns [j0, j0 + w)):
+ * *cur becomes the last one's output; slot 0 (before the first linear)
+ * runs in place on the input. train: dropout drops (else the identity).
+ * Backward: dout (B, w) from after them to before them, in place; in0
+ * the first one's input (tp/seq.c). */
+tdm_status tdm_tp_post_forward(tdm_tp *p, int slot, int B, int w, int64_t j0, int train,
+                               const float **cur);
+tdm_status tdm_tp_post_backward(tdm_tp *p, int slot, int B, int w, int64_t j0,
+                                const float *in0, float *dout);
+/* Dropout's keys of the B samples at host x, one more training forward
+ * counted (nothing without dropout; tp/seq.c). */
+tdm_status tdm_tp_drop_keys(tdm_tp *p, const void *x, int B);
 
 /* Activations and scratch for B samples (grown, never shrunk; tp/tp.c). */
 tdm_status tdm_tp_reserve(tdm_tp *p, int B);
