@@ -19,6 +19,9 @@
 #define TDM_RPC_CHECK_MS 20
 /* The reader's longest sleep between looks at the stop flag. */
 #define TDM_RPC_PUMP_NAP_MS 50
+/* Longest a freed endpoint waits to say goodbye to a peer that reads
+ * nothing (a stopped process). */
+#define TDM_RPC_BYE_STALL_MS 200
 /* Longest a freed endpoint goes on serving the calls that arrived. */
 #define TDM_RPC_DRAIN_MS 5000
 
@@ -147,7 +150,7 @@ static void fail_pending_to(tdm_rpc *rpc, int dst, const char *why)
     while (f) {
         tdm_rpc_future *next = f->next;
         if (dst < 0 || f->dst == dst) {
-            char msg[400];
+            char msg[640];
             snprintf(msg, sizeof msg, "rpc: call #%llu '%s' to rank %d: %s",
                      (unsigned long long)f->id, f->name, f->dst, why);
             future_complete(rpc, f, TDM_STATUS_PEER_FAILED, msg, NULL, 0);
@@ -174,10 +177,12 @@ void tdm_rpc_peer_lost(tdm_rpc *rpc, int src, tdm_rpc_peer_state state, const ch
 
 static void dispatch(tdm_rpc *rpc, tdm_rpc_wire *w, uint8_t *body);
 
-/* Sends one message (header + name + payload) to dst; to this rank it is
- * handed to dispatch without a transport. */
+/* Sends one message (header + name + payload) to dst, waiting at most
+ * stall_ns for a peer that takes nothing (the send lock included); to
+ * this rank it is handed to dispatch without a transport. A message left
+ * half-written abandons the channel: dst is taken for gone, naming why. */
 static tdm_status deliver(tdm_rpc *rpc, int dst, tdm_rpc_kind kind, int32_t status, uint64_t id,
-                          const char *name, const void *payload, size_t n)
+                          const char *name, const void *payload, size_t n, uint64_t stall_ns)
 {
     uint32_t name_len = name ? (uint32_t)strlen(name) : 0;
     tdm_rpc_wire w;
@@ -190,12 +195,47 @@ static tdm_status deliver(tdm_rpc *rpc, int dst, tdm_rpc_kind kind, int32_t stat
         dispatch(rpc, &w, body);
         return TDM_STATUS_OK;
     }
+    pthread_mutex_lock(&rpc->mu);
+    int up = rpc->peers.state[dst] == TDM_RPC_PEER_UP;
+    char why[sizeof rpc->peers.why[0]];
+    snprintf(why, sizeof why, "%s", rpc->peers.why[dst]);
+    pthread_mutex_unlock(&rpc->mu);
+    /* a peer gone or left reads nothing more (its channel may be closed) */
+    if (!up) return tdm_error_set(TDM_STATUS_PEER_FAILED, "rpc: send to rank %d: it %s", dst, why);
     /* the name travels in the same write as the header */
     uint8_t head[sizeof w + TDM_RPC_NAME_MAX];
     memcpy(head, &w, sizeof w);
     if (name_len) memcpy(head + sizeof w, name, name_len);
-    pthread_mutex_lock(&rpc->send_mu[dst]);
-    tdm_status st = rpc->ops->send(rpc, dst, head, sizeof w + name_len, payload, n);
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    uint64_t ns = (uint64_t)until.tv_nsec + stall_ns % 1000000000u;
+    until.tv_sec += (time_t)(stall_ns / 1000000000u + ns / 1000000000u);
+    until.tv_nsec = (long)(ns % 1000000000u);
+    /* another thread's send to dst may itself be stuck on it */
+    if (pthread_mutex_timedlock(&rpc->send_mu[dst], &until) != 0)
+        return tdm_error_set(TDM_STATUS_TIMEOUT, "rank %d has not read for %.1f s (another send to it is "
+                             "stuck; nothing of this message was sent)", dst, (double)stall_ns / 1e9);
+    size_t sent = 0;
+    tdm_status st = rpc->ops->send(rpc, dst, head, sizeof w + name_len, payload, n, stall_ns, &sent);
+    if (st != TDM_STATUS_OK && sent == 0) {
+        /* the channel is whole: dst stays up ("rank D has not read for X s
+         * (...)" on a TIMEOUT) */
+        pthread_mutex_unlock(&rpc->send_mu[dst]);
+        if (st == TDM_STATUS_TIMEOUT) return tdm_error_prefix(st, "nothing of the message was sent");
+        return st;
+    }
+    if (st != TDM_STATUS_OK) {
+        /* part of a message went: the channel is abandoned, dst is gone
+         * for this rank (named first: its reader may see the channel end) */
+        char lost[sizeof rpc->peers.why[0]];
+        snprintf(lost, sizeof lost, "%s%s; %zu of %zu bytes of a message were sent, so the channel to it is "
+                 "closed", st == TDM_STATUS_TIMEOUT ? "stopped reading: " : "", tdm_error_message(), sent,
+                 sizeof w + name_len + n);
+        tdm_rpc_peer_lost(rpc, dst, TDM_RPC_PEER_GONE, lost);
+        rpc->ops->abandon(rpc, dst);
+        pthread_mutex_unlock(&rpc->send_mu[dst]);
+        return tdm_error_set(TDM_STATUS_PEER_FAILED, "rpc: send to rank %d: %s", dst, lost);
+    }
     pthread_mutex_unlock(&rpc->send_mu[dst]);
     if (st == TDM_STATUS_OK) {
         pthread_mutex_lock(&rpc->mu);
@@ -401,9 +441,10 @@ static void serve(tdm_rpc *rpc, tdm_rpc_msg *m)
     tdm_status sst;
     if (st == TDM_STATUS_OK)
         sst = deliver(rpc, m->w.src, TDM_RPC_KIND_REPLY, TDM_STATUS_OK, m->w.id, NULL, req.reply,
-                      req.reply_nbytes);
+                      req.reply_nbytes, rpc->send_stall_ns);
     else
-        sst = deliver(rpc, m->w.src, TDM_RPC_KIND_REPLY, st, m->w.id, NULL, req.err, strlen(req.err));
+        sst = deliver(rpc, m->w.src, TDM_RPC_KIND_REPLY, st, m->w.id, NULL, req.err, strlen(req.err),
+                      rpc->send_stall_ns);
     if (sst != TDM_STATUS_OK)
         TDM_INFO(CORE, "rpc: rank %d: reply to rank %d's call '%s' not sent: %s", rpc->rank, m->w.src,
                  name, tdm_error_message());
@@ -485,8 +526,10 @@ tdm_status tdm_rpc_req_fail(tdm_rpc_req *req, tdm_status st, const char *fmt, ..
 
 /* --- calls -------------------------------------------------------------- */
 
-tdm_status tdm_rpc_call_async(tdm_rpc *rpc, int dst, const char *name, const void *args,
-                              size_t nbytes, tdm_rpc_future **out)
+/* tdm_rpc_call_async with the bound on a send to a peer that reads
+ * nothing (tdm_rpc_call: its timeout, when shorter). */
+static tdm_status call_start(tdm_rpc *rpc, int dst, const char *name, const void *args, size_t nbytes,
+                             uint64_t stall_ns, tdm_rpc_future **out)
 {
     *out = NULL;
     TDM_REQUIRE(rpc && name, TDM_STATUS_INVALID_ARG, "rpc_call: NULL argument");
@@ -518,10 +561,14 @@ tdm_status tdm_rpc_call_async(tdm_rpc *rpc, int dst, const char *name, const voi
     f->next = rpc->calls.pending;
     rpc->calls.pending = f;
     pthread_mutex_unlock(&rpc->mu);
-    tdm_status st = deliver(rpc, dst, TDM_RPC_KIND_CALL, 0, f->id, name, args, nbytes);
+    tdm_status st = deliver(rpc, dst, TDM_RPC_KIND_CALL, 0, f->id, name, args, nbytes, stall_ns);
     if (st != TDM_STATUS_OK) {
         char msg[TDM_ERROR_MSG_MAX];
-        snprintf(msg, sizeof msg, "%s", tdm_error_message());
+        if (st == TDM_STATUS_TIMEOUT)
+            snprintf(msg, sizeof msg, "rpc: call #%llu '%s' to rank %d: %s", (unsigned long long)f->id, name,
+                     dst, tdm_error_message());
+        else
+            snprintf(msg, sizeof msg, "%s", tdm_error_message());
         pthread_mutex_lock(&rpc->mu);
         if (rpc->peers.state[dst] != TDM_RPC_PEER_UP)
             snprintf(msg, sizeof msg, "rpc: call #%llu '%s' to rank %d: %s", (unsigned long long)f->id, name,
@@ -531,6 +578,14 @@ tdm_status tdm_rpc_call_async(tdm_rpc *rpc, int dst, const char *name, const voi
     }
     *out = f;
     return TDM_STATUS_OK;
+}
+
+tdm_status tdm_rpc_call_async(tdm_rpc *rpc, int dst, const char *name, const void *args,
+                              size_t nbytes, tdm_rpc_future **out)
+{
+    *out = NULL;
+    TDM_REQUIRE(rpc, TDM_STATUS_INVALID_ARG, "rpc_call: NULL endpoint");
+    return call_start(rpc, dst, name, args, nbytes, rpc->send_stall_ns, out);
 }
 
 int tdm_rpc_future_done(const tdm_rpc_future *f)
@@ -616,8 +671,17 @@ tdm_status tdm_rpc_call(tdm_rpc *rpc, int dst, const char *name, const void *arg
     tdm_rpc_future *f = NULL;
     if (reply) *reply = NULL;
     if (reply_nbytes) *reply_nbytes = 0;
-    TDM_CHECK(tdm_rpc_call_async(rpc, dst, name, args, nbytes, &f));
-    tdm_status st = tdm_rpc_future_wait(f, timeout_ms, reply, reply_nbytes);
+    TDM_REQUIRE(rpc, TDM_STATUS_INVALID_ARG, "rpc_call: NULL endpoint");
+    uint64_t stall = rpc->send_stall_ns, t0 = tdm_time_ns();
+    if (timeout_ms >= 0 && (uint64_t)timeout_ms * 1000000u < stall) stall = (uint64_t)timeout_ms * 1000000u;
+    TDM_CHECK(call_start(rpc, dst, name, args, nbytes, stall, &f));
+    /* the send took part of the timeout */
+    int64_t left = timeout_ms;
+    if (timeout_ms >= 0) {
+        int64_t spent = (int64_t)((tdm_time_ns() - t0) / 1000000u);
+        left = spent < timeout_ms ? timeout_ms - spent : 0;
+    }
+    tdm_status st = tdm_rpc_future_wait(f, left, reply, reply_nbytes);
     tdm_rpc_future_free(f);
     return st;
 }
@@ -652,6 +716,8 @@ tdm_status tdm_rpc_init(tdm_rpc **out, const tdm_rpc_opts *opts)
     for (int i = 0; i < TDM_RPC_MAX_RANKS; i++) pthread_mutex_init(&rpc->send_mu[i], NULL);
     rpc->opts = *opts;
     rpc->max_msg = opts->max_msg_bytes ? opts->max_msg_bytes : TDM_RPC_DEFAULT_MAX_MSG_BYTES;
+    rpc->send_stall_ns = (uint64_t)(opts->send_stall_ms > 0 ? opts->send_stall_ms : TDM_RPC_DEFAULT_SEND_STALL_MS) *
+                         1000000u;
     if (opts->comm) {
         rpc->rank = tdm_comm_rank(opts->comm);
         rpc->world = tdm_comm_size(opts->comm);
@@ -720,13 +786,15 @@ void tdm_rpc_free(tdm_rpc *rpc)
         pthread_mutex_unlock(&rpc->mu);
     }
     if (rpc->reader_running) {
-        /* tell the peers first: their calls to this rank fail at once */
+        /* tell the peers first: their calls to this rank fail at once; a
+         * peer that reads nothing is not waited for long */
+        uint64_t bye_stall_ns = (uint64_t)TDM_RPC_BYE_STALL_MS * 1000000u;
         for (int r = 0; r < rpc->world; r++) {
             if (r == rpc->rank) continue;
             pthread_mutex_lock(&rpc->mu);
             int up = rpc->peers.state[r] == TDM_RPC_PEER_UP;
             pthread_mutex_unlock(&rpc->mu);
-            if (up) (void)deliver(rpc, r, TDM_RPC_KIND_BYE, 0, 0, NULL, NULL, 0);
+            if (up) (void)deliver(rpc, r, TDM_RPC_KIND_BYE, 0, 0, NULL, NULL, 0, bye_stall_ns);
         }
     }
     atomic_store_explicit(&rpc->stopping, 1, memory_order_release);

@@ -53,10 +53,19 @@ typedef struct tdm_rpc_decoder {
 /* A transport: functions called by rpc/rpc.c. */
 typedef struct tdm_rpc_tp_ops {
     const char *name;
-    /* Writes a then b to dst, whole, or fails (PEER_FAILED when dst is
-     * gone). Called with the endpoint's send lock for dst held. */
+    /* Writes a then b to dst, whole, or fails: PEER_FAILED when dst is
+     * gone, TIMEOUT ("rank D has not read for X s") when dst takes no
+     * byte for stall_ns while some wait to be written (a peer alive but
+     * stopped: SIGSTOP, a debugger, a reader stuck). *sent: the bytes of
+     * a and b written before it returned (> 0 on a failure: the channel
+     * holds part of a message; the caller abandons it). Called with the
+     * endpoint's send lock for dst held. */
     tdm_status (*send)(tdm_rpc *rpc, int dst, const void *a, size_t na, const void *b,
-                       size_t nb);
+                       size_t nb, uint64_t stall_ns, size_t *sent);
+    /* The channel to dst holds part of a message that will never be
+     * completed: closes it, so that dst, if it reads again, stops there
+     * and takes this rank for gone instead of decoding garbage. */
+    void (*abandon)(tdm_rpc *rpc, int dst);
     /* The reader thread: waits at most nap_ms for incoming bytes and
      * hands them to tdm_rpc_feed; reports a gone peer with
      * tdm_rpc_peer_lost. */
@@ -92,6 +101,7 @@ struct tdm_rpc {
     int rank, world;
     tdm_rpc_opts opts;
     size_t max_msg;
+    uint64_t send_stall_ns;   /* opts.send_stall_ms, resolved */
     const tdm_rpc_tp_ops *ops;
     void *tp;                 /* the transport's state */
     /* everything below under mu */
@@ -111,7 +121,7 @@ struct tdm_rpc {
     } queue;
     struct {
         tdm_rpc_peer_state state[TDM_RPC_MAX_RANKS];
-        char why[TDM_RPC_MAX_RANKS][160];
+        char why[TDM_RPC_MAX_RANKS][400];
     } peers;
     struct {
         uint64_t arrived;          /* rank 0: arrivals counted */

@@ -210,7 +210,10 @@ static tdm_status ps_rank_setup(void *ctx, tdm_dist_rank *d, void **self)
     p->ep = calloc((size_t)j->a->epochs, sizeof *p->ep);
     TDM_REQUIRE(p->ep, TDM_STATUS_OUT_OF_MEMORY, "rank %d: calloc", p->rank);
     TDM_CHECK(tdm_model_init(&p->m, d->dev, &j->spec, (uint64_t)j->a->seed));
-    tdm_rpc_opts ro = {.transport = j->tp, .comm = d->comm, .setup_ms = d->timeout_ms};
+    /* a peer that stops reading fails a send after the process group's
+     * timeout, as a collective would */
+    tdm_rpc_opts ro = {.transport = j->tp, .comm = d->comm, .setup_ms = d->timeout_ms,
+                       .send_stall_ms = d->timeout_ms};
     TDM_CHECK(tdm_rpc_init(&p->rpc, &ro));
     p->l = (tdm_ps_layout){.servers = j->servers, .workers = j->workers,
                            .n_elem = tdm_model_param_elems(p->m)};
