@@ -17,6 +17,9 @@
 /* How often a wait looks at its callee's liveness: a dead callee is named
  * within about this long (plus the transport's own detection). */
 #define TDM_RPC_CHECK_MS 20
+/* A future's wait that times out after at least this long is noted as
+ * the flight recorder's failure (shorter ones are polls). */
+#define TDM_RPC_FR_TIMEOUT_MS 1000
 /* The reader's longest sleep between looks at the stop flag. */
 #define TDM_RPC_PUMP_NAP_MS 50
 /* Longest a freed endpoint waits to say goodbye to a peer that reads
@@ -39,25 +42,13 @@ struct tdm_rpc_future {
     char name[TDM_RPC_NAME_MAX + 1];
     tdm_rpc_fstate state;
     int detached;             /* freed by its owner while pending */
+    uint64_t fr_seq;          /* its entry in the flight recorder */
     tdm_status st;
     char *err;
     void *reply;
     size_t reply_nbytes;
     struct tdm_rpc_future *next;
 };
-
-const char *tdm_rpc_transport_name(tdm_rpc_transport t)
-{
-    return t == TDM_RPC_TCP ? "tcp" : t == TDM_RPC_SHM ? "shm" : "?";
-}
-
-tdm_status tdm_rpc_transport_parse(const char *s, tdm_rpc_transport *out)
-{
-    if (s && !strcmp(s, "shm")) { *out = TDM_RPC_SHM; return TDM_STATUS_OK; }
-    if (s && !strcmp(s, "tcp")) { *out = TDM_RPC_TCP; return TDM_STATUS_OK; }
-    return tdm_error_set(TDM_STATUS_INVALID_ARG, "rpc: unknown transport '%s' (expected shm or tcp)",
-                         s ? s : "(null)");
-}
 
 int tdm_rpc_rank(const tdm_rpc *rpc) { return rpc->rank; }
 int tdm_rpc_world(const tdm_rpc *rpc) { return rpc->world; }
@@ -73,51 +64,6 @@ void tdm_rpc_get_stats(const tdm_rpc *rpc, tdm_rpc_stats *out)
     pthread_mutex_lock(&r->mu);
     *out = r->stats;
     pthread_mutex_unlock(&r->mu);
-}
-
-void tdm_rpc_wire_fill(tdm_rpc_wire *w, tdm_rpc_kind kind, int src, int32_t status,
-                       uint64_t id, uint32_t name_len, uint64_t body_len)
-{
-    memset(w, 0, sizeof *w);
-    w->magic = TDM_RPC_MAGIC;
-    w->version = TDM_RPC_VERSION;
-    w->kind = (uint16_t)kind;
-    w->src = src;
-    w->status = status;
-    w->id = id;
-    w->name_len = name_len;
-    w->body_len = body_len;
-}
-
-tdm_status tdm_rpc_wire_check(const tdm_rpc *rpc, const tdm_rpc_wire *w, int expect_src)
-{
-    if (w->magic != TDM_RPC_MAGIC)
-        return tdm_error_set(TDM_STATUS_FORMAT, "bad magic 0x%08x (expected 0x%08x): not a tandem RPC message",
-                             w->magic, TDM_RPC_MAGIC);
-    if (w->version != TDM_RPC_VERSION)
-        return tdm_error_set(TDM_STATUS_FORMAT, "protocol version %u (this build speaks %u)",
-                             w->version, TDM_RPC_VERSION);
-    if (w->kind < TDM_RPC_KIND_CALL || w->kind >= TDM_RPC_KIND_COUNT_)
-        return tdm_error_set(TDM_STATUS_FORMAT, "unknown message kind %u", w->kind);
-    if (w->src < 0 || w->src >= rpc->world || (expect_src >= 0 && w->src != expect_src))
-        return tdm_error_set(TDM_STATUS_FORMAT, "message says it is from rank %d (expected %d of world %d)",
-                             w->src, expect_src, rpc->world);
-    if (w->reserved != 0)
-        return tdm_error_set(TDM_STATUS_FORMAT, "reserved field is %u (expected 0)", w->reserved);
-    if (w->body_len > rpc->max_msg + TDM_RPC_NAME_MAX)
-        return tdm_error_set(TDM_STATUS_FORMAT, "body of %llu bytes, over the limit of %zu",
-                             (unsigned long long)w->body_len, rpc->max_msg);
-    if (w->name_len > TDM_RPC_NAME_MAX || w->name_len > w->body_len)
-        return tdm_error_set(TDM_STATUS_FORMAT, "name of %u bytes (at most %d, within a body of %llu)",
-                             w->name_len, TDM_RPC_NAME_MAX, (unsigned long long)w->body_len);
-    if (w->kind == TDM_RPC_KIND_CALL && w->name_len == 0)
-        return tdm_error_set(TDM_STATUS_FORMAT, "a call without a function name");
-    if (w->kind == TDM_RPC_KIND_REPLY && (w->status < 0 || w->status >= TDM_STATUS_COUNT_))
-        return tdm_error_set(TDM_STATUS_FORMAT, "reply with status %d (not a status)", w->status);
-    if (w->kind == TDM_RPC_KIND_HELLO || w->kind == TDM_RPC_KIND_TABLE)
-        return tdm_error_set(TDM_STATUS_FORMAT, "a %s after the connection was set up",
-                             w->kind == TDM_RPC_KIND_HELLO ? "hello" : "table");
-    return TDM_STATUS_OK;
 }
 
 /* --- futures ------------------------------------------------------------ */
@@ -153,6 +99,7 @@ static void fail_pending_to(tdm_rpc *rpc, int dst, const char *why)
             char msg[640];
             snprintf(msg, sizeof msg, "rpc: call #%llu '%s' to rank %d: %s",
                      (unsigned long long)f->id, f->name, f->dst, why);
+            tdm_rpc_fr_end(rpc, f->fr_seq, TDM_STATUS_PEER_FAILED, msg);
             future_complete(rpc, f, TDM_STATUS_PEER_FAILED, msg, NULL, 0);
         }
         f = next;
@@ -165,8 +112,12 @@ void tdm_rpc_peer_lost(tdm_rpc *rpc, int src, tdm_rpc_peer_state state, const ch
     if (rpc->peers.state[src] == TDM_RPC_PEER_UP) {
         rpc->peers.state[src] = state;
         snprintf(rpc->peers.why[src], sizeof rpc->peers.why[src], "%s", why);
-        if (state == TDM_RPC_PEER_GONE)
-            TDM_WARN(CORE, "rpc: rank %d: rank %d %s", rpc->rank, src, why);
+        if (state == TDM_RPC_PEER_GONE) {
+            char msg[sizeof rpc->peers.why[0] + 64];
+            snprintf(msg, sizeof msg, "rpc: rank %d: rank %d %s", rpc->rank, src, why);
+            TDM_WARN(CORE, "%s", msg);
+            tdm_rpc_fr_failure(rpc, TDM_STATUS_PEER_FAILED, msg);
+        }
     }
     fail_pending_to(rpc, src, rpc->peers.why[src]);
     pthread_cond_broadcast(&rpc->cv);
@@ -263,6 +214,8 @@ static void handle_reply(tdm_rpc *rpc, tdm_rpc_wire *w, uint8_t *body)
         return;
     }
     size_t n = (size_t)w->body_len - w->name_len;
+    /* a reply, an error one too: the call went through */
+    tdm_rpc_fr_end(rpc, f->fr_seq, TDM_STATUS_OK, NULL);
     if (w->status == TDM_STATUS_OK) {
         void *reply = NULL;
         if (n) {
@@ -298,6 +251,8 @@ static void dispatch(tdm_rpc *rpc, tdm_rpc_wire *w, uint8_t *body)
         m->body = body;
         m->next = NULL;
         pthread_mutex_lock(&rpc->mu);
+        m->fr_seq = tdm_rpc_fr_serve(rpc, body, w->name_len, w->id, w->src,
+                                     (size_t)w->body_len - w->name_len);
         if (rpc->queue.tail) rpc->queue.tail->next = m;
         else rpc->queue.head = m;
         rpc->queue.tail = m;
@@ -388,8 +343,8 @@ static tdm_rpc_fn_entry *find_fn(tdm_rpc *rpc, const char *name)
     return NULL;
 }
 
-/* Runs one call and sends its reply. */
-static void serve(tdm_rpc *rpc, tdm_rpc_msg *m)
+/* Runs one call and sends its reply: the reply's send status. */
+static tdm_status serve(tdm_rpc *rpc, tdm_rpc_msg *m)
 {
     char name[TDM_RPC_NAME_MAX + 1];
     memcpy(name, m->body, m->w.name_len);
@@ -452,6 +407,7 @@ static void serve(tdm_rpc *rpc, tdm_rpc_msg *m)
     pthread_mutex_lock(&rpc->mu);
     rpc->stats.calls_served++;
     pthread_mutex_unlock(&rpc->mu);
+    return sst;
 }
 
 static void *server_main(void *arg)
@@ -467,7 +423,9 @@ static void *server_main(void *arg)
         if (!rpc->queue.head) rpc->queue.tail = NULL;
         rpc->queue.serving = 1;
         pthread_mutex_unlock(&rpc->mu);
-        serve(rpc, m);
+        tdm_rpc_fr_start(rpc, m->fr_seq);
+        tdm_status sst = serve(rpc, m);
+        tdm_rpc_fr_end(rpc, m->fr_seq, sst, sst ? tdm_error_message() : NULL);
         free(m->body);
         free(m);
         pthread_mutex_lock(&rpc->mu);
@@ -558,6 +516,7 @@ static tdm_status call_start(tdm_rpc *rpc, int dst, const char *name, const void
         return st;
     }
     f->id = ++rpc->calls.next_id;
+    f->fr_seq = tdm_rpc_fr_call(rpc, name, f->id, dst, nbytes);
     f->next = rpc->calls.pending;
     rpc->calls.pending = f;
     pthread_mutex_unlock(&rpc->mu);
@@ -573,7 +532,15 @@ static tdm_status call_start(tdm_rpc *rpc, int dst, const char *name, const void
         if (rpc->peers.state[dst] != TDM_RPC_PEER_UP)
             snprintf(msg, sizeof msg, "rpc: call #%llu '%s' to rank %d: %s", (unsigned long long)f->id, name,
                      dst, rpc->peers.why[dst]);
-        if (f->state == TDM_RPC_F_PENDING) future_complete(rpc, f, st, msg, NULL, 0);
+        if (f->state == TDM_RPC_F_PENDING) {
+            tdm_rpc_fr_end(rpc, f->fr_seq, st, msg);
+            future_complete(rpc, f, st, msg, NULL, 0);
+        }
+        pthread_mutex_unlock(&rpc->mu);
+    } else {
+        /* sent: waiting for the reply (unless it came already) */
+        pthread_mutex_lock(&rpc->mu);
+        if (f->state == TDM_RPC_F_PENDING) tdm_rpc_fr_start(rpc, f->fr_seq);
         pthread_mutex_unlock(&rpc->mu);
     }
     *out = f;
@@ -610,9 +577,14 @@ tdm_status tdm_rpc_future_wait(tdm_rpc_future *f, int64_t timeout_ms, void **rep
         uint64_t now = tdm_time_ns();
         if (timeout_ms >= 0 && now - t0 >= (uint64_t)timeout_ms * 1000000u) {
             pthread_mutex_unlock(&rpc->mu);
-            return tdm_error_set(TDM_STATUS_TIMEOUT,
-                                 "rpc: call #%llu '%s' to rank %d: no reply within %lld ms (still pending)",
-                                 (unsigned long long)f->id, f->name, f->dst, (long long)timeout_ms);
+            tdm_status st = tdm_error_set(TDM_STATUS_TIMEOUT,
+                                          "rpc: call #%llu '%s' to rank %d: no reply within %lld ms (still "
+                                          "pending)", (unsigned long long)f->id, f->name, f->dst,
+                                          (long long)timeout_ms);
+            /* a wait that gives up is the recorder's failure (a short
+             * poll is not: it is waited again) */
+            if (timeout_ms >= TDM_RPC_FR_TIMEOUT_MS) tdm_rpc_fr_failure(rpc, st, tdm_error_message());
+            return st;
         }
         /* a dead callee never replies: look at it between naps */
         if (rpc->peers.state[f->dst] == TDM_RPC_PEER_UP && f->dst != rpc->rank) {
@@ -731,6 +703,7 @@ tdm_status tdm_rpc_init(tdm_rpc **out, const tdm_rpc_opts *opts)
         goto fail;
     }
     TDM_TRY(tdm_rpc_barrier_register(rpc));
+    TDM_TRY(tdm_rpc_fr_open(rpc));
     if (opts->transport == TDM_RPC_SHM) {
         if (!opts->comm) {
             st = tdm_error_set(TDM_STATUS_INVALID_ARG,
@@ -804,6 +777,9 @@ void tdm_rpc_free(tdm_rpc *rpc)
     if (rpc->ops && rpc->ops->wake) rpc->ops->wake(rpc);
     if (rpc->reader_running) pthread_join(rpc->reader, NULL);
     if (rpc->server_running) pthread_join(rpc->server, NULL);
+    /* the record as the failure left it, before the calls still
+     * pending are failed below */
+    tdm_rpc_fr_dump_failed(rpc);
     pthread_mutex_lock(&rpc->mu);
     fail_pending_to(rpc, -1, "this rank's RPC endpoint was freed");
     while (rpc->queue.head) {
@@ -815,6 +791,7 @@ void tdm_rpc_free(tdm_rpc *rpc)
     pthread_mutex_unlock(&rpc->mu);
     if (rpc->ops) rpc->ops->close(rpc);
     tdm_rref_table_free(rpc);
+    tdm_rpc_fr_close(rpc);
     for (int i = 0; i < TDM_RPC_MAX_RANKS; i++) {
         free(rpc->dec[i].body);
         pthread_mutex_destroy(&rpc->send_mu[i]);

@@ -12,12 +12,16 @@
  *    worker, and its checkpoint loads; in sync the job stops (exit 1);
  *    a killed server stops the job naming it; async with no worker
  *    finished, or with a worker that failed (a NaN loss), exits 1;
+ *  - a failed job's verdict names the RPC call left waiting (a SIGSTOPped
+ *    server) and the rank killed with the last of its calls served (a
+ *    SIGKILLed worker), in tandem train's summary and `tandem doctor`;
  *  - bad options get a one-line error and exit 2. */
 #include <criterion/criterion.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "core/safetensors.h"
@@ -25,10 +29,18 @@
 
 static char g_dir[64];
 
+static char g_fr[96];
+
+/* The flight-recorder dumps of failed jobs go to g_dir/fr (removed with
+ * it), not to a $TMPDIR/tandem-fr-* directory left behind. */
 static void setup_dir(void)
 {
     snprintf(g_dir, sizeof g_dir, "/tmp/tandem-ps-cli-XXXXXX");
     cr_assert_not_null(mkdtemp(g_dir));
+    snprintf(g_fr, sizeof g_fr, "%s/fr", g_dir);
+    cr_assert_eq(mkdir(g_fr, 0700), 0);
+    setenv("TANDEM_FR_DUMP", g_fr, 1);
+    setenv("TANDEM_FR_DUMP_ON", "failure", 1);
 }
 
 static void teardown_dir(void)
@@ -36,6 +48,8 @@ static void teardown_dir(void)
     char cmd[128];
     snprintf(cmd, sizeof cmd, "rm -rf %s", g_dir);
     cr_assert_eq(system(cmd), 0);
+    unsetenv("TANDEM_FR_DUMP");
+    unsetenv("TANDEM_FR_DUMP_ON");
 }
 
 static const char *path(char *buf, const char *name)
@@ -178,7 +192,8 @@ Test(ps_cli, a_killed_worker_async_goes_on_sync_stops, .init = setup_dir, .fini 
 
 /* async: a worker that fails (not killed) stops the job with its own
  * error, and a job in which no worker finished fails */
-Test(ps_cli, async_fails_when_no_worker_finished_or_one_failed, .timeout = 240)
+Test(ps_cli, async_fails_when_no_worker_finished_or_one_failed, .init = setup_dir, .fini = teardown_dir,
+     .timeout = 240)
 {
     cli_result *r = malloc(sizeof *r);
     setenv("TANDEM_PS_TEST_KILL", "worker:0:1", 1);
@@ -190,6 +205,38 @@ Test(ps_cli, async_fails_when_no_worker_finished_or_one_failed, .timeout = 240)
     expect(r, 1, "training diverged");
     cr_assert(strstr(r->out, "worker"), "%s", r->out);
     cr_assert_null(strstr(r->out, "async training finished"), "%s", r->out);
+    cr_assert_eq(cli_shm_entries(), 0);
+    free(r);
+}
+
+/* The doctor on RPC calls: a server SIGSTOPped after 3 updates leaves
+ * the workers' calls unanswered until their --timeout; a worker
+ * SIGKILLed before its step 5 is the root cause, named with its last
+ * call a server served. Each verdict comes in tandem train's summary
+ * and from `tandem doctor` on the dumps. */
+Test(ps_cli, doctor_names_the_rpc_call_and_the_rank, .init = setup_dir, .fini = teardown_dir, .timeout = 240)
+{
+    cli_result *r = malloc(sizeof *r);
+    char cmd[256];
+    setenv("TANDEM_PS_TEST_KILL", "server:0:3:STOP", 1);
+    CLI(r, "train", "--mode", "ps", "--device", "cpu:3", "--timeout", "5", SMALL);
+    const char *stalled = "for the reply to ps.p";
+    expect(r, 1, "tandem train: doctor: STALLED: rank ");
+    cr_assert(strstr(r->out, stalled), "%s", r->out);
+    cr_assert(strstr(r->out, "from rank 0, which never served it: rank 0 was stopped or frozen"), "%s", r->out);
+    CLI(r, "doctor", g_fr);
+    expect(r, 5, "verdict: STALLED: rank ");
+    cr_assert(strstr(r->out, "from rank 0, which never served it"), "%s", r->out);
+    cr_assert(strstr(r->out, "  rpc: rank "), "every call not answered is listed:\n%s", r->out);
+    snprintf(cmd, sizeof cmd, "rm -f %s/*", g_fr);
+    cr_assert_eq(system(cmd), 0);
+    setenv("TANDEM_PS_TEST_KILL", "worker:1:5", 1);
+    CLI(r, "train", "--mode", "ps", "--device", "cpu:4", SMALL);
+    const char *died = "DIED: rank 2 was killed by signal 9 (Killed); the last of its RPC calls served: ps.p";
+    expect(r, 1, died);
+    CLI(r, "doctor", g_fr);
+    expect(r, 4, died);
+    unsetenv("TANDEM_PS_TEST_KILL");
     cr_assert_eq(cli_shm_entries(), 0);
     free(r);
 }

@@ -28,7 +28,10 @@
  * bounded mode the servers stop, naming it; a server's death stops the
  * job with its name (dist's watch). Test hook: TANDEM_PS_TEST_KILL=
  * worker:W:S makes worker W SIGKILL itself before its step S (from 1),
- * server:I:S server I once it has applied S updates.
+ * server:I:S server I once it has applied S updates (server:I:S:STOP:
+ * SIGSTOP instead: a server alive that serves nothing). A failed job's
+ * flight-recorder dumps (the RPC endpoints' too, rpc/rpc_fr.c) end with
+ * `tandem doctor`'s verdict, as DDP's (tools/elastic.c's watch).
  *
  * Not built: --model gpt and cnn, GPUs, --resume, --max-restarts,
  * --grad-accum, the memory levers. */
@@ -48,6 +51,8 @@
 #include "models/train.h"
 #include "ps/ps.h"
 #include "rpc/rpc.h"
+#include "tools/doctor.h"
+#include "tools/elastic.h"
 #include "tools/tools.h"
 #include "tools/train_modes.h"
 
@@ -81,6 +86,7 @@ typedef struct ps_job {
     tdm_optim_opts optim;
     int servers, workers;
     int kill_worker, kill_server;     /* test hook; -1: none */
+    int kill_sig;                     /* SIGKILL, or SIGSTOP (server:I:S:STOP) */
     int64_t kill_step;
     struct ps_shared {
         int servers_ok;           /* every server finished its work */
@@ -366,9 +372,9 @@ static tdm_status ps_rank_run(void *ctx, tdm_dist_rank *d, void *self)
         do {
             tdm_ps_server_get_stats(p->srv, &s);
             if (s.version >= j->kill_step) {
-                fprintf(stderr, "tandem train: server %d (rank %d): test hook: SIGKILL after %lld updates\n",
-                        p->rank, p->rank, (long long)s.version);
-                raise(SIGKILL);
+                fprintf(stderr, "tandem train: server %d (rank %d): test hook: %s after %lld updates\n",
+                        p->rank, p->rank, j->kill_sig == SIGSTOP ? "SIGSTOP" : "SIGKILL", (long long)s.version);
+                raise(j->kill_sig);
             }
             nanosleep(&(struct timespec){.tv_nsec = 1000000}, NULL);
         } while (s.workers_done < p->l.workers);
@@ -408,6 +414,26 @@ static tdm_status ps_rank_run(void *ctx, tdm_dist_rank *d, void *self)
 
 /* ---- the command ---- */
 
+/* tools/elastic.c's watch (the flight-recorder dumps and the doctor's
+ * verdict of a failed job), except that an async job that lost a worker
+ * and finished is no failure: its dumps are removed as a good run's. The
+ * elastic watch comes first: the hooks' ctx is either. */
+typedef struct ps_watch {
+    tdm_elastic_watch w;
+    void (*elastic_end)(void *ctx, tdm_status st, int world, const tdm_shm_spawn_result *res, int last);
+    const ps_job *j;
+} ps_watch;
+
+static void ps_watch_end(void *ctx, tdm_status st, int world, const tdm_shm_spawn_result *res, int last)
+{
+    ps_watch *pw = ctx;
+    if (st != TDM_STATUS_OK && pw->j->mode.kind == TDM_PS_ASYNC && pw->j->shared->servers_ok) {
+        tdm_doctor_job_end(&pw->w.frj, 0, world, NULL, NULL, NULL, NULL);
+        return;
+    }
+    pw->elastic_end(ctx, st, world, res, last);
+}
+
 static tdm_status ps_check(const tdm_train_args *a, ps_job *j, const tdm_device_list *dl)
 {
     if (strcmp(a->model, "mlp") && strncmp(a->model, "mlp:", 4))
@@ -443,7 +469,7 @@ static tdm_status ps_check(const tdm_train_args *a, ps_job *j, const tdm_device_
 
 tdm_status tdm_train_run_ps(const tdm_train_args *a)
 {
-    ps_job j = {.a = a, .kill_worker = -1, .kill_server = -1};
+    ps_job j = {.a = a, .kill_worker = -1, .kill_server = -1, .kill_sig = SIGKILL};
     tdm_device_list dl;
     tdm_status st;
     if (tdm_model_spec_parse(&j.spec, a->model))
@@ -459,6 +485,7 @@ tdm_status tdm_train_run_ps(const tdm_train_args *a)
     int who = -1;
     if (kill && sscanf(kill, "worker:%d:%lld", &who, &ks) == 2 && ks >= 1) j.kill_worker = who;
     else if (kill && sscanf(kill, "server:%d:%lld", &who, &ks) == 2 && ks >= 1) j.kill_server = who;
+    if (kill && j.kill_server >= 0 && strstr(kill, ":STOP")) j.kill_sig = SIGSTOP;
     j.kill_step = ks;
     TDM_CHECK(tdm_train_load_and_probe(a, &j.spec, &j.train, &j.test, NULL));
     j.shared = mmap(NULL, sizeof *j.shared, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
@@ -474,7 +501,12 @@ tdm_status tdm_train_run_ps(const tdm_train_args *a)
            tdm_ps_sync_str(&j.mode, mode, sizeof mode), tdm_rpc_transport_name(j.tp));
     fflush(stdout);
     tdm_dist_design d = {.name = "ps", .setup = ps_rank_setup, .run = ps_rank_run, .free = ps_rank_free};
-    tdm_dist_run_opts o = {.devices = &dl, .spec = a->device,
+    ps_watch pw;
+    tdm_elastic_watch_init(&pw.w, "tandem train", "ps", 0);
+    pw.elastic_end = pw.w.dist.end;
+    pw.w.dist.end = ps_watch_end;
+    pw.j = &j;
+    tdm_dist_run_opts o = {.devices = &dl, .spec = a->device, .watch = &pw.w.dist,
                            .outlive_failures = j.mode.kind == TDM_PS_ASYNC};
     if (a->timeout && tdm_dist_timeout_parse("--timeout", a->timeout, &o.timeout_ms)) {
         st = tdm_tool_usage_error("tandem train: %s\n", tdm_error_message());
@@ -487,9 +519,8 @@ tdm_status tdm_train_run_ps(const tdm_train_args *a)
                 j.shared->lost[0] ? j.shared->lost : tdm_error_message());
         st = TDM_STATUS_OK;
     } else if (st != TDM_STATUS_OK && j.shared->failed[0] && !strstr(tdm_error_message(), j.shared->failed)) {
+        /* the watch said the run's error ("tandem train: ps: ...") */
         fprintf(stderr, "tandem train: %s (%s)\n", j.shared->failed, tdm_error_message());
-    } else if (st != TDM_STATUS_OK) {
-        fprintf(stderr, "tandem train: ps: %s\n", tdm_error_message());
     }
 done:
     munmap(j.shared, sizeof *j.shared);
