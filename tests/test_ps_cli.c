@@ -190,6 +190,44 @@ Test(ps_cli, a_killed_worker_async_goes_on_sync_stops, .init = setup_dir, .fini 
     free(r);
 }
 
+/* A small gpt on the default text, a few steps (adamw, gpt's default). */
+#define GPT "--model", "gpt:1-16-2-16", "--epochs", "1", "--max-steps", "6", "--batch", "12", "--seed", "3"
+
+/* --model gpt: each worker draws its windows [w*B/W, (w+1)*B/W) of the
+ * global batch as a DDP rank does; with 2 workers the very checkpoint of
+ * ddp on 2 ranks (1 and 2 servers), with 3 and 4 workers within
+ * compare's bound of ddp on as many ranks (the server sums in worker
+ * order, the shm all-reduce in its own). N = 3..5, 1 and 2 servers. */
+Test(ps_cli, gpt_sync_is_ddp, .init = setup_dir, .fini = teardown_dir, .timeout = 300)
+{
+    cli_result *r = malloc(sizeof *r);
+    char ddp[128], ps[128];
+    CLI(r, "train", "--mode", "ddp", "--device", "cpu:2", GPT, "--save", path(ddp, "ddp2.st"));
+    expect(r, 0, "saved");
+    CLI(r, "train", "--mode", "ps", "--device", "cpu:3", GPT, "--save", path(ps, "ps3.st"));
+    expect(r, 0, "gpt, --mode ps: 1 server, 2 workers");
+    cr_assert(strstr(r->out, "validation loss"), "%s", r->out);
+    cr_assert(same_bytes(ddp, ps), "gpt: ps (1 server, 2 workers) and ddp checkpoints differ");
+    CLI(r, "train", "--mode", "ps", "--device", "cpu:4", "--servers", "2", GPT, "--save", path(ps, "ps4s2.st"));
+    expect(r, 0, "2 servers, 2 workers");
+    cr_assert(same_bytes(ddp, ps), "gpt: ps (2 servers, 2 workers) and ddp checkpoints differ");
+    CLI(r, "train", "--mode", "ddp", "--device", "cpu:3", GPT, "--save", path(ddp, "ddp3.st"));
+    expect(r, 0, "saved");
+    CLI(r, "train", "--mode", "ps", "--device", "cpu:4", GPT, "--save", path(ps, "ps4.st"));
+    expect(r, 0, "1 server, 3 workers");
+    expect_close(ps, ddp, 1e-4, 1e-3);
+    CLI(r, "train", "--mode", "ps", "--device", "cpu:5", "--servers", "2", GPT, "--save", path(ps, "ps5s2.st"));
+    expect(r, 0, "2 servers, 3 workers");
+    expect_close(ps, ddp, 1e-4, 1e-3);
+    CLI(r, "train", "--mode", "ddp", "--device", "cpu:4", GPT, "--save", path(ddp, "ddp4.st"));
+    expect(r, 0, "saved");
+    CLI(r, "train", "--mode", "ps", "--device", "cpu:5", GPT, "--save", path(ps, "ps5.st"));
+    expect(r, 0, "1 server, 4 workers");
+    expect_close(ps, ddp, 1e-4, 1e-3);
+    cr_assert_eq(cli_shm_entries(), 0);
+    free(r);
+}
+
 /* async: a worker that fails (not killed) stops the job with its own
  * error, and a job in which no worker finished fails */
 Test(ps_cli, async_fails_when_no_worker_finished_or_one_failed, .init = setup_dir, .fini = teardown_dir,
@@ -256,8 +294,9 @@ Test(ps_cli, bad_options_say_why, .timeout = 60)
     expect(r, 2, "apply to --mode ps");
     CLI(r, "train", "--mode", "ps", "--device", "cpu:3", "--model", "cnn", "--epochs", "1");
     expect(r, 2, "--mode ps trains --model mlp");
-    CLI(r, "train", "--mode", "ps", "--device", "cpu:3", "--model", "gpt", "--epochs", "1");
-    expect(r, 2, "--mode ps trains --model mlp");
+    /* a gpt's default optimizer is adamw */
+    CLI(r, "train", "--mode", "ps", "--device", "cpu:3", "--model", "gpt", "--ps-sync", "async", "--epochs", "1");
+    expect(r, 2, "--optim adamw with --ps-sync async");
     free(r);
 }
 

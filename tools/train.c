@@ -133,8 +133,9 @@ static void tdm_train_usage(FILE *f)
         "                         their gradients summed by DDP over the dp dimension\n"
         "  --mesh dp=D,tp=N       tp: D replicas of a tensor-parallel group of N on\n"
         "                         D*N devices, gradients summed over the dp dimension\n"
-        "  --servers S            ps: the first S devices serve shards of the parameters\n"
-        "                         and optimizer state; the others are workers    [1]\n"
+        "  --servers S            ps (mlp, gpt): the first S devices serve shards of the\n"
+        "                         parameters and optimizer state; the others are\n"
+        "                         workers                                        [1]\n"
         "  --ps-sync MODE         ps: sync (every step waits for every worker: DDP's\n"
         "                         step), bounded:K (a worker at most K steps ahead\n"
         "                         of the slowest; bounded:0 is sync) or async\n"
@@ -442,7 +443,7 @@ static tdm_status tdm_train_check_args(tdm_train_args *a)
 
 static tdm_status tdm_train_dispatch(const tdm_train_args *a)
 {
-    if (!strcmp(a->mode, "ps")) return tdm_train_run_ps(a);   /* it refuses gpt */
+    if (!strcmp(a->mode, "ps") && strncmp(a->model, "gpt", 3)) return tdm_train_run_ps(a, NULL, NULL);
     if (!strncmp(a->model, "gpt", 3)) return tdm_train_text_main(a);
     if (!strcmp(a->mode, "single") || !strcmp(a->mode, "dp"))
         return tdm_train_run_local(a, NULL, NULL);

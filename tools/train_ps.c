@@ -5,7 +5,9 @@
  * optimizer state; the other N-S ranks are workers, each holding a
  * replica of the model. Every epoch visits the same global batches as
  * --mode single and ddp (tdm_train_epoch over tdm_train_epoch_order);
- * worker w takes rows [w*B/W, (w+1)*B/W) of each (tdm_dist_share_rows),
+ * worker w takes rows [w*B/W, (w+1)*B/W) of each (tdm_dist_share_rows;
+ * a gpt's worker draws those windows of each global batch itself,
+ * tdm_train_text_epoch, as a DDP rank does),
  * pulls the parameters as fresh as --ps-sync needs, pushes its gradient
  * (the loss scaled by 1/B) to the servers, which sum and step (sync,
  * bounded:K) or step on each push (async).
@@ -14,7 +16,7 @@
  * loss sum and samples to it (tool.ps.report) and it prints the epoch's
  * line once every worker still alive has; after the last epoch it
  * gathers every server's shard of the parameters and optimizer state,
- * evaluates the test set, writes --save (the one safetensors file every
+ * evaluates the test set (a gpt: the validation windows), writes --save (the one safetensors file every
  * mode reads) and prints each server's traffic per step and the
  * staleness of the gradients it applied. Other servers wait for rank 0
  * to release them (tool.ps.finish, whose reply carries their figures).
@@ -33,8 +35,9 @@
  * flight-recorder dumps (the RPC endpoints' too, rpc/rpc_fr.c) end with
  * `tandem doctor`'s verdict, as DDP's (tools/elastic.c's watch).
  *
- * Not built: --model gpt and cnn, GPUs, --resume, --max-restarts,
+ * Not built: --model cnn, GPUs, --resume, --max-restarts,
  * --grad-accum, the memory levers. */
+#include <math.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
@@ -49,6 +52,7 @@
 #include "dist/timeout.h"
 #include "models/checkpoint.h"
 #include "models/train.h"
+#include "models/train_text.h"
 #include "ps/ps.h"
 #include "rpc/rpc.h"
 #include "tools/doctor.h"
@@ -80,7 +84,8 @@ typedef struct ps_figures {
 typedef struct ps_job {
     const tdm_train_args *a;
     tdm_model_spec spec;
-    tdm_dataset train, test;
+    tdm_dataset train, test;          /* the image models' */
+    const tdm_train_text_set *text;   /* a gpt's; NULL: the image models */
     tdm_ps_sync_mode mode;
     tdm_rpc_transport tp;
     tdm_optim_opts optim;
@@ -140,8 +145,13 @@ static void ps_print_ready(ps_rank *p, int final)
         if (ep->reports < alive && !final) return;
         if (ep->reports == 0) return;
         double sps = ep->seconds > 0 ? (double)ep->samples / ep->seconds : 0;
-        printf("epoch %lld/%lld: train loss %.4f, %.0f samples/s (%.1f s)%s\n", (long long)e + 1,
-               (long long)a->epochs, ep->loss_sum / (double)ep->samples, sps, ep->seconds,
+        char rate[96];
+        if (p->j->text)   /* a gpt's unit: windows of T tokens */
+            snprintf(rate, sizeof rate, "%.0f windows/s = %.0f tokens/s", sps, sps * p->j->text->T);
+        else
+            snprintf(rate, sizeof rate, "%.0f samples/s", sps);
+        printf("epoch %lld/%lld: train loss %.4f, %s (%.1f s)%s\n", (long long)e + 1, (long long)a->epochs,
+               ep->loss_sum / (double)ep->samples, rate, ep->seconds,
                ep->reports < p->l.workers ? " (without the lost workers)" : "");
         fflush(stdout);
         ep->printed = 1;
@@ -248,10 +258,19 @@ static tdm_status ps_worker_step(void *ctx, const void *x, const int32_t *y, int
                 (long long)p->steps + 1);
         raise(SIGKILL);
     }
-    tdm_dist_share_rows(x, y, batch, w, p->l.workers, tdm_model_in_features(p->m), tdm_model_out_rows(p->m),
-                        &xs, &ys, &n);
+    int global = batch;
+    if (p->j->text) {
+        /* a gpt's worker drew its own windows of the global batch */
+        xs = x;
+        ys = y;
+        n = batch;
+        global = (int)p->j->a->batch;
+    } else {
+        tdm_dist_share_rows(x, y, batch, w, p->l.workers, tdm_model_in_features(p->m), tdm_model_out_rows(p->m),
+                            &xs, &ys, &n);
+    }
     double loss_sum = 0;
-    TDM_CHECK(tdm_ps_worker_step(p->wk, xs, ys, n, batch, &loss_sum));
+    TDM_CHECK(tdm_ps_worker_step(p->wk, xs, ys, n, global, &loss_sum));
     p->loss_sum += loss_sum;
     p->samples += n;
     p->steps++;
@@ -271,7 +290,14 @@ static tdm_status ps_run_worker(ps_rank *p)
         tdm_train_epoch_opts eo = {.batch = (int)a->batch, .seed = (uint64_t)a->seed, .epoch = e,
                                    .max_steps = a->max_steps, .step = ps_worker_step, .step_ctx = p};
         tdm_epoch_stats es;
-        tdm_status st = tdm_train_epoch(&p->j->train, &eo, &es);
+        tdm_status st;
+        if (p->j->text) {
+            int64_t lo, hi;
+            tdm_dist_share(a->batch, w, p->l.workers, &lo, &hi);
+            st = tdm_train_text_epoch(&p->j->text->corpus->train, p->j->text->T, (int)lo, (int)hi, &eo, &es);
+        } else {
+            st = tdm_train_epoch(&p->j->train, &eo, &es);
+        }
         if (st != TDM_STATUS_OK) {
             /* the servers stop the job with this error: a worker that
              * just leaves would read as a killed one, which async outlives */
@@ -317,7 +343,13 @@ static tdm_status ps_finish_rank0(ps_rank *p)
     }
     TDM_TRY(tdm_ps_gather(p->rpc, &p->l, h.params, h.state, ns, &h.steps, timeout));
     memcpy(tdm_model_params(p->m), h.params, (size_t)n * sizeof(float));
-    if (!a->no_eval) {
+    if (!a->no_eval && p->j->text) {
+        double loss = 0;
+        const tdm_train_text_set *t = p->j->text;
+        TDM_TRY(tdm_train_text_evaluate(p->m, &t->corpus->val, t->eval_count, TDM_TRAIN_TEXT_EVAL_BATCH, &loss));
+        printf("validation loss %.4f nats per byte (%.3f bits; a bigram model: %.4f)\n", loss, loss / log(2.0),
+               t->bigram);
+    } else if (!a->no_eval) {
         double loss = 0, acc = 0;
         TDM_TRY(tdm_evaluate(p->m, &p->j->test, PS_EVAL_BATCH, &loss, &acc));
         printf("test loss %.4f, test accuracy %.4f\n", loss, acc);
@@ -436,9 +468,9 @@ static void ps_watch_end(void *ctx, tdm_status st, int world, const tdm_shm_spaw
 
 static tdm_status ps_check(const tdm_train_args *a, ps_job *j, const tdm_device_list *dl)
 {
-    if (strcmp(a->model, "mlp") && strncmp(a->model, "mlp:", 4))
-        return tdm_tool_usage_error("tandem train: --mode ps trains --model mlp (the CNN's batchnorm "
-                                    "buffers and gpt are not built for it)\n");
+    if (strcmp(a->model, "mlp") && strncmp(a->model, "mlp:", 4) && !j->text)
+        return tdm_tool_usage_error("tandem train: --mode ps trains --model mlp or gpt (the CNN's batchnorm "
+                                    "buffers would differ per worker)\n");
     if (a->resume || a->max_restarts || a->grad_accum > 1 || a->deterministic || a->uneven || a->sync_bn ||
         a->precision || a->ckpt || a->offload || a->clip_grad_norm > 0 || a->comm_hook)
         return tdm_tool_usage_error("tandem train: --mode ps takes none of --resume, --max-restarts, "
@@ -467,12 +499,13 @@ static tdm_status ps_check(const tdm_train_args *a, ps_job *j, const tdm_device_
     return TDM_STATUS_OK;
 }
 
-tdm_status tdm_train_run_ps(const tdm_train_args *a)
+tdm_status tdm_train_run_ps(const tdm_train_args *a, const tdm_model_spec *spec, const tdm_train_text_set *text)
 {
-    ps_job j = {.a = a, .kill_worker = -1, .kill_server = -1, .kill_sig = SIGKILL};
+    ps_job j = {.a = a, .text = text, .kill_worker = -1, .kill_server = -1, .kill_sig = SIGKILL};
     tdm_device_list dl;
     tdm_status st;
-    if (tdm_model_spec_parse(&j.spec, a->model))
+    if (spec) j.spec = *spec;
+    else if (tdm_model_spec_parse(&j.spec, a->model))
         return tdm_tool_usage_error("tandem train: --model: %s\n", tdm_error_message());
     if ((st = tdm_dist_parse_devices(&dl, a->device, 1))) {
         fprintf(stderr, "tandem train: --device: %s\n", tdm_error_message());
@@ -487,7 +520,7 @@ tdm_status tdm_train_run_ps(const tdm_train_args *a)
     else if (kill && sscanf(kill, "server:%d:%lld", &who, &ks) == 2 && ks >= 1) j.kill_server = who;
     if (kill && j.kill_server >= 0 && strstr(kill, ":STOP")) j.kill_sig = SIGSTOP;
     j.kill_step = ks;
-    TDM_CHECK(tdm_train_load_and_probe(a, &j.spec, &j.train, &j.test, NULL));
+    TDM_CHECK(tdm_train_load_and_probe(a, &j.spec, text ? NULL : &j.train, text ? NULL : &j.test, NULL));
     j.shared = mmap(NULL, sizeof *j.shared, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
     if (j.shared == MAP_FAILED) {
         tdm_data_free(&j.train);
@@ -496,8 +529,8 @@ tdm_status tdm_train_run_ps(const tdm_train_args *a)
     }
     memset(j.shared, 0, sizeof *j.shared);
     char mode[32];
-    printf("tandem train: mlp, --mode ps: %d server%s, %d worker%s (%s), %s over %s\n", j.servers,
-           j.servers == 1 ? "" : "s", j.workers, j.workers == 1 ? "" : "s", a->device,
+    printf("tandem train: %s, --mode ps: %d server%s, %d worker%s (%s), %s over %s\n", text ? "gpt" : "mlp",
+           j.servers, j.servers == 1 ? "" : "s", j.workers, j.workers == 1 ? "" : "s", a->device,
            tdm_ps_sync_str(&j.mode, mode, sizeof mode), tdm_rpc_transport_name(j.tp));
     fflush(stdout);
     tdm_dist_design d = {.name = "ps", .setup = ps_rank_setup, .run = ps_rank_run, .free = ps_rank_free};
