@@ -300,7 +300,7 @@ Test(ps_cli, bad_options_say_why, .timeout = 60)
     free(r);
 }
 
-Test(ps_cli, compare_prints_the_servers_rows, .timeout = 240)
+Test(ps_cli, compare_prints_the_servers_rows_curves_and_sweep, .timeout = 240)
 {
     cli_result *r = malloc(sizeof *r);
     CLI(r, "compare", "--modes", "ddp,ps,ps-async", "--device", "cpu:3", "--model", "mlp:784-32-10", "--steps",
@@ -313,6 +313,24 @@ Test(ps_cli, compare_prints_the_servers_rows, .timeout = 240)
     const char *nl = strchr(row, '\n');
     const char *z = strstr(row, " 0:12");
     cr_assert(z && z < nl, "sync row: %.*s", (int)(nl - row), row);
+    /* the loss curves: sync's is DDP's (the same batches, DDP's step) */
+    const char *c = strstr(r->out, "loss curve (step: ddp / ps (sync), 1 server / ps-async, 1 server):\n");
+    cr_assert_not_null(c, "%s", r->out);
+    double d1, p1, a1;
+    const char *s1 = strstr(c, "    1: ");
+    cr_assert(s1 && sscanf(s1, "    1: %lf / %lf / %lf;", &d1, &p1, &a1) == 3, "%s", c);
+    cr_assert_eq(d1, p1, "step 1: ddp %.4f, ps %.4f", d1, p1);
+    const char *s6 = strstr(c, " 6: ");
+    cr_assert(s6 && sscanf(s6, " 6: %lf / %lf / %lf;", &d1, &p1, &a1) == 3, "%s", c);
+    cr_assert(fabs(d1 - p1) <= 1e-4, "step 6: ddp %.4f, ps %.4f", d1, p1);
+    /* the server sweep: N-1 workers with 1 and 2 servers */
+    CLI(r, "compare", "--modes", "ps", "--device", "cpu:3", "--model", "mlp:784-32-10", "--steps", "4", "--batch",
+        "48", "--data", "synthetic", "--servers", "1,2");
+    expect(r, 0, "server sweep (2 workers");
+    cr_assert(strstr(r->out, "ps (sync), 2 servers"), "%s", r->out);
+    cr_assert(strstr(r->out, "sweep reading: 1 server moved"), "%s", r->out);
+    CLI(r, "compare", "--modes", "ps", "--device", "cpu:3", "--servers", "0,9", "--data", "synthetic");
+    expect(r, 2, "--servers '0,9': expected server counts like 1,2");
     CLI(r, "compare", "--modes", "ps", "--device", "cpu:2", "--model", "cnn", "--steps", "2", "--data",
         "synthetic");
     expect(r, 0, "skipped: --mode ps trains --model mlp only");

@@ -34,9 +34,14 @@
  * SIGSTOP instead: a server alive that serves nothing). A failed job's
  * flight-recorder dumps (the RPC endpoints' too, rpc/rpc_fr.c) end with
  * `tandem doctor`'s verdict, as DDP's (tools/elastic.c's watch).
+ * TANDEM_PS_LOSS_LOG=DIR (what `tandem compare` sets, tools/compare_ps.c):
+ * worker W writes DIR/ps_loss_w<W>.txt, a line per step: the step (from
+ * 1) and the loss summed over its share; the shares' sums over B are the
+ * global batch's mean loss.
  *
  * Not built: --model cnn, GPUs, --resume, --max-restarts,
  * --grad-accum, the memory levers. */
+#include <errno.h>
 #include <math.h>
 #include <pthread.h>
 #include <signal.h>
@@ -126,6 +131,7 @@ typedef struct ps_rank {
     /* a worker's tally of the epoch */
     double loss_sum;
     int64_t samples, steps;
+    FILE *loss_log;                   /* TANDEM_PS_LOSS_LOG's file; NULL: none */
 } ps_rank;
 
 /* ---- rank 0's epoch lines ---- */
@@ -202,6 +208,7 @@ static void ps_rank_free(void *ctx, void *self)
     ps_rank *p = self;
     if (!p) return;
     tdm_rpc_free(p->rpc);   /* its threads stop before what they use goes */
+    if (p->loss_log) fclose(p->loss_log);
     tdm_ps_server_free(p->srv);
     tdm_ps_worker_free(p->wk);
     tdm_model_free(p->m);
@@ -274,6 +281,7 @@ static tdm_status ps_worker_step(void *ctx, const void *x, const int32_t *y, int
     p->loss_sum += loss_sum;
     p->samples += n;
     p->steps++;
+    if (p->loss_log) fprintf(p->loss_log, "%lld %.17g\n", (long long)p->steps, loss_sum);
     /* the epoch loop checks a finite loss: this share's mean */
     *loss_mean = n ? loss_sum / n : 0.0;
     return TDM_STATUS_OK;
@@ -283,6 +291,14 @@ static tdm_status ps_run_worker(ps_rank *p)
 {
     const tdm_train_args *a = p->j->a;
     int w = p->rank - p->l.servers;
+    const char *log = getenv("TANDEM_PS_LOSS_LOG");
+    if (log && *log) {
+        char path[4096];
+        snprintf(path, sizeof path, "%s/ps_loss_w%d.txt", log, w);
+        p->loss_log = fopen(path, "w");
+        if (!p->loss_log)
+            return tdm_error_set(TDM_STATUS_IO, "worker %d: TANDEM_PS_LOSS_LOG: %s: %s", w, path, strerror(errno));
+    }
     for (int64_t e = 0; e < a->epochs; e++) {
         p->loss_sum = 0;
         p->samples = 0;
