@@ -195,7 +195,7 @@ static void tdm_train_usage(FILE *f)
         "When a ddp or fsdp rank fails, the ranks' flight recorders are dumped (in\n"
         "$TANDEM_FR_DUMP, else a new $TMPDIR/tandem-fr-* directory, removed if no rank\n"
         "dumped; the newest 5 are kept) and the summary ends with tandem doctor's\n"
-        "verdict (docs/DEBUGGING.md).\n"
+        "verdict (docs/DEBUGGING.md); a ps job's likewise, its RPC calls' recorders too.\n"
         "Before the model is built, the run's memory (parameters, gradients, optimizer\n"
         "state and activations of every replica, the ranks, shared memory) is checked\n"
         "against what this process can still take (MemAvailable, the memory cgroup's\n"
