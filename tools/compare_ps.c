@@ -6,7 +6,9 @@
  * devices), so W+S ranks. Read back from its output: the samples/s of
  * its epoch line, and per server the bytes it received and sent per step
  * and the staleness of the gradients it applied; from the workers'
- * TANDEM_PS_LOSS_LOG files, the global batch's loss at every step.
+ * TANDEM_PS_LOSS_LOG files, the global batch's loss at every step (async:
+ * the shares of every worker's t-th step, on whatever parameters each
+ * had pulled).
  * Printed beside DDP's throughput, the bytes each DDP rank all-reduces
  * per step and DDP's loss curve (when ddp ran), then the server sweep:
  * throughput and the busiest server's bytes per step against the servers,
