@@ -282,12 +282,22 @@ tdm_status tdm_model_pair_backward(tdm_model *m, tdm_layer *bn, tdm_layer *pool,
     return TDM_STATUS_OK;
 }
 
+/* A tensor-parallel layer's partial sum (tdm_model_set_partial_sums)
+ * summed over the group through the model's callback. */
+static tdm_status tdm_layer_partial_sum(tdm_model *m, tdm_layer *l, float *buf, int64_t n)
+{
+    return m->partial(m->partial_ctx, buf, n, (int)(l - m->layers));
+}
+
 tdm_status tdm_model_layer_forward(tdm_model *m, tdm_layer *l, const float *x, int B)
 {
     tdm_device *d = m->dev;
     l->in = x;
     switch (l->kind) {
     case TDM_LAYER_LINEAR:
+        TDM_REQUIRE(!l->partial || !m->partial || (!tdm_model_low(m) && !m->lev.ckpt),
+                    TDM_STATUS_INVALID_ARG, "layer %d: tensor-parallel partial sums run in "
+                    "fp32 without activation checkpointing", (int)(l - m->layers));
         /* out (B, oc) = x (B, c) W^T, W (oc, c); in 16-bit precisions
          * from the rounded input and weights */
         if (tdm_model_low(m))
@@ -297,6 +307,9 @@ tdm_status tdm_model_layer_forward(tdm_model *m, tdm_layer *l, const float *x, i
         else
             TDM_CHECK(tdm_dev_gemm_rm(d, TDM_TRANS_N, TDM_TRANS_T, B, l->oc, l->c, 1.0f, x,
                                       tdm_param(m, l->p0), 0.0f, l->out));
+        /* row parallel: the group's sum before the bias and activation */
+        if (l->partial == TDM_MODEL_PARTIAL_OUT && m->partial)
+            TDM_CHECK(tdm_layer_partial_sum(m, l, l->out, (int64_t)B * l->oc));
         return tdm_dev_bias_act(d, l->out, tdm_param(m, l->p0 + 1), B, l->oc,
                                 l->relu ? TDM_ACT_RELU : TDM_ACT_NONE);
     case TDM_LAYER_CONV:
@@ -340,10 +353,13 @@ tdm_status tdm_model_layer_backward(tdm_model *m, tdm_layer *l, float *dout, flo
         /* db (1, oc) += ones (1, B) dout (B, oc) */
         TDM_CHECK(tdm_dev_gemm_rm(d, TDM_TRANS_N, TDM_TRANS_N, 1, l->oc, B, 1.0f, m->ones, dout,
                                   1.0f, tdm_grad(m, l->p0 + 1)));
-        /* din (B, c) = dout (B, oc) W (oc, c) */
+        /* din (B, c) = dout (B, oc) W (oc, c); column parallel: a partial
+         * sum over the group's output slices */
         if (din)
             TDM_CHECK(tdm_dev_gemm_rm(d, TDM_TRANS_N, TDM_TRANS_N, B, l->c, l->oc, 1.0f, dout,
                                       tdm_param(m, l->p0), 0.0f, din));
+        if (din && l->partial == TDM_MODEL_PARTIAL_IN && m->partial)
+            TDM_CHECK(tdm_layer_partial_sum(m, l, din, (int64_t)B * l->c));
         return TDM_STATUS_OK;
     case TDM_LAYER_CONV:
         /* dW (oc, kk) += dout (oc, np) col^T (np, kk); din = col2im(W^T dout) */

@@ -229,6 +229,30 @@ void tdm_model_set_sync_bn(tdm_model *m, tdm_model_allsum_fn fn, void *ctx);
  * Only with a callback set, in training mode. */
 tdm_status tdm_model_sync_bn_forward_empty(tdm_model *m);
 tdm_status tdm_model_sync_bn_backward_empty(tdm_model *m);
+/* Tensor parallelism's partial sums (a callback, as SyncBatchNorm's, so
+ * that models/ knows nothing of communicators): a model whose linear
+ * layers hold a slice of the whole layer's (Megatron's column- and
+ * row-parallel layers, tools/rank_pptp.c) marks them. A
+ * TDM_MODEL_PARTIAL_OUT layer holds a slice of its input features (row
+ * parallel): its forward's product (batch, out) is a partial sum, which
+ * fn(ctx, buf, n, layer) must replace by the sum over the tensor-parallel
+ * group before the layer adds its bias and activation. A
+ * TDM_MODEL_PARTIAL_IN layer holds a slice of its output features (column
+ * parallel): its backward's input gradient (batch, in) is a partial sum,
+ * summed the same way (not called where no input gradient is computed).
+ * buf is device memory of n floats; every rank of the group calls fn in
+ * the same order. Linear layers in FP32 only: with a 16-bit precision or
+ * activation checkpointing set, the forward and backward refuse
+ * (INVALID_ARG). kinds: one per layer of m (tdm_model_n_layers); NULL fn
+ * clears them all. */
+typedef enum tdm_model_partial {
+    TDM_MODEL_PARTIAL_NONE = 0,
+    TDM_MODEL_PARTIAL_OUT,     /* row parallel: the forward's product is summed */
+    TDM_MODEL_PARTIAL_IN,      /* column parallel: the backward's input gradient is summed */
+} tdm_model_partial;
+typedef tdm_status (*tdm_model_partial_fn)(void *ctx, float *buf, int64_t n, int layer);
+tdm_status tdm_model_set_partial_sums(tdm_model *m, const tdm_model_partial *kinds, int n,
+                                      tdm_model_partial_fn fn, void *ctx);
 /* Batchnorm layers of the model (0 for the MLP and GPT). */
 int tdm_model_n_batchnorm(const tdm_model *m);
 

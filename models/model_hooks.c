@@ -15,6 +15,22 @@ void tdm_model_set_sync_bn(tdm_model *m, tdm_model_allsum_fn fn, void *ctx)
     m->sync_bn_ctx = ctx;
 }
 
+tdm_status tdm_model_set_partial_sums(tdm_model *m, const tdm_model_partial *kinds, int n,
+                                      tdm_model_partial_fn fn, void *ctx)
+{
+    TDM_REQUIRE(!fn || (kinds && n == m->n_layers && !m->vt), TDM_STATUS_INVALID_ARG,
+                "partial sums: %d kinds for a model of %d layers%s", n, m->n_layers,
+                m->vt ? " (a model with its own forward: not supported)" : "");
+    for (int i = 0; fn && i < n; i++)
+        TDM_REQUIRE(kinds[i] == TDM_MODEL_PARTIAL_NONE || m->layers[i].kind == TDM_LAYER_LINEAR,
+                    TDM_STATUS_INVALID_ARG, "partial sums: layer %d is not a linear layer", i);
+    for (int i = 0; i < m->n_layers; i++)
+        m->layers[i].partial = fn ? kinds[i] : TDM_MODEL_PARTIAL_NONE;
+    m->partial = fn;
+    m->partial_ctx = ctx;
+    return TDM_STATUS_OK;
+}
+
 tdm_status tdm_model_sync_bn_forward_empty(tdm_model *m)
 {
     TDM_REQUIRE(m->sync_bn && m->train && !m->vt, TDM_STATUS_INVALID_ARG,

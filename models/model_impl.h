@@ -51,6 +51,7 @@ typedef struct tdm_layer {
     float p;                /* TDM_LAYER_DROPOUT: drop probability */
     int op;                 /* TDM_LAYER_DROPOUT: its op's index in the spec (keys its mask) */
     int64_t in_elems, out_elems; /* per sample */
+    tdm_model_partial partial;   /* tensor parallelism's partial sums (linear layers) */
     int block;              /* tdm_model_layer_block */
     int line;               /* model file line of its op (residual: where the block opens) */
     /* activations (capacity m->cap samples) */
@@ -146,6 +147,8 @@ struct tdm_model {
     int released;           /* tdm_model_release_storage: params and grads_owned freed */
     tdm_model_allsum_fn sync_bn;   /* SyncBatchNorm: sums batch statistics over replicas */
     void *sync_bn_ctx;
+    tdm_model_partial_fn partial;  /* tensor parallelism: sums a layer's partial sums */
+    void *partial_ctx;
     /* the memory levers: precision (models/precision.c) and activation
      * checkpointing (models/recompute.c) */
     struct {

@@ -27,6 +27,7 @@
 #include "core/device.h"
 #include "models/checkpoint.h"
 #include "models/model.h"
+#include "tests/ckpt_diff_util.h"
 #include "tests/cli_util.h"
 #include "tests/cuda_test_util.h"
 #include "tests/test_util.h"
@@ -50,33 +51,6 @@ TestSuite(tp_cli, .init = setup, .fini = teardown, .timeout = 240);
 static void path(char *buf, size_t n, const char *name)
 {
     snprintf(buf, n, "%s/%s.safetensors", g_dir, name);
-}
-
-/* The largest difference between two checkpoints' parameters. */
-static double ck_diff_of(const char *model, const char *a, const char *b)
-{
-    tdm_model_spec s;
-    cr_assert_eq(tdm_model_spec_parse(&s, model), TDM_STATUS_OK);
-    tdm_device *dev = NULL;
-    tdm_model *ma = NULL, *mb = NULL;
-    tdm_ckpt_info ia, ib;
-    cr_assert_eq(tdm_device_open(&dev, "cpu", 0, 1), TDM_STATUS_OK);
-    cr_assert_eq(tdm_model_init(&ma, dev, &s, 1), TDM_STATUS_OK);
-    cr_assert_eq(tdm_model_init(&mb, dev, &s, 2), TDM_STATUS_OK);
-    cr_assert_eq(tdm_checkpoint_load(a, ma, NULL, &ia), TDM_STATUS_OK, "%s", tdm_error_message());
-    cr_assert_eq(tdm_checkpoint_load(b, mb, NULL, &ib), TDM_STATUS_OK, "%s", tdm_error_message());
-    cr_assert_eq(ia.step, ib.step);
-    double w = 0.0;
-    const float *pa = tdm_model_params(ma), *pb = tdm_model_params(mb);
-    for (int64_t i = 0; i < tdm_model_param_elems(ma); i++) {
-        double d = fabs((double)pa[i] - (double)pb[i]);
-        if (!(d <= w)) w = d;
-    }
-    tdm_model_free(ma);
-    tdm_model_free(mb);
-    tdm_device_free(dev);
-    if (getenv("TANDEM_TEST_VERBOSE")) fprintf(stderr, "%s vs %s: %g\n", a, b, w);
-    return w;
 }
 
 static double ck_diff(const char *a, const char *b) { return ck_diff_of(MODEL, a, b); }

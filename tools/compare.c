@@ -34,6 +34,7 @@
 #include "tools/args.h"
 #include "tools/compare.h"
 #include "tools/devices.h"
+#include "tools/rank_pptp.h"
 #include "tools/compare_json.h"
 #include "tools/tools.h"
 
@@ -89,6 +90,10 @@ static void tdm_cmp_usage(FILE *f)
         "  --stages S           pp: stages, one device each (S <= N)    [N]\n"
         "  --microbatches M     pp: micro-batches per global batch       [4]\n"
         "  --schedule S         pp: gpipe or 1f1b                        [1f1b]\n"
+        "  --mesh dp=D,pp=S     the pp row as D replicas of S stages, or\n"
+        "  --mesh dp=D,tp=N     the tp row as D replicas of N ranks, or\n"
+        "  --mesh dp=D,pp=S,tp=N the pp row with stages tensor-parallel over N\n"
+        "                       ranks (the MLP; the product: the devices)\n"
         "  --model NAME         mlp, mlp:W0-..-Wn, cnn, gpt, gpt:L-D-H-T or\n"
         "                       file:PATH (a model file, docs/MODELS.md)      [mlp]\n"
         "  --device SPEC        devices for DP and DDP: cpu:N (N >= 1), or GPUs\n"
@@ -424,6 +429,7 @@ static tdm_status tdm_cmp_parse(int argc, char **argv, tdm_cmp_job *j)
         TDM_ARGS_INT("--stages", 1, TDM_CMP_MAX_DEV, o->pp_stages)
         TDM_ARGS_INT("--microbatches", 1, 1 << 16, o->pp_micro)
         TDM_ARGS_STR("--schedule", o->pp_schedule)
+        TDM_ARGS_STR("--mesh", o->mesh)
         TDM_ARGS_INT("--deterministic", 1, 1024, j->det)
         return tdm_tool_usage_error("tandem compare: unknown option '%s' (see tandem compare "
                                     "--help)\n", argv[i]);
@@ -478,6 +484,45 @@ static tdm_status tdm_cmp_check_sweep(tdm_cmp_job *j)
     return TDM_STATUS_OK;
 }
 
+/* --mesh: the layout of the pp row or the tp row (dist/mesh.h), over
+ * every device. */
+static tdm_status tdm_cmp_check_mesh(tdm_cmp_job *j)
+{
+    tdm_cmp_opts *o = &j->o;
+    if (!o->mesh) return TDM_STATUS_OK;
+    tdm_mesh_shape m;
+    if (tdm_mesh_parse(o->mesh, o->n_dev, &m))
+        return tdm_tool_usage_error("tandem compare: --mesh: %s (--device %s)\n",
+                                    tdm_error_message(), o->device);
+    int D = m.size[TDM_MESH_DP], S = m.size[TDM_MESH_PP], N = m.size[TDM_MESH_TP];
+    int first[64];
+    tdm_pptp_cut cut[TDM_MODEL_MAX_DIMS];
+    tdm_model_spec narrow;
+    /* a pipeline of tensor-parallel stages: the pp row, the default split */
+    if (S > 1 && N > 1 &&
+        (S > 64 || tdm_pp_split_balance(&j->spec, S, TDM_PP_BALANCE_FLOPS, first) ||
+         tdm_pptp_plan(&j->spec, S, first, N, cut, &narrow)))
+        return tdm_tool_usage_error("tandem compare: --mesh %s: %s\n", o->mesh,
+                                    tdm_error_message());
+    unsigned want = S > 1 ? TDM_CMP_PP_BIT : N > 1 ? TDM_CMP_TP_BIT : 0;
+    if (!want)
+        return tdm_tool_usage_error("tandem compare: --mesh %s names neither pp nor tp: it lays "
+                                    "out the pp row (dp=D,pp=S) or the tp row (dp=D,tp=N)\n",
+                                    o->mesh);
+    if (!(o->modes & want))
+        return tdm_tool_usage_error("tandem compare: --mesh %s lays out the %s row: add %s to "
+                                    "--modes\n", o->mesh, S > 1 ? "pp" : "tp",
+                                    S > 1 ? "pp" : "tp");
+    if (S > 1 && o->pp_stages && o->pp_stages != S)
+        return tdm_tool_usage_error("tandem compare: --stages %d, but --mesh %s has pp=%d\n",
+                                    o->pp_stages, o->mesh, S);
+    if (S > 1) o->pp_stages = S;
+    o->mesh_dp = D;
+    o->mesh_pp = S;
+    o->mesh_tp = N;
+    return TDM_STATUS_OK;
+}
+
 /* --modes ...,tp: the plan of the model over the devices. */
 static tdm_status tdm_cmp_check_tp(tdm_cmp_job *j)
 {
@@ -491,7 +536,8 @@ static tdm_status tdm_cmp_check_tp(tdm_cmp_job *j)
                                     "do not apply to tp yet: leave tp out of --modes\n");
     tdm_tp_split split[TDM_MODEL_MAX_DIMS];
     int L;
-    if (tdm_tp_plan(&j->spec, o->n_dev, split, &L))
+    if (tdm_tp_plan(&j->spec, o->mesh_tp > 1 && o->mesh_pp <= 1 ? o->mesh_tp : o->n_dev, split,
+                    &L))
         return tdm_tool_usage_error("tandem compare: --modes tp: %s\n", tdm_error_message());
     return TDM_STATUS_OK;
 }
@@ -574,6 +620,7 @@ static tdm_status tdm_cmp_check(tdm_cmp_job *j)
                                     o->warmup, o->steps);
     if (o->warmup < 0)
         o->warmup = TDM_CMP_DEFAULT_WARMUP < o->steps ? TDM_CMP_DEFAULT_WARMUP : o->steps / 2;
+    TDM_CHECK(tdm_cmp_check_mesh(j));
     TDM_CHECK(tdm_cmp_check_pp(j));
     TDM_CHECK(tdm_cmp_check_tp(j));
     return tdm_cmp_check_sweep(j);

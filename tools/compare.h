@@ -70,6 +70,12 @@ typedef struct tdm_cmp_opts {
      * micro-batches (0: 4), schedule (NULL: 1f1b) */
     int pp_stages, pp_micro;
     const char *pp_schedule;
+    /* --mesh: the layout of the pp row (dp=D,pp=S, or dp=D,pp=S,tp=N:
+     * tensor-parallel stages) or the tp row (dp=D,tp=N), checked against
+     * --device; its sizes (1 where it does not name a dimension; all 0
+     * without --mesh) */
+    const char *mesh;
+    int mesh_dp, mesh_pp, mesh_tp;
     /* the memory levers on every mode's model (docs/MEMORY.md): not pp */
     const char *precision_arg; /* --precision as given (NULL: fp32) */
     tdm_precision precision;

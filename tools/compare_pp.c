@@ -19,11 +19,10 @@
 #include <string.h>
 #include <sys/mman.h>
 
-#include "models/accum.h"
 #include "models/optim.h"
-#include "models/train.h"
 #include "pp/pp.h"
 #include "tools/compare.h"
+#include "tools/compare_mesh.h"
 #include "tools/ranks.h"
 
 /* The GPT's bounds (pp/pp.h: its tied embedding's shares add in another
@@ -31,18 +30,26 @@
  * tests/test_pp.c measures them. */
 #define TDM_CMP_PP_GPT_PARAM_TOL 1e-4
 #define TDM_CMP_PP_GPT_LOSS_TOL 1e-5
-#define TDM_CMP_PP_PHASES 7   /* forward, backward, loss, recv, send, bubble, pipeline */
+/* forward, backward, loss, recv, send, bubble, pipeline, and with replicas
+ * DDP's gradient sync over the dp dimension, with tensor-parallel stages
+ * their partial sums' all-reduces (inside forward and backward) */
+#define TDM_CMP_PP_PHASES 9
+#define TDM_CMP_PP_SYNC 7
+#define TDM_CMP_PP_TPSUM 8
 
 typedef struct tdm_cmp_pp_shared {
     int S, M, steps, n_ev;    /* n_ev: events per stage per step (2M) */
+    int D, T, W;              /* replicas and tensor-parallel ranks per stage (--mesh
+                                 dp=D,pp=S,tp=T) and ranks, D * S * T: the step times are
+                                 every rank's, the rest replica 0's stages' (tp rank 0's) */
+    double tp_calls[TDM_CMP_MAX_DEV], tp_bytes[TDM_CMP_MAX_DEV];   /* each stage's partial
+                                                                      sums over the run */
     int64_t param_elems;
     int lo[TDM_CMP_MAX_DEV], hi[TDM_CMP_MAX_DEV];
     double mem[TDM_CMP_MAX_DEV][6];   /* params, grads, optimizer, peak act, sets, set bytes */
     double overlapped, transfers;
     size_t off_loss, off_step, off_t0, off_phase, off_ev, off_params, total;
 } tdm_cmp_pp_shared;
-
-#define TDM_CMP_PP_AT(sh, off, type) ((type *)((char *)(sh) + (sh)->off))
 
 typedef struct tdm_cmp_pp_run {
     const tdm_cmp_opts *o;
@@ -64,33 +71,49 @@ static tdm_status tdm_cmp_pp_rank_run(void *ctx, tdm_dist_rank *d, void *self)
     tdm_tool_rank *r = self;
     tdm_pp *p = tdm_tool_pp_of(r);
     int s = tdm_pp_stage(p), S = sh->S, B = c->o->batch;
-    (void)d;
-    float *x = malloc((size_t)B * (size_t)tdm_cmp_feat(c->data) * sizeof(float));
-    int32_t *y = malloc((size_t)B * (size_t)tdm_cmp_targets(c->data) * sizeof(int32_t));
-    tdm_status st = x && y ? TDM_STATUS_OK
-                           : tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "compare: pp stage %d: a "
-                                           "batch of %d", s, B);
+    int rep0 = d->coord[TDM_MESH_DP] == 0 && d->coord[TDM_MESH_TP] == 0;
+    double tp_ms0 = 0.0;
+    /* the design's step: this replica's share of the global batch, DDP
+     * over the replicas */
+    tdm_dist_stepper stp = {.w = r->w, .opt = r->opt, .comm = d->comm, .rank = r->rank,
+                            .world = r->world, .global_batch = B};
+    float *x = NULL;
+    int32_t *y = NULL;
+    char who[32];
+    snprintf(who, sizeof who, "pp stage %d", s);
+    tdm_status st = tdm_cmp_batch_new(c->data, B, who, &x, &y);
     for (int i = 0; st == TDM_STATUS_OK && i < sh->steps; i++) {
         tdm_cmp_rows(c->data, i, B, 0, B, x, y);
         double loss = 0.0;
         uint64_t t0 = tdm_time_ns();
-        st = tdm_pp_step(p, x, y, B, &loss);
+        st = b->design->step(&stp, x, y, B, &loss);
         uint64_t t1 = tdm_time_ns();
         if (st) break;
         size_t k = (size_t)i * (size_t)S + (size_t)s;
-        if (s == 0) TDM_CMP_PP_AT(sh, off_loss, double)[i] = loss;
-        TDM_CMP_PP_AT(sh, off_step, double)[k] = (double)(t1 - t0) * 1e-6;
-        TDM_CMP_PP_AT(sh, off_t0, double)[k] = (double)(t0 - c->t_start) * 1e-6;
+        if (r->rank == 0) TDM_CMP_SHARED_AT(sh, off_loss, double)[i] = loss;
+        TDM_CMP_SHARED_AT(sh, off_step, double)[(size_t)i * (size_t)sh->W + (size_t)r->rank] =
+            (double)(t1 - t0) * 1e-6;
+        if (!rep0) continue;
+        TDM_CMP_SHARED_AT(sh, off_t0, double)[k] = (double)(t0 - c->t_start) * 1e-6;
         tdm_pp_stats ps;
         tdm_pp_get_stats(p, &ps);
         const tdm_pp_phases *ph = &ps.last;
+        int64_t calls, bytes;
+        double tp_ms;
+        tdm_tool_pp_tp_sums(r, &calls, &bytes, &tp_ms);
         double v[TDM_CMP_PP_PHASES] = {ph->forward, ph->backward, ph->loss, ph->recv_wait,
-                                       ph->send_wait, ph->bubble, ph->pipeline};
-        memcpy(TDM_CMP_PP_AT(sh, off_phase, double) + k * TDM_CMP_PP_PHASES, v, sizeof v);
+                                       ph->send_wait, ph->bubble, ph->pipeline,
+                                       ph->grad_sync, tp_ms - tp_ms0};
+        tp_ms0 = tp_ms;
+        if (rep0) {
+            sh->tp_calls[s] = (double)calls;
+            sh->tp_bytes[s] = (double)bytes;
+        }
+        memcpy(TDM_CMP_SHARED_AT(sh, off_phase, double) + k * TDM_CMP_PP_PHASES, v, sizeof v);
         const tdm_pp_event *ev;
         int n;
         tdm_pp_trace(p, &ev, &n);
-        double *out = TDM_CMP_PP_AT(sh, off_ev, double) + k * (size_t)sh->n_ev * 4;
+        double *out = TDM_CMP_SHARED_AT(sh, off_ev, double) + k * (size_t)sh->n_ev * 4;
         for (int e = 0; e < sh->n_ev; e++) {
             double row[4] = {-1, -1, 0, 0};
             if (e < n)
@@ -102,8 +125,11 @@ static tdm_status tdm_cmp_pp_rank_run(void *ctx, tdm_dist_rank *d, void *self)
         }
     }
     if (st == TDM_STATUS_OK)
-        st = tdm_pp_gather_params(p, s == 0 ? TDM_CMP_PP_AT(sh, off_params, float) : NULL, 0);
-    if (st == TDM_STATUS_OK) {
+        st = b->design->params(r, r->rank == 0 ? TDM_CMP_SHARED_AT(sh, off_params, float) : NULL,
+                               0);
+    if (st == TDM_STATUS_OK && !rep0) {
+        /* replica 0's stages speak for the pipeline */
+    } else if (st == TDM_STATUS_OK) {
         tdm_pp_stats ps;
         tdm_pp_get_stats(p, &ps);
         tdm_model_stage_info si;
@@ -119,104 +145,37 @@ static tdm_status tdm_cmp_pp_rank_run(void *ctx, tdm_dist_rank *d, void *self)
             sh->transfers = (double)ps.transfers;
         }
     } else {
-        fprintf(stderr, "tandem compare: pp stage %d: %s\n", s, tdm_error_message());
+        fprintf(stderr, "tandem compare: pp stage %d of replica %d: %s\n", s,
+                d->coord[TDM_MESH_DP], tdm_error_message());
     }
     free(x);
     free(y);
     return st;
 }
 
-static tdm_cmp_pp_shared tdm_cmp_pp_layout(int S, int M, int steps, int64_t pe)
+static tdm_cmp_pp_shared tdm_cmp_pp_layout(int D, int S, int T, int M, int steps, int64_t pe)
 {
     size_t n = (size_t)steps * (size_t)S;
-    tdm_cmp_pp_shared lay = {.S = S, .M = M, .steps = steps, .n_ev = 2 * M, .param_elems = pe};
-    size_t off = (sizeof lay + 63) & ~(size_t)63;
-#define TDM_CMP_PP_PLACE(field, bytes) (lay.field = off, off = (off + (bytes) + 63) & ~(size_t)63)
-    TDM_CMP_PP_PLACE(off_loss, (size_t)steps * sizeof(double));
-    TDM_CMP_PP_PLACE(off_step, n * sizeof(double));
-    TDM_CMP_PP_PLACE(off_t0, n * sizeof(double));
-    TDM_CMP_PP_PLACE(off_phase, n * TDM_CMP_PP_PHASES * sizeof(double));
-    TDM_CMP_PP_PLACE(off_ev, n * (size_t)lay.n_ev * 4 * sizeof(double));
-    TDM_CMP_PP_PLACE(off_params, (size_t)pe * sizeof(float));
-#undef TDM_CMP_PP_PLACE
+    tdm_cmp_pp_shared lay = {.S = S, .M = M, .steps = steps, .n_ev = 2 * M, .param_elems = pe,
+                             .D = D, .T = T, .W = D * S * T};
+    size_t off = tdm_cmp_place_start(sizeof lay);
+    lay.off_loss = tdm_cmp_place(&off, (size_t)steps * sizeof(double));
+    lay.off_step = tdm_cmp_place(&off, (size_t)steps * (size_t)lay.W * sizeof(double));
+    lay.off_t0 = tdm_cmp_place(&off, n * sizeof(double));
+    lay.off_phase = tdm_cmp_place(&off, n * TDM_CMP_PP_PHASES * sizeof(double));
+    lay.off_ev = tdm_cmp_place(&off, n * (size_t)lay.n_ev * 4 * sizeof(double));
+    lay.off_params = tdm_cmp_place(&off, (size_t)pe * sizeof(float));
     lay.total = off;
     return lay;
-}
-
-/* ---- one device with gradient accumulation over the same micro-batches ---- */
-
-static tdm_status tdm_cmp_pp_reference(const tdm_cmp_opts *o, const tdm_cmp_data *data,
-                                       const tdm_model_spec *spec, int M, double *loss,
-                                       float *params)
-{
-    tdm_device *dev = NULL;
-    tdm_model *m = NULL;
-    tdm_optim *opt = NULL;
-    tdm_single one = {0};
-    int B = o->batch;
-    float *x = malloc((size_t)B * (size_t)tdm_cmp_feat(data) * sizeof(float));
-    int32_t *y = malloc((size_t)B * (size_t)tdm_cmp_targets(data) * sizeof(int32_t));
-    tdm_optim_opts oo;
-    tdm_optim_opts_named(&oo, o->optim, o->lr, o->weight_decay, o->momentum, 0);
-    tdm_status st = x && y ? TDM_STATUS_OK
-                           : tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "compare: a batch of %d", B);
-    if (!st) st = tdm_device_open(&dev, "cpu", 0, 1);
-    if (!st) st = tdm_model_init(&m, dev, spec, o->seed);
-    if (!st) st = tdm_optim_init(&opt, m, &oo);
-    one = (tdm_single){.model = m, .opt = opt};
-    tdm_accum a = {.ops = &tdm_accum_single_ops, .ctx = &one, .micro = (B + M - 1) / M,
-                   .in_features = m ? tdm_model_in_features(m) : 0,
-                   .out_rows = m ? tdm_model_out_rows(m) : 0};
-    for (int i = 0; !st && i < o->steps; i++) {
-        tdm_cmp_rows(data, i, B, 0, B, x, y);
-        st = tdm_accum_step(&a, x, y, B, &loss[i]);
-    }
-    if (!st) memcpy(params, tdm_model_params(m), (size_t)tdm_model_param_elems(m) * 4);
-    if (m) tdm_single_free(&one);
-    tdm_optim_free(opt);
-    tdm_model_free(m);
-    tdm_device_free(dev);
-    free(x);
-    free(y);
-    return st;
-}
-
-/* ---- printing ---- */
-
-static double tdm_cmp_pp_median(double *v, int n)
-{
-    for (int i = 1; i < n; i++)
-        for (int j = i; j > 0 && v[j - 1] > v[j]; j--) {
-            double t = v[j];
-            v[j] = v[j - 1];
-            v[j - 1] = t;
-        }
-    return n ? (n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2])) : 0.0;
-}
-
-/* The step time of step i: the slowest stage's. */
-static double tdm_cmp_pp_step_ms(const tdm_cmp_pp_shared *sh, int i)
-{
-    double most = 0.0;
-    for (int s = 0; s < sh->S; s++) {
-        double t = TDM_CMP_PP_AT(sh, off_step, double)[(size_t)i * (size_t)sh->S + (size_t)s];
-        if (t > most) most = t;
-    }
-    return most;
-}
-
-static int tdm_cmp_pp_warm(const tdm_cmp_opts *o)
-{
-    return o->warmup < o->steps ? o->warmup : 0;
 }
 
 /* Post-warm-up mean of phase f of stage s. */
 static double tdm_cmp_pp_phase(const tdm_cmp_opts *o, const tdm_cmp_pp_shared *sh, int s, int f)
 {
-    int w = tdm_cmp_pp_warm(o), n = 0;
+    int w = tdm_cmp_warm(o), n = 0;
     double sum = 0.0;
     for (int i = w; i < sh->steps; i++, n++)
-        sum += TDM_CMP_PP_AT(sh, off_phase, double)[((size_t)i * (size_t)sh->S + (size_t)s) *
+        sum += TDM_CMP_SHARED_AT(sh, off_phase, double)[((size_t)i * (size_t)sh->S + (size_t)s) *
                                                     TDM_CMP_PP_PHASES + (size_t)f];
     return n ? sum / n : 0.0;
 }
@@ -226,11 +185,18 @@ static void tdm_cmp_pp_print_phases(const tdm_cmp_opts *o, const tdm_cmp_pp_shar
 {
     static const char *const name[TDM_CMP_PP_PHASES] = {"forward", "backward", "loss",
                                                          "recv wait", "send wait", "bubble",
-                                                         "pipeline"};
-    printf("\npipeline phases (ms per step, mean over steps %d..%d; bubble = pipeline - "
+                                                         "pipeline", "grad sync",
+                                                         "tp sums"};
+    printf("\npipeline phases (ms per step, mean over steps %d..%d%s; bubble = pipeline - "
            "forward - backward - loss: the time a stage waited on the pipeline, of which send "
-           "and recv wait are the part blocked on a transfer):\n",
-           tdm_cmp_pp_warm(o) + 1, o->steps);
+           "and recv wait are the part blocked on a transfer%s):\n",
+           tdm_cmp_warm(o) + 1, o->steps,
+           sh->D > 1 || sh->T > 1 ? ", replica 0's stages (tp rank 0's)" : "",
+           sh->D > 1 ? "; grad sync: DDP's sum over the dp dimension, begun with the last "
+                       "micro-batch's backward" : "");
+    if (sh->T > 1)
+        printf("  (tp sums: the all-reduces of the stage's partial sums over its %d "
+               "tensor-parallel ranks, inside forward and backward)\n", sh->T);
     printf("  %-12s", "");
     for (int s = 0; s < sh->S; s++) printf("   stage %-3d", s);
     printf("\n  %-12s", "layers");
@@ -241,6 +207,7 @@ static void tdm_cmp_pp_print_phases(const tdm_cmp_opts *o, const tdm_cmp_pp_shar
     }
     printf("\n");
     for (int f = 0; f < TDM_CMP_PP_PHASES; f++) {
+        if ((f == TDM_CMP_PP_SYNC && sh->D < 2) || (f == TDM_CMP_PP_TPSUM && sh->T < 2)) continue;
         printf("  %-12s", name[f]);
         for (int s = 0; s < sh->S; s++) printf("  %10.3f", tdm_cmp_pp_phase(o, sh, s, f));
         printf("\n");
@@ -256,6 +223,10 @@ static void tdm_cmp_pp_print_phases(const tdm_cmp_opts *o, const tdm_cmp_pp_shar
     printf("\n  bubble: %.1f%% measured (mean over the stages) vs (S-1)/(M+S-1) = %.1f%% for "
            "S = %d, M = %d of a balanced pipeline whose transfers cost nothing\n",
            100.0 * mean, 100.0 * ideal, sh->S, sh->M);
+    for (int s = 0; sh->T > 1 && s < sh->S; s++)
+        printf("  stage %d's tp sums: %.1f all-reduces of %.0f bytes per step (counted; 0: its "
+               "layers are replicated, no pair in the stage)\n", s, sh->tp_calls[s] / sh->steps,
+               sh->tp_bytes[s] / sh->steps);
     *bubble_mean = mean;
 }
 
@@ -278,14 +249,23 @@ static void tdm_cmp_pp_print_memory(const tdm_cmp_pp_shared *sh, tdm_pp_schedule
     }
 }
 
+/* "pp(2)", or with replicas "dp(2) x pp(2)". */
+static void tdm_cmp_pp_label(const tdm_cmp_pp_shared *sh, char *buf, size_t n)
+{
+    int k = sh->D > 1 ? snprintf(buf, n, "dp(%d) x ", sh->D) : 0;
+    if (k < 0 || (size_t)k >= n) return;
+    k += snprintf(buf + k, n - (size_t)k, "pp(%d)", sh->S);
+    if (sh->T > 1 && k > 0 && (size_t)k < n) snprintf(buf + k, n - (size_t)k, " x tp(%d)", sh->T);
+}
+
 /* Equivalence: every step's loss and the final parameters against one
  * host device with gradient accumulation over the same micro-batches. */
 static int tdm_cmp_pp_verdict(const tdm_cmp_opts *o, const tdm_model_spec *spec,
                               const tdm_cmp_pp_shared *sh, const double *ref_loss,
                               const float *ref_p)
 {
-    const float *p = TDM_CMP_PP_AT(sh, off_params, float);
-    const double *loss = TDM_CMP_PP_AT(sh, off_loss, double);
+    const float *p = TDM_CMP_SHARED_AT(sh, off_params, float);
+    const double *loss = TDM_CMP_SHARED_AT(sh, off_loss, double);
     int64_t n = sh->param_elems, diff = 0;
     double pd = 0.0, ld = 0.0;
     for (int64_t i = 0; i < n; i++) {
@@ -296,57 +276,55 @@ static int tdm_cmp_pp_verdict(const tdm_cmp_opts *o, const tdm_model_spec *spec,
     for (int i = 0; i < o->steps; i++)
         if (fabs(loss[i] - ref_loss[i]) > ld) ld = fabs(loss[i] - ref_loss[i]);
     int host = o->dl.kind == TDM_DEVICE_HOST, gpt = spec->kind == TDM_MODEL_GPT;
+    int K = sh->M * sh->D;   /* the replicas' micro-batches, in order: one device's */
+    char who[48];
+    tdm_cmp_pp_label(sh, who, sizeof who);
     printf("\npipeline equivalence (vs one host device, --grad-accum %d over the same "
-           "micro-batches of %d):\n", sh->M, (o->batch + sh->M - 1) / sh->M);
-    if (host && !gpt) {
+           "micro-batches of %d):\n", K, (o->batch + K - 1) / K);
+    if (host && !gpt && sh->D == 1 && sh->T == 1) {
         int ok = diff == 0 && ld == 0.0;
-        printf("  pp(%d): %lld of %lld parameters differ, largest loss difference %.3g over %d "
+        printf("  %s: %lld of %lld parameters differ, largest loss difference %.3g over %d "
                "steps -> %s (bit for bit expected: the same micro-batches added in the same "
-               "order)\n", sh->S, (long long)diff, (long long)n, ld, o->steps,
+               "order)\n", who, (long long)diff, (long long)n, ld, o->steps,
                ok ? "BITWISE IDENTICAL" : "FAIL");
         return ok;
     }
     double ptol = TDM_CMP_PP_GPT_PARAM_TOL, ltol = TDM_CMP_PP_GPT_LOSS_TOL;
     int ok = pd <= ptol && ld <= ltol;
-    printf("  pp(%d): largest parameter difference %.3g (bound %.0e), loss %.3g (bound %.0e) "
-           "-> %s (%s)\n", sh->S, pd, ptol, ld, ltol, ok ? "PASS" : "FAIL",
-           gpt ? "the GPT's tied embedding: its two shares add in another order than on one "
-                 "device"
-               : "devices that are not the reference's host");
+    printf("  %s: largest parameter difference %.3g (bound %.0e), loss %.3g (bound %.0e) "
+           "-> %s (%s)\n", who, pd, ptol, ld, ltol, ok ? "PASS" : "FAIL",
+           sh->T > 1 ? "the stages' row-parallel products are sums of the tensor-parallel ranks' "
+                       "partial products, added in another order than one device's gemm"
+           : sh->D > 1 ? "DDP adds each replica's sum of its micro-batches' gradients, one device "
+                         "all of them in one sequence: the same additions in another order"
+           : gpt ? "the GPT's tied embedding: its two shares add in another order than on one "
+                   "device"
+                 : "devices that are not the reference's host");
     return ok;
 }
 
 /* ---- the section ---- */
 
-/* Runs a pipeline of S stages over the global batches: its records, in
- * a shared mapping (NULL on failure, said). */
+/* Runs D replicas of a pipeline of S stages (--mesh dp=D,pp=S; D = 1:
+ * one pipeline) over the global batches: its records, in a shared
+ * mapping (NULL on failure, said). */
 static tdm_cmp_pp_shared *tdm_cmp_pp_go(const tdm_cmp_opts *o, const tdm_cmp_data *data,
-                                        const tdm_model_spec *spec, int S, int M,
-                                        tdm_pp_schedule_kind kind)
+                                        const tdm_model_spec *spec, int D, int S, int T,
+                                        int M, tdm_pp_schedule_kind kind)
 {
     int64_t pe = tdm_cmp_param_elems(o);
     tdm_tool_build b = {.design = &tdm_tool_pp_design, .cmd = "tandem compare", .seed = o->seed,
-                        .pp = {.stages = S, .micro = M, .schedule = kind, .batch = o->batch}};
+                        .pp = {.stages = S, .micro = M, .schedule = kind, .batch = o->batch,
+                               .mesh = D > 1 || T > 1 ? o->mesh : NULL}};
     b.spec = *spec;
     tdm_optim_opts_named(&b.optim, o->optim, o->lr, o->weight_decay, o->momentum, 0);
-    tdm_cmp_pp_shared lay = tdm_cmp_pp_layout(S, M, o->steps, pe);
-    tdm_cmp_pp_shared *sh = mmap(NULL, lay.total, PROT_READ | PROT_WRITE,
-                                 MAP_SHARED | MAP_ANONYMOUS, -1, 0);
-    if (sh == MAP_FAILED) {
-        perror("tandem compare: mmap");
-        return NULL;
-    }
+    tdm_cmp_pp_shared lay = tdm_cmp_pp_layout(D, S, T, M, o->steps, pe);
+    tdm_cmp_pp_shared *sh = tdm_cmp_map_shared(lay.total);
+    if (!sh) return NULL;
     *sh = lay;
     tdm_cmp_pp_run c = {.o = o, .data = data, .sh = sh, .t_start = tdm_time_ns()};
     b.tool = &c;
-    tdm_dist_design d = b.design->dist;
-    d.run = tdm_cmp_pp_rank_run;
-    tdm_dist_run_opts ro = {.devices = &o->dl, .spec = o->device, .world = S,
-                            .run_timeout_ms = TDM_CMP_RUN_TIMEOUT_MS};
-    tdm_status st = tdm_dist_timeout_from_env(&ro.timeout_ms);
-    if (!st && !ro.timeout_ms) ro.timeout_ms = TDM_DIST_TIMEOUT_DEFAULT_MS;
-    fflush(stdout);
-    if (!st) st = tdm_dist_run(&d, &b, &ro);
+    tdm_status st = tdm_cmp_mesh_run(o, &b, tdm_cmp_pp_rank_run, D * S * T);
     if (st) {
         fprintf(stderr, "tandem compare: pp: %s\n", tdm_error_message());
         munmap(sh, lay.total);
@@ -358,11 +336,7 @@ static tdm_cmp_pp_shared *tdm_cmp_pp_go(const tdm_cmp_opts *o, const tdm_cmp_dat
 /* The median post-warm-up step's samples/s. */
 static double tdm_cmp_pp_sps(const tdm_cmp_opts *o, const tdm_cmp_pp_shared *sh, double *med)
 {
-    int n = 0;
-    double *t = malloc((size_t)o->steps * sizeof *t);
-    for (int i = tdm_cmp_pp_warm(o); t && i < o->steps; i++) t[n++] = tdm_cmp_pp_step_ms(sh, i);
-    *med = t ? tdm_cmp_pp_median(t, n) : 0.0;
-    free(t);
+    *med = tdm_cmp_slowest_median(o, TDM_CMP_SHARED_AT(sh, off_step, double), sh->steps, sh->W);
     return *med > 0 ? o->batch / *med * 1e3 : 0.0;
 }
 
@@ -371,8 +345,8 @@ double tdm_cmp_pp_sweep_sps(const tdm_cmp_opts *o, const tdm_cmp_data *data,
 {
     tdm_pp_schedule_kind kind = TDM_PP_1F1B;
     if (o->pp_schedule) (void)tdm_pp_schedule_parse(o->pp_schedule, &kind);   /* checked */
-    tdm_cmp_pp_shared *sh = tdm_cmp_pp_go(o, data, spec, S, o->pp_micro > 0 ? o->pp_micro : 4,
-                                          kind);
+    tdm_cmp_pp_shared *sh = tdm_cmp_pp_go(o, data, spec, 1, S, 1,
+                                          o->pp_micro > 0 ? o->pp_micro : 4, kind);
     if (!sh) return -1.0;
     double med, sps = tdm_cmp_pp_sps(o, sh, &med);
     munmap(sh, sh->total);
@@ -384,11 +358,16 @@ int tdm_cmp_pp_section(const tdm_cmp_opts *o, const tdm_cmp_data *data,
                        const tdm_cmp_result *ddp)
 {
     int S = o->pp_stages > 0 ? o->pp_stages : o->n_dev, M = o->pp_micro > 0 ? o->pp_micro : 4;
+    int D = o->mesh_pp > 1 ? o->mesh_dp : 1, rows = (o->batch + D - 1) / D;
+    int T = o->mesh_pp > 1 && o->mesh_tp > 1 ? o->mesh_tp : 1;
     tdm_pp_schedule_kind kind = TDM_PP_1F1B;
     if (o->pp_schedule) (void)tdm_pp_schedule_parse(o->pp_schedule, &kind);   /* checked */
-    printf("\nPipeline: pp(%d), %s, %d micro-batches of %d\n  running pp...\n", S,
-           tdm_pp_schedule_name(kind), M, (o->batch + M - 1) / M);
-    tdm_cmp_pp_shared *sh = tdm_cmp_pp_go(o, data, spec, S, M, kind);
+    char rep[40] = "", tps[64] = "";
+    if (D > 1) snprintf(rep, sizeof rep, "dp(%d) x ", D);
+    if (T > 1) snprintf(tps, sizeof tps, " x tp(%d) (each stage tensor-parallel)", T);
+    printf("\nPipeline: %spp(%d)%s, %s, %d micro-batches of %d%s\n  running pp...\n", rep, S,
+           tps, tdm_pp_schedule_name(kind), M, (rows + M - 1) / M, D > 1 ? " per replica" : "");
+    tdm_cmp_pp_shared *sh = tdm_cmp_pp_go(o, data, spec, D, S, T, M, kind);
     if (!sh) return -1;
     int64_t pe = sh->param_elems;
     double *ref_loss = calloc((size_t)o->steps, sizeof *ref_loss);
@@ -396,22 +375,17 @@ int tdm_cmp_pp_section(const tdm_cmp_opts *o, const tdm_cmp_data *data,
     tdm_status st = ref_loss && ref_p ? TDM_STATUS_OK
                                       : tdm_error_set(TDM_STATUS_OUT_OF_MEMORY,
                                                       "compare: pp reference");
-    if (!st) st = tdm_cmp_pp_reference(o, data, spec, M, ref_loss, ref_p);
+    if (!st) st = tdm_cmp_reference(o, data, spec, D * M, ref_loss, ref_p);
     int verdict = -1;
     if (st) {
         fprintf(stderr, "tandem compare: pp: %s\n", tdm_error_message());
     } else {
-        int w = tdm_cmp_pp_warm(o);
-        double med, sps = tdm_cmp_pp_sps(o, sh, &med);
-        double s1 = 0, s1min = 0, s1max = 0, sd = 0;
-        tdm_cmp_step_stats(o, single, &s1, &s1min, &s1max);
-        if (ddp && ddp->ok) tdm_cmp_step_stats(o, ddp, &sd, &s1min, &s1max);
-        printf("\npipeline throughput (median step over steps %d..%d; a step is the slowest "
-               "stage's):\n  pp(%d) %s M=%d: %.3f ms/step = %.0f samples/s = %.2fx one device "
-               "(%.0f samples/s)", w + 1, o->steps, S, tdm_pp_schedule_name(kind), M, med, sps,
-               s1 > 0 ? s1 / med : 0.0, s1 > 0 ? o->batch / s1 * 1e3 : 0.0);
-        if (sd > 0) printf(", %.2fx DDP(%d)", sd / med, ddp->n_dev);
-        printf("\n");
+        double med;
+        (void)tdm_cmp_pp_sps(o, sh, &med);
+        char what[80], lab[48];
+        tdm_cmp_pp_label(sh, lab, sizeof lab);
+        snprintf(what, sizeof what, "%s %s M=%d", lab, tdm_pp_schedule_name(kind), M);
+        tdm_cmp_mesh_speed(o, "pipeline", "stage", what, med, single, ddp);
         double bubble = 0.0;
         tdm_cmp_pp_print_phases(o, sh, &bubble);
         verdict = tdm_cmp_pp_verdict(o, spec, sh, ref_loss, ref_p);
@@ -455,7 +429,7 @@ void tdm_cmp_pp_trace(FILE *f, int *first, int pid, long long (*us)(double))
         TDM_PP_EV("{\"ph\": \"M\", \"pid\": %d, \"tid\": %d, \"name\": \"thread_name\", "
                   "\"args\": {\"name\": \"stage %d\"}}", pid, s, s);
         for (int i = 0; i < sh->steps; i++) {
-            const double *e = TDM_CMP_PP_AT(sh, off_ev, double) +
+            const double *e = TDM_CMP_SHARED_AT(sh, off_ev, double) +
                               ((size_t)i * (size_t)sh->S + (size_t)s) * (size_t)sh->n_ev * 4;
             for (int k = 0; k < sh->n_ev; k++, e += 4) {
                 if (e[0] < 0) continue;

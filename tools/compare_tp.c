@@ -20,9 +20,10 @@
 #include <string.h>
 #include <sys/mman.h>
 
+#include "dist/batch.h"
 #include "models/optim.h"
-#include "models/train.h"
 #include "tools/compare.h"
+#include "tools/compare_mesh.h"
 #include "tools/ranks.h"
 #include "tp/tp.h"
 
@@ -35,10 +36,13 @@
 #define TDM_CMP_TP_ATOL 1e-4
 #define TDM_CMP_TP_RTOL 1e-3
 #define TDM_CMP_TP_LOSS 1e-3
-#define TDM_CMP_TP_PHASES 6   /* forward, fwd all-reduce, loss, backward, bwd all-reduce, step */
+/* forward, fwd all-reduce, loss, backward, bwd all-reduce, optimizer, and
+ * with replicas the gradients' sum over the dp dimension */
+#define TDM_CMP_TP_PHASES 7
 
 typedef struct tdm_cmp_tp_shared {
-    int N, steps;
+    int N, steps;                        /* N: every rank (D * T) */
+    int D, T;                            /* replicas (--mesh dp=D,tp=T) and the group's size */
     int64_t param_elems;
     double mem[TDM_CMP_MAX_DEV][4];      /* params, grads, optimizer, activations */
     double split[TDM_CMP_MAX_DEV][2];    /* split elements, one device's */
@@ -48,7 +52,6 @@ typedef struct tdm_cmp_tp_shared {
     size_t off_loss, off_step, off_phase, off_params, total;
 } tdm_cmp_tp_shared;
 
-#define TDM_CMP_TP_AT(sh, off, type) ((type *)((char *)(sh) + (sh)->off))
 
 typedef struct tdm_cmp_tp_run {
     const tdm_cmp_opts *o;
@@ -67,11 +70,11 @@ static tdm_status tdm_cmp_tp_rank_run(void *ctx, tdm_dist_rank *d, void *self)
     tdm_dist_stepper s = {.w = r->w, .opt = r->opt, .comm = d->comm, .rank = r->rank,
                           .world = r->world, .global_batch = c->o->batch};
     int k = r->rank, B = c->o->batch;
-    float *x = malloc((size_t)B * (size_t)tdm_cmp_feat(c->data) * sizeof(float));
-    int32_t *y = malloc((size_t)B * (size_t)tdm_cmp_targets(c->data) * sizeof(int32_t));
-    tdm_status st = x && y ? TDM_STATUS_OK
-                           : tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "compare: tp rank %d: a "
-                                           "batch of %d", k, B);
+    float *x = NULL;
+    int32_t *y = NULL;
+    char who[32];
+    snprintf(who, sizeof who, "tp rank %d", k);
+    tdm_status st = tdm_cmp_batch_new(c->data, B, who, &x, &y);
     tdm_comm *tc = tdm_mesh_comm(d->mesh, TDM_MESH_TP);
     tdm_comm_traffic t0, t1;
     tdm_comm_traffic_get(tc, &t0);
@@ -84,20 +87,21 @@ static tdm_status tdm_cmp_tp_rank_run(void *ctx, tdm_dist_rank *d, void *self)
         uint64_t e = tdm_time_ns();
         if (st) break;
         size_t at = (size_t)i * (size_t)sh->N + (size_t)k;
-        if (k == 0) TDM_CMP_TP_AT(sh, off_loss, double)[i] = loss;
-        TDM_CMP_TP_AT(sh, off_step, double)[at] = (double)(e - a) * 1e-6;
+        if (k == 0) TDM_CMP_SHARED_AT(sh, off_loss, double)[i] = loss;
+        TDM_CMP_SHARED_AT(sh, off_step, double)[at] = (double)(e - a) * 1e-6;
         tdm_tp_stats ts;
         tdm_tool_tp_stats(r, &ts);
         double v[TDM_CMP_TP_PHASES] = {
             ts.sum.forward - prev.sum.forward, ts.sum.fwd_allreduce - prev.sum.fwd_allreduce,
             ts.sum.loss - prev.sum.loss, ts.sum.backward - prev.sum.backward,
-            ts.sum.bwd_allreduce - prev.sum.bwd_allreduce, ts.sum.step - prev.sum.step};
-        memcpy(TDM_CMP_TP_AT(sh, off_phase, double) + at * TDM_CMP_TP_PHASES, v, sizeof v);
+            ts.sum.bwd_allreduce - prev.sum.bwd_allreduce, ts.sum.step - prev.sum.step,
+            ts.sum.grad_sync - prev.sum.grad_sync};
+        memcpy(TDM_CMP_SHARED_AT(sh, off_phase, double) + at * TDM_CMP_TP_PHASES, v, sizeof v);
         prev = ts;
     }
     tdm_comm_traffic_get(tc, &t1);
     if (st == TDM_STATUS_OK)
-        st = b->design->params(r, k == 0 ? TDM_CMP_TP_AT(sh, off_params, float) : NULL, 0);
+        st = b->design->params(r, k == 0 ? TDM_CMP_SHARED_AT(sh, off_params, float) : NULL, 0);
     if (st == TDM_STATUS_OK) {
         tdm_tp_stats ts;
         tdm_tool_tp_stats(r, &ts);
@@ -119,89 +123,32 @@ static tdm_status tdm_cmp_tp_rank_run(void *ctx, tdm_dist_rank *d, void *self)
     return st;
 }
 
-static tdm_cmp_tp_shared tdm_cmp_tp_layout(int N, int steps, int64_t pe)
+static tdm_cmp_tp_shared tdm_cmp_tp_layout(int D, int T, int steps, int64_t pe)
 {
+    int N = D * T;
     size_t n = (size_t)steps * (size_t)N;
-    tdm_cmp_tp_shared lay = {.N = N, .steps = steps, .param_elems = pe};
-    size_t off = (sizeof lay + 63) & ~(size_t)63;
-#define TDM_CMP_TP_PLACE(field, bytes) (lay.field = off, off = (off + (bytes) + 63) & ~(size_t)63)
-    TDM_CMP_TP_PLACE(off_loss, (size_t)steps * sizeof(double));
-    TDM_CMP_TP_PLACE(off_step, n * sizeof(double));
-    TDM_CMP_TP_PLACE(off_phase, n * TDM_CMP_TP_PHASES * sizeof(double));
-    TDM_CMP_TP_PLACE(off_params, (size_t)pe * sizeof(float));
-#undef TDM_CMP_TP_PLACE
+    tdm_cmp_tp_shared lay = {.N = N, .D = D, .T = T, .steps = steps, .param_elems = pe};
+    size_t off = tdm_cmp_place_start(sizeof lay);
+    lay.off_loss = tdm_cmp_place(&off, (size_t)steps * sizeof(double));
+    lay.off_step = tdm_cmp_place(&off, n * sizeof(double));
+    lay.off_phase = tdm_cmp_place(&off, n * TDM_CMP_TP_PHASES * sizeof(double));
+    lay.off_params = tdm_cmp_place(&off, (size_t)pe * sizeof(float));
     lay.total = off;
     return lay;
 }
 
-/* ---- one device, plain steps ---- */
-
-static tdm_status tdm_cmp_tp_reference(const tdm_cmp_opts *o, const tdm_cmp_data *data,
-                                       const tdm_model_spec *spec, double *loss, float *params)
-{
-    tdm_device *dev = NULL;
-    tdm_model *m = NULL;
-    tdm_optim *opt = NULL;
-    int B = o->batch;
-    float *x = malloc((size_t)B * (size_t)tdm_cmp_feat(data) * sizeof(float));
-    int32_t *y = malloc((size_t)B * (size_t)tdm_cmp_targets(data) * sizeof(int32_t));
-    tdm_optim_opts oo;
-    tdm_optim_opts_named(&oo, o->optim, o->lr, o->weight_decay, o->momentum, 0);
-    tdm_status st = x && y ? TDM_STATUS_OK
-                           : tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "compare: a batch of %d", B);
-    if (!st) st = tdm_device_open(&dev, "cpu", 0, 1);
-    if (!st) st = tdm_model_init(&m, dev, spec, o->seed);
-    if (!st) st = tdm_optim_init(&opt, m, &oo);
-    for (int i = 0; !st && i < o->steps; i++) {
-        tdm_cmp_rows(data, i, B, 0, B, x, y);
-        st = tdm_model_zero_grad(m);
-        if (!st) st = tdm_model_forward_backward(m, x, y, B, &loss[i]);
-        if (!st) st = tdm_optim_step(opt);
-    }
-    if (!st) memcpy(params, tdm_model_params(m), (size_t)tdm_model_param_elems(m) * 4);
-    tdm_optim_free(opt);
-    tdm_model_free(m);
-    tdm_device_free(dev);
-    free(x);
-    free(y);
-    return st;
-}
-
 /* ---- printing ---- */
-
-static int tdm_cmp_tp_warm(const tdm_cmp_opts *o) { return o->warmup < o->steps ? o->warmup : 0; }
 
 static double tdm_cmp_tp_mean(const tdm_cmp_opts *o, const tdm_cmp_tp_shared *sh, int k, int f)
 {
     int n = 0;
     double sum = 0.0;
-    for (int i = tdm_cmp_tp_warm(o); i < sh->steps; i++, n++) {
+    for (int i = tdm_cmp_warm(o); i < sh->steps; i++, n++) {
         size_t at = (size_t)i * (size_t)sh->N + (size_t)k;
-        sum += f < 0 ? TDM_CMP_TP_AT(sh, off_step, double)[at]
-                     : TDM_CMP_TP_AT(sh, off_phase, double)[at * TDM_CMP_TP_PHASES + (size_t)f];
+        sum += f < 0 ? TDM_CMP_SHARED_AT(sh, off_step, double)[at]
+                     : TDM_CMP_SHARED_AT(sh, off_phase, double)[at * TDM_CMP_TP_PHASES + (size_t)f];
     }
     return n ? sum / n : 0.0;
-}
-
-/* The median post-warm-up step, a step being its slowest rank's. */
-static double tdm_cmp_tp_median_step(const tdm_cmp_opts *o, const tdm_cmp_tp_shared *sh)
-{
-    int n = 0;
-    double *t = malloc((size_t)sh->steps * sizeof *t);
-    if (!t) return 0.0;
-    for (int i = tdm_cmp_tp_warm(o); i < sh->steps; i++) {
-        double most = 0.0;
-        for (int k = 0; k < sh->N; k++) {
-            double v = TDM_CMP_TP_AT(sh, off_step, double)[(size_t)i * (size_t)sh->N + (size_t)k];
-            most = v > most ? v : most;
-        }
-        int j = n++;
-        for (; j > 0 && t[j - 1] > most; j--) t[j] = t[j - 1];
-        t[j] = most;
-    }
-    double med = n ? (n % 2 ? t[n / 2] : 0.5 * (t[n / 2 - 1] + t[n / 2])) : 0.0;
-    free(t);
-    return med;
 }
 
 static void tdm_cmp_tp_print(const tdm_cmp_opts *o, const tdm_model_spec *spec,
@@ -209,24 +156,28 @@ static void tdm_cmp_tp_print(const tdm_cmp_opts *o, const tdm_model_spec *spec,
 {
     static const char *const name[TDM_CMP_TP_PHASES] = {"forward", "fwd all-reduce", "loss",
                                                          "backward", "bwd all-reduce",
-                                                         "optimizer"};
+                                                         "optimizer", "dp grad sum"};
     const double mib = 1.0 / (1024.0 * 1024.0);
     printf("\ntensor-parallel phases (ms per step, mean over steps %d..%d; the all-reduces are "
-           "exposed: the next layer needs their result):\n  %-16s", tdm_cmp_tp_warm(o) + 1,
+           "exposed: the next layer needs their result):\n  %-16s", tdm_cmp_warm(o) + 1,
            o->steps, "");
     for (int k = 0; k < sh->N; k++) printf("    rank %-3d", k);
     printf("\n");
-    for (int f = 0; f < TDM_CMP_TP_PHASES; f++) {
+    for (int f = 0; f < TDM_CMP_TP_PHASES - (sh->D > 1 ? 0 : 1); f++) {
         printf("  %-16s", name[f]);
         for (int k = 0; k < sh->N; k++) printf("  %10.3f", tdm_cmp_tp_mean(o, sh, k, f));
         printf("\n");
     }
     printf("  %-16s", "step");
     for (int k = 0; k < sh->N; k++) printf("  %10.3f", tdm_cmp_tp_mean(o, sh, k, -1));
-    int64_t plan = tdm_tp_step_bytes(spec, sh->N, o->batch);
     printf("\n\ntensor-parallel memory and communication per rank (MiB; split tensors: the "
-           "rank's elements of one device's):\n");
-    for (int k = 0; k < sh->N; k++)
+           "rank's elements of one device's%s):\n",
+           sh->D > 1 ? "; the all-reduces of its group over its replica's share of the batch"
+                     : "");
+    for (int k = 0; k < sh->N; k++) {
+        int64_t lo = 0, hi = o->batch;
+        tdm_dist_share(o->batch, k / sh->T, sh->D, &lo, &hi);
+        int64_t plan = tdm_tp_step_bytes(spec, sh->T, (int)(hi - lo));
         printf("  rank %d: params %.3f, grads %.3f, optimizer %.3f, activations %.3f; split "
                "tensors %.0f of %.0f elements; all-reduce payload handed to the communicator "
                "%.0f bytes per step in %.1f calls (the plan: %lld bytes in %d), which a ring "
@@ -234,14 +185,22 @@ static void tdm_cmp_tp_print(const tdm_cmp_opts *o, const tdm_model_spec *spec,
                sh->mem[k][0] * mib, sh->mem[k][1] * mib, sh->mem[k][2] * mib,
                sh->mem[k][3] * mib, sh->split[k][0], sh->split[k][1],
                sh->bytes[k] / sh->steps, sh->calls[k] / sh->steps, (long long)plan,
-               tdm_tp_step_allreduces(spec, sh->N), sh->sent[k] / sh->steps);
+               tdm_tp_step_allreduces(spec, sh->T), sh->sent[k] / sh->steps);
+    }
+}
+
+/* "tp(2)", or with replicas "dp(2) x tp(2)". */
+static void tdm_cmp_tp_label(const tdm_cmp_tp_shared *sh, char *buf, size_t n)
+{
+    if (sh->D > 1) snprintf(buf, n, "dp(%d) x tp(%d)", sh->D, sh->T);
+    else snprintf(buf, n, "tp(%d)", sh->T);
 }
 
 static int tdm_cmp_tp_verdict(const tdm_cmp_opts *o, const tdm_cmp_tp_shared *sh,
                               const double *ref_loss, const float *ref_p)
 {
-    const float *p = TDM_CMP_TP_AT(sh, off_params, float);
-    const double *loss = TDM_CMP_TP_AT(sh, off_loss, double);
+    const float *p = TDM_CMP_SHARED_AT(sh, off_params, float);
+    const double *loss = TDM_CMP_SHARED_AT(sh, off_loss, double);
     double pd = 0.0, ld = 0.0, worst = 0.0;
     for (int64_t i = 0; i < sh->param_elems; i++) {
         double d = fabs((double)p[i] - (double)ref_p[i]);
@@ -254,13 +213,15 @@ static int tdm_cmp_tp_verdict(const tdm_cmp_opts *o, const tdm_cmp_tp_shared *sh
         if (!(d <= ld)) ld = d;
     }
     int ok = worst <= 1.0 && ld <= TDM_CMP_TP_LOSS;
+    char who[40];
+    tdm_cmp_tp_label(sh, who, sizeof who);
     printf("\ntensor-parallel equivalence (vs one host device on the same batches, |a-b| <= "
-           "atol %.0e + rtol %.0e |b|, losses within rel %.0e): tp(%d): largest parameter "
+           "atol %.0e + rtol %.0e |b|, losses within rel %.0e): %s: largest parameter "
            "difference %.3g (%.2f of the allowed), loss rel %.3g over %d steps -> %s "
            "(row-parallel sums add the ranks' partial products in another order than one "
-           "device's gemm: float rounding, not bit for bit)\n", TDM_CMP_TP_ATOL,
-           TDM_CMP_TP_RTOL, TDM_CMP_TP_LOSS, sh->N, pd, worst, ld, o->steps,
-           ok ? "PASS" : "FAIL");
+           "device's gemm%s: float rounding, not bit for bit)\n", TDM_CMP_TP_ATOL,
+           TDM_CMP_TP_RTOL, TDM_CMP_TP_LOSS, who, pd, worst, ld, o->steps, ok ? "PASS" : "FAIL",
+           sh->D > 1 ? ", and the replicas' gradients are summed" : "");
     return ok;
 }
 
@@ -270,51 +231,39 @@ int tdm_cmp_tp_section(const tdm_cmp_opts *o, const tdm_cmp_data *data,
                        const tdm_model_spec *spec, const tdm_cmp_result *single,
                        const tdm_cmp_result *ddp)
 {
-    int N = o->n_dev;
+    int tp_row = o->mesh_tp > 1 && o->mesh_pp <= 1;   /* --mesh dp=D,tp=N */
+    int T = tp_row ? o->mesh_tp : o->n_dev, D = tp_row ? o->mesh_dp : 1;
     int64_t pe = tdm_cmp_param_elems(o);
-    printf("\nTensor parallel: tp(%d), %s\n  running tp...\n", N,
+    char rep[40] = "";
+    if (D > 1) snprintf(rep, sizeof rep, "dp(%d) x ", D);
+    printf("\nTensor parallel: %stp(%d), %s\n  running tp...\n", rep, T,
            spec->kind == TDM_MODEL_GPT ? "the GPT's attention split by heads, its MLP column/row"
                                        : "the MLP's layers as column/row-parallel pairs");
-    tdm_tool_build b = {.design = &tdm_tool_tp_design, .cmd = "tandem compare", .seed = o->seed};
+    tdm_tool_build b = {.design = &tdm_tool_tp_design, .cmd = "tandem compare", .seed = o->seed,
+                        .pp = {.mesh = tp_row ? o->mesh : NULL}};
     b.spec = *spec;
     tdm_optim_opts_named(&b.optim, o->optim, o->lr, o->weight_decay, o->momentum, 0);
-    tdm_cmp_tp_shared lay = tdm_cmp_tp_layout(N, o->steps, pe);
-    tdm_cmp_tp_shared *sh = mmap(NULL, lay.total, PROT_READ | PROT_WRITE,
-                                 MAP_SHARED | MAP_ANONYMOUS, -1, 0);
-    if (sh == MAP_FAILED) {
-        perror("tandem compare: mmap");
-        return -1;
-    }
+    tdm_cmp_tp_shared lay = tdm_cmp_tp_layout(D, T, o->steps, pe);
+    tdm_cmp_tp_shared *sh = tdm_cmp_map_shared(lay.total);
+    if (!sh) return -1;
     *sh = lay;
     tdm_cmp_tp_run c = {.o = o, .data = data, .sh = sh};
     b.tool = &c;
-    tdm_dist_design d = b.design->dist;
-    d.run = tdm_cmp_tp_rank_run;
-    tdm_dist_run_opts ro = {.devices = &o->dl, .spec = o->device, .world = N,
-                            .run_timeout_ms = TDM_CMP_RUN_TIMEOUT_MS};
-    tdm_status st = tdm_dist_timeout_from_env(&ro.timeout_ms);
-    if (!st && !ro.timeout_ms) ro.timeout_ms = TDM_DIST_TIMEOUT_DEFAULT_MS;
-    fflush(stdout);
-    if (!st) st = tdm_dist_run(&d, &b, &ro);
+    tdm_status st = tdm_cmp_mesh_run(o, &b, tdm_cmp_tp_rank_run, D * T);
     double *ref_loss = calloc((size_t)o->steps, sizeof *ref_loss);
     float *ref_p = malloc((size_t)(pe > 0 ? pe : 1) * sizeof *ref_p);
     if (!st && (!ref_loss || !ref_p))
         st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "compare: tp reference");
-    if (!st) st = tdm_cmp_tp_reference(o, data, spec, ref_loss, ref_p);
+    if (!st) st = tdm_cmp_reference(o, data, spec, 0, ref_loss, ref_p);
     int verdict = -1;
     if (st) {
         fprintf(stderr, "tandem compare: tp: %s\n", tdm_error_message());
     } else {
-        double med = tdm_cmp_tp_median_step(o, sh), s1 = 0, lo = 0, hi = 0, sd = 0;
-        tdm_cmp_step_stats(o, single, &s1, &lo, &hi);
-        if (ddp && ddp->ok) tdm_cmp_step_stats(o, ddp, &sd, &lo, &hi);
-        printf("\ntensor-parallel throughput (median step over steps %d..%d; a step is the "
-               "slowest rank's):\n  tp(%d): "
-               "%.3f ms/step = %.0f samples/s = %.2fx one device (%.0f samples/s)",
-               tdm_cmp_tp_warm(o) + 1, o->steps, N, med, med > 0 ? o->batch / med * 1e3 : 0.0,
-               s1 > 0 && med > 0 ? s1 / med : 0.0, s1 > 0 ? o->batch / s1 * 1e3 : 0.0);
-        if (sd > 0 && med > 0) printf(", %.2fx DDP(%d)", sd / med, ddp->n_dev);
-        printf("\n");
+        double med = tdm_cmp_slowest_median(o, TDM_CMP_SHARED_AT(sh, off_step, double), sh->steps,
+                                            sh->N);
+        char what[40];
+        tdm_cmp_tp_label(sh, what, sizeof what);
+        tdm_cmp_mesh_speed(o, "tensor-parallel", "rank", what, med, single, ddp);
         tdm_cmp_tp_print(o, spec, sh);
         verdict = tdm_cmp_tp_verdict(o, sh, ref_loss, ref_p);
         printf("\ntensor-parallel reading: each rank computes 1/%d of every split layer's "
@@ -324,7 +273,7 @@ int tdm_cmp_tp_section(const tdm_cmp_opts *o, const tdm_cmp_data *data,
                "block), on the critical path. Where the gemms are small or the link slow, the all-reduces "
                "dominate and DDP (one gradient all-reduce per step, overlapped with backward) "
                "wins; TP pays off when a layer's weights are too large for one device or the "
-               "gemms are large beside the activations moved.\n", N, N);
+               "gemms are large beside the activations moved.\n", T, T);
     }
     free(ref_loss);
     free(ref_p);

@@ -10,6 +10,12 @@
  * mode's file loaded by every stage) and the summary (every stage's
  * phases and memory, gathered on rank 0).
  *
+ * With --mesh dp=D,pp=S,tp=N (N > 1) each stage is tensor-parallel over
+ * its N ranks (tools/rank_pptp.h: pp/'s stage model of a narrow spec, the
+ * partial sums all-reduced over the stage's tp group through models/'
+ * callback); each tp index is a pipeline of its own, and checkpoints go
+ * through the whole model's layout by slicing.
+ *
  * With --sharding optimizer (ZeRO-1 over the dp dimension) the stage
  * builds no optimizer of its own: pp/'s optim_step hook steps, on each of
  * the D replicas of a stage, the replica's 1/D slice of the stage's flat
@@ -28,16 +34,17 @@
 #include "dist/mesh.h"
 #include "dist/step.h"
 #include "pp/pp.h"
+#include "tools/rank_mesh.h"
+#include "tools/rank_pptp.h"
 #include "tools/ranks.h"
 #include "tools/train_modes.h"
 
 /* A rank's pipeline state: r->w. */
 typedef struct tdm_tool_pp {
+    tdm_tool_mesh mesh;          /* first: the rank's place and communicators */
     tdm_pp *p;
     tdm_ddp *ddp;                /* with dp > 1: the Reducer over the dp dimension */
-    tdm_mesh *dev_mesh;          /* a GPU's: the mesh over the device communicator */
-    tdm_comm *pcomm;             /* the pipeline's host communicator (borrowed) */
-    tdm_comm *dcomm;             /* the dp dimension's host communicator (borrowed) */
+    tdm_model *tables;           /* the whole model's tables (checkpoints' layout) */
     /* ZeRO-1 (--sharding optimizer) */
     tdm_optim *zopt;             /* the optimizer of this replica's slice of the stage */
     tdm_comm *zcomm;             /* the dp dimension's device communicator (borrowed) */
@@ -46,13 +53,22 @@ typedef struct tdm_tool_pp {
                                     they divide evenly (gathered in place) */
     int64_t zchunk;              /* elements per replica's slice */
     int rep, reps;               /* this replica, of how many */
-    int rank;                    /* in the job (the test hook's) */
     int in_elems, out_rows;      /* per sample of the whole model */
-    tdm_model_spec spec;
-    uint64_t seed;
+    /* --mesh dp=D,pp=S,tp=N, N > 1: the stage is tensor-parallel
+     * (tools/rank_pptp.h) */
+    int tpn;
+    tdm_pptp tp;
 } tdm_tool_pp;
 
 tdm_pp *tdm_tool_pp_of(const tdm_tool_rank *r) { return ((const tdm_tool_pp *)r->w)->p; }
+
+void tdm_tool_pp_tp_sums(const tdm_tool_rank *r, int64_t *calls, int64_t *bytes, double *ms)
+{
+    const tdm_tool_pp *q = r->w;
+    *calls = q->tpn > 1 ? q->tp.sums : 0;
+    *bytes = q->tpn > 1 ? q->tp.sum_bytes : 0;
+    *ms = q->tpn > 1 ? q->tp.sum_ms : 0.0;
+}
 
 /* ---- the layout ---- */
 
@@ -70,21 +86,28 @@ static tdm_status tdm_tool_pp_refuse(const char *what)
     return tdm_error_set(TDM_STATUS_USAGE, "%s: %s", what, why);
 }
 
+/* The first layer of each of S stages: --split, else pp/'s default
+ * balance of the whole model (what tdm_pp_init would choose). */
+static tdm_status tdm_tool_pp_first(const tdm_tool_build *b, int S, int *first)
+{
+    if (b->pp.split)
+        return tdm_pp_split_parse(b->pp.split, S, tdm_tool_pp_layers(&b->spec), first);
+    return tdm_pp_split_balance(&b->spec, S, TDM_PP_BALANCE_FLOPS, first);
+}
+
 tdm_status tdm_tool_pp_check(const tdm_tool_build *b, int world, tdm_mesh_shape *shape)
 {
-    if (b->pp.mesh) {
-        if (tdm_mesh_parse(b->pp.mesh, world, shape)) return tdm_tool_pp_refuse("--mesh");
-    } else {
-        int S = b->pp.stages > 0 ? b->pp.stages : world;
-        TDM_REQUIRE(world % S == 0, TDM_STATUS_USAGE,
-                    "--stages %d does not divide the %d devices: a pipeline of S stages runs "
-                    "on S devices (or D*S with --mesh dp=D,pp=S)", S, world);
-        *shape = (tdm_mesh_shape){.size = {world / S, S, 1}};
-    }
-    int S = shape->size[TDM_MESH_PP];
-    TDM_REQUIRE(shape->size[TDM_MESH_TP] == 1, TDM_STATUS_USAGE,
-                "--mesh: tp=%d: --mode pp splits layers, not tensors (tp=1)",
-                shape->size[TDM_MESH_TP]);
+    /* without --mesh: --stages S (default: every device) times the replicas */
+    int S0 = b->pp.stages > 0 ? b->pp.stages : world;
+    TDM_REQUIRE(b->pp.mesh || world % S0 == 0, TDM_STATUS_USAGE,
+                "--stages %d does not divide the %d devices: a pipeline of S stages runs on S "
+                "devices (or D*S with --mesh dp=D,pp=S)", S0, world);
+    tdm_mesh_shape dflt = {.size = {world / S0, S0, 1}};
+    TDM_CHECK(tdm_tool_mesh_parse(b, world, &dflt, shape));
+    int S = shape->size[TDM_MESH_PP], N = shape->size[TDM_MESH_TP];
+    TDM_REQUIRE(N == 1 || !b->pp.zero1, TDM_STATUS_USAGE,
+                "--sharding optimizer: not with tp=%d in the mesh (ZeRO-1 over the dp dimension "
+                "of tensor-parallel stages is not built)", N);
     TDM_REQUIRE(!b->pp.zero1 || shape->size[TDM_MESH_DP] >= 2, TDM_STATUS_USAGE,
                 "--sharding optimizer shards each stage's optimizer over the dp dimension: it "
                 "needs --mesh dp=D,pp=S with D >= 2 (dp is %d)", shape->size[TDM_MESH_DP]);
@@ -96,13 +119,18 @@ tdm_status tdm_tool_pp_check(const tdm_tool_build *b, int world, tdm_mesh_shape 
     if (L <= 0) return tdm_tool_pp_refuse("--model");
     TDM_REQUIRE(S <= L, TDM_STATUS_USAGE,
                 "%d stages but the model has %d pipeline layers: at most %d stages", S, L, L);
+    TDM_REQUIRE(S <= 64 || (!b->pp.split && N == 1), TDM_STATUS_USAGE,
+                "%s: at most 64 stages (%d)", b->pp.split ? "--split" : "--mesh with tp", S);
+    int first[64];
     if (b->pp.split) {
-        int first[64];
-        TDM_REQUIRE(S <= 64, TDM_STATUS_USAGE, "--split: at most 64 stages");
         if (tdm_pp_split_parse(b->pp.split, S, L, first)) return tdm_tool_pp_refuse("--split");
         if (tdm_model_spec_check_split(&b->spec, first, S)) return tdm_tool_pp_refuse("--split");
     }
-    return TDM_STATUS_OK;
+    if (N == 1) return TDM_STATUS_OK;
+    tdm_pptp_cut cut[TDM_MODEL_MAX_DIMS];
+    tdm_model_spec narrow;
+    if (!b->pp.split && tdm_tool_pp_first(b, S, first)) return tdm_tool_pp_refuse("--model");
+    return tdm_pptp_plan(&b->spec, S, first, N, cut, &narrow);
 }
 
 size_t tdm_tool_pp_arena_bytes(const tdm_tool_build *b, const tdm_device_list *dl, int world,
@@ -134,7 +162,9 @@ static void tdm_rank_pp_free(void *ctx, void *self)
         tdm_optim_free(q->zopt);
         if (q->zbuf) tdm_dev_free(q->zdev, q->zbuf);
         tdm_pp_free(q->p);   /* owns r->m (and r->opt without ZeRO-1) */
-        tdm_mesh_free(q->dev_mesh);
+        tdm_pptp_fini(&q->tp);
+        tdm_model_free(q->tables);
+        tdm_tool_mesh_fini(&q->mesh);
         free(q);
     }
     r->m = NULL;
@@ -162,7 +192,8 @@ static int tdm_rank_pp_zero1_planted(const tdm_tool_pp *q, const char *what, int
     char kind[8];
     int r = -1;
     long long s = 0;
-    if (!e || sscanf(e, "%7[a-z]:%d:%lld", kind, &r, &s) < 2 || strcmp(kind, what) || r != q->rank)
+    if (!e || sscanf(e, "%7[a-z]:%d:%lld", kind, &r, &s) < 2 || strcmp(kind, what) ||
+        r != q->mesh.rank)
         return 0;
     return !strcmp(what, "save") || s == step;
 }
@@ -180,7 +211,7 @@ static tdm_status tdm_rank_pp_zero1_step(void *ctx, tdm_model *m)
                           .state_offset = 0, .n_elem = k};
     if (tdm_rank_pp_zero1_planted(q, "step", tdm_optim_steps(q->zopt) + 1))
         return tdm_error_set(TDM_STATUS_INTERNAL, "rank %d: test hook: ZeRO-1 step %lld fails",
-                             q->rank, (long long)tdm_optim_steps(q->zopt) + 1);
+                             q->mesh.rank, (long long)tdm_optim_steps(q->zopt) + 1);
     TDM_CHECK(tdm_optim_step_ranges(q->zopt, &rg, k > 0));
     float *all = q->zbuf ? q->zbuf : param;
     if (q->zbuf && k) TDM_CHECK(tdm_dev_copy(q->zdev, all + lo, param + lo, (size_t)k * 4));
@@ -209,63 +240,46 @@ static tdm_status tdm_rank_pp_zero1_init(tdm_tool_pp *q, const tdm_optim_opts *o
                               (void **)&q->zbuf);
 }
 
-static void tdm_rank_pp_shape(const tdm_model_spec *s, int *in, int *rows)
-{
-    int c, h, w, classes;
-    if (s->kind == TDM_MODEL_GPT) {
-        *in = *rows = s->n_ctx;
-        return;
-    }
-    tdm_model_spec_sample_shape(s, &c, &h, &w, &classes);
-    *in = c * h * w;
-    *rows = 1;
-}
-
 /* The stage of this rank (pipeline d->coord[pp] of the replica
  * d->coord[dp]), the Reducer over the dp dimension, --resume. */
 static tdm_status tdm_rank_pp_setup(void *ctx, tdm_dist_rank *d, void **self)
 {
     const tdm_tool_build *b = ctx;
-    tdm_tool_rank *r = calloc(1, sizeof *r);
-    tdm_tool_pp *q = calloc(1, sizeof *q);
-    if (!r || !q) {
-        free(r);
-        free(q);
-        return tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "rank %d: calloc", d->env.rank);
-    }
-    *self = r;
-    *r = (tdm_tool_rank){.b = b, .dist = d, .rank = d->env.rank, .world = d->env.world_size,
-                         .w = q};
-    q->spec = b->spec;
-    q->seed = b->seed;
-    q->rep = d->coord[TDM_MESH_DP];
-    q->rank = d->env.rank;
-    q->reps = d->shape.size[TDM_MESH_DP];
-    tdm_rank_pp_shape(&b->spec, &q->in_elems, &q->out_rows);
-    /* on a GPU the pipeline and the Reducer run over NCCL (the device
-     * communicator's own mesh), their host collectives over the group's */
-    tdm_comm *pp_dev = tdm_mesh_comm(d->mesh, TDM_MESH_PP);
-    tdm_comm *dp_dev = tdm_mesh_comm(d->mesh, TDM_MESH_DP);
-    q->pcomm = pp_dev;
-    q->dcomm = dp_dev;
+    TDM_CHECK(tdm_tool_mesh_rank_new(b, d, sizeof(tdm_tool_pp), self));
+    tdm_tool_rank *r = *self;
+    tdm_tool_pp *q = r->w;
+    q->rep = q->mesh.coord[TDM_MESH_DP];
+    q->reps = q->mesh.size[TDM_MESH_DP];
+    /* on a GPU the pipeline and the Reducer run over NCCL, their host
+     * collectives over the group's */
+    tdm_comm *pp_dev = q->mesh.dev[TDM_MESH_PP], *dp_dev = q->mesh.dev[TDM_MESH_DP];
+    tdm_comm *pp_host = q->mesh.host[TDM_MESH_PP], *dp_host = q->mesh.host[TDM_MESH_DP];
     tdm_status st;
-    if (d->dev_comm != d->comm) {
-        if ((st = tdm_mesh_init(&q->dev_mesh, d->dev_comm, &d->shape)))
-            return tdm_tool_rank_fail(r, "device mesh", st);
-        pp_dev = tdm_mesh_comm(q->dev_mesh, TDM_MESH_PP);
-        dp_dev = tdm_mesh_comm(q->dev_mesh, TDM_MESH_DP);
-    }
+    if ((st = tdm_model_init_tables(&q->tables, &b->spec)))
+        return tdm_tool_rank_fail(r, "model tables", st);
+    q->in_elems = tdm_model_in_features(q->tables);
+    q->out_rows = tdm_model_out_rows(q->tables);
     int first[64];
     int S = d->shape.size[TDM_MESH_PP];
-    if (b->pp.split &&
-        (st = tdm_pp_split_parse(b->pp.split, S, tdm_tool_pp_layers(&b->spec), first)))
+    q->tpn = q->mesh.size[TDM_MESH_TP];
+    if ((b->pp.split || q->tpn > 1) && (st = tdm_tool_pp_first(b, S, first)))
         return tdm_tool_rank_fail(r, "--split", st);
+    /* tensor-parallel stages: pp/ builds the narrow model's stage */
+    const tdm_model_spec *spec = &b->spec;
+    if (q->tpn > 1) {
+        if ((st = tdm_pptp_init(&q->tp, &b->spec, S, first, q->tpn, q->mesh.coord[TDM_MESH_TP],
+                                q->mesh.dev[TDM_MESH_TP], q->mesh.host[TDM_MESH_TP], d->dev)))
+            return tdm_tool_rank_fail(r, "tensor-parallel stages", st);
+        q->tp.phost = pp_host;
+        spec = &q->tp.narrow;
+    }
     tdm_pp_opts o = {.schedule = b->pp.schedule, .micro_batches = b->pp.micro,
-                     .split = b->pp.split ? first : NULL, .seed = b->seed, .optim = b->optim,
+                     .split = b->pp.split || q->tpn > 1 ? first : NULL, .seed = b->seed,
+                     .optim = b->optim,
                      .batch = b->pp.batch > 0 ? (b->pp.batch + q->reps - 1) / q->reps : 0,
                      .micro_size = b->pp.batch > 0 ? ((b->pp.batch + q->reps - 1) / q->reps +
                                                       b->pp.micro - 1) / b->pp.micro : 0,
-                     .host_comm = pp_dev != q->pcomm ? q->pcomm : NULL};
+                     .host_comm = pp_dev != pp_host ? pp_host : NULL};
     if (q->reps > 1)
         o.grad_sync = (tdm_pp_grad_sync){.begin = tdm_rank_pp_sync_begin,
                                          .end = tdm_rank_pp_sync_end, .ctx = q};
@@ -274,27 +288,21 @@ static tdm_status tdm_rank_pp_setup(void *ctx, tdm_dist_rank *d, void **self)
         q->zdev = d->dev;
         o.optim_step = (tdm_pp_optim_step){.fn = tdm_rank_pp_zero1_step, .ctx = q};
     }
-    if ((st = tdm_pp_init(&q->p, pp_dev, d->dev, &b->spec, &o)))
+    if ((st = tdm_pp_init(&q->p, pp_dev, d->dev, spec, &o)))
         return tdm_tool_rank_fail(r, "pipeline set-up", st);
+    if (q->tpn > 1 && (st = tdm_pptp_attach(&q->tp, q->p, b->seed)))
+        return tdm_tool_rank_fail(r, "tensor-parallel stage", st);
     r->m = tdm_pp_model(q->p);
     if (b->pp.zero1 && (st = tdm_rank_pp_zero1_init(q, &b->optim)))
         return tdm_tool_rank_fail(r, "ZeRO-1 optimizer over the dp dimension", st);
     r->opt = b->pp.zero1 ? q->zopt : tdm_pp_optim(q->p);
     if (q->reps > 1) {
         tdm_ddp_opts dopt = {.bucket_cap_mb = b->bucket_cap_mb, .no_overlap = b->no_overlap,
-                             .host_comm = dp_dev != tdm_mesh_comm(d->mesh, TDM_MESH_DP)
-                                              ? tdm_mesh_comm(d->mesh, TDM_MESH_DP) : NULL};
+                             .host_comm = dp_dev != dp_host ? dp_host : NULL};
         if ((st = tdm_ddp_init(&q->ddp, r->m, dp_dev, &dopt)))
             return tdm_tool_rank_fail(r, "ddp over the dp dimension", st);
     }
-    int64_t whole = 0;
-    tdm_model_footprint fp;
-    tdm_device *host = NULL;
-    if (tdm_device_open(&host, "cpu", 0, 1) == TDM_STATUS_OK &&
-        tdm_model_spec_footprint(&b->spec, host, 1, &fp) == TDM_STATUS_OK)
-        whole = fp.param_elems;
-    tdm_device_free(host);
-    r->model_params = whole;
+    r->model_params = tdm_model_param_elems(q->tables);
     return tdm_tool_rank_resume(r);
 }
 
@@ -307,26 +315,32 @@ static tdm_status tdm_rank_pp_setup(void *ctx, tdm_dist_rank *d, void **self)
  * complete only on the last stage once backwards have begun, so it is
  * checked after the step, on every stage (all stop at the same step; a
  * checkpoint is never written from it). */
+static tdm_status tdm_rank_pp_step_fn(void *ctx, const void *x, const int32_t *y, int n,
+                                      float grad_scale, double *loss_sum)
+{
+    tdm_tool_pp *q = ctx;
+    tdm_status st = tdm_pp_step_scaled(q->p, x, y, n, grad_scale, loss_sum);
+    if (st && q->tpn > 1) {
+        /* the stage's group may wait in a partial sum for this rank */
+        tdm_comm_abort(q->tp.thost, tdm_error_message());
+        if (q->tp.tdev != q->tp.thost) tdm_comm_abort(q->tp.tdev, tdm_error_message());
+    }
+    return st;
+}
+
 static tdm_status tdm_rank_pp_step(void *ctx, const void *x, const int32_t *y, int batch,
                                    double *loss_mean)
 {
     tdm_dist_stepper *s = ctx;
     tdm_tool_pp *q = s->w;
-    s->begun++;
-    if (s->before) s->before(s->before_ctx, s->begun);
-    int global = s->own_rows ? s->global_batch : batch;
-    int64_t lo = 0, hi = batch;
-    if (!s->own_rows) tdm_dist_share(batch, q->rep, q->reps, &lo, &hi);
-    const char *xs = (const char *)x + lo * q->in_elems * 4;
-    const int32_t *ys = y + lo * q->out_rows;
-    double ls = 0.0;
-    tdm_status st = tdm_pp_step_scaled(q->p, xs, ys, (int)(hi - lo), 1.0f / (float)global, &ls);
-    if (st) return st;
-    char where[96];
-    snprintf(where, sizeof where, "the global batch of %d, seen by pipeline stage %d of "
-             "replica %d", global, tdm_pp_stage(q->p), q->rep);
-    return tdm_dist_replicas_loss(s->comm, q->dcomm, q->reps, s->rank, "pp loss over the replicas",
-                                  ls, global, tdm_optim_steps(s->opt), where, loss_mean);
+    char who[64];
+    if (q->tpn > 1)
+        snprintf(who, sizeof who, "tensor-parallel rank %d of pipeline stage %d",
+                 q->mesh.coord[TDM_MESH_TP], tdm_pp_stage(q->p));
+    else
+        snprintf(who, sizeof who, "pipeline stage %d", tdm_pp_stage(q->p));
+    return tdm_tool_mesh_step(s, &q->mesh, q->in_elems, q->out_rows, tdm_rank_pp_step_fn, q, who,
+                              "pp loss over the replicas", x, y, batch, loss_mean);
 }
 
 /* ---- evaluation ---- */
@@ -337,53 +351,24 @@ static tdm_status tdm_rank_pp_evaluate(void *w, const tdm_dataset *test, int bat
     return tdm_pp_evaluate(((tdm_tool_pp *)w)->p, test, batch, loss_mean, accuracy);
 }
 
+static tdm_status tdm_rank_pp_eval_fn(void *ctx, const void *x, const int32_t *y, int n,
+                                      double *loss_sum, int64_t *correct)
+{
+    return tdm_pp_eval_batch(ctx, x, y, n, loss_sum, correct);
+}
+
 /* Through the pipeline; the sum said by the first stage alone, so that a
  * sum over every rank counts each replica's windows once. */
 static tdm_status tdm_rank_pp_eval_loss(void *w, const void *x, const int32_t *y, int n,
                                         double *loss_sum)
 {
     tdm_tool_pp *q = w;
-    double ls = 0.0;
-    int64_t correct = 0;
-    *loss_sum = 0.0;
-    if (n == 0) return TDM_STATUS_OK;   /* every stage of the replica has the same n */
-    TDM_CHECK(tdm_pp_eval_batch(q->p, x, y, n, &ls, &correct));
-    if (tdm_pp_stage(q->p) == 0) *loss_sum = ls;
-    return TDM_STATUS_OK;
+    return tdm_tool_mesh_eval_loss(tdm_rank_pp_eval_fn, q->p,
+                                   tdm_pp_stage(q->p) == 0 && q->mesh.coord[TDM_MESH_TP] == 0, x,
+                                   y, n, loss_sum);
 }
 
 /* ---- checkpoints ---- */
-
-/* The whole model's tables (on a host device: never trained, only its
- * names and shapes) and host arrays for its state. */
-static tdm_status tdm_rank_pp_whole(tdm_tool_pp *q, const tdm_optim *opt, tdm_device **host,
-                                    tdm_model **whole, tdm_ckpt_host *h)
-{
-    memset(h, 0, sizeof *h);
-    TDM_CHECK(tdm_device_open(host, "cpu", 0, 1));
-    TDM_CHECK(tdm_model_init(whole, *host, &q->spec, q->seed));
-    size_t n = (size_t)tdm_model_param_elems(*whole), nb = (size_t)tdm_model_buffer_elems(*whole);
-    h->params = malloc(n * sizeof(float));
-    TDM_REQUIRE(h->params, TDM_STATUS_OUT_OF_MEMORY, "checkpoint: %zu floats", n);
-    if (nb) {
-        h->buffers = malloc(nb * sizeof(float));
-        TDM_REQUIRE(h->buffers, TDM_STATUS_OUT_OF_MEMORY, "checkpoint: %zu floats", nb);
-    }
-    if (!opt) return TDM_STATUS_OK;
-    h->optim = tdm_optim_get_opts(opt);
-    for (int i = 0; i < tdm_optim_n_state(opt); i++) {
-        h->state[i] = malloc(n * sizeof(float));
-        TDM_REQUIRE(h->state[i], TDM_STATUS_OUT_OF_MEMORY, "checkpoint: %zu floats", n);
-    }
-    return TDM_STATUS_OK;
-}
-
-static void tdm_rank_pp_whole_free(tdm_device *host, tdm_model *whole, tdm_ckpt_host *h)
-{
-    tdm_ckpt_host_free(h);
-    tdm_model_free(whole);
-    tdm_device_free(host);
-}
 
 /* ZeRO-1's file: replica 0 gathers the parameters and buffers over the
  * pipeline; each optimizer state is first all-gathered over the dp
@@ -393,15 +378,13 @@ static tdm_status tdm_rank_pp_zero1_save(tdm_tool_pp *q, const char *path,
                                          const tdm_ckpt_info *info)
 {
     int root = q->rep == 0 && tdm_pp_stage(q->p) == 0;
-    tdm_device *host = NULL;
-    tdm_model *whole = NULL;
     float *all = NULL;
     tdm_ckpt_host h;
     memset(&h, 0, sizeof h);
-    tdm_status st = root ? tdm_rank_pp_whole(q, q->zopt, &host, &whole, &h) : TDM_STATUS_OK;
+    tdm_status st = root ? tdm_tool_ckpt_host(q->tables, q->zopt, &h) : TDM_STATUS_OK;
     if (!st && tdm_rank_pp_zero1_planted(q, "save", 0))
         st = tdm_error_set(TDM_STATUS_INTERNAL, "rank %d: test hook: ZeRO-1 save fails",
-                           q->rank);
+                           q->mesh.rank);
     if (!st) st = tdm_dev_alloc(q->zdev, (size_t)(q->zchunk * q->reps) * sizeof(float),
                                 (void **)&all);
     if (st) goto fail;
@@ -421,16 +404,32 @@ static tdm_status tdm_rank_pp_zero1_save(tdm_tool_pp *q, const char *path,
             goto fail;
     }
     h.steps = tdm_optim_steps(q->zopt);
-    if (root) st = tdm_checkpoint_save_host(path, whole, &h, info);
+    if (root) st = tdm_checkpoint_save_host(path, q->tables, &h, info);
     goto done;
 fail:
     /* the other stages and replicas may wait in a gather for this one */
-    tdm_comm_abort(q->pcomm, tdm_error_message());
-    tdm_comm_abort(q->dcomm, tdm_error_message());
+    tdm_comm_abort(q->mesh.host[TDM_MESH_PP], tdm_error_message());
+    tdm_comm_abort(q->mesh.host[TDM_MESH_DP], tdm_error_message());
 done:
     if (all) tdm_dev_free(q->zdev, all);
-    tdm_rank_pp_whole_free(host, whole, &h);
+    tdm_ckpt_host_free(&h);
     return st;
+}
+
+static tdm_status tdm_rank_pp_gather(void *ctx, tdm_ckpt_host *h, int root)
+{
+    tdm_tool_pp *q = ctx;
+    if (q->tpn > 1)
+        return tdm_pptp_gather(&q->tp, q->p, h->optim ? tdm_pp_optim(q->p) : NULL,
+                               root ? h : NULL, root);
+    return tdm_pp_gather_state(q->p, root ? h : NULL, 0);
+}
+
+static tdm_status tdm_rank_pp_take(void *ctx, const tdm_ckpt_host *h)
+{
+    tdm_tool_pp *q = ctx;
+    if (q->tpn > 1) return tdm_pptp_load(&q->tp, q->p, h);
+    return tdm_pp_load_state(q->p, h);
 }
 
 /* The whole model's state gathered on replica 0's first stage (rank 0),
@@ -440,21 +439,12 @@ static tdm_status tdm_rank_pp_save(void *w, const char *path, tdm_optim *opt,
 {
     tdm_tool_pp *q = w;
     if (q->zopt) return tdm_rank_pp_zero1_save(q, path, info);
-    if (q->rep != 0) return TDM_STATUS_OK;
-    int root = tdm_pp_stage(q->p) == 0;
-    tdm_device *host = NULL;
-    tdm_model *whole = NULL;
-    tdm_ckpt_host h;
-    memset(&h, 0, sizeof h);
-    tdm_status st = root ? tdm_rank_pp_whole(q, opt, &host, &whole, &h) : TDM_STATUS_OK;
-    if (st) {
-        /* the other stages are about to send their slices here */
-        tdm_comm_abort(q->pcomm, tdm_error_message());
-    } else {
-        st = tdm_pp_gather_state(q->p, root ? &h : NULL, 0);
-    }
-    if (st == TDM_STATUS_OK && root) st = tdm_checkpoint_save_host(path, whole, &h, info);
-    tdm_rank_pp_whole_free(host, whole, &h);
+    tdm_status st = tdm_tool_mesh_save(&q->mesh, q->mesh.host[TDM_MESH_PP],
+                                       tdm_pp_stage(q->p) == 0 &&
+                                           q->mesh.coord[TDM_MESH_TP] == 0,
+                                       q->tables, opt, tdm_rank_pp_gather, q, path, info);
+    /* stage 0's group gathers after the pipeline: it may wait for this rank */
+    if (st && q->tpn > 1) tdm_comm_abort(q->tp.thost, tdm_error_message());
     return st;
 }
 
@@ -463,14 +453,7 @@ static tdm_status tdm_rank_pp_load(void *w, const char *path, tdm_optim *opt,
                                    tdm_ckpt_info *info)
 {
     tdm_tool_pp *q = w;
-    tdm_device *host = NULL;
-    tdm_model *whole = NULL;
-    tdm_ckpt_host h;
-    tdm_status st = tdm_rank_pp_whole(q, opt, &host, &whole, &h);
-    if (st == TDM_STATUS_OK) st = tdm_checkpoint_load_host(path, whole, &h, info);
-    if (st == TDM_STATUS_OK) st = tdm_pp_load_state(q->p, &h);
-    tdm_rank_pp_whole_free(host, whole, &h);
-    return st;
+    return tdm_tool_mesh_load(q->tables, opt, tdm_rank_pp_take, q, path, info);
 }
 
 static const tdm_dist_ops tdm_rank_pp_ops = {
@@ -485,12 +468,24 @@ static void tdm_rank_pp_describe(const tdm_tool_rank *r, char *on, size_t n_on, 
     const tdm_tool_pp *q = r->w;
     char split[160];
     tdm_pp_split_str(tdm_pp_split(q->p), tdm_pp_stages(q->p), split, sizeof split);
-    int n = snprintf(on, n_on, ", pipeline of %d stages (first layers %s), %s, %d "
-                     "micro-batches", tdm_pp_stages(q->p), split,
-                     tdm_pp_schedule_name(r->b->pp.schedule), r->b->pp.micro);
-    if (q->reps > 1 && n >= 0 && (size_t)n < n_on)
-        snprintf(on + n, n_on - (size_t)n, ", x %d replicas (DDP over the dp dimension%s)",
-                 q->reps, q->zopt ? "; ZeRO-1: each replica steps 1/D of a stage" : "");
+    char reps[160];
+    tdm_tool_mesh_replicas_str(&q->mesh, q->zopt ? "DDP over the dp dimension; ZeRO-1: each "
+                                                   "replica steps 1/D of a stage"
+                                                 : "DDP over the dp dimension",
+                               reps, sizeof reps);
+    char tp[200] = "";
+    if (q->tpn > 1) {
+        int k = snprintf(tp, sizeof tp, " x tp %d (", q->tpn);
+        static const char *const cut[] = {"replicated", "column", "row"};
+        int L = q->tp.narrow.ndims - 1;
+        for (int l = 0; l < L && k > 0 && (size_t)k < sizeof tp; l++)
+            k += snprintf(tp + k, sizeof tp - (size_t)k, "%sfc%d %s", l ? ", " : "", l + 1,
+                          cut[q->tp.cut[l]]);
+        if (k > 0 && (size_t)k < sizeof tp) snprintf(tp + k, sizeof tp - (size_t)k, ")");
+    }
+    snprintf(on, n_on, ", pipeline of %d stages (first layers %s)%s, %s, %d micro-batches%s",
+             tdm_pp_stages(q->p), split, tp, tdm_pp_schedule_name(r->b->pp.schedule),
+             r->b->pp.micro, reps);
     snprintf(note, n_note, "%s", "");
 }
 
@@ -565,6 +560,11 @@ static void tdm_rank_pp_print(const tdm_tool_rank *r, const double *all, int S)
            q->zopt ? "; ZeRO-1: optimizer state per stage and replica is 1/D of the stage's "
                      "(replica 0's shown), the slices gathered over the dp dimension"
                    : "");
+    if (q->tpn > 1)
+        printf("pp-tp: each stage's %d ranks hold 1/%d of its paired layers (tp rank 0's shown); "
+               "rank 0 all-reduced %lld partial sums of %.3f MiB in %.3f ms over the run\n",
+               q->tpn, q->tpn, (long long)q->tp.sums, (double)q->tp.sum_bytes * mib,
+               q->tp.sum_ms);
 }
 
 /* Every stage's figures to rank 0, which prints them (collective). */
@@ -576,8 +576,9 @@ static tdm_status tdm_rank_pp_finish(tdm_tool_rank *r)
     double *all = calloc((size_t)S * TDM_PPF_COUNT_, sizeof *all);
     TDM_REQUIRE(all, TDM_STATUS_OUT_OF_MEMORY, "pp summary: %d stages", S);
     tdm_rank_pp_figures(q, mine);
-    tdm_comm_set_label(q->pcomm, "pp summary");
-    tdm_status st = tdm_comm_all_gather(q->pcomm, mine, all, TDM_PPF_COUNT_, TDM_DTYPE_FLOAT64);
+    tdm_comm *pcomm = q->mesh.host[TDM_MESH_PP];
+    tdm_comm_set_label(pcomm, "pp summary");
+    tdm_status st = tdm_comm_all_gather(pcomm, mine, all, TDM_PPF_COUNT_, TDM_DTYPE_FLOAT64);
     if (st == TDM_STATUS_OK && r->rank == 0) tdm_rank_pp_print(r, all, S);
     free(all);
     return st ? tdm_tool_rank_fail(r, "pp summary", st) : st;
@@ -591,6 +592,10 @@ static tdm_status tdm_rank_pp_params(tdm_tool_rank *r, float *host, int root)
     TDM_REQUIRE(root == 0, TDM_STATUS_UNSUPPORTED,
                 "pp: the whole model's parameters are gathered on rank 0 only");
     if (q->rep != 0) return TDM_STATUS_OK;
+    if (q->tpn > 1) {
+        tdm_ckpt_host h = {.params = host};
+        return tdm_pptp_gather(&q->tp, q->p, NULL, r->rank == 0 ? &h : NULL, r->rank == 0);
+    }
     return tdm_pp_gather_params(q->p, r->rank == 0 ? host : NULL, 0);
 }
 

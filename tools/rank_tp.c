@@ -24,16 +24,14 @@
 #include "dist/batch.h"
 #include "dist/mesh.h"
 #include "dist/step.h"
+#include "tools/rank_mesh.h"
 #include "tools/ranks.h"
 #include "tools/train_modes.h"
 #include "tp/tp.h"
 
 typedef struct tdm_tool_tp {
+    tdm_tool_mesh mesh;          /* first: the rank's place and communicators */
     tdm_tp *p;
-    tdm_mesh *dev_mesh;          /* a GPU's: the mesh over the device communicator */
-    tdm_comm *tcomm;             /* the group's host communicator (borrowed) */
-    tdm_comm *dcomm;             /* the dp dimension's host communicator (borrowed) */
-    tdm_comm *tdev;              /* the group's device communicator (borrowed) */
     int rep, reps;
     int in_elems, out_rows;      /* per sample: 4-byte inputs, target rows */
 } tdm_tool_tp;
@@ -42,18 +40,12 @@ typedef struct tdm_tool_tp {
 
 tdm_status tdm_tool_tp_check(const tdm_tool_build *b, int world, tdm_mesh_shape *shape)
 {
-    if (b->pp.mesh) {
-        if (tdm_mesh_parse(b->pp.mesh, world, shape)) {
-            char why[TDM_ERROR_MSG_MAX];
-            snprintf(why, sizeof why, "%s", tdm_error_message());
-            return tdm_error_set(TDM_STATUS_USAGE, "--mesh: %s", why);
-        }
-    } else {
-        *shape = (tdm_mesh_shape){.size = {1, 1, world}};
-    }
+    tdm_mesh_shape dflt = {.size = {1, 1, world}};   /* no --mesh: tp over every rank */
+    TDM_CHECK(tdm_tool_mesh_parse(b, world, &dflt, shape));
     TDM_REQUIRE(shape->size[TDM_MESH_PP] == 1, TDM_STATUS_USAGE,
                 "--mesh: pp=%d: --mode tp combines with dp only (dp=D,tp=N); a pipeline of "
-                "tensor-parallel stages is not built", shape->size[TDM_MESH_PP]);
+                "tensor-parallel stages is --mode pp --mesh dp=D,pp=S,tp=N",
+                shape->size[TDM_MESH_PP]);
     tdm_tp_split split[TDM_MODEL_MAX_DIMS];
     int L;
     return tdm_tp_plan(&b->spec, shape->size[TDM_MESH_TP], split, &L);
@@ -77,7 +69,7 @@ static void tdm_rank_tp_free(void *ctx, void *self)
     tdm_tool_tp *q = r->w;
     if (q) {
         tdm_tp_free(q->p);   /* owns r->opt */
-        tdm_mesh_free(q->dev_mesh);
+        tdm_tool_mesh_fini(&q->mesh);
         free(q);
     }
     r->opt = NULL;
@@ -87,38 +79,23 @@ static void tdm_rank_tp_free(void *ctx, void *self)
 static tdm_status tdm_rank_tp_setup(void *ctx, tdm_dist_rank *d, void **self)
 {
     const tdm_tool_build *b = ctx;
-    tdm_tool_rank *r = calloc(1, sizeof *r);
-    tdm_tool_tp *q = calloc(1, sizeof *q);
-    if (!r || !q) {
-        free(r);
-        free(q);
-        return tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "rank %d: calloc", d->env.rank);
-    }
-    *self = r;
-    *r = (tdm_tool_rank){.b = b, .dist = d, .rank = d->env.rank, .world = d->env.world_size,
-                         .w = q};
-    q->rep = d->coord[TDM_MESH_DP];
-    q->reps = d->shape.size[TDM_MESH_DP];
-    q->tcomm = tdm_mesh_comm(d->mesh, TDM_MESH_TP);
-    q->dcomm = tdm_mesh_comm(d->mesh, TDM_MESH_DP);
-    tdm_comm *tp_dev = q->tcomm, *dp_dev = q->dcomm;
+    TDM_CHECK(tdm_tool_mesh_rank_new(b, d, sizeof(tdm_tool_tp), self));
+    tdm_tool_rank *r = *self;
+    tdm_tool_tp *q = r->w;
+    q->rep = q->mesh.coord[TDM_MESH_DP];
+    q->reps = q->mesh.size[TDM_MESH_DP];
+    /* on a GPU the all-reduces run over NCCL, the host collectives over
+     * the group's */
+    tdm_comm *tp_dev = q->mesh.dev[TDM_MESH_TP], *dp_dev = q->mesh.dev[TDM_MESH_DP];
+    tdm_comm *tp_host = q->mesh.host[TDM_MESH_TP];
     tdm_status st;
-    if (d->dev_comm != d->comm) {
-        /* on a GPU the all-reduces run over NCCL, the host collectives
-         * over the group's */
-        if ((st = tdm_mesh_init(&q->dev_mesh, d->dev_comm, &d->shape)))
-            return tdm_tool_rank_fail(r, "device mesh", st);
-        tp_dev = tdm_mesh_comm(q->dev_mesh, TDM_MESH_TP);
-        dp_dev = tdm_mesh_comm(q->dev_mesh, TDM_MESH_DP);
-    }
-    q->tdev = tp_dev;
     if ((st = tdm_model_init_tables(&r->m, &b->spec)))
         return tdm_tool_rank_fail(r, "model tables", st);
     q->in_elems = tdm_model_in_features(r->m);
     q->out_rows = tdm_model_out_rows(r->m);
     tdm_tp_opts o = {.seed = b->seed, .optim = b->optim,
                      .grad_comm = q->reps > 1 ? dp_dev : NULL,
-                     .host_comm = tp_dev != q->tcomm ? q->tcomm : NULL};
+                     .host_comm = tp_dev != tp_host ? tp_host : NULL};
     if ((st = tdm_tp_init(&q->p, tp_dev, d->dev, &b->spec, &o)))
         return tdm_tool_rank_fail(r, "tensor-parallel set-up", st);
     r->opt = tdm_tp_optim(q->p);
@@ -132,29 +109,21 @@ static tdm_status tdm_rank_tp_setup(void *ctx, tdm_dist_rank *d, void **self)
  * this replica's share through the group, the loss gradient scaled by
  * 1/B so that the sum over the replicas is the global batch's mean-loss
  * gradient. */
+static tdm_status tdm_rank_tp_step_fn(void *ctx, const void *x, const int32_t *y, int n,
+                                      float grad_scale, double *loss_sum)
+{
+    return tdm_tp_step_scaled(((tdm_tool_tp *)ctx)->p, x, y, n, grad_scale, loss_sum);
+}
+
 static tdm_status tdm_rank_tp_step(void *ctx, const void *x, const int32_t *y, int batch,
                                    double *loss_mean)
 {
     tdm_dist_stepper *s = ctx;
     tdm_tool_tp *q = s->w;
-    s->begun++;
-    if (s->before) s->before(s->before_ctx, s->begun);
-    /* images: x, y hold the global batch, of which this replica runs its
-     * share; a GPT's: only this replica's windows (drawn alike by every
-     * rank of its group) of a global batch of s->global_batch */
-    int global = s->own_rows ? s->global_batch : batch;
-    int64_t lo = 0, hi = batch;
-    if (!s->own_rows) tdm_dist_share(batch, q->rep, q->reps, &lo, &hi);
-    double ls = 0.0;
-    tdm_status st = tdm_tp_step_scaled(q->p, (const int32_t *)x + lo * q->in_elems,
-                                       y + lo * q->out_rows, (int)(hi - lo),
-                                       1.0f / (float)global, &ls);
-    if (st) return st;
-    char where[96];
-    snprintf(where, sizeof where, "the global batch of %d, seen by tensor-parallel rank %d of "
-             "replica %d", global, tdm_tp_rank(q->p), q->rep);
-    return tdm_dist_replicas_loss(s->comm, q->dcomm, q->reps, s->rank, "tp loss over the replicas",
-                                  ls, global, tdm_optim_steps(s->opt), where, loss_mean);
+    char who[48];
+    snprintf(who, sizeof who, "tensor-parallel rank %d", tdm_tp_rank(q->p));
+    return tdm_tool_mesh_step(s, &q->mesh, q->in_elems, q->out_rows, tdm_rank_tp_step_fn, q, who,
+                              "tp loss over the replicas", x, y, batch, loss_mean);
 }
 
 /* ---- evaluation and checkpoints ---- */
@@ -165,21 +134,15 @@ static tdm_status tdm_rank_tp_evaluate(void *w, const tdm_dataset *test, int bat
     return tdm_tp_evaluate(((tdm_tool_tp *)w)->p, test, batch, loss_mean, accuracy);
 }
 
-/* Host arrays in the whole model's layout for its state. */
-static tdm_status tdm_rank_tp_host(const tdm_model *tables, const tdm_optim *opt,
-                                   tdm_ckpt_host *h)
+static tdm_status tdm_rank_tp_gather(void *ctx, tdm_ckpt_host *h, int root)
 {
-    memset(h, 0, sizeof *h);
-    size_t n = (size_t)tdm_model_param_elems(tables);
-    h->params = calloc(n, sizeof(float));
-    TDM_REQUIRE(h->params, TDM_STATUS_OUT_OF_MEMORY, "checkpoint: %zu floats", n);
-    if (!opt) return TDM_STATUS_OK;
-    h->optim = tdm_optim_get_opts(opt);
-    for (int i = 0; i < tdm_optim_n_state(opt); i++) {
-        h->state[i] = calloc(n, sizeof(float));
-        TDM_REQUIRE(h->state[i], TDM_STATUS_OUT_OF_MEMORY, "checkpoint: %zu floats", n);
-    }
-    return TDM_STATUS_OK;
+    (void)root;   /* every rank sends its state (h->optim set) */
+    return tdm_tp_gather_state(((tdm_tool_tp *)ctx)->p, h, 0);
+}
+
+static tdm_status tdm_rank_tp_take(void *ctx, const tdm_ckpt_host *h)
+{
+    return tdm_tp_load_state(((tdm_tool_tp *)ctx)->p, h);
 }
 
 /* Replica 0's group gathers the whole model on its rank 0 (the job's
@@ -188,22 +151,8 @@ static tdm_status tdm_rank_tp_save(void *w, const char *path, tdm_optim *opt,
                                    const tdm_ckpt_info *info)
 {
     tdm_tool_tp *q = w;
-    if (q->rep != 0) return TDM_STATUS_OK;
-    int root = tdm_tp_rank(q->p) == 0;
-    const tdm_model *tables = tdm_tp_tables(q->p);
-    tdm_ckpt_host h;
-    memset(&h, 0, sizeof h);
-    tdm_status st = root ? tdm_rank_tp_host(tables, opt, &h) : TDM_STATUS_OK;
-    if (st) {
-        tdm_comm_abort(q->tcomm, tdm_error_message());
-    } else {
-        tdm_ckpt_host mine = h;
-        mine.optim = tdm_optim_get_opts(opt);   /* every rank sends its state */
-        st = tdm_tp_gather_state(q->p, root ? &h : &mine, 0);
-    }
-    if (st == TDM_STATUS_OK && root) st = tdm_checkpoint_save_host(path, tables, &h, info);
-    tdm_ckpt_host_free(&h);
-    return st;
+    return tdm_tool_mesh_save(&q->mesh, q->mesh.host[TDM_MESH_TP], tdm_tp_rank(q->p) == 0,
+                              tdm_tp_tables(q->p), opt, tdm_rank_tp_gather, q, path, info);
 }
 
 /* Any mode's file, read by every rank, which keeps its slices. */
@@ -211,12 +160,13 @@ static tdm_status tdm_rank_tp_load(void *w, const char *path, tdm_optim *opt,
                                    tdm_ckpt_info *info)
 {
     tdm_tool_tp *q = w;
-    tdm_ckpt_host h;
-    tdm_status st = tdm_rank_tp_host(tdm_tp_tables(q->p), opt, &h);
-    if (st == TDM_STATUS_OK) st = tdm_checkpoint_load_host(path, tdm_tp_tables(q->p), &h, info);
-    if (st == TDM_STATUS_OK) st = tdm_tp_load_state(q->p, &h);
-    tdm_ckpt_host_free(&h);
-    return st;
+    return tdm_tool_mesh_load(tdm_tp_tables(q->p), opt, tdm_rank_tp_take, q, path, info);
+}
+
+static tdm_status tdm_rank_tp_eval_fn(void *ctx, const void *x, const int32_t *y, int n,
+                                      double *loss_sum, int64_t *correct)
+{
+    return tdm_tp_eval_batch(ctx, x, y, n, loss_sum, correct);
 }
 
 /* A GPT's validation windows through the group; the sum said by the
@@ -226,13 +176,8 @@ static tdm_status tdm_rank_tp_eval_loss(void *w, const void *x, const int32_t *y
                                         double *loss_sum)
 {
     tdm_tool_tp *q = w;
-    double ls = 0.0;
-    int64_t correct = 0;
-    *loss_sum = 0.0;
-    if (n == 0) return TDM_STATUS_OK;   /* every rank of the group has the same n */
-    TDM_CHECK(tdm_tp_eval_batch(q->p, x, y, n, &ls, &correct));
-    if (tdm_tp_rank(q->p) == 0) *loss_sum = ls;
-    return TDM_STATUS_OK;
+    return tdm_tool_mesh_eval_loss(tdm_rank_tp_eval_fn, q->p, tdm_tp_rank(q->p) == 0, x, y, n,
+                                   loss_sum);
 }
 
 static const tdm_dist_ops tdm_rank_tp_ops = {
@@ -259,10 +204,10 @@ static void tdm_rank_tp_describe(const tdm_tool_rank *r, char *on, size_t n_on, 
         if (n < 0) break;
         k += (size_t)n;
     }
-    int n = snprintf(on, n_on, ", tensor parallel over %d ranks (%s)", tdm_tp_size(q->p), plan);
-    if (q->reps > 1 && n >= 0 && (size_t)n < n_on)
-        snprintf(on + n, n_on - (size_t)n, ", x %d replicas (gradients summed over the dp "
-                 "dimension)", q->reps);
+    char reps[96];
+    tdm_tool_mesh_replicas_str(&q->mesh, "gradients summed over the dp dimension", reps,
+                               sizeof reps);
+    snprintf(on, n_on, ", tensor parallel over %d ranks (%s)%s", tdm_tp_size(q->p), plan, reps);
     snprintf(note, n_note, "%s", "");
 }
 
@@ -287,7 +232,7 @@ static void tdm_rank_tp_report(const tdm_tool_rank *r, int overlap)
            (long long)s.split_elems, (long long)s.whole_split_elems,
            (long long)s.replicated_elems);
     tdm_comm_traffic t;
-    tdm_comm_traffic_get(q->tdev, &t);
+    tdm_comm_traffic_get(q->mesh.dev[TDM_MESH_TP], &t);
     printf("tp communication, rank 0: %lld all-reduces of %.3f MiB over the run (counted by the "
            "communicator; %d per step of the full batch by the plan)\n",
            (long long)t.calls[TDM_COLL_ALL_REDUCE], (double)t.bytes[TDM_COLL_ALL_REDUCE] * mib,

@@ -136,6 +136,9 @@ void tdm_tool_tp_stats(const tdm_tool_rank *r, tdm_tp_stats *out);
 tdm_status tdm_tool_pp_check(const tdm_tool_build *b, int world, tdm_mesh_shape *shape);
 /* A pipeline rank's stage (r of tdm_tool_pp_design). */
 tdm_pp *tdm_tool_pp_of(const tdm_tool_rank *r);
+/* Its stage's tensor-parallel partial sums so far (--mesh with tp=N > 1;
+ * all 0 without): the all-reduces, their payload bytes and their ms. */
+void tdm_tool_pp_tp_sums(const tdm_tool_rank *r, int64_t *calls, int64_t *bytes, double *ms);
 /* The shm arena a pipeline job over dl needs: DDP's over the dp
  * dimension's replicas (none without one). */
 size_t tdm_tool_pp_arena_bytes(const tdm_tool_build *b, const tdm_device_list *dl, int world,

@@ -133,6 +133,8 @@ static void tdm_train_usage(FILE *f)
         "                         their gradients summed by DDP over the dp dimension\n"
         "  --mesh dp=D,tp=N       tp: D replicas of a tensor-parallel group of N on\n"
         "                         D*N devices, gradients summed over the dp dimension\n"
+        "  --mesh dp=D,pp=S,tp=N  pp: as dp=D,pp=S with each stage's layers\n"
+        "                         tensor-parallel over N devices (the MLP; D*S*N)\n"
         "  --servers S            ps (mlp, gpt): the first S devices serve shards of the\n"
         "                         parameters and optimizer state; the others are\n"
         "                         workers                                        [1]\n"

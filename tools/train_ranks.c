@@ -269,7 +269,7 @@ static tdm_status tdm_train_rank_setup(void *ctx, tdm_dist_rank *d, void **self)
 static void tdm_train_rank_header(const tdm_tool_rank *r, const tdm_train_job *j)
 {
     const tdm_dist_rank *d = r->dist;
-    char on[160] = "", note[64] = "", desc[400];
+    char on[320] = "", note[64] = "", desc[560];
     if (r->b->design->describe) r->b->design->describe(r, on, sizeof on, note, sizeof note);
     const char *backend = tdm_comm_backend_name(d->dev_comm);
     if (d->job_desc)

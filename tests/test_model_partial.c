@@ -1,0 +1,104 @@
+/* tests/test_model_partial.c: tensor parallelism's partial sums on a
+ * model (tdm_model_set_partial_sums): the callback sees a row-parallel
+ * layer's product before its bias and activation and a column-parallel
+ * layer's input gradient, with their sizes; what it writes is what the
+ * layer goes on with; a model without marks runs as before; bad marks
+ * and the levers it does not run under are refused. */
+#include <criterion/criterion.h>
+
+#include <string.h>
+
+#include "core/device.h"
+#include "models/model.h"
+#include "models/precision.h"
+
+#define B 3
+
+typedef struct {
+    int calls, layer[8];
+    int64_t n[8];
+    float scale;                /* the "sum": every element times scale */
+} rec;
+
+static tdm_status record(void *ctx, float *buf, int64_t n, int layer)
+{
+    rec *r = ctx;
+    if (r->calls < 8) {
+        r->layer[r->calls] = layer;
+        r->n[r->calls] = n;
+    }
+    r->calls++;
+    for (int64_t i = 0; i < n; i++) buf[i] *= r->scale;
+    return TDM_STATUS_OK;
+}
+
+static tdm_model *mlp(tdm_device *dev)
+{
+    tdm_model *m = NULL;
+    int dims[] = {6, 8, 4};
+    cr_assert_eq(tdm_mlp_init(&m, dev, dims, 3, 7), TDM_STATUS_OK, "%s", tdm_error_message());
+    return m;
+}
+
+static const float X[B * 6] = {0.1f, -0.2f, 0.3f, 0.4f, -0.5f, 0.6f, 0.7f, 0.8f, -0.9f,
+                               1.0f, 0.2f, 0.1f, -0.3f, 0.5f, 0.2f, 0.9f, -0.1f, 0.4f};
+static const int32_t Y[B] = {1, 3, 0};
+
+Test(model_partial, the_callback_sees_the_row_product_and_the_column_input_gradient)
+{
+    tdm_device *dev = NULL;
+    cr_assert_eq(tdm_device_open(&dev, "cpu", 0, 1), TDM_STATUS_OK);
+    tdm_model *a = mlp(dev), *b = mlp(dev);
+    /* layer 0 row (forward product summed), layer 1 column (input
+     * gradient summed); the identity sum: the plain model's numbers */
+    tdm_model_partial kinds[2] = {TDM_MODEL_PARTIAL_OUT, TDM_MODEL_PARTIAL_IN};
+    rec r = {.scale = 1.0f};
+    cr_assert_eq(tdm_model_set_partial_sums(b, kinds, 2, record, &r), TDM_STATUS_OK);
+    double la = 0, lb = 0;
+    cr_assert_eq(tdm_model_forward_backward(a, X, Y, B, &la), TDM_STATUS_OK);
+    cr_assert_eq(tdm_model_forward_backward(b, X, Y, B, &lb), TDM_STATUS_OK);
+    cr_assert_eq(r.calls, 2);
+    cr_assert(r.layer[0] == 0 && r.n[0] == B * 8, "forward: layer %d, %lld", r.layer[0],
+              (long long)r.n[0]);
+    cr_assert(r.layer[1] == 1 && r.n[1] == B * 8, "backward: layer %d, %lld", r.layer[1],
+              (long long)r.n[1]);
+    cr_assert_eq(la, lb);
+    int64_t n = tdm_model_param_elems(a);
+    cr_assert_eq(memcmp(tdm_model_grads(a), tdm_model_grads(b), (size_t)n * 4), 0);
+    /* what the callback writes is what the layer goes on with: twice
+     * the product, another loss */
+    r = (rec){.scale = 2.0f};
+    cr_assert_eq(tdm_model_zero_grad(b), TDM_STATUS_OK);
+    cr_assert_eq(tdm_model_forward_backward(b, X, Y, B, &lb), TDM_STATUS_OK);
+    cr_assert_neq(la, lb);
+    /* cleared: the plain model again */
+    cr_assert_eq(tdm_model_set_partial_sums(b, NULL, 0, NULL, NULL), TDM_STATUS_OK);
+    r = (rec){.scale = 2.0f};
+    cr_assert_eq(tdm_model_forward_backward(b, X, Y, B, &lb), TDM_STATUS_OK);
+    cr_assert_eq(r.calls, 0);
+    cr_assert_eq(la, lb);
+    tdm_model_free(a);
+    tdm_model_free(b);
+    tdm_device_free(dev);
+}
+
+Test(model_partial, bad_marks_and_other_levers_are_refused)
+{
+    tdm_device *dev = NULL;
+    cr_assert_eq(tdm_device_open(&dev, "cpu", 0, 1), TDM_STATUS_OK);
+    tdm_model *m = mlp(dev);
+    rec r = {.scale = 1.0f};
+    tdm_model_partial kinds[2] = {TDM_MODEL_PARTIAL_OUT, TDM_MODEL_PARTIAL_IN};
+    cr_assert_eq(tdm_model_set_partial_sums(m, kinds, 1, record, &r), TDM_STATUS_INVALID_ARG);
+    cr_assert(strstr(tdm_error_message(), "1 kinds for a model of 2 layers"), "%s",
+              tdm_error_message());
+    cr_assert_eq(tdm_model_set_partial_sums(m, kinds, 2, record, &r), TDM_STATUS_OK);
+    cr_assert_eq(tdm_model_set_precision(m, TDM_PRECISION_BF16), TDM_STATUS_OK,
+                 "%s", tdm_error_message());
+    double l = 0;
+    cr_assert_eq(tdm_model_forward_backward(m, X, Y, B, &l), TDM_STATUS_INVALID_ARG);
+    cr_assert(strstr(tdm_error_message(), "partial sums run in fp32"), "%s",
+              tdm_error_message());
+    tdm_model_free(m);
+    tdm_device_free(dev);
+}

@@ -1,0 +1,205 @@
+/* tools/rank_pptp.c: a pipeline's stages made tensor-parallel
+ * (tools/rank_pptp.h). */
+#include "tools/rank_pptp.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/timer.h"
+#include "models/stage.h"
+#include "tools/rank_mesh.h"
+
+tdm_status tdm_pptp_plan(const tdm_model_spec *spec, int S, const int *first, int N,
+                         tdm_pptp_cut *cut, tdm_model_spec *narrow)
+{
+    TDM_REQUIRE(spec->kind == TDM_MODEL_MLP, TDM_STATUS_USAGE,
+                "--mesh with pp=%d and tp=%d: a pipeline of tensor-parallel stages is built for "
+                "the MLP only (the GPT's and the CNN's are not)", S, N);
+    int L = spec->ndims - 1;
+    *narrow = *spec;
+    for (int s = 0; s < S; s++) {
+        int lo = first[s], hi = s + 1 < S ? first[s + 1] : L;
+        for (int l = lo; l < hi; l += 2) {
+            if (l + 1 >= hi) {
+                cut[l] = TDM_PPTP_REPLICATED;   /* an odd last layer of the stage */
+                break;
+            }
+            int w = spec->dims[l + 1];
+            TDM_REQUIRE(w % N == 0, TDM_STATUS_USAGE,
+                        "stage %d: layer fc%d's output width %d (fc%d's input) is not divisible "
+                        "by the %d tensor-parallel ranks", s, l + 1, w, l + 2, N);
+            cut[l] = TDM_PPTP_COLUMN;
+            cut[l + 1] = TDM_PPTP_ROW;
+            narrow->dims[l + 1] = w / N;
+        }
+    }
+    return TDM_STATUS_OK;
+}
+
+tdm_status tdm_pptp_init(tdm_pptp *q, const tdm_model_spec *spec, int S, const int *first,
+                         int N, int t, tdm_comm *tdev, tdm_comm *thost, tdm_device *dev)
+{
+    memset(q, 0, sizeof *q);
+    *q = (tdm_pptp){.N = N, .t = t, .tdev = tdev, .thost = thost, .dev = dev};
+    TDM_CHECK(tdm_pptp_plan(spec, S, first, N, q->cut, &q->narrow));
+    TDM_CHECK(tdm_model_init_tables(&q->whole, spec));
+    return tdm_model_init_tables(&q->slim, &q->narrow);
+}
+
+void tdm_pptp_fini(tdm_pptp *q)
+{
+    tdm_model_free(q->whole);
+    tdm_model_free(q->slim);
+    q->whole = q->slim = NULL;
+}
+
+/* models/'s partial-sum callback: buf summed over the stage's group. */
+static tdm_status tdm_pptp_sum(void *ctx, float *buf, int64_t n, int layer)
+{
+    tdm_pptp *q = ctx;
+    uint64_t t0 = tdm_time_ns();
+    TDM_CHECK(tdm_dev_sync(q->dev));
+    tdm_comm_set_label(q->tdev, "pp-tp all-reduce of the stage's layer %d", layer);
+    tdm_status st = tdm_comm_all_reduce(q->tdev, buf, buf, (size_t)n, TDM_DTYPE_FLOAT32,
+                                        TDM_REDOP_SUM);
+    if (st) {
+        tdm_error_prefix(st, "tensor-parallel rank %d of the stage: the all-reduce of its "
+                         "layer %d", q->t, layer);
+        return st;
+    }
+    q->sums++;
+    q->sum_bytes += n * (int64_t)sizeof(float);
+    q->sum_ms += tdm_time_ms_since(t0);
+    return TDM_STATUS_OK;
+}
+
+/* Tensor i's part of rank t: whole layout wi, narrow layout ni. */
+static void tdm_pptp_move(const tdm_pptp *q, int t, int i, float *whole, float *narrow, int out)
+{
+    const tdm_tensor_info *wi = tdm_model_param_info(q->whole, i);
+    const tdm_tensor_info *ni = tdm_model_param_info(q->slim, i);
+    tdm_pptp_cut c = q->cut[wi->layer];
+    float *w = whole + wi->offset, *n = narrow + ni->offset;
+    if (c == TDM_PPTP_ROW && wi->ndim == 2) {
+        /* the weight's columns [t*k, (t+1)*k) of every row */
+        int64_t rows = wi->shape[0], in = wi->shape[1], k = ni->shape[1];
+        for (int64_t o = 0; o < rows; o++) {
+            float *a = w + o * in + (int64_t)t * k, *b = n + o * k;
+            if (out) memcpy(a, b, (size_t)k * sizeof *a);
+            else memcpy(b, a, (size_t)k * sizeof *a);
+        }
+        return;
+    }
+    /* a column layer's rows [t*r, (t+1)*r) (weight and bias: contiguous);
+     * the rest whole */
+    if (c == TDM_PPTP_COLUMN) w += (int64_t)t * ni->n_elem;
+    if (out) memcpy(w, n, (size_t)ni->n_elem * sizeof *w);
+    else memcpy(n, w, (size_t)ni->n_elem * sizeof *w);
+}
+
+void tdm_pptp_slice(const tdm_pptp *q, int t, const float *whole, float *narrow)
+{
+    for (int i = 0; i < tdm_model_n_params(q->whole); i++)
+        tdm_pptp_move(q, t, i, (float *)whole, narrow, 0);
+}
+
+void tdm_pptp_unslice(const tdm_pptp *q, int t, const float *narrow, float *whole)
+{
+    for (int i = 0; i < tdm_model_n_params(q->whole); i++)
+        tdm_pptp_move(q, t, i, whole, (float *)narrow, 1);
+}
+
+tdm_status tdm_pptp_load(tdm_pptp *q, tdm_pp *p, const tdm_ckpt_host *h)
+{
+    tdm_ckpt_host n;
+    TDM_CHECK(tdm_tool_ckpt_host(q->slim, h->optim ? tdm_pp_optim(p) : NULL, &n));
+    tdm_pptp_slice(q, q->t, h->params, n.params);
+    for (int i = 0; h->optim && i < 2 && n.state[i]; i++)
+        tdm_pptp_slice(q, q->t, h->state[i], n.state[i]);
+    if (h->optim) n.optim = h->optim;
+    n.steps = h->steps;
+    tdm_status st = tdm_pp_load_state(p, &n);
+    tdm_ckpt_host_free(&n);
+    return st;
+}
+
+tdm_status tdm_pptp_attach(tdm_pptp *q, tdm_pp *p, uint64_t seed)
+{
+    tdm_model *m = tdm_pp_model(p);
+    tdm_model_stage_info si;
+    tdm_model_get_stage(m, &si);
+    tdm_model_partial kinds[TDM_MODEL_MAX_DIMS];
+    int n = tdm_model_n_layers(m);
+    TDM_REQUIRE(n == si.hi - si.lo && n <= TDM_MODEL_MAX_DIMS, TDM_STATUS_INTERNAL,
+                "tensor-parallel stage: %d layers for pipeline layers %d-%d", n, si.lo, si.hi - 1);
+    for (int i = 0; i < n; i++)
+        kinds[i] = q->cut[si.lo + i] == TDM_PPTP_COLUMN ? TDM_MODEL_PARTIAL_IN
+                   : q->cut[si.lo + i] == TDM_PPTP_ROW  ? TDM_MODEL_PARTIAL_OUT
+                                                         : TDM_MODEL_PARTIAL_NONE;
+    TDM_CHECK(tdm_model_set_partial_sums(m, kinds, n, tdm_pptp_sum, q));
+    /* this rank's slices of the whole model's initial parameters, so that
+     * the run starts where one device starts */
+    tdm_device *host = NULL;
+    tdm_model *whole = NULL;
+    tdm_status st = tdm_device_open(&host, "cpu", 0, 1);
+    if (!st) st = tdm_model_init(&whole, host, tdm_model_get_spec(q->whole), seed);
+    if (!st) {
+        tdm_ckpt_host h = {.params = tdm_model_params(whole)};
+        st = tdm_pptp_load(q, p, &h);
+    }
+    tdm_model_free(whole);
+    tdm_device_free(host);
+    return st;
+}
+
+/* Stage 0's group: each rank's narrow arrays all-gathered, rank 0 puts
+ * every rank's part into the whole layout. */
+static tdm_status tdm_pptp_gather_tp(tdm_pptp *q, const float *narrow, float *all, float *whole,
+                                     const char *what)
+{
+    int64_t n = tdm_model_param_elems(q->slim);
+    tdm_comm_set_label(q->thost, "pp-tp gather of the %s", what);
+    TDM_CHECK(tdm_comm_all_gather(q->thost, narrow, all, (size_t)n, TDM_DTYPE_FLOAT32));
+    for (int t = 0; whole && t < q->N; t++) tdm_pptp_unslice(q, t, all + t * n, whole);
+    return TDM_STATUS_OK;
+}
+
+tdm_status tdm_pptp_gather(tdm_pptp *q, tdm_pp *p, const tdm_optim *opt, tdm_ckpt_host *h,
+                           int root)
+{
+    int first = tdm_pp_stage(p) == 0;
+    tdm_ckpt_host n;
+    memset(&n, 0, sizeof n);
+    float *all = NULL;
+    int64_t ne = tdm_model_param_elems(q->slim);
+    tdm_status st = first ? tdm_tool_ckpt_host(q->slim, opt, &n) : TDM_STATUS_OK;
+    if (!st && first) {
+        all = malloc((size_t)(ne > 0 ? ne : 1) * (size_t)q->N * sizeof *all);
+        if (!all)
+            st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "pp-tp gather: %lld floats",
+                               (long long)(ne * q->N));
+    }
+    if (st) {
+        /* the other stages are about to send theirs here */
+        tdm_comm_abort(q->phost, tdm_error_message());
+        goto done;
+    }
+    /* each tp index's pipeline onto its stage 0, in the narrow layout */
+    if ((st = tdm_pp_gather_state(p, first ? &n : NULL, 0))) goto done;
+    if (!first) goto done;
+    if ((st = tdm_pptp_gather_tp(q, n.params, all, root ? h->params : NULL, "parameters")))
+        goto fail;
+    for (int i = 0; opt && i < tdm_optim_n_state(opt); i++)
+        if ((st = tdm_pptp_gather_tp(q, n.state[i], all, root ? h->state[i] : NULL,
+                                     tdm_optim_state_name(opt, i))))
+            goto fail;
+    if (root) h->steps = n.steps;
+    goto done;
+fail:
+    tdm_comm_abort(q->thost, tdm_error_message());
+done:
+    free(all);
+    tdm_ckpt_host_free(&n);
+    return st;
+}

@@ -1,0 +1,99 @@
+/* tools/rank_pptp.h: the pipeline's stages made tensor-parallel (--mode
+ * pp --mesh dp=D,pp=S,tp=N; tools/rank_pp.c's table calls these). The
+ * designs do not include each other: a stage is still pp/'s stage model,
+ * built from a narrow spec (each column-parallel layer's output width
+ * divided by N), whose linear layers hold exactly this tensor-parallel
+ * rank's slices (Megatron's layout, as tp/tp.h lays out a whole MLP); the
+ * partial sums of its row-parallel products (forward) and of its
+ * column-parallel input gradients (backward) are summed over the stage's
+ * tp group through models/'s partial-sum callback
+ * (tdm_model_set_partial_sums). Within a stage the linear layers pair up
+ * from its first one, column then row; an odd last layer of a stage is
+ * replicated. A stage's input and output are replicated on its N ranks,
+ * so tp rank t of stage s sends its copy to tp rank t of stage s + 1:
+ * each tp index is a pipeline of its own (the mesh's pp group), with no
+ * collective on the activations between stages, and the loss is computed
+ * alike by the last stage's N ranks.
+ *
+ * State moves between the whole model's layout (checkpoints, the initial
+ * parameters of the seed) and the narrow model's by slicing: a column
+ * layer's rows, a row layer's weight columns, the rest whole.
+ *
+ * The MLP only (the GPT's and the CNN's pipelines of tensor-parallel
+ * stages are not built: one-line usage errors). */
+#ifndef TDM_TOOLS_RANK_PPTP_H
+#define TDM_TOOLS_RANK_PPTP_H
+
+#include <stdint.h>
+
+#include "core/comm.h"
+#include "core/status.h"
+#include "models/checkpoint.h"
+#include "models/model.h"
+#include "models/optim.h"
+#include "pp/pp.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum tdm_pptp_cut {
+    TDM_PPTP_REPLICATED = 0,
+    TDM_PPTP_COLUMN,             /* output features split */
+    TDM_PPTP_ROW,                /* input features split: the product summed over the group */
+} tdm_pptp_cut;
+
+/* The plan: spec (an MLP) cut by first[0..S) into stages, each stage's
+ * linear layers on N ranks: cut[l] per linear layer and *narrow, spec
+ * with each column layer's output width divided by N. One-line USAGE
+ * errors: a model other than the MLP, a width N does not divide ("stage
+ * 1: fc3's output width 10 (fc4's input) is not divisible by the 4
+ * tensor-parallel ranks"). */
+tdm_status tdm_pptp_plan(const tdm_model_spec *spec, int S, const int *first, int N,
+                         tdm_pptp_cut *cut, tdm_model_spec *narrow);
+
+/* A tensor-parallel stage (r of N in the group tp: device memory through
+ * tdev, host memory through thost, both borrowed). */
+typedef struct tdm_pptp {
+    int N, t;
+    tdm_comm *tdev, *thost;
+    tdm_comm *phost;             /* the pipeline's host communicator (borrowed; the caller's) */
+    tdm_device *dev;
+    tdm_model_spec narrow;
+    tdm_pptp_cut cut[TDM_MODEL_MAX_DIMS];
+    tdm_model *whole, *slim;     /* the tables of the whole and the narrow model */
+    int64_t sums;                /* partial sums all-reduced, and their bytes */
+    int64_t sum_bytes;
+    double sum_ms;
+} tdm_pptp;
+
+/* The plan over spec and the two models' tables. */
+tdm_status tdm_pptp_init(tdm_pptp *q, const tdm_model_spec *spec, int S, const int *first,
+                         int N, int t, tdm_comm *tdev, tdm_comm *thost, tdm_device *dev);
+void tdm_pptp_fini(tdm_pptp *q);
+/* Installs the partial sums on p's stage model and gives it this rank's
+ * slices of the whole model's initial parameters from seed. Collective
+ * over nothing: every rank computes the same whole model. */
+tdm_status tdm_pptp_attach(tdm_pptp *q, tdm_pp *p, uint64_t seed);
+
+/* whole (the whole model's layout) into narrow (the narrow model's), as
+ * tensor-parallel rank t holds it; and back (every tensor's part of rank
+ * t into whole: a replicated tensor from any rank is all of it). */
+void tdm_pptp_slice(const tdm_pptp *q, int t, const float *whole, float *narrow);
+void tdm_pptp_unslice(const tdm_pptp *q, int t, const float *narrow, float *whole);
+
+/* The whole model's state of this replica on its root (stage 0, tp rank
+ * 0: root 1 there; h allocated there in the whole layout, h->optim set
+ * when opt is given): gathered over each tp index's pipeline (pp/), then
+ * over stage 0's tp group. Collective over the replica. */
+tdm_status tdm_pptp_gather(tdm_pptp *q, tdm_pp *p, const tdm_optim *opt, tdm_ckpt_host *h,
+                           int root);
+/* This rank's part of a whole model's state in h (any mode's file):
+ * parameters and, with h->optim, the optimizer state and steps. Local. */
+tdm_status tdm_pptp_load(tdm_pptp *q, tdm_pp *p, const tdm_ckpt_host *h);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif
