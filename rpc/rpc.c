@@ -89,8 +89,9 @@ static void future_complete(tdm_rpc *rpc, tdm_rpc_future *f, tdm_status st, cons
     pthread_cond_broadcast(&rpc->cv);
 }
 
-/* Fails every pending call to dst (mu held). */
-static void fail_pending_to(tdm_rpc *rpc, int dst, const char *why)
+/* Fails every pending call to dst (mu held); record: as failed in the
+ * flight recorder (not when this endpoint is freed: they were pending). */
+static void fail_pending_to(tdm_rpc *rpc, int dst, const char *why, int record)
 {
     tdm_rpc_future *f = rpc->calls.pending;
     while (f) {
@@ -99,7 +100,7 @@ static void fail_pending_to(tdm_rpc *rpc, int dst, const char *why)
             char msg[640];
             snprintf(msg, sizeof msg, "rpc: call #%llu '%s' to rank %d: %s",
                      (unsigned long long)f->id, f->name, f->dst, why);
-            tdm_rpc_fr_end(rpc, f->fr_seq, TDM_STATUS_PEER_FAILED, msg);
+            if (record) tdm_rpc_fr_end(rpc, f->fr_seq, TDM_STATUS_PEER_FAILED, msg);
             future_complete(rpc, f, TDM_STATUS_PEER_FAILED, msg, NULL, 0);
         }
         f = next;
@@ -119,7 +120,8 @@ void tdm_rpc_peer_lost(tdm_rpc *rpc, int src, tdm_rpc_peer_state state, const ch
             tdm_rpc_fr_failure(rpc, TDM_STATUS_PEER_FAILED, msg);
         }
     }
-    fail_pending_to(rpc, src, rpc->peers.why[src]);
+    /* a peer that left in order is no failure of this rank's record */
+    fail_pending_to(rpc, src, rpc->peers.why[src], rpc->peers.state[src] == TDM_RPC_PEER_GONE);
     pthread_cond_broadcast(&rpc->cv);
     pthread_mutex_unlock(&rpc->mu);
 }
@@ -133,7 +135,8 @@ static void dispatch(tdm_rpc *rpc, tdm_rpc_wire *w, uint8_t *body);
  * this rank it is handed to dispatch without a transport. A message left
  * half-written abandons the channel: dst is taken for gone, naming why. */
 static tdm_status deliver(tdm_rpc *rpc, int dst, tdm_rpc_kind kind, int32_t status, uint64_t id,
-                          const char *name, const void *payload, size_t n, uint64_t stall_ns)
+                          const char *name, const void *payload, size_t n, uint64_t stall_ns,
+                          uint64_t deadline_ns)
 {
     uint32_t name_len = name ? (uint32_t)strlen(name) : 0;
     tdm_rpc_wire w;
@@ -167,7 +170,7 @@ static tdm_status deliver(tdm_rpc *rpc, int dst, tdm_rpc_kind kind, int32_t stat
         return tdm_error_set(TDM_STATUS_TIMEOUT, "rank %d has not read for %.1f s (another send to it is "
                              "stuck; nothing of this message was sent)", dst, (double)stall_ns / 1e9);
     size_t sent = 0;
-    tdm_status st = rpc->ops->send(rpc, dst, head, sizeof w + name_len, payload, n, stall_ns, &sent);
+    tdm_status st = rpc->ops->send(rpc, dst, head, sizeof w + name_len, payload, n, stall_ns, deadline_ns, &sent);
     if (st != TDM_STATUS_OK && sent == 0) {
         /* the channel is whole: dst stays up ("rank D has not read for X s
          * (...)" on a TIMEOUT) */
@@ -396,10 +399,10 @@ static tdm_status serve(tdm_rpc *rpc, tdm_rpc_msg *m)
     tdm_status sst;
     if (st == TDM_STATUS_OK)
         sst = deliver(rpc, m->w.src, TDM_RPC_KIND_REPLY, TDM_STATUS_OK, m->w.id, NULL, req.reply,
-                      req.reply_nbytes, rpc->send_stall_ns);
+                      req.reply_nbytes, rpc->send_stall_ns, UINT64_MAX);
     else
         sst = deliver(rpc, m->w.src, TDM_RPC_KIND_REPLY, st, m->w.id, NULL, req.err, strlen(req.err),
-                      rpc->send_stall_ns);
+                      rpc->send_stall_ns, UINT64_MAX);
     if (sst != TDM_STATUS_OK)
         TDM_INFO(CORE, "rpc: rank %d: reply to rank %d's call '%s' not sent: %s", rpc->rank, m->w.src,
                  name, tdm_error_message());
@@ -487,7 +490,7 @@ tdm_status tdm_rpc_req_fail(tdm_rpc_req *req, tdm_status st, const char *fmt, ..
 /* tdm_rpc_call_async with the bound on a send to a peer that reads
  * nothing (tdm_rpc_call: its timeout, when shorter). */
 static tdm_status call_start(tdm_rpc *rpc, int dst, const char *name, const void *args, size_t nbytes,
-                             uint64_t stall_ns, tdm_rpc_future **out)
+                             uint64_t stall_ns, uint64_t deadline_ns, tdm_rpc_future **out)
 {
     *out = NULL;
     TDM_REQUIRE(rpc && name, TDM_STATUS_INVALID_ARG, "rpc_call: NULL argument");
@@ -520,7 +523,7 @@ static tdm_status call_start(tdm_rpc *rpc, int dst, const char *name, const void
     f->next = rpc->calls.pending;
     rpc->calls.pending = f;
     pthread_mutex_unlock(&rpc->mu);
-    tdm_status st = deliver(rpc, dst, TDM_RPC_KIND_CALL, 0, f->id, name, args, nbytes, stall_ns);
+    tdm_status st = deliver(rpc, dst, TDM_RPC_KIND_CALL, 0, f->id, name, args, nbytes, stall_ns, deadline_ns);
     if (st != TDM_STATUS_OK) {
         char msg[TDM_ERROR_MSG_MAX];
         if (st == TDM_STATUS_TIMEOUT)
@@ -552,7 +555,7 @@ tdm_status tdm_rpc_call_async(tdm_rpc *rpc, int dst, const char *name, const voi
 {
     *out = NULL;
     TDM_REQUIRE(rpc, TDM_STATUS_INVALID_ARG, "rpc_call: NULL endpoint");
-    return call_start(rpc, dst, name, args, nbytes, rpc->send_stall_ns, out);
+    return call_start(rpc, dst, name, args, nbytes, rpc->send_stall_ns, UINT64_MAX, out);
 }
 
 int tdm_rpc_future_done(const tdm_rpc_future *f)
@@ -646,7 +649,10 @@ tdm_status tdm_rpc_call(tdm_rpc *rpc, int dst, const char *name, const void *arg
     TDM_REQUIRE(rpc, TDM_STATUS_INVALID_ARG, "rpc_call: NULL endpoint");
     uint64_t stall = rpc->send_stall_ns, t0 = tdm_time_ns();
     if (timeout_ms >= 0 && (uint64_t)timeout_ms * 1000000u < stall) stall = (uint64_t)timeout_ms * 1000000u;
-    TDM_CHECK(call_start(rpc, dst, name, args, nbytes, stall, &f));
+    /* the whole send within the call's timeout too: a peer that takes a
+     * trickle (the kernel's buffers, not its reader) never stalls */
+    uint64_t deadline = timeout_ms >= 0 ? t0 + (uint64_t)timeout_ms * 1000000u : UINT64_MAX;
+    TDM_CHECK(call_start(rpc, dst, name, args, nbytes, stall, deadline, &f));
     /* the send took part of the timeout */
     int64_t left = timeout_ms;
     if (timeout_ms >= 0) {
@@ -767,7 +773,7 @@ void tdm_rpc_free(tdm_rpc *rpc)
             pthread_mutex_lock(&rpc->mu);
             int up = rpc->peers.state[r] == TDM_RPC_PEER_UP;
             pthread_mutex_unlock(&rpc->mu);
-            if (up) (void)deliver(rpc, r, TDM_RPC_KIND_BYE, 0, 0, NULL, NULL, 0, bye_stall_ns);
+            if (up) (void)deliver(rpc, r, TDM_RPC_KIND_BYE, 0, 0, NULL, NULL, 0, bye_stall_ns, UINT64_MAX);
         }
     }
     atomic_store_explicit(&rpc->stopping, 1, memory_order_release);
@@ -781,7 +787,7 @@ void tdm_rpc_free(tdm_rpc *rpc)
      * pending are failed below */
     tdm_rpc_fr_dump_failed(rpc);
     pthread_mutex_lock(&rpc->mu);
-    fail_pending_to(rpc, -1, "this rank's RPC endpoint was freed");
+    fail_pending_to(rpc, -1, "this rank's RPC endpoint was freed", 0);
     while (rpc->queue.head) {
         tdm_rpc_msg *m = rpc->queue.head;
         rpc->queue.head = m->next;

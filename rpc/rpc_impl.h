@@ -56,12 +56,14 @@ typedef struct tdm_rpc_tp_ops {
     /* Writes a then b to dst, whole, or fails: PEER_FAILED when dst is
      * gone, TIMEOUT ("rank D has not read for X s") when dst takes no
      * byte for stall_ns while some wait to be written (a peer alive but
-     * stopped: SIGSTOP, a debugger, a reader stuck). *sent: the bytes of
+     * stopped: SIGSTOP, a debugger, a reader stuck), or at deadline_ns
+     * (tdm_time_ns(); UINT64_MAX: none: a synchronous call's timeout, which
+     * a peer taking a trickle would outlast). *sent: the bytes of
      * a and b written before it returned (> 0 on a failure: the channel
      * holds part of a message; the caller abandons it). Called with the
      * endpoint's send lock for dst held. */
     tdm_status (*send)(tdm_rpc *rpc, int dst, const void *a, size_t na, const void *b,
-                       size_t nb, uint64_t stall_ns, size_t *sent);
+                       size_t nb, uint64_t stall_ns, uint64_t deadline_ns, size_t *sent);
     /* The channel to dst holds part of a message that will never be
      * completed: closes it, so that dst, if it reads again, stops there
      * and takes this rank for gone instead of decoding garbage. */

@@ -174,7 +174,7 @@ static tdm_status stalled(rpc_shm *s, int dst, uint64_t stall_ns)
 }
 
 static tdm_status ring_write(tdm_rpc *rpc, int dst, const uint8_t *p, size_t n, uint64_t stall_ns,
-                             size_t *sent)
+                             uint64_t deadline_ns, size_t *sent)
 {
     rpc_shm *s = rpc->tp;
     rpc_shm_ring *r = ring_at(s, rpc->rank, dst);
@@ -201,6 +201,9 @@ static tdm_status ring_write(tdm_rpc *rpc, int dst, const uint8_t *p, size_t n, 
             } else if (now - since >= stall_ns) {
                 return stalled(s, dst, stall_ns);
             }
+            if (now >= deadline_ns)
+                return tdm_error_set(TDM_STATUS_TIMEOUT, "rank %d has not read the message within the call's "
+                                     "timeout (%zu bytes of it taken)", dst, *sent);
             tdm_wait_sleep(&r->tail, tail + 1, RPC_SHM_SEND_NAP_NS, TDM_WAIT_SHARED, NULL);
             continue;
         }
@@ -222,14 +225,14 @@ static tdm_status ring_write(tdm_rpc *rpc, int dst, const uint8_t *p, size_t n, 
 }
 
 static tdm_status shm_send(tdm_rpc *rpc, int dst, const void *a, size_t na, const void *b, size_t nb,
-                           uint64_t stall_ns, size_t *sent)
+                           uint64_t stall_ns, uint64_t deadline_ns, size_t *sent)
 {
     rpc_shm *s = rpc->tp;
     *sent = 0;
     if (atomic_load_explicit(&s->ranks[dst].state, memory_order_acquire) == RPC_SHM_LEFT)
         return tdm_error_set(TDM_STATUS_PEER_FAILED, "rpc: send to rank %d: it has left", dst);
-    TDM_CHECK(ring_write(rpc, dst, a, na, stall_ns, sent));
-    if (nb) TDM_CHECK(ring_write(rpc, dst, b, nb, stall_ns, sent));
+    TDM_CHECK(ring_write(rpc, dst, a, na, stall_ns, deadline_ns, sent));
+    if (nb) TDM_CHECK(ring_write(rpc, dst, b, nb, stall_ns, deadline_ns, sent));
     return TDM_STATUS_OK;
 }
 

@@ -394,7 +394,7 @@ static void tcp_pump(tdm_rpc *rpc, int nap_ms)
  * the last byte the socket took (the peer's receive buffer and this
  * one's send buffer full: it reads nothing). */
 static tdm_status send_bounded(tdm_rpc *rpc, int dst, const uint8_t *p, size_t n, uint64_t stall_ns,
-                               size_t *sent)
+                               uint64_t deadline_ns, size_t *sent)
 {
     rpc_tcp *t = rpc->tp;
     uint64_t since = tdm_time_ns();
@@ -417,6 +417,9 @@ static tdm_status send_bounded(tdm_rpc *rpc, int dst, const uint8_t *p, size_t n
         if (now - since >= stall_ns)
             return tdm_error_set(TDM_STATUS_TIMEOUT, "rank %d has not read for %.1f s (its connection "
                                  "takes nothing: stopped, or too busy to read?)", dst, (double)stall_ns / 1e9);
+        if (now >= deadline_ns)
+            return tdm_error_set(TDM_STATUS_TIMEOUT, "rank %d has not read the message within the call's "
+                                 "timeout (%zu bytes of it taken by its connection)", dst, *sent);
         /* short naps: a shutdown is seen soon */
         uint64_t left_ms = (stall_ns - (now - since)) / 1000000u + 1;
         struct pollfd pf = {.fd = t->fd[dst], .events = POLLOUT};
@@ -426,11 +429,11 @@ static tdm_status send_bounded(tdm_rpc *rpc, int dst, const uint8_t *p, size_t n
 }
 
 static tdm_status tcp_send(tdm_rpc *rpc, int dst, const void *a, size_t na, const void *b, size_t nb,
-                           uint64_t stall_ns, size_t *sent)
+                           uint64_t stall_ns, uint64_t deadline_ns, size_t *sent)
 {
     *sent = 0;
-    TDM_CHECK(send_bounded(rpc, dst, a, na, stall_ns, sent));
-    if (nb) TDM_CHECK(send_bounded(rpc, dst, b, nb, stall_ns, sent));
+    TDM_CHECK(send_bounded(rpc, dst, a, na, stall_ns, deadline_ns, sent));
+    if (nb) TDM_CHECK(send_bounded(rpc, dst, b, nb, stall_ns, deadline_ns, sent));
     return TDM_STATUS_OK;
 }
 
