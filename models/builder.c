@@ -17,7 +17,10 @@ static const char *const tdm_op_names[] = {
     [TDM_MODEL_OP_SIGMOID] = "sigmoid", [TDM_MODEL_OP_MAXPOOL] = "maxpool",
     [TDM_MODEL_OP_AVGPOOL] = "avgpool", [TDM_MODEL_OP_FLATTEN] = "flatten",
     [TDM_MODEL_OP_RES_OPEN] = "residual {", [TDM_MODEL_OP_RES_CLOSE] = "}",
-    [TDM_MODEL_OP_DROPOUT] = "dropout",
+    [TDM_MODEL_OP_DROPOUT] = "dropout", [TDM_MODEL_OP_EMBEDDING] = "embedding",
+    [TDM_MODEL_OP_POS_EMBEDDING] = "embedding positions",
+    [TDM_MODEL_OP_LAYERNORM] = "layernorm", [TDM_MODEL_OP_ATTENTION] = "attention",
+    [TDM_MODEL_OP_GPT_MLP] = "gptmlp",  [TDM_MODEL_OP_LM_HEAD] = "lmhead",
 };
 
 const char *tdm_model_op_name(tdm_model_op_kind kind)
@@ -29,25 +32,25 @@ const char *tdm_model_op_name(tdm_model_op_kind kind)
 
 /* ---- the spec: ops and their shapes ---- */
 
-typedef struct tdm_seq_shape {
-    int c, h, w, flat;
-} tdm_seq_shape;
-
-static void tdm_seq_shape_str(const tdm_seq_shape *sh, char *buf, size_t len)
+void tdm_seq_shape_str(const tdm_seq_shape *sh, char *buf, size_t len)
 {
-    if (sh->flat) snprintf(buf, len, "%d features", sh->w);
+    if (sh->seq == TDM_MODEL_SEQ_TOKENS) snprintf(buf, len, "%d tokens", sh->w);
+    else if (sh->seq == TDM_MODEL_SEQ_ROWS)
+        snprintf(buf, len, "%dx%d (positions x features)", sh->h, sh->w);
+    else if (sh->flat) snprintf(buf, len, "%d features", sh->w);
     else snprintf(buf, len, "%dx%dx%d", sh->c, sh->h, sh->w);
 }
 
-static tdm_seq_shape tdm_seq_cur(const tdm_model_spec *s)
+tdm_seq_shape tdm_seq_cur(const tdm_model_spec *s)
 {
     if (s->n_ops == 0)
-        return (tdm_seq_shape){.c = s->in_c, .h = s->in_h, .w = s->in_w, .flat = s->in_flat};
+        return (tdm_seq_shape){.c = s->in_c, .h = s->in_h, .w = s->in_w, .flat = s->in_flat,
+                               .seq = s->in_tokens ? TDM_MODEL_SEQ_TOKENS : 0};
     const tdm_model_op *o = &s->ops[s->n_ops - 1];
-    return (tdm_seq_shape){.c = o->c, .h = o->h, .w = o->w, .flat = o->flat};
+    return (tdm_seq_shape){.c = o->c, .h = o->h, .w = o->w, .flat = o->flat, .seq = o->seq};
 }
 
-static tdm_status tdm_seq_start(tdm_model_spec *s, int c, int h, int w, int flat)
+tdm_status tdm_seq_start(tdm_model_spec *s, int c, int h, int w, int flat)
 {
     memset(s, 0, sizeof *s);
     s->kind = TDM_MODEL_SEQ;
@@ -93,6 +96,9 @@ static tdm_status tdm_seq_infer(const tdm_model_spec *s, const tdm_model_op *o,
     const char *name = tdm_model_op_name(o->kind);
     tdm_seq_shape_str(in, sh, sizeof sh);
     *out = *in;
+    if (tdm_seq_op_is_gpt(o->kind) ||
+        (in->seq && o->kind != TDM_MODEL_OP_RES_OPEN && o->kind != TDM_MODEL_OP_RES_CLOSE))
+        return tdm_seq_infer_gpt(s, o, in, out);
     switch (o->kind) {
     case TDM_MODEL_OP_LINEAR:
         TDM_REQUIRE(in->flat, TDM_STATUS_INVALID_ARG,
@@ -161,17 +167,18 @@ static tdm_status tdm_seq_infer(const tdm_model_spec *s, const tdm_model_op *o,
         int at = s->open[s->n_open - 1];
         TDM_REQUIRE(at < s->n_ops - 1, TDM_STATUS_INVALID_ARG, "empty residual block");
         const tdm_model_op *op = &s->ops[at];
-        tdm_seq_shape bin = {.c = op->c, .h = op->h, .w = op->w, .flat = op->flat};
+        tdm_seq_shape bin = {.c = op->c, .h = op->h, .w = op->w, .flat = op->flat,
+                             .seq = op->seq};
         char bs[48];
         tdm_seq_shape_str(&bin, bs, sizeof bs);
         if (!o->proj) {
-            TDM_REQUIRE(bin.flat == in->flat && bin.c == in->c && bin.h == in->h &&
-                            bin.w == in->w, TDM_STATUS_INVALID_ARG,
+            TDM_REQUIRE(bin.flat == in->flat && bin.seq == in->seq && bin.c == in->c &&
+                            bin.h == in->h && bin.w == in->w, TDM_STATUS_INVALID_ARG,
                         "residual block: its input is %s but its output %s (close it with "
                         "`} proj` to add the input through a projection)", bs, sh);
             return TDM_STATUS_OK;
         }
-        TDM_REQUIRE(bin.flat == in->flat, TDM_STATUS_INVALID_ARG,
+        TDM_REQUIRE(bin.flat == in->flat && !in->seq, TDM_STATUS_INVALID_ARG,
                     "residual block: a projection maps images to images or features to "
                     "features, not %s to %s", bs, sh);
         TDM_REQUIRE(in->flat || tdm_seq_proj_stride(bin.h, bin.w, in->h, in->w) > 0,
@@ -180,6 +187,8 @@ static tdm_status tdm_seq_infer(const tdm_model_spec *s, const tdm_model_op *o,
                     "output %s", bs, sh);
         return TDM_STATUS_OK;
     }
+    default:
+        break;
     }
     return tdm_error_set(TDM_STATUS_INVALID_ARG, "unknown layer kind %d", (int)o->kind);
 }
@@ -191,6 +200,7 @@ tdm_status tdm_model_seq_add(tdm_model_spec *s, const tdm_model_op *op)
     TDM_REQUIRE(s->n_ops < TDM_MODEL_MAX_OPS, TDM_STATUS_INVALID_ARG,
                 "model has more than %d layers", TDM_MODEL_MAX_OPS);
     tdm_model_op o = *op;
+    if (s->in_tokens) TDM_CHECK(tdm_seq_gpt_next(s, &o));
     if (o.kind == TDM_MODEL_OP_MAXPOOL || o.kind == TDM_MODEL_OP_AVGPOOL) {
         if (o.kw == 0) o.kw = o.k;
         o.stride = o.k;
@@ -201,6 +211,7 @@ tdm_status tdm_model_seq_add(tdm_model_spec *s, const tdm_model_op *op)
     o.h = out.h;
     o.w = out.w;
     o.flat = out.flat;
+    o.seq = out.seq;
     if (o.kind == TDM_MODEL_OP_RES_CLOSE) s->n_open--;
     s->ops[s->n_ops] = o;
     if (o.kind == TDM_MODEL_OP_RES_OPEN) s->open[s->n_open++] = s->n_ops;
@@ -279,6 +290,7 @@ tdm_status tdm_model_seq_finish(tdm_model_spec *s)
 {
     TDM_REQUIRE(s && s->kind == TDM_MODEL_SEQ, TDM_STATUS_INVALID_ARG,
                 "model builder: not a builder spec (start with tdm_model_seq_init)");
+    if (s->in_tokens && s->n_open == 0) return tdm_seq_gpt_finish(s);
     if (s->n_open > 0) {
         const tdm_model_op *o = &s->ops[s->open[s->n_open - 1]];
         if (o->line)
@@ -292,7 +304,7 @@ tdm_status tdm_model_seq_finish(tdm_model_spec *s)
     for (int i = 0; i < s->n_ops; i++) {
         tdm_model_op_kind k = s->ops[i].kind;
         params |= k == TDM_MODEL_OP_LINEAR || k == TDM_MODEL_OP_CONV ||
-                  k == TDM_MODEL_OP_BATCHNORM || (k == TDM_MODEL_OP_RES_CLOSE && s->ops[i].proj);
+                  k == TDM_MODEL_OP_BATCHNORM || k == TDM_MODEL_OP_LAYERNORM || (k == TDM_MODEL_OP_RES_CLOSE && s->ops[i].proj);
     }
     TDM_REQUIRE(params, TDM_STATUS_INVALID_ARG, "the model has no layer with parameters");
     tdm_seq_shape out = tdm_seq_cur(s);
@@ -303,6 +315,37 @@ tdm_status tdm_model_seq_finish(tdm_model_spec *s)
                 "(end with `flatten` and `linear N`)", sh);
     s->n_classes = out.w;
     return TDM_STATUS_OK;
+}
+
+int tdm_model_spec_lever_op(const tdm_model_spec *s)
+{
+    if (s->kind != TDM_MODEL_SEQ) return -1;
+    for (int i = 0; i < s->n_ops; i++) {
+        tdm_model_op_kind k = s->ops[i].kind;
+        tdm_model_op_kind prev = i > 0 ? s->ops[i - 1].kind : TDM_MODEL_OP_RELU;
+        int fused_relu = k == TDM_MODEL_OP_RELU &&
+                         (prev == TDM_MODEL_OP_LINEAR || prev == TDM_MODEL_OP_BATCHNORM);
+        if (k != TDM_MODEL_OP_LINEAR && k != TDM_MODEL_OP_CONV && k != TDM_MODEL_OP_BATCHNORM &&
+            k != TDM_MODEL_OP_MAXPOOL && k != TDM_MODEL_OP_FLATTEN && !fused_relu)
+            return i;
+    }
+    return -1;
+}
+
+void tdm_model_spec_lever_refusal(const tdm_model_spec *s, char *buf, size_t len)
+{
+    int i = tdm_model_spec_lever_op(s);
+    if (i < 0) {
+        snprintf(buf, len, "%s", "");
+        return;
+    }
+    const tdm_model_op *o = &s->ops[i];
+    char where[32] = "";
+    if (o->line) snprintf(where, sizeof where, " (line %d)", o->line);
+    snprintf(buf, len, "%s's `%s`%s runs in float32 with its activations kept: 16-bit "
+             "precision and activation checkpointing take a model file of the built-in MLP's "
+             "and CNN's layers (linear, conv, batchnorm, relu right after a linear or "
+             "batchnorm, maxpool, flatten)", s->name, tdm_model_op_name(o->kind), where);
 }
 
 int tdm_model_spec_has_batchnorm(const tdm_model_spec *s)
@@ -317,7 +360,7 @@ int tdm_model_spec_has_batchnorm(const tdm_model_spec *s)
 /* ---- the model's layers ---- */
 
 typedef struct tdm_seq_counts {
-    int fc, conv, bn, res;
+    int fc, conv, bn, res, ln;
 } tdm_seq_counts;
 
 static tdm_layer *tdm_seq_layer(tdm_model *m, tdm_layer_kind kind, const tdm_seq_shape *in,
@@ -431,6 +474,16 @@ tdm_status tdm_seq_build(tdm_model *m)
                      : o->kind == TDM_MODEL_OP_TANH ? TDM_ACT_TANH
                                                     : TDM_ACT_SIGMOID;
             break;
+        case TDM_MODEL_OP_LAYERNORM:
+            /* features only (the builder checked): (B, c) rows */
+            l = tdm_seq_layer(m, TDM_LAYER_LN, &cur, &out);
+            l->c = l->oc = cur.w;
+            l->h = l->w = l->oh = l->ow = 1;
+            n.ln++;
+            TDM_CHECK(tdm_seq_param(m, 0, "ln", n.ln, "weight", 1, (int64_t[]){cur.w}));
+            TDM_CHECK(tdm_seq_param(m, 0, "ln", n.ln, "bias", 1, (int64_t[]){cur.w}));
+            l->np = 2;
+            break;
         case TDM_MODEL_OP_MAXPOOL:
         case TDM_MODEL_OP_AVGPOOL:
             TDM_CHECK(tdm_seq_need_cnhw(m, &cur, &cnhw));
@@ -495,6 +548,9 @@ tdm_status tdm_seq_build(tdm_model *m)
             }
             break;
         }
+        default:   /* the GPT's layers: a finished spec of them is a TDM_MODEL_GPT */
+            return tdm_error_set(TDM_STATUS_INVALID_ARG, "model: %s outside a model of tokens",
+                                 tdm_model_op_name(o->kind));
         }
         for (int j = first_new; j < m->n_layers; j++)
             m->layers[j].line = o->kind == TDM_MODEL_OP_RES_CLOSE ? open_line[n_open] : o->line;

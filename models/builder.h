@@ -24,6 +24,8 @@
  *     tdm_model_seq_finish(&s);
  *     tdm_model_init(&m, dev, &s, seed);
  *
+ * A GPT is written the same way from tdm_model_seq_init_tokens (below).
+ *
  * Layers and their tensors (named by kind and count, in file order:
  * conv1, bn1, fc1, res1.proj): docs/MODELS.md. Layouts: images are
  * (C, H, W) per sample, features a vector; linear needs features
@@ -72,6 +74,35 @@ tdm_status tdm_model_seq_dropout(tdm_model_spec *s, float p);
  * keep the shape. At most TDM_MODEL_MAX_NEST open at once. */
 tdm_status tdm_model_seq_residual_open(tdm_model_spec *s);
 tdm_status tdm_model_seq_residual_close(tdm_model_spec *s, int proj);
+/* A GPT written as layers (docs/MODELS.md): an input of `context` token
+ * ids (1..65536), then the token embedding (vocabulary 256: bytes), the
+ * learned positions, blocks of two residuals - { layernorm, attention },
+ * { layernorm, gptmlp } - and a final layernorm and the output head. A
+ * model of tokens must follow this arrangement (each call checks that it
+ * may come next); tdm_model_seq_finish makes it the TDM_MODEL_GPT spec
+ * it is, so it trains bitwise as the built-in gpt:L-D-H-T, whose tensor
+ * names it has (transformer.h.<i>.attn.c_attn.weight, ...). */
+tdm_status tdm_model_seq_init_tokens(tdm_model_spec *s, int context);
+/* (T tokens) -> (T, width) rows; vocab must be 256. */
+tdm_status tdm_model_seq_embedding(tdm_model_spec *s, int vocab, int width);
+/* Adds a learned vector per position (T, C) to the rows. */
+tdm_status tdm_model_seq_pos_embedding(tdm_model_spec *s);
+/* LayerNorm (eps 1e-5; weight 1, bias 0 at init): of each position's C
+ * features in a model of tokens, of each sample's vector of features in
+ * any other (lnK.weight, lnK.bias; not of an image: flatten first). */
+tdm_status tdm_model_seq_layernorm(tdm_model_spec *s);
+/* Causal multi-head self-attention: the fused q, k, v projection (3C),
+ * `heads` heads of C/heads, the output projection (C). heads must
+ * divide C and be the same in every block. */
+tdm_status tdm_model_seq_attention(tdm_model_spec *s, int heads);
+/* linear 4C, gelu (tanh form), linear C. */
+tdm_status tdm_model_seq_gptmlp(tdm_model_spec *s);
+/* The logits over the vocabulary at every position; tied: the token
+ * embedding is the weight (the built-in GPT's), else a weight of its own,
+ * lm_head.weight (256, C), N(0, 0.02) at init: that model is described as
+ * its file ("file:x.tdm (gpt:L-D-H-T, untied head)") and runs whole (not
+ * in pipeline stages or tensor parallel). */
+tdm_status tdm_model_seq_lmhead(tdm_model_spec *s, int tied);
 /* Any op by its fields (kind, n, k, kw, stride, pad, proj, line); the
  * calls above fill one. The shape fields are the builder's. */
 tdm_status tdm_model_seq_add(tdm_model_spec *s, const tdm_model_op *op);
@@ -89,6 +120,15 @@ tdm_status tdm_model_seq_parse_text(tdm_model_spec *s, const char *name, const c
 
 /* "conv", "linear", ...: an op kind's name in model files. */
 const char *tdm_model_op_name(tdm_model_op_kind kind);
+/* The memory levers (--precision bf16|fp16, --checkpoint-activations)
+ * take a SEQ spec made of the built-in MLP's and CNN's layers only
+ * (linear, conv, batchnorm, a relu right after a linear or batchnorm,
+ * maxpool, flatten): such a model trains with them bitwise as the built-in
+ * model of the same layers. The index of the spec's first op they cannot
+ * take, -1 when none (and for every kind but SEQ); and that refusal in
+ * words, naming the op and its line ("" when none). */
+int tdm_model_spec_lever_op(const tdm_model_spec *s);
+void tdm_model_spec_lever_refusal(const tdm_model_spec *s, char *buf, size_t len);
 /* 1 when the spec has a batchnorm layer (the CNN, a SEQ with one). */
 int tdm_model_spec_has_batchnorm(const tdm_model_spec *s);
 

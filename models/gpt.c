@@ -72,7 +72,11 @@ tdm_status tdm_gpt_spec_parse(tdm_model_spec *s, const char *text)
 
 void tdm_gpt_spec_describe(const tdm_model_spec *s, char *buf, size_t len)
 {
-    snprintf(buf, len, "gpt:%d-%d-%d-%d", s->n_layer, s->n_embd, s->n_head, s->n_ctx);
+    /* an untied head is no built-in gpt: named by its model file */
+    if (s->head_untied)
+        snprintf(buf, len, "%s (gpt:%d-%d-%d-%d, untied head)", s->name, s->n_layer, s->n_embd,
+                 s->n_head, s->n_ctx);
+    else snprintf(buf, len, "gpt:%d-%d-%d-%d", s->n_layer, s->n_embd, s->n_head, s->n_ctx);
 }
 
 /* ---- parameters ---- */
@@ -691,7 +695,7 @@ static tdm_status tdm_gpt_backward(tdm_model *m, const float *dy)
             TDM_CHECK(tdm_layers_linear_bwd(d, a->lnf, tdm_gpt_param(m, g->p_head), dy, g->ones,
                                             N, C, g->V, tdm_gpt_grad(m, g->p_head), NULL, g->dln,
                                             0));
-        if (!g->has_emb) tdm_gpt_hook(m, head_layer);
+        if (!g->has_emb || m->spec.head_untied) tdm_gpt_hook(m, head_layer);
         TDM_CHECK(tdm_model_raise_use(m, TDM_MODEL_USE_BACKWARD, pf, pf + 1));
         TDM_CHECK(tdm_dev_layernorm_bwd(d, res_last, g->dln, tdm_gpt_param(m, pf), a->lnf_mean,
                                         a->lnf_rstd, g->dres, tdm_gpt_grad(m, pf),
@@ -771,6 +775,9 @@ tdm_status tdm_gpt_build(tdm_model *m)
     TDM_REQUIRE(!m->dev || tdm_dev_has_transformer(m->dev), TDM_STATUS_UNSUPPORTED,
                 "gpt: device %s has no transformer kernels", tdm_dev_name(m->dev));
     int lo = m->stage.lo, hi = m->stage.hi;
+    TDM_REQUIRE(!s->head_untied || (lo == 0 && hi == L + 2), TDM_STATUS_UNSUPPORTED,
+                "%s: a GPT with an untied head runs whole: it is not built for pipeline stages "
+                "(write `lmhead tied`, or train it in single, dp, ddp or fsdp)", s->name);
     tdm_gpt *g = calloc(1, sizeof *g);
     TDM_REQUIRE(g, TDM_STATUS_OUT_OF_MEMORY, "gpt: out of memory");
     g->L = L;
@@ -813,7 +820,14 @@ tdm_status tdm_gpt_build(tdm_model *m)
         int li = m->n_layers;
         tdm_layer *head = tdm_model_add_layer(m, TDM_LAYER_GROUP);   /* reads wte */
         m->stage.n_slice = m->n_params;
-        if (!g->has_emb) {
+        if (s->head_untied) {
+            /* a weight of its own, a tensor of the whole model */
+            g->p_head = m->n_params;
+            TDM_CHECK(tdm_model_add_tensor(m, 0, li, "lm_head.weight", 2,
+                                           (int64_t[]){s->vocab, C}));
+            head->np = 1;
+            m->stage.n_slice = m->n_params;
+        } else if (!g->has_emb) {
             g->p_head = m->n_params;
             TDM_CHECK(tdm_model_add_tensor(m, 0, li, "lm_head.weight", 2,
                                            (int64_t[]){s->vocab, C}));

@@ -329,6 +329,7 @@ tdm_status tdm_model_layer_forward(tdm_model *m, tdm_layer *l, const float *x, i
     case TDM_LAYER_AVGPOOL:
     case TDM_LAYER_RES:
     case TDM_LAYER_DROPOUT:
+    case TDM_LAYER_LN:
         return tdm_seq_layer_forward(m, l, x, B);
     case TDM_LAYER_GROUP:
         break;   /* a vt model's: never run here */
@@ -384,6 +385,7 @@ tdm_status tdm_model_layer_backward(tdm_model *m, tdm_layer *l, float *dout, flo
     case TDM_LAYER_AVGPOOL:
     case TDM_LAYER_RES:
     case TDM_LAYER_DROPOUT:
+    case TDM_LAYER_LN:
         return tdm_seq_layer_backward(m, l, dout, din, B);
     case TDM_LAYER_GROUP:
         break;

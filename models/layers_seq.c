@@ -82,6 +82,33 @@ static tdm_status tdm_seq_res_backward(tdm_model *m, tdm_layer *l, const float *
     return TDM_STATUS_OK;
 }
 
+/* Layernorm of each sample's c features (the GPT's kernels, eps 1e-5):
+ * the B means and rstds follow the values in the layer's output buffer
+ * (so an activation set holds them, models/recompute.c). */
+#define TDM_SEQ_LN_EPS 1e-5f
+
+static tdm_status tdm_seq_ln_forward(tdm_model *m, tdm_layer *l, const float *x, int B)
+{
+    float *mean = l->out + (int64_t)B * l->c, *rstd = mean + B;
+    l->in = x;
+    return tdm_dev_layernorm_fwd(m->dev, x, tdm_model_pdata(m, l->p0),
+                                 tdm_model_pdata(m, l->p0 + 1), l->out, mean, rstd, B, l->c,
+                                 TDM_SEQ_LN_EPS);
+}
+
+/* The kernel adds into the input gradient: din is zeroed first; without
+ * one (nobody needs it) the other gradient buffer takes it. */
+static tdm_status tdm_seq_ln_backward(tdm_model *m, tdm_layer *l, const float *dout, float *din,
+                                      int B)
+{
+    const float *mean = l->out + (int64_t)B * l->c, *rstd = mean + B;
+    float *dx = din ? din : dout == m->dbuf[0] ? m->dbuf[1] : m->dbuf[0];
+    TDM_CHECK(tdm_dev_memset_zero(m->dev, dx, (size_t)B * l->c * sizeof(float)));
+    return tdm_dev_layernorm_bwd(m->dev, l->in, dout, tdm_model_pdata(m, l->p0), mean, rstd, dx,
+                                 tdm_model_gdata(m, l->p0), tdm_model_gdata(m, l->p0 + 1), B,
+                                 l->c);
+}
+
 tdm_status tdm_seq_layer_forward(tdm_model *m, tdm_layer *l, const float *x, int B)
 {
     tdm_conv_geom g;
@@ -97,6 +124,8 @@ tdm_status tdm_seq_layer_forward(tdm_model *m, tdm_layer *l, const float *x, int
         return tdm_seq_res_forward(m, l, x, B);
     case TDM_LAYER_DROPOUT:
         return tdm_seq_drop_forward(m, l, x, B);
+    case TDM_LAYER_LN:
+        return tdm_seq_ln_forward(m, l, x, B);
     default:
         break;
     }
@@ -119,6 +148,8 @@ tdm_status tdm_seq_layer_backward(tdm_model *m, tdm_layer *l, float *dout, float
         return tdm_seq_res_backward(m, l, dout, din, B);
     case TDM_LAYER_DROPOUT:
         return tdm_seq_drop_backward(m, l, dout, din, B);
+    case TDM_LAYER_LN:
+        return tdm_seq_ln_backward(m, l, dout, din, B);
     default:
         break;
     }

@@ -286,7 +286,7 @@ static tdm_status tdm_model_fill_host(tdm_model *m, uint64_t seed)
         const tdm_layer *l = &m->layers[t->layer];
         float *p = hp + t->offset;
         int is_weight = strstr(t->name, ".weight") != NULL;
-        if (l->kind == TDM_LAYER_BN) {
+        if (l->kind == TDM_LAYER_BN || l->kind == TDM_LAYER_LN) {
             float v = is_weight ? 1.0f : 0.0f;
             for (int64_t j = 0; j < t->n_elem; j++) p[j] = v;
         } else if (is_weight) {

@@ -72,6 +72,13 @@ typedef enum tdm_model_op_kind {
     TDM_MODEL_OP_RES_OPEN,      /* a residual block's input */
     TDM_MODEL_OP_RES_CLOSE,     /* output = block + input (proj: through a projection) */
     TDM_MODEL_OP_DROPOUT,       /* p: drop probability (training only) */
+    /* the GPT's layers (input tokens; models/builder_gpt.c) */
+    TDM_MODEL_OP_EMBEDDING,     /* k: vocabulary, n: width (tokens -> (T, n) rows) */
+    TDM_MODEL_OP_POS_EMBEDDING, /* learned positions (T, C), added to the rows */
+    TDM_MODEL_OP_LAYERNORM,     /* each row over its C features (weight, bias) */
+    TDM_MODEL_OP_ATTENTION,     /* n: heads; causal self-attention with its projections */
+    TDM_MODEL_OP_GPT_MLP,       /* linear 4C, gelu, linear C */
+    TDM_MODEL_OP_LM_HEAD,       /* rows -> logits over the vocabulary (proj 0: tied) */
 } tdm_model_op_kind;
 
 typedef struct tdm_model_op {
@@ -81,7 +88,13 @@ typedef struct tdm_model_op {
     float p;                    /* DROPOUT */
     int line;                   /* the model file's line (0: built in C) */
     int c, h, w, flat;          /* the shape after this op (flat: features in w) */
+    int seq;                    /* a token model's shape: TDM_MODEL_SEQ_TOKENS (w of them)
+                                   or _ROWS (h positions of w features); 0: neither */
 } tdm_model_op;
+
+/* tdm_model_op.seq */
+#define TDM_MODEL_SEQ_TOKENS 1
+#define TDM_MODEL_SEQ_ROWS 2
 
 typedef struct tdm_model_spec {
     tdm_model_kind kind;
@@ -95,9 +108,13 @@ typedef struct tdm_model_spec {
     /* GPT (GPT-2's config names): blocks, width, heads, context, vocabulary
      * (256: bytes). See models/gpt.h. */
     int n_layer, n_embd, n_head, n_ctx, vocab;
+    int head_untied;            /* 1: the output head has a weight of its own,
+                                   lm_head.weight (a model file's `lmhead`) */
     /* SEQ: the layers, the input shape above (in_c x in_h x in_w; flat
      * input: 1 x 1 x features), n_classes the last op's width. */
     int n_ops, in_flat;
+    int in_tokens;              /* 1: the input is in_w tokens (a GPT written as layers:
+                                   tdm_model_seq_finish makes the spec a TDM_MODEL_GPT) */
     int open[TDM_MODEL_MAX_NEST], n_open;   /* the builder's open residual blocks */
     char name[64];              /* what describe prints ("file:lenet.tdm") */
     tdm_model_op ops[TDM_MODEL_MAX_OPS];

@@ -78,7 +78,16 @@ static tdm_status tdm_mf_kernel(const tdm_mf_line *l, const char *s, int *k)
 
 static tdm_status tdm_mf_input(tdm_model_spec *s, const tdm_mf_line *l)
 {
-    if (l->n != 2) return tdm_mf_err(l, "expected `input CxHxW` or `input FEATURES`");
+    if (l->n >= 2 && !strcmp(l->tok[1], "tokens")) {
+        int T = 0;
+        if (l->n != 3) return tdm_mf_err(l, "expected `input tokens T` (a context of T tokens)");
+        TDM_CHECK(tdm_mf_int(l, l->tok[2], "context", TDM_MODEL_SEQ_MAX_DIM, &T));
+        if (tdm_model_seq_init_tokens(s, T) != TDM_STATUS_OK)
+            return tdm_mf_err(l, "%s", tdm_error_message());
+        return TDM_STATUS_OK;
+    }
+    if (l->n != 2)
+        return tdm_mf_err(l, "expected `input CxHxW`, `input FEATURES` or `input tokens T`");
     int d[3] = {0, 0, 0}, nd = 0;
     char buf[TDM_MODEL_LINE_MAX];
     snprintf(buf, sizeof buf, "%s", l->tok[1]);
@@ -93,6 +102,28 @@ static tdm_status tdm_mf_input(tdm_model_spec *s, const tdm_mf_line *l)
     if (nd == 2) return tdm_mf_err(l, "input is CxHxW (3 sizes) or FEATURES (1), not HxW");
     tdm_status st = nd == 1 ? tdm_model_seq_init_flat(s, d[0]) : tdm_model_seq_init(s, d[0], d[1], d[2]);
     if (st != TDM_STATUS_OK) return tdm_mf_err(l, "%s", tdm_error_message());
+    return TDM_STATUS_OK;
+}
+
+/* `embedding vocab V dim C` (either order) or `embedding positions`. */
+static tdm_status tdm_mf_embedding(const tdm_mf_line *l, tdm_model_op *o)
+{
+    if (l->n == 2 && !strcmp(l->tok[1], "positions")) {
+        o->kind = TDM_MODEL_OP_POS_EMBEDDING;
+        return TDM_STATUS_OK;
+    }
+    if (l->n % 2 == 0 || l->n < 3)
+        return tdm_mf_err(l, "expected `embedding vocab 256 dim WIDTH` or `embedding positions`");
+    o->kind = TDM_MODEL_OP_EMBEDDING;
+    for (int i = 1; i + 1 < l->n; i += 2) {
+        if (!strcmp(l->tok[i], "vocab"))
+            TDM_CHECK(tdm_mf_int(l, l->tok[i + 1], "vocabulary", TDM_MODEL_SEQ_MAX_DIM, &o->k));
+        else if (!strcmp(l->tok[i], "dim"))
+            TDM_CHECK(tdm_mf_int(l, l->tok[i + 1], "width", TDM_MODEL_SEQ_MAX_DIM, &o->n));
+        else
+            return tdm_mf_err(l, "unknown embedding option '%s' (vocab or dim)", l->tok[i]);
+    }
+    if (o->n == 0) return tdm_mf_err(l, "embedding: no width (`embedding vocab 256 dim WIDTH`)");
     return TDM_STATUS_OK;
 }
 
@@ -130,6 +161,7 @@ static tdm_status tdm_mf_op(const tdm_mf_line *l, tdm_model_op *o, int *global)
         {"batchnorm", TDM_MODEL_OP_BATCHNORM}, {"relu", TDM_MODEL_OP_RELU},
         {"gelu", TDM_MODEL_OP_GELU},           {"tanh", TDM_MODEL_OP_TANH},
         {"sigmoid", TDM_MODEL_OP_SIGMOID},     {"flatten", TDM_MODEL_OP_FLATTEN},
+        {"layernorm", TDM_MODEL_OP_LAYERNORM}, {"gptmlp", TDM_MODEL_OP_GPT_MLP},
     };
     for (size_t i = 0; i < sizeof plain / sizeof plain[0]; i++) {
         if (strcmp(w, plain[i].name)) continue;
@@ -162,6 +194,21 @@ static tdm_status tdm_mf_op(const tdm_mf_line *l, tdm_model_op *o, int *global)
         o->p = (float)p;
         return TDM_STATUS_OK;
     }
+    if (!strcmp(w, "embedding")) return tdm_mf_embedding(l, o);
+    if (!strcmp(w, "attention")) {
+        if (n != 3 || strcmp(l->tok[1], "heads"))
+            return tdm_mf_err(l, "expected `attention heads H`");
+        o->kind = TDM_MODEL_OP_ATTENTION;
+        return tdm_mf_int(l, l->tok[2], "heads", TDM_MODEL_SEQ_MAX_DIM, &o->n);
+    }
+    if (!strcmp(w, "lmhead")) {
+        if (n > 2 || (n == 2 && strcmp(l->tok[1], "tied")))
+            return tdm_mf_err(l, "expected `lmhead tied` (the head reads the token embedding) "
+                                 "or `lmhead` (a weight of its own)");
+        o->kind = TDM_MODEL_OP_LM_HEAD;
+        o->proj = n == 1;   /* untied */
+        return TDM_STATUS_OK;
+    }
     if (!strcmp(w, "residual")) {
         if (n != 2 || strcmp(l->tok[1], "{"))
             return tdm_mf_err(l, "expected `residual {` (the block ends with `}` or `} proj`)");
@@ -177,7 +224,8 @@ static tdm_status tdm_mf_op(const tdm_mf_line *l, tdm_model_op *o, int *global)
     }
     if (!strcmp(w, "input")) return tdm_mf_err(l, "`input` must be the first layer line");
     return tdm_mf_err(l, "unknown layer '%s' (expected input, linear, conv, batchnorm, relu, gelu, "
-                         "tanh, sigmoid, maxpool, avgpool, flatten, dropout, residual {, })", w);
+                         "tanh, sigmoid, maxpool, avgpool, flatten, dropout, residual {, }, "
+                         "embedding, layernorm, attention, gptmlp, lmhead)", w);
 }
 
 /* Splits line text (len bytes, no newline) into tokens; 0 tokens: blank
@@ -233,7 +281,8 @@ tdm_status tdm_model_seq_parse_text(tdm_model_spec *s, const char *name, const c
         last = l->no;
         if (!have_input) {
             if (strcmp(l->tok[0], "input")) {
-                st = tdm_mf_err(l, "a model file starts with `input CxHxW` or `input FEATURES`");
+                st = tdm_mf_err(l, "a model file starts with `input CxHxW`, `input FEATURES` "
+                                   "or `input tokens T`");
                 goto fail;
             }
             TDM_TRY(tdm_mf_input(s, l));

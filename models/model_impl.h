@@ -29,6 +29,8 @@ typedef enum tdm_layer_kind {
     TDM_LAYER_AVGPOOL,   /* k x kw windows at stride k, CNHW */
     TDM_LAYER_RES,       /* out = previous layer's out + (projected) output of layer skip */
     TDM_LAYER_DROPOUT,   /* training: x * mask / (1 - p), the mask keyed on each sample */
+    TDM_LAYER_LN,        /* layernorm of each sample's c features; its output buffer holds
+                            B means and B rstds after the B x c values */
 } tdm_layer_kind;
 
 typedef struct tdm_layer {
@@ -267,6 +269,25 @@ tdm_status tdm_seq_skip_add(tdm_model *m, int lowest, float *din, int B);
 tdm_status tdm_seq_drop_keys(tdm_model *m, const void *x, int B);
 /* models/builder.c: a SEQ spec's layers and tensors. */
 tdm_status tdm_seq_build(tdm_model *m);
+/* models/builder.c: the shape after a spec's last op (the input's when it
+ * has none), in words for messages; a spec started empty. */
+typedef struct tdm_seq_shape {
+    int c, h, w, flat;
+    int seq;                /* tdm_model_op.seq */
+} tdm_seq_shape;
+tdm_seq_shape tdm_seq_cur(const tdm_model_spec *s);
+void tdm_seq_shape_str(const tdm_seq_shape *sh, char *buf, size_t len);
+tdm_status tdm_seq_start(tdm_model_spec *s, int c, int h, int w, int flat);
+/* models/builder_gpt.c: the GPT's layers in a builder spec. 1 for their
+ * op kinds; the shape after op o (one of them, or any op on a token
+ * model's rows); whether o may come next in a token model (the GPT's
+ * arrangement); and a finished token model made the TDM_MODEL_GPT spec
+ * it describes. */
+int tdm_seq_op_is_gpt(tdm_model_op_kind kind);
+tdm_status tdm_seq_infer_gpt(const tdm_model_spec *s, const tdm_model_op *o,
+                             const tdm_seq_shape *in, tdm_seq_shape *out);
+tdm_status tdm_seq_gpt_next(const tdm_model_spec *s, const tdm_model_op *o);
+tdm_status tdm_seq_gpt_finish(tdm_model_spec *s);
 
 /* models/model.c: a model of pipeline layers [lo, hi) of spec
  * (tdm_model_init_stage; lo = hi = -1: the whole model). */

@@ -81,6 +81,8 @@ static size_t tdm_model_layers_act_bytes(const tdm_model *m, int batch)
     for (int i = 0; i < m->n_layers; i++) {
         const tdm_layer *l = &m->layers[i];
         bytes += (size_t)batch * (size_t)l->out_elems * sizeof(float);
+        if (l->kind == TDM_LAYER_LN)   /* its means and rstds, in the output's buffer */
+            bytes += 2 * (size_t)batch * sizeof(float);
         if (l->kind == TDM_LAYER_RES)
             bytes += (size_t)batch * (size_t)l->skip_elems * sizeof(float);
         if (tdm_layer_convs(l)) {

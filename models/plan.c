@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "models/builder.h"
 #include "models/model_impl.h"
 
 /* What the host allocator (core/device.c) counts for a request: 64-byte
@@ -106,10 +107,13 @@ tdm_status tdm_plan_single(const tdm_plan_opts *o, tdm_plan *out)
                 "plan: batch %d and checkpoint segment %d", o->batch, o->ckpt);
     TDM_REQUIRE(o->optim.offload == TDM_OPTIM_OFFLOAD_NONE || o->device != TDM_DEVICE_HOST,
                 TDM_STATUS_INVALID_ARG, "plan: optimizer offload is for accelerators");
-    TDM_REQUIRE(o->spec.kind != TDM_MODEL_SEQ ||
-                    (o->precision == TDM_PRECISION_FP32 && o->ckpt == 0),
-                TDM_STATUS_INVALID_ARG, "plan: a model file trains in float32 without activation "
-                "checkpointing (no --precision or --checkpoint-activations)");
+    if ((o->precision != TDM_PRECISION_FP32 || o->ckpt > 0) &&
+        tdm_model_spec_lever_op(&o->spec) >= 0) {
+        char why[512];
+        tdm_model_spec_lever_refusal(&o->spec, why, sizeof why);
+        return tdm_error_set(TDM_STATUS_INVALID_ARG, "plan: %s (no --precision or "
+                             "--checkpoint-activations)", why);
+    }
     tdm_model *m = NULL;
     tdm_act_layout *lay = NULL, *scr = NULL;
     tdm_status st = TDM_STATUS_OK;

@@ -9,6 +9,8 @@
 #include <string.h>
 #include <strings.h>
 
+#include "models/builder.h"
+
 tdm_status tdm_precision_parse(const char *s, tdm_precision *out)
 {
     static const struct { const char *name; tdm_precision p; } names[] = {
@@ -42,9 +44,12 @@ tdm_status tdm_model_set_precision(tdm_model *m, tdm_precision p)
     TDM_REQUIRE(p == TDM_PRECISION_FP32 || p == TDM_PRECISION_BF16 || p == TDM_PRECISION_FP16,
                 TDM_STATUS_INVALID_ARG, "unknown precision %d", (int)p);
     if (p == m->lev.prec) return TDM_STATUS_OK;
-    TDM_REQUIRE(m->spec.kind != TDM_MODEL_SEQ, TDM_STATUS_INVALID_ARG,
-                "precision %s: a model file's layers train in float32 only (use --precision "
-                "fp32)", p == TDM_PRECISION_BF16 ? "bf16" : "fp16");
+    if (tdm_model_spec_lever_op(&m->spec) >= 0) {
+        char why[512];
+        tdm_model_spec_lever_refusal(&m->spec, why, sizeof why);
+        return tdm_error_set(TDM_STATUS_INVALID_ARG, "precision %s: %s (use --precision fp32)",
+                             p == TDM_PRECISION_BF16 ? "bf16" : "fp16", why);
+    }
     tdm_model_drop_activations(m);
     tdm_dev_free(m->dev, m->lev.wlow);
     m->lev.wlow = NULL;

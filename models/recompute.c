@@ -10,6 +10,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "models/builder.h"
+
 #define TDM_ACT_ALIGN ((size_t)64)
 
 static size_t tdm_act_round(size_t n) { return (n + TDM_ACT_ALIGN - 1) & ~(TDM_ACT_ALIGN - 1); }
@@ -83,7 +85,13 @@ tdm_status tdm_act_alloc(tdm_model *m, const tdm_act_layout *lay, tdm_act_layout
 
 void tdm_model_chain_units(tdm_model *m)
 {
+    /* a model file without convolutions is cut as the MLP, one with them
+     * as the CNN (tdm_model_spec_lever_op: nothing else reaches here) */
     int u = -1, mlp = m->spec.kind == TDM_MODEL_MLP;
+    if (m->spec.kind == TDM_MODEL_SEQ) {
+        mlp = 1;
+        for (int i = 0; i < m->n_layers; i++) mlp &= m->layers[i].kind != TDM_LAYER_CONV;
+    }
     for (int i = 0; i < m->n_layers; i++) {
         tdm_layer *l = &m->layers[i];
         /* a conv block (conv, bn, pool) in the CNN; every linear layer in
@@ -122,6 +130,7 @@ void tdm_model_chain_layout(tdm_model *m, int batch, tdm_act_layout *set,
     for (int i = 0; i < m->n_layers; i++) {
         tdm_layer *l = &m->layers[i];
         size_t out = B * (size_t)l->out_elems;
+        if (l->kind == TDM_LAYER_LN) out += 2 * B;   /* its means and rstds */
         /* every segment's inner activations start at the arena's start */
         if (m->lev.ckpt > 0 && l->unit >= 0 && l->unit / m->lev.ckpt != seg) {
             seg = l->unit / m->lev.ckpt;
@@ -168,9 +177,12 @@ tdm_status tdm_model_set_checkpoint(tdm_model *m, int units_per_segment)
                 "activation checkpointing: %d units per segment (expected 0 for none, or >= 1)",
                 units_per_segment);
     if (units_per_segment == m->lev.ckpt) return TDM_STATUS_OK;
-    TDM_REQUIRE(m->spec.kind != TDM_MODEL_SEQ, TDM_STATUS_INVALID_ARG,
-                "activation checkpointing: not available for a model file's layers (leave "
-                "--checkpoint out)");
+    if (units_per_segment > 0 && tdm_model_spec_lever_op(&m->spec) >= 0) {
+        char why[512];
+        tdm_model_spec_lever_refusal(&m->spec, why, sizeof why);
+        return tdm_error_set(TDM_STATUS_INVALID_ARG, "activation checkpointing: %s (leave "
+                             "--checkpoint-activations out)", why);
+    }
     tdm_model_drop_activations(m);
     m->lev.ckpt = units_per_segment;
     if (!m->vt) tdm_model_chain_units(m);

@@ -70,6 +70,14 @@ static int tdm_stage_cut_line(const tdm_model *t, int cut)
     return 0;
 }
 
+tdm_status tdm_model_spec_check_stages(const tdm_model_spec *s)
+{
+    TDM_REQUIRE(s->kind != TDM_MODEL_GPT || !s->head_untied, TDM_STATUS_INVALID_ARG,
+                "%s: a GPT with an untied head runs whole: it is not built for pipeline stages "
+                "(write `lmhead tied`, or train it in single, dp, ddp or fsdp)", s->name);
+    return TDM_STATUS_OK;
+}
+
 tdm_status tdm_model_spec_check_split(const tdm_model_spec *s, const int *first, int stages)
 {
     if (s->kind != TDM_MODEL_SEQ) return TDM_STATUS_OK;

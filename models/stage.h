@@ -55,6 +55,9 @@ typedef struct tdm_model_layer_cost {
     double flops;
     int no_cut;     /* 1: no stage may start here (inside a model file's residual block) */
 } tdm_model_layer_cost;
+/* The model can be cut into pipeline stages at all: INVALID_ARG for a
+ * GPT with an untied head (a model file's `lmhead`), which runs whole. */
+tdm_status tdm_model_spec_check_stages(const tdm_model_spec *s);
 /* A split (the first layer of each of `stages` stages) that cuts no
  * model file's residual block: else INVALID_ARG naming the block's line. */
 tdm_status tdm_model_spec_check_split(const tdm_model_spec *s, const int *first, int stages);

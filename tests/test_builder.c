@@ -13,6 +13,8 @@
 #include <string.h>
 
 #include "models/builder.h"
+#include "models/precision.h"
+#include "models/recompute.h"
 #include "tests/test_util.h"
 
 #define FD_ATOL 1e-4
@@ -121,6 +123,23 @@ static void ref_bn(ref_ctx *c, ref_t *t)
     }
 }
 
+/* Each sample's vector over its features: (x - mean) / sqrt(var + 1e-5)
+ * g + b, var biased. */
+static void ref_ln(ref_ctx *c, ref_t *t)
+{
+    const double *g = ref_next(c), *b = ref_next(c);
+    int F = t->c * t->h * t->w;
+    for (int n = 0; n < t->B; n++) {
+        double *x = t->x + (size_t)n * F, mean = 0, var = 0;
+        for (int j = 0; j < F; j++) mean += x[j];
+        mean /= F;
+        for (int j = 0; j < F; j++) var += (x[j] - mean) * (x[j] - mean);
+        var /= F;
+        double rs = 1.0 / sqrt(var + 1e-5);
+        for (int j = 0; j < F; j++) x[j] = (x[j] - mean) * rs * g[j] + b[j];
+    }
+}
+
 static void ref_act(ref_t *t, tdm_model_op_kind k)
 {
     size_t n = (size_t)t->B * t->c * t->h * t->w;
@@ -208,6 +227,7 @@ static double ref_loss(ref_ctx *c)
             nt = ref_conv(&t, ref_next(c), o->n, o->k, o->stride, o->pad);
             break;
         case TDM_MODEL_OP_BATCHNORM: ref_bn(c, &t); break;
+        case TDM_MODEL_OP_LAYERNORM: ref_ln(c, &t); break;
         case TDM_MODEL_OP_RELU:
         case TDM_MODEL_OP_GELU:
         case TDM_MODEL_OP_TANH:
@@ -247,6 +267,8 @@ static double ref_loss(ref_ctx *c)
             free(sk.x);
             break;
         }
+        default:   /* the GPT's layers: tests/test_gpt.c's reference */
+            cr_assert_fail("op %s has no reference here", tdm_model_op_name(o->kind));
         }
         if (nt.x) {
             free(t.x);
@@ -275,7 +297,9 @@ static void perturb(tdm_model *m, tdm_rng *r)
     float *p = tdm_model_params(m);
     for (int i = 0; i < tdm_model_n_params(m); i++) {
         const tdm_tensor_info *t = tdm_model_param_info(m, i);
-        int bn = !strncmp(t->name, "bn", 2), weight = strstr(t->name, ".weight") != NULL;
+        /* the norms' weights near 1 */
+        int bn = !strncmp(t->name, "bn", 2) || !strncmp(t->name, "ln", 2);
+        int weight = strstr(t->name, ".weight") != NULL;
         if (bn && weight) tu_fill(r, p + t->offset, t->n_elem, 0.5f, 1.5f);
         else if (bn || !weight) tu_fill(r, p + t->offset, t->n_elem, -0.5f, 0.5f);
         else {
@@ -458,11 +482,20 @@ Test(builder, residual_blocks_match_finite_differences)
 
 /* ---- the built-ins, written with the builder ------------------------------ */
 
-static void same_bits(const tdm_model_spec *a, const tdm_model_spec *b, int B, const char *what)
+static void same_bits_levers(const tdm_model_spec *a, const tdm_model_spec *b, int B,
+                             tdm_precision prec, int ckpt, const char *what)
 {
     tdm_model *ma = NULL, *mb = NULL;
     TU_OK(tdm_model_init(&ma, tu_host(), a, 3));
     TU_OK(tdm_model_init(&mb, tu_host(), b, 3));
+    TU_OK(tdm_model_set_precision(ma, prec));
+    TU_OK(tdm_model_set_precision(mb, prec));
+    TU_OK(tdm_model_set_checkpoint(ma, ckpt));
+    TU_OK(tdm_model_set_checkpoint(mb, ckpt));
+    cr_assert_eq(tdm_model_n_units(ma), tdm_model_n_units(mb), "%s: checkpoint units", what);
+    for (int i = 0; i < tdm_model_n_layers(ma) && i < tdm_model_n_layers(mb); i++)
+        cr_assert_eq(tdm_model_layer_unit(ma, i), tdm_model_layer_unit(mb, i),
+                     "%s: layer %d's unit", what, i);
     cr_assert_eq(tdm_model_n_params(ma), tdm_model_n_params(mb), "%s: tensor count", what);
     cr_assert_eq(tdm_model_param_elems(ma), tdm_model_param_elems(mb), "%s: elements", what);
     for (int i = 0; i < tdm_model_n_params(ma); i++)
@@ -502,6 +535,11 @@ static void same_bits(const tdm_model_spec *a, const tdm_model_spec *b, int B, c
     tdm_model_free(mb);
 }
 
+static void same_bits(const tdm_model_spec *a, const tdm_model_spec *b, int B, const char *what)
+{
+    same_bits_levers(a, b, B, TDM_PRECISION_FP32, 0, what);
+}
+
 Test(builder, builtin_cnn_and_mlp_written_with_the_builder_train_the_same_bits)
 {
     tdm_model_spec cnn, seq;
@@ -526,6 +564,79 @@ Test(builder, builtin_cnn_and_mlp_written_with_the_builder_train_the_same_bits)
     const char *text = "input 784\nlinear 64\nrelu\nlinear 32\nrelu\nlinear 10\n";
     TU_OK(tdm_model_seq_parse_text(&seq, "mlp.tdm", text, strlen(text)));
     same_bits(&mlp, &seq, 32, "mlp");
+}
+
+/* The memory levers take a model file of the built-in layers, and train
+ * it bitwise as the built-in model with the same levers. */
+Test(builder, the_levers_train_builtin_layers_written_as_a_file_the_same_bits)
+{
+    tdm_model_spec cnn, seq, mlp;
+    tdm_model_spec_cnn(&cnn);
+    const char *ctext = "input 1x28x28\n"
+                        "conv 3x3 32 pad 1\nbatchnorm\nrelu\nmaxpool 2\n"
+                        "conv 3x3 64 pad 1\nbatchnorm\nrelu\nmaxpool 2\n"
+                        "flatten\nlinear 128\nrelu\nlinear 10\n";
+    TU_OK(tdm_model_seq_parse_text(&seq, "cnn.tdm", ctext, strlen(ctext)));
+    cr_assert_eq(tdm_model_spec_lever_op(&seq), -1);
+    same_bits_levers(&cnn, &seq, 8, TDM_PRECISION_BF16, 1, "cnn bf16 ckpt 1");
+    same_bits_levers(&cnn, &seq, 8, TDM_PRECISION_FP16, 0, "cnn fp16");
+    static const int dims[] = {784, 64, 32, 10};
+    tdm_model_spec_mlp(&mlp, dims, 4);
+    const char *mtext = "input 784\nlinear 64\nrelu\nlinear 32\nrelu\nlinear 10\n";
+    TU_OK(tdm_model_seq_parse_text(&seq, "mlp.tdm", mtext, strlen(mtext)));
+    same_bits_levers(&mlp, &seq, 16, TDM_PRECISION_BF16, 2, "mlp bf16 ckpt 2");
+    same_bits_levers(&mlp, &seq, 16, TDM_PRECISION_FP32, 1, "mlp ckpt 1");
+}
+
+/* Any other layer keeps them out, naming its line. */
+Test(builder, the_levers_refuse_other_layers_naming_the_line)
+{
+    static const struct { const char *text, *want; } cases[] = {
+        {"input 4\nlinear 8\ntanh\nlinear 2\n", "`tanh` (line 3)"},
+        {"input 4\nlinear 8\nrelu\nrelu\nlinear 2\n", "`relu` (line 4)"},
+        {"input 1x4x4\nconv 3x3 2\nrelu\nflatten\nlinear 2\n", "`relu` (line 3)"},
+        {"input 4\nresidual {\nlinear 4\n}\nlinear 2\n", "`residual {` (line 2)"},
+        {"input 4\nlinear 8\ndropout 0.5\nlinear 2\n", "`dropout` (line 3)"},
+        {"input 1x4x4\navgpool 2\nflatten\nlinear 2\n", "`avgpool` (line 2)"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+        tdm_model_spec s;
+        TU_OK(tdm_model_seq_parse_text(&s, "x.tdm", cases[i].text, strlen(cases[i].text)));
+        cr_assert_geq(tdm_model_spec_lever_op(&s), 0, "%s", cases[i].text);
+        tdm_model *m = NULL;
+        TU_OK(tdm_model_init(&m, tu_host(), &s, 1));
+        cr_assert_eq(tdm_model_set_precision(m, TDM_PRECISION_BF16), TDM_STATUS_INVALID_ARG);
+        cr_assert(strstr(tdm_error_message(), cases[i].want) &&
+                      strstr(tdm_error_message(), "file:x.tdm's"),
+                  "'%s' lacks '%s'", tdm_error_message(), cases[i].want);
+        cr_assert_eq(tdm_model_set_checkpoint(m, 1), TDM_STATUS_INVALID_ARG);
+        cr_assert(strstr(tdm_error_message(), cases[i].want), "%s", tdm_error_message());
+        TU_OK(tdm_model_set_checkpoint(m, 0));
+        TU_OK(tdm_model_set_precision(m, TDM_PRECISION_FP32));
+        tdm_model_free(m);
+    }
+}
+
+/* layernorm of feature vectors: after a linear, first (no input gradient
+ * needed: backward's scratch takes it), inside a residual block. */
+Test(builder, layernorm_matches_finite_differences)
+{
+    check_fd("layernorm",
+             "input 6\n"
+             "linear 8\n"
+             "layernorm\n"
+             "gelu\n"
+             "residual {\n"
+             "  layernorm\n"
+             "  linear 8\n"
+             "  tanh\n"
+             "}\n"
+             "linear 3\n", 4, 1);
+    check_fd("layernorm first",
+             "input 1x3x3\n"
+             "flatten\n"
+             "layernorm\n"
+             "linear 4\n", 3, 1);
 }
 
 /* ---- shapes and errors ------------------------------------------------------ */

@@ -2,7 +2,8 @@
  * each example in examples/models/ trains in single, DP, DDP, FSDP,
  * ZeRO-2 and ZeRO-1 with compare's verdict PASS (DDP == DP and FSDP ==
  * DDP bitwise), and through the pipeline bitwise as one device with
- * --grad-accum; a checkpoint of a model file evaluates with --model;
+ * --grad-accum; so does a file with layernorm; a checkpoint of a model
+ * file evaluates with --model;
  * bad model files, pipeline cuts inside a block and bad .npy files stop
  * with one line and exit 2. */
 #include <criterion/criterion.h>
@@ -88,6 +89,33 @@ Test(cli_models, bad_model_files_and_cuts_stop_in_one_line)
     expect(&r, 2, "splits the residual block or comes before the dropout of "
                   "file:resnet_small.tdm line 10");
     one_line(&r);
+}
+
+/* layernorm of feature vectors: every data-parallel mode and the
+ * pipeline (its statistics travel with each micro-batch's activations),
+ * bitwise; the memory levers refuse it naming its line. */
+Test(cli_models, layernorm_in_every_mode)
+{
+    static cli_result r;
+    char model[300];
+    const char *file = tu_tpath(g_dir, "ln.tdm");
+    FILE *f = fopen(file, "w");
+    cr_assert_not_null(f);
+    fputs("input 784\nlinear 64\nlayernorm\ngelu\nlinear 32\nrelu\nlayernorm\nlinear 10\n", f);
+    fclose(f);
+    snprintf(model, sizeof model, "file:%s", file);
+    CLI(&r, "compare", "--model", model, "--data", "synthetic", "--steps", "2", "--batch", "16",
+        "--device", "cpu:2", "--modes", "single,dp,ddp,fsdp,zero2,zero1");
+    expect(&r, 0, "verdict: PASS");
+    cr_assert(strstr(r.out, "FSDP vs DDP: bitwise the same parameters"), "%s", r.out);
+    cr_assert(strstr(r.out, "DDP vs DP      step 1: params max |diff| 0.00e+00"), "%s", r.out);
+    CLI(&r, "compare", "--model", model, "--data", "synthetic", "--steps", "2", "--batch", "16",
+        "--device", "cpu:2", "--modes", "pp");
+    expect(&r, 0, "BITWISE IDENTICAL");
+    CLI(&r, "train", "--model", model, "--data", "synthetic", "--precision", "bf16");
+    expect(&r, 2, "ln.tdm's `layernorm` (line 3)");
+    one_line(&r);
+    cr_assert_eq(cli_shm_entries(), 0);
 }
 
 /* A version-1.0 .npy file of a header and payload. */

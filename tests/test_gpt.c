@@ -9,13 +9,16 @@
  * start, with its final gradient - the tied embedding last), backward
  * adds, a shorter forward equals the full one's prefix, generation, and
  * bad input (heads that do not divide the width, tokens outside the
- * vocabulary). The layers one by one are tests/test_gpt_layers.c. */
+ * vocabulary); the same check of a GPT written as a model file
+ * (models/builder_gpt.c). The layers one by one are
+ * tests/test_gpt_layers.c. */
 #include <criterion/criterion.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "models/builder.h"
 #include "models/gpt.h"
 #include "models/model.h"
 #include "models/optim.h"
@@ -120,13 +123,15 @@ static double ref_loss(ref_gpt *r)
               rp(r, "transformer.h.%d.mlp.c_proj.bias", l), N, 4 * C, C, 1, x);
     }
     r_ln(x, rp(r, "transformer.ln_f.weight", 0), rp(r, "transformer.ln_f.bias", 0), N, C, h);
+    /* the head: tied (wte), or an untied model file's own weight */
+    const double *head = s->head_untied ? rp(r, "lm_head.weight", 0) : wte;
     double loss = 0.0;
     double *z = tu_malloc((size_t)V * 8);
     for (int64_t n = 0; n < N; n++) {
         double mx = -INFINITY, se = 0;
         for (int v = 0; v < V; v++) {
             double a = 0;
-            for (int j = 0; j < C; j++) a += h[n * C + j] * wte[(int64_t)v * C + j];
+            for (int j = 0; j < C; j++) a += h[n * C + j] * head[(int64_t)v * C + j];
             z[v] = a;
             if (a > mx) mx = a;
         }
@@ -173,10 +178,12 @@ static tdm_model *make_gpt(tdm_device *d, int L, int C, int H, int T, uint64_t s
     return m;
 }
 
-static void check_against_reference(int L, int C, int H, int T, int B, uint64_t seed)
+static void check_spec_against_reference(const tdm_model_spec *s, int B, uint64_t seed)
 {
     tdm_device *d = tu_host();
-    tdm_model *m = make_gpt(d, L, C, H, T, 3);
+    int L = s->n_layer, C = s->n_embd, H = s->n_head, T = s->n_ctx;
+    tdm_model *m = NULL;
+    TU_OK(tdm_model_init(&m, d, s, 3));
     randomize(m, seed);
     int64_t N = (int64_t)B * T, pe = tdm_model_param_elems(m);
     int32_t *tok = tu_malloc((size_t)N * 4), *tgt = tu_malloc((size_t)N * 4);
@@ -245,6 +252,13 @@ static void check_against_reference(int L, int C, int H, int T, int B, uint64_t 
     tdm_device_free(d);
 }
 
+static void check_against_reference(int L, int C, int H, int T, int B, uint64_t seed)
+{
+    tdm_model_spec s;
+    tdm_model_spec_gpt(&s, L, C, H, T);
+    check_spec_against_reference(&s, B, seed);
+}
+
 Test(gpt, one_step_matches_the_double_reference, .timeout = 300)
 {
     check_against_reference(2, 12, 3, 7, 2, 11);   /* T prime, hd 4 */
@@ -258,6 +272,40 @@ Test(gpt, one_step_matches_the_double_reference_batch_1_one_head, .timeout = 300
 Test(gpt, one_step_matches_the_double_reference_head_per_feature, .timeout = 300)
 {
     check_against_reference(1, 6, 6, 3, 3, 13);   /* hd 1, T 3 */
+}
+
+/* The GPT written as layers in a model file (models/builder_gpt.c): its
+ * token embedding, positions, layernorms, attention, gptmlp and tied
+ * head against the reference, every gradient against finite differences. */
+Test(gpt, a_model_file_of_its_layers_matches_the_double_reference, .timeout = 300)
+{
+    const char *text = "input tokens 5\n"
+                       "embedding vocab 256 dim 8\n"
+                       "embedding positions\n"
+                       "residual {\n layernorm\n attention heads 2\n}\n"
+                       "residual {\n layernorm\n gptmlp\n}\n"
+                       "layernorm\n"
+                       "lmhead tied\n";
+    tdm_model_spec s;
+    TU_OK(tdm_model_seq_parse_text(&s, "gpt.tdm", text, strlen(text)));
+    cr_assert_eq(s.kind, TDM_MODEL_GPT);
+    check_spec_against_reference(&s, 2, 14);
+}
+
+/* The same with an untied head (`lmhead`: lm_head.weight of its own). */
+Test(gpt, a_model_file_with_an_untied_head_matches_the_double_reference, .timeout = 300)
+{
+    const char *text = "input tokens 4\n"
+                       "embedding vocab 256 dim 6\n"
+                       "embedding positions\n"
+                       "residual {\n layernorm\n attention heads 3\n}\n"
+                       "residual {\n layernorm\n gptmlp\n}\n"
+                       "layernorm\n"
+                       "lmhead\n";
+    tdm_model_spec s;
+    TU_OK(tdm_model_seq_parse_text(&s, "gpt_untied.tdm", text, strlen(text)));
+    cr_assert(s.kind == TDM_MODEL_GPT && s.head_untied);
+    check_spec_against_reference(&s, 2, 15);
 }
 
 /* ---- structure ---- */

@@ -337,3 +337,28 @@ Test(memplan, a_large_text_is_mapped_not_copied)
      * baseline, its libraries, is about 230 MiB here) */
     cr_assert_lt(rss_kb, 1000 * 1024, "peak RSS %.1f MiB for a mapped text", rss_kb / 1024.0);
 }
+
+/* Tensor parallelism's ranks each hold their slices (tdm_tp_footprint,
+ * which tests/test_tp.c holds to what a rank allocates): the wide MLP on
+ * 2 tp ranks and on dp=2 x tp=2 is refused with its per-rank figures
+ * (half, a quarter of each split layer's parameters), and a model that
+ * fits runs. Before, tp was planned as if every rank held the whole
+ * model. */
+Test(memplan, tensor_parallel_runs_are_planned_per_rank)
+{
+    mem_box b;
+    box_open(&b, (uint64_t)512 << 20);
+    static cli_result r;
+    BOX_RUN(&b, &r, NULL, "train", WIDE, "--mode", "tp", "--device", "cpu:2");
+    cr_assert_eq(r.code, 1, "exit %d (137: OOM-killed):\n%s", r.code, r.out);
+    cr_assert(strstr(r.out, "tandem train: memory: this run needs at least ") &&
+                  strstr(r.out, "2 replicas x (parameters 102.3"), "%s", r.out);
+    BOX_RUN(&b, &r, NULL, "train", WIDE, "--mode", "tp", "--device", "cpu:4", "--mesh",
+            "dp=2,tp=2");
+    cr_assert_eq(r.code, 1, "exit %d (137: OOM-killed):\n%s", r.code, r.out);
+    cr_assert(strstr(r.out, "4 replicas x (parameters 102.3"), "%s", r.out);
+    BOX_RUN(&b, &r, NULL, "train", "--model", "mlp:784-64-64-10", "--data", "synthetic",
+            "--synthetic-size", "1000", "--epochs", "1", "--mode", "tp", "--device", "cpu:2");
+    cr_assert_eq(r.code, 0, "%s", r.out);
+    box_close(&b);
+}

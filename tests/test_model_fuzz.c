@@ -3,7 +3,8 @@
  * field of a .npy file broken one at a time, each refused with a message
  * naming what is wrong; then thousands of random mutations (truncations,
  * flipped bytes, spliced lines, huge and negative numbers, unbalanced
- * braces) of valid files, each either accepted (and a model file then
+ * braces; the GPT's layers with bad heads, widths they do not divide,
+ * embeddings without a vocabulary) of valid files, each either accepted (and a model file then
  * built and run once) or refused in one line - never a crash (the suite
  * runs this binary under ASan too: make asan ASAN_TESTS=test_model_fuzz). */
 #include <criterion/criterion.h>
@@ -228,22 +229,33 @@ static const char *g_models[] = {
     "avgpool global\nflatten\nlinear 10\n",
     "input 20\nlinear 16\ngelu\nresidual {\n linear 16\n tanh\n}\nresidual {\n linear 8\n"
     "} proj\nsigmoid\nlinear 3\n",
+    "input tokens 6\nembedding vocab 256 dim 8\nembedding positions\nresidual {\n layernorm\n"
+    " attention heads 2\n}\nresidual {\n layernorm\n gptmlp\n}\nlayernorm\nlmhead tied\n",
 };
+#define N_MODELS (int)(sizeof g_models / sizeof *g_models)
 
 static const char *g_splices[] = {
     "}\n", "residual {\n", "} proj\n", "linear 0\n", "linear -1\n", "conv 99x99 3\n",
     "conv 3x3 2147483647\n", "maxpool 1000000\n", "input 3x3x3\n", "avgpool global\n",
     "flatten\n", "linear 99999999999999999999\n", "conv 3x3 4 stride 0\n", "batchnorm\n",
     "# }\n", "residual{\n", "}proj\n", "relu relu\n", "\x01\n", "conv 1x1 1048576\n",
+    /* the GPT's layers: bad heads, widths they do not divide, an embedding
+     * without its vocabulary, huge sizes, lines out of the arrangement */
+    "attention heads 3\n", "attention heads 0\n", "attention heads 4096\n",
+    "attention heads 2\n", "embedding dim 8\n", "embedding vocab 256\n",
+    "embedding vocab 255 dim 8\n", "embedding vocab 256 dim 65537\n", "embedding positions\n",
+    "layernorm\n", "gptmlp\n", "lmhead\n", "lmhead tied\n", "input tokens 99999999\n",
+    "input tokens 0\n", "input tokens 4096\n", "residual {\n layernorm\n gptmlp\n}\n",
 };
 
 Test(model_file, mutations_never_crash)
 {
     tdm_rng r = tu_rng(7);
     char buf[2048];
-    int ok = 0, ran = 0;
+    int ok = 0, ran = 0, gpt_ran = 0;
+    tdm_device *host = tu_host();
     for (int it = 0; it < 3000; it++) {
-        const char *base = g_models[it % 2];
+        const char *base = g_models[it % N_MODELS];
         size_t m = strlen(base);
         memcpy(buf, base, m);
         int k = 1 + (int)tdm_rng_below(&r, 3);
@@ -287,22 +299,30 @@ Test(model_file, mutations_never_crash)
         tdm_model *mdl = NULL;
         int64_t in = (int64_t)s.in_c * s.in_h * s.in_w;
         tdm_model_footprint fp;
-        if (in > 4096 || tdm_model_spec_footprint(&s, tu_host(), 2, &fp) != TDM_STATUS_OK ||
+        if (in > 4096 || tdm_model_spec_footprint(&s, host, 2, &fp) != TDM_STATUS_OK ||
             fp.param_elems > (1 << 18) || fp.act_bytes > ((size_t)16 << 20))
             continue;
-        if (tdm_model_init(&mdl, tu_host(), &s, 1) != TDM_STATUS_OK) continue;
+        if (tdm_model_init(&mdl, host, &s, 1) != TDM_STATUS_OK) continue;
         {
+            /* zeros: float features, or token 0 (4 bytes either way) */
             float *x = calloc((size_t)in * 2, sizeof(float));
-            int32_t y[2] = {0, 1};
+            int rows = 2 * tdm_model_out_rows(mdl);
+            int32_t *y = calloc((size_t)rows, sizeof(int32_t));
             double loss;
-            cr_assert_not_null(x);
+            cr_assert(x && y);
+            for (int i = 0; i < rows; i++) y[i] = i % 2;
             TU_OK(tdm_model_forward_backward(mdl, x, y, 2, &loss));
             free(x);
+            free(y);
             ran++;
+            gpt_ran += s.kind == TDM_MODEL_GPT;
         }
         tdm_model_free(mdl);
     }
-    fprintf(stderr, "  model files: %d of 3000 mutations valid, %d built and run\n", ok, ran);
+    tdm_device_free(host);
+    fprintf(stderr, "  model files: %d of 3000 mutations valid, %d built and run (%d GPTs)\n", ok,
+            ran, gpt_ran);
+    cr_assert(gpt_ran > 0, "no mutated GPT file was built and run");
 }
 
 Test(model_file, files_on_disk)

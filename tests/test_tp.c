@@ -29,7 +29,15 @@
  * group's split elements plus the replicated ones are one device's,
  * each rank's split ones 1/N of one device's tensors that must be
  * split; the allocator's bytes for parameters, gradients and optimizer
- * state are what the rank's layout needs; the plan's errors. */
+ * state are what the rank's layout needs; the plan's errors.
+ *
+ * Sequence parallelism (the GPT, check_sp): the same checks and bounds
+ * (measured as without: parameters within 6.9e-6, losses 3.2e-8, step
+ * 0's gradient 5.2e-8; N = 1 bit for bit), the communicator's count per
+ * kind (reduce-scatters, all-gathers, the LayerNorms' all-reduce) the
+ * plan's exactly and a ring's bytes for the stream those of the
+ * all-reduces without, and the activation bytes the allocator hands
+ * out dropping by exactly the predicted amount. */
 #include <criterion/criterion.h>
 #include <math.h>
 #include <stdio.h>
@@ -64,12 +72,15 @@ typedef struct out {
     char err[8][512];
     double pdiff[8], ldiff[8], gdiff[8];
     int64_t split[8], repl[8], whole_split[8], n_elem[8];
-    size_t alloc[8];
+    size_t alloc[8], act_alloc[8], optimizer[8];
     int n_state;
+    float pn[16384];   /* the whole model's parameters after the last step (gathered) */
 } out;
 
 typedef struct ref {
     int which, dp, accum;   /* accum: two forward_backward calls per step */
+    int sp;                 /* sequence parallelism (the GPT) */
+    int zero;               /* ZeRO-1 over the dp dimension */
     double loss[STEPS];
     float p1[16384], pn[16384], g1[16384];   /* g1: step 0's gradient */
     int64_t n;
@@ -78,6 +89,11 @@ typedef struct ref {
 } ref;
 
 static ref g_ref;
+static size_t g_act_alloc;   /* rank 0's activation bytes, by the allocator, of the last check */
+static float g_pn[16384];    /* and the whole model's parameters after its last step */
+static size_t g_optimizer[8];   /* and every rank's optimizer state bytes */
+static int64_t g_n_elem[8];     /* its flat slice's elements */
+static int g_n_state;           /* the optimizer's state buffers */
 
 static void spec_of(int which, tdm_model_spec *s)
 {
@@ -225,7 +241,9 @@ static int tp_rank(tdm_comm *world, void *arg)
     if (tdm_mesh_init(&mesh, world, &shape)) RFAIL("mesh: %s", tdm_error_message());
     tdm_comm *comm = tdm_mesh_comm(mesh, TDM_MESH_TP), *dcomm = tdm_mesh_comm(mesh, TDM_MESH_DP);
     int N = tdm_comm_size(comm), rep = tdm_mesh_coord(mesh, TDM_MESH_DP);
-    tdm_tp_opts to = {.seed = TPP_SEED, .optim = optim(), .grad_comm = dp > 1 ? dcomm : NULL};
+    tdm_tp_opts to = {.seed = TPP_SEED, .optim = optim(), .grad_comm = dp > 1 ? dcomm : NULL,
+                      .sequence_parallel = g_ref.sp,
+                      .zero = g_ref.zero ? TDM_TP_ZERO_OPTIMIZER : TDM_TP_ZERO_NONE};
     if (tdm_tp_init(&p, comm, dev, &spec, &to)) RFAIL("init: %s", tdm_error_message());
     tdm_tp_stats st;
     tdm_tp_get_stats(p, &st);
@@ -235,6 +253,7 @@ static int tp_rank(tdm_comm *world, void *arg)
     o->n_elem[r] = tdm_tp_elems(p);
     o->alloc[r] = st.state_alloc_bytes;
     o->n_state = tdm_optim_n_state(tdm_tp_optim(p));
+    o->optimizer[r] = st.optimizer;
     int lo = B * rep / dp, hi = B * (rep + 1) / dp;
     for (int s = 0; s < STEPS; s++) {
         batch_of(&spec, s, x, y);
@@ -264,24 +283,41 @@ static int tp_rank(tdm_comm *world, void *arg)
                                                 ls / B, g_ref.loss[s]);
         /* the communicator's count of this step: the plan's all-reduces */
         /* the GPT: per block 2 all-reduces of the stream forward and 2 of
-         * it backward, (hi - lo) * T * C floats each */
-        int64_t want = N > 1 ? (g_ref.which == GPT ? (int64_t)4 * 2 * (hi - lo) * 8 * 16 * 4
+         * it backward, (hi - lo) * T * C floats each; sequence parallel:
+         * each all-reduce a reduce-scatter and an all-gather of the same
+         * stream (4 of each per block), and one all-reduce of the
+         * LayerNorms' gradients, 2 blocks x (ln_1, ln_2) x (weight,
+         * bias) x C floats */
+        int64_t stream = (int64_t)(hi - lo) * 8 * 16 * 4;
+        int64_t want = N > 1 ? (g_ref.which == GPT ? 4 * 2 * stream
                                                    : g_bytes[g_ref.which] * (hi - lo) / B)
                              : 0;
         int calls = N > 1 ? (g_ref.which == GPT ? 8 : g_calls[g_ref.which]) : 0;
-        for (int c = 0; !g_ref.accum && c < TDM_COLL_COUNT_; c++) {
+        int sp = g_ref.sp && N > 1;
+        int64_t wb[TDM_COLL_COUNT_] = {0}, wc[TDM_COLL_COUNT_] = {0};
+        wb[TDM_COLL_ALL_REDUCE] = sp ? 2 * 2 * 2 * 16 * 4 : want;
+        wc[TDM_COLL_ALL_REDUCE] = sp ? 1 : calls;
+        wb[TDM_COLL_REDUCE_SCATTER] = wb[TDM_COLL_ALL_GATHER] = sp ? want : 0;
+        wc[TDM_COLL_REDUCE_SCATTER] = wc[TDM_COLL_ALL_GATHER] = sp ? calls : 0;
+        tdm_comm_traffic plan;
+        tdm_tp_step_traffic(&spec, N, hi - lo, g_ref.sp, &plan);
+        for (int c = 0; c < TDM_COLL_COUNT_; c++) {
             int64_t db = t1.bytes[c] - t0.bytes[c], dc = t1.calls[c] - t0.calls[c];
-            int64_t wb = c == TDM_COLL_ALL_REDUCE ? want : 0, wc = c == TDM_COLL_ALL_REDUCE
-                                                                   ? calls : 0;
-            if (db != wb || dc != wc)
+            if (!g_ref.accum && (db != wb[c] || dc != wc[c]))
                 RFAIL("step %d: %s: %lld calls of %lld bytes counted, the plan says %lld of "
                       "%lld", s, tdm_coll_name((tdm_coll)c), (long long)dc, (long long)db,
-                      (long long)wc, (long long)wb);
+                      (long long)wc[c], (long long)wb[c]);
+            if (plan.bytes[c] != wb[c] || plan.calls[c] != wc[c])
+                RFAIL("tdm_tp_step_traffic: %s: %lld calls of %lld bytes, the test's plan %lld "
+                      "of %lld", tdm_coll_name((tdm_coll)c), (long long)plan.calls[c],
+                      (long long)plan.bytes[c], (long long)wc[c], (long long)wb[c]);
         }
-        /* what a ring sends for that payload: 2(N-1)/N of it per rank */
+        /* what a ring sends for the stream's payload: 2(N-1)/N of it per
+         * rank, all-reduced or (sequence parallel) reduce-scattered and
+         * all-gathered alike */
         tdm_comm_traffic ar = {0};
-        ar.bytes[TDM_COLL_ALL_REDUCE] =
-            t1.bytes[TDM_COLL_ALL_REDUCE] - t0.bytes[TDM_COLL_ALL_REDUCE];
+        for (int c = 0; c < TDM_COLL_COUNT_; c++)
+            if (c != TDM_COLL_ALL_REDUCE || !sp) ar.bytes[c] = t1.bytes[c] - t0.bytes[c];
         int64_t ring = tdm_comm_traffic_ring_sent(&ar, N);
         if (!g_ref.accum && ring != 2 * (N - 1) * want / N)
             RFAIL("step %d: a ring sends %lld bytes for %lld of payload over %d ranks, expected "
@@ -290,6 +326,20 @@ static int tp_rank(tdm_comm *world, void *arg)
         if (tdm_tp_step_bytes(&spec, N, hi - lo) != want)
             RFAIL("tdm_tp_step_bytes %lld, the plan %lld",
                   (long long)tdm_tp_step_bytes(&spec, N, hi - lo), (long long)want);
+        if (s == 0) {
+            tdm_tp_stats as;
+            tdm_tp_get_stats(p, &as);
+            o->act_alloc[r] = as.act_alloc_bytes;
+            /* the pre-run memory check's figures: what the rank holds */
+            tdm_tp_rank_footprint fp;
+            int held = g_ref.accum ? hi - (lo + hi) / 2 : hi - lo;   /* the largest call's */
+            if (tdm_tp_footprint(&spec, N, held, g_ref.sp, &fp))
+                RFAIL("footprint: %s", tdm_error_message());
+            if (fp.elems != tdm_tp_elems(p) || fp.act_bytes != as.activations)
+                RFAIL("footprint: %lld elements and %zu activation bytes, the rank holds %lld "
+                      "and %zu", (long long)fp.elems, fp.act_bytes, (long long)tdm_tp_elems(p),
+                      as.activations);
+        }
         char why[160];
         if (!repl_grads_agree(p, comm, why, sizeof why)) RFAIL("step %d: %s", s, why);
         if (s == 0) {
@@ -304,6 +354,7 @@ static int tp_rank(tdm_comm *world, void *arg)
             if (tdm_tp_gather_state(p, &h, 0)) RFAIL("gather: %s", tdm_error_message());
             if (tdm_comm_rank(comm) == 0) {
                 double d = tpp_max_diff(whole, s == 0 ? g_ref.p1 : g_ref.pn, g_ref.n);
+                if (s == STEPS - 1 && r == 0) memcpy(o->pn, whole, (size_t)g_ref.n * 4);
                 if (d > o->pdiff[r]) o->pdiff[r] = d;
                 if (N == 1 && dp == 1 && d != 0) RFAIL("N=1: parameters differ by %g", d);
             }
@@ -358,19 +409,30 @@ static void check(int which, int dp, int tp)
         cr_assert_eq(o->split[r] * tp, o->whole_split[r], "rank %d: %lld split elements of %lld",
                      r, (long long)o->split[r], (long long)o->whole_split[r]);
         cr_assert_eq(o->n_elem[r], o->split[r] + o->repl[r]);
-        size_t need = (size_t)(2 + o->n_state) * (((size_t)o->n_elem[r] * 4 + 63) / 64 * 64);
+        /* ZeRO-1: the optimizer's state for the replica's chunk only,
+         * ceil(n / dp) elements */
+        size_t chunk = g_ref.zero ? ((size_t)o->n_elem[r] + (size_t)dp - 1) / (size_t)dp
+                                  : (size_t)o->n_elem[r];
+        size_t need = 2 * (((size_t)o->n_elem[r] * 4 + 63) / 64 * 64) +
+                      (size_t)o->n_state * ((chunk * 4 + 63) / 64 * 64);
         cr_assert_eq(o->alloc[r], need, "rank %d: the allocator handed out %zu bytes for "
                      "parameters, gradients and optimizer state, the layout needs %zu", r,
                      o->alloc[r], need);
     }
     if (getenv("TANDEM_TEST_VERBOSE"))
-        fprintf(stderr, "mlp %d dp=%d tp=%d: parameters within %g, losses within %g, step 0's "
-                "gradient within %g\n", which, dp, tp, pd, ld, gd);
+        fprintf(stderr, "model %d dp=%d tp=%d sp=%d: parameters within %g, losses within %g, "
+                "step 0's gradient within %g, activations %zu bytes\n", which, dp, tp, g_ref.sp,
+                pd, ld, gd, o->act_alloc[0]);
     cr_assert(gd <= GRAD_TOL, "model %d dp=%d tp=%d: step 0's whole gradient within %g of one "
               "device's", which, dp, tp, gd);
     double tol = which == GPT ? GPT_TOL : TOL;
     cr_assert(pd <= tol && ld <= tol, "model %d dp=%d tp=%d: parameters within %g, losses "
               "within %g of one device", which, dp, tp, pd, ld);
+    g_act_alloc = o->act_alloc[0];
+    memcpy(g_pn, o->pn, sizeof g_pn);
+    memcpy(g_optimizer, o->optimizer, sizeof g_optimizer);
+    memcpy(g_n_elem, o->n_elem, sizeof g_n_elem);
+    g_n_state = o->n_state;
     munmap(o, sizeof *o);
     cr_assert_eq(shm_t_segments_held(), before, "segments left behind");
 }
@@ -398,6 +460,76 @@ Test(tp, gpt_split_by_heads_equals_one_device)
     check(GPT, 1, 2);
     check(GPT, 1, 4);
     check(GPT, 2, 2);
+}
+
+/* Sequence parallelism (the GPT): the same run with it and without;
+ * check() holds it to one device within GPT_TOL (N = 1: bit for bit),
+ * its traffic to the reduce-scatters and all-gathers of the stream plus
+ * the LayerNorms' gradient sum, and every replicated gradient (the
+ * LayerNorms' summed ones too) to the same bits on every rank. Here:
+ * the activation bytes the allocator handed out drop by what the
+ * stream's split predicts. Per rank of N, on the replica's B*T tokens:
+ * res1 of every block, res2 of every block but the last (gathered
+ * whole for ln_f), the stream's gradient: 2L tensors of B*T*C floats;
+ * the LayerNorms' mean and rstd, 2 each per block but block 0's ln_1
+ * (it runs on the whole, replicated embeddings): 4L-2 of B*T floats;
+ * each held for B*T/N of the tokens instead of all of them. (Every
+ * size is a multiple of 16 floats: the allocator's 64-byte rounding
+ * adds nothing.) */
+static void check_sp(int dp, int tp)
+{
+    check(GPT, dp, tp);
+    size_t plain = g_act_alloc;
+    g_ref.sp = 1;
+    check(GPT, dp, tp);
+    g_ref.sp = 0;
+    size_t sp = g_act_alloc;
+    int64_t L = 2, T = 8, C = 16, BT = (int64_t)(B / dp) * T;
+    int64_t drop = (2 * L * BT * C + (4 * L - 2) * BT) * 4 * (tp - 1) / tp;
+    cr_assert(plain > 0 && sp > 0, "the host allocator keeps no accounting");
+    cr_assert_eq((int64_t)plain - (int64_t)sp, drop, "dp=%d tp=%d: activations %zu bytes "
+                 "without sequence parallelism, %zu with: a drop of %lld, predicted %lld", dp, tp,
+                 plain, sp, (long long)((int64_t)plain - (int64_t)sp), (long long)drop);
+}
+
+Test(tp, gpt_sequence_parallel_one_rank_is_one_device) { check_sp(1, 1); }
+Test(tp, gpt_sequence_parallel_equals_one_device) { check_sp(1, 2); check_sp(1, 4); }
+Test(tp, gpt_sequence_parallel_dp2_tp2) { check_sp(2, 2); }
+
+/* ZeRO-1 on the dp dimension of a dp=2 x tp=2 mesh: the plain dp x tp
+ * run's parameters bit for bit after 30 steps (SGD with momentum on the
+ * MLPs, AdamW on the GPT; each element steps from its own gradient and
+ * state wherever it lies), and each rank's optimizer state half the
+ * plain run's (a chunk of ceil(n/2) of the rank's n elements; check()
+ * holds the allocator's bytes to it). 20-32-16-5's slice has an odd
+ * element count on each rank: the last chunk is padded. */
+static void check_zero(int which)
+{
+    static float plain[16384];
+    size_t opt_plain[8];
+    check(which, 2, 2);
+    memcpy(plain, g_pn, sizeof plain);
+    memcpy(opt_plain, g_optimizer, sizeof opt_plain);
+    g_ref.zero = 1;
+    check(which, 2, 2);
+    g_ref.zero = 0;
+    cr_assert(!memcmp(plain, g_pn, (size_t)g_ref.n * 4), "model %d: ZeRO-1 differs from the "
+              "plain dp x tp run by %g", which, tpp_max_diff(plain, g_pn, g_ref.n));
+    cr_assert(g_n_state == (which == GPT ? 2 : 1));   /* AdamW: m, v; SGD: momentum */
+    for (int r = 0; r < 4; r++) {
+        size_t n = (size_t)g_n_elem[r], s = (size_t)g_n_state * 4;
+        cr_assert_eq(opt_plain[r], s * n, "rank %d: %zu optimizer bytes without ZeRO", r,
+                     opt_plain[r]);
+        cr_assert_eq(g_optimizer[r], s * ((n + 1) / 2), "rank %d: %zu optimizer bytes with "
+                     "ZeRO-1 for %zu elements", r, g_optimizer[r], n);
+    }
+}
+
+Test(tp, zero1_on_the_dp_dimension_is_dp_x_tp_bit_for_bit)
+{
+    check_zero(0);
+    check_zero(1);
+    check_zero(GPT);
 }
 
 /* Replica 1 of a dp=2 x tp=2 mesh given another seed than replica 0:
@@ -466,6 +598,9 @@ Test(tp, plan_refuses_what_it_cannot_split)
     cr_assert(L == 3 && sp[2] == TDM_TP_REPLICATED);
     tdm_model_spec_mlp(&s, (int[]){784, 10}, 2);
     cr_assert_eq(tdm_tp_plan(&s, 2, sp, &L), TDM_STATUS_USAGE);
+    cr_assert_eq(tdm_tp_check_seq(&s, 2), TDM_STATUS_USAGE);
+    cr_assert_str_eq(tdm_error_message(),
+                     "--sequence-parallel applies to the GPT; the mlp has no sequence");
     tdm_model_spec_cnn(&s);
     cr_assert_eq(tdm_tp_plan(&s, 2, sp, &L), TDM_STATUS_USAGE);
     cr_assert_str_eq(tdm_error_message(),
@@ -475,6 +610,14 @@ Test(tp, plan_refuses_what_it_cannot_split)
     cr_assert_str_eq(tdm_error_message(), "the GPT's 4 heads are not divisible by the 3 "
                      "tensor-parallel ranks (attention is split by heads)");
     cr_assert_eq(tdm_tp_plan(&s, 4, sp, &L), TDM_STATUS_OK);
+    cr_assert_eq(tdm_tp_check_seq(&s, 4), TDM_STATUS_OK);
+    tdm_model_spec_gpt(&s, 2, 16, 4, 12);
+    cr_assert_eq(tdm_tp_check_seq(&s, 4), TDM_STATUS_OK);
+    cr_assert_eq(tdm_tp_check_seq(&s, 5), TDM_STATUS_USAGE);
+    cr_assert_str_eq(tdm_error_message(), "the GPT's context of 12 tokens is not divisible by "
+                     "the 5 tensor-parallel ranks (--sequence-parallel splits every window's "
+                     "tokens)");
+    tdm_model_spec_gpt(&s, 2, 16, 4, 8);
     cr_assert_eq(tdm_tp_step_bytes(&s, 4, 3), (int64_t)4 * 2 * 3 * 8 * 16 * 4);
     tdm_model_spec_mlp(&s, (int[]){20, 24, 16, 12, 5}, 5);
     cr_assert_eq(tdm_tp_step_bytes(&s, 2, B), g_bytes[0]);

@@ -14,6 +14,10 @@
  * - CUDA-emulated devices (cuda/ built, no GPU) write the host ranks'
  *   checkpoint bit for bit (what this does not test: CUDA, NCCL);
  * - compare --modes ...,tp: its section, the bytes per step the plan's;
+ * - --sequence-parallel (the GPT): 2 ranks and dp=2 x tp=2 write single's
+ *   checkpoint within 1e-4 (measured 1.7e-6), compare's tp-sp section
+ *   counts the plan's collectives, emulated CUDA ranks write the host
+ *   ranks' file, and its bad input is one line and exit 2;
  * - bad input (the CNN, the GPT, a width the ranks do not divide, a
  *   pipeline in the mesh, one linear layer, pp's and the levers' options)
  *   is one line and exit 2. */
@@ -146,8 +150,10 @@ Test(tp_cli, bad_input_is_one_line_and_exit_2)
         {{"--device", "cpu:2", "--model", "mlp:20-5"}, "the MLP has 1 linear layer"},
         {{"--device", "cpu:2", "--stages", "2", MLP}, "apply to --mode pp"},
         {{"--device", "cpu:2", "--precision", "bf16", MLP}, "does not support --precision"},
-        {{"--device", "cpu:2", "--grad-accum", "2", MLP}, "--mode tp takes none of"},
-        {{"--device", "cpu:2", "--sharding", "optimizer", MLP}, "apply to --mode fsdp"},
+        {{"--device", "cpu:2", "--uneven", MLP}, "--mode tp takes none of"},
+        {{"--device", "cpu:2", "--sharding", "optimizer", MLP}, "it needs --mesh dp=D,tp=N "
+                                                                "with D >= 2"},
+        {{"--device", "cpu:4", "--sharding", "grad_op", MLP}, "shards only the optimizer"},
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         const char *const *a = bad[i].a;
@@ -221,6 +227,19 @@ Test(tp_cli, emulated_cuda_ranks_write_the_host_ranks_checkpoint)
     unsetenv("TANDEM_CUDA_EMULATOR");
     expect(&r, 0, "val loss");
     cr_assert(cli_same_file(host, emu), "emulated GPT ranks differ from host ranks");
+    /* and sequence parallel: the reduce-scatters and all-gathers over
+     * the device communicator */
+    CLI(&r, "train", "--mode", "tp", "--device", "cpu:2", "--model", "gpt:2-16-2-8", "--data",
+        text, "--batch", "8", "--epochs", "1", "--max-steps", "4", "--quiet", "--save", host,
+        "--sequence-parallel");
+    expect(&r, 0, "val loss");
+    cr_assert_eq(setenv("TANDEM_CUDA_EMULATOR", "2", 1), 0);
+    CLI(&r, "train", "--mode", "tp", "--device", "cuda", "--model", "gpt:2-16-2-8", "--data",
+        text, "--batch", "8", "--epochs", "1", "--max-steps", "4", "--quiet", "--save", emu,
+        "--sequence-parallel");
+    unsetenv("TANDEM_CUDA_EMULATOR");
+    expect(&r, 0, "val loss");
+    cr_assert(cli_same_file(host, emu), "emulated sequence-parallel ranks differ from host ranks");
 }
 
 /* The GPT split by heads: tp on 2 ranks and dp=2 x tp=2 end where one
@@ -256,4 +275,149 @@ Test(tp_cli, gpt_split_by_heads_writes_single_devices_checkpoint_within_the_boun
                   "calls (the plan: 32768 bytes in 8), which a ring algorithm sends as 32768 bytes "
                   "per step");
     expect(&r, 0, "over 4 steps -> PASS");
+}
+
+/* --sequence-parallel: the GPT on 2 ranks and on dp=2 x tp=2 ends where
+ * one device ends, within tests/test_tp.c's GPT bound; compare's tp-sp
+ * section counts the plan's reduce-scatters, all-gathers and the
+ * LayerNorms' all-reduce; bad input is one line and exit 2. */
+Test(tp_cli, sequence_parallel_writes_single_devices_checkpoint_within_the_bound)
+{
+    static cli_result r;
+    char text[128], one[128], t2[128], m[128];
+    snprintf(text, sizeof text, "%s/text.txt", g_dir);
+    path(one, sizeof one, "sp_single");
+    path(t2, sizeof t2, "sp_tp2");
+    path(m, sizeof m, "sp_mesh");
+    cli_write_words(text);
+    CLI(&r, "train", "--model", "gpt:2-16-2-8", "--data", text, "--mode", "single", "--batch",
+        "8", "--epochs", "1", "--max-steps", "6", "--quiet", "--save", one);
+    expect(&r, 0, "val loss");
+    CLI(&r, "train", "--model", "gpt:2-16-2-8", "--data", text, "--mode", "tp", "--device",
+        "cpu:2", "--sequence-parallel", "--batch", "8", "--epochs", "1", "--max-steps", "6",
+        "--save", t2);
+    expect(&r, 0, "sequence parallel: LayerNorms on 1/N of the tokens");
+    /* the plan: one all-reduce (the LayerNorms' gradients), 8
+     * reduce-scatters and 8 all-gathers per step (what was counted over
+     * the run: tests/test_tp.c checks it per step) */
+    expect(&r, 0, "; 1 per step of the full batch by the plan), ");
+    expect(&r, 0, "(8 of each per step)");
+    CLI(&r, "train", "--model", "gpt:2-16-2-8", "--data", text, "--mode", "tp", "--device",
+        "cpu:4", "--mesh", "dp=2,tp=2", "--sequence-parallel", "--batch", "8", "--epochs", "1",
+        "--max-steps", "6", "--quiet", "--save", m);
+    expect(&r, 0, "val loss");
+    double d2 = ck_diff_of("gpt:2-16-2-8", one, t2), dm = ck_diff_of("gpt:2-16-2-8", one, m);
+    cr_assert(d2 <= 1e-4 && dm <= 1e-4, "tp 2: %g, dp=2,tp=2: %g", d2, dm);
+    /* the payload of a collective is the whole stream, 8 windows x 8
+     * tokens x 16 floats = 4096 bytes: 8 reduce-scatters and 8
+     * all-gathers, plus one all-reduce of 2 blocks x 4 x 16 floats of
+     * LayerNorm gradients (512 bytes); a ring sends (N-1)/N of a
+     * reduce-scatter's or all-gather's payload and 2(N-1)/N of an
+     * all-reduce's: 16 x 2048 + 512 */
+    CLI(&r, "compare", "--modes", "single,tp-sp", "--device", "cpu:2", "--model",
+        "gpt:2-16-2-8", "--data", text, "--batch", "8", "--steps", "4");
+    expect(&r, 0, "reduce-scatter, all-gather and all-reduce payload handed to the "
+                  "communicator 66048 bytes per step in 17.0 calls (the plan: 66048 bytes in "
+                  "17), which a ring algorithm sends as 33280 bytes per step");
+    expect(&r, 0, "tp-sp(2): largest parameter difference");
+    expect(&r, 0, "over 4 steps -> PASS");
+    static const struct {
+        const char *mode, *dev, *model, *says;
+    } bad[] = {
+        {"tp", "cpu:4", "gpt:2-16-4-6", "the GPT's context of 6 tokens is not divisible by the "
+                                        "4 tensor-parallel ranks"},
+        {"tp", "cpu:2", MODEL, "--sequence-parallel applies to the GPT; --model " MODEL
+                               " has no sequence"},
+        {"ddp", "cpu:2", "gpt:2-16-2-8", "--sequence-parallel applies to --mode tp (the GPT), "
+                                         "not --mode ddp"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        CLI(&r, "train", "--mode", bad[i].mode, "--device", bad[i].dev, "--model", bad[i].model,
+            "--data", text, "--sequence-parallel");
+        expect(&r, 2, bad[i].says);
+        cr_assert(strchr(r.out, '\n') == r.out + strlen(r.out) - 1, "more than one line:\n%s",
+                  r.out);
+    }
+    CLI(&r, "compare", "--modes", "single,tp-sp", "--device", "cpu:3", "--model",
+        "gpt:2-18-3-8", "--data", text);
+    expect(&r, 2, "the GPT's context of 8 tokens is not divisible by the 3 tensor-parallel");
+    CLI(&r, "train", "--help");
+    expect(&r, 0, "--sequence-parallel");
+}
+
+/* ZeRO-1 on the dp dimension (--mesh dp=2,tp=2 --sharding optimizer):
+ * the plain dp x tp run's checkpoint, the same bytes (parameters and
+ * optimizer state, gathered over the dp dimension), for the MLP with SGD
+ * and momentum and the GPT with AdamW; each rank's printed optimizer
+ * state is half the plain run's; the ZeRO-1 file resumes in a ZeRO-1
+ * run that ends where the uninterrupted one does, bit for bit. */
+Test(tp_cli, zero1_on_the_dp_dimension_is_dp_x_tp_bit_for_bit)
+{
+    static cli_result r;
+    char plain[128], zero[128], half[128], resumed[128];
+    path(plain, sizeof plain, "z_plain");
+    path(zero, sizeof zero, "z_zero");
+    path(half, sizeof half, "z_half");
+    path(resumed, sizeof resumed, "z_resumed");
+    CLI(&r, "train", "--mode", "tp", "--device", "cpu:4", "--mesh", "dp=2,tp=2", MLP, SYN,
+        "--batch", "32", "--epochs", "2", "--optim", "sgd", "--momentum", "0.9", "--no-eval",
+        "--save", plain);
+    /* rank 0's slice: 597 elements of momentum, 2388 bytes; ZeRO-1: 299
+     * (tests/test_tp.c checks the bytes exactly) */
+    expect(&r, 0, "optimizer 0.002 MiB");
+    CLI(&r, "train", "--mode", "tp", "--device", "cpu:4", "--mesh", "dp=2,tp=2", MLP, SYN,
+        "--batch", "32", "--epochs", "2", "--optim", "sgd", "--momentum", "0.9", "--no-eval",
+        "--sharding", "optimizer", "--save", zero);
+    expect(&r, 0, "ZeRO-1: the optimizer sharded over it");
+    expect(&r, 0, "optimizer 0.001 MiB");
+    cr_assert(cli_same_file(plain, zero), "ZeRO-1 differs from the plain dp x tp run");
+    /* the resume: 1 epoch, then 1 more from its file */
+    CLI(&r, "train", "--mode", "tp", "--device", "cpu:4", "--mesh", "dp=2,tp=2", MLP, SYN,
+        "--batch", "32", "--epochs", "1", "--optim", "sgd", "--momentum", "0.9", "--no-eval",
+        "--quiet", "--sharding", "optimizer", "--save", half);
+    expect(&r, 0, "/");
+    CLI(&r, "train", "--mode", "tp", "--device", "cpu:4", "--mesh", "dp=2,tp=2", MLP, SYN,
+        "--batch", "32", "--epochs", "2", "--optim", "sgd", "--momentum", "0.9", "--no-eval",
+        "--quiet", "--sharding", "optimizer", "--resume", half, "--save", resumed);
+    expect(&r, 0, "/");
+    cr_assert(cli_same_file(plain, resumed), "the resumed ZeRO-1 run differs");
+    char text[128];
+    snprintf(text, sizeof text, "%s/text.txt", g_dir);
+    cli_write_words(text);
+    CLI(&r, "train", "--model", "gpt:2-16-2-8", "--data", text, "--mode", "tp", "--device",
+        "cpu:4", "--mesh", "dp=2,tp=2", "--batch", "8", "--epochs", "1", "--max-steps", "6",
+        "--save", plain);
+    expect(&r, 0, "val loss");
+    CLI(&r, "train", "--model", "gpt:2-16-2-8", "--data", text, "--mode", "tp", "--device",
+        "cpu:4", "--mesh", "dp=2,tp=2", "--batch", "8", "--epochs", "1", "--max-steps", "6",
+        "--sharding", "optimizer", "--save", zero);
+    expect(&r, 0, "val loss");
+    cr_assert(cli_same_file(plain, zero), "GPT: ZeRO-1 differs from the plain dp x tp run");
+}
+
+/* --grad-accum (the MLP): tp on 2 ranks and on dp=2 x tp=2 with 2
+ * micro-batches of 16 end 2 epochs where one device with the batch of
+ * 32 does, within the bound (the micro-batches' gradients add in another
+ * order than one batch's gemm: measured 6.0e-8), and where tp without
+ * accumulation does. */
+Test(tp_cli, grad_accum_equals_the_same_global_batch_within_the_bound)
+{
+    static cli_result r;
+    char one[128], acc[128], mesh[128], plain[128];
+    path(one, sizeof one, "ga_single");
+    path(acc, sizeof acc, "ga_tp2");
+    path(mesh, sizeof mesh, "ga_mesh");
+    path(plain, sizeof plain, "ga_plain");
+    single(one, "2", NULL);
+    CLI(&r, "train", "--mode", "tp", "--device", "cpu:2", MLP, SYN, "--batch", "16",
+        "--grad-accum", "2", "--epochs", "2", "--no-eval", "--save", acc);
+    expect(&r, 0, "tp step, rank 0, mean over 14 steps");
+    CLI(&r, "train", "--mode", "tp", "--device", "cpu:4", "--mesh", "dp=2,tp=2", MLP, SYN,
+        "--batch", "16", "--grad-accum", "2", "--epochs", "2", "--no-eval", "--quiet", "--save",
+        mesh);
+    expect(&r, 0, "/");
+    tp(plain, "cpu:2", NULL, "2", NULL);
+    double da = ck_diff(one, acc), dm = ck_diff(one, mesh), dp = ck_diff(plain, acc);
+    cr_assert(da <= TOL && dm <= TOL && dp <= TOL, "tp --grad-accum: %g from single, mesh %g, "
+              "%g from tp without", da, dm, dp);
 }

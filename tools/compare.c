@@ -51,7 +51,6 @@
 #define TDM_CMP_ATOL_LAST 1e-4
 #define TDM_CMP_RTOL_LAST 1e-3
 #define TDM_CMP_LOSS_RTOL 1e-4
-#define TDM_CMP_FLOOR_FACTOR 10.0
 
 static void tdm_cmp_usage(FILE *f)
 {
@@ -64,8 +63,8 @@ static void tdm_cmp_usage(FILE *f)
         "throughput, a per-phase breakdown, an equivalence verdict, memory per device\n"
         "and a reading of the figures.\n"
         "\n"
-        "  --modes LIST         any of single, dp, ddp, fsdp, zero2, zero1, pp, tp, ps,\n"
-        "                       ps-async (comma-\n"
+        "  --modes LIST         any of single, dp, ddp, fsdp, zero2, zero1, pp, tp, tp-sp,\n"
+        "                       ps, ps-async (comma-\n"
         "                       separated; single always runs, as the reference)\n"
         "                                                          [single,dp,ddp,fsdp]\n"
         "                       fsdp:  PyTorch FSDP FULL_SHARD, DeepSpeed ZeRO stage 3\n"
@@ -80,6 +79,8 @@ static void tdm_cmp_usage(FILE *f)
         "                       with the all-reduces, memory and bytes per rank, and\n"
         "                       its verdict against one host device (compare's\n"
         "                       bound after the last step)\n"
+        "                       tp-sp: tp with sequence parallelism (the GPT:\n"
+        "                       reduce-scatters and all-gathers along the tokens)\n"
         "                       ps, ps-async: a parameter server (tandem train --mode\n"
         "                       ps, mlp, host devices), sync or async, N-1 workers and\n"
         "                       each count of --servers: samples/s against DDP, each\n"
@@ -304,6 +305,7 @@ typedef struct tdm_cmp_job {
     char plot_dir[4096];             /* --plot without trailing slashes */
     tdm_cmp_data data;
     tdm_cmp_result res[TDM_CMP_NMODES], floor_r;
+    tdm_cmp_floor floor;   /* floor_r against single, for the design sections */
     tdm_cmp_result *rp[TDM_CMP_NMODES];
     int nres;
     double sps[TDM_CMP_NMODES];      /* samples/s of the median step, by mode */
@@ -504,7 +506,7 @@ static tdm_status tdm_cmp_check_mesh(tdm_cmp_job *j)
          tdm_pptp_plan(&j->spec, S, first, N, cut, &narrow)))
         return tdm_tool_usage_error("tandem compare: --mesh %s: %s\n", o->mesh,
                                     tdm_error_message());
-    unsigned want = S > 1 ? TDM_CMP_PP_BIT : N > 1 ? TDM_CMP_TP_BIT : 0;
+    unsigned want = S > 1 ? TDM_CMP_PP_BIT : N > 1 ? TDM_CMP_TP_BIT | TDM_CMP_TP_SP_BIT : 0;
     if (!want)
         return tdm_tool_usage_error("tandem compare: --mesh %s names neither pp nor tp: it lays "
                                     "out the pp row (dp=D,pp=S) or the tp row (dp=D,tp=N)\n",
@@ -527,7 +529,7 @@ static tdm_status tdm_cmp_check_mesh(tdm_cmp_job *j)
 static tdm_status tdm_cmp_check_tp(tdm_cmp_job *j)
 {
     tdm_cmp_opts *o = &j->o;
-    if (!(o->modes & TDM_CMP_TP_BIT)) return TDM_STATUS_OK;
+    if (!(o->modes & (TDM_CMP_TP_BIT | TDM_CMP_TP_SP_BIT))) return TDM_STATUS_OK;
     if (o->ddp_comm)
         return tdm_tool_usage_error("tandem compare: --modes tp under an MPI launcher is not "
                                     "supported (run compare on one machine)\n");
@@ -535,10 +537,11 @@ static tdm_status tdm_cmp_check_tp(tdm_cmp_job *j)
         return tdm_tool_usage_error("tandem compare: --precision and --checkpoint-activations "
                                     "do not apply to tp yet: leave tp out of --modes\n");
     tdm_tp_split split[TDM_MODEL_MAX_DIMS];
-    int L;
-    if (tdm_tp_plan(&j->spec, o->mesh_tp > 1 && o->mesh_pp <= 1 ? o->mesh_tp : o->n_dev, split,
-                    &L))
+    int L, T = o->mesh_tp > 1 && o->mesh_pp <= 1 ? o->mesh_tp : o->n_dev;
+    if (tdm_tp_plan(&j->spec, T, split, &L))
         return tdm_tool_usage_error("tandem compare: --modes tp: %s\n", tdm_error_message());
+    if ((o->modes & TDM_CMP_TP_SP_BIT) && tdm_tp_check_seq(&j->spec, T))
+        return tdm_tool_usage_error("tandem compare: --modes tp-sp: %s\n", tdm_error_message());
     return TDM_STATUS_OK;
 }
 
@@ -897,6 +900,7 @@ static tdm_status tdm_cmp_print_equivalence(tdm_cmp_job *j)
                     TDM_CMP_RTOL_LAST, &fl);
     double fl_loss = fabs(j->floor_r.loss[o->steps - 1] - single->loss[o->steps - 1]) /
                      fabs(single->loss[o->steps - 1]);
+    j->floor = (tdm_cmp_floor){.max_abs = fl.max_abs, .loss_rel = fl_loss};
     printf("\nEquivalence (|a-b| <= atol + rtol*|b|: after step 1 atol %.0e rtol %.0e; after "
            "step %d atol %.0e rtol %.0e,\n  or within %.0fx the float-noise floor: one device "
            "started one ulp off ends %.2e away (loss rel %.1e))\n", TDM_CMP_ATOL_FIRST,
@@ -1118,15 +1122,17 @@ static tdm_status tdm_cmp_main_run(tdm_cmp_job *j)
     }
     tdm_cmp_print_memory(&j->o, j->rp, j->nres);
     tdm_cmp_print_reading(j);
-    if (j->o.modes & TDM_CMP_TP_BIT) {
+    for (int sp = 0; sp < 2; sp++) {
+        if (!(j->o.modes & (sp ? TDM_CMP_TP_SP_BIT : TDM_CMP_TP_BIT))) continue;
         int tv = tdm_cmp_tp_section(&j->o, &j->data, &j->spec, &j->res[TDM_CMP_SINGLE],
-                                    j->ran[TDM_CMP_DDP] ? &j->res[TDM_CMP_DDP] : NULL);
+                                    j->ran[TDM_CMP_DDP] ? &j->res[TDM_CMP_DDP] : NULL, sp,
+                                    &j->floor);
         if (tv < 0) return TDM_STATUS_PEER_FAILED;
         if (!tv) j->verdict = 0;
     }
     if (j->o.modes & TDM_CMP_PP_BIT) {
         int pv = tdm_cmp_pp_section(&j->o, &j->data, &j->spec, &j->res[TDM_CMP_SINGLE],
-                                    j->ran[TDM_CMP_DDP] ? &j->res[TDM_CMP_DDP] : NULL);
+                                    j->ran[TDM_CMP_DDP] ? &j->res[TDM_CMP_DDP] : NULL, &j->floor);
         if (pv < 0) return TDM_STATUS_PEER_FAILED;
         if (!pv) j->verdict = 0;
     }

@@ -91,12 +91,23 @@ typedef struct tdm_cmp_opts {
  * `tandem train --mode ps` in a section of their own (tools/compare_ps.c) */
 #define TDM_CMP_PS_BIT (1u << (TDM_CMP_NMODES + 2))
 #define TDM_CMP_PS_ASYNC_BIT (1u << (TDM_CMP_NMODES + 3))
+/* tp-sp: tensor parallelism with sequence parallelism (the GPT), a
+ * second tp section */
+#define TDM_CMP_TP_SP_BIT (1u << (TDM_CMP_NMODES + 4))
 
 /* Bytes per device (or rank) by kind. */
 typedef struct tdm_cmp_memory {
     double params, grads, optim, buffers, activations, comm;
     double peak;               /* the device allocator's peak over the run (bytes; 0: unknown) */
 } tdm_cmp_memory;
+
+/* The float-noise floor the verdicts allow beside their fixed bound: one
+ * device started one ulp off, after the last step (tools/compare.c). */
+#define TDM_CMP_FLOOR_FACTOR 10.0
+typedef struct tdm_cmp_floor {
+    double max_abs;    /* its largest parameter difference from one device's */
+    double loss_rel;   /* its last loss's relative difference */
+} tdm_cmp_floor;
 
 typedef struct tdm_cmp_result {
     tdm_cmp_mode mode;
@@ -229,7 +240,7 @@ int tdm_cmp_hook_section(const tdm_cmp_opts *o, const tdm_cmp_data *data,
  * verdict holds, 0: it does not, -1: the run failed (said). */
 int tdm_cmp_pp_section(const tdm_cmp_opts *o, const tdm_cmp_data *data,
                        const tdm_model_spec *spec, const tdm_cmp_result *single,
-                       const tdm_cmp_result *ddp);
+                       const tdm_cmp_result *ddp, const tdm_cmp_floor *floor);
 /* The parameter server's section (tools/compare_ps.c): ps (sync) and
  * ps-async as --modes asks, N-1 workers with each server count of
  * --servers (1, and 2 on 4 devices or more): samples/s beside DDP's
@@ -258,7 +269,8 @@ double tdm_cmp_pp_sweep_sps(const tdm_cmp_opts *o, const tdm_cmp_data *data,
  * (said). */
 int tdm_cmp_tp_section(const tdm_cmp_opts *o, const tdm_cmp_data *data,
                        const tdm_model_spec *spec, const tdm_cmp_result *single,
-                       const tdm_cmp_result *ddp);
+                       const tdm_cmp_result *ddp, int seq_par,
+                       const tdm_cmp_floor *floor);
 /* Its trace events (a process of one track per stage, each micro-batch's
  * F and B), after the other modes'; nothing when it did not run. */
 void tdm_cmp_pp_trace(FILE *f, int *first, int pid, long long (*us)(double));

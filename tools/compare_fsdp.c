@@ -42,6 +42,10 @@ int tdm_cmp_parse_modes(const char *s, unsigned *mask)
             *mask |= TDM_CMP_TP_BIT;
             found = 1;
         }
+        if (n == 5 && !strncmp(p, "tp-sp", 5)) {
+            *mask |= TDM_CMP_TP_SP_BIT;
+            found = 1;
+        }
         if (n == 2 && !strncmp(p, "ps", 2)) {
             *mask |= TDM_CMP_PS_BIT;
             found = 1;
@@ -57,8 +61,8 @@ int tdm_cmp_parse_modes(const char *s, unsigned *mask)
             }
         if (!found) {
             fprintf(stderr, "tandem compare: --modes '%s': '%.*s' is not a mode; choose from "
-                            "single, dp, ddp, fsdp (zero3), zero2, zero1, pp, tp, ps, "
-                            "ps-async, comma-separated\n",
+                            "single, dp, ddp, fsdp (zero3), zero2, zero1, pp, tp, tp-sp, "
+                            "ps, ps-async, comma-separated\n",
                     s, (int)n, p);
             return 0;
         }

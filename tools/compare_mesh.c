@@ -2,6 +2,7 @@
  * (tools/compare_mesh.h). */
 #include "tools/compare_mesh.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -130,4 +131,27 @@ void tdm_cmp_mesh_speed(const tdm_cmp_opts *o, const char *design, const char *u
            s1 > 0 && med > 0 ? s1 / med : 0.0, s1 > 0 ? o->batch / s1 * 1e3 : 0.0);
     if (sd > 0 && med > 0) printf(", %.2fx DDP(%d)", sd / med, ddp->n_dev);
     printf("\n");
+}
+
+int tdm_cmp_mesh_within(const float *p, const float *ref_p, int64_t n, const double *loss,
+                        const double *ref_loss, int steps, const tdm_cmp_floor *fl,
+                        tdm_cmp_within *w)
+{
+    *w = (tdm_cmp_within){0};
+    for (int64_t i = 0; i < n; i++) {
+        double d = fabs((double)p[i] - (double)ref_p[i]);
+        double ratio = d / (TDM_CMP_MESH_ATOL + TDM_CMP_MESH_RTOL * fabs((double)ref_p[i]));
+        if (!(d <= w->max_diff)) w->max_diff = d;
+        if (!(ratio <= w->worst)) w->worst = ratio;
+    }
+    for (int i = 0; i < steps; i++) {
+        double d = fabs(loss[i] - ref_loss[i]) / fabs(ref_loss[i]);
+        if (!(d <= w->loss_rel)) w->loss_rel = d;
+    }
+    if (w->worst <= 1.0 && w->loss_rel <= TDM_CMP_MESH_LOSS) return 1;
+    if (!fl || !(fl->max_abs > 0.0)) return 0;
+    w->floor_x = w->max_diff / fl->max_abs;
+    w->by_floor = w->floor_x <= TDM_CMP_FLOOR_FACTOR &&
+                  w->loss_rel <= TDM_CMP_FLOOR_FACTOR * fl->loss_rel + TDM_CMP_MESH_LOSS;
+    return w->by_floor;
 }

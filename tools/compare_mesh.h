@@ -61,6 +61,27 @@ void tdm_cmp_mesh_speed(const tdm_cmp_opts *o, const char *design, const char *u
                         const char *what, double med, const tdm_cmp_result *single,
                         const tdm_cmp_result *ddp);
 
+/* The bound a row that is not bit for bit is judged by, compare's after
+ * its last step (tools/compare.c): every parameter within atol + rtol |b|
+ * of one device's, every step's loss within rel of one device's. */
+#define TDM_CMP_MESH_ATOL 1e-4
+#define TDM_CMP_MESH_RTOL 1e-3
+#define TDM_CMP_MESH_LOSS 1e-3
+typedef struct tdm_cmp_within {
+    double max_diff;   /* the largest |a - b| over the parameters */
+    double worst;      /* the largest |a - b| / (atol + rtol |b|): <= 1 passes */
+    double loss_rel;   /* the largest |loss - ref| / |ref| over the steps */
+    double floor_x;    /* max_diff over the floor's (0: no floor) */
+    int by_floor;      /* past the bound, passed within the floor */
+} tdm_cmp_within;
+/* Judges n parameters and `steps` losses against one device's: within the
+ * bound, or (as compare's other verdicts) within TDM_CMP_FLOOR_FACTOR
+ * times the float-noise floor fl (NULL: none); returns 1 when within
+ * (NaN fails), w->by_floor set when only the floor let it pass. */
+int tdm_cmp_mesh_within(const float *p, const float *ref_p, int64_t n, const double *loss,
+                        const double *ref_loss, int steps, const tdm_cmp_floor *fl,
+                        tdm_cmp_within *w);
+
 #ifdef __cplusplus
 }
 #endif

@@ -14,6 +14,7 @@
 #include "ddp/ddp.h"
 #include "fsdp/fsdp.h"
 #include "dist/run.h"
+#include "models/builder.h"
 #include "models/plan.h"
 #include "tools/plan_peak.h"
 #include "tools/tools.h"
@@ -197,11 +198,13 @@ int tdm_tool_plan_main(int argc, char **argv)
     if (tdm_model_spec_parse(&spec, a.model))
         return tdm_tool_exit(tdm_tool_usage_error("tandem plan: --model: %s\n",
                                                   tdm_error_message()));
-    if (spec.kind == TDM_MODEL_SEQ && ((a.precision && strcmp(a.precision, "fp32")) || a.ckpt))
-        return tdm_tool_exit(tdm_tool_usage_error("tandem plan: %s: a model file trains in "
-                                                  "float32 with every activation kept (leave "
-                                                  "out --precision and --checkpoint-activations)\n",
-                                                  a.model));
+    if (tdm_model_spec_lever_op(&spec) >= 0 && ((a.precision && strcmp(a.precision, "fp32")) ||
+                                                 a.ckpt)) {
+        char why[512];
+        tdm_model_spec_lever_refusal(&spec, why, sizeof why);
+        return tdm_tool_exit(tdm_tool_usage_error("tandem plan: %s (leave out --precision and "
+                                                  "--checkpoint-activations)\n", why));
+    }
     int gpt = spec.kind == TDM_MODEL_GPT;
     if (!a.batch) a.batch = gpt ? TDM_TRAIN_GPT_BATCH : 256;
     if (a.batch < 1 || a.batch > 1 << 24)

@@ -116,7 +116,7 @@ tdm_status tdm_tool_pp_check(const tdm_tool_build *b, int world, tdm_mesh_shape 
     TDM_REQUIRE(b->pp.micro >= 1, TDM_STATUS_USAGE, "--microbatches %d: at least 1",
                 b->pp.micro);
     int L = tdm_tool_pp_layers(&b->spec);
-    if (L <= 0) return tdm_tool_pp_refuse("--model");
+    if (L <= 0 || tdm_model_spec_check_stages(&b->spec)) return tdm_tool_pp_refuse("--model");
     TDM_REQUIRE(S <= L, TDM_STATUS_USAGE,
                 "%d stages but the model has %d pipeline layers: at most %d stages", S, L, L);
     TDM_REQUIRE(S <= 64 || (!b->pp.split && N == 1), TDM_STATUS_USAGE,

@@ -48,7 +48,11 @@ tdm_status tdm_tool_tp_check(const tdm_tool_build *b, int world, tdm_mesh_shape 
                 shape->size[TDM_MESH_PP]);
     tdm_tp_split split[TDM_MODEL_MAX_DIMS];
     int L;
-    return tdm_tp_plan(&b->spec, shape->size[TDM_MESH_TP], split, &L);
+    TDM_CHECK(tdm_tp_plan(&b->spec, shape->size[TDM_MESH_TP], split, &L));
+    TDM_REQUIRE(!b->tp.zero1 || shape->size[TDM_MESH_DP] >= 2, TDM_STATUS_USAGE,
+                "--sharding optimizer shards the optimizer over the dp dimension: it needs "
+                "--mesh dp=D,tp=N with D >= 2");
+    return b->tp.seq_par ? tdm_tp_check_seq(&b->spec, shape->size[TDM_MESH_TP]) : TDM_STATUS_OK;
 }
 
 static tdm_status tdm_rank_tp_layout(void *ctx, int world, int rank, tdm_mesh_shape *shape,
@@ -95,7 +99,9 @@ static tdm_status tdm_rank_tp_setup(void *ctx, tdm_dist_rank *d, void **self)
     q->out_rows = tdm_model_out_rows(r->m);
     tdm_tp_opts o = {.seed = b->seed, .optim = b->optim,
                      .grad_comm = q->reps > 1 ? dp_dev : NULL,
-                     .host_comm = tp_dev != tp_host ? tp_host : NULL};
+                     .host_comm = tp_dev != tp_host ? tp_host : NULL,
+                     .sequence_parallel = b->tp.seq_par,
+                     .zero = b->tp.zero1 ? TDM_TP_ZERO_OPTIMIZER : TDM_TP_ZERO_NONE};
     if ((st = tdm_tp_init(&q->p, tp_dev, d->dev, &b->spec, &o)))
         return tdm_tool_rank_fail(r, "tensor-parallel set-up", st);
     r->opt = tdm_tp_optim(q->p);
@@ -126,6 +132,53 @@ static tdm_status tdm_rank_tp_step(void *ctx, const void *x, const int32_t *y, i
                               "tp loss over the replicas", x, y, batch, loss_mean);
 }
 
+/* --grad-accum (the MLP): each micro-batch is a global one, this
+ * replica's share of it through the group (tdm_tp_forward_backward,
+ * adding into the gradients, the loss gradient scaled by 1/the
+ * effective batch); one sum over the dp dimension and one optimizer
+ * step after the last (tdm_tp_optim_step). */
+static tdm_status tdm_rank_tp_accum_zero(void *ctx)
+{
+    tdm_dist_stepper *s = ctx;
+    s->begun++;
+    if (s->before) s->before(s->before_ctx, s->begun);
+    return tdm_tp_zero_grad(((tdm_tool_tp *)s->w)->p);
+}
+
+static tdm_status tdm_rank_tp_accum_micro(void *ctx, const void *x, const int32_t *y, int batch,
+                                          float grad_scale, int index, int last,
+                                          double *loss_sum)
+{
+    (void)index;
+    (void)last;
+    tdm_dist_stepper *s = ctx;
+    tdm_tool_tp *q = s->w;
+    int64_t lo = 0, hi = batch;
+    tdm_dist_share(batch, q->rep, q->reps, &lo, &hi);
+    *loss_sum = 0.0;
+    if (hi == lo) return TDM_STATUS_OK;   /* a short micro-batch: the whole group has none */
+    return tdm_tp_forward_backward(q->p, (const int32_t *)x + lo * q->in_elems,
+                                   y + lo * q->out_rows, (int)(hi - lo), grad_scale, loss_sum);
+}
+
+static tdm_status tdm_rank_tp_accum_step(void *ctx, double *loss_sum)
+{
+    tdm_dist_stepper *s = ctx;
+    tdm_tool_tp *q = s->w;
+    TDM_CHECK(tdm_tp_optim_step(q->p));
+    /* every replica's part of the loss */
+    double mean = 0.0;
+    TDM_CHECK(tdm_dist_replicas_loss(s->comm, q->mesh.host[TDM_MESH_DP], q->reps, s->rank,
+                                     "tp loss over the replicas", *loss_sum, 1,
+                                     tdm_optim_steps(s->opt), "an accumulated step", &mean));
+    *loss_sum = mean;
+    return TDM_STATUS_OK;
+}
+
+static const tdm_accum_ops tdm_rank_tp_accum_ops = {.zero_grad = tdm_rank_tp_accum_zero,
+                                                    .micro = tdm_rank_tp_accum_micro,
+                                                    .step = tdm_rank_tp_accum_step};
+
 /* ---- evaluation and checkpoints ---- */
 
 static tdm_status tdm_rank_tp_evaluate(void *w, const tdm_dataset *test, int batch,
@@ -151,6 +204,8 @@ static tdm_status tdm_rank_tp_save(void *w, const char *path, tdm_optim *opt,
                                    const tdm_ckpt_info *info)
 {
     tdm_tool_tp *q = w;
+    /* ZeRO-1: the other replicas' parts of each optimizer state's gather */
+    if (q->rep != 0) return tdm_tp_zero_join_gather(q->p);
     return tdm_tool_mesh_save(&q->mesh, q->mesh.host[TDM_MESH_TP], tdm_tp_rank(q->p) == 0,
                               tdm_tp_tables(q->p), opt, tdm_rank_tp_gather, q, path, info);
 }
@@ -196,8 +251,10 @@ static void tdm_rank_tp_describe(const tdm_tool_rank *r, char *on, size_t n_on, 
     int L = sp->kind == TDM_MODEL_GPT ? 0 : sp->ndims - 1;
     if (sp->kind == TDM_MODEL_GPT)
         snprintf(plan, sizeof plan, "attention split by heads, %d of %d per rank; mlp c_fc "
-                 "column, c_proj row; LayerNorms and embeddings replicated",
-                 sp->n_head / tdm_tp_size(q->p), sp->n_head);
+                 "column, c_proj row; %s", sp->n_head / tdm_tp_size(q->p), sp->n_head,
+                 r->b->tp.seq_par && tdm_tp_size(q->p) > 1
+                     ? "sequence parallel: LayerNorms on 1/N of the tokens"
+                     : "LayerNorms and embeddings replicated");
     for (int l = 0; l < L && k < sizeof plan; l++) {
         int n = snprintf(plan + k, sizeof plan - k, "%sfc%d %s", l ? ", " : "", l + 1,
                          tdm_tp_split_name(tdm_tp_layer_split(q->p, l)));
@@ -205,8 +262,11 @@ static void tdm_rank_tp_describe(const tdm_tool_rank *r, char *on, size_t n_on, 
         k += (size_t)n;
     }
     char reps[96];
-    tdm_tool_mesh_replicas_str(&q->mesh, "gradients summed over the dp dimension", reps,
-                               sizeof reps);
+    tdm_tool_mesh_replicas_str(&q->mesh, r->b->tp.zero1
+                                             ? "gradients summed over the dp dimension; ZeRO-1: "
+                                               "the optimizer sharded over it"
+                                             : "gradients summed over the dp dimension",
+                               reps, sizeof reps);
     snprintf(on, n_on, ", tensor parallel over %d ranks (%s)%s", tdm_tp_size(q->p), plan, reps);
     snprintf(note, n_note, "%s", "");
 }
@@ -222,8 +282,9 @@ static void tdm_rank_tp_report(const tdm_tool_rank *r, int overlap)
     double n = (double)s.steps, mib = 1.0 / (1024.0 * 1024.0);
     const tdm_tp_phases *p = &s.sum;
     printf("tp step, rank 0, mean over %lld steps: %.3f ms: forward %.3f ms, forward "
-           "all-reduces %.3f ms, loss %.3f ms, backward %.3f ms, backward all-reduces %.3f ms, "
-           "dp gradient sum %.3f ms, optimizer %.3f ms\n", (long long)s.steps, p->total / n,
+           "collectives %.3f ms, loss %.3f ms, backward %.3f ms, backward collectives %.3f ms, "
+           "gradient sums (dp dimension, sequence-parallel LayerNorms) %.3f ms, optimizer "
+           "%.3f ms\n", (long long)s.steps, p->total / n,
            p->forward / n, p->fwd_allreduce / n, p->loss / n, p->backward / n,
            p->bwd_allreduce / n, p->grad_sync / n, p->step / n);
     printf("tp memory, rank 0: parameters %.3f MiB, gradients %.3f MiB, optimizer %.3f MiB "
@@ -233,10 +294,19 @@ static void tdm_rank_tp_report(const tdm_tool_rank *r, int overlap)
            (long long)s.replicated_elems);
     tdm_comm_traffic t;
     tdm_comm_traffic_get(q->mesh.dev[TDM_MESH_TP], &t);
+    tdm_comm_traffic plan;
+    tdm_tp_step_traffic(&r->b->spec, tdm_tp_size(q->p), 1, r->b->tp.seq_par, &plan);
     printf("tp communication, rank 0: %lld all-reduces of %.3f MiB over the run (counted by the "
-           "communicator; %d per step of the full batch by the plan)\n",
+           "communicator; %lld per step of the full batch by the plan)",
            (long long)t.calls[TDM_COLL_ALL_REDUCE], (double)t.bytes[TDM_COLL_ALL_REDUCE] * mib,
-           tdm_tp_step_allreduces(&r->b->spec, tdm_tp_size(q->p)));
+           (long long)plan.calls[TDM_COLL_ALL_REDUCE]);
+    if (plan.calls[TDM_COLL_REDUCE_SCATTER])
+        printf(", %lld reduce-scatters of %.3f MiB and %lld all-gathers of %.3f MiB (%lld of "
+               "each per step)", (long long)t.calls[TDM_COLL_REDUCE_SCATTER],
+               (double)t.bytes[TDM_COLL_REDUCE_SCATTER] * mib,
+               (long long)t.calls[TDM_COLL_ALL_GATHER], (double)t.bytes[TDM_COLL_ALL_GATHER] * mib,
+               (long long)plan.calls[TDM_COLL_REDUCE_SCATTER]);
+    printf("\n");
 }
 
 void tdm_tool_tp_stats(const tdm_tool_rank *r, tdm_tp_stats *out)
@@ -278,4 +348,4 @@ const tdm_tool_design tdm_tool_tp_design = {
              .setup = tdm_rank_tp_setup, .free = tdm_rank_tp_free, .ops = &tdm_rank_tp_ops},
     .unit = "tensor-parallel rank", .save_alone = 0, .describe = tdm_rank_tp_describe,
     .report = tdm_rank_tp_report, .params = tdm_rank_tp_params, .step = tdm_rank_tp_step,
-    .phases = tdm_rank_tp_phases};
+    .accum = &tdm_rank_tp_accum_ops, .phases = tdm_rank_tp_phases};

@@ -60,6 +60,11 @@ typedef struct tdm_tool_build {
         int batch;               /* the global batch (sizes the links' zero-copy memory) */
         int zero1;               /* --sharding optimizer: ZeRO-1 over the dp dimension */
     } pp;
+    /* tensor parallelism (tools/rank_tp.c) */
+    struct {
+        int seq_par;             /* --sequence-parallel (tp/tp.h) */
+        int zero1;               /* --sharding optimizer: ZeRO-1 over the dp dimension */
+    } tp;
     /* the tool's own context, for the callbacks it composes around the
      * design's (dist/run.h's ctx is this struct) */
     void *tool;
@@ -108,6 +113,10 @@ struct tdm_tool_design {
      * the optimizer step, a tdm_train_step_fn over the rank's
      * tdm_dist_stepper (its w the design's wrapper). NULL: tdm_dist_step. */
     tdm_train_step_fn step;
+    /* --grad-accum's micro-batches and step over the rank's
+     * tdm_dist_stepper (its w the design's wrapper), for a design with a
+     * step of its own. NULL: tdm_dist_accum_ops (the dist ops'). */
+    const tdm_accum_ops *accum;
     /* Collective, on every rank after a successful run, before rank 0's
      * report (a pipeline gathers every stage's figures). May be NULL. */
     tdm_status (*finish)(tdm_tool_rank *r);

@@ -97,8 +97,9 @@ static void tdm_train_usage(FILE *f)
         "                         grad_op   gradients, optimizer state (FSDP\n"
         "                                   SHARD_GRAD_OP, ZeRO-2)\n"
         "                         optimizer optimizer state (ZeroRedundancyOptimizer,\n"
-        "                                   ZeRO-1); the only one of --mode pp, over\n"
-        "                                   --mesh dp=D,pp=S's dp dimension (D >= 2)\n"
+        "                                   ZeRO-1); the only one of --mode pp and tp,\n"
+        "                                   over --mesh dp=D,pp=S's or dp=D,tp=N's dp\n"
+        "                                   dimension (D >= 2)\n"
         "                         (zero3, zero2, zero1 are accepted too)\n"
         "  --save-sharded         fsdp: --save writes one file per rank plus an index\n"
         "                         at PATH (for models too big to gather); without it\n"
@@ -133,6 +134,11 @@ static void tdm_train_usage(FILE *f)
         "                         their gradients summed by DDP over the dp dimension\n"
         "  --mesh dp=D,tp=N       tp: D replicas of a tensor-parallel group of N on\n"
         "                         D*N devices, gradients summed over the dp dimension\n"
+        "  --sequence-parallel    tp, the GPT: Megatron's sequence parallelism: the\n"
+        "                         LayerNorms and residual adds run on 1/N of the\n"
+        "                         tokens, each all-reduce becomes a reduce-scatter and\n"
+        "                         an all-gather along the tokens (the context must\n"
+        "                         divide by N)\n"
         "  --mesh dp=D,pp=S,tp=N  pp: as dp=D,pp=S with each stage's layers\n"
         "                         tensor-parallel over N devices (the MLP; D*S*N)\n"
         "  --servers S            ps (mlp, gpt): the first S devices serve shards of the\n"
@@ -216,7 +222,8 @@ static void tdm_train_usage(FILE *f)
         "the first column-parallel (output features split), the second\n"
         "row-parallel (input features split, partial outputs all-reduced); an odd\n"
         "last layer is replicated. The GPT's attention is split by heads and its\n"
-        "MLP column/row; LayerNorms and embeddings are replicated\n"
+        "MLP column/row; LayerNorms and embeddings are replicated, or with\n"
+        "--sequence-parallel the LayerNorms run on 1/N of the tokens\n"
         "(docs/TENSOR_PARALLEL.md). Its checkpoint is the whole model's, and it\n"
         "resumes from any mode's.\n"
         "\n"
@@ -293,6 +300,7 @@ static tdm_status tdm_train_parse(int argc, char **argv, tdm_train_args *a, int 
         if (!strcmp(arg, "--no-overlap")) { a->no_overlap = 1; continue; }
         if (!strcmp(arg, "--save-sharded")) { a->save_sharded = 1; continue; }
         if (!strcmp(arg, "--uneven")) { a->uneven = 1; continue; }
+        if (!strcmp(arg, "--sequence-parallel")) { a->sequence_parallel = 1; continue; }
         if (!strcmp(arg, "--sync-bn")) { a->sync_bn = 1; continue; }
         return tdm_tool_usage_error("tandem train: unknown option '%s' (see tandem train --help)\n",
                                     arg);
@@ -382,7 +390,7 @@ static tdm_status tdm_train_check_det(const tdm_train_args *a)
  * text, the image models with SGD on batches of 256 images. */
 static tdm_status tdm_train_check_args(tdm_train_args *a)
 {
-    int gpt = !strncmp(a->model, "gpt", 3);
+    int gpt = tdm_train_model_is_gpt(a->model);
     if (!a->optim) a->optim = gpt ? "adamw" : "sgd";
     if (!a->batch) a->batch = gpt ? TDM_TRAIN_GPT_BATCH : 256;
     if (strcmp(a->optim, "sgd") && strcmp(a->optim, "adamw"))
@@ -407,7 +415,8 @@ static tdm_status tdm_train_check_args(tdm_train_args *a)
         fprintf(stderr, "tandem train: note: --timeout applies to --mode ddp, fsdp, pp, tp and ps "
                         "(the process group's collectives, ps's calls); --mode %s has none\n",
                 a->mode);
-    if ((a->sharding || a->save_sharded) && strcmp(a->mode, "fsdp") && strcmp(a->mode, "pp"))
+    if ((a->sharding || a->save_sharded) && strcmp(a->mode, "fsdp") && strcmp(a->mode, "pp") &&
+        strcmp(a->mode, "tp"))
         return tdm_tool_usage_error("tandem train: --sharding and --save-sharded apply to "
                                     "--mode fsdp, not --mode %s\n", a->mode);
     if (a->max_restarts && !ranks)
@@ -445,8 +454,8 @@ static tdm_status tdm_train_check_args(tdm_train_args *a)
 
 static tdm_status tdm_train_dispatch(const tdm_train_args *a)
 {
-    if (!strcmp(a->mode, "ps") && strncmp(a->model, "gpt", 3)) return tdm_train_run_ps(a, NULL, NULL);
-    if (!strncmp(a->model, "gpt", 3)) return tdm_train_text_main(a);
+    if (!strcmp(a->mode, "ps") && !tdm_train_model_is_gpt(a->model)) return tdm_train_run_ps(a, NULL, NULL);
+    if (tdm_train_model_is_gpt(a->model)) return tdm_train_text_main(a);
     if (!strcmp(a->mode, "single") || !strcmp(a->mode, "dp"))
         return tdm_train_run_local(a, NULL, NULL);
     if (!strcmp(a->mode, "ddp")) return tdm_train_run_ranks(a, &tdm_tool_ddp_design, NULL, NULL);

@@ -209,7 +209,10 @@ static tdm_status tdm_train_save(const tdm_train_args *a, const tdm_train_run *r
     if (st != TDM_STATUS_OK) return st;
     if (a->quiet) return TDM_STATUS_OK;
     printf("  saved %s (epoch %lld, step %lld)", a->save, (long long)e + 1, (long long)info.step);
-    if (r->text) printf("; tandem sample --resume %s", a->save);
+    if (r->text)
+        printf("; tandem sample --resume %s%s%s", a->save,
+               tdm_model_get_spec(r->m)->head_untied ? " --model " : "",
+               tdm_model_get_spec(r->m)->head_untied ? a->model : "");
     printf("\n");
     return TDM_STATUS_OK;
 }

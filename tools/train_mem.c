@@ -16,6 +16,7 @@
 #include "dist/timeout.h"
 #include "tools/ranks.h"
 #include "tools/train_modes.h"
+#include "tp/tp.h"
 
 /* The plan's input from the arguments; 0 when they are not the kind the
  * mode's own checks accept (then those checks speak). */
@@ -70,6 +71,25 @@ static int tdm_train_mem_in(const tdm_train_args *a, const tdm_model_spec *spec,
         in->processes = reps;
         batch = (int)(micro * held);
     }
+    /* tensor parallelism: every rank a process of its own holding its
+     * slices (tdm_tp_footprint: the set-up's layout and activations,
+     * counted) for its replica's share of the batch; fp32 (tp takes no
+     * precision lever) */
+    tdm_tp_rank_footprint tfp = {0};
+    int tp = !strcmp(a->mode, "tp");
+    if (tp) {
+        tdm_mesh_shape sh = {.size = {1, 1, world}};
+        if (a->mesh && tdm_mesh_parse(a->mesh, world, &sh)) return 0;
+        int D = sh.size[TDM_MESH_DP];
+        batch = (int)((a->batch + D - 1) / D);
+        if (tdm_tp_footprint(spec, sh.size[TDM_MESH_TP], batch > 0 ? batch : 1,
+                             a->sequence_parallel, &tfp))
+            return 0;
+        /* ZeRO-1 over the dp dimension divides the optimizer by D; the
+         * formula's optimizer shard divides by every rank: a smaller
+         * figure, so the plan stays a lower bound */
+        in->shard = a->sharding ? TDM_MEM_SHARD_OPTIMIZER : TDM_MEM_SHARD_NONE;
+    }
     /* a replica's figures: the device planner's, with the run's levers */
     tdm_plan_opts po;
     tdm_plan_opts_default(&po, spec, batch > 0 ? batch : 1);
@@ -82,7 +102,13 @@ static int tdm_train_mem_in(const tdm_train_args *a, const tdm_model_spec *spec,
     po.threads = a->threads > 0 ? (int)a->threads : 1;
     po.loss_scaling = po.precision == TDM_PRECISION_FP16;
     po.grad_norm = a->clip_grad_norm > 0.0;
-    return po.ckpt >= 0 && tdm_mem_plan_model(&po, &in->model) == TDM_STATUS_OK;
+    if (po.ckpt < 0 || tdm_mem_plan_model(&po, &in->model) != TDM_STATUS_OK) return 0;
+    if (tp) {
+        in->model.param_elems = tfp.elems;
+        in->model.largest_param_elems = tfp.largest_elems;
+        in->model.act_bytes = tfp.act_bytes;
+    }
+    return 1;
 }
 
 tdm_status tdm_train_check_memory(const tdm_train_args *a, const tdm_model_spec *spec)

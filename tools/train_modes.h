@@ -45,6 +45,7 @@ typedef struct tdm_train_args {
     long long powersgd_rank, powersgd_start_step;
     int uneven;               /* ddp: --uneven (tools/train_uneven.c) */
     int sync_bn;              /* ddp: --sync-bn */
+    int sequence_parallel;    /* tp (the GPT): --sequence-parallel */
     /* pp: --stages (0: the devices over the mesh's dp), --microbatches,
      * --schedule, --split, --mesh (as given) */
     long long stages, microbatches;
@@ -79,6 +80,10 @@ tdm_status tdm_train_fail(const char *what, tdm_status st);
 /* A model file's refusals before any work: 16-bit precision, activation
  * checkpointing (exit 2). */
 tdm_status tdm_train_check_seq(const tdm_train_args *a, const tdm_model_spec *spec);
+/* 1 when --model names a language model: gpt, gpt:L-D-H-T, or a model
+ * file of tokens (a GPT written as layers); 0 otherwise, and for a name
+ * that does not parse (its parse says why, later). */
+int tdm_train_model_is_gpt(const char *model);
 tdm_status tdm_train_load_npy(const tdm_train_args *a, const tdm_model_spec *spec,
                               tdm_dataset *train, tdm_dataset *test);
 tdm_status tdm_train_load_data(const tdm_train_args *a, const tdm_model_spec *spec,
@@ -271,7 +276,8 @@ tdm_status tdm_train_check_tp(const tdm_train_args *a);
  * (tools/rank_tp.c) through tdm_train_run_ranks. */
 tdm_status tdm_train_run_tp(const tdm_train_args *a);
 /* --mode ps (tools/train_ps.c): a parameter server's ranks over dist/run.h.
- * Checks its options (USAGE, said) and says what failed. */
+ * Checks its options (USAGE, said) and says what failed. spec: the model
+ * (NULL: parsed from --model); text: a gpt's (NULL: the MLP). */
 tdm_status tdm_train_run_ps(const tdm_train_args *a, const tdm_model_spec *spec, const tdm_train_text_set *text);
 /* --mode ddp and fsdp (tools/train_ranks.c): the ranks of a design's
  * table (tools/ranks.h) over dist/run.h, forked, launched or an MPI

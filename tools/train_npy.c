@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "core/npy.h"
+#include "models/builder.h"
 #include "tools/tools.h"
 #include "tools/train_modes.h"
 
@@ -53,12 +54,26 @@ static tdm_status tdm_npy_fits(const char *what, const tdm_dataset *d, const tdm
 
 tdm_status tdm_train_check_seq(const tdm_train_args *a, const tdm_model_spec *spec)
 {
-    if (spec->kind != TDM_MODEL_SEQ) return TDM_STATUS_OK;
-    if ((a->precision && strcmp(a->precision, "fp32")) || a->ckpt)
-        return tdm_tool_usage_error("tandem train: --model %s: a model file trains in float32 "
-                                    "with every activation kept (leave out --precision and "
-                                    "--checkpoint-activations)\n", a->model);
+    if (tdm_model_spec_lever_op(spec) < 0) return TDM_STATUS_OK;
+    if ((a->precision && strcmp(a->precision, "fp32")) || a->ckpt) {
+        char why[512];
+        tdm_model_spec_lever_refusal(spec, why, sizeof why);
+        return tdm_tool_usage_error("tandem train: --model %s: %s (leave out --precision and "
+                                    "--checkpoint-activations)\n", a->model, why);
+    }
     return TDM_STATUS_OK;
+}
+
+int tdm_train_model_is_gpt(const char *model)
+{
+    if (!strncmp(model, "gpt", 3)) return 1;
+    if (strncmp(model, "file:", 5)) return 0;
+    tdm_model_spec s;
+    if (tdm_model_spec_parse(&s, model) != TDM_STATUS_OK) {
+        tdm_error_clear();
+        return 0;
+    }
+    return s.kind == TDM_MODEL_GPT;
 }
 
 tdm_status tdm_train_load_npy(const tdm_train_args *a, const tdm_model_spec *spec,

@@ -145,7 +145,9 @@ static tdm_status tdm_train_save(void *ctx, int64_t epoch)
     const char *form = design->save_form ? design->save_form(r) : NULL;
     printf("  saved %s (%s%sepoch %lld, step %lld)\n", t->save, form ? form : "",
            form ? ", " : "", (long long)epoch + 1, (long long)info.step);
-    if (j->text && !r->b->save_sharded) printf("  tandem sample --resume %s\n", t->save);
+    if (j->text && !r->b->save_sharded)
+        printf("  tandem sample --resume %s%s%s\n", t->save,
+               r->b->spec.head_untied ? " --model " : "", r->b->spec.head_untied ? t->a.model : "");
     return TDM_STATUS_OK;
 }
 
@@ -349,7 +351,8 @@ static tdm_status tdm_train_rank_run(void *ctx, tdm_dist_rank *d, void *self)
                              .after = design->save_alone ? tdm_train_barrier : tdm_train_save,
                              .after_ctx = r, .text = j->text, .lo = (int)lo, .hi = (int)hi,
                              .ranks = &t->s};
-        tdm_accum acc = {.ops = &tdm_dist_accum_ops, .ctx = &t->s, .micro = (int)a->batch,
+        tdm_accum acc = {.ops = design->accum ? design->accum : &tdm_dist_accum_ops,
+                         .ctx = &t->s, .micro = (int)a->batch,
                          .in_features = tdm_model_in_features(r->m),
                          .out_rows = tdm_model_out_rows(r->m)};
         if (a->grad_accum > 1) {
@@ -459,6 +462,8 @@ static tdm_status tdm_train_ranks_build(tdm_train_job *j, const tdm_tool_design 
     b->pp.micro = (int)a->microbatches;
     b->pp.split = a->split;
     b->pp.mesh = a->mesh;
+    b->tp.seq_par = a->sequence_parallel;
+    b->tp.zero1 = design == &tdm_tool_tp_design && a->sharding;   /* checked: "optimizer" */
     b->pp.batch = (int)a->batch;
     b->pp.zero1 = design == &tdm_tool_pp_design && a->sharding;   /* checked: "optimizer" */
     if (a->schedule && tdm_pp_schedule_parse(a->schedule, &b->pp.schedule))

@@ -15,16 +15,28 @@
 
 tdm_status tdm_train_check_tp(const tdm_train_args *a)
 {
+    if (a->sequence_parallel && strcmp(a->mode, "tp"))
+        return tdm_tool_usage_error("tandem train: --sequence-parallel applies to --mode tp "
+                                    "(the GPT), not --mode %s\n", a->mode);
     if (strcmp(a->mode, "tp")) return TDM_STATUS_OK;
     if (strncmp(a->model, "mlp", 3) && strncmp(a->model, "gpt", 3))
         return tdm_tool_usage_error("tandem train: --mode tp supports the MLP and the GPT; "
                                     "--model %s is not supported\n", a->model);
-    if (a->grad_accum > 1 || a->uneven || a->sync_bn || a->deterministic || a->sharding ||
-        a->save_sharded || (a->comm_hook && strcmp(a->comm_hook, "allreduce")) ||
-        a->max_restarts || a->backend)
-        return tdm_tool_usage_error("tandem train: --mode tp takes none of --grad-accum, "
-                                    "--uneven, --sync-bn, --deterministic, --sharding, "
-                                    "--save-sharded, --comm-hook, --max-restarts, --backend\n");
+    if (a->sequence_parallel && strncmp(a->model, "gpt", 3))
+        return tdm_tool_usage_error("tandem train: --sequence-parallel applies to the GPT; "
+                                    "--model %s has no sequence\n", a->model);
+    if (a->uneven || a->sync_bn || a->deterministic || a->save_sharded ||
+        (a->comm_hook && strcmp(a->comm_hook, "allreduce")) || a->max_restarts || a->backend)
+        return tdm_tool_usage_error("tandem train: --mode tp takes none of --uneven, "
+                                    "--sync-bn, --deterministic, --save-sharded, --comm-hook, "
+                                    "--max-restarts, --backend\n");
+    tdm_fsdp_sharding sh = TDM_FSDP_SHARD_OPTIM;
+    if (a->sharding && tdm_fsdp_sharding_parse(a->sharding, &sh))
+        return tdm_tool_usage_error("tandem train: --sharding: %s\n", tdm_error_message());
+    if (sh != TDM_FSDP_SHARD_OPTIM)
+        return tdm_tool_usage_error("tandem train: --mode tp shards only the optimizer over "
+                                    "the dp dimension (--sharding optimizer, ZeRO-1); ZeRO-2 "
+                                    "and 3 (--sharding %s) are not built for tp\n", a->sharding);
     if ((a->precision && strcmp(a->precision, "fp32")) || a->ckpt || a->clip_grad_norm > 0.0 ||
         a->offload)
         return tdm_tool_usage_error("tandem train: --mode tp does not support --precision, "

@@ -41,7 +41,9 @@ typedef struct tdm_tp_gpt_block {
 struct tdm_tp_gpt {
     int L, C, H, T, V;
     int Hl, Cl, Fl;                      /* this rank's heads, their width, c_fc's rows */
+    int sp;                              /* sequence parallel (on more than one rank) */
     int64_t wte, wpe, lnf_w, lnf_b;      /* offsets */
+    int64_t ln_off, ln_elems;            /* every block's ln_1 and ln_2, side by side */
     tdm_tp_gpt_block *blk;
     int cap;
     float *res0, *lnf, *lnf_mean, *lnf_rstd, *logits;
@@ -76,6 +78,7 @@ tdm_status tdm_tp_gpt_layout(tdm_tp *p)
     p->gpt = g;
     *g = (tdm_tp_gpt){.L = s->n_layer, .C = s->n_embd, .H = s->n_head, .T = s->n_ctx,
                       .V = s->vocab};
+    g->sp = p->seq_par;
     g->Hl = g->H / p->size;
     g->Cl = g->C / p->size;
     g->Fl = 4 * g->C / p->size;
@@ -105,16 +108,25 @@ tdm_status tdm_tp_gpt_layout(tdm_tp *p)
         {TDM_TP_CUT_REPL, 1, C, 1},      {TDM_TP_CUT_REPL, 1, C, 1},
         {TDM_TP_CUT_ROWS, 1, 4 * C, C},  {TDM_TP_CUT_ROWS, 1, 4 * C, 1},
         {TDM_TP_CUT_COLS, 1, C, 4 * C},  {TDM_TP_CUT_REPL, 1, C, 1}};
-    for (int l = 0; l < g->L; l++)
-        for (int j = 0; j < TDM_TP_GPT_PER_BLOCK; j++) {
-            int want = 2 + TDM_TP_GPT_PER_BLOCK * l + j;
-            snprintf(name, sizeof name, "transformer.h.%d.%s", l, sfx[j]);
-            TDM_REQUIRE(tdm_tp_gpt_index(p, want, name) == want, TDM_STATUS_INTERNAL,
-                        "tp gpt: tensor %d of the whole model is not %s", want, name);
-            g->blk[l].off[j] = p->n_elem;
-            tdm_tp_add_tensor(p, want, shape[j].cut, shape[j].parts, shape[j].rows,
-                              shape[j].cols);
-        }
+    /* two passes: every block's LayerNorms first, side by side (under
+     * sequence parallelism their gradients are partial per rank and
+     * summed over the group in one all-reduce), then the rest */
+    g->ln_off = p->n_elem;
+    for (int pass = 0; pass < 2; pass++) {
+        for (int l = 0; l < g->L; l++)
+            for (int j = 0; j < TDM_TP_GPT_PER_BLOCK; j++) {
+                int ln = j == TB_LN1_W || j == TB_LN1_B || j == TB_LN2_W || j == TB_LN2_B;
+                if (ln != (pass == 0)) continue;
+                int want = 2 + TDM_TP_GPT_PER_BLOCK * l + j;
+                snprintf(name, sizeof name, "transformer.h.%d.%s", l, sfx[j]);
+                TDM_REQUIRE(tdm_tp_gpt_index(p, want, name) == want, TDM_STATUS_INTERNAL,
+                            "tp gpt: tensor %d of the whole model is not %s", want, name);
+                g->blk[l].off[j] = p->n_elem;
+                tdm_tp_add_tensor(p, want, shape[j].cut, shape[j].parts, shape[j].rows,
+                                  shape[j].cols);
+            }
+        if (pass == 0) g->ln_elems = p->n_elem - g->ln_off;
+    }
     int pf = 2 + TDM_TP_GPT_PER_BLOCK * g->L;
     TDM_REQUIRE(tdm_tp_gpt_index(p, pf, "transformer.ln_f.weight") == pf, TDM_STATUS_INTERNAL,
                 "tp gpt: tensor %d of the whole model is not transformer.ln_f.weight", pf);
@@ -158,36 +170,56 @@ static tdm_status tdm_tp_gpt_alloc(tdm_tp *p, int64_t n, float **out)
         g->max_allocs = m;
     }
     size_t bytes = (size_t)(n > 0 ? n : 1) * sizeof(float);
+    p->stats.activations += bytes;
+    *out = NULL;
+    if (!p->dev) return TDM_STATUS_OK;   /* tdm_tp_footprint: counted only */
     TDM_CHECK(tdm_dev_alloc(p->dev, bytes, (void **)out));
     g->allocs[g->n_allocs++] = *out;
-    p->stats.activations += bytes;
     return TDM_STATUS_OK;
+}
+
+/* The rows (tokens) of B windows: all N of them, and the Nl the rank's
+ * sequence-parallel regions hold from row off on (Nl = N, off 0 without
+ * sequence parallelism). The plan checked that T divides by the ranks,
+ * so every batch's B*T tokens do. */
+static void tdm_tp_gpt_rows(const tdm_tp *p, int B, int64_t *N, int64_t *Nl, int64_t *off)
+{
+    *N = (int64_t)B * p->gpt->T;
+    *Nl = p->gpt->sp ? *N / p->size : *N;
+    *off = p->gpt->sp ? (int64_t)p->rank * *Nl : 0;
 }
 
 tdm_status tdm_tp_gpt_reserve(tdm_tp *p, int B)
 {
     tdm_tp_gpt *g = p->gpt;
     tdm_tp_gpt_free_acts(p);
-    int64_t N = (int64_t)B * g->T, C = g->C, Cl = g->Cl, Fl = g->Fl;
+    int64_t N, Nl, off, C = g->C, Cl = g->Cl, Fl = g->Fl;
+    tdm_tp_gpt_rows(p, B, &N, &Nl, &off);
     int64_t att = (int64_t)B * g->Hl * g->T * g->T;
+    /* sequence parallel: the stream (res1, res2), the LayerNorms'
+     * statistics and the stream's gradient hold the rank's Nl tokens;
+     * what the column-parallel layers read (the LayerNorms' outputs) is
+     * gathered whole and kept for their weight gradients. Whole anyway:
+     * block 0's ln_1 statistics (it runs on the replicated embeddings)
+     * and the last block's output (gathered for ln_f and the head). */
 #define A(ptr, n) TDM_CHECK(tdm_tp_gpt_alloc(p, (n), &(ptr)))
     for (int l = 0; l < g->L; l++) {
         tdm_tp_gpt_block *b = &g->blk[l];
         A(b->ln1, N * C);
-        A(b->ln1_mean, N);
-        A(b->ln1_rstd, N);
+        A(b->ln1_mean, l == 0 ? N : Nl);
+        A(b->ln1_rstd, l == 0 ? N : Nl);
         A(b->q, N * Cl);
         A(b->k, N * Cl);
         A(b->v, N * Cl);
         A(b->att, att);
         A(b->atty, N * Cl);
-        A(b->res1, N * C);
+        A(b->res1, Nl * C);
         A(b->ln2, N * C);
-        A(b->ln2_mean, N);
-        A(b->ln2_rstd, N);
+        A(b->ln2_mean, Nl);
+        A(b->ln2_rstd, Nl);
         A(b->fch, N * Fl);
         A(b->fcg, N * Fl);
-        A(b->res2, N * C);
+        A(b->res2, (l == g->L - 1 ? N : Nl) * C);
     }
     A(g->res0, N * C);
     A(g->lnf, N * C);
@@ -197,7 +229,7 @@ tdm_status tdm_tp_gpt_reserve(tdm_tp *p, int B)
     A(g->qkv, N * 3 * Cl);
     A(g->yh, N * Cl);
     A(g->part, N * C);
-    A(g->dres, N * C);
+    A(g->dres, Nl * C);
     A(g->dln, N * C);
     A(g->dfc, N * Fl);
     A(g->datt, att);
@@ -215,6 +247,7 @@ tdm_status tdm_tp_gpt_reserve(tdm_tp *p, int B)
     p->x = x;
     p->y = (int32_t *)y;
     p->ones = ones;
+    if (!p->dev) return TDM_STATUS_OK;
     float *h1 = malloc((size_t)N * sizeof(float));
     TDM_REQUIRE(h1, TDM_STATUS_OUT_OF_MEMORY, "tp gpt: %lld floats", (long long)N);
     for (int64_t i = 0; i < N; i++) h1[i] = 1.0f;
@@ -232,15 +265,87 @@ tdm_status tdm_tp_gpt_reserve(tdm_tp *p, int B)
 
 float *tdm_tp_gpt_dlogits(tdm_tp *p) { return p->gpt->dlogits; }
 
+/* ---- the sequence-parallel collectives ---- */
+
+/* dst (N rows of C) = the group's Nl-row pieces side by side, rank r's
+ * src at rows [r*Nl, (r+1)*Nl): an all-gather along the tokens (src may
+ * be dst's own rows: in place). */
+static tdm_status tdm_tp_gpt_gather(tdm_tp *p, const float *src, float *dst, int64_t Nl,
+                                    const char *what, int l, double *ar_ms)
+{
+    uint64_t t0 = tdm_time_ns();
+    TDM_CHECK(tdm_dev_sync(p->dev));
+    tdm_comm_set_label(p->comm, "tp all-gather %s%d", what, l);
+    tdm_status st = tdm_comm_all_gather(p->comm, src, dst, (size_t)(Nl * p->gpt->C),
+                                        TDM_DTYPE_FLOAT32);
+    if (st) tdm_error_prefix(st, "tp rank %d: the all-gather %s%d", p->rank, what, l);
+    *ar_ms += tdm_time_ms_since(t0);
+    return st;
+}
+
+/* buf (N rows of C, a partial sum on every rank) summed over the group:
+ * all of it on every rank (an all-reduce) without sequence parallelism;
+ * with it, only the rank's Nl rows from row off (a reduce-scatter along
+ * the tokens, in place). */
+static tdm_status tdm_tp_gpt_sum(tdm_tp *p, float *buf, int64_t N, int64_t Nl, int64_t off,
+                                 const char *what, int l, double *ar_ms)
+{
+    if (p->size < 2) return TDM_STATUS_OK;
+    uint64_t t0 = tdm_time_ns();
+    tdm_status st;
+    if (!p->gpt->sp) {
+        st = tdm_tp_allreduce(p, buf, N * p->gpt->C, what, l);
+    } else {
+        TDM_CHECK(tdm_dev_sync(p->dev));
+        tdm_comm_set_label(p->comm, "tp reduce-scatter %s%d", what, l);
+        st = tdm_comm_reduce_scatter(p->comm, buf, buf + off * p->gpt->C,
+                                     (size_t)(Nl * p->gpt->C), TDM_DTYPE_FLOAT32, TDM_REDOP_SUM);
+        if (st) tdm_error_prefix(st, "tp rank %d: the reduce-scatter %s%d", p->rank, what, l);
+    }
+    *ar_ms += tdm_time_ms_since(t0);
+    return st;
+}
+
+tdm_status tdm_tp_gpt_sum_ln(tdm_tp *p, double *ms)
+{
+    tdm_tp_gpt *g = p->gpt;
+    if (!g || !g->sp || g->ln_elems == 0) return TDM_STATUS_OK;
+    uint64_t t0 = tdm_time_ns();
+    tdm_status st = tdm_tp_allreduce(p, p->grads + g->ln_off, g->ln_elems,
+                                     "of the LayerNorms' gradients (sequence parallel), blocks ",
+                                     g->L);
+    *ms += tdm_time_ms_since(t0);
+    return st;
+}
+
 /* ---- forward ---- */
 
-/* y = res + x w^T + bias, w (C, in) this rank's columns of a row-parallel
- * projection: the partial products summed over the group (an all-reduce
- * of part), then added to the stream. One rank: one device's very
- * calls (the stream copied, the projection accumulated onto it). */
+/* out (N, C) = LayerNorm(x) on every rank. Without sequence parallelism,
+ * or when x is whole (full: block 0 reads the replicated embeddings),
+ * over all N rows; with it, over the rank's Nl rows of x (its tokens)
+ * into out's rows from off, then gathered along the tokens. */
+static tdm_status tdm_tp_gpt_ln(tdm_tp *p, const float *x, const float *w, const float *bias,
+                                float *out, float *mean, float *rstd, int64_t N, int64_t Nl,
+                                int64_t off, int full, int l, double *ar_ms)
+{
+    int C = p->gpt->C;
+    if (full || !p->gpt->sp)
+        return tdm_dev_layernorm_fwd(p->dev, x, w, bias, out, mean, rstd, N, C,
+                                     TDM_TP_GPT_LN_EPS);
+    TDM_CHECK(tdm_dev_layernorm_fwd(p->dev, x, w, bias, out + off * C, mean, rstd, Nl, C,
+                                    TDM_TP_GPT_LN_EPS));
+    return tdm_tp_gpt_gather(p, out + off * C, out, Nl, "forward LayerNorm of block ", l, ar_ms);
+}
+
+/* y = res + x w^T + bias on the rank's rows, w (C, in) this rank's
+ * columns of a row-parallel projection: the N rows' partial products
+ * summed over the group (tdm_tp_gpt_sum: all of them, or the rank's Nl
+ * rows from off under sequence parallelism), then added to res's rows
+ * (Nl of them: res and y hold the rank's rows). One rank: one device's
+ * very calls (the stream copied, the projection accumulated onto it). */
 static tdm_status tdm_tp_gpt_row(tdm_tp *p, const float *x, const float *w, const float *bias,
-                                 int in, const float *res, float *y, int64_t N, const char *what,
-                                 int l, double *ar_ms)
+                                 int in, const float *res, float *y, int64_t N, int64_t Nl,
+                                 int64_t off, const char *what, int l, double *ar_ms)
 {
     int C = p->gpt->C;
     float *part = p->gpt->part;
@@ -249,12 +354,10 @@ static tdm_status tdm_tp_gpt_row(tdm_tp *p, const float *x, const float *w, cons
         return tdm_layers_linear_fwd(p->dev, x, w, bias, N, in, C, 1, y);
     }
     TDM_CHECK(tdm_layers_linear_fwd(p->dev, x, w, NULL, N, in, C, 0, part));
-    uint64_t t0 = tdm_time_ns();
-    TDM_CHECK(tdm_tp_allreduce(p, part, N * C, what, l));
-    *ar_ms += tdm_time_ms_since(t0);
-    TDM_CHECK(tdm_dev_copy(p->dev, y, res, (size_t)N * C * sizeof(float)));
-    TDM_CHECK(tdm_dev_axpy(p->dev, N * C, 1.0f, part, y));
-    return tdm_dev_bias_act(p->dev, y, bias, N, C, TDM_ACT_NONE);
+    TDM_CHECK(tdm_tp_gpt_sum(p, part, N, Nl, off, what, l, ar_ms));
+    TDM_CHECK(tdm_dev_copy(p->dev, y, res, (size_t)Nl * C * sizeof(float)));
+    TDM_CHECK(tdm_dev_axpy(p->dev, Nl * C, 1.0f, part + off * C, y));
+    return tdm_dev_bias_act(p->dev, y, bias, Nl, C, TDM_ACT_NONE);
 }
 
 tdm_status tdm_tp_gpt_forward(tdm_tp *p, int B, const float **logits, double *ar_ms)
@@ -263,15 +366,19 @@ tdm_status tdm_tp_gpt_forward(tdm_tp *p, int B, const float **logits, double *ar
     tdm_device *d = p->dev;
     float *W = p->params;
     int C = g->C, Cl = g->Cl, Fl = g->Fl;
-    int64_t N = (int64_t)B * g->T;
+    int64_t N, Nl, off;
+    tdm_tp_gpt_rows(p, B, &N, &Nl, &off);
     TDM_CHECK(tdm_dev_embed_fwd(d, (const int32_t *)p->x, W + g->wte, W + g->wpe, g->res0, B,
                                 g->T, C));
-    const float *res = g->res0;
+    /* the stream's rows this rank holds (all of them without sequence
+     * parallelism) */
+    const float *res = g->res0 + off * C;
     for (int l = 0; l < g->L; l++) {
         tdm_tp_gpt_block *b = &g->blk[l];
+        int last = l == g->L - 1;
 #define P(j) (W + b->off[j])
-        TDM_CHECK(tdm_dev_layernorm_fwd(d, res, P(TB_LN1_W), P(TB_LN1_B), b->ln1, b->ln1_mean,
-                                        b->ln1_rstd, N, C, TDM_TP_GPT_LN_EPS));
+        TDM_CHECK(tdm_tp_gpt_ln(p, l == 0 ? g->res0 : res, P(TB_LN1_W), P(TB_LN1_B), b->ln1,
+                                b->ln1_mean, b->ln1_rstd, N, Nl, off, l == 0, l, ar_ms));
         /* this rank's heads: q, k, v of H/N heads side by side, (N, 3C/N) */
         TDM_CHECK(tdm_layers_linear_fwd(d, b->ln1, P(TB_ATTN_W), P(TB_ATTN_B), N, C, 3 * Cl, 0,
                                         g->qkv));
@@ -279,17 +386,24 @@ tdm_status tdm_tp_gpt_forward(tdm_tp *p, int B, const float **logits, double *ar
                               .v = b->v, .att = b->att};
         TDM_CHECK(tdm_layers_attention_fwd(d, &at, g->qkv, g->yh, b->atty));
         TDM_CHECK(tdm_tp_gpt_row(p, b->atty, P(TB_APROJ_W), P(TB_APROJ_B), Cl, res, b->res1, N,
-                                 "forward attn.c_proj of block ", l, ar_ms));
-        TDM_CHECK(tdm_dev_layernorm_fwd(d, b->res1, P(TB_LN2_W), P(TB_LN2_B), b->ln2,
-                                        b->ln2_mean, b->ln2_rstd, N, C, TDM_TP_GPT_LN_EPS));
+                                 Nl, off, "forward attn.c_proj of block ", l, ar_ms));
+        TDM_CHECK(tdm_tp_gpt_ln(p, b->res1, P(TB_LN2_W), P(TB_LN2_B), b->ln2, b->ln2_mean,
+                                b->ln2_rstd, N, Nl, off, 0, l, ar_ms));
         TDM_CHECK(tdm_layers_linear_fwd(d, b->ln2, P(TB_FC_W), P(TB_FC_B), N, C, Fl, 0, b->fch));
         TDM_CHECK(tdm_dev_gelu_fwd(d, b->fch, b->fcg, N * Fl));
-        TDM_CHECK(tdm_tp_gpt_row(p, b->fcg, P(TB_MPROJ_W), P(TB_MPROJ_B), Fl, b->res1, b->res2,
-                                 N, "forward mlp.c_proj of block ", l, ar_ms));
+        /* the last block's output is whole (N rows): the rank's rows
+         * at off, gathered for ln_f and the head */
+        float *out = b->res2 + (last ? off * C : 0);
+        TDM_CHECK(tdm_tp_gpt_row(p, b->fcg, P(TB_MPROJ_W), P(TB_MPROJ_B), Fl, b->res1, out, N,
+                                 Nl, off, "forward mlp.c_proj of block ", l, ar_ms));
+        if (last && g->sp)
+            TDM_CHECK(tdm_tp_gpt_gather(p, out, b->res2, Nl, "forward output of block ", l,
+                                        ar_ms));
 #undef P
-        res = b->res2;
+        res = out;
     }
-    TDM_CHECK(tdm_dev_layernorm_fwd(d, res, W + g->lnf_w, W + g->lnf_b, g->lnf, g->lnf_mean,
+    const float *whole = g->L ? g->blk[g->L - 1].res2 : g->res0;
+    TDM_CHECK(tdm_dev_layernorm_fwd(d, whole, W + g->lnf_w, W + g->lnf_b, g->lnf, g->lnf_mean,
                                     g->lnf_rstd, N, C, TDM_TP_GPT_LN_EPS));
     TDM_CHECK(tdm_layers_linear_fwd(d, g->lnf, W + g->wte, NULL, N, C, g->V, 0, g->logits));
     *logits = g->logits;
@@ -298,15 +412,17 @@ tdm_status tdm_tp_gpt_forward(tdm_tp *p, int B, const float **logits, double *ar
 
 /* ---- backward ---- */
 
-/* The input gradient of a column-parallel layer summed over the group. */
-static tdm_status tdm_tp_gpt_col_in(tdm_tp *p, float *dx, int64_t N, const char *what, int l,
-                                    double *ar_ms)
+/* The whole gradient of the stream (N rows) for a row-parallel layer's
+ * backward: dres itself without sequence parallelism; with it, the
+ * ranks' rows of dres gathered into part. */
+static tdm_status tdm_tp_gpt_dstream(tdm_tp *p, int64_t Nl, const char *what, int l,
+                                     double *ar_ms, const float **dy)
 {
-    if (p->size < 2) return TDM_STATUS_OK;
-    uint64_t t0 = tdm_time_ns();
-    tdm_status st = tdm_tp_allreduce(p, dx, N * p->gpt->C, what, l);
-    *ar_ms += tdm_time_ms_since(t0);
-    return st;
+    tdm_tp_gpt *g = p->gpt;
+    *dy = g->dres;
+    if (!g->sp) return TDM_STATUS_OK;
+    *dy = g->part;
+    return tdm_tp_gpt_gather(p, g->dres, g->part, Nl, what, l, ar_ms);
 }
 
 tdm_status tdm_tp_gpt_backward(tdm_tp *p, int B, const float *dlogits, double *ar_ms)
@@ -315,30 +431,41 @@ tdm_status tdm_tp_gpt_backward(tdm_tp *p, int B, const float *dlogits, double *a
     tdm_device *d = p->dev;
     float *W = p->params, *G = p->grads;
     int C = g->C, Cl = g->Cl, Fl = g->Fl;
-    int64_t N = (int64_t)B * g->T;
+    int64_t N, Nl, off;
+    tdm_tp_gpt_rows(p, B, &N, &Nl, &off);
     const float *res_last = g->L ? g->blk[g->L - 1].res2 : g->res0;
-    TDM_CHECK(tdm_dev_memset_zero(d, g->dres, (size_t)N * C * sizeof(float)));
+    /* the whole stream's gradient at the top: dres itself, or (sequence
+     * parallel) part, of which the rank keeps its rows in dres */
+    float *dtop = g->sp ? g->part : g->dres;
+    TDM_CHECK(tdm_dev_memset_zero(d, dtop, (size_t)N * C * sizeof(float)));
     /* the tied head: dwte += dlogits^T ln_f(x), d ln_f(x) = dlogits wte */
     TDM_CHECK(tdm_layers_linear_bwd(d, g->lnf, W + g->wte, dlogits, p->ones, N, C, g->V,
                                     G + g->wte, NULL, g->dln, 0));
     TDM_CHECK(tdm_dev_layernorm_bwd(d, res_last, g->dln, W + g->lnf_w, g->lnf_mean, g->lnf_rstd,
-                                    g->dres, G + g->lnf_w, G + g->lnf_b, N, C));
+                                    dtop, G + g->lnf_w, G + g->lnf_b, N, C));
+    if (g->sp)
+        TDM_CHECK(tdm_dev_copy(d, g->dres, dtop + off * C, (size_t)Nl * C * sizeof(float)));
     for (int l = g->L - 1; l >= 0; l--) {
         tdm_tp_gpt_block *b = &g->blk[l];
-        const float *res_in = l > 0 ? g->blk[l - 1].res2 : g->res0;
+        const float *res_in = l > 0 ? g->blk[l - 1].res2 : g->res0 + off * C, *dy = dtop;
 #define P(j) (W + b->off[j])
 #define D(j) (G + b->off[j])
-        /* x += mlp(ln_2(x)): the branch's output gradient is dres */
-        TDM_CHECK(tdm_layers_linear_bwd(d, b->fcg, P(TB_MPROJ_W), g->dres, p->ones, N, Fl, C,
+        /* x += mlp(ln_2(x)): the branch's output gradient is the
+         * stream's, whole (the last block's is already) */
+        if (l < g->L - 1)
+            TDM_CHECK(tdm_tp_gpt_dstream(p, Nl, "backward mlp.c_proj of block ", l, ar_ms, &dy));
+        TDM_CHECK(tdm_layers_linear_bwd(d, b->fcg, P(TB_MPROJ_W), dy, p->ones, N, Fl, C,
                                         D(TB_MPROJ_W), D(TB_MPROJ_B), g->dfc, 0));
         TDM_CHECK(tdm_dev_gelu_bwd(d, b->fch, g->dfc, g->dfc, N * Fl));
         TDM_CHECK(tdm_layers_linear_bwd(d, b->ln2, P(TB_FC_W), g->dfc, p->ones, N, C, Fl,
                                         D(TB_FC_W), D(TB_FC_B), g->dln, 0));
-        TDM_CHECK(tdm_tp_gpt_col_in(p, g->dln, N, "backward mlp.c_fc of block ", l, ar_ms));
-        TDM_CHECK(tdm_dev_layernorm_bwd(d, b->res1, g->dln, P(TB_LN2_W), b->ln2_mean,
-                                        b->ln2_rstd, g->dres, D(TB_LN2_W), D(TB_LN2_B), N, C));
+        TDM_CHECK(tdm_tp_gpt_sum(p, g->dln, N, Nl, off, "backward mlp.c_fc of block ", l,
+                                 ar_ms));
+        TDM_CHECK(tdm_dev_layernorm_bwd(d, b->res1, g->dln + off * C, P(TB_LN2_W), b->ln2_mean,
+                                        b->ln2_rstd, g->dres, D(TB_LN2_W), D(TB_LN2_B), Nl, C));
         /* x += attn(ln_1(x)); dln holds the heads' output gradient (N, C/N) */
-        TDM_CHECK(tdm_layers_linear_bwd(d, b->atty, P(TB_APROJ_W), g->dres, p->ones, N, Cl, C,
+        TDM_CHECK(tdm_tp_gpt_dstream(p, Nl, "backward attn.c_proj of block ", l, ar_ms, &dy));
+        TDM_CHECK(tdm_layers_linear_bwd(d, b->atty, P(TB_APROJ_W), dy, p->ones, N, Cl, C,
                                         D(TB_APROJ_W), D(TB_APROJ_B), g->dln, 0));
         tdm_layers_attn at = {.B = B, .T = g->T, .H = g->Hl, .C = Cl, .q = b->q, .k = b->k,
                               .v = b->v, .att = b->att};
@@ -346,12 +473,18 @@ tdm_status tdm_tp_gpt_backward(tdm_tp *p, int B, const float *dlogits, double *a
                                            g->qkv));
         TDM_CHECK(tdm_layers_linear_bwd(d, b->ln1, P(TB_ATTN_W), g->qkv, p->ones, N, C, 3 * Cl,
                                         D(TB_ATTN_W), D(TB_ATTN_B), g->dln, 0));
-        TDM_CHECK(tdm_tp_gpt_col_in(p, g->dln, N, "backward attn.c_attn of block ", l, ar_ms));
-        TDM_CHECK(tdm_dev_layernorm_bwd(d, res_in, g->dln, P(TB_LN1_W), b->ln1_mean,
-                                        b->ln1_rstd, g->dres, D(TB_LN1_W), D(TB_LN1_B), N, C));
+        TDM_CHECK(tdm_tp_gpt_sum(p, g->dln, N, Nl, off, "backward attn.c_attn of block ", l,
+                                 ar_ms));
+        /* block 0's ln_1 statistics are whole: the rank's rows of them */
+        int64_t so = l == 0 ? off : 0;
+        TDM_CHECK(tdm_dev_layernorm_bwd(d, res_in, g->dln + off * C, P(TB_LN1_W),
+                                        b->ln1_mean + so, b->ln1_rstd + so, g->dres, D(TB_LN1_W),
+                                        D(TB_LN1_B), Nl, C));
 #undef P
 #undef D
     }
-    return tdm_dev_embed_bwd(d, (const int32_t *)p->x, g->dres, G + g->wte, G + g->wpe, B,
-                             g->T, C);
+    const float *demb = dtop;   /* no block: the top's gradient, whole */
+    if (g->L) TDM_CHECK(tdm_tp_gpt_dstream(p, Nl, "backward embeddings, after block ", 0, ar_ms,
+                                           &demb));
+    return tdm_dev_embed_bwd(d, (const int32_t *)p->x, demb, G + g->wte, G + g->wpe, B, g->T, C);
 }

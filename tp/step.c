@@ -162,6 +162,10 @@ static tdm_status tdm_tp_fwd_bwd(tdm_tp *p, const void *x, const int32_t *y, int
  * per replica again at each later call. */
 static tdm_status tdm_tp_sync(tdm_tp *p, tdm_tp_phases *ph)
 {
+    /* sequence parallel: the LayerNorms' partial gradients over the
+     * group first (once per step too: the sum of the micro-batches'
+     * partial sums) */
+    if (p->gpt) TDM_CHECK(tdm_tp_gpt_sum_ln(p, &ph->grad_sync));
     if (!p->gcomm || tdm_comm_size(p->gcomm) < 2) return TDM_STATUS_OK;
     uint64_t t0 = tdm_time_ns();
     TDM_CHECK(tdm_dev_sync(p->dev));
@@ -178,27 +182,84 @@ tdm_status tdm_tp_zero_grad(tdm_tp *p)
     return tdm_dev_memset_zero(p->dev, p->grads, (size_t)p->n_elem * sizeof(float));
 }
 
+/* ZeRO-1's step: the replica's chunk of the summed gradients steps its
+ * chunk of the parameters (the optimizer holds that chunk's state
+ * only), then every replica's chunk is all-gathered over the dp
+ * dimension into every replica's parameters. SGD and AdamW update each
+ * element from its own gradient and state: the plain step's bits. */
+static tdm_status tdm_tp_step_zero(tdm_tp *p)
+{
+    int64_t lo, k, c = p->zchunk;
+    tdm_tp_zero_range(p, &lo, &k);
+    tdm_optim_range rg = {.param = p->params + lo, .grad = p->grads + lo, .state_offset = 0,
+                          .n_elem = k};
+    TDM_CHECK(tdm_optim_step_ranges(p->opt, &rg, k > 0));
+    float *all = p->zbuf ? p->zbuf : p->params;
+    if (p->zbuf && k)
+        TDM_CHECK(tdm_dev_copy(p->dev, all + lo, p->params + lo, (size_t)k * sizeof(float)));
+    TDM_CHECK(tdm_dev_sync(p->dev));
+    tdm_comm_set_label(p->gcomm, "tp zero1 gather of the parameters over the dp dimension");
+    tdm_status st = tdm_comm_all_gather(p->gcomm, all + (int64_t)p->zrep * c, all, (size_t)c,
+                                        TDM_DTYPE_FLOAT32);
+    if (st) {
+        tdm_error_prefix(st, "tp rank %d: ZeRO-1's gather over the dp dimension (replica %d)",
+                         p->rank, p->zrep);
+        return st;
+    }
+    if (p->zbuf)
+        TDM_CHECK(tdm_dev_copy(p->dev, p->params, all, (size_t)p->n_elem * sizeof(float)));
+    return TDM_STATUS_OK;
+}
+
 static tdm_status tdm_tp_step_only(tdm_tp *p)
 {
+    if (p->zero == TDM_TP_ZERO_OPTIMIZER) return tdm_tp_step_zero(p);
     tdm_optim_range rg = {.param = p->params, .grad = p->grads, .state_offset = 0,
                           .n_elem = p->n_elem};
     return tdm_optim_step_ranges(p->opt, &rg, 1);
 }
 
+/* The phases of a step (or of an accumulated step's part) into the
+ * stats; steps: optimizer steps it completes (0 or 1). */
+static void tdm_tp_count(tdm_tp *p, const tdm_tp_phases *ph, int steps)
+{
+    tdm_tp_phases *s = &p->stats.sum;
+    s->forward += ph->forward;
+    s->fwd_allreduce += ph->fwd_allreduce;
+    s->loss += ph->loss;
+    s->backward += ph->backward;
+    s->bwd_allreduce += ph->bwd_allreduce;
+    s->grad_sync += ph->grad_sync;
+    s->step += ph->step;
+    s->total += ph->total;
+    p->stats.steps += steps;
+}
+
 tdm_status tdm_tp_optim_step(tdm_tp *p)
 {
     tdm_tp_phases ph = {0};
+    uint64_t t0 = tdm_time_ns();
     tdm_status st = tdm_tp_sync(p, &ph);
+    uint64_t t1 = tdm_time_ns();
     if (!st) st = tdm_tp_step_only(p);
-    return st ? tdm_tp_fail(p, st) : st;
+    if (!st) st = tdm_dev_sync(p->dev);
+    if (st) return tdm_tp_fail(p, st);
+    ph.step = tdm_time_ms_since(t1);
+    ph.total = tdm_time_ms_since(t0);
+    tdm_tp_count(p, &ph, 1);
+    return TDM_STATUS_OK;
 }
 
 tdm_status tdm_tp_forward_backward(tdm_tp *p, const void *x, const int32_t *y, int batch,
                                    float grad_scale, double *loss_sum)
 {
     tdm_tp_phases ph = {0};
+    uint64_t t0 = tdm_time_ns();
     tdm_status st = tdm_tp_fwd_bwd(p, x, y, batch, grad_scale, loss_sum, &ph);
-    return st ? tdm_tp_fail(p, st) : st;
+    if (st) return tdm_tp_fail(p, st);
+    ph.total = tdm_time_ms_since(t0);
+    tdm_tp_count(p, &ph, 0);
+    return TDM_STATUS_OK;
 }
 
 tdm_status tdm_tp_step_scaled(tdm_tp *p, const void *x, const int32_t *y, int batch,
@@ -216,16 +277,7 @@ tdm_status tdm_tp_step_scaled(tdm_tp *p, const void *x, const int32_t *y, int ba
     ph.step = tdm_time_ms_since(t1);
     ph.total = tdm_time_ms_since(t0);
     p->stats.last = ph;
-    tdm_tp_phases *s = &p->stats.sum;
-    s->forward += ph.forward;
-    s->fwd_allreduce += ph.fwd_allreduce;
-    s->loss += ph.loss;
-    s->backward += ph.backward;
-    s->bwd_allreduce += ph.bwd_allreduce;
-    s->grad_sync += ph.grad_sync;
-    s->step += ph.step;
-    s->total += ph.total;
-    p->stats.steps++;
+    tdm_tp_count(p, &ph, 1);
     return TDM_STATUS_OK;
 }
 

@@ -24,6 +24,9 @@ tdm_status tdm_tp_plan(const tdm_model_spec *spec, int ranks, tdm_tp_split *spli
     TDM_REQUIRE(ranks >= 1, TDM_STATUS_USAGE, "tensor parallelism needs at least 1 rank, got %d",
                 ranks);
     if (spec->kind == TDM_MODEL_GPT) {
+        TDM_REQUIRE(!spec->head_untied, TDM_STATUS_USAGE,
+                    "--mode tp splits the GPT with its head tied to the token embedding; %s has "
+                    "an untied head", spec->name);
         TDM_CHECK(tdm_tp_gpt_plan(spec, ranks));
         *n_layers = 0;
         return TDM_STATUS_OK;
@@ -82,6 +85,36 @@ int64_t tdm_tp_step_bytes(const tdm_model_spec *spec, int ranks, int batch)
         if (split[l] == TDM_TP_COLUMN && l > 0) floats += (int64_t)batch * spec->dims[l];
     }
     return floats * (int64_t)sizeof(float);
+}
+
+tdm_status tdm_tp_check_seq(const tdm_model_spec *spec, int ranks)
+{
+    static const char *const kinds[] = {"mlp", "cnn", "gpt"};
+    TDM_REQUIRE(spec->kind == TDM_MODEL_GPT, TDM_STATUS_USAGE,
+                "--sequence-parallel applies to the GPT; the %s has no sequence",
+                (unsigned)spec->kind <= TDM_MODEL_GPT ? kinds[spec->kind] : "model");
+    TDM_REQUIRE(ranks >= 1 && spec->n_ctx % ranks == 0, TDM_STATUS_USAGE,
+                "the GPT's context of %d tokens is not divisible by the %d tensor-parallel ranks "
+                "(--sequence-parallel splits every window's tokens)", spec->n_ctx, ranks);
+    return TDM_STATUS_OK;
+}
+
+void tdm_tp_step_traffic(const tdm_model_spec *spec, int ranks, int batch, int seq_par,
+                         tdm_comm_traffic *out)
+{
+    memset(out, 0, sizeof *out);
+    if (!seq_par || spec->kind != TDM_MODEL_GPT || ranks < 2 ||
+        tdm_tp_check_seq(spec, ranks) || tdm_tp_gpt_plan(spec, ranks)) {
+        out->calls[TDM_COLL_ALL_REDUCE] = tdm_tp_step_allreduces(spec, ranks);
+        out->bytes[TDM_COLL_ALL_REDUCE] = tdm_tp_step_bytes(spec, ranks, batch);
+        return;
+    }
+    int64_t L = spec->n_layer, f = (int64_t)sizeof(float);
+    int64_t stream = (int64_t)batch * spec->n_ctx * spec->n_embd * f;
+    out->calls[TDM_COLL_REDUCE_SCATTER] = out->calls[TDM_COLL_ALL_GATHER] = 4 * L;
+    out->bytes[TDM_COLL_REDUCE_SCATTER] = out->bytes[TDM_COLL_ALL_GATHER] = 4 * L * stream;
+    out->calls[TDM_COLL_ALL_REDUCE] = L > 0;
+    out->bytes[TDM_COLL_ALL_REDUCE] = 4 * L * spec->n_embd * f;
 }
 
 /* ---- slices ---- */
@@ -205,16 +238,16 @@ static tdm_status tdm_tp_check_over(tdm_comm *comm, const char *group, const int
  * every rank whatever the first found (no rank is left waiting). */
 static tdm_status tdm_tp_check_config(tdm_tp *p, const tdm_tp_opts *o)
 {
-    enum { CFG_SIZE = 0, CFG_SEED, CFG_SPEC, CFG_OPTIM, CFG_GRAD, CFG_COUNT_ };
+    enum { CFG_SIZE = 0, CFG_SEED, CFG_SPEC, CFG_OPTIM, CFG_GRAD, CFG_SEQ, CFG_ZERO, CFG_COUNT_ };
     static const char *const names[] = {"group size", "seed", "model", "optimizer",
-                                        "dp gradient sum"};
+                                        "dp gradient sum", "sequence parallelism", "ZeRO"};
     uint64_t h = 0xcbf29ce484222325ull, g = h;
     const unsigned char *s = (const unsigned char *)&p->spec;
     for (size_t i = 0; i < sizeof p->spec; i++) h = (h ^ s[i]) * 0x100000001b3ull;
     s = (const unsigned char *)&o->optim;
     for (size_t i = 0; i < sizeof o->optim; i++) g = (g ^ s[i]) * 0x100000001b3ull;
     int64_t mine[CFG_COUNT_] = {p->size, (int64_t)o->seed, (int64_t)h, (int64_t)g,
-                                o->grad_comm != NULL};
+                                o->grad_comm != NULL, p->seq_par, p->zero};
     tdm_status st = tdm_tp_check_over(p->hcomm, "tensor-parallel group", mine, CFG_COUNT_,
                                       names, TDM_STATUS_OK);
     if (p->gcomm && tdm_comm_size(p->gcomm) > 1)
@@ -258,9 +291,13 @@ static tdm_status tdm_tp_alloc_state(tdm_tp *p, const tdm_optim_opts *optim)
     size_t bytes = (size_t)p->n_elem * sizeof(float);
     TDM_CHECK(tdm_dev_alloc_zero(p->dev, bytes, (void **)&p->params));
     TDM_CHECK(tdm_dev_alloc_zero(p->dev, bytes, (void **)&p->grads));
-    TDM_CHECK(tdm_optim_init_flat(&p->opt, p->dev, p->n_elem, optim));
+    /* ZeRO-1: state for the replica's chunk only */
+    TDM_CHECK(tdm_optim_init_flat(&p->opt, p->dev, p->zero ? p->zchunk : p->n_elem, optim));
     if (measured && tdm_dev_mem_query(p->dev, &b) == TDM_STATUS_OK)
         p->stats.state_alloc_bytes = b.live_bytes - a.live_bytes;
+    if (p->zero && p->zchunk * p->zreps != p->n_elem)
+        TDM_CHECK(tdm_dev_alloc_zero(p->dev, (size_t)(p->zchunk * p->zreps) * sizeof(float),
+                                     (void **)&p->zbuf));
     p->stats.params = p->stats.grads = bytes;
     p->stats.optimizer = tdm_optim_state_bytes(p->opt);
     return TDM_STATUS_OK;
@@ -296,11 +333,24 @@ tdm_status tdm_tp_init(tdm_tp **out, tdm_comm *comm, tdm_device *dev, const tdm_
     tdm_tp_split split[TDM_MODEL_MAX_DIMS];
     int L = 0;
     TDM_CHECK(tdm_tp_plan(spec, tdm_comm_size(comm), split, &L));
+    if (opts->sequence_parallel) TDM_CHECK(tdm_tp_check_seq(spec, tdm_comm_size(comm)));
     tdm_tp *p = calloc(1, sizeof *p);
     TDM_REQUIRE(p, TDM_STATUS_OUT_OF_MEMORY, "tp: calloc");
     *p = (tdm_tp){.comm = comm, .hcomm = opts->host_comm ? opts->host_comm : comm,
                   .gcomm = opts->grad_comm, .dev = dev, .rank = tdm_comm_rank(comm),
-                  .size = tdm_comm_size(comm), .spec = *spec, .n_layers = L};
+                  .size = tdm_comm_size(comm), .spec = *spec, .n_layers = L,
+                  .seq_par = opts->sequence_parallel && tdm_comm_size(comm) > 1,
+                  .zero = opts->zero};
+    if (p->zero) {
+        if (!p->gcomm || tdm_comm_size(p->gcomm) < 2) {
+            st = tdm_error_set(TDM_STATUS_USAGE, "tp: ZeRO-1 shards the optimizer over the dp "
+                               "dimension, which needs at least 2 replicas (--mesh dp=D,tp=N "
+                               "with D >= 2)");
+            goto fail;
+        }
+        p->zrep = tdm_comm_rank(p->gcomm);
+        p->zreps = tdm_comm_size(p->gcomm);
+    }
     if (spec->kind == TDM_MODEL_GPT && !tdm_dev_has_transformer(dev)) {
         st = tdm_error_set(TDM_STATUS_UNSUPPORTED, "tp: device %s has no transformer kernels",
                            tdm_dev_name(dev));
@@ -309,6 +359,7 @@ tdm_status tdm_tp_init(tdm_tp **out, tdm_comm *comm, tdm_device *dev, const tdm_
     TDM_TRY(tdm_model_init_tables(&p->tables, spec));
     if (spec->kind == TDM_MODEL_GPT) TDM_TRY(tdm_tp_gpt_layout(p));
     else tdm_tp_layout(p, split);
+    if (p->zero) p->zchunk = (p->n_elem + p->zreps - 1) / p->zreps;
     st = tdm_tp_check_config(p, opts);
     if (!st) st = tdm_tp_alloc_state(p, &opts->optim);
     if (!st) st = tdm_tp_init_params(p, opts->seed);
@@ -344,44 +395,59 @@ void tdm_tp_free(tdm_tp *p)
     tdm_tp_free_acts(p);
     tdm_tp_gpt_free(p);
     tdm_optim_free(p->opt);
+    tdm_dev_free(p->dev, p->zbuf);
     tdm_dev_free(p->dev, p->params);
     tdm_dev_free(p->dev, p->grads);
     tdm_model_free(p->tables);
     free(p);
 }
 
+/* n bytes of activations into *out, counted into *bytes; without a
+ * device (tdm_tp_footprint) only counted. */
+static tdm_status tdm_tp_act(tdm_tp *p, size_t n, void **out, size_t *bytes)
+{
+    *bytes += n;
+    *out = NULL;
+    return p->dev ? tdm_dev_alloc(p->dev, n, out) : TDM_STATUS_OK;
+}
+
+static tdm_status tdm_tp_reserve_mlp(tdm_tp *p, int B)
+{
+    size_t f = sizeof(float), bytes = 0, b = (size_t)B;
+    for (int l = 0; l < p->n_layers; l++)
+        TDM_CHECK(tdm_tp_act(p, b * (size_t)p->layers[l].lout * f, (void **)&p->layers[l].act,
+                             &bytes));
+    TDM_CHECK(tdm_tp_act(p, b * (size_t)p->spec.dims[0] * f, (void **)&p->x, &bytes));
+    TDM_CHECK(tdm_tp_act(p, b * sizeof(int32_t), (void **)&p->y, &bytes));
+    TDM_CHECK(tdm_tp_act(p, b * f, (void **)&p->ones, &bytes));
+    TDM_CHECK(tdm_tp_act(p, b * (size_t)p->max_width * f, (void **)&p->dbuf[0], &bytes));
+    TDM_CHECK(tdm_tp_act(p, b * (size_t)p->max_width * f, (void **)&p->dbuf[1], &bytes));
+    p->stats.activations = bytes;
+    if (!p->dev) return TDM_STATUS_OK;
+    float *ones = malloc(b * f);
+    TDM_REQUIRE(ones, TDM_STATUS_OUT_OF_MEMORY, "tp: %d floats", B);
+    for (int i = 0; i < B; i++) ones[i] = 1.0f;
+    tdm_status st = tdm_dev_copy_from_host(p->dev, p->ones, ones, b * f);
+    free(ones);
+    TDM_CHECK(st);
+    p->host_logits = malloc(b * (size_t)p->spec.dims[p->n_layers] * f);
+    TDM_REQUIRE(p->host_logits, TDM_STATUS_OUT_OF_MEMORY, "tp: logits of %d samples", B);
+    p->cap = B;
+    return TDM_STATUS_OK;
+}
+
+/* Activations for B samples, their bytes measured by the allocator
+ * (what it handed out, as tdm_tp_alloc_state measures the state). */
 tdm_status tdm_tp_reserve(tdm_tp *p, int B)
 {
     if (B <= p->cap) return TDM_STATUS_OK;
     tdm_tp_free_acts(p);
-    if (p->gpt) return tdm_tp_gpt_reserve(p, B);
-    size_t f = sizeof(float), bytes = 0, n;
-    for (int l = 0; l < p->n_layers; l++) {
-        n = (size_t)B * (size_t)p->layers[l].lout * f;
-        TDM_CHECK(tdm_dev_alloc(p->dev, n, (void **)&p->layers[l].act));
-        bytes += n;
-    }
-    n = (size_t)B * (size_t)p->spec.dims[0] * f;
-    TDM_CHECK(tdm_dev_alloc(p->dev, n, (void **)&p->x));
-    bytes += n;
-    TDM_CHECK(tdm_dev_alloc(p->dev, (size_t)B * sizeof(int32_t), (void **)&p->y));
-    bytes += (size_t)B * sizeof(int32_t);
-    float *ones = malloc((size_t)B * f);
-    TDM_REQUIRE(ones, TDM_STATUS_OUT_OF_MEMORY, "tp: %d floats", B);
-    for (int i = 0; i < B; i++) ones[i] = 1.0f;
-    tdm_status st = tdm_dev_alloc(p->dev, (size_t)B * f, (void **)&p->ones);
-    if (!st) st = tdm_dev_copy_from_host(p->dev, p->ones, ones, (size_t)B * f);
-    free(ones);
-    TDM_CHECK(st);
-    bytes += (size_t)B * f;
-    n = (size_t)B * (size_t)p->max_width * f;
-    TDM_CHECK(tdm_dev_alloc(p->dev, n, (void **)&p->dbuf[0]));
-    TDM_CHECK(tdm_dev_alloc(p->dev, n, (void **)&p->dbuf[1]));
-    bytes += 2 * n;
-    p->host_logits = malloc((size_t)B * (size_t)p->spec.dims[p->n_layers] * f);
-    TDM_REQUIRE(p->host_logits, TDM_STATUS_OUT_OF_MEMORY, "tp: logits of %d samples", B);
-    p->cap = B;
-    p->stats.activations = bytes;
+    tdm_dev_mem_stats a, b;
+    int measured = tdm_dev_mem_query(p->dev, &a) == TDM_STATUS_OK;
+    TDM_CHECK(p->gpt ? tdm_tp_gpt_reserve(p, B) : tdm_tp_reserve_mlp(p, B));
+    p->stats.act_alloc_bytes = measured && tdm_dev_mem_query(p->dev, &b) == TDM_STATUS_OK
+                                   ? b.live_bytes - a.live_bytes
+                                   : 0;
     return TDM_STATUS_OK;
 }
 
@@ -400,6 +466,40 @@ void tdm_tp_tensor_get(const tdm_tp *p, int i, tdm_tp_tensor_info *out)
     const tdm_tp_tensor *t = &p->tensors[i];
     *out = (tdm_tp_tensor_info){.whole_index = t->wp, .split = t->cut != TDM_TP_CUT_REPL,
                                 .offset = t->off, .n_elem = t->n_elem};
+}
+
+/* ---- what a rank will take ---- */
+
+tdm_status tdm_tp_footprint(const tdm_model_spec *spec, int ranks, int batch, int seq_par,
+                            tdm_tp_rank_footprint *out)
+{
+    tdm_tp_split split[TDM_MODEL_MAX_DIMS];
+    int L = 0;
+    memset(out, 0, sizeof *out);
+    TDM_CHECK(tdm_tp_plan(spec, ranks, split, &L));
+    if (seq_par) TDM_CHECK(tdm_tp_check_seq(spec, ranks));
+    TDM_REQUIRE(batch >= 1, TDM_STATUS_INVALID_ARG, "tp footprint: a batch of %d", batch);
+    /* rank 0's layout and activations without a device (every rank's
+     * slices have the same sizes): the set-up's and tdm_tp_reserve's own
+     * code, counting instead of allocating */
+    tdm_tp *p = calloc(1, sizeof *p);
+    TDM_REQUIRE(p, TDM_STATUS_OUT_OF_MEMORY, "tp footprint: calloc");
+    *p = (tdm_tp){.size = ranks, .spec = *spec, .n_layers = L, .seq_par = seq_par && ranks > 1};
+    tdm_status st = tdm_model_init_tables(&p->tables, spec);
+    if (!st && spec->kind == TDM_MODEL_GPT) st = tdm_tp_gpt_layout(p);
+    else if (!st) tdm_tp_layout(p, split);
+    if (!st) st = p->gpt ? tdm_tp_gpt_reserve(p, batch) : tdm_tp_reserve_mlp(p, batch);
+    if (!st) {
+        out->elems = p->n_elem;
+        out->act_bytes = p->stats.activations;
+        for (int i = 0; i < p->n_tensors; i++)
+            if (p->tensors[i].n_elem > out->largest_elems)
+                out->largest_elems = p->tensors[i].n_elem;
+    }
+    tdm_tp_gpt_free(p);   /* nothing was allocated on a device */
+    tdm_model_free(p->tables);
+    free(p);
+    return st;
 }
 
 /* ---- checkpoints ---- */
@@ -428,6 +528,50 @@ static tdm_status tdm_tp_gather_buf(tdm_tp *p, const float *dev_buf, float *whol
     return st;
 }
 
+void tdm_tp_zero_range(const tdm_tp *p, int64_t *lo, int64_t *k)
+{
+    *lo = (int64_t)p->zrep * p->zchunk;
+    *k = *lo >= p->n_elem ? 0 : p->n_elem - *lo < p->zchunk ? p->n_elem - *lo : p->zchunk;
+}
+
+/* ZeRO-1: optimizer state i's chunks all-gathered over the dp dimension
+ * into *whole (zreps * zchunk on dev, allocated here; the rank's flat
+ * layout in its first n_elem). */
+static tdm_status tdm_tp_zero_unshard(tdm_tp *p, int i, float **whole)
+{
+    size_t c = (size_t)p->zchunk;
+    tdm_status st = tdm_dev_alloc_zero(p->dev, c * (size_t)p->zreps * sizeof(float),
+                                       (void **)whole);
+    if (!st)
+        st = tdm_dev_copy(p->dev, *whole + (size_t)p->zrep * c, tdm_optim_state(p->opt, i),
+                          c * sizeof(float));
+    if (!st) st = tdm_dev_sync(p->dev);
+    if (!st) {
+        tdm_comm_set_label(p->gcomm, "tp zero1 gather of the %s over the dp dimension",
+                           tdm_optim_state_name(p->opt, i));
+        st = tdm_comm_all_gather(p->gcomm, *whole + (size_t)p->zrep * c, *whole, c,
+                                 TDM_DTYPE_FLOAT32);
+    }
+    if (st) {
+        /* the other replicas are in (or about to enter) the gather */
+        tdm_error_prefix(st, "tp rank %d: ZeRO-1's gather of the %s (replica %d)", p->rank,
+                         tdm_optim_state_name(p->opt, i), p->zrep);
+        tdm_comm_abort(p->gcomm, tdm_error_message());
+    }
+    return st;
+}
+
+tdm_status tdm_tp_zero_join_gather(tdm_tp *p)
+{
+    for (int i = 0; p->zero && i < tdm_optim_n_state(p->opt); i++) {
+        float *whole = NULL;
+        tdm_status st = tdm_tp_zero_unshard(p, i, &whole);
+        tdm_dev_free(p->dev, whole);
+        TDM_CHECK(st);
+    }
+    return TDM_STATUS_OK;
+}
+
 tdm_status tdm_tp_gather_state(tdm_tp *p, tdm_ckpt_host *h, int root)
 {
     TDM_CHECK(tdm_tp_gather_buf(p, p->params, h ? h->params : NULL, root, "parameters"));
@@ -435,9 +579,17 @@ tdm_status tdm_tp_gather_state(tdm_tp *p, tdm_ckpt_host *h, int root)
         if (h) h->steps = tdm_optim_steps(p->opt);
         return TDM_STATUS_OK;
     }
-    for (int i = 0; i < tdm_optim_n_state(p->opt); i++)
-        TDM_CHECK(tdm_tp_gather_buf(p, tdm_optim_state(p->opt, i), h->state[i], root,
-                                    tdm_optim_state_name(p->opt, i)));
+    for (int i = 0; i < tdm_optim_n_state(p->opt); i++) {
+        float *whole = NULL;
+        tdm_status st = p->zero ? tdm_tp_zero_unshard(p, i, &whole) : TDM_STATUS_OK;
+        /* the group's others are about to wait in the gather over it */
+        if (st) tdm_comm_abort(p->hcomm, tdm_error_message());
+        if (!st)
+            st = tdm_tp_gather_buf(p, whole ? whole : tdm_optim_state(p->opt, i), h->state[i],
+                                   root, tdm_optim_state_name(p->opt, i));
+        tdm_dev_free(p->dev, whole);
+        TDM_CHECK(st);
+    }
     h->steps = tdm_optim_steps(p->opt);
     return TDM_STATUS_OK;
 }
@@ -447,27 +599,34 @@ tdm_status tdm_tp_gather_grads(tdm_tp *p, float *whole, int root)
     return tdm_tp_gather_buf(p, p->grads, whole, root, "gradients");
 }
 
-/* A whole-layout host array's slice onto a rank-layout device buffer. */
-static tdm_status tdm_tp_load_buf(tdm_tp *p, const float *whole, float *dev_buf)
+/* A whole-layout host array's slice onto a rank-layout device buffer:
+ * all n_elem of it, or (chunk: ZeRO-1's optimizer state) the replica's
+ * chunk of it. */
+static tdm_status tdm_tp_load_buf(tdm_tp *p, const float *whole, float *dev_buf, int chunk)
 {
     size_t bytes = (size_t)p->n_elem * sizeof(float);
     float *mine = malloc(bytes);
     TDM_REQUIRE(mine, TDM_STATUS_OUT_OF_MEMORY, "tp: loading %zu bytes", bytes);
     tdm_tp_slice(p, p->rank, whole, mine);
-    tdm_status st = tdm_dev_copy_from_host(p->dev, dev_buf, mine, bytes);
+    int64_t lo = 0, k = p->n_elem;
+    if (chunk) tdm_tp_zero_range(p, &lo, &k);
+    tdm_status st = k ? tdm_dev_copy_from_host(p->dev, dev_buf, mine + lo,
+                                               (size_t)k * sizeof(float))
+                      : TDM_STATUS_OK;
     free(mine);
     return st;
 }
 
 tdm_status tdm_tp_load_state(tdm_tp *p, const tdm_ckpt_host *h)
 {
-    TDM_CHECK(tdm_tp_load_buf(p, h->params, p->params));
+    TDM_CHECK(tdm_tp_load_buf(p, h->params, p->params, 0));
     if (!h->optim) return TDM_STATUS_OK;
     TDM_REQUIRE(tdm_optim_n_state(p->opt) == tdm_optim_kind_n_state(h->optim),
                 TDM_STATUS_MISMATCH, "tp: the checkpoint's optimizer keeps %d state buffers, "
                 "this run's %d", tdm_optim_kind_n_state(h->optim), tdm_optim_n_state(p->opt));
     for (int i = 0; i < tdm_optim_n_state(p->opt); i++)
-        TDM_CHECK(tdm_tp_load_buf(p, h->state[i], tdm_optim_state(p->opt, i)));
+        TDM_CHECK(tdm_tp_load_buf(p, h->state[i], tdm_optim_state(p->opt, i),
+                                  p->zero == TDM_TP_ZERO_OPTIMIZER));
     tdm_optim_set_steps(p->opt, h->steps);
     return TDM_STATUS_OK;
 }

@@ -42,9 +42,10 @@
  * mean-loss gradient.
  *
  * The GPT is split too (tp/gpt.c: attention by heads, the MLP column/row;
- * LayerNorms, embeddings and the tied head replicated). Not here:
- * sequence parallelism, dp x pp x tp, ZeRO over the dp dimension, rank
- * start-up, the command line (tools/rank_tp.c). */
+ * LayerNorms, embeddings and the tied head replicated), optionally
+ * sequence parallel (tdm_tp_check_seq). Not here: dp x pp x tp, ZeRO
+ * over the dp dimension, rank start-up, the command line
+ * (tools/rank_tp.c). */
 #ifndef TDM_TP_TP_H
 #define TDM_TP_TP_H
 
@@ -90,6 +91,42 @@ int64_t tdm_tp_step_bytes(const tdm_model_spec *spec, int ranks, int batch);
 /* And the number of those all-reduces. */
 int tdm_tp_step_allreduces(const tdm_model_spec *spec, int ranks);
 
+/* Sequence parallelism (Megatron-LM's, the GPT only): the all-reduce
+ * after each row-parallel projection becomes a reduce-scatter along the
+ * tokens, the LayerNorms and residual adds run on the rank's 1/N of the
+ * B*T tokens (rows [r*BT/N, (r+1)*BT/N): window after window, the
+ * sequence of the batch's windows cut in N runs), and an all-gather along
+ * the tokens precedes each column-parallel layer; backward swaps them.
+ * The ranks' partial gradients of every block's ln_1 and ln_2 are summed
+ * over the group once per optimizer step (one all-reduce). USAGE errors:
+ * a model other than the GPT ("--sequence-parallel applies to the GPT;
+ * the mlp has no sequence"), a context that does not divide ("the GPT's
+ * context of 12 tokens is not divisible by the 5 tensor-parallel ranks
+ * (--sequence-parallel splits every window's tokens)"). */
+tdm_status tdm_tp_check_seq(const tdm_model_spec *spec, int ranks);
+
+/* The payload one rank hands the tensor-parallel group's communicator
+ * in one optimizer step of `batch` samples, per kind of call (calls and
+ * bytes, as tdm_comm_traffic_get counts them), with or without sequence
+ * parallelism (seq_par; ignored but for the GPT on more than one rank).
+ * Without it: tdm_tp_step_allreduces all-reduces of tdm_tp_step_bytes.
+ * With it, the GPT of L blocks, C wide, on B*T tokens: 4L reduce-scatters
+ * and 4L all-gathers of B*T*C floats each (so what a ring sends for them,
+ * 2 * 4L * (N-1)/N of it, is what it sends for the 4L all-reduces
+ * without), and one all-reduce of the LayerNorms' 4LC gradients. */
+void tdm_tp_step_traffic(const tdm_model_spec *spec, int ranks, int batch, int seq_par,
+                         tdm_comm_traffic *out);
+
+/* What the dp dimension of a dp x tp mesh shards (grad_comm's replicas). */
+typedef enum tdm_tp_zero {
+    TDM_TP_ZERO_NONE = 0,       /* every replica keeps its slices' whole state */
+    /* ZeRO-1: replica d of D keeps the optimizer state of elements
+     * [d*c, (d+1)*c) of the rank's flat slice, c = ceil(n/D), steps
+     * those after the gradients' sum and all-gathers the parameters over
+     * grad_comm: the plain step's bits, 1/D of its optimizer state */
+    TDM_TP_ZERO_OPTIMIZER,
+} tdm_tp_zero;
+
 typedef struct tdm_tp_opts {
     uint64_t seed;              /* the whole model's initial parameters */
     tdm_optim_opts optim;       /* the optimizer over the rank's flat slice */
@@ -100,6 +137,11 @@ typedef struct tdm_tp_opts {
      * memory (checkpoints); needed when comm takes device memory only
      * (NCCL). NULL: comm. */
     tdm_comm *host_comm;
+    /* 1: sequence parallelism (tdm_tp_check_seq); one rank has nothing
+     * to split and runs as without it */
+    int sequence_parallel;
+    /* ZeRO over grad_comm (needs one of at least 2 ranks) */
+    tdm_tp_zero zero;
 } tdm_tp_opts;
 
 typedef struct tdm_tp tdm_tp;
@@ -160,10 +202,17 @@ tdm_status tdm_tp_evaluate(tdm_tp *p, const tdm_dataset *d, int batch, double *l
  * arrays in the whole model's layout, tdm_tp_tables; used on root only):
  * parameters and, when h->optim is set, the optimizer's state and step
  * count: what tdm_checkpoint_save_host writes, the file every mode reads.
- * Collective. */
+ * Collective (with ZeRO-1 over grad_comm too: every other replica calls
+ * tdm_tp_zero_join_gather). */
 tdm_status tdm_tp_gather_state(tdm_tp *p, tdm_ckpt_host *h, int root);
 /* The whole model's gradient (host, whole layout) on root. Collective. */
 tdm_status tdm_tp_gather_grads(tdm_tp *p, float *whole, int root);
+/* ZeRO-1 (tdm_tp_opts.zero), a replica other than the one that gathers
+ * (which calls tdm_tp_gather_state): its part of the gathers over the dp
+ * dimension that assemble each optimizer state for the checkpoint, in
+ * tdm_tp_gather_state's order. Nothing without ZeRO. Collective over
+ * grad_comm. */
+tdm_status tdm_tp_zero_join_gather(tdm_tp *p);
 /* This rank's slices of a whole model's state in h (any mode's
  * checkpoint, read by every rank): parameters and, with h->optim, the
  * optimizer state and step count. Not collective. */
@@ -180,8 +229,27 @@ typedef struct tdm_tp_tensor_info {
 int tdm_tp_n_tensors(const tdm_tp *p);
 void tdm_tp_tensor_get(const tdm_tp *p, int i, tdm_tp_tensor_info *out);
 
+/* What one rank of `ranks` will take for `batch` samples per step,
+ * before any is started (the pre-run memory check): its flat slice's
+ * elements (each of parameters, gradients and every optimizer state
+ * holds that many floats), its largest tensor's, and the bytes of the
+ * activations and scratch it allocates (tdm_tp_stats.activations), all
+ * from the set-up's own layout and allocation code, counted. The plan's
+ * and tdm_tp_check_seq's USAGE errors. */
+typedef struct tdm_tp_rank_footprint {
+    int64_t elems, largest_elems;
+    size_t act_bytes;
+} tdm_tp_rank_footprint;
+tdm_status tdm_tp_footprint(const tdm_model_spec *spec, int ranks, int batch, int seq_par,
+                            tdm_tp_rank_footprint *out);
+
 /* What the steps did and what the rank holds. */
 typedef struct tdm_tp_phases {
+    /* fwd_allreduce, bwd_allreduce: the group's collectives inside the
+     * step (all-reduces, or reduce-scatters and all-gathers under
+     * sequence parallelism); grad_sync: the gradient sums after backward
+     * (the sequence-parallel LayerNorms' over the group, the dp
+     * dimension's) */
     double forward, fwd_allreduce, loss, backward, bwd_allreduce, grad_sync, step, total;
 } tdm_tp_phases;                /* ms, summed over the steps */
 typedef struct tdm_tp_stats {
@@ -196,6 +264,8 @@ typedef struct tdm_tp_stats {
     size_t state_alloc_bytes;
     size_t params, grads, optimizer;   /* bytes of each */
     size_t activations;                /* bytes of the forward's kept outputs and scratch */
+    size_t act_alloc_bytes;            /* and what the allocator handed out for them
+                                          (measured; 0 where it keeps no accounting) */
 } tdm_tp_stats;
 void tdm_tp_get_stats(const tdm_tp *p, tdm_tp_stats *out);
 

@@ -44,6 +44,7 @@ struct tdm_tp {
     tdm_comm *gcomm;            /* borrowed, may be NULL: gradients summed over it */
     tdm_device *dev;            /* borrowed */
     int rank, size;
+    int seq_par;                /* sequence parallelism (the GPT, more than one rank) */
     tdm_model_spec spec;
     tdm_model *tables;          /* the whole model's tables, no storage */
     int n_layers;                /* the MLP's linear layers */
@@ -53,7 +54,15 @@ struct tdm_tp {
     tdm_tp_tensor tensors[TDM_TP_MAX_TENSORS];
     float *params, *grads;      /* flat, n_elem each, on dev */
     int64_t n_elem;
-    tdm_optim *opt;
+    tdm_optim *opt;             /* over n_elem, or (ZeRO-1) the replica's zchunk */
+    /* ZeRO-1 over gcomm: replica zrep of zreps holds the optimizer state
+     * of elements [zrep*zchunk, ...) of the flat slice; zbuf (zreps *
+     * zchunk, on dev) takes the parameters' gather when that overhangs
+     * n_elem (NULL: they gather in place) */
+    tdm_tp_zero zero;
+    int zrep, zreps;
+    int64_t zchunk;
+    float *zbuf;
     /* activations and scratch for cap samples */
     int cap, max_width;
     float *x, *ones, *dbuf[2];
@@ -83,12 +92,19 @@ tdm_status tdm_tp_gpt_reserve(tdm_tp *p, int B);
 tdm_status tdm_tp_gpt_forward(tdm_tp *p, int B, const float **logits, double *ar_ms);
 tdm_status tdm_tp_gpt_backward(tdm_tp *p, int B, const float *dlogits, double *ar_ms);
 float *tdm_tp_gpt_dlogits(tdm_tp *p);
+/* Sequence parallelism: the ranks' partial gradients of every block's
+ * LayerNorms summed over the group (one all-reduce, in place; nothing
+ * without it). Its time added to *ms. */
+tdm_status tdm_tp_gpt_sum_ln(tdm_tp *p, double *ms);
 void tdm_tp_gpt_free(tdm_tp *p);
 /* buf (n floats on the device) summed over the group, in place (tp/step.c). */
 tdm_status tdm_tp_allreduce(tdm_tp *p, float *buf, int64_t n, const char *what, int l);
 
 /* Activations and scratch for B samples (grown, never shrunk; tp/tp.c). */
 tdm_status tdm_tp_reserve(tdm_tp *p, int B);
+
+/* ZeRO-1: the replica's elements [*lo, *lo + *k) of the flat slice. */
+void tdm_tp_zero_range(const tdm_tp *p, int64_t *lo, int64_t *k);
 
 /* Aborts the group (and grad_comm) with the current message once;
  * returns st (tp/step.c). */
