@@ -7,7 +7,9 @@
 #      GPU and with 2-3 handles on it, DDP over NCCL vs one device with 1-3
 #      ranks, bench, compare and train on the GPU, plus the host-side and
 #      emulator suites), the GPT's (test_cuda_gpt) and FSDP's GPU and
-#      emulator tests (test_fsdp_cli: two NCCL ranks sharing the GPU);
+#      emulator tests (test_fsdp_cli: two NCCL ranks sharing the GPU), and
+#      --deterministic's one rank against two NCCL ranks sharing the GPU
+#      (test_det_gpu: the same checkpoint bytes);
 #   2. compute-sanitizer memcheck over the single-process GPU tests
 #      (kernels, gemm, models, DP, peer copies), when it is installed;
 # then prints a one-screen summary, also written to OUT/test-gpu.txt
@@ -50,7 +52,9 @@ kit_versions
 echo "test-gpu: $(date -u '+%Y-%m-%d %H:%M UTC') on $(uname -n); $KIT_NGPU GPU(s) seen by the driver"
 
 # 1. every CUDA test binary
-for name in test_cuda test_cuda_train test_bench_cuda test_cuda_gpt; do kit_run "$name"; done
+for name in test_cuda test_cuda_train test_bench_cuda test_cuda_gpt test_det_gpu; do
+  kit_run "$name"
+done
 # FSDP's GPU test and its emulator twins (its host-only CLI tests are make test's)
 kit_run test_fsdp_cli --filter '+(cuda_gpu|fsdp_emu)/*'
 t1=$(date +%s)

@@ -32,8 +32,9 @@
  * What it is not: a replacement for a design's collectives in general.
  * The ops run a shard's forward and backward with no collective of
  * gradients (DDP under no_sync, one device as is); the tree here is the
- * only gradient reduction, over the host group, so on GPUs every subtree
- * sum goes through host memory (no NCCL order is relied upon). */
+ * only gradient reduction: over the host group, or with dev_comm over
+ * NCCL as an all-gather with the top levels added in the same order on
+ * the device (no NCCL reduction order is relied upon). */
 #ifndef TDM_DIST_DET_H
 #define TDM_DIST_DET_H
 
@@ -93,10 +94,22 @@ const tdm_dist_det_ops *tdm_dist_det_stepper_ops(const tdm_dist_stepper *s);
 /* A deterministic step's context. Fill the public part, then call
  * tdm_dist_det_init; tdm_dist_det_free frees what init made. */
 typedef struct tdm_dist_det {
-    const tdm_dist_det_ops *ops;
+    const tdm_dist_det_ops *ops;  /* NULL: leaves are fed (tdm_dist_det_feed) */
     void *ctx;                   /* the ops' */
     tdm_model *m;                /* the replica whose gradients and buffers are summed */
+    /* m NULL (fed leaves only): a design's own flat gradients, flat_elems
+     * floats of device memory on flat_dev, and no buffers */
+    float *flat_grads;
+    int64_t flat_elems;
+    tdm_device *flat_dev;
     tdm_comm *comm;              /* the host process group; NULL with one rank */
+    /* Optional, with comm: a communicator on device memory (NCCL on a
+     * GPU) with comm's ranks. The subtree sums then go through it: each
+     * chunk copied to the device, all-gathered there, the top levels
+     * added there (tdm_dev_axpy with alpha 1: one rounding per addition,
+     * the host's bits) and the sum copied back. NULL: all-gathered over
+     * comm in host memory. Either way the same bits. */
+    tdm_comm *dev_comm;
     int rank, world, K;
     int in_elems, out_rows;      /* per sample: 4-byte inputs, targets */
     /* 0: a step's x, y hold the whole global batch; 1: only this rank's
@@ -129,6 +142,7 @@ typedef struct tdm_dist_det {
     int64_t chunk;               /* over a comm: floats per rank per all-gather; 0: none */
     float *sum;                  /* over a comm: (n_vec) the tree's top over the ranks */
     float *stage;                /* over a comm: (chunk) a chunk with this rank's losses */
+    float *dstage, *dgather;     /* over dev_comm, device memory: (chunk), (world, chunk) */
     float *snapshot;             /* (buffer elements) the step's buffers */
     double *losses;              /* (K) the shards' loss sums */
 } tdm_dist_det;
@@ -158,6 +172,25 @@ tdm_status tdm_dist_det_local(tdm_dist_det *d, const void *x, const int32_t *y, 
 tdm_status tdm_dist_det_top(tdm_dist_det *d, double *loss_sum);
 void tdm_dist_det_accumulate(tdm_dist_det *d, int micro_index);
 tdm_status tdm_dist_det_apply(tdm_dist_det *d, int n_micro);
+/* apply without the optimizer step: the step's sum written into the
+ * model's gradients and buffers (those through set_grads where the ops
+ * have it). */
+tdm_status tdm_dist_det_write(tdm_dist_det *d, int n_micro);
+/* A step of one micro-batch: its top written as tdm_dist_det_write
+ * writes the step's sum, straight from where tdm_dist_det_top left it
+ * (no tdm_dist_det_accumulate, no copy). */
+tdm_status tdm_dist_det_write_top(tdm_dist_det *d);
+
+/* A design that runs the shards itself (a pipeline's micro-batches are
+ * its virtual shards): ops may then be NULL (the model's flat gradients
+ * are read and written). After the forward and backward of this rank's
+ * j-th shard (j = 0 .. K/world - 1, in order; shard rank*K/world + j),
+ * from zeroed gradients, the model's gradients and buffers are that
+ * shard's alone: feed takes them as the next leaf of the rank's subtree,
+ * with the shard's loss sum (0 where it is not known: a pipeline's first
+ * stages; the caller checks that the step's sum is finite). Then tdm_dist_det_top, tdm_dist_det_accumulate and tdm_dist_det_write
+ * (or apply) as for tdm_dist_det_local's. */
+tdm_status tdm_dist_det_feed(tdm_dist_det *d, int j, double loss);
 
 #ifdef __cplusplus
 }

@@ -81,6 +81,22 @@ struct tdm_pp {
 
     tdm_pp_schedule *sched;     /* cached for (kind, S, n_mb) */
 
+    struct {                    /* o.shards (pp/shards.c) */
+        int *lo;                /* (M + 1): micro-batch i is rows [lo[i], lo[i + 1]) */
+        float *snap;            /* (buffer elems, device): the step's buffers */
+        float *fwd;             /* (M, buffer elems, device): each micro-batch's after its F */
+        float *head;            /* (tied elems, device): the last stage's head share */
+        tdm_comm_work *head_send;   /* its send to the first stage, in flight */
+        double mb_loss;         /* the last stage: the last loss computed */
+    } shards;
+
+    struct {                    /* the step's levers (pp/levers.c) */
+        tdm_pp_levers set;
+        double last_norm;
+        int last_skipped;
+        int64_t skipped;
+    } lev;
+
     struct {                    /* what steps did */
         tdm_pp_phases last, sum;
         int64_t steps;
@@ -104,6 +120,29 @@ tdm_status tdm_pp_buffers(tdm_pp *p, int micro, int sets, int n_in);
  * other stages after a failure here (returns st). */
 tdm_status tdm_pp_fail(tdm_pp *p, tdm_status st, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
+
+/* pp/shards.c (o.shards set; see pp/pp.h) */
+static inline int tdm_pp_sharded(const tdm_pp *p) { return p->o.shards.leaf != NULL; }
+/* The step's cut into o.micro_batches shards (run.micro: the largest). */
+tdm_status tdm_pp_shards_cut(tdm_pp *p, int batch);
+/* At the step's start: the buffers' snapshot. */
+tdm_status tdm_pp_shards_begin(tdm_pp *p);
+tdm_status tdm_pp_shards_before_forward(tdm_pp *p, int mb);
+tdm_status tdm_pp_shards_after_forward(tdm_pp *p, int mb);
+tdm_status tdm_pp_shards_before_backward(tdm_pp *p, int mb);
+tdm_status tdm_pp_shards_after_backward(tdm_pp *p, int mb);
+/* After the schedule: the sum, and the tied copy made the first stage's. */
+tdm_status tdm_pp_shards_end(tdm_pp *p);
+void tdm_pp_shards_free(tdm_pp *p);
+
+/* pp/levers.c */
+/* What the loss gradient is multiplied by besides 1/B: the loss scale. */
+float tdm_pp_loss_scale(const tdm_pp *p);
+/* After the backwards and the tied sum: unscale, found-inf over the job,
+ * the norm and clipping; *skip: the optimizer step is to be skipped. */
+tdm_status tdm_pp_levers_apply(tdm_pp *p, int *skip);
+/* After the (possibly skipped) step: the scaler's update. */
+void tdm_pp_levers_done(tdm_pp *p, int skipped);
 
 /* pp/step.c */
 /* Waits for and releases every transfer still in flight (after a failure:

@@ -4,8 +4,9 @@
  * recv posted as soon as its buffer is free, so it arrives while the
  * stage computes; each send issued as soon as its data exists and waited
  * for only when its buffer is needed again), the tied embedding's
- * gradient, the optimizer step, the loss for the global batch, evaluation
- * through the pipeline, and the timings. Set-up is pp/pp.c. */
+ * gradient, the memory levers (pp/levers.c) and the optimizer step, the
+ * loss for the global batch, evaluation through the pipeline, and the
+ * timings. Set-up is pp/pp.c. */
 #include "pp/pp_impl.h"
 
 #include <stdio.h>
@@ -14,20 +15,30 @@
 
 #include "core/timer.h"
 
+/* Micro-batch i's first row in the batch, and its rows. */
+static int64_t tdm_pp_mb_lo(const tdm_pp *p, int i)
+{
+    if (tdm_pp_sharded(p) && !p->run.eval) return p->shards.lo[i];
+    return (int64_t)i * p->run.micro;
+}
+
 static int tdm_pp_mb_size(const tdm_pp *p, int i)
 {
+    if (tdm_pp_sharded(p) && !p->run.eval) return p->shards.lo[i + 1] - p->shards.lo[i];
     int left = p->run.batch - i * p->run.micro;
     return left < p->run.micro ? left : p->run.micro;
 }
 
 /* The global batch's micro-batches: models/accum.h's cut. */
-static void tdm_pp_cut(tdm_pp *p, int batch)
+static tdm_status tdm_pp_cut(tdm_pp *p, int batch, int eval)
 {
+    if (tdm_pp_sharded(p) && !eval) return tdm_pp_shards_cut(p, batch);
     int M = p->o.micro_batches, fixed = p->o.micro_size;
     p->run.batch = batch;
     p->run.micro = (batch + M - 1) / M;
     if (fixed > 0 && batch <= (int64_t)fixed * M) p->run.micro = batch < fixed ? batch : fixed;
     p->run.n_mb = (batch + p->run.micro - 1) / p->run.micro;
+    return TDM_STATUS_OK;
 }
 
 static double tdm_pp_ms(uint64_t t0, uint64_t t1) { return (double)(t1 - t0) * 1e-6; }
@@ -179,7 +190,7 @@ static tdm_status tdm_pp_loss(tdm_pp *p, int i, int k, float grad_scale, tdm_pp_
 {
     uint64_t t0 = tdm_time_ns();
     int n = tdm_pp_mb_size(p, i), rows = tdm_model_out_rows(p->m);
-    const int32_t *yh = p->run.y + (int64_t)i * p->run.micro * rows, *yd = yh;
+    const int32_t *yh = p->run.y + tdm_pp_mb_lo(p, i) * rows, *yd = yh;
     if (!p->host) {
         TDM_CHECK(tdm_dev_copy_from_host(p->dev, p->buf.y, yh, (size_t)n * rows * sizeof *yh));
         yd = p->buf.y;
@@ -190,6 +201,7 @@ static tdm_status tdm_pp_loss(tdm_pp *p, int i, int k, float grad_scale, tdm_pp_
                              grad_scale > 0.0f ? tdm_model_loss_grad(p->m) : NULL));
     TDM_CHECK(tdm_model_count_correct(p->m, yh, n, &correct));
     p->run.loss_sum += ls;
+    p->shards.mb_loss = ls;
     p->run.correct += correct;
     ph->loss += tdm_time_ms_since(t0);
     return TDM_STATUS_OK;
@@ -208,7 +220,7 @@ static tdm_status tdm_pp_forward(tdm_pp *p, int i, tdm_pp_phases *ph)
         TDM_CHECK(tdm_pp_wait(p, &p->run.act_recv[j], &ph->recv_wait, "recv act", p->s - 1));
         in = p->buf.in[j];
     } else {
-        in = p->run.x + (int64_t)i * p->run.micro * p->info.in_elems * 4;
+        in = p->run.x + tdm_pp_mb_lo(p, i) * p->info.in_elems * 4;
         if (!p->host) {
             TDM_CHECK(tdm_dev_copy_from_host(p->dev, p->buf.x[k], in,
                                              (size_t)n * (size_t)p->info.in_elems * 4));
@@ -218,12 +230,15 @@ static tdm_status tdm_pp_forward(tdm_pp *p, int i, tdm_pp_phases *ph)
     /* the set's previous output may still be on its way downstream */
     TDM_CHECK(tdm_pp_wait(p, &p->run.act_send[k], &ph->send_wait, "send act", p->s + 1));
     TDM_CHECK(tdm_model_select_act_set(p->m, k));
+    int shard = tdm_pp_sharded(p) && !p->run.eval;
+    if (shard) TDM_CHECK(tdm_pp_shards_before_forward(p, i));
     tdm_pp_overlap_begin(p);
     uint64_t t0 = tdm_time_ns();
     tdm_status st = tdm_model_stage_forward(p->m, in, n, &p->buf.out[k]);
     uint64_t t1 = tdm_time_ns();
     tdm_pp_overlap_end(p);
     if (st) return tdm_pp_fail(p, st, "F%d", i);
+    if (shard) TDM_CHECK(tdm_pp_shards_after_forward(p, i));
     ph->forward += tdm_pp_ms(t0, t1);
     tdm_pp_event_add(p, TDM_PP_FORWARD, i, t0, t1);
     size_t sb = tdm_model_act_set_bytes(p->m);
@@ -262,7 +277,8 @@ static tdm_status tdm_pp_backward(tdm_pp *p, int i, tdm_pp_phases *ph)
     }
     /* the input gradient is the model's scratch: the last one must be out */
     TDM_CHECK(tdm_pp_wait(p, &p->run.grad_send, &ph->send_wait, "send grad", p->s - 1));
-    int sync = i == p->run.n_mb - 1 && p->o.grad_sync.begin;
+    int sync = i == p->run.n_mb - 1 && p->o.grad_sync.begin && !tdm_pp_sharded(p);
+    if (tdm_pp_sharded(p)) TDM_CHECK(tdm_pp_shards_before_backward(p, i));
     if (sync) {
         tdm_status st = p->o.grad_sync.begin(p->o.grad_sync.ctx);
         if (st) return tdm_pp_fail(p, st, "B%d: gradient sync", i);
@@ -287,6 +303,8 @@ static tdm_status tdm_pp_backward(tdm_pp *p, int i, tdm_pp_phases *ph)
     if (p->link.grad_out)
         TDM_CHECK(tdm_pp_send(p, p->link.grad_out, &p->run.grad_send, dx, p->info.in_elems, i,
                               p->s - 1, "grad"));
+    /* after the send: the gradient goes on upstream while the leaf is taken */
+    if (tdm_pp_sharded(p)) TDM_CHECK(tdm_pp_shards_after_backward(p, i));
     return tdm_pp_post(p);
 }
 
@@ -312,7 +330,7 @@ static tdm_status tdm_pp_begin(tdm_pp *p, const void *x, const int32_t *y, int b
     if (p->s + 1 == p->S && !y)
         return tdm_pp_fail(p, tdm_error_set(TDM_STATUS_INVALID_ARG, "the last stage needs "
                                             "the targets (y is NULL)"), "step");
-    tdm_pp_cut(p, batch);
+    TDM_CHECK(tdm_pp_cut(p, batch, eval));
     p->run.eval = eval;
     p->run.x = x;
     p->run.y = y;
@@ -396,9 +414,12 @@ static tdm_status tdm_pp_step_run(tdm_pp *p, const void *x, const int32_t *y, in
 {
     tdm_pp_phases ph = {0};
     TDM_CHECK(tdm_pp_begin(p, x, y, batch, 0));
-    p->run.grad_scale = grad_scale;
+    /* loss scaling: 1/B times the scale, one rounding (exact for the
+     * scaler's powers of two), as one device's step */
+    p->run.grad_scale = grad_scale * tdm_pp_loss_scale(p);
     tdm_model_set_train(p->m, 1);
     TDM_CHECK(tdm_model_zero_grad(p->m));
+    if (tdm_pp_sharded(p)) TDM_CHECK(tdm_pp_shards_begin(p));
     const tdm_pp_action *a = p->sched->actions[p->s];
     for (int j = 0; j < p->sched->n_actions[p->s]; j++) {
         if (a[j].op == TDM_PP_FORWARD) TDM_CHECK(tdm_pp_forward(p, a[j].mb, &ph));
@@ -407,13 +428,17 @@ static tdm_status tdm_pp_step_run(tdm_pp *p, const void *x, const int32_t *y, in
     TDM_CHECK(tdm_pp_flush(p, &ph));
     uint64_t t1 = tdm_time_ns();
     ph.pipeline = tdm_pp_ms(p->run.t0, t1);
-    TDM_CHECK(tdm_pp_tied(p));
+    TDM_CHECK(tdm_pp_sharded(p) ? tdm_pp_shards_end(p) : tdm_pp_tied(p));
     uint64_t t2 = tdm_time_ns();
     ph.tied = tdm_pp_ms(t1, t2);
-    tdm_status st = p->opt ? tdm_optim_step(p->opt)
-                           : p->o.optim_step.fn(p->o.optim_step.ctx, p->m);
+    int skip = 0;
+    TDM_CHECK(tdm_pp_levers_apply(p, &skip));
+    tdm_status st = skip ? TDM_STATUS_OK
+                    : p->opt ? tdm_optim_step(p->opt)
+                             : p->o.optim_step.fn(p->o.optim_step.ctx, p->m);
     if (!st) st = tdm_dev_sync(p->dev);
     if (st) return tdm_pp_fail(p, st, "optimizer step");
+    tdm_pp_levers_done(p, skip);
     uint64_t t3 = tdm_time_ns();
     ph.step = tdm_pp_ms(t2, t3);
     TDM_CHECK(tdm_pp_share_loss(p));

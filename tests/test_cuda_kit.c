@@ -82,7 +82,7 @@ static void kit_fake_test(const kit_fake *k, const char *name, const char *gpu, 
     kit_write(path, text, 1);
 }
 
-/* A fake build (five test binaries, `tandem info`), and the driver's view:
+/* A fake build (six test binaries, `tandem info`), and the driver's view:
  * smi_gpus GPUs listed by a fake nvidia-smi (-1: no nvidia-smi), proc_gpus
  * GPUs under a fake /proc/driver/nvidia. */
 static void kit_fake_setup(kit_fake *k, const char *gpu, const char *multi, int smi_gpus,
@@ -99,6 +99,7 @@ static void kit_fake_setup(kit_fake *k, const char *gpu, const char *multi, int 
     kit_fake_test(k, "test_bench_cuda", gpu, "SKIP");
     kit_fake_test(k, "test_cuda_gpt", gpu, "SKIP");
     kit_fake_test(k, "test_fsdp_cli", gpu, "SKIP");
+    kit_fake_test(k, "test_det_gpu", gpu, "SKIP");
     snprintf(p, sizeof p, "%s/build/tandem", k->dir);
     kit_write(p, "#!/bin/sh\ncat <<'EOF'\ntandem 0.1.0 (fake)\ndevices:\n"
                  "  CUDA runtime   13.0\n  CUDA driver    12.2\n  NCCL           2.28.9\n"
@@ -269,12 +270,12 @@ Test(cuda_kit, test_gpu_passes_when_every_one_gpu_test_ran_and_records_a_summary
     kit_fake_setup(&k, "PASS", "SKIP", 1, 0);
     kit_fake_run(&k, "test-gpu.sh", "TANDEM_COMPUTE_SANITIZER=none");
     cr_assert_eq(k.code, 0, "%s", k.out);
-    kit_expect(&k, "verdict          PASS: all 5 one-GPU tests ran and passed");
+    kit_expect(&k, "verdict          PASS: all 6 one-GPU tests ran and passed");
     kit_expect(&k, "device           GPU 0: NVIDIA H100");
     kit_expect(&k, "kernel 535.104.05");
     kit_expect(&k, "compute-sanitizer not installed");
     /* the two-GPU test skipped: reported, not required */
-    kit_expect(&k, "  cuda_multi            0      0       5");
+    kit_expect(&k, "  cuda_multi            0      0       6");
     kit_read_file(&k, "build/test-gpu.txt", summary, sizeof summary);
     cr_assert(strstr(summary, "verdict          PASS"), "%s", summary);
     kit_read_file(&k, "build/test-gpu.log", summary, sizeof summary);

@@ -78,7 +78,8 @@ tdm_status tdm_tool_mesh_step(tdm_dist_stepper *s, const tdm_tool_mesh *mm, int 
     char where[128];
     snprintf(where, sizeof where, "the global batch of %d, seen by %s of replica %d", global,
              who, rep);
-    return tdm_dist_replicas_loss(s->comm, mm->host[TDM_MESH_DP], reps, s->rank, label, ls,
+    return tdm_dist_replicas_loss(s->comm, mm->host[TDM_MESH_DP], mm->loss_summed ? 1 : reps,
+                                  s->rank, label, ls,
                                   global, tdm_optim_steps(s->opt), where, loss_mean);
 }
 

@@ -38,6 +38,10 @@ typedef struct tdm_tool_mesh {
                                             devices, dev_mesh's on a GPU (borrowed) */
     int coord[TDM_MESH_NDIMS], size[TDM_MESH_NDIMS];
     int rank;                            /* in the job */
+    /* 1: the design's step returns the global batch's loss sum already
+     * (--deterministic's tree carries every replica's): not summed again
+     * over the dp dimension. Set by the design. */
+    int loss_summed;
 } tdm_tool_mesh;
 
 /* b's --mesh parsed against world's ranks (USAGE "--mesh: <why>"), or

@@ -31,6 +31,7 @@
 
 #include "ddp/ddp.h"
 #include "dist/batch.h"
+#include "dist/det.h"
 #include "dist/mesh.h"
 #include "dist/step.h"
 #include "pp/pp.h"
@@ -45,6 +46,7 @@ typedef struct tdm_tool_pp {
     tdm_pp *p;
     tdm_ddp *ddp;                /* with dp > 1: the Reducer over the dp dimension */
     tdm_model *tables;           /* the whole model's tables (checkpoints' layout) */
+    tdm_comm *jcomm;             /* the whole job's device communicator (the levers') */
     /* ZeRO-1 (--sharding optimizer) */
     tdm_optim *zopt;             /* the optimizer of this replica's slice of the stage */
     tdm_comm *zcomm;             /* the dp dimension's device communicator (borrowed) */
@@ -54,6 +56,13 @@ typedef struct tdm_tool_pp {
     int64_t zchunk;              /* elements per replica's slice */
     int rep, reps;               /* this replica, of how many */
     int in_elems, out_rows;      /* per sample of the whole model */
+    int micro;                   /* micro-batches per replica and step */
+    /* --deterministic K: the replica's K/D micro-batches are its virtual
+     * shards, summed by dist/det.h's tree over the dp dimension */
+    int det_on;
+    tdm_dist_det det;
+    int det_global;              /* the step's global batch */
+    int64_t det_row0;            /* and this replica's first row in it */
     /* --mesh dp=D,pp=S,tp=N, N > 1: the stage is tensor-parallel
      * (tools/rank_pptp.h) */
     int tpn;
@@ -86,6 +95,27 @@ static tdm_status tdm_tool_pp_refuse(const char *what)
     return tdm_error_set(TDM_STATUS_USAGE, "%s: %s", what, why);
 }
 
+/* --deterministic K: each of the D replicas runs K/D virtual shards as
+ * its micro-batches (one device's shards, same shapes, same bits). */
+static tdm_status tdm_tool_pp_check_det(const tdm_tool_build *b, const tdm_mesh_shape *shape)
+{
+    int K = b->deterministic, D = shape->size[TDM_MESH_DP];
+    if (!K) return TDM_STATUS_OK;
+    if (tdm_dist_det_check(K, 1, b->pp.batch)) return tdm_tool_pp_refuse("--mode pp");
+    TDM_REQUIRE(K % D == 0, TDM_STATUS_USAGE,
+                "--deterministic %d: K must be divisible by the %d pipeline replicas (--mesh "
+                "dp=%d): each runs K/D whole virtual shards as its micro-batches", K, D, D);
+    TDM_REQUIRE(!b->pp.micro || b->pp.micro == K / D, TDM_STATUS_USAGE,
+                "--microbatches %d: with --deterministic %d over %d pipeline replica%s the "
+                "micro-batches are a replica's K/D = %d virtual shards (omit --microbatches)",
+                b->pp.micro, K, D, D == 1 ? "" : "s", K / D);
+    TDM_REQUIRE(shape->size[TDM_MESH_TP] == 1, TDM_STATUS_USAGE,
+                "--deterministic %d with tensor-parallel stages (--mesh ...,tp=%d) is not "
+                "supported: the stages' row-parallel sums depend on tp", K,
+                shape->size[TDM_MESH_TP]);
+    return TDM_STATUS_OK;
+}
+
 /* The first layer of each of S stages: --split, else pp/'s default
  * balance of the whole model (what tdm_pp_init would choose). */
 static tdm_status tdm_tool_pp_first(const tdm_tool_build *b, int S, int *first)
@@ -113,8 +143,9 @@ tdm_status tdm_tool_pp_check(const tdm_tool_build *b, int world, tdm_mesh_shape 
                 "needs --mesh dp=D,pp=S with D >= 2 (dp is %d)", shape->size[TDM_MESH_DP]);
     TDM_REQUIRE(b->pp.stages <= 0 || b->pp.stages == S, TDM_STATUS_USAGE,
                 "--stages %d, but --mesh %s has pp=%d", b->pp.stages, b->pp.mesh, S);
-    TDM_REQUIRE(b->pp.micro >= 1, TDM_STATUS_USAGE, "--microbatches %d: at least 1",
-                b->pp.micro);
+    TDM_REQUIRE(b->pp.micro >= 1 || b->deterministic, TDM_STATUS_USAGE,
+                "--microbatches %d: at least 1", b->pp.micro);
+    TDM_CHECK(tdm_tool_pp_check_det(b, shape));
     int L = tdm_tool_pp_layers(&b->spec);
     if (L <= 0 || tdm_model_spec_check_stages(&b->spec)) return tdm_tool_pp_refuse("--model");
     TDM_REQUIRE(S <= L, TDM_STATUS_USAGE,
@@ -159,6 +190,7 @@ static void tdm_rank_pp_free(void *ctx, void *self)
     tdm_tool_pp *q = r->w;
     if (q) {
         tdm_ddp_free(q->ddp);
+        tdm_dist_det_free(&q->det);
         tdm_optim_free(q->zopt);
         if (q->zbuf) tdm_dev_free(q->zdev, q->zbuf);
         tdm_pp_free(q->p);   /* owns r->m (and r->opt without ZeRO-1) */
@@ -240,6 +272,34 @@ static tdm_status tdm_rank_pp_zero1_init(tdm_tool_pp *q, const tdm_optim_opts *o
                               (void **)&q->zbuf);
 }
 
+/* ---- --deterministic K (pp/'s shards hooks over dist/det.h's tree) ---- */
+
+/* Micro-batch mb of this replica is virtual shard rep * K/D + mb of the
+ * global batch: its rows, from this replica's first. */
+static void tdm_rank_pp_det_cut(void *ctx, int batch, int mb, int *lo, int *hi)
+{
+    tdm_tool_pp *q = ctx;
+    int64_t a, z;
+    (void)batch;
+    tdm_dist_share(q->det_global, q->rep * q->micro + mb, q->det.K, &a, &z);
+    *lo = (int)(a - q->det_row0);
+    *hi = (int)(z - q->det_row0);
+}
+
+static tdm_status tdm_rank_pp_det_leaf(void *ctx, tdm_model *m, int mb, double loss)
+{
+    (void)m;
+    return tdm_dist_det_feed(&((tdm_tool_pp *)ctx)->det, mb, loss);
+}
+
+static tdm_status tdm_rank_pp_det_reduce(void *ctx, tdm_model *m, double *loss_sum)
+{
+    tdm_tool_pp *q = ctx;
+    (void)m;
+    TDM_CHECK(tdm_dist_det_top(&q->det, loss_sum));
+    return tdm_dist_det_write_top(&q->det);
+}
+
 /* The stage of this rank (pipeline d->coord[pp] of the replica
  * d->coord[dp]), the Reducer over the dp dimension, --resume. */
 static tdm_status tdm_rank_pp_setup(void *ctx, tdm_dist_rank *d, void **self)
@@ -273,14 +333,22 @@ static tdm_status tdm_rank_pp_setup(void *ctx, tdm_dist_rank *d, void **self)
         q->tp.phost = pp_host;
         spec = &q->tp.narrow;
     }
-    tdm_pp_opts o = {.schedule = b->pp.schedule, .micro_batches = b->pp.micro,
+    q->det_on = b->deterministic > 0;
+    q->mesh.loss_summed = q->det_on;   /* the tree's loss sum is every replica's */
+    q->micro = q->det_on ? b->deterministic / q->reps : b->pp.micro;
+    tdm_pp_opts o = {.schedule = b->pp.schedule, .micro_batches = q->micro,
                      .split = b->pp.split || q->tpn > 1 ? first : NULL, .seed = b->seed,
                      .optim = b->optim,
                      .batch = b->pp.batch > 0 ? (b->pp.batch + q->reps - 1) / q->reps : 0,
                      .micro_size = b->pp.batch > 0 ? ((b->pp.batch + q->reps - 1) / q->reps +
-                                                      b->pp.micro - 1) / b->pp.micro : 0,
-                     .host_comm = pp_dev != pp_host ? pp_host : NULL};
-    if (q->reps > 1)
+                                                      q->micro - 1) / q->micro : 0,
+                     .host_comm = pp_dev != pp_host ? pp_host : NULL,
+                     .precision = b->precision, .ckpt = b->ckpt};
+    q->jcomm = d->dev_comm;
+    if (q->det_on)
+        o.shards = (tdm_pp_shards){.cut = tdm_rank_pp_det_cut, .leaf = tdm_rank_pp_det_leaf,
+                                   .reduce = tdm_rank_pp_det_reduce, .ctx = q};
+    else if (q->reps > 1)
         o.grad_sync = (tdm_pp_grad_sync){.begin = tdm_rank_pp_sync_begin,
                                          .end = tdm_rank_pp_sync_end, .ctx = q};
     if (b->pp.zero1) {
@@ -296,7 +364,15 @@ static tdm_status tdm_rank_pp_setup(void *ctx, tdm_dist_rank *d, void **self)
     if (b->pp.zero1 && (st = tdm_rank_pp_zero1_init(q, &b->optim)))
         return tdm_tool_rank_fail(r, "ZeRO-1 optimizer over the dp dimension", st);
     r->opt = b->pp.zero1 ? q->zopt : tdm_pp_optim(q->p);
-    if (q->reps > 1) {
+    if (q->det_on) {
+        /* the dp dimension's host group: the tree's top over the replicas */
+        q->det = (tdm_dist_det){.m = r->m, .comm = q->reps > 1 ? dp_host : NULL,
+                                .rank = q->rep, .world = q->reps, .K = b->deterministic,
+                                .dev_comm = q->reps > 1 ? tdm_train_det_dev_comm(dp_host, dp_dev)
+                                                        : NULL};
+        if ((st = tdm_dist_det_init(&q->det)))
+            return tdm_tool_rank_fail(r, "--deterministic", st);
+    } else if (q->reps > 1) {
         tdm_ddp_opts dopt = {.bucket_cap_mb = b->bucket_cap_mb, .no_overlap = b->no_overlap,
                              .host_comm = dp_dev != dp_host ? dp_host : NULL};
         if ((st = tdm_ddp_init(&q->ddp, r->m, dp_dev, &dopt)))
@@ -339,8 +415,16 @@ static tdm_status tdm_rank_pp_step(void *ctx, const void *x, const int32_t *y, i
                  q->mesh.coord[TDM_MESH_TP], tdm_pp_stage(q->p));
     else
         snprintf(who, sizeof who, "pipeline stage %d", tdm_pp_stage(q->p));
-    return tdm_tool_mesh_step(s, &q->mesh, q->in_elems, q->out_rows, tdm_rank_pp_step_fn, q, who,
-                              "pp loss over the replicas", x, y, batch, loss_mean);
+    /* --deterministic: the global batch and this replica's first row in
+     * it, for the micro-batches' cut into virtual shards */
+    int64_t end;
+    q->det_global = s->own_rows ? s->global_batch : batch;
+    tdm_dist_share(q->det_global, q->rep, q->reps, &q->det_row0, &end);
+    tdm_train_levers_pp_begin(s, q->p, q->jcomm, q->rep);
+    TDM_CHECK(tdm_tool_mesh_step(s, &q->mesh, q->in_elems, q->out_rows, tdm_rank_pp_step_fn, q,
+                                 who, "pp loss over the replicas", x, y, batch, loss_mean));
+    tdm_train_levers_pp_end(s, q->p);
+    return TDM_STATUS_OK;
 }
 
 /* ---- evaluation ---- */
@@ -469,10 +553,12 @@ static void tdm_rank_pp_describe(const tdm_tool_rank *r, char *on, size_t n_on, 
     char split[160];
     tdm_pp_split_str(tdm_pp_split(q->p), tdm_pp_stages(q->p), split, sizeof split);
     char reps[160];
-    tdm_tool_mesh_replicas_str(&q->mesh, q->zopt ? "DDP over the dp dimension; ZeRO-1: each "
-                                                   "replica steps 1/D of a stage"
-                                                 : "DDP over the dp dimension",
-                               reps, sizeof reps);
+    const char *how = q->det_on ? "the fixed tree over the dp dimension"
+                                : "DDP over the dp dimension";
+    char how_z[128];
+    snprintf(how_z, sizeof how_z, "%s%s", how,
+             q->zopt ? "; ZeRO-1: each replica steps 1/D of a stage" : "");
+    tdm_tool_mesh_replicas_str(&q->mesh, how_z, reps, sizeof reps);
     char tp[200] = "";
     if (q->tpn > 1) {
         int k = snprintf(tp, sizeof tp, " x tp %d (", q->tpn);
@@ -485,7 +571,7 @@ static void tdm_rank_pp_describe(const tdm_tool_rank *r, char *on, size_t n_on, 
     }
     snprintf(on, n_on, ", pipeline of %d stages (first layers %s)%s, %s, %d micro-batches%s",
              tdm_pp_stages(q->p), split, tp, tdm_pp_schedule_name(r->b->pp.schedule),
-             r->b->pp.micro, reps);
+             q->micro, reps);
     snprintf(note, n_note, "%s", "");
 }
 
@@ -528,7 +614,7 @@ static void tdm_rank_pp_print(const tdm_tool_rank *r, const double *all, int S)
 {
     const double mib = 1.0 / (1024.0 * 1024.0);
     const tdm_tool_pp *q = r->w;
-    int M = r->b->pp.micro;
+    int M = q->micro;
     double ideal = 100.0 * (S - 1) / (double)(M + S - 1);
     int rows = (r->b->pp.batch + q->reps - 1) / q->reps;
     printf("pp %s, %d stages, %d micro-batches of %d (replica 0, per step, mean over %.0f "
@@ -556,7 +642,9 @@ static void tdm_rank_pp_print(const tdm_tool_rank *r, const double *all, int S)
         transfers += f[TDM_PPF_TRANSFERS];
     }
     printf("pp transfers: %.0f of %.0f completed while a stage computed%s%s\n", overlapped,
-           transfers, q->reps > 1 ? "; gradients summed over the replicas by DDP" : "",
+           transfers, q->reps > 1 ? (q->det_on ? "; gradients summed over the replicas by "
+                                                 "the fixed tree" : "; gradients summed over "
+                                                 "the replicas by DDP") : "",
            q->zopt ? "; ZeRO-1: optimizer state per stage and replica is 1/D of the stage's "
                      "(replica 0's shown), the slices gathered over the dp dimension"
                    : "");

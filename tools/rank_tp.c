@@ -22,6 +22,7 @@
 #include <string.h>
 
 #include "dist/batch.h"
+#include "dist/det.h"
 #include "dist/mesh.h"
 #include "dist/step.h"
 #include "tools/rank_mesh.h"
@@ -34,6 +35,9 @@ typedef struct tdm_tool_tp {
     tdm_tp *p;
     int rep, reps;
     int in_elems, out_rows;      /* per sample: 4-byte inputs, target rows */
+    tdm_dist_det det;            /* --deterministic K: the tree over the dp dimension */
+    int det_global;              /* the step's global batch */
+    int64_t det_row0;            /* and this replica's first row in it */
 } tdm_tool_tp;
 
 /* ---- the layout ---- */
@@ -46,6 +50,10 @@ tdm_status tdm_tool_tp_check(const tdm_tool_build *b, int world, tdm_mesh_shape 
                 "--mesh: pp=%d: --mode tp combines with dp only (dp=D,tp=N); a pipeline of "
                 "tensor-parallel stages is --mode pp --mesh dp=D,pp=S,tp=N",
                 shape->size[TDM_MESH_PP]);
+    int D = shape->size[TDM_MESH_DP];
+    TDM_REQUIRE(!b->deterministic || b->deterministic % D == 0, TDM_STATUS_USAGE,
+                "--deterministic %d: K must be divisible by the %d tensor-parallel replicas "
+                "(--mesh dp=%d): each runs K/D whole virtual shards", b->deterministic, D, D);
     tdm_tp_split split[TDM_MODEL_MAX_DIMS];
     int L;
     TDM_CHECK(tdm_tp_plan(&b->spec, shape->size[TDM_MESH_TP], split, &L));
@@ -72,6 +80,7 @@ static void tdm_rank_tp_free(void *ctx, void *self)
     if (!r) return;
     tdm_tool_tp *q = r->w;
     if (q) {
+        tdm_dist_det_free(&q->det);
         tdm_tp_free(q->p);   /* owns r->opt */
         tdm_tool_mesh_fini(&q->mesh);
         free(q);
@@ -98,7 +107,7 @@ static tdm_status tdm_rank_tp_setup(void *ctx, tdm_dist_rank *d, void **self)
     q->in_elems = tdm_model_in_features(r->m);
     q->out_rows = tdm_model_out_rows(r->m);
     tdm_tp_opts o = {.seed = b->seed, .optim = b->optim,
-                     .grad_comm = q->reps > 1 ? dp_dev : NULL,
+                     .grad_comm = q->reps > 1 && !b->deterministic ? dp_dev : NULL,
                      .host_comm = tp_dev != tp_host ? tp_host : NULL,
                      .sequence_parallel = b->tp.seq_par,
                      .zero = b->tp.zero1 ? TDM_TP_ZERO_OPTIMIZER : TDM_TP_ZERO_NONE};
@@ -106,6 +115,16 @@ static tdm_status tdm_rank_tp_setup(void *ctx, tdm_dist_rank *d, void **self)
         return tdm_tool_rank_fail(r, "tensor-parallel set-up", st);
     r->opt = tdm_tp_optim(q->p);
     r->model_params = tdm_model_param_elems(r->m);
+    tdm_comm *dp_host = q->mesh.host[TDM_MESH_DP];
+    q->mesh.loss_summed = b->deterministic > 0;   /* the tree's loss sum is every replica's */
+    q->det = (tdm_dist_det){.comm = q->reps > 1 ? dp_host : NULL, .rank = q->rep,
+                            .world = q->reps, .K = b->deterministic, .in_elems = q->in_elems,
+                            .out_rows = q->out_rows, .flat_grads = tdm_tp_grads(q->p),
+                            .flat_elems = tdm_tp_elems(q->p), .flat_dev = d->dev,
+                            .dev_comm = q->reps > 1 ? tdm_train_det_dev_comm(dp_host, dp_dev)
+                                                    : NULL};
+    if (b->deterministic && (st = tdm_dist_det_init(&q->det)))
+        return tdm_tool_rank_fail(r, "--deterministic", st);
     return tdm_tool_rank_resume(r);
 }
 
@@ -118,7 +137,11 @@ static tdm_status tdm_rank_tp_setup(void *ctx, tdm_dist_rank *d, void **self)
 static tdm_status tdm_rank_tp_step_fn(void *ctx, const void *x, const int32_t *y, int n,
                                       float grad_scale, double *loss_sum)
 {
-    return tdm_tp_step_scaled(((tdm_tool_tp *)ctx)->p, x, y, n, grad_scale, loss_sum);
+    tdm_tool_tp *q = ctx;
+    /* --deterministic: the replica's virtual shards one at a time */
+    if (q->det.K)
+        return tdm_train_det_tp_step(q->p, &q->det, x, y, q->det_global, q->det_row0, loss_sum);
+    return tdm_tp_step_scaled(q->p, x, y, n, grad_scale, loss_sum);
 }
 
 static tdm_status tdm_rank_tp_step(void *ctx, const void *x, const int32_t *y, int batch,
@@ -128,6 +151,10 @@ static tdm_status tdm_rank_tp_step(void *ctx, const void *x, const int32_t *y, i
     tdm_tool_tp *q = s->w;
     char who[48];
     snprintf(who, sizeof who, "tensor-parallel rank %d", tdm_tp_rank(q->p));
+    /* --deterministic: the global batch and this replica's first row in it */
+    int64_t end;
+    q->det_global = s->own_rows ? s->global_batch : batch;
+    tdm_dist_share(q->det_global, q->rep, q->reps, &q->det_row0, &end);
     return tdm_tool_mesh_step(s, &q->mesh, q->in_elems, q->out_rows, tdm_rank_tp_step_fn, q, who,
                               "tp loss over the replicas", x, y, batch, loss_mean);
 }
@@ -262,12 +289,18 @@ static void tdm_rank_tp_describe(const tdm_tool_rank *r, char *on, size_t n_on, 
         k += (size_t)n;
     }
     char reps[96];
-    tdm_tool_mesh_replicas_str(&q->mesh, r->b->tp.zero1
-                                             ? "gradients summed over the dp dimension; ZeRO-1: "
-                                               "the optimizer sharded over it"
-                                             : "gradients summed over the dp dimension",
+    tdm_tool_mesh_replicas_str(&q->mesh, q->det.K ? "gradients summed over the dp dimension by "
+                                                    "the fixed tree"
+                                   : r->b->tp.zero1 ? "gradients summed over the dp dimension; "
+                                                      "ZeRO-1: the optimizer sharded over it"
+                                                    : "gradients summed over the dp dimension",
                                reps, sizeof reps);
-    snprintf(on, n_on, ", tensor parallel over %d ranks (%s)%s", tdm_tp_size(q->p), plan, reps);
+    int n = snprintf(on, n_on, ", tensor parallel over %d ranks (%s)%s", tdm_tp_size(q->p), plan,
+                     reps);
+    if (q->det.K && n >= 0 && (size_t)n < n_on)
+        snprintf(on + n, n_on - (size_t)n, ", deterministic over %d virtual shards: the same "
+                 "bits for any dp dimension at tp size %d only (another tp size adds the "
+                 "row-parallel partial sums in another order)", q->det.K, tdm_tp_size(q->p));
     snprintf(note, n_note, "%s", "");
 }
 

@@ -42,6 +42,7 @@ typedef struct tdm_tool_build {
                                     index); NULL: none */
     int no_overlap;              /* communication after backward, not during it */
     int join;                    /* uneven inputs (dist/join.h) */
+    int deterministic;           /* --deterministic K (dist/det.h); 0: off */
     /* DDP */
     double bucket_cap_mb;        /* 0: 25 */
     int sync_bn;

@@ -159,13 +159,16 @@ static void tdm_train_usage(FILE *f)
         "  --max-restarts K       ddp, fsdp, pp: when a rank fails, stop the rest and start\n"
         "                         every rank again from the --save checkpoint, at\n"
         "                         most K times (docs/DEBUGGING.md)            [0]\n"
-        "  --deterministic K      every mode: the same bits on any number of devices:\n"
-        "                         every global batch is cut into K virtual shards (K a\n"
-        "                         power of two dividing --batch, divisible by the\n"
-        "                         device count), each computed alone, and their\n"
-        "                         gradients summed in one fixed binary tree; batchnorm\n"
-        "                         per shard. A checkpoint resumes on any device count\n"
-        "                         dividing K (docs/DETERMINISM.md)           [off]\n"
+        "  --deterministic K      single, dp, ddp, fsdp, pp (tp: at a fixed tp size):\n"
+        "                         the same bits on any number\n"
+        "                         of devices: every global batch is cut into K virtual\n"
+        "                         shards (K a power of two dividing --batch, divisible\n"
+        "                         by the device count; pp: by the dp dimension, whose\n"
+        "                         replicas' micro-batches are the K/D shards), each\n"
+        "                         computed alone, and their gradients summed in one\n"
+        "                         fixed binary tree; batchnorm per shard. A checkpoint\n"
+        "                         resumes on any device count or mesh dividing K\n"
+        "                         (docs/DETERMINISM.md)                     [off]\n"
         "  --min-devices M        ddp, fsdp with --deterministic and --max-restarts: a rank\n"
         "                         that keeps failing is left out and the job goes on\n"
         "                         from the last checkpoint on fewer devices (the most\n"
@@ -183,8 +186,8 @@ static void tdm_train_usage(FILE *f)
         "                         last step's norm is printed with each epoch\n"
         "  --offload optimizer    --device cuda: optimizer state and step in\n"
         "                         host memory (ZeRO-Offload)\n"
-        "                         (these four: --mode single, dp, ddp and fsdp;\n"
-        "                         --offload not with dp)\n"
+        "                         (these four: --mode single, dp, ddp, fsdp and\n"
+        "                         pp; --offload not with dp or pp)\n"
         "  --no-eval              skip the test-set evaluation after each epoch\n"
         "                         (ddp spreads it over the ranks)\n"
         "  --quiet                only the per-epoch lines\n"
@@ -363,10 +366,10 @@ static tdm_status tdm_train_check_det(const tdm_train_args *a)
     if (!a->deterministic) return TDM_STATUS_OK;
     int K = (int)a->deterministic;
     if (strcmp(a->mode, "single") && strcmp(a->mode, "dp") && strcmp(a->mode, "ddp") &&
-        strcmp(a->mode, "fsdp"))
+        strcmp(a->mode, "fsdp") && strcmp(a->mode, "pp") && strcmp(a->mode, "tp"))
         return tdm_tool_usage_error("tandem train: --deterministic is not supported with --mode "
-                                    "%s yet (single, dp, ddp and fsdp honour the fixed order)\n",
-                                    a->mode);
+                                    "%s yet (single, dp, ddp, fsdp, pp and tp honour the fixed "
+                                    "order)\n", a->mode);
     if ((a->precision && strcmp(a->precision, "fp32")) || a->ckpt || a->clip_grad_norm > 0.0 ||
         a->offload)
         return tdm_tool_usage_error("tandem train: --deterministic is not supported with "

@@ -1,4 +1,5 @@
-/* tools/train_det.c: `tandem train --mode dp --deterministic K`: the K
+/* tools/train_det.c: `tandem train --mode dp --deterministic K`, and the
+ * step of `--mode tp --deterministic K` (at the end). DP: the K
  * virtual shards of each global batch over DataParallel's devices, K/N
  * on each device's thread (its replica, one shard at a time), the
  * devices' subtree sums and the tree's top added on the caller's thread,
@@ -6,10 +7,13 @@
  * the ranks' (dist/det.h), so the same bits. Lives in tools/ because dp/
  * and dist/ do not meet below it. */
 #include <stdlib.h>
+#include <string.h>
 
+#include "dist/batch.h"
 #include "dist/det.h"
 #include "dp/dp.h"
 #include "tools/train_modes.h"
+#include "tp/tp.h"
 
 struct tdm_train_det_dp {
     tdm_dp *dp;                       /* borrowed */
@@ -103,4 +107,36 @@ tdm_status tdm_train_det_dp_step(void *ctx, const void *x, const int32_t *y, int
     TDM_CHECK(tdm_dist_det_apply(top, n_micro));
     *loss_mean = loss_total / batch;
     return TDM_STATUS_OK;
+}
+
+/* ---- --mode tp ---- */
+
+tdm_status tdm_train_det_tp_step(tdm_tp *p, tdm_dist_det *det, const void *x, const int32_t *y,
+                                 int global, int64_t row0, double *loss_sum)
+{
+    int m = det->K / det->world;
+    float scale = 1.0f / (float)global;
+    det->begun++;
+    for (int j = 0; j < m; j++) {
+        int64_t lo, hi;
+        tdm_dist_share(global, det->rank * m + j, det->K, &lo, &hi);
+        double ls = 0.0;
+        TDM_CHECK(tdm_tp_zero_grad(p));
+        /* an empty shard adds zeros, as one device's does */
+        if (hi > lo)
+            TDM_CHECK(tdm_tp_forward_backward(p, (const char *)x + (lo - row0) * det->in_elems * 4,
+                                              y + (lo - row0) * det->out_rows, (int)(hi - lo),
+                                              scale, &ls));
+        TDM_CHECK(tdm_dist_det_feed(det, j, ls));
+    }
+    TDM_CHECK(tdm_dist_det_top(det, loss_sum));
+    TDM_CHECK(tdm_dist_det_write_top(det));
+    return tdm_tp_optim_step(p);
+}
+
+tdm_comm *tdm_train_det_dev_comm(tdm_comm *host, tdm_comm *dev)
+{
+    const char *e = getenv("TANDEM_TEST_DET_DEV_COMM");
+    if (dev && (dev != host || (e && !strcmp(e, "1")))) return dev;
+    return NULL;
 }

@@ -64,7 +64,10 @@ static int tdm_train_mem_in(const tdm_train_args *a, const tdm_model_spec *spec,
         if (tdm_mesh_parse(a->mesh, 0, &sh)) return 0;
         int S = a->mesh ? sh.size[TDM_MESH_PP] : a->stages > 0 ? (int)a->stages : world;
         int reps = S > 0 && world % S == 0 ? world / S : 1;
-        long long M = a->microbatches > 0 ? a->microbatches : 4;
+        /* --deterministic K: a replica's K/D virtual shards */
+        long long M = a->microbatches > 0 ? a->microbatches
+                      : a->deterministic > 0 && a->deterministic >= reps
+                          ? a->deterministic / reps : 4;
         long long rows = (a->batch + reps - 1) / reps, micro = (rows + M - 1) / M;
         long long held = !strcmp(sched, "gpipe") || M < S ? M : S;
         in->replicas = reps;

@@ -224,6 +224,26 @@ tdm_status tdm_train_det_dp_init(tdm_train_det_dp **out, tdm_dp *dp, tdm_single 
 void tdm_train_det_dp_free(tdm_train_det_dp *p);
 tdm_status tdm_train_det_dp_step(void *ctx, const void *x, const int32_t *y, int batch,
                                  double *loss_mean);
+/* --mode tp --deterministic K (tools/train_det.c): one optimizer step of
+ * a tensor-parallel rank whose replica holds rows [row0, row0 + its
+ * share) of a global batch of `global` at x, y: the replica's shards of
+ * the K (dist/batch.h's cut, virtual shards rep*K/D ..) through the group
+ * one at a time from zeroed gradients, each fed to det (over the rank's
+ * flat gradients, its comm the dp dimension's), the tree's top over the
+ * replicas, the sum written back and the optimizer stepped (the tp rank
+ * built without grad_comm). *loss_sum: the global batch's. Collective. */
+typedef struct tdm_tp tdm_tp;
+typedef struct tdm_dist_det tdm_dist_det;
+/* The device communicator for --deterministic's tree top (dist/det.h's
+ * dev_comm) of a group whose host communicator is host and device one
+ * dev: dev where it differs (NCCL on a GPU), else NULL (the host path);
+ * TANDEM_TEST_DET_DEV_COMM=1, a test hook read only by
+ * tests/test_det_gpu.c, takes the device path over dev even when it is
+ * host, so that host devices and the emulator run it. */
+tdm_comm *tdm_train_det_dev_comm(tdm_comm *host, tdm_comm *dev);
+tdm_status tdm_train_det_tp_step(tdm_tp *p, tdm_dist_det *det, const void *x, const int32_t *y,
+                                 int global, int64_t row0, double *loss_sum);
+
 /* ---- the memory levers (tools/train_levers.c) ---- */
 
 /* The checks of --precision, --checkpoint-activations, --clip-grad-norm
@@ -251,6 +271,13 @@ void tdm_train_levers_build(const tdm_train_args *a, struct tdm_tool_build *b);
 tdm_status tdm_train_levers_rank(const tdm_train_args *a, const struct tdm_tool_rank *r,
                                  struct tdm_dist_stepper *s, struct tdm_grad_scaler *scaler);
 void tdm_train_levers_rank_report(const tdm_train_args *a, const struct tdm_tool_rank *r);
+/* --mode pp: the stepper's levers on the rank's pipeline before each step
+ * (the found-inf flag and the norm over job, the whole job's device
+ * communicator; the norm counts replica 0's stages), its figures after. */
+struct tdm_pp;
+void tdm_train_levers_pp_begin(struct tdm_dist_stepper *s, struct tdm_pp *p, tdm_comm *job,
+                               int replica);
+void tdm_train_levers_pp_end(struct tdm_dist_stepper *s, const struct tdm_pp *p);
 
 /* --model gpt: a language model on text, in every mode (tools/train_text.c). */
 tdm_status tdm_train_text_main(const tdm_train_args *a);

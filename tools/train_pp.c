@@ -36,7 +36,8 @@ tdm_status tdm_train_check_pp(tdm_train_args *a, int gpt)
                                         "%s\n", a->mode);
         return TDM_STATUS_OK;
     }
-    if (!a->microbatches) a->microbatches = TDM_TRAIN_PP_MICRO_DEFAULT;
+    /* --deterministic K: a replica's K/D virtual shards (tools/rank_pp.c) */
+    if (!a->microbatches && !a->deterministic) a->microbatches = TDM_TRAIN_PP_MICRO_DEFAULT;
     if (!a->schedule) a->schedule = "1f1b";
     tdm_pp_schedule_kind k;
     if (tdm_pp_schedule_parse(a->schedule, &k))

@@ -216,6 +216,20 @@ static void tdm_train_rank_free(void *ctx, void *self)
     free(t);
 }
 
+/* --deterministic K with a pipeline, whose micro-batches are its virtual
+ * shards: an epoch's short last batch must give each shard a sample too.
+ * USAGE with the message. */
+static tdm_status tdm_train_det_last(const tdm_train_job *j, const tdm_train_args *a)
+{
+    int64_t left = a->deterministic && j->b.design == &tdm_tool_pp_design && j->train && !j->text
+                       ? j->train->n % a->batch : 0;
+    if (!left || left >= a->deterministic) return TDM_STATUS_OK;
+    return tdm_error_set(TDM_STATUS_USAGE, "--deterministic %lld --mode %s: each epoch ends on "
+                         "a batch of %lld samples, fewer than the K virtual shards (one per "
+                         "micro-batch); pick a --batch that leaves at least K or none",
+                         a->deterministic, a->mode, (long long)left);
+}
+
 /* Rank 0 speaks for the job: the others write nothing to stdout, save
  * nothing alone and show no progress. Then a launched rank's data, and
  * the design's rank. */
@@ -243,7 +257,7 @@ static tdm_status tdm_train_rank_setup(void *ctx, tdm_dist_rank *d, void **self)
                     "rank needs at least one window of every global batch\n", t->a.batch, world);
         st = tdm_error_set(TDM_STATUS_USAGE, "--batch %lld is smaller than the %d ranks",
                            t->a.batch, world);
-    } else if (t->a.deterministic &&
+    } else if (t->a.deterministic && !b->design->step &&
                tdm_dist_det_check((int)t->a.deterministic, world, t->a.batch)) {
         if (rank == 0) fprintf(stderr, "tandem train: %s\n", tdm_error_message());
         st = TDM_STATUS_USAGE;
@@ -251,6 +265,10 @@ static tdm_status tdm_train_rank_setup(void *ctx, tdm_dist_rank *d, void **self)
         st = tdm_train_load_data(j->a, &b->spec, &j->own_train, &j->own_test);
         j->train = &j->own_train;
         j->test = &j->own_test;
+    }
+    if (st == TDM_STATUS_OK && tdm_train_det_last(j, &t->a)) {
+        if (rank == 0) fprintf(stderr, "tandem train: %s\n", tdm_error_message());
+        st = TDM_STATUS_USAGE;
     }
     if (st == TDM_STATUS_OK) st = b->design->dist.setup(ctx, d, self);
     tdm_tool_rank *r = *self;
@@ -271,7 +289,7 @@ static tdm_status tdm_train_rank_setup(void *ctx, tdm_dist_rank *d, void **self)
 static void tdm_train_rank_header(const tdm_tool_rank *r, const tdm_train_job *j)
 {
     const tdm_dist_rank *d = r->dist;
-    char on[320] = "", note[64] = "", desc[560];
+    char on[400] = "", note[64] = "", desc[640];
     if (r->b->design->describe) r->b->design->describe(r, on, sizeof on, note, sizeof note);
     const char *backend = tdm_comm_backend_name(d->dev_comm);
     if (d->job_desc)
@@ -366,12 +384,15 @@ static tdm_status tdm_train_rank_run(void *ctx, tdm_dist_rank *d, void *self)
                                 .global_batch = (int)a->batch,
                                 .micro = a->grad_accum > 1 ? (int)a->batch : 0,
                                 .before = tdm_train_fault_hook, .before_ctx = r,
-                                .chunk_elems = tdm_train_det_chunk()};
+                                .chunk_elems = tdm_train_det_chunk(),
+                                .dev_comm = tdm_train_det_dev_comm(d->comm, d->dev_comm)};
         st = TDM_STATUS_OK;
-        if (a->deterministic && (st = tdm_dist_det_init(&t->det)) != TDM_STATUS_OK)
+        /* a design with a step of its own (a pipeline) runs the tree itself */
+        int det = a->deterministic && !design->step;
+        if (det && (st = tdm_dist_det_init(&t->det)) != TDM_STATUS_OK)
             tdm_tool_rank_fail(r, "--deterministic", st);
-        run.step = a->deterministic ? tdm_dist_det_step : run.step;
-        run.step_ctx = a->deterministic ? (void *)&t->det : run.step_ctx;
+        run.step = det ? tdm_dist_det_step : run.step;
+        run.step_ctx = det ? (void *)&t->det : run.step_ctx;
         if (st == TDM_STATUS_OK && a->trace) {
             char track[32];
             snprintf(track, sizeof track, "rank %d", d->env.rank);
@@ -432,6 +453,8 @@ static tdm_status tdm_train_ranks_forked(tdm_train_job *j, tdm_dist_run_opts *o)
         j->train = &j->own_train;
         j->test = &j->own_test;
     }
+    if (tdm_train_det_last(j, a))
+        return tdm_tool_usage_error("tandem train: %s\n", tdm_error_message());
     if (j->b.design == &tdm_tool_ddp_design)
         o->arena_bytes = tdm_tool_ddp_arena_bytes(o->devices, param_elems);
     if (j->b.design == &tdm_tool_pp_design)
@@ -453,7 +476,8 @@ static tdm_status tdm_train_ranks_build(tdm_train_job *j, const tdm_tool_design 
                           .powersgd = {.rank = (int)a->powersgd_rank,
                                        .start_step = a->powersgd_start_step,
                                        .seed = (uint64_t)a->seed},
-                          .save_sharded = a->save_sharded, .tool = j};
+                          .save_sharded = a->save_sharded, .tool = j,
+                          .deterministic = (int)a->deterministic};
     if (spec) b->spec = *spec;
     else if (tdm_model_spec_parse(&b->spec, a->model))
         return tdm_tool_usage_error("tandem train: --model: %s\n", tdm_error_message());
@@ -519,7 +543,7 @@ tdm_status tdm_train_run_ranks(const tdm_train_args *a, const tdm_tool_design *d
         fprintf(stderr, "tandem train: --device: %s\n", tdm_error_message());
         return st == TDM_STATUS_NO_DEVICE ? st : tdm_tool_usage(st);
     }
-    if (start == TDM_DIST_START_FORKED && a->deterministic &&
+    if (start == TDM_DIST_START_FORKED && a->deterministic && !design->step &&
         tdm_dist_det_check((int)a->deterministic, dl.count, a->batch))
         return tdm_tool_usage_error("tandem train: %s\n", tdm_error_message());
     if (start == TDM_DIST_START_FORKED) {

@@ -25,11 +25,15 @@ tdm_status tdm_train_check_tp(const tdm_train_args *a)
     if (a->sequence_parallel && strncmp(a->model, "gpt", 3))
         return tdm_tool_usage_error("tandem train: --sequence-parallel applies to the GPT; "
                                     "--model %s has no sequence\n", a->model);
-    if (a->uneven || a->sync_bn || a->deterministic || a->save_sharded ||
+    if (a->uneven || a->sync_bn || a->save_sharded ||
         (a->comm_hook && strcmp(a->comm_hook, "allreduce")) || a->max_restarts || a->backend)
         return tdm_tool_usage_error("tandem train: --mode tp takes none of --uneven, "
-                                    "--sync-bn, --deterministic, --save-sharded, --comm-hook, "
-                                    "--max-restarts, --backend\n");
+                                    "--sync-bn, --save-sharded, --comm-hook, --max-restarts, "
+                                    "--backend\n");
+    if (a->deterministic && (a->grad_accum > 1 || a->sharding || a->sequence_parallel))
+        return tdm_tool_usage_error("tandem train: --deterministic with --mode tp is not "
+                                    "supported with --grad-accum, --sharding or "
+                                    "--sequence-parallel yet\n");
     tdm_fsdp_sharding sh = TDM_FSDP_SHARD_OPTIM;
     if (a->sharding && tdm_fsdp_sharding_parse(a->sharding, &sh))
         return tdm_tool_usage_error("tandem train: --sharding: %s\n", tdm_error_message());
