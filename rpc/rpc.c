@@ -17,8 +17,14 @@
 /* How often a wait looks at its callee's liveness: a dead callee is named
  * within about this long (plus the transport's own detection). */
 #define TDM_RPC_CHECK_MS 20
+/* A future's wait that times out after at least this long is noted as
+ * the flight recorder's failure (shorter ones are polls). */
+#define TDM_RPC_FR_TIMEOUT_MS 1000
 /* The reader's longest sleep between looks at the stop flag. */
 #define TDM_RPC_PUMP_NAP_MS 50
+/* Longest a freed endpoint waits to say goodbye to a peer that reads
+ * nothing (a stopped process). */
+#define TDM_RPC_BYE_STALL_MS 200
 /* Longest a freed endpoint goes on serving the calls that arrived. */
 #define TDM_RPC_DRAIN_MS 5000
 
@@ -36,25 +42,13 @@ struct tdm_rpc_future {
     char name[TDM_RPC_NAME_MAX + 1];
     tdm_rpc_fstate state;
     int detached;             /* freed by its owner while pending */
+    uint64_t fr_seq;          /* its entry in the flight recorder */
     tdm_status st;
     char *err;
     void *reply;
     size_t reply_nbytes;
     struct tdm_rpc_future *next;
 };
-
-const char *tdm_rpc_transport_name(tdm_rpc_transport t)
-{
-    return t == TDM_RPC_TCP ? "tcp" : t == TDM_RPC_SHM ? "shm" : "?";
-}
-
-tdm_status tdm_rpc_transport_parse(const char *s, tdm_rpc_transport *out)
-{
-    if (s && !strcmp(s, "shm")) { *out = TDM_RPC_SHM; return TDM_STATUS_OK; }
-    if (s && !strcmp(s, "tcp")) { *out = TDM_RPC_TCP; return TDM_STATUS_OK; }
-    return tdm_error_set(TDM_STATUS_INVALID_ARG, "rpc: unknown transport '%s' (expected shm or tcp)",
-                         s ? s : "(null)");
-}
 
 int tdm_rpc_rank(const tdm_rpc *rpc) { return rpc->rank; }
 int tdm_rpc_world(const tdm_rpc *rpc) { return rpc->world; }
@@ -70,51 +64,6 @@ void tdm_rpc_get_stats(const tdm_rpc *rpc, tdm_rpc_stats *out)
     pthread_mutex_lock(&r->mu);
     *out = r->stats;
     pthread_mutex_unlock(&r->mu);
-}
-
-void tdm_rpc_wire_fill(tdm_rpc_wire *w, tdm_rpc_kind kind, int src, int32_t status,
-                       uint64_t id, uint32_t name_len, uint64_t body_len)
-{
-    memset(w, 0, sizeof *w);
-    w->magic = TDM_RPC_MAGIC;
-    w->version = TDM_RPC_VERSION;
-    w->kind = (uint16_t)kind;
-    w->src = src;
-    w->status = status;
-    w->id = id;
-    w->name_len = name_len;
-    w->body_len = body_len;
-}
-
-tdm_status tdm_rpc_wire_check(const tdm_rpc *rpc, const tdm_rpc_wire *w, int expect_src)
-{
-    if (w->magic != TDM_RPC_MAGIC)
-        return tdm_error_set(TDM_STATUS_FORMAT, "bad magic 0x%08x (expected 0x%08x): not a tandem RPC message",
-                             w->magic, TDM_RPC_MAGIC);
-    if (w->version != TDM_RPC_VERSION)
-        return tdm_error_set(TDM_STATUS_FORMAT, "protocol version %u (this build speaks %u)",
-                             w->version, TDM_RPC_VERSION);
-    if (w->kind < TDM_RPC_KIND_CALL || w->kind >= TDM_RPC_KIND_COUNT_)
-        return tdm_error_set(TDM_STATUS_FORMAT, "unknown message kind %u", w->kind);
-    if (w->src < 0 || w->src >= rpc->world || (expect_src >= 0 && w->src != expect_src))
-        return tdm_error_set(TDM_STATUS_FORMAT, "message says it is from rank %d (expected %d of world %d)",
-                             w->src, expect_src, rpc->world);
-    if (w->reserved != 0)
-        return tdm_error_set(TDM_STATUS_FORMAT, "reserved field is %u (expected 0)", w->reserved);
-    if (w->body_len > rpc->max_msg + TDM_RPC_NAME_MAX)
-        return tdm_error_set(TDM_STATUS_FORMAT, "body of %llu bytes, over the limit of %zu",
-                             (unsigned long long)w->body_len, rpc->max_msg);
-    if (w->name_len > TDM_RPC_NAME_MAX || w->name_len > w->body_len)
-        return tdm_error_set(TDM_STATUS_FORMAT, "name of %u bytes (at most %d, within a body of %llu)",
-                             w->name_len, TDM_RPC_NAME_MAX, (unsigned long long)w->body_len);
-    if (w->kind == TDM_RPC_KIND_CALL && w->name_len == 0)
-        return tdm_error_set(TDM_STATUS_FORMAT, "a call without a function name");
-    if (w->kind == TDM_RPC_KIND_REPLY && (w->status < 0 || w->status >= TDM_STATUS_COUNT_))
-        return tdm_error_set(TDM_STATUS_FORMAT, "reply with status %d (not a status)", w->status);
-    if (w->kind == TDM_RPC_KIND_HELLO || w->kind == TDM_RPC_KIND_TABLE)
-        return tdm_error_set(TDM_STATUS_FORMAT, "a %s after the connection was set up",
-                             w->kind == TDM_RPC_KIND_HELLO ? "hello" : "table");
-    return TDM_STATUS_OK;
 }
 
 /* --- futures ------------------------------------------------------------ */
@@ -140,16 +89,18 @@ static void future_complete(tdm_rpc *rpc, tdm_rpc_future *f, tdm_status st, cons
     pthread_cond_broadcast(&rpc->cv);
 }
 
-/* Fails every pending call to dst (mu held). */
-static void fail_pending_to(tdm_rpc *rpc, int dst, const char *why)
+/* Fails every pending call to dst (mu held); record: as failed in the
+ * flight recorder (not when this endpoint is freed: they were pending). */
+static void fail_pending_to(tdm_rpc *rpc, int dst, const char *why, int record)
 {
     tdm_rpc_future *f = rpc->calls.pending;
     while (f) {
         tdm_rpc_future *next = f->next;
         if (dst < 0 || f->dst == dst) {
-            char msg[400];
+            char msg[640];
             snprintf(msg, sizeof msg, "rpc: call #%llu '%s' to rank %d: %s",
                      (unsigned long long)f->id, f->name, f->dst, why);
+            if (record) tdm_rpc_fr_end(rpc, f->fr_seq, TDM_STATUS_PEER_FAILED, msg);
             future_complete(rpc, f, TDM_STATUS_PEER_FAILED, msg, NULL, 0);
         }
         f = next;
@@ -162,10 +113,15 @@ void tdm_rpc_peer_lost(tdm_rpc *rpc, int src, tdm_rpc_peer_state state, const ch
     if (rpc->peers.state[src] == TDM_RPC_PEER_UP) {
         rpc->peers.state[src] = state;
         snprintf(rpc->peers.why[src], sizeof rpc->peers.why[src], "%s", why);
-        if (state == TDM_RPC_PEER_GONE)
-            TDM_WARN(CORE, "rpc: rank %d: rank %d %s", rpc->rank, src, why);
+        if (state == TDM_RPC_PEER_GONE) {
+            char msg[sizeof rpc->peers.why[0] + 64];
+            snprintf(msg, sizeof msg, "rpc: rank %d: rank %d %s", rpc->rank, src, why);
+            TDM_WARN(CORE, "%s", msg);
+            tdm_rpc_fr_failure(rpc, TDM_STATUS_PEER_FAILED, msg);
+        }
     }
-    fail_pending_to(rpc, src, rpc->peers.why[src]);
+    /* a peer that left in order is no failure of this rank's record */
+    fail_pending_to(rpc, src, rpc->peers.why[src], rpc->peers.state[src] == TDM_RPC_PEER_GONE);
     pthread_cond_broadcast(&rpc->cv);
     pthread_mutex_unlock(&rpc->mu);
 }
@@ -174,10 +130,13 @@ void tdm_rpc_peer_lost(tdm_rpc *rpc, int src, tdm_rpc_peer_state state, const ch
 
 static void dispatch(tdm_rpc *rpc, tdm_rpc_wire *w, uint8_t *body);
 
-/* Sends one message (header + name + payload) to dst; to this rank it is
- * handed to dispatch without a transport. */
+/* Sends one message (header + name + payload) to dst, waiting at most
+ * stall_ns for a peer that takes nothing (the send lock included); to
+ * this rank it is handed to dispatch without a transport. A message left
+ * half-written abandons the channel: dst is taken for gone, naming why. */
 static tdm_status deliver(tdm_rpc *rpc, int dst, tdm_rpc_kind kind, int32_t status, uint64_t id,
-                          const char *name, const void *payload, size_t n)
+                          const char *name, const void *payload, size_t n, uint64_t stall_ns,
+                          uint64_t deadline_ns)
 {
     uint32_t name_len = name ? (uint32_t)strlen(name) : 0;
     tdm_rpc_wire w;
@@ -190,12 +149,47 @@ static tdm_status deliver(tdm_rpc *rpc, int dst, tdm_rpc_kind kind, int32_t stat
         dispatch(rpc, &w, body);
         return TDM_STATUS_OK;
     }
+    pthread_mutex_lock(&rpc->mu);
+    int up = rpc->peers.state[dst] == TDM_RPC_PEER_UP;
+    char why[sizeof rpc->peers.why[0]];
+    snprintf(why, sizeof why, "%s", rpc->peers.why[dst]);
+    pthread_mutex_unlock(&rpc->mu);
+    /* a peer gone or left reads nothing more (its channel may be closed) */
+    if (!up) return tdm_error_set(TDM_STATUS_PEER_FAILED, "rpc: send to rank %d: it %s", dst, why);
     /* the name travels in the same write as the header */
     uint8_t head[sizeof w + TDM_RPC_NAME_MAX];
     memcpy(head, &w, sizeof w);
     if (name_len) memcpy(head + sizeof w, name, name_len);
-    pthread_mutex_lock(&rpc->send_mu[dst]);
-    tdm_status st = rpc->ops->send(rpc, dst, head, sizeof w + name_len, payload, n);
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    uint64_t ns = (uint64_t)until.tv_nsec + stall_ns % 1000000000u;
+    until.tv_sec += (time_t)(stall_ns / 1000000000u + ns / 1000000000u);
+    until.tv_nsec = (long)(ns % 1000000000u);
+    /* another thread's send to dst may itself be stuck on it */
+    if (pthread_mutex_timedlock(&rpc->send_mu[dst], &until) != 0)
+        return tdm_error_set(TDM_STATUS_TIMEOUT, "rank %d has not read for %.1f s (another send to it is "
+                             "stuck; nothing of this message was sent)", dst, (double)stall_ns / 1e9);
+    size_t sent = 0;
+    tdm_status st = rpc->ops->send(rpc, dst, head, sizeof w + name_len, payload, n, stall_ns, deadline_ns, &sent);
+    if (st != TDM_STATUS_OK && sent == 0) {
+        /* the channel is whole: dst stays up ("rank D has not read for X s
+         * (...)" on a TIMEOUT) */
+        pthread_mutex_unlock(&rpc->send_mu[dst]);
+        if (st == TDM_STATUS_TIMEOUT) return tdm_error_prefix(st, "nothing of the message was sent");
+        return st;
+    }
+    if (st != TDM_STATUS_OK) {
+        /* part of a message went: the channel is abandoned, dst is gone
+         * for this rank (named first: its reader may see the channel end) */
+        char lost[sizeof rpc->peers.why[0]];
+        snprintf(lost, sizeof lost, "%s%s; %zu of %zu bytes of a message were sent, so the channel to it is "
+                 "closed", st == TDM_STATUS_TIMEOUT ? "stopped reading: " : "", tdm_error_message(), sent,
+                 sizeof w + name_len + n);
+        tdm_rpc_peer_lost(rpc, dst, TDM_RPC_PEER_GONE, lost);
+        rpc->ops->abandon(rpc, dst);
+        pthread_mutex_unlock(&rpc->send_mu[dst]);
+        return tdm_error_set(TDM_STATUS_PEER_FAILED, "rpc: send to rank %d: %s", dst, lost);
+    }
     pthread_mutex_unlock(&rpc->send_mu[dst]);
     if (st == TDM_STATUS_OK) {
         pthread_mutex_lock(&rpc->mu);
@@ -223,6 +217,8 @@ static void handle_reply(tdm_rpc *rpc, tdm_rpc_wire *w, uint8_t *body)
         return;
     }
     size_t n = (size_t)w->body_len - w->name_len;
+    /* a reply, an error one too: the call went through */
+    tdm_rpc_fr_end(rpc, f->fr_seq, TDM_STATUS_OK, NULL);
     if (w->status == TDM_STATUS_OK) {
         void *reply = NULL;
         if (n) {
@@ -258,6 +254,8 @@ static void dispatch(tdm_rpc *rpc, tdm_rpc_wire *w, uint8_t *body)
         m->body = body;
         m->next = NULL;
         pthread_mutex_lock(&rpc->mu);
+        m->fr_seq = tdm_rpc_fr_serve(rpc, body, w->name_len, w->id, w->src,
+                                     (size_t)w->body_len - w->name_len);
         if (rpc->queue.tail) rpc->queue.tail->next = m;
         else rpc->queue.head = m;
         rpc->queue.tail = m;
@@ -348,8 +346,8 @@ static tdm_rpc_fn_entry *find_fn(tdm_rpc *rpc, const char *name)
     return NULL;
 }
 
-/* Runs one call and sends its reply. */
-static void serve(tdm_rpc *rpc, tdm_rpc_msg *m)
+/* Runs one call and sends its reply: the reply's send status. */
+static tdm_status serve(tdm_rpc *rpc, tdm_rpc_msg *m)
 {
     char name[TDM_RPC_NAME_MAX + 1];
     memcpy(name, m->body, m->w.name_len);
@@ -401,9 +399,10 @@ static void serve(tdm_rpc *rpc, tdm_rpc_msg *m)
     tdm_status sst;
     if (st == TDM_STATUS_OK)
         sst = deliver(rpc, m->w.src, TDM_RPC_KIND_REPLY, TDM_STATUS_OK, m->w.id, NULL, req.reply,
-                      req.reply_nbytes);
+                      req.reply_nbytes, rpc->send_stall_ns, UINT64_MAX);
     else
-        sst = deliver(rpc, m->w.src, TDM_RPC_KIND_REPLY, st, m->w.id, NULL, req.err, strlen(req.err));
+        sst = deliver(rpc, m->w.src, TDM_RPC_KIND_REPLY, st, m->w.id, NULL, req.err, strlen(req.err),
+                      rpc->send_stall_ns, UINT64_MAX);
     if (sst != TDM_STATUS_OK)
         TDM_INFO(CORE, "rpc: rank %d: reply to rank %d's call '%s' not sent: %s", rpc->rank, m->w.src,
                  name, tdm_error_message());
@@ -411,6 +410,7 @@ static void serve(tdm_rpc *rpc, tdm_rpc_msg *m)
     pthread_mutex_lock(&rpc->mu);
     rpc->stats.calls_served++;
     pthread_mutex_unlock(&rpc->mu);
+    return sst;
 }
 
 static void *server_main(void *arg)
@@ -426,7 +426,9 @@ static void *server_main(void *arg)
         if (!rpc->queue.head) rpc->queue.tail = NULL;
         rpc->queue.serving = 1;
         pthread_mutex_unlock(&rpc->mu);
-        serve(rpc, m);
+        tdm_rpc_fr_start(rpc, m->fr_seq);
+        tdm_status sst = serve(rpc, m);
+        tdm_rpc_fr_end(rpc, m->fr_seq, sst, sst ? tdm_error_message() : NULL);
         free(m->body);
         free(m);
         pthread_mutex_lock(&rpc->mu);
@@ -485,8 +487,10 @@ tdm_status tdm_rpc_req_fail(tdm_rpc_req *req, tdm_status st, const char *fmt, ..
 
 /* --- calls -------------------------------------------------------------- */
 
-tdm_status tdm_rpc_call_async(tdm_rpc *rpc, int dst, const char *name, const void *args,
-                              size_t nbytes, tdm_rpc_future **out)
+/* tdm_rpc_call_async with the bound on a send to a peer that reads
+ * nothing (tdm_rpc_call: its timeout, when shorter). */
+static tdm_status call_start(tdm_rpc *rpc, int dst, const char *name, const void *args, size_t nbytes,
+                             uint64_t stall_ns, uint64_t deadline_ns, tdm_rpc_future **out)
 {
     *out = NULL;
     TDM_REQUIRE(rpc && name, TDM_STATUS_INVALID_ARG, "rpc_call: NULL argument");
@@ -515,22 +519,43 @@ tdm_status tdm_rpc_call_async(tdm_rpc *rpc, int dst, const char *name, const voi
         return st;
     }
     f->id = ++rpc->calls.next_id;
+    f->fr_seq = tdm_rpc_fr_call(rpc, name, f->id, dst, nbytes);
     f->next = rpc->calls.pending;
     rpc->calls.pending = f;
     pthread_mutex_unlock(&rpc->mu);
-    tdm_status st = deliver(rpc, dst, TDM_RPC_KIND_CALL, 0, f->id, name, args, nbytes);
+    tdm_status st = deliver(rpc, dst, TDM_RPC_KIND_CALL, 0, f->id, name, args, nbytes, stall_ns, deadline_ns);
     if (st != TDM_STATUS_OK) {
         char msg[TDM_ERROR_MSG_MAX];
-        snprintf(msg, sizeof msg, "%s", tdm_error_message());
+        if (st == TDM_STATUS_TIMEOUT)
+            snprintf(msg, sizeof msg, "rpc: call #%llu '%s' to rank %d: %s", (unsigned long long)f->id, name,
+                     dst, tdm_error_message());
+        else
+            snprintf(msg, sizeof msg, "%s", tdm_error_message());
         pthread_mutex_lock(&rpc->mu);
         if (rpc->peers.state[dst] != TDM_RPC_PEER_UP)
             snprintf(msg, sizeof msg, "rpc: call #%llu '%s' to rank %d: %s", (unsigned long long)f->id, name,
                      dst, rpc->peers.why[dst]);
-        if (f->state == TDM_RPC_F_PENDING) future_complete(rpc, f, st, msg, NULL, 0);
+        if (f->state == TDM_RPC_F_PENDING) {
+            tdm_rpc_fr_end(rpc, f->fr_seq, st, msg);
+            future_complete(rpc, f, st, msg, NULL, 0);
+        }
+        pthread_mutex_unlock(&rpc->mu);
+    } else {
+        /* sent: waiting for the reply (unless it came already) */
+        pthread_mutex_lock(&rpc->mu);
+        if (f->state == TDM_RPC_F_PENDING) tdm_rpc_fr_start(rpc, f->fr_seq);
         pthread_mutex_unlock(&rpc->mu);
     }
     *out = f;
     return TDM_STATUS_OK;
+}
+
+tdm_status tdm_rpc_call_async(tdm_rpc *rpc, int dst, const char *name, const void *args,
+                              size_t nbytes, tdm_rpc_future **out)
+{
+    *out = NULL;
+    TDM_REQUIRE(rpc, TDM_STATUS_INVALID_ARG, "rpc_call: NULL endpoint");
+    return call_start(rpc, dst, name, args, nbytes, rpc->send_stall_ns, UINT64_MAX, out);
 }
 
 int tdm_rpc_future_done(const tdm_rpc_future *f)
@@ -555,9 +580,14 @@ tdm_status tdm_rpc_future_wait(tdm_rpc_future *f, int64_t timeout_ms, void **rep
         uint64_t now = tdm_time_ns();
         if (timeout_ms >= 0 && now - t0 >= (uint64_t)timeout_ms * 1000000u) {
             pthread_mutex_unlock(&rpc->mu);
-            return tdm_error_set(TDM_STATUS_TIMEOUT,
-                                 "rpc: call #%llu '%s' to rank %d: no reply within %lld ms (still pending)",
-                                 (unsigned long long)f->id, f->name, f->dst, (long long)timeout_ms);
+            tdm_status st = tdm_error_set(TDM_STATUS_TIMEOUT,
+                                          "rpc: call #%llu '%s' to rank %d: no reply within %lld ms (still "
+                                          "pending)", (unsigned long long)f->id, f->name, f->dst,
+                                          (long long)timeout_ms);
+            /* a wait that gives up is the recorder's failure (a short
+             * poll is not: it is waited again) */
+            if (timeout_ms >= TDM_RPC_FR_TIMEOUT_MS) tdm_rpc_fr_failure(rpc, st, tdm_error_message());
+            return st;
         }
         /* a dead callee never replies: look at it between naps */
         if (rpc->peers.state[f->dst] == TDM_RPC_PEER_UP && f->dst != rpc->rank) {
@@ -616,8 +646,20 @@ tdm_status tdm_rpc_call(tdm_rpc *rpc, int dst, const char *name, const void *arg
     tdm_rpc_future *f = NULL;
     if (reply) *reply = NULL;
     if (reply_nbytes) *reply_nbytes = 0;
-    TDM_CHECK(tdm_rpc_call_async(rpc, dst, name, args, nbytes, &f));
-    tdm_status st = tdm_rpc_future_wait(f, timeout_ms, reply, reply_nbytes);
+    TDM_REQUIRE(rpc, TDM_STATUS_INVALID_ARG, "rpc_call: NULL endpoint");
+    uint64_t stall = rpc->send_stall_ns, t0 = tdm_time_ns();
+    if (timeout_ms >= 0 && (uint64_t)timeout_ms * 1000000u < stall) stall = (uint64_t)timeout_ms * 1000000u;
+    /* the whole send within the call's timeout too: a peer that takes a
+     * trickle (the kernel's buffers, not its reader) never stalls */
+    uint64_t deadline = timeout_ms >= 0 ? t0 + (uint64_t)timeout_ms * 1000000u : UINT64_MAX;
+    TDM_CHECK(call_start(rpc, dst, name, args, nbytes, stall, deadline, &f));
+    /* the send took part of the timeout */
+    int64_t left = timeout_ms;
+    if (timeout_ms >= 0) {
+        int64_t spent = (int64_t)((tdm_time_ns() - t0) / 1000000u);
+        left = spent < timeout_ms ? timeout_ms - spent : 0;
+    }
+    tdm_status st = tdm_rpc_future_wait(f, left, reply, reply_nbytes);
     tdm_rpc_future_free(f);
     return st;
 }
@@ -652,6 +694,8 @@ tdm_status tdm_rpc_init(tdm_rpc **out, const tdm_rpc_opts *opts)
     for (int i = 0; i < TDM_RPC_MAX_RANKS; i++) pthread_mutex_init(&rpc->send_mu[i], NULL);
     rpc->opts = *opts;
     rpc->max_msg = opts->max_msg_bytes ? opts->max_msg_bytes : TDM_RPC_DEFAULT_MAX_MSG_BYTES;
+    rpc->send_stall_ns = (uint64_t)(opts->send_stall_ms > 0 ? opts->send_stall_ms : TDM_RPC_DEFAULT_SEND_STALL_MS) *
+                         1000000u;
     if (opts->comm) {
         rpc->rank = tdm_comm_rank(opts->comm);
         rpc->world = tdm_comm_size(opts->comm);
@@ -665,6 +709,7 @@ tdm_status tdm_rpc_init(tdm_rpc **out, const tdm_rpc_opts *opts)
         goto fail;
     }
     TDM_TRY(tdm_rpc_barrier_register(rpc));
+    TDM_TRY(tdm_rpc_fr_open(rpc));
     if (opts->transport == TDM_RPC_SHM) {
         if (!opts->comm) {
             st = tdm_error_set(TDM_STATUS_INVALID_ARG,
@@ -720,13 +765,15 @@ void tdm_rpc_free(tdm_rpc *rpc)
         pthread_mutex_unlock(&rpc->mu);
     }
     if (rpc->reader_running) {
-        /* tell the peers first: their calls to this rank fail at once */
+        /* tell the peers first: their calls to this rank fail at once; a
+         * peer that reads nothing is not waited for long */
+        uint64_t bye_stall_ns = (uint64_t)TDM_RPC_BYE_STALL_MS * 1000000u;
         for (int r = 0; r < rpc->world; r++) {
             if (r == rpc->rank) continue;
             pthread_mutex_lock(&rpc->mu);
             int up = rpc->peers.state[r] == TDM_RPC_PEER_UP;
             pthread_mutex_unlock(&rpc->mu);
-            if (up) (void)deliver(rpc, r, TDM_RPC_KIND_BYE, 0, 0, NULL, NULL, 0);
+            if (up) (void)deliver(rpc, r, TDM_RPC_KIND_BYE, 0, 0, NULL, NULL, 0, bye_stall_ns, UINT64_MAX);
         }
     }
     atomic_store_explicit(&rpc->stopping, 1, memory_order_release);
@@ -736,8 +783,11 @@ void tdm_rpc_free(tdm_rpc *rpc)
     if (rpc->ops && rpc->ops->wake) rpc->ops->wake(rpc);
     if (rpc->reader_running) pthread_join(rpc->reader, NULL);
     if (rpc->server_running) pthread_join(rpc->server, NULL);
+    /* the record as the failure left it, before the calls still
+     * pending are failed below */
+    tdm_rpc_fr_dump_failed(rpc);
     pthread_mutex_lock(&rpc->mu);
-    fail_pending_to(rpc, -1, "this rank's RPC endpoint was freed");
+    fail_pending_to(rpc, -1, "this rank's RPC endpoint was freed", 0);
     while (rpc->queue.head) {
         tdm_rpc_msg *m = rpc->queue.head;
         rpc->queue.head = m->next;
@@ -747,6 +797,7 @@ void tdm_rpc_free(tdm_rpc *rpc)
     pthread_mutex_unlock(&rpc->mu);
     if (rpc->ops) rpc->ops->close(rpc);
     tdm_rref_table_free(rpc);
+    tdm_rpc_fr_close(rpc);
     for (int i = 0; i < TDM_RPC_MAX_RANKS; i++) {
         free(rpc->dec[i].body);
         pthread_mutex_destroy(&rpc->send_mu[i]);

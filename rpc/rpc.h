@@ -38,6 +38,9 @@ extern "C" {
 #define TDM_RPC_DEFAULT_MAX_MSG_BYTES ((size_t)256 << 20)
 /* Default bound on setting up the transport (all ranks must arrive). */
 #define TDM_RPC_DEFAULT_SETUP_MS 60000
+/* Default bound on a send to a peer that reads nothing (tdm_rpc_opts):
+ * the process group's timeout of forked ranks (dist/timeout.h). */
+#define TDM_RPC_DEFAULT_SEND_STALL_MS 60000
 /* Most ranks an endpoint talks to. */
 #define TDM_RPC_MAX_RANKS 64
 
@@ -61,6 +64,15 @@ typedef struct tdm_rpc_opts {
     size_t max_msg_bytes;         /* 0: TDM_RPC_DEFAULT_MAX_MSG_BYTES */
     int64_t setup_ms;             /* 0: TDM_RPC_DEFAULT_SETUP_MS */
     size_t ring_bytes;            /* SHM: bytes per ring; 0: 256 KiB */
+    /* A send (a call's arguments, a reply) to a peer that takes no byte
+     * for this long while the ring or the socket buffer is full fails
+     * naming it ("rank 2 has not read for 60.0 s"): a peer alive but
+     * stopped (SIGSTOP, a debugger) never blocks a caller or the serving
+     * thread for longer. A message left half-written closes the channel
+     * to that peer (it is taken for gone from then). 0:
+     * TDM_RPC_DEFAULT_SEND_STALL_MS; a synchronous call with a shorter
+     * timeout uses its timeout. */
+    int64_t send_stall_ms;
 } tdm_rpc_opts;
 
 typedef struct tdm_rpc tdm_rpc;
@@ -109,11 +121,16 @@ tdm_status tdm_rpc_register(tdm_rpc *rpc, const char *name, tdm_rpc_fn fn, void 
  * size to *reply_nbytes (both may be NULL to drop it). Errors: the
  * callee's (its status and "rank 1: <its message>"), INVALID_ARG (no such
  * function on the callee, arguments over max_msg_bytes), PEER_FAILED (the
- * callee died or left), TIMEOUT. */
+ * callee died or left, or took no byte of the arguments for the shorter
+ * of timeout_ms and opts.send_stall_ms with part of them sent: "rank 1
+ * has not read for 1.0 s"), TIMEOUT (no reply in time, or that stall
+ * before any byte went). */
 tdm_status tdm_rpc_call(tdm_rpc *rpc, int dst, const char *name, const void *args,
                         size_t nbytes, void **reply, size_t *reply_nbytes, int64_t timeout_ms);
-/* Sends the call and returns at once with a future (args copied out
- * before it returns). */
+/* Sends the call and returns with a future once the arguments are
+ * written (a message larger than the ring or the socket buffer streams
+ * while the callee reads; one that reads nothing fails the future after
+ * opts.send_stall_ms, naming it). */
 tdm_status tdm_rpc_call_async(tdm_rpc *rpc, int dst, const char *name, const void *args,
                               size_t nbytes, tdm_rpc_future **out);
 /* Waits for the reply (as tdm_rpc_call). TIMEOUT leaves the future

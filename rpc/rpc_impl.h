@@ -53,10 +53,21 @@ typedef struct tdm_rpc_decoder {
 /* A transport: functions called by rpc/rpc.c. */
 typedef struct tdm_rpc_tp_ops {
     const char *name;
-    /* Writes a then b to dst, whole, or fails (PEER_FAILED when dst is
-     * gone). Called with the endpoint's send lock for dst held. */
+    /* Writes a then b to dst, whole, or fails: PEER_FAILED when dst is
+     * gone, TIMEOUT ("rank D has not read for X s") when dst takes no
+     * byte for stall_ns while some wait to be written (a peer alive but
+     * stopped: SIGSTOP, a debugger, a reader stuck), or at deadline_ns
+     * (tdm_time_ns(); UINT64_MAX: none: a synchronous call's timeout, which
+     * a peer taking a trickle would outlast). *sent: the bytes of
+     * a and b written before it returned (> 0 on a failure: the channel
+     * holds part of a message; the caller abandons it). Called with the
+     * endpoint's send lock for dst held. */
     tdm_status (*send)(tdm_rpc *rpc, int dst, const void *a, size_t na, const void *b,
-                       size_t nb);
+                       size_t nb, uint64_t stall_ns, uint64_t deadline_ns, size_t *sent);
+    /* The channel to dst holds part of a message that will never be
+     * completed: closes it, so that dst, if it reads again, stops there
+     * and takes this rank for gone instead of decoding garbage. */
+    void (*abandon)(tdm_rpc *rpc, int dst);
     /* The reader thread: waits at most nap_ms for incoming bytes and
      * hands them to tdm_rpc_feed; reports a gone peer with
      * tdm_rpc_peer_lost. */
@@ -70,6 +81,7 @@ typedef struct tdm_rpc_tp_ops {
 
 typedef struct tdm_rpc_msg {
     tdm_rpc_wire w;
+    uint64_t fr_seq;          /* a call: its serve entry in the flight recorder */
     uint8_t *body;
     struct tdm_rpc_msg *next;
 } tdm_rpc_msg;
@@ -92,6 +104,7 @@ struct tdm_rpc {
     int rank, world;
     tdm_rpc_opts opts;
     size_t max_msg;
+    uint64_t send_stall_ns;   /* opts.send_stall_ms, resolved */
     const tdm_rpc_tp_ops *ops;
     void *tp;                 /* the transport's state */
     /* everything below under mu */
@@ -111,7 +124,7 @@ struct tdm_rpc {
     } queue;
     struct {
         tdm_rpc_peer_state state[TDM_RPC_MAX_RANKS];
-        char why[TDM_RPC_MAX_RANKS][160];
+        char why[TDM_RPC_MAX_RANKS][400];
     } peers;
     struct {
         uint64_t arrived;          /* rank 0: arrivals counted */
@@ -119,6 +132,12 @@ struct tdm_rpc {
         uint64_t entered;          /* barriers this rank entered */
     } barrier;
     tdm_rpc_stats stats;
+    /* The flight recorder of the endpoint (core/flight.h, backend "rpc";
+     * NULL: off): an entry per call made ("rpc call NAME #ID to R") and
+     * per call served ("rpc serve NAME #ID from R"). Entries are begun
+     * under mu (the recorder has one issuer at a time). */
+    struct tdm_fr *fr;
+    _Atomic int fr_failed;    /* a failure was noted: dumped again when freed */
     struct tdm_rref_table *rrefs;  /* rpc/rref.c: objects owned here; NULL: none yet */
     /* threads */
     pthread_t reader, server;
@@ -149,6 +168,21 @@ void tdm_rpc_wire_fill(tdm_rpc_wire *w, tdm_rpc_kind kind, int src, int32_t stat
 void tdm_rref_table_free(tdm_rpc *rpc);
 /* rpc/barrier.c: registers the barrier's two functions (tdm_rpc_init). */
 tdm_status tdm_rpc_barrier_register(tdm_rpc *rpc);
+/* rpc/rpc_fr.c: the endpoint's flight recorder (rpc->fr). The begins
+ * are called with mu held; UINT64_MAX: no entry (the recorder is off). */
+tdm_status tdm_rpc_fr_open(tdm_rpc *rpc);
+uint64_t tdm_rpc_fr_call(tdm_rpc *rpc, const char *name, uint64_t id, int dst, size_t n);
+uint64_t tdm_rpc_fr_serve(tdm_rpc *rpc, const uint8_t *name, uint32_t name_len, uint64_t id, int src,
+                          size_t n);
+void tdm_rpc_fr_start(tdm_rpc *rpc, uint64_t seq);
+/* done (OK) or failed (st, why: the dump's reason when it is the first) */
+void tdm_rpc_fr_end(tdm_rpc *rpc, uint64_t seq, tdm_status st, const char *why);
+/* a failure that is no entry's (a timed-out wait, a peer lost) */
+void tdm_rpc_fr_failure(tdm_rpc *rpc, tdm_status st, const char *why);
+/* dumps the record as it stands when a failure was noted (tdm_rpc_free,
+ * before it fails the calls still pending) */
+void tdm_rpc_fr_dump_failed(tdm_rpc *rpc);
+void tdm_rpc_fr_close(tdm_rpc *rpc);
 /* The time bound for the transport's setup. */
 int64_t tdm_rpc_setup_ms(const tdm_rpc *rpc);
 

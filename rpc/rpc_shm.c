@@ -67,6 +67,9 @@ typedef struct rpc_shm_rank {
 typedef struct rpc_shm_ring {
     alignas(RPC_SHM_LINE) tdm_wait_flag head;      /* bytes written: the sender's */
     alignas(RPC_SHM_LINE) tdm_wait_flag tail;      /* bytes read: the receiver's */
+    /* set by the sender that gave up on a half-written message (the
+     * receiver read nothing for the send's bound): never cleared */
+    alignas(RPC_SHM_LINE) _Atomic int32_t abandoned;
 } rpc_shm_ring;
 
 typedef struct rpc_shm {
@@ -101,14 +104,10 @@ static size_t layout_total(int world, size_t ring_bytes)
            (size_t)world * (size_t)world * ring_stride(ring_bytes);
 }
 
-/* 1 when pid's process is gone or a zombie. */
-static int pid_gone(pid_t pid, char *why, size_t n)
+/* The state letter of pid's process in /proc (R, S, T, Z, ...); 0 when
+ * it cannot be read. */
+static char pid_state(pid_t pid)
 {
-    if (pid <= 0) return 0;
-    if (kill(pid, 0) != 0 && errno == ESRCH) {
-        snprintf(why, n, "died (process %d no longer exists)", (int)pid);
-        return 1;
-    }
     char path[64], buf[256];
     snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
     FILE *f = fopen(path, "r");
@@ -117,7 +116,19 @@ static int pid_gone(pid_t pid, char *why, size_t n)
     fclose(f);
     buf[k] = '\0';
     const char *p = strrchr(buf, ')');
-    if (p && p[1] == ' ' && (p[2] == 'Z' || p[2] == 'X')) {
+    return p && p[1] == ' ' ? p[2] : 0;
+}
+
+/* 1 when pid's process is gone or a zombie. */
+static int pid_gone(pid_t pid, char *why, size_t n)
+{
+    if (pid <= 0) return 0;
+    if (kill(pid, 0) != 0 && errno == ESRCH) {
+        snprintf(why, n, "died (process %d no longer exists)", (int)pid);
+        return 1;
+    }
+    char st = pid_state(pid);
+    if (st == 'Z' || st == 'X') {
         snprintf(why, n, "died (process %d has exited)", (int)pid);
         return 1;
     }
@@ -153,13 +164,24 @@ static void ring_doorbell(rpc_shm *s, int dst)
     if (atomic_load_explicit(&d->waiters, memory_order_seq_cst) != 0) tdm_wait_wake(d, TDM_WAIT_SHARED);
 }
 
-static tdm_status ring_write(tdm_rpc *rpc, int dst, const uint8_t *p, size_t n)
+/* Fails the send: dst took no byte for stall_ns. */
+static tdm_status stalled(rpc_shm *s, int dst, uint64_t stall_ns)
+{
+    char st = pid_state(s->pid[dst]);
+    return tdm_error_set(TDM_STATUS_TIMEOUT, "rank %d has not read for %.1f s (pid %d%s)", dst,
+                         (double)stall_ns / 1e9, (int)s->pid[dst],
+                         st == 'T' || st == 't' ? ", stopped: SIGSTOP or a debugger" : ", alive");
+}
+
+static tdm_status ring_write(tdm_rpc *rpc, int dst, const uint8_t *p, size_t n, uint64_t stall_ns,
+                             uint64_t deadline_ns, size_t *sent)
 {
     rpc_shm *s = rpc->tp;
     rpc_shm_ring *r = ring_at(s, rpc->rank, dst);
     uint8_t *data = ring_data(s, r);
     /* only this rank writes head (under the endpoint's send lock for dst) */
     uint64_t head = atomic_load_explicit(&r->head.value, memory_order_relaxed);
+    uint64_t seen_tail = UINT64_MAX, since = 0;
     while (n > 0) {
         /* acquire: pairs with the reader's publish of tail, after which
          * the bytes it read may be overwritten */
@@ -171,6 +193,17 @@ static tdm_status ring_write(tdm_rpc *rpc, int dst, const uint8_t *p, size_t n)
                 return tdm_error_set(TDM_STATUS_ABORTED, "rpc: rank %d is shutting down", rpc->rank);
             if (shm_peer_gone(rpc, dst, why, sizeof why))
                 return tdm_error_set(TDM_STATUS_PEER_FAILED, "rpc: send to rank %d: it %s", dst, why);
+            /* the bound runs from the last byte dst took */
+            uint64_t now = tdm_time_ns();
+            if (tail != seen_tail) {
+                seen_tail = tail;
+                since = now;
+            } else if (now - since >= stall_ns) {
+                return stalled(s, dst, stall_ns);
+            }
+            if (now >= deadline_ns)
+                return tdm_error_set(TDM_STATUS_TIMEOUT, "rank %d has not read the message within the call's "
+                                     "timeout (%zu bytes of it taken)", dst, *sent);
             tdm_wait_sleep(&r->tail, tail + 1, RPC_SHM_SEND_NAP_NS, TDM_WAIT_SHARED, NULL);
             continue;
         }
@@ -182,6 +215,7 @@ static tdm_status ring_write(tdm_rpc *rpc, int dst, const uint8_t *p, size_t n)
         head += k;
         p += k;
         n -= k;
+        *sent += k;
         /* release: the bytes above before the head that announces them
          * (pairs with the reader's acquire load of head) */
         atomic_store_explicit(&r->head.value, head, memory_order_release);
@@ -190,14 +224,25 @@ static tdm_status ring_write(tdm_rpc *rpc, int dst, const uint8_t *p, size_t n)
     return TDM_STATUS_OK;
 }
 
-static tdm_status shm_send(tdm_rpc *rpc, int dst, const void *a, size_t na, const void *b, size_t nb)
+static tdm_status shm_send(tdm_rpc *rpc, int dst, const void *a, size_t na, const void *b, size_t nb,
+                           uint64_t stall_ns, uint64_t deadline_ns, size_t *sent)
 {
     rpc_shm *s = rpc->tp;
+    *sent = 0;
     if (atomic_load_explicit(&s->ranks[dst].state, memory_order_acquire) == RPC_SHM_LEFT)
         return tdm_error_set(TDM_STATUS_PEER_FAILED, "rpc: send to rank %d: it has left", dst);
-    TDM_CHECK(ring_write(rpc, dst, a, na));
-    if (nb) TDM_CHECK(ring_write(rpc, dst, b, nb));
+    TDM_CHECK(ring_write(rpc, dst, a, na, stall_ns, deadline_ns, sent));
+    if (nb) TDM_CHECK(ring_write(rpc, dst, b, nb, stall_ns, deadline_ns, sent));
     return TDM_STATUS_OK;
+}
+
+static void shm_abandon(tdm_rpc *rpc, int dst)
+{
+    rpc_shm *s = rpc->tp;
+    /* release: after the bytes written (the receiver reads the flag
+     * before it reads any) */
+    atomic_store_explicit(&ring_at(s, rpc->rank, dst)->abandoned, 1, memory_order_release);
+    ring_doorbell(s, dst);
 }
 
 static void shm_pump(tdm_rpc *rpc, int nap_ms)
@@ -209,6 +254,14 @@ static void shm_pump(tdm_rpc *rpc, int nap_ms)
     for (int src = 0; src < s->world; src++) {
         if (src == rpc->rank || rpc->dec[src].broken) continue;
         rpc_shm_ring *r = ring_at(s, src, rpc->rank);
+        if (atomic_load_explicit(&r->abandoned, memory_order_acquire)) {
+            /* what is left in the ring ends mid-message */
+            rpc->dec[src].broken = 1;
+            tdm_rpc_peer_lost(rpc, src, TDM_RPC_PEER_GONE,
+                              "gave up on a message to this rank, which had not read for its send bound "
+                              "(was this process stopped?): its channel is closed");
+            continue;
+        }
         /* acquire: pairs with the sender's release store of head */
         uint64_t head = atomic_load_explicit(&r->head.value, memory_order_acquire);
         uint64_t tail = atomic_load_explicit(&r->tail.value, memory_order_relaxed);
@@ -251,6 +304,7 @@ static void shm_close(tdm_rpc *rpc)
 static const tdm_rpc_tp_ops shm_ops = {
     .name = "shm",
     .send = shm_send,
+    .abandon = shm_abandon,
     .pump = shm_pump,
     .peer_gone = shm_peer_gone,
     .wake = shm_wake,

@@ -43,6 +43,9 @@
 #define RPC_TCP_MAX_NEWCOMERS 16
 /* Bytes read at a time from one connection. */
 #define RPC_TCP_READ_BYTES ((size_t)64 << 10)
+/* Longest nap of a send waiting for a full socket buffer to drain
+ * between looks at the stop flag. */
+#define RPC_TCP_SEND_NAP_MS 50
 /* Pause between connection attempts while nobody listens yet. */
 #define RPC_TCP_RETRY_MS 20
 
@@ -387,14 +390,59 @@ static void tcp_pump(tdm_rpc *rpc, int nap_ms)
         if (newc_ready[a] < t->n_newc) newcomer_read(rpc, newc_ready[a]);
 }
 
-static tdm_status tcp_send(tdm_rpc *rpc, int dst, const void *a, size_t na, const void *b, size_t nb)
+/* Writes all of buf to dst's connection, waiting at most stall_ns after
+ * the last byte the socket took (the peer's receive buffer and this
+ * one's send buffer full: it reads nothing). */
+static tdm_status send_bounded(tdm_rpc *rpc, int dst, const uint8_t *p, size_t n, uint64_t stall_ns,
+                               uint64_t deadline_ns, size_t *sent)
 {
     rpc_tcp *t = rpc->tp;
-    char what[32];
-    snprintf(what, sizeof what, "rank %d", dst);
-    TDM_CHECK(write_all(t->fd[dst], a, na, what));
-    if (nb) TDM_CHECK(write_all(t->fd[dst], b, nb, what));
+    uint64_t since = tdm_time_ns();
+    while (n > 0) {
+        ssize_t k = send(t->fd[dst], p, n, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (k > 0) {
+            p += k;
+            n -= (size_t)k;
+            *sent += (size_t)k;
+            since = tdm_time_ns();
+            continue;
+        }
+        if (k < 0 && errno == EINTR) continue;
+        if (k == 0 || (errno != EAGAIN && errno != EWOULDBLOCK))
+            return tdm_error_set(TDM_STATUS_PEER_FAILED, "rpc tcp: sending to rank %d: %s", dst,
+                                 k < 0 ? strerror(errno) : "connection closed");
+        if (atomic_load_explicit(&rpc->stopping, memory_order_acquire))
+            return tdm_error_set(TDM_STATUS_ABORTED, "rpc: rank %d is shutting down", rpc->rank);
+        uint64_t now = tdm_time_ns();
+        if (now - since >= stall_ns)
+            return tdm_error_set(TDM_STATUS_TIMEOUT, "rank %d has not read for %.1f s (its connection "
+                                 "takes nothing: stopped, or too busy to read?)", dst, (double)stall_ns / 1e9);
+        if (now >= deadline_ns)
+            return tdm_error_set(TDM_STATUS_TIMEOUT, "rank %d has not read the message within the call's "
+                                 "timeout (%zu bytes of it taken by its connection)", dst, *sent);
+        /* short naps: a shutdown is seen soon */
+        uint64_t left_ms = (stall_ns - (now - since)) / 1000000u + 1;
+        struct pollfd pf = {.fd = t->fd[dst], .events = POLLOUT};
+        (void)poll(&pf, 1, left_ms < RPC_TCP_SEND_NAP_MS ? (int)left_ms : RPC_TCP_SEND_NAP_MS);
+    }
     return TDM_STATUS_OK;
+}
+
+static tdm_status tcp_send(tdm_rpc *rpc, int dst, const void *a, size_t na, const void *b, size_t nb,
+                           uint64_t stall_ns, uint64_t deadline_ns, size_t *sent)
+{
+    *sent = 0;
+    TDM_CHECK(send_bounded(rpc, dst, a, na, stall_ns, deadline_ns, sent));
+    if (nb) TDM_CHECK(send_bounded(rpc, dst, b, nb, stall_ns, deadline_ns, sent));
+    return TDM_STATUS_OK;
+}
+
+static void tcp_abandon(tdm_rpc *rpc, int dst)
+{
+    rpc_tcp *t = rpc->tp;
+    /* the peer reads the part written, then the end of the stream; this
+     * rank's reader sees the end too and stops reading it */
+    shutdown(t->fd[dst], SHUT_RDWR);
 }
 
 static int tcp_peer_gone(tdm_rpc *rpc, int dst, char *why, size_t n)
@@ -435,6 +483,7 @@ static void tcp_close(tdm_rpc *rpc)
 static const tdm_rpc_tp_ops tcp_ops = {
     .name = "tcp",
     .send = tcp_send,
+    .abandon = tcp_abandon,
     .pump = tcp_pump,
     .peer_gone = tcp_peer_gone,
     .wake = tcp_wake,

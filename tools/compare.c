@@ -82,10 +82,12 @@ static void tdm_cmp_usage(FILE *f)
         "                       tp-sp: tp with sequence parallelism (the GPT:\n"
         "                       reduce-scatters and all-gathers along the tokens)\n"
         "                       ps, ps-async: a parameter server (tandem train --mode\n"
-        "                       ps, mlp, host devices), sync or async, with 1 server\n"
-        "                       (and 2 from 4 devices): samples/s against DDP, each\n"
+        "                       ps, mlp, host devices), sync or async, N-1 workers and\n"
+        "                       each count of --servers: samples/s against DDP, each\n"
         "                       server's bytes in and out per step against DDP's\n"
-        "                       all-reduced bytes, the staleness of applied gradients\n"
+        "                       all-reduced bytes, the staleness of applied gradients,\n"
+        "                       the loss curve against DDP's, the server sweep\n"
+        "  --servers 1,2        ps: server counts to run     [1, and 2 from cpu:4]\n"
         "  --stages S           pp: stages, one device each (S <= N)    [N]\n"
         "  --microbatches M     pp: micro-batches per global batch       [4]\n"
         "  --schedule S         pp: gpipe or 1f1b                        [1f1b]\n"
@@ -422,6 +424,7 @@ static tdm_status tdm_cmp_parse(int argc, char **argv, tdm_cmp_job *j)
         if (!strcmp(argv[i], "--no-overlap")) { o->no_overlap = 1; continue; }
         if (!strcmp(argv[i], "--sync-bn")) { o->sync_bn = 1; continue; }
         TDM_ARGS_STR("--comm-hook", o->comm_hook)
+        TDM_ARGS_STR("--servers", o->ps_servers)
         TDM_ARGS_STR("--precision", o->precision_arg)
         TDM_ARGS_INT("--checkpoint-activations", 1, 1 << 16, o->ckpt)
         TDM_ARGS_INT("--powersgd-rank", 1, 1 << 16, o->powersgd_rank)
@@ -466,6 +469,11 @@ static tdm_status tdm_cmp_check_devices(tdm_cmp_opts *o)
 static tdm_status tdm_cmp_check_sweep(tdm_cmp_job *j)
 {
     const tdm_cmp_opts *o = &j->o;
+    int ps_servers[TDM_CMP_PS_MAX_SERVERS];
+    if (o->ps_servers && tdm_cmp_ps_servers(o, ps_servers) <= 0)
+        return tdm_tool_usage_error("tandem compare: --servers '%s': expected server counts like 1,2 "
+                                    "(each 1..%d, for --modes ps or ps-async)\n", o->ps_servers,
+                                    TDM_CMP_PS_MAX_SERVERS);
     if (o->sweep && (j->n_sweep = tdm_cmp_parse_sweep(o->sweep, j->sweep_dev, 16)) <= 0)
         return tdm_tool_usage_error("tandem compare: --sweep '%s': expected device counts like "
                                     "1,2,4 (each 1..%d, at most 16)\n", o->sweep,
@@ -1133,8 +1141,8 @@ static tdm_status tdm_cmp_main_run(tdm_cmp_job *j)
         const tdm_cmp_result *ddp = j->ran[TDM_CMP_DDP] ? &j->res[TDM_CMP_DDP] : NULL;
         double med = 0, mn = 0, mx = 0;
         if (ddp) tdm_cmp_step_stats(&j->o, ddp, &med, &mn, &mx);
-        if (tdm_cmp_ps_section(&j->o, ddp, med > 0 ? j->o.batch / (med / 1000.0) : 0) < 0)
-            return TDM_STATUS_PEER_FAILED;
+        int pv = tdm_cmp_ps_section(&j->o, ddp, med > 0 ? j->o.batch / (med / 1000.0) : 0);
+        if (pv < 0) return pv == -2 ? TDM_STATUS_USAGE : TDM_STATUS_PEER_FAILED;
     }
     tdm_cmp_load_print(&j->o, j->rp, j->nres, j->other_cores);
     TDM_CHECK(tdm_cmp_sweep(j));

@@ -61,6 +61,7 @@ typedef struct tdm_cmp_opts {
     tdm_comm *ddp_comm;        /* an MPI job: DDP's ranks are its ranks, over this
                                   communicator (NULL: forked ranks) */
     const char *comm_hook;     /* --comm-hook (NULL or "allreduce": none) */
+    const char *ps_servers;    /* --servers 1,2 (ps, ps-async); NULL: 1, and 2 from 4 devices */
     int powersgd_rank;
     int64_t powersgd_start_step;
     int hooked;                /* this DDP (or sharded) run registers comm_hook */
@@ -241,12 +242,20 @@ int tdm_cmp_pp_section(const tdm_cmp_opts *o, const tdm_cmp_data *data,
                        const tdm_model_spec *spec, const tdm_cmp_result *single,
                        const tdm_cmp_result *ddp, const tdm_cmp_floor *floor);
 /* The parameter server's section (tools/compare_ps.c): ps (sync) and
- * ps-async as --modes asks, each with 1 server (and 2 on 4 devices or
- * more): samples/s beside DDP's (ddp_sps, <= 0: none), each server's
- * bytes in and out per step beside DDP's all-reduced bytes per rank (ddp
- * may be NULL), the staleness histogram, the reading. 1: ran (or
- * skipped, said), -1: a run failed (said). */
+ * ps-async as --modes asks, N-1 workers with each server count of
+ * --servers (1, and 2 on 4 devices or more): samples/s beside DDP's
+ * (ddp_sps, <= 0: none), each server's bytes in and out per step beside
+ * DDP's all-reduced bytes per rank (ddp may be NULL), the staleness
+ * histogram, the loss curves against DDP's, the server sweep and its
+ * reading. 1: ran (or skipped, said), -1: a run failed (said), -2: a bad
+ * --servers (said; usage). */
 int tdm_cmp_ps_section(const tdm_cmp_opts *o, const tdm_cmp_result *ddp, double ddp_sps);
+/* The most servers --servers may ask for. */
+#define TDM_CMP_PS_MAX_SERVERS 4
+/* --servers' counts into out (at most TDM_CMP_PS_MAX_SERVERS): how many;
+ * -1 when it is not a list of 1..TDM_CMP_PS_MAX_SERVERS. NULL --servers:
+ * the default (1, and 2 from 4 devices). */
+int tdm_cmp_ps_servers(const tdm_cmp_opts *o, int *out);
 /* --sweep with pp: the samples/s of a pipeline of S stages (the median
  * post-warm-up step); < 0 when the run failed (said). */
 double tdm_cmp_pp_sweep_sps(const tdm_cmp_opts *o, const tdm_cmp_data *data,

@@ -727,6 +727,18 @@ static void tdm_doc_pipeline(tdm_doc_diag *g, const char *dir)
     g->v = v;
 }
 
+/* An RPC job's calls (the parameter server's): their verdict replaces
+ * the collectives' one (a ps job's few collectives are its set-up). */
+static void tdm_doc_rpc(tdm_doc_diag *g, const char *dir)
+{
+    char line[sizeof g->verdict], det[1024];
+    tdm_doctor_verdict v;
+    if (!tdm_doctor_rpc(dir, tdm_doc_end_of, &g->d, &v, line, sizeof line, det, sizeof det)) return;
+    tdm_doc_detail(g, "  collectives: %s\n%s", g->verdict, det);
+    snprintf(g->verdict, sizeof g->verdict, "%s", line);
+    g->v = v;
+}
+
 tdm_doctor_verdict tdm_doctor_diagnose(const char *dir, FILE *out, char *line, size_t n)
 {
     tdm_doc_diag *g = calloc(1, sizeof *g);
@@ -764,6 +776,7 @@ tdm_doctor_verdict tdm_doctor_diagnose(const char *dir, FILE *out, char *line, s
         tdm_doc_never_entered(g);
         tdm_doc_steps_and_ends(g);
         tdm_doc_pipeline(g, dir);
+        tdm_doc_rpc(g, dir);
         v = g->v;
     }
     if (out) fprintf(out, "verdict: %s\n%s%s", g->verdict, g->details, g->d.notes);

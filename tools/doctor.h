@@ -39,6 +39,15 @@ typedef const char *(*tdm_doctor_end_fn)(void *ctx, int rank, int *induced, char
  * left waiting. */
 int tdm_doctor_pipeline(const char *dir, tdm_doctor_end_fn end_of, void *ctx,
                         tdm_doctor_verdict *v, char *line, size_t n);
+/* An RPC job's verdict (tools/doctor_rpc.c), from the RPC endpoints'
+ * dumps in DIR (backend "rpc"): a rank killed outright, with the last of
+ * its calls another served, else the call left waiting first and why its
+ * callee did not answer - "STALLED: rank 2 waited 5.0 s for the reply to
+ * ps.push #7 from rank 0, which never served it: rank 0 was stopped or
+ * frozen (...)". detail: a line per call not answered. Returns 1 with
+ * *v, line and detail set; 0 when DIR holds no such call or death. */
+int tdm_doctor_rpc(const char *dir, tdm_doctor_end_fn end_of, void *ctx, tdm_doctor_verdict *v, char *line,
+                   size_t n, char *detail, size_t dn);
 /* DIR/name parsed (NULL when unreadable or not JSON). */
 struct tdm_json *tdm_doctor_load(const char *dir, const char *name);
 

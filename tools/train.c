@@ -142,8 +142,9 @@ static void tdm_train_usage(FILE *f)
         "                         divide by N)\n"
         "  --mesh dp=D,pp=S,tp=N  pp: as dp=D,pp=S with each stage's layers\n"
         "                         tensor-parallel over N devices (the MLP; D*S*N)\n"
-        "  --servers S            ps: the first S devices serve shards of the parameters\n"
-        "                         and optimizer state; the others are workers    [1]\n"
+        "  --servers S            ps (mlp, gpt): the first S devices serve shards of the\n"
+        "                         parameters and optimizer state; the others are\n"
+        "                         workers                                        [1]\n"
         "  --ps-sync MODE         ps: sync (every step waits for every worker: DDP's\n"
         "                         step), bounded:K (a worker at most K steps ahead\n"
         "                         of the slowest; bounded:0 is sync) or async\n"
@@ -206,7 +207,7 @@ static void tdm_train_usage(FILE *f)
         "When a ddp or fsdp rank fails, the ranks' flight recorders are dumped (in\n"
         "$TANDEM_FR_DUMP, else a new $TMPDIR/tandem-fr-* directory, removed if no rank\n"
         "dumped; the newest 5 are kept) and the summary ends with tandem doctor's\n"
-        "verdict (docs/DEBUGGING.md).\n"
+        "verdict (docs/DEBUGGING.md); a ps job's likewise, its RPC calls' recorders too.\n"
         "Before the model is built, the run's memory (parameters, gradients, optimizer\n"
         "state and activations of every replica, the ranks, shared memory) is checked\n"
         "against what this process can still take (MemAvailable, the memory cgroup's\n"
@@ -460,7 +461,7 @@ static tdm_status tdm_train_check_args(tdm_train_args *a)
 
 static tdm_status tdm_train_dispatch(const tdm_train_args *a)
 {
-    if (!strcmp(a->mode, "ps")) return tdm_train_run_ps(a);   /* it refuses gpt */
+    if (!strcmp(a->mode, "ps") && !tdm_train_model_is_gpt(a->model)) return tdm_train_run_ps(a, NULL, NULL);
     if (tdm_train_model_is_gpt(a->model)) return tdm_train_text_main(a);
     if (!strcmp(a->mode, "single") || !strcmp(a->mode, "dp"))
         return tdm_train_run_local(a, NULL, NULL);

@@ -303,8 +303,9 @@ tdm_status tdm_train_check_tp(const tdm_train_args *a);
  * (tools/rank_tp.c) through tdm_train_run_ranks. */
 tdm_status tdm_train_run_tp(const tdm_train_args *a);
 /* --mode ps (tools/train_ps.c): a parameter server's ranks over dist/run.h.
- * Checks its options (USAGE, said) and says what failed. */
-tdm_status tdm_train_run_ps(const tdm_train_args *a);
+ * Checks its options (USAGE, said) and says what failed. spec: the model
+ * (NULL: parsed from --model); text: a gpt's (NULL: the MLP). */
+tdm_status tdm_train_run_ps(const tdm_train_args *a, const tdm_model_spec *spec, const tdm_train_text_set *text);
 /* --mode ddp and fsdp (tools/train_ranks.c): the ranks of a design's
  * table (tools/ranks.h) over dist/run.h, forked, launched or an MPI
  * job's. spec: the model (NULL: parsed from --model); text: a gpt's

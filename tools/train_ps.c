@@ -5,7 +5,9 @@
  * optimizer state; the other N-S ranks are workers, each holding a
  * replica of the model. Every epoch visits the same global batches as
  * --mode single and ddp (tdm_train_epoch over tdm_train_epoch_order);
- * worker w takes rows [w*B/W, (w+1)*B/W) of each (tdm_dist_share_rows),
+ * worker w takes rows [w*B/W, (w+1)*B/W) of each (tdm_dist_share_rows;
+ * a gpt's worker draws those windows of each global batch itself,
+ * tdm_train_text_epoch, as a DDP rank does),
  * pulls the parameters as fresh as --ps-sync needs, pushes its gradient
  * (the loss scaled by 1/B) to the servers, which sum and step (sync,
  * bounded:K) or step on each push (async).
@@ -14,7 +16,7 @@
  * loss sum and samples to it (tool.ps.report) and it prints the epoch's
  * line once every worker still alive has; after the last epoch it
  * gathers every server's shard of the parameters and optimizer state,
- * evaluates the test set, writes --save (the one safetensors file every
+ * evaluates the test set (a gpt: the validation windows), writes --save (the one safetensors file every
  * mode reads) and prints each server's traffic per step and the
  * staleness of the gradients it applied. Other servers wait for rank 0
  * to release them (tool.ps.finish, whose reply carries their figures).
@@ -28,10 +30,19 @@
  * bounded mode the servers stop, naming it; a server's death stops the
  * job with its name (dist's watch). Test hook: TANDEM_PS_TEST_KILL=
  * worker:W:S makes worker W SIGKILL itself before its step S (from 1),
- * server:I:S server I once it has applied S updates.
+ * server:I:S server I once it has applied S updates (server:I:S:STOP:
+ * SIGSTOP instead: a server alive that serves nothing). A failed job's
+ * flight-recorder dumps (the RPC endpoints' too, rpc/rpc_fr.c) end with
+ * `tandem doctor`'s verdict, as DDP's (tools/elastic.c's watch).
+ * TANDEM_PS_LOSS_LOG=DIR (what `tandem compare` sets, tools/compare_ps.c):
+ * worker W writes DIR/ps_loss_w<W>.txt, a line per step: the step (from
+ * 1) and the loss summed over its share; the shares' sums over B are the
+ * global batch's mean loss.
  *
- * Not built: --model gpt and cnn, GPUs, --resume, --max-restarts,
+ * Not built: --model cnn, GPUs, --resume, --max-restarts,
  * --grad-accum, the memory levers. */
+#include <errno.h>
+#include <math.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
@@ -46,8 +57,11 @@
 #include "dist/timeout.h"
 #include "models/checkpoint.h"
 #include "models/train.h"
+#include "models/train_text.h"
 #include "ps/ps.h"
 #include "rpc/rpc.h"
+#include "tools/doctor.h"
+#include "tools/elastic.h"
 #include "tools/tools.h"
 #include "tools/train_modes.h"
 
@@ -75,12 +89,14 @@ typedef struct ps_figures {
 typedef struct ps_job {
     const tdm_train_args *a;
     tdm_model_spec spec;
-    tdm_dataset train, test;
+    tdm_dataset train, test;          /* the image models' */
+    const tdm_train_text_set *text;   /* a gpt's; NULL: the image models */
     tdm_ps_sync_mode mode;
     tdm_rpc_transport tp;
     tdm_optim_opts optim;
     int servers, workers;
     int kill_worker, kill_server;     /* test hook; -1: none */
+    int kill_sig;                     /* SIGKILL, or SIGSTOP (server:I:S:STOP) */
     int64_t kill_step;
     struct ps_shared {
         int servers_ok;           /* every server finished its work */
@@ -115,6 +131,7 @@ typedef struct ps_rank {
     /* a worker's tally of the epoch */
     double loss_sum;
     int64_t samples, steps;
+    FILE *loss_log;                   /* TANDEM_PS_LOSS_LOG's file; NULL: none */
 } ps_rank;
 
 /* ---- rank 0's epoch lines ---- */
@@ -134,8 +151,13 @@ static void ps_print_ready(ps_rank *p, int final)
         if (ep->reports < alive && !final) return;
         if (ep->reports == 0) return;
         double sps = ep->seconds > 0 ? (double)ep->samples / ep->seconds : 0;
-        printf("epoch %lld/%lld: train loss %.4f, %.0f samples/s (%.1f s)%s\n", (long long)e + 1,
-               (long long)a->epochs, ep->loss_sum / (double)ep->samples, sps, ep->seconds,
+        char rate[96];
+        if (p->j->text)   /* a gpt's unit: windows of T tokens */
+            snprintf(rate, sizeof rate, "%.0f windows/s = %.0f tokens/s", sps, sps * p->j->text->T);
+        else
+            snprintf(rate, sizeof rate, "%.0f samples/s", sps);
+        printf("epoch %lld/%lld: train loss %.4f, %s (%.1f s)%s\n", (long long)e + 1, (long long)a->epochs,
+               ep->loss_sum / (double)ep->samples, rate, ep->seconds,
                ep->reports < p->l.workers ? " (without the lost workers)" : "");
         fflush(stdout);
         ep->printed = 1;
@@ -186,6 +208,7 @@ static void ps_rank_free(void *ctx, void *self)
     ps_rank *p = self;
     if (!p) return;
     tdm_rpc_free(p->rpc);   /* its threads stop before what they use goes */
+    if (p->loss_log) fclose(p->loss_log);
     tdm_ps_server_free(p->srv);
     tdm_ps_worker_free(p->wk);
     tdm_model_free(p->m);
@@ -210,7 +233,10 @@ static tdm_status ps_rank_setup(void *ctx, tdm_dist_rank *d, void **self)
     p->ep = calloc((size_t)j->a->epochs, sizeof *p->ep);
     TDM_REQUIRE(p->ep, TDM_STATUS_OUT_OF_MEMORY, "rank %d: calloc", p->rank);
     TDM_CHECK(tdm_model_init(&p->m, d->dev, &j->spec, (uint64_t)j->a->seed));
-    tdm_rpc_opts ro = {.transport = j->tp, .comm = d->comm, .setup_ms = d->timeout_ms};
+    /* a peer that stops reading fails a send after the process group's
+     * timeout, as a collective would */
+    tdm_rpc_opts ro = {.transport = j->tp, .comm = d->comm, .setup_ms = d->timeout_ms,
+                       .send_stall_ms = d->timeout_ms};
     TDM_CHECK(tdm_rpc_init(&p->rpc, &ro));
     p->l = (tdm_ps_layout){.servers = j->servers, .workers = j->workers,
                            .n_elem = tdm_model_param_elems(p->m)};
@@ -239,13 +265,23 @@ static tdm_status ps_worker_step(void *ctx, const void *x, const int32_t *y, int
                 (long long)p->steps + 1);
         raise(SIGKILL);
     }
-    tdm_dist_share_rows(x, y, batch, w, p->l.workers, tdm_model_in_features(p->m), tdm_model_out_rows(p->m),
-                        &xs, &ys, &n);
+    int global = batch;
+    if (p->j->text) {
+        /* a gpt's worker drew its own windows of the global batch */
+        xs = x;
+        ys = y;
+        n = batch;
+        global = (int)p->j->a->batch;
+    } else {
+        tdm_dist_share_rows(x, y, batch, w, p->l.workers, tdm_model_in_features(p->m), tdm_model_out_rows(p->m),
+                            &xs, &ys, &n);
+    }
     double loss_sum = 0;
-    TDM_CHECK(tdm_ps_worker_step(p->wk, xs, ys, n, batch, &loss_sum));
+    TDM_CHECK(tdm_ps_worker_step(p->wk, xs, ys, n, global, &loss_sum));
     p->loss_sum += loss_sum;
     p->samples += n;
     p->steps++;
+    if (p->loss_log) fprintf(p->loss_log, "%lld %.17g\n", (long long)p->steps, loss_sum);
     /* the epoch loop checks a finite loss: this share's mean */
     *loss_mean = n ? loss_sum / n : 0.0;
     return TDM_STATUS_OK;
@@ -255,6 +291,14 @@ static tdm_status ps_run_worker(ps_rank *p)
 {
     const tdm_train_args *a = p->j->a;
     int w = p->rank - p->l.servers;
+    const char *log = getenv("TANDEM_PS_LOSS_LOG");
+    if (log && *log) {
+        char path[4096];
+        snprintf(path, sizeof path, "%s/ps_loss_w%d.txt", log, w);
+        p->loss_log = fopen(path, "w");
+        if (!p->loss_log)
+            return tdm_error_set(TDM_STATUS_IO, "worker %d: TANDEM_PS_LOSS_LOG: %s: %s", w, path, strerror(errno));
+    }
     for (int64_t e = 0; e < a->epochs; e++) {
         p->loss_sum = 0;
         p->samples = 0;
@@ -262,7 +306,14 @@ static tdm_status ps_run_worker(ps_rank *p)
         tdm_train_epoch_opts eo = {.batch = (int)a->batch, .seed = (uint64_t)a->seed, .epoch = e,
                                    .max_steps = a->max_steps, .step = ps_worker_step, .step_ctx = p};
         tdm_epoch_stats es;
-        tdm_status st = tdm_train_epoch(&p->j->train, &eo, &es);
+        tdm_status st;
+        if (p->j->text) {
+            int64_t lo, hi;
+            tdm_dist_share(a->batch, w, p->l.workers, &lo, &hi);
+            st = tdm_train_text_epoch(&p->j->text->corpus->train, p->j->text->T, (int)lo, (int)hi, &eo, &es);
+        } else {
+            st = tdm_train_epoch(&p->j->train, &eo, &es);
+        }
         if (st != TDM_STATUS_OK) {
             /* the servers stop the job with this error: a worker that
              * just leaves would read as a killed one, which async outlives */
@@ -308,7 +359,13 @@ static tdm_status ps_finish_rank0(ps_rank *p)
     }
     TDM_TRY(tdm_ps_gather(p->rpc, &p->l, h.params, h.state, ns, &h.steps, timeout));
     memcpy(tdm_model_params(p->m), h.params, (size_t)n * sizeof(float));
-    if (!a->no_eval) {
+    if (!a->no_eval && p->j->text) {
+        double loss = 0;
+        const tdm_train_text_set *t = p->j->text;
+        TDM_TRY(tdm_train_text_evaluate(p->m, &t->corpus->val, t->eval_count, TDM_TRAIN_TEXT_EVAL_BATCH, &loss));
+        printf("validation loss %.4f nats per byte (%.3f bits; a bigram model: %.4f)\n", loss, loss / log(2.0),
+               t->bigram);
+    } else if (!a->no_eval) {
         double loss = 0, acc = 0;
         TDM_TRY(tdm_evaluate(p->m, &p->j->test, PS_EVAL_BATCH, &loss, &acc));
         printf("test loss %.4f, test accuracy %.4f\n", loss, acc);
@@ -363,9 +420,9 @@ static tdm_status ps_rank_run(void *ctx, tdm_dist_rank *d, void *self)
         do {
             tdm_ps_server_get_stats(p->srv, &s);
             if (s.version >= j->kill_step) {
-                fprintf(stderr, "tandem train: server %d (rank %d): test hook: SIGKILL after %lld updates\n",
-                        p->rank, p->rank, (long long)s.version);
-                raise(SIGKILL);
+                fprintf(stderr, "tandem train: server %d (rank %d): test hook: %s after %lld updates\n",
+                        p->rank, p->rank, j->kill_sig == SIGSTOP ? "SIGSTOP" : "SIGKILL", (long long)s.version);
+                raise(j->kill_sig);
             }
             nanosleep(&(struct timespec){.tv_nsec = 1000000}, NULL);
         } while (s.workers_done < p->l.workers);
@@ -405,11 +462,31 @@ static tdm_status ps_rank_run(void *ctx, tdm_dist_rank *d, void *self)
 
 /* ---- the command ---- */
 
+/* tools/elastic.c's watch (the flight-recorder dumps and the doctor's
+ * verdict of a failed job), except that an async job that lost a worker
+ * and finished is no failure: its dumps are removed as a good run's. The
+ * elastic watch comes first: the hooks' ctx is either. */
+typedef struct ps_watch {
+    tdm_elastic_watch w;
+    void (*elastic_end)(void *ctx, tdm_status st, int world, const tdm_shm_spawn_result *res, int last);
+    const ps_job *j;
+} ps_watch;
+
+static void ps_watch_end(void *ctx, tdm_status st, int world, const tdm_shm_spawn_result *res, int last)
+{
+    ps_watch *pw = ctx;
+    if (st != TDM_STATUS_OK && pw->j->mode.kind == TDM_PS_ASYNC && pw->j->shared->servers_ok) {
+        tdm_doctor_job_end(&pw->w.frj, 0, world, NULL, NULL, NULL, NULL);
+        return;
+    }
+    pw->elastic_end(ctx, st, world, res, last);
+}
+
 static tdm_status ps_check(const tdm_train_args *a, ps_job *j, const tdm_device_list *dl)
 {
-    if (strcmp(a->model, "mlp") && strncmp(a->model, "mlp:", 4))
-        return tdm_tool_usage_error("tandem train: --mode ps trains --model mlp (the CNN's batchnorm "
-                                    "buffers and gpt are not built for it)\n");
+    if (strcmp(a->model, "mlp") && strncmp(a->model, "mlp:", 4) && !j->text)
+        return tdm_tool_usage_error("tandem train: --mode ps trains --model mlp or gpt (the CNN's batchnorm "
+                                    "buffers would differ per worker)\n");
     if (a->resume || a->max_restarts || a->grad_accum > 1 || a->deterministic || a->uneven || a->sync_bn ||
         a->precision || a->ckpt || a->offload || a->clip_grad_norm > 0 || a->comm_hook)
         return tdm_tool_usage_error("tandem train: --mode ps takes none of --resume, --max-restarts, "
@@ -438,12 +515,13 @@ static tdm_status ps_check(const tdm_train_args *a, ps_job *j, const tdm_device_
     return TDM_STATUS_OK;
 }
 
-tdm_status tdm_train_run_ps(const tdm_train_args *a)
+tdm_status tdm_train_run_ps(const tdm_train_args *a, const tdm_model_spec *spec, const tdm_train_text_set *text)
 {
-    ps_job j = {.a = a, .kill_worker = -1, .kill_server = -1};
+    ps_job j = {.a = a, .text = text, .kill_worker = -1, .kill_server = -1, .kill_sig = SIGKILL};
     tdm_device_list dl;
     tdm_status st;
-    if (tdm_model_spec_parse(&j.spec, a->model))
+    if (spec) j.spec = *spec;
+    else if (tdm_model_spec_parse(&j.spec, a->model))
         return tdm_tool_usage_error("tandem train: --model: %s\n", tdm_error_message());
     if ((st = tdm_dist_parse_devices(&dl, a->device, 1))) {
         fprintf(stderr, "tandem train: --device: %s\n", tdm_error_message());
@@ -456,8 +534,9 @@ tdm_status tdm_train_run_ps(const tdm_train_args *a)
     int who = -1;
     if (kill && sscanf(kill, "worker:%d:%lld", &who, &ks) == 2 && ks >= 1) j.kill_worker = who;
     else if (kill && sscanf(kill, "server:%d:%lld", &who, &ks) == 2 && ks >= 1) j.kill_server = who;
+    if (kill && j.kill_server >= 0 && strstr(kill, ":STOP")) j.kill_sig = SIGSTOP;
     j.kill_step = ks;
-    TDM_CHECK(tdm_train_load_and_probe(a, &j.spec, &j.train, &j.test, NULL));
+    TDM_CHECK(tdm_train_load_and_probe(a, &j.spec, text ? NULL : &j.train, text ? NULL : &j.test, NULL));
     j.shared = mmap(NULL, sizeof *j.shared, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
     if (j.shared == MAP_FAILED) {
         tdm_data_free(&j.train);
@@ -466,12 +545,17 @@ tdm_status tdm_train_run_ps(const tdm_train_args *a)
     }
     memset(j.shared, 0, sizeof *j.shared);
     char mode[32];
-    printf("tandem train: mlp, --mode ps: %d server%s, %d worker%s (%s), %s over %s\n", j.servers,
-           j.servers == 1 ? "" : "s", j.workers, j.workers == 1 ? "" : "s", a->device,
+    printf("tandem train: %s, --mode ps: %d server%s, %d worker%s (%s), %s over %s\n", text ? "gpt" : "mlp",
+           j.servers, j.servers == 1 ? "" : "s", j.workers, j.workers == 1 ? "" : "s", a->device,
            tdm_ps_sync_str(&j.mode, mode, sizeof mode), tdm_rpc_transport_name(j.tp));
     fflush(stdout);
     tdm_dist_design d = {.name = "ps", .setup = ps_rank_setup, .run = ps_rank_run, .free = ps_rank_free};
-    tdm_dist_run_opts o = {.devices = &dl, .spec = a->device,
+    ps_watch pw;
+    tdm_elastic_watch_init(&pw.w, "tandem train", "ps", 0);
+    pw.elastic_end = pw.w.dist.end;
+    pw.w.dist.end = ps_watch_end;
+    pw.j = &j;
+    tdm_dist_run_opts o = {.devices = &dl, .spec = a->device, .watch = &pw.w.dist,
                            .outlive_failures = j.mode.kind == TDM_PS_ASYNC};
     if (a->timeout && tdm_dist_timeout_parse("--timeout", a->timeout, &o.timeout_ms)) {
         st = tdm_tool_usage_error("tandem train: %s\n", tdm_error_message());
@@ -484,9 +568,8 @@ tdm_status tdm_train_run_ps(const tdm_train_args *a)
                 j.shared->lost[0] ? j.shared->lost : tdm_error_message());
         st = TDM_STATUS_OK;
     } else if (st != TDM_STATUS_OK && j.shared->failed[0] && !strstr(tdm_error_message(), j.shared->failed)) {
+        /* the watch said the run's error ("tandem train: ps: ...") */
         fprintf(stderr, "tandem train: %s (%s)\n", j.shared->failed, tdm_error_message());
-    } else if (st != TDM_STATUS_OK) {
-        fprintf(stderr, "tandem train: ps: %s\n", tdm_error_message());
     }
 done:
     munmap(j.shared, sizeof *j.shared);

@@ -90,9 +90,9 @@ tdm_status tdm_train_text_main(const tdm_train_args *a)
     if ((st = tdm_model_spec_parse(&j.spec, a->model)) != TDM_STATUS_OK)
         return tdm_train_fail("--model", tdm_tool_usage(st));
     if (strcmp(a->mode, "single") && strcmp(a->mode, "dp") && strcmp(a->mode, "ddp") &&
-        strcmp(a->mode, "fsdp") && strcmp(a->mode, "pp") && strcmp(a->mode, "tp"))
+        strcmp(a->mode, "fsdp") && strcmp(a->mode, "pp") && strcmp(a->mode, "tp") && strcmp(a->mode, "ps"))
         return tdm_tool_usage_error("tandem train: --mode '%s': expected single, dp, ddp, fsdp, "
-                                    "pp or tp\n", a->mode);
+                                    "pp, tp or ps\n", a->mode);
     if (a->data && !strcmp(a->data, "synthetic"))
         return tdm_tool_usage_error("tandem train: --data synthetic makes images; a gpt trains "
                                     "on text: --data FILE (any bytes) or a fortunes directory "
@@ -107,6 +107,8 @@ tdm_status tdm_train_text_main(const tdm_train_args *a)
         st = tdm_train_run_pp(a, &j.spec, &j.set);
     else if (!strcmp(a->mode, "tp"))
         st = tdm_train_run_ranks(a, &tdm_tool_tp_design, &j.spec, &j.set);
+    else if (!strcmp(a->mode, "ps"))
+        st = tdm_train_run_ps(a, &j.spec, &j.set);
     else
         st = tdm_train_run_local(a, &j.spec, &j.set);
     tdm_text_free(&corpus);
