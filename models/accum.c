@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "core/timer.h"
+#include "models/precision.h"
 
 tdm_status tdm_accum_step(void *p, const void *x, const int32_t *y, int batch, double *loss_mean)
 {
@@ -57,7 +58,10 @@ static tdm_status tdm_accum_single_micro(void *ctx, const void *x, const int32_t
     TDM_CHECK(tdm_model_forward(m, xd, batch, &logits));
     uint64_t t1 = tdm_time_ns();
     float *dlogits = tdm_model_loss_grad(m);
-    TDM_CHECK(tdm_model_loss(m, logits, yd, batch, grad_scale, loss_sum, dlogits));
+    /* loss scaling (models/precision.h): 1/B times the scale, exact for
+     * the scaler's powers of two, as tdm_single_step */
+    float lscale = s->scaler ? tdm_grad_scaler_scale(s->scaler) : 1.0f;
+    TDM_CHECK(tdm_model_loss(m, logits, yd, batch, grad_scale * lscale, loss_sum, dlogits));
     uint64_t t2 = tdm_time_ns();
     TDM_CHECK(tdm_model_backward(m, dlogits));
     s->ms[TDM_PHASE_FORWARD] += (double)(t1 - t0) * 1e-6;
@@ -71,7 +75,8 @@ static tdm_status tdm_accum_single_opt(void *ctx, double *loss_sum)
     tdm_single *s = ctx;
     (void)loss_sum;
     uint64_t t0 = tdm_time_ns();
-    TDM_CHECK(tdm_optim_step(s->opt));
+    /* the levers, then the step (or its skip): tdm_single's */
+    TDM_CHECK(tdm_single_finish(s));
     TDM_CHECK(tdm_dev_sync(tdm_model_device(s->model)));
     s->ms[TDM_PHASE_STEP] = tdm_time_ms_since(t0);
     return TDM_STATUS_OK;

@@ -57,7 +57,10 @@ tdm_status tdm_accum_step(void *accum, const void *x, const int32_t *y, int batc
                           double *loss_mean);
 
 /* The single-device operations over a tdm_single (its model and
- * optimizer; its staging buffers are used on non-host devices). */
+ * optimizer; its staging buffers are used on non-host devices), its
+ * memory levers included: with a scaler every micro-batch's loss
+ * gradient is scaled too, and the step is tdm_single_finish (unscale,
+ * skip on non-finite, clip, step, scaler update). */
 extern const tdm_accum_ops tdm_accum_single_ops;
 
 #ifdef __cplusplus

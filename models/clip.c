@@ -24,9 +24,8 @@ tdm_status tdm_clip_sumsq(tdm_device *dev, const float *x, int64_t n_elem, doubl
     return st;
 }
 
-/* Scales each buffer by the coefficient when it is below 1. */
-static tdm_status tdm_clip_apply(tdm_device *dev, float *const *grads, const int64_t *n_elem,
-                                 int n_bufs, double max_norm, double total)
+tdm_status tdm_clip_apply_norm(tdm_device *dev, float *const *grads, const int64_t *n_elem,
+                               int n_bufs, double max_norm, double total)
 {
     TDM_REQUIRE(isfinite(total), TDM_STATUS_NONFINITE,
                 "the gradient norm is %s: a gradient holds a NaN or an infinity; not clipping "
@@ -78,7 +77,7 @@ tdm_status tdm_clip_grad_norm(tdm_model *m, double max_norm, double *total_norm)
     }
     double total = sqrt(sq);
     if (total_norm) *total_norm = total;
-    if (st == TDM_STATUS_OK) st = tdm_clip_apply(m->dev, bufs, n, count, max_norm, total);
+    if (st == TDM_STATUS_OK) st = tdm_clip_apply_norm(m->dev, bufs, n, count, max_norm, total);
     free(bufs);
     free(n);
     return st;
@@ -94,7 +93,7 @@ tdm_status tdm_clip_grad_norm_bufs(tdm_device *dev, float *const *grads, const i
     }
     double total = sqrt(sq);
     if (total_norm) *total_norm = total;
-    return tdm_clip_apply(dev, grads, n_elem, n_bufs, max_norm, total);
+    return tdm_clip_apply_norm(dev, grads, n_elem, n_bufs, max_norm, total);
 }
 
 tdm_status tdm_clip_grad_norm_comm(tdm_comm *comm, tdm_device *dev, float *const *grads,
@@ -116,5 +115,5 @@ tdm_status tdm_clip_grad_norm_comm(tdm_comm *comm, tdm_device *dev, float *const
     TDM_CHECK(tdm_dev_copy_to_host(dev, &sq, buf, sizeof sq));
     double total = sqrt(sq);
     if (total_norm) *total_norm = total;
-    return tdm_clip_apply(dev, grads, n_elem, n_bufs, max_norm, total);
+    return tdm_clip_apply_norm(dev, grads, n_elem, n_bufs, max_norm, total);
 }

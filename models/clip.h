@@ -49,6 +49,15 @@ tdm_status tdm_clip_grad_norm_comm(tdm_comm *comm, tdm_device *dev, float *const
                                    const int64_t *n_elem, int n_bufs, double max_norm,
                                    double *total_norm);
 
+/* The clipping step alone, from a global norm the caller computed (a
+ * design whose ranks count some of their buffers and scale others, as a
+ * pipeline's tied copies): NONFINITE for a NaN or infinite total_norm
+ * (nothing scaled); else, when max_norm > 0 and max_norm / (total_norm
+ * + 1e-6) is below 1, each buffer times that coefficient (rounded to
+ * float once). */
+tdm_status tdm_clip_apply_norm(tdm_device *dev, float *const *grads, const int64_t *n_elem,
+                               int n_bufs, double max_norm, double total_norm);
+
 #ifdef __cplusplus
 }
 #endif

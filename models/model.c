@@ -245,21 +245,34 @@ tdm_status tdm_model_init_tables(tdm_model **out, const tdm_model_spec *spec)
 tdm_status tdm_model_skeleton(tdm_model **out, const tdm_model_spec *spec, tdm_device_kind kind,
                               int threads)
 {
+    return tdm_model_skeleton_range(out, spec, kind, threads, -1, -1);
+}
+
+tdm_status tdm_model_skeleton_range(tdm_model **out, const tdm_model_spec *spec,
+                                    tdm_device_kind kind, int threads, int lo, int hi)
+{
     tdm_status st = TDM_STATUS_OK;
     *out = NULL;
     int n = 0;
     TDM_CHECK(tdm_model_spec_n_layers(spec, &n));
+    if (lo < 0) {
+        lo = 0;
+        hi = n;
+    }
+    TDM_REQUIRE(lo >= 0 && lo < hi && hi <= n, TDM_STATUS_INVALID_ARG,
+                "model: layers [%d, %d) are not a non-empty range of its %d", lo, hi, n);
     tdm_model *m = calloc(1, sizeof *m);
     if (!m) return tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "cannot allocate a model");
     m->spec = *spec;
     m->dev_kind = kind;
     m->dev_threads = threads > 0 ? threads : 1;
     m->train = 1;
-    m->stage = (tdm_model_stage){.lo = 0, .hi = n, .n = n, .tied = -1, .tied_source = -1};
+    m->stage = (tdm_model_stage){.lo = lo, .hi = hi, .n = n, .tied = -1, .tied_source = -1,
+                                 .input_grad = lo > 0};
     TDM_TRY(tdm_model_build_tables(m));
-    m->stage.n_slice = m->n_params;
-    m->stage.slice_elems = m->param_elems;
     if (!m->vt) tdm_model_chain_units(m);
+    if (lo > 0 || hi < n) TDM_TRY(tdm_model_stage_place(m));
+    else m->stage.n_slice = m->n_params, m->stage.slice_elems = m->param_elems;
     for (int i = 0; i < m->n_layers; i++) {
         tdm_layer *l = &m->layers[i];
         if (l->in_elems > m->max_elems) m->max_elems = l->in_elems;

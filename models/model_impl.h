@@ -384,6 +384,9 @@ tdm_status tdm_model_chain_recompute(tdm_model *m, int i, int batch);
  * device of `kind` with `threads` BLAS threads. Free with tdm_model_free. */
 tdm_status tdm_model_skeleton(tdm_model **out, const tdm_model_spec *spec, tdm_device_kind kind,
                               int threads);
+/* The skeleton of pipeline layers [lo, hi) (a stage's; lo < 0: all). */
+tdm_status tdm_model_skeleton_range(tdm_model **out, const tdm_model_spec *spec,
+                                    tdm_device_kind kind, int threads, int lo, int hi);
 /* Images per chunk of conv layer l at `batch` (tdm_model_set_conv_chunk). */
 int tdm_model_conv_chunk(const tdm_model *m, const tdm_layer *l, int batch);
 /* Forward through layers first..last of the chain from x (float32; in

@@ -10,6 +10,7 @@
 
 #include "models/builder.h"
 #include "models/model_impl.h"
+#include "models/stage.h"
 
 /* What the host allocator (core/device.c) counts for a request: 64-byte
  * multiples, at least 64. */
@@ -41,16 +42,22 @@ static size_t tdm_plan_widen(const tdm_model *m, int batch)
     if (m->spec.kind == TDM_MODEL_GPT) {
         size_t C = m->spec.n_embd, T = m->spec.n_ctx, H = m->spec.n_head, V = m->spec.vocab;
         size_t N = B * T, hd = C / H;
+        /* a pipeline stage's: its blocks' products, the head's on the last */
+        int L = m->spec.n_layer, blocks = m->stage.lo <= L && m->stage.hi > 1;
+        int head = m->stage.hi == m->stage.n;
         const size_t lin[4][2] = {{C, 3 * C}, {C, C}, {C, 4 * C}, {4 * C, C}};
-        for (int i = 0; i < 4; i++) {
+        for (int i = 0; blocks && i < 4; i++) {
             size_t in = lin[i][0], out = lin[i][1];
             w = tdm_plan_max(w, in * (out + N));   /* forward */
             w = tdm_plan_max(w, N * (in + out));   /* dW */
             w = tdm_plan_max(w, out * (in + N));   /* dx */
         }
-        w = tdm_plan_max(w, C * (V + N));
-        w = tdm_plan_max(w, N * (C + V));
-        w = tdm_plan_max(w, V * (C + N));
+        if (head) {
+            w = tdm_plan_max(w, C * (V + N));
+            w = tdm_plan_max(w, N * (C + V));
+            w = tdm_plan_max(w, V * (C + N));
+        }
+        if (!blocks) return w;
         /* a window's heads read out of qkv (row stride 3C) or the merged
          * (N, C) gradient (row stride C), probabilities H T T */
         size_t s3 = hd * (H - 1) + 3 * C * (T - 1) + hd, s1 = hd * (H - 1) + C * (T - 1) + hd;
@@ -65,7 +72,7 @@ static size_t tdm_plan_widen(const tdm_model *m, int batch)
     while (first < m->n_layers - 1 && m->layers[first].np == 0) first++;
     for (int i = 0; i < m->n_layers; i++) {
         const tdm_layer *l = &m->layers[i];
-        int din = i > first;
+        int din = i > first || m->stage.input_grad;   /* a later stage's sends its dx */
         if (l->kind == TDM_LAYER_LINEAR) {
             size_t c = l->c, oc = l->oc;
             w = tdm_plan_max(w, c * (oc + B));
@@ -117,7 +124,8 @@ tdm_status tdm_plan_single(const tdm_plan_opts *o, tdm_plan *out)
     tdm_model *m = NULL;
     tdm_act_layout *lay = NULL, *scr = NULL;
     tdm_status st = TDM_STATUS_OK;
-    TDM_TRY(tdm_model_skeleton(&m, &o->spec, o->device, o->threads));
+    TDM_TRY(tdm_model_skeleton_range(&m, &o->spec, o->device, o->threads,
+                                     o->stage_hi > 0 ? o->stage_lo : -1, o->stage_hi));
     m->conv_chunk = o->conv_chunk;
     m->lev.prec = o->precision;
     m->lev.adt = tdm_precision_dtype(o->precision);
@@ -164,6 +172,7 @@ tdm_status tdm_plan_single(const tdm_plan_opts *o, tdm_plan *out)
         const tdm_act_buf *b = &lay->b[i];
         if (b->arena_off >= 0) continue;
         size_t nb = tdm_plan_round(b->nbytes);
+        out->act_set += nb;
         if (b->layer < 0) {
             out->act_scratch += nb;   /* the set's rounded input */
         } else {
@@ -174,16 +183,24 @@ tdm_status tdm_plan_single(const tdm_plan_opts *o, tdm_plan *out)
     for (int i = 0; i < scr->n; i++) out->act_scratch += tdm_plan_round(scr->b[i].nbytes);
     out->arena = lay->arena_bytes ? tdm_plan_round(lay->arena_bytes) : 0;
     out->activations += out->arena;
+    out->act_set += out->arena;
 
     size_t rows = (size_t)tdm_model_out_rows(m), needs[3];
-    int n_needs = 0;
-    needs[n_needs++] = B * rows * sizeof(float);
+    int n_needs = 0, stage = o->stage_hi > 0;
+    /* a pipeline stage: the loss only on the last; the norm over its slice */
+    if (!stage || m->stage.hi == m->stage.n)
+        needs[n_needs++] = (o->loss_batch > 0 ? (size_t)o->loss_batch : B) * rows * sizeof(float);
     if (o->loss_scaling) needs[n_needs++] = sizeof(float);
-    if (o->grad_norm) needs[n_needs++] = (size_t)tdm_dev_sumsq_chunks((int64_t)pe) * sizeof(double);
+    if (o->grad_norm)
+        needs[n_needs++] = (size_t)tdm_dev_sumsq_chunks(stage ? m->stage.slice_elems
+                                                               : (int64_t)pe) * sizeof(double);
     out->step_scratch = tdm_plan_scratch(needs, n_needs);
     if (o->device == TDM_DEVICE_HOST && m->lev.adt == TDM_DTYPE_FLOAT16)
         out->step_scratch += tdm_plan_round(tdm_plan_widen(m, o->batch) * sizeof(float));
-    if (o->device != TDM_DEVICE_HOST)   /* tdm_single's input staging */
+    out->in_elems = tdm_model_stage_in_elems(m);
+    out->out_elems = tdm_model_stage_out_elems(m);
+    out->slice_elems = m->stage.slice_elems;
+    if (o->device != TDM_DEVICE_HOST && !stage)   /* tdm_single's input staging */
         out->step_scratch += tdm_plan_round(B * (size_t)tdm_model_in_features(m) * sizeof(float)) +
                              tdm_plan_round(B * rows * sizeof(int32_t));
     out->param_elems = m->param_elems;

@@ -42,6 +42,10 @@ typedef struct tdm_plan_opts {
     int conv_chunk;              /* tdm_model_set_conv_chunk's; 0: the default */
     int loss_scaling;            /* a loss scaler unscales (its flag in the scratch) */
     int grad_norm;               /* the gradient norm is measured or clipped */
+    int loss_batch;              /* the rows whose loss the device computes (DataParallel's
+                                    output device: the whole batch); 0: batch */
+    int stage_lo, stage_hi;      /* pipeline layers [lo, hi) (models/stage.h): a pipeline
+                                    stage's model; hi 0: the whole model */
 } tdm_plan_opts;
 
 #define TDM_PLAN_MAX_LAYERS 300
@@ -59,6 +63,10 @@ typedef struct tdm_plan {
     int n_layers;
     size_t layer_bytes[TDM_PLAN_MAX_LAYERS];
     size_t arena;                    /* checkpointing: one segment's shared buffer */
+    size_t act_set;                  /* one activation set (models/stage.h): the kept
+                                        activations, the arena, the rounded input */
+    int64_t in_elems, out_elems;     /* per sample: the model's (a stage's) input and output */
+    int64_t slice_elems;             /* a stage's own parameters (its tied copy not counted) */
     /* what a sharded design plans its units from: the model's elements,
      * running-statistics elements, and each layer with parameters: its
      * block (tdm_model_layer_block) and its elements [off, end) of the

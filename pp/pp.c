@@ -11,17 +11,18 @@
 #include <string.h>
 
 #include "core/log.h"
+#include "models/recompute.h"
 
 /* What every stage must agree on, compared at init: the stage that
  * differs is named with the field. */
 enum {
     TDM_PP_CFG_STAGES = 0, TDM_PP_CFG_MICRO, TDM_PP_CFG_SCHEDULE, TDM_PP_CFG_BALANCE,
     TDM_PP_CFG_SEED, TDM_PP_CFG_SPEC, TDM_PP_CFG_SPLIT, TDM_PP_CFG_OPTIM, TDM_PP_CFG_SYNC,
-    TDM_PP_CFG_COUNT_
+    TDM_PP_CFG_PRECISION, TDM_PP_CFG_CKPT, TDM_PP_CFG_COUNT_
 };
 static const char *const tdm_pp_cfg_names[TDM_PP_CFG_COUNT_] = {
     "stages", "micro-batches", "schedule", "balance", "seed", "model", "split", "optimizer",
-    "gradient sync (data parallelism)",
+    "gradient sync (data parallelism)", "precision", "activation checkpointing",
 };
 
 static uint64_t tdm_pp_fnv(const void *p, size_t n, uint64_t h)
@@ -64,6 +65,8 @@ static tdm_status tdm_pp_check_config(tdm_pp *p)
     mine[TDM_PP_CFG_OPTIM] = (int64_t)tdm_pp_fnv(&p->o.optim, sizeof p->o.optim,
                                                  0xcbf29ce484222325ull);
     mine[TDM_PP_CFG_SYNC] = (p->o.grad_sync.begin != NULL) | (p->o.optim_step.fn != NULL) << 1;
+    mine[TDM_PP_CFG_PRECISION] = p->o.precision;
+    mine[TDM_PP_CFG_CKPT] = p->o.ckpt;
     int64_t *all = calloc((size_t)p->S * TDM_PP_CFG_COUNT_, sizeof *all);
     if (!all) {
         st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "pp: configuration check");
@@ -222,6 +225,8 @@ tdm_status tdm_pp_init(tdm_pp **out, tdm_comm *comm, tdm_device *dev, const tdm_
     TDM_TRY(tdm_pp_check_config(p));
     int lo = p->first[p->s], hi = p->s + 1 < S ? p->first[p->s + 1] : n;
     st = tdm_model_init_stage(&p->m, dev, spec, opts->seed, lo, hi);
+    if (!st) st = tdm_model_set_precision(p->m, opts->precision);
+    if (!st) st = tdm_model_set_checkpoint(p->m, opts->ckpt);
     if (!st && !opts->optim_step.fn) st = tdm_optim_init(&p->opt, p->m, &opts->optim);
     /* every stage learns whether every other built its part before the
      * links' splits, which would wait for a stage that gave up */
@@ -408,6 +413,9 @@ void tdm_pp_get_stats(const tdm_pp *p, tdm_pp_stats *out)
         out->peak_act = ms.peak_bytes > p->stats.mem_base ? ms.peak_bytes - p->stats.mem_base : 0;
     out->overlapped = p->stats.overlapped;
     out->transfers = p->stats.transfers;
+    out->last_norm = p->lev.last_norm;
+    out->last_skipped = p->lev.last_skipped;
+    out->skipped = p->lev.skipped;
 }
 
 void tdm_pp_trace(const tdm_pp *p, const tdm_pp_event **events, int *n)

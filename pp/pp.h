@@ -60,6 +60,7 @@
 #include "models/checkpoint.h"
 #include "models/model.h"
 #include "models/optim.h"
+#include "models/precision.h"
 #include "models/stage.h"
 
 #ifdef __cplusplus
@@ -194,6 +195,14 @@ typedef struct tdm_pp_opts {
      * device memory (NCCL: pass the shm communicator it was bootstrapped
      * over). NULL: the pipeline's. */
     tdm_comm *host_comm;
+    /* The memory levers of the stage's model (docs/MEMORY.md): every
+     * matrix product in bf16 or fp16 with float32 sums (models/
+     * precision.h), and activation checkpointing in segments of ckpt
+     * units (models/recompute.h; 0: none): a micro-batch's activation set
+     * keeps the segments' inputs from its F to its B, and its B runs
+     * each segment's forward again. Every stage the same (checked). */
+    tdm_precision precision;
+    int ckpt;
 } tdm_pp_opts;
 
 typedef struct tdm_pp tdm_pp;
@@ -273,6 +282,37 @@ tdm_status tdm_pp_gather_stage(tdm_pp *p, const float *stage, float *full, int r
  * state and step count. Not collective. */
 tdm_status tdm_pp_load_state(tdm_pp *p, const tdm_ckpt_host *h);
 
+/* --- the step's levers (pp/levers.c) ------------------------------------------
+ * Loss scaling (fp16) and gradient clipping over the whole pipeline, and
+ * over its data-parallel replicas. With a scaler, the loss gradient of
+ * every micro-batch is scaled by the scale too; after the backwards, the
+ * tied embedding's sum and the replicas' all-reduce (grad_sync), each
+ * stage unscales its gradients and checks them, and the found-inf flag
+ * is ORed over comm (one all-reduce, "grad scaler found inf"): a step
+ * found bad is skipped on every stage of every replica (the optimizer,
+ * or the optim_step hook, does not run) and the scale halves on all.
+ * With clip_norm > 0 (or measure_norm) the global L2 norm: each stage's
+ * sum of squares of its slice (the tied copy counted once, on the first
+ * stage; of the replicas of a stage only those with norm_counted),
+ * summed by one all-reduce of one double over comm ("pp clip grad norm"),
+ * then torch's clip_grad_norm_ on every stage (models/clip.h). comm: the
+ * whole job's communicator on the stage's device memory (every stage of
+ * every replica calls it once per step); NULL: the pipeline's (no
+ * replicas). Every stage must set the same levers. */
+typedef struct tdm_pp_levers {
+    struct tdm_grad_scaler *scaler;   /* borrowed; NULL: no loss scaling */
+    double clip_norm;                 /* > 0: clip to it */
+    int measure_norm;                 /* 1: the norm without clipping */
+    tdm_comm *comm;                   /* borrowed; NULL: the pipeline's */
+    int norm_counted;                 /* this rank's squares count: one replica per stage */
+    /* Test hook, after the backwards and the tied sum, before the levers
+     * read the gradients (a planted inf). May be NULL. */
+    void (*after_backward)(void *ctx, tdm_model *m, int64_t step);
+    void *ctx;
+} tdm_pp_levers;
+/* Sets (or with NULL clears) the levers of the following steps; copied. */
+void tdm_pp_set_levers(tdm_pp *p, const tdm_pp_levers *l);
+
 /* --- what a step did ---------------------------------------------------------- */
 
 /* One F or B of the last step, in CLOCK_MONOTONIC ns (one clock for every
@@ -317,6 +357,10 @@ typedef struct tdm_pp_stats {
      * and had completed by its end: communication overlapped with compute */
     int64_t overlapped;
     int64_t transfers;
+    /* the levers (tdm_pp_set_levers) */
+    double last_norm;           /* the last step's global gradient norm (0: not measured) */
+    int last_skipped;           /* 1: the last step was skipped on every stage (found inf) */
+    int64_t skipped;            /* steps skipped so far */
 } tdm_pp_stats;
 
 void tdm_pp_get_stats(const tdm_pp *p, tdm_pp_stats *out);

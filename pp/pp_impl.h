@@ -81,6 +81,13 @@ struct tdm_pp {
 
     tdm_pp_schedule *sched;     /* cached for (kind, S, n_mb) */
 
+    struct {                    /* the step's levers (pp/levers.c) */
+        tdm_pp_levers set;
+        double last_norm;
+        int last_skipped;
+        int64_t skipped;
+    } lev;
+
     struct {                    /* what steps did */
         tdm_pp_phases last, sum;
         int64_t steps;
@@ -104,6 +111,15 @@ tdm_status tdm_pp_buffers(tdm_pp *p, int micro, int sets, int n_in);
  * other stages after a failure here (returns st). */
 tdm_status tdm_pp_fail(tdm_pp *p, tdm_status st, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
+
+/* pp/levers.c */
+/* What the loss gradient is multiplied by besides 1/B: the loss scale. */
+float tdm_pp_loss_scale(const tdm_pp *p);
+/* After the backwards and the tied sum: unscale, found-inf over the job,
+ * the norm and clipping; *skip: the optimizer step is to be skipped. */
+tdm_status tdm_pp_levers_apply(tdm_pp *p, int *skip);
+/* After the (possibly skipped) step: the scaler's update. */
+void tdm_pp_levers_done(tdm_pp *p, int skipped);
 
 /* pp/step.c */
 /* Waits for and releases every transfer still in flight (after a failure:

@@ -4,8 +4,9 @@
  * recv posted as soon as its buffer is free, so it arrives while the
  * stage computes; each send issued as soon as its data exists and waited
  * for only when its buffer is needed again), the tied embedding's
- * gradient, the optimizer step, the loss for the global batch, evaluation
- * through the pipeline, and the timings. Set-up is pp/pp.c. */
+ * gradient, the memory levers (pp/levers.c) and the optimizer step, the
+ * loss for the global batch, evaluation through the pipeline, and the
+ * timings. Set-up is pp/pp.c. */
 #include "pp/pp_impl.h"
 
 #include <stdio.h>
@@ -396,7 +397,9 @@ static tdm_status tdm_pp_step_run(tdm_pp *p, const void *x, const int32_t *y, in
 {
     tdm_pp_phases ph = {0};
     TDM_CHECK(tdm_pp_begin(p, x, y, batch, 0));
-    p->run.grad_scale = grad_scale;
+    /* loss scaling: 1/B times the scale, one rounding (exact for the
+     * scaler's powers of two), as one device's step */
+    p->run.grad_scale = grad_scale * tdm_pp_loss_scale(p);
     tdm_model_set_train(p->m, 1);
     TDM_CHECK(tdm_model_zero_grad(p->m));
     const tdm_pp_action *a = p->sched->actions[p->s];
@@ -410,10 +413,14 @@ static tdm_status tdm_pp_step_run(tdm_pp *p, const void *x, const int32_t *y, in
     TDM_CHECK(tdm_pp_tied(p));
     uint64_t t2 = tdm_time_ns();
     ph.tied = tdm_pp_ms(t1, t2);
-    tdm_status st = p->opt ? tdm_optim_step(p->opt)
-                           : p->o.optim_step.fn(p->o.optim_step.ctx, p->m);
+    int skip = 0;
+    TDM_CHECK(tdm_pp_levers_apply(p, &skip));
+    tdm_status st = skip ? TDM_STATUS_OK
+                    : p->opt ? tdm_optim_step(p->opt)
+                             : p->o.optim_step.fn(p->o.optim_step.ctx, p->m);
     if (!st) st = tdm_dev_sync(p->dev);
     if (st) return tdm_pp_fail(p, st, "optimizer step");
+    tdm_pp_levers_done(p, skip);
     uint64_t t3 = tdm_time_ns();
     ph.step = tdm_pp_ms(t2, t3);
     TDM_CHECK(tdm_pp_share_loss(p));

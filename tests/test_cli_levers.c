@@ -117,16 +117,19 @@ Test(cli_levers, offload_on_an_emulated_gpu)
 
 Test(cli_levers, refuses_what_it_cannot_do)
 {
-    static const struct { const char *args[8]; const char *msg; } cases[] = {
+    static const struct { const char *args[10]; const char *msg; } cases[] = {
         {{"train", "--precision", "fp8"}, "--precision: precision 'fp8': expected fp32, bf16 or fp16"},
         {{"train", "--checkpoint-activations", "0"}, "--checkpoint-activations '0': expected all"},
         {{"train", "--offload", "params"}, "not built yet"},
         {{"train", "--offload", "optimizer"}, "is host memory already"},
         {{"train", "--offload", "optimizer", "--mode", "dp", "--device", "cuda:0,1"},
-         "not yet with --mode dp"},
-        {{"train", "--precision", "bf16", "--mode", "pp", "--device", "cpu:2"},
-         "not yet with --mode pp"},
-        {{"train", "--precision", "fp16", "--grad-accum", "2"}, "not supported with --grad-accum"},
+         "not with --mode dp"},
+        {{"train", "--offload", "optimizer", "--mode", "pp", "--device", "cuda:0,1"},
+         "not with --mode pp"},
+        {{"train", "--precision", "bf16", "--mode", "tp", "--device", "cpu:2"},
+         "--mode tp does not support --precision"},
+        {{"train", "--precision", "fp16", "--grad-accum", "2", "--mode", "ddp", "--device",
+          "cpu:2"}, "not supported with --grad-accum"},
         {{"train", "--clip-grad-norm", "-1"}, "--clip-grad-norm"},
     };
     cli_result *r = malloc(sizeof *r);

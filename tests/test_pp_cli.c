@@ -574,9 +574,10 @@ Test(pp_cli, the_memory_check_covers_the_pipeline)
     expect(&r, 0, "epoch 1/1");
 }
 
-/* The memory levers and --deterministic are not the pipeline's yet:
- * compare refuses them with pp rather than running pp in fp32 beside
- * modes in bf16. */
+/* compare does not run the pipeline with the memory levers or
+ * --deterministic yet (train does: tests/test_cli_levers_pp.c): it
+ * refuses them with pp rather than running pp in fp32 beside modes in
+ * bf16. */
 Test(pp_cli, compare_refuses_levers_with_pp)
 {
     static cli_result r;

@@ -268,9 +268,10 @@ static void tdm_cmp_print_memory(const tdm_cmp_opts *o, tdm_cmp_result *const *r
             double mib = 1.0 / (1024.0 * 1024.0);
             double total = m->params + m->grads + m->optim + m->buffers + m->activations + m->comm;
             /* the allocator's peak over the run beside the planner's
-             * (tools/compare_mem.c; "-": DP, not planned) */
+             * (tools/compare_mem.c; "-": DP's other devices, not planned) */
             char planned[16] = "        -";
-            double pl = tdm_cmp_planned_peak(o, r->mode, r->n_dev);
+            double pl = r->mode == TDM_CMP_DP && d > 0 ? -1.0
+                                                       : tdm_cmp_planned_peak(o, r->mode, r->n_dev);
             if (pl >= 0) snprintf(planned, sizeof planned, "%9.3f", pl * mib);
             printf("  %-18s %9.3f %9.3f %9.3f %9.3f %11.3f %9.3f %9.3f %9.3f %s\n", name,
                    m->params * mib, m->grads * mib, m->optim * mib, m->buffers * mib,

@@ -96,7 +96,8 @@ static void tdm_cmp_json_mode(FILE *f, const tdm_cmp_opts *o, const tdm_cmp_resu
                    "\"peak_measured\": %.0f, \"peak_planned\": ",
                 d ? "," : "", d, m->params, m->grads, m->optim, m->buffers, m->activations,
                 m->comm, persist, persist + m->activations + m->comm, m->peak);
-        double pl = tdm_cmp_planned_peak(o, r->mode, r->n_dev);
+        double pl = r->mode == TDM_CMP_DP && d > 0 ? -1.0   /* DP's other devices */
+                                                   : tdm_cmp_planned_peak(o, r->mode, r->n_dev);
         if (pl >= 0) fprintf(f, "%.0f}", pl);
         else fputs("null}", f);
     }

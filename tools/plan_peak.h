@@ -2,7 +2,8 @@
  * which `tandem plan` prints and `tandem compare` prints beside the
  * measured one (tools/plan.c): --mode single's models/plan.h plan, a DDP
  * rank's (its model at its share plus the loss gradient its stage holds),
- * an FSDP/ZeRO rank's (fsdp/fsdp.h's tdm_fsdp_plan_memory). */
+ * an FSDP/ZeRO rank's (fsdp/fsdp.h's tdm_fsdp_plan_memory), and
+ * DataParallel's output device (the master). */
 #ifndef TDM_TOOLS_PLAN_PEAK_H
 #define TDM_TOOLS_PLAN_PEAK_H
 
@@ -15,11 +16,24 @@ typedef enum tdm_tool_plan_mode {
     TDM_TOOL_PLAN_SINGLE = 0,
     TDM_TOOL_PLAN_DDP,
     TDM_TOOL_PLAN_FSDP,
+    TDM_TOOL_PLAN_DP,
 } tdm_tool_plan_mode;
 
 /* o: the device's (rank's) model at its share of the batch; world and
- * sharding: the ranks and the sharding of TDM_TOOL_PLAN_FSDP. */
+ * sharding: the ranks and the sharding of TDM_TOOL_PLAN_FSDP. DP: the
+ * output device's (the master's, at the largest chunk), o->loss_batch
+ * the whole batch (dp/dp.h: that device holds the whole batch's inputs,
+ * logits, their gradient and labels, and computes its loss). */
 tdm_status tdm_tool_plan_peak(const tdm_plan_opts *o, tdm_tool_plan_mode mode, int world,
                               tdm_fsdp_sharding sharding, size_t *peak);
+
+/* A pipeline's stage s of S on host devices (pp/pp.h; `tandem train
+ * --mode pp`, whose links carry the received activations and gradients
+ * in their shared memory, not the device's): o at the micro-batch size
+ * (o->stage_lo/hi are set here from first[], the split), its model with
+ * the schedule's in-flight activation sets, the shared scratch, the
+ * loss and levers' scratch, and the GPT's tied-gradient buffer. */
+tdm_status tdm_tool_plan_pp_stage(const tdm_plan_opts *o, int S, const int *first, int s,
+                                  int sets, size_t *peak, tdm_plan *stage);
 
 #endif

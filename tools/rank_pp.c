@@ -45,6 +45,7 @@ typedef struct tdm_tool_pp {
     tdm_pp *p;
     tdm_ddp *ddp;                /* with dp > 1: the Reducer over the dp dimension */
     tdm_model *tables;           /* the whole model's tables (checkpoints' layout) */
+    tdm_comm *jcomm;             /* the whole job's device communicator (the levers') */
     /* ZeRO-1 (--sharding optimizer) */
     tdm_optim *zopt;             /* the optimizer of this replica's slice of the stage */
     tdm_comm *zcomm;             /* the dp dimension's device communicator (borrowed) */
@@ -279,7 +280,9 @@ static tdm_status tdm_rank_pp_setup(void *ctx, tdm_dist_rank *d, void **self)
                      .batch = b->pp.batch > 0 ? (b->pp.batch + q->reps - 1) / q->reps : 0,
                      .micro_size = b->pp.batch > 0 ? ((b->pp.batch + q->reps - 1) / q->reps +
                                                       b->pp.micro - 1) / b->pp.micro : 0,
-                     .host_comm = pp_dev != pp_host ? pp_host : NULL};
+                     .host_comm = pp_dev != pp_host ? pp_host : NULL,
+                     .precision = b->precision, .ckpt = b->ckpt};
+    q->jcomm = d->dev_comm;
     if (q->reps > 1)
         o.grad_sync = (tdm_pp_grad_sync){.begin = tdm_rank_pp_sync_begin,
                                          .end = tdm_rank_pp_sync_end, .ctx = q};
@@ -339,8 +342,11 @@ static tdm_status tdm_rank_pp_step(void *ctx, const void *x, const int32_t *y, i
                  q->mesh.coord[TDM_MESH_TP], tdm_pp_stage(q->p));
     else
         snprintf(who, sizeof who, "pipeline stage %d", tdm_pp_stage(q->p));
-    return tdm_tool_mesh_step(s, &q->mesh, q->in_elems, q->out_rows, tdm_rank_pp_step_fn, q, who,
-                              "pp loss over the replicas", x, y, batch, loss_mean);
+    tdm_train_levers_pp_begin(s, q->p, q->jcomm, q->rep);
+    TDM_CHECK(tdm_tool_mesh_step(s, &q->mesh, q->in_elems, q->out_rows, tdm_rank_pp_step_fn, q,
+                                 who, "pp loss over the replicas", x, y, batch, loss_mean));
+    tdm_train_levers_pp_end(s, q->p);
+    return TDM_STATUS_OK;
 }
 
 /* ---- evaluation ---- */

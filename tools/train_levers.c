@@ -6,15 +6,18 @@
  * stepper), and the lines they print (the planner's peak before
  * training, the measured one after, the gradient norm and loss scale
  * with each epoch). Under --mode dp they are set on the master (its
- * replicas follow it, dp/dp.h) and its step (tdm_dp_step_levers). */
+ * replicas follow it, dp/dp.h) and its step (tdm_dp_step_levers); under
+ * --mode pp on every stage (pp/pp.h: tdm_pp_opts, tdm_pp_set_levers). */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "dist/step.h"
 #include "models/plan.h"
 #include "models/precision.h"
 #include "models/recompute.h"
+#include "models/stage.h"
 #include "models/train.h"
 #include "tools/plan_peak.h"
 #include "tools/ranks.h"
@@ -56,26 +59,33 @@ tdm_status tdm_train_levers_check(const tdm_train_args *a)
         return tdm_tool_usage_error("tandem train: --offload optimizer moves the optimizer "
                                     "state from a GPU to host memory; --device %s is host "
                                     "memory already\n", a->device);
-    int dp = !strcmp(a->mode, "dp");
+    int dp = !strcmp(a->mode, "dp"), pp = !strcmp(a->mode, "pp");
     if (tdm_levers_set(a) && strcmp(a->mode, "single") && strcmp(a->mode, "ddp") &&
-        strcmp(a->mode, "fsdp") && !dp)
+        strcmp(a->mode, "fsdp") && !dp && !pp)
         return tdm_tool_usage_error("tandem train: --precision, --checkpoint-activations, "
                                     "--clip-grad-norm and --offload run with --mode single, dp, "
-                                    "ddp and fsdp in this build, not yet with --mode %s\n",
+                                    "ddp, fsdp and pp in this build, not yet with --mode %s\n",
                                     a->mode);
-    if (a->offload && dp)
+    const char *tp = pp && a->mesh ? strstr(a->mesh, "tp=") : NULL;
+    if (tdm_levers_set(a) && tp && atoi(tp + 3) > 1)
+        return tdm_tool_usage_error("tandem train: --mesh %s: the memory levers run in "
+                                    "pipelines of whole stages (tp=1), not yet with "
+                                    "tensor-parallel stages\n", a->mesh);
+    if (a->offload && (dp || pp))
         return tdm_tool_usage_error("tandem train: --offload optimizer runs with --mode single, "
-                                    "ddp and fsdp, not yet with --mode dp\n");
+                                    "ddp and fsdp, not with --mode %s%s\n", a->mode,
+                                    pp ? " (a stage holds only its own layers' state)" : "");
     int fp16 = a->precision && p == TDM_PRECISION_FP16;
     if (a->uneven && (fp16 || a->clip_grad_norm > 0.0))
         return tdm_tool_usage_error("tandem train: --precision fp16 (its loss scaling) and "
                                     "--clip-grad-norm are not supported with --uneven yet (a "
                                     "joined rank's shadow steps do not take part in their "
                                     "collectives)\n");
-    if (a->grad_accum > 1 && (fp16 || a->clip_grad_norm > 0.0))
+    if (a->grad_accum > 1 && (fp16 || a->clip_grad_norm > 0.0) && strcmp(a->mode, "single"))
         return tdm_tool_usage_error("tandem train: --precision fp16 (its loss scaling) and "
                                     "--clip-grad-norm are not supported with --grad-accum "
-                                    "yet\n");
+                                    "yet, but with --mode single (and --mode pp's "
+                                    "--microbatches)\n");
     return TDM_STATUS_OK;
 }
 
@@ -125,7 +135,8 @@ tdm_status tdm_train_levers_apply(const tdm_train_args *a, tdm_model *m, tdm_sin
     if (a->clip_grad_norm > 0.0) printf(", gradient norm clipped to %g", a->clip_grad_norm);
     if (a->offload) printf(", optimizer offloaded to host memory");
     if (!strcmp(a->mode, "dp")) {
-        /* the planner covers one device's step, not DP's (tools/plan.c) */
+        /* DP's plan (its output device's) is printed after training,
+         * beside the measured peak (tdm_train_levers_report) */
         printf(" (the master's; every replica follows it)\n");
         fflush(stdout);
         return TDM_STATUS_OK;
@@ -150,8 +161,30 @@ void tdm_train_levers_report(const tdm_train_args *a, tdm_model *m)
     if (!tdm_levers_set(a) || tdm_dev_mem_query(tdm_model_device(m), &ms) != TDM_STATUS_OK)
         return;
     if (!strcmp(a->mode, "dp")) {
-        printf("peak memory on the master's %s: %.2f MiB measured (allocator)\n",
+        /* the output device's plan (tandem plan --mode dp): the master at
+         * the largest chunk, the whole batch's loss and buffers */
+        tdm_device_list dl;
+        tdm_plan_opts o;
+        size_t planned = 0;
+        int n = tdm_device_list_parse(&dl, a->device) == TDM_STATUS_OK ? dl.count : 0;
+        printf("peak memory on the master's %s: %.2f MiB measured (allocator)",
                tdm_dev_name(tdm_model_device(m)), ms.peak_bytes / 1048576.0);
+        if (n >= 1 && a->grad_accum <= 1) {
+            tdm_plan_opts_default(&o, tdm_model_get_spec(m), (int)((a->batch + n - 1) / n));
+            o.precision = tdm_model_precision(m);
+            o.ckpt = tdm_model_checkpoint(m);
+            tdm_optim_opts_named(&o.optim, a->optim, a->lr, a->weight_decay, a->momentum,
+                                 a->nesterov);
+            o.device = tdm_dev_kind(tdm_model_device(m));
+            o.threads = (int)a->threads;
+            o.loss_scaling = o.precision == TDM_PRECISION_FP16;
+            o.grad_norm = a->clip_grad_norm > 0.0;
+            o.loss_batch = (int)a->batch;
+            if (tdm_tool_plan_peak(&o, TDM_TOOL_PLAN_DP, n, TDM_FSDP_FULL_SHARD, &planned) ==
+                TDM_STATUS_OK)
+                printf(", %.2f MiB planned (tandem plan)", planned / 1048576.0);
+        }
+        printf("\n");
         return;
     }
     tdm_plan pl;
@@ -213,6 +246,43 @@ tdm_status tdm_train_levers_rank(const tdm_train_args *a, const tdm_tool_rank *r
     return TDM_STATUS_OK;
 }
 
+/* Rank 0's stage (stage 0 of replica 0) as tandem plan --mode pp plans
+ * it, on host devices with whole stages. */
+static void tdm_levers_pp_planned(const tdm_train_args *a, const tdm_tool_rank *r)
+{
+    const tdm_tool_build *b = r->b;
+    int S = r->dist->shape.size[TDM_MESH_PP], reps = r->dist->shape.size[TDM_MESH_DP], n = 0;
+    int first[64];
+    tdm_pp_schedule *sched = NULL;
+    if (r->dist->shape.size[TDM_MESH_TP] > 1 || S > 64 ||
+        tdm_dev_kind(tdm_model_device(r->m)) != TDM_DEVICE_HOST ||
+        tdm_model_spec_n_layers(&b->spec, &n) ||
+        (b->pp.split ? tdm_pp_split_parse(b->pp.split, S, n, first)
+                     : tdm_pp_split_balance(&b->spec, S, TDM_PP_BALANCE_FLOPS, first)) ||
+        tdm_pp_schedule_build(&sched, b->pp.schedule, S, b->pp.micro)) {
+        tdm_error_clear();
+        return;
+    }
+    int share = (int)((a->batch + reps - 1) / reps);
+    tdm_plan_opts o;
+    tdm_plan stage;
+    size_t planned = 0;
+    tdm_plan_opts_default(&o, &b->spec, (share + b->pp.micro - 1) / b->pp.micro);
+    o.precision = b->precision;
+    o.ckpt = b->ckpt;
+    o.optim = b->optim;
+    o.device = TDM_DEVICE_HOST;
+    o.threads = (int)a->threads;
+    o.loss_scaling = o.precision == TDM_PRECISION_FP16;
+    o.grad_norm = a->clip_grad_norm > 0.0;
+    if (tdm_tool_plan_pp_stage(&o, S, first, 0, tdm_pp_schedule_in_flight(sched, 0), &planned,
+                               &stage) == TDM_STATUS_OK)
+        printf(", %.2f MiB planned (tandem plan)", planned / 1048576.0);
+    else
+        tdm_error_clear();
+    tdm_pp_schedule_free(sched);
+}
+
 void tdm_train_levers_rank_report(const tdm_train_args *a, const tdm_tool_rank *r)
 {
     tdm_dev_mem_stats ms;
@@ -226,6 +296,15 @@ void tdm_train_levers_rank_report(const tdm_train_args *a, const tdm_tool_rank *
     tdm_plan_opts o;
     size_t planned = 0;
     int fsdp = !strcmp(a->mode, "fsdp");
+    if (!strcmp(a->mode, "pp")) {
+        tdm_levers_pp_planned(a, r);
+        printf("\n");
+        return;
+    }
+    if (strcmp(a->mode, "ddp") && !fsdp) {
+        printf("\n");
+        return;
+    }
     tdm_plan_opts_default(&o, &r->b->spec, (int)((a->batch + r->world - 1) / r->world));
     o.precision = r->b->precision;
     o.ckpt = r->b->ckpt;
@@ -240,4 +319,34 @@ void tdm_train_levers_rank_report(const tdm_train_args *a, const tdm_tool_rank *
                            r->b->sharding, &planned) == TDM_STATUS_OK)
         printf(", %.2f MiB planned (tandem plan)", planned / 1048576.0);
     printf("\n");
+}
+
+static void tdm_levers_pp_hook(void *ctx, tdm_model *m, int64_t step)
+{
+    tdm_dist_stepper *s = ctx;
+    float *g = tdm_model_grads(m);
+    int64_t n = tdm_model_param_elems(m);
+    tdm_dist_grads dg = {.bufs = &g, .n_elem = &n, .n_bufs = 1, .dev = tdm_model_device(m)};
+    (void)step;   /* the stepper's count, as every design's hook */
+    s->after_backward(s->before_ctx, s->begun, &dg);
+}
+
+void tdm_train_levers_pp_begin(tdm_dist_stepper *s, tdm_pp *p, tdm_comm *job, int replica)
+{
+    tdm_pp_levers l = {.scaler = s->scaler, .clip_norm = s->clip_norm,
+                       .measure_norm = s->measure_norm, .comm = job,
+                       .norm_counted = replica == 0};
+    if (s->after_backward) {
+        l.after_backward = tdm_levers_pp_hook;
+        l.ctx = s;
+    }
+    tdm_pp_set_levers(p, &l);
+}
+
+void tdm_train_levers_pp_end(tdm_dist_stepper *s, const tdm_pp *p)
+{
+    tdm_pp_stats st;
+    tdm_pp_get_stats(p, &st);
+    s->last_norm = st.last_norm;
+    s->last_skipped = st.last_skipped;
 }

@@ -251,6 +251,13 @@ void tdm_train_levers_build(const tdm_train_args *a, struct tdm_tool_build *b);
 tdm_status tdm_train_levers_rank(const tdm_train_args *a, const struct tdm_tool_rank *r,
                                  struct tdm_dist_stepper *s, struct tdm_grad_scaler *scaler);
 void tdm_train_levers_rank_report(const tdm_train_args *a, const struct tdm_tool_rank *r);
+/* --mode pp: the stepper's levers on the rank's pipeline before each step
+ * (the found-inf flag and the norm over job, the whole job's device
+ * communicator; the norm counts replica 0's stages), its figures after. */
+struct tdm_pp;
+void tdm_train_levers_pp_begin(struct tdm_dist_stepper *s, struct tdm_pp *p, tdm_comm *job,
+                               int replica);
+void tdm_train_levers_pp_end(struct tdm_dist_stepper *s, const struct tdm_pp *p);
 
 /* --model gpt: a language model on text, in every mode (tools/train_text.c). */
 tdm_status tdm_train_text_main(const tdm_train_args *a);
