@@ -496,6 +496,21 @@ Test(tp, gpt_sequence_parallel_one_rank_is_one_device) { check_sp(1, 1); }
 Test(tp, gpt_sequence_parallel_equals_one_device) { check_sp(1, 2); check_sp(1, 4); }
 Test(tp, gpt_sequence_parallel_dp2_tp2) { check_sp(2, 2); }
 
+/* Sequence parallelism under gradient accumulation: each micro-batch's
+ * LayerNorm gradients are partial on every rank; their sum over the
+ * group must happen once per optimizer step (after both
+ * forward_backward calls), neither per micro-batch nor never. check()
+ * holds the accumulated run to one device's step on the whole batch. */
+Test(tp, gpt_sequence_parallel_accumulated_micro_batches_equal_one_device)
+{
+    g_ref.sp = 1;
+    g_ref.accum = 1;
+    check(GPT, 1, 2);
+    check(GPT, 2, 2);
+    g_ref.accum = 0;
+    g_ref.sp = 0;
+}
+
 /* ZeRO-1 on the dp dimension of a dp=2 x tp=2 mesh: the plain dp x tp
  * run's parameters bit for bit after 30 steps (SGD with momentum on the
  * MLPs, AdamW on the GPT; each element steps from its own gradient and

@@ -103,6 +103,28 @@ Test(tp_cli, tp_and_dp_x_tp_write_single_devices_checkpoint_within_the_bound)
     cr_assert(d2 > 0 || d4 > 0, "bit for bit: the stated rounding no longer happens");
 }
 
+/* An epoch whose last batch holds fewer samples than there are replicas
+ * (201 samples in batches of 40: the sixth batch is 1 sample, replica
+ * 1's share of it empty): that replica adds no gradient but joins the
+ * sum over the dp dimension and the step, as DDP's does; the run equals
+ * one device's. */
+Test(tp_cli, a_replica_with_no_samples_in_the_last_batch_joins_the_step)
+{
+    static cli_result r;
+    char one[128], m[128];
+    path(one, sizeof one, "short_single");
+    path(m, sizeof m, "short_mesh");
+    CLI(&r, "train", "--mode", "single", MLP, "--data", "synthetic", "--synthetic-size", "201",
+        "--batch", "40", "--epochs", "2", "--no-eval", "--quiet", "--save", one);
+    expect(&r, 0, "/");
+    CLI(&r, "train", "--mode", "tp", "--device", "cpu:4", "--mesh", "dp=2,tp=2", MLP, "--data",
+        "synthetic", "--synthetic-size", "201", "--batch", "40", "--epochs", "2", "--no-eval",
+        "--quiet", "--save", m);
+    expect(&r, 0, "/");
+    double d = ck_diff(one, m);
+    cr_assert(d <= TOL, "dp=2,tp=2 with a 1-sample last batch: %g from one device", d);
+}
+
 Test(tp_cli, checkpoints_go_between_tp_and_single)
 {
     char one1[128], one3[128], tp1[128], tp3[128], a[128], b[128];

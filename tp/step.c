@@ -277,7 +277,10 @@ tdm_status tdm_tp_step_scaled(tdm_tp *p, const void *x, const int32_t *y, int ba
     uint64_t t0 = tdm_time_ns();
     tdm_tp_phases ph = {0};
     tdm_status st = tdm_tp_zero_grad(p);
-    if (!st) st = tdm_tp_fwd_bwd(p, x, y, batch, grad_scale, loss_sum, &ph);
+    /* an empty share (a short last batch over the dp dimension): a zero
+     * gradient, still summed with the other replicas' and stepped */
+    if (!st && batch == 0 && loss_sum) *loss_sum = 0.0;
+    if (!st && batch != 0) st = tdm_tp_fwd_bwd(p, x, y, batch, grad_scale, loss_sum, &ph);
     if (!st) st = tdm_tp_sync(p, &ph);
     uint64_t t1 = tdm_time_ns();
     if (!st) st = tdm_tp_step_only(p);

@@ -178,8 +178,11 @@ int64_t tdm_tp_elems(const tdm_tp *p);
  * rank of the group. Zeroes the gradients, forward, softmax
  * cross-entropy with its gradient scaled by grad_scale (1/batch: the
  * mean), backward, the sum over grad_comm, the optimizer step.
- * *loss_sum (may be NULL): the sum of the per-sample losses. On failure
- * the group (and grad_comm) is aborted with the message. */
+ * *loss_sum (may be NULL): the sum of the per-sample losses. batch 0
+ * (with grad_comm: this replica's share of a short last batch is empty;
+ * the same on every rank of the group): no forward or backward, a zero
+ * gradient into the sums and the step, *loss_sum 0. On failure the
+ * group (and grad_comm) is aborted with the message. */
 tdm_status tdm_tp_step_scaled(tdm_tp *p, const void *x, const int32_t *y, int batch,
                               float grad_scale, double *loss_sum);
 /* The same without the zeroing, the sum over grad_comm nor the
