@@ -369,14 +369,17 @@ tdm_status tdm_ddp_sync_begin(tdm_ddp *d, double loss_sum)
     return TDM_STATUS_OK;
 }
 
-tdm_status tdm_ddp_sync_end(tdm_ddp *d, tdm_status backward_status)
+/* had_samples 0: no backward ran between the halves (a rank without
+ * samples); the Reducer reduces every gradient as it stands, as
+ * tdm_ddp_backward does for an empty forward. */
+static tdm_status tdm_ddp_sync_finish(tdm_ddp *d, tdm_status backward_status, int had_samples)
 {
     TDM_REQUIRE(d->ext_open, TDM_STATUS_INVALID_ARG, "ddp sync_end: no sync_begin before it");
     d->ext_open = 0;
     d->red.in_backward = 0;
     if (backward_status) return tdm_ddp_reducer_abort(&d->red, backward_status);
     uint64_t t1 = tdm_time_ns();
-    TDM_CHECK(tdm_ddp_reducer_end(&d->red, d->ext_seq, 1, &d->loss_global));
+    TDM_CHECK(tdm_ddp_reducer_end(&d->red, d->ext_seq, had_samples, &d->loss_global));
     tdm_ddp_times *t = &d->times;
     t->comm_ms_last = tdm_ddp_reducer_comm_ms(&d->red);
     t->comm_ms_total += t->comm_ms_last;
@@ -387,6 +390,17 @@ tdm_status tdm_ddp_sync_end(tdm_ddp *d, tdm_status backward_status)
     t->exposed_ms_total = t->total.ms[TDM_PHASE_ALLREDUCE_WAIT];
     t->steps++;
     return TDM_STATUS_OK;
+}
+
+tdm_status tdm_ddp_sync_end(tdm_ddp *d, tdm_status backward_status)
+{
+    return tdm_ddp_sync_finish(d, backward_status, 1);
+}
+
+tdm_status tdm_ddp_sync_empty(tdm_ddp *d)
+{
+    TDM_CHECK(tdm_ddp_sync_begin(d, 0.0));
+    return tdm_ddp_sync_finish(d, TDM_STATUS_OK, 0);
 }
 
 double tdm_ddp_loss_sum(const tdm_ddp *d) { return d->loss_global; }

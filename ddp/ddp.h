@@ -236,6 +236,13 @@ tdm_status tdm_ddp_grad_bufs(tdm_ddp *d, tdm_dist_grads *out);
  * ranks stop) and is returned. */
 tdm_status tdm_ddp_sync_begin(tdm_ddp *d, double loss_sum);
 tdm_status tdm_ddp_sync_end(tdm_ddp *d, tdm_status backward_status);
+/* Both halves with no backward between them, for a rank without samples
+ * in this step (a pipeline replica's empty share of a short global
+ * batch): it takes part in the synchronised backward as a rank with an
+ * empty forward does in tdm_ddp_backward, its gradients reduced as they
+ * stand (zeros after zero_grad; a no_sync accumulation otherwise), its
+ * loss 0. Collective with the others' sync_begin/_end. */
+tdm_status tdm_ddp_sync_empty(tdm_ddp *d);
 /* Sum over all ranks of the per-sample losses of the forwards reduced by
  * the last synchronised backward (no_sync micro-batches included), carried
  * by that backward's all-reduce: no extra collective. Divide by the

@@ -65,7 +65,8 @@ static tdm_status tdm_pp_check_config(tdm_pp *p)
     mine[TDM_PP_CFG_OPTIM] = (int64_t)tdm_pp_fnv(&p->o.optim, sizeof p->o.optim,
                                                  0xcbf29ce484222325ull);
     mine[TDM_PP_CFG_SYNC] = (p->o.grad_sync.begin != NULL) | (p->o.optim_step.fn != NULL) << 1 |
-                            (p->o.shards.leaf != NULL) << 2;
+                            (p->o.shards.leaf != NULL) << 2 |
+                            (p->o.grad_sync.empty != NULL) << 3;
     mine[TDM_PP_CFG_PRECISION] = p->o.precision;
     mine[TDM_PP_CFG_CKPT] = p->o.ckpt;
     int64_t *all = calloc((size_t)p->S * TDM_PP_CFG_COUNT_, sizeof *all);
@@ -183,8 +184,10 @@ tdm_status tdm_pp_init(tdm_pp **out, tdm_comm *comm, tdm_device *dev, const tdm_
                 "pp: %d micro-batches (expected at least 1)", opts->micro_batches);
     TDM_REQUIRE((unsigned)opts->schedule < TDM_PP_SCHEDULE_COUNT_, TDM_STATUS_INVALID_ARG,
                 "pp: unknown schedule %d", (int)opts->schedule);
-    TDM_REQUIRE(!opts->grad_sync.begin == !opts->grad_sync.end, TDM_STATUS_INVALID_ARG,
-                "pp: grad_sync needs both begin and end");
+    TDM_REQUIRE(!opts->grad_sync.begin == !opts->grad_sync.end &&
+                    (!opts->grad_sync.empty || opts->grad_sync.begin),
+                TDM_STATUS_INVALID_ARG, "pp: grad_sync needs both begin and end (and empty "
+                "only with them)");
     TDM_REQUIRE(!opts->shards.leaf == !opts->shards.reduce &&
                     !opts->shards.leaf == !opts->shards.cut &&
                     !(opts->shards.leaf && opts->grad_sync.begin),

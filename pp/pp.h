@@ -143,10 +143,15 @@ const char *tdm_pp_split_str(const int *first, int stages, char *buf, size_t n);
 /* --- a stage ---------------------------------------------------------------- */
 
 /* Called around the last micro-batch's backward of each step (data
- * parallelism over the stage's replicas: tdm_ddp_sync_begin/_end). */
+ * parallelism over the stage's replicas: tdm_ddp_sync_begin/_end).
+ * empty (optional): called instead, once, in a step whose replica has no
+ * samples (tdm_pp_step_scaled with batch 0: a short global batch's empty
+ * share), with the stage's gradients zeroed and no backward run
+ * (tdm_ddp_sync_empty); without it batch 0 is refused. */
 typedef struct tdm_pp_grad_sync {
     tdm_status (*begin)(void *ctx);
     tdm_status (*end)(void *ctx, tdm_status backward_status);
+    tdm_status (*empty)(void *ctx);
     void *ctx;
 } tdm_pp_grad_sync;
 
@@ -265,8 +270,11 @@ tdm_status tdm_pp_step(tdm_pp *p, const void *x, const int32_t *y, int batch, do
  * 1/batch: data parallelism over replicas of the pipeline, each running
  * its share of a global batch of B_global, passes 1/B_global, so that the
  * SUM all-reduce of grad_sync gives the global batch's mean-loss gradient
- * (uneven shares included). *loss_sum (may be NULL): the sum of this
- * replica's per-sample losses, on every stage. */
+ * (uneven shares included). A replica whose share is empty passes batch 0
+ * on every stage (with grad_sync.empty set): no micro-batch runs, its zero
+ * gradient joins the sum, the levers and the optimizer step, *loss_sum
+ * is 0. *loss_sum (may be NULL): the sum of this replica's per-sample
+ * losses, on every stage. */
 tdm_status tdm_pp_step_scaled(tdm_pp *p, const void *x, const int32_t *y, int batch,
                               float grad_scale, double *loss_sum);
 /* Forward only, in eval mode (restored after), through the pipeline:

@@ -405,7 +405,35 @@ tdm_status tdm_pp_step(tdm_pp *p, const void *x, const int32_t *y, int batch, do
 {
     double sum = 0.0;
     TDM_CHECK(tdm_pp_step_scaled(p, x, y, batch, batch > 0 ? 1.0f / (float)batch : 0.0f, &sum));
-    if (loss_mean) *loss_mean = sum / batch;
+    if (loss_mean) *loss_mean = batch > 0 ? sum / batch : 0.0;
+    return TDM_STATUS_OK;
+}
+
+/* A replica's empty share of the global batch (batch 0, every stage of
+ * the replica alike): no micro-batch and no transfer between the stages;
+ * the stage's zero gradient joins the replicas' sum (grad_sync.empty),
+ * then the tied sum, the levers and the optimizer step run as in a step
+ * with samples. Without grad_sync.empty (no replicas), or with shards
+ * (every replica's shards are whole), batch 0 is refused. */
+static tdm_status tdm_pp_begin_empty(tdm_pp *p, tdm_pp_phases *ph)
+{
+    if (!p->o.grad_sync.empty || tdm_pp_sharded(p))
+        return tdm_pp_fail(p, tdm_error_set(TDM_STATUS_INVALID_ARG, "batch 0 (expected at "
+                                            "least 1; an empty share of a global batch needs "
+                                            "grad_sync.empty, and no shards)"), "step");
+    p->run.batch = p->run.n_mb = 0;
+    p->run.eval = 0;
+    p->run.x = NULL;
+    p->run.y = NULL;
+    p->run.loss_sum = 0.0;
+    p->run.correct = 0;
+    p->stats.n_ev = 0;
+    p->run.t0 = tdm_time_ns();
+    tdm_model_set_train(p->m, 1);
+    TDM_CHECK(tdm_model_zero_grad(p->m));
+    tdm_status st = p->o.grad_sync.empty(p->o.grad_sync.ctx);
+    ph->grad_sync += tdm_time_ms_since(p->run.t0);
+    if (st) return tdm_pp_fail(p, st, "gradient sync of an empty share");
     return TDM_STATUS_OK;
 }
 
@@ -413,19 +441,23 @@ static tdm_status tdm_pp_step_run(tdm_pp *p, const void *x, const int32_t *y, in
                                   float grad_scale, double *loss_sum)
 {
     tdm_pp_phases ph = {0};
-    TDM_CHECK(tdm_pp_begin(p, x, y, batch, 0));
-    /* loss scaling: 1/B times the scale, one rounding (exact for the
-     * scaler's powers of two), as one device's step */
-    p->run.grad_scale = grad_scale * tdm_pp_loss_scale(p);
-    tdm_model_set_train(p->m, 1);
-    TDM_CHECK(tdm_model_zero_grad(p->m));
-    if (tdm_pp_sharded(p)) TDM_CHECK(tdm_pp_shards_begin(p));
-    const tdm_pp_action *a = p->sched->actions[p->s];
-    for (int j = 0; j < p->sched->n_actions[p->s]; j++) {
-        if (a[j].op == TDM_PP_FORWARD) TDM_CHECK(tdm_pp_forward(p, a[j].mb, &ph));
-        else TDM_CHECK(tdm_pp_backward(p, a[j].mb, &ph));
+    if (batch == 0) {
+        TDM_CHECK(tdm_pp_begin_empty(p, &ph));
+    } else {
+        TDM_CHECK(tdm_pp_begin(p, x, y, batch, 0));
+        /* loss scaling: 1/B times the scale, one rounding (exact for the
+         * scaler's powers of two), as one device's step */
+        p->run.grad_scale = grad_scale * tdm_pp_loss_scale(p);
+        tdm_model_set_train(p->m, 1);
+        TDM_CHECK(tdm_model_zero_grad(p->m));
+        if (tdm_pp_sharded(p)) TDM_CHECK(tdm_pp_shards_begin(p));
+        const tdm_pp_action *a = p->sched->actions[p->s];
+        for (int j = 0; j < p->sched->n_actions[p->s]; j++) {
+            if (a[j].op == TDM_PP_FORWARD) TDM_CHECK(tdm_pp_forward(p, a[j].mb, &ph));
+            else TDM_CHECK(tdm_pp_backward(p, a[j].mb, &ph));
+        }
+        TDM_CHECK(tdm_pp_flush(p, &ph));
     }
-    TDM_CHECK(tdm_pp_flush(p, &ph));
     uint64_t t1 = tdm_time_ns();
     ph.pipeline = tdm_pp_ms(p->run.t0, t1);
     TDM_CHECK(tdm_pp_sharded(p) ? tdm_pp_shards_end(p) : tdm_pp_tied(p));

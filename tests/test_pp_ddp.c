@@ -44,6 +44,7 @@ typedef struct mix_arg {
     tpp_kind kind;
     tdm_pp_schedule_kind sched;
     int victim;                       /* >= 0: this rank dies before step 3 */
+    int gb;                           /* the global batch */
 } mix_arg;
 
 static tdm_optim_opts mix_optim(void) { return tpp_optim(TPP_MLP); }
@@ -53,6 +54,7 @@ static tdm_status sync_end(void *ctx, tdm_status st)
 {
     return tdm_ddp_sync_end(*(tdm_ddp **)ctx, st);
 }
+static tdm_status sync_empty(void *ctx) { return tdm_ddp_sync_empty(*(tdm_ddp **)ctx); }
 
 static int mix_rank(tdm_comm *comm, void *argp)
 {
@@ -65,15 +67,17 @@ static int mix_rank(tdm_comm *comm, void *argp)
     tdm_model_spec spec;
     tpp_spec(a->kind, &spec);
     int in = tpp_in_features(&spec), rows = tpp_out_rows(&spec), classes = tpp_classes(&spec);
-    char *x = malloc((size_t)GB * in * 4);
-    int32_t *y = malloc((size_t)GB * rows * sizeof *y);
+    int gb = a->gb;
+    char *x = malloc((size_t)gb * in * 4);
+    int32_t *y = malloc((size_t)gb * rows * sizeof *y);
     tdm_mesh_shape shape;
     tdm_status st = tdm_mesh_parse("dp=2,pp=2", tdm_comm_size(comm), &shape);
     if (!st) st = tdm_mesh_init(&mesh, comm, &shape);
     if (!st) st = tdm_device_open(&dev, "cpu", r, 1);
     tdm_pp_opts o = {.schedule = a->sched, .micro_batches = M, .seed = TPP_SEED,
                      .optim = mix_optim(),
-                     .grad_sync = {.begin = sync_begin, .end = sync_end, .ctx = &ddp}};
+                     .grad_sync = {.begin = sync_begin, .end = sync_end,
+                                   .empty = sync_empty, .ctx = &ddp}};
     if (!st) st = tdm_pp_init(&p, tdm_mesh_comm(mesh, TDM_MESH_PP), dev, &spec, &o);
     tdm_comm *dp = st ? NULL : tdm_mesh_comm(mesh, TDM_MESH_DP);
     tdm_ddp_opts dopt = {.timeout_ms = tu_scaled_ms(20000)};
@@ -84,15 +88,15 @@ static int mix_rank(tdm_comm *comm, void *argp)
             a->out->kill_ms = (double)tdm_time_ns() * 1e-6;
             raise(SIGKILL);
         }
-        tpp_batch(&spec, in, rows, classes, s, GB, x, y);
+        tpp_batch(&spec, in, rows, classes, s, gb, x, y);
         int64_t lo, hi;
-        tdm_dist_share(GB, d, 2, &lo, &hi);
+        tdm_dist_share(gb, d, 2, &lo, &hi);
         double ls = 0.0;
         st = tdm_pp_step_scaled(p, x + lo * in * 4, y + lo * rows, (int)(hi - lo),
-                                1.0f / (float)GB, &ls);
+                                1.0f / (float)gb, &ls);
         /* the global batch's loss: the two replicas' sums */
         if (!st) st = tdm_comm_all_reduce(dp, &ls, &ls, 1, TDM_DTYPE_FLOAT64, TDM_REDOP_SUM);
-        a->out->loss[r][s] = ls / GB;
+        a->out->loss[r][s] = ls / gb;
     }
     if (!st) {
         tdm_model_stage_info si;
@@ -121,7 +125,7 @@ static mix_out *out_new(void)
     return o;
 }
 
-static void check_mix(tpp_kind kind)
+static void check_mix(tpp_kind kind, int gb)
 {
     shm_t_adopt_orphans();
     int before = shm_t_segments_held();
@@ -129,11 +133,12 @@ static void check_mix(tpp_kind kind)
     double ref_loss[STEPS];
     static float ref_p[TPP_MAX_ELEMS];
     int64_t n = 0;
-    cr_assert_eq(tpp_reference_opt(kind, 1, GB, STEPS, mix_optim(), ref_loss, NULL, ref_p, &n),
+    cr_assert_eq(tpp_reference_opt(kind, 1, gb, STEPS, mix_optim(), ref_loss, NULL, ref_p, &n),
                  TDM_STATUS_OK);
     for (int k = 0; k < TDM_PP_SCHEDULE_COUNT_; k++) {
         mix_out *o = out_new();
-        mix_arg a = {.out = o, .kind = kind, .sched = (tdm_pp_schedule_kind)k, .victim = -1};
+        mix_arg a = {.out = o, .kind = kind, .sched = (tdm_pp_schedule_kind)k, .victim = -1,
+                     .gb = gb};
         /* the dp groups' arena takes DDP's gradients (zero-copy) */
         tdm_shm_spawn_opts so = {.timeout_ms = tu_scaled_ms(90000),
                                  .shm = {.arena_bytes = 2 * tdm_ddp_arena_bytes(n)}};
@@ -168,8 +173,50 @@ static void check_mix(tpp_kind kind)
 
 TestSuite(pp_ddp, .timeout = 240);
 
-Test(pp_ddp, mlp_dp2_pp2_equals_one_device) { check_mix(TPP_MLP); }
-Test(pp_ddp, gpt_dp2_pp2_equals_one_device) { check_mix(TPP_GPT); }
+Test(pp_ddp, mlp_dp2_pp2_equals_one_device) { check_mix(TPP_MLP, GB); }
+Test(pp_ddp, gpt_dp2_pp2_equals_one_device) { check_mix(TPP_GPT, GB); }
+
+/* A global batch of 1: replica 1's share is empty in every step; its
+ * stages run no micro-batch (batch 0) and join DDP's sum with a zero
+ * gradient (grad_sync.empty: tdm_ddp_sync_empty), the GPT's tied sum and
+ * the optimizer step, and end with replica 0's parameters bit for bit. */
+Test(pp_ddp, an_empty_replica_joins_the_step_with_a_zero_gradient)
+{
+    check_mix(TPP_MLP, 1);
+    check_mix(TPP_GPT, 1);
+}
+
+/* Without grad_sync.empty (or without replicas) batch 0 is refused on
+ * the stage, with the pipeline aborted so its peers stop too. */
+static int empty_refused_rank(tdm_comm *comm, void *argp)
+{
+    char *msg = argp;
+    int r = tdm_comm_rank(comm);
+    tdm_device *dev = NULL;
+    tdm_pp *p = NULL;
+    tdm_model_spec spec;
+    tpp_spec(TPP_MLP, &spec);
+    tdm_pp_opts o = {.micro_batches = 1, .seed = TPP_SEED, .optim = mix_optim()};
+    tdm_status st = tdm_device_open(&dev, "cpu", r, 1);
+    if (!st) st = tdm_pp_init(&p, comm, dev, &spec, &o);
+    if (!st) st = tdm_pp_step(p, NULL, NULL, 0, NULL);
+    if (r == 0) snprintf(msg, 512, "%s", st ? tdm_error_message() : "ok");
+    tdm_pp_free(p);
+    tdm_device_free(dev);
+    return st == TDM_STATUS_INVALID_ARG ? 0 : 3;
+}
+
+Test(pp_ddp, batch_0_without_an_empty_sync_is_refused)
+{
+    char *msg = mmap(NULL, 512, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    cr_assert_neq(msg, MAP_FAILED);
+    tdm_shm_spawn_opts so = {.timeout_ms = tu_scaled_ms(30000), .shm = {.arena_bytes = 1 << 20}};
+    cr_assert_eq(tdm_shm_spawn(2, empty_refused_rank, msg, &so, NULL), TDM_STATUS_OK, "%s / %s",
+                 tdm_error_message(), msg);
+    cr_assert(strstr(msg, "batch 0 (expected at least 1; an empty share of a global batch "
+                          "needs grad_sync.empty"), "%s", msg);
+    munmap(msg, 512);
+}
 
 /* Rank 3 (replica 1's stage 1) dies: its pipeline neighbour and its dp
  * peer see it, and so does replica 0's stage 0 (rank 0), which shares no

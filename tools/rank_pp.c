@@ -214,6 +214,12 @@ static tdm_status tdm_rank_pp_sync_end(void *ctx, tdm_status st)
     return tdm_ddp_sync_end(((tdm_tool_pp *)ctx)->ddp, st);
 }
 
+/* this replica's share of the step is empty (a short last batch) */
+static tdm_status tdm_rank_pp_sync_empty(void *ctx)
+{
+    return tdm_ddp_sync_empty(((tdm_tool_pp *)ctx)->ddp);
+}
+
 /* TANDEM_TEST_PP_ZERO1_FAIL=step:R:S (rank R's ZeRO-1 step at optimizer
  * step S fails before its gather) or save:R (rank R's ZeRO-1 save fails
  * before its gathers): a test hook, read only by tests/test_pp_cli.c, for
@@ -350,7 +356,8 @@ static tdm_status tdm_rank_pp_setup(void *ctx, tdm_dist_rank *d, void **self)
                                    .reduce = tdm_rank_pp_det_reduce, .ctx = q};
     else if (q->reps > 1)
         o.grad_sync = (tdm_pp_grad_sync){.begin = tdm_rank_pp_sync_begin,
-                                         .end = tdm_rank_pp_sync_end, .ctx = q};
+                                         .end = tdm_rank_pp_sync_end,
+                                         .empty = tdm_rank_pp_sync_empty, .ctx = q};
     if (b->pp.zero1) {
         q->zcomm = dp_dev;
         q->zdev = d->dev;
