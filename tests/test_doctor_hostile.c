@@ -2,8 +2,7 @@
  * dumps. The corpus in tests/doctor_corpus/ (one directory per case:
  * truncated files, non-objects, negative, huge and overflowing numbers,
  * missing and extra ranks, RPC calls to ranks out of any job, long and
- * escape-laden strings, a hostile
- * launch.json) and files made here (a 3 GB sparse file, a 2 MB label,
+ * escape-laden strings, a hostile launch.json) and files made here (a 3 GB sparse file, a 2 MB label,
  * seqs spread up to 2^53): each must give one clear verdict or error,
  * never a signal or a hang, and nothing a terminal would act on. The
  * doctor also runs inside tandem train's and tandem launch's failure
