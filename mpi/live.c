@@ -28,6 +28,7 @@
 
 #include "core/flight.h"
 #include "core/log.h"
+#include "core/proc.h"
 #include "core/timer.h"
 
 #define TDM_MPI_LIVE_TAG 0x7d52
@@ -87,17 +88,10 @@ static char tdm_mpi_live_proc(int32_t pid)
 {
     if (pid <= 0) return '?';
     if (kill(pid, 0) == -1 && errno == ESRCH) return 'X';
-    char path[64], buf[512];
-    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return errno == ENOENT ? 'X' : '?';
-    ssize_t n = read(fd, buf, sizeof buf - 1);
-    close(fd);
-    if (n <= 0) return '?';
-    buf[n] = 0;
-    const char *p = strrchr(buf, ')');
-    if (!p || p[1] != ' ' || !p[2]) return '?';
-    return p[2] == 'Z' ? 'X' : p[2];
+    char buf[512];
+    const char *p = tdm_proc_stat(pid, buf, sizeof buf);
+    if (!p) return errno == ENOENT ? 'X' : '?';
+    return p[0] == 'Z' ? 'X' : p[0];
 }
 
 static void tdm_mpi_live_flag(tdm_mpi_live *l, int q, char state, double silent_s)

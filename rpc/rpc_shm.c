@@ -35,6 +35,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "core/proc.h"
 #include "core/timer.h"
 #include "core/wait_impl.h"
 #include "rpc/rpc_impl.h"
@@ -108,15 +109,9 @@ static size_t layout_total(int world, size_t ring_bytes)
  * it cannot be read. */
 static char pid_state(pid_t pid)
 {
-    char path[64], buf[256];
-    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
-    FILE *f = fopen(path, "r");
-    if (!f) return 0;
-    size_t k = fread(buf, 1, sizeof buf - 1, f);
-    fclose(f);
-    buf[k] = '\0';
-    const char *p = strrchr(buf, ')');
-    return p && p[1] == ' ' ? p[2] : 0;
+    char buf[256];
+    const char *p = tdm_proc_stat(pid, buf, sizeof buf);
+    return p ? p[0] : 0;
 }
 
 /* 1 when pid's process is gone or a zombie. */

@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include "core/log.h"
+#include "core/proc.h"
 #include "core/timer.h"
 
 static void tdm_shm_spawn_child(tdm_shm_group *g, int rank, pid_t parent,
@@ -112,17 +113,9 @@ void tdm_shm_watch_stopping(tdm_shm_watch *w, tdm_status st, const char *why)
  * name, which may itself hold spaces and parentheses); '?' when unknown. */
 static char tdm_shm_proc_state(pid_t pid)
 {
-    char path[64], buf[512];
-    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return '?';
-    ssize_t n;
-    do n = read(fd, buf, sizeof buf - 1); while (n < 0 && errno == EINTR);
-    close(fd);
-    if (n <= 0) return '?';
-    buf[n] = '\0';
-    const char *p = strrchr(buf, ')');
-    return p && p[1] == ' ' && p[2] ? p[2] : '?';
+    char buf[512];
+    const char *p = tdm_proc_stat(pid, buf, sizeof buf);
+    return p ? p[0] : '?';
 }
 
 int tdm_shm_watch_only_stopped(const tdm_shm_watch *w)
@@ -227,20 +220,11 @@ static int tdm_shm_spawn_in_call(const tdm_shm_group *g, int r)
  * when /proc cannot tell. */
 static int64_t tdm_shm_spawn_cpu_ms(pid_t pid)
 {
-    char path[64], buf[1024];
-    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return -1;
-    ssize_t n;
-    do n = read(fd, buf, sizeof buf - 1); while (n < 0 && errno == EINTR);
-    close(fd);
-    if (n <= 0) return -1;
-    buf[n] = '\0';
-    /* fields 14 and 15 (utime, stime) after the command name's ')' */
-    const char *p = strrchr(buf, ')');
+    char buf[1024];
+    /* fields 14 and 15 (utime, stime); p is field 3 (the state) */
+    const char *p = tdm_proc_stat(pid, buf, sizeof buf);
     unsigned long long ut, st;
-    if (!p || sscanf(p + 1, " %*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %llu %llu", &ut,
-                     &st) != 2)
+    if (!p || sscanf(p, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %llu %llu", &ut, &st) != 2)
         return -1;
     long hz = sysconf(_SC_CLK_TCK);
     return hz > 0 ? (int64_t)((ut + st) * 1000ull / (unsigned long long)hz) : -1;

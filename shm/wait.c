@@ -24,6 +24,7 @@
 #include <unistd.h>
 
 #include "core/log.h"
+#include "core/proc.h"
 #include "core/timer.h"
 #include "core/wait_impl.h"
 
@@ -134,20 +135,13 @@ static int tdm_shm_proc(pid_t pid, int *wstatus, char *state)
     if (kill(pid, 0) == -1 && errno == ESRCH) return 1;
     /* A dead child that its parent has not reaped yet still answers
      * kill(pid, 0): look for the zombie state in /proc. */
-    char path[64], buf[1024];
-    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return errno == ENOENT;
-    ssize_t n = read(fd, buf, sizeof buf - 1);
-    close(fd);
-    if (n <= 0) return 0;
-    buf[n] = '\0';
-    const char *p = strrchr(buf, ')');
-    if (!(p && p[1] == ' ' && p[2])) return 0;
-    *state = p[2];
-    if (p[2] != 'Z' && p[2] != 'X') return 0;
-    /* fields after ')': state is field 3, exit_code field 52 */
-    const char *q = p + 2;
+    char buf[1024];
+    const char *p = tdm_proc_stat(pid, buf, sizeof buf);
+    if (!p) return errno == ENOENT;
+    *state = p[0];
+    if (p[0] != 'Z' && p[0] != 'X') return 0;
+    /* p is field 3 (the state), exit_code field 52 */
+    const char *q = p;
     for (int field = 3; field < 52 && q; field++) {
         q = strchr(q, ' ');
         if (q) q++;
