@@ -335,11 +335,16 @@ tdm_status tdm_dist_det_local(tdm_dist_det *d, const void *x, const int32_t *y, 
     int m = d->K / d->world;
     tdm_status st;
     d->depth = 0;
+    /* dropout's masks count the model's training forwards: shard k's
+     * forward is the step's k-th, as on one device, whichever rank runs
+     * it, and every rank ends the step at the count one device does */
+    int64_t fwd0 = d->m ? tdm_model_train_forwards(d->m) : 0;
     for (int j = 0; j < m; j++) {
         int k = d->rank * m + j, n;
         const void *xs;
         const int32_t *ys;
         tdm_det_rows(d, x, y, b, k, row0, &xs, &ys, &n);
+        if (d->m) tdm_model_set_train_forwards(d->m, fwd0 + k);
         if (be && (st = tdm_dev_copy_from_host(dev, tdm_model_buffers(d->m), d->snapshot,
                                                (size_t)be * sizeof(float))))
             return tdm_det_fail(d, st);
@@ -357,6 +362,7 @@ tdm_status tdm_dist_det_local(tdm_dist_det *d, const void *x, const int32_t *y, 
         }
         if ((st = tdm_det_leaf(d, k, ls))) return st;
     }
+    if (d->m) tdm_model_set_train_forwards(d->m, fwd0 + d->K);
     /* this rank's subtree and its shards' losses, in its slot (over a
      * comm they are sent from the stack and the losses, a chunk at a time) */
     if (d->chunk || tdm_det_alone(d)) return TDM_STATUS_OK;

@@ -190,6 +190,12 @@ typedef struct tdm_pp_shards {
     tdm_status (*leaf)(void *ctx, tdm_model *m, int mb, double loss);
     tdm_status (*reduce)(void *ctx, tdm_model *m, double *loss_sum);
     void *ctx;
+    /* Dropout's masks count the model's training forwards: micro-batch
+     * mb's forward runs as the step's forward number first + mb of
+     * `total` (this replica's first virtual shard among the step's
+     * total), as one device's; total 0: the micro-batches alone (first 0,
+     * total micro_batches). */
+    int first, total;
 } tdm_pp_shards;
 
 /* Zero-initialised options are the defaults, but for spec-related ones. */

@@ -88,6 +88,7 @@ struct tdm_pp {
         float *head;            /* (tied elems, device): the last stage's head share */
         tdm_comm_work *head_send;   /* its send to the first stage, in flight */
         double mb_loss;         /* the last stage: the last loss computed */
+        int64_t fwd0;           /* the model's training forwards at the step's start */
     } shards;
 
     struct {                    /* the step's levers (pp/levers.c) */

@@ -57,16 +57,18 @@ tdm_status tdm_pp_shards_begin(tdm_pp *p)
     }
     if (p->s == p->S - 1 && tdm_pp_tied_grad(p, &n) && !p->shards.head)
         TDM_CHECK(tdm_dev_alloc(p->dev, n * sizeof(float), (void **)&p->shards.head));
+    p->shards.fwd0 = tdm_model_train_forwards(p->m);
     if (!be) return TDM_STATUS_OK;
     return tdm_dev_copy(p->dev, p->shards.snap, tdm_model_buffers(p->m),
                         (size_t)be * sizeof(float));
 }
 
 /* Every micro-batch's forward from the step's buffers (as every shard's
- * on one device), what it left kept for its leaf. */
+ * on one device), as the step's forward number one device gives its
+ * shard (dropout's masks), what it left kept for its leaf. */
 tdm_status tdm_pp_shards_before_forward(tdm_pp *p, int mb)
 {
-    (void)mb;
+    tdm_model_set_train_forwards(p->m, p->shards.fwd0 + p->o.shards.first + mb);
     int64_t be = tdm_model_buffer_elems(p->m);
     if (!be) return TDM_STATUS_OK;
     return tdm_dev_copy(p->dev, tdm_model_buffers(p->m), p->shards.snap,
@@ -133,6 +135,9 @@ tdm_status tdm_pp_shards_after_backward(tdm_pp *p, int mb)
 
 tdm_status tdm_pp_shards_end(tdm_pp *p)
 {
+    /* every replica ends the step at one device's count of forwards */
+    int total = p->o.shards.total > 0 ? p->o.shards.total : p->o.micro_batches;
+    tdm_model_set_train_forwards(p->m, p->shards.fwd0 + total);
     TDM_CHECK(tdm_pp_shards_head_wait(p));
     double loss = 0.0;
     tdm_status st = p->o.shards.reduce(p->o.shards.ctx, p->m, &loss);

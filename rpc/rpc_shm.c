@@ -249,17 +249,27 @@ static void shm_pump(tdm_rpc *rpc, int nap_ms)
     for (int src = 0; src < s->world; src++) {
         if (src == rpc->rank || rpc->dec[src].broken) continue;
         rpc_shm_ring *r = ring_at(s, src, rpc->rank);
-        if (atomic_load_explicit(&r->abandoned, memory_order_acquire)) {
-            /* what is left in the ring ends mid-message */
+        /* acquire, before head: an abandoned ring's last head is seen */
+        int abandoned = atomic_load_explicit(&r->abandoned, memory_order_acquire);
+        /* acquire: pairs with the sender's release store of head */
+        uint64_t head = atomic_load_explicit(&r->head.value, memory_order_acquire);
+        uint64_t tail = atomic_load_explicit(&r->tail.value, memory_order_relaxed);
+        if (abandoned) {
+            /* the messages sent whole are delivered (as a TCP stream's
+             * before its end); what is left ends mid-message */
+            if (head != tail) {
+                size_t n = (size_t)(head - tail), at = (size_t)(tail % s->ring_bytes);
+                size_t first = s->ring_bytes - at < n ? s->ring_bytes - at : n;
+                if (tdm_rpc_feed(rpc, src, ring_data(s, r) + at, first) == TDM_STATUS_OK && n > first)
+                    (void)tdm_rpc_feed(rpc, src, ring_data(s, r), n - first);
+                tdm_wait_publish(&r->tail, head, TDM_WAIT_SHARED);
+            }
             rpc->dec[src].broken = 1;
             tdm_rpc_peer_lost(rpc, src, TDM_RPC_PEER_GONE,
                               "gave up on a message to this rank, which had not read for its send bound "
                               "(was this process stopped?): its channel is closed");
             continue;
         }
-        /* acquire: pairs with the sender's release store of head */
-        uint64_t head = atomic_load_explicit(&r->head.value, memory_order_acquire);
-        uint64_t tail = atomic_load_explicit(&r->tail.value, memory_order_relaxed);
         if (head == tail) continue;
         got = 1;
         uint8_t *data = ring_data(s, r);

@@ -2,11 +2,12 @@
  * final checkpoint after 20 steps holds the same bytes (cmp) whatever the
  * device count (1, 2, 4, 8) and whatever the data-parallel mode (single,
  * DP, DDP, ZeRO-1, ZeRO-2, FSDP), for the MLP, the CNN (per-shard
- * batchnorm) and the GPT, with SGD and AdamW, with and without
- * --grad-accum; without --deterministic the device counts differ (the
- * test would catch nothing if they did not). A checkpoint written at N = 4
- * resumes at N = 2 and ends on the bytes of an uninterrupted run on one
- * device. Bad combinations get one line and exit 2. */
+ * batchnorm), the GPT and a model file with dropout, with SGD and AdamW,
+ * with and without --grad-accum; without --deterministic the device
+ * counts differ (the test would catch nothing if they did not). A
+ * checkpoint written at N = 4 resumes at N = 2 and ends on the bytes of
+ * an uninterrupted run on one device. Bad combinations get one line and
+ * exit 2. */
 #include <criterion/criterion.h>
 #include <stdio.h>
 #include <string.h>
@@ -124,6 +125,22 @@ Test(det, cnn_per_shard_batchnorm_same_bytes)
     det_case a = {"cnn adamw grad-accum", {"--model", "cnn", SYN, "--batch", "8", "--grad-accum",
                                            "2", "--optim", "adamw", NULL}};
     det_same_everywhere(&a, 1, 4);
+}
+
+/* A model file with dropout: each shard's masks are those one device
+ * draws for it, whichever rank runs it (the masks count the training
+ * forwards: the shard's place in the step's K, not the rank's count). */
+Test(det, dropout_model_file_same_bytes)
+{
+    char file[256], model[300];
+    snprintf(file, sizeof file, "%s", tu_tpath(g_dir, "drop.tdm"));
+    FILE *f = fopen(file, "w");
+    cr_assert_not_null(f);
+    fputs("input 784\nlinear 24\ngelu\ndropout 0.25\nlinear 10\n", f);
+    fclose(f);
+    snprintf(model, sizeof model, "file:%s", file);
+    det_case c = {"mlp dropout file", {"--model", model, SYN, "--batch", "32", NULL}};
+    det_same_everywhere(&c, 2, 0);
 }
 
 Test(det, gpt_same_bytes)

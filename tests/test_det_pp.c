@@ -4,11 +4,11 @@
  * data-parallel modes', so after 20 steps the final checkpoint holds the
  * bytes (cmp) of one device's --deterministic K run, for S = 1, 2, 3 and
  * D x S = 2 x 2, both schedules, on the MLP, the CNN (per-shard
- * batchnorm) and the GPT (its tied embedding's gradient added in one
- * device's order); a short last batch of an epoch is cut the same way; a
- * checkpoint of a 2 x 2 mesh resumes on another shape; ZeRO-1 over the
- * dp dimension keeps the bytes. Bad combinations
- * get one line and exit 2. */
+ * batchnorm), the GPT (its tied embedding's gradient added in one
+ * device's order) and a model file with dropout in the first stage; a
+ * short last batch of an epoch is cut the same way; a checkpoint of a
+ * 2 x 2 mesh resumes on another shape; ZeRO-1 over the dp dimension
+ * keeps the bytes. Bad combinations get one line and exit 2. */
 #include <criterion/criterion.h>
 #include <stdio.h>
 #include <string.h>
@@ -100,6 +100,21 @@ Test(det_pp, mlp_same_bytes_as_one_device)
     pp_train(deep, NULL, ref);
     pp_train(deep, &three, path);
     cr_assert(cli_same_file(ref, path), "mlp on 3 stages differs from one device");
+}
+
+/* Dropout in the first stage: a micro-batch's masks are those one
+ * device draws for its shard, whichever replica runs it. */
+Test(det_pp, dropout_model_file_same_bytes)
+{
+    char file[256], model[300];
+    snprintf(file, sizeof file, "%s", tu_tpath(g_dir, "drop.tdm"));
+    FILE *f = fopen(file, "w");
+    cr_assert_not_null(f);
+    fputs("input 784\nlinear 24\ngelu\ndropout 0.25\nlinear 16\nrelu\nlinear 10\n", f);
+    fclose(f);
+    snprintf(model, sizeof model, "file:%s", file);
+    const char *args[] = {"--model", model, SYN, "--batch", "32", STEPS, NULL};
+    pp_same_as_single(args);
 }
 
 Test(det_pp, cnn_per_shard_batchnorm_same_bytes)

@@ -1,10 +1,11 @@
 /* tests/test_det_tp.c: --deterministic K with tensor parallelism. At a
  * fixed tp size N the dp dimension's replicas run their K/D virtual
  * shards through their group one at a time and add them in the fixed
- * tree, so --mesh dp=2,tp=2 writes the bytes of tp over 2 alone (the MLP
- * and the GPT); without the flag the two differ (the test would catch
- * nothing otherwise). Another N changes the row-parallel sums: the run
- * says so in its header line. Bad combinations get one line and exit 2. */
+ * tree, so --mesh dp=2,tp=2 writes the bytes of tp over 2 alone (the MLP,
+ * the GPT and a model file with dropout); without the flag the two
+ * differ (the test would catch nothing otherwise). Another N changes the
+ * row-parallel sums: the run says so in its header line. Bad combinations
+ * get one line and exit 2. */
 #include <criterion/criterion.h>
 #include <stdio.h>
 #include <string.h>
@@ -83,6 +84,22 @@ Test(det_tp, gpt_dp_dimension_is_invisible)
     char text[256];
     snprintf(text, sizeof text, "%s", tu_tpath(g_dir, "words.txt"));
     const char *args[] = {"--model", "gpt:1-16-2-16", "--data", text, "--batch", "16", NULL};
+    tp_dp_invariant(args);
+}
+
+/* Dropout on fc1's column-parallel slice: a shard's masks are one
+ * device's whichever replica runs it. */
+Test(det_tp, dropout_model_file_dp_dimension_is_invisible)
+{
+    char file[256], model[300];
+    snprintf(file, sizeof file, "%s", tu_tpath(g_dir, "drop.tdm"));
+    FILE *f = fopen(file, "w");
+    cr_assert_not_null(f);
+    fputs("input 784\nlinear 24\ngelu\ndropout 0.25\nlinear 10\n", f);
+    fclose(f);
+    snprintf(model, sizeof model, "file:%s", file);
+    const char *args[] = {"--model", model, "--data", "synthetic", "--synthetic-size", "1200",
+                          "--batch", "32", NULL};
     tp_dp_invariant(args);
 }
 

@@ -1,8 +1,8 @@
 /* tests/test_doctor_hostile.c: `tandem doctor` on damaged and hostile
  * dumps. The corpus in tests/doctor_corpus/ (one directory per case:
  * truncated files, non-objects, negative, huge and overflowing numbers,
- * missing and extra ranks, long and escape-laden strings, a hostile
- * launch.json) and files made here (a 3 GB sparse file, a 2 MB label,
+ * missing and extra ranks, RPC calls to ranks out of any job, long and
+ * escape-laden strings, a hostile launch.json) and files made here (a 3 GB sparse file, a 2 MB label,
  * seqs spread up to 2^53): each must give one clear verdict or error,
  * never a signal or a hang, and nothing a terminal would act on. The
  * doctor also runs inside tandem train's and tandem launch's failure
@@ -122,6 +122,9 @@ static const hd_case hd_cases[] = {
     {"summary_with_bad_dump", 4, "DIED: rank 1 was killed by signal 9", NULL},
     {"not_json_at_all", 1, "not read", NULL},
     {"other_version", -1, "\"version\" is 2", NULL},
+    /* an RPC call to a rank out of any job: ignored, not read through */
+    {"rpc_peer_out_of_range", -1, NULL, "rank 100000000"},
+    {"rpc_peer_negative", -1, NULL, "rank -7"},
 };
 
 Test(doctor_hostile, every_corpus_case_gets_one_clear_verdict, .timeout = 600)

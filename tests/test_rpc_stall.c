@@ -5,8 +5,9 @@
  * call's timeout; a server replying to a stopped caller gives up after
  * the endpoint's send bound and goes on serving the others. The channel
  * left half-written is closed at both ends (the stopped rank, resumed,
- * takes the other for gone instead of decoding garbage), no thread is
- * left behind, and no /dev/shm entry appears. */
+ * takes the other for gone instead of decoding garbage, after the
+ * messages sent whole before it), no thread is left behind, and no
+ * /dev/shm entry appears. */
 #include <criterion/criterion.h>
 #include <dirent.h>
 #include <signal.h>
@@ -133,6 +134,18 @@ static tdm_status fn_big(tdm_rpc_req *req, void *ctx)
     return TDM_STATUS_OK;
 }
 
+/* A small reply sent once the caller is stopped: whole in the channel
+ * before the big one behind it is given up on. */
+static tdm_status fn_late(tdm_rpc_req *req, void *ctx)
+{
+    stall_out *o = ctx;
+    void *out = NULL;
+    if (!wait_stopped(o->pid[req->caller], 1)) return tdm_rpc_req_fail(req, TDM_STATUS_TIMEOUT, "caller never stopped");
+    TDM_CHECK(tdm_rpc_req_reply(req, 4, &out));
+    memcpy(out, "late", 4);
+    return TDM_STATUS_OK;
+}
+
 static tdm_status open_rpc(tdm_comm *comm, const stall_case *k, int64_t send_stall_ms, tdm_rpc **out)
 {
     tdm_rpc_opts opts = {.transport = k->tp, .comm = comm, .setup_ms = healthy_ms(), .ring_bytes = 64 << 10,
@@ -207,13 +220,25 @@ static int server_rank(tdm_comm *comm, void *arg)
     tdm_rpc *rpc = NULL;
     o->pid[r] = getpid();
     if (open_rpc(comm, k, STALL_MS, &rpc)) return fail(o, r, 1, "init");
-    if (tdm_rpc_register(rpc, "echo", fn_echo, NULL) || tdm_rpc_register(rpc, "big", fn_big, o))
+    if (tdm_rpc_register(rpc, "echo", fn_echo, NULL) || tdm_rpc_register(rpc, "big", fn_big, o) ||
+        tdm_rpc_register(rpc, "late", fn_late, o))
         return fail(o, r, 2, "register");
     if (tdm_rpc_barrier(rpc, healthy_ms())) return fail(o, r, 3, "barrier");
     if (r == 0) {
-        tdm_rpc_future *f = NULL;
+        tdm_rpc_future *f = NULL, *fl = NULL;
+        /* served first: its whole reply is sent while this rank is stopped */
+        if (tdm_rpc_call_async(rpc, 1, "late", NULL, 0, &fl)) return fail(o, r, 4, "call_async late");
         if (tdm_rpc_call_async(rpc, 1, "big", NULL, 0, &f)) return fail(o, r, 4, "call_async");
         raise(SIGSTOP);
+        /* the reply sent whole before the channel was given up on is
+         * delivered (as over TCP, whose stream holds it before its end) */
+        void *late = NULL;
+        size_t late_n = 0;
+        tdm_status lst = tdm_rpc_future_wait(fl, healthy_ms(), &late, &late_n);
+        int late_ok = lst == TDM_STATUS_OK && late_n == 4 && !memcmp(late, "late", 4);
+        free(late);
+        tdm_rpc_future_free(fl);
+        if (!late_ok) return fail(o, r, 6, "the reply sent whole before the abandoned one");
         /* resumed by rank 2: rank 1 gave up on the reply and closed the
          * channel, so the call fails naming rank 1 (not a garbled reply) */
         tdm_status st = tdm_rpc_future_wait(f, healthy_ms(), NULL, NULL);

@@ -67,6 +67,8 @@ static void tdm_doc_rpc_take(tdm_doc_rpc_rank *r, const tdm_json *doc)
         tdm_doc_rpc_ent x = {0};
         if (sscanf(label, "rpc call %63s #%llu to %d", x.name, &x.id, &x.peer) == 3) x.call = 1;
         else if (sscanf(label, "rpc serve %63s #%llu from %d", x.name, &x.id, &x.peer) != 3) continue;
+        /* a peer out of any job (a damaged dump): not an index */
+        if (x.peer < 0 || x.peer >= TDM_DOC_RPC_MAX_RANKS) continue;
         snprintf(x.state, sizeof x.state, "%s", tdm_doc_rpc_str(o, "state", "?"));
         x.t_enq = (uint64_t)tdm_doc_rpc_int(o, "t_enqueue_ns", 0);
         x.t_start = (uint64_t)tdm_doc_rpc_int(o, "t_start_ns", 0);

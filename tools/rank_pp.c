@@ -353,7 +353,8 @@ static tdm_status tdm_rank_pp_setup(void *ctx, tdm_dist_rank *d, void **self)
     q->jcomm = d->dev_comm;
     if (q->det_on)
         o.shards = (tdm_pp_shards){.cut = tdm_rank_pp_det_cut, .leaf = tdm_rank_pp_det_leaf,
-                                   .reduce = tdm_rank_pp_det_reduce, .ctx = q};
+                                   .reduce = tdm_rank_pp_det_reduce, .ctx = q,
+                                   .first = q->rep * q->micro, .total = b->deterministic};
     else if (q->reps > 1)
         o.grad_sync = (tdm_pp_grad_sync){.begin = tdm_rank_pp_sync_begin,
                                          .end = tdm_rank_pp_sync_end,

@@ -116,11 +116,15 @@ tdm_status tdm_train_det_tp_step(tdm_tp *p, tdm_dist_det *det, const void *x, co
 {
     int m = det->K / det->world;
     float scale = 1.0f / (float)global;
+    /* dropout's masks: shard k's forward is the step's k-th, as one
+     * device's, whichever replica runs it */
+    int64_t fwd0 = tdm_tp_train_forwards(p);
     det->begun++;
     for (int j = 0; j < m; j++) {
         int64_t lo, hi;
         tdm_dist_share(global, det->rank * m + j, det->K, &lo, &hi);
         double ls = 0.0;
+        tdm_tp_set_train_forwards(p, fwd0 + det->rank * m + j);
         TDM_CHECK(tdm_tp_zero_grad(p));
         /* an empty shard adds zeros, as one device's does */
         if (hi > lo)
@@ -129,6 +133,7 @@ tdm_status tdm_train_det_tp_step(tdm_tp *p, tdm_dist_det *det, const void *x, co
                                               scale, &ls));
         TDM_CHECK(tdm_dist_det_feed(det, j, ls));
     }
+    tdm_tp_set_train_forwards(p, fwd0 + det->K);
     TDM_CHECK(tdm_dist_det_top(det, loss_sum));
     TDM_CHECK(tdm_dist_det_write_top(det));
     return tdm_tp_optim_step(p);

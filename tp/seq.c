@@ -168,6 +168,9 @@ tdm_status tdm_tp_post_backward(tdm_tp *p, int slot, int B, int w, int64_t j0,
     return TDM_STATUS_OK;
 }
 
+int64_t tdm_tp_train_forwards(const tdm_tp *p) { return p->n_train_fwd; }
+void tdm_tp_set_train_forwards(tdm_tp *p, int64_t n) { p->n_train_fwd = n; }
+
 tdm_status tdm_tp_drop_keys(tdm_tp *p, const void *x, int B)
 {
     if (!p->shape.dropout) return TDM_STATUS_OK;

@@ -193,6 +193,11 @@ tdm_status tdm_tp_step_scaled(tdm_tp *p, const void *x, const int32_t *y, int ba
 tdm_status tdm_tp_forward_backward(tdm_tp *p, const void *x, const int32_t *y, int batch,
                                    float grad_scale, double *loss_sum);
 tdm_status tdm_tp_zero_grad(tdm_tp *p);
+/* The training forwards run so far, which dropout's masks count (as a
+ * model's, models/model.h); set: the next forward runs as number n (a
+ * virtual shard's place in its step, --deterministic). */
+int64_t tdm_tp_train_forwards(const tdm_tp *p);
+void tdm_tp_set_train_forwards(tdm_tp *p, int64_t n);
 /* The sum of the accumulated gradients over grad_comm (once: the dp
  * dimension's replicas' micro-batches), then the optimizer step over
  * the rank's slices. Collective over grad_comm. */
