@@ -521,3 +521,40 @@ Test(doctor, an_unsampled_heartbeat_blames_no_one, .timeout = 60)
     }
     fr_t_rm_dir(dir);
 }
+
+/* An MPI job under mpirun (no launcher summary) whose rank 1 was stopped
+ * with the job's heartbeats off: rank 0's collective timed out and it
+ * dumped; rank 1, stopped, wrote nothing before mpirun's teardown killed
+ * it. Under load the teardown's SIGKILL often comes before a stopped
+ * rank, sent SIGCONT and SIGTERM, could dump: the others' timeout is then
+ * the evidence, and it says the missing rank did not take part while
+ * alive, so it is STALLED, not DIED (test_mpi_fr's
+ * a_timed_out_wait_dumps_before_the_abort_mpi saw "DIED: rank 1 left no
+ * dump" under load). */
+Test(doctor, a_rank_without_a_dump_the_others_timed_out_on_is_stalled, .timeout = 30)
+{
+    char dir[64], path[128];
+    fr_t_dump_dir(dir, sizeof dir);
+    snprintf(path, sizeof path, "%s/fr_rank_0.json", dir);
+    FILE *f = fopen(path, "w");
+    cr_assert_not_null(f);
+    fprintf(f, "{\"version\":1,\"rank\":0,\"world\":2,\"pid\":100,\"job\":\"00000000000000ac\","
+               "\"backend\":\"mpi\",\"trigger\":\"failure\",\"failed\":true,\"status\":\"TIMEOUT\","
+               "\"reason\":\"timeout: mpi: all_reduce #6 (float32, count=48) on rank 0 of 2 did "
+               "not complete within 4000 ms (a peer died, stalled or issued a different call)\","
+               "\"last_step\":2,\"ring_size\":2000,\"next_seq\":7,\"dump_mono_ns\":9,"
+               "\"dump_real_ns\":9,\"entries\":[");
+    for (int i = 0; i <= 6; i++)
+        fprintf(f, "%s{\"seq\":%d,\"coll\":\"all_reduce\",\"dtype\":\"float32\",\"op\":\"sum\","
+                   "\"count\":48,\"root\":-1,\"label\":\"ddp bucket 0\",\"step\":%d,\"state\":"
+                   "\"%s\",\"status\":\"%s\",\"t_enqueue_ns\":%d,\"t_start_ns\":%d,"
+                   "\"t_end_ns\":%d}", i ? "," : "", i, i / 3, i == 6 ? "failed" : "done",
+                i == 6 ? "TIMEOUT" : "ok", 1000 + i, 1000 + i, 2000 + i);
+    fprintf(f, "]}\n");
+    fclose(f);
+    cli_result r;
+    CLI(&r, "doctor", dir);
+    expect(&r, 5, "verdict: STALLED: rank 1 ");
+    expect(&r, 5, "the others timed out waiting");
+    fr_t_rm_dir(dir);
+}

@@ -464,10 +464,17 @@ static void tdm_doc_find_blame(tdm_doc_diag *g)
      * outside (mpirun's SIGTERM after a rank's death): it is the one that
      * died (a SIGKILLed rank cannot write) */
     if (g->blame.rank < 0 && g->nmissing > 0 && (g->nfailed > 0 || d->cause || g->nterm > 0)) {
+        /* the failed ranks' word was a timeout (tdm_doc_classify: STALLED
+         * with no rank named): the missing rank was alive and did not take
+         * part, and the teardown ended it after (mpirun's SIGKILL can come
+         * before a stopped rank, sent SIGCONT and SIGTERM, dumps) */
+        int waited = g->blame.kind == TDM_DOCTOR_STALLED;
         g->blame.rank = g->missing[0];
-        g->blame.kind = TDM_DOCTOR_DIED;
-        snprintf(g->blame.what, sizeof g->blame.what,
-                 "left no dump (killed, or stopped and then killed)");
+        g->blame.kind = waited ? TDM_DOCTOR_STALLED : TDM_DOCTOR_DIED;
+        snprintf(g->blame.what, sizeof g->blame.what, "%s",
+                 waited ? "left no dump, and the others timed out waiting for it: stopped or "
+                          "frozen (the teardown ended it after)"
+                        : "left no dump (killed, or stopped and then killed)");
     }
 }
 
