@@ -206,21 +206,35 @@ static tdm_status tdm_mpi_live_stall_ms(int64_t *ms)
  * MPI_COMM_WORLD. */
 static tdm_status tdm_mpi_live_agree_stall_ms(int rank, int64_t join_ms, int64_t *ms)
 {
-    int64_t mine = 0, agreed = -1;
+    int64_t mine = 0;
     tdm_status own = tdm_mpi_live_stall_ms(&mine);
     char own_msg[TDM_ERROR_MSG_MAX];
     snprintf(own_msg, sizeof own_msg, "%s", own ? tdm_error_message() : "");
-    if (rank == 0) agreed = own ? -1 : mine;
+    /* rank 0's bound, and its setting as written: when it is invalid every
+     * rank names it, since mpirun may end rank 0 before its own message
+     * is out (the others exit 1 at the same moment) */
+    struct {
+        int64_t agreed;
+        char setting[56];
+    } msg = {.agreed = -1};
+    if (rank == 0) {
+        const char *e = getenv("TANDEM_MPI_STALL_MS");
+        msg.agreed = own ? -1 : mine;
+        snprintf(msg.setting, sizeof msg.setting, "%s", e ? e : "");
+    }
     MPI_Request req;
-    MPI_Ibcast(&agreed, 1, MPI_INT64_T, 0, MPI_COMM_WORLD, &req);
+    MPI_Ibcast(&msg, (int)sizeof msg, MPI_BYTE, 0, MPI_COMM_WORLD, &req);
     tdm_mpi_waiter w = {.timeout_ms = join_ms};
     tdm_mpi_wait_all(&w, 1, &req, NULL, "mpi: agreeing on TANDEM_MPI_STALL_MS");
+    int64_t agreed = msg.agreed;
+    msg.setting[sizeof msg.setting - 1] = 0;
     if (agreed < 0)
         return rank == 0 ? tdm_error_set(own, "%s", own_msg)
                          : tdm_error_set(TDM_STATUS_INVALID_ARG,
-                                         "rank 0's TANDEM_MPI_STALL_MS is not an integer (see "
-                                         "rank 0's error): the job cannot agree on its "
-                                         "liveness bound");
+                                         "rank 0's TANDEM_MPI_STALL_MS='%s' is not an integer "
+                                         "(ms a rank may be silent; 0: no liveness checks): the "
+                                         "job cannot agree on its liveness bound",
+                                         msg.setting);
     if (own || mine != agreed)
         TDM_WARN(MPI, "rank %d: TANDEM_MPI_STALL_MS=%s (%s) differs from rank 0's: every rank "
                  "uses rank 0's, %lld ms%s", rank, getenv("TANDEM_MPI_STALL_MS") ?
