@@ -33,6 +33,7 @@
 
 #include "core/device.h"
 #include "core/safetensors.h"
+#include "tests/ckpt_diff_util.h"
 #include "tests/cli_util.h"
 #include "tests/test_util.h"
 
@@ -99,44 +100,6 @@ Test(levers_ranks, bf16_ddp_equals_every_sharding_and_checkpointing_changes_no_b
     cr_assert(cli_same_file(tu_tpath(dir, "gpt_ddp"), tu_tpath(dir, "gpt_fsdp")));
     tu_rmtree(dir);
     cr_assert_eq(cli_shm_entries(), 0);
-}
-
-/* The checkpoint's "loss_scale" metadata as a number (0: none). */
-static double ckpt_loss_scale(const char *path)
-{
-    tdm_st_file *f = NULL;
-    cr_assert_eq(tdm_st_load_header(&f, path), TDM_STATUS_OK, "%s", tdm_error_message());
-    const char *v = tdm_st_meta_get(f, "loss_scale");
-    double x = v ? strtod(v, NULL) : 0.0;
-    tdm_st_free(f);
-    return x;
-}
-
-/* 1 when the checkpoints at a and b hold the same tensors (names, shapes,
- * bytes) and the same metadata apart from the loss scaler's. */
-static int same_but_loss_scaler(const char *a, const char *b)
-{
-    tdm_st_file *fa = NULL, *fb = NULL;
-    cr_assert_eq(tdm_st_load(&fa, a), TDM_STATUS_OK, "%s", tdm_error_message());
-    cr_assert_eq(tdm_st_load(&fb, b), TDM_STATUS_OK, "%s", tdm_error_message());
-    int same = tdm_st_count(fa) == tdm_st_count(fb);
-    for (int i = 0; same && i < tdm_st_count(fa); i++) {
-        const tdm_st_tensor *x = tdm_st_get(fa, i), *y = tdm_st_find(fb, x->name);
-        same = y && x->dtype == y->dtype && x->nbytes == y->nbytes &&
-               !memcmp(x->data, y->data, x->nbytes);
-    }
-    for (int pass = 0; pass < 2; pass++) {
-        tdm_st_file *f = pass ? fb : fa, *g = pass ? fa : fb;
-        for (int i = 0; same && i < tdm_st_meta_count(f); i++) {
-            const tdm_st_meta *m = tdm_st_meta_at(f, i);
-            if (!strncmp(m->key, "loss_scale", 10)) continue;
-            const char *v = tdm_st_meta_get(g, m->key);
-            same = v && !strcmp(v, m->value);
-        }
-    }
-    tdm_st_free(fa);
-    tdm_st_free(fb);
-    return same;
 }
 
 Test(levers_ranks, an_inf_on_one_rank_makes_every_rank_skip)
