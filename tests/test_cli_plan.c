@@ -92,6 +92,26 @@ static double figure_mib(const char *key)
     return strtod(buf, NULL);
 }
 
+/* args[0..n) (room for 8 more) ran as `plan`: runs them as a short
+ * `train` (one epoch of 128 synthetic samples; the GPT, 3 steps of its
+ * text), which must exit 0; its output is in g_r. */
+static void train_as_planned(const char **args, int n, int gpt)
+{
+    static const char *const tail_img[] = {"--data", "synthetic", "--synthetic-size", "128",
+                                           NULL};
+    static const char *const tail_gpt[] = {"--max-steps", "3", NULL};
+    const char *const *tail = gpt ? tail_gpt : tail_img;
+    args[0] = "train";
+    args[n++] = "--epochs";
+    args[n++] = "1";
+    args[n++] = "--no-eval";
+    args[n++] = "--quiet";
+    for (int i = 0; tail[i]; i++) args[n++] = tail[i];
+    args[n] = NULL;
+    cli_run(&g_r, args);
+    cr_assert_eq(g_r.code, 0, "%s", g_r.out);
+}
+
 /* --mode fsdp, every sharding, at 1, 2 and 4 ranks, without levers and
  * with bf16, segments of 2 and clipping: planned within 5% of rank 0's
  * measured peak (the set-up's peak included: the model's flat buffers
@@ -123,19 +143,7 @@ Test(cli_plan, planned_fsdp_within_5_percent_of_measured, .timeout = 600)
                     cli_run(&g_r, args);
                     cr_assert_eq(g_r.code, 0, "%s", g_r.out);
                     double planned = figure_mib("peak per device: ");
-                    args[0] = "train";
-                    static const char *const tail_img[] = {"--data", "synthetic",
-                                                           "--synthetic-size", "128", NULL};
-                    static const char *const tail_gpt[] = {"--max-steps", "3", NULL};
-                    const char *const *tail = mo == 2 ? tail_gpt : tail_img;
-                    args[n++] = "--epochs";
-                    args[n++] = "1";
-                    args[n++] = "--no-eval";
-                    args[n++] = "--quiet";
-                    for (int i = 0; tail[i]; i++) args[n++] = tail[i];
-                    args[n] = NULL;
-                    cli_run(&g_r, args);
-                    cr_assert_eq(g_r.code, 0, "%s", g_r.out);
+                    train_as_planned(args, n, mo == 2);
                     double measured = figure_mib("peak memory on rank 0's cpu:0: ");
                     double err = (planned - measured) / measured;
                     if (fabs(err) > fabs(worst)) worst = err;
@@ -177,19 +185,7 @@ Test(cli_plan, planned_dp_within_5_percent_of_measured, .timeout = 600)
                 cli_run(&g_r, args);
                 cr_assert_eq(g_r.code, 0, "%s", g_r.out);
                 double planned = figure_mib("peak per device: ");
-                args[0] = "train";
-                static const char *const tail_img[] = {"--data", "synthetic",
-                                                       "--synthetic-size", "128", NULL};
-                static const char *const tail_gpt[] = {"--max-steps", "3", NULL};
-                const char *const *tail = mo == 2 ? tail_gpt : tail_img;
-                args[n++] = "--epochs";
-                args[n++] = "1";
-                args[n++] = "--no-eval";
-                args[n++] = "--quiet";
-                for (int i = 0; tail[i]; i++) args[n++] = tail[i];
-                args[n] = NULL;
-                cli_run(&g_r, args);
-                cr_assert_eq(g_r.code, 0, "%s", g_r.out);
+                train_as_planned(args, n, mo == 2);
                 double measured = figure_mib("peak memory on the master's cpu:0: ");
                 /* train prints the same plan beside it */
                 cr_assert_eq(figure_mib("MiB measured (allocator), "), planned, "%s", g_r.out);
@@ -239,19 +235,7 @@ Test(cli_plan, planned_pp_within_5_percent_of_measured, .timeout = 600)
                     const char *st0 = strstr(g_r.out, "  stage 0 (");
                     cr_assert(st0 && strstr(st0, "): "), "%s", g_r.out);
                     double planned = strtod(strstr(st0, "): ") + 3, NULL);
-                    args[0] = "train";
-                    static const char *const tail_img[] = {"--data", "synthetic",
-                                                           "--synthetic-size", "128", NULL};
-                    static const char *const tail_gpt[] = {"--max-steps", "3", NULL};
-                    const char *const *tail = mo == 2 ? tail_gpt : tail_img;
-                    args[n++] = "--epochs";
-                    args[n++] = "1";
-                    args[n++] = "--no-eval";
-                    args[n++] = "--quiet";
-                    for (int i = 0; tail[i]; i++) args[n++] = tail[i];
-                    args[n] = NULL;
-                    cli_run(&g_r, args);
-                    cr_assert_eq(g_r.code, 0, "%s", g_r.out);
+                    train_as_planned(args, n, mo == 2);
                     double measured = figure_mib("peak memory on rank 0's cpu:0: ");
                     /* train prints the same plan beside it */
                     cr_assert_eq(figure_mib("MiB measured (allocator), "), planned, "%s",
