@@ -339,6 +339,27 @@ static int tp_rank(tdm_comm *world, void *arg)
                 RFAIL("footprint: %lld elements and %zu activation bytes, the rank holds %lld "
                       "and %zu", (long long)fp.elems, fp.act_bytes, (long long)tdm_tp_elems(p),
                       as.activations);
+            /* against what the device's allocator handed out (64-byte
+             * blocks): parameters, gradients and the optimizer state (of
+             * ZeRO-1's chunk), and the activations, each allocation
+             * rounded up by less than 64 bytes */
+            size_t r64 = 63, chunk = g_ref.zero ? ((size_t)fp.elems + (size_t)dp - 1) / (size_t)dp
+                                                : (size_t)fp.elems;
+            size_t state = 2 * (((size_t)fp.elems * 4 + r64) & ~r64) +
+                           (size_t)tdm_optim_n_state(tdm_tp_optim(p)) * ((chunk * 4 + r64) & ~r64);
+            if (state != o->alloc[r])
+                RFAIL("footprint: parameters, gradients and optimizer state of %zu bytes, the "
+                      "allocator handed out %zu", state, o->alloc[r]);
+            if (fp.act_allocs != as.act_allocs || as.act_alloc_bytes < fp.act_bytes ||
+                as.act_alloc_bytes - fp.act_bytes > r64 * (size_t)fp.act_allocs)
+                RFAIL("footprint: %zu activation bytes in %lld allocations, the allocator handed "
+                      "out %zu in %lld", fp.act_bytes, (long long)fp.act_allocs,
+                      as.act_alloc_bytes, (long long)as.act_allocs);
+            /* the split tensors: 1/N of one device's (its tables, written
+             * out by must_split) */
+            if (fp.split_elems * N != g_ref.must_split)
+                RFAIL("footprint: %lld split elements x %d ranks, one device's split tensors "
+                      "%lld", (long long)fp.split_elems, N, (long long)g_ref.must_split);
         }
         char why[160];
         if (!repl_grads_agree(p, comm, why, sizeof why)) RFAIL("step %d: %s", s, why);

@@ -171,6 +171,7 @@ static tdm_status tdm_tp_gpt_alloc(tdm_tp *p, int64_t n, float **out)
     }
     size_t bytes = (size_t)(n > 0 ? n : 1) * sizeof(float);
     p->stats.activations += bytes;
+    p->stats.act_allocs++;
     *out = NULL;
     if (!p->dev) return TDM_STATUS_OK;   /* tdm_tp_footprint: counted only */
     TDM_CHECK(tdm_dev_alloc(p->dev, bytes, (void **)out));

@@ -399,6 +399,7 @@ static void tdm_tp_free_acts(tdm_tp *p)
     p->y = NULL;
     p->cap = 0;
     p->stats.activations = 0;
+    p->stats.act_allocs = 0;
 }
 
 void tdm_tp_free(tdm_tp *p)
@@ -420,6 +421,7 @@ static tdm_status tdm_tp_act(tdm_tp *p, size_t n, void **out, size_t *bytes)
 {
     *bytes += n;
     *out = NULL;
+    p->stats.act_allocs++;
     return p->dev ? tdm_dev_alloc(p->dev, n, out) : TDM_STATUS_OK;
 }
 
@@ -513,6 +515,8 @@ tdm_status tdm_tp_footprint(const tdm_model_spec *spec, int ranks, int batch, in
     if (!st) {
         out->elems = p->n_elem;
         out->act_bytes = p->stats.activations;
+        out->act_allocs = p->stats.act_allocs;
+        out->split_elems = p->stats.split_elems;
         for (int i = 0; i < p->n_tensors; i++)
             if (p->tensors[i].n_elem > out->largest_elems)
                 out->largest_elems = p->tensors[i].n_elem;

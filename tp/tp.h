@@ -251,7 +251,9 @@ void tdm_tp_tensor_get(const tdm_tp *p, int i, tdm_tp_tensor_info *out);
  * and tdm_tp_check_seq's USAGE errors. */
 typedef struct tdm_tp_rank_footprint {
     int64_t elems, largest_elems;
+    int64_t split_elems;   /* of elems, in split tensors (1/N of one device's) */
     size_t act_bytes;
+    int64_t act_allocs;    /* the device allocations act_bytes comes in */
 } tdm_tp_rank_footprint;
 tdm_status tdm_tp_footprint(const tdm_model_spec *spec, int ranks, int batch, int seq_par,
                             tdm_tp_rank_footprint *out);
@@ -279,6 +281,7 @@ typedef struct tdm_tp_stats {
     size_t activations;                /* bytes of the forward's kept outputs and scratch */
     size_t act_alloc_bytes;            /* and what the allocator handed out for them
                                           (measured; 0 where it keeps no accounting) */
+    int64_t act_allocs;                /* the allocations they came in (counted) */
 } tdm_tp_stats;
 void tdm_tp_get_stats(const tdm_tp *p, tdm_tp_stats *out);
 
