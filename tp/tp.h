@@ -124,9 +124,11 @@ void tdm_tp_step_traffic(const tdm_model_spec *spec, int ranks, int batch, int s
 typedef enum tdm_tp_zero {
     TDM_TP_ZERO_NONE = 0,       /* every replica keeps its slices' whole state */
     /* ZeRO-1: replica d of D keeps the optimizer state of elements
-     * [d*c, (d+1)*c) of the rank's flat slice, c = ceil(n/D), steps
-     * those after the gradients' sum and all-gathers the parameters over
-     * grad_comm: the plain step's bits, 1/D of its optimizer state */
+     * [d*c, (d+1)*c) of the rank's flat slice, c = ceil(n/D); the
+     * gradients are reduce-scattered over grad_comm (replica d gets the
+     * sum of its chunk only), it steps those and all-gathers the
+     * parameters: the plain step's bits (D = 2), 1/D of its optimizer
+     * state, the plain all-reduce's ring bytes */
     TDM_TP_ZERO_OPTIMIZER,
 } tdm_tp_zero;
 
@@ -218,7 +220,9 @@ tdm_status tdm_tp_evaluate(tdm_tp *p, const tdm_dataset *d, int batch, double *l
  * Collective (with ZeRO-1 over grad_comm too: every other replica calls
  * tdm_tp_zero_join_gather). */
 tdm_status tdm_tp_gather_state(tdm_tp *p, tdm_ckpt_host *h, int root);
-/* The whole model's gradient (host, whole layout) on root. Collective. */
+/* The whole model's gradient (host, whole layout) on root. Collective.
+ * After a ZeRO-1 step only the replica's chunk of it is summed over the
+ * dp dimension; the rest is the replica's own. */
 tdm_status tdm_tp_gather_grads(tdm_tp *p, float *whole, int root);
 /* ZeRO-1 (tdm_tp_opts.zero), a replica other than the one that gathers
  * (which calls tdm_tp_gather_state): its part of the gathers over the dp
