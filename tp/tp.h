@@ -152,9 +152,10 @@ typedef struct tdm_tp_opts {
 typedef struct tdm_tp tdm_tp;
 
 /* Rank tdm_comm_rank(comm) of the tensor-parallel group comm (borrowed,
- * outliving the rank): plans spec (errors above), builds the whole model
- * on a host device from opts->seed, keeps this rank's slices on dev
- * (borrowed) and an optimizer over them, and checks that every rank has
+ * outliving the rank): plans spec (errors above), builds this rank's
+ * slices of the whole model of opts->seed (each whole tensor alone on the
+ * host, then cut) on dev (borrowed) and an optimizer over them, and
+ * checks that every rank has
  * the same model and group size. Collective over comm. */
 tdm_status tdm_tp_init(tdm_tp **out, tdm_comm *comm, tdm_device *dev, const tdm_model_spec *spec,
                        const tdm_tp_opts *opts);
