@@ -3,7 +3,8 @@
  * (lenet5, the ResNet in ddp, the MLP with dropout on a .npy set of 256
  * pseudo-random images; the GPT on a small text), and the same net built
  * with torch.nn from the file, loaded from the checkpoint, must agree with
- * `tandem eval` within the script's bounds; a weight changed in torch's
+ * `tandem eval` within the script's bounds, and so must a file of every
+ * other layer the check builds; a weight changed in torch's
  * copy must be reported as a mismatch. Where no python3 imports torch
  * (python3-torch is not in DEB_PKGS: `make torch-check` installs it and
  * runs the full check on Fashion-MNIST), those tests skip, saying so; the
@@ -156,6 +157,23 @@ Test(torch_check, image_examples_agree_with_torch_and_a_tampered_copy_does_not)
         expect_agree(&r, ex[i].name);
         cr_assert(strstr(r.out, "test accuracy: tandem"), "%s", r.out);
     }
+    /* every other layer the check builds, in one file of tandem's */
+    const char *all = tu_tpath(g_dir, "all.tdm"), *ck = tu_tpath(g_dir, "all.safetensors");
+    FILE *f = fopen(all, "w");
+    cr_assert_not_null(f);
+    fputs("input 1x28x28\nconv 3x3 8 stride 2 pad 1\nbatchnorm\nrelu\nmaxpool 2\n"
+          "residual {\n  conv 3x3 8 pad 1\n  gelu\n}\navgpool 7\nflatten\nlinear 32\n"
+          "layernorm\nresidual {\n  linear 16\n  sigmoid\n} proj\ntanh\ndropout 0.3\n"
+          "linear 10\n", f);
+    cr_assert_eq(fclose(f), 0);
+    char model[300];
+    snprintf(model, sizeof model, "file:%s", all);
+    CLI(&r, "train", "--model", model, "--data", data, "--epochs", "1", "--max-steps", "2",
+        "--batch", "32", "--no-eval", "--save", ck);
+    expect(&r, 0, "saved");
+    RUN(&r, py, TC_SCRIPT, "--model", all, "--checkpoint", ck, "--data", data, "--tandem",
+        cli_bin());
+    expect_agree(&r, "all.tdm");
     /* the negative control: the check can fail */
     RUN(&r, py, TC_SCRIPT, "--model", "examples/models/lenet5.tdm", "--checkpoint",
         tu_tpath(g_dir, "lenet5.safetensors"), "--data", data, "--tandem", cli_bin(), "--tamper",

@@ -173,7 +173,7 @@ def parse_image_ops(lines):
             shape = ("img", ch, (h + 2 * pad - k) // stride + 1, (wd + 2 * pad - k) // stride + 1)
         elif w == "batchnorm" and n == 1:
             if shape[0] != "img":
-                raise ln.err("batchnorm of a vector is not built by this check")
+                raise ln.err("batchnorm normalises the channels of an image (tandem has no batchnorm of vectors)")
             ops.append(("bn", name("bn"), shape[1]))
         elif w == "layernorm" and n == 1:
             if shape[0] != "vec":
