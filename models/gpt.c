@@ -162,7 +162,7 @@ static void tdm_gpt_free_scratch(tdm_model *m)
     tdm_gpt *g = m->ext;
     tdm_act_free(m, &g->act_scratch, NULL);
     float **all[] = {&g->qkv, &g->yh, &g->dres, &g->dln, &g->dfc, &g->datt, &g->dq, &g->dk,
-                     &g->dv, &g->ones, &g->wide, &m->dlogits};
+                     &g->dv, &g->ones, &g->wide, &g->part, &m->dlogits};
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) *all[i] = NULL;
     g->low = NULL;
     free(g->tok_host);
@@ -204,10 +204,14 @@ size_t tdm_gpt_act_bytes(const tdm_model *m, int batch)
      * means and rstds (N) and the attention (B x H x T x T); then res0,
      * lnf, yh, dres, dln (N x C), qkv and dq/dk/dv (N x 3C each), dfc
      * (N x 4C), lnf's mean and rstd and the ones (N), the logits and
-     * their gradient (N x V) and the attention's gradient */
-    int64_t N = (int64_t)batch * g->T, C = g->C, att = (int64_t)batch * g->H * g->T * g->T;
-    int64_t per_block = 16 * N * C + 4 * N + att;
-    int64_t floats = g->L * per_block + 15 * N * C + 3 * N + 2 * N * g->V + att;
+     * their gradient (N x V) and the attention's gradient; a
+     * tensor-parallel slice: its heads' tensors Ca wide, c_fc's F, and
+     * the row-parallel product (N x C) */
+    int64_t N = (int64_t)batch * g->T, C = g->C, Ca = g->Ca, F = g->F;
+    int64_t att = (int64_t)batch * g->Hl * g->T * g->T;
+    int64_t per_block = 4 * N * C + 4 * N * Ca + 2 * N * F + 4 * N + att;
+    int64_t floats = g->L * per_block + 4 * N * C + 7 * N * Ca + N * F + 3 * N +
+                     2 * N * g->V + att + (g->tp > 1 ? N * C : 0);
     return (size_t)floats * sizeof(float);
 }
 
@@ -260,7 +264,8 @@ static void tdm_gpt_layout(tdm_model *m, int batch, tdm_act_layout *lay, tdm_act
 {
     tdm_gpt *g = m->ext;
     tdm_gpt_act *a = g->a;
-    size_t N = (size_t)batch * g->T, C = g->C, att = (size_t)batch * g->H * g->T * g->T;
+    size_t N = (size_t)batch * g->T, C = g->C, att = (size_t)batch * g->Hl * g->T * g->T;
+    size_t Ca = g->Ca, F = g->F;   /* the heads' width, c_fc's rows (a slice's) */
     size_t f = sizeof(float), es = tdm_dtype_size(m->lev.adt), off = 0, slot = 0;
     int low = tdm_model_low(m), ck = m->lev.ckpt > 0;
     memset(lay, 0, sizeof *lay);
@@ -291,17 +296,17 @@ static void tdm_gpt_layout(tdm_model *m, int batch, tdm_act_layout *lay, tdm_act
                 tdm_act_add(to, (void **)&b->ln1, N * C * f, layer, ar, &off);
                 tdm_act_add(to, (void **)&b->ln1_mean, N * f, layer, ar, &off);
                 tdm_act_add(to, (void **)&b->ln1_rstd, N * f, layer, ar, &off);
-                tdm_act_add(to, (void **)&b->q, N * C * f, layer, ar, &off);
-                tdm_act_add(to, (void **)&b->k, N * C * f, layer, ar, &off);
-                tdm_act_add(to, (void **)&b->v, N * C * f, layer, ar, &off);
+                tdm_act_add(to, (void **)&b->q, N * Ca * f, layer, ar, &off);
+                tdm_act_add(to, (void **)&b->k, N * Ca * f, layer, ar, &off);
+                tdm_act_add(to, (void **)&b->v, N * Ca * f, layer, ar, &off);
                 tdm_act_add(to, (void **)&b->att, att * f, layer, ar, &off);
-                tdm_act_add(to, (void **)&b->atty, N * C * f, layer, ar, &off);
+                tdm_act_add(to, (void **)&b->atty, N * Ca * f, layer, ar, &off);
                 tdm_act_add(to, (void **)&b->res1, N * C * f, layer, ar, &off);
                 tdm_act_add(to, (void **)&b->ln2, N * C * f, layer, ar, &off);
                 tdm_act_add(to, (void **)&b->ln2_mean, N * f, layer, ar, &off);
                 tdm_act_add(to, (void **)&b->ln2_rstd, N * f, layer, ar, &off);
-                tdm_act_add(to, (void **)&b->fch, 4 * N * C * f, layer, ar, &off);
-                tdm_act_add(to, (void **)&b->fcg, 4 * N * C * f, layer, ar, &off);
+                tdm_act_add(to, (void **)&b->fch, N * F * f, layer, ar, &off);
+                tdm_act_add(to, (void **)&b->fcg, N * F * f, layer, ar, &off);
             }
             int keep_out = !ck || tdm_gpt_seg_last(m, g->b0 + k);
             tdm_act_add(to, (void **)&b->res2, N * C * f, layer, pass ? !keep_out : 1, &off);
@@ -319,17 +324,18 @@ static void tdm_gpt_layout(tdm_model *m, int batch, tdm_act_layout *lay, tdm_act
         tdm_act_add(lay, (void **)&a->logits, N * g->V * f, head + 1, 0, &off);
         tdm_act_add(scr, (void **)&m->dlogits, N * g->V * f, -1, 0, &off);
     }
-    tdm_act_add(scr, (void **)&g->qkv, 3 * N * C * f, -1, 0, &off);
-    tdm_act_add(scr, (void **)&g->yh, N * C * f, -1, 0, &off);
+    tdm_act_add(scr, (void **)&g->qkv, 3 * N * Ca * f, -1, 0, &off);
+    tdm_act_add(scr, (void **)&g->yh, N * Ca * f, -1, 0, &off);
     tdm_act_add(scr, (void **)&g->dres, N * C * f, -1, 0, &off);
     tdm_act_add(scr, (void **)&g->dln, N * C * f, -1, 0, &off);
-    tdm_act_add(scr, (void **)&g->dfc, 4 * N * C * f, -1, 0, &off);
+    tdm_act_add(scr, (void **)&g->dfc, N * F * f, -1, 0, &off);
     tdm_act_add(scr, (void **)&g->datt, att * f, -1, 0, &off);
     if (!low) {
-        tdm_act_add(scr, (void **)&g->dq, N * C * f, -1, 0, &off);
-        tdm_act_add(scr, (void **)&g->dk, N * C * f, -1, 0, &off);
-        tdm_act_add(scr, (void **)&g->dv, N * C * f, -1, 0, &off);
+        tdm_act_add(scr, (void **)&g->dq, N * Ca * f, -1, 0, &off);
+        tdm_act_add(scr, (void **)&g->dk, N * Ca * f, -1, 0, &off);
+        tdm_act_add(scr, (void **)&g->dv, N * Ca * f, -1, 0, &off);
     }
+    if (g->tp > 1) tdm_act_add(scr, (void **)&g->part, N * C * f, -1, 0, &off);
     tdm_act_add(scr, (void **)&g->ones, N * f, -1, 0, &off);
     if (low) {
         size_t lo = 4 * N * C, wi = 4 * N * C;
@@ -458,6 +464,30 @@ static tdm_status tdm_gpt_check_tokens(tdm_model *m, const int32_t *tok, int64_t
     return TDM_STATUS_OK;
 }
 
+/* y (N, C) += x (N, in) w^T + bias, a projection onto the stream:
+ * accumulated by the gemm (the whole model), or (a tensor-parallel
+ * slice, row-parallel) the product summed over the group by the
+ * partial-sum callback first, then added with the bias once. */
+static tdm_status tdm_gpt_proj_fwd(tdm_model *m, const float *x, const float *w,
+                                   const float *bias, int64_t N, int in, float *y, int layer)
+{
+    tdm_gpt *g = m->ext;
+    int C = g->C;
+    if (g->tp == 1) return tdm_layers_linear_fwd(m->dev, x, w, bias, N, in, C, 1, y);
+    TDM_CHECK(tdm_layers_linear_fwd(m->dev, x, w, NULL, N, in, C, 0, g->part));
+    TDM_CHECK(m->partial(m->partial_ctx, g->part, N * C, layer));
+    TDM_CHECK(tdm_dev_axpy(m->dev, N * C, 1.0f, g->part, y));
+    return tdm_dev_bias_act(m->dev, y, bias, N, C, TDM_ACT_NONE);
+}
+
+/* A column-parallel layer's input gradient (N, C), partial on a
+ * tensor-parallel slice, summed over the group (the callback). */
+static tdm_status tdm_gpt_sum_dx(tdm_model *m, float *dx, int64_t N, int layer)
+{
+    tdm_gpt *g = m->ext;
+    return g->tp == 1 ? TDM_STATUS_OK : m->partial(m->partial_ctx, dx, N * g->C, layer);
+}
+
 /* Block l's FP32 forward from the stream res (B windows of Tr), into the
  * current set. */
 static tdm_status tdm_gpt_block_forward(tdm_model *m, int l, const float *res, int B, int Tr)
@@ -472,22 +502,22 @@ static tdm_status tdm_gpt_block_forward(tdm_model *m, int l, const float *res, i
     TDM_CHECK(tdm_dev_layernorm_fwd(d, res, P(TDM_GPT_LN1_W), P(TDM_GPT_LN1_B), b->ln1,
                                     b->ln1_mean, b->ln1_rstd, N, C, TDM_GPT_LN_EPS));
     TDM_CHECK(tdm_layers_linear_fwd(d, b->ln1, P(TDM_GPT_ATTN_W), P(TDM_GPT_ATTN_B), N, C,
-                                    3 * C, 0, g->qkv));
-    tdm_layers_attn at = {.B = B, .T = Tr, .H = g->H, .C = C, .q = b->q, .k = b->k,
+                                    3 * g->Ca, 0, g->qkv));
+    tdm_layers_attn at = {.B = B, .T = Tr, .H = g->Hl, .C = g->Ca, .q = b->q, .k = b->k,
                           .v = b->v, .att = b->att};
     TDM_CHECK(tdm_layers_attention_fwd(d, &at, g->qkv, g->yh, b->atty));
     /* x + attn(ln_1(x)): the projection adds onto a copy of the stream */
     TDM_CHECK(tdm_dev_copy(d, b->res1, res, row_bytes));
-    TDM_CHECK(tdm_layers_linear_fwd(d, b->atty, P(TDM_GPT_APROJ_W), P(TDM_GPT_APROJ_B), N,
-                                    C, C, 1, b->res1));
+    TDM_CHECK(tdm_gpt_proj_fwd(m, b->atty, P(TDM_GPT_APROJ_W), P(TDM_GPT_APROJ_B), N, g->Ca,
+                               b->res1, tdm_gpt_layer(g, l, 2)));
     TDM_CHECK(tdm_dev_layernorm_fwd(d, b->res1, P(TDM_GPT_LN2_W), P(TDM_GPT_LN2_B), b->ln2,
                                     b->ln2_mean, b->ln2_rstd, N, C, TDM_GPT_LN_EPS));
-    TDM_CHECK(tdm_layers_linear_fwd(d, b->ln2, P(TDM_GPT_FC_W), P(TDM_GPT_FC_B), N, C,
-                                    4 * C, 0, b->fch));
-    TDM_CHECK(tdm_dev_gelu_fwd(d, b->fch, b->fcg, N * 4 * C));
+    TDM_CHECK(tdm_layers_linear_fwd(d, b->ln2, P(TDM_GPT_FC_W), P(TDM_GPT_FC_B), N, C, g->F,
+                                    0, b->fch));
+    TDM_CHECK(tdm_dev_gelu_fwd(d, b->fch, b->fcg, N * g->F));
     TDM_CHECK(tdm_dev_copy(d, b->res2, b->res1, row_bytes));
-    TDM_CHECK(tdm_layers_linear_fwd(d, b->fcg, P(TDM_GPT_MPROJ_W), P(TDM_GPT_MPROJ_B), N,
-                                    4 * C, C, 1, b->res2));
+    TDM_CHECK(tdm_gpt_proj_fwd(m, b->fcg, P(TDM_GPT_MPROJ_W), P(TDM_GPT_MPROJ_B), N, g->F,
+                               b->res2, tdm_gpt_layer(g, l, 5)));
 #undef P
     return TDM_STATUS_OK;
 }
@@ -508,6 +538,9 @@ static tdm_status tdm_gpt_run_forward(tdm_model *m, const void *x, int B, int Tr
     tdm_device *d = m->dev;
     int C = g->C;
     int64_t N = (int64_t)B * Tr;
+    TDM_REQUIRE(g->tp == 1 || (m->partial && !tdm_model_low(m) && !m->lev.ckpt),
+                TDM_STATUS_INVALID_ARG, "gpt: a tensor-parallel slice (1/%d) runs in FP32 "
+                "without activation checkpointing, with its partial sums set", g->tp);
     TDM_CHECK(tdm_gpt_reserve(m, B));
     tdm_gpt_act *a = g->a;
     a->seq = Tr;
@@ -607,12 +640,13 @@ static tdm_status tdm_gpt_block_backward(tdm_model *m, int l, const float *res_i
 #define G(j) tdm_gpt_grad(m, tdm_gpt_p(g, l, (j)))
     /* x += mlp(ln_2(x)): the branch's output gradient is dres itself */
     TDM_CHECK(tdm_layers_linear_bwd(d, b->fcg, P(TDM_GPT_MPROJ_W), g->dres, g->ones, N,
-                                    4 * C, C, G(TDM_GPT_MPROJ_W), G(TDM_GPT_MPROJ_B), g->dfc,
+                                    g->F, C, G(TDM_GPT_MPROJ_W), G(TDM_GPT_MPROJ_B), g->dfc,
                                     0));
     tdm_gpt_hook(m, tdm_gpt_layer(g, l, 5));
-    TDM_CHECK(tdm_dev_gelu_bwd(d, b->fch, g->dfc, g->dfc, N * 4 * C));
-    TDM_CHECK(tdm_layers_linear_bwd(d, b->ln2, P(TDM_GPT_FC_W), g->dfc, g->ones, N, C, 4 * C,
+    TDM_CHECK(tdm_dev_gelu_bwd(d, b->fch, g->dfc, g->dfc, N * g->F));
+    TDM_CHECK(tdm_layers_linear_bwd(d, b->ln2, P(TDM_GPT_FC_W), g->dfc, g->ones, N, C, g->F,
                                     G(TDM_GPT_FC_W), G(TDM_GPT_FC_B), g->dln, 0));
+    TDM_CHECK(tdm_gpt_sum_dx(m, g->dln, N, tdm_gpt_layer(g, l, 4)));
     tdm_gpt_hook(m, tdm_gpt_layer(g, l, 4));
     TDM_CHECK(tdm_dev_layernorm_bwd(d, b->res1, g->dln, P(TDM_GPT_LN2_W), b->ln2_mean,
                                     b->ln2_rstd, g->dres, G(TDM_GPT_LN2_W),
@@ -620,15 +654,18 @@ static tdm_status tdm_gpt_block_backward(tdm_model *m, int l, const float *res_i
     tdm_gpt_hook(m, tdm_gpt_layer(g, l, 3));
     /* x += attn(ln_1(x)); dln holds the heads' output gradient until
      * c_attn's backward overwrites it */
-    TDM_CHECK(tdm_layers_linear_bwd(d, b->atty, P(TDM_GPT_APROJ_W), g->dres, g->ones, N, C,
-                                    C, G(TDM_GPT_APROJ_W), G(TDM_GPT_APROJ_B), g->dln, 0));
+    TDM_CHECK(tdm_layers_linear_bwd(d, b->atty, P(TDM_GPT_APROJ_W), g->dres, g->ones, N,
+                                    g->Ca, C, G(TDM_GPT_APROJ_W), G(TDM_GPT_APROJ_B), g->dln,
+                                    0));
     tdm_gpt_hook(m, tdm_gpt_layer(g, l, 2));
-    tdm_layers_attn at = {.B = B, .T = Tr, .H = g->H, .C = C, .q = b->q, .k = b->k,
+    tdm_layers_attn at = {.B = B, .T = Tr, .H = g->Hl, .C = g->Ca, .q = b->q, .k = b->k,
                           .v = b->v, .att = b->att};
     TDM_CHECK(tdm_layers_attention_bwd(d, &at, g->dln, g->yh, g->datt, g->dq, g->dk, g->dv,
                                        g->qkv));
     TDM_CHECK(tdm_layers_linear_bwd(d, b->ln1, P(TDM_GPT_ATTN_W), g->qkv, g->ones, N, C,
-                                    3 * C, G(TDM_GPT_ATTN_W), G(TDM_GPT_ATTN_B), g->dln, 0));
+                                    3 * g->Ca, G(TDM_GPT_ATTN_W), G(TDM_GPT_ATTN_B), g->dln,
+                                    0));
+    TDM_CHECK(tdm_gpt_sum_dx(m, g->dln, N, tdm_gpt_layer(g, l, 1)));
     tdm_gpt_hook(m, tdm_gpt_layer(g, l, 1));
     TDM_CHECK(tdm_dev_layernorm_bwd(d, res_in, g->dln, P(TDM_GPT_LN1_W), b->ln1_mean,
                                     b->ln1_rstd, g->dres, G(TDM_GPT_LN1_W),
@@ -729,11 +766,13 @@ static void tdm_gpt_gemm_flops(const tdm_model *m, double *fwd, double *bwd)
 {
     const tdm_model_spec *s = &m->spec;
     const tdm_gpt *g = m->ext;
-    double C = s->n_embd, T = s->n_ctx;
+    double C = s->n_embd, T = s->n_ctx, Ca = g->Ca, F = g->F;
     /* per position: c_attn 3C^2, attn.c_proj C^2, c_fc 4C^2, mlp.c_proj 4C^2
      * multiply-adds, attention 2 T C (scores and values over the full T),
-     * the head C V (the stage's blocks, and its head) */
-    double per_pos = g->nb * (12.0 * C * C + 2.0 * T * C) + (g->has_head ? C * s->vocab : 0.0);
+     * the head C V (the stage's blocks, and its head); a tensor-parallel
+     * slice's: its heads' Ca and c_fc's F for C and 4C */
+    double per_pos = g->nb * (4.0 * C * Ca + 2.0 * C * F + 2.0 * T * Ca) +
+                     (g->has_head ? C * s->vocab : 0.0);
     *fwd = 2.0 * per_pos * T;
     /* every product has a weight (or second-operand) and an input gradient */
     *bwd = 2.0 * *fwd;
@@ -774,6 +813,10 @@ tdm_status tdm_gpt_build(tdm_model *m)
                 H, C);
     TDM_REQUIRE(!m->dev || tdm_dev_has_transformer(m->dev), TDM_STATUS_UNSUPPORTED,
                 "gpt: device %s has no transformer kernels", tdm_dev_name(m->dev));
+    int tp = s->tp_ranks > 1 ? s->tp_ranks : 1;
+    TDM_REQUIRE(H % tp == 0 && !(tp > 1 && s->head_untied), TDM_STATUS_INVALID_ARG,
+                "gpt: a tensor-parallel slice of %d ranks needs the %d heads divisible by them "
+                "and a tied head", tp, H);
     int lo = m->stage.lo, hi = m->stage.hi;
     TDM_REQUIRE(!s->head_untied || (lo == 0 && hi == L + 2), TDM_STATUS_UNSUPPORTED,
                 "%s: a GPT with an untied head runs whole: it is not built for pipeline stages "
@@ -785,6 +828,10 @@ tdm_status tdm_gpt_build(tdm_model *m)
     g->H = H;
     g->T = T;
     g->V = s->vocab;
+    g->tp = tp;
+    g->Hl = H / tp;
+    g->Ca = C / tp;
+    g->F = 4 * C / tp;
     g->has_emb = lo == 0;
     g->has_head = hi == L + 2;
     g->b0 = (lo > 0 ? lo : 1) - 1;
@@ -806,11 +853,11 @@ tdm_status tdm_gpt_build(tdm_model *m)
     for (int l = g->b0; l < g->b1; l++) {
 #define NAME(sfx) (snprintf(name, sizeof name, "transformer.h.%d.%s", l, sfx), name)
         TDM_CHECK(tdm_gpt_ln_group(m, NAME("ln_1"), C));
-        TDM_CHECK(tdm_gpt_linear_group(m, NAME("attn.c_attn"), 3 * C, C));
-        TDM_CHECK(tdm_gpt_linear_group(m, NAME("attn.c_proj"), C, C));
+        TDM_CHECK(tdm_gpt_linear_group(m, NAME("attn.c_attn"), 3 * g->Ca, C));
+        TDM_CHECK(tdm_gpt_linear_group(m, NAME("attn.c_proj"), C, g->Ca));
         TDM_CHECK(tdm_gpt_ln_group(m, NAME("ln_2"), C));
-        TDM_CHECK(tdm_gpt_linear_group(m, NAME("mlp.c_fc"), 4 * C, C));
-        TDM_CHECK(tdm_gpt_linear_group(m, NAME("mlp.c_proj"), C, 4 * C));
+        TDM_CHECK(tdm_gpt_linear_group(m, NAME("mlp.c_fc"), g->F, C));
+        TDM_CHECK(tdm_gpt_linear_group(m, NAME("mlp.c_proj"), C, g->F));
 #undef NAME
     }
     m->stage.p_base = g->has_emb ? 0 : 2 + TDM_GPT_PER_BLOCK * g->b0;

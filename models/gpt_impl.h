@@ -52,6 +52,11 @@ typedef struct tdm_gpt_act {
 
 typedef struct tdm_gpt {
     int L, C, H, T, V;
+    /* a tensor-parallel slice (tdm_model_spec.tp_ranks = tp > 1): its
+     * heads Hl = H/tp of width Ca = C/tp side by side, c_fc's F = 4C/tp
+     * rows; the whole model: tp 1, Hl H, Ca C, F 4C */
+    int tp, Hl, Ca, F;
+    float *part;             /* tp > 1: a row-parallel product (N, C), summed */
     /* The stage: blocks [b0, b1) of L, with the embeddings (first stage)
      * and the final LayerNorm and head (last stage); local indices of the
      * tensors. The whole model is one stage of everything. */

@@ -74,8 +74,12 @@ tdm_pp *tdm_tool_pp_of(const tdm_tool_rank *r) { return ((const tdm_tool_pp *)r-
 void tdm_tool_pp_tp_sums(const tdm_tool_rank *r, int64_t *calls, int64_t *bytes, double *ms)
 {
     const tdm_tool_pp *q = r->w;
-    *calls = q->tpn > 1 ? q->tp.sums : 0;
-    *bytes = q->tpn > 1 ? q->tp.sum_bytes : 0;
+    tdm_comm_traffic t;
+    memset(&t, 0, sizeof t);
+    /* the partial sums are the only all-reduces on the stage's tp group */
+    if (q->tpn > 1) tdm_comm_traffic_get(q->tp.tdev, &t);
+    *calls = t.calls[TDM_COLL_ALL_REDUCE];
+    *bytes = t.bytes[TDM_COLL_ALL_REDUCE];
     *ms = q->tpn > 1 ? q->tp.sum_ms : 0.0;
 }
 
@@ -568,7 +572,12 @@ static void tdm_rank_pp_describe(const tdm_tool_rank *r, char *on, size_t n_on, 
              q->zopt ? "; ZeRO-1: each replica steps 1/D of a stage" : "");
     tdm_tool_mesh_replicas_str(&q->mesh, how_z, reps, sizeof reps);
     char tp[200] = "";
-    if (q->tpn > 1) {
+    if (q->tpn > 1 && q->tp.narrow.kind == TDM_MODEL_GPT) {
+        snprintf(tp, sizeof tp, " x tp %d (per block: attn.c_attn column by heads, %d of %d per "
+                 "rank, attn.c_proj row, mlp.c_fc column, mlp.c_proj row; embeddings, "
+                 "LayerNorms and the tied head replicated)", q->tpn,
+                 q->tp.narrow.n_head / q->tpn, q->tp.narrow.n_head);
+    } else if (q->tpn > 1) {
         int k = snprintf(tp, sizeof tp, " x tp %d (", q->tpn);
         static const char *const cut[] = {"replicated", "column", "row"};
         int L = q->tp.narrow.ndims - 1;
@@ -657,7 +666,7 @@ static void tdm_rank_pp_print(const tdm_tool_rank *r, const double *all, int S)
                      "(replica 0's shown), the slices gathered over the dp dimension"
                    : "");
     if (q->tpn > 1)
-        printf("pp-tp: each stage's %d ranks hold 1/%d of its paired layers (tp rank 0's shown); "
+        printf("pp-tp: each stage's %d ranks hold 1/%d of its split layers (tp rank 0's shown); "
                "rank 0 all-reduced %lld partial sums of %.3f MiB in %.3f ms over the run\n",
                q->tpn, q->tpn, (long long)q->tp.sums, (double)q->tp.sum_bytes * mib,
                q->tp.sum_ms);

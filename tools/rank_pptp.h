@@ -19,8 +19,15 @@
  * parameters of the seed) and the narrow model's by slicing: a column
  * layer's rows, a row layer's weight columns, the rest whole.
  *
- * The MLP only (the GPT's and the CNN's pipelines of tensor-parallel
- * stages are not built: one-line usage errors). */
+ * The GPT's stages (a narrow spec of tp_ranks N, models/model.h: its
+ * blocks' heads and c_fc rows split, Megatron's layout as tp/gpt.c lays
+ * out a whole GPT): the embeddings, the LayerNorms and the tied head are
+ * replicated on the N ranks of their stage and computed on the same bits
+ * by each (their inputs are the all-reduced stream), so tp rank t's
+ * pipeline sums its own tied-embedding shares (pp/'s exchange between
+ * the first and the last stage, within tp index t) and the N copies stay
+ * equal without communication. The CNN's and model files' pipelines of
+ * tensor-parallel stages are not built: one-line usage errors. */
 #ifndef TDM_TOOLS_RANK_PPTP_H
 #define TDM_TOOLS_RANK_PPTP_H
 
@@ -51,6 +58,17 @@ typedef enum tdm_pptp_cut {
  * tensor-parallel ranks"). */
 tdm_status tdm_pptp_plan(const tdm_model_spec *spec, int S, const int *first, int N,
                          tdm_pptp_cut *cut, tdm_model_spec *narrow);
+
+/* The plan's payload of stage s's partial sums in one step of `rows`
+ * samples of this replica cut into micro-batches of micro_size (the
+ * last shorter): *calls all-reduces of *bytes in all, per rank of the
+ * stage's tp group. Per micro-batch of b samples: the GPT's 4 per block
+ * of the stage (forward after attn.c_proj and mlp.c_proj, backward
+ * c_attn's and c_fc's input gradients) of b*T*C floats each; the MLP's
+ * one per row layer (b x its output width) and one per column layer but
+ * fc1 (b x its input width). 0 for one rank. The plan's USAGE errors. */
+tdm_status tdm_pptp_step_plan(const tdm_model_spec *spec, int S, const int *first, int N, int s,
+                              int rows, int micro_size, int64_t *calls, int64_t *bytes);
 
 /* A tensor-parallel stage (r of N in the group tp: device memory through
  * tdev, host memory through thost, both borrowed). */
