@@ -13,6 +13,8 @@
  *   uninterrupted run within the bound;
  * - the partial sums the stage's tp communicator counts per step are the
  *   plan's, bytes and calls (compare's pp row);
+ * - the GPT written as a model file (examples/models/gpt.tdm's layers,
+ *   2 blocks of 16) trains bitwise as --model gpt:2-16-4-8 through it;
  * - a killed rank is named with its (dp, pp, tp) coordinates;
  * - what it cannot run is one line and exit 2 (heads the group does not
  *   divide, --sequence-parallel, a 16-bit precision, the CNN). */
@@ -136,6 +138,33 @@ Test(pp_tp_gpt, the_partial_sums_counted_by_the_communicator_are_the_plans)
                   "tp communicator; the plan: 32768 bytes in 16;");
     expect(&r, 0, "dp(2) x pp(2) x tp(2): largest parameter difference");
     expect(&r, 0, "-> PASS (the stages' row-parallel products");
+}
+
+/* examples/models/gpt.tdm's layers for gpt:2-16-4-8: bitwise the same
+ * run, the same file. */
+Test(pp_tp_gpt, a_gpt_model_file_trains_bitwise_as_the_built_in_gpt)
+{
+    static const char block[] = "residual {\n  layernorm\n  attention heads 4\n}\n"
+                                "residual {\n  layernorm\n  gptmlp\n}\n";
+    char file[128], spec[160], a[128], b[128];
+    snprintf(file, sizeof file, "%s/gpt2.tdm", g_dir);
+    snprintf(spec, sizeof spec, "file:%s", file);
+    FILE *f = fopen(file, "w");
+    cr_assert_not_null(f);
+    fprintf(f, "input tokens 8\nembedding vocab 256 dim 16\nembedding positions\n%s%s"
+               "layernorm\nlmhead tied\n", block, block);
+    cr_assert_eq(fclose(f), 0);
+    path(a, sizeof a, "builtin");
+    path(b, sizeof b, "file");
+    static cli_result r;
+    const char *models[2] = {MODEL, spec}, *saves[2] = {a, b};
+    for (int k = 0; k < 2; k++) {
+        CLI(&r, "train", "--mode", "pp", "--device", "cpu:4", "--mesh", "pp=2,tp=2", "--split",
+            "0,2", "--model", models[k], "--data", g_text, "--batch", "32", "--epochs", "1",
+            "--max-steps", "4", "--no-eval", "--quiet", "--save", saves[k]);
+        expect(&r, 0, "x tp 2 (per block");
+    }
+    cr_assert(cli_same_file(a, b), "the model file's run differs from --model %s", MODEL);
 }
 
 Test(pp_tp_gpt, a_killed_rank_is_named_with_its_coordinates)
