@@ -281,6 +281,12 @@ typedef enum tdm_model_partial {
 typedef tdm_status (*tdm_model_partial_fn)(void *ctx, float *buf, int64_t n, int layer);
 tdm_status tdm_model_set_partial_sums(tdm_model *m, const tdm_model_partial *kinds, int n,
                                       tdm_model_partial_fn fn, void *ctx);
+/* The tensor-parallel rank whose slices the model's column-parallel
+ * layers hold (after tdm_model_set_partial_sums): a dropout layer between
+ * a column-parallel layer and its row-parallel one drops the whole
+ * vector's values [rank*w, (rank+1)*w) of its w, as one device drops
+ * them, so the ranks' masks are one device's mask cut in N. */
+void tdm_model_set_partial_rank(tdm_model *m, int rank);
 /* Batchnorm layers of the model (0 for the MLP and GPT). */
 int tdm_model_n_batchnorm(const tdm_model *m);
 

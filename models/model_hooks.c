@@ -34,6 +34,17 @@ tdm_status tdm_model_set_partial_sums(tdm_model *m, const tdm_model_partial *kin
     return TDM_STATUS_OK;
 }
 
+void tdm_model_set_partial_rank(tdm_model *m, int rank)
+{
+    int open = 0;   /* after a column-parallel layer, before its row-parallel one */
+    for (int i = 0; i < m->n_layers; i++) {
+        tdm_layer *l = &m->layers[i];
+        if (l->partial == TDM_MODEL_PARTIAL_IN) open = 1;
+        else if (l->partial == TDM_MODEL_PARTIAL_OUT) open = 0;
+        else if (l->kind == TDM_LAYER_DROPOUT) l->j0 = open ? (int64_t)rank * l->out_elems : 0;
+    }
+}
+
 tdm_status tdm_model_sync_bn_forward_empty(tdm_model *m)
 {
     TDM_REQUIRE(m->sync_bn && m->train && !m->vt, TDM_STATUS_INVALID_ARG,

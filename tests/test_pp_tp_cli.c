@@ -206,11 +206,11 @@ Test(pp_tp_cli, bad_meshes_are_one_line_and_exit_2)
         const char *nl = strchr(r.out, '\n');
         cr_assert(nl && !nl[1], "more than one line:\n%s", r.out);
     }
-    /* the GPT's are tests/test_pp_tp_gpt.c's */
+    /* the GPT's are tests/test_pp_tp_gpt.c's, model files' test_pp_tp_file.c's */
     CLI(&r, "train", "--mode", "pp", "--device", "cpu:4", "--mesh", "pp=2,tp=2", "--model",
         "cnn", "--data", "synthetic");
-    expect(&r, 2, "a pipeline of tensor-parallel stages is built for the MLP and the GPT (the "
-                  "CNN's and model files' are not)");
+    expect(&r, 2, "a pipeline of tensor-parallel stages is built for the MLP, the GPT and model "
+                  "files (the CNN's is not)");
     CLI(&r, "train", "--mode", "pp", "--device", "cpu:8", "--mesh", "dp=2,pp=2,tp=2",
         "--sharding", "optimizer", MLP, SYN);
     expect(&r, 2, "ZeRO-1 over the dp dimension of tensor-parallel stages is not built");

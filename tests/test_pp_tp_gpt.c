@@ -199,8 +199,8 @@ Test(pp_tp_gpt, what_it_cannot_run_is_one_line_and_exit_2)
          "the memory levers run in pipelines of whole stages (tp=1), not yet with "
          "tensor-parallel stages"},
         {"cpu:4", "pp=2,tp=2", "cnn", NULL,
-         "a pipeline of tensor-parallel stages is built for the MLP and the GPT (the CNN's and "
-         "model files' are not)"},
+         "a pipeline of tensor-parallel stages is built for the MLP, the GPT and model files "
+         "(the CNN's is not)"},
     };
     for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) {
         const char *data = strcmp(bad[k].model, "cnn") ? g_text : "synthetic";

@@ -162,7 +162,7 @@ tdm_status tdm_tool_pp_check(const tdm_tool_build *b, int world, tdm_mesh_shape 
         if (tdm_model_spec_check_split(&b->spec, first, S)) return tdm_tool_pp_refuse("--split");
     }
     if (N == 1) return TDM_STATUS_OK;
-    tdm_pptp_cut cut[TDM_MODEL_MAX_DIMS];
+    tdm_pptp_cut cut[TDM_PPTP_MAX_LAYERS];
     tdm_model_spec narrow;
     if (!b->pp.split && tdm_tool_pp_first(b, S, first)) return tdm_tool_pp_refuse("--model");
     return tdm_pptp_plan(&b->spec, S, first, N, cut, &narrow);
@@ -578,12 +578,18 @@ static void tdm_rank_pp_describe(const tdm_tool_rank *r, char *on, size_t n_on, 
                  "LayerNorms and the tied head replicated)", q->tpn,
                  q->tp.narrow.n_head / q->tpn, q->tp.narrow.n_head);
     } else if (q->tpn > 1) {
-        int k = snprintf(tp, sizeof tp, " x tp %d (", q->tpn);
+        /* each linear layer (its weight fcK.weight) and its cut */
+        int k = snprintf(tp, sizeof tp, " x tp %d (", q->tpn), fc = 0;
         static const char *const cut[] = {"replicated", "column", "row"};
-        int L = q->tp.narrow.ndims - 1;
-        for (int l = 0; l < L && k > 0 && (size_t)k < sizeof tp; l++)
-            k += snprintf(tp + k, sizeof tp - (size_t)k, "%sfc%d %s", l ? ", " : "", l + 1,
-                          cut[q->tp.cut[l]]);
+        const tdm_model *t = q->tp.whole;
+        for (int i = 0; i < tdm_model_n_params(t) && k > 0 && (size_t)k < sizeof tp; i++) {
+            const tdm_tensor_info *w = tdm_model_param_info(t, i);
+            int K;
+            char rest[16];
+            if (sscanf(w->name, "fc%d.%15s", &K, rest) != 2 || strcmp(rest, "weight")) continue;
+            k += snprintf(tp + k, sizeof tp - (size_t)k, "%sfc%d %s", fc++ ? ", " : "", K,
+                          cut[q->tp.cut[w->layer]]);
+        }
         if (k > 0 && (size_t)k < sizeof tp) snprintf(tp + k, sizeof tp - (size_t)k, ")");
     }
     snprintf(on, n_on, ", pipeline of %d stages (first layers %s)%s, %s, %d micro-batches%s",

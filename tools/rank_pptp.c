@@ -20,13 +20,27 @@ tdm_status tdm_pptp_plan(const tdm_model_spec *spec, int S, const int *first, in
         TDM_REQUIRE(spec->n_head % N == 0, TDM_STATUS_USAGE,
                     "the GPT's %d heads are not divisible by the %d tensor-parallel ranks of "
                     "each stage (attention is split by heads)", spec->n_head, N);
-        memset(cut, 0, TDM_MODEL_MAX_DIMS * sizeof *cut);
+        memset(cut, 0, TDM_PPTP_MAX_LAYERS * sizeof *cut);
         narrow->tp_ranks = N;
+        return TDM_STATUS_OK;
+    }
+    if (spec->kind == TDM_MODEL_SEQ) {
+        tdm_model_partial kinds[TDM_PPTP_MAX_LAYERS];
+        int n = 0;
+        TDM_CHECK(tdm_model_spec_n_layers(spec, &n));
+        TDM_REQUIRE(n <= TDM_PPTP_MAX_LAYERS, TDM_STATUS_USAGE,
+                    "%s: %d pipeline layers, at most %d in tensor-parallel stages", spec->name,
+                    n, TDM_PPTP_MAX_LAYERS);
+        TDM_CHECK(tdm_model_spec_tp_stages(spec, first, S, N, kinds, n, narrow));
+        for (int l = 0; l < n; l++)
+            cut[l] = kinds[l] == TDM_MODEL_PARTIAL_IN    ? TDM_PPTP_COLUMN
+                     : kinds[l] == TDM_MODEL_PARTIAL_OUT ? TDM_PPTP_ROW
+                                                         : TDM_PPTP_REPLICATED;
         return TDM_STATUS_OK;
     }
     TDM_REQUIRE(spec->kind == TDM_MODEL_MLP, TDM_STATUS_USAGE,
                 "--mesh with pp=%d and tp=%d: a pipeline of tensor-parallel stages is built for "
-                "the MLP and the GPT (the CNN's and model files' are not)", S, N);
+                "the MLP, the GPT and model files (the CNN's is not)", S, N);
     int L = spec->ndims - 1;
     for (int s = 0; s < S; s++) {
         int lo = first[s], hi = s + 1 < S ? first[s + 1] : L;
@@ -50,7 +64,7 @@ tdm_status tdm_pptp_plan(const tdm_model_spec *spec, int S, const int *first, in
 tdm_status tdm_pptp_step_plan(const tdm_model_spec *spec, int S, const int *first, int N, int s,
                               int rows, int micro_size, int64_t *calls, int64_t *bytes)
 {
-    tdm_pptp_cut cut[TDM_MODEL_MAX_DIMS];
+    tdm_pptp_cut cut[TDM_PPTP_MAX_LAYERS];
     tdm_model_spec narrow;
     *calls = *bytes = 0;
     if (N < 2) return TDM_STATUS_OK;
@@ -59,20 +73,26 @@ tdm_status tdm_pptp_step_plan(const tdm_model_spec *spec, int S, const int *firs
     TDM_CHECK(tdm_model_spec_n_layers(spec, &n));
     int lo = first[s], hi = s + 1 < S ? first[s + 1] : n;
     int64_t per_sample = 0, per_mb = 0;
-    for (int l = lo; l < hi; l++) {
-        if (spec->kind == TDM_MODEL_GPT) {
-            /* pipeline layers: 0 the embeddings, 1..L the blocks, L + 1 the head */
-            if (l < 1 || l > spec->n_layer) continue;
-            per_mb += 4;
-            per_sample += 4 * (int64_t)spec->n_ctx * spec->n_embd;
-        } else if (cut[l] == TDM_PPTP_ROW) {
-            per_mb++;
-            per_sample += spec->dims[l + 1];
-        } else if (cut[l] == TDM_PPTP_COLUMN && l > 0) {
-            per_mb++;
-            per_sample += spec->dims[l];
-        }
+    /* pipeline layers of the GPT: 0 the embeddings, 1..L the blocks,
+     * L + 1 the head */
+    for (int l = lo; spec->kind == TDM_MODEL_GPT && l < hi; l++) {
+        if (l < 1 || l > spec->n_layer) continue;
+        per_mb += 4;
+        per_sample += 4 * (int64_t)spec->n_ctx * spec->n_embd;
     }
+    tdm_model *t = NULL;
+    if (spec->kind != TDM_MODEL_GPT) TDM_CHECK(tdm_model_init_tables(&t, spec));
+    /* the MLP's and a model file's: each split linear layer's weight
+     * (out, in) */
+    for (int i = 0; t && i < tdm_model_n_params(t); i++) {
+        const tdm_tensor_info *w = tdm_model_param_info(t, i);
+        int l = w->layer;
+        if (w->ndim != 2 || l < lo || l >= hi) continue;
+        if (cut[l] == TDM_PPTP_ROW) per_sample += w->shape[0];
+        if (cut[l] == TDM_PPTP_COLUMN && l > 0) per_sample += w->shape[1];
+        per_mb += cut[l] == TDM_PPTP_ROW || (cut[l] == TDM_PPTP_COLUMN && l > 0);
+    }
+    tdm_model_free(t);
     int mbs = rows > 0 && micro_size > 0 ? (rows + micro_size - 1) / micro_size : 0;
     *calls = per_mb * mbs;
     *bytes = per_sample * rows * (int64_t)sizeof(float);
@@ -183,15 +203,17 @@ static tdm_status tdm_pptp_mark(tdm_pptp *q, tdm_model *m)
         return tdm_model_set_partial_sums(m, NULL, 0, tdm_pptp_sum, q);
     tdm_model_stage_info si;
     tdm_model_get_stage(m, &si);
-    tdm_model_partial kinds[TDM_MODEL_MAX_DIMS];
+    tdm_model_partial kinds[TDM_PPTP_MAX_LAYERS];
     int n = tdm_model_n_layers(m);
-    TDM_REQUIRE(n == si.hi - si.lo && n <= TDM_MODEL_MAX_DIMS, TDM_STATUS_INTERNAL,
+    TDM_REQUIRE(n == si.hi - si.lo && n <= TDM_PPTP_MAX_LAYERS, TDM_STATUS_INTERNAL,
                 "tensor-parallel stage: %d layers for pipeline layers %d-%d", n, si.lo, si.hi - 1);
     for (int i = 0; i < n; i++)
         kinds[i] = q->cut[si.lo + i] == TDM_PPTP_COLUMN ? TDM_MODEL_PARTIAL_IN
                    : q->cut[si.lo + i] == TDM_PPTP_ROW  ? TDM_MODEL_PARTIAL_OUT
                                                          : TDM_MODEL_PARTIAL_NONE;
-    return tdm_model_set_partial_sums(m, kinds, n, tdm_pptp_sum, q);
+    TDM_CHECK(tdm_model_set_partial_sums(m, kinds, n, tdm_pptp_sum, q));
+    tdm_model_set_partial_rank(m, q->t);
+    return TDM_STATUS_OK;
 }
 
 tdm_status tdm_pptp_attach(tdm_pptp *q, tdm_pp *p, uint64_t seed)
