@@ -16,6 +16,8 @@
  * - the GPT written as a model file (examples/models/gpt.tdm's layers,
  *   2 blocks of 16) trains bitwise as --model gpt:2-16-4-8 through it;
  * - a killed rank is named with its (dp, pp, tp) coordinates;
+ * - CUDA-emulated devices (cuda/ built, no GPU) write the host ranks'
+ *   checkpoint bit for bit (what this does not test: CUDA, NCCL);
  * - what it cannot run is one line and exit 2 (heads the group does not
  *   divide, --sequence-parallel, a 16-bit precision, the CNN). */
 #include <criterion/criterion.h>
@@ -26,6 +28,7 @@
 
 #include "tests/ckpt_diff_util.h"
 #include "tests/cli_util.h"
+#include "tests/cuda_test_util.h"
 #include "tests/mesh_doctor_util.h"
 #include "tests/test_util.h"
 
@@ -181,6 +184,25 @@ Test(pp_tp_gpt, a_killed_rank_is_named_with_its_coordinates)
                   "mesh dp=2 x pp=2 x tp=2");
     expect(&r, 1, "tandem train: doctor: DIED: ");
     mesh_expect_stages(r.out, 2, 2);
+}
+
+Test(pp_tp_gpt, emulated_cuda_ranks_write_the_host_ranks_checkpoint)
+{
+    CU_NEED_BACKEND();
+    char host[128], emu[128];
+    path(host, sizeof host, "host");
+    path(emu, sizeof emu, "emu");
+    static cli_result r;
+    const char *devs[2] = {"cpu:4", "cuda"}, *saves[2] = {host, emu};
+    for (int k = 0; k < 2; k++) {
+        if (k) cr_assert_eq(setenv("TANDEM_CUDA_EMULATOR", "4", 1), 0);
+        CLI(&r, "train", "--mode", "pp", "--device", devs[k], "--mesh", "pp=2,tp=2", "--split",
+            "0,2", "--model", MODEL, "--data", g_text, "--batch", "32", "--epochs", "1",
+            "--max-steps", "3", "--no-eval", "--quiet", "--save", saves[k]);
+        unsetenv("TANDEM_CUDA_EMULATOR");
+        expect(&r, 0, "x tp 2 (per block");
+    }
+    cr_assert(cli_same_file(host, emu), "emulated ranks differ from host ranks");
 }
 
 Test(pp_tp_gpt, what_it_cannot_run_is_one_line_and_exit_2)
