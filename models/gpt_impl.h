@@ -98,6 +98,10 @@ static inline int tdm_gpt_layer(const tdm_gpt *g, int l, int j)
     return g->layer_blk0 + 6 * (l - g->b0) + j;
 }
 
+/* The gemm multiply-adds of a forward and a backward of one window
+ * (models/gpt_spec.c; the model's vt). */
+void tdm_gpt_gemm_flops(const tdm_model *m, double *fwd, double *bwd);
+
 /* The grad-ready hook for a logical layer, if set. */
 void tdm_gpt_hook(tdm_model *m, int layer);
 
