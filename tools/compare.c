@@ -499,7 +499,7 @@ static tdm_status tdm_cmp_check_mesh(tdm_cmp_job *j)
                                     tdm_error_message(), o->device);
     int D = m.size[TDM_MESH_DP], S = m.size[TDM_MESH_PP], N = m.size[TDM_MESH_TP];
     int first[64];
-    tdm_pptp_cut cut[TDM_MODEL_MAX_DIMS];
+    tdm_pptp_cut cut[TDM_PPTP_MAX_LAYERS];
     tdm_model_spec narrow;
     /* a pipeline of tensor-parallel stages: the pp row, the default split */
     if (S > 1 && N > 1 &&

@@ -23,6 +23,7 @@
 #include "pp/pp.h"
 #include "tools/compare.h"
 #include "tools/compare_mesh.h"
+#include "tools/rank_pptp.h"
 #include "tools/ranks.h"
 
 /* forward, backward, loss, recv, send, bubble, pipeline, and with replicas
@@ -175,8 +176,8 @@ static double tdm_cmp_pp_phase(const tdm_cmp_opts *o, const tdm_cmp_pp_shared *s
     return n ? sum / n : 0.0;
 }
 
-static void tdm_cmp_pp_print_phases(const tdm_cmp_opts *o, const tdm_cmp_pp_shared *sh,
-                                    double *bubble_mean)
+static void tdm_cmp_pp_print_phases(const tdm_cmp_opts *o, const tdm_model_spec *spec,
+                                    const tdm_cmp_pp_shared *sh, double *bubble_mean)
 {
     static const char *const name[TDM_CMP_PP_PHASES] = {"forward", "backward", "loss",
                                                          "recv wait", "send wait", "bubble",
@@ -218,10 +219,18 @@ static void tdm_cmp_pp_print_phases(const tdm_cmp_opts *o, const tdm_cmp_pp_shar
     printf("\n  bubble: %.1f%% measured (mean over the stages) vs (S-1)/(M+S-1) = %.1f%% for "
            "S = %d, M = %d of a balanced pipeline whose transfers cost nothing\n",
            100.0 * mean, 100.0 * ideal, sh->S, sh->M);
-    for (int s = 0; sh->T > 1 && s < sh->S; s++)
-        printf("  stage %d's tp sums: %.1f all-reduces of %.0f bytes per step (counted; 0: its "
-               "layers are replicated, no pair in the stage)\n", s, sh->tp_calls[s] / sh->steps,
-               sh->tp_bytes[s] / sh->steps);
+    int rows = (o->batch + sh->D - 1) / sh->D, first[TDM_CMP_MAX_DEV];
+    for (int s = 0; s < sh->S; s++) first[s] = sh->lo[s];
+    for (int s = 0; sh->T > 1 && s < sh->S; s++) {
+        int64_t calls = 0, bytes = 0;
+        if (tdm_pptp_step_plan(spec, sh->S, first, sh->T, s, rows, (rows + sh->M - 1) / sh->M,
+                               &calls, &bytes))
+            calls = bytes = -1;
+        printf("  stage %d's tp sums: %.1f all-reduces of %.0f bytes per step (counted by its "
+               "tp communicator; the plan: %lld bytes in %lld; 0: its layers are replicated, no "
+               "pair in the stage)\n", s, sh->tp_calls[s] / sh->steps,
+               sh->tp_bytes[s] / sh->steps, (long long)bytes, (long long)calls);
+    }
     *bubble_mean = mean;
 }
 
@@ -386,7 +395,7 @@ int tdm_cmp_pp_section(const tdm_cmp_opts *o, const tdm_cmp_data *data,
         snprintf(what, sizeof what, "%s %s M=%d", lab, tdm_pp_schedule_name(kind), M);
         tdm_cmp_mesh_speed(o, "pipeline", "stage", what, med, single, ddp);
         double bubble = 0.0;
-        tdm_cmp_pp_print_phases(o, sh, &bubble);
+        tdm_cmp_pp_print_phases(o, spec, sh, &bubble);
         verdict = tdm_cmp_pp_verdict(o, spec, sh, ref_loss, ref_p, floor);
         tdm_cmp_pp_print_memory(sh, kind);
         double ideal = (double)(S - 1) / (double)(M + S - 1);
