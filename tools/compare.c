@@ -348,7 +348,7 @@ static tdm_status tdm_cmp_mpi_join(tdm_cmp_job *j)
         return TDM_STATUS_USAGE;
     }
     tdm_shm_opts so = {.arena_bytes = tdm_ddp_arena_bytes(tdm_cmp_param_elems(o))};
-    st = tdm_dist_mpi_rank_init(&tdm_cmp_mr, b, 0, &so);
+    st = tdm_dist_mpi_rank_init(&tdm_cmp_mr, b, TDM_DIST_MPI_WHOLE, 0, &so);
     if (st != TDM_STATUS_OK) {
         fprintf(stderr, "tandem compare: joining the MPI job: %s\n", tdm_error_message());
         return st;
