@@ -15,6 +15,7 @@
 #include "core/device.h"
 #include "ddp/ddp.h"
 #include "fsdp/fsdp.h"
+#include "dist/mesh.h"
 #include "dist/run.h"
 #include "models/builder.h"
 #include "models/plan.h"
@@ -26,7 +27,7 @@
 
 typedef struct tdm_plan_args {
     const char *model, *mode, *device, *precision, *ckpt, *offload, *optim, *sharding;
-    const char *schedule;
+    const char *schedule, *mesh;
     long long batch, stages, micro;
     double clip, momentum;
 } tdm_plan_args;
@@ -35,7 +36,7 @@ static void tdm_plan_usage(FILE *f)
 {
     fprintf(f,
         "usage: tandem plan [--model M] [--mode single|dp|ddp|fsdp|pp] [--sharding S]\n"
-        "                   [--device D] [--stages S] [--microbatches M]\n"
+        "                   [--device D] [--stages S] [--mesh dp=D,pp=S] [--microbatches M]\n"
         "                   [--schedule gpipe|1f1b]\n"
         "                   [--batch B] [--precision fp32|bf16|fp16]\n"
         "                   [--checkpoint-activations [all|N]]\n"
@@ -54,16 +55,18 @@ static void tdm_plan_usage(FILE *f)
         "new shards) where that is higher. dp: the output device, which holds the\n"
         "master (replica 0, at the largest chunk) with the optimizer, and the whole\n"
         "batch's inputs, logits, their gradient and labels (its loss is the batch's).\n"
-        "pp (host devices, one pipeline of --stages S, the balanced split): each\n"
-        "stage's model slice, the schedule's activation sets at ceil(B/M) samples,\n"
-        "the shared scratch and the GPT's tied-gradient buffer (the received\n"
-        "activations and gradients are in the links' shared memory).\n"
+        "pp (host devices, the balanced split): each stage's model slice, the\n"
+        "schedule's activation sets at ceil(B/M) samples, the shared scratch and the\n"
+        "GPT's tied-gradient buffer (the received activations and gradients are in\n"
+        "the links' shared memory); with D replicas (--mesh dp=D,pp=S, or --stages S\n"
+        "of D*S devices) every replica's stage alike at ceil(B/D) samples, and with\n"
+        "--sharding optimizer its optimizer state over 1/D of the stage (ZeRO-1).\n"
         "  --model M      as tandem train                          [mlp]\n"
         "  --mode M       single, dp, ddp, fsdp or pp              [single]\n"
-        "  --stages S, --microbatches M, --schedule K   pp's, as tandem train's\n"
-        "                                        [the devices, 4, 1f1b]\n"
-        "  --sharding S   fsdp: full (ZeRO-3), grad_op (ZeRO-2), optimizer (ZeRO-1)\n"
-        "                                                           [full]\n"
+        "  --stages S, --microbatches M, --schedule K, --mesh dp=D,pp=S   pp's, as\n"
+        "                 tandem train's       [the devices, 4, 1f1b, dp=1]\n"
+        "  --sharding S   fsdp: full (ZeRO-3), grad_op (ZeRO-2), optimizer (ZeRO-1);\n"
+        "                 pp with dp >= 2: optimizer                [full]\n"
         "  --device D     cpu, cpu:N, cuda, cuda:N (ddp: one rank per device; dp:\n"
         "                 one replica per device)                   [cpu]\n"
         "  --batch B      the global batch                 [256; gpt: %d]\n"
@@ -92,6 +95,7 @@ static tdm_status tdm_plan_parse(int argc, char **argv, tdm_plan_args *a, int *h
                            : !strcmp(s, "--optim")     ? &a->optim
                            : !strcmp(s, "--sharding")  ? &a->sharding
                            : !strcmp(s, "--schedule")  ? &a->schedule
+                           : !strcmp(s, "--mesh")      ? &a->mesh
                                                        : NULL;
         if (str || !strcmp(s, "--batch") || !strcmp(s, "--clip-grad-norm") ||
             !strcmp(s, "--momentum") || !strcmp(s, "--stages") || !strcmp(s, "--microbatches")) {
@@ -180,7 +184,7 @@ tdm_status tdm_tool_plan_peak(const tdm_plan_opts *o, tdm_tool_plan_mode mode, i
 }
 
 tdm_status tdm_tool_plan_pp_stage(const tdm_plan_opts *o, int S, const int *first, int s,
-                                  int sets, size_t *peak, tdm_plan *p)
+                                  int sets, int zero1_reps, size_t *peak, tdm_plan *p)
 {
     int n = 0;
     TDM_CHECK(tdm_model_spec_n_layers(&o->spec, &n));
@@ -193,16 +197,30 @@ tdm_status tdm_tool_plan_pp_stage(const tdm_plan_opts *o, int S, const int *firs
     size_t tied = 0;
     if (o->spec.kind == TDM_MODEL_GPT && S > 1 && (s == 0 || s == S - 1))
         tied = ((size_t)o->spec.vocab * (size_t)o->spec.n_embd * sizeof(float) + 63) / 64 * 64;
+    if (zero1_reps > 1) {
+        /* ZeRO-1 over the dp dimension (tools/rank_pp.c): the state over
+         * this replica's chunk of the stage, and the stage's parameters
+         * padded to reps chunks where they do not divide evenly */
+        size_t pe = (size_t)p->param_elems, chunk = (pe + (size_t)zero1_reps - 1) / (size_t)zero1_reps;
+        p->optim = (size_t)tdm_optim_kind_n_state(&o->optim) *
+                   ((chunk * sizeof(float) + 63) / 64 * 64);
+        if (chunk * (size_t)zero1_reps != pe)
+            p->optim += (chunk * (size_t)zero1_reps * sizeof(float) + 63) / 64 * 64;
+    }
     *peak = p->params + p->grads + p->buffers + p->params_low + p->optim +
             (size_t)(sets > 0 ? sets : 1) * p->act_set + shared + p->step_scratch + tied;
     return TDM_STATUS_OK;
 }
 
-/* --mode pp on host devices: every stage's plan (one pipeline over the
- * devices, the balanced split), the micro-batches of ceil(B/M). */
+/* --mode pp on host devices: every stage's plan (the balanced split),
+ * the micro-batches of ceil(ceil(B/D)/M) samples: one pipeline over the
+ * devices, or D replicas of S stages (--mesh dp=D,pp=S, or --stages S
+ * of D*S devices), each replica's stage planned alike at the largest
+ * replica's share (the pipeline sizes every replica's micro-batches by
+ * it), --sharding optimizer: ZeRO-1 over the dp dimension. */
 static tdm_status tdm_plan_pp_print(const tdm_plan_args *a, tdm_plan_opts *o, int devices)
 {
-    int S = a->stages > 0 ? (int)a->stages : devices, M = a->micro > 0 ? (int)a->micro : 4, n = 0;
+    int M = a->micro > 0 ? (int)a->micro : 4, n = 0, zero1 = a->sharding != NULL;
     tdm_pp_schedule_kind kind = TDM_PP_1F1B;
     if (a->schedule && tdm_pp_schedule_parse(a->schedule, &kind))
         return tdm_tool_usage_error("tandem plan: --schedule: %s\n", tdm_error_message());
@@ -210,28 +228,48 @@ static tdm_status tdm_plan_pp_print(const tdm_plan_args *a, tdm_plan_opts *o, in
         return tdm_tool_usage_error("tandem plan: --mode pp is planned on host devices (cpu:N): "
                                     "on a GPU its links' buffers are device memory, not "
                                     "planned yet\n");
+    tdm_mesh_shape shape = {.size = {1, devices, 1}};
+    int S0 = a->stages > 0 ? (int)a->stages : devices;
+    if (a->mesh) {
+        if (tdm_mesh_parse(a->mesh, devices, &shape))
+            return tdm_tool_usage_error("tandem plan: --mesh: %s\n", tdm_error_message());
+        if (a->stages > 0 && a->stages != shape.size[TDM_MESH_PP])
+            return tdm_tool_usage_error("tandem plan: --stages %lld, but --mesh %s has pp=%d\n",
+                                        a->stages, a->mesh, shape.size[TDM_MESH_PP]);
+    } else if (S0 >= 1 && devices % S0 == 0) {
+        shape = (tdm_mesh_shape){.size = {devices / S0, S0, 1}};
+    } else {
+        return tdm_tool_usage_error("tandem plan: --stages %d does not divide the %d devices: a "
+                                    "pipeline of S stages runs on S devices (or D*S: D "
+                                    "replicas)\n", S0, devices);
+    }
+    int S = shape.size[TDM_MESH_PP], D = shape.size[TDM_MESH_DP];
+    if (shape.size[TDM_MESH_TP] > 1)
+        return tdm_tool_usage_error("tandem plan: --mesh %s: tensor-parallel stages (tp=%d) are "
+                                    "not planned yet (dp x pp meshes are)\n", a->mesh,
+                                    shape.size[TDM_MESH_TP]);
+    if (zero1 && D < 2)
+        return tdm_tool_usage_error("tandem plan: --sharding optimizer shards each stage's "
+                                    "optimizer over the dp dimension: it needs --mesh dp=D,pp=S "
+                                    "with D >= 2 (dp is %d)\n", D);
     TDM_CHECK(tdm_model_spec_n_layers(&o->spec, &n));
-    if (S < 1 || S > 64 || S > n || devices % S || M < 1 || M > a->batch)
+    int share = (int)((a->batch + D - 1) / D);
+    if (S < 1 || S > 64 || S > n || M < 1 || M > a->batch)
         return tdm_tool_usage_error("tandem plan: --mode pp: %d stages of a model of %d "
-                                    "pipeline layers on %d devices, %d micro-batches of a batch "
-                                    "of %lld: expected 1 <= S <= layers, S dividing the devices "
-                                    "(one pipeline), 1 <= M <= batch\n", S, n, devices, M,
-                                    a->batch);
-    if (devices != S)
-        return tdm_tool_usage_error("tandem plan: --mode pp plans one pipeline (--stages %d on "
-                                    "%d devices: a dp x pp mesh is not planned yet)\n", S,
-                                    devices);
+                                    "pipeline layers, %d micro-batches of a batch of %lld: "
+                                    "expected 1 <= S <= layers (at most 64), 1 <= M <= batch\n",
+                                    S, n, M, a->batch);
     int first[64];
     tdm_pp_schedule *sched = NULL;
     TDM_CHECK(tdm_pp_split_balance(&o->spec, S, TDM_PP_BALANCE_FLOPS, first));
     TDM_CHECK(tdm_pp_schedule_build(&sched, kind, S, M));
-    o->batch = (int)((a->batch + M - 1) / M);
+    o->batch = (share + M - 1) / M;
     size_t peak[64], most = 0;
     tdm_plan st[1];
     tdm_status rc = TDM_STATUS_OK;
     for (int s = 0; s < S && !rc; s++) {
-        rc = tdm_tool_plan_pp_stage(o, S, first, s, tdm_pp_schedule_in_flight(sched, s), &peak[s],
-                                    st);
+        rc = tdm_tool_plan_pp_stage(o, S, first, s, tdm_pp_schedule_in_flight(sched, s),
+                                    zero1 ? D : 0, &peak[s], st);
         if (!rc && peak[s] > most) most = peak[s];
     }
     if (rc) {
@@ -239,19 +277,25 @@ static tdm_status tdm_plan_pp_print(const tdm_plan_args *a, tdm_plan_opts *o, in
         fprintf(stderr, "tandem plan: %s\n", tdm_error_message());
         return rc;
     }
-    char split[160];
-    printf("tandem plan: %s, mode pp on %s (%d stages, %s, %d micro-batches of %d), precision "
-           "%s%s\n", a->model, a->device, S, tdm_pp_schedule_name(kind), M, o->batch,
+    char split[160], reps[160] = "";
+    if (D > 1)
+        snprintf(reps, sizeof reps, " x %d replicas (dp=%d, %s)", D, D,
+                 zero1 ? "ZeRO-1: each replica keeps 1/D of a stage's optimizer state"
+                       : "DDP over the dp dimension");
+    printf("tandem plan: %s, mode pp on %s (%d stages%s, %s, %d micro-batches of %d), precision "
+           "%s%s\n", a->model, a->device, S, reps, tdm_pp_schedule_name(kind), M, o->batch,
            tdm_precision_name(o->precision), o->ckpt ? ", checkpointing" : "");
-    printf("peak per device: %.2f MiB (the largest stage's; first layers %s)\n",
-           most / 1048576.0, tdm_pp_split_str(first, S, split, sizeof split));
+    printf("peak per device: %.2f MiB (the largest stage's%s; first layers %s)\n",
+           most / 1048576.0, D > 1 ? ", every replica alike" : "",
+           tdm_pp_split_str(first, S, split, sizeof split));
     for (int s = 0; s < S; s++)
         printf("  stage %d (layers %d-%d): %.2f MiB, %d activation set%s\n", s, first[s],
                (s + 1 < S ? first[s + 1] : n) - 1, peak[s] / 1048576.0,
                tdm_pp_schedule_in_flight(sched, s), tdm_pp_schedule_in_flight(sched, s) == 1
                ? "" : "s");
     printf("  the received activations and gradients: in the links' shared memory (not the "
-           "devices')\n");
+           "devices')%s\n", D > 1 && !zero1 ? "; DDP's buckets over the dp dimension: in the "
+           "job's shared memory" : "");
     tdm_pp_schedule_free(sched);
     return TDM_STATUS_OK;
 }
@@ -305,16 +349,22 @@ int tdm_tool_plan_main(int argc, char **argv)
         return tdm_tool_exit(tdm_tool_usage_error(
             "tandem plan: --mode %s: this build plans single, dp, ddp, fsdp and pp (tensor "
             "parallelism is not planned yet)\n", a.mode));
-    if ((a.stages || a.micro || a.schedule) && !pp)
-        return tdm_tool_exit(tdm_tool_usage_error("tandem plan: --stages, --microbatches and "
-                                                  "--schedule apply to --mode pp\n"));
+    if ((a.stages || a.micro || a.schedule || a.mesh) && !pp)
+        return tdm_tool_exit(tdm_tool_usage_error("tandem plan: --stages, --microbatches, "
+                                                  "--schedule and --mesh apply to --mode pp\n"));
     tdm_fsdp_sharding sharding = TDM_FSDP_FULL_SHARD;
-    if (a.sharding && !fsdp)
+    if (a.sharding && !fsdp && !pp)
         return tdm_tool_exit(tdm_tool_usage_error("tandem plan: --sharding applies to --mode "
-                                                  "fsdp\n"));
+                                                  "fsdp (and optimizer to --mode pp's dp "
+                                                  "dimension)\n"));
     if (a.sharding && tdm_fsdp_sharding_parse(a.sharding, &sharding))
         return tdm_tool_exit(tdm_tool_usage_error("tandem plan: --sharding: %s\n",
                                                   tdm_error_message()));
+    if (a.sharding && pp && sharding != TDM_FSDP_SHARD_OPTIM)
+        return tdm_tool_exit(tdm_tool_usage_error("tandem plan: --mode pp --sharding %s: a "
+                                                  "pipeline's replicas shard only the optimizer "
+                                                  "state (--sharding optimizer)\n",
+                                                  a.sharding));
     tdm_model_spec spec;
     if (tdm_model_spec_parse(&spec, a.model))
         return tdm_tool_exit(tdm_tool_usage_error("tandem plan: --model: %s\n",

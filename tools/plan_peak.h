@@ -32,8 +32,14 @@ tdm_status tdm_tool_plan_peak(const tdm_plan_opts *o, tdm_tool_plan_mode mode, i
  * in their shared memory, not the device's): o at the micro-batch size
  * (o->stage_lo/hi are set here from first[], the split), its model with
  * the schedule's in-flight activation sets, the shared scratch, the
- * loss and levers' scratch, and the GPT's tied-gradient buffer. */
+ * loss and levers' scratch, and the GPT's tied-gradient buffer.
+ * zero1_reps > 1: the stage of one replica of a dp x pp mesh with
+ * --sharding optimizer (ZeRO-1 over the dp dimension): the optimizer
+ * state over its 1/reps chunk, plus the padded parameter buffer where
+ * the stage's parameters do not divide evenly (stage->optim holds both);
+ * 0 or 1: the stage's own optimizer (DDP over the dp dimension keeps
+ * its buckets in the job's shared memory on host devices). */
 tdm_status tdm_tool_plan_pp_stage(const tdm_plan_opts *o, int S, const int *first, int s,
-                                  int sets, size_t *peak, tdm_plan *stage);
+                                  int sets, int zero1_reps, size_t *peak, tdm_plan *stage);
 
 #endif
