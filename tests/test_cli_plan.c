@@ -18,6 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/device.h"
 #include "tests/cli_util.h"
 #include "tests/test_util.h"
 
@@ -233,7 +234,7 @@ static int pp_ranks_within(const double *planned, int S, int ranks, const char *
             continue;
         double measured, plan_t;
         const char *colon = strstr(rk, "): ");
-        cr_assert(sscanf(rk, " (rank %d's cpu:", &k) == 1 && colon, "%s: %.80s", what, rk);
+        cr_assert(sscanf(rk, " (rank %d's ", &k) == 1 && colon, "%s: %.80s", what, rk);
         cr_assert_eq(sscanf(colon, "): %lf MiB measured, %lf MiB planned", &measured, &plan_t),
                      2, "%s: %.80s", what, rk);
         cr_assert(s >= 0 && s < S && k == seen, "%s: rank %d's line, stage %d:\n%s", what, k, s,
@@ -314,7 +315,10 @@ Test(cli_plan, planned_pp_within_5_percent_of_measured, .timeout = 900)
  * on dp=2 x pp=2 and dp=3 x pp=2 (ZeRO-1; --stages 2 of 6 devices, train's
  * other spelling), without levers and in bf16 with segments of 2 and
  * clipping, within 5% of its measured peak (measured on this machine:
- * equal as printed in all 18 cases). */
+ * equal as printed in 17 of 18 cases; the CNN's stage 0 at dp=2 in bf16
+ * with segments of 2 and clipping measured 3.75 MiB against 3.74, -0.3%:
+ * about 10 KiB the plan does not place, only with bf16, clipping and
+ * replicas together). */
 Test(cli_plan, planned_pp_mesh_within_5_percent_of_measured, .timeout = 900)
 {
     static const struct { const char *model, *batch; } models[] = {
@@ -343,6 +347,58 @@ Test(cli_plan, planned_pp_mesh_within_5_percent_of_measured, .timeout = 900)
                 pp_case(args, n, mo == 2, me == 2 ? 6 : 4, what, &worst);
             }
     cr_log_info("pp mesh plan vs measured: worst %+.2f%%", 100.0 * worst);
+    cr_assert_eq(cli_shm_entries(), 0);
+}
+
+/* --mode pp on emulated GPUs (cuda/emulator.c: the device allocator's
+ * accounting as a GPU's): the received activations and gradients, the
+ * first stage's copies of the input and the last stage's targets are the
+ * device's memory there, and planned: every stage of the MLP, the CNN
+ * and the GPT at 2 and 3 stages, without levers and in bf16 with
+ * segments of 2 and clipping, and a dp=2 x pp=2 mesh with ZeRO-1 over dp,
+ * within 5% of its measured peak (measured: equal as printed in 14 of
+ * 15 cases; the CNN's stage 0 of the mesh in bf16 with clipping, 5.09
+ * MiB against 5.08 planned, -0.2%, as on host devices). What this does
+ * not test: a GPU (cuBLAS's and NCCL's own
+ * buffers are not counted; `tandem plan` says so). */
+Test(cli_plan, planned_pp_on_emulated_gpus_within_5_percent, .timeout = 600)
+{
+    if (!tdm_device_cuda_linked()) cr_skip_test("CUDA backend not built (no nvcc)");
+    static const struct { const char *model, *batch; } models[] = {
+        {"mlp:784-256-128-10", "64"}, {"cnn", "32"}, {"gpt:2-32-2-16", "8"}};
+    static const char *const devices[3][5] = {
+        {"--device", "cuda:0,1"},
+        {"--device", "cuda:0,1,2"},
+        {"--device", "cuda:0,1,2,3", "--mesh", "dp=2,pp=2"}};
+    static const char *const levers[2][7] = {
+        {"--precision", "fp32"},
+        {"--precision", "bf16", "--checkpoint-activations", "2", "--clip-grad-norm", "1"}};
+    cr_assert_eq(setenv("TANDEM_CUDA_EMULATOR", "4", 1), 0);
+    double worst = 0.0;
+    for (int mo = 0; mo < 3; mo++)
+        for (int d = 0; d < 3; d++)
+            for (int lv = 0; lv < 2; lv++) {
+                if (d == 2 && lv == 0) continue;
+                const char *args[32] = {"plan", "--model", models[mo].model, "--batch",
+                                        models[mo].batch, "--mode", "pp"};
+                int n = 7;
+                for (int i = 0; i < 4 && devices[d][i]; i++) args[n++] = devices[d][i];
+                if (d == 2) {
+                    args[n++] = "--sharding";
+                    args[n++] = "optimizer";
+                }
+                for (int i = 0; i < 6 && levers[lv][i]; i++) args[n++] = levers[lv][i];
+                args[n] = NULL;
+                char what[128];
+                snprintf(what, sizeof what, "%s pp on emulated %s %s", models[mo].model,
+                         devices[d][1], levers[lv][1]);
+                pp_case(args, n, mo == 2, d == 2 ? 4 : d + 2, what, &worst);
+                cr_assert(strstr(g_r.out, "cuda-emu:0"), "%s", g_r.out);
+            }
+    CLI(&g_r, "plan", "--mode", "pp", "--device", "cuda:0,1");
+    expect(&g_r, 0, "not counted: cuBLAS's and NCCL's own buffers");
+    unsetenv("TANDEM_CUDA_EMULATOR");
+    cr_log_info("pp plan vs measured on emulated GPUs: worst %+.2f%%", 100.0 * worst);
     cr_assert_eq(cli_shm_entries(), 0);
 }
 

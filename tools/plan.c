@@ -55,10 +55,10 @@ static void tdm_plan_usage(FILE *f)
         "new shards) where that is higher. dp: the output device, which holds the\n"
         "master (replica 0, at the largest chunk) with the optimizer, and the whole\n"
         "batch's inputs, logits, their gradient and labels (its loss is the batch's).\n"
-        "pp (host devices, the balanced split): each stage's model slice, the\n"
-        "schedule's activation sets at ceil(B/M) samples, the shared scratch and the\n"
-        "GPT's tied-gradient buffer (the received activations and gradients are in\n"
-        "the links' shared memory); with D replicas (--mesh dp=D,pp=S, or --stages S\n"
+        "pp (the balanced split): each stage's model slice, the schedule's activation\n"
+        "sets at ceil(B/M) samples, the shared scratch and the GPT's tied-gradient\n"
+        "buffer (the received activations and gradients: in the links' shared memory\n"
+        "on host devices, counted on a GPU's); with D replicas (--mesh dp=D,pp=S, or --stages S\n"
         "of D*S devices) every replica's stage alike at ceil(B/D) samples, and with\n"
         "--sharding optimizer its optimizer state over 1/D of the stage (ZeRO-1).\n"
         "  --model M      as tandem train                          [mlp]\n"
@@ -183,36 +183,48 @@ tdm_status tdm_tool_plan_peak(const tdm_plan_opts *o, tdm_tool_plan_mode mode, i
     return TDM_STATUS_OK;
 }
 
-tdm_status tdm_tool_plan_pp_stage(const tdm_plan_opts *o, int S, const int *first, int s,
-                                  int sets, int zero1_reps, size_t *peak, tdm_plan *p)
+static size_t tdm_plan_round64(size_t n) { return (n + 63) / 64 * 64; }
+
+tdm_status tdm_tool_plan_pp_stage(const tdm_plan_opts *o, const tdm_tool_pp_place *at,
+                                  size_t *peak, tdm_plan *p)
 {
-    int n = 0;
+    int n = 0, S = at->S, s = at->s, sets = at->sets > 0 ? at->sets : 1;
     TDM_CHECK(tdm_model_spec_n_layers(&o->spec, &n));
     tdm_plan_opts so = *o;
-    so.stage_lo = first[s];
-    so.stage_hi = s + 1 < S ? first[s + 1] : n;
+    so.stage_lo = at->first[s];
+    so.stage_hi = s + 1 < S ? at->first[s + 1] : n;
     TDM_CHECK(tdm_plan_single(&so, p));
     /* the set's rounded input is in act_scratch once: per set here */
     size_t x16 = p->act_set - p->activations, shared = p->act_scratch - x16;
-    size_t tied = 0;
+    size_t tied = 0, links = 0;
     if (o->spec.kind == TDM_MODEL_GPT && S > 1 && (s == 0 || s == S - 1))
-        tied = ((size_t)o->spec.vocab * (size_t)o->spec.n_embd * sizeof(float) + 63) / 64 * 64;
-    if (zero1_reps > 1) {
+        tied = tdm_plan_round64((size_t)o->spec.vocab * (size_t)o->spec.n_embd * sizeof(float));
+    if (at->zero1_reps > 1) {
         /* ZeRO-1 over the dp dimension (tools/rank_pp.c): the state over
          * this replica's chunk of the stage, and the stage's parameters
          * padded to reps chunks where they do not divide evenly */
-        size_t pe = (size_t)p->param_elems, chunk = (pe + (size_t)zero1_reps - 1) / (size_t)zero1_reps;
-        p->optim = (size_t)tdm_optim_kind_n_state(&o->optim) *
-                   ((chunk * sizeof(float) + 63) / 64 * 64);
-        if (chunk * (size_t)zero1_reps != pe)
-            p->optim += (chunk * (size_t)zero1_reps * sizeof(float) + 63) / 64 * 64;
+        size_t pe = (size_t)p->param_elems, reps = (size_t)at->zero1_reps;
+        size_t chunk = (pe + reps - 1) / reps;
+        p->optim = (size_t)tdm_optim_kind_n_state(&o->optim) * tdm_plan_round64(chunk * 4);
+        if (chunk * reps != pe) p->optim += tdm_plan_round64(chunk * reps * 4);
+    }
+    if (o->device != TDM_DEVICE_HOST) {
+        /* pp/pp.c's tdm_pp_buffers on a device that is not the host */
+        size_t B = (size_t)o->batch;
+        size_t in_b = tdm_plan_round64(B * (size_t)p->in_elems * 4);
+        size_t out_b = tdm_plan_round64(B * (size_t)p->out_elems * 4);
+        int n_in = sets + 1 < at->n_mb ? sets + 1 : at->n_mb;
+        if (n_in < sets) n_in = sets;
+        links = (size_t)(s > 0 ? n_in : sets) * in_b;
+        if (s + 1 < S) links += 2 * out_b;
+        else links += tdm_plan_round64(B * (size_t)p->out_rows * sizeof(int32_t));
     }
     *peak = p->params + p->grads + p->buffers + p->params_low + p->optim +
-            (size_t)(sets > 0 ? sets : 1) * p->act_set + shared + p->step_scratch + tied;
+            (size_t)sets * p->act_set + shared + p->step_scratch + tied + links;
     return TDM_STATUS_OK;
 }
 
-/* --mode pp on host devices: every stage's plan (the balanced split),
+/* --mode pp: every stage's plan (the balanced split),
  * the micro-batches of ceil(ceil(B/D)/M) samples: one pipeline over the
  * devices, or D replicas of S stages (--mesh dp=D,pp=S, or --stages S
  * of D*S devices), each replica's stage planned alike at the largest
@@ -224,10 +236,6 @@ static tdm_status tdm_plan_pp_print(const tdm_plan_args *a, tdm_plan_opts *o, in
     tdm_pp_schedule_kind kind = TDM_PP_1F1B;
     if (a->schedule && tdm_pp_schedule_parse(a->schedule, &kind))
         return tdm_tool_usage_error("tandem plan: --schedule: %s\n", tdm_error_message());
-    if (o->device != TDM_DEVICE_HOST)
-        return tdm_tool_usage_error("tandem plan: --mode pp is planned on host devices (cpu:N): "
-                                    "on a GPU its links' buffers are device memory, not "
-                                    "planned yet\n");
     tdm_mesh_shape shape = {.size = {1, devices, 1}};
     int S0 = a->stages > 0 ? (int)a->stages : devices;
     if (a->mesh) {
@@ -268,8 +276,11 @@ static tdm_status tdm_plan_pp_print(const tdm_plan_args *a, tdm_plan_opts *o, in
     tdm_plan st[1];
     tdm_status rc = TDM_STATUS_OK;
     for (int s = 0; s < S && !rc; s++) {
-        rc = tdm_tool_plan_pp_stage(o, S, first, s, tdm_pp_schedule_in_flight(sched, s),
-                                    zero1 ? D : 0, &peak[s], st);
+        tdm_tool_pp_place at = {.S = S, .first = first, .s = s,
+                                .sets = tdm_pp_schedule_in_flight(sched, s),
+                                .n_mb = (share + o->batch - 1) / o->batch,
+                                .zero1_reps = zero1 ? D : 0};
+        rc = tdm_tool_plan_pp_stage(o, &at, &peak[s], st);
         if (!rc && peak[s] > most) most = peak[s];
     }
     if (rc) {
@@ -293,9 +304,16 @@ static tdm_status tdm_plan_pp_print(const tdm_plan_args *a, tdm_plan_opts *o, in
                (s + 1 < S ? first[s + 1] : n) - 1, peak[s] / 1048576.0,
                tdm_pp_schedule_in_flight(sched, s), tdm_pp_schedule_in_flight(sched, s) == 1
                ? "" : "s");
-    printf("  the received activations and gradients: in the links' shared memory (not the "
-           "devices')%s\n", D > 1 && !zero1 ? "; DDP's buckets over the dp dimension: in the "
-           "job's shared memory" : "");
+    if (o->device == TDM_DEVICE_HOST)
+        printf("  the received activations and gradients: in the links' shared memory (not the "
+               "devices')%s\n", D > 1 && !zero1 ? "; DDP's buckets over the dp dimension: in "
+               "the job's shared memory" : "");
+    else
+        printf("  the received activations and gradients, the inputs and targets: in the "
+               "device's memory (counted); not counted: cuBLAS's and NCCL's own buffers%s\n",
+               D > 1 && !zero1 ? ", nor DDP's gradient buffer over the dp dimension (on a "
+               "GPU NCCL's cudaMalloc, the stage's parameters x 4 bytes more; on the emulator "
+               "the host communicator's)" : "");
     tdm_pp_schedule_free(sched);
     return TDM_STATUS_OK;
 }

@@ -27,19 +27,33 @@ typedef enum tdm_tool_plan_mode {
 tdm_status tdm_tool_plan_peak(const tdm_plan_opts *o, tdm_tool_plan_mode mode, int world,
                               tdm_fsdp_sharding sharding, size_t *peak);
 
-/* A pipeline's stage s of S on host devices (pp/pp.h; `tandem train
- * --mode pp`, whose links carry the received activations and gradients
- * in their shared memory, not the device's): o at the micro-batch size
- * (o->stage_lo/hi are set here from first[], the split), its model with
- * the schedule's in-flight activation sets, the shared scratch, the
- * loss and levers' scratch, and the GPT's tied-gradient buffer.
- * zero1_reps > 1: the stage of one replica of a dp x pp mesh with
- * --sharding optimizer (ZeRO-1 over the dp dimension): the optimizer
- * state over its 1/reps chunk, plus the padded parameter buffer where
- * the stage's parameters do not divide evenly (stage->optim holds both);
- * 0 or 1: the stage's own optimizer (DDP over the dp dimension keeps
- * its buckets in the job's shared memory on host devices). */
-tdm_status tdm_tool_plan_pp_stage(const tdm_plan_opts *o, int S, const int *first, int s,
-                                  int sets, int zero1_reps, size_t *peak, tdm_plan *stage);
+/* Where a stage sits in its pipeline (tdm_tool_plan_pp_stage). */
+typedef struct tdm_tool_pp_place {
+    int S;                       /* stages */
+    const int *first;            /* the split: each stage's first layer */
+    int s;                       /* this stage */
+    int sets;                    /* the schedule's in-flight activation sets on it */
+    int n_mb;                    /* micro-batches per step of its replica */
+    int zero1_reps;              /* > 1: ZeRO-1 over that many replicas; else 0 */
+} tdm_tool_pp_place;
+
+/* A pipeline's stage (pp/pp.h; `tandem train --mode pp`): o at the
+ * micro-batch size (o->stage_lo/hi are set here from the split), its
+ * model with the schedule's in-flight activation sets, the shared
+ * scratch, the loss and levers' scratch, and the GPT's tied-gradient
+ * buffer. On host devices the received activations and gradients are in
+ * the links' shared memory, not the device's; on an accelerator
+ * (o->device) they are the device's: a stage after the first holds
+ * min(sets + 1, n_mb) input slots (at least sets), the first stage its
+ * sets' copies of the input, every stage but the last two received
+ * gradients, and the last stage the targets. zero1_reps > 1: the stage
+ * of one replica of a dp x pp mesh with --sharding optimizer (ZeRO-1
+ * over the dp dimension): the optimizer state over its 1/reps chunk,
+ * plus the padded parameter buffer where the stage's parameters do not
+ * divide evenly (stage->optim holds both); otherwise the stage's own
+ * optimizer (DDP over the dp dimension keeps its buckets in the
+ * communicator's memory, not the device allocator's). */
+tdm_status tdm_tool_plan_pp_stage(const tdm_plan_opts *o, const tdm_tool_pp_place *at,
+                                  size_t *peak, tdm_plan *stage);
 
 #endif
