@@ -224,6 +224,43 @@ tdm_status tdm_tool_plan_pp_stage(const tdm_plan_opts *o, const tdm_tool_pp_plac
     return TDM_STATUS_OK;
 }
 
+tdm_status tdm_tool_plan_pp_rank(const tdm_tool_build *b, const tdm_mesh_shape *shape,
+                                 const int coord[TDM_MESH_NDIMS], tdm_device_kind dev,
+                                 int batch, int threads, int grad_norm, size_t *planned)
+{
+    int S = shape->size[TDM_MESH_PP], reps = shape->size[TDM_MESH_DP], n = 0;
+    int s = coord[TDM_MESH_PP], first[64];
+    *planned = 0;
+    TDM_REQUIRE(shape->size[TDM_MESH_TP] == 1 && !b->deterministic, TDM_STATUS_UNSUPPORTED,
+                "plan: tensor-parallel stages and --deterministic's virtual shards are not "
+                "planned");
+    TDM_REQUIRE(S >= 1 && S <= 64 && b->pp.micro >= 1 && batch >= 1, TDM_STATUS_INVALID_ARG,
+                "plan: %d stages (1..64), %d micro-batches, a batch of %d", S, b->pp.micro,
+                batch);
+    TDM_CHECK(tdm_model_spec_n_layers(&b->spec, &n));
+    TDM_CHECK(b->pp.split ? tdm_pp_split_parse(b->pp.split, S, n, first)
+                          : tdm_pp_split_balance(&b->spec, S, TDM_PP_BALANCE_FLOPS, first));
+    tdm_pp_schedule *sched = NULL;
+    TDM_CHECK(tdm_pp_schedule_build(&sched, b->pp.schedule, S, b->pp.micro));
+    int share = (batch + reps - 1) / reps;
+    tdm_plan_opts o;
+    tdm_plan stage;
+    tdm_plan_opts_default(&o, &b->spec, (share + b->pp.micro - 1) / b->pp.micro);
+    o.precision = b->precision;
+    o.ckpt = b->ckpt;
+    o.optim = b->optim;
+    o.device = dev;
+    o.threads = threads;
+    o.loss_scaling = o.precision == TDM_PRECISION_FP16;
+    o.grad_norm = grad_norm;
+    tdm_tool_pp_place at = {.S = S, .first = first, .s = s,
+                            .sets = tdm_pp_schedule_in_flight(sched, s),
+                            .n_mb = (share + o.batch - 1) / o.batch,
+                            .zero1_reps = b->pp.zero1 ? reps : 0};
+    tdm_pp_schedule_free(sched);
+    return tdm_tool_plan_pp_stage(&o, &at, planned, &stage);
+}
+
 /* --mode pp: every stage's plan (the balanced split),
  * the micro-batches of ceil(ceil(B/D)/M) samples: one pipeline over the
  * devices, or D replicas of S stages (--mesh dp=D,pp=S, or --stages S

@@ -11,6 +11,7 @@
 
 #include "fsdp/fsdp.h"
 #include "models/plan.h"
+#include "tools/ranks.h"
 
 typedef enum tdm_tool_plan_mode {
     TDM_TOOL_PLAN_SINGLE = 0,
@@ -55,5 +56,16 @@ typedef struct tdm_tool_pp_place {
  * communicator's memory, not the device allocator's). */
 tdm_status tdm_tool_plan_pp_stage(const tdm_plan_opts *o, const tdm_tool_pp_place *at,
                                   size_t *peak, tdm_plan *stage);
+
+/* A pipeline rank's stage as built (b: its build, b->pp.split or the
+ * balanced split, its schedule, micro-batches, levers and ZeRO-1), at
+ * coordinate coord of shape, on a device of kind dev, for a global batch
+ * of `batch` (the largest replica's share: the pipeline sizes every
+ * replica's micro-batches by it), grad_norm 1 with clipping: *planned.
+ * UNSUPPORTED for tensor-parallel stages (tp > 1) and --deterministic
+ * (its micro-batches are virtual shards). */
+tdm_status tdm_tool_plan_pp_rank(const tdm_tool_build *b, const tdm_mesh_shape *shape,
+                                 const int coord[TDM_MESH_NDIMS], tdm_device_kind dev,
+                                 int batch, int threads, int grad_norm, size_t *planned);
 
 #endif

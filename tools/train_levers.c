@@ -246,44 +246,16 @@ tdm_status tdm_train_levers_rank(const tdm_train_args *a, const tdm_tool_rank *r
     return TDM_STATUS_OK;
 }
 
-/* This rank's stage as tandem plan --mode pp plans it (whole stages;
- * the largest replica's share: the pipeline sizes its
- * micro-batches by it on every replica); 0: not planned. */
+/* This rank's stage as tandem plan --mode pp plans it; 0: not planned. */
 static size_t tdm_levers_pp_planned(const tdm_train_args *a, const tdm_tool_rank *r)
 {
-    const tdm_tool_build *b = r->b;
-    int S = r->dist->shape.size[TDM_MESH_PP], reps = r->dist->shape.size[TDM_MESH_DP], n = 0;
-    int s = r->dist->coord[TDM_MESH_PP], first[64];
-    tdm_pp_schedule *sched = NULL;
-    if (r->dist->shape.size[TDM_MESH_TP] > 1 || S > 64 || a->deterministic ||
-        tdm_model_spec_n_layers(&b->spec, &n) ||
-        (b->pp.split ? tdm_pp_split_parse(b->pp.split, S, n, first)
-                     : tdm_pp_split_balance(&b->spec, S, TDM_PP_BALANCE_FLOPS, first)) ||
-        tdm_pp_schedule_build(&sched, b->pp.schedule, S, b->pp.micro)) {
+    size_t planned = 0;
+    if (tdm_tool_plan_pp_rank(r->b, &r->dist->shape, r->dist->coord,
+                              tdm_dev_kind(tdm_model_device(r->m)), (int)a->batch,
+                              (int)a->threads, a->clip_grad_norm > 0.0, &planned)) {
         tdm_error_clear();
         return 0;
     }
-    int share = (int)((a->batch + reps - 1) / reps);
-    tdm_plan_opts o;
-    tdm_plan stage;
-    size_t planned = 0;
-    tdm_plan_opts_default(&o, &b->spec, (share + b->pp.micro - 1) / b->pp.micro);
-    o.precision = b->precision;
-    o.ckpt = b->ckpt;
-    o.optim = b->optim;
-    o.device = tdm_dev_kind(tdm_model_device(r->m));
-    o.threads = (int)a->threads;
-    o.loss_scaling = o.precision == TDM_PRECISION_FP16;
-    o.grad_norm = a->clip_grad_norm > 0.0;
-    tdm_tool_pp_place at = {.S = S, .first = first, .s = s,
-                            .sets = tdm_pp_schedule_in_flight(sched, s),
-                            .n_mb = (share + o.batch - 1) / o.batch,
-                            .zero1_reps = b->pp.zero1 ? reps : 0};
-    if (tdm_tool_plan_pp_stage(&o, &at, &planned, &stage) != TDM_STATUS_OK) {
-        tdm_error_clear();
-        planned = 0;
-    }
-    tdm_pp_schedule_free(sched);
     return planned;
 }
 
