@@ -166,6 +166,28 @@ static size_t tdm_plan_dp_bytes(const tdm_plan_opts *o, const tdm_plan *p)
     return x + 2 * y + lab + stage;
 }
 
+/* DataParallel's master on a device that is not the host reads its
+ * chunk from DataParallel's own buffers (dp/dp.c), not through
+ * tdm_single's input staging, which the single-device plan counts: out
+ * of p. */
+static void tdm_plan_dp_master(const tdm_plan_opts *o, tdm_plan *p)
+{
+    if (o->device == TDM_DEVICE_HOST) return;
+    size_t B = (size_t)o->batch, in = 0;
+    int c = 1, h = 1, w = 1, classes;
+    if (o->spec.kind == TDM_MODEL_GPT) {
+        in = (size_t)o->spec.n_ctx;
+    } else {
+        tdm_model_spec_sample_shape(&o->spec, &c, &h, &w, &classes);
+        in = (size_t)c * (size_t)h * (size_t)w;
+    }
+    size_t staging = (B * in * sizeof(float) + 63) / 64 * 64 +
+                     (B * (size_t)p->out_rows * sizeof(int32_t) + 63) / 64 * 64;
+    if (staging > p->step_scratch) staging = p->step_scratch;
+    p->step_scratch -= staging;
+    p->peak -= staging;
+}
+
 tdm_status tdm_tool_plan_peak(const tdm_plan_opts *o, tdm_tool_plan_mode mode, int world,
                               tdm_fsdp_sharding sharding, size_t *peak)
 {
@@ -178,6 +200,7 @@ tdm_status tdm_tool_plan_peak(const tdm_plan_opts *o, tdm_tool_plan_mode mode, i
     }
     tdm_plan p;
     TDM_CHECK(tdm_plan_single(o, &p));
+    if (mode == TDM_TOOL_PLAN_DP) tdm_plan_dp_master(o, &p);
     *peak = p.peak + (mode == TDM_TOOL_PLAN_DDP ? tdm_plan_stage_bytes(o) : 0) +
             (mode == TDM_TOOL_PLAN_DP ? tdm_plan_dp_bytes(o, &p) : 0);
     return TDM_STATUS_OK;
@@ -488,6 +511,7 @@ int tdm_tool_plan_main(int argc, char **argv)
             fprintf(stderr, "tandem plan: %s\n", tdm_error_message());
             return tdm_tool_exit(st);
         }
+        tdm_plan_dp_master(&o, &p);
         dp_bytes = tdm_plan_dp_bytes(&o, &p);
         p.peak += dp_bytes;
     }
