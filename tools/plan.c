@@ -242,7 +242,11 @@ tdm_status tdm_tool_plan_pp_stage(const tdm_plan_opts *o, const tdm_tool_pp_plac
         if (s + 1 < S) links += 2 * out_b;
         else links += tdm_plan_round64(B * (size_t)p->out_rows * sizeof(int32_t));
     }
-    *peak = p->params + p->grads + p->buffers + p->params_low + p->optim +
+    /* batchnorm's per-batch statistics (mean, var, invstd) are kept per
+     * activation set (models/stage.c), the running ones once */
+    size_t running = p->buffer_elems ? tdm_plan_round64((size_t)p->buffer_elems * 4) : 0;
+    size_t bn_sets = (size_t)(sets - 1) * (p->buffers - running);
+    *peak = p->params + p->grads + p->buffers + bn_sets + p->params_low + p->optim +
             (size_t)sets * p->act_set + shared + p->step_scratch + tied + links;
     return TDM_STATUS_OK;
 }

@@ -40,7 +40,8 @@ typedef struct tdm_tool_pp_place {
 
 /* A pipeline's stage (pp/pp.h; `tandem train --mode pp`): o at the
  * micro-batch size (o->stage_lo/hi are set here from the split), its
- * model with the schedule's in-flight activation sets, the shared
+ * model with the schedule's in-flight activation sets (each with its
+ * batchnorm layers' per-batch statistics), the shared
  * scratch, the loss and levers' scratch, and the GPT's tied-gradient
  * buffer. On host devices the received activations and gradients are in
  * the links' shared memory, not the device's; on an accelerator
