@@ -10,7 +10,8 @@
  * --mode dp's output device at 1..4 devices, within 5% of the master's
  * measured peak; --mode pp's every stage at 2 and 3 stages, and every
  * replica's stage of dp x pp meshes (with ZeRO-1 over dp too), within 5%
- * of that rank's measured peak. Modes not planned are refused (exit 2). */
+ * of that rank's measured peak; --mode tp's rank equal to rank 0's
+ * measured peak as printed. What is not planned is refused (exit 2). */
 #include <criterion/criterion.h>
 
 #include <math.h>
@@ -585,10 +586,58 @@ Test(cli_plan, compare_pp_row_with_levers, .timeout = 600)
     cr_assert_eq(cli_shm_entries(), 0);
 }
 
+/* --mode tp: a rank's slices, the optimizer over them (ZeRO-1 over dp:
+ * its chunk), the activations and scratch tp reserves for its replica's
+ * rows, the loss rows: train prints rank 0's plan beside its allocator
+ * peak, equal as printed (to the byte in every case measured), and
+ * `tandem plan` the largest replica's, the same where the batch divides
+ * by the replicas: the MLP and the GPT on tp=2, dp=2 x tp=2, dp=2 x
+ * tp=2 with ZeRO-1 and dp=3 x tp=2 with ZeRO-1 (uneven shares), the GPT
+ * with sequence parallelism. */
+Test(cli_plan, planned_tp_equals_measured, .timeout = 600)
+{
+    static const struct { const char *model, *batch; } models[] = {
+        {"mlp:784-256-128-10", "64"}, {"gpt:2-32-2-16", "8"}};
+    static const char *const layouts[5][5] = {
+        {"--device", "cpu:2"},
+        {"--device", "cpu:4", "--mesh", "dp=2,tp=2"},
+        {"--device", "cpu:4", "--mesh", "dp=2,tp=2", "--sharding"},
+        {"--device", "cpu:6", "--mesh", "dp=3,tp=2", "--sharding"},
+        {"--device", "cpu:2", "--sequence-parallel"}};
+    for (int mo = 0; mo < 2; mo++)
+        for (int l = 0; l < 5; l++) {
+            if (l == 4 && mo == 0) continue;   /* sequence parallelism: the GPT's */
+            const char *args[32] = {"plan", "--model", models[mo].model, "--batch",
+                                    models[mo].batch, "--mode", "tp"};
+            int n = 7;
+            for (int i = 0; i < 5 && layouts[l][i]; i++) args[n++] = layouts[l][i];
+            if (l == 2 || l == 3) args[n++] = "optimizer";
+            args[n] = NULL;
+            cli_run(&g_r, args);
+            cr_assert_eq(g_r.code, 0, "%s", g_r.out);
+            double largest = figure_mib("peak per device: ");
+            train_as_planned(args, n, mo == 1);
+            double measured = figure_mib("tp memory, rank 0: device peak ");
+            double planned = figure_mib("MiB measured (allocator), ");
+            cr_assert(fabs(planned - measured) < 0.005, "%s tp %s %s: planned %.2f MiB, measured "
+                      "%.2f MiB", models[mo].model, layouts[l][1], l ? layouts[l][3] : "",
+                      planned, measured);
+            /* 64 and 8 samples divide by 2 replicas, not by 3 */
+            if (l == 3) cr_assert(largest >= planned, "%.2f < %.2f", largest, planned);
+            else cr_assert_eq(largest, planned, "%s: plan %.2f, train's plan %.2f",
+                              models[mo].model, largest, planned);
+        }
+    cr_assert_eq(cli_shm_entries(), 0);
+}
+
 Test(cli_plan, refuses_what_it_does_not_plan)
 {
-    CLI(&g_r, "plan", "--mode", "tp", "--device", "cpu:2");
-    expect(&g_r, 2, "tensor parallelism is not planned yet");
+    CLI(&g_r, "plan", "--mode", "tp", "--device", "cpu:4", "--mesh", "dp=2,pp=2");
+    expect(&g_r, 2, "a pipeline of tensor-parallel stages is --mode pp's, not planned yet");
+    CLI(&g_r, "plan", "--mode", "tp", "--device", "cpu:2", "--precision", "bf16");
+    expect(&g_r, 2, "not yet with --mode tp");
+    CLI(&g_r, "plan", "--mode", "ddp", "--device", "cpu:2", "--sequence-parallel");
+    expect(&g_r, 2, "--sequence-parallel applies to --mode tp");
     CLI(&g_r, "plan", "--mode", "pp", "--device", "cpu:4", "--stages", "3");
     expect(&g_r, 2, "--stages 3 does not divide the 4 devices");
     CLI(&g_r, "plan", "--mode", "pp", "--device", "cpu:4", "--mesh", "dp=2,pp=1,tp=2");
@@ -601,7 +650,7 @@ Test(cli_plan, refuses_what_it_does_not_plan)
         "full");
     expect(&g_r, 2, "shard only the optimizer state");
     CLI(&g_r, "plan", "--mode", "ddp", "--device", "cpu:2", "--mesh", "dp=2");
-    expect(&g_r, 2, "apply to --mode pp");
+    expect(&g_r, 2, "--mesh applies to --mode pp and tp");
     CLI(&g_r, "plan", "--mode", "pp", "--device", "cpu:2", "--model", "mlp:20-10");
     expect(&g_r, 2, "expected 1 <= S <= layers");
     CLI(&g_r, "plan", "--mode", "ddp", "--device", "cpu:2", "--microbatches", "4");

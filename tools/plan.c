@@ -21,6 +21,7 @@
 #include "models/plan.h"
 #include "models/stage.h"
 #include "pp/pp.h"
+#include "tp/tp.h"
 #include "tools/plan_peak.h"
 #include "tools/tools.h"
 #include "tools/train_modes.h"
@@ -29,15 +30,16 @@ typedef struct tdm_plan_args {
     const char *model, *mode, *device, *precision, *ckpt, *offload, *optim, *sharding;
     const char *schedule, *mesh;
     long long batch, stages, micro;
+    int seq_par;                 /* --sequence-parallel (tp) */
     double clip, momentum;
 } tdm_plan_args;
 
 static void tdm_plan_usage(FILE *f)
 {
     fprintf(f,
-        "usage: tandem plan [--model M] [--mode single|dp|ddp|fsdp|pp] [--sharding S]\n"
-        "                   [--device D] [--stages S] [--mesh dp=D,pp=S] [--microbatches M]\n"
-        "                   [--schedule gpipe|1f1b]\n"
+        "usage: tandem plan [--model M] [--mode single|dp|ddp|fsdp|pp|tp] [--sharding S]\n"
+        "                   [--device D] [--stages S] [--mesh dp=D,pp=S|dp=D,tp=N]\n"
+        "                   [--microbatches M] [--schedule gpipe|1f1b] [--sequence-parallel]\n"
         "                   [--batch B] [--precision fp32|bf16|fp16]\n"
         "                   [--checkpoint-activations [all|N]]\n"
         "                   [--clip-grad-norm X] [--offload optimizer] [--optim sgd|adamw]\n"
@@ -58,15 +60,19 @@ static void tdm_plan_usage(FILE *f)
         "pp (the balanced split): each stage's model slice, the schedule's activation\n"
         "sets at ceil(B/M) samples, the shared scratch and the GPT's tied-gradient\n"
         "buffer (the received activations and gradients: in the links' shared memory\n"
-        "on host devices, counted on a GPU's); with D replicas (--mesh dp=D,pp=S, or --stages S\n"
-        "of D*S devices) every replica's stage alike at ceil(B/D) samples, and with\n"
-        "--sharding optimizer its optimizer state over 1/D of the stage (ZeRO-1).\n"
+        "on host devices, counted on a GPU's); with D replicas (--mesh dp=D,pp=S, or\n"
+        "--stages S of D*S devices) every replica's stage alike at ceil(B/D) samples,\n"
+        "and with --sharding optimizer its optimizer state over 1/D of the stage.\n"
+        "tp (--mesh dp=D,tp=N, or N = the devices): a rank's slices of the parameters,\n"
+        "gradients and optimizer state (ZeRO-1 over dp with --sharding optimizer), the\n"
+        "activations and scratch at ceil(B/D) samples, the loss rows.\n"
         "  --model M      as tandem train                          [mlp]\n"
-        "  --mode M       single, dp, ddp, fsdp or pp              [single]\n"
+        "  --mode M       single, dp, ddp, fsdp, pp or tp          [single]\n"
         "  --stages S, --microbatches M, --schedule K, --mesh dp=D,pp=S   pp's, as\n"
         "                 tandem train's       [the devices, 4, 1f1b, dp=1]\n"
+        "  --mesh dp=D,tp=N, --sequence-parallel   tp's, as tandem train's\n"
         "  --sharding S   fsdp: full (ZeRO-3), grad_op (ZeRO-2), optimizer (ZeRO-1);\n"
-        "                 pp with dp >= 2: optimizer                [full]\n"
+        "                 pp and tp with dp >= 2: optimizer         [full]\n"
         "  --device D     cpu, cpu:N, cuda, cuda:N (ddp: one rank per device; dp:\n"
         "                 one replica per device)                   [cpu]\n"
         "  --batch B      the global batch                 [256; gpt: %d]\n"
@@ -115,6 +121,10 @@ static tdm_status tdm_plan_parse(int argc, char **argv, tdm_plan_args *a, int *h
         if (!strcmp(s, "--checkpoint-activations")) {
             a->ckpt = "all";
             if (v && v[0] != '-') a->ckpt = argv[++i];
+            continue;
+        }
+        if (!strcmp(s, "--sequence-parallel")) {
+            a->seq_par = 1;
             continue;
         }
         if (!strncmp(s, "--checkpoint-activations=", 25)) {
@@ -288,6 +298,76 @@ tdm_status tdm_tool_plan_pp_rank(const tdm_tool_build *b, const tdm_mesh_shape *
     return tdm_tool_plan_pp_stage(&o, &at, planned, &stage);
 }
 
+tdm_status tdm_tool_plan_tp_rank(const tdm_model_spec *spec, const tdm_optim_opts *optim, int T,
+                                 int D, int share, int seq_par, int zero1,
+                                 tdm_tool_tp_plan *out)
+{
+    memset(out, 0, sizeof *out);
+    TDM_REQUIRE(T >= 1 && D >= 1 && share >= 1, TDM_STATUS_INVALID_ARG,
+                "plan: tp over %d ranks, %d replicas, a share of %d samples", T, D, share);
+    tdm_tp_rank_footprint fp;
+    TDM_CHECK(tdm_tp_footprint(spec, T, share, seq_par, &fp));
+    size_t n = (size_t)fp.elems, flat = tdm_plan_round64(n * sizeof(float));
+    size_t chunk = zero1 && D > 1 ? (n + (size_t)D - 1) / (size_t)D : n;
+    out->elems = fp.elems;
+    out->params = out->grads = flat;
+    out->optim = (size_t)tdm_optim_kind_n_state(optim) * tdm_plan_round64(chunk * sizeof(float));
+    if (zero1 && D > 1 && chunk * (size_t)D != n)
+        out->optim += tdm_plan_round64(chunk * (size_t)D * sizeof(float));
+    out->activations = fp.act_bytes;
+    /* the loss's per-row values in the device's scratch (at least 256
+     * bytes, 64-byte granules) */
+    size_t rows = (size_t)share * (size_t)(spec->kind == TDM_MODEL_GPT ? spec->n_ctx : 1);
+    size_t loss = rows * sizeof(float) > 256 ? rows * sizeof(float) : 256;
+    out->scratch = tdm_plan_round64(loss);
+    out->peak = out->params + out->grads + out->optim + out->activations + out->scratch;
+    return TDM_STATUS_OK;
+}
+
+/* --mode tp [--mesh dp=D,tp=N] on the devices: one rank's plan (every
+ * rank's slices have the same sizes; the largest replica's share). */
+static tdm_status tdm_plan_tp_print(const tdm_plan_args *a, const tdm_plan_opts *o, int devices)
+{
+    tdm_mesh_shape shape = {.size = {1, 1, devices}};
+    if (a->mesh && tdm_mesh_parse(a->mesh, devices, &shape))
+        return tdm_tool_usage_error("tandem plan: --mesh: %s\n", tdm_error_message());
+    int D = shape.size[TDM_MESH_DP], T = shape.size[TDM_MESH_TP], zero1 = a->sharding != NULL;
+    if (shape.size[TDM_MESH_PP] > 1)
+        return tdm_tool_usage_error("tandem plan: --mode tp --mesh %s: a pipeline of "
+                                    "tensor-parallel stages is --mode pp's, not planned yet\n",
+                                    a->mesh);
+    if (zero1 && D < 2)
+        return tdm_tool_usage_error("tandem plan: --sharding optimizer shards the optimizer over "
+                                    "the dp dimension: it needs --mesh dp=D,tp=N with D >= 2\n");
+    if (a->batch < D)
+        return tdm_tool_usage_error("tandem plan: --batch %lld is smaller than the %d "
+                                    "replicas\n", a->batch, D);
+    tdm_tool_tp_plan t;
+    tdm_status st = tdm_tool_plan_tp_rank(&o->spec, &o->optim, T, D,
+                                          (int)((a->batch + D - 1) / D), a->seq_par, zero1, &t);
+    if (st) {
+        fprintf(stderr, "tandem plan: --mode tp: %s\n", tdm_error_message());
+        return st == TDM_STATUS_INVALID_ARG ? TDM_STATUS_USAGE : st;
+    }
+    printf("tandem plan: %s, mode tp on %s (%d rank%s%s%s%s), batch %lld (%lld per replica at "
+           "most), precision fp32\n", a->model, a->device, T, T == 1 ? "" : "s",
+           D > 1 ? " x " : "", D > 1 ? (zero1 ? "replicas, ZeRO-1 over dp" : "replicas") : "",
+           a->seq_par ? ", sequence parallel" : "", a->batch, (a->batch + D - 1) / D);
+    printf("peak per device: %.2f MiB (a rank of the replica with the largest share; every "
+           "rank's slices have the same sizes)\n", t.peak / 1048576.0);
+    printf("  %-22s %10lld elements\n", "the rank's slice", (long long)t.elems);
+    tdm_plan_line("parameters", t.params);
+    tdm_plan_line("gradients", t.grads);
+    tdm_plan_line(zero1 ? "optimizer (1/D of it)" : "optimizer state", t.optim);
+    tdm_plan_line("activations, scratch", t.activations);
+    tdm_plan_line("loss rows", t.scratch);
+    printf("  not counted: %s\n", o->device == TDM_DEVICE_HOST
+                                      ? "nothing on host devices (DDP over dp: the job's shared "
+                                        "memory)"
+                                      : "cuBLAS's and NCCL's own buffers");
+    return TDM_STATUS_OK;
+}
+
 /* --mode pp: every stage's plan (the balanced split),
  * the micro-batches of ceil(ceil(B/D)/M) samples: one pipeline over the
  * devices, or D replicas of S stages (--mesh dp=D,pp=S, or --stages S
@@ -426,26 +506,32 @@ int tdm_tool_plan_main(int argc, char **argv)
     tdm_status st = tdm_plan_parse(argc, argv, &a, &help);
     if (st || help) return tdm_tool_exit(st);
     int fsdp = !strcmp(a.mode, "fsdp"), ddp = !strcmp(a.mode, "ddp") || fsdp;
-    int dp = !strcmp(a.mode, "dp"), pp = !strcmp(a.mode, "pp");
-    if (!ddp && !dp && !pp && strcmp(a.mode, "single"))
+    int dp = !strcmp(a.mode, "dp"), pp = !strcmp(a.mode, "pp"), tp = !strcmp(a.mode, "tp");
+    if (!ddp && !dp && !pp && !tp && strcmp(a.mode, "single"))
         return tdm_tool_exit(tdm_tool_usage_error(
-            "tandem plan: --mode %s: this build plans single, dp, ddp, fsdp and pp (tensor "
-            "parallelism is not planned yet)\n", a.mode));
-    if ((a.stages || a.micro || a.schedule || a.mesh) && !pp)
-        return tdm_tool_exit(tdm_tool_usage_error("tandem plan: --stages, --microbatches, "
-                                                  "--schedule and --mesh apply to --mode pp\n"));
+            "tandem plan: --mode %s: this build plans single, dp, ddp, fsdp, pp and tp\n",
+            a.mode));
+    if ((a.stages || a.micro || a.schedule) && !pp)
+        return tdm_tool_exit(tdm_tool_usage_error("tandem plan: --stages, --microbatches and "
+                                                  "--schedule apply to --mode pp\n"));
+    if (a.mesh && !pp && !tp)
+        return tdm_tool_exit(tdm_tool_usage_error("tandem plan: --mesh applies to --mode pp "
+                                                  "and tp\n"));
+    if (a.seq_par && !tp)
+        return tdm_tool_exit(tdm_tool_usage_error("tandem plan: --sequence-parallel applies to "
+                                                  "--mode tp\n"));
     tdm_fsdp_sharding sharding = TDM_FSDP_FULL_SHARD;
-    if (a.sharding && !fsdp && !pp)
+    if (a.sharding && !fsdp && !pp && !tp)
         return tdm_tool_exit(tdm_tool_usage_error("tandem plan: --sharding applies to --mode "
                                                   "fsdp (and optimizer to --mode pp's dp "
                                                   "dimension)\n"));
     if (a.sharding && tdm_fsdp_sharding_parse(a.sharding, &sharding))
         return tdm_tool_exit(tdm_tool_usage_error("tandem plan: --sharding: %s\n",
                                                   tdm_error_message()));
-    if (a.sharding && pp && sharding != TDM_FSDP_SHARD_OPTIM)
-        return tdm_tool_exit(tdm_tool_usage_error("tandem plan: --mode pp --sharding %s: a "
-                                                  "pipeline's replicas shard only the optimizer "
-                                                  "state (--sharding optimizer)\n",
+    if (a.sharding && (pp || tp) && sharding != TDM_FSDP_SHARD_OPTIM)
+        return tdm_tool_exit(tdm_tool_usage_error("tandem plan: --mode %s --sharding %s: its "
+                                                  "replicas shard only the optimizer state "
+                                                  "(--sharding optimizer)\n", a.mode,
                                                   a.sharding));
     tdm_model_spec spec;
     if (tdm_model_spec_parse(&spec, a.model))
@@ -497,6 +583,7 @@ int tdm_tool_plan_main(int argc, char **argv)
     o.grad_norm = a.clip > 0.0;
     if (fsdp) return tdm_tool_exit(tdm_plan_fsdp_print(&a, &o, world, sharding));
     if (pp) return tdm_tool_exit(tdm_plan_pp_print(&a, &o, dl.count));
+    if (tp) return tdm_tool_exit(tdm_plan_tp_print(&a, &o, dl.count));
     tdm_plan p;
     if ((st = tdm_plan_single(&o, &p))) {
         fprintf(stderr, "tandem plan: %s\n", tdm_error_message());
