@@ -552,8 +552,10 @@ tdm_status tdm_seq_build(tdm_model *m)
             return tdm_error_set(TDM_STATUS_INVALID_ARG, "model: %s outside a model of tokens",
                                  tdm_model_op_name(o->kind));
         }
-        for (int j = first_new; j < m->n_layers; j++)
+        for (int j = first_new; j < m->n_layers; j++) {
             m->layers[j].line = o->kind == TDM_MODEL_OP_RES_CLOSE ? open_line[n_open] : o->line;
+            m->layers[j].op = i;
+        }
         fuse = next_fuse;
         cur = out;
     }

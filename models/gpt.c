@@ -1,10 +1,11 @@
-/* models/gpt.c: the GPT (see models/gpt.h): its spec, parameter table,
+/* models/gpt.c: the GPT (see models/gpt.h): its parameter table,
  * activation sets, forward and backward over the layers of
  * models/layers_gpt.c, for the whole model or a run of its pipeline
  * layers (models/stage.h: the embeddings, blocks b0..b1-1, ln_f and the
  * head). It plugs into models/model.c through tdm_model_vt: the flat
  * buffers, tables, gradient storage and hook stay model.c's. Not here:
- * the kernels (core/kernels.h), the loss (models/loss.c), generation
+ * its spec and what its shape costs (models/gpt_spec.c), the kernels
+ * (core/kernels.h), the loss (models/loss.c), generation
  * (models/gpt_generate.c), text data (core/text.h), any parallelism. */
 #include <math.h>
 #include <stdio.h>
@@ -14,70 +15,6 @@
 #include "core/rng.h"
 #include "models/gpt_impl.h"
 #include "models/layers_gpt.h"
-
-/* ---- spec ---- */
-
-void tdm_model_spec_gpt(tdm_model_spec *s, int n_layer, int n_embd, int n_head, int n_ctx)
-{
-    memset(s, 0, sizeof *s);
-    s->kind = TDM_MODEL_GPT;
-    s->n_layer = n_layer;
-    s->n_embd = n_embd;
-    s->n_head = n_head;
-    s->n_ctx = n_ctx;
-    s->vocab = TDM_GPT_VOCAB;
-    s->n_classes = TDM_GPT_VOCAB;
-    s->in_c = 1;   /* a window of n_ctx tokens (tdm_model_spec_sample_shape) */
-    s->in_h = 1;
-    s->in_w = n_ctx;
-}
-
-tdm_status tdm_gpt_spec_parse(tdm_model_spec *s, const char *text)
-{
-    static const char *const what[4] = {"blocks L", "width D", "heads H", "context T"};
-    static const int maxv[4] = {TDM_GPT_MAX_LAYERS, 1 << 16, 1 << 12, 1 << 16};
-    int v[4] = {TDM_GPT_DEFAULT_LAYERS, TDM_GPT_DEFAULT_WIDTH, TDM_GPT_DEFAULT_HEADS,
-                TDM_GPT_DEFAULT_CONTEXT};
-    if (strcmp(text, "gpt") != 0) {
-        TDM_REQUIRE(!strncmp(text, "gpt:", 4) && text[4], TDM_STATUS_INVALID_ARG,
-                    "model '%s': expected gpt or gpt:L-D-H-T (blocks, width, heads, context), "
-                    "e.g. gpt:%d-%d-%d-%d", text, v[0], v[1], v[2], v[3]);
-        const char *p = text + 4;
-        for (int i = 0; i < 4; i++) {
-            char *end;
-            long x = strtol(p, &end, 10);
-            if (end == p || x < 1 || x > maxv[i])
-                return tdm_error_set(TDM_STATUS_INVALID_ARG,
-                                     "model '%s': %s must be an integer in [1, %d] "
-                                     "(gpt:L-D-H-T, e.g. gpt:%d-%d-%d-%d)", text, what[i],
-                                     maxv[i], TDM_GPT_DEFAULT_LAYERS, TDM_GPT_DEFAULT_WIDTH,
-                                     TDM_GPT_DEFAULT_HEADS, TDM_GPT_DEFAULT_CONTEXT);
-            v[i] = (int)x;
-            p = end;
-            if (i < 3) {
-                TDM_REQUIRE(*p == '-', TDM_STATUS_INVALID_ARG,
-                            "model '%s': expected four numbers L-D-H-T separated by '-'", text);
-                p++;
-            }
-        }
-        TDM_REQUIRE(*p == '\0', TDM_STATUS_INVALID_ARG,
-                    "model '%s': unexpected '%s' after L-D-H-T", text, p);
-    }
-    TDM_REQUIRE(v[1] % v[2] == 0, TDM_STATUS_INVALID_ARG,
-                "model '%s': %d heads do not divide the width %d (each head gets width/heads "
-                "features: pick a width that is a multiple of the heads)", text, v[2], v[1]);
-    tdm_model_spec_gpt(s, v[0], v[1], v[2], v[3]);
-    return TDM_STATUS_OK;
-}
-
-void tdm_gpt_spec_describe(const tdm_model_spec *s, char *buf, size_t len)
-{
-    /* an untied head is no built-in gpt: named by its model file */
-    if (s->head_untied)
-        snprintf(buf, len, "%s (gpt:%d-%d-%d-%d, untied head)", s->name, s->n_layer, s->n_embd,
-                 s->n_head, s->n_ctx);
-    else snprintf(buf, len, "gpt:%d-%d-%d-%d", s->n_layer, s->n_embd, s->n_head, s->n_ctx);
-}
 
 /* ---- parameters ---- */
 
@@ -159,7 +96,7 @@ static void tdm_gpt_free_scratch(tdm_model *m)
     tdm_gpt *g = m->ext;
     tdm_act_free(m, &g->act_scratch, NULL);
     float **all[] = {&g->qkv, &g->yh, &g->dres, &g->dln, &g->dfc, &g->datt, &g->dq, &g->dk,
-                     &g->dv, &g->ones, &g->wide, &m->dlogits};
+                     &g->dv, &g->ones, &g->wide, &g->part, &m->dlogits};
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) *all[i] = NULL;
     g->low = NULL;
     free(g->tok_host);
@@ -190,22 +127,6 @@ static void tdm_gpt_free_ext(tdm_model *m)
     free(g->sets);
     free(g);
     m->ext = NULL;
-}
-
-size_t tdm_gpt_act_bytes(const tdm_model *m, int batch)
-{
-    const tdm_gpt *g = m->ext;
-    /* what tdm_gpt_reserve allocates for one activation set and the
-     * scratch of a whole model, counted in floats: per block ln1, q, k,
-     * v, atty, res1, ln2, res2 (N x C each), fch and fcg (N x 4C), four
-     * means and rstds (N) and the attention (B x H x T x T); then res0,
-     * lnf, yh, dres, dln (N x C), qkv and dq/dk/dv (N x 3C each), dfc
-     * (N x 4C), lnf's mean and rstd and the ones (N), the logits and
-     * their gradient (N x V) and the attention's gradient */
-    int64_t N = (int64_t)batch * g->T, C = g->C, att = (int64_t)batch * g->H * g->T * g->T;
-    int64_t per_block = 16 * N * C + 4 * N + att;
-    int64_t floats = g->L * per_block + 15 * N * C + 3 * N + 2 * N * g->V + att;
-    return (size_t)floats * sizeof(float);
 }
 
 /* Set k exists (empty) and is the current one. */
@@ -257,7 +178,8 @@ static void tdm_gpt_layout(tdm_model *m, int batch, tdm_act_layout *lay, tdm_act
 {
     tdm_gpt *g = m->ext;
     tdm_gpt_act *a = g->a;
-    size_t N = (size_t)batch * g->T, C = g->C, att = (size_t)batch * g->H * g->T * g->T;
+    size_t N = (size_t)batch * g->T, C = g->C, att = (size_t)batch * g->Hl * g->T * g->T;
+    size_t Ca = g->Ca, F = g->F;   /* the heads' width, c_fc's rows (a slice's) */
     size_t f = sizeof(float), es = tdm_dtype_size(m->lev.adt), off = 0, slot = 0;
     int low = tdm_model_low(m), ck = m->lev.ckpt > 0;
     memset(lay, 0, sizeof *lay);
@@ -288,17 +210,17 @@ static void tdm_gpt_layout(tdm_model *m, int batch, tdm_act_layout *lay, tdm_act
                 tdm_act_add(to, (void **)&b->ln1, N * C * f, layer, ar, &off);
                 tdm_act_add(to, (void **)&b->ln1_mean, N * f, layer, ar, &off);
                 tdm_act_add(to, (void **)&b->ln1_rstd, N * f, layer, ar, &off);
-                tdm_act_add(to, (void **)&b->q, N * C * f, layer, ar, &off);
-                tdm_act_add(to, (void **)&b->k, N * C * f, layer, ar, &off);
-                tdm_act_add(to, (void **)&b->v, N * C * f, layer, ar, &off);
+                tdm_act_add(to, (void **)&b->q, N * Ca * f, layer, ar, &off);
+                tdm_act_add(to, (void **)&b->k, N * Ca * f, layer, ar, &off);
+                tdm_act_add(to, (void **)&b->v, N * Ca * f, layer, ar, &off);
                 tdm_act_add(to, (void **)&b->att, att * f, layer, ar, &off);
-                tdm_act_add(to, (void **)&b->atty, N * C * f, layer, ar, &off);
+                tdm_act_add(to, (void **)&b->atty, N * Ca * f, layer, ar, &off);
                 tdm_act_add(to, (void **)&b->res1, N * C * f, layer, ar, &off);
                 tdm_act_add(to, (void **)&b->ln2, N * C * f, layer, ar, &off);
                 tdm_act_add(to, (void **)&b->ln2_mean, N * f, layer, ar, &off);
                 tdm_act_add(to, (void **)&b->ln2_rstd, N * f, layer, ar, &off);
-                tdm_act_add(to, (void **)&b->fch, 4 * N * C * f, layer, ar, &off);
-                tdm_act_add(to, (void **)&b->fcg, 4 * N * C * f, layer, ar, &off);
+                tdm_act_add(to, (void **)&b->fch, N * F * f, layer, ar, &off);
+                tdm_act_add(to, (void **)&b->fcg, N * F * f, layer, ar, &off);
             }
             int keep_out = !ck || tdm_gpt_seg_last(m, g->b0 + k);
             tdm_act_add(to, (void **)&b->res2, N * C * f, layer, pass ? !keep_out : 1, &off);
@@ -316,17 +238,18 @@ static void tdm_gpt_layout(tdm_model *m, int batch, tdm_act_layout *lay, tdm_act
         tdm_act_add(lay, (void **)&a->logits, N * g->V * f, head + 1, 0, &off);
         tdm_act_add(scr, (void **)&m->dlogits, N * g->V * f, -1, 0, &off);
     }
-    tdm_act_add(scr, (void **)&g->qkv, 3 * N * C * f, -1, 0, &off);
-    tdm_act_add(scr, (void **)&g->yh, N * C * f, -1, 0, &off);
+    tdm_act_add(scr, (void **)&g->qkv, 3 * N * Ca * f, -1, 0, &off);
+    tdm_act_add(scr, (void **)&g->yh, N * Ca * f, -1, 0, &off);
     tdm_act_add(scr, (void **)&g->dres, N * C * f, -1, 0, &off);
     tdm_act_add(scr, (void **)&g->dln, N * C * f, -1, 0, &off);
-    tdm_act_add(scr, (void **)&g->dfc, 4 * N * C * f, -1, 0, &off);
+    tdm_act_add(scr, (void **)&g->dfc, N * F * f, -1, 0, &off);
     tdm_act_add(scr, (void **)&g->datt, att * f, -1, 0, &off);
     if (!low) {
-        tdm_act_add(scr, (void **)&g->dq, N * C * f, -1, 0, &off);
-        tdm_act_add(scr, (void **)&g->dk, N * C * f, -1, 0, &off);
-        tdm_act_add(scr, (void **)&g->dv, N * C * f, -1, 0, &off);
+        tdm_act_add(scr, (void **)&g->dq, N * Ca * f, -1, 0, &off);
+        tdm_act_add(scr, (void **)&g->dk, N * Ca * f, -1, 0, &off);
+        tdm_act_add(scr, (void **)&g->dv, N * Ca * f, -1, 0, &off);
     }
+    if (g->tp > 1) tdm_act_add(scr, (void **)&g->part, N * C * f, -1, 0, &off);
     tdm_act_add(scr, (void **)&g->ones, N * f, -1, 0, &off);
     if (low) {
         size_t lo = 4 * N * C, wi = 4 * N * C;
@@ -455,6 +378,30 @@ static tdm_status tdm_gpt_check_tokens(tdm_model *m, const int32_t *tok, int64_t
     return TDM_STATUS_OK;
 }
 
+/* y (N, C) += x (N, in) w^T + bias, a projection onto the stream:
+ * accumulated by the gemm (the whole model), or (a tensor-parallel
+ * slice, row-parallel) the product summed over the group by the
+ * partial-sum callback first, then added with the bias once. */
+static tdm_status tdm_gpt_proj_fwd(tdm_model *m, const float *x, const float *w,
+                                   const float *bias, int64_t N, int in, float *y, int layer)
+{
+    tdm_gpt *g = m->ext;
+    int C = g->C;
+    if (g->tp == 1) return tdm_layers_linear_fwd(m->dev, x, w, bias, N, in, C, 1, y);
+    TDM_CHECK(tdm_layers_linear_fwd(m->dev, x, w, NULL, N, in, C, 0, g->part));
+    TDM_CHECK(m->partial(m->partial_ctx, g->part, N * C, layer));
+    TDM_CHECK(tdm_dev_axpy(m->dev, N * C, 1.0f, g->part, y));
+    return tdm_dev_bias_act(m->dev, y, bias, N, C, TDM_ACT_NONE);
+}
+
+/* A column-parallel layer's input gradient (N, C), partial on a
+ * tensor-parallel slice, summed over the group (the callback). */
+static tdm_status tdm_gpt_sum_dx(tdm_model *m, float *dx, int64_t N, int layer)
+{
+    tdm_gpt *g = m->ext;
+    return g->tp == 1 ? TDM_STATUS_OK : m->partial(m->partial_ctx, dx, N * g->C, layer);
+}
+
 /* Block l's FP32 forward from the stream res (B windows of Tr), into the
  * current set. */
 static tdm_status tdm_gpt_block_forward(tdm_model *m, int l, const float *res, int B, int Tr)
@@ -469,22 +416,22 @@ static tdm_status tdm_gpt_block_forward(tdm_model *m, int l, const float *res, i
     TDM_CHECK(tdm_dev_layernorm_fwd(d, res, P(TDM_GPT_LN1_W), P(TDM_GPT_LN1_B), b->ln1,
                                     b->ln1_mean, b->ln1_rstd, N, C, TDM_GPT_LN_EPS));
     TDM_CHECK(tdm_layers_linear_fwd(d, b->ln1, P(TDM_GPT_ATTN_W), P(TDM_GPT_ATTN_B), N, C,
-                                    3 * C, 0, g->qkv));
-    tdm_layers_attn at = {.B = B, .T = Tr, .H = g->H, .C = C, .q = b->q, .k = b->k,
+                                    3 * g->Ca, 0, g->qkv));
+    tdm_layers_attn at = {.B = B, .T = Tr, .H = g->Hl, .C = g->Ca, .q = b->q, .k = b->k,
                           .v = b->v, .att = b->att};
     TDM_CHECK(tdm_layers_attention_fwd(d, &at, g->qkv, g->yh, b->atty));
     /* x + attn(ln_1(x)): the projection adds onto a copy of the stream */
     TDM_CHECK(tdm_dev_copy(d, b->res1, res, row_bytes));
-    TDM_CHECK(tdm_layers_linear_fwd(d, b->atty, P(TDM_GPT_APROJ_W), P(TDM_GPT_APROJ_B), N,
-                                    C, C, 1, b->res1));
+    TDM_CHECK(tdm_gpt_proj_fwd(m, b->atty, P(TDM_GPT_APROJ_W), P(TDM_GPT_APROJ_B), N, g->Ca,
+                               b->res1, tdm_gpt_layer(g, l, 2)));
     TDM_CHECK(tdm_dev_layernorm_fwd(d, b->res1, P(TDM_GPT_LN2_W), P(TDM_GPT_LN2_B), b->ln2,
                                     b->ln2_mean, b->ln2_rstd, N, C, TDM_GPT_LN_EPS));
-    TDM_CHECK(tdm_layers_linear_fwd(d, b->ln2, P(TDM_GPT_FC_W), P(TDM_GPT_FC_B), N, C,
-                                    4 * C, 0, b->fch));
-    TDM_CHECK(tdm_dev_gelu_fwd(d, b->fch, b->fcg, N * 4 * C));
+    TDM_CHECK(tdm_layers_linear_fwd(d, b->ln2, P(TDM_GPT_FC_W), P(TDM_GPT_FC_B), N, C, g->F,
+                                    0, b->fch));
+    TDM_CHECK(tdm_dev_gelu_fwd(d, b->fch, b->fcg, N * g->F));
     TDM_CHECK(tdm_dev_copy(d, b->res2, b->res1, row_bytes));
-    TDM_CHECK(tdm_layers_linear_fwd(d, b->fcg, P(TDM_GPT_MPROJ_W), P(TDM_GPT_MPROJ_B), N,
-                                    4 * C, C, 1, b->res2));
+    TDM_CHECK(tdm_gpt_proj_fwd(m, b->fcg, P(TDM_GPT_MPROJ_W), P(TDM_GPT_MPROJ_B), N, g->F,
+                               b->res2, tdm_gpt_layer(g, l, 5)));
 #undef P
     return TDM_STATUS_OK;
 }
@@ -505,6 +452,9 @@ static tdm_status tdm_gpt_run_forward(tdm_model *m, const void *x, int B, int Tr
     tdm_device *d = m->dev;
     int C = g->C;
     int64_t N = (int64_t)B * Tr;
+    TDM_REQUIRE(g->tp == 1 || (m->partial && !tdm_model_low(m) && !m->lev.ckpt),
+                TDM_STATUS_INVALID_ARG, "gpt: a tensor-parallel slice (1/%d) runs in FP32 "
+                "without activation checkpointing, with its partial sums set", g->tp);
     TDM_CHECK(tdm_gpt_reserve(m, B));
     tdm_gpt_act *a = g->a;
     a->seq = Tr;
@@ -604,12 +554,13 @@ static tdm_status tdm_gpt_block_backward(tdm_model *m, int l, const float *res_i
 #define G(j) tdm_gpt_grad(m, tdm_gpt_p(g, l, (j)))
     /* x += mlp(ln_2(x)): the branch's output gradient is dres itself */
     TDM_CHECK(tdm_layers_linear_bwd(d, b->fcg, P(TDM_GPT_MPROJ_W), g->dres, g->ones, N,
-                                    4 * C, C, G(TDM_GPT_MPROJ_W), G(TDM_GPT_MPROJ_B), g->dfc,
+                                    g->F, C, G(TDM_GPT_MPROJ_W), G(TDM_GPT_MPROJ_B), g->dfc,
                                     0));
     tdm_gpt_hook(m, tdm_gpt_layer(g, l, 5));
-    TDM_CHECK(tdm_dev_gelu_bwd(d, b->fch, g->dfc, g->dfc, N * 4 * C));
-    TDM_CHECK(tdm_layers_linear_bwd(d, b->ln2, P(TDM_GPT_FC_W), g->dfc, g->ones, N, C, 4 * C,
+    TDM_CHECK(tdm_dev_gelu_bwd(d, b->fch, g->dfc, g->dfc, N * g->F));
+    TDM_CHECK(tdm_layers_linear_bwd(d, b->ln2, P(TDM_GPT_FC_W), g->dfc, g->ones, N, C, g->F,
                                     G(TDM_GPT_FC_W), G(TDM_GPT_FC_B), g->dln, 0));
+    TDM_CHECK(tdm_gpt_sum_dx(m, g->dln, N, tdm_gpt_layer(g, l, 4)));
     tdm_gpt_hook(m, tdm_gpt_layer(g, l, 4));
     TDM_CHECK(tdm_dev_layernorm_bwd(d, b->res1, g->dln, P(TDM_GPT_LN2_W), b->ln2_mean,
                                     b->ln2_rstd, g->dres, G(TDM_GPT_LN2_W),
@@ -617,15 +568,18 @@ static tdm_status tdm_gpt_block_backward(tdm_model *m, int l, const float *res_i
     tdm_gpt_hook(m, tdm_gpt_layer(g, l, 3));
     /* x += attn(ln_1(x)); dln holds the heads' output gradient until
      * c_attn's backward overwrites it */
-    TDM_CHECK(tdm_layers_linear_bwd(d, b->atty, P(TDM_GPT_APROJ_W), g->dres, g->ones, N, C,
-                                    C, G(TDM_GPT_APROJ_W), G(TDM_GPT_APROJ_B), g->dln, 0));
+    TDM_CHECK(tdm_layers_linear_bwd(d, b->atty, P(TDM_GPT_APROJ_W), g->dres, g->ones, N,
+                                    g->Ca, C, G(TDM_GPT_APROJ_W), G(TDM_GPT_APROJ_B), g->dln,
+                                    0));
     tdm_gpt_hook(m, tdm_gpt_layer(g, l, 2));
-    tdm_layers_attn at = {.B = B, .T = Tr, .H = g->H, .C = C, .q = b->q, .k = b->k,
+    tdm_layers_attn at = {.B = B, .T = Tr, .H = g->Hl, .C = g->Ca, .q = b->q, .k = b->k,
                           .v = b->v, .att = b->att};
     TDM_CHECK(tdm_layers_attention_bwd(d, &at, g->dln, g->yh, g->datt, g->dq, g->dk, g->dv,
                                        g->qkv));
     TDM_CHECK(tdm_layers_linear_bwd(d, b->ln1, P(TDM_GPT_ATTN_W), g->qkv, g->ones, N, C,
-                                    3 * C, G(TDM_GPT_ATTN_W), G(TDM_GPT_ATTN_B), g->dln, 0));
+                                    3 * g->Ca, G(TDM_GPT_ATTN_W), G(TDM_GPT_ATTN_B), g->dln,
+                                    0));
+    TDM_CHECK(tdm_gpt_sum_dx(m, g->dln, N, tdm_gpt_layer(g, l, 1)));
     tdm_gpt_hook(m, tdm_gpt_layer(g, l, 1));
     TDM_CHECK(tdm_dev_layernorm_bwd(d, res_in, g->dln, P(TDM_GPT_LN1_W), b->ln1_mean,
                                     b->ln1_rstd, g->dres, G(TDM_GPT_LN1_W),
@@ -722,20 +676,6 @@ static tdm_status tdm_gpt_backward(tdm_model *m, const float *dy)
     return TDM_STATUS_OK;
 }
 
-static void tdm_gpt_gemm_flops(const tdm_model *m, double *fwd, double *bwd)
-{
-    const tdm_model_spec *s = &m->spec;
-    const tdm_gpt *g = m->ext;
-    double C = s->n_embd, T = s->n_ctx;
-    /* per position: c_attn 3C^2, attn.c_proj C^2, c_fc 4C^2, mlp.c_proj 4C^2
-     * multiply-adds, attention 2 T C (scores and values over the full T),
-     * the head C V (the stage's blocks, and its head) */
-    double per_pos = g->nb * (12.0 * C * C + 2.0 * T * C) + (g->has_head ? C * s->vocab : 0.0);
-    *fwd = 2.0 * per_pos * T;
-    /* every product has a weight (or second-operand) and an input gradient */
-    *bwd = 2.0 * *fwd;
-}
-
 static tdm_status tdm_gpt_select(tdm_model *m, int k) { return tdm_gpt_select_set(m, k); }
 
 static const tdm_model_vt tdm_gpt_vt = {
@@ -771,6 +711,10 @@ tdm_status tdm_gpt_build(tdm_model *m)
                 H, C);
     TDM_REQUIRE(!m->dev || tdm_dev_has_transformer(m->dev), TDM_STATUS_UNSUPPORTED,
                 "gpt: device %s has no transformer kernels", tdm_dev_name(m->dev));
+    int tp = s->tp_ranks > 1 ? s->tp_ranks : 1;
+    TDM_REQUIRE(H % tp == 0 && !(tp > 1 && s->head_untied), TDM_STATUS_INVALID_ARG,
+                "gpt: a tensor-parallel slice of %d ranks needs the %d heads divisible by them "
+                "and a tied head", tp, H);
     int lo = m->stage.lo, hi = m->stage.hi;
     TDM_REQUIRE(!s->head_untied || (lo == 0 && hi == L + 2), TDM_STATUS_UNSUPPORTED,
                 "%s: a GPT with an untied head runs whole: it is not built for pipeline stages "
@@ -782,6 +726,10 @@ tdm_status tdm_gpt_build(tdm_model *m)
     g->H = H;
     g->T = T;
     g->V = s->vocab;
+    g->tp = tp;
+    g->Hl = H / tp;
+    g->Ca = C / tp;
+    g->F = 4 * C / tp;
     g->has_emb = lo == 0;
     g->has_head = hi == L + 2;
     g->b0 = (lo > 0 ? lo : 1) - 1;
@@ -803,11 +751,11 @@ tdm_status tdm_gpt_build(tdm_model *m)
     for (int l = g->b0; l < g->b1; l++) {
 #define NAME(sfx) (snprintf(name, sizeof name, "transformer.h.%d.%s", l, sfx), name)
         TDM_CHECK(tdm_gpt_ln_group(m, NAME("ln_1"), C));
-        TDM_CHECK(tdm_gpt_linear_group(m, NAME("attn.c_attn"), 3 * C, C));
-        TDM_CHECK(tdm_gpt_linear_group(m, NAME("attn.c_proj"), C, C));
+        TDM_CHECK(tdm_gpt_linear_group(m, NAME("attn.c_attn"), 3 * g->Ca, C));
+        TDM_CHECK(tdm_gpt_linear_group(m, NAME("attn.c_proj"), C, g->Ca));
         TDM_CHECK(tdm_gpt_ln_group(m, NAME("ln_2"), C));
-        TDM_CHECK(tdm_gpt_linear_group(m, NAME("mlp.c_fc"), 4 * C, C));
-        TDM_CHECK(tdm_gpt_linear_group(m, NAME("mlp.c_proj"), C, 4 * C));
+        TDM_CHECK(tdm_gpt_linear_group(m, NAME("mlp.c_fc"), g->F, C));
+        TDM_CHECK(tdm_gpt_linear_group(m, NAME("mlp.c_proj"), C, g->F));
 #undef NAME
     }
     m->stage.p_base = g->has_emb ? 0 : 2 + TDM_GPT_PER_BLOCK * g->b0;

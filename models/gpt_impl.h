@@ -52,6 +52,11 @@ typedef struct tdm_gpt_act {
 
 typedef struct tdm_gpt {
     int L, C, H, T, V;
+    /* a tensor-parallel slice (tdm_model_spec.tp_ranks = tp > 1): its
+     * heads Hl = H/tp of width Ca = C/tp side by side, c_fc's F = 4C/tp
+     * rows; the whole model: tp 1, Hl H, Ca C, F 4C */
+    int tp, Hl, Ca, F;
+    float *part;             /* tp > 1: a row-parallel product (N, C), summed */
     /* The stage: blocks [b0, b1) of L, with the embeddings (first stage)
      * and the final LayerNorm and head (last stage); local indices of the
      * tensors. The whole model is one stage of everything. */
@@ -92,6 +97,10 @@ static inline int tdm_gpt_layer(const tdm_gpt *g, int l, int j)
 {
     return g->layer_blk0 + 6 * (l - g->b0) + j;
 }
+
+/* The gemm multiply-adds of a forward and a backward of one window
+ * (models/gpt_spec.c; the model's vt). */
+void tdm_gpt_gemm_flops(const tdm_model *m, double *fwd, double *bwd);
 
 /* The grad-ready hook for a logical layer, if set. */
 void tdm_gpt_hook(tdm_model *m, int layer);

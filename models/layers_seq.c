@@ -268,7 +268,7 @@ static void tdm_drop_apply(const tdm_model *m, const tdm_layer *l, const float *
             uint64_t k = m->drop_keys[b] ^ tdm_drop_mix((uint64_t)l->op);
             int64_t o = ((int64_t)ch * B + b) * hw;
             for (int64_t q = 0; q < hw; q++) {
-                uint64_t j = (uint64_t)(ch * hw + q);
+                uint64_t j = (uint64_t)(l->j0 + ch * hw + q);
                 int keep = (tdm_drop_mix(k + (j + 1) * TDM_DROP_GOLDEN) >> 40) >= thr;
                 dst[o + q] = keep ? src[o + q] * scale : 0.0f;
             }

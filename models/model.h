@@ -110,6 +110,14 @@ typedef struct tdm_model_spec {
     int n_layer, n_embd, n_head, n_ctx, vocab;
     int head_untied;            /* 1: the output head has a weight of its own,
                                    lm_head.weight (a model file's `lmhead`) */
+    /* GPT, > 1: the model is one of tp_ranks tensor-parallel ranks'
+     * slices of every block (a pipeline of tensor-parallel stages,
+     * tools/rank_pptp.h): H/tp_ranks heads (attn.c_attn (3C/N, C),
+     * attn.c_proj (C, C/N)), mlp.c_fc (4C/N, C), mlp.c_proj (C, 4C/N); the
+     * row-parallel products and the column-parallel input gradients are
+     * summed by the partial-sum callback (tdm_model_set_partial_sums).
+     * 0 or 1: the whole model. FP32 without activation checkpointing. */
+    int tp_ranks;
     /* SEQ: the layers, the input shape above (in_c x in_h x in_w; flat
      * input: 1 x 1 x features), n_classes the last op's width. */
     int n_ops, in_flat;
@@ -266,7 +274,10 @@ tdm_status tdm_model_sync_bn_backward_empty(tdm_model *m);
  * the same order. Linear layers in FP32 only: with a 16-bit precision or
  * activation checkpointing set, the forward and backward refuse
  * (INVALID_ARG). kinds: one per layer of m (tdm_model_n_layers); NULL fn
- * clears them all. */
+ * clears them all. A GPT of tdm_model_spec.tp_ranks > 1 takes kinds NULL:
+ * its spec says which of its layers are split (per block: attn.c_attn
+ * and mlp.c_fc column-parallel, both c_proj row-parallel, layer: the
+ * layer: the logical layer of the model), and it runs only with fn set. */
 typedef enum tdm_model_partial {
     TDM_MODEL_PARTIAL_NONE = 0,
     TDM_MODEL_PARTIAL_OUT,     /* row parallel: the forward's product is summed */
@@ -275,6 +286,12 @@ typedef enum tdm_model_partial {
 typedef tdm_status (*tdm_model_partial_fn)(void *ctx, float *buf, int64_t n, int layer);
 tdm_status tdm_model_set_partial_sums(tdm_model *m, const tdm_model_partial *kinds, int n,
                                       tdm_model_partial_fn fn, void *ctx);
+/* The tensor-parallel rank whose slices the model's column-parallel
+ * layers hold (after tdm_model_set_partial_sums): a dropout layer between
+ * a column-parallel layer and its row-parallel one drops the whole
+ * vector's values [rank*w, (rank+1)*w) of its w, as one device drops
+ * them, so the ranks' masks are one device's mask cut in N. */
+void tdm_model_set_partial_rank(tdm_model *m, int rank);
 /* Batchnorm layers of the model (0 for the MLP and GPT). */
 int tdm_model_n_batchnorm(const tdm_model *m);
 

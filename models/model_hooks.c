@@ -18,17 +18,31 @@ void tdm_model_set_sync_bn(tdm_model *m, tdm_model_allsum_fn fn, void *ctx)
 tdm_status tdm_model_set_partial_sums(tdm_model *m, const tdm_model_partial *kinds, int n,
                                       tdm_model_partial_fn fn, void *ctx)
 {
-    TDM_REQUIRE(!fn || (kinds && n == m->n_layers && !m->vt), TDM_STATUS_INVALID_ARG,
-                "partial sums: %d kinds for a model of %d layers%s", n, m->n_layers,
-                m->vt ? " (a model with its own forward: not supported)" : "");
-    for (int i = 0; fn && i < n; i++)
+    /* the sliced GPT: its spec says which layers are split */
+    int gpt = m->spec.kind == TDM_MODEL_GPT && m->spec.tp_ranks > 1;
+    TDM_REQUIRE(!fn || (gpt ? !kinds : kinds && n == m->n_layers && !m->vt),
+                TDM_STATUS_INVALID_ARG, "partial sums: %d kinds for a model of %d layers%s", n,
+                m->n_layers, gpt ? " (a sliced GPT takes none: its spec says them)"
+                             : m->vt ? " (a model with its own forward: not supported)" : "");
+    for (int i = 0; fn && kinds && i < n; i++)
         TDM_REQUIRE(kinds[i] == TDM_MODEL_PARTIAL_NONE || m->layers[i].kind == TDM_LAYER_LINEAR,
                     TDM_STATUS_INVALID_ARG, "partial sums: layer %d is not a linear layer", i);
     for (int i = 0; i < m->n_layers; i++)
-        m->layers[i].partial = fn ? kinds[i] : TDM_MODEL_PARTIAL_NONE;
+        m->layers[i].partial = fn && kinds ? kinds[i] : TDM_MODEL_PARTIAL_NONE;
     m->partial = fn;
     m->partial_ctx = ctx;
     return TDM_STATUS_OK;
+}
+
+void tdm_model_set_partial_rank(tdm_model *m, int rank)
+{
+    int open = 0;   /* after a column-parallel layer, before its row-parallel one */
+    for (int i = 0; i < m->n_layers; i++) {
+        tdm_layer *l = &m->layers[i];
+        if (l->partial == TDM_MODEL_PARTIAL_IN) open = 1;
+        else if (l->partial == TDM_MODEL_PARTIAL_OUT) open = 0;
+        else if (l->kind == TDM_LAYER_DROPOUT) l->j0 = open ? (int64_t)rank * l->out_elems : 0;
+    }
 }
 
 tdm_status tdm_model_sync_bn_forward_empty(tdm_model *m)

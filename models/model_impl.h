@@ -51,7 +51,10 @@ typedef struct tdm_layer {
     int64_t skip_elems;
     float *skipg;           /* backward: the skip path's input gradient (scratch) */
     float p;                /* TDM_LAYER_DROPOUT: drop probability */
-    int op;                 /* TDM_LAYER_DROPOUT: its op's index in the spec (keys its mask) */
+    int op;                 /* a model file's layer: its op's index in the spec (dropout:
+                               keys its mask) */
+    int64_t j0;             /* TDM_LAYER_DROPOUT on a column-parallel slice: where its
+                               values start in the whole vector (the mask's columns) */
     int64_t in_elems, out_elems; /* per sample */
     tdm_model_partial partial;   /* tensor parallelism's partial sums (linear layers) */
     int block;              /* tdm_model_layer_block */

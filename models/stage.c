@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "models/builder.h"
 #include "models/gpt.h"
 
 /* ---- the whole model's tables, without storage ---- */
@@ -135,6 +136,84 @@ tdm_status tdm_model_spec_layer_costs(const tdm_model_spec *s, tdm_model_layer_c
     }
     tdm_stage_tables_free(t);
     return TDM_STATUS_OK;
+}
+
+/* ---- tensor-parallel stages of a model file ---- */
+
+/* Why a layer of this kind cannot run on a column-parallel slice. */
+static const char *tdm_stage_tp_why(tdm_layer_kind k)
+{
+    switch (k) {
+    case TDM_LAYER_LN:
+        return "layernorm normalises over all of a sample's features, which the column-parallel "
+               "layer splits across the ranks; gathering them first would leave nothing for the "
+               "row-parallel layer to split (put it outside the pair)";
+    case TDM_LAYER_BN:
+        return "batchnorm's statistics are over whole channels";
+    case TDM_LAYER_RES:
+        return "a residual block's sum needs its whole input";
+    default:
+        return "only elementwise layers (relu, gelu, tanh, sigmoid, dropout) run on a "
+               "column-parallel slice";
+    }
+}
+
+tdm_status tdm_model_spec_tp_stages(const tdm_model_spec *s, const int *first, int stages, int N,
+                                    tdm_model_partial *kinds, int n, tdm_model_spec *narrow)
+{
+    TDM_REQUIRE(s->kind == TDM_MODEL_SEQ && N >= 1 && stages >= 1, TDM_STATUS_INVALID_ARG,
+                "tensor-parallel stages: a model file's spec, %d stages of %d ranks", stages, N);
+    tdm_model *t = NULL;
+    TDM_CHECK(tdm_stage_full_tables(s, &t));
+    tdm_status st = TDM_STATUS_OK;
+    static const char *const what = "pipeline of tensor-parallel stages";
+    char cut[TDM_MODEL_MAX_OPS] = {0};   /* per op: 1, its output width divided by N */
+    if (n != t->n_layers)
+        st = tdm_error_set(TDM_STATUS_INTERNAL, "%s: %d kinds for %d layers", what, n,
+                           t->n_layers);
+    for (int i = 0; i < n && !st; i++) kinds[i] = TDM_MODEL_PARTIAL_NONE;
+    for (int k = 0; k < stages && !st; k++) {
+        int lo = first[k], hi = k + 1 < stages ? first[k + 1] : n, col = -1;
+        for (int i = lo; i < hi && !st; i++) {
+            const tdm_layer *l = &t->layers[i];
+            int linear = l->kind == TDM_LAYER_LINEAR;
+            if (col >= 0 && linear) {
+                kinds[i] = TDM_MODEL_PARTIAL_OUT;
+                col = -1;
+            } else if (col >= 0 && l->kind != TDM_LAYER_ACT && l->kind != TDM_LAYER_DROPOUT) {
+                st = tdm_error_set(TDM_STATUS_USAGE, "%s line %d: `%s` stands between the "
+                                   "column-parallel linear of line %d and its row-parallel "
+                                   "linear: a %s cannot split it: %s", s->name, l->line,
+                                   tdm_model_op_name(s->ops[l->op].kind), t->layers[col].line,
+                                   what, tdm_stage_tp_why(l->kind));
+            } else if (col < 0 && linear) {
+                int j = i + 1;
+                while (j < hi && t->layers[j].kind != TDM_LAYER_LINEAR) j++;
+                if (j == hi) continue;   /* the stage's odd last linear layer: whole */
+                if (l->oc % N)
+                    st = tdm_error_set(TDM_STATUS_USAGE, "%s line %d: stage %d: linear %d's "
+                                       "output width (line %d's input) is not divisible by the "
+                                       "%d tensor-parallel ranks", s->name, l->line, k, l->oc,
+                                       t->layers[j].line, N);
+                kinds[i] = TDM_MODEL_PARTIAL_IN;
+                cut[l->op] = 1;
+                col = i;
+            }
+        }
+    }
+    if (!st) {
+        /* the spec again, each column layer 1/N as wide (shapes inferred anew) */
+        *narrow = *s;
+        narrow->n_ops = narrow->n_open = 0;
+        for (int i = 0; i < s->n_ops && !st; i++) {
+            tdm_model_op o = s->ops[i];
+            if (cut[i]) o.n /= N;
+            st = tdm_model_seq_add(narrow, &o);
+        }
+        if (!st) st = tdm_model_seq_finish(narrow);
+    }
+    tdm_stage_tables_free(t);
+    return st;
 }
 
 /* ---- stages ---- */

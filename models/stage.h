@@ -61,6 +61,21 @@ tdm_status tdm_model_spec_check_stages(const tdm_model_spec *s);
 /* A split (the first layer of each of `stages` stages) that cuts no
  * model file's residual block: else INVALID_ARG naming the block's line. */
 tdm_status tdm_model_spec_check_split(const tdm_model_spec *s, const int *first, int stages);
+/* Tensor-parallel pipeline stages of a model file (a TDM_MODEL_SEQ spec
+ * cut by first[0..stages), N ranks per stage; tools/rank_pptp.h): within
+ * a stage its linear layers pair up from the first, column-parallel then
+ * row-parallel (the stage's odd last one whole); kinds[0..n) (n the
+ * spec's pipeline layers) says each layer's partial sum
+ * (tdm_model_set_partial_sums); *narrow is the spec with each
+ * column-parallel layer's output width divided by N, whose tensors are
+ * one rank's slices. Between a column layer and its row layer only
+ * elementwise layers may stand (relu, gelu, tanh, sigmoid, dropout: they
+ * run on the rank's columns); layers outside a pair run whole on every
+ * rank. One-line USAGE errors naming the file's line: another layer
+ * inside a pair (a layernorm: it normalises over all of a sample's
+ * features, which the pair splits), a width N does not divide. */
+tdm_status tdm_model_spec_tp_stages(const tdm_model_spec *s, const int *first, int stages, int N,
+                                    tdm_model_partial *kinds, int n, tdm_model_spec *narrow);
 /* out: n entries (n from tdm_model_spec_n_layers). */
 tdm_status tdm_model_spec_layer_costs(const tdm_model_spec *s, tdm_model_layer_cost *out, int n);
 

@@ -34,6 +34,8 @@ EOF
   else
     pass=$(( pass + p ))
     printf 'ok   %-28s %3s tests (%ss)\n' "$name" "$t" "$secs"
+    # a test that skips part of itself says so in a line of its own
+    printf '%s\n' "$out" | grep ': SKIPPED ' | sort -u | sed 's/^/     /'
   fi
 done
 [ -n "$bad" ] && echo "failing:$bad"

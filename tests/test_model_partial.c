@@ -3,12 +3,14 @@
  * layer's product before its bias and activation and a column-parallel
  * layer's input gradient, with their sizes; what it writes is what the
  * layer goes on with; a model without marks runs as before; bad marks
- * and the levers it does not run under are refused. */
+ * and the levers it does not run under are refused; a sliced GPT calls it
+ * at its four split layers per block. */
 #include <criterion/criterion.h>
 
 #include <string.h>
 
 #include "core/device.h"
+#include "models/gpt.h"
 #include "models/model.h"
 #include "models/precision.h"
 
@@ -99,6 +101,49 @@ Test(model_partial, bad_marks_and_other_levers_are_refused)
     cr_assert_eq(tdm_model_forward_backward(m, X, Y, B, &l), TDM_STATUS_INVALID_ARG);
     cr_assert(strstr(tdm_error_message(), "partial sums run in fp32"), "%s",
               tdm_error_message());
+    tdm_model_free(m);
+    tdm_device_free(dev);
+}
+
+/* A GPT of tp_ranks 2 holds one rank's slices (heads 1 of 2: c_attn
+ * (3C/2, C)); it runs only with the callback set, which it calls 4 times
+ * per block with B*T*C floats: forward after attn.c_proj and mlp.c_proj
+ * (logical layers 3 and 6 of block 0), backward with c_fc's and c_attn's
+ * input gradients (5 and 2). */
+Test(model_partial, a_sliced_gpt_sums_four_partial_products_per_block)
+{
+    enum { L = 2, C = 8, H = 2, T = 4, NB = 2 };
+    tdm_device *dev = NULL;
+    cr_assert_eq(tdm_device_open(&dev, "cpu", 0, 1), TDM_STATUS_OK);
+    tdm_model_spec s;
+    tdm_model_spec_gpt(&s, L, C, H, T);
+    s.tp_ranks = 2;
+    tdm_model *m = NULL;
+    cr_assert_eq(tdm_model_init(&m, dev, &s, 3), TDM_STATUS_OK, "%s", tdm_error_message());
+    const tdm_tensor_info *w = tdm_model_param_info(m, 4);
+    cr_assert_str_eq(w->name, "transformer.h.0.attn.c_attn.weight");
+    cr_assert(w->shape[0] == 3 * C / 2 && w->shape[1] == C, "%lld x %lld",
+              (long long)w->shape[0], (long long)w->shape[1]);
+    int32_t tok[NB * T], y[NB * T];
+    for (int i = 0; i < NB * T; i++) {
+        tok[i] = (i * 37) % 256;
+        y[i] = (i * 11 + 5) % 256;
+    }
+    double l = 0;
+    cr_assert_eq(tdm_model_forward_backward(m, tok, y, NB, &l), TDM_STATUS_INVALID_ARG);
+    cr_assert(strstr(tdm_error_message(), "tensor-parallel slice (1/2)"), "%s",
+              tdm_error_message());
+    rec r = {.scale = 1.0f};
+    tdm_model_partial kinds[1] = {TDM_MODEL_PARTIAL_NONE};
+    cr_assert_eq(tdm_model_set_partial_sums(m, kinds, 1, record, &r), TDM_STATUS_INVALID_ARG);
+    cr_assert_eq(tdm_model_set_partial_sums(m, NULL, 0, record, &r), TDM_STATUS_OK);
+    cr_assert_eq(tdm_model_forward_backward(m, tok, y, NB, &l), TDM_STATUS_OK, "%s",
+                 tdm_error_message());
+    static const int want[8] = {3, 6, 9, 12, 11, 8, 5, 2};
+    cr_assert_eq(r.calls, 8);
+    for (int i = 0; i < 8; i++)
+        cr_assert(r.layer[i] == want[i] && r.n[i] == NB * T * C, "call %d: layer %d, %lld", i,
+                  r.layer[i], (long long)r.n[i]);
     tdm_model_free(m);
     tdm_device_free(dev);
 }

@@ -16,7 +16,7 @@
  * - CUDA-emulated devices (cuda/ built, no GPU) write the host ranks'
  *   checkpoint bit for bit (what this does not test: CUDA, NCCL);
  * - bad meshes (a product that is not the device count, a width the
- *   group does not divide, the GPT, more stages than layers, ZeRO-1, a
+ *   group does not divide, the CNN, more stages than layers, ZeRO-1, a
  *   pipeline under --mode tp) are one line and exit 2. */
 #include <criterion/criterion.h>
 
@@ -206,12 +206,11 @@ Test(pp_tp_cli, bad_meshes_are_one_line_and_exit_2)
         const char *nl = strchr(r.out, '\n');
         cr_assert(nl && !nl[1], "more than one line:\n%s", r.out);
     }
-    char text[128];
-    snprintf(text, sizeof text, "%s/text.txt", g_dir);
-    cli_write_words(text);
+    /* the GPT's are tests/test_pp_tp_gpt.c's, model files' test_pp_tp_file.c's */
     CLI(&r, "train", "--mode", "pp", "--device", "cpu:4", "--mesh", "pp=2,tp=2", "--model",
-        "gpt:2-16-2-8", "--data", text);
-    expect(&r, 2, "a pipeline of tensor-parallel stages is built for the MLP only");
+        "cnn", "--data", "synthetic");
+    expect(&r, 2, "a pipeline of tensor-parallel stages is built for the MLP, the GPT and model "
+                  "files (the CNN's is not)");
     CLI(&r, "train", "--mode", "pp", "--device", "cpu:8", "--mesh", "dp=2,pp=2,tp=2",
         "--sharding", "optimizer", MLP, SYN);
     expect(&r, 2, "ZeRO-1 over the dp dimension of tensor-parallel stages is not built");

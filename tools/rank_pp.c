@@ -74,8 +74,12 @@ tdm_pp *tdm_tool_pp_of(const tdm_tool_rank *r) { return ((const tdm_tool_pp *)r-
 void tdm_tool_pp_tp_sums(const tdm_tool_rank *r, int64_t *calls, int64_t *bytes, double *ms)
 {
     const tdm_tool_pp *q = r->w;
-    *calls = q->tpn > 1 ? q->tp.sums : 0;
-    *bytes = q->tpn > 1 ? q->tp.sum_bytes : 0;
+    tdm_comm_traffic t;
+    memset(&t, 0, sizeof t);
+    /* the partial sums are the only all-reduces on the stage's tp group */
+    if (q->tpn > 1) tdm_comm_traffic_get(q->tp.tdev, &t);
+    *calls = t.calls[TDM_COLL_ALL_REDUCE];
+    *bytes = t.bytes[TDM_COLL_ALL_REDUCE];
     *ms = q->tpn > 1 ? q->tp.sum_ms : 0.0;
 }
 
@@ -158,7 +162,7 @@ tdm_status tdm_tool_pp_check(const tdm_tool_build *b, int world, tdm_mesh_shape 
         if (tdm_model_spec_check_split(&b->spec, first, S)) return tdm_tool_pp_refuse("--split");
     }
     if (N == 1) return TDM_STATUS_OK;
-    tdm_pptp_cut cut[TDM_MODEL_MAX_DIMS];
+    tdm_pptp_cut cut[TDM_PPTP_MAX_LAYERS];
     tdm_model_spec narrow;
     if (!b->pp.split && tdm_tool_pp_first(b, S, first)) return tdm_tool_pp_refuse("--model");
     return tdm_pptp_plan(&b->spec, S, first, N, cut, &narrow);
@@ -568,13 +572,24 @@ static void tdm_rank_pp_describe(const tdm_tool_rank *r, char *on, size_t n_on, 
              q->zopt ? "; ZeRO-1: each replica steps 1/D of a stage" : "");
     tdm_tool_mesh_replicas_str(&q->mesh, how_z, reps, sizeof reps);
     char tp[200] = "";
-    if (q->tpn > 1) {
-        int k = snprintf(tp, sizeof tp, " x tp %d (", q->tpn);
+    if (q->tpn > 1 && q->tp.narrow.kind == TDM_MODEL_GPT) {
+        snprintf(tp, sizeof tp, " x tp %d (per block: attn.c_attn column by heads, %d of %d per "
+                 "rank, attn.c_proj row, mlp.c_fc column, mlp.c_proj row; embeddings, "
+                 "LayerNorms and the tied head replicated)", q->tpn,
+                 q->tp.narrow.n_head / q->tpn, q->tp.narrow.n_head);
+    } else if (q->tpn > 1) {
+        /* each linear layer (its weight fcK.weight) and its cut */
+        int k = snprintf(tp, sizeof tp, " x tp %d (", q->tpn), fc = 0;
         static const char *const cut[] = {"replicated", "column", "row"};
-        int L = q->tp.narrow.ndims - 1;
-        for (int l = 0; l < L && k > 0 && (size_t)k < sizeof tp; l++)
-            k += snprintf(tp + k, sizeof tp - (size_t)k, "%sfc%d %s", l ? ", " : "", l + 1,
-                          cut[q->tp.cut[l]]);
+        const tdm_model *t = q->tp.whole;
+        for (int i = 0; i < tdm_model_n_params(t) && k > 0 && (size_t)k < sizeof tp; i++) {
+            const tdm_tensor_info *w = tdm_model_param_info(t, i);
+            int K;
+            char rest[16];
+            if (sscanf(w->name, "fc%d.%15s", &K, rest) != 2 || strcmp(rest, "weight")) continue;
+            k += snprintf(tp + k, sizeof tp - (size_t)k, "%sfc%d %s", fc++ ? ", " : "", K,
+                          cut[q->tp.cut[w->layer]]);
+        }
         if (k > 0 && (size_t)k < sizeof tp) snprintf(tp + k, sizeof tp - (size_t)k, ")");
     }
     snprintf(on, n_on, ", pipeline of %d stages (first layers %s)%s, %s, %d micro-batches%s",
@@ -657,7 +672,7 @@ static void tdm_rank_pp_print(const tdm_tool_rank *r, const double *all, int S)
                      "(replica 0's shown), the slices gathered over the dp dimension"
                    : "");
     if (q->tpn > 1)
-        printf("pp-tp: each stage's %d ranks hold 1/%d of its paired layers (tp rank 0's shown); "
+        printf("pp-tp: each stage's %d ranks hold 1/%d of its split layers (tp rank 0's shown); "
                "rank 0 all-reduced %lld partial sums of %.3f MiB in %.3f ms over the run\n",
                q->tpn, q->tpn, (long long)q->tp.sums, (double)q->tp.sum_bytes * mib,
                q->tp.sum_ms);

@@ -13,11 +13,35 @@
 tdm_status tdm_pptp_plan(const tdm_model_spec *spec, int S, const int *first, int N,
                          tdm_pptp_cut *cut, tdm_model_spec *narrow)
 {
+    *narrow = *spec;
+    if (spec->kind == TDM_MODEL_GPT) {
+        /* every stage's blocks split by heads and c_fc's rows; the
+         * embeddings, LayerNorms and the tied head replicated */
+        TDM_REQUIRE(spec->n_head % N == 0, TDM_STATUS_USAGE,
+                    "the GPT's %d heads are not divisible by the %d tensor-parallel ranks of "
+                    "each stage (attention is split by heads)", spec->n_head, N);
+        memset(cut, 0, TDM_PPTP_MAX_LAYERS * sizeof *cut);
+        narrow->tp_ranks = N;
+        return TDM_STATUS_OK;
+    }
+    if (spec->kind == TDM_MODEL_SEQ) {
+        tdm_model_partial kinds[TDM_PPTP_MAX_LAYERS];
+        int n = 0;
+        TDM_CHECK(tdm_model_spec_n_layers(spec, &n));
+        TDM_REQUIRE(n <= TDM_PPTP_MAX_LAYERS, TDM_STATUS_USAGE,
+                    "%s: %d pipeline layers, at most %d in tensor-parallel stages", spec->name,
+                    n, TDM_PPTP_MAX_LAYERS);
+        TDM_CHECK(tdm_model_spec_tp_stages(spec, first, S, N, kinds, n, narrow));
+        for (int l = 0; l < n; l++)
+            cut[l] = kinds[l] == TDM_MODEL_PARTIAL_IN    ? TDM_PPTP_COLUMN
+                     : kinds[l] == TDM_MODEL_PARTIAL_OUT ? TDM_PPTP_ROW
+                                                         : TDM_PPTP_REPLICATED;
+        return TDM_STATUS_OK;
+    }
     TDM_REQUIRE(spec->kind == TDM_MODEL_MLP, TDM_STATUS_USAGE,
                 "--mesh with pp=%d and tp=%d: a pipeline of tensor-parallel stages is built for "
-                "the MLP only (the GPT's and the CNN's are not)", S, N);
+                "the MLP, the GPT and model files (the CNN's is not)", S, N);
     int L = spec->ndims - 1;
-    *narrow = *spec;
     for (int s = 0; s < S; s++) {
         int lo = first[s], hi = s + 1 < S ? first[s + 1] : L;
         for (int l = lo; l < hi; l += 2) {
@@ -34,6 +58,44 @@ tdm_status tdm_pptp_plan(const tdm_model_spec *spec, int S, const int *first, in
             narrow->dims[l + 1] = w / N;
         }
     }
+    return TDM_STATUS_OK;
+}
+
+tdm_status tdm_pptp_step_plan(const tdm_model_spec *spec, int S, const int *first, int N, int s,
+                              int rows, int micro_size, int64_t *calls, int64_t *bytes)
+{
+    tdm_pptp_cut cut[TDM_PPTP_MAX_LAYERS];
+    tdm_model_spec narrow;
+    *calls = *bytes = 0;
+    if (N < 2) return TDM_STATUS_OK;
+    TDM_CHECK(tdm_pptp_plan(spec, S, first, N, cut, &narrow));
+    int n = 0;
+    TDM_CHECK(tdm_model_spec_n_layers(spec, &n));
+    int lo = first[s], hi = s + 1 < S ? first[s + 1] : n;
+    int64_t per_sample = 0, per_mb = 0;
+    /* pipeline layers of the GPT: 0 the embeddings, 1..L the blocks,
+     * L + 1 the head */
+    for (int l = lo; spec->kind == TDM_MODEL_GPT && l < hi; l++) {
+        if (l < 1 || l > spec->n_layer) continue;
+        per_mb += 4;
+        per_sample += 4 * (int64_t)spec->n_ctx * spec->n_embd;
+    }
+    tdm_model *t = NULL;
+    if (spec->kind != TDM_MODEL_GPT) TDM_CHECK(tdm_model_init_tables(&t, spec));
+    /* the MLP's and a model file's: each split linear layer's weight
+     * (out, in) */
+    for (int i = 0; t && i < tdm_model_n_params(t); i++) {
+        const tdm_tensor_info *w = tdm_model_param_info(t, i);
+        int l = w->layer;
+        if (w->ndim != 2 || l < lo || l >= hi) continue;
+        if (cut[l] == TDM_PPTP_ROW) per_sample += w->shape[0];
+        if (cut[l] == TDM_PPTP_COLUMN && l > 0) per_sample += w->shape[1];
+        per_mb += cut[l] == TDM_PPTP_ROW || (cut[l] == TDM_PPTP_COLUMN && l > 0);
+    }
+    tdm_model_free(t);
+    int mbs = rows > 0 && micro_size > 0 ? (rows + micro_size - 1) / micro_size : 0;
+    *calls = per_mb * mbs;
+    *bytes = per_sample * rows * (int64_t)sizeof(float);
     return TDM_STATUS_OK;
 }
 
@@ -74,28 +136,37 @@ static tdm_status tdm_pptp_sum(void *ctx, float *buf, int64_t n, int layer)
     return TDM_STATUS_OK;
 }
 
-/* Tensor i's part of rank t: whole layout wi, narrow layout ni. */
+/* Tensor i's part of rank t: whole layout wi, narrow layout ni. The
+ * narrow shape says the cut: fewer columns, a row-parallel weight;
+ * fewer rows, a column-parallel weight or bias (the GPT's c_attn in its
+ * q, k and v thirds: its heads' rows of each); the same, replicated. */
 static void tdm_pptp_move(const tdm_pptp *q, int t, int i, float *whole, float *narrow, int out)
 {
     const tdm_tensor_info *wi = tdm_model_param_info(q->whole, i);
     const tdm_tensor_info *ni = tdm_model_param_info(q->slim, i);
-    tdm_pptp_cut c = q->cut[wi->layer];
     float *w = whole + wi->offset, *n = narrow + ni->offset;
-    if (c == TDM_PPTP_ROW && wi->ndim == 2) {
+    size_t f = sizeof *w;
+    if (wi->ndim == 2 && ni->shape[1] < wi->shape[1]) {
         /* the weight's columns [t*k, (t+1)*k) of every row */
         int64_t rows = wi->shape[0], in = wi->shape[1], k = ni->shape[1];
         for (int64_t o = 0; o < rows; o++) {
             float *a = w + o * in + (int64_t)t * k, *b = n + o * k;
-            if (out) memcpy(a, b, (size_t)k * sizeof *a);
-            else memcpy(b, a, (size_t)k * sizeof *a);
+            if (out) memcpy(a, b, (size_t)k * f);
+            else memcpy(b, a, (size_t)k * f);
         }
         return;
     }
-    /* a column layer's rows [t*r, (t+1)*r) (weight and bias: contiguous);
-     * the rest whole */
-    if (c == TDM_PPTP_COLUMN) w += (int64_t)t * ni->n_elem;
-    if (out) memcpy(w, n, (size_t)ni->n_elem * sizeof *w);
-    else memcpy(n, w, (size_t)ni->n_elem * sizeof *w);
+    int parts = 1;
+    if (ni->shape[0] < wi->shape[0] && strstr(wi->name, "attn.c_attn.")) parts = 3;
+    /* rows [t*r, (t+1)*r) of each part (contiguous: the row length is
+     * the whole one's); the rest whole (one part of all its rows) */
+    int64_t whole_part = wi->n_elem / parts, r = ni->n_elem / parts;
+    int64_t at = ni->n_elem < wi->n_elem ? (int64_t)t * r : 0;
+    for (int k = 0; k < parts; k++) {
+        float *a = w + k * whole_part + at, *b = n + k * r;
+        if (out) memcpy(a, b, (size_t)r * f);
+        else memcpy(b, a, (size_t)r * f);
+    }
 }
 
 void tdm_pptp_slice(const tdm_pptp *q, int t, const float *whole, float *narrow)
@@ -124,20 +195,30 @@ tdm_status tdm_pptp_load(tdm_pptp *q, tdm_pp *p, const tdm_ckpt_host *h)
     return st;
 }
 
-tdm_status tdm_pptp_attach(tdm_pptp *q, tdm_pp *p, uint64_t seed)
+/* The stage's partial sums: the MLP's layers marked by the plan's cut;
+ * the sliced GPT's spec says its own. */
+static tdm_status tdm_pptp_mark(tdm_pptp *q, tdm_model *m)
 {
-    tdm_model *m = tdm_pp_model(p);
+    if (q->narrow.kind == TDM_MODEL_GPT)
+        return tdm_model_set_partial_sums(m, NULL, 0, tdm_pptp_sum, q);
     tdm_model_stage_info si;
     tdm_model_get_stage(m, &si);
-    tdm_model_partial kinds[TDM_MODEL_MAX_DIMS];
+    tdm_model_partial kinds[TDM_PPTP_MAX_LAYERS];
     int n = tdm_model_n_layers(m);
-    TDM_REQUIRE(n == si.hi - si.lo && n <= TDM_MODEL_MAX_DIMS, TDM_STATUS_INTERNAL,
+    TDM_REQUIRE(n == si.hi - si.lo && n <= TDM_PPTP_MAX_LAYERS, TDM_STATUS_INTERNAL,
                 "tensor-parallel stage: %d layers for pipeline layers %d-%d", n, si.lo, si.hi - 1);
     for (int i = 0; i < n; i++)
         kinds[i] = q->cut[si.lo + i] == TDM_PPTP_COLUMN ? TDM_MODEL_PARTIAL_IN
                    : q->cut[si.lo + i] == TDM_PPTP_ROW  ? TDM_MODEL_PARTIAL_OUT
                                                          : TDM_MODEL_PARTIAL_NONE;
     TDM_CHECK(tdm_model_set_partial_sums(m, kinds, n, tdm_pptp_sum, q));
+    tdm_model_set_partial_rank(m, q->t);
+    return TDM_STATUS_OK;
+}
+
+tdm_status tdm_pptp_attach(tdm_pptp *q, tdm_pp *p, uint64_t seed)
+{
+    TDM_CHECK(tdm_pptp_mark(q, tdm_pp_model(p)));
     /* this rank's slices of the whole model's initial parameters, so that
      * the run starts where one device starts */
     tdm_device *host = NULL;

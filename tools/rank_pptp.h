@@ -19,8 +19,18 @@
  * parameters of the seed) and the narrow model's by slicing: a column
  * layer's rows, a row layer's weight columns, the rest whole.
  *
- * The MLP only (the GPT's and the CNN's pipelines of tensor-parallel
- * stages are not built: one-line usage errors). */
+ * The GPT's stages (a narrow spec of tp_ranks N, models/model.h: its
+ * blocks' heads and c_fc rows split, Megatron's layout as tp/gpt.c lays
+ * out a whole GPT): the embeddings, the LayerNorms and the tied head are
+ * replicated on the N ranks of their stage and computed on the same bits
+ * by each (their inputs are the all-reduced stream), so tp rank t's
+ * pipeline sums its own tied-embedding shares (pp/'s exchange between
+ * the first and the last stage, within tp index t) and the N copies stay
+ * equal without communication. A model file's stages pair their linear
+ * layers as the MLP's, with elementwise layers (dropout too: its mask
+ * the whole vector's columns, tdm_model_set_partial_rank) inside a pair
+ * and any layer outside one, run whole on every rank. The CNN's pipeline
+ * of tensor-parallel stages is not built: a one-line usage error. */
 #ifndef TDM_TOOLS_RANK_PPTP_H
 #define TDM_TOOLS_RANK_PPTP_H
 
@@ -43,14 +53,33 @@ typedef enum tdm_pptp_cut {
     TDM_PPTP_ROW,                /* input features split: the product summed over the group */
 } tdm_pptp_cut;
 
-/* The plan: spec (an MLP) cut by first[0..S) into stages, each stage's
- * linear layers on N ranks: cut[l] per linear layer and *narrow, spec
- * with each column layer's output width divided by N. One-line USAGE
- * errors: a model other than the MLP, a width N does not divide ("stage
- * 1: fc3's output width 10 (fc4's input) is not divisible by the 4
- * tensor-parallel ranks"). */
+/* The most pipeline layers a plan cuts (a model file's). */
+#define TDM_PPTP_MAX_LAYERS TDM_MODEL_MAX_OPS
+
+/* The plan: spec (an MLP, a GPT or a model file) cut by first[0..S)
+ * into stages, each stage's layers on N ranks: cut[l] per pipeline layer
+ * (room for TDM_PPTP_MAX_LAYERS; all REPLICATED for the GPT, whose
+ * narrow spec says its split) and *narrow, spec with each column layer's
+ * output width divided by N (the GPT: tp_ranks N). A model file pairs as
+ * tdm_model_spec_tp_stages says (models/stage.h). One-line USAGE
+ * errors: the CNN, a width N does not divide ("stage 1: fc3's output
+ * width 10 (fc4's input) is not divisible by the 4 tensor-parallel
+ * ranks"), heads N does not divide, a model file's layer inside a pair
+ * named by its line. */
 tdm_status tdm_pptp_plan(const tdm_model_spec *spec, int S, const int *first, int N,
                          tdm_pptp_cut *cut, tdm_model_spec *narrow);
+
+/* The plan's payload of stage s's partial sums in one step of `rows`
+ * samples of this replica cut into micro-batches of micro_size (the
+ * last shorter): *calls all-reduces of *bytes in all, per rank of the
+ * stage's tp group. Per micro-batch of b samples: the GPT's 4 per block
+ * of the stage (forward after attn.c_proj and mlp.c_proj, backward
+ * c_attn's and c_fc's input gradients) of b*T*C floats each; the MLP's
+ * and a model file's one per row layer (b x its output width) and one
+ * per column layer but the model's first (b x its input width). 0 for
+ * one rank. The plan's USAGE errors. */
+tdm_status tdm_pptp_step_plan(const tdm_model_spec *spec, int S, const int *first, int N, int s,
+                              int rows, int micro_size, int64_t *calls, int64_t *bytes);
 
 /* A tensor-parallel stage (r of N in the group tp: device memory through
  * tdev, host memory through thost, both borrowed). */
@@ -60,7 +89,7 @@ typedef struct tdm_pptp {
     tdm_comm *phost;             /* the pipeline's host communicator (borrowed; the caller's) */
     tdm_device *dev;
     tdm_model_spec narrow;
-    tdm_pptp_cut cut[TDM_MODEL_MAX_DIMS];
+    tdm_pptp_cut cut[TDM_PPTP_MAX_LAYERS];
     tdm_model *whole, *slim;     /* the tables of the whole and the narrow model */
     int64_t sums;                /* partial sums all-reduced, and their bytes */
     int64_t sum_bytes;

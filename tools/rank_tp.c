@@ -25,6 +25,7 @@
 #include "dist/det.h"
 #include "dist/mesh.h"
 #include "dist/step.h"
+#include "tools/plan_peak.h"
 #include "tools/rank_mesh.h"
 #include "tools/ranks.h"
 #include "tools/train_modes.h"
@@ -304,6 +305,33 @@ static void tdm_rank_tp_describe(const tdm_tool_rank *r, char *on, size_t n_on, 
     snprintf(note, n_note, "%s", "");
 }
 
+/* Rank 0's device peak (the allocator's) beside the plan of a rank at
+ * its replica's share (tools/plan_peak.h; tandem plan --mode tp prints
+ * the largest share's; not with --deterministic's virtual shards). */
+static void tdm_rank_tp_peak(const tdm_tool_rank *r)
+{
+    const tdm_tool_tp *q = r->w;
+    tdm_dev_mem_stats ms;
+    tdm_tool_tp_plan t;
+    if (tdm_dev_mem_query(r->dist->dev, &ms)) {
+        tdm_error_clear();
+        return;
+    }
+    printf("tp memory, rank 0: device peak %.2f MiB measured (allocator)",
+           ms.peak_bytes / 1048576.0);
+    /* rank 0's replica's rows (tp reserves its activations for them) */
+    int64_t lo, hi;
+    tdm_dist_share(r->b->pp.batch, q->mesh.coord[TDM_MESH_DP], q->mesh.size[TDM_MESH_DP], &lo,
+                   &hi);
+    if (!r->b->deterministic && hi > lo &&
+        !tdm_tool_plan_tp_rank(&r->b->spec, &r->b->optim, q->mesh.size[TDM_MESH_TP],
+                               q->mesh.size[TDM_MESH_DP], (int)(hi - lo), r->b->tp.seq_par,
+                               r->b->tp.zero1, &t))
+        printf(", %.2f MiB planned (tandem plan)", t.peak / 1048576.0);
+    tdm_error_clear();
+    printf("\n");
+}
+
 /* Rank 0's step: its phases, memory and what its communicator counted. */
 static void tdm_rank_tp_report(const tdm_tool_rank *r, int overlap)
 {
@@ -325,6 +353,7 @@ static void tdm_rank_tp_report(const tdm_tool_rank *r, int overlap)
            (double)s.params * mib, (double)s.grads * mib, (double)s.optimizer * mib,
            (long long)s.split_elems, (long long)s.whole_split_elems,
            (long long)s.replicated_elems);
+    tdm_rank_tp_peak(r);
     tdm_comm_traffic t;
     tdm_comm_traffic_get(q->mesh.dev[TDM_MESH_TP], &t);
     tdm_comm_traffic plan;

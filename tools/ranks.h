@@ -148,7 +148,8 @@ tdm_status tdm_tool_pp_check(const tdm_tool_build *b, int world, tdm_mesh_shape 
 /* A pipeline rank's stage (r of tdm_tool_pp_design). */
 tdm_pp *tdm_tool_pp_of(const tdm_tool_rank *r);
 /* Its stage's tensor-parallel partial sums so far (--mesh with tp=N > 1;
- * all 0 without): the all-reduces, their payload bytes and their ms. */
+ * all 0 without): the all-reduces and their payload bytes as the stage's
+ * tp communicator counted them (tdm_comm_traffic_get), and their ms. */
 void tdm_tool_pp_tp_sums(const tdm_tool_rank *r, int64_t *calls, int64_t *bytes, double *ms);
 /* The shm arena a pipeline job over dl needs: DDP's over the dp
  * dimension's replicas (none without one). */

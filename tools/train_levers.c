@@ -267,48 +267,79 @@ tdm_status tdm_train_levers_rank(const tdm_train_args *a, const tdm_tool_rank *r
     return TDM_STATUS_OK;
 }
 
-/* Rank 0's stage (stage 0 of replica 0) as tandem plan --mode pp plans
- * it, on host devices with whole stages. */
-static void tdm_levers_pp_planned(const tdm_train_args *a, const tdm_tool_rank *r)
+/* This rank's stage as tandem plan --mode pp plans it; 0: not planned. */
+static size_t tdm_levers_pp_planned(const tdm_train_args *a, const tdm_tool_rank *r)
 {
-    const tdm_tool_build *b = r->b;
-    int S = r->dist->shape.size[TDM_MESH_PP], reps = r->dist->shape.size[TDM_MESH_DP], n = 0;
-    int first[64];
-    tdm_pp_schedule *sched = NULL;
-    if (r->dist->shape.size[TDM_MESH_TP] > 1 || S > 64 ||
-        tdm_dev_kind(tdm_model_device(r->m)) != TDM_DEVICE_HOST ||
-        tdm_model_spec_n_layers(&b->spec, &n) ||
-        (b->pp.split ? tdm_pp_split_parse(b->pp.split, S, n, first)
-                     : tdm_pp_split_balance(&b->spec, S, TDM_PP_BALANCE_FLOPS, first)) ||
-        tdm_pp_schedule_build(&sched, b->pp.schedule, S, b->pp.micro)) {
+    size_t planned = 0;
+    if (tdm_tool_plan_pp_rank(r->b, &r->dist->shape, r->dist->coord,
+                              tdm_dev_kind(tdm_model_device(r->m)), (int)a->batch,
+                              (int)a->threads, a->clip_grad_norm > 0.0, &planned)) {
         tdm_error_clear();
+        return 0;
+    }
+    return planned;
+}
+
+/* What each rank sends rank 0 (all-gathered as int64s, byte for byte). */
+typedef struct tdm_levers_pp_peak {
+    int64_t stage, rep, tp, peak, planned;
+    char dev[40];
+} tdm_levers_pp_peak;
+
+/* Every rank's measured peak and plan to rank 0 (collective over the
+ * job), which prints the largest, then one line per rank: its stage,
+ * replica and device. */
+static void tdm_levers_pp_report(const tdm_train_args *a, const tdm_tool_rank *r, size_t peak)
+{
+    enum { WORDS = sizeof(tdm_levers_pp_peak) / sizeof(int64_t) };
+    tdm_levers_pp_peak mine = {.stage = r->dist->coord[TDM_MESH_PP],
+                               .rep = r->dist->coord[TDM_MESH_DP],
+                               .tp = r->dist->coord[TDM_MESH_TP], .peak = (int64_t)peak,
+                               .planned = (int64_t)tdm_levers_pp_planned(a, r)};
+    snprintf(mine.dev, sizeof mine.dev, "%s", tdm_dev_name(tdm_model_device(r->m)));
+    tdm_levers_pp_peak *all = calloc((size_t)r->world, sizeof *all);
+    if (!all) return;
+    tdm_comm_set_label(r->dist->comm, "pp memory summary");
+    if (tdm_comm_all_gather(r->dist->comm, &mine, all, WORDS, TDM_DTYPE_INT64) ||
+        r->rank != 0) {
+        tdm_error_clear();
+        free(all);
         return;
     }
-    int share = (int)((a->batch + reps - 1) / reps);
-    tdm_plan_opts o;
-    tdm_plan stage;
-    size_t planned = 0;
-    tdm_plan_opts_default(&o, &b->spec, (share + b->pp.micro - 1) / b->pp.micro);
-    o.precision = b->precision;
-    o.ckpt = b->ckpt;
-    o.optim = b->optim;
-    o.device = TDM_DEVICE_HOST;
-    o.threads = (int)a->threads;
-    o.loss_scaling = o.precision == TDM_PRECISION_FP16;
-    o.grad_norm = a->clip_grad_norm > 0.0;
-    if (tdm_tool_plan_pp_stage(&o, S, first, 0, tdm_pp_schedule_in_flight(sched, 0), &planned,
-                               &stage) == TDM_STATUS_OK)
-        printf(", %.2f MiB planned (tandem plan)", planned / 1048576.0);
-    else
-        tdm_error_clear();
-    tdm_pp_schedule_free(sched);
+    const double mib = 1.0 / 1048576.0;
+    int reps = r->dist->shape.size[TDM_MESH_DP], tps = r->dist->shape.size[TDM_MESH_TP], top = 0;
+    for (int k = 1; k < r->world; k++)
+        if (all[k].peak > all[top].peak) top = k;
+    printf("peak memory on a device: %.2f MiB measured (allocator) on rank %d's %s (stage %lld, "
+           "the largest)", all[top].peak * mib, top, all[top].dev, (long long)all[top].stage);
+    if (all[top].planned > 0) printf(", %.2f MiB planned (tandem plan)", all[top].planned * mib);
+    printf("; each rank's:\n");
+    for (int k = 0; k < r->world; k++) {
+        const tdm_levers_pp_peak *f = &all[k];
+        char who[64] = "";
+        if (reps > 1) snprintf(who, sizeof who, ", replica %lld", (long long)f->rep);
+        if (tps > 1)
+            snprintf(who + strlen(who), sizeof who - strlen(who), ", tp rank %lld",
+                     (long long)f->tp);
+        printf("  stage %lld%s (rank %d's %s): %.2f MiB measured", (long long)f->stage, who, k,
+               f->dev, f->peak * mib);
+        if (f->planned > 0) printf(", %.2f MiB planned", f->planned * mib);
+        printf("\n");
+    }
+    free(all);
 }
 
 void tdm_train_levers_rank_report(const tdm_train_args *a, const tdm_tool_rank *r)
 {
     tdm_dev_mem_stats ms;
-    if (!tdm_levers_set(a) || r->rank != 0 ||
-        tdm_dev_mem_query(tdm_model_device(r->m), &ms) != TDM_STATUS_OK)
+    if (!tdm_levers_set(a)) return;
+    if (!strcmp(a->mode, "pp")) {
+        /* every rank: its peak goes to rank 0 (collective) */
+        if (tdm_dev_mem_query(tdm_model_device(r->m), &ms) != TDM_STATUS_OK) ms.peak_bytes = 0;
+        tdm_levers_pp_report(a, r, ms.peak_bytes);
+        return;
+    }
+    if (r->rank != 0 || tdm_dev_mem_query(tdm_model_device(r->m), &ms) != TDM_STATUS_OK)
         return;
     printf("peak memory on rank 0's %s: %.2f MiB measured (allocator)",
            tdm_dev_name(tdm_model_device(r->m)), ms.peak_bytes / 1048576.0);
@@ -317,11 +348,6 @@ void tdm_train_levers_rank_report(const tdm_train_args *a, const tdm_tool_rank *
     tdm_plan_opts o;
     size_t planned = 0;
     int fsdp = !strcmp(a->mode, "fsdp");
-    if (!strcmp(a->mode, "pp")) {
-        tdm_levers_pp_planned(a, r);
-        printf("\n");
-        return;
-    }
     if (strcmp(a->mode, "ddp") && !fsdp) {
         printf("\n");
         return;

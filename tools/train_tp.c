@@ -15,6 +15,11 @@
 
 tdm_status tdm_train_check_tp(const tdm_train_args *a)
 {
+    if (a->sequence_parallel && !strcmp(a->mode, "pp"))
+        return tdm_tool_usage_error("tandem train: --sequence-parallel applies to --mode tp "
+                                    "(the GPT), not --mode pp: a pipeline's tensor-parallel "
+                                    "stages (--mesh ...,pp=S,tp=N) all-reduce whole partial "
+                                    "sums (sequence parallelism is not built there)\n");
     if (a->sequence_parallel && strcmp(a->mode, "tp"))
         return tdm_tool_usage_error("tandem train: --sequence-parallel applies to --mode tp "
                                     "(the GPT), not --mode %s\n", a->mode);

@@ -167,30 +167,21 @@ static tdm_status tdm_tp_fwd_bwd(tdm_tp *p, const void *x, const int32_t *y, int
 
 /* ZeRO-1's sum: the replica's chunk of the gradients summed over
  * grad_comm (a reduce-scatter: each replica steps only its chunk, so
- * the rest of the sum is never needed), in place in p->grads or, when
- * the chunks are padded past the rank's n elements, through p->zbuf. The
- * other elements of p->grads keep the replica's own gradient. */
+ * the rest of the sum is never needed), in place in p->grads (zreps *
+ * zchunk floats: the padding past n_elem is zero). The other elements of
+ * p->grads are not the sum: the replica's own gradient, or the
+ * backend's scratch (MPI's in-place reduce-scatter). */
 static tdm_status tdm_tp_sync_chunk(tdm_tp *p)
 {
-    int64_t lo, k, c = p->zchunk;
-    tdm_tp_zero_range(p, &lo, &k);
-    float *buf = p->zbuf ? p->zbuf : p->grads;
-    if (p->zbuf) {
-        TDM_CHECK(tdm_dev_copy(p->dev, buf, p->grads, (size_t)p->n_elem * sizeof(float)));
-        TDM_CHECK(tdm_dev_sync(p->dev));
-    }
+    int64_t c = p->zchunk;
     tdm_comm_set_label(p->gcomm, "tp zero1 reduce-scatter of the gradients over the dp "
                        "dimension");
-    tdm_status st = tdm_comm_reduce_scatter(p->gcomm, buf, buf + (int64_t)p->zrep * c,
+    tdm_status st = tdm_comm_reduce_scatter(p->gcomm, p->grads, p->grads + (int64_t)p->zrep * c,
                                             (size_t)c, TDM_DTYPE_FLOAT32, TDM_REDOP_SUM);
-    if (st) {
+    if (st)
         tdm_error_prefix(st, "tp rank %d: ZeRO-1's reduce-scatter of the gradients over the dp "
                          "dimension (replica %d)", p->rank, p->zrep);
-        return st;
-    }
-    if (p->zbuf && k)
-        TDM_CHECK(tdm_dev_copy(p->dev, p->grads + lo, buf + lo, (size_t)k * sizeof(float)));
-    return TDM_STATUS_OK;
+    return st;
 }
 
 /* The sum of the accumulated gradients over grad_comm (the dp
@@ -221,14 +212,16 @@ static tdm_status tdm_tp_sync(tdm_tp *p, tdm_tp_phases *ph)
 
 tdm_status tdm_tp_zero_grad(tdm_tp *p)
 {
-    return tdm_dev_memset_zero(p->dev, p->grads, (size_t)p->n_elem * sizeof(float));
+    /* the padding too: an in-place reduce-scatter may leave scratch there */
+    return tdm_dev_memset_zero(p->dev, p->grads, (size_t)tdm_tp_flat_alloc(p) * sizeof(float));
 }
 
 /* ZeRO-1's step: the replica's chunk of the summed gradients steps its
  * chunk of the parameters (the optimizer holds that chunk's state
  * only), then every replica's chunk is all-gathered over the dp
- * dimension into every replica's parameters. SGD and AdamW update each
- * element from its own gradient and state: the plain step's bits. */
+ * dimension into every replica's parameters, in place (zreps * zchunk
+ * floats). SGD and AdamW update each element from its own gradient and
+ * state: the plain step's bits. */
 static tdm_status tdm_tp_step_zero(tdm_tp *p)
 {
     int64_t lo, k, c = p->zchunk;
@@ -236,21 +229,14 @@ static tdm_status tdm_tp_step_zero(tdm_tp *p)
     tdm_optim_range rg = {.param = p->params + lo, .grad = p->grads + lo, .state_offset = 0,
                           .n_elem = k};
     TDM_CHECK(tdm_optim_step_ranges(p->opt, &rg, k > 0));
-    float *all = p->zbuf ? p->zbuf : p->params;
-    if (p->zbuf && k)
-        TDM_CHECK(tdm_dev_copy(p->dev, all + lo, p->params + lo, (size_t)k * sizeof(float)));
     TDM_CHECK(tdm_dev_sync(p->dev));
     tdm_comm_set_label(p->gcomm, "tp zero1 gather of the parameters over the dp dimension");
-    tdm_status st = tdm_comm_all_gather(p->gcomm, all + (int64_t)p->zrep * c, all, (size_t)c,
-                                        TDM_DTYPE_FLOAT32);
-    if (st) {
+    tdm_status st = tdm_comm_all_gather(p->gcomm, p->params + (int64_t)p->zrep * c, p->params,
+                                        (size_t)c, TDM_DTYPE_FLOAT32);
+    if (st)
         tdm_error_prefix(st, "tp rank %d: ZeRO-1's gather over the dp dimension (replica %d)",
                          p->rank, p->zrep);
-        return st;
-    }
-    if (p->zbuf)
-        TDM_CHECK(tdm_dev_copy(p->dev, p->params, all, (size_t)p->n_elem * sizeof(float)));
-    return TDM_STATUS_OK;
+    return st;
 }
 
 static tdm_status tdm_tp_step_only(tdm_tp *p)

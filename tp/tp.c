@@ -296,16 +296,13 @@ static tdm_status tdm_tp_alloc_state(tdm_tp *p, const tdm_optim_opts *optim)
 {
     tdm_dev_mem_stats a, b;
     int measured = tdm_dev_mem_query(p->dev, &a) == TDM_STATUS_OK;
-    size_t bytes = (size_t)p->n_elem * sizeof(float);
+    size_t bytes = (size_t)tdm_tp_flat_alloc(p) * sizeof(float);
     TDM_CHECK(tdm_dev_alloc_zero(p->dev, bytes, (void **)&p->params));
     TDM_CHECK(tdm_dev_alloc_zero(p->dev, bytes, (void **)&p->grads));
     /* ZeRO-1: state for the replica's chunk only */
     TDM_CHECK(tdm_optim_init_flat(&p->opt, p->dev, p->zero ? p->zchunk : p->n_elem, optim));
     if (measured && tdm_dev_mem_query(p->dev, &b) == TDM_STATUS_OK)
         p->stats.state_alloc_bytes = b.live_bytes - a.live_bytes;
-    if (p->zero && p->zchunk * p->zreps != p->n_elem)
-        TDM_CHECK(tdm_dev_alloc_zero(p->dev, (size_t)(p->zchunk * p->zreps) * sizeof(float),
-                                     (void **)&p->zbuf));
     p->stats.params = p->stats.grads = bytes;
     p->stats.optimizer = tdm_optim_state_bytes(p->opt);
     return TDM_STATUS_OK;
@@ -411,7 +408,6 @@ void tdm_tp_free(tdm_tp *p)
     tdm_tp_free_acts(p);
     tdm_tp_gpt_free(p);
     tdm_optim_free(p->opt);
-    tdm_dev_free(p->dev, p->zbuf);
     tdm_dev_free(p->dev, p->params);
     tdm_dev_free(p->dev, p->grads);
     tdm_model_free(p->tables);
@@ -554,6 +550,11 @@ static tdm_status tdm_tp_gather_buf(tdm_tp *p, const float *dev_buf, float *whol
     free(mine);
     free(all);
     return st;
+}
+
+int64_t tdm_tp_flat_alloc(const tdm_tp *p)
+{
+    return p->zero ? p->zchunk * p->zreps : p->n_elem;
 }
 
 void tdm_tp_zero_range(const tdm_tp *p, int64_t *lo, int64_t *k)

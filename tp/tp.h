@@ -124,11 +124,13 @@ void tdm_tp_step_traffic(const tdm_model_spec *spec, int ranks, int batch, int s
 typedef enum tdm_tp_zero {
     TDM_TP_ZERO_NONE = 0,       /* every replica keeps its slices' whole state */
     /* ZeRO-1: replica d of D keeps the optimizer state of elements
-     * [d*c, (d+1)*c) of the rank's flat slice, c = ceil(n/D); the
-     * gradients are reduce-scattered over grad_comm (replica d gets the
-     * sum of its chunk only), it steps those and all-gathers the
-     * parameters: the plain step's bits (D = 2), 1/D of its optimizer
-     * state, the plain all-reduce's ring bytes */
+     * [d*c, (d+1)*c) of the rank's flat slice, c = ceil(n/D) (the
+     * parameters and gradients are D*c floats, the last chunk padded);
+     * the gradients are reduce-scattered over grad_comm (replica d gets
+     * the sum of its chunk only), it steps those and all-gathers the
+     * parameters, both in place: the plain step's bits (on the shm
+     * communicator), 1/D of its optimizer state, the plain all-reduce's
+     * ring bytes */
     TDM_TP_ZERO_OPTIMIZER,
 } tdm_tp_zero;
 
@@ -223,7 +225,8 @@ tdm_status tdm_tp_evaluate(tdm_tp *p, const tdm_dataset *d, int batch, double *l
 tdm_status tdm_tp_gather_state(tdm_tp *p, tdm_ckpt_host *h, int root);
 /* The whole model's gradient (host, whole layout) on root. Collective.
  * After a ZeRO-1 step only the replica's chunk of it is summed over the
- * dp dimension; the rest is the replica's own. */
+ * dp dimension; the rest is not the sum (the replica's own gradient, or
+ * the MPI backend's scratch). */
 tdm_status tdm_tp_gather_grads(tdm_tp *p, float *whole, int root);
 /* ZeRO-1 (tdm_tp_opts.zero), a replica other than the one that gathers
  * (which calls tdm_tp_gather_state): its part of the gathers over the dp

@@ -86,17 +86,17 @@ struct tdm_tp {
     tdm_tp_gpt *gpt;             /* the GPT's blocks and activations; NULL: an MLP */
     int n_tensors;
     tdm_tp_tensor tensors[TDM_TP_MAX_TENSORS];
-    float *params, *grads;      /* flat, n_elem each, on dev */
+    float *params, *grads;      /* flat, n_elem each (tdm_tp_flat_alloc held), on dev */
     int64_t n_elem;
     tdm_optim *opt;             /* over n_elem, or (ZeRO-1) the replica's zchunk */
     /* ZeRO-1 over gcomm: replica zrep of zreps holds the optimizer state
-     * of elements [zrep*zchunk, ...) of the flat slice; zbuf (zreps *
-     * zchunk, on dev) takes the parameters' gather when that overhangs
-     * n_elem (NULL: they gather in place) */
+     * of elements [zrep*zchunk, ...) of the flat slice; params and grads
+     * hold zreps * zchunk floats (the last chunk padded with fewer than
+     * zreps zeros), so that the gradients' reduce-scatter and the
+     * parameters' all-gather run in place */
     tdm_tp_zero zero;
     int zrep, zreps;
     int64_t zchunk;
-    float *zbuf;
     /* activations and scratch for cap samples */
     int cap, max_width;
     float *x, *ones, *dbuf[2];
@@ -153,6 +153,8 @@ tdm_status tdm_tp_reserve(tdm_tp *p, int B);
 
 /* ZeRO-1: the replica's elements [*lo, *lo + *k) of the flat slice. */
 void tdm_tp_zero_range(const tdm_tp *p, int64_t *lo, int64_t *k);
+/* The floats params and grads hold: n_elem, or (ZeRO-1) zreps * zchunk. */
+int64_t tdm_tp_flat_alloc(const tdm_tp *p);
 
 /* Aborts the group (and grad_comm) with the current message once;
  * returns st (tp/step.c). */
