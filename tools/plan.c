@@ -308,13 +308,14 @@ tdm_status tdm_tool_plan_tp_rank(const tdm_model_spec *spec, const tdm_optim_opt
                 "plan: tp over %d ranks, %d replicas, a share of %d samples", T, D, share);
     tdm_tp_rank_footprint fp;
     TDM_CHECK(tdm_tp_footprint(spec, T, share, seq_par, &fp));
-    size_t n = (size_t)fp.elems, flat = tdm_plan_round64(n * sizeof(float));
+    size_t n = (size_t)fp.elems;
     size_t chunk = zero1 && D > 1 ? (n + (size_t)D - 1) / (size_t)D : n;
+    /* ZeRO-1 pads the flat parameters and gradients to D whole chunks
+     * (tp/tp.c's tdm_tp_flat_alloc), so both collectives run in place */
+    size_t flat = tdm_plan_round64((zero1 && D > 1 ? chunk * (size_t)D : n) * sizeof(float));
     out->elems = fp.elems;
     out->params = out->grads = flat;
     out->optim = (size_t)tdm_optim_kind_n_state(optim) * tdm_plan_round64(chunk * sizeof(float));
-    if (zero1 && D > 1 && chunk * (size_t)D != n)
-        out->optim += tdm_plan_round64(chunk * (size_t)D * sizeof(float));
     out->activations = fp.act_bytes;
     /* the loss's per-row values in the device's scratch (at least 256
      * bytes, 64-byte granules) */
