@@ -35,6 +35,7 @@ typedef struct tdm_tool_tp {
     tdm_tp *p;
     int rep, reps;
     int in_elems, out_rows;      /* per sample: 4-byte inputs, target rows */
+    tdm_comm *jcomm;             /* the whole job's device communicator (the levers') */
     tdm_dist_det det;            /* --deterministic K: the tree over the dp dimension */
     int det_global;              /* the step's global batch */
     int64_t det_row0;            /* and this replica's first row in it */
@@ -114,6 +115,7 @@ static tdm_status tdm_rank_tp_setup(void *ctx, tdm_dist_rank *d, void **self)
     if ((st = tdm_tp_init(&q->p, tp_dev, d->dev, &b->spec, &o)))
         return tdm_tool_rank_fail(r, "tensor-parallel set-up", st);
     r->opt = tdm_tp_optim(q->p);
+    q->jcomm = d->dev_comm;
     r->model_params = tdm_model_param_elems(r->m);
     tdm_comm *dp_host = q->mesh.host[TDM_MESH_DP];
     q->mesh.loss_summed = b->deterministic > 0;   /* the tree's loss sum is every replica's */
@@ -155,8 +157,12 @@ static tdm_status tdm_rank_tp_step(void *ctx, const void *x, const int32_t *y, i
     int64_t end;
     q->det_global = s->own_rows ? s->global_batch : batch;
     tdm_dist_share(q->det_global, q->rep, q->reps, &q->det_row0, &end);
-    return tdm_tool_mesh_step(s, &q->mesh, q->in_elems, q->out_rows, tdm_rank_tp_step_fn, q, who,
-                              "tp loss over the replicas", x, y, batch, loss_mean);
+    /* the levers: found-inf and the norm over the whole job */
+    tdm_train_levers_tp_begin(s, q->p, q->jcomm, q->rep);
+    TDM_CHECK(tdm_tool_mesh_step(s, &q->mesh, q->in_elems, q->out_rows, tdm_rank_tp_step_fn, q,
+                                 who, "tp loss over the replicas", x, y, batch, loss_mean));
+    tdm_train_levers_tp_end(s, q->p);
+    return TDM_STATUS_OK;
 }
 
 /* --grad-accum (the MLP): each micro-batch is a global one, this

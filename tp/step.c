@@ -18,6 +18,8 @@ tdm_status tdm_tp_fail(tdm_tp *p, tdm_status st)
     tdm_comm_abort(p->comm, tdm_error_message());
     if (p->hcomm != p->comm) tdm_comm_abort(p->hcomm, tdm_error_message());
     if (p->gcomm) tdm_comm_abort(p->gcomm, tdm_error_message());
+    if (p->lev.comm && p->lev.comm != p->comm && p->lev.comm != p->gcomm)
+        tdm_comm_abort(p->lev.comm, tdm_error_message());
     return st;
 }
 
@@ -155,7 +157,9 @@ static tdm_status tdm_tp_fwd_bwd(tdm_tp *p, const void *x, const int32_t *y, int
     t0 = tdm_time_ns();
     float *dlogits = p->gpt ? tdm_tp_gpt_dlogits(p) : p->dbuf[0];
     double ls = 0.0;
-    TDM_CHECK(tdm_tp_loss(p, logits, B, grad_scale, &ls, dlogits));
+    /* loss scaling: grad_scale times the scale, one rounding (exact for
+     * the scaler's powers of two), as one device's step */
+    TDM_CHECK(tdm_tp_loss(p, logits, B, grad_scale * tdm_tp_loss_scale(p), &ls, dlogits));
     if (loss_sum) *loss_sum = ls;
     ph->loss += tdm_time_ms_since(t0);
     t0 = tdm_time_ns();
@@ -220,12 +224,23 @@ static tdm_status tdm_tp_step_zero(tdm_tp *p)
     return TDM_STATUS_OK;
 }
 
-static tdm_status tdm_tp_step_only(tdm_tp *p)
+static tdm_status tdm_tp_step_plain(tdm_tp *p)
 {
     if (p->zero == TDM_TP_ZERO_OPTIMIZER) return tdm_tp_step_zero(p);
     tdm_optim_range rg = {.param = p->params, .grad = p->grads, .state_offset = 0,
                           .n_elem = p->n_elem};
     return tdm_optim_step_ranges(p->opt, &rg, 1);
+}
+
+/* The levers (tp/levers.c), then the optimizer step unless every rank
+ * skips it (found inf). */
+static tdm_status tdm_tp_step_only(tdm_tp *p)
+{
+    int skip = 0;
+    TDM_CHECK(tdm_tp_levers_apply(p, &skip));
+    if (!skip) TDM_CHECK(tdm_tp_step_plain(p));
+    tdm_tp_levers_done(p, skip);
+    return TDM_STATUS_OK;
 }
 
 /* The phases of a step (or of an accumulated step's part) into the

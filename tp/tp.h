@@ -256,6 +256,44 @@ typedef struct tdm_tp_rank_footprint {
 tdm_status tdm_tp_footprint(const tdm_model_spec *spec, int ranks, int batch, int seq_par,
                             tdm_tp_rank_footprint *out);
 
+/* --- the step's levers (tp/levers.c) ------------------------------------------
+ * Loss scaling (fp16) and gradient clipping over the group and its
+ * data-parallel replicas (docs/MEMORY.md). With a scaler the loss
+ * gradient is scaled by its scale too; after the backward and the sums
+ * (the sequence-parallel LayerNorms over the group, the replicas over
+ * grad_comm) every rank unscales its flat gradient and checks it, and the
+ * found-inf flag is ORed over comm (one all-reduce, "grad scaler found
+ * inf"): a step found bad is skipped on every rank (no optimizer step,
+ * no ZeRO-1 gather) and the scale halves on all. With clip_norm > 0 (or
+ * measure_norm) the global L2 norm of the whole model's gradient: each
+ * rank's sum of squares of its split tensors' slices, the replicated
+ * tensors (LayerNorms, embeddings, row-parallel biases, a replicated
+ * last layer: the same bits on every rank of the group) counted on the
+ * group's rank 0 only, replica 0 of the dp dimension only (the replicas
+ * hold the same sum), summed by one all-reduce of one double over comm
+ * ("tp clip grad norm"), then torch's clip_grad_norm_ of the rank's whole
+ * flat gradient (models/clip.h). comm: every rank of the job (the group
+ * and its replicas) on the device memory of the rank's device, each
+ * calling it once per step; NULL: the group's communicator (no
+ * replicas). Every rank must set the same levers. Applied by
+ * tdm_tp_step_scaled and tdm_tp_optim_step (the loss scale by
+ * tdm_tp_forward_backward too). */
+struct tdm_grad_scaler;
+typedef struct tdm_tp_levers {
+    struct tdm_grad_scaler *scaler;   /* borrowed; NULL: no loss scaling */
+    double clip_norm;                 /* > 0: clip to it */
+    int measure_norm;                 /* 1: the norm without clipping */
+    tdm_comm *comm;                   /* borrowed; NULL: the group's */
+    int replica;                      /* the rank's replica: only replica 0's squares count */
+    /* Test hook, after the sums, before the levers read the gradients (a
+     * planted inf): the rank's flat gradient, n_elem floats on dev. May
+     * be NULL. */
+    void (*after_backward)(void *ctx, float *grads, int64_t n_elem, tdm_device *dev);
+    void *ctx;
+} tdm_tp_levers;
+/* Sets (or with NULL clears) the levers of the following steps; copied. */
+void tdm_tp_set_levers(tdm_tp *p, const tdm_tp_levers *l);
+
 /* What the steps did and what the rank holds. */
 typedef struct tdm_tp_phases {
     /* fwd_allreduce, bwd_allreduce: the group's collectives inside the
@@ -279,6 +317,10 @@ typedef struct tdm_tp_stats {
     size_t activations;                /* bytes of the forward's kept outputs and scratch */
     size_t act_alloc_bytes;            /* and what the allocator handed out for them
                                           (measured; 0 where it keeps no accounting) */
+    /* the levers (tdm_tp_set_levers) */
+    double last_norm;           /* the last step's global gradient norm (0: not measured) */
+    int last_skipped;           /* 1: the last step was skipped on every rank (found inf) */
+    int64_t skipped;            /* steps skipped so far */
 } tdm_tp_stats;
 void tdm_tp_get_stats(const tdm_tp *p, tdm_tp_stats *out);
 

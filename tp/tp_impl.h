@@ -102,6 +102,7 @@ struct tdm_tp {
     float *x, *ones, *dbuf[2];
     int32_t *y;
     float *host_logits;         /* evaluation's argmax (host) */
+    tdm_tp_levers lev;           /* the step's levers (tp/levers.c) */
     tdm_tp_stats stats;
     int failed;                 /* the group was aborted */
 };
@@ -153,6 +154,15 @@ tdm_status tdm_tp_reserve(tdm_tp *p, int B);
 
 /* ZeRO-1: the replica's elements [*lo, *lo + *k) of the flat slice. */
 void tdm_tp_zero_range(const tdm_tp *p, int64_t *lo, int64_t *k);
+
+/* tp/levers.c: what the loss gradient is multiplied by besides
+ * grad_scale (the loss scale); after the sums: unscale, found-inf over
+ * the job, the norm and clipping (*skip: the optimizer step is to be
+ * skipped on every rank); after the (possibly skipped) step: the
+ * scaler's update and the counts. */
+float tdm_tp_loss_scale(const tdm_tp *p);
+tdm_status tdm_tp_levers_apply(tdm_tp *p, int *skip);
+void tdm_tp_levers_done(tdm_tp *p, int skipped);
 
 /* Aborts the group (and grad_comm) with the current message once;
  * returns st (tp/step.c). */
