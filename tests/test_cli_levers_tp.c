@@ -7,9 +7,18 @@
  *   digits: the row-parallel sums differ from one device's by float
  *   rounding, tests/test_tp_levers.c bounds it), and write single's
  *   checkpoint within tests/test_tp.c's bounds (1e-5 MLP, 1e-4 GPT);
+ * - --precision bf16 and fp16 (the MLP on 2 ranks and dp=2 x tp=2, the
+ *   GPT on 2 ranks) end with single's printed loss in the same precision
+ *   (4 digits), fp16 with its loss scale;
+ * - fp16: an inf planted in one rank's gradient (TANDEM_TEST_GRAD_INF,
+ *   after the sum over the dp dimension) at step 3 makes every rank skip
+ *   it: the checkpoint is bitwise that of a run that stopped after step
+ *   2 but for the loss scale, halved; and fp16 resume goes on from the
+ *   saved scale, bit for bit as the uninterrupted run;
  * - what tp does not build yet is one line and exit 2. */
 #include <criterion/criterion.h>
 
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -114,6 +123,102 @@ Test(levers_tp, the_gpt_clipped_over_tp_prints_one_devices_loss_and_norm)
         cr_assert(d <= 1e-4, "%s %s: the clipped tp GPT checkpoint is %g off single's", l[0],
                   l[1] ? l[1] : "", d);
     }
+}
+
+/* The epoch line's loss (and loss scale) alone into buf. */
+static void loss_line(const char *epoch, char *buf, size_t n)
+{
+    char key[64];
+    snprintf(key, sizeof key, "%s: train loss ", epoch);
+    const char *line = strstr(g_r.out, key);
+    cr_assert(line, "no %s line:\n%s", epoch, g_r.out);
+    const char *ls = strstr(line, "loss scale "), *eol = strchr(line, '\n');
+    snprintf(buf, n, "%.*s | %.*s", (int)strcspn(line, ","), line,
+             ls && (!eol || ls < eol) ? (int)strcspn(ls, "\n") : 0, ls ? ls : "");
+}
+
+Test(levers_tp, bf16_and_fp16_over_tp_print_single_losses)
+{
+    static const char *const precs[] = {"bf16", "fp16"};
+    char one[256], got[256];
+    for (int i = 0; i < 2; i++) {
+        CLI(&g_r, "train", "--mode", "single", MLP, SYN, "--batch", "32", "--epochs", "2",
+            "--no-eval", "--quiet", "--precision", precs[i]);
+        ok("single");
+        loss_line("epoch 2/2", one, sizeof one);
+        CLI(&g_r, "train", "--mode", "tp", "--device", "cpu:2", MLP, SYN, "--batch", "32",
+            "--epochs", "2", "--no-eval", "--quiet", "--precision", precs[i]);
+        ok("tp 2");
+        cr_assert(strstr(g_r.out, "memory levers on every rank: precision "), "%s", g_r.out);
+        loss_line("epoch 2/2", got, sizeof got);
+        cr_assert_str_eq(got, one, "%s tp=2", precs[i]);
+        CLI(&g_r, "train", "--mode", "tp", "--device", "cpu:4", "--mesh", "dp=2,tp=2", MLP, SYN,
+            "--batch", "32", "--epochs", "2", "--no-eval", "--quiet", "--precision", precs[i]);
+        ok("dp=2,tp=2");
+        loss_line("epoch 2/2", got, sizeof got);
+        cr_assert_str_eq(got, one, "%s dp=2,tp=2", precs[i]);
+#define GPT_P "--model", GPT_MODEL, "--epochs", "1", "--max-steps", "20", "--batch", "8", \
+              "--quiet", "--no-eval", "--precision", precs[i]
+        CLI(&g_r, "train", "--mode", "single", GPT_P);
+        ok("gpt single");
+        loss_line("epoch 1/1", one, sizeof one);
+        CLI(&g_r, "train", "--mode", "tp", "--device", "cpu:2", GPT_P);
+        ok("gpt tp 2");
+        loss_line("epoch 1/1", got, sizeof got);
+        /* the GPT's attention products stay float32 under tp: its last
+         * digit may differ from one device's (measured 4.7291 vs 4.7293
+         * in bf16 at step 20) */
+        double a = atof(strstr(one, "train loss ") + 11), b = atof(strstr(got, "train loss ") + 11);
+        cr_assert(fabs(a - b) <= 2e-3, "gpt %s: tp loss %s, single %s", precs[i], got, one);
+#undef GPT_P
+    }
+}
+
+#define FP16_TP "train", "--mode", "tp", "--device", "cpu:4", "--mesh", "dp=2,tp=2", MLP, SYN, \
+                "--batch", "32", "--no-eval", "--quiet", "--precision", "fp16",                 \
+                "--clip-grad-norm", "0.05"
+
+Test(levers_tp, an_inf_in_one_ranks_gradient_makes_every_rank_skip)
+{
+    static const char *const ranks[] = {"1", "3"};
+    for (int i = 0; i < 2; i++) {
+        char hook[16], said[96];
+        snprintf(hook, sizeof hook, "%s:3", ranks[i]);
+        snprintf(said, sizeof said, "rank %s: test hook: an inf planted in its gradient at step 3",
+                 ranks[i]);
+        CLI(&g_r, FP16_TP, "--epochs", "1", "--max-steps", "2", "--save", path("two"));
+        ok("fp16, 2 steps");
+        cr_assert(strstr(g_r.out, "loss scale 65536 (0 steps skipped)"), "%s", g_r.out);
+        setenv("TANDEM_TEST_GRAD_INF", hook, 1);
+        CLI(&g_r, FP16_TP, "--epochs", "1", "--max-steps", "3", "--save", path("three"));
+        unsetenv("TANDEM_TEST_GRAD_INF");
+        ok("fp16, an inf at step 3");
+        cr_assert(strstr(g_r.out, said) && strstr(g_r.out, "loss scale 32768 (1 step skipped)"),
+                  "rank %s: %s", ranks[i], g_r.out);
+        cr_assert(same_but_loss_scaler(path("two"), path("three")),
+                  "rank %s: the skipped step changed the parameters or the optimizer", ranks[i]);
+        cr_assert_eq(ckpt_loss_scale(path("two")), 65536.0);
+        cr_assert_eq(ckpt_loss_scale(path("three")), 32768.0);
+    }
+}
+
+Test(levers_tp, fp16_resume_goes_on_from_the_saved_loss_scale)
+{
+    setenv("TANDEM_RUN_ID", "levers-tp-fp16-resume", 1);   /* the same "run" in each file */
+    setenv("TANDEM_TEST_GRAD_INF", "2:3", 1);
+    CLI(&g_r, FP16_TP, "--epochs", "2", "--save", path("straight"));
+    ok("straight");
+    CLI(&g_r, FP16_TP, "--epochs", "1", "--save", path("first"));
+    ok("first epoch");
+    cr_assert_eq(ckpt_loss_scale(path("first")), 32768.0);
+    /* the hook counts this process's steps: it would plant again */
+    unsetenv("TANDEM_TEST_GRAD_INF");
+    CLI(&g_r, FP16_TP, "--epochs", "2", "--resume", path("first"), "--save", path("resumed"));
+    unsetenv("TANDEM_RUN_ID");
+    ok("resumed");
+    cr_assert(strstr(g_r.out, "dynamic loss scaling from 32768"), "%s", g_r.out);
+    cr_assert(cli_same_file(path("straight"), path("resumed")), "the resumed fp16 tp run "
+              "differs from the uninterrupted one");
 }
 
 Test(levers_tp, what_tp_does_not_build_is_refused_in_one_line)

@@ -111,7 +111,8 @@ static tdm_status tdm_rank_tp_setup(void *ctx, tdm_dist_rank *d, void **self)
                      .grad_comm = q->reps > 1 && !b->deterministic ? dp_dev : NULL,
                      .host_comm = tp_dev != tp_host ? tp_host : NULL,
                      .sequence_parallel = b->tp.seq_par,
-                     .zero = b->tp.zero1 ? TDM_TP_ZERO_OPTIMIZER : TDM_TP_ZERO_NONE};
+                     .zero = b->tp.zero1 ? TDM_TP_ZERO_OPTIMIZER : TDM_TP_ZERO_NONE,
+                     .precision = b->precision};
     if ((st = tdm_tp_init(&q->p, tp_dev, d->dev, &b->spec, &o)))
         return tdm_tool_rank_fail(r, "tensor-parallel set-up", st);
     r->opt = tdm_tp_optim(q->p);

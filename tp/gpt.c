@@ -351,9 +351,9 @@ static tdm_status tdm_tp_gpt_row(tdm_tp *p, const float *x, const float *w, cons
     float *part = p->gpt->part;
     if (p->size == 1) {
         TDM_CHECK(tdm_dev_copy(p->dev, y, res, (size_t)N * C * sizeof(float)));
-        return tdm_layers_linear_fwd(p->dev, x, w, bias, N, in, C, 1, y);
+        return tdm_tp_linear_fwd(p, x, w, bias, N, in, C, 1, y);
     }
-    TDM_CHECK(tdm_layers_linear_fwd(p->dev, x, w, NULL, N, in, C, 0, part));
+    TDM_CHECK(tdm_tp_linear_fwd(p, x, w, NULL, N, in, C, 0, part));
     TDM_CHECK(tdm_tp_gpt_sum(p, part, N, Nl, off, what, l, ar_ms));
     TDM_CHECK(tdm_dev_copy(p->dev, y, res, (size_t)Nl * C * sizeof(float)));
     TDM_CHECK(tdm_dev_axpy(p->dev, Nl * C, 1.0f, part + off * C, y));
@@ -380,7 +380,7 @@ tdm_status tdm_tp_gpt_forward(tdm_tp *p, int B, const float **logits, double *ar
         TDM_CHECK(tdm_tp_gpt_ln(p, l == 0 ? g->res0 : res, P(TB_LN1_W), P(TB_LN1_B), b->ln1,
                                 b->ln1_mean, b->ln1_rstd, N, Nl, off, l == 0, l, ar_ms));
         /* this rank's heads: q, k, v of H/N heads side by side, (N, 3C/N) */
-        TDM_CHECK(tdm_layers_linear_fwd(d, b->ln1, P(TB_ATTN_W), P(TB_ATTN_B), N, C, 3 * Cl, 0,
+        TDM_CHECK(tdm_tp_linear_fwd(p, b->ln1, P(TB_ATTN_W), P(TB_ATTN_B), N, C, 3 * Cl, 0,
                                         g->qkv));
         tdm_layers_attn at = {.B = B, .T = g->T, .H = g->Hl, .C = Cl, .q = b->q, .k = b->k,
                               .v = b->v, .att = b->att};
@@ -389,7 +389,7 @@ tdm_status tdm_tp_gpt_forward(tdm_tp *p, int B, const float **logits, double *ar
                                  Nl, off, "forward attn.c_proj of block ", l, ar_ms));
         TDM_CHECK(tdm_tp_gpt_ln(p, b->res1, P(TB_LN2_W), P(TB_LN2_B), b->ln2, b->ln2_mean,
                                 b->ln2_rstd, N, Nl, off, 0, l, ar_ms));
-        TDM_CHECK(tdm_layers_linear_fwd(d, b->ln2, P(TB_FC_W), P(TB_FC_B), N, C, Fl, 0, b->fch));
+        TDM_CHECK(tdm_tp_linear_fwd(p, b->ln2, P(TB_FC_W), P(TB_FC_B), N, C, Fl, 0, b->fch));
         TDM_CHECK(tdm_dev_gelu_fwd(d, b->fch, b->fcg, N * Fl));
         /* the last block's output is whole (N rows): the rank's rows
          * at off, gathered for ln_f and the head */
@@ -405,7 +405,7 @@ tdm_status tdm_tp_gpt_forward(tdm_tp *p, int B, const float **logits, double *ar
     const float *whole = g->L ? g->blk[g->L - 1].res2 : g->res0;
     TDM_CHECK(tdm_dev_layernorm_fwd(d, whole, W + g->lnf_w, W + g->lnf_b, g->lnf, g->lnf_mean,
                                     g->lnf_rstd, N, C, TDM_TP_GPT_LN_EPS));
-    TDM_CHECK(tdm_layers_linear_fwd(d, g->lnf, W + g->wte, NULL, N, C, g->V, 0, g->logits));
+    TDM_CHECK(tdm_tp_linear_fwd(p, g->lnf, W + g->wte, NULL, N, C, g->V, 0, g->logits));
     *logits = g->logits;
     return TDM_STATUS_OK;
 }
@@ -439,8 +439,8 @@ tdm_status tdm_tp_gpt_backward(tdm_tp *p, int B, const float *dlogits, double *a
     float *dtop = g->sp ? g->part : g->dres;
     TDM_CHECK(tdm_dev_memset_zero(d, dtop, (size_t)N * C * sizeof(float)));
     /* the tied head: dwte += dlogits^T ln_f(x), d ln_f(x) = dlogits wte */
-    TDM_CHECK(tdm_layers_linear_bwd(d, g->lnf, W + g->wte, dlogits, p->ones, N, C, g->V,
-                                    G + g->wte, NULL, g->dln, 0));
+    TDM_CHECK(tdm_tp_linear_bwd(p, g->lnf, W + g->wte, dlogits, N, C, g->V,
+                                    G + g->wte, NULL, g->dln));
     TDM_CHECK(tdm_dev_layernorm_bwd(d, res_last, g->dln, W + g->lnf_w, g->lnf_mean, g->lnf_rstd,
                                     dtop, G + g->lnf_w, G + g->lnf_b, N, C));
     if (g->sp)
@@ -454,25 +454,25 @@ tdm_status tdm_tp_gpt_backward(tdm_tp *p, int B, const float *dlogits, double *a
          * stream's, whole (the last block's is already) */
         if (l < g->L - 1)
             TDM_CHECK(tdm_tp_gpt_dstream(p, Nl, "backward mlp.c_proj of block ", l, ar_ms, &dy));
-        TDM_CHECK(tdm_layers_linear_bwd(d, b->fcg, P(TB_MPROJ_W), dy, p->ones, N, Fl, C,
-                                        D(TB_MPROJ_W), D(TB_MPROJ_B), g->dfc, 0));
+        TDM_CHECK(tdm_tp_linear_bwd(p, b->fcg, P(TB_MPROJ_W), dy, N, Fl, C,
+                                        D(TB_MPROJ_W), D(TB_MPROJ_B), g->dfc));
         TDM_CHECK(tdm_dev_gelu_bwd(d, b->fch, g->dfc, g->dfc, N * Fl));
-        TDM_CHECK(tdm_layers_linear_bwd(d, b->ln2, P(TB_FC_W), g->dfc, p->ones, N, C, Fl,
-                                        D(TB_FC_W), D(TB_FC_B), g->dln, 0));
+        TDM_CHECK(tdm_tp_linear_bwd(p, b->ln2, P(TB_FC_W), g->dfc, N, C, Fl,
+                                        D(TB_FC_W), D(TB_FC_B), g->dln));
         TDM_CHECK(tdm_tp_gpt_sum(p, g->dln, N, Nl, off, "backward mlp.c_fc of block ", l,
                                  ar_ms));
         TDM_CHECK(tdm_dev_layernorm_bwd(d, b->res1, g->dln + off * C, P(TB_LN2_W), b->ln2_mean,
                                         b->ln2_rstd, g->dres, D(TB_LN2_W), D(TB_LN2_B), Nl, C));
         /* x += attn(ln_1(x)); dln holds the heads' output gradient (N, C/N) */
         TDM_CHECK(tdm_tp_gpt_dstream(p, Nl, "backward attn.c_proj of block ", l, ar_ms, &dy));
-        TDM_CHECK(tdm_layers_linear_bwd(d, b->atty, P(TB_APROJ_W), dy, p->ones, N, Cl, C,
-                                        D(TB_APROJ_W), D(TB_APROJ_B), g->dln, 0));
+        TDM_CHECK(tdm_tp_linear_bwd(p, b->atty, P(TB_APROJ_W), dy, N, Cl, C,
+                                        D(TB_APROJ_W), D(TB_APROJ_B), g->dln));
         tdm_layers_attn at = {.B = B, .T = g->T, .H = g->Hl, .C = Cl, .q = b->q, .k = b->k,
                               .v = b->v, .att = b->att};
         TDM_CHECK(tdm_layers_attention_bwd(d, &at, g->dln, g->yh, g->datt, g->dq, g->dk, g->dv,
                                            g->qkv));
-        TDM_CHECK(tdm_layers_linear_bwd(d, b->ln1, P(TB_ATTN_W), g->qkv, p->ones, N, C, 3 * Cl,
-                                        D(TB_ATTN_W), D(TB_ATTN_B), g->dln, 0));
+        TDM_CHECK(tdm_tp_linear_bwd(p, b->ln1, P(TB_ATTN_W), g->qkv, N, C, 3 * Cl,
+                                        D(TB_ATTN_W), D(TB_ATTN_B), g->dln));
         TDM_CHECK(tdm_tp_gpt_sum(p, g->dln, N, Nl, off, "backward attn.c_attn of block ", l,
                                  ar_ms));
         /* block 0's ln_1 statistics are whole: the rank's rows of them */

@@ -11,8 +11,64 @@
 
 #include "core/timer.h"
 #include "models/clip.h"
+#include "models/layers_gpt.h"
 #include "models/precision.h"
 #include "tp/tp_impl.h"
+
+/* ---- the products' precision ---- */
+
+/* 16-bit elements, rounded up to a 64-byte line (the second operand's
+ * start stays aligned). */
+static int64_t tdm_tp_low_elems(int64_t n) { return (n + 31) / 32 * 32; }
+
+tdm_status tdm_tp_gemm(tdm_tp *p, tdm_trans ta, tdm_trans tb, int m, int n, int k, float alpha,
+                       const float *a, const float *b, float beta, float *c)
+{
+    if (p->prec == TDM_PRECISION_FP32)
+        return tdm_dev_gemm_rm(p->dev, ta, tb, m, n, k, alpha, a, b, beta, c);
+    tdm_dtype t = tdm_precision_dtype(p->prec);
+    int64_t na = tdm_tp_low_elems((int64_t)m * k), nb = (int64_t)k * n;
+    size_t need = (size_t)(na + nb) * tdm_dtype_size(t);
+    if (need > p->low_bytes) {
+        tdm_dev_free(p->dev, p->low);
+        p->low = NULL;
+        p->low_bytes = 0;
+        TDM_CHECK(tdm_dev_alloc(p->dev, need, &p->low));
+        p->low_bytes = need;
+    }
+    char *a16 = p->low, *b16 = a16 + (size_t)na * tdm_dtype_size(t);
+    TDM_CHECK(tdm_dev_convert(p->dev, a16, t, a, TDM_DTYPE_FLOAT32, (int64_t)m * k));
+    TDM_CHECK(tdm_dev_convert(p->dev, b16, t, b, TDM_DTYPE_FLOAT32, nb));
+    int lda = ta == TDM_TRANS_N ? k : m, ldb = tb == TDM_TRANS_N ? n : k;
+    return tdm_dev_gemm_rm_ex(p->dev, ta, tb, m, n, k, alpha, a16, lda, b16, ldb, beta, c, n, t);
+}
+
+tdm_status tdm_tp_linear_fwd(tdm_tp *p, const float *x, const float *w, const float *b,
+                             int64_t N, int in, int out, int accumulate, float *y)
+{
+    if (p->prec == TDM_PRECISION_FP32)
+        return tdm_layers_linear_fwd(p->dev, x, w, b, N, in, out, accumulate, y);
+    TDM_REQUIRE(N <= INT32_MAX, TDM_STATUS_INVALID_ARG, "tp linear: %lld rows", (long long)N);
+    TDM_CHECK(tdm_tp_gemm(p, TDM_TRANS_N, TDM_TRANS_T, (int)N, out, in, 1.0f, x, w,
+                          accumulate ? 1.0f : 0.0f, y));
+    return b ? tdm_dev_bias_act(p->dev, y, b, N, out, TDM_ACT_NONE) : TDM_STATUS_OK;
+}
+
+tdm_status tdm_tp_linear_bwd(tdm_tp *p, const float *x, const float *w, const float *dy,
+                             int64_t N, int in, int out, float *dw, float *db, float *dx)
+{
+    if (p->prec == TDM_PRECISION_FP32)
+        return tdm_layers_linear_bwd(p->dev, x, w, dy, p->ones, N, in, out, dw, db, dx, 0);
+    TDM_REQUIRE(N <= INT32_MAX, TDM_STATUS_INVALID_ARG, "tp linear: %lld rows", (long long)N);
+    TDM_CHECK(tdm_tp_gemm(p, TDM_TRANS_T, TDM_TRANS_N, out, in, (int)N, 1.0f, dy, x, 1.0f, dw));
+    if (db)
+        TDM_CHECK(tdm_dev_gemm_rm(p->dev, TDM_TRANS_N, TDM_TRANS_N, 1, out, (int)N, 1.0f, p->ones,
+                                  dy, 1.0f, db));
+    if (dx) TDM_CHECK(tdm_tp_gemm(p, TDM_TRANS_N, TDM_TRANS_N, (int)N, in, out, 1.0f, dy, w, 0.0f, dx));
+    return TDM_STATUS_OK;
+}
+
+/* ---- the levers of the step ---- */
 
 void tdm_tp_set_levers(tdm_tp *p, const tdm_tp_levers *l)
 {

@@ -43,8 +43,8 @@ static tdm_status tdm_tp_forward(tdm_tp *p, int B, int train, double *ar_ms)
         tdm_tp_layer *L = &p->layers[l];
         L->in_act = cur;
         /* act (B, lout) = cur (B, lin) W^T, W (lout, lin) */
-        TDM_CHECK(tdm_dev_gemm_rm(p->dev, TDM_TRANS_N, TDM_TRANS_T, B, L->lout, L->lin, 1.0f, cur,
-                                  p->params + L->w_off, 0.0f, L->act));
+        TDM_CHECK(tdm_tp_gemm(p, TDM_TRANS_N, TDM_TRANS_T, B, L->lout, L->lin, 1.0f, cur,
+                              p->params + L->w_off, 0.0f, L->act));
         if (L->split == TDM_TP_ROW && p->size > 1) {
             uint64_t t0 = tdm_time_ns();
             TDM_CHECK(tdm_tp_allreduce(p, L->act, (int64_t)B * L->lout, "forward fc", l + 1));
@@ -70,15 +70,15 @@ static tdm_status tdm_tp_backward(tdm_tp *p, int B, double *ar_ms)
         TDM_CHECK(tdm_tp_post_backward(p, l + 1, B, L->lout, j0, L->act, dout));
         if (L->relu) TDM_CHECK(tdm_dev_relu_bwd(p->dev, dout, L->act, (int64_t)B * L->lout));
         /* dW (lout, lin) += dout^T x; db (1, lout) += ones (1, B) dout */
-        TDM_CHECK(tdm_dev_gemm_rm(p->dev, TDM_TRANS_T, TDM_TRANS_N, L->lout, L->lin, B, 1.0f,
-                                  dout, L->in_act, 1.0f, p->grads + L->w_off));
+        TDM_CHECK(tdm_tp_gemm(p, TDM_TRANS_T, TDM_TRANS_N, L->lout, L->lin, B, 1.0f, dout,
+                              L->in_act, 1.0f, p->grads + L->w_off));
         TDM_CHECK(tdm_dev_gemm_rm(p->dev, TDM_TRANS_N, TDM_TRANS_N, 1, L->lout, B, 1.0f, p->ones,
                                   dout, 1.0f, p->grads + L->b_off));
         if (l == 0) break;   /* the data needs no gradient */
         /* din (B, lin) = dout (B, lout) W (lout, lin): a partial sum on a
          * column-parallel layer, whose input is replicated */
-        TDM_CHECK(tdm_dev_gemm_rm(p->dev, TDM_TRANS_N, TDM_TRANS_N, B, L->lin, L->lout, 1.0f, dout,
-                                  p->params + L->w_off, 0.0f, din));
+        TDM_CHECK(tdm_tp_gemm(p, TDM_TRANS_N, TDM_TRANS_N, B, L->lin, L->lout, 1.0f, dout,
+                              p->params + L->w_off, 0.0f, din));
         if (L->split == TDM_TP_COLUMN && p->size > 1) {
             uint64_t t0 = tdm_time_ns();
             TDM_CHECK(tdm_tp_allreduce(p, din, (int64_t)B * L->lin, "backward fc", l + 1));

@@ -243,16 +243,18 @@ static tdm_status tdm_tp_check_over(tdm_comm *comm, const char *group, const int
  * every rank whatever the first found (no rank is left waiting). */
 static tdm_status tdm_tp_check_config(tdm_tp *p, const tdm_tp_opts *o)
 {
-    enum { CFG_SIZE = 0, CFG_SEED, CFG_SPEC, CFG_OPTIM, CFG_GRAD, CFG_SEQ, CFG_ZERO, CFG_COUNT_ };
+    enum { CFG_SIZE = 0, CFG_SEED, CFG_SPEC, CFG_OPTIM, CFG_GRAD, CFG_SEQ, CFG_ZERO, CFG_PREC,
+           CFG_COUNT_ };
     static const char *const names[] = {"group size", "seed", "model", "optimizer",
-                                        "dp gradient sum", "sequence parallelism", "ZeRO"};
+                                        "dp gradient sum", "sequence parallelism", "ZeRO",
+                                        "precision"};
     uint64_t h = 0xcbf29ce484222325ull, g = h;
     const unsigned char *s = (const unsigned char *)&p->spec;
     for (size_t i = 0; i < sizeof p->spec; i++) h = (h ^ s[i]) * 0x100000001b3ull;
     s = (const unsigned char *)&o->optim;
     for (size_t i = 0; i < sizeof o->optim; i++) g = (g ^ s[i]) * 0x100000001b3ull;
     int64_t mine[CFG_COUNT_] = {p->size, (int64_t)o->seed, (int64_t)h, (int64_t)g,
-                                o->grad_comm != NULL, p->seq_par, p->zero};
+                                o->grad_comm != NULL, p->seq_par, p->zero, p->prec};
     tdm_status st = tdm_tp_check_over(p->hcomm, "tensor-parallel group", mine, CFG_COUNT_,
                                       names, TDM_STATUS_OK);
     if (p->gcomm && tdm_comm_size(p->gcomm) > 1)
@@ -345,7 +347,7 @@ tdm_status tdm_tp_init(tdm_tp **out, tdm_comm *comm, tdm_device *dev, const tdm_
                   .gcomm = opts->grad_comm, .dev = dev, .rank = tdm_comm_rank(comm),
                   .size = tdm_comm_size(comm), .spec = *spec, .n_layers = L,
                   .seq_par = opts->sequence_parallel && tdm_comm_size(comm) > 1,
-                  .zero = opts->zero, .seed = opts->seed};
+                  .zero = opts->zero, .seed = opts->seed, .prec = opts->precision};
     if (spec->kind != TDM_MODEL_GPT) TDM_TRY(tdm_tp_shape_of(spec, &p->shape));
     if (p->zero) {
         if (!p->gcomm || tdm_comm_size(p->gcomm) < 2) {
@@ -406,6 +408,7 @@ void tdm_tp_free(tdm_tp *p)
     if (!p) return;
     tdm_tp_free_acts(p);
     tdm_tp_gpt_free(p);
+    tdm_dev_free(p->dev, p->low);
     tdm_optim_free(p->opt);
     tdm_dev_free(p->dev, p->zbuf);
     tdm_dev_free(p->dev, p->params);

@@ -59,6 +59,7 @@
 #include "models/checkpoint.h"
 #include "models/model.h"
 #include "models/optim.h"
+#include "models/precision.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -145,6 +146,17 @@ typedef struct tdm_tp_opts {
     int sequence_parallel;
     /* ZeRO over grad_comm (needs one of at least 2 ranks) */
     tdm_tp_zero zero;
+    /* BF16 or FP16 (models/precision.h): every linear layer's products
+     * (forward, the weight gradient, the input gradient) read 16-bit
+     * operands, rounded from float32 at each use, and sum in float32
+     * (tdm_dev_gemm_rm_ex: oneDNN's bf16 matmul on host devices,
+     * cublasGemmEx on CUDA). Unlike one device's mixed precision the
+     * kept activations stay float32 (no activation memory saved) and the
+     * GPT's attention products (scores, probabilities times values) stay
+     * float32; master parameters, gradients, the all-reduces and the
+     * optimizer are float32. FP16 wants a loss scaler (tdm_tp_levers).
+     * Every rank the same (checked). FP32 (0): the plain products. */
+    tdm_precision precision;
 } tdm_tp_opts;
 
 typedef struct tdm_tp tdm_tp;
