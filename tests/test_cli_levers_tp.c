@@ -15,7 +15,12 @@
  *   it: the checkpoint is bitwise that of a run that stopped after step
  *   2 but for the loss scale, halved; and fp16 resume goes on from the
  *   saved scale, bit for bit as the uninterrupted run;
- * - what tp does not build yet is one line and exit 2. */
+ * - --checkpoint-activations: the GPT on 2 ranks (bf16, clipped; also
+ *   sequence parallel) and the MLP on dp=2 x tp=2 write the checkpoint of
+ *   the same run without it, bit for bit, and the GPT's report counts
+ *   the recomputed blocks' all-reduces in the plan;
+ * - what tp does not build yet (--offload, checkpointing segments of
+ *   more than one block) is one line and exit 2. */
 #include <criterion/criterion.h>
 
 #include <math.h>
@@ -221,14 +226,46 @@ Test(levers_tp, fp16_resume_goes_on_from_the_saved_loss_scale)
               "differs from the uninterrupted one");
 }
 
+Test(levers_tp, checkpointing_writes_the_same_bits)
+{
+#define CK_GPT "train", "--mode", "tp", "--device", "cpu:2", "--model", "gpt:3-32-2-16", \
+               "--epochs", "1", "--max-steps", "6", "--batch", "8", "--no-eval",         \
+               "--precision", "bf16", "--clip-grad-norm", "0.1"
+    for (int sp = 0; sp < 2; sp++) {
+        const char *spa = sp ? "--sequence-parallel" : "--quiet";
+        CLI(&g_r, CK_GPT, spa, "--save", path("off"));
+        ok("gpt");
+        CLI(&g_r, CK_GPT, spa, "--checkpoint-activations", "--save", path("on"));
+        ok("gpt checkpointed");
+        cr_assert(strstr(g_r.out, "activation checkpointing (segments of 1)"), "%s", g_r.out);
+        /* 3 blocks: 12 collectives per step, 4 more (blocks 0 and 1's
+         * forward ones again); sequence parallel: 12 reduce-scatters
+         * and all-gathers, 4 and 3 more */
+        cr_assert(strstr(g_r.out, sp ? "(16 and 15 per step)"
+                                     : "; 16 per step of the full batch by the plan)"),
+                  "%s", g_r.out);
+        cr_assert(cli_same_file(path("off"), path("on")), "sp=%d: checkpointing changed the "
+                  "GPT's tp run", sp);
+    }
+#undef CK_GPT
+#define CK_MLP "train", "--mode", "tp", "--device", "cpu:4", "--mesh", "dp=2,tp=2", MLP, SYN, \
+               "--batch", "32", "--epochs", "2", "--no-eval", "--quiet", "--precision", "fp16"
+    CLI(&g_r, CK_MLP, "--save", path("off"));
+    ok("mlp");
+    CLI(&g_r, CK_MLP, "--checkpoint-activations", "all", "--save", path("on"));
+    ok("mlp checkpointed");
+    cr_assert(cli_same_file(path("off"), path("on")), "checkpointing changed the MLP's tp run");
+#undef CK_MLP
+}
+
 Test(levers_tp, what_tp_does_not_build_is_refused_in_one_line)
 {
     static const struct {
         const char *a[2];
         const char *says;
     } bad[] = {
-        {{"--checkpoint-activations", "1"}, "--mode tp does not support"},
-        {{"--offload", "optimizer"}, "--mode tp does not support"},
+        {{"--checkpoint-activations", "2"}, "segments of more are not built for tp"},
+        {{"--offload", "optimizer"}, "--mode tp does not support --offload"},
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         CLI(&g_r, "train", "--mode", "tp", "--device", "cpu:2", MLP, SYN, bad[i].a[0],

@@ -14,6 +14,12 @@
  *   dp=2 x tp=2 train the MLP and the GPT to within test_precision.c's
  *   0.04 of one device's fp32 mean loss over steps 6-10 (measured: MLP
  *   7.3e-4 bf16, 2.6e-4 fp16; GPT 4e-6), and not to fp32's very losses;
+ * - activation checkpointing: a run with it ends on the very parameter
+ *   bits of the same run without it (MLP and GPT, fp32 and bf16, tp=2,
+ *   4, dp=2 x tp=2, sequence parallel), the allocator hands out fewer
+ *   activation bytes on every rank, and the group's communicator counts
+ *   the plan's collectives plus exactly tdm_tp_recompute_traffic's (the
+ *   recomputed blocks' forward ones) every step;
  * - loss scaling (a scaler over float32 products: the skip logic is the
  *   precision's business only through the scale): an inf planted in one
  *   rank's gradient at step 3 makes every rank of the job skip step 3
@@ -71,6 +77,8 @@ typedef struct lv_out {
     float scale[8];
     int64_t skipped[8];
     double loss[STEPS];   /* rank 0: the global batch's mean loss */
+    size_t act_alloc[8];  /* the allocator's activation bytes */
+    float pn[MAXE];       /* rank 0: the whole model's parameters at the end */
 } lv_out;
 
 static void spec_of(int which, tdm_model_spec *s)
@@ -160,6 +168,7 @@ static void plant_inf(void *ctx, float *grads, int64_t n, tdm_device *dev)
  * from 2^scale_exp); the norm and its one all-reduce checked each step. */
 static int g_scale_exp = -1;
 static tdm_precision g_prec = TDM_PRECISION_FP32;
+static int g_ckpt;
 
 static int lv_rank(tdm_comm *world, void *arg)
 {
@@ -184,7 +193,7 @@ static int lv_rank(tdm_comm *world, void *arg)
     int rep = tdm_mesh_coord(mesh, TDM_MESH_DP);
     tdm_tp_opts to = {.seed = TPP_SEED, .optim = optim(g_ref.which),
                       .grad_comm = dp > 1 ? dcomm : NULL, .sequence_parallel = g_ref.sp,
-                      .precision = g_prec};
+                      .precision = g_prec, .ckpt = g_ckpt};
     if (tdm_tp_init(&p, comm, dev, &spec, &to)) RFAIL("init: %s", tdm_error_message());
     tdm_grad_scaler sc;
     tdm_grad_scaler_opts so;
@@ -202,12 +211,28 @@ static int lv_rank(tdm_comm *world, void *arg)
         g_step_now = s + 1;
         tpp_batch(&spec, in, rows, classes_of(&spec), s, B, x, y);
         memcpy(before, tdm_tp_params(p), (size_t)ne * 4);   /* a host device's memory */
-        tdm_comm_traffic t0, t1;
+        tdm_comm_traffic t0, t1, g0, g1;
         tdm_comm_traffic_get(job, &t0);
+        tdm_comm_traffic_get(comm, &g0);
         double ls = 0.0;
         if (tdm_tp_step_scaled(p, x + lo * in, y + lo * rows, hi - lo, 1.0f / B, &ls))
             RFAIL("step %d: %s", s + 1, tdm_error_message());
         tdm_comm_traffic_get(job, &t1);
+        tdm_comm_traffic_get(comm, &g1);
+        /* the group's collectives: the plan's, and with checkpointing
+         * the recomputed blocks' forward ones besides, exactly */
+        tdm_comm_traffic plan, re;
+        tdm_tp_step_traffic(&spec, tdm_comm_size(comm), hi - lo, g_ref.sp, &plan);
+        tdm_tp_recompute_traffic(&spec, tdm_comm_size(comm), hi - lo, g_ref.sp, &re);
+        for (int c = 0; c < TDM_COLL_COUNT_; c++) {
+            int64_t wc = plan.calls[c] + (g_ckpt ? re.calls[c] : 0);
+            int64_t wb = plan.bytes[c] + (g_ckpt ? re.bytes[c] : 0);
+            if (g1.calls[c] - g0.calls[c] != wc || g1.bytes[c] - g0.bytes[c] != wb)
+                RFAIL("step %d: %s: the group counted %lld calls of %lld bytes, expected %lld of "
+                      "%lld", s + 1, tdm_coll_name((tdm_coll)c),
+                      (long long)(g1.calls[c] - g0.calls[c]),
+                      (long long)(g1.bytes[c] - g0.bytes[c]), (long long)wc, (long long)wb);
+        }
         if (dp > 1 && tdm_comm_all_reduce(dcomm, &ls, &ls, 1, TDM_DTYPE_FLOAT64, TDM_REDOP_SUM))
             RFAIL("loss: %s", tdm_error_message());
         if (r == 0) o->loss[s] = ls / B;
@@ -239,6 +264,12 @@ static int lv_rank(tdm_comm *world, void *arg)
     tdm_ckpt_host h = {.params = whole};
     if (tdm_tp_gather_state(p, &h, 0)) RFAIL("gather: %s", tdm_error_message());
     if (tdm_comm_rank(comm) == 0) o->pdiff[r] = tpp_max_diff(whole, g_ref.pn, g_ref.n);
+    if (r == 0) memcpy(o->pn, whole, (size_t)g_ref.n * 4);
+    {
+        tdm_tp_stats as;
+        tdm_tp_get_stats(p, &as);
+        o->act_alloc[r] = as.act_alloc_bytes;
+    }
     o->scale[r] = sc.scale;
     tdm_tp_stats st;
     tdm_tp_get_stats(p, &st);
@@ -402,4 +433,72 @@ Test(tp_levers, bf16_and_fp16_train_within_the_precision_bound_of_fp32)
         check_prec(which, 2, 2, TDM_PRECISION_BF16);
         check_prec(which, 2, 2, TDM_PRECISION_FP16);
     }
+}
+
+/* Activation checkpointing: the same run with and without it ends on
+ * the same parameter bits (fp32 and bf16, clipped), the allocator hands
+ * out fewer activation bytes on every rank, and the group's
+ * communicator counts the plan's collectives plus exactly the
+ * recomputed blocks' forward ones (checked every step in lv_rank). */
+static void check_ckpt(int which, int dp, int tp, int sp, tdm_precision prec)
+{
+    shm_t_adopt_orphans();
+    int before = shm_t_segments_held();
+    ref_make(which, which == GPT ? 0.1 : 0.05);
+    g_ref.sp = sp;
+    g_inf_rank = -1;
+    g_prec = prec;
+    static float plain[MAXE];
+    size_t act[8];
+    g_ckpt = 0;
+    lv_out *o = run(dp, tp);
+    memcpy(plain, o->pn, (size_t)g_ref.n * 4);
+    memcpy(act, o->act_alloc, sizeof act);
+    munmap(o, sizeof *o);
+    g_ckpt = 1;
+    o = run(dp, tp);
+    g_ckpt = 0;
+    g_prec = TDM_PRECISION_FP32;
+    cr_assert(!memcmp(plain, o->pn, (size_t)g_ref.n * 4), "model %d dp=%d tp=%d sp=%d %s: "
+              "checkpointing changed the parameters", which, dp, tp, sp,
+              tdm_precision_name(prec));
+    for (int r = 0; r < dp * tp; r++) {
+        if (getenv("TANDEM_TEST_VERBOSE") && r == 0)
+            fprintf(stderr, "model %d dp=%d tp=%d sp=%d %s: activations %zu -> %zu bytes\n",
+                    which, dp, tp, sp, tdm_precision_name(prec), act[r], o->act_alloc[r]);
+        cr_assert(o->act_alloc[r] > 0 && o->act_alloc[r] < act[r], "rank %d: activations %zu "
+                  "bytes checkpointed, %zu without", r, o->act_alloc[r], act[r]);
+    }
+    munmap(o, sizeof *o);
+    cr_assert_eq(shm_t_segments_held(), before, "segments left behind");
+}
+
+Test(tp_levers, checkpointing_changes_no_bit_and_holds_fewer_activations)
+{
+    check_ckpt(MLP, 1, 2, 0, TDM_PRECISION_FP32);
+    check_ckpt(MLP, 2, 2, 0, TDM_PRECISION_BF16);
+    check_ckpt(GPT, 1, 2, 0, TDM_PRECISION_FP32);
+    check_ckpt(GPT, 1, 4, 0, TDM_PRECISION_BF16);
+    check_ckpt(GPT, 2, 2, 0, TDM_PRECISION_FP32);
+    check_ckpt(GPT, 1, 2, 1, TDM_PRECISION_FP32);
+    check_ckpt(GPT, 2, 2, 1, TDM_PRECISION_BF16);
+}
+
+Test(tp_levers, checkpointing_refuses_segments_and_recomputed_elementwise_layers)
+{
+    tdm_model_spec spec;
+    spec_of(MLP, &spec);
+    tdm_comm_traffic re;
+    tdm_tp_recompute_traffic(&spec, 2, 8, 0, &re);
+    for (int c = 0; c < TDM_COLL_COUNT_; c++)
+        cr_assert_eq(re.calls[c], 0, "the MLP recomputes without communication");
+    spec_of(GPT, &spec);   /* 2 blocks: block 0 recomputed */
+    tdm_tp_recompute_traffic(&spec, 2, 8, 0, &re);
+    cr_assert_eq(re.calls[TDM_COLL_ALL_REDUCE], 2);
+    cr_assert_eq(re.bytes[TDM_COLL_ALL_REDUCE], 2 * 8 * 8 * 16 * 4);
+    tdm_tp_recompute_traffic(&spec, 2, 8, 1, &re);
+    cr_assert_eq(re.calls[TDM_COLL_REDUCE_SCATTER], 2);
+    cr_assert_eq(re.calls[TDM_COLL_ALL_GATHER], 1);
+    tdm_tp_recompute_traffic(&spec, 1, 8, 0, &re);
+    cr_assert_eq(re.calls[TDM_COLL_ALL_REDUCE], 0, "one rank: no collectives");
 }

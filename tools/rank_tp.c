@@ -112,7 +112,7 @@ static tdm_status tdm_rank_tp_setup(void *ctx, tdm_dist_rank *d, void **self)
                      .host_comm = tp_dev != tp_host ? tp_host : NULL,
                      .sequence_parallel = b->tp.seq_par,
                      .zero = b->tp.zero1 ? TDM_TP_ZERO_OPTIMIZER : TDM_TP_ZERO_NONE,
-                     .precision = b->precision};
+                     .precision = b->precision, .ckpt = b->ckpt};
     if ((st = tdm_tp_init(&q->p, tp_dev, d->dev, &b->spec, &o)))
         return tdm_tool_rank_fail(r, "tensor-parallel set-up", st);
     r->opt = tdm_tp_optim(q->p);
@@ -336,16 +336,26 @@ static void tdm_rank_tp_report(const tdm_tool_rank *r, int overlap)
     tdm_comm_traffic_get(q->mesh.dev[TDM_MESH_TP], &t);
     tdm_comm_traffic plan;
     tdm_tp_step_traffic(&r->b->spec, tdm_tp_size(q->p), 1, r->b->tp.seq_par, &plan);
+    if (r->b->ckpt) {
+        /* checkpointing runs blocks' forward collectives again */
+        tdm_comm_traffic re;
+        tdm_tp_recompute_traffic(&r->b->spec, tdm_tp_size(q->p), 1, r->b->tp.seq_par, &re);
+        for (int c = 0; c < TDM_COLL_COUNT_; c++) {
+            plan.calls[c] += re.calls[c];
+            plan.bytes[c] += re.bytes[c];
+        }
+    }
     printf("tp communication, rank 0: %lld all-reduces of %.3f MiB over the run (counted by the "
            "communicator; %lld per step of the full batch by the plan)",
            (long long)t.calls[TDM_COLL_ALL_REDUCE], (double)t.bytes[TDM_COLL_ALL_REDUCE] * mib,
            (long long)plan.calls[TDM_COLL_ALL_REDUCE]);
     if (plan.calls[TDM_COLL_REDUCE_SCATTER])
-        printf(", %lld reduce-scatters of %.3f MiB and %lld all-gathers of %.3f MiB (%lld of "
-               "each per step)", (long long)t.calls[TDM_COLL_REDUCE_SCATTER],
+        printf(", %lld reduce-scatters of %.3f MiB and %lld all-gathers of %.3f MiB (%lld and "
+               "%lld per step)", (long long)t.calls[TDM_COLL_REDUCE_SCATTER],
                (double)t.bytes[TDM_COLL_REDUCE_SCATTER] * mib,
                (long long)t.calls[TDM_COLL_ALL_GATHER], (double)t.bytes[TDM_COLL_ALL_GATHER] * mib,
-               (long long)plan.calls[TDM_COLL_REDUCE_SCATTER]);
+               (long long)plan.calls[TDM_COLL_REDUCE_SCATTER],
+               (long long)plan.calls[TDM_COLL_ALL_GATHER]);
     printf("\n");
 }
 

@@ -53,6 +53,7 @@ static tdm_status tdm_tp_forward(tdm_tp *p, int B, int train, double *ar_ms)
         TDM_CHECK(tdm_dev_bias_act(p->dev, L->act, p->params + L->b_off, B, L->lout,
                                    L->relu ? TDM_ACT_RELU : TDM_ACT_NONE));
         cur = L->act;
+        if (L->act == p->ckpt_act) p->ckpt_live = l;
         int64_t j0 = L->split == TDM_TP_COLUMN ? (int64_t)p->rank * L->lout : 0;
         TDM_CHECK(tdm_tp_post_forward(p, l + 1, B, L->lout, j0, train, &cur));
     }
@@ -68,6 +69,17 @@ static tdm_status tdm_tp_backward(tdm_tp *p, int B, double *ar_ms)
         float *dout = p->dbuf[cur], *din = p->dbuf[1 - cur];
         int64_t j0 = L->split == TDM_TP_COLUMN ? (int64_t)p->rank * L->lout : 0;
         TDM_CHECK(tdm_tp_post_backward(p, l + 1, B, L->lout, j0, L->act, dout));
+        /* activation checkpointing: a row layer's input, its column
+         * partner's output, is recomputed unless the shared buffer
+         * holds it (the last pair's, after the forward) */
+        if (L->split == TDM_TP_ROW && p->ckpt_act && p->ckpt_live != l - 1) {
+            const tdm_tp_layer *c = &p->layers[l - 1];
+            TDM_CHECK(tdm_tp_gemm(p, TDM_TRANS_N, TDM_TRANS_T, B, c->lout, c->lin, 1.0f,
+                                  c->in_act, p->params + c->w_off, 0.0f, c->act));
+            TDM_CHECK(tdm_dev_bias_act(p->dev, c->act, p->params + c->b_off, B, c->lout,
+                                       c->relu ? TDM_ACT_RELU : TDM_ACT_NONE));
+            p->ckpt_live = l - 1;
+        }
         if (L->relu) TDM_CHECK(tdm_dev_relu_bwd(p->dev, dout, L->act, (int64_t)B * L->lout));
         /* dW (lout, lin) += dout^T x; db (1, lout) += ones (1, B) dout */
         TDM_CHECK(tdm_tp_gemm(p, TDM_TRANS_T, TDM_TRANS_N, L->lout, L->lin, B, 1.0f, dout,

@@ -121,6 +121,15 @@ tdm_status tdm_tp_check_seq(const tdm_model_spec *spec, int ranks);
 void tdm_tp_step_traffic(const tdm_model_spec *spec, int ranks, int batch, int seq_par,
                          tdm_comm_traffic *out);
 
+/* What activation checkpointing (tdm_tp_opts.ckpt) adds to
+ * tdm_tp_step_traffic's counts in one step: the forward collectives of
+ * every block but the last, run again (the GPT of L blocks: 2(L-1)
+ * all-reduces of B*T*C floats; sequence parallel: 2(L-1)
+ * reduce-scatters and 2(L-1) - 1 all-gathers of them, block 0's ln_1
+ * reading the whole embeddings); nothing for the MLP. */
+void tdm_tp_recompute_traffic(const tdm_model_spec *spec, int ranks, int batch, int seq_par,
+                              tdm_comm_traffic *out);
+
 /* What the dp dimension of a dp x tp mesh shards (grad_comm's replicas). */
 typedef enum tdm_tp_zero {
     TDM_TP_ZERO_NONE = 0,       /* every replica keeps its slices' whole state */
@@ -157,6 +166,19 @@ typedef struct tdm_tp_opts {
      * optimizer are float32. FP16 wants a loss scaler (tdm_tp_levers).
      * Every rank the same (checked). FP32 (0): the plain products. */
     tdm_precision precision;
+    /* 1: activation checkpointing (models/recompute.h's idea, tp's
+     * units): the GPT's blocks share one set of activations and keep
+     * only their outputs; backward runs each block's forward again
+     * (but the last's, which the forward left in place) from its kept
+     * input, its collectives included: (L-1) blocks' forward
+     * collectives more per step (tdm_tp_recompute_traffic). The MLP's
+     * column-parallel layers share one output buffer (each pair keeps
+     * its input, the previous row layer's output); backward recomputes
+     * each but the last from it: one gemm, no communication. The same
+     * bits as without. 0: keep everything. USAGE for other values, and
+     * for a model file with elementwise layers between its linear
+     * ones. */
+    int ckpt;
 } tdm_tp_opts;
 
 typedef struct tdm_tp tdm_tp;

@@ -104,6 +104,9 @@ struct tdm_tp {
     float *host_logits;         /* evaluation's argmax (host) */
     tdm_tp_levers lev;           /* the step's levers (tp/levers.c) */
     tdm_precision prec;          /* the linear layers' products (tdm_tp_opts.precision) */
+    int ckpt;                    /* activation checkpointing (tdm_tp_opts.ckpt) */
+    float *ckpt_act;             /* the MLP's: the column layers' shared output */
+    int ckpt_live;               /* and the column layer whose output it holds */
     void *low;                   /* their 16-bit operands (dev, low_bytes) */
     size_t low_bytes;
     tdm_tp_stats stats;
