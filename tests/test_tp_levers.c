@@ -9,7 +9,7 @@
  *   clipped steps end within test_tp.c's bounds of one device's clipped
  *   run (measured below); the norm costs exactly one all-reduce of one
  *   double on the job's communicator per step (its count and bytes), and
- *   is labelled in the flight recorder;
+ *   it and the found-inf all-reduce are labelled in the flight recorder;
  * - precision: bf16 and fp16 (a scale from 2^16) products on tp=2 and
  *   dp=2 x tp=2 train the MLP and the GPT to within test_precision.c's
  *   0.04 of one device's fp32 mean loss over steps 6-10 (measured: MLP
@@ -48,6 +48,7 @@
 #include "shm/spawn.h"
 #include "tests/shm_test_util.h"
 #include "tests/test_pp_util.h"
+#include "tests/test_util.h"
 #include "tests/timeout_util.h"
 #include "tp/tp.h"
 
@@ -501,4 +502,68 @@ Test(tp_levers, checkpointing_refuses_segments_and_recomputed_elementwise_layers
     cr_assert_eq(re.calls[TDM_COLL_ALL_GATHER], 1);
     tdm_tp_recompute_traffic(&spec, 1, 8, 0, &re);
     cr_assert_eq(re.calls[TDM_COLL_ALL_REDUCE], 0, "one rank: no collectives");
+}
+
+/* The levers' two all-reduces are labelled in the flight recorder of the
+ * communicator they run on (here a job communicator of their own, split
+ * after TANDEM_FR_DUMP is set, so that its recorder dumps when freed). */
+static int fr_rank(tdm_comm *world, void *argp)
+{
+    setenv("TANDEM_FR_DUMP", (const char *)argp, 1);
+    unsetenv("TANDEM_FR_DUMP_ON");
+    int r = tdm_comm_rank(world);
+    tdm_device *dev = NULL;
+    tdm_tp *p = NULL;
+    tdm_comm *job = NULL;
+    tdm_model_spec spec;
+    spec_of(MLP, &spec);
+    static float x[8 * 20];
+    static int32_t y[8];
+    tpp_batch(&spec, 20, 1, 5, 0, 8, x, y);
+    tdm_tp_opts o = {.seed = TPP_SEED, .optim = optim(MLP), .precision = TDM_PRECISION_FP16};
+    tdm_grad_scaler sc;
+    tdm_grad_scaler_opts so;
+    tdm_grad_scaler_opts_default(&so);
+    so.init_scale = 1024.0f;   /* 2^16 overflows this step's fp16 operands: a skip, no norm */
+    tdm_status st = tdm_grad_scaler_init(&sc, &so);
+    if (!st) st = tdm_comm_split(world, 0, r, &job);
+    if (!st) st = tdm_device_open(&dev, "cpu", r, 1);
+    if (!st) st = tdm_tp_init(&p, world, dev, &spec, &o);
+    if (!st) {
+        tdm_tp_levers l = {.scaler = &sc, .clip_norm = 0.05, .comm = job};
+        tdm_tp_set_levers(p, &l);
+        st = tdm_tp_step_scaled(p, x, y, 8, 1.0f / 8, NULL);
+    }
+    tdm_tp_free(p);
+    tdm_comm_free(job);
+    tdm_device_free(dev);
+    return st ? 1 : 0;
+}
+
+Test(tp_levers, the_levers_collectives_are_labelled_in_the_flight_recorder)
+{
+    char dir[128];
+    tu_mkdtemp(dir, sizeof dir, "tdm_tplv_fr");
+    tdm_shm_spawn_opts so = {.timeout_ms = tu_scaled_ms(30000)};
+    cr_assert_eq(tdm_shm_spawn(2, fr_rank, dir, &so, NULL), TDM_STATUS_OK, "%s",
+                 tdm_error_message());
+    static char all[1 << 20];
+    size_t len = 0;
+    DIR *d = opendir(dir);
+    cr_assert_not_null(d);
+    for (struct dirent *e; (e = readdir(d));) {
+        if (e->d_name[0] == '.') continue;
+        char path[512];
+        snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
+        FILE *f = fopen(path, "r");
+        if (!f) continue;
+        len += fread(all + len, 1, sizeof all - 1 - len, f);
+        fclose(f);
+    }
+    closedir(d);
+    all[len] = '\0';
+    tu_rmtree(dir);
+    cr_assert(strstr(all, "grad scaler found inf"), "no found-inf all-reduce in the dumps");
+    cr_assert(strstr(all, "tp clip grad norm over the group and replicas"),
+              "no norm all-reduce in the dumps");
 }

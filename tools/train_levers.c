@@ -72,8 +72,8 @@ tdm_status tdm_train_levers_check(const tdm_train_args *a)
     const char *tp = pp && a->mesh ? strstr(a->mesh, "tp=") : NULL;
     if (tdm_levers_set(a) && tp && atoi(tp + 3) > 1)
         return tdm_tool_usage_error("tandem train: --mesh %s: the memory levers run in "
-                                    "pipelines of whole stages (tp=1), not yet with "
-                                    "tensor-parallel stages\n", a->mesh);
+                                    "pipelines of whole stages (tp=1) and in --mode tp, not yet "
+                                    "with tensor-parallel stages\n", a->mesh);
     if (a->offload && (dp || pp))
         return tdm_tool_usage_error("tandem train: --offload optimizer runs with --mode single, "
                                     "ddp and fsdp, not with --mode %s%s\n", a->mode,

@@ -126,7 +126,7 @@ static tdm_status tdm_tp_norm(tdm_tp *p)
     TDM_CHECK(tdm_tp_sumsq(p, &sq));
     TDM_CHECK(tdm_dev_scratch(p->dev, sizeof(double), (void **)&buf));
     TDM_CHECK(tdm_dev_copy_from_host(p->dev, buf, &sq, sizeof sq));
-    tdm_comm_set_label(comm, "tp clip grad norm over the group and its replicas");
+    tdm_comm_set_label(comm, "tp clip grad norm over the group and replicas");
     tdm_status st = tdm_comm_all_reduce(comm, buf, buf, 1, TDM_DTYPE_FLOAT64, TDM_REDOP_SUM);
     if (st) {
         tdm_error_prefix(st, "tp rank %d: the gradient norm's all-reduce", p->rank);

@@ -328,6 +328,8 @@ typedef struct tdm_tp_levers {
 /* Sets (or with NULL clears) the levers of the following steps; copied. */
 void tdm_tp_set_levers(tdm_tp *p, const tdm_tp_levers *l);
 
+/* --- what a step did ---------------------------------------------------------- */
+
 /* What the steps did and what the rank holds. */
 typedef struct tdm_tp_phases {
     /* fwd_allreduce, bwd_allreduce: the group's collectives inside the
