@@ -19,6 +19,9 @@
  *   sequence parallel) and the MLP on dp=2 x tp=2 write the checkpoint of
  *   the same run without it, bit for bit, and the GPT's report counts
  *   the recomputed blocks' all-reduces in the plan;
+ * - emulated CUDA ranks (TANDEM_CUDA_EMULATOR; cuda/ built, no GPU) write
+ *   the host ranks' checkpoint bit for bit with every lever, fp16 and
+ *   bf16, the MLP and the GPT (what this does not test: CUDA, NCCL);
  * - what tp does not build yet (--offload, checkpointing segments of
  *   more than one block) is one line and exit 2. */
 #include <criterion/criterion.h>
@@ -28,6 +31,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/device.h"
 #include "tests/ckpt_diff_util.h"
 #include "tests/cli_util.h"
 #include "tests/test_util.h"
@@ -256,6 +260,39 @@ Test(levers_tp, checkpointing_writes_the_same_bits)
     ok("mlp checkpointed");
     cr_assert(cli_same_file(path("off"), path("on")), "checkpointing changed the MLP's tp run");
 #undef CK_MLP
+}
+
+Test(levers_tp, emulated_cuda_ranks_write_the_host_ranks_checkpoint)
+{
+    if (!tdm_device_cuda_linked()) cr_skip_test("CUDA backend not built (no nvcc)");
+    static const char *const prec[] = {"fp16", "bf16"};
+    for (int i = 0; i < 2; i++) {
+#define EMU_MLP "train", "--mode", "tp", MLP, SYN, "--batch", "32", "--epochs", "2", \
+                "--no-eval", "--quiet", "--clip-grad-norm", "0.05",                 \
+                "--checkpoint-activations", "--precision", prec[i]
+        CLI(&g_r, EMU_MLP, "--device", "cpu:2", "--save", path("host"));
+        ok("host ranks");
+        cr_assert_eq(setenv("TANDEM_CUDA_EMULATOR", "2", 1), 0);
+        CLI(&g_r, EMU_MLP, "--device", "cuda:0,1", "--save", path("emu"));
+        unsetenv("TANDEM_CUDA_EMULATOR");
+        ok("emulated ranks");
+        cr_assert(strstr(g_r.out, "CUDA EMULATOR"), "%s", g_r.out);
+        cr_assert(cli_same_file(path("host"), path("emu")), "mlp %s: emulated ranks differ "
+                  "from host ranks", prec[i]);
+#undef EMU_MLP
+#define EMU_GPT "train", "--mode", "tp", "--model", GPT_MODEL, "--epochs", "1", "--max-steps", \
+                "4", "--batch", "8", "--no-eval", "--quiet", "--clip-grad-norm", "0.1",      \
+                "--checkpoint-activations", "--precision", prec[i]
+        CLI(&g_r, EMU_GPT, "--device", "cpu:2", "--save", path("host"));
+        ok("gpt host ranks");
+        cr_assert_eq(setenv("TANDEM_CUDA_EMULATOR", "2", 1), 0);
+        CLI(&g_r, EMU_GPT, "--device", "cuda:0,1", "--save", path("emu"));
+        unsetenv("TANDEM_CUDA_EMULATOR");
+        ok("gpt emulated ranks");
+        cr_assert(cli_same_file(path("host"), path("emu")), "gpt %s: emulated ranks differ "
+                  "from host ranks", prec[i]);
+#undef EMU_GPT
+    }
 }
 
 Test(levers_tp, what_tp_does_not_build_is_refused_in_one_line)
