@@ -19,7 +19,9 @@
  *   4, dp=2 x tp=2, sequence parallel), the allocator hands out fewer
  *   activation bytes on every rank, and the group's communicator counts
  *   the plan's collectives plus exactly tdm_tp_recompute_traffic's (the
- *   recomputed blocks' forward ones) every step;
+ *   recomputed blocks' forward ones) every step; tdm_tp_footprint_ckpt
+ *   (the pre-run memory check) counts the activation bytes the rank
+ *   holds, with and without;
  * - loss scaling (a scaler over float32 products: the skip logic is the
  *   precision's business only through the scale): an inf planted in one
  *   rank's gradient at step 3 makes every rank of the job skip step 3
@@ -270,6 +272,14 @@ static int lv_rank(tdm_comm *world, void *arg)
         tdm_tp_stats as;
         tdm_tp_get_stats(p, &as);
         o->act_alloc[r] = as.act_alloc_bytes;
+        /* the pre-run memory check's count, checkpointing included */
+        tdm_tp_rank_footprint fp;
+        if (tdm_tp_footprint_ckpt(&spec, tdm_comm_size(comm), hi - lo, g_ref.sp, g_ckpt, &fp))
+            RFAIL("footprint: %s", tdm_error_message());
+        if (fp.act_bytes != as.activations || fp.elems != ne)
+            RFAIL("footprint (checkpointing %d): %zu activation bytes and %lld elements, the "
+                  "rank holds %zu and %lld", g_ckpt, fp.act_bytes, (long long)fp.elems,
+                  as.activations, (long long)ne);
     }
     o->scale[r] = sc.scale;
     tdm_tp_stats st;

@@ -544,6 +544,12 @@ void tdm_tp_tensor_get(const tdm_tp *p, int i, tdm_tp_tensor_info *out)
 tdm_status tdm_tp_footprint(const tdm_model_spec *spec, int ranks, int batch, int seq_par,
                             tdm_tp_rank_footprint *out)
 {
+    return tdm_tp_footprint_ckpt(spec, ranks, batch, seq_par, 0, out);
+}
+
+tdm_status tdm_tp_footprint_ckpt(const tdm_model_spec *spec, int ranks, int batch, int seq_par,
+                                 int ckpt, tdm_tp_rank_footprint *out)
+{
     tdm_tp_split split[TDM_MODEL_MAX_DIMS];
     int L = 0;
     memset(out, 0, sizeof *out);
@@ -555,7 +561,8 @@ tdm_status tdm_tp_footprint(const tdm_model_spec *spec, int ranks, int batch, in
      * code, counting instead of allocating */
     tdm_tp *p = calloc(1, sizeof *p);
     TDM_REQUIRE(p, TDM_STATUS_OUT_OF_MEMORY, "tp footprint: calloc");
-    *p = (tdm_tp){.size = ranks, .spec = *spec, .n_layers = L, .seq_par = seq_par && ranks > 1};
+    *p = (tdm_tp){.size = ranks, .spec = *spec, .n_layers = L, .seq_par = seq_par && ranks > 1,
+                  .ckpt = ckpt};
     tdm_status st = spec->kind == TDM_MODEL_GPT ? TDM_STATUS_OK : tdm_tp_shape_of(spec, &p->shape);
     if (!st) st = tdm_model_init_tables(&p->tables, spec);
     if (!st && spec->kind == TDM_MODEL_GPT) st = tdm_tp_gpt_layout(p);

@@ -289,6 +289,12 @@ typedef struct tdm_tp_rank_footprint {
 } tdm_tp_rank_footprint;
 tdm_status tdm_tp_footprint(const tdm_model_spec *spec, int ranks, int batch, int seq_par,
                             tdm_tp_rank_footprint *out);
+/* The same with activation checkpointing (tdm_tp_opts.ckpt): the
+ * activations its shared buffers take. The 16-bit operand buffer of
+ * tdm_tp_opts.precision is not counted (a few MiB at most: the largest
+ * product's two operands). */
+tdm_status tdm_tp_footprint_ckpt(const tdm_model_spec *spec, int ranks, int batch, int seq_par,
+                                 int ckpt, tdm_tp_rank_footprint *out);
 
 /* --- the step's levers (tp/levers.c) ------------------------------------------
  * Loss scaling (fp16) and gradient clipping over the group and its
