@@ -91,7 +91,10 @@ static void spec_of(int which, tdm_model_spec *s)
     else tdm_model_spec_mlp(s, dims, 5);
 }
 
-static int in_of(const tdm_model_spec *s) { return s->kind == TDM_MODEL_GPT ? s->n_ctx : s->dims[0]; }
+static int in_of(const tdm_model_spec *s)
+{
+    return s->kind == TDM_MODEL_GPT ? s->n_ctx : s->dims[0];
+}
 static int rows_of(const tdm_model_spec *s) { return s->kind == TDM_MODEL_GPT ? s->n_ctx : 1; }
 static int classes_of(const tdm_model_spec *s)
 {

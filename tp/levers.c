@@ -1,15 +1,17 @@
-/* tp/levers.c: the memory levers at the end of a tensor-parallel step
- * (tp/tp.h, tdm_tp_levers): fp16's loss scaling with the skip decided
- * once for every rank of the job (the tensor-parallel group and its
- * data-parallel replicas), and the global gradient norm and clipping
- * over the group's slices. The order of a step is tp/step.c's: the
- * backward, the sums (sequence-parallel LayerNorms over the group, the
- * replicas over the dp dimension), then here, then the optimizer step
- * unless skipped. */
+/* tp/levers.c: the memory levers of a tensor-parallel rank (tp/tp.h):
+ * the linear layers' products in bf16 or fp16 (tdm_tp_opts.precision;
+ * used by tp/step.c's MLP and tp/gpt.c), and at the end of a step
+ * (tdm_tp_levers) fp16's loss scaling with the skip decided once for
+ * every rank of the job (the tensor-parallel group and its
+ * data-parallel replicas) and the global gradient norm and clipping over
+ * the group's slices. The order of a step is tp/step.c's: the backward,
+ * the sums (sequence-parallel LayerNorms over the group, the replicas
+ * over the dp dimension), then here, then the optimizer step unless
+ * skipped. Activation checkpointing lives with the passes it changes
+ * (tp/gpt.c, tp/step.c). */
 #include <math.h>
 #include <string.h>
 
-#include "core/timer.h"
 #include "models/clip.h"
 #include "models/layers_gpt.h"
 #include "models/precision.h"
@@ -64,7 +66,9 @@ tdm_status tdm_tp_linear_bwd(tdm_tp *p, const float *x, const float *w, const fl
     if (db)
         TDM_CHECK(tdm_dev_gemm_rm(p->dev, TDM_TRANS_N, TDM_TRANS_N, 1, out, (int)N, 1.0f, p->ones,
                                   dy, 1.0f, db));
-    if (dx) TDM_CHECK(tdm_tp_gemm(p, TDM_TRANS_N, TDM_TRANS_N, (int)N, in, out, 1.0f, dy, w, 0.0f, dx));
+    if (dx)
+        TDM_CHECK(tdm_tp_gemm(p, TDM_TRANS_N, TDM_TRANS_N, (int)N, in, out, 1.0f, dy, w, 0.0f,
+                              dx));
     return TDM_STATUS_OK;
 }
 
