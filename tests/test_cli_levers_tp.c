@@ -22,6 +22,9 @@
  * - emulated CUDA ranks (TANDEM_CUDA_EMULATOR; cuda/ built, no GPU) write
  *   the host ranks' checkpoint bit for bit with every lever, fp16 and
  *   bf16, the MLP and the GPT (what this does not test: CUDA, NCCL);
+ * - tandem compare --modes single,tp runs tp's checkpointing (its verdict
+ *   PASS) and refuses --precision for tp in one line (tp's bf16 is not
+ *   the one-device reference's computation);
  * - what tp does not build yet (--offload, checkpointing segments of
  *   more than one block) is one line and exit 2. */
 #include <criterion/criterion.h>
@@ -293,6 +296,20 @@ Test(levers_tp, emulated_cuda_ranks_write_the_host_ranks_checkpoint)
                   "from host ranks", prec[i]);
 #undef EMU_GPT
     }
+}
+
+Test(levers_tp, compare_runs_tp_checkpointed_and_refuses_its_precision)
+{
+    CLI(&g_r, "compare", "--modes", "single,tp", "--device", "cpu:2", "--model",
+        "mlp:784-128-128-10", "--steps", "4", "--warmup", "1", "--checkpoint-activations", "1");
+    ok("compare tp checkpointed");
+    cr_assert(strstr(g_r.out, "tp(2): largest parameter difference") &&
+                  strstr(g_r.out, "-> PASS"), "%s", g_r.out);
+    CLI(&g_r, "compare", "--modes", "single,tp", "--device", "cpu:2", "--precision", "bf16");
+    cr_assert_eq(g_r.code, 2, "%s", g_r.out);
+    cr_assert(strstr(g_r.out, "--precision applies to tp in tandem train only"), "%s", g_r.out);
+    cr_assert(strchr(g_r.out, '\n') == g_r.out + strlen(g_r.out) - 1, "more than one line:\n%s",
+              g_r.out);
 }
 
 Test(levers_tp, what_tp_does_not_build_is_refused_in_one_line)

@@ -135,10 +135,10 @@ static void tdm_cmp_usage(FILE *f)
         "                       run the sharded modes of --modes with the hook, each\n"
         "                       against hooked DDP (docs/FSDP.md)        [allreduce]\n"
         "  --powersgd-rank R    [4]   --powersgd-start-step S (plain before)   [10]\n"
-        "  --precision P        fp32 or bf16 in every mode but pp (fp16's loss scaling:\n"
-        "                       tandem train)                             [fp32]\n"
+        "  --precision P        fp32 or bf16 in every mode but pp and tp (fp16's loss\n"
+        "                       scaling, and tp's: tandem train)          [fp32]\n"
         "  --checkpoint-activations N  recompute segments of N blocks in backward\n"
-        "                       in every mode but pp\n"
+        "                       in every mode but pp (tp: N = 1)\n"
         "  --perturb-rank R     testing aid: DDP rank R adds 1%% to its gradient share,\n"
         "                       which the equivalence verdict must catch (with\n"
         "                       --comm-hook: only the hooked run, for its verdict)\n"
@@ -393,6 +393,17 @@ static tdm_status tdm_cmp_check_levers(tdm_cmp_job *j)
         return tdm_tool_usage_error("tandem compare: --precision and --checkpoint-activations "
                                     "do not apply to pp yet (its stages run in fp32, keeping "
                                     "their activations): leave pp out of --modes\n");
+    /* tp's bf16 rounds the products' operands alone (docs/TENSOR_PARALLEL.md):
+     * not the computation of compare's one-device reference */
+    unsigned tp = TDM_CMP_TP_BIT | TDM_CMP_TP_SP_BIT;
+    if ((o->modes & tp) && o->precision != TDM_PRECISION_FP32)
+        return tdm_tool_usage_error("tandem compare: --precision applies to tp in tandem train "
+                                    "only (its bf16 rounds the products alone, not what the "
+                                    "one-device reference computes): leave tp out of --modes\n");
+    if ((o->modes & tp) && o->ckpt > 1)
+        return tdm_tool_usage_error("tandem compare: --checkpoint-activations %d: tp checkpoints "
+                                    "every block (1); segments of more are not built for tp\n",
+                                    o->ckpt);
     return TDM_STATUS_OK;
 }
 
@@ -534,9 +545,7 @@ static tdm_status tdm_cmp_check_tp(tdm_cmp_job *j)
     if (o->ddp_comm)
         return tdm_tool_usage_error("tandem compare: --modes tp under an MPI launcher is not "
                                     "supported (run compare on one machine)\n");
-    if ((o->precision_arg && o->precision != TDM_PRECISION_FP32) || o->ckpt)
-        return tdm_tool_usage_error("tandem compare: --precision and --checkpoint-activations "
-                                    "do not apply to tp yet: leave tp out of --modes\n");
+    /* the levers: tdm_cmp_check_levers (checkpointing runs, bf16 not) */
     tdm_tp_split split[TDM_MODEL_MAX_DIMS];
     int L, T = o->mesh_tp > 1 && o->mesh_pp <= 1 ? o->mesh_tp : o->n_dev;
     if (tdm_tp_plan(&j->spec, T, split, &L))
