@@ -23,8 +23,21 @@ void openblas_set_num_threads(int num_threads);
 char *openblas_get_config(void);
 int openblas_get_num_threads(void);
 
+/* Test hook, read nowhere else and not for users:
+ * TANDEM_TEST_DEV_FAIL_AFTER=N, set when a host device is opened, makes
+ * that device fail every allocation and every host-to-device copy after
+ * its first N of them (OUT_OF_MEMORY, as a full device would), so tests
+ * reach the failure paths of the code that sets a run up. */
+#define TDM_HOST_FAIL_ENV "TANDEM_TEST_DEV_FAIL_AFTER"
+#define TDM_HOST_FAIL_OFF (-1)
+
+static int64_t host_fail_after(void);
+static tdm_status host_fault(tdm_device *d, const char *what, size_t nbytes);
+
 static tdm_status host_alloc(tdm_device *d, size_t nbytes, void **out)
 {
+    *out = NULL;
+    TDM_CHECK(host_fault(d, "allocation", nbytes));
     return tdm_device_host_mem_alloc(d, nbytes, out);
 }
 
@@ -38,6 +51,12 @@ static tdm_status host_copy(tdm_device *d, void *dst, const void *src, size_t nb
     (void)d;
     if (nbytes && dst != src) memmove(dst, src, nbytes);
     return TDM_STATUS_OK;
+}
+
+static tdm_status host_copy_from_host(tdm_device *d, void *dst, const void *src, size_t nbytes)
+{
+    TDM_CHECK(host_fault(d, "copy from the host", nbytes));
+    return host_copy(d, dst, src, nbytes);
 }
 
 static tdm_status host_memset_zero(tdm_device *d, void *p, size_t nbytes)
@@ -58,6 +77,7 @@ static tdm_status host_sync(tdm_device *d)
  * operands, in memory counted as the device's. */
 typedef struct tdm_host_impl {
     tdm_dnnl *dnnl;
+    int64_t fail_after, fallible;   /* TANDEM_TEST_DEV_FAIL_AFTER, and the calls it counted */
     int bf16_widen;         /* oneDNN could not run a bfloat16 product: widen them too */
     float *wide;            /* 16-bit operands widened; wide_elems floats */
     int64_t wide_elems;
@@ -727,7 +747,7 @@ static const tdm_device_ops tdm_device_host_ops = {
     .free = host_free,
     .copy = host_copy,
     .copy_to_host = host_copy,
-    .copy_from_host = host_copy,
+    .copy_from_host = host_copy_from_host,
     .memset_zero = host_memset_zero,
     .sync = host_sync,
     .close = host_close,
@@ -781,10 +801,29 @@ tdm_status tdm_device_host_open(tdm_device **out, int index, int threads)
     d->index = index;
     d->threads = threads > 0 ? threads : 1;
     d->mem_counted = 1;
+    ((tdm_host_impl *)d->impl)->fail_after = host_fail_after();
     snprintf(d->name, sizeof d->name, "cpu:%d", index);
     tdm_device_host_set_blas_threads(d->threads);
     *out = d;
     return TDM_STATUS_OK;
+}
+
+static int64_t host_fail_after(void)
+{
+    const char *e = getenv(TDM_HOST_FAIL_ENV);
+    if (!e || !*e) return TDM_HOST_FAIL_OFF;
+    char *end = NULL;
+    long long n = strtoll(e, &end, 10);
+    return *end || n < 0 ? TDM_HOST_FAIL_OFF : (int64_t)n;
+}
+
+static tdm_status host_fault(tdm_device *d, const char *what, size_t nbytes)
+{
+    tdm_host_impl *h = d->impl;
+    if (h->fail_after == TDM_HOST_FAIL_OFF || h->fallible++ < h->fail_after)
+        return TDM_STATUS_OK;
+    return tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "%s: %s of %zu bytes failed (%s=%lld)",
+                         d->name, what, nbytes, TDM_HOST_FAIL_ENV, (long long)h->fail_after);
 }
 
 void tdm_device_host_set_blas_threads(int threads)

@@ -85,29 +85,26 @@ void tdm_gpt_spec_describe(const tdm_model_spec *s, char *buf, size_t len)
 static float *tdm_gpt_param(tdm_model *m, int i) { return tdm_model_pdata(m, i); }
 static float *tdm_gpt_grad(tdm_model *m, int i) { return tdm_model_gdata(m, i); }
 
-static void tdm_gpt_init_params(tdm_model *m, uint64_t seed, float *hp)
+static void tdm_gpt_init_param(const tdm_model *m, uint64_t seed, int i, float *p)
 {
     int L = m->spec.n_layer;
-    for (int i = 0; i < m->n_params; i++) {
-        const tdm_tensor_info *t = &m->params_info[i];
-        float *p = hp + t->offset;
-        int is_ln = strstr(t->name, ".ln_") != NULL;
-        int is_bias = strstr(t->name, ".bias") != NULL;
-        if (is_ln && !is_bias) {
-            for (int64_t j = 0; j < t->n_elem; j++) p[j] = 1.0f;
-            continue;
-        }
-        if (is_bias) continue;   /* zero */
-        /* GPT-2: N(0, 0.02); the projections that write into the residual
-         * stream scaled by 1/sqrt(2L), one per residual add */
-        float std = 0.02f;
-        if (strstr(t->name, ".c_proj.weight")) std = 0.02f / sqrtf(2.0f * (float)L);
-        /* the whole model's stream of the tensor: a stage (and a tied
-         * copy) starts as the whole model's part of it does */
-        tdm_rng r;
-        tdm_rng_init(&r, seed, TDM_RNG_STREAM_INIT + (uint64_t)tdm_model_global_param(m, i));
-        for (int64_t j = 0; j < t->n_elem; j++) p[j] = std * tdm_rng_normal(&r);
+    const tdm_tensor_info *t = &m->params_info[i];
+    int is_ln = strstr(t->name, ".ln_") != NULL;
+    int is_bias = strstr(t->name, ".bias") != NULL;
+    if (is_ln && !is_bias) {
+        for (int64_t j = 0; j < t->n_elem; j++) p[j] = 1.0f;
+        return;
     }
+    if (is_bias) return;   /* zero */
+    /* GPT-2: N(0, 0.02); the projections that write into the residual
+     * stream scaled by 1/sqrt(2L), one per residual add */
+    float std = 0.02f;
+    if (strstr(t->name, ".c_proj.weight")) std = 0.02f / sqrtf(2.0f * (float)L);
+    /* the whole model's stream of the tensor: a stage (and a tied copy)
+     * starts as the whole model's part of it does */
+    tdm_rng r;
+    tdm_rng_init(&r, seed, TDM_RNG_STREAM_INIT + (uint64_t)tdm_model_global_param(m, i));
+    for (int64_t j = 0; j < t->n_elem; j++) p[j] = std * tdm_rng_normal(&r);
 }
 
 /* One logical layer per group of parameters that backward finishes at once. */
@@ -742,7 +739,7 @@ static void tdm_gpt_gemm_flops(const tdm_model *m, double *fwd, double *bwd)
 static tdm_status tdm_gpt_select(tdm_model *m, int k) { return tdm_gpt_select_set(m, k); }
 
 static const tdm_model_vt tdm_gpt_vt = {
-    .init_params = tdm_gpt_init_params,
+    .init_param = tdm_gpt_init_param,
     .forward = tdm_gpt_forward,
     .backward = tdm_gpt_backward,
     .last_logits = tdm_gpt_last_logits,

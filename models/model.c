@@ -285,6 +285,32 @@ fail:
     return st;
 }
 
+void tdm_model_init_param_host(const tdm_model *m, uint64_t seed, int i, float *p)
+{
+    const tdm_tensor_info *t = &m->params_info[i];
+    memset(p, 0, (size_t)t->n_elem * sizeof *p);
+    if (m->vt) {
+        m->vt->init_param(m, seed, i, p);
+        return;
+    }
+    const tdm_layer *l = &m->layers[t->layer];
+    int is_weight = strstr(t->name, ".weight") != NULL;
+    if (l->kind == TDM_LAYER_BN || l->kind == TDM_LAYER_LN) {
+        float v = is_weight ? 1.0f : 0.0f;
+        for (int64_t j = 0; j < t->n_elem; j++) p[j] = v;
+    } else if (is_weight) {
+        /* He et al. 2015: std sqrt(2/fan_in) keeps relu activations'
+         * variance constant; the output layer (no relu) uses 1/fan_in. */
+        int64_t fan_in = t->n_elem / t->shape[0];
+        int followed_by_relu = l->relu || l->kind == TDM_LAYER_CONV;
+        float std = sqrtf((followed_by_relu ? 2.0f : 1.0f) / (float)fan_in);
+        tdm_rng r;
+        tdm_rng_init(&r, seed, TDM_RNG_STREAM_INIT + (uint64_t)tdm_model_global_param(m, i));
+        for (int64_t j = 0; j < t->n_elem; j++) p[j] = std * tdm_rng_normal(&r);
+    }
+    /* biases stay 0 */
+}
+
 static tdm_status tdm_model_fill_host(tdm_model *m, uint64_t seed)
 {
     tdm_status st = TDM_STATUS_OK;
@@ -294,27 +320,8 @@ static tdm_status tdm_model_fill_host(tdm_model *m, uint64_t seed)
         st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "cannot allocate initial parameters");
         goto fail;
     }
-    for (int i = 0; !m->vt && i < m->n_params; i++) {
-        const tdm_tensor_info *t = &m->params_info[i];
-        const tdm_layer *l = &m->layers[t->layer];
-        float *p = hp + t->offset;
-        int is_weight = strstr(t->name, ".weight") != NULL;
-        if (l->kind == TDM_LAYER_BN || l->kind == TDM_LAYER_LN) {
-            float v = is_weight ? 1.0f : 0.0f;
-            for (int64_t j = 0; j < t->n_elem; j++) p[j] = v;
-        } else if (is_weight) {
-            /* He et al. 2015: std sqrt(2/fan_in) keeps relu activations'
-             * variance constant; the output layer (no relu) uses 1/fan_in. */
-            int64_t fan_in = t->n_elem / t->shape[0];
-            int followed_by_relu = l->relu || l->kind == TDM_LAYER_CONV;
-            float std = sqrtf((followed_by_relu ? 2.0f : 1.0f) / (float)fan_in);
-            tdm_rng r;
-            tdm_rng_init(&r, seed, TDM_RNG_STREAM_INIT + (uint64_t)tdm_model_global_param(m, i));
-            for (int64_t j = 0; j < t->n_elem; j++) p[j] = std * tdm_rng_normal(&r);
-        }
-        /* biases stay 0 */
-    }
-    if (m->vt) m->vt->init_params(m, seed, hp);
+    for (int i = 0; i < m->n_params; i++)
+        tdm_model_init_param_host(m, seed, i, hp + m->params_info[i].offset);
     for (int i = 0; i < m->n_buffers; i++) {
         const tdm_tensor_info *t = &m->buffers_info[i];
         float v = strstr(t->name, "running_var") ? 1.0f : 0.0f;

@@ -176,6 +176,11 @@ tdm_status tdm_cnn_init(tdm_model **out, tdm_device *dev, uint64_t seed);
  * it). Its flat buffers are NULL; forward, backward and anything that
  * touches storage must not be called. Free with tdm_model_free. */
 tdm_status tdm_model_init_tables(tdm_model **out, const tdm_model_spec *spec);
+/* Parameter tensor i's initial values, those tdm_model_init(seed) gives
+ * it, into p (host memory: the tensor's n_elem floats). m may be tables
+ * only: a design that holds a part of a tensor builds the tensor alone,
+ * not the whole model. */
+void tdm_model_init_param_host(const tdm_model *m, uint64_t seed, int i, float *p);
 /* A model with src's spec on dev, parameters and buffers copied from src
  * (a replica). Gradients zero. */
 tdm_status tdm_model_clone(tdm_model **out, const tdm_model *src, tdm_device *dev);

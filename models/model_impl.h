@@ -75,8 +75,9 @@ struct tdm_act_layout;   /* models/recompute.c's, below */
  * (the GPT). model.c keeps the tables, flat buffers, gradient storage,
  * hook and training flag, and calls these for the rest. */
 typedef struct tdm_model_vt {
-    /* Parameter values on the host (hp: param_elems floats, zeroed). */
-    void (*init_params)(tdm_model *m, uint64_t seed, float *hp);
+    /* Parameter tensor i's initial values on the host (p: its n_elem
+     * floats, zeroed); m may be tables only. */
+    void (*init_param)(const tdm_model *m, uint64_t seed, int i, float *p);
     /* After tdm_model_forward's argument checks, with m->batch = 0. */
     tdm_status (*forward)(tdm_model *m, const void *x, int batch, const float **logits);
     /* After tdm_model_backward's checks: adds into the gradients and calls

@@ -1,7 +1,7 @@
 /* tests/test_cli_levers_tp.c: the memory levers in `tandem train --mode
  * tp` and `--mesh dp=D,tp=N`, end to end:
  * - --clip-grad-norm: the MLP on 2 and 4 tensor-parallel ranks and on
- *   dp=2 x tp=2, and the GPT on 2 ranks (also sequence parallel) and on
+ *   dp=2 x tp=2 (also with ZeRO-1 on the dp dimension), and the GPT on 2 ranks (also sequence parallel) and on
  *   dp=2 x tp=2, end their epochs with the loss and the global gradient
  *   norm --mode single prints on the same global batches (4 significant
  *   digits: the row-parallel sums differ from one device's by float
@@ -93,12 +93,17 @@ Test(levers_tp, the_mlp_clipped_over_tp_prints_one_devices_loss_and_norm)
     ok("single");
     epoch_line("epoch 1/2", one[0], sizeof one[0]);
     epoch_line("epoch 2/2", one[1], sizeof one[1]);
-    static const char *const layouts[][4] = {
-        {"cpu:2", NULL}, {"cpu:4", NULL}, {"cpu:4", "--mesh", "dp=2,tp=2", NULL}};
+    static const char *const layouts[][6] = {
+        {"cpu:2", NULL},
+        {"cpu:4", NULL},
+        {"cpu:4", "--mesh", "dp=2,tp=2", NULL},
+        /* ZeRO-1: each replica holds its chunk's summed gradient alone */
+        {"cpu:4", "--mesh", "dp=2,tp=2", "--sharding", "optimizer", NULL}};
     for (size_t i = 0; i < sizeof layouts / sizeof layouts[0]; i++) {
         const char *const *l = layouts[i];
         CLI(&g_r, "train", "--mode", "tp", "--device", l[0], MLP_RUN, "--save", path("tp"),
-            l[1] ? l[1] : "--quiet", l[1] ? l[2] : "--quiet");
+            l[1] ? l[1] : "--quiet", l[1] ? l[2] : "--quiet", l[1] && l[3] ? l[3] : "--quiet",
+            l[1] && l[3] ? l[4] : "--quiet");
         ok(l[0]);
         cr_assert(strstr(g_r.out, "memory levers on every rank: precision fp32, global gradient "
                                   "norm clipped to 0.05"), "%s", g_r.out);

@@ -71,6 +71,7 @@ Test(invalues, garbage_in_numeric_environment_variables_is_refused)
         {"TANDEM_FR_SIZE", "lots", "flight-recorder entries"},
         {"TANDEM_CUDA_EMULATOR", "0", "emulated CUDA devices"},
         {"TANDEM_RESTART_COUNT", "one", "restarts so far"},
+        {"TANDEM_TEST_DEV_FAIL_AFTER", "-1", "device calls before each fails"},
         {"TANDEM_MPI_NB", "sometimes", "expected async|all|none"},
         {"TANDEM_MPI_THREAD_LEVEL", "lots", "expected single|funneled|serialized|multiple"},
     };

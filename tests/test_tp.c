@@ -257,8 +257,9 @@ static int tp_rank(tdm_comm *world, void *arg)
     int lo = B * rep / dp, hi = B * (rep + 1) / dp;
     for (int s = 0; s < STEPS; s++) {
         batch_of(&spec, s, x, y);
-        tdm_comm_traffic t0, t1;
+        tdm_comm_traffic t0, t1, d0, d1;
         tdm_comm_traffic_get(comm, &t0);
+        tdm_comm_traffic_get(dcomm, &d0);
         double ls = 0.0;
         if (g_ref.accum) {
             /* gradient accumulation: the replica's share in two
@@ -275,6 +276,35 @@ static int tp_rank(tdm_comm *world, void *arg)
         } else if (tdm_tp_step_scaled(p, x + lo * in, y + lo * rows, hi - lo, 1.0f / B, &ls))
             RFAIL("step %d: %s", s, tdm_error_message());
         tdm_comm_traffic_get(comm, &t1);
+        tdm_comm_traffic_get(dcomm, &d1);
+        if (dp > 1) {
+            /* the dp dimension, per step: the plain mesh all-reduces the
+             * rank's n elements; ZeRO-1 reduce-scatters the gradients'
+             * D chunks of c = ceil(n/D) and all-gathers the parameters'
+             * (a ring sends 2(D-1)/D of the payload either way, but for
+             * the padding: the plain mesh's bytes) */
+            int64_t n4 = tdm_tp_elems(p) * 4, c4 = (tdm_tp_elems(p) + dp - 1) / dp * 4;
+            int64_t db[TDM_COLL_COUNT_] = {0}, dc[TDM_COLL_COUNT_] = {0};
+            if (g_ref.zero) {
+                db[TDM_COLL_REDUCE_SCATTER] = db[TDM_COLL_ALL_GATHER] = c4 * dp;
+                dc[TDM_COLL_REDUCE_SCATTER] = dc[TDM_COLL_ALL_GATHER] = 1;
+            } else {
+                db[TDM_COLL_ALL_REDUCE] = n4;
+                dc[TDM_COLL_ALL_REDUCE] = 1;
+            }
+            for (int c = 0; c < TDM_COLL_COUNT_; c++)
+                if (d1.bytes[c] - d0.bytes[c] != db[c] || d1.calls[c] - d0.calls[c] != dc[c])
+                    RFAIL("step %d, the dp dimension: %s: %lld calls of %lld bytes counted, "
+                          "expected %lld of %lld", s, tdm_coll_name((tdm_coll)c),
+                          (long long)(d1.calls[c] - d0.calls[c]),
+                          (long long)(d1.bytes[c] - d0.bytes[c]), (long long)dc[c],
+                          (long long)db[c]);
+            tdm_comm_traffic dd = {0};
+            for (int c = 0; c < TDM_COLL_COUNT_; c++) dd.bytes[c] = d1.bytes[c] - d0.bytes[c];
+            int64_t ring = tdm_comm_traffic_ring_sent(&dd, dp);
+            if (ring != 2 * (dp - 1) * (g_ref.zero ? c4 * dp : n4) / dp)
+                RFAIL("step %d, the dp dimension: a ring sends %lld bytes", s, (long long)ring);
+        }
         if (dp > 1 && tdm_comm_all_reduce(dcomm, &ls, &ls, 1, TDM_DTYPE_FLOAT64, TDM_REDOP_SUM))
             RFAIL("loss: %s", tdm_error_message());
         double ld = fabs(ls / B - g_ref.loss[s]);
@@ -339,13 +369,36 @@ static int tp_rank(tdm_comm *world, void *arg)
                 RFAIL("footprint: %lld elements and %zu activation bytes, the rank holds %lld "
                       "and %zu", (long long)fp.elems, fp.act_bytes, (long long)tdm_tp_elems(p),
                       as.activations);
+            /* against what the device's allocator handed out (64-byte
+             * blocks): parameters, gradients and the optimizer state (of
+             * ZeRO-1's chunk), and the activations, each allocation
+             * rounded up by less than 64 bytes */
+            size_t r64 = 63, chunk = g_ref.zero ? ((size_t)fp.elems + (size_t)dp - 1) / (size_t)dp
+                                                : (size_t)fp.elems;
+            size_t state = 2 * (((size_t)fp.elems * 4 + r64) & ~r64) +
+                           (size_t)tdm_optim_n_state(tdm_tp_optim(p)) * ((chunk * 4 + r64) & ~r64);
+            if (state != o->alloc[r])
+                RFAIL("footprint: parameters, gradients and optimizer state of %zu bytes, the "
+                      "allocator handed out %zu", state, o->alloc[r]);
+            if (fp.act_allocs != as.act_allocs || as.act_alloc_bytes < fp.act_bytes ||
+                as.act_alloc_bytes - fp.act_bytes > r64 * (size_t)fp.act_allocs)
+                RFAIL("footprint: %zu activation bytes in %lld allocations, the allocator handed "
+                      "out %zu in %lld", fp.act_bytes, (long long)fp.act_allocs,
+                      as.act_alloc_bytes, (long long)as.act_allocs);
+            /* the split tensors: 1/N of one device's (its tables, written
+             * out by must_split) */
+            if (fp.split_elems * N != g_ref.must_split)
+                RFAIL("footprint: %lld split elements x %d ranks, one device's split tensors "
+                      "%lld", (long long)fp.split_elems, N, (long long)g_ref.must_split);
         }
         char why[160];
         if (!repl_grads_agree(p, comm, why, sizeof why)) RFAIL("step %d: %s", s, why);
-        if (s == 0) {
+        if (s == 0 && !g_ref.zero) {
             /* the whole gradient of step 0 against one device's: AdamW's
              * normalised step hides a wrongly scaled gradient from the
-             * parameter check, this does not */
+             * parameter check, this does not (ZeRO-1 sums only each
+             * replica's chunk of it: its parameters are held to the
+             * plain mesh's, bit for bit, by check_zero) */
             if (tdm_tp_gather_grads(p, whole, 0)) RFAIL("gather grads: %s", tdm_error_message());
             if (tdm_comm_rank(comm) == 0) o->gdiff[r] = tpp_max_diff(whole, g_ref.g1, g_ref.n);
         }

@@ -10,6 +10,8 @@
  *   run (measured below); the norm costs exactly one all-reduce of one
  *   double on the job's communicator per step (its count and bytes), and
  *   it and the found-inf all-reduce are labelled in the flight recorder;
+ *   under ZeRO-1 on the dp dimension (each replica holds its chunk's sum
+ *   alone) too;
  * - precision: bf16 and fp16 (a scale from 2^16) products on tp=2 and
  *   dp=2 x tp=2 train the MLP and the GPT to within test_precision.c's
  *   0.04 of one device's fp32 mean loss over steps 6-10 (measured: MLP
@@ -175,6 +177,7 @@ static void plant_inf(void *ctx, float *grads, int64_t n, tdm_device *dev)
 static int g_scale_exp = -1;
 static tdm_precision g_prec = TDM_PRECISION_FP32;
 static int g_ckpt;
+static int g_zero;   /* ZeRO-1 over the dp dimension */
 
 static int lv_rank(tdm_comm *world, void *arg)
 {
@@ -199,7 +202,8 @@ static int lv_rank(tdm_comm *world, void *arg)
     int rep = tdm_mesh_coord(mesh, TDM_MESH_DP);
     tdm_tp_opts to = {.seed = TPP_SEED, .optim = optim(g_ref.which),
                       .grad_comm = dp > 1 ? dcomm : NULL, .sequence_parallel = g_ref.sp,
-                      .precision = g_prec, .ckpt = g_ckpt};
+                      .precision = g_prec, .ckpt = g_ckpt,
+                      .zero = g_zero ? TDM_TP_ZERO_OPTIMIZER : TDM_TP_ZERO_NONE};
     if (tdm_tp_init(&p, comm, dev, &spec, &to)) RFAIL("init: %s", tdm_error_message());
     tdm_grad_scaler sc;
     tdm_grad_scaler_opts so;
@@ -355,6 +359,17 @@ Test(tp_levers, the_clipped_norm_is_one_devices_on_dp2_tp2)
 {
     check_clip(MLP, 2, 2, 0);
     check_clip(GPT, 2, 2, 0);
+}
+
+/* ZeRO-1's reduce-scatter leaves each replica its chunk's sum alone:
+ * every replica counts its chunk. */
+Test(tp_levers, the_clipped_norm_is_one_devices_under_zero1)
+{
+    g_zero = 1;
+    check_clip(MLP, 2, 2, 0);
+    check_clip(GPT, 2, 2, 0);
+    check_clip(GPT, 2, 2, 1);
+    g_zero = 0;
 }
 
 Test(tp_levers, the_clipped_norm_is_one_devices_with_sequence_parallelism)

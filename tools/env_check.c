@@ -45,6 +45,7 @@ static const tdm_env_int tdm_env_ints[] = {
     {"TANDEM_CUDA_EMULATOR", 1, 64, "emulated CUDA devices"},
     {"TANDEM_RESTART_COUNT", 0, 1000000, "restarts so far (set by tandem launch)"},
     {"TANDEM_TEST_MEM_LIMIT", 0, 1LL << 62, "bytes"},
+    {"TANDEM_TEST_DEV_FAIL_AFTER", 0, 1LL << 62, "device calls before each fails"},
 };
 
 typedef struct tdm_env_word {

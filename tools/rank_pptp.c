@@ -165,6 +165,19 @@ static tdm_status tdm_pptp_gather_tp(tdm_pptp *q, const float *narrow, float *al
     return TDM_STATUS_OK;
 }
 
+/* TANDEM_TEST_PPTP_GATHER_FAIL=R: a test hook, read only by
+ * tests/test_pp_tp_cli.c: rank R's gather fails before it sends
+ * anything, as an allocation failing there would. */
+static tdm_status tdm_pptp_planted(const tdm_pptp *q, int first)
+{
+    const char *e = getenv("TANDEM_TEST_PPTP_GATHER_FAIL");
+    int rank = tdm_comm_job_rank(q->thost, q->t);
+    if (!e || atoi(e) != rank) return TDM_STATUS_OK;
+    return tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "rank %d (%s tp rank %d): test hook: the "
+                         "pp-tp gather fails", rank, first ? "stage 0's" : "a later stage's",
+                         q->t);
+}
+
 tdm_status tdm_pptp_gather(tdm_pptp *q, tdm_pp *p, const tdm_optim *opt, tdm_ckpt_host *h,
                            int root)
 {
@@ -173,7 +186,8 @@ tdm_status tdm_pptp_gather(tdm_pptp *q, tdm_pp *p, const tdm_optim *opt, tdm_ckp
     memset(&n, 0, sizeof n);
     float *all = NULL;
     int64_t ne = tdm_model_param_elems(q->slim);
-    tdm_status st = first ? tdm_tool_ckpt_host(q->slim, opt, &n) : TDM_STATUS_OK;
+    tdm_status st = tdm_pptp_planted(q, first);
+    if (!st && first) st = tdm_tool_ckpt_host(q->slim, opt, &n);
     if (!st && first) {
         all = malloc((size_t)(ne > 0 ? ne : 1) * (size_t)q->N * sizeof *all);
         if (!all)

@@ -394,7 +394,8 @@ static int tdm_rank_tp_phases(const tdm_tool_rank *r, tdm_phase_times *out)
 }
 
 const tdm_tool_design tdm_tool_tp_design = {
-    .dist = {.name = "tp", .caps = TDM_DIST_NCCL, .layout = tdm_rank_tp_layout,
+    .dist = {.name = "tp", .caps = TDM_DIST_MPI | TDM_DIST_NCCL,
+             .layout = tdm_rank_tp_layout,
              .setup = tdm_rank_tp_setup, .free = tdm_rank_tp_free, .ops = &tdm_rank_tp_ops},
     .unit = "tensor-parallel rank", .save_alone = 0, .describe = tdm_rank_tp_describe,
     .report = tdm_rank_tp_report, .params = tdm_rank_tp_params, .step = tdm_rank_tp_step,

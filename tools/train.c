@@ -86,9 +86,10 @@ static void tdm_train_usage(FILE *f)
         "                         (a symlink of yours to a file: that file is written)\n"
         "  --resume PATH          continue from a checkpoint\n"
         "  --bucket-cap-mb MB     ddp: gradient bucket size cap              [25]\n"
-        "  --backend B            ddp under mpirun/srun: shm (shared memory, one machine),\n"
-        "                         mpi (MPI), hier (shm inside each machine + MPI between\n"
-        "                         them) or auto (shm on one machine, hier otherwise)  [auto]\n"
+        "  --backend B            ddp, pp, tp under mpirun/srun: shm (shared memory, one\n"
+        "                         machine), mpi (MPI), hier (shm inside each machine +\n"
+        "                         MPI between them) or auto (shm on one machine, hier\n"
+        "                         otherwise)                                  [auto]\n"
         "  --no-overlap           ddp: all-reduce after backward, not during it;\n"
         "                         fsdp: reduce-scatter after backward\n"
         "  --sharding S           fsdp (mlp, cnn, gpt): what each rank keeps only 1/N\n"
@@ -236,9 +237,9 @@ static void tdm_train_usage(FILE *f)
         "(docs/TENSOR_PARALLEL.md). Its checkpoint is the whole model's, and it\n"
         "resumes from any mode's.\n"
         "\n"
-        "--mode ddp forks one rank per device, or, started by an MPI launcher\n"
-        "(mpirun -np N tandem train --mode ddp ..., srun), takes its ranks from it\n"
-        "(docs/MULTINODE.md).\n"
+        "--mode ddp, pp and tp fork one rank per device, or, started by an MPI\n"
+        "launcher (mpirun -np N tandem train --mode ddp ..., srun), take their ranks\n"
+        "from it (docs/MULTINODE.md).\n"
         "\n"
         "Exit codes: 0 ok, 1 runtime failure, 2 bad usage.\n",
         TDM_GPT_DEFAULT_LAYERS, TDM_GPT_DEFAULT_WIDTH, TDM_GPT_DEFAULT_HEADS,
@@ -447,17 +448,18 @@ static tdm_status tdm_train_check_args(tdm_train_args *a)
     /* restarted by tandem launch --max-restarts: from the launcher's
      * --checkpoint, else our own --save, once this run wrote it */
     if (!a->resume) TDM_CHECK(tdm_dist_restart_resume(a->save, &a->resume));
-    if (a->backend && strcmp(a->mode, "ddp") && strcmp(a->mode, "pp"))
-        return tdm_tool_usage_error("tandem train: --backend applies to --mode ddp and pp\n");
+    if (a->backend && strcmp(a->mode, "ddp") && strcmp(a->mode, "pp") && strcmp(a->mode, "tp"))
+        return tdm_tool_usage_error("tandem train: --backend applies to --mode ddp, pp and "
+                                    "tp\n");
     TDM_CHECK(tdm_train_check_ddp_next(a, gpt));
     TDM_CHECK(tdm_train_check_det(a));
     TDM_CHECK(tdm_train_levers_check(a));
     /* N copies of one model trained side by side are never what was meant */
     int mpi_n = tdm_dist_mpi_env_world();
-    if (strcmp(a->mode, "ddp") && strcmp(a->mode, "pp") && mpi_n > 1)
+    if (strcmp(a->mode, "ddp") && strcmp(a->mode, "pp") && strcmp(a->mode, "tp") && mpi_n > 1)
         return tdm_tool_usage_error("tandem train: started by an MPI launcher with %d ranks, but "
                                     "--mode %s would train %d independent copies: use --mode "
-                                    "ddp or pp\n", mpi_n, a->mode, mpi_n);
+                                    "ddp, pp or tp\n", mpi_n, a->mode, mpi_n);
     return TDM_STATUS_OK;
 }
 

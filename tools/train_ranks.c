@@ -533,8 +533,9 @@ tdm_status tdm_train_run_ranks(const tdm_train_args *a, const tdm_tool_design *d
     if (tdm_dist_job_timeout(&o, start, &timeout_ms))
         return tdm_tool_usage_error("tandem train: %s\n", tdm_error_message());
     if ((st = tdm_dist_backend_choose(a->backend, start == TDM_DIST_START_MPI,
-                                      design == &tdm_tool_pp_design ? "train --mode pp"
-                                                                    : "train --mode ddp",
+                                      design == &tdm_tool_pp_design   ? "train --mode pp"
+                                      : design == &tdm_tool_tp_design ? "train --mode tp"
+                                                                      : "train --mode ddp",
                                       &o.backend))) {
         fprintf(stderr, "tandem train: %s\n", tdm_error_message());
         return st == TDM_STATUS_UNSUPPORTED ? st : TDM_STATUS_USAGE;

@@ -30,10 +30,9 @@ tdm_status tdm_train_check_tp(const tdm_train_args *a)
         return tdm_tool_usage_error("tandem train: --sequence-parallel applies to the GPT; "
                                     "--model %s has no sequence\n", a->model);
     if (a->uneven || a->sync_bn || a->save_sharded ||
-        (a->comm_hook && strcmp(a->comm_hook, "allreduce")) || a->max_restarts || a->backend)
+        (a->comm_hook && strcmp(a->comm_hook, "allreduce")) || a->max_restarts)
         return tdm_tool_usage_error("tandem train: --mode tp takes none of --uneven, "
-                                    "--sync-bn, --save-sharded, --comm-hook, --max-restarts, "
-                                    "--backend\n");
+                                    "--sync-bn, --save-sharded, --comm-hook, --max-restarts\n");
     if (a->deterministic && (a->grad_accum > 1 || a->sharding || a->sequence_parallel))
         return tdm_tool_usage_error("tandem train: --deterministic with --mode tp is not "
                                     "supported with --grad-accum, --sharding or "

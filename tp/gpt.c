@@ -171,6 +171,7 @@ static tdm_status tdm_tp_gpt_alloc(tdm_tp *p, int64_t n, float **out)
     }
     size_t bytes = (size_t)(n > 0 ? n : 1) * sizeof(float);
     p->stats.activations += bytes;
+    p->stats.act_allocs++;
     *out = NULL;
     if (!p->dev) return TDM_STATUS_OK;   /* tdm_tp_footprint: counted only */
     TDM_CHECK(tdm_dev_alloc(p->dev, bytes, (void **)out));
@@ -256,6 +257,10 @@ tdm_status tdm_tp_gpt_reserve(tdm_tp *p, int B)
     A(y, N);
     A(ones, N);
 #undef A
+    /* tp/tp.c owns (and frees) p->x, p->y and p->ones: they leave our
+     * list now, before anything below can fail, so no path frees them
+     * twice */
+    if (p->dev) g->n_allocs -= 3;
     p->x = x;
     p->y = (int32_t *)y;
     p->ones = ones;
@@ -268,8 +273,6 @@ tdm_status tdm_tp_gpt_reserve(tdm_tp *p, int B)
     TDM_CHECK(st);
     p->host_logits = malloc((size_t)N * (size_t)g->V * sizeof(float));
     TDM_REQUIRE(p->host_logits, TDM_STATUS_OUT_OF_MEMORY, "tp gpt: logits of %d windows", B);
-    /* tp/tp.c frees p->x, p->y and p->ones itself: keep them out of ours */
-    g->n_allocs -= 3;
     g->cap = B;
     p->cap = B;
     return TDM_STATUS_OK;

@@ -93,20 +93,30 @@ static tdm_comm *tdm_tp_lever_comm(const tdm_tp *p)
 /* The sum of squares this rank counts: its split tensors' slices (every
  * rank of the group holds other elements of them) and, on the group's
  * rank 0 alone, the replicated tensors (the same bits on every rank of
- * the group, tp/tp.h); nothing on a replica other than replica 0 of the
- * dp dimension (after the sum over it every replica holds the same
- * gradient). Runs of adjacent counted tensors are summed as one buffer
- * (models/clip.h's fixed chunk order). */
+ * the group, tp/tp.h); of the dp dimension's replicas, which hold the
+ * same summed gradient, replica 0 alone, or under ZeRO-1 (whose
+ * reduce-scatter leaves each replica the sum of its own chunk only) every
+ * replica over its chunk. Runs of adjacent counted elements are summed as
+ * one buffer (models/clip.h's fixed chunk order). */
 static tdm_status tdm_tp_sumsq(tdm_tp *p, double *sq)
 {
     *sq = 0.0;
-    if (p->lev.replica != 0) return TDM_STATUS_OK;
+    int64_t lo = 0, hi = p->n_elem;
+    if (p->zero == TDM_TP_ZERO_OPTIMIZER) {
+        int64_t k;
+        tdm_tp_zero_range(p, &lo, &k);
+        hi = lo + k;
+    } else if (p->lev.replica != 0) {
+        return TDM_STATUS_OK;
+    }
     int64_t run_off = 0, run_n = 0;
     for (int i = 0; i <= p->n_tensors; i++) {
         const tdm_tp_tensor *t = i < p->n_tensors ? &p->tensors[i] : NULL;
-        int counted = t && (t->cut != TDM_TP_CUT_REPL || p->rank == 0);
-        if (counted && run_n && run_off + run_n == t->off) {
-            run_n += t->n_elem;
+        int64_t a = t ? (t->off > lo ? t->off : lo) : 0;
+        int64_t b = t ? (t->off + t->n_elem < hi ? t->off + t->n_elem : hi) : 0;
+        int counted = t && b > a && (t->cut != TDM_TP_CUT_REPL || p->rank == 0);
+        if (counted && run_n && run_off + run_n == a) {
+            run_n += b - a;
             continue;
         }
         if (run_n) {
@@ -114,8 +124,8 @@ static tdm_status tdm_tp_sumsq(tdm_tp *p, double *sq)
             TDM_CHECK(tdm_clip_sumsq(p->dev, p->grads + run_off, run_n, &s));
             *sq += s;
         }
-        run_off = counted ? t->off : 0;
-        run_n = counted ? t->n_elem : 0;
+        run_off = counted ? a : 0;
+        run_n = counted ? b - a : 0;
     }
     return TDM_STATUS_OK;
 }

@@ -181,6 +181,34 @@ static tdm_status tdm_tp_fwd_bwd(tdm_tp *p, const void *x, const int32_t *y, int
     return TDM_STATUS_OK;
 }
 
+/* ZeRO-1's sum: the replica's chunk of the gradients summed over
+ * grad_comm (a reduce-scatter: each replica steps only its chunk, so
+ * the rest of the sum is never needed), in place in p->grads or, when
+ * the chunks are padded past the rank's n elements, through p->zbuf. The
+ * other elements of p->grads keep the replica's own gradient. */
+static tdm_status tdm_tp_sync_chunk(tdm_tp *p)
+{
+    int64_t lo, k, c = p->zchunk;
+    tdm_tp_zero_range(p, &lo, &k);
+    float *buf = p->zbuf ? p->zbuf : p->grads;
+    if (p->zbuf) {
+        TDM_CHECK(tdm_dev_copy(p->dev, buf, p->grads, (size_t)p->n_elem * sizeof(float)));
+        TDM_CHECK(tdm_dev_sync(p->dev));
+    }
+    tdm_comm_set_label(p->gcomm, "tp zero1 reduce-scatter of the gradients over the dp "
+                       "dimension");
+    tdm_status st = tdm_comm_reduce_scatter(p->gcomm, buf, buf + (int64_t)p->zrep * c,
+                                            (size_t)c, TDM_DTYPE_FLOAT32, TDM_REDOP_SUM);
+    if (st) {
+        tdm_error_prefix(st, "tp rank %d: ZeRO-1's reduce-scatter of the gradients over the dp "
+                         "dimension (replica %d)", p->rank, p->zrep);
+        return st;
+    }
+    if (p->zbuf && k)
+        TDM_CHECK(tdm_dev_copy(p->dev, p->grads + lo, buf + lo, (size_t)k * sizeof(float)));
+    return TDM_STATUS_OK;
+}
+
 /* The sum of the accumulated gradients over grad_comm (the dp
  * dimension), once per optimizer step: summing on every
  * forward_backward would count an earlier micro-batch's gradient once
@@ -194,10 +222,15 @@ static tdm_status tdm_tp_sync(tdm_tp *p, tdm_tp_phases *ph)
     if (!p->gcomm || tdm_comm_size(p->gcomm) < 2) return TDM_STATUS_OK;
     uint64_t t0 = tdm_time_ns();
     TDM_CHECK(tdm_dev_sync(p->dev));
-    tdm_comm_set_label(p->gcomm, "tp gradients over the dp dimension");
-    tdm_status st = tdm_comm_all_reduce(p->gcomm, p->grads, p->grads, (size_t)p->n_elem,
-                                        TDM_DTYPE_FLOAT32, TDM_REDOP_SUM);
-    if (st) tdm_error_prefix(st, "tp rank %d: gradients over the dp dimension", p->rank);
+    tdm_status st;
+    if (p->zero == TDM_TP_ZERO_OPTIMIZER) {
+        st = tdm_tp_sync_chunk(p);
+    } else {
+        tdm_comm_set_label(p->gcomm, "tp gradients over the dp dimension");
+        st = tdm_comm_all_reduce(p->gcomm, p->grads, p->grads, (size_t)p->n_elem,
+                                 TDM_DTYPE_FLOAT32, TDM_REDOP_SUM);
+        if (st) tdm_error_prefix(st, "tp rank %d: gradients over the dp dimension", p->rank);
+    }
     ph->grad_sync += tdm_time_ms_since(t0);
     return st;
 }

@@ -298,30 +298,33 @@ static tdm_status tdm_tp_check_config(tdm_tp *p, const tdm_tp_opts *o)
     return st;
 }
 
-/* The whole model from the seed on a host device, this rank's slices of
- * it onto p->params. */
+/* This rank's slices of the whole model of the seed onto p->params:
+ * each whole tensor built alone on the host (its values those
+ * tdm_model_init gives it) and cut, so that the rank never holds more of
+ * the whole model than its largest tensor. */
 static tdm_status tdm_tp_init_params(tdm_tp *p, uint64_t seed)
 {
-    tdm_device *host = NULL;
-    tdm_model *whole = NULL;
-    float *hw = NULL, *hl = NULL;
-    tdm_status st = tdm_device_open(&host, "cpu", 0, 1);
-    if (!st) st = tdm_model_init(&whole, host, &p->spec, seed);
-    size_t nw = whole ? (size_t)tdm_model_param_elems(whole) : 0;
-    if (!st) {
-        hw = malloc(nw * sizeof(float));
-        hl = malloc((size_t)p->n_elem * sizeof(float));
-        if (!hw || !hl) st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "tp: %zu floats", nw);
+    int64_t big = 1;
+    for (int i = 0; i < p->n_tensors; i++) {
+        int64_t n = tdm_model_param_info(p->tables, p->tensors[i].wp)->n_elem;
+        if (n > big) big = n;
     }
-    if (!st) st = tdm_dev_copy_to_host(host, hw, tdm_model_params(whole), nw * sizeof(float));
-    if (!st) {
-        tdm_tp_slice(p, p->rank, hw, hl);
+    float *hw = malloc((size_t)big * sizeof(float));
+    float *hl = malloc((size_t)(p->n_elem > 0 ? p->n_elem : 1) * sizeof(float));
+    tdm_status st = hw && hl ? TDM_STATUS_OK
+                             : tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "tp: the initial "
+                                             "parameters (%lld floats of the rank's, %lld of "
+                                             "its largest tensor)", (long long)p->n_elem,
+                                             (long long)big);
+    for (int i = 0; !st && i < p->n_tensors; i++) {
+        const tdm_tp_tensor *t = &p->tensors[i];
+        tdm_model_init_param_host(p->tables, seed, t->wp, hw);
+        tdm_tp_cut_copy(p, t, p->rank, hw, hl + t->off, 1);
+    }
+    if (!st)
         st = tdm_dev_copy_from_host(p->dev, p->params, hl, (size_t)p->n_elem * sizeof(float));
-    }
     free(hw);
     free(hl);
-    tdm_model_free(whole);
-    tdm_device_free(host);
     return st;
 }
 
@@ -440,6 +443,7 @@ static void tdm_tp_free_acts(tdm_tp *p)
     p->y = NULL;
     p->cap = 0;
     p->stats.activations = 0;
+    p->stats.act_allocs = 0;
 }
 
 void tdm_tp_free(tdm_tp *p)
@@ -462,6 +466,7 @@ static tdm_status tdm_tp_act(tdm_tp *p, size_t n, void **out, size_t *bytes)
 {
     *bytes += n;
     *out = NULL;
+    p->stats.act_allocs++;
     return p->dev ? tdm_dev_alloc(p->dev, n, out) : TDM_STATUS_OK;
 }
 
@@ -571,6 +576,8 @@ tdm_status tdm_tp_footprint_ckpt(const tdm_model_spec *spec, int ranks, int batc
     if (!st) {
         out->elems = p->n_elem;
         out->act_bytes = p->stats.activations;
+        out->act_allocs = p->stats.act_allocs;
+        out->split_elems = p->stats.split_elems;
         for (int i = 0; i < p->n_tensors; i++)
             if (p->tensors[i].n_elem > out->largest_elems)
                 out->largest_elems = p->tensors[i].n_elem;

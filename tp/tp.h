@@ -134,9 +134,11 @@ void tdm_tp_recompute_traffic(const tdm_model_spec *spec, int ranks, int batch, 
 typedef enum tdm_tp_zero {
     TDM_TP_ZERO_NONE = 0,       /* every replica keeps its slices' whole state */
     /* ZeRO-1: replica d of D keeps the optimizer state of elements
-     * [d*c, (d+1)*c) of the rank's flat slice, c = ceil(n/D), steps
-     * those after the gradients' sum and all-gathers the parameters over
-     * grad_comm: the plain step's bits, 1/D of its optimizer state */
+     * [d*c, (d+1)*c) of the rank's flat slice, c = ceil(n/D); the
+     * gradients are reduce-scattered over grad_comm (replica d gets the
+     * sum of its chunk only), it steps those and all-gathers the
+     * parameters: the plain step's bits (D = 2), 1/D of its optimizer
+     * state, the plain all-reduce's ring bytes */
     TDM_TP_ZERO_OPTIMIZER,
 } tdm_tp_zero;
 
@@ -184,9 +186,10 @@ typedef struct tdm_tp_opts {
 typedef struct tdm_tp tdm_tp;
 
 /* Rank tdm_comm_rank(comm) of the tensor-parallel group comm (borrowed,
- * outliving the rank): plans spec (errors above), builds the whole model
- * on a host device from opts->seed, keeps this rank's slices on dev
- * (borrowed) and an optimizer over them, and checks that every rank has
+ * outliving the rank): plans spec (errors above), builds this rank's
+ * slices of the whole model of opts->seed (each whole tensor alone on the
+ * host, then cut) on dev (borrowed) and an optimizer over them, and
+ * checks that every rank has
  * the same model and group size. Collective over comm. */
 tdm_status tdm_tp_init(tdm_tp **out, tdm_comm *comm, tdm_device *dev, const tdm_model_spec *spec,
                        const tdm_tp_opts *opts);
@@ -252,7 +255,9 @@ tdm_status tdm_tp_evaluate(tdm_tp *p, const tdm_dataset *d, int batch, double *l
  * Collective (with ZeRO-1 over grad_comm too: every other replica calls
  * tdm_tp_zero_join_gather). */
 tdm_status tdm_tp_gather_state(tdm_tp *p, tdm_ckpt_host *h, int root);
-/* The whole model's gradient (host, whole layout) on root. Collective. */
+/* The whole model's gradient (host, whole layout) on root. Collective.
+ * After a ZeRO-1 step only the replica's chunk of it is summed over the
+ * dp dimension; the rest is the replica's own. */
 tdm_status tdm_tp_gather_grads(tdm_tp *p, float *whole, int root);
 /* ZeRO-1 (tdm_tp_opts.zero), a replica other than the one that gathers
  * (which calls tdm_tp_gather_state): its part of the gathers over the dp
@@ -285,7 +290,9 @@ void tdm_tp_tensor_get(const tdm_tp *p, int i, tdm_tp_tensor_info *out);
  * and tdm_tp_check_seq's USAGE errors. */
 typedef struct tdm_tp_rank_footprint {
     int64_t elems, largest_elems;
+    int64_t split_elems;   /* of elems, in split tensors (1/N of one device's) */
     size_t act_bytes;
+    int64_t act_allocs;    /* the device allocations act_bytes comes in */
 } tdm_tp_rank_footprint;
 tdm_status tdm_tp_footprint(const tdm_model_spec *spec, int ranks, int batch, int seq_par,
                             tdm_tp_rank_footprint *out);
@@ -310,12 +317,14 @@ tdm_status tdm_tp_footprint_ckpt(const tdm_model_spec *spec, int ranks, int batc
  * tensors (LayerNorms, embeddings, row-parallel biases, a replicated
  * last layer: the same bits on every rank of the group) counted on the
  * group's rank 0 only, replica 0 of the dp dimension only (the replicas
- * hold the same sum), summed by one all-reduce of one double over comm
- * ("tp clip grad norm"), then torch's clip_grad_norm_ of the rank's whole
- * flat gradient (models/clip.h). comm: every rank of the job (the group
- * and its replicas) on the device memory of the rank's device, each
- * calling it once per step; NULL: the group's communicator (no
- * replicas). Every rank must set the same levers. Applied by
+ * hold the same sum; under ZeRO-1, whose reduce-scatter leaves each
+ * replica its own chunk's sum, every replica its chunk), summed by one
+ * all-reduce of one double over comm ("tp clip grad norm"), then torch's
+ * clip_grad_norm_ of the rank's whole flat gradient (models/clip.h).
+ * comm: every rank of the job (the group and its replicas) on the device
+ * memory of the rank's device, each calling it once per step; NULL: the
+ * group's communicator (only without replicas). Every rank must set the
+ * same levers. Applied by
  * tdm_tp_step_scaled and tdm_tp_optim_step (the loss scale by
  * tdm_tp_forward_backward too). */
 struct tdm_grad_scaler;
@@ -359,6 +368,7 @@ typedef struct tdm_tp_stats {
     size_t activations;                /* bytes of the forward's kept outputs and scratch */
     size_t act_alloc_bytes;            /* and what the allocator handed out for them
                                           (measured; 0 where it keeps no accounting) */
+    int64_t act_allocs;                /* the allocations they came in (counted) */
     /* the levers (tdm_tp_set_levers) */
     double last_norm;           /* the last step's global gradient norm (0: not measured) */
     int last_skipped;           /* 1: the last step was skipped on every rank (found inf) */
