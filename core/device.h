@@ -136,6 +136,14 @@ tdm_status tdm_dev_copy_to_host(tdm_device *d, void *host_dst, const void *src, 
 tdm_status tdm_dev_copy_from_host(tdm_device *d, void *dst, const void *host_src,
                                   size_t nbytes);
 tdm_status tdm_dev_memset_zero(tdm_device *d, void *p, size_t nbytes);
+/* Page-locks the nbytes of host memory at p for d's host copies
+ * (cudaHostRegister: copies to and from it then go at the bus's speed
+ * without a staging copy), where d's backend has pinned memory;
+ * TDM_STATUS_UNSUPPORTED (no message kept) where it has none or needs
+ * none (host devices, the CUDA emulator): the memory is then used as it
+ * is. p stays the caller's: tdm_dev_host_unpin before freeing it. */
+tdm_status tdm_dev_host_pin(tdm_device *d, void *p, size_t nbytes);
+void tdm_dev_host_unpin(tdm_device *d, void *p);   /* NULL ok */
 /* Waits until the work issued on d has finished. */
 tdm_status tdm_dev_sync(tdm_device *d);
 /* A scratch buffer of at least nbytes in d's memory, owned by the device:

@@ -34,6 +34,11 @@ typedef struct tdm_device_ops {
      * staging. tdm_dev_copy_between uses it when present. */
     tdm_status (*copy_peer)(tdm_device *dst_dev, void *dst, tdm_device *src_dev,
                             const void *src, size_t nbytes);
+    /* Optional (NULL: no pinned memory, tdm_dev_host_pin says
+     * UNSUPPORTED): page-locks host memory for this device's copies, and
+     * undoes it. CUDA: cudaHostRegister / cudaHostUnregister. */
+    tdm_status (*host_pin)(tdm_device *d, void *p, size_t nbytes);
+    void (*host_unpin)(tdm_device *d, void *p);
 
     /* --- compute (see the tdm_dev_* wrapper of each name) --- */
     /* cublasSgemm's arguments, already checked by tdm_dev_gemm (m, n > 0). */

@@ -23,6 +23,17 @@ void tdm_dev_free(tdm_device *d, void *p)
     if (p) d->ops->free(d, p);
 }
 
+tdm_status tdm_dev_host_pin(tdm_device *d, void *p, size_t nbytes)
+{
+    if (!d->ops->host_pin || !p || !nbytes) return TDM_STATUS_UNSUPPORTED;
+    return d->ops->host_pin(d, p, nbytes);
+}
+
+void tdm_dev_host_unpin(tdm_device *d, void *p)
+{
+    if (p && d->ops->host_unpin) d->ops->host_unpin(d, p);
+}
+
 tdm_status tdm_dev_copy(tdm_device *d, void *dst, const void *src, size_t nbytes)
 {
     return d->ops->copy(d, dst, src, nbytes);

@@ -252,6 +252,24 @@ static tdm_status cuda_copy_from_host(tdm_device *d, void *dst, const void *host
     return TDM_STATUS_OK;
 }
 
+/* Pinned host memory (tdm_dev_host_pin): registered once for every GPU
+ * (portable), so that any device's copies to and from it are direct. */
+static tdm_status cuda_host_pin(tdm_device *d, void *p, size_t nbytes)
+{
+    TDM_CHECK(tdm_cuda_enter(d));
+    TDM_CUDA_CHECK(d, "cudaHostRegister", cudaHostRegister(p, nbytes, cudaHostRegisterPortable));
+    return TDM_STATUS_OK;
+}
+
+static void cuda_host_unpin(tdm_device *d, void *p)
+{
+    cudaError_t e = cudaSetDevice(d->index);
+    if (e == cudaSuccess) e = cudaHostUnregister(p);
+    if (e != cudaSuccess)
+        TDM_WARN(CUDA, "%s: cudaHostUnregister(%p): %s (%s)", d->name, p, cudaGetErrorString(e),
+                 cudaGetErrorName(e));
+}
+
 static tdm_status cuda_memset_zero(tdm_device *d, void *p, size_t nbytes)
 {
     if (!nbytes) return TDM_STATUS_OK;
@@ -739,6 +757,8 @@ const tdm_device_ops tdm_cuda_ops = {
     .sync = cuda_sync,
     .close = cuda_close,
     .copy_peer = cuda_copy_peer,
+    .host_pin = cuda_host_pin,
+    .host_unpin = cuda_host_unpin,
     TDM_CUDA_COMPUTE_OPS,
 };
 

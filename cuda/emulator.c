@@ -76,6 +76,22 @@ static tdm_status emu_copy_peer(tdm_device *dst_dev, void *dst, tdm_device *src_
     return emu_copy(dst_dev, dst, src, nbytes);
 }
 
+/* Pinned memory: the emulator's memory is host memory, there is nothing
+ * to pin (tdm_dev_host_pin: UNSUPPORTED, no message kept). */
+static tdm_status emu_host_pin(tdm_device *d, void *p, size_t nbytes)
+{
+    (void)d;
+    (void)p;
+    (void)nbytes;
+    return TDM_STATUS_UNSUPPORTED;
+}
+
+static void emu_host_unpin(tdm_device *d, void *p)
+{
+    (void)d;
+    (void)p;
+}
+
 int tdm_cuda_device_is_emulator(const tdm_device *d)
 {
     return d && d->ops == &tdm_cuda_emu_ops;
@@ -106,6 +122,8 @@ const tdm_device_ops tdm_cuda_emu_ops = {
     .sync = emu_sync,
     .close = emu_close,
     .copy_peer = emu_copy_peer,
+    .host_pin = emu_host_pin,
+    .host_unpin = emu_host_unpin,
     TDM_CUDA_COMPUTE_OPS,
 };
 

@@ -82,8 +82,13 @@ tdm_status tdm_fsdp_save_full(tdm_fsdp *f, const char *path, tdm_optim *opt,
                        .steps = opt ? tdm_optim_steps(opt) : 0};
     tdm_status mine = TDM_STATUS_OK;
     char msg[640] = "";
-    float *blk = NULL;
-    size_t nb = 0;
+    float *blk = NULL, *sstage = NULL;
+    size_t nb = 0, snb = 0;
+    /* shards or state in host memory go up to the device to be gathered */
+    if (f->sdev != d || (opt && tdm_optim_device(opt) != d))
+        st = tdm_fsdp_pool_get(f, (size_t)(f->max_padded / f->world) * sizeof(float), 0,
+                               &sstage, &snb);
+    if (st) return tdm_fsdp_fail(f, st);
     if (root) {
         h.params = calloc((size_t)pe, sizeof(float));
         h.buffers = calloc((size_t)(be > 0 ? be : 1), sizeof(float));
@@ -101,8 +106,12 @@ tdm_status tdm_fsdp_save_full(tdm_fsdp *f, const char *path, tdm_optim *opt,
     for (int u = 0; st == TDM_STATUS_OK && u < f->nu; u++) {
         const tdm_fsdp_unit *x = &f->u[u];
         for (int k = 0; st == TDM_STATUS_OK && k <= ns; k++) {
-            const float *send = k == 0 ? tdm_fsdp_pshard(f, u)
-                                       : tdm_optim_state(opt, k - 1) + x->shard_off;
+            const float *send;
+            st = tdm_fsdp_comm_src(f, k == 0 ? f->sdev : tdm_optim_device(opt),
+                                   k == 0 ? tdm_fsdp_pshard(f, u)
+                                          : tdm_optim_state(opt, k - 1) + x->shard_off,
+                                   x->shard, sstage, &send);
+            if (st) break;
             tdm_comm_set_label(f->comm, "%s checkpoint gather unit %d", tdm_fsdp_tag(f), u);
             st = tdm_comm_gather(f->comm, send, blk, (size_t)x->shard, TDM_DTYPE_FLOAT32, 0);
             float *dst = k == 0 ? h.params : h.state[k - 1];
@@ -111,10 +120,9 @@ tdm_status tdm_fsdp_save_full(tdm_fsdp *f, const char *path, tdm_optim *opt,
                                             (size_t)x->n_elem * sizeof(float));
         }
     }
-    if (root) {
-        tdm_fsdp_pool_put(f, blk, nb);
-        tdm_fsdp_pool_trim(f);
-    }
+    tdm_fsdp_pool_put(f, sstage, snb);
+    tdm_fsdp_pool_put(f, blk, nb);
+    tdm_fsdp_pool_trim(f);
     if (st) return tdm_fsdp_fail(f, tdm_error_prefix(st, "fsdp: gathering %s", path));
     if (root && !mine) mine = tdm_checkpoint_save_host(path, m, &h, info);
     if (mine) snprintf(msg, sizeof msg, "%s", tdm_error_message());
@@ -132,7 +140,7 @@ tdm_status tdm_fsdp_save_full(tdm_fsdp *f, const char *path, tdm_optim *opt,
  * rank's places: the shard of each unit (zero beyond the unit), and for
  * SHARD_GRAD_OP and SHARD_OPTIM the full copy as well. */
 static tdm_status tdm_fsdp_place(tdm_fsdp *f, const float *src, float *stage, float *shard_dst,
-                                 int params)
+                                 tdm_device *dst_dev, int params)
 {
     tdm_device *d = f->dev;
     for (int u = 0; u < f->nu; u++) {
@@ -145,7 +153,7 @@ static tdm_status tdm_fsdp_place(tdm_fsdp *f, const float *src, float *stage, fl
             continue;   /* its shard is a slice of the full copy */
         }
         float *dst = params ? tdm_fsdp_pshard(f, u) : shard_dst + x->shard_off;
-        TDM_CHECK(tdm_dev_copy_from_host(d, dst, stage + (int64_t)f->rank * x->shard,
+        TDM_CHECK(tdm_dev_copy_from_host(dst_dev, dst, stage + (int64_t)f->rank * x->shard,
                                          (size_t)x->shard * sizeof(float)));
     }
     return TDM_STATUS_OK;
@@ -183,9 +191,10 @@ tdm_status tdm_fsdp_load_full(tdm_fsdp *f, const char *path, tdm_optim *opt,
     if (!mine) mine = tdm_checkpoint_load_host(path, m, &h, &got);
     /* nothing is overwritten unless every rank read the file */
     st = tdm_fsdp_agree(f, mine, "load the checkpoint", path);
-    if (st == TDM_STATUS_OK) st = tdm_fsdp_place(f, h.params, stage, NULL, 1);
+    if (st == TDM_STATUS_OK) st = tdm_fsdp_place(f, h.params, stage, NULL, f->sdev, 1);
     for (int s = 0; st == TDM_STATUS_OK && s < ns; s++)
-        st = tdm_fsdp_place(f, h.state[s], stage, tdm_optim_state(opt, s), 0);
+        st = tdm_fsdp_place(f, h.state[s], stage, tdm_optim_state(opt, s),
+                            tdm_optim_device(opt), 0);
     if (st == TDM_STATUS_OK && be > 0)
         st = tdm_dev_copy_from_host(f->dev, tdm_model_buffers(m), h.buffers,
                                     (size_t)be * sizeof(float));
@@ -236,7 +245,6 @@ static tdm_status tdm_fsdp_finite(const char *file, const char *name, const floa
 static tdm_status tdm_fsdp_write_rank_file(tdm_fsdp *f, const char *file, tdm_optim *opt,
                                            const char *id, const char *units, const char *model)
 {
-    tdm_device *d = f->dev;
     int ns = opt ? tdm_optim_n_state(opt) : 0, nt = f->nu * (1 + ns);
     tdm_status st = TDM_STATUS_OK;
     float *host = calloc((size_t)(f->shard_elems ? f->shard_elems : 1) * (size_t)(1 + ns),
@@ -254,7 +262,8 @@ static tdm_status tdm_fsdp_write_rank_file(tdm_fsdp *f, const char *file, tdm_op
             const tdm_fsdp_unit *x = &f->u[u];
             const float *src = s == 0 ? tdm_fsdp_pshard(f, u)
                                       : tdm_optim_state(opt, s - 1) + x->shard_off;
-            TDM_TRY(tdm_dev_copy_to_host(d, base + x->shard_off, src,
+            TDM_TRY(tdm_dev_copy_to_host(s == 0 ? f->sdev : tdm_optim_device(opt),
+                                         base + x->shard_off, src,
                                          (size_t)x->shard * sizeof(float)));
             if (s == 0) snprintf(names[k], sizeof names[k], "unit%d.params", u);
             else
@@ -569,8 +578,9 @@ agree:
         for (int s = 0; st == TDM_STATUS_OK && s <= ns; s++) {
             float *dst = s == 0 ? tdm_fsdp_pshard(f, u)
                                 : tdm_optim_state(opt, s - 1) + x->shard_off;
-            st = tdm_dev_copy_from_host(d, dst, stage + (size_t)s * (size_t)f->shard_elems +
-                                                    x->shard_off,
+            st = tdm_dev_copy_from_host(s == 0 ? f->sdev : tdm_optim_device(opt), dst,
+                                        stage + (size_t)s * (size_t)f->shard_elems +
+                                            x->shard_off,
                                         (size_t)x->shard * sizeof(float));
         }
     }

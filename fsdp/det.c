@@ -37,7 +37,8 @@ tdm_status tdm_fsdp_set_grads(tdm_fsdp *f, const float *host)
         int64_t lo = (int64_t)f->rank * x->shard, n = x->n_elem - lo;
         if (n > x->shard) n = x->shard;
         if (n > 0)
-            TDM_CHECK(tdm_dev_copy_from_host(f->dev, tdm_fsdp_gshard(f, u), host + x->offset + lo,
+            TDM_CHECK(tdm_dev_copy_from_host(f->sdev, tdm_fsdp_gshard(f, u),
+                                             host + x->offset + lo,
                                              (size_t)n * sizeof(float)));
     }
     f->grad.zero = 0;

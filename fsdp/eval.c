@@ -131,19 +131,25 @@ tdm_status tdm_fsdp_gather_grads(tdm_fsdp *f, float *host_out, int root)
     tdm_device *d = f->dev;
     int mine = root < 0 || root == f->rank;
     TDM_REQUIRE(!mine || host_out, TDM_STATUS_INVALID_ARG, "fsdp gather_grads: NULL output");
-    float *blk = NULL;
-    size_t nb = 0;
+    float *blk = NULL, *sstage = NULL;
+    size_t nb = 0, snb = 0;
     TDM_CHECK(tdm_fsdp_pool_get(f, (size_t)f->max_padded * sizeof(float), 0, &blk, &nb));
     tdm_status st = TDM_STATUS_OK;
+    if (f->sdev != d)   /* host shards (offload) go up to be gathered */
+        st = tdm_fsdp_pool_get(f, (size_t)(f->max_padded / f->world) * sizeof(float), 0,
+                               &sstage, &snb);
     for (int u = 0; st == TDM_STATUS_OK && u < f->nu; u++) {
         const tdm_fsdp_unit *x = &f->u[u];
+        const float *send;
+        st = tdm_fsdp_comm_src(f, f->sdev, tdm_fsdp_gshard(f, u), x->shard, sstage, &send);
+        if (st) break;
         tdm_comm_set_label(f->comm, "%s gather gradients unit %d", tdm_fsdp_tag(f), u);
-        st = tdm_comm_all_gather(f->comm, tdm_fsdp_gshard(f, u), blk, (size_t)x->shard,
-                                 TDM_DTYPE_FLOAT32);
+        st = tdm_comm_all_gather(f->comm, send, blk, (size_t)x->shard, TDM_DTYPE_FLOAT32);
         if (st == TDM_STATUS_OK && mine)
             st = tdm_dev_copy_to_host(d, host_out + x->offset, blk,
                                       (size_t)x->n_elem * sizeof(float));
     }
+    tdm_fsdp_pool_put(f, sstage, snb);
     tdm_fsdp_pool_put(f, blk, nb);
     tdm_fsdp_pool_trim(f);
     return st;

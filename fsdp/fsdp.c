@@ -79,10 +79,17 @@ static tdm_status tdm_fsdp_distribute(tdm_fsdp *f)
                                   TDM_DTYPE_FLOAT32, 0);
     }
     tdm_status st = TDM_STATUS_OK;
-    float *blk = NULL;
-    size_t nb = 0;
+    float *blk = NULL, *stage = NULL;
+    size_t nb = 0, snb = 0;
     st = tdm_fsdp_pool_get(f, (size_t)f->max_padded * sizeof(float), 0, &blk, &nb);
-    if (st) return tdm_fsdp_fail(f, st);
+    /* offload: each shard lands on the device, then goes down to the host */
+    if (st == TDM_STATUS_OK && tdm_fsdp_offloaded(f))
+        st = tdm_fsdp_pool_get(f, (size_t)(f->max_padded / f->world) * sizeof(float), 0, &stage,
+                               &snb);
+    if (st) {
+        tdm_fsdp_pool_put(f, blk, nb);
+        return tdm_fsdp_fail(f, st);
+    }
     for (int u = 0; st == TDM_STATUS_OK && u < f->nu; u++) {
         const tdm_fsdp_unit *x = &f->u[u];
         if (f->rank == 0) {
@@ -93,10 +100,14 @@ static tdm_status tdm_fsdp_distribute(tdm_fsdp *f)
         }
         if (st == TDM_STATUS_OK) {
             tdm_comm_set_label(f->comm, "%s scatter parameters unit %d", tdm_fsdp_tag(f), u);
-            st = tdm_comm_scatter(f->comm, blk, f->buf.pshard + x->shard_off, (size_t)x->shard,
-                                  TDM_DTYPE_FLOAT32, 0);
+            st = tdm_comm_scatter(f->comm, blk, stage ? stage : f->buf.pshard + x->shard_off,
+                                  (size_t)x->shard, TDM_DTYPE_FLOAT32, 0);
         }
+        if (st == TDM_STATUS_OK && stage)
+            st = tdm_dev_copy_between(f->sdev, f->buf.pshard + x->shard_off, d, stage,
+                                      (size_t)x->shard * sizeof(float));
     }
+    tdm_fsdp_pool_put(f, stage, snb);
     tdm_fsdp_pool_put(f, blk, nb);
     tdm_fsdp_pool_trim(f);
     return st ? tdm_fsdp_fail(f, st) : TDM_STATUS_OK;
@@ -109,8 +120,18 @@ static tdm_status tdm_fsdp_alloc_state(tdm_fsdp *f)
     size_t fb = (size_t)(f->full_elems ? f->full_elems : 1) * sizeof(float);
     switch (f->o.sharding) {
     case TDM_FSDP_FULL_SHARD:
-        TDM_CHECK(tdm_dev_alloc_zero(d, sb, (void **)&f->buf.pshard));
-        TDM_CHECK(tdm_dev_alloc_zero(d, sb, (void **)&f->buf.gshard));
+        /* offload: on the host device, pinned for the model device's copies */
+        TDM_CHECK(tdm_dev_alloc_zero(f->sdev, sb, (void **)&f->buf.pshard));
+        TDM_CHECK(tdm_dev_alloc_zero(f->sdev, sb, (void **)&f->buf.gshard));
+        if (tdm_fsdp_offloaded(f)) {
+            tdm_status ps = tdm_dev_host_pin(d, f->buf.pshard, sb);
+            if (ps == TDM_STATUS_OK) {
+                f->buf.pinned = 1;
+                ps = tdm_dev_host_pin(d, f->buf.gshard, sb);
+                if (ps == TDM_STATUS_OK) f->buf.pinned = 2;
+            }
+            if (ps != TDM_STATUS_OK && ps != TDM_STATUS_UNSUPPORTED) return ps;
+        }
         break;
     case TDM_FSDP_SHARD_GRAD_OP:
         TDM_CHECK(tdm_dev_alloc_zero(d, fb, (void **)&f->buf.pfull));
@@ -182,8 +203,13 @@ void tdm_fsdp_free(tdm_fsdp *f)
     }
     tdm_fsdp_pool_trim(f);
     tdm_device *d = f->dev;
-    tdm_dev_free(d, f->buf.pshard);
-    tdm_dev_free(d, f->buf.gshard);
+    if (f->buf.pinned > 0) tdm_dev_host_unpin(d, f->buf.pshard);
+    if (f->buf.pinned > 1) tdm_dev_host_unpin(d, f->buf.gshard);
+    if (f->sdev) {
+        tdm_dev_free(f->sdev, f->buf.pshard);
+        tdm_dev_free(f->sdev, f->buf.gshard);
+        tdm_dev_free(f->sdev, f->buf.hstage);
+    }
     tdm_dev_free(d, f->buf.pfull);
     tdm_dev_free(d, f->buf.gfull);
     tdm_dev_free(d, f->buf.gacc);
@@ -196,6 +222,7 @@ void tdm_fsdp_free(tdm_fsdp *f)
     free(f->pass.bwd.unit);
     free(f->timing.ev);
     free(f->timing.ev_out);
+    tdm_device_free(f->hdev);
     free(f);
 }
 
@@ -218,11 +245,24 @@ tdm_status tdm_fsdp_init(tdm_fsdp **out, tdm_model *m, tdm_comm *comm, const tdm
                 "fsdp: min_unit_elems %lld is negative (0: one unit per block)",
                 opts ? (long long)opts->min_unit_elems : 0LL);
     TDM_CHECK(tdm_fsdp_hook_check(opts, m));
+    if (opts && opts->offload != TDM_FSDP_OFFLOAD_NONE) {
+        TDM_REQUIRE(opts->offload == TDM_FSDP_OFFLOAD_PARAMS, TDM_STATUS_INVALID_ARG,
+                    "fsdp: unknown offload %d", (int)opts->offload);
+        TDM_REQUIRE(opts->sharding == TDM_FSDP_FULL_SHARD, TDM_STATUS_INVALID_ARG,
+                    "fsdp: parameter offload keeps FULL_SHARD's shards in host memory; %s keeps "
+                    "full parameters on the device (offload its optimizer instead)",
+                    tdm_fsdp_sharding_describe(opts->sharding));
+        TDM_REQUIRE(tdm_dev_kind(tdm_model_device(m)) != TDM_DEVICE_HOST,
+                    TDM_STATUS_INVALID_ARG,
+                    "fsdp: parameter offload: %s's memory is host memory already; offload is "
+                    "for accelerators (cuda)", tdm_dev_name(tdm_model_device(m)));
+    }
     tdm_fsdp *f = calloc(1, sizeof *f);
     TDM_REQUIRE(f, TDM_STATUS_OUT_OF_MEMORY, "fsdp: calloc");
     f->m = m;
     f->comm = comm;
     f->dev = tdm_model_device(m);
+    f->sdev = f->dev;
     f->stage.dev = f->dev;
     if (opts) f->o = *opts;
     f->hcomm = f->o.host_comm ? f->o.host_comm : comm;
@@ -239,6 +279,10 @@ tdm_status tdm_fsdp_init(tdm_fsdp **out, tdm_model *m, tdm_comm *comm, const tdm
                            f->rank, f->world);
         free(f);
         return st;
+    }
+    if (tdm_fsdp_offloaded(f)) {
+        TDM_TRY(tdm_device_open(&f->hdev, "cpu", 0, 1));
+        f->sdev = f->hdev;
     }
     TDM_TRY(tdm_fsdp_plan(f));
     f->pass.fwd.unit = calloc((size_t)(2 * f->nu + 4), sizeof *f->pass.fwd.unit);
@@ -269,10 +313,11 @@ tdm_status tdm_fsdp_init(tdm_fsdp **out, tdm_model *m, tdm_comm *comm, const tdm
     tdm_model_set_grad_hook(m, tdm_fsdp_grad_hook, f);
     tdm_model_set_use_hook(m, tdm_fsdp_use_hook, f);
     TDM_INFO(FSDP, "rank %d of %d: %s, %d unit(s), %lld parameters, shard of %lld, "
-             "prefetch %s, overlap %s", f->rank, f->world,
+             "prefetch %s, overlap %s%s", f->rank, f->world,
              tdm_fsdp_sharding_describe(f->o.sharding), f->nu,
              (long long)tdm_model_param_elems(m), (long long)f->shard_elems,
-             f->o.no_prefetch ? "off" : "on", f->o.no_overlap ? "off" : "on");
+             f->o.no_prefetch ? "off" : "on", f->o.no_overlap ? "off" : "on",
+             tdm_fsdp_offloaded(f) ? ", shards offloaded to host memory" : "");
     *out = f;
     return TDM_STATUS_OK;
 fail:
@@ -299,7 +344,9 @@ void tdm_fsdp_unit_info(const tdm_fsdp *f, int u, int *first, int *last, int64_t
 
 tdm_status tdm_fsdp_optim_init(tdm_optim **out, tdm_fsdp *f, const tdm_optim_opts *opts)
 {
-    return tdm_optim_init_flat(out, f->dev, f->shard_elems, opts);
+    if (!tdm_fsdp_offloaded(f)) return tdm_optim_init_flat(out, f->dev, f->shard_elems, opts);
+    /* the state beside the shards, stepped there: host memory */
+    return tdm_optim_init_host(out, f->shard_elems, opts);
 }
 
 tdm_status tdm_fsdp_zero_grad(tdm_fsdp *f)
@@ -319,7 +366,8 @@ tdm_status tdm_fsdp_zero_grad(tdm_fsdp *f)
         tdm_fsdp_pool_put(f, x->gbuf, x->gbuf_bytes);
         x->gbuf = NULL;
     }
-    TDM_CHECK(tdm_dev_memset_zero(d, f->buf.gshard, (size_t)f->shard_elems * sizeof(float)));
+    TDM_CHECK(tdm_dev_memset_zero(f->sdev, f->buf.gshard,
+                                  (size_t)f->shard_elems * sizeof(float)));
     f->grad.zero = 1;
     return TDM_STATUS_OK;
 }
@@ -556,7 +604,9 @@ tdm_status tdm_fsdp_grad_bufs(tdm_fsdp *f, tdm_dist_grads *out)
     int n = f->nu > 0 ? f->nu : 1;
     *out = (tdm_dist_grads){.bufs = calloc((size_t)n, sizeof(float *)),
                             .n_elem = calloc((size_t)n, sizeof(int64_t)), .n_bufs = f->nu,
-                            .replicated = 0, .dev = f->dev, .comm = f->comm};
+                            .replicated = 0, .dev = f->sdev,
+                            /* host shards: their scalars reduced in host memory */
+                            .comm = tdm_fsdp_offloaded(f) ? f->hcomm : f->comm};
     if (!out->bufs || !out->n_elem) {
         tdm_dist_grads_free(out);
         return tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "fsdp grads: %d units", f->nu);
@@ -585,6 +635,10 @@ tdm_status tdm_fsdp_step(tdm_fsdp *f, tdm_optim *opt)
                 "fsdp step: the optimizer covers %lld elements, this rank's shard %lld: make it "
                 "with tdm_fsdp_optim_init", opt ? (long long)tdm_optim_n_elem(opt) : -1LL,
                 (long long)f->shard_elems);
+    TDM_REQUIRE(!tdm_fsdp_offloaded(f) || tdm_dev_kind(tdm_optim_device(opt)) == TDM_DEVICE_HOST,
+                TDM_STATUS_INVALID_ARG,
+                "fsdp step: the shards are in host memory but the optimizer steps on %s: make "
+                "it with tdm_fsdp_optim_init", tdm_dev_name(tdm_optim_device(opt)));
     uint64_t t0 = tdm_time_ns();
     tdm_fsdp_step_start(f, t0);
     tdm_optim_range *r = calloc((size_t)f->nu, sizeof *r);
@@ -698,6 +752,7 @@ void tdm_fsdp_get_memory(const tdm_fsdp *f, const tdm_optim *opt, tdm_fsdp_memor
     out->units_live = f->pool.live;
     out->units_peak = f->pool.peak;
     out->max_unit_bytes = (size_t)f->max_padded * sizeof(float);
+    out->offload = f->o.offload;
 }
 
 void tdm_fsdp_reset_peak(tdm_fsdp *f) { f->pool.peak = f->pool.live; }

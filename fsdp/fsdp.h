@@ -100,11 +100,15 @@ tdm_status tdm_fsdp_sharding_parse(const char *text, tdm_fsdp_sharding *out);
  * gradients at their most (gathered; timing-bound: it counts a unit's
  * full gradient still being reduce-scattered beside the next one's, and
  * the next unit's parameters prefetched); the set-up's peak is the
- * model's flat buffers beside the new shards. */
+ * model's flat buffers beside the new shards. With o->offload
+ * TDM_PLAN_OFFLOAD_PARAMS (FULL_SHARD only, else INVALID_ARG) the shards
+ * and the optimizer state are host memory (`host`, not in the peak), and
+ * the set-up holds the largest shard's staging block instead. */
 typedef struct tdm_fsdp_mem_plan {
     tdm_plan model;               /* the single-device plan of the rank's model */
     size_t shards;                /* parameter/gradient shards or full copies */
     size_t optim;                 /* optimizer state over the shard (0: offloaded) */
+    size_t host;                  /* o->offload PARAMS: the shards and state in host memory */
     size_t comm;                  /* the loss gradient staged for the collectives' step */
     size_t gathered;              /* gathered units and full gradients at their most */
     size_t step_peak, init_peak, peak;
@@ -143,6 +147,26 @@ const char *tdm_fsdp_comm_hook_name(tdm_fsdp_comm_hook h);
  * refused saying why; anything else lists the choices (INVALID_ARG). */
 tdm_status tdm_fsdp_comm_hook_parse(const char *text, tdm_fsdp_comm_hook *out);
 
+/* Where FULL_SHARD keeps this rank's shards (PyTorch's
+ * CPUOffload(offload_params=True); `tandem train --offload params`).
+ * PARAMS, for a model on an accelerator (a GPU or an emulated one): the
+ * parameter shards, the gradient shards and the optimizer state over
+ * them live in host memory (pinned where the device's backend has it,
+ * tdm_dev_host_alloc), and the optimizer steps on the host. Each unit's
+ * gather first copies this rank's shard up into its slice of the unit's
+ * gathered block and all-gathers in place; each reduce-scatter lands in
+ * place in the unit's full gradient block and this rank's slice is copied
+ * down into the host shard. The device then holds no shard at all: only
+ * the gathered units and full gradients (as without offload), the model's
+ * activations and buffers. The update is the same per-element function on
+ * the same values, so the bits equal a run without offload (on the
+ * emulator; a GPU: built, not run). FULL_SHARD only: grad_op and
+ * optimizer keep full parameters on the device (INVALID_ARG). */
+typedef enum tdm_fsdp_offload {
+    TDM_FSDP_OFFLOAD_NONE = 0,
+    TDM_FSDP_OFFLOAD_PARAMS,
+} tdm_fsdp_offload;
+
 /* Zero-initialised options are the defaults. */
 typedef struct tdm_fsdp_opts {
     tdm_fsdp_sharding sharding;  /* default FULL_SHARD */
@@ -169,6 +193,7 @@ typedef struct tdm_fsdp_opts {
      * flags). Needed when comm only takes device memory (NCCL: pass the
      * shm communicator it was bootstrapped over); NULL: comm. */
     tdm_comm *host_comm;
+    tdm_fsdp_offload offload;    /* default NONE: the shards on the model's device */
 } tdm_fsdp_opts;
 
 typedef struct tdm_fsdp tdm_fsdp;
@@ -198,7 +223,10 @@ void tdm_fsdp_unit_info(const tdm_fsdp *f, int u, int *first, int *last, int64_t
 int64_t tdm_fsdp_shard_elems(const tdm_fsdp *f);
 
 /* An optimizer over this rank's shard (tdm_optim_init_flat); step it with
- * tdm_fsdp_step. Owned by the caller (tdm_optim_free). */
+ * tdm_fsdp_step. Owned by the caller (tdm_optim_free). With
+ * TDM_FSDP_OFFLOAD_PARAMS it is a host optimizer (tdm_optim_init_host:
+ * its state in host memory beside the shards, stepped there; an
+ * optimizer offload in opts is then implied). */
 tdm_status tdm_fsdp_optim_init(tdm_optim **out, tdm_fsdp *f, const tdm_optim_opts *opts);
 
 tdm_status tdm_fsdp_zero_grad(tdm_fsdp *f);
@@ -347,6 +375,9 @@ typedef struct tdm_fsdp_memory {
     size_t full_params, full_grads;
     size_t units_live, units_peak;
     size_t max_unit_bytes;        /* the largest unit's padded full parameters */
+    /* TDM_FSDP_OFFLOAD_PARAMS: the shards and optimizer state above live
+     * in host memory, not the device's */
+    tdm_fsdp_offload offload;
 } tdm_fsdp_memory;
 void tdm_fsdp_get_memory(const tdm_fsdp *f, const tdm_optim *opt, tdm_fsdp_memory *out);
 void tdm_fsdp_reset_peak(tdm_fsdp *f);

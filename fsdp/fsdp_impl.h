@@ -75,6 +75,12 @@ typedef struct tdm_fsdp_store {
     float *pfull;             /* SHARD_GRAD_OP, SHARD_OPTIM: padded full parameters */
     float *gfull;             /* SHARD_OPTIM: padded full gradients */
     float *gacc;              /* SHARD_OPTIM with a hook: the reduced gradient held aside */
+    /* opts.offload PARAMS: pshard and gshard are host memory (on hdev),
+     * pinned for the device's copies where its backend can (pinned: 1);
+     * hstage a gradient slice copied down to be added into a shard that
+     * holds earlier gradients */
+    float *hstage;
+    int pinned;
 } tdm_fsdp_store;
 
 /* SHARD_OPTIM with opts.comm_hook: where the reduced gradient of the
@@ -169,6 +175,10 @@ struct tdm_fsdp {
     tdm_comm *comm;           /* borrowed */
     tdm_comm *hcomm;          /* borrowed: host-memory collectives */
     tdm_device *dev;          /* borrowed: the model's */
+    /* the device whose memory holds the shards (pshard, gshard) and the
+     * optimizer state: dev, or with opts.offload PARAMS hdev, a host
+     * device of the wrapper's own */
+    tdm_device *sdev, *hdev;
     tdm_fsdp_opts o;
     int rank, world, n_params;
     /* the unit plan (fsdp/plan.c) */
@@ -245,6 +255,25 @@ static inline const char *tdm_fsdp_tag(const tdm_fsdp *f)
 {
     return f->o.sharding == TDM_FSDP_SHARD_OPTIM     ? "zero1"
          : f->o.sharding == TDM_FSDP_SHARD_GRAD_OP ? "zero2" : "fsdp";
+}
+
+/* opts.offload PARAMS: the shards live in host memory (on f->sdev). */
+static inline int tdm_fsdp_offloaded(const tdm_fsdp *f)
+{
+    return f->o.offload == TDM_FSDP_OFFLOAD_PARAMS;
+}
+
+/* src (n floats on src_dev) where a collective on f->comm can read it:
+ * src itself when src_dev is the model's device, else copied up into
+ * stage (n floats on f->dev), which *out then points at (the shards and
+ * an optimizer's state in host memory: offload). */
+static inline tdm_status tdm_fsdp_comm_src(tdm_fsdp *f, tdm_device *src_dev, const float *src,
+                                           int64_t n, float *stage, const float **out)
+{
+    *out = src;
+    if (src_dev == f->dev) return TDM_STATUS_OK;
+    *out = stage;
+    return tdm_dev_copy_between(f->dev, stage, src_dev, src, (size_t)n * sizeof(float));
 }
 
 /* Drops the label set for a collective that was not issued after all

@@ -272,6 +272,13 @@ tdm_status tdm_fsdp_plan_memory(const tdm_plan_opts *o, int world, tdm_fsdp_shar
                 "fsdp plan: %d ranks (expected 1..%d)", world, TDM_FSDP_MAX_RANKS);
     TDM_REQUIRE((unsigned)sharding < TDM_FSDP_SHARDING_COUNT_, TDM_STATUS_INVALID_ARG,
                 "fsdp plan: sharding %d", (int)sharding);
+    int off = o->offload == TDM_PLAN_OFFLOAD_PARAMS;
+    TDM_REQUIRE(!off || sharding == TDM_FSDP_FULL_SHARD, TDM_STATUS_INVALID_ARG,
+                "fsdp plan: parameter offload keeps FULL_SHARD's shards in host memory; %s "
+                "keeps full parameters on the device", tdm_fsdp_sharding_describe(sharding));
+    TDM_REQUIRE(!off || o->device != TDM_DEVICE_HOST, TDM_STATUS_INVALID_ARG,
+                "fsdp plan: parameter offload is for accelerators (cuda): a host device's "
+                "memory is host memory already");
     tdm_plan *p = &out->model;
     TDM_CHECK(tdm_plan_single(o, p));
     TDM_REQUIRE(p->n_players > 0 && p->n_players < TDM_PLAN_MAX_LAYERS, TDM_STATUS_INVALID_ARG,
@@ -324,6 +331,14 @@ tdm_status tdm_fsdp_plan_memory(const tdm_plan_opts *o, int world, tdm_fsdp_shar
     }
     if (o->optim.offload == TDM_OPTIM_OFFLOAD_NONE)
         out->optim = (size_t)tdm_optim_kind_n_state(&o->optim) * sb;
+    /* offload: both shards and the state over them in host memory (the
+     * host device's allocator rounds as the device's does) */
+    size_t staging = 0;
+    if (off) {
+        out->host = out->shards + (size_t)tdm_optim_kind_n_state(&o->optim) * sb;
+        out->shards = out->optim = 0;
+        staging = tdm_fsdp_mem_round((size_t)(max_padded / world) * sizeof(float));
+    }
     out->comm = tdm_fsdp_mem_round((size_t)o->batch * (size_t)p->out_rows *
                                    (size_t)p->n_classes * sizeof(float));
     if (sharding != TDM_FSDP_SHARD_OPTIM)
@@ -335,8 +350,9 @@ tdm_status tdm_fsdp_plan_memory(const tdm_plan_opts *o, int world, tdm_fsdp_shar
     out->step_peak = out->shards + out->optim + out->comm + out->gathered + p->buffers +
                      p->params_low + p->activations + p->act_scratch + p->step_scratch;
     /* set-up: the model's flat buffers until they are released, the new
-     * shards beside them, FULL_SHARD's staging block for the scatter */
-    out->init_peak = p->params + p->grads + running + p->params_low + out->shards +
+     * shards beside them (offload: the shard's staging block instead),
+     * FULL_SHARD's staging block for the scatter */
+    out->init_peak = p->params + p->grads + running + p->params_low + out->shards + staging +
                      (sharding == TDM_FSDP_FULL_SHARD
                           ? tdm_fsdp_mem_round((size_t)max_padded * sizeof(float)) : 0);
     out->peak = tdm_fsdp_mem_max(out->init_peak, out->step_peak);

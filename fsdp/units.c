@@ -222,6 +222,18 @@ tdm_status tdm_fsdp_issue_gather(tdm_fsdp *f, int u, int prefetch)
                                     &x->pbuf_bytes));
         recv = x->pbuf;
         send = f->buf.pshard + x->shard_off;
+        if (tdm_fsdp_offloaded(f)) {
+            /* the host shard up into its slice of the block: gathered in place */
+            send = recv + (int64_t)f->rank * x->shard;
+            tdm_status cst = tdm_dev_copy_between(f->dev, send, f->sdev,
+                                                  f->buf.pshard + x->shard_off,
+                                                  (size_t)x->shard * sizeof(float));
+            if (cst) {
+                tdm_fsdp_pool_put(f, x->pbuf, x->pbuf_bytes);
+                x->pbuf = NULL;
+                return cst;
+            }
+        }
     } else {
         /* in place: this rank's shard is its slice of the full copy */
         recv = f->buf.pfull + x->full_off;
@@ -463,7 +475,10 @@ static tdm_status tdm_fsdp_launch_rs(tdm_fsdp *f, int u)
             TDM_CHECK(tdm_fsdp_pool_get(f, (size_t)x->padded * sizeof(float), 1, &x->gbuf,
                                         &x->gbuf_bytes));
         float *recv = f->buf.gshard + x->shard_off;
-        if (!f->grad.zero) {
+        if (tdm_fsdp_offloaded(f)) {
+            /* in place: this rank's slice goes down to the host shard after */
+            recv = x->gbuf + (int64_t)f->rank * x->shard;
+        } else if (!f->grad.zero) {
             /* the shard holds earlier gradients: receive aside, then add */
             TDM_CHECK(tdm_fsdp_pool_get(f, (size_t)x->shard * sizeof(float), 0, &x->rs_tmp,
                                         &x->rs_tmp_bytes));
@@ -540,6 +555,24 @@ void tdm_fsdp_backward_begin(tdm_fsdp *f)
     f->timing.rs_done_in_bwd = 0;
 }
 
+/* opts.offload PARAMS, after unit u's reduce-scatter (in place in its
+ * full gradient): this rank's slice down into the host gradient shard,
+ * or, when the shard holds earlier gradients, down into host staging and
+ * added there (the same addition the device does without offload). */
+static tdm_status tdm_fsdp_offload_grad(tdm_fsdp *f, int u)
+{
+    tdm_fsdp_unit *x = &f->u[u];
+    const float *slice = x->gbuf + (int64_t)f->rank * x->shard;
+    float *dst = f->buf.gshard + x->shard_off;
+    size_t nb = (size_t)x->shard * sizeof(float);
+    if (f->grad.zero) return tdm_dev_copy_between(f->sdev, dst, f->dev, slice, nb);
+    if (!f->buf.hstage)
+        TDM_CHECK(tdm_dev_alloc(f->sdev, (size_t)(f->max_padded / f->world) * sizeof(float),
+                                (void **)&f->buf.hstage));
+    TDM_CHECK(tdm_dev_copy_between(f->sdev, f->buf.hstage, f->dev, slice, nb));
+    return tdm_dev_axpy(f->sdev, x->shard, 1.0f, f->buf.hstage, dst);
+}
+
 /* Waits for unit u's reduce-scatter and puts its result in place. */
 static tdm_status tdm_fsdp_finish_rs(tdm_fsdp *f, int u)
 {
@@ -560,6 +593,7 @@ static tdm_status tdm_fsdp_finish_rs(tdm_fsdp *f, int u)
     }
     tdm_fsdp_hook_finish(f, u);   /* opts.comm_hook: the 16-bit sum into place */
     tdm_device *d = f->dev;
+    if (tdm_fsdp_offloaded(f)) TDM_CHECK(tdm_fsdp_offload_grad(f, u));
     if (f->o.sharding == TDM_FSDP_SHARD_OPTIM) {
         /* Only the owned slice counts now. The rest still holds this
          * rank's local gradients, which a later backward must not add

@@ -23,6 +23,7 @@ struct tdm_optim {
     /* ZeRO-Offload (opts.offload): the state, the update and the staged
      * parameters and gradients of a range live on a host device */
     tdm_device *sdev;       /* borrowed dev, or owned: the host device of an offload */
+    int own_dev;            /* tdm_optim_init_host: dev (= sdev) is the optimizer's own */
     float *h_param, *h_grad; /* staging on sdev, h_elems each */
     int64_t h_elems;
     int skip;               /* tdm_optim_set_skip: steps leave everything as it is */
@@ -138,6 +139,22 @@ tdm_status tdm_optim_init_flat(tdm_optim **out, tdm_device *dev, int64_t n_elem,
     return tdm_optim_new(out, NULL, dev, n_elem, opts);
 }
 
+tdm_status tdm_optim_init_host(tdm_optim **out, int64_t n_elem, const tdm_optim_opts *opts)
+{
+    *out = NULL;
+    tdm_device *h = NULL;
+    tdm_optim_opts o = *opts;
+    o.offload = TDM_OPTIM_OFFLOAD_NONE;   /* it is host memory already */
+    TDM_CHECK(tdm_device_open(&h, "cpu", 0, 1));
+    tdm_status st = tdm_optim_new(out, NULL, h, n_elem, &o);
+    if (st) {
+        tdm_device_free(h);
+        return st;
+    }
+    (*out)->own_dev = 1;
+    return TDM_STATUS_OK;
+}
+
 tdm_status tdm_sgd_init(tdm_optim **out, tdm_model *m, float lr, float momentum)
 {
     tdm_optim_opts o;
@@ -155,7 +172,7 @@ void tdm_optim_free(tdm_optim *o)
         tdm_dev_free(o->sdev, o->h_param);
         tdm_dev_free(o->sdev, o->h_grad);
     }
-    if (o->sdev != o->dev) tdm_device_free(o->sdev);
+    if (o->sdev != o->dev || o->own_dev) tdm_device_free(o->sdev);
     free(o);
 }
 

@@ -69,6 +69,11 @@ tdm_status tdm_optim_step(tdm_optim *o);
  * tdm_optim_step_ranges. Its state buffers have n_elem elements. */
 tdm_status tdm_optim_init_flat(tdm_optim **out, tdm_device *dev /* borrowed */, int64_t n_elem,
                                const tdm_optim_opts *opts);
+/* A flat optimizer over n_elem elements kept in host memory, on a host
+ * device of its own (its state there too; opts->offload is implied): for
+ * a shard that lives in host memory (FSDP's parameter offload), stepped
+ * through tdm_optim_step_ranges with host pointers. */
+tdm_status tdm_optim_init_host(tdm_optim **out, int64_t n_elem, const tdm_optim_opts *opts);
 /* One piece of the stepped elements: param[0..n_elem) and grad[0..n_elem)
  * (device pointers) use the state elements [state_offset,
  * state_offset + n_elem). */

@@ -31,6 +31,14 @@
 extern "C" {
 #endif
 
+/* Where a sharded rank keeps its parameter shards (fsdp/fsdp.h's
+ * TDM_FSDP_OFFLOAD_PARAMS): read by tdm_fsdp_plan_memory only (a single
+ * device holds whole parameters; tdm_plan_single ignores it). */
+typedef enum tdm_plan_offload {
+    TDM_PLAN_OFFLOAD_NONE = 0,
+    TDM_PLAN_OFFLOAD_PARAMS,     /* shards, gradient shards, optimizer state in host memory */
+} tdm_plan_offload;
+
 typedef struct tdm_plan_opts {
     tdm_model_spec spec;
     int batch;                   /* samples (gpt: windows) per step on the device */
@@ -46,6 +54,7 @@ typedef struct tdm_plan_opts {
                                     output device: the whole batch); 0: batch */
     int stage_lo, stage_hi;      /* pipeline layers [lo, hi) (models/stage.h): a pipeline
                                     stage's model; hi 0: the whole model */
+    tdm_plan_offload offload;    /* FSDP's parameter offload (above) */
 } tdm_plan_opts;
 
 #define TDM_PLAN_MAX_LAYERS 300

@@ -120,7 +120,12 @@ Test(cli_levers, refuses_what_it_cannot_do)
     static const struct { const char *args[10]; const char *msg; } cases[] = {
         {{"train", "--precision", "fp8"}, "--precision: precision 'fp8': expected fp32, bf16 or fp16"},
         {{"train", "--checkpoint-activations", "0"}, "--checkpoint-activations '0': expected all"},
-        {{"train", "--offload", "params"}, "not built yet"},
+        {{"train", "--offload", "params"}, "--device cpu is host memory already"},
+        {{"train", "--offload", "params", "--mode", "ddp", "--device", "cuda:0,1"},
+         "runs with --mode fsdp (--sharding full), not --mode ddp"},
+        {{"train", "--offload", "params", "--mode", "fsdp", "--sharding", "grad_op", "--device",
+          "cuda:0,1"}, "--sharding grad_op keeps full parameters on the device"},
+        {{"train", "--offload", "gpu"}, "--offload 'gpu': expected optimizer or params"},
         {{"train", "--offload", "optimizer"}, "is host memory already"},
         {{"train", "--offload", "optimizer", "--mode", "dp", "--device", "cuda:0,1"},
          "not with --mode dp"},

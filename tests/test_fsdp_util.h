@@ -58,6 +58,7 @@ typedef struct tf_cfg {
     /* optional: the communicator FSDP shards over (NCCL), bootstrapped
      * over the shm one, which then carries the host collectives */
     tdm_status (*make_comm)(tdm_comm **out, tdm_comm *boot, tdm_device *dev);
+    tdm_fsdp_offload offload;   /* FSDP's opts.offload */
 } tf_cfg;
 
 typedef struct tf_shared {
@@ -71,6 +72,13 @@ typedef struct tf_shared {
     int n_units;
     int unended_ag;                  /* rank 0: all-gathers of its last timeline never seen
                                       * to end, after the final parameters were gathered */
+    /* rank 0's device allocator: bytes live at the start of the last step
+     * (between steps), the most live during the steps' forwards,
+     * backwards and optimizer steps (the test's own gathers left out);
+     * its shard's elements and the optimizer's state buffers */
+    size_t live_between, step_peak;
+    int64_t shard_elems;
+    int n_state;
     int status[8];
     char err[8][512];
 } tf_shared;
@@ -187,12 +195,17 @@ static inline int tf_rank_main(tdm_comm *comm, void *arg)
                            .no_overlap = c->no_overlap, .timeout_ms = 20000,
                            .min_unit_elems = c->bad_layout_rank == rank ? 1 << 20
                                                                          : c->min_unit_elems,
-                           .host_comm = dcomm ? comm : NULL};
+                           .host_comm = dcomm ? comm : NULL, .offload = c->offload};
         if (c->hook) TDM_TRY(tdm_fsdp_comm_hook_parse(c->hook, &o.comm_hook));
         TDM_TRY(tdm_fsdp_init(&f, m, dcomm ? dcomm : comm, &o));
         TDM_TRY(tdm_fsdp_optim_init(&opt, f, &oo));
-        if (rank == 0) sh->n_units = tdm_fsdp_n_units(f);
+        if (rank == 0) {
+            sh->n_units = tdm_fsdp_n_units(f);
+            sh->shard_elems = tdm_fsdp_shard_elems(f);
+        }
     }
+    if (rank == 0) sh->n_state = tdm_optim_n_state(opt);
+    tdm_dev_mem_reset_peak(dev);
     perm = malloc((size_t)(c->model == 2 ? 1 : run->data->n) * sizeof *perm);
     x = malloc((size_t)c->batch * (size_t)feat * sizeof *x + 4);
     y = malloc((size_t)c->batch * (size_t)rows * sizeof *y + 4);
@@ -203,7 +216,10 @@ static inline int tf_rank_main(tdm_comm *comm, void *arg)
     }
     if (c->model != 2) tdm_train_epoch_order(perm, run->data->n, 1, 0);
     int micro = c->micro > 1 ? c->micro : 1;
+    tdm_dev_mem_stats ms;
     for (int s = 0; s < c->steps; s++) {
+        if (rank == 0 && s == c->steps - 1 && tdm_dev_mem_query(dev, &ms) == TDM_STATUS_OK)
+            sh->live_between = ms.live_bytes;
         if (!c->zero_once || s == 0)
             TDM_TRY(ddp ? tdm_ddp_zero_grad(ddp) : tdm_fsdp_zero_grad(f));
         for (int k = 0; k < micro; k++) {
@@ -226,6 +242,9 @@ static inline int tf_rank_main(tdm_comm *comm, void *arg)
         double ls = ddp ? tdm_ddp_loss_sum(ddp) : tdm_fsdp_loss_sum(f);
         if (rank == 0 && s < TF_MAX_STEPS) sh->loss[s] = ls / c->batch;
         if ((s == 0 || s == c->steps - 1) && n_elem <= TF_MAX_ELEMS) {
+            if (rank == 0 && tdm_dev_mem_query(dev, &ms) == TDM_STATUS_OK &&
+                ms.peak_bytes > sh->step_peak)
+                sh->step_peak = ms.peak_bytes;
             float *dst = rank == 0 ? sh->grads0 : rank == world - 1 ? sh->grads0_r1 : NULL;
             if (s > 0) dst = rank == 0 ? sh->grads_last : NULL;
             if (ddp) {
@@ -236,10 +255,13 @@ static inline int tf_rank_main(tdm_comm *comm, void *arg)
                 TDM_TRY(tdm_fsdp_gather_grads(f, hbuf, -1));
                 if (dst) memcpy(dst, hbuf, (size_t)n_elem * 4);
             }
+            tdm_dev_mem_reset_peak(dev);   /* the test's gather is not the step's */
         }
         TDM_TRY(ddp ? tdm_ddp_step(ddp, opt) : tdm_fsdp_step(f, opt));
         if (c->double_step) TDM_TRY(ddp ? tdm_ddp_step(ddp, opt) : tdm_fsdp_step(f, opt));
     }
+    if (rank == 0 && tdm_dev_mem_query(dev, &ms) == TDM_STATUS_OK && ms.peak_bytes > sh->step_peak)
+        sh->step_peak = ms.peak_bytes;
     if (n_elem <= TF_MAX_ELEMS) {
         sh->n_elem = n_elem;
         float *dst = rank == 0 ? sh->params : rank == world - 1 ? sh->params_r1 : NULL;

@@ -39,7 +39,8 @@ static void tdm_plan_usage(FILE *f)
         "                   [--schedule gpipe|1f1b]\n"
         "                   [--batch B] [--precision fp32|bf16|fp16]\n"
         "                   [--checkpoint-activations [all|N]]\n"
-        "                   [--clip-grad-norm X] [--offload optimizer] [--optim sgd|adamw]\n"
+        "                   [--clip-grad-norm X] [--offload optimizer|params]\n"
+        "                   [--optim sgd|adamw]\n"
         "\n"
         "Prints the peak memory of one device (one rank) while the configuration\n"
         "trains, before anything is allocated: parameters, gradients, optimizer\n"
@@ -271,7 +272,8 @@ static tdm_status tdm_plan_fsdp_print(const tdm_plan_args *a, const tdm_plan_opt
            "most), precision %s%s%s\n", a->model, tdm_fsdp_sharding_describe(sharding),
            a->device, world, world == 1 ? "" : "s", a->batch, o->batch,
            tdm_precision_name(o->precision), o->ckpt ? ", checkpointing" : "",
-           a->offload ? ", optimizer offloaded" : "");
+           !a->offload ? "" : o->offload ? ", shards and optimizer offloaded"
+                                        : ", optimizer offloaded");
     printf("peak per device: %.2f MiB (%s)\n", f.peak / 1048576.0,
            f.peak == f.step_peak ? "during a step" : "at set-up, before the first step");
     printf("  %d units, a shard of %lld elements of %lld\n", f.n_units,
@@ -290,6 +292,7 @@ static tdm_status tdm_plan_fsdp_print(const tdm_plan_args *a, const tdm_plan_opt
     tdm_plan_line("step peak", f.step_peak);
     tdm_plan_line("set-up peak", f.init_peak);
     if (p->optim_host) tdm_plan_line("host: offloaded state", p->optim_host);
+    if (f.host) tdm_plan_line("host: shards, state", f.host);
     return TDM_STATUS_OK;
 }
 
@@ -338,6 +341,7 @@ int tdm_tool_plan_main(int argc, char **argv)
     /* the levers' checks are train's */
     tdm_train_args ta = {.mode = a.mode, .device = a.device, .precision = a.precision,
                          .ckpt = a.ckpt, .offload = a.offload, .clip_grad_norm = a.clip,
+                         .sharding = a.sharding,
                          .grad_accum = 1};
     if ((st = tdm_train_levers_check(&ta))) return tdm_tool_exit(st);
     tdm_device_list dl;
@@ -358,7 +362,9 @@ int tdm_tool_plan_main(int argc, char **argv)
     double lr = strcmp(a.optim, "sgd") ? (gpt ? 2e-3 : 1e-3) : 0.05;
     tdm_optim_opts_named(&o.optim, a.optim, lr, strcmp(a.optim, "sgd") ? 0.01 : 0.0, a.momentum,
                          0);
-    o.optim.offload = a.offload ? TDM_OPTIM_OFFLOAD_HOST : TDM_OPTIM_OFFLOAD_NONE;
+    int params = a.offload && !strcmp(a.offload, "params");   /* fsdp's (checked) */
+    o.optim.offload = a.offload && !params ? TDM_OPTIM_OFFLOAD_HOST : TDM_OPTIM_OFFLOAD_NONE;
+    o.offload = params ? TDM_PLAN_OFFLOAD_PARAMS : TDM_PLAN_OFFLOAD_NONE;
     o.device = dl.kind;
     o.threads = 1;
     o.loss_scaling = o.precision == TDM_PRECISION_FP16;

@@ -41,7 +41,8 @@ static tdm_status tdm_rank_fsdp_setup(void *ctx, tdm_dist_rank *d, void **self)
     TDM_CHECK(tdm_tool_rank_new(ctx, d, self));
     tdm_tool_rank *r = *self;
     tdm_fsdp_opts o = {.sharding = b->sharding, .no_overlap = b->no_overlap, .join = b->join,
-                       .host_comm = d->dev_comm != d->comm ? d->comm : NULL};
+                       .host_comm = d->dev_comm != d->comm ? d->comm : NULL,
+                       .offload = b->offload};
     tdm_status st;
     /* checked by the tool's argument checks: fp16 or bf16 */
     if (b->comm_hook && (st = tdm_fsdp_comm_hook_parse(b->comm_hook, &o.comm_hook)))
@@ -103,9 +104,10 @@ static void tdm_rank_fsdp_report(const tdm_tool_rank *r, int overlap)
     tdm_fsdp_memory mm;
     tdm_fsdp_get_memory(f, r->opt, &mm);
     double mib = 1.0 / (1024.0 * 1024.0);
-    printf("fsdp memory (rank 0): shards %.2f MiB parameters + %.2f MiB gradients + %.2f MiB "
+    printf("fsdp memory (rank 0): shards%s %.2f MiB parameters + %.2f MiB gradients + %.2f MiB "
            "optimizer state, full copies %.2f MiB parameters + %.2f MiB gradients, unit "
            "buffers at most %.2f MiB at once\n",
+           mm.offload == TDM_FSDP_OFFLOAD_PARAMS ? " (in host memory)" : "",
            (double)mm.shard_params * mib, (double)mm.shard_grads * mib,
            (double)mm.optim_state * mib, (double)mm.full_params * mib,
            (double)mm.full_grads * mib, (double)mm.units_peak * mib);

@@ -51,6 +51,7 @@ typedef struct tdm_tool_build {
     /* FSDP */
     tdm_fsdp_sharding sharding;
     int save_sharded;            /* ops.save writes a file per rank plus an index */
+    tdm_fsdp_offload offload;    /* --offload params: the shards in host memory */
     /* pipeline (tools/rank_pp.c) */
     struct {
         int stages;              /* 0: the device count over the mesh's dp */

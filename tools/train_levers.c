@@ -32,6 +32,13 @@ static int tdm_levers_set(const tdm_train_args *a)
     return a->precision || a->ckpt || a->clip_grad_norm > 0.0 || a->offload;
 }
 
+/* --offload params (FSDP's parameter shards in host memory), not
+ * --offload optimizer */
+static int tdm_levers_params(const tdm_train_args *a)
+{
+    return a->offload && !strcmp(a->offload, "params");
+}
+
 /* --checkpoint-activations all | N: units per segment */
 static int tdm_levers_ckpt(const tdm_train_args *a)
 {
@@ -51,17 +58,25 @@ tdm_status tdm_train_levers_check(const tdm_train_args *a)
             return tdm_tool_usage_error("tandem train: --checkpoint-activations '%s': expected "
                                         "all, or N >= 1 blocks per recomputed segment\n", a->ckpt);
     }
-    if (a->offload && !strcmp(a->offload, "params"))
-        return tdm_tool_usage_error("tandem train: --offload params keeps FSDP's parameter "
-                                    "shards in host memory: not built yet (--offload optimizer "
-                                    "is)\n");
-    if (a->offload && strcmp(a->offload, "optimizer"))
-        return tdm_tool_usage_error("tandem train: --offload '%s': expected optimizer (or "
-                                    "params, with fsdp, once built)\n", a->offload);
+    if (a->offload && strcmp(a->offload, "optimizer") && strcmp(a->offload, "params"))
+        return tdm_tool_usage_error("tandem train: --offload '%s': expected optimizer or "
+                                    "params\n", a->offload);
     if (a->offload && strncmp(a->device, "cuda", 4))
-        return tdm_tool_usage_error("tandem train: --offload optimizer moves the optimizer "
-                                    "state from a GPU to host memory; --device %s is host "
-                                    "memory already\n", a->device);
+        return tdm_tool_usage_error("tandem train: --offload %s moves %s from a GPU to host "
+                                    "memory; --device %s is host memory already\n", a->offload,
+                                    tdm_levers_params(a) ? "the parameter shards"
+                                                         : "the optimizer state", a->device);
+    tdm_fsdp_sharding sh = TDM_FSDP_FULL_SHARD;
+    if (tdm_levers_params(a) && strcmp(a->mode, "fsdp"))
+        return tdm_tool_usage_error("tandem train: --offload params keeps FSDP's parameter "
+                                    "shards in host memory: it runs with --mode fsdp (--sharding "
+                                    "full), not --mode %s (--offload optimizer runs with single, "
+                                    "ddp and fsdp)\n", a->mode);
+    if (tdm_levers_params(a) && a->sharding &&
+        (tdm_fsdp_sharding_parse(a->sharding, &sh) || sh != TDM_FSDP_FULL_SHARD))
+        return tdm_tool_usage_error("tandem train: --offload params runs with --sharding full: "
+                                    "--sharding %s keeps full parameters on the device (use "
+                                    "--offload optimizer)\n", a->sharding);
     int dp = !strcmp(a->mode, "dp"), pp = !strcmp(a->mode, "pp");
     if (tdm_levers_set(a) && strcmp(a->mode, "single") && strcmp(a->mode, "ddp") &&
         strcmp(a->mode, "fsdp") && !dp && !pp && strcmp(a->mode, "tp"))
@@ -99,7 +114,8 @@ static void tdm_levers_plan(const tdm_train_args *a, tdm_model *m, tdm_plan *pl,
     o.precision = tdm_model_precision(m);
     o.ckpt = tdm_model_checkpoint(m);
     tdm_optim_opts_named(&o.optim, a->optim, a->lr, a->weight_decay, a->momentum, a->nesterov);
-    o.optim.offload = a->offload ? TDM_OPTIM_OFFLOAD_HOST : TDM_OPTIM_OFFLOAD_NONE;
+    o.optim.offload = a->offload && !tdm_levers_params(a) ? TDM_OPTIM_OFFLOAD_HOST
+                                                          : TDM_OPTIM_OFFLOAD_NONE;
     o.device = tdm_dev_kind(tdm_model_device(m));
     o.threads = (int)a->threads;
     o.loss_scaling = o.precision == TDM_PRECISION_FP16;
@@ -136,7 +152,7 @@ tdm_status tdm_train_levers_apply(const tdm_train_args *a, tdm_model *m, tdm_sin
     if (p == TDM_PRECISION_FP16) printf(" (dynamic loss scaling from %g)", (double)scaler->scale);
     if (tdm_levers_ckpt(a)) printf(", activation checkpointing (segments of %d)", tdm_levers_ckpt(a));
     if (a->clip_grad_norm > 0.0) printf(", gradient norm clipped to %g", a->clip_grad_norm);
-    if (a->offload) printf(", optimizer offloaded to host memory");
+    if (a->offload) printf(", optimizer offloaded to host memory");   /* params: fsdp only */
     if (!strcmp(a->mode, "dp")) {
         /* DP's plan (its output device's) is printed after training,
          * beside the measured peak (tdm_train_levers_report) */
@@ -223,7 +239,8 @@ void tdm_train_levers_build(const tdm_train_args *a, tdm_tool_build *b)
     b->precision = TDM_PRECISION_FP32;
     if (a->precision) (void)tdm_precision_parse(a->precision, &b->precision);
     b->ckpt = tdm_levers_ckpt(a);
-    if (a->offload) b->optim.offload = TDM_OPTIM_OFFLOAD_HOST;
+    if (tdm_levers_params(a)) b->offload = TDM_FSDP_OFFLOAD_PARAMS;
+    else if (a->offload) b->optim.offload = TDM_OPTIM_OFFLOAD_HOST;
 }
 
 tdm_status tdm_train_levers_rank(const tdm_train_args *a, const tdm_tool_rank *r,
@@ -243,7 +260,11 @@ tdm_status tdm_train_levers_rank(const tdm_train_args *a, const tdm_tool_rank *r
                (double)s->scaler->scale);
     if (r->b->ckpt) printf(", activation checkpointing (segments of %d)", r->b->ckpt);
     if (a->clip_grad_norm > 0.0) printf(", global gradient norm clipped to %g", a->clip_grad_norm);
-    if (a->offload) printf(", optimizer offloaded to host memory");
+    if (tdm_levers_params(a))
+        printf(", parameter and gradient shards and the optimizer (its state and step) "
+               "offloaded to host memory");
+    else if (a->offload)
+        printf(", optimizer offloaded to host memory");
     printf("\n");
     fflush(stdout);
     return TDM_STATUS_OK;
@@ -318,6 +339,7 @@ void tdm_train_levers_rank_report(const tdm_train_args *a, const tdm_tool_rank *
     o.threads = (int)a->threads;
     o.loss_scaling = o.precision == TDM_PRECISION_FP16;
     o.grad_norm = a->clip_grad_norm > 0.0;
+    if (r->b->offload == TDM_FSDP_OFFLOAD_PARAMS) o.offload = TDM_PLAN_OFFLOAD_PARAMS;
     if (a->grad_accum <= 1 && !a->uneven && !a->no_overlap &&
         (!a->comm_hook || !strcmp(a->comm_hook, "allreduce")) &&
         tdm_tool_plan_peak(&o, fsdp ? TDM_TOOL_PLAN_FSDP : TDM_TOOL_PLAN_DDP, r->world,

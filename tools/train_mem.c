@@ -103,8 +103,9 @@ static int tdm_train_mem_in(const tdm_train_args *a, const tdm_model_spec *spec,
     if (tp) po.precision = TDM_PRECISION_FP32;   /* above */
     po.ckpt = !a->ckpt ? 0 : !strcmp(a->ckpt, "all") ? 1 : atoi(a->ckpt);
     tdm_optim_opts_named(&po.optim, a->optim, a->lr, a->weight_decay, a->momentum, a->nesterov);
-    po.optim.offload = a->offload && dl->kind != TDM_DEVICE_HOST ? TDM_OPTIM_OFFLOAD_HOST
-                                                                 : TDM_OPTIM_OFFLOAD_NONE;
+    int params = a->offload && !strcmp(a->offload, "params");
+    po.optim.offload = a->offload && !params && dl->kind != TDM_DEVICE_HOST
+                           ? TDM_OPTIM_OFFLOAD_HOST : TDM_OPTIM_OFFLOAD_NONE;
     po.device = dl->kind;
     po.threads = a->threads > 0 ? (int)a->threads : 1;
     po.loss_scaling = po.precision == TDM_PRECISION_FP16;
