@@ -6,7 +6,8 @@
  * itself, within 1e-5: see same_everywhere): tp over 4 ranks (the MLP), the
  * dp=2 x tp=2 mesh plain and with ZeRO-1 (the dp dimension's
  * reduce-scatter and all-gather over MPI), and the GPT split by heads on
- * dp=2 x tp=2. Skipped where MPI is not built or mpirun is missing. */
+ * dp=2 x tp=2; and the memory levers (fp16, bf16, clipping, checkpointing)
+ * on dp=2 x tp=2. Skipped where MPI is not built or mpirun is missing. */
 #include <criterion/criterion.h>
 
 #include <stdio.h>
@@ -165,4 +166,24 @@ Test(tp_mpi, two_machines_without_backend_run_over_mpi)
     cr_assert(strstr(r.out, "--backend hier") && strstr(r.out, "use --backend mpi") &&
               !strstr(r.out, "MPI job aborted"), "--backend hier: not refused up front:\n%s",
               r.out);
+}
+
+/* The memory levers (tests/test_cli_levers_tp.c) under the launchers: the
+ * found-inf flag and the norm over the job's communicator (MPI's with
+ * --backend mpi), checkpointing's recomputed collectives over the
+ * group's. */
+Test(tp_mpi, the_levers_write_the_forked_runs_checkpoint)
+{
+    MPI_T_NEED();
+    static const char *const mesh[] = {"--mode", "tp", "--device", "cpu:4", "--mesh",
+                                       "dp=2,tp=2", MLP, "--precision", "fp16",
+                                       "--clip-grad-norm", "0.05", "--checkpoint-activations",
+                                       NULL};
+    same_everywhere(mesh, "dp=2,tp=2 fp16 clipped checkpointed",
+                    "4 MPI ranks on cpu:4, tensor parallel over 2 ranks", NULL, 0);
+    static const char *const zero[] = {"--mode", "tp", "--device", "cpu:4", "--mesh",
+                                       "dp=2,tp=2", "--sharding", "optimizer", MLP,
+                                       "--precision", "bf16", "--clip-grad-norm", "0.05", NULL};
+    same_everywhere(zero, "dp=2,tp=2 ZeRO-1 bf16 clipped",
+                    "4 MPI ranks on cpu:4, tensor parallel over 2", NULL, 0);
 }

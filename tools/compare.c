@@ -135,10 +135,10 @@ static void tdm_cmp_usage(FILE *f)
         "                       run the sharded modes of --modes with the hook, each\n"
         "                       against hooked DDP (docs/FSDP.md)        [allreduce]\n"
         "  --powersgd-rank R    [4]   --powersgd-start-step S (plain before)   [10]\n"
-        "  --precision P        fp32 or bf16 in every mode but tp (fp16's loss scaling:\n"
-        "                       tandem train)                             [fp32]\n"
+        "  --precision P        fp32 or bf16 in every mode but tp (fp16's loss scaling,\n"
+        "                       and tp's: tandem train)                   [fp32]\n"
         "  --checkpoint-activations N  recompute segments of N blocks in backward\n"
-        "                       in every mode but tp\n"
+        "                       in every mode (tp: N = 1)\n"
         "  --clip-grad-norm X   clip the global gradient norm to X in the pp row (and its\n"
         "                       one-device reference): --modes pp only (single runs\n"
         "                       beside it unclipped, as the speed baseline)\n"
@@ -399,6 +399,17 @@ static tdm_status tdm_cmp_check_levers(tdm_cmp_job *j)
     if (o->clip > 0.0 && !(o->modes & TDM_CMP_PP_BIT))
         return tdm_tool_usage_error("tandem compare: --clip-grad-norm needs --modes pp\n");
     if (o->precision == TDM_PRECISION_FP32 && !o->ckpt && o->clip <= 0.0) return TDM_STATUS_OK;
+    /* tp's bf16 rounds the products' operands alone (docs/TENSOR_PARALLEL.md):
+     * not the computation of compare's one-device reference */
+    unsigned tp = TDM_CMP_TP_BIT | TDM_CMP_TP_SP_BIT;
+    if ((o->modes & tp) && o->precision != TDM_PRECISION_FP32)
+        return tdm_tool_usage_error("tandem compare: --precision applies to tp in tandem train "
+                                    "only (its bf16 rounds the products alone, not what the "
+                                    "one-device reference computes): leave tp out of --modes\n");
+    if ((o->modes & tp) && o->ckpt > 1)
+        return tdm_tool_usage_error("tandem compare: --checkpoint-activations %d: tp checkpoints "
+                                    "every block (1); segments of more are not built for tp\n",
+                                    o->ckpt);
     return TDM_STATUS_OK;
 }
 
@@ -546,9 +557,7 @@ static tdm_status tdm_cmp_check_tp(tdm_cmp_job *j)
     if (o->ddp_comm)
         return tdm_tool_usage_error("tandem compare: --modes tp under an MPI launcher is not "
                                     "supported (run compare on one machine)\n");
-    if ((o->precision_arg && o->precision != TDM_PRECISION_FP32) || o->ckpt)
-        return tdm_tool_usage_error("tandem compare: --precision and --checkpoint-activations "
-                                    "do not apply to tp yet: leave tp out of --modes\n");
+    /* the levers: tdm_cmp_check_levers (checkpointing runs, bf16 not) */
     tdm_tp_split split[TDM_MODEL_MAX_DIMS];
     int L, T = o->mesh_tp > 1 && o->mesh_pp <= 1 ? o->mesh_tp : o->n_dev;
     if (tdm_tp_plan(&j->spec, T, split, &L))

@@ -7,7 +7,9 @@
  * training, the measured one after, the gradient norm and loss scale
  * with each epoch). Under --mode dp they are set on the master (its
  * replicas follow it, dp/dp.h) and its step (tdm_dp_step_levers); under
- * --mode pp on every stage (pp/pp.h: tdm_pp_opts, tdm_pp_set_levers). */
+ * --mode pp on every stage (pp/pp.h: tdm_pp_opts, tdm_pp_set_levers);
+ * under --mode tp on every rank of every group (tp/tp.h:
+ * tdm_tp_set_levers). */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -23,6 +25,7 @@
 #include "tools/ranks.h"
 #include "tools/tools.h"
 #include "tools/train_modes.h"
+#include "tp/tp.h"
 
 static int tdm_levers_set(const tdm_train_args *a)
 {
@@ -76,16 +79,16 @@ tdm_status tdm_train_levers_check(const tdm_train_args *a)
                                     "--offload optimizer)\n", a->sharding);
     int dp = !strcmp(a->mode, "dp"), pp = !strcmp(a->mode, "pp");
     if (tdm_levers_set(a) && strcmp(a->mode, "single") && strcmp(a->mode, "ddp") &&
-        strcmp(a->mode, "fsdp") && !dp && !pp)
+        strcmp(a->mode, "fsdp") && !dp && !pp && strcmp(a->mode, "tp"))
         return tdm_tool_usage_error("tandem train: --precision, --checkpoint-activations, "
                                     "--clip-grad-norm and --offload run with --mode single, dp, "
-                                    "ddp, fsdp and pp in this build, not yet with --mode %s\n",
-                                    a->mode);
+                                    "ddp, fsdp, pp and tp in this build, not yet with --mode "
+                                    "%s\n", a->mode);
     const char *tp = pp && a->mesh ? strstr(a->mesh, "tp=") : NULL;
     if (tdm_levers_set(a) && tp && atoi(tp + 3) > 1)
         return tdm_tool_usage_error("tandem train: --mesh %s: the memory levers run in "
-                                    "pipelines of whole stages (tp=1), not yet with "
-                                    "tensor-parallel stages\n", a->mesh);
+                                    "pipelines of whole stages (tp=1) and in --mode tp, not yet "
+                                    "with tensor-parallel stages\n", a->mesh);
     if (a->offload && (dp || pp))
         return tdm_tool_usage_error("tandem train: --offload optimizer runs with --mode single, "
                                     "ddp and fsdp, not with --mode %s%s\n", a->mode,
@@ -332,6 +335,9 @@ static void tdm_levers_pp_report(const tdm_train_args *a, const tdm_tool_rank *r
 void tdm_train_levers_rank_report(const tdm_train_args *a, const tdm_tool_rank *r)
 {
     tdm_dev_mem_stats ms;
+    /* the rank's device (a tensor-parallel rank's r->m is the whole
+     * model's tables, without a device) */
+    tdm_device *dev = r->dist ? r->dist->dev : tdm_model_device(r->m);
     if (!tdm_levers_set(a)) return;
     if (!strcmp(a->mode, "pp")) {
         /* every rank: its peak goes to rank 0 (collective) */
@@ -339,10 +345,10 @@ void tdm_train_levers_rank_report(const tdm_train_args *a, const tdm_tool_rank *
         tdm_levers_pp_report(a, r, ms.peak_bytes);
         return;
     }
-    if (r->rank != 0 || tdm_dev_mem_query(tdm_model_device(r->m), &ms) != TDM_STATUS_OK)
+    if (r->rank != 0 || !dev || tdm_dev_mem_query(dev, &ms) != TDM_STATUS_OK)
         return;
-    printf("peak memory on rank 0's %s: %.2f MiB measured (allocator)",
-           tdm_dev_name(tdm_model_device(r->m)), ms.peak_bytes / 1048576.0);
+    printf("peak memory on rank 0's %s: %.2f MiB measured (allocator)", tdm_dev_name(dev),
+           ms.peak_bytes / 1048576.0);
     /* the plan of a rank at the largest share (tools/plan_peak.h), where
      * every step is one pass over that share */
     tdm_plan_opts o;
@@ -395,6 +401,32 @@ void tdm_train_levers_pp_end(tdm_dist_stepper *s, const tdm_pp *p)
 {
     tdm_pp_stats st;
     tdm_pp_get_stats(p, &st);
+    s->last_norm = st.last_norm;
+    s->last_skipped = st.last_skipped;
+}
+
+static void tdm_levers_tp_hook(void *ctx, float *grads, int64_t n, tdm_device *dev)
+{
+    tdm_dist_stepper *s = ctx;
+    tdm_dist_grads dg = {.bufs = &grads, .n_elem = &n, .n_bufs = 1, .dev = dev};
+    s->after_backward(s->before_ctx, s->begun, &dg);
+}
+
+void tdm_train_levers_tp_begin(tdm_dist_stepper *s, tdm_tp *p, tdm_comm *job, int replica)
+{
+    tdm_tp_levers l = {.scaler = s->scaler, .clip_norm = s->clip_norm,
+                       .measure_norm = s->measure_norm, .comm = job, .replica = replica};
+    if (s->after_backward) {
+        l.after_backward = tdm_levers_tp_hook;
+        l.ctx = s;
+    }
+    tdm_tp_set_levers(p, &l);
+}
+
+void tdm_train_levers_tp_end(tdm_dist_stepper *s, const tdm_tp *p)
+{
+    tdm_tp_stats st;
+    tdm_tp_get_stats(p, &st);
     s->last_norm = st.last_norm;
     s->last_skipped = st.last_skipped;
 }
