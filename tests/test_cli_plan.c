@@ -668,3 +668,46 @@ Test(cli_plan, refuses_what_it_does_not_plan)
     CLI(&g_r, "plan", "--help");
     expect(&g_r, 0, "usage: tandem plan");
 }
+
+/* The tp plan takes activation checkpointing (each block's recomputed
+ * activations share one set: tdm_tp_footprint_ckpt) and clipping (no
+ * device bytes of its own beyond the loss rows); a 16-bit precision,
+ * whose operand scratch it does not model, is refused in one line, and
+ * train prints no plan beside its measured peak then. */
+Test(cli_plan, tp_plans_checkpointing_and_refuses_precision, .timeout = 600)
+{
+    static const char *const levers[3][6] = {
+        {"--checkpoint-activations"},
+        {"--checkpoint-activations", "--clip-grad-norm", "1", "--sequence-parallel"},
+        {"--checkpoint-activations", "--mesh", "dp=2,tp=2", "--sharding", "optimizer"}};
+    for (int l = 0; l < 3; l++) {
+        const char *args[32] = {"plan",   "--model", "gpt:2-32-2-16", "--batch", "8",
+                                "--mode", "tp",      "--device",      l == 2 ? "cpu:4" : "cpu:2"};
+        int n = 9;
+        for (int i = 0; i < 6 && levers[l][i]; i++) args[n++] = levers[l][i];
+        args[n] = NULL;
+        cli_run(&g_r, args);
+        cr_assert_eq(g_r.code, 0, "%s", g_r.out);
+        cr_assert(strstr(g_r.out, ", checkpointing"), "%s", g_r.out);
+        double largest = figure_mib("peak per device: ");
+        train_as_planned(args, n, 1);
+        double measured = figure_mib("tp memory, rank 0: device peak ");
+        double planned = figure_mib("MiB measured (allocator), ");
+        cr_assert(fabs(planned - measured) < 0.005, "levers %d: planned %.2f, measured %.2f", l,
+                  planned, measured);
+        cr_assert_eq(largest, planned, "levers %d: plan %.2f, train's %.2f", l, largest, planned);
+    }
+    const char *bf16[] = {"plan", "--mode", "tp", "--device", "cpu:2", "--precision", "bf16", NULL};
+    cli_run(&g_r, bf16);
+    cr_assert_eq(g_r.code, 2, "%s", g_r.out);
+    cr_assert(strstr(g_r.out, "--precision bf16 is not planned"), "%s", g_r.out);
+    const char *run[] = {"train", "--model", "gpt:2-32-2-16", "--batch", "8", "--mode", "tp",
+                         "--device", "cpu:2", "--precision", "bf16", "--epochs", "1",
+                         "--no-eval", "--max-steps", "2", NULL};
+    cli_run(&g_r, run);
+    cr_assert_eq(g_r.code, 0, "%s", g_r.out);
+    cr_assert(strstr(g_r.out, "tp memory, rank 0: device peak") &&
+                  !strstr(g_r.out, "planned (tandem plan)"),
+              "%s", g_r.out);
+    cr_assert_eq(cli_shm_entries(), 0);
+}

@@ -300,14 +300,14 @@ tdm_status tdm_tool_plan_pp_rank(const tdm_tool_build *b, const tdm_mesh_shape *
 }
 
 tdm_status tdm_tool_plan_tp_rank(const tdm_model_spec *spec, const tdm_optim_opts *optim, int T,
-                                 int D, int share, int seq_par, int zero1,
+                                 int D, int share, int seq_par, int zero1, int ckpt,
                                  tdm_tool_tp_plan *out)
 {
     memset(out, 0, sizeof *out);
     TDM_REQUIRE(T >= 1 && D >= 1 && share >= 1, TDM_STATUS_INVALID_ARG,
                 "plan: tp over %d ranks, %d replicas, a share of %d samples", T, D, share);
     tdm_tp_rank_footprint fp;
-    TDM_CHECK(tdm_tp_footprint(spec, T, share, seq_par, &fp));
+    TDM_CHECK(tdm_tp_footprint_ckpt(spec, T, share, seq_par, ckpt, &fp));
     size_t n = (size_t)fp.elems;
     size_t chunk = zero1 && D > 1 ? (n + (size_t)D - 1) / (size_t)D : n;
     /* ZeRO-1 pads the flat parameters and gradients to D whole chunks
@@ -344,17 +344,27 @@ static tdm_status tdm_plan_tp_print(const tdm_plan_args *a, const tdm_plan_opts 
     if (a->batch < D)
         return tdm_tool_usage_error("tandem plan: --batch %lld is smaller than the %d "
                                     "replicas\n", a->batch, D);
+    /* tp's 16-bit products convert their operands into a scratch block
+     * sized by the largest product (tp/levers.c): not modelled here */
+    if (o->precision != TDM_PRECISION_FP32)
+        return tdm_tool_usage_error("tandem plan: --mode tp --precision %s is not planned (tp "
+                                    "converts each product's operands into a scratch block "
+                                    "the plan does not model); plan fp32, or run tandem train, "
+                                    "which prints the measured peak\n",
+                                    tdm_precision_name(o->precision));
     tdm_tool_tp_plan t;
     tdm_status st = tdm_tool_plan_tp_rank(&o->spec, &o->optim, T, D,
-                                          (int)((a->batch + D - 1) / D), a->seq_par, zero1, &t);
+                                          (int)((a->batch + D - 1) / D), a->seq_par, zero1,
+                                          o->ckpt, &t);
     if (st) {
         fprintf(stderr, "tandem plan: --mode tp: %s\n", tdm_error_message());
         return st == TDM_STATUS_INVALID_ARG ? TDM_STATUS_USAGE : st;
     }
     printf("tandem plan: %s, mode tp on %s (%d rank%s%s%s%s), batch %lld (%lld per replica at "
-           "most), precision fp32\n", a->model, a->device, T, T == 1 ? "" : "s",
+           "most), precision fp32%s\n", a->model, a->device, T, T == 1 ? "" : "s",
            D > 1 ? " x " : "", D > 1 ? (zero1 ? "replicas, ZeRO-1 over dp" : "replicas") : "",
-           a->seq_par ? ", sequence parallel" : "", a->batch, (a->batch + D - 1) / D);
+           a->seq_par ? ", sequence parallel" : "", a->batch, (a->batch + D - 1) / D,
+           o->ckpt ? ", checkpointing" : "");
     printf("peak per device: %.2f MiB (a rank of the replica with the largest share; every "
            "rank's slices have the same sizes)\n", t.peak / 1048576.0);
     printf("  %-22s %10lld elements\n", "the rank's slice", (long long)t.elems);

@@ -82,7 +82,7 @@ typedef struct tdm_tool_tp_plan {
     int64_t elems;               /* the rank's flat slice */
 } tdm_tool_tp_plan;
 tdm_status tdm_tool_plan_tp_rank(const tdm_model_spec *spec, const tdm_optim_opts *optim, int T,
-                                 int D, int share, int seq_par, int zero1,
+                                 int D, int share, int seq_par, int zero1, int ckpt,
                                  tdm_tool_tp_plan *out);
 
 #endif

@@ -330,10 +330,11 @@ static void tdm_rank_tp_peak(const tdm_tool_rank *r)
     int64_t lo, hi;
     tdm_dist_share(r->b->pp.batch, q->mesh.coord[TDM_MESH_DP], q->mesh.size[TDM_MESH_DP], &lo,
                    &hi);
-    if (!r->b->deterministic && hi > lo &&
+    /* 16-bit products' operand scratch is not planned (tools/plan.c) */
+    if (!r->b->deterministic && hi > lo && r->b->precision == TDM_PRECISION_FP32 &&
         !tdm_tool_plan_tp_rank(&r->b->spec, &r->b->optim, q->mesh.size[TDM_MESH_TP],
                                q->mesh.size[TDM_MESH_DP], (int)(hi - lo), r->b->tp.seq_par,
-                               r->b->tp.zero1, &t))
+                               r->b->tp.zero1, r->b->ckpt, &t))
         printf(", %.2f MiB planned (tandem plan)", t.peak / 1048576.0);
     tdm_error_clear();
     printf("\n");
