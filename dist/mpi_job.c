@@ -72,8 +72,8 @@ tdm_status tdm_dist_backend_choose(const char *text, int in_job, const char *cmd
                          text, cmd, text);
 }
 
-tdm_status tdm_dist_mpi_rank_init(tdm_dist_mpi_rank *r, tdm_mpi_backend b, int64_t timeout_ms,
-                                  const tdm_shm_opts *shm)
+tdm_status tdm_dist_mpi_rank_init(tdm_dist_mpi_rank *r, tdm_mpi_backend b, tdm_dist_mpi_use use,
+                                  int64_t timeout_ms, const tdm_shm_opts *shm)
 {
     tdm_status st = TDM_STATUS_OK;
     memset(r, 0, sizeof *r);
@@ -90,6 +90,10 @@ tdm_status tdm_dist_mpi_rank_init(tdm_dist_mpi_rank *r, tdm_mpi_backend b, int64
     const tdm_mpi_topo *t = tdm_mpi_job_topo(r->job);
     tdm_log_set_rank(t->rank);
     r->backend = b == TDM_MPI_BACKEND_AUTO ? tdm_mpi_job_auto(r->job) : b;
+    /* a mesh splits the communicator: hier's shm and MPI parts cannot be */
+    if (b == TDM_MPI_BACKEND_AUTO && use == TDM_DIST_MPI_SPLIT &&
+        r->backend == TDM_MPI_BACKEND_HIER)
+        r->backend = TDM_MPI_BACKEND_MPI;
     TDM_TRY(tdm_mpi_job_comm(r->job, r->backend, &so, &r->comm));
     r->world = tdm_mpi_job_world(r->job);
     r->env = (tdm_dist_env){.rank = t->rank, .world_size = t->size, .local_rank = t->local_rank,

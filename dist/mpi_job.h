@@ -56,12 +56,21 @@ typedef struct tdm_dist_mpi_rank {
     char desc[128];             /* "mpi, 4 ranks on 2 machines (pretend, TCP on lo)" */
 } tdm_dist_mpi_rank;
 
+/* What the ranks do with the job's communicator: use it whole, or split
+ * it into groups (a design's mesh), which the hierarchical communicator
+ * cannot be split into: there AUTO picks mpi, not hier, on several
+ * machines. */
+typedef enum tdm_dist_mpi_use {
+    TDM_DIST_MPI_WHOLE = 0,
+    TDM_DIST_MPI_SPLIT,
+} tdm_dist_mpi_use;
+
 /* Starts the job and builds backend b's communicator (collective; log
- * lines are tagged with the rank). timeout_ms bounds every wait of the
- * communicator (0: the defaults, TANDEM_MPI_TIMEOUT_MS or 300 s); shm may
- * be NULL. */
-tdm_status tdm_dist_mpi_rank_init(tdm_dist_mpi_rank *r, tdm_mpi_backend b, int64_t timeout_ms,
-                                  const tdm_shm_opts *shm);
+ * lines are tagged with the rank), AUTO resolved for use. timeout_ms
+ * bounds every wait of the communicator (0: the defaults,
+ * TANDEM_MPI_TIMEOUT_MS or 300 s); shm may be NULL. */
+tdm_status tdm_dist_mpi_rank_init(tdm_dist_mpi_rank *r, tdm_mpi_backend b, tdm_dist_mpi_use use,
+                                  int64_t timeout_ms, const tdm_shm_opts *shm);
 /* This rank in the job, and the job's ranks, from the launcher's
  * environment (before MPI starts); 0 when none says. */
 int tdm_dist_mpi_env_rank(void);

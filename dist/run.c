@@ -361,7 +361,9 @@ static tdm_status tdm_dist_run_mpi(const tdm_dist_job *j)
 {
     tdm_dist_mpi_rank mr = {0};
     tdm_shm_opts so = {.arena_bytes = j->o->arena_bytes};
-    tdm_status st = tdm_dist_mpi_rank_init(&mr, j->o->backend, j->timeout_ms, &so);
+    tdm_status st = tdm_dist_mpi_rank_init(&mr, j->o->backend,
+                                           j->d->layout ? TDM_DIST_MPI_SPLIT : TDM_DIST_MPI_WHOLE,
+                                           j->timeout_ms, &so);
     if (st) return tdm_error_prefix(st, "joining the MPI job");
     st = tdm_dist_rank_main(j, mr.comm, &mr.env, mr.desc);
     char msg[TDM_ERROR_MSG_MAX];

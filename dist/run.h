@@ -184,7 +184,8 @@ typedef struct tdm_dist_run_opts {
     const tdm_dist_watch *watch; /* may be NULL */
     /* an MPI job */
     tdm_mpi_backend backend;     /* the communicator over its ranks (AUTO: shm on one
-                                    machine, hier on several) */
+                                    machine, hier on several; mpi for a design with
+                                    a layout, whose mesh splits it) */
     /* TDM_DIST_START_GIVEN: this process is rank env.rank of comm's group */
     tdm_comm *comm;
     tdm_dist_env env;

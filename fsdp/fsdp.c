@@ -635,10 +635,18 @@ tdm_status tdm_fsdp_step(tdm_fsdp *f, tdm_optim *opt)
                 "fsdp step: the optimizer covers %lld elements, this rank's shard %lld: make it "
                 "with tdm_fsdp_optim_init", opt ? (long long)tdm_optim_n_elem(opt) : -1LL,
                 (long long)f->shard_elems);
-    TDM_REQUIRE(!tdm_fsdp_offloaded(f) || tdm_dev_kind(tdm_optim_device(opt)) == TDM_DEVICE_HOST,
+    /* the ranges' pointers are f->sdev's memory: the optimizer must read
+     * them there (a host optimizer given device shards, or a ZeRO-Offload
+     * one that copies host shards as if on the device, runs on the
+     * emulator, where both are host memory, and fails on a GPU) */
+    tdm_device *pd = tdm_optim_param_device(opt);
+    TDM_REQUIRE(pd == f->sdev ||
+                    (tdm_dev_kind(pd) == TDM_DEVICE_HOST &&
+                     tdm_dev_kind(f->sdev) == TDM_DEVICE_HOST),
                 TDM_STATUS_INVALID_ARG,
-                "fsdp step: the shards are in host memory but the optimizer steps on %s: make "
-                "it with tdm_fsdp_optim_init", tdm_dev_name(tdm_optim_device(opt)));
+                "fsdp step: the shards are in %s's memory but the optimizer reads its "
+                "parameters on %s: make it with tdm_fsdp_optim_init", tdm_dev_name(f->sdev),
+                tdm_dev_name(pd));
     uint64_t t0 = tdm_time_ns();
     tdm_fsdp_step_start(f, t0);
     tdm_optim_range *r = calloc((size_t)f->nu, sizeof *r);

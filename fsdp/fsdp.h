@@ -152,7 +152,7 @@ tdm_status tdm_fsdp_comm_hook_parse(const char *text, tdm_fsdp_comm_hook *out);
  * PARAMS, for a model on an accelerator (a GPU or an emulated one): the
  * parameter shards, the gradient shards and the optimizer state over
  * them live in host memory (pinned where the device's backend has it,
- * tdm_dev_host_alloc), and the optimizer steps on the host. Each unit's
+ * tdm_dev_host_pin), and the optimizer steps on the host. Each unit's
  * gather first copies this rank's shard up into its slice of the unit's
  * gathered block and all-gathers in place; each reduce-scatter lands in
  * place in the unit's full gradient block and this rank's slice is copied

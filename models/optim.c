@@ -317,6 +317,8 @@ float *tdm_optim_state(tdm_optim *o, int i)
 
 tdm_device *tdm_optim_device(const tdm_optim *o) { return o->sdev; }
 
+tdm_device *tdm_optim_param_device(const tdm_optim *o) { return o->dev; }
+
 size_t tdm_optim_state_bytes(const tdm_optim *o)
 {
     return (size_t)o->n_state * (size_t)o->n_elem * sizeof(float);

@@ -136,6 +136,11 @@ size_t tdm_optim_state_bytes(const tdm_optim *o);
 /* The device whose memory holds the state buffers: the model's (or the
  * flat optimizer's), or with offload the optimizer's host device. */
 tdm_device *tdm_optim_device(const tdm_optim *o);
+/* The device whose memory holds the parameters and gradients it steps
+ * (tdm_optim_step's model, tdm_optim_step_ranges' pointers): the model's
+ * or the flat optimizer's device, offload or not; tdm_optim_init_host's
+ * own host device. */
+tdm_device *tdm_optim_param_device(const tdm_optim *o);
 
 #ifdef __cplusplus
 }

@@ -243,8 +243,11 @@ Test(levers_ranks, refuses_what_it_cannot_do)
     expect(&g_r, 2, "not supported with --grad-accum");
     CLI(&g_r, "compare", "--precision", "fp16");
     expect(&g_r, 2, "needs loss scaling");
-    CLI(&g_r, "compare", "--precision", "bf16", "--modes", "single,pp");
-    expect(&g_r, 2, "leave pp out of --modes");
+    /* pp takes them (tests/test_cli_plan.c), tensor parallelism not yet */
+    CLI(&g_r, "compare", "--precision", "bf16", "--modes", "single,tp", "--device", "cpu:2");
+    expect(&g_r, 2, "leave tp out of --modes");
+    CLI(&g_r, "compare", "--clip-grad-norm", "1", "--modes", "single,ddp");
+    expect(&g_r, 2, "--clip-grad-norm runs in the pp row");
 }
 
 Test(levers_ranks, compare_runs_every_mode_in_bf16_with_checkpointing)

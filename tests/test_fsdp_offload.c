@@ -189,6 +189,61 @@ Test(fsdp_offload, refused_where_it_has_nothing_to_offload)
     tf_shared_free(sh);
 }
 
+/* Rank 0 of 1 on an emulated device: tdm_fsdp_step given an optimizer
+ * whose parameter pointers are on the wrong side. k 0: offloaded shards
+ * (host memory) and a ZeRO-Offload optimizer made on the model's device
+ * (its state on the host, but it copies the ranges from the device: a
+ * GPU would read host pointers as device ones); k 1: device shards and a
+ * host optimizer (tdm_optim_init_host: the CPU would read device
+ * pointers). status[k] what the step returned, err[k] its message. */
+static int mismatch_main(tdm_comm *comm, void *arg)
+{
+    tf_shared *sh = arg;
+    tdm_model_spec spec;
+    tf_cfg c = tf_cfg_default();
+    tf_spec(&spec, &c);
+    for (int k = 0; k < 2; k++) {
+        tdm_device *d = NULL;
+        tdm_model *m = NULL;
+        tdm_fsdp *f = NULL;
+        tdm_optim *opt = NULL;
+        tdm_optim_opts oo;
+        tdm_optim_opts_default(&oo, TDM_OPTIM_SGD);
+        tdm_status st = tdm_cuda_emulator_open_accel(&d, 0);
+        if (st == TDM_STATUS_OK) st = tdm_model_init(&m, d, &spec, 1);
+        tdm_fsdp_opts o = {.offload = k == 0 ? TDM_FSDP_OFFLOAD_PARAMS : TDM_FSDP_OFFLOAD_NONE};
+        if (st == TDM_STATUS_OK) st = tdm_fsdp_init(&f, m, comm, &o);
+        oo.offload = TDM_OPTIM_OFFLOAD_HOST;
+        if (st == TDM_STATUS_OK)
+            st = k == 0 ? tdm_optim_init_flat(&opt, d, tdm_fsdp_shard_elems(f), &oo)
+                        : tdm_optim_init_host(&opt, tdm_fsdp_shard_elems(f), &oo);
+        if (st == TDM_STATUS_OK) st = tdm_fsdp_zero_grad(f);
+        if (st == TDM_STATUS_OK) st = tdm_fsdp_step(f, opt);
+        sh->status[k] = st;
+        snprintf(sh->err[k], sizeof sh->err[k], "%s", st ? tdm_error_message() : "");
+        tdm_optim_free(opt);
+        tdm_fsdp_free(f);
+        tdm_model_free(m);
+        tdm_device_free(d);
+    }
+    return 0;
+}
+
+Test(fsdp_offload, step_refuses_an_optimizer_on_the_other_side)
+{
+    if (!tdm_device_cuda_linked()) cr_skip_test("CUDA backend not built (no nvcc)");
+    tf_shared *sh = tf_shared_new();
+    cr_assert_not_null(sh);
+    tdm_dist_spawn_opts o = {.timeout_ms = 60000, .comm_timeout_ms = 20000};
+    TU_OK(tdm_dist_spawn(1, mismatch_main, sh, &o, NULL));
+    for (int k = 0; k < 2; k++) {
+        cr_assert_eq(sh->status[k], TDM_STATUS_INVALID_ARG, "case %d: status %d: %s", k,
+                     (int)sh->status[k], sh->err[k]);
+        cr_assert(strstr(sh->err[k], "make it with tdm_fsdp_optim_init"), "%s", sh->err[k]);
+    }
+    tf_shared_free(sh);
+}
+
 /* The host shards are pinned where the device's backend has pinned
  * memory (a GPU: cudaHostRegister); a host device and the emulator have
  * none, and say so without a message, the memory used as it is. */

@@ -602,14 +602,22 @@ Test(pp_cli, the_memory_check_covers_the_pipeline)
     expect(&r, 0, "epoch 1/1");
 }
 
-/* compare does not run the pipeline with the memory levers or
- * --deterministic yet (train does: tests/test_cli_levers_pp.c): it
- * refuses them with pp rather than running pp in fp32 beside modes in
- * bf16. */
-Test(pp_cli, compare_refuses_levers_with_pp)
+/* compare runs the pipeline's stages with the memory levers (tests/
+ * test_cli_plan.c), but not tensor-parallel stages (nor does train): it
+ * refuses them there rather than running them in fp32 beside modes in
+ * bf16; --clip-grad-norm clips the pp row only, and is refused beside
+ * the other modes. */
+Test(pp_cli, compare_refuses_levers_with_tp_stages)
 {
     static cli_result r;
-    CLI(&r, "compare", "--modes", "single,pp", "--device", "cpu:2", "--model",
-        "mlp:20-24-16-12-5", "--data", "synthetic", "--steps", "2", "--precision", "bf16");
-    expect(&r, 2, "do not apply to pp yet");
+    CLI(&r, "compare", "--modes", "single,pp", "--device", "cpu:4", "--mesh", "pp=2,tp=2",
+        "--model", "mlp:20-24-16-12-5", "--data", "synthetic", "--steps", "2", "--precision",
+        "bf16");
+    expect(&r, 2, "not with tensor-parallel stages (--mesh pp=2,tp=2)");
+    CLI(&r, "compare", "--modes", "single,ddp,pp", "--device", "cpu:2", "--model",
+        "mlp:20-24-16-12-5", "--data", "synthetic", "--steps", "2", "--clip-grad-norm", "1");
+    expect(&r, 2, "--clip-grad-norm runs in the pp row");
+    CLI(&r, "compare", "--modes", "single", "--device", "cpu:2", "--model",
+        "mlp:20-24-16-12-5", "--data", "synthetic", "--steps", "2", "--clip-grad-norm", "1");
+    expect(&r, 2, "--clip-grad-norm needs --modes pp");
 }

@@ -73,6 +73,7 @@ typedef struct out {
     double pdiff[8], ldiff[8], gdiff[8];
     int64_t split[8], repl[8], whole_split[8], n_elem[8];
     size_t alloc[8], act_alloc[8], optimizer[8];
+    size_t setup[8];   /* every byte the allocator handed tdm_tp_init */
     int n_state;
     float pn[16384];   /* the whole model's parameters after the last step (gathered) */
 } out;
@@ -244,7 +245,11 @@ static int tp_rank(tdm_comm *world, void *arg)
     tdm_tp_opts to = {.seed = TPP_SEED, .optim = optim(), .grad_comm = dp > 1 ? dcomm : NULL,
                       .sequence_parallel = g_ref.sp,
                       .zero = g_ref.zero ? TDM_TP_ZERO_OPTIMIZER : TDM_TP_ZERO_NONE};
+    tdm_dev_mem_stats m0, m1;
+    if (tdm_dev_mem_query(dev, &m0)) RFAIL("mem query: %s", tdm_error_message());
     if (tdm_tp_init(&p, comm, dev, &spec, &to)) RFAIL("init: %s", tdm_error_message());
+    if (tdm_dev_mem_query(dev, &m1)) RFAIL("mem query: %s", tdm_error_message());
+    o->setup[r] = m1.live_bytes - m0.live_bytes;
     tdm_tp_stats st;
     tdm_tp_get_stats(p, &st);
     o->split[r] = st.split_elems;
@@ -375,7 +380,10 @@ static int tp_rank(tdm_comm *world, void *arg)
              * rounded up by less than 64 bytes */
             size_t r64 = 63, chunk = g_ref.zero ? ((size_t)fp.elems + (size_t)dp - 1) / (size_t)dp
                                                 : (size_t)fp.elems;
-            size_t state = 2 * (((size_t)fp.elems * 4 + r64) & ~r64) +
+            /* ZeRO-1's parameters and gradients: dp chunks, the last
+             * one padded */
+            size_t flat = g_ref.zero ? chunk * (size_t)dp : (size_t)fp.elems;
+            size_t state = 2 * ((flat * 4 + r64) & ~r64) +
                            (size_t)tdm_optim_n_state(tdm_tp_optim(p)) * ((chunk * 4 + r64) & ~r64);
             if (state != o->alloc[r])
                 RFAIL("footprint: parameters, gradients and optimizer state of %zu bytes, the "
@@ -463,14 +471,22 @@ static void check(int which, int dp, int tp)
                      r, (long long)o->split[r], (long long)o->whole_split[r]);
         cr_assert_eq(o->n_elem[r], o->split[r] + o->repl[r]);
         /* ZeRO-1: the optimizer's state for the replica's chunk only,
-         * ceil(n / dp) elements */
+         * ceil(n / dp) elements; parameters and gradients dp such
+         * chunks */
         size_t chunk = g_ref.zero ? ((size_t)o->n_elem[r] + (size_t)dp - 1) / (size_t)dp
                                   : (size_t)o->n_elem[r];
-        size_t need = 2 * (((size_t)o->n_elem[r] * 4 + 63) / 64 * 64) +
+        size_t flat = g_ref.zero ? chunk * (size_t)dp : (size_t)o->n_elem[r];
+        size_t need = 2 * ((flat * 4 + 63) / 64 * 64) +
                       (size_t)o->n_state * ((chunk * 4 + 63) / 64 * 64);
         cr_assert_eq(o->alloc[r], need, "rank %d: the allocator handed out %zu bytes for "
                      "parameters, gradients and optimizer state, the layout needs %zu", r,
                      o->alloc[r], need);
+        /* and nothing else: the set-up holds no buffer beside them (a
+         * ZeRO-1 staging copy of the parameters would cost more than the
+         * sharded optimizer saves) */
+        cr_assert_eq(o->setup[r], o->alloc[r], "rank %d (dp=%d, ZeRO-1 %s): tdm_tp_init "
+                     "holds %zu bytes of the allocator's, parameters, gradients and optimizer "
+                     "state %zu", r, dp, g_ref.zero ? "on" : "off", o->setup[r], o->alloc[r]);
     }
     if (getenv("TANDEM_TEST_VERBOSE"))
         fprintf(stderr, "model %d dp=%d tp=%d sp=%d: parameters within %g, losses within %g, "
@@ -564,40 +580,50 @@ Test(tp, gpt_sequence_parallel_accumulated_micro_batches_equal_one_device)
     g_ref.sp = 0;
 }
 
-/* ZeRO-1 on the dp dimension of a dp=2 x tp=2 mesh: the plain dp x tp
+/* ZeRO-1 on the dp dimension of a dp x tp mesh: the plain dp x tp
  * run's parameters bit for bit after 30 steps (SGD with momentum on the
  * MLPs, AdamW on the GPT; each element steps from its own gradient and
- * state wherever it lies), and each rank's optimizer state half the
- * plain run's (a chunk of ceil(n/2) of the rank's n elements; check()
- * holds the allocator's bytes to it). 20-32-16-5's slice has an odd
- * element count on each rank: the last chunk is padded. */
-static void check_zero(int which)
+ * state wherever it lies, and the shm communicator adds the replicas in
+ * rank order in the reduce-scatter as in the all-reduce), and each
+ * rank's optimizer state 1/dp of the plain run's (a chunk of
+ * ceil(n/dp) of the rank's n elements; check() holds the allocator's
+ * bytes to it, and the set-up to nothing more). 20-32-16-5's slice has
+ * an odd element count on each rank of tp=2, and 1285 elements on
+ * dp=3 x tp=1: the last chunk is padded. */
+static void check_zero(int which, int dp, int tp)
 {
     static float plain[16384];
     size_t opt_plain[8];
-    check(which, 2, 2);
+    check(which, dp, tp);
     memcpy(plain, g_pn, sizeof plain);
     memcpy(opt_plain, g_optimizer, sizeof opt_plain);
     g_ref.zero = 1;
-    check(which, 2, 2);
+    check(which, dp, tp);
     g_ref.zero = 0;
-    cr_assert(!memcmp(plain, g_pn, (size_t)g_ref.n * 4), "model %d: ZeRO-1 differs from the "
-              "plain dp x tp run by %g", which, tpp_max_diff(plain, g_pn, g_ref.n));
+    cr_assert(!memcmp(plain, g_pn, (size_t)g_ref.n * 4), "model %d dp=%d tp=%d: ZeRO-1 differs "
+              "from the plain dp x tp run by %g", which, dp, tp,
+              tpp_max_diff(plain, g_pn, g_ref.n));
     cr_assert(g_n_state == (which == GPT ? 2 : 1));   /* AdamW: m, v; SGD: momentum */
-    for (int r = 0; r < 4; r++) {
-        size_t n = (size_t)g_n_elem[r], s = (size_t)g_n_state * 4;
+    for (int r = 0; r < dp * tp; r++) {
+        size_t n = (size_t)g_n_elem[r], s = (size_t)g_n_state * 4, D = (size_t)dp;
         cr_assert_eq(opt_plain[r], s * n, "rank %d: %zu optimizer bytes without ZeRO", r,
                      opt_plain[r]);
-        cr_assert_eq(g_optimizer[r], s * ((n + 1) / 2), "rank %d: %zu optimizer bytes with "
-                     "ZeRO-1 for %zu elements", r, g_optimizer[r], n);
+        cr_assert_eq(g_optimizer[r], s * ((n + D - 1) / D), "rank %d: %zu optimizer bytes "
+                     "with ZeRO-1 over %d replicas for %zu elements", r, g_optimizer[r], dp, n);
     }
 }
 
 Test(tp, zero1_on_the_dp_dimension_is_dp_x_tp_bit_for_bit)
 {
-    check_zero(0);
-    check_zero(1);
-    check_zero(GPT);
+    check_zero(0, 2, 2);
+    check_zero(1, 2, 2);
+    check_zero(GPT, 2, 2);
+}
+
+Test(tp, zero1_over_three_replicas_pads_the_last_chunk)
+{
+    check_zero(1, 3, 1);
+    check_zero(0, 3, 2);
 }
 
 /* Replica 1 of a dp=2 x tp=2 mesh given another seed than replica 0:

@@ -199,7 +199,7 @@ Test(tp_cli, bad_input_is_one_line_and_exit_2)
         {{"--device", "cpu:4", "--mesh", "dp=3,tp=2", MLP}, "6 ranks"},
         {{"--device", "cpu:2", "--model", "mlp:20-5"}, "the MLP has 1 linear layer"},
         {{"--device", "cpu:2", "--stages", "2", MLP}, "apply to --mode pp"},
-        {{"--device", "cpu:2", "--precision", "bf16", MLP}, "does not support --precision"},
+        {{"--device", "cpu:2", "--offload", "optimizer", MLP}, "does not support --offload"},
         {{"--device", "cpu:2", "--uneven", MLP}, "--mode tp takes none of"},
         {{"--device", "cpu:2", "--sharding", "optimizer", MLP}, "it needs --mesh dp=D,tp=N "
                                                                 "with D >= 2"},
@@ -351,7 +351,7 @@ Test(tp_cli, sequence_parallel_writes_single_devices_checkpoint_within_the_bound
      * reduce-scatters and 8 all-gathers per step (what was counted over
      * the run: tests/test_tp.c checks it per step) */
     expect(&r, 0, "; 1 per step of the full batch by the plan), ");
-    expect(&r, 0, "(8 of each per step)");
+    expect(&r, 0, "(8 and 8 per step)");
     CLI(&r, "train", "--model", "gpt:2-16-2-8", "--data", text, "--mode", "tp", "--device",
         "cpu:4", "--mesh", "dp=2,tp=2", "--sequence-parallel", "--batch", "8", "--epochs", "1",
         "--max-steps", "6", "--quiet", "--save", m);

@@ -1,12 +1,13 @@
 /* tests/test_tp_mpi.c: `tandem train --mode tp` as the ranks of an MPI
- * launcher, on one machine with pretend machines over loopback (MPI's
- * TCP transport on lo only): mpirun -np 4 over --backend shm and over
+ * launcher, on one machine (MPI's TCP transport on lo only; the last
+ * test on 2 pretend machines): mpirun -np 4 over --backend shm and over
  * --backend mpi, and `tandem launch -n 4`, write the checkpoint the
  * forked ranks write, byte for byte (but tp over 4 ranks over MPI
  * itself, within 1e-5: see same_everywhere): tp over 4 ranks (the MLP), the
  * dp=2 x tp=2 mesh plain and with ZeRO-1 (the dp dimension's
  * reduce-scatter and all-gather over MPI), and the GPT split by heads on
- * dp=2 x tp=2. Skipped where MPI is not built or mpirun is missing. */
+ * dp=2 x tp=2; and the memory levers (fp16, bf16, clipping, checkpointing)
+ * on dp=2 x tp=2. Skipped where MPI is not built or mpirun is missing. */
 #include <criterion/criterion.h>
 
 #include <stdio.h>
@@ -128,4 +129,61 @@ Test(tp_mpi, gpt_dp2_tp2_writes_the_forked_runs_checkpoint)
                                "--model", "gpt:2-16-2-8", "--data", text, "--batch", "8",
                                "--epochs", "1", "--max-steps", "4", "--quiet", NULL};
     same_everywhere(gpt, "gpt dp=2,tp=2", "4 MPI ranks on cpu:4", NULL, 0);
+}
+
+/* Two pretend machines (TANDEM_PRETEND_MACHINES=2, MPI over TCP on lo):
+ * without --backend (auto), a job on several machines would take the
+ * hierarchical communicator, which a mesh cannot be split into; tp's
+ * mesh runs over MPI itself and writes the forked run's checkpoint. An
+ * explicit --backend hier is refused with one line naming --backend
+ * mpi, exit 2, before any rank starts training. */
+Test(tp_mpi, two_machines_without_backend_run_over_mpi)
+{
+    MPI_T_NEED();
+    static cli_result r;
+    char forked[128], other[128];
+    snprintf(forked, sizeof forked, "%s/forked.safetensors", g_dir);
+    snprintf(other, sizeof other, "%s/other.safetensors", g_dir);
+    static const char *const job[] = {"--mode", "tp", "--device", "cpu:4", "--mesh",
+                                      "dp=2,tp=2", MLP, NULL};
+    const char *argv[TP_ARGS_MAX];
+    job_argv(argv, job, forked);
+    cli_run(&r, argv);
+    expect(&r, 0, "epoch 1/1");
+    static const char *const two[] = {"TANDEM_PRETEND_MACHINES=2", NULL};
+    job_argv(argv, job, other);
+    mpi_t_job j = {.np = 4, .exe = cli_bin(), .args = argv, .env = two, .tcp = 1,
+                   .timeout_s = 120};
+    mpi_t_run(&r, &j);
+    expect(&r, 0, "(mpi, 4 ranks on 2 pretend machines");
+    cr_assert(cli_same_file(forked, other), "auto on 2 machines wrote other bytes:\n%s", r.out);
+    int k = job_argv(argv, job, other);
+    argv[k++] = "--backend";
+    argv[k++] = "hier";
+    argv[k] = NULL;
+    mpi_t_run(&r, &j);
+    cr_assert_neq(r.code, 0, "--backend hier ran:\n%s", r.out);
+    cr_assert(strstr(r.out, "--backend hier") && strstr(r.out, "use --backend mpi") &&
+              !strstr(r.out, "MPI job aborted"), "--backend hier: not refused up front:\n%s",
+              r.out);
+}
+
+/* The memory levers (tests/test_cli_levers_tp.c) under the launchers: the
+ * found-inf flag and the norm over the job's communicator (MPI's with
+ * --backend mpi), checkpointing's recomputed collectives over the
+ * group's. */
+Test(tp_mpi, the_levers_write_the_forked_runs_checkpoint)
+{
+    MPI_T_NEED();
+    static const char *const mesh[] = {"--mode", "tp", "--device", "cpu:4", "--mesh",
+                                       "dp=2,tp=2", MLP, "--precision", "fp16",
+                                       "--clip-grad-norm", "0.05", "--checkpoint-activations",
+                                       NULL};
+    same_everywhere(mesh, "dp=2,tp=2 fp16 clipped checkpointed",
+                    "4 MPI ranks on cpu:4, tensor parallel over 2 ranks", NULL, 0);
+    static const char *const zero[] = {"--mode", "tp", "--device", "cpu:4", "--mesh",
+                                       "dp=2,tp=2", "--sharding", "optimizer", MLP,
+                                       "--precision", "bf16", "--clip-grad-norm", "0.05", NULL};
+    same_everywhere(zero, "dp=2,tp=2 ZeRO-1 bf16 clipped",
+                    "4 MPI ranks on cpu:4, tensor parallel over 2", NULL, 0);
 }

@@ -135,10 +135,13 @@ static void tdm_cmp_usage(FILE *f)
         "                       run the sharded modes of --modes with the hook, each\n"
         "                       against hooked DDP (docs/FSDP.md)        [allreduce]\n"
         "  --powersgd-rank R    [4]   --powersgd-start-step S (plain before)   [10]\n"
-        "  --precision P        fp32 or bf16 in every mode but pp (fp16's loss scaling:\n"
-        "                       tandem train)                             [fp32]\n"
+        "  --precision P        fp32 or bf16 in every mode but tp (fp16's loss scaling,\n"
+        "                       and tp's: tandem train)                   [fp32]\n"
         "  --checkpoint-activations N  recompute segments of N blocks in backward\n"
-        "                       in every mode but pp\n"
+        "                       in every mode (tp: N = 1)\n"
+        "  --clip-grad-norm X   clip the global gradient norm to X in the pp row (and its\n"
+        "                       one-device reference): --modes pp only (single runs\n"
+        "                       beside it unclipped, as the speed baseline)\n"
         "  --perturb-rank R     testing aid: DDP rank R adds 1%% to its gradient share,\n"
         "                       which the equivalence verdict must catch (with\n"
         "                       --comm-hook: only the hooked run, for its verdict)\n"
@@ -348,7 +351,7 @@ static tdm_status tdm_cmp_mpi_join(tdm_cmp_job *j)
         return TDM_STATUS_USAGE;
     }
     tdm_shm_opts so = {.arena_bytes = tdm_ddp_arena_bytes(tdm_cmp_param_elems(o))};
-    st = tdm_dist_mpi_rank_init(&tdm_cmp_mr, b, 0, &so);
+    st = tdm_dist_mpi_rank_init(&tdm_cmp_mr, b, TDM_DIST_MPI_WHOLE, 0, &so);
     if (st != TDM_STATUS_OK) {
         fprintf(stderr, "tandem compare: joining the MPI job: %s\n", tdm_error_message());
         return st;
@@ -377,7 +380,8 @@ static tdm_status tdm_cmp_check_mpi_devices(tdm_cmp_opts *o)
 }
 
 /* --precision and --checkpoint-activations: every mode's model (DP's
- * replicas follow its master's, dp/dp.h) but the pipeline's stages. */
+ * replicas follow its master's, dp/dp.h; the pipeline's stages, not
+ * tensor-parallel ones); --clip-grad-norm: the pp row alone. */
 static tdm_status tdm_cmp_check_levers(tdm_cmp_job *j)
 {
     tdm_cmp_opts *o = &j->o;
@@ -388,11 +392,24 @@ static tdm_status tdm_cmp_check_levers(tdm_cmp_job *j)
         return tdm_tool_usage_error("tandem compare: --precision fp16 needs loss scaling, "
                                     "which compare does not run: compare fp32 or bf16 (tandem "
                                     "train --precision fp16 runs it in every mode)\n");
-    if (o->precision == TDM_PRECISION_FP32 && !o->ckpt) return TDM_STATUS_OK;
-    if (o->modes & TDM_CMP_PP_BIT)
-        return tdm_tool_usage_error("tandem compare: --precision and --checkpoint-activations "
-                                    "do not apply to pp yet (its stages run in fp32, keeping "
-                                    "their activations): leave pp out of --modes\n");
+    if (o->clip > 0.0 && (o->modes & ~(TDM_CMP_PP_BIT | 1u << TDM_CMP_SINGLE)))
+        return tdm_tool_usage_error("tandem compare: --clip-grad-norm runs in the pp row (and "
+                                    "its one-device reference) only: --modes pp (tandem train "
+                                    "--clip-grad-norm clips in every mode)\n");
+    if (o->clip > 0.0 && !(o->modes & TDM_CMP_PP_BIT))
+        return tdm_tool_usage_error("tandem compare: --clip-grad-norm needs --modes pp\n");
+    if (o->precision == TDM_PRECISION_FP32 && !o->ckpt && o->clip <= 0.0) return TDM_STATUS_OK;
+    /* tp's bf16 rounds the products' operands alone (docs/TENSOR_PARALLEL.md):
+     * not the computation of compare's one-device reference */
+    unsigned tp = TDM_CMP_TP_BIT | TDM_CMP_TP_SP_BIT;
+    if ((o->modes & tp) && o->precision != TDM_PRECISION_FP32)
+        return tdm_tool_usage_error("tandem compare: --precision applies to tp in tandem train "
+                                    "only (its bf16 rounds the products alone, not what the "
+                                    "one-device reference computes): leave tp out of --modes\n");
+    if ((o->modes & tp) && o->ckpt > 1)
+        return tdm_tool_usage_error("tandem compare: --checkpoint-activations %d: tp checkpoints "
+                                    "every block (1); segments of more are not built for tp\n",
+                                    o->ckpt);
     return TDM_STATUS_OK;
 }
 
@@ -427,6 +444,7 @@ static tdm_status tdm_cmp_parse(int argc, char **argv, tdm_cmp_job *j)
         TDM_ARGS_STR("--servers", o->ps_servers)
         TDM_ARGS_STR("--precision", o->precision_arg)
         TDM_ARGS_INT("--checkpoint-activations", 1, 1 << 16, o->ckpt)
+        TDM_ARGS_FLOAT("--clip-grad-norm", 1e-12, 1e12, o->clip)
         TDM_ARGS_INT("--powersgd-rank", 1, 1 << 16, o->powersgd_rank)
         TDM_ARGS_INT("--powersgd-start-step", 0, INT64_MAX, o->powersgd_start_step)
         TDM_ARGS_INT("--stages", 1, TDM_CMP_MAX_DEV, o->pp_stages)
@@ -519,6 +537,11 @@ static tdm_status tdm_cmp_check_mesh(tdm_cmp_job *j)
     if (S > 1 && o->pp_stages && o->pp_stages != S)
         return tdm_tool_usage_error("tandem compare: --stages %d, but --mesh %s has pp=%d\n",
                                     o->pp_stages, o->mesh, S);
+    if (S > 1 && N > 1 && ((o->precision_arg && o->precision != TDM_PRECISION_FP32) || o->ckpt ||
+                           o->clip > 0.0))
+        return tdm_tool_usage_error("tandem compare: --precision, --checkpoint-activations and "
+                                    "--clip-grad-norm run in pipelines of whole stages, not "
+                                    "with tensor-parallel stages (--mesh %s)\n", o->mesh);
     if (S > 1) o->pp_stages = S;
     o->mesh_dp = D;
     o->mesh_pp = S;
@@ -534,9 +557,7 @@ static tdm_status tdm_cmp_check_tp(tdm_cmp_job *j)
     if (o->ddp_comm)
         return tdm_tool_usage_error("tandem compare: --modes tp under an MPI launcher is not "
                                     "supported (run compare on one machine)\n");
-    if ((o->precision_arg && o->precision != TDM_PRECISION_FP32) || o->ckpt)
-        return tdm_tool_usage_error("tandem compare: --precision and --checkpoint-activations "
-                                    "do not apply to tp yet: leave tp out of --modes\n");
+    /* the levers: tdm_cmp_check_levers (checkpointing runs, bf16 not) */
     tdm_tp_split split[TDM_MODEL_MAX_DIMS];
     int L, T = o->mesh_tp > 1 && o->mesh_pp <= 1 ? o->mesh_tp : o->n_dev;
     if (tdm_tp_plan(&j->spec, T, split, &L))
@@ -1190,7 +1211,7 @@ int tdm_tool_compare_main(int argc, char **argv)
     if (st == TDM_STATUS_OK && j->modes_arg && !tdm_cmp_parse_modes(j->modes_arg, &j->o.modes))
         st = TDM_STATUS_USAGE;
     if (st == TDM_STATUS_OK) st = tdm_cmp_check_levers(j);
-    if (st == TDM_STATUS_OK && j->det && (j->o.precision_arg || j->o.ckpt))
+    if (st == TDM_STATUS_OK && j->det && (j->o.precision_arg || j->o.ckpt || j->o.clip > 0.0))
         st = tdm_tool_usage_error("tandem compare: --deterministic runs its modes in fp32 "
                                   "without --precision or --checkpoint-activations\n");
     if (st == TDM_STATUS_OK && j->det) return tdm_cmp_det(j);

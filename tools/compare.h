@@ -76,10 +76,13 @@ typedef struct tdm_cmp_opts {
      * without --mesh) */
     const char *mesh;
     int mesh_dp, mesh_pp, mesh_tp;
-    /* the memory levers on every mode's model (docs/MEMORY.md): not pp */
+    /* the memory levers on every mode's model (docs/MEMORY.md; the pp
+     * row's stages too, and the one-device reference of its verdict) */
     const char *precision_arg; /* --precision as given (NULL: fp32) */
     tdm_precision precision;
     int ckpt;                  /* --checkpoint-activations N; 0: off */
+    double clip;               /* --clip-grad-norm X (the pp row and its reference only);
+                                  0: off */
 } tdm_cmp_opts;
 
 /* --modes' bit for the pipeline, which runs in a section of its own

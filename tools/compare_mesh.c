@@ -11,6 +11,8 @@
 #include "dist/timeout.h"
 #include "models/accum.h"
 #include "models/optim.h"
+#include "models/precision.h"
+#include "models/recompute.h"
 #include "models/train.h"
 
 void *tdm_cmp_map_shared(size_t bytes)
@@ -38,6 +40,11 @@ tdm_status tdm_cmp_mesh_run(const tdm_cmp_opts *o, tdm_tool_build *b,
     d.run = run;
     tdm_dist_run_opts ro = {.devices = &o->dl, .spec = o->device, .world = world,
                             .run_timeout_ms = TDM_CMP_RUN_TIMEOUT_MS};
+    /* a pipeline's replicas: DDP's zero-copy gradients over the dp
+     * dimension, as tandem train gives them (tools/rank_pp.c) */
+    if (b->design == &tdm_tool_pp_design)
+        ro.arena_bytes = tdm_tool_pp_arena_bytes(b, &o->dl, world, tdm_cmp_param_elems(o));
+    tdm_error_clear();
     TDM_CHECK(tdm_dist_timeout_from_env(&ro.timeout_ms));
     if (!ro.timeout_ms) ro.timeout_ms = TDM_DIST_TIMEOUT_DEFAULT_MS;
     fflush(stdout);
@@ -69,8 +76,11 @@ tdm_status tdm_cmp_reference(const tdm_cmp_opts *o, const tdm_cmp_data *data,
     tdm_status st = tdm_cmp_batch_new(data, B, "the one-device reference", &x, &y);
     if (!st) st = tdm_device_open(&dev, "cpu", 0, 1);
     if (!st) st = tdm_model_init(&m, dev, spec, o->seed);
+    /* the levers of the row it is the reference of */
+    if (!st) st = tdm_model_set_precision(m, o->precision);
+    if (!st) st = tdm_model_set_checkpoint(m, o->ckpt);
     if (!st) st = tdm_optim_init(&opt, m, &oo);
-    one = (tdm_single){.model = m, .opt = opt};
+    one = (tdm_single){.model = m, .opt = opt, .clip_norm = o->clip};
     tdm_accum a = {.ops = &tdm_accum_single_ops, .ctx = &one,
                    .micro = micro > 0 ? (B + micro - 1) / micro : B,
                    .in_features = m ? tdm_model_in_features(m) : 0,

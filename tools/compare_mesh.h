@@ -43,8 +43,9 @@ tdm_status tdm_cmp_batch_new(const tdm_cmp_data *d, int B, const char *who, floa
                              int32_t **y);
 /* One host device over o's global batches from o's seed: plain steps
  * (micro <= 0) or --grad-accum micro over micro-batches of
- * ceil(B/micro). loss[step] and the final parameters (params: the
- * model's elements). */
+ * ceil(B/micro), with o's levers (precision, checkpointing, clipping:
+ * those of the row it is the reference of). loss[step] and the final
+ * parameters (params: the model's elements). */
 tdm_status tdm_cmp_reference(const tdm_cmp_opts *o, const tdm_cmp_data *data,
                              const tdm_model_spec *spec, int micro, double *loss,
                              float *params);

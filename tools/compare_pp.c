@@ -23,6 +23,7 @@
 #include "pp/pp.h"
 #include "tools/compare.h"
 #include "tools/compare_mesh.h"
+#include "tools/plan_peak.h"
 #include "tools/rank_pptp.h"
 #include "tools/ranks.h"
 
@@ -42,8 +43,11 @@ typedef struct tdm_cmp_pp_shared {
                                                                       sums over the run */
     int64_t param_elems;
     int lo[TDM_CMP_MAX_DEV], hi[TDM_CMP_MAX_DEV];
-    double mem[TDM_CMP_MAX_DEV][6];   /* params, grads, optimizer, peak act, sets, set bytes */
+    double mem[TDM_CMP_MAX_DEV][8];   /* params, grads, optimizer, peak act, sets, set bytes,
+                                         the device's peak (the allocator's; -1: not kept),
+                                         the planned peak (tools/plan_peak.h; -1: none) */
     double overlapped, transfers;
+    double last_norm;         /* --clip-grad-norm: the last step's global norm, before clipping */
     size_t off_loss, off_step, off_t0, off_phase, off_ev, off_params, total;
 } tdm_cmp_pp_shared;
 
@@ -72,7 +76,7 @@ static tdm_status tdm_cmp_pp_rank_run(void *ctx, tdm_dist_rank *d, void *self)
     /* the design's step: this replica's share of the global batch, DDP
      * over the replicas */
     tdm_dist_stepper stp = {.w = r->w, .opt = r->opt, .comm = d->comm, .rank = r->rank,
-                            .world = r->world, .global_batch = B};
+                            .world = r->world, .global_batch = B, .clip_norm = c->o->clip};
     float *x = NULL;
     int32_t *y = NULL;
     char who[32];
@@ -120,6 +124,15 @@ static tdm_status tdm_cmp_pp_rank_run(void *ctx, tdm_dist_rank *d, void *self)
             memcpy(out + (size_t)e * 4, row, sizeof row);
         }
     }
+    if (st == TDM_STATUS_OK && r->rank == 0) sh->last_norm = stp.last_norm;
+    /* the device's peak over the steps, before the parameters' gather */
+    tdm_dev_mem_stats ms;
+    double dev_peak = tdm_dev_mem_query(tdm_model_device(r->m), &ms) == TDM_STATUS_OK
+                          ? (double)ms.peak_bytes : -1.0;
+    size_t planned = 0;
+    if (tdm_tool_plan_pp_rank(b, &d->shape, d->coord, tdm_dev_kind(tdm_model_device(r->m)), B,
+                              1, c->o->clip > 0.0, &planned))
+        tdm_error_clear();
     if (st == TDM_STATUS_OK)
         st = b->design->params(r, r->rank == 0 ? TDM_CMP_SHARED_AT(sh, off_params, float) : NULL,
                                0);
@@ -132,9 +145,9 @@ static tdm_status tdm_cmp_pp_rank_run(void *ctx, tdm_dist_rank *d, void *self)
         tdm_model_get_stage(tdm_pp_model(p), &si);
         sh->lo[s] = si.lo;
         sh->hi[s] = si.hi;
-        double m[6] = {(double)ps.params, (double)ps.grads, (double)ps.optimizer,
+        double m[8] = {(double)ps.params, (double)ps.grads, (double)ps.optimizer,
                        ps.peak_act == (size_t)-1 ? -1.0 : (double)ps.peak_act, ps.act_sets,
-                       (double)ps.act_set};
+                       (double)ps.act_set, dev_peak, planned ? (double)planned : -1.0};
         memcpy(sh->mem[s], m, sizeof m);
         if (s == 0) {
             sh->overlapped = (double)ps.overlapped;
@@ -238,16 +251,22 @@ static void tdm_cmp_pp_print_memory(const tdm_cmp_pp_shared *sh, tdm_pp_schedule
 {
     const double mib = 1.0 / (1024.0 * 1024.0);
     printf("\npipeline memory per stage (MiB; peak activations measured from the allocator "
-           "since set-up):\n");
-    printf("  %-8s %10s %10s %10s %12s %s\n", "stage", "params", "grads", "optimizer",
-           "peak act", "(sets held at once)");
+           "since set-up; peak: the device's, measured by its allocator over the run, and as "
+           "tandem plan --mode pp plans it%s):\n",
+           sh->D > 1 ? "; replica 0's stages" : "");
+    printf("  %-8s %10s %10s %10s %12s %10s %10s %s\n", "stage", "params", "grads", "optimizer",
+           "peak act", "peak", "planned", "(sets held at once)");
     for (int s = 0; s < sh->S; s++) {
         const double *m = sh->mem[s];
-        char peak[24];
+        char peak[24], dev[24], plan[24];
         if (m[3] < 0) snprintf(peak, sizeof peak, "%12s", "-");
         else snprintf(peak, sizeof peak, "%12.3f", m[3] * mib);
-        printf("  %-8d %10.3f %10.3f %10.3f %s (%.0f of %.3f MiB; %s bounds it by %d)\n", s,
-               m[0] * mib, m[1] * mib, m[2] * mib, peak, m[4], m[5] * mib,
+        if (m[6] < 0) snprintf(dev, sizeof dev, "%10s", "-");
+        else snprintf(dev, sizeof dev, "%10.2f", m[6] * mib);
+        if (m[7] < 0) snprintf(plan, sizeof plan, "%10s", "-");
+        else snprintf(plan, sizeof plan, "%10.2f", m[7] * mib);
+        printf("  %-8d %10.3f %10.3f %10.3f %s %s %s (%.0f of %.3f MiB; %s bounds it by %d)\n",
+               s, m[0] * mib, m[1] * mib, m[2] * mib, peak, dev, plan, m[4], m[5] * mib,
                tdm_pp_schedule_name(k), k == TDM_PP_1F1B ? (sh->S - s < sh->M ? sh->S - s : sh->M)
                                                           : sh->M);
     }
@@ -280,8 +299,15 @@ static int tdm_cmp_pp_verdict(const tdm_cmp_opts *o, const tdm_model_spec *spec,
     int K = sh->M * sh->D;   /* the replicas' micro-batches, in order: one device's */
     char who[48];
     tdm_cmp_pp_label(sh, who, sizeof who);
+    char lev[96] = "";
+    if (o->precision != TDM_PRECISION_FP32 || o->ckpt || o->clip > 0.0)
+        snprintf(lev, sizeof lev, ", both with precision %s%s%s", tdm_precision_name(o->precision),
+                 o->ckpt ? ", checkpointing" : "", o->clip > 0.0 ? ", clipping" : "");
     printf("\npipeline equivalence (vs one host device, --grad-accum %d over the same "
-           "micro-batches of %d):\n", K, (o->batch + K - 1) / K);
+           "micro-batches of %d%s):\n", K, (o->batch + K - 1) / K, lev);
+    if (o->clip > 0.0)
+        printf("  %s's global gradient norm at the last step: %.6g, clipped to %g%s\n", who,
+               sh->last_norm, o->clip, sh->last_norm > o->clip ? "" : " (below it: unchanged)");
     if (host && !gpt && sh->D == 1 && sh->T == 1) {
         int ok = diff == 0 && ld == 0.0;
         printf("  %s: %lld of %lld parameters differ, largest loss difference %.3g over %d "
@@ -323,7 +349,8 @@ static tdm_cmp_pp_shared *tdm_cmp_pp_go(const tdm_cmp_opts *o, const tdm_cmp_dat
     int64_t pe = tdm_cmp_param_elems(o);
     tdm_tool_build b = {.design = &tdm_tool_pp_design, .cmd = "tandem compare", .seed = o->seed,
                         .pp = {.stages = S, .micro = M, .schedule = kind, .batch = o->batch,
-                               .mesh = D > 1 || T > 1 ? o->mesh : NULL}};
+                               .mesh = D > 1 || T > 1 ? o->mesh : NULL},
+                        .precision = o->precision, .ckpt = o->ckpt};
     b.spec = *spec;
     tdm_optim_opts_named(&b.optim, o->optim, o->lr, o->weight_decay, o->momentum, 0);
     tdm_cmp_pp_shared lay = tdm_cmp_pp_layout(D, S, T, M, o->steps, pe);

@@ -255,7 +255,8 @@ int tdm_cmp_tp_section(const tdm_cmp_opts *o, const tdm_cmp_data *data,
                      "reduce-scatters and all-gathers along them"
                    : "", tag);
     tdm_tool_build b = {.design = &tdm_tool_tp_design, .cmd = "tandem compare", .seed = o->seed,
-                        .pp = {.mesh = tp_row ? o->mesh : NULL}, .tp = {.seq_par = seq_par}};
+                        .pp = {.mesh = tp_row ? o->mesh : NULL}, .tp = {.seq_par = seq_par},
+                        .ckpt = o->ckpt};   /* precision: fp32 (tdm_cmp_check_levers) */
     b.spec = *spec;
     tdm_optim_opts_named(&b.optim, o->optim, o->lr, o->weight_decay, o->momentum, 0);
     tdm_cmp_tp_shared lay = tdm_cmp_tp_layout(D, T, o->steps, pe);

@@ -15,28 +15,31 @@
 #include "core/device.h"
 #include "ddp/ddp.h"
 #include "fsdp/fsdp.h"
+#include "dist/mesh.h"
 #include "dist/run.h"
 #include "models/builder.h"
 #include "models/plan.h"
 #include "models/stage.h"
 #include "pp/pp.h"
+#include "tp/tp.h"
 #include "tools/plan_peak.h"
 #include "tools/tools.h"
 #include "tools/train_modes.h"
 
 typedef struct tdm_plan_args {
     const char *model, *mode, *device, *precision, *ckpt, *offload, *optim, *sharding;
-    const char *schedule;
+    const char *schedule, *mesh;
     long long batch, stages, micro;
+    int seq_par;                 /* --sequence-parallel (tp) */
     double clip, momentum;
 } tdm_plan_args;
 
 static void tdm_plan_usage(FILE *f)
 {
     fprintf(f,
-        "usage: tandem plan [--model M] [--mode single|dp|ddp|fsdp|pp] [--sharding S]\n"
-        "                   [--device D] [--stages S] [--microbatches M]\n"
-        "                   [--schedule gpipe|1f1b]\n"
+        "usage: tandem plan [--model M] [--mode single|dp|ddp|fsdp|pp|tp] [--sharding S]\n"
+        "                   [--device D] [--stages S] [--mesh dp=D,pp=S|dp=D,tp=N]\n"
+        "                   [--microbatches M] [--schedule gpipe|1f1b] [--sequence-parallel]\n"
         "                   [--batch B] [--precision fp32|bf16|fp16]\n"
         "                   [--checkpoint-activations [all|N]]\n"
         "                   [--clip-grad-norm X] [--offload optimizer|params]\n"
@@ -55,16 +58,24 @@ static void tdm_plan_usage(FILE *f)
         "new shards) where that is higher. dp: the output device, which holds the\n"
         "master (replica 0, at the largest chunk) with the optimizer, and the whole\n"
         "batch's inputs, logits, their gradient and labels (its loss is the batch's).\n"
-        "pp (host devices, one pipeline of --stages S, the balanced split): each\n"
-        "stage's model slice, the schedule's activation sets at ceil(B/M) samples,\n"
-        "the shared scratch and the GPT's tied-gradient buffer (the received\n"
-        "activations and gradients are in the links' shared memory).\n"
+        "pp (the balanced split): each stage's model slice, the schedule's activation\n"
+        "sets at ceil(B/M) samples, the shared scratch and the GPT's tied-gradient\n"
+        "buffer (the received activations and gradients: in the links' shared memory\n"
+        "on host devices, counted on a GPU's); with D replicas (--mesh dp=D,pp=S, or\n"
+        "--stages S of D*S devices) every replica's stage alike at ceil(B/D) samples,\n"
+        "and with --sharding optimizer its optimizer state over 1/D of the stage.\n"
+        "tp (--mesh dp=D,tp=N, or N = the devices): a rank's slices of the parameters,\n"
+        "gradients and optimizer state (ZeRO-1 over dp with --sharding optimizer), the\n"
+        "activations and scratch at ceil(B/D) samples (with checkpointing: one block's\n"
+        "set and the block outputs), the loss rows; --precision bf16|fp16 is not\n"
+        "planned for tp.\n"
         "  --model M      as tandem train                          [mlp]\n"
-        "  --mode M       single, dp, ddp, fsdp or pp              [single]\n"
-        "  --stages S, --microbatches M, --schedule K   pp's, as tandem train's\n"
-        "                                        [the devices, 4, 1f1b]\n"
-        "  --sharding S   fsdp: full (ZeRO-3), grad_op (ZeRO-2), optimizer (ZeRO-1)\n"
-        "                                                           [full]\n"
+        "  --mode M       single, dp, ddp, fsdp, pp or tp          [single]\n"
+        "  --stages S, --microbatches M, --schedule K, --mesh dp=D,pp=S   pp's, as\n"
+        "                 tandem train's       [the devices, 4, 1f1b, dp=1]\n"
+        "  --mesh dp=D,tp=N, --sequence-parallel   tp's, as tandem train's\n"
+        "  --sharding S   fsdp: full (ZeRO-3), grad_op (ZeRO-2), optimizer (ZeRO-1);\n"
+        "                 pp and tp with dp >= 2: optimizer         [full]\n"
         "  --device D     cpu, cpu:N, cuda, cuda:N (ddp: one rank per device; dp:\n"
         "                 one replica per device)                   [cpu]\n"
         "  --batch B      the global batch                 [256; gpt: %d]\n"
@@ -93,6 +104,7 @@ static tdm_status tdm_plan_parse(int argc, char **argv, tdm_plan_args *a, int *h
                            : !strcmp(s, "--optim")     ? &a->optim
                            : !strcmp(s, "--sharding")  ? &a->sharding
                            : !strcmp(s, "--schedule")  ? &a->schedule
+                           : !strcmp(s, "--mesh")      ? &a->mesh
                                                        : NULL;
         if (str || !strcmp(s, "--batch") || !strcmp(s, "--clip-grad-norm") ||
             !strcmp(s, "--momentum") || !strcmp(s, "--stages") || !strcmp(s, "--microbatches")) {
@@ -112,6 +124,10 @@ static tdm_status tdm_plan_parse(int argc, char **argv, tdm_plan_args *a, int *h
         if (!strcmp(s, "--checkpoint-activations")) {
             a->ckpt = "all";
             if (v && v[0] != '-') a->ckpt = argv[++i];
+            continue;
+        }
+        if (!strcmp(s, "--sequence-parallel")) {
+            a->seq_par = 1;
             continue;
         }
         if (!strncmp(s, "--checkpoint-activations=", 25)) {
@@ -163,6 +179,28 @@ static size_t tdm_plan_dp_bytes(const tdm_plan_opts *o, const tdm_plan *p)
     return x + 2 * y + lab + stage;
 }
 
+/* DataParallel's master on a device that is not the host reads its
+ * chunk from DataParallel's own buffers (dp/dp.c), not through
+ * tdm_single's input staging, which the single-device plan counts: out
+ * of p. */
+static void tdm_plan_dp_master(const tdm_plan_opts *o, tdm_plan *p)
+{
+    if (o->device == TDM_DEVICE_HOST) return;
+    size_t B = (size_t)o->batch, in = 0;
+    int c = 1, h = 1, w = 1, classes;
+    if (o->spec.kind == TDM_MODEL_GPT) {
+        in = (size_t)o->spec.n_ctx;
+    } else {
+        tdm_model_spec_sample_shape(&o->spec, &c, &h, &w, &classes);
+        in = (size_t)c * (size_t)h * (size_t)w;
+    }
+    size_t staging = (B * in * sizeof(float) + 63) / 64 * 64 +
+                     (B * (size_t)p->out_rows * sizeof(int32_t) + 63) / 64 * 64;
+    if (staging > p->step_scratch) staging = p->step_scratch;
+    p->step_scratch -= staging;
+    p->peak -= staging;
+}
+
 tdm_status tdm_tool_plan_peak(const tdm_plan_opts *o, tdm_tool_plan_mode mode, int world,
                               tdm_fsdp_sharding sharding, size_t *peak)
 {
@@ -175,64 +213,232 @@ tdm_status tdm_tool_plan_peak(const tdm_plan_opts *o, tdm_tool_plan_mode mode, i
     }
     tdm_plan p;
     TDM_CHECK(tdm_plan_single(o, &p));
+    if (mode == TDM_TOOL_PLAN_DP) tdm_plan_dp_master(o, &p);
     *peak = p.peak + (mode == TDM_TOOL_PLAN_DDP ? tdm_plan_stage_bytes(o) : 0) +
             (mode == TDM_TOOL_PLAN_DP ? tdm_plan_dp_bytes(o, &p) : 0);
     return TDM_STATUS_OK;
 }
 
-tdm_status tdm_tool_plan_pp_stage(const tdm_plan_opts *o, int S, const int *first, int s,
-                                  int sets, size_t *peak, tdm_plan *p)
+static size_t tdm_plan_round64(size_t n) { return (n + 63) / 64 * 64; }
+
+tdm_status tdm_tool_plan_pp_stage(const tdm_plan_opts *o, const tdm_tool_pp_place *at,
+                                  size_t *peak, tdm_plan *p)
 {
-    int n = 0;
+    int n = 0, S = at->S, s = at->s, sets = at->sets > 0 ? at->sets : 1;
     TDM_CHECK(tdm_model_spec_n_layers(&o->spec, &n));
     tdm_plan_opts so = *o;
-    so.stage_lo = first[s];
-    so.stage_hi = s + 1 < S ? first[s + 1] : n;
+    so.stage_lo = at->first[s];
+    so.stage_hi = s + 1 < S ? at->first[s + 1] : n;
     TDM_CHECK(tdm_plan_single(&so, p));
     /* the set's rounded input is in act_scratch once: per set here */
     size_t x16 = p->act_set - p->activations, shared = p->act_scratch - x16;
-    size_t tied = 0;
+    size_t tied = 0, links = 0;
     if (o->spec.kind == TDM_MODEL_GPT && S > 1 && (s == 0 || s == S - 1))
-        tied = ((size_t)o->spec.vocab * (size_t)o->spec.n_embd * sizeof(float) + 63) / 64 * 64;
-    *peak = p->params + p->grads + p->buffers + p->params_low + p->optim +
-            (size_t)(sets > 0 ? sets : 1) * p->act_set + shared + p->step_scratch + tied;
+        tied = tdm_plan_round64((size_t)o->spec.vocab * (size_t)o->spec.n_embd * sizeof(float));
+    if (at->zero1_reps > 1) {
+        /* ZeRO-1 over the dp dimension (tools/rank_pp.c): the state over
+         * this replica's chunk of the stage, and the stage's parameters
+         * padded to reps chunks where they do not divide evenly */
+        size_t pe = (size_t)p->param_elems, reps = (size_t)at->zero1_reps;
+        size_t chunk = (pe + reps - 1) / reps;
+        p->optim = (size_t)tdm_optim_kind_n_state(&o->optim) * tdm_plan_round64(chunk * 4);
+        if (chunk * reps != pe) p->optim += tdm_plan_round64(chunk * reps * 4);
+    }
+    if (o->device != TDM_DEVICE_HOST) {
+        /* pp/pp.c's tdm_pp_buffers on a device that is not the host */
+        size_t B = (size_t)o->batch;
+        size_t in_b = tdm_plan_round64(B * (size_t)p->in_elems * 4);
+        size_t out_b = tdm_plan_round64(B * (size_t)p->out_elems * 4);
+        int n_in = sets + 1 < at->n_mb ? sets + 1 : at->n_mb;
+        if (n_in < sets) n_in = sets;
+        links = (size_t)(s > 0 ? n_in : sets) * in_b;
+        if (s + 1 < S) links += 2 * out_b;
+        else links += tdm_plan_round64(B * (size_t)p->out_rows * sizeof(int32_t));
+    }
+    /* batchnorm's per-batch statistics (mean, var, invstd) are kept per
+     * activation set (models/stage.c), the running ones once */
+    size_t running = p->buffer_elems ? tdm_plan_round64((size_t)p->buffer_elems * 4) : 0;
+    size_t bn_sets = (size_t)(sets - 1) * (p->buffers - running);
+    *peak = p->params + p->grads + p->buffers + bn_sets + p->params_low + p->optim +
+            (size_t)sets * p->act_set + shared + p->step_scratch + tied + links;
     return TDM_STATUS_OK;
 }
 
-/* --mode pp on host devices: every stage's plan (one pipeline over the
- * devices, the balanced split), the micro-batches of ceil(B/M). */
+tdm_status tdm_tool_plan_pp_rank(const tdm_tool_build *b, const tdm_mesh_shape *shape,
+                                 const int coord[TDM_MESH_NDIMS], tdm_device_kind dev,
+                                 int batch, int threads, int grad_norm, size_t *planned)
+{
+    int S = shape->size[TDM_MESH_PP], reps = shape->size[TDM_MESH_DP], n = 0;
+    int s = coord[TDM_MESH_PP], first[64];
+    *planned = 0;
+    TDM_REQUIRE(shape->size[TDM_MESH_TP] == 1 && !b->deterministic, TDM_STATUS_UNSUPPORTED,
+                "plan: tensor-parallel stages and --deterministic's virtual shards are not "
+                "planned");
+    TDM_REQUIRE(S >= 1 && S <= 64 && b->pp.micro >= 1 && batch >= 1, TDM_STATUS_INVALID_ARG,
+                "plan: %d stages (1..64), %d micro-batches, a batch of %d", S, b->pp.micro,
+                batch);
+    TDM_CHECK(tdm_model_spec_n_layers(&b->spec, &n));
+    TDM_CHECK(b->pp.split ? tdm_pp_split_parse(b->pp.split, S, n, first)
+                          : tdm_pp_split_balance(&b->spec, S, TDM_PP_BALANCE_FLOPS, first));
+    tdm_pp_schedule *sched = NULL;
+    TDM_CHECK(tdm_pp_schedule_build(&sched, b->pp.schedule, S, b->pp.micro));
+    int share = (batch + reps - 1) / reps;
+    tdm_plan_opts o;
+    tdm_plan stage;
+    tdm_plan_opts_default(&o, &b->spec, (share + b->pp.micro - 1) / b->pp.micro);
+    o.precision = b->precision;
+    o.ckpt = b->ckpt;
+    o.optim = b->optim;
+    o.device = dev;
+    o.threads = threads;
+    o.loss_scaling = o.precision == TDM_PRECISION_FP16;
+    o.grad_norm = grad_norm;
+    tdm_tool_pp_place at = {.S = S, .first = first, .s = s,
+                            .sets = tdm_pp_schedule_in_flight(sched, s),
+                            .n_mb = (share + o.batch - 1) / o.batch,
+                            .zero1_reps = b->pp.zero1 ? reps : 0};
+    tdm_pp_schedule_free(sched);
+    return tdm_tool_plan_pp_stage(&o, &at, planned, &stage);
+}
+
+tdm_status tdm_tool_plan_tp_rank(const tdm_model_spec *spec, const tdm_optim_opts *optim, int T,
+                                 int D, int share, int seq_par, int zero1, int ckpt,
+                                 tdm_tool_tp_plan *out)
+{
+    memset(out, 0, sizeof *out);
+    TDM_REQUIRE(T >= 1 && D >= 1 && share >= 1, TDM_STATUS_INVALID_ARG,
+                "plan: tp over %d ranks, %d replicas, a share of %d samples", T, D, share);
+    tdm_tp_rank_footprint fp;
+    TDM_CHECK(tdm_tp_footprint_ckpt(spec, T, share, seq_par, ckpt, &fp));
+    size_t n = (size_t)fp.elems;
+    size_t chunk = zero1 && D > 1 ? (n + (size_t)D - 1) / (size_t)D : n;
+    /* ZeRO-1 pads the flat parameters and gradients to D whole chunks
+     * (tp/tp.c's tdm_tp_flat_alloc), so both collectives run in place */
+    size_t flat = tdm_plan_round64((zero1 && D > 1 ? chunk * (size_t)D : n) * sizeof(float));
+    out->elems = fp.elems;
+    out->params = out->grads = flat;
+    out->optim = (size_t)tdm_optim_kind_n_state(optim) * tdm_plan_round64(chunk * sizeof(float));
+    out->activations = fp.act_bytes;
+    /* the loss's per-row values in the device's scratch (at least 256
+     * bytes, 64-byte granules) */
+    size_t rows = (size_t)share * (size_t)(spec->kind == TDM_MODEL_GPT ? spec->n_ctx : 1);
+    size_t loss = rows * sizeof(float) > 256 ? rows * sizeof(float) : 256;
+    out->scratch = tdm_plan_round64(loss);
+    out->peak = out->params + out->grads + out->optim + out->activations + out->scratch;
+    return TDM_STATUS_OK;
+}
+
+/* --mode tp [--mesh dp=D,tp=N] on the devices: one rank's plan (every
+ * rank's slices have the same sizes; the largest replica's share). */
+static tdm_status tdm_plan_tp_print(const tdm_plan_args *a, const tdm_plan_opts *o, int devices)
+{
+    tdm_mesh_shape shape = {.size = {1, 1, devices}};
+    if (a->mesh && tdm_mesh_parse(a->mesh, devices, &shape))
+        return tdm_tool_usage_error("tandem plan: --mesh: %s\n", tdm_error_message());
+    int D = shape.size[TDM_MESH_DP], T = shape.size[TDM_MESH_TP], zero1 = a->sharding != NULL;
+    if (shape.size[TDM_MESH_PP] > 1)
+        return tdm_tool_usage_error("tandem plan: --mode tp --mesh %s: a pipeline of "
+                                    "tensor-parallel stages is --mode pp's, not planned yet\n",
+                                    a->mesh);
+    if (zero1 && D < 2)
+        return tdm_tool_usage_error("tandem plan: --sharding optimizer shards the optimizer over "
+                                    "the dp dimension: it needs --mesh dp=D,tp=N with D >= 2\n");
+    if (a->batch < D)
+        return tdm_tool_usage_error("tandem plan: --batch %lld is smaller than the %d "
+                                    "replicas\n", a->batch, D);
+    /* tp's 16-bit products convert their operands into a scratch block
+     * sized by the largest product (tp/levers.c): not modelled here */
+    if (o->precision != TDM_PRECISION_FP32)
+        return tdm_tool_usage_error("tandem plan: --mode tp --precision %s is not planned (tp "
+                                    "converts each product's operands into a scratch block "
+                                    "the plan does not model); plan fp32, or run tandem train, "
+                                    "which prints the measured peak\n",
+                                    tdm_precision_name(o->precision));
+    tdm_tool_tp_plan t;
+    tdm_status st = tdm_tool_plan_tp_rank(&o->spec, &o->optim, T, D,
+                                          (int)((a->batch + D - 1) / D), a->seq_par, zero1,
+                                          o->ckpt, &t);
+    if (st) {
+        fprintf(stderr, "tandem plan: --mode tp: %s\n", tdm_error_message());
+        return st == TDM_STATUS_INVALID_ARG ? TDM_STATUS_USAGE : st;
+    }
+    printf("tandem plan: %s, mode tp on %s (%d rank%s%s%s%s), batch %lld (%lld per replica at "
+           "most), precision fp32%s\n", a->model, a->device, T, T == 1 ? "" : "s",
+           D > 1 ? " x " : "", D > 1 ? (zero1 ? "replicas, ZeRO-1 over dp" : "replicas") : "",
+           a->seq_par ? ", sequence parallel" : "", a->batch, (a->batch + D - 1) / D,
+           o->ckpt ? ", checkpointing" : "");
+    printf("peak per device: %.2f MiB (a rank of the replica with the largest share; every "
+           "rank's slices have the same sizes)\n", t.peak / 1048576.0);
+    printf("  %-22s %10lld elements\n", "the rank's slice", (long long)t.elems);
+    tdm_plan_line("parameters", t.params);
+    tdm_plan_line("gradients", t.grads);
+    tdm_plan_line(zero1 ? "optimizer (1/D of it)" : "optimizer state", t.optim);
+    tdm_plan_line("activations, scratch", t.activations);
+    tdm_plan_line("loss rows", t.scratch);
+    printf("  not counted: %s\n", o->device == TDM_DEVICE_HOST
+                                      ? "nothing on host devices (DDP over dp: the job's shared "
+                                        "memory)"
+                                      : "cuBLAS's and NCCL's own buffers");
+    return TDM_STATUS_OK;
+}
+
+/* --mode pp: every stage's plan (the balanced split),
+ * the micro-batches of ceil(ceil(B/D)/M) samples: one pipeline over the
+ * devices, or D replicas of S stages (--mesh dp=D,pp=S, or --stages S
+ * of D*S devices), each replica's stage planned alike at the largest
+ * replica's share (the pipeline sizes every replica's micro-batches by
+ * it), --sharding optimizer: ZeRO-1 over the dp dimension. */
 static tdm_status tdm_plan_pp_print(const tdm_plan_args *a, tdm_plan_opts *o, int devices)
 {
-    int S = a->stages > 0 ? (int)a->stages : devices, M = a->micro > 0 ? (int)a->micro : 4, n = 0;
+    int M = a->micro > 0 ? (int)a->micro : 4, n = 0, zero1 = a->sharding != NULL;
     tdm_pp_schedule_kind kind = TDM_PP_1F1B;
     if (a->schedule && tdm_pp_schedule_parse(a->schedule, &kind))
         return tdm_tool_usage_error("tandem plan: --schedule: %s\n", tdm_error_message());
-    if (o->device != TDM_DEVICE_HOST)
-        return tdm_tool_usage_error("tandem plan: --mode pp is planned on host devices (cpu:N): "
-                                    "on a GPU its links' buffers are device memory, not "
-                                    "planned yet\n");
+    tdm_mesh_shape shape = {.size = {1, devices, 1}};
+    int S0 = a->stages > 0 ? (int)a->stages : devices;
+    if (a->mesh) {
+        if (tdm_mesh_parse(a->mesh, devices, &shape))
+            return tdm_tool_usage_error("tandem plan: --mesh: %s\n", tdm_error_message());
+        if (a->stages > 0 && a->stages != shape.size[TDM_MESH_PP])
+            return tdm_tool_usage_error("tandem plan: --stages %lld, but --mesh %s has pp=%d\n",
+                                        a->stages, a->mesh, shape.size[TDM_MESH_PP]);
+    } else if (S0 >= 1 && devices % S0 == 0) {
+        shape = (tdm_mesh_shape){.size = {devices / S0, S0, 1}};
+    } else {
+        return tdm_tool_usage_error("tandem plan: --stages %d does not divide the %d devices: a "
+                                    "pipeline of S stages runs on S devices (or D*S: D "
+                                    "replicas)\n", S0, devices);
+    }
+    int S = shape.size[TDM_MESH_PP], D = shape.size[TDM_MESH_DP];
+    if (shape.size[TDM_MESH_TP] > 1)
+        return tdm_tool_usage_error("tandem plan: --mesh %s: tensor-parallel stages (tp=%d) are "
+                                    "not planned yet (dp x pp meshes are)\n", a->mesh,
+                                    shape.size[TDM_MESH_TP]);
+    if (zero1 && D < 2)
+        return tdm_tool_usage_error("tandem plan: --sharding optimizer shards each stage's "
+                                    "optimizer over the dp dimension: it needs --mesh dp=D,pp=S "
+                                    "with D >= 2 (dp is %d)\n", D);
     TDM_CHECK(tdm_model_spec_n_layers(&o->spec, &n));
-    if (S < 1 || S > 64 || S > n || devices % S || M < 1 || M > a->batch)
+    int share = (int)((a->batch + D - 1) / D);
+    if (S < 1 || S > 64 || S > n || M < 1 || M > a->batch)
         return tdm_tool_usage_error("tandem plan: --mode pp: %d stages of a model of %d "
-                                    "pipeline layers on %d devices, %d micro-batches of a batch "
-                                    "of %lld: expected 1 <= S <= layers, S dividing the devices "
-                                    "(one pipeline), 1 <= M <= batch\n", S, n, devices, M,
-                                    a->batch);
-    if (devices != S)
-        return tdm_tool_usage_error("tandem plan: --mode pp plans one pipeline (--stages %d on "
-                                    "%d devices: a dp x pp mesh is not planned yet)\n", S,
-                                    devices);
+                                    "pipeline layers, %d micro-batches of a batch of %lld: "
+                                    "expected 1 <= S <= layers (at most 64), 1 <= M <= batch\n",
+                                    S, n, M, a->batch);
     int first[64];
     tdm_pp_schedule *sched = NULL;
     TDM_CHECK(tdm_pp_split_balance(&o->spec, S, TDM_PP_BALANCE_FLOPS, first));
     TDM_CHECK(tdm_pp_schedule_build(&sched, kind, S, M));
-    o->batch = (int)((a->batch + M - 1) / M);
+    o->batch = (share + M - 1) / M;
     size_t peak[64], most = 0;
     tdm_plan st[1];
     tdm_status rc = TDM_STATUS_OK;
     for (int s = 0; s < S && !rc; s++) {
-        rc = tdm_tool_plan_pp_stage(o, S, first, s, tdm_pp_schedule_in_flight(sched, s), &peak[s],
-                                    st);
+        tdm_tool_pp_place at = {.S = S, .first = first, .s = s,
+                                .sets = tdm_pp_schedule_in_flight(sched, s),
+                                .n_mb = (share + o->batch - 1) / o->batch,
+                                .zero1_reps = zero1 ? D : 0};
+        rc = tdm_tool_plan_pp_stage(o, &at, &peak[s], st);
         if (!rc && peak[s] > most) most = peak[s];
     }
     if (rc) {
@@ -240,19 +446,32 @@ static tdm_status tdm_plan_pp_print(const tdm_plan_args *a, tdm_plan_opts *o, in
         fprintf(stderr, "tandem plan: %s\n", tdm_error_message());
         return rc;
     }
-    char split[160];
-    printf("tandem plan: %s, mode pp on %s (%d stages, %s, %d micro-batches of %d), precision "
-           "%s%s\n", a->model, a->device, S, tdm_pp_schedule_name(kind), M, o->batch,
+    char split[160], reps[160] = "";
+    if (D > 1)
+        snprintf(reps, sizeof reps, " x %d replicas (dp=%d, %s)", D, D,
+                 zero1 ? "ZeRO-1: each replica keeps 1/D of a stage's optimizer state"
+                       : "DDP over the dp dimension");
+    printf("tandem plan: %s, mode pp on %s (%d stages%s, %s, %d micro-batches of %d), precision "
+           "%s%s\n", a->model, a->device, S, reps, tdm_pp_schedule_name(kind), M, o->batch,
            tdm_precision_name(o->precision), o->ckpt ? ", checkpointing" : "");
-    printf("peak per device: %.2f MiB (the largest stage's; first layers %s)\n",
-           most / 1048576.0, tdm_pp_split_str(first, S, split, sizeof split));
+    printf("peak per device: %.2f MiB (the largest stage's%s; first layers %s)\n",
+           most / 1048576.0, D > 1 ? ", every replica alike" : "",
+           tdm_pp_split_str(first, S, split, sizeof split));
     for (int s = 0; s < S; s++)
         printf("  stage %d (layers %d-%d): %.2f MiB, %d activation set%s\n", s, first[s],
                (s + 1 < S ? first[s + 1] : n) - 1, peak[s] / 1048576.0,
                tdm_pp_schedule_in_flight(sched, s), tdm_pp_schedule_in_flight(sched, s) == 1
                ? "" : "s");
-    printf("  the received activations and gradients: in the links' shared memory (not the "
-           "devices')\n");
+    if (o->device == TDM_DEVICE_HOST)
+        printf("  the received activations and gradients: in the links' shared memory (not the "
+               "devices')%s\n", D > 1 && !zero1 ? "; DDP's buckets over the dp dimension: in "
+               "the job's shared memory" : "");
+    else
+        printf("  the received activations and gradients, the inputs and targets: in the "
+               "device's memory (counted); not counted: cuBLAS's and NCCL's own buffers%s\n",
+               D > 1 && !zero1 ? ", nor DDP's gradient buffer over the dp dimension (on a "
+               "GPU NCCL's cudaMalloc, the stage's parameters x 4 bytes more; on the emulator "
+               "the host communicator's)" : "");
     tdm_pp_schedule_free(sched);
     return TDM_STATUS_OK;
 }
@@ -303,21 +522,33 @@ int tdm_tool_plan_main(int argc, char **argv)
     tdm_status st = tdm_plan_parse(argc, argv, &a, &help);
     if (st || help) return tdm_tool_exit(st);
     int fsdp = !strcmp(a.mode, "fsdp"), ddp = !strcmp(a.mode, "ddp") || fsdp;
-    int dp = !strcmp(a.mode, "dp"), pp = !strcmp(a.mode, "pp");
-    if (!ddp && !dp && !pp && strcmp(a.mode, "single"))
+    int dp = !strcmp(a.mode, "dp"), pp = !strcmp(a.mode, "pp"), tp = !strcmp(a.mode, "tp");
+    if (!ddp && !dp && !pp && !tp && strcmp(a.mode, "single"))
         return tdm_tool_exit(tdm_tool_usage_error(
-            "tandem plan: --mode %s: this build plans single, dp, ddp, fsdp and pp (tensor "
-            "parallelism is not planned yet)\n", a.mode));
+            "tandem plan: --mode %s: this build plans single, dp, ddp, fsdp, pp and tp\n",
+            a.mode));
     if ((a.stages || a.micro || a.schedule) && !pp)
         return tdm_tool_exit(tdm_tool_usage_error("tandem plan: --stages, --microbatches and "
                                                   "--schedule apply to --mode pp\n"));
+    if (a.mesh && !pp && !tp)
+        return tdm_tool_exit(tdm_tool_usage_error("tandem plan: --mesh applies to --mode pp "
+                                                  "and tp\n"));
+    if (a.seq_par && !tp)
+        return tdm_tool_exit(tdm_tool_usage_error("tandem plan: --sequence-parallel applies to "
+                                                  "--mode tp\n"));
     tdm_fsdp_sharding sharding = TDM_FSDP_FULL_SHARD;
-    if (a.sharding && !fsdp)
+    if (a.sharding && !fsdp && !pp && !tp)
         return tdm_tool_exit(tdm_tool_usage_error("tandem plan: --sharding applies to --mode "
-                                                  "fsdp\n"));
+                                                  "fsdp (and optimizer to --mode pp's dp "
+                                                  "dimension)\n"));
     if (a.sharding && tdm_fsdp_sharding_parse(a.sharding, &sharding))
         return tdm_tool_exit(tdm_tool_usage_error("tandem plan: --sharding: %s\n",
                                                   tdm_error_message()));
+    if (a.sharding && (pp || tp) && sharding != TDM_FSDP_SHARD_OPTIM)
+        return tdm_tool_exit(tdm_tool_usage_error("tandem plan: --mode %s --sharding %s: its "
+                                                  "replicas shard only the optimizer state "
+                                                  "(--sharding optimizer)\n", a.mode,
+                                                  a.sharding));
     tdm_model_spec spec;
     if (tdm_model_spec_parse(&spec, a.model))
         return tdm_tool_exit(tdm_tool_usage_error("tandem plan: --model: %s\n",
@@ -371,6 +602,7 @@ int tdm_tool_plan_main(int argc, char **argv)
     o.grad_norm = a.clip > 0.0;
     if (fsdp) return tdm_tool_exit(tdm_plan_fsdp_print(&a, &o, world, sharding));
     if (pp) return tdm_tool_exit(tdm_plan_pp_print(&a, &o, dl.count));
+    if (tp) return tdm_tool_exit(tdm_plan_tp_print(&a, &o, dl.count));
     tdm_plan p;
     if ((st = tdm_plan_single(&o, &p))) {
         fprintf(stderr, "tandem plan: %s\n", tdm_error_message());
@@ -389,6 +621,7 @@ int tdm_tool_plan_main(int argc, char **argv)
             fprintf(stderr, "tandem plan: %s\n", tdm_error_message());
             return tdm_tool_exit(st);
         }
+        tdm_plan_dp_master(&o, &p);
         dp_bytes = tdm_plan_dp_bytes(&o, &p);
         p.peak += dp_bytes;
     }

@@ -11,6 +11,7 @@
 
 #include "fsdp/fsdp.h"
 #include "models/plan.h"
+#include "tools/ranks.h"
 
 typedef enum tdm_tool_plan_mode {
     TDM_TOOL_PLAN_SINGLE = 0,
@@ -27,13 +28,61 @@ typedef enum tdm_tool_plan_mode {
 tdm_status tdm_tool_plan_peak(const tdm_plan_opts *o, tdm_tool_plan_mode mode, int world,
                               tdm_fsdp_sharding sharding, size_t *peak);
 
-/* A pipeline's stage s of S on host devices (pp/pp.h; `tandem train
- * --mode pp`, whose links carry the received activations and gradients
- * in their shared memory, not the device's): o at the micro-batch size
- * (o->stage_lo/hi are set here from first[], the split), its model with
- * the schedule's in-flight activation sets, the shared scratch, the
- * loss and levers' scratch, and the GPT's tied-gradient buffer. */
-tdm_status tdm_tool_plan_pp_stage(const tdm_plan_opts *o, int S, const int *first, int s,
-                                  int sets, size_t *peak, tdm_plan *stage);
+/* Where a stage sits in its pipeline (tdm_tool_plan_pp_stage). */
+typedef struct tdm_tool_pp_place {
+    int S;                       /* stages */
+    const int *first;            /* the split: each stage's first layer */
+    int s;                       /* this stage */
+    int sets;                    /* the schedule's in-flight activation sets on it */
+    int n_mb;                    /* micro-batches per step of its replica */
+    int zero1_reps;              /* > 1: ZeRO-1 over that many replicas; else 0 */
+} tdm_tool_pp_place;
+
+/* A pipeline's stage (pp/pp.h; `tandem train --mode pp`): o at the
+ * micro-batch size (o->stage_lo/hi are set here from the split), its
+ * model with the schedule's in-flight activation sets (each with its
+ * batchnorm layers' per-batch statistics), the shared
+ * scratch, the loss and levers' scratch, and the GPT's tied-gradient
+ * buffer. On host devices the received activations and gradients are in
+ * the links' shared memory, not the device's; on an accelerator
+ * (o->device) they are the device's: a stage after the first holds
+ * min(sets + 1, n_mb) input slots (at least sets), the first stage its
+ * sets' copies of the input, every stage but the last two received
+ * gradients, and the last stage the targets. zero1_reps > 1: the stage
+ * of one replica of a dp x pp mesh with --sharding optimizer (ZeRO-1
+ * over the dp dimension): the optimizer state over its 1/reps chunk,
+ * plus the padded parameter buffer where the stage's parameters do not
+ * divide evenly (stage->optim holds both); otherwise the stage's own
+ * optimizer (DDP over the dp dimension keeps its buckets in the
+ * communicator's memory, not the device allocator's). */
+tdm_status tdm_tool_plan_pp_stage(const tdm_plan_opts *o, const tdm_tool_pp_place *at,
+                                  size_t *peak, tdm_plan *stage);
+
+/* A pipeline rank's stage as built (b: its build, b->pp.split or the
+ * balanced split, its schedule, micro-batches, levers and ZeRO-1), at
+ * coordinate coord of shape, on a device of kind dev, for a global batch
+ * of `batch` (the largest replica's share: the pipeline sizes every
+ * replica's micro-batches by it), grad_norm 1 with clipping: *planned.
+ * UNSUPPORTED for tensor-parallel stages (tp > 1) and --deterministic
+ * (its micro-batches are virtual shards). */
+tdm_status tdm_tool_plan_pp_rank(const tdm_tool_build *b, const tdm_mesh_shape *shape,
+                                 const int coord[TDM_MESH_NDIMS], tdm_device_kind dev,
+                                 int batch, int threads, int grad_norm, size_t *planned);
+
+/* One rank of tensor parallelism over T ranks, D replicas (`tandem
+ * train --mode tp [--mesh dp=D,tp=T]`; tp/tp.h): its slices of the
+ * parameters and gradients, the optimizer state over them (zero1: over
+ * its 1/D chunk, plus the padded flat buffer where the slices do not
+ * divide by D), the activations and scratch tdm_tp_footprint counts for
+ * `share` samples (its replica's: tp reserves them at the rows it gets;
+ * the largest replica's, ceil(B/D), is the job's peak), and the loss rows
+ * in the device's scratch. */
+typedef struct tdm_tool_tp_plan {
+    size_t params, grads, optim, activations, scratch, peak;
+    int64_t elems;               /* the rank's flat slice */
+} tdm_tool_tp_plan;
+tdm_status tdm_tool_plan_tp_rank(const tdm_model_spec *spec, const tdm_optim_opts *optim, int T,
+                                 int D, int share, int seq_par, int zero1, int ckpt,
+                                 tdm_tool_tp_plan *out);
 
 #endif

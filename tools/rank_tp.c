@@ -25,6 +25,7 @@
 #include "dist/det.h"
 #include "dist/mesh.h"
 #include "dist/step.h"
+#include "tools/plan_peak.h"
 #include "tools/rank_mesh.h"
 #include "tools/ranks.h"
 #include "tools/train_modes.h"
@@ -35,6 +36,7 @@ typedef struct tdm_tool_tp {
     tdm_tp *p;
     int rep, reps;
     int in_elems, out_rows;      /* per sample: 4-byte inputs, target rows */
+    tdm_comm *jcomm;             /* the whole job's device communicator (the levers') */
     tdm_dist_det det;            /* --deterministic K: the tree over the dp dimension */
     int det_global;              /* the step's global batch */
     int64_t det_row0;            /* and this replica's first row in it */
@@ -110,10 +112,12 @@ static tdm_status tdm_rank_tp_setup(void *ctx, tdm_dist_rank *d, void **self)
                      .grad_comm = q->reps > 1 && !b->deterministic ? dp_dev : NULL,
                      .host_comm = tp_dev != tp_host ? tp_host : NULL,
                      .sequence_parallel = b->tp.seq_par,
-                     .zero = b->tp.zero1 ? TDM_TP_ZERO_OPTIMIZER : TDM_TP_ZERO_NONE};
+                     .zero = b->tp.zero1 ? TDM_TP_ZERO_OPTIMIZER : TDM_TP_ZERO_NONE,
+                     .precision = b->precision, .ckpt = b->ckpt};
     if ((st = tdm_tp_init(&q->p, tp_dev, d->dev, &b->spec, &o)))
         return tdm_tool_rank_fail(r, "tensor-parallel set-up", st);
     r->opt = tdm_tp_optim(q->p);
+    q->jcomm = d->dev_comm;
     r->model_params = tdm_model_param_elems(r->m);
     tdm_comm *dp_host = q->mesh.host[TDM_MESH_DP];
     q->mesh.loss_summed = b->deterministic > 0;   /* the tree's loss sum is every replica's */
@@ -155,8 +159,12 @@ static tdm_status tdm_rank_tp_step(void *ctx, const void *x, const int32_t *y, i
     int64_t end;
     q->det_global = s->own_rows ? s->global_batch : batch;
     tdm_dist_share(q->det_global, q->rep, q->reps, &q->det_row0, &end);
-    return tdm_tool_mesh_step(s, &q->mesh, q->in_elems, q->out_rows, tdm_rank_tp_step_fn, q, who,
-                              "tp loss over the replicas", x, y, batch, loss_mean);
+    /* the levers: found-inf and the norm over the whole job */
+    tdm_train_levers_tp_begin(s, q->p, q->jcomm, q->rep);
+    TDM_CHECK(tdm_tool_mesh_step(s, &q->mesh, q->in_elems, q->out_rows, tdm_rank_tp_step_fn, q,
+                                 who, "tp loss over the replicas", x, y, batch, loss_mean));
+    tdm_train_levers_tp_end(s, q->p);
+    return TDM_STATUS_OK;
 }
 
 /* --grad-accum (the MLP): each micro-batch is a global one, this
@@ -304,6 +312,34 @@ static void tdm_rank_tp_describe(const tdm_tool_rank *r, char *on, size_t n_on, 
     snprintf(note, n_note, "%s", "");
 }
 
+/* Rank 0's device peak (the allocator's) beside the plan of a rank at
+ * its replica's share (tools/plan_peak.h; tandem plan --mode tp prints
+ * the largest share's; not with --deterministic's virtual shards). */
+static void tdm_rank_tp_peak(const tdm_tool_rank *r)
+{
+    const tdm_tool_tp *q = r->w;
+    tdm_dev_mem_stats ms;
+    tdm_tool_tp_plan t;
+    if (tdm_dev_mem_query(r->dist->dev, &ms)) {
+        tdm_error_clear();
+        return;
+    }
+    printf("tp memory, rank 0: device peak %.2f MiB measured (allocator)",
+           ms.peak_bytes / 1048576.0);
+    /* rank 0's replica's rows (tp reserves its activations for them) */
+    int64_t lo, hi;
+    tdm_dist_share(r->b->pp.batch, q->mesh.coord[TDM_MESH_DP], q->mesh.size[TDM_MESH_DP], &lo,
+                   &hi);
+    /* 16-bit products' operand scratch is not planned (tools/plan.c) */
+    if (!r->b->deterministic && hi > lo && r->b->precision == TDM_PRECISION_FP32 &&
+        !tdm_tool_plan_tp_rank(&r->b->spec, &r->b->optim, q->mesh.size[TDM_MESH_TP],
+                               q->mesh.size[TDM_MESH_DP], (int)(hi - lo), r->b->tp.seq_par,
+                               r->b->tp.zero1, r->b->ckpt, &t))
+        printf(", %.2f MiB planned (tandem plan)", t.peak / 1048576.0);
+    tdm_error_clear();
+    printf("\n");
+}
+
 /* Rank 0's step: its phases, memory and what its communicator counted. */
 static void tdm_rank_tp_report(const tdm_tool_rank *r, int overlap)
 {
@@ -325,20 +361,31 @@ static void tdm_rank_tp_report(const tdm_tool_rank *r, int overlap)
            (double)s.params * mib, (double)s.grads * mib, (double)s.optimizer * mib,
            (long long)s.split_elems, (long long)s.whole_split_elems,
            (long long)s.replicated_elems);
+    tdm_rank_tp_peak(r);
     tdm_comm_traffic t;
     tdm_comm_traffic_get(q->mesh.dev[TDM_MESH_TP], &t);
     tdm_comm_traffic plan;
     tdm_tp_step_traffic(&r->b->spec, tdm_tp_size(q->p), 1, r->b->tp.seq_par, &plan);
+    if (r->b->ckpt) {
+        /* checkpointing runs blocks' forward collectives again */
+        tdm_comm_traffic re;
+        tdm_tp_recompute_traffic(&r->b->spec, tdm_tp_size(q->p), 1, r->b->tp.seq_par, &re);
+        for (int c = 0; c < TDM_COLL_COUNT_; c++) {
+            plan.calls[c] += re.calls[c];
+            plan.bytes[c] += re.bytes[c];
+        }
+    }
     printf("tp communication, rank 0: %lld all-reduces of %.3f MiB over the run (counted by the "
            "communicator; %lld per step of the full batch by the plan)",
            (long long)t.calls[TDM_COLL_ALL_REDUCE], (double)t.bytes[TDM_COLL_ALL_REDUCE] * mib,
            (long long)plan.calls[TDM_COLL_ALL_REDUCE]);
     if (plan.calls[TDM_COLL_REDUCE_SCATTER])
-        printf(", %lld reduce-scatters of %.3f MiB and %lld all-gathers of %.3f MiB (%lld of "
-               "each per step)", (long long)t.calls[TDM_COLL_REDUCE_SCATTER],
+        printf(", %lld reduce-scatters of %.3f MiB and %lld all-gathers of %.3f MiB (%lld and "
+               "%lld per step)", (long long)t.calls[TDM_COLL_REDUCE_SCATTER],
                (double)t.bytes[TDM_COLL_REDUCE_SCATTER] * mib,
                (long long)t.calls[TDM_COLL_ALL_GATHER], (double)t.bytes[TDM_COLL_ALL_GATHER] * mib,
-               (long long)plan.calls[TDM_COLL_REDUCE_SCATTER]);
+               (long long)plan.calls[TDM_COLL_REDUCE_SCATTER],
+               (long long)plan.calls[TDM_COLL_ALL_GATHER]);
     printf("\n");
 }
 

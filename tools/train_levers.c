@@ -7,7 +7,9 @@
  * training, the measured one after, the gradient norm and loss scale
  * with each epoch). Under --mode dp they are set on the master (its
  * replicas follow it, dp/dp.h) and its step (tdm_dp_step_levers); under
- * --mode pp on every stage (pp/pp.h: tdm_pp_opts, tdm_pp_set_levers). */
+ * --mode pp on every stage (pp/pp.h: tdm_pp_opts, tdm_pp_set_levers);
+ * under --mode tp on every rank of every group (tp/tp.h:
+ * tdm_tp_set_levers). */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -23,6 +25,7 @@
 #include "tools/ranks.h"
 #include "tools/tools.h"
 #include "tools/train_modes.h"
+#include "tp/tp.h"
 
 static int tdm_levers_set(const tdm_train_args *a)
 {
@@ -76,16 +79,16 @@ tdm_status tdm_train_levers_check(const tdm_train_args *a)
                                     "--offload optimizer)\n", a->sharding);
     int dp = !strcmp(a->mode, "dp"), pp = !strcmp(a->mode, "pp");
     if (tdm_levers_set(a) && strcmp(a->mode, "single") && strcmp(a->mode, "ddp") &&
-        strcmp(a->mode, "fsdp") && !dp && !pp)
+        strcmp(a->mode, "fsdp") && !dp && !pp && strcmp(a->mode, "tp"))
         return tdm_tool_usage_error("tandem train: --precision, --checkpoint-activations, "
                                     "--clip-grad-norm and --offload run with --mode single, dp, "
-                                    "ddp, fsdp and pp in this build, not yet with --mode %s\n",
-                                    a->mode);
+                                    "ddp, fsdp, pp and tp in this build, not yet with --mode "
+                                    "%s\n", a->mode);
     const char *tp = pp && a->mesh ? strstr(a->mesh, "tp=") : NULL;
     if (tdm_levers_set(a) && tp && atoi(tp + 3) > 1)
         return tdm_tool_usage_error("tandem train: --mesh %s: the memory levers run in "
-                                    "pipelines of whole stages (tp=1), not yet with "
-                                    "tensor-parallel stages\n", a->mesh);
+                                    "pipelines of whole stages (tp=1) and in --mode tp, not yet "
+                                    "with tensor-parallel stages\n", a->mesh);
     if (a->offload && (dp || pp))
         return tdm_tool_usage_error("tandem train: --offload optimizer runs with --mode single, "
                                     "ddp and fsdp, not with --mode %s%s\n", a->mode,
@@ -267,61 +270,90 @@ tdm_status tdm_train_levers_rank(const tdm_train_args *a, const tdm_tool_rank *r
     return TDM_STATUS_OK;
 }
 
-/* Rank 0's stage (stage 0 of replica 0) as tandem plan --mode pp plans
- * it, on host devices with whole stages. */
-static void tdm_levers_pp_planned(const tdm_train_args *a, const tdm_tool_rank *r)
+/* This rank's stage as tandem plan --mode pp plans it; 0: not planned. */
+static size_t tdm_levers_pp_planned(const tdm_train_args *a, const tdm_tool_rank *r)
 {
-    const tdm_tool_build *b = r->b;
-    int S = r->dist->shape.size[TDM_MESH_PP], reps = r->dist->shape.size[TDM_MESH_DP], n = 0;
-    int first[64];
-    tdm_pp_schedule *sched = NULL;
-    if (r->dist->shape.size[TDM_MESH_TP] > 1 || S > 64 ||
-        tdm_dev_kind(tdm_model_device(r->m)) != TDM_DEVICE_HOST ||
-        tdm_model_spec_n_layers(&b->spec, &n) ||
-        (b->pp.split ? tdm_pp_split_parse(b->pp.split, S, n, first)
-                     : tdm_pp_split_balance(&b->spec, S, TDM_PP_BALANCE_FLOPS, first)) ||
-        tdm_pp_schedule_build(&sched, b->pp.schedule, S, b->pp.micro)) {
+    size_t planned = 0;
+    if (tdm_tool_plan_pp_rank(r->b, &r->dist->shape, r->dist->coord,
+                              tdm_dev_kind(tdm_model_device(r->m)), (int)a->batch,
+                              (int)a->threads, a->clip_grad_norm > 0.0, &planned)) {
         tdm_error_clear();
+        return 0;
+    }
+    return planned;
+}
+
+/* What each rank sends rank 0 (all-gathered as int64s, byte for byte). */
+typedef struct tdm_levers_pp_peak {
+    int64_t stage, rep, tp, peak, planned;
+    char dev[40];
+} tdm_levers_pp_peak;
+
+/* Every rank's measured peak and plan to rank 0 (collective over the
+ * job), which prints the largest, then one line per rank: its stage,
+ * replica and device. */
+static void tdm_levers_pp_report(const tdm_train_args *a, const tdm_tool_rank *r, size_t peak)
+{
+    enum { WORDS = sizeof(tdm_levers_pp_peak) / sizeof(int64_t) };
+    tdm_levers_pp_peak mine = {.stage = r->dist->coord[TDM_MESH_PP],
+                               .rep = r->dist->coord[TDM_MESH_DP],
+                               .tp = r->dist->coord[TDM_MESH_TP], .peak = (int64_t)peak,
+                               .planned = (int64_t)tdm_levers_pp_planned(a, r)};
+    snprintf(mine.dev, sizeof mine.dev, "%s", tdm_dev_name(tdm_model_device(r->m)));
+    tdm_levers_pp_peak *all = calloc((size_t)r->world, sizeof *all);
+    if (!all) return;
+    tdm_comm_set_label(r->dist->comm, "pp memory summary");
+    if (tdm_comm_all_gather(r->dist->comm, &mine, all, WORDS, TDM_DTYPE_INT64) ||
+        r->rank != 0) {
+        tdm_error_clear();
+        free(all);
         return;
     }
-    int share = (int)((a->batch + reps - 1) / reps);
-    tdm_plan_opts o;
-    tdm_plan stage;
-    size_t planned = 0;
-    tdm_plan_opts_default(&o, &b->spec, (share + b->pp.micro - 1) / b->pp.micro);
-    o.precision = b->precision;
-    o.ckpt = b->ckpt;
-    o.optim = b->optim;
-    o.device = TDM_DEVICE_HOST;
-    o.threads = (int)a->threads;
-    o.loss_scaling = o.precision == TDM_PRECISION_FP16;
-    o.grad_norm = a->clip_grad_norm > 0.0;
-    if (tdm_tool_plan_pp_stage(&o, S, first, 0, tdm_pp_schedule_in_flight(sched, 0), &planned,
-                               &stage) == TDM_STATUS_OK)
-        printf(", %.2f MiB planned (tandem plan)", planned / 1048576.0);
-    else
-        tdm_error_clear();
-    tdm_pp_schedule_free(sched);
+    const double mib = 1.0 / 1048576.0;
+    int reps = r->dist->shape.size[TDM_MESH_DP], tps = r->dist->shape.size[TDM_MESH_TP], top = 0;
+    for (int k = 1; k < r->world; k++)
+        if (all[k].peak > all[top].peak) top = k;
+    printf("peak memory on a device: %.2f MiB measured (allocator) on rank %d's %s (stage %lld, "
+           "the largest)", all[top].peak * mib, top, all[top].dev, (long long)all[top].stage);
+    if (all[top].planned > 0) printf(", %.2f MiB planned (tandem plan)", all[top].planned * mib);
+    printf("; each rank's:\n");
+    for (int k = 0; k < r->world; k++) {
+        const tdm_levers_pp_peak *f = &all[k];
+        char who[64] = "";
+        if (reps > 1) snprintf(who, sizeof who, ", replica %lld", (long long)f->rep);
+        if (tps > 1)
+            snprintf(who + strlen(who), sizeof who - strlen(who), ", tp rank %lld",
+                     (long long)f->tp);
+        printf("  stage %lld%s (rank %d's %s): %.2f MiB measured", (long long)f->stage, who, k,
+               f->dev, f->peak * mib);
+        if (f->planned > 0) printf(", %.2f MiB planned", f->planned * mib);
+        printf("\n");
+    }
+    free(all);
 }
 
 void tdm_train_levers_rank_report(const tdm_train_args *a, const tdm_tool_rank *r)
 {
     tdm_dev_mem_stats ms;
-    if (!tdm_levers_set(a) || r->rank != 0 ||
-        tdm_dev_mem_query(tdm_model_device(r->m), &ms) != TDM_STATUS_OK)
+    /* the rank's device (a tensor-parallel rank's r->m is the whole
+     * model's tables, without a device) */
+    tdm_device *dev = r->dist ? r->dist->dev : tdm_model_device(r->m);
+    if (!tdm_levers_set(a)) return;
+    if (!strcmp(a->mode, "pp")) {
+        /* every rank: its peak goes to rank 0 (collective) */
+        if (tdm_dev_mem_query(tdm_model_device(r->m), &ms) != TDM_STATUS_OK) ms.peak_bytes = 0;
+        tdm_levers_pp_report(a, r, ms.peak_bytes);
         return;
-    printf("peak memory on rank 0's %s: %.2f MiB measured (allocator)",
-           tdm_dev_name(tdm_model_device(r->m)), ms.peak_bytes / 1048576.0);
+    }
+    if (r->rank != 0 || !dev || tdm_dev_mem_query(dev, &ms) != TDM_STATUS_OK)
+        return;
+    printf("peak memory on rank 0's %s: %.2f MiB measured (allocator)", tdm_dev_name(dev),
+           ms.peak_bytes / 1048576.0);
     /* the plan of a rank at the largest share (tools/plan_peak.h), where
      * every step is one pass over that share */
     tdm_plan_opts o;
     size_t planned = 0;
     int fsdp = !strcmp(a->mode, "fsdp");
-    if (!strcmp(a->mode, "pp")) {
-        tdm_levers_pp_planned(a, r);
-        printf("\n");
-        return;
-    }
     if (strcmp(a->mode, "ddp") && !fsdp) {
         printf("\n");
         return;
@@ -369,6 +401,32 @@ void tdm_train_levers_pp_end(tdm_dist_stepper *s, const tdm_pp *p)
 {
     tdm_pp_stats st;
     tdm_pp_get_stats(p, &st);
+    s->last_norm = st.last_norm;
+    s->last_skipped = st.last_skipped;
+}
+
+static void tdm_levers_tp_hook(void *ctx, float *grads, int64_t n, tdm_device *dev)
+{
+    tdm_dist_stepper *s = ctx;
+    tdm_dist_grads dg = {.bufs = &grads, .n_elem = &n, .n_bufs = 1, .dev = dev};
+    s->after_backward(s->before_ctx, s->begun, &dg);
+}
+
+void tdm_train_levers_tp_begin(tdm_dist_stepper *s, tdm_tp *p, tdm_comm *job, int replica)
+{
+    tdm_tp_levers l = {.scaler = s->scaler, .clip_norm = s->clip_norm,
+                       .measure_norm = s->measure_norm, .comm = job, .replica = replica};
+    if (s->after_backward) {
+        l.after_backward = tdm_levers_tp_hook;
+        l.ctx = s;
+    }
+    tdm_tp_set_levers(p, &l);
+}
+
+void tdm_train_levers_tp_end(tdm_dist_stepper *s, const tdm_tp *p)
+{
+    tdm_tp_stats st;
+    tdm_tp_get_stats(p, &st);
     s->last_norm = st.last_norm;
     s->last_skipped = st.last_skipped;
 }

@@ -76,8 +76,10 @@ static int tdm_train_mem_in(const tdm_train_args *a, const tdm_model_spec *spec,
     }
     /* tensor parallelism: every rank a process of its own holding its
      * slices (tdm_tp_footprint: the set-up's layout and activations,
-     * counted) for its replica's share of the batch; fp32 (tp takes no
-     * precision lever) */
+     * counted, with checkpointing's shared buffers) for its replica's
+     * share of the batch; float32 throughout (tp's precision rounds the
+     * products' operands only: their buffer is not counted, so the plan
+     * stays a lower bound) */
     tdm_tp_rank_footprint tfp = {0};
     int tp = !strcmp(a->mode, "tp");
     if (tp) {
@@ -85,8 +87,9 @@ static int tdm_train_mem_in(const tdm_train_args *a, const tdm_model_spec *spec,
         if (a->mesh && tdm_mesh_parse(a->mesh, world, &sh)) return 0;
         int D = sh.size[TDM_MESH_DP];
         batch = (int)((a->batch + D - 1) / D);
-        if (tdm_tp_footprint(spec, sh.size[TDM_MESH_TP], batch > 0 ? batch : 1,
-                             a->sequence_parallel, &tfp))
+        int ckpt = a->ckpt ? 1 : 0;   /* tp checkpoints every block (checked) */
+        if (tdm_tp_footprint_ckpt(spec, sh.size[TDM_MESH_TP], batch > 0 ? batch : 1,
+                                  a->sequence_parallel, ckpt, &tfp))
             return 0;
         /* ZeRO-1 over the dp dimension divides the optimizer by D; the
          * formula's optimizer shard divides by every rank: a smaller
@@ -97,6 +100,7 @@ static int tdm_train_mem_in(const tdm_train_args *a, const tdm_model_spec *spec,
     tdm_plan_opts po;
     tdm_plan_opts_default(&po, spec, batch > 0 ? batch : 1);
     if (a->precision && tdm_precision_parse(a->precision, &po.precision)) return 0;
+    if (tp) po.precision = TDM_PRECISION_FP32;   /* above */
     po.ckpt = !a->ckpt ? 0 : !strcmp(a->ckpt, "all") ? 1 : atoi(a->ckpt);
     tdm_optim_opts_named(&po.optim, a->optim, a->lr, a->weight_decay, a->momentum, a->nesterov);
     int params = a->offload && !strcmp(a->offload, "params");

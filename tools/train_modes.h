@@ -278,6 +278,12 @@ struct tdm_pp;
 void tdm_train_levers_pp_begin(struct tdm_dist_stepper *s, struct tdm_pp *p, tdm_comm *job,
                                int replica);
 void tdm_train_levers_pp_end(struct tdm_dist_stepper *s, const struct tdm_pp *p);
+/* --mode tp: the same on a tensor-parallel rank (the norm counts
+ * replica 0's group). */
+struct tdm_tp;
+void tdm_train_levers_tp_begin(struct tdm_dist_stepper *s, struct tdm_tp *p, tdm_comm *job,
+                               int replica);
+void tdm_train_levers_tp_end(struct tdm_dist_stepper *s, const struct tdm_tp *p);
 
 /* --model gpt: a language model on text, in every mode (tools/train_text.c). */
 tdm_status tdm_train_text_main(const tdm_train_args *a);

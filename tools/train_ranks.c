@@ -540,6 +540,12 @@ tdm_status tdm_train_run_ranks(const tdm_train_args *a, const tdm_tool_design *d
         fprintf(stderr, "tandem train: %s\n", tdm_error_message());
         return st == TDM_STATUS_UNSUPPORTED ? st : TDM_STATUS_USAGE;
     }
+    /* a mesh (pp, tp) splits the job's communicator into its groups */
+    if (start == TDM_DIST_START_MPI && o.backend == TDM_MPI_BACKEND_HIER && design->dist.layout)
+        return tdm_tool_usage_error("tandem train: --backend hier: --mode %s splits its ranks "
+                                    "into the groups of a mesh, which the hierarchical "
+                                    "communicator cannot be split into: use --backend mpi (the "
+                                    "default on several machines)\n", design->dist.name);
     if ((st = tdm_dist_parse_devices(&dl, a->device, start == TDM_DIST_START_FORKED))) {
         fprintf(stderr, "tandem train: --device: %s\n", tdm_error_message());
         return st == TDM_STATUS_NO_DEVICE ? st : tdm_tool_usage(st);

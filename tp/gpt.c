@@ -206,6 +206,18 @@ tdm_status tdm_tp_gpt_reserve(tdm_tp *p, int B)
 #define A(ptr, n) TDM_CHECK(tdm_tp_gpt_alloc(p, (n), &(ptr)))
     for (int l = 0; l < g->L; l++) {
         tdm_tp_gpt_block *b = &g->blk[l];
+        if (p->ckpt && l > 0) {
+            /* activation checkpointing: block 0's set (its ln_1
+             * statistics whole: the largest) serves every block; each
+             * keeps only its output, the next block's input */
+            float *res2 = NULL;
+            A(res2, (l == g->L - 1 ? N : Nl) * C);
+            tdm_tp_gpt_block own = *b;
+            *b = g->blk[0];
+            memcpy(b->off, own.off, sizeof b->off);   /* its own parameters */
+            b->res2 = res2;
+            continue;
+        }
         A(b->ln1, N * C);
         A(b->ln1_mean, l == 0 ? N : Nl);
         A(b->ln1_rstd, l == 0 ? N : Nl);
@@ -354,16 +366,18 @@ static tdm_status tdm_tp_gpt_row(tdm_tp *p, const float *x, const float *w, cons
     float *part = p->gpt->part;
     if (p->size == 1) {
         TDM_CHECK(tdm_dev_copy(p->dev, y, res, (size_t)N * C * sizeof(float)));
-        return tdm_layers_linear_fwd(p->dev, x, w, bias, N, in, C, 1, y);
+        return tdm_tp_linear_fwd(p, x, w, bias, N, in, C, 1, y);
     }
-    TDM_CHECK(tdm_layers_linear_fwd(p->dev, x, w, NULL, N, in, C, 0, part));
+    TDM_CHECK(tdm_tp_linear_fwd(p, x, w, NULL, N, in, C, 0, part));
     TDM_CHECK(tdm_tp_gpt_sum(p, part, N, Nl, off, what, l, ar_ms));
     TDM_CHECK(tdm_dev_copy(p->dev, y, res, (size_t)Nl * C * sizeof(float)));
     TDM_CHECK(tdm_dev_axpy(p->dev, Nl * C, 1.0f, part + off * C, y));
     return tdm_dev_bias_act(p->dev, y, bias, Nl, C, TDM_ACT_NONE);
 }
 
-tdm_status tdm_tp_gpt_forward(tdm_tp *p, int B, const float **logits, double *ar_ms)
+/* Block l's forward from its input res (the rank's rows of the stream;
+ * block 0 reads the whole embeddings at res0) into its activations. */
+static tdm_status tdm_tp_gpt_block_fwd(tdm_tp *p, int B, int l, const float *res, double *ar_ms)
 {
     tdm_tp_gpt *g = p->gpt;
     tdm_device *d = p->dev;
@@ -371,44 +385,57 @@ tdm_status tdm_tp_gpt_forward(tdm_tp *p, int B, const float **logits, double *ar
     int C = g->C, Cl = g->Cl, Fl = g->Fl;
     int64_t N, Nl, off;
     tdm_tp_gpt_rows(p, B, &N, &Nl, &off);
-    TDM_CHECK(tdm_dev_embed_fwd(d, (const int32_t *)p->x, W + g->wte, W + g->wpe, g->res0, B,
-                                g->T, C));
-    /* the stream's rows this rank holds (all of them without sequence
-     * parallelism) */
-    const float *res = g->res0 + off * C;
-    for (int l = 0; l < g->L; l++) {
-        tdm_tp_gpt_block *b = &g->blk[l];
-        int last = l == g->L - 1;
+    tdm_tp_gpt_block *b = &g->blk[l];
+    int last = l == g->L - 1;
 #define P(j) (W + b->off[j])
-        TDM_CHECK(tdm_tp_gpt_ln(p, l == 0 ? g->res0 : res, P(TB_LN1_W), P(TB_LN1_B), b->ln1,
-                                b->ln1_mean, b->ln1_rstd, N, Nl, off, l == 0, l, ar_ms));
-        /* this rank's heads: q, k, v of H/N heads side by side, (N, 3C/N) */
-        TDM_CHECK(tdm_layers_linear_fwd(d, b->ln1, P(TB_ATTN_W), P(TB_ATTN_B), N, C, 3 * Cl, 0,
-                                        g->qkv));
-        tdm_layers_attn at = {.B = B, .T = g->T, .H = g->Hl, .C = Cl, .q = b->q, .k = b->k,
-                              .v = b->v, .att = b->att};
-        TDM_CHECK(tdm_layers_attention_fwd(d, &at, g->qkv, g->yh, b->atty));
-        TDM_CHECK(tdm_tp_gpt_row(p, b->atty, P(TB_APROJ_W), P(TB_APROJ_B), Cl, res, b->res1, N,
-                                 Nl, off, "forward attn.c_proj of block ", l, ar_ms));
-        TDM_CHECK(tdm_tp_gpt_ln(p, b->res1, P(TB_LN2_W), P(TB_LN2_B), b->ln2, b->ln2_mean,
-                                b->ln2_rstd, N, Nl, off, 0, l, ar_ms));
-        TDM_CHECK(tdm_layers_linear_fwd(d, b->ln2, P(TB_FC_W), P(TB_FC_B), N, C, Fl, 0, b->fch));
-        TDM_CHECK(tdm_dev_gelu_fwd(d, b->fch, b->fcg, N * Fl));
-        /* the last block's output is whole (N rows): the rank's rows
-         * at off, gathered for ln_f and the head */
-        float *out = b->res2 + (last ? off * C : 0);
-        TDM_CHECK(tdm_tp_gpt_row(p, b->fcg, P(TB_MPROJ_W), P(TB_MPROJ_B), Fl, b->res1, out, N,
-                                 Nl, off, "forward mlp.c_proj of block ", l, ar_ms));
-        if (last && g->sp)
-            TDM_CHECK(tdm_tp_gpt_gather(p, out, b->res2, Nl, "forward output of block ", l,
-                                        ar_ms));
+    TDM_CHECK(tdm_tp_gpt_ln(p, l == 0 ? g->res0 : res, P(TB_LN1_W), P(TB_LN1_B), b->ln1,
+                            b->ln1_mean, b->ln1_rstd, N, Nl, off, l == 0, l, ar_ms));
+    /* this rank's heads: q, k, v of H/N heads side by side, (N, 3C/N) */
+    TDM_CHECK(tdm_tp_linear_fwd(p, b->ln1, P(TB_ATTN_W), P(TB_ATTN_B), N, C, 3 * Cl, 0, g->qkv));
+    tdm_layers_attn at = {.B = B, .T = g->T, .H = g->Hl, .C = Cl, .q = b->q, .k = b->k,
+                          .v = b->v, .att = b->att};
+    TDM_CHECK(tdm_layers_attention_fwd(d, &at, g->qkv, g->yh, b->atty));
+    TDM_CHECK(tdm_tp_gpt_row(p, b->atty, P(TB_APROJ_W), P(TB_APROJ_B), Cl, res, b->res1, N, Nl,
+                             off, "forward attn.c_proj of block ", l, ar_ms));
+    TDM_CHECK(tdm_tp_gpt_ln(p, b->res1, P(TB_LN2_W), P(TB_LN2_B), b->ln2, b->ln2_mean,
+                            b->ln2_rstd, N, Nl, off, 0, l, ar_ms));
+    TDM_CHECK(tdm_tp_linear_fwd(p, b->ln2, P(TB_FC_W), P(TB_FC_B), N, C, Fl, 0, b->fch));
+    TDM_CHECK(tdm_dev_gelu_fwd(d, b->fch, b->fcg, N * Fl));
+    /* the last block's output is whole (N rows): the rank's rows at off,
+     * gathered for ln_f and the head */
+    float *out = b->res2 + (last ? off * C : 0);
+    TDM_CHECK(tdm_tp_gpt_row(p, b->fcg, P(TB_MPROJ_W), P(TB_MPROJ_B), Fl, b->res1, out, N, Nl,
+                             off, "forward mlp.c_proj of block ", l, ar_ms));
+    if (last && g->sp)
+        TDM_CHECK(tdm_tp_gpt_gather(p, out, b->res2, Nl, "forward output of block ", l, ar_ms));
 #undef P
-        res = out;
-    }
+    return TDM_STATUS_OK;
+}
+
+/* Block l's input: the rank's rows of the stream (l - 1 is not the last
+ * block, whose output alone is whole). */
+static const float *tdm_tp_gpt_block_in(const tdm_tp *p, int B, int l)
+{
+    int64_t N, Nl, off;
+    tdm_tp_gpt_rows(p, B, &N, &Nl, &off);
+    return l == 0 ? p->gpt->res0 + off * p->gpt->C : p->gpt->blk[l - 1].res2;
+}
+
+tdm_status tdm_tp_gpt_forward(tdm_tp *p, int B, const float **logits, double *ar_ms)
+{
+    tdm_tp_gpt *g = p->gpt;
+    tdm_device *d = p->dev;
+    float *W = p->params;
+    int64_t N, Nl, off;
+    tdm_tp_gpt_rows(p, B, &N, &Nl, &off);
+    TDM_CHECK(tdm_dev_embed_fwd(d, (const int32_t *)p->x, W + g->wte, W + g->wpe, g->res0, B,
+                                g->T, g->C));
+    for (int l = 0; l < g->L; l++)
+        TDM_CHECK(tdm_tp_gpt_block_fwd(p, B, l, tdm_tp_gpt_block_in(p, B, l), ar_ms));
     const float *whole = g->L ? g->blk[g->L - 1].res2 : g->res0;
     TDM_CHECK(tdm_dev_layernorm_fwd(d, whole, W + g->lnf_w, W + g->lnf_b, g->lnf, g->lnf_mean,
-                                    g->lnf_rstd, N, C, TDM_TP_GPT_LN_EPS));
-    TDM_CHECK(tdm_layers_linear_fwd(d, g->lnf, W + g->wte, NULL, N, C, g->V, 0, g->logits));
+                                    g->lnf_rstd, N, g->C, TDM_TP_GPT_LN_EPS));
+    TDM_CHECK(tdm_tp_linear_fwd(p, g->lnf, W + g->wte, NULL, N, g->C, g->V, 0, g->logits));
     *logits = g->logits;
     return TDM_STATUS_OK;
 }
@@ -442,40 +469,45 @@ tdm_status tdm_tp_gpt_backward(tdm_tp *p, int B, const float *dlogits, double *a
     float *dtop = g->sp ? g->part : g->dres;
     TDM_CHECK(tdm_dev_memset_zero(d, dtop, (size_t)N * C * sizeof(float)));
     /* the tied head: dwte += dlogits^T ln_f(x), d ln_f(x) = dlogits wte */
-    TDM_CHECK(tdm_layers_linear_bwd(d, g->lnf, W + g->wte, dlogits, p->ones, N, C, g->V,
-                                    G + g->wte, NULL, g->dln, 0));
+    TDM_CHECK(tdm_tp_linear_bwd(p, g->lnf, W + g->wte, dlogits, N, C, g->V, G + g->wte, NULL,
+                                g->dln));
     TDM_CHECK(tdm_dev_layernorm_bwd(d, res_last, g->dln, W + g->lnf_w, g->lnf_mean, g->lnf_rstd,
                                     dtop, G + g->lnf_w, G + g->lnf_b, N, C));
     if (g->sp)
         TDM_CHECK(tdm_dev_copy(d, g->dres, dtop + off * C, (size_t)Nl * C * sizeof(float)));
     for (int l = g->L - 1; l >= 0; l--) {
         tdm_tp_gpt_block *b = &g->blk[l];
-        const float *res_in = l > 0 ? g->blk[l - 1].res2 : g->res0 + off * C, *dy = dtop;
+        const float *res_in = tdm_tp_gpt_block_in(p, B, l), *dy = dtop;
+        /* activation checkpointing: the blocks share one set of
+         * activations, which the forward left holding the last block's;
+         * every other block's forward runs again from its kept input, its
+         * collectives included */
+        if (p->ckpt && l < g->L - 1) TDM_CHECK(tdm_tp_gpt_block_fwd(p, B, l, res_in, ar_ms));
 #define P(j) (W + b->off[j])
 #define D(j) (G + b->off[j])
         /* x += mlp(ln_2(x)): the branch's output gradient is the
          * stream's, whole (the last block's is already) */
         if (l < g->L - 1)
             TDM_CHECK(tdm_tp_gpt_dstream(p, Nl, "backward mlp.c_proj of block ", l, ar_ms, &dy));
-        TDM_CHECK(tdm_layers_linear_bwd(d, b->fcg, P(TB_MPROJ_W), dy, p->ones, N, Fl, C,
-                                        D(TB_MPROJ_W), D(TB_MPROJ_B), g->dfc, 0));
+        TDM_CHECK(tdm_tp_linear_bwd(p, b->fcg, P(TB_MPROJ_W), dy, N, Fl, C, D(TB_MPROJ_W),
+                                    D(TB_MPROJ_B), g->dfc));
         TDM_CHECK(tdm_dev_gelu_bwd(d, b->fch, g->dfc, g->dfc, N * Fl));
-        TDM_CHECK(tdm_layers_linear_bwd(d, b->ln2, P(TB_FC_W), g->dfc, p->ones, N, C, Fl,
-                                        D(TB_FC_W), D(TB_FC_B), g->dln, 0));
+        TDM_CHECK(tdm_tp_linear_bwd(p, b->ln2, P(TB_FC_W), g->dfc, N, C, Fl, D(TB_FC_W),
+                                    D(TB_FC_B), g->dln));
         TDM_CHECK(tdm_tp_gpt_sum(p, g->dln, N, Nl, off, "backward mlp.c_fc of block ", l,
                                  ar_ms));
         TDM_CHECK(tdm_dev_layernorm_bwd(d, b->res1, g->dln + off * C, P(TB_LN2_W), b->ln2_mean,
                                         b->ln2_rstd, g->dres, D(TB_LN2_W), D(TB_LN2_B), Nl, C));
         /* x += attn(ln_1(x)); dln holds the heads' output gradient (N, C/N) */
         TDM_CHECK(tdm_tp_gpt_dstream(p, Nl, "backward attn.c_proj of block ", l, ar_ms, &dy));
-        TDM_CHECK(tdm_layers_linear_bwd(d, b->atty, P(TB_APROJ_W), dy, p->ones, N, Cl, C,
-                                        D(TB_APROJ_W), D(TB_APROJ_B), g->dln, 0));
+        TDM_CHECK(tdm_tp_linear_bwd(p, b->atty, P(TB_APROJ_W), dy, N, Cl, C, D(TB_APROJ_W),
+                                    D(TB_APROJ_B), g->dln));
         tdm_layers_attn at = {.B = B, .T = g->T, .H = g->Hl, .C = Cl, .q = b->q, .k = b->k,
                               .v = b->v, .att = b->att};
         TDM_CHECK(tdm_layers_attention_bwd(d, &at, g->dln, g->yh, g->datt, g->dq, g->dk, g->dv,
                                            g->qkv));
-        TDM_CHECK(tdm_layers_linear_bwd(d, b->ln1, P(TB_ATTN_W), g->qkv, p->ones, N, C, 3 * Cl,
-                                        D(TB_ATTN_W), D(TB_ATTN_B), g->dln, 0));
+        TDM_CHECK(tdm_tp_linear_bwd(p, b->ln1, P(TB_ATTN_W), g->qkv, N, C, 3 * Cl, D(TB_ATTN_W),
+                                    D(TB_ATTN_B), g->dln));
         TDM_CHECK(tdm_tp_gpt_sum(p, g->dln, N, Nl, off, "backward attn.c_attn of block ", l,
                                  ar_ms));
         /* block 0's ln_1 statistics are whole: the rank's rows of them */

@@ -18,6 +18,8 @@ tdm_status tdm_tp_fail(tdm_tp *p, tdm_status st)
     tdm_comm_abort(p->comm, tdm_error_message());
     if (p->hcomm != p->comm) tdm_comm_abort(p->hcomm, tdm_error_message());
     if (p->gcomm) tdm_comm_abort(p->gcomm, tdm_error_message());
+    if (p->lev.comm && p->lev.comm != p->comm && p->lev.comm != p->gcomm)
+        tdm_comm_abort(p->lev.comm, tdm_error_message());
     return st;
 }
 
@@ -41,8 +43,8 @@ static tdm_status tdm_tp_forward(tdm_tp *p, int B, int train, double *ar_ms)
         tdm_tp_layer *L = &p->layers[l];
         L->in_act = cur;
         /* act (B, lout) = cur (B, lin) W^T, W (lout, lin) */
-        TDM_CHECK(tdm_dev_gemm_rm(p->dev, TDM_TRANS_N, TDM_TRANS_T, B, L->lout, L->lin, 1.0f, cur,
-                                  p->params + L->w_off, 0.0f, L->act));
+        TDM_CHECK(tdm_tp_gemm(p, TDM_TRANS_N, TDM_TRANS_T, B, L->lout, L->lin, 1.0f, cur,
+                              p->params + L->w_off, 0.0f, L->act));
         if (L->split == TDM_TP_ROW && p->size > 1) {
             uint64_t t0 = tdm_time_ns();
             TDM_CHECK(tdm_tp_allreduce(p, L->act, (int64_t)B * L->lout, "forward fc", l + 1));
@@ -51,6 +53,7 @@ static tdm_status tdm_tp_forward(tdm_tp *p, int B, int train, double *ar_ms)
         TDM_CHECK(tdm_dev_bias_act(p->dev, L->act, p->params + L->b_off, B, L->lout,
                                    L->relu ? TDM_ACT_RELU : TDM_ACT_NONE));
         cur = L->act;
+        if (L->act == p->ckpt_act) p->ckpt_live = l;
         int64_t j0 = L->split == TDM_TP_COLUMN ? (int64_t)p->rank * L->lout : 0;
         TDM_CHECK(tdm_tp_post_forward(p, l + 1, B, L->lout, j0, train, &cur));
     }
@@ -66,17 +69,28 @@ static tdm_status tdm_tp_backward(tdm_tp *p, int B, double *ar_ms)
         float *dout = p->dbuf[cur], *din = p->dbuf[1 - cur];
         int64_t j0 = L->split == TDM_TP_COLUMN ? (int64_t)p->rank * L->lout : 0;
         TDM_CHECK(tdm_tp_post_backward(p, l + 1, B, L->lout, j0, L->act, dout));
+        /* activation checkpointing: a row layer's input, its column
+         * partner's output, is recomputed unless the shared buffer
+         * holds it (the last pair's, after the forward) */
+        if (L->split == TDM_TP_ROW && p->ckpt_act && p->ckpt_live != l - 1) {
+            const tdm_tp_layer *c = &p->layers[l - 1];
+            TDM_CHECK(tdm_tp_gemm(p, TDM_TRANS_N, TDM_TRANS_T, B, c->lout, c->lin, 1.0f,
+                                  c->in_act, p->params + c->w_off, 0.0f, c->act));
+            TDM_CHECK(tdm_dev_bias_act(p->dev, c->act, p->params + c->b_off, B, c->lout,
+                                       c->relu ? TDM_ACT_RELU : TDM_ACT_NONE));
+            p->ckpt_live = l - 1;
+        }
         if (L->relu) TDM_CHECK(tdm_dev_relu_bwd(p->dev, dout, L->act, (int64_t)B * L->lout));
         /* dW (lout, lin) += dout^T x; db (1, lout) += ones (1, B) dout */
-        TDM_CHECK(tdm_dev_gemm_rm(p->dev, TDM_TRANS_T, TDM_TRANS_N, L->lout, L->lin, B, 1.0f,
-                                  dout, L->in_act, 1.0f, p->grads + L->w_off));
+        TDM_CHECK(tdm_tp_gemm(p, TDM_TRANS_T, TDM_TRANS_N, L->lout, L->lin, B, 1.0f, dout,
+                              L->in_act, 1.0f, p->grads + L->w_off));
         TDM_CHECK(tdm_dev_gemm_rm(p->dev, TDM_TRANS_N, TDM_TRANS_N, 1, L->lout, B, 1.0f, p->ones,
                                   dout, 1.0f, p->grads + L->b_off));
         if (l == 0) break;   /* the data needs no gradient */
         /* din (B, lin) = dout (B, lout) W (lout, lin): a partial sum on a
          * column-parallel layer, whose input is replicated */
-        TDM_CHECK(tdm_dev_gemm_rm(p->dev, TDM_TRANS_N, TDM_TRANS_N, B, L->lin, L->lout, 1.0f, dout,
-                                  p->params + L->w_off, 0.0f, din));
+        TDM_CHECK(tdm_tp_gemm(p, TDM_TRANS_N, TDM_TRANS_N, B, L->lin, L->lout, 1.0f, dout,
+                              p->params + L->w_off, 0.0f, din));
         if (L->split == TDM_TP_COLUMN && p->size > 1) {
             uint64_t t0 = tdm_time_ns();
             TDM_CHECK(tdm_tp_allreduce(p, din, (int64_t)B * L->lin, "backward fc", l + 1));
@@ -155,7 +169,9 @@ static tdm_status tdm_tp_fwd_bwd(tdm_tp *p, const void *x, const int32_t *y, int
     t0 = tdm_time_ns();
     float *dlogits = p->gpt ? tdm_tp_gpt_dlogits(p) : p->dbuf[0];
     double ls = 0.0;
-    TDM_CHECK(tdm_tp_loss(p, logits, B, grad_scale, &ls, dlogits));
+    /* loss scaling: grad_scale times the scale, one rounding (exact for
+     * the scaler's powers of two), as one device's step */
+    TDM_CHECK(tdm_tp_loss(p, logits, B, grad_scale * tdm_tp_loss_scale(p), &ls, dlogits));
     if (loss_sum) *loss_sum = ls;
     ph->loss += tdm_time_ms_since(t0);
     t0 = tdm_time_ns();
@@ -167,30 +183,21 @@ static tdm_status tdm_tp_fwd_bwd(tdm_tp *p, const void *x, const int32_t *y, int
 
 /* ZeRO-1's sum: the replica's chunk of the gradients summed over
  * grad_comm (a reduce-scatter: each replica steps only its chunk, so
- * the rest of the sum is never needed), in place in p->grads or, when
- * the chunks are padded past the rank's n elements, through p->zbuf. The
- * other elements of p->grads keep the replica's own gradient. */
+ * the rest of the sum is never needed), in place in p->grads (zreps *
+ * zchunk floats: the padding past n_elem is zero). The other elements of
+ * p->grads are not the sum: the replica's own gradient, or the
+ * backend's scratch (MPI's in-place reduce-scatter). */
 static tdm_status tdm_tp_sync_chunk(tdm_tp *p)
 {
-    int64_t lo, k, c = p->zchunk;
-    tdm_tp_zero_range(p, &lo, &k);
-    float *buf = p->zbuf ? p->zbuf : p->grads;
-    if (p->zbuf) {
-        TDM_CHECK(tdm_dev_copy(p->dev, buf, p->grads, (size_t)p->n_elem * sizeof(float)));
-        TDM_CHECK(tdm_dev_sync(p->dev));
-    }
+    int64_t c = p->zchunk;
     tdm_comm_set_label(p->gcomm, "tp zero1 reduce-scatter of the gradients over the dp "
                        "dimension");
-    tdm_status st = tdm_comm_reduce_scatter(p->gcomm, buf, buf + (int64_t)p->zrep * c,
+    tdm_status st = tdm_comm_reduce_scatter(p->gcomm, p->grads, p->grads + (int64_t)p->zrep * c,
                                             (size_t)c, TDM_DTYPE_FLOAT32, TDM_REDOP_SUM);
-    if (st) {
+    if (st)
         tdm_error_prefix(st, "tp rank %d: ZeRO-1's reduce-scatter of the gradients over the dp "
                          "dimension (replica %d)", p->rank, p->zrep);
-        return st;
-    }
-    if (p->zbuf && k)
-        TDM_CHECK(tdm_dev_copy(p->dev, p->grads + lo, buf + lo, (size_t)k * sizeof(float)));
-    return TDM_STATUS_OK;
+    return st;
 }
 
 /* The sum of the accumulated gradients over grad_comm (the dp
@@ -221,14 +228,16 @@ static tdm_status tdm_tp_sync(tdm_tp *p, tdm_tp_phases *ph)
 
 tdm_status tdm_tp_zero_grad(tdm_tp *p)
 {
-    return tdm_dev_memset_zero(p->dev, p->grads, (size_t)p->n_elem * sizeof(float));
+    /* the padding too: an in-place reduce-scatter may leave scratch there */
+    return tdm_dev_memset_zero(p->dev, p->grads, (size_t)tdm_tp_flat_alloc(p) * sizeof(float));
 }
 
 /* ZeRO-1's step: the replica's chunk of the summed gradients steps its
  * chunk of the parameters (the optimizer holds that chunk's state
  * only), then every replica's chunk is all-gathered over the dp
- * dimension into every replica's parameters. SGD and AdamW update each
- * element from its own gradient and state: the plain step's bits. */
+ * dimension into every replica's parameters, in place (zreps * zchunk
+ * floats). SGD and AdamW update each element from its own gradient and
+ * state: the plain step's bits. */
 static tdm_status tdm_tp_step_zero(tdm_tp *p)
 {
     int64_t lo, k, c = p->zchunk;
@@ -236,29 +245,33 @@ static tdm_status tdm_tp_step_zero(tdm_tp *p)
     tdm_optim_range rg = {.param = p->params + lo, .grad = p->grads + lo, .state_offset = 0,
                           .n_elem = k};
     TDM_CHECK(tdm_optim_step_ranges(p->opt, &rg, k > 0));
-    float *all = p->zbuf ? p->zbuf : p->params;
-    if (p->zbuf && k)
-        TDM_CHECK(tdm_dev_copy(p->dev, all + lo, p->params + lo, (size_t)k * sizeof(float)));
     TDM_CHECK(tdm_dev_sync(p->dev));
     tdm_comm_set_label(p->gcomm, "tp zero1 gather of the parameters over the dp dimension");
-    tdm_status st = tdm_comm_all_gather(p->gcomm, all + (int64_t)p->zrep * c, all, (size_t)c,
-                                        TDM_DTYPE_FLOAT32);
-    if (st) {
+    tdm_status st = tdm_comm_all_gather(p->gcomm, p->params + (int64_t)p->zrep * c, p->params,
+                                        (size_t)c, TDM_DTYPE_FLOAT32);
+    if (st)
         tdm_error_prefix(st, "tp rank %d: ZeRO-1's gather over the dp dimension (replica %d)",
                          p->rank, p->zrep);
-        return st;
-    }
-    if (p->zbuf)
-        TDM_CHECK(tdm_dev_copy(p->dev, p->params, all, (size_t)p->n_elem * sizeof(float)));
-    return TDM_STATUS_OK;
+    return st;
 }
 
-static tdm_status tdm_tp_step_only(tdm_tp *p)
+static tdm_status tdm_tp_step_plain(tdm_tp *p)
 {
     if (p->zero == TDM_TP_ZERO_OPTIMIZER) return tdm_tp_step_zero(p);
     tdm_optim_range rg = {.param = p->params, .grad = p->grads, .state_offset = 0,
                           .n_elem = p->n_elem};
     return tdm_optim_step_ranges(p->opt, &rg, 1);
+}
+
+/* The levers (tp/levers.c), then the optimizer step unless every rank
+ * skips it (found inf). */
+static tdm_status tdm_tp_step_only(tdm_tp *p)
+{
+    int skip = 0;
+    TDM_CHECK(tdm_tp_levers_apply(p, &skip));
+    if (!skip) TDM_CHECK(tdm_tp_step_plain(p));
+    tdm_tp_levers_done(p, skip);
+    return TDM_STATUS_OK;
 }
 
 /* The phases of a step (or of an accumulated step's part) into the

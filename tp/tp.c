@@ -122,6 +122,40 @@ void tdm_tp_step_traffic(const tdm_model_spec *spec, int ranks, int batch, int s
     out->bytes[TDM_COLL_ALL_REDUCE] = 4 * L * spec->n_embd * f;
 }
 
+void tdm_tp_recompute_traffic(const tdm_model_spec *spec, int ranks, int batch, int seq_par,
+                              tdm_comm_traffic *out)
+{
+    memset(out, 0, sizeof *out);
+    if (spec->kind != TDM_MODEL_GPT || ranks < 2 || spec->n_layer < 2) return;
+    int64_t k = spec->n_layer - 1;
+    int64_t stream = (int64_t)batch * spec->n_ctx * spec->n_embd * (int64_t)sizeof(float);
+    if (seq_par && !tdm_tp_check_seq(spec, ranks)) {
+        out->calls[TDM_COLL_REDUCE_SCATTER] = 2 * k;
+        out->calls[TDM_COLL_ALL_GATHER] = 2 * k - 1;
+    } else {
+        out->calls[TDM_COLL_ALL_REDUCE] = 2 * k;
+    }
+    for (int c = 0; c < TDM_COLL_COUNT_; c++) out->bytes[c] = out->calls[c] * stream;
+}
+
+/* tdm_tp_opts.ckpt: 0 or 1; the MLP path without elementwise layers
+ * between its linear ones (the column layers' outputs are recomputed
+ * from their inputs by one gemm and its fused relu). */
+static tdm_status tdm_tp_check_ckpt(const tdm_tp *p)
+{
+    TDM_REQUIRE(p->ckpt == 0 || p->ckpt == 1, TDM_STATUS_USAGE,
+                "tensor parallelism checkpoints every GPT block or MLP layer pair "
+                "(--checkpoint-activations, or 1); segments of %d are not built for tp", p->ckpt);
+    if (!p->ckpt || p->spec.kind == TDM_MODEL_GPT) return TDM_STATUS_OK;
+    for (int l = 0; l < p->n_layers; l++)
+        TDM_REQUIRE(p->layers[l].split != TDM_TP_COLUMN || p->shape.n_post[l + 1] == 0,
+                    TDM_STATUS_USAGE,
+                    "--checkpoint-activations with --mode tp runs on the MLP and the GPT; this "
+                    "model file has elementwise layers (dropout, activations) after a "
+                    "column-parallel layer, which tp does not recompute");
+    return TDM_STATUS_OK;
+}
+
 /* ---- slices ---- */
 
 void tdm_tp_add_tensor(tdm_tp *p, int wp, tdm_tp_cut cut, int parts, int64_t rows, int64_t cols)
@@ -243,16 +277,19 @@ static tdm_status tdm_tp_check_over(tdm_comm *comm, const char *group, const int
  * every rank whatever the first found (no rank is left waiting). */
 static tdm_status tdm_tp_check_config(tdm_tp *p, const tdm_tp_opts *o)
 {
-    enum { CFG_SIZE = 0, CFG_SEED, CFG_SPEC, CFG_OPTIM, CFG_GRAD, CFG_SEQ, CFG_ZERO, CFG_COUNT_ };
+    enum { CFG_SIZE = 0, CFG_SEED, CFG_SPEC, CFG_OPTIM, CFG_GRAD, CFG_SEQ, CFG_ZERO, CFG_PREC,
+           CFG_CKPT, CFG_COUNT_ };
     static const char *const names[] = {"group size", "seed", "model", "optimizer",
-                                        "dp gradient sum", "sequence parallelism", "ZeRO"};
+                                        "dp gradient sum", "sequence parallelism", "ZeRO",
+                                        "precision", "activation checkpointing"};
     uint64_t h = 0xcbf29ce484222325ull, g = h;
     const unsigned char *s = (const unsigned char *)&p->spec;
     for (size_t i = 0; i < sizeof p->spec; i++) h = (h ^ s[i]) * 0x100000001b3ull;
     s = (const unsigned char *)&o->optim;
     for (size_t i = 0; i < sizeof o->optim; i++) g = (g ^ s[i]) * 0x100000001b3ull;
     int64_t mine[CFG_COUNT_] = {p->size, (int64_t)o->seed, (int64_t)h, (int64_t)g,
-                                o->grad_comm != NULL, p->seq_par, p->zero};
+                                o->grad_comm != NULL, p->seq_par, p->zero, p->prec,
+                                p->ckpt};
     tdm_status st = tdm_tp_check_over(p->hcomm, "tensor-parallel group", mine, CFG_COUNT_,
                                       names, TDM_STATUS_OK);
     if (p->gcomm && tdm_comm_size(p->gcomm) > 1)
@@ -296,16 +333,13 @@ static tdm_status tdm_tp_alloc_state(tdm_tp *p, const tdm_optim_opts *optim)
 {
     tdm_dev_mem_stats a, b;
     int measured = tdm_dev_mem_query(p->dev, &a) == TDM_STATUS_OK;
-    size_t bytes = (size_t)p->n_elem * sizeof(float);
+    size_t bytes = (size_t)tdm_tp_flat_alloc(p) * sizeof(float);
     TDM_CHECK(tdm_dev_alloc_zero(p->dev, bytes, (void **)&p->params));
     TDM_CHECK(tdm_dev_alloc_zero(p->dev, bytes, (void **)&p->grads));
     /* ZeRO-1: state for the replica's chunk only */
     TDM_CHECK(tdm_optim_init_flat(&p->opt, p->dev, p->zero ? p->zchunk : p->n_elem, optim));
     if (measured && tdm_dev_mem_query(p->dev, &b) == TDM_STATUS_OK)
         p->stats.state_alloc_bytes = b.live_bytes - a.live_bytes;
-    if (p->zero && p->zchunk * p->zreps != p->n_elem)
-        TDM_CHECK(tdm_dev_alloc_zero(p->dev, (size_t)(p->zchunk * p->zreps) * sizeof(float),
-                                     (void **)&p->zbuf));
     p->stats.params = p->stats.grads = bytes;
     p->stats.optimizer = tdm_optim_state_bytes(p->opt);
     return TDM_STATUS_OK;
@@ -348,7 +382,8 @@ tdm_status tdm_tp_init(tdm_tp **out, tdm_comm *comm, tdm_device *dev, const tdm_
                   .gcomm = opts->grad_comm, .dev = dev, .rank = tdm_comm_rank(comm),
                   .size = tdm_comm_size(comm), .spec = *spec, .n_layers = L,
                   .seq_par = opts->sequence_parallel && tdm_comm_size(comm) > 1,
-                  .zero = opts->zero, .seed = opts->seed};
+                  .zero = opts->zero, .seed = opts->seed, .prec = opts->precision,
+                  .ckpt = opts->ckpt};
     if (spec->kind != TDM_MODEL_GPT) TDM_TRY(tdm_tp_shape_of(spec, &p->shape));
     if (p->zero) {
         if (!p->gcomm || tdm_comm_size(p->gcomm) < 2) {
@@ -368,6 +403,7 @@ tdm_status tdm_tp_init(tdm_tp **out, tdm_comm *comm, tdm_device *dev, const tdm_
     TDM_TRY(tdm_model_init_tables(&p->tables, spec));
     if (spec->kind == TDM_MODEL_GPT) TDM_TRY(tdm_tp_gpt_layout(p));
     else tdm_tp_layout(p, split);
+    TDM_TRY(tdm_tp_check_ckpt(p));
     if (p->zero) p->zchunk = (p->n_elem + p->zreps - 1) / p->zreps;
     st = tdm_tp_check_config(p, opts);
     if (!st) st = tdm_tp_alloc_state(p, &opts->optim);
@@ -383,7 +419,7 @@ fail:
 static void tdm_tp_free_acts(tdm_tp *p)
 {
     for (int l = 0; l < p->n_layers; l++) {
-        tdm_dev_free(p->dev, p->layers[l].act);
+        if (p->layers[l].act != p->ckpt_act) tdm_dev_free(p->dev, p->layers[l].act);
         p->layers[l].act = NULL;
         for (int k = 0; k < p->shape.n_post[l + 1]; k++) {
             tdm_dev_free(p->dev, p->shape.post[l + 1][k].out);
@@ -397,6 +433,8 @@ static void tdm_tp_free_acts(tdm_tp *p)
     tdm_dev_free(p->dev, p->ones);
     tdm_dev_free(p->dev, p->dbuf[0]);
     tdm_dev_free(p->dev, p->dbuf[1]);
+    tdm_dev_free(p->dev, p->ckpt_act);
+    p->ckpt_act = NULL;
     free(p->host_logits);
     p->x = p->ones = p->dbuf[0] = p->dbuf[1] = p->host_logits = NULL;
     p->y = NULL;
@@ -410,8 +448,8 @@ void tdm_tp_free(tdm_tp *p)
     if (!p) return;
     tdm_tp_free_acts(p);
     tdm_tp_gpt_free(p);
+    tdm_dev_free(p->dev, p->low);
     tdm_optim_free(p->opt);
-    tdm_dev_free(p->dev, p->zbuf);
     tdm_dev_free(p->dev, p->params);
     tdm_dev_free(p->dev, p->grads);
     tdm_model_free(p->tables);
@@ -430,9 +468,18 @@ static tdm_status tdm_tp_act(tdm_tp *p, size_t n, void **out, size_t *bytes)
 
 static tdm_status tdm_tp_reserve_mlp(tdm_tp *p, int B)
 {
-    size_t f = sizeof(float), bytes = 0, b = (size_t)B;
+    size_t f = sizeof(float), bytes = 0, b = (size_t)B, widest = 0;
+    /* activation checkpointing: the column layers share one output */
+    for (int l = 0; p->ckpt && l < p->n_layers; l++)
+        if (p->layers[l].split == TDM_TP_COLUMN && (size_t)p->layers[l].lout > widest)
+            widest = (size_t)p->layers[l].lout;
+    if (widest) TDM_CHECK(tdm_tp_act(p, b * widest * f, (void **)&p->ckpt_act, &bytes));
     for (int l = 0; l < p->n_layers; l++) {
         size_t n = b * (size_t)p->layers[l].lout * f;
+        if (widest && p->layers[l].split == TDM_TP_COLUMN) {
+            p->layers[l].act = p->ckpt_act;
+            continue;
+        }
         TDM_CHECK(tdm_tp_act(p, n, (void **)&p->layers[l].act, &bytes));
         for (int k = 0; k < p->shape.n_post[l + 1]; k++)
             TDM_CHECK(tdm_tp_act(p, n, (void **)&p->shape.post[l + 1][k].out, &bytes));
@@ -498,6 +545,12 @@ void tdm_tp_tensor_get(const tdm_tp *p, int i, tdm_tp_tensor_info *out)
 tdm_status tdm_tp_footprint(const tdm_model_spec *spec, int ranks, int batch, int seq_par,
                             tdm_tp_rank_footprint *out)
 {
+    return tdm_tp_footprint_ckpt(spec, ranks, batch, seq_par, 0, out);
+}
+
+tdm_status tdm_tp_footprint_ckpt(const tdm_model_spec *spec, int ranks, int batch, int seq_par,
+                                 int ckpt, tdm_tp_rank_footprint *out)
+{
     tdm_tp_split split[TDM_MODEL_MAX_DIMS];
     int L = 0;
     memset(out, 0, sizeof *out);
@@ -509,7 +562,8 @@ tdm_status tdm_tp_footprint(const tdm_model_spec *spec, int ranks, int batch, in
      * code, counting instead of allocating */
     tdm_tp *p = calloc(1, sizeof *p);
     TDM_REQUIRE(p, TDM_STATUS_OUT_OF_MEMORY, "tp footprint: calloc");
-    *p = (tdm_tp){.size = ranks, .spec = *spec, .n_layers = L, .seq_par = seq_par && ranks > 1};
+    *p = (tdm_tp){.size = ranks, .spec = *spec, .n_layers = L, .seq_par = seq_par && ranks > 1,
+                  .ckpt = ckpt};
     tdm_status st = spec->kind == TDM_MODEL_GPT ? TDM_STATUS_OK : tdm_tp_shape_of(spec, &p->shape);
     if (!st) st = tdm_model_init_tables(&p->tables, spec);
     if (!st && spec->kind == TDM_MODEL_GPT) st = tdm_tp_gpt_layout(p);
@@ -554,6 +608,11 @@ static tdm_status tdm_tp_gather_buf(tdm_tp *p, const float *dev_buf, float *whol
     free(mine);
     free(all);
     return st;
+}
+
+int64_t tdm_tp_flat_alloc(const tdm_tp *p)
+{
+    return p->zero ? p->zchunk * p->zreps : p->n_elem;
 }
 
 void tdm_tp_zero_range(const tdm_tp *p, int64_t *lo, int64_t *k)

@@ -59,6 +59,7 @@
 #include "models/checkpoint.h"
 #include "models/model.h"
 #include "models/optim.h"
+#include "models/precision.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -120,15 +121,26 @@ tdm_status tdm_tp_check_seq(const tdm_model_spec *spec, int ranks);
 void tdm_tp_step_traffic(const tdm_model_spec *spec, int ranks, int batch, int seq_par,
                          tdm_comm_traffic *out);
 
+/* What activation checkpointing (tdm_tp_opts.ckpt) adds to
+ * tdm_tp_step_traffic's counts in one step: the forward collectives of
+ * every block but the last, run again (the GPT of L blocks: 2(L-1)
+ * all-reduces of B*T*C floats; sequence parallel: 2(L-1)
+ * reduce-scatters and 2(L-1) - 1 all-gathers of them, block 0's ln_1
+ * reading the whole embeddings); nothing for the MLP. */
+void tdm_tp_recompute_traffic(const tdm_model_spec *spec, int ranks, int batch, int seq_par,
+                              tdm_comm_traffic *out);
+
 /* What the dp dimension of a dp x tp mesh shards (grad_comm's replicas). */
 typedef enum tdm_tp_zero {
     TDM_TP_ZERO_NONE = 0,       /* every replica keeps its slices' whole state */
     /* ZeRO-1: replica d of D keeps the optimizer state of elements
-     * [d*c, (d+1)*c) of the rank's flat slice, c = ceil(n/D); the
-     * gradients are reduce-scattered over grad_comm (replica d gets the
-     * sum of its chunk only), it steps those and all-gathers the
-     * parameters: the plain step's bits (D = 2), 1/D of its optimizer
-     * state, the plain all-reduce's ring bytes */
+     * [d*c, (d+1)*c) of the rank's flat slice, c = ceil(n/D) (the
+     * parameters and gradients are D*c floats, the last chunk padded);
+     * the gradients are reduce-scattered over grad_comm (replica d gets
+     * the sum of its chunk only), it steps those and all-gathers the
+     * parameters, both in place: the plain step's bits (on the shm
+     * communicator), 1/D of its optimizer state, the plain all-reduce's
+     * ring bytes */
     TDM_TP_ZERO_OPTIMIZER,
 } tdm_tp_zero;
 
@@ -147,6 +159,30 @@ typedef struct tdm_tp_opts {
     int sequence_parallel;
     /* ZeRO over grad_comm (needs one of at least 2 ranks) */
     tdm_tp_zero zero;
+    /* BF16 or FP16 (models/precision.h): every linear layer's products
+     * (forward, the weight gradient, the input gradient) read 16-bit
+     * operands, rounded from float32 at each use, and sum in float32
+     * (tdm_dev_gemm_rm_ex: oneDNN's bf16 matmul on host devices,
+     * cublasGemmEx on CUDA). Unlike one device's mixed precision the
+     * kept activations stay float32 (no activation memory saved) and the
+     * GPT's attention products (scores, probabilities times values) stay
+     * float32; master parameters, gradients, the all-reduces and the
+     * optimizer are float32. FP16 wants a loss scaler (tdm_tp_levers).
+     * Every rank the same (checked). FP32 (0): the plain products. */
+    tdm_precision precision;
+    /* 1: activation checkpointing (models/recompute.h's idea, tp's
+     * units): the GPT's blocks share one set of activations and keep
+     * only their outputs; backward runs each block's forward again
+     * (but the last's, which the forward left in place) from its kept
+     * input, its collectives included: (L-1) blocks' forward
+     * collectives more per step (tdm_tp_recompute_traffic). The MLP's
+     * column-parallel layers share one output buffer (each pair keeps
+     * its input, the previous row layer's output); backward recomputes
+     * each but the last from it: one gemm, no communication. The same
+     * bits as without. 0: keep everything. USAGE for other values, and
+     * for a model file with elementwise layers between its linear
+     * ones. */
+    int ckpt;
 } tdm_tp_opts;
 
 typedef struct tdm_tp tdm_tp;
@@ -223,7 +259,8 @@ tdm_status tdm_tp_evaluate(tdm_tp *p, const tdm_dataset *d, int batch, double *l
 tdm_status tdm_tp_gather_state(tdm_tp *p, tdm_ckpt_host *h, int root);
 /* The whole model's gradient (host, whole layout) on root. Collective.
  * After a ZeRO-1 step only the replica's chunk of it is summed over the
- * dp dimension; the rest is the replica's own. */
+ * dp dimension; the rest is not the sum (the replica's own gradient, or
+ * the MPI backend's scratch). */
 tdm_status tdm_tp_gather_grads(tdm_tp *p, float *whole, int root);
 /* ZeRO-1 (tdm_tp_opts.zero), a replica other than the one that gathers
  * (which calls tdm_tp_gather_state): its part of the gathers over the dp
@@ -262,6 +299,54 @@ typedef struct tdm_tp_rank_footprint {
 } tdm_tp_rank_footprint;
 tdm_status tdm_tp_footprint(const tdm_model_spec *spec, int ranks, int batch, int seq_par,
                             tdm_tp_rank_footprint *out);
+/* The same with activation checkpointing (tdm_tp_opts.ckpt): the
+ * activations its shared buffers take. The 16-bit operand buffer of
+ * tdm_tp_opts.precision is not counted (a few MiB at most: the largest
+ * product's two operands). */
+tdm_status tdm_tp_footprint_ckpt(const tdm_model_spec *spec, int ranks, int batch, int seq_par,
+                                 int ckpt, tdm_tp_rank_footprint *out);
+
+/* --- the step's levers (tp/levers.c) ------------------------------------------
+ * Loss scaling (fp16) and gradient clipping over the group and its
+ * data-parallel replicas (docs/MEMORY.md). With a scaler the loss
+ * gradient is scaled by its scale too; after the backward and the sums
+ * (the sequence-parallel LayerNorms over the group, the replicas over
+ * grad_comm) every rank unscales its flat gradient and checks it, and the
+ * found-inf flag is ORed over comm (one all-reduce, "grad scaler found
+ * inf"): a step found bad is skipped on every rank (no optimizer step,
+ * no ZeRO-1 gather) and the scale halves on all. With clip_norm > 0 (or
+ * measure_norm) the global L2 norm of the whole model's gradient: each
+ * rank's sum of squares of its split tensors' slices, the replicated
+ * tensors (LayerNorms, embeddings, row-parallel biases, a replicated
+ * last layer: the same bits on every rank of the group) counted on the
+ * group's rank 0 only, replica 0 of the dp dimension only (the replicas
+ * hold the same sum; under ZeRO-1, whose reduce-scatter leaves each
+ * replica its own chunk's sum, every replica its chunk), summed by one
+ * all-reduce of one double over comm ("tp clip grad norm"), then torch's
+ * clip_grad_norm_ of the rank's whole flat gradient (models/clip.h).
+ * comm: every rank of the job (the group and its replicas) on the device
+ * memory of the rank's device, each calling it once per step; NULL: the
+ * group's communicator (only without replicas). Every rank must set the
+ * same levers. Applied by
+ * tdm_tp_step_scaled and tdm_tp_optim_step (the loss scale by
+ * tdm_tp_forward_backward too). */
+struct tdm_grad_scaler;
+typedef struct tdm_tp_levers {
+    struct tdm_grad_scaler *scaler;   /* borrowed; NULL: no loss scaling */
+    double clip_norm;                 /* > 0: clip to it */
+    int measure_norm;                 /* 1: the norm without clipping */
+    tdm_comm *comm;                   /* borrowed; NULL: the group's */
+    int replica;                      /* the rank's replica: only replica 0's squares count */
+    /* Test hook, after the sums, before the levers read the gradients (a
+     * planted inf): the rank's flat gradient, n_elem floats on dev. May
+     * be NULL. */
+    void (*after_backward)(void *ctx, float *grads, int64_t n_elem, tdm_device *dev);
+    void *ctx;
+} tdm_tp_levers;
+/* Sets (or with NULL clears) the levers of the following steps; copied. */
+void tdm_tp_set_levers(tdm_tp *p, const tdm_tp_levers *l);
+
+/* --- what a step did ---------------------------------------------------------- */
 
 /* What the steps did and what the rank holds. */
 typedef struct tdm_tp_phases {
@@ -287,6 +372,10 @@ typedef struct tdm_tp_stats {
     size_t act_alloc_bytes;            /* and what the allocator handed out for them
                                           (measured; 0 where it keeps no accounting) */
     int64_t act_allocs;                /* the allocations they came in (counted) */
+    /* the levers (tdm_tp_set_levers) */
+    double last_norm;           /* the last step's global gradient norm (0: not measured) */
+    int last_skipped;           /* 1: the last step was skipped on every rank (found inf) */
+    int64_t skipped;            /* steps skipped so far */
 } tdm_tp_stats;
 void tdm_tp_get_stats(const tdm_tp *p, tdm_tp_stats *out);
 

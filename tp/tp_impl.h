@@ -86,22 +86,29 @@ struct tdm_tp {
     tdm_tp_gpt *gpt;             /* the GPT's blocks and activations; NULL: an MLP */
     int n_tensors;
     tdm_tp_tensor tensors[TDM_TP_MAX_TENSORS];
-    float *params, *grads;      /* flat, n_elem each, on dev */
+    float *params, *grads;      /* flat, n_elem each (tdm_tp_flat_alloc held), on dev */
     int64_t n_elem;
     tdm_optim *opt;             /* over n_elem, or (ZeRO-1) the replica's zchunk */
     /* ZeRO-1 over gcomm: replica zrep of zreps holds the optimizer state
-     * of elements [zrep*zchunk, ...) of the flat slice; zbuf (zreps *
-     * zchunk, on dev) takes the parameters' gather when that overhangs
-     * n_elem (NULL: they gather in place) */
+     * of elements [zrep*zchunk, ...) of the flat slice; params and grads
+     * hold zreps * zchunk floats (the last chunk padded with fewer than
+     * zreps zeros), so that the gradients' reduce-scatter and the
+     * parameters' all-gather run in place */
     tdm_tp_zero zero;
     int zrep, zreps;
     int64_t zchunk;
-    float *zbuf;
     /* activations and scratch for cap samples */
     int cap, max_width;
     float *x, *ones, *dbuf[2];
     int32_t *y;
     float *host_logits;         /* evaluation's argmax (host) */
+    tdm_tp_levers lev;           /* the step's levers (tp/levers.c) */
+    tdm_precision prec;          /* the linear layers' products (tdm_tp_opts.precision) */
+    int ckpt;                    /* activation checkpointing (tdm_tp_opts.ckpt) */
+    float *ckpt_act;             /* the MLP's: the column layers' shared output */
+    int ckpt_live;               /* and the column layer whose output it holds */
+    void *low;                   /* their 16-bit operands (dev, low_bytes) */
+    size_t low_bytes;
     tdm_tp_stats stats;
     int failed;                 /* the group was aborted */
 };
@@ -153,6 +160,28 @@ tdm_status tdm_tp_reserve(tdm_tp *p, int B);
 
 /* ZeRO-1: the replica's elements [*lo, *lo + *k) of the flat slice. */
 void tdm_tp_zero_range(const tdm_tp *p, int64_t *lo, int64_t *k);
+/* The floats params and grads hold: n_elem, or (ZeRO-1) zreps * zchunk. */
+int64_t tdm_tp_flat_alloc(const tdm_tp *p);
+
+/* tp/levers.c: what the loss gradient is multiplied by besides
+ * grad_scale (the loss scale); after the sums: unscale, found-inf over
+ * the job, the norm and clipping (*skip: the optimizer step is to be
+ * skipped on every rank); after the (possibly skipped) step: the
+ * scaler's update and the counts. */
+float tdm_tp_loss_scale(const tdm_tp *p);
+/* C (m, n) = alpha op(A) op(B) + beta C, row-major as tdm_dev_gemm_rm:
+ * in FP32 that very call; in BF16/FP16 A and B rounded into p->low and
+ * multiplied with float32 sums (tdm_dev_gemm_rm_ex). */
+tdm_status tdm_tp_gemm(tdm_tp *p, tdm_trans ta, tdm_trans tb, int m, int n, int k, float alpha,
+                       const float *a, const float *b, float beta, float *c);
+/* models/layers_gpt.h's linear layer through tdm_tp_gemm (FP32: its very
+ * calls); the bias gradient stays a float32 product. */
+tdm_status tdm_tp_linear_fwd(tdm_tp *p, const float *x, const float *w, const float *b,
+                             int64_t N, int in, int out, int accumulate, float *y);
+tdm_status tdm_tp_linear_bwd(tdm_tp *p, const float *x, const float *w, const float *dy,
+                             int64_t N, int in, int out, float *dw, float *db, float *dx);
+tdm_status tdm_tp_levers_apply(tdm_tp *p, int *skip);
+void tdm_tp_levers_done(tdm_tp *p, int skipped);
 
 /* Aborts the group (and grad_comm) with the current message once;
  * returns st (tp/step.c). */
