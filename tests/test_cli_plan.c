@@ -635,7 +635,7 @@ Test(cli_plan, refuses_what_it_does_not_plan)
     CLI(&g_r, "plan", "--mode", "tp", "--device", "cpu:4", "--mesh", "dp=2,pp=2");
     expect(&g_r, 2, "a pipeline of tensor-parallel stages is --mode pp's, not planned yet");
     CLI(&g_r, "plan", "--mode", "tp", "--device", "cpu:2", "--precision", "bf16");
-    expect(&g_r, 2, "not yet with --mode tp");
+    expect(&g_r, 2, "--mode tp --precision bf16 is not planned");
     CLI(&g_r, "plan", "--mode", "ddp", "--device", "cpu:2", "--sequence-parallel");
     expect(&g_r, 2, "--sequence-parallel applies to --mode tp");
     CLI(&g_r, "plan", "--mode", "pp", "--device", "cpu:4", "--stages", "3");
