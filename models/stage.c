@@ -168,10 +168,17 @@ tdm_status tdm_model_spec_tp_stages(const tdm_model_spec *s, const int *first, i
     tdm_status st = TDM_STATUS_OK;
     static const char *const what = "pipeline of tensor-parallel stages";
     char cut[TDM_MODEL_MAX_OPS] = {0};   /* per op: 1, its output width divided by N */
+    int *pair = NULL;                      /* per layer: the row layer of the pair whose
+                                              slice its output is; -1 whole */
     if (n != t->n_layers)
         st = tdm_error_set(TDM_STATUS_INTERNAL, "%s: %d kinds for %d layers", what, n,
                            t->n_layers);
-    for (int i = 0; i < n && !st; i++) kinds[i] = TDM_MODEL_PARTIAL_NONE;
+    if (!st && !(pair = malloc((size_t)(n > 0 ? n : 1) * sizeof *pair)))
+        st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "%s: %d layers' pairs", what, n);
+    for (int i = 0; i < n && !st; i++) {
+        kinds[i] = TDM_MODEL_PARTIAL_NONE;
+        pair[i] = -1;
+    }
     for (int k = 0; k < stages && !st; k++) {
         int lo = first[k], hi = k + 1 < stages ? first[k + 1] : n, col = -1;
         for (int i = lo; i < hi && !st; i++) {
@@ -179,6 +186,7 @@ tdm_status tdm_model_spec_tp_stages(const tdm_model_spec *s, const int *first, i
             int linear = l->kind == TDM_LAYER_LINEAR;
             if (col >= 0 && linear) {
                 kinds[i] = TDM_MODEL_PARTIAL_OUT;
+                for (int c = col; c < i; c++) pair[c] = i;
                 col = -1;
             } else if (col >= 0 && l->kind != TDM_LAYER_ACT && l->kind != TDM_LAYER_DROPOUT) {
                 st = tdm_error_set(TDM_STATUS_USAGE, "%s line %d: `%s` stands between the "
@@ -201,6 +209,19 @@ tdm_status tdm_model_spec_tp_stages(const tdm_model_spec *s, const int *first, i
             }
         }
     }
+    /* a residual block opened inside a pair adds the column layer's
+     * slice, not its whole input, through its skip path */
+    for (int i = 0; i < n && !st; i++) {
+        const tdm_layer *l = &t->layers[i];
+        if (l->kind != TDM_LAYER_RES || l->skip < 0 || pair[l->skip] < 0) continue;
+        int c = l->skip;
+        while (c > 0 && pair[c - 1] == pair[l->skip]) c--;
+        st = tdm_error_set(TDM_STATUS_USAGE, "%s line %d: `residual {` opens between the "
+                           "column-parallel linear of line %d and its row-parallel linear of "
+                           "line %d: a %s cannot split it: the block's skip path needs its "
+                           "whole input (open the block after the pair)", s->name, l->line,
+                           t->layers[c].line, t->layers[pair[l->skip]].line, what);
+    }
     if (!st) {
         /* the spec again, each column layer 1/N as wide (shapes inferred anew) */
         *narrow = *s;
@@ -212,6 +233,7 @@ tdm_status tdm_model_spec_tp_stages(const tdm_model_spec *s, const int *first, i
         }
         if (!st) st = tdm_model_seq_finish(narrow);
     }
+    free(pair);
     tdm_stage_tables_free(t);
     return st;
 }

@@ -194,7 +194,9 @@ typedef struct tdm_pp_shards {
      * mb's forward runs as the step's forward number first + mb of
      * `total` (this replica's first virtual shard among the step's
      * total), as one device's; total 0: the micro-batches alone (first 0,
-     * total micro_batches). */
+     * total micro_batches). Also honoured without the hooks (a replica
+     * whose gradients grad_sync sums): first the replica's first
+     * micro-batch among the replicas' total. */
     int first, total;
 } tdm_pp_shards;
 

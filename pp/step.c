@@ -441,6 +441,11 @@ static tdm_status tdm_pp_step_run(tdm_pp *p, const void *x, const int32_t *y, in
                                   float grad_scale, double *loss_sum)
 {
     tdm_pp_phases ph = {0};
+    /* a replica summed by grad_sync: its micro-batch mb is the step's
+     * forward first + mb, as one device's (dropout's masks; pp.h) */
+    int renum = !tdm_pp_sharded(p) && p->o.shards.total > 0;
+    int64_t fwd0 = tdm_model_train_forwards(p->m);
+    if (renum) tdm_model_set_train_forwards(p->m, fwd0 + p->o.shards.first);
     if (batch == 0) {
         TDM_CHECK(tdm_pp_begin_empty(p, &ph));
     } else {
@@ -460,6 +465,8 @@ static tdm_status tdm_pp_step_run(tdm_pp *p, const void *x, const int32_t *y, in
     }
     uint64_t t1 = tdm_time_ns();
     ph.pipeline = tdm_pp_ms(p->run.t0, t1);
+    /* every replica ends the step at one device's count */
+    if (renum) tdm_model_set_train_forwards(p->m, fwd0 + p->o.shards.total);
     TDM_CHECK(tdm_pp_sharded(p) ? tdm_pp_shards_end(p) : tdm_pp_tied(p));
     uint64_t t2 = tdm_time_ns();
     ph.tied = tdm_pp_ms(t1, t2);

@@ -66,6 +66,19 @@ Test(compare_mesh, the_pp_row_runs_dp_x_pp)
     expect(&r, 0, "BITWISE IDENTICAL");
 }
 
+/* Dropout's masks are keyed on the training forwards one device counts:
+ * replica r's micro-batch mb is one device's accumulation step r*M + mb,
+ * and every replica ends the step at D*M, so the masks are one device's. */
+Test(compare_mesh, the_pp_row_with_dropout_matches_one_device)
+{
+    static cli_result r;
+    CLI(&r, "compare", "--modes", "single,pp", "--device", "cpu:4", "--mesh", "dp=2,pp=2",
+        "--model", "file:examples/models/mlp_dropout.tdm", SYN, "--batch", "32",
+        "--steps", "3", "--warmup", "1");
+    expect(&r, 0, "--grad-accum 8 over the same micro-batches of 4");
+    expect(&r, 0, "-> PASS (DDP adds each replica's sum");
+}
+
 Test(compare_mesh, the_pp_row_runs_dp_x_pp_x_tp)
 {
     static cli_result r;

@@ -101,6 +101,17 @@ Test(pp_tp_file, what_a_pair_cannot_hold_is_one_line_naming_the_line)
         {"input 20\nlinear 25\ngelu\nlinear 16\nrelu\nlinear 5\n",
          "line 2: stage 0: linear 25's output width (line 4's input) is not divisible by the 2 "
          "tensor-parallel ranks"},
+        /* the block's input is the column layer's slice: its skip (a
+         * projection of the slice) was added unsummed, silently wrong */
+        {"input 20\nlinear 24\ngelu\nlinear 20\nlinear 16\nresidual {\ngelu\nlinear 16\n} "
+         "proj\nlinear 5\n",
+         "line 6: `residual {` opens between the column-parallel linear of line 5 and its "
+         "row-parallel linear of line 8: a pipeline of tensor-parallel stages cannot split it: "
+         "the block's skip path needs its whole input"},
+        {"input 20\nlinear 24\ngelu\nlinear 20\nlinear 16\nrelu\nresidual {\ngelu\nlinear "
+         "16\n}\nlinear 5\n",
+         "line 7: `residual {` opens between the column-parallel linear of line 5 and its "
+         "row-parallel linear of line 9"},
     };
     for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) {
         char file[128], spec[160];

@@ -363,6 +363,12 @@ static tdm_status tdm_rank_pp_setup(void *ctx, tdm_dist_rank *d, void **self)
         o.grad_sync = (tdm_pp_grad_sync){.begin = tdm_rank_pp_sync_begin,
                                          .end = tdm_rank_pp_sync_end,
                                          .empty = tdm_rank_pp_sync_empty, .ctx = q};
+    if (!q->det_on && q->reps > 1) {
+        /* dropout's masks: replica r's micro-batches are one device's
+         * accumulation steps r*M .. r*M + M-1 of D*M */
+        o.shards.first = q->rep * q->micro;
+        o.shards.total = q->reps * q->micro;
+    }
     if (b->pp.zero1) {
         q->zcomm = dp_dev;
         q->zdev = d->dev;
