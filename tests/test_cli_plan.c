@@ -636,6 +636,11 @@ Test(cli_plan, refuses_what_it_does_not_plan)
     expect(&g_r, 2, "a pipeline of tensor-parallel stages is --mode pp's, not planned yet");
     CLI(&g_r, "plan", "--mode", "tp", "--device", "cpu:2", "--precision", "bf16");
     expect(&g_r, 2, "--mode tp --precision bf16 is not planned");
+    /* what tp's training refuses is not planned either */
+    CLI(&g_r, "plan", "--mode", "tp", "--device", "cpu:2", "--checkpoint-activations", "2");
+    expect(&g_r, 2, "segments of more are not built for tp");
+    CLI(&g_r, "plan", "--mode", "tp", "--device", "cuda:0,1", "--offload", "optimizer");
+    expect(&g_r, 2, "--mode tp does not support --offload");
     CLI(&g_r, "plan", "--mode", "ddp", "--device", "cpu:2", "--sequence-parallel");
     expect(&g_r, 2, "--sequence-parallel applies to --mode tp");
     CLI(&g_r, "plan", "--mode", "pp", "--device", "cpu:4", "--stages", "3");

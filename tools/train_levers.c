@@ -58,6 +58,15 @@ tdm_status tdm_train_levers_check(const tdm_train_args *a)
             return tdm_tool_usage_error("tandem train: --checkpoint-activations '%s': expected "
                                         "all, or N >= 1 blocks per recomputed segment\n", a->ckpt);
     }
+    /* tp's limits (plan runs this check too) */
+    if (a->offload && !strcmp(a->mode, "tp"))
+        return tdm_tool_usage_error("tandem train: --mode tp does not support --offload yet "
+                                    "(--precision, --checkpoint-activations and "
+                                    "--clip-grad-norm it does)\n");
+    if (a->ckpt && !strcmp(a->mode, "tp") && strcmp(a->ckpt, "all") && strcmp(a->ckpt, "1"))
+        return tdm_tool_usage_error("tandem train: --checkpoint-activations %s: --mode tp "
+                                    "checkpoints every GPT block or MLP layer pair (all, or 1); "
+                                    "segments of more are not built for tp\n", a->ckpt);
     if (a->offload && strcmp(a->offload, "optimizer") && strcmp(a->offload, "params"))
         return tdm_tool_usage_error("tandem train: --offload '%s': expected optimizer or "
                                     "params\n", a->offload);

@@ -49,14 +49,7 @@ tdm_status tdm_train_check_tp(const tdm_train_args *a)
         return tdm_tool_usage_error("tandem train: --mode tp shards only the optimizer over "
                                     "the dp dimension (--sharding optimizer, ZeRO-1); ZeRO-2 "
                                     "and 3 (--sharding %s) are not built for tp\n", a->sharding);
-    if (a->offload)
-        return tdm_tool_usage_error("tandem train: --mode tp does not support --offload yet "
-                                    "(--precision, --checkpoint-activations and "
-                                    "--clip-grad-norm it does)\n");
-    if (a->ckpt && strcmp(a->ckpt, "all") && strcmp(a->ckpt, "1"))
-        return tdm_tool_usage_error("tandem train: --checkpoint-activations %s: --mode tp "
-                                    "checkpoints every GPT block or MLP layer pair (all, or 1); "
-                                    "segments of more are not built for tp\n", a->ckpt);
+    /* the levers' limits under tp: tdm_train_levers_check (plan's too) */
     if (a->stages || a->microbatches || a->schedule || a->split)
         return tdm_tool_usage_error("tandem train: --stages, --microbatches, --schedule and "
                                     "--split apply to --mode pp, not --mode tp\n");
