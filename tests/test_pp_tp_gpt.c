@@ -218,8 +218,8 @@ Test(pp_tp_gpt, what_it_cannot_run_is_one_line_and_exit_2)
          "a pipeline's tensor-parallel stages (--mesh ...,pp=S,tp=N) all-reduce whole partial "
          "sums (sequence parallelism is not built there)"},
         {"cpu:4", "pp=2,tp=2", MODEL, "--precision",
-         "the memory levers run in pipelines of whole stages (tp=1), not yet with "
-         "tensor-parallel stages"},
+         "the memory levers run in pipelines of whole stages (tp=1) and in --mode tp, not "
+         "yet with tensor-parallel stages"},
         {"cpu:4", "pp=2,tp=2", "cnn", NULL,
          "a pipeline of tensor-parallel stages is built for the MLP, the GPT and model files "
          "(the CNN's is not)"},
