@@ -38,6 +38,7 @@ typedef struct stall_out {
     char err[WORLD][700];
     pid_t pid[WORLD];
     _Atomic int phase;        /* 1: the stalled send is over; 2: rank 2 called rank 1 */
+    _Atomic int left;         /* ranks out of the set-up barrier */
     double stall_ms;          /* how long the failing send/reply took */
     char got[700];            /* the error it gave */
     char peer_why[700];       /* how the resumed rank names the other */
@@ -165,7 +166,17 @@ static int caller_rank(tdm_comm *comm, void *arg)
     if (open_rpc(comm, k, 0, &rpc)) return fail(o, r, 1, "init");
     if (tdm_rpc_register(rpc, "echo", fn_echo, NULL)) return fail(o, r, 2, "register");
     if (tdm_rpc_barrier(rpc, healthy_ms())) return fail(o, r, 3, "barrier");
+    atomic_fetch_add(&o->left, 1);
     if (r == 1) {
+        /* rank 0 leaves the barrier once this rank's answer to its
+         * release is in; stopping before that answer went (a slow reply
+         * thread, seen under TSan) held rank 0 in the barrier for its
+         * whole timeout */
+        uint64_t t0 = tdm_time_ns();
+        while (atomic_load(&o->left) < WORLD)
+            if (tdm_time_ns() - t0 > (uint64_t)healthy_ms() * 1000000u)
+                return fail(o, r, 3, "the others never left the barrier");
+            else usleep(2000);
         raise(SIGSTOP);
         /* resumed by rank 0 once its send gave up: rank 0 closed the
          * channel, and this rank serves rank 2 all the same */
