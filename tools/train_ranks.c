@@ -554,7 +554,12 @@ tdm_status tdm_train_run_ranks(const tdm_train_args *a, const tdm_tool_design *d
         tdm_dist_det_check((int)a->deterministic, dl.count, a->batch))
         return tdm_tool_usage_error("tandem train: %s\n", tdm_error_message());
     if (start == TDM_DIST_START_FORKED) {
-        TDM_CHECK(tdm_train_ranks_forked(&j, &o));
+        /* a refusal after the data loaded frees it (ASan: leaked) */
+        if ((st = tdm_train_ranks_forked(&j, &o))) {
+            tdm_data_free(&j.own_train);
+            tdm_data_free(&j.own_test);
+            return st;
+        }
         tdm_elastic_watch_init(&w, "tandem train", design->dist.name, a->max_restarts);
         w.min_devices = a->min_devices;
         w.divides = a->deterministic;
