@@ -211,8 +211,11 @@ static void tdm_train_rank_free(void *ctx, void *self)
     const tdm_tool_build *b = ctx;
     tdm_tool_rank *r = self;
     tdm_train_rank *t = r ? r->tool : NULL;
-    b->design->dist.free(ctx, self);
+    /* the det state's device blocks are freed through the rank's model
+     * (tdm_det_dev): before the design frees the model (ASan: a
+     * heap-use-after-free on the device-comm path) */
     if (t) tdm_dist_det_free(&t->det);
+    b->design->dist.free(ctx, self);
     free(t);
 }
 
