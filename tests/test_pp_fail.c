@@ -279,20 +279,7 @@ Test(pp_fail, every_transfer_is_labelled_in_the_flight_recorder)
     cr_assert_eq(tdm_shm_spawn(2, fr_rank, dir, &so, NULL), TDM_STATUS_OK, "%s",
                  tdm_error_message());
     static char all[1 << 20];
-    size_t len = 0;
-    DIR *d = opendir(dir);
-    cr_assert_not_null(d);
-    for (struct dirent *e; (e = readdir(d));) {
-        if (e->d_name[0] == '.') continue;
-        char path[512];
-        snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
-        FILE *f = fopen(path, "r");
-        if (!f) continue;
-        len += fread(all + len, 1, sizeof all - 1 - len, f);
-        fclose(f);
-    }
-    closedir(d);
-    all[len] = '\0';
+    cr_assert_geq(tu_read_dir(dir, all, sizeof all), 0, "cannot read %s", dir);
     static const char *const want[] = {
         "pp send act mb 0 stage 0->1", "pp send act mb 1 stage 0->1",
         "pp recv act mb 0 stage 0->1", "pp recv act mb 1 stage 0->1",

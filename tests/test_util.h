@@ -6,6 +6,7 @@
 #define TDM_TESTS_TEST_UTIL_H
 
 #include <criterion/criterion.h>
+#include <dirent.h>
 #include <errno.h>
 #include <ftw.h>
 #include <math.h>
@@ -102,6 +103,31 @@ static inline void tu_mkdtemp(char *dir, size_t len, const char *tag)
 static inline void tu_rmtree(const char *dir)
 {
     if (dir && dir[0]) nftw(dir, tu_rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+}
+
+/* Every file of dir (a flight recorder's dumps) read into buf, one after
+ * another, NUL-terminated (at most cap - 1 bytes); -1 when dir cannot be
+ * opened. */
+static inline long tu_read_dir(const char *dir, char *buf, size_t cap)
+{
+    size_t len = 0;
+    DIR *d = opendir(dir);
+    if (!d || cap == 0) {
+        if (d) closedir(d);
+        return -1;
+    }
+    for (struct dirent *e; (e = readdir(d));) {
+        if (e->d_name[0] == '.') continue;
+        char path[512];
+        snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
+        FILE *f = fopen(path, "r");
+        if (!f) continue;
+        len += fread(buf + len, 1, cap - 1 - len, f);
+        fclose(f);
+    }
+    closedir(d);
+    buf[len] = '\0';
+    return (long)len;
 }
 
 /* "<dir>/<name>" in one of 8 rotating buffers (several live at once). */
