@@ -21,6 +21,7 @@
 #include "models/train.h"
 #include "tools/args.h"
 #include "tools/bench.h"
+#include "tools/compare.h"
 #include "tools/devices.h"
 #include "tools/stats.h"
 #include "tools/tools.h"
@@ -49,43 +50,6 @@ static void tdm_bench_dp_usage(FILE *f)
         "  --blas-threads T also time one device with T BLAS threads (intra-op\n"
         "                   parallelism instead of DP; 0: skip; host only)    [0]\n"
         "  --seed S                                                           [1]\n");
-}
-
-/* CPU time the whole machine spent busy (/proc/stat, clock ticks) and
- * this process's own (getrusage): their difference over a run is what
- * other processes took, which a DP figure on a shared machine needs next
- * to it (a DP step needs all its cores at once). */
-typedef struct tdm_bench_dp_cpu {
-    double busy_s, self_s, wall_s;
-} tdm_bench_dp_cpu;
-
-static void tdm_bench_dp_cpu_sample(tdm_bench_dp_cpu *c)
-{
-    memset(c, 0, sizeof *c);
-    c->wall_s = (double)tdm_time_ns() * 1e-9;
-    struct rusage ru;
-    if (getrusage(RUSAGE_SELF, &ru) == 0)
-        c->self_s = (double)ru.ru_utime.tv_sec + ru.ru_utime.tv_usec * 1e-6 +
-                    (double)ru.ru_stime.tv_sec + ru.ru_stime.tv_usec * 1e-6;
-    FILE *f = fopen("/proc/stat", "r");
-    if (!f) return;
-    unsigned long long v[8] = {0};
-    if (fscanf(f, "cpu %llu %llu %llu %llu %llu %llu %llu %llu", &v[0], &v[1], &v[2], &v[3],
-               &v[4], &v[5], &v[6], &v[7]) == 8) {
-        /* user nice system idle iowait irq softirq steal: all but idle, iowait */
-        double ticks = (double)sysconf(_SC_CLK_TCK);
-        c->busy_s = (double)(v[0] + v[1] + v[2] + v[5] + v[6] + v[7]) / ticks;
-    }
-    fclose(f);
-}
-
-/* Cores' worth of CPU that other processes used between a and b. */
-static double tdm_bench_dp_other_cores(const tdm_bench_dp_cpu *a, const tdm_bench_dp_cpu *b)
-{
-    double wall = b->wall_s - a->wall_s;
-    if (wall <= 0) return 0.0;
-    double other = (b->busy_s - a->busy_s) - (b->self_s - a->self_s);
-    return other > 0 ? other / wall : 0.0;
 }
 
 typedef struct tdm_bench_dp_data {
@@ -378,8 +342,13 @@ static void tdm_bench_dp_print_throughput(const tdm_bench_dp *b, double ms_singl
     else
         printf("speed-up DP/single: %.2fx on %d devices (%d cores)\n", sps_dp / sps_single,
                b->n_dev, tdm_device_host_cores());
-    printf("other processes used %.2f cores during the run%s\n", other,
-           other > 0.2 ? ": the machine was not quiet, DP figures are pessimistic" : "");
+    if (other < 0)
+        printf("other processes' use of the cores: not measurable (/proc/stat unreadable, or "
+               "a run under %.2f s)\n", tdm_cmp_load_min_window());
+    else
+        printf("other processes used %.2f cores during the run%s\n", other,
+               other >= TDM_CMP_BUSY_CORES
+                   ? ": the machine was not quiet, DP figures are pessimistic" : "");
 }
 
 /* Where a DP step's time goes: mean over the measured steps. */
@@ -415,21 +384,23 @@ static tdm_status tdm_bench_dp_run(tdm_bench_dp *b)
     const tdm_bench_dp_args *g = b->g;
     TDM_CHECK(tdm_bench_dp_setup(b));
     tdm_bench_dp_print_header(b);
-    tdm_bench_dp_cpu cpu0, cpu1;
-    tdm_bench_dp_cpu_sample(&cpu0);
+    tdm_cmp_load cpu0, cpu1;
+    tdm_cmp_load_sample(&cpu0);
     TDM_CHECK(tdm_bench_dp_rounds(b));
     double ms_single = tdm_tool_median(b->t_single, b->ks);   /* t_single is reused below */
     double ms_blas;
     TDM_CHECK(tdm_bench_dp_blas(b, &ms_blas));
-    tdm_bench_dp_cpu_sample(&cpu1);
-    double other = tdm_bench_dp_other_cores(&cpu0, &cpu1);
+    tdm_cmp_load_sample(&cpu1);
+    double other = tdm_cmp_load_other(&cpu0, &cpu1);
     double ms_dp = tdm_tool_median(b->t_dp, b->kd);
     tdm_bench_dp_print_throughput(b, ms_single, ms_dp, ms_blas, other);
     tdm_bench_dp_print_phases(b);
     double sps_single = b->d.batch / (ms_single * 1e-3), sps_dp = b->d.batch / (ms_dp * 1e-3);
+    char oc[32] = "unknown";
+    if (other >= 0) snprintf(oc, sizeof oc, "%.2f", other);
     printf("RESULT model=%s batch=%d devices=%s single_sps=%.0f dp_sps=%.0f speedup=%.3f "
-           "other_cores=%.2f\n",
-           g->model, b->d.batch, g->device, sps_single, sps_dp, sps_dp / sps_single, other);
+           "other_cores=%s\n",
+           g->model, b->d.batch, g->device, sps_single, sps_dp, sps_dp / sps_single, oc);
     return TDM_STATUS_OK;
 }
 

@@ -303,14 +303,19 @@ extern const int tdm_cmp_n_phase_rows;
 const char *tdm_cmp_phase_label(tdm_phase p);
 /* The machine's load during a run (tools/compare_load.c): samples before
  * and after; the other processes' CPU between them in cores' worth (-1:
- * not measurable, no /proc/stat). */
+ * not measurable: no /proc/stat, or a window shorter than
+ * tdm_cmp_load_min_window(), too short for /proc/stat's clock ticks to
+ * tell the load within TDM_CMP_LOAD_ERR cores). Bench dp uses it too. */
 typedef struct tdm_cmp_load {
     double busy_s, self_s, wall_s;
     int valid;
 } tdm_cmp_load;
 /* other processes using this many cores' worth during a mode: "busy" */
 #define TDM_CMP_BUSY_CORES 0.25
+/* the most error a reported load may carry, in cores */
+#define TDM_CMP_LOAD_ERR 0.1
 void tdm_cmp_load_sample(tdm_cmp_load *c);
+double tdm_cmp_load_min_window(void);
 double tdm_cmp_load_other(const tdm_cmp_load *a, const tdm_cmp_load *b);
 /* Warnings for the modes that ran on a busy or oversubscribed machine;
  * 1 when any was printed. other_of: by mode. */

@@ -4,7 +4,13 @@
  * and sharded ranks, getrusage) over a mode's run is what other
  * processes took, in cores' worth; a mode on more devices than cores
  * shares them. Either makes its figures slower and noisier than the
- * machine's, and the report says so (as bench dp does). */
+ * machine's, and the report says so (bench dp uses the same sample).
+ *
+ * /proc/stat counts in clock ticks per CPU, so the busy figure of a
+ * window is known to about one tick per CPU: over a 30 ms run on 2 CPUs
+ * that is +-0.7 cores, and a short mode once read "4.50 cores' worth (of
+ * 2)". A window too short to know the load within TDM_CMP_LOAD_ERR cores
+ * is reported as not measurable, never as a number. */
 #include <stdio.h>
 #include <string.h>
 #include <sys/resource.h>
@@ -36,12 +42,25 @@ void tdm_cmp_load_sample(tdm_cmp_load *c)
     fclose(f);
 }
 
+double tdm_cmp_load_min_window(void)
+{
+    long cpus = sysconf(_SC_NPROCESSORS_ONLN), ticks = sysconf(_SC_CLK_TCK);
+    if (cpus < 1) cpus = 1;
+    if (ticks < 1) ticks = 100;
+    /* one tick per CPU of error, spread over the window */
+    return (double)cpus / ((double)ticks * TDM_CMP_LOAD_ERR);
+}
+
 double tdm_cmp_load_other(const tdm_cmp_load *a, const tdm_cmp_load *b)
 {
     double wall = b->wall_s - a->wall_s;
-    if (!a->valid || !b->valid || wall <= 0) return -1.0;
+    if (!a->valid || !b->valid || wall < tdm_cmp_load_min_window()) return -1.0;
     double other = (b->busy_s - a->busy_s) - (b->self_s - a->self_s);
-    return other > 0 ? other / wall : 0.0;
+    long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+    other = other > 0 ? other / wall : 0.0;
+    /* what is left of the window's error cannot make others use more
+     * than the whole machine */
+    return cpus > 0 && other > (double)cpus ? (double)cpus : other;
 }
 
 int tdm_cmp_load_print(const tdm_cmp_opts *o, tdm_cmp_result *const *res, int n,
