@@ -58,11 +58,41 @@ tdm_status tdm_fsdp_sharding_parse(const char *text, tdm_fsdp_sharding *out)
 
 /* ---- construction ---- */
 
+/* A model built without flat buffers (tdm_model_init_released), offloaded:
+ * rank 0 draws each unit's initial values from the model's seed into a
+ * host block and scatters it over the host communicator straight into
+ * the host shards. The device holds nothing of it at any time. */
+static tdm_status tdm_fsdp_distribute_host(tdm_fsdp *f)
+{
+    tdm_model *m = f->m;
+    float *blk = malloc((size_t)f->max_padded * sizeof(float));
+    if (!blk)
+        return tdm_fsdp_fail(f, tdm_error_set(TDM_STATUS_OUT_OF_MEMORY,
+                                              "fsdp: a host block of %lld floats to draw the "
+                                              "units in", (long long)f->max_padded));
+    tdm_status st = TDM_STATUS_OK;
+    for (int u = 0; st == TDM_STATUS_OK && u < f->nu; u++) {
+        const tdm_fsdp_unit *x = &f->u[u];
+        if (f->rank == 0) {
+            memset(blk, 0, (size_t)x->padded * sizeof(float));
+            for (int i = x->first; i <= x->last; i++)
+                tdm_model_init_param_host(m, tdm_model_seed(m), i,
+                                          blk + (tdm_model_param_info(m, i)->offset - x->offset));
+        }
+        tdm_comm_set_label(f->hcomm, "%s scatter parameters unit %d", tdm_fsdp_tag(f), u);
+        st = tdm_comm_scatter(f->hcomm, blk, f->buf.pshard + x->shard_off, (size_t)x->shard,
+                              TDM_DTYPE_FLOAT32, 0);
+    }
+    free(blk);
+    return st ? tdm_fsdp_fail(f, st) : TDM_STATUS_OK;
+}
+
 /* Every rank's shards (and full copies) from rank 0's parameters. */
 static tdm_status tdm_fsdp_distribute(tdm_fsdp *f)
 {
     tdm_model *m = f->m;
     tdm_device *d = f->dev;
+    if (tdm_model_storage_released(m)) return tdm_fsdp_distribute_host(f);
     const float *src = tdm_model_params(m);
     /* A rank that cannot stage what it sends aborts the communicator: the
      * others are waiting in the collective it will not join, and must
@@ -186,8 +216,16 @@ void tdm_fsdp_free(tdm_fsdp *f)
     }
     tdm_model_set_grad_hook(m, NULL, NULL);
     tdm_model_set_use_hook(m, NULL, NULL);
-    if (tdm_model_storage_released(m) && tdm_model_restore_storage(m) == TDM_STATUS_OK &&
-        f->buf.pfull) {
+    if (tdm_fsdp_offloaded(f) && tdm_model_storage_released(m)) {
+        /* offloaded: the model is not given the whole of itself on the
+         * device (it may not fit: FULL_SHARD's would be zeros anyway);
+         * its views into the pool's blocks go */
+        for (int u = 0; f->u && u < f->nu; u++) {
+            (void)tdm_model_set_param_view(m, f->u[u].first, f->u[u].last, NULL);
+            (void)tdm_model_set_grad_view(m, f->u[u].first, f->u[u].last, NULL);
+        }
+    } else if (tdm_model_storage_released(m) && tdm_model_restore_storage(m) == TDM_STATUS_OK &&
+               f->buf.pfull) {
         /* a full copy exists: the model gets it back */
         for (int u = 0; u < f->nu; u++)
             (void)tdm_dev_copy(f->dev, tdm_model_params(m) + f->u[u].offset,
@@ -235,8 +273,16 @@ tdm_status tdm_fsdp_init(tdm_fsdp **out, tdm_model *m, tdm_comm *comm, const tdm
                 "fsdp: at most %d ranks (got %d)", TDM_FSDP_MAX_RANKS, tdm_comm_size(comm));
     TDM_REQUIRE(tdm_model_n_params(m) > 0, TDM_STATUS_INVALID_ARG,
                 "fsdp: model has no parameters");
-    TDM_REQUIRE(!tdm_model_storage_released(m), TDM_STATUS_INVALID_ARG,
-                "fsdp: the model's parameters are already sharded (its storage was released)");
+    int off = opts && opts->offload == TDM_FSDP_OFFLOAD_PARAMS &&
+              opts->sharding == TDM_FSDP_FULL_SHARD;
+    TDM_REQUIRE(!tdm_model_storage_released(m) || (off && !tdm_model_has_views(m)),
+                TDM_STATUS_INVALID_ARG,
+                "fsdp: the model's flat buffers were released: %s",
+                off ? "its parameters are already sharded (a model built by "
+                      "tdm_model_init_released has no views yet)"
+                    : "its parameters are already sharded, or it was built by "
+                      "tdm_model_init_released, which only parameter offload (FULL_SHARD) "
+                      "can shard");
     TDM_REQUIRE(!opts || (unsigned)opts->sharding < TDM_FSDP_SHARDING_COUNT_,
                 TDM_STATUS_INVALID_ARG,
                 "fsdp: sharding %d is not one of TDM_FSDP_FULL_SHARD, TDM_FSDP_SHARD_GRAD_OP, "

@@ -126,6 +126,64 @@ Test(fsdp_offload, gpt_bitwise_and_exact_device_bytes)
     for (int w = 1; w <= 4; w *= 2) compare_at(2, w);
 }
 
+/* The set-up: with offload the model is built without flat buffers
+ * (tdm_model_init_released) and its units are drawn and scattered in
+ * host memory, so rank 0's device allocator never holds the model at
+ * set-up: its peak there is exactly the plan's init_peak (the buffers and
+ * 16-bit weights: none for these float32 models) and at most the steps'
+ * peak; without offload the set-up holds at least the whole model's
+ * parameters and gradients. The MLP and the GPT at N = 1, 2, 4, and the
+ * GPT in bf16 (its 16-bit weight copy is the set-up's one device block). */
+static void setup_at(int model, int world, tdm_precision prec)
+{
+    tf_cfg c = tf_cfg_default();
+    c.model = model;
+    c.adamw = model == 2;
+    c.steps = 2;
+    c.batch = model == 2 ? 8 : 24;
+    c.no_overlap = 1;
+    c.prec = prec;
+    c.open_dev = open_emu;
+    tf_shared *plain = run(&c, world, TDM_FSDP_OFFLOAD_NONE);
+    tf_shared *off = run(&c, world, TDM_FSDP_OFFLOAD_PARAMS);
+    char what[64];
+    snprintf(what, sizeof what, "%s%s at N=%d", model == 2 ? "gpt" : "mlp",
+             prec == TDM_PRECISION_BF16 ? " bf16" : "", world);
+    same_run(plain, off, c.steps, what);
+    tdm_model_spec spec;
+    tf_spec(&spec, &c);
+    tdm_plan_opts o;
+    tdm_plan_opts_default(&o, &spec, c.batch / world);
+    tf_optim_opts(&o.optim, &c);
+    o.precision = prec;
+    o.device = TDM_DEVICE_CUDA;
+    o.offload = TDM_PLAN_OFFLOAD_PARAMS;
+    tdm_fsdp_mem_plan mp;
+    TU_OK(tdm_fsdp_plan_memory(&o, world, TDM_FSDP_FULL_SHARD, 0, &mp));
+    cr_assert_eq(off->setup_peak, mp.init_peak,
+                 "%s: the set-up's device peak is %zu bytes, planned %zu", what, off->setup_peak,
+                 mp.init_peak);
+    cr_assert_leq(off->setup_peak, off->step_peak, "%s: set-up %zu above the steps' %zu", what,
+                  off->setup_peak, off->step_peak);
+    size_t model_bytes = 2 * round64((size_t)plain->n_elem * sizeof(float));
+    cr_assert_geq(plain->setup_peak, model_bytes, "%s: without offload the set-up held %zu", what,
+                  plain->setup_peak);
+    cr_assert_lt(off->setup_peak + model_bytes, plain->setup_peak + 1, "%s: %zu vs %zu", what,
+                 off->setup_peak, plain->setup_peak);
+    tf_shared_free(plain);
+    tf_shared_free(off);
+}
+
+Test(fsdp_offload, setup_never_holds_the_model_on_the_device)
+{
+    if (!tdm_device_cuda_linked()) cr_skip_test("CUDA backend not built (no nvcc)");
+    for (int w = 1; w <= 4; w *= 2) {
+        setup_at(0, w, TDM_PRECISION_FP32);
+        setup_at(2, w, TDM_PRECISION_FP32);
+    }
+    setup_at(2, 2, TDM_PRECISION_BF16);
+}
+
 /* Gradients that add up across synchronised backwards (the host shard
  * adds each new slice) and no_sync micro-batches. */
 Test(fsdp_offload, accumulated_gradients_bitwise)
