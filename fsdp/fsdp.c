@@ -216,6 +216,7 @@ void tdm_fsdp_free(tdm_fsdp *f)
     }
     tdm_model_set_grad_hook(m, NULL, NULL);
     tdm_model_set_use_hook(m, NULL, NULL);
+    (void)tdm_fsdp_drain(f, TDM_DEV_XFER_HOST);   /* copies down still reading blocks */
     if (tdm_fsdp_offloaded(f) && tdm_model_storage_released(m)) {
         /* offloaded: the model is not given the whole of itself on the
          * device (it may not fit: FULL_SHARD's would be zeros anyway);
@@ -510,6 +511,7 @@ static tdm_status tdm_fsdp_forward_impl(tdm_fsdp *f, const void *x, const int32_
     tdm_fsdp_step_start(f, t0);
     tdm_dist_fwd_begin(&f->fwd);
     f->pass.ag_wait_ms = 0.0;
+    f->pass.copy_ms = 0.0;
     int train = tdm_model_is_train(m);
     int full = f->o.sharding == TDM_FSDP_FULL_SHARD;
     tdm_status st = TDM_STATUS_OK;
@@ -550,7 +552,9 @@ static tdm_status tdm_fsdp_forward_impl(tdm_fsdp *f, const void *x, const int32_
     uint64_t t2 = tdm_time_ns();
     f->pass.ran = run;
     tdm_dist_fwd_done(&f->fwd, batch, ls, train);
-    tdm_fsdp_add_phase(f, TDM_PHASE_FORWARD, (double)(t1 - t0) * 1e-6 - f->pass.ag_wait_ms);
+    tdm_fsdp_add_phase(f, TDM_PHASE_FORWARD,
+                       (double)(t1 - t0) * 1e-6 - f->pass.ag_wait_ms - f->pass.copy_ms);
+    tdm_fsdp_add_phase(f, TDM_PHASE_HOST_COPY, f->pass.copy_ms);
     tdm_fsdp_add_phase(f, TDM_PHASE_ALLGATHER_WAIT, f->pass.ag_wait_ms);
     tdm_fsdp_add_phase(f, TDM_PHASE_LOSS, (double)(t2 - t1) * 1e-6);
     f->timing.times.ag_ready_at_use = f->timing.ag_ready_at_use;
@@ -607,6 +611,7 @@ tdm_status tdm_fsdp_backward(tdm_fsdp *f)
     uint64_t t0 = tdm_time_ns();
     f->pass.ag_wait_ms = 0.0;
     f->pass.rs_wait_ms = 0.0;
+    f->pass.copy_ms = 0.0;
     /* a backward without zero_grad since the last reduce-scatter (no_sync
      * accumulation onto reduced gradients) adds onto zeros outside the
      * owned slices, as it would after the clearing zero_grad skips */
@@ -625,15 +630,18 @@ tdm_status tdm_fsdp_backward(tdm_fsdp *f)
     /* waits inside backward (a gather not yet complete; a reduce-scatter
      * finished early to bound the full gradients alive) are
      * communication, not compute */
-    double bwd_ag = f->pass.ag_wait_ms, bwd_rs = f->pass.rs_wait_ms;
+    double bwd_ag = f->pass.ag_wait_ms, bwd_rs = f->pass.rs_wait_ms, bwd_cp = f->pass.copy_ms;
     st = tdm_fsdp_backward_end(f);
     if (st == TDM_STATUS_OK && f->pass.sync) st = tdm_fsdp_check_tail(f);
     if (st) return tdm_fsdp_fail(f, st);
     uint64_t t2 = tdm_time_ns();
-    tdm_fsdp_add_phase(f, TDM_PHASE_BACKWARD, (double)(t1 - t0) * 1e-6 - bwd_ag - bwd_rs);
+    tdm_fsdp_add_phase(f, TDM_PHASE_BACKWARD,
+                       (double)(t1 - t0) * 1e-6 - bwd_ag - bwd_rs - bwd_cp);
     tdm_fsdp_add_phase(f, TDM_PHASE_ALLGATHER_WAIT, f->pass.ag_wait_ms);
     tdm_fsdp_add_phase(f, TDM_PHASE_REDUCE_SCATTER_WAIT,
-                       (double)(t2 - t1) * 1e-6 - (f->pass.ag_wait_ms - bwd_ag) + bwd_rs);
+                       (double)(t2 - t1) * 1e-6 - (f->pass.ag_wait_ms - bwd_ag) + bwd_rs -
+                           (f->pass.copy_ms - bwd_cp));
+    tdm_fsdp_add_phase(f, TDM_PHASE_HOST_COPY, f->pass.copy_ms);
     if (f->pass.sync) {
         f->check.stepped = 0;
         f->check.count++;

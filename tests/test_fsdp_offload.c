@@ -85,6 +85,9 @@ static void compare_at(int model, int world)
     char what[64];
     snprintf(what, sizeof what, "%s at N=%d", model == 2 ? "gpt" : "mlp", world);
     same_run(plain, off, c.steps, what);
+    /* the copies on the (emulated) copy stream were all finished */
+    cr_assert_eq(off->xfers_left, 0, "%s: %lld copies never finished", what,
+                 (long long)off->xfers_left);
     tf_shared_free(plain);
     tf_shared_free(off);
     /* The bytes: with the reduce-scatters after backward, so that the
@@ -370,8 +373,20 @@ Test(fsdp_offload, cli_checkpoint_losses_resume_and_plan)
     ok("fsdp");
     lines_with("train loss", lp, sizeof lp);
     double peak_plain = after("peak memory on rank 0's cuda-emu:0: ");
-    CLI(&g_r, IMG, "--epochs", "2", "--save", off, "--offload", "params");
+    char trace[192];
+    snprintf(trace, sizeof trace, "%s", tu_tpath(dir, "trace.json"));
+    CLI(&g_r, IMG, "--epochs", "2", "--save", off, "--offload", "params", "--trace", trace);
     ok("fsdp --offload params");
+    /* the copies between host and device are a phase of their own */
+    FILE *tf = fopen(trace, "r");
+    cr_assert_not_null(tf, "no trace %s", trace);
+    static char tbuf[1 << 20];
+    size_t tn = fread(tbuf, 1, sizeof tbuf - 1, tf);
+    fclose(tf);
+    tbuf[tn] = 0;
+    cr_assert(strstr(tbuf, "\"name\": \"host copy\"") || strstr(tbuf, "\"name\":\"host copy\""),
+              "no host copy phase in the trace:\n%.2000s", tbuf);
+    cr_assert(strstr(tbuf, "all-gather wait") || strstr(tbuf, "forward"), "%.500s", tbuf);
     cr_assert(strstr(g_r.out, "parameter and gradient shards and the optimizer (its state and "
                               "step) offloaded to host memory"), "%s", g_r.out);
     cr_assert(strstr(g_r.out, "fsdp memory (rank 0): shards (in host memory)"), "%s", g_r.out);

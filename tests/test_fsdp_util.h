@@ -28,6 +28,9 @@
 #include "models/train.h"
 #include "tests/test_ddp_util.h"
 
+/* the emulator's count of unfinished copies, where cuda/ is linked */
+__attribute__((weak)) int64_t tdm_cuda_emulator_xfers(const tdm_device *d);
+
 #define TF_MAX_ELEMS (1 << 16)
 #define TF_MAX_STEPS 64
 #define TF_GPT_T 10
@@ -80,6 +83,9 @@ typedef struct tf_shared {
     /* rank 0's device allocator at its most from the device's opening
      * to the optimizer's (the set-up: model, shards, optimizer) */
     size_t setup_peak;
+    /* rank 0 on an emulated device: its asynchronous copies never
+     * finished after the run (offload), -1 elsewhere */
+    int64_t xfers_left;
     int64_t shard_elems;
     int n_state;
     int status[8];
@@ -282,6 +288,7 @@ static inline int tf_rank_main(tdm_comm *comm, void *arg)
             if (dst) memcpy(dst, hbuf, (size_t)n_elem * 4);
         }
     }
+    if (rank == 0) sh->xfers_left = tdm_cuda_emulator_xfers ? tdm_cuda_emulator_xfers(dev) : -1;
     if (f && rank == 0) {
         /* every gather has been waited for by now (gather_params settles
          * the ones a step launched): each one's event has an end */
