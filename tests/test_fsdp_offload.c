@@ -390,6 +390,7 @@ Test(fsdp_offload, cli_checkpoint_losses_resume_and_plan)
     cr_assert(strstr(g_r.out, "parameter and gradient shards and the optimizer (its state and "
                               "step) offloaded to host memory"), "%s", g_r.out);
     cr_assert(strstr(g_r.out, "fsdp memory (rank 0): shards (in host memory)"), "%s", g_r.out);
+    cr_assert(strstr(g_r.out, "fsdp offload (rank 0, per step): host copy "), "%s", g_r.out);
     lines_with("train loss", lo, sizeof lo);
     cr_assert(lp[0] && !strcmp(lp, lo), "loss lines differ:\n%s---\n%s", lp, lo);
     cr_assert(cli_same_file(plain, off), "the offloaded run's checkpoint differs");
