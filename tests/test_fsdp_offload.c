@@ -10,7 +10,11 @@
  *   between steps and at the steps' peak;
  * - gradients kept across steps (no zero_grad between them: the host
  *   shard adds the new slice) and no_sync micro-batches: bitwise;
- * - refusals: a host device, grad_op and optimizer shardings, naming why;
+ * - the set-up: the device never holds the model (built without flat
+ *   buffers, its units drawn on the host): its peak is the plan's
+ *   init_peak; the copies on the emulated copy stream are all finished;
+ * - refusals: a host device, grad_op and optimizer shardings, a model
+ *   built without flat buffers but not offloaded, naming why;
  *   no pinned memory on a host device or the emulator (UNSUPPORTED);
  * - the CLI: the checkpoint of `train --offload params` is the bytes of
  *   the run without it (cmp) with the same loss lines, its resume (from
@@ -232,6 +236,19 @@ static int refuse_main(tdm_comm *comm, void *arg)
         tdm_device_free(d);
         if (!tdm_device_cuda_linked()) break;
     }
+    /* status[3]: a model built without flat buffers, sharded without
+     * offload (nothing would hold its parameters) */
+    tdm_device *d = NULL;
+    tdm_model *m = NULL;
+    tdm_fsdp *f = NULL;
+    tdm_status st = tdm_device_open(&d, "cpu", 0, 1);
+    if (st == TDM_STATUS_OK) st = tdm_model_init_released(&m, d, &spec, 1);
+    if (st == TDM_STATUS_OK) st = tdm_fsdp_init(&f, m, comm, NULL);
+    sh->status[3] = st;
+    snprintf(sh->err[3], sizeof sh->err[3], "%s", st ? tdm_error_message() : "");
+    tdm_fsdp_free(f);
+    tdm_model_free(m);
+    tdm_device_free(d);
     return 0;
 }
 
@@ -247,6 +264,9 @@ Test(fsdp_offload, refused_where_it_has_nothing_to_offload)
         cr_assert_eq(sh->status[k], TDM_STATUS_INVALID_ARG, "%s", sh->err[k]);
         cr_assert(strstr(sh->err[k], "keeps full parameters on the device"), "%s", sh->err[k]);
     }
+    cr_assert_eq(sh->status[3], TDM_STATUS_INVALID_ARG, "%s", sh->err[3]);
+    cr_assert(strstr(sh->err[3], "tdm_model_init_released, which only parameter offload"), "%s",
+              sh->err[3]);
     tf_shared_free(sh);
 }
 
