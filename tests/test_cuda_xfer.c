@@ -91,3 +91,45 @@ Test(cuda_xfer, emulator_copies_only_when_finished)
     tdm_dev_free(e, dev);
     tdm_device_free(e);
 }
+
+/* On a GPU (skipped without one, and under the emulator): both
+ * directions through the copy stream, each finish, pinned host memory;
+ * the bits arrive. Run by the GPU bundle (cuda/cuda.mk). */
+Test(cuda_xfer, gpu_copy_stream_moves_the_bits)
+{
+    if (!tdm_device_cuda_linked()) cr_skip_test("CUDA backend not built (no nvcc)");
+    tdm_device *g = NULL;
+    if (tdm_device_open(&g, "cuda", 0, 0) != TDM_STATUS_OK) cr_skip_test("no GPU");
+    if (tdm_cuda_device_is_emulator(g)) {
+        tdm_device_free(g);
+        cr_skip_test("an emulated GPU (tested above)");
+    }
+    static float host[N], back[N];
+    tdm_status pin = tdm_dev_host_pin(g, host, sizeof host);
+    cr_assert(pin == TDM_STATUS_OK || pin == TDM_STATUS_UNSUPPORTED, "%s", tdm_error_message());
+    float *dev = NULL;
+    TU_OK(tdm_dev_alloc(g, N * sizeof(float), (void **)&dev));
+    static const tdm_dev_xfer_until until[] = {TDM_DEV_XFER_HOST, TDM_DEV_XFER_DEVICE,
+                                               TDM_DEV_XFER_COMM};
+    for (int k = 0; k < 3; k++) {
+        fill(host, 3.0f * (float)(k + 1));
+        tdm_dev_xfer *x = NULL;
+        TU_OK(tdm_dev_copy_async(g, TDM_DEV_XFER_TO_DEVICE, dev, host, sizeof host, &x));
+        TU_OK(tdm_dev_xfer_finish(x, until[k]));
+        if (until[k] == TDM_DEV_XFER_COMM) {   /* no collective here: wait on the host */
+            TU_OK(tdm_dev_copy_async(g, TDM_DEV_XFER_TO_HOST, back, dev, 4, &x));
+            TU_OK(tdm_dev_xfer_finish(x, TDM_DEV_XFER_HOST));   /* the stream is in order */
+        }
+        TU_OK(tdm_dev_scale(g, N, 2.0f, dev));
+        memset(back, 0, sizeof back);
+        TU_OK(tdm_dev_copy_async(g, TDM_DEV_XFER_TO_HOST, back, dev, sizeof back, &x));
+        TU_OK(tdm_dev_xfer_finish(x, until[k] == TDM_DEV_XFER_DEVICE ? TDM_DEV_XFER_DEVICE
+                                                                     : TDM_DEV_XFER_HOST));
+        TU_OK(tdm_dev_sync(g));
+        for (int i = 0; i < N; i++)
+            cr_assert_eq(back[i], 2.0f * host[i], "finish %d: element %d", k, i);
+    }
+    tdm_dev_free(g, dev);
+    if (pin == TDM_STATUS_OK) tdm_dev_host_unpin(g, host);
+    tdm_device_free(g);
+}
