@@ -45,6 +45,8 @@ tdm_status tdm_dev_copy_async(tdm_device *d, tdm_dev_xfer_dir dir, void *dst, co
     *out = NULL;
     TDM_REQUIRE(dir == TDM_DEV_XFER_TO_DEVICE || dir == TDM_DEV_XFER_TO_HOST,
                 TDM_STATUS_INVALID_ARG, "%s: asynchronous copy direction %d", d->name, (int)dir);
+    TDM_REQUIRE(!nbytes || (dst && src), TDM_STATUS_INVALID_ARG,
+                "%s: asynchronous copy of %zu bytes from %p to %p", d->name, nbytes, src, dst);
     tdm_dev_xfer *x = calloc(1, sizeof *x);
     TDM_REQUIRE(x, TDM_STATUS_OUT_OF_MEMORY, "%s: an asynchronous copy's handle", d->name);
     x->d = d;

@@ -49,6 +49,9 @@ Test(cuda_xfer, host_device_copies_at_once)
                  TDM_STATUS_INVALID_ARG);
     cr_assert_null(x);
     cr_assert(strstr(tdm_error_message(), "direction 7"), "%s", tdm_error_message());
+    cr_assert_eq(tdm_dev_copy_async(h, TDM_DEV_XFER_TO_HOST, NULL, src, 4, &x),
+                 TDM_STATUS_INVALID_ARG);
+    cr_assert_null(x);
     tdm_device_free(h);
 }
 
