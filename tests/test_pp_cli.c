@@ -476,6 +476,8 @@ Test(pp_cli, bad_configurations_are_one_line_errors)
         {{"--device", "cpu:2", "--grad-accum", "2", MLP}, "--microbatches 2 instead"},
         {{"--device", "cpu:4", "--mesh", "dp=2,pp=2", "--sharding", "full"},
          "--mode pp shards only the optimizer"},
+        {{"--device", "cpu:4", "--mesh", "dp=2,pp=2", "--sharding", "grad_op"},
+         "it needs them whole until the last one (DeepSpeed refuses ZeRO-2 with pipelines"},
         {{"--device", "cpu:2", "--sharding", "optimizer", MLP}, "with D >= 2 (dp is 1)"},
         {{"--device", "cpu:4", "--mesh", "dp=2,pp=2", "--sharding", "optimizer", "--resume",
           "x.safetensors"}, "--resume and --max-restarts are not supported"},
