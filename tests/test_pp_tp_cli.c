@@ -170,6 +170,29 @@ Test(pp_tp_cli, zero1_on_the_dp_dimension_is_the_3d_meshs_bit_for_bit)
     }
 }
 
+/* ZeRO-1 on the 3-D mesh resumes: 20 steps and 20 resumed from their
+ * file equal 40 straight, bit for bit (AdamW). */
+Test(pp_tp_cli, zero1_on_the_3d_mesh_resumes_bit_for_bit)
+{
+    static cli_result r;
+    char straight[128], half[128], resumed[128];
+    path(straight, sizeof straight, "z3-40");
+    path(half, sizeof half, "z3-20");
+    path(resumed, sizeof resumed, "z3-20-20");
+#define Z3_RUN "train", "--mode", "pp", "--device", "cpu:8", "--mesh", "dp=2,pp=2,tp=2", \
+               "--split", "0,2", MLP, "--data", "synthetic", "--synthetic-size", "320", \
+               "--batch", "32", "--optim", "adamw", "--no-eval", "--quiet", "--sharding", \
+               "optimizer"
+    CLI(&r, Z3_RUN, "--epochs", "4", "--save", straight);
+    expect(&r, 0, "epoch 4/4");
+    CLI(&r, Z3_RUN, "--epochs", "2", "--save", half);
+    expect(&r, 0, "epoch 2/2");
+    CLI(&r, Z3_RUN, "--epochs", "4", "--resume", half, "--save", resumed);
+    expect(&r, 0, "epoch 4/4");
+#undef Z3_RUN
+    cr_assert(cli_same_file(straight, resumed), "20 + 20 resumed steps differ from 40");
+}
+
 Test(pp_tp_cli, checkpoints_go_between_pp_tp_and_single)
 {
     char one1[128], one3[128], m1[128], a[128], b[128];

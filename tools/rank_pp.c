@@ -23,7 +23,8 @@
  * with optimizer state for that slice only, and all-gathers the slices
  * over the dp dimension back into the stage's parameters. The update is
  * elementwise, so the run is DDP x pp's bit for bit. --save gathers the
- * state slices into the file DDP x pp writes; --resume is refused. On
+ * state slices into the file DDP x pp writes; --resume slices any mode's
+ * file back into this run's chunks (at any dp size). On
  * tensor-parallel stages (the 3-D mesh) the same, over the narrow stage's
  * flat parameters: the dp group joins one stage's one tp index
  * (tools/rank_pptp_zero.h carries the state into the whole layout). */
@@ -549,11 +550,50 @@ static tdm_status tdm_rank_pp_gather(void *ctx, tdm_ckpt_host *h, int root)
     return tdm_pp_gather_state(q->p, root ? h : NULL, 0);
 }
 
+/* The stage's part of h, parameters (and buffers, and with h->optim
+ * the stage optimizer's state), as it holds them: the stage's slice, or
+ * on tensor-parallel stages the narrow stage's. */
+static tdm_status tdm_rank_pp_take_stage(tdm_tool_pp *q, const tdm_ckpt_host *h)
+{
+    if (q->tpn > 1) return tdm_pptp_load(&q->tp, q->p, h);
+    return tdm_pp_load_state(q->p, h);
+}
+
+/* ZeRO-1's resume from any mode's file (the whole model's state): each
+ * optimizer state goes into the stage's parameter layout the way the
+ * parameters do (loaded as parameters, which slices it as they are
+ * sliced: the narrow stage's under tp, the GPT's tied copy included),
+ * and the replica's chunk of that into its ZeRO-1 optimizer; then the
+ * parameters themselves. The chunks are this run's, whatever the dp size
+ * of the run that wrote the file. */
+static tdm_status tdm_rank_pp_zero1_take(tdm_tool_pp *q, const tdm_ckpt_host *h)
+{
+    tdm_model *m = tdm_pp_model(q->p);
+    int64_t n = tdm_model_param_elems(m), c = q->zchunk, lo = q->rep * c;
+    int64_t k = lo >= n ? 0 : n - lo < c ? n - lo : c;
+    int ns = h->optim ? tdm_optim_kind_n_state(h->optim) : 0;
+    TDM_REQUIRE(!h->optim || ns == tdm_optim_n_state(q->zopt), TDM_STATUS_MISMATCH,
+                "ZeRO-1 resume: the checkpoint's optimizer keeps %d state buffers, this run's %d",
+                ns, tdm_optim_n_state(q->zopt));
+    for (int i = 0; i < ns; i++) {
+        tdm_ckpt_host as = {.params = h->state[i]};
+        TDM_CHECK(tdm_rank_pp_take_stage(q, &as));
+        if (k)
+            TDM_CHECK(tdm_dev_copy(q->zdev, tdm_optim_state(q->zopt, i), tdm_model_params(m) + lo,
+                                   (size_t)k * sizeof(float)));
+    }
+    tdm_ckpt_host ps = *h;
+    ps.optim = NULL;
+    TDM_CHECK(tdm_rank_pp_take_stage(q, &ps));
+    if (h->optim) tdm_optim_set_steps(q->zopt, h->steps);
+    return tdm_dev_sync(q->zdev);
+}
+
 static tdm_status tdm_rank_pp_take(void *ctx, const tdm_ckpt_host *h)
 {
     tdm_tool_pp *q = ctx;
-    if (q->tpn > 1) return tdm_pptp_load(&q->tp, q->p, h);
-    return tdm_pp_load_state(q->p, h);
+    if (q->zopt) return tdm_rank_pp_zero1_take(q, h);
+    return tdm_rank_pp_take_stage(q, h);
 }
 
 /* The whole model's state gathered on replica 0's first stage (rank 0),

@@ -63,10 +63,6 @@ tdm_status tdm_train_check_pp(tdm_train_args *a, int gpt)
                                     "the dp dimension (--sharding optimizer, ZeRO-1): a stage "
                                     "keeps its parameters and gradients whole%s\n",
                                     a->save_sharded ? "; --save-sharded is fsdp's" : "");
-    if (a->sharding && (a->resume || a->max_restarts))
-        return tdm_tool_usage_error("tandem train: --mode pp --sharding optimizer: --resume "
-                                    "and --max-restarts are not supported (a checkpoint is not "
-                                    "split into the replicas' optimizer slices; --save works)\n");
     if (a->microbatches > a->batch)
         return tdm_tool_usage_error("tandem train: --microbatches %lld is more than --batch "
                                     "%lld: every micro-batch needs a sample\n", a->microbatches,
