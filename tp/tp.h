@@ -268,7 +268,7 @@ tdm_status tdm_tp_evaluate(tdm_tp *p, const tdm_dataset *d, int batch, double *l
  * arrays in the whole model's layout, tdm_tp_tables; used on root only):
  * parameters and, when h->optim is set, the optimizer's state and step
  * count: what tdm_checkpoint_save_host writes, the file every mode reads.
- * Collective (with ZeRO-1 over grad_comm too: every other replica calls
+ * Collective (with ZeRO-1 or 2 over grad_comm too: every other replica calls
  * tdm_tp_zero_join_gather). */
 tdm_status tdm_tp_gather_state(tdm_tp *p, tdm_ckpt_host *h, int root);
 /* The whole model's gradient (host, whole layout) on root. Collective.
