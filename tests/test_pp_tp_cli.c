@@ -269,6 +269,19 @@ Test(pp_tp_cli, emulated_cuda_ranks_write_the_host_ranks_checkpoint)
     pptp(emu, "cuda", "dp=2,pp=2,tp=2", "1", "3", NULL);
     unsetenv("TANDEM_CUDA_EMULATOR");
     cr_assert(cli_same_file(host, emu), "emulated ranks differ from host ranks");
+    /* ZeRO-1 on the dp dimension: its step's gather and the save's over
+     * the device communicators */
+    static cli_result r;
+    for (int e = 0; e < 2; e++) {
+        if (e) cr_assert_eq(setenv("TANDEM_CUDA_EMULATOR", "8", 1), 0);
+        CLI(&r, "train", "--mode", "pp", "--device", e ? "cuda" : "cpu:8", "--mesh",
+            "dp=2,pp=2,tp=2", "--split", "0,2", MLP, SYN, "--batch", "32", "--epochs", "1",
+            "--max-steps", "3", "--no-eval", "--quiet", "--optim", "adamw", "--sharding",
+            "optimizer", "--save", e ? emu : host);
+        unsetenv("TANDEM_CUDA_EMULATOR");
+        expect(&r, 0, "/");
+    }
+    cr_assert(cli_same_file(host, emu), "emulated ZeRO-1 ranks differ from host ranks");
 }
 
 Test(pp_tp_cli, bad_meshes_are_one_line_and_exit_2)

@@ -18,6 +18,9 @@
  *   checkpoint within 1e-4 (measured 1.7e-6), compare's tp-sp section
  *   counts the plan's collectives, emulated CUDA ranks write the host
  *   ranks' file, and its bad input is one line and exit 2;
+ * - ZeRO-1 and ZeRO-2 on the dp dimension (--sharding optimizer,
+ *   grad_op): the plain dp x tp mesh's file byte for byte, resumed runs
+ *   ending on the same bytes, emulated CUDA ranks on the host ranks';
  * - bad input (the CNN, the GPT, a width the ranks do not divide, a
  *   pipeline in the mesh, one linear layer, pp's and the levers' options)
  *   is one line and exit 2. */
@@ -294,6 +297,18 @@ Test(tp_cli, emulated_cuda_ranks_write_the_host_ranks_checkpoint)
     unsetenv("TANDEM_CUDA_EMULATOR");
     expect(&r, 0, "val loss");
     cr_assert(cli_same_file(host, emu), "emulated sequence-parallel ranks differ from host ranks");
+    /* ZeRO-2 on dp=2 x tp=2: the step's whole gradient allocated and
+     * released on the device, reduce-scattered into the kept shard over
+     * the device communicator */
+    for (int e = 0; e < 2; e++) {
+        if (e) cr_assert_eq(setenv("TANDEM_CUDA_EMULATOR", "4", 1), 0);
+        CLI(&r, "train", "--mode", "tp", "--device", e ? "cuda" : "cpu:4", "--mesh", "dp=2,tp=2",
+            MLP, SYN, "--batch", "32", "--epochs", "1", "--quiet", "--sharding", "grad_op",
+            "--save", e ? emu : host);
+        unsetenv("TANDEM_CUDA_EMULATOR");
+        expect(&r, 0, "epoch 1/1");
+    }
+    cr_assert(cli_same_file(host, emu), "emulated ZeRO-2 ranks differ from host ranks");
 }
 
 /* The GPT split by heads: tp on 2 ranks and dp=2 x tp=2 end where one
