@@ -197,15 +197,15 @@ static void tdm_gpt_layout(tdm_model *m, int batch, tdm_act_layout *lay, tdm_act
                 tdm_act_add(to, &b->ln1h, N * C * es, layer, ar, &off);
                 tdm_act_add(to, (void **)&b->ln1_mean, N * f, layer, ar, &off);
                 tdm_act_add(to, (void **)&b->ln1_rstd, N * f, layer, ar, &off);
-                tdm_act_add(to, &b->qkvh, 3 * N * C * es, layer, ar, &off);
+                tdm_act_add(to, &b->qkvh, 3 * N * Ca * es, layer, ar, &off);
                 tdm_act_add(to, &b->atth, att * es, layer, ar, &off);
-                tdm_act_add(to, &b->attyh, N * C * es, layer, ar, &off);
+                tdm_act_add(to, &b->attyh, N * Ca * es, layer, ar, &off);
                 tdm_act_add(to, (void **)&b->res1, N * C * f, layer, ar, &off);
                 tdm_act_add(to, &b->ln2h, N * C * es, layer, ar, &off);
                 tdm_act_add(to, (void **)&b->ln2_mean, N * f, layer, ar, &off);
                 tdm_act_add(to, (void **)&b->ln2_rstd, N * f, layer, ar, &off);
-                tdm_act_add(to, &b->fchh, 4 * N * C * es, layer, ar, &off);
-                tdm_act_add(to, &b->fcgh, 4 * N * C * es, layer, ar, &off);
+                tdm_act_add(to, &b->fchh, N * F * es, layer, ar, &off);
+                tdm_act_add(to, &b->fcgh, N * F * es, layer, ar, &off);
             } else {
                 tdm_act_add(to, (void **)&b->ln1, N * C * f, layer, ar, &off);
                 tdm_act_add(to, (void **)&b->ln1_mean, N * f, layer, ar, &off);
@@ -452,9 +452,8 @@ static tdm_status tdm_gpt_run_forward(tdm_model *m, const void *x, int B, int Tr
     tdm_device *d = m->dev;
     int C = g->C;
     int64_t N = (int64_t)B * Tr;
-    TDM_REQUIRE(g->tp == 1 || (m->partial && !tdm_model_low(m) && !m->lev.ckpt),
-                TDM_STATUS_INVALID_ARG, "gpt: a tensor-parallel slice (1/%d) runs in FP32 "
-                "without activation checkpointing, with its partial sums set", g->tp);
+    TDM_REQUIRE(g->tp == 1 || m->partial, TDM_STATUS_INVALID_ARG,
+                "gpt: a tensor-parallel slice (1/%d) runs with its partial sums set", g->tp);
     TDM_CHECK(tdm_gpt_reserve(m, B));
     tdm_gpt_act *a = g->a;
     a->seq = Tr;

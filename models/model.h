@@ -115,8 +115,9 @@ typedef struct tdm_model_spec {
      * tools/rank_pptp.h): H/tp_ranks heads (attn.c_attn (3C/N, C),
      * attn.c_proj (C, C/N)), mlp.c_fc (4C/N, C), mlp.c_proj (C, 4C/N); the
      * row-parallel products and the column-parallel input gradients are
-     * summed by the partial-sum callback (tdm_model_set_partial_sums).
-     * 0 or 1: the whole model. FP32 without activation checkpointing. */
+     * summed by the partial-sum callback (tdm_model_set_partial_sums),
+     * in every precision and with activation checkpointing (a recomputed
+     * block's row-parallel sums run again). 0 or 1: the whole model. */
     int tp_ranks;
     /* SEQ: the layers, the input shape above (in_c x in_h x in_w; flat
      * input: 1 x 1 x features), n_classes the last op's width. */
@@ -271,9 +272,10 @@ tdm_status tdm_model_sync_bn_backward_empty(tdm_model *m);
  * parallel): its backward's input gradient (batch, in) is a partial sum,
  * summed the same way (not called where no input gradient is computed).
  * buf is device memory of n floats; every rank of the group calls fn in
- * the same order. Linear layers in FP32 only: with a 16-bit precision or
- * activation checkpointing set, the forward and backward refuse
- * (INVALID_ARG). kinds: one per layer of m (tdm_model_n_layers); NULL fn
+ * the same order. In 16-bit precisions the sums are of the float32
+ * products (before the output is rounded); with activation
+ * checkpointing a recomputed row-parallel layer calls fn again (the
+ * same bits as its forward's). kinds: one per layer of m (tdm_model_n_layers); NULL fn
  * clears them all. A GPT of tdm_model_spec.tp_ranks > 1 takes kinds NULL:
  * its spec says which of its layers are split (per block: attn.c_attn
  * and mlp.c_fc column-parallel, both c_proj row-parallel, layer: the

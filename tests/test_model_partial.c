@@ -3,8 +3,9 @@
  * layer's product before its bias and activation and a column-parallel
  * layer's input gradient, with their sizes; what it writes is what the
  * layer goes on with; a model without marks runs as before; bad marks
- * and the levers it does not run under are refused; a sliced GPT calls it
- * at its four split layers per block. */
+ * are refused; in bf16, fp16 and with activation checkpointing the same
+ * sums run (a recomputed row layer's again); a sliced GPT calls it at its
+ * four split layers per block. */
 #include <criterion/criterion.h>
 
 #include <string.h>
@@ -13,6 +14,7 @@
 #include "models/gpt.h"
 #include "models/model.h"
 #include "models/precision.h"
+#include "models/recompute.h"
 
 #define B 3
 
@@ -84,7 +86,7 @@ Test(model_partial, the_callback_sees_the_row_product_and_the_column_input_gradi
     tdm_device_free(dev);
 }
 
-Test(model_partial, bad_marks_and_other_levers_are_refused)
+Test(model_partial, bad_marks_are_refused)
 {
     tdm_device *dev = NULL;
     cr_assert_eq(tdm_device_open(&dev, "cpu", 0, 1), TDM_STATUS_OK);
@@ -93,15 +95,55 @@ Test(model_partial, bad_marks_and_other_levers_are_refused)
     tdm_model_partial kinds[2] = {TDM_MODEL_PARTIAL_OUT, TDM_MODEL_PARTIAL_IN};
     cr_assert_eq(tdm_model_set_partial_sums(m, kinds, 1, record, &r), TDM_STATUS_INVALID_ARG);
     cr_assert(strstr(tdm_error_message(), "1 kinds for a model of 2 layers"), "%s",
-              tdm_error_message());
-    cr_assert_eq(tdm_model_set_partial_sums(m, kinds, 2, record, &r), TDM_STATUS_OK);
-    cr_assert_eq(tdm_model_set_precision(m, TDM_PRECISION_BF16), TDM_STATUS_OK,
-                 "%s", tdm_error_message());
-    double l = 0;
-    cr_assert_eq(tdm_model_forward_backward(m, X, Y, B, &l), TDM_STATUS_INVALID_ARG);
-    cr_assert(strstr(tdm_error_message(), "partial sums run in fp32"), "%s",
-              tdm_error_message());
+                     tdm_error_message());
     tdm_model_free(m);
+    tdm_device_free(dev);
+}
+
+/* In bf16 and fp16, and with activation checkpointing, the callback sees
+ * the same calls (a recomputed row layer's once more), and the identity
+ * sum leaves the run of the unmarked model's bits. */
+Test(model_partial, sixteen_bit_and_checkpointed_layers_sum_their_partials_too)
+{
+    static const tdm_precision prec[] = {TDM_PRECISION_BF16, TDM_PRECISION_FP16,
+                                         TDM_PRECISION_FP32};
+    tdm_device *dev = NULL;
+    cr_assert_eq(tdm_device_open(&dev, "cpu", 0, 1), TDM_STATUS_OK);
+    for (int k = 0; k < 3; k++) {
+        int ck = prec[k] == TDM_PRECISION_FP32;   /* fp32: checkpointed instead */
+        tdm_model *a = mlp(dev), *b = mlp(dev);
+        tdm_model_partial kinds[2] = {TDM_MODEL_PARTIAL_OUT, TDM_MODEL_PARTIAL_IN};
+        rec r = {.scale = 1.0f};
+        cr_assert_eq(tdm_model_set_partial_sums(b, kinds, 2, record, &r), TDM_STATUS_OK);
+        for (int j = 0; j < 2; j++) {
+            tdm_model *m = j ? b : a;
+            cr_assert_eq(tdm_model_set_precision(m, prec[k]), TDM_STATUS_OK, "%s",
+                         tdm_error_message());
+            cr_assert_eq(tdm_model_set_checkpoint(m, ck), TDM_STATUS_OK, "%s",
+                         tdm_error_message());
+        }
+        double la = 0, lb = 0;
+        cr_assert_eq(tdm_model_forward_backward(a, X, Y, B, &la), TDM_STATUS_OK, "%s",
+                     tdm_error_message());
+        cr_assert_eq(tdm_model_forward_backward(b, X, Y, B, &lb), TDM_STATUS_OK, "%s",
+                     tdm_error_message());
+        /* the forward's row sum, the column layer's input gradient, and
+         * checkpointed the row layer's forward again when backward
+         * reaches it */
+        cr_assert_eq(r.calls, ck ? 3 : 2, "precision %d: %d calls", (int)prec[k], r.calls);
+        cr_assert(r.layer[0] == 0 && r.layer[1] == 1 && (!ck || r.layer[2] == 0), "%d %d %d",
+                  r.layer[0], r.layer[1], r.layer[2]);
+        cr_assert_eq(la, lb);
+        int64_t n = tdm_model_param_elems(a);
+        cr_assert_eq(memcmp(tdm_model_grads(a), tdm_model_grads(b), (size_t)n * 4), 0);
+        /* what the callback writes is what the layers go on with */
+        r = (rec){.scale = 2.0f};
+        cr_assert_eq(tdm_model_zero_grad(b), TDM_STATUS_OK);
+        cr_assert_eq(tdm_model_forward_backward(b, X, Y, B, &lb), TDM_STATUS_OK);
+        cr_assert_neq(la, lb);
+        tdm_model_free(a);
+        tdm_model_free(b);
+    }
     tdm_device_free(dev);
 }
 

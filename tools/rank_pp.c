@@ -438,7 +438,9 @@ static tdm_status tdm_rank_pp_step(void *ctx, const void *x, const int32_t *y, i
     int64_t end;
     q->det_global = s->own_rows ? s->global_batch : batch;
     tdm_dist_share(q->det_global, q->rep, q->reps, &q->det_row0, &end);
-    tdm_train_levers_pp_begin(s, q->p, q->jcomm, q->rep);
+    q->tp.replica = q->rep;
+    tdm_train_levers_pp_begin(s, q->p, q->jcomm, q->rep, q->tpn > 1 ? tdm_pptp_sumsq : NULL,
+                              &q->tp);
     TDM_CHECK(tdm_tool_mesh_step(s, &q->mesh, q->in_elems, q->out_rows, tdm_rank_pp_step_fn, q,
                                  who, "pp loss over the replicas", x, y, batch, loss_mean));
     tdm_train_levers_pp_end(s, q->p);

@@ -91,6 +91,7 @@ typedef struct tdm_pptp {
     tdm_model_spec narrow;
     tdm_pptp_cut cut[TDM_PPTP_MAX_LAYERS];
     tdm_model *whole, *slim;     /* the tables of the whole and the narrow model */
+    int replica;                 /* the rank's replica (the dp coordinate) */
     int64_t sums;                /* partial sums all-reduced, and their bytes */
     int64_t sum_bytes;
     double sum_ms;
@@ -117,6 +118,19 @@ void tdm_pptp_unslice(const tdm_pptp *q, int t, const float *narrow, float *whol
  * over stage 0's tp group. Collective over the replica. */
 tdm_status tdm_pptp_gather(tdm_pptp *q, tdm_pp *p, const tdm_optim *opt, tdm_ckpt_host *h,
                            int root);
+/* The memory levers on a tensor-parallel stage (tools/rank_pptp_levers.c).
+ * The global gradient norm's share of this rank (pp/pp.h's
+ * tdm_pp_levers.sumsq; ctx the tdm_pptp): the sum of squares of the
+ * stage model m's gradient over its split tensors (every rank of the
+ * group holds other elements of them) and, on tp rank 0 alone, its
+ * replicated ones (the same bits on every rank of the group: their
+ * inputs are the all-reduced stream), of replica 0 alone (the replicas
+ * hold the same summed gradient); the GPT's tied copy on the last stage
+ * is counted on the first stage's wte, as pp/ counts it. Runs of
+ * adjacent counted tensors are summed as one buffer (models/clip.h's
+ * fixed order). */
+tdm_status tdm_pptp_sumsq(void *ctx, tdm_model *m, double *sq);
+
 /* This rank's part of a whole model's state in h (any mode's file):
  * parameters and, with h->optim, the optimizer state and steps. Local. */
 tdm_status tdm_pptp_load(tdm_pptp *q, tdm_pp *p, const tdm_ckpt_host *h);
