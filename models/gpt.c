@@ -207,23 +207,31 @@ static void tdm_gpt_layout(tdm_model *m, int batch, tdm_act_layout *lay, tdm_act
                 tdm_act_add(to, &b->fchh, N * F * es, layer, ar, &off);
                 tdm_act_add(to, &b->fcgh, N * F * es, layer, ar, &off);
             } else {
+                /* sequence parallel: the stream and the LayerNorms'
+                 * statistics of the rank's Nl rows (the first stage's
+                 * block 0 normalises the whole embeddings) */
+                size_t Nl = g->sp ? N / (size_t)g->tp : N;
+                size_t N1 = g->has_emb && k == 0 ? N : Nl;
                 tdm_act_add(to, (void **)&b->ln1, N * C * f, layer, ar, &off);
-                tdm_act_add(to, (void **)&b->ln1_mean, N * f, layer, ar, &off);
-                tdm_act_add(to, (void **)&b->ln1_rstd, N * f, layer, ar, &off);
+                tdm_act_add(to, (void **)&b->ln1_mean, N1 * f, layer, ar, &off);
+                tdm_act_add(to, (void **)&b->ln1_rstd, N1 * f, layer, ar, &off);
                 tdm_act_add(to, (void **)&b->q, N * Ca * f, layer, ar, &off);
                 tdm_act_add(to, (void **)&b->k, N * Ca * f, layer, ar, &off);
                 tdm_act_add(to, (void **)&b->v, N * Ca * f, layer, ar, &off);
                 tdm_act_add(to, (void **)&b->att, att * f, layer, ar, &off);
                 tdm_act_add(to, (void **)&b->atty, N * Ca * f, layer, ar, &off);
-                tdm_act_add(to, (void **)&b->res1, N * C * f, layer, ar, &off);
+                tdm_act_add(to, (void **)&b->res1, Nl * C * f, layer, ar, &off);
                 tdm_act_add(to, (void **)&b->ln2, N * C * f, layer, ar, &off);
-                tdm_act_add(to, (void **)&b->ln2_mean, N * f, layer, ar, &off);
-                tdm_act_add(to, (void **)&b->ln2_rstd, N * f, layer, ar, &off);
+                tdm_act_add(to, (void **)&b->ln2_mean, Nl * f, layer, ar, &off);
+                tdm_act_add(to, (void **)&b->ln2_rstd, Nl * f, layer, ar, &off);
                 tdm_act_add(to, (void **)&b->fch, N * F * f, layer, ar, &off);
                 tdm_act_add(to, (void **)&b->fcg, N * F * f, layer, ar, &off);
             }
             int keep_out = !ck || tdm_gpt_seg_last(m, g->b0 + k);
-            tdm_act_add(to, (void **)&b->res2, N * C * f, layer, pass ? !keep_out : 1, &off);
+            /* sequence parallel: the rank's rows, but the model's top
+             * block's output (gathered whole for ln_f) */
+            size_t N2 = g->sp && !(g->has_head && k == g->nb - 1) ? N / (size_t)g->tp : N;
+            tdm_act_add(to, (void **)&b->res2, N2 * C * f, layer, pass ? !keep_out : 1, &off);
             if (!pass) slot = off;
         }
     }

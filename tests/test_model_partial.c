@@ -15,6 +15,7 @@
 #include "models/model.h"
 #include "models/precision.h"
 #include "models/recompute.h"
+#include "models/stage.h"
 
 #define B 3
 
@@ -187,5 +188,86 @@ Test(model_partial, a_sliced_gpt_sums_four_partial_products_per_block)
         cr_assert(r.layer[i] == want[i] && r.n[i] == NB * T * C, "call %d: layer %d, %lld", i,
                   r.layer[i], (long long)r.n[i]);
     tdm_model_free(m);
+    tdm_device_free(dev);
+}
+
+/* Sequence parallelism's collectives faked on one rank (tp rank 0 of
+ * 2): a gather copies the rank's part into every part, a reduce-scatter
+ * keeps the rank's part. The numbers mean nothing; the calls and the
+ * memory are what is checked. */
+typedef struct {
+    int gathers, scatters;
+} seq_rec;
+
+static tdm_status fake_seq(void *ctx, tdm_model_seq_op op, const float *src, float *dst,
+                           int64_t n, int layer)
+{
+    seq_rec *r = ctx;
+    (void)layer;
+    if (op == TDM_MODEL_SEQ_GATHER) {
+        r->gathers++;
+        for (int k = 0; k < 2; k++) memmove(dst + k * (n / 2), src, (size_t)(n / 2) * 4);
+    } else {
+        r->scatters++;
+        memmove(dst, src, (size_t)(n / 2) * 4);
+    }
+    return TDM_STATUS_OK;
+}
+
+/* The whole GPT of 2 blocks as one sequence-parallel slice (tp 2): per
+ * block 4 gathers (ln_1's output but block 0's, which reads the whole
+ * embeddings; ln_2's; the stream's gradient twice, but once in the top
+ * block, whose output gradient is whole) and 4 reduce-scatters, 1 gather
+ * for ln_f and 1 for the embeddings' gradient, 2 LayerNorm gradient sums
+ * a block; and the activation set drops by exactly the
+ * rows it no longer keeps: per block res1 (N - N/2 rows of C), ln_2's
+ * statistics (2 of N - N/2), res2 but the top block's (gathered whole for
+ * ln_f), ln_1's statistics but block 0's (whole). */
+Test(model_partial, a_sequence_parallel_gpt_slice_keeps_its_rows_only)
+{
+    enum { L = 2, C = 16, H = 2, T = 32, NB = 2, N = NB * T, NL = N / 2 };
+    tdm_device *dev = NULL;
+    cr_assert_eq(tdm_device_open(&dev, "cpu", 0, 1), TDM_STATUS_OK);
+    int32_t tok[NB * T], y[NB * T];
+    for (int i = 0; i < NB * T; i++) {
+        tok[i] = (i * 37) % 256;
+        y[i] = (i * 11 + 5) % 256;
+    }
+    size_t set[2];
+    for (int sp = 0; sp < 2; sp++) {
+        tdm_model_spec s;
+        tdm_model_spec_gpt(&s, L, C, H, T);
+        s.tp_ranks = 2;
+        s.tp_seq = sp;
+        tdm_model *m = NULL;
+        cr_assert_eq(tdm_model_init(&m, dev, &s, 3), TDM_STATUS_OK, "%s", tdm_error_message());
+        rec r = {.scale = 1.0f};
+        seq_rec q = {0};
+        cr_assert_eq(tdm_model_set_partial_sums(m, NULL, 0, record, &r), TDM_STATUS_OK);
+        tdm_model_set_partial_rank(m, 0);
+        double l = 0;
+        if (sp) {
+            cr_assert_eq(tdm_model_forward_backward(m, tok, y, NB, &l), TDM_STATUS_INVALID_ARG);
+            cr_assert(strstr(tdm_error_message(), "with its collectives set"), "%s",
+                      tdm_error_message());
+            tdm_model_set_seq_parallel(m, fake_seq, &q);
+        }
+        cr_assert_eq(tdm_model_forward_backward(m, tok, y, NB, &l), TDM_STATUS_OK, "%s",
+                     tdm_error_message());
+        cr_assert_eq(tdm_model_seq_sum_grads(m), TDM_STATUS_OK);
+        if (sp) {
+            cr_assert(q.gathers == 4 * L - 2 + 2 && q.scatters == 4 * L, "%d gathers, %d "
+                      "reduce-scatters", q.gathers, q.scatters);
+            cr_assert_eq(r.calls, 2 * L, "the LayerNorms' sums only: %d", r.calls);
+        } else {
+            cr_assert_eq(q.gathers + q.scatters, 0);
+            cr_assert_eq(r.calls, 4 * L);
+        }
+        set[sp] = tdm_model_act_set_bytes(m);
+        tdm_model_free(m);
+    }
+    size_t drop = (size_t)(N - NL) * 4 * (L * C + L * 2 + (L - 1) * C + (L - 1) * 2);
+    cr_assert_eq(set[0] - set[1], drop, "set %zu without, %zu with: %zu less, predicted %zu",
+                 set[0], set[1], set[0] - set[1], drop);
     tdm_device_free(dev);
 }

@@ -155,7 +155,8 @@ tdm_status tdm_pptp_check_seq(const tdm_model_spec *spec, int S, const int *firs
  * forward, 2 all-gathers (the stream's gradient before each row-parallel
  * layer) and 2 reduce-scatters (the column-parallel input gradients) in
  * backward; the first stage 1 all-gather more (the embeddings'
- * gradient), the last stage 1 (the stream before ln_f): *calls of
+ * gradient); the last stage 1 more (the stream before ln_f) and 1 fewer
+ * (its top block's output gradient is whole already): *calls of
  * *bytes (n * 4 bytes each, as tdm_comm_traffic_get counts them); and the
  * LayerNorms' partial gradients: *ln_calls all-reduces (2 per block, once
  * per step) of *ln_bytes (2C floats each). */

@@ -33,7 +33,9 @@ void tdm_pptp_seq_plan(const tdm_model_spec *spec, int S, const int *first, int 
 {
     int L = spec->n_layer, lo = first[s], hi = s + 1 < S ? first[s + 1] : L + 2;
     int b0 = lo > 1 ? lo : 1, b1 = hi < L + 1 ? hi : L + 1, nb = b1 > b0 ? b1 - b0 : 0;
-    int per_mb = 8 * nb - (lo == 0 && nb > 0) + (lo == 0) + (hi == L + 2);
+    /* the last stage gathers the stream before ln_f, and its top block's
+     * output gradient is whole already (one gather fewer): even */
+    int per_mb = 8 * nb - (lo == 0 && nb > 0) + (lo == 0);
     int mbs = rows > 0 && micro_size > 0 ? (rows + micro_size - 1) / micro_size : 0;
     *calls = (int64_t)per_mb * mbs;
     *bytes = (int64_t)per_mb * rows * spec->n_ctx * spec->n_embd * (int64_t)sizeof(float);
