@@ -4,7 +4,8 @@
  * - --clip-grad-norm: the global norm over every stage and tp slice
  *   (split tensors summed over the group, replicated ones counted by tp
  *   rank 0, replica 0 only: tools/rank_pptp_levers.c) is one device's on
- *   the same global batch: pp=2,tp=2 and dp=2,pp=2,tp=2 print the loss and
+ *   the same global batch: pp=2,tp=2 and dp=2,pp=2,tp=2 (also with ZeRO-1
+ *   on the dp dimension) print the loss and
  *   the norm --mode single prints (4 digits), and write single's
  *   checkpoint within test_tp.c's bounds (1e-5 MLP, 1e-4 GPT; the clip
  *   scales every step by the norm, so a norm counted wrong moves the
@@ -137,6 +138,15 @@ Test(levers_pptp, clipping_over_tensor_parallel_stages_is_one_devices_norm)
         cr_assert(d <= TOL, "mlp %s: the clipped checkpoint is %g off single's", g_meshes[i][1],
                   d);
     }
+    /* ZeRO-1 on the dp dimension: each replica steps its slice of the
+     * all-reduced gradients, which replica 0's squares still count */
+    CLI(&g_r, MLP_PP, "--device", "cpu:8", "--mesh", "dp=2,pp=2,tp=2", "--sharding",
+        "optimizer", "--clip-grad-norm", "0.05", "--save", path("pptp"));
+    ok("dp=2,pp=2,tp=2 zero1");
+    epoch_line("epoch 2/2", got, sizeof got);
+    cr_assert_str_eq(got, one[1], "mlp dp=2,pp=2,tp=2 zero1");
+    double dz = ck_diff_of(MODEL, path("pptp"), path("one"));
+    cr_assert(dz <= TOL, "mlp zero1: the clipped checkpoint is %g off single's", dz);
     CLI(&g_r, GPT_ONE, "--clip-grad-norm", "0.1", "--save", path("gone"));
     ok("gpt single");
     epoch_line("epoch 1/1", one[0], sizeof one[0]);
