@@ -96,11 +96,6 @@ tdm_status tdm_train_levers_check(const tdm_train_args *a)
                                     "--clip-grad-norm and --offload run with --mode single, dp, "
                                     "ddp, fsdp, pp and tp in this build, not yet with --mode "
                                     "%s\n", a->mode);
-    const char *tp = pp && a->mesh ? strstr(a->mesh, "tp=") : NULL;
-    if (tdm_levers_set(a) && tp && atoi(tp + 3) > 1)
-        return tdm_tool_usage_error("tandem train: --mesh %s: the memory levers run in "
-                                    "pipelines of whole stages (tp=1) and in --mode tp, not yet "
-                                    "with tensor-parallel stages\n", a->mesh);
     if (a->offload && (dp || pp))
         return tdm_tool_usage_error("tandem train: --offload optimizer runs with --mode single, "
                                     "ddp and fsdp, not with --mode %s%s\n", a->mode,
@@ -397,11 +392,13 @@ static void tdm_levers_pp_hook(void *ctx, tdm_model *m, int64_t step)
     s->after_backward(s->before_ctx, s->begun, &dg);
 }
 
-void tdm_train_levers_pp_begin(tdm_dist_stepper *s, tdm_pp *p, tdm_comm *job, int replica)
+void tdm_train_levers_pp_begin(tdm_dist_stepper *s, tdm_pp *p, tdm_comm *job, int replica,
+                               tdm_status (*sumsq)(void *ctx, tdm_model *m, double *sq),
+                               void *ctx)
 {
     tdm_pp_levers l = {.scaler = s->scaler, .clip_norm = s->clip_norm,
                        .measure_norm = s->measure_norm, .comm = job,
-                       .norm_counted = replica == 0};
+                       .norm_counted = replica == 0, .sumsq = sumsq, .sumsq_ctx = ctx};
     if (s->after_backward) {
         l.after_backward = tdm_levers_pp_hook;
         l.ctx = s;
