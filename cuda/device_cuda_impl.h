@@ -21,6 +21,8 @@ typedef struct tdm_cuda_dev {
     tdm_device *host;     /* the emulator's gemm (a host device) */
     int tf32;             /* cuBLAS in TF32 tensor-op math (TANDEM_CUDA_TF32=1) */
     int64_t emu_allocs;   /* the emulator: alloc calls so far (atomic) */
+    char *emu_fault;      /* the emulator: its sticky fault, or NULL (atomic;
+                             cuda/emu_impl.h) */
 } tdm_cuda_dev;
 
 static inline tdm_cuda_dev *tdm_cuda_impl(tdm_device *d) { return (tdm_cuda_dev *)d->impl; }
