@@ -255,14 +255,23 @@ tdm_status tdm_device_host_mem_alloc(tdm_device *d, size_t nbytes, void **out)
     return TDM_STATUS_OK;
 }
 
-void tdm_device_host_mem_free(tdm_device *d, void *ptr)
+void tdm_device_host_mem_uncount(tdm_device *d, void *ptr)
 {
     if (!ptr) return;
-    char *p = (char *)ptr - TDM_DEV_MEM_HEADER;
     size_t sz;
-    memcpy(&sz, p, sizeof sz);
+    memcpy(&sz, (char *)ptr - TDM_DEV_MEM_HEADER, sizeof sz);
     __atomic_sub_fetch(&d->mem_live, sz, __ATOMIC_RELAXED);
-    free(p);
+}
+
+void tdm_device_host_mem_release(void *ptr)
+{
+    if (ptr) free((char *)ptr - TDM_DEV_MEM_HEADER);
+}
+
+void tdm_device_host_mem_free(tdm_device *d, void *ptr)
+{
+    tdm_device_host_mem_uncount(d, ptr);
+    tdm_device_host_mem_release(ptr);
 }
 
 tdm_status tdm_dev_mem_query(const tdm_device *d, tdm_dev_mem_stats *out)

@@ -144,6 +144,15 @@ tdm_status tdm_dev_memset_zero(tdm_device *d, void *p, size_t nbytes);
  * is. p stays the caller's: tdm_dev_host_unpin before freeing it. */
 tdm_status tdm_dev_host_pin(tdm_device *d, void *p, size_t nbytes);
 void tdm_dev_host_unpin(tdm_device *d, void *p);   /* NULL ok */
+/* Tells d that the nbytes at p, allocated for d's use by someone else (a
+ * communicator's tdm_comm_alloc: NCCL's cudaMalloc on a GPU, the shm
+ * segment standing in for it on the CUDA emulator), are d's memory until
+ * tdm_dev_mem_disown(d, p), to be called before that memory goes. Only
+ * the CUDA emulator acts on it: it enters the range in its table of
+ * device memory, so that its kernels accept it (cuda/emu_impl.h); every
+ * other backend has nothing to record. */
+tdm_status tdm_dev_mem_adopt(tdm_device *d, void *p, size_t nbytes);
+void tdm_dev_mem_disown(tdm_device *d, void *p);   /* NULL ok */
 /* Waits until the work issued on d has finished. */
 tdm_status tdm_dev_sync(tdm_device *d);
 

@@ -46,6 +46,9 @@ typedef struct tdm_device_ops {
     tdm_status (*copy_async)(tdm_device *d, tdm_dev_xfer_dir dir, void *dst, const void *src,
                              size_t nbytes, void **xfer);
     tdm_status (*xfer_finish)(tdm_device *d, void *xfer, tdm_dev_xfer_until until);
+    /* Optional (NULL: nothing to record): tdm_dev_mem_adopt / _disown. */
+    tdm_status (*mem_adopt)(tdm_device *d, void *p, size_t nbytes);
+    void (*mem_disown)(tdm_device *d, void *p);
 
     /* --- compute (see the tdm_dev_* wrapper of each name) --- */
     /* cublasSgemm's arguments, already checked by tdm_dev_gemm (m, n > 0). */
@@ -164,6 +167,12 @@ struct tdm_device {
  * d's accounting; free with tdm_device_host_mem_free. */
 tdm_status tdm_device_host_mem_alloc(tdm_device *d, size_t nbytes, void **out);
 void tdm_device_host_mem_free(tdm_device *d, void *p);
+/* The two halves of tdm_device_host_mem_free, for the CUDA emulator,
+ * which takes a block off d's count when it is freed but keeps the memory
+ * a while (quarantined, so that a late use is caught): uncount leaves the
+ * block allocated; release frees it and needs no device. */
+void tdm_device_host_mem_uncount(tdm_device *d, void *p);
+void tdm_device_host_mem_release(void *p);
 
 /* The host backend (core/device_host.c), opened by tdm_device_open. */
 tdm_status tdm_device_host_open(tdm_device **out, int index, int threads);

@@ -73,6 +73,17 @@ tdm_status tdm_dev_xfer_finish(tdm_dev_xfer *x, tdm_dev_xfer_until until)
     return st;
 }
 
+tdm_status tdm_dev_mem_adopt(tdm_device *d, void *p, size_t nbytes)
+{
+    if (!d->ops->mem_adopt || !p) return TDM_STATUS_OK;
+    return d->ops->mem_adopt(d, p, nbytes);
+}
+
+void tdm_dev_mem_disown(tdm_device *d, void *p)
+{
+    if (p && d->ops->mem_disown) d->ops->mem_disown(d, p);
+}
+
 tdm_status tdm_dev_copy(tdm_device *d, void *dst, const void *src, size_t nbytes)
 {
     return d->ops->copy(d, dst, src, nbytes);

@@ -26,6 +26,8 @@ typedef struct tdm_cuda_dev {
      * every collective the NCCL communicator orders after the compute
      * stream is ordered after it too (tdm_cuda_order_after_compute) */
     cudaStream_t copy_stream;
+    char *emu_fault;      /* the emulator: its sticky fault, or NULL (atomic;
+                             cuda/emu_impl.h) */
 } tdm_cuda_dev;
 
 static inline tdm_cuda_dev *tdm_cuda_impl(tdm_device *d) { return (tdm_cuda_dev *)d->impl; }

@@ -8,10 +8,12 @@
  * keeps this one too. */
 #include "cuda/cuda.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "cuda/device_cuda_impl.h"
+#include "cuda/emu_impl.h"
 
 static tdm_status tdm_cuda_hook_count(int *n)
 {
@@ -44,7 +46,19 @@ static tdm_status tdm_cuda_hook_open(tdm_device **out, int index)
 typedef struct tdm_cuda_group {
     tdm_cuda_nccl_group *nccl; /* NULL: emulated */
     int n;
+    tdm_device *devs[TDM_DEVICE_LIST_MAX]; /* borrowed: the emulated group's, for its checks */
 } tdm_cuda_group;
+
+/* The emulated group's ownership check: bufs[i] is n_elem floats of
+ * devs[i]'s memory, as NCCL requires of each rank's buffer. */
+static tdm_status tdm_cuda_group_check(const tdm_cuda_group *g, const char *call,
+                                       const char *arg, int i, const float *p, size_t n_elem)
+{
+    char name[48];
+    snprintf(name, sizeof name, "%s (rank %d)", arg, i);
+    TDM_CUDA_EMU_CHECK(g->devs[i], call, {name, p, n_elem * sizeof(float)});
+    return TDM_STATUS_OK;
+}
 
 static tdm_status tdm_cuda_hook_group_init(void **out, tdm_device *const *devs, int n)
 {
@@ -67,6 +81,7 @@ static tdm_status tdm_cuda_hook_group_init(void **out, tdm_device *const *devs, 
     tdm_cuda_group *g = calloc(1, sizeof *g);
     TDM_REQUIRE(g, TDM_STATUS_OUT_OF_MEMORY, "device group: out of memory");
     g->n = n;
+    for (int i = 0; i < n; i++) g->devs[i] = devs[i];
     if (!emu) {
         tdm_status st = tdm_cuda_nccl_group_init(&g->nccl, idx, n, NULL);
         if (st) {
@@ -96,6 +111,9 @@ static tdm_status tdm_cuda_hook_group_broadcast(void *gp, float *const *bufs, si
         return tdm_cuda_nccl_group_broadcast(g->nccl, (void *const *)bufs, n_elem,
                                              TDM_DTYPE_FLOAT32, root);
     for (int i = 0; i < g->n; i++)
+        TDM_CHECK(tdm_cuda_group_check(g, "ncclBroadcast (emulated group)", "buf", i, bufs[i],
+                                       n_elem));
+    for (int i = 0; i < g->n; i++)
         if (i != root && n_elem && bufs[i] != bufs[root])
             memcpy(bufs[i], bufs[root], n_elem * sizeof(float));
     return TDM_STATUS_OK;
@@ -110,6 +128,11 @@ static tdm_status tdm_cuda_hook_group_reduce_sum(void *gp, const float *const *s
     if (g->nccl)
         return tdm_cuda_nccl_group_reduce(g->nccl, (const void *const *)sendbufs, recvbuf,
                                           n_elem, TDM_DTYPE_FLOAT32, TDM_REDOP_SUM, root);
+    for (int i = 0; i < g->n; i++)
+        TDM_CHECK(tdm_cuda_group_check(g, "ncclReduce (emulated group)", "sendbuf", i,
+                                       sendbufs[i], n_elem));
+    TDM_CHECK(tdm_cuda_group_check(g, "ncclReduce (emulated group)", "recvbuf", root, recvbuf,
+                                   n_elem));
     /* rank order per element, every input read before the output is
      * written: in place (recvbuf == sendbufs[root]) is safe */
     for (size_t j = 0; j < n_elem; j++) {

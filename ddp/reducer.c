@@ -509,6 +509,8 @@ tdm_status tdm_ddp_reducer_init(tdm_ddp_reducer *r, tdm_model *m, tdm_comm *comm
     size_t gbytes = (size_t)(r->param_elems + TDM_DDP_TAIL_ELEMS) * sizeof(float);
     if (tdm_comm_alloc(comm, gbytes, (void **)&r->grads) == TDM_STATUS_OK) {
         r->zero_copy = 1;
+        TDM_CHECK(tdm_dev_mem_adopt(r->dev, r->grads, gbytes));
+        r->adopted = 1;
     } else {
         TDM_INFO(DDP, "gradients not in communicator memory (%s): all-reduce will copy",
                  tdm_error_message());
@@ -544,6 +546,7 @@ void tdm_ddp_reducer_free(tdm_ddp_reducer *r)
         tdm_model_set_grad_hook(r->m, NULL, NULL);
         (void)tdm_model_set_grad_storage(r->m, NULL);
     }
+    if (r->adopted) tdm_dev_mem_disown(r->dev, r->grads);
     if (!r->zero_copy && r->grads) tdm_dev_free(r->dev, r->grads);
     free(r->b);
     free(r->bt);

@@ -68,6 +68,7 @@ typedef struct tdm_ddp_reducer {
     int64_t param_elems;
     float *grads;                /* param_elems + TDM_DDP_TAIL_ELEMS floats */
     int zero_copy;               /* grads from tdm_comm_alloc (else dev alloc, owned) */
+    int adopted;                 /* grads tdm_dev_mem_adopt'ed by dev: disown them */
     int attached;                /* the model's gradients live in grads, the hook is ours */
     int nb;
     tdm_ddp_bucket *b;

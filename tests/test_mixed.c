@@ -73,6 +73,21 @@ static tdm_device *open_dev(int emulated)
     return d;
 }
 
+/* Host data as d's entries take it: a copy in d's memory (an emulated
+ * GPU's entries take only their own memory, as a GPU's do). */
+static void *dev_up(tdm_device *d, const void *h, size_t nbytes)
+{
+    void *p = NULL;
+    TU_OK(tdm_dev_alloc(d, nbytes ? nbytes : 1, &p));
+    if (h && nbytes) TU_OK(tdm_dev_copy_from_host(d, p, h, nbytes));
+    return p;
+}
+
+static void dev_down(tdm_device *d, void *h, const void *p, size_t nbytes)
+{
+    if (nbytes) TU_OK(tdm_dev_copy_to_host(d, h, p, nbytes));
+}
+
 Test(mixed, device_convert_round_trips)
 {
     for (int emu = 0; emu < 2; emu++) {
@@ -86,21 +101,27 @@ Test(mixed, device_convert_round_trips)
         x[0] = NAN;
         x[1] = INFINITY;
         x[2] = 1e-7f;
+        float *dx = dev_up(d, x, (size_t)n * 4), *dy = dev_up(d, NULL, (size_t)n * 4);
+        uint16_t *dh = dev_up(d, NULL, (size_t)n * 2);
         for (int t = 0; t < 2; t++) {
             tdm_dtype dt = t ? TDM_DTYPE_FLOAT16 : TDM_DTYPE_BFLOAT16;
-            TU_OK(tdm_dev_convert(d, h, dt, x, TDM_DTYPE_FLOAT32, n));
-            TU_OK(tdm_dev_convert(d, y, TDM_DTYPE_FLOAT32, h, dt, n));
+            TU_OK(tdm_dev_convert(d, dh, dt, dx, TDM_DTYPE_FLOAT32, n));
+            TU_OK(tdm_dev_convert(d, dy, TDM_DTYPE_FLOAT32, dh, dt, n));
+            dev_down(d, h, dh, (size_t)n * 2);
+            dev_down(d, y, dy, (size_t)n * 4);
             for (int64_t i = 0; i < n; i++) {
                 cr_assert_eq(h[i], from_f(dt, x[i]), "%s %s element %lld", tdm_dev_name(d), tdm_dtype_name(dt), (long long)i);
                 float w = to_f(dt, h[i]);
                 cr_assert(same_bits(y[i], w) || (isnan(y[i]) && isnan(w)));
             }
         }
-        TU_OK(tdm_dev_convert(d, y, TDM_DTYPE_FLOAT32, x, TDM_DTYPE_FLOAT32, n));
+        TU_OK(tdm_dev_convert(d, dy, TDM_DTYPE_FLOAT32, dx, TDM_DTYPE_FLOAT32, n));
+        dev_down(d, y, dy, (size_t)n * 4);
         cr_assert(!memcmp(x, y, (size_t)n * 4), "float32 to float32 is a copy");
-        tdm_status st = tdm_dev_convert(d, h, TDM_DTYPE_BFLOAT16, x, TDM_DTYPE_FLOAT16, n);
+        tdm_status st = tdm_dev_convert(d, dh, TDM_DTYPE_BFLOAT16, dx, TDM_DTYPE_FLOAT16, n);
         cr_assert_eq(st, TDM_STATUS_INVALID_ARG);
         cr_assert(strstr(tdm_error_message(), "float16 to bfloat16"), "%s", tdm_error_message());
+        tdm_dev_free(d, dx); tdm_dev_free(d, dy); tdm_dev_free(d, dh);
         free(x); free(y); free(h);
         tdm_device_free(d);
     }
@@ -139,11 +160,15 @@ static double gemm_ex_case(tdm_device *d, tdm_dtype dt, tdm_trans ta, tdm_trans 
     float *c = tu_malloc(nc * 4), *c0 = tu_malloc(nc * 4);
     tu_fill(&r, c, (int64_t)nc, -1.0f, 1.0f);
     memcpy(c0, c, nc * 4);
+    void *da = dev_up(d, a.h, a.n * 2), *db = dev_up(d, b.h, b.n * 2);
+    float *dc = dev_up(d, c, nc * 4);
     if (batch == 1)
-        TU_OK(tdm_dev_gemm_ex(d, ta, tb, m, n, k, alpha, a.h, lda, b.h, ldb, beta, c, ldc, dt));
+        TU_OK(tdm_dev_gemm_ex(d, ta, tb, m, n, k, alpha, da, lda, db, ldb, beta, dc, ldc, dt));
     else
-        TU_OK(tdm_dev_gemm_strided_batched_ex(d, ta, tb, m, n, k, alpha, a.h, lda, sa, b.h, ldb, sb,
-                                              beta, c, ldc, sc, batch, dt));
+        TU_OK(tdm_dev_gemm_strided_batched_ex(d, ta, tb, m, n, k, alpha, da, lda, sa, db, ldb, sb,
+                                              beta, dc, ldc, sc, batch, dt));
+    dev_down(d, c, dc, nc * 4);
+    tdm_dev_free(d, da); tdm_dev_free(d, db); tdm_dev_free(d, dc);
     double worst = 0.0;
     for (int q = 0; q < batch; q++)
         for (int j = 0; j < n; j++)
@@ -296,20 +321,31 @@ Test(mixed, unscale_flags_non_finite_values)
         if (!d) continue;
         float x[1000], found = 0.0f;
         for (int i = 0; i < 1000; i++) x[i] = (float)(i - 500) * 4.0f;
-        TU_OK(tdm_dev_unscale_check(d, x, 1000, 0.25f, &found));
+        float *dx = dev_up(d, x, sizeof x), *dfound = dev_up(d, &found, sizeof found);
+        TU_OK(tdm_dev_unscale_check(d, dx, 1000, 0.25f, dfound));
+        dev_down(d, x, dx, sizeof x);
+        dev_down(d, &found, dfound, sizeof found);
         cr_assert_eq(found, 0.0f);
         for (int i = 0; i < 1000; i++) cr_assert_eq(x[i], (float)(i - 500));
         for (int bad = 0; bad < 3; bad++) {
             x[777] = bad == 0 ? INFINITY : bad == 1 ? -INFINITY : NAN;
             found = 0.0f;
-            TU_OK(tdm_dev_unscale_check(d, x, 1000, 0.5f, &found));
+            TU_OK(tdm_dev_copy_from_host(d, dx, x, sizeof x));
+            TU_OK(tdm_dev_copy_from_host(d, dfound, &found, sizeof found));
+            TU_OK(tdm_dev_unscale_check(d, dx, 1000, 0.5f, dfound));
+            dev_down(d, &found, dfound, sizeof found);
             cr_assert_eq(found, 1.0f, "%s: case %d", tdm_dev_name(d), bad);
         }
-        found = 0.0f;   /* the flag is only ever set, never cleared */
+        /* the flag is only ever set, never cleared */
         x[777] = 1.0f;
         found = 1.0f;
-        TU_OK(tdm_dev_unscale_check(d, x, 1000, 1.0f, &found));
+        TU_OK(tdm_dev_copy_from_host(d, dx, x, sizeof x));
+        TU_OK(tdm_dev_copy_from_host(d, dfound, &found, sizeof found));
+        TU_OK(tdm_dev_unscale_check(d, dx, 1000, 1.0f, dfound));
+        dev_down(d, &found, dfound, sizeof found);
         cr_assert_eq(found, 1.0f);
+        tdm_dev_free(d, dx);
+        tdm_dev_free(d, dfound);
         tdm_device_free(d);
     }
 }
@@ -330,7 +366,12 @@ Test(mixed, chunked_norm_is_the_double_sum)
         for (int64_t i = 0; i < n; i++) ref += (double)x[i] * x[i];
         cr_assert(tu_close(tot, ref, 0, (double)(n + 1) * 0x1p-52), "n %lld: %.17g vs %.17g", (long long)n, tot, ref);
         if (e) {
-            TU_OK(tdm_dev_sumsq(e, x, n, p2));
+            float *dx = dev_up(e, x, (size_t)(n + 1) * 4);
+            double *dp = dev_up(e, NULL, (size_t)(nc + 1) * 8);
+            TU_OK(tdm_dev_sumsq(e, dx, n, dp));
+            dev_down(e, p2, dp, (size_t)nc * 8);
+            tdm_dev_free(e, dx);
+            tdm_dev_free(e, dp);
             cr_assert(!memcmp(p1, p2, (size_t)nc * 8), "emulator's partials differ at n %lld", (long long)n);
         }
         free(x); free(p1); free(p2);

@@ -109,3 +109,24 @@ Test(pp_tp_fail, a_failed_parameter_gather_stops_compare)
         stopped_at_once(&r, ranks[i], mpi_t_now_ms() - t0, "compare");
     }
 }
+
+/* The hook's value is a whole job rank: one it cannot read fails the run
+ * saying so, instead of planting the failure on whichever rank atoi
+ * makes of it ("1x" was rank 1, "x" rank 0). */
+Test(pp_tp_fail, a_malformed_hook_value_is_refused)
+{
+    static cli_result r;
+    static const char *const bad[] = {"1x", "x", "-1", ""};
+    for (int i = 0; i < 4; i++) {
+        setenv(HOOK, bad[i], 1);
+        CLI(&r, "compare", "--modes", "single,pp", "--device", "cpu:4", "--mesh", "pp=2,tp=2",
+            MLP, "--data", "synthetic", "--steps", "3");
+        unsetenv(HOOK);
+        char want[96];
+        snprintf(want, sizeof want, "%s='%s': expected a job rank", HOOK, bad[i]);
+        cr_assert_eq(r.code, 1, "'%s': exit %d:\n%s", bad[i], r.code, r.out);
+        cr_assert(strstr(r.out, want), "'%s': not refused:\n%s", bad[i], r.out);
+        cr_assert(!strstr(r.out, "test hook: the pp-tp gather fails"), "'%s': planted:\n%s",
+                  bad[i], r.out);
+    }
+}

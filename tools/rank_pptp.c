@@ -2,6 +2,8 @@
  * (tools/rank_pptp.h). */
 #include "tools/rank_pptp.h"
 
+#include <errno.h>
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -251,13 +253,22 @@ static tdm_status tdm_pptp_gather_tp(tdm_pptp *q, const float *narrow, float *al
 }
 
 /* TANDEM_TEST_PPTP_GATHER_FAIL=R: a test hook, read only by
- * tests/test_pp_tp_cli.c: rank R's gather fails before it sends
- * anything, as an allocation failing there would. */
+ * tests/test_pp_tp_fail.c: rank R's gather fails before it sends
+ * anything, as an allocation failing there would. A value that is not a
+ * whole job rank fails every rank's gather saying so (atoi read "1x" as
+ * rank 1 and "x" as rank 0). */
 static tdm_status tdm_pptp_planted(const tdm_pptp *q, int first)
 {
     const char *e = getenv("TANDEM_TEST_PPTP_GATHER_FAIL");
+    if (!e) return TDM_STATUS_OK;
+    char *end = NULL;
+    errno = 0;
+    long r = strtol(e, &end, 10);
+    if (end == e || *end || errno || r < 0 || r > INT_MAX)
+        return tdm_error_set(TDM_STATUS_INVALID_ARG, "TANDEM_TEST_PPTP_GATHER_FAIL='%s': "
+                             "expected a job rank (a whole number from 0)", e);
     int rank = tdm_comm_job_rank(q->thost, q->t);
-    if (!e || atoi(e) != rank) return TDM_STATUS_OK;
+    if (r != rank) return TDM_STATUS_OK;
     return tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "rank %d (%s tp rank %d): test hook: the "
                          "pp-tp gather fails", rank, first ? "stage 0's" : "a later stage's",
                          q->t);
