@@ -32,6 +32,7 @@
 #include <string.h>
 
 #include "tests/ckpt_diff_util.h"
+#include "tests/cuda_test_util.h"
 #include "tests/cli_util.h"
 #include "tests/test_util.h"
 
@@ -279,5 +280,41 @@ Test(levers_pptp, checkpointing_tensor_parallel_stages_changes_no_bit_and_saves_
         for (int s = 0; s < 2; s++)
             cr_assert(on[s] < off[s], "%s stage %d: peak activations %.3f MiB with "
                       "checkpointing, %.3f MiB without", prec[i], s, on[s], off[s]);
+    }
+}
+
+/* The levers and sequence parallelism on tensor-parallel stages of
+ * emulated GPUs (TANDEM_CUDA_EMULATOR: cuda/'s kernels' host twins and
+ * its ownership checks) write the host ranks' file byte for byte: the
+ * MLP in bf16 with clipping and checkpointing, the GPT in fp16 with
+ * checkpointing, and the GPT sequence parallel with clipping. */
+Test(levers_pptp, emulated_gpus_write_the_host_ranks_file)
+{
+    CU_NEED_BACKEND();
+    static const char *const cases[][8] = {
+        {"--model", MODEL, "--data", "synthetic", "--precision", "bf16", "--clip-grad-norm",
+         "0.5"},
+        {"--model", GPT_MODEL, "--split", "0,2", "--precision", "fp16", "--clip-grad-norm",
+         "0.5"},
+        {"--model", GPT_MODEL, "--split", "0,2", "--sequence-parallel", "--clip-grad-norm",
+         "0.5", NULL},
+    };
+    for (int c = 0; c < 3; c++) {
+        const char *file[2];
+        for (int e = 0; e < 2; e++) {
+            char name[32];
+            snprintf(name, sizeof name, "c%d_%s", c, e ? "emu" : "host");
+            file[e] = path(name);
+            if (e) cr_assert_eq(setenv("TANDEM_CUDA_EMULATOR", "4", 1), 0);
+            const char *ck = c < 2 ? "--checkpoint-activations" : "--quiet";
+            CLI(&g_r, "train", "--mode", "pp", "--mesh", "pp=2,tp=2", "--device",
+                e ? "cuda" : "cpu:4", cases[c][0], cases[c][1], cases[c][2], cases[c][3],
+                cases[c][4], cases[c][5], cases[c][6], cases[c][7] ? cases[c][7] : "--quiet",
+                ck, "--batch", "8", "--epochs", "1", "--max-steps", "3", "--no-eval",
+                "--quiet", "--save", file[e]);
+            unsetenv("TANDEM_CUDA_EMULATOR");
+            ok(file[e]);
+        }
+        cr_expect(cli_same_file(file[0], file[1]), "case %d: emulated GPUs differ from host", c);
     }
 }
