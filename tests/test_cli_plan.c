@@ -95,19 +95,25 @@ static double figure_mib(const char *key)
     return strtod(buf, NULL);
 }
 
+/* Nonzero: train_as_planned evaluates after the epoch (a test set of 200
+ * images, larger than every batch here; the GPT's validation windows). */
+static int g_eval;
+
 /* args[0..n) (room for 8 more) ran as `plan`: runs them as a short
- * `train` (one epoch of 128 synthetic samples; the GPT, 3 steps of its
- * text), which must exit 0; its output is in g_r. */
+ * `train` (one epoch of 128 synthetic samples, or 1200 with g_eval; the
+ * GPT, 3 steps of its text), which must exit 0; its output is in g_r. */
 static void train_as_planned(const char **args, int n, int gpt)
 {
     static const char *const tail_img[] = {"--data", "synthetic", "--synthetic-size", "128",
                                            NULL};
+    static const char *const tail_eval[] = {"--data", "synthetic", "--synthetic-size", "1200",
+                                            NULL};
     static const char *const tail_gpt[] = {"--max-steps", "3", NULL};
-    const char *const *tail = gpt ? tail_gpt : tail_img;
+    const char *const *tail = gpt ? tail_gpt : g_eval ? tail_eval : tail_img;
     args[0] = "train";
     args[n++] = "--epochs";
     args[n++] = "1";
-    args[n++] = "--no-eval";
+    if (!g_eval) args[n++] = "--no-eval";
     args[n++] = "--quiet";
     for (int i = 0; tail[i]; i++) args[n++] = tail[i];
     args[n] = NULL;
@@ -714,5 +720,71 @@ Test(cli_plan, tp_plans_checkpointing_and_refuses_precision, .timeout = 600)
     cr_assert(strstr(g_r.out, "tp memory, rank 0: device peak") &&
                   !strstr(g_r.out, "planned (tandem plan)"),
               "%s", g_r.out);
+    cr_assert_eq(cli_shm_entries(), 0);
+}
+
+/* Evaluation between epochs runs at the step's batch (its replica's
+ * share; a pipeline's micro-batches, its last stage one activation set)
+ * through the step's own buffers, so the peak `train` measures with it
+ * is the step's, which `tandem plan` predicts: every mode on the MLP,
+ * the CNN and the GPT with evaluation (a test set of 200 images, larger
+ * than the batch; the GPT's validation windows, more than its batch),
+ * planned equal to the measured peak as printed. Before, evaluation ran
+ * in batches of 1000 images (32 windows) and grew the activations: the
+ * MLP 784-48-24-10 at batch 64 measured 6.79 MiB against 0.85 planned,
+ * and a pipeline's last stage kept two evaluation sets to the step's
+ * one (the CNN's third stage of three: 6.73 MiB against 6.05). */
+Test(cli_plan, planned_equals_measured_with_evaluation, .timeout = 900)
+{
+    static const struct { const char *model, *batch; } models[] = {
+        {"mlp:784-256-128-10", "64"}, {"cnn", "32"}, {"gpt:2-32-2-16", "8"}};
+    static const char *const layouts[][6] = {
+        {"single", "--device", "cpu"},
+        {"dp", "--device", "cpu:2"},
+        {"ddp", "--device", "cpu:2"},
+        {"fsdp", "--device", "cpu:2"},
+        {"fsdp", "--device", "cpu:2", "--sharding", "optimizer"},
+        {"pp", "--device", "cpu:3"},
+        {"pp", "--device", "cpu:4", "--mesh", "dp=2,pp=2"},
+        {"tp", "--device", "cpu:2"},
+        {"tp", "--device", "cpu:4", "--mesh", "dp=2,tp=2"}};
+    static const char *const measured_at[] = {
+        "peak memory on cpu:0: ", "peak memory on the master's cpu:0: ",
+        "peak memory on rank 0's cpu:0: ", "peak memory on rank 0's cpu:0: ",
+        "peak memory on rank 0's cpu:0: "};
+    double worst = 0.0;
+    g_eval = 1;
+    for (int mo = 0; mo < 3; mo++)
+        for (size_t l = 0; l < sizeof layouts / sizeof layouts[0]; l++) {
+            int pp = !strcmp(layouts[l][0], "pp"), tp = !strcmp(layouts[l][0], "tp");
+            if (tp && mo == 1) continue;   /* tp: the MLP and the GPT */
+            const char *args[32] = {"plan", "--model", models[mo].model, "--batch",
+                                    models[mo].batch, "--mode", layouts[l][0]};
+            int n = 7;
+            for (int i = 1; i < 6 && layouts[l][i]; i++) args[n++] = layouts[l][i];
+            args[n++] = "--precision";
+            args[n++] = mo == 2 && !tp ? "bf16" : "fp32";
+            args[n] = NULL;
+            char what[160];
+            snprintf(what, sizeof what, "%s %s %s %s, with evaluation", models[mo].model,
+                     layouts[l][0], layouts[l][2], layouts[l][4] ? layouts[l][4] : "");
+            if (pp) {
+                pp_case(args, n, mo == 2, layouts[l][2][4] - '0', what, &worst);
+                continue;
+            }
+            cli_run(&g_r, args);
+            cr_assert_eq(g_r.code, 0, "%s: %s", what, g_r.out);
+            double planned = figure_mib("peak per device: ");
+            train_as_planned(args, n, mo == 2);
+            cr_assert(strstr(g_r.out, mo == 2 ? "val loss " : "test loss "), "%s: %s", what,
+                      g_r.out);
+            double measured = figure_mib(tp ? "tp memory, rank 0: device peak "
+                                            : measured_at[l < 5 ? l : 4]);
+            if (fabs(planned - measured) > fabs(worst)) worst = planned - measured;
+            cr_assert(fabs(planned - measured) < 0.005, "%s: planned %.2f MiB, measured %.2f "
+                      "MiB", what, planned, measured);
+        }
+    g_eval = 0;
+    cr_log_info("plan vs measured with evaluation: worst %+.2f MiB", worst);
     cr_assert_eq(cli_shm_entries(), 0);
 }

@@ -190,6 +190,17 @@ void tdm_train_text_header(const tdm_train_text_set *t, const tdm_model_spec *sp
 /* Evaluation windows at most, and windows per evaluation forward. */
 #define TDM_TRAIN_TEXT_EVAL_CAP 512
 #define TDM_TRAIN_TEXT_EVAL_BATCH 32
+/* Test images per evaluation forward at most. */
+#define TDM_TRAIN_EVAL_BATCH 1000
+
+/* The samples (a gpt: windows) of one evaluation forward on a device
+ * whose step runs its replica's share of --batch over `replicas`:
+ * ceil(B / replicas), at most `cap` (TDM_TRAIN_EVAL_BATCH, or
+ * TDM_TRAIN_TEXT_EVAL_BATCH). Evaluating in the step's own batch reuses
+ * the activations and scratch the step reserved, so evaluation between
+ * epochs does not raise the device's peak above the step's (which
+ * `tandem plan` predicts); a larger evaluation batch would grow them. */
+int tdm_train_eval_rows(const tdm_train_args *a, int replicas, int cap);
 
 /* --uneven: one rank's epochs over its own samples, with join
  * (tools/train_uneven.c), through the design's ops on w: zero_grad,
