@@ -640,8 +640,6 @@ Test(cli_plan, refuses_what_it_does_not_plan)
 {
     CLI(&g_r, "plan", "--mode", "tp", "--device", "cpu:4", "--mesh", "dp=2,pp=2");
     expect(&g_r, 2, "a pipeline of tensor-parallel stages is --mode pp's, not planned yet");
-    CLI(&g_r, "plan", "--mode", "tp", "--device", "cpu:2", "--precision", "bf16");
-    expect(&g_r, 2, "--mode tp --precision bf16 is not planned");
     /* what tp's training refuses is not planned either */
     CLI(&g_r, "plan", "--mode", "tp", "--device", "cpu:2", "--checkpoint-activations", "2");
     expect(&g_r, 2, "segments of more are not built for tp");
@@ -680,46 +678,66 @@ Test(cli_plan, refuses_what_it_does_not_plan)
     expect(&g_r, 0, "usage: tandem plan");
 }
 
-/* The tp plan takes activation checkpointing (each block's recomputed
- * activations share one set: tdm_tp_footprint_ckpt) and clipping (no
- * device bytes of its own beyond the loss rows); a 16-bit precision,
- * whose operand scratch it does not model, is refused in one line, and
- * train prints no plan beside its measured peak then. */
-Test(cli_plan, tp_plans_checkpointing_and_refuses_precision, .timeout = 600)
+/* The tp plan takes every lever tp trains with: activation checkpointing
+ * (each block's recomputed activations share one set:
+ * tdm_tp_footprint_ckpt), clipping (the norm's partial sums in the
+ * device's scratch) and --precision bf16|fp16 (the products' 16-bit
+ * operand block, sized by the largest product, and on a host device in
+ * fp16 the float32 widening of its operands): train prints its plan
+ * beside rank 0's measured peak, equal as printed, and `tandem plan` the
+ * same figure, for the MLP at tp = 1, 2, 4 and the GPT at tp = 1, 2 and
+ * dp=2 x tp=2, in fp32, bf16 and fp16, with checkpointing, clipping,
+ * sequence parallelism and ZeRO-1 over dp. Before, a 16-bit precision
+ * was refused ("is not planned") and train printed no plan. */
+Test(cli_plan, tp_plans_every_lever, .timeout = 900)
 {
-    static const char *const levers[3][6] = {
-        {"--checkpoint-activations"},
-        {"--checkpoint-activations", "--clip-grad-norm", "1", "--sequence-parallel"},
-        {"--checkpoint-activations", "--mesh", "dp=2,tp=2", "--sharding", "optimizer"}};
-    for (int l = 0; l < 3; l++) {
-        const char *args[32] = {"plan",   "--model", "gpt:2-32-2-16", "--batch", "8",
-                                "--mode", "tp",      "--device",      l == 2 ? "cpu:4" : "cpu:2"};
-        int n = 9;
-        for (int i = 0; i < 6 && levers[l][i]; i++) args[n++] = levers[l][i];
-        args[n] = NULL;
-        cli_run(&g_r, args);
-        cr_assert_eq(g_r.code, 0, "%s", g_r.out);
-        cr_assert(strstr(g_r.out, ", checkpointing"), "%s", g_r.out);
-        double largest = figure_mib("peak per device: ");
-        train_as_planned(args, n, 1);
-        double measured = figure_mib("tp memory, rank 0: device peak ");
-        double planned = figure_mib("MiB measured (allocator), ");
-        cr_assert(fabs(planned - measured) < 0.005, "levers %d: planned %.2f, measured %.2f", l,
-                  planned, measured);
-        cr_assert_eq(largest, planned, "levers %d: plan %.2f, train's %.2f", l, largest, planned);
-    }
-    const char *bf16[] = {"plan", "--mode", "tp", "--device", "cpu:2", "--precision", "bf16", NULL};
-    cli_run(&g_r, bf16);
-    cr_assert_eq(g_r.code, 2, "%s", g_r.out);
-    cr_assert(strstr(g_r.out, "--precision bf16 is not planned"), "%s", g_r.out);
-    const char *run[] = {"train", "--model", "gpt:2-32-2-16", "--batch", "8", "--mode", "tp",
-                         "--device", "cpu:2", "--precision", "bf16", "--epochs", "1",
-                         "--no-eval", "--max-steps", "2", NULL};
-    cli_run(&g_r, run);
-    cr_assert_eq(g_r.code, 0, "%s", g_r.out);
-    cr_assert(strstr(g_r.out, "tp memory, rank 0: device peak") &&
-                  !strstr(g_r.out, "planned (tandem plan)"),
-              "%s", g_r.out);
+    static const struct { const char *model, *batch, *dev, *mesh; } layouts[] = {
+        {"mlp:784-256-128-10", "64", "cpu", NULL},
+        {"mlp:784-256-128-10", "64", "cpu:2", NULL},
+        {"mlp:784-256-128-10", "64", "cpu:4", NULL},
+        {"gpt:2-32-2-16", "8", "cpu", NULL},
+        {"gpt:2-32-2-16", "8", "cpu:2", NULL},
+        {"gpt:2-32-2-16", "8", "cpu:4", "dp=2,tp=2"}};
+    static const char *const levers[][6] = {
+        {"--precision", "fp32", "--checkpoint-activations"},
+        {"--precision", "bf16"},
+        {"--precision", "bf16", "--checkpoint-activations", "--clip-grad-norm", "1"},
+        {"--precision", "fp16", "--clip-grad-norm", "1"},
+        {"--precision", "fp16", "--checkpoint-activations"}};
+    for (size_t l = 0; l < sizeof layouts / sizeof layouts[0]; l++)
+        for (size_t v = 0; v < sizeof levers / sizeof levers[0]; v++) {
+            int gpt = layouts[l].model[0] == 'g';
+            const char *args[32] = {"plan", "--model", layouts[l].model, "--batch",
+                                    layouts[l].batch, "--mode", "tp", "--device",
+                                    layouts[l].dev};
+            int n = 9;
+            if (layouts[l].mesh) {
+                args[n++] = "--mesh";
+                args[n++] = layouts[l].mesh;
+                args[n++] = "--sharding";
+                args[n++] = "optimizer";
+            } else if (gpt && v == 2 && strcmp(layouts[l].dev, "cpu")) {
+                args[n++] = "--sequence-parallel";
+            }
+            for (int i = 0; i < 6 && levers[v][i]; i++) args[n++] = levers[v][i];
+            args[n] = NULL;
+            char what[160];
+            snprintf(what, sizeof what, "%s tp on %s%s%s %s%s%s", layouts[l].model,
+                     layouts[l].dev, layouts[l].mesh ? " " : "",
+                     layouts[l].mesh ? layouts[l].mesh : "", levers[v][1],
+                     levers[v][2] ? " " : "", levers[v][2] ? levers[v][2] : "");
+            cli_run(&g_r, args);
+            cr_assert_eq(g_r.code, 0, "%s: %s", what, g_r.out);
+            cr_assert(strstr(g_r.out, levers[v][1]), "%s: %s", what, g_r.out);
+            double largest = figure_mib("peak per device: ");
+            train_as_planned(args, n, gpt);
+            double measured = figure_mib("tp memory, rank 0: device peak ");
+            double planned = figure_mib("MiB measured (allocator), ");
+            cr_assert(fabs(planned - measured) < 0.005, "%s: planned %.2f, measured %.2f", what,
+                      planned, measured);
+            cr_assert_eq(largest, planned, "%s: plan %.2f, train's %.2f", what, largest,
+                         planned);
+        }
     cr_assert_eq(cli_shm_entries(), 0);
 }
 
@@ -763,7 +781,7 @@ Test(cli_plan, planned_equals_measured_with_evaluation, .timeout = 900)
             int n = 7;
             for (int i = 1; i < 6 && layouts[l][i]; i++) args[n++] = layouts[l][i];
             args[n++] = "--precision";
-            args[n++] = mo == 2 && !tp ? "bf16" : "fp32";
+            args[n++] = mo == 2 ? "bf16" : "fp32";
             args[n] = NULL;
             char what[160];
             snprintf(what, sizeof what, "%s %s %s %s, with evaluation", models[mo].model,

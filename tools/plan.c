@@ -68,8 +68,8 @@ static void tdm_plan_usage(FILE *f)
         "tp (--mesh dp=D,tp=N, or N = the devices): a rank's slices of the parameters,\n"
         "gradients and optimizer state (ZeRO-1 over dp with --sharding optimizer), the\n"
         "activations and scratch at ceil(B/D) samples (with checkpointing: one block's\n"
-        "set and the block outputs), the loss rows; --precision bf16|fp16 is not\n"
-        "planned for tp.\n"
+        "set and the block outputs), the scratch (loss rows, the levers'), and with\n"
+        "--precision bf16|fp16 the products' 16-bit operands (the largest product's).\n"
         "  --model M      as tandem train                          [mlp]\n"
         "  --mode M       single, dp, ddp, fsdp, pp or tp          [single]\n"
         "  --stages S, --microbatches M, --schedule K, --mesh dp=D,pp=S   pp's, as\n"
@@ -304,7 +304,7 @@ tdm_status tdm_tool_plan_pp_rank(const tdm_tool_build *b, const tdm_mesh_shape *
 
 tdm_status tdm_tool_plan_tp_rank(const tdm_model_spec *spec, const tdm_optim_opts *optim, int T,
                                  int D, int share, int seq_par, int zero1, int ckpt,
-                                 tdm_tool_tp_plan *out)
+                                 const tdm_tool_tp_levers *lev, tdm_tool_tp_plan *out)
 {
     memset(out, 0, sizeof *out);
     TDM_REQUIRE(T >= 1 && D >= 1 && share >= 1, TDM_STATUS_INVALID_ARG,
@@ -320,12 +320,31 @@ tdm_status tdm_tool_plan_tp_rank(const tdm_model_spec *spec, const tdm_optim_opt
     out->params = out->grads = flat;
     out->optim = (size_t)tdm_optim_kind_n_state(optim) * tdm_plan_round64(chunk * sizeof(float));
     out->activations = fp.act_bytes;
-    /* the loss's per-row values in the device's scratch (at least 256
-     * bytes, 64-byte granules) */
+    /* the device's scratch through a step (models/plan.h): the loss's
+     * per-row values, fp16's found-inf flag, the norm's partial sums over
+     * the elements rank 0 counts (its whole slice, or under ZeRO-1
+     * replica 0's chunk of it: tp/levers.c) and the norm itself */
     size_t rows = (size_t)share * (size_t)(spec->kind == TDM_MODEL_GPT ? spec->n_ctx : 1);
-    size_t loss = rows * sizeof(float) > 256 ? rows * sizeof(float) : 256;
-    out->scratch = tdm_plan_round64(loss);
-    out->peak = out->params + out->grads + out->optim + out->activations + out->scratch;
+    size_t needs[4];
+    int k = 0;
+    tdm_precision prec = lev ? lev->precision : TDM_PRECISION_FP32;
+    needs[k++] = rows * sizeof(float);
+    if (prec == TDM_PRECISION_FP16) needs[k++] = sizeof(float);
+    if (lev && lev->grad_norm) {
+        needs[k++] = (size_t)tdm_dev_sumsq_chunks((int64_t)(chunk < n ? chunk : n)) *
+                     sizeof(double);
+        needs[k++] = sizeof(double);
+    }
+    out->scratch = tdm_plan_scratch_peak(needs, k);
+    /* the 16-bit products' operand block (tp/levers.c), and a host
+     * device's float32 widening of fp16 operands */
+    if (prec != TDM_PRECISION_FP32) {
+        out->low = tdm_plan_round64(fp.low_bytes);
+        if (lev->device == TDM_DEVICE_HOST && prec == TDM_PRECISION_FP16)
+            out->low += tdm_plan_round64((size_t)fp.wide_elems * sizeof(float));
+    }
+    out->peak = out->params + out->grads + out->optim + out->activations + out->scratch +
+                out->low;
     return TDM_STATUS_OK;
 }
 
@@ -347,27 +366,21 @@ static tdm_status tdm_plan_tp_print(const tdm_plan_args *a, const tdm_plan_opts 
     if (a->batch < D)
         return tdm_tool_usage_error("tandem plan: --batch %lld is smaller than the %d "
                                     "replicas\n", a->batch, D);
-    /* tp's 16-bit products convert their operands into a scratch block
-     * sized by the largest product (tp/levers.c): not modelled here */
-    if (o->precision != TDM_PRECISION_FP32)
-        return tdm_tool_usage_error("tandem plan: --mode tp --precision %s is not planned (tp "
-                                    "converts each product's operands into a scratch block "
-                                    "the plan does not model); plan fp32, or run tandem train, "
-                                    "which prints the measured peak\n",
-                                    tdm_precision_name(o->precision));
     tdm_tool_tp_plan t;
+    tdm_tool_tp_levers lev = {.precision = o->precision, .grad_norm = o->grad_norm,
+                              .device = o->device};
     tdm_status st = tdm_tool_plan_tp_rank(&o->spec, &o->optim, T, D,
                                           (int)((a->batch + D - 1) / D), a->seq_par, zero1,
-                                          o->ckpt, &t);
+                                          o->ckpt, &lev, &t);
     if (st) {
         fprintf(stderr, "tandem plan: --mode tp: %s\n", tdm_error_message());
         return st == TDM_STATUS_INVALID_ARG ? TDM_STATUS_USAGE : st;
     }
     printf("tandem plan: %s, mode tp on %s (%d rank%s%s%s%s), batch %lld (%lld per replica at "
-           "most), precision fp32%s\n", a->model, a->device, T, T == 1 ? "" : "s",
+           "most), precision %s%s\n", a->model, a->device, T, T == 1 ? "" : "s",
            D > 1 ? " x " : "", D > 1 ? (zero1 ? "replicas, ZeRO-1 over dp" : "replicas") : "",
            a->seq_par ? ", sequence parallel" : "", a->batch, (a->batch + D - 1) / D,
-           o->ckpt ? ", checkpointing" : "");
+           tdm_precision_name(o->precision), o->ckpt ? ", checkpointing" : "");
     printf("peak per device: %.2f MiB (a rank of the replica with the largest share; every "
            "rank's slices have the same sizes)\n", t.peak / 1048576.0);
     printf("  %-22s %10lld elements\n", "the rank's slice", (long long)t.elems);
@@ -375,7 +388,8 @@ static tdm_status tdm_plan_tp_print(const tdm_plan_args *a, const tdm_plan_opts 
     tdm_plan_line("gradients", t.grads);
     tdm_plan_line(zero1 ? "optimizer (1/D of it)" : "optimizer state", t.optim);
     tdm_plan_line("activations, scratch", t.activations);
-    tdm_plan_line("loss rows", t.scratch);
+    tdm_plan_line("scratch (loss rows)", t.scratch);
+    if (t.low) tdm_plan_line("16-bit operands", t.low);
     printf("  not counted: %s\n", o->device == TDM_DEVICE_HOST
                                       ? "nothing on host devices (DDP over dp: the job's shared "
                                         "memory)"

@@ -75,14 +75,23 @@ tdm_status tdm_tool_plan_pp_rank(const tdm_tool_build *b, const tdm_mesh_shape *
  * its 1/D chunk, plus the padded flat buffer where the slices do not
  * divide by D), the activations and scratch tdm_tp_footprint counts for
  * `share` samples (its replica's: tp reserves them at the rows it gets;
- * the largest replica's, ceil(B/D), is the job's peak), and the loss rows
- * in the device's scratch. */
+ * the largest replica's, ceil(B/D), is the job's peak), the device's
+ * scratch (the loss rows; with lev: fp16's flag, the norm's partial
+ * sums), and with lev->precision bf16|fp16 the products' 16-bit
+ * operand block (tp/levers.c) plus, on a host device in fp16, the
+ * float32 widening of the largest product's operands. lev NULL: fp32,
+ * no clipping. */
+typedef struct tdm_tool_tp_levers {
+    tdm_precision precision;
+    int grad_norm;               /* --clip-grad-norm */
+    tdm_device_kind device;
+} tdm_tool_tp_levers;
 typedef struct tdm_tool_tp_plan {
-    size_t params, grads, optim, activations, scratch, peak;
+    size_t params, grads, optim, activations, scratch, low, peak;
     int64_t elems;               /* the rank's flat slice */
 } tdm_tool_tp_plan;
 tdm_status tdm_tool_plan_tp_rank(const tdm_model_spec *spec, const tdm_optim_opts *optim, int T,
                                  int D, int share, int seq_par, int zero1, int ckpt,
-                                 tdm_tool_tp_plan *out);
+                                 const tdm_tool_tp_levers *lev, tdm_tool_tp_plan *out);
 
 #endif

@@ -40,6 +40,7 @@ typedef struct tdm_tool_tp {
     tdm_dist_det det;            /* --deterministic K: the tree over the dp dimension */
     int det_global;              /* the step's global batch */
     int64_t det_row0;            /* and this replica's first row in it */
+    int norm;                    /* the steps measured the gradient norm (the plan's scratch) */
 } tdm_tool_tp;
 
 /* ---- the layout ---- */
@@ -161,6 +162,7 @@ static tdm_status tdm_rank_tp_step(void *ctx, const void *x, const int32_t *y, i
     tdm_dist_share(q->det_global, q->rep, q->reps, &q->det_row0, &end);
     /* the levers: found-inf and the norm over the whole job */
     tdm_train_levers_tp_begin(s, q->p, q->jcomm, q->rep);
+    q->norm = s->clip_norm > 0.0 || s->measure_norm;
     TDM_CHECK(tdm_tool_mesh_step(s, &q->mesh, q->in_elems, q->out_rows, tdm_rank_tp_step_fn, q,
                                  who, "tp loss over the replicas", x, y, batch, loss_mean));
     tdm_train_levers_tp_end(s, q->p);
@@ -330,11 +332,13 @@ static void tdm_rank_tp_peak(const tdm_tool_rank *r)
     int64_t lo, hi;
     tdm_dist_share(r->b->pp.batch, q->mesh.coord[TDM_MESH_DP], q->mesh.size[TDM_MESH_DP], &lo,
                    &hi);
-    /* 16-bit products' operand scratch is not planned (tools/plan.c) */
-    if (!r->b->deterministic && hi > lo && r->b->precision == TDM_PRECISION_FP32 &&
+    tdm_tool_tp_levers lev = {.precision = r->b->precision,
+                              .grad_norm = q->norm,
+                              .device = tdm_dev_kind(r->dist->dev)};
+    if (!r->b->deterministic && hi > lo &&
         !tdm_tool_plan_tp_rank(&r->b->spec, &r->b->optim, q->mesh.size[TDM_MESH_TP],
                                q->mesh.size[TDM_MESH_DP], (int)(hi - lo), r->b->tp.seq_par,
-                               r->b->tp.zero1, r->b->ckpt, &t))
+                               r->b->tp.zero1, r->b->ckpt, &lev, &t))
         printf(", %.2f MiB planned (tandem plan)", t.peak / 1048576.0);
     tdm_error_clear();
     printf("\n");
