@@ -41,6 +41,10 @@ typedef struct tdm_tool_tp {
     int det_global;              /* the step's global batch */
     int64_t det_row0;            /* and this replica's first row in it */
     int norm;                    /* the steps measured the gradient norm (the plan's scratch) */
+    /* after the run (tdm_rank_tp_finish): the rank with the largest
+     * device peak, that peak and its plan (rank 0's report) */
+    int top_rank, top_rep;
+    size_t top_peak, top_planned;
 } tdm_tool_tp;
 
 /* ---- the layout ---- */
@@ -314,33 +318,75 @@ static void tdm_rank_tp_describe(const tdm_tool_rank *r, char *on, size_t n_on, 
     snprintf(note, n_note, "%s", "");
 }
 
-/* Rank 0's device peak (the allocator's) beside the plan of a rank at
- * its replica's share (tools/plan_peak.h; tandem plan --mode tp prints
- * the largest share's; not with --deterministic's virtual shards). */
+/* A rank's plan at its replica's rows (tp reserves its activations for
+ * them; tools/plan_peak.h): 0 when not planned (--deterministic's
+ * virtual shards, an empty share). */
+static size_t tdm_rank_tp_planned(const tdm_tool_rank *r)
+{
+    const tdm_tool_tp *q = r->w;
+    tdm_tool_tp_plan t;
+    int64_t lo, hi;
+    tdm_dist_share(r->b->pp.batch, q->mesh.coord[TDM_MESH_DP], q->mesh.size[TDM_MESH_DP], &lo,
+                   &hi);
+    tdm_tool_tp_levers lev = {.precision = r->b->precision, .grad_norm = q->norm,
+                              .device = tdm_dev_kind(r->dist->dev)};
+    if (r->b->deterministic || hi <= lo ||
+        tdm_tool_plan_tp_rank(&r->b->spec, &r->b->optim, q->mesh.size[TDM_MESH_TP],
+                              q->mesh.size[TDM_MESH_DP], (int)(hi - lo), r->b->tp.seq_par,
+                              r->b->tp.zero1, r->b->ckpt, &lev, &t)) {
+        tdm_error_clear();
+        return 0;
+    }
+    return t.peak;
+}
+
+/* Every rank's device peak and plan to rank 0 (collective, after the
+ * run): the replicas' shares of an uneven batch differ, and the job's
+ * peak is the largest share's, which `tandem plan` prints. */
+static tdm_status tdm_rank_tp_finish(tdm_tool_rank *r)
+{
+    tdm_tool_tp *q = r->w;
+    tdm_dev_mem_stats ms;
+    int64_t mine[3] = {0, (int64_t)tdm_rank_tp_planned(r), q->mesh.coord[TDM_MESH_DP]};
+    int64_t *all = NULL;
+    if (tdm_dev_mem_query(r->dist->dev, &ms) == TDM_STATUS_OK) mine[0] = (int64_t)ms.peak_bytes;
+    tdm_error_clear();
+    all = calloc((size_t)r->world * 3, sizeof *all);
+    TDM_REQUIRE(all, TDM_STATUS_OUT_OF_MEMORY, "tp memory summary: %d ranks", r->world);
+    tdm_comm_set_label(r->dist->comm, "tp memory summary");
+    tdm_status st = tdm_comm_all_gather(r->dist->comm, mine, all, 3, TDM_DTYPE_INT64);
+    q->top_rank = 0;
+    for (int k = 1; st == TDM_STATUS_OK && k < r->world; k++)
+        if (all[3 * k] > all[3 * q->top_rank]) q->top_rank = k;
+    if (st == TDM_STATUS_OK) {
+        q->top_peak = (size_t)all[3 * q->top_rank];
+        q->top_planned = (size_t)all[3 * q->top_rank + 1];
+        q->top_rep = (int)all[3 * q->top_rank + 2];
+    }
+    free(all);
+    return st ? tdm_tool_rank_fail(r, "tp memory summary", st) : st;
+}
+
+/* Rank 0's device peak (the allocator's) beside its plan, and the job's
+ * largest (tandem plan --mode tp prints the largest share's; not with
+ * --deterministic's virtual shards). */
 static void tdm_rank_tp_peak(const tdm_tool_rank *r)
 {
     const tdm_tool_tp *q = r->w;
     tdm_dev_mem_stats ms;
-    tdm_tool_tp_plan t;
     if (tdm_dev_mem_query(r->dist->dev, &ms)) {
         tdm_error_clear();
         return;
     }
     printf("tp memory, rank 0: device peak %.2f MiB measured (allocator)",
            ms.peak_bytes / 1048576.0);
-    /* rank 0's replica's rows (tp reserves its activations for them) */
-    int64_t lo, hi;
-    tdm_dist_share(r->b->pp.batch, q->mesh.coord[TDM_MESH_DP], q->mesh.size[TDM_MESH_DP], &lo,
-                   &hi);
-    tdm_tool_tp_levers lev = {.precision = r->b->precision,
-                              .grad_norm = q->norm,
-                              .device = tdm_dev_kind(r->dist->dev)};
-    if (!r->b->deterministic && hi > lo &&
-        !tdm_tool_plan_tp_rank(&r->b->spec, &r->b->optim, q->mesh.size[TDM_MESH_TP],
-                               q->mesh.size[TDM_MESH_DP], (int)(hi - lo), r->b->tp.seq_par,
-                               r->b->tp.zero1, r->b->ckpt, &lev, &t))
-        printf(", %.2f MiB planned (tandem plan)", t.peak / 1048576.0);
-    tdm_error_clear();
+    size_t planned = tdm_rank_tp_planned(r);
+    if (planned) printf(", %.2f MiB planned (tandem plan)", planned / 1048576.0);
+    printf("\n");
+    if (q->mesh.size[TDM_MESH_DP] < 2) return;
+    printf("tp memory, the largest device peak: %.2f MiB measured (allocator) on rank %d "
+           "(replica %d)", q->top_peak / 1048576.0, q->top_rank, q->top_rep);
+    if (q->top_planned) printf(", %.2f MiB planned (tandem plan)", q->top_planned / 1048576.0);
     printf("\n");
 }
 
@@ -433,4 +479,5 @@ const tdm_tool_design tdm_tool_tp_design = {
              .setup = tdm_rank_tp_setup, .free = tdm_rank_tp_free, .ops = &tdm_rank_tp_ops},
     .unit = "tensor-parallel rank", .save_alone = 0, .describe = tdm_rank_tp_describe,
     .report = tdm_rank_tp_report, .params = tdm_rank_tp_params, .step = tdm_rank_tp_step,
-    .accum = &tdm_rank_tp_accum_ops, .phases = tdm_rank_tp_phases};
+    .accum = &tdm_rank_tp_accum_ops, .phases = tdm_rank_tp_phases,
+    .finish = tdm_rank_tp_finish};

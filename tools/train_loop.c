@@ -161,7 +161,7 @@ static tdm_status tdm_train_evaluate(const tdm_train_run *r, double *loss, doubl
 int tdm_train_eval_rows(const tdm_train_args *a, int replicas, int cap)
 {
     long long n = replicas > 0 ? replicas : 1;
-    long long rows = (a->batch + n - 1) / n;
+    long long rows = a->batch / n;   /* the smallest replica's share */
     return rows < 1 ? 1 : rows < cap ? (int)rows : cap;
 }
 

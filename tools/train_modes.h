@@ -194,12 +194,14 @@ void tdm_train_text_header(const tdm_train_text_set *t, const tdm_model_spec *sp
 #define TDM_TRAIN_EVAL_BATCH 1000
 
 /* The samples (a gpt: windows) of one evaluation forward on a device
- * whose step runs its replica's share of --batch over `replicas`:
- * ceil(B / replicas), at most `cap` (TDM_TRAIN_EVAL_BATCH, or
- * TDM_TRAIN_TEXT_EVAL_BATCH). Evaluating in the step's own batch reuses
- * the activations and scratch the step reserved, so evaluation between
- * epochs does not raise the device's peak above the step's (which
- * `tandem plan` predicts); a larger evaluation batch would grow them. */
+ * whose step runs its replica's share of --batch over `replicas`: the
+ * smallest share, floor(B / replicas) (at least 1; the same on every
+ * rank, as a sharded design's collective forwards need), at most `cap`
+ * (TDM_TRAIN_EVAL_BATCH, or TDM_TRAIN_TEXT_EVAL_BATCH). No larger than
+ * any replica's step, it reuses the activations and scratch the step
+ * reserved, so evaluation between epochs does not raise a device's peak
+ * above its step's (which `tandem plan` predicts); a larger evaluation
+ * batch would grow them. */
 int tdm_train_eval_rows(const tdm_train_args *a, int replicas, int cap);
 
 /* --uneven: one rank's epochs over its own samples, with join
