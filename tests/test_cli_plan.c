@@ -530,6 +530,37 @@ Test(cli_plan, compare_prints_planned_beside_measured)
     cr_assert_eq(cli_shm_entries(), 0);
 }
 
+/* compare --json's "pipeline" object (file `path`): one memory entry
+ * per stage (S of them), each with the allocator's peak beside the
+ * plan's, within 5% (measured: equal to the byte but the CNN mesh's
+ * stage 0), and the layout and verdict. Before, the JSON held no
+ * pipeline entry and this failed. */
+static void pp_json_memory(const char *path, int S, const char *what)
+{
+    FILE *f = fopen(path, "r");
+    cr_assert_not_null(f, "%s: no %s", what, path);
+    static char text[1 << 20];
+    size_t n = fread(text, 1, sizeof text - 1, f);
+    fclose(f);
+    text[n] = 0;
+    const char *p = strstr(text, "\"pipeline\": {\"stages\": ");
+    cr_assert_not_null(p, "%s: no pipeline in %s", what, text);
+    cr_assert_eq(atoi(p + strlen("\"pipeline\": {\"stages\": ")), S, "%s: %.200s", what, p);
+    cr_assert(strstr(p, "\"pass\": true"), "%s: %.300s", what, p);
+    int k = 0;
+    for (const char *q = p; (q = strstr(q, "{\"stage\": ")); q++, k++) {
+        double measured, planned;
+        const char *m = strstr(q, "\"peak_measured\": "), *pl = strstr(q, "\"peak_planned\": ");
+        cr_assert(m && pl, "%s: %.200s", what, q);
+        cr_assert_eq(atoi(q + strlen("{\"stage\": ")), k, "%s: %.200s", what, q);
+        measured = strtod(m + strlen("\"peak_measured\": "), NULL);
+        planned = strtod(pl + strlen("\"peak_planned\": "), NULL);
+        cr_assert(measured > 0 && fabs(planned - measured) <= 0.05 * measured,
+                  "%s stage %d: planned %.0f bytes, measured %.0f", what, k, planned, measured);
+    }
+    cr_assert_eq(k, S, "%s: %d stage entries of %d:\n%s", what, k, S, p);
+}
+
 /* compare's pp row with the levers: its stages in bf16 with
  * checkpointing and clipping, the verdict against one host device with
  * --grad-accum under the same levers (the MLP bit for bit; the GPT's tied
@@ -544,12 +575,15 @@ Test(cli_plan, compare_pp_row_with_levers, .timeout = 600)
         {"gpt:2-32-2-16", "8", "cpu:3", NULL, "-> PASS"},
         {"cnn", "32", "cpu:4", "dp=2,pp=2", "-> PASS"},
     };
+    char dir[128];
+    tu_mkdtemp(dir, sizeof dir, "planpp");
+    const char *json = tu_tpath(dir, "c.json");
     for (int c = 0; c < 3; c++) {
         const char *args[32] = {"compare", "--model", cases[c].model, "--batch", cases[c].batch,
                                 "--steps", "3", "--modes", "pp", "--device", cases[c].dev,
                                 "--precision", "bf16", "--checkpoint-activations", "2",
-                                "--clip-grad-norm", "0.05"};
-        int n = 17;
+                                "--clip-grad-norm", "0.05", "--json", json};
+        int n = 19;
         if (cases[c].mesh) {
             args[n++] = "--mesh";
             args[n++] = cases[c].mesh;
@@ -588,7 +622,9 @@ Test(cli_plan, compare_pp_row_with_levers, .timeout = 600)
             p = strchr(p + 1, '\n');
         }
         cr_assert_eq(rows, cases[c].mesh ? 2 : cases[c].dev[4] - '0', "%s", mem);
+        pp_json_memory(json, rows, cases[c].model);
     }
+    tu_rmtree(dir);
     cr_assert_eq(cli_shm_entries(), 0);
 }
 
