@@ -45,7 +45,24 @@ typedef struct tdm_tool_tp {
      * device peak, that peak and its plan (rank 0's report) */
     int top_rank, top_rep;
     size_t top_peak, top_planned;
+    /* what the tensor-parallel communicator carried in the training
+     * passes (forward and backward of a step or a micro-batch): not the
+     * set-up's checks, the evaluation's forwards, the checkpoints' gathers */
+    tdm_comm_traffic pass_traffic, pass_t0;
+    int64_t passes;
 } tdm_tool_tp;
+
+/* The tensor-parallel communicator's traffic since q->pass_t0 added to
+ * q->pass_traffic. */
+static void tdm_rank_tp_count(tdm_tool_tp *q)
+{
+    tdm_comm_traffic t;
+    tdm_comm_traffic_get(q->mesh.dev[TDM_MESH_TP], &t);
+    for (int c = 0; c < TDM_COLL_COUNT_; c++) {
+        q->pass_traffic.calls[c] += t.calls[c] - q->pass_t0.calls[c];
+        q->pass_traffic.bytes[c] += t.bytes[c] - q->pass_t0.bytes[c];
+    }
+}
 
 /* ---- the layout ---- */
 
@@ -167,8 +184,11 @@ static tdm_status tdm_rank_tp_step(void *ctx, const void *x, const int32_t *y, i
     /* the levers: found-inf and the norm over the whole job */
     tdm_train_levers_tp_begin(s, q->p, q->jcomm, q->rep);
     q->norm = s->clip_norm > 0.0 || s->measure_norm;
+    tdm_comm_traffic_get(q->mesh.dev[TDM_MESH_TP], &q->pass_t0);
     TDM_CHECK(tdm_tool_mesh_step(s, &q->mesh, q->in_elems, q->out_rows, tdm_rank_tp_step_fn, q,
                                  who, "tp loss over the replicas", x, y, batch, loss_mean));
+    tdm_rank_tp_count(q);
+    q->passes++;
     tdm_train_levers_tp_end(s, q->p);
     return TDM_STATUS_OK;
 }
@@ -198,8 +218,13 @@ static tdm_status tdm_rank_tp_accum_micro(void *ctx, const void *x, const int32_
     tdm_dist_share(batch, q->rep, q->reps, &lo, &hi);
     *loss_sum = 0.0;
     if (hi == lo) return TDM_STATUS_OK;   /* a short micro-batch: the whole group has none */
-    return tdm_tp_forward_backward(q->p, (const int32_t *)x + lo * q->in_elems,
-                                   y + lo * q->out_rows, (int)(hi - lo), grad_scale, loss_sum);
+    tdm_comm_traffic_get(q->mesh.dev[TDM_MESH_TP], &q->pass_t0);
+    TDM_CHECK(tdm_tp_forward_backward(q->p, (const int32_t *)x + lo * q->in_elems,
+                                      y + lo * q->out_rows, (int)(hi - lo), grad_scale,
+                                      loss_sum));
+    tdm_rank_tp_count(q);
+    q->passes++;
+    return TDM_STATUS_OK;
 }
 
 static tdm_status tdm_rank_tp_accum_step(void *ctx, double *loss_sum)
@@ -412,8 +437,7 @@ static void tdm_rank_tp_report(const tdm_tool_rank *r, int overlap)
            (long long)s.split_elems, (long long)s.whole_split_elems,
            (long long)s.replicated_elems);
     tdm_rank_tp_peak(r);
-    tdm_comm_traffic t;
-    tdm_comm_traffic_get(q->mesh.dev[TDM_MESH_TP], &t);
+    const tdm_comm_traffic t = q->pass_traffic;
     tdm_comm_traffic plan;
     tdm_tp_step_traffic(&r->b->spec, tdm_tp_size(q->p), 1, r->b->tp.seq_par, &plan);
     if (r->b->ckpt) {
@@ -425,13 +449,13 @@ static void tdm_rank_tp_report(const tdm_tool_rank *r, int overlap)
             plan.bytes[c] += re.bytes[c];
         }
     }
-    printf("tp communication, rank 0: %lld all-reduces of %.3f MiB over the run (counted by the "
-           "communicator; %lld per step of the full batch by the plan)",
+    printf("tp communication, rank 0: %lld all-reduces of %.3f MiB in the %lld training "
+           "passes (counted by the communicator; %lld per pass of the full batch by the plan)",
            (long long)t.calls[TDM_COLL_ALL_REDUCE], (double)t.bytes[TDM_COLL_ALL_REDUCE] * mib,
-           (long long)plan.calls[TDM_COLL_ALL_REDUCE]);
+           (long long)q->passes, (long long)plan.calls[TDM_COLL_ALL_REDUCE]);
     if (plan.calls[TDM_COLL_REDUCE_SCATTER])
         printf(", %lld reduce-scatters of %.3f MiB and %lld all-gathers of %.3f MiB (%lld and "
-               "%lld per step)", (long long)t.calls[TDM_COLL_REDUCE_SCATTER],
+               "%lld per pass)", (long long)t.calls[TDM_COLL_REDUCE_SCATTER],
                (double)t.bytes[TDM_COLL_REDUCE_SCATTER] * mib,
                (long long)t.calls[TDM_COLL_ALL_GATHER], (double)t.bytes[TDM_COLL_ALL_GATHER] * mib,
                (long long)plan.calls[TDM_COLL_REDUCE_SCATTER],
