@@ -23,6 +23,7 @@
 #include "pp/pp.h"
 #include "tp/tp.h"
 #include "tools/plan_peak.h"
+#include "tools/rank_pptp.h"
 #include "tools/tools.h"
 #include "tools/train_modes.h"
 
@@ -38,7 +39,7 @@ static void tdm_plan_usage(FILE *f)
 {
     fprintf(f,
         "usage: tandem plan [--model M] [--mode single|dp|ddp|fsdp|pp|tp] [--sharding S]\n"
-        "                   [--device D] [--stages S] [--mesh dp=D,pp=S|dp=D,tp=N]\n"
+        "                   [--device D] [--stages S] [--mesh dp=D,pp=S[,tp=N]|dp=D,tp=N]\n"
         "                   [--microbatches M] [--schedule gpipe|1f1b] [--sequence-parallel]\n"
         "                   [--batch B] [--precision fp32|bf16|fp16]\n"
         "                   [--checkpoint-activations [all|N]]\n"
@@ -64,7 +65,8 @@ static void tdm_plan_usage(FILE *f)
         "buffer (the received activations and gradients: in the links' shared memory\n"
         "on host devices, counted on a GPU's); with D replicas (--mesh dp=D,pp=S, or\n"
         "--stages S of D*S devices) every replica's stage alike at ceil(B/D) samples,\n"
-        "and with --sharding optimizer its optimizer state over 1/D of the stage.\n"
+        "and with --sharding optimizer its optimizer state over 1/D of the stage;\n"
+        "with tp=N stages (--mesh dp=D,pp=S,tp=N) a rank's slices of its stage.\n"
         "tp (--mesh dp=D,tp=N, or N = the devices): a rank's slices of the parameters,\n"
         "gradients and optimizer state (ZeRO-1 over dp with --sharding optimizer), the\n"
         "activations and scratch at ceil(B/D) samples (with checkpointing: one block's\n"
@@ -272,21 +274,27 @@ tdm_status tdm_tool_plan_pp_rank(const tdm_tool_build *b, const tdm_mesh_shape *
     int S = shape->size[TDM_MESH_PP], reps = shape->size[TDM_MESH_DP], n = 0;
     int s = coord[TDM_MESH_PP], first[64];
     *planned = 0;
-    TDM_REQUIRE(shape->size[TDM_MESH_TP] == 1 && !b->deterministic, TDM_STATUS_UNSUPPORTED,
-                "plan: tensor-parallel stages and --deterministic's virtual shards are not "
-                "planned");
+    TDM_REQUIRE(!b->deterministic, TDM_STATUS_UNSUPPORTED,
+                "plan: --deterministic's virtual shards are not planned");
     TDM_REQUIRE(S >= 1 && S <= 64 && b->pp.micro >= 1 && batch >= 1, TDM_STATUS_INVALID_ARG,
                 "plan: %d stages (1..64), %d micro-batches, a batch of %d", S, b->pp.micro,
                 batch);
     TDM_CHECK(tdm_model_spec_n_layers(&b->spec, &n));
     TDM_CHECK(b->pp.split ? tdm_pp_split_parse(b->pp.split, S, n, first)
                           : tdm_pp_split_balance(&b->spec, S, TDM_PP_BALANCE_FLOPS, first));
+    /* tensor-parallel stages (tools/rank_pptp.h): a rank's stage is the
+     * stage of the narrow spec (its slices), its partial sums in place */
+    tdm_model_spec spec = b->spec;
+    if (shape->size[TDM_MESH_TP] > 1) {
+        tdm_pptp_cut cut[TDM_PPTP_MAX_LAYERS];
+        TDM_CHECK(tdm_pptp_plan(&b->spec, S, first, shape->size[TDM_MESH_TP], cut, &spec));
+    }
     tdm_pp_schedule *sched = NULL;
     TDM_CHECK(tdm_pp_schedule_build(&sched, b->pp.schedule, S, b->pp.micro));
     int share = (batch + reps - 1) / reps;
     tdm_plan_opts o;
     tdm_plan stage;
-    tdm_plan_opts_default(&o, &b->spec, (share + b->pp.micro - 1) / b->pp.micro);
+    tdm_plan_opts_default(&o, &spec, (share + b->pp.micro - 1) / b->pp.micro);
     o.precision = b->precision;
     o.ckpt = b->ckpt;
     o.optim = b->optim;
@@ -424,11 +432,7 @@ static tdm_status tdm_plan_pp_print(const tdm_plan_args *a, tdm_plan_opts *o, in
                                     "pipeline of S stages runs on S devices (or D*S: D "
                                     "replicas)\n", S0, devices);
     }
-    int S = shape.size[TDM_MESH_PP], D = shape.size[TDM_MESH_DP];
-    if (shape.size[TDM_MESH_TP] > 1)
-        return tdm_tool_usage_error("tandem plan: --mesh %s: tensor-parallel stages (tp=%d) are "
-                                    "not planned yet (dp x pp meshes are)\n", a->mesh,
-                                    shape.size[TDM_MESH_TP]);
+    int S = shape.size[TDM_MESH_PP], D = shape.size[TDM_MESH_DP], T = shape.size[TDM_MESH_TP];
     if (zero1 && D < 2)
         return tdm_tool_usage_error("tandem plan: --sharding optimizer shards each stage's "
                                     "optimizer over the dp dimension: it needs --mesh dp=D,pp=S "
@@ -443,6 +447,16 @@ static tdm_status tdm_plan_pp_print(const tdm_plan_args *a, tdm_plan_opts *o, in
     int first[64];
     tdm_pp_schedule *sched = NULL;
     TDM_CHECK(tdm_pp_split_balance(&o->spec, S, TDM_PP_BALANCE_FLOPS, first));
+    if (T > 1) {
+        /* tensor-parallel stages (tools/rank_pptp.h): a rank's stage is
+         * the narrow spec's, its slices; its partial sums run in place */
+        tdm_pptp_cut cut[TDM_PPTP_MAX_LAYERS];
+        tdm_model_spec narrow;
+        if (tdm_pptp_plan(&o->spec, S, first, T, cut, &narrow))
+            return tdm_tool_usage_error("tandem plan: --mesh %s: %s\n", a->mesh,
+                                        tdm_error_message());
+        o->spec = narrow;
+    }
     TDM_CHECK(tdm_pp_schedule_build(&sched, kind, S, M));
     o->batch = (share + M - 1) / M;
     size_t peak[64], most = 0;
@@ -461,14 +475,17 @@ static tdm_status tdm_plan_pp_print(const tdm_plan_args *a, tdm_plan_opts *o, in
         fprintf(stderr, "tandem plan: %s\n", tdm_error_message());
         return rc;
     }
-    char split[160], reps[160] = "";
+    char split[160], reps[160] = "", tps[96] = "";
+    if (T > 1)
+        snprintf(tps, sizeof tps, ", each stage over %d tensor-parallel ranks (a rank's slices)",
+                 T);
     if (D > 1)
         snprintf(reps, sizeof reps, " x %d replicas (dp=%d, %s)", D, D,
                  zero1 ? "ZeRO-1: each replica keeps 1/D of a stage's optimizer state"
                        : "DDP over the dp dimension");
-    printf("tandem plan: %s, mode pp on %s (%d stages%s, %s, %d micro-batches of %d), precision "
-           "%s%s\n", a->model, a->device, S, reps, tdm_pp_schedule_name(kind), M, o->batch,
-           tdm_precision_name(o->precision), o->ckpt ? ", checkpointing" : "");
+    printf("tandem plan: %s, mode pp on %s (%d stages%s%s, %s, %d micro-batches of %d), "
+           "precision %s%s\n", a->model, a->device, S, reps, tps, tdm_pp_schedule_name(kind), M,
+           o->batch, tdm_precision_name(o->precision), o->ckpt ? ", checkpointing" : "");
     printf("peak per device: %.2f MiB (the largest stage's%s; first layers %s)\n",
            most / 1048576.0, D > 1 ? ", every replica alike" : "",
            tdm_pp_split_str(first, S, split, sizeof split));
@@ -587,7 +604,7 @@ int tdm_tool_plan_main(int argc, char **argv)
     /* the levers' checks are train's */
     tdm_train_args ta = {.mode = a.mode, .device = a.device, .precision = a.precision,
                          .ckpt = a.ckpt, .offload = a.offload, .clip_grad_norm = a.clip,
-                         .sharding = a.sharding,
+                         .sharding = a.sharding, .mesh = a.mesh,
                          .grad_accum = 1};
     if ((st = tdm_train_levers_check(&ta))) return tdm_tool_exit(st);
     tdm_device_list dl;

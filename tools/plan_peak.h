@@ -63,7 +63,8 @@ tdm_status tdm_tool_plan_pp_stage(const tdm_plan_opts *o, const tdm_tool_pp_plac
  * coordinate coord of shape, on a device of kind dev, for a global batch
  * of `batch` (the largest replica's share: the pipeline sizes every
  * replica's micro-batches by it), grad_norm 1 with clipping: *planned.
- * UNSUPPORTED for tensor-parallel stages (tp > 1) and --deterministic
+ * Tensor-parallel stages (tp > 1): the stage of the narrow spec, a
+ * rank's slices (tools/rank_pptp.h). UNSUPPORTED for --deterministic
  * (its micro-batches are virtual shards). */
 tdm_status tdm_tool_plan_pp_rank(const tdm_tool_build *b, const tdm_mesh_shape *shape,
                                  const int coord[TDM_MESH_NDIMS], tdm_device_kind dev,
