@@ -729,6 +729,19 @@ Test(cli_plan, refuses_what_it_does_not_plan)
     /* what tp's training refuses is not planned either */
     CLI(&g_r, "plan", "--mode", "tp", "--device", "cpu:2", "--checkpoint-activations", "2");
     expect(&g_r, 2, "segments of more are not built for tp");
+    /* the levers' checks are train's, said as plan's (they said "tandem
+     * train:" before) */
+    cr_assert(strstr(g_r.out, "tandem plan: --checkpoint-activations 2") &&
+                  !strstr(g_r.out, "tandem train:"), "%s", g_r.out);
+    /* --offload of two kinds: one clear refusal in both (train kept the
+     * last one silently before) */
+    CLI(&g_r, "plan", "--mode", "fsdp", "--device", "cuda:0,1", "--offload", "params",
+        "--offload", "optimizer");
+    expect(&g_r, 2, "tandem plan: --offload params and --offload optimizer: give --offload once");
+    CLI(&g_r, "train", "--mode", "fsdp", "--device", "cuda:0,1", "--offload", "optimizer",
+        "--offload", "params");
+    expect(&g_r, 2, "tandem train: --offload optimizer and --offload params: give --offload "
+                    "once");
     CLI(&g_r, "plan", "--mode", "tp", "--device", "cuda:0,1", "--offload", "optimizer");
     expect(&g_r, 2, "--mode tp does not support --offload");
     CLI(&g_r, "plan", "--mode", "ddp", "--device", "cpu:2", "--sequence-parallel");

@@ -30,6 +30,7 @@
 typedef struct tdm_plan_args {
     const char *model, *mode, *device, *precision, *ckpt, *offload, *optim, *sharding;
     const char *schedule, *mesh;
+    const char *offload_other;   /* an earlier --offload of another kind (refused) */
     long long batch, stages, micro;
     int seq_par;                 /* --sequence-parallel (tp) */
     double clip, momentum;
@@ -114,6 +115,8 @@ static tdm_status tdm_plan_parse(int argc, char **argv, tdm_plan_args *a, int *h
             if (!v) return tdm_tool_usage_error("tandem plan: %s needs a value\n", s);
             i++;
             char *end = NULL;
+            if (str == &a->offload && a->offload && strcmp(a->offload, v) && !a->offload_other)
+                a->offload_other = a->offload;
             if (str) *str = v;
             else if (!strcmp(s, "--batch")) a->batch = strtoll(v, &end, 10);
             else if (!strcmp(s, "--stages")) a->stages = strtoll(v, &end, 10);
@@ -604,7 +607,8 @@ int tdm_tool_plan_main(int argc, char **argv)
     /* the levers' checks are train's */
     tdm_train_args ta = {.mode = a.mode, .device = a.device, .precision = a.precision,
                          .ckpt = a.ckpt, .offload = a.offload, .clip_grad_norm = a.clip,
-                         .sharding = a.sharding, .mesh = a.mesh,
+                         .sharding = a.sharding, .mesh = a.mesh, .tool = "tandem plan",
+                         .offload_other = a.offload_other,
                          .grad_accum = 1};
     if ((st = tdm_train_levers_check(&ta))) return tdm_tool_exit(st);
     tdm_device_list dl;

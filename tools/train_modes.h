@@ -55,7 +55,9 @@ typedef struct tdm_train_args {
     /* the memory levers (tools/train_levers.c): --precision, --checkpoint-activations
      * (all = 1 unit per segment), --clip-grad-norm (0: off), --offload */
     const char *precision, *ckpt, *offload;
+    const char *offload_other;   /* an earlier --offload of another kind (refused) */
     double clip_grad_norm;
+    const char *tool;            /* the command its usage errors name (NULL: tandem train) */
     /* ps (tools/train_ps.c): --servers S (0: 1), --ps-sync, --ps-transport (as given) */
     long long servers;
     const char *ps_sync, *ps_transport;
