@@ -203,8 +203,9 @@ tdm_status tdm_dp_step_levers(tdm_dp *dp, tdm_single *s, const void *x,
 
 /* tdm_evaluate on the master, `batch` samples per forward, staged in the
  * output device's step buffers (grown to batch rows if smaller): at the
- * step's chunk (ceil(B/N)) an evaluation between epochs allocates
- * nothing the step does not hold already. */
+ * master's chunk of a step (ceil(B/N)) or less (train passes floor(B/N))
+ * an evaluation between epochs allocates nothing the step does not hold
+ * already. */
 tdm_status tdm_dp_evaluate(tdm_dp *dp, const tdm_dataset *d, int batch, double *loss_mean,
                            double *accuracy);
 
