@@ -652,25 +652,29 @@ static void tp_largest_equals(double largest, const char *what)
  * `tandem plan` the largest replica's, the same where the batch divides
  * by the replicas: the MLP and the GPT on tp=2, dp=2 x tp=2, dp=2 x
  * tp=2 with ZeRO-1 and dp=3 x tp=2 with ZeRO-1 (uneven shares), the GPT
- * with sequence parallelism. */
+ * with sequence parallelism, dp=2 x tp=2 with ZeRO-2 (its peak: ZeRO-1's
+ * and the gradient shard it keeps while the step's whole gradient is
+ * held). */
 Test(cli_plan, planned_tp_equals_measured, .timeout = 600)
 {
     static const struct { const char *model, *batch; } models[] = {
         {"mlp:784-256-128-10", "64"}, {"gpt:2-32-2-16", "8"}};
-    static const char *const layouts[5][5] = {
+    static const char *const layouts[6][5] = {
         {"--device", "cpu:2"},
         {"--device", "cpu:4", "--mesh", "dp=2,tp=2"},
         {"--device", "cpu:4", "--mesh", "dp=2,tp=2", "--sharding"},
         {"--device", "cpu:6", "--mesh", "dp=3,tp=2", "--sharding"},
-        {"--device", "cpu:2", "--sequence-parallel"}};
+        {"--device", "cpu:2", "--sequence-parallel"},
+        {"--device", "cpu:4", "--mesh", "dp=2,tp=2", "--sharding"}};
     for (int mo = 0; mo < 2; mo++)
-        for (int l = 0; l < 5; l++) {
+        for (int l = 0; l < 6; l++) {
             if (l == 4 && mo == 0) continue;   /* sequence parallelism: the GPT's */
             const char *args[32] = {"plan", "--model", models[mo].model, "--batch",
                                     models[mo].batch, "--mode", "tp"};
             int n = 7;
             for (int i = 0; i < 5 && layouts[l][i]; i++) args[n++] = layouts[l][i];
             if (l == 2 || l == 3) args[n++] = "optimizer";
+            if (l == 5) args[n++] = "grad_op";
             args[n] = NULL;
             cli_run(&g_r, args);
             cr_assert_eq(g_r.code, 0, "%s", g_r.out);

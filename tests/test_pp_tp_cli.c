@@ -15,9 +15,13 @@
  *   STALLED, with its coordinates;
  * - CUDA-emulated devices (cuda/ built, no GPU) write the host ranks'
  *   checkpoint bit for bit (what this does not test: CUDA, NCCL);
+ * - ZeRO-1 on the dp dimension: the unsharded 3-D mesh's checkpoint
+ *   byte for byte, the dp dimension's bytes per step the plan's exactly,
+ *   half the optimizer state per rank;
  * - bad meshes (a product that is not the device count, a width the
- *   group does not divide, the CNN, more stages than layers, ZeRO-1, a
- *   pipeline under --mode tp) are one line and exit 2. */
+ *   group does not divide, the CNN, more stages than layers, ZeRO-1
+ *   without replicas, ZeRO-2, a pipeline under --mode tp) are one line
+ *   and exit 2. */
 #include <criterion/criterion.h>
 
 #include <math.h>
@@ -100,6 +104,95 @@ Test(pp_tp_cli, dp_x_pp_x_tp_writes_single_devices_checkpoint_after_1_and_10_ste
     }
 }
 
+/* The printed optimizer MiB of stage s ("  stage s memory: ... optimizer X"). */
+static double stage_optim_mib(const char *out, int s)
+{
+    char want[32];
+    snprintf(want, sizeof want, "  stage %d memory:", s);
+    const char *l = strstr(out, want);
+    cr_assert(l, "no %s in:\n%s", want, out);
+    const char *o = strstr(l, "optimizer ");
+    cr_assert(o, "%s", l);
+    return atof(o + strlen("optimizer "));
+}
+
+/* ZeRO-1 on the dp dimension of the 3-D mesh (--mesh dp=2,pp=2,tp=2
+ * --sharding optimizer): each replica of a stage's tensor-parallel rank
+ * steps its half of the rank's narrow slice from DDP's all-reduced
+ * gradients and the halves are all-gathered back: the unsharded 3-D
+ * mesh's checkpoint bit for bit (SGD with momentum, AdamW), the
+ * optimizer state gathered over dp, the pipeline and stage 0's group.
+ * The dp dimension's bytes of rank 0's last step, counted by its
+ * communicator, are the plan's exactly: stage 0 of the narrow MLP holds
+ * fc1's column half (12 x 20 and 12 floats, padded to 16) and fc2's row
+ * half (16 x 12 and 16): n = 464; DDP all-reduces them and its check
+ * tail of 192 floats (ddp/reducer_impl.h), the loss adds one double,
+ * and ZeRO-1 all-gathers 2 chunks of 232. Each rank's optimizer state
+ * is half the unsharded mesh's (a larger model for the printed MiB). */
+Test(pp_tp_cli, zero1_on_the_dp_dimension_is_the_3d_meshs_bit_for_bit)
+{
+    static cli_result r;
+    static const char *const optims[] = {"sgd", "adamw"};
+    for (int i = 0; i < 2; i++) {
+        char plain[128], z1[128];
+        path(plain, sizeof plain, "mesh3d");
+        path(z1, sizeof z1, "mesh3d-zero1");
+        CLI(&r, "train", "--mode", "pp", "--device", "cpu:8", "--mesh", "dp=2,pp=2,tp=2",
+            "--split", "0,2", MLP, SYN, "--batch", "32", "--epochs", "2", "--max-steps", "5",
+            "--optim", optims[i], "--momentum", "0.9", "--no-eval", "--quiet", "--save", plain);
+        expect(&r, 0, "/");
+        CLI(&r, "train", "--mode", "pp", "--device", "cpu:8", "--mesh", "dp=2,pp=2,tp=2",
+            "--split", "0,2", MLP, SYN, "--batch", "32", "--epochs", "2", "--max-steps", "5",
+            "--optim", optims[i], "--momentum", "0.9", "--no-eval", "--sharding", "optimizer",
+            "--save", z1);
+        expect(&r, 0, "ZeRO-1: each replica steps 1/D of a stage");
+        expect(&r, 0, "all-reduces of 2632 bytes");
+        expect(&r, 0, "all-gathers of 1856 bytes (the replicas' chunks of 232 elements)");
+        cr_assert(cli_same_file(plain, z1), "%s: ZeRO-1's checkpoint differs from the 3-D "
+                  "mesh's", optims[i]);
+    }
+    double full[2], half[2];
+    const char *big[] = {"--model", "mlp:200-256-128-64-10", "--optim", "adamw"};
+    CLI(&r, "train", "--mode", "pp", "--device", "cpu:8", "--mesh", "dp=2,pp=2,tp=2", "--split",
+        "0,2", big[0], big[1], big[2], big[3], SYN, "--batch", "32", "--epochs", "1",
+        "--max-steps", "1", "--no-eval");
+    expect(&r, 0, "epoch 1/1");
+    for (int s = 0; s < 2; s++) full[s] = stage_optim_mib(r.out, s);
+    CLI(&r, "train", "--mode", "pp", "--device", "cpu:8", "--mesh", "dp=2,pp=2,tp=2", "--split",
+        "0,2", big[0], big[1], big[2], big[3], SYN, "--batch", "32", "--epochs", "1",
+        "--max-steps", "1", "--no-eval", "--sharding", "optimizer");
+    expect(&r, 0, "optimizer state per stage and replica is 1/D");
+    for (int s = 0; s < 2; s++) {
+        half[s] = stage_optim_mib(r.out, s);
+        cr_assert(full[s] > 0.03 && fabs(half[s] - full[s] / 2) <= 0.0015,
+                  "stage %d: optimizer %.3f MiB with ZeRO-1, %.3f MiB without", s, half[s],
+                  full[s]);
+    }
+}
+
+/* ZeRO-1 on the 3-D mesh resumes: 20 steps and 20 resumed from their
+ * file equal 40 straight, bit for bit (AdamW). */
+Test(pp_tp_cli, zero1_on_the_3d_mesh_resumes_bit_for_bit)
+{
+    static cli_result r;
+    char straight[128], half[128], resumed[128];
+    path(straight, sizeof straight, "z3-40");
+    path(half, sizeof half, "z3-20");
+    path(resumed, sizeof resumed, "z3-20-20");
+#define Z3_RUN "train", "--mode", "pp", "--device", "cpu:8", "--mesh", "dp=2,pp=2,tp=2", \
+               "--split", "0,2", MLP, "--data", "synthetic", "--synthetic-size", "320", \
+               "--batch", "32", "--optim", "adamw", "--no-eval", "--quiet", "--sharding", \
+               "optimizer"
+    CLI(&r, Z3_RUN, "--epochs", "4", "--save", straight);
+    expect(&r, 0, "epoch 4/4");
+    CLI(&r, Z3_RUN, "--epochs", "2", "--save", half);
+    expect(&r, 0, "epoch 2/2");
+    CLI(&r, Z3_RUN, "--epochs", "4", "--resume", half, "--save", resumed);
+    expect(&r, 0, "epoch 4/4");
+#undef Z3_RUN
+    cr_assert(cli_same_file(straight, resumed), "20 + 20 resumed steps differ from 40");
+}
+
 Test(pp_tp_cli, checkpoints_go_between_pp_tp_and_single)
 {
     char one1[128], one3[128], m1[128], a[128], b[128];
@@ -176,6 +269,19 @@ Test(pp_tp_cli, emulated_cuda_ranks_write_the_host_ranks_checkpoint)
     pptp(emu, "cuda", "dp=2,pp=2,tp=2", "1", "3", NULL);
     unsetenv("TANDEM_CUDA_EMULATOR");
     cr_assert(cli_same_file(host, emu), "emulated ranks differ from host ranks");
+    /* ZeRO-1 on the dp dimension: its step's gather and the save's over
+     * the device communicators */
+    static cli_result r;
+    for (int e = 0; e < 2; e++) {
+        if (e) cr_assert_eq(setenv("TANDEM_CUDA_EMULATOR", "8", 1), 0);
+        CLI(&r, "train", "--mode", "pp", "--device", e ? "cuda" : "cpu:8", "--mesh",
+            "dp=2,pp=2,tp=2", "--split", "0,2", MLP, SYN, "--batch", "32", "--epochs", "1",
+            "--max-steps", "3", "--no-eval", "--quiet", "--optim", "adamw", "--sharding",
+            "optimizer", "--save", e ? emu : host);
+        unsetenv("TANDEM_CUDA_EMULATOR");
+        expect(&r, 0, "/");
+    }
+    cr_assert(cli_same_file(host, emu), "emulated ZeRO-1 ranks differ from host ranks");
 }
 
 Test(pp_tp_cli, bad_meshes_are_one_line_and_exit_2)
@@ -211,7 +317,10 @@ Test(pp_tp_cli, bad_meshes_are_one_line_and_exit_2)
         "cnn", "--data", "synthetic");
     expect(&r, 2, "a pipeline of tensor-parallel stages is built for the MLP, the GPT and model "
                   "files (the CNN's is not)");
-    CLI(&r, "train", "--mode", "pp", "--device", "cpu:8", "--mesh", "dp=2,pp=2,tp=2",
+    CLI(&r, "train", "--mode", "pp", "--device", "cpu:4", "--mesh", "dp=1,pp=2,tp=2",
         "--sharding", "optimizer", MLP, SYN);
-    expect(&r, 2, "ZeRO-1 over the dp dimension of tensor-parallel stages is not built");
+    expect(&r, 2, "it needs --mesh dp=D,pp=S,tp=N with D >= 2 (dp is 1)");
+    CLI(&r, "train", "--mode", "pp", "--device", "cpu:8", "--mesh", "dp=2,pp=2,tp=2",
+        "--sharding", "grad_op", MLP, SYN);
+    expect(&r, 2, "DeepSpeed refuses ZeRO-2 with pipelines too");
 }

@@ -8,6 +8,8 @@
  *   tests/test_tp.c's GPT bound 1e-4 (the row-parallel sums and the
  *   micro-batches add in another order: measured 1.1e-6 after 10 steps
  *   and 5.8e-6 after 30);
+ * - ZeRO-1 on the dp dimension of dp=2 x pp=2 x tp=2: the unsharded
+ *   mesh's checkpoint byte for byte (AdamW);
  * - checkpoints: the pp-tp file is the whole model's, resumed in single
  *   and in --mode tp, and a single file resumed in pp-tp, each as the
  *   uninterrupted run within the bound;
@@ -99,6 +101,22 @@ Test(pp_tp_gpt, pp_x_tp_and_dp_x_pp_x_tp_end_where_one_device_ends_after_10_and_
         cr_assert(d4 <= TOL && d8 <= TOL, "after %s0 steps: pp=2,tp=2 %g, dp=2,pp=2,tp=2 %g",
                   epochs[k], d4, d8);
     }
+}
+
+/* ZeRO-1 on the dp dimension of dp=2 x pp=2 x tp=2 (the GPT, AdamW):
+ * the unsharded 3-D mesh's checkpoint, byte for byte. */
+Test(pp_tp_gpt, zero1_on_the_dp_dimension_is_the_3d_meshs_bit_for_bit)
+{
+    static cli_result r;
+    char plain[128], z1[128];
+    path(plain, sizeof plain, "mesh3d");
+    path(z1, sizeof z1, "mesh3d-zero1");
+    pptp(plain, "cpu:8", "dp=2,pp=2,tp=2", "1", NULL);
+    CLI(&r, "train", "--mode", "pp", "--device", "cpu:8", "--mesh", "dp=2,pp=2,tp=2", "--split",
+        "0,2", "--model", MODEL, "--data", g_text, "--batch", "32", "--epochs", "1",
+        "--max-steps", "10", "--no-eval", "--sharding", "optimizer", "--save", z1);
+    expect(&r, 0, "ZeRO-1: optimizer state per stage and replica is 1/D");
+    cr_assert(cli_same_file(plain, z1), "GPT: ZeRO-1's checkpoint differs from the 3-D mesh's");
 }
 
 Test(pp_tp_gpt, its_checkpoint_resumes_in_single_and_tp_and_takes_a_single_file)

@@ -74,6 +74,9 @@ typedef struct out {
     int64_t split[8], repl[8], whole_split[8], n_elem[8];
     size_t alloc[8], act_alloc[8], optimizer[8];
     size_t setup[8];   /* every byte the allocator handed tdm_tp_init */
+    size_t live[8];    /* the allocator's live bytes after the last step */
+    size_t peak[8];    /* and its peak over the run */
+    size_t grads[8];   /* the gradient bytes the rank keeps (tdm_tp_stats.grads) */
     int n_state;
     float pn[16384];   /* the whole model's parameters after the last step (gathered) */
 } out;
@@ -81,7 +84,7 @@ typedef struct out {
 typedef struct ref {
     int which, dp, accum;   /* accum: two forward_backward calls per step */
     int sp;                 /* sequence parallelism (the GPT) */
-    int zero;               /* ZeRO-1 over the dp dimension */
+    int zero;               /* ZeRO-1 (1) or ZeRO-2 (2) over the dp dimension */
     double loss[STEPS];
     float p1[16384], pn[16384], g1[16384];   /* g1: step 0's gradient */
     int64_t n;
@@ -94,6 +97,7 @@ static size_t g_act_alloc;   /* rank 0's activation bytes, by the allocator, of 
 static float g_pn[16384];    /* and the whole model's parameters after its last step */
 static size_t g_optimizer[8];   /* and every rank's optimizer state bytes */
 static int64_t g_n_elem[8];     /* its flat slice's elements */
+static size_t g_live[8], g_peak[8], g_grads[8];   /* out's, of the last check */
 static int g_n_state;           /* the optimizer's state buffers */
 
 static void spec_of(int which, tdm_model_spec *s)
@@ -244,7 +248,9 @@ static int tp_rank(tdm_comm *world, void *arg)
     int N = tdm_comm_size(comm), rep = tdm_mesh_coord(mesh, TDM_MESH_DP);
     tdm_tp_opts to = {.seed = TPP_SEED, .optim = optim(), .grad_comm = dp > 1 ? dcomm : NULL,
                       .sequence_parallel = g_ref.sp,
-                      .zero = g_ref.zero ? TDM_TP_ZERO_OPTIMIZER : TDM_TP_ZERO_NONE};
+                      .zero = g_ref.zero == 2 ? TDM_TP_ZERO_GRADS
+                              : g_ref.zero    ? TDM_TP_ZERO_OPTIMIZER
+                                              : TDM_TP_ZERO_NONE};
     tdm_dev_mem_stats m0, m1;
     if (tdm_dev_mem_query(dev, &m0)) RFAIL("mem query: %s", tdm_error_message());
     if (tdm_tp_init(&p, comm, dev, &spec, &to)) RFAIL("init: %s", tdm_error_message());
@@ -259,6 +265,7 @@ static int tp_rank(tdm_comm *world, void *arg)
     o->alloc[r] = st.state_alloc_bytes;
     o->n_state = tdm_optim_n_state(tdm_tp_optim(p));
     o->optimizer[r] = st.optimizer;
+    o->grads[r] = st.grads;
     int lo = B * rep / dp, hi = B * (rep + 1) / dp;
     for (int s = 0; s < STEPS; s++) {
         batch_of(&spec, s, x, y);
@@ -383,7 +390,8 @@ static int tp_rank(tdm_comm *world, void *arg)
             /* ZeRO-1's parameters and gradients: dp chunks, the last
              * one padded */
             size_t flat = g_ref.zero ? chunk * (size_t)dp : (size_t)fp.elems;
-            size_t state = 2 * ((flat * 4 + r64) & ~r64) +
+            size_t gr = g_ref.zero == 2 ? chunk : flat;   /* ZeRO-2: the shard */
+            size_t state = ((flat * 4 + r64) & ~r64) + ((gr * 4 + r64) & ~r64) +
                            (size_t)tdm_optim_n_state(tdm_tp_optim(p)) * ((chunk * 4 + r64) & ~r64);
             if (state != o->alloc[r])
                 RFAIL("footprint: parameters, gradients and optimizer state of %zu bytes, the "
@@ -400,7 +408,12 @@ static int tp_rank(tdm_comm *world, void *arg)
                       "%lld", (long long)fp.split_elems, N, (long long)g_ref.must_split);
         }
         char why[160];
-        if (!repl_grads_agree(p, comm, why, sizeof why)) RFAIL("step %d: %s", s, why);
+        /* ZeRO-2 keeps no whole gradient between steps (its replicated
+         * tensors' shards are summed over the dp dimension alike) */
+        if (g_ref.zero == 2 && tdm_tp_grads(p))
+            RFAIL("step %d: ZeRO-2 kept the whole gradient after the step", s);
+        if (g_ref.zero != 2 && !repl_grads_agree(p, comm, why, sizeof why))
+            RFAIL("step %d: %s", s, why);
         if (s == 0 && !g_ref.zero) {
             /* the whole gradient of step 0 against one device's: AdamW's
              * normalised step hides a wrongly scaled gradient from the
@@ -421,6 +434,10 @@ static int tp_rank(tdm_comm *world, void *arg)
             }
         }
     }
+    tdm_dev_mem_stats m2;
+    if (tdm_dev_mem_query(dev, &m2)) RFAIL("mem query: %s", tdm_error_message());
+    o->live[r] = m2.live_bytes;
+    o->peak[r] = m2.peak_bytes;
 done:
     tdm_tp_free(p);
     tdm_mesh_free(mesh);
@@ -476,7 +493,10 @@ static void check(int which, int dp, int tp)
         size_t chunk = g_ref.zero ? ((size_t)o->n_elem[r] + (size_t)dp - 1) / (size_t)dp
                                   : (size_t)o->n_elem[r];
         size_t flat = g_ref.zero ? chunk * (size_t)dp : (size_t)o->n_elem[r];
-        size_t need = 2 * ((flat * 4 + 63) / 64 * 64) +
+        size_t gr = g_ref.zero == 2 ? chunk : flat;   /* ZeRO-2 keeps its gradient shard */
+        cr_assert_eq(o->grads[r], gr * 4, "rank %d: %zu gradient bytes kept, %zu expected", r,
+                     o->grads[r], gr * 4);
+        size_t need = ((flat * 4 + 63) / 64 * 64) + ((gr * 4 + 63) / 64 * 64) +
                       (size_t)o->n_state * ((chunk * 4 + 63) / 64 * 64);
         cr_assert_eq(o->alloc[r], need, "rank %d: the allocator handed out %zu bytes for "
                      "parameters, gradients and optimizer state, the layout needs %zu", r,
@@ -484,9 +504,9 @@ static void check(int which, int dp, int tp)
         /* and nothing else: the set-up holds no buffer beside them (a
          * ZeRO-1 staging copy of the parameters would cost more than the
          * sharded optimizer saves) */
-        cr_assert_eq(o->setup[r], o->alloc[r], "rank %d (dp=%d, ZeRO-1 %s): tdm_tp_init "
+        cr_assert_eq(o->setup[r], o->alloc[r], "rank %d (dp=%d, ZeRO-%d): tdm_tp_init "
                      "holds %zu bytes of the allocator's, parameters, gradients and optimizer "
-                     "state %zu", r, dp, g_ref.zero ? "on" : "off", o->setup[r], o->alloc[r]);
+                     "state %zu", r, dp, g_ref.zero, o->setup[r], o->alloc[r]);
     }
     if (getenv("TANDEM_TEST_VERBOSE"))
         fprintf(stderr, "model %d dp=%d tp=%d sp=%d: parameters within %g, losses within %g, "
@@ -502,6 +522,9 @@ static void check(int which, int dp, int tp)
     memcpy(g_optimizer, o->optimizer, sizeof g_optimizer);
     memcpy(g_n_elem, o->n_elem, sizeof g_n_elem);
     g_n_state = o->n_state;
+    memcpy(g_live, o->live, sizeof g_live);
+    memcpy(g_peak, o->peak, sizeof g_peak);
+    memcpy(g_grads, o->grads, sizeof g_grads);
     munmap(o, sizeof *o);
     cr_assert_eq(shm_t_segments_held(), before, "segments left behind");
 }
@@ -589,41 +612,89 @@ Test(tp, gpt_sequence_parallel_accumulated_micro_batches_equal_one_device)
  * ceil(n/dp) of the rank's n elements; check() holds the allocator's
  * bytes to it, and the set-up to nothing more). 20-32-16-5's slice has
  * an odd element count on each rank of tp=2, and 1285 elements on
- * dp=3 x tp=1: the last chunk is padded. */
+ * dp=3 x tp=1: the last chunk is padded.
+ *
+ * ZeRO-2 the same, its gradients sharded too: the same bits again (the
+ * same reduce-scatter, into the kept shard instead of in place), the
+ * same bytes over the dp dimension (check() counts them for both), the
+ * gradient bytes the rank keeps 1/dp of ZeRO-1's (its chunk of c floats,
+ * ZeRO-1's dp*c: check() holds the allocator's set-up bytes to them),
+ * and the allocator's live bytes after the last step lower than ZeRO-1's
+ * by exactly the whole gradient less the shard (both 64-byte rounded):
+ * the whole gradient is not kept between steps. */
 static void check_zero(int which, int dp, int tp)
 {
     static float plain[16384];
-    size_t opt_plain[8];
+    size_t opt_plain[8], live1[8], peak1[8], grads1[8];
     check(which, dp, tp);
     memcpy(plain, g_pn, sizeof plain);
     memcpy(opt_plain, g_optimizer, sizeof opt_plain);
-    g_ref.zero = 1;
-    check(which, dp, tp);
-    g_ref.zero = 0;
-    cr_assert(!memcmp(plain, g_pn, (size_t)g_ref.n * 4), "model %d dp=%d tp=%d: ZeRO-1 differs "
-              "from the plain dp x tp run by %g", which, dp, tp,
-              tpp_max_diff(plain, g_pn, g_ref.n));
-    cr_assert(g_n_state == (which == GPT ? 2 : 1));   /* AdamW: m, v; SGD: momentum */
-    for (int r = 0; r < dp * tp; r++) {
-        size_t n = (size_t)g_n_elem[r], s = (size_t)g_n_state * 4, D = (size_t)dp;
-        cr_assert_eq(opt_plain[r], s * n, "rank %d: %zu optimizer bytes without ZeRO", r,
-                     opt_plain[r]);
-        cr_assert_eq(g_optimizer[r], s * ((n + D - 1) / D), "rank %d: %zu optimizer bytes "
-                     "with ZeRO-1 over %d replicas for %zu elements", r, g_optimizer[r], dp, n);
+    for (int z = 1; z <= 2; z++) {
+        g_ref.zero = z;
+        check(which, dp, tp);
+        g_ref.zero = 0;
+        cr_assert(!memcmp(plain, g_pn, (size_t)g_ref.n * 4), "model %d dp=%d tp=%d: ZeRO-%d "
+                  "differs from the plain dp x tp run by %g", which, dp, tp, z,
+                  tpp_max_diff(plain, g_pn, g_ref.n));
+        cr_assert(g_n_state == (which == GPT ? 2 : 1));   /* AdamW: m, v; SGD: momentum */
+        for (int r = 0; r < dp * tp; r++) {
+            size_t n = (size_t)g_n_elem[r], s = (size_t)g_n_state * 4, D = (size_t)dp;
+            size_t c = (n + D - 1) / D;
+            cr_assert_eq(opt_plain[r], s * n, "rank %d: %zu optimizer bytes without ZeRO", r,
+                         opt_plain[r]);
+            cr_assert_eq(g_optimizer[r], s * c, "rank %d: %zu optimizer bytes with ZeRO-%d "
+                         "over %d replicas for %zu elements", r, g_optimizer[r], z, dp, n);
+            if (z == 1) continue;
+            cr_assert_eq(g_grads[r] * D, grads1[r], "rank %d: ZeRO-2 keeps %zu gradient "
+                         "bytes, ZeRO-1 %zu over %d replicas", r, g_grads[r], grads1[r], dp);
+            size_t whole = (c * D * 4 + 63) / 64 * 64, shard = (c * 4 + 63) / 64 * 64;
+            cr_assert_eq(live1[r] - g_live[r], whole - shard, "rank %d: after the last step "
+                         "the allocator holds %zu bytes under ZeRO-1, %zu under ZeRO-2: %zu "
+                         "apart, the whole gradient less the shard is %zu", r, live1[r],
+                         g_live[r], live1[r] - g_live[r], whole - shard);
+            if (getenv("TANDEM_TEST_VERBOSE"))
+                fprintf(stderr, "model %d dp=%d tp=%d rank %d: live after the steps ZeRO-1 %zu, "
+                        "ZeRO-2 %zu bytes; peak ZeRO-1 %zu, ZeRO-2 %zu bytes\n", which, dp,
+                        tp, r, live1[r], g_live[r], peak1[r], g_peak[r]);
+        }
+        memcpy(live1, g_live, sizeof live1);
+        memcpy(peak1, g_peak, sizeof peak1);
+        memcpy(grads1, g_grads, sizeof grads1);
     }
 }
 
-Test(tp, zero1_on_the_dp_dimension_is_dp_x_tp_bit_for_bit)
+Test(tp, zero1_and_zero2_on_the_dp_dimension_are_dp_x_tp_bit_for_bit)
 {
     check_zero(0, 2, 2);
     check_zero(1, 2, 2);
     check_zero(GPT, 2, 2);
 }
 
-Test(tp, zero1_over_three_replicas_pads_the_last_chunk)
+Test(tp, zero1_and_zero2_over_three_replicas_pad_the_last_chunk)
 {
     check_zero(1, 3, 1);
     check_zero(0, 3, 2);
+}
+
+/* ZeRO-2 under gradient accumulation: the whole gradient lives from the
+ * zeroing over both micro-batches to the one reduce-scatter (summing
+ * each micro-batch over the replicas would add in another order); the
+ * same bits as ZeRO-1's accumulated run, which check() holds to one
+ * device within the bound. */
+Test(tp, zero2_accumulated_micro_batches_are_zero1s_bit_for_bit)
+{
+    static float z1[16384];
+    g_ref.accum = 1;
+    g_ref.zero = 1;
+    check(1, 2, 2);
+    memcpy(z1, g_pn, sizeof z1);
+    g_ref.zero = 2;
+    check(GPT, 2, 2);
+    check(1, 2, 2);
+    g_ref.zero = 0;
+    g_ref.accum = 0;
+    cr_assert(!memcmp(z1, g_pn, (size_t)g_ref.n * 4), "accumulated ZeRO-2 differs from ZeRO-1 "
+              "by %g", tpp_max_diff(z1, g_pn, g_ref.n));
 }
 
 /* Replica 1 of a dp=2 x tp=2 mesh given another seed than replica 0:

@@ -18,6 +18,9 @@
  *   checkpoint within 1e-4 (measured 1.7e-6), compare's tp-sp section
  *   counts the plan's collectives, emulated CUDA ranks write the host
  *   ranks' file, and its bad input is one line and exit 2;
+ * - ZeRO-1 and ZeRO-2 on the dp dimension (--sharding optimizer,
+ *   grad_op): the plain dp x tp mesh's file byte for byte, resumed runs
+ *   ending on the same bytes, emulated CUDA ranks on the host ranks';
  * - bad input (the CNN, the GPT, a width the ranks do not divide, a
  *   pipeline in the mesh, one linear layer, pp's and the levers' options)
  *   is one line and exit 2. */
@@ -203,7 +206,11 @@ Test(tp_cli, bad_input_is_one_line_and_exit_2)
         {{"--device", "cpu:2", "--uneven", MLP}, "--mode tp takes none of"},
         {{"--device", "cpu:2", "--sharding", "optimizer", MLP}, "it needs --mesh dp=D,tp=N "
                                                                 "with D >= 2"},
-        {{"--device", "cpu:4", "--sharding", "grad_op", MLP}, "shards only the optimizer"},
+        {{"--device", "cpu:4", "--sharding", "grad_op", MLP}, "--sharding grad_op shards the "
+                                                              "gradients and the optimizer over "
+                                                              "the dp dimension: it needs"},
+        {{"--device", "cpu:4", "--mesh", "dp=2,tp=2", "--sharding", "full"},
+         "ZeRO-3 (--sharding full) is not built for tp"},
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         const char *const *a = bad[i].a;
@@ -290,6 +297,18 @@ Test(tp_cli, emulated_cuda_ranks_write_the_host_ranks_checkpoint)
     unsetenv("TANDEM_CUDA_EMULATOR");
     expect(&r, 0, "val loss");
     cr_assert(cli_same_file(host, emu), "emulated sequence-parallel ranks differ from host ranks");
+    /* ZeRO-2 on dp=2 x tp=2: the step's whole gradient allocated and
+     * released on the device, reduce-scattered into the kept shard over
+     * the device communicator */
+    for (int e = 0; e < 2; e++) {
+        if (e) cr_assert_eq(setenv("TANDEM_CUDA_EMULATOR", "4", 1), 0);
+        CLI(&r, "train", "--mode", "tp", "--device", e ? "cuda" : "cpu:4", "--mesh", "dp=2,tp=2",
+            MLP, SYN, "--batch", "32", "--epochs", "1", "--quiet", "--sharding", "grad_op",
+            "--save", e ? emu : host);
+        unsetenv("TANDEM_CUDA_EMULATOR");
+        expect(&r, 0, "epoch 1/1");
+    }
+    cr_assert(cli_same_file(host, emu), "emulated ZeRO-2 ranks differ from host ranks");
 }
 
 /* The GPT split by heads: tp on 2 ranks and dp=2 x tp=2 end where one
@@ -443,6 +462,68 @@ Test(tp_cli, zero1_on_the_dp_dimension_is_dp_x_tp_bit_for_bit)
         "--sharding", "optimizer", "--save", zero);
     expect(&r, 0, "val loss");
     cr_assert(cli_same_file(plain, zero), "GPT: ZeRO-1 differs from the plain dp x tp run");
+}
+
+/* ZeRO-2 on the dp dimension (--mesh dp=2,tp=2 --sharding grad_op): the
+ * plain dp x tp run's checkpoint, the same bytes, for the MLP with SGD
+ * and momentum (also under --grad-accum 2, against the plain run's) and
+ * the GPT with AdamW; rank 0 keeps half the plain run's gradient bytes
+ * and prints the whole gradient as a buffer of the step; a ZeRO-2 file
+ * resumes (in ZeRO-2, and a ZeRO-1 file in ZeRO-2) and ends where the
+ * uninterrupted run does, bit for bit. */
+Test(tp_cli, zero2_on_the_dp_dimension_is_dp_x_tp_bit_for_bit)
+{
+    static cli_result r;
+    char plain[128], zero[128], half[128], half1[128], resumed[128];
+    path(plain, sizeof plain, "z2_plain");
+    path(zero, sizeof zero, "z2_zero");
+    path(half, sizeof half, "z2_half");
+    path(half1, sizeof half1, "z2_half1");
+    path(resumed, sizeof resumed, "z2_resumed");
+#define Z2_MLP "train", "--mode", "tp", "--device", "cpu:4", "--mesh", "dp=2,tp=2", MLP, SYN, \
+               "--batch", "32", "--optim", "sgd", "--momentum", "0.9", "--no-eval"
+    CLI(&r, Z2_MLP, "--epochs", "2", "--save", plain);
+    /* rank 0's slice: 597 elements, 2388 gradient bytes; ZeRO-2: 299 */
+    expect(&r, 0, "gradients 0.002 MiB, optimizer 0.002 MiB");
+    CLI(&r, Z2_MLP, "--epochs", "2", "--sharding", "grad_op", "--save", zero);
+    expect(&r, 0, "ZeRO-2: gradients and optimizer sharded over the dp dimension");
+    expect(&r, 0, "gradients 0.001 MiB (ZeRO-2's shard), optimizer 0.001 MiB");
+    expect(&r, 0, "the whole gradient, 0.002 MiB, only inside a step");
+    cr_assert(cli_same_file(plain, zero), "ZeRO-2 differs from the plain dp x tp run");
+    /* the resume: 1 epoch, then 1 more from its file; and from ZeRO-1's */
+    CLI(&r, Z2_MLP, "--epochs", "1", "--quiet", "--sharding", "grad_op", "--save", half);
+    expect(&r, 0, "/");
+    CLI(&r, Z2_MLP, "--epochs", "2", "--quiet", "--sharding", "grad_op", "--resume", half,
+        "--save", resumed);
+    expect(&r, 0, "/");
+    cr_assert(cli_same_file(plain, resumed), "the resumed ZeRO-2 run differs");
+    CLI(&r, Z2_MLP, "--epochs", "1", "--quiet", "--sharding", "optimizer", "--save", half1);
+    expect(&r, 0, "/");
+    cr_assert(cli_same_file(half, half1), "ZeRO-1's file after 1 epoch differs from ZeRO-2's");
+    CLI(&r, Z2_MLP, "--epochs", "2", "--quiet", "--sharding", "grad_op", "--resume", half1,
+        "--save", resumed);
+    expect(&r, 0, "/");
+    cr_assert(cli_same_file(plain, resumed), "ZeRO-2 resumed from ZeRO-1's file differs");
+    /* --grad-accum: the whole gradient over both micro-batches */
+    CLI(&r, Z2_MLP, "--epochs", "2", "--quiet", "--grad-accum", "2", "--save", plain);
+    expect(&r, 0, "/");
+    CLI(&r, Z2_MLP, "--epochs", "2", "--quiet", "--grad-accum", "2", "--sharding", "grad_op",
+        "--save", zero);
+    expect(&r, 0, "/");
+    cr_assert(cli_same_file(plain, zero), "ZeRO-2 under --grad-accum differs");
+#undef Z2_MLP
+    char text[128];
+    snprintf(text, sizeof text, "%s/text.txt", g_dir);
+    cli_write_words(text);
+    CLI(&r, "train", "--model", "gpt:2-16-2-8", "--data", text, "--mode", "tp", "--device",
+        "cpu:4", "--mesh", "dp=2,tp=2", "--batch", "8", "--epochs", "1", "--max-steps", "6",
+        "--save", plain);
+    expect(&r, 0, "val loss");
+    CLI(&r, "train", "--model", "gpt:2-16-2-8", "--data", text, "--mode", "tp", "--device",
+        "cpu:4", "--mesh", "dp=2,tp=2", "--batch", "8", "--epochs", "1", "--max-steps", "6",
+        "--sharding", "grad_op", "--save", zero);
+    expect(&r, 0, "val loss");
+    cr_assert(cli_same_file(plain, zero), "GPT: ZeRO-2 differs from the plain dp x tp run");
 }
 
 /* --grad-accum (the MLP): tp on 2 ranks and on dp=2 x tp=2 with 2

@@ -177,7 +177,7 @@ static void plant_inf(void *ctx, float *grads, int64_t n, tdm_device *dev)
 static int g_scale_exp = -1;
 static tdm_precision g_prec = TDM_PRECISION_FP32;
 static int g_ckpt;
-static int g_zero;   /* ZeRO-1 over the dp dimension */
+static int g_zero;   /* ZeRO-1 (1) or ZeRO-2 (2) over the dp dimension */
 
 static int lv_rank(tdm_comm *world, void *arg)
 {
@@ -203,7 +203,9 @@ static int lv_rank(tdm_comm *world, void *arg)
     tdm_tp_opts to = {.seed = TPP_SEED, .optim = optim(g_ref.which),
                       .grad_comm = dp > 1 ? dcomm : NULL, .sequence_parallel = g_ref.sp,
                       .precision = g_prec, .ckpt = g_ckpt,
-                      .zero = g_zero ? TDM_TP_ZERO_OPTIMIZER : TDM_TP_ZERO_NONE};
+                      .zero = g_zero == 2 ? TDM_TP_ZERO_GRADS
+                              : g_zero    ? TDM_TP_ZERO_OPTIMIZER
+                                          : TDM_TP_ZERO_NONE};
     if (tdm_tp_init(&p, comm, dev, &spec, &to)) RFAIL("init: %s", tdm_error_message());
     tdm_grad_scaler sc;
     tdm_grad_scaler_opts so;
@@ -372,6 +374,19 @@ Test(tp_levers, the_clipped_norm_is_one_devices_under_zero1)
     g_zero = 0;
 }
 
+/* ZeRO-2: the levers read the replica's gradient shard (its chunk's
+ * sum, the whole gradient released): the norm counts each chunk once,
+ * clipping scales the shard, and an inf planted in one rank's shard
+ * (the test hook gets the shard) skips the step on every rank. */
+Test(tp_levers, the_clipped_norm_is_one_devices_under_zero2)
+{
+    g_zero = 2;
+    check_clip(MLP, 2, 2, 0);
+    check_clip(GPT, 2, 2, 0);
+    check_clip(GPT, 2, 2, 1);
+    g_zero = 0;
+}
+
 Test(tp_levers, the_clipped_norm_is_one_devices_with_sequence_parallelism)
 {
     check_clip(GPT, 1, 2, 1);
@@ -419,6 +434,15 @@ Test(tp_levers, an_inf_in_one_ranks_gradient_makes_every_rank_skip)
     check_skip(MLP, 2, 2, 3);   /* replica 1's second tensor-parallel rank */
     check_skip(GPT, 2, 2, 2);   /* replica 1's first */
     check_skip(GPT, 1, 4, 0);
+}
+
+Test(tp_levers, an_inf_in_one_ranks_gradient_shard_makes_every_rank_skip_under_zero2)
+{
+    g_zero = 2;
+    check_skip(MLP, 2, 2, 3);
+    check_skip(GPT, 2, 2, -1);
+    check_skip(GPT, 2, 2, 1);
+    g_zero = 0;
 }
 
 /* BF16 and FP16 (a loss scale from 2^16) products over tp: the mean loss

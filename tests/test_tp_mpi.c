@@ -4,7 +4,7 @@
  * --backend mpi, and `tandem launch -n 4`, write the checkpoint the
  * forked ranks write, byte for byte (but tp over 4 ranks over MPI
  * itself, within 1e-5: see same_everywhere): tp over 4 ranks (the MLP), the
- * dp=2 x tp=2 mesh plain and with ZeRO-1 (the dp dimension's
+ * dp=2 x tp=2 mesh plain and with ZeRO-1 and 2 (the dp dimension's
  * reduce-scatter and all-gather over MPI), and the GPT split by heads on
  * dp=2 x tp=2; and the memory levers (fp16, bf16, clipping, checkpointing)
  * on dp=2 x tp=2. Skipped where MPI is not built or mpirun is missing. */
@@ -116,6 +116,11 @@ Test(tp_mpi, mlp_tp4_and_dp2_tp2_write_the_forked_runs_checkpoint)
     static const char *const zero[] = {"--mode", "tp", "--device", "cpu:4", "--mesh",
                                        "dp=2,tp=2", "--sharding", "optimizer", MLP, NULL};
     same_everywhere(zero, "dp=2,tp=2 ZeRO-1", "4 MPI ranks on cpu:4, tensor parallel over 2",
+                    NULL, 0);
+    /* ZeRO-2: MPI's reduce-scatter into the kept shard (out of place) */
+    static const char *const zero2[] = {"--mode", "tp", "--device", "cpu:4", "--mesh",
+                                        "dp=2,tp=2", "--sharding", "grad_op", MLP, NULL};
+    same_everywhere(zero2, "dp=2,tp=2 ZeRO-2", "4 MPI ranks on cpu:4, tensor parallel over 2",
                     NULL, 0);
 }
 

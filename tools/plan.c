@@ -69,7 +69,8 @@ static void tdm_plan_usage(FILE *f)
         "and with --sharding optimizer its optimizer state over 1/D of the stage;\n"
         "with tp=N stages (--mesh dp=D,pp=S,tp=N) a rank's slices of its stage.\n"
         "tp (--mesh dp=D,tp=N, or N = the devices): a rank's slices of the parameters,\n"
-        "gradients and optimizer state (ZeRO-1 over dp with --sharding optimizer), the\n"
+        "gradients and optimizer state (ZeRO-1 over dp with --sharding optimizer; ZeRO-2\n"
+        "with grad_op: a gradient shard kept, the whole gradient inside a step), the\n"
         "activations and scratch at ceil(B/D) samples (with checkpointing: one block's\n"
         "set and the block outputs), the scratch (loss rows, the levers'), and with\n"
         "--precision bf16|fp16 the products' 16-bit operands (the largest product's).\n"
@@ -79,7 +80,7 @@ static void tdm_plan_usage(FILE *f)
         "                 tandem train's       [the devices, 4, 1f1b, dp=1]\n"
         "  --mesh dp=D,tp=N, --sequence-parallel   tp's, as tandem train's\n"
         "  --sharding S   fsdp: full (ZeRO-3), grad_op (ZeRO-2), optimizer (ZeRO-1);\n"
-        "                 pp and tp with dp >= 2: optimizer         [full]\n"
+        "                 pp and tp with dp >= 2: optimizer; tp: grad_op too [full]\n"
         "  --device D     cpu, cpu:N, cuda, cuda:N (ddp: one rank per device; dp:\n"
         "                 one replica per device)                   [cpu]\n"
         "  --batch B      the global batch                 [256; gpt: %d]\n"
@@ -314,9 +315,10 @@ tdm_status tdm_tool_plan_pp_rank(const tdm_tool_build *b, const tdm_mesh_shape *
 }
 
 tdm_status tdm_tool_plan_tp_rank(const tdm_model_spec *spec, const tdm_optim_opts *optim, int T,
-                                 int D, int share, int seq_par, int zero1, int ckpt,
+                                 int D, int share, int seq_par, int zero, int ckpt,
                                  const tdm_tool_tp_levers *lev, tdm_tool_tp_plan *out)
 {
+    int zero1 = zero != 0;   /* ZeRO-1 or 2: the same chunks */
     memset(out, 0, sizeof *out);
     TDM_REQUIRE(T >= 1 && D >= 1 && share >= 1, TDM_STATUS_INVALID_ARG,
                 "plan: tp over %d ranks, %d replicas, a share of %d samples", T, D, share);
@@ -329,6 +331,8 @@ tdm_status tdm_tool_plan_tp_rank(const tdm_model_spec *spec, const tdm_optim_opt
     size_t flat = tdm_plan_round64((zero1 && D > 1 ? chunk * (size_t)D : n) * sizeof(float));
     out->elems = fp.elems;
     out->params = out->grads = flat;
+    /* ZeRO-2: the kept shard, besides the step's whole gradient */
+    out->grad_shard = zero == 2 && D > 1 ? tdm_plan_round64(chunk * sizeof(float)) : 0;
     out->optim = (size_t)tdm_optim_kind_n_state(optim) * tdm_plan_round64(chunk * sizeof(float));
     out->activations = fp.act_bytes;
     /* the device's scratch through a step (models/plan.h): the loss's
@@ -354,8 +358,8 @@ tdm_status tdm_tool_plan_tp_rank(const tdm_model_spec *spec, const tdm_optim_opt
         if (lev->device == TDM_DEVICE_HOST && prec == TDM_PRECISION_FP16)
             out->low += tdm_plan_round64((size_t)fp.wide_elems * sizeof(float));
     }
-    out->peak = out->params + out->grads + out->optim + out->activations + out->scratch +
-                out->low;
+    out->peak = out->params + out->grads + out->grad_shard + out->optim + out->activations +
+                out->scratch + out->low;
     return TDM_STATUS_OK;
 }
 
@@ -367,13 +371,18 @@ static tdm_status tdm_plan_tp_print(const tdm_plan_args *a, const tdm_plan_opts 
     if (a->mesh && tdm_mesh_parse(a->mesh, devices, &shape))
         return tdm_tool_usage_error("tandem plan: --mesh: %s\n", tdm_error_message());
     int D = shape.size[TDM_MESH_DP], T = shape.size[TDM_MESH_TP], zero1 = a->sharding != NULL;
+    /* --sharding optimizer (ZeRO-1) or grad_op (ZeRO-2; checked) */
+    tdm_fsdp_sharding sh = TDM_FSDP_SHARD_OPTIM;
+    if (zero1) (void)tdm_fsdp_sharding_parse(a->sharding, &sh);
+    int zero = !zero1 ? 0 : sh == TDM_FSDP_SHARD_GRAD_OP ? 2 : 1;
     if (shape.size[TDM_MESH_PP] > 1)
         return tdm_tool_usage_error("tandem plan: --mode tp --mesh %s: a pipeline of "
                                     "tensor-parallel stages is --mode pp's, not planned yet\n",
                                     a->mesh);
     if (zero1 && D < 2)
-        return tdm_tool_usage_error("tandem plan: --sharding optimizer shards the optimizer over "
-                                    "the dp dimension: it needs --mesh dp=D,tp=N with D >= 2\n");
+        return tdm_tool_usage_error("tandem plan: --sharding %s shards over the dp "
+                                    "dimension: it needs --mesh dp=D,tp=N with D >= 2\n",
+                                    a->sharding);
     if (a->batch < D)
         return tdm_tool_usage_error("tandem plan: --batch %lld is smaller than the %d "
                                     "replicas\n", a->batch, D);
@@ -381,7 +390,7 @@ static tdm_status tdm_plan_tp_print(const tdm_plan_args *a, const tdm_plan_opts 
     tdm_tool_tp_levers lev = {.precision = o->precision, .grad_norm = o->grad_norm,
                               .device = o->device};
     tdm_status st = tdm_tool_plan_tp_rank(&o->spec, &o->optim, T, D,
-                                          (int)((a->batch + D - 1) / D), a->seq_par, zero1,
+                                          (int)((a->batch + D - 1) / D), a->seq_par, zero,
                                           o->ckpt, &lev, &t);
     if (st) {
         fprintf(stderr, "tandem plan: --mode tp: %s\n", tdm_error_message());
@@ -389,14 +398,18 @@ static tdm_status tdm_plan_tp_print(const tdm_plan_args *a, const tdm_plan_opts 
     }
     printf("tandem plan: %s, mode tp on %s (%d rank%s%s%s%s), batch %lld (%lld per replica at "
            "most), precision %s%s\n", a->model, a->device, T, T == 1 ? "" : "s",
-           D > 1 ? " x " : "", D > 1 ? (zero1 ? "replicas, ZeRO-1 over dp" : "replicas") : "",
+           D > 1 ? " x " : "",
+           D > 1 ? (zero == 2 ? "replicas, ZeRO-2 over dp" : zero ? "replicas, ZeRO-1 over dp"
+                                                                 : "replicas")
+                 : "",
            a->seq_par ? ", sequence parallel" : "", a->batch, (a->batch + D - 1) / D,
            tdm_precision_name(o->precision), o->ckpt ? ", checkpointing" : "");
     printf("peak per device: %.2f MiB (a rank of the replica with the largest share; every "
            "rank's slices have the same sizes)\n", t.peak / 1048576.0);
     printf("  %-22s %10lld elements\n", "the rank's slice", (long long)t.elems);
     tdm_plan_line("parameters", t.params);
-    tdm_plan_line("gradients", t.grads);
+    tdm_plan_line(zero == 2 ? "gradients (in a step)" : "gradients", t.grads);
+    if (zero == 2) tdm_plan_line("gradient shard (1/D)", t.grad_shard);
     tdm_plan_line(zero1 ? "optimizer (1/D of it)" : "optimizer state", t.optim);
     tdm_plan_line("activations, scratch", t.activations);
     tdm_plan_line("scratch (loss rows)", t.scratch);
@@ -579,11 +592,12 @@ int tdm_tool_plan_main(int argc, char **argv)
     if (a.sharding && tdm_fsdp_sharding_parse(a.sharding, &sharding))
         return tdm_tool_exit(tdm_tool_usage_error("tandem plan: --sharding: %s\n",
                                                   tdm_error_message()));
-    if (a.sharding && (pp || tp) && sharding != TDM_FSDP_SHARD_OPTIM)
+    if (a.sharding && (pp || tp) && sharding != TDM_FSDP_SHARD_OPTIM &&
+        !(tp && sharding == TDM_FSDP_SHARD_GRAD_OP))
         return tdm_tool_exit(tdm_tool_usage_error("tandem plan: --mode %s --sharding %s: its "
                                                   "replicas shard only the optimizer state "
-                                                  "(--sharding optimizer)\n", a.mode,
-                                                  a.sharding));
+                                                  "(--sharding optimizer%s)\n", a.mode,
+                                                  a.sharding, tp ? ", or grad_op" : ""));
     tdm_model_spec spec;
     if (tdm_model_spec_parse(&spec, a.model))
         return tdm_tool_exit(tdm_tool_usage_error("tandem plan: --model: %s\n",

@@ -72,9 +72,12 @@ tdm_status tdm_tool_plan_pp_rank(const tdm_tool_build *b, const tdm_mesh_shape *
 
 /* One rank of tensor parallelism over T ranks, D replicas (`tandem
  * train --mode tp [--mesh dp=D,tp=T]`; tp/tp.h): its slices of the
- * parameters and gradients, the optimizer state over them (zero1: over
- * its 1/D chunk, plus the padded flat buffer where the slices do not
- * divide by D), the activations and scratch tdm_tp_footprint counts for
+ * parameters and gradients, the optimizer state over them (zero 1 or 2:
+ * ZeRO-1 or 2 over the dp dimension; over its 1/D chunk, plus the padded
+ * flat buffer where the slices do not divide by D; ZeRO-2 keeps a
+ * gradient shard of that chunk besides the whole gradient, which it
+ * holds only inside a step: grad_shard, counted in the peak), the
+ * activations and scratch tdm_tp_footprint counts for
  * `share` samples (its replica's: tp reserves them at the rows it gets;
  * the largest replica's, ceil(B/D), is the job's peak), the device's
  * scratch (the loss rows; with lev: fp16's flag, the norm's partial
@@ -88,11 +91,11 @@ typedef struct tdm_tool_tp_levers {
     tdm_device_kind device;
 } tdm_tool_tp_levers;
 typedef struct tdm_tool_tp_plan {
-    size_t params, grads, optim, activations, scratch, low, peak;
+    size_t params, grads, grad_shard, optim, activations, scratch, low, peak;
     int64_t elems;               /* the rank's flat slice */
 } tdm_tool_tp_plan;
 tdm_status tdm_tool_plan_tp_rank(const tdm_model_spec *spec, const tdm_optim_opts *optim, int T,
-                                 int D, int share, int seq_par, int zero1, int ckpt,
+                                 int D, int share, int seq_par, int zero, int ckpt,
                                  const tdm_tool_tp_levers *lev, tdm_tool_tp_plan *out);
 
 #endif

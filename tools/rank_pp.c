@@ -23,7 +23,11 @@
  * with optimizer state for that slice only, and all-gathers the slices
  * over the dp dimension back into the stage's parameters. The update is
  * elementwise, so the run is DDP x pp's bit for bit. --save gathers the
- * state slices into the file DDP x pp writes; --resume is refused. */
+ * state slices into the file DDP x pp writes; --resume slices any mode's
+ * file back into this run's chunks (at any dp size). On
+ * tensor-parallel stages (the 3-D mesh) the same, over the narrow stage's
+ * flat parameters: the dp group joins one stage's one tp index
+ * (tools/rank_pptp_zero.h carries the state into the whole layout). */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -37,6 +41,7 @@
 #include "pp/pp.h"
 #include "tools/rank_mesh.h"
 #include "tools/rank_pptp.h"
+#include "tools/rank_pptp_zero.h"
 #include "tools/ranks.h"
 #include "tools/train_modes.h"
 
@@ -54,6 +59,7 @@ typedef struct tdm_tool_pp {
     float *zbuf;                 /* the stage's parameters padded to reps chunks; NULL when
                                     they divide evenly (gathered in place) */
     int64_t zchunk;              /* elements per replica's slice */
+    tdm_comm_traffic zstep;      /* what the dp communicator counted in the last step */
     int rep, reps;               /* this replica, of how many */
     int in_elems, out_rows;      /* per sample of the whole model */
     int micro;                   /* micro-batches per replica and step */
@@ -139,12 +145,10 @@ tdm_status tdm_tool_pp_check(const tdm_tool_build *b, int world, tdm_mesh_shape 
     tdm_mesh_shape dflt = {.size = {world / S0, S0, 1}};
     TDM_CHECK(tdm_tool_mesh_parse(b, world, &dflt, shape));
     int S = shape->size[TDM_MESH_PP], N = shape->size[TDM_MESH_TP];
-    TDM_REQUIRE(N == 1 || !b->pp.zero1, TDM_STATUS_USAGE,
-                "--sharding optimizer: not with tp=%d in the mesh (ZeRO-1 over the dp dimension "
-                "of tensor-parallel stages is not built)", N);
     TDM_REQUIRE(!b->pp.zero1 || shape->size[TDM_MESH_DP] >= 2, TDM_STATUS_USAGE,
                 "--sharding optimizer shards each stage's optimizer over the dp dimension: it "
-                "needs --mesh dp=D,pp=S with D >= 2 (dp is %d)", shape->size[TDM_MESH_DP]);
+                "needs --mesh dp=D,pp=S%s with D >= 2 (dp is %d)", N > 1 ? ",tp=N" : "",
+                shape->size[TDM_MESH_DP]);
     TDM_REQUIRE(b->pp.stages <= 0 || b->pp.stages == S, TDM_STATUS_USAGE,
                 "--stages %d, but --mesh %s has pp=%d", b->pp.stages, b->pp.mesh, S);
     TDM_REQUIRE(b->pp.micro >= 1 || b->deterministic, TDM_STATUS_USAGE,
@@ -439,9 +443,18 @@ static tdm_status tdm_rank_pp_step(void *ctx, const void *x, const int32_t *y, i
     q->det_global = s->own_rows ? s->global_batch : batch;
     tdm_dist_share(q->det_global, q->rep, q->reps, &q->det_row0, &end);
     tdm_train_levers_pp_begin(s, q->p, q->jcomm, q->rep);
+    tdm_comm_traffic z0, z1;
+    if (q->zopt) tdm_comm_traffic_get(q->zcomm, &z0);
     TDM_CHECK(tdm_tool_mesh_step(s, &q->mesh, q->in_elems, q->out_rows, tdm_rank_pp_step_fn, q,
                                  who, "pp loss over the replicas", x, y, batch, loss_mean));
     tdm_train_levers_pp_end(s, q->p);
+    if (q->zopt) {
+        tdm_comm_traffic_get(q->zcomm, &z1);
+        for (int c = 0; c < TDM_COLL_COUNT_; c++) {
+            q->zstep.calls[c] = z1.calls[c] - z0.calls[c];
+            q->zstep.bytes[c] = z1.bytes[c] - z0.bytes[c];
+        }
+    }
     return TDM_STATUS_OK;
 }
 
@@ -479,7 +492,7 @@ static tdm_status tdm_rank_pp_eval_loss(void *w, const void *x, const int32_t *y
 static tdm_status tdm_rank_pp_zero1_save(tdm_tool_pp *q, const char *path,
                                          const tdm_ckpt_info *info)
 {
-    int root = q->rep == 0 && tdm_pp_stage(q->p) == 0;
+    int root = q->rep == 0 && tdm_pp_stage(q->p) == 0 && q->mesh.coord[TDM_MESH_TP] == 0;
     float *all = NULL;
     tdm_ckpt_host h;
     memset(&h, 0, sizeof h);
@@ -493,14 +506,22 @@ static tdm_status tdm_rank_pp_zero1_save(tdm_tool_pp *q, const char *path,
     if (q->rep == 0) {
         tdm_ckpt_host hp = h;
         hp.optim = NULL;
-        if ((st = tdm_pp_gather_state(q->p, root ? &hp : NULL, 0))) goto fail;
+        /* tensor-parallel stages: over each tp index's pipeline, then
+         * stage 0's group, into the whole layout */
+        st = q->tpn > 1 ? tdm_pptp_gather(&q->tp, q->p, NULL, root ? &hp : NULL, root)
+                        : tdm_pp_gather_state(q->p, root ? &hp : NULL, 0);
+        if (st) goto fail;
     }
     for (int i = 0; i < tdm_optim_n_state(q->zopt); i++) {
         tdm_comm_set_label(q->zcomm, "pp zero1 gather of the optimizer state");
         if ((st = tdm_comm_all_gather(q->zcomm, tdm_optim_state(q->zopt, i), all, q->zchunk,
                                       TDM_DTYPE_FLOAT32)))
             goto fail;
-        if (q->rep == 0 &&
+        if (q->rep == 0 && q->tpn > 1 &&
+            (st = tdm_pptp_gather_stage(&q->tp, q->p, all, root ? h.state[i] : NULL,
+                                        tdm_optim_state_name(q->zopt, i))))
+            goto fail;
+        if (q->rep == 0 && q->tpn == 1 &&
             (st = tdm_pp_gather_stage(q->p, all, root ? h.state[i] : NULL, 0,
                                       tdm_optim_state_name(q->zopt, i))))
             goto fail;
@@ -509,9 +530,11 @@ static tdm_status tdm_rank_pp_zero1_save(tdm_tool_pp *q, const char *path,
     if (root) st = tdm_checkpoint_save_host(path, q->tables, &h, info);
     goto done;
 fail:
-    /* the other stages and replicas may wait in a gather for this one */
+    /* the other stages, replicas and tensor-parallel ranks may wait in a
+     * gather for this one */
     tdm_comm_abort(q->mesh.host[TDM_MESH_PP], tdm_error_message());
     tdm_comm_abort(q->mesh.host[TDM_MESH_DP], tdm_error_message());
+    if (q->tpn > 1) tdm_comm_abort(q->mesh.host[TDM_MESH_TP], tdm_error_message());
 done:
     if (all) tdm_dev_free(q->zdev, all);
     tdm_ckpt_host_free(&h);
@@ -527,11 +550,50 @@ static tdm_status tdm_rank_pp_gather(void *ctx, tdm_ckpt_host *h, int root)
     return tdm_pp_gather_state(q->p, root ? h : NULL, 0);
 }
 
+/* The stage's part of h, parameters (and buffers, and with h->optim
+ * the stage optimizer's state), as it holds them: the stage's slice, or
+ * on tensor-parallel stages the narrow stage's. */
+static tdm_status tdm_rank_pp_take_stage(tdm_tool_pp *q, const tdm_ckpt_host *h)
+{
+    if (q->tpn > 1) return tdm_pptp_load(&q->tp, q->p, h);
+    return tdm_pp_load_state(q->p, h);
+}
+
+/* ZeRO-1's resume from any mode's file (the whole model's state): each
+ * optimizer state goes into the stage's parameter layout the way the
+ * parameters do (loaded as parameters, which slices it as they are
+ * sliced: the narrow stage's under tp, the GPT's tied copy included),
+ * and the replica's chunk of that into its ZeRO-1 optimizer; then the
+ * parameters themselves. The chunks are this run's, whatever the dp size
+ * of the run that wrote the file. */
+static tdm_status tdm_rank_pp_zero1_take(tdm_tool_pp *q, const tdm_ckpt_host *h)
+{
+    tdm_model *m = tdm_pp_model(q->p);
+    int64_t n = tdm_model_param_elems(m), c = q->zchunk, lo = q->rep * c;
+    int64_t k = lo >= n ? 0 : n - lo < c ? n - lo : c;
+    int ns = h->optim ? tdm_optim_kind_n_state(h->optim) : 0;
+    TDM_REQUIRE(!h->optim || ns == tdm_optim_n_state(q->zopt), TDM_STATUS_MISMATCH,
+                "ZeRO-1 resume: the checkpoint's optimizer keeps %d state buffers, this run's %d",
+                ns, tdm_optim_n_state(q->zopt));
+    for (int i = 0; i < ns; i++) {
+        tdm_ckpt_host as = {.params = h->state[i]};
+        TDM_CHECK(tdm_rank_pp_take_stage(q, &as));
+        if (k)
+            TDM_CHECK(tdm_dev_copy(q->zdev, tdm_optim_state(q->zopt, i), tdm_model_params(m) + lo,
+                                   (size_t)k * sizeof(float)));
+    }
+    tdm_ckpt_host ps = *h;
+    ps.optim = NULL;
+    TDM_CHECK(tdm_rank_pp_take_stage(q, &ps));
+    if (h->optim) tdm_optim_set_steps(q->zopt, h->steps);
+    return tdm_dev_sync(q->zdev);
+}
+
 static tdm_status tdm_rank_pp_take(void *ctx, const tdm_ckpt_host *h)
 {
     tdm_tool_pp *q = ctx;
-    if (q->tpn > 1) return tdm_pptp_load(&q->tp, q->p, h);
-    return tdm_pp_load_state(q->p, h);
+    if (q->zopt) return tdm_rank_pp_zero1_take(q, h);
+    return tdm_rank_pp_take_stage(q, h);
 }
 
 /* The whole model's state gathered on replica 0's first stage (rank 0),
@@ -677,6 +739,13 @@ static void tdm_rank_pp_print(const tdm_tool_rank *r, const double *all, int S)
            q->zopt ? "; ZeRO-1: optimizer state per stage and replica is 1/D of the stage's "
                      "(replica 0's shown), the slices gathered over the dp dimension"
                    : "");
+    if (q->zopt)
+        printf("pp zero1, rank 0's last step over the dp dimension (counted by the "
+               "communicator): all-reduces of %lld bytes (DDP's buckets: the stage's gradients "
+               "and its check tail; on host devices the loss's 8 too), all-gathers of %lld "
+               "bytes (the replicas' chunks of %lld elements)\n",
+               (long long)q->zstep.bytes[TDM_COLL_ALL_REDUCE],
+               (long long)q->zstep.bytes[TDM_COLL_ALL_GATHER], (long long)q->zchunk);
     if (q->tpn > 1)
         printf("pp-tp: each stage's %d ranks hold 1/%d of its split layers (tp rank 0's shown); "
                "rank 0 all-reduced %lld partial sums of %.3f MiB in %.3f ms over the run; its "

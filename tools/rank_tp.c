@@ -81,9 +81,10 @@ tdm_status tdm_tool_tp_check(const tdm_tool_build *b, int world, tdm_mesh_shape 
     tdm_tp_split split[TDM_MODEL_MAX_DIMS];
     int L;
     TDM_CHECK(tdm_tp_plan(&b->spec, shape->size[TDM_MESH_TP], split, &L));
-    TDM_REQUIRE(!b->tp.zero1 || shape->size[TDM_MESH_DP] >= 2, TDM_STATUS_USAGE,
-                "--sharding optimizer shards the optimizer over the dp dimension: it needs "
-                "--mesh dp=D,tp=N with D >= 2");
+    TDM_REQUIRE(!b->tp.zero || shape->size[TDM_MESH_DP] >= 2, TDM_STATUS_USAGE,
+                "--sharding %s shards the %s over the dp dimension: it needs "
+                "--mesh dp=D,tp=N with D >= 2", b->tp.zero == 2 ? "grad_op" : "optimizer",
+                b->tp.zero == 2 ? "gradients and the optimizer" : "optimizer");
     return b->tp.seq_par ? tdm_tp_check_seq(&b->spec, shape->size[TDM_MESH_TP]) : TDM_STATUS_OK;
 }
 
@@ -134,7 +135,9 @@ static tdm_status tdm_rank_tp_setup(void *ctx, tdm_dist_rank *d, void **self)
                      .grad_comm = q->reps > 1 && !b->deterministic ? dp_dev : NULL,
                      .host_comm = tp_dev != tp_host ? tp_host : NULL,
                      .sequence_parallel = b->tp.seq_par,
-                     .zero = b->tp.zero1 ? TDM_TP_ZERO_OPTIMIZER : TDM_TP_ZERO_NONE,
+                     .zero = b->tp.zero == 2 ? TDM_TP_ZERO_GRADS
+                             : b->tp.zero    ? TDM_TP_ZERO_OPTIMIZER
+                                             : TDM_TP_ZERO_NONE,
                      .precision = b->precision, .ckpt = b->ckpt};
     if ((st = tdm_tp_init(&q->p, tp_dev, d->dev, &b->spec, &o)))
         return tdm_tool_rank_fail(r, "tensor-parallel set-up", st);
@@ -330,9 +333,11 @@ static void tdm_rank_tp_describe(const tdm_tool_rank *r, char *on, size_t n_on, 
     char reps[96];
     tdm_tool_mesh_replicas_str(&q->mesh, q->det.K ? "gradients summed over the dp dimension by "
                                                     "the fixed tree"
-                                   : r->b->tp.zero1 ? "gradients summed over the dp dimension; "
-                                                      "ZeRO-1: the optimizer sharded over it"
-                                                    : "gradients summed over the dp dimension",
+                                   : r->b->tp.zero == 2 ? "ZeRO-2: gradients and optimizer "
+                                                          "sharded over the dp dimension"
+                                   : r->b->tp.zero ? "gradients summed over the dp dimension; "
+                                                     "ZeRO-1: the optimizer sharded over it"
+                                                   : "gradients summed over the dp dimension",
                                reps, sizeof reps);
     int n = snprintf(on, n_on, ", tensor parallel over %d ranks (%s)%s", tdm_tp_size(q->p), plan,
                      reps);
@@ -358,7 +363,7 @@ static size_t tdm_rank_tp_planned(const tdm_tool_rank *r)
     if (r->b->deterministic || hi <= lo ||
         tdm_tool_plan_tp_rank(&r->b->spec, &r->b->optim, q->mesh.size[TDM_MESH_TP],
                               q->mesh.size[TDM_MESH_DP], (int)(hi - lo), r->b->tp.seq_par,
-                              r->b->tp.zero1, r->b->ckpt, &lev, &t)) {
+                              r->b->tp.zero, r->b->ckpt, &lev, &t)) {
         tdm_error_clear();
         return 0;
     }
@@ -431,11 +436,15 @@ static void tdm_rank_tp_report(const tdm_tool_rank *r, int overlap)
            "%.3f ms\n", (long long)s.steps, p->total / n,
            p->forward / n, p->fwd_allreduce / n, p->loss / n, p->backward / n,
            p->bwd_allreduce / n, p->grad_sync / n, p->step / n);
-    printf("tp memory, rank 0: parameters %.3f MiB, gradients %.3f MiB, optimizer %.3f MiB "
-           "(split tensors %lld of one device's %lld elements, replicated %lld)\n",
-           (double)s.params * mib, (double)s.grads * mib, (double)s.optimizer * mib,
+    printf("tp memory, rank 0: parameters %.3f MiB, gradients %.3f MiB%s, optimizer %.3f MiB "
+           "(split tensors %lld of one device's %lld elements, replicated %lld)",
+           (double)s.params * mib, (double)s.grads * mib,
+           s.grads_in_step ? " (ZeRO-2's shard)" : "", (double)s.optimizer * mib,
            (long long)s.split_elems, (long long)s.whole_split_elems,
            (long long)s.replicated_elems);
+    if (s.grads_in_step)
+        printf("; the whole gradient, %.3f MiB, only inside a step", s.grads_in_step * mib);
+    printf("\n");
     tdm_rank_tp_peak(r);
     const tdm_comm_traffic t = q->pass_traffic;
     tdm_comm_traffic plan;

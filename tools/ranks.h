@@ -65,7 +65,9 @@ typedef struct tdm_tool_build {
     /* tensor parallelism (tools/rank_tp.c) */
     struct {
         int seq_par;             /* --sequence-parallel (tp/tp.h) */
-        int zero1;               /* --sharding optimizer: ZeRO-1 over the dp dimension */
+        /* --sharding over the dp dimension: 0 none, 1 optimizer (ZeRO-1),
+         * 2 grad_op (ZeRO-2) */
+        int zero;
     } tp;
     /* the tool's own context, for the callbacks it composes around the
      * design's (dist/run.h's ctx is this struct) */

@@ -52,15 +52,17 @@ tdm_status tdm_train_check_pp(tdm_train_args *a, int gpt)
     tdm_fsdp_sharding sh = TDM_FSDP_SHARD_OPTIM;
     if (a->sharding && tdm_fsdp_sharding_parse(a->sharding, &sh))
         return tdm_tool_usage_error("tandem train: --sharding: %s\n", tdm_error_message());
+    if (sh == TDM_FSDP_SHARD_GRAD_OP && !a->save_sharded)
+        return tdm_tool_usage_error("tandem train: --mode pp --sharding grad_op (ZeRO-2) is "
+                                    "refused: a stage adds every micro-batch's backward into "
+                                    "its gradients, so it needs them whole until the last one "
+                                    "(DeepSpeed refuses ZeRO-2 with pipelines too); use "
+                                    "--sharding optimizer (ZeRO-1)\n");
     if (sh != TDM_FSDP_SHARD_OPTIM || a->save_sharded)
         return tdm_tool_usage_error("tandem train: --mode pp shards only the optimizer over "
                                     "the dp dimension (--sharding optimizer, ZeRO-1): a stage "
                                     "keeps its parameters and gradients whole%s\n",
                                     a->save_sharded ? "; --save-sharded is fsdp's" : "");
-    if (a->sharding && (a->resume || a->max_restarts))
-        return tdm_tool_usage_error("tandem train: --mode pp --sharding optimizer: --resume "
-                                    "and --max-restarts are not supported (a checkpoint is not "
-                                    "split into the replicas' optimizer slices; --save works)\n");
     if (a->microbatches > a->batch)
         return tdm_tool_usage_error("tandem train: --microbatches %lld is more than --batch "
                                     "%lld: every micro-batch needs a sample\n", a->microbatches,

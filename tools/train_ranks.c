@@ -494,7 +494,11 @@ static tdm_status tdm_train_ranks_build(tdm_train_job *j, const tdm_tool_design 
     b->pp.split = a->split;
     b->pp.mesh = a->mesh;
     b->tp.seq_par = a->sequence_parallel;
-    b->tp.zero1 = design == &tdm_tool_tp_design && a->sharding;   /* checked: "optimizer" */
+    /* checked: "optimizer" or "grad_op" (tdm_train_check_tp) */
+    tdm_fsdp_sharding tsh = TDM_FSDP_SHARD_OPTIM;
+    if (design == &tdm_tool_tp_design && a->sharding &&
+        tdm_fsdp_sharding_parse(a->sharding, &tsh) == TDM_STATUS_OK)
+        b->tp.zero = tsh == TDM_FSDP_SHARD_GRAD_OP ? 2 : 1;
     b->pp.batch = (int)a->batch;
     b->pp.zero1 = design == &tdm_tool_pp_design && a->sharding;   /* checked: "optimizer" */
     if (a->schedule && tdm_pp_schedule_parse(a->schedule, &b->pp.schedule))

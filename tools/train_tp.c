@@ -5,7 +5,8 @@
  * tools/rank_tp.c), run by tools/train_ranks.c's loop over dist/run.h
  * like every multi-process mode. With --mesh dp=D,tp=N, D groups of N
  * each take their share of the global batch and their gradients are
- * summed over the dp dimension. Here: the options' checks. */
+ * summed over the dp dimension (--sharding optimizer or grad_op: ZeRO-1
+ * or 2 over it). Here: the options' checks. */
 #include <stdio.h>
 #include <string.h>
 
@@ -45,10 +46,11 @@ tdm_status tdm_train_check_tp(const tdm_train_args *a)
     tdm_fsdp_sharding sh = TDM_FSDP_SHARD_OPTIM;
     if (a->sharding && tdm_fsdp_sharding_parse(a->sharding, &sh))
         return tdm_tool_usage_error("tandem train: --sharding: %s\n", tdm_error_message());
-    if (sh != TDM_FSDP_SHARD_OPTIM)
-        return tdm_tool_usage_error("tandem train: --mode tp shards only the optimizer over "
-                                    "the dp dimension (--sharding optimizer, ZeRO-1); ZeRO-2 "
-                                    "and 3 (--sharding %s) are not built for tp\n", a->sharding);
+    if (sh == TDM_FSDP_FULL_SHARD)
+        return tdm_tool_usage_error("tandem train: --mode tp shards the optimizer (--sharding "
+                                    "optimizer, ZeRO-1) or the gradients too (--sharding "
+                                    "grad_op, ZeRO-2) over the dp dimension; ZeRO-3 (--sharding "
+                                    "%s) is not built for tp\n", a->sharding);
     /* the levers' limits under tp: tdm_train_levers_check (plan's too) */
     if (a->stages || a->microbatches || a->schedule || a->split)
         return tdm_tool_usage_error("tandem train: --stages, --microbatches, --schedule and "

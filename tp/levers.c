@@ -109,18 +109,21 @@ static tdm_comm *tdm_tp_lever_comm(const tdm_tp *p)
  * rank of the group holds other elements of them) and, on the group's
  * rank 0 alone, the replicated tensors (the same bits on every rank of
  * the group, tp/tp.h); of the dp dimension's replicas, which hold the
- * same summed gradient, replica 0 alone, or under ZeRO-1 (whose
+ * same summed gradient, replica 0 alone, or under ZeRO-1 and 2 (whose
  * reduce-scatter leaves each replica the sum of its own chunk only) every
  * replica over its chunk. Runs of adjacent counted elements are summed as
- * one buffer (models/clip.h's fixed chunk order). */
+ * one buffer (models/clip.h's fixed chunk order; ZeRO-2's shard holds
+ * the chunk's elements at the same relative places). */
 static tdm_status tdm_tp_sumsq(tdm_tp *p, double *sq)
 {
     *sq = 0.0;
     int64_t lo = 0, hi = p->n_elem;
-    if (p->zero == TDM_TP_ZERO_OPTIMIZER) {
+    float *base = p->grads;   /* element 0 of the slice */
+    if (p->zero != TDM_TP_ZERO_NONE) {
         int64_t k;
         tdm_tp_zero_range(p, &lo, &k);
         hi = lo + k;
+        if (p->zero == TDM_TP_ZERO_GRADS) base = p->gshard - lo;
     } else if (p->lev.replica != 0) {
         return TDM_STATUS_OK;
     }
@@ -136,7 +139,7 @@ static tdm_status tdm_tp_sumsq(tdm_tp *p, double *sq)
         }
         if (run_n) {
             double s = 0.0;
-            TDM_CHECK(tdm_clip_sumsq(p->dev, p->grads + run_off, run_n, &s));
+            TDM_CHECK(tdm_clip_sumsq(p->dev, base + run_off, run_n, &s));
             *sq += s;
         }
         run_off = counted ? a : 0;
@@ -163,8 +166,9 @@ static tdm_status tdm_tp_norm(tdm_tp *p)
     }
     TDM_CHECK(tdm_dev_copy_to_host(p->dev, &sq, buf, sizeof sq));
     p->stats.last_norm = sqrt(sq);
-    float *g = p->grads;
-    int64_t n = p->n_elem;
+    float *g;
+    int64_t n;
+    tdm_tp_grads_summed(p, &g, &n);
     return tdm_clip_apply_norm(p->dev, &g, &n, 1, p->lev.clip_norm, p->stats.last_norm);
 }
 
@@ -172,9 +176,13 @@ tdm_status tdm_tp_levers_apply(tdm_tp *p, int *skip)
 {
     const tdm_tp_levers *l = &p->lev;
     *skip = 0;
-    if (l->after_backward) l->after_backward(l->ctx, p->grads, p->n_elem, p->dev);
+    float *g;
+    int64_t n;
+    tdm_tp_grads_summed(p, &g, &n);
+    if (l->after_backward) l->after_backward(l->ctx, g, n, p->dev);
     if (l->scaler) {
-        TDM_CHECK(tdm_grad_scaler_unscale(l->scaler, p->dev, p->grads, p->n_elem, skip));
+        /* a replica whose ZeRO-2 chunk is all padding has nothing to check */
+        if (n > 0) TDM_CHECK(tdm_grad_scaler_unscale(l->scaler, p->dev, g, n, skip));
         TDM_CHECK(tdm_grad_scaler_sync_found_inf(tdm_tp_lever_comm(p), p->dev, skip));
     }
     if (!*skip && (l->clip_norm > 0.0 || l->measure_norm)) TDM_CHECK(tdm_tp_norm(p));

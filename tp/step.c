@@ -163,6 +163,8 @@ static tdm_status tdm_tp_fwd_bwd(tdm_tp *p, const void *x, const int32_t *y, int
 {
     uint64_t t0 = tdm_time_ns();
     const float *logits = NULL;
+    /* ZeRO-2: the step's whole gradient, zeroed, if nothing took it yet */
+    if (!p->grads) TDM_CHECK(tdm_tp_grads_take(p));
     TDM_CHECK(tdm_tp_inputs(p, x, y, B, 1));
     TDM_CHECK(tdm_tp_logits(p, B, 1, &logits, &ph->fwd_allreduce));
     ph->forward += tdm_time_ms_since(t0) - ph->fwd_allreduce;
@@ -181,22 +183,27 @@ static tdm_status tdm_tp_fwd_bwd(tdm_tp *p, const void *x, const int32_t *y, int
     return TDM_STATUS_OK;
 }
 
-/* ZeRO-1's sum: the replica's chunk of the gradients summed over
+/* ZeRO's sum: the replica's chunk of the gradients summed over
  * grad_comm (a reduce-scatter: each replica steps only its chunk, so
- * the rest of the sum is never needed), in place in p->grads (zreps *
- * zchunk floats: the padding past n_elem is zero). The other elements of
- * p->grads are not the sum: the replica's own gradient, or the
- * backend's scratch (MPI's in-place reduce-scatter). */
+ * the rest of the sum is never needed) from p->grads (zreps * zchunk
+ * floats: the padding past n_elem is zero). ZeRO-1: in place, into the
+ * chunk's place in p->grads, whose other elements are then not the sum
+ * (the replica's own gradient, or the backend's scratch: MPI's in-place
+ * reduce-scatter). ZeRO-2: into the kept shard, and the whole gradient
+ * is released. */
 static tdm_status tdm_tp_sync_chunk(tdm_tp *p)
 {
     int64_t c = p->zchunk;
-    tdm_comm_set_label(p->gcomm, "tp zero1 reduce-scatter of the gradients over the dp "
-                       "dimension");
-    tdm_status st = tdm_comm_reduce_scatter(p->gcomm, p->grads, p->grads + (int64_t)p->zrep * c,
+    int z2 = p->zero == TDM_TP_ZERO_GRADS;
+    tdm_comm_set_label(p->gcomm, "tp zero%d reduce-scatter of the gradients over the dp "
+                       "dimension", z2 ? 2 : 1);
+    tdm_status st = tdm_comm_reduce_scatter(p->gcomm, p->grads,
+                                            z2 ? p->gshard : p->grads + (int64_t)p->zrep * c,
                                             (size_t)c, TDM_DTYPE_FLOAT32, TDM_REDOP_SUM);
     if (st)
-        tdm_error_prefix(st, "tp rank %d: ZeRO-1's reduce-scatter of the gradients over the dp "
-                         "dimension (replica %d)", p->rank, p->zrep);
+        tdm_error_prefix(st, "tp rank %d: ZeRO-%d's reduce-scatter of the gradients over the "
+                         "dp dimension (replica %d)", p->rank, z2 ? 2 : 1, p->zrep);
+    else tdm_tp_grads_release(p);
     return st;
 }
 
@@ -214,7 +221,7 @@ static tdm_status tdm_tp_sync(tdm_tp *p, tdm_tp_phases *ph)
     uint64_t t0 = tdm_time_ns();
     TDM_CHECK(tdm_dev_sync(p->dev));
     tdm_status st;
-    if (p->zero == TDM_TP_ZERO_OPTIMIZER) {
+    if (p->zero != TDM_TP_ZERO_NONE) {
         st = tdm_tp_sync_chunk(p);
     } else {
         tdm_comm_set_label(p->gcomm, "tp gradients over the dp dimension");
@@ -228,11 +235,10 @@ static tdm_status tdm_tp_sync(tdm_tp *p, tdm_tp_phases *ph)
 
 tdm_status tdm_tp_zero_grad(tdm_tp *p)
 {
-    /* the padding too: an in-place reduce-scatter may leave scratch there */
-    return tdm_dev_memset_zero(p->dev, p->grads, (size_t)tdm_tp_flat_alloc(p) * sizeof(float));
+    return tdm_tp_grads_take(p);
 }
 
-/* ZeRO-1's step: the replica's chunk of the summed gradients steps its
+/* ZeRO-1 and 2's step: the replica's chunk of the summed gradients steps its
  * chunk of the parameters (the optimizer holds that chunk's state
  * only), then every replica's chunk is all-gathered over the dp
  * dimension into every replica's parameters, in place (zreps * zchunk
@@ -242,22 +248,26 @@ static tdm_status tdm_tp_step_zero(tdm_tp *p)
 {
     int64_t lo, k, c = p->zchunk;
     tdm_tp_zero_range(p, &lo, &k);
-    tdm_optim_range rg = {.param = p->params + lo, .grad = p->grads + lo, .state_offset = 0,
-                          .n_elem = k};
+    float *g;
+    int64_t n;
+    tdm_tp_grads_summed(p, &g, &n);
+    tdm_optim_range rg = {.param = p->params + lo, .grad = g == p->gshard ? g : g + lo,
+                          .state_offset = 0, .n_elem = k};
     TDM_CHECK(tdm_optim_step_ranges(p->opt, &rg, k > 0));
     TDM_CHECK(tdm_dev_sync(p->dev));
-    tdm_comm_set_label(p->gcomm, "tp zero1 gather of the parameters over the dp dimension");
+    tdm_comm_set_label(p->gcomm, "tp zero%d gather of the parameters over the dp dimension",
+                       p->zero == TDM_TP_ZERO_GRADS ? 2 : 1);
     tdm_status st = tdm_comm_all_gather(p->gcomm, p->params + (int64_t)p->zrep * c, p->params,
                                         (size_t)c, TDM_DTYPE_FLOAT32);
     if (st)
-        tdm_error_prefix(st, "tp rank %d: ZeRO-1's gather over the dp dimension (replica %d)",
-                         p->rank, p->zrep);
+        tdm_error_prefix(st, "tp rank %d: ZeRO-%d's gather over the dp dimension (replica %d)",
+                         p->rank, p->zero == TDM_TP_ZERO_GRADS ? 2 : 1, p->zrep);
     return st;
 }
 
 static tdm_status tdm_tp_step_plain(tdm_tp *p)
 {
-    if (p->zero == TDM_TP_ZERO_OPTIMIZER) return tdm_tp_step_zero(p);
+    if (p->zero != TDM_TP_ZERO_NONE) return tdm_tp_step_zero(p);
     tdm_optim_range rg = {.param = p->params, .grad = p->grads, .state_offset = 0,
                           .n_elem = p->n_elem};
     return tdm_optim_step_ranges(p->opt, &rg, 1);

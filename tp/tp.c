@@ -334,15 +334,55 @@ static tdm_status tdm_tp_alloc_state(tdm_tp *p, const tdm_optim_opts *optim)
     tdm_dev_mem_stats a, b;
     int measured = tdm_dev_mem_query(p->dev, &a) == TDM_STATUS_OK;
     size_t bytes = (size_t)tdm_tp_flat_alloc(p) * sizeof(float);
+    size_t gbytes = p->zero == TDM_TP_ZERO_GRADS ? (size_t)p->zchunk * sizeof(float) : bytes;
     TDM_CHECK(tdm_dev_alloc_zero(p->dev, bytes, (void **)&p->params));
-    TDM_CHECK(tdm_dev_alloc_zero(p->dev, bytes, (void **)&p->grads));
-    /* ZeRO-1: state for the replica's chunk only */
+    /* ZeRO-2: the gradient shard only (the whole gradient is the step's) */
+    TDM_CHECK(tdm_dev_alloc_zero(p->dev, gbytes, p->zero == TDM_TP_ZERO_GRADS
+                                                     ? (void **)&p->gshard
+                                                     : (void **)&p->grads));
+    /* ZeRO-1 and 2: state for the replica's chunk only */
     TDM_CHECK(tdm_optim_init_flat(&p->opt, p->dev, p->zero ? p->zchunk : p->n_elem, optim));
     if (measured && tdm_dev_mem_query(p->dev, &b) == TDM_STATUS_OK)
         p->stats.state_alloc_bytes = b.live_bytes - a.live_bytes;
-    p->stats.params = p->stats.grads = bytes;
+    p->stats.params = bytes;
+    p->stats.grads = gbytes;
+    p->stats.grads_in_step = p->zero == TDM_TP_ZERO_GRADS ? bytes : 0;
     p->stats.optimizer = tdm_optim_state_bytes(p->opt);
     return TDM_STATUS_OK;
+}
+
+tdm_status tdm_tp_grads_take(tdm_tp *p)
+{
+    size_t bytes = (size_t)tdm_tp_flat_alloc(p) * sizeof(float);
+    if (p->zero == TDM_TP_ZERO_GRADS && !p->grads) {
+        tdm_status st = tdm_dev_alloc_zero(p->dev, bytes, (void **)&p->grads);
+        if (st)
+            tdm_error_prefix(st, "tp rank %d: ZeRO-2's whole gradient of the step (%zu bytes)",
+                             p->rank, bytes);
+        return st;
+    }
+    /* the padding too: an in-place reduce-scatter may leave scratch there */
+    return tdm_dev_memset_zero(p->dev, p->grads, bytes);
+}
+
+void tdm_tp_grads_release(tdm_tp *p)
+{
+    if (p->zero != TDM_TP_ZERO_GRADS) return;
+    tdm_dev_free(p->dev, p->grads);
+    p->grads = NULL;
+}
+
+void tdm_tp_grads_summed(tdm_tp *p, float **g, int64_t *n)
+{
+    int64_t lo, k;
+    if (p->zero != TDM_TP_ZERO_GRADS) {
+        *g = p->grads;
+        *n = p->n_elem;
+        return;
+    }
+    tdm_tp_zero_range(p, &lo, &k);
+    *g = p->gshard;
+    *n = k;
 }
 
 /* Every rank's outcome of its set-up: this rank's st, or the first other
@@ -387,9 +427,11 @@ tdm_status tdm_tp_init(tdm_tp **out, tdm_comm *comm, tdm_device *dev, const tdm_
     if (spec->kind != TDM_MODEL_GPT) TDM_TRY(tdm_tp_shape_of(spec, &p->shape));
     if (p->zero) {
         if (!p->gcomm || tdm_comm_size(p->gcomm) < 2) {
-            st = tdm_error_set(TDM_STATUS_USAGE, "tp: ZeRO-1 shards the optimizer over the dp "
+            st = tdm_error_set(TDM_STATUS_USAGE, "tp: ZeRO-%d shards the %s over the dp "
                                "dimension, which needs at least 2 replicas (--mesh dp=D,tp=N "
-                               "with D >= 2)");
+                               "with D >= 2)", p->zero == TDM_TP_ZERO_GRADS ? 2 : 1,
+                               p->zero == TDM_TP_ZERO_GRADS ? "gradients and optimizer"
+                                                            : "optimizer");
             goto fail;
         }
         p->zrep = tdm_comm_rank(p->gcomm);
@@ -452,6 +494,7 @@ void tdm_tp_free(tdm_tp *p)
     tdm_optim_free(p->opt);
     tdm_dev_free(p->dev, p->params);
     tdm_dev_free(p->dev, p->grads);
+    tdm_dev_free(p->dev, p->gshard);
     tdm_model_free(p->tables);
     free(p);
 }
@@ -629,7 +672,7 @@ void tdm_tp_zero_range(const tdm_tp *p, int64_t *lo, int64_t *k)
     *k = *lo >= p->n_elem ? 0 : p->n_elem - *lo < p->zchunk ? p->n_elem - *lo : p->zchunk;
 }
 
-/* ZeRO-1: optimizer state i's chunks all-gathered over the dp dimension
+/* ZeRO-1 and 2: optimizer state i's chunks all-gathered over the dp dimension
  * into *whole (zreps * zchunk on dev, allocated here; the rank's flat
  * layout in its first n_elem). */
 static tdm_status tdm_tp_zero_unshard(tdm_tp *p, int i, float **whole)
@@ -649,7 +692,7 @@ static tdm_status tdm_tp_zero_unshard(tdm_tp *p, int i, float **whole)
     }
     if (st) {
         /* the other replicas are in (or about to enter) the gather */
-        tdm_error_prefix(st, "tp rank %d: ZeRO-1's gather of the %s (replica %d)", p->rank,
+        tdm_error_prefix(st, "tp rank %d: ZeRO's gather of the %s (replica %d)", p->rank,
                          tdm_optim_state_name(p->opt, i), p->zrep);
         tdm_comm_abort(p->gcomm, tdm_error_message());
     }
@@ -691,11 +734,14 @@ tdm_status tdm_tp_gather_state(tdm_tp *p, tdm_ckpt_host *h, int root)
 
 tdm_status tdm_tp_gather_grads(tdm_tp *p, float *whole, int root)
 {
+    TDM_REQUIRE(p->zero != TDM_TP_ZERO_GRADS, TDM_STATUS_UNSUPPORTED,
+                "tp: ZeRO-2 keeps only the replica's shard of the gradient between steps: "
+                "there is no whole gradient to gather");
     return tdm_tp_gather_buf(p, p->grads, whole, root, "gradients");
 }
 
 /* A whole-layout host array's slice onto a rank-layout device buffer:
- * all n_elem of it, or (chunk: ZeRO-1's optimizer state) the replica's
+ * all n_elem of it, or (chunk: ZeRO's optimizer state) the replica's
  * chunk of it. */
 static tdm_status tdm_tp_load_buf(tdm_tp *p, const float *whole, float *dev_buf, int chunk)
 {
@@ -721,7 +767,7 @@ tdm_status tdm_tp_load_state(tdm_tp *p, const tdm_ckpt_host *h)
                 "this run's %d", tdm_optim_kind_n_state(h->optim), tdm_optim_n_state(p->opt));
     for (int i = 0; i < tdm_optim_n_state(p->opt); i++)
         TDM_CHECK(tdm_tp_load_buf(p, h->state[i], tdm_optim_state(p->opt, i),
-                                  p->zero == TDM_TP_ZERO_OPTIMIZER));
+                                  p->zero != TDM_TP_ZERO_NONE));
     tdm_optim_set_steps(p->opt, h->steps);
     return TDM_STATUS_OK;
 }

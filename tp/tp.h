@@ -43,9 +43,9 @@
  *
  * The GPT is split too (tp/gpt.c: attention by heads, the MLP column/row;
  * LayerNorms, embeddings and the tied head replicated), optionally
- * sequence parallel (tdm_tp_check_seq). Not here: dp x pp x tp, ZeRO
- * over the dp dimension, rank start-up, the command line
- * (tools/rank_tp.c). */
+ * sequence parallel (tdm_tp_check_seq). ZeRO-1 and 2 over the dp
+ * dimension: tdm_tp_opts.zero. Not here: dp x pp x tp, rank start-up,
+ * the command line (tools/rank_tp.c). */
 #ifndef TDM_TP_TP_H
 #define TDM_TP_TP_H
 
@@ -142,6 +142,19 @@ typedef enum tdm_tp_zero {
      * communicator), 1/D of its optimizer state, the plain all-reduce's
      * ring bytes */
     TDM_TP_ZERO_OPTIMIZER,
+    /* ZeRO-2: ZeRO-1 whose gradients are sharded too. The replica keeps
+     * a persistent gradient shard of c floats (1/D of ZeRO-1's D*c);
+     * the whole flat gradient (D*c floats) is a buffer of the step:
+     * allocated by tdm_tp_zero_grad (or the step's first backward),
+     * reduce-scattered over grad_comm straight into the shard, and
+     * released at once, before the levers and the optimizer step. So
+     * between steps a rank holds its parameters, the gradient shard and
+     * the optimizer shard; inside a step, from the first backward (or
+     * the zeroing) to the reduce-scatter, the whole gradient besides
+     * (the peak is ZeRO-1's plus the shard: the gradients are not
+     * reduce-scattered bucket by bucket during backward). The same bits
+     * and bytes as ZeRO-1 (the reduce-scatter's sums are the same) */
+    TDM_TP_ZERO_GRADS,
 } tdm_tp_zero;
 
 typedef struct tdm_tp_opts {
@@ -157,7 +170,7 @@ typedef struct tdm_tp_opts {
     /* 1: sequence parallelism (tdm_tp_check_seq); one rank has nothing
      * to split and runs as without it */
     int sequence_parallel;
-    /* ZeRO over grad_comm (needs one of at least 2 ranks) */
+    /* ZeRO-1 or 2 over grad_comm (needs one of at least 2 ranks) */
     tdm_tp_zero zero;
     /* BF16 or FP16 (models/precision.h): every linear layer's products
      * (forward, the weight gradient, the input gradient) read 16-bit
@@ -207,7 +220,8 @@ const tdm_model *tdm_tp_tables(const tdm_tp *p);
 tdm_tp_split tdm_tp_layer_split(const tdm_tp *p, int l);
 int tdm_tp_n_layers(const tdm_tp *p);
 /* The rank's flat parameters and gradients (device memory) and their
- * length in elements. */
+ * length in elements. Under ZeRO-2 the whole flat gradient exists only
+ * inside a step (tdm_tp_opts.zero): tdm_tp_grads is NULL between steps. */
 float *tdm_tp_params(tdm_tp *p);
 float *tdm_tp_grads(tdm_tp *p);
 int64_t tdm_tp_elems(const tdm_tp *p);
@@ -254,15 +268,16 @@ tdm_status tdm_tp_evaluate(tdm_tp *p, const tdm_dataset *d, int batch, double *l
  * arrays in the whole model's layout, tdm_tp_tables; used on root only):
  * parameters and, when h->optim is set, the optimizer's state and step
  * count: what tdm_checkpoint_save_host writes, the file every mode reads.
- * Collective (with ZeRO-1 over grad_comm too: every other replica calls
+ * Collective (with ZeRO-1 or 2 over grad_comm too: every other replica calls
  * tdm_tp_zero_join_gather). */
 tdm_status tdm_tp_gather_state(tdm_tp *p, tdm_ckpt_host *h, int root);
 /* The whole model's gradient (host, whole layout) on root. Collective.
  * After a ZeRO-1 step only the replica's chunk of it is summed over the
  * dp dimension; the rest is not the sum (the replica's own gradient, or
- * the MPI backend's scratch). */
+ * the MPI backend's scratch). UNSUPPORTED under ZeRO-2 (the whole
+ * gradient is not kept), on every rank alike before any collective. */
 tdm_status tdm_tp_gather_grads(tdm_tp *p, float *whole, int root);
-/* ZeRO-1 (tdm_tp_opts.zero), a replica other than the one that gathers
+/* ZeRO-1 or 2 (tdm_tp_opts.zero), a replica other than the one that gathers
  * (which calls tdm_tp_gather_state): its part of the gathers over the dp
  * dimension that assemble each optimizer state for the checkpoint, in
  * tdm_tp_gather_state's order. Nothing without ZeRO. Collective over
@@ -318,16 +333,17 @@ tdm_status tdm_tp_footprint_ckpt(const tdm_model_spec *spec, int ranks, int batc
  * grad_comm) every rank unscales its flat gradient and checks it, and the
  * found-inf flag is ORed over comm (one all-reduce, "grad scaler found
  * inf"): a step found bad is skipped on every rank (no optimizer step,
- * no ZeRO-1 gather) and the scale halves on all. With clip_norm > 0 (or
+ * no ZeRO gather) and the scale halves on all. With clip_norm > 0 (or
  * measure_norm) the global L2 norm of the whole model's gradient: each
  * rank's sum of squares of its split tensors' slices, the replicated
  * tensors (LayerNorms, embeddings, row-parallel biases, a replicated
  * last layer: the same bits on every rank of the group) counted on the
  * group's rank 0 only, replica 0 of the dp dimension only (the replicas
- * hold the same sum; under ZeRO-1, whose reduce-scatter leaves each
+ * hold the same sum; under ZeRO-1 and 2, whose reduce-scatter leaves each
  * replica its own chunk's sum, every replica its chunk), summed by one
  * all-reduce of one double over comm ("tp clip grad norm"), then torch's
- * clip_grad_norm_ of the rank's whole flat gradient (models/clip.h).
+ * clip_grad_norm_ of the rank's whole flat gradient (models/clip.h;
+ * ZeRO-2: of its gradient shard).
  * comm: every rank of the job (the group and its replicas) on the device
  * memory of the rank's device, each calling it once per step; NULL: the
  * group's communicator (only without replicas). Every rank must set the
@@ -342,8 +358,8 @@ typedef struct tdm_tp_levers {
     tdm_comm *comm;                   /* borrowed; NULL: the group's */
     int replica;                      /* the rank's replica: only replica 0's squares count */
     /* Test hook, after the sums, before the levers read the gradients (a
-     * planted inf): the rank's flat gradient, n_elem floats on dev. May
-     * be NULL. */
+     * planted inf): the rank's flat gradient, n_elem floats on dev
+     * (ZeRO-2: its summed chunk, the shard's elements). May be NULL. */
     void (*after_backward)(void *ctx, float *grads, int64_t n_elem, tdm_device *dev);
     void *ctx;
 } tdm_tp_levers;
@@ -371,7 +387,12 @@ typedef struct tdm_tp_stats {
      * gradients and optimizer state (measured around their allocation;
      * 0 where the device keeps no accounting) */
     size_t state_alloc_bytes;
-    size_t params, grads, optimizer;   /* bytes of each */
+    /* bytes of each the rank keeps between steps (ZeRO-2: grads is the
+     * gradient shard's) */
+    size_t params, grads, optimizer;
+    /* ZeRO-2: the whole flat gradient's bytes, held only inside a step
+     * (tdm_tp_opts.zero); 0 otherwise (grads holds it) */
+    size_t grads_in_step;
     size_t activations;                /* bytes of the forward's kept outputs and scratch */
     size_t act_alloc_bytes;            /* and what the allocator handed out for them
                                           (measured; 0 where it keeps no accounting) */

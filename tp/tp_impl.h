@@ -88,8 +88,8 @@ struct tdm_tp {
     tdm_tp_tensor tensors[TDM_TP_MAX_TENSORS];
     float *params, *grads;      /* flat, n_elem each (tdm_tp_flat_alloc held), on dev */
     int64_t n_elem;
-    tdm_optim *opt;             /* over n_elem, or (ZeRO-1) the replica's zchunk */
-    /* ZeRO-1 over gcomm: replica zrep of zreps holds the optimizer state
+    tdm_optim *opt;             /* over n_elem, or (ZeRO) the replica's zchunk */
+    /* ZeRO-1 or 2 over gcomm: replica zrep of zreps holds the optimizer state
      * of elements [zrep*zchunk, ...) of the flat slice; params and grads
      * hold zreps * zchunk floats (the last chunk padded with fewer than
      * zreps zeros), so that the gradients' reduce-scatter and the
@@ -97,6 +97,10 @@ struct tdm_tp {
     tdm_tp_zero zero;
     int zrep, zreps;
     int64_t zchunk;
+    /* ZeRO-2: the replica's summed chunk of the gradients (zchunk floats,
+     * kept); p->grads is then a buffer of the step, NULL between steps
+     * (tdm_tp_grads_take, tdm_tp_grads_release) */
+    float *gshard;
     /* activations and scratch for cap samples */
     int cap, max_width;
     float *x, *ones, *dbuf[2];
@@ -158,9 +162,20 @@ tdm_status tdm_tp_drop_keys(tdm_tp *p, const void *x, int B);
 /* Activations and scratch for B samples (grown, never shrunk; tp/tp.c). */
 tdm_status tdm_tp_reserve(tdm_tp *p, int B);
 
-/* ZeRO-1: the replica's elements [*lo, *lo + *k) of the flat slice. */
+/* ZeRO-2: the whole flat gradient for the step (allocated if absent,
+ * zeroed either way), and its release after the reduce-scatter (tp/tp.c);
+ * without ZeRO-2 take zeroes p->grads and release does nothing. */
+tdm_status tdm_tp_grads_take(tdm_tp *p);
+void tdm_tp_grads_release(tdm_tp *p);
+/* The gradient the levers and the optimizer read after the sums: the
+ * whole flat one (n_elem floats at *g, element 0 of the slice at *g),
+ * or under ZeRO-2 the shard (*n = its k elements; element lo of the
+ * slice at *g; tdm_tp_zero_range). */
+void tdm_tp_grads_summed(tdm_tp *p, float **g, int64_t *n);
+
+/* ZeRO-1 and 2: the replica's elements [*lo, *lo + *k) of the flat slice. */
 void tdm_tp_zero_range(const tdm_tp *p, int64_t *lo, int64_t *k);
-/* The floats params and grads hold: n_elem, or (ZeRO-1) zreps * zchunk. */
+/* The floats params and grads hold: n_elem, or (ZeRO) zreps * zchunk. */
 int64_t tdm_tp_flat_alloc(const tdm_tp *p);
 
 /* tp/levers.c: what the loss gradient is multiplied by besides
