@@ -197,33 +197,41 @@ static void tdm_gpt_layout(tdm_model *m, int batch, tdm_act_layout *lay, tdm_act
                 tdm_act_add(to, &b->ln1h, N * C * es, layer, ar, &off);
                 tdm_act_add(to, (void **)&b->ln1_mean, N * f, layer, ar, &off);
                 tdm_act_add(to, (void **)&b->ln1_rstd, N * f, layer, ar, &off);
-                tdm_act_add(to, &b->qkvh, 3 * N * C * es, layer, ar, &off);
+                tdm_act_add(to, &b->qkvh, 3 * N * Ca * es, layer, ar, &off);
                 tdm_act_add(to, &b->atth, att * es, layer, ar, &off);
-                tdm_act_add(to, &b->attyh, N * C * es, layer, ar, &off);
+                tdm_act_add(to, &b->attyh, N * Ca * es, layer, ar, &off);
                 tdm_act_add(to, (void **)&b->res1, N * C * f, layer, ar, &off);
                 tdm_act_add(to, &b->ln2h, N * C * es, layer, ar, &off);
                 tdm_act_add(to, (void **)&b->ln2_mean, N * f, layer, ar, &off);
                 tdm_act_add(to, (void **)&b->ln2_rstd, N * f, layer, ar, &off);
-                tdm_act_add(to, &b->fchh, 4 * N * C * es, layer, ar, &off);
-                tdm_act_add(to, &b->fcgh, 4 * N * C * es, layer, ar, &off);
+                tdm_act_add(to, &b->fchh, N * F * es, layer, ar, &off);
+                tdm_act_add(to, &b->fcgh, N * F * es, layer, ar, &off);
             } else {
+                /* sequence parallel: the stream and the LayerNorms'
+                 * statistics of the rank's Nl rows (the first stage's
+                 * block 0 normalises the whole embeddings) */
+                size_t Nl = g->sp ? N / (size_t)g->tp : N;
+                size_t N1 = g->has_emb && k == 0 ? N : Nl;
                 tdm_act_add(to, (void **)&b->ln1, N * C * f, layer, ar, &off);
-                tdm_act_add(to, (void **)&b->ln1_mean, N * f, layer, ar, &off);
-                tdm_act_add(to, (void **)&b->ln1_rstd, N * f, layer, ar, &off);
+                tdm_act_add(to, (void **)&b->ln1_mean, N1 * f, layer, ar, &off);
+                tdm_act_add(to, (void **)&b->ln1_rstd, N1 * f, layer, ar, &off);
                 tdm_act_add(to, (void **)&b->q, N * Ca * f, layer, ar, &off);
                 tdm_act_add(to, (void **)&b->k, N * Ca * f, layer, ar, &off);
                 tdm_act_add(to, (void **)&b->v, N * Ca * f, layer, ar, &off);
                 tdm_act_add(to, (void **)&b->att, att * f, layer, ar, &off);
                 tdm_act_add(to, (void **)&b->atty, N * Ca * f, layer, ar, &off);
-                tdm_act_add(to, (void **)&b->res1, N * C * f, layer, ar, &off);
+                tdm_act_add(to, (void **)&b->res1, Nl * C * f, layer, ar, &off);
                 tdm_act_add(to, (void **)&b->ln2, N * C * f, layer, ar, &off);
-                tdm_act_add(to, (void **)&b->ln2_mean, N * f, layer, ar, &off);
-                tdm_act_add(to, (void **)&b->ln2_rstd, N * f, layer, ar, &off);
+                tdm_act_add(to, (void **)&b->ln2_mean, Nl * f, layer, ar, &off);
+                tdm_act_add(to, (void **)&b->ln2_rstd, Nl * f, layer, ar, &off);
                 tdm_act_add(to, (void **)&b->fch, N * F * f, layer, ar, &off);
                 tdm_act_add(to, (void **)&b->fcg, N * F * f, layer, ar, &off);
             }
             int keep_out = !ck || tdm_gpt_seg_last(m, g->b0 + k);
-            tdm_act_add(to, (void **)&b->res2, N * C * f, layer, pass ? !keep_out : 1, &off);
+            /* sequence parallel: the rank's rows, but the model's top
+             * block's output (gathered whole for ln_f) */
+            size_t N2 = g->sp && !(g->has_head && k == g->nb - 1) ? N / (size_t)g->tp : N;
+            tdm_act_add(to, (void **)&b->res2, N2 * C * f, layer, pass ? !keep_out : 1, &off);
             if (!pass) slot = off;
         }
     }
@@ -395,11 +403,104 @@ static tdm_status tdm_gpt_proj_fwd(tdm_model *m, const float *x, const float *w,
 }
 
 /* A column-parallel layer's input gradient (N, C), partial on a
- * tensor-parallel slice, summed over the group (the callback). */
+ * tensor-parallel slice, summed over the group (the callback; sequence
+ * parallel: only the rank's rows, at off, reduce-scattered). */
 static tdm_status tdm_gpt_sum_dx(tdm_model *m, float *dx, int64_t N, int layer)
 {
     tdm_gpt *g = m->ext;
+    if (g->sp)
+        return m->seq(m->seq_ctx, TDM_MODEL_SEQ_SCATTER, dx,
+                      dx + (int64_t)m->partial_rank * (N / g->tp) * g->C, N * g->C, layer);
     return g->tp == 1 ? TDM_STATUS_OK : m->partial(m->partial_ctx, dx, N * g->C, layer);
+}
+
+/* Sequence parallelism: the rank's Nl of the N rows, from row off (all
+ * of them without it). */
+static void tdm_gpt_rows(const tdm_model *m, int64_t N, int64_t *Nl, int64_t *off)
+{
+    const tdm_gpt *g = m->ext;
+    *Nl = g->sp ? N / g->tp : N;
+    *off = g->sp ? (int64_t)m->partial_rank * *Nl : 0;
+}
+
+/* Sequence parallelism: buf (N rows of C) from the rank's rows at off,
+ * every rank's rows gathered in place. */
+static tdm_status tdm_gpt_gather(tdm_model *m, float *buf, int64_t N, int layer)
+{
+    tdm_gpt *g = m->ext;
+    int64_t Nl, off;
+    tdm_gpt_rows(m, N, &Nl, &off);
+    return m->seq(m->seq_ctx, TDM_MODEL_SEQ_GATHER, buf + off * g->C, buf, N * g->C, layer);
+}
+
+/* Sequence parallelism: out (N rows) = LayerNorm of the rank's Nl rows
+ * of x into its rows at off, gathered; statistics of the Nl rows. */
+static tdm_status tdm_gpt_ln_seq(tdm_model *m, const float *x, const float *w, const float *b,
+                                 float *out, float *mean, float *rstd, int64_t N, int layer)
+{
+    tdm_gpt *g = m->ext;
+    int64_t Nl, off;
+    tdm_gpt_rows(m, N, &Nl, &off);
+    TDM_CHECK(tdm_dev_layernorm_fwd(m->dev, x, w, b, out + off * g->C, mean, rstd, Nl, g->C,
+                                    TDM_GPT_LN_EPS));
+    return tdm_gpt_gather(m, out, N, layer);
+}
+
+/* Sequence parallelism: y (the rank's Nl rows) = res (its Nl rows) + the
+ * group's sum of x (N, in) w^T at its rows + bias: the product
+ * reduce-scattered along the tokens. */
+static tdm_status tdm_gpt_proj_seq(tdm_model *m, const float *x, const float *w,
+                                   const float *bias, int64_t N, int in, const float *res,
+                                   float *y, int layer)
+{
+    tdm_gpt *g = m->ext;
+    int C = g->C;
+    int64_t Nl, off;
+    tdm_gpt_rows(m, N, &Nl, &off);
+    TDM_CHECK(tdm_layers_linear_fwd(m->dev, x, w, NULL, N, in, C, 0, g->part));
+    TDM_CHECK(tdm_gpt_sum_dx(m, g->part, N, layer));
+    TDM_CHECK(tdm_dev_copy(m->dev, y, res, (size_t)Nl * C * sizeof(float)));
+    TDM_CHECK(tdm_dev_axpy(m->dev, Nl * C, 1.0f, g->part + off * C, y));
+    return tdm_dev_bias_act(m->dev, y, bias, Nl, C, TDM_ACT_NONE);
+}
+
+/* Block l's forward under sequence parallelism from res: the rank's
+ * rows of the stream, or (full: the first stage's block 0) the whole
+ * embeddings. The stage's last block of the model's last stage gathers
+ * its output (N rows) for ln_f. */
+static tdm_status tdm_gpt_block_forward_seq(tdm_model *m, int l, const float *res, int B, int Tr)
+{
+    tdm_gpt *g = m->ext;
+    tdm_device *d = m->dev;
+    tdm_gpt_block *b = &g->a->blk[l - g->b0];
+    int C = g->C, full = g->has_emb && l == g->b0, top = g->has_head && l == g->b1 - 1;
+    int64_t N = (int64_t)B * Tr, Nl, off;
+    tdm_gpt_rows(m, N, &Nl, &off);
+#define P(j) tdm_gpt_param(m, tdm_gpt_p(g, l, (j)))
+    if (full)
+        TDM_CHECK(tdm_dev_layernorm_fwd(d, res, P(TDM_GPT_LN1_W), P(TDM_GPT_LN1_B), b->ln1,
+                                        b->ln1_mean, b->ln1_rstd, N, C, TDM_GPT_LN_EPS));
+    else
+        TDM_CHECK(tdm_gpt_ln_seq(m, res, P(TDM_GPT_LN1_W), P(TDM_GPT_LN1_B), b->ln1,
+                                 b->ln1_mean, b->ln1_rstd, N, tdm_gpt_layer(g, l, 0)));
+    TDM_CHECK(tdm_layers_linear_fwd(d, b->ln1, P(TDM_GPT_ATTN_W), P(TDM_GPT_ATTN_B), N, C,
+                                    3 * g->Ca, 0, g->qkv));
+    tdm_layers_attn at = {.B = B, .T = Tr, .H = g->Hl, .C = g->Ca, .q = b->q, .k = b->k,
+                          .v = b->v, .att = b->att};
+    TDM_CHECK(tdm_layers_attention_fwd(d, &at, g->qkv, g->yh, b->atty));
+    TDM_CHECK(tdm_gpt_proj_seq(m, b->atty, P(TDM_GPT_APROJ_W), P(TDM_GPT_APROJ_B), N, g->Ca,
+                               full ? res + off * C : res, b->res1, tdm_gpt_layer(g, l, 2)));
+    TDM_CHECK(tdm_gpt_ln_seq(m, b->res1, P(TDM_GPT_LN2_W), P(TDM_GPT_LN2_B), b->ln2,
+                             b->ln2_mean, b->ln2_rstd, N, tdm_gpt_layer(g, l, 3)));
+    TDM_CHECK(tdm_layers_linear_fwd(d, b->ln2, P(TDM_GPT_FC_W), P(TDM_GPT_FC_B), N, C, g->F,
+                                    0, b->fch));
+    TDM_CHECK(tdm_dev_gelu_fwd(d, b->fch, b->fcg, N * g->F));
+    float *out = b->res2 + (top ? off * C : 0);
+    TDM_CHECK(tdm_gpt_proj_seq(m, b->fcg, P(TDM_GPT_MPROJ_W), P(TDM_GPT_MPROJ_B), N, g->F,
+                               b->res1, out, tdm_gpt_layer(g, l, 5)));
+    if (top) TDM_CHECK(tdm_gpt_gather(m, b->res2, N, tdm_gpt_layer(g, l, 5)));
+#undef P
+    return TDM_STATUS_OK;
 }
 
 /* Block l's FP32 forward from the stream res (B windows of Tr), into the
@@ -438,6 +539,7 @@ static tdm_status tdm_gpt_block_forward(tdm_model *m, int l, const float *res, i
 
 static tdm_status tdm_gpt_block_fwd(tdm_model *m, int l, const float *res, int B, int Tr)
 {
+    if (((tdm_gpt *)m->ext)->sp) return tdm_gpt_block_forward_seq(m, l, res, B, Tr);
     if (tdm_model_low(m)) return tdm_gpt_block_forward_low(m, l, res, B, Tr);
     return tdm_gpt_block_forward(m, l, res, B, Tr);
 }
@@ -452,9 +554,11 @@ static tdm_status tdm_gpt_run_forward(tdm_model *m, const void *x, int B, int Tr
     tdm_device *d = m->dev;
     int C = g->C;
     int64_t N = (int64_t)B * Tr;
-    TDM_REQUIRE(g->tp == 1 || (m->partial && !tdm_model_low(m) && !m->lev.ckpt),
-                TDM_STATUS_INVALID_ARG, "gpt: a tensor-parallel slice (1/%d) runs in FP32 "
-                "without activation checkpointing, with its partial sums set", g->tp);
+    TDM_REQUIRE(g->tp == 1 || m->partial, TDM_STATUS_INVALID_ARG,
+                "gpt: a tensor-parallel slice (1/%d) runs with its partial sums set", g->tp);
+    TDM_REQUIRE(!g->sp || (m->seq && !tdm_model_low(m) && !m->lev.ckpt), TDM_STATUS_INVALID_ARG,
+                "gpt: a sequence-parallel slice runs in FP32 without activation checkpointing, "
+                "with its collectives set");
     TDM_CHECK(tdm_gpt_reserve(m, B));
     tdm_gpt_act *a = g->a;
     a->seq = Tr;
@@ -590,6 +694,83 @@ static tdm_status tdm_gpt_block_backward(tdm_model *m, int l, const float *res_i
     return TDM_STATUS_OK;
 }
 
+/* Block l's backward under sequence parallelism: from g->dres (the
+ * gradient of the rank's rows of its output; the model's top block: top
+ * holds the whole gradient, N rows) to the gradient of the rank's rows
+ * of its input, left in g->dres. */
+static tdm_status tdm_gpt_block_backward_seq(tdm_model *m, int l, const float *res_in,
+                                             const float *top, int B, int Tr)
+{
+    tdm_gpt *g = m->ext;
+    tdm_device *d = m->dev;
+    tdm_gpt_block *b = &g->a->blk[l - g->b0];
+    int C = g->C, full = g->has_emb && l == g->b0;
+    int64_t N = (int64_t)B * Tr, Nl, off;
+    tdm_gpt_rows(m, N, &Nl, &off);
+    size_t nl_bytes = (size_t)Nl * C * sizeof(float);
+    const float *dy = top;
+#define P(j) tdm_gpt_param(m, tdm_gpt_p(g, l, (j)))
+#define G(j) tdm_gpt_grad(m, tdm_gpt_p(g, l, (j)))
+    /* the row-parallel layer's output gradient, whole: the ranks' rows
+     * of the stream's gathered into part */
+    if (!dy) {
+        TDM_CHECK(tdm_dev_copy(d, g->part + off * C, g->dres, nl_bytes));
+        TDM_CHECK(tdm_gpt_gather(m, g->part, N, tdm_gpt_layer(g, l, 5)));
+        dy = g->part;
+    }
+    TDM_CHECK(tdm_layers_linear_bwd(d, b->fcg, P(TDM_GPT_MPROJ_W), dy, g->ones, N, g->F, C,
+                                    G(TDM_GPT_MPROJ_W), G(TDM_GPT_MPROJ_B), g->dfc, 0));
+    tdm_gpt_hook(m, tdm_gpt_layer(g, l, 5));
+    TDM_CHECK(tdm_dev_gelu_bwd(d, b->fch, g->dfc, g->dfc, N * g->F));
+    TDM_CHECK(tdm_layers_linear_bwd(d, b->ln2, P(TDM_GPT_FC_W), g->dfc, g->ones, N, C, g->F,
+                                    G(TDM_GPT_FC_W), G(TDM_GPT_FC_B), g->dln, 0));
+    TDM_CHECK(tdm_gpt_sum_dx(m, g->dln, N, tdm_gpt_layer(g, l, 4)));
+    tdm_gpt_hook(m, tdm_gpt_layer(g, l, 4));
+    TDM_CHECK(tdm_dev_layernorm_bwd(d, b->res1, g->dln + off * C, P(TDM_GPT_LN2_W),
+                                    b->ln2_mean, b->ln2_rstd, g->dres, G(TDM_GPT_LN2_W),
+                                    G(TDM_GPT_LN2_B), Nl, C));
+    tdm_gpt_hook(m, tdm_gpt_layer(g, l, 3));
+    TDM_CHECK(tdm_dev_copy(d, g->part + off * C, g->dres, nl_bytes));
+    TDM_CHECK(tdm_gpt_gather(m, g->part, N, tdm_gpt_layer(g, l, 2)));
+    TDM_CHECK(tdm_layers_linear_bwd(d, b->atty, P(TDM_GPT_APROJ_W), g->part, g->ones, N, g->Ca,
+                                    C, G(TDM_GPT_APROJ_W), G(TDM_GPT_APROJ_B), g->dln, 0));
+    tdm_gpt_hook(m, tdm_gpt_layer(g, l, 2));
+    tdm_layers_attn at = {.B = B, .T = Tr, .H = g->Hl, .C = g->Ca, .q = b->q, .k = b->k,
+                          .v = b->v, .att = b->att};
+    TDM_CHECK(tdm_layers_attention_bwd(d, &at, g->dln, g->yh, g->datt, g->dq, g->dk, g->dv,
+                                       g->qkv));
+    TDM_CHECK(tdm_layers_linear_bwd(d, b->ln1, P(TDM_GPT_ATTN_W), g->qkv, g->ones, N, C,
+                                    3 * g->Ca, G(TDM_GPT_ATTN_W), G(TDM_GPT_ATTN_B), g->dln,
+                                    0));
+    TDM_CHECK(tdm_gpt_sum_dx(m, g->dln, N, tdm_gpt_layer(g, l, 1)));
+    tdm_gpt_hook(m, tdm_gpt_layer(g, l, 1));
+    /* the first stage's block 0 normalised the whole embeddings: the
+     * rank's rows of them and of their statistics */
+    int64_t so = full ? off : 0;
+    TDM_CHECK(tdm_dev_layernorm_bwd(d, res_in + so * C, g->dln + off * C, P(TDM_GPT_LN1_W),
+                                    b->ln1_mean + so, b->ln1_rstd + so, g->dres,
+                                    G(TDM_GPT_LN1_W), G(TDM_GPT_LN1_B), Nl, C));
+    tdm_gpt_hook(m, tdm_gpt_layer(g, l, 0));
+#undef P
+#undef G
+    return TDM_STATUS_OK;
+}
+
+tdm_status tdm_model_seq_sum_grads(tdm_model *m)
+{
+    if (m->spec.kind != TDM_MODEL_GPT || !m->ext || !((tdm_gpt *)m->ext)->sp)
+        return TDM_STATUS_OK;
+    tdm_gpt *g = m->ext;
+    for (int l = g->b0; l < g->b1; l++) {
+        /* ln_1's and ln_2's weight and bias lie side by side */
+        TDM_CHECK(m->partial(m->partial_ctx, tdm_gpt_grad(m, tdm_gpt_p(g, l, TDM_GPT_LN1_W)),
+                             2 * (int64_t)g->C, tdm_gpt_layer(g, l, 0)));
+        TDM_CHECK(m->partial(m->partial_ctx, tdm_gpt_grad(m, tdm_gpt_p(g, l, TDM_GPT_LN2_W)),
+                             2 * (int64_t)g->C, tdm_gpt_layer(g, l, 3)));
+    }
+    return TDM_STATUS_OK;
+}
+
 /* The stream entering the stage's block l: the embeddings, the block
  * before's output, or (block b0 of a later stage) the stage's input. */
 static const float *tdm_gpt_block_in(const tdm_gpt *g, int l)
@@ -626,11 +807,15 @@ static tdm_status tdm_gpt_backward(tdm_model *m, const float *dy)
     tdm_gpt_act *a = g->a;
     tdm_device *d = m->dev;
     int B = m->batch, Tr = a->seq, C = g->C, low = tdm_model_low(m);
-    int64_t N = (int64_t)B * Tr;
+    int64_t N = (int64_t)B * Tr, Nl, off;
+    tdm_gpt_rows(m, N, &Nl, &off);
     m->input_grad = NULL;
     const float *res_last = tdm_gpt_block_in(g, g->b1);
+    /* sequence parallel: the model's top gradient is whole (N rows) in
+     * part, of which the rank keeps its rows in dres */
+    float *dtop = g->sp && g->has_head ? g->part : g->dres;
     if (g->has_head) {
-        TDM_CHECK(tdm_dev_memset_zero(d, g->dres, (size_t)N * C * sizeof(float)));
+        TDM_CHECK(tdm_dev_memset_zero(d, dtop, (size_t)N * C * sizeof(float)));
         /* the head: dwte += dlogits^T ln_f(x) (the first of its two shares
          * where the embedding is on this stage, then no hook: wte is not
          * final yet; a tied copy's whole share here, final at once),
@@ -649,28 +834,44 @@ static tdm_status tdm_gpt_backward(tdm_model *m, const float *dy)
         if (!g->has_emb || m->spec.head_untied) tdm_gpt_hook(m, head_layer);
         TDM_CHECK(tdm_model_raise_use(m, TDM_MODEL_USE_BACKWARD, pf, pf + 1));
         TDM_CHECK(tdm_dev_layernorm_bwd(d, res_last, g->dln, tdm_gpt_param(m, pf), a->lnf_mean,
-                                        a->lnf_rstd, g->dres, tdm_gpt_grad(m, pf),
+                                        a->lnf_rstd, dtop, tdm_gpt_grad(m, pf),
                                         tdm_gpt_grad(m, pf + 1), N, C));
         tdm_gpt_hook(m, head_layer - 1);
+        if (g->sp)
+            TDM_CHECK(tdm_dev_copy(d, g->dres, dtop + off * C, (size_t)Nl * C * sizeof(float)));
     } else {
-        TDM_CHECK(tdm_dev_copy(d, g->dres, dy, (size_t)N * C * sizeof(float)));
+        TDM_CHECK(tdm_dev_copy(d, g->dres, dy, (size_t)Nl * C * sizeof(float)));
     }
     for (int l = g->b1 - 1; l >= g->b0; l--) {
         TDM_CHECK(tdm_model_raise_use(m, TDM_MODEL_USE_BACKWARD, tdm_gpt_p(g, l, 0),
                                       tdm_gpt_p(g, l, TDM_GPT_PER_BLOCK - 1)));
         if (tdm_gpt_seg_last(m, l)) TDM_CHECK(tdm_gpt_recompute(m, l, B, Tr));
-        if (low) TDM_CHECK(tdm_gpt_block_backward_low(m, l, tdm_gpt_block_in(g, l), B, Tr));
+        if (g->sp)
+            TDM_CHECK(tdm_gpt_block_backward_seq(m, l, tdm_gpt_block_in(g, l),
+                                                 g->has_head && l == g->b1 - 1 ? dtop : NULL,
+                                                 B, Tr));
+        else if (low)
+            TDM_CHECK(tdm_gpt_block_backward_low(m, l, tdm_gpt_block_in(g, l), B, Tr));
         else TDM_CHECK(tdm_gpt_block_backward(m, l, tdm_gpt_block_in(g, l), B, Tr));
     }
     if (!g->has_emb) {
         m->input_grad = g->dres;
         return TDM_STATUS_OK;
     }
+    const float *demb = g->dres;
+    if (g->sp && g->nb > 0) {
+        /* the embeddings' gradient, whole: every rank's rows gathered */
+        TDM_CHECK(tdm_dev_copy(d, g->part + off * C, g->dres, (size_t)Nl * C * sizeof(float)));
+        TDM_CHECK(tdm_gpt_gather(m, g->part, N, 0));
+        demb = g->part;
+    } else if (g->sp) {
+        demb = dtop;   /* no block: the top's gradient, whole */
+    }
     /* the embeddings: wte's second share; now wte and wpe are final. The
      * embedding's backward adds rows of dres into the gradients and
      * reads neither table. */
     TDM_CHECK(tdm_model_raise_use(m, TDM_MODEL_USE_BACKWARD_GRADS, TDM_GPT_WTE, TDM_GPT_WPE));
-    TDM_CHECK(tdm_dev_embed_bwd(d, a->tok, g->dres, tdm_gpt_grad(m, TDM_GPT_WTE),
+    TDM_CHECK(tdm_dev_embed_bwd(d, a->tok, demb, tdm_gpt_grad(m, TDM_GPT_WTE),
                                 tdm_gpt_grad(m, TDM_GPT_WPE), B, Tr, C));
     tdm_gpt_hook(m, 0);
     return TDM_STATUS_OK;
@@ -735,6 +936,13 @@ tdm_status tdm_gpt_build(tdm_model *m)
     g->b0 = (lo > 0 ? lo : 1) - 1;
     g->b1 = (hi < L + 1 ? hi : L + 1) - 1;
     g->nb = g->b1 - g->b0;
+    g->sp = tp > 1 && s->tp_seq;
+    TDM_REQUIRE(!g->sp || T % tp == 0, TDM_STATUS_INVALID_ARG,
+                "gpt: sequence parallelism over %d ranks needs the context of %d tokens "
+                "divisible by them", tp, T);
+    TDM_REQUIRE(!g->sp || g->b1 > g->b0, TDM_STATUS_INVALID_ARG,
+                "gpt: a sequence-parallel stage (pipeline layers %d-%d) needs at least one "
+                "block: the embeddings or the head alone run on whole windows", lo, hi - 1);
     g->p_blk0 = g->has_emb ? 2 : 0;
     g->layer_blk0 = g->has_emb ? 1 : 0;
     m->ext = g;

@@ -57,6 +57,9 @@ typedef struct tdm_gpt {
      * rows; the whole model: tp 1, Hl H, Ca C, F 4C */
     int tp, Hl, Ca, F;
     float *part;             /* tp > 1: a row-parallel product (N, C), summed */
+    /* sequence parallel (tdm_model_spec.tp_seq): the stream's rows of this
+     * rank, Nl = N/tp of them from row off = rank * Nl (tdm_gpt_rows) */
+    int sp;
     /* The stage: blocks [b0, b1) of L, with the embeddings (first stage)
      * and the final LayerNorm and head (last stage); local indices of the
      * tensors. The whole model is one stage of everything. */

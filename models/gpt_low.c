@@ -50,21 +50,45 @@ static tdm_status tdm_gpt_lin_bwd(tdm_model *m, const void *x16, int w, const fl
                               tdm_model_wlow(m, w), in, 0.0f, dx, in, t);
 }
 
+/* y (N, C) += x16 (N, in) W^T, a projection onto the stream (the bias
+ * after): accumulated by the gemm (the whole model), or (a
+ * tensor-parallel slice, row-parallel) the product summed over the group
+ * by the partial-sum callback first, then added, as in float32. */
+static tdm_status tdm_gpt_proj_low(tdm_model *m, const void *x16, int w, int64_t N, int in,
+                                   float *y, int layer)
+{
+    tdm_gpt *g = m->ext;
+    if (g->tp == 1) return tdm_gpt_lin(m, x16, w, N, in, g->C, 1.0f, y);
+    TDM_CHECK(tdm_gpt_lin(m, x16, w, N, in, g->C, 0.0f, g->part));
+    TDM_CHECK(m->partial(m->partial_ctx, g->part, N * g->C, layer));
+    return tdm_dev_axpy(m->dev, N * g->C, 1.0f, g->part, y);
+}
+
+/* A column-parallel layer's input gradient dx (N, C): partial on a
+ * tensor-parallel slice, summed over the group (the callback). */
+static tdm_status tdm_gpt_sum_dx_low(tdm_model *m, float *dx, int64_t N, int layer)
+{
+    tdm_gpt *g = m->ext;
+    return g->tp == 1 ? TDM_STATUS_OK : m->partial(m->partial_ctx, dx, N * g->C, layer);
+}
+
 /* 16-bit element offset into a tensor. */
 static const void *tdm_gpt_at(const void *p, int64_t elems, tdm_dtype t)
 {
     return (const char *)p + (size_t)elems * tdm_dtype_size(t);
 }
 
-/* Causal attention of one block over the rounded qkv (N, 3C): scores
- * (float32, B H T T in g->datt), softmax, probabilities rounded into atth,
- * the heads' output merged into g->yh (N, C, float32). */
+/* Causal attention of one block over the rounded qkv (N, 3Ca): scores
+ * (float32, B Hl T T in g->datt), softmax, probabilities rounded into
+ * atth, the heads' output merged into g->yh (N, Ca, float32). A
+ * tensor-parallel slice holds Hl of the H heads, Ca = C/tp wide; the
+ * whole model Hl = H, Ca = C. */
 static tdm_status tdm_gpt_attention_low(tdm_model *m, tdm_gpt_block *b, int B, int T)
 {
     tdm_gpt *g = m->ext;
     tdm_device *d = m->dev;
     tdm_dtype t = m->lev.adt;
-    int C = g->C, H = g->H, hd = C / H;
+    int C = g->Ca, H = g->Hl, hd = C / H;
     long long tt = (long long)T * T;
     float scale = 1.0f / sqrtf((float)hd);
     for (int w = 0; w < B; w++) {
@@ -93,7 +117,7 @@ tdm_status tdm_gpt_block_forward_low(tdm_model *m, int l, const float *res, int 
     tdm_device *d = m->dev;
     tdm_gpt_block *b = &g->a->blk[l - g->b0];
     tdm_dtype t = m->lev.adt;
-    int C = g->C;
+    int C = g->C, Ca = g->Ca, F = g->F;   /* a slice's heads' width and c_fc rows */
     int64_t N = (int64_t)B * Tr;
     size_t row_bytes = (size_t)N * C * sizeof(float);
 #define P(j) tdm_gpt_lp(m, tdm_gpt_p(g, l, (j)))
@@ -101,40 +125,43 @@ tdm_status tdm_gpt_block_forward_low(tdm_model *m, int l, const float *res, int 
     TDM_CHECK(tdm_dev_layernorm_fwd(d, res, P(TDM_GPT_LN1_W), P(TDM_GPT_LN1_B), g->dln,
                                     b->ln1_mean, b->ln1_rstd, N, C, TDM_GPT_LN_EPS));
     TDM_CHECK(tdm_dev_convert(d, b->ln1h, t, g->dln, TDM_DTYPE_FLOAT32, N * C));
-    TDM_CHECK(tdm_gpt_lin(m, b->ln1h, tdm_gpt_p(g, l, TDM_GPT_ATTN_W), N, C, 3 * C, 0.0f, g->qkv));
-    TDM_CHECK(tdm_dev_bias_act(d, g->qkv, P(TDM_GPT_ATTN_B), N, 3 * C, TDM_ACT_NONE));
-    TDM_CHECK(tdm_dev_convert(d, b->qkvh, t, g->qkv, TDM_DTYPE_FLOAT32, N * 3 * C));
+    TDM_CHECK(tdm_gpt_lin(m, b->ln1h, tdm_gpt_p(g, l, TDM_GPT_ATTN_W), N, C, 3 * Ca, 0.0f,
+                          g->qkv));
+    TDM_CHECK(tdm_dev_bias_act(d, g->qkv, P(TDM_GPT_ATTN_B), N, 3 * Ca, TDM_ACT_NONE));
+    TDM_CHECK(tdm_dev_convert(d, b->qkvh, t, g->qkv, TDM_DTYPE_FLOAT32, N * 3 * Ca));
     TDM_CHECK(tdm_gpt_attention_low(m, b, B, Tr));
-    TDM_CHECK(tdm_dev_convert(d, b->attyh, t, g->yh, TDM_DTYPE_FLOAT32, N * C));
+    TDM_CHECK(tdm_dev_convert(d, b->attyh, t, g->yh, TDM_DTYPE_FLOAT32, N * Ca));
     /* x + attn(ln_1(x)) */
     TDM_CHECK(tdm_dev_copy(d, b->res1, res, row_bytes));
-    TDM_CHECK(tdm_gpt_lin(m, b->attyh, tdm_gpt_p(g, l, TDM_GPT_APROJ_W), N, C, C, 1.0f, b->res1));
+    TDM_CHECK(tdm_gpt_proj_low(m, b->attyh, tdm_gpt_p(g, l, TDM_GPT_APROJ_W), N, Ca, b->res1,
+                               tdm_gpt_layer(g, l, 2)));
     TDM_CHECK(tdm_dev_bias_act(d, b->res1, P(TDM_GPT_APROJ_B), N, C, TDM_ACT_NONE));
     TDM_CHECK(tdm_dev_layernorm_fwd(d, b->res1, P(TDM_GPT_LN2_W), P(TDM_GPT_LN2_B), g->dln,
                                     b->ln2_mean, b->ln2_rstd, N, C, TDM_GPT_LN_EPS));
     TDM_CHECK(tdm_dev_convert(d, b->ln2h, t, g->dln, TDM_DTYPE_FLOAT32, N * C));
     /* c_fc into dfc (free in forward), rounded; GELU of the rounded
      * values in place, rounded again for c_proj */
-    TDM_CHECK(tdm_gpt_lin(m, b->ln2h, tdm_gpt_p(g, l, TDM_GPT_FC_W), N, C, 4 * C, 0.0f, g->dfc));
-    TDM_CHECK(tdm_dev_bias_act(d, g->dfc, P(TDM_GPT_FC_B), N, 4 * C, TDM_ACT_NONE));
-    TDM_CHECK(tdm_model_round(m, g->dfc, b->fchh, N * 4 * C));
-    TDM_CHECK(tdm_dev_gelu_fwd(d, g->dfc, g->dfc, N * 4 * C));
-    TDM_CHECK(tdm_dev_convert(d, b->fcgh, t, g->dfc, TDM_DTYPE_FLOAT32, N * 4 * C));
+    TDM_CHECK(tdm_gpt_lin(m, b->ln2h, tdm_gpt_p(g, l, TDM_GPT_FC_W), N, C, F, 0.0f, g->dfc));
+    TDM_CHECK(tdm_dev_bias_act(d, g->dfc, P(TDM_GPT_FC_B), N, F, TDM_ACT_NONE));
+    TDM_CHECK(tdm_model_round(m, g->dfc, b->fchh, N * F));
+    TDM_CHECK(tdm_dev_gelu_fwd(d, g->dfc, g->dfc, N * F));
+    TDM_CHECK(tdm_dev_convert(d, b->fcgh, t, g->dfc, TDM_DTYPE_FLOAT32, N * F));
     TDM_CHECK(tdm_dev_copy(d, b->res2, b->res1, row_bytes));
-    TDM_CHECK(tdm_gpt_lin(m, b->fcgh, tdm_gpt_p(g, l, TDM_GPT_MPROJ_W), N, 4 * C, C, 1.0f, b->res2));
+    TDM_CHECK(tdm_gpt_proj_low(m, b->fcgh, tdm_gpt_p(g, l, TDM_GPT_MPROJ_W), N, F, b->res2,
+                               tdm_gpt_layer(g, l, 5)));
     TDM_CHECK(tdm_dev_bias_act(d, b->res2, P(TDM_GPT_MPROJ_B), N, C, TDM_ACT_NONE));
 #undef P
     return TDM_STATUS_OK;
 }
 
-/* From the heads' output gradient in g->dln (N, C): the gradient of the
- * block's qkv, merged in g->qkv (N, 3C). */
+/* From the heads' output gradient in g->dln (N, Ca): the gradient of the
+ * block's qkv, merged in g->qkv (N, 3Ca). */
 static tdm_status tdm_gpt_attention_bwd_low(tdm_model *m, tdm_gpt_block *b, int B, int T)
 {
     tdm_gpt *g = m->ext;
     tdm_device *d = m->dev;
     tdm_dtype t = m->lev.adt;
-    int C = g->C, H = g->H, hd = C / H;
+    int C = g->Ca, H = g->Hl, hd = C / H;
     long long tt = (long long)T * T;
     int64_t N = (int64_t)B * T;
     float scale = 1.0f / sqrtf((float)hd);
@@ -177,29 +204,31 @@ tdm_status tdm_gpt_block_backward_low(tdm_model *m, int l, const float *res_in, 
     tdm_gpt *g = m->ext;
     tdm_device *d = m->dev;
     tdm_gpt_block *b = &g->a->blk[l - g->b0];
-    int C = g->C;
+    int C = g->C, Ca = g->Ca, F = g->F;
     int64_t N = (int64_t)B * Tr;
 #define P(j) tdm_gpt_lp(m, tdm_gpt_p(g, l, (j)))
 #define G(j) tdm_gpt_lg(m, tdm_gpt_p(g, l, (j)))
     /* x += mlp(ln_2(x)): c_proj's output gradient is dres */
-    TDM_CHECK(tdm_gpt_lin_bwd(m, b->fcgh, tdm_gpt_p(g, l, TDM_GPT_MPROJ_W), g->dres, N, 4 * C, C,
+    TDM_CHECK(tdm_gpt_lin_bwd(m, b->fcgh, tdm_gpt_p(g, l, TDM_GPT_MPROJ_W), g->dres, N, F, C,
                               g->dfc));
     tdm_gpt_hook(m, tdm_gpt_layer(g, l, 5));
-    TDM_CHECK(tdm_dev_convert(d, g->wide, TDM_DTYPE_FLOAT32, b->fchh, m->lev.adt, N * 4 * C));
-    TDM_CHECK(tdm_dev_gelu_bwd(d, g->wide, g->dfc, g->dfc, N * 4 * C));
-    TDM_CHECK(tdm_gpt_lin_bwd(m, b->ln2h, tdm_gpt_p(g, l, TDM_GPT_FC_W), g->dfc, N, C, 4 * C, g->dln));
+    TDM_CHECK(tdm_dev_convert(d, g->wide, TDM_DTYPE_FLOAT32, b->fchh, m->lev.adt, N * F));
+    TDM_CHECK(tdm_dev_gelu_bwd(d, g->wide, g->dfc, g->dfc, N * F));
+    TDM_CHECK(tdm_gpt_lin_bwd(m, b->ln2h, tdm_gpt_p(g, l, TDM_GPT_FC_W), g->dfc, N, C, F, g->dln));
+    TDM_CHECK(tdm_gpt_sum_dx_low(m, g->dln, N, tdm_gpt_layer(g, l, 4)));
     tdm_gpt_hook(m, tdm_gpt_layer(g, l, 4));
     TDM_CHECK(tdm_dev_layernorm_bwd(d, b->res1, g->dln, P(TDM_GPT_LN2_W), b->ln2_mean,
                                     b->ln2_rstd, g->dres, G(TDM_GPT_LN2_W), G(TDM_GPT_LN2_B), N,
                                     C));
     tdm_gpt_hook(m, tdm_gpt_layer(g, l, 3));
     /* x += attn(ln_1(x)) */
-    TDM_CHECK(tdm_gpt_lin_bwd(m, b->attyh, tdm_gpt_p(g, l, TDM_GPT_APROJ_W), g->dres, N, C, C,
+    TDM_CHECK(tdm_gpt_lin_bwd(m, b->attyh, tdm_gpt_p(g, l, TDM_GPT_APROJ_W), g->dres, N, Ca, C,
                               g->dln));
     tdm_gpt_hook(m, tdm_gpt_layer(g, l, 2));
     TDM_CHECK(tdm_gpt_attention_bwd_low(m, b, B, Tr));
-    TDM_CHECK(tdm_gpt_lin_bwd(m, b->ln1h, tdm_gpt_p(g, l, TDM_GPT_ATTN_W), g->qkv, N, C, 3 * C,
+    TDM_CHECK(tdm_gpt_lin_bwd(m, b->ln1h, tdm_gpt_p(g, l, TDM_GPT_ATTN_W), g->qkv, N, C, 3 * Ca,
                               g->dln));
+    TDM_CHECK(tdm_gpt_sum_dx_low(m, g->dln, N, tdm_gpt_layer(g, l, 1)));
     tdm_gpt_hook(m, tdm_gpt_layer(g, l, 1));
     TDM_CHECK(tdm_dev_layernorm_bwd(d, res_in, g->dln, P(TDM_GPT_LN1_W), b->ln1_mean,
                                     b->ln1_rstd, g->dres, G(TDM_GPT_LN1_W), G(TDM_GPT_LN1_B), N,

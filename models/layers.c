@@ -98,6 +98,13 @@ static tdm_status tdm_layer_conv_backward_low(tdm_model *m, tdm_layer *l, const 
     return TDM_STATUS_OK;
 }
 
+/* A tensor-parallel layer's partial sum (tdm_model_set_partial_sums)
+ * summed over the group through the model's callback. */
+static tdm_status tdm_layer_partial_sum(tdm_model *m, tdm_layer *l, float *buf, int64_t n)
+{
+    return m->partial(m->partial_ctx, buf, n, (int)(l - m->layers));
+}
+
 /* The linear backward of 16-bit precisions, after the relu mask: dout
  * rounded for the two products (dW summed in float32 into the gradient),
  * the bias gradient from the float32 dout as in FP32. */
@@ -114,6 +121,9 @@ static tdm_status tdm_layer_linear_backward_low(tdm_model *m, tdm_layer *l, cons
     if (din)
         TDM_CHECK(tdm_dev_gemm_rm_ex(d, TDM_TRANS_N, TDM_TRANS_N, B, l->c, l->oc, 1.0f, m->d16,
                                      l->oc, tdm_model_wlow(m, l->p0), l->c, 0.0f, din, l->c, t));
+    /* column parallel: a partial sum, as in float32 */
+    if (din && l->partial == TDM_MODEL_PARTIAL_IN && m->partial)
+        TDM_CHECK(tdm_layer_partial_sum(m, l, din, (int64_t)B * l->c));
     return TDM_STATUS_OK;
 }
 
@@ -282,22 +292,12 @@ tdm_status tdm_model_pair_backward(tdm_model *m, tdm_layer *bn, tdm_layer *pool,
     return TDM_STATUS_OK;
 }
 
-/* A tensor-parallel layer's partial sum (tdm_model_set_partial_sums)
- * summed over the group through the model's callback. */
-static tdm_status tdm_layer_partial_sum(tdm_model *m, tdm_layer *l, float *buf, int64_t n)
-{
-    return m->partial(m->partial_ctx, buf, n, (int)(l - m->layers));
-}
-
 tdm_status tdm_model_layer_forward(tdm_model *m, tdm_layer *l, const float *x, int B)
 {
     tdm_device *d = m->dev;
     l->in = x;
     switch (l->kind) {
     case TDM_LAYER_LINEAR:
-        TDM_REQUIRE(!l->partial || !m->partial || (!tdm_model_low(m) && !m->lev.ckpt),
-                    TDM_STATUS_INVALID_ARG, "layer %d: tensor-parallel partial sums run in "
-                    "fp32 without activation checkpointing", (int)(l - m->layers));
         /* out (B, oc) = x (B, c) W^T, W (oc, c); in 16-bit precisions
          * from the rounded input and weights */
         if (tdm_model_low(m))

@@ -115,9 +115,16 @@ typedef struct tdm_model_spec {
      * tools/rank_pptp.h): H/tp_ranks heads (attn.c_attn (3C/N, C),
      * attn.c_proj (C, C/N)), mlp.c_fc (4C/N, C), mlp.c_proj (C, 4C/N); the
      * row-parallel products and the column-parallel input gradients are
-     * summed by the partial-sum callback (tdm_model_set_partial_sums).
-     * 0 or 1: the whole model. FP32 without activation checkpointing. */
+     * summed by the partial-sum callback (tdm_model_set_partial_sums),
+     * in every precision and with activation checkpointing (a recomputed
+     * block's row-parallel sums run again). 0 or 1: the whole model. */
     int tp_ranks;
+    /* GPT, tp_ranks > 1, 1: Megatron's sequence parallelism on the slice
+     * (tdm_model_set_seq_parallel): the residual stream, the LayerNorms and
+     * the projections' outputs hold this rank's 1/tp_ranks of the B*T
+     * tokens, and so do a pipeline stage's input and output; n_ctx must
+     * divide by tp_ranks. FP32 without activation checkpointing. */
+    int tp_seq;
     /* SEQ: the layers, the input shape above (in_c x in_h x in_w; flat
      * input: 1 x 1 x features), n_classes the last op's width. */
     int n_ops, in_flat;
@@ -189,6 +196,19 @@ tdm_status tdm_model_init_tables(tdm_model **out, const tdm_model_spec *spec);
  * only: a design that holds a part of a tensor builds the tensor alone,
  * not the whole model. */
 void tdm_model_init_param_host(const tdm_model *m, uint64_t seed, int i, float *p);
+/* tdm_model_init without the flat parameter and gradient buffers: the
+ * model is built on dev released from the start (as after
+ * tdm_model_release_storage: every tensor needs a view before a layer
+ * uses it), with its buffers (batchnorm statistics) initialised as
+ * tdm_model_init's; the parameters' initial values are
+ * tdm_model_init_param_host(m, tdm_model_seed(m), i, ...), wherever the
+ * caller keeps them. For a design that must never hold the whole model
+ * on the device (FSDP with parameter offload: tdm_fsdp_init draws each
+ * unit on the host). */
+tdm_status tdm_model_init_released(tdm_model **out, tdm_device *dev,
+                                   const tdm_model_spec *spec, uint64_t seed);
+/* The seed the model's parameters were drawn from (and its dropout keyed on). */
+uint64_t tdm_model_seed(const tdm_model *m);
 /* A model with src's spec on dev, parameters and buffers copied from src
  * (a replica). Gradients zero. */
 tdm_status tdm_model_clone(tdm_model **out, const tdm_model *src, tdm_device *dev);
@@ -271,9 +291,10 @@ tdm_status tdm_model_sync_bn_backward_empty(tdm_model *m);
  * parallel): its backward's input gradient (batch, in) is a partial sum,
  * summed the same way (not called where no input gradient is computed).
  * buf is device memory of n floats; every rank of the group calls fn in
- * the same order. Linear layers in FP32 only: with a 16-bit precision or
- * activation checkpointing set, the forward and backward refuse
- * (INVALID_ARG). kinds: one per layer of m (tdm_model_n_layers); NULL fn
+ * the same order. In 16-bit precisions the sums are of the float32
+ * products (before the output is rounded); with activation
+ * checkpointing a recomputed row-parallel layer calls fn again (the
+ * same bits as its forward's). kinds: one per layer of m (tdm_model_n_layers); NULL fn
  * clears them all. A GPT of tdm_model_spec.tp_ranks > 1 takes kinds NULL:
  * its spec says which of its layers are split (per block: attn.c_attn
  * and mlp.c_fc column-parallel, both c_proj row-parallel, layer: the
@@ -292,6 +313,30 @@ tdm_status tdm_model_set_partial_sums(tdm_model *m, const tdm_model_partial *kin
  * vector's values [rank*w, (rank+1)*w) of its w, as one device drops
  * them, so the ranks' masks are one device's mask cut in N. */
 void tdm_model_set_partial_rank(tdm_model *m, int rank);
+/* Sequence parallelism's collectives (a GPT slice of tdm_model_spec.tp_seq
+ * 1, after tdm_model_set_partial_sums and tdm_model_set_partial_rank): fn
+ * gathers (TDM_MODEL_SEQ_GATHER: src, n / tp_ranks floats, the rank's
+ * part; dst, n floats, every rank's part side by side, rank r's at
+ * r * n / tp_ranks; src may be dst's own part) or reduce-scatters
+ * (TDM_MODEL_SEQ_SCATTER: src, n floats of partial sums on every rank;
+ * dst, n / tp_ranks floats, the group's sum of the rank's part; dst may be
+ * src's own part) along the tokens, every rank of the group in the same
+ * order. Per block the forward gathers ln_1's and ln_2's outputs and
+ * reduce-scatters the two row-parallel products; the backward gathers the
+ * stream's gradient before each row-parallel layer and reduce-scatters
+ * each column-parallel input gradient; the first stage gathers the
+ * embeddings' gradient, the last stage the stream before ln_f. The
+ * LayerNorms' gradients are partial (each rank's tokens):
+ * tdm_model_seq_sum_grads sums them. */
+typedef enum tdm_model_seq_op { TDM_MODEL_SEQ_GATHER = 0, TDM_MODEL_SEQ_SCATTER } tdm_model_seq_op;
+typedef tdm_status (*tdm_model_seq_fn)(void *ctx, tdm_model_seq_op op, const float *src,
+                                       float *dst, int64_t n, int layer);
+void tdm_model_set_seq_parallel(tdm_model *m, tdm_model_seq_fn fn, void *ctx);
+/* Sequence parallelism: the blocks' LayerNorm gradients (each rank's
+ * tokens' share) summed over the group through the partial-sum callback,
+ * once per optimizer step after the backwards (one call per block, its
+ * ln_1's and ln_2's weight and bias). Nothing for any other model. */
+tdm_status tdm_model_seq_sum_grads(tdm_model *m);
 /* Batchnorm layers of the model (0 for the MLP and GPT). */
 int tdm_model_n_batchnorm(const tdm_model *m);
 
@@ -345,8 +390,11 @@ tdm_status tdm_model_set_grad_view(tdm_model *m, int first, int last, float *bas
 tdm_status tdm_model_release_storage(tdm_model *m);
 /* Allocates the flat buffers again (zeroed) and drops every view. */
 tdm_status tdm_model_restore_storage(tdm_model *m);
-/* 1 after tdm_model_release_storage (until restored). */
+/* 1 after tdm_model_release_storage (until restored), and for a model
+ * built by tdm_model_init_released. */
 int tdm_model_storage_released(const tdm_model *m);
+/* 1 when any tensor has a parameter or gradient view set. */
+int tdm_model_has_views(const tdm_model *m);
 
 /* When layers are about to use parameters: forward before a layer reads
  * parameters first..last (a tensor may be read again later: the GPT's

@@ -34,9 +34,16 @@ tdm_status tdm_model_set_partial_sums(tdm_model *m, const tdm_model_partial *kin
     return TDM_STATUS_OK;
 }
 
+void tdm_model_set_seq_parallel(tdm_model *m, tdm_model_seq_fn fn, void *ctx)
+{
+    m->seq = fn;
+    m->seq_ctx = ctx;
+}
+
 void tdm_model_set_partial_rank(tdm_model *m, int rank)
 {
     int open = 0;   /* after a column-parallel layer, before its row-parallel one */
+    m->partial_rank = rank;
     for (int i = 0; i < m->n_layers; i++) {
         tdm_layer *l = &m->layers[i];
         if (l->partial == TDM_MODEL_PARTIAL_IN) open = 1;
@@ -187,6 +194,13 @@ tdm_status tdm_model_restore_storage(tdm_model *m)
 }
 
 int tdm_model_storage_released(const tdm_model *m) { return m->released; }
+
+int tdm_model_has_views(const tdm_model *m)
+{
+    for (int i = 0; i < m->n_params; i++)
+        if (m->pview[i] || m->gview[i]) return 1;
+    return 0;
+}
 
 void tdm_model_set_use_hook(tdm_model *m, tdm_param_use_fn fn, void *ctx)
 {

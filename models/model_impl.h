@@ -155,6 +155,9 @@ struct tdm_model {
     void *sync_bn_ctx;
     tdm_model_partial_fn partial;  /* tensor parallelism: sums a layer's partial sums */
     void *partial_ctx;
+    int partial_rank;              /* the tensor-parallel rank (tdm_model_set_partial_rank) */
+    tdm_model_seq_fn seq;          /* sequence parallelism's collectives */
+    void *seq_ctx;
     /* the memory levers: precision (models/precision.c) and activation
      * checkpointing (models/recompute.c) */
     struct {

@@ -352,18 +352,27 @@ tdm_status tdm_model_init_stage(tdm_model **out, tdm_device *dev, const tdm_mode
     return tdm_model_init_range(out, dev, spec, seed, lo, hi);
 }
 
+/* A GPT's stream per window between stages: its T x C, or under
+ * sequence parallelism the rank's 1/tp_ranks of the tokens. */
+static int64_t tdm_model_gpt_stream(const tdm_model *m)
+{
+    const tdm_model_spec *s = &m->spec;
+    int64_t n = (int64_t)s->n_ctx * s->n_embd;
+    return s->tp_ranks > 1 && s->tp_seq ? n / s->tp_ranks : n;
+}
+
 int64_t tdm_model_stage_in_elems(const tdm_model *m)
 {
     if (m->spec.kind == TDM_MODEL_GPT)
-        return (int64_t)m->spec.n_ctx * (m->stage.lo == 0 ? 1 : m->spec.n_embd);
+        return m->stage.lo == 0 ? m->spec.n_ctx : tdm_model_gpt_stream(m);
     return m->layers[0].in_elems;
 }
 
 int64_t tdm_model_stage_out_elems(const tdm_model *m)
 {
     if (m->spec.kind == TDM_MODEL_GPT)
-        return (int64_t)m->spec.n_ctx *
-               (m->stage.hi == m->stage.n ? m->spec.vocab : m->spec.n_embd);
+        return m->stage.hi == m->stage.n ? (int64_t)m->spec.n_ctx * m->spec.vocab
+                                         : tdm_model_gpt_stream(m);
     return m->layers[m->n_layers - 1].out_elems;
 }
 

@@ -40,7 +40,8 @@ static tdm_status tdm_pp_norm(tdm_pp *p)
     float *g = tdm_model_grads(p->m);
     int64_t n = tdm_model_param_elems(p->m);
     double sq = 0.0, *buf = NULL;
-    if (l->norm_counted) TDM_CHECK(tdm_clip_sumsq(p->dev, g, p->info.slice_elems, &sq));
+    if (l->sumsq) TDM_CHECK(l->sumsq(l->sumsq_ctx, p->m, &sq));
+    else if (l->norm_counted) TDM_CHECK(tdm_clip_sumsq(p->dev, g, p->info.slice_elems, &sq));
     TDM_CHECK(tdm_dev_scratch(p->dev, sizeof(double), (void **)&buf));
     TDM_CHECK(tdm_dev_copy_from_host(p->dev, buf, &sq, sizeof sq));
     tdm_comm_set_label(comm, "pp clip grad norm over every stage and replica");

@@ -340,13 +340,20 @@ tdm_status tdm_pp_load_state(tdm_pp *p, const tdm_ckpt_host *h);
  * then torch's clip_grad_norm_ on every stage (models/clip.h). comm: the
  * whole job's communicator on the stage's device memory (every stage of
  * every replica calls it once per step); NULL: the pipeline's (no
- * replicas). Every stage must set the same levers. */
+ * replicas). Every stage must set the same levers. A stage whose tensors
+ * are not all its own (a tensor-parallel stage: split tensors counted by
+ * every rank of its group, replicated ones by one) says its squares
+ * through sumsq instead of the slice's (norm_counted is then unused). */
 typedef struct tdm_pp_levers {
     struct tdm_grad_scaler *scaler;   /* borrowed; NULL: no loss scaling */
     double clip_norm;                 /* > 0: clip to it */
     int measure_norm;                 /* 1: the norm without clipping */
     tdm_comm *comm;                   /* borrowed; NULL: the pipeline's */
     int norm_counted;                 /* this rank's squares count: one replica per stage */
+    /* Optional: *sq, this rank's share of the sum of squares of the
+     * gradient of m (device memory, after the sums). */
+    tdm_status (*sumsq)(void *ctx, tdm_model *m, double *sq);
+    void *sumsq_ctx;
     /* Test hook, after the backwards and the tied sum, before the levers
      * read the gradients (a planted inf). May be NULL. */
     void (*after_backward)(void *ctx, tdm_model *m, int64_t step);

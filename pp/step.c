@@ -472,6 +472,9 @@ static tdm_status tdm_pp_step_run(tdm_pp *p, const void *x, const int32_t *y, in
     /* every replica ends the step at one device's count */
     if (renum) tdm_model_set_train_forwards(p->m, fwd0 + p->o.shards.total);
     TDM_CHECK(tdm_pp_sharded(p) ? tdm_pp_shards_end(p) : tdm_pp_tied(p));
+    /* a sequence-parallel stage's partial LayerNorm gradients (models/) */
+    tdm_status ss = tdm_model_seq_sum_grads(p->m);
+    if (ss) return tdm_pp_fail(p, ss, "sequence parallelism's LayerNorm gradients");
     uint64_t t2 = tdm_time_ns();
     ph.tied = tdm_pp_ms(t1, t2);
     int skip = 0;

@@ -19,8 +19,8 @@
  *   clipping as on one device (the printed loss and norm);
  * - emulated CUDA stages (TANDEM_CUDA_EMULATOR) write the host stages'
  *   checkpoint bit for bit in fp16 and bf16;
- * - --offload with pp, and the levers with tensor-parallel stages (--mesh
- *   ...,tp=N), are one-line refusals (exit 2). */
+ * - --offload with pp is a one-line refusal (exit 2); the levers on
+ *   tensor-parallel stages: tests/test_cli_levers_pptp.c. */
 #include <criterion/criterion.h>
 
 #include <stdio.h>
@@ -216,15 +216,11 @@ Test(levers_pp, the_gpt_trains_through_the_pipeline_with_every_lever)
 #undef GPT_LV
 }
 
-Test(levers_pp, offload_and_tensor_parallel_stages_are_refused_in_one_line)
+Test(levers_pp, offload_is_refused_in_one_line)
 {
     CLI(&g_r, "train", "--mode", "pp", "--device", "cuda:2", MLP, SYN, "--offload", "optimizer");
     cr_assert_eq(g_r.code, 2, "%s", g_r.out);
     cr_assert(strstr(g_r.out, "not with --mode pp"), "%s", g_r.out);
-    CLI(&g_r, "train", "--mode", "pp", "--device", "cpu:4", "--mesh", "dp=1,pp=2,tp=2", MLP, SYN,
-        "--precision", "bf16");
-    cr_assert_eq(g_r.code, 2, "%s", g_r.out);
-    cr_assert(strstr(g_r.out, "not yet with tensor-parallel stages"), "%s", g_r.out);
 }
 
 /* fp16 resume: saved after epoch 1 (its scale halved by a planted inf)

@@ -21,7 +21,8 @@
  * - CUDA-emulated devices (cuda/ built, no GPU) write the host ranks'
  *   checkpoint bit for bit (what this does not test: CUDA, NCCL);
  * - what it cannot run is one line and exit 2 (heads the group does not
- *   divide, --sequence-parallel, a 16-bit precision, the CNN). */
+ *   divide, --sequence-parallel without tp, the CNN; sequence parallelism's
+ *   own: tests/test_pp_tp_seq.c). */
 #include <criterion/criterion.h>
 
 #include <stdio.h>
@@ -232,22 +233,16 @@ Test(pp_tp_gpt, what_it_cannot_run_is_one_line_and_exit_2)
         {"cpu:8", "pp=2,tp=4", "gpt:2-16-2-8", NULL,
          "the GPT's 2 heads are not divisible by the 4 tensor-parallel ranks of each stage "
          "(attention is split by heads)"},
-        {"cpu:4", "pp=2,tp=2", MODEL, "--sequence-parallel",
-         "a pipeline's tensor-parallel stages (--mesh ...,pp=S,tp=N) all-reduce whole partial "
-         "sums (sequence parallelism is not built there)"},
-        {"cpu:4", "pp=2,tp=2", MODEL, "--precision",
-         "the memory levers run in pipelines of whole stages (tp=1) and in --mode tp, not "
-         "yet with tensor-parallel stages"},
+        {"cpu:2", "pp=2", MODEL, "--sequence-parallel",
+         "--sequence-parallel with --mode pp splits the tokens of tensor-parallel stages: it "
+         "needs --mesh ...,pp=S,tp=N with N > 1"},
         {"cpu:4", "pp=2,tp=2", "cnn", NULL,
          "a pipeline of tensor-parallel stages is built for the MLP, the GPT and model files "
          "(the CNN's is not)"},
     };
     for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) {
         const char *data = strcmp(bad[k].model, "cnn") ? g_text : "synthetic";
-        if (bad[k].extra && !strcmp(bad[k].extra, "--precision"))
-            CLI(&r, "train", "--mode", "pp", "--device", bad[k].dev, "--mesh", bad[k].mesh,
-                "--model", bad[k].model, "--data", data, "--precision", "bf16");
-        else if (bad[k].extra)
+        if (bad[k].extra)
             CLI(&r, "train", "--mode", "pp", "--device", bad[k].dev, "--mesh", bad[k].mesh,
                 "--model", bad[k].model, "--data", data, bad[k].extra);
         else

@@ -169,7 +169,8 @@ tdm_status tdm_tool_pp_check(const tdm_tool_build *b, int world, tdm_mesh_shape 
     tdm_pptp_cut cut[TDM_PPTP_MAX_LAYERS];
     tdm_model_spec narrow;
     if (!b->pp.split && tdm_tool_pp_first(b, S, first)) return tdm_tool_pp_refuse("--model");
-    return tdm_pptp_plan(&b->spec, S, first, N, cut, &narrow);
+    TDM_CHECK(tdm_pptp_plan(&b->spec, S, first, N, cut, &narrow));
+    return b->tp.seq_par ? tdm_pptp_check_seq(&b->spec, S, first, N) : TDM_STATUS_OK;
 }
 
 size_t tdm_tool_pp_arena_bytes(const tdm_tool_build *b, const tdm_device_list *dl, int world,
@@ -345,6 +346,7 @@ static tdm_status tdm_rank_pp_setup(void *ctx, tdm_dist_rank *d, void **self)
                                 q->mesh.dev[TDM_MESH_TP], q->mesh.host[TDM_MESH_TP], d->dev)))
             return tdm_tool_rank_fail(r, "tensor-parallel stages", st);
         q->tp.phost = pp_host;
+        q->tp.narrow.tp_seq = b->tp.seq_par;   /* --sequence-parallel (the GPT) */
         spec = &q->tp.narrow;
     }
     q->det_on = b->deterministic > 0;
@@ -442,7 +444,9 @@ static tdm_status tdm_rank_pp_step(void *ctx, const void *x, const int32_t *y, i
     int64_t end;
     q->det_global = s->own_rows ? s->global_batch : batch;
     tdm_dist_share(q->det_global, q->rep, q->reps, &q->det_row0, &end);
-    tdm_train_levers_pp_begin(s, q->p, q->jcomm, q->rep);
+    q->tp.replica = q->rep;
+    tdm_train_levers_pp_begin(s, q->p, q->jcomm, q->rep, q->tpn > 1 ? tdm_pptp_sumsq : NULL,
+                              &q->tp);
     tdm_comm_traffic z0, z1;
     if (q->zopt) tdm_comm_traffic_get(q->zcomm, &z0);
     TDM_CHECK(tdm_tool_mesh_step(s, &q->mesh, q->in_elems, q->out_rows, tdm_rank_pp_step_fn, q,
@@ -639,12 +643,13 @@ static void tdm_rank_pp_describe(const tdm_tool_rank *r, char *on, size_t n_on, 
     snprintf(how_z, sizeof how_z, "%s%s", how,
              q->zopt ? "; ZeRO-1: each replica steps 1/D of a stage" : "");
     tdm_tool_mesh_replicas_str(&q->mesh, how_z, reps, sizeof reps);
-    char tp[200] = "";
+    char tp[256] = "";
     if (q->tpn > 1 && q->tp.narrow.kind == TDM_MODEL_GPT) {
         snprintf(tp, sizeof tp, " x tp %d (per block: attn.c_attn column by heads, %d of %d per "
                  "rank, attn.c_proj row, mlp.c_fc column, mlp.c_proj row; embeddings, "
-                 "LayerNorms and the tied head replicated)", q->tpn,
-                 q->tp.narrow.n_head / q->tpn, q->tp.narrow.n_head);
+                 "LayerNorms and the tied head replicated%s)", q->tpn,
+                 q->tp.narrow.n_head / q->tpn, q->tp.narrow.n_head,
+                 q->tp.narrow.tp_seq ? "; sequence parallel: the stream's tokens split" : "");
     } else if (q->tpn > 1) {
         /* each linear layer (its weight fcK.weight) and its cut */
         int k = snprintf(tp, sizeof tp, " x tp %d (", q->tpn), fc = 0;
@@ -752,6 +757,18 @@ static void tdm_rank_pp_print(const tdm_tool_rank *r, const double *all, int S)
                "set-up built its stage's whole layers in %.3f MiB of host memory to slice "
                "them\n", q->tpn, q->tpn, (long long)q->tp.sums, (double)q->tp.sum_bytes * mib,
                q->tp.sum_ms, (double)q->tp.setup_host_bytes * mib);
+    if (q->tpn > 1 && q->tp.narrow.tp_seq) {
+        /* stage 0's plan of a full step */
+        int64_t c, b, lc, lb;
+        tdm_pptp_seq_plan(&r->b->spec, S, tdm_pp_split(q->p), 0, rows, (rows + M - 1) / M, &c,
+                          &b, &lc, &lb);
+        printf("pp-tp sequence parallel: rank 0 ran %lld all-gathers and reduce-scatters of "
+               "%lld bytes in %.3f ms over the run, and %lld LayerNorm gradient all-reduces of "
+               "%lld bytes; planned per step: %lld of %lld bytes, and %lld of %lld bytes\n",
+               (long long)q->tp.seq_calls, (long long)q->tp.seq_bytes, q->tp.seq_ms,
+               (long long)q->tp.sums, (long long)q->tp.sum_bytes, (long long)c, (long long)b,
+               (long long)lc, (long long)lb);
+    }
 }
 
 /* Every stage's figures to rank 0, which prints them (collective). */

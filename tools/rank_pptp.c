@@ -204,8 +204,12 @@ tdm_status tdm_pptp_load(tdm_pptp *q, tdm_pp *p, const tdm_ckpt_host *h)
  * the sliced GPT's spec says its own. */
 static tdm_status tdm_pptp_mark(tdm_pptp *q, tdm_model *m)
 {
-    if (q->narrow.kind == TDM_MODEL_GPT)
-        return tdm_model_set_partial_sums(m, NULL, 0, tdm_pptp_sum, q);
+    if (q->narrow.kind == TDM_MODEL_GPT) {
+        TDM_CHECK(tdm_model_set_partial_sums(m, NULL, 0, tdm_pptp_sum, q));
+        tdm_model_set_partial_rank(m, q->t);
+        if (q->narrow.tp_seq) tdm_model_set_seq_parallel(m, tdm_pptp_seq, q);
+        return TDM_STATUS_OK;
+    }
     tdm_model_stage_info si;
     tdm_model_get_stage(m, &si);
     tdm_model_partial kinds[TDM_PPTP_MAX_LAYERS];

@@ -91,7 +91,11 @@ typedef struct tdm_pptp {
     tdm_model_spec narrow;
     tdm_pptp_cut cut[TDM_PPTP_MAX_LAYERS];
     tdm_model *whole, *slim;     /* the tables of the whole and the narrow model */
+    int replica;                 /* the rank's replica (the dp coordinate) */
     int64_t sums;                /* partial sums all-reduced, and their bytes */
+    int64_t seq_calls;           /* sequence parallel: all-gathers and reduce-scatters, */
+    int64_t seq_bytes;           /* their payload bytes (n floats each), */
+    double seq_ms;               /* and their time */
     int64_t sum_bytes;
     double sum_ms;
     size_t setup_host_bytes;     /* tdm_pptp_attach's host memory at its most (bytes) */
@@ -119,6 +123,49 @@ void tdm_pptp_unslice(const tdm_pptp *q, int t, const float *narrow, float *whol
  * over stage 0's tp group. Collective over the replica. */
 tdm_status tdm_pptp_gather(tdm_pptp *q, tdm_pp *p, const tdm_optim *opt, tdm_ckpt_host *h,
                            int root);
+/* The memory levers on a tensor-parallel stage (tools/rank_pptp_levers.c).
+ * The global gradient norm's share of this rank (pp/pp.h's
+ * tdm_pp_levers.sumsq; ctx the tdm_pptp): the sum of squares of the
+ * stage model m's gradient over its split tensors (every rank of the
+ * group holds other elements of them) and, on tp rank 0 alone, its
+ * replicated ones (the same bits on every rank of the group: their
+ * inputs are the all-reduced stream), of replica 0 alone (the replicas
+ * hold the same summed gradient); the GPT's tied copy on the last stage
+ * is counted on the first stage's wte, as pp/ counts it. Runs of
+ * adjacent counted tensors are summed as one buffer (models/clip.h's
+ * fixed order). */
+tdm_status tdm_pptp_sumsq(void *ctx, tdm_model *m, double *sq);
+
+/* Sequence parallelism on a GPT stage (narrow.tp_seq, --sequence-parallel;
+ * tools/rank_pptp_seq.c): models/' collectives along the tokens
+ * (tdm_model_seq_fn; ctx the tdm_pptp) as an all-gather or a
+ * reduce-scatter over the stage's group on device memory, labelled in the
+ * flight recorder with the layer. Between stages each tp rank sends its
+ * own rows of the stream to the same tp rank of the next stage (1/N of
+ * the bytes without it). USAGE errors of the check: a model other than
+ * the built-in GPT, a context N does not divide, a stage without a
+ * block. */
+tdm_status tdm_pptp_seq(void *ctx, tdm_model_seq_op op, const float *src, float *dst, int64_t n,
+                        int layer);
+tdm_status tdm_pptp_check_seq(const tdm_model_spec *spec, int S, const int *first, int N);
+/* The theoretical volume of stage s's sequence-parallel collectives in
+ * one step of `rows` windows of this replica cut into micro-batches of
+ * micro_size (as tdm_pptp_step_plan): per micro-batch of b windows,
+ * n = b*T*C floats each, per block of the stage 2 all-gathers (ln_1's
+ * and ln_2's outputs; the first stage's block 0 normalises the whole
+ * embeddings: 1) and 2 reduce-scatters (the row-parallel products) in
+ * forward, 2 all-gathers (the stream's gradient before each row-parallel
+ * layer) and 2 reduce-scatters (the column-parallel input gradients) in
+ * backward; the first stage 1 all-gather more (the embeddings'
+ * gradient); the last stage 1 more (the stream before ln_f) and 1 fewer
+ * (its top block's output gradient is whole already): *calls of
+ * *bytes (n * 4 bytes each, as tdm_comm_traffic_get counts them); and the
+ * LayerNorms' partial gradients: *ln_calls all-reduces (2 per block, once
+ * per step) of *ln_bytes (2C floats each). */
+void tdm_pptp_seq_plan(const tdm_model_spec *spec, int S, const int *first, int s, int rows,
+                       int micro_size, int64_t *calls, int64_t *bytes, int64_t *ln_calls,
+                       int64_t *ln_bytes);
+
 /* This rank's part of a whole model's state in h (any mode's file):
  * parameters and, with h->optim, the optimizer state and steps. Local. */
 tdm_status tdm_pptp_load(tdm_pptp *q, tdm_pp *p, const tdm_ckpt_host *h);

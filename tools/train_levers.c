@@ -92,11 +92,14 @@ tdm_status tdm_train_levers_check(const tdm_train_args *a)
                                     "shards in host memory: it runs with --mode fsdp (--sharding "
                                     "full), not --mode %s (--offload optimizer runs with single, "
                                     "ddp and fsdp)\n", who, a->mode);
+    /* an unknown --sharding is the sharding check's to name (its choices) */
     if (tdm_levers_params(a) && a->sharding &&
-        (tdm_fsdp_sharding_parse(a->sharding, &sh) || sh != TDM_FSDP_FULL_SHARD))
+        tdm_fsdp_sharding_parse(a->sharding, &sh) == TDM_STATUS_OK && sh != TDM_FSDP_FULL_SHARD)
         return tdm_tool_usage_error("%s: --offload params runs with --sharding full: "
-                                    "--sharding %s keeps full parameters on the device (use "
-                                    "--offload optimizer)\n", who, a->sharding);
+                                    "--sharding %s (%s) keeps full parameters on the device "
+                                    "(use --offload optimizer)\n", who, a->sharding,
+                                    sh == TDM_FSDP_SHARD_GRAD_OP ? "SHARD_GRAD_OP, ZeRO-2"
+                                                                : "ZeroRedundancyOptimizer, ZeRO-1");
     int dp = !strcmp(a->mode, "dp"), pp = !strcmp(a->mode, "pp");
     if (tdm_levers_set(a) && strcmp(a->mode, "single") && strcmp(a->mode, "ddp") &&
         strcmp(a->mode, "fsdp") && !dp && !pp && strcmp(a->mode, "tp"))
@@ -104,11 +107,6 @@ tdm_status tdm_train_levers_check(const tdm_train_args *a)
                                     "--clip-grad-norm and --offload run with --mode single, dp, "
                                     "ddp, fsdp, pp and tp in this build, not yet with --mode "
                                     "%s\n", who, a->mode);
-    const char *tp = pp && a->mesh ? strstr(a->mesh, "tp=") : NULL;
-    if (tdm_levers_set(a) && tp && atoi(tp + 3) > 1)
-        return tdm_tool_usage_error("%s: --mesh %s: the memory levers run in "
-                                    "pipelines of whole stages (tp=1) and in --mode tp, not yet "
-                                    "with tensor-parallel stages\n", who, a->mesh);
     if (a->offload && (dp || pp))
         return tdm_tool_usage_error("%s: --offload optimizer runs with --mode single, "
                                     "ddp and fsdp, not with --mode %s%s\n", who, a->mode,
@@ -405,11 +403,13 @@ static void tdm_levers_pp_hook(void *ctx, tdm_model *m, int64_t step)
     s->after_backward(s->before_ctx, s->begun, &dg);
 }
 
-void tdm_train_levers_pp_begin(tdm_dist_stepper *s, tdm_pp *p, tdm_comm *job, int replica)
+void tdm_train_levers_pp_begin(tdm_dist_stepper *s, tdm_pp *p, tdm_comm *job, int replica,
+                               tdm_status (*sumsq)(void *ctx, tdm_model *m, double *sq),
+                               void *ctx)
 {
     tdm_pp_levers l = {.scaler = s->scaler, .clip_norm = s->clip_norm,
                        .measure_norm = s->measure_norm, .comm = job,
-                       .norm_counted = replica == 0};
+                       .norm_counted = replica == 0, .sumsq = sumsq, .sumsq_ctx = ctx};
     if (s->after_backward) {
         l.after_backward = tdm_levers_pp_hook;
         l.ctx = s;

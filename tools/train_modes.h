@@ -288,10 +288,15 @@ tdm_status tdm_train_levers_rank(const tdm_train_args *a, const struct tdm_tool_
 void tdm_train_levers_rank_report(const tdm_train_args *a, const struct tdm_tool_rank *r);
 /* --mode pp: the stepper's levers on the rank's pipeline before each step
  * (the found-inf flag and the norm over job, the whole job's device
- * communicator; the norm counts replica 0's stages), its figures after. */
+ * communicator; the norm counts replica 0's stages, or with sumsq set,
+ * a tensor-parallel stage's, what sumsq(ctx, ...) says: pp/pp.h's
+ * tdm_pp_levers), its figures after. */
 struct tdm_pp;
+struct tdm_model;
 void tdm_train_levers_pp_begin(struct tdm_dist_stepper *s, struct tdm_pp *p, tdm_comm *job,
-                               int replica);
+                               int replica,
+                               tdm_status (*sumsq)(void *ctx, struct tdm_model *m, double *sq),
+                               void *ctx);
 void tdm_train_levers_pp_end(struct tdm_dist_stepper *s, const struct tdm_pp *p);
 /* --mode tp: the same on a tensor-parallel rank (the norm counts
  * replica 0's group). */

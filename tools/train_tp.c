@@ -8,6 +8,7 @@
  * summed over the dp dimension (--sharding optimizer or grad_op: ZeRO-1
  * or 2 over it). Here: the options' checks. */
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "tools/ranks.h"
@@ -16,11 +17,18 @@
 
 tdm_status tdm_train_check_tp(const tdm_train_args *a)
 {
-    if (a->sequence_parallel && !strcmp(a->mode, "pp"))
-        return tdm_tool_usage_error("tandem train: --sequence-parallel applies to --mode tp "
-                                    "(the GPT), not --mode pp: a pipeline's tensor-parallel "
-                                    "stages (--mesh ...,pp=S,tp=N) all-reduce whole partial "
-                                    "sums (sequence parallelism is not built there)\n");
+    const char *tpn = a->mesh ? strstr(a->mesh, "tp=") : NULL;
+    if (a->sequence_parallel && !strcmp(a->mode, "pp") && (!tpn || atoi(tpn + 3) < 2))
+        return tdm_tool_usage_error("tandem train: --sequence-parallel with --mode pp splits "
+                                    "the tokens of tensor-parallel stages: it needs --mesh "
+                                    "...,pp=S,tp=N with N > 1\n");
+    if (a->sequence_parallel && !strcmp(a->mode, "pp") &&
+        ((a->precision && strcmp(a->precision, "fp32")) || a->ckpt))
+        return tdm_tool_usage_error("tandem train: --sequence-parallel on tensor-parallel "
+                                    "stages runs in fp32 without --checkpoint-activations "
+                                    "(not built with --precision %s or checkpointing)\n",
+                                    a->precision ? a->precision : "fp32");
+    if (a->sequence_parallel && !strcmp(a->mode, "pp")) return TDM_STATUS_OK;
     if (a->sequence_parallel && strcmp(a->mode, "tp"))
         return tdm_tool_usage_error("tandem train: --sequence-parallel applies to --mode tp "
                                     "(the GPT), not --mode %s\n", a->mode);
