@@ -498,7 +498,7 @@ tdm_status tdm_ddp_evaluate(tdm_ddp *d, const tdm_dataset *test, int batch, doub
         part.x = test->x + lo * tdm_data_features(test);
         part.y = test->y + lo;
         double l = 0.0, a = 0.0;
-        tdm_status st = tdm_evaluate(m, &part, batch, &l, &a);
+        tdm_status st = tdm_evaluate_staged(m, &part, batch, &d->stage, &l, &a);
         if (st) {
             /* the others are about to wait for this rank's sums */
             tdm_error_prefix(st, "ddp evaluate: rank %d (rows %lld..%lld)", d->rank,

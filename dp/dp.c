@@ -843,3 +843,39 @@ tdm_status tdm_dp_step_levers(tdm_dp *dp, tdm_single *s, const void *x, const in
     dp->last.step_ms = tdm_time_ms_since(t0);
     return TDM_STATUS_OK;
 }
+
+tdm_status tdm_dp_evaluate(tdm_dp *dp, const tdm_dataset *d, int batch, double *loss_mean,
+                           double *accuracy)
+{
+    tdm_model *m = dp->rep[dp->out];
+    tdm_device *od = dp->dev[dp->out];
+    TDM_REQUIRE(batch > 0 && d && d->n > 0 && tdm_data_features(d) == dp->in_features &&
+                    dp->out_rows == 1, TDM_STATUS_INVALID_ARG,
+                "DataParallel evaluate: batch %d of a dataset of %lld samples of %lld features "
+                "(the model: %d, one label each)", batch, d ? (long long)d->n : 0LL,
+                d ? (long long)tdm_data_features(d) : 0LL, dp->in_features);
+    TDM_CHECK(tdm_dp_reserve(dp, batch));
+    tdm_status st = TDM_STATUS_OK;
+    int was_train = tdm_model_is_train(m), host = tdm_dev_kind(od) == TDM_DEVICE_HOST;
+    int64_t feat = dp->in_features, correct = 0;
+    double loss = 0.0;
+    tdm_model_set_train(m, 0);
+    for (int64_t lo = 0; lo < d->n && !st; lo += batch) {
+        int b = (int)(d->n - lo < batch ? d->n - lo : batch);
+        const float *x = d->x + lo * feat;
+        const int32_t *y = d->y + lo;
+        if (!host) {
+            st = tdm_dev_copy_from_host(od, dp->x_chunk[dp->out], x,
+                                        (size_t)b * (size_t)feat * sizeof(float));
+            if (!st) st = tdm_dev_copy_from_host(od, dp->labels, y, (size_t)b * sizeof(int32_t));
+        }
+        if (!st)
+            st = tdm_evaluate_batch(m, host ? (const void *)x : dp->x_chunk[dp->out],
+                                    host ? y : dp->labels, y, b, &loss, &correct);
+    }
+    tdm_model_set_train(m, was_train);
+    if (st) return st;
+    if (loss_mean) *loss_mean = loss / (double)d->n;
+    if (accuracy) *accuracy = (double)correct / (double)d->n;
+    return TDM_STATUS_OK;
+}

@@ -201,6 +201,14 @@ tdm_status tdm_dp_step(tdm_dp *dp, tdm_optim *opt, const void *x, const int32_t 
 tdm_status tdm_dp_step_levers(tdm_dp *dp, tdm_single *s, const void *x,
                               const int32_t *y, int batch, double *loss_mean);
 
+/* tdm_evaluate on the master, `batch` samples per forward, staged in the
+ * output device's step buffers (grown to batch rows if smaller): at the
+ * master's chunk of a step (ceil(B/N)) or less (train passes floor(B/N))
+ * an evaluation between epochs allocates nothing the step does not hold
+ * already. */
+tdm_status tdm_dp_evaluate(tdm_dp *dp, const tdm_dataset *d, int batch, double *loss_mean,
+                           double *accuracy);
+
 /* Timings of the last tdm_dp_step / tdm_dp_forward_backward. */
 const tdm_dp_timings *tdm_dp_last_timings(const tdm_dp *dp);
 

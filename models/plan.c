@@ -89,11 +89,9 @@ static size_t tdm_plan_widen(const tdm_model *m, int batch)
     return w;
 }
 
-/* The device scratch (tdm_dev_scratch) through one step: the loss rows,
- * the scaler's flag, the norm's partial sums, grown as core/device.c
- * grows it (at least double, at least 256 bytes; the new buffer is
- * allocated before the old one is freed). Returns its peak. */
-static size_t tdm_plan_scratch(const size_t *needs, int n)
+/* The device scratch through one step (models/plan.h): the loss rows,
+ * the scaler's flag, the norm's partial sums. */
+size_t tdm_plan_scratch_peak(const size_t *needs, int n)
 {
     size_t cur = 0, peak = 0;
     for (int i = 0; i < n; i++) {
@@ -194,7 +192,7 @@ tdm_status tdm_plan_single(const tdm_plan_opts *o, tdm_plan *out)
     if (o->grad_norm)
         needs[n_needs++] = (size_t)tdm_dev_sumsq_chunks(stage ? m->stage.slice_elems
                                                                : (int64_t)pe) * sizeof(double);
-    out->step_scratch = tdm_plan_scratch(needs, n_needs);
+    out->step_scratch = tdm_plan_scratch_peak(needs, n_needs);
     if (o->device == TDM_DEVICE_HOST && m->lev.adt == TDM_DTYPE_FLOAT16)
         out->step_scratch += tdm_plan_round(tdm_plan_widen(m, o->batch) * sizeof(float));
     out->in_elems = tdm_model_stage_in_elems(m);

@@ -91,6 +91,12 @@ typedef struct tdm_plan {
 
 void tdm_plan_opts_default(tdm_plan_opts *o, const tdm_model_spec *spec, int batch);
 tdm_status tdm_plan_single(const tdm_plan_opts *o, tdm_plan *out);
+/* The peak bytes of a device's scratch (tdm_dev_scratch) asked for
+ * needs[0..n) bytes in that order: grown as core/device.c grows it (at
+ * least double, at least 256 bytes, each request rounded as the
+ * allocator rounds it; the new buffer allocated before the old one is
+ * freed). */
+size_t tdm_plan_scratch_peak(const size_t *needs, int n);
 
 #ifdef __cplusplus
 }

@@ -232,11 +232,25 @@ void tdm_single_free(tdm_single *s)
     if (s) tdm_train_stage_free(&s->stage);
 }
 
-tdm_status tdm_evaluate(tdm_model *m, const tdm_dataset *d, int batch, double *loss_mean,
-                        double *accuracy)
+tdm_status tdm_evaluate_batch(tdm_model *m, const void *xd, const int32_t *yd, const int32_t *y,
+                              int b, double *loss_sum, int64_t *correct)
+{
+    const float *logits;
+    double ls = 0.0;
+    int64_t c = 0;
+    TDM_CHECK(tdm_model_forward(m, xd, b, &logits));
+    TDM_CHECK(tdm_loss_softmax_xent(tdm_model_device(m), logits, yd, b, tdm_model_n_classes(m),
+                                    1.0f, &ls, NULL));
+    TDM_CHECK(tdm_model_count_correct(m, y, b, &c));
+    *loss_sum += ls;
+    *correct += c;
+    return TDM_STATUS_OK;
+}
+
+tdm_status tdm_evaluate_staged(tdm_model *m, const tdm_dataset *d, int batch,
+                               tdm_train_stage *stage, double *loss_mean, double *accuracy)
 {
     tdm_status st = TDM_STATUS_OK;
-    tdm_train_stage stage = {0};
     TDM_REQUIRE(batch > 0, TDM_STATUS_INVALID_ARG, "batch size %d must be positive", batch);
     TDM_REQUIRE(d && d->n > 0, TDM_STATUS_INVALID_ARG, "evaluate: empty dataset");
     TDM_REQUIRE(tdm_model_out_rows(m) == 1 && tdm_model_input_dtype(m) == TDM_MODEL_INPUT_F32,
@@ -245,7 +259,6 @@ tdm_status tdm_evaluate(tdm_model *m, const tdm_dataset *d, int batch, double *l
                 "is evaluated on text (tdm_train_text_evaluate)");
     int64_t feat = tdm_data_features(d);
     int was_train = tdm_model_is_train(m);
-    tdm_device *dev = tdm_model_device(m);
     TDM_REQUIRE(feat == tdm_model_in_features(m), TDM_STATUS_INVALID_ARG,
                 "dataset has %lld features per sample but the model expects %d",
                 (long long)feat, tdm_model_in_features(m));
@@ -255,23 +268,23 @@ tdm_status tdm_evaluate(tdm_model *m, const tdm_dataset *d, int batch, double *l
     for (int64_t start = 0; start < d->n; start += batch) {
         int b = (int)(d->n - start < batch ? d->n - start : batch);
         const void *xd;
-        const float *logits;
         const int32_t *yd;
-        double ls = 0.0;
-        int64_t c = 0;
-        TDM_TRY(tdm_train_stage_batch(&stage, m, d->x + start * feat, d->y + start, b, &xd,
+        TDM_TRY(tdm_train_stage_batch(stage, m, d->x + start * feat, d->y + start, b, &xd,
                                       &yd));
-        TDM_TRY(tdm_model_forward(m, xd, b, &logits));
-        TDM_TRY(tdm_loss_softmax_xent(dev, logits, yd, b, tdm_model_n_classes(m), 1.0f, &ls,
-                                      NULL));
-        TDM_TRY(tdm_model_count_correct(m, d->y + start, b, &c));
-        loss += ls;
-        correct += c;
+        TDM_TRY(tdm_evaluate_batch(m, xd, yd, d->y + start, b, &loss, &correct));
     }
     if (loss_mean) *loss_mean = loss / (double)d->n;
     if (accuracy) *accuracy = (double)correct / (double)d->n;
 fail:
     tdm_model_set_train(m, was_train);
+    return st;
+}
+
+tdm_status tdm_evaluate(tdm_model *m, const tdm_dataset *d, int batch, double *loss_mean,
+                        double *accuracy)
+{
+    tdm_train_stage stage = {0};
+    tdm_status st = tdm_evaluate_staged(m, d, batch, &stage, loss_mean, accuracy);
     tdm_train_stage_free(&stage);
     return st;
 }

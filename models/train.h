@@ -142,6 +142,16 @@ void tdm_single_free(tdm_single *s);   /* frees staging only */
 /* Mean loss and accuracy over a dataset, in eval mode (restores the mode). */
 tdm_status tdm_evaluate(tdm_model *m, const tdm_dataset *d, int batch, double *loss_mean,
                         double *accuracy);
+/* tdm_evaluate through the caller's stage (a step's: tdm_single's),
+ * which keeps its buffers: evaluating at the step's batch on an
+ * accelerator then allocates nothing the step does not hold already. */
+tdm_status tdm_evaluate_staged(tdm_model *m, const tdm_dataset *d, int batch,
+                               tdm_train_stage *stage, double *loss_mean, double *accuracy);
+/* One evaluation forward (the model in eval mode) of b samples on m's
+ * device (xd; yd their targets there, y on the host): the summed loss
+ * and the count of correct predictions added to *loss_sum, *correct. */
+tdm_status tdm_evaluate_batch(tdm_model *m, const void *xd, const int32_t *yd, const int32_t *y,
+                              int b, double *loss_sum, int64_t *correct);
 
 #ifdef __cplusplus
 }

@@ -46,12 +46,16 @@ static double tdm_pp_ms(uint64_t t0, uint64_t t1) { return (double)(t1 - t0) * 1
 /* ---- transfers ---- */
 
 /* The activation sets this run cycles through: the schedule's in-flight
- * count (evaluation: 2, one computing while the other is sent); and its
- * input slots: one more on a stage that receives, so that micro-batch
- * i + 1's input arrives while i computes, bounded by the micro-batches. */
+ * count (evaluation: 2, one computing while the other is sent, but on
+ * the last stage, which sends none, and never more than the
+ * micro-batches: then an evaluation at a step's batch holds no more than
+ * the step's sets); and its input slots: one more on a stage that
+ * receives, so that micro-batch i + 1's input arrives while i computes,
+ * bounded by the micro-batches. */
 static void tdm_pp_slots(tdm_pp *p)
 {
-    int sets = p->run.eval ? 2 : tdm_pp_schedule_in_flight(p->sched, p->s);
+    int eval_sets = p->s + 1 == p->S ? 1 : p->run.n_mb < 2 ? p->run.n_mb : 2;
+    int sets = p->run.eval ? eval_sets : tdm_pp_schedule_in_flight(p->sched, p->s);
     if (sets < 1) sets = 1;
     int n_in = sets + 1 < p->run.n_mb ? sets + 1 : p->run.n_mb;
     if (n_in < sets) n_in = sets;

@@ -95,19 +95,25 @@ static double figure_mib(const char *key)
     return strtod(buf, NULL);
 }
 
+/* Nonzero: train_as_planned evaluates after the epoch (a test set of 200
+ * images, larger than every batch here; the GPT's validation windows). */
+static int g_eval;
+
 /* args[0..n) (room for 8 more) ran as `plan`: runs them as a short
- * `train` (one epoch of 128 synthetic samples; the GPT, 3 steps of its
- * text), which must exit 0; its output is in g_r. */
+ * `train` (one epoch of 128 synthetic samples, or 1200 with g_eval; the
+ * GPT, 3 steps of its text), which must exit 0; its output is in g_r. */
 static void train_as_planned(const char **args, int n, int gpt)
 {
     static const char *const tail_img[] = {"--data", "synthetic", "--synthetic-size", "128",
                                            NULL};
+    static const char *const tail_eval[] = {"--data", "synthetic", "--synthetic-size", "1200",
+                                            NULL};
     static const char *const tail_gpt[] = {"--max-steps", "3", NULL};
-    const char *const *tail = gpt ? tail_gpt : tail_img;
+    const char *const *tail = gpt ? tail_gpt : g_eval ? tail_eval : tail_img;
     args[0] = "train";
     args[n++] = "--epochs";
     args[n++] = "1";
-    args[n++] = "--no-eval";
+    if (!g_eval) args[n++] = "--no-eval";
     args[n++] = "--quiet";
     for (int i = 0; tail[i]; i++) args[n++] = tail[i];
     args[n] = NULL;
@@ -524,6 +530,37 @@ Test(cli_plan, compare_prints_planned_beside_measured)
     cr_assert_eq(cli_shm_entries(), 0);
 }
 
+/* compare --json's "pipeline" object (file `path`): one memory entry
+ * per stage (S of them), each with the allocator's peak beside the
+ * plan's, within 5% (measured: equal to the byte but the CNN mesh's
+ * stage 0), and the layout and verdict. Before, the JSON held no
+ * pipeline entry and this failed. */
+static void pp_json_memory(const char *path, int S, const char *what)
+{
+    FILE *f = fopen(path, "r");
+    cr_assert_not_null(f, "%s: no %s", what, path);
+    static char text[1 << 20];
+    size_t n = fread(text, 1, sizeof text - 1, f);
+    fclose(f);
+    text[n] = 0;
+    const char *p = strstr(text, "\"pipeline\": {\"stages\": ");
+    cr_assert_not_null(p, "%s: no pipeline in %s", what, text);
+    cr_assert_eq(atoi(p + strlen("\"pipeline\": {\"stages\": ")), S, "%s: %.200s", what, p);
+    cr_assert(strstr(p, "\"pass\": true"), "%s: %.300s", what, p);
+    int k = 0;
+    for (const char *q = p; (q = strstr(q, "{\"stage\": ")); q++, k++) {
+        double measured, planned;
+        const char *m = strstr(q, "\"peak_measured\": "), *pl = strstr(q, "\"peak_planned\": ");
+        cr_assert(m && pl, "%s: %.200s", what, q);
+        cr_assert_eq(atoi(q + strlen("{\"stage\": ")), k, "%s: %.200s", what, q);
+        measured = strtod(m + strlen("\"peak_measured\": "), NULL);
+        planned = strtod(pl + strlen("\"peak_planned\": "), NULL);
+        cr_assert(measured > 0 && fabs(planned - measured) <= 0.05 * measured,
+                  "%s stage %d: planned %.0f bytes, measured %.0f", what, k, planned, measured);
+    }
+    cr_assert_eq(k, S, "%s: %d stage entries of %d:\n%s", what, k, S, p);
+}
+
 /* compare's pp row with the levers: its stages in bf16 with
  * checkpointing and clipping, the verdict against one host device with
  * --grad-accum under the same levers (the MLP bit for bit; the GPT's tied
@@ -538,12 +575,15 @@ Test(cli_plan, compare_pp_row_with_levers, .timeout = 600)
         {"gpt:2-32-2-16", "8", "cpu:3", NULL, "-> PASS"},
         {"cnn", "32", "cpu:4", "dp=2,pp=2", "-> PASS"},
     };
+    char dir[128];
+    tu_mkdtemp(dir, sizeof dir, "planpp");
+    const char *json = tu_tpath(dir, "c.json");
     for (int c = 0; c < 3; c++) {
         const char *args[32] = {"compare", "--model", cases[c].model, "--batch", cases[c].batch,
                                 "--steps", "3", "--modes", "pp", "--device", cases[c].dev,
                                 "--precision", "bf16", "--checkpoint-activations", "2",
-                                "--clip-grad-norm", "0.05"};
-        int n = 17;
+                                "--clip-grad-norm", "0.05", "--json", json};
+        int n = 19;
         if (cases[c].mesh) {
             args[n++] = "--mesh";
             args[n++] = cases[c].mesh;
@@ -582,8 +622,27 @@ Test(cli_plan, compare_pp_row_with_levers, .timeout = 600)
             p = strchr(p + 1, '\n');
         }
         cr_assert_eq(rows, cases[c].mesh ? 2 : cases[c].dev[4] - '0', "%s", mem);
+        pp_json_memory(json, rows, cases[c].model);
     }
+    tu_rmtree(dir);
     cr_assert_eq(cli_shm_entries(), 0);
+}
+
+/* train --mode tp's line for the job's largest device peak (dp >= 2):
+ * measured and planned equal as printed, and equal to `tandem plan`'s
+ * figure `largest`. */
+static void tp_largest_equals(double largest, const char *what)
+{
+    const char *p = strstr(g_r.out, "tp memory, the largest device peak: ");
+    cr_assert_not_null(p, "%s: no largest line:\n%s", what, g_r.out);
+    double measured = strtod(p + strlen("tp memory, the largest device peak: "), NULL);
+    const char *q = strstr(p, "MiB measured (allocator) on rank ");
+    const char *pl = q ? strstr(q, "), ") : NULL;
+    cr_assert(q && pl, "%s: %.160s", what, p);
+    double planned = strtod(pl + 3, NULL);
+    cr_assert(fabs(planned - measured) < 0.005 && fabs(planned - largest) < 0.005,
+              "%s: the largest device peak %.2f MiB measured, %.2f planned by train, %.2f by "
+              "tandem plan", what, measured, planned, largest);
 }
 
 /* --mode tp: a rank's slices, the optimizer over them (ZeRO-1 over dp:
@@ -626,11 +685,44 @@ Test(cli_plan, planned_tp_equals_measured, .timeout = 600)
             cr_assert(fabs(planned - measured) < 0.005, "%s tp %s %s: planned %.2f MiB, measured "
                       "%.2f MiB", models[mo].model, layouts[l][1], l ? layouts[l][3] : "",
                       planned, measured);
-            /* 64 and 8 samples divide by 2 replicas, not by 3 */
+            /* 64 and 8 samples divide by 2 replicas, not by 3: rank 0's
+             * replica has the smaller share there; the job's largest
+             * device peak is the largest share's, which plan prints */
             if (l == 3) cr_assert(largest >= planned, "%.2f < %.2f", largest, planned);
             else cr_assert_eq(largest, planned, "%s: plan %.2f, train's plan %.2f",
                               models[mo].model, largest, planned);
+            if (l >= 1 && l <= 3) tp_largest_equals(largest, models[mo].model);
         }
+    cr_assert_eq(cli_shm_entries(), 0);
+}
+
+/* An uneven batch over the dp dimension: the replicas' shares differ
+ * (7 samples over 2: 3 and 4; rank 0's replica holds the smaller), and
+ * train's line for the job's largest device peak (gathered from every
+ * rank after the run) equals `tandem plan`'s figure, the largest share's,
+ * planned and measured as printed. Before, train printed rank 0's alone:
+ * the MLP 784-256-128-10 at dp=2 x tp=2 measured and planned 1.38 MiB
+ * there, 0.01 MiB under plan's 1.39. */
+Test(cli_plan, tp_uneven_replicas_largest_equals_plan, .timeout = 300)
+{
+    static const struct { const char *model, *batch, *dev, *mesh; } cases[] = {
+        {"mlp:784-256-128-10", "7", "cpu:4", "dp=2,tp=2"},
+        {"gpt:2-32-2-16", "7", "cpu:4", "dp=2,tp=2"},
+        {"mlp:784-256-128-10", "65", "cpu:6", "dp=3,tp=2"}};
+    for (int c = 0; c < 3; c++) {
+        const char *args[32] = {"plan", "--model", cases[c].model, "--batch", cases[c].batch,
+                                "--mode", "tp", "--device", cases[c].dev, "--mesh",
+                                cases[c].mesh, "--precision", "bf16", NULL};
+        cli_run(&g_r, args);
+        cr_assert_eq(g_r.code, 0, "%s", g_r.out);
+        double largest = figure_mib("peak per device: ");
+        train_as_planned(args, 13, cases[c].model[0] == 'g');
+        tp_largest_equals(largest, cases[c].model);
+        /* rank 0's replica has the smaller share: its own plan is lower */
+        double rank0 = figure_mib("tp memory, rank 0: device peak ");
+        cr_assert(rank0 <= largest, "%s: rank 0 %.2f, largest %.2f", cases[c].model, rank0,
+                  largest);
+    }
     cr_assert_eq(cli_shm_entries(), 0);
 }
 
@@ -638,19 +730,31 @@ Test(cli_plan, refuses_what_it_does_not_plan)
 {
     CLI(&g_r, "plan", "--mode", "tp", "--device", "cpu:4", "--mesh", "dp=2,pp=2");
     expect(&g_r, 2, "a pipeline of tensor-parallel stages is --mode pp's, not planned yet");
-    CLI(&g_r, "plan", "--mode", "tp", "--device", "cpu:2", "--precision", "bf16");
-    expect(&g_r, 2, "--mode tp --precision bf16 is not planned");
     /* what tp's training refuses is not planned either */
     CLI(&g_r, "plan", "--mode", "tp", "--device", "cpu:2", "--checkpoint-activations", "2");
     expect(&g_r, 2, "segments of more are not built for tp");
+    /* the levers' checks are train's, said as plan's (they said "tandem
+     * train:" before) */
+    cr_assert(strstr(g_r.out, "tandem plan: --checkpoint-activations 2") &&
+                  !strstr(g_r.out, "tandem train:"), "%s", g_r.out);
+    /* --offload of two kinds: one clear refusal in both (train kept the
+     * last one silently before) */
+    CLI(&g_r, "plan", "--mode", "fsdp", "--device", "cuda:0,1", "--offload", "params",
+        "--offload", "optimizer");
+    expect(&g_r, 2, "tandem plan: --offload params and --offload optimizer: give --offload once");
+    CLI(&g_r, "train", "--mode", "fsdp", "--device", "cuda:0,1", "--offload", "optimizer",
+        "--offload", "params");
+    expect(&g_r, 2, "tandem train: --offload optimizer and --offload params: give --offload "
+                    "once");
     CLI(&g_r, "plan", "--mode", "tp", "--device", "cuda:0,1", "--offload", "optimizer");
     expect(&g_r, 2, "--mode tp does not support --offload");
     CLI(&g_r, "plan", "--mode", "ddp", "--device", "cpu:2", "--sequence-parallel");
     expect(&g_r, 2, "--sequence-parallel applies to --mode tp");
     CLI(&g_r, "plan", "--mode", "pp", "--device", "cpu:4", "--stages", "3");
     expect(&g_r, 2, "--stages 3 does not divide the 4 devices");
-    CLI(&g_r, "plan", "--mode", "pp", "--device", "cpu:4", "--mesh", "dp=2,pp=1,tp=2");
-    expect(&g_r, 2, "tensor-parallel stages (tp=2) are not planned yet");
+    CLI(&g_r, "plan", "--mode", "pp", "--device", "cpu:4", "--mesh", "pp=2,tp=2", "--model",
+        "cnn");
+    expect(&g_r, 2, "the CNN's is not");
     CLI(&g_r, "plan", "--mode", "pp", "--device", "cpu:4", "--mesh", "dp=2,pp=3");
     expect(&g_r, 2, "--mesh");
     CLI(&g_r, "plan", "--mode", "pp", "--device", "cpu:2", "--sharding", "optimizer");
@@ -678,45 +782,222 @@ Test(cli_plan, refuses_what_it_does_not_plan)
     expect(&g_r, 0, "usage: tandem plan");
 }
 
-/* The tp plan takes activation checkpointing (each block's recomputed
- * activations share one set: tdm_tp_footprint_ckpt) and clipping (no
- * device bytes of its own beyond the loss rows); a 16-bit precision,
- * whose operand scratch it does not model, is refused in one line, and
- * train prints no plan beside its measured peak then. */
-Test(cli_plan, tp_plans_checkpointing_and_refuses_precision, .timeout = 600)
+/* The tp plan takes every lever tp trains with: activation checkpointing
+ * (each block's recomputed activations share one set:
+ * tdm_tp_footprint_ckpt), clipping (the norm's partial sums in the
+ * device's scratch) and --precision bf16|fp16 (the products' 16-bit
+ * operand block, sized by the largest product, and on a host device in
+ * fp16 the float32 widening of its operands): train prints its plan
+ * beside rank 0's measured peak, equal as printed, and `tandem plan` the
+ * same figure, for the MLP at tp = 1, 2, 4 and the GPT at tp = 1, 2 and
+ * dp=2 x tp=2, in fp32, bf16 and fp16, with checkpointing, clipping,
+ * sequence parallelism and ZeRO-1 over dp. Before, a 16-bit precision
+ * was refused ("is not planned") and train printed no plan. */
+Test(cli_plan, tp_plans_every_lever, .timeout = 900)
 {
-    static const char *const levers[3][6] = {
-        {"--checkpoint-activations"},
-        {"--checkpoint-activations", "--clip-grad-norm", "1", "--sequence-parallel"},
-        {"--checkpoint-activations", "--mesh", "dp=2,tp=2", "--sharding", "optimizer"}};
-    for (int l = 0; l < 3; l++) {
-        const char *args[32] = {"plan",   "--model", "gpt:2-32-2-16", "--batch", "8",
-                                "--mode", "tp",      "--device",      l == 2 ? "cpu:4" : "cpu:2"};
-        int n = 9;
-        for (int i = 0; i < 6 && levers[l][i]; i++) args[n++] = levers[l][i];
-        args[n] = NULL;
+    static const struct { const char *model, *batch, *dev, *mesh; } layouts[] = {
+        {"mlp:784-256-128-10", "64", "cpu", NULL},
+        {"mlp:784-256-128-10", "64", "cpu:2", NULL},
+        {"mlp:784-256-128-10", "64", "cpu:4", NULL},
+        {"gpt:2-32-2-16", "8", "cpu", NULL},
+        {"gpt:2-32-2-16", "8", "cpu:2", NULL},
+        {"gpt:2-32-2-16", "8", "cpu:4", "dp=2,tp=2"}};
+    static const char *const levers[][6] = {
+        {"--precision", "fp32", "--checkpoint-activations"},
+        {"--precision", "bf16"},
+        {"--precision", "bf16", "--checkpoint-activations", "--clip-grad-norm", "1"},
+        {"--precision", "fp16", "--clip-grad-norm", "1"},
+        {"--precision", "fp16", "--checkpoint-activations"}};
+    for (size_t l = 0; l < sizeof layouts / sizeof layouts[0]; l++)
+        for (size_t v = 0; v < sizeof levers / sizeof levers[0]; v++) {
+            int gpt = layouts[l].model[0] == 'g';
+            const char *args[32] = {"plan", "--model", layouts[l].model, "--batch",
+                                    layouts[l].batch, "--mode", "tp", "--device",
+                                    layouts[l].dev};
+            int n = 9;
+            if (layouts[l].mesh) {
+                args[n++] = "--mesh";
+                args[n++] = layouts[l].mesh;
+                args[n++] = "--sharding";
+                args[n++] = "optimizer";
+            } else if (gpt && v == 2 && strcmp(layouts[l].dev, "cpu")) {
+                args[n++] = "--sequence-parallel";
+            }
+            for (int i = 0; i < 6 && levers[v][i]; i++) args[n++] = levers[v][i];
+            args[n] = NULL;
+            char what[160];
+            snprintf(what, sizeof what, "%s tp on %s%s%s %s%s%s", layouts[l].model,
+                     layouts[l].dev, layouts[l].mesh ? " " : "",
+                     layouts[l].mesh ? layouts[l].mesh : "", levers[v][1],
+                     levers[v][2] ? " " : "", levers[v][2] ? levers[v][2] : "");
+            cli_run(&g_r, args);
+            cr_assert_eq(g_r.code, 0, "%s: %s", what, g_r.out);
+            cr_assert(strstr(g_r.out, levers[v][1]), "%s: %s", what, g_r.out);
+            double largest = figure_mib("peak per device: ");
+            train_as_planned(args, n, gpt);
+            double measured = figure_mib("tp memory, rank 0: device peak ");
+            double planned = figure_mib("MiB measured (allocator), ");
+            cr_assert(fabs(planned - measured) < 0.005, "%s: planned %.2f, measured %.2f", what,
+                      planned, measured);
+            cr_assert_eq(largest, planned, "%s: plan %.2f, train's %.2f", what, largest,
+                         planned);
+        }
+    cr_assert_eq(cli_shm_entries(), 0);
+}
+
+/* Evaluation between epochs runs at the step's batch (its replica's
+ * share; a pipeline's micro-batches, its last stage one activation set)
+ * through the step's own buffers, so the peak `train` measures with it
+ * is the step's, which `tandem plan` predicts: every mode on the MLP,
+ * the CNN and the GPT with evaluation (a test set of 200 images, larger
+ * than the batch; the GPT's validation windows, more than its batch),
+ * planned equal to the measured peak as printed (FSDP within 5%, its
+ * plan's timing term: measured equal in every case but a loaded run's
+ * CNN, 14.71 MiB against 14.77). Before, evaluation ran
+ * in batches of 1000 images (32 windows) and grew the activations: the
+ * MLP 784-48-24-10 at batch 64 measured 6.79 MiB against 0.85 planned,
+ * and a pipeline's last stage kept two evaluation sets to the step's
+ * one (the CNN's third stage of three: 6.73 MiB against 6.05). */
+Test(cli_plan, planned_equals_measured_with_evaluation, .timeout = 900)
+{
+    static const struct { const char *model, *batch; } models[] = {
+        {"mlp:784-256-128-10", "64"}, {"cnn", "32"}, {"gpt:2-32-2-16", "8"}};
+    static const char *const layouts[][6] = {
+        {"single", "--device", "cpu"},
+        {"dp", "--device", "cpu:2"},
+        {"ddp", "--device", "cpu:2"},
+        {"fsdp", "--device", "cpu:2"},
+        {"fsdp", "--device", "cpu:2", "--sharding", "optimizer"},
+        {"pp", "--device", "cpu:3"},
+        {"pp", "--device", "cpu:4", "--mesh", "dp=2,pp=2"},
+        {"tp", "--device", "cpu:2"},
+        {"tp", "--device", "cpu:4", "--mesh", "dp=2,tp=2"}};
+    static const char *const measured_at[] = {
+        "peak memory on cpu:0: ", "peak memory on the master's cpu:0: ",
+        "peak memory on rank 0's cpu:0: ", "peak memory on rank 0's cpu:0: ",
+        "peak memory on rank 0's cpu:0: "};
+    double worst = 0.0;
+    g_eval = 1;
+    for (int mo = 0; mo < 3; mo++)
+        for (size_t l = 0; l < sizeof layouts / sizeof layouts[0]; l++) {
+            int pp = !strcmp(layouts[l][0], "pp"), tp = !strcmp(layouts[l][0], "tp");
+            if (tp && mo == 1) continue;   /* tp: the MLP and the GPT */
+            const char *args[32] = {"plan", "--model", models[mo].model, "--batch",
+                                    models[mo].batch, "--mode", layouts[l][0]};
+            int n = 7;
+            for (int i = 1; i < 6 && layouts[l][i]; i++) args[n++] = layouts[l][i];
+            args[n++] = "--precision";
+            args[n++] = mo == 2 ? "bf16" : "fp32";
+            args[n] = NULL;
+            char what[160];
+            snprintf(what, sizeof what, "%s %s %s %s, with evaluation", models[mo].model,
+                     layouts[l][0], layouts[l][2], layouts[l][4] ? layouts[l][4] : "");
+            if (pp) {
+                pp_case(args, n, mo == 2, layouts[l][2][4] - '0', what, &worst);
+                continue;
+            }
+            cli_run(&g_r, args);
+            cr_assert_eq(g_r.code, 0, "%s: %s", what, g_r.out);
+            double planned = figure_mib("peak per device: ");
+            train_as_planned(args, n, mo == 2);
+            cr_assert(strstr(g_r.out, mo == 2 ? "val loss " : "test loss "), "%s: %s", what,
+                      g_r.out);
+            double measured = figure_mib(tp ? "tp memory, rank 0: device peak "
+                                            : measured_at[l < 5 ? l : 4]);
+            if (fabs(planned - measured) > fabs(worst)) worst = planned - measured;
+            /* FSDP's pool peak depends on when a reduce-scatter ends (the
+             * plan assumes one timing): within 5%, as without evaluation */
+            if (!strcmp(layouts[l][0], "fsdp"))
+                cr_assert(fabs(planned - measured) <= 0.05 * measured, "%s: planned %.2f MiB, "
+                          "measured %.2f MiB", what, planned, measured);
+            else
+                cr_assert(fabs(planned - measured) < 0.005, "%s: planned %.2f MiB, measured "
+                          "%.2f MiB", what, planned, measured);
+        }
+    g_eval = 0;
+    cr_log_info("plan vs measured with evaluation: worst %+.2f MiB", worst);
+    cr_assert_eq(cli_shm_entries(), 0);
+}
+
+/* The 3-D mesh (--mode pp --mesh dp=D,pp=S,tp=N: tools/rank_pptp.c):
+ * a rank's stage is the narrow spec's stage (its slices; the partial
+ * sums all-reduced in place), which `tandem plan --mode pp` plans:
+ * compare --json's measured peak of every stage (replica 0's, tp rank
+ * 0's) equals its plan to the byte and plan's figure as printed, for the
+ * MLP (784-1024-1024-10) and the GPT on dp=2 x pp=2 x tp=2 and the GPT
+ * on pp=2 x tp=2. The set-up builds only its stage's layers of the whole
+ * model to slice them (train prints the host bytes): less than the whole
+ * model's parameters and gradients, which it built before on every rank
+ * (with the narrow model's whole parameters beside them: the MLP's stage
+ * 0 measured 19.3 MiB before, 9.2 now; the GPT 4-128-4-128's 8.1, 4.3). Before, plan refused
+ * tensor-parallel stages and compare planned none ("-", null). */
+Test(cli_plan, planned_pp_tp_mesh_equals_measured, .timeout = 600)
+{
+    static const struct { const char *model, *batch, *dev, *mesh; } cases[] = {
+        {"mlp", "64", "cpu:8", "dp=2,pp=2,tp=2"},
+        {"gpt:2-32-2-16", "8", "cpu:8", "dp=2,pp=2,tp=2"},
+        {"gpt:2-32-2-16", "8", "cpu:4", "pp=2,tp=2"}};
+    char dir[128];
+    tu_mkdtemp(dir, sizeof dir, "planpt");
+    const char *json = tu_tpath(dir, "c.json");
+    for (int c = 0; c < 3; c++) {
+        int gpt = cases[c].model[0] == 'g';
+        const char *args[32] = {"plan", "--model", cases[c].model, "--batch", cases[c].batch,
+                                "--mode", "pp", "--device", cases[c].dev, "--mesh",
+                                cases[c].mesh, NULL};
         cli_run(&g_r, args);
         cr_assert_eq(g_r.code, 0, "%s", g_r.out);
-        cr_assert(strstr(g_r.out, ", checkpointing"), "%s", g_r.out);
-        double largest = figure_mib("peak per device: ");
-        train_as_planned(args, n, 1);
-        double measured = figure_mib("tp memory, rank 0: device peak ");
-        double planned = figure_mib("MiB measured (allocator), ");
-        cr_assert(fabs(planned - measured) < 0.005, "levers %d: planned %.2f, measured %.2f", l,
-                  planned, measured);
-        cr_assert_eq(largest, planned, "levers %d: plan %.2f, train's %.2f", l, largest, planned);
+        double planned[64];
+        int S = plan_stages(planned, 64);
+        cr_assert_eq(S, 2, "%s", g_r.out);
+        const char *cmp[32] = {"compare", "--model", cases[c].model, "--batch", cases[c].batch,
+                               "--steps", "3", "--modes", "pp", "--device", cases[c].dev,
+                               "--mesh", cases[c].mesh, "--json", json};
+        int n = 15;
+        if (!gpt) {
+            cmp[n++] = "--data";
+            cmp[n++] = "synthetic";
+        }
+        cmp[n] = NULL;
+        cli_run(&g_r, cmp);
+        cr_assert_eq(g_r.code, 0, "%s", g_r.out);
+        FILE *f = fopen(json, "r");
+        cr_assert_not_null(f);
+        static char text[1 << 20];
+        size_t got = fread(text, 1, sizeof text - 1, f);
+        fclose(f);
+        text[got] = 0;
+        int k = 0;
+        for (const char *q = strstr(text, "\"pipeline\""); q && (q = strstr(q, "{\"stage\": "));
+             q++, k++) {
+            double m = strtod(strstr(q, "\"peak_measured\": ") + 17, NULL);
+            double p = strtod(strstr(q, "\"peak_planned\": ") + 16, NULL);
+            cr_assert(m > 0 && m == p, "%s %s stage %d: planned %.0f bytes, measured %.0f",
+                      cases[c].model, cases[c].mesh, k, p, m);
+            cr_assert(k < S && fabs(p / 1048576.0 - planned[k]) < 0.005, "%s stage %d: compare's "
+                      "plan %.0f bytes, tandem plan's %.2f MiB", cases[c].model, k, p,
+                      planned[k]);
+        }
+        cr_assert_eq(k, S, "%s: %s", cases[c].model, text);
+        /* the set-up's host memory: the stage's whole layers, not the model */
+        const char *tr[32] = {"plan", "--model", cases[c].model, "--batch", cases[c].batch,
+                              "--mode", "pp", "--device", cases[c].dev, "--mesh", cases[c].mesh,
+                              NULL};
+        train_as_planned(tr, 11, gpt);
+        const char *line = strstr(g_r.out, "its set-up built its stage's whole layers in ");
+        cr_assert_not_null(line, "%s", g_r.out);
+        double setup = strtod(line + strlen("its set-up built its stage's whole layers in "),
+                              NULL);
+        const char *one[] = {"plan", "--model", cases[c].model, "--batch", cases[c].batch, NULL};
+        cli_run(&g_r, one);
+        cr_assert_eq(g_r.code, 0, "%s", g_r.out);
+        const char *pa = strstr(g_r.out, "  parameters "), *gr = strstr(g_r.out, "  gradients ");
+        cr_assert(pa && gr, "%s", g_r.out);
+        double whole = strtod(pa + strlen("  parameters "), NULL) +
+                       strtod(gr + strlen("  gradients "), NULL);
+        cr_assert(setup > 0 && setup < whole, "%s: the set-up held %.3f MiB of host memory, the "
+                  "whole model's parameters and gradients %.3f", cases[c].model, setup, whole);
     }
-    const char *bf16[] = {"plan", "--mode", "tp", "--device", "cpu:2", "--precision", "bf16", NULL};
-    cli_run(&g_r, bf16);
-    cr_assert_eq(g_r.code, 2, "%s", g_r.out);
-    cr_assert(strstr(g_r.out, "--precision bf16 is not planned"), "%s", g_r.out);
-    const char *run[] = {"train", "--model", "gpt:2-32-2-16", "--batch", "8", "--mode", "tp",
-                         "--device", "cpu:2", "--precision", "bf16", "--epochs", "1",
-                         "--no-eval", "--max-steps", "2", NULL};
-    cli_run(&g_r, run);
-    cr_assert_eq(g_r.code, 0, "%s", g_r.out);
-    cr_assert(strstr(g_r.out, "tp memory, rank 0: device peak") &&
-                  !strstr(g_r.out, "planned (tandem plan)"),
-              "%s", g_r.out);
+    tu_rmtree(dir);
     cr_assert_eq(cli_shm_entries(), 0);
 }

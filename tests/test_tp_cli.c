@@ -367,10 +367,12 @@ Test(tp_cli, sequence_parallel_writes_single_devices_checkpoint_within_the_bound
         "--save", t2);
     expect(&r, 0, "sequence parallel: LayerNorms on 1/N of the tokens");
     /* the plan: one all-reduce (the LayerNorms' gradients), 8
-     * reduce-scatters and 8 all-gathers per step (what was counted over
-     * the run: tests/test_tp.c checks it per step) */
-    expect(&r, 0, "; 1 per step of the full batch by the plan), ");
-    expect(&r, 0, "(8 and 8 per step)");
+     * reduce-scatters and 8 all-gathers per pass, and the communicator
+     * counted that in the 6 training passes (tests/test_tp.c checks it
+     * per step; tests/test_cli_tp_traffic.c the line's counts) */
+    expect(&r, 0, "6 all-reduces of 0.003 MiB in the 6 training passes");
+    expect(&r, 0, "; 1 per pass of the full batch by the plan), 48 reduce-scatters");
+    expect(&r, 0, "and 48 all-gathers of 0.188 MiB (8 and 8 per pass)");
     CLI(&r, "train", "--model", "gpt:2-16-2-8", "--data", text, "--mode", "tp", "--device",
         "cpu:4", "--mesh", "dp=2,tp=2", "--sequence-parallel", "--batch", "8", "--epochs", "1",
         "--max-steps", "6", "--quiet", "--save", m);

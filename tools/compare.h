@@ -277,6 +277,10 @@ int tdm_cmp_tp_section(const tdm_cmp_opts *o, const tdm_cmp_data *data,
 /* Its trace events (a process of one track per stage, each micro-batch's
  * F and B), after the other modes'; nothing when it did not run. */
 void tdm_cmp_pp_trace(FILE *f, int *first, int pid, long long (*us)(double));
+/* --json: the pipeline's object (",\n  \"pipeline\": {...}": its layout,
+ * verdict and per-stage memory, measured and planned); nothing when it
+ * did not run. */
+void tdm_cmp_pp_json(FILE *f);
 
 /* Writers (tools/compare_out.c); on failure a message is printed. */
 tdm_status tdm_cmp_write_trace(const char *path, const tdm_cmp_opts *o,

@@ -152,6 +152,7 @@ tdm_status tdm_cmp_write_json(FILE *f, const tdm_cmp_opts *o, tdm_cmp_result *co
         tdm_json_put_str(f, rep->hook);
         fprintf(f, ", \"pass\": %s}", rep->hook_pass ? "true" : "false");
     }
+    tdm_cmp_pp_json(f);
     fputs(",\n  \"sweep\": [", f);
     int first = 1;
     for (int i = 0; i < rep->n_sweep; i++) {

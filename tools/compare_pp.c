@@ -23,6 +23,7 @@
 #include "pp/pp.h"
 #include "tools/compare.h"
 #include "tools/compare_mesh.h"
+#include "tools/compare_json.h"
 #include "tools/plan_peak.h"
 #include "tools/rank_pptp.h"
 #include "tools/ranks.h"
@@ -48,6 +49,8 @@ typedef struct tdm_cmp_pp_shared {
                                          the planned peak (tools/plan_peak.h; -1: none) */
     double overlapped, transfers;
     double last_norm;         /* --clip-grad-norm: the last step's global norm, before clipping */
+    int sched;                /* tdm_pp_schedule_kind */
+    int verdict;              /* the section's: 1 within the bound, 0 not */
     size_t off_loss, off_step, off_t0, off_phase, off_ev, off_params, total;
 } tdm_cmp_pp_shared;
 
@@ -442,6 +445,8 @@ int tdm_cmp_pp_section(const tdm_cmp_opts *o, const tdm_cmp_data *data,
     free(ref_p);
     if (g_pp) munmap(g_pp, g_pp->total);
     g_pp = NULL;
+    sh->sched = (int)kind;
+    sh->verdict = verdict;
     if (verdict >= 0) g_pp = sh;
     else munmap(sh, sh->total);
     return verdict;
@@ -477,4 +482,30 @@ void tdm_cmp_pp_trace(FILE *f, int *first, int pid, long long (*us)(double))
         }
     }
 #undef TDM_PP_EV
+}
+
+/* --json's "pipeline": the layout, the verdict and every stage's memory
+ * as the text table has it (replica 0's stages), the allocator's peak
+ * beside tandem plan's. */
+void tdm_cmp_pp_json(FILE *f)
+{
+    const tdm_cmp_pp_shared *sh = g_pp;
+    if (!sh) return;
+    fprintf(f, ",\n  \"pipeline\": {\"stages\": %d, \"replicas\": %d, \"tp\": %d, "
+               "\"micro_batches\": %d, \"schedule\": ", sh->S, sh->D, sh->T, sh->M);
+    tdm_json_put_str(f, tdm_pp_schedule_name((tdm_pp_schedule_kind)sh->sched));
+    fprintf(f, ", \"pass\": %s,\n    \"memory_bytes\": [", sh->verdict == 1 ? "true" : "false");
+    for (int s = 0; s < sh->S; s++) {
+        const double *m = sh->mem[s];
+        fprintf(f, "%s\n      {\"stage\": %d, \"layers\": [%d, %d], \"params\": %.0f, "
+                   "\"grads\": %.0f, \"optimizer\": %.0f, \"peak_activations\": ",
+                s ? "," : "", s, sh->lo[s], sh->hi[s] - 1, m[0], m[1], m[2]);
+        tdm_json_put_num(f, m[3] >= 0 ? m[3] : NAN);
+        fputs(", \"peak_measured\": ", f);
+        tdm_json_put_num(f, m[6] >= 0 ? m[6] : NAN);
+        fputs(", \"peak_planned\": ", f);
+        tdm_json_put_num(f, m[7] >= 0 ? m[7] : NAN);
+        fputc('}', f);
+    }
+    fputs("]}", f);
 }

@@ -23,12 +23,14 @@
 #include "pp/pp.h"
 #include "tp/tp.h"
 #include "tools/plan_peak.h"
+#include "tools/rank_pptp.h"
 #include "tools/tools.h"
 #include "tools/train_modes.h"
 
 typedef struct tdm_plan_args {
     const char *model, *mode, *device, *precision, *ckpt, *offload, *optim, *sharding;
     const char *schedule, *mesh;
+    const char *offload_other;   /* an earlier --offload of another kind (refused) */
     long long batch, stages, micro;
     int seq_par;                 /* --sequence-parallel (tp) */
     double clip, momentum;
@@ -38,7 +40,7 @@ static void tdm_plan_usage(FILE *f)
 {
     fprintf(f,
         "usage: tandem plan [--model M] [--mode single|dp|ddp|fsdp|pp|tp] [--sharding S]\n"
-        "                   [--device D] [--stages S] [--mesh dp=D,pp=S|dp=D,tp=N]\n"
+        "                   [--device D] [--stages S] [--mesh dp=D,pp=S[,tp=N]|dp=D,tp=N]\n"
         "                   [--microbatches M] [--schedule gpipe|1f1b] [--sequence-parallel]\n"
         "                   [--batch B] [--precision fp32|bf16|fp16]\n"
         "                   [--checkpoint-activations [all|N]]\n"
@@ -48,8 +50,9 @@ static void tdm_plan_usage(FILE *f)
         "Prints the peak memory of one device (one rank) while the configuration\n"
         "trains, before anything is allocated: parameters, gradients, optimizer\n"
         "state, kept activations and scratch, as `tandem train` with the same\n"
-        "options allocates them (exact for a training step: the allocator's peak\n"
-        "with --no-eval; docs/MEMORY.md). ddp: each rank's model at its share of\n"
+        "options allocates them (the allocator's peak over the run, evaluation\n"
+        "between epochs included: it runs at the step's batch; docs/MEMORY.md).\n"
+        "ddp: each rank's model at its share of\n"
         "the global batch (the largest share), plus DDP's gradient buckets in the\n"
         "job's shared memory on host devices. fsdp: each rank's model at its share,\n"
         "less the flat buffers it releases, plus its shards (or full copies), the\n"
@@ -63,13 +66,14 @@ static void tdm_plan_usage(FILE *f)
         "buffer (the received activations and gradients: in the links' shared memory\n"
         "on host devices, counted on a GPU's); with D replicas (--mesh dp=D,pp=S, or\n"
         "--stages S of D*S devices) every replica's stage alike at ceil(B/D) samples,\n"
-        "and with --sharding optimizer its optimizer state over 1/D of the stage.\n"
+        "and with --sharding optimizer its optimizer state over 1/D of the stage;\n"
+        "with tp=N stages (--mesh dp=D,pp=S,tp=N) a rank's slices of its stage.\n"
         "tp (--mesh dp=D,tp=N, or N = the devices): a rank's slices of the parameters,\n"
         "gradients and optimizer state (ZeRO-1 over dp with --sharding optimizer; ZeRO-2\n"
         "with grad_op: a gradient shard kept, the whole gradient inside a step), the\n"
         "activations and scratch at ceil(B/D) samples (with checkpointing: one block's\n"
-        "set and the block outputs), the loss rows; --precision bf16|fp16 is not\n"
-        "planned for tp.\n"
+        "set and the block outputs), the scratch (loss rows, the levers'), and with\n"
+        "--precision bf16|fp16 the products' 16-bit operands (the largest product's).\n"
         "  --model M      as tandem train                          [mlp]\n"
         "  --mode M       single, dp, ddp, fsdp, pp or tp          [single]\n"
         "  --stages S, --microbatches M, --schedule K, --mesh dp=D,pp=S   pp's, as\n"
@@ -112,6 +116,8 @@ static tdm_status tdm_plan_parse(int argc, char **argv, tdm_plan_args *a, int *h
             if (!v) return tdm_tool_usage_error("tandem plan: %s needs a value\n", s);
             i++;
             char *end = NULL;
+            if (str == &a->offload && a->offload && strcmp(a->offload, v) && !a->offload_other)
+                a->offload_other = a->offload;
             if (str) *str = v;
             else if (!strcmp(s, "--batch")) a->batch = strtoll(v, &end, 10);
             else if (!strcmp(s, "--stages")) a->stages = strtoll(v, &end, 10);
@@ -272,21 +278,27 @@ tdm_status tdm_tool_plan_pp_rank(const tdm_tool_build *b, const tdm_mesh_shape *
     int S = shape->size[TDM_MESH_PP], reps = shape->size[TDM_MESH_DP], n = 0;
     int s = coord[TDM_MESH_PP], first[64];
     *planned = 0;
-    TDM_REQUIRE(shape->size[TDM_MESH_TP] == 1 && !b->deterministic, TDM_STATUS_UNSUPPORTED,
-                "plan: tensor-parallel stages and --deterministic's virtual shards are not "
-                "planned");
+    TDM_REQUIRE(!b->deterministic, TDM_STATUS_UNSUPPORTED,
+                "plan: --deterministic's virtual shards are not planned");
     TDM_REQUIRE(S >= 1 && S <= 64 && b->pp.micro >= 1 && batch >= 1, TDM_STATUS_INVALID_ARG,
                 "plan: %d stages (1..64), %d micro-batches, a batch of %d", S, b->pp.micro,
                 batch);
     TDM_CHECK(tdm_model_spec_n_layers(&b->spec, &n));
     TDM_CHECK(b->pp.split ? tdm_pp_split_parse(b->pp.split, S, n, first)
                           : tdm_pp_split_balance(&b->spec, S, TDM_PP_BALANCE_FLOPS, first));
+    /* tensor-parallel stages (tools/rank_pptp.h): a rank's stage is the
+     * stage of the narrow spec (its slices), its partial sums in place */
+    tdm_model_spec spec = b->spec;
+    if (shape->size[TDM_MESH_TP] > 1) {
+        tdm_pptp_cut cut[TDM_PPTP_MAX_LAYERS];
+        TDM_CHECK(tdm_pptp_plan(&b->spec, S, first, shape->size[TDM_MESH_TP], cut, &spec));
+    }
     tdm_pp_schedule *sched = NULL;
     TDM_CHECK(tdm_pp_schedule_build(&sched, b->pp.schedule, S, b->pp.micro));
     int share = (batch + reps - 1) / reps;
     tdm_plan_opts o;
     tdm_plan stage;
-    tdm_plan_opts_default(&o, &b->spec, (share + b->pp.micro - 1) / b->pp.micro);
+    tdm_plan_opts_default(&o, &spec, (share + b->pp.micro - 1) / b->pp.micro);
     o.precision = b->precision;
     o.ckpt = b->ckpt;
     o.optim = b->optim;
@@ -304,7 +316,7 @@ tdm_status tdm_tool_plan_pp_rank(const tdm_tool_build *b, const tdm_mesh_shape *
 
 tdm_status tdm_tool_plan_tp_rank(const tdm_model_spec *spec, const tdm_optim_opts *optim, int T,
                                  int D, int share, int seq_par, int zero, int ckpt,
-                                 tdm_tool_tp_plan *out)
+                                 const tdm_tool_tp_levers *lev, tdm_tool_tp_plan *out)
 {
     int zero1 = zero != 0;   /* ZeRO-1 or 2: the same chunks */
     memset(out, 0, sizeof *out);
@@ -323,13 +335,31 @@ tdm_status tdm_tool_plan_tp_rank(const tdm_model_spec *spec, const tdm_optim_opt
     out->grad_shard = zero == 2 && D > 1 ? tdm_plan_round64(chunk * sizeof(float)) : 0;
     out->optim = (size_t)tdm_optim_kind_n_state(optim) * tdm_plan_round64(chunk * sizeof(float));
     out->activations = fp.act_bytes;
-    /* the loss's per-row values in the device's scratch (at least 256
-     * bytes, 64-byte granules) */
+    /* the device's scratch through a step (models/plan.h): the loss's
+     * per-row values, fp16's found-inf flag, the norm's partial sums over
+     * the elements rank 0 counts (its whole slice, or under ZeRO-1
+     * replica 0's chunk of it: tp/levers.c) and the norm itself */
     size_t rows = (size_t)share * (size_t)(spec->kind == TDM_MODEL_GPT ? spec->n_ctx : 1);
-    size_t loss = rows * sizeof(float) > 256 ? rows * sizeof(float) : 256;
-    out->scratch = tdm_plan_round64(loss);
+    size_t needs[4];
+    int k = 0;
+    tdm_precision prec = lev ? lev->precision : TDM_PRECISION_FP32;
+    needs[k++] = rows * sizeof(float);
+    if (prec == TDM_PRECISION_FP16) needs[k++] = sizeof(float);
+    if (lev && lev->grad_norm) {
+        needs[k++] = (size_t)tdm_dev_sumsq_chunks((int64_t)(chunk < n ? chunk : n)) *
+                     sizeof(double);
+        needs[k++] = sizeof(double);
+    }
+    out->scratch = tdm_plan_scratch_peak(needs, k);
+    /* the 16-bit products' operand block (tp/levers.c), and a host
+     * device's float32 widening of fp16 operands */
+    if (prec != TDM_PRECISION_FP32) {
+        out->low = tdm_plan_round64(fp.low_bytes);
+        if (lev->device == TDM_DEVICE_HOST && prec == TDM_PRECISION_FP16)
+            out->low += tdm_plan_round64((size_t)fp.wide_elems * sizeof(float));
+    }
     out->peak = out->params + out->grads + out->grad_shard + out->optim + out->activations +
-                out->scratch;
+                out->scratch + out->low;
     return TDM_STATUS_OK;
 }
 
@@ -356,30 +386,24 @@ static tdm_status tdm_plan_tp_print(const tdm_plan_args *a, const tdm_plan_opts 
     if (a->batch < D)
         return tdm_tool_usage_error("tandem plan: --batch %lld is smaller than the %d "
                                     "replicas\n", a->batch, D);
-    /* tp's 16-bit products convert their operands into a scratch block
-     * sized by the largest product (tp/levers.c): not modelled here */
-    if (o->precision != TDM_PRECISION_FP32)
-        return tdm_tool_usage_error("tandem plan: --mode tp --precision %s is not planned (tp "
-                                    "converts each product's operands into a scratch block "
-                                    "the plan does not model); plan fp32, or run tandem train, "
-                                    "which prints the measured peak\n",
-                                    tdm_precision_name(o->precision));
     tdm_tool_tp_plan t;
+    tdm_tool_tp_levers lev = {.precision = o->precision, .grad_norm = o->grad_norm,
+                              .device = o->device};
     tdm_status st = tdm_tool_plan_tp_rank(&o->spec, &o->optim, T, D,
                                           (int)((a->batch + D - 1) / D), a->seq_par, zero,
-                                          o->ckpt, &t);
+                                          o->ckpt, &lev, &t);
     if (st) {
         fprintf(stderr, "tandem plan: --mode tp: %s\n", tdm_error_message());
         return st == TDM_STATUS_INVALID_ARG ? TDM_STATUS_USAGE : st;
     }
     printf("tandem plan: %s, mode tp on %s (%d rank%s%s%s%s), batch %lld (%lld per replica at "
-           "most), precision fp32%s\n", a->model, a->device, T, T == 1 ? "" : "s",
+           "most), precision %s%s\n", a->model, a->device, T, T == 1 ? "" : "s",
            D > 1 ? " x " : "",
            D > 1 ? (zero == 2 ? "replicas, ZeRO-2 over dp" : zero ? "replicas, ZeRO-1 over dp"
                                                                  : "replicas")
                  : "",
            a->seq_par ? ", sequence parallel" : "", a->batch, (a->batch + D - 1) / D,
-           o->ckpt ? ", checkpointing" : "");
+           tdm_precision_name(o->precision), o->ckpt ? ", checkpointing" : "");
     printf("peak per device: %.2f MiB (a rank of the replica with the largest share; every "
            "rank's slices have the same sizes)\n", t.peak / 1048576.0);
     printf("  %-22s %10lld elements\n", "the rank's slice", (long long)t.elems);
@@ -388,7 +412,8 @@ static tdm_status tdm_plan_tp_print(const tdm_plan_args *a, const tdm_plan_opts 
     if (zero == 2) tdm_plan_line("gradient shard (1/D)", t.grad_shard);
     tdm_plan_line(zero1 ? "optimizer (1/D of it)" : "optimizer state", t.optim);
     tdm_plan_line("activations, scratch", t.activations);
-    tdm_plan_line("loss rows", t.scratch);
+    tdm_plan_line("scratch (loss rows)", t.scratch);
+    if (t.low) tdm_plan_line("16-bit operands", t.low);
     printf("  not counted: %s\n", o->device == TDM_DEVICE_HOST
                                       ? "nothing on host devices (DDP over dp: the job's shared "
                                         "memory)"
@@ -423,11 +448,7 @@ static tdm_status tdm_plan_pp_print(const tdm_plan_args *a, tdm_plan_opts *o, in
                                     "pipeline of S stages runs on S devices (or D*S: D "
                                     "replicas)\n", S0, devices);
     }
-    int S = shape.size[TDM_MESH_PP], D = shape.size[TDM_MESH_DP];
-    if (shape.size[TDM_MESH_TP] > 1)
-        return tdm_tool_usage_error("tandem plan: --mesh %s: tensor-parallel stages (tp=%d) are "
-                                    "not planned yet (dp x pp meshes are)\n", a->mesh,
-                                    shape.size[TDM_MESH_TP]);
+    int S = shape.size[TDM_MESH_PP], D = shape.size[TDM_MESH_DP], T = shape.size[TDM_MESH_TP];
     if (zero1 && D < 2)
         return tdm_tool_usage_error("tandem plan: --sharding optimizer shards each stage's "
                                     "optimizer over the dp dimension: it needs --mesh dp=D,pp=S "
@@ -442,6 +463,16 @@ static tdm_status tdm_plan_pp_print(const tdm_plan_args *a, tdm_plan_opts *o, in
     int first[64];
     tdm_pp_schedule *sched = NULL;
     TDM_CHECK(tdm_pp_split_balance(&o->spec, S, TDM_PP_BALANCE_FLOPS, first));
+    if (T > 1) {
+        /* tensor-parallel stages (tools/rank_pptp.h): a rank's stage is
+         * the narrow spec's, its slices; its partial sums run in place */
+        tdm_pptp_cut cut[TDM_PPTP_MAX_LAYERS];
+        tdm_model_spec narrow;
+        if (tdm_pptp_plan(&o->spec, S, first, T, cut, &narrow))
+            return tdm_tool_usage_error("tandem plan: --mesh %s: %s\n", a->mesh,
+                                        tdm_error_message());
+        o->spec = narrow;
+    }
     TDM_CHECK(tdm_pp_schedule_build(&sched, kind, S, M));
     o->batch = (share + M - 1) / M;
     size_t peak[64], most = 0;
@@ -460,14 +491,17 @@ static tdm_status tdm_plan_pp_print(const tdm_plan_args *a, tdm_plan_opts *o, in
         fprintf(stderr, "tandem plan: %s\n", tdm_error_message());
         return rc;
     }
-    char split[160], reps[160] = "";
+    char split[160], reps[160] = "", tps[96] = "";
+    if (T > 1)
+        snprintf(tps, sizeof tps, ", each stage over %d tensor-parallel ranks (a rank's slices)",
+                 T);
     if (D > 1)
         snprintf(reps, sizeof reps, " x %d replicas (dp=%d, %s)", D, D,
                  zero1 ? "ZeRO-1: each replica keeps 1/D of a stage's optimizer state"
                        : "DDP over the dp dimension");
-    printf("tandem plan: %s, mode pp on %s (%d stages%s, %s, %d micro-batches of %d), precision "
-           "%s%s\n", a->model, a->device, S, reps, tdm_pp_schedule_name(kind), M, o->batch,
-           tdm_precision_name(o->precision), o->ckpt ? ", checkpointing" : "");
+    printf("tandem plan: %s, mode pp on %s (%d stages%s%s, %s, %d micro-batches of %d), "
+           "precision %s%s\n", a->model, a->device, S, reps, tps, tdm_pp_schedule_name(kind), M,
+           o->batch, tdm_precision_name(o->precision), o->ckpt ? ", checkpointing" : "");
     printf("peak per device: %.2f MiB (the largest stage's%s; first layers %s)\n",
            most / 1048576.0, D > 1 ? ", every replica alike" : "",
            tdm_pp_split_str(first, S, split, sizeof split));
@@ -587,7 +621,8 @@ int tdm_tool_plan_main(int argc, char **argv)
     /* the levers' checks are train's */
     tdm_train_args ta = {.mode = a.mode, .device = a.device, .precision = a.precision,
                          .ckpt = a.ckpt, .offload = a.offload, .clip_grad_norm = a.clip,
-                         .sharding = a.sharding,
+                         .sharding = a.sharding, .mesh = a.mesh, .tool = "tandem plan",
+                         .offload_other = a.offload_other,
                          .grad_accum = 1};
     if ((st = tdm_train_levers_check(&ta))) return tdm_tool_exit(st);
     tdm_device_list dl;

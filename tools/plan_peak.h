@@ -63,7 +63,8 @@ tdm_status tdm_tool_plan_pp_stage(const tdm_plan_opts *o, const tdm_tool_pp_plac
  * coordinate coord of shape, on a device of kind dev, for a global batch
  * of `batch` (the largest replica's share: the pipeline sizes every
  * replica's micro-batches by it), grad_norm 1 with clipping: *planned.
- * UNSUPPORTED for tensor-parallel stages (tp > 1) and --deterministic
+ * Tensor-parallel stages (tp > 1): the stage of the narrow spec, a
+ * rank's slices (tools/rank_pptp.h). UNSUPPORTED for --deterministic
  * (its micro-batches are virtual shards). */
 tdm_status tdm_tool_plan_pp_rank(const tdm_tool_build *b, const tdm_mesh_shape *shape,
                                  const int coord[TDM_MESH_NDIMS], tdm_device_kind dev,
@@ -78,14 +79,23 @@ tdm_status tdm_tool_plan_pp_rank(const tdm_tool_build *b, const tdm_mesh_shape *
  * holds only inside a step: grad_shard, counted in the peak), the
  * activations and scratch tdm_tp_footprint counts for
  * `share` samples (its replica's: tp reserves them at the rows it gets;
- * the largest replica's, ceil(B/D), is the job's peak), and the loss rows
- * in the device's scratch. */
+ * the largest replica's, ceil(B/D), is the job's peak), the device's
+ * scratch (the loss rows; with lev: fp16's flag, the norm's partial
+ * sums), and with lev->precision bf16|fp16 the products' 16-bit
+ * operand block (tp/levers.c) plus, on a host device in fp16, the
+ * float32 widening of the largest product's operands. lev NULL: fp32,
+ * no clipping. */
+typedef struct tdm_tool_tp_levers {
+    tdm_precision precision;
+    int grad_norm;               /* --clip-grad-norm */
+    tdm_device_kind device;
+} tdm_tool_tp_levers;
 typedef struct tdm_tool_tp_plan {
-    size_t params, grads, grad_shard, optim, activations, scratch, peak;
+    size_t params, grads, grad_shard, optim, activations, scratch, low, peak;
     int64_t elems;               /* the rank's flat slice */
 } tdm_tool_tp_plan;
 tdm_status tdm_tool_plan_tp_rank(const tdm_model_spec *spec, const tdm_optim_opts *optim, int T,
                                  int D, int share, int seq_par, int zero, int ckpt,
-                                 tdm_tool_tp_plan *out);
+                                 const tdm_tool_tp_levers *lev, tdm_tool_tp_plan *out);
 
 #endif

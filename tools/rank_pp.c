@@ -753,9 +753,10 @@ static void tdm_rank_pp_print(const tdm_tool_rank *r, const double *all, int S)
                (long long)q->zstep.bytes[TDM_COLL_ALL_GATHER], (long long)q->zchunk);
     if (q->tpn > 1)
         printf("pp-tp: each stage's %d ranks hold 1/%d of its split layers (tp rank 0's shown); "
-               "rank 0 all-reduced %lld partial sums of %.3f MiB in %.3f ms over the run\n",
-               q->tpn, q->tpn, (long long)q->tp.sums, (double)q->tp.sum_bytes * mib,
-               q->tp.sum_ms);
+               "rank 0 all-reduced %lld partial sums of %.3f MiB in %.3f ms over the run; its "
+               "set-up built its stage's whole layers in %.3f MiB of host memory to slice "
+               "them\n", q->tpn, q->tpn, (long long)q->tp.sums, (double)q->tp.sum_bytes * mib,
+               q->tp.sum_ms, (double)q->tp.setup_host_bytes * mib);
     if (q->tpn > 1 && q->tp.narrow.tp_seq) {
         /* stage 0's plan of a full step */
         int64_t c, b, lc, lb;

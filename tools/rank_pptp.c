@@ -142,10 +142,9 @@ static tdm_status tdm_pptp_sum(void *ctx, float *buf, int64_t n, int layer)
  * narrow shape says the cut: fewer columns, a row-parallel weight;
  * fewer rows, a column-parallel weight or bias (the GPT's c_attn in its
  * q, k and v thirds: its heads' rows of each); the same, replicated. */
-static void tdm_pptp_move(const tdm_pptp *q, int t, int i, float *whole, float *narrow, int out)
+static void tdm_pptp_move_tensor(const tdm_tensor_info *wi, const tdm_tensor_info *ni, int t,
+                                 float *whole, float *narrow, int out)
 {
-    const tdm_tensor_info *wi = tdm_model_param_info(q->whole, i);
-    const tdm_tensor_info *ni = tdm_model_param_info(q->slim, i);
     float *w = whole + wi->offset, *n = narrow + ni->offset;
     size_t f = sizeof *w;
     if (wi->ndim == 2 && ni->shape[1] < wi->shape[1]) {
@@ -169,6 +168,12 @@ static void tdm_pptp_move(const tdm_pptp *q, int t, int i, float *whole, float *
         if (out) memcpy(a, b, (size_t)r * f);
         else memcpy(b, a, (size_t)r * f);
     }
+}
+
+static void tdm_pptp_move(const tdm_pptp *q, int t, int i, float *whole, float *narrow, int out)
+{
+    tdm_pptp_move_tensor(tdm_model_param_info(q->whole, i), tdm_model_param_info(q->slim, i), t,
+                         whole, narrow, out);
 }
 
 void tdm_pptp_slice(const tdm_pptp *q, int t, const float *whole, float *narrow)
@@ -224,17 +229,44 @@ static tdm_status tdm_pptp_mark(tdm_pptp *q, tdm_model *m)
 
 tdm_status tdm_pptp_attach(tdm_pptp *q, tdm_pp *p, uint64_t seed)
 {
-    TDM_CHECK(tdm_pptp_mark(q, tdm_pp_model(p)));
-    /* this rank's slices of the whole model's initial parameters, so that
-     * the run starts where one device starts */
+    tdm_model *m = tdm_pp_model(p);
+    TDM_CHECK(tdm_pptp_mark(q, m));
+    /* this rank's slices of the initial parameters of its stage's layers
+     * of the whole model (tdm_model_init_stage: the whole model's values
+     * at the seed), so that the run starts where one device starts; only
+     * the stage is built, not the whole model it slices nothing else of */
+    tdm_model_stage_info si;
+    tdm_model_get_stage(m, &si);
     tdm_device *host = NULL;
     tdm_model *whole = NULL;
-    tdm_status st = tdm_device_open(&host, "cpu", 0, 1);
-    if (!st) st = tdm_model_init(&whole, host, tdm_model_get_spec(q->whole), seed);
-    if (!st) {
-        tdm_ckpt_host h = {.params = tdm_model_params(whole)};
-        st = tdm_pptp_load(q, p, &h);
+    int64_t n = tdm_model_param_elems(m);
+    float *narrow = malloc((size_t)(n > 0 ? n : 1) * sizeof *narrow);
+    tdm_status st = narrow ? TDM_STATUS_OK
+                           : tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "pp-tp: %lld parameters",
+                                           (long long)n);
+    if (!st) st = tdm_device_open(&host, "cpu", 0, 1);
+    if (!st)
+        st = tdm_model_init_stage(&whole, host, tdm_model_get_spec(q->whole), seed, si.lo, si.hi);
+    if (!st && tdm_model_n_params(whole) != tdm_model_n_params(m))
+        st = tdm_error_set(TDM_STATUS_INTERNAL, "pp-tp: the stage holds %d tensors, its whole "
+                           "layers %d", tdm_model_n_params(m), tdm_model_n_params(whole));
+    for (int i = 0; !st && i < tdm_model_n_params(m); i++) {
+        const tdm_tensor_info *wi = tdm_model_param_info(whole, i);
+        const tdm_tensor_info *ni = tdm_model_param_info(m, i);
+        if (strcmp(wi->name, ni->name))
+            st = tdm_error_set(TDM_STATUS_INTERNAL, "pp-tp: the stage's tensor %d is %s, its "
+                               "whole layers' %s", i, ni->name, wi->name);
+        else
+            tdm_pptp_move_tensor(wi, ni, q->t, tdm_model_params(whole), narrow, 0);
     }
+    if (!st)
+        st = tdm_dev_copy_from_host(tdm_model_device(m), tdm_model_params(m), narrow,
+                                    (size_t)n * sizeof *narrow);
+    if (!st) st = tdm_dev_sync(tdm_model_device(m));
+    tdm_dev_mem_stats ms;
+    if (!st && tdm_dev_mem_query(host, &ms) == TDM_STATUS_OK)
+        q->setup_host_bytes = ms.peak_bytes + (size_t)n * sizeof *narrow;
+    free(narrow);
     tdm_model_free(whole);
     tdm_device_free(host);
     return st;

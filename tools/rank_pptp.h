@@ -98,6 +98,7 @@ typedef struct tdm_pptp {
     double seq_ms;               /* and their time */
     int64_t sum_bytes;
     double sum_ms;
+    size_t setup_host_bytes;     /* tdm_pptp_attach's host memory at its most (bytes) */
 } tdm_pptp;
 
 /* The plan over spec and the two models' tables. */
@@ -105,8 +106,9 @@ tdm_status tdm_pptp_init(tdm_pptp *q, const tdm_model_spec *spec, int S, const i
                          int N, int t, tdm_comm *tdev, tdm_comm *thost, tdm_device *dev);
 void tdm_pptp_fini(tdm_pptp *q);
 /* Installs the partial sums on p's stage model and gives it this rank's
- * slices of the whole model's initial parameters from seed. Collective
- * over nothing: every rank computes the same whole model. */
+ * slices of the whole model's initial parameters from seed, built for
+ * the stage's layers only (in host memory: q->setup_host_bytes). Collective
+ * over nothing: every rank computes the same whole layers. */
 tdm_status tdm_pptp_attach(tdm_pptp *q, tdm_pp *p, uint64_t seed);
 
 /* whole (the whole model's layout) into narrow (the narrow model's), as

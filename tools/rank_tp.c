@@ -40,7 +40,29 @@ typedef struct tdm_tool_tp {
     tdm_dist_det det;            /* --deterministic K: the tree over the dp dimension */
     int det_global;              /* the step's global batch */
     int64_t det_row0;            /* and this replica's first row in it */
+    int norm;                    /* the steps measured the gradient norm (the plan's scratch) */
+    /* after the run (tdm_rank_tp_finish): the rank with the largest
+     * device peak, that peak and its plan (rank 0's report) */
+    int top_rank, top_rep;
+    size_t top_peak, top_planned;
+    /* what the tensor-parallel communicator carried in the training
+     * passes (forward and backward of a step or a micro-batch): not the
+     * set-up's checks, the evaluation's forwards, the checkpoints' gathers */
+    tdm_comm_traffic pass_traffic, pass_t0;
+    int64_t passes;
 } tdm_tool_tp;
+
+/* The tensor-parallel communicator's traffic since q->pass_t0 added to
+ * q->pass_traffic. */
+static void tdm_rank_tp_count(tdm_tool_tp *q)
+{
+    tdm_comm_traffic t;
+    tdm_comm_traffic_get(q->mesh.dev[TDM_MESH_TP], &t);
+    for (int c = 0; c < TDM_COLL_COUNT_; c++) {
+        q->pass_traffic.calls[c] += t.calls[c] - q->pass_t0.calls[c];
+        q->pass_traffic.bytes[c] += t.bytes[c] - q->pass_t0.bytes[c];
+    }
+}
 
 /* ---- the layout ---- */
 
@@ -164,8 +186,12 @@ static tdm_status tdm_rank_tp_step(void *ctx, const void *x, const int32_t *y, i
     tdm_dist_share(q->det_global, q->rep, q->reps, &q->det_row0, &end);
     /* the levers: found-inf and the norm over the whole job */
     tdm_train_levers_tp_begin(s, q->p, q->jcomm, q->rep);
+    q->norm = s->clip_norm > 0.0 || s->measure_norm;
+    tdm_comm_traffic_get(q->mesh.dev[TDM_MESH_TP], &q->pass_t0);
     TDM_CHECK(tdm_tool_mesh_step(s, &q->mesh, q->in_elems, q->out_rows, tdm_rank_tp_step_fn, q,
                                  who, "tp loss over the replicas", x, y, batch, loss_mean));
+    tdm_rank_tp_count(q);
+    q->passes++;
     tdm_train_levers_tp_end(s, q->p);
     return TDM_STATUS_OK;
 }
@@ -195,8 +221,13 @@ static tdm_status tdm_rank_tp_accum_micro(void *ctx, const void *x, const int32_
     tdm_dist_share(batch, q->rep, q->reps, &lo, &hi);
     *loss_sum = 0.0;
     if (hi == lo) return TDM_STATUS_OK;   /* a short micro-batch: the whole group has none */
-    return tdm_tp_forward_backward(q->p, (const int32_t *)x + lo * q->in_elems,
-                                   y + lo * q->out_rows, (int)(hi - lo), grad_scale, loss_sum);
+    tdm_comm_traffic_get(q->mesh.dev[TDM_MESH_TP], &q->pass_t0);
+    TDM_CHECK(tdm_tp_forward_backward(q->p, (const int32_t *)x + lo * q->in_elems,
+                                      y + lo * q->out_rows, (int)(hi - lo), grad_scale,
+                                      loss_sum));
+    tdm_rank_tp_count(q);
+    q->passes++;
+    return TDM_STATUS_OK;
 }
 
 static tdm_status tdm_rank_tp_accum_step(void *ctx, double *loss_sum)
@@ -317,31 +348,75 @@ static void tdm_rank_tp_describe(const tdm_tool_rank *r, char *on, size_t n_on, 
     snprintf(note, n_note, "%s", "");
 }
 
-/* Rank 0's device peak (the allocator's) beside the plan of a rank at
- * its replica's share (tools/plan_peak.h; tandem plan --mode tp prints
- * the largest share's; not with --deterministic's virtual shards). */
+/* A rank's plan at its replica's rows (tp reserves its activations for
+ * them; tools/plan_peak.h): 0 when not planned (--deterministic's
+ * virtual shards, an empty share). */
+static size_t tdm_rank_tp_planned(const tdm_tool_rank *r)
+{
+    const tdm_tool_tp *q = r->w;
+    tdm_tool_tp_plan t;
+    int64_t lo, hi;
+    tdm_dist_share(r->b->pp.batch, q->mesh.coord[TDM_MESH_DP], q->mesh.size[TDM_MESH_DP], &lo,
+                   &hi);
+    tdm_tool_tp_levers lev = {.precision = r->b->precision, .grad_norm = q->norm,
+                              .device = tdm_dev_kind(r->dist->dev)};
+    if (r->b->deterministic || hi <= lo ||
+        tdm_tool_plan_tp_rank(&r->b->spec, &r->b->optim, q->mesh.size[TDM_MESH_TP],
+                              q->mesh.size[TDM_MESH_DP], (int)(hi - lo), r->b->tp.seq_par,
+                              r->b->tp.zero, r->b->ckpt, &lev, &t)) {
+        tdm_error_clear();
+        return 0;
+    }
+    return t.peak;
+}
+
+/* Every rank's device peak and plan to rank 0 (collective, after the
+ * run): the replicas' shares of an uneven batch differ, and the job's
+ * peak is the largest share's, which `tandem plan` prints. */
+static tdm_status tdm_rank_tp_finish(tdm_tool_rank *r)
+{
+    tdm_tool_tp *q = r->w;
+    tdm_dev_mem_stats ms;
+    int64_t mine[3] = {0, (int64_t)tdm_rank_tp_planned(r), q->mesh.coord[TDM_MESH_DP]};
+    int64_t *all = NULL;
+    if (tdm_dev_mem_query(r->dist->dev, &ms) == TDM_STATUS_OK) mine[0] = (int64_t)ms.peak_bytes;
+    tdm_error_clear();
+    all = calloc((size_t)r->world * 3, sizeof *all);
+    TDM_REQUIRE(all, TDM_STATUS_OUT_OF_MEMORY, "tp memory summary: %d ranks", r->world);
+    tdm_comm_set_label(r->dist->comm, "tp memory summary");
+    tdm_status st = tdm_comm_all_gather(r->dist->comm, mine, all, 3, TDM_DTYPE_INT64);
+    q->top_rank = 0;
+    for (int k = 1; st == TDM_STATUS_OK && k < r->world; k++)
+        if (all[3 * k] > all[3 * q->top_rank]) q->top_rank = k;
+    if (st == TDM_STATUS_OK) {
+        q->top_peak = (size_t)all[3 * q->top_rank];
+        q->top_planned = (size_t)all[3 * q->top_rank + 1];
+        q->top_rep = (int)all[3 * q->top_rank + 2];
+    }
+    free(all);
+    return st ? tdm_tool_rank_fail(r, "tp memory summary", st) : st;
+}
+
+/* Rank 0's device peak (the allocator's) beside its plan, and the job's
+ * largest (tandem plan --mode tp prints the largest share's; not with
+ * --deterministic's virtual shards). */
 static void tdm_rank_tp_peak(const tdm_tool_rank *r)
 {
     const tdm_tool_tp *q = r->w;
     tdm_dev_mem_stats ms;
-    tdm_tool_tp_plan t;
     if (tdm_dev_mem_query(r->dist->dev, &ms)) {
         tdm_error_clear();
         return;
     }
     printf("tp memory, rank 0: device peak %.2f MiB measured (allocator)",
            ms.peak_bytes / 1048576.0);
-    /* rank 0's replica's rows (tp reserves its activations for them) */
-    int64_t lo, hi;
-    tdm_dist_share(r->b->pp.batch, q->mesh.coord[TDM_MESH_DP], q->mesh.size[TDM_MESH_DP], &lo,
-                   &hi);
-    /* 16-bit products' operand scratch is not planned (tools/plan.c) */
-    if (!r->b->deterministic && hi > lo && r->b->precision == TDM_PRECISION_FP32 &&
-        !tdm_tool_plan_tp_rank(&r->b->spec, &r->b->optim, q->mesh.size[TDM_MESH_TP],
-                               q->mesh.size[TDM_MESH_DP], (int)(hi - lo), r->b->tp.seq_par,
-                               r->b->tp.zero, r->b->ckpt, &t))
-        printf(", %.2f MiB planned (tandem plan)", t.peak / 1048576.0);
-    tdm_error_clear();
+    size_t planned = tdm_rank_tp_planned(r);
+    if (planned) printf(", %.2f MiB planned (tandem plan)", planned / 1048576.0);
+    printf("\n");
+    if (q->mesh.size[TDM_MESH_DP] < 2) return;
+    printf("tp memory, the largest device peak: %.2f MiB measured (allocator) on rank %d "
+           "(replica %d)", q->top_peak / 1048576.0, q->top_rank, q->top_rep);
+    if (q->top_planned) printf(", %.2f MiB planned (tandem plan)", q->top_planned / 1048576.0);
     printf("\n");
 }
 
@@ -371,8 +446,7 @@ static void tdm_rank_tp_report(const tdm_tool_rank *r, int overlap)
         printf("; the whole gradient, %.3f MiB, only inside a step", s.grads_in_step * mib);
     printf("\n");
     tdm_rank_tp_peak(r);
-    tdm_comm_traffic t;
-    tdm_comm_traffic_get(q->mesh.dev[TDM_MESH_TP], &t);
+    const tdm_comm_traffic t = q->pass_traffic;
     tdm_comm_traffic plan;
     tdm_tp_step_traffic(&r->b->spec, tdm_tp_size(q->p), 1, r->b->tp.seq_par, &plan);
     if (r->b->ckpt) {
@@ -384,13 +458,13 @@ static void tdm_rank_tp_report(const tdm_tool_rank *r, int overlap)
             plan.bytes[c] += re.bytes[c];
         }
     }
-    printf("tp communication, rank 0: %lld all-reduces of %.3f MiB over the run (counted by the "
-           "communicator; %lld per step of the full batch by the plan)",
+    printf("tp communication, rank 0: %lld all-reduces of %.3f MiB in the %lld training "
+           "passes (counted by the communicator; %lld per pass of the full batch by the plan)",
            (long long)t.calls[TDM_COLL_ALL_REDUCE], (double)t.bytes[TDM_COLL_ALL_REDUCE] * mib,
-           (long long)plan.calls[TDM_COLL_ALL_REDUCE]);
+           (long long)q->passes, (long long)plan.calls[TDM_COLL_ALL_REDUCE]);
     if (plan.calls[TDM_COLL_REDUCE_SCATTER])
         printf(", %lld reduce-scatters of %.3f MiB and %lld all-gathers of %.3f MiB (%lld and "
-               "%lld per step)", (long long)t.calls[TDM_COLL_REDUCE_SCATTER],
+               "%lld per pass)", (long long)t.calls[TDM_COLL_REDUCE_SCATTER],
                (double)t.bytes[TDM_COLL_REDUCE_SCATTER] * mib,
                (long long)t.calls[TDM_COLL_ALL_GATHER], (double)t.bytes[TDM_COLL_ALL_GATHER] * mib,
                (long long)plan.calls[TDM_COLL_REDUCE_SCATTER],
@@ -438,4 +512,5 @@ const tdm_tool_design tdm_tool_tp_design = {
              .setup = tdm_rank_tp_setup, .free = tdm_rank_tp_free, .ops = &tdm_rank_tp_ops},
     .unit = "tensor-parallel rank", .save_alone = 0, .describe = tdm_rank_tp_describe,
     .report = tdm_rank_tp_report, .params = tdm_rank_tp_params, .step = tdm_rank_tp_step,
-    .accum = &tdm_rank_tp_accum_ops, .phases = tdm_rank_tp_phases};
+    .accum = &tdm_rank_tp_accum_ops, .phases = tdm_rank_tp_phases,
+    .finish = tdm_rank_tp_finish};

@@ -309,7 +309,14 @@ static tdm_status tdm_train_parse(int argc, char **argv, tdm_train_args *a, int 
         TDM_ARGS_INT("--deterministic", 1, TDM_DIST_DET_MAX_K, a->deterministic)
         TDM_ARGS_INT("--min-devices", 1, TDM_DIST_DET_MAX_K, a->min_devices)
         TDM_ARGS_STR("--precision", a->precision)
-        TDM_ARGS_STR("--offload", a->offload)
+        TDM_CHECK(tdm_args_value(argc, argv, &i, "--offload", &v));
+        if (v) {
+            /* a second kind is refused by the levers' check */
+            if (a->offload && strcmp(a->offload, v) && !a->offload_other)
+                a->offload_other = a->offload;
+            a->offload = v;
+            continue;
+        }
         TDM_ARGS_FLOAT("--clip-grad-norm", 1e-30, 1e30, a->clip_grad_norm)
         if (!strncmp(arg, "--checkpoint-activations", 24) && (arg[24] == '=' || !arg[24])) {
             /* the value is optional: all (every unit its own segment) */

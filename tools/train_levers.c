@@ -48,69 +48,80 @@ static int tdm_levers_ckpt(const tdm_train_args *a)
 
 tdm_status tdm_train_levers_check(const tdm_train_args *a)
 {
+    const char *who = a->tool ? a->tool : "tandem train";
     tdm_precision p;
     if (a->precision && tdm_precision_parse(a->precision, &p) != TDM_STATUS_OK)
-        return tdm_tool_usage_error("tandem train: --precision: %s\n", tdm_error_message());
+        return tdm_tool_usage_error("%s: --precision: %s\n", who, tdm_error_message());
     if (a->ckpt && strcmp(a->ckpt, "all")) {
         char *end;
         long n = strtol(a->ckpt, &end, 10);
         if (*end || n < 1 || n > 1 << 16)
-            return tdm_tool_usage_error("tandem train: --checkpoint-activations '%s': expected "
-                                        "all, or N >= 1 blocks per recomputed segment\n", a->ckpt);
+            return tdm_tool_usage_error("%s: --checkpoint-activations '%s': expected "
+                                        "all, or N >= 1 blocks per recomputed segment\n", who,
+                                        a->ckpt);
     }
+    /* --offload given twice with two kinds: params already includes the
+     * optimizer's offload (its state and step on the host), so the pair
+     * asks for one thing twice or for two that contradict: refused */
+    if (a->offload_other)
+        return tdm_tool_usage_error("%s: --offload %s and --offload %s: give --offload once "
+                                    "(params keeps FSDP's parameter shards, their gradients "
+                                    "and the optimizer in host memory: it includes what "
+                                    "optimizer does)\n", who, a->offload_other, a->offload);
     /* tp's limits (plan runs this check too) */
     if (a->offload && !strcmp(a->mode, "tp"))
-        return tdm_tool_usage_error("tandem train: --mode tp does not support --offload yet "
+        return tdm_tool_usage_error("%s: --mode tp does not support --offload yet "
                                     "(--precision, --checkpoint-activations and "
-                                    "--clip-grad-norm it does)\n");
+                                    "--clip-grad-norm it does)\n", who);
     if (a->ckpt && !strcmp(a->mode, "tp") && strcmp(a->ckpt, "all") && strcmp(a->ckpt, "1"))
-        return tdm_tool_usage_error("tandem train: --checkpoint-activations %s: --mode tp "
+        return tdm_tool_usage_error("%s: --checkpoint-activations %s: --mode tp "
                                     "checkpoints every GPT block or MLP layer pair (all, or 1); "
-                                    "segments of more are not built for tp\n", a->ckpt);
+                                    "segments of more are not built for tp\n", who, a->ckpt);
     if (a->offload && strcmp(a->offload, "optimizer") && strcmp(a->offload, "params"))
-        return tdm_tool_usage_error("tandem train: --offload '%s': expected optimizer or "
-                                    "params\n", a->offload);
+        return tdm_tool_usage_error("%s: --offload '%s': expected optimizer or "
+                                    "params\n", who, a->offload);
     if (a->offload && strncmp(a->device, "cuda", 4))
-        return tdm_tool_usage_error("tandem train: --offload %s moves %s from a GPU to host "
-                                    "memory; --device %s is host memory already\n", a->offload,
-                                    tdm_levers_params(a) ? "the parameter shards"
-                                                         : "the optimizer state", a->device);
+        return tdm_tool_usage_error("%s: --offload %s moves %s from a GPU to host "
+                                    "memory; --device %s is host memory already\n", who,
+                                    a->offload, tdm_levers_params(a) ? "the parameter shards"
+                                                                     : "the optimizer state",
+                                    a->device);
     tdm_fsdp_sharding sh = TDM_FSDP_FULL_SHARD;
     if (tdm_levers_params(a) && strcmp(a->mode, "fsdp"))
-        return tdm_tool_usage_error("tandem train: --offload params keeps FSDP's parameter "
+        return tdm_tool_usage_error("%s: --offload params keeps FSDP's parameter "
                                     "shards in host memory: it runs with --mode fsdp (--sharding "
                                     "full), not --mode %s (--offload optimizer runs with single, "
-                                    "ddp and fsdp)\n", a->mode);
+                                    "ddp and fsdp)\n", who, a->mode);
     /* an unknown --sharding is the sharding check's to name (its choices) */
     if (tdm_levers_params(a) && a->sharding &&
         tdm_fsdp_sharding_parse(a->sharding, &sh) == TDM_STATUS_OK && sh != TDM_FSDP_FULL_SHARD)
-        return tdm_tool_usage_error("tandem train: --offload params runs with --sharding full: "
+        return tdm_tool_usage_error("%s: --offload params runs with --sharding full: "
                                     "--sharding %s (%s) keeps full parameters on the device "
-                                    "(use --offload optimizer)\n", a->sharding,
+                                    "(use --offload optimizer)\n", who, a->sharding,
                                     sh == TDM_FSDP_SHARD_GRAD_OP ? "SHARD_GRAD_OP, ZeRO-2"
                                                                 : "ZeroRedundancyOptimizer, ZeRO-1");
     int dp = !strcmp(a->mode, "dp"), pp = !strcmp(a->mode, "pp");
     if (tdm_levers_set(a) && strcmp(a->mode, "single") && strcmp(a->mode, "ddp") &&
         strcmp(a->mode, "fsdp") && !dp && !pp && strcmp(a->mode, "tp"))
-        return tdm_tool_usage_error("tandem train: --precision, --checkpoint-activations, "
+        return tdm_tool_usage_error("%s: --precision, --checkpoint-activations, "
                                     "--clip-grad-norm and --offload run with --mode single, dp, "
                                     "ddp, fsdp, pp and tp in this build, not yet with --mode "
-                                    "%s\n", a->mode);
+                                    "%s\n", who, a->mode);
     if (a->offload && (dp || pp))
-        return tdm_tool_usage_error("tandem train: --offload optimizer runs with --mode single, "
-                                    "ddp and fsdp, not with --mode %s%s\n", a->mode,
+        return tdm_tool_usage_error("%s: --offload optimizer runs with --mode single, "
+                                    "ddp and fsdp, not with --mode %s%s\n", who, a->mode,
                                     pp ? " (a stage holds only its own layers' state)" : "");
     int fp16 = a->precision && p == TDM_PRECISION_FP16;
     if (a->uneven && (fp16 || a->clip_grad_norm > 0.0))
-        return tdm_tool_usage_error("tandem train: --precision fp16 (its loss scaling) and "
+        return tdm_tool_usage_error("%s: --precision fp16 (its loss scaling) and "
                                     "--clip-grad-norm are not supported with --uneven yet (a "
                                     "joined rank's shadow steps do not take part in their "
-                                    "collectives)\n");
+                                    "collectives)\n", who);
     if (a->grad_accum > 1 && (fp16 || a->clip_grad_norm > 0.0) && strcmp(a->mode, "single"))
-        return tdm_tool_usage_error("tandem train: --precision fp16 (its loss scaling) and "
+        return tdm_tool_usage_error("%s: --precision fp16 (its loss scaling) and "
                                     "--clip-grad-norm are not supported with --grad-accum "
                                     "yet, but with --mode single (and --mode pp's "
-                                    "--microbatches)\n");
+                                    "--microbatches)\n", who);
     return TDM_STATUS_OK;
 }
 

@@ -31,6 +31,9 @@ typedef struct tdm_local {
     tdm_phase_times sum;             /* DP: wall per phase, summed over the steps */
     double step_ms;
     int64_t steps;
+    int eval_windows;                /* a gpt's windows per evaluation forward */
+    int eval_rows;                   /* images per evaluation forward */
+    const tdm_dataset *test;         /* images */
 } tdm_local;
 
 static void tdm_local_add(tdm_local *l, int step)
@@ -96,13 +99,22 @@ static tdm_status tdm_local_dp_opt(void *ctx, double *loss_sum)
 static const tdm_accum_ops tdm_local_dp_accum_ops = {
     .zero_grad = tdm_local_dp_zero, .micro = tdm_local_dp_micro, .step = tdm_local_dp_opt};
 
+/* The test set's loss and accuracy at the step's batch, through the
+ * step's own buffers (single: its stage; DP: the output device's). */
+static tdm_status tdm_local_eval_images(void *ctx, double *loss, double *acc)
+{
+    tdm_local *l = ctx;
+    if (l->dp) return tdm_dp_evaluate(l->dp, l->test, l->eval_rows, loss, acc);
+    return tdm_evaluate_staged(l->m, l->test, l->eval_rows, &l->single.stage, loss, acc);
+}
+
 /* A gpt's validation loss, on the fixed evaluation windows. */
 static tdm_status tdm_local_eval_text(void *ctx, double *loss, double *acc)
 {
     tdm_local *l = ctx;
     (void)acc;
     return tdm_train_text_evaluate(l->m, &l->text->corpus->val, TDM_TRAIN_TEXT_EVAL_CAP,
-                                   TDM_TRAIN_TEXT_EVAL_BATCH, loss);
+                                   l->eval_windows, loss);
 }
 
 /* The devices of --mode dp, or the one device of --mode single (with
@@ -228,6 +240,13 @@ tdm_status tdm_train_run_local(const tdm_train_args *a, const tdm_model_spec *sp
         snprintf(desc + strlen(desc), sizeof desc - strlen(desc), ", deterministic over %d "
                  "virtual shards", det.K);
     }
+    /* evaluation in the step's (DP: the master's chunk's) batch: no
+     * larger activations than the step's */
+    l.eval_rows = tdm_train_eval_rows(a, dp ? n : 1, TDM_TRAIN_EVAL_BATCH);
+    l.test = &test;
+    r.eval = tdm_local_eval_images;
+    r.eval_ctx = &l;
+    l.eval_windows = tdm_train_eval_rows(a, dp ? n : 1, TDM_TRAIN_TEXT_EVAL_BATCH);
     if (text) {
         r = (tdm_train_run){.m = r.m, .opt = r.opt, .start_epoch = r.start_epoch, .step = r.step,
                             .step_ctx = r.step_ctx, .text = text, .lo = 0, .hi = (int)a->batch,

@@ -155,7 +155,14 @@ static tdm_status tdm_train_one_epoch(const tdm_train_args *a, const tdm_train_r
 static tdm_status tdm_train_evaluate(const tdm_train_run *r, double *loss, double *acc)
 {
     if (r->eval) return r->eval(r->eval_ctx, loss, acc);
-    return tdm_evaluate(r->m, r->test, 1000, loss, acc);
+    return tdm_evaluate(r->m, r->test, TDM_TRAIN_EVAL_BATCH, loss, acc);
+}
+
+int tdm_train_eval_rows(const tdm_train_args *a, int replicas, int cap)
+{
+    long long n = replicas > 0 ? replicas : 1;
+    long long rows = a->batch / n;   /* the smallest replica's share */
+    return rows < 1 ? 1 : rows < cap ? (int)rows : cap;
 }
 
 static void tdm_train_print_epoch(const tdm_train_args *a, const tdm_train_run *r, int64_t e,

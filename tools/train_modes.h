@@ -55,7 +55,9 @@ typedef struct tdm_train_args {
     /* the memory levers (tools/train_levers.c): --precision, --checkpoint-activations
      * (all = 1 unit per segment), --clip-grad-norm (0: off), --offload */
     const char *precision, *ckpt, *offload;
+    const char *offload_other;   /* an earlier --offload of another kind (refused) */
     double clip_grad_norm;
+    const char *tool;            /* the command its usage errors name (NULL: tandem train) */
     /* ps (tools/train_ps.c): --servers S (0: 1), --ps-sync, --ps-transport (as given) */
     long long servers;
     const char *ps_sync, *ps_transport;
@@ -190,6 +192,19 @@ void tdm_train_text_header(const tdm_train_text_set *t, const tdm_model_spec *sp
 /* Evaluation windows at most, and windows per evaluation forward. */
 #define TDM_TRAIN_TEXT_EVAL_CAP 512
 #define TDM_TRAIN_TEXT_EVAL_BATCH 32
+/* Test images per evaluation forward at most. */
+#define TDM_TRAIN_EVAL_BATCH 1000
+
+/* The samples (a gpt: windows) of one evaluation forward on a device
+ * whose step runs its replica's share of --batch over `replicas`: the
+ * smallest share, floor(B / replicas) (at least 1; the same on every
+ * rank, as a sharded design's collective forwards need), at most `cap`
+ * (TDM_TRAIN_EVAL_BATCH, or TDM_TRAIN_TEXT_EVAL_BATCH). No larger than
+ * any replica's step, it reuses the activations and scratch the step
+ * reserved, so evaluation between epochs does not raise a device's peak
+ * above its step's (which `tandem plan` predicts); a larger evaluation
+ * batch would grow them. */
+int tdm_train_eval_rows(const tdm_train_args *a, int replicas, int cap);
 
 /* --uneven: one rank's epochs over its own samples, with join
  * (tools/train_uneven.c), through the design's ops on w: zero_grad,

@@ -157,7 +157,9 @@ static tdm_status tdm_train_eval_images(void *ctx, double *loss, double *acc)
 {
     tdm_tool_rank *r = ctx;
     const tdm_train_job *j = r->b->tool;
-    return r->b->design->dist.ops->evaluate(r->w, j->test, 1000, loss, acc);
+    /* the replica's share of a step: the activations the step reserved */
+    int rows = tdm_train_eval_rows(j->a, r->dist->shape.size[TDM_MESH_DP], TDM_TRAIN_EVAL_BATCH);
+    return r->b->design->dist.ops->evaluate(r->w, j->test, rows, loss, acc);
 }
 
 /* A gpt's validation loss: rank r evaluates its share of the windows,
@@ -169,10 +171,12 @@ static tdm_status tdm_train_eval_text(void *ctx, double *loss, double *acc)
     tdm_tool_rank *r = ctx;
     const tdm_train_text_set *t = ((const tdm_train_job *)r->b->tool)->text;
     (void)acc;
-    int T = t->T, EB = TDM_TRAIN_TEXT_EVAL_BATCH;
     /* the data-parallel replicas share the windows (every rank of a
-     * replica, as a pipeline's stages, runs the same ones) */
+     * replica, as a pipeline's stages, runs the same ones), each forward
+     * at most the replica's share of a step */
     int rep = r->dist->coord[TDM_MESH_DP], reps = r->dist->shape.size[TDM_MESH_DP];
+    int T = t->T, EB = tdm_train_eval_rows(((const tdm_train_job *)r->b->tool)->a, reps,
+                                           TDM_TRAIN_TEXT_EVAL_BATCH);
     int64_t K = t->eval_count, lo, hi;
     tdm_dist_share(K, rep, reps, &lo, &hi);
     int64_t most = (K + reps - 1) / reps, nb = (most + EB - 1) / EB;

@@ -138,7 +138,9 @@ tdm_status tdm_train_uneven_run(const tdm_train_args *a, const tdm_train_uneven 
         double tl = NAN, acc = NAN;
         if (!a->no_eval) {
             st = u->eval ? u->eval(u->ctx, &tl, &acc)
-                         : ops->evaluate(w, u->test, 1000, &tl, &acc);
+                         : ops->evaluate(w, u->test,
+                                          tdm_train_eval_rows(a, world, TDM_TRAIN_EVAL_BATCH),
+                                          &tl, &acc);
             if (st) goto fail;
         }
         tdm_uneven_print_epoch(a, u, e, sums, secs, tl, acc);

@@ -421,6 +421,21 @@ static const float *tdm_tp_gpt_block_in(const tdm_tp *p, int B, int l)
     return l == 0 ? p->gpt->res0 + off * p->gpt->C : p->gpt->blk[l - 1].res2;
 }
 
+void tdm_tp_gpt_low(const tdm_tp *p, int B, tdm_tp_low_max *x)
+{
+    const tdm_tp_gpt *g = p->gpt;
+    int64_t N = (int64_t)B * g->T;
+    /* a block's c_attn, attn.c_proj, c_fc, mlp.c_proj (every block's
+     * alike), then the tied head; every input gradient is computed */
+    if (g->L > 0) {
+        tdm_tp_linear_note(x, N, g->C, 3 * g->Cl, 1);
+        tdm_tp_linear_note(x, N, g->Cl, g->C, 1);
+        tdm_tp_linear_note(x, N, g->C, g->Fl, 1);
+        tdm_tp_linear_note(x, N, g->Fl, g->C, 1);
+    }
+    tdm_tp_linear_note(x, N, g->C, g->V, 1);
+}
+
 tdm_status tdm_tp_gpt_forward(tdm_tp *p, int B, const float **logits, double *ar_ms)
 {
     tdm_tp_gpt *g = p->gpt;

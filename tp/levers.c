@@ -30,7 +30,7 @@ tdm_status tdm_tp_gemm(tdm_tp *p, tdm_trans ta, tdm_trans tb, int m, int n, int 
         return tdm_dev_gemm_rm(p->dev, ta, tb, m, n, k, alpha, a, b, beta, c);
     tdm_dtype t = tdm_precision_dtype(p->prec);
     int64_t na = tdm_tp_low_elems((int64_t)m * k), nb = (int64_t)k * n;
-    size_t need = (size_t)(na + nb) * tdm_dtype_size(t);
+    size_t need = (size_t)(na + nb) * tdm_dtype_size(t);   /* tdm_tp_low_note's */
     if (need > p->low_bytes) {
         tdm_dev_free(p->dev, p->low);
         p->low = NULL;
@@ -43,6 +43,21 @@ tdm_status tdm_tp_gemm(tdm_tp *p, tdm_trans ta, tdm_trans tb, int m, int n, int 
     TDM_CHECK(tdm_dev_convert(p->dev, b16, t, b, TDM_DTYPE_FLOAT32, nb));
     int lda = ta == TDM_TRANS_N ? k : m, ldb = tb == TDM_TRANS_N ? n : k;
     return tdm_dev_gemm_rm_ex(p->dev, ta, tb, m, n, k, alpha, a16, lda, b16, ldb, beta, c, n, t);
+}
+
+void tdm_tp_low_note(tdm_tp_low_max *x, int64_t m, int64_t n, int64_t k)
+{
+    /* bfloat16 and float16 elements alike: 2 bytes */
+    size_t need = (size_t)(tdm_tp_low_elems(m * k) + k * n) * 2;
+    if (need > x->bytes) x->bytes = need;
+    if (m * k + k * n > x->wide) x->wide = m * k + k * n;
+}
+
+void tdm_tp_linear_note(tdm_tp_low_max *x, int64_t N, int in, int out, int dx)
+{
+    tdm_tp_low_note(x, N, out, in);        /* forward */
+    tdm_tp_low_note(x, out, in, N);        /* dW */
+    if (dx) tdm_tp_low_note(x, N, in, out);
 }
 
 tdm_status tdm_tp_linear_fwd(tdm_tp *p, const float *x, const float *w, const float *b,

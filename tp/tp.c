@@ -617,6 +617,14 @@ tdm_status tdm_tp_footprint_ckpt(const tdm_model_spec *spec, int ranks, int batc
         out->act_bytes = p->stats.activations;
         out->act_allocs = p->stats.act_allocs;
         out->split_elems = p->stats.split_elems;
+        /* the products tdm_tp_gemm runs in a step (tp/step.c's; the
+         * recomputed ones are the forward's again) */
+        tdm_tp_low_max low = {0};
+        if (p->gpt) tdm_tp_gpt_low(p, batch, &low);
+        for (int l = 0; !p->gpt && l < p->n_layers; l++)
+            tdm_tp_linear_note(&low, batch, p->layers[l].lin, p->layers[l].lout, l > 0);
+        out->low_bytes = low.bytes;
+        out->wide_elems = low.wide;
         for (int i = 0; i < p->n_tensors; i++)
             if (p->tensors[i].n_elem > out->largest_elems)
                 out->largest_elems = p->tensors[i].n_elem;

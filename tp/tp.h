@@ -311,13 +311,17 @@ typedef struct tdm_tp_rank_footprint {
     int64_t split_elems;   /* of elems, in split tensors (1/N of one device's) */
     size_t act_bytes;
     int64_t act_allocs;    /* the device allocations act_bytes comes in */
+    /* with --precision bf16|fp16 (tdm_tp_opts.precision): the 16-bit
+     * operand block the products grow to (bytes, before the allocator's
+     * rounding), and on a host device in fp16 the float32 widening
+     * buffer's elements (core/device.h's gemm_ex) */
+    size_t low_bytes;
+    int64_t wide_elems;
 } tdm_tp_rank_footprint;
 tdm_status tdm_tp_footprint(const tdm_model_spec *spec, int ranks, int batch, int seq_par,
                             tdm_tp_rank_footprint *out);
 /* The same with activation checkpointing (tdm_tp_opts.ckpt): the
- * activations its shared buffers take. The 16-bit operand buffer of
- * tdm_tp_opts.precision is not counted (a few MiB at most: the largest
- * product's two operands). */
+ * activations its shared buffers take. */
 tdm_status tdm_tp_footprint_ckpt(const tdm_model_spec *spec, int ranks, int batch, int seq_par,
                                  int ckpt, tdm_tp_rank_footprint *out);
 

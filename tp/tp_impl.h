@@ -197,6 +197,19 @@ tdm_status tdm_tp_linear_bwd(tdm_tp *p, const float *x, const float *w, const fl
                              int64_t N, int in, int out, float *dw, float *db, float *dx);
 tdm_status tdm_tp_levers_apply(tdm_tp *p, int *skip);
 void tdm_tp_levers_done(tdm_tp *p, int skipped);
+/* The footprint of the 16-bit products (tdm_tp_footprint_ckpt): the
+ * largest p->low a product of m x k by k x n needs (bytes of 16-bit
+ * elements, as tdm_tp_gemm sizes it) and the largest pair of operands a
+ * host device widens to float32 for fp16 (elements), grown by one
+ * product; by one linear layer's forward and backward (dx: its input
+ * gradient too); the GPT's (tp/gpt.c). */
+typedef struct tdm_tp_low_max {
+    size_t bytes;
+    int64_t wide;
+} tdm_tp_low_max;
+void tdm_tp_low_note(tdm_tp_low_max *x, int64_t m, int64_t n, int64_t k);
+void tdm_tp_linear_note(tdm_tp_low_max *x, int64_t N, int in, int out, int dx);
+void tdm_tp_gpt_low(const tdm_tp *p, int B, tdm_tp_low_max *x);
 
 /* Aborts the group (and grad_comm) with the current message once;
  * returns st (tp/step.c). */
