@@ -558,7 +558,8 @@ Test(tp_cli, grad_accum_equals_the_same_global_batch_within_the_bound)
  * backward by reduces to their owners): the plain dp x tp run's file
  * byte for byte, under --grad-accum 2 too (only the last micro-batch's
  * backward sums), resumed from a bucketed run's file; the summary names
- * the most bucket bytes held at once; emulated CUDA ranks (the buckets
+ * the most bucket bytes held at once; with --clip-grad-norm and with
+ * --precision fp16 ZeRO-1's file; emulated CUDA ranks (the buckets
  * allocated, reduced and freed on the device) write the host ranks'
  * file. */
 Test(tp_cli, zero2_buckets_are_dp_x_tp_bit_for_bit)
@@ -590,6 +591,20 @@ Test(tp_cli, zero2_buckets_are_dp_x_tp_bit_for_bit)
         "--save", zero);
     expect(&r, 0, "/");
     cr_assert(cli_same_file(plain, zero), "bucketed ZeRO-2 under --grad-accum differs");
+    /* the levers read the shard the buckets summed into: clipping and
+     * fp16's loss scaling end on ZeRO-1's bytes */
+    static const char *const lever[2][2] = {{"--clip-grad-norm", "0.05"},
+                                            {"--precision", "fp16"}};
+    for (int l = 0; l < 2; l++) {
+        CLI(&r, ZB_MLP, "--device", "cpu:4", "--epochs", "2", "--quiet", lever[l][0],
+            lever[l][1], "--sharding", "optimizer", "--save", plain);
+        expect(&r, 0, "/");
+        CLI(&r, ZB_MLP, "--device", "cpu:4", "--epochs", "2", "--quiet", lever[l][0],
+            lever[l][1], ZB, "--save", zero);
+        expect(&r, 0, "/");
+        cr_assert(cli_same_file(plain, zero), "bucketed ZeRO-2 with %s %s differs from ZeRO-1",
+                  lever[l][0], lever[l][1]);
+    }
     if (!tdm_device_cuda_linked()) return;   /* the emulator needs the CUDA backend */
     CLI(&r, ZB_MLP, "--device", "cpu:4", "--epochs", "1", "--quiet", ZB, "--save", zero);
     expect(&r, 0, "/");
