@@ -146,6 +146,40 @@ tdm_status tdm_dev_host_pin(tdm_device *d, void *p, size_t nbytes);
 void tdm_dev_host_unpin(tdm_device *d, void *p);   /* NULL ok */
 /* Waits until the work issued on d has finished. */
 tdm_status tdm_dev_sync(tdm_device *d);
+
+/* --- asynchronous host copies (a copy stream) ---
+ * A copy between host memory and d's memory that runs beside d's
+ * compute: on a GPU a cudaMemcpyAsync on a second stream of the device's
+ * own (asynchronous for pinned host memory, tdm_dev_host_pin), ordered
+ * after the work already issued on d (the destination may be a block that
+ * work still reads) and before nothing until it is finished: till then
+ * the copy may read its source and write its destination at any moment,
+ * so neither may be touched. tdm_dev_xfer_finish says what must come
+ * after it. The CUDA emulator copies only when the handle is finished
+ * (the latest moment a GPU may), so that a buffer touched too early
+ * gives other bits in the tests instead of passing by luck. A device
+ * without a copy stream (host devices) copies at once. */
+typedef struct tdm_dev_xfer tdm_dev_xfer;
+typedef enum tdm_dev_xfer_dir {
+    TDM_DEV_XFER_TO_DEVICE = 0,   /* dst in d's memory, src host memory */
+    TDM_DEV_XFER_TO_HOST,         /* dst host memory, src in d's memory */
+} tdm_dev_xfer_dir;
+typedef enum tdm_dev_xfer_until {
+    TDM_DEV_XFER_HOST = 0,   /* the caller waits for the copy: both buffers are its own again */
+    TDM_DEV_XFER_DEVICE,     /* the work issued on d from now on (and the collectives ordered
+                              * after it) comes after the copy; the caller does not wait: it
+                              * reads a host destination after tdm_dev_sync(d) */
+    TDM_DEV_XFER_COMM,       /* only the collectives on d's memory issued from now on come
+                              * after the copy (a GPU: its copy stream is joined by every
+                              * collective anyway); d's compute does not wait, so it reads
+                              * the destination only after such a collective has ended */
+} tdm_dev_xfer_until;
+/* Starts the copy of nbytes (0: a handle with nothing to do). */
+tdm_status tdm_dev_copy_async(tdm_device *d, tdm_dev_xfer_dir dir, void *dst, const void *src,
+                              size_t nbytes, tdm_dev_xfer **out);
+/* Orders what comes after x as `until` says and frees x; NULL ok. An
+ * error (a GPU's copy failed) is returned after x is freed. */
+tdm_status tdm_dev_xfer_finish(tdm_dev_xfer *x, tdm_dev_xfer_until until);
 /* A scratch buffer of at least nbytes in d's memory, owned by the device:
  * grown when a call asks for more, kept otherwise, freed with the device.
  * For temporaries on the training step's path (the loss's per-row values),

@@ -39,6 +39,13 @@ typedef struct tdm_device_ops {
      * undoes it. CUDA: cudaHostRegister / cudaHostUnregister. */
     tdm_status (*host_pin)(tdm_device *d, void *p, size_t nbytes);
     void (*host_unpin)(tdm_device *d, void *p);
+    /* Optional (NULL: tdm_dev_copy_async copies at once, synchronously):
+     * a copy on the device's copy stream (tdm_dev_copy_async), its state
+     * in *xfer; xfer_finish orders what comes after it as `until` says
+     * and releases the state, also when it fails. Both or neither. */
+    tdm_status (*copy_async)(tdm_device *d, tdm_dev_xfer_dir dir, void *dst, const void *src,
+                             size_t nbytes, void **xfer);
+    tdm_status (*xfer_finish)(tdm_device *d, void *xfer, tdm_dev_xfer_until until);
 
     /* --- compute (see the tdm_dev_* wrapper of each name) --- */
     /* cublasSgemm's arguments, already checked by tdm_dev_gemm (m, n > 0). */

@@ -34,6 +34,45 @@ void tdm_dev_host_unpin(tdm_device *d, void *p)
     if (p && d->ops->host_unpin) d->ops->host_unpin(d, p);
 }
 
+struct tdm_dev_xfer {
+    tdm_device *d;
+    void *impl;               /* the backend's; NULL: nothing left to do */
+};
+
+tdm_status tdm_dev_copy_async(tdm_device *d, tdm_dev_xfer_dir dir, void *dst, const void *src,
+                              size_t nbytes, tdm_dev_xfer **out)
+{
+    *out = NULL;
+    TDM_REQUIRE(dir == TDM_DEV_XFER_TO_DEVICE || dir == TDM_DEV_XFER_TO_HOST,
+                TDM_STATUS_INVALID_ARG, "%s: asynchronous copy direction %d", d->name, (int)dir);
+    TDM_REQUIRE(!nbytes || (dst && src), TDM_STATUS_INVALID_ARG,
+                "%s: asynchronous copy of %zu bytes from %p to %p", d->name, nbytes, src, dst);
+    tdm_dev_xfer *x = calloc(1, sizeof *x);
+    TDM_REQUIRE(x, TDM_STATUS_OUT_OF_MEMORY, "%s: an asynchronous copy's handle", d->name);
+    x->d = d;
+    tdm_status st = TDM_STATUS_OK;
+    if (nbytes && d->ops->copy_async)
+        st = d->ops->copy_async(d, dir, dst, src, nbytes, &x->impl);
+    else if (nbytes)   /* no copy stream: at once */
+        st = dir == TDM_DEV_XFER_TO_DEVICE ? d->ops->copy_from_host(d, dst, src, nbytes)
+                                           : d->ops->copy_to_host(d, dst, src, nbytes);
+    if (st) {
+        free(x);
+        return st;
+    }
+    *out = x;
+    return TDM_STATUS_OK;
+}
+
+tdm_status tdm_dev_xfer_finish(tdm_dev_xfer *x, tdm_dev_xfer_until until)
+{
+    if (!x) return TDM_STATUS_OK;
+    tdm_status st = TDM_STATUS_OK;
+    if (x->impl) st = x->d->ops->xfer_finish(x->d, x->impl, until);
+    free(x);
+    return st;
+}
+
 tdm_status tdm_dev_copy(tdm_device *d, void *dst, const void *src, size_t nbytes)
 {
     return d->ops->copy(d, dst, src, nbytes);

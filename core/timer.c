@@ -24,6 +24,7 @@ const char *tdm_phase_name(tdm_phase p)
         [TDM_PHASE_STEP] = "optimizer",
         [TDM_PHASE_ALLGATHER_WAIT] = "all-gather wait",
         [TDM_PHASE_REDUCE_SCATTER_WAIT] = "reduce-scatter wait",
+        [TDM_PHASE_HOST_COPY] = "host copy",
     };
     return (unsigned)p < TDM_PHASE_COUNT_ ? names[p] : "?";
 }

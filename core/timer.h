@@ -32,6 +32,9 @@ typedef enum tdm_phase {
      * reduce-scatters the rank waited for (not hidden behind compute) */
     TDM_PHASE_ALLGATHER_WAIT,
     TDM_PHASE_REDUCE_SCATTER_WAIT,
+    /* FSDP's parameter offload: issuing and finishing the copies between
+     * host and device memory (their waits included) */
+    TDM_PHASE_HOST_COPY,
     TDM_PHASE_COUNT_
 } tdm_phase;
 

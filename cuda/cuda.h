@@ -65,6 +65,10 @@ int tdm_cuda_device_is_emulator(const tdm_device *d);
  * allocates nothing: on a GPU each cudaMalloc costs and each cudaFree
  * synchronises the whole device. */
 int64_t tdm_cuda_emulator_allocs(const tdm_device *d);
+/* An emulator device's asynchronous copies started and not yet finished
+ * (tdm_dev_copy_async: the emulator copies at the finish); -1 for any
+ * other device. For tests that a design leaves none behind. */
+int64_t tdm_cuda_emulator_xfers(const tdm_device *d);
 /* 1 when d is a GPU whose gemm runs in TF32 tensor-op math
  * (TANDEM_CUDA_TF32=1 when it was opened), 0 for full FP32 or any other
  * device. */

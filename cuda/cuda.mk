@@ -72,7 +72,8 @@ test-gpu: $(CUDA_TEST_BINS)
 # cuda/bundle.sh copies in every non-CUDA library they need and the scripts.
 GPU_BUNDLE := $(BUILD)/gpu-bundle
 GPU_BUNDLE_OBJ := $(BUILD)/gpu-bundle-obj
-GPU_BUNDLE_TESTS := test_cuda test_cuda_train test_bench_cuda test_cuda_gpt test_fsdp_cli test_det_gpu
+GPU_BUNDLE_TESTS := test_cuda test_cuda_train test_bench_cuda test_cuda_gpt test_fsdp_cli test_det_gpu \
+                    test_cuda_xfer
 GPU_BUNDLE_SO := $(GPU_BUNDLE)/lib/libtandem_bundle.so
 GPU_BUNDLE_PIC := $(patsubst $(BUILD)/%,$(GPU_BUNDLE_OBJ)/%,$(LIB_OBJ) $(CUDA_C_OBJ))
 GPU_BUNDLE_LINK := -L$(GPU_BUNDLE)/lib -ltandem_bundle -Wl,--disable-new-dtags,-rpath,'$$ORIGIN/lib:$$ORIGIN/../lib'

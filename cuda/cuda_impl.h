@@ -154,6 +154,11 @@ cudaError_t tdm_cuda_order_after_compute(int device_index, cudaStream_t s, int *
  * *ev = NULL when none or several are open (order_after_compute at run
  * time is then the fallback). The caller destroys the event. */
 cudaError_t tdm_cuda_mark_compute(int device_index, cudaEvent_t *ev);
+/* Both order after the device's copy stream as well, once it has one
+ * (tdm_dev_copy_async): the event is then recorded on the copy stream
+ * after it has been made to wait for the compute stream, so that a
+ * collective reads what a copy put in place (tdm_dev_xfer_finish's
+ * TDM_DEV_XFER_COMM) without the compute stream waiting for the copy. */
 
 #ifdef __cplusplus
 }

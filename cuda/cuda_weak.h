@@ -23,6 +23,7 @@ extern "C" {
 #pragma weak tdm_cuda_emulator_open_accel
 #pragma weak tdm_cuda_device_is_emulator
 #pragma weak tdm_cuda_emulator_allocs
+#pragma weak tdm_cuda_emulator_xfers
 #pragma weak tdm_cuda_device_tf32
 #pragma weak tdm_cuda_emulator_env
 #pragma weak tdm_cuda_describe

@@ -64,7 +64,7 @@ static int tdm_cuda_sticky(cudaError_t e)
 }
 
 /* "<dev>: <what>: <CUDA's string> (<CUDA's error name>)" */
-static tdm_status tdm_cuda_fail(const char *dev, const char *what, cudaError_t e)
+tdm_status tdm_cuda_fail(const char *dev, const char *what, cudaError_t e)
 {
     return tdm_error_set(tdm_cuda_status_of(e), "%s: %s: %s (%s)%s", dev, what,
                          cudaGetErrorString(e), cudaGetErrorName(e),
@@ -90,7 +90,7 @@ static tdm_status tdm_cublas_fail(const tdm_device *d, const char *what, cublasS
 
 /* Every entry makes the device current first: DP drives several GPUs from
  * several threads, and the current device is per thread. */
-static tdm_status tdm_cuda_enter(tdm_device *d)
+tdm_status tdm_cuda_enter(tdm_device *d)
 {
     if (tdm_cuda_impl(d)->exec.host) return TDM_STATUS_OK; /* the emulator */
     TDM_CUDA_CHECK(d, "cudaSetDevice", cudaSetDevice(d->index));
@@ -104,6 +104,7 @@ static pthread_mutex_t tdm_cuda_open_mu = PTHREAD_MUTEX_INITIALIZER;
 static struct {
     int index;
     cudaStream_t stream;
+    cudaStream_t copy;    /* its copy stream once made (tdm_dev_copy_async), or NULL */
 } tdm_cuda_open_tab[TDM_CUDA_MAX_OPEN];
 static int tdm_cuda_open_n;
 
@@ -113,6 +114,7 @@ static void tdm_cuda_open_add(int index, cudaStream_t s)
     if (tdm_cuda_open_n < TDM_CUDA_MAX_OPEN) {
         tdm_cuda_open_tab[tdm_cuda_open_n].index = index;
         tdm_cuda_open_tab[tdm_cuda_open_n].stream = s;
+        tdm_cuda_open_tab[tdm_cuda_open_n].copy = NULL;
         tdm_cuda_open_n++;
     } else {
         TDM_WARN(CUDA, "more than %d CUDA devices open: NCCL falls back to device-wide "
@@ -132,6 +134,40 @@ static void tdm_cuda_open_remove(cudaStream_t s)
     pthread_mutex_unlock(&tdm_cuda_open_mu);
 }
 
+void tdm_cuda_open_set_copy(cudaStream_t compute, cudaStream_t copy)
+{
+    pthread_mutex_lock(&tdm_cuda_open_mu);
+    for (int i = 0; i < tdm_cuda_open_n; i++)
+        if (tdm_cuda_open_tab[i].stream == compute) tdm_cuda_open_tab[i].copy = copy;
+    pthread_mutex_unlock(&tdm_cuda_open_mu);
+}
+
+/* ev recorded on the compute stream of entry i; with a copy stream, that
+ * stream is made to wait for it and *out is a second event recorded on
+ * the copy stream (after its copies so far and the compute: both), else
+ * *out = ev. The caller destroys *out. Under tdm_cuda_open_mu. */
+static cudaError_t tdm_cuda_mark_locked(int i, cudaEvent_t *out)
+{
+    cudaEvent_t ev = NULL, joined = NULL;
+    *out = NULL;
+    cudaError_t e = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming);
+    if (e != cudaSuccess) return e;
+    e = cudaEventRecord(ev, tdm_cuda_open_tab[i].stream);
+    cudaStream_t cp = tdm_cuda_open_tab[i].copy;
+    if (e == cudaSuccess && !cp) {
+        *out = ev;
+        return e;
+    }
+    if (e == cudaSuccess) e = cudaStreamWaitEvent(cp, ev, 0);
+    if (e == cudaSuccess) e = cudaEventCreateWithFlags(&joined, cudaEventDisableTiming);
+    if (e == cudaSuccess) e = cudaEventRecord(joined, cp);
+    cudaError_t e2 = cudaEventDestroy(ev);
+    if (e == cudaSuccess) e = e2;
+    if (e == cudaSuccess) *out = joined;
+    else if (joined) (void)cudaEventDestroy(joined);
+    return e;
+}
+
 cudaError_t tdm_cuda_order_after_compute(int device_index, cudaStream_t s, int *found)
 {
     /* the event is recorded on a stream of this device: make it current */
@@ -146,10 +182,9 @@ cudaError_t tdm_cuda_order_after_compute(int device_index, cudaStream_t s, int *
          * Destroying the event at once is allowed; its resources go when
          * the wait has been satisfied. */
         cudaEvent_t ev;
-        e = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming);
+        e = tdm_cuda_mark_locked(i, &ev);
         if (e != cudaSuccess) break;
-        e = cudaEventRecord(ev, tdm_cuda_open_tab[i].stream);
-        if (e == cudaSuccess) e = cudaStreamWaitEvent(s, ev, 0);
+        e = cudaStreamWaitEvent(s, ev, 0);
         cudaError_t e2 = cudaEventDestroy(ev);
         if (e == cudaSuccess) e = e2;
         *found = 1;
@@ -163,23 +198,14 @@ cudaError_t tdm_cuda_mark_compute(int device_index, cudaEvent_t *ev)
     *ev = NULL;
     cudaError_t e = cudaSetDevice(device_index);
     if (e != cudaSuccess) return e;
-    cudaStream_t s = NULL;
-    int matches = 0;
+    int matches = 0, at = -1;
     pthread_mutex_lock(&tdm_cuda_open_mu);
     for (int i = 0; i < tdm_cuda_open_n; i++)
         if (tdm_cuda_open_tab[i].index == device_index) {
-            s = tdm_cuda_open_tab[i].stream;
+            at = i;
             matches++;
         }
-    if (matches == 1) {
-        cudaEvent_t x;
-        e = cudaEventCreateWithFlags(&x, cudaEventDisableTiming);
-        if (e == cudaSuccess) {
-            e = cudaEventRecord(x, s);
-            if (e == cudaSuccess) *ev = x;
-            else (void)cudaEventDestroy(x);
-        }
-    }
+    if (matches == 1) e = tdm_cuda_mark_locked(at, ev);
     pthread_mutex_unlock(&tdm_cuda_open_mu);
     return e;
 }
@@ -381,6 +407,7 @@ static void cuda_close(tdm_device *d)
     if (e != cudaSuccess)
         TDM_WARN(CUDA, "%s: closing: %s (%s)", d->name, cudaGetErrorString(e),
                  cudaGetErrorName(e));
+    tdm_cuda_copy_close(d);
     if (c->stream) tdm_cuda_open_remove(c->stream);
     if (c->blas) {
         cublasStatus_t b = cublasDestroy(c->blas);
@@ -759,6 +786,8 @@ const tdm_device_ops tdm_cuda_ops = {
     .copy_peer = cuda_copy_peer,
     .host_pin = cuda_host_pin,
     .host_unpin = cuda_host_unpin,
+    .copy_async = tdm_cuda_copy_async,
+    .xfer_finish = tdm_cuda_xfer_finish,
     TDM_CUDA_COMPUTE_OPS,
 };
 

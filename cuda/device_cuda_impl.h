@@ -21,6 +21,11 @@ typedef struct tdm_cuda_dev {
     tdm_device *host;     /* the emulator's gemm (a host device) */
     int tf32;             /* cuBLAS in TF32 tensor-op math (TANDEM_CUDA_TF32=1) */
     int64_t emu_allocs;   /* the emulator: alloc calls so far (atomic) */
+    int64_t emu_xfers;    /* the emulator: asynchronous copies not finished yet (atomic) */
+    /* the copy stream (tdm_dev_copy_async), made at the first copy;
+     * every collective the NCCL communicator orders after the compute
+     * stream is ordered after it too (tdm_cuda_order_after_compute) */
+    cudaStream_t copy_stream;
 } tdm_cuda_dev;
 
 static inline tdm_cuda_dev *tdm_cuda_impl(tdm_device *d) { return (tdm_cuda_dev *)d->impl; }
@@ -31,6 +36,22 @@ extern const tdm_device_ops tdm_cuda_emu_ops;
 /* What core/device.c's hooks point at (hooks.c); device_cuda.c's
  * constructor registers it. */
 extern const tdm_device_cuda_hooks tdm_cuda_hooks;
+
+/* device_cuda.c's helpers for its sibling files: every entry makes the
+ * device current first (the emulator: nothing to do); a CUDA error as a
+ * status with "<dev>: <what>: <CUDA's string> (<name>)". */
+tdm_status tdm_cuda_enter(tdm_device *d);
+tdm_status tdm_cuda_fail(const char *dev, const char *what, cudaError_t e);
+/* Records the copy stream of the device whose compute stream is compute
+ * in the table of open devices (tdm_cuda_order_after_compute joins it). */
+void tdm_cuda_open_set_copy(cudaStream_t compute, cudaStream_t copy);
+
+/* The copy stream (cuda/device_copy.c): tdm_dev_copy_async's entries of
+ * a GPU's table, and its end at the device's close. */
+tdm_status tdm_cuda_copy_async(tdm_device *d, tdm_dev_xfer_dir dir, void *dst, const void *src,
+                               size_t nbytes, void **xfer);
+tdm_status tdm_cuda_xfer_finish(tdm_device *d, void *xfer, tdm_dev_xfer_until until);
+void tdm_cuda_copy_close(tdm_device *d);
 
 /* Opens cuda:<index>, a GPU (no emulator): tdm_device_open's path. */
 tdm_status tdm_cuda_gpu_open(tdm_device **out, int index);

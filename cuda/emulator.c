@@ -92,6 +92,48 @@ static void emu_host_unpin(tdm_device *d, void *p)
     (void)p;
 }
 
+/* The copy stream, modelled: a copy is done only when its handle is
+ * finished (tdm_dev_xfer_finish), the latest moment a GPU may do it, so
+ * that a buffer read or written before its copy's finish gives other
+ * bits in the tests rather than passing by luck; the copy itself is the
+ * table's own host copy in its direction. */
+typedef struct emu_xfer {
+    tdm_dev_xfer_dir dir;
+    void *dst;
+    const void *src;
+    size_t nbytes;
+} emu_xfer;
+
+static tdm_status emu_copy_async(tdm_device *d, tdm_dev_xfer_dir dir, void *dst,
+                                 const void *src, size_t nbytes, void **xfer)
+{
+    emu_xfer *x = malloc(sizeof *x);
+    TDM_REQUIRE(x, TDM_STATUS_OUT_OF_MEMORY, "%s: an asynchronous copy", d->name);
+    *x = (emu_xfer){.dir = dir, .dst = dst, .src = src, .nbytes = nbytes};
+    __atomic_fetch_add(&tdm_cuda_impl(d)->emu_xfers, 1, __ATOMIC_RELAXED);
+    *xfer = x;
+    return TDM_STATUS_OK;
+}
+
+static tdm_status emu_xfer_finish(tdm_device *d, void *xfer, tdm_dev_xfer_until until)
+{
+    emu_xfer *x = xfer;
+    (void)until;   /* every order is met by copying now: the emulator's work is synchronous */
+    const tdm_device_ops *o = d->ops;
+    tdm_status st = x->dir == TDM_DEV_XFER_TO_DEVICE
+                        ? o->copy_from_host(d, x->dst, x->src, x->nbytes)
+                        : o->copy_to_host(d, x->dst, x->src, x->nbytes);
+    __atomic_fetch_sub(&tdm_cuda_impl(d)->emu_xfers, 1, __ATOMIC_RELAXED);
+    free(x);
+    return st;
+}
+
+int64_t tdm_cuda_emulator_xfers(const tdm_device *d)
+{
+    if (!tdm_cuda_device_is_emulator(d)) return -1;
+    return __atomic_load_n(&tdm_cuda_impl((tdm_device *)d)->emu_xfers, __ATOMIC_RELAXED);
+}
+
 int tdm_cuda_device_is_emulator(const tdm_device *d)
 {
     return d && d->ops == &tdm_cuda_emu_ops;
@@ -124,6 +166,8 @@ const tdm_device_ops tdm_cuda_emu_ops = {
     .copy_peer = emu_copy_peer,
     .host_pin = emu_host_pin,
     .host_unpin = emu_host_unpin,
+    .copy_async = emu_copy_async,
+    .xfer_finish = emu_xfer_finish,
     TDM_CUDA_COMPUTE_OPS,
 };
 

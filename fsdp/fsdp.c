@@ -58,11 +58,41 @@ tdm_status tdm_fsdp_sharding_parse(const char *text, tdm_fsdp_sharding *out)
 
 /* ---- construction ---- */
 
+/* A model built without flat buffers (tdm_model_init_released), offloaded:
+ * rank 0 draws each unit's initial values from the model's seed into a
+ * host block and scatters it over the host communicator straight into
+ * the host shards. The device holds nothing of it at any time. */
+static tdm_status tdm_fsdp_distribute_host(tdm_fsdp *f)
+{
+    tdm_model *m = f->m;
+    float *blk = malloc((size_t)f->max_padded * sizeof(float));
+    if (!blk)
+        return tdm_fsdp_fail(f, tdm_error_set(TDM_STATUS_OUT_OF_MEMORY,
+                                              "fsdp: a host block of %lld floats to draw the "
+                                              "units in", (long long)f->max_padded));
+    tdm_status st = TDM_STATUS_OK;
+    for (int u = 0; st == TDM_STATUS_OK && u < f->nu; u++) {
+        const tdm_fsdp_unit *x = &f->u[u];
+        if (f->rank == 0) {
+            memset(blk, 0, (size_t)x->padded * sizeof(float));
+            for (int i = x->first; i <= x->last; i++)
+                tdm_model_init_param_host(m, tdm_model_seed(m), i,
+                                          blk + (tdm_model_param_info(m, i)->offset - x->offset));
+        }
+        tdm_comm_set_label(f->hcomm, "%s scatter parameters unit %d", tdm_fsdp_tag(f), u);
+        st = tdm_comm_scatter(f->hcomm, blk, f->buf.pshard + x->shard_off, (size_t)x->shard,
+                              TDM_DTYPE_FLOAT32, 0);
+    }
+    free(blk);
+    return st ? tdm_fsdp_fail(f, st) : TDM_STATUS_OK;
+}
+
 /* Every rank's shards (and full copies) from rank 0's parameters. */
 static tdm_status tdm_fsdp_distribute(tdm_fsdp *f)
 {
     tdm_model *m = f->m;
     tdm_device *d = f->dev;
+    if (tdm_model_storage_released(m)) return tdm_fsdp_distribute_host(f);
     const float *src = tdm_model_params(m);
     /* A rank that cannot stage what it sends aborts the communicator: the
      * others are waiting in the collective it will not join, and must
@@ -186,8 +216,17 @@ void tdm_fsdp_free(tdm_fsdp *f)
     }
     tdm_model_set_grad_hook(m, NULL, NULL);
     tdm_model_set_use_hook(m, NULL, NULL);
-    if (tdm_model_storage_released(m) && tdm_model_restore_storage(m) == TDM_STATUS_OK &&
-        f->buf.pfull) {
+    (void)tdm_fsdp_drain(f, TDM_DEV_XFER_HOST);   /* copies down still reading blocks */
+    if (tdm_fsdp_offloaded(f) && tdm_model_storage_released(m)) {
+        /* offloaded: the model is not given the whole of itself on the
+         * device (it may not fit: FULL_SHARD's would be zeros anyway);
+         * its views into the pool's blocks go */
+        for (int u = 0; f->u && u < f->nu; u++) {
+            (void)tdm_model_set_param_view(m, f->u[u].first, f->u[u].last, NULL);
+            (void)tdm_model_set_grad_view(m, f->u[u].first, f->u[u].last, NULL);
+        }
+    } else if (tdm_model_storage_released(m) && tdm_model_restore_storage(m) == TDM_STATUS_OK &&
+               f->buf.pfull) {
         /* a full copy exists: the model gets it back */
         for (int u = 0; u < f->nu; u++)
             (void)tdm_dev_copy(f->dev, tdm_model_params(m) + f->u[u].offset,
@@ -235,8 +274,16 @@ tdm_status tdm_fsdp_init(tdm_fsdp **out, tdm_model *m, tdm_comm *comm, const tdm
                 "fsdp: at most %d ranks (got %d)", TDM_FSDP_MAX_RANKS, tdm_comm_size(comm));
     TDM_REQUIRE(tdm_model_n_params(m) > 0, TDM_STATUS_INVALID_ARG,
                 "fsdp: model has no parameters");
-    TDM_REQUIRE(!tdm_model_storage_released(m), TDM_STATUS_INVALID_ARG,
-                "fsdp: the model's parameters are already sharded (its storage was released)");
+    int off = opts && opts->offload == TDM_FSDP_OFFLOAD_PARAMS &&
+              opts->sharding == TDM_FSDP_FULL_SHARD;
+    TDM_REQUIRE(!tdm_model_storage_released(m) || (off && !tdm_model_has_views(m)),
+                TDM_STATUS_INVALID_ARG,
+                "fsdp: the model's flat buffers were released: %s",
+                off ? "its parameters are already sharded (a model built by "
+                      "tdm_model_init_released has no views yet)"
+                    : "its parameters are already sharded, or it was built by "
+                      "tdm_model_init_released, which only parameter offload (FULL_SHARD) "
+                      "can shard");
     TDM_REQUIRE(!opts || (unsigned)opts->sharding < TDM_FSDP_SHARDING_COUNT_,
                 TDM_STATUS_INVALID_ARG,
                 "fsdp: sharding %d is not one of TDM_FSDP_FULL_SHARD, TDM_FSDP_SHARD_GRAD_OP, "
@@ -464,6 +511,7 @@ static tdm_status tdm_fsdp_forward_impl(tdm_fsdp *f, const void *x, const int32_
     tdm_fsdp_step_start(f, t0);
     tdm_dist_fwd_begin(&f->fwd);
     f->pass.ag_wait_ms = 0.0;
+    f->pass.copy_ms = 0.0;
     int train = tdm_model_is_train(m);
     int full = f->o.sharding == TDM_FSDP_FULL_SHARD;
     tdm_status st = TDM_STATUS_OK;
@@ -504,7 +552,9 @@ static tdm_status tdm_fsdp_forward_impl(tdm_fsdp *f, const void *x, const int32_
     uint64_t t2 = tdm_time_ns();
     f->pass.ran = run;
     tdm_dist_fwd_done(&f->fwd, batch, ls, train);
-    tdm_fsdp_add_phase(f, TDM_PHASE_FORWARD, (double)(t1 - t0) * 1e-6 - f->pass.ag_wait_ms);
+    tdm_fsdp_add_phase(f, TDM_PHASE_FORWARD,
+                       (double)(t1 - t0) * 1e-6 - f->pass.ag_wait_ms - f->pass.copy_ms);
+    tdm_fsdp_add_phase(f, TDM_PHASE_HOST_COPY, f->pass.copy_ms);
     tdm_fsdp_add_phase(f, TDM_PHASE_ALLGATHER_WAIT, f->pass.ag_wait_ms);
     tdm_fsdp_add_phase(f, TDM_PHASE_LOSS, (double)(t2 - t1) * 1e-6);
     f->timing.times.ag_ready_at_use = f->timing.ag_ready_at_use;
@@ -561,6 +611,7 @@ tdm_status tdm_fsdp_backward(tdm_fsdp *f)
     uint64_t t0 = tdm_time_ns();
     f->pass.ag_wait_ms = 0.0;
     f->pass.rs_wait_ms = 0.0;
+    f->pass.copy_ms = 0.0;
     /* a backward without zero_grad since the last reduce-scatter (no_sync
      * accumulation onto reduced gradients) adds onto zeros outside the
      * owned slices, as it would after the clearing zero_grad skips */
@@ -579,15 +630,18 @@ tdm_status tdm_fsdp_backward(tdm_fsdp *f)
     /* waits inside backward (a gather not yet complete; a reduce-scatter
      * finished early to bound the full gradients alive) are
      * communication, not compute */
-    double bwd_ag = f->pass.ag_wait_ms, bwd_rs = f->pass.rs_wait_ms;
+    double bwd_ag = f->pass.ag_wait_ms, bwd_rs = f->pass.rs_wait_ms, bwd_cp = f->pass.copy_ms;
     st = tdm_fsdp_backward_end(f);
     if (st == TDM_STATUS_OK && f->pass.sync) st = tdm_fsdp_check_tail(f);
     if (st) return tdm_fsdp_fail(f, st);
     uint64_t t2 = tdm_time_ns();
-    tdm_fsdp_add_phase(f, TDM_PHASE_BACKWARD, (double)(t1 - t0) * 1e-6 - bwd_ag - bwd_rs);
+    tdm_fsdp_add_phase(f, TDM_PHASE_BACKWARD,
+                       (double)(t1 - t0) * 1e-6 - bwd_ag - bwd_rs - bwd_cp);
     tdm_fsdp_add_phase(f, TDM_PHASE_ALLGATHER_WAIT, f->pass.ag_wait_ms);
     tdm_fsdp_add_phase(f, TDM_PHASE_REDUCE_SCATTER_WAIT,
-                       (double)(t2 - t1) * 1e-6 - (f->pass.ag_wait_ms - bwd_ag) + bwd_rs);
+                       (double)(t2 - t1) * 1e-6 - (f->pass.ag_wait_ms - bwd_ag) + bwd_rs -
+                           (f->pass.copy_ms - bwd_cp));
+    tdm_fsdp_add_phase(f, TDM_PHASE_HOST_COPY, f->pass.copy_ms);
     if (f->pass.sync) {
         f->check.stepped = 0;
         f->check.count++;

@@ -103,7 +103,9 @@ tdm_status tdm_fsdp_sharding_parse(const char *text, tdm_fsdp_sharding *out);
  * model's flat buffers beside the new shards. With o->offload
  * TDM_PLAN_OFFLOAD_PARAMS (FULL_SHARD only, else INVALID_ARG) the shards
  * and the optimizer state are host memory (`host`, not in the peak), and
- * the set-up holds the largest shard's staging block instead. */
+ * the set-up is that of a model built by tdm_model_init_released: its
+ * buffers and 16-bit weights only (the units are drawn and scattered in
+ * host memory). */
 typedef struct tdm_fsdp_mem_plan {
     tdm_plan model;               /* the single-device plan of the rank's model */
     size_t shards;                /* parameter/gradient shards or full copies */
@@ -200,12 +202,20 @@ typedef struct tdm_fsdp tdm_fsdp;
 
 /* Wraps m (borrowed): shards its parameters, frees its flat buffers and
  * reads them through views from then on (tdm_model_set_param_view), sets
- * its hooks. Collective: every rank calls it. */
+ * its hooks. Collective: every rank calls it. With opts.offload PARAMS, m
+ * may be a model built without flat buffers (tdm_model_init_released):
+ * rank 0 then draws each unit's initial values from m's seed into host
+ * memory (tdm_model_init_param_host) and scatters them over the host
+ * communicator into the host shards, so that the device never holds more
+ * than the model's buffers at set-up (tdm_fsdp_plan_memory's init_peak).
+ * A model built so is refused without offload. */
 tdm_status tdm_fsdp_init(tdm_fsdp **out, tdm_model *m, tdm_comm *comm, const tdm_fsdp_opts *opts);
 /* Gives the model back flat buffers holding this rank's view of the
  * parameters when it has a full copy (grad_op, optimizer; FULL_SHARD:
  * zeros: call tdm_fsdp_gather_params first to keep them) and removes the
- * hooks. Not collective. Call before freeing the communicator. NULL ok. */
+ * hooks; with offload PARAMS the model stays without flat buffers (they
+ * could not fit), its views dropped. Not collective. Call before freeing
+ * the communicator. NULL ok. */
 void tdm_fsdp_free(tdm_fsdp *f);
 
 tdm_model *tdm_fsdp_model(tdm_fsdp *f);

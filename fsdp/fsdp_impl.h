@@ -52,6 +52,13 @@ typedef struct tdm_fsdp_unit {
      * block of padded halves), from launch to the end of the collective */
     uint16_t *hook_buf;
     size_t hook_bytes;
+    /* opts.offload PARAMS: this rank's reduced slice on its way down to
+     * the host gradient shard (an asynchronous copy) and the full
+     * gradient block it reads, held until the copy is finished
+     * (tdm_fsdp_drain: at the next pool request, or at backward's end) */
+    tdm_dev_xfer *down;
+    float *dbuf;
+    size_t dbuf_bytes;
 } tdm_fsdp_unit;
 
 typedef struct tdm_fsdp_block {
@@ -146,6 +153,7 @@ typedef struct tdm_fsdp_pass {
     tdm_status hook_st;       /* the first failure inside the model's hooks */
     char hook_msg[640];
     double ag_wait_ms, rs_wait_ms;   /* waits of the current pass */
+    double copy_ms;           /* offload: issuing and finishing host copies in this pass */
 } tdm_fsdp_pass;
 
 /* The end-of-backward check (every rank's forward count and loss sum in
@@ -223,6 +231,11 @@ tdm_status tdm_fsdp_release_params(tdm_fsdp *f, int u);
 /* Releases every unit's gathered parameters (FULL_SHARD) and waits for the
  * gathers in flight (SHARD_GRAD_OP and SHARD_OPTIM's after a step). */
 tdm_status tdm_fsdp_settle_params(tdm_fsdp *f, int release);
+/* opts.offload PARAMS: finishes the gradient slices' copies down to the
+ * host (until: TDM_DEV_XFER_DEVICE before their blocks are reused,
+ * TDM_DEV_XFER_HOST at backward's end) and gives their blocks back to the
+ * pool. The first failure is returned; every block goes back. */
+tdm_status tdm_fsdp_drain(tdm_fsdp *f, tdm_dev_xfer_until until);
 /* Issues u's all-gather (asynchronously). */
 tdm_status tdm_fsdp_issue_gather(tdm_fsdp *f, int u, int prefetch);
 /* SHARD_OPTIM: clears gfull outside this rank's slices if the last

@@ -333,11 +333,9 @@ tdm_status tdm_fsdp_plan_memory(const tdm_plan_opts *o, int world, tdm_fsdp_shar
         out->optim = (size_t)tdm_optim_kind_n_state(&o->optim) * sb;
     /* offload: both shards and the state over them in host memory (the
      * host device's allocator rounds as the device's does) */
-    size_t staging = 0;
     if (off) {
         out->host = out->shards + (size_t)tdm_optim_kind_n_state(&o->optim) * sb;
         out->shards = out->optim = 0;
-        staging = tdm_fsdp_mem_round((size_t)(max_padded / world) * sizeof(float));
     }
     out->comm = tdm_fsdp_mem_round((size_t)o->batch * (size_t)p->out_rows *
                                    (size_t)p->n_classes * sizeof(float));
@@ -350,11 +348,14 @@ tdm_status tdm_fsdp_plan_memory(const tdm_plan_opts *o, int world, tdm_fsdp_shar
     out->step_peak = out->shards + out->optim + out->comm + out->gathered + p->buffers +
                      p->params_low + p->activations + p->act_scratch + p->step_scratch;
     /* set-up: the model's flat buffers until they are released, the new
-     * shards beside them (offload: the shard's staging block instead),
-     * FULL_SHARD's staging block for the scatter */
-    out->init_peak = p->params + p->grads + running + p->params_low + out->shards + staging +
+     * shards beside them, FULL_SHARD's staging block for the scatter */
+    out->init_peak = p->params + p->grads + running + p->params_low + out->shards +
                      (sharding == TDM_FSDP_FULL_SHARD
                           ? tdm_fsdp_mem_round((size_t)max_padded * sizeof(float)) : 0);
+    /* offload: the model is built without flat buffers
+     * (tdm_model_init_released) and its units drawn and scattered in
+     * host memory: the device holds its buffers and 16-bit weights only */
+    if (off) out->init_peak = running + p->params_low;
     out->peak = tdm_fsdp_mem_max(out->init_peak, out->step_peak);
     return TDM_STATUS_OK;
 }

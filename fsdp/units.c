@@ -41,6 +41,11 @@ void tdm_fsdp_pool_trim(tdm_fsdp *f)
 
 tdm_status tdm_fsdp_pool_get(tdm_fsdp *f, size_t nbytes, int zero, float **out, size_t *got)
 {
+    /* offload: a block a copy down still reads comes back first, after
+     * the device's later work has been ordered behind the copy; the pool
+     * then decides as if it had been given back when its reduce-scatter
+     * ended (the plan's replay) */
+    TDM_CHECK(tdm_fsdp_drain(f, TDM_DEV_XFER_DEVICE));
     int best = -1;
     for (int i = 0; i < f->pool.n_cached; i++)
         if (f->pool.cache[i].nbytes >= nbytes &&
@@ -212,6 +217,28 @@ static const char *tdm_fsdp_unit_desc(const tdm_fsdp *f, int u, char *buf, size_
 
 /* ---- all-gathers ---- */
 
+tdm_status tdm_fsdp_drain(tdm_fsdp *f, tdm_dev_xfer_until until)
+{
+    tdm_status first = TDM_STATUS_OK;
+    char msg[512] = "";
+    for (int u = 0; f->u && u < f->nu; u++) {
+        tdm_fsdp_unit *x = &f->u[u];
+        if (!x->down && !x->dbuf) continue;
+        uint64_t t0 = tdm_time_ns();
+        tdm_status st = tdm_dev_xfer_finish(x->down, until);
+        f->pass.copy_ms += tdm_time_ms_since(t0);
+        x->down = NULL;
+        tdm_fsdp_pool_put(f, x->dbuf, x->dbuf_bytes);
+        x->dbuf = NULL;
+        if (st && !first) {
+            first = st;
+            snprintf(msg, sizeof msg, "%s", tdm_error_message());
+        }
+    }
+    if (first) tdm_error_set(first, "fsdp: the copy of a gradient slice to host memory: %s", msg);
+    return first;
+}
+
 tdm_status tdm_fsdp_issue_gather(tdm_fsdp *f, int u, int prefetch)
 {
     tdm_fsdp_unit *x = &f->u[u];
@@ -223,11 +250,18 @@ tdm_status tdm_fsdp_issue_gather(tdm_fsdp *f, int u, int prefetch)
         recv = x->pbuf;
         send = f->buf.pshard + x->shard_off;
         if (tdm_fsdp_offloaded(f)) {
-            /* the host shard up into its slice of the block: gathered in place */
+            /* the host shard up into its slice of the block, on the
+             * device's copy stream, gathered in place: the all-gather is
+             * ordered after the copy (a GPU: every collective joins the
+             * copy stream), the compute stream does not wait for it */
             send = recv + (int64_t)f->rank * x->shard;
-            tdm_status cst = tdm_dev_copy_between(f->dev, send, f->sdev,
-                                                  f->buf.pshard + x->shard_off,
-                                                  (size_t)x->shard * sizeof(float));
+            uint64_t tc = tdm_time_ns();
+            tdm_dev_xfer *up = NULL;
+            tdm_status cst = tdm_dev_copy_async(f->dev, TDM_DEV_XFER_TO_DEVICE, send,
+                                                f->buf.pshard + x->shard_off,
+                                                (size_t)x->shard * sizeof(float), &up);
+            if (cst == TDM_STATUS_OK) cst = tdm_dev_xfer_finish(up, TDM_DEV_XFER_COMM);
+            f->pass.copy_ms += tdm_time_ms_since(tc);
             if (cst) {
                 tdm_fsdp_pool_put(f, x->pbuf, x->pbuf_bytes);
                 x->pbuf = NULL;
@@ -557,19 +591,34 @@ void tdm_fsdp_backward_begin(tdm_fsdp *f)
 
 /* opts.offload PARAMS, after unit u's reduce-scatter (in place in its
  * full gradient): this rank's slice down into the host gradient shard,
+ * on the device's copy stream, beside the backward of the units after it
+ * (the block is held until tdm_fsdp_drain finishes the copy: x->dbuf);
  * or, when the shard holds earlier gradients, down into host staging and
- * added there (the same addition the device does without offload). */
+ * added there (the same addition the device does without offload), at
+ * once. */
 static tdm_status tdm_fsdp_offload_grad(tdm_fsdp *f, int u)
 {
     tdm_fsdp_unit *x = &f->u[u];
     const float *slice = x->gbuf + (int64_t)f->rank * x->shard;
     float *dst = f->buf.gshard + x->shard_off;
     size_t nb = (size_t)x->shard * sizeof(float);
-    if (f->grad.zero) return tdm_dev_copy_between(f->sdev, dst, f->dev, slice, nb);
+    uint64_t tc = tdm_time_ns();
+    if (f->grad.zero) {
+        tdm_status st = tdm_dev_copy_async(f->dev, TDM_DEV_XFER_TO_HOST, dst, slice, nb,
+                                           &x->down);
+        f->pass.copy_ms += tdm_time_ms_since(tc);
+        if (st) return st;
+        x->dbuf = x->gbuf;
+        x->dbuf_bytes = x->gbuf_bytes;
+        x->gbuf = NULL;
+        return TDM_STATUS_OK;
+    }
     if (!f->buf.hstage)
         TDM_CHECK(tdm_dev_alloc(f->sdev, (size_t)(f->max_padded / f->world) * sizeof(float),
                                 (void **)&f->buf.hstage));
-    TDM_CHECK(tdm_dev_copy_between(f->sdev, f->buf.hstage, f->dev, slice, nb));
+    tdm_status st = tdm_dev_copy_between(f->sdev, f->buf.hstage, f->dev, slice, nb);
+    f->pass.copy_ms += tdm_time_ms_since(tc);
+    if (st) return st;
     return tdm_dev_axpy(f->sdev, x->shard, 1.0f, f->buf.hstage, dst);
 }
 
@@ -675,6 +724,17 @@ tdm_status tdm_fsdp_backward_end(tdm_fsdp *f)
     tdm_fsdp_launch_ready(f);
     if (f->pass.hook_st) return tdm_error_set(f->pass.hook_st, "%s", f->pass.hook_msg);
     for (int u = f->nu - 1; u >= 0; u--) TDM_CHECK(tdm_fsdp_finish_rs(f, u));
+    if (tdm_fsdp_offloaded(f)) {
+        /* the host gradient shards are read next (the optimizer, the
+         * levers): the copies still in flight are waited for, and those
+         * finished earlier were ordered before the device's later work,
+         * which the device has done once it is synchronised */
+        TDM_CHECK(tdm_fsdp_drain(f, TDM_DEV_XFER_HOST));
+        uint64_t tc = tdm_time_ns();
+        tdm_status sst = tdm_dev_sync(f->dev);
+        f->pass.copy_ms += tdm_time_ms_since(tc);
+        TDM_CHECK(sst);
+    }
     /* every unit has added back what was held: it is in place again */
     if (f->grad.reduced == TDM_FSDP_REDUCED_HELD) f->grad.reduced = TDM_FSDP_REDUCED_IN_PLACE;
     f->grad.zero = 0;
@@ -689,6 +749,8 @@ tdm_status tdm_fsdp_fail(tdm_fsdp *f, tdm_status st)
 {
     char msg[768];
     snprintf(msg, sizeof msg, "%s", tdm_error_message());
+    /* copies down to the host end before their blocks and shards are anyone's */
+    (void)tdm_fsdp_drain(f, TDM_DEV_XFER_HOST);
     (void)tdm_comm_abort(f->comm, msg);
     if (f->hcomm != f->comm) (void)tdm_comm_abort(f->hcomm, msg);
     /* The communicator is aborted: what is in flight ends at once (with an

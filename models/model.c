@@ -167,12 +167,17 @@ tdm_status tdm_model_build_tables(tdm_model *m)
     return TDM_STATUS_OK;
 }
 
-static tdm_status tdm_model_alloc_state(tdm_model *m)
+/* released: no flat parameter and gradient buffers (tdm_model_init_released) */
+static tdm_status tdm_model_alloc_state(tdm_model *m, int released)
 {
     tdm_status st = TDM_STATUS_OK;
-    TDM_TRY(tdm_dev_alloc_zero(m->dev, (size_t)m->param_elems * sizeof(float), (void **)&m->params));
-    TDM_TRY(tdm_dev_alloc_zero(m->dev, (size_t)m->param_elems * sizeof(float), (void **)&m->grads_owned));
-    m->grads = m->grads_owned;
+    m->released = released;
+    if (!released) {
+        size_t nb = (size_t)m->param_elems * sizeof(float);
+        TDM_TRY(tdm_dev_alloc_zero(m->dev, nb, (void **)&m->params));
+        TDM_TRY(tdm_dev_alloc_zero(m->dev, nb, (void **)&m->grads_owned));
+        m->grads = m->grads_owned;
+    }
     if (m->buffer_elems)
         TDM_TRY(tdm_dev_alloc_zero(m->dev, (size_t)m->buffer_elems * sizeof(float),
                                    (void **)&m->buffers));
@@ -196,9 +201,9 @@ tdm_status tdm_model_bn_stats(tdm_model *m)
 }
 
 /* A model of pipeline layers [lo, hi) of spec (lo = hi = -1: all of
- * them). */
+ * them); released: without its flat parameter and gradient buffers. */
 static tdm_status tdm_model_new(tdm_model **out, tdm_device *dev, const tdm_model_spec *spec,
-                                int lo, int hi)
+                                int lo, int hi, int released)
 {
     tdm_status st = TDM_STATUS_OK;
     *out = NULL;
@@ -224,7 +229,7 @@ static tdm_status tdm_model_new(tdm_model **out, tdm_device *dev, const tdm_mode
     if (!m->vt) tdm_model_chain_units(m);
     if (lo > 0 || hi < n) TDM_TRY(tdm_model_stage_place(m));
     else m->stage.n_slice = m->n_params, m->stage.slice_elems = m->param_elems;
-    TDM_TRY(tdm_model_alloc_state(m));
+    TDM_TRY(tdm_model_alloc_state(m, released));
     for (int i = 0; i < m->n_layers; i++) {
         tdm_layer *l = &m->layers[i];
         if (l->in_elems > m->max_elems) m->max_elems = l->in_elems;
@@ -320,15 +325,16 @@ static tdm_status tdm_model_fill_host(tdm_model *m, uint64_t seed)
         st = tdm_error_set(TDM_STATUS_OUT_OF_MEMORY, "cannot allocate initial parameters");
         goto fail;
     }
-    for (int i = 0; i < m->n_params; i++)
+    for (int i = 0; !m->released && i < m->n_params; i++)
         tdm_model_init_param_host(m, seed, i, hp + m->params_info[i].offset);
     for (int i = 0; i < m->n_buffers; i++) {
         const tdm_tensor_info *t = &m->buffers_info[i];
         float v = strstr(t->name, "running_var") ? 1.0f : 0.0f;
         for (int64_t j = 0; j < t->n_elem; j++) hb[t->offset + j] = v;
     }
-    TDM_TRY(tdm_dev_copy_from_host(m->dev, m->params, hp,
-                                   (size_t)m->param_elems * sizeof(float)));
+    if (!m->released)
+        TDM_TRY(tdm_dev_copy_from_host(m->dev, m->params, hp,
+                                       (size_t)m->param_elems * sizeof(float)));
     if (m->buffer_elems)
         TDM_TRY(tdm_dev_copy_from_host(m->dev, m->buffers, hb,
                                        (size_t)m->buffer_elems * sizeof(float)));
@@ -342,7 +348,7 @@ tdm_status tdm_model_init(tdm_model **out, tdm_device *dev, const tdm_model_spec
                           uint64_t seed)
 {
     tdm_model *m = NULL;
-    TDM_CHECK(tdm_model_new(&m, dev, spec, -1, -1));
+    TDM_CHECK(tdm_model_new(&m, dev, spec, -1, -1, 0));
     m->seed = seed;
     tdm_status st = tdm_model_fill_host(m, seed);
     if (st != TDM_STATUS_OK) {
@@ -361,7 +367,7 @@ tdm_status tdm_model_init_range(tdm_model **out, tdm_device *dev, const tdm_mode
                                 uint64_t seed, int lo, int hi)
 {
     tdm_model *m = NULL;
-    TDM_CHECK(tdm_model_new(&m, dev, spec, lo, hi));
+    TDM_CHECK(tdm_model_new(&m, dev, spec, lo, hi, 0));
     m->seed = seed;
     tdm_status st = tdm_model_fill_host(m, seed);
     if (st != TDM_STATUS_OK) {
@@ -371,6 +377,23 @@ tdm_status tdm_model_init_range(tdm_model **out, tdm_device *dev, const tdm_mode
     *out = m;
     return TDM_STATUS_OK;
 }
+
+tdm_status tdm_model_init_released(tdm_model **out, tdm_device *dev,
+                                   const tdm_model_spec *spec, uint64_t seed)
+{
+    tdm_model *m = NULL;
+    TDM_CHECK(tdm_model_new(&m, dev, spec, -1, -1, 1));
+    m->seed = seed;
+    tdm_status st = tdm_model_fill_host(m, seed);   /* its buffers */
+    if (st != TDM_STATUS_OK) {
+        tdm_model_free(m);
+        return st;
+    }
+    *out = m;
+    return TDM_STATUS_OK;
+}
+
+uint64_t tdm_model_seed(const tdm_model *m) { return m->seed; }
 
 tdm_status tdm_mlp_init(tdm_model **out, tdm_device *dev, const int *dims, int ndims,
                         uint64_t seed)
@@ -393,7 +416,7 @@ tdm_status tdm_model_clone(tdm_model **out, const tdm_model *src, tdm_device *de
     TDM_REQUIRE(!src->released, TDM_STATUS_INVALID_ARG,
                 "model clone: the source's parameters live in views (its storage was "
                 "released): nothing to copy from");
-    TDM_CHECK(tdm_model_new(&m, dev, &src->spec, src->stage.lo, src->stage.hi));
+    TDM_CHECK(tdm_model_new(&m, dev, &src->spec, src->stage.lo, src->stage.hi, 0));
     tdm_status st = tdm_dev_copy_between(dev, m->params, src->dev, src->params,
                                          (size_t)m->param_elems * sizeof(float));
     if (st == TDM_STATUS_OK && m->buffer_elems)

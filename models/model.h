@@ -189,6 +189,19 @@ tdm_status tdm_model_init_tables(tdm_model **out, const tdm_model_spec *spec);
  * only: a design that holds a part of a tensor builds the tensor alone,
  * not the whole model. */
 void tdm_model_init_param_host(const tdm_model *m, uint64_t seed, int i, float *p);
+/* tdm_model_init without the flat parameter and gradient buffers: the
+ * model is built on dev released from the start (as after
+ * tdm_model_release_storage: every tensor needs a view before a layer
+ * uses it), with its buffers (batchnorm statistics) initialised as
+ * tdm_model_init's; the parameters' initial values are
+ * tdm_model_init_param_host(m, tdm_model_seed(m), i, ...), wherever the
+ * caller keeps them. For a design that must never hold the whole model
+ * on the device (FSDP with parameter offload: tdm_fsdp_init draws each
+ * unit on the host). */
+tdm_status tdm_model_init_released(tdm_model **out, tdm_device *dev,
+                                   const tdm_model_spec *spec, uint64_t seed);
+/* The seed the model's parameters were drawn from (and its dropout keyed on). */
+uint64_t tdm_model_seed(const tdm_model *m);
 /* A model with src's spec on dev, parameters and buffers copied from src
  * (a replica). Gradients zero. */
 tdm_status tdm_model_clone(tdm_model **out, const tdm_model *src, tdm_device *dev);
@@ -345,8 +358,11 @@ tdm_status tdm_model_set_grad_view(tdm_model *m, int first, int last, float *bas
 tdm_status tdm_model_release_storage(tdm_model *m);
 /* Allocates the flat buffers again (zeroed) and drops every view. */
 tdm_status tdm_model_restore_storage(tdm_model *m);
-/* 1 after tdm_model_release_storage (until restored). */
+/* 1 after tdm_model_release_storage (until restored), and for a model
+ * built by tdm_model_init_released. */
 int tdm_model_storage_released(const tdm_model *m);
+/* 1 when any tensor has a parameter or gradient view set. */
+int tdm_model_has_views(const tdm_model *m);
 
 /* When layers are about to use parameters: forward before a layer reads
  * parameters first..last (a tensor may be read again later: the GPT's

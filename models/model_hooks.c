@@ -188,6 +188,13 @@ tdm_status tdm_model_restore_storage(tdm_model *m)
 
 int tdm_model_storage_released(const tdm_model *m) { return m->released; }
 
+int tdm_model_has_views(const tdm_model *m)
+{
+    for (int i = 0; i < m->n_params; i++)
+        if (m->pview[i] || m->gview[i]) return 1;
+    return 0;
+}
+
 void tdm_model_set_use_hook(tdm_model *m, tdm_param_use_fn fn, void *ctx)
 {
     m->use_hook = fn;

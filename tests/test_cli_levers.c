@@ -124,7 +124,13 @@ Test(cli_levers, refuses_what_it_cannot_do)
         {{"train", "--offload", "params", "--mode", "ddp", "--device", "cuda:0,1"},
          "runs with --mode fsdp (--sharding full), not --mode ddp"},
         {{"train", "--offload", "params", "--mode", "fsdp", "--sharding", "grad_op", "--device",
-          "cuda:0,1"}, "--sharding grad_op keeps full parameters on the device"},
+          "cuda:0,1"}, "--sharding grad_op (SHARD_GRAD_OP, ZeRO-2) keeps full parameters on the "
+          "device (use --offload optimizer)"},
+        {{"train", "--offload", "params", "--mode", "fsdp", "--sharding", "zero1", "--device",
+          "cuda:0,1"}, "--sharding zero1 (ZeroRedundancyOptimizer, ZeRO-1) keeps full parameters"},
+        /* an unknown sharding is named as such, not as one that keeps full parameters */
+        {{"train", "--offload", "params", "--mode", "fsdp", "--sharding", "zero9", "--device",
+          "cuda:0,1"}, "--sharding: unknown sharding 'zero9'"},
         {{"train", "--offload", "gpu"}, "--offload 'gpu': expected optimizer or params"},
         {{"train", "--offload", "optimizer"}, "is host memory already"},
         {{"train", "--offload", "optimizer", "--mode", "dp", "--device", "cuda:0,1"},

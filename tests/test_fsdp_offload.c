@@ -10,7 +10,11 @@
  *   between steps and at the steps' peak;
  * - gradients kept across steps (no zero_grad between them: the host
  *   shard adds the new slice) and no_sync micro-batches: bitwise;
- * - refusals: a host device, grad_op and optimizer shardings, naming why;
+ * - the set-up: the device never holds the model (built without flat
+ *   buffers, its units drawn on the host): its peak is the plan's
+ *   init_peak; the copies on the emulated copy stream are all finished;
+ * - refusals: a host device, grad_op and optimizer shardings, a model
+ *   built without flat buffers but not offloaded, naming why;
  *   no pinned memory on a host device or the emulator (UNSUPPORTED);
  * - the CLI: the checkpoint of `train --offload params` is the bytes of
  *   the run without it (cmp) with the same loss lines, its resume (from
@@ -85,6 +89,9 @@ static void compare_at(int model, int world)
     char what[64];
     snprintf(what, sizeof what, "%s at N=%d", model == 2 ? "gpt" : "mlp", world);
     same_run(plain, off, c.steps, what);
+    /* the copies on the (emulated) copy stream were all finished */
+    cr_assert_eq(off->xfers_left, 0, "%s: %lld copies never finished", what,
+                 (long long)off->xfers_left);
     tf_shared_free(plain);
     tf_shared_free(off);
     /* The bytes: with the reduce-scatters after backward, so that the
@@ -124,6 +131,64 @@ Test(fsdp_offload, gpt_bitwise_and_exact_device_bytes)
 {
     if (!tdm_device_cuda_linked()) cr_skip_test("CUDA backend not built (no nvcc)");
     for (int w = 1; w <= 4; w *= 2) compare_at(2, w);
+}
+
+/* The set-up: with offload the model is built without flat buffers
+ * (tdm_model_init_released) and its units are drawn and scattered in
+ * host memory, so rank 0's device allocator never holds the model at
+ * set-up: its peak there is exactly the plan's init_peak (the buffers and
+ * 16-bit weights: none for these float32 models) and at most the steps'
+ * peak; without offload the set-up holds at least the whole model's
+ * parameters and gradients. The MLP and the GPT at N = 1, 2, 4, and the
+ * GPT in bf16 (its 16-bit weight copy is the set-up's one device block). */
+static void setup_at(int model, int world, tdm_precision prec)
+{
+    tf_cfg c = tf_cfg_default();
+    c.model = model;
+    c.adamw = model == 2;
+    c.steps = 2;
+    c.batch = model == 2 ? 8 : 24;
+    c.no_overlap = 1;
+    c.prec = prec;
+    c.open_dev = open_emu;
+    tf_shared *plain = run(&c, world, TDM_FSDP_OFFLOAD_NONE);
+    tf_shared *off = run(&c, world, TDM_FSDP_OFFLOAD_PARAMS);
+    char what[64];
+    snprintf(what, sizeof what, "%s%s at N=%d", model == 2 ? "gpt" : "mlp",
+             prec == TDM_PRECISION_BF16 ? " bf16" : "", world);
+    same_run(plain, off, c.steps, what);
+    tdm_model_spec spec;
+    tf_spec(&spec, &c);
+    tdm_plan_opts o;
+    tdm_plan_opts_default(&o, &spec, c.batch / world);
+    tf_optim_opts(&o.optim, &c);
+    o.precision = prec;
+    o.device = TDM_DEVICE_CUDA;
+    o.offload = TDM_PLAN_OFFLOAD_PARAMS;
+    tdm_fsdp_mem_plan mp;
+    TU_OK(tdm_fsdp_plan_memory(&o, world, TDM_FSDP_FULL_SHARD, 0, &mp));
+    cr_assert_eq(off->setup_peak, mp.init_peak,
+                 "%s: the set-up's device peak is %zu bytes, planned %zu", what, off->setup_peak,
+                 mp.init_peak);
+    cr_assert_leq(off->setup_peak, off->step_peak, "%s: set-up %zu above the steps' %zu", what,
+                  off->setup_peak, off->step_peak);
+    size_t model_bytes = 2 * round64((size_t)plain->n_elem * sizeof(float));
+    cr_assert_geq(plain->setup_peak, model_bytes, "%s: without offload the set-up held %zu", what,
+                  plain->setup_peak);
+    cr_assert_lt(off->setup_peak + model_bytes, plain->setup_peak + 1, "%s: %zu vs %zu", what,
+                 off->setup_peak, plain->setup_peak);
+    tf_shared_free(plain);
+    tf_shared_free(off);
+}
+
+Test(fsdp_offload, setup_never_holds_the_model_on_the_device)
+{
+    if (!tdm_device_cuda_linked()) cr_skip_test("CUDA backend not built (no nvcc)");
+    for (int w = 1; w <= 4; w *= 2) {
+        setup_at(0, w, TDM_PRECISION_FP32);
+        setup_at(2, w, TDM_PRECISION_FP32);
+    }
+    setup_at(2, 2, TDM_PRECISION_BF16);
 }
 
 /* Gradients that add up across synchronised backwards (the host shard
@@ -171,6 +236,19 @@ static int refuse_main(tdm_comm *comm, void *arg)
         tdm_device_free(d);
         if (!tdm_device_cuda_linked()) break;
     }
+    /* status[3]: a model built without flat buffers, sharded without
+     * offload (nothing would hold its parameters) */
+    tdm_device *d = NULL;
+    tdm_model *m = NULL;
+    tdm_fsdp *f = NULL;
+    tdm_status st = tdm_device_open(&d, "cpu", 0, 1);
+    if (st == TDM_STATUS_OK) st = tdm_model_init_released(&m, d, &spec, 1);
+    if (st == TDM_STATUS_OK) st = tdm_fsdp_init(&f, m, comm, NULL);
+    sh->status[3] = st;
+    snprintf(sh->err[3], sizeof sh->err[3], "%s", st ? tdm_error_message() : "");
+    tdm_fsdp_free(f);
+    tdm_model_free(m);
+    tdm_device_free(d);
     return 0;
 }
 
@@ -186,6 +264,9 @@ Test(fsdp_offload, refused_where_it_has_nothing_to_offload)
         cr_assert_eq(sh->status[k], TDM_STATUS_INVALID_ARG, "%s", sh->err[k]);
         cr_assert(strstr(sh->err[k], "keeps full parameters on the device"), "%s", sh->err[k]);
     }
+    cr_assert_eq(sh->status[3], TDM_STATUS_INVALID_ARG, "%s", sh->err[3]);
+    cr_assert(strstr(sh->err[3], "tdm_model_init_released, which only parameter offload"), "%s",
+              sh->err[3]);
     tf_shared_free(sh);
 }
 
@@ -312,11 +393,24 @@ Test(fsdp_offload, cli_checkpoint_losses_resume_and_plan)
     ok("fsdp");
     lines_with("train loss", lp, sizeof lp);
     double peak_plain = after("peak memory on rank 0's cuda-emu:0: ");
-    CLI(&g_r, IMG, "--epochs", "2", "--save", off, "--offload", "params");
+    char trace[192];
+    snprintf(trace, sizeof trace, "%s", tu_tpath(dir, "trace.json"));
+    CLI(&g_r, IMG, "--epochs", "2", "--save", off, "--offload", "params", "--trace", trace);
     ok("fsdp --offload params");
+    /* the copies between host and device are a phase of their own */
+    FILE *tf = fopen(trace, "r");
+    cr_assert_not_null(tf, "no trace %s", trace);
+    static char tbuf[1 << 20];
+    size_t tn = fread(tbuf, 1, sizeof tbuf - 1, tf);
+    fclose(tf);
+    tbuf[tn] = 0;
+    cr_assert(strstr(tbuf, "\"name\": \"host copy\"") || strstr(tbuf, "\"name\":\"host copy\""),
+              "no host copy phase in the trace:\n%.2000s", tbuf);
+    cr_assert(strstr(tbuf, "all-gather wait") || strstr(tbuf, "forward"), "%.500s", tbuf);
     cr_assert(strstr(g_r.out, "parameter and gradient shards and the optimizer (its state and "
                               "step) offloaded to host memory"), "%s", g_r.out);
     cr_assert(strstr(g_r.out, "fsdp memory (rank 0): shards (in host memory)"), "%s", g_r.out);
+    cr_assert(strstr(g_r.out, "fsdp offload (rank 0, per step): host copy "), "%s", g_r.out);
     lines_with("train loss", lo, sizeof lo);
     cr_assert(lp[0] && !strcmp(lp, lo), "loss lines differ:\n%s---\n%s", lp, lo);
     cr_assert(cli_same_file(plain, off), "the offloaded run's checkpoint differs");
@@ -338,6 +432,8 @@ Test(fsdp_offload, cli_checkpoint_losses_resume_and_plan)
     cr_assert(fabs(plan - peak_off) <= 0.05 * peak_off, "tandem plan %g MiB, measured %g",
               plan, peak_off);
     cr_assert(after("host: shards, state ") > 0.2, "%s", g_r.out);
+    /* the set-up holds nothing of the float32 model on the device */
+    cr_assert_eq(after("set-up peak"), 0.0, "%s", g_r.out);
     /* resumed after epoch 1, offloaded: the uninterrupted run's bytes */
     CLI(&g_r, IMG, "--epochs", "1", "--save", first, "--offload", "params");
     ok("first epoch");

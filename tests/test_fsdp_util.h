@@ -28,6 +28,9 @@
 #include "models/train.h"
 #include "tests/test_ddp_util.h"
 
+/* the emulator's count of unfinished copies, where cuda/ is linked */
+__attribute__((weak)) int64_t tdm_cuda_emulator_xfers(const tdm_device *d);
+
 #define TF_MAX_ELEMS (1 << 16)
 #define TF_MAX_STEPS 64
 #define TF_GPT_T 10
@@ -77,6 +80,12 @@ typedef struct tf_shared {
      * backwards and optimizer steps (the test's own gathers left out);
      * its shard's elements and the optimizer's state buffers */
     size_t live_between, step_peak;
+    /* rank 0's device allocator at its most from the device's opening
+     * to the optimizer's (the set-up: model, shards, optimizer) */
+    size_t setup_peak;
+    /* rank 0 on an emulated device: its asynchronous copies never
+     * finished after the run (offload), -1 elsewhere */
+    int64_t xfers_left;
     int64_t shard_elems;
     int n_state;
     int status[8];
@@ -170,13 +179,20 @@ static inline int tf_rank_main(tdm_comm *comm, void *arg)
     int64_t *perm = NULL;
     float *x = NULL, *hbuf = NULL;
     int32_t *y = NULL;
+    tdm_dev_mem_stats ms;
     tdm_status st = TDM_STATUS_OK;
     int64_t feat = c->model == 2 ? TF_GPT_T : tdm_data_features(run->data);
     int64_t rows = c->model == 2 ? TF_GPT_T : 1;
     tf_spec(&spec, c);
     if (c->open_dev) TDM_TRY(c->open_dev(&dev, rank));
     else TDM_TRY(tdm_device_open(&dev, "cpu", rank, 1));
-    TDM_TRY(tdm_model_init(&m, dev, &spec, 5 + (c->seed_by_rank ? (uint64_t)rank : 0)));
+    uint64_t seed = 5 + (c->seed_by_rank ? (uint64_t)rank : 0);
+    /* offload: built without flat buffers, as the CLI builds it (fsdp
+     * draws the units on the host) */
+    if (c->offload == TDM_FSDP_OFFLOAD_PARAMS && !c->ddp)
+        TDM_TRY(tdm_model_init_released(&m, dev, &spec, seed));
+    else
+        TDM_TRY(tdm_model_init(&m, dev, &spec, seed));
     TDM_TRY(tdm_model_set_precision(m, c->prec));
     TDM_TRY(tdm_model_set_checkpoint(m, c->ckpt));
     if (c->make_comm) TDM_TRY(c->make_comm(&dcomm, comm, dev));
@@ -205,6 +221,7 @@ static inline int tf_rank_main(tdm_comm *comm, void *arg)
         }
     }
     if (rank == 0) sh->n_state = tdm_optim_n_state(opt);
+    if (rank == 0 && tdm_dev_mem_query(dev, &ms) == TDM_STATUS_OK) sh->setup_peak = ms.peak_bytes;
     tdm_dev_mem_reset_peak(dev);
     perm = malloc((size_t)(c->model == 2 ? 1 : run->data->n) * sizeof *perm);
     x = malloc((size_t)c->batch * (size_t)feat * sizeof *x + 4);
@@ -216,7 +233,6 @@ static inline int tf_rank_main(tdm_comm *comm, void *arg)
     }
     if (c->model != 2) tdm_train_epoch_order(perm, run->data->n, 1, 0);
     int micro = c->micro > 1 ? c->micro : 1;
-    tdm_dev_mem_stats ms;
     for (int s = 0; s < c->steps; s++) {
         if (rank == 0 && s == c->steps - 1 && tdm_dev_mem_query(dev, &ms) == TDM_STATUS_OK)
             sh->live_between = ms.live_bytes;
@@ -272,6 +288,7 @@ static inline int tf_rank_main(tdm_comm *comm, void *arg)
             if (dst) memcpy(dst, hbuf, (size_t)n_elem * 4);
         }
     }
+    if (rank == 0) sh->xfers_left = tdm_cuda_emulator_xfers ? tdm_cuda_emulator_xfers(dev) : -1;
     if (f && rank == 0) {
         /* every gather has been waited for by now (gather_params settles
          * the ones a step launched): each one's event has an end */

@@ -26,7 +26,11 @@ tdm_status tdm_tool_rank_new(void *ctx, tdm_dist_rank *d, void **self)
     TDM_REQUIRE(r, TDM_STATUS_OUT_OF_MEMORY, "rank %d: calloc", d->env.rank);
     *self = r;
     *r = (tdm_tool_rank){.b = ctx, .dist = d, .rank = d->env.rank, .world = d->env.world_size};
-    tdm_status st = tdm_model_init(&r->m, d->dev, &r->b->spec, r->b->seed);
+    /* FSDP's parameter offload never holds the whole model on the device:
+     * fsdp draws each unit on the host (tdm_fsdp_init) */
+    tdm_status st = r->b->offload == TDM_FSDP_OFFLOAD_PARAMS
+                        ? tdm_model_init_released(&r->m, d->dev, &r->b->spec, r->b->seed)
+                        : tdm_model_init(&r->m, d->dev, &r->b->spec, r->b->seed);
     if (st) return tdm_tool_rank_fail(r, "building model", st);
     if ((st = tdm_model_set_precision(r->m, r->b->precision)) ||
         (st = tdm_model_set_checkpoint(r->m, r->b->ckpt)))

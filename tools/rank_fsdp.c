@@ -88,6 +88,10 @@ static void tdm_rank_fsdp_report(const tdm_tool_rank *r, int overlap)
            t.total.ms[TDM_PHASE_LOSS] / n, t.total.ms[TDM_PHASE_BACKWARD] / n,
            t.total.ms[TDM_PHASE_ALLGATHER_WAIT] / n, t.total.ms[TDM_PHASE_REDUCE_SCATTER_WAIT] / n,
            t.total.ms[TDM_PHASE_STEP] / n);
+    if (r->b->offload == TDM_FSDP_OFFLOAD_PARAMS)
+        printf("fsdp offload (rank 0, per step): host copy %.3f ms (issuing and finishing the "
+               "shards' copies up and the gradient slices' down on the copy stream)\n",
+               t.total.ms[TDM_PHASE_HOST_COPY] / n);
     printf("fsdp communication: %.1f%% of the all-gathered bytes were prefetched, %.1f%% of the "
            "reduce-scattered bytes were launched during backward\n",
            t.ag_bytes_total > 0 ? 100.0 * t.ag_prefetched_bytes_total / t.ag_bytes_total : 0.0,

@@ -81,11 +81,14 @@ tdm_status tdm_train_levers_check(const tdm_train_args *a)
                                     "shards in host memory: it runs with --mode fsdp (--sharding "
                                     "full), not --mode %s (--offload optimizer runs with single, "
                                     "ddp and fsdp)\n", a->mode);
+    /* an unknown --sharding is the sharding check's to name (its choices) */
     if (tdm_levers_params(a) && a->sharding &&
-        (tdm_fsdp_sharding_parse(a->sharding, &sh) || sh != TDM_FSDP_FULL_SHARD))
+        tdm_fsdp_sharding_parse(a->sharding, &sh) == TDM_STATUS_OK && sh != TDM_FSDP_FULL_SHARD)
         return tdm_tool_usage_error("tandem train: --offload params runs with --sharding full: "
-                                    "--sharding %s keeps full parameters on the device (use "
-                                    "--offload optimizer)\n", a->sharding);
+                                    "--sharding %s (%s) keeps full parameters on the device "
+                                    "(use --offload optimizer)\n", a->sharding,
+                                    sh == TDM_FSDP_SHARD_GRAD_OP ? "SHARD_GRAD_OP, ZeRO-2"
+                                                                : "ZeroRedundancyOptimizer, ZeRO-1");
     int dp = !strcmp(a->mode, "dp"), pp = !strcmp(a->mode, "pp");
     if (tdm_levers_set(a) && strcmp(a->mode, "single") && strcmp(a->mode, "ddp") &&
         strcmp(a->mode, "fsdp") && !dp && !pp && strcmp(a->mode, "tp"))
