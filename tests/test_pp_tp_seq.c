@@ -139,4 +139,10 @@ Test(pp_tp_seq, what_it_does_not_run_is_one_line_and_exit_2)
         GPT_MODEL, "--sequence-parallel", "--precision", "bf16");
     cr_assert_eq(g_r.code, 2, "%s", g_r.out);
     cr_assert(strstr(g_r.out, "not built with --precision bf16"), "%s", g_r.out);
+    /* fp32 with checkpointing: the message names what was refused */
+    CLI(&g_r, "train", "--mode", "pp", "--device", "cpu:4", "--mesh", "pp=2,tp=2", "--model",
+        GPT_MODEL, "--sequence-parallel", "--checkpoint-activations");
+    cr_assert_eq(g_r.code, 2, "%s", g_r.out);
+    cr_assert(strstr(g_r.out, "not built with --checkpoint-activations") &&
+                  !strstr(g_r.out, "--precision fp32"), "%s", g_r.out);
 }

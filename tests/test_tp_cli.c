@@ -554,3 +554,67 @@ Test(tp_cli, grad_accum_equals_the_same_global_batch_within_the_bound)
     cr_assert(da <= TOL && dm <= TOL && dp <= TOL, "tp --grad-accum: %g from single, mesh %g, "
               "%g from tp without", da, dm, dp);
 }
+
+/* ZeRO-2's gradient buckets (--bucket-cap-mb 0.0005: ~130 floats, so
+ * rank 0's slice of 597 elements goes in 4 buckets, summed during
+ * backward by reduces to their owners): the plain dp x tp run's file
+ * byte for byte, under --grad-accum 2 too (only the last micro-batch's
+ * backward sums), resumed from a bucketed run's file; the summary names
+ * the most bucket bytes held at once; with --clip-grad-norm and with
+ * --precision fp16 ZeRO-1's file; emulated CUDA ranks (the buckets
+ * allocated, reduced and freed on the device) write the host ranks'
+ * file. */
+Test(tp_cli, zero2_buckets_are_dp_x_tp_bit_for_bit)
+{
+    static cli_result r;
+    char plain[128], zero[128], half[128], emu[128];
+    path(plain, sizeof plain, "zb_plain");
+    path(zero, sizeof zero, "zb_zero");
+    path(half, sizeof half, "zb_half");
+    path(emu, sizeof emu, "zb_emu");
+#define ZB_MLP "train", "--mode", "tp", "--mesh", "dp=2,tp=2", MLP, SYN, "--batch", "32", \
+               "--optim", "sgd", "--momentum", "0.9", "--no-eval"
+#define ZB "--sharding", "grad_op", "--bucket-cap-mb", "0.0005"
+    CLI(&r, ZB_MLP, "--device", "cpu:4", "--epochs", "2", "--quiet", "--save", plain);
+    expect(&r, 0, "/");
+    CLI(&r, ZB_MLP, "--device", "cpu:4", "--epochs", "2", ZB, "--save", zero);
+    expect(&r, 0, "as gradient buckets summed during backward: at most 0.00");
+    cr_assert(cli_same_file(plain, zero), "bucketed ZeRO-2 differs from the plain dp x tp run");
+    CLI(&r, ZB_MLP, "--device", "cpu:4", "--epochs", "1", "--quiet", ZB, "--save", half);
+    expect(&r, 0, "/");
+    CLI(&r, ZB_MLP, "--device", "cpu:4", "--epochs", "2", "--quiet", ZB, "--resume", half,
+        "--save", zero);
+    expect(&r, 0, "/");
+    cr_assert(cli_same_file(plain, zero), "the resumed bucketed ZeRO-2 run differs");
+    CLI(&r, ZB_MLP, "--device", "cpu:4", "--epochs", "2", "--quiet", "--grad-accum", "2",
+        "--save", plain);
+    expect(&r, 0, "/");
+    CLI(&r, ZB_MLP, "--device", "cpu:4", "--epochs", "2", "--quiet", "--grad-accum", "2", ZB,
+        "--save", zero);
+    expect(&r, 0, "/");
+    cr_assert(cli_same_file(plain, zero), "bucketed ZeRO-2 under --grad-accum differs");
+    /* the levers read the shard the buckets summed into: clipping and
+     * fp16's loss scaling end on ZeRO-1's bytes */
+    static const char *const lever[2][2] = {{"--clip-grad-norm", "0.05"},
+                                            {"--precision", "fp16"}};
+    for (int l = 0; l < 2; l++) {
+        CLI(&r, ZB_MLP, "--device", "cpu:4", "--epochs", "2", "--quiet", lever[l][0],
+            lever[l][1], "--sharding", "optimizer", "--save", plain);
+        expect(&r, 0, "/");
+        CLI(&r, ZB_MLP, "--device", "cpu:4", "--epochs", "2", "--quiet", lever[l][0],
+            lever[l][1], ZB, "--save", zero);
+        expect(&r, 0, "/");
+        cr_assert(cli_same_file(plain, zero), "bucketed ZeRO-2 with %s %s differs from ZeRO-1",
+                  lever[l][0], lever[l][1]);
+    }
+    if (!tdm_device_cuda_linked()) return;   /* the emulator needs the CUDA backend */
+    CLI(&r, ZB_MLP, "--device", "cpu:4", "--epochs", "1", "--quiet", ZB, "--save", zero);
+    expect(&r, 0, "/");
+    cr_assert_eq(setenv("TANDEM_CUDA_EMULATOR", "4", 1), 0);
+    CLI(&r, ZB_MLP, "--device", "cuda", "--epochs", "1", "--quiet", ZB, "--save", emu);
+    unsetenv("TANDEM_CUDA_EMULATOR");
+    expect(&r, 0, "/");
+    cr_assert(cli_same_file(zero, emu), "emulated CUDA ranks' bucketed ZeRO-2 differs");
+#undef ZB
+#undef ZB_MLP
+}

@@ -34,6 +34,7 @@ typedef struct tdm_plan_args {
     long long batch, stages, micro;
     int seq_par;                 /* --sequence-parallel (tp) */
     double clip, momentum;
+    double bucket_mb;            /* --bucket-cap-mb (tp grad_op; 0: train's default) */
 } tdm_plan_args;
 
 static void tdm_plan_usage(FILE *f)
@@ -70,7 +71,8 @@ static void tdm_plan_usage(FILE *f)
         "with tp=N stages (--mesh dp=D,pp=S,tp=N) a rank's slices of its stage.\n"
         "tp (--mesh dp=D,tp=N, or N = the devices): a rank's slices of the parameters,\n"
         "gradients and optimizer state (ZeRO-1 over dp with --sharding optimizer; ZeRO-2\n"
-        "with grad_op: a gradient shard kept, the whole gradient inside a step), the\n"
+        "with grad_op: a gradient shard kept, and inside a step the most of the\n"
+        "gradient's buckets backward holds at once: --bucket-cap-mb, as train's), the\n"
         "activations and scratch at ceil(B/D) samples (with checkpointing: one block's\n"
         "set and the block outputs), the scratch (loss rows, the levers'), and with\n"
         "--precision bf16|fp16 the products' 16-bit operands (the largest product's).\n"
@@ -84,6 +86,7 @@ static void tdm_plan_usage(FILE *f)
         "  --device D     cpu, cpu:N, cuda, cuda:N (ddp: one rank per device; dp:\n"
         "                 one replica per device)                   [cpu]\n"
         "  --batch B      the global batch                 [256; gpt: %d]\n"
+        "  --bucket-cap-mb MB   tp grad_op: ZeRO-2's gradient bucket cap   [25]\n"
         "  --momentum M   SGD momentum (0: no optimizer state)    [0.9]\n",
         TDM_TRAIN_GPT_BATCH);
 }
@@ -112,7 +115,8 @@ static tdm_status tdm_plan_parse(int argc, char **argv, tdm_plan_args *a, int *h
                            : !strcmp(s, "--mesh")      ? &a->mesh
                                                        : NULL;
         if (str || !strcmp(s, "--batch") || !strcmp(s, "--clip-grad-norm") ||
-            !strcmp(s, "--momentum") || !strcmp(s, "--stages") || !strcmp(s, "--microbatches")) {
+            !strcmp(s, "--momentum") || !strcmp(s, "--stages") || !strcmp(s, "--microbatches") ||
+            !strcmp(s, "--bucket-cap-mb")) {
             if (!v) return tdm_tool_usage_error("tandem plan: %s needs a value\n", s);
             i++;
             char *end = NULL;
@@ -123,9 +127,13 @@ static tdm_status tdm_plan_parse(int argc, char **argv, tdm_plan_args *a, int *h
             else if (!strcmp(s, "--stages")) a->stages = strtoll(v, &end, 10);
             else if (!strcmp(s, "--microbatches")) a->micro = strtoll(v, &end, 10);
             else if (!strcmp(s, "--clip-grad-norm")) a->clip = strtod(v, &end);
+            else if (!strcmp(s, "--bucket-cap-mb")) a->bucket_mb = strtod(v, &end);
             else a->momentum = strtod(v, &end);
             if (end && (*end || end == v))
                 return tdm_tool_usage_error("tandem plan: %s '%s': expected a number\n", s, v);
+            if (!strcmp(s, "--bucket-cap-mb") && !(a->bucket_mb > 0))
+                return tdm_tool_usage_error("tandem plan: --bucket-cap-mb '%s': expected a "
+                                            "size in MiB above 0\n", v);
             continue;
         }
         if (!strcmp(s, "--checkpoint-activations")) {
@@ -315,8 +323,8 @@ tdm_status tdm_tool_plan_pp_rank(const tdm_tool_build *b, const tdm_mesh_shape *
 }
 
 tdm_status tdm_tool_plan_tp_rank(const tdm_model_spec *spec, const tdm_optim_opts *optim, int T,
-                                 int D, int share, int seq_par, int zero, int ckpt,
-                                 const tdm_tool_tp_levers *lev, tdm_tool_tp_plan *out)
+                                 int D, int share, int seq_par, int zero, double bucket_mb,
+                                 int ckpt, const tdm_tool_tp_levers *lev, tdm_tool_tp_plan *out)
 {
     int zero1 = zero != 0;   /* ZeRO-1 or 2: the same chunks */
     memset(out, 0, sizeof *out);
@@ -331,8 +339,13 @@ tdm_status tdm_tool_plan_tp_rank(const tdm_model_spec *spec, const tdm_optim_opt
     size_t flat = tdm_plan_round64((zero1 && D > 1 ? chunk * (size_t)D : n) * sizeof(float));
     out->elems = fp.elems;
     out->params = out->grads = flat;
-    /* ZeRO-2: the kept shard, besides the step's whole gradient */
+    /* ZeRO-2: the kept shard, besides the step's whole gradient or (with
+     * buckets, not under sequence parallelism) the most of its buckets
+     * backward holds at once */
     out->grad_shard = zero == 2 && D > 1 ? tdm_plan_round64(chunk * sizeof(float)) : 0;
+    if (zero == 2 && D > 1 && bucket_mb > 0 && !seq_par)
+        TDM_CHECK(tdm_tp_zero2_bucket_bytes(spec, T, D, (size_t)(bucket_mb * 1048576.0),
+                                            &out->grads));
     out->optim = (size_t)tdm_optim_kind_n_state(optim) * tdm_plan_round64(chunk * sizeof(float));
     out->activations = fp.act_bytes;
     /* the device's scratch through a step (models/plan.h): the loss's
@@ -391,6 +404,8 @@ static tdm_status tdm_plan_tp_print(const tdm_plan_args *a, const tdm_plan_opts 
                               .device = o->device};
     tdm_status st = tdm_tool_plan_tp_rank(&o->spec, &o->optim, T, D,
                                           (int)((a->batch + D - 1) / D), a->seq_par, zero,
+                                          a->bucket_mb > 0 ? a->bucket_mb
+                                                           : TDM_TOOL_TP_BUCKET_MB,
                                           o->ckpt, &lev, &t);
     if (st) {
         fprintf(stderr, "tandem plan: --mode tp: %s\n", tdm_error_message());

@@ -94,8 +94,14 @@ typedef struct tdm_tool_tp_plan {
     size_t params, grads, grad_shard, optim, activations, scratch, low, peak;
     int64_t elems;               /* the rank's flat slice */
 } tdm_tool_tp_plan;
+/* ZeRO-2 (zero 2) with bucket_mb > 0 (MiB; tandem train passes
+ * --bucket-cap-mb, TDM_TOOL_TP_BUCKET_MB without it): grads is the most
+ * bytes of gradient buckets held at once in a step
+ * (tdm_tp_zero2_bucket_bytes; one micro-batch per step), not the whole
+ * gradient; 0: the whole gradient. */
+#define TDM_TOOL_TP_BUCKET_MB 25.0
 tdm_status tdm_tool_plan_tp_rank(const tdm_model_spec *spec, const tdm_optim_opts *optim, int T,
-                                 int D, int share, int seq_par, int zero, int ckpt,
-                                 const tdm_tool_tp_levers *lev, tdm_tool_tp_plan *out);
+                                 int D, int share, int seq_par, int zero, double bucket_mb,
+                                 int ckpt, const tdm_tool_tp_levers *lev, tdm_tool_tp_plan *out);
 
 #endif

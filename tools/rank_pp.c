@@ -59,6 +59,8 @@ typedef struct tdm_tool_pp {
     float *zbuf;                 /* the stage's parameters padded to reps chunks; NULL when
                                     they divide evenly (gathered in place) */
     int64_t zchunk;              /* elements per replica's slice */
+    size_t zbytes;               /* device bytes its set-up took (state, zbuf): not the
+                                    activations that pp/ measures above its own set-up */
     tdm_comm_traffic zstep;      /* what the dp communicator counted in the last step */
     int rep, reps;               /* this replica, of how many */
     int in_elems, out_rows;      /* per sample of the whole model */
@@ -280,11 +282,17 @@ static tdm_status tdm_rank_pp_zero1_step(void *ctx, tdm_model *m)
 static tdm_status tdm_rank_pp_zero1_init(tdm_tool_pp *q, const tdm_optim_opts *o)
 {
     int64_t n = tdm_model_param_elems(tdm_pp_model(q->p));
+    tdm_dev_mem_stats a, b;
+    int measured = tdm_dev_mem_query(q->zdev, &a) == TDM_STATUS_OK;
     q->zchunk = (n + q->reps - 1) / q->reps;
     TDM_CHECK(tdm_optim_init_flat(&q->zopt, q->zdev, q->zchunk, o));
-    if (q->zchunk * q->reps == n) return TDM_STATUS_OK;
-    return tdm_dev_alloc_zero(q->zdev, (size_t)(q->zchunk * q->reps) * sizeof(float),
-                              (void **)&q->zbuf);
+    if (q->zchunk * q->reps != n)
+        TDM_CHECK(tdm_dev_alloc_zero(q->zdev, (size_t)(q->zchunk * q->reps) * sizeof(float),
+                                     (void **)&q->zbuf));
+    if (measured && tdm_dev_mem_query(q->zdev, &b) == TDM_STATUS_OK && b.live_bytes > a.live_bytes)
+        q->zbytes = b.live_bytes - a.live_bytes;
+    tdm_error_clear();
+    return TDM_STATUS_OK;
 }
 
 /* ---- --deterministic K (pp/'s shards hooks over dist/det.h's tree) ---- */
@@ -695,7 +703,11 @@ static void tdm_rank_pp_figures(const tdm_tool_pp *q, double f[TDM_PPF_COUNT_])
     f[TDM_PPF_PARAMS] = (double)s.params;
     f[TDM_PPF_GRADS] = (double)s.grads;
     f[TDM_PPF_OPTIM] = q->zopt ? (double)tdm_optim_state_bytes(q->zopt) : (double)s.optimizer;
-    f[TDM_PPF_PEAK] = s.peak_act == (size_t)-1 ? -1.0 : (double)s.peak_act;
+    /* pp/ measures above what its set-up left live: ZeRO-1's state and
+     * gather buffer, allocated after it, are no activations */
+    f[TDM_PPF_PEAK] = s.peak_act == (size_t)-1 ? -1.0
+                      : s.peak_act > q->zbytes ? (double)(s.peak_act - q->zbytes)
+                                               : 0.0;
     f[TDM_PPF_SETS] = s.act_sets;
     f[TDM_PPF_SET] = (double)s.act_set;
     f[TDM_PPF_OVERLAPPED] = (double)s.overlapped;

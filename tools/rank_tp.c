@@ -139,6 +139,10 @@ static tdm_status tdm_rank_tp_setup(void *ctx, tdm_dist_rank *d, void **self)
                              : b->tp.zero    ? TDM_TP_ZERO_OPTIMIZER
                                              : TDM_TP_ZERO_NONE,
                      .precision = b->precision, .ckpt = b->ckpt};
+    /* ZeRO-2: buckets of --bucket-cap-mb (DDP's 25 MiB without it) */
+    if (b->tp.zero == 2)
+        o.bucket_bytes = (size_t)((b->bucket_cap_mb > 0 ? b->bucket_cap_mb
+                                                        : TDM_TOOL_TP_BUCKET_MB) * 1048576.0);
     if ((st = tdm_tp_init(&q->p, tp_dev, d->dev, &b->spec, &o)))
         return tdm_tool_rank_fail(r, "tensor-parallel set-up", st);
     r->opt = tdm_tp_optim(q->p);
@@ -214,7 +218,6 @@ static tdm_status tdm_rank_tp_accum_micro(void *ctx, const void *x, const int32_
                                           double *loss_sum)
 {
     (void)index;
-    (void)last;
     tdm_dist_stepper *s = ctx;
     tdm_tool_tp *q = s->w;
     int64_t lo = 0, hi = batch;
@@ -222,9 +225,10 @@ static tdm_status tdm_rank_tp_accum_micro(void *ctx, const void *x, const int32_
     *loss_sum = 0.0;
     if (hi == lo) return TDM_STATUS_OK;   /* a short micro-batch: the whole group has none */
     tdm_comm_traffic_get(q->mesh.dev[TDM_MESH_TP], &q->pass_t0);
-    TDM_CHECK(tdm_tp_forward_backward(q->p, (const int32_t *)x + lo * q->in_elems,
-                                      y + lo * q->out_rows, (int)(hi - lo), grad_scale,
-                                      loss_sum));
+    /* the last: ZeRO-2's buckets summed as its backward completes them */
+    TDM_CHECK((last ? tdm_tp_forward_backward_last : tdm_tp_forward_backward)(
+        q->p, (const int32_t *)x + lo * q->in_elems, y + lo * q->out_rows, (int)(hi - lo),
+        grad_scale, loss_sum));
     tdm_rank_tp_count(q);
     q->passes++;
     return TDM_STATUS_OK;
@@ -363,7 +367,10 @@ static size_t tdm_rank_tp_planned(const tdm_tool_rank *r)
     if (r->b->deterministic || hi <= lo ||
         tdm_tool_plan_tp_rank(&r->b->spec, &r->b->optim, q->mesh.size[TDM_MESH_TP],
                               q->mesh.size[TDM_MESH_DP], (int)(hi - lo), r->b->tp.seq_par,
-                              r->b->tp.zero, r->b->ckpt, &lev, &t)) {
+                              r->b->tp.zero,
+                              r->b->bucket_cap_mb > 0 ? r->b->bucket_cap_mb
+                                                      : TDM_TOOL_TP_BUCKET_MB,
+                              r->b->ckpt, &lev, &t)) {
         tdm_error_clear();
         return 0;
     }
@@ -442,8 +449,12 @@ static void tdm_rank_tp_report(const tdm_tool_rank *r, int overlap)
            s.grads_in_step ? " (ZeRO-2's shard)" : "", (double)s.optimizer * mib,
            (long long)s.split_elems, (long long)s.whole_split_elems,
            (long long)s.replicated_elems);
+    /* ZeRO-2: the whole gradient, or with buckets the most of them held at
+     * once (measured) */
     if (s.grads_in_step)
-        printf("; the whole gradient, %.3f MiB, only inside a step", s.grads_in_step * mib);
+        printf("; the whole gradient, %.3f MiB, only inside a step (as gradient buckets "
+               "summed during backward: at most %.3f MiB at once)",
+               (double)s.params * mib, s.grads_in_step * mib);
     printf("\n");
     tdm_rank_tp_peak(r);
     const tdm_comm_traffic t = q->pass_traffic;

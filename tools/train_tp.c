@@ -22,12 +22,13 @@ tdm_status tdm_train_check_tp(const tdm_train_args *a)
         return tdm_tool_usage_error("tandem train: --sequence-parallel with --mode pp splits "
                                     "the tokens of tensor-parallel stages: it needs --mesh "
                                     "...,pp=S,tp=N with N > 1\n");
-    if (a->sequence_parallel && !strcmp(a->mode, "pp") &&
-        ((a->precision && strcmp(a->precision, "fp32")) || a->ckpt))
+    int low = a->precision && strcmp(a->precision, "fp32");
+    if (a->sequence_parallel && !strcmp(a->mode, "pp") && (low || a->ckpt))
         return tdm_tool_usage_error("tandem train: --sequence-parallel on tensor-parallel "
                                     "stages runs in fp32 without --checkpoint-activations "
-                                    "(not built with --precision %s or checkpointing)\n",
-                                    a->precision ? a->precision : "fp32");
+                                    "(not built with %s%s)\n",
+                                    low ? "--precision " : "--checkpoint-activations",
+                                    low ? a->precision : "");
     if (a->sequence_parallel && !strcmp(a->mode, "pp")) return TDM_STATUS_OK;
     if (a->sequence_parallel && strcmp(a->mode, "tp"))
         return tdm_tool_usage_error("tandem train: --sequence-parallel applies to --mode tp "

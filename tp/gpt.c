@@ -470,11 +470,50 @@ static tdm_status tdm_tp_gpt_dstream(tdm_tp *p, int64_t Nl, const char *what, in
     return tdm_tp_gpt_gather(p, g->dres, g->part, Nl, what, l, ar_ms);
 }
 
+/* Block l's gradient addresses (p->grads's, or ZeRO-2's buckets') and
+ * its lowest tensor but its LayerNorms' (laid out before every block's
+ * others, with block 0's): from there on every gradient is final once
+ * the block's backward is done. */
+static tdm_status tdm_tp_gpt_block_grads(tdm_tp *p, int l, float **Dg, int64_t *first)
+{
+    const tdm_tp_gpt_block *b = &p->gpt->blk[l];
+    *first = INT64_MAX;
+    for (int j = 0; j < TDM_TP_GPT_PER_BLOCK; j++) {
+        TDM_CHECK(tdm_tp_grad_at(p, b->off[j], &Dg[j]));
+        int ln = j == TB_LN1_W || j == TB_LN1_B || j == TB_LN2_W || j == TB_LN2_B;
+        if (!ln && b->off[j] < *first) *first = b->off[j];
+    }
+    return TDM_STATUS_OK;
+}
+
+/* The head's gradients (the tied wte, ln_f), written first. */
+static tdm_status tdm_tp_gpt_head_grads(tdm_tp *p, float **gwte, float **glw, float **glb)
+{
+    TDM_CHECK(tdm_tp_grad_at(p, p->gpt->wte, gwte));
+    TDM_CHECK(tdm_tp_grad_at(p, p->gpt->lnf_w, glw));
+    return tdm_tp_grad_at(p, p->gpt->lnf_b, glb);
+}
+
+tdm_status tdm_tp_gpt_grads_replay(tdm_tp *p)
+{
+    tdm_tp_gpt *g = p->gpt;
+    float *a, *b, *c, *Dg[TDM_TP_GPT_PER_BLOCK];
+    int64_t first;
+    TDM_CHECK(tdm_tp_gpt_head_grads(p, &a, &b, &c));
+    TDM_CHECK(tdm_tp_grads_done(p, g->lnf_w));
+    for (int l = g->L - 1; l >= 0; l--) {
+        TDM_CHECK(tdm_tp_gpt_block_grads(p, l, Dg, &first));
+        TDM_CHECK(tdm_tp_grads_done(p, first));
+    }
+    TDM_CHECK(tdm_tp_grad_at(p, g->wpe, &a));
+    return tdm_tp_grads_done(p, 0);
+}
+
 tdm_status tdm_tp_gpt_backward(tdm_tp *p, int B, const float *dlogits, double *ar_ms)
 {
     tdm_tp_gpt *g = p->gpt;
     tdm_device *d = p->dev;
-    float *W = p->params, *G = p->grads;
+    float *W = p->params, *gwte, *glw, *glb, *gwpe, *Dg[TDM_TP_GPT_PER_BLOCK];
     int C = g->C, Cl = g->Cl, Fl = g->Fl;
     int64_t N, Nl, off;
     tdm_tp_gpt_rows(p, B, &N, &Nl, &off);
@@ -484,10 +523,14 @@ tdm_status tdm_tp_gpt_backward(tdm_tp *p, int B, const float *dlogits, double *a
     float *dtop = g->sp ? g->part : g->dres;
     TDM_CHECK(tdm_dev_memset_zero(d, dtop, (size_t)N * C * sizeof(float)));
     /* the tied head: dwte += dlogits^T ln_f(x), d ln_f(x) = dlogits wte */
-    TDM_CHECK(tdm_tp_linear_bwd(p, g->lnf, W + g->wte, dlogits, N, C, g->V, G + g->wte, NULL,
+    /* the gradients' addresses: p->grads's, or ZeRO-2's buckets' */
+    TDM_CHECK(tdm_tp_gpt_head_grads(p, &gwte, &glw, &glb));
+    TDM_CHECK(tdm_tp_linear_bwd(p, g->lnf, W + g->wte, dlogits, N, C, g->V, gwte, NULL,
                                 g->dln));
     TDM_CHECK(tdm_dev_layernorm_bwd(d, res_last, g->dln, W + g->lnf_w, g->lnf_mean, g->lnf_rstd,
-                                    dtop, G + g->lnf_w, G + g->lnf_b, N, C));
+                                    dtop, glw, glb, N, C));
+    /* ln_f's are final (wte, at the start of the layout, is not yet) */
+    TDM_CHECK(tdm_tp_grads_done(p, g->lnf_w));
     if (g->sp)
         TDM_CHECK(tdm_dev_copy(d, g->dres, dtop + off * C, (size_t)Nl * C * sizeof(float)));
     for (int l = g->L - 1; l >= 0; l--) {
@@ -498,8 +541,10 @@ tdm_status tdm_tp_gpt_backward(tdm_tp *p, int B, const float *dlogits, double *a
          * every other block's forward runs again from its kept input, its
          * collectives included */
         if (p->ckpt && l < g->L - 1) TDM_CHECK(tdm_tp_gpt_block_fwd(p, B, l, res_in, ar_ms));
+        int64_t first;
+        TDM_CHECK(tdm_tp_gpt_block_grads(p, l, Dg, &first));
 #define P(j) (W + b->off[j])
-#define D(j) (G + b->off[j])
+#define D(j) (Dg[j])
         /* x += mlp(ln_2(x)): the branch's output gradient is the
          * stream's, whole (the last block's is already) */
         if (l < g->L - 1)
@@ -532,9 +577,12 @@ tdm_status tdm_tp_gpt_backward(tdm_tp *p, int B, const float *dlogits, double *a
                                         D(TB_LN1_B), Nl, C));
 #undef P
 #undef D
+        TDM_CHECK(tdm_tp_grads_done(p, first));
     }
     const float *demb = dtop;   /* no block: the top's gradient, whole */
     if (g->L) TDM_CHECK(tdm_tp_gpt_dstream(p, Nl, "backward embeddings, after block ", 0, ar_ms,
                                            &demb));
-    return tdm_dev_embed_bwd(d, (const int32_t *)p->x, demb, G + g->wte, G + g->wpe, B, g->T, C);
+    TDM_CHECK(tdm_tp_grad_at(p, g->wpe, &gwpe));
+    TDM_CHECK(tdm_dev_embed_bwd(d, (const int32_t *)p->x, demb, gwte, gwpe, B, g->T, C));
+    return tdm_tp_grads_done(p, 0);
 }

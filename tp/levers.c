@@ -118,12 +118,19 @@ static tdm_status tdm_tp_sumsq(tdm_tp *p, double *sq)
 {
     *sq = 0.0;
     int64_t lo = 0, hi = p->n_elem;
-    float *base = p->grads;   /* element 0 of the slice */
+    /* element `base_at` of the slice is base[0]: the flat gradient's
+     * element 0, or ZeRO-2's shard's first (its chunk's start); no
+     * pointer is formed before an allocation's start */
+    float *base = p->grads;
+    int64_t base_at = 0;
     if (p->zero != TDM_TP_ZERO_NONE) {
         int64_t k;
         tdm_tp_zero_range(p, &lo, &k);
         hi = lo + k;
-        if (p->zero == TDM_TP_ZERO_GRADS) base = p->gshard - lo;
+        if (p->zero == TDM_TP_ZERO_GRADS) {
+            base = p->gshard;
+            base_at = lo;
+        }
     } else if (p->lev.replica != 0) {
         return TDM_STATUS_OK;
     }
@@ -139,7 +146,7 @@ static tdm_status tdm_tp_sumsq(tdm_tp *p, double *sq)
         }
         if (run_n) {
             double s = 0.0;
-            TDM_CHECK(tdm_clip_sumsq(p->dev, base + run_off, run_n, &s));
+            TDM_CHECK(tdm_clip_sumsq(p->dev, base + (run_off - base_at), run_n, &s));
             *sq += s;
         }
         run_off = counted ? a : 0;

@@ -82,10 +82,15 @@ static tdm_status tdm_tp_backward(tdm_tp *p, int B, double *ar_ms)
         }
         if (L->relu) TDM_CHECK(tdm_dev_relu_bwd(p->dev, dout, L->act, (int64_t)B * L->lout));
         /* dW (lout, lin) += dout^T x; db (1, lout) += ones (1, B) dout */
+        float *gw, *gb;
+        TDM_CHECK(tdm_tp_grad_at(p, L->w_off, &gw));
+        TDM_CHECK(tdm_tp_grad_at(p, L->b_off, &gb));
         TDM_CHECK(tdm_tp_gemm(p, TDM_TRANS_T, TDM_TRANS_N, L->lout, L->lin, B, 1.0f, dout,
-                              L->in_act, 1.0f, p->grads + L->w_off));
+                              L->in_act, 1.0f, gw));
         TDM_CHECK(tdm_dev_gemm_rm(p->dev, TDM_TRANS_N, TDM_TRANS_N, 1, L->lout, B, 1.0f, p->ones,
-                                  dout, 1.0f, p->grads + L->b_off));
+                                  dout, 1.0f, gb));
+        /* ZeRO-2's buckets from layer l on are final */
+        TDM_CHECK(tdm_tp_grads_done(p, L->w_off));
         if (l == 0) break;   /* the data needs no gradient */
         /* din (B, lin) = dout (B, lout) W (lout, lin): a partial sum on a
          * column-parallel layer, whose input is replicated */
@@ -163,8 +168,9 @@ static tdm_status tdm_tp_fwd_bwd(tdm_tp *p, const void *x, const int32_t *y, int
 {
     uint64_t t0 = tdm_time_ns();
     const float *logits = NULL;
-    /* ZeRO-2: the step's whole gradient, zeroed, if nothing took it yet */
-    if (!p->grads) TDM_CHECK(tdm_tp_grads_take(p));
+    /* ZeRO-2: the step's whole gradient, zeroed, if nothing took it yet
+     * (with buckets: each at its first use) */
+    if (!p->grads && !p->buckets) TDM_CHECK(tdm_tp_grads_take(p));
     TDM_CHECK(tdm_tp_inputs(p, x, y, B, 1));
     TDM_CHECK(tdm_tp_logits(p, B, 1, &logits, &ph->fwd_allreduce));
     ph->forward += tdm_time_ms_since(t0) - ph->fwd_allreduce;
@@ -195,6 +201,7 @@ static tdm_status tdm_tp_sync_chunk(tdm_tp *p)
 {
     int64_t c = p->zchunk;
     int z2 = p->zero == TDM_TP_ZERO_GRADS;
+    if (p->buckets) return tdm_tp_buckets_flush(p);
     tdm_comm_set_label(p->gcomm, "tp zero%d reduce-scatter of the gradients over the dp "
                        "dimension", z2 ? 2 : 1);
     tdm_status st = tdm_comm_reduce_scatter(p->gcomm, p->grads,
@@ -235,6 +242,7 @@ static tdm_status tdm_tp_sync(tdm_tp *p, tdm_tp_phases *ph)
 
 tdm_status tdm_tp_zero_grad(tdm_tp *p)
 {
+    if (p->buckets) return tdm_tp_buckets_zero(p);
     return tdm_tp_grads_take(p);
 }
 
@@ -315,16 +323,32 @@ tdm_status tdm_tp_optim_step(tdm_tp *p)
     return TDM_STATUS_OK;
 }
 
-tdm_status tdm_tp_forward_backward(tdm_tp *p, const void *x, const int32_t *y, int batch,
-                                   float grad_scale, double *loss_sum)
+/* One micro-batch; last: its backward leaves the step's final
+ * gradients (ZeRO-2's buckets are summed as backward completes them). */
+static tdm_status tdm_tp_micro(tdm_tp *p, const void *x, const int32_t *y, int batch,
+                               float grad_scale, double *loss_sum, int last)
 {
     tdm_tp_phases ph = {0};
     uint64_t t0 = tdm_time_ns();
+    p->flush_bwd = last;
     tdm_status st = tdm_tp_fwd_bwd(p, x, y, batch, grad_scale, loss_sum, &ph);
+    p->flush_bwd = 0;
     if (st) return tdm_tp_fail(p, st);
     ph.total = tdm_time_ms_since(t0);
     tdm_tp_count(p, &ph, 0);
     return TDM_STATUS_OK;
+}
+
+tdm_status tdm_tp_forward_backward(tdm_tp *p, const void *x, const int32_t *y, int batch,
+                                   float grad_scale, double *loss_sum)
+{
+    return tdm_tp_micro(p, x, y, batch, grad_scale, loss_sum, 0);
+}
+
+tdm_status tdm_tp_forward_backward_last(tdm_tp *p, const void *x, const int32_t *y, int batch,
+                                        float grad_scale, double *loss_sum)
+{
+    return tdm_tp_micro(p, x, y, batch, grad_scale, loss_sum, 1);
 }
 
 tdm_status tdm_tp_step_scaled(tdm_tp *p, const void *x, const int32_t *y, int batch,
@@ -336,7 +360,9 @@ tdm_status tdm_tp_step_scaled(tdm_tp *p, const void *x, const int32_t *y, int ba
     /* an empty share (a short last batch over the dp dimension): a zero
      * gradient, still summed with the other replicas' and stepped */
     if (!st && batch == 0 && loss_sum) *loss_sum = 0.0;
+    p->flush_bwd = 1;
     if (!st && batch != 0) st = tdm_tp_fwd_bwd(p, x, y, batch, grad_scale, loss_sum, &ph);
+    p->flush_bwd = 0;
     if (!st) st = tdm_tp_sync(p, &ph);
     uint64_t t1 = tdm_time_ns();
     if (!st) st = tdm_tp_step_only(p);

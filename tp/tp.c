@@ -449,6 +449,8 @@ tdm_status tdm_tp_init(tdm_tp **out, tdm_comm *comm, tdm_device *dev, const tdm_
     if (p->zero) p->zchunk = (p->n_elem + p->zreps - 1) / p->zreps;
     st = tdm_tp_check_config(p, opts);
     if (!st) st = tdm_tp_alloc_state(p, &opts->optim);
+    if (!st && p->zero == TDM_TP_ZERO_GRADS && opts->bucket_bytes > 0 && !p->seq_par)
+        st = tdm_tp_buckets_init(p, opts->bucket_bytes);
     if (!st) st = tdm_tp_init_params(p, opts->seed);
     TDM_TRY(tdm_tp_agree(p, st));
     *out = p;
@@ -495,6 +497,7 @@ void tdm_tp_free(tdm_tp *p)
     tdm_dev_free(p->dev, p->params);
     tdm_dev_free(p->dev, p->grads);
     tdm_dev_free(p->dev, p->gshard);
+    tdm_tp_buckets_free(p);
     tdm_model_free(p->tables);
     free(p);
 }
@@ -591,18 +594,14 @@ tdm_status tdm_tp_footprint(const tdm_model_spec *spec, int ranks, int batch, in
     return tdm_tp_footprint_ckpt(spec, ranks, batch, seq_par, 0, out);
 }
 
-tdm_status tdm_tp_footprint_ckpt(const tdm_model_spec *spec, int ranks, int batch, int seq_par,
-                                 int ckpt, tdm_tp_rank_footprint *out)
+tdm_status tdm_tp_dry_new(const tdm_model_spec *spec, int ranks, int seq_par, int ckpt,
+                          tdm_tp **out)
 {
     tdm_tp_split split[TDM_MODEL_MAX_DIMS];
     int L = 0;
-    memset(out, 0, sizeof *out);
+    *out = NULL;
     TDM_CHECK(tdm_tp_plan(spec, ranks, split, &L));
     if (seq_par) TDM_CHECK(tdm_tp_check_seq(spec, ranks));
-    TDM_REQUIRE(batch >= 1, TDM_STATUS_INVALID_ARG, "tp footprint: a batch of %d", batch);
-    /* rank 0's layout and activations without a device (every rank's
-     * slices have the same sizes): the set-up's and tdm_tp_reserve's own
-     * code, counting instead of allocating */
     tdm_tp *p = calloc(1, sizeof *p);
     TDM_REQUIRE(p, TDM_STATUS_OUT_OF_MEMORY, "tp footprint: calloc");
     *p = (tdm_tp){.size = ranks, .spec = *spec, .n_layers = L, .seq_par = seq_par && ranks > 1,
@@ -611,6 +610,32 @@ tdm_status tdm_tp_footprint_ckpt(const tdm_model_spec *spec, int ranks, int batc
     if (!st) st = tdm_model_init_tables(&p->tables, spec);
     if (!st && spec->kind == TDM_MODEL_GPT) st = tdm_tp_gpt_layout(p);
     else if (!st) tdm_tp_layout(p, split);
+    if (st) tdm_tp_dry_free(p);
+    else *out = p;
+    return st;
+}
+
+void tdm_tp_dry_free(tdm_tp *p)
+{
+    if (!p) return;
+    tdm_tp_gpt_free(p);   /* nothing was allocated on a device */
+    free(p->buckets);
+    tdm_model_free(p->tables);
+    free(p);
+}
+
+tdm_status tdm_tp_footprint_ckpt(const tdm_model_spec *spec, int ranks, int batch, int seq_par,
+                                 int ckpt, tdm_tp_rank_footprint *out)
+{
+    memset(out, 0, sizeof *out);
+    /* rank 0's layout and activations without a device (every rank's
+     * slices have the same sizes): the set-up's and tdm_tp_reserve's own
+     * code, counting instead of allocating */
+    tdm_tp *p;
+    TDM_CHECK(tdm_tp_dry_new(spec, ranks, seq_par, ckpt, &p));
+    tdm_status st = batch >= 1 ? TDM_STATUS_OK
+                               : tdm_error_set(TDM_STATUS_INVALID_ARG,
+                                               "tp footprint: a batch of %d", batch);
     if (!st) st = p->gpt ? tdm_tp_gpt_reserve(p, batch) : tdm_tp_reserve_mlp(p, batch);
     if (!st) {
         out->elems = p->n_elem;
@@ -629,9 +654,7 @@ tdm_status tdm_tp_footprint_ckpt(const tdm_model_spec *spec, int ranks, int batc
             if (p->tensors[i].n_elem > out->largest_elems)
                 out->largest_elems = p->tensors[i].n_elem;
     }
-    tdm_tp_gpt_free(p);   /* nothing was allocated on a device */
-    tdm_model_free(p->tables);
-    free(p);
+    tdm_tp_dry_free(p);
     return st;
 }
 

@@ -151,9 +151,9 @@ typedef enum tdm_tp_zero {
      * between steps a rank holds its parameters, the gradient shard and
      * the optimizer shard; inside a step, from the first backward (or
      * the zeroing) to the reduce-scatter, the whole gradient besides
-     * (the peak is ZeRO-1's plus the shard: the gradients are not
-     * reduce-scattered bucket by bucket during backward). The same bits
-     * and bytes as ZeRO-1 (the reduce-scatter's sums are the same) */
+     * (the peak is ZeRO-1's plus the shard), unless bucket_bytes cuts it
+     * into buckets summed during backward. The same bits and bytes as
+     * ZeRO-1 (the reduce-scatter's sums are the same) */
     TDM_TP_ZERO_GRADS,
 } tdm_tp_zero;
 
@@ -172,6 +172,20 @@ typedef struct tdm_tp_opts {
     int sequence_parallel;
     /* ZeRO-1 or 2 over grad_comm (needs one of at least 2 ranks) */
     tdm_tp_zero zero;
+    /* ZeRO-2's bucket cap in bytes: > 0 cuts the flat gradient, at tensor
+     * boundaries, into buckets of consecutive tensors of at least that
+     * many bytes, each allocated when backward first writes it and, as
+     * soon as backward has completed it (on the step's last micro-batch:
+     * tdm_tp_step_scaled, tdm_tp_forward_backward_last), summed over
+     * grad_comm into the owners' shards (one reduce per replica's chunk
+     * it spans, rank order: the reduce-scatter's bits) and freed; so a
+     * step holds the shard plus the buckets backward is filling (the
+     * GPT's first, with the tied wte, all backward long) instead of the
+     * whole gradient. 0: the whole gradient, reduce-scattered once after
+     * backward. Without sequence parallelism (whose LayerNorm gradients
+     * are summed over the group after backward) and ZeRO-2 only; else
+     * ignored. */
+    size_t bucket_bytes;
     /* BF16 or FP16 (models/precision.h): every linear layer's products
      * (forward, the weight gradient, the input gradient) read 16-bit
      * operands, rounded from float32 at each use, and sum in float32
@@ -245,6 +259,13 @@ tdm_status tdm_tp_step_scaled(tdm_tp *p, const void *x, const int32_t *y, int ba
  * group. */
 tdm_status tdm_tp_forward_backward(tdm_tp *p, const void *x, const int32_t *y, int batch,
                                    float grad_scale, double *loss_sum);
+/* The same for the step's last micro-batch (its gradients are final):
+ * under ZeRO-2 with buckets (tdm_tp_opts.bucket_bytes) its backward sums
+ * each bucket over grad_comm as soon as backward completes it; earlier
+ * micro-batches (tdm_tp_forward_backward) accumulate locally. The same
+ * bits as tdm_tp_forward_backward in either case. */
+tdm_status tdm_tp_forward_backward_last(tdm_tp *p, const void *x, const int32_t *y, int batch,
+                                        float grad_scale, double *loss_sum);
 tdm_status tdm_tp_zero_grad(tdm_tp *p);
 /* The training forwards run so far, which dropout's masks count (as a
  * model's, models/model.h); set: the next forward runs as number n (a
@@ -325,6 +346,16 @@ tdm_status tdm_tp_footprint(const tdm_model_spec *spec, int ranks, int batch, in
 tdm_status tdm_tp_footprint_ckpt(const tdm_model_spec *spec, int ranks, int batch, int seq_par,
                                  int ckpt, tdm_tp_rank_footprint *out);
 
+/* ZeRO-2 with buckets (tdm_tp_opts.bucket_bytes = cap_bytes > 0) over
+ * reps >= 2 replicas of a group of `ranks`: the most bytes of gradient
+ * buckets a rank holds at once in a step (each rounded up to the host
+ * allocator's 64-byte blocks), from its backward's order of first writes
+ * and completions replayed on the layout, nothing computed; what
+ * tdm_tp_stats.grads_in_step measures. The step's last micro-batch only
+ * (an earlier one leaves every bucket it wrote held). */
+tdm_status tdm_tp_zero2_bucket_bytes(const tdm_model_spec *spec, int ranks, int reps,
+                                     size_t cap_bytes, size_t *held);
+
 /* --- the step's levers (tp/levers.c) ------------------------------------------
  * Loss scaling (fp16) and gradient clipping over the group and its
  * data-parallel replicas (docs/MEMORY.md). With a scaler the loss
@@ -391,7 +422,9 @@ typedef struct tdm_tp_stats {
      * gradient shard's) */
     size_t params, grads, optimizer;
     /* ZeRO-2: the whole flat gradient's bytes, held only inside a step
-     * (tdm_tp_opts.zero); 0 otherwise (grads holds it) */
+     * (tdm_tp_opts.zero), or with buckets (tdm_tp_opts.bucket_bytes) the
+     * most bytes of them held at once so far (measured); 0 otherwise
+     * (grads holds the whole gradient) */
     size_t grads_in_step;
     size_t activations;                /* bytes of the forward's kept outputs and scratch */
     size_t act_alloc_bytes;            /* and what the allocator handed out for them

@@ -68,6 +68,14 @@ typedef struct tdm_tp_tensor {
 
 typedef struct tdm_tp_gpt tdm_tp_gpt;   /* tp/gpt.c */
 
+/* ZeRO-2's gradient bucket: flat elements [lo, hi) of the rank's slice,
+ * buf (hi - lo floats on dev) while backward fills it (tp/buckets.c). */
+typedef struct tdm_tp_bucket {
+    int64_t lo, hi;
+    float *buf;
+    int held;                   /* buf allocated (or, without a device, counted) */
+} tdm_tp_bucket;
+
 struct tdm_tp {
     tdm_comm *comm;             /* borrowed: the tensor-parallel group */
     tdm_comm *hcomm;            /* borrowed: host-memory collectives */
@@ -101,6 +109,13 @@ struct tdm_tp {
      * kept); p->grads is then a buffer of the step, NULL between steps
      * (tdm_tp_grads_take, tdm_tp_grads_release) */
     float *gshard;
+    /* ZeRO-2 with buckets (tdm_tp_opts.bucket_bytes): the flat gradient
+     * as buckets in flat order instead of p->grads (NULL throughout);
+     * buckets [0, next_bucket) not yet summed this step; flush_bwd: the
+     * running backward's gradients are the step's final ones */
+    tdm_tp_bucket *buckets;
+    int n_buckets, next_bucket, flush_bwd;
+    size_t zlive;                /* the bytes of the buckets allocated now */
     /* activations and scratch for cap samples */
     int cap, max_width;
     float *x, *ones, *dbuf[2];
@@ -172,6 +187,31 @@ void tdm_tp_grads_release(tdm_tp *p);
  * or under ZeRO-2 the shard (*n = its k elements; element lo of the
  * slice at *g; tdm_tp_zero_range). */
 void tdm_tp_grads_summed(tdm_tp *p, float **g, int64_t *n);
+
+/* ZeRO-2's buckets (tp/buckets.c): the table for a cap of cap_bytes;
+ * the address of flat gradient element off for backward to add into
+ * (p->grads + off without buckets; else its bucket's, allocated zeroed
+ * at first use); every element from `from` on is final: the buckets
+ * wholly past it summed into the owners' shards and freed (when
+ * flush_bwd); the rest of the step's buckets summed (tdm_tp_sync);
+ * the live buckets zeroed (tdm_tp_zero_grad); freeing. */
+tdm_status tdm_tp_buckets_init(tdm_tp *p, size_t cap_bytes);
+tdm_status tdm_tp_grad_at(tdm_tp *p, int64_t off, float **g);
+tdm_status tdm_tp_grads_done(tdm_tp *p, int64_t from);
+tdm_status tdm_tp_buckets_flush(tdm_tp *p);
+tdm_status tdm_tp_buckets_zero(tdm_tp *p);
+void tdm_tp_buckets_free(tdm_tp *p);
+/* A rank's layout (tensors, n_elem) without a device, communicators or
+ * storage (tdm_tp_footprint_ckpt, tdm_tp_zero2_bucket_bytes), and its
+ * freeing (tp/tp.c). Without a device the bucket functions count the
+ * bytes (tdm_tp_stats.grads_in_step) instead of allocating and summing;
+ * tdm_tp_grad_at gives NULL. */
+tdm_status tdm_tp_dry_new(const tdm_model_spec *spec, int ranks, int seq_par, int ckpt,
+                          tdm_tp **out);
+void tdm_tp_dry_free(tdm_tp *p);
+/* The GPT's backward's calls of tdm_tp_grad_at and tdm_tp_grads_done,
+ * in its order, and nothing else (tp/gpt.c). */
+tdm_status tdm_tp_gpt_grads_replay(tdm_tp *p);
 
 /* ZeRO-1 and 2: the replica's elements [*lo, *lo + *k) of the flat slice. */
 void tdm_tp_zero_range(const tdm_tp *p, int64_t *lo, int64_t *k);
