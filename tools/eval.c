@@ -29,7 +29,7 @@
 
 typedef struct tdm_eval_opts {
     const char *resume, *data, *mode, *dump, *model;
-    long long synthetic_size, dump_n;
+    long long synthetic_size, dump_n, batch;
     int help;
 } tdm_eval_opts;
 
@@ -52,6 +52,11 @@ static void tdm_eval_usage(FILE *f)
         "  --data X.npy,Y.npy     NumPy arrays: all of them are the test set\n"
         "  --synthetic-size N     with --data synthetic: the training set's size; the\n"
         "                         test set is N/6, as train's              [60000]\n"
+        "  --batch B              images: samples per forward pass. The figures\n"
+        "                         depend on it in the last digits (the products'\n"
+        "                         shapes change their rounding): train evaluates at\n"
+        "                         each replica's share of its --batch (at most %d),\n"
+        "                         so pass that share to get train's digits   [%d]\n"
         "  --mode single          evaluation runs on one device (the figures do not\n"
         "                         depend on how the checkpoint was trained)  [single]\n"
         "  --dump-logits FILE     the logits of the first %d test samples (images) or\n"
@@ -62,7 +67,7 @@ static void tdm_eval_usage(FILE *f)
         "  --dump-samples N       rows of --dump-logits for images              [%d]\n"
         "\n"
         "Exit codes: 0 ok, 1 runtime failure, 2 bad usage.\n",
-        TDM_EVAL_DUMP_SAMPLES, TDM_EVAL_DUMP_SAMPLES);
+        TDM_EVAL_BATCH, TDM_EVAL_BATCH, TDM_EVAL_DUMP_SAMPLES, TDM_EVAL_DUMP_SAMPLES);
 }
 
 static tdm_status tdm_eval_parse(int argc, char **argv, tdm_eval_opts *o)
@@ -77,6 +82,7 @@ static tdm_status tdm_eval_parse(int argc, char **argv, tdm_eval_opts *o)
         TDM_ARGS_STR("--dump-logits", o->dump)
         TDM_ARGS_INT("--synthetic-size", 1, 1LL << 30, o->synthetic_size)
         TDM_ARGS_INT("--dump-samples", 1, 1 << 16, o->dump_n)
+        TDM_ARGS_INT("--batch", 1, 1 << 20, o->batch)
         return tdm_tool_usage_error("tandem eval: unknown option '%s' (see tandem eval "
                                     "--help)\n", argv[i]);
     }
@@ -160,7 +166,7 @@ static tdm_status tdm_eval_images(const tdm_eval_opts *o, tdm_model *m,
 {
     /* train's loader (and its memory check) with train's one-device defaults */
     tdm_train_args a = {.data = o->data, .val_data = tdm_data_is_npy(o->data) ? o->data : NULL, .synthetic_size = o->synthetic_size,
-                        .batch = TDM_EVAL_BATCH, .mode = "single", .device = "cpu",
+                        .batch = o->batch ? o->batch : TDM_EVAL_BATCH, .mode = "single", .device = "cpu",
                         .model = desc, .optim = "sgd", .threads = 1, .grad_accum = 1};
     tdm_dataset train, test;
     TDM_CHECK(tdm_train_load_data(&a, spec, &train, &test));
@@ -175,7 +181,7 @@ static tdm_status tdm_eval_images(const tdm_eval_opts *o, tdm_model *m,
         goto fail;
     }
     double loss = 0, acc = 0;
-    if ((st = tdm_evaluate(m, &test, TDM_EVAL_BATCH, &loss, &acc))) goto fail;
+    if ((st = tdm_evaluate(m, &test, (int)a.batch, &loss, &acc))) goto fail;
     printf("test set (%lld samples): loss %.9g, accuracy %.9g\n", (long long)test.n, loss, acc);
     if (o->dump) {
         int n = (int)(o->dump_n < test.n ? o->dump_n : test.n);
@@ -254,6 +260,10 @@ static tdm_status tdm_eval_run(const tdm_eval_opts *o)
         fprintf(stderr, "tandem eval: --resume: %s\n", tdm_error_message());
         return st == TDM_STATUS_INVALID_ARG ? TDM_STATUS_USAGE : st;
     }
+    if (spec.kind == TDM_MODEL_GPT && o->batch)
+        return tdm_tool_usage_error("tandem eval: --batch applies to images; a gpt's "
+                                    "validation windows are evaluated as train evaluates "
+                                    "them\n");
     tdm_device *dev = NULL;
     tdm_model *m = NULL;
     tdm_ckpt_info info;
