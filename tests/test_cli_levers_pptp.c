@@ -36,6 +36,9 @@
 #include "tests/cli_util.h"
 #include "tests/test_util.h"
 
+#define LV_DIR_PREFIX "lvpptp"
+#include "tests/lever_cli_util.h"
+
 #define MODEL "mlp:20-24-16-12-5"
 #define MLP "--model", MODEL
 #define SYN "--data", "synthetic", "--synthetic-size", "200"
@@ -53,44 +56,7 @@
 #define GPT_LOW_TOL 5e-3
 #define MLP_LOW_TOL 1e-4
 
-static char g_dir[64];
-static cli_result g_r;
-
-static void setup(void) { tu_mkdtemp(g_dir, sizeof g_dir, "lvpptp"); }
-static void teardown(void)
-{
-    tu_rmtree(g_dir);
-    cr_expect_eq(cli_shm_entries(), 0, "shared memory left behind");
-}
-
 TestSuite(levers_pptp, .init = setup, .fini = teardown, .timeout = 400);
-
-static void ok(const char *what)
-{
-    cr_assert_eq(g_r.code, 0, "%s: exit %d:\n%s", what, g_r.code, g_r.out);
-}
-
-static const char *path(const char *name)
-{
-    static char buf[4][128];
-    static int k;
-    k = (k + 1) % 4;
-    snprintf(buf[k], sizeof buf[k], "%s/%s.safetensors", g_dir, name);
-    return buf[k];
-}
-
-/* The epoch line's "train loss X" and "grad norm Y" into buf. */
-static void epoch_line(const char *epoch, char *buf, size_t n)
-{
-    char loss[128];
-    epoch_result(g_r.out, epoch, loss, sizeof loss);
-    char key[64];
-    snprintf(key, sizeof key, "%s: train loss ", epoch);
-    const char *line = strstr(g_r.out, key), *g = line ? strstr(line, "grad norm ") : NULL;
-    const char *eol = line ? strchr(line, '\n') : NULL;
-    cr_assert(g && (!eol || g < eol), "no grad norm on the %s line:\n%s", epoch, g_r.out);
-    snprintf(buf, n, "%s | %.*s", loss, (int)strcspn(g, "("), g);
-}
 
 /* The epoch line's train loss. */
 static double epoch_loss(const char *epoch)

@@ -31,34 +31,13 @@
 #include "tests/cli_util.h"
 #include "tests/test_util.h"
 
+#define LV_DIR_PREFIX "pptpseq"
+#include "tests/lever_cli_util.h"
+
 #define GPT_MODEL "gpt:2-32-2-16"
 #define GPT_TOL 1e-4
 
-static char g_dir[64];
-static cli_result g_r;
-
-static void setup(void) { tu_mkdtemp(g_dir, sizeof g_dir, "pptpseq"); }
-static void teardown(void)
-{
-    tu_rmtree(g_dir);
-    cr_expect_eq(cli_shm_entries(), 0, "shared memory left behind");
-}
-
 TestSuite(pp_tp_seq, .init = setup, .fini = teardown, .timeout = 300);
-
-static void ok(const char *what)
-{
-    cr_assert_eq(g_r.code, 0, "%s: exit %d:\n%s", what, g_r.code, g_r.out);
-}
-
-static const char *path(const char *name)
-{
-    static char buf[4][128];
-    static int k;
-    k = (k + 1) % 4;
-    snprintf(buf[k], sizeof buf[k], "%s/%s.safetensors", g_dir, name);
-    return buf[k];
-}
 
 #define RUN "train", "--mode", "pp", "--model", GPT_MODEL, "--microbatches", "2", "--epochs", \
             "1", "--max-steps", "10", "--batch", "8", "--quiet", "--no-eval"
