@@ -645,6 +645,34 @@ void tdm_gpt_hook(tdm_model *m, int layer)
     if (m->hook && l->np > 0) m->hook(m->hook_ctx, m, l->p0, l->p0 + l->np - 1);
 }
 
+/* Block l's attention from the heads' output gradient in g->dln (c_proj's
+ * backward done) to ln_1's output gradient in g->dln, summed over the
+ * tensor-parallel group: the attention's backward and c_attn's, whole
+ * rows in both the plain and the sequence-parallel block. */
+static tdm_status tdm_gpt_attn_backward(tdm_model *m, int l, int B, int Tr)
+{
+    tdm_gpt *g = m->ext;
+    tdm_device *d = m->dev;
+    tdm_gpt_block *b = &g->a->blk[l - g->b0];
+    int C = g->C;
+    int64_t N = (int64_t)B * Tr;
+#define P(j) tdm_gpt_param(m, tdm_gpt_p(g, l, (j)))
+#define G(j) tdm_gpt_grad(m, tdm_gpt_p(g, l, (j)))
+    tdm_gpt_hook(m, tdm_gpt_layer(g, l, 2));
+    tdm_layers_attn at = {.B = B, .T = Tr, .H = g->Hl, .C = g->Ca, .q = b->q, .k = b->k,
+                          .v = b->v, .att = b->att};
+    TDM_CHECK(tdm_layers_attention_bwd(d, &at, g->dln, g->yh, g->datt, g->dq, g->dk, g->dv,
+                                       g->qkv));
+    TDM_CHECK(tdm_layers_linear_bwd(d, b->ln1, P(TDM_GPT_ATTN_W), g->qkv, g->ones, N, C,
+                                    3 * g->Ca, G(TDM_GPT_ATTN_W), G(TDM_GPT_ATTN_B), g->dln,
+                                    0));
+    TDM_CHECK(tdm_gpt_sum_dx(m, g->dln, N, tdm_gpt_layer(g, l, 1)));
+    tdm_gpt_hook(m, tdm_gpt_layer(g, l, 1));
+#undef P
+#undef G
+    return TDM_STATUS_OK;
+}
+
 /* Block l's FP32 backward: from g->dres (the gradient of its output) to
  * the gradient of its input res_in, left in g->dres. */
 static tdm_status tdm_gpt_block_backward(tdm_model *m, int l, const float *res_in, int B, int Tr)
@@ -675,16 +703,7 @@ static tdm_status tdm_gpt_block_backward(tdm_model *m, int l, const float *res_i
     TDM_CHECK(tdm_layers_linear_bwd(d, b->atty, P(TDM_GPT_APROJ_W), g->dres, g->ones, N,
                                     g->Ca, C, G(TDM_GPT_APROJ_W), G(TDM_GPT_APROJ_B), g->dln,
                                     0));
-    tdm_gpt_hook(m, tdm_gpt_layer(g, l, 2));
-    tdm_layers_attn at = {.B = B, .T = Tr, .H = g->Hl, .C = g->Ca, .q = b->q, .k = b->k,
-                          .v = b->v, .att = b->att};
-    TDM_CHECK(tdm_layers_attention_bwd(d, &at, g->dln, g->yh, g->datt, g->dq, g->dk, g->dv,
-                                       g->qkv));
-    TDM_CHECK(tdm_layers_linear_bwd(d, b->ln1, P(TDM_GPT_ATTN_W), g->qkv, g->ones, N, C,
-                                    3 * g->Ca, G(TDM_GPT_ATTN_W), G(TDM_GPT_ATTN_B), g->dln,
-                                    0));
-    TDM_CHECK(tdm_gpt_sum_dx(m, g->dln, N, tdm_gpt_layer(g, l, 1)));
-    tdm_gpt_hook(m, tdm_gpt_layer(g, l, 1));
+    TDM_CHECK(tdm_gpt_attn_backward(m, l, B, Tr));
     TDM_CHECK(tdm_dev_layernorm_bwd(d, res_in, g->dln, P(TDM_GPT_LN1_W), b->ln1_mean,
                                     b->ln1_rstd, g->dres, G(TDM_GPT_LN1_W),
                                     G(TDM_GPT_LN1_B), N, C));
@@ -734,16 +753,7 @@ static tdm_status tdm_gpt_block_backward_seq(tdm_model *m, int l, const float *r
     TDM_CHECK(tdm_gpt_gather(m, g->part, N, tdm_gpt_layer(g, l, 2)));
     TDM_CHECK(tdm_layers_linear_bwd(d, b->atty, P(TDM_GPT_APROJ_W), g->part, g->ones, N, g->Ca,
                                     C, G(TDM_GPT_APROJ_W), G(TDM_GPT_APROJ_B), g->dln, 0));
-    tdm_gpt_hook(m, tdm_gpt_layer(g, l, 2));
-    tdm_layers_attn at = {.B = B, .T = Tr, .H = g->Hl, .C = g->Ca, .q = b->q, .k = b->k,
-                          .v = b->v, .att = b->att};
-    TDM_CHECK(tdm_layers_attention_bwd(d, &at, g->dln, g->yh, g->datt, g->dq, g->dk, g->dv,
-                                       g->qkv));
-    TDM_CHECK(tdm_layers_linear_bwd(d, b->ln1, P(TDM_GPT_ATTN_W), g->qkv, g->ones, N, C,
-                                    3 * g->Ca, G(TDM_GPT_ATTN_W), G(TDM_GPT_ATTN_B), g->dln,
-                                    0));
-    TDM_CHECK(tdm_gpt_sum_dx(m, g->dln, N, tdm_gpt_layer(g, l, 1)));
-    tdm_gpt_hook(m, tdm_gpt_layer(g, l, 1));
+    TDM_CHECK(tdm_gpt_attn_backward(m, l, B, Tr));
     /* the first stage's block 0 normalised the whole embeddings: the
      * rank's rows of them and of their statistics */
     int64_t so = full ? off : 0;
