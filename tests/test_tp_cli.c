@@ -416,6 +416,26 @@ Test(tp_cli, sequence_parallel_writes_single_devices_checkpoint_within_the_bound
     expect(&r, 0, "--sequence-parallel");
 }
 
+/* The GPT 2-16-2-8 on dp=2 x tp=2 for 6 steps, plain (into plain) and
+ * with --sharding `sharding` (into zero): the same checkpoint bytes. */
+static void gpt_sharded_equals_plain(const char *sharding, const char *plain, const char *zero)
+{
+    static cli_result r;
+    char text[128];
+    snprintf(text, sizeof text, "%s/text.txt", g_dir);
+    cli_write_words(text);
+    CLI(&r, "train", "--model", "gpt:2-16-2-8", "--data", text, "--mode", "tp", "--device",
+        "cpu:4", "--mesh", "dp=2,tp=2", "--batch", "8", "--epochs", "1", "--max-steps", "6",
+        "--save", plain);
+    expect(&r, 0, "val loss");
+    CLI(&r, "train", "--model", "gpt:2-16-2-8", "--data", text, "--mode", "tp", "--device",
+        "cpu:4", "--mesh", "dp=2,tp=2", "--batch", "8", "--epochs", "1", "--max-steps", "6",
+        "--sharding", sharding, "--save", zero);
+    expect(&r, 0, "val loss");
+    cr_assert(cli_same_file(plain, zero), "GPT: --sharding %s differs from the plain dp x tp run",
+              sharding);
+}
+
 /* ZeRO-1 on the dp dimension (--mesh dp=2,tp=2 --sharding optimizer):
  * the plain dp x tp run's checkpoint, the same bytes (parameters and
  * optimizer state, gathered over the dp dimension), for the MLP with SGD
@@ -452,18 +472,7 @@ Test(tp_cli, zero1_on_the_dp_dimension_is_dp_x_tp_bit_for_bit)
         "--quiet", "--sharding", "optimizer", "--resume", half, "--save", resumed);
     expect(&r, 0, "/");
     cr_assert(cli_same_file(plain, resumed), "the resumed ZeRO-1 run differs");
-    char text[128];
-    snprintf(text, sizeof text, "%s/text.txt", g_dir);
-    cli_write_words(text);
-    CLI(&r, "train", "--model", "gpt:2-16-2-8", "--data", text, "--mode", "tp", "--device",
-        "cpu:4", "--mesh", "dp=2,tp=2", "--batch", "8", "--epochs", "1", "--max-steps", "6",
-        "--save", plain);
-    expect(&r, 0, "val loss");
-    CLI(&r, "train", "--model", "gpt:2-16-2-8", "--data", text, "--mode", "tp", "--device",
-        "cpu:4", "--mesh", "dp=2,tp=2", "--batch", "8", "--epochs", "1", "--max-steps", "6",
-        "--sharding", "optimizer", "--save", zero);
-    expect(&r, 0, "val loss");
-    cr_assert(cli_same_file(plain, zero), "GPT: ZeRO-1 differs from the plain dp x tp run");
+    gpt_sharded_equals_plain("optimizer", plain, zero);
 }
 
 /* ZeRO-2 on the dp dimension (--mesh dp=2,tp=2 --sharding grad_op): the
@@ -514,18 +523,7 @@ Test(tp_cli, zero2_on_the_dp_dimension_is_dp_x_tp_bit_for_bit)
     expect(&r, 0, "/");
     cr_assert(cli_same_file(plain, zero), "ZeRO-2 under --grad-accum differs");
 #undef Z2_MLP
-    char text[128];
-    snprintf(text, sizeof text, "%s/text.txt", g_dir);
-    cli_write_words(text);
-    CLI(&r, "train", "--model", "gpt:2-16-2-8", "--data", text, "--mode", "tp", "--device",
-        "cpu:4", "--mesh", "dp=2,tp=2", "--batch", "8", "--epochs", "1", "--max-steps", "6",
-        "--save", plain);
-    expect(&r, 0, "val loss");
-    CLI(&r, "train", "--model", "gpt:2-16-2-8", "--data", text, "--mode", "tp", "--device",
-        "cpu:4", "--mesh", "dp=2,tp=2", "--batch", "8", "--epochs", "1", "--max-steps", "6",
-        "--sharding", "grad_op", "--save", zero);
-    expect(&r, 0, "val loss");
-    cr_assert(cli_same_file(plain, zero), "GPT: ZeRO-2 differs from the plain dp x tp run");
+    gpt_sharded_equals_plain("grad_op", plain, zero);
 }
 
 /* --grad-accum (the MLP): tp on 2 ranks and on dp=2 x tp=2 with 2
